@@ -1,0 +1,256 @@
+"""Configuration: pydantic models, TOML loading and the load-time refusals of SPEC §3."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from decimal import Decimal
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from fallback_mw.security import UnsafeUpstream, check_upstream_host
+
+MAX_PLAN_LENGTH = 8
+
+
+class ConfigError(ValueError):
+    """A configuration the gateway refuses to start with. The message names the route or key
+    and never contains a secret value."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BreakerConfig(_Strict):
+    window: int = Field(20, ge=1, le=10_000)
+    min_calls: int = Field(5, ge=1)
+    failure_rate: float = Field(0.5, gt=0.0, le=1.0)
+    cooldown_ms: int = Field(5000, ge=1)
+    max_cooldown_ms: int = Field(300_000, ge=1)
+
+
+class GatewaySettings(_Strict):
+    tenant_header: str = "x-tenant-id"
+    session_header: str = "x-session-id"
+    max_request_body: int = Field(8 * 1024 * 1024, ge=0)
+    replay_buffer: int = Field(1024 * 1024, ge=0)
+    max_response_body: int = Field(10 * 1024 * 1024, ge=0)
+    deadline_ms: int = Field(5000, ge=1, le=600_000)
+    allow_hosts: tuple[str, ...] = ("127.0.0.1", "localhost")
+    state: str = "memory://"
+    store: str | None = None
+    engine: Literal["aiohttp", "httpx"] = "aiohttp"
+    canary_salt: str = "fallback_mw"
+    breaker: BreakerConfig = BreakerConfig()
+
+    @field_validator("tenant_header", "session_header")
+    @classmethod
+    def _lower(cls, value: str) -> str:
+        return value.strip().lower()
+
+
+class UpstreamConfig(_Strict):
+    url: str
+    auth_header: str = "authorization"
+    auth_scheme: str = "Bearer"
+    auth_env: str | tuple[str, ...] | None = None
+    model: str | None = None
+    connect_timeout_ms: int = Field(1000, ge=1)
+    first_byte_timeout_ms: int = Field(30_000, ge=1)
+    idle_timeout_ms: int = Field(60_000, ge=1)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be an http:// or https:// URL with a host")
+        if parts.username or parts.password:
+            raise ValueError("must not carry credentials (use auth_env)")
+        if parts.query or parts.fragment:
+            raise ValueError("must not carry a query string or fragment")
+        return value.rstrip("/")
+
+    @field_validator("auth_header")
+    @classmethod
+    def _header(cls, value: str) -> str:
+        return value.strip().lower()
+
+    @property
+    def credential_envs(self) -> tuple[str, ...]:
+        if self.auth_env is None:
+            return ()
+        if isinstance(self.auth_env, str):
+            return (self.auth_env,)
+        return self.auth_env
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.url).hostname or ""
+
+
+class RouteConfig(_Strict):
+    id: str = Field(min_length=1, max_length=200)
+    prefix: str
+    tenant: str | None = None
+    methods: tuple[str, ...] | None = None
+    plan: tuple[str, ...] = Field(min_length=1, max_length=MAX_PLAN_LENGTH)
+    strategy: Literal["sequential", "random"] = "sequential"
+    retries: int = Field(0, ge=0, le=32)
+    backoff_ms: int = Field(25, ge=0, le=60_000)
+    deadline_ms: int | None = Field(None, ge=1, le=600_000)
+    replayable_methods: tuple[str, ...] = ("GET", "HEAD", "OPTIONS")
+    failover_status: tuple[int, ...] = (502, 503, 504)
+    on_exhausted: Literal["error", "last_response"] = "error"
+    budget: str | None = None
+    hedge_after_ms: int = Field(0, ge=0)
+    canary_percent: float = Field(0.0, ge=0.0, le=100.0)
+    canary_eligible: bool = False
+
+    @field_validator("prefix")
+    @classmethod
+    def _prefix(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError("must start with '/'")
+        if any(seg in (".", "..") for seg in value.split("/")) or "%" in value:
+            raise ValueError("must be a plain path without dot segments or percent-encoding")
+        return value
+
+    @field_validator("methods", "replayable_methods")
+    @classmethod
+    def _upper(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        return None if value is None else tuple(m.upper() for m in value)
+
+    @field_validator("failover_status")
+    @classmethod
+    def _statuses(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        for status in value:
+            if not 100 <= status <= 599:
+                raise ValueError(f"{status} is not an HTTP status")
+        return value
+
+    @property
+    def attempt_ceiling(self) -> int:
+        return 1 + self.retries
+
+
+class BudgetConfig(_Strict):
+    limit: Decimal = Field(ge=0)
+    window: Literal["day", "month", "total"] = "month"
+    default_hold: Decimal = Field(Decimal("0.01"), ge=0)
+
+
+class PriceConfig(_Strict):
+    input_per_mtok: Decimal = Field(ge=0)
+    output_per_mtok: Decimal = Field(ge=0)
+
+
+class GatewayConfig(_Strict):
+    gateway: GatewaySettings = GatewaySettings()
+    upstreams: dict[str, UpstreamConfig] = {}
+    routes: tuple[RouteConfig, ...] = ()
+    budgets: dict[str, BudgetConfig] = {}
+    prices: dict[str, PriceConfig] = {}
+
+
+def _describe(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        where = ".".join(str(p) for p in item["loc"])
+        if item["type"] == "extra_forbidden":
+            lines.append(f"unknown key {where!r}")
+        else:
+            # item["msg"] never contains the input value; "input" is deliberately not printed.
+            lines.append(f"{where}: {item['msg']}")
+    return "; ".join(lines)
+
+
+def check_route(
+    route: RouteConfig, upstreams: Mapping[str, UpstreamConfig], *, where: str | None = None
+) -> None:
+    """The refusals that concern one route. Raised as ConfigError naming the route."""
+    label = where or f"route {route.id!r}"
+    seen: set[str] = set()
+    for name in route.plan:
+        if name in seen:
+            if name == route.plan[0]:
+                raise ConfigError(f"{label}: candidate {name!r} repeats the primary")
+            raise ConfigError(f"{label}: candidate {name!r} appears twice in the plan")
+        seen.add(name)
+        if name not in upstreams:
+            raise ConfigError(f"{label}: unknown upstream {name!r}")
+    fallbacks = len(route.plan) - 1
+    if fallbacks > route.retries:
+        raise ConfigError(
+            f"{label}: plan has {fallbacks} fallback(s) but retries = {route.retries}; "
+            f"a fallback could never be reached (set retries >= {fallbacks})"
+        )
+
+
+def check_upstream(name: str, upstream: UpstreamConfig, allow_hosts: tuple[str, ...]) -> None:
+    try:
+        check_upstream_host(upstream.host, allow_hosts)
+    except UnsafeUpstream as exc:
+        raise ConfigError(f"upstream {name!r}: {exc}") from None
+
+
+def check_environment(config: GatewayConfig, environ: Mapping[str, str]) -> None:
+    """Every referenced credential variable must be set. Only the name is ever printed."""
+    used = {name for route in config.routes for name in route.plan}
+    for name, upstream in config.upstreams.items():
+        if name not in used:
+            continue
+        for var in upstream.credential_envs:
+            if not environ.get(var):
+                raise ConfigError(f"upstream {name!r}: environment variable {var} is not set")
+
+
+def validate(
+    config: GatewayConfig, *, environ: Mapping[str, str] | None = None, check_env: bool = True
+) -> GatewayConfig:
+    for name, upstream in config.upstreams.items():
+        check_upstream(name, upstream, config.gateway.allow_hosts)
+    ids: set[str] = set()
+    for route in config.routes:
+        if route.id in ids:
+            raise ConfigError(f"route {route.id!r} is defined twice")
+        ids.add(route.id)
+        check_route(route, config.upstreams)
+    if check_env:
+        check_environment(config, os.environ if environ is None else environ)
+    return config
+
+
+def parse_config(data: Mapping[str, Any]) -> GatewayConfig:
+    try:
+        return GatewayConfig.model_validate(dict(data))
+    except ValidationError as exc:
+        raise ConfigError(f"invalid configuration: {_describe(exc)}") from None
+
+
+def load_config(
+    source: GatewayConfig | Mapping[str, Any] | str | os.PathLike[str],
+    *,
+    environ: Mapping[str, str] | None = None,
+    check_env: bool = True,
+) -> GatewayConfig:
+    """Load and validate a configuration from a path to a TOML file, a dict or a model."""
+    if isinstance(source, GatewayConfig):
+        config = source
+    elif isinstance(source, Mapping):
+        config = parse_config(source)
+    else:
+        path = Path(source)
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"configuration file {str(path)!r} not found") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{str(path)!r} is not valid TOML: {exc}") from None
+        config = parse_config(data)
+    return validate(config, environ=environ, check_env=check_env)

@@ -1,0 +1,106 @@
+"""The per-request context: everything one routed request knows, kept in the ASGI scope.
+
+Middleware instances are shared by every request; nothing request-specific ever lives
+on them (the OpenTelemetry ASGI bug STYLE.md warns about)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fallback_mw.config import RouteConfig, UpstreamConfig
+
+SCOPE_KEY = "fallback_mw.context"
+
+Headers = list[tuple[bytes, bytes]]
+
+
+@dataclass(slots=True)
+class AttemptRecord:
+    candidate: str
+    number: int
+    server_address: str
+    started: float = field(default_factory=time.monotonic)
+    duration: float | None = None
+    status: int | None = None
+    failure_kind: str | None = None  # "transport", "timeout", "status", "fault", ...
+    fault: str | None = None  # "fail" / "hang" when a game-day fault drove the attempt
+    hedge: bool = False
+    credential_index: int | None = None  # position in the pool, never the value or name
+
+
+@dataclass(slots=True)
+class SkipRecord:
+    candidate: str
+    reason: str  # "breaker_open", "no_credential"
+
+
+@dataclass(slots=True)
+class Usage:
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    model: str | None = None  # the model the upstream says answered
+
+
+@dataclass(slots=True)
+class RequestContext:
+    route: RouteConfig
+    upstreams: dict[str, UpstreamConfig]
+    tenant: str
+    session: str | None
+    method: str
+    path: str  # normalised path, the one matched and forwarded
+    query: bytes  # forwarded upstream, never recorded
+    deadline: float  # time.monotonic() by which the walk must have a response head
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    started: float = field(default_factory=time.monotonic)
+    candidates: list[str] = field(default_factory=list)  # this request's order
+    canary: bool = False
+    pinned: str | None = None
+    forward_headers: Headers = field(default_factory=list)  # caller headers, cleaned
+    # Set by CredentialInjector: (upstream name, pool index) -> (header, value) or None.
+    credential_for: Callable[[str, int], tuple[str, str] | None] | None = None
+    attempts: list[AttemptRecord] = field(default_factory=list)
+    skipped: list[SkipRecord] = field(default_factory=list)
+    chosen: str | None = None
+    status: int | None = None  # status sent to the client
+    outcome: str | None = None  # "served" or an error code (SPEC §5), or "aborted"
+    committed: bool = False  # http.response.start sent to the client
+    completed: bool = False  # final body chunk sent
+    client_disconnected: bool = False
+    request_model: str | None = None
+    usage: Usage = field(default_factory=Usage)
+    response_observers: list[Callable[[bytes, bytes | None], None]] = field(
+        default_factory=list
+    )  # called with (chunk, content-type) for each chunk streamed to the client
+    # Run by the walker once the body is read, before any upstream is contacted (the
+    # budget hold). A hook returns None to admit, or a local error code to refuse.
+    admission_hooks: list[Callable[[bytes | None], Awaitable[str | None]]] = field(
+        default_factory=list
+    )
+    hold: Any = None  # the budget hold, owned by BudgetGuard
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def attempt_count(self) -> int:
+        return len(self.attempts)
+
+    @property
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    @property
+    def fallback(self) -> bool:
+        return (
+            self.chosen is not None
+            and bool(self.candidates)
+            and (self.chosen != self.candidates[0])
+        )
+
+
+def get_context(scope: MutableMapping[str, Any]) -> RequestContext | None:
+    context = scope.get(SCOPE_KEY)
+    return context if isinstance(context, RequestContext) else None

@@ -1,0 +1,65 @@
+"""Local error responses in the shape OpenAI clients already parse (SPEC §5)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fallback_mw.context import RequestContext
+from fallback_mw.types import Send
+
+STATUS_FOR_CODE = {
+    "upstream_failed": 502,
+    "route_exhausted": 503,
+    "deadline_exceeded": 504,
+    "response_too_large": 502,
+    "request_too_large": 413,
+    "budget_exceeded": 402,
+    "budget_unavailable": 503,
+    "bad_request": 400,
+}
+
+
+def gateway_headers(context: RequestContext) -> list[tuple[bytes, bytes]]:
+    headers = [
+        (b"x-gateway-route", context.route.id.encode("latin-1", "replace")),
+        (b"x-gateway-attempts", str(context.attempt_count).encode()),
+    ]
+    if context.chosen is not None:
+        headers.append((b"x-gateway-provider", context.chosen.encode("latin-1", "replace")))
+    if context.canary:
+        headers.append((b"x-gateway-canary", b"1"))
+    if any(a.fault for a in context.attempts):
+        headers.append((b"x-gateway-fault", b"1"))
+    return headers
+
+
+def error_body(code: str, message: str, context: RequestContext) -> bytes:
+    payload: dict[str, Any] = {
+        "error": {
+            "type": "gateway_error",
+            "code": code,
+            "message": message,
+            "route": context.route.id,
+            "attempts": context.attempt_count,
+        }
+    }
+    return json.dumps(payload, separators=(",", ":")).encode()
+
+
+async def send_error(send: Send, context: RequestContext, code: str, message: str) -> None:
+    """Send a local error. Never echoes an upstream body or header."""
+    status = STATUS_FOR_CODE[code]
+    body = error_body(code, message, context)
+    context.status = status
+    context.outcome = code
+    context.committed = True
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"cache-control", b"no-store"),
+        *gateway_headers(context),
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+    context.completed = True

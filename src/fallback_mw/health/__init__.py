@@ -1,0 +1,73 @@
+"""Upstream health: circuit breakers and credential pools behind one interface."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class HealthState(Protocol):
+    """What the walker asks of health. Implementations: memory (per process), Redis (shared)."""
+
+    async def admit(self, upstream: str) -> bool:
+        """May this upstream be attempted now? An open breaker says no; a half-open one
+        admits exactly one probe (the caller must then `record` its outcome)."""
+        ...
+
+    async def record(self, upstream: str, *, failure: bool) -> None:
+        """Outcome of an admitted attempt. `failure` is failover-class (SPEC §6); statuses
+        outside `failover_status` are recorded as successes for the breaker."""
+        ...
+
+    async def pick_credential(
+        self, upstream: str, pool_size: int, *, exclude: frozenset[int], session: str | None
+    ) -> int | None:
+        """Index of a usable credential of the pool, or None when none is usable."""
+        ...
+
+    async def credential_result(
+        self,
+        upstream: str,
+        index: int,
+        *,
+        status: int | None,
+        failure: bool,
+        retry_after: float | None,
+        session: str | None,
+    ) -> None:
+        """401 retires the credential; 403, 429 and failover-class failures cool it down."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+class AlwaysHealthy:
+    """No breakers, no credential health: every upstream admitted, first unused credential."""
+
+    async def admit(self, upstream: str) -> bool:
+        return True
+
+    async def record(self, upstream: str, *, failure: bool) -> None:
+        return None
+
+    async def pick_credential(
+        self, upstream: str, pool_size: int, *, exclude: frozenset[int], session: str | None
+    ) -> int | None:
+        for index in range(pool_size):
+            if index not in exclude:
+                return index
+        return None
+
+    async def credential_result(
+        self,
+        upstream: str,
+        index: int,
+        *,
+        status: int | None,
+        failure: bool,
+        retry_after: float | None,
+        session: str | None,
+    ) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None

@@ -1,0 +1,70 @@
+"""RouteResolver: which route? Attaches the per-request context; everything else passes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from fallback_mw.config import GatewayConfig
+from fallback_mw.context import SCOPE_KEY, RequestContext
+from fallback_mw.routing import RouteTable, normalise_path
+from fallback_mw.types import ASGIApp, Receive, Scope, Send
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            text: str = value.decode("latin-1").strip()
+            return text or None
+    return None
+
+
+class RouteResolver:
+    def __init__(
+        self,
+        app: ASGIApp,
+        /,
+        *,
+        config: GatewayConfig,
+        table: Callable[[], RouteTable] | None = None,
+    ) -> None:
+        self.app = app
+        static = RouteTable(config.routes, config.upstreams)
+        # `table` lets a route store swap the routes at run time without touching us.
+        self.table = table or (lambda: static)
+        self.tenant_header = config.gateway.tenant_header.encode()
+        self.session_header = config.gateway.session_header.encode()
+        self.default_deadline_ms = config.gateway.deadline_ms
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.monotonic()
+        raw = scope.get("raw_path")
+        raw_path = raw.decode("latin-1") if isinstance(raw, bytes) else scope.get("path", "/")
+        raw_path = raw_path.split("?", 1)[0]
+        path = normalise_path(raw_path)
+        table = self.table()
+        tenant = _header(scope, self.tenant_header) or "default"
+        route = table.match(scope["method"].upper(), path, tenant) if path else None
+        if route is None:
+            await self.app(scope, receive, send)
+            return
+        deadline_ms = route.deadline_ms or self.default_deadline_ms
+        requested = _header(scope, b"x-gateway-deadline-ms")
+        if requested is not None and requested.isdigit() and int(requested) > 0:
+            deadline_ms = min(deadline_ms, int(requested))  # shorten, never lengthen
+        assert path is not None
+        scope[SCOPE_KEY] = RequestContext(
+            route=route,
+            upstreams=table.upstreams,
+            tenant=tenant,
+            session=_header(scope, self.session_header),
+            method=scope["method"].upper(),
+            path=path,
+            query=scope.get("query_string", b""),
+            started=started,
+            deadline=started + deadline_ms / 1000,
+        )
+        await self.app(scope, receive, send)

@@ -1,0 +1,60 @@
+"""The route table: longest matching prefix on the normalised path, then method and tenant."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from urllib.parse import unquote
+
+from fallback_mw.config import RouteConfig, UpstreamConfig
+
+
+def normalise_path(raw_path: str) -> str | None:
+    """Percent-decode once, then resolve dot segments and empty segments, so that neither
+    `..`, `%2e%2e` nor an encoded `/` or `\\` can move a request out of a prefix.
+    Returns None for paths that cannot be made safe (NUL, climbing above the root)."""
+    decoded = unquote(raw_path, errors="strict") if "%" in raw_path else raw_path
+    if "\x00" in decoded:
+        return None
+    decoded = decoded.replace("\\", "/")
+    if not decoded.startswith("/"):
+        decoded = "/" + decoded
+    trailing = decoded.endswith("/") or decoded.endswith("/.") or decoded.endswith("/..")
+    segments: list[str] = []
+    for segment in decoded.split("/"):
+        if segment in ("", "."):
+            continue
+        if segment == "..":
+            if not segments:
+                return None
+            segments.pop()
+            continue
+        segments.append(segment)
+    path = "/" + "/".join(segments)
+    if trailing and path != "/":
+        path += "/"
+    return path
+
+
+class RouteTable:
+    """Immutable snapshot of the routes; hot reload swaps the whole table."""
+
+    def __init__(
+        self, routes: Iterable[RouteConfig], upstreams: Mapping[str, UpstreamConfig]
+    ) -> None:
+        # Longest prefix first; a tenant-specific route beats a tenant-less one of equal prefix.
+        self.routes = tuple(sorted(routes, key=lambda r: (-len(r.prefix), r.tenant is None, r.id)))
+        self.upstreams = dict(upstreams)
+
+    def match(self, method: str, path: str, tenant: str) -> RouteConfig | None:
+        for route in self.routes:
+            # "/v1/" also matches a request for exactly "/v1".
+            if not path.startswith(route.prefix) and not (
+                route.prefix.endswith("/") and path == route.prefix[:-1]
+            ):
+                continue
+            if route.tenant is not None and route.tenant != tenant:
+                continue
+            if route.methods is not None and method not in route.methods:
+                continue
+            return route
+        return None

@@ -1,0 +1,234 @@
+"""Header hygiene and the upstream address checks (allowlist, link-local / metadata refusal)."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from collections.abc import Iterable, Sequence
+from functools import lru_cache
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+Headers = list[tuple[bytes, bytes]]
+
+# Caller credentials: never forwarded to any upstream (SPEC §4).
+CREDENTIAL_HEADERS = frozenset(
+    {
+        b"authorization",
+        b"proxy-authorization",
+        b"x-api-key",
+        b"api-key",
+        b"x-goog-api-key",
+        b"cookie",
+    }
+)
+# RFC 9110 §7.6.1 connection-specific fields, plus the usual legacy ones.
+HOP_BY_HOP_HEADERS = frozenset(
+    {
+        b"connection",
+        b"proxy-connection",
+        b"keep-alive",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"proxy-authenticate",
+    }
+)
+GATEWAY_HEADER_PREFIX = b"x-gateway-"
+# Recomputed by the upstream client for whatever body it actually sends.
+RECOMPUTED_HEADERS = frozenset({b"host", b"content-length", b"expect"})
+
+
+def _connection_named(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
+    named: set[bytes] = set()
+    for name, value in headers:
+        if name.lower() == b"connection":
+            named.update(token.strip().lower() for token in value.split(b",") if token.strip())
+    return named
+
+
+def forwardable_request_headers(headers: Iterable[tuple[bytes, bytes]]) -> Headers:
+    """The caller's headers minus credentials, hop-by-hop fields, those named in
+    `Connection`, incoming `x-gateway-*` and the fields the client recomputes.
+    Repeated headers survive in order."""
+    items = list(headers)
+    named = _connection_named(items)
+    kept: Headers = []
+    for name, value in items:
+        lower = name.lower()
+        if (
+            lower in CREDENTIAL_HEADERS
+            or lower in HOP_BY_HOP_HEADERS
+            or lower in RECOMPUTED_HEADERS
+            or lower in named
+            or lower.startswith(GATEWAY_HEADER_PREFIX)
+        ):
+            continue
+        kept.append((lower, value))
+    return kept
+
+
+def forwardable_response_headers(headers: Iterable[tuple[bytes, bytes]]) -> Headers:
+    """Upstream response headers the client may see: no hop-by-hop fields and no
+    `x-gateway-*` (an upstream must not be able to forge the gateway's own headers)."""
+    items = list(headers)
+    named = _connection_named(items)
+    return [
+        (name.lower(), value)
+        for name, value in items
+        if name.lower() not in HOP_BY_HOP_HEADERS
+        and name.lower() not in named
+        and not name.lower().startswith(GATEWAY_HEADER_PREFIX)
+    ]
+
+
+# --- upstream addresses -------------------------------------------------------------------
+
+_ALWAYS_REFUSED = (
+    ipaddress.ip_network("169.254.0.0/16"),  # IPv4 link-local, cloud metadata 169.254.169.254
+    ipaddress.ip_network("fe80::/10"),  # IPv6 link-local
+    ipaddress.ip_network("fd00:ec2::254/128"),  # AWS IMDS over IPv6
+    ipaddress.ip_network("0.0.0.0/8"),  # "this network": connects to local services
+    ipaddress.ip_network("::/128"),
+)
+
+
+class UnsafeUpstream(ValueError):
+    """An upstream host or address the gateway refuses to contact."""
+
+
+def parse_ip(host: str) -> IPAddress | None:
+    """Parse an IP literal, including the legacy IPv4 forms a resolver accepts
+    (decimal `2852039166`, hex `0xa9fea9fe`, octal and short dotted forms)."""
+    text = host.strip().strip("[]")
+    try:
+        return ipaddress.ip_address(text.split("%", 1)[0])
+    except ValueError:
+        pass
+    lowered = text.lower()
+    if lowered and all(c in "0123456789abcdefx." for c in lowered) and lowered[0].isdigit():
+        try:
+            return ipaddress.IPv4Address(socket.inet_aton(lowered))
+        except OSError:
+            return None
+    return None
+
+
+def _embedded_ipv4(address: IPAddress) -> ipaddress.IPv4Address | None:
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return address.ipv4_mapped
+        if address.sixtofour is not None:
+            return address.sixtofour
+        # IPv4-compatible (::a.b.c.d) and NAT64 (64:ff9b::/96) embed the address in the low bits.
+        packed = address.packed
+        if packed[:12] == bytes(12) or packed[:12] == bytes.fromhex("0064ff9b0000000000000000"):
+            return ipaddress.IPv4Address(packed[12:])
+    return None
+
+
+def is_always_refused(address: IPAddress) -> bool:
+    """Link-local and metadata addresses, in every spelling, whatever the allowlist says."""
+    candidates: list[IPAddress] = [address]
+    embedded = _embedded_ipv4(address)
+    if embedded is not None:
+        candidates.append(embedded)
+    for candidate in candidates:
+        for network in _ALWAYS_REFUSED:
+            if candidate.version == network.version and candidate in network:
+                return True
+        if candidate.is_link_local:
+            return True
+    return False
+
+
+class Allowlist:
+    """`allow_hosts`: exact host names and IP addresses / CIDR networks."""
+
+    def __init__(self, entries: Sequence[str]) -> None:
+        names: set[str] = set()
+        networks: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
+        for entry in entries:
+            text = entry.strip().lower()
+            try:
+                networks.append(ipaddress.ip_network(text.strip("[]"), strict=False))
+            except ValueError:
+                names.add(text.rstrip("."))
+        self.names = frozenset(names)
+        self.networks = tuple(networks)
+
+    def allows_name(self, host: str) -> bool:
+        return host.lower().rstrip(".") in self.names
+
+    def allows_address(self, address: IPAddress, *, via_name: str | None = None) -> bool:
+        """An address is allowed when an IP/CIDR entry covers it, or when it was reached
+        through an allowlisted name and is a public address (a listed public name must
+        not be turned into a door to loopback or private services by its DNS);
+        `localhost` may reach loopback."""
+        if is_always_refused(address):
+            return False
+        mapped = _embedded_ipv4(address)
+        for candidate in (address, mapped):
+            if candidate is None:
+                continue
+            for network in self.networks:
+                if candidate.version == network.version and candidate in network:
+                    return True
+        if via_name is not None and self.allows_name(via_name):
+            if via_name.lower().rstrip(".") == "localhost":
+                return address.is_loopback or (mapped is not None and mapped.is_loopback)
+            return address.is_global
+        return False
+
+
+@lru_cache(maxsize=64)
+def _allowlist(entries: tuple[str, ...]) -> Allowlist:
+    return Allowlist(entries)
+
+
+def check_upstream_host(host: str, allow_hosts: Sequence[str], *, resolve: bool = True) -> None:
+    """Load-time / store-write check of an upstream host. Raises UnsafeUpstream."""
+    allow = _allowlist(tuple(allow_hosts))
+    literal = parse_ip(host)
+    if literal is not None:
+        if is_always_refused(literal):
+            raise UnsafeUpstream(f"host {host!r} is a link-local / metadata address")
+        if not allow.allows_address(literal) and not allow.allows_name(host):
+            raise UnsafeUpstream(f"host {host!r} is not in allow_hosts")
+        return
+    if not allow.allows_name(host) and not allow.networks:
+        raise UnsafeUpstream(f"host {host!r} is not in allow_hosts")
+    if not resolve:
+        if not allow.allows_name(host):
+            raise UnsafeUpstream(f"host {host!r} is not in allow_hosts")
+        return
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        if allow.allows_name(host):
+            return  # unresolvable now; the connect-time check still applies
+        raise UnsafeUpstream(f"host {host!r} is not in allow_hosts") from None
+    addresses = {ipaddress.ip_address(str(info[4][0]).split("%", 1)[0]) for info in infos}
+    for address in addresses:
+        if is_always_refused(address):
+            raise UnsafeUpstream(f"host {host!r} resolves to a link-local / metadata address")
+    if not any(allow.allows_address(a, via_name=host) for a in addresses):
+        raise UnsafeUpstream(f"host {host!r} is not in allow_hosts")
+
+
+def check_connect_addresses(
+    host: str, addresses: Sequence[str], allow_hosts: Sequence[str]
+) -> list[str]:
+    """Connect-time check: of the resolved addresses keep the allowed ones, in order.
+    Raises UnsafeUpstream when none is left."""
+    allow = _allowlist(tuple(allow_hosts))
+    kept: list[str] = []
+    for text in addresses:
+        address = ipaddress.ip_address(text.split("%", 1)[0])
+        if allow.allows_address(address, via_name=host) or (
+            parse_ip(host) == address and allow.allows_name(host) and not is_always_refused(address)
+        ):
+            kept.append(text)
+    if not kept:
+        raise UnsafeUpstream(f"host {host!r} resolved only to addresses outside allow_hosts")
+    return kept

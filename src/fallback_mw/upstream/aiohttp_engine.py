@@ -1,0 +1,113 @@
+"""The default engine: aiohttp, one pooled ClientSession per gateway runtime."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import contextmanager
+
+import aiohttp
+from multidict import CIMultiDict
+
+from fallback_mw.upstream.base import Phase, UpstreamError, UpstreamRequest
+from fallback_mw.upstream.guard import GuardedResolver, UnsafeAddressError, check_literal_host
+
+# aiohttp would otherwise add these; the upstream sees only what the gateway decided.
+_SKIP_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
+
+
+@contextmanager
+def map_errors(phase: Phase) -> Iterator[None]:
+    """The one place aiohttp's exceptions become failure kinds."""
+    try:
+        yield
+    except UpstreamError:
+        raise
+    except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
+        raise UpstreamError("timeout", phase, f"timed out during {phase}") from exc
+    except aiohttp.ClientConnectorError as exc:
+        if isinstance(exc.os_error, UnsafeAddressError):
+            raise UpstreamError("unsafe_address", phase, str(exc.os_error)) from None
+        raise UpstreamError("refused", phase, "could not connect") from None
+    except UnsafeAddressError as exc:
+        raise UpstreamError("unsafe_address", phase, str(exc)) from None
+    except (aiohttp.ClientResponseError, aiohttp.ClientPayloadError) as exc:
+        raise UpstreamError("protocol", phase, type(exc).__name__) from None
+    except (aiohttp.ClientError, OSError) as exc:
+        raise UpstreamError("transport", phase, type(exc).__name__) from None
+
+
+class AiohttpResponse:
+    def __init__(self, response: aiohttp.ClientResponse, idle_timeout: float) -> None:
+        self._response = response
+        self._idle = idle_timeout
+        self.status = response.status
+        self.headers = [(k.lower(), v) for k, v in response.raw_headers]
+        self._finished = False
+
+    async def iter_chunks(self) -> AsyncIterator[bytes]:
+        content = self._response.content
+        while True:
+            with map_errors("body"):
+                async with asyncio.timeout(self._idle):
+                    chunk = await content.readany()
+            if not chunk:
+                self._finished = True
+                return
+            yield chunk
+
+    async def aclose(self) -> None:
+        if self._finished:
+            self._response.release()
+        else:
+            # An unread body: the connection cannot be reused safely.
+            self._response.close()
+
+
+class AiohttpClient:
+    def __init__(self, *, allow_hosts: Sequence[str] = (), limit: int = 512) -> None:
+        self._allow_hosts = tuple(allow_hosts)
+        self._limit = limit
+        self._session: aiohttp.ClientSession | None = None
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(
+                limit=self._limit,
+                limit_per_host=0,
+                resolver=GuardedResolver(self._allow_hosts),
+                ttl_dns_cache=10,
+            )
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                auto_decompress=False,
+                skip_auto_headers=_SKIP_AUTO_HEADERS,
+                timeout=aiohttp.ClientTimeout(total=None),
+                cookie_jar=aiohttp.DummyCookieJar(),
+            )
+        return self._session
+
+    async def send(self, request: UpstreamRequest) -> AiohttpResponse:
+        session = self._get_session()
+        timeouts = request.timeouts
+        with map_errors("connect"):
+            check_literal_host(request.url, self._allow_hosts)
+        with map_errors("first_byte"):
+            # The first-byte budget covers connecting and waiting for the response head.
+            async with asyncio.timeout(timeouts.first_byte):
+                response = await session.request(
+                    request.method,
+                    request.url,
+                    headers=CIMultiDict(request.headers),
+                    data=request.body if request.body != b"" else None,
+                    allow_redirects=False,
+                    timeout=aiohttp.ClientTimeout(
+                        total=None, connect=timeouts.connect, sock_connect=timeouts.connect
+                    ),
+                )
+        return AiohttpResponse(response, timeouts.idle)
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

@@ -1,0 +1,68 @@
+"""Connect-time address checks shared by the engines: resolve once, check every address,
+connect only to a checked address (no second lookup)."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+from aiohttp.abc import AbstractResolver, ResolveResult
+from aiohttp.resolver import DefaultResolver
+
+from fallback_mw.security import UnsafeUpstream, check_connect_addresses, parse_ip
+
+
+class UnsafeAddressError(OSError):
+    """Raised from the resolver so the engines' error mapping sees it as a refusal."""
+
+
+def check_literal_host(url: str, allow_hosts: Sequence[str]) -> None:
+    """Hosts written as IP literals skip the resolver; check them here."""
+    if not allow_hosts:
+        return
+    host = urlsplit(url).hostname or ""
+    address = parse_ip(host)
+    if address is not None:
+        try:
+            check_connect_addresses(host, [str(address)], allow_hosts)
+        except UnsafeUpstream as exc:
+            raise UnsafeAddressError(str(exc)) from None
+
+
+class GuardedResolver(AbstractResolver):
+    """aiohttp resolver that drops every resolved address the allowlist refuses; aiohttp
+    then connects to one of the returned (checked) addresses."""
+
+    def __init__(self, allow_hosts: Sequence[str], inner: AbstractResolver | None = None) -> None:
+        self._allow_hosts = tuple(allow_hosts)
+        self._inner = inner or DefaultResolver()
+
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
+        results = await self._inner.resolve(host, port, family)
+        if not self._allow_hosts:
+            return results
+        try:
+            allowed = set(
+                check_connect_addresses(host, [r["host"] for r in results], self._allow_hosts)
+            )
+        except UnsafeUpstream as exc:
+            raise UnsafeAddressError(str(exc)) from None
+        return [r for r in results if r["host"] in allowed]
+
+    async def close(self) -> None:
+        await self._inner.close()
+
+
+def resolve_checked(host: str, port: int, allow_hosts: Sequence[str]) -> list[Any]:
+    """Blocking resolve + check, for engines without a resolver hook."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    addresses = [str(info[4][0]) for info in infos]
+    try:
+        allowed = check_connect_addresses(host, addresses, allow_hosts)
+    except UnsafeUpstream as exc:
+        raise UnsafeAddressError(str(exc)) from None
+    return allowed

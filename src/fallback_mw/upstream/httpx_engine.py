@@ -1,0 +1,115 @@
+"""The httpx engine: supported for compatibility and handy in tests (custom transports)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import contextmanager
+
+import httpx
+
+from fallback_mw.upstream.base import Phase, UpstreamError, UpstreamRequest
+from fallback_mw.upstream.guard import UnsafeAddressError, check_literal_host, resolve_checked
+
+
+@contextmanager
+def map_errors(phase: Phase) -> Iterator[None]:
+    """The one place httpx's exceptions become failure kinds."""
+    try:
+        yield
+    except UpstreamError:
+        raise
+    except (TimeoutError, httpx.TimeoutException) as exc:
+        raise UpstreamError("timeout", phase, f"timed out during {phase}") from exc
+    except UnsafeAddressError as exc:
+        raise UpstreamError("unsafe_address", phase, str(exc)) from None
+    except httpx.ConnectError:
+        raise UpstreamError("refused", phase, "could not connect") from None
+    except (httpx.RemoteProtocolError, httpx.DecodingError) as exc:
+        raise UpstreamError("protocol", phase, type(exc).__name__) from None
+    except (httpx.TransportError, OSError) as exc:
+        raise UpstreamError("transport", phase, type(exc).__name__) from None
+
+
+class HttpxResponse:
+    def __init__(self, response: httpx.Response, idle_timeout: float) -> None:
+        self._response = response
+        self._idle = idle_timeout
+        self.status = response.status_code
+        self.headers = [(k.lower(), v) for k, v in response.headers.raw]
+
+    async def iter_chunks(self) -> AsyncIterator[bytes]:
+        stream = self._response.aiter_raw()
+        while True:
+            with map_errors("body"):
+                async with asyncio.timeout(self._idle):
+                    try:
+                        chunk = await stream.__anext__()
+                    except StopAsyncIteration:
+                        return
+            if chunk:
+                yield chunk
+
+    async def aclose(self) -> None:
+        await self._response.aclose()
+
+
+class HttpxClient:
+    def __init__(
+        self,
+        *,
+        allow_hosts: Sequence[str] = (),
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self._allow_hosts = tuple(allow_hosts)
+        self._transport = transport
+        self._client: httpx.AsyncClient | None = None
+
+    def _get_client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = httpx.AsyncClient(
+                transport=self._transport,
+                follow_redirects=False,
+                timeout=None,
+                trust_env=False,
+                limits=httpx.Limits(max_connections=512, max_keepalive_connections=128),
+            )
+        return self._client
+
+    async def _check_address(self, url: httpx.URL) -> None:
+        if not self._allow_hosts or self._transport is not None:
+            return
+        check_literal_host(str(url), self._allow_hosts)
+        host = url.host
+        port = url.port or (443 if url.scheme == "https" else 80)
+        await asyncio.get_running_loop().run_in_executor(
+            None, resolve_checked, host, port, self._allow_hosts
+        )
+
+    async def send(self, request: UpstreamRequest) -> HttpxResponse:
+        client = self._get_client()
+        timeouts = request.timeouts
+        url = httpx.URL(request.url)
+        built = client.build_request(
+            request.method,
+            url,
+            headers=request.headers,
+            content=request.body,
+            timeout=httpx.Timeout(
+                connect=timeouts.connect, read=timeouts.idle, write=None, pool=timeouts.connect
+            ),
+        )
+        # httpx adds these by default; the upstream sees only what the gateway decided.
+        for name in ("accept", "accept-encoding", "user-agent", "connection"):
+            if name not in {k.lower() for k, _ in request.headers}:
+                built.headers.pop(name, None)
+        with map_errors("first_byte"):
+            async with asyncio.timeout(timeouts.first_byte):
+                await self._check_address(url)
+                response = await client.send(built, stream=True, follow_redirects=False)
+        return HttpxResponse(response, timeouts.idle)
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
