@@ -1,0 +1,1 @@
+"""Persistent stores: routes, faults and the budget ledger, on SQLite or PostgreSQL."""

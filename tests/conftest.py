@@ -1,0 +1,83 @@
+"""Shared fixtures. Postgres and Redis are real services on this machine; outside CI a
+missing service skips its tests, under CI=true it fails them."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+PG_HOST = os.environ.get("FMW_TEST_PG_HOST", "127.0.0.1")
+PG_PORT = int(os.environ.get("FMW_TEST_PG_PORT", "5432"))
+PG_USER = os.environ.get("FMW_TEST_PG_USER", "postgres")
+REDIS_HOST = os.environ.get("FMW_TEST_REDIS_HOST", "127.0.0.1")
+REDIS_PORT = int(os.environ.get("FMW_TEST_REDIS_PORT", "6379"))
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _reachable(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def require_service(name: str, host: str, port: int) -> None:
+    if _reachable(host, port):
+        return
+    message = f"{name} is not reachable at {host}:{port}"
+    if IN_CI:
+        pytest.fail(message + " (CI=true: a missing service is a failure)")
+    pytest.skip(message)
+
+
+@pytest.fixture
+async def pg_url() -> AsyncIterator[str]:
+    """A fresh, empty PostgreSQL database for one test, dropped afterwards."""
+    require_service("PostgreSQL", PG_HOST, PG_PORT)
+    import asyncpg
+
+    name = f"fmw_test_{uuid.uuid4().hex[:12]}"
+    admin = await asyncpg.connect(
+        host=PG_HOST, port=PG_PORT, user=PG_USER, database="postgres"
+    )
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await admin.close()
+    try:
+        yield f"postgresql://{PG_USER}@{PG_HOST}:{PG_PORT}/{name}"
+    finally:
+        admin = await asyncpg.connect(
+            host=PG_HOST, port=PG_PORT, user=PG_USER, database="postgres"
+        )
+        try:
+            await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await admin.close()
+
+
+@pytest.fixture
+def redis_url() -> Iterator[str]:
+    """The real Redis, with a key prefix unique to this test (`?prefix=`)."""
+    require_service("Redis", REDIS_HOST, REDIS_PORT)
+    prefix = f"fmwtest:{uuid.uuid4().hex[:12]}:"
+    yield f"redis://{REDIS_HOST}:{REDIS_PORT}/0?prefix={prefix}"
+    import redis
+
+    client = redis.Redis(host=REDIS_HOST, port=REDIS_PORT)
+    try:
+        keys = list(client.scan_iter(match=prefix + "*"))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()
