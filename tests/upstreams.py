@@ -62,7 +62,7 @@ async def upstream(handler: Handler) -> AsyncIterator[Upstream]:
 
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", record)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -72,3 +72,69 @@ async def upstream(handler: Handler) -> AsyncIterator[Upstream]:
         yield state
     finally:
         await runner.cleanup()
+
+
+@asynccontextmanager
+async def serve_asgi(app: object) -> AsyncIterator[str]:
+    """Run an ASGI app on a real 127.0.0.1 socket with uvicorn, in this event loop."""
+    import uvicorn
+
+    config = uvicorn.Config(
+        app,  # type: ignore[arg-type]
+        host="127.0.0.1",
+        port=0,
+        log_level="warning",
+        lifespan="off",
+        loop="asyncio",
+        http="h11",
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+@asynccontextmanager
+async def silent_server() -> AsyncIterator[tuple[str, list[int]]]:
+    """Accepts connections and never answers (a hanging upstream). Yields (url, accepted)."""
+    accepted: list[int] = []
+    writers: list[asyncio.StreamWriter] = []
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(1)
+        writers.append(writer)
+
+    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", accepted
+    finally:
+        for writer in writers:
+            writer.close()
+        server.close()
+        await server.wait_closed()
+
+
+def closed_port_url() -> str:
+    import socket
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    return f"http://127.0.0.1:{port}"
+
+
+async def host_app(scope: dict, receive: object, send: object) -> None:  # type: ignore[type-arg]
+    """A bare host app: plain 404 with a marker body."""
+    assert scope["type"] == "http"
+    await send({"type": "http.response.start", "status": 404, "headers": []})  # type: ignore[operator]
+    await send({"type": "http.response.body", "body": b"host app"})  # type: ignore[operator]

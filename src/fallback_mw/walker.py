@@ -313,6 +313,8 @@ class _Walk:
                 if not attempted_in_pass:
                     break  # a whole pass with every candidate skipped
                 attempted_in_pass = False
+                # Each credential at most once per pass; a new pass may reuse a healthy one.
+                self.used_credentials.clear()
             name = order[position % len(order)]
             position += 1
             upstream = context.upstreams[name]

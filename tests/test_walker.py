@@ -1,0 +1,652 @@
+"""The walker's failover rules (SPEC §5), through the real Gateway and real upstream sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from aiohttp import web
+
+from fallback_mw import Gateway
+from tests.upstreams import (
+    closed_port_url,
+    host_app,
+    serve_asgi,
+    silent_server,
+    status_handler,
+    upstream,
+)
+
+pytestmark = pytest.mark.anyio
+
+ENV = {"PRIMARY_KEY": "sk-primary-0001", "BACKUP_KEY": "sk-backup-0002"}
+
+
+def make_config(
+    primary: str, backup: str, *, engine: str = "aiohttp", **route: Any
+) -> dict[str, Any]:
+    return {
+        "gateway": {"engine": engine, "max_request_body": 1 << 20, "replay_buffer": 4096},
+        "upstreams": {
+            "primary": {
+                "url": primary,
+                "auth_env": "PRIMARY_KEY",
+                "first_byte_timeout_ms": 2000,
+            },
+            "backup": {
+                "url": backup,
+                "auth_header": "x-api-key",
+                "auth_scheme": "",
+                "auth_env": "BACKUP_KEY",
+                "first_byte_timeout_ms": 2000,
+            },
+        },
+        "routes": [
+            {
+                "id": "chat",
+                "prefix": "/v1/",
+                "plan": ["primary", "backup"],
+                "retries": 1,
+                "backoff_ms": 0,
+                **route,
+            }
+        ],
+    }
+
+
+def client_for(gateway: Gateway) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=gateway), base_url="http://gw")
+
+
+@pytest.fixture(params=["aiohttp", "httpx"])
+def engine(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+async def consume_then(status: int) -> Any:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        return web.Response(status=status, text=f"upstream {status}")
+
+    return handle
+
+
+# --- the four negative controls ------------------------------------------------------------
+
+
+async def test_replayable_body_reaches_fallback_byte_identical(engine: str) -> None:
+    body = bytes(range(256)) * 8  # 2 KiB, binary, within replay_buffer
+    async with upstream(status_handler(503)) as p, upstream(status_handler(200, b"ok")) as b:
+        gateway = Gateway(
+            host_app,
+            config=make_config(p.url, b.url, engine=engine, replayable_methods=["POST"]),
+            environ=ENV,
+        )
+        async with client_for(gateway) as client:
+            response = await client.post("/v1/upload", content=body)
+        await gateway.aclose()
+    assert response.status_code == 200
+    assert response.headers["x-gateway-provider"] == "backup"
+    assert response.headers["x-gateway-attempts"] == "2"
+    assert p.count == 1 and p.received[0].body == body
+    assert b.count == 1 and b.received[0].body == body
+
+
+async def test_post_503_is_not_failed_over(engine: str) -> None:
+    async with upstream(status_handler(503)) as p, upstream(status_handler(200)) as b:
+        gateway = Gateway(host_app, config=make_config(p.url, b.url, engine=engine), environ=ENV)
+        async with client_for(gateway) as client:
+            response = await client.post("/v1/chat/completions", content=b'{"x": 1}')
+        await gateway.aclose()
+    assert b.count == 0
+    assert p.count == 1
+    assert response.status_code == 503  # the upstream's own answer, served as-is
+    assert response.headers["x-gateway-attempts"] == "1"
+    assert response.headers["x-gateway-provider"] == "primary"
+
+
+async def test_unknown_length_body_over_replay_buffer_is_not_failed_over(engine: str) -> None:
+    chunk = b"z" * 1024
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for _ in range(8):  # 8 KiB > replay_buffer (4 KiB), no Content-Length
+            yield chunk
+
+    async with upstream(status_handler(503)) as p, upstream(status_handler(200)) as b:
+        gateway = Gateway(
+            host_app,
+            config=make_config(p.url, b.url, engine=engine, replayable_methods=["POST"]),
+            environ=ENV,
+        )
+        async with serve_asgi(gateway) as url, httpx.AsyncClient(base_url=url) as client:
+            response = await client.post("/v1/upload", content=chunks())
+        await gateway.aclose()
+    assert b.count == 0
+    assert p.count == 1 and p.received[0].body == chunk * 8  # streamed whole, unbuffered
+    assert response.status_code == 503
+
+
+async def test_failure_after_commit_aborts_and_never_fails_over(engine: str) -> None:
+    async def breaks_mid_stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(status=200, headers={"content-type": "text/plain"})
+        await response.prepare(request)
+        await response.write(b"partial-")
+        await asyncio.sleep(0.05)
+        assert request.transport is not None
+        request.transport.abort()  # reset the connection mid-body
+        return response
+
+    async with upstream(breaks_mid_stream) as p, upstream(status_handler(200)) as b:
+        gateway = Gateway(host_app, config=make_config(p.url, b.url, engine=engine), environ=ENV)
+        async with serve_asgi(gateway) as url, httpx.AsyncClient(base_url=url) as client:
+            received = b""
+            with pytest.raises(httpx.RemoteProtocolError):
+                async with client.stream("GET", "/v1/stream") as response:
+                    assert response.status_code == 200
+                    async for piece in response.aiter_raw():
+                        received += piece
+        await gateway.aclose()
+    assert received == b"partial-"
+    assert b.count == 0
+
+
+# --- served as-is ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("status", [400, 401, 403, 429, 500])
+async def test_non_failover_statuses_are_served_as_is(status: int) -> None:
+    async with upstream(status_handler(status, b"upstream says no")) as p, upstream(
+        status_handler(200)
+    ) as b:
+        gateway = Gateway(host_app, config=make_config(p.url, b.url), environ=ENV)
+        async with client_for(gateway) as client:
+            response = await client.get("/v1/models")
+        await gateway.aclose()
+    assert response.status_code == status
+    assert response.content == b"upstream says no"
+    assert b.count == 0
+    assert response.headers["x-gateway-provider"] == "primary"
+
+
+async def test_get_failover_statuses_reach_backup() -> None:
+    for status in (502, 503, 504):
+        async with upstream(status_handler(status)) as p, upstream(status_handler(200)) as b:
+            gateway = Gateway(host_app, config=make_config(p.url, b.url), environ=ENV)
+            async with client_for(gateway) as client:
+                response = await client.get("/v1/models")
+            await gateway.aclose()
+        assert (response.status_code, b.count) == (200, 1), status
+
+
+async def test_exhausted_plan_is_a_local_error_without_upstream_body() -> None:
+    async with upstream(status_handler(503, b"SECRET-UPSTREAM-BODY")) as p, upstream(
+        status_handler(502, b"SECRET-UPSTREAM-BODY")
+    ) as b:
+        gateway = Gateway(host_app, config=make_config(p.url, b.url), environ=ENV)
+        async with client_for(gateway) as client:
+            response = await client.get("/v1/models")
+        await gateway.aclose()
+    assert response.status_code == 502
+    error = response.json()["error"]
+    assert error == {
+        "type": "gateway_error",
+        "code": "upstream_failed",
+        "message": error["message"],
+        "route": "chat",
+        "attempts": 2,
+    }
+    assert b"SECRET-UPSTREAM-BODY" not in response.content
+    assert response.headers["x-gateway-route"] == "chat"
+    assert response.headers["x-gateway-attempts"] == "2"
+
+
+async def test_on_exhausted_last_response_passes_the_last_answer() -> None:
+    async with upstream(status_handler(503)) as p, upstream(status_handler(502, b"last")) as b:
+        gateway = Gateway(
+            host_app,
+            config=make_config(p.url, b.url, on_exhausted="last_response"),
+            environ=ENV,
+        )
+        async with client_for(gateway) as client:
+            response = await client.get("/v1/models")
+        await gateway.aclose()
+    assert (response.status_code, response.content) == (502, b"last")
+    assert response.headers["x-gateway-provider"] == "backup"
+
+
+async def test_retries_restart_from_the_top_with_backoff() -> None:
+    async with upstream(status_handler(503)) as p, upstream(status_handler(503)) as b:
+        gateway = Gateway(
+            host_app, config=make_config(p.url, b.url, retries=3, backoff_ms=60), environ=ENV
+        )
+        async with client_for(gateway) as client:
+            started = time.monotonic()
+            response = await client.get("/v1/models")
+            elapsed = time.monotonic() - started
+        await gateway.aclose()
+    assert response.json()["error"]["attempts"] == 4
+    assert (p.count, b.count) == (2, 2)
+    assert elapsed >= 0.11  # two repeats, each after backoff_ms; none before the first backup
+
+
+# --- credentials and header hygiene --------------------------------------------------------
+
+
+async def test_each_candidate_gets_only_its_own_credential(engine: str) -> None:
+    async with upstream(status_handler(503)) as p, upstream(status_handler(200)) as b:
+        gateway = Gateway(host_app, config=make_config(p.url, b.url, engine=engine), environ=ENV)
+        headers = [
+            ("authorization", "Bearer caller-token"),
+            ("proxy-authorization", "Basic caller"),
+            ("x-api-key", "caller-key"),
+            ("api-key", "caller-key"),
+            ("x-goog-api-key", "caller-key"),
+            ("cookie", "session=caller"),
+            ("connection", "x-private-hop"),
+            ("x-private-hop", "hop-value"),
+            ("keep-alive", "timeout=5"),
+            ("te", "trailers"),
+            ("upgrade", "websocket"),
+            ("x-gateway-provider", "forged"),
+            ("x-gateway-deadline-ms", "4000"),
+            ("x-multi", "one"),
+            ("x-multi", "two"),
+        ]
+        async with client_for(gateway) as client:
+            response = await client.get("/v1/models", headers=headers)
+        await gateway.aclose()
+    assert response.status_code == 200
+    forbidden_values = {
+        "caller-token", "Basic caller", "caller-key", "session=caller", "hop-value",
+        "timeout=5", "websocket", "forged",
+    }
+    for received, own, other in (
+        (p.received[0], ("authorization", "Bearer sk-primary-0001"), "sk-backup-0002"),
+        (b.received[0], ("x-api-key", "sk-backup-0002"), "sk-primary-0001"),
+    ):
+        names = [name for name, _ in received.headers]
+        values = " ".join(value for _, value in received.headers)
+        assert own in received.headers
+        assert other not in values
+        for value in forbidden_values:
+            assert value not in values, value
+        for name in ("cookie", "proxy-authorization", "x-private-hop", "keep-alive", "upgrade"):
+            assert name not in names
+        assert not [n for n in names if n.startswith("x-gateway-")]
+        assert [v for n, v in received.headers if n == "x-multi"] == ["one", "two"]
+        assert names.count("authorization") + names.count("x-api-key") == 1
+
+
+async def test_upstream_cannot_forge_gateway_headers() -> None:
+    async def forger(request: web.Request) -> web.StreamResponse:
+        return web.Response(text="ok", headers={"x-gateway-provider": "forged"})
+
+    async with upstream(forger) as p, upstream(status_handler(200)) as b:
+        gateway = Gateway(host_app, config=make_config(p.url, b.url), environ=ENV)
+        async with client_for(gateway) as client:
+            response = await client.get("/v1/models")
+        await gateway.aclose()
+    assert response.headers.get_list("x-gateway-provider") == ["primary"]
+
+
+# --- deadline, timeouts, transport failures -------------------------------------------------
+
+
+async def test_deadline_is_shared_by_the_whole_walk() -> None:
+    backup_started_at: list[float] = []
+
+    async def slow_backup(request: web.Request) -> web.StreamResponse:
+        backup_started_at.append(time.monotonic())
+        await asyncio.sleep(0.5)
+        return web.Response(text="too late")
+
+    async with upstream(status_handler(503, delay=0.035)) as p, upstream(slow_backup) as b:
+        gateway = Gateway(host_app, config=make_config(p.url, b.url, deadline_ms=65), environ=ENV)
+        async with client_for(gateway) as client:
+            started = time.monotonic()
+            response = await client.get("/v1/models")
+            elapsed = time.monotonic() - started
+        await asyncio.sleep(0.05)
+        await gateway.aclose()
+    assert response.status_code == 504
+    assert response.json()["error"]["code"] == "deadline_exceeded"
+    assert response.json()["error"]["attempts"] == 2
+    assert b.count == 1  # the backup was tried, with only the remainder
+    # The primary used ~35 ms of 65: the backup got the ~30 ms left, not a fresh 65 ms
+    # (and not its own 2 s first-byte timeout).
+    assert 0.06 <= elapsed < 0.09
+    backup_had = started + elapsed - backup_started_at[0]
+    assert backup_started_at[0] - started >= 0.035
+    assert backup_had < 0.045
+
+
+async def test_caller_may_shorten_but_not_lengthen_the_deadline() -> None:
+    async with upstream(status_handler(200, delay=0.3)) as p, upstream(status_handler(200)) as b:
+        gateway = Gateway(host_app, config=make_config(p.url, b.url, deadline_ms=1000), environ=ENV)
+        async with client_for(gateway) as client:
+            short = await client.get("/v1/a", headers={"x-gateway-deadline-ms": "100"})
+            long = await client.get("/v1/b", headers={"x-gateway-deadline-ms": "999999"})
+        await gateway.aclose()
+    assert short.status_code == 504
+    assert long.status_code == 200
+
+
+async def test_connection_refused_fails_over(engine: str) -> None:
+    async with upstream(status_handler(200, b"backup")) as b:
+        gateway = Gateway(
+            host_app, config=make_config(closed_port_url(), b.url, engine=engine), environ=ENV
+        )
+        async with client_for(gateway) as client:
+            response = await client.get("/v1/models")
+        await gateway.aclose()
+    assert response.status_code == 200 and response.content == b"backup"
+    assert response.headers["x-gateway-attempts"] == "2"
+
+
+async def test_hanging_upstream_fails_over_after_first_byte_timeout(engine: str) -> None:
+    async with silent_server() as (hang_url, accepted), upstream(status_handler(200)) as b:
+        config = make_config(hang_url, b.url, engine=engine)
+        config["upstreams"]["primary"]["first_byte_timeout_ms"] = 200
+        gateway = Gateway(host_app, config=config, environ=ENV)
+        async with client_for(gateway) as client:
+            started = time.monotonic()
+            response = await client.get("/v1/models")
+            elapsed = time.monotonic() - started
+        await gateway.aclose()
+    assert accepted  # the connection was accepted: this is a hang, not a refusal
+    assert response.status_code == 200
+    assert response.headers["x-gateway-provider"] == "backup"
+    assert 0.2 <= elapsed < 1.5
+
+
+async def test_idle_timeout_after_commit_aborts() -> None:
+    async def stalls(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(status=200)
+        await response.prepare(request)
+        await response.write(b"first")
+        await asyncio.sleep(2)
+        return response
+
+    async with upstream(stalls) as p, upstream(status_handler(200)) as b:
+        config = make_config(p.url, b.url)
+        config["upstreams"]["primary"]["idle_timeout_ms"] = 150
+        gateway = Gateway(host_app, config=config, environ=ENV)
+        async with serve_asgi(gateway) as url, httpx.AsyncClient(base_url=url) as client:
+            with pytest.raises(httpx.RemoteProtocolError):
+                async with client.stream("GET", "/v1/stream") as response:
+                    async for _ in response.aiter_raw():
+                        pass
+        await gateway.aclose()
+    assert b.count == 0
+
+
+# --- client disconnect ----------------------------------------------------------------------
+
+
+async def test_cancelled_client_starts_no_fallback() -> None:
+    primary_cancelled = asyncio.Event()
+
+    async def slow(request: web.Request) -> web.StreamResponse:
+        try:
+            await asyncio.sleep(1.0)
+        except asyncio.CancelledError:
+            primary_cancelled.set()
+            raise
+        return web.Response(status=503)
+
+    async with upstream(slow) as p, upstream(status_handler(200)) as b:
+        config = make_config(p.url, b.url)
+        config["upstreams"]["primary"]["first_byte_timeout_ms"] = 400
+        gateway = Gateway(host_app, config=config, environ=ENV)
+        messages: list[dict[str, Any]] = []
+        sent_request = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal sent_request
+            if not sent_request:
+                sent_request = True
+                return {"type": "http.request", "body": b"", "more_body": False}
+            await asyncio.sleep(0.1)
+            return {"type": "http.disconnect"}
+
+        async def send(message: Any) -> None:
+            messages.append(message)
+
+        scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET",
+            "scheme": "http", "path": "/v1/models", "raw_path": b"/v1/models",
+            "query_string": b"", "headers": [(b"host", b"gw")], "client": ("127.0.0.1", 1),
+            "server": ("gw", 80),
+        }
+        started = time.monotonic()
+        await gateway(scope, receive, send)
+        elapsed = time.monotonic() - started
+        await asyncio.wait_for(primary_cancelled.wait(), 1.0)  # the attempt in flight was cut
+        await asyncio.sleep(0.6)  # longer than the first-byte timeout: nothing else starts
+        await gateway.aclose()
+    assert elapsed < 0.35
+    assert messages == []
+    assert b.count == 0
+
+
+# --- streaming ------------------------------------------------------------------------------
+
+
+async def test_sse_reaches_the_client_event_by_event(engine: str) -> None:
+    client_saw_first = asyncio.Event()
+
+    async def sse(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(
+            status=200, headers={"content-type": "text/event-stream", "cache-control": "no-cache"}
+        )
+        await response.prepare(request)
+        await response.write(b"data: one\n\n")
+        # The second event is only written once the client has seen the first: a gateway
+        # that buffered would deadlock here and the test would time out.
+        await asyncio.wait_for(client_saw_first.wait(), 5)
+        await response.write(b"data: two\n\n")
+        await response.write_eof()
+        return response
+
+    async with upstream(sse) as p, upstream(status_handler(200)) as b:
+        gateway = Gateway(host_app, config=make_config(p.url, b.url, engine=engine), environ=ENV)
+        async with serve_asgi(gateway) as url, httpx.AsyncClient(base_url=url) as client:
+            events: list[str] = []
+            async with client.stream("GET", "/v1/events") as response:
+                assert response.headers["content-type"] == "text/event-stream"
+                async for line in response.aiter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        client_saw_first.set()
+        await gateway.aclose()
+    assert events == ["one", "two"]
+
+
+# --- paths and routing ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/../admin",
+        "/v1/%2e%2e/admin",
+        "/v1/%2E%2E/admin",
+        "/v1%2f..%2fadmin",
+        "/v1/..%2fadmin",
+        "/v1/..%5cadmin",
+        "/v1/x/../../admin",
+    ],
+)
+async def test_dot_segments_and_encoded_separators_cannot_escape_a_prefix(path: str) -> None:
+    async with upstream(status_handler(200)) as p, upstream(status_handler(200)) as b:
+        config = make_config(p.url, b.url)
+        config["upstreams"]["admin"] = {"url": p.url}
+        config["routes"].append({"id": "admin", "prefix": "/admin", "plan": ["admin"]})
+        config["routes"][0]["prefix"] = "/v1/"
+        config["routes"][1]["tenant"] = "ops"  # /admin is only for tenant "ops"
+        gateway = Gateway(host_app, config=config, environ=ENV)
+        async with serve_asgi(gateway) as url:
+            import urllib.request
+
+            def fetch() -> tuple[int, bytes, dict[str, str]]:
+                request = urllib.request.Request(url + path)
+                try:
+                    with urllib.request.urlopen(request, timeout=5) as response:
+                        return response.status, response.read(), dict(response.headers)
+                except urllib.error.HTTPError as error:
+                    return error.code, error.read(), dict(error.headers)
+
+            status, body, headers = await asyncio.to_thread(fetch)
+        await gateway.aclose()
+    # Either the host app answered (no route matched), or the v1 route matched a path that
+    # stays under /v1/: never anything outside the prefix reaching an upstream.
+    for received in p.received + b.received:
+        assert received.path.startswith("/v1/"), received.path
+    if status == 404:
+        assert body == b"host app"
+
+
+async def test_forwarded_path_is_the_normalised_one() -> None:
+    async with upstream(status_handler(200)) as p, upstream(status_handler(200)) as b:
+        gateway = Gateway(host_app, config=make_config(p.url, b.url), environ=ENV)
+        async with client_for(gateway) as client:
+            response = await client.get("/v1/a/./b//c/../d?x=1&y=two")
+        await gateway.aclose()
+    assert response.status_code == 200
+    assert p.received[0].path == "/v1/a/b/d"
+    assert p.received[0].query == "x=1&y=two"
+
+
+async def test_unmatched_requests_go_to_the_host_app() -> None:
+    async with upstream(status_handler(200)) as p, upstream(status_handler(200)) as b:
+        gateway = Gateway(
+            host_app, config=make_config(p.url, b.url, methods=["GET"]), environ=ENV
+        )
+        async with client_for(gateway) as client:
+            other = await client.get("/health")
+            wrong_method = await client.delete("/v1/models")
+        await gateway.aclose()
+    assert (other.status_code, other.content) == (404, b"host app")
+    assert (wrong_method.status_code, wrong_method.content) == (404, b"host app")
+    assert "x-gateway-route" not in other.headers
+    assert p.count == 0
+
+
+async def test_tenant_routes_and_longest_prefix() -> None:
+    async with upstream(status_handler(200, b"p")) as p, upstream(status_handler(200, b"b")) as b:
+        config = make_config(p.url, b.url)
+        config["routes"] = [
+            {"id": "generic", "prefix": "/v1/", "plan": ["primary"]},
+            {"id": "acme", "prefix": "/v1/", "tenant": "acme", "plan": ["backup"]},
+            {"id": "deep", "prefix": "/v1/chat/", "plan": ["backup"]},
+        ]
+        gateway = Gateway(host_app, config=config, environ=ENV)
+        async with client_for(gateway) as client:
+            generic = await client.get("/v1/models")
+            acme = await client.get("/v1/models", headers={"x-tenant-id": "acme"})
+            deep = await client.get("/v1/chat/x")
+        await gateway.aclose()
+    assert generic.headers["x-gateway-route"] == "generic"
+    assert acme.headers["x-gateway-route"] == "acme"
+    assert deep.headers["x-gateway-route"] == "deep"
+
+
+async def test_interleaved_requests_never_see_each_others_state() -> None:
+    release = asyncio.Event()
+
+    async def by_path(request: web.Request) -> web.StreamResponse:
+        if request.path.endswith("/slow"):
+            await release.wait()
+            return web.Response(status=503)
+        release.set()
+        return web.Response(text="fast")
+
+    async with upstream(by_path) as p, upstream(status_handler(200, b"backup")) as b:
+        config = make_config(p.url, b.url)
+        config["routes"].append(
+            {"id": "other", "prefix": "/v2/", "plan": ["primary"], "tenant": "t2"}
+        )
+        gateway = Gateway(host_app, config=config, environ=ENV)
+        async with client_for(gateway) as client:
+            slow, fast = await asyncio.gather(
+                client.get("/v1/slow", headers={"x-tenant-id": "t1"}),
+                client.get("/v2/fast", headers={"x-tenant-id": "t2"}),
+            )
+        await gateway.aclose()
+    assert (slow.status_code, slow.content) == (200, b"backup")
+    assert slow.headers["x-gateway-route"] == "chat"
+    assert slow.headers["x-gateway-attempts"] == "2"
+    assert slow.headers["x-gateway-provider"] == "backup"
+    assert (fast.status_code, fast.content) == (200, b"fast")
+    assert fast.headers["x-gateway-route"] == "other"
+    assert fast.headers["x-gateway-attempts"] == "1"
+    assert fast.headers["x-gateway-provider"] == "primary"
+
+
+# --- bodies and limits ----------------------------------------------------------------------
+
+
+async def test_request_over_max_body_is_413_with_no_upstream() -> None:
+    async with upstream(status_handler(200)) as p, upstream(status_handler(200)) as b:
+        config = make_config(p.url, b.url)
+        config["gateway"]["max_request_body"] = 1000
+        gateway = Gateway(host_app, config=config, environ=ENV)
+        async with client_for(gateway) as client:
+            response = await client.post("/v1/x", content=b"a" * 1001)
+        await gateway.aclose()
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "request_too_large"
+    assert p.count == 0 and b.count == 0
+
+
+async def test_response_over_ceiling_is_502_before_commit() -> None:
+    async with upstream(status_handler(200, b"x" * 5000)) as p, upstream(
+        status_handler(200)
+    ) as b:
+        config = make_config(p.url, b.url)
+        config["gateway"]["max_response_body"] = 1000
+        gateway = Gateway(host_app, config=config, environ=ENV)
+        async with client_for(gateway) as client:
+            response = await client.get("/v1/big")
+        await gateway.aclose()
+    assert response.status_code == 502
+    assert response.json()["error"]["code"] == "response_too_large"
+    assert b"xxxx" not in response.content
+
+
+async def test_model_rewrite_keeps_content_length_consistent(engine: str) -> None:
+    async with upstream(status_handler(503)) as p, upstream(status_handler(200)) as b:
+        config = make_config(p.url, b.url, engine=engine, replayable_methods=["POST"])
+        config["upstreams"]["backup"]["model"] = "backup-model-with-a-longer-name"
+        gateway = Gateway(host_app, config=config, environ=ENV)
+        payload = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hé"}]}
+        async with client_for(gateway) as client:
+            response = await client.post("/v1/chat/completions", json=payload)
+            bad = await client.post("/v1/chat/completions", content=b"[1, 2]")
+        await gateway.aclose()
+    assert response.status_code == 200
+    assert json.loads(p.received[0].body)["model"] == "gpt-4o-mini"
+    forwarded = b.received[0]
+    assert json.loads(forwarded.body) == {**payload, "model": "backup-model-with-a-longer-name"}
+    assert dict(forwarded.headers)["content-length"] == str(len(forwarded.body))
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "bad_request"
+    assert p.count == 1  # the bad request contacted no upstream
+
+
+async def test_redirects_are_never_followed(engine: str) -> None:
+    async def redirect(request: web.Request) -> web.StreamResponse:
+        return web.Response(status=302, headers={"location": "http://169.254.169.254/latest"})
+
+    async with upstream(redirect) as p, upstream(status_handler(200)) as b:
+        gateway = Gateway(host_app, config=make_config(p.url, b.url, engine=engine), environ=ENV)
+        async with client_for(gateway) as client:
+            response = await client.get("/v1/x")
+        await gateway.aclose()
+    assert response.status_code == 302
+    assert response.headers["location"] == "http://169.254.169.254/latest"
+    assert p.count == 1 and b.count == 0
