@@ -1,0 +1,165 @@
+"""`fallback-mw serve` as a real process on a real port, in front of real local upstreams."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+
+from tests.upstreams import status_handler, upstream
+
+pytestmark = pytest.mark.e2e
+
+PRIMARY_KEY = "primary-secret-3f1c"
+BACKUP_KEY = "backup-secret-9a7e"
+CALLER_KEY = "caller-secret-55d0"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextmanager
+def serve(config: Path, port: int, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    env = dict(os.environ, FMW_E2E_PRIMARY_KEY=PRIMARY_KEY, FMW_E2E_BACKUP_KEY=BACKUP_KEY)
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "fallback_mw",
+                "serve",
+                "--config",
+                str(config),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        try:
+            yield process
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+                try:
+                    process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+
+
+def output_of(log: Path) -> str:
+    return log.read_text(errors="replace")
+
+
+async def wait_listening(process: subprocess.Popen[bytes], port: int, log: Path) -> None:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"serve exited early ({process.returncode}): {output_of(log)}")
+        try:
+            stream = await anyio.connect_tcp("127.0.0.1", port)
+        except OSError:
+            await anyio.sleep(0.05)
+            continue
+        await stream.aclose()
+        return
+    pytest.fail("serve did not start listening within 20 s")
+
+
+def write_config(tmp_path: Path, primary_url: str, backup_url: str) -> Path:
+    path = tmp_path / "gateway.toml"
+    path.write_text(
+        f"""
+[gateway]
+allow_hosts = ["127.0.0.1"]
+
+[upstreams.primary]
+url = "{primary_url}"
+auth_env = "FMW_E2E_PRIMARY_KEY"
+
+[upstreams.backup]
+url = "{backup_url}"
+auth_header = "x-api-key"
+auth_scheme = ""
+auth_env = "FMW_E2E_BACKUP_KEY"
+
+[[routes]]
+id = "direct"
+prefix = "/v1/"
+plan = ["primary"]
+
+[[routes]]
+id = "failover"
+prefix = "/failover/"
+plan = ["backup", "primary"]
+retries = 1
+""",
+        encoding="utf-8",
+    )
+    return path
+
+
+@pytest.mark.anyio
+async def test_serve_routes_to_upstream_and_404s_the_rest(tmp_path: Path) -> None:
+    async with (
+        upstream(status_handler(200, b"hello from primary")) as primary,
+        upstream(status_handler(503)) as backup,
+    ):
+        config = write_config(tmp_path, primary.url, backup.url)
+        port = free_port()
+        log = tmp_path / "serve.log"
+        with serve(config, port, log) as process:
+            await wait_listening(process, port, log)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+                routed = await client.get(
+                    "/v1/models?token=q-secret", headers={"authorization": f"Bearer {CALLER_KEY}"}
+                )
+                unmatched = await client.get("/elsewhere")
+                failover = await client.get("/failover/models")
+            assert routed.status_code == 200
+            assert routed.content == b"hello from primary"
+            assert routed.headers["x-gateway-route"] == "direct"
+            assert routed.headers["x-gateway-provider"] == "primary"
+            assert routed.headers["x-gateway-attempts"] == "1"
+
+            assert unmatched.status_code == 404
+            assert unmatched.text == "Not Found\n"
+            assert "x-gateway-route" not in unmatched.headers
+
+            # backup (first in this plan) answers 503 -> primary serves, over real sockets
+            assert failover.status_code == 200
+            assert failover.headers["x-gateway-provider"] == "primary"
+            assert failover.headers["x-gateway-attempts"] == "2"
+        assert process.returncode == 0, output_of(log)
+
+    first = primary.received[0]
+    assert first.path == "/v1/models"
+    assert first.query == "token=q-secret"
+    headers = dict(first.headers)
+    assert headers["authorization"] == f"Bearer {PRIMARY_KEY}"
+    assert all(CALLER_KEY not in value for _, value in first.headers)
+    assert backup.count == 1
+    assert dict(backup.received[0].headers)["x-api-key"] == BACKUP_KEY
+    assert primary.count == 2  # one direct request, one failover attempt
+
+    output = output_of(log)
+    for secret in (PRIMARY_KEY, BACKUP_KEY, CALLER_KEY, "q-secret"):
+        assert secret not in output

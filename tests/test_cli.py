@@ -1,0 +1,194 @@
+"""The command line: argument handling, refusals before listening, the demo, the import rule."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from fallback_mw.cli import build_parser, main, not_found_app, server_options
+
+SECRET = "s3cr3t-value-never-printed"
+
+
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 30
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fallback_mw", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env if env is not None else dict(os.environ),
+        check=False,
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def write_config(tmp_path: Path, *, auth_env: str = "FMW_TEST_PRIMARY_KEY") -> Path:
+    path = tmp_path / "gateway.toml"
+    path.write_text(
+        f"""
+[upstreams.primary]
+url = "http://127.0.0.1:9"
+auth_env = "{auth_env}"
+
+[[routes]]
+id = "chat"
+prefix = "/v1/"
+plan = ["primary"]
+""",
+        encoding="utf-8",
+    )
+    return path
+
+
+def test_help_lists_serve_and_demo() -> None:
+    result = run_cli("--help")
+    assert result.returncode == 0
+    assert "serve" in result.stdout
+    assert "demo" in result.stdout
+
+
+def test_no_command_is_a_usage_error() -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([])
+    assert exc.value.code == 2
+
+
+def test_serve_requires_config() -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve"])
+    assert exc.value.code == 2
+
+
+def test_serve_missing_credential_exits_2_before_listening(tmp_path: Path) -> None:
+    config = write_config(tmp_path, auth_env="FMW_TEST_MISSING_KEY")
+    env = {k: v for k, v in os.environ.items() if k != "FMW_TEST_MISSING_KEY"}
+    env["FMW_TEST_OTHER_SECRET"] = SECRET
+    # Were the refusal late, uvicorn would start, log its startup lines and keep running
+    # until the timeout: the refusal must come first and be the only line on stderr.
+    result = run_cli("serve", "--config", str(config), "--port", str(free_port()), env=env)
+    assert result.returncode == 2
+    assert "FMW_TEST_MISSING_KEY" in result.stderr
+    assert "is not set" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "Uvicorn running" not in result.stderr + result.stdout
+    assert "Started server" not in result.stderr + result.stdout
+    assert SECRET not in result.stderr + result.stdout
+
+
+def test_serve_refusal_never_prints_a_set_secret(tmp_path: Path) -> None:
+    # A config refused for another reason (an unknown upstream) while the credential is set.
+    path = tmp_path / "gateway.toml"
+    path.write_text(
+        """
+[upstreams.primary]
+url = "http://127.0.0.1:9"
+auth_env = "FMW_TEST_PRIMARY_KEY"
+
+[[routes]]
+id = "chat"
+prefix = "/v1/"
+plan = ["primary", "nowhere"]
+retries = 1
+""",
+        encoding="utf-8",
+    )
+    env = dict(os.environ, FMW_TEST_PRIMARY_KEY=SECRET)
+    result = run_cli("serve", "--config", str(path), env=env)
+    assert result.returncode == 2
+    assert "'nowhere'" in result.stderr
+    assert SECRET not in result.stderr + result.stdout
+
+
+def test_serve_missing_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--config", str(tmp_path / "absent.toml")]) == 2
+    assert "not found" in capsys.readouterr().err
+
+
+def test_server_options_prefer_uvloop_and_httptools() -> None:
+    pytest.importorskip("uvloop")
+    pytest.importorskip("httptools")
+    assert server_options() == {"loop": "uvloop", "http": "httptools"}
+
+
+@pytest.mark.anyio
+async def test_host_app_answers_plain_404() -> None:
+    transport = httpx.ASGITransport(app=not_found_app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        response = await client.get("/anything?q=1")
+    assert response.status_code == 404
+    assert response.text == "Not Found\n"
+    assert response.headers["content-type"].startswith("text/plain")
+
+
+@pytest.mark.anyio
+async def test_host_app_speaks_lifespan() -> None:
+    incoming = [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}]
+    sent: list[str] = []
+
+    async def receive() -> dict[str, str]:
+        return incoming.pop(0)
+
+    async def send(message: dict[str, str]) -> None:
+        sent.append(message["type"])
+
+    await not_found_app({"type": "lifespan"}, receive, send)  # type: ignore[arg-type]
+    assert sent == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
+
+
+def test_demo_shows_failover_and_the_post_rule() -> None:
+    result = run_cli("demo", timeout=60)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "GET /v1/models -> 200, x-gateway-provider: backup, x-gateway-attempts: 2" in out
+    assert "FAILED OVER to the backup" in out
+    assert (
+        "POST /v1/chat/completions -> 503, x-gateway-provider: primary, x-gateway-attempts: 1"
+        in out
+    )
+    assert "primary received 1, backup received 0" in out
+    assert "demo-primary-key" not in out and "demo-backup-key" not in out
+    assert "UNEXPECTED" not in out
+    assert out.rstrip().endswith("demo finished")
+
+
+def test_demo_leaves_the_environment_alone() -> None:
+    # The demo's credentials go to its Gateway directly, never into os.environ.
+    code = (
+        "import os, contextlib, io\n"
+        "from fallback_mw.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    rc = main(['demo'])\n"
+        "print(rc, 'DEMO_PRIMARY_KEY' in os.environ, 'DEMO_BACKUP_KEY' in os.environ)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.stdout.split() == ["0", "False", "False"], result.stderr
+
+
+def test_importing_fallback_mw_imports_no_framework() -> None:
+    code = (
+        "import sys, fallback_mw, fallback_mw.cli\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('django', 'starlette', 'fastapi'))\n"
+        "print(','.join(bad) or 'none')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "none"
