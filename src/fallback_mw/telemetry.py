@@ -1,89 +1,508 @@
-"""Spans, metrics and the request log line. Attributes are built from an allowlist:
-names, numbers and codes only — never a body, header value, credential or query string."""
+"""Spans, metrics and the request log line (SPEC §9).
+
+Redaction is by construction: every attribute, event field, metric attribute and log field
+is built here, from an allowlist of gateway facts — route id, candidate names, counts,
+status codes, failure kinds. Nothing reads a body, a header value (other than the W3C
+trace context), a credential or a query string, so nothing can leak one. Exceptions are
+never recorded (their messages are not ours to vouch for).
+
+The library uses `opentelemetry-api` only; the host app (or `fallback-mw serve`, see
+`otel_setup`) owns the SDK. Without an SDK every call is a cheap no-op.
+"""
 
 from __future__ import annotations
 
+import contextvars
 import logging
+import re
+import time
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from opentelemetry import trace
+from opentelemetry import context as otel_context
+from opentelemetry import metrics, propagate, trace
+from opentelemetry.propagators.textmap import Getter
+from opentelemetry.util.types import AttributeValue
 
 from fallback_mw.context import AttemptRecord, RequestContext
 
-tracer = trace.get_tracer("fallback_mw")
+INSTRUMENTATION_NAME = "fallback_mw"
+REQUEST_SPAN = "gateway.request"
+ATTEMPT_SPAN = "gateway.attempt"
+SKIP_EVENT = "gateway.candidate.skipped"
+
 logger = logging.getLogger("fallback_mw.request")
+_internal = logging.getLogger("fallback_mw.telemetry")
+
+_EXTRAS_KEY = "fallback_mw.telemetry"
+_MAX_LABEL = 128
+# A model name is echoed from the request body, so only name-shaped values are recorded.
+_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
+_BREAKER_VALUES = {"closed": 0, "half_open": 1, "open": 2}
+_DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# Outcomes that are the caller's or the upstream's doing, not a gateway failure.
+_QUIET_OUTCOMES = frozenset({"served", "client_disconnected"})
+
+# The attempt span in flight in this task, so `inject_headers` (called with the attempt's
+# header list only) can propagate its context. Set in attempt_started, reset after.
+_current_attempt: contextvars.ContextVar[_AttemptTrace | None] = contextvars.ContextVar(
+    "fallback_mw_current_attempt", default=None
+)
+
+
+def _label(value: object) -> str:
+    """A short printable label (route ids, candidate names, tenant)."""
+    text = str(value)
+    if not text.isprintable():
+        text = "".join(ch if ch.isprintable() else "?" for ch in text)
+    return text[:_MAX_LABEL]
+
+
+def _model(value: str | None) -> str | None:
+    if value is None or not _MODEL_NAME.fullmatch(value):
+        return None
+    return value
+
+
+class _HeaderGetter(Getter[Sequence[tuple[bytes, bytes]]]):
+    """Reads only the propagator's own fields (traceparent, tracestate, baggage)."""
+
+    def get(self, carrier: Sequence[tuple[bytes, bytes]], key: str) -> list[str] | None:
+        wanted = key.lower().encode("latin-1")
+        values = [v.decode("latin-1") for k, v in carrier if k.lower() == wanted]
+        return values or None
+
+    def keys(self, carrier: Sequence[tuple[bytes, bytes]]) -> list[str]:
+        return [k.decode("latin-1").lower() for k, _ in carrier]
+
+
+_GETTER = _HeaderGetter()
+
+
+@dataclass(slots=True)
+class _AttemptTrace:
+    record: AttemptRecord
+    span: trace.Span
+    context: otel_context.Context
+    token: contextvars.Token[_AttemptTrace | None] | None = None
+
+
+@dataclass(slots=True)
+class _RequestTrace:
+    """One request's telemetry state; lives in `context.extras`, never on Telemetry."""
+
+    span: trace.Span
+    parent: otel_context.Context  # incoming context (trace parent, baggage) + our span
+    attempts: list[_AttemptTrace] = field(default_factory=list)
+
+
+_live: weakref.WeakSet[Telemetry] = weakref.WeakSet()
+_breaker_states: dict[str, str] = {}
+
+
+def record_breaker_state(upstream: str, state: str) -> None:
+    """Report an upstream's breaker state (`closed`, `half_open`/`half-open`, `open`).
+
+    Call it on every transition (calling it again with the same state is harmless). The
+    state is exported as the `gateway.breaker.state` gauge (0 closed, 1 half-open, 2 open)
+    by every live Telemetry, and each change counts in `gateway.breaker.transitions`.
+    Never raises."""
+    try:
+        normalised = state.strip().lower().replace("-", "_")
+        if normalised not in _BREAKER_VALUES:
+            return
+        name = _label(upstream)
+        previous = _breaker_states.get(name)
+        _breaker_states[name] = normalised
+        if previous == normalised:
+            return
+        for telemetry in list(_live):
+            telemetry._breaker_transition(name, normalised)
+    except Exception:
+        _internal.debug("breaker state not recorded", exc_info=False)
 
 
 class Telemetry:
-    """The walker's one telemetry seam. Every method is safe to call and never raises."""
+    """The walker's one telemetry seam. Every hook is safe to call and never raises.
+
+    `tracer_provider` / `meter_provider` default to the global ones (the host app's SDK,
+    or no-ops). Tests pass their own providers."""
+
+    def __init__(
+        self,
+        *,
+        tracer_provider: trace.TracerProvider | None = None,
+        meter_provider: metrics.MeterProvider | None = None,
+    ) -> None:
+        version = _version()
+        tracer_provider = tracer_provider or trace.get_tracer_provider()
+        meter_provider = meter_provider or metrics.get_meter_provider()
+        self._tracer = tracer_provider.get_tracer(INSTRUMENTATION_NAME, version)
+        meter = meter_provider.get_meter(INSTRUMENTATION_NAME, version)
+        self._requests = meter.create_counter(
+            "gateway.requests", unit="{request}", description="Routed requests, by outcome"
+        )
+        self._attempts = meter.create_counter(
+            "gateway.attempts", unit="{attempt}", description="Upstream requests made"
+        )
+        self._fallbacks = meter.create_counter(
+            "gateway.fallbacks",
+            unit="{request}",
+            description="Requests answered by a candidate other than the first of their order",
+        )
+        self._skips = meter.create_counter(
+            "gateway.skips",
+            unit="{candidate}",
+            description="Candidates skipped (breaker open, no usable credential)",
+        )
+        self._duration = meter.create_histogram(
+            "gateway.request.duration",
+            unit="s",
+            description="Routed request duration, first byte in to last byte out",
+            explicit_bucket_boundaries_advisory=_DURATION_BUCKETS,
+        )
+        self._attempt_duration = meter.create_histogram(
+            "gateway.attempt.duration",
+            unit="s",
+            description="Upstream attempt duration, until response headers or failure",
+            explicit_bucket_boundaries_advisory=_DURATION_BUCKETS,
+        )
+        self._transitions = meter.create_counter(
+            "gateway.breaker.transitions",
+            unit="{transition}",
+            description="Breaker state changes, by upstream and new state",
+        )
+        meter.create_observable_gauge(
+            "gateway.breaker.state",
+            callbacks=[_observe_breakers],
+            unit="{state}",
+            description="Breaker state per upstream: 0 closed, 1 half-open, 2 open",
+        )
+        _live.add(self)
+
+    # --- hooks the walker calls -------------------------------------------------------
 
     def request_started(self, context: RequestContext) -> None:
         try:
-            span = tracer.start_span("gateway.request", kind=trace.SpanKind.INTERNAL)
-            span.set_attribute("gateway.route.id", context.route.id)
-            span.set_attribute("gateway.tenant", context.tenant)
-            context.extras["span"] = span
+            current = trace.get_current_span().get_span_context()
+            if current.is_valid:
+                # An instrumented host app already extracted the caller's context.
+                incoming = otel_context.get_current()
+                kind = trace.SpanKind.INTERNAL
+            else:
+                incoming = propagate.extract(context.forward_headers, getter=_GETTER)
+                kind = trace.SpanKind.SERVER
+            span = self._tracer.start_span(
+                REQUEST_SPAN,
+                context=incoming,
+                kind=kind,
+                attributes={
+                    "gateway.route.id": _label(context.route.id),
+                    "gateway.tenant": _label(context.tenant),
+                    "http.request.method": _label(context.method),
+                },
+            )
+            context.extras[_EXTRAS_KEY] = _RequestTrace(
+                span=span, parent=trace.set_span_in_context(span, incoming)
+            )
         except Exception:  # telemetry must never break a request
-            logging.getLogger("fallback_mw").debug("telemetry failed", exc_info=False)
+            _internal.debug("request_started failed", exc_info=False)
 
     def attempt_started(self, context: RequestContext, attempt: AttemptRecord) -> None:
-        return None
+        try:
+            request = self._request_trace(context)
+            if request is None:
+                return
+            attributes: dict[str, AttributeValue] = {
+                "gateway.candidate": _label(attempt.candidate),
+                "gateway.attempt.number": attempt.number,
+                "server.address": _label(attempt.server_address),
+            }
+            if attempt.hedge:
+                attributes["gateway.attempt.hedge"] = True
+            if attempt.credential_index is not None:
+                attributes["gateway.credential.index"] = attempt.credential_index
+            span = self._tracer.start_span(
+                ATTEMPT_SPAN,
+                context=request.parent,
+                kind=trace.SpanKind.CLIENT,
+                attributes=attributes,
+            )
+            entry = _AttemptTrace(
+                record=attempt,
+                span=span,
+                context=trace.set_span_in_context(span, request.parent),
+            )
+            entry.token = _current_attempt.set(entry)
+            request.attempts.append(entry)
+        except Exception:
+            _internal.debug("attempt_started failed", exc_info=False)
 
     def attempt_finished(self, context: RequestContext, attempt: AttemptRecord) -> None:
-        span = context.extras.get("span")
-        if span is None:
-            return
         try:
-            with trace.use_span(span, end_on_exit=False):
-                child = tracer.start_span("gateway.attempt", start_time=None)
-            attrs: dict[str, Any] = {
-                "gateway.candidate": attempt.candidate,
-                "gateway.attempt.number": attempt.number,
-                "server.address": attempt.server_address,
-            }
-            if attempt.status is not None:
-                attrs["http.response.status_code"] = attempt.status
-            if attempt.failure_kind is not None:
-                attrs["gateway.failure.kind"] = attempt.failure_kind
-            child.set_attributes(attrs)
-            child.end()
+            request = self._request_trace(context)
+            if request is None:
+                return
+            entry = next((a for a in request.attempts if a.record is attempt), None)
+            if entry is None:
+                # attempt_started never ran for it: still record a (zero-length) span.
+                self.attempt_started(context, attempt)
+                entry = next((a for a in request.attempts if a.record is attempt), None)
+                if entry is None:
+                    return
+            request.attempts.remove(entry)
+            self._end_attempt(context, entry, cancelled=False)
         except Exception:
-            logging.getLogger("fallback_mw").debug("telemetry failed", exc_info=False)
+            _internal.debug("attempt_finished failed", exc_info=False)
 
     def skipped(self, context: RequestContext, candidate: str, reason: str) -> None:
-        span = context.extras.get("span")
-        if span is not None:
-            span.add_event(
-                "gateway.candidate.skipped",
-                {"gateway.candidate": candidate, "gateway.skip.reason": reason},
-            )
+        try:
+            request = self._request_trace(context)
+            attributes = {
+                "gateway.candidate": _label(candidate),
+                "gateway.skip.reason": _label(reason),
+            }
+            if request is not None:
+                request.span.add_event(SKIP_EVENT, attributes)
+            self._skips.add(1, {"gateway.route.id": _label(context.route.id), **attributes})
+        except Exception:
+            _internal.debug("skipped failed", exc_info=False)
 
     def request_finished(self, context: RequestContext) -> None:
-        span = context.extras.pop("span", None)
         try:
-            if span is not None:
-                span.set_attributes(
-                    {
-                        "gateway.plan.candidates": list(context.candidates),
-                        "gateway.plan.chosen": context.chosen or "",
-                        "gateway.attempts": context.attempt_count,
-                        "gateway.fallback": context.fallback,
-                        "gateway.canary": context.canary,
-                        "gateway.outcome": context.outcome or "unknown",
-                    }
-                )
-                span.end()
-            logger.info(
-                "route=%s candidates=%s chosen=%s attempts=%d outcome=%s",
-                context.route.id,
-                ",".join(context.candidates),
-                context.chosen or "-",
-                context.attempt_count,
-                context.outcome or "unknown",
-            )
+            self._finish(context)
         except Exception:
-            logging.getLogger("fallback_mw").debug("telemetry failed", exc_info=False)
+            _internal.debug("request_finished failed", exc_info=False)
 
     def inject_headers(self, headers: list[tuple[str, str]]) -> None:
-        """Propagate the current trace context upstream (traceparent)."""
-        return None
+        """Propagate the attempt span's context upstream: the caller's own `traceparent`
+        (and `tracestate`, `baggage`) are replaced, never duplicated. Without an SDK the
+        caller's context passes through unchanged."""
+        try:
+            entry = _current_attempt.get()
+            ctx = entry.context if entry is not None else None
+            propagator = propagate.get_global_textmap()
+            fields = {f.lower() for f in propagator.fields}
+            carrier: dict[str, str] = {}
+            propagator.inject(carrier, context=ctx)
+            if not carrier and entry is None:
+                return  # no trace context of ours at all: leave the caller's untouched
+            headers[:] = [(k, v) for k, v in headers if k.lower() not in fields]
+            headers.extend(carrier.items())
+        except Exception:
+            _internal.debug("inject_headers failed", exc_info=False)
+
+    def breaker_state(self, upstream: str, state: str) -> None:
+        record_breaker_state(upstream, state)
+
+    # --- internals --------------------------------------------------------------------
+
+    def _request_trace(self, context: RequestContext) -> _RequestTrace | None:
+        request = context.extras.get(_EXTRAS_KEY)
+        return request if isinstance(request, _RequestTrace) else None
+
+    def _end_attempt(
+        self, context: RequestContext, entry: _AttemptTrace, *, cancelled: bool
+    ) -> None:
+        record = entry.record
+        span = entry.span
+        if entry.token is not None:
+            try:
+                _current_attempt.reset(entry.token)
+            except ValueError:  # reset from another task: just clear ours
+                if _current_attempt.get() is entry:
+                    _current_attempt.set(None)
+            entry.token = None
+        kind = "cancelled" if cancelled and record.failure_kind is None else record.failure_kind
+        attributes: dict[str, AttributeValue] = {}
+        if record.status is not None:
+            attributes["http.response.status_code"] = record.status
+        if kind is not None:
+            attributes["gateway.failure.kind"] = kind
+            attributes["error.type"] = (
+                str(record.status) if kind == "status" and record.status is not None else kind
+            )
+        if record.fault is not None:
+            attributes["gateway.fault"] = _label(record.fault)
+        span.set_attributes(attributes)
+        if kind is not None and kind != "cancelled":
+            span.set_status(trace.Status(trace.StatusCode.ERROR, kind))
+        span.end()
+
+        metric: dict[str, AttributeValue] = {
+            "gateway.route.id": _label(context.route.id),
+            "gateway.candidate": _label(record.candidate),
+            "gateway.failure.kind": kind or "none",
+            "gateway.fault": record.fault is not None,
+            "gateway.canary": context.canary,
+        }
+        if record.status is not None:
+            metric["http.response.status_code"] = record.status
+        self._attempts.add(1, metric)
+        duration = record.duration
+        if duration is None:
+            duration = time.monotonic() - record.started
+        self._attempt_duration.record(max(duration, 0.0), metric)
+
+    def _finish(self, context: RequestContext) -> None:
+        request = context.extras.pop(_EXTRAS_KEY, None)
+        duration = max(time.monotonic() - context.started, 0.0)
+        outcome = context.outcome or ("served" if context.completed else "internal_error")
+        candidates = [_label(c) for c in (context.candidates or context.route.plan)]
+        chosen = _label(context.chosen) if context.chosen is not None else None
+        fault = any(a.fault for a in context.attempts) or context.pinned is not None
+        route_id = _label(context.route.id)
+
+        trace_id = span_id = None
+        if isinstance(request, _RequestTrace):
+            # An attempt cancelled mid-flight (client gone) never reached attempt_finished.
+            for entry in list(reversed(request.attempts)):
+                self._end_attempt(context, entry, cancelled=True)
+            request.attempts.clear()
+            span = request.span
+            attributes: dict[str, AttributeValue] = {
+                "gateway.plan.candidates": candidates,
+                "gateway.attempts": context.attempt_count,
+                "gateway.fallback": context.fallback,
+                "gateway.canary": context.canary,
+                "gateway.outcome": _label(outcome),
+            }
+            if chosen is not None:
+                attributes["gateway.plan.chosen"] = chosen
+            if context.pinned is not None:
+                attributes["gateway.pinned"] = _label(context.pinned)
+            if fault:
+                attributes["gateway.fault"] = True
+            if context.skipped:
+                attributes["gateway.skipped"] = len(context.skipped)
+            if context.status is not None:
+                attributes["http.response.status_code"] = context.status
+            model = _model(context.request_model)
+            if model is not None:
+                attributes["gen_ai.request.model"] = model
+            usage = context.usage
+            if usage is not None:
+                if usage.input_tokens is not None:
+                    attributes["gen_ai.usage.input_tokens"] = int(usage.input_tokens)
+                if usage.output_tokens is not None:
+                    attributes["gen_ai.usage.output_tokens"] = int(usage.output_tokens)
+                response_model = _model(usage.model)
+                if response_model is not None:
+                    attributes["gen_ai.response.model"] = response_model
+            if outcome != "served":
+                attributes["error.type"] = _label(outcome)
+                if outcome not in _QUIET_OUTCOMES:
+                    span.set_status(trace.Status(trace.StatusCode.ERROR, _label(outcome)))
+            span.set_attributes(attributes)
+            span.end()
+            span_context = span.get_span_context()
+            if span_context.is_valid:
+                trace_id = trace.format_trace_id(span_context.trace_id)
+                span_id = trace.format_span_id(span_context.span_id)
+
+        common: dict[str, AttributeValue] = {
+            "gateway.route.id": route_id,
+            "gateway.outcome": _label(outcome),
+            "gateway.fallback": context.fallback,
+            "gateway.canary": context.canary,
+            "gateway.fault": fault,
+        }
+        self._requests.add(1, {**common, "gateway.candidate": chosen or "none"})
+        self._duration.record(duration, common)
+        if context.fallback and chosen is not None:
+            self._fallbacks.add(
+                1,
+                {
+                    "gateway.route.id": route_id,
+                    "gateway.candidate": chosen,
+                    "gateway.primary": candidates[0] if candidates else "none",
+                    "gateway.outcome": _label(outcome),
+                    "gateway.canary": context.canary,
+                    "gateway.fault": fault,
+                },
+            )
+        self._log(context, outcome, candidates, chosen, fault, duration, trace_id, span_id)
+
+    def _log(
+        self,
+        context: RequestContext,
+        outcome: str,
+        candidates: list[str],
+        chosen: str | None,
+        fault: bool,
+        duration: float,
+        trace_id: str | None,
+        span_id: str | None,
+    ) -> None:
+        level = logging.INFO if outcome in _QUIET_OUTCOMES else logging.WARNING
+        if not logger.isEnabledFor(level):
+            return
+        duration_ms = round(duration * 1000, 1)
+        fields: dict[str, Any] = {
+            "route": _label(context.route.id),
+            "tenant": _label(context.tenant),
+            "method": _label(context.method),
+            "candidates": candidates,
+            "chosen": chosen,
+            "attempts": context.attempt_count,
+            "attempt_candidates": [_label(a.candidate) for a in context.attempts],
+            "skipped": [_label(s.candidate) for s in context.skipped],
+            "outcome": _label(outcome),
+            "status": context.status,
+            "fallback": context.fallback,
+            "canary": context.canary,
+            "fault": fault,
+            "duration_ms": duration_ms,
+            "request_id": context.request_id,
+            "trace_id": trace_id,
+            "span_id": span_id,
+        }
+        logger.log(
+            level,
+            "gateway request route=%s outcome=%s status=%s chosen=%s attempts=%d "
+            "candidates=%s duration_ms=%.1f",
+            fields["route"],
+            fields["outcome"],
+            context.status if context.status is not None else "-",
+            chosen or "-",
+            context.attempt_count,
+            ",".join(candidates) or "-",
+            duration_ms,
+            extra=fields,
+        )
+
+    def _breaker_transition(self, upstream: str, state: str) -> None:
+        self._transitions.add(1, {"gateway.upstream": upstream, "gateway.breaker.state": state})
+
+
+def _observe_breakers(options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
+    return [
+        metrics.Observation(_BREAKER_VALUES[state], {"gateway.upstream": upstream})
+        for upstream, state in list(_breaker_states.items())
+    ]
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("fallback_mw")
+    except Exception:
+        return "0"
+
+
+def breaker_states() -> Mapping[str, str]:
+    """The last reported state of each upstream's breaker (a copy)."""
+    return dict(_breaker_states)
+
+
+__all__ = [
+    "ATTEMPT_SPAN",
+    "REQUEST_SPAN",
+    "SKIP_EVENT",
+    "Telemetry",
+    "breaker_states",
+    "record_breaker_state",
+]

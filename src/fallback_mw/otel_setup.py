@@ -1,0 +1,206 @@
+"""Configure the OpenTelemetry SDK from the standard `OTEL_*` variables (for `serve`).
+
+The library itself only uses `opentelemetry-api`; a host app configures its own SDK.
+`fallback-mw serve` calls `configure_opentelemetry()`, which needs the `otel` extra
+(`pip install 'fallback_mw[otel]'`): the SDK is imported only when an exporter is asked for.
+
+Variables read here: `OTEL_SDK_DISABLED`, `OTEL_TRACES_EXPORTER`, `OTEL_METRICS_EXPORTER`
+(comma-separated; `console`, `otlp`, `none`), `OTEL_EXPORTER_OTLP_PROTOCOL` /
+`OTEL_EXPORTER_OTLP_{TRACES,METRICS}_PROTOCOL` (`http/protobuf`, or `grpc` when that
+exporter package is installed). Without any `*_EXPORTER` variable, `otlp` is used when an
+OTLP endpoint is set (`OTEL_EXPORTER_OTLP_ENDPOINT` or a signal-specific one) and nothing
+otherwise, so a plain `serve` does not spam connection errors. Everything else — service
+name and resource (`OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`), sampler
+(`OTEL_TRACES_SAMPLER`), endpoints, headers, timeouts, batch and export intervals,
+propagators (`OTEL_PROPAGATORS`) — is read by the SDK itself, as its documentation says.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+_KNOWN_EXPORTERS = frozenset({"console", "otlp", "none"})
+
+
+class TelemetrySetupError(RuntimeError):
+    """The OTEL_* variables ask for something this installation cannot do. The message
+    names the variable and the fix; it never contains a variable's value beyond exporter
+    names."""
+
+
+@dataclass
+class OtelHandle:
+    """What was configured; `shutdown()` flushes and stops the exporters (idempotent)."""
+
+    traces: tuple[str, ...] = ()
+    metrics: tuple[str, ...] = ()
+    _providers: list[Any] = field(default_factory=list)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._providers)
+
+    def shutdown(self) -> None:
+        providers, self._providers = self._providers, []
+        for provider in providers:
+            # Flushing at exit must not mask the real exit status.
+            with contextlib.suppress(Exception):
+                provider.shutdown()
+
+
+def _exporters(environ: Mapping[str, str], signal: str) -> tuple[str, ...]:
+    variable = f"OTEL_{signal.upper()}_EXPORTER"
+    raw = environ.get(variable)
+    if raw is None:
+        endpoint = environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or environ.get(
+            f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT"
+        )
+        return ("otlp",) if endpoint else ()
+    names = tuple(dict.fromkeys(n.strip().lower() for n in raw.split(",") if n.strip()))
+    unknown = [n for n in names if n not in _KNOWN_EXPORTERS]
+    if unknown:
+        raise TelemetrySetupError(
+            f"{variable}: unsupported exporter {', '.join(sorted(unknown))} "
+            f"(supported: console, otlp, none)"
+        )
+    return tuple(n for n in names if n != "none")
+
+
+def _protocol(environ: Mapping[str, str], signal: str) -> str:
+    protocol = (
+        environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL")
+        or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+        or "http/protobuf"
+    ).strip()
+    if protocol not in ("http/protobuf", "grpc"):
+        raise TelemetrySetupError(
+            f"OTEL_EXPORTER_OTLP_PROTOCOL: {protocol!r} is not supported "
+            "(use http/protobuf or grpc)"
+        )
+    return protocol
+
+
+def _missing(package: str) -> TelemetrySetupError:
+    return TelemetrySetupError(
+        f"OpenTelemetry export was requested but {package} is not installed: "
+        "pip install 'fallback_mw[otel]'"
+    )
+
+
+def _grpc_exporter(module: str, name: str) -> Any:
+    # Optional package, not part of the `otel` extra: imported by name.
+    try:
+        found = importlib.import_module(f"opentelemetry.exporter.otlp.proto.grpc.{module}")
+    except ImportError as exc:
+        raise _missing("opentelemetry-exporter-otlp-proto-grpc") from exc
+    return getattr(found, name)()
+
+
+def _span_exporter(name: str, environ: Mapping[str, str], out: TextIO) -> Any:
+    if name == "console":
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+        return ConsoleSpanExporter(out=out)
+    if _protocol(environ, "traces") == "grpc":
+        return _grpc_exporter("trace_exporter", "OTLPSpanExporter")
+    try:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+            OTLPSpanExporter as HTTPSpanExporter,
+        )
+    except ImportError as exc:
+        raise _missing("opentelemetry-exporter-otlp-proto-http") from exc
+    return HTTPSpanExporter()
+
+
+def _metric_exporter(name: str, environ: Mapping[str, str], out: TextIO) -> Any:
+    if name == "console":
+        from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
+
+        return ConsoleMetricExporter(out=out)
+    if _protocol(environ, "metrics") == "grpc":
+        return _grpc_exporter("metric_exporter", "OTLPMetricExporter")
+    try:
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
+            OTLPMetricExporter as HTTPMetricExporter,
+        )
+    except ImportError as exc:
+        raise _missing("opentelemetry-exporter-otlp-proto-http") from exc
+    return HTTPMetricExporter()
+
+
+def configure_opentelemetry(
+    environ: Mapping[str, str] | None = None,
+    *,
+    service_name: str = "fallback-mw",
+    out: TextIO | None = None,
+    set_global: bool = True,
+) -> OtelHandle:
+    """Install tracer and meter providers as the process-wide OpenTelemetry providers,
+    from the `OTEL_*` variables in `environ` (default: `os.environ`).
+
+    Returns an `OtelHandle`; call `shutdown()` on exit to flush (the SDK also flushes at
+    interpreter exit). Nothing is installed when no exporter is asked for or
+    `OTEL_SDK_DISABLED=true`. Raises `TelemetrySetupError` for an unsupported exporter or
+    protocol, or when the SDK (the `otel` extra) is not installed. `console` writes to
+    `out` (default: stdout)."""
+    environ = os.environ if environ is None else environ
+    handle = OtelHandle()
+    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return handle
+    handle.traces = _exporters(environ, "traces")
+    handle.metrics = _exporters(environ, "metrics")
+    if not handle.traces and not handle.metrics:
+        return handle
+    stream = out if out is not None else sys.stdout
+    try:
+        from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+    except ImportError as exc:
+        raise _missing("opentelemetry-sdk") from exc
+
+    from opentelemetry import metrics, trace
+
+    attributes: dict[str, str] = {}
+    if not environ.get("OTEL_SERVICE_NAME") and "service.name=" not in environ.get(
+        "OTEL_RESOURCE_ATTRIBUTES", ""
+    ):
+        attributes[SERVICE_NAME] = service_name
+    resource = Resource.create(attributes)
+
+    if handle.traces:
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+
+        tracer_provider = TracerProvider(resource=resource)
+        for name in handle.traces:
+            exporter = _span_exporter(name, environ, stream)
+            # Console output is for eyes: show each span as it ends.
+            processor = (
+                SimpleSpanProcessor(exporter) if name == "console" else BatchSpanProcessor(exporter)
+            )
+            tracer_provider.add_span_processor(processor)
+        handle._providers.append(tracer_provider)
+        if set_global:
+            trace.set_tracer_provider(tracer_provider)
+
+    if handle.metrics:
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+        readers = [
+            PeriodicExportingMetricReader(_metric_exporter(name, environ, stream))
+            for name in handle.metrics
+        ]
+        meter_provider = MeterProvider(resource=resource, metric_readers=readers)
+        handle._providers.append(meter_provider)
+        if set_global:
+            metrics.set_meter_provider(meter_provider)
+    return handle
+
+
+__all__ = ["OtelHandle", "TelemetrySetupError", "configure_opentelemetry"]
