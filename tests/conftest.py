@@ -47,9 +47,7 @@ async def pg_url() -> AsyncIterator[str]:
     import asyncpg
 
     name = f"fmw_test_{uuid.uuid4().hex[:12]}"
-    admin = await asyncpg.connect(
-        host=PG_HOST, port=PG_PORT, user=PG_USER, database="postgres"
-    )
+    admin = await asyncpg.connect(host=PG_HOST, port=PG_PORT, user=PG_USER, database="postgres")
     try:
         await admin.execute(f'CREATE DATABASE "{name}"')
     finally:
@@ -57,9 +55,7 @@ async def pg_url() -> AsyncIterator[str]:
     try:
         yield f"postgresql://{PG_USER}@{PG_HOST}:{PG_PORT}/{name}"
     finally:
-        admin = await asyncpg.connect(
-            host=PG_HOST, port=PG_PORT, user=PG_USER, database="postgres"
-        )
+        admin = await asyncpg.connect(host=PG_HOST, port=PG_PORT, user=PG_USER, database="postgres")
         try:
             await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         finally:

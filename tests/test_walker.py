@@ -160,9 +160,10 @@ async def test_failure_after_commit_aborts_and_never_fails_over(engine: str) -> 
 
 @pytest.mark.parametrize("status", [400, 401, 403, 429, 500])
 async def test_non_failover_statuses_are_served_as_is(status: int) -> None:
-    async with upstream(status_handler(status, b"upstream says no")) as p, upstream(
-        status_handler(200)
-    ) as b:
+    async with (
+        upstream(status_handler(status, b"upstream says no")) as p,
+        upstream(status_handler(200)) as b,
+    ):
         gateway = Gateway(host_app, config=make_config(p.url, b.url), environ=ENV)
         async with client_for(gateway) as client:
             response = await client.get("/v1/models")
@@ -184,9 +185,10 @@ async def test_get_failover_statuses_reach_backup() -> None:
 
 
 async def test_exhausted_plan_is_a_local_error_without_upstream_body() -> None:
-    async with upstream(status_handler(503, b"SECRET-UPSTREAM-BODY")) as p, upstream(
-        status_handler(502, b"SECRET-UPSTREAM-BODY")
-    ) as b:
+    async with (
+        upstream(status_handler(503, b"SECRET-UPSTREAM-BODY")) as p,
+        upstream(status_handler(502, b"SECRET-UPSTREAM-BODY")) as b,
+    ):
         gateway = Gateway(host_app, config=make_config(p.url, b.url), environ=ENV)
         async with client_for(gateway) as client:
             response = await client.get("/v1/models")
@@ -262,8 +264,14 @@ async def test_each_candidate_gets_only_its_own_credential(engine: str) -> None:
         await gateway.aclose()
     assert response.status_code == 200
     forbidden_values = {
-        "caller-token", "Basic caller", "caller-key", "session=caller", "hop-value",
-        "timeout=5", "websocket", "forged",
+        "caller-token",
+        "Basic caller",
+        "caller-key",
+        "session=caller",
+        "hop-value",
+        "timeout=5",
+        "websocket",
+        "forged",
     }
     for received, own, other in (
         (p.received[0], ("authorization", "Bearer sk-primary-0001"), "sk-backup-0002"),
@@ -418,9 +426,16 @@ async def test_cancelled_client_starts_no_fallback() -> None:
             messages.append(message)
 
         scope = {
-            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET",
-            "scheme": "http", "path": "/v1/models", "raw_path": b"/v1/models",
-            "query_string": b"", "headers": [(b"host", b"gw")], "client": ("127.0.0.1", 1),
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "GET",
+            "scheme": "http",
+            "path": "/v1/models",
+            "raw_path": b"/v1/models",
+            "query_string": b"",
+            "headers": [(b"host", b"gw")],
+            "client": ("127.0.0.1", 1),
             "server": ("gw", 80),
         }
         started = time.monotonic()
@@ -501,7 +516,7 @@ async def test_dot_segments_and_encoded_separators_cannot_escape_a_prefix(path: 
                 except urllib.error.HTTPError as error:
                     return error.code, error.read(), dict(error.headers)
 
-            status, body, headers = await asyncio.to_thread(fetch)
+            status, body, _headers = await asyncio.to_thread(fetch)
         await gateway.aclose()
     # Either the host app answered (no route matched), or the v1 route matched a path that
     # stays under /v1/: never anything outside the prefix reaching an upstream.
@@ -524,9 +539,7 @@ async def test_forwarded_path_is_the_normalised_one() -> None:
 
 async def test_unmatched_requests_go_to_the_host_app() -> None:
     async with upstream(status_handler(200)) as p, upstream(status_handler(200)) as b:
-        gateway = Gateway(
-            host_app, config=make_config(p.url, b.url, methods=["GET"]), environ=ENV
-        )
+        gateway = Gateway(host_app, config=make_config(p.url, b.url, methods=["GET"]), environ=ENV)
         async with client_for(gateway) as client:
             other = await client.get("/health")
             wrong_method = await client.delete("/v1/models")
@@ -605,9 +618,7 @@ async def test_request_over_max_body_is_413_with_no_upstream() -> None:
 
 
 async def test_response_over_ceiling_is_502_before_commit() -> None:
-    async with upstream(status_handler(200, b"x" * 5000)) as p, upstream(
-        status_handler(200)
-    ) as b:
+    async with upstream(status_handler(200, b"x" * 5000)) as p, upstream(status_handler(200)) as b:
         config = make_config(p.url, b.url)
         config["gateway"]["max_response_body"] = 1000
         gateway = Gateway(host_app, config=config, environ=ENV)
@@ -650,3 +661,16 @@ async def test_redirects_are_never_followed(engine: str) -> None:
     assert response.status_code == 302
     assert response.headers["location"] == "http://169.254.169.254/latest"
     assert p.count == 1 and b.count == 0
+
+
+async def test_caller_value_for_a_custom_auth_header_never_reaches_an_upstream() -> None:
+    async with upstream(status_handler(503)) as p, upstream(status_handler(200)) as b:
+        config = make_config(p.url, b.url)
+        config["upstreams"]["backup"]["auth_header"] = "x-backup-token"
+        gateway = Gateway(host_app, config=config, environ=ENV)
+        async with client_for(gateway) as client:
+            response = await client.get("/v1/m", headers={"x-backup-token": "caller-forged"})
+        await gateway.aclose()
+    assert response.status_code == 200
+    assert ("x-backup-token", "caller-forged") not in p.received[0].headers
+    assert [v for n, v in b.received[0].headers if n == "x-backup-token"] == ["sk-backup-0002"]

@@ -36,7 +36,8 @@ def status_handler(status: int, body: bytes = b"", delay: float = 0.0, **headers
     async def handle(request: web.Request) -> web.StreamResponse:
         if delay:
             await asyncio.sleep(delay)
-        return web.Response(status=status, body=body or f"status {status}".encode(), headers=headers)
+        text = body or f"status {status}".encode()
+        return web.Response(status=status, body=text, headers=headers)
 
     return handle
 
@@ -52,9 +53,7 @@ async def upstream(handler: Handler) -> AsyncIterator[Upstream]:
                 method=request.method,
                 path=request.raw_path.split("?", 1)[0],
                 query=request.query_string,
-                headers=[(k.lower(), v) for k, v in request.raw_headers_str()]
-                if hasattr(request, "raw_headers_str")
-                else [(k.decode().lower(), v.decode()) for k, v in request.raw_headers],
+                headers=[(k.decode().lower(), v.decode()) for k, v in request.raw_headers],
                 body=body,
             )
         )

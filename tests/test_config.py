@@ -1,0 +1,137 @@
+"""Load-time refusals (SPEC §3): a clear error naming the route or key, never a secret."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fallback_mw import ConfigError, GatewayConfig, load_config
+
+ENV = {"PRIMARY_KEY": "sk-very-secret-value", "BACKUP_KEY": "sk-other-secret"}
+
+
+def base(**route: Any) -> dict[str, Any]:
+    return {
+        "upstreams": {
+            "primary": {"url": "http://127.0.0.1:9001", "auth_env": "PRIMARY_KEY"},
+            "backup": {"url": "http://localhost:9002", "auth_env": "BACKUP_KEY"},
+        },
+        "routes": [
+            {"id": "chat", "prefix": "/v1/", "plan": ["primary", "backup"], "retries": 1, **route}
+        ],
+    }
+
+
+def refused(data: dict[str, Any], environ: dict[str, str] | None = None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(data, environ=ENV if environ is None else environ)
+    message = str(info.value)
+    for secret in ENV.values():
+        assert secret not in message
+    return message
+
+
+def test_a_valid_config_loads_from_dict_model_and_toml(tmp_path: Path) -> None:
+    config = load_config(base(), environ=ENV)
+    assert isinstance(config, GatewayConfig)
+    assert config.routes[0].attempt_ceiling == 2
+    assert load_config(config, environ=ENV) == config
+    path = tmp_path / "gateway.toml"
+    path.write_text(
+        """
+[gateway]
+deadline_ms = 3000
+
+[upstreams.primary]
+url = "http://127.0.0.1:9001"
+auth_env = "PRIMARY_KEY"
+
+[[routes]]
+id = "chat"
+prefix = "/v1/"
+plan = ["primary"]
+"""
+    )
+    loaded = load_config(path, environ=ENV)
+    assert loaded.gateway.deadline_ms == 3000
+    assert loaded.routes[0].plan == ("primary",)
+
+
+def test_unreachable_fallback_is_refused() -> None:
+    message = refused(base(retries=0))
+    assert "route 'chat'" in message and "retries" in message
+
+
+def test_repeated_candidate_and_primary_as_fallback_are_refused() -> None:
+    assert "repeats the primary" in refused(base(plan=["primary", "primary"]))
+    data = base(plan=["primary", "backup", "backup"], retries=2)
+    assert "appears twice" in refused(data)
+
+
+def test_unknown_upstream_and_unknown_key_are_refused() -> None:
+    assert "unknown upstream 'nope'" in refused(base(plan=["primary", "nope"]))
+    data = base()
+    data["routes"][0]["retry"] = 3
+    assert "unknown key 'routes.0.retry'" in refused(data)
+    data = base()
+    data["gateway"] = {"deadline": 5}
+    assert "unknown key 'gateway.deadline'" in refused(data)
+
+
+def test_missing_credential_variable_is_named_and_no_value_printed() -> None:
+    message = refused(base(), environ={"PRIMARY_KEY": "sk-very-secret-value"})
+    assert "BACKUP_KEY" in message and "not set" in message
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://169.254.169.254/latest",
+        "http://[fd00:ec2::254]/",
+        "http://[::ffff:169.254.169.254]/",
+        "http://2852039166/",
+        "http://0xa9fea9fe/",
+        "http://0251.0376.0251.0376/",
+        "http://[fe80::1]/",
+    ],
+)
+def test_link_local_and_metadata_upstreams_are_always_refused(url: str) -> None:
+    data = base()
+    data["gateway"] = {"allow_hosts": ["0.0.0.0/0", "::/0", "169.254.169.254"]}
+    data["upstreams"]["backup"]["url"] = url
+    message = refused(data)
+    assert "upstream 'backup'" in message and "link-local" in message
+
+
+def test_upstream_outside_the_allowlist_is_refused() -> None:
+    data = base()
+    data["upstreams"]["backup"]["url"] = "http://10.1.2.3:80"
+    message = refused(data)
+    assert "upstream 'backup'" in message and "allow_hosts" in message
+
+
+def test_cidr_allowlist_admits_its_addresses() -> None:
+    data = base()
+    data["gateway"] = {"allow_hosts": ["127.0.0.0/8", "localhost"]}
+    data["upstreams"]["primary"]["url"] = "http://127.0.0.7:9001"
+    assert load_config(data, environ=ENV).upstreams["primary"].host == "127.0.0.7"
+
+
+def test_bad_values_are_explained() -> None:
+    assert "prefix" in refused(base(prefix="v1"))
+    assert "deadline_ms" in refused(base(deadline_ms=0))
+    data = base()
+    data["upstreams"]["primary"]["url"] = "http://user:pw@127.0.0.1:9001"
+    message = refused(data)
+    assert "credentials" in message and "pw" not in message
+
+
+def test_missing_file_and_bad_toml(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[gateway\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
