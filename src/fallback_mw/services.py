@@ -3,16 +3,20 @@ route table and telemetry. Built once, from the configuration, in Gateway.__init
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from fallback_mw.budget import Ledger
+from fallback_mw.budget import Ledger, open_ledger
 from fallback_mw.config import GatewayConfig
 from fallback_mw.faults import FaultSource, NoFaults
-from fallback_mw.health import AlwaysHealthy, HealthState
+from fallback_mw.health import HealthState, create_health
 from fallback_mw.routing import RouteTable
 from fallback_mw.telemetry import Telemetry
 from fallback_mw.upstream import UpstreamClient, make_client
+
+if TYPE_CHECKING:
+    from fallback_mw.store.reload import StoreRuntime
 
 
 @dataclass
@@ -25,8 +29,11 @@ class Services:
     table: Callable[[], RouteTable]
     # Started on the first request (or lifespan startup), closed on shutdown.
     background: list[Callable[[], object]] = field(default_factory=list)
+    store: StoreRuntime | None = None  # route/fault reloader when gateway.store is set
 
     async def aclose(self) -> None:
+        if self.store is not None:
+            await self.store.aclose()
         await self.client.aclose()
         await self.health.aclose()
         await self.faults.aclose()
@@ -42,14 +49,25 @@ def build_services(
     faults: FaultSource | None = None,
     ledger: Ledger | None = None,
     telemetry: Telemetry | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> Services:
     settings = config.gateway
     static = RouteTable(config.routes, config.upstreams)
+    table: Callable[[], RouteTable] = lambda: static  # noqa: E731
+    runtime: StoreRuntime | None = None
+    if settings.store:
+        from fallback_mw.store.reload import StoreRuntime
+
+        # File routes merged with the store's, reloaded in the background; faults too.
+        runtime = StoreRuntime(config, settings.store, environ=environ)
+        runtime.load_initial()
+        table = runtime.table
     return Services(
         client=client or make_client(settings.engine, allow_hosts=settings.allow_hosts),
-        health=health or AlwaysHealthy(),
-        faults=faults or NoFaults(),
+        health=health or create_health(settings.state, settings.breaker),
+        faults=faults or (runtime.faults if runtime is not None else NoFaults()),
         telemetry=telemetry or Telemetry(),
-        ledger=ledger,
-        table=lambda: static,
+        ledger=ledger if ledger is not None else open_ledger(settings.store),
+        table=table,
+        store=runtime,
     )

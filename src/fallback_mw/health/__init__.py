@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from fallback_mw.config import BreakerConfig
 
 
 class HealthState(Protocol):
@@ -71,3 +74,21 @@ class AlwaysHealthy:
 
     async def aclose(self) -> None:
         return None
+
+
+class StateURLError(ValueError):
+    pass
+
+
+def create_health(state: str, breaker: BreakerConfig | None = None) -> HealthState:
+    """The health state named by `gateway.state`: "memory://" (per process, the default)
+    or "redis://..." / "rediss://..." (shared; `?prefix=` namespaces the keys)."""
+    if state in ("memory://", "memory", ""):
+        from fallback_mw.health.memory import MemoryHealth
+
+        return MemoryHealth(breaker)
+    if state.startswith(("redis://", "rediss://", "unix://")):
+        from fallback_mw.health.redis import RedisHealth
+
+        return RedisHealth(state, breaker)
+    raise StateURLError('state must be "memory://" or "redis://host:port/db[?prefix=...]"')

@@ -1,0 +1,105 @@
+"""Health state for one process (`state = "memory://"`, the default)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from opentelemetry import metrics
+
+from fallback_mw.config import BreakerConfig
+from fallback_mw.health.breaker import DEFAULT_PROBE_LEASE, Breaker, Transition
+from fallback_mw.health.pool import CredentialPool, credential_mark
+
+logger = logging.getLogger("fallback_mw.health")
+_meter = metrics.get_meter("fallback_mw")
+breaker_transitions = _meter.create_counter(
+    "gateway.breaker.transitions",
+    description="Circuit breaker state changes, by upstream and new state",
+)
+
+
+def report_transition(upstream: str, transition: Transition | str | None) -> None:
+    if transition is None:
+        return
+    state = {"opened": "open", "reopened": "open"}.get(transition, transition)
+    breaker_transitions.add(1, {"gateway.upstream": upstream, "gateway.breaker.state": state})
+    logger.info("breaker upstream=%s transition=%s", upstream, transition)
+
+
+class MemoryHealth:
+    """Breakers and credential pools kept in this process. Credential health applies to
+    pools (more than one credential); a single credential is governed by the breaker."""
+
+    def __init__(
+        self,
+        breaker: BreakerConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        probe_lease: float = DEFAULT_PROBE_LEASE,
+    ) -> None:
+        self.config = breaker or BreakerConfig()
+        self.clock = clock
+        self.probe_lease = probe_lease
+        self._breakers: dict[str, Breaker] = {}
+        self._pools: dict[str, CredentialPool] = {}
+        self.pool_sizes: dict[str, int] = {}
+
+    def breaker(self, upstream: str) -> Breaker:
+        found = self._breakers.get(upstream)
+        if found is None:
+            found = self._breakers[upstream] = Breaker(self.config, probe_lease=self.probe_lease)
+        return found
+
+    def pool(self, upstream: str) -> CredentialPool:
+        found = self._pools.get(upstream)
+        if found is None:
+            found = self._pools[upstream] = CredentialPool()
+        return found
+
+    async def admit(self, upstream: str) -> bool:
+        admitted, transition = self.breaker(upstream).admit(self.clock())
+        report_transition(upstream, transition)
+        return admitted
+
+    async def record(self, upstream: str, *, failure: bool) -> None:
+        report_transition(
+            upstream, self.breaker(upstream).record(failure=failure, now=self.clock())
+        )
+
+    async def pick_credential(
+        self, upstream: str, pool_size: int, *, exclude: frozenset[int], session: str | None
+    ) -> int | None:
+        self.pool_sizes[upstream] = pool_size
+        if pool_size <= 1:
+            return None if 0 in exclude or pool_size < 1 else 0
+        return self.pool(upstream).pick(
+            pool_size, exclude=exclude, session=session, now=self.clock()
+        )
+
+    async def credential_result(
+        self,
+        upstream: str,
+        index: int,
+        *,
+        status: int | None,
+        failure: bool,
+        retry_after: float | None,
+        session: str | None,
+    ) -> None:
+        if self.pool_sizes.get(upstream, 0) <= 1:
+            return
+        mark = credential_mark(
+            status=status,
+            failure=failure,
+            retry_after=retry_after,
+            default_cooldown=self.config.cooldown_ms / 1000,
+            max_cooldown=max(self.config.max_cooldown_ms, self.config.cooldown_ms) / 1000,
+        )
+        if mark is not None:
+            logger.info("credential upstream=%s index=%d mark=%s", upstream, index, mark.action)
+        self.pool(upstream).apply(index, mark, self.clock())
+
+    async def aclose(self) -> None:
+        return None

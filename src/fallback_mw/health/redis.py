@@ -1,0 +1,382 @@
+"""Health state shared by every gateway process through Redis (`state = "redis://..."`).
+
+Each transition is one Lua script, so it is atomic across processes: exactly one process
+gets the half-open probe. Time is Redis's own clock (`TIME`), so processes with skewed
+clocks agree. Every key expires. `?prefix=` in the URL namespaces the keys.
+
+If Redis cannot be reached the gateway keeps serving on this process's in-memory state,
+logs one warning per outage (never the URL's password) and counts it in a metric; it tries
+Redis again after `retry_interval` seconds and says so when Redis is back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import redis.asyncio as aioredis
+from opentelemetry import metrics
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from fallback_mw.config import BreakerConfig
+from fallback_mw.health.breaker import DEFAULT_PROBE_LEASE
+from fallback_mw.health.memory import MemoryHealth, report_transition
+from fallback_mw.health.pool import credential_mark
+from fallback_mw.store.url import redact_url
+
+logger = logging.getLogger("fallback_mw.health")
+_meter = metrics.get_meter("fallback_mw")
+local_fallbacks = _meter.create_counter(
+    "gateway.health.local_fallbacks",
+    description="Health operations served from local memory because Redis was unreachable",
+)
+
+T = TypeVar("T")
+
+CREDENTIAL_TTL_MS = 24 * 3600 * 1000  # a retired credential stays retired this long
+AFFINITY_TTL_MS = 3600 * 1000  # an idle session forgets its credential after this long
+
+_NOW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+# KEYS[1] breaker hash. ARGV: probe lease ms, key ttl ms. Returns {admitted, transition}.
+ADMIT = (
+    _NOW
+    + """
+local key = KEYS[1]
+local st = redis.call('HGET', key, 'st')
+if (not st) or st == 'closed' then return {1, ''} end
+local transition = ''
+if st == 'open' then
+  if now < tonumber(redis.call('HGET', key, 'until') or '0') then return {0, ''} end
+  redis.call('HSET', key, 'st', 'half_open', 'probe', '0')
+  transition = 'half_open'
+end
+redis.call('PEXPIRE', key, ARGV[2])
+if tonumber(redis.call('HGET', key, 'probe') or '0') > now then return {0, transition} end
+redis.call('HSET', key, 'probe', string.format('%.0f', now + tonumber(ARGV[1])))
+return {1, transition}
+"""
+)
+
+# KEYS[1] breaker hash. ARGV: failure '1'/'0', window, min_calls, failure_rate,
+# base cooldown ms, max cooldown ms, key ttl ms. Returns the transition or ''.
+RECORD = (
+    _NOW
+    + """
+local key = KEYS[1]
+local failure = ARGV[1]
+local base = tonumber(ARGV[5])
+local st = redis.call('HGET', key, 'st') or 'closed'
+local result = ''
+local function open(cooldown)
+  redis.call('HSET', key, 'st', 'open', 'cd', string.format('%.0f', cooldown),
+    'until', string.format('%.0f', now + cooldown), 'probe', '0', 'win', '')
+end
+if st == 'closed' then
+  local win = (redis.call('HGET', key, 'win') or '') .. failure
+  local size = tonumber(ARGV[2])
+  if #win > size then win = string.sub(win, -size) end
+  local _, fails = string.gsub(win, '1', '')
+  if #win >= tonumber(ARGV[3]) and fails / #win >= tonumber(ARGV[4]) then
+    open(base)
+    result = 'opened'
+  else
+    redis.call('HSET', key, 'st', 'closed', 'win', win)
+  end
+elseif st == 'half_open' and tonumber(redis.call('HGET', key, 'probe') or '0') > 0 then
+  if failure == '1' then
+    open(math.min(tonumber(redis.call('HGET', key, 'cd') or ARGV[5]) * 2, tonumber(ARGV[6])))
+    result = 'reopened'
+  else
+    redis.call('HSET', key, 'st', 'closed', 'win', '', 'cd', ARGV[5], 'probe', '0')
+    result = 'closed'
+  end
+end
+redis.call('PEXPIRE', key, ARGV[7])
+return result
+"""
+)
+
+# KEYS[1] credential hash, KEYS[2] rotation counter, KEYS[3] session affinity key.
+# ARGV: pool size, excluded as ',0,2,', use session '1'/'0', affinity ttl ms, key ttl ms.
+# Returns the index or -1.
+PICK = (
+    _NOW
+    + """
+local function usable(i)
+  if string.find(ARGV[2], ',' .. i .. ',', 1, true) then return false end
+  local v = redis.call('HGET', KEYS[1], tostring(i))
+  if not v then return true end
+  if v == 'retired' then return false end
+  return tonumber(v) <= now
+end
+local size = tonumber(ARGV[1])
+if ARGV[3] == '1' then
+  local bound = tonumber(redis.call('GET', KEYS[3]) or '-1')
+  if bound >= 0 and bound < size and usable(bound) then
+    redis.call('PEXPIRE', KEYS[3], ARGV[4])
+    return bound
+  end
+end
+local start = redis.call('INCR', KEYS[2]) - 1
+redis.call('PEXPIRE', KEYS[2], ARGV[5])
+for offset = 0, size - 1 do
+  local i = (start + offset) % size
+  if usable(i) then
+    if ARGV[3] == '1' then redis.call('SET', KEYS[3], tostring(i), 'PX', ARGV[4]) end
+    return i
+  end
+end
+return -1
+"""
+)
+
+# KEYS[1] credential hash. ARGV: index, 'retire' / 'cool_down', cool-down ms, key ttl ms.
+MARK = (
+    _NOW
+    + """
+local current = redis.call('HGET', KEYS[1], ARGV[1])
+if ARGV[2] == 'retire' then
+  redis.call('HSET', KEYS[1], ARGV[1], 'retired')
+elseif current ~= 'retired' then
+  local untl = now + tonumber(ARGV[3])
+  if current and tonumber(current) > untl then untl = tonumber(current) end
+  redis.call('HSET', KEYS[1], ARGV[1], string.format('%.0f', untl))
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+return 1
+"""
+)
+
+
+def split_state_url(url: str) -> tuple[str, str]:
+    """(the URL for redis-py, the key prefix from `?prefix=`)."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    prefix = next((value for key, value in query if key == "prefix"), "fallback_mw:")
+    rest = urlencode([(key, value) for key, value in query if key != "prefix"])
+    return urlunsplit((parts.scheme, parts.netloc, parts.path, rest, "")), prefix
+
+
+class _Unavailable:
+    pass
+
+
+_UNAVAILABLE = _Unavailable()
+
+
+class RedisHealth:
+    def __init__(
+        self,
+        url: str,
+        breaker: BreakerConfig | None = None,
+        *,
+        probe_lease: float = DEFAULT_PROBE_LEASE,
+        retry_interval: float = 1.0,
+        socket_timeout: float = 0.5,
+    ) -> None:
+        self.config = breaker or BreakerConfig()
+        self._url, self.prefix = split_state_url(url)
+        self._label = redact_url(self._url)
+        self.probe_lease_ms = max(int(probe_lease * 1000), 1)
+        self.retry_interval = retry_interval
+        self.socket_timeout = socket_timeout
+        self.local = MemoryHealth(self.config, probe_lease=probe_lease)
+        self._client: aioredis.Redis | None = None
+        self._scripts: dict[str, Any] = {}
+        self._retry_at = 0.0
+        self._outage = False
+        self._pool_sizes: dict[str, int] = {}
+        max_ms = max(self.config.max_cooldown_ms, self.config.cooldown_ms)
+        self.breaker_ttl_ms = max(2 * max_ms + self.probe_lease_ms, 600_000)
+
+    # --- plumbing ----------------------------------------------------------------------
+
+    def _script(self, name: str, source: str) -> Any:
+        if self._client is None:
+            self._client = aioredis.Redis.from_url(
+                self._url,
+                decode_responses=True,
+                socket_timeout=self.socket_timeout,
+                socket_connect_timeout=self.socket_timeout,
+                retry=Retry(NoBackoff(), 0),
+            )
+            self._scripts.clear()
+        script = self._scripts.get(name)
+        if script is None:
+            script = self._scripts[name] = self._client.register_script(source)
+        return script
+
+    async def _run(self, name: str, source: str, keys: list[str], args: list[Any]) -> Any:
+        if time.monotonic() < self._retry_at:
+            local_fallbacks.add(1)
+            return _UNAVAILABLE
+        try:
+            result = await self._script(name, source)(keys=keys, args=args)
+        except (RedisError, OSError) as exc:
+            self._retry_at = time.monotonic() + self.retry_interval
+            local_fallbacks.add(1)
+            if not self._outage:
+                self._outage = True
+                logger.warning(
+                    "health state %s unreachable (%s): serving on local in-memory state",
+                    self._label,
+                    type(exc).__name__,
+                )
+            return _UNAVAILABLE
+        if self._outage:
+            self._outage = False
+            logger.warning("health state %s reachable again: state is shared", self._label)
+        return result
+
+    async def _with_fallback(
+        self,
+        name: str,
+        source: str,
+        keys: list[str],
+        args: list[Any],
+        local: Callable[[], Awaitable[T]],
+        convert: Callable[[Any], T],
+    ) -> T:
+        result = await self._run(name, source, keys, args)
+        if isinstance(result, _Unavailable):
+            return await local()
+        return convert(result)
+
+    @property
+    def available(self) -> bool:
+        """False while serving on local state (Redis unreachable)."""
+        return not self._outage
+
+    def _key(self, kind: str, upstream: str) -> str:
+        return f"{self.prefix}{kind}:{upstream}"
+
+    # --- HealthState -------------------------------------------------------------------
+
+    async def admit(self, upstream: str) -> bool:
+        def convert(result: Any) -> bool:
+            admitted, transition = result
+            report_transition(upstream, transition or None)
+            return bool(int(admitted))
+
+        return await self._with_fallback(
+            "admit",
+            ADMIT,
+            [self._key("breaker", upstream)],
+            [self.probe_lease_ms, self.breaker_ttl_ms],
+            lambda: self.local.admit(upstream),
+            convert,
+        )
+
+    async def record(self, upstream: str, *, failure: bool) -> None:
+        config = self.config
+
+        def convert(result: Any) -> None:
+            report_transition(upstream, result or None)
+
+        await self._with_fallback(
+            "record",
+            RECORD,
+            [self._key("breaker", upstream)],
+            [
+                "1" if failure else "0",
+                config.window,
+                config.min_calls,
+                repr(config.failure_rate),
+                config.cooldown_ms,
+                max(config.max_cooldown_ms, config.cooldown_ms),
+                self.breaker_ttl_ms,
+            ],
+            lambda: self.local.record(upstream, failure=failure),
+            convert,
+        )
+
+    async def pick_credential(
+        self, upstream: str, pool_size: int, *, exclude: frozenset[int], session: str | None
+    ) -> int | None:
+        self._pool_sizes[upstream] = self.local.pool_sizes[upstream] = pool_size
+        if pool_size <= 1:
+            return None if 0 in exclude or pool_size < 1 else 0
+        session_key = ""
+        if session is not None:
+            digest = hashlib.sha256(session.encode("utf-8", "replace")).hexdigest()[:32]
+            session_key = f"{self.prefix}affinity:{upstream}:{digest}"
+        excluded = "," + ",".join(str(i) for i in sorted(exclude)) + ","
+
+        def convert(result: Any) -> int | None:
+            index = int(result)
+            return None if index < 0 else index
+
+        return await self._with_fallback(
+            "pick",
+            PICK,
+            [
+                self._key("credentials", upstream),
+                self._key("rotation", upstream),
+                session_key or self._key("affinity", upstream),
+            ],
+            [
+                pool_size,
+                excluded,
+                "1" if session is not None else "0",
+                AFFINITY_TTL_MS,
+                CREDENTIAL_TTL_MS,
+            ],
+            lambda: self.local.pick_credential(
+                upstream, pool_size, exclude=exclude, session=session
+            ),
+            convert,
+        )
+
+    async def credential_result(
+        self,
+        upstream: str,
+        index: int,
+        *,
+        status: int | None,
+        failure: bool,
+        retry_after: float | None,
+        session: str | None,
+    ) -> None:
+        if self._pool_sizes.get(upstream, 0) <= 1:
+            return
+        config = self.config
+        mark = credential_mark(
+            status=status,
+            failure=failure,
+            retry_after=retry_after,
+            default_cooldown=config.cooldown_ms / 1000,
+            max_cooldown=max(config.max_cooldown_ms, config.cooldown_ms) / 1000,
+        )
+        if mark is None:
+            return
+        logger.info("credential upstream=%s index=%d mark=%s", upstream, index, mark.action)
+        await self._with_fallback(
+            "mark",
+            MARK,
+            [self._key("credentials", upstream)],
+            [index, mark.action, int(mark.seconds * 1000), CREDENTIAL_TTL_MS],
+            lambda: self.local.credential_result(
+                upstream,
+                index,
+                status=status,
+                failure=failure,
+                retry_after=retry_after,
+                session=session,
+            ),
+            lambda result: None,
+        )
+
+    async def aclose(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()

@@ -1,0 +1,281 @@
+"""Breakers and credential pools through the whole gateway, against real upstream servers
+(SPEC §6). The in-memory state gets a hand-driven clock so cooldowns are exact."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+from aiohttp import web
+
+from fallback_mw import Gateway
+from fallback_mw.config import BreakerConfig
+from fallback_mw.health import create_health
+from fallback_mw.health.memory import MemoryHealth
+from fallback_mw.health.redis import RedisHealth
+from fallback_mw.types import Receive, Scope, Send
+from tests.upstreams import Upstream, status_handler, upstream
+
+BREAKER = {"window": 4, "min_calls": 3, "failure_rate": 0.5, "cooldown_ms": 100,
+           "max_cooldown_ms": 350}  # fmt: skip
+
+
+async def host_app(scope: Scope, receive: Receive, send: Send) -> None:
+    await send({"type": "http.response.start", "status": 404, "headers": []})
+    await send({"type": "http.response.body", "body": b"host"})
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def config(
+    upstreams: dict[str, Upstream | str],
+    plan: list[str],
+    *,
+    auth: dict[str, Any] | None = None,
+    state: str = "memory://",
+    **route: Any,
+) -> dict[str, Any]:
+    route_config: dict[str, Any] = {
+        "id": "r",
+        "prefix": "/v1/",
+        "plan": plan,
+        "retries": len(plan) - 1,
+        "backoff_ms": 0,
+    }
+    route_config.update(route)
+    return {
+        "gateway": {"state": state, "breaker": BREAKER},
+        "upstreams": {
+            name: {"url": up if isinstance(up, str) else up.url, **(auth or {}).get(name, {})}
+            for name, up in upstreams.items()
+        },
+        "routes": [route_config],
+    }
+
+
+@asynccontextmanager
+async def gateway_client(
+    conf: dict[str, Any], **kwargs: Any
+) -> AsyncIterator[tuple[httpx.AsyncClient, Gateway]]:
+    gateway = Gateway(host_app, config=conf, **kwargs)
+    transport = httpx.ASGITransport(app=gateway)
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+            yield client, gateway
+    finally:
+        await gateway.aclose()
+
+
+@pytest.mark.anyio
+async def test_memory_is_the_default_state() -> None:
+    assert isinstance(create_health("memory://"), MemoryHealth)
+    assert isinstance(create_health("redis://127.0.0.1:6379/0?prefix=x:"), RedisHealth)
+    with pytest.raises(ValueError, match="state must be"):
+        create_health("postgresql://x")
+
+
+@pytest.mark.anyio
+async def test_breaker_opens_skips_probes_once_doubles_and_closes() -> None:
+    answer = {"status": 503}
+
+    async def primary_handler(request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(0.05)  # slow enough for concurrent requests to overlap
+        return web.Response(status=answer["status"], body=b"p")
+
+    clock = Clock()
+    health = MemoryHealth(BreakerConfig(**BREAKER), clock=clock)
+    async with (
+        upstream(primary_handler) as primary,
+        upstream(status_handler(200, b"backup")) as backup,
+    ):
+        conf = config({"primary": primary, "backup": backup}, ["primary", "backup"])
+        async with gateway_client(conf, health=health) as (client, _):
+            for expected in (1, 2, 3):
+                response = await client.get("/v1/x")
+                assert response.status_code == 200
+                assert response.headers["x-gateway-attempts"] == "2"
+                assert primary.count == expected
+            # Open after min_calls = 3: the primary gets nothing, costs no attempt.
+            for _ in range(5):
+                response = await client.get("/v1/x")
+                assert response.headers["x-gateway-provider"] == "backup"
+                assert response.headers["x-gateway-attempts"] == "1"
+            assert primary.count == 3
+
+            # After the cooldown: exactly one probe, however many requests arrive at once.
+            clock.now += 0.1
+            responses = await asyncio.gather(*(client.get("/v1/x") for _ in range(6)))
+            assert all(r.status_code == 200 for r in responses)
+            assert primary.count == 4
+            assert sorted(r.headers["x-gateway-attempts"] for r in responses) == ["1"] * 5 + ["2"]
+
+            # The failed probe reopened it for twice the cooldown (0.2 s).
+            clock.now += 0.15
+            await client.get("/v1/x")
+            assert primary.count == 4
+            clock.now += 0.06
+            await client.get("/v1/x")
+            assert primary.count == 5  # second probe, fails: cooldown 0.4 capped at 0.35
+            clock.now += 0.3
+            await client.get("/v1/x")
+            assert primary.count == 5
+            answer["status"] = 200
+            clock.now += 0.06
+            response = await client.get("/v1/x")
+            assert response.headers["x-gateway-provider"] == "primary"
+            assert primary.count == 6
+            # Closed and reset: every request goes to the primary again.
+            for _ in range(4):
+                response = await client.get("/v1/x")
+                assert response.headers["x-gateway-provider"] == "primary"
+            assert primary.count == 10
+            assert health.breaker("primary").cooldown == 0.1
+
+
+@pytest.mark.anyio
+async def test_statuses_outside_failover_status_never_trip_the_breaker() -> None:
+    async with upstream(status_handler(400)) as primary, upstream(status_handler(200)) as backup:
+        conf = config({"primary": primary, "backup": backup}, ["primary", "backup"])
+        async with gateway_client(conf) as (client, gateway):
+            for _ in range(12):
+                response = await client.get("/v1/x")
+                assert response.status_code == 400
+                assert response.headers["x-gateway-provider"] == "primary"
+            assert primary.count == 12
+            assert backup.count == 0
+            health = gateway.services.health
+            assert isinstance(health, MemoryHealth)
+            assert health.breaker("primary").state == "closed"
+
+
+@pytest.mark.anyio
+async def test_all_candidates_unusable_is_route_exhausted_without_contact() -> None:
+    async with upstream(status_handler(503)) as a, upstream(status_handler(503)) as b:
+        conf = config({"a": a, "b": b}, ["a", "b"], retries=3)
+        async with gateway_client(conf) as (client, _):
+            for attempts in (4, 2):
+                response = await client.get("/v1/x")
+                assert response.status_code == 502
+                assert response.json()["error"]["code"] == "upstream_failed"
+                assert response.headers["x-gateway-attempts"] == str(attempts)
+            # min_calls = 3 failures each: both breakers opened during the second request.
+            assert (a.count, b.count) == (3, 3)
+            response = await client.get("/v1/x")
+            assert response.status_code == 503
+            error = response.json()["error"]
+            assert error["code"] == "route_exhausted"
+            assert error["attempts"] == 0
+            assert response.headers["x-gateway-attempts"] == "0"
+            assert (a.count, b.count) == (3, 3)
+
+
+def key_handler(statuses: dict[str, int]) -> Any:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        key = request.headers.get("authorization", "").removeprefix("Bearer ")
+        status = statuses.get(key, 200)
+        headers = {"retry-after": "30"} if status == 429 else {}
+        return web.Response(status=status, body=f"served by {key}".encode(), headers=headers)
+
+    return handle
+
+
+POOL_ENV = {"KEY_A": "key-a", "KEY_B": "key-b", "KEY_C": "key-c"}
+
+
+def keys_used(up: Upstream) -> list[str]:
+    return [dict(r.headers).get("authorization", "").removeprefix("Bearer ") for r in up.received]
+
+
+@pytest.mark.anyio
+async def test_a_401_credential_is_used_exactly_once_and_never_again() -> None:
+    async with upstream(key_handler({"key-a": 401})) as primary:
+        auth = {"primary": {"auth_env": ["KEY_A", "KEY_B"]}}
+        conf = config({"primary": primary}, ["primary"], auth=auth, retries=1)
+        async with gateway_client(conf, environ=POOL_ENV) as (client, _):
+            for _ in range(8):
+                response = await client.get("/v1/x")
+                assert response.status_code == 200
+                assert response.text == "served by key-b"
+        used = keys_used(primary)
+        assert used.count("key-a") == 1
+        assert used.count("key-b") == 8
+
+
+@pytest.mark.anyio
+async def test_a_pool_with_every_credential_retired_is_skipped() -> None:
+    async with (
+        upstream(key_handler({"key-a": 401, "key-b": 401})) as primary,
+        upstream(status_handler(200, b"backup")) as backup,
+    ):
+        auth = {"primary": {"auth_env": ["KEY_A", "KEY_B"]}}
+        conf = config(
+            {"primary": primary, "backup": backup}, ["primary", "backup"], auth=auth, retries=2
+        )
+        async with gateway_client(conf, environ=POOL_ENV) as (client, _):
+            response = await client.get("/v1/x")
+            # Each credential at most once per request; the 401s are not failover-class, so
+            # the last 401 is the answer.
+            assert response.status_code == 401
+            assert sorted(keys_used(primary)) == ["key-a", "key-b"]
+            for _ in range(3):
+                response = await client.get("/v1/x")
+                assert response.text == "backup"
+                assert response.headers["x-gateway-attempts"] == "1"
+            assert primary.count == 2
+
+
+@pytest.mark.anyio
+async def test_session_affinity_keeps_a_session_on_its_healthy_credential() -> None:
+    statuses: dict[str, int] = {}
+    async with upstream(key_handler(statuses)) as primary:
+        auth = {"primary": {"auth_env": ["KEY_A", "KEY_B", "KEY_C"]}}
+        conf = config({"primary": primary}, ["primary"], auth=auth, retries=1)
+        async with gateway_client(conf, environ=POOL_ENV) as (client, _):
+            sessions = {}
+            for session in ("s1", "s2", "s3"):
+                texts = {
+                    (await client.get("/v1/x", headers={"x-session-id": session})).text
+                    for _ in range(4)
+                }
+                assert len(texts) == 1
+                sessions[session] = texts.pop().removeprefix("served by ")
+            assert len(set(sessions.values())) > 1  # sessions spread over the pool
+            # s1's key is rate limited: it moves within the same request and stays moved.
+            statuses[sessions["s1"]] = 429
+            before = primary.count
+            response = await client.get("/v1/x", headers={"x-session-id": "s1"})
+            assert response.status_code == 200
+            moved = response.text.removeprefix("served by ")
+            assert moved != sessions["s1"]
+            assert primary.count == before + 2
+            assert response.headers["x-gateway-attempts"] == "2"
+            for _ in range(3):
+                response = await client.get("/v1/x", headers={"x-session-id": "s1"})
+                assert response.text == f"served by {moved}"
+            # Retry-After: 30 keeps the limited key out of rotation for everyone.
+            for _ in range(6):
+                response = await client.get("/v1/x")
+                assert response.status_code == 200
+            assert keys_used(primary).count(sessions["s1"]) == 5
+
+
+@pytest.mark.anyio
+async def test_single_credential_is_governed_by_the_breaker_only() -> None:
+    async with upstream(key_handler({"key-a": 429})) as primary:
+        auth = {"primary": {"auth_env": "KEY_A"}}
+        conf = config({"primary": primary}, ["primary"], auth=auth)
+        async with gateway_client(conf, environ=POOL_ENV) as (client, _):
+            for _ in range(3):
+                response = await client.get("/v1/x")
+                assert response.status_code == 429
+        assert primary.count == 3
