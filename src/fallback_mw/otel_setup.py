@@ -203,4 +203,7 @@ def configure_opentelemetry(
     return handle
 
 
-__all__ = ["OtelHandle", "TelemetrySetupError", "configure_opentelemetry"]
+# The name `fallback-mw serve` looks up.
+configure_from_env = configure_opentelemetry
+
+__all__ = ["OtelHandle", "TelemetrySetupError", "configure_from_env", "configure_opentelemetry"]

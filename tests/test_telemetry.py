@@ -1,0 +1,629 @@
+"""Telemetry (SPEC §9): spans, metrics and the request log line, checked with the SDK's
+in-memory exporters against the real Gateway and real upstream sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+from aiohttp import web
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode, format_span_id, format_trace_id
+
+from fallback_mw import Gateway
+from fallback_mw.config import RouteConfig
+from fallback_mw.context import AttemptRecord, RequestContext, Usage
+from fallback_mw.faults import UpstreamFault
+from fallback_mw.health import AlwaysHealthy
+from fallback_mw.telemetry import Telemetry, record_breaker_state
+from tests.upstreams import status_handler, upstream
+
+pytestmark = pytest.mark.anyio
+
+ENV = {"PRIMARY_KEY": "sk-primary-0001", "BACKUP_KEY": "sk-backup-0002"}
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT_ID = "00f067aa0ba902b7"
+TRACEPARENT = f"00-{TRACE_ID}-{PARENT_ID}-01"
+
+
+async def host_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    await send({"type": "http.response.start", "status": 404, "headers": []})
+    await send({"type": "http.response.body", "body": b"host app"})
+
+
+@dataclass
+class Recorded:
+    spans: InMemorySpanExporter
+    reader: InMemoryMetricReader
+    telemetry: Telemetry
+
+    def finished(self) -> tuple[ReadableSpan, ...]:
+        return self.spans.get_finished_spans()
+
+    def request_span(self) -> ReadableSpan:
+        found = [s for s in self.finished() if s.name == "gateway.request"]
+        assert len(found) == 1, [s.name for s in self.finished()]
+        return found[0]
+
+    def attempt_spans(self) -> list[ReadableSpan]:
+        spans = [s for s in self.finished() if s.name == "gateway.attempt"]
+        return sorted(spans, key=lambda s: s.attributes["gateway.attempt.number"])  # type: ignore[index]
+
+    def points(self, name: str) -> list[Any]:
+        data = self.reader.get_metrics_data()
+        found: list[Any] = []
+        if data is None:
+            return found
+        for resource in data.resource_metrics:
+            for scope in resource.scope_metrics:
+                for metric in scope.metrics:
+                    if metric.name == name:
+                        found.extend(metric.data.data_points)
+        return found
+
+
+@pytest.fixture
+def recorded() -> Iterator[Recorded]:
+    exporter = InMemorySpanExporter()
+    tracer_provider = TracerProvider(shutdown_on_exit=False)
+    tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
+    reader = InMemoryMetricReader()
+    meter_provider = MeterProvider(metric_readers=[reader], shutdown_on_exit=False)
+    telemetry = Telemetry(tracer_provider=tracer_provider, meter_provider=meter_provider)
+    yield Recorded(exporter, reader, telemetry)
+    tracer_provider.shutdown()
+    meter_provider.shutdown()
+
+
+def make_config(primary: str, backup: str, **route: Any) -> dict[str, Any]:
+    return {
+        "gateway": {"max_request_body": 1 << 20, "replay_buffer": 1 << 16},
+        "upstreams": {
+            "primary": {"url": primary, "auth_env": "PRIMARY_KEY"},
+            "backup": {
+                "url": backup,
+                "auth_header": "x-api-key",
+                "auth_scheme": "",
+                "auth_env": "BACKUP_KEY",
+            },
+        },
+        "routes": [
+            {
+                "id": "chat",
+                "prefix": "/v1/",
+                "plan": ["primary", "backup"],
+                "retries": 1,
+                "backoff_ms": 0,
+                **route,
+            }
+        ],
+    }
+
+
+def client_for(gateway: Gateway) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=gateway), base_url="http://gw")
+
+
+def waiting_handler(release: asyncio.Event, status: int = 200) -> Any:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        await release.wait()
+        return web.Response(status=status, text="late")
+
+    return handle
+
+
+def request_logs(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "fallback_mw.request"]
+
+
+def header_values(received: Sequence[tuple[str, str]], name: str) -> list[str]:
+    return [v for k, v in received if k == name]
+
+
+async def test_failover_trace_metrics_and_log(
+    recorded: Recorded, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="fallback_mw.request")
+    async with (
+        upstream(status_handler(503)) as p,
+        upstream(status_handler(200, b'{"ok": true}')) as b,
+    ):
+        config = make_config(p.url, b.url, replayable_methods=["POST"])
+        gateway = Gateway(host_app, config=config, environ=ENV, telemetry=recorded.telemetry)
+        async with client_for(gateway) as client:
+            response = await client.post(
+                "/v1/chat/completions",
+                json={"model": "gpt-4o-mini", "messages": []},
+                headers={"traceparent": TRACEPARENT, "x-tenant-id": "acme"},
+            )
+        await gateway.aclose()
+    assert response.status_code == 200
+    assert response.headers["x-gateway-provider"] == "backup"
+
+    request = recorded.request_span()
+    attrs = dict(request.attributes or {})
+    assert attrs["gateway.route.id"] == "chat"
+    assert attrs["gateway.tenant"] == "acme"
+    assert attrs["gateway.plan.candidates"] == ("primary", "backup")
+    assert attrs["gateway.plan.chosen"] == "backup"
+    assert attrs["gateway.attempts"] == 2
+    assert attrs["gateway.fallback"] is True
+    assert attrs["gateway.canary"] is False
+    assert attrs["gateway.outcome"] == "served"
+    assert attrs["gen_ai.request.model"] == "gpt-4o-mini"
+    assert attrs["http.response.status_code"] == 200
+    assert "error.type" not in attrs
+    assert request.status.status_code is StatusCode.UNSET
+    # The caller's trace context is honoured.
+    assert format_trace_id(request.context.trace_id) == TRACE_ID
+    assert request.parent is not None and format_span_id(request.parent.span_id) == PARENT_ID
+    assert request.kind is SpanKind.SERVER
+
+    first, second = recorded.attempt_spans()
+    assert first.parent is not None and first.parent.span_id == request.context.span_id
+    assert second.parent is not None and second.parent.span_id == request.context.span_id
+    assert dict(first.attributes or {}) == {
+        "gateway.candidate": "primary",
+        "gateway.attempt.number": 1,
+        "server.address": "127.0.0.1",
+        "gateway.credential.index": 0,
+        "http.response.status_code": 503,
+        "gateway.failure.kind": "status",
+        "error.type": "503",
+    }
+    assert first.status.status_code is StatusCode.ERROR
+    assert dict(second.attributes or {}) == {
+        "gateway.candidate": "backup",
+        "gateway.attempt.number": 2,
+        "server.address": "127.0.0.1",
+        "gateway.credential.index": 0,
+        "http.response.status_code": 200,
+    }
+    assert first.kind is SpanKind.CLIENT
+    # Attempts are real intervals inside the request.
+    assert request.start_time is not None and request.end_time is not None
+    assert first.start_time is not None and second.end_time is not None
+    assert request.start_time <= first.start_time < second.end_time <= request.end_time
+
+    # Each upstream got exactly one traceparent: its own attempt's, not the caller's.
+    for got, span in ((p, first), (b, second)):
+        values = header_values(got.received[0].headers, "traceparent")
+        assert values == [f"00-{TRACE_ID}-{format_span_id(span.context.span_id)}-01"], values
+
+    requests = recorded.points("gateway.requests")
+    assert [(dict(pt.attributes), pt.value) for pt in requests] == [
+        (
+            {
+                "gateway.route.id": "chat",
+                "gateway.outcome": "served",
+                "gateway.fallback": True,
+                "gateway.canary": False,
+                "gateway.fault": False,
+                "gateway.candidate": "backup",
+            },
+            1,
+        )
+    ]
+    attempts = {
+        (pt.attributes["gateway.candidate"], pt.attributes["gateway.failure.kind"]): pt.value
+        for pt in recorded.points("gateway.attempts")
+    }
+    assert attempts == {("primary", "status"): 1, ("backup", "none"): 1}
+    fallbacks = recorded.points("gateway.fallbacks")
+    assert len(fallbacks) == 1 and fallbacks[0].value == 1
+    assert fallbacks[0].attributes["gateway.candidate"] == "backup"
+    assert fallbacks[0].attributes["gateway.primary"] == "primary"
+    (duration,) = recorded.points("gateway.request.duration")
+    assert duration.count == 1 and 0 < duration.sum < 5
+
+    (log,) = request_logs(caplog)
+    assert log.levelno == logging.INFO
+    assert log.getMessage().startswith(
+        "gateway request route=chat outcome=served status=200 chosen=backup attempts=2 "
+        "candidates=primary,backup duration_ms="
+    )
+    fields = log.__dict__
+    assert fields["route"] == "chat"
+    assert fields["candidates"] == ["primary", "backup"]
+    assert fields["chosen"] == "backup"
+    assert fields["attempts"] == 2
+    assert fields["attempt_candidates"] == ["primary", "backup"]
+    assert fields["outcome"] == "served"
+    assert fields["fallback"] is True
+    assert 0 < fields["duration_ms"] < 5000
+    assert fields["trace_id"] == TRACE_ID
+    json.dumps({k: fields[k] for k in ("route", "candidates", "chosen", "duration_ms")})
+
+
+async def test_served_as_is_4xx(recorded: Recorded, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="fallback_mw.request")
+    async with upstream(status_handler(429)) as p, upstream(status_handler(200)) as b:
+        gateway = Gateway(
+            host_app, config=make_config(p.url, b.url), environ=ENV, telemetry=recorded.telemetry
+        )
+        async with client_for(gateway) as client:
+            response = await client.get("/v1/models")
+        await gateway.aclose()
+    assert response.status_code == 429
+    assert b.count == 0
+
+    attrs = dict(recorded.request_span().attributes or {})
+    assert attrs["gateway.plan.candidates"] == ("primary", "backup")
+    assert attrs["gateway.plan.chosen"] == "primary"
+    assert attrs["gateway.attempts"] == 1
+    assert attrs["gateway.fallback"] is False
+    assert attrs["gateway.outcome"] == "served"
+    assert attrs["http.response.status_code"] == 429
+    assert attrs["gateway.tenant"] == "default"
+    assert "error.type" not in attrs
+    assert "gen_ai.request.model" not in attrs  # a GET has no model
+    (attempt,) = recorded.attempt_spans()
+    attempt_attrs = dict(attempt.attributes or {})
+    assert attempt_attrs["http.response.status_code"] == 429
+    assert "gateway.failure.kind" not in attempt_attrs
+    assert attempt.status.status_code is StatusCode.UNSET
+    assert recorded.points("gateway.fallbacks") == []
+    (log,) = request_logs(caplog)
+    assert log.__dict__["status"] == 429 and log.__dict__["outcome"] == "served"
+
+
+async def test_deadline_exceeded(recorded: Recorded, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="fallback_mw.request")
+    release = asyncio.Event()
+    async with upstream(waiting_handler(release)) as p, upstream(status_handler(200)) as b:
+        config = make_config(p.url, b.url, deadline_ms=150)
+        gateway = Gateway(host_app, config=config, environ=ENV, telemetry=recorded.telemetry)
+        async with client_for(gateway) as client:
+            response = await client.get("/v1/models")
+        release.set()
+        await gateway.aclose()
+    assert response.status_code == 504
+    assert response.json()["error"]["code"] == "deadline_exceeded"
+
+    request = recorded.request_span()
+    attrs = dict(request.attributes or {})
+    assert attrs["gateway.outcome"] == "deadline_exceeded"
+    assert attrs["error.type"] == "deadline_exceeded"
+    assert attrs["gateway.attempts"] == 1
+    assert attrs["gateway.fallback"] is False
+    assert "gateway.plan.chosen" not in attrs
+    assert attrs["http.response.status_code"] == 504
+    assert request.status.status_code is StatusCode.ERROR
+    (attempt,) = recorded.attempt_spans()
+    attempt_attrs = dict(attempt.attributes or {})
+    assert attempt_attrs["gateway.failure.kind"] == "timeout"
+    assert attempt_attrs["error.type"] == "timeout"
+    assert "http.response.status_code" not in attempt_attrs
+    assert attempt.start_time is not None and attempt.end_time is not None
+    assert (attempt.end_time - attempt.start_time) / 1e9 > 0.1  # a real duration
+    (point,) = recorded.points("gateway.requests")
+    assert point.attributes["gateway.outcome"] == "deadline_exceeded"
+    assert point.attributes["gateway.candidate"] == "none"
+    (log,) = request_logs(caplog)
+    assert log.levelno == logging.WARNING
+    assert log.__dict__["outcome"] == "deadline_exceeded" and log.__dict__["chosen"] is None
+
+
+async def test_cancelled_client(recorded: Recorded, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="fallback_mw.request")
+    release = asyncio.Event()
+    async with upstream(waiting_handler(release)) as p, upstream(status_handler(200)) as b:
+        gateway = Gateway(
+            host_app, config=make_config(p.url, b.url), environ=ENV, telemetry=recorded.telemetry
+        )
+        messages: list[dict[str, Any]] = []
+        delivered = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": b"", "more_body": False}
+            await asyncio.sleep(0.2)
+            return {"type": "http.disconnect"}
+
+        async def send(message: Any) -> None:
+            messages.append(message)
+
+        await gateway(http_scope("GET", "/v1/models"), receive, send)
+        release.set()
+        await gateway.aclose()
+    assert messages == []
+    assert b.count == 0
+
+    request = recorded.request_span()
+    attrs = dict(request.attributes or {})
+    assert attrs["gateway.outcome"] == "client_disconnected"
+    assert attrs["error.type"] == "client_disconnected"
+    assert attrs["gateway.attempts"] == 1
+    assert attrs["gateway.plan.candidates"] == ("primary", "backup")
+    assert "gateway.plan.chosen" not in attrs
+    assert request.status.status_code is StatusCode.UNSET  # the caller's doing
+    (attempt,) = recorded.attempt_spans()
+    assert attempt.end_time is not None  # the attempt cut in flight still ends
+    assert dict(attempt.attributes or {})["gateway.failure.kind"] == "cancelled"
+    assert attempt.parent is not None and attempt.parent.span_id == request.context.span_id
+    (point,) = recorded.points("gateway.attempts")
+    assert point.attributes["gateway.failure.kind"] == "cancelled"
+    (log,) = request_logs(caplog)
+    assert log.__dict__["outcome"] == "client_disconnected" and log.levelno == logging.INFO
+
+
+class PrimaryBreakerOpen(AlwaysHealthy):
+    async def admit(self, upstream: str) -> bool:
+        return upstream != "primary"
+
+
+async def test_skipped_candidate(recorded: Recorded, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="fallback_mw.request")
+    async with upstream(status_handler(200)) as p, upstream(status_handler(200)) as b:
+        gateway = Gateway(
+            host_app,
+            config=make_config(p.url, b.url),
+            environ=ENV,
+            telemetry=recorded.telemetry,
+            health=PrimaryBreakerOpen(),
+        )
+        async with client_for(gateway) as client:
+            response = await client.get("/v1/models")
+        await gateway.aclose()
+    assert response.status_code == 200 and p.count == 0
+
+    request = recorded.request_span()
+    attrs = dict(request.attributes or {})
+    assert attrs["gateway.plan.candidates"] == ("primary", "backup")
+    assert attrs["gateway.plan.chosen"] == "backup"
+    assert attrs["gateway.attempts"] == 1
+    assert attrs["gateway.fallback"] is True
+    assert attrs["gateway.skipped"] == 1
+    assert attrs["gateway.outcome"] == "served"
+    events = [(e.name, dict(e.attributes or {})) for e in request.events]
+    assert events == [
+        (
+            "gateway.candidate.skipped",
+            {"gateway.candidate": "primary", "gateway.skip.reason": "breaker_open"},
+        )
+    ]
+    (attempt,) = recorded.attempt_spans()
+    assert dict(attempt.attributes or {})["gateway.candidate"] == "backup"
+    assert dict(attempt.attributes or {})["gateway.attempt.number"] == 1
+    (skip,) = recorded.points("gateway.skips")
+    assert dict(skip.attributes) == {
+        "gateway.route.id": "chat",
+        "gateway.candidate": "primary",
+        "gateway.skip.reason": "breaker_open",
+    }
+    (log,) = request_logs(caplog)
+    assert log.__dict__["skipped"] == ["primary"]
+
+
+class FailPrimary:
+    async def upstream_fault(self, upstream: str) -> UpstreamFault | None:
+        return "fail" if upstream == "primary" else None
+
+    async def pinned_candidate(self, route_id: str) -> str | None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def test_fault_driven_attempts_are_marked_and_counted_apart(recorded: Recorded) -> None:
+    async with upstream(status_handler(200)) as p, upstream(status_handler(200)) as b:
+        gateway = Gateway(
+            host_app,
+            config=make_config(p.url, b.url),
+            environ=ENV,
+            telemetry=recorded.telemetry,
+            faults=FailPrimary(),
+        )
+        async with client_for(gateway) as client:
+            assert (await client.get("/v1/models")).status_code == 200
+        await gateway.aclose()
+    assert p.count == 0
+    first, second = recorded.attempt_spans()
+    assert dict(first.attributes or {})["gateway.fault"] == "fail"
+    assert dict(first.attributes or {})["gateway.failure.kind"] == "fault"
+    assert "gateway.fault" not in dict(second.attributes or {})
+    assert dict(recorded.request_span().attributes or {})["gateway.fault"] is True
+    (point,) = recorded.points("gateway.requests")
+    assert point.attributes["gateway.fault"] is True
+    by_candidate = {
+        pt.attributes["gateway.candidate"]: pt.attributes["gateway.fault"]
+        for pt in recorded.points("gateway.attempts")
+    }
+    assert by_candidate == {"primary": True, "backup": False}
+
+
+async def test_interleaved_requests_keep_their_own_spans(recorded: Recorded) -> None:
+    async def by_path(request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(0.15 if "slow" in request.path else 0.01)
+        return web.Response(status=503 if "fail" in request.path else 200)
+
+    async with upstream(by_path) as p, upstream(status_handler(200)) as b:
+        gateway = Gateway(
+            host_app, config=make_config(p.url, b.url), environ=ENV, telemetry=recorded.telemetry
+        )
+        async with client_for(gateway) as client:
+            slow, failing = await asyncio.gather(
+                client.get("/v1/slow", headers={"x-tenant-id": "t-slow"}),
+                client.get("/v1/fail", headers={"x-tenant-id": "t-fail"}),
+            )
+        await gateway.aclose()
+    assert slow.headers["x-gateway-provider"] == "primary"
+    assert failing.headers["x-gateway-provider"] == "backup"
+    spans = {
+        s.attributes["gateway.tenant"]: s  # type: ignore[index]
+        for s in recorded.finished()
+        if s.name == "gateway.request"
+    }
+    assert spans["t-slow"].attributes["gateway.plan.chosen"] == "primary"  # type: ignore[index]
+    assert spans["t-slow"].attributes["gateway.attempts"] == 1  # type: ignore[index]
+    assert spans["t-fail"].attributes["gateway.plan.chosen"] == "backup"  # type: ignore[index]
+    assert spans["t-fail"].attributes["gateway.attempts"] == 2  # type: ignore[index]
+    for tenant, count in (("t-slow", 1), ("t-fail", 2)):
+        children = [
+            s
+            for s in recorded.attempt_spans()
+            if s.parent is not None and s.parent.span_id == spans[tenant].context.span_id
+        ]
+        assert len(children) == count
+
+
+async def test_without_incoming_context_a_new_trace_starts(recorded: Recorded) -> None:
+    async with upstream(status_handler(200)) as p, upstream(status_handler(200)) as b:
+        gateway = Gateway(
+            host_app, config=make_config(p.url, b.url), environ=ENV, telemetry=recorded.telemetry
+        )
+        async with client_for(gateway) as client:
+            await client.get("/v1/models", headers={"traceparent": "not-a-traceparent"})
+        await gateway.aclose()
+    request = recorded.request_span()
+    assert request.parent is None
+    (attempt,) = recorded.attempt_spans()
+    values = header_values(p.received[0].headers, "traceparent")
+    assert values == [
+        f"00-{format_trace_id(attempt.context.trace_id)}-"
+        f"{format_span_id(attempt.context.span_id)}-{attempt.context.trace_flags:02x}"
+    ]
+
+
+async def test_without_sdk_the_callers_trace_context_passes_through() -> None:
+    # Telemetry() with the global (no-op) providers: nothing recorded, context preserved.
+    async with upstream(status_handler(200)) as p, upstream(status_handler(200)) as b:
+        gateway = Gateway(host_app, config=make_config(p.url, b.url), environ=ENV)
+        async with client_for(gateway) as client:
+            await client.get(
+                "/v1/models", headers={"traceparent": TRACEPARENT, "tracestate": "vendor=x"}
+            )
+        await gateway.aclose()
+    headers = p.received[0].headers
+    assert header_values(headers, "traceparent") == [TRACEPARENT]
+    assert header_values(headers, "tracestate") == ["vendor=x"]
+
+
+def test_breaker_state_gauge_and_transitions(recorded: Recorded) -> None:
+    record_breaker_state("tel-test-a", "open")
+    record_breaker_state("tel-test-b", "half-open")
+    record_breaker_state("tel-test-b", "half_open")  # no change: not a transition
+    record_breaker_state("tel-test-c", "closed")
+    record_breaker_state("tel-test-c", "bogus")  # ignored, never raises
+    states = {
+        pt.attributes["gateway.upstream"]: pt.value
+        for pt in recorded.points("gateway.breaker.state")
+        if str(pt.attributes["gateway.upstream"]).startswith("tel-test-")
+    }
+    assert states == {"tel-test-a": 2, "tel-test-b": 1, "tel-test-c": 0}
+    transitions = {
+        (pt.attributes["gateway.upstream"], pt.attributes["gateway.breaker.state"]): pt.value
+        for pt in recorded.points("gateway.breaker.transitions")
+    }
+    assert transitions == {
+        ("tel-test-a", "open"): 1,
+        ("tel-test-b", "half_open"): 1,
+        ("tel-test-c", "closed"): 1,
+    }
+    recorded.telemetry.breaker_state("tel-test-a", "closed")
+    states = {
+        pt.attributes["gateway.upstream"]: pt.value
+        for pt in recorded.points("gateway.breaker.state")
+    }
+    assert states["tel-test-a"] == 0
+
+
+def hand_made_context(**fields: Any) -> RequestContext:
+    route = RouteConfig(id="chat", prefix="/v1/", plan=("primary", "backup"), retries=1)
+    return RequestContext(
+        route=route,
+        upstreams={},
+        tenant="acme",
+        session=None,
+        method="POST",
+        path="/v1/chat",
+        query=b"",
+        deadline=time.monotonic() + 5,
+        **fields,
+    )
+
+
+def test_gen_ai_usage_and_model_attributes(recorded: Recorded) -> None:
+    telemetry = recorded.telemetry
+    context = hand_made_context(candidates=["primary", "backup"], canary=True)
+    telemetry.request_started(context)
+    record = AttemptRecord(candidate="primary", number=1, server_address="api.example")
+    context.attempts.append(record)
+    telemetry.attempt_started(context, record)
+    record.status = 200
+    telemetry.attempt_finished(context, record)
+    context.chosen = "primary"
+    context.status = 200
+    context.outcome = "served"
+    context.request_model = "gpt-4o-mini"
+    context.usage = Usage(input_tokens=12, output_tokens=34, model="gpt-4o-mini-2024-07-18")
+    telemetry.request_finished(context)
+    attrs = dict(recorded.request_span().attributes or {})
+    assert attrs["gen_ai.request.model"] == "gpt-4o-mini"
+    assert attrs["gen_ai.usage.input_tokens"] == 12
+    assert attrs["gen_ai.usage.output_tokens"] == 34
+    assert attrs["gen_ai.response.model"] == "gpt-4o-mini-2024-07-18"
+    assert attrs["gateway.canary"] is True
+    (point,) = recorded.points("gateway.requests")
+    assert point.attributes["gateway.canary"] is True
+
+
+def test_model_that_is_not_a_name_is_not_recorded(recorded: Recorded) -> None:
+    context = hand_made_context()
+    recorded.telemetry.request_started(context)
+    context.request_model = "gpt-4o please ignore sk-live-1234\n"
+    context.usage = Usage(input_tokens=None, output_tokens=None)
+    context.outcome = "upstream_failed"
+    recorded.telemetry.request_finished(context)
+    attrs = dict(recorded.request_span().attributes or {})
+    assert "gen_ai.request.model" not in attrs
+    assert "gen_ai.usage.input_tokens" not in attrs
+    # Refused before the walk: the configured plan is still named.
+    assert attrs["gateway.plan.candidates"] == ("primary", "backup")
+
+
+def test_hooks_never_raise(recorded: Recorded) -> None:
+    context = hand_made_context()
+    broken: Any = object()  # not even a RequestContext
+    telemetry = recorded.telemetry
+    telemetry.request_started(broken)
+    telemetry.attempt_started(broken, broken)
+    telemetry.attempt_finished(broken, broken)
+    telemetry.skipped(broken, "primary", "breaker_open")
+    telemetry.request_finished(broken)
+    telemetry.inject_headers(broken)
+    # Hooks out of order on a real context are tolerated too.
+    record = AttemptRecord(candidate="primary", number=1, server_address="h")
+    telemetry.attempt_finished(context, record)
+    telemetry.request_finished(context)
+    telemetry.request_finished(context)
+
+
+def http_scope(method: str, path: str, query: bytes = b"", headers: Any = ()) -> dict[str, Any]:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": query,
+        "headers": [(b"host", b"gw"), *headers],
+        "client": ("127.0.0.1", 1),
+        "server": ("gw", 80),
+    }
