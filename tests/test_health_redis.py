@@ -1,0 +1,233 @@
+"""Health shared through the real Redis: two gateways (separate clients, as two processes
+would have) agree about breakers and credentials; Redis down means local state."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+from aiohttp import web
+
+from fallback_mw import Gateway
+from fallback_mw.config import BreakerConfig
+from fallback_mw.health.redis import RedisHealth, split_state_url
+from fallback_mw.types import Receive, Scope, Send
+from tests.upstreams import Upstream, status_handler, upstream
+
+COOLDOWN_MS = 150
+BREAKER = {"window": 4, "min_calls": 3, "failure_rate": 0.5, "cooldown_ms": COOLDOWN_MS,
+           "max_cooldown_ms": 1000}  # fmt: skip
+POOL_ENV = {"KEY_A": "key-a", "KEY_B": "key-b"}
+
+
+async def host_app(scope: Scope, receive: Receive, send: Send) -> None:
+    await send({"type": "http.response.start", "status": 404, "headers": []})
+    await send({"type": "http.response.body", "body": b"host"})
+
+
+def config(state: str, primary: Upstream, backup: Upstream, **primary_extra: Any) -> dict[str, Any]:
+    return {
+        "gateway": {"state": state, "breaker": BREAKER},
+        "upstreams": {
+            "primary": {"url": primary.url, **primary_extra},
+            "backup": {"url": backup.url},
+        },
+        "routes": [
+            {
+                "id": "r",
+                "prefix": "/v1/",
+                "plan": ["primary", "backup"],
+                "retries": 2,
+                "backoff_ms": 0,
+            }
+        ],
+    }
+
+
+@asynccontextmanager
+async def gateway_client(conf: dict[str, Any], **kwargs: Any) -> AsyncIterator[httpx.AsyncClient]:
+    gateway = Gateway(host_app, config=conf, **kwargs)
+    try:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=gateway), base_url="http://gw"
+        ) as client:
+            yield client
+    finally:
+        await gateway.aclose()
+
+
+def test_state_url_prefix() -> None:
+    assert split_state_url("redis://h:1/2?prefix=a:b:&db=3") == ("redis://h:1/2?db=3", "a:b:")
+    assert split_state_url("redis://h:1/0") == ("redis://h:1/0", "fallback_mw:")
+
+
+@pytest.mark.anyio
+async def test_two_gateways_share_a_breaker(redis_url: str) -> None:
+    answer = {"status": 503}
+
+    async def primary_handler(request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(0.03)
+        return web.Response(status=answer["status"], body=b"primary")
+
+    async with (
+        upstream(primary_handler) as primary,
+        upstream(status_handler(200, b"backup")) as backup,
+    ):
+        conf = config(redis_url, primary, backup)
+        async with gateway_client(conf) as one, gateway_client(conf) as two:
+            for _ in range(3):
+                assert (await one.get("/v1/x")).text == "backup"
+            assert primary.count == 3
+            # The second gateway skips the primary at once: no attempt, no contact.
+            for _ in range(3):
+                response = await two.get("/v1/x")
+                assert response.text == "backup"
+                assert response.headers["x-gateway-attempts"] == "1"
+            assert primary.count == 3
+
+            # After the cooldown: one probe across both gateways.
+            await asyncio.sleep(COOLDOWN_MS / 1000 + 0.02)
+            responses = await asyncio.gather(
+                *(client.get("/v1/x") for client in (one, two) for _ in range(4))
+            )
+            assert all(r.text == "backup" for r in responses)
+            assert primary.count == 4
+
+            prefix = split_state_url(redis_url)[1]
+            inspect = aioredis.Redis.from_url(split_state_url(redis_url)[0], decode_responses=True)
+            try:
+                state = await inspect.hgetall(f"{prefix}breaker:primary")
+                assert state["st"] == "open"
+                assert state["cd"] == str(2 * COOLDOWN_MS)  # the failed probe doubled it
+                assert await inspect.pttl(f"{prefix}breaker:primary") > 0  # keys expire
+            finally:
+                await inspect.aclose()
+
+            # Still open at the first cooldown's length; a success after the doubled one
+            # closes it for both gateways.
+            await asyncio.sleep(COOLDOWN_MS / 1000 + 0.02)
+            assert (await two.get("/v1/x")).text == "backup"
+            assert primary.count == 4
+            answer["status"] = 200
+            await asyncio.sleep(COOLDOWN_MS / 1000)
+            assert (await two.get("/v1/x")).text == "primary"
+            assert primary.count == 5
+            assert (await one.get("/v1/x")).text == "primary"
+            assert primary.count == 6
+
+
+@pytest.mark.anyio
+async def test_two_gateways_share_credential_health(redis_url: str) -> None:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        key = request.headers.get("authorization", "")
+        return web.Response(status=401 if key == "Bearer key-a" else 200, body=key.encode())
+
+    async with upstream(handler) as primary, upstream(status_handler(200)) as backup:
+        conf = config(redis_url, primary, backup, auth_env=["KEY_A", "KEY_B"])
+        async with (
+            gateway_client(conf, environ=POOL_ENV) as one,
+            gateway_client(conf, environ=POOL_ENV) as two,
+        ):
+            for client in (one, two, one, two, two, one):
+                response = await client.get("/v1/x")
+                assert response.status_code == 200
+                assert response.text == "Bearer key-b"
+        keys = [dict(r.headers)["authorization"] for r in primary.received]
+        assert keys.count("Bearer key-a") == 1
+
+
+@pytest.mark.anyio
+async def test_unreachable_redis_serves_on_local_state_and_warns_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    state = "redis://:hunter2secret@127.0.0.1:1/0?prefix=x:"
+    caplog.set_level(logging.WARNING, logger="fallback_mw.health")
+    async with upstream(status_handler(503)) as primary, upstream(status_handler(200)) as backup:
+        conf = config(state, primary, backup)
+        async with gateway_client(conf) as client:
+            for _ in range(6):
+                response = await client.get("/v1/x")
+                assert response.status_code == 200
+        assert primary.count == 3  # the local breaker still opened after min_calls
+    warnings = [r for r in caplog.records if r.name == "fallback_mw.health"]
+    assert len(warnings) == 1
+    message = warnings[0].getMessage()
+    assert "unreachable" in message
+    assert "hunter2secret" not in message
+
+
+@asynccontextmanager
+async def tcp_proxy(target_port: int) -> AsyncIterator[tuple[int, Any]]:
+    """A switchable TCP proxy to the real Redis: `set_up(False)` drops every connection."""
+    up = {"on": True}
+    writers: set[asyncio.StreamWriter] = set()
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError):
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not up["on"]:
+            writer.close()
+            return
+        r2, w2 = await asyncio.open_connection("127.0.0.1", target_port)
+        writers.update((writer, w2))
+        await asyncio.gather(pipe(reader, w2), pipe(r2, writer))
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+
+    def set_up(on: bool) -> None:
+        up["on"] = on
+        if not on:
+            for writer in writers:
+                writer.close()
+            writers.clear()
+
+    try:
+        yield port, set_up
+    finally:
+        set_up(False)
+        server.close()
+        await server.wait_closed()
+
+
+@pytest.mark.anyio
+async def test_redis_outage_falls_back_and_recovers(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="fallback_mw.health")
+    prefix = split_state_url(redis_url)[1]
+    async with tcp_proxy(6379) as (port, set_up):
+        health = RedisHealth(
+            f"redis://127.0.0.1:{port}/0?prefix={prefix}",
+            BreakerConfig(**BREAKER),
+            retry_interval=0.05,
+        )
+        try:
+            assert await health.admit("u") is True
+            set_up(False)
+            for _ in range(3):
+                await health.record("u", failure=True)
+            assert not health.available
+            assert await health.admit("u") is False  # the local breaker opened
+            set_up(True)
+            await asyncio.sleep(0.06)
+            assert await health.admit("u") is True  # Redis again: its breaker is closed
+            assert health.available
+        finally:
+            await health.aclose()
+    messages = [r.getMessage() for r in caplog.records if r.name == "fallback_mw.health"]
+    assert len(messages) == 2
+    assert "unreachable" in messages[0]
+    assert "reachable again" in messages[1]
