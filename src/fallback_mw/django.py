@@ -1,0 +1,212 @@
+"""Django adapter: `fallback_mw.django.GatewayMiddleware` for the MIDDLEWARE list.
+
+    MIDDLEWARE = ["fallback_mw.django.GatewayMiddleware", ...]   # first, like whitenoise
+    FALLBACK_MW = {"config": "gateway.toml"}                      # a path, a dict or a model
+
+The only module that imports Django. The gateway itself stays a pure ASGI app; this
+adapter bridges one Django request to it:
+
+* the request's ASGI scope (Django must be served over ASGI) and its body, read in chunks
+  from the stream Django already spooled, are handed to the Gateway;
+* when no route matches, the Gateway calls its host app, which here only records that
+  fact; the request then continues down Django's middleware chain (`get_response`),
+  body unread;
+* a routed response becomes a StreamingHttpResponse fed chunk by chunk from the Gateway
+  (SSE included). A response the Gateway aborts after its head was sent raises from the
+  body iterator, so the server aborts the connection instead of ending it as complete.
+
+Limits of the bridge: Django's response headers are a case-insensitive mapping, so a
+repeated upstream header is joined with ", " (Set-Cookie goes through response.cookies);
+client disconnects reach the Gateway as cancellation when Django cancels the request.
+Under WSGI, wrap nothing: serve Django over ASGI, or put `Gateway(get_asgi_application(),
+config=...)` in asgi.py, which needs no adapter at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from http.cookies import SimpleCookie
+from typing import Any
+
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+from django.http import HttpRequest, HttpResponseBase, StreamingHttpResponse
+
+from fallback_mw.config import ConfigError
+from fallback_mw.gateway import Gateway
+from fallback_mw.types import Message, Receive, Scope, Send
+
+_EXCHANGE_KEY = "fallback_mw.django.exchange"
+_BODY_CHUNK = 64 * 1024
+
+GetResponse = Callable[[HttpRequest], Awaitable[HttpResponseBase]]
+
+_live: weakref.WeakSet[GatewayMiddleware] = weakref.WeakSet()
+
+
+class _End:
+    """Queued once the Gateway returns; carries its exception, if any."""
+
+    def __init__(self, error: BaseException | None = None) -> None:
+        self.error = error
+
+
+class GatewayAborted(Exception):
+    """The Gateway ended a started response without completing it (SPEC §5)."""
+
+
+@dataclass(eq=False)
+class _Exchange:
+    """One request's bridge state (never kept on the shared middleware instance)."""
+
+    request: HttpRequest
+    queue: asyncio.Queue[Message | _End]
+    passthrough: bool = False
+    body_done: bool = False
+
+    async def receive(self) -> Message:
+        if self.body_done:
+            # Nothing more will arrive; a disconnect reaches the Gateway as cancellation.
+            await asyncio.Event().wait()
+        chunk = self.request.read(_BODY_CHUNK)
+        more = len(chunk) == _BODY_CHUNK  # a short read is the end of the spooled body
+        self.body_done = not more
+        return {"type": "http.request", "body": chunk, "more_body": more}
+
+    async def send(self, message: Message) -> None:
+        await self.queue.put(message)
+
+
+async def _to_django(scope: Scope, receive: Receive, send: Send) -> None:
+    # The Gateway's host app: no route matched, so Django handles the request itself.
+    exchange = scope.get(_EXCHANGE_KEY)
+    if isinstance(exchange, _Exchange):
+        exchange.passthrough = True
+
+
+def _config_source() -> Any:
+    options = getattr(settings, "FALLBACK_MW", None)
+    if not isinstance(options, dict) or "config" not in options:
+        raise ImproperlyConfigured(
+            'fallback_mw: set FALLBACK_MW = {"config": "gateway.toml"} in your settings'
+        )
+    unknown = sorted(set(options) - {"config"})
+    if unknown:
+        raise ImproperlyConfigured(f"fallback_mw: unknown FALLBACK_MW key(s): {unknown}")
+    return options["config"]
+
+
+class GatewayMiddleware:
+    """Routes matching requests through the Gateway; every other request goes on to Django."""
+
+    async_capable = True
+    sync_capable = False
+
+    def __init__(self, get_response: GetResponse) -> None:
+        self.get_response = get_response
+        if iscoroutinefunction(get_response):
+            markcoroutinefunction(self)
+        try:
+            self.gateway = Gateway(_to_django, config=_config_source())
+        except ConfigError as exc:
+            raise ImproperlyConfigured(f"fallback_mw: {exc}") from None
+        _live.add(self)
+
+    async def __call__(self, request: HttpRequest) -> HttpResponseBase:
+        base_scope = getattr(request, "scope", None)
+        if not isinstance(base_scope, dict):
+            raise ImproperlyConfigured(
+                "fallback_mw.django.GatewayMiddleware needs Django served over ASGI (asgi.py)"
+            )
+        queue: asyncio.Queue[Message | _End] = asyncio.Queue(maxsize=1)
+        exchange = _Exchange(request=request, queue=queue)
+        scope = {**base_scope, _EXCHANGE_KEY: exchange}
+
+        async def run() -> None:
+            try:
+                await self.gateway(scope, exchange.receive, exchange.send)
+            except Exception as exc:
+                await queue.put(_End(exc))
+            else:
+                await queue.put(_End())
+
+        task = asyncio.create_task(run())
+        try:
+            first = await queue.get()
+        except BaseException:
+            await _cancel(task)
+            raise
+        if isinstance(first, _End):
+            await task
+            if first.error is not None:
+                raise first.error
+            if exchange.passthrough:
+                return await self.get_response(request)
+            raise RuntimeError("fallback_mw: the gateway returned without a response")
+        return _streaming_response(first, queue, task)
+
+    async def aclose(self) -> None:
+        await self.gateway.aclose()
+
+
+async def aclose_gateways() -> None:
+    """Close every live GatewayMiddleware's upstream connections (a shutdown hook: Django
+    has no ASGI lifespan support, so call this from your server's shutdown if you care)."""
+    for middleware in list(_live):
+        await middleware.aclose()
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    if not task.done():
+        task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+def _streaming_response(
+    start: Message, queue: asyncio.Queue[Message | _End], task: asyncio.Task[None]
+) -> StreamingHttpResponse:
+    async def body() -> AsyncIterator[bytes]:
+        complete = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, _End):
+                    if not complete:
+                        raise GatewayAborted("the gateway aborted the response") from item.error
+                    return
+                if item["type"] != "http.response.body" or complete:
+                    continue
+                chunk = item.get("body", b"")
+                if chunk:
+                    yield chunk
+                complete = not item.get("more_body", False)
+                # After the last chunk keep reading: the Gateway settles budgets and
+                # records telemetry before it returns (_End).
+        finally:
+            await _cancel(task)
+
+    response = StreamingHttpResponse(body(), status=start["status"])
+    del response.headers["Content-Type"]  # only what the Gateway sent
+    _copy_headers(start.get("headers", ()), response)
+    return response
+
+
+def _copy_headers(headers: Any, response: StreamingHttpResponse) -> None:
+    for raw_name, raw_value in headers:
+        name = raw_name.decode("latin-1")
+        value = raw_value.decode("latin-1")
+        if name.lower() == "set-cookie":
+            cookie: SimpleCookie = SimpleCookie()
+            cookie.load(value)
+            for key, morsel in cookie.items():
+                response.cookies[key] = morsel
+        elif name in response.headers:
+            response.headers[name] = f"{response.headers[name]}, {value}"
+        else:
+            response.headers[name] = value

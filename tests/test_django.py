@@ -1,0 +1,301 @@
+"""The Django adapter, with Django's settings configured here and real local upstreams."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import anyio
+import django
+import httpx
+import pytest
+from aiohttp import web
+from django.conf import settings
+
+if not settings.configured:
+    settings.configure(
+        DEBUG=False,
+        SECRET_KEY="fallback-mw-tests",
+        ALLOWED_HOSTS=["*"],
+        ROOT_URLCONF=__name__,
+        MIDDLEWARE=[],
+        INSTALLED_APPS=[],
+        USE_TZ=True,
+    )
+    django.setup()
+
+from asgiref.sync import iscoroutinefunction
+from django.core.exceptions import ImproperlyConfigured
+from django.core.handlers.asgi import ASGIHandler
+from django.http import HttpRequest, HttpResponse, HttpResponseBase
+from django.test import AsyncRequestFactory, RequestFactory, override_settings
+from django.urls import path
+
+from fallback_mw.django import GatewayAborted, GatewayMiddleware, aclose_gateways
+from tests.upstreams import Upstream, status_handler, upstream
+
+PRIMARY_KEY = "dj-primary-secret"
+BACKUP_KEY = "dj-backup-secret"
+CALLER_KEY = "dj-caller-secret"
+
+
+def local_view(request: HttpRequest) -> HttpResponse:
+    return HttpResponse(b"django saw: " + request.body, content_type="text/plain")
+
+
+urlpatterns = [path("local/", local_view), path("v1/shadowed/", local_view)]
+
+
+@pytest.fixture(autouse=True)
+def credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FMW_DJ_PRIMARY_KEY", PRIMARY_KEY)
+    monkeypatch.setenv("FMW_DJ_BACKUP_KEY", BACKUP_KEY)
+
+
+def gateway_config(primary: Upstream, backup: Upstream) -> dict[str, Any]:
+    return {
+        "gateway": {"allow_hosts": ["127.0.0.1"], "replay_buffer": 1024 * 1024},
+        "upstreams": {
+            "primary": {"url": primary.url, "auth_env": "FMW_DJ_PRIMARY_KEY"},
+            "backup": {
+                "url": backup.url,
+                "auth_header": "x-api-key",
+                "auth_scheme": "",
+                "auth_env": "FMW_DJ_BACKUP_KEY",
+            },
+        },
+        "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary", "backup"], "retries": 1}],
+    }
+
+
+@pytest.fixture
+def django_site() -> Iterator[Any]:
+    """Build a Django ASGI app with GatewayMiddleware first in MIDDLEWARE."""
+    overrides: list[Any] = []
+
+    def build(config: dict[str, Any]) -> ASGIHandler:
+        override = override_settings(
+            MIDDLEWARE=["fallback_mw.django.GatewayMiddleware"], FALLBACK_MW={"config": config}
+        )
+        override.enable()
+        overrides.append(override)
+        return ASGIHandler()
+
+    yield build
+    for override in overrides:
+        override.disable()
+
+
+@pytest.fixture
+async def closing() -> AsyncIterator[None]:
+    yield
+    await aclose_gateways()
+
+
+def client_for(app: ASGIHandler) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver")
+
+
+@pytest.mark.anyio
+async def test_routed_get_fails_over_inside_django(django_site: Any, closing: None) -> None:
+    async with (
+        upstream(status_handler(503)) as primary,
+        upstream(status_handler(200, b"from backup")) as backup,
+    ):
+        app = django_site(gateway_config(primary, backup))
+        async with client_for(app) as client:
+            response = await client.get(
+                "/v1/models", headers={"authorization": f"Bearer {CALLER_KEY}"}
+            )
+            # A path Django also routes: the gateway route wins.
+            shadowed = await client.get("/v1/shadowed/")
+    assert response.status_code == 200
+    assert response.content == b"from backup"
+    assert response.headers["x-gateway-provider"] == "backup"
+    assert response.headers["x-gateway-attempts"] == "2"
+    assert response.headers["x-gateway-route"] == "chat"
+    assert shadowed.headers["x-gateway-route"] == "chat"
+    sent_to_backup = dict(backup.received[0].headers)
+    assert sent_to_backup["x-api-key"] == BACKUP_KEY
+    for received in primary.received + backup.received:
+        assert all(CALLER_KEY not in value for _, value in received.headers)
+    assert dict(primary.received[0].headers)["authorization"] == f"Bearer {PRIMARY_KEY}"
+
+
+@pytest.mark.anyio
+async def test_unmatched_requests_reach_django_with_their_body(
+    django_site: Any, closing: None
+) -> None:
+    async with upstream(status_handler(200)) as primary, upstream(status_handler(200)) as backup:
+        app = django_site(gateway_config(primary, backup))
+        async with client_for(app) as client:
+            posted = await client.post("/local/", content=b"payload-kept")
+            missing = await client.get("/nowhere/")
+    assert posted.status_code == 200
+    assert posted.content == b"django saw: payload-kept"
+    assert "x-gateway-route" not in posted.headers
+    assert missing.status_code == 404
+    assert primary.count == 0 and backup.count == 0
+
+
+@pytest.mark.anyio
+async def test_post_is_not_replayed_and_body_is_forwarded_whole(
+    django_site: Any, closing: None
+) -> None:
+    body = bytes(range(256)) * 800  # 200 KiB: several 64 KiB chunks through the bridge
+    async with (
+        upstream(status_handler(503, b"primary down")) as primary,
+        upstream(status_handler(200)) as backup,
+    ):
+        app = django_site(gateway_config(primary, backup))
+        async with client_for(app) as client:
+            response = await client.post("/v1/chat/completions", content=body)
+    assert response.status_code == 503
+    assert response.headers["x-gateway-provider"] == "primary"
+    assert primary.count == 1
+    assert primary.received[0].body == body
+    assert backup.count == 0
+
+
+@pytest.mark.anyio
+async def test_repeated_headers_and_cookies_survive_the_bridge(
+    django_site: Any, closing: None
+) -> None:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        response = web.Response(body=b"ok", content_type="text/plain")
+        response.headers.add("x-multi", "a")
+        response.headers.add("x-multi", "b")
+        response.set_cookie("flavour", "oat", path="/v1/")
+        return response
+
+    async with upstream(handler) as primary, upstream(status_handler(200)) as backup:
+        app = django_site(gateway_config(primary, backup))
+        async with client_for(app) as client:
+            response = await client.get("/v1/cookie")
+    assert response.headers.get_list("x-multi") == ["a, b"]
+    assert response.cookies["flavour"] == "oat"
+    assert response.headers["content-type"] == "text/plain"  # as sent, no Django default
+
+
+# --- the bridge driven directly, with Django request objects ----------------------------
+
+
+async def django_view(request: HttpRequest) -> HttpResponseBase:
+    return HttpResponse(b"from django")
+
+
+@pytest.mark.anyio
+async def test_streaming_reaches_django_chunk_by_chunk() -> None:
+    release = asyncio.Event()
+
+    async def sse(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b"data: one\n\n")
+        await release.wait()  # only released once the client saw event one
+        await response.write(b"data: two\n\n")
+        await response.write_eof()
+        return response
+
+    async with upstream(sse) as primary, upstream(status_handler(200)) as backup:
+        with override_settings(FALLBACK_MW={"config": gateway_config(primary, backup)}):
+            middleware = GatewayMiddleware(django_view)
+        try:
+            with anyio.fail_after(5):
+                response = await middleware(AsyncRequestFactory().get("/v1/stream"))
+                assert response.status_code == 200
+                assert response["content-type"] == "text/event-stream"
+                chunks = aiter(response)  # type: ignore[call-overload]
+                assert await anext(chunks) == b"data: one\n\n"
+                release.set()
+                rest = [chunk async for chunk in chunks]
+            assert b"".join(rest) == b"data: two\n\n"
+        finally:
+            await middleware.aclose()
+
+
+@pytest.mark.anyio
+async def test_aborted_upstream_aborts_the_django_response() -> None:
+    async def truncated(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-length": "1000"})
+        await response.prepare(request)
+        await response.write(b"partial")
+        await asyncio.sleep(0.05)
+        request.transport.close()  # type: ignore[union-attr]
+        return response
+
+    async with upstream(truncated) as primary, upstream(status_handler(200)) as backup:
+        with override_settings(FALLBACK_MW={"config": gateway_config(primary, backup)}):
+            middleware = GatewayMiddleware(django_view)
+        try:
+            with anyio.fail_after(5):
+                response = await middleware(AsyncRequestFactory().get("/v1/big"))
+                assert response.status_code == 200
+                received = b""
+                with pytest.raises(GatewayAborted):
+                    async for chunk in response:  # type: ignore[attr-defined]
+                        received += chunk
+            assert received == b"partial"
+            assert backup.count == 0
+        finally:
+            await middleware.aclose()
+
+
+@pytest.mark.anyio
+async def test_unmatched_goes_to_get_response() -> None:
+    async with upstream(status_handler(200)) as primary, upstream(status_handler(200)) as backup:
+        with override_settings(FALLBACK_MW={"config": gateway_config(primary, backup)}):
+            middleware = GatewayMiddleware(django_view)
+        try:
+            response = await middleware(AsyncRequestFactory().get("/other"))
+        finally:
+            await middleware.aclose()
+    assert isinstance(response, HttpResponse)
+    assert response.content == b"from django"
+    assert primary.count == 0
+
+
+def test_middleware_is_async_only() -> None:
+    with override_settings(FALLBACK_MW={"config": {}}):
+        middleware = GatewayMiddleware(django_view)
+    assert iscoroutinefunction(middleware)
+    assert GatewayMiddleware.async_capable is True
+    assert GatewayMiddleware.sync_capable is False
+
+
+@pytest.mark.anyio
+async def test_wsgi_request_is_refused_clearly() -> None:
+    with override_settings(FALLBACK_MW={"config": {}}):
+        middleware = GatewayMiddleware(django_view)
+    with pytest.raises(ImproperlyConfigured, match="ASGI"):
+        await middleware(RequestFactory().get("/v1/x"))
+
+
+def test_missing_setting_is_improperly_configured() -> None:
+    with override_settings(), pytest.raises(ImproperlyConfigured, match="FALLBACK_MW"):
+        GatewayMiddleware(django_view)
+    with (
+        override_settings(FALLBACK_MW={"config": {}, "typo": 1}),
+        pytest.raises(ImproperlyConfigured, match="typo"),
+    ):
+        GatewayMiddleware(django_view)
+
+
+def test_missing_credential_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FMW_DJ_PRIMARY_KEY", PRIMARY_KEY)
+    monkeypatch.delenv("FMW_DJ_BACKUP_KEY")
+    config = {
+        "upstreams": {
+            "primary": {"url": "http://127.0.0.1:9", "auth_env": "FMW_DJ_PRIMARY_KEY"},
+            "backup": {"url": "http://127.0.0.1:9", "auth_env": "FMW_DJ_BACKUP_KEY"},
+        },
+        "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary", "backup"], "retries": 1}],
+    }
+    with (
+        override_settings(FALLBACK_MW={"config": config}),
+        pytest.raises(ImproperlyConfigured) as exc,
+    ):
+        GatewayMiddleware(django_view)
+    assert "FMW_DJ_BACKUP_KEY" in str(exc.value)
+    assert PRIMARY_KEY not in str(exc.value)
