@@ -1,59 +1,152 @@
-"""BudgetGuard: one hold before any upstream is contacted, one settlement after."""
+"""BudgetGuard: one hold before any upstream is contacted, one settlement after.
+
+The hold runs as an admission hook of the walker, after the body is read and before the
+first attempt, so it is taken once however many attempts follow. The settlement runs in
+a shielded `finally` once the walk has ended (served, failed, or the client went away):
+reported usage priced by `[prices]`, else the hold; nothing served releases the hold."""
 
 from __future__ import annotations
 
+import logging
+from decimal import Decimal
+
 import anyio
 
-from fallback_mw.budget import Hold, Ledger, LedgerUnavailable
+from fallback_mw.budget import AttemptOutcome, Hold, Ledger, LedgerUnavailable, UsageRecord
+from fallback_mw.budget.cost import PriceBook
+from fallback_mw.budget.usage import DEFAULT_JSON_CAP, UsageMeter
 from fallback_mw.config import BudgetConfig, GatewayConfig
 from fallback_mw.context import RequestContext, get_context
 from fallback_mw.types import ASGIApp, Receive, Scope, Send
 
+logger = logging.getLogger("fallback_mw.budget")
+
 
 class BudgetGuard:
     def __init__(
-        self, app: ASGIApp, /, *, config: GatewayConfig, ledger: Ledger | None = None
+        self,
+        app: ASGIApp,
+        /,
+        *,
+        config: GatewayConfig,
+        ledger: Ledger | None = None,
+        json_cap: int = DEFAULT_JSON_CAP,
     ) -> None:
         self.app = app
         self.budgets = dict(config.budgets)
+        self.prices = PriceBook(config.prices)
         self.ledger = ledger
+        self.json_cap = json_cap
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         context = get_context(scope)
-        if context is None or context.route.budget is None or self.ledger is None:
-            await self.app(scope, receive, send)
-            return
-        budget = self.budgets.get(context.route.budget)
-        if budget is None:
-            await self.app(scope, receive, send)
-            return
         ledger = self.ledger
+        if context is None or ledger is None:
+            await self.app(scope, receive, send)
+            return
+        meter = UsageMeter(context.usage, json_cap=self.json_cap)
+        context.response_observers.append(meter.observe)
         budget_id = context.route.budget
+        if budget_id is not None:
 
-        async def admit(body: bytes | None) -> str | None:
-            try:
-                hold = await ledger.hold(budget_id, budget, budget.default_hold)
-            except LedgerUnavailable:
-                return "budget_unavailable"
-            if hold is None:
-                return "budget_exceeded"
-            context.hold = hold
-            return None
+            async def admit(body: bytes | None) -> str | None:
+                return await self._admit(ledger, context, budget_id, body)
 
-        context.admission_hooks.append(admit)
+            context.admission_hooks.append(admit)
         try:
             await self.app(scope, receive, send)
         finally:
-            if isinstance(context.hold, Hold):
-                with anyio.CancelScope(shield=True):
-                    await self._settle(ledger, context, budget)
+            # Shielded: a cancelled request (client gone, server stopping) still settles.
+            with anyio.CancelScope(shield=True):
+                meter.finish()
+                await self._settle(ledger, context, meter)
 
-    async def _settle(self, ledger: Ledger, context: RequestContext, budget: BudgetConfig) -> None:
-        hold: Hold = context.hold
+    async def budget_for(self, ledger: Ledger, budget_id: str) -> BudgetConfig | None:
+        """A budget set in the store wins over the file's, so operators can change a
+        limit without a restart."""
+        stored = await ledger.stored_budget(budget_id)
+        return stored if stored is not None else self.budgets.get(budget_id)
+
+    async def _admit(
+        self, ledger: Ledger, context: RequestContext, budget_id: str, body: bytes | None
+    ) -> str | None:
         try:
-            if context.chosen is None:
-                await ledger.release(hold)
-            else:
-                await ledger.settle(hold, hold.amount)
+            budget = await self.budget_for(ledger, budget_id)
+            if budget is None:
+                # A route naming a budget nobody defined: fail closed, like an unreachable
+                # ledger, rather than let unmetered traffic through.
+                logger.warning("route %s names an unknown budget %s", context.route.id, budget_id)
+                return "budget_unavailable"
+            amount = self.prices.estimate_hold(body, context.request_model, budget.default_hold)
+            hold = await ledger.hold(budget_id, budget, amount)
         except LedgerUnavailable:
-            pass
+            return "budget_unavailable"
+        if hold is None:
+            return "budget_exceeded"
+        context.hold = hold
+        return None
+
+    def _charge(self, context: RequestContext, meter: UsageMeter, hold: Hold) -> Decimal:
+        cost = self._cost(context, meter)
+        if cost is None:
+            return hold.amount
+        if not context.completed:
+            # Cut short (client gone, response aborted): the upstream's count is partial
+            # but it may bill for the whole generation; never charge less than the hold.
+            return max(cost, hold.amount)
+        return cost
+
+    def _cost(self, context: RequestContext, meter: UsageMeter) -> Decimal | None:
+        if not meter.reported:
+            return None
+        usage = context.usage
+        cost = self.prices.cost(usage.model, usage.input_tokens, usage.output_tokens)
+        if cost is None and usage.model != context.request_model:
+            cost = self.prices.cost(context.request_model, usage.input_tokens, usage.output_tokens)
+        return cost
+
+    async def _settle(self, ledger: Ledger, context: RequestContext, meter: UsageMeter) -> None:
+        hold = context.hold if isinstance(context.hold, Hold) else None
+        charged: Decimal | None = None
+        try:
+            if hold is not None:
+                if context.chosen is None:
+                    await ledger.release(hold)
+                    charged = Decimal(0)
+                else:
+                    charged = self._charge(context, meter, hold)
+                    await ledger.settle(hold, charged)
+        except LedgerUnavailable:
+            # The hold stays in the ledger; it is settled at its amount when it goes stale.
+            logger.warning("route %s: settlement failed, ledger unavailable", context.route.id)
+        try:
+            await ledger.record_usage(_usage_record(context, self._cost(context, meter), charged))
+        except LedgerUnavailable:
+            logger.warning("route %s: usage record lost, ledger unavailable", context.route.id)
+
+
+def _usage_record(
+    context: RequestContext, cost: Decimal | None, charged: Decimal | None
+) -> UsageRecord:
+    attempts = [
+        AttemptOutcome(candidate=a.candidate, status=a.status, failure=a.failure_kind)
+        for a in context.attempts
+    ]
+    attempts += [AttemptOutcome(candidate=s.candidate, skipped=s.reason) for s in context.skipped]
+    usage = context.usage
+    return UsageRecord(
+        request_id=context.request_id,
+        route=context.route.id,
+        tenant=context.tenant,
+        budget_id=context.route.budget,
+        candidates=tuple(context.candidates),
+        attempts=tuple(attempts),
+        chosen=context.chosen,
+        outcome=context.outcome,
+        status=context.status,
+        model=usage.model or context.request_model,
+        input_tokens=usage.input_tokens,
+        output_tokens=usage.output_tokens,
+        cost=cost,
+        charged=charged,
+    )

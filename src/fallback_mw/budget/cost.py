@@ -1,0 +1,96 @@
+"""Money and prices: exact Decimal arithmetic, stored as integer nano-units.
+
+A hold is estimated from the request (model, size, `max_tokens`) and `[prices]`; a
+settlement is costed from the usage the upstream reported."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from decimal import ROUND_CEILING, Decimal
+
+from fallback_mw.config import PriceConfig
+
+UNITS_PER_CURRENCY = 10**9  # stores keep integer nano-units: exact, no binary floats
+_MTOK = Decimal(1_000_000)
+# A rough, generous token estimate for the request side: ~4 bytes of JSON per token.
+BYTES_PER_TOKEN = 4
+_OUTPUT_LIMIT_KEYS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+
+
+def to_units(amount: Decimal) -> int:
+    """Currency -> integer nano-units, rounded up so a charge is never under-counted."""
+    return int((amount * UNITS_PER_CURRENCY).to_integral_value(rounding=ROUND_CEILING))
+
+
+def from_units(units: int) -> Decimal:
+    return Decimal(units).scaleb(-9)
+
+
+def format_money(amount: Decimal) -> str:
+    text = f"{amount.normalize():f}"
+    return text if "." in text else text + ".00"
+
+
+class PriceBook:
+    def __init__(self, prices: Mapping[str, PriceConfig]) -> None:
+        self.prices = dict(prices)
+        # Longest first, so "gpt-4o-mini" wins over "gpt-4o" for "gpt-4o-mini-2024-07-18".
+        self._by_length = sorted(self.prices, key=len, reverse=True)
+
+    def price_for(self, model: str | None) -> PriceConfig | None:
+        if not model:
+            return None
+        price = self.prices.get(model)
+        if price is not None:
+            return price
+        # Upstreams often report a dated version of the requested model name.
+        for name in self._by_length:
+            if model.startswith(name) and model[len(name)] in "-@:.":
+                return self.prices[name]
+        return None
+
+    def cost(
+        self, model: str | None, input_tokens: int | None, output_tokens: int | None
+    ) -> Decimal | None:
+        """The exact cost of reported usage, or None when the model has no price or no
+        usage was reported."""
+        price = self.price_for(model)
+        if price is None or (input_tokens is None and output_tokens is None):
+            return None
+        return (
+            Decimal(input_tokens or 0) * price.input_per_mtok
+            + Decimal(output_tokens or 0) * price.output_per_mtok
+        ) / _MTOK
+
+    def estimate_hold(
+        self, body: bytes | None, model: str | None, default_hold: Decimal
+    ) -> Decimal:
+        """The hold for a request: priced model + output limit -> an estimate of the most
+        the request can cost; anything else -> `default_hold`."""
+        if body is None or not body:
+            return default_hold
+        price = self.price_for(model)
+        if price is None or not any(key.encode() in body for key in _OUTPUT_LIMIT_KEYS):
+            return default_hold
+        try:
+            parsed = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            return default_hold
+        if not isinstance(parsed, dict):
+            return default_hold
+        output_limit = next(
+            (
+                parsed[key]
+                for key in _OUTPUT_LIMIT_KEYS
+                if isinstance(parsed.get(key), int) and not isinstance(parsed.get(key), bool)
+            ),
+            None,
+        )
+        if output_limit is None or output_limit < 0:
+            return default_hold
+        input_estimate = -(-len(body) // BYTES_PER_TOKEN)
+        return (
+            Decimal(input_estimate) * price.input_per_mtok
+            + Decimal(output_limit) * price.output_per_mtok
+        ) / _MTOK

@@ -1,0 +1,94 @@
+"""The in-memory ledger: no store configured, one process. Holds are atomic because
+nothing awaits between the check and the update."""
+
+from __future__ import annotations
+
+import uuid
+from collections import deque
+from datetime import datetime
+from decimal import Decimal
+
+from fallback_mw.budget import BudgetStatus, Hold, UsageRecord, window_start
+from fallback_mw.budget.cost import from_units, to_units
+from fallback_mw.config import BudgetConfig
+
+USAGE_KEPT = 10_000  # the newest usage records; memory must stay bounded
+
+
+class MemoryLedger:
+    def __init__(self, *, usage_kept: int = USAGE_KEPT) -> None:
+        self._spent: dict[tuple[str, str], int] = {}
+        self._held: dict[tuple[str, str], int] = {}
+        self._holds: dict[str, tuple[str, str, int]] = {}
+        self._budgets: dict[str, BudgetConfig] = {}
+        self._usage: deque[UsageRecord] = deque(maxlen=usage_kept)
+
+    async def hold(self, budget_id: str, budget: BudgetConfig, amount: Decimal) -> Hold | None:
+        key = (budget_id, window_start(budget.window))
+        units = to_units(amount)
+        if self._spent.get(key, 0) + self._held.get(key, 0) + units > to_units(budget.limit):
+            return None
+        self._held[key] = self._held.get(key, 0) + units
+        hold_id = uuid.uuid4().hex
+        self._holds[hold_id] = (budget_id, key[1], units)
+        return Hold(hold_id, budget_id, from_units(units), key[1])
+
+    async def settle(self, hold: Hold, amount: Decimal) -> None:
+        self._finish(hold, to_units(amount))
+
+    async def release(self, hold: Hold) -> None:
+        self._finish(hold, 0)
+
+    def _finish(self, hold: Hold, spent: int) -> None:
+        entry = self._holds.pop(hold.hold_id, None)
+        if entry is None:
+            return  # already settled or released: exactly once
+        budget_id, start, units = entry
+        key = (budget_id, start)
+        self._held[key] = self._held.get(key, 0) - units
+        self._spent[key] = self._spent.get(key, 0) + spent
+
+    async def record_usage(self, record: UsageRecord) -> None:
+        self._usage.append(record)
+
+    async def stored_budget(self, budget_id: str) -> BudgetConfig | None:
+        return self._budgets.get(budget_id)
+
+    async def set_budget(self, budget_id: str, budget: BudgetConfig) -> None:
+        self._budgets[budget_id] = budget
+
+    async def stored_budgets(self) -> dict[str, BudgetConfig]:
+        return dict(self._budgets)
+
+    async def status(self, budget_id: str, budget: BudgetConfig) -> BudgetStatus:
+        start = window_start(budget.window)
+        key = (budget_id, start)
+        return BudgetStatus(
+            budget_id=budget_id,
+            limit=budget.limit,
+            window=budget.window,
+            window_start=start,
+            spent=from_units(self._spent.get(key, 0)),
+            held=from_units(self._held.get(key, 0)),
+            default_hold=budget.default_hold,
+        )
+
+    async def usage(
+        self,
+        *,
+        since: datetime | None = None,
+        route: str | None = None,
+        tenant: str | None = None,
+        limit: int = 1000,
+    ) -> list[UsageRecord]:
+        found = [
+            r
+            for r in self._usage
+            if (since is None or r.at >= since)
+            and (route is None or r.route == route)
+            and (tenant is None or r.tenant == tenant)
+        ]
+        return found[-limit:]
+
+    async def aclose(self) -> None:
+        return None

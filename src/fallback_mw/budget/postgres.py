@@ -1,0 +1,304 @@
+"""The PostgreSQL ledger: many gateway processes share one ledger.
+
+A hold is one statement: an upsert of the window row whose update only happens while
+`spent + held + amount <= limit`, chained to the insert of the hold row. Concurrent
+holders queue on the window row's lock and each re-checks the condition against the
+latest committed row, so no interleaving of processes can hold past the limit."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from datetime import datetime, timedelta
+from decimal import Decimal
+from typing import TypeVar
+
+import asyncpg
+
+from fallback_mw.budget import BudgetStatus, Hold, LedgerUnavailable, UsageRecord, window_start
+from fallback_mw.budget.cost import from_units, to_units
+from fallback_mw.budget.schema import (
+    COMPONENT,
+    LATEST_VERSION,
+    SCHEMA_TABLE,
+    STALE_HOLD_SECONDS,
+    USAGE_COLUMNS,
+    BudgetCache,
+    SchemaTooNew,
+    budget_from_row,
+    check_version,
+    migrations,
+    usage_from_row,
+    usage_values,
+)
+from fallback_mw.config import BudgetConfig
+
+T = TypeVar("T")
+logger = logging.getLogger("fallback_mw.budget")
+_MIGRATION_LOCK = 0x666D775F6C6467  # pg_advisory_xact_lock key: "fmw_ldg"
+
+_HOLD = """
+WITH window_row AS (
+    INSERT INTO fmw_budget_windows AS w (budget_id, window_start, spent_units, held_units)
+    VALUES ($1, $2, 0, $3)
+    ON CONFLICT (budget_id, window_start) DO UPDATE
+        SET held_units = w.held_units + EXCLUDED.held_units
+        WHERE w.spent_units + w.held_units + EXCLUDED.held_units <= $4
+    RETURNING 1
+)
+INSERT INTO fmw_budget_holds (hold_id, budget_id, window_start, amount_units, created_at)
+SELECT $5, $1, $2, $3, now() FROM window_row
+RETURNING hold_id
+"""
+
+_FINISH = """
+WITH finished AS (
+    DELETE FROM fmw_budget_holds WHERE hold_id = $1
+    RETURNING budget_id, window_start, amount_units
+)
+UPDATE fmw_budget_windows AS w
+SET held_units = w.held_units - finished.amount_units, spent_units = w.spent_units + $2
+FROM finished
+WHERE w.budget_id = finished.budget_id AND w.window_start = finished.window_start
+"""
+
+_REAP = """
+WITH stale AS (
+    DELETE FROM fmw_budget_holds WHERE created_at < $1
+    RETURNING budget_id, window_start, amount_units
+), totals AS (
+    SELECT budget_id, window_start, sum(amount_units) AS units FROM stale
+    GROUP BY budget_id, window_start
+)
+UPDATE fmw_budget_windows AS w
+SET held_units = w.held_units - totals.units, spent_units = w.spent_units + totals.units
+FROM totals
+WHERE w.budget_id = totals.budget_id AND w.window_start = totals.window_start
+"""
+
+_FAILURES = (OSError, asyncio.TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError)
+
+
+class PostgresLedger:
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        min_size: int = 1,
+        max_size: int = 10,
+        timeout: float = 5.0,
+        stale_hold_seconds: float = STALE_HOLD_SECONDS,
+    ) -> None:
+        self.dsn = dsn
+        self.min_size = min_size
+        self.max_size = max_size
+        self.timeout = timeout
+        self.stale_hold_seconds = stale_hold_seconds
+        self._pool: asyncpg.Pool | None = None
+        self._opening = asyncio.Lock()
+        self._cache = BudgetCache()
+
+    # --- connection and schema --------------------------------------------------------
+
+    async def _get_pool(self) -> asyncpg.Pool:
+        if self._pool is not None:
+            return self._pool
+        async with self._opening:
+            if self._pool is None:
+                pool = await asyncpg.create_pool(
+                    self.dsn,
+                    min_size=self.min_size,
+                    max_size=self.max_size,
+                    timeout=self.timeout,
+                    command_timeout=self.timeout,
+                )
+                try:
+                    async with pool.acquire() as conn:
+                        await _migrate(conn)
+                        await conn.execute(
+                            _REAP,
+                            datetime.now().astimezone()
+                            - timedelta(seconds=self.stale_hold_seconds),
+                        )
+                except BaseException:
+                    await pool.close()
+                    raise
+                self._pool = pool
+            return self._pool
+
+    async def _run(self, work: Callable[[asyncpg.Pool], Awaitable[T]]) -> T:
+        try:
+            pool = await self._get_pool()
+            return await work(pool)
+        except (*_FAILURES, SchemaTooNew) as exc:
+            # The exception type only: a driver message may quote the DSN.
+            logger.warning("PostgreSQL ledger unavailable: %s", type(exc).__name__)
+            raise LedgerUnavailable(
+                f"PostgreSQL ledger unavailable ({type(exc).__name__})"
+            ) from None
+
+    # --- holds --------------------------------------------------------------------------
+
+    async def hold(self, budget_id: str, budget: BudgetConfig, amount: Decimal) -> Hold | None:
+        start = window_start(budget.window)
+        units = to_units(amount)
+        limit = to_units(budget.limit)
+        if units > limit:
+            return None  # the insert branch of the upsert does not check the limit
+        hold_id = uuid.uuid4().hex
+
+        async def work(pool: asyncpg.Pool) -> object:
+            return await pool.fetchval(_HOLD, budget_id, start, units, limit, hold_id)
+
+        if await self._run(work) is None:
+            return None
+        return Hold(hold_id, budget_id, from_units(units), start)
+
+    async def settle(self, hold: Hold, amount: Decimal) -> None:
+        await self._finish(hold.hold_id, to_units(amount))
+
+    async def release(self, hold: Hold) -> None:
+        await self._finish(hold.hold_id, 0)
+
+    async def _finish(self, hold_id: str, spent: int) -> None:
+        async def work(pool: asyncpg.Pool) -> None:
+            await pool.execute(_FINISH, hold_id, spent)
+
+        await self._run(work)
+
+    # --- usage and budgets --------------------------------------------------------------
+
+    async def record_usage(self, record: UsageRecord) -> None:
+        values = (record.at, *usage_values(record))
+        placeholders = ", ".join(f"${i}" for i in range(1, len(values) + 1))
+
+        async def work(pool: asyncpg.Pool) -> None:
+            await pool.execute(
+                f"INSERT INTO fmw_usage ({USAGE_COLUMNS}) VALUES ({placeholders})", *values
+            )
+
+        await self._run(work)
+
+    async def stored_budget(self, budget_id: str) -> BudgetConfig | None:
+        cached, budget = self._cache.get(budget_id)
+        if cached:
+            return budget
+
+        async def work(pool: asyncpg.Pool) -> BudgetConfig | None:
+            row = await pool.fetchrow(
+                "SELECT limit_units, window_kind, default_hold_units FROM fmw_budgets "
+                "WHERE budget_id = $1",
+                budget_id,
+            )
+            return None if row is None else budget_from_row(*row)
+
+        budget = await self._run(work)
+        self._cache.put(budget_id, budget)
+        return budget
+
+    async def set_budget(self, budget_id: str, budget: BudgetConfig) -> None:
+        async def work(pool: asyncpg.Pool) -> None:
+            await pool.execute(
+                "INSERT INTO fmw_budgets "
+                "(budget_id, limit_units, window_kind, default_hold_units, updated_at) "
+                "VALUES ($1, $2, $3, $4, now()) ON CONFLICT (budget_id) DO UPDATE SET "
+                "limit_units = EXCLUDED.limit_units, window_kind = EXCLUDED.window_kind, "
+                "default_hold_units = EXCLUDED.default_hold_units, updated_at = now()",
+                budget_id,
+                to_units(budget.limit),
+                budget.window,
+                to_units(budget.default_hold),
+            )
+
+        await self._run(work)
+        self._cache.put(budget_id, budget)
+
+    async def stored_budgets(self) -> dict[str, BudgetConfig]:
+        async def work(pool: asyncpg.Pool) -> dict[str, BudgetConfig]:
+            rows = await pool.fetch(
+                "SELECT budget_id, limit_units, window_kind, default_hold_units "
+                "FROM fmw_budgets ORDER BY budget_id"
+            )
+            return {row[0]: budget_from_row(row[1], row[2], row[3]) for row in rows}
+
+        return await self._run(work)
+
+    async def status(self, budget_id: str, budget: BudgetConfig) -> BudgetStatus:
+        start = window_start(budget.window)
+
+        async def work(pool: asyncpg.Pool) -> tuple[int, int]:
+            row = await pool.fetchrow(
+                "SELECT spent_units, held_units FROM fmw_budget_windows "
+                "WHERE budget_id = $1 AND window_start = $2",
+                budget_id,
+                start,
+            )
+            return (0, 0) if row is None else (int(row[0]), int(row[1]))
+
+        spent, held = await self._run(work)
+        return BudgetStatus(
+            budget_id=budget_id,
+            limit=budget.limit,
+            window=budget.window,
+            window_start=start,
+            spent=from_units(spent),
+            held=from_units(held),
+            default_hold=budget.default_hold,
+        )
+
+    async def usage(
+        self,
+        *,
+        since: datetime | None = None,
+        route: str | None = None,
+        tenant: str | None = None,
+        limit: int = 1000,
+    ) -> list[UsageRecord]:
+        where: list[str] = []
+        params: list[object] = []
+        for column, value in (("at >=", since), ("route =", route), ("tenant =", tenant)):
+            if value is not None:
+                params.append(value)
+                where.append(f"{column} ${len(params)}")
+        params.append(limit)
+        clause = f"WHERE {' AND '.join(where)} " if where else ""
+
+        async def work(pool: asyncpg.Pool) -> list[UsageRecord]:
+            rows = await pool.fetch(
+                f"SELECT {USAGE_COLUMNS} FROM fmw_usage {clause}"
+                f"ORDER BY id DESC LIMIT ${len(params)}",
+                *params,
+            )
+            return [usage_from_row(r[0], list(r.values())[1:]) for r in reversed(rows)]
+
+        return await self._run(work)
+
+    async def aclose(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pool.close()
+
+
+async def _migrate(conn: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy) -> None:
+    async with conn.transaction():
+        # One migrator at a time across every process sharing the database.
+        await conn.execute("SELECT pg_advisory_xact_lock($1)", _MIGRATION_LOCK)
+        await conn.execute(SCHEMA_TABLE)
+        current = await conn.fetchval(
+            "SELECT version FROM fmw_schema WHERE component = $1", COMPONENT
+        )
+        current = 0 if current is None else int(current)
+        check_version(current)
+        steps = migrations("postgresql")
+        for version in range(current + 1, LATEST_VERSION + 1):
+            for statement in steps[version]:
+                await conn.execute(statement)
+        if current != LATEST_VERSION:
+            await conn.execute(
+                "INSERT INTO fmw_schema (component, version) VALUES ($1, $2) "
+                "ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version",
+                COMPONENT,
+                LATEST_VERSION,
+            )

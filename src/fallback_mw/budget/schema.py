@@ -1,0 +1,182 @@
+"""The ledger's tables, versioned in the shared `fmw_schema` table (component "ledger"),
+and what the SQL ledgers share: row encoding and a short cache of stored budgets.
+
+Money columns are integer nano-units (see cost.py). Every table is prefixed `fmw_`."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import UTC, datetime
+from decimal import Decimal
+
+from fallback_mw.budget import AttemptOutcome, UsageRecord
+from fallback_mw.budget.cost import from_units, to_units
+from fallback_mw.config import BudgetConfig
+
+SCHEMA_TABLE = (
+    "CREATE TABLE IF NOT EXISTS fmw_schema (component TEXT PRIMARY KEY, version INTEGER NOT NULL)"
+)
+COMPONENT = "ledger"
+STALE_HOLD_SECONDS = 3600  # a hold this old was left by a process that died mid-request
+
+# version -> statements, per dialect. Add a version; never edit a shipped one.
+_V1 = [
+    "CREATE TABLE fmw_budgets (budget_id TEXT PRIMARY KEY, limit_units BIGINT NOT NULL, "
+    "window_kind TEXT NOT NULL, default_hold_units BIGINT NOT NULL, updated_at {ts} NOT NULL)",
+    "CREATE TABLE fmw_budget_windows (budget_id TEXT NOT NULL, window_start TEXT NOT NULL, "
+    "spent_units BIGINT NOT NULL DEFAULT 0, held_units BIGINT NOT NULL DEFAULT 0, "
+    "PRIMARY KEY (budget_id, window_start))",
+    "CREATE TABLE fmw_budget_holds (hold_id TEXT PRIMARY KEY, budget_id TEXT NOT NULL, "
+    "window_start TEXT NOT NULL, amount_units BIGINT NOT NULL, created_at {ts} NOT NULL)",
+    "CREATE INDEX fmw_budget_holds_created ON fmw_budget_holds (created_at)",
+    "CREATE TABLE fmw_usage (id {serial} PRIMARY KEY, at {ts} NOT NULL, "
+    "request_id TEXT NOT NULL, route TEXT NOT NULL, tenant TEXT NOT NULL, budget_id TEXT, "
+    "candidates TEXT NOT NULL, attempts TEXT NOT NULL, chosen TEXT, outcome TEXT, "
+    "status INTEGER, model TEXT, input_tokens BIGINT, output_tokens BIGINT, "
+    "cost_units BIGINT, charged_units BIGINT)",
+    "CREATE INDEX fmw_usage_at ON fmw_usage (at)",
+]
+_TYPES = {
+    "sqlite": {"ts": "TEXT", "serial": "INTEGER"},
+    "postgresql": {"ts": "TIMESTAMPTZ", "serial": "BIGSERIAL"},
+}
+
+
+def migrations(dialect: str) -> dict[int, list[str]]:
+    types = _TYPES[dialect]
+    return {1: [s.format(**types) for s in _V1]}
+
+
+LATEST_VERSION = max(migrations("sqlite"))
+
+
+class SchemaTooNew(Exception):
+    pass
+
+
+def check_version(current: int) -> None:
+    if current > LATEST_VERSION:
+        raise SchemaTooNew(
+            f"the store's ledger schema is version {current}; this fallback_mw knows "
+            f"up to {LATEST_VERSION} (upgrade the package)"
+        )
+
+
+# --- row encoding --------------------------------------------------------------------
+
+
+def encode_sqlite_time(moment: datetime) -> str:
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def decode_sqlite_time(text: str) -> datetime:
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC)
+
+
+def usage_values(record: UsageRecord) -> tuple[object, ...]:
+    """The columns after `at`, in table order."""
+    return (
+        record.request_id,
+        record.route,
+        record.tenant[:200],
+        record.budget_id,
+        json.dumps(list(record.candidates)),
+        json.dumps([a.as_dict() for a in record.attempts]),
+        record.chosen,
+        record.outcome,
+        record.status,
+        record.model,
+        record.input_tokens,
+        record.output_tokens,
+        None if record.cost is None else to_units(record.cost),
+        None if record.charged is None else to_units(record.charged),
+    )
+
+
+USAGE_COLUMNS = (
+    "at, request_id, route, tenant, budget_id, candidates, attempts, chosen, outcome, "
+    "status, model, input_tokens, output_tokens, cost_units, charged_units"
+)
+
+
+def usage_from_row(at: datetime, row: tuple[object, ...] | list[object]) -> UsageRecord:
+    (
+        request_id,
+        route,
+        tenant,
+        budget_id,
+        candidates,
+        attempts,
+        chosen,
+        outcome,
+        status,
+        model,
+        input_tokens,
+        output_tokens,
+        cost_units,
+        charged_units,
+    ) = row
+    return UsageRecord(
+        request_id=str(request_id),
+        route=str(route),
+        tenant=str(tenant),
+        at=at,
+        budget_id=_opt_str(budget_id),
+        candidates=tuple(str(c) for c in json.loads(str(candidates))),
+        attempts=tuple(AttemptOutcome.from_dict(a) for a in json.loads(str(attempts))),
+        chosen=_opt_str(chosen),
+        outcome=_opt_str(outcome),
+        status=_opt_int(status),
+        model=_opt_str(model),
+        input_tokens=_opt_int(input_tokens),
+        output_tokens=_opt_int(output_tokens),
+        cost=None if cost_units is None else from_units(_int(cost_units)),
+        charged=None if charged_units is None else from_units(_int(charged_units)),
+    )
+
+
+def budget_from_row(
+    limit_units: object, window: object, default_hold_units: object
+) -> BudgetConfig:
+    return BudgetConfig(
+        limit=from_units(_int(limit_units)),
+        window=str(window),
+        default_hold=from_units(_int(default_hold_units)),
+    )
+
+
+def _int(value: object) -> int:
+    if isinstance(value, int):
+        return value
+    if isinstance(value, Decimal | str):
+        return int(value)
+    raise TypeError("expected an integer column")
+
+
+def _opt_int(value: object) -> int | None:
+    return None if value is None else _int(value)
+
+
+def _opt_str(value: object) -> str | None:
+    return None if value is None else str(value)
+
+
+class BudgetCache:
+    """Stored budgets are read on the request path; cache each for a few seconds so
+    `budgets set` reaches every process quickly without a query per request."""
+
+    def __init__(self, ttl: float = 2.0) -> None:
+        self.ttl = ttl
+        self._entries: dict[str, tuple[float, BudgetConfig | None]] = {}
+
+    def get(self, budget_id: str) -> tuple[bool, BudgetConfig | None]:
+        entry = self._entries.get(budget_id)
+        if entry is None or time.monotonic() - entry[0] > self.ttl:
+            return False, None
+        return True, entry[1]
+
+    def put(self, budget_id: str, budget: BudgetConfig | None) -> None:
+        if len(self._entries) > 10_000:
+            self._entries.clear()
+        self._entries[budget_id] = (time.monotonic(), budget)

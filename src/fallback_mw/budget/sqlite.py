@@ -1,0 +1,324 @@
+"""The SQLite ledger: the embedded default. Several gateway processes may share one file:
+every change runs in a `BEGIN IMMEDIATE` transaction (the database write lock), so a hold's
+check and its update are one atomic step across processes. WAL mode keeps readers off
+the writers' backs. Blocking calls run in a worker thread, one at a time per ledger."""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import threading
+import uuid
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from typing import TypeVar
+
+import anyio.to_thread
+
+from fallback_mw.budget import BudgetStatus, Hold, LedgerUnavailable, UsageRecord, window_start
+from fallback_mw.budget.cost import from_units, to_units
+from fallback_mw.budget.schema import (
+    COMPONENT,
+    LATEST_VERSION,
+    SCHEMA_TABLE,
+    STALE_HOLD_SECONDS,
+    USAGE_COLUMNS,
+    BudgetCache,
+    SchemaTooNew,
+    budget_from_row,
+    check_version,
+    decode_sqlite_time,
+    encode_sqlite_time,
+    migrations,
+    usage_from_row,
+    usage_values,
+)
+from fallback_mw.config import BudgetConfig
+
+T = TypeVar("T")
+logger = logging.getLogger("fallback_mw.budget")
+
+
+class SQLiteLedger:
+    def __init__(
+        self,
+        path: str,
+        *,
+        busy_timeout: float = 5.0,
+        stale_hold_seconds: float = STALE_HOLD_SECONDS,
+    ) -> None:
+        self.path = path
+        self.busy_timeout = busy_timeout
+        self.stale_hold_seconds = stale_hold_seconds
+        self._conn: sqlite3.Connection | None = None
+        self._lock = threading.Lock()
+        self._cache = BudgetCache()
+
+    # --- connection and schema --------------------------------------------------------
+
+    def _connection(self) -> sqlite3.Connection:
+        if self._conn is None:
+            conn = sqlite3.connect(
+                self.path,
+                timeout=self.busy_timeout,
+                isolation_level=None,  # explicit BEGIN IMMEDIATE / COMMIT below
+                check_same_thread=False,  # used from worker threads, under self._lock
+            )
+            try:
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("PRAGMA synchronous=NORMAL")
+                _migrate(conn)
+                _reap_stale_holds(conn, self.stale_hold_seconds)
+            except BaseException:
+                conn.close()
+                raise
+            self._conn = conn
+        return self._conn
+
+    async def _run(self, work: Callable[[sqlite3.Connection], T]) -> T:
+        def locked() -> T:
+            with self._lock:
+                return work(self._connection())
+
+        try:
+            return await anyio.to_thread.run_sync(locked)
+        except (sqlite3.Error, SchemaTooNew) as exc:
+            logger.warning("SQLite ledger unavailable: %s", type(exc).__name__)
+            raise LedgerUnavailable(f"SQLite ledger unavailable ({type(exc).__name__})") from None
+
+    # --- holds --------------------------------------------------------------------------
+
+    async def hold(self, budget_id: str, budget: BudgetConfig, amount: Decimal) -> Hold | None:
+        start = window_start(budget.window)
+        units = to_units(amount)
+        limit = to_units(budget.limit)
+        hold_id = uuid.uuid4().hex
+        now = encode_sqlite_time(datetime.now(UTC))
+
+        def work(conn: sqlite3.Connection) -> bool:
+            with _immediate(conn):
+                conn.execute(
+                    "INSERT OR IGNORE INTO fmw_budget_windows (budget_id, window_start) "
+                    "VALUES (?, ?)",
+                    (budget_id, start),
+                )
+                cursor = conn.execute(
+                    "UPDATE fmw_budget_windows SET held_units = held_units + ? "
+                    "WHERE budget_id = ? AND window_start = ? "
+                    "AND spent_units + held_units + ? <= ?",
+                    (units, budget_id, start, units, limit),
+                )
+                if cursor.rowcount != 1:
+                    return False
+                conn.execute(
+                    "INSERT INTO fmw_budget_holds "
+                    "(hold_id, budget_id, window_start, amount_units, created_at) "
+                    "VALUES (?, ?, ?, ?, ?)",
+                    (hold_id, budget_id, start, units, now),
+                )
+                return True
+
+        if not await self._run(work):
+            return None
+        return Hold(hold_id, budget_id, from_units(units), start)
+
+    async def settle(self, hold: Hold, amount: Decimal) -> None:
+        await self._finish(hold.hold_id, to_units(amount))
+
+    async def release(self, hold: Hold) -> None:
+        await self._finish(hold.hold_id, 0)
+
+    async def _finish(self, hold_id: str, spent: int) -> None:
+        def work(conn: sqlite3.Connection) -> None:
+            with _immediate(conn):
+                _finish_hold(conn, hold_id, spent)
+
+        await self._run(work)
+
+    # --- usage and budgets --------------------------------------------------------------
+
+    async def record_usage(self, record: UsageRecord) -> None:
+        values = (encode_sqlite_time(record.at), *usage_values(record))
+
+        def work(conn: sqlite3.Connection) -> None:
+            conn.execute(
+                f"INSERT INTO fmw_usage ({USAGE_COLUMNS}) VALUES ({', '.join('?' * len(values))})",
+                values,
+            )
+
+        await self._run(work)
+
+    async def stored_budget(self, budget_id: str) -> BudgetConfig | None:
+        cached, budget = self._cache.get(budget_id)
+        if cached:
+            return budget
+
+        def work(conn: sqlite3.Connection) -> BudgetConfig | None:
+            row = conn.execute(
+                "SELECT limit_units, window_kind, default_hold_units FROM fmw_budgets "
+                "WHERE budget_id = ?",
+                (budget_id,),
+            ).fetchone()
+            return None if row is None else budget_from_row(*row)
+
+        budget = await self._run(work)
+        self._cache.put(budget_id, budget)
+        return budget
+
+    async def set_budget(self, budget_id: str, budget: BudgetConfig) -> None:
+        values = (
+            budget_id,
+            to_units(budget.limit),
+            budget.window,
+            to_units(budget.default_hold),
+            encode_sqlite_time(datetime.now(UTC)),
+        )
+
+        def work(conn: sqlite3.Connection) -> None:
+            conn.execute(
+                "INSERT INTO fmw_budgets "
+                "(budget_id, limit_units, window_kind, default_hold_units, updated_at) "
+                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (budget_id) DO UPDATE SET "
+                "limit_units = excluded.limit_units, window_kind = excluded.window_kind, "
+                "default_hold_units = excluded.default_hold_units, "
+                "updated_at = excluded.updated_at",
+                values,
+            )
+
+        await self._run(work)
+        self._cache.put(budget_id, budget)
+
+    async def stored_budgets(self) -> dict[str, BudgetConfig]:
+        def work(conn: sqlite3.Connection) -> dict[str, BudgetConfig]:
+            rows = conn.execute(
+                "SELECT budget_id, limit_units, window_kind, default_hold_units "
+                "FROM fmw_budgets ORDER BY budget_id"
+            ).fetchall()
+            return {row[0]: budget_from_row(*row[1:]) for row in rows}
+
+        return await self._run(work)
+
+    async def status(self, budget_id: str, budget: BudgetConfig) -> BudgetStatus:
+        start = window_start(budget.window)
+
+        def work(conn: sqlite3.Connection) -> tuple[int, int]:
+            row = conn.execute(
+                "SELECT spent_units, held_units FROM fmw_budget_windows "
+                "WHERE budget_id = ? AND window_start = ?",
+                (budget_id, start),
+            ).fetchone()
+            return (0, 0) if row is None else (int(row[0]), int(row[1]))
+
+        spent, held = await self._run(work)
+        return BudgetStatus(
+            budget_id=budget_id,
+            limit=budget.limit,
+            window=budget.window,
+            window_start=start,
+            spent=from_units(spent),
+            held=from_units(held),
+            default_hold=budget.default_hold,
+        )
+
+    async def usage(
+        self,
+        *,
+        since: datetime | None = None,
+        route: str | None = None,
+        tenant: str | None = None,
+        limit: int = 1000,
+    ) -> list[UsageRecord]:
+        where, params = [], []
+        if since is not None:
+            where.append("at >= ?")
+            params.append(encode_sqlite_time(since))
+        if route is not None:
+            where.append("route = ?")
+            params.append(route)
+        if tenant is not None:
+            where.append("tenant = ?")
+            params.append(tenant)
+        clause = f"WHERE {' AND '.join(where)} " if where else ""
+
+        def work(conn: sqlite3.Connection) -> list[UsageRecord]:
+            rows = conn.execute(
+                f"SELECT {USAGE_COLUMNS} FROM fmw_usage {clause}ORDER BY id DESC LIMIT ?",
+                (*params, limit),
+            ).fetchall()
+            return [usage_from_row(decode_sqlite_time(r[0]), r[1:]) for r in reversed(rows)]
+
+        return await self._run(work)
+
+    async def aclose(self) -> None:
+        def close() -> None:
+            with self._lock:
+                if self._conn is not None:
+                    self._conn.close()
+                    self._conn = None
+
+        await anyio.to_thread.run_sync(close)
+
+
+class _immediate:
+    """`BEGIN IMMEDIATE` ... `COMMIT`, rolled back on any error."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+
+    def __enter__(self) -> None:
+        self.conn.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, kind: object, exc: object, tb: object) -> None:
+        if kind is None:
+            self.conn.execute("COMMIT")
+        else:
+            self.conn.execute("ROLLBACK")
+
+
+def _finish_hold(conn: sqlite3.Connection, hold_id: str, spent: int) -> None:
+    row = conn.execute(
+        "DELETE FROM fmw_budget_holds WHERE hold_id = ? "
+        "RETURNING budget_id, window_start, amount_units",
+        (hold_id,),
+    ).fetchone()
+    if row is None:
+        return  # already settled or released: exactly once
+    conn.execute(
+        "UPDATE fmw_budget_windows SET held_units = held_units - ?, "
+        "spent_units = spent_units + ? WHERE budget_id = ? AND window_start = ?",
+        (row[2], spent, row[0], row[1]),
+    )
+
+
+def _migrate(conn: sqlite3.Connection) -> None:
+    with _immediate(conn):
+        conn.execute(SCHEMA_TABLE)
+        row = conn.execute(
+            "SELECT version FROM fmw_schema WHERE component = ?", (COMPONENT,)
+        ).fetchone()
+        current = 0 if row is None else int(row[0])
+        check_version(current)
+        steps = migrations("sqlite")
+        for version in range(current + 1, LATEST_VERSION + 1):
+            for statement in steps[version]:
+                conn.execute(statement)
+        if current != LATEST_VERSION:
+            conn.execute(
+                "INSERT INTO fmw_schema (component, version) VALUES (?, ?) "
+                "ON CONFLICT (component) DO UPDATE SET version = excluded.version",
+                (COMPONENT, LATEST_VERSION),
+            )
+
+
+def _reap_stale_holds(conn: sqlite3.Connection, older_than: float) -> None:
+    """Holds left by a process that died mid-request are settled at their amount (the
+    conservative choice: the upstream may have served and billed)."""
+    cutoff = encode_sqlite_time(datetime.now(UTC) - timedelta(seconds=older_than))
+    with _immediate(conn):
+        rows = conn.execute(
+            "SELECT hold_id, amount_units FROM fmw_budget_holds WHERE created_at < ?",
+            (cutoff,),
+        ).fetchall()
+        for hold_id, amount in rows:
+            _finish_hold(conn, hold_id, int(amount))

@@ -1,0 +1,176 @@
+"""Token usage read from responses as they pass to the client, never holding a stream back.
+
+OpenAI reports `usage.prompt_tokens` / `usage.completion_tokens`; Anthropic reports
+`usage.input_tokens` / `usage.output_tokens` (in a stream: `message_start` carries the
+input count, `message_delta` the cumulative output count). JSON bodies are parsed once
+they end, if they fit in `json_cap`; a larger body is only searched near its end, where
+both providers put `usage`. SSE is parsed line by line, keeping at most one event."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from fallback_mw.context import Usage
+
+DEFAULT_JSON_CAP = 1024 * 1024
+_TAIL = 64 * 1024
+_USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*(\{[^{}]*\})')
+
+
+class UsageMeter:
+    """Observe `(chunk, content_type)` pairs for one response; fills `target` as soon as
+    usage is seen, so telemetry reading the context after the walk sees it."""
+
+    def __init__(self, target: Usage, *, json_cap: int = DEFAULT_JSON_CAP) -> None:
+        self.target = target
+        self.json_cap = json_cap
+        self.mode: str | None = None  # "sse", "json" or "ignore"
+        self._json: list[bytes] = []
+        self._json_size = 0
+        self._tail = b""
+        self._line = b""
+        self._event: list[bytes] = []
+        self._event_size = 0
+        self.reported = False
+
+    # --- the observer seam ------------------------------------------------------------
+
+    def observe(self, chunk: bytes, content_type: bytes | None) -> None:
+        try:
+            if self.mode is None:
+                self.mode = _mode(content_type)
+            if self.mode == "sse":
+                self._feed_sse(chunk)
+            elif self.mode == "json":
+                self._feed_json(chunk)
+        except Exception:  # metering must never break a response
+            self.mode = "ignore"
+
+    def finish(self) -> None:
+        """The response ended: parse a buffered JSON body, or a final unterminated event."""
+        try:
+            if self.mode == "json":
+                if self._json is not None and self._json_size <= self.json_cap:
+                    self._apply_document(_loads(b"".join(self._json)))
+                else:
+                    self._apply_tail()
+            elif self.mode == "sse":
+                if self._line:
+                    self._sse_line(self._line)
+                    self._line = b""
+                self._dispatch_event()
+        except Exception:
+            pass
+        self._json = []
+
+    # --- JSON -------------------------------------------------------------------------
+
+    def _feed_json(self, chunk: bytes) -> None:
+        if self._json_size <= self.json_cap:
+            self._json.append(chunk)
+            self._json_size += len(chunk)
+            if self._json_size > self.json_cap:
+                joined = b"".join(self._json)
+                self._json = []
+                self._tail = joined[-_TAIL:]
+            return
+        self._tail = (self._tail + chunk)[-_TAIL:]
+
+    def _apply_tail(self) -> None:
+        matches = list(_USAGE_OBJECT.finditer(self._tail))
+        if matches:
+            self._apply_usage(_loads(matches[-1].group(1)))
+
+    # --- SSE --------------------------------------------------------------------------
+
+    def _feed_sse(self, chunk: bytes) -> None:
+        data = self._line + chunk
+        lines = data.split(b"\n")
+        self._line = lines.pop()
+        if len(self._line) > self.json_cap:
+            self._line = b""  # an absurd line: drop it rather than grow
+        for line in lines:
+            self._sse_line(line)
+
+    def _sse_line(self, line: bytes) -> None:
+        if line.endswith(b"\r"):
+            line = line[:-1]
+        if not line:
+            self._dispatch_event()
+            return
+        if line.startswith(b"data:"):
+            value = line[5:]
+            if value.startswith(b" "):
+                value = value[1:]
+            self._event_size += len(value)
+            if self._event_size <= self.json_cap:
+                self._event.append(value)
+
+    def _dispatch_event(self) -> None:
+        event, size = self._event, self._event_size
+        self._event, self._event_size = [], 0
+        if not event or size > self.json_cap:
+            return
+        data = b"\n".join(event)
+        # Cheap filter: only events that can carry usage, or the model when still unknown.
+        if b'"usage"' not in data and (self.target.model is not None or b'"model"' not in data):
+            return
+        self._apply_document(_loads(data))
+
+    # --- both -------------------------------------------------------------------------
+
+    def _apply_document(self, document: Any) -> None:
+        if not isinstance(document, dict):
+            return
+        message = document.get("message")  # Anthropic `message_start`
+        if isinstance(message, dict):
+            self._apply_model(message.get("model"))
+            self._apply_usage(message.get("usage"))
+        self._apply_model(document.get("model"))
+        self._apply_usage(document.get("usage"))
+
+    def _apply_model(self, model: Any) -> None:
+        if isinstance(model, str) and model and self.target.model is None:
+            self.target.model = model[:200]
+
+    def _apply_usage(self, usage: Any) -> None:
+        if not isinstance(usage, dict):
+            return
+        found = False
+        for key in ("prompt_tokens", "input_tokens"):
+            value = _count(usage.get(key))
+            if value is not None:
+                self.target.input_tokens = value
+                found = True
+                break
+        for key in ("completion_tokens", "output_tokens"):
+            value = _count(usage.get(key))
+            if value is not None:
+                self.target.output_tokens = value  # Anthropic's is cumulative: last wins
+                found = True
+                break
+        self.reported = self.reported or found
+
+
+def _mode(content_type: bytes | None) -> str:
+    kind = (content_type or b"").split(b";", 1)[0].strip().lower()
+    if kind == b"text/event-stream":
+        return "sse"
+    if kind == b"application/json" or kind.endswith(b"+json"):
+        return "json"
+    return "ignore"
+
+
+def _loads(data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def _count(value: Any) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None

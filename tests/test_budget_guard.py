@@ -1,0 +1,373 @@
+"""BudgetGuard through a whole Gateway (in-process ASGI) against real ledgers: SQLite in
+tmp_path and the real PostgreSQL. Upstreams are real aiohttp servers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import socket
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from aiohttp import web
+
+from fallback_mw import Gateway
+from fallback_mw.budget import open_ledger
+from fallback_mw.config import BudgetConfig
+from tests.upstreams import Handler, status_handler, upstream
+
+pytestmark = pytest.mark.anyio
+
+
+async def host_app(scope: Any, receive: Any, send: Any) -> None:
+    await send({"type": "http.response.start", "status": 404, "headers": []})
+    await send({"type": "http.response.body", "body": b"host"})
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'ledger.db'}"
+    url: str = request.getfixturevalue("pg_url")
+    return url
+
+
+def gateway_config(
+    plan: dict[str, str],
+    *,
+    store: str | None,
+    limit: str = "0.05",
+    default_hold: str = "0.01",
+    budget: str | None = "acme",
+) -> dict[str, Any]:
+    route: dict[str, Any] = {
+        "id": "chat",
+        "prefix": "/v1/",
+        "plan": list(plan),
+        "retries": len(plan) - 1,
+        "replayable_methods": ["GET", "POST"],
+        "deadline_ms": 10_000,
+    }
+    if budget is not None:
+        route["budget"] = budget
+    return {
+        "gateway": {"store": store, "deadline_ms": 10_000},
+        "upstreams": {name: {"url": url} for name, url in plan.items()},
+        "routes": [route],
+        "budgets": {"acme": {"limit": limit, "window": "month", "default_hold": default_hold}},
+        "prices": {"gpt-test": {"input_per_mtok": "1000", "output_per_mtok": "2000"}},
+    }
+
+
+def client_for(gateway: Gateway) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=gateway), base_url="http://gw")
+
+
+def json_handler(payload: dict[str, Any], delay: float = 0.0) -> Handler:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        if delay:
+            await anyio.sleep(delay)
+        return web.json_response(payload)
+
+    return handle
+
+
+async def status_of(gateway: Gateway, budget_id: str = "acme") -> tuple[Decimal, Decimal]:
+    ledger = gateway.services.ledger
+    assert ledger is not None
+    budget = BudgetConfig(limit=Decimal("0.05"), window="month")
+    status = await ledger.status(budget_id, budget)
+    return status.spent, status.held
+
+
+async def test_twenty_concurrent_requests_five_served_fifteen_refused(store_url: str) -> None:
+    async with upstream(json_handler({"ok": True}, delay=0.3)) as primary:
+        gateway = Gateway(
+            host_app, config=gateway_config({"primary": primary.url}, store=store_url)
+        )
+        try:
+            async with client_for(gateway) as client:
+                statuses: list[int] = []
+
+                async def one() -> None:
+                    response = await client.post("/v1/chat", content=b"{}")
+                    statuses.append(response.status_code)
+                    if response.status_code == 402:
+                        assert response.json()["error"]["code"] == "budget_exceeded"
+                        assert "x-gateway-provider" not in response.headers
+
+                async with anyio.create_task_group() as group:
+                    for _ in range(20):
+                        group.start_soon(one)
+            assert sorted(statuses) == [200] * 5 + [402] * 15
+            assert primary.count == 5  # the refused 15 never reached an upstream
+            assert await status_of(gateway) == (Decimal("0.05"), Decimal(0))
+            ledger = gateway.services.ledger
+            assert ledger is not None
+            records = await ledger.usage(route="chat")
+            assert len(records) == 20
+            assert (
+                sorted(r.outcome or "" for r in records)
+                == ["budget_exceeded"] * 15 + ["served"] * 5
+            )
+        finally:
+            await gateway.aclose()
+
+
+async def test_failover_spends_one_hold(store_url: str) -> None:
+    async with (
+        upstream(status_handler(503)) as primary,
+        upstream(json_handler({"ok": True})) as backup,
+    ):
+        plan = {"primary": primary.url, "backup": backup.url}
+        gateway = Gateway(host_app, config=gateway_config(plan, store=store_url))
+        try:
+            async with client_for(gateway) as client:
+                response = await client.post("/v1/chat", content=b"{}")
+            assert response.status_code == 200
+            assert response.headers["x-gateway-provider"] == "backup"
+            assert response.headers["x-gateway-attempts"] == "2"
+            assert (primary.count, backup.count) == (1, 1)
+            # One hold of 0.01, settled once at the hold (no usage reported): not 0.02.
+            assert await status_of(gateway) == (Decimal("0.01"), Decimal(0))
+            ledger = gateway.services.ledger
+            assert ledger is not None
+            (record,) = await ledger.usage()
+            assert record.chosen == "backup"
+            assert [(a.candidate, a.status) for a in record.attempts] == [
+                ("primary", 503),
+                ("backup", 200),
+            ]
+            assert record.charged == Decimal("0.01")
+        finally:
+            await gateway.aclose()
+
+
+async def test_nothing_served_releases_the_hold(store_url: str) -> None:
+    async with upstream(status_handler(503)) as primary:
+        gateway = Gateway(
+            host_app, config=gateway_config({"primary": primary.url}, store=store_url)
+        )
+        try:
+            async with client_for(gateway) as client:
+                response = await client.post("/v1/chat", content=b"{}")
+            assert response.status_code == 502
+            assert await status_of(gateway) == (Decimal(0), Decimal(0))
+        finally:
+            await gateway.aclose()
+
+
+OPENAI_JSON = {
+    "id": "x",
+    "model": "gpt-test-2024-01-01",
+    "choices": [{"message": {"role": "assistant", "content": "hi"}}],
+    "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+}
+
+
+async def test_settlement_uses_reported_usage_json(store_url: str) -> None:
+    async with upstream(json_handler(OPENAI_JSON)) as primary:
+        gateway = Gateway(
+            host_app, config=gateway_config({"primary": primary.url}, store=store_url)
+        )
+        try:
+            async with client_for(gateway) as client:
+                body = {"model": "gpt-test", "max_tokens": 5, "messages": []}
+                response = await client.post("/v1/chat", json=body)
+            assert response.status_code == 200
+            # 3 * 1000/1e6 + 2 * 2000/1e6 = 0.003 + 0.004
+            assert await status_of(gateway) == (Decimal("0.007"), Decimal(0))
+            ledger = gateway.services.ledger
+            assert ledger is not None
+            (record,) = await ledger.usage()
+            assert (record.input_tokens, record.output_tokens) == (3, 2)
+            assert record.model == "gpt-test-2024-01-01"
+            assert record.cost == record.charged == Decimal("0.007")
+        finally:
+            await gateway.aclose()
+
+
+def sse_handler(events: list[bytes], delay: float = 0.0) -> Handler:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        for event in events:
+            await response.write(event)
+            if delay:
+                await anyio.sleep(delay)
+        await response.write_eof()
+        return response
+
+    return handle
+
+
+ANTHROPIC_SSE = [
+    b"event: message_start\n",
+    b'data: {"type":"message_start","message":{"model":"gpt-test",'
+    b'"usage":{"input_tokens":10,"output_tokens":1}}}\n\n',
+    b'event: content_block_delta\ndata: {"type":"content_block_delta","delta":{"text":"hi"}}\n\n',
+    b'event: message_delta\ndata: {"type":"message_delta","delta":{},',
+    b'"usage":{"output_tokens":7}}\n\n',
+    b'event: message_stop\ndata: {"type":"message_stop"}\n\n',
+]
+
+
+async def test_settlement_uses_reported_usage_sse(store_url: str) -> None:
+    async with upstream(sse_handler(ANTHROPIC_SSE)) as primary:
+        gateway = Gateway(
+            host_app, config=gateway_config({"primary": primary.url}, store=store_url)
+        )
+        try:
+            async with client_for(gateway) as client:
+                response = await client.post("/v1/messages", content=b"{}")
+            assert response.status_code == 200
+            assert b"message_stop" in response.content
+            # 10 * 0.001 + 7 * 0.002 = 0.024 (the default hold was 0.01)
+            assert await status_of(gateway) == (Decimal("0.024"), Decimal(0))
+        finally:
+            await gateway.aclose()
+
+
+async def test_hold_is_estimated_from_model_and_max_tokens(tmp_path: Path) -> None:
+    limit = "0.05"
+    store = f"sqlite:///{tmp_path / 'l.db'}"
+    async with upstream(json_handler({"ok": True})) as primary:
+        gateway = Gateway(
+            host_app, config=gateway_config({"primary": primary.url}, store=store, limit=limit)
+        )
+        try:
+            async with client_for(gateway) as client:
+                # 100 output tokens at 2000/Mtok = 0.2 > 0.05: refused before any upstream.
+                big = await client.post(
+                    "/v1/chat", json={"model": "gpt-test", "max_tokens": 100, "messages": []}
+                )
+                small = await client.post(
+                    "/v1/chat", json={"model": "gpt-test", "max_tokens": 1, "messages": []}
+                )
+            assert big.status_code == 402
+            assert small.status_code == 200
+            assert primary.count == 1
+            spent, held = await status_of(gateway)
+            # settled at the estimate: ceil(bytes/4) input tokens + 1 output token
+            assert Decimal(0) < spent < Decimal("0.05")
+            assert held == 0
+        finally:
+            await gateway.aclose()
+
+
+def database_bytes(directory: Path) -> bytes:
+    """The SQLite file and its WAL, raw."""
+    return b"".join(path.read_bytes() for path in sorted(directory.glob("l.db*")))
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+async def test_unreachable_ledger_fails_closed() -> None:
+    # The ledger alone is unreachable (a gateway whose whole store is unreachable is
+    # refused at start-up by the route store).
+    ledger = open_ledger(f"postgresql://postgres@127.0.0.1:{closed_port()}/nothing")
+    async with upstream(json_handler({"ok": True})) as primary:
+        config = gateway_config({"primary": primary.url}, store=None)
+        gateway = Gateway(host_app, config=config, ledger=ledger)
+        try:
+            async with client_for(gateway) as client:
+                response = await client.post("/v1/chat", content=b"{}")
+            assert response.status_code == 503
+            error = response.json()["error"]
+            assert error["code"] == "budget_unavailable"
+            assert "nothing" not in error["message"] and "postgres@" not in error["message"]
+            assert primary.count == 0
+        finally:
+            await gateway.aclose()
+
+
+async def test_unreachable_sqlite_fails_closed(tmp_path: Path) -> None:
+    ledger = open_ledger(f"sqlite:///{tmp_path / 'missing-dir' / 'ledger.db'}")
+    async with upstream(json_handler({"ok": True})) as primary:
+        config = gateway_config({"primary": primary.url}, store=None)
+        gateway = Gateway(host_app, config=config, ledger=ledger)
+        try:
+            async with client_for(gateway) as client:
+                response = await client.post("/v1/chat", content=b"{}")
+            assert response.status_code == 503
+            assert response.json()["error"]["code"] == "budget_unavailable"
+            assert primary.count == 0
+        finally:
+            await gateway.aclose()
+
+
+async def test_memory_ledger_without_store_and_unbudgeted_routes_still_recorded() -> None:
+    async with upstream(json_handler(OPENAI_JSON)) as primary:
+        gateway = Gateway(
+            host_app, config=gateway_config({"primary": primary.url}, store=None, budget=None)
+        )
+        try:
+            async with client_for(gateway) as client:
+                response = await client.post(
+                    "/v1/chat?key=q-secret", content=b'{"model":"gpt-test"}'
+                )
+            assert response.status_code == 200
+            ledger = gateway.services.ledger
+            assert ledger is not None
+            (record,) = await ledger.usage()
+            assert record.budget_id is None and record.charged is None
+            assert record.cost == Decimal("0.007")
+            assert "q-secret" not in repr(record)
+        finally:
+            await gateway.aclose()
+
+
+async def test_budget_set_in_store_wins_and_unknown_budget_fails_closed(store_url: str) -> None:
+    async with upstream(json_handler({"ok": True})) as primary:
+        config = gateway_config({"primary": primary.url}, store=store_url, budget="other")
+        gateway = Gateway(host_app, config=config)
+        try:
+            async with client_for(gateway) as client:
+                unknown = await client.post("/v1/chat", content=b"{}")
+                assert unknown.status_code == 503
+                assert unknown.json()["error"]["code"] == "budget_unavailable"
+                # An operator creates the budget in the store (as `budgets set` does).
+                admin = open_ledger(store_url)
+                try:
+                    await admin.set_budget(
+                        "other", BudgetConfig(limit=Decimal("0.02"), window="day")
+                    )
+                finally:
+                    await admin.aclose()
+                await anyio.sleep(2.1)  # the stored-budget cache
+                codes = [(await client.post("/v1/chat", content=b"{}")).status_code for _ in "abc"]
+            assert codes == [200, 200, 402]
+            assert primary.count == 2
+        finally:
+            await gateway.aclose()
+
+
+async def test_usage_records_hold_no_body_or_credentials(tmp_path: Path) -> None:
+    store = f"sqlite:///{tmp_path / 'l.db'}"
+    async with upstream(json_handler(OPENAI_JSON)) as primary:
+        gateway = Gateway(host_app, config=gateway_config({"primary": primary.url}, store=store))
+        try:
+            async with client_for(gateway) as client:
+                await client.post(
+                    "/v1/chat?sig=q-secret",
+                    content=json.dumps({"model": "gpt-test", "prompt": "body-secret"}),
+                    headers={"authorization": "Bearer caller-secret", "x-tenant-id": "t1"},
+                )
+            ledger = gateway.services.ledger
+            assert ledger is not None
+            (record,) = await ledger.usage(tenant="t1")
+            assert record.route == "chat" and record.chosen == "primary"
+        finally:
+            await gateway.aclose()
+    raw = database_bytes(tmp_path)
+    assert b"chat" in raw  # the file does hold the usage record, and no secret:
+    for secret in (b"q-secret", b"body-secret", b"caller-secret"):
+        assert secret not in raw
