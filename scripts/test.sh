@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The whole check: ruff, mypy (strict) and the full pytest suite. Non-zero if any fails.
+# Extra arguments go to pytest (e.g. ./scripts/test.sh -k walker -x).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/venv.sh
+
+failed=()
+echo "== ruff check"
+.venv/bin/ruff check src tests || failed+=("ruff")
+echo "== mypy"
+.venv/bin/mypy || failed+=("mypy")
+echo "== pytest"
+.venv/bin/python -m pytest "$@" || failed+=("pytest")
+
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "FAILED: ${failed[*]}" >&2
+    exit 1
+fi
+echo "all checks passed"
