@@ -10,8 +10,6 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
-import anyio
-
 from fallback_mw.config import GatewayConfig, RouteConfig, UpstreamConfig
 from fallback_mw.context import AttemptRecord, RequestContext, SkipRecord, get_context
 from fallback_mw.errors import gateway_headers, send_error
@@ -141,7 +139,7 @@ class _Walk:
         self.receive = receive
         self.send = send
         self.used_credentials: dict[str, set[int]] = {}
-        self.body_done = anyio.Event()
+        self.body_done = asyncio.Event()
         self.deadline_passed = False
 
     # --- the request body -------------------------------------------------------------
@@ -261,21 +259,29 @@ class _Walk:
             self.route, canary=context.canary, pinned=context.pinned
         )
 
-        async with anyio.create_task_group() as group:
-            if body.buffered is not None:
-                group.start_soon(self._watch_disconnect, group.cancel_scope)
+        # A client disconnect cancels the attempt in flight and starts nothing new. Plain
+        # asyncio here (the engines are asyncio-only): one watcher task per request.
+        walk_task = asyncio.current_task()
+        assert walk_task is not None
+        watcher = asyncio.create_task(self._watch_disconnect(walk_task))
+        try:
             await self._walk(body, parsed)
-            group.cancel_scope.cancel()
+        except asyncio.CancelledError:
+            # Swallow only our own cancellation; anyone else's propagates.
+            if not context.client_disconnected or walk_task.uncancel() > 0:
+                raise
+        finally:
+            watcher.cancel()
         if context.client_disconnected and context.outcome is None:
             context.outcome = "client_disconnected"
 
-    async def _watch_disconnect(self, scope: anyio.CancelScope) -> None:
+    async def _watch_disconnect(self, walk_task: asyncio.Task[Any]) -> None:
         await self.body_done.wait()
         while True:
             message = await self.receive()
             if message["type"] == "http.disconnect":
                 self.context.client_disconnected = True
-                scope.cancel()
+                walk_task.cancel()
                 return
 
     def _state(self, body: _Body) -> WalkState:
@@ -338,7 +344,7 @@ class _Walk:
                 continue
 
             if name in tried and self.route.backoff_ms:
-                await anyio.sleep(min(self.route.backoff_ms / 1000, max(context.remaining, 0)))
+                await asyncio.sleep(min(self.route.backoff_ms / 1000, max(context.remaining, 0)))
                 if context.remaining <= 0:
                     break
             tried.add(name)
@@ -530,7 +536,7 @@ class _Walk:
                     return SyntheticResponse(503), None, False
                 if fault == "hang":
                     record.fault = "hang"
-                    await anyio.sleep(timeouts.first_byte)
+                    await asyncio.sleep(timeouts.first_byte)
                     raise UpstreamError("timeout", "first_byte", "fault: hang")
                 response = await self.walker.client.send(request)
         except UpstreamError as exc:
@@ -599,8 +605,8 @@ _REFUSAL_MESSAGES: Mapping[str, str] = {
 
 
 async def _close(response: UpstreamResponse) -> None:
-    with anyio.CancelScope(shield=True):
-        await response.aclose()
+    # Engines complete aclose even when the calling task is being cancelled.
+    await response.aclose()
 
 
 def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:

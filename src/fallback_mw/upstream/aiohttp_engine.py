@@ -57,6 +57,7 @@ class AiohttpResponse:
             yield chunk
 
     async def aclose(self) -> None:
+        # No await point: cannot be interrupted by a cancellation.
         if self._finished:
             self._response.release()
         else:
@@ -69,6 +70,7 @@ class AiohttpClient:
         self._allow_hosts = tuple(allow_hosts)
         self._limit = limit
         self._session: aiohttp.ClientSession | None = None
+        self._checked_hosts: set[str] = set()  # IP-literal checks are pure: do each once
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -90,8 +92,12 @@ class AiohttpClient:
     async def send(self, request: UpstreamRequest) -> AiohttpResponse:
         session = self._get_session()
         timeouts = request.timeouts
-        with map_errors("connect"):
-            check_literal_host(request.url, self._allow_hosts)
+        host = request.url.split("/", 3)[2] if "://" in request.url else request.url
+        if host not in self._checked_hosts:
+            with map_errors("connect"):
+                check_literal_host(request.url, self._allow_hosts)
+            if len(self._checked_hosts) < 4096:
+                self._checked_hosts.add(host)
         with map_errors("first_byte"):
             # The first-byte budget covers connecting and waiting for the response head.
             async with asyncio.timeout(timeouts.first_byte):

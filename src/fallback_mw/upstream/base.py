@@ -53,7 +53,8 @@ class UpstreamResponse(Protocol):
         ...
 
     async def aclose(self) -> None:
-        """Release the connection. Safe to call twice."""
+        """Release the connection. Safe to call twice; completes even when the calling
+        task is being cancelled (a shielded close)."""
         ...
 
 

@@ -6,10 +6,13 @@ import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
 
+import httpcore
 import httpx
 
 from fallback_mw.upstream.base import Phase, UpstreamError, UpstreamRequest
-from fallback_mw.upstream.guard import UnsafeAddressError, check_literal_host, resolve_checked
+from fallback_mw.upstream.guard import GuardedNetworkBackend, UnsafeAddressError
+
+_LIMITS = httpx.Limits(max_connections=512, max_keepalive_connections=128)
 
 
 @contextmanager
@@ -51,7 +54,8 @@ class HttpxResponse:
                 yield chunk
 
     async def aclose(self) -> None:
-        await self._response.aclose()
+        # Shielded: the connection is released even if the caller is being cancelled.
+        await asyncio.shield(self._response.aclose())
 
 
 class HttpxClient:
@@ -65,26 +69,33 @@ class HttpxClient:
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
 
+    def _guarded_transport(self) -> httpx.AsyncHTTPTransport:
+        """The default transport with its connection pool built on GuardedNetworkBackend:
+        the connect-time SSRF check (resolve once, check every address, connect to the
+        checked address)."""
+        transport = httpx.AsyncHTTPTransport(trust_env=False, limits=_LIMITS)
+        transport._pool = httpcore.AsyncConnectionPool(
+            ssl_context=httpx.create_ssl_context(trust_env=False),
+            max_connections=_LIMITS.max_connections,
+            max_keepalive_connections=_LIMITS.max_keepalive_connections,
+            keepalive_expiry=_LIMITS.keepalive_expiry,
+            network_backend=GuardedNetworkBackend(self._allow_hosts),
+        )
+        return transport
+
     def _get_client(self) -> httpx.AsyncClient:
         if self._client is None:
+            transport = self._transport
+            if transport is None and self._allow_hosts:
+                transport = self._guarded_transport()
             self._client = httpx.AsyncClient(
-                transport=self._transport,
+                transport=transport,
                 follow_redirects=False,
                 timeout=None,
                 trust_env=False,
-                limits=httpx.Limits(max_connections=512, max_keepalive_connections=128),
+                limits=_LIMITS,
             )
         return self._client
-
-    async def _check_address(self, url: httpx.URL) -> None:
-        if not self._allow_hosts or self._transport is not None:
-            return
-        check_literal_host(str(url), self._allow_hosts)
-        host = url.host
-        port = url.port or (443 if url.scheme == "https" else 80)
-        await asyncio.get_running_loop().run_in_executor(
-            None, resolve_checked, host, port, self._allow_hosts
-        )
 
     async def send(self, request: UpstreamRequest) -> HttpxResponse:
         client = self._get_client()
@@ -105,7 +116,6 @@ class HttpxClient:
                 built.headers.pop(name, None)
         with map_errors("first_byte"):
             async with asyncio.timeout(timeouts.first_byte):
-                await self._check_address(url)
                 response = await client.send(built, stream=True, follow_redirects=False)
         return HttpxResponse(response, timeouts.idle)
 
