@@ -114,7 +114,8 @@ def start_asgi(
         "kw = {};\n"
         "try:\n import uvloop, httptools; kw = dict(loop='uvloop', http='httptools')\n"
         "except ImportError: pass\n"
-        f"uvicorn.run(m.app, host='127.0.0.1', port={port}, log_level='error', lifespan='off', **kw)",
+        f"uvicorn.run(m.app, host='127.0.0.1', port={port}, log_level='error',"
+        " lifespan='off', **kw)",
         arg,
     ]
     env = {**os.environ, "BENCH_KEY": "bench-secret"}
