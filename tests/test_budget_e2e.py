@@ -1,0 +1,219 @@
+"""Budgets over real sockets: a client that leaves mid-stream (uvicorn in process), and two
+gateway processes (`fallback-mw serve`) holding against one PostgreSQL ledger."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+import uvicorn
+from aiohttp import web
+
+from fallback_mw import Gateway
+from fallback_mw.budget import open_ledger
+from fallback_mw.config import BudgetConfig
+from tests.test_budget_guard import gateway_config, host_app, json_handler
+from tests.upstreams import Handler, upstream
+
+pytestmark = [pytest.mark.e2e, pytest.mark.anyio]
+
+BUDGET = BudgetConfig(limit=Decimal("0.05"), window="month")
+
+
+@asynccontextmanager
+async def serving(app: Any) -> AsyncIterator[int]:
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=0, log_level="warning", lifespan="off", ws="none"
+    )
+    server = uvicorn.Server(config)
+    async with anyio.create_task_group() as group:
+        group.start_soon(server.serve)
+        for _ in range(500):
+            if server.started:
+                break
+            await anyio.sleep(0.02)
+        assert server.started, "uvicorn did not start"
+        port: int = server.servers[0].sockets[0].getsockname()[1]
+        try:
+            yield port
+        finally:
+            server.should_exit = True
+
+
+def slow_sse(first_events: int, then_sleep: float) -> Handler:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        for n in range(first_events):
+            await response.write(f'data: {{"n": {n}}}\n\n'.encode())
+        try:
+            await anyio.sleep(then_sleep)  # the rest never comes in time
+            await response.write(b'data: {"usage":{"prompt_tokens":1,"completion_tokens":1}}\n\n')
+        except (ConnectionResetError, OSError):
+            pass
+        return response
+
+    return handle
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'ledger.db'}"
+    url: str = request.getfixturevalue("pg_url")
+    return url
+
+
+async def test_client_leaving_mid_stream_leaves_no_hold(store: str) -> None:
+    async with upstream(slow_sse(first_events=3, then_sleep=5)) as primary:
+        gateway = Gateway(host_app, config=gateway_config({"primary": primary.url}, store=store))
+        ledger = gateway.services.ledger
+        assert ledger is not None
+        try:
+            async with serving(gateway) as port:
+                stream = await anyio.connect_tcp("127.0.0.1", port)
+                await stream.send(
+                    b"POST /v1/chat HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+                    b"content-length: 2\r\n\r\n{}"
+                )
+                head = b""
+                with anyio.fail_after(5):
+                    while b"data:" not in head:
+                        head += await stream.receive()
+                assert head.startswith(b"HTTP/1.1 200")
+                status = await ledger.status("acme", BUDGET)
+                assert status.held == Decimal("0.01")  # the stream is in flight, held
+                await stream.aclose()  # the client leaves mid-stream
+
+                for _ in range(80):  # 4 s: well before the upstream's 5 s would end it
+                    if (await ledger.status("acme", BUDGET)).held == 0:
+                        break
+                    await anyio.sleep(0.05)
+            status = await ledger.status("acme", BUDGET)
+            # Served in part, no usage reported: settled at the hold, nothing left held.
+            assert (status.spent, status.held) == (Decimal("0.01"), Decimal(0))
+            (record,) = await ledger.usage()
+            assert record.chosen == "primary"
+            assert record.charged == Decimal("0.01")
+        finally:
+            await gateway.aclose()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextmanager
+def serve_process(config: Path, port: int, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "fallback_mw", "serve", "--config", str(config)),
+                *("--host", "127.0.0.1", "--port", str(port)),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ),
+        )
+        try:
+            yield process
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+                try:
+                    process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+
+
+def log_text(log: Path) -> str:
+    return log.read_text(errors="replace")
+
+
+async def wait_listening(process: subprocess.Popen[bytes], port: int, log: Path) -> None:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"serve exited early: {log_text(log)}")
+        try:
+            stream = await anyio.connect_tcp("127.0.0.1", port)
+        except OSError:
+            await anyio.sleep(0.05)
+            continue
+        await stream.aclose()
+        return
+    pytest.fail("serve did not start listening within 20 s")
+
+
+async def test_two_gateway_processes_share_one_postgres_ledger(tmp_path: Path, pg_url: str) -> None:
+    async with upstream(json_handler({"ok": True}, delay=0.5)) as primary:
+        config_path = tmp_path / "gateway.toml"
+        config = gateway_config({"primary": primary.url}, store=pg_url)
+        config_path.write_text(
+            f"""
+[gateway]
+store = "{pg_url}"
+deadline_ms = 10000
+
+[upstreams.primary]
+url = "{primary.url}"
+
+[[routes]]
+id = "chat"
+prefix = "/v1/"
+plan = ["primary"]
+replayable_methods = ["GET", "POST"]
+budget = "acme"
+
+[budgets.acme]
+limit = {config["budgets"]["acme"]["limit"]}
+window = "month"
+default_hold = {config["budgets"]["acme"]["default_hold"]}
+""",
+            encoding="utf-8",
+        )
+        ports = [free_port(), free_port()]
+        logs = [tmp_path / "a.log", tmp_path / "b.log"]
+        with (
+            serve_process(config_path, ports[0], logs[0]) as first,
+            serve_process(config_path, ports[1], logs[1]) as second,
+        ):
+            await wait_listening(first, ports[0], logs[0])
+            await wait_listening(second, ports[1], logs[1])
+            statuses: list[int] = []
+
+            async def one(client: httpx.AsyncClient) -> None:
+                statuses.append((await client.post("/v1/chat", content=b"{}")).status_code)
+
+            async with (
+                httpx.AsyncClient(base_url=f"http://127.0.0.1:{ports[0]}", timeout=20) as a,
+                httpx.AsyncClient(base_url=f"http://127.0.0.1:{ports[1]}", timeout=20) as b,
+                anyio.create_task_group() as group,
+            ):
+                for n in range(20):
+                    group.start_soon(one, a if n % 2 else b)
+        assert sorted(statuses) == [200] * 5 + [402] * 15
+        assert primary.count == 5
+    ledger = open_ledger(pg_url)
+    try:
+        status = await ledger.status("acme", BUDGET)
+        assert (status.spent, status.held) == (Decimal("0.05"), Decimal(0))
+        assert len(await ledger.usage()) == 20
+    finally:
+        await ledger.aclose()
