@@ -1,0 +1,127 @@
+"""Gateway composition: inside FastAPI/Starlette, and the layers used on their own."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from fallback_mw import CredentialInjector, Gateway, PlanWalker, RouteResolver, load_config
+from tests.upstreams import host_app, status_handler, upstream
+
+pytestmark = pytest.mark.anyio
+
+
+async def run_lifespan(app: Any) -> list[str]:
+    """Drive an app through lifespan startup and shutdown; returns the sent message types."""
+    messages: list[str] = []
+    inbox = [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}]
+
+    async def receive() -> dict[str, Any]:
+        return inbox.pop(0)
+
+    async def send(message: Any) -> None:
+        messages.append(message["type"])
+
+    await app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, receive, send)
+    return messages
+
+
+ENV = {"PRIMARY_KEY": "sk-primary", "BACKUP_KEY": "sk-backup"}
+
+
+def config_for(primary: str, backup: str) -> dict[str, Any]:
+    return {
+        "upstreams": {
+            "primary": {"url": primary, "auth_env": "PRIMARY_KEY"},
+            "backup": {"url": backup, "auth_env": "BACKUP_KEY"},
+        },
+        "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary", "backup"], "retries": 1}],
+    }
+
+
+async def test_fastapi_add_middleware(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fastapi import FastAPI
+
+    for key, value in ENV.items():
+        monkeypatch.setenv(key, value)
+    async with upstream(status_handler(503)) as p, upstream(status_handler(200, b"b")) as b:
+        app = FastAPI()
+
+        @app.get("/health")
+        async def health() -> dict[str, str]:
+            return {"status": "ok"}
+
+        app.add_middleware(Gateway, config=load_config(config_for(p.url, b.url)))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+            routed = await client.get("/v1/models")
+            local = await client.get("/health")
+        await run_lifespan(app)
+    assert (routed.status_code, routed.content) == (200, b"b")
+    assert routed.headers["x-gateway-provider"] == "backup"
+    assert local.json() == {"status": "ok"}
+    assert "x-gateway-route" not in local.headers
+
+
+async def test_starlette_lifespan_closes_the_gateway(monkeypatch: pytest.MonkeyPatch) -> None:
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+
+    for key, value in ENV.items():
+        monkeypatch.setenv(key, value)
+    async with upstream(status_handler(200)) as p, upstream(status_handler(200)) as b:
+        app = Starlette(middleware=[Middleware(Gateway, config=config_for(p.url, b.url))])
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+            assert (await client.get("/v1/x")).status_code == 200
+        messages = await run_lifespan(app)
+    assert messages == [
+        "lifespan.startup.complete",
+        "lifespan.shutdown.complete",
+    ]
+
+
+async def test_layers_compose_without_budget_guard() -> None:
+    async with upstream(status_handler(503)) as p, upstream(status_handler(200, b"b")) as b:
+        config = load_config(config_for(p.url, b.url), environ=ENV)
+        walker = PlanWalker(host_app, config=config)
+        app = RouteResolver(CredentialInjector(walker, config=config, environ=ENV), config=config)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+            routed = await client.get("/v1/x", headers={"authorization": "Bearer caller"})
+            other = await client.get("/nope")
+        await walker.aclose()
+    assert routed.content == b"b"
+    assert ("authorization", "Bearer sk-backup") in b.received[0].headers
+    assert other.content == b"host app"
+
+
+async def test_walker_alone_still_strips_caller_credentials(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for key, value in ENV.items():
+        monkeypatch.setenv(key, value)
+    async with upstream(status_handler(200)) as p, upstream(status_handler(200)) as b:
+        config = load_config(config_for(p.url, b.url), environ=ENV)
+        walker = PlanWalker(host_app, config=config)
+        app = RouteResolver(walker, config=config)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+            await client.get("/v1/x", headers={"authorization": "Bearer caller", "cookie": "c=1"})
+        await walker.aclose()
+    values = [v for _, v in p.received[0].headers]
+    assert "Bearer caller" not in values and "c=1" not in values
+    assert ("authorization", "Bearer sk-primary") in p.received[0].headers
+
+
+async def test_websocket_and_lifespan_scopes_pass_through() -> None:
+    seen: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        seen.append(scope["type"])
+
+    gateway = Gateway(app, config={"routes": []})
+    await gateway({"type": "websocket", "path": "/v1/ws"}, None, None)  # type: ignore[arg-type]
+    assert seen == ["websocket"]
