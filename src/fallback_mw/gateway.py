@@ -47,6 +47,7 @@ class Gateway:
             faults=faults,
             ledger=ledger,
             telemetry=telemetry,
+            environ=environ,
         )
         services = self.services
         walker = PlanWalker(

@@ -1,0 +1,67 @@
+"""Game-day faults backed by the store: a FaultSource whose snapshot the store reloader
+refreshes. Expiry is checked at every lookup, so a fault ends on time even between reloads."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+from fallback_mw.faults import UpstreamFault
+from fallback_mw.store.routes import Fault
+
+
+class FaultSnapshot:
+    def __init__(self, faults: Iterable[Fault] = ()) -> None:
+        items = list(faults)
+        self.upstreams = {f.target: f for f in items if f.scope == "upstream"}
+        self.pins = {f.target: f for f in items if f.scope == "route"}
+
+    def upstream_fault(self, upstream: str, now: float) -> UpstreamFault | None:
+        fault = self.upstreams.get(upstream)
+        if fault is None or not fault.active(now):
+            return None
+        return "fail" if fault.kind == "fail" else "hang" if fault.kind == "hang" else None
+
+    def pinned_candidate(self, route_id: str, now: float) -> str | None:
+        fault = self.pins.get(route_id)
+        if fault is None or not fault.active(now):
+            return None
+        return fault.candidate
+
+
+async def _nothing() -> None:
+    return None
+
+
+class StoreFaults:
+    """FaultSource for the walker. `on_use` lets the owner start its reloader lazily, inside
+    the running event loop, on first use; `on_close` stops it."""
+
+    def __init__(
+        self,
+        *,
+        on_use: Callable[[], None] | None = None,
+        on_close: Callable[[], object] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.snapshot = FaultSnapshot()
+        self._on_use = on_use or (lambda: None)
+        self._on_close = on_close
+        self._clock = clock
+
+    def update(self, faults: Iterable[Fault]) -> None:
+        self.snapshot = FaultSnapshot(faults)  # swapped whole: readers never see a half
+
+    async def upstream_fault(self, upstream: str) -> UpstreamFault | None:
+        self._on_use()
+        return self.snapshot.upstream_fault(upstream, self._clock())
+
+    async def pinned_candidate(self, route_id: str) -> str | None:
+        self._on_use()
+        return self.snapshot.pinned_candidate(route_id, self._clock())
+
+    async def aclose(self) -> None:
+        if self._on_close is not None:
+            result = self._on_close()
+            if hasattr(result, "__await__"):
+                await result

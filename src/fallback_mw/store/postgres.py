@@ -1,0 +1,247 @@
+"""The shared route store: PostgreSQL via asyncpg. A statement trigger on the routes and
+faults tables bumps a change counter and NOTIFYs, so every gateway LISTENing reloads at once
+(the counter is the safety net when a notification is missed)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import asyncpg
+
+from fallback_mw.store.routes import Fault, RouteExists, StoredRoute, StoreError
+from fallback_mw.store.url import redact_url
+
+COMPONENT = "routes"
+SCHEMA_VERSION = 1
+CHANNEL = "fmw_route_changes"
+_MIGRATION_LOCK = 0x666D7772  # "fmwr": serialises concurrent migrations of this component
+
+logger = logging.getLogger("fallback_mw.store")
+
+_MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    (
+        "CREATE TABLE fmw_routes (id TEXT PRIMARY KEY, doc TEXT NOT NULL, "
+        "updated_at TIMESTAMPTZ NOT NULL DEFAULT now())",
+        "CREATE TABLE fmw_faults (scope TEXT NOT NULL, target TEXT NOT NULL, "
+        "kind TEXT NOT NULL, candidate TEXT, expires_at DOUBLE PRECISION NOT NULL, "
+        "PRIMARY KEY (scope, target))",
+        "CREATE TABLE fmw_route_changes (name TEXT PRIMARY KEY, serial BIGINT NOT NULL)",
+        "INSERT INTO fmw_route_changes (name, serial) VALUES ('routes', 0), ('faults', 0)",
+        f"""CREATE FUNCTION fmw_route_changed() RETURNS trigger LANGUAGE plpgsql AS $$
+        DECLARE which TEXT := CASE TG_TABLE_NAME WHEN 'fmw_routes' THEN 'routes'
+                                                 ELSE 'faults' END;
+        BEGIN
+            UPDATE fmw_route_changes SET serial = serial + 1 WHERE name = which;
+            PERFORM pg_notify('{CHANNEL}', which);
+            RETURN NULL;
+        END $$""",
+        "CREATE TRIGGER fmw_routes_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE "
+        "ON fmw_routes FOR EACH STATEMENT EXECUTE FUNCTION fmw_route_changed()",
+        "CREATE TRIGGER fmw_faults_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE "
+        "ON fmw_faults FOR EACH STATEMENT EXECUTE FUNCTION fmw_route_changed()",
+    ),
+)
+
+
+class PostgresStore:
+    def __init__(self, dsn: str) -> None:
+        self._dsn = dsn
+        self._conn: asyncpg.Connection[Any] | None = None
+        self._listener: asyncpg.Connection[Any] | None = None
+        self._lock: asyncio.Lock | None = None
+        self._changed: asyncio.Event | None = None
+        self._migrated = False
+
+    async def _connect(self) -> asyncpg.Connection[Any]:
+        try:
+            return await asyncpg.connect(self._dsn, timeout=5)
+        except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
+            raise StoreError(
+                f"cannot reach the store {redact_url(self._dsn)}: {type(exc).__name__}"
+            ) from None
+
+    async def _connection(self) -> asyncpg.Connection[Any]:
+        if self._conn is None or self._conn.is_closed():
+            self._conn = await self._connect()
+            if not self._migrated:
+                await self._migrate(self._conn)
+                self._migrated = True
+        return self._conn
+
+    async def _migrate(self, conn: asyncpg.Connection[Any]) -> None:
+        async with conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock($1)", _MIGRATION_LOCK)
+            await conn.execute(
+                "CREATE TABLE IF NOT EXISTS fmw_schema "
+                "(component TEXT PRIMARY KEY, version INTEGER NOT NULL)"
+            )
+            current = await conn.fetchval(
+                "SELECT version FROM fmw_schema WHERE component = $1", COMPONENT
+            )
+            current = int(current or 0)
+            if current > SCHEMA_VERSION:
+                raise StoreError(
+                    f"the store's {COMPONENT!r} schema is version {current}; this package "
+                    f"knows up to {SCHEMA_VERSION} (upgrade fallback_mw)"
+                )
+            for version in range(current + 1, SCHEMA_VERSION + 1):
+                for statement in _MIGRATIONS[version - 1]:
+                    await conn.execute(statement)
+            await conn.execute(
+                "INSERT INTO fmw_schema (component, version) VALUES ($1, $2) "
+                "ON CONFLICT (component) DO UPDATE SET version = excluded.version",
+                COMPONENT,
+                SCHEMA_VERSION,
+            )
+
+    async def _fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            conn = await self._connection()
+            try:
+                return await conn.fetch(query, *args)
+            except (OSError, asyncpg.exceptions.ConnectionDoesNotExistError) as exc:
+                await self._drop()
+                raise StoreError(f"lost the store connection: {type(exc).__name__}") from None
+
+    async def _execute(self, query: str, *args: Any) -> str:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            conn = await self._connection()
+            try:
+                return await conn.execute(query, *args)
+            except asyncpg.UniqueViolationError:
+                raise
+            except (OSError, asyncpg.exceptions.ConnectionDoesNotExistError) as exc:
+                await self._drop()
+                raise StoreError(f"lost the store connection: {type(exc).__name__}") from None
+
+    async def _drop(self) -> None:
+        if self._conn is not None:
+            self._conn.terminate()
+            self._conn = None
+
+    # --- routes -----------------------------------------------------------------------
+
+    async def load_routes(self) -> list[StoredRoute]:
+        rows = await self._fetch("SELECT id, doc FROM fmw_routes ORDER BY id")
+        return [StoredRoute.from_doc(row["id"], row["doc"]) for row in rows]
+
+    async def insert_route(self, stored: StoredRoute) -> None:
+        try:
+            await self._execute(
+                "INSERT INTO fmw_routes (id, doc) VALUES ($1, $2)",
+                stored.route.id,
+                stored.to_doc(),
+            )
+        except asyncpg.UniqueViolationError:
+            raise RouteExists(f"route {stored.route.id!r} already exists in the store") from None
+
+    async def replace_route(self, stored: StoredRoute) -> None:
+        await self._execute(
+            "INSERT INTO fmw_routes (id, doc) VALUES ($1, $2) ON CONFLICT (id) "
+            "DO UPDATE SET doc = excluded.doc, updated_at = now()",
+            stored.route.id,
+            stored.to_doc(),
+        )
+
+    async def remove_route(self, route_id: str) -> bool:
+        status = await self._execute("DELETE FROM fmw_routes WHERE id = $1", route_id)
+        return status != "DELETE 0"
+
+    # --- faults -----------------------------------------------------------------------
+
+    async def load_faults(self) -> list[Fault]:
+        rows = await self._fetch(
+            "SELECT kind, target, expires_at, candidate FROM fmw_faults "
+            "WHERE expires_at > $1 ORDER BY scope, target",
+            time.time(),
+        )
+        return [
+            Fault(
+                kind=row["kind"],
+                target=row["target"],
+                expires_at=float(row["expires_at"]),
+                candidate=row["candidate"],
+            )
+            for row in rows
+        ]
+
+    async def set_fault(self, fault: Fault) -> None:
+        await self._execute("DELETE FROM fmw_faults WHERE expires_at <= $1", time.time())
+        await self._execute(
+            "INSERT INTO fmw_faults (scope, target, kind, candidate, expires_at) "
+            "VALUES ($1, $2, $3, $4, $5) ON CONFLICT (scope, target) DO UPDATE SET "
+            "kind = excluded.kind, candidate = excluded.candidate, "
+            "expires_at = excluded.expires_at",
+            fault.scope,
+            fault.target,
+            fault.kind,
+            fault.candidate,
+            fault.expires_at,
+        )
+
+    async def clear_faults(self, *, upstream: str | None = None, route: str | None = None) -> int:
+        if upstream is not None:
+            status = await self._execute(
+                "DELETE FROM fmw_faults WHERE scope = 'upstream' AND target = $1", upstream
+            )
+        elif route is not None:
+            status = await self._execute(
+                "DELETE FROM fmw_faults WHERE scope = 'route' AND target = $1", route
+            )
+        else:
+            status = await self._execute("DELETE FROM fmw_faults")
+        return int(status.rsplit(" ", 1)[-1])
+
+    # --- change detection -------------------------------------------------------------
+
+    async def change_serials(self) -> tuple[int, int]:
+        rows = await self._fetch("SELECT name, serial FROM fmw_route_changes")
+        serials = {row["name"]: int(row["serial"]) for row in rows}
+        return serials.get("routes", 0), serials.get("faults", 0)
+
+    def _notified(self, *_: object) -> None:
+        if self._changed is not None:
+            self._changed.set()
+
+    async def _listen(self) -> bool:
+        if self._listener is not None and not self._listener.is_closed():
+            return True
+        await self._connection()  # migrated: the channel's trigger exists
+        try:
+            self._listener = await self._connect()
+            await self._listener.add_listener(CHANNEL, self._notified)
+        except (StoreError, OSError, asyncpg.PostgresError) as exc:
+            logger.warning("store LISTEN failed (%s); polling instead", type(exc).__name__)
+            self._listener = None
+            return False
+        return True
+
+    async def wait_for_change(self, poll_interval: float) -> None:
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        if not await self._listen():
+            await asyncio.sleep(poll_interval)
+            return
+        try:
+            async with asyncio.timeout(poll_interval):
+                await self._changed.wait()
+        except TimeoutError:
+            pass
+        self._changed.clear()
+
+    async def aclose(self) -> None:
+        for conn in (self._listener, self._conn):
+            if conn is not None and not conn.is_closed():
+                try:
+                    await asyncio.wait_for(conn.close(), timeout=2)
+                except (OSError, TimeoutError, asyncpg.PostgresError):
+                    conn.terminate()
+        self._listener = None
+        self._conn = None

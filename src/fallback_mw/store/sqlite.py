@@ -1,0 +1,193 @@
+"""The embedded route store: stdlib sqlite3 in WAL mode, one short connection per operation
+(run in a worker thread). Triggers bump a change counter: the gateway's cheap change check."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from fallback_mw.store.routes import Fault, RouteExists, StoredRoute, StoreError
+
+T = TypeVar("T")
+
+COMPONENT = "routes"
+SCHEMA_VERSION = 1
+
+_SCHEMA_TABLE = (
+    "CREATE TABLE IF NOT EXISTS fmw_schema (component TEXT PRIMARY KEY, version INTEGER NOT NULL)"
+)
+
+# Step n migrates from version n-1 to n.
+_MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    (
+        "CREATE TABLE fmw_routes (id TEXT PRIMARY KEY, doc TEXT NOT NULL, "
+        "updated_at REAL NOT NULL)",
+        "CREATE TABLE fmw_faults (scope TEXT NOT NULL, target TEXT NOT NULL, "
+        "kind TEXT NOT NULL, candidate TEXT, expires_at REAL NOT NULL, "
+        "PRIMARY KEY (scope, target))",
+        "CREATE TABLE fmw_route_changes (name TEXT PRIMARY KEY, serial INTEGER NOT NULL)",
+        "INSERT INTO fmw_route_changes (name, serial) VALUES ('routes', 0), ('faults', 0)",
+        *(
+            f"CREATE TRIGGER fmw_{table}_{op.lower()} AFTER {op} ON fmw_{table} BEGIN "
+            f"UPDATE fmw_route_changes SET serial = serial + 1 WHERE name = '{table}'; END"
+            for table in ("routes", "faults")
+            for op in ("INSERT", "UPDATE", "DELETE")
+        ),
+    ),
+)
+
+
+class SqliteStore:
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+        self._migrated = False
+
+    def _connect(self) -> sqlite3.Connection:
+        try:
+            conn = sqlite3.connect(self.path, timeout=5.0, isolation_level=None)
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open the SQLite store: {exc}") from None
+        conn.execute("PRAGMA busy_timeout = 5000")
+        if not self._migrated:
+            self._migrate(conn)
+            self._migrated = True
+        return conn
+
+    def _migrate(self, conn: sqlite3.Connection) -> None:
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            conn.execute(_SCHEMA_TABLE)
+            row = conn.execute(
+                "SELECT version FROM fmw_schema WHERE component = ?", (COMPONENT,)
+            ).fetchone()
+            current = int(row[0]) if row else 0
+            if current > SCHEMA_VERSION:
+                raise StoreError(
+                    f"the store's {COMPONENT!r} schema is version {current}; this package "
+                    f"knows up to {SCHEMA_VERSION} (upgrade fallback_mw)"
+                )
+            for version in range(current + 1, SCHEMA_VERSION + 1):
+                for statement in _MIGRATIONS[version - 1]:
+                    conn.execute(statement)
+            conn.execute(
+                "INSERT INTO fmw_schema (component, version) VALUES (?, ?) "
+                "ON CONFLICT (component) DO UPDATE SET version = excluded.version",
+                (COMPONENT, SCHEMA_VERSION),
+            )
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+
+    async def _run(self, operation: Callable[[sqlite3.Connection], T]) -> T:
+        def call() -> T:
+            conn = self._connect()
+            try:
+                return operation(conn)
+            except sqlite3.Error as exc:
+                raise StoreError(f"SQLite store error: {exc}") from None
+            finally:
+                conn.close()
+
+        return await asyncio.to_thread(call)
+
+    # --- routes -----------------------------------------------------------------------
+
+    async def load_routes(self) -> list[StoredRoute]:
+        rows = await self._run(
+            lambda c: c.execute("SELECT id, doc FROM fmw_routes ORDER BY id").fetchall()
+        )
+        return [StoredRoute.from_doc(str(i), str(doc)) for i, doc in rows]
+
+    async def insert_route(self, stored: StoredRoute) -> None:
+        def insert(conn: sqlite3.Connection) -> None:
+            try:
+                conn.execute(
+                    "INSERT INTO fmw_routes (id, doc, updated_at) VALUES (?, ?, ?)",
+                    (stored.route.id, stored.to_doc(), time.time()),
+                )
+            except sqlite3.IntegrityError:
+                raise RouteExists(
+                    f"route {stored.route.id!r} already exists in the store"
+                ) from None
+
+        await self._run(insert)
+
+    async def replace_route(self, stored: StoredRoute) -> None:
+        await self._run(
+            lambda c: c.execute(
+                "INSERT INTO fmw_routes (id, doc, updated_at) VALUES (?, ?, ?) "
+                "ON CONFLICT (id) DO UPDATE SET doc = excluded.doc, "
+                "updated_at = excluded.updated_at",
+                (stored.route.id, stored.to_doc(), time.time()),
+            )
+        )
+
+    async def remove_route(self, route_id: str) -> bool:
+        def remove(conn: sqlite3.Connection) -> bool:
+            return conn.execute("DELETE FROM fmw_routes WHERE id = ?", (route_id,)).rowcount > 0
+
+        return await self._run(remove)
+
+    # --- faults -----------------------------------------------------------------------
+
+    async def load_faults(self) -> list[Fault]:
+        rows = await self._run(
+            lambda c: c.execute(
+                "SELECT kind, target, expires_at, candidate FROM fmw_faults "
+                "WHERE expires_at > ? ORDER BY scope, target",
+                (time.time(),),
+            ).fetchall()
+        )
+        return [Fault(kind=k, target=t, expires_at=float(e), candidate=c) for k, t, e, c in rows]
+
+    async def set_fault(self, fault: Fault) -> None:
+        def put(conn: sqlite3.Connection) -> None:
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute("DELETE FROM fmw_faults WHERE expires_at <= ?", (time.time(),))
+            conn.execute(
+                "INSERT INTO fmw_faults (scope, target, kind, candidate, expires_at) "
+                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (scope, target) DO UPDATE SET "
+                "kind = excluded.kind, candidate = excluded.candidate, "
+                "expires_at = excluded.expires_at",
+                (fault.scope, fault.target, fault.kind, fault.candidate, fault.expires_at),
+            )
+            conn.execute("COMMIT")
+
+        await self._run(put)
+
+    async def clear_faults(self, *, upstream: str | None = None, route: str | None = None) -> int:
+        def clear(conn: sqlite3.Connection) -> int:
+            if upstream is not None:
+                cursor = conn.execute(
+                    "DELETE FROM fmw_faults WHERE scope = 'upstream' AND target = ?", (upstream,)
+                )
+            elif route is not None:
+                cursor = conn.execute(
+                    "DELETE FROM fmw_faults WHERE scope = 'route' AND target = ?", (route,)
+                )
+            else:
+                cursor = conn.execute("DELETE FROM fmw_faults")
+            return cursor.rowcount
+
+        return await self._run(clear)
+
+    # --- change detection -------------------------------------------------------------
+
+    async def change_serials(self) -> tuple[int, int]:
+        def read(conn: sqlite3.Connection) -> tuple[int, int]:
+            serials = dict(conn.execute("SELECT name, serial FROM fmw_route_changes").fetchall())
+            return int(serials.get("routes", 0)), int(serials.get("faults", 0))
+
+        return await self._run(read)
+
+    async def wait_for_change(self, poll_interval: float) -> None:
+        await asyncio.sleep(poll_interval)
+
+    async def aclose(self) -> None:
+        return None

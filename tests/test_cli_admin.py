@@ -1,0 +1,273 @@
+"""The admin CLI against a real SQLite store, and a Gateway serving what it stored."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from fallback_mw import Gateway
+from fallback_mw.cli_admin import main
+from fallback_mw.store.routes import StoredRoute, open_store
+from tests.upstreams import status_handler, upstream
+
+
+async def host_app(scope: Any, receive: Any, send: Any) -> None:
+    await send({"type": "http.response.start", "status": 404, "headers": []})
+    await send({"type": "http.response.body", "body": b"host"})
+
+
+def run_cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    status = main(list(argv), out=out, err=err)
+    return status, out.getvalue(), err.getvalue()
+
+
+async def cli(*argv: str) -> tuple[int, str, str]:
+    # main() runs its own event loop; keep it off the test's.
+    return await asyncio.to_thread(run_cli, *argv)
+
+
+def gateway_config(store: str, **extra: Any) -> dict[str, Any]:
+    # Breakers never open here: these tests hit a failing primary on purpose, many times.
+    settings = {"store": store, "breaker": {"min_calls": 1_000_000}}
+    return {"gateway": {**settings, **extra.pop("gateway", {})}, **extra}
+
+
+@pytest.fixture
+def store_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'gateway.db'}"
+
+
+@pytest.mark.anyio
+async def test_route_added_by_the_cli_serves_with_failover(store_url: str) -> None:
+    async with (
+        upstream(status_handler(503)) as primary,
+        upstream(status_handler(200, b"from backup")) as backup,
+    ):
+        # The real entry point, as an operator runs it.
+        process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "fallback_mw.cli_admin", "routes", "add",
+                "--store", store_url, "--id", "chat", "--prefix", "/api/",
+                "--upstream", primary.url, "--auth-env", "PRIMARY_KEY", "--retries", "1",
+                "--fallback", backup.url, "--fallback-auth-header", "x-api-key",
+                "--fallback-auth-env", "BACKUP_KEY",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        _, stderr = await process.communicate()
+        assert process.returncode == 0, stderr
+        gateway = Gateway(
+            host_app,
+            config=gateway_config(store_url),
+            environ={"PRIMARY_KEY": "p-secret", "BACKUP_KEY": "b-secret"},
+        )
+        try:
+            async with httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=gateway), base_url="http://gw"
+            ) as client:
+                response = await client.get("/api/models")
+        finally:
+            await gateway.aclose()
+    assert response.status_code == 200
+    assert response.text == "from backup"
+    assert response.headers["x-gateway-provider"] == "chat-fallback"
+    assert response.headers["x-gateway-attempts"] == "2"
+    assert primary.count == 1 and backup.count == 1
+    primary_headers = dict(primary.received[0].headers)
+    backup_headers = dict(backup.received[0].headers)
+    assert primary_headers["authorization"] == "Bearer p-secret"
+    assert backup_headers["x-api-key"] == "b-secret"  # raw key for a non-authorization header
+    assert "authorization" not in backup_headers
+
+
+BAD_FALLBACKS = {
+    "no_retries": (
+        ["--fallback", "http://127.0.0.1:9002"],
+        "could never be reached",
+    ),
+    "equal_to_primary": (
+        ["--retries", "1", "--fallback", "http://127.0.0.1:9001/"],
+        "primary's own endpoint",
+    ),
+    "allowlist_refuses": (
+        ["--retries", "1", "--fallback", "http://10.1.2.3:9002"],
+        "not in allow_hosts",
+    ),
+    "credentials_without_fallback": (
+        ["--retries", "1", "--fallback-auth-env", "BACKUP_KEY"],
+        "without --fallback",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FALLBACKS))
+def test_bad_fallbacks_are_refused_and_nothing_is_stored(store_url: str, case: str) -> None:
+    extra, message = BAD_FALLBACKS[case]
+    status, out, err = run_cli(
+        "routes", "add", "--store", store_url, "--id", "chat", "--prefix", "/api/",
+        "--upstream", "http://127.0.0.1:9001", *extra,
+    )  # fmt: skip
+    assert status == 2
+    assert message in err and "chat" in err
+    status, out, _ = run_cli("routes", "list", "--store", store_url)
+    assert status == 0
+    assert out == "no routes\n"
+
+
+def test_set_fallback_refusals_leave_the_stored_route_alone(store_url: str) -> None:
+    base = ["--store", store_url, "--id", "chat"]
+    assert (
+        run_cli("routes", "add", *base, "--prefix", "/a/", "--upstream", "http://127.0.0.1:1")[0]
+        == 0
+    )
+    # retries = 0: a fallback could never be reached.
+    status, _, err = run_cli("routes", "set-fallback", *base, "--upstream", "http://127.0.0.1:2")
+    assert status == 2 and "could never be reached" in err
+    status, _, err = run_cli(
+        "routes", "set-fallback", *base, "--upstream", "http://169.254.169.254/latest"
+    )
+    assert status == 2 and "metadata" in err
+    _, out, _ = run_cli("routes", "list", "--store", store_url)
+    assert "chat-fallback" not in out and "chat-primary=http://127.0.0.1:1" in out
+
+
+def test_config_file_refusals(tmp_path: Path, store_url: str) -> None:
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        f"""
+[gateway]
+store = "{store_url}"
+allow_hosts = ["127.0.0.1"]
+
+[upstreams.primary]
+url = "http://127.0.0.1:9001"
+auth_env = "NOT_SET_IN_THE_ADMIN_SHELL"
+
+[[routes]]
+id = "chat"
+prefix = "/v1/"
+plan = ["primary"]
+""",
+        encoding="utf-8",
+    )
+    # The config's store is used; an id the file defines is refused; nothing stored.
+    status, _, err = run_cli(
+        "routes", "add", "--config", str(config), "--id", "chat", "--prefix", "/api/",
+        "--upstream", "http://127.0.0.1:9005",
+    )  # fmt: skip
+    assert status == 2 and "both in the config file and in the store" in err
+    status, out, _ = run_cli("routes", "list", "--config", str(config))
+    assert status == 0 and "\tstore\t" not in out and out.startswith("chat\tfile")
+    # A route the file owns cannot be edited from the store.
+    status, _, err = run_cli("routes", "remove", "--config", str(config), "--id", "chat")
+    assert status == 2 and "config file" in err
+    # No store at all.
+    status, _, err = run_cli("routes", "list")
+    assert status == 2 and "--store" in err
+    # Adding the same id twice is refused.
+    add = ["routes", "add", "--store", store_url, "--id", "x", "--prefix", "/x/"]
+    assert run_cli(*add, "--upstream", "http://127.0.0.1:9006")[0] == 0
+    status, _, err = run_cli(*add, "--upstream", "http://127.0.0.1:9007")
+    assert status == 2 and "already exists" in err
+
+
+@pytest.mark.anyio
+async def test_sqlite_hot_reload_and_refused_reload(store_url: str) -> None:
+    async with (
+        upstream(status_handler(503)) as primary,
+        upstream(status_handler(200, b"backup")) as backup,
+    ):
+        base = ["--store", store_url, "--id", "chat"]
+        status, _, err = await cli(
+            "routes", "add", *base, "--prefix", "/api/", "--upstream", primary.url,
+            "--retries", "1",
+        )  # fmt: skip
+        assert status == 0, err
+        gateway = Gateway(host_app, config=gateway_config(store_url), environ={})
+        runtime = gateway.services.store
+        assert runtime is not None
+        runtime.poll_interval = 0.05
+        transport = httpx.ASGITransport(app=gateway)
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+
+                async def provider() -> str | None:
+                    # No fallback: the failing primary alone gives 502 upstream_failed.
+                    response = await client.get("/api/x")
+                    if response.status_code == 502:
+                        assert response.json()["error"]["code"] == "upstream_failed"
+                        return "chat-primary"
+                    return response.headers.get("x-gateway-provider")
+
+                assert await provider() == "chat-primary"
+                assert (await cli("routes", "set-fallback", *base, "--upstream", backup.url))[
+                    0
+                ] == 0
+                assert await wait_for(provider, "chat-fallback")
+                assert (await cli("routes", "clear-fallback", *base))[0] == 0
+                assert await wait_for(provider, "chat-primary")
+
+                # A store change the gateway would refuse: the running routes stay.
+                store = open_store(store_url)
+                good = (await store.load_routes())[0]
+                bad_route = good.route.model_copy(update={"plan": ("chat-primary", "nowhere")})
+                await store.replace_route(StoredRoute(route=bad_route, upstreams=good.upstreams))
+                await store.aclose()
+
+                async def refusal() -> bool:
+                    return runtime.last_refusal is not None
+
+                assert await wait_for(refusal, True)
+                assert runtime.last_refusal is not None
+                assert "unknown upstream 'nowhere'" in runtime.last_refusal
+                assert await provider() == "chat-primary"
+
+                assert (await cli("routes", "remove", *base))[0] == 0
+                response = await client.get("/api/x")
+                deadline = time.monotonic() + 3
+                while response.text != "host" and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
+                    response = await client.get("/api/x")
+                assert response.status_code == 404 and response.text == "host"
+        finally:
+            await gateway.aclose()
+
+
+async def wait_for(probe: Any, expected: Any, within: float = 5.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if await probe() == expected:
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+def test_faults_verbs(store_url: str) -> None:
+    s = ["--store", store_url]
+    assert run_cli("faults", "set", "fail", *s, "--upstream", "primary", "--ttl", "600")[0] == 0
+    assert run_cli("faults", "set", "hang", *s, "--upstream", "other", "--ttl", "600")[0] == 0
+    pin = ["faults", "set", "pin", *s, "--route", "chat", "--candidate", "backup", "--ttl", "60"]
+    assert run_cli(*pin)[0] == 0
+    status, out, _ = run_cli("faults", "list", *s)
+    assert status == 0
+    lines = out.splitlines()
+    assert len(lines) == 3
+    assert any(line.startswith("fail\tupstream=primary") for line in lines)
+    assert any(line.startswith("pin\troute=chat\tcandidate=backup") for line in lines)
+    # Refusals: no ttl sense, pin without a candidate, fail with a route.
+    assert run_cli("faults", "set", "fail", *s, "--upstream", "p", "--ttl", "0")[0] == 2
+    assert run_cli("faults", "set", "pin", *s, "--route", "chat", "--ttl", "5")[0] == 2
+    assert run_cli("faults", "set", "fail", *s, "--route", "chat", "--ttl", "5")[0] == 2
+    assert run_cli("faults", "clear", *s, "--upstream", "primary") == (
+        0,
+        "1 fault(s) cleared\n",
+        "",
+    )
+    assert run_cli("faults", "clear", *s, "--all")[1] == "2 fault(s) cleared\n"
+    assert run_cli("faults", "list", *s)[1] == "no faults\n"
