@@ -25,6 +25,6 @@ stamp=.venv/.fallback_mw-install
 wanted="$( (cat pyproject.toml; pwd) | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$wanted" ]; then
     echo "installing fallback_mw and its dev dependencies into .venv" >&2
-    .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+    .venv/bin/python -m pip install --quiet --quiet --disable-pip-version-check -e '.[dev]'
     echo "$wanted" > "$stamp"
 fi

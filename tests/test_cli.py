@@ -160,6 +160,9 @@ def test_demo_shows_failover_and_the_post_rule() -> None:
         in out
     )
     assert "primary received 1, backup received 0" in out
+    assert "5 x GET /metered/models -> 200, 200, 200, 402, 402" in out
+    assert "backup received 3" in out
+    assert "402 budget_exceeded" in out
     assert "demo-primary-key" not in out and "demo-backup-key" not in out
     assert "UNEXPECTED" not in out
     assert out.rstrip().endswith("demo finished")

@@ -8,6 +8,7 @@ credentials are handed to the Gateway directly; the process environment is not t
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -178,18 +179,27 @@ async def _run() -> bool:
         # Budgets need a ledger; show them only when this build has one that refuses.
         statuses: list[int] = []
         refusal: str | None = None
+        before_backup = len(backup.requests)
         for _ in range(5):
             response = await client.get("/metered/models")
             statuses.append(response.status_code)
             if response.status_code == 402:
                 refusal = response.json().get("error", {}).get("code")
+        served = len(backup.requests) - before_backup
         if refusal == "budget_exceeded":
             _say(
                 f"3. budget: route 'metered' spends budget 'demo' (limit {BUDGET_LIMIT}, "
                 f"hold {BUDGET_HOLD} per request)"
             )
             _say(f"   5 x GET /metered/models -> {', '.join(map(str, statuses))}")
-            _say("   => once the limit is spent: 402 budget_exceeded, no upstream contacted")
+            _say(f"   backup received {served}")
+            budget_rule = served == statuses.count(200) and statuses.count(402) >= 1
+            _say(
+                "   => once the limit is spent: 402 budget_exceeded, no upstream contacted"
+                if budget_rule
+                else "   => unexpected result"
+            )
+            ok = ok and budget_rule
         else:
             _say("3. budget: skipped (this build has no budget ledger behind the gateway)")
         _say()
@@ -204,6 +214,8 @@ async def _run() -> bool:
 
 
 def run_demo() -> int:
+    # The per-request log lines would interleave with the story; keep them out of it.
+    logging.getLogger("fallback_mw").addHandler(logging.NullHandler())
     ok = asyncio.run(_run())
     print("demo finished" if ok else "demo finished: some results were unexpected", flush=True)
     return 0 if ok else 1
