@@ -21,6 +21,7 @@ from fallback_mw.failover import (
 )
 from fallback_mw.faults import FaultSource, NoFaults
 from fallback_mw.health import AlwaysHealthy, HealthState
+from fallback_mw.hedge import attempt_with_hedge, hedge_applies
 from fallback_mw.plan import candidate_order, is_canary
 from fallback_mw.security import forwardable_request_headers, forwardable_response_headers
 from fallback_mw.telemetry import Telemetry
@@ -363,9 +364,15 @@ class _Walk:
             )
             context.attempts.append(record)
             walker.telemetry.attempt_started(context, record)
-            response, error, deadline_hit = await self._attempt(
-                name, upstream, record, body, parsed, credential_index
-            )
+            if hedge_applies(self, name, body):
+                outcome, record, credential_index = await attempt_with_hedge(
+                    self, name, upstream, record, body, parsed, credential_index
+                )
+            else:
+                outcome = await self._attempt(
+                    name, upstream, record, body, parsed, credential_index
+                )
+            response, error, deadline_hit = outcome
             record.duration = time.monotonic() - record.started
             failover_class = is_failover_class(
                 self.route, status=response.status if response else None, error=error
@@ -421,7 +428,9 @@ class _Walk:
             last_error = error
             if response is not None:
                 last_response = response
-            if not further_attempt_allowed(self._state(body), last_failed_failover_class=True):
+            if not further_attempt_allowed(
+                self._state(body), last_failed_failover_class=failover_class
+            ):
                 break
 
         await self._finish_without_success(body, last_response, last_candidate, last_error)

@@ -1,0 +1,212 @@
+"""Hedging: a second attempt at the primary after `hedge_after_ms`, first head wins, the
+loser cancelled and its connection released. Real upstream servers, in-process gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+from aiohttp import web
+
+from fallback_mw import Gateway
+from fallback_mw.hedge import first_head
+from fallback_mw.types import Receive, Scope, Send
+from tests.upstreams import Upstream, status_handler, upstream
+
+
+async def host_app(scope: Scope, receive: Receive, send: Send) -> None:
+    await send({"type": "http.response.start", "status": 404, "headers": []})
+    await send({"type": "http.response.body", "body": b"host"})
+
+
+def config(primary: Upstream, backup: Upstream, **route: Any) -> dict[str, Any]:
+    route_config: dict[str, Any] = {
+        "id": "r",
+        "prefix": "/v1/",
+        "plan": ["primary", "backup"],
+        "retries": 2,
+        "backoff_ms": 0,
+        "hedge_after_ms": 60,
+    }
+    route_config.update(route)
+    return {
+        "upstreams": {"primary": {"url": primary.url}, "backup": {"url": backup.url}},
+        "routes": [route_config],
+    }
+
+
+@asynccontextmanager
+async def gateway_client(conf: dict[str, Any]) -> AsyncIterator[httpx.AsyncClient]:
+    gateway = Gateway(host_app, config=conf)
+    try:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=gateway), base_url="http://gw"
+        ) as client:
+            yield client
+    finally:
+        await gateway.aclose()
+
+
+class SlowFirst:
+    """The first call hangs (noticing when its connection is dropped); later ones answer
+    at once."""
+
+    def __init__(self, hang: float = 2.0) -> None:
+        self.hang = hang
+        self.arrivals: list[float] = []
+        self.dropped = asyncio.Event()
+
+    async def __call__(self, request: web.Request) -> web.StreamResponse:
+        self.arrivals.append(time.monotonic())
+        if len(self.arrivals) == 1:
+            deadline = time.monotonic() + self.hang
+            try:
+                while time.monotonic() < deadline:
+                    await asyncio.sleep(0.005)
+                    if request.transport is None or request.transport.is_closing():
+                        self.dropped.set()
+                        break
+            except asyncio.CancelledError:  # aiohttp cancels a handler whose client left
+                self.dropped.set()
+                raise
+            return web.Response(body=b"slow")
+        return web.Response(body=b"fast")
+
+
+@pytest.mark.anyio
+async def test_hedge_fires_after_the_delay_wins_and_the_slow_attempt_is_cancelled() -> None:
+    slow = SlowFirst()
+    async with upstream(slow) as primary, upstream(status_handler(200, b"backup")) as backup:
+        client_context = gateway_client(config(primary, backup, hedge_after_ms=100))
+        async with client_context as client:
+            started = time.monotonic()
+            response = await client.get("/v1/x")
+            elapsed = time.monotonic() - started
+            assert response.status_code == 200
+            assert response.text == "fast"
+            assert response.headers["x-gateway-provider"] == "primary"
+            assert response.headers["x-gateway-attempts"] == "2"
+            assert elapsed < 1.0
+            assert primary.count == 2
+            assert backup.count == 0
+            assert slow.arrivals[1] - slow.arrivals[0] >= 0.1  # only after hedge_after_ms
+            # The loser was cancelled: its upstream connection was closed, well before the
+            # hang would have ended.
+            await asyncio.wait_for(slow.dropped.wait(), timeout=1.0)
+
+
+@pytest.mark.anyio
+async def test_no_hedge_when_the_primary_answers_in_time() -> None:
+    async with (
+        upstream(status_handler(200, b"p", delay=0.02)) as primary,
+        upstream(status_handler(200)) as backup,
+    ):
+        async with gateway_client(config(primary, backup, hedge_after_ms=300)) as client:
+            for _ in range(3):
+                response = await client.get("/v1/x")
+                assert response.headers["x-gateway-attempts"] == "1"
+            await asyncio.sleep(0.35)
+        assert primary.count == 3
+
+
+@pytest.mark.anyio
+async def test_hedge_only_at_the_primary_never_at_a_fallback() -> None:
+    async with (
+        upstream(status_handler(503)) as primary,
+        upstream(status_handler(200, b"backup", delay=0.25)) as backup,
+    ):
+        async with gateway_client(config(primary, backup, hedge_after_ms=30)) as client:
+            response = await client.get("/v1/x")
+            assert response.text == "backup"
+            assert response.headers["x-gateway-attempts"] == "2"
+        assert (primary.count, backup.count) == (1, 1)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "route",
+    [
+        {"replayable_methods": ["HEAD"]},  # GET not replayable here
+        {"plan": ["primary"], "retries": 0},  # no attempt left for a hedge
+    ],
+)
+async def test_no_hedge_without_replay_or_room(route: dict[str, Any]) -> None:
+    async with (
+        upstream(status_handler(200, b"p", delay=0.2)) as primary,
+        upstream(status_handler(200)) as backup,
+    ):
+        async with gateway_client(config(primary, backup, hedge_after_ms=30, **route)) as client:
+            response = await client.get("/v1/x")
+            assert response.text == "p"
+            assert response.headers["x-gateway-attempts"] == "1"
+        assert primary.count == 1
+
+
+@pytest.mark.anyio
+async def test_first_head_waits_for_a_head_when_the_first_to_finish_failed() -> None:
+    discarded: list[tuple[int, str | None]] = []
+
+    async def attempt(delay: float, result: str) -> str:
+        await asyncio.sleep(delay)
+        return result
+
+    async def start_hedge() -> Any:
+        return attempt(0.01, "error")
+
+    async def discard(index: int, result: str | None) -> None:
+        discarded.append((index, result))
+
+    index, result = await first_head(
+        attempt(0.1, "head"),
+        start_hedge,
+        after=0.02,
+        is_head=lambda r: r == "head",
+        discard=discard,
+    )
+    assert (index, result) == (0, "head")
+    assert discarded == [(1, "error")]
+
+    # Neither answers with a head: the last to finish is returned.
+    discarded.clear()
+    index, result = await first_head(
+        attempt(0.05, "timeout"),
+        start_hedge,
+        after=0.02,
+        is_head=lambda r: r == "head",
+        discard=discard,
+    )
+    assert (index, result) == (0, "timeout")
+    assert discarded == [(1, "error")]
+
+
+@pytest.mark.anyio
+async def test_first_head_cancels_both_when_cancelled() -> None:
+    cancelled: list[int] = []
+
+    async def attempt(index: int) -> str:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            cancelled.append(index)
+            raise
+        return "never"
+
+    async def start_hedge() -> Any:
+        return attempt(1)
+
+    async def discard(index: int, result: str | None) -> None:
+        return None
+
+    task = asyncio.ensure_future(
+        first_head(attempt(0), start_hedge, after=0.01, is_head=bool, discard=discard)
+    )
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert sorted(cancelled) == [0, 1]
