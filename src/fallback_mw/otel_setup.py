@@ -40,6 +40,8 @@ class OtelHandle:
 
     traces: tuple[str, ...] = ()
     metrics: tuple[str, ...] = ()
+    tracer_provider: Any = None  # opentelemetry.sdk.trace.TracerProvider, when traces
+    meter_provider: Any = None  # opentelemetry.sdk.metrics.MeterProvider, when metrics
     _providers: list[Any] = field(default_factory=list)
 
     @property
@@ -135,21 +137,21 @@ def _metric_exporter(name: str, environ: Mapping[str, str], out: TextIO) -> Any:
 
 
 def configure_opentelemetry(
-    environ: Mapping[str, str] | None = None,
     *,
     service_name: str = "fallback-mw",
     out: TextIO | None = None,
     set_global: bool = True,
 ) -> OtelHandle:
     """Install tracer and meter providers as the process-wide OpenTelemetry providers,
-    from the `OTEL_*` variables in `environ` (default: `os.environ`).
+    from the `OTEL_*` variables of the process environment (the SDK and its exporters
+    read `os.environ` themselves, so this does too).
 
     Returns an `OtelHandle`; call `shutdown()` on exit to flush (the SDK also flushes at
     interpreter exit). Nothing is installed when no exporter is asked for or
     `OTEL_SDK_DISABLED=true`. Raises `TelemetrySetupError` for an unsupported exporter or
     protocol, or when the SDK (the `otel` extra) is not installed. `console` writes to
     `out` (default: stdout)."""
-    environ = os.environ if environ is None else environ
+    environ = os.environ
     handle = OtelHandle()
     if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return handle
@@ -176,7 +178,7 @@ def configure_opentelemetry(
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
-        tracer_provider = TracerProvider(resource=resource)
+        tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=set_global)
         for name in handle.traces:
             exporter = _span_exporter(name, environ, stream)
             # Console output is for eyes: show each span as it ends.
@@ -184,6 +186,7 @@ def configure_opentelemetry(
                 SimpleSpanProcessor(exporter) if name == "console" else BatchSpanProcessor(exporter)
             )
             tracer_provider.add_span_processor(processor)
+        handle.tracer_provider = tracer_provider
         handle._providers.append(tracer_provider)
         if set_global:
             trace.set_tracer_provider(tracer_provider)
@@ -196,7 +199,10 @@ def configure_opentelemetry(
             PeriodicExportingMetricReader(_metric_exporter(name, environ, stream))
             for name in handle.metrics
         ]
-        meter_provider = MeterProvider(resource=resource, metric_readers=readers)
+        meter_provider = MeterProvider(
+            resource=resource, metric_readers=readers, shutdown_on_exit=set_global
+        )
+        handle.meter_provider = meter_provider
         handle._providers.append(meter_provider)
         if set_global:
             metrics.set_meter_provider(meter_provider)

@@ -1,0 +1,185 @@
+"""`otel_setup`: the SDK configured from the standard OTEL_* variables (console, otlp)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+)
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from fallback_mw.config import RouteConfig
+from fallback_mw.context import AttemptRecord, RequestContext
+from fallback_mw.otel_setup import TelemetrySetupError, configure_opentelemetry
+from fallback_mw.telemetry import Telemetry
+from tests.upstreams import upstream
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_one_request(telemetry: Telemetry) -> None:
+    context = RequestContext(
+        route=RouteConfig(id="chat", prefix="/v1/", plan=("primary", "backup"), retries=1),
+        upstreams={},
+        tenant="acme",
+        session=None,
+        method="GET",
+        path="/v1/models",
+        query=b"",
+        deadline=time.monotonic() + 5,
+        candidates=["primary", "backup"],
+    )
+    telemetry.request_started(context)
+    record = AttemptRecord(candidate="primary", number=1, server_address="127.0.0.1")
+    context.attempts.append(record)
+    telemetry.attempt_started(context, record)
+    record.status = 200
+    telemetry.attempt_finished(context, record)
+    context.chosen, context.status, context.outcome = "primary", 200, "served"
+    telemetry.request_finished(context)
+
+
+@pytest.fixture
+def otel_env(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Set OTEL_* variables for one test, starting from none (the SDK reads os.environ)."""
+    for key in list(os.environ):
+        if key.startswith("OTEL_"):
+            monkeypatch.delenv(key)
+
+    def set_env(**values: str) -> None:
+        for key in list(os.environ):
+            if key.startswith("OTEL_"):
+                monkeypatch.delenv(key)
+        for key, value in values.items():
+            monkeypatch.setenv(key, value)
+
+    return set_env
+
+
+def test_nothing_is_configured_without_exporters(otel_env: Any) -> None:
+    assert not configure_opentelemetry(set_global=False).enabled
+    otel_env(OTEL_SDK_DISABLED="true", OTEL_TRACES_EXPORTER="console")
+    assert not configure_opentelemetry(set_global=False).enabled
+    otel_env(OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none")
+    assert not configure_opentelemetry(set_global=False).enabled
+
+
+def test_unsupported_exporter_and_protocol_are_refused_by_name(otel_env: Any) -> None:
+    otel_env(OTEL_TRACES_EXPORTER="zipkin")
+    with pytest.raises(TelemetrySetupError, match=r"OTEL_TRACES_EXPORTER: .*zipkin"):
+        configure_opentelemetry(set_global=False)
+    otel_env(OTEL_TRACES_EXPORTER="otlp", OTEL_EXPORTER_OTLP_PROTOCOL="http/json")
+    with pytest.raises(TelemetrySetupError, match="OTEL_EXPORTER_OTLP_PROTOCOL"):
+        configure_opentelemetry(set_global=False)
+
+
+def test_missing_sdk_names_the_extra(otel_env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    otel_env(OTEL_TRACES_EXPORTER="console")
+    monkeypatch.setitem(sys.modules, "opentelemetry.sdk.resources", None)
+    with pytest.raises(TelemetrySetupError, match=r"fallback_mw\[otel\]"):
+        configure_opentelemetry(set_global=False)
+
+
+def test_console_exporters_write_spans_and_metrics(otel_env: Any) -> None:
+    otel_env(
+        OTEL_TRACES_EXPORTER="console",
+        OTEL_METRICS_EXPORTER="console",
+        OTEL_SERVICE_NAME="gw-test",
+    )
+    out = io.StringIO()
+    handle = configure_opentelemetry(out=out, set_global=False)
+    assert handle.traces == ("console",) and handle.metrics == ("console",)
+    run_one_request(
+        Telemetry(tracer_provider=handle.tracer_provider, meter_provider=handle.meter_provider)
+    )
+    handle.shutdown()
+    handle.shutdown()  # idempotent
+    text = out.getvalue()
+    assert '"name": "gateway.request"' in text and '"name": "gateway.attempt"' in text
+    assert '"service.name": "gw-test"' in text
+    assert "gateway.requests" in text and "gateway.request.duration" in text
+
+
+@pytest.mark.anyio
+async def test_otlp_http_exports_to_the_endpoint(otel_env: Any) -> None:
+    got: dict[str, list[bytes]] = {}
+
+    async def collector(request: web.Request) -> web.StreamResponse:
+        got.setdefault(request.path, []).append(await request.read())
+        return web.Response(status=200, body=b"", content_type="application/x-protobuf")
+
+    async with upstream(collector) as endpoint:
+        # No *_EXPORTER variable: an OTLP endpoint alone means otlp.
+        otel_env(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint.url)
+        handle = configure_opentelemetry(set_global=False)
+        assert handle.traces == ("otlp",) and handle.metrics == ("otlp",)
+        run_one_request(
+            Telemetry(tracer_provider=handle.tracer_provider, meter_provider=handle.meter_provider)
+        )
+        await asyncio.to_thread(handle.shutdown)  # the SDK exports with blocking I/O
+    content_types = {dict(r.headers).get("content-type") for r in endpoint.received}
+    assert content_types == {"application/x-protobuf"}
+    traces = ExportTraceServiceRequest.FromString(got["/v1/traces"][0])
+    names = {
+        span.name
+        for resource in traces.resource_spans
+        for scope in resource.scope_spans
+        for span in scope.spans
+    }
+    assert names == {"gateway.request", "gateway.attempt"}
+    exported = [ExportMetricsServiceRequest.FromString(body) for body in got["/v1/metrics"]]
+    metric_names = {
+        metric.name
+        for request in exported
+        for resource in request.resource_metrics
+        for scope in resource.scope_metrics
+        for metric in scope.metrics
+    }
+    assert {"gateway.requests", "gateway.attempts", "gateway.request.duration"} <= metric_names
+
+
+def test_serve_style_global_setup_reaches_a_telemetry_made_before_it(tmp_path: Path) -> None:
+    # `serve` builds the Gateway (and its Telemetry) first, then configures the SDK: the
+    # API's proxy providers must hand the earlier Telemetry the real SDK.
+    script = textwrap.dedent(
+        """
+        from fallback_mw.telemetry import Telemetry
+        from fallback_mw.otel_setup import configure_from_env
+        from tests.test_telemetry_setup import run_one_request
+
+        telemetry = Telemetry()
+        handle = configure_from_env()
+        run_one_request(telemetry)
+        handle.shutdown()
+        """
+    )
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
+        "OTEL_TRACES_EXPORTER": "console",
+        "OTEL_METRICS_EXPORTER": "console",
+        "PYTHONPATH": str(ROOT),
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert '"name": "gateway.request"' in result.stdout
+    assert "gateway.requests" in result.stdout
+    assert '"service.name": "fallback-mw"' in result.stdout
