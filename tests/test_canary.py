@@ -1,0 +1,104 @@
+"""The canary slice (SPEC §8): deterministic per session, only on eligible routes, named."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import httpx
+import pytest
+
+from fallback_mw import Gateway
+from fallback_mw.config import RouteConfig
+from fallback_mw.plan import candidate_order, is_canary
+from tests.test_cli_admin import host_app
+from tests.upstreams import status_handler, upstream
+
+SALT = "game-day-salt"
+
+
+def spec_bucket(session: str, salt: str) -> int:
+    # SPEC §8, written out independently of plan.py.
+    return int(hashlib.sha256(f"{session}:{salt}".encode()).hexdigest()[:8], 16) % 10000
+
+
+def route(**fields: Any) -> RouteConfig:
+    return RouteConfig(id="chat", prefix="/v1/", plan=("primary", "backup"), retries=1, **fields)
+
+
+def test_canary_matches_the_spec_formula_and_lands_in_a_sane_band() -> None:
+    eligible = route(canary_eligible=True, canary_percent=25.0)
+    sessions = [f"session-{i}" for i in range(400)]
+    chosen = [s for s in sessions if is_canary(eligible, s, SALT)]
+    # Binomial(400, 0.25): mean 100, sd ~8.7; the band is about +-3.5 sd.
+    assert 70 <= len(chosen) <= 130, len(chosen)
+    assert chosen == [s for s in sessions if spec_bucket(s, SALT) < 2500]
+    # Same session, same answer; another salt slices differently.
+    assert all(is_canary(eligible, s, SALT) for s in chosen)
+    assert [s for s in sessions if is_canary(eligible, s, "other")] != chosen
+    assert candidate_order(eligible, canary=True) == ["backup", "primary"]
+
+
+def test_never_canary_when_ineligible_or_without_a_session() -> None:
+    ineligible = route(canary_eligible=False, canary_percent=100.0)
+    assert not any(is_canary(ineligible, f"s{i}", SALT) for i in range(200))
+    eligible = route(canary_eligible=True, canary_percent=100.0)
+    assert not is_canary(eligible, None, SALT)
+    single = RouteConfig(id="one", prefix="/x/", plan=("primary",), canary_eligible=True)
+    assert not is_canary(single.model_copy(update={"canary_percent": 100.0}), "s", SALT)
+
+
+@pytest.mark.anyio
+async def test_canary_through_the_gateway() -> None:
+    async with (
+        upstream(status_handler(200, b"primary")) as primary,
+        upstream(status_handler(200, b"backup")) as backup,
+    ):
+        config = {
+            "gateway": {"canary_salt": SALT},
+            "upstreams": {"primary": {"url": primary.url}, "backup": {"url": backup.url}},
+            "routes": [
+                {
+                    "id": "chat",
+                    "prefix": "/v1/",
+                    "plan": ["primary", "backup"],
+                    "retries": 1,
+                    "canary_eligible": True,
+                    "canary_percent": 25.0,
+                },
+                {
+                    "id": "other",
+                    "prefix": "/v2/",
+                    "plan": ["primary", "backup"],
+                    "retries": 1,
+                    "canary_percent": 100.0,  # not eligible: never canary
+                },
+            ],
+        }
+        gateway = Gateway(host_app, config=config, environ={})
+        canary: list[str] = []
+        try:
+            async with httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=gateway), base_url="http://gw"
+            ) as client:
+                for i in range(300):
+                    session = f"user-{i}"
+                    response = await client.get("/v1/chat", headers={"x-session-id": session})
+                    flagged = response.headers.get("x-gateway-canary") == "1"
+                    assert flagged == (spec_bucket(session, SALT) < 2500)
+                    assert response.text == ("backup" if flagged else "primary")
+                    if flagged:
+                        canary.append(session)
+                        again = await client.get("/v1/chat", headers={"x-session-id": session})
+                        assert again.headers.get("x-gateway-canary") == "1"
+                for i in range(50):
+                    response = await client.get("/v2/x", headers={"x-session-id": f"user-{i}"})
+                    assert "x-gateway-canary" not in response.headers
+                    assert response.text == "primary"
+                for _ in range(20):
+                    response = await client.get("/v1/chat")  # no session: never canary
+                    assert "x-gateway-canary" not in response.headers
+        finally:
+            await gateway.aclose()
+    assert 45 <= len(canary) <= 105, len(canary)  # 300 sessions at 25 %: mean 75
+    assert backup.count == 2 * len(canary)

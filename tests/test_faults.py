@@ -1,0 +1,184 @@
+"""Game-day faults kept in the store: fail (no packet leaves), hang, pin; expiry; telemetry."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from fallback_mw import Gateway
+from fallback_mw.store.faults import FaultSnapshot
+from fallback_mw.store.routes import Fault
+from fallback_mw.telemetry import Telemetry
+from tests.test_cli_admin import cli, gateway_config, host_app
+from tests.upstreams import Upstream, status_handler, upstream
+
+
+def config(store: str, primary: str, backup: str, **route: Any) -> dict[str, Any]:
+    return gateway_config(
+        store,
+        upstreams={
+            "primary": {"url": primary, "first_byte_timeout_ms": 300},
+            "backup": {"url": backup},
+        },
+        routes=[
+            {"id": "chat", "prefix": "/v1/", "plan": ["primary", "backup"], "retries": 1, **route}
+        ],
+    )
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[tuple[Upstream, Upstream]]:
+    async with (
+        upstream(status_handler(200, b"primary")) as primary,
+        upstream(status_handler(200, b"backup")) as backup,
+    ):
+        yield primary, backup
+
+
+@pytest.fixture
+def store_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'faults.db'}"
+
+
+async def get(gateway: Gateway, path: str = "/v1/chat") -> httpx.Response:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=gateway), base_url="http://gw"
+    ) as client:
+        return await client.get(path)
+
+
+@pytest.mark.anyio
+async def test_fail_fault_sends_no_packet_and_expires_on_time(
+    store_url: str, pair: tuple[Upstream, Upstream]
+) -> None:
+    primary, backup = pair
+    set_at = time.time()
+    status, _, err = await cli(
+        "faults", "set", "fail", "--store", store_url, "--upstream", "primary", "--ttl", "1"
+    )
+    assert status == 0, err
+    gateway = Gateway(host_app, config=config(store_url, primary.url, backup.url), environ={})
+    try:
+        during = [await get(gateway) for _ in range(3)]
+        assert time.time() < set_at + 1.0, "the test machine is too slow for a 1 s fault"
+        assert primary.count == 0  # not one packet reached the primary
+        for response in during:
+            assert response.status_code == 200 and response.text == "backup"
+            assert response.headers["x-gateway-fault"] == "1"
+            assert response.headers["x-gateway-provider"] == "backup"
+            assert response.headers["x-gateway-attempts"] == "2"
+        await asyncio.sleep(max(set_at + 1.05 - time.time(), 0))
+        after = await get(gateway)
+    finally:
+        await gateway.aclose()
+    assert after.text == "primary" and "x-gateway-fault" not in after.headers
+    assert primary.count == 1
+
+
+@pytest.mark.anyio
+async def test_fault_set_while_running_is_picked_up_and_cleared_by_one_command(
+    store_url: str, pair: tuple[Upstream, Upstream]
+) -> None:
+    primary, backup = pair
+    gateway = Gateway(host_app, config=config(store_url, primary.url, backup.url), environ={})
+    assert gateway.services.store is not None
+    gateway.services.store.poll_interval = 0.05
+    try:
+        assert (await get(gateway)).text == "primary"
+        await cli(
+            "faults", "set", "fail", "--store", store_url, "--upstream", "primary", "--ttl", "60"
+        )
+        deadline = time.monotonic() + 3
+        while (await get(gateway)).text != "backup":
+            assert time.monotonic() < deadline, "fault not picked up"
+            await asyncio.sleep(0.02)
+        count = primary.count
+        assert (await get(gateway)).headers["x-gateway-fault"] == "1"
+        assert primary.count == count
+        assert (await cli("faults", "clear", "--store", store_url, "--all"))[0] == 0
+        deadline = time.monotonic() + 3
+        while (await get(gateway)).text != "primary":
+            assert time.monotonic() < deadline, "clear not picked up"
+            await asyncio.sleep(0.02)
+    finally:
+        await gateway.aclose()
+
+
+@pytest.mark.anyio
+async def test_hang_fault_waits_for_the_first_byte_timeout_then_fails_over(
+    store_url: str, pair: tuple[Upstream, Upstream]
+) -> None:
+    primary, backup = pair
+    await cli("faults", "set", "hang", "--store", store_url, "--upstream", "primary", "--ttl", "60")
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(shutdown_on_exit=False)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    gateway = Gateway(
+        host_app,
+        config=config(store_url, primary.url, backup.url),
+        environ={},
+        telemetry=Telemetry(tracer_provider=provider),
+    )
+    try:
+        started = time.monotonic()
+        response = await get(gateway)
+        took = time.monotonic() - started
+    finally:
+        await gateway.aclose()
+    assert response.text == "backup" and response.headers["x-gateway-fault"] == "1"
+    assert 0.3 <= took < 2.0  # primary's first_byte_timeout_ms = 300
+    assert primary.count == 0
+    spans = exporter.get_finished_spans()
+    provider.shutdown()
+    attempts = [s for s in spans if s.name == "gateway.attempt"]
+    kinds = {(s.attributes or {}).get("gateway.candidate"): s.attributes for s in attempts}
+    assert (kinds["primary"] or {}).get("gateway.failure.kind") == "fault"
+
+
+@pytest.mark.anyio
+async def test_pin_puts_the_named_candidate_at_the_head(
+    store_url: str, pair: tuple[Upstream, Upstream]
+) -> None:
+    primary, backup = pair
+    status, _, err = await cli(
+        "faults", "set", "pin", "--store", store_url, "--route", "chat", "--candidate", "backup",
+        "--ttl", "60",
+    )  # fmt: skip
+    assert status == 0, err
+    gateway = Gateway(
+        host_app,
+        config=config(store_url, primary.url, backup.url, canary_eligible=True, canary_percent=100),
+        environ={},
+    )
+    try:
+        response = await get(gateway)
+    finally:
+        await gateway.aclose()
+    assert response.text == "backup"
+    assert response.headers["x-gateway-provider"] == "backup"
+    assert response.headers["x-gateway-attempts"] == "1"
+    assert "x-gateway-canary" not in response.headers  # a pin is not canary traffic
+    assert primary.count == 0
+
+
+def test_snapshot_expiry_is_checked_at_lookup() -> None:
+    snapshot = FaultSnapshot(
+        [
+            Fault(kind="fail", target="a", expires_at=100.0),
+            Fault(kind="pin", target="chat", expires_at=100.0, candidate="b"),
+        ]
+    )
+    assert snapshot.upstream_fault("a", now=99.9) == "fail"
+    assert snapshot.upstream_fault("a", now=100.0) is None
+    assert snapshot.upstream_fault("other", now=0) is None
+    assert snapshot.pinned_candidate("chat", now=99.0) == "b"
+    assert snapshot.pinned_candidate("chat", now=100.1) is None

@@ -1,0 +1,108 @@
+"""The PostgreSQL route store on the real local server: LISTEN/NOTIFY hot reload seen by two
+gateways sharing the store."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+
+from fallback_mw import Gateway
+from fallback_mw.store.postgres import PostgresStore
+from fallback_mw.store.routes import Fault
+from tests.test_cli_admin import cli, gateway_config, host_app
+from tests.upstreams import status_handler, upstream
+
+
+async def _probe(client: httpx.AsyncClient) -> str:
+    response = await client.get("/api/x")
+    if response.status_code == 502:
+        return "primary-only"
+    return response.headers.get("x-gateway-provider", "?")
+
+
+async def _until(clients: list[httpx.AsyncClient], expected: str, within: float) -> float:
+    """Seconds until every client sees `expected`; fails after `within`."""
+    started = time.monotonic()
+    pending = list(clients)
+    while pending:
+        pending = [c for c in pending if await _probe(c) != expected]
+        if time.monotonic() - started > within:
+            pytest.fail(f"{len(pending)} gateway(s) did not see {expected!r} within {within} s")
+        if pending:
+            await asyncio.sleep(0.02)
+    return time.monotonic() - started
+
+
+@pytest.mark.anyio
+async def test_set_and_clear_fallback_reach_two_running_gateways(pg_url: str) -> None:
+    async with (
+        upstream(status_handler(503)) as primary,
+        upstream(status_handler(200, b"backup")) as backup,
+    ):
+        base = ["--store", pg_url, "--id", "chat"]
+        status, _, err = await cli(
+            "routes", "add", *base, "--prefix", "/api/", "--upstream", primary.url,
+            "--retries", "1",
+        )  # fmt: skip
+        assert status == 0, err
+        gateways = [Gateway(host_app, config=gateway_config(pg_url), environ={}) for _ in range(2)]
+        for gateway in gateways:
+            # Only NOTIFY can make these fast: the safety-net poll is slower than the bound.
+            assert gateway.services.store is not None
+            gateway.services.store.poll_interval = 30.0
+        clients = [
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=g), base_url="http://gw")
+            for g in gateways
+        ]
+        try:
+            assert [await _probe(c) for c in clients] == ["primary-only"] * 2
+            await asyncio.sleep(0.2)  # both reloaders are LISTENing
+            status, _, err = await cli("routes", "set-fallback", *base, "--upstream", backup.url)
+            assert status == 0, err
+            took_set = await _until(clients, "chat-fallback", within=5.0)
+            assert (await cli("routes", "clear-fallback", *base))[0] == 0
+            took_clear = await _until(clients, "primary-only", within=5.0)
+        finally:
+            for client in clients:
+                await client.aclose()
+            for gateway in gateways:
+                await gateway.aclose()
+    assert took_set < 5.0 and took_clear < 5.0
+    print(f"set-fallback seen by both in {took_set:.3f} s, clear-fallback in {took_clear:.3f} s")
+
+
+@pytest.mark.anyio
+async def test_schema_is_versioned_and_trigger_notifies(pg_url: str) -> None:
+    store = PostgresStore(pg_url)
+    try:
+        before = await store.change_serials()
+        await store.set_fault(Fault(kind="fail", target="primary", expires_at=time.time() + 60))
+        after = await store.change_serials()
+        assert after[0] == before[0] and after[1] > before[1]
+        assert [f.target for f in await store.load_faults()] == ["primary"]
+    finally:
+        await store.aclose()
+    conn: Any = await asyncpg.connect(pg_url)
+    try:
+        assert await conn.fetchval("SELECT version FROM fmw_schema WHERE component = 'routes'") == 1
+        # A write by any client (not only this package) is announced on the channel.
+        notified: asyncio.Queue[str] = asyncio.Queue()
+        listener: Any = await asyncpg.connect(pg_url)
+        await listener.add_listener(
+            "fmw_route_changes", lambda *args: notified.put_nowait(str(args[-1]))
+        )
+        await conn.execute("DELETE FROM fmw_faults")
+        assert await asyncio.wait_for(notified.get(), 5) == "faults"
+        await listener.close()
+        # Migrating again (another process starting) is a no-op.
+        second = PostgresStore(pg_url)
+        await second.load_routes()
+        await second.aclose()
+        assert await conn.fetchval("SELECT count(*) FROM fmw_schema") >= 1
+    finally:
+        await conn.close()
