@@ -113,6 +113,16 @@ retries = 1
     assert SECRET not in result.stderr + result.stdout
 
 
+def test_serve_refuses_an_unknown_otel_exporter_before_listening(tmp_path: Path) -> None:
+    config = write_config(tmp_path)
+    env = dict(os.environ, FMW_TEST_PRIMARY_KEY=SECRET, OTEL_TRACES_EXPORTER="carrier-pigeon")
+    result = run_cli("serve", "--config", str(config), "--port", str(free_port()), env=env)
+    assert result.returncode == 2
+    assert "OTEL_TRACES_EXPORTER" in result.stderr
+    assert "Uvicorn running" not in result.stderr + result.stdout
+    assert SECRET not in result.stderr + result.stdout
+
+
 def test_serve_missing_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--config", str(tmp_path / "absent.toml")]) == 2
     assert "not found" in capsys.readouterr().err

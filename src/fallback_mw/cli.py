@@ -80,16 +80,15 @@ def _configure_logging() -> None:
         root.setLevel(logging.INFO)
 
 
-def _configure_telemetry() -> None:
+def _configure_telemetry() -> Any:
+    """OpenTelemetry from the OTEL_* variables, when this build has the setup module.
+    Returns its handle (with `shutdown()`), or None."""
     try:
         otel_setup = importlib.import_module("fallback_mw.otel_setup")
-    except ImportError:
-        return
-    for name in ("configure_from_env", "configure"):
-        configure = getattr(otel_setup, name, None)
-        if callable(configure):
-            configure()
-            return
+    except ModuleNotFoundError:
+        return None
+    configure = getattr(otel_setup, "configure_from_env", None)
+    return configure() if callable(configure) else None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -105,16 +104,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         return _fail(str(exc))
     _configure_logging()
-    _configure_telemetry()
-    uvicorn.run(
-        gateway,
-        host=args.host,
-        port=args.port,
-        lifespan="on",
-        # uvicorn's access log prints query strings; our request log line replaces it.
-        access_log=False,
-        **server_options(),  # type: ignore[arg-type]
-    )
+    try:
+        telemetry = _configure_telemetry()
+    except Exception as exc:
+        # The setup module's own refusal (e.g. an unknown OTEL_TRACES_EXPORTER): exit 2.
+        setup_error = getattr(sys.modules.get("fallback_mw.otel_setup"), "TelemetrySetupError", ())
+        if isinstance(exc, setup_error):
+            return _fail(str(exc))
+        raise
+    try:
+        uvicorn.run(
+            gateway,
+            host=args.host,
+            port=args.port,
+            lifespan="on",
+            # uvicorn's access log prints query strings; our request log line replaces it.
+            access_log=False,
+            **server_options(),  # type: ignore[arg-type]
+        )
+    finally:
+        if telemetry is not None:
+            telemetry.shutdown()
     return 0
 
 

@@ -35,6 +35,8 @@ def free_port() -> int:
 @contextmanager
 def serve(config: Path, port: int, log: Path) -> Iterator[subprocess.Popen[bytes]]:
     env = dict(os.environ, FMW_E2E_PRIMARY_KEY=PRIMARY_KEY, FMW_E2E_BACKUP_KEY=BACKUP_KEY)
+    # OpenTelemetry from the standard variables: spans printed as they end.
+    env.update(OTEL_TRACES_EXPORTER="console", OTEL_METRICS_EXPORTER="none")
     with log.open("wb") as out:
         process = subprocess.Popen(
             [
@@ -161,5 +163,7 @@ async def test_serve_routes_to_upstream_and_404s_the_rest(tmp_path: Path) -> Non
     assert primary.count == 2  # one direct request, one failover attempt
 
     output = output_of(log)
+    assert '"name": "gateway.request"' in output  # the console span exporter ran
+    assert '"gateway.route.id": "failover"' in output
     for secret in (PRIMARY_KEY, BACKUP_KEY, CALLER_KEY, "q-secret"):
         assert secret not in output
