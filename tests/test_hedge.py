@@ -94,7 +94,8 @@ async def test_hedge_fires_after_the_delay_wins_and_the_slow_attempt_is_cancelle
             assert elapsed < 1.0
             assert primary.count == 2
             assert backup.count == 0
-            assert slow.arrivals[1] - slow.arrivals[0] >= 0.1  # only after hedge_after_ms
+            # Only after hedge_after_ms (as seen by the upstream, so allow connect jitter).
+            assert slow.arrivals[1] - slow.arrivals[0] >= 0.08
             # The loser was cancelled: its upstream connection was closed, well before the
             # hang would have ended.
             await asyncio.wait_for(slow.dropped.wait(), timeout=1.0)
