@@ -141,15 +141,7 @@ def upstream_answer(status: int) -> Any:
     return handle
 
 
-HTTPX_LEAKS = pytest.mark.xfail(
-    strict=True,
-    reason="httpx engine: the `httpx` logger prints the upstream URL with its query string "
-    "(INFO) and `httpcore.http11` prints response header values (DEBUG); the fix belongs "
-    "in upstream/httpx_engine.py",
-)
-
-
-@pytest.mark.parametrize("engine", ["aiohttp", pytest.param("httpx", marks=HTTPX_LEAKS)])
+@pytest.mark.parametrize("engine", ["aiohttp", "httpx"])
 async def test_no_secret_reaches_any_span_metric_log_or_output(
     engine: str, everything_logged: Everything, capfd: pytest.CaptureFixture[str]
 ) -> None:

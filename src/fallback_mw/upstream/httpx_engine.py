@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import logging
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -15,9 +17,42 @@ from fallback_mw.upstream.guard import GuardedNetworkBackend, UnsafeAddressError
 _LIMITS = httpx.Limits(max_connections=512, max_keepalive_connections=128)
 
 
+# httpx logs each request's full URL, query string included (INFO), and httpcore logs
+# response header values (DEBUG). Neither may be recorded for the gateway's upstream calls,
+# so records emitted while this engine is working are dropped; other httpx use in the host
+# process logs as before.
+_ENGINE_ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "fallback_mw_httpx_engine_active", default=False
+)
+_CHATTY_LOGGERS = (
+    "httpx",
+    "httpcore.connection",
+    "httpcore.http11",
+    "httpcore.http2",
+    "httpcore.proxy",
+    "httpcore.socks",
+)
+
+
+class _DropEngineRecords(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _ENGINE_ACTIVE.get()
+
+
+_DROP_ENGINE_RECORDS = _DropEngineRecords()
+
+
+def _silence_engine_logs() -> None:
+    for name in _CHATTY_LOGGERS:
+        logger = logging.getLogger(name)
+        if _DROP_ENGINE_RECORDS not in logger.filters:
+            logger.addFilter(_DROP_ENGINE_RECORDS)
+
+
 @contextmanager
 def map_errors(phase: Phase) -> Iterator[None]:
-    """The one place httpx's exceptions become failure kinds."""
+    """The one place httpx's exceptions become failure kinds (and httpx logging is muted)."""
+    token = _ENGINE_ACTIVE.set(True)
     try:
         yield
     except UpstreamError:
@@ -32,6 +67,8 @@ def map_errors(phase: Phase) -> Iterator[None]:
         raise UpstreamError("protocol", phase, type(exc).__name__) from None
     except (httpx.TransportError, OSError) as exc:
         raise UpstreamError("transport", phase, type(exc).__name__) from None
+    finally:
+        _ENGINE_ACTIVE.reset(token)
 
 
 class HttpxResponse:
@@ -68,6 +105,7 @@ class HttpxClient:
         self._allow_hosts = tuple(allow_hosts)
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
+        _silence_engine_logs()
 
     def _guarded_transport(self) -> httpx.AsyncHTTPTransport:
         """The default transport with its connection pool built on GuardedNetworkBackend:
