@@ -133,6 +133,12 @@ def test_set_fallback_refusals_leave_the_stored_route_alone(store_url: str) -> N
         "routes", "set-fallback", *base, "--upstream", "http://169.254.169.254/latest"
     )
     assert status == 2 and "metadata" in err
+    # An auth header callers' copies of which are not always stripped.
+    status, _, err = run_cli(
+        "routes", "set-fallback", *base, "--upstream", "http://127.0.0.1:2",
+        "--auth-header", "x-custom-key", "--auth-env", "KEY",
+    )  # fmt: skip
+    assert status == 2 and "x-custom-key" in err
     _, out, _ = run_cli("routes", "list", "--store", store_url)
     assert "chat-fallback" not in out and "chat-primary=http://127.0.0.1:1" in out
 
