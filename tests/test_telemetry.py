@@ -627,3 +627,33 @@ def http_scope(method: str, path: str, query: bytes = b"", headers: Any = ()) ->
         "client": ("127.0.0.1", 1),
         "server": ("gw", 80),
     }
+
+
+async def test_usage_reported_by_the_upstream_reaches_the_request_span(
+    recorded: Recorded,
+) -> None:
+    answer = json.dumps(
+        {
+            "model": "gpt-4o-mini-2024-07-18",
+            "choices": [],
+            "usage": {"prompt_tokens": 812, "completion_tokens": 64},
+        }
+    ).encode()
+    async with (
+        upstream(status_handler(200, answer, **{"content-type": "application/json"})) as p,
+        upstream(status_handler(200)) as b,
+    ):
+        gateway = Gateway(
+            host_app, config=make_config(p.url, b.url), environ=ENV, telemetry=recorded.telemetry
+        )
+        async with client_for(gateway) as client:
+            response = await client.post(
+                "/v1/chat/completions", json={"model": "gpt-4o-mini", "messages": []}
+            )
+        await gateway.aclose()
+    assert response.status_code == 200
+    attrs = dict(recorded.request_span().attributes or {})
+    assert attrs["gen_ai.request.model"] == "gpt-4o-mini"
+    assert attrs["gen_ai.usage.input_tokens"] == 812
+    assert attrs["gen_ai.usage.output_tokens"] == 64
+    assert attrs["gen_ai.response.model"] == "gpt-4o-mini-2024-07-18"

@@ -17,7 +17,7 @@ from fallback_mw.budget.cost import PriceBook
 from fallback_mw.budget.usage import DEFAULT_JSON_CAP, UsageMeter
 from fallback_mw.config import BudgetConfig, GatewayConfig
 from fallback_mw.context import RequestContext, get_context
-from fallback_mw.types import ASGIApp, Receive, Scope, Send
+from fallback_mw.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger("fallback_mw.budget")
 
@@ -53,8 +53,14 @@ class BudgetGuard:
                 return await self._admit(ledger, context, budget_id, body)
 
             context.admission_hooks.append(admit)
+
+        async def send_and_meter(message: Message) -> None:
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                meter.finish()  # the body ended: usage is known before telemetry reads it
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, send_and_meter)
         finally:
             # Shielded: a cancelled request (client gone, server stopping) still settles.
             with anyio.CancelScope(shield=True):
