@@ -657,3 +657,36 @@ async def test_usage_reported_by_the_upstream_reaches_the_request_span(
     assert attrs["gen_ai.usage.input_tokens"] == 812
     assert attrs["gen_ai.usage.output_tokens"] == 64
     assert attrs["gen_ai.response.model"] == "gpt-4o-mini-2024-07-18"
+
+
+async def test_hedged_attempts_each_propagate_their_own_span(recorded: Recorded) -> None:
+    release = asyncio.Event()
+    calls = 0
+
+    async def first_slow(request: web.Request) -> web.StreamResponse:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            await release.wait()
+        return web.Response(status=200, text="ok")
+
+    async with upstream(first_slow) as p, upstream(status_handler(200)) as b:
+        config = make_config(p.url, b.url, hedge_after_ms=50)
+        gateway = Gateway(host_app, config=config, environ=ENV, telemetry=recorded.telemetry)
+        async with client_for(gateway) as client:
+            response = await client.get("/v1/models", headers={"traceparent": TRACEPARENT})
+        release.set()
+        await gateway.aclose()
+    assert response.status_code == 200 and b.count == 0
+    first, hedge = recorded.attempt_spans()
+    assert dict(first.attributes or {})["gateway.failure.kind"] == "cancelled"
+    assert dict(hedge.attributes or {})["gateway.attempt.hedge"] is True
+    assert dict(hedge.attributes or {})["http.response.status_code"] == 200
+    sent = sorted(header_values(r.headers, "traceparent")[0] for r in p.received)
+    assert sent == sorted(
+        f"00-{TRACE_ID}-{format_span_id(s.context.span_id)}-01" for s in (first, hedge)
+    )
+    attrs = dict(recorded.request_span().attributes or {})
+    assert attrs["gateway.attempts"] == 2
+    assert attrs["gateway.plan.chosen"] == "primary"
+    assert attrs["gateway.fallback"] is False

@@ -46,7 +46,7 @@ _DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30
 _QUIET_OUTCOMES = frozenset({"served", "client_disconnected"})
 
 # The attempt span in flight in this task, so `inject_headers` (called with the attempt's
-# header list only) can propagate its context. Set in attempt_started, reset after.
+# header list only) can propagate its context. Set in attempt_started, cleared after.
 _current_attempt: contextvars.ContextVar[_AttemptTrace | None] = contextvars.ContextVar(
     "fallback_mw_current_attempt", default=None
 )
@@ -86,7 +86,6 @@ class _AttemptTrace:
     record: AttemptRecord
     span: trace.Span
     context: otel_context.Context
-    token: contextvars.Token[_AttemptTrace | None] | None = None
 
 
 @dataclass(slots=True)
@@ -235,7 +234,9 @@ class Telemetry:
                 span=span,
                 context=trace.set_span_in_context(span, request.parent),
             )
-            entry.token = _current_attempt.set(entry)
+            # A task started after this (a hedge) copies the value: each attempt's
+            # _attempt sees its own span. Cleared when the attempt ends.
+            _current_attempt.set(entry)
             request.attempts.append(entry)
         except Exception:
             _internal.debug("attempt_started failed", exc_info=False)
@@ -308,13 +309,8 @@ class Telemetry:
     ) -> None:
         record = entry.record
         span = entry.span
-        if entry.token is not None:
-            try:
-                _current_attempt.reset(entry.token)
-            except ValueError:  # reset from another task: just clear ours
-                if _current_attempt.get() is entry:
-                    _current_attempt.set(None)
-            entry.token = None
+        if _current_attempt.get() is entry:
+            _current_attempt.set(None)
         kind = "cancelled" if cancelled and record.failure_kind is None else record.failure_kind
         attributes: dict[str, AttributeValue] = {}
         if record.status is not None:
