@@ -299,3 +299,33 @@ def test_missing_credential_names_the_variable(monkeypatch: pytest.MonkeyPatch) 
         GatewayMiddleware(django_view)
     assert "FMW_DJ_BACKUP_KEY" in str(exc.value)
     assert PRIMARY_KEY not in str(exc.value)
+
+
+@pytest.mark.anyio
+async def test_cancelled_request_cancels_the_walk_and_starts_no_fallback() -> None:
+    arrived = asyncio.Event()
+
+    async def hang(request: web.Request) -> web.StreamResponse:
+        arrived.set()
+        await asyncio.sleep(30)
+        return web.Response(status=503)
+
+    async with upstream(hang) as primary, upstream(status_handler(200)) as backup:
+        config = gateway_config(primary, backup)
+        # A walk left running would time the primary out and fail over to the backup.
+        config["upstreams"]["primary"]["first_byte_timeout_ms"] = 300
+        with override_settings(FALLBACK_MW={"config": config}):
+            middleware = GatewayMiddleware(django_view)
+        try:
+            # What Django does when the client disconnects: cancel the request's task.
+            request_task = asyncio.create_task(middleware(AsyncRequestFactory().get("/v1/slow")))
+            with anyio.fail_after(5):
+                await arrived.wait()
+            request_task.cancel()
+            with anyio.fail_after(2), pytest.raises(asyncio.CancelledError):
+                await request_task
+            await asyncio.sleep(0.6)
+            assert backup.count == 0
+            assert primary.count == 1
+        finally:
+            await middleware.aclose()
