@@ -4,7 +4,10 @@ gateways sharing the store."""
 from __future__ import annotations
 
 import asyncio
+import socket
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -106,3 +109,55 @@ async def test_schema_is_versioned_and_trigger_notifies(pg_url: str) -> None:
         assert await conn.fetchval("SELECT count(*) FROM fmw_schema") >= 1
     finally:
         await conn.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.mark.anyio
+async def test_a_separate_serve_process_sees_the_change(pg_url: str, tmp_path: Path) -> None:
+    async with (
+        upstream(status_handler(503)) as primary,
+        upstream(status_handler(200, b"backup")) as backup,
+    ):
+        base = ["--store", pg_url, "--id", "chat"]
+        status, _, err = await cli(
+            "routes", "add", *base, "--prefix", "/api/", "--upstream", primary.url,
+            "--retries", "1",
+        )  # fmt: skip
+        assert status == 0, err
+        config = tmp_path / "gateway.toml"
+        config.write_text(
+            f'[gateway]\nstore = "{pg_url}"\n[gateway.breaker]\nmin_calls = 1000000\n',
+            encoding="utf-8",
+        )
+        port = _free_port()
+        process = await asyncio.create_subprocess_exec(
+            str(Path(sys.executable).parent / "fallback-mw"), "serve", "--config", str(config),
+            "--port", str(port),
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+                started = time.monotonic()
+                while True:
+                    try:
+                        assert await _probe(client) == "primary-only"
+                        break
+                    except httpx.TransportError:
+                        assert time.monotonic() - started < 20, "serve did not start"
+                        await asyncio.sleep(0.1)
+                status, _, err = await cli(
+                    "routes", "set-fallback", *base, "--upstream", backup.url
+                )
+                assert status == 0, err
+                took = await _until([client], "chat-fallback", within=5.0)
+        finally:
+            if process.returncode is None:
+                process.terminate()
+            await process.wait()
+    assert took < 5.0

@@ -102,7 +102,10 @@ class StoreRuntime:
             finally:
                 await store.aclose()
 
-        run_blocking(load)
+        try:
+            run_blocking(load)
+        except StoreError as exc:
+            raise ConfigError(f"cannot load routes from the store: {exc}") from None
 
     async def refresh(self, store: RouteStore, *, initial: bool = False) -> None:
         routes_serial, faults_serial = await store.change_serials()
