@@ -1,0 +1,109 @@
+"""The SQLite route store: schema versioning, records, merging, and the reloader's lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from fallback_mw import Gateway
+from fallback_mw.config import ConfigError, GatewayConfig, RouteConfig, UpstreamConfig
+from fallback_mw.store.routes import StoredRoute, StoreError, merge_routes
+from fallback_mw.store.sqlite import SqliteStore
+from tests.test_cli_admin import cli, gateway_config, host_app
+
+
+def stored(route_id: str, url: str, **route: Any) -> StoredRoute:
+    name = f"{route_id}-primary"
+    return StoredRoute(
+        route=RouteConfig(id=route_id, prefix=f"/{route_id}/", plan=(name,), **route),
+        upstreams={name: UpstreamConfig(url=url, auth_env="KEY")},
+    )
+
+
+@pytest.mark.anyio
+async def test_schema_version_wal_and_newer_schema_refused(tmp_path: Path) -> None:
+    path = tmp_path / "s.db"
+    store = SqliteStore(str(path))
+    await store.insert_route(stored("a", "http://127.0.0.1:1"))
+    assert [s.route.id for s in await store.load_routes()] == ["a"]
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        rows = conn.execute("SELECT component, version FROM fmw_schema").fetchall()
+        assert ("routes", 1) in rows
+        conn.execute("UPDATE fmw_schema SET version = 99 WHERE component = 'routes'")
+    with pytest.raises(StoreError, match="version 99"):
+        await SqliteStore(str(path)).load_routes()
+
+
+@pytest.mark.anyio
+async def test_records_round_trip_and_counters_move_on_every_change(tmp_path: Path) -> None:
+    store = SqliteStore(str(tmp_path / "s.db"))
+    original = stored("a", "http://127.0.0.1:1", retries=2, canary_eligible=True)
+    start = await store.change_serials()
+    await store.insert_route(original)
+    assert (await store.load_routes()) == [original]
+    await store.replace_route(stored("a", "http://127.0.0.1:2"))
+    assert await store.remove_route("a") is True
+    assert await store.remove_route("a") is False
+    routes_serial, faults_serial = await store.change_serials()
+    assert routes_serial == start[0] + 3 and faults_serial == start[1]
+    with sqlite3.connect(tmp_path / "s.db") as conn:  # a hand edit is noticed too
+        conn.execute("INSERT INTO fmw_routes VALUES ('x', '{}', 0)")
+    assert (await store.change_serials())[0] == routes_serial + 1
+    with pytest.raises(ConfigError, match="stored route 'x': unreadable"):
+        await store.load_routes()
+
+
+def test_merge_refuses_duplicates_and_checks_like_the_loader() -> None:
+    config = GatewayConfig.model_validate(
+        {
+            "upstreams": {"a-primary": {"url": "http://127.0.0.1:9"}},
+            "routes": [{"id": "file", "prefix": "/f/", "plan": ["a-primary"]}],
+        }
+    )
+    with pytest.raises(ConfigError, match="upstream name 'a-primary' is already defined"):
+        merge_routes(config, [stored("a", "http://127.0.0.1:1")])
+    with pytest.raises(ConfigError, match="defined both in the config file and in the store"):
+        merge_routes(config, [stored("file", "http://127.0.0.1:1")])
+    with pytest.raises(ConfigError, match="not in allow_hosts"):
+        merge_routes(config, [stored("b", "http://10.9.9.9:1")])
+    with pytest.raises(ConfigError, match="environment variable KEY is not set"):
+        merge_routes(config, [stored("b", "http://127.0.0.1:1")], environ={})
+    merged = merge_routes(config, [stored("b", "http://127.0.0.1:1")], environ={"KEY": "v"})
+    assert [r.id for r in merged.routes] == ["file", "b"]
+    assert merged.table().match("GET", "/b/x", "default") is not None
+
+
+@pytest.mark.anyio
+async def test_gateway_refuses_to_start_on_a_bad_store_and_stops_its_reloader(
+    tmp_path: Path,
+) -> None:
+    url = f"sqlite:///{tmp_path / 'g.db'}"
+    status, _, _ = await cli(
+        "routes", "add", "--store", url, "--id", "a", "--prefix", "/a/",
+        "--upstream", "http://127.0.0.1:1", "--auth-env", "A_KEY",
+    )  # fmt: skip
+    assert status == 0
+    with pytest.raises(ConfigError, match="environment variable A_KEY is not set"):
+        Gateway(host_app, config=gateway_config(url), environ={})
+
+    gateway = Gateway(host_app, config=gateway_config(url), environ={"A_KEY": "k"})
+    runtime = gateway.services.store
+    assert runtime is not None
+
+    def reloaders() -> list[asyncio.Task[Any]]:
+        return [t for t in asyncio.all_tasks() if t.get_name() == "fallback_mw.store-reload"]
+
+    assert reloaders() == []  # nothing runs before the first request
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=gateway), base_url="http://gw"
+    ) as client:
+        await client.get("/elsewhere")
+    assert len(reloaders()) == 1
+    await gateway.aclose()
+    assert reloaders() == []
