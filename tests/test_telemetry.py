@@ -690,3 +690,32 @@ async def test_hedged_attempts_each_propagate_their_own_span(recorded: Recorded)
     assert attrs["gateway.attempts"] == 2
     assert attrs["gateway.plan.chosen"] == "primary"
     assert attrs["gateway.fallback"] is False
+
+
+async def test_a_real_breaker_opening_shows_in_the_gauge(recorded: Recorded) -> None:
+    async with upstream(status_handler(503)) as p, upstream(status_handler(200)) as b:
+        config = make_config(p.url, b.url)
+        config["gateway"]["breaker"] = {"window": 2, "min_calls": 2, "failure_rate": 1.0}
+        config["upstreams"] = {
+            "tel-gauge-primary": config["upstreams"]["primary"],
+            "tel-gauge-backup": config["upstreams"]["backup"],
+        }
+        config["routes"][0]["plan"] = ["tel-gauge-primary", "tel-gauge-backup"]
+        gateway = Gateway(host_app, config=config, environ=ENV, telemetry=recorded.telemetry)
+        async with client_for(gateway) as client:
+            for _ in range(3):
+                assert (await client.get("/v1/models")).status_code == 200
+        await gateway.aclose()
+    assert p.count == 2  # the third request skipped the open breaker
+    states = {
+        pt.attributes["gateway.upstream"]: pt.value
+        for pt in recorded.points("gateway.breaker.state")
+    }
+    assert states["tel-gauge-primary"] == 2
+    transitions = {
+        (pt.attributes["gateway.upstream"], pt.attributes["gateway.breaker.state"]): pt.value
+        for pt in recorded.points("gateway.breaker.transitions")
+    }
+    assert transitions[("tel-gauge-primary", "open")] == 1
+    skips = recorded.points("gateway.skips")
+    assert [pt.attributes["gateway.skip.reason"] for pt in skips] == ["breaker_open"]

@@ -6,25 +6,19 @@ import logging
 import time
 from collections.abc import Callable
 
-from opentelemetry import metrics
-
 from fallback_mw.config import BreakerConfig
 from fallback_mw.health.breaker import DEFAULT_PROBE_LEASE, Breaker, Transition
 from fallback_mw.health.pool import CredentialPool, credential_mark
+from fallback_mw.telemetry import record_breaker_state
 
 logger = logging.getLogger("fallback_mw.health")
-_meter = metrics.get_meter("fallback_mw")
-breaker_transitions = _meter.create_counter(
-    "gateway.breaker.transitions",
-    description="Circuit breaker state changes, by upstream and new state",
-)
 
 
 def report_transition(upstream: str, transition: Transition | str | None) -> None:
     if transition is None:
         return
     state = {"opened": "open", "reopened": "open"}.get(transition, transition)
-    breaker_transitions.add(1, {"gateway.upstream": upstream, "gateway.breaker.state": state})
+    record_breaker_state(upstream, state)  # the gauge and transition counter (telemetry)
     logger.info("breaker upstream=%s transition=%s", upstream, transition)
 
 
