@@ -29,7 +29,8 @@ def gateway_headers(context: RequestContext) -> list[tuple[bytes, bytes]]:
         headers.append((b"x-gateway-provider", context.chosen.encode("latin-1", "replace")))
     if context.canary:
         headers.append((b"x-gateway-canary", b"1"))
-    if any(a.fault for a in context.attempts):
+    if context.pinned is not None or any(a.fault for a in context.attempts):
+        # Game-day traffic is named as such (a pin, a fail or a hang fault drove it).
         headers.append((b"x-gateway-fault", b"1"))
     return headers
 

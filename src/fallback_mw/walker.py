@@ -7,6 +7,8 @@ import json
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
 from typing import Any
 from urllib.parse import quote
 
@@ -23,7 +25,7 @@ from fallback_mw.faults import FaultSource, NoFaults
 from fallback_mw.health import AlwaysHealthy, HealthState
 from fallback_mw.hedge import attempt_with_hedge, hedge_applies
 from fallback_mw.plan import candidate_order, is_canary
-from fallback_mw.security import forwardable_request_headers, forwardable_response_headers
+from fallback_mw.security import forwardable_response_headers
 from fallback_mw.telemetry import Telemetry
 from fallback_mw.types import ASGIApp, Receive, Scope, Send
 from fallback_mw.upstream import make_client
@@ -89,7 +91,6 @@ class PlanWalker:
         self.health: HealthState = health or AlwaysHealthy()
         self.faults: FaultSource = faults or NoFaults()
         self.telemetry = telemetry or Telemetry()
-        self.credential_names = frozenset(u.auth_header.encode() for u in config.upstreams.values())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         context = get_context(scope)
@@ -107,9 +108,11 @@ class PlanWalker:
     async def _walk(self, scope: Scope, receive: Receive, send: Send) -> None:
         context = get_context(scope)
         assert context is not None
-        # An upstream's own auth header, if a caller sends it, is a caller credential too.
+        # An upstream's own auth header, if a caller sends it, is a caller credential too
+        # (the route table's upstreams: store routes reload at run time).
+        credential_names = {u.auth_header.encode() for u in context.upstreams.values()}
         context.forward_headers = [
-            (k, v) for k, v in context.forward_headers if k not in self.credential_names
+            (k, v) for k, v in context.forward_headers if k not in credential_names
         ]
         self.telemetry.request_started(context)
         try:
@@ -629,15 +632,19 @@ def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
 
 
 def _retry_after(response: UpstreamResponse | None) -> float | None:
+    """Retry-After as seconds from now: delta-seconds or an HTTP date (RFC 9110 §10.2.3)."""
     if response is None:
         return None
     for key, value in response.headers:
         if key == b"retry-after":
+            text = value.decode("latin-1").strip()
+            if text.isdigit():
+                return float(text)
             try:
-                return max(float(value), 0.0)
-            except ValueError:
+                when = parsedate_to_datetime(text)
+            except (TypeError, ValueError, IndexError):
                 return None
+            if when.tzinfo is None:
+                return None
+            return max((when - datetime.now(UTC)).total_seconds(), 0.0)
     return None
-
-
-__all__ = ["PlanWalker", "SyntheticResponse", "forwardable_request_headers"]
