@@ -43,6 +43,23 @@ class BudgetStatus:
     def remaining(self) -> Decimal:
         return self.limit - self.spent - self.held
 
+    @classmethod
+    def of(
+        cls, budget_id: str, budget: BudgetConfig, start: str, spent_units: int, held_units: int
+    ) -> BudgetStatus:
+        """The status every ledger reports, from its stored integer nano-units."""
+        from fallback_mw.budget.cost import from_units
+
+        return cls(
+            budget_id=budget_id,
+            limit=budget.limit,
+            window=budget.window,
+            window_start=start,
+            spent=from_units(spent_units),
+            held=from_units(held_units),
+            default_hold=budget.default_hold,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class AttemptOutcome:

@@ -63,14 +63,8 @@ class MemoryLedger:
     async def status(self, budget_id: str, budget: BudgetConfig) -> BudgetStatus:
         start = window_start(budget.window)
         key = (budget_id, start)
-        return BudgetStatus(
-            budget_id=budget_id,
-            limit=budget.limit,
-            window=budget.window,
-            window_start=start,
-            spent=from_units(self._spent.get(key, 0)),
-            held=from_units(self._held.get(key, 0)),
-            default_hold=budget.default_hold,
+        return BudgetStatus.of(
+            budget_id, budget, start, self._spent.get(key, 0), self._held.get(key, 0)
         )
 
     async def usage(

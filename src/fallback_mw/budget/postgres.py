@@ -27,9 +27,9 @@ from fallback_mw.budget.schema import (
     USAGE_COLUMNS,
     BudgetCache,
     SchemaTooNew,
+    SQLLedgerBase,
     budget_from_row,
-    check_version,
-    migrations,
+    pending_migrations,
     usage_from_row,
     usage_values,
 )
@@ -81,7 +81,7 @@ WHERE w.budget_id = totals.budget_id AND w.window_start = totals.window_start
 _FAILURES = (OSError, asyncio.TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError)
 
 
-class PostgresLedger:
+class PostgresLedger(SQLLedgerBase):
     def __init__(
         self,
         dsn: str,
@@ -156,12 +156,6 @@ class PostgresLedger:
             return None
         return Hold(hold_id, budget_id, from_units(units), start)
 
-    async def settle(self, hold: Hold, amount: Decimal) -> None:
-        await self._finish(hold.hold_id, to_units(amount))
-
-    async def release(self, hold: Hold) -> None:
-        await self._finish(hold.hold_id, 0)
-
     async def _finish(self, hold_id: str, spent: int) -> None:
         async def work(pool: asyncpg.Pool) -> None:
             await pool.execute(_FINISH, hold_id, spent)
@@ -181,11 +175,7 @@ class PostgresLedger:
 
         await self._run(work)
 
-    async def stored_budget(self, budget_id: str) -> BudgetConfig | None:
-        cached, budget = self._cache.get(budget_id)
-        if cached:
-            return budget
-
+    async def _load_budget(self, budget_id: str) -> BudgetConfig | None:
         async def work(pool: asyncpg.Pool) -> BudgetConfig | None:
             row = await pool.fetchrow(
                 "SELECT limit_units, window_kind, default_hold_units FROM fmw_budgets "
@@ -194,9 +184,7 @@ class PostgresLedger:
             )
             return None if row is None else budget_from_row(*row)
 
-        budget = await self._run(work)
-        self._cache.put(budget_id, budget)
-        return budget
+        return await self._run(work)
 
     async def set_budget(self, budget_id: str, budget: BudgetConfig) -> None:
         async def work(pool: asyncpg.Pool) -> None:
@@ -238,15 +226,7 @@ class PostgresLedger:
             return (0, 0) if row is None else (int(row[0]), int(row[1]))
 
         spent, held = await self._run(work)
-        return BudgetStatus(
-            budget_id=budget_id,
-            limit=budget.limit,
-            window=budget.window,
-            window_start=start,
-            spent=from_units(spent),
-            held=from_units(held),
-            default_hold=budget.default_hold,
-        )
+        return BudgetStatus.of(budget_id, budget, start, spent, held)
 
     async def usage(
         self,
@@ -290,11 +270,8 @@ async def _migrate(conn: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy) 
             "SELECT version FROM fmw_schema WHERE component = $1", COMPONENT
         )
         current = 0 if current is None else int(current)
-        check_version(current)
-        steps = migrations("postgresql")
-        for version in range(current + 1, LATEST_VERSION + 1):
-            for statement in steps[version]:
-                await conn.execute(statement)
+        for statement in pending_migrations(current, "postgresql"):
+            await conn.execute(statement)
         if current != LATEST_VERSION:
             await conn.execute(
                 "INSERT INTO fmw_schema (component, version) VALUES ($1, $2) "

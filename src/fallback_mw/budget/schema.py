@@ -10,7 +10,7 @@ import time
 from datetime import UTC, datetime
 from decimal import Decimal
 
-from fallback_mw.budget import AttemptOutcome, UsageRecord
+from fallback_mw.budget import AttemptOutcome, Hold, UsageRecord
 from fallback_mw.budget.cost import from_units, to_units
 from fallback_mw.config import BudgetConfig
 
@@ -61,6 +61,13 @@ def check_version(current: int) -> None:
             f"the store's ledger schema is version {current}; this fallback_mw knows "
             f"up to {LATEST_VERSION} (upgrade the package)"
         )
+
+
+def pending_migrations(current: int, dialect: str) -> list[str]:
+    """The statements taking a ledger schema at version `current` to LATEST_VERSION."""
+    check_version(current)
+    steps = migrations(dialect)
+    return [s for version in range(current + 1, LATEST_VERSION + 1) for s in steps[version]]
 
 
 # --- row encoding --------------------------------------------------------------------
@@ -180,3 +187,30 @@ class BudgetCache:
         if len(self._entries) > 10_000:
             self._entries.clear()
         self._entries[budget_id] = (time.monotonic(), budget)
+
+
+class SQLLedgerBase:
+    """What the SQL ledgers do alike around their own SQL: settle and release through one
+    `_finish(hold_id, spent_units)`, and stored budgets read through the short cache."""
+
+    _cache: BudgetCache
+
+    async def _finish(self, hold_id: str, spent: int) -> None:
+        raise NotImplementedError
+
+    async def _load_budget(self, budget_id: str) -> BudgetConfig | None:
+        raise NotImplementedError
+
+    async def settle(self, hold: Hold, amount: Decimal) -> None:
+        await self._finish(hold.hold_id, to_units(amount))
+
+    async def release(self, hold: Hold) -> None:
+        await self._finish(hold.hold_id, 0)
+
+    async def stored_budget(self, budget_id: str) -> BudgetConfig | None:
+        cached, budget = self._cache.get(budget_id)
+        if cached:
+            return budget
+        budget = await self._load_budget(budget_id)
+        self._cache.put(budget_id, budget)
+        return budget

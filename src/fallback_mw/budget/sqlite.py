@@ -26,11 +26,11 @@ from fallback_mw.budget.schema import (
     USAGE_COLUMNS,
     BudgetCache,
     SchemaTooNew,
+    SQLLedgerBase,
     budget_from_row,
-    check_version,
     decode_sqlite_time,
     encode_sqlite_time,
-    migrations,
+    pending_migrations,
     usage_from_row,
     usage_values,
 )
@@ -40,7 +40,7 @@ T = TypeVar("T")
 logger = logging.getLogger("fallback_mw.budget")
 
 
-class SQLiteLedger:
+class SQLiteLedger(SQLLedgerBase):
     def __init__(
         self,
         path: str,
@@ -123,12 +123,6 @@ class SQLiteLedger:
             return None
         return Hold(hold_id, budget_id, from_units(units), start)
 
-    async def settle(self, hold: Hold, amount: Decimal) -> None:
-        await self._finish(hold.hold_id, to_units(amount))
-
-    async def release(self, hold: Hold) -> None:
-        await self._finish(hold.hold_id, 0)
-
     async def _finish(self, hold_id: str, spent: int) -> None:
         def work(conn: sqlite3.Connection) -> None:
             with _immediate(conn):
@@ -149,11 +143,7 @@ class SQLiteLedger:
 
         await self._run(work)
 
-    async def stored_budget(self, budget_id: str) -> BudgetConfig | None:
-        cached, budget = self._cache.get(budget_id)
-        if cached:
-            return budget
-
+    async def _load_budget(self, budget_id: str) -> BudgetConfig | None:
         def work(conn: sqlite3.Connection) -> BudgetConfig | None:
             row = conn.execute(
                 "SELECT limit_units, window_kind, default_hold_units FROM fmw_budgets "
@@ -162,9 +152,7 @@ class SQLiteLedger:
             ).fetchone()
             return None if row is None else budget_from_row(*row)
 
-        budget = await self._run(work)
-        self._cache.put(budget_id, budget)
-        return budget
+        return await self._run(work)
 
     async def set_budget(self, budget_id: str, budget: BudgetConfig) -> None:
         values = (
@@ -211,15 +199,7 @@ class SQLiteLedger:
             return (0, 0) if row is None else (int(row[0]), int(row[1]))
 
         spent, held = await self._run(work)
-        return BudgetStatus(
-            budget_id=budget_id,
-            limit=budget.limit,
-            window=budget.window,
-            window_start=start,
-            spent=from_units(spent),
-            held=from_units(held),
-            default_hold=budget.default_hold,
-        )
+        return BudgetStatus.of(budget_id, budget, start, spent, held)
 
     async def usage(
         self,
@@ -298,11 +278,8 @@ def _migrate(conn: sqlite3.Connection) -> None:
             "SELECT version FROM fmw_schema WHERE component = ?", (COMPONENT,)
         ).fetchone()
         current = 0 if row is None else int(row[0])
-        check_version(current)
-        steps = migrations("sqlite")
-        for version in range(current + 1, LATEST_VERSION + 1):
-            for statement in steps[version]:
-                conn.execute(statement)
+        for statement in pending_migrations(current, "sqlite"):
+            conn.execute(statement)
         if current != LATEST_VERSION:
             conn.execute(
                 "INSERT INTO fmw_schema (component, version) VALUES (?, ?) "
