@@ -7,6 +7,7 @@ import os
 import socket
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -60,6 +61,15 @@ async def pg_url() -> AsyncIterator[str]:
             await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         finally:
             await admin.close()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def ledger_store(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A store URL for a ledger, once per backend: a SQLite file, then a fresh PostgreSQL."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'ledger.db'}"
+    url: str = request.getfixturevalue("pg_url")
+    return url
 
 
 @pytest.fixture

@@ -227,14 +227,6 @@ async def test_budgets_and_usage_round_trip(store: str | None) -> None:
         await ledger.aclose()
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def shared_store(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'ledger.db'}"
-    url: str = request.getfixturevalue("pg_url")
-    return url
-
-
 async def concurrent_holds(ledgers: list[Ledger], count: int) -> int:
     granted = 0
 
@@ -251,9 +243,9 @@ async def concurrent_holds(ledgers: list[Ledger], count: int) -> int:
 
 @pytest.mark.anyio
 async def test_concurrent_holds_through_separate_ledgers_never_pass_the_limit(
-    shared_store: str,
+    ledger_store: str,
 ) -> None:
-    store = shared_store
+    store = ledger_store
     # Separate ledger objects: separate SQLite connections / PostgreSQL pools, as separate
     # processes would have.
     ledgers = [open_ledger(store) for _ in range(3)]

@@ -17,14 +17,6 @@ from fallback_mw.cli import main
 from fallback_mw.config import BudgetConfig
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'ledger.db'}"
-    url: str = request.getfixturevalue("pg_url")
-    return url
-
-
 async def seed(store: str) -> None:
     ledger = open_ledger(store)
     try:
@@ -69,7 +61,10 @@ async def cli(*argv: str) -> int:
 
 
 @pytest.mark.anyio
-async def test_budgets_set_show_and_usage(store: str, capsys: pytest.CaptureFixture[str]) -> None:
+async def test_budgets_set_show_and_usage(
+    ledger_store: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = ledger_store
     await seed(store)
     capsys.readouterr()
     assert await cli("budgets", "show", "--store", store) == 0

@@ -3,14 +3,8 @@ gateway processes (`fallback-mw serve`) holding against one PostgreSQL ledger.""
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -24,6 +18,7 @@ from aiohttp import web
 from fallback_mw import Gateway
 from fallback_mw.budget import open_ledger
 from fallback_mw.config import BudgetConfig
+from tests.helpers import free_port, serve_process, wait_listening
 from tests.test_budget_guard import gateway_config, host_app, json_handler
 from tests.upstreams import Handler, upstream
 
@@ -68,17 +63,11 @@ def slow_sse(first_events: int, then_sleep: float) -> Handler:
     return handle
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'ledger.db'}"
-    url: str = request.getfixturevalue("pg_url")
-    return url
-
-
-async def test_client_leaving_mid_stream_leaves_no_hold(store: str) -> None:
+async def test_client_leaving_mid_stream_leaves_no_hold(ledger_store: str) -> None:
     async with upstream(slow_sse(first_events=3, then_sleep=5)) as primary:
-        gateway = Gateway(host_app, config=gateway_config({"primary": primary.url}, store=store))
+        gateway = Gateway(
+            host_app, config=gateway_config({"primary": primary.url}, store=ledger_store)
+        )
         ledger = gateway.services.ledger
         assert ledger is not None
         try:
@@ -109,56 +98,6 @@ async def test_client_leaving_mid_stream_leaves_no_hold(store: str) -> None:
             assert record.charged == Decimal("0.01")
         finally:
             await gateway.aclose()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-@contextmanager
-def serve_process(config: Path, port: int, log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "fallback_mw", "serve", "--config", str(config)),
-                *("--host", "127.0.0.1", "--port", str(port)),
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=dict(os.environ),
-        )
-        try:
-            yield process
-        finally:
-            if process.poll() is None:
-                process.send_signal(signal.SIGINT)
-                try:
-                    process.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
-
-
-def log_text(log: Path) -> str:
-    return log.read_text(errors="replace")
-
-
-async def wait_listening(process: subprocess.Popen[bytes], port: int, log: Path) -> None:
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"serve exited early: {log_text(log)}")
-        try:
-            stream = await anyio.connect_tcp("127.0.0.1", port)
-        except OSError:
-            await anyio.sleep(0.05)
-            continue
-        await stream.aclose()
-        return
-    pytest.fail("serve did not start listening within 20 s")
 
 
 async def test_two_gateway_processes_share_one_postgres_ledger(tmp_path: Path, pg_url: str) -> None:

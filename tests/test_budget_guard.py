@@ -10,29 +10,16 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import httpx
 import pytest
 from aiohttp import web
 
 from fallback_mw import Gateway
 from fallback_mw.budget import open_ledger
 from fallback_mw.config import BudgetConfig
-from tests.upstreams import Handler, status_handler, upstream
+from tests.helpers import client_for
+from tests.upstreams import Handler, host_app, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
-
-
-async def host_app(scope: Any, receive: Any, send: Any) -> None:
-    await send({"type": "http.response.start", "status": 404, "headers": []})
-    await send({"type": "http.response.body", "body": b"host"})
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'ledger.db'}"
-    url: str = request.getfixturevalue("pg_url")
-    return url
 
 
 def gateway_config(
@@ -62,10 +49,6 @@ def gateway_config(
     }
 
 
-def client_for(gateway: Gateway) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=gateway), base_url="http://gw")
-
-
 def json_handler(payload: dict[str, Any], delay: float = 0.0) -> Handler:
     async def handle(request: web.Request) -> web.StreamResponse:
         if delay:
@@ -83,10 +66,10 @@ async def status_of(gateway: Gateway, budget_id: str = "acme") -> tuple[Decimal,
     return status.spent, status.held
 
 
-async def test_twenty_concurrent_requests_five_served_fifteen_refused(store_url: str) -> None:
+async def test_twenty_concurrent_requests_five_served_fifteen_refused(ledger_store: str) -> None:
     async with upstream(json_handler({"ok": True}, delay=0.3)) as primary:
         gateway = Gateway(
-            host_app, config=gateway_config({"primary": primary.url}, store=store_url)
+            host_app, config=gateway_config({"primary": primary.url}, store=ledger_store)
         )
         try:
             async with client_for(gateway) as client:
@@ -117,13 +100,13 @@ async def test_twenty_concurrent_requests_five_served_fifteen_refused(store_url:
             await gateway.aclose()
 
 
-async def test_failover_spends_one_hold(store_url: str) -> None:
+async def test_failover_spends_one_hold(ledger_store: str) -> None:
     async with (
         upstream(status_handler(503)) as primary,
         upstream(json_handler({"ok": True})) as backup,
     ):
         plan = {"primary": primary.url, "backup": backup.url}
-        gateway = Gateway(host_app, config=gateway_config(plan, store=store_url))
+        gateway = Gateway(host_app, config=gateway_config(plan, store=ledger_store))
         try:
             async with client_for(gateway) as client:
                 response = await client.post("/v1/chat", content=b"{}")
@@ -146,10 +129,10 @@ async def test_failover_spends_one_hold(store_url: str) -> None:
             await gateway.aclose()
 
 
-async def test_nothing_served_releases_the_hold(store_url: str) -> None:
+async def test_nothing_served_releases_the_hold(ledger_store: str) -> None:
     async with upstream(status_handler(503)) as primary:
         gateway = Gateway(
-            host_app, config=gateway_config({"primary": primary.url}, store=store_url)
+            host_app, config=gateway_config({"primary": primary.url}, store=ledger_store)
         )
         try:
             async with client_for(gateway) as client:
@@ -168,10 +151,10 @@ OPENAI_JSON = {
 }
 
 
-async def test_settlement_uses_reported_usage_json(store_url: str) -> None:
+async def test_settlement_uses_reported_usage_json(ledger_store: str) -> None:
     async with upstream(json_handler(OPENAI_JSON)) as primary:
         gateway = Gateway(
-            host_app, config=gateway_config({"primary": primary.url}, store=store_url)
+            host_app, config=gateway_config({"primary": primary.url}, store=ledger_store)
         )
         try:
             async with client_for(gateway) as client:
@@ -215,10 +198,10 @@ ANTHROPIC_SSE = [
 ]
 
 
-async def test_settlement_uses_reported_usage_sse(store_url: str) -> None:
+async def test_settlement_uses_reported_usage_sse(ledger_store: str) -> None:
     async with upstream(sse_handler(ANTHROPIC_SSE)) as primary:
         gateway = Gateway(
-            host_app, config=gateway_config({"primary": primary.url}, store=store_url)
+            host_app, config=gateway_config({"primary": primary.url}, store=ledger_store)
         )
         try:
             async with client_for(gateway) as client:
@@ -325,9 +308,9 @@ async def test_memory_ledger_without_store_and_unbudgeted_routes_still_recorded(
             await gateway.aclose()
 
 
-async def test_budget_set_in_store_wins_and_unknown_budget_fails_closed(store_url: str) -> None:
+async def test_budget_set_in_store_wins_and_unknown_budget_fails_closed(ledger_store: str) -> None:
     async with upstream(json_handler({"ok": True})) as primary:
-        config = gateway_config({"primary": primary.url}, store=store_url, budget="other")
+        config = gateway_config({"primary": primary.url}, store=ledger_store, budget="other")
         gateway = Gateway(host_app, config=config)
         try:
             async with client_for(gateway) as client:
@@ -335,7 +318,7 @@ async def test_budget_set_in_store_wins_and_unknown_budget_fails_closed(store_ur
                 assert unknown.status_code == 503
                 assert unknown.json()["error"]["code"] == "budget_unavailable"
                 # An operator creates the budget in the store (as `budgets set` does).
-                admin = open_ledger(store_url)
+                admin = open_ledger(ledger_store)
                 try:
                     await admin.set_budget(
                         "other", BudgetConfig(limit=Decimal("0.02"), window="day")

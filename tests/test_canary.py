@@ -5,12 +5,12 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-import httpx
 import pytest
 
 from fallback_mw import Gateway
 from fallback_mw.config import RouteConfig
 from fallback_mw.plan import candidate_order, is_canary
+from tests.helpers import client_for
 from tests.test_cli_admin import host_app
 from tests.upstreams import status_handler, upstream
 
@@ -78,9 +78,7 @@ async def test_canary_through_the_gateway() -> None:
         gateway = Gateway(host_app, config=config, environ={})
         canary: list[str] = []
         try:
-            async with httpx.AsyncClient(
-                transport=httpx.ASGITransport(app=gateway), base_url="http://gw"
-            ) as client:
+            async with client_for(gateway) as client:
                 for i in range(300):
                     session = f"user-{i}"
                     response = await client.get("/v1/chat", headers={"x-session-id": session})

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ import httpx
 import pytest
 
 from fallback_mw.cli import build_parser, main, not_found_app, server_options
+from tests.upstreams import free_port
 
 SECRET = "s3cr3t-value-never-printed"
 
@@ -27,13 +27,6 @@ def run_cli(
         env=env if env is not None else dict(os.environ),
         check=False,
     )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def write_config(tmp_path: Path, *, auth_env: str = "FMW_TEST_PRIMARY_KEY") -> Path:

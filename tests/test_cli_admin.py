@@ -15,12 +15,8 @@ import pytest
 from fallback_mw import Gateway
 from fallback_mw.cli_admin import main
 from fallback_mw.store.routes import StoredRoute, open_store
-from tests.upstreams import status_handler, upstream
-
-
-async def host_app(scope: Any, receive: Any, send: Any) -> None:
-    await send({"type": "http.response.start", "status": 404, "headers": []})
-    await send({"type": "http.response.body", "body": b"host"})
+from tests.helpers import client_for
+from tests.upstreams import host_app, status_handler, upstream
 
 
 def run_cli(*argv: str) -> tuple[int, str, str]:
@@ -32,6 +28,18 @@ def run_cli(*argv: str) -> tuple[int, str, str]:
 async def cli(*argv: str) -> tuple[int, str, str]:
     # main() runs its own event loop; keep it off the test's.
     return await asyncio.to_thread(run_cli, *argv)
+
+
+async def add_chat_route(store: str, primary_url: str) -> list[str]:
+    """`routes add` of route "chat" (/api/ to the primary, one retry); returns the
+    `--store ... --id chat` arguments that name it in later commands."""
+    base = ["--store", store, "--id", "chat"]
+    status, _, err = await cli(
+        "routes", "add", *base, "--prefix", "/api/", "--upstream", primary_url,
+        "--retries", "1",
+    )  # fmt: skip
+    assert status == 0, err
+    return base
 
 
 def gateway_config(store: str, **extra: Any) -> dict[str, Any]:
@@ -68,9 +76,7 @@ async def test_route_added_by_the_cli_serves_with_failover(store_url: str) -> No
             environ={"PRIMARY_KEY": "p-secret", "BACKUP_KEY": "b-secret"},
         )
         try:
-            async with httpx.AsyncClient(
-                transport=httpx.ASGITransport(app=gateway), base_url="http://gw"
-            ) as client:
+            async with client_for(gateway) as client:
                 response = await client.get("/api/models")
         finally:
             await gateway.aclose()
@@ -189,12 +195,7 @@ async def test_sqlite_hot_reload_and_refused_reload(store_url: str) -> None:
         upstream(status_handler(503)) as primary,
         upstream(status_handler(200, b"backup")) as backup,
     ):
-        base = ["--store", store_url, "--id", "chat"]
-        status, _, err = await cli(
-            "routes", "add", *base, "--prefix", "/api/", "--upstream", primary.url,
-            "--retries", "1",
-        )  # fmt: skip
-        assert status == 0, err
+        base = await add_chat_route(store_url, primary.url)
         gateway = Gateway(host_app, config=gateway_config(store_url), environ={})
         runtime = gateway.services.store
         assert runtime is not None
@@ -240,7 +241,7 @@ async def test_sqlite_hot_reload_and_refused_reload(store_url: str) -> None:
                 while response.text != "host" and time.monotonic() < deadline:
                     await asyncio.sleep(0.02)
                     response = await client.get("/api/x")
-                assert response.status_code == 404 and response.text == "host"
+                assert response.status_code == 404 and response.text == "host app"
         finally:
             await gateway.aclose()
 

@@ -18,6 +18,7 @@ from fallback_mw import Gateway
 from fallback_mw.store.faults import FaultSnapshot
 from fallback_mw.store.routes import Fault
 from fallback_mw.telemetry import Telemetry
+from tests.helpers import client_for
 from tests.test_cli_admin import cli, gateway_config, host_app
 from tests.upstreams import Upstream, status_handler, upstream
 
@@ -50,9 +51,7 @@ def store_url(tmp_path: Path) -> str:
 
 
 async def get(gateway: Gateway, path: str = "/v1/chat") -> httpx.Response:
-    async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=gateway), base_url="http://gw"
-    ) as client:
+    async with client_for(gateway) as client:
         return await client.get(path)
 
 

@@ -17,16 +17,11 @@ from fallback_mw.config import BreakerConfig
 from fallback_mw.health import create_health
 from fallback_mw.health.memory import MemoryHealth
 from fallback_mw.health.redis import RedisHealth
-from fallback_mw.types import Receive, Scope, Send
-from tests.upstreams import Upstream, status_handler, upstream
+from tests.helpers import client_for
+from tests.upstreams import Upstream, host_app, status_handler, upstream
 
 BREAKER = {"window": 4, "min_calls": 3, "failure_rate": 0.5, "cooldown_ms": 100,
            "max_cooldown_ms": 350}  # fmt: skip
-
-
-async def host_app(scope: Scope, receive: Receive, send: Send) -> None:
-    await send({"type": "http.response.start", "status": 404, "headers": []})
-    await send({"type": "http.response.body", "body": b"host"})
 
 
 class Clock:
@@ -68,9 +63,8 @@ async def gateway_client(
     conf: dict[str, Any], **kwargs: Any
 ) -> AsyncIterator[tuple[httpx.AsyncClient, Gateway]]:
     gateway = Gateway(host_app, config=conf, **kwargs)
-    transport = httpx.ASGITransport(app=gateway)
     try:
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+        async with client_for(gateway) as client:
             yield client, gateway
     finally:
         await gateway.aclose()

@@ -3,65 +3,16 @@ the real Redis: one trips it, the other skips the upstream at once."""
 
 from __future__ import annotations
 
-import signal
-import socket
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 
-import anyio
 import httpx
 import pytest
 
+from tests.helpers import free_port, serve_process, wait_listening
 from tests.upstreams import status_handler, upstream
 
 pytestmark = pytest.mark.e2e
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-@contextmanager
-def serve(config: Path, port: int, log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "fallback_mw", "serve", "--config", str(config),
-             "--host", "127.0.0.1", "--port", str(port)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        try:
-            yield process
-        finally:
-            if process.poll() is None:
-                process.send_signal(signal.SIGINT)
-                try:
-                    process.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
-
-
-async def wait_listening(process: subprocess.Popen[bytes], port: int, log: Path) -> None:
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"serve exited early, see {log}")
-        try:
-            stream = await anyio.connect_tcp("127.0.0.1", port)
-        except OSError:
-            await anyio.sleep(0.05)
-            continue
-        await stream.aclose()
-        return
-    pytest.fail("serve did not start listening")
 
 
 @pytest.mark.anyio
@@ -97,7 +48,7 @@ backoff_ms = 0
         logs = [tmp_path / "one.log", tmp_path / "two.log"]
         with ExitStack() as stack:
             processes = [
-                stack.enter_context(serve(config, port, log))
+                stack.enter_context(serve_process(config, port, log))
                 for port, log in zip(ports, logs, strict=True)
             ]
             for process, port, log in zip(processes, ports, logs, strict=True):

@@ -10,26 +10,19 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import httpx
 import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from fallback_mw import Gateway
 from fallback_mw.config import BreakerConfig
 from fallback_mw.health.redis import RedisHealth, split_state_url
-from fallback_mw.types import Receive, Scope, Send
+from tests.helpers import gateway_client
 from tests.upstreams import Upstream, status_handler, upstream
 
 COOLDOWN_MS = 150
 BREAKER = {"window": 4, "min_calls": 3, "failure_rate": 0.5, "cooldown_ms": COOLDOWN_MS,
            "max_cooldown_ms": 1000}  # fmt: skip
 POOL_ENV = {"KEY_A": "key-a", "KEY_B": "key-b"}
-
-
-async def host_app(scope: Scope, receive: Receive, send: Send) -> None:
-    await send({"type": "http.response.start", "status": 404, "headers": []})
-    await send({"type": "http.response.body", "body": b"host"})
 
 
 def config(state: str, primary: Upstream, backup: Upstream, **primary_extra: Any) -> dict[str, Any]:
@@ -49,18 +42,6 @@ def config(state: str, primary: Upstream, backup: Upstream, **primary_extra: Any
             }
         ],
     }
-
-
-@asynccontextmanager
-async def gateway_client(conf: dict[str, Any], **kwargs: Any) -> AsyncIterator[httpx.AsyncClient]:
-    gateway = Gateway(host_app, config=conf, **kwargs)
-    try:
-        async with httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=gateway), base_url="http://gw"
-        ) as client:
-            yield client
-    finally:
-        await gateway.aclose()
 
 
 def test_state_url_prefix() -> None:

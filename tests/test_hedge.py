@@ -5,23 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
-import httpx
 import pytest
 from aiohttp import web
 
-from fallback_mw import Gateway
 from fallback_mw.hedge import first_head
-from fallback_mw.types import Receive, Scope, Send
+from tests.helpers import gateway_client
 from tests.upstreams import Upstream, status_handler, upstream
-
-
-async def host_app(scope: Scope, receive: Receive, send: Send) -> None:
-    await send({"type": "http.response.start", "status": 404, "headers": []})
-    await send({"type": "http.response.body", "body": b"host"})
 
 
 def config(primary: Upstream, backup: Upstream, **route: Any) -> dict[str, Any]:
@@ -38,18 +29,6 @@ def config(primary: Upstream, backup: Upstream, **route: Any) -> dict[str, Any]:
         "upstreams": {"primary": {"url": primary.url}, "backup": {"url": backup.url}},
         "routes": [route_config],
     }
-
-
-@asynccontextmanager
-async def gateway_client(conf: dict[str, Any]) -> AsyncIterator[httpx.AsyncClient]:
-    gateway = Gateway(host_app, config=conf)
-    try:
-        async with httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=gateway), base_url="http://gw"
-        ) as client:
-            yield client
-    finally:
-        await gateway.aclose()
 
 
 class SlowFirst:

@@ -17,15 +17,10 @@ from aiohttp import web
 from fallback_mw import Gateway
 from fallback_mw.config import MAX_PLAN_LENGTH, ConfigError, RouteConfig, load_config
 from fallback_mw.plan import candidate_order
-from fallback_mw.types import Receive, Scope, Send
-from tests.upstreams import Upstream, upstream
+from tests.helpers import client_for
+from tests.upstreams import Upstream, host_app, upstream
 
 NO_BREAKER = {"min_calls": 10_000, "window": 10_000}  # these tests are about order only
-
-
-async def host_app(scope: Scope, receive: Receive, send: Send) -> None:
-    await send({"type": "http.response.start", "status": 404, "headers": []})
-    await send({"type": "http.response.body", "body": b"host"})
 
 
 def recording(
@@ -65,9 +60,7 @@ async def plan_gateway(
             },
         )
         stack.push_async_callback(gateway.aclose)
-        client = await stack.enter_async_context(
-            httpx.AsyncClient(transport=httpx.ASGITransport(app=gateway), base_url="http://gw")
-        )
+        client = await stack.enter_async_context(client_for(gateway))
         yield client, upstreams
 
 
@@ -210,9 +203,7 @@ async def test_each_candidate_gets_its_own_model() -> None:
             },
         )
         try:
-            async with httpx.AsyncClient(
-                transport=httpx.ASGITransport(app=gateway), base_url="http://gw"
-            ) as client:
+            async with client_for(gateway) as client:
                 response = await client.post(
                     "/v1/chat", json={"model": "caller-model", "messages": [], "n": 1}
                 )

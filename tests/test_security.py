@@ -8,7 +8,6 @@ import socket
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
 
 from fallback_mw import Gateway
@@ -21,6 +20,7 @@ from fallback_mw.security import (
 )
 from fallback_mw.upstream import UpstreamClient, UpstreamError, UpstreamRequest, make_client
 from fallback_mw.upstream.base import Timeouts
+from tests.helpers import client_for
 from tests.test_cli_admin import host_app
 from tests.upstreams import status_handler, upstream
 
@@ -160,9 +160,7 @@ async def test_dns_rebinding_after_load_is_caught_by_the_gateway(
         gateway = Gateway(host_app, config=config, environ={})
         fake_dns["answers"]["api.example.test"] = "127.0.0.1"  # ... loopback at connect time
         try:
-            async with httpx.AsyncClient(
-                transport=httpx.ASGITransport(app=gateway), base_url="http://gw"
-            ) as client:
+            async with client_for(gateway) as client:
                 response = await client.get("/v1/x")
         finally:
             await gateway.aclose()

@@ -4,7 +4,6 @@ gateways sharing the store."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import sys
 import time
 from pathlib import Path
@@ -17,8 +16,9 @@ import pytest
 from fallback_mw import Gateway
 from fallback_mw.store.postgres import PostgresStore
 from fallback_mw.store.routes import Fault
-from tests.test_cli_admin import cli, gateway_config, host_app
-from tests.upstreams import status_handler, upstream
+from tests.helpers import client_for
+from tests.test_cli_admin import add_chat_route, cli, gateway_config, host_app
+from tests.upstreams import free_port, status_handler, upstream
 
 
 async def _probe(client: httpx.AsyncClient) -> str:
@@ -47,21 +47,13 @@ async def test_set_and_clear_fallback_reach_two_running_gateways(pg_url: str) ->
         upstream(status_handler(503)) as primary,
         upstream(status_handler(200, b"backup")) as backup,
     ):
-        base = ["--store", pg_url, "--id", "chat"]
-        status, _, err = await cli(
-            "routes", "add", *base, "--prefix", "/api/", "--upstream", primary.url,
-            "--retries", "1",
-        )  # fmt: skip
-        assert status == 0, err
+        base = await add_chat_route(pg_url, primary.url)
         gateways = [Gateway(host_app, config=gateway_config(pg_url), environ={}) for _ in range(2)]
         for gateway in gateways:
             # Only NOTIFY can make these fast: the safety-net poll is slower than the bound.
             assert gateway.services.store is not None
             gateway.services.store.poll_interval = 30.0
-        clients = [
-            httpx.AsyncClient(transport=httpx.ASGITransport(app=g), base_url="http://gw")
-            for g in gateways
-        ]
+        clients = [client_for(g) for g in gateways]
         try:
             assert [await _probe(c) for c in clients] == ["primary-only"] * 2
             await asyncio.sleep(0.2)  # both reloaders are LISTENing
@@ -111,31 +103,19 @@ async def test_schema_is_versioned_and_trigger_notifies(pg_url: str) -> None:
         await conn.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @pytest.mark.anyio
 async def test_a_separate_serve_process_sees_the_change(pg_url: str, tmp_path: Path) -> None:
     async with (
         upstream(status_handler(503)) as primary,
         upstream(status_handler(200, b"backup")) as backup,
     ):
-        base = ["--store", pg_url, "--id", "chat"]
-        status, _, err = await cli(
-            "routes", "add", *base, "--prefix", "/api/", "--upstream", primary.url,
-            "--retries", "1",
-        )  # fmt: skip
-        assert status == 0, err
+        base = await add_chat_route(pg_url, primary.url)
         config = tmp_path / "gateway.toml"
         config.write_text(
             f'[gateway]\nstore = "{pg_url}"\n[gateway.breaker]\nmin_calls = 1000000\n',
             encoding="utf-8",
         )
-        port = _free_port()
+        port = free_port()
         process = await asyncio.create_subprocess_exec(
             str(Path(sys.executable).parent / "fallback-mw"), "serve", "--config", str(config),
             "--port", str(port),

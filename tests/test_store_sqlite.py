@@ -7,13 +7,13 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from fallback_mw import Gateway
 from fallback_mw.config import ConfigError, GatewayConfig, RouteConfig, UpstreamConfig
 from fallback_mw.store.routes import StoredRoute, StoreError, merge_routes
 from fallback_mw.store.sqlite import SqliteStore
+from tests.helpers import client_for
 from tests.test_cli_admin import cli, gateway_config, host_app
 
 
@@ -100,9 +100,7 @@ async def test_gateway_refuses_to_start_on_a_bad_store_and_stops_its_reloader(
         return [t for t in asyncio.all_tasks() if t.get_name() == "fallback_mw.store-reload"]
 
     assert reloaders() == []  # nothing runs before the first request
-    async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=gateway), base_url="http://gw"
-    ) as client:
+    async with client_for(gateway) as client:
         await client.get("/elsewhere")
     assert len(reloaders()) == 1
     await gateway.aclose()

@@ -11,7 +11,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import pytest
 from aiohttp import web
 from opentelemetry.sdk.metrics import MeterProvider
@@ -27,7 +26,8 @@ from fallback_mw.context import AttemptRecord, RequestContext, Usage
 from fallback_mw.faults import UpstreamFault
 from fallback_mw.health import AlwaysHealthy
 from fallback_mw.telemetry import Telemetry, record_breaker_state
-from tests.upstreams import status_handler, upstream
+from tests.helpers import client_for
+from tests.upstreams import host_app, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
 
@@ -35,11 +35,6 @@ ENV = {"PRIMARY_KEY": "sk-primary-0001", "BACKUP_KEY": "sk-backup-0002"}
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
 TRACEPARENT = f"00-{TRACE_ID}-{PARENT_ID}-01"
-
-
-async def host_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    await send({"type": "http.response.start", "status": 404, "headers": []})
-    await send({"type": "http.response.body", "body": b"host app"})
 
 
 @dataclass
@@ -109,10 +104,6 @@ def make_config(primary: str, backup: str, **route: Any) -> dict[str, Any]:
             }
         ],
     }
-
-
-def client_for(gateway: Gateway) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=gateway), base_url="http://gw")
 
 
 def waiting_handler(release: asyncio.Event, status: int = 200) -> Any:

@@ -13,6 +13,7 @@ import pytest
 from aiohttp import web
 
 from fallback_mw import Gateway
+from tests.helpers import client_for
 from tests.upstreams import (
     closed_port_url,
     host_app,
@@ -57,10 +58,6 @@ def make_config(
             }
         ],
     }
-
-
-def client_for(gateway: Gateway) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=gateway), base_url="http://gw")
 
 
 @pytest.fixture(params=["aiohttp", "httpx"])

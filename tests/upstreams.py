@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from aiohttp import web
+
+from fallback_mw.types import Receive, Scope, Send
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -122,18 +125,20 @@ async def silent_server() -> AsyncIterator[tuple[str, list[int]]]:
         await server.wait_closed()
 
 
+def free_port() -> int:
+    """A 127.0.0.1 port nothing listens on (bound, read and released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
 def closed_port_url() -> str:
-    import socket
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{free_port()}"
 
 
-async def host_app(scope: dict, receive: object, send: object) -> None:  # type: ignore[type-arg]
+async def host_app(scope: Scope, receive: Receive, send: Send) -> None:
     """A bare host app: plain 404 with a marker body."""
     assert scope["type"] == "http"
-    await send({"type": "http.response.start", "status": 404, "headers": []})  # type: ignore[operator]
-    await send({"type": "http.response.body", "body": b"host app"})  # type: ignore[operator]
+    await send({"type": "http.response.start", "status": 404, "headers": []})
+    await send({"type": "http.response.body", "body": b"host app"})

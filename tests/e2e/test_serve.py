@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
-import sys
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
-import anyio
 import httpx
 import pytest
 
+from tests.helpers import free_port, log_text, serve_process, wait_listening
 from tests.upstreams import status_handler, upstream
 
 pytestmark = pytest.mark.e2e
@@ -25,65 +20,11 @@ BACKUP_KEY = "backup-secret-9a7e"
 CALLER_KEY = "caller-secret-55d0"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-@contextmanager
-def serve(config: Path, port: int, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+def serve(config: Path, port: int, log: Path) -> AbstractContextManager[subprocess.Popen[bytes]]:
     env = dict(os.environ, FMW_E2E_PRIMARY_KEY=PRIMARY_KEY, FMW_E2E_BACKUP_KEY=BACKUP_KEY)
     # OpenTelemetry from the standard variables: spans printed as they end.
     env.update(OTEL_TRACES_EXPORTER="console", OTEL_METRICS_EXPORTER="none")
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "fallback_mw",
-                "serve",
-                "--config",
-                str(config),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        try:
-            yield process
-        finally:
-            if process.poll() is None:
-                process.send_signal(signal.SIGINT)
-                try:
-                    process.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
-
-
-def output_of(log: Path) -> str:
-    return log.read_text(errors="replace")
-
-
-async def wait_listening(process: subprocess.Popen[bytes], port: int, log: Path) -> None:
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"serve exited early ({process.returncode}): {output_of(log)}")
-        try:
-            stream = await anyio.connect_tcp("127.0.0.1", port)
-        except OSError:
-            await anyio.sleep(0.05)
-            continue
-        await stream.aclose()
-        return
-    pytest.fail("serve did not start listening within 20 s")
+    return serve_process(config, port, log, env=env)
 
 
 def write_config(tmp_path: Path, primary_url: str, backup_url: str) -> Path:
@@ -150,7 +91,7 @@ async def test_serve_routes_to_upstream_and_404s_the_rest(tmp_path: Path) -> Non
             assert failover.status_code == 200
             assert failover.headers["x-gateway-provider"] == "primary"
             assert failover.headers["x-gateway-attempts"] == "2"
-        assert process.returncode == 0, output_of(log)
+        assert process.returncode == 0, log_text(log)
 
     first = primary.received[0]
     assert first.path == "/v1/models"
@@ -162,7 +103,7 @@ async def test_serve_routes_to_upstream_and_404s_the_rest(tmp_path: Path) -> Non
     assert dict(backup.received[0].headers)["x-api-key"] == BACKUP_KEY
     assert primary.count == 2  # one direct request, one failover attempt
 
-    output = output_of(log)
+    output = log_text(log)
     assert '"name": "gateway.request"' in output  # the console span exporter ran
     assert '"gateway.route.id": "failover"' in output
     for secret in (PRIMARY_KEY, BACKUP_KEY, CALLER_KEY, "q-secret"):

@@ -1,0 +1,93 @@
+"""Helpers shared by the tests: free ports, `fallback-mw serve` as a real process, and an
+httpx client on an in-process gateway."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from fallback_mw import Gateway
+from tests.upstreams import free_port, host_app
+
+__all__ = [
+    "client_for",
+    "free_port",
+    "gateway_client",
+    "log_text",
+    "serve_process",
+    "wait_listening",
+]
+
+
+@contextmanager
+def serve_process(
+    config: Path, port: int, log: Path, *, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """`python -m fallback_mw serve` on 127.0.0.1:`port`, its output in `log`; SIGINT at
+    the end (killed after 10 s). `env` None inherits this process's environment."""
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "fallback_mw", "serve", "--config", str(config)),
+                *("--host", "127.0.0.1", "--port", str(port)),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        try:
+            yield process
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+                try:
+                    process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+
+
+def log_text(log: Path) -> str:
+    return log.read_text(errors="replace")
+
+
+async def wait_listening(process: subprocess.Popen[bytes], port: int, log: Path) -> None:
+    """Until the process accepts connections on `port`; fails if it exits or takes 20 s."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"serve exited early ({process.returncode}): {log_text(log)}")
+        try:
+            stream = await anyio.connect_tcp("127.0.0.1", port)
+        except OSError:
+            await anyio.sleep(0.05)
+            continue
+        await stream.aclose()
+        return
+    pytest.fail("serve did not start listening within 20 s")
+
+
+def client_for(app: Any) -> httpx.AsyncClient:
+    """An httpx client on an in-process ASGI app (note: ASGITransport buffers responses)."""
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
+
+
+@asynccontextmanager
+async def gateway_client(conf: dict[str, Any], **kwargs: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """A Gateway over the bare host app, built from `conf`, closed at the end."""
+    gateway = Gateway(host_app, config=conf, **kwargs)
+    try:
+        async with client_for(gateway) as client:
+            yield client
+    finally:
+        await gateway.aclose()
