@@ -7,12 +7,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import asyncpg
 
-from fallback_mw.store.routes import Fault, RouteExists, StoredRoute, StoreError
+from fallback_mw.store.routes import (
+    Fault,
+    RouteExists,
+    StoredRoute,
+    StoreError,
+    pending_migrations,
+)
 from fallback_mw.store.url import redact_url
+
+T = TypeVar("T")
 
 COMPONENT = "routes"
 SCHEMA_VERSION = 1
@@ -82,14 +91,8 @@ class PostgresStore:
                 "SELECT version FROM fmw_schema WHERE component = $1", COMPONENT
             )
             current = int(current or 0)
-            if current > SCHEMA_VERSION:
-                raise StoreError(
-                    f"the store's {COMPONENT!r} schema is version {current}; this package "
-                    f"knows up to {SCHEMA_VERSION} (upgrade fallback_mw)"
-                )
-            for version in range(current + 1, SCHEMA_VERSION + 1):
-                for statement in _MIGRATIONS[version - 1]:
-                    await conn.execute(statement)
+            for statement in pending_migrations(COMPONENT, current, SCHEMA_VERSION, _MIGRATIONS):
+                await conn.execute(statement)
             await conn.execute(
                 "INSERT INTO fmw_schema (component, version) VALUES ($1, $2) "
                 "ON CONFLICT (component) DO UPDATE SET version = excluded.version",
@@ -97,29 +100,25 @@ class PostgresStore:
                 SCHEMA_VERSION,
             )
 
-    async def _fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
+    async def _with_connection(self, use: Callable[[asyncpg.Connection[Any]], Awaitable[T]]) -> T:
+        """`use` the one connection, one caller at a time; a lost connection is dropped
+        (the next call reconnects) and reported as StoreError. Database errors such as
+        UniqueViolationError pass through."""
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
             conn = await self._connection()
             try:
-                return await conn.fetch(query, *args)
+                return await use(conn)
             except (OSError, asyncpg.exceptions.ConnectionDoesNotExistError) as exc:
                 await self._drop()
                 raise StoreError(f"lost the store connection: {type(exc).__name__}") from None
 
+    async def _fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
+        return await self._with_connection(lambda conn: conn.fetch(query, *args))
+
     async def _execute(self, query: str, *args: Any) -> str:
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        async with self._lock:
-            conn = await self._connection()
-            try:
-                return await conn.execute(query, *args)
-            except asyncpg.UniqueViolationError:
-                raise
-            except (OSError, asyncpg.exceptions.ConnectionDoesNotExistError) as exc:
-                await self._drop()
-                raise StoreError(f"lost the store connection: {type(exc).__name__}") from None
+        return await self._with_connection(lambda conn: conn.execute(query, *args))
 
     async def _drop(self) -> None:
         if self._conn is not None:

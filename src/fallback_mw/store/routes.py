@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeVar
 from urllib.parse import urlsplit
@@ -30,6 +30,19 @@ Model = TypeVar("Model", bound=BaseModel)
 
 class StoreError(RuntimeError):
     """The store cannot be reached or is in a state this package does not understand."""
+
+
+def pending_migrations(
+    component: str, current: int, latest: int, steps: Sequence[Sequence[str]]
+) -> list[str]:
+    """The statements taking `component`'s schema from version `current` to `latest`
+    (`steps[n - 1]` migrates from n-1 to n); StoreError when the store is newer."""
+    if current > latest:
+        raise StoreError(
+            f"the store's {component!r} schema is version {current}; this package "
+            f"knows up to {latest} (upgrade fallback_mw)"
+        )
+    return [s for version in range(current + 1, latest + 1) for s in steps[version - 1]]
 
 
 class RouteExists(ConfigError):

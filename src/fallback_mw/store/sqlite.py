@@ -10,7 +10,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from fallback_mw.store.routes import Fault, RouteExists, StoredRoute, StoreError
+from fallback_mw.store.routes import (
+    Fault,
+    RouteExists,
+    StoredRoute,
+    StoreError,
+    pending_migrations,
+)
 
 T = TypeVar("T")
 
@@ -66,14 +72,8 @@ class SqliteStore:
                 "SELECT version FROM fmw_schema WHERE component = ?", (COMPONENT,)
             ).fetchone()
             current = int(row[0]) if row else 0
-            if current > SCHEMA_VERSION:
-                raise StoreError(
-                    f"the store's {COMPONENT!r} schema is version {current}; this package "
-                    f"knows up to {SCHEMA_VERSION} (upgrade fallback_mw)"
-                )
-            for version in range(current + 1, SCHEMA_VERSION + 1):
-                for statement in _MIGRATIONS[version - 1]:
-                    conn.execute(statement)
+            for statement in pending_migrations(COMPONENT, current, SCHEMA_VERSION, _MIGRATIONS):
+                conn.execute(statement)
             conn.execute(
                 "INSERT INTO fmw_schema (component, version) VALUES (?, ?) "
                 "ON CONFLICT (component) DO UPDATE SET version = excluded.version",
