@@ -95,45 +95,29 @@ def _missing(package: str) -> TelemetrySetupError:
     )
 
 
-def _grpc_exporter(module: str, name: str) -> Any:
-    # Optional package, not part of the `otel` extra: imported by name.
-    try:
-        found = importlib.import_module(f"opentelemetry.exporter.otlp.proto.grpc.{module}")
-    except ImportError as exc:
-        raise _missing("opentelemetry-exporter-otlp-proto-grpc") from exc
-    return getattr(found, name)()
+# Per signal: the SDK module with its console exporter, the OTLP exporter module (under
+# opentelemetry.exporter.otlp.proto.{http,grpc}) and the class names' middle word.
+_EXPORTERS = {
+    "traces": ("opentelemetry.sdk.trace.export", "trace_exporter", "Span"),
+    "metrics": ("opentelemetry.sdk.metrics.export", "metric_exporter", "Metric"),
+}
 
 
-def _span_exporter(name: str, environ: Mapping[str, str], out: TextIO) -> Any:
+def _exporter(signal: str, name: str, environ: Mapping[str, str], out: TextIO) -> Any:
+    """The span ("traces") or metric ("metrics") exporter `name` (console or otlp)."""
+    sdk_module, otlp_module, kind = _EXPORTERS[signal]
     if name == "console":
-        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
-
-        return ConsoleSpanExporter(out=out)
-    if _protocol(environ, "traces") == "grpc":
-        return _grpc_exporter("trace_exporter", "OTLPSpanExporter")
+        console = importlib.import_module(sdk_module)
+        return getattr(console, f"Console{kind}Exporter")(out=out)
+    transport = "grpc" if _protocol(environ, signal) == "grpc" else "http"
+    # The http exporter comes with the `otel` extra; grpc is optional, not part of it.
     try:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
-            OTLPSpanExporter as HTTPSpanExporter,
+        found = importlib.import_module(
+            f"opentelemetry.exporter.otlp.proto.{transport}.{otlp_module}"
         )
     except ImportError as exc:
-        raise _missing("opentelemetry-exporter-otlp-proto-http") from exc
-    return HTTPSpanExporter()
-
-
-def _metric_exporter(name: str, environ: Mapping[str, str], out: TextIO) -> Any:
-    if name == "console":
-        from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
-
-        return ConsoleMetricExporter(out=out)
-    if _protocol(environ, "metrics") == "grpc":
-        return _grpc_exporter("metric_exporter", "OTLPMetricExporter")
-    try:
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
-            OTLPMetricExporter as HTTPMetricExporter,
-        )
-    except ImportError as exc:
-        raise _missing("opentelemetry-exporter-otlp-proto-http") from exc
-    return HTTPMetricExporter()
+        raise _missing(f"opentelemetry-exporter-otlp-proto-{transport}") from exc
+    return getattr(found, f"OTLP{kind}Exporter")()
 
 
 def configure_opentelemetry(
@@ -180,7 +164,7 @@ def configure_opentelemetry(
 
         tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=set_global)
         for name in handle.traces:
-            exporter = _span_exporter(name, environ, stream)
+            exporter = _exporter("traces", name, environ, stream)
             # Console output is for eyes: show each span as it ends.
             processor = (
                 SimpleSpanProcessor(exporter) if name == "console" else BatchSpanProcessor(exporter)
@@ -196,7 +180,7 @@ def configure_opentelemetry(
         from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
         readers = [
-            PeriodicExportingMetricReader(_metric_exporter(name, environ, stream))
+            PeriodicExportingMetricReader(_exporter("metrics", name, environ, stream))
             for name in handle.metrics
         ]
         meter_provider = MeterProvider(
