@@ -74,7 +74,7 @@ def test_unknown_upstream_and_unknown_key_are_refused() -> None:
     assert "unknown upstream 'nope'" in refused(base(plan=["primary", "nope"]))
     data = base()
     data["routes"][0]["retry"] = 3
-    assert "unknown key 'routes.0.retry'" in refused(data)
+    assert "unknown key \"routes['chat'].retry\"" in refused(data)
     data = base()
     data["gateway"] = {"deadline": 5}
     assert "unknown key 'gateway.deadline'" in refused(data)
@@ -135,3 +135,24 @@ def test_missing_file_and_bad_toml(tmp_path: Path) -> None:
     bad.write_text("[gateway\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(bad)
+
+
+def test_state_and_store_urls_are_checked_at_load() -> None:
+    data = base()
+    data["gateway"] = {"state": "bogus://x"}
+    assert "gateway.state" in refused(data)
+    data["gateway"] = {"store": "mysql://x"}
+    assert "gateway.store" in refused(data)
+
+
+def test_fallback_at_the_primarys_own_endpoint_is_refused() -> None:
+    data = base()
+    data["upstreams"]["backup"]["url"] = "http://127.0.0.1:9001"
+    assert "primary's own endpoint" in refused(data)
+
+
+def test_unknown_budget_without_a_store_is_refused() -> None:
+    assert "unknown budget 'nope'" in refused(base(budget="nope"))
+    data = base(budget="nope")
+    data["gateway"] = {"store": "sqlite:///unused.db"}
+    assert load_config(data, environ=ENV).routes[0].budget == "nope"  # the store may have it

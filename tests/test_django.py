@@ -288,7 +288,7 @@ def test_missing_credential_names_the_variable(monkeypatch: pytest.MonkeyPatch) 
     config = {
         "upstreams": {
             "primary": {"url": "http://127.0.0.1:9", "auth_env": "FMW_DJ_PRIMARY_KEY"},
-            "backup": {"url": "http://127.0.0.1:9", "auth_env": "FMW_DJ_BACKUP_KEY"},
+            "backup": {"url": "http://127.0.0.1:10", "auth_env": "FMW_DJ_BACKUP_KEY"},
         },
         "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary", "backup"], "retries": 1}],
     }

@@ -107,15 +107,24 @@ async def test_hedge_only_at_the_primary_never_at_a_fallback() -> None:
         assert (primary.count, backup.count) == (1, 1)
 
 
-@pytest.mark.anyio
 @pytest.mark.parametrize(
     "route",
     [
-        {"replayable_methods": ["HEAD"]},  # GET not replayable here
         {"plan": ["primary"], "retries": 0},  # no attempt left for a hedge
+        {"plan": ["primary", "backup"], "retries": 1},  # the hedge would cost the backup
     ],
 )
-async def test_no_hedge_without_replay_or_room(route: dict[str, Any]) -> None:
+def test_a_hedge_that_could_cost_a_fallback_its_turn_is_refused(route: dict[str, Any]) -> None:
+    from fallback_mw import ConfigError, load_config
+
+    primary, backup = Upstream(url="http://127.0.0.1:9"), Upstream(url="http://127.0.0.1:10")
+    with pytest.raises(ConfigError, match="hedge_after_ms needs retries"):
+        load_config(config(primary, backup, hedge_after_ms=30, **route))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("route", [{"replayable_methods": ["HEAD"]}])  # GET not replayable
+async def test_no_hedge_without_replay(route: dict[str, Any]) -> None:
     async with (
         upstream(status_handler(200, b"p", delay=0.2)) as primary,
         upstream(status_handler(200)) as backup,

@@ -662,7 +662,7 @@ async def test_hedged_attempts_each_propagate_their_own_span(recorded: Recorded)
         return web.Response(status=200, text="ok")
 
     async with upstream(first_slow) as p, upstream(status_handler(200)) as b:
-        config = make_config(p.url, b.url, hedge_after_ms=50)
+        config = make_config(p.url, b.url, hedge_after_ms=50, retries=2)
         gateway = Gateway(host_app, config=config, environ=ENV, telemetry=recorded.telemetry)
         async with client_for(gateway) as client:
             response = await client.get("/v1/models", headers={"traceparent": TRACEPARENT})

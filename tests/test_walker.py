@@ -13,6 +13,7 @@ import pytest
 from aiohttp import web
 
 from fallback_mw import Gateway
+from fallback_mw.health import AlwaysHealthy
 from tests.helpers import client_for
 from tests.upstreams import (
     closed_port_url,
@@ -26,6 +27,22 @@ from tests.upstreams import (
 pytestmark = pytest.mark.anyio
 
 ENV = {"PRIMARY_KEY": "sk-primary-0001", "BACKUP_KEY": "sk-backup-0002"}
+
+
+def raw_scope(method: str, path: str) -> dict[str, Any]:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "headers": [(b"host", b"gw")],
+        "client": ("127.0.0.1", 1),
+        "server": ("gw", 80),
+    }
 
 
 def make_config(
@@ -105,6 +122,31 @@ async def test_post_503_is_not_failed_over(engine: str) -> None:
     assert response.status_code == 503  # the upstream's own answer, served as-is
     assert response.headers["x-gateway-attempts"] == "1"
     assert response.headers["x-gateway-provider"] == "primary"
+
+
+async def test_body_over_replay_buffer_in_one_message_is_not_failed_over() -> None:
+    body = b"q" * 10_000  # > replay_buffer (4 KiB), delivered as a single ASGI message
+    async with upstream(status_handler(503)) as p, upstream(status_handler(200)) as b:
+        gateway = Gateway(
+            host_app, config=make_config(p.url, b.url, replayable_methods=["POST"]), environ=ENV
+        )
+        inbox = [{"type": "http.request", "body": body, "more_body": False}]
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            if inbox:
+                return inbox.pop(0)
+            await asyncio.sleep(3600)  # the client stays connected
+            raise AssertionError
+
+        async def send(message: Any) -> None:
+            sent.append(message)
+
+        await gateway(raw_scope("POST", "/v1/upload"), receive, send)
+        await gateway.aclose()
+    assert sent[0]["status"] == 503
+    assert b.count == 0
+    assert p.count == 1 and p.received[0].body == body
 
 
 async def test_unknown_length_body_over_replay_buffer_is_not_failed_over(engine: str) -> None:
@@ -492,35 +534,29 @@ async def test_sse_reaches_the_client_event_by_event(engine: str) -> None:
         "/v1/..%2fadmin",
         "/v1/..%5cadmin",
         "/v1/x/../../admin",
+        "/v1/%ff",  # not UTF-8 once decoded: no route, and no 500 either
     ],
 )
 async def test_dot_segments_and_encoded_separators_cannot_escape_a_prefix(path: str) -> None:
     async with upstream(status_handler(200)) as p, upstream(status_handler(200)) as b:
-        config = make_config(p.url, b.url)
-        config["upstreams"]["admin"] = {"url": p.url}
-        config["routes"].append({"id": "admin", "prefix": "/admin", "plan": ["admin"]})
-        config["routes"][0]["prefix"] = "/v1/"
-        config["routes"][1]["tenant"] = "ops"  # /admin is only for tenant "ops"
-        gateway = Gateway(host_app, config=config, environ=ENV)
+        gateway = Gateway(host_app, config=make_config(p.url, b.url), environ=ENV)
         async with serve_asgi(gateway) as url:
             import urllib.request
 
-            def fetch() -> tuple[int, bytes, dict[str, str]]:
-                request = urllib.request.Request(url + path)
+            def fetch() -> tuple[int, bytes]:
+                # urllib sends the path exactly as written (no client-side normalisation).
                 try:
-                    with urllib.request.urlopen(request, timeout=5) as response:
-                        return response.status, response.read(), dict(response.headers)
+                    with urllib.request.urlopen(url + path, timeout=5) as response:
+                        return response.status, response.read()
                 except urllib.error.HTTPError as error:
-                    return error.code, error.read(), dict(error.headers)
+                    return error.code, error.read()
 
-            status, body, _headers = await asyncio.to_thread(fetch)
+            status, body = await asyncio.to_thread(fetch)
         await gateway.aclose()
-    # Either the host app answered (no route matched), or the v1 route matched a path that
-    # stays under /v1/: never anything outside the prefix reaching an upstream.
-    for received in p.received + b.received:
-        assert received.path.startswith("/v1/"), received.path
-    if status == 404:
-        assert body == b"host app"
+    # Each of these is /admin (or undecodable) once normalised: the /v1/ route must not
+    # take it, so the host app answers and no upstream sees anything.
+    assert (status, body) == (404, b"host app")
+    assert p.count == 0 and b.count == 0
 
 
 async def test_forwarded_path_is_the_normalised_one() -> None:
@@ -671,3 +707,18 @@ async def test_caller_value_for_a_custom_auth_header_never_reaches_an_upstream()
     assert response.status_code == 200
     assert ("x-backup-token", "caller-forged") not in p.received[0].headers
     assert [v for n, v in b.received[0].headers if n == "x-backup-token"] == ["sk-backup-0002"]
+
+
+async def test_a_pool_credential_is_used_at_most_once_per_request() -> None:
+    async with upstream(status_handler(503)) as p, upstream(status_handler(503)) as b:
+        config = make_config(p.url, b.url, retries=5)
+        config["upstreams"]["primary"]["auth_env"] = ["PRIMARY_KEY", "PRIMARY_KEY_2"]
+        environ = {**ENV, "PRIMARY_KEY_2": "sk-primary-0003"}
+        gateway = Gateway(host_app, config=config, environ=environ, health=AlwaysHealthy())
+        async with client_for(gateway) as client:
+            response = await client.get("/v1/models")
+        await gateway.aclose()
+    assert response.json()["error"]["attempts"] == 6
+    keys = [dict(r.headers)["authorization"] for r in p.received]
+    assert sorted(keys) == ["Bearer sk-primary-0001", "Bearer sk-primary-0003"]
+    assert b.count == 4  # the backup's single key may repeat on later passes

@@ -53,6 +53,27 @@ class GatewaySettings(_Strict):
     def _lower(cls, value: str) -> str:
         return value.strip().lower()
 
+    @field_validator("state")
+    @classmethod
+    def _state(cls, value: str) -> str:
+        if value not in ("memory://", "memory", "") and not value.startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            raise ValueError('must be "memory://" or "redis://host:port/db"')
+        return value
+
+    @field_validator("store")
+    @classmethod
+    def _store(cls, value: str | None) -> str | None:
+        if value is not None:
+            from fallback_mw.store.url import StoreURLError, parse_store_url
+
+            try:
+                parse_store_url(value)
+            except StoreURLError as exc:
+                raise ValueError(str(exc)) from None
+        return value
+
 
 class UpstreamConfig(_Strict):
     url: str
@@ -158,10 +179,17 @@ class GatewayConfig(_Strict):
     prices: dict[str, PriceConfig] = {}
 
 
-def _describe(error: ValidationError) -> str:
+def _describe(error: ValidationError, data: Mapping[str, Any]) -> str:
     lines = []
+    routes = data.get("routes")
     for item in error.errors():
-        where = ".".join(str(p) for p in item["loc"])
+        loc = list(item["loc"])
+        # "routes.0.retry" reads better as "routes['chat'].retry".
+        if len(loc) >= 2 and loc[0] == "routes" and isinstance(loc[1], int):
+            route = routes[loc[1]] if isinstance(routes, list | tuple) else None
+            if isinstance(route, Mapping) and isinstance(route.get("id"), str):
+                loc[:2] = [f"routes[{route['id']!r}]"]
+        where = ".".join(str(p) for p in loc)
         if item["type"] == "extra_forbidden":
             lines.append(f"unknown key {where!r}")
         else:
@@ -184,11 +212,23 @@ def check_route(
         seen.add(name)
         if name not in upstreams:
             raise ConfigError(f"{label}: unknown upstream {name!r}")
+    primary_url = upstreams[route.plan[0]].url
+    for name in route.plan[1:]:
+        if upstreams[name].url == primary_url:
+            raise ConfigError(
+                f"{label}: fallback {name!r} is the primary's own endpoint ({primary_url})"
+            )
     fallbacks = len(route.plan) - 1
     if fallbacks > route.retries:
         raise ConfigError(
             f"{label}: plan has {fallbacks} fallback(s) but retries = {route.retries}; "
             f"a fallback could never be reached (set retries >= {fallbacks})"
+        )
+    if route.hedge_after_ms > 0 and route.retries < len(route.plan):
+        # A hedge spends an attempt; it must never cost a fallback its turn.
+        raise ConfigError(
+            f"{label}: hedge_after_ms needs retries >= {len(route.plan)} (one attempt for "
+            f"the hedge and one for each fallback); retries = {route.retries}"
         )
 
 
@@ -221,6 +261,15 @@ def validate(
             raise ConfigError(f"route {route.id!r} is defined twice")
         ids.add(route.id)
         check_route(route, config.upstreams)
+        if (
+            route.budget is not None
+            and route.budget not in config.budgets
+            and config.gateway.store is None
+        ):
+            raise ConfigError(
+                f"route {route.id!r}: unknown budget {route.budget!r} "
+                f"(define [budgets.{route.budget}] or use a store that has it)"
+            )
     if check_env:
         check_environment(config, os.environ if environ is None else environ)
     return config
@@ -230,7 +279,7 @@ def parse_config(data: Mapping[str, Any]) -> GatewayConfig:
     try:
         return GatewayConfig.model_validate(dict(data))
     except ValidationError as exc:
-        raise ConfigError(f"invalid configuration: {_describe(exc)}") from None
+        raise ConfigError(f"invalid configuration: {_describe(exc, data)}") from None
 
 
 def load_config(

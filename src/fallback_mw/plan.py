@@ -30,7 +30,9 @@ def candidate_order(
     if route.strategy == "random":
         (rng or random).shuffle(order)
     if canary:
-        order[0], order[1] = order[1], order[0]
+        # The canary is the route's second candidate, whatever the strategy did.
+        order.remove(route.plan[1])
+        order.insert(0, route.plan[1])
     if pinned is not None and pinned in order:
         order.remove(pinned)
         order.insert(0, pinned)

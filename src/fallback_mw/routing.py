@@ -12,7 +12,10 @@ def normalise_path(raw_path: str) -> str | None:
     """Percent-decode once, then resolve dot segments and empty segments, so that neither
     `..`, `%2e%2e` nor an encoded `/` or `\\` can move a request out of a prefix.
     Returns None for paths that cannot be made safe (NUL, climbing above the root)."""
-    decoded = unquote(raw_path, errors="strict") if "%" in raw_path else raw_path
+    try:
+        decoded = unquote(raw_path, errors="strict") if "%" in raw_path else raw_path
+    except UnicodeDecodeError:
+        return None  # not UTF-8 once decoded: matches no route, the host app decides
     if "\x00" in decoded:
         return None
     decoded = decoded.replace("\\", "/")

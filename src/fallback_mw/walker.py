@@ -176,16 +176,22 @@ class _Walk:
                 return None
             chunks.append(chunk)
             more = bool(message.get("more_body", False))
-            if not more:
+            if not more and size <= self.settings.replay_buffer:
                 self.body_done.set()
                 return _Body(buffered=b"".join(chunks))
             if size > self.settings.replay_buffer:
+                # Larger than replay_buffer, even when it came in one message: not replayable.
+                if not more:
+                    self.body_done.set()
                 body = _Body(buffered=None)
                 body.stream = self._stream_rest(b"".join(chunks), size, body)
                 return body
 
     async def _stream_rest(self, head: bytes, size: int, body: _Body) -> AsyncIterator[bytes]:
+        """Over replay_buffer: the body goes to one attempt only, read as it is sent."""
         yield head
+        if self.body_done.is_set():
+            return
         limit = self.settings.max_request_body
         while True:
             message = await self.receive()
@@ -323,8 +329,11 @@ class _Walk:
                 if not attempted_in_pass:
                     break  # a whole pass with every candidate skipped
                 attempted_in_pass = False
-                # Each credential at most once per pass; a new pass may reuse a healthy one.
-                self.used_credentials.clear()
+                # A pool's credentials are each used at most once per request (SPEC §6); an
+                # upstream with a single credential may be repeated on a later pass.
+                for used_name in list(self.used_credentials):
+                    if len(context.upstreams[used_name].credential_envs) < 2:
+                        del self.used_credentials[used_name]
             name = order[position % len(order)]
             position += 1
             upstream = context.upstreams[name]
