@@ -179,9 +179,9 @@ class GatewayConfig(_Strict):
     prices: dict[str, PriceConfig] = {}
 
 
-def _describe(error: ValidationError, data: Mapping[str, Any]) -> str:
+def _describe(error: ValidationError, data: Mapping[str, Any] | None = None) -> str:
     lines = []
-    routes = data.get("routes")
+    routes = (data or {}).get("routes")
     for item in error.errors():
         loc = list(item["loc"])
         # "routes.0.retry" reads better as "routes['chat'].retry".
