@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from fallback_mw.config import BreakerConfig
 from fallback_mw.health.breaker import DEFAULT_PROBE_LEASE, Breaker, Transition
-from fallback_mw.health.pool import CredentialPool, credential_mark
+from fallback_mw.health.pool import CredentialMark, CredentialPool, credential_mark
 from fallback_mw.telemetry import record_breaker_state
 
 logger = logging.getLogger("fallback_mw.health")
@@ -20,6 +20,28 @@ def report_transition(upstream: str, transition: Transition | str | None) -> Non
     state = {"opened": "open", "reopened": "open"}.get(transition, transition)
     record_breaker_state(upstream, state)  # the gauge and transition counter (telemetry)
     logger.info("breaker upstream=%s transition=%s", upstream, transition)
+
+
+def breaker_credential_mark(
+    config: BreakerConfig,
+    upstream: str,
+    index: int,
+    *,
+    status: int | None,
+    failure: bool,
+    retry_after: float | None,
+) -> CredentialMark | None:
+    """`credential_mark` with the breaker settings' cool-downs; a mark is logged."""
+    mark = credential_mark(
+        status=status,
+        failure=failure,
+        retry_after=retry_after,
+        default_cooldown=config.cooldown_ms / 1000,
+        max_cooldown=max(config.max_cooldown_ms, config.cooldown_ms) / 1000,
+    )
+    if mark is not None:
+        logger.info("credential upstream=%s index=%d mark=%s", upstream, index, mark.action)
+    return mark
 
 
 class MemoryHealth:
@@ -84,15 +106,9 @@ class MemoryHealth:
     ) -> None:
         if self.pool_sizes.get(upstream, 0) <= 1:
             return
-        mark = credential_mark(
-            status=status,
-            failure=failure,
-            retry_after=retry_after,
-            default_cooldown=self.config.cooldown_ms / 1000,
-            max_cooldown=max(self.config.max_cooldown_ms, self.config.cooldown_ms) / 1000,
+        mark = breaker_credential_mark(
+            self.config, upstream, index, status=status, failure=failure, retry_after=retry_after
         )
-        if mark is not None:
-            logger.info("credential upstream=%s index=%d mark=%s", upstream, index, mark.action)
         self.pool(upstream).apply(index, mark, self.clock())
 
     async def aclose(self) -> None:

@@ -26,8 +26,7 @@ from redis.exceptions import RedisError
 
 from fallback_mw.config import BreakerConfig
 from fallback_mw.health.breaker import DEFAULT_PROBE_LEASE
-from fallback_mw.health.memory import MemoryHealth, report_transition
-from fallback_mw.health.pool import credential_mark
+from fallback_mw.health.memory import MemoryHealth, breaker_credential_mark, report_transition
 from fallback_mw.store.url import redact_url
 
 logger = logging.getLogger("fallback_mw.health")
@@ -349,17 +348,11 @@ class RedisHealth:
     ) -> None:
         if self._pool_sizes.get(upstream, 0) <= 1:
             return
-        config = self.config
-        mark = credential_mark(
-            status=status,
-            failure=failure,
-            retry_after=retry_after,
-            default_cooldown=config.cooldown_ms / 1000,
-            max_cooldown=max(config.max_cooldown_ms, config.cooldown_ms) / 1000,
+        mark = breaker_credential_mark(
+            self.config, upstream, index, status=status, failure=failure, retry_after=retry_after
         )
         if mark is None:
             return
-        logger.info("credential upstream=%s index=%d mark=%s", upstream, index, mark.action)
         await self._with_fallback(
             "mark",
             MARK,
