@@ -131,19 +131,9 @@ async def attempt_with_hedge(
                 return None
         if not await health.admit(name):
             return None  # e.g. the primary attempt is the half-open probe
-        if hedge_credential is not None:
-            walk.used_credentials.setdefault(name, set()).add(hedge_credential)
-        hedge_record = AttemptRecord(
-            candidate=name,
-            number=context.attempt_count + 1,
-            server_address=upstream.host,
-            credential_index=hedge_credential,
-            hedge=True,
-        )
-        context.attempts.append(hedge_record)
+        hedge_record = walk._start_attempt(name, upstream, hedge_credential, hedge=True)
         records.append(hedge_record)
         credentials.append(hedge_credential)
-        walk.walker.telemetry.attempt_started(context, hedge_record)
         return walk._attempt(name, upstream, hedge_record, body, parsed, hedge_credential)
 
     async def discard(index: int, result: AttemptResult | None) -> None:

@@ -365,17 +365,7 @@ class _Walk:
             if last_response is not None:
                 await _close(last_response)
                 last_response = None
-            if credential_index is not None:
-                self.used_credentials.setdefault(name, set()).add(credential_index)
-
-            record = AttemptRecord(
-                candidate=name,
-                number=context.attempt_count + 1,
-                server_address=upstream.host,
-                credential_index=credential_index,
-            )
-            context.attempts.append(record)
-            walker.telemetry.attempt_started(context, record)
+            record = self._start_attempt(name, upstream, credential_index)
             if hedge_applies(self, name, body):
                 outcome, record, credential_index = await attempt_with_hedge(
                     self, name, upstream, record, body, parsed, credential_index
@@ -498,6 +488,28 @@ class _Walk:
     def _skip(self, name: str, reason: str) -> None:
         self.context.skipped.append(SkipRecord(candidate=name, reason=reason))
         self.walker.telemetry.skipped(self.context, name, reason)
+
+    def _start_attempt(
+        self,
+        name: str,
+        upstream: UpstreamConfig,
+        credential_index: int | None,
+        *,
+        hedge: bool = False,
+    ) -> AttemptRecord:
+        """Mark the credential used, and record and report the attempt about to start."""
+        if credential_index is not None:
+            self.used_credentials.setdefault(name, set()).add(credential_index)
+        record = AttemptRecord(
+            candidate=name,
+            number=self.context.attempt_count + 1,
+            server_address=upstream.host,
+            credential_index=credential_index,
+            hedge=hedge,
+        )
+        self.context.attempts.append(record)
+        self.walker.telemetry.attempt_started(self.context, record)
+        return record
 
     # --- one attempt ------------------------------------------------------------------
 
