@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,9 @@ __all__ = [
     "client_for",
     "free_port",
     "gateway_client",
+    "http_scope",
     "log_text",
+    "request_then_disconnect",
     "serve_process",
     "wait_listening",
 ]
@@ -75,6 +77,41 @@ async def wait_listening(process: subprocess.Popen[bytes], port: int, log: Path)
         await stream.aclose()
         return
     pytest.fail("serve did not start listening within 20 s")
+
+
+def http_scope(
+    method: str, path: str, query: bytes = b"", headers: Iterable[tuple[bytes, bytes]] = ()
+) -> dict[str, Any]:
+    """A raw ASGI HTTP scope as a server on gw:80 would pass it (host header first)."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": query,
+        "headers": [(b"host", b"gw"), *headers],
+        "client": ("127.0.0.1", 1),
+        "server": ("gw", 80),
+    }
+
+
+def request_then_disconnect(after: float) -> Callable[[], Awaitable[dict[str, Any]]]:
+    """An ASGI `receive` for a client that sends an empty request, then leaves `after`
+    seconds later (every later call waits that long and says `http.disconnect`)."""
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await anyio.sleep(after)
+        return {"type": "http.disconnect"}
+
+    return receive
 
 
 def client_for(app: Any) -> httpx.AsyncClient:

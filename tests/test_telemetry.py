@@ -26,7 +26,7 @@ from fallback_mw.context import AttemptRecord, RequestContext, Usage
 from fallback_mw.faults import UpstreamFault
 from fallback_mw.health import AlwaysHealthy
 from fallback_mw.telemetry import Telemetry, record_breaker_state
-from tests.helpers import client_for
+from tests.helpers import client_for, http_scope, request_then_disconnect
 from tests.upstreams import host_app, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
@@ -314,15 +314,7 @@ async def test_cancelled_client(recorded: Recorded, caplog: pytest.LogCaptureFix
             host_app, config=make_config(p.url, b.url), environ=ENV, telemetry=recorded.telemetry
         )
         messages: list[dict[str, Any]] = []
-        delivered = False
-
-        async def receive() -> dict[str, Any]:
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": b"", "more_body": False}
-            await asyncio.sleep(0.2)
-            return {"type": "http.disconnect"}
+        receive = request_then_disconnect(after=0.2)
 
         async def send(message: Any) -> None:
             messages.append(message)
@@ -602,22 +594,6 @@ def test_hooks_never_raise(recorded: Recorded) -> None:
     telemetry.attempt_finished(context, record)
     telemetry.request_finished(context)
     telemetry.request_finished(context)
-
-
-def http_scope(method: str, path: str, query: bytes = b"", headers: Any = ()) -> dict[str, Any]:
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": method,
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": query,
-        "headers": [(b"host", b"gw"), *headers],
-        "client": ("127.0.0.1", 1),
-        "server": ("gw", 80),
-    }
 
 
 async def test_usage_reported_by_the_upstream_reaches_the_request_span(

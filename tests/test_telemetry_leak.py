@@ -24,6 +24,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from fallback_mw import Gateway
 from fallback_mw.telemetry import Telemetry
+from tests.helpers import http_scope
 from tests.upstreams import upstream
 
 pytestmark = pytest.mark.anyio
@@ -79,22 +80,6 @@ def everything_logged() -> Iterator[Everything]:
     finally:
         root.removeHandler(handler)
         root.setLevel(old_level)
-
-
-def scope_for(method: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]]) -> Any:
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": method,
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": query,
-        "headers": [(b"host", b"gw"), *headers],
-        "client": ("127.0.0.1", 1),
-        "server": ("gw", 80),
-    }
 
 
 async def call(gateway: Gateway, scope: Any, body: bytes) -> tuple[int, bytes]:
@@ -195,8 +180,8 @@ async def test_no_secret_reaches_any_span_metric_log_or_output(
             ],
         }
         gateway = Gateway(lambda *a: None, config=config, environ=ENV, telemetry=telemetry)
-        served = await call(gateway, scope_for("POST", "/v1/chat", query, headers), body)
-        failed = await call(gateway, scope_for("POST", "/x/chat", query, headers), body)
+        served = await call(gateway, http_scope("POST", "/v1/chat", query, headers), body)
+        failed = await call(gateway, http_scope("POST", "/x/chat", query, headers), body)
         await gateway.aclose()
 
     # The markers really went through the gateway (otherwise the scan proves nothing).

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from fallback_mw import Gateway
 from fallback_mw.health import AlwaysHealthy
-from tests.helpers import client_for
+from tests.helpers import client_for, http_scope, request_then_disconnect
 from tests.upstreams import (
     closed_port_url,
     host_app,
@@ -27,22 +27,6 @@ from tests.upstreams import (
 pytestmark = pytest.mark.anyio
 
 ENV = {"PRIMARY_KEY": "sk-primary-0001", "BACKUP_KEY": "sk-backup-0002"}
-
-
-def raw_scope(method: str, path: str) -> dict[str, Any]:
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": method,
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "headers": [(b"host", b"gw")],
-        "client": ("127.0.0.1", 1),
-        "server": ("gw", 80),
-    }
 
 
 def make_config(
@@ -142,7 +126,7 @@ async def test_body_over_replay_buffer_in_one_message_is_not_failed_over() -> No
         async def send(message: Any) -> None:
             sent.append(message)
 
-        await gateway(raw_scope("POST", "/v1/upload"), receive, send)
+        await gateway(http_scope("POST", "/v1/upload"), receive, send)
         await gateway.aclose()
     assert sent[0]["status"] == 503
     assert b.count == 0
@@ -451,32 +435,12 @@ async def test_cancelled_client_starts_no_fallback() -> None:
         config["upstreams"]["primary"]["first_byte_timeout_ms"] = 400
         gateway = Gateway(host_app, config=config, environ=ENV)
         messages: list[dict[str, Any]] = []
-        sent_request = False
-
-        async def receive() -> dict[str, Any]:
-            nonlocal sent_request
-            if not sent_request:
-                sent_request = True
-                return {"type": "http.request", "body": b"", "more_body": False}
-            await asyncio.sleep(0.1)
-            return {"type": "http.disconnect"}
+        receive = request_then_disconnect(after=0.1)
 
         async def send(message: Any) -> None:
             messages.append(message)
 
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "GET",
-            "scheme": "http",
-            "path": "/v1/models",
-            "raw_path": b"/v1/models",
-            "query_string": b"",
-            "headers": [(b"host", b"gw")],
-            "client": ("127.0.0.1", 1),
-            "server": ("gw", 80),
-        }
+        scope = http_scope("GET", "/v1/models")
         started = time.monotonic()
         await gateway(scope, receive, send)
         elapsed = time.monotonic() - started
