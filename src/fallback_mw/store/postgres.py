@@ -13,6 +13,8 @@ from typing import Any, TypeVar
 import asyncpg
 
 from fallback_mw.store.routes import (
+    SCHEMA_COMPONENT,
+    SCHEMA_VERSION,
     Fault,
     RouteExists,
     StoredRoute,
@@ -23,8 +25,6 @@ from fallback_mw.store.url import redact_url
 
 T = TypeVar("T")
 
-COMPONENT = "routes"
-SCHEMA_VERSION = 1
 CHANNEL = "fmw_route_changes"
 _MIGRATION_LOCK = 0x666D7772  # "fmwr": serialises concurrent migrations of this component
 
@@ -88,15 +88,15 @@ class PostgresStore:
                 "(component TEXT PRIMARY KEY, version INTEGER NOT NULL)"
             )
             current = await conn.fetchval(
-                "SELECT version FROM fmw_schema WHERE component = $1", COMPONENT
+                "SELECT version FROM fmw_schema WHERE component = $1", SCHEMA_COMPONENT
             )
             current = int(current or 0)
-            for statement in pending_migrations(COMPONENT, current, SCHEMA_VERSION, _MIGRATIONS):
+            for statement in pending_migrations(current, _MIGRATIONS):
                 await conn.execute(statement)
             await conn.execute(
                 "INSERT INTO fmw_schema (component, version) VALUES ($1, $2) "
                 "ON CONFLICT (component) DO UPDATE SET version = excluded.version",
-                COMPONENT,
+                SCHEMA_COMPONENT,
                 SCHEMA_VERSION,
             )
 

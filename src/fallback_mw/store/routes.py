@@ -32,17 +32,20 @@ class StoreError(RuntimeError):
     """The store cannot be reached or is in a state this package does not understand."""
 
 
-def pending_migrations(
-    component: str, current: int, latest: int, steps: Sequence[Sequence[str]]
-) -> list[str]:
-    """The statements taking `component`'s schema from version `current` to `latest`
-    (`steps[n - 1]` migrates from n-1 to n); StoreError when the store is newer."""
-    if current > latest:
+SCHEMA_COMPONENT = "routes"  # the route stores' row in the shared `fmw_schema` table
+SCHEMA_VERSION = 1  # both dialects' migrations lead to this version
+
+
+def pending_migrations(current: int, steps: Sequence[Sequence[str]]) -> list[str]:
+    """The statements taking the route store's schema from version `current` to
+    SCHEMA_VERSION (`steps[n - 1]` migrates from n-1 to n); StoreError when the store is
+    newer than this package."""
+    if current > SCHEMA_VERSION:
         raise StoreError(
-            f"the store's {component!r} schema is version {current}; this package "
-            f"knows up to {latest} (upgrade fallback_mw)"
+            f"the store's {SCHEMA_COMPONENT!r} schema is version {current}; this package "
+            f"knows up to {SCHEMA_VERSION} (upgrade fallback_mw)"
         )
-    return [s for version in range(current + 1, latest + 1) for s in steps[version - 1]]
+    return [s for version in range(current + 1, SCHEMA_VERSION + 1) for s in steps[version - 1]]
 
 
 class RouteExists(ConfigError):

@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from fallback_mw.store.routes import (
+    SCHEMA_COMPONENT,
+    SCHEMA_VERSION,
     Fault,
     RouteExists,
     StoredRoute,
@@ -20,8 +22,6 @@ from fallback_mw.store.routes import (
 
 T = TypeVar("T")
 
-COMPONENT = "routes"
-SCHEMA_VERSION = 1
 
 _SCHEMA_TABLE = (
     "CREATE TABLE IF NOT EXISTS fmw_schema (component TEXT PRIMARY KEY, version INTEGER NOT NULL)"
@@ -69,15 +69,15 @@ class SqliteStore:
         try:
             conn.execute(_SCHEMA_TABLE)
             row = conn.execute(
-                "SELECT version FROM fmw_schema WHERE component = ?", (COMPONENT,)
+                "SELECT version FROM fmw_schema WHERE component = ?", (SCHEMA_COMPONENT,)
             ).fetchone()
             current = int(row[0]) if row else 0
-            for statement in pending_migrations(COMPONENT, current, SCHEMA_VERSION, _MIGRATIONS):
+            for statement in pending_migrations(current, _MIGRATIONS):
                 conn.execute(statement)
             conn.execute(
                 "INSERT INTO fmw_schema (component, version) VALUES (?, ?) "
                 "ON CONFLICT (component) DO UPDATE SET version = excluded.version",
-                (COMPONENT, SCHEMA_VERSION),
+                (SCHEMA_COMPONENT, SCHEMA_VERSION),
             )
             conn.execute("COMMIT")
         except BaseException:
