@@ -6,6 +6,8 @@ import asyncio
 import io
 import sys
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,7 @@ from fallback_mw import Gateway
 from fallback_mw.cli_admin import main
 from fallback_mw.store.routes import StoredRoute, open_store
 from tests.helpers import client_for
-from tests.upstreams import host_app, status_handler, upstream
+from tests.upstreams import Upstream, host_app, status_handler, upstream
 
 
 def run_cli(*argv: str) -> tuple[int, str, str]:
@@ -30,16 +32,22 @@ async def cli(*argv: str) -> tuple[int, str, str]:
     return await asyncio.to_thread(run_cli, *argv)
 
 
-async def add_chat_route(store: str, primary_url: str) -> list[str]:
-    """`routes add` of route "chat" (/api/ to the primary, one retry); returns the
-    `--store ... --id chat` arguments that name it in later commands."""
-    base = ["--store", store, "--id", "chat"]
-    status, _, err = await cli(
-        "routes", "add", *base, "--prefix", "/api/", "--upstream", primary_url,
-        "--retries", "1",
-    )  # fmt: skip
-    assert status == 0, err
-    return base
+@asynccontextmanager
+async def failing_chat_route(store: str) -> AsyncIterator[tuple[list[str], Upstream]]:
+    """A failing primary (503) stored as route "chat" (/api/, one retry) by `routes add`,
+    and a healthy backup (body "backup") to make its fallback. Yields the `--store ...
+    --id chat` arguments that name the route in later commands, and the backup."""
+    async with (
+        upstream(status_handler(503)) as primary,
+        upstream(status_handler(200, b"backup")) as backup,
+    ):
+        base = ["--store", store, "--id", "chat"]
+        status, _, err = await cli(
+            "routes", "add", *base, "--prefix", "/api/", "--upstream", primary.url,
+            "--retries", "1",
+        )  # fmt: skip
+        assert status == 0, err
+        yield base, backup
 
 
 def gateway_config(store: str, **extra: Any) -> dict[str, Any]:
@@ -191,11 +199,7 @@ plan = ["primary"]
 
 @pytest.mark.anyio
 async def test_sqlite_hot_reload_and_refused_reload(store_url: str) -> None:
-    async with (
-        upstream(status_handler(503)) as primary,
-        upstream(status_handler(200, b"backup")) as backup,
-    ):
-        base = await add_chat_route(store_url, primary.url)
+    async with failing_chat_route(store_url) as (base, backup):
         gateway = Gateway(host_app, config=gateway_config(store_url), environ={})
         runtime = gateway.services.store
         assert runtime is not None

@@ -17,8 +17,8 @@ from fallback_mw import Gateway
 from fallback_mw.store.postgres import PostgresStore
 from fallback_mw.store.routes import Fault
 from tests.helpers import client_for
-from tests.test_cli_admin import add_chat_route, cli, gateway_config, host_app
-from tests.upstreams import free_port, status_handler, upstream
+from tests.test_cli_admin import cli, failing_chat_route, gateway_config, host_app
+from tests.upstreams import free_port
 
 
 async def _probe(client: httpx.AsyncClient) -> str:
@@ -43,11 +43,7 @@ async def _until(clients: list[httpx.AsyncClient], expected: str, within: float)
 
 @pytest.mark.anyio
 async def test_set_and_clear_fallback_reach_two_running_gateways(pg_url: str) -> None:
-    async with (
-        upstream(status_handler(503)) as primary,
-        upstream(status_handler(200, b"backup")) as backup,
-    ):
-        base = await add_chat_route(pg_url, primary.url)
+    async with failing_chat_route(pg_url) as (base, backup):
         gateways = [Gateway(host_app, config=gateway_config(pg_url), environ={}) for _ in range(2)]
         for gateway in gateways:
             # Only NOTIFY can make these fast: the safety-net poll is slower than the bound.
@@ -105,11 +101,7 @@ async def test_schema_is_versioned_and_trigger_notifies(pg_url: str) -> None:
 
 @pytest.mark.anyio
 async def test_a_separate_serve_process_sees_the_change(pg_url: str, tmp_path: Path) -> None:
-    async with (
-        upstream(status_handler(503)) as primary,
-        upstream(status_handler(200, b"backup")) as backup,
-    ):
-        base = await add_chat_route(pg_url, primary.url)
+    async with failing_chat_route(pg_url) as (base, backup):
         config = tmp_path / "gateway.toml"
         config.write_text(
             f'[gateway]\nstore = "{pg_url}"\n[gateway.breaker]\nmin_calls = 1000000\n',
