@@ -62,7 +62,11 @@ def store_url(tmp_path: Path) -> str:
 
 
 @pytest.mark.anyio
-async def test_route_added_by_the_cli_serves_with_failover(store_url: str) -> None:
+async def test_route_added_by_the_cli_serves_with_failover(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PRIMARY_KEY", "sk-admin-shell-primary")
+    monkeypatch.setenv("BACKUP_KEY", "sk-admin-shell-backup")
     async with (
         upstream(status_handler(503)) as primary,
         upstream(status_handler(200, b"from backup")) as backup,
@@ -147,12 +151,12 @@ def test_set_fallback_refusals_leave_the_stored_route_alone(store_url: str) -> N
         "routes", "set-fallback", *base, "--upstream", "http://169.254.169.254/latest"
     )
     assert status == 2 and "metadata" in err
-    # An auth header callers' copies of which are not always stripped.
+    # A credential variable that is not set (SPEC §3): named, nothing stored.
     status, _, err = run_cli(
         "routes", "set-fallback", *base, "--upstream", "http://127.0.0.1:2",
-        "--auth-header", "x-custom-key", "--auth-env", "KEY",
+        "--auth-header", "x-custom-key", "--auth-env", "FMW_TEST_UNSET_KEY",
     )  # fmt: skip
-    assert status == 2 and "x-custom-key" in err
+    assert status == 2 and "FMW_TEST_UNSET_KEY is not set" in err
     _, out, _ = run_cli("routes", "list", "--store", store_url)
     assert "chat-fallback" not in out and "chat-primary=http://127.0.0.1:1" in out
 
@@ -282,3 +286,22 @@ def test_faults_verbs(store_url: str) -> None:
     )
     assert run_cli("faults", "clear", *s, "--all")[1] == "2 fault(s) cleared\n"
     assert run_cli("faults", "list", *s)[1] == "no faults\n"
+    # SPEC §10 writes the selector as optional: no flag clears every fault.
+    assert run_cli("faults", "set", "hang", *s, "--upstream", "other", "--ttl", "60")[0] == 0
+    assert run_cli("faults", "clear", *s) == (0, "1 fault(s) cleared\n", "")
+    assert run_cli("faults", "list", *s)[1] == "no faults\n"
+
+
+def test_a_store_route_may_use_a_custom_auth_header(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FMW_TEST_CUSTOM_KEY", "sk-custom")
+    status, _, err = run_cli(
+        "routes", "add", "--store", store_url, "--id", "c", "--prefix", "/c/",
+        "--upstream", "http://127.0.0.1:9008", "--auth-header", "x-custom-key",
+        "--auth-env", "FMW_TEST_CUSTOM_KEY",
+    )  # fmt: skip
+    assert (status, err) == (0, "")
+    _, out, _ = run_cli("routes", "list", "--store", store_url)
+    assert "c-primary=http://127.0.0.1:9008" in out
+    assert "sk-custom" not in out

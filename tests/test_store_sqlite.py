@@ -81,9 +81,10 @@ def test_merge_refuses_duplicates_and_checks_like_the_loader() -> None:
 
 @pytest.mark.anyio
 async def test_gateway_refuses_to_start_on_a_bad_store_and_stops_its_reloader(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url = f"sqlite:///{tmp_path / 'g.db'}"
+    monkeypatch.setenv("A_KEY", "set-in-the-admin-shell-only")
     status, _, _ = await cli(
         "routes", "add", "--store", url, "--id", "a", "--prefix", "/a/",
         "--upstream", "http://127.0.0.1:1", "--auth-env", "A_KEY",

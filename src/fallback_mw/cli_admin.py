@@ -6,13 +6,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from fallback_mw.config import ConfigError, GatewayConfig, RouteConfig, load_config
+from fallback_mw.config import (
+    ConfigError,
+    GatewayConfig,
+    RouteConfig,
+    UpstreamConfig,
+    load_config,
+)
 from fallback_mw.store.routes import (
     Fault,
     RouteStore,
@@ -81,6 +88,18 @@ def _find_stored(routes: list[StoredRoute], route_id: str) -> StoredRoute:
     raise NotFound(f"no route {route_id!r} in the store")
 
 
+def _refuse_unset_variables(route_id: str, upstreams: dict[str, UpstreamConfig]) -> None:
+    """SPEC §3/§10: the store refuses what the loader refuses, an unset credential variable
+    included (named; its value is never printed). Run the admin command where the
+    gateway's credential variables are set, or the gateways would refuse the route."""
+    for name, upstream in upstreams.items():
+        for var in upstream.credential_envs:
+            if not os.environ.get(var):
+                raise Refused(
+                    f"route {route_id!r}: upstream {name!r}: environment variable {var} is not set"
+                )
+
+
 def _refuse_orphan_credentials(args: argparse.Namespace) -> None:
     if getattr(args, "fallback", None) is None and (
         args.fallback_auth_header is not None or args.fallback_auth_env is not None
@@ -113,6 +132,7 @@ async def routes_add(args: argparse.Namespace, target: Target, out: TextIO) -> N
         {"id": args.id, "prefix": args.prefix, "plan": plan, "retries": args.retries},
         where,
     )
+    _refuse_unset_variables(args.id, upstreams)
     stored = StoredRoute(route=route, upstreams=upstreams)
     await _check_and_write(target, stored, target.store.insert_route)
     out.write(f"route {args.id!r} added: {' -> '.join(plan)}\n")
@@ -133,6 +153,7 @@ async def routes_set_fallback(args: argparse.Namespace, target: Target, out: Tex
         {**current.route.model_dump(), "plan": [primary, fallback_name(args.id)]},
         where,
     )
+    _refuse_unset_variables(args.id, {fallback_name(args.id): upstreams[fallback_name(args.id)]})
     await _check_and_write(
         target, StoredRoute(route=route, upstreams=upstreams), target.store.replace_route
     )
@@ -340,7 +361,8 @@ def register(subparsers: Any) -> None:
     fset.add_argument("--candidate", metavar="NAME")
     fset.add_argument("--ttl", type=int, required=True, metavar="SECONDS")
     fclear = _leaf(fverbs, "clear", faults_clear, "clear faults", common)
-    which = fclear.add_mutually_exclusive_group(required=True)
+    # SPEC §10: `faults clear [--upstream NAME | --route ID | --all]`; no flag clears all.
+    which = fclear.add_mutually_exclusive_group(required=False)
     which.add_argument("--upstream", metavar="NAME")
     which.add_argument("--route", metavar="ID")
     which.add_argument("--all", action="store_true")

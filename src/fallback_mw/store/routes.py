@@ -22,7 +22,6 @@ from fallback_mw.config import (
 )
 from fallback_mw.config import _describe as describe_validation_error
 from fallback_mw.routing import RouteTable
-from fallback_mw.security import CREDENTIAL_HEADERS
 
 FaultKind = Literal["fail", "hang", "pin"]
 Model = TypeVar("Model", bound=BaseModel)
@@ -185,15 +184,6 @@ def check_stored_route(stored: StoredRoute, allow_hosts: tuple[str, ...]) -> Non
             check_upstream(name, upstream, allow_hosts)
         except ConfigError as exc:
             raise ConfigError(f"route {route.id!r}: {exc}") from None
-        if upstream.credential_envs and upstream.auth_header.encode() not in CREDENTIAL_HEADERS:
-            # Callers' copies of these headers are always stripped; a store upstream may not
-            # widen that set behind the running gateway's back.
-            allowed = ", ".join(sorted(h.decode() for h in CREDENTIAL_HEADERS - {b"cookie"}))
-            raise ConfigError(
-                f"route {route.id!r}: upstream {name!r}: auth header "
-                f"{upstream.auth_header!r} is not one of {allowed} "
-                f"(define such an upstream in the config file)"
-            )
     primary = stored.upstreams.get(route.plan[0])
     if primary is None:
         return
