@@ -73,7 +73,10 @@ GATEWAY = textwrap.dedent(
     app = Gateway(host, config={
         "upstreams": {
             "primary": {"url": sys.argv[1], "auth_env": "BENCH_KEY"},
-            "backup": {"url": sys.argv[1], "auth_env": "BENCH_KEY"},
+            # The same local server under another name: a fallback may not be the
+            # primary's own endpoint.
+            "backup": {"url": sys.argv[1].replace("127.0.0.1", "localhost"),
+                       "auth_env": "BENCH_KEY"},
         },
         "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary", "backup"],
                     "retries": 1, "replayable_methods": ["GET", "POST"]}],
@@ -88,9 +91,13 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def wait_port(port: int, timeout: float = 15.0) -> None:
+def wait_port(
+    port: int, process: subprocess.Popen[bytes] | None = None, timeout: float = 15.0
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"the process for port {port} exited ({process.returncode})")
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
             return
@@ -120,7 +127,11 @@ def start_asgi(
     ]
     env = {**os.environ, "BENCH_KEY": "bench-secret"}
     process = subprocess.Popen(command, env=env)
-    wait_port(port)
+    try:
+        wait_port(port, process)
+    except BaseException:
+        process.kill()
+        raise
     return process, port
 
 
@@ -174,8 +185,9 @@ def main() -> None:
         wait_port(upstream_port)
         upstream_url = f"http://127.0.0.1:{upstream_port}"
         bare, bare_port = start_asgi(BARE_PROXY, upstream_url, workdir, "bare_proxy")
+        processes.append(bare)
         gateway, gateway_port = start_asgi(GATEWAY, upstream_url, workdir, "gateway_app")
-        processes += [bare, gateway]
+        processes.append(gateway)
         results: dict[str, list[float]] = {"bare": [], "gateway": []}
         asyncio.run(load(f"http://127.0.0.1:{bare_port}/v1/chat", 0.5, args.concurrency))
         asyncio.run(load(f"http://127.0.0.1:{gateway_port}/v1/chat", 0.5, args.concurrency))
