@@ -35,6 +35,7 @@ from fallback_mw.budget.schema import (
     usage_values,
 )
 from fallback_mw.config import BudgetConfig
+from fallback_mw.store.sqlite_connect import connect_wal
 
 T = TypeVar("T")
 logger = logging.getLogger("fallback_mw.budget")
@@ -59,14 +60,10 @@ class SQLiteLedger(SQLLedgerBase):
 
     def _connection(self) -> sqlite3.Connection:
         if self._conn is None:
-            conn = sqlite3.connect(
-                self.path,
-                timeout=self.busy_timeout,
-                isolation_level=None,  # explicit BEGIN IMMEDIATE / COMMIT below
-                check_same_thread=False,  # used from worker threads, under self._lock
-            )
+            # Autocommit (explicit BEGIN IMMEDIATE / COMMIT below); used from worker
+            # threads, under self._lock.
+            conn = connect_wal(self.path, timeout=self.busy_timeout, check_same_thread=False)
             try:
-                conn.execute("PRAGMA journal_mode=WAL")
                 conn.execute("PRAGMA synchronous=NORMAL")
                 _migrate(conn)
                 _reap_stale_holds(conn, self.stale_hold_seconds)

@@ -19,6 +19,7 @@ from fallback_mw.store.routes import (
     StoreError,
     pending_migrations,
 )
+from fallback_mw.store.sqlite_connect import connect_wal
 
 T = TypeVar("T")
 
@@ -54,7 +55,7 @@ class SqliteStore:
 
     def _connect(self) -> sqlite3.Connection:
         try:
-            conn = sqlite3.connect(self.path, timeout=5.0, isolation_level=None)
+            conn = connect_wal(self.path, timeout=5.0)
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open the SQLite store: {exc}") from None
         conn.execute("PRAGMA busy_timeout = 5000")
@@ -64,7 +65,6 @@ class SqliteStore:
         return conn
 
     def _migrate(self, conn: sqlite3.Connection) -> None:
-        conn.execute("PRAGMA journal_mode = WAL")
         conn.execute("BEGIN IMMEDIATE")
         try:
             conn.execute(_SCHEMA_TABLE)
