@@ -305,3 +305,24 @@ def test_a_store_route_may_use_a_custom_auth_header(
     _, out, _ = run_cli("routes", "list", "--store", store_url)
     assert "c-primary=http://127.0.0.1:9008" in out
     assert "sk-custom" not in out
+
+
+@pytest.mark.anyio
+async def test_a_callers_copy_of_a_store_upstreams_auth_header_is_stripped(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FMW_TEST_CUSTOM_KEY", "sk-custom-real")
+    async with upstream(status_handler(200)) as target:
+        status, _, err = await cli(
+            "routes", "add", "--store", store_url, "--id", "c", "--prefix", "/c/",
+            "--upstream", target.url, "--auth-header", "x-custom-key",
+            "--auth-env", "FMW_TEST_CUSTOM_KEY",
+        )  # fmt: skip
+        assert status == 0, err
+        gateway = Gateway(host_app, config=gateway_config(store_url))
+        async with client_for(gateway) as client:
+            response = await client.get("/c/x", headers={"x-custom-key": "caller-forged"})
+        await gateway.aclose()
+    assert response.status_code == 200
+    sent = [v for n, v in target.received[0].headers if n == "x-custom-key"]
+    assert sent == ["sk-custom-real"]
