@@ -60,6 +60,8 @@ class RequestContext:
     candidates: list[str] = field(default_factory=list)  # this request's order
     canary: bool = False
     pinned: str | None = None
+    # The route table's upstream auth headers: stripped from the caller like the rest.
+    upstream_auth_headers: frozenset[bytes] = frozenset()
     forward_headers: Headers = field(default_factory=list)  # caller headers, cleaned
     # Set by CredentialInjector: (upstream name, pool index) -> (header, value) or None.
     credential_for: Callable[[str, int], tuple[str, str] | None] | None = None

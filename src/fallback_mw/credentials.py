@@ -40,7 +40,9 @@ class CredentialInjector:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         context = get_context(scope)
         if context is not None:
-            context.forward_headers = forwardable_request_headers(scope.get("headers", ()))
+            context.forward_headers = forwardable_request_headers(
+                scope.get("headers", ()), also_strip=context.upstream_auth_headers
+            )
             upstreams = context.upstreams
             environ = self.environ
 

@@ -59,6 +59,7 @@ class RouteResolver:
         scope[SCOPE_KEY] = RequestContext(
             route=route,
             upstreams=table.upstreams,
+            upstream_auth_headers=table.auth_headers,
             tenant=tenant,
             session=_header(scope, self.session_header),
             method=scope["method"].upper(),

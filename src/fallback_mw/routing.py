@@ -47,6 +47,8 @@ class RouteTable:
         # Longest prefix first; a tenant-specific route beats a tenant-less one of equal prefix.
         self.routes = tuple(sorted(routes, key=lambda r: (-len(r.prefix), r.tenant is None, r.id)))
         self.upstreams = dict(upstreams)
+        # A caller's copy of any upstream's own auth header is a caller credential too.
+        self.auth_headers = frozenset(u.auth_header.encode() for u in self.upstreams.values())
 
     def match(self, method: str, path: str, tenant: str) -> RouteConfig | None:
         for route in self.routes:

@@ -47,10 +47,12 @@ def _connection_named(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
     return named
 
 
-def forwardable_request_headers(headers: Iterable[tuple[bytes, bytes]]) -> Headers:
-    """The caller's headers minus credentials, hop-by-hop fields, those named in
-    `Connection`, incoming `x-gateway-*` and the fields the client recomputes.
-    Repeated headers survive in order."""
+def forwardable_request_headers(
+    headers: Iterable[tuple[bytes, bytes]], *, also_strip: frozenset[bytes] = frozenset()
+) -> Headers:
+    """The caller's headers minus credentials (the standard ones and `also_strip`, the
+    upstreams' own auth headers), hop-by-hop fields, those named in `Connection`, incoming
+    `x-gateway-*` and the fields the client recomputes. Repeated headers survive in order."""
     items = list(headers)
     named = _connection_named(items)
     kept: Headers = []
@@ -58,6 +60,7 @@ def forwardable_request_headers(headers: Iterable[tuple[bytes, bytes]]) -> Heade
         lower = name.lower()
         if (
             lower in CREDENTIAL_HEADERS
+            or lower in also_strip
             or lower in HOP_BY_HOP_HEADERS
             or lower in RECOMPUTED_HEADERS
             or lower in named

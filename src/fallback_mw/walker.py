@@ -14,6 +14,7 @@ from urllib.parse import quote
 
 from fallback_mw.config import GatewayConfig, RouteConfig, UpstreamConfig
 from fallback_mw.context import AttemptRecord, RequestContext, SkipRecord, get_context
+from fallback_mw.credentials import CredentialInjector
 from fallback_mw.errors import gateway_headers, send_error
 from fallback_mw.failover import (
     CREDENTIAL_STATUSES,
@@ -91,6 +92,7 @@ class PlanWalker:
         self.health: HealthState = health or AlwaysHealthy()
         self.faults: FaultSource = faults or NoFaults()
         self.telemetry = telemetry or Telemetry()
+        self._hygiene = CredentialInjector(self._walk, config=config)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         context = get_context(scope)
@@ -99,21 +101,13 @@ class PlanWalker:
             return
         if context.credential_for is None:
             # Used without CredentialInjector: apply the same hygiene here.
-            from fallback_mw.credentials import CredentialInjector
-
-            await CredentialInjector(self._walk, config=GatewayConfig())(scope, receive, send)
+            await self._hygiene(scope, receive, send)
             return
         await self._walk(scope, receive, send)
 
     async def _walk(self, scope: Scope, receive: Receive, send: Send) -> None:
         context = get_context(scope)
         assert context is not None
-        # An upstream's own auth header, if a caller sends it, is a caller credential too
-        # (the route table's upstreams: store routes reload at run time).
-        credential_names = {u.auth_header.encode() for u in context.upstreams.values()}
-        context.forward_headers = [
-            (k, v) for k, v in context.forward_headers if k not in credential_names
-        ]
         self.telemetry.request_started(context)
         try:
             await _Walk(self, context, scope, receive, send).run()
