@@ -42,18 +42,3 @@ def further_attempt_allowed(state: WalkState, *, last_failed_failover_class: boo
         and state.attempts_made < state.attempt_ceiling
         and last_failed_failover_class
     )
-
-
-def refusal_reason(state: WalkState) -> str | None:
-    """Why no further attempt may run (for telemetry); None when one may."""
-    if not state.replayable:
-        return "not_replayable"
-    if not state.client_connected:
-        return "client_disconnected"
-    if not state.deadline_left:
-        return "deadline"
-    if state.response_started:
-        return "response_started"
-    if state.attempts_made >= state.attempt_ceiling:
-        return "ceiling"
-    return None

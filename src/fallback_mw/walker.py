@@ -250,7 +250,12 @@ class _Walk:
         for hook in context.admission_hooks:
             refusal = await hook(body.buffered)
             if refusal is not None:
-                await send_error(self.send, context, refusal, _REFUSAL_MESSAGES[refusal])
+                await send_error(
+                    self.send,
+                    context,
+                    refusal,
+                    _REFUSAL_MESSAGES.get(refusal, "the request was refused"),
+                )
                 return
 
         pinned = await self.walker.faults.pinned_candidate(self.route.id)
@@ -626,8 +631,6 @@ class _Walk:
 _REFUSAL_MESSAGES: Mapping[str, str] = {
     "budget_exceeded": "the budget for this route has no room for this request",
     "budget_unavailable": "the budget ledger cannot be reached; refusing (fail closed)",
-    "bad_request": "the request was refused",
-    "request_too_large": "request body too large",
 }
 
 

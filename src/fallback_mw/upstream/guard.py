@@ -59,17 +59,6 @@ class GuardedResolver(AbstractResolver):
         await self._inner.close()
 
 
-def resolve_checked(host: str, port: int, allow_hosts: Sequence[str]) -> list[Any]:
-    """Blocking resolve + check, for engines without a resolver hook."""
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    addresses = [str(info[4][0]) for info in infos]
-    try:
-        allowed = check_connect_addresses(host, addresses, allow_hosts)
-    except UnsafeUpstream as exc:
-        raise UnsafeAddressError(str(exc)) from None
-    return allowed
-
-
 async def resolve_checked_async(host: str, port: int, allow_hosts: Sequence[str]) -> list[str]:
     """Resolve once (the event loop's resolver) and keep the addresses the allowlist allows.
     Raises UnsafeAddressError when none is left."""
