@@ -4,7 +4,7 @@ route table and telemetry. Built once, from the configuration, in Gateway.__init
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fallback_mw.budget import Ledger, open_ledger
@@ -27,8 +27,6 @@ class Services:
     telemetry: Telemetry
     ledger: Ledger | None
     table: Callable[[], RouteTable]
-    # Started on the first request (or lifespan startup), closed on shutdown.
-    background: list[Callable[[], object]] = field(default_factory=list)
     store: StoreRuntime | None = None  # route/fault reloader when gateway.store is set
 
     async def aclose(self) -> None:
