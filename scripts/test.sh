@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh
+source scripts/promtool.sh
 
 failed=()
 echo "== ruff check"
