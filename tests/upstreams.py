@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -77,19 +77,20 @@ async def upstream(handler: Handler) -> AsyncIterator[Upstream]:
 
 
 @asynccontextmanager
-async def serve_asgi(app: object) -> AsyncIterator[str]:
+async def serve_asgi(app: object, **options: object) -> AsyncIterator[str]:
     """Run an ASGI app on a real 127.0.0.1 socket with uvicorn, in this event loop."""
     import uvicorn
 
-    config = uvicorn.Config(
-        app,  # type: ignore[arg-type]
-        host="127.0.0.1",
-        port=0,
-        log_level="warning",
-        lifespan="off",
-        loop="asyncio",
-        http="h11",
-    )
+    settings: dict[str, object] = {
+        "host": "127.0.0.1",
+        "port": 0,
+        "log_level": "warning",
+        "lifespan": "off",
+        "loop": "asyncio",
+        "http": "h11",
+        **options,
+    }
+    config = uvicorn.Config(app, **settings)  # type: ignore[arg-type]
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     while not server.started:
@@ -102,6 +103,11 @@ async def serve_asgi(app: object) -> AsyncIterator[str]:
     finally:
         server.should_exit = True
         await task
+
+
+def serve_asgi_ws(app: object) -> AbstractAsyncContextManager[str]:
+    """serve_asgi with uvicorn's websockets implementation switched on."""
+    return serve_asgi(app, ws="websockets-sansio")
 
 
 @asynccontextmanager

@@ -10,6 +10,23 @@ from fallback_mw.context import SCOPE_KEY, RequestContext
 from fallback_mw.routing import RouteTable, normalise_path
 from fallback_mw.types import ASGIApp, Receive, Scope, Send
 
+# More digits than this is longer than any deadline (600000 ms): it can shorten nothing.
+_DEADLINE_DIGITS = 7
+
+
+def requested_deadline_ms(text: str | None) -> int | None:
+    """The caller's `x-gateway-deadline-ms`, strictly: 1..7 ASCII digits, > 0. Anything
+    else (other Unicode digits such as `²`, signs, decimals, a 5,000-digit number) is
+    ignored: the route deadline applies. The header can only shorten a deadline, so a
+    value it cannot read asks for nothing."""
+    if text is None:
+        return None
+    text = text.strip()
+    if not 0 < len(text) <= _DEADLINE_DIGITS or not (text.isascii() and text.isdigit()):
+        return None
+    value = int(text)
+    return value if value > 0 else None
+
 
 def _header(scope: Scope, name: bytes) -> str | None:
     for key, value in scope.get("headers", ()):
@@ -52,9 +69,9 @@ class RouteResolver:
             await self.app(scope, receive, send)
             return
         deadline_ms = route.deadline_ms or self.default_deadline_ms
-        requested = _header(scope, b"x-gateway-deadline-ms")
-        if requested is not None and requested.isdigit() and int(requested) > 0:
-            deadline_ms = min(deadline_ms, int(requested))  # shorten, never lengthen
+        requested = requested_deadline_ms(_header(scope, b"x-gateway-deadline-ms"))
+        if requested is not None:
+            deadline_ms = min(deadline_ms, requested)  # shorten, never lengthen
         assert path is not None
         scope[SCOPE_KEY] = RequestContext(
             route=route,

@@ -1,0 +1,61 @@
+"""Hostile request input through a real server (uvicorn on 127.0.0.1): never a bare 500."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from fallback_mw import Gateway
+from tests.upstreams import host_app, serve_asgi, status_handler, upstream
+
+pytestmark = pytest.mark.anyio
+
+
+def config(url: str, **route: Any) -> dict[str, Any]:
+    return {
+        "gateway": {"allow_hosts": ["127.0.0.1"]},
+        "upstreams": {"primary": {"url": url}},
+        "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"], **route}],
+    }
+
+
+@pytest.mark.parametrize(
+    "value",
+    [b"\xb2", b"1" * 5000, b"\xd9\xa3", b"-5", b"+5", b"5.0", b"0x10", b"", b"1_000"],
+    ids=[
+        "superscript-two",
+        "5000-digits",
+        "arabic-indic-3",
+        "negative",
+        "plus",
+        "decimal",
+        "hex",
+        "empty",
+        "underscore",
+    ],
+)
+async def test_a_malformed_deadline_header_is_ignored_not_a_500(value: bytes) -> None:
+    async with upstream(status_handler(200, b"ok")) as primary:
+        gateway = Gateway(host_app, config=config(primary.url))
+        try:
+            async with serve_asgi(gateway) as base, httpx.AsyncClient(base_url=base) as client:
+                response = await client.get("/v1/x", headers=[(b"x-gateway-deadline-ms", value)])
+        finally:
+            await gateway.aclose()
+    assert response.status_code == 200
+    assert response.text == "ok"
+    assert primary.count == 1
+
+
+def test_requested_deadline_parsing_is_strict_and_bounded() -> None:
+    from fallback_mw.resolver import requested_deadline_ms
+
+    assert requested_deadline_ms("250") == 250
+    assert requested_deadline_ms(" 250 ") == 250
+    assert requested_deadline_ms("0") is None
+    assert requested_deadline_ms("²") is None
+    assert requested_deadline_ms("٣") is None
+    assert requested_deadline_ms("1" * 5000) is None  # longer than any deadline: no shortening
+    assert requested_deadline_ms("-1") is None
