@@ -12,9 +12,12 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from fallback_mw.security import UnsafeUpstream, check_upstream_host
+from fallback_mw.security import UnsafeUpstream, check_upstream_host, header_value_problem
 
 MAX_PLAN_LENGTH = 8
+# The largest amount of money (currency units) a budget limit, hold or price may name: the
+# ledgers keep integer nano-units in signed 64-bit columns (see budget/cost.py).
+MAX_MONEY = Decimal(1_000_000_000)
 
 
 class ConfigError(ValueError):
@@ -161,14 +164,14 @@ class RouteConfig(_Strict):
 
 
 class BudgetConfig(_Strict):
-    limit: Decimal = Field(ge=0)
+    limit: Decimal = Field(ge=0, le=MAX_MONEY)
     window: Literal["day", "month", "total"] = "month"
-    default_hold: Decimal = Field(Decimal("0.01"), ge=0)
+    default_hold: Decimal = Field(Decimal("0.01"), ge=0, le=MAX_MONEY)
 
 
 class PriceConfig(_Strict):
-    input_per_mtok: Decimal = Field(ge=0)
-    output_per_mtok: Decimal = Field(ge=0)
+    input_per_mtok: Decimal = Field(ge=0, le=MAX_MONEY)
+    output_per_mtok: Decimal = Field(ge=0, le=MAX_MONEY)
 
 
 class GatewayConfig(_Strict):
@@ -239,15 +242,29 @@ def check_upstream(name: str, upstream: UpstreamConfig, allow_hosts: tuple[str, 
         raise ConfigError(f"upstream {name!r}: {exc}") from None
 
 
+def check_credential_variable(var: str, environ: Mapping[str, str], where: str) -> None:
+    """A credential variable must be set and usable as a header value (no trailing
+    newline, CR/LF/NUL, control or non-latin-1 characters). Only the name is printed."""
+    value = environ.get(var)
+    if not value:
+        raise ConfigError(f"{where}: environment variable {var} is not set")
+    problem = header_value_problem(value)
+    if problem is not None:
+        raise ConfigError(
+            f"{where}: environment variable {var} cannot be sent as a header value: it "
+            f"{problem} (a trailing newline from a secrets file?)"
+        )
+
+
 def check_environment(config: GatewayConfig, environ: Mapping[str, str]) -> None:
-    """Every referenced credential variable must be set. Only the name is ever printed."""
+    """Every referenced credential variable must be set and usable. Only the name is
+    ever printed."""
     used = {name for route in config.routes for name in route.plan}
     for name, upstream in config.upstreams.items():
         if name not in used:
             continue
         for var in upstream.credential_envs:
-            if not environ.get(var):
-                raise ConfigError(f"upstream {name!r}: environment variable {var} is not set")
+            check_credential_variable(var, environ, f"upstream {name!r}")
 
 
 def validate(

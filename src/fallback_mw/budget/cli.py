@@ -17,7 +17,7 @@ import anyio
 
 from fallback_mw.budget import Ledger, LedgerUnavailable, UsageRecord, open_ledger
 from fallback_mw.budget.cost import format_money
-from fallback_mw.config import BudgetConfig, ConfigError, load_config
+from fallback_mw.config import MAX_MONEY, BudgetConfig, ConfigError, load_config
 from fallback_mw.store.url import StoreURLError
 
 _RELATIVE = re.compile(r"^(\d+)([smhdw])$")
@@ -140,6 +140,8 @@ def _money(value: str | None, name: str) -> Decimal | None:
         raise ConfigError(f"--{name} must be a decimal amount") from None
     if not amount.is_finite() or amount < 0:
         raise ConfigError(f"--{name} must be a finite amount >= 0")
+    if amount > MAX_MONEY:
+        raise ConfigError(f"--{name} must be at most {MAX_MONEY} (the ledger's largest amount)")
     return amount
 
 

@@ -9,18 +9,33 @@ import json
 from collections.abc import Mapping
 from decimal import ROUND_CEILING, Decimal
 
-from fallback_mw.config import PriceConfig
+from fallback_mw.config import MAX_MONEY, PriceConfig
 
 UNITS_PER_CURRENCY = 10**9  # stores keep integer nano-units: exact, no binary floats
+# Every amount the ledgers store fits a signed 64-bit column (SQLite INTEGER, PostgreSQL
+# BIGINT, max ~9.2e18): a single amount saturates at MAX_UNITS (MAX_MONEY currency units,
+# the largest limit the config accepts), a window's spend saturates at SPENT_CAP_UNITS, so
+# spent + held + a new hold (<= 4e18 + 1e18 + 1e18) can never overflow.
+MAX_UNITS = int(MAX_MONEY) * UNITS_PER_CURRENCY
+SPENT_CAP_UNITS = 4 * MAX_UNITS
 _MTOK = Decimal(1_000_000)
 # A rough, generous token estimate for the request side: ~4 bytes of JSON per token.
 BYTES_PER_TOKEN = 4
+# Token counts are believed up to this (a 10^15-token response does not exist); an upstream
+# reporting more is saturated here, so usage fits a BIGINT column and costs stay finite.
+MAX_TOKENS = 10**15
 _OUTPUT_LIMIT_KEYS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
 def to_units(amount: Decimal) -> int:
-    """Currency -> integer nano-units, rounded up so a charge is never under-counted."""
-    return int((amount * UNITS_PER_CURRENCY).to_integral_value(rounding=ROUND_CEILING))
+    """Currency -> integer nano-units, rounded up so a charge is never under-counted, and
+    saturated at MAX_UNITS (an absurd cost is charged as the most any budget can hold,
+    never an overflow that loses the settlement)."""
+    if not amount.is_finite():
+        return 0 if amount.is_nan() or amount < 0 else MAX_UNITS
+    if amount >= MAX_MONEY:
+        return MAX_UNITS
+    return max(int((amount * UNITS_PER_CURRENCY).to_integral_value(rounding=ROUND_CEILING)), 0)
 
 
 def from_units(units: int) -> Decimal:
@@ -58,10 +73,11 @@ class PriceBook:
         price = self.price_for(model)
         if price is None or (input_tokens is None and output_tokens is None):
             return None
-        return (
-            Decimal(input_tokens or 0) * price.input_per_mtok
-            + Decimal(output_tokens or 0) * price.output_per_mtok
+        cost = (
+            Decimal(min(input_tokens or 0, MAX_TOKENS)) * price.input_per_mtok
+            + Decimal(min(output_tokens or 0, MAX_TOKENS)) * price.output_per_mtok
         ) / _MTOK
+        return min(cost, MAX_MONEY)
 
     def estimate_hold(
         self, body: bytes | None, model: str | None, default_hold: Decimal
@@ -75,22 +91,24 @@ class PriceBook:
             return default_hold
         try:
             parsed = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            # RecursionError: a body nested ~1,000 levels deep. Not an estimate: the default.
             return default_hold
         if not isinstance(parsed, dict):
             return default_hold
-        output_limit = next(
-            (
-                parsed[key]
-                for key in _OUTPUT_LIMIT_KEYS
-                if isinstance(parsed.get(key), int) and not isinstance(parsed.get(key), bool)
-            ),
-            None,
-        )
-        if output_limit is None or output_limit < 0:
+        # Every output limit the body names, and the largest of them: one tiny value must
+        # not hide a huge one (providers differ in which key they honour).
+        limits = [
+            parsed[key]
+            for key in _OUTPUT_LIMIT_KEYS
+            if isinstance(parsed.get(key), int) and not isinstance(parsed.get(key), bool)
+        ]
+        if not limits or min(limits) < 0:
             return default_hold
+        output_limit = min(max(limits), MAX_TOKENS)
         input_estimate = -(-len(body) // BYTES_PER_TOKEN)
-        return (
+        estimate = (
             Decimal(input_estimate) * price.input_per_mtok
             + Decimal(output_limit) * price.output_per_mtok
         ) / _MTOK
+        return min(estimate, MAX_MONEY)

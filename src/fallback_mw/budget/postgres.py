@@ -18,7 +18,7 @@ from typing import TypeVar
 import asyncpg
 
 from fallback_mw.budget import BudgetStatus, Hold, LedgerUnavailable, UsageRecord, window_start
-from fallback_mw.budget.cost import from_units, to_units
+from fallback_mw.budget.cost import MAX_UNITS, SPENT_CAP_UNITS, from_units, to_units
 from fallback_mw.budget.schema import (
     COMPONENT,
     LATEST_VERSION,
@@ -59,7 +59,8 @@ WITH finished AS (
     RETURNING budget_id, window_start, amount_units
 )
 UPDATE fmw_budget_windows AS w
-SET held_units = w.held_units - finished.amount_units, spent_units = w.spent_units + $2
+SET held_units = w.held_units - finished.amount_units,
+    spent_units = w.spent_units + LEAST($2::bigint, $3::bigint - w.spent_units)
 FROM finished
 WHERE w.budget_id = finished.budget_id AND w.window_start = finished.window_start
 """
@@ -73,7 +74,8 @@ WITH stale AS (
     GROUP BY budget_id, window_start
 )
 UPDATE fmw_budget_windows AS w
-SET held_units = w.held_units - totals.units, spent_units = w.spent_units + totals.units
+SET held_units = w.held_units - totals.units,
+    spent_units = w.spent_units + LEAST(totals.units, $2::bigint - w.spent_units)
 FROM totals
 WHERE w.budget_id = totals.budget_id AND w.window_start = totals.window_start
 """
@@ -121,6 +123,7 @@ class PostgresLedger(SQLLedgerBase):
                             _REAP,
                             datetime.now().astimezone()
                             - timedelta(seconds=self.stale_hold_seconds),
+                            SPENT_CAP_UNITS,
                         )
                 except BaseException:
                     await pool.close()
@@ -158,7 +161,7 @@ class PostgresLedger(SQLLedgerBase):
 
     async def _finish(self, hold_id: str, spent: int) -> None:
         async def work(pool: asyncpg.Pool) -> None:
-            await pool.execute(_FINISH, hold_id, spent)
+            await pool.execute(_FINISH, hold_id, min(max(spent, 0), MAX_UNITS), SPENT_CAP_UNITS)
 
         await self._run(work)
 

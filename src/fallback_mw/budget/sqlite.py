@@ -17,7 +17,7 @@ from typing import TypeVar
 import anyio.to_thread
 
 from fallback_mw.budget import BudgetStatus, Hold, LedgerUnavailable, UsageRecord, window_start
-from fallback_mw.budget.cost import from_units, to_units
+from fallback_mw.budget.cost import MAX_UNITS, SPENT_CAP_UNITS, from_units, to_units
 from fallback_mw.budget.schema import (
     COMPONENT,
     LATEST_VERSION,
@@ -90,6 +90,8 @@ class SQLiteLedger(SQLLedgerBase):
         start = window_start(budget.window)
         units = to_units(amount)
         limit = to_units(budget.limit)
+        if units > limit:
+            return None
         hold_id = uuid.uuid4().hex
         now = encode_sqlite_time(datetime.now(UTC))
 
@@ -261,10 +263,12 @@ def _finish_hold(conn: sqlite3.Connection, hold_id: str, spent: int) -> None:
     ).fetchone()
     if row is None:
         return  # already settled or released: exactly once
+    # Spend saturates at SPENT_CAP_UNITS: never an integer overflow that loses the row.
     conn.execute(
         "UPDATE fmw_budget_windows SET held_units = held_units - ?, "
-        "spent_units = spent_units + ? WHERE budget_id = ? AND window_start = ?",
-        (row[2], spent, row[0], row[1]),
+        "spent_units = spent_units + min(?, ? - spent_units) "
+        "WHERE budget_id = ? AND window_start = ?",
+        (row[2], min(max(spent, 0), MAX_UNITS), SPENT_CAP_UNITS, row[0], row[1]),
     )
 
 

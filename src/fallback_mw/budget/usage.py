@@ -12,6 +12,7 @@ import json
 import re
 from typing import Any
 
+from fallback_mw.budget.cost import MAX_TOKENS
 from fallback_mw.context import Usage
 
 DEFAULT_JSON_CAP = 1024 * 1024
@@ -172,5 +173,5 @@ def _loads(data: bytes) -> Any:
 
 def _count(value: Any) -> int | None:
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
+        return min(value, MAX_TOKENS)  # an absurd count saturates; the record still fits
     return None

@@ -1,0 +1,96 @@
+"""Absurd money and token numbers: refused at load with a clear message, or saturated
+on the request path so a hold never sticks and the usage record is never lost."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+
+from fallback_mw import Gateway
+from fallback_mw.budget import cost, open_ledger
+from fallback_mw.budget.cost import PriceBook, to_units
+from fallback_mw.cli import main
+from fallback_mw.config import BudgetConfig, ConfigError, PriceConfig, load_config
+from tests.helpers import client_for
+from tests.test_budget_guard import gateway_config, json_handler
+from tests.upstreams import host_app, upstream
+
+pytestmark = pytest.mark.anyio
+
+
+def test_budgets_set_with_an_absurd_limit_is_refused_cleanly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = f"sqlite:///{tmp_path / 'ledger.db'}"
+    status = main(["budgets", "set", "--budget", "x", "--limit", "10000000000", "--store", store])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert "--limit must be at most" in err
+    assert "Traceback" not in err
+
+
+def test_a_budget_limit_of_1e12_in_the_file_is_refused_naming_the_key() -> None:
+    conf = {"budgets": {"x": {"limit": 1e12}}}
+    with pytest.raises(ConfigError, match=r"budgets\.x\.limit"):
+        load_config(conf)
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-1"])
+def test_non_finite_or_negative_limits_are_refused(value: str) -> None:
+    with pytest.raises(ConfigError, match=r"budgets\.x\.limit"):
+        load_config({"budgets": {"x": {"limit": value}}})
+
+
+def test_to_units_saturates_instead_of_overflowing_a_bigint() -> None:
+    assert to_units(Decimal(10) ** 40) == cost.MAX_UNITS
+    assert cost.MAX_UNITS < 2**63
+    assert to_units(Decimal("0.000000001")) == 1
+
+
+def test_the_hold_takes_the_largest_output_limit_the_body_names() -> None:
+    book = PriceBook({"m": PriceConfig(input_per_mtok=Decimal(0), output_per_mtok=Decimal(1))})
+    body = b'{"model":"m","max_tokens":1,"max_completion_tokens":1000000}'
+    assert book.estimate_hold(body, "m", Decimal("0.01")) == Decimal(1)
+
+
+def test_a_deeply_nested_body_gets_the_default_hold_not_a_recursion_error() -> None:
+    book = PriceBook({"m": PriceConfig(input_per_mtok=Decimal(1), output_per_mtok=Decimal(1))})
+    body = b'{"model":"m","max_tokens":5,"x":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert book.estimate_hold(body, "m", Decimal("0.01")) == Decimal("0.01")
+
+
+async def test_an_upstream_reporting_1e40_tokens_leaves_no_hold_and_a_usage_record(
+    ledger_store: str,
+) -> None:
+    absurd = 10**40
+    payload = {"model": "gpt-test", "usage": {"prompt_tokens": absurd, "completion_tokens": absurd}}
+    async with upstream(json_handler(payload)) as primary:
+        conf = gateway_config({"primary": primary.url}, store=ledger_store, limit="1000")
+        gateway = Gateway(host_app, config=conf)
+        ledger = gateway.services.ledger
+        assert ledger is not None
+        try:
+            async with client_for(gateway) as client:
+                response = await client.post(
+                    "/v1/chat", content=b'{"model":"gpt-test","max_tokens":10}'
+                )
+                assert response.status_code == 200
+            status = await ledger.status("acme", BudgetConfig(limit=Decimal(1000)))
+            assert status.held == 0  # the hold was settled, not stuck
+            assert status.spent > Decimal(1000)  # charged (saturated), not lost
+            records = await ledger.usage(route="chat")
+            assert len(records) == 1
+            assert records[0].input_tokens == cost.MAX_TOKENS
+            assert records[0].output_tokens == cost.MAX_TOKENS
+        finally:
+            await gateway.aclose()
+    # A second ledger on the same store reads the row back: it fits the column.
+    if not ledger_store.startswith("sqlite"):
+        return
+    again = open_ledger(ledger_store)
+    try:
+        assert len(await again.usage(route="chat")) == 1
+    finally:
+        await again.aclose()
