@@ -39,6 +39,22 @@ GATEWAY_HEADER_PREFIX = b"x-gateway-"
 RECOMPUTED_HEADERS = frozenset({b"host", b"content-length", b"expect"})
 
 
+def header_value_problem(value: str) -> str | None:
+    """Why `value` cannot be sent as an HTTP field value (RFC 9110 §5.5), or None. Says
+    what is wrong, never what the value is (it may be a secret)."""
+    try:
+        value.encode("latin-1")
+    except UnicodeEncodeError:
+        return "has characters outside latin-1"
+    if any(c in value for c in "\r\n\x00"):
+        return "contains a line break or NUL"
+    if any((ord(c) < 0x20 and c != "\t") or ord(c) == 0x7F for c in value):
+        return "contains a control character"
+    if value != value.strip(" \t"):
+        return "starts or ends with whitespace"
+    return None
+
+
 def _connection_named(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
     named: set[bytes] = set()
     for name, value in headers:

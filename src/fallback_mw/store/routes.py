@@ -17,6 +17,7 @@ from fallback_mw.config import (
     GatewayConfig,
     RouteConfig,
     UpstreamConfig,
+    check_credential_variable,
     check_route,
     check_upstream,
 )
@@ -237,11 +238,8 @@ def merge_routes(
         if environ is not None:
             for name, upstream in item.upstreams.items():
                 for var in upstream.credential_envs:
-                    if not environ.get(var):
-                        raise ConfigError(
-                            f"route {route.id!r}, upstream {name!r}: "
-                            f"environment variable {var} is not set"
-                        )
+                    where = f"route {route.id!r}, upstream {name!r}"
+                    check_credential_variable(var, environ, where)
         routes.append(route)
     return MergedRoutes(tuple(routes), upstreams)
 

@@ -8,8 +8,9 @@ from contextlib import contextmanager
 
 import aiohttp
 from multidict import CIMultiDict
+from yarl import URL
 
-from fallback_mw.upstream.base import Phase, UpstreamError, UpstreamRequest
+from fallback_mw.upstream.base import Phase, UpstreamError, UpstreamRequest, check_request_headers
 from fallback_mw.upstream.guard import GuardedResolver, UnsafeAddressError, check_literal_host
 
 # aiohttp would otherwise add these; the upstream sees only what the gateway decided.
@@ -90,6 +91,7 @@ class AiohttpClient:
         return self._session
 
     async def send(self, request: UpstreamRequest) -> AiohttpResponse:
+        check_request_headers(request.headers)
         session = self._get_session()
         timeouts = request.timeouts
         host = request.url.split("/", 3)[2] if "://" in request.url else request.url

@@ -27,6 +27,22 @@ class UpstreamError(Exception):
         return "timeout" if self.kind == "timeout" else "transport"
 
 
+_FORBIDDEN_IN_VALUES = frozenset("\r\n\x00")
+
+
+def check_request_headers(headers: Sequence[tuple[str, str]]) -> None:
+    """Refuse, before a connection is used, a header no engine may put on the wire (a
+    credential variable changed under a running gateway to `key\\n`...). Raises
+    UpstreamError, never the engine's ValueError (which would be a bare 500)."""
+    for name, value in headers:
+        if _FORBIDDEN_IN_VALUES.intersection(value) or _FORBIDDEN_IN_VALUES.intersection(name):
+            raise UpstreamError("protocol", "connect", "invalid request header value")
+        try:
+            value.encode("latin-1")
+        except UnicodeEncodeError:
+            raise UpstreamError("protocol", "connect", "invalid request header value") from None
+
+
 @dataclass(slots=True)
 class Timeouts:
     connect: float

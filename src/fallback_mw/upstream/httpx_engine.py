@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import httpcore
 import httpx
 
-from fallback_mw.upstream.base import Phase, UpstreamError, UpstreamRequest
+from fallback_mw.upstream.base import Phase, UpstreamError, UpstreamRequest, check_request_headers
 from fallback_mw.upstream.guard import GuardedNetworkBackend, UnsafeAddressError
 
 _LIMITS = httpx.Limits(max_connections=512, max_keepalive_connections=128)
@@ -136,6 +136,7 @@ class HttpxClient:
         return self._client
 
     async def send(self, request: UpstreamRequest) -> HttpxResponse:
+        check_request_headers(request.headers)
         client = self._get_client()
         timeouts = request.timeouts
         url = httpx.URL(request.url)

@@ -1,0 +1,90 @@
+"""Credential values that cannot be a header value: refused at load naming the variable
+(never its value); and an engine given such a header never answers with a bare 500."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from fallback_mw import Gateway
+from fallback_mw.config import ConfigError, load_config
+from fallback_mw.upstream import Timeouts, UpstreamError, UpstreamRequest, make_client
+from tests.upstreams import host_app, serve_asgi, status_handler, upstream
+
+SECRET = "sk-live-1f2e3d"
+
+
+def config(primary: str, backup: str, engine: str = "aiohttp") -> dict[str, Any]:
+    return {
+        "gateway": {"allow_hosts": ["127.0.0.1"], "engine": engine},
+        "upstreams": {
+            "primary": {"url": primary, "auth_env": "FMW_T_PRIMARY"},
+            "backup": {"url": backup, "auth_env": "FMW_T_BACKUP"},
+        },
+        "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary", "backup"], "retries": 1}],
+    }
+
+
+@pytest.mark.parametrize(
+    "value",
+    [SECRET + "\n", SECRET + "\r\n", SECRET[:4] + "\x00" + SECRET[4:], SECRET + "é€", " \t"],
+    ids=["trailing-newline", "crlf", "nul", "not-latin-1", "only-whitespace"],
+)
+def test_a_credential_that_cannot_be_a_header_value_is_refused_at_load(value: str) -> None:
+    environ = {"FMW_T_PRIMARY": value, "FMW_T_BACKUP": "fine"}
+    with pytest.raises(ConfigError) as caught:
+        load_config(config("http://127.0.0.1:1", "http://127.0.0.1:2"), environ=environ)
+    message = str(caught.value)
+    assert "FMW_T_PRIMARY" in message
+    assert SECRET not in message and SECRET[:4] not in message
+
+
+def test_a_latin_1_credential_still_loads() -> None:
+    environ = {"FMW_T_PRIMARY": "key-é", "FMW_T_BACKUP": "x"}
+    load_config(config("http://127.0.0.1:1", "http://127.0.0.1:2"), environ=environ)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("engine", ["aiohttp", "httpx"])
+async def test_a_credential_gone_bad_after_load_fails_over_instead_of_a_500(engine: str) -> None:
+    environ = {"FMW_T_PRIMARY": "good", "FMW_T_BACKUP": "fine"}
+    async with (
+        upstream(status_handler(200, b"primary")) as primary,
+        upstream(status_handler(200, b"backup")) as backup,
+    ):
+        gateway = Gateway(host_app, config=config(primary.url, backup.url, engine), environ=environ)
+        environ["FMW_T_PRIMARY"] = "bad\r\nx-injected: 1"  # changed under a running gateway
+        try:
+            async with serve_asgi(gateway) as base, httpx.AsyncClient(base_url=base) as client:
+                response = await client.get("/v1/x")
+        finally:
+            await gateway.aclose()
+    assert response.status_code == 200
+    assert response.text == "backup"
+    assert primary.count == 0  # nothing (and no injected header) reached the primary
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("engine", ["aiohttp", "httpx"])
+@pytest.mark.parametrize("value", ["a\nb", "a\rb", "a\x00b"])
+async def test_the_engines_map_an_invalid_header_value_to_an_upstream_error(
+    engine: str, value: str
+) -> None:
+    client = make_client(engine, allow_hosts=("127.0.0.1",))
+    async with upstream(status_handler(200, b"ok")) as target:
+        request = UpstreamRequest(
+            method="GET",
+            url=target.url + "/x",
+            headers=[("authorization", value)],
+            body=b"",
+            timeouts=Timeouts(connect=1, first_byte=2, idle=2),
+        )
+        try:
+            with pytest.raises(UpstreamError):
+                response = await client.send(request)
+                await response.aclose()
+        finally:
+            await client.aclose()
+    assert target.count == 0
