@@ -38,6 +38,14 @@ def map_errors(phase: Phase) -> Iterator[None]:
         raise UpstreamError("transport", phase, type(exc).__name__) from None
 
 
+def _ascii_target(url: str) -> str:
+    """Bytes >= 0x80 a client sent raw in the query (carried as latin-1 text) go out as
+    %XX of that same byte; everything already ASCII is left exactly as it is."""
+    if url.isascii():
+        return url
+    return "".join(c if c.isascii() else f"%{ord(c) & 0xFF:02X}" for c in url)
+
+
 class AiohttpResponse:
     def __init__(self, response: aiohttp.ClientResponse, idle_timeout: float) -> None:
         self._response = response
@@ -105,7 +113,9 @@ class AiohttpClient:
             async with asyncio.timeout(timeouts.first_byte):
                 response = await session.request(
                     request.method,
-                    request.url,
+                    # encoded=True: the path and query go out byte for byte as the walker
+                    # built them (yarl would otherwise decode %3F, %2F, %7e... and re-encode).
+                    URL(_ascii_target(request.url), encoded=True),
                     headers=CIMultiDict(request.headers),
                     data=request.body if request.body != b"" else None,
                     allow_redirects=False,
