@@ -38,8 +38,14 @@ async def not_found_app(scope: Scope, receive: Receive, send: Send) -> None:
             elif message["type"] == "lifespan.shutdown":
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+    if scope["type"] == "websocket":
+        # Refuse the handshake explicitly (the server answers 403). Returning without a
+        # message would make the server log an error and answer 500.
+        await receive()  # websocket.connect
+        await send({"type": "websocket.close", "code": 1008})
+        return
     if scope["type"] != "http":
-        return  # websockets: closing without accepting refuses the handshake
+        return
     body = b"Not Found\n"
     await send(
         {
