@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from decimal import Decimal
@@ -78,6 +80,20 @@ class GatewaySettings(_Strict):
         return value
 
 
+_HOST_NAME = re.compile(r"[a-z0-9_]([a-z0-9_-]{0,62})(\.[a-z0-9_]([a-z0-9_-]{0,62}))*\.?")
+
+
+def _valid_host(host: str) -> bool:
+    """A DNS name (letters, digits, `-`, `_`; labels of at most 63) or an IP literal."""
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host.split("%", 1)[0])
+        except ValueError:
+            return False
+        return True
+    return len(host) <= 253 and _HOST_NAME.fullmatch(host) is not None
+
+
 class UpstreamConfig(_Strict):
     url: str
     auth_header: str = "authorization"
@@ -91,9 +107,20 @@ class UpstreamConfig(_Strict):
     @field_validator("url")
     @classmethod
     def _url(cls, value: str) -> str:
+        if not value.isascii() or any(c.isspace() or ord(c) < 0x20 or c == "\x7f" for c in value):
+            raise ValueError(
+                "must be plain ASCII without spaces or control characters "
+                "(write an international host name in its xn-- form)"
+            )
         parts = urlsplit(value)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError("must be an http:// or https:// URL with a host")
+        if not _valid_host(parts.hostname):
+            raise ValueError("has a malformed host (a DNS name or an IP address)")
+        try:
+            parts.port  # noqa: B018 - raises for a port that is not 0..65535
+        except ValueError:
+            raise ValueError("has a malformed port") from None
         if parts.username or parts.password:
             raise ValueError("must not carry credentials (use auth_env)")
         if parts.query or parts.fragment:

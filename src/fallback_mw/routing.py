@@ -6,6 +6,7 @@ from collections.abc import Iterable, Mapping
 from urllib.parse import unquote
 
 from fallback_mw.config import RouteConfig, UpstreamConfig
+from fallback_mw.security import canonical_name
 
 
 def normalise_path(raw_path: str) -> str | None:
@@ -21,12 +22,16 @@ def normalise_path(raw_path: str) -> str | None:
     decoded = decoded.replace("\\", "/")
     if not decoded.startswith("/"):
         decoded = "/" + decoded
-    trailing = decoded.endswith("/") or decoded.endswith("/.") or decoded.endswith("/..")
+    last = decoded.rsplit("/", 1)[-1].split(";", 1)[0]
+    trailing = decoded.endswith("/") or last in (".", "..")
     segments: list[str] = []
     for segment in decoded.split("/"):
-        if segment in ("", "."):
+        # `..;x=1` is a dot segment with a path parameter: servlet containers (and others)
+        # drop the parameter and climb, so it is resolved here as the dot segment it is.
+        dot = segment.split(";", 1)[0]
+        if segment == "" or dot == ".":
             continue
-        if segment == "..":
+        if dot == "..":
             if not segments:
                 return None
             segments.pop()
@@ -48,7 +53,10 @@ class RouteTable:
         self.routes = tuple(sorted(routes, key=lambda r: (-len(r.prefix), r.tenant is None, r.id)))
         self.upstreams = dict(upstreams)
         # A caller's copy of any upstream's own auth header is a caller credential too.
-        self.auth_headers = frozenset(u.auth_header.encode() for u in self.upstreams.values())
+        # In canonical form (`_` read as `-`), as forwardable_request_headers compares.
+        self.auth_headers = frozenset(
+            canonical_name(u.auth_header.encode()) for u in self.upstreams.values()
+        )
 
     def match(self, method: str, path: str, tenant: str) -> RouteConfig | None:
         for route in self.routes:

@@ -55,11 +55,19 @@ def header_value_problem(value: str) -> str | None:
     return None
 
 
+def canonical_name(name: bytes) -> bytes:
+    """The name as WSGI-style upstreams read it: `x_api_key` and `X-Api-Key` are one field
+    (both become HTTP_X_API_KEY), so every stripping rule compares this form."""
+    return name.lower().replace(b"_", b"-")
+
+
 def _connection_named(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
     named: set[bytes] = set()
     for name, value in headers:
-        if name.lower() == b"connection":
-            named.update(token.strip().lower() for token in value.split(b",") if token.strip())
+        if canonical_name(name) == b"connection":
+            named.update(
+                canonical_name(token.strip()) for token in value.split(b",") if token.strip()
+            )
     return named
 
 
@@ -68,37 +76,57 @@ def forwardable_request_headers(
 ) -> Headers:
     """The caller's headers minus credentials (the standard ones and `also_strip`, the
     upstreams' own auth headers), hop-by-hop fields, those named in `Connection`, incoming
-    `x-gateway-*` and the fields the client recomputes. Repeated headers survive in order."""
+    `x-gateway-*` and the fields the client recomputes. Repeated headers survive in order.
+
+    Names are compared with `_` read as `-` (canonical_name): `x_api_key` is stripped like
+    `x-api-key`, because WSGI-style upstreams (Django, Flask, PHP...) cannot tell them
+    apart. Other underscore names (`x_request_trace`) are forwarded unchanged."""
     items = list(headers)
     named = _connection_named(items)
+    strip = also_strip
+    if any(b"_" in n for n in also_strip):
+        strip = frozenset(canonical_name(n) for n in also_strip)
     kept: Headers = []
     for name, value in items:
         lower = name.lower()
+        canonical = lower.replace(b"_", b"-")
         if (
-            lower in CREDENTIAL_HEADERS
-            or lower in also_strip
-            or lower in HOP_BY_HOP_HEADERS
-            or lower in RECOMPUTED_HEADERS
-            or lower in named
-            or lower.startswith(GATEWAY_HEADER_PREFIX)
+            canonical in CREDENTIAL_HEADERS
+            or canonical in strip
+            or canonical in HOP_BY_HOP_HEADERS
+            or canonical in RECOMPUTED_HEADERS
+            or canonical in named
+            or canonical.startswith(GATEWAY_HEADER_PREFIX)
         ):
             continue
         kept.append((lower, value))
     return kept
 
 
+# The server in front of the client adds its own `date` and `server`; the upstream's copies
+# would be duplicates, and its `server` names the provider's software to every caller.
+SERVER_OWNED_RESPONSE_HEADERS = frozenset({b"date", b"server"})
+
+
 def forwardable_response_headers(headers: Iterable[tuple[bytes, bytes]]) -> Headers:
-    """Upstream response headers the client may see: no hop-by-hop fields and no
-    `x-gateway-*` (an upstream must not be able to forge the gateway's own headers)."""
+    """Upstream response headers the client may see: no hop-by-hop fields, no `x-gateway-*`
+    (an upstream must not be able to forge the gateway's own headers), and not the
+    upstream's `date` / `server` (the ASGI server sends its own)."""
     items = list(headers)
     named = _connection_named(items)
-    return [
-        (name.lower(), value)
-        for name, value in items
-        if name.lower() not in HOP_BY_HOP_HEADERS
-        and name.lower() not in named
-        and not name.lower().startswith(GATEWAY_HEADER_PREFIX)
-    ]
+    kept: Headers = []
+    for name, value in items:
+        lower = name.lower()
+        canonical = lower.replace(b"_", b"-")
+        if (
+            canonical in HOP_BY_HOP_HEADERS
+            or canonical in named
+            or canonical in SERVER_OWNED_RESPONSE_HEADERS
+            or canonical.startswith(GATEWAY_HEADER_PREFIX)
+        ):
+            continue
+        kept.append((lower, value))
+    return kept
 
 
 # --- upstream addresses -------------------------------------------------------------------
@@ -139,7 +167,11 @@ def _embedded_ipv4(address: IPAddress) -> ipaddress.IPv4Address | None:
             return address.ipv4_mapped
         if address.sixtofour is not None:
             return address.sixtofour
-        # IPv4-compatible (::a.b.c.d) and NAT64 (64:ff9b::/96) embed the address in the low bits.
+        # IPv4-compatible (::a.b.c.d) and NAT64 (64:ff9b::/96) embed the address in the low
+        # bits. `::1` (loopback) and `::` are not IPv4-compatible addresses (RFC 4291 §2.5.5.1):
+        # read as 0.0.0.1 / 0.0.0.0 they would be refused as "this network".
+        if address.is_loopback or address.is_unspecified:
+            return None
         packed = address.packed
         if packed[:12] == bytes(12) or packed[:12] == bytes.fromhex("0064ff9b0000000000000000"):
             return ipaddress.IPv4Address(packed[12:])

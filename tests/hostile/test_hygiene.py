@@ -1,0 +1,221 @@
+"""Header hygiene, address checks and path parameters, probed as an attacker would:
+underscore spellings of stripped headers, IPv6 loopback upstreams, hosts with spaces,
+and `;` path parameters on dot segments."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import anyio
+import pytest
+from aiohttp import web
+
+from fallback_mw import Gateway
+from fallback_mw.config import ConfigError, load_config
+from fallback_mw.routing import normalise_path
+from fallback_mw.security import forwardable_request_headers
+from tests.upstreams import host_app, serve_asgi, status_handler, upstream
+
+CALLER_SECRET = "caller-secret-77"
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        b"x_api_key",
+        b"X_Api_Key",
+        b"proxy_authorization",
+        b"x_gateway_route",
+        b"x_primary_key",
+        b"transfer_encoding",
+        b"keep_alive",
+        b"content_length",
+        b"x-api_key",
+    ],
+)
+def test_underscore_spellings_of_stripped_headers_are_stripped(name: bytes) -> None:
+    headers = [(name, b"v"), (b"x-keep", b"1"), (b"x_custom_trace", b"kept")]
+    kept = forwardable_request_headers(headers, also_strip=frozenset({b"x-primary-key"}))
+    assert kept == [(b"x-keep", b"1"), (b"x_custom_trace", b"kept")]
+
+
+def test_a_connection_list_naming_an_underscore_spelling_strips_both_spellings() -> None:
+    headers = [(b"connection", b"x-hop"), (b"x_hop", b"1"), (b"x-hop", b"2")]
+    assert forwardable_request_headers(headers) == []
+
+
+@pytest.mark.anyio
+async def test_an_underscore_credential_never_reaches_the_upstream() -> None:
+    async with upstream(status_handler(200, b"ok")) as primary:
+        conf = {
+            "upstreams": {
+                "primary": {
+                    "url": primary.url,
+                    "auth_header": "x-primary-key",
+                    "auth_scheme": "",
+                    "auth_env": "FMW_T_KEY",
+                }
+            },
+            "routes": [{"id": "r", "prefix": "/v1/", "plan": ["primary"]}],
+        }
+        gateway = Gateway(host_app, config=conf, environ={"FMW_T_KEY": "gateway-key"})
+        try:
+            async with serve_asgi(gateway) as base:
+                host, port = base.removeprefix("http://").split(":")
+                stream = await anyio.connect_tcp(host, int(port))
+                await stream.send(
+                    b"GET /v1/x HTTP/1.1\r\nhost: gw\r\nconnection: close\r\n"
+                    b"x_primary_key: " + CALLER_SECRET.encode() + b"\r\n"
+                    b"x_api_key: " + CALLER_SECRET.encode() + b"\r\n\r\n"
+                )
+                data = b""
+                while True:
+                    try:
+                        data += await stream.receive()
+                    except anyio.EndOfStream:
+                        break
+                await stream.aclose()
+        finally:
+            await gateway.aclose()
+    assert data.startswith(b"HTTP/1.1 200")
+    received = primary.received[0].headers
+    assert all(CALLER_SECRET not in value for _, value in received)
+    assert ("x-primary-key", "gateway-key") in received
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.anyio
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback on this machine")
+@pytest.mark.parametrize("engine", ["aiohttp", "httpx"])
+@pytest.mark.parametrize("entry", ["::1", "[::1]", "::1/128"])
+async def test_an_ipv6_loopback_upstream_works_when_listed(engine: str, entry: str) -> None:
+    async def ok(request: web.Request) -> web.StreamResponse:
+        return web.Response(body=b"v6")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", ok)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, "::1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        conf = {
+            "gateway": {"allow_hosts": [entry], "engine": engine},
+            "upstreams": {"v6": {"url": f"http://[::1]:{port}"}},
+            "routes": [{"id": "r", "prefix": "/v1/", "plan": ["v6"]}],
+        }
+        gateway = Gateway(host_app, config=conf)
+        try:
+            import httpx
+
+            async with serve_asgi(gateway) as base, httpx.AsyncClient(base_url=base) as client:
+                response = await client.get("/v1/x")
+        finally:
+            await gateway.aclose()
+    finally:
+        await runner.cleanup()
+    assert response.status_code == 200, response.text
+    assert response.text == "v6"
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://exa mple.com",
+        "http://127.0.0.1 /",
+        "http://a\tb",
+        "http://exa%20mple.com",
+        "http://[::1",
+        "http://h:99999",
+        "http://h:port",
+        "http://exämple.com",
+    ],
+)
+def test_an_upstream_url_with_a_malformed_host_is_refused_at_load(url: str) -> None:
+    conf: dict[str, Any] = {
+        "gateway": {"allow_hosts": ["0.0.0.0/0", "exa mple.com", "exämple.com", "h"]},
+        "upstreams": {"u": {"url": url}},
+        "routes": [{"id": "r", "prefix": "/v1/", "plan": ["u"]}],
+    }
+    with pytest.raises(ConfigError, match=r"upstreams\.u\.url"):
+        load_config(conf, environ={})
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        "/v1/..;/admin",
+        "/v1/..;x=1/admin",
+        "/v1/.;/../admin",
+        "/v1/%2e%2e;/admin",
+        "/v1/..%3b/admin",
+        "/v1/.%2e;jsessionid=1/admin",
+    ],
+)
+def test_dot_segments_with_path_parameters_cannot_escape_a_prefix(raw: str) -> None:
+    path = normalise_path(raw)
+    assert path is None or not path.startswith("/v1/")
+
+
+def test_path_parameters_on_ordinary_segments_are_kept() -> None:
+    assert normalise_path("/v1/models;v=2/x") == "/v1/models;v=2/x"
+
+
+@pytest.mark.anyio
+async def test_a_dot_dot_parameter_path_is_not_forwarded_under_the_prefix() -> None:
+    async with upstream(status_handler(200, b"upstream")) as primary:
+        conf = {
+            "upstreams": {"primary": {"url": primary.url}},
+            "routes": [{"id": "r", "prefix": "/v1/", "plan": ["primary"]}],
+        }
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with serve_asgi(gateway) as base:
+                host, port = base.removeprefix("http://").split(":")
+                stream = await anyio.connect_tcp(host, int(port))
+                await stream.send(
+                    b"GET /v1/..;/admin HTTP/1.1\r\nhost: gw\r\nconnection: close\r\n\r\n"
+                )
+                data = b""
+                while True:
+                    try:
+                        data += await stream.receive()
+                    except anyio.EndOfStream:
+                        break
+                await stream.aclose()
+        finally:
+            await gateway.aclose()
+    assert data.startswith(b"HTTP/1.1 404")  # the host app answered: not routed
+    assert primary.count == 0
+
+
+@pytest.mark.anyio
+async def test_a_routed_response_has_one_date_and_never_the_upstreams_server_header() -> None:
+    async with upstream(status_handler(200, b"ok")) as primary:
+        conf = {
+            "upstreams": {"primary": {"url": primary.url}},
+            "routes": [{"id": "r", "prefix": "/v1/", "plan": ["primary"]}],
+        }
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with serve_asgi(gateway) as base:
+                import httpx
+
+                async with httpx.AsyncClient(base_url=base) as client:
+                    response = await client.get("/v1/x")
+        finally:
+            await gateway.aclose()
+    assert response.status_code == 200
+    assert len(response.headers.get_list("date")) == 1
+    assert all("aiohttp" not in value for value in response.headers.get_list("server"))
+    assert len(response.headers.get_list("server")) <= 1
