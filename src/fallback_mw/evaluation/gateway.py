@@ -1,0 +1,105 @@
+"""The gateway under evaluation: `fallback-mw serve` as its own process on a loopback port,
+with a configuration written for one arm (so each arm starts with fresh breakers)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+
+class GatewayDidNotStart(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return str(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a TOML basic string for the plain values used here
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"no TOML for {type(value).__name__}")
+
+
+def to_toml(config: Mapping[str, Any]) -> str:
+    """The small subset of TOML the evaluation's configurations need."""
+    lines: list[str] = []
+    gateway = config.get("gateway", {})
+    if gateway:
+        lines.append("[gateway]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in gateway.items() if not isinstance(v, dict)]
+        for key, table in gateway.items():
+            if isinstance(table, dict):
+                lines.append(f"\n[gateway.{key}]")
+                lines += [f"{k} = {_toml_value(v)}" for k, v in table.items()]
+    for name, upstream in config.get("upstreams", {}).items():
+        lines.append(f"\n[upstreams.{name}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in upstream.items()]
+    for route in config.get("routes", []):
+        lines.append("\n[[routes]]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in route.items()]
+    return "\n".join(lines) + "\n"
+
+
+async def _wait_listening(process: asyncio.subprocess.Process, port: int, log: Path) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if process.returncode is not None:
+            text = await asyncio.to_thread(log.read_text, errors="replace")
+            tail = text[-2000:]
+            raise GatewayDidNotStart(f"the gateway exited ({process.returncode}): {tail}")
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            await asyncio.sleep(0.05)
+            continue
+        writer.close()
+        await writer.wait_closed()
+        return
+    raise GatewayDidNotStart("the gateway did not listen within 30 s")
+
+
+@asynccontextmanager
+async def served_gateway(config: Mapping[str, Any], workdir: Path, name: str) -> AsyncIterator[str]:
+    """Runs `fallback-mw serve` with `config`; yields its base URL; stops it (SIGINT, then
+    kill after 10 s) at the end. Its log goes to `workdir/<name>.log`."""
+    path = workdir / f"{name}.toml"
+    path.write_text(to_toml(config))
+    log = workdir / f"{name}.log"
+    port = free_port()
+    with log.open("wb") as out:
+        process = await asyncio.create_subprocess_exec(
+            *(sys.executable, "-m", "fallback_mw", "serve", "--config", str(path)),
+            *("--host", "127.0.0.1", "--port", str(port)),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            await _wait_listening(process, port, log)
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            if process.returncode is None:
+                process.send_signal(signal.SIGINT)
+                try:
+                    await asyncio.wait_for(process.wait(), 10)
+                except TimeoutError:
+                    process.kill()
+                    await process.wait()

@@ -1,0 +1,102 @@
+"""Per-arm numbers, the printed table and the JSON artifact."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from fallback_mw.evaluation.arms import PRIMARY, ArmRun
+
+
+def percentile(values: Sequence[float], p: float) -> float | None:
+    """Nearest-rank percentile; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(p / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def summarise(run: ArmRun) -> dict[str, Any]:
+    outcomes = run.outcomes
+    count = len(outcomes)
+    successes = sum(1 for o in outcomes if o.status == 200)
+    attempts = [o.attempts for o in outcomes if o.attempts is not None]
+    latencies = [o.ms for o in outcomes]
+    statuses = Counter(str(o.status) for o in outcomes)
+    attempt_counts = Counter(str(a) for a in attempts)
+
+    def ms(p: float) -> float | None:
+        value = percentile(latencies, p)
+        return None if value is None else round(value, 1)
+
+    return {
+        "arm": run.arm.number,
+        "name": run.arm.name,
+        "requests": count,
+        "successes": successes,
+        "success_rate": round(successes / count, 4) if count else None,
+        "attempts_per_request": round(sum(attempts) / len(attempts), 3) if attempts else None,
+        "attempts_total": sum(attempts),
+        "attempts_histogram": dict(sorted(attempt_counts.items())),
+        "upstream_requests": run.upstream_requests,
+        "fallbacks": sum(1 for o in outcomes if o.provider is not None and o.provider != PRIMARY),
+        "statuses": dict(sorted(statuses.items())),
+        "latency_ms": {"p50": ms(50), "p95": ms(95), "p99": ms(99), "max": ms(100)},
+        "integrity_checked": sum(1 for o in outcomes if o.integrity_ok is not None),
+        "integrity_failures": sum(1 for o in outcomes if o.integrity_ok is False),
+        "configuration": run.configuration,
+    }
+
+
+_COLUMNS = (
+    ("arm", 3),
+    ("scenario", 34),
+    ("requests", 8),
+    ("ok", 5),
+    ("success", 8),
+    ("att/req", 7),
+    ("fallbacks", 9),
+    ("p50 ms", 8),
+    ("p95 ms", 8),
+    ("p99 ms", 8),
+    ("integrity", 9),
+)
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return "-"
+    return str(value)
+
+
+def table(summaries: Sequence[dict[str, Any]]) -> str:
+    header = "  ".join(
+        name.rjust(width) if i != 1 else name.ljust(width)
+        for i, (name, width) in enumerate(_COLUMNS)
+    )
+    lines = [header, "-" * len(header)]
+    for s in summaries:
+        rate = s["success_rate"]
+        cells = [
+            s["arm"],
+            s["name"],
+            s["requests"],
+            s["successes"],
+            None if rate is None else f"{rate * 100:.1f}%",
+            s["attempts_per_request"],
+            s["fallbacks"],
+            s["latency_ms"]["p50"],
+            s["latency_ms"]["p95"],
+            s["latency_ms"]["p99"],
+            f"{s['integrity_failures']} bad",
+        ]
+        lines.append(
+            "  ".join(
+                _cell(c).rjust(w) if i != 1 else _cell(c).ljust(w)
+                for i, (c, (_, w)) in enumerate(zip(cells, _COLUMNS, strict=True))
+            )
+        )
+    return "\n".join(lines)
