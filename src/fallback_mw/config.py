@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from fallback_mw.extras import check_config_extras
 from fallback_mw.security import UnsafeUpstream, check_upstream_host, header_value_problem
 
 MAX_PLAN_LENGTH = 8
@@ -314,6 +315,7 @@ def validate(
                 f"route {route.id!r}: unknown budget {route.budget!r} "
                 f"(define [budgets.{route.budget}] or use a store that has it)"
             )
+    check_config_extras(config)
     if check_env:
         check_environment(config, os.environ if environ is None else environ)
     return config

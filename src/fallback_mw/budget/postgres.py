@@ -15,7 +15,12 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import TypeVar
 
-import asyncpg
+from fallback_mw.extras import missing_extra
+
+try:
+    import asyncpg
+except ImportError:
+    raise missing_extra("postgres", 'store = "postgresql://..."') from None
 
 from fallback_mw.budget import BudgetStatus, Hold, LedgerUnavailable, UsageRecord, window_start
 from fallback_mw.budget.cost import MAX_UNITS, SPENT_CAP_UNITS, from_units, to_units

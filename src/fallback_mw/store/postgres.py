@@ -10,7 +10,12 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-import asyncpg
+from fallback_mw.extras import missing_extra
+
+try:
+    import asyncpg
+except ImportError:
+    raise missing_extra("postgres", 'store = "postgresql://..."') from None
 
 from fallback_mw.store.routes import (
     SCHEMA_COMPONENT,

@@ -1,15 +1,14 @@
 """Connect-time address checks shared by the engines: resolve once, check every address,
-connect only to a checked address (no second lookup)."""
+connect only to a checked address (no second lookup). The httpx engine's network backend
+is in httpx_backend.py (httpx is an extra)."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Sequence
 from urllib.parse import urlsplit
 
-import httpcore
 from aiohttp.abc import AbstractResolver, ResolveResult
 from aiohttp.resolver import DefaultResolver
 
@@ -68,52 +67,3 @@ async def resolve_checked_async(host: str, port: int, allow_hosts: Sequence[str]
         return check_connect_addresses(host, addresses, allow_hosts)
     except UnsafeUpstream as exc:
         raise UnsafeAddressError(str(exc)) from None
-
-
-class GuardedNetworkBackend(httpcore.AsyncNetworkBackend):
-    """httpcore network backend for the httpx engine: resolves the host once, checks every
-    address, and connects to a checked address (an IP, so nothing below looks the name up
-    again). TLS still verifies and sends SNI for the original host: httpcore passes the
-    origin's host name to start_tls separately."""
-
-    def __init__(
-        self, allow_hosts: Sequence[str], inner: httpcore.AsyncNetworkBackend | None = None
-    ) -> None:
-        self._allow_hosts = tuple(allow_hosts)
-        self._inner = inner or httpcore.AnyIOBackend()
-
-    async def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's signature
-        local_address: str | None = None,
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.AsyncNetworkStream:
-        addresses = await resolve_checked_async(host, port, self._allow_hosts)
-        options = list(socket_options) if socket_options is not None else None
-        last_error: Exception | None = None
-        for address in addresses:
-            try:
-                return await self._inner.connect_tcp(
-                    address,
-                    port,
-                    timeout=timeout,
-                    local_address=local_address,
-                    socket_options=options,
-                )
-            except (httpcore.ConnectError, httpcore.ConnectTimeout, OSError) as exc:
-                last_error = exc
-        assert last_error is not None
-        raise last_error
-
-    async def connect_unix_socket(
-        self,
-        path: str,
-        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's signature
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.AsyncNetworkStream:
-        raise UnsafeAddressError("unix sockets are not upstreams")
-
-    async def sleep(self, seconds: float) -> None:
-        await self._inner.sleep(seconds)

@@ -8,11 +8,17 @@ import logging
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
 
-import httpcore
-import httpx
+from fallback_mw.extras import missing_extra
+
+try:
+    import httpcore
+    import httpx
+except ImportError:
+    raise missing_extra("httpx", 'engine = "httpx"') from None
 
 from fallback_mw.upstream.base import Phase, UpstreamError, UpstreamRequest, check_request_headers
-from fallback_mw.upstream.guard import GuardedNetworkBackend, UnsafeAddressError
+from fallback_mw.upstream.guard import UnsafeAddressError
+from fallback_mw.upstream.httpx_backend import GuardedNetworkBackend
 
 _LIMITS = httpx.Limits(max_connections=512, max_keepalive_connections=128)
 

@@ -1,0 +1,69 @@
+"""Optional features and the pip extra that installs each.
+
+The base install carries what the middleware needs with memory state and no store (pydantic,
+aiohttp, anyio, opentelemetry-api). A feature whose extra is missing is refused when the
+configuration is loaded, in one line naming the extra; the modules that import an optional
+dependency raise the same error if they are reached some other way."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fallback_mw.config import ConfigError, GatewayConfig
+
+# extra -> the modules it provides that the code imports
+EXTRAS: dict[str, tuple[str, ...]] = {
+    "serve": ("uvicorn",),
+    "postgres": ("asyncpg",),
+    "redis": ("redis",),
+    "httpx": ("httpx", "httpcore"),
+    "otel": ("opentelemetry.sdk",),
+}
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        # A parent package that is itself missing or blocked.
+        return False
+
+
+def missing_extra(extra: str, feature: str) -> ConfigError:
+    """The one-line refusal for `feature` without `extra` (returned, for `raise ... from None`)."""
+    from fallback_mw.config import ConfigError
+
+    return ConfigError(f"{feature} needs the {extra} extra: pip install 'fallback_mw[{extra}]'")
+
+
+def require(extra: str, feature: str) -> None:
+    """Raise the one-line ConfigError unless every module of `extra` can be imported."""
+    if not all(_installed(module) for module in EXTRAS[extra]):
+        raise missing_extra(extra, feature)
+
+
+def _scheme(url: str) -> str:
+    # Only the scheme: a state or store URL may carry a password.
+    return url.split(":", 1)[0]
+
+
+def state_feature(url: str) -> str:
+    return f'state = "{_scheme(url)}://..."'
+
+
+def store_feature(url: str) -> str:
+    return f'store = "{_scheme(url)}://..."'
+
+
+def check_config_extras(config: GatewayConfig) -> None:
+    """The extras a loaded configuration needs: redis state, a PostgreSQL store, the httpx
+    engine. The memory state, SQLite store and aiohttp engine are in the base install."""
+    settings = config.gateway
+    if settings.state.startswith(("redis://", "rediss://", "unix://")):
+        require("redis", state_feature(settings.state))
+    if settings.store is not None and settings.store.startswith(("postgresql://", "postgres://")):
+        require("postgres", store_feature(settings.store))
+    if settings.engine == "httpx":
+        require("httpx", 'engine = "httpx"')
