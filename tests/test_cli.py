@@ -159,7 +159,7 @@ def test_demo_shows_failover_and_the_post_rule() -> None:
     assert "GET /v1/models -> 200, x-gateway-provider: backup, x-gateway-attempts: 2" in out
     assert "FAILED OVER to the backup" in out
     assert (
-        "POST /v1/chat/completions -> 503, x-gateway-provider: primary, x-gateway-attempts: 1"
+        "POST /v1/chat/completions -> 502, x-gateway-attempts: 1"
         in out
     )
     assert "primary received 1, backup received 0" in out

@@ -25,7 +25,7 @@ from fallback_mw.config import RouteConfig
 from fallback_mw.context import AttemptRecord, RequestContext, Usage
 from fallback_mw.faults import UpstreamFault
 from fallback_mw.health import AlwaysHealthy
-from fallback_mw.telemetry import Telemetry, record_breaker_state
+from fallback_mw.telemetry import Telemetry
 from tests.helpers import client_for, http_scope, request_then_disconnect
 from tests.upstreams import host_app, status_handler, upstream
 
@@ -497,11 +497,12 @@ async def test_without_sdk_the_callers_trace_context_passes_through() -> None:
 
 
 def test_breaker_state_gauge_and_transitions(recorded: Recorded) -> None:
-    record_breaker_state("tel-test-a", "open")
-    record_breaker_state("tel-test-b", "half-open")
-    record_breaker_state("tel-test-b", "half_open")  # no change: not a transition
-    record_breaker_state("tel-test-c", "closed")
-    record_breaker_state("tel-test-c", "bogus")  # ignored, never raises
+    report = recorded.telemetry.breaker_state
+    report("tel-test-a", "open")
+    report("tel-test-b", "half-open")
+    report("tel-test-b", "half_open")  # no change: not a transition
+    report("tel-test-c", "closed")
+    report("tel-test-c", "bogus")  # ignored, never raises
     states = {
         pt.attributes["gateway.upstream"]: pt.value
         for pt in recorded.points("gateway.breaker.state")

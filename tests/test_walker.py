@@ -103,9 +103,12 @@ async def test_post_503_is_not_failed_over(engine: str) -> None:
         await gateway.aclose()
     assert b.count == 0
     assert p.count == 1
-    assert response.status_code == 503  # the upstream's own answer, served as-is
+    # SPEC §5: a walk that ends on a failover-class failure answers 502, never the
+    # upstream's body, even when no further attempt was allowed (a POST).
+    assert response.status_code == 502
+    assert response.json()["error"]["code"] == "upstream_failed"
     assert response.headers["x-gateway-attempts"] == "1"
-    assert response.headers["x-gateway-provider"] == "primary"
+    assert "x-gateway-provider" not in response.headers
 
 
 async def test_body_over_replay_buffer_in_one_message_is_not_failed_over() -> None:
@@ -128,7 +131,7 @@ async def test_body_over_replay_buffer_in_one_message_is_not_failed_over() -> No
 
         await gateway(http_scope("POST", "/v1/upload"), receive, send)
         await gateway.aclose()
-    assert sent[0]["status"] == 503
+    assert sent[0]["status"] == 502
     assert b.count == 0
     assert p.count == 1 and p.received[0].body == body
 
@@ -150,8 +153,8 @@ async def test_unknown_length_body_over_replay_buffer_is_not_failed_over(engine:
             response = await client.post("/v1/upload", content=chunks())
         await gateway.aclose()
     assert b.count == 0
-    assert p.count == 1 and p.received[0].body == chunk * 8  # streamed whole, unbuffered
-    assert response.status_code == 503
+    assert p.count == 1 and p.received[0].body == chunk * 8  # sent whole, once
+    assert response.status_code == 502
 
 
 async def test_failure_after_commit_aborts_and_never_fails_over(engine: str) -> None:

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from fallback_mw.credentials import CredentialInjector
     from fallback_mw.gateway import Gateway
     from fallback_mw.resolver import RouteResolver
-    from fallback_mw.walker import PlanWalker
+    from fallback_mw.walk import PlanWalker
 
 # public name -> the module that defines it
 _EXPORTS = {
@@ -24,7 +24,7 @@ _EXPORTS = {
     "CredentialInjector": "fallback_mw.credentials",
     "Gateway": "fallback_mw.gateway",
     "GatewayConfig": "fallback_mw.config",
-    "PlanWalker": "fallback_mw.walker",
+    "PlanWalker": "fallback_mw.walk",
     "RouteResolver": "fallback_mw.resolver",
     "load_config": "fallback_mw.config",
 }

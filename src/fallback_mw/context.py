@@ -5,9 +5,10 @@ on them (the OpenTelemetry ASGI bug STYLE.md warns about)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,12 +31,31 @@ class AttemptRecord:
     fault: str | None = None  # "fail" / "hang" when a game-day fault drove the attempt
     hedge: bool = False
     credential_index: int | None = None  # position in the pool, never the value or name
+    responsible: str | None = None  # "upstream" or "gateway": who the outcome is down to
+    decision: str | None = None  # what the walk did next ("next_candidate", "serve", ...)
+    reason: str | None = None  # why, in one phrase (the rule of SPEC §5 that applied)
 
 
 @dataclass(slots=True)
 class SkipRecord:
     candidate: str
     reason: str  # "breaker_open", "no_credential"
+
+
+@dataclass(slots=True)
+class RequestBody:
+    """The request body as read from the client, once (walk/body.py reads it)."""
+
+    buffered: bytes | None = None  # the whole body when it fit in replay_buffer
+    stream: AsyncIterator[bytes] | None = None  # otherwise: the rest, read on demand
+    too_large: bool = False  # over max_request_body (before or while streaming)
+    timed_out: bool = False  # the body did not arrive before the deadline
+    client_gone: bool = False  # the caller hung up while sending it
+    done: asyncio.Event = field(default_factory=asyncio.Event)  # every message received
+
+    @property
+    def ok(self) -> bool:
+        return not (self.too_large or self.timed_out or self.client_gone)
 
 
 @dataclass(slots=True)
@@ -63,8 +83,13 @@ class RequestContext:
     # The route table's upstream auth headers: stripped from the caller like the rest.
     upstream_auth_headers: frozenset[bytes] = frozenset()
     forward_headers: Headers = field(default_factory=list)  # caller headers, cleaned
-    # Set by CredentialInjector: (upstream name, pool index) -> (header, value) or None.
-    credential_for: Callable[[str, int], tuple[str, str] | None] | None = None
+    # Set by CredentialInjector: upstream name -> (header, value) per pool index (None:
+    # unset). None here means no injector ran: the walker applies the same hygiene.
+    credentials: Mapping[str, tuple[tuple[str, str] | None, ...]] | None = None
+    body: RequestBody | None = None
+    # A layer in front of the walker refused the request (code, message), e.g. the budget
+    # guard: the walker answers with that local error and contacts no upstream.
+    refusal: tuple[str, str] | None = None
     attempts: list[AttemptRecord] = field(default_factory=list)
     skipped: list[SkipRecord] = field(default_factory=list)
     chosen: str | None = None
@@ -75,16 +100,11 @@ class RequestContext:
     client_disconnected: bool = False
     request_model: str | None = None
     usage: Usage = field(default_factory=Usage)
-    response_observers: list[Callable[[bytes, bytes | None], None]] = field(
-        default_factory=list
-    )  # called with (chunk, content-type) for each chunk streamed to the client
-    # Run by the walker once the body is read, before any upstream is contacted (the
-    # budget hold). A hook returns None to admit, or a local error code to refuse.
-    admission_hooks: list[Callable[[bytes | None], Awaitable[str | None]]] = field(
-        default_factory=list
-    )
-    hold: Any = None  # the budget hold, owned by BudgetGuard
-    extras: dict[str, Any] = field(default_factory=dict)
+    trace: object | None = None  # telemetry's own per-request state (spans in flight)
+
+    def credential(self, upstream: str, index: int) -> tuple[str, str] | None:
+        found = (self.credentials or {}).get(upstream, ())
+        return found[index] if 0 <= index < len(found) else None
 
     @property
     def attempt_count(self) -> int:

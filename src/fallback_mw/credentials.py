@@ -10,6 +10,8 @@ from fallback_mw.context import get_context
 from fallback_mw.security import forwardable_request_headers
 from fallback_mw.types import ASGIApp, Receive, Scope, Send
 
+Credentials = Mapping[str, tuple[tuple[str, str] | None, ...]]
+
 
 def credential_header(
     upstream: UpstreamConfig, index: int, environ: Mapping[str, str]
@@ -25,6 +27,19 @@ def credential_header(
     return upstream.auth_header, value
 
 
+def credential_table(
+    upstreams: Mapping[str, UpstreamConfig], environ: Mapping[str, str]
+) -> Credentials:
+    """Every upstream's (header, value) per pool index, None where the variable is unset."""
+    return {
+        name: tuple(
+            credential_header(upstream, index, environ)
+            for index in range(len(upstream.credential_envs))
+        )
+        for name, upstream in upstreams.items()
+    }
+
+
 class CredentialInjector:
     def __init__(
         self,
@@ -36,6 +51,16 @@ class CredentialInjector:
     ) -> None:
         self.app = app
         self.environ = os.environ if environ is None else environ
+        # Computed once per route table (a store reload swaps the table, and its upstreams).
+        self._table: tuple[Mapping[str, UpstreamConfig], Credentials] | None = None
+
+    def _credentials(self, upstreams: Mapping[str, UpstreamConfig]) -> Credentials:
+        cached = self._table
+        if cached is not None and cached[0] is upstreams:
+            return cached[1]
+        table = credential_table(upstreams, self.environ)
+        self._table = (upstreams, table)
+        return table
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         context = get_context(scope)
@@ -43,12 +68,5 @@ class CredentialInjector:
             context.forward_headers = forwardable_request_headers(
                 scope.get("headers", ()), also_strip=context.upstream_auth_headers
             )
-            upstreams = context.upstreams
-            environ = self.environ
-
-            def credential_for(name: str, index: int) -> tuple[str, str] | None:
-                upstream = upstreams.get(name)
-                return None if upstream is None else credential_header(upstream, index, environ)
-
-            context.credential_for = credential_for
+            context.credentials = self._credentials(context.upstreams)
         await self.app(scope, receive, send)

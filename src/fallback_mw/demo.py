@@ -163,13 +163,14 @@ async def _run() -> bool:
         _say(f"   POST /v1/chat/completions -> {_describe(response)}")
         _say(f"   primary received {to_primary}, backup received {to_backup}")
         post_rule = (
-            response.status_code == 503
-            and response.headers.get("x-gateway-provider") == "primary"
+            response.status_code == 502
+            and response.json()["error"]["code"] == "upstream_failed"
             and to_primary == 1
             and to_backup == 0
         )
         _say(
-            "   => the primary's 503 is served as-is; the backup was never contacted"
+            "   => 502 upstream_failed (never the primary's body); the backup was never "
+            "contacted"
             if post_rule
             else "   => unexpected result"
         )

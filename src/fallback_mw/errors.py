@@ -17,6 +17,9 @@ STATUS_FOR_CODE = {
     "budget_exceeded": 402,
     "budget_unavailable": 503,
     "bad_request": 400,
+    "request_timeout": 408,
+    "headers_too_large": 431,
+    "overloaded": 503,
 }
 
 

@@ -17,6 +17,7 @@ from fallback_mw.services import Services, build_services
 from fallback_mw.telemetry import Telemetry
 from fallback_mw.types import ASGIApp, Message, Receive, Scope, Send
 from fallback_mw.upstream import UpstreamClient
+from fallback_mw.walk import PlanWalker
 
 
 class Gateway:
@@ -36,8 +37,6 @@ class Gateway:
         ledger: Ledger | None = None,
         telemetry: Telemetry | None = None,
     ) -> None:
-        from fallback_mw.walker import PlanWalker
-
         self.app = app
         self.config = load_config(config, environ=environ)
         self.services: Services = build_services(

@@ -60,11 +60,18 @@ def build_services(
         runtime = StoreRuntime(config, settings.store, environ=environ)
         runtime.load_initial()
         table = runtime.table
+    telemetry = telemetry or Telemetry()
     return Services(
         client=client or make_client(settings.engine, allow_hosts=settings.allow_hosts),
-        health=health or create_health(settings.state, settings.breaker),
+        health=health
+        or create_health(
+            settings.state,
+            settings.breaker,
+            on_transition=telemetry.breaker_state,
+            meter_provider=telemetry.meter_provider,
+        ),
         faults=faults or (runtime.faults if runtime is not None else NoFaults()),
-        telemetry=telemetry or Telemetry(),
+        telemetry=telemetry,
         ledger=ledger if ledger is not None else open_ledger(settings.store),
         table=table,
         store=runtime,

@@ -16,7 +16,6 @@ import contextvars
 import logging
 import re
 import time
-import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +35,6 @@ SKIP_EVENT = "gateway.candidate.skipped"
 logger = logging.getLogger("fallback_mw.request")
 _internal = logging.getLogger("fallback_mw.telemetry")
 
-_EXTRAS_KEY = "fallback_mw.telemetry"
 _MAX_LABEL = 128
 # A model name is echoed from the request body, so only name-shaped values are recorded.
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
@@ -90,37 +88,20 @@ class _AttemptTrace:
 
 @dataclass(slots=True)
 class _RequestTrace:
-    """One request's telemetry state; lives in `context.extras`, never on Telemetry."""
+    """One request's telemetry state; lives in `context.trace`, never on Telemetry."""
 
     span: trace.Span
     parent: otel_context.Context  # incoming context (trace parent, baggage) + our span
     attempts: list[_AttemptTrace] = field(default_factory=list)
 
 
-_live: weakref.WeakSet[Telemetry] = weakref.WeakSet()
-_breaker_states: dict[str, str] = {}
+# Marks a request whose telemetry was finished: a second request_finished records nothing.
+_FINISHED = object()
 
 
-def record_breaker_state(upstream: str, state: str) -> None:
-    """Report an upstream's breaker state (`closed`, `half_open`/`half-open`, `open`).
-
-    Call it on every transition (calling it again with the same state is harmless). The
-    state is exported as the `gateway.breaker.state` gauge (0 closed, 1 half-open, 2 open)
-    by every live Telemetry, and each change counts in `gateway.breaker.transitions`.
-    Never raises."""
-    try:
-        normalised = state.strip().lower().replace("-", "_")
-        if normalised not in _BREAKER_VALUES:
-            return
-        name = _label(upstream)
-        previous = _breaker_states.get(name)
-        _breaker_states[name] = normalised
-        if previous == normalised:
-            return
-        for telemetry in list(_live):
-            telemetry._breaker_transition(name, normalised)
-    except Exception:
-        _internal.debug("breaker state not recorded", exc_info=False)
+def normalise_breaker_state(state: str) -> str | None:
+    normalised = state.strip().lower().replace("-", "_")
+    return normalised if normalised in _BREAKER_VALUES else None
 
 
 class Telemetry:
@@ -138,6 +119,7 @@ class Telemetry:
         version = _version()
         tracer_provider = tracer_provider or trace.get_tracer_provider()
         meter_provider = meter_provider or metrics.get_meter_provider()
+        self.meter_provider = meter_provider  # shared with the health state it reports on
         self._tracer = tracer_provider.get_tracer(INSTRUMENTATION_NAME, version)
         meter = meter_provider.get_meter(INSTRUMENTATION_NAME, version)
         self._requests = meter.create_counter(
@@ -173,13 +155,15 @@ class Telemetry:
             unit="{transition}",
             description="Breaker state changes, by upstream and new state",
         )
+        # This gateway's breakers (its own health state reports to it): no process globals,
+        # so two Gateways in one process keep separate gauges.
+        self._breaker_states: dict[str, str] = {}
         meter.create_observable_gauge(
             "gateway.breaker.state",
-            callbacks=[_observe_breakers],
+            callbacks=[self._observe_breakers],
             unit="{state}",
             description="Breaker state per upstream: 0 closed, 1 half-open, 2 open",
         )
-        _live.add(self)
 
     # --- hooks the walker calls -------------------------------------------------------
 
@@ -203,7 +187,7 @@ class Telemetry:
                     "http.request.method": _label(context.method),
                 },
             )
-            context.extras[_EXTRAS_KEY] = _RequestTrace(
+            context.trace = _RequestTrace(
                 span=span, parent=trace.set_span_in_context(span, incoming)
             )
         except Exception:  # telemetry must never break a request
@@ -296,12 +280,40 @@ class Telemetry:
             _internal.debug("inject_headers failed", exc_info=False)
 
     def breaker_state(self, upstream: str, state: str) -> None:
-        record_breaker_state(upstream, state)
+        """Report an upstream's breaker state (`closed`, `half_open`/`half-open`, `open`);
+        the health state calls it on every transition (again with the same state is
+        harmless). Exported as the `gateway.breaker.state` gauge (0 closed, 1 half-open,
+        2 open); each change counts in `gateway.breaker.transitions`. Never raises."""
+        try:
+            normalised = normalise_breaker_state(state)
+            if normalised is None:
+                return
+            name = _label(upstream)
+            previous = self._breaker_states.get(name)
+            self._breaker_states[name] = normalised
+            if previous != normalised:
+                self._transitions.add(
+                    1, {"gateway.upstream": name, "gateway.breaker.state": normalised}
+                )
+        except Exception:
+            _internal.debug("breaker state not recorded", exc_info=False)
+
+    def breaker_states(self) -> Mapping[str, str]:
+        """The last reported state of each upstream's breaker (a copy)."""
+        return dict(self._breaker_states)
+
+    def _observe_breakers(
+        self, options: metrics.CallbackOptions
+    ) -> Iterable[metrics.Observation]:
+        return [
+            metrics.Observation(_BREAKER_VALUES[state], {"gateway.upstream": upstream})
+            for upstream, state in list(self._breaker_states.items())
+        ]
 
     # --- internals --------------------------------------------------------------------
 
     def _request_trace(self, context: RequestContext) -> _RequestTrace | None:
-        request = context.extras.get(_EXTRAS_KEY)
+        request = context.trace
         return request if isinstance(request, _RequestTrace) else None
 
     def _end_attempt(
@@ -343,7 +355,10 @@ class Telemetry:
         self._attempt_duration.record(max(duration, 0.0), metric)
 
     def _finish(self, context: RequestContext) -> None:
-        request = context.extras.pop(_EXTRAS_KEY, None)
+        request = context.trace
+        if request is _FINISHED:
+            return  # finished once already: recorded once
+        context.trace = _FINISHED
         duration = max(time.monotonic() - context.started, 0.0)
         outcome = context.outcome or ("served" if context.completed else "internal_error")
         candidates = [_label(c) for c in (context.candidates or context.route.plan)]
@@ -469,16 +484,6 @@ class Telemetry:
             extra=fields,
         )
 
-    def _breaker_transition(self, upstream: str, state: str) -> None:
-        self._transitions.add(1, {"gateway.upstream": upstream, "gateway.breaker.state": state})
-
-
-def _observe_breakers(options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
-    return [
-        metrics.Observation(_BREAKER_VALUES[state], {"gateway.upstream": upstream})
-        for upstream, state in list(_breaker_states.items())
-    ]
-
 
 def _version() -> str:
     try:
@@ -489,16 +494,9 @@ def _version() -> str:
         return "0"
 
 
-def breaker_states() -> Mapping[str, str]:
-    """The last reported state of each upstream's breaker (a copy)."""
-    return dict(_breaker_states)
-
-
 __all__ = [
     "ATTEMPT_SPAN",
     "REQUEST_SPAN",
     "SKIP_EVENT",
     "Telemetry",
-    "breaker_states",
-    "record_breaker_state",
 ]

@@ -1,9 +1,14 @@
 """BudgetGuard: one hold before any upstream is contacted, one settlement after.
 
-The hold runs as an admission hook of the walker, after the body is read and before the
-first attempt, so it is taken once however many attempts follow. The settlement runs in
-a shielded `finally` once the walk has ended (served, failed, or the client went away):
-reported usage priced by `[prices]`, else the hold; nothing served releases the hold."""
+The guard reads the request body (the walker's one reader, `walk.body.read_body`, which
+keeps it in the request context for the walker), estimates and takes the hold, then calls
+the walker. It meters the response by wrapping `send`, the way Starlette's GZipResponder
+watches a response: the walker knows nothing of budgets. The settlement runs in a
+shielded `finally` once the walk has ended (served, failed, or the client went away):
+reported usage priced by `[prices]`, else the hold; nothing served releases the hold. A
+budgeted route with no ledger fails closed (503 `budget_unavailable`). A refusal is left
+in the request context (`refusal`) for the walker to answer, with nothing attempted, so
+refused requests are traced like any other."""
 
 from __future__ import annotations
 
@@ -18,8 +23,14 @@ from fallback_mw.budget.usage import DEFAULT_JSON_CAP, UsageMeter
 from fallback_mw.config import BudgetConfig, GatewayConfig
 from fallback_mw.context import RequestContext, get_context
 from fallback_mw.types import ASGIApp, Message, Receive, Scope, Send
+from fallback_mw.walk.body import inspect_json, read_body
 
 logger = logging.getLogger("fallback_mw.budget")
+
+_REFUSALS = {
+    "budget_exceeded": "the budget for this route has no room for this request",
+    "budget_unavailable": "the budget ledger cannot be reached; refusing (fail closed)",
+}
 
 
 class BudgetGuard:
@@ -33,6 +44,7 @@ class BudgetGuard:
         json_cap: int = DEFAULT_JSON_CAP,
     ) -> None:
         self.app = app
+        self.settings = config.gateway
         self.budgets = dict(config.budgets)
         self.prices = PriceBook(config.prices)
         self.ledger = ledger
@@ -40,32 +52,34 @@ class BudgetGuard:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         context = get_context(scope)
-        ledger = self.ledger
-        if context is None or ledger is None:
+        if context is None:
             await self.app(scope, receive, send)
             return
-        meter = UsageMeter(context.usage, json_cap=self.json_cap)
-        context.response_observers.append(meter.observe)
+        ledger = self.ledger
         budget_id = context.route.budget
-        if budget_id is not None:
-
-            async def admit(body: bytes | None) -> str | None:
-                return await self._admit(ledger, context, budget_id, body)
-
-            context.admission_hooks.append(admit)
-
-        async def send_and_meter(message: Message) -> None:
-            await send(message)
-            if message["type"] == "http.response.body" and not message.get("more_body"):
-                meter.finish()  # the body ended: usage is known before telemetry reads it
-
+        if ledger is None:
+            if budget_id is not None:
+                context.refusal = ("budget_unavailable", _REFUSALS["budget_unavailable"])
+            await self.app(scope, receive, send)
+            return
+        hold: Hold | None = None
+        meter = UsageMeter(context.usage, json_cap=self.json_cap)
         try:
-            await self.app(scope, receive, send_and_meter)
+            if budget_id is not None:
+                body = await read_body(context, scope, receive, self.settings)
+                if body.ok:  # otherwise the walker answers for the body (413, 408, ...)
+                    outcome = await self._hold(ledger, context, budget_id, body.buffered)
+                    if isinstance(outcome, str):
+                        # The walker answers it, with nothing attempted (and traced).
+                        context.refusal = (outcome, _REFUSALS[outcome])
+                    else:
+                        hold = outcome
+            await self.app(scope, receive, _MeteredSend(send, meter))
         finally:
             # Shielded: a cancelled request (client gone, server stopping) still settles.
             with anyio.CancelScope(shield=True):
                 meter.finish()
-                await self._settle(ledger, context, meter)
+                await self._settle(ledger, context, meter, hold)
 
     async def budget_for(self, ledger: Ledger, budget_id: str) -> BudgetConfig | None:
         """A budget set in the store wins over the file's, so operators can change a
@@ -73,9 +87,13 @@ class BudgetGuard:
         stored = await ledger.stored_budget(budget_id)
         return stored if stored is not None else self.budgets.get(budget_id)
 
-    async def _admit(
+    async def _hold(
         self, ledger: Ledger, context: RequestContext, budget_id: str, body: bytes | None
-    ) -> str | None:
+    ) -> Hold | str:
+        """The hold, or the local error code refusing the request."""
+        parsed = inspect_json(body)
+        if parsed is not None and isinstance(parsed.get("model"), str):
+            context.request_model = parsed["model"]
         try:
             budget = await self.budget_for(ledger, budget_id)
             if budget is None:
@@ -87,10 +105,7 @@ class BudgetGuard:
             hold = await ledger.hold(budget_id, budget, amount)
         except LedgerUnavailable:
             return "budget_unavailable"
-        if hold is None:
-            return "budget_exceeded"
-        context.hold = hold
-        return None
+        return "budget_exceeded" if hold is None else hold
 
     def _charge(self, context: RequestContext, meter: UsageMeter, hold: Hold) -> Decimal:
         cost = self._cost(context, meter)
@@ -111,8 +126,9 @@ class BudgetGuard:
             cost = self.prices.cost(context.request_model, usage.input_tokens, usage.output_tokens)
         return cost
 
-    async def _settle(self, ledger: Ledger, context: RequestContext, meter: UsageMeter) -> None:
-        hold = context.hold if isinstance(context.hold, Hold) else None
+    async def _settle(
+        self, ledger: Ledger, context: RequestContext, meter: UsageMeter, hold: Hold | None
+    ) -> None:
         charged: Decimal | None = None
         try:
             if hold is not None:
@@ -129,6 +145,28 @@ class BudgetGuard:
             await ledger.record_usage(_usage_record(context, self._cost(context, meter), charged))
         except LedgerUnavailable:
             logger.warning("route %s: usage record lost, ledger unavailable", context.route.id)
+
+
+class _MeteredSend:
+    """Wraps `send`: the usage meter sees each body chunk the client is sent."""
+
+    def __init__(self, send: Send, meter: UsageMeter) -> None:
+        self.send = send
+        self.meter = meter
+        self.content_type: bytes | None = None
+
+    async def __call__(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            headers = message.get("headers", ())
+            self.content_type = next((v for k, v in headers if k == b"content-type"), None)
+        await self.send(message)
+        if kind == "http.response.body":
+            chunk = message.get("body", b"")
+            if chunk:
+                self.meter.observe(chunk, self.content_type)
+            if not message.get("more_body"):
+                self.meter.finish()  # usage is known before telemetry reads it
 
 
 def _usage_record(

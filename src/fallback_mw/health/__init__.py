@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from opentelemetry.metrics import MeterProvider
+
     from fallback_mw.config import BreakerConfig
+
+# Told of every breaker transition: (upstream, new state: "closed"/"half_open"/"open").
+TransitionListener = Callable[[str, str], None]
 
 
 class HealthState(Protocol):
@@ -19,6 +25,12 @@ class HealthState(Protocol):
     async def record(self, upstream: str, *, failure: bool) -> None:
         """Outcome of an admitted attempt. `failure` is failover-class (SPEC §6); statuses
         outside `failover_status` are recorded as successes for the breaker."""
+        ...
+
+    async def release(self, upstream: str) -> None:
+        """An admitted attempt ended for a reason that is not the upstream's (SPEC §5:
+        local conditions are not upstream failures): nothing is recorded; a half-open
+        probe slot it held is freed."""
         ...
 
     async def pick_credential(
@@ -52,6 +64,9 @@ class AlwaysHealthy:
     async def record(self, upstream: str, *, failure: bool) -> None:
         return None
 
+    async def release(self, upstream: str) -> None:
+        return None
+
     async def pick_credential(
         self, upstream: str, pool_size: int, *, exclude: frozenset[int], session: str | None
     ) -> int | None:
@@ -80,15 +95,24 @@ class StateURLError(ValueError):
     pass
 
 
-def create_health(state: str, breaker: BreakerConfig | None = None) -> HealthState:
+def create_health(
+    state: str,
+    breaker: BreakerConfig | None = None,
+    *,
+    on_transition: TransitionListener | None = None,
+    meter_provider: MeterProvider | None = None,
+) -> HealthState:
     """The health state named by `gateway.state`: "memory://" (per process, the default)
-    or "redis://..." / "rediss://..." (shared; `?prefix=` namespaces the keys)."""
+    or "redis://..." / "rediss://..." (shared; `?prefix=` namespaces the keys).
+    `on_transition` hears every breaker transition (the gateway's telemetry)."""
     if state in ("memory://", "memory", ""):
         from fallback_mw.health.memory import MemoryHealth
 
-        return MemoryHealth(breaker)
+        return MemoryHealth(breaker, on_transition=on_transition)
     if state.startswith(("redis://", "rediss://", "unix://")):
         from fallback_mw.health.redis import RedisHealth
 
-        return RedisHealth(state, breaker)
+        return RedisHealth(
+            state, breaker, on_transition=on_transition, meter_provider=meter_provider
+        )
     raise StateURLError('state must be "memory://" or "redis://host:port/db[?prefix=...]"')

@@ -86,6 +86,12 @@ class Breaker:
         self.probe_until = None
         return "closed"
 
+    def release(self) -> None:
+        """An admitted attempt ended for a reason that says nothing of the upstream (the
+        caller's deadline, a hang-up): a half-open probe slot is freed, nothing recorded."""
+        if self.state == "half_open":
+            self.probe_until = None
+
     def _open(self, now: float, cooldown: float) -> None:
         self.state = "open"
         self.cooldown = cooldown

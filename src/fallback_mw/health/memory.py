@@ -7,18 +7,21 @@ import time
 from collections.abc import Callable
 
 from fallback_mw.config import BreakerConfig
+from fallback_mw.health import TransitionListener
 from fallback_mw.health.breaker import DEFAULT_PROBE_LEASE, Breaker, Transition
 from fallback_mw.health.pool import CredentialMark, CredentialPool, credential_mark
-from fallback_mw.telemetry import record_breaker_state
 
 logger = logging.getLogger("fallback_mw.health")
 
 
-def report_transition(upstream: str, transition: Transition | str | None) -> None:
+def report_transition(
+    listener: TransitionListener | None, upstream: str, transition: Transition | str | None
+) -> None:
     if transition is None:
         return
     state = {"opened": "open", "reopened": "open"}.get(transition, transition)
-    record_breaker_state(upstream, state)  # the gauge and transition counter (telemetry)
+    if listener is not None:
+        listener(upstream, state)  # the gauge and transition counter (telemetry)
     logger.info("breaker upstream=%s transition=%s", upstream, transition)
 
 
@@ -54,7 +57,9 @@ class MemoryHealth:
         *,
         clock: Callable[[], float] = time.monotonic,
         probe_lease: float = DEFAULT_PROBE_LEASE,
+        on_transition: TransitionListener | None = None,
     ) -> None:
+        self.on_transition = on_transition
         self.config = breaker or BreakerConfig()
         self.clock = clock
         self.probe_lease = probe_lease
@@ -76,13 +81,15 @@ class MemoryHealth:
 
     async def admit(self, upstream: str) -> bool:
         admitted, transition = self.breaker(upstream).admit(self.clock())
-        report_transition(upstream, transition)
+        report_transition(self.on_transition, upstream, transition)
         return admitted
 
     async def record(self, upstream: str, *, failure: bool) -> None:
-        report_transition(
-            upstream, self.breaker(upstream).record(failure=failure, now=self.clock())
-        )
+        transition = self.breaker(upstream).record(failure=failure, now=self.clock())
+        report_transition(self.on_transition, upstream, transition)
+
+    async def release(self, upstream: str) -> None:
+        self.breaker(upstream).release()
 
     async def pick_credential(
         self, upstream: str, pool_size: int, *, exclude: frozenset[int], session: str | None

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from opentelemetry import metrics
+from opentelemetry.metrics import MeterProvider
 
 from fallback_mw.extras import missing_extra
 
@@ -31,16 +32,12 @@ except ImportError:
     raise missing_extra("redis", 'state = "redis://..."') from None
 
 from fallback_mw.config import BreakerConfig
+from fallback_mw.health import TransitionListener
 from fallback_mw.health.breaker import DEFAULT_PROBE_LEASE
 from fallback_mw.health.memory import MemoryHealth, breaker_credential_mark, report_transition
 from fallback_mw.store.url import redact_url
 
 logger = logging.getLogger("fallback_mw.health")
-_meter = metrics.get_meter("fallback_mw")
-local_fallbacks = _meter.create_counter(
-    "gateway.health.local_fallbacks",
-    description="Health operations served from local memory because Redis was unreachable",
-)
 
 T = TypeVar("T")
 
@@ -163,6 +160,15 @@ return 1
 )
 
 
+# KEYS[1] breaker hash. A half-open probe that proved nothing frees its slot.
+RELEASE = """
+if redis.call('HGET', KEYS[1], 'st') == 'half_open' then
+  redis.call('HSET', KEYS[1], 'probe', '0')
+end
+return 0
+"""
+
+
 def split_state_url(url: str) -> tuple[str, str]:
     """(the URL for redis-py, the key prefix from `?prefix=`)."""
     parts = urlsplit(url)
@@ -188,14 +194,26 @@ class RedisHealth:
         probe_lease: float = DEFAULT_PROBE_LEASE,
         retry_interval: float = 1.0,
         socket_timeout: float = 0.5,
+        on_transition: TransitionListener | None = None,
+        meter_provider: MeterProvider | None = None,
     ) -> None:
+        self.on_transition = on_transition
+        meter = (meter_provider or metrics.get_meter_provider()).get_meter("fallback_mw")
+        self.local_fallbacks = meter.create_counter(
+            "gateway.health.local_fallbacks",
+            unit="{operation}",
+            description="Health operations served from local memory because Redis was "
+            "unreachable",
+        )
         self.config = breaker or BreakerConfig()
         self._url, self.prefix = split_state_url(url)
         self._label = redact_url(self._url)
         self.probe_lease_ms = max(int(probe_lease * 1000), 1)
         self.retry_interval = retry_interval
         self.socket_timeout = socket_timeout
-        self.local = MemoryHealth(self.config, probe_lease=probe_lease)
+        self.local = MemoryHealth(
+            self.config, probe_lease=probe_lease, on_transition=on_transition
+        )
         self._client: aioredis.Redis | None = None
         self._scripts: dict[str, Any] = {}
         self._retry_at = 0.0
@@ -223,13 +241,13 @@ class RedisHealth:
 
     async def _run(self, name: str, source: str, keys: list[str], args: list[Any]) -> Any:
         if time.monotonic() < self._retry_at:
-            local_fallbacks.add(1)
+            self.local_fallbacks.add(1)
             return _UNAVAILABLE
         try:
             result = await self._script(name, source)(keys=keys, args=args)
         except (RedisError, OSError) as exc:
             self._retry_at = time.monotonic() + self.retry_interval
-            local_fallbacks.add(1)
+            self.local_fallbacks.add(1)
             if not self._outage:
                 self._outage = True
                 logger.warning(
@@ -270,7 +288,7 @@ class RedisHealth:
     async def admit(self, upstream: str) -> bool:
         def convert(result: Any) -> bool:
             admitted, transition = result
-            report_transition(upstream, transition or None)
+            report_transition(self.on_transition, upstream, transition or None)
             return bool(int(admitted))
 
         return await self._with_fallback(
@@ -286,7 +304,7 @@ class RedisHealth:
         config = self.config
 
         def convert(result: Any) -> None:
-            report_transition(upstream, result or None)
+            report_transition(self.on_transition, upstream, result or None)
 
         await self._with_fallback(
             "record",
@@ -303,6 +321,16 @@ class RedisHealth:
             ],
             lambda: self.local.record(upstream, failure=failure),
             convert,
+        )
+
+    async def release(self, upstream: str) -> None:
+        await self._with_fallback(
+            "release",
+            RELEASE,
+            [self._key("breaker", upstream)],
+            [],
+            lambda: self.local.release(upstream),
+            lambda result: None,
         )
 
     async def pick_credential(

@@ -1,0 +1,150 @@
+"""One upstream request and its outcome.
+
+`AttemptRunner.run` builds the request for a candidate (its own credential, the caller's
+cleaned headers, the model rewrite), applies an injected fault, sends it under what is
+left of the walk deadline and returns an `Outcome` saying who is responsible, with the
+response (whose owner is then the caller) when a head arrived.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import quote
+
+from fallback_mw.config import UpstreamConfig
+from fallback_mw.context import AttemptRecord, RequestBody, RequestContext
+from fallback_mw.faults import FaultSource
+from fallback_mw.upstream.base import (
+    Timeouts,
+    UpstreamClient,
+    UpstreamError,
+    UpstreamRequest,
+    UpstreamResponse,
+)
+from fallback_mw.walk.body import BodyAborted
+from fallback_mw.walk.decide import Outcome
+
+_PATH_SAFE = "/:@!$&'()*+,;=-._~"
+
+AttemptResult = tuple[Outcome, UpstreamResponse | None]
+
+
+class SyntheticResponse:
+    """A response made by the gateway itself (a `fail` fault): no packet leaves."""
+
+    def __init__(self, status: int) -> None:
+        self.status = status
+        self.headers: list[tuple[bytes, bytes]] = [(b"content-length", b"0")]
+
+    async def iter_chunks(self) -> AsyncIterator[bytes]:
+        return
+        yield b""  # pragma: no cover - makes this an async generator
+
+    async def aclose(self) -> None:
+        return None
+
+
+class AttemptRunner:
+    """Runs attempts for one request. The hedge drives it through `run` only."""
+
+    def __init__(
+        self,
+        context: RequestContext,
+        body: RequestBody,
+        parsed: dict[str, Any] | None,
+        *,
+        client: UpstreamClient,
+        faults: FaultSource,
+        inject_headers: Any,
+    ) -> None:
+        self.context = context
+        self.body = body
+        self.parsed = parsed
+        self.client = client
+        self.faults = faults
+        self.inject_headers = inject_headers
+
+    def _request_url(self, upstream: UpstreamConfig) -> str:
+        url = upstream.url + quote(self.context.path, safe=_PATH_SAFE)
+        if self.context.query:
+            url += "?" + self.context.query.decode("latin-1")
+        return url
+
+    def _request_body(self, upstream: UpstreamConfig) -> bytes | AsyncIterator[bytes]:
+        body = self.body
+        if body.buffered is None:
+            assert body.stream is not None
+            return body.stream
+        if upstream.model and self.parsed is not None:
+            rewritten = dict(self.parsed)
+            rewritten["model"] = upstream.model
+            return json.dumps(rewritten, separators=(",", ":"), ensure_ascii=False).encode()
+        return body.buffered
+
+    async def run(
+        self, name: str, upstream: UpstreamConfig, record: AttemptRecord
+    ) -> AttemptResult:
+        context = self.context
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in context.forward_headers]
+        if record.credential_index is not None:
+            credential = context.credential(name, record.credential_index)
+            if credential is not None:
+                headers.append(credential)
+        self.inject_headers(headers)
+        timeouts = Timeouts(
+            connect=upstream.connect_timeout_ms / 1000,
+            first_byte=upstream.first_byte_timeout_ms / 1000,
+            idle=upstream.idle_timeout_ms / 1000,
+        )
+        fault = await self.faults.upstream_fault(name)
+        try:
+            async with asyncio.timeout(max(context.remaining, 0.0)):
+                if fault == "fail":
+                    record.fault = "fail"
+                    return Outcome("status", 503, fault="fail"), SyntheticResponse(503)
+                if fault == "hang":
+                    record.fault = "hang"
+                    await asyncio.sleep(timeouts.first_byte)
+                    return Outcome("timeout", fault="hang"), None
+                request = UpstreamRequest(
+                    method=context.method,
+                    url=self._request_url(upstream),
+                    headers=headers,
+                    body=self._request_body(upstream),
+                    timeouts=timeouts,
+                )
+                response = await self.client.send(request)
+        except TimeoutError:
+            # An injected hang still counts against the upstream when the deadline ends it.
+            return self._local_or(Outcome("deadline", fault=record.fault)), None
+        except UpstreamError as exc:
+            return self._local_or(_classify(exc)), None
+        except BodyAborted:
+            return self._local_or(Outcome("transport")), None
+        # A redirect is never followed: it is an answer like any other.
+        return Outcome("status", response.status), response
+
+    def _local_or(self, outcome: Outcome) -> Outcome:
+        """The request body's own trouble wins over whatever the engine made of it: a
+        caller that hung up or sent too much or too slowly is never the upstream's fault."""
+        body = self.body
+        if body.client_gone or self.context.client_disconnected:
+            return Outcome("client_gone")
+        if body.too_large:
+            return Outcome("body_too_large")
+        if outcome.kind == "deadline" and body.stream is not None and not body.done.is_set():
+            return Outcome("body_timeout")
+        return outcome
+
+
+def _classify(error: UpstreamError) -> Outcome:
+    if error.kind == "unsafe_address":
+        return Outcome("unsafe_address")
+    if error.phase == "body":  # pragma: no cover - engines raise body errors while streaming
+        return Outcome("transport")
+    if error.kind == "timeout":
+        return Outcome("timeout")
+    return Outcome("transport")

@@ -1,0 +1,128 @@
+"""Reading the request body, once per request, for every layer that needs it.
+
+A body that fits in `replay_buffer` is buffered and may be replayed. A larger body with a
+declared `Content-Length` (within `max_request_body`) streams to one attempt only, read as
+it is sent. A larger body without a declared length is read up to `max_request_body`
+before any upstream is contacted, so a chunked body over the limit gets its 413 with no
+upstream contacted (the memory this costs is bounded by `max_request_body`). Reading counts
+against the route deadline: a body that does not arrive in time is the caller's 408.
+
+The result is kept in the request context, so the budget guard (which needs the body for
+its estimate) and the walker share one read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fallback_mw.config import GatewaySettings
+from fallback_mw.context import RequestBody, RequestContext
+from fallback_mw.types import Receive, Scope
+
+
+def declared_length(scope: Scope) -> int | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == b"content-length":
+            text = value.strip()
+            if not text.isdigit() or len(text) > 18:
+                return None
+            return int(text)
+    return None
+
+
+async def read_body(
+    context: RequestContext, scope: Scope, receive: Receive, settings: GatewaySettings
+) -> RequestBody:
+    """The request's body, read the first time it is asked for."""
+    if context.body is not None:
+        return context.body
+    body = context.body = RequestBody()
+    limit = settings.max_request_body
+    declared = declared_length(scope)
+    if declared is not None and declared > limit:
+        body.too_large = True
+        return body
+    # Without a declared length, read everything (up to the limit) before any upstream.
+    head_limit = settings.replay_buffer if declared is not None else limit
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(max(context.remaining, 0.0)):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    body.client_gone = context.client_disconnected = True
+                    return body
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    body.too_large = True
+                    return body
+                chunks.append(chunk)
+                more = bool(message.get("more_body", False))
+                if not more:
+                    body.done.set()
+                    data = b"".join(chunks)
+                    if size <= settings.replay_buffer:
+                        body.buffered = data
+                    else:  # larger than replay_buffer, read whole: sent once, not replayable
+                        body.stream = _once(data)
+                    return body
+                if size > head_limit:
+                    body.stream = _stream_rest(
+                        b"".join(chunks), size, body, context, receive, limit
+                    )
+                    return body
+    except TimeoutError:
+        body.timed_out = True
+        return body
+
+
+async def _once(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+async def _stream_rest(
+    head: bytes,
+    size: int,
+    body: RequestBody,
+    context: RequestContext,
+    receive: Receive,
+    limit: int,
+) -> AsyncIterator[bytes]:
+    """Over replay_buffer: the body goes to one attempt only, read as it is sent."""
+    yield head
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            body.client_gone = context.client_disconnected = True
+            raise BodyAborted("client disconnected")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            body.too_large = True
+            raise BodyAborted("request body over max_request_body")
+        if chunk:
+            yield chunk
+        if not message.get("more_body", False):
+            body.done.set()
+            return
+
+
+class BodyAborted(Exception):
+    """The streamed request body ended badly (its RequestBody flags say why)."""
+
+
+def inspect_json(data: bytes | None) -> dict[str, Any] | None:
+    """The body as a JSON object, or None (not JSON, not an object, or too deeply nested
+    to parse safely)."""
+    if not data or data.lstrip()[:1] != b"{":
+        return None
+    try:
+        parsed = json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    return parsed if isinstance(parsed, dict) else None

@@ -1,0 +1,193 @@
+"""Every failover rule of SPEC §5, decided here and nowhere else.
+
+An attempt ends in an `Outcome` that says who is responsible for it: the upstream (a
+status, a transport error by phase, one of its own timeouts, an injected `fail`/`hang`
+fault) or the gateway's side of the request (the walk deadline, the caller hanging up, a
+body over the limit or too slow, an address the guard refused). `decide` maps an outcome
+and the state of the walk to the next action. The walker, the hedge, the docs
+(`docs/failover.md`) and the trace all follow it.
+
+Only upstream outcomes feed breakers and credential health (`health_mark`), and only
+they can be failover-class: one caller can never open a breaker for everyone else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+# Within a credential pool these may move to another credential of the same upstream.
+CREDENTIAL_STATUSES = frozenset({401, 403, 429})
+
+OutcomeKind = Literal[
+    # the upstream's doing
+    "status",  # a response head arrived (any status)
+    "transport",  # refused, reset or a protocol error before the response head
+    "timeout",  # the upstream's own connect or first-byte timeout
+    # the gateway's side of the request (never recorded against an upstream)
+    "deadline",  # the walk deadline ran out (the route's, or the caller's shorter one)
+    "client_gone",  # the caller hung up
+    "body_too_large",  # the streamed request body went over max_request_body
+    "body_timeout",  # the request body did not arrive before the deadline
+    "unsafe_address",  # the connect-time guard refused the upstream's address
+    "no_candidate",  # the cursor ran dry: every remaining candidate was skipped
+]
+UPSTREAM_KINDS = frozenset({"status", "transport", "timeout"})
+
+Action = Literal["serve", "next_candidate", "next_credential", "local_error", "abort"]
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    kind: OutcomeKind
+    status: int | None = None
+    # "fail" / "hang": an injected upstream failure. It feeds health like the real thing,
+    # even when the walk deadline is what ended a hang (game days exercise the breaker).
+    fault: str | None = None
+
+    @property
+    def responsible(self) -> Literal["upstream", "gateway"]:
+        return "upstream" if self.kind in UPSTREAM_KINDS else "gateway"
+
+    @property
+    def failure_kind(self) -> str | None:
+        """SPEC §9 `gateway.failure.kind` for the attempt span (None: no failure)."""
+        if self.fault is not None:
+            return "fault"
+        if self.kind == "status":
+            return None
+        if self.kind in ("timeout", "deadline", "body_timeout"):
+            return "timeout"
+        if self.kind == "client_gone":
+            return "cancelled"
+        if self.kind == "body_too_large":
+            return "request_too_large"
+        return "transport"
+
+
+NO_CANDIDATE = Outcome("no_candidate")
+
+
+@dataclass(frozen=True, slots=True)
+class WalkState:
+    replayable: bool  # method replayable and the whole body buffered (≤ replay_buffer)
+    client_connected: bool
+    deadline_left: bool
+    response_started: bool  # any byte, even http.response.start, sent to the client
+    attempts_made: int
+    attempt_ceiling: int
+    failover_status: frozenset[int]
+    on_exhausted: Literal["error", "last_response"] = "error"
+    other_credential: bool = False  # the upstream just tried has an unused usable credential
+    has_last_response: bool = False  # a failover-class response is kept (last_response)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    action: Action
+    error: str | None = None  # the local error code, for "local_error"
+    reason: str = ""  # one short phrase for the trace and the docs
+
+
+def is_failover_class(outcome: Outcome, failover_status: frozenset[int]) -> bool:
+    """A transport error or upstream timeout before response headers, or a status listed
+    in `failover_status`. Local outcomes never are."""
+    if outcome.kind == "status":
+        return outcome.status is not None and outcome.status in failover_status
+    return outcome.kind in ("transport", "timeout")
+
+
+def health_mark(outcome: Outcome, failover_status: frozenset[int]) -> bool | None:
+    """What the outcome does to the upstream's breaker and credential: True a failure,
+    False a success, None nothing at all (the gateway's side of the request)."""
+    if outcome.fault is not None:
+        return outcome.kind != "status" or is_failover_class(outcome, failover_status)
+    if outcome.responsible != "upstream":
+        return None
+    return is_failover_class(outcome, failover_status)
+
+
+def further_attempt_possible(state: WalkState) -> bool:
+    """The conditions of SPEC §5 that do not depend on the last outcome; a hedge needs
+    exactly these."""
+    return (
+        state.replayable
+        and state.client_connected
+        and state.deadline_left
+        and not state.response_started
+        and state.attempts_made < state.attempt_ceiling
+    )
+
+
+def further_attempt_allowed(state: WalkState, outcome: Outcome) -> bool:
+    """SPEC §5: a further attempt happens only when all of these hold."""
+    return further_attempt_possible(state) and is_failover_class(outcome, state.failover_status)
+
+
+def may_hedge(
+    state: WalkState, *, hedge_after_ms: int, first_attempt: bool, at_first_candidate: bool
+) -> bool:
+    """Only the walk's first attempt, at the first candidate, of a request that could make
+    one more attempt."""
+    return (
+        hedge_after_ms > 0
+        and first_attempt
+        and at_first_candidate
+        and state.replayable
+        and state.attempt_ceiling >= 2
+    )
+
+
+_LOCAL_ERRORS: dict[str, tuple[str, str]] = {
+    "deadline": ("deadline_exceeded", "the route deadline passed"),
+    "body_too_large": ("request_too_large", "the request body went over max_request_body"),
+    "body_timeout": ("request_timeout", "the request body did not arrive in time"),
+    "unsafe_address": ("upstream_failed", "the upstream address was refused at connect time"),
+}
+
+
+def decide(outcome: Outcome, state: WalkState) -> Decision:
+    """The next action after `outcome` (an attempt's, or NO_CANDIDATE)."""
+    if outcome.kind == "client_gone" or not state.client_connected:
+        return Decision("abort", reason="the client hung up: nothing more is sent or started")
+    if outcome.kind in _LOCAL_ERRORS:
+        code, reason = _LOCAL_ERRORS[outcome.kind]
+        return Decision("local_error", code, reason)
+    if outcome.kind == "no_candidate":
+        if state.attempts_made == 0:
+            return Decision("local_error", "route_exhausted", "no candidate could be attempted")
+        return _exhausted(state, "no further candidate could be attempted")
+    if not is_failover_class(outcome, state.failover_status):
+        if outcome.kind == "status":
+            if (
+                outcome.status in CREDENTIAL_STATUSES
+                and state.other_credential
+                and further_attempt_possible(state)
+            ):
+                return Decision(
+                    "next_credential",
+                    reason=f"{outcome.status} within a credential pool: another credential",
+                )
+            return Decision("serve", reason="a response outside failover_status is served")
+        return _exhausted(state, "the attempt failed")  # pragma: no cover - all kinds above
+    if further_attempt_allowed(state, outcome):
+        return Decision("next_candidate", reason="failover-class: the next candidate")
+    if not state.deadline_left:
+        return Decision("local_error", "deadline_exceeded", "the route deadline passed")
+    return _exhausted(state, _why_no_further_attempt(state))
+
+
+def _exhausted(state: WalkState, reason: str) -> Decision:
+    if not state.deadline_left:
+        return Decision("local_error", "deadline_exceeded", "the route deadline passed")
+    if state.on_exhausted == "last_response" and state.has_last_response:
+        return Decision("serve", reason=f"{reason}; on_exhausted = last_response")
+    return Decision("local_error", "upstream_failed", reason)
+
+
+def _why_no_further_attempt(state: WalkState) -> str:
+    if not state.replayable:
+        return "failover-class, but the request is not replayable"
+    if state.attempts_made >= state.attempt_ceiling:
+        return "failover-class, and the attempt ceiling is reached"
+    return "failover-class, and no further attempt is allowed"

@@ -1,0 +1,125 @@
+"""Hedging (`hedge_after_ms` on a route; off by default).
+
+When the primary attempt has not produced response headers after `hedge_after_ms`, and
+the request could make a further attempt (`decide.further_attempt_possible`), a second
+attempt at the same primary races it. It is an attempt like any other: it counts against
+the ceiling and is admitted by the breaker. The first response head wins; the loser is
+cancelled and its response closed, so its connection is released. Whether the walk's
+attempt is hedged at all is `decide.may_hedge`.
+
+`first_head` is the race itself, free of gateway types; `run_hedged` drives it through
+the narrow `HedgeDriver` interface the walk implements.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Protocol, TypeVar
+
+import anyio
+
+from fallback_mw.config import UpstreamConfig
+from fallback_mw.context import AttemptRecord
+from fallback_mw.walk.attempt import AttemptResult
+
+R = TypeVar("R")
+
+
+async def first_head(
+    primary: Coroutine[Any, Any, R],
+    start_hedge: Callable[[], Awaitable[Coroutine[Any, Any, R] | None]],
+    *,
+    after: float,
+    is_head: Callable[[R], bool],
+    discard: Callable[[int, R | None], Awaitable[None]],
+) -> tuple[int, R]:
+    """Run `primary`; if it has not finished after `after` seconds, ask `start_hedge` for
+    a second attempt and race the two. Returns (0 for the primary / 1 for the hedge, its
+    result). Every other attempt is cancelled, and `discard(index, result)` is awaited for
+    it (`result` is None when it was cancelled before finishing)."""
+    tasks = [asyncio.ensure_future(primary)]
+    winner: int | None = None
+    last: int | None = None
+    try:
+        done, _ = await asyncio.wait(tasks, timeout=after)
+        if not done:
+            hedge = await start_hedge()
+            if hedge is not None:
+                tasks.append(asyncio.ensure_future(hedge))
+        pending = set(tasks)
+        while pending and winner is None:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            # The primary first when both finished together: fewer surprises.
+            for index in sorted(tasks.index(task) for task in done):
+                last = index
+                if winner is None and is_head(tasks[index].result()):
+                    winner = index
+        chosen = winner if winner is not None else last
+        assert chosen is not None
+        return chosen, tasks[chosen].result()
+    finally:
+        with anyio.CancelScope(shield=True):
+            for index, task in enumerate(tasks):
+                if index == winner or (winner is None and index == last):
+                    continue
+                if not task.done():
+                    task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+                result = (
+                    task.result() if task.done() and not task.cancelled() and not
+                    task.exception() else None
+                )  # fmt: skip
+                await discard(index, result)
+
+
+class HedgeDriver(Protocol):
+    """What the hedge needs from the walk, and nothing more."""
+
+    async def start_hedge_attempt(
+        self, name: str, upstream: UpstreamConfig, credential_index: int | None
+    ) -> AttemptRecord | None:
+        """Admit and record a hedge at `name`, or None when it may not run now."""
+        ...
+
+    async def run_attempt(
+        self, name: str, upstream: UpstreamConfig, record: AttemptRecord
+    ) -> AttemptResult: ...
+
+    async def finish_loser(self, record: AttemptRecord, result: AttemptResult | None) -> None:
+        """Close and record the attempt that lost the race (None: cancelled before it
+        finished)."""
+        ...
+
+
+async def run_hedged(
+    driver: HedgeDriver,
+    name: str,
+    upstream: UpstreamConfig,
+    record: AttemptRecord,
+    *,
+    after: float,
+) -> tuple[AttemptResult, AttemptRecord]:
+    """The primary attempt, hedged. Returns the winning result and its record."""
+    records = [record]
+
+    async def start_hedge() -> Coroutine[Any, Any, AttemptResult] | None:
+        hedge_record = await driver.start_hedge_attempt(name, upstream, record.credential_index)
+        if hedge_record is None:
+            return None
+        records.append(hedge_record)
+        return driver.run_attempt(name, upstream, hedge_record)
+
+    async def discard(index: int, result: AttemptResult | None) -> None:
+        await driver.finish_loser(records[index], result)
+
+    index, result = await first_head(
+        driver.run_attempt(name, upstream, record),
+        start_hedge,
+        after=after,
+        is_head=lambda outcome: outcome[1] is not None,
+        discard=discard,
+    )
+    return result, records[index]

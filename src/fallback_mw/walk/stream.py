@@ -1,0 +1,63 @@
+"""The commit point and the relay: once a response head is accepted it is sent to the
+client, and the body follows chunk by chunk (SSE included). A failure after that aborts
+the client response: it is never restarted and never ended as if complete. This module is
+the one owner of the upstream response from the commit on; it closes it in a shielded
+`finally` (the engines' `aclose` completes even under cancellation)."""
+
+from __future__ import annotations
+
+from fallback_mw.context import RequestContext
+from fallback_mw.errors import gateway_headers, send_error
+from fallback_mw.security import forwardable_response_headers
+from fallback_mw.types import Send
+from fallback_mw.upstream.base import UpstreamError, UpstreamResponse
+
+
+async def commit(
+    send: Send,
+    context: RequestContext,
+    name: str,
+    response: UpstreamResponse,
+    *,
+    max_response_body: int,
+) -> None:
+    limit = max_response_body
+    try:
+        declared = content_length(response.headers)
+        if declared is not None and declared > limit:
+            await send_error(
+                send,
+                context,
+                "response_too_large",
+                f"the upstream response exceeds max_response_body ({limit} bytes)",
+            )
+            return
+        context.chosen = name
+        context.status = response.status
+        headers = forwardable_response_headers(response.headers) + gateway_headers(context)
+        await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        context.committed = True
+        received = 0
+        try:
+            async for chunk in response.iter_chunks():
+                received += len(chunk)
+                if received > limit:
+                    context.outcome = "response_too_large"
+                    return  # abort: the client sees an incomplete response
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except UpstreamError:
+            context.outcome = "aborted"
+            return  # never ended as if complete
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        context.completed = True
+        context.outcome = "served"
+    finally:
+        await response.aclose()
+
+
+def content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    for key, value in headers:
+        if key == b"content-length":
+            text = value.strip()
+            return int(text) if text.isdigit() and len(text) <= 18 else None
+    return None

@@ -1,0 +1,368 @@
+"""PlanWalker: the fourth layer. It reads the body, orders the candidates, and walks them:
+the cursor picks, the runner attempts, `decide` says what happens next, the stream
+relays the chosen response. It knows nothing of budgets."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+from typing import Any
+
+from fallback_mw.config import GatewayConfig, UpstreamConfig
+from fallback_mw.context import AttemptRecord, RequestBody, RequestContext, SkipRecord, get_context
+from fallback_mw.credentials import CredentialInjector
+from fallback_mw.errors import send_error
+from fallback_mw.faults import FaultSource, NoFaults
+from fallback_mw.health import AlwaysHealthy, HealthState
+from fallback_mw.plan import candidate_order, is_canary
+from fallback_mw.telemetry import Telemetry
+from fallback_mw.types import ASGIApp, Receive, Scope, Send
+from fallback_mw.upstream import make_client
+from fallback_mw.upstream.base import UpstreamClient, UpstreamResponse
+from fallback_mw.walk.attempt import AttemptResult, AttemptRunner
+from fallback_mw.walk.body import inspect_json, read_body
+from fallback_mw.walk.cursor import CandidateCursor
+from fallback_mw.walk.decide import (
+    NO_CANDIDATE,
+    Decision,
+    Outcome,
+    WalkState,
+    decide,
+    further_attempt_possible,
+    health_mark,
+    may_hedge,
+)
+from fallback_mw.walk.hedge import run_hedged
+from fallback_mw.walk.stream import commit
+
+_BODY_ERRORS = {
+    "too_large": ("request_too_large", "request body exceeds max_request_body ({} bytes)"),
+    "timed_out": ("request_timeout", "the request body did not arrive before the deadline"),
+}
+
+
+class PlanWalker:
+    def __init__(
+        self,
+        app: ASGIApp,
+        /,
+        *,
+        config: GatewayConfig,
+        client: UpstreamClient | None = None,
+        health: HealthState | None = None,
+        faults: FaultSource | None = None,
+        telemetry: Telemetry | None = None,
+    ) -> None:
+        self.app = app
+        settings = config.gateway
+        self.settings = settings
+        self.client = client or make_client(settings.engine, allow_hosts=settings.allow_hosts)
+        self.health: HealthState = health or AlwaysHealthy()
+        self.faults: FaultSource = faults or NoFaults()
+        self.telemetry = telemetry or Telemetry()
+        self._hygiene = CredentialInjector(self._walk, config=config)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        context = get_context(scope)
+        if context is None:
+            await self.app(scope, receive, send)
+        elif context.credentials is None:
+            await self._hygiene(scope, receive, send)  # used alone: the same hygiene here
+        else:
+            await self._walk(scope, receive, send)
+
+    async def _walk(self, scope: Scope, receive: Receive, send: Send) -> None:
+        context = get_context(scope)
+        assert context is not None
+        self.telemetry.request_started(context)
+        try:
+            await _Walk(self, context, scope, receive, send).run()
+        finally:
+            self.telemetry.request_finished(context)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+class _Walk:
+    """One request's walk (the per-request helper object; nothing here outlives it)."""
+
+    def __init__(
+        self, walker: PlanWalker, context: RequestContext, scope: Scope, receive: Receive,
+        send: Send,
+    ) -> None:  # fmt: skip
+        self.walker = walker
+        self.context = context
+        self.route = context.route
+        self.scope = scope
+        self.receive = receive
+        self.send = send
+        self.failover_status = frozenset(self.route.failover_status)
+        self.last_response: tuple[str, UpstreamResponse] | None = None
+
+    async def run(self) -> None:
+        context = self.context
+        body = await read_body(context, self.scope, self.receive, self.walker.settings)
+        if body.client_gone:
+            context.outcome = "client_disconnected"
+            return
+        for flag, (code, message) in _BODY_ERRORS.items():
+            if getattr(body, flag):
+                limit = self.walker.settings.max_request_body
+                await send_error(self.send, context, code, message.format(limit))
+                return
+        if context.refusal is not None:
+            await send_error(self.send, context, *context.refusal)
+            return
+        parsed: dict[str, Any] | None = None
+        rewrite = any(context.upstreams[n].model for n in self.route.plan if n in context.upstreams)
+        if body.buffered is not None:
+            parsed = inspect_json(body.buffered)
+            if parsed is not None and isinstance(parsed.get("model"), str):
+                context.request_model = context.request_model or parsed["model"]
+        if rewrite and (body.buffered is None or (body.buffered and parsed is None)):
+            await send_error(
+                self.send, context, "bad_request",
+                "this route rewrites the model: the body must be a JSON object within "
+                "replay_buffer",
+            )  # fmt: skip
+            return
+        walker = self.walker
+        pinned = await walker.faults.pinned_candidate(self.route.id)
+        if pinned is not None and pinned in self.route.plan:
+            context.pinned = pinned
+        context.canary = pinned is None and is_canary(
+            self.route, context.session, walker.settings.canary_salt
+        )
+        context.candidates = candidate_order(
+            self.route, canary=context.canary, pinned=context.pinned
+        )
+        self.body = body
+        self.runner = AttemptRunner(
+            context, body, parsed, client=walker.client, faults=walker.faults,
+            inject_headers=walker.telemetry.inject_headers,
+        )  # fmt: skip
+        self.cursor = CandidateCursor(
+            context.candidates, context.upstreams, walker.health, session=context.session,
+            has_credential=lambda n, i: context.credential(n, i) is not None,
+            on_skip=self._skip,
+        )  # fmt: skip
+        # A client disconnect cancels the attempt in flight and starts nothing new.
+        walk_task = asyncio.current_task()
+        assert walk_task is not None
+        watcher = asyncio.create_task(self._watch_disconnect(walk_task, body))
+        try:
+            await self._loop()
+        except asyncio.CancelledError:
+            # Swallow only our own cancellation; anyone else's propagates.
+            if not context.client_disconnected or walk_task.uncancel() > 0:
+                raise
+        finally:
+            watcher.cancel()
+            if self.last_response is not None:
+                await self.last_response[1].aclose()
+        if context.client_disconnected and context.outcome is None:
+            context.outcome = "client_disconnected"
+
+    async def _watch_disconnect(self, walk_task: asyncio.Task[Any], body: RequestBody) -> None:
+        await body.done.wait()
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                self.context.client_disconnected = True
+                walk_task.cancel()
+                return
+
+    def state(self, *, other_credential: bool = False) -> WalkState:
+        context = self.context
+        return WalkState(
+            replayable=self.body.buffered is not None
+            and context.method in self.route.replayable_methods,
+            client_connected=not context.client_disconnected,
+            deadline_left=context.remaining > 0,
+            response_started=context.committed,
+            attempts_made=context.attempt_count,
+            attempt_ceiling=self.route.attempt_ceiling,
+            failover_status=self.failover_status,
+            on_exhausted=self.route.on_exhausted,
+            other_credential=other_credential,
+            has_last_response=self.last_response is not None,
+        )
+
+    async def _loop(self) -> None:
+        context = self.context
+        while True:
+            if context.remaining <= 0:
+                await self._act(Outcome("deadline"), None, None, None)
+                return
+            pick = await self.cursor.pick()
+            if pick is None:
+                await self._act(NO_CANDIDATE, None, None, None)
+                return
+            if pick.repeat and self.route.backoff_ms:
+                await asyncio.sleep(min(self.route.backoff_ms / 1000, max(context.remaining, 0)))
+                if context.remaining <= 0:
+                    await self.walker.health.release(pick.name)
+                    await self._act(Outcome("deadline"), None, None, None)
+                    return
+            record = self._start_attempt(pick.name, pick.upstream, pick.credential_index)
+            hedged = may_hedge(
+                self.state(),
+                hedge_after_ms=self.route.hedge_after_ms,
+                first_attempt=context.attempt_count == 1,
+                at_first_candidate=pick.name == context.candidates[0],
+            )
+            if hedged:
+                (outcome, response), record = await run_hedged(
+                    self, pick.name, pick.upstream, record, after=self.route.hedge_after_ms / 1000
+                )
+            else:
+                outcome, response = await self.runner.run(pick.name, pick.upstream, record)
+            await self._record(record, outcome, response)
+            if await self._act(outcome, response, pick.name, record):
+                return
+
+    async def _act(
+        self,
+        outcome: Outcome,
+        response: UpstreamResponse | None,
+        name: str | None,
+        record: AttemptRecord | None,
+    ) -> bool:
+        """Carry out the decision for `outcome`; True when the walk is over."""
+        other = name is not None and self.cursor.other_credential(name)
+        decision: Decision = decide(outcome, self.state(other_credential=other))
+        if record is not None:
+            record.decision, record.reason = decision.action, decision.reason
+        if decision.action in ("next_candidate", "next_credential"):
+            if response is not None:
+                await self._keep(name, response)
+            if decision.action == "next_credential":
+                self.cursor.same_upstream_again()
+            return False
+        if decision.action == "serve":
+            if response is not None and name is not None:
+                await self._keep(name, response)
+            assert self.last_response is not None
+            chosen, kept = self.last_response
+            self.last_response = None
+            await commit(
+                self.send, self.context, chosen, kept,
+                max_response_body=self.walker.settings.max_response_body,
+            )  # fmt: skip
+            return True
+        if response is not None:
+            await response.aclose()
+        if decision.action == "local_error":
+            assert decision.error is not None
+            await send_error(self.send, self.context, decision.error, self._message(decision))
+        return True
+
+    async def _keep(self, name: str | None, response: UpstreamResponse) -> None:
+        """Keep the newest response (for `on_exhausted = "last_response"`); close the rest."""
+        if self.last_response is not None:
+            await self.last_response[1].aclose()
+        assert name is not None
+        self.last_response = (name, response)
+
+    def _message(self, decision: Decision) -> str:
+        attempts = self.context.attempt_count
+        if decision.error == "upstream_failed" and attempts:
+            kinds = [a.failure_kind or "status" for a in self.context.attempts]
+            return f"all {attempts} attempt(s) failed (last failure: {kinds[-1]})"
+        if decision.error == "deadline_exceeded":
+            return f"the route deadline passed after {attempts} attempt(s)"
+        return decision.reason
+
+    async def _record(
+        self, record: AttemptRecord, outcome: Outcome, response: UpstreamResponse | None
+    ) -> None:
+        """Finish the attempt's record and telemetry; feed health with upstream outcomes
+        only (`decide.health_mark`)."""
+        record.duration = time.monotonic() - record.started
+        record.status = outcome.status
+        record.responsible = outcome.responsible
+        mark = health_mark(outcome, self.failover_status)
+        if mark or outcome.kind != "status":
+            record.failure_kind = outcome.failure_kind or "status"
+        self.walker.telemetry.attempt_finished(self.context, record)
+        health = self.walker.health
+        name = record.candidate
+        if mark is None:
+            await health.release(name)  # a half-open probe that proved nothing frees its slot
+            return
+        await health.record(name, failure=mark)
+        if record.credential_index is not None:
+            await health.credential_result(
+                name, record.credential_index, status=outcome.status, failure=mark,
+                retry_after=retry_after(response), session=self.context.session,
+            )  # fmt: skip
+
+    def _skip(self, name: str, reason: str) -> None:
+        self.context.skipped.append(SkipRecord(candidate=name, reason=reason))
+        self.walker.telemetry.skipped(self.context, name, reason)
+
+    def _start_attempt(
+        self, name: str, upstream: UpstreamConfig, credential_index: int | None,
+        *, hedge: bool = False,
+    ) -> AttemptRecord:  # fmt: skip
+        self.cursor.mark_used(name, credential_index)
+        record = AttemptRecord(
+            candidate=name, number=self.context.attempt_count + 1,
+            server_address=upstream.host, credential_index=credential_index, hedge=hedge,
+        )  # fmt: skip
+        self.context.attempts.append(record)
+        self.walker.telemetry.attempt_started(self.context, record)
+        return record
+
+    # --- HedgeDriver ------------------------------------------------------------------
+
+    async def start_hedge_attempt(
+        self, name: str, upstream: UpstreamConfig, credential_index: int | None
+    ) -> AttemptRecord | None:
+        if not further_attempt_possible(self.state()):
+            return None
+        credential = await self.cursor.pick_hedge_credential(name, credential_index)
+        if credential == -1 or not await self.walker.health.admit(name):
+            return None  # e.g. the primary attempt is the half-open probe
+        return self._start_attempt(name, upstream, credential, hedge=True)
+
+    async def run_attempt(
+        self, name: str, upstream: UpstreamConfig, record: AttemptRecord
+    ) -> AttemptResult:
+        return await self.runner.run(name, upstream, record)
+
+    async def finish_loser(self, record: AttemptRecord, result: AttemptResult | None) -> None:
+        if result is None or result[1] is not None:
+            if result is not None:
+                assert result[1] is not None
+                record.status = result[1].status
+                await result[1].aclose()
+            record.duration = time.monotonic() - record.started
+            record.failure_kind = "cancelled"  # lost the race
+            record.decision, record.reason = "abort", "lost the hedge race"
+            self.walker.telemetry.attempt_finished(self.context, record)
+            await self.walker.health.release(record.candidate)
+            return
+        await self._record(record, result[0], None)  # a real failure before the winner
+
+
+def retry_after(response: UpstreamResponse | None) -> float | None:
+    """Retry-After as seconds from now: delta-seconds or an HTTP date (RFC 9110 §10.2.3)."""
+    if response is None:
+        return None
+    for key, value in response.headers:
+        if key == b"retry-after":
+            text = value.decode("latin-1").strip()
+            if text.isdigit():
+                return float(text[:9])
+            try:
+                when = parsedate_to_datetime(text)
+            except (TypeError, ValueError, IndexError):
+                return None
+            if when.tzinfo is None:
+                return None
+            return max((when - datetime.now(UTC)).total_seconds(), 0.0)
+    return None
