@@ -590,11 +590,20 @@ def test_hooks_never_raise(recorded: Recorded) -> None:
     telemetry.skipped(broken, "primary", "breaker_open")
     telemetry.request_finished(broken)
     telemetry.inject_headers(broken)
-    # Hooks out of order on a real context are tolerated too.
+    # Nothing was recorded for the broken context: no span, no request counted.
+    assert recorded.finished() == ()
+    assert recorded.points("gateway.requests") == []
+    # Hooks out of order on a real context are tolerated too, and a request finished twice
+    # is recorded once.
+    telemetry.request_started(context)
     record = AttemptRecord(candidate="primary", number=1, server_address="h")
     telemetry.attempt_finished(context, record)
     telemetry.request_finished(context)
     telemetry.request_finished(context)
+    assert [s.name for s in recorded.finished()].count("gateway.request") == 1
+    assert [s.name for s in recorded.finished()].count("gateway.attempt") == 1
+    assert sum(p.value for p in recorded.points("gateway.requests")) == 1
+    assert sum(p.count for p in recorded.points("gateway.request.duration")) == 1
 
 
 async def test_usage_reported_by_the_upstream_reaches_the_request_span(

@@ -47,7 +47,9 @@ class Outcome:
 
     @property
     def responsible(self) -> Literal["upstream", "gateway"]:
-        return "upstream" if self.kind in UPSTREAM_KINDS else "gateway"
+        # An injected fault stands for the upstream, whatever ended the attempt.
+        upstream = self.kind in UPSTREAM_KINDS or self.fault is not None
+        return "upstream" if upstream else "gateway"
 
     @property
     def failure_kind(self) -> str | None:
@@ -100,10 +102,10 @@ def is_failover_class(outcome: Outcome, failover_status: frozenset[int]) -> bool
 def health_mark(outcome: Outcome, failover_status: frozenset[int]) -> bool | None:
     """What the outcome does to the upstream's breaker and credential: True a failure,
     False a success, None nothing at all (the gateway's side of the request)."""
-    if outcome.fault is not None:
-        return outcome.kind != "status" or is_failover_class(outcome, failover_status)
     if outcome.responsible != "upstream":
         return None
+    if outcome.fault is not None and outcome.kind != "status":
+        return True  # a hang, even when the walk deadline is what ended it
     return is_failover_class(outcome, failover_status)
 
 

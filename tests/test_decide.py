@@ -1,0 +1,250 @@
+"""The one decision (`walk.decide`): every row of the classification table in
+docs/failover.md as a direct case, and a property test against a small reference model of
+SPEC §5 written independently of the implementation."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from pathlib import Path
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fallback_mw.walk.decide import (
+    NO_CANDIDATE,
+    Outcome,
+    WalkState,
+    decide,
+    health_mark,
+    is_failover_class,
+)
+
+FAILOVER = frozenset({502, 503, 504})
+DOC = Path(__file__).resolve().parents[1] / "docs" / "failover.md"
+
+OPEN = WalkState(
+    replayable=True,
+    client_connected=True,
+    deadline_left=True,
+    response_started=False,
+    attempts_made=1,
+    attempt_ceiling=2,
+    failover_status=FAILOVER,
+)
+LAST = replace(OPEN, attempts_made=2)  # the ceiling is reached
+
+# row of the table -> (outcome, state, expected (action, error), expected health mark)
+CASES: dict[str, list[tuple[Outcome, WalkState, tuple[str, str | None], bool | None]]] = {
+    "connection refused / reset before headers": [
+        (Outcome("transport"), OPEN, ("next_candidate", None), True),
+        (Outcome("transport"), LAST, ("local_error", "upstream_failed"), True),
+    ],
+    "connect timeout (`connect_timeout_ms`)": [
+        (Outcome("timeout"), OPEN, ("next_candidate", None), True),
+    ],
+    "no response head within `first_byte_timeout_ms` (a hang)": [
+        (Outcome("timeout"), OPEN, ("next_candidate", None), True),
+        (Outcome("timeout"), LAST, ("local_error", "upstream_failed"), True),
+    ],
+    "status in `failover_status` (default 502, 503, 504)": [
+        (Outcome("status", 503), OPEN, ("next_candidate", None), True),
+        (Outcome("status", 502), LAST, ("local_error", "upstream_failed"), True),
+        (
+            Outcome("status", 504),
+            replace(LAST, on_exhausted="last_response", has_last_response=True),
+            ("serve", None),
+            True,
+        ),
+    ],
+    "failover status on a non-replayable request (POST, unbuffered body)": [
+        (
+            Outcome("status", 503),
+            replace(OPEN, replayable=False),
+            ("local_error", "upstream_failed"),
+            True,
+        ),
+    ],
+    "`fail` fault (synthetic 503, no packet sent)": [
+        (Outcome("status", 503, fault="fail"), OPEN, ("next_candidate", None), True),
+    ],
+    "`hang` fault": [
+        (Outcome("timeout", fault="hang"), OPEN, ("next_candidate", None), True),
+        (Outcome("deadline", fault="hang"), OPEN, ("local_error", "deadline_exceeded"), True),
+    ],
+    "401 / 403 / 429 from a credential pool with an unused credential": [
+        (
+            Outcome("status", s),
+            replace(OPEN, other_credential=True),
+            ("next_credential", None),
+            False,
+        )
+        for s in (401, 403, 429)
+    ]
+    + [
+        # no further attempt possible: served as-is
+        (Outcome("status", 429), replace(LAST, other_credential=True), ("serve", None), False),
+    ],
+    "any other status (2xx, 3xx, 400, 401, 403, 404, 429, 500, …)": [
+        (Outcome("status", s), OPEN, ("serve", None), False)
+        for s in (200, 201, 302, 400, 401, 403, 404, 429, 500)
+    ],
+    "the walk deadline runs out during an attempt": [
+        (Outcome("deadline"), OPEN, ("local_error", "deadline_exceeded"), None),
+        (
+            Outcome("deadline"),
+            replace(OPEN, deadline_left=False),
+            ("local_error", "deadline_exceeded"),
+            None,
+        ),
+    ],
+    "the caller hangs up": [
+        (Outcome("client_gone"), replace(OPEN, client_connected=False), ("abort", None), None),
+    ],
+    "the streamed request body goes over `max_request_body`": [
+        (Outcome("body_too_large"), OPEN, ("local_error", "request_too_large"), None),
+    ],
+    "the streamed request body stops arriving before the deadline": [
+        (Outcome("body_timeout"), OPEN, ("local_error", "request_timeout"), None),
+    ],
+    "upstream address refused by the connect-time guard": [
+        (Outcome("unsafe_address"), OPEN, ("local_error", "upstream_failed"), None),
+    ],
+    "every remaining candidate skipped, no attempt made": [
+        (NO_CANDIDATE, replace(OPEN, attempts_made=0), ("local_error", "route_exhausted"), None),
+    ],
+    "every remaining candidate skipped after failed attempts": [
+        (NO_CANDIDATE, OPEN, ("local_error", "upstream_failed"), None),
+        (
+            NO_CANDIDATE,
+            replace(OPEN, on_exhausted="last_response", has_last_response=True),
+            ("serve", None),
+            None,
+        ),
+    ],
+    # After the commit point the walk is over: the relay aborts (walk/stream.py); no
+    # decision is asked for. Covered end to end in test_walker.py.
+    "failure after the commit point (reset, idle timeout, over `max_response_body`)": [],
+}
+
+
+def table_rows() -> list[str]:
+    text = DOC.read_text()
+    section = text.split("## Classification of one attempt", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ")]
+    return [row.split("|")[1].strip() for row in rows[1:]]  # skip the header row
+
+
+def test_every_row_of_the_classification_table() -> None:
+    rows = table_rows()
+    assert len(rows) >= 15
+    assert set(rows) == set(CASES), "each row of docs/failover.md needs its cases here"
+    for row, cases in CASES.items():
+        for outcome, state, (action, error), mark in cases:
+            decision = decide(outcome, state)
+            assert (decision.action, decision.error) == (action, error), (row, outcome, state)
+            assert decision.reason, row
+            assert health_mark(outcome, state.failover_status) is mark, (row, outcome)
+
+
+def test_the_doc_names_the_same_responsibility_as_the_code() -> None:
+    text = DOC.read_text()
+    for row, cases in CASES.items():
+        line = next(line for line in text.splitlines() if line.startswith(f"| {row} |"))
+        responsible = line.split("|")[2].strip()
+        for outcome, _, _, _ in cases:
+            if outcome.kind == "no_candidate":
+                continue
+            expected = "upstream" if responsible.startswith("upstream") else "gateway"
+            assert outcome.responsible == expected, (row, outcome)
+
+
+# --- a reference model of SPEC §5, written from the SPEC text alone ---------------------
+
+UPSTREAM = ("status", "transport", "timeout")
+LOCAL = ("deadline", "client_gone", "body_too_large", "body_timeout", "unsafe_address")
+
+
+def reference(outcome: Outcome, s: WalkState) -> tuple[str, str | None]:
+    if not s.client_connected or outcome.kind == "client_gone":
+        return ("abort", None)
+    local_codes = {
+        "deadline": "deadline_exceeded",
+        "body_too_large": "request_too_large",
+        "body_timeout": "request_timeout",
+        "unsafe_address": "upstream_failed",
+    }
+    if outcome.kind in local_codes:
+        return ("local_error", local_codes[outcome.kind])
+    failover_class = outcome.kind in ("transport", "timeout") or (
+        outcome.kind == "status" and outcome.status in s.failover_status
+    )
+    room = (
+        s.replayable
+        and s.deadline_left
+        and not s.response_started
+        and s.attempts_made < s.attempt_ceiling
+    )
+    if outcome.kind == "no_candidate" and s.attempts_made == 0:
+        return ("local_error", "route_exhausted")
+    if outcome.kind == "status" and not failover_class:
+        if outcome.status in (401, 403, 429) and s.other_credential and room:
+            return ("next_credential", None)
+        return ("serve", None)
+    if outcome.kind != "no_candidate" and room:
+        return ("next_candidate", None)
+    if not s.deadline_left:
+        return ("local_error", "deadline_exceeded")
+    if s.on_exhausted == "last_response" and s.has_last_response:
+        return ("serve", None)
+    return ("local_error", "upstream_failed")
+
+
+outcomes = st.one_of(
+    st.builds(
+        Outcome,
+        st.just("status"),
+        st.sampled_from([200, 302, 400, 401, 403, 404, 429, 500, 502, 503, 504]),
+    ),
+    st.builds(Outcome, st.sampled_from(UPSTREAM[1:] + LOCAL)),
+    st.just(NO_CANDIDATE),
+)
+states = st.builds(
+    WalkState,
+    replayable=st.booleans(),
+    client_connected=st.booleans(),
+    deadline_left=st.booleans(),
+    response_started=st.just(False),  # the walk asks nothing after the commit point
+    attempts_made=st.integers(0, 6),
+    attempt_ceiling=st.integers(1, 6),
+    failover_status=st.sampled_from([FAILOVER, frozenset({429, 503}), frozenset()]),
+    on_exhausted=st.sampled_from(["error", "last_response"]),
+    other_credential=st.booleans(),
+    has_last_response=st.booleans(),
+)
+
+
+@given(outcomes, states)
+def test_decide_matches_the_reference_model(outcome: Outcome, state: WalkState) -> None:
+    decision = decide(outcome, state)
+    assert (decision.action, decision.error) == reference(outcome, state)
+
+
+@given(outcomes, states)
+def test_only_upstream_outcomes_are_failover_class_or_feed_health(
+    outcome: Outcome, state: WalkState
+) -> None:
+    local = outcome.kind in LOCAL or outcome.kind == "no_candidate"
+    if local:
+        assert not is_failover_class(outcome, state.failover_status)
+        assert health_mark(outcome, state.failover_status) is None
+    # A further attempt never follows a local outcome.
+    if local and outcome.kind != "no_candidate":
+        assert decide(outcome, state).action in ("local_error", "abort")
+
+
+def test_reference_model_is_not_the_code() -> None:
+    # Keep the model honest: it must not import or call the implementation.
+    source = Path(__file__).read_text()
+    body = source.split("def reference(", 1)[1].split("\noutcomes = ", 1)[0]
+    assert not re.search(r"\b(decide|is_failover_class|further_attempt)\w*\(", body)
