@@ -113,6 +113,7 @@ class UsageRecord:
     output_tokens: int | None = None
     cost: Decimal | None = None  # from reported usage and [prices], when both were known
     charged: Decimal | None = None  # what the budget was settled with
+    duration_ms: float | None = None  # first byte in to last byte out, when measured
 
 
 class Ledger(Protocol):

@@ -37,15 +37,18 @@ _V1 = [
     "cost_units BIGINT, charged_units BIGINT)",
     "CREATE INDEX fmw_usage_at ON fmw_usage (at)",
 ]
+# v2: how long each routed request took (`fallback-mw gameday` reads its p99 from these);
+# NULL in rows written before, or by a gateway that does not measure it.
+_V2 = ["ALTER TABLE fmw_usage ADD COLUMN duration_ms {real}"]
 _TYPES = {
-    "sqlite": {"ts": "TEXT", "serial": "INTEGER"},
-    "postgresql": {"ts": "TIMESTAMPTZ", "serial": "BIGSERIAL"},
+    "sqlite": {"ts": "TEXT", "serial": "INTEGER", "real": "REAL"},
+    "postgresql": {"ts": "TIMESTAMPTZ", "serial": "BIGSERIAL", "real": "DOUBLE PRECISION"},
 }
 
 
 def migrations(dialect: str) -> dict[int, list[str]]:
     types = _TYPES[dialect]
-    return {1: [s.format(**types) for s in _V1]}
+    return {version: [s.format(**types) for s in steps] for version, steps in ((1, _V1), (2, _V2))}
 
 
 LATEST_VERSION = max(migrations("sqlite"))
@@ -98,12 +101,13 @@ def usage_values(record: UsageRecord) -> tuple[object, ...]:
         record.output_tokens,
         None if record.cost is None else to_units(record.cost),
         None if record.charged is None else to_units(record.charged),
+        record.duration_ms,
     )
 
 
 USAGE_COLUMNS = (
     "at, request_id, route, tenant, budget_id, candidates, attempts, chosen, outcome, "
-    "status, model, input_tokens, output_tokens, cost_units, charged_units"
+    "status, model, input_tokens, output_tokens, cost_units, charged_units, duration_ms"
 )
 
 
@@ -123,6 +127,7 @@ def usage_from_row(at: datetime, row: tuple[object, ...] | list[object]) -> Usag
         output_tokens,
         cost_units,
         charged_units,
+        duration_ms,
     ) = row
     return UsageRecord(
         request_id=str(request_id),
@@ -140,6 +145,7 @@ def usage_from_row(at: datetime, row: tuple[object, ...] | list[object]) -> Usag
         output_tokens=_opt_int(output_tokens),
         cost=None if cost_units is None else from_units(_int(cost_units)),
         charged=None if charged_units is None else from_units(_int(charged_units)),
+        duration_ms=_opt_float(duration_ms),
     )
 
 
@@ -163,6 +169,14 @@ def _int(value: object) -> int:
 
 def _opt_int(value: object) -> int | None:
     return None if value is None else _int(value)
+
+
+def _opt_float(value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, int | float | Decimal):
+        return float(value)
+    raise TypeError("expected a number column")
 
 
 def _opt_str(value: object) -> str | None:
