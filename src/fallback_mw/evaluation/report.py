@@ -2,21 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
 from fallback_mw.evaluation.arms import PRIMARY, ArmRun
-
-
-def percentile(values: Sequence[float], p: float) -> float | None:
-    """Nearest-rank percentile; None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, math.ceil(p / 100 * len(ordered)))
-    return ordered[rank - 1]
+from fallback_mw.stats import percentile
 
 
 def summarise(run: ArmRun) -> dict[str, Any]:

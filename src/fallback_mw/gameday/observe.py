@@ -1,6 +1,13 @@
-"""What a game day observes, from usage records."""
+"""What a game day observes, computed from the usage records every gateway process writes
+to the shared store (pure functions: the records and the clock come in as arguments)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from fallback_mw.budget import UsageRecord
+from fallback_mw.stats import percentile
 
 # Outcomes that are the caller's own doing, never a customer-visible error. The shipped
 # alert rules (docs/alerts/fallback_mw.rules.yml) exclude exactly these and `served`.
@@ -14,3 +21,120 @@ CALLER_OUTCOMES = frozenset(
         "request_timeout",
     }
 )
+
+
+def ended_at(record: UsageRecord) -> float:
+    return record.at.timestamp()
+
+
+def started_at(record: UsageRecord) -> float:
+    """When the request arrived (its end less its duration; its end if not measured)."""
+    return ended_at(record) - (record.duration_ms or 0.0) / 1000
+
+
+def customer_error(record: UsageRecord) -> bool:
+    return record.outcome != "served" and record.outcome not in CALLER_OUTCOMES
+
+
+def served_by_fallback(record: UsageRecord) -> bool:
+    return (
+        record.outcome == "served"
+        and record.chosen is not None
+        and bool(record.candidates)
+        and record.chosen != record.candidates[0]
+    )
+
+
+def secondary_calls(record: UsageRecord, primary: str) -> tuple[int, int]:
+    """(calls, 429 answers) made to candidates other than the route's primary."""
+    calls = [a for a in record.attempts if a.skipped is None and a.candidate != primary]
+    return len(calls), sum(1 for a in calls if a.status == 429)
+
+
+def _ratio(part: int, whole: int) -> float | None:
+    return part / whole if whole else None
+
+
+def error_rate(records: Sequence[UsageRecord]) -> float | None:
+    return _ratio(sum(1 for r in records if customer_error(r)), len(records))
+
+
+def secondary_429_rate(records: Sequence[UsageRecord], primary: str) -> float | None:
+    calls = throttled = 0
+    for record in records:
+        made, answered_429 = secondary_calls(record, primary)
+        calls += made
+        throttled += answered_429
+    return _ratio(throttled, calls)
+
+
+def duration_percentile(records: Sequence[UsageRecord], p: float) -> float | None:
+    return percentile([r.duration_ms for r in records if r.duration_ms is not None], p)
+
+
+def windowed(name: str, records: Sequence[UsageRecord], primary: str) -> float | None:
+    """An abort criterion's quantity over `records` (those ended inside its window)."""
+    if name == "error_rate":
+        return error_rate(records)
+    if name == "p99_ms":
+        return duration_percentile(records, 99)
+    if name == "secondary_429":
+        return secondary_429_rate(records, primary)
+    raise ValueError(name)
+
+
+def _first(records: Sequence[UsageRecord], t0: float, match: Any) -> float | None:
+    times = [started_at(r) - t0 for r in records if match(r)]
+    return round(max(min(times), 0.0), 3) if times else None
+
+
+def observe(
+    records: Sequence[UsageRecord], *, t0: float, primary: str, faulted_upstream: str | None
+) -> dict[str, Any]:
+    """Everything the report states about the exercise: `records` are the route's requests
+    that arrived while the fault was set; `t0` is when it was set (epoch seconds)."""
+    durations = [r.duration_ms for r in records if r.duration_ms is not None]
+    fallbacks = sum(1 for r in records if served_by_fallback(r))
+    calls = throttled = 0
+    for record in records:
+        made, answered_429 = secondary_calls(record, primary)
+        calls += made
+        throttled += answered_429
+
+    def skipped_open(record: UsageRecord) -> bool:
+        return any(
+            a.candidate == faulted_upstream and a.skipped == "breaker_open" for a in record.attempts
+        )
+
+    def ms(p: float) -> float | None:
+        value = percentile(durations, p)
+        return None if value is None else round(value, 1)
+
+    rate = error_rate(records)
+    secondary = _ratio(throttled, calls)
+    return {
+        "requests": len(records),
+        "errors": sum(1 for r in records if customer_error(r)),
+        "error_rate": None if rate is None else round(rate, 4),
+        "fallbacks": fallbacks,
+        "fallback_share": None if not records else round(fallbacks / len(records), 4),
+        "durations_recorded": len(durations),
+        "p50_ms": ms(50),
+        "p99_ms": ms(99),
+        "breaker_open_s": _first(records, t0, skipped_open) if faulted_upstream else None,
+        "first_fallback_s": _first(records, t0, served_by_fallback),
+        "secondary_calls": calls,
+        "secondary_429": throttled,
+        "secondary_429_rate": None if secondary is None else round(secondary, 4),
+    }
+
+
+# The observed key each prediction is judged on.
+PREDICTION_KEYS = {
+    "breaker_open_s": "breaker_open_s",
+    "first_fallback_s": "first_fallback_s",
+    "p50_ms": "p50_ms",
+    "p99_ms": "p99_ms",
+    "error_rate": "error_rate",
+    "secondary_429": "secondary_429_rate",
+}

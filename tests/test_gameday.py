@@ -1,0 +1,204 @@
+"""`fallback-mw gameday`: what it refuses before setting anything, how it reads its
+predictions and abort criteria, and what it computes from usage records."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from fallback_mw.budget import AttemptOutcome, UsageRecord
+from fallback_mw.gameday.cli import main
+from fallback_mw.gameday.observe import observe, windowed
+from fallback_mw.gameday.run import judge
+from fallback_mw.gameday.spec import SpecError, parse_abort, parse_duration, parse_prediction
+from fallback_mw.store.routes import Fault, open_store
+
+# --- spec -----------------------------------------------------------------------------
+
+
+def test_predictions_and_criteria_parse() -> None:
+    assert parse_prediction("breaker_open_s=20").value == 20
+    assert parse_prediction("p99_ms=3500").value == 3500
+    assert parse_prediction("error_rate=1%").value == pytest.approx(0.01)
+    assert parse_prediction("error_rate=0.02").value == pytest.approx(0.02)
+    criterion = parse_abort("error_rate=1%/60s")
+    assert (criterion.threshold, criterion.window_s) == (pytest.approx(0.01), 60)
+    assert parse_abort("p99_ms=6000").window_s == 60  # the default window
+    assert parse_abort("secondary_429=5%/2m").window_s == 120
+    assert parse_duration("15m") == 900 and parse_duration("500ms") == 0.5
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["breaker_open_s", "nonsense=3", "p99_ms=fast", "p99_ms=35%", "error_rate=150%", "p99_ms=-1"],
+)
+def test_bad_predictions_are_refused(bad: str) -> None:
+    with pytest.raises(SpecError):
+        parse_prediction(bad)
+
+
+@pytest.mark.parametrize("bad", ["breaker_open_s=3", "error_rate=1%/0s", "p99_ms=6000/soon"])
+def test_bad_abort_criteria_are_refused(bad: str) -> None:
+    with pytest.raises(SpecError):
+        parse_abort(bad)
+
+
+@pytest.mark.parametrize("bad", ["0", "-5m", "2d", "25h", "fifteen"])
+def test_bad_durations_are_refused(bad: str) -> None:
+    with pytest.raises(SpecError):
+        parse_duration(bad)
+
+
+# --- observe ---------------------------------------------------------------------------
+
+T0 = 1_800_000_000.0
+
+
+def record(
+    at: float,
+    *,
+    ms: float | None = 10.0,
+    outcome: str = "served",
+    chosen: str | None = "primary",
+    attempts: tuple[AttemptOutcome, ...] = (),
+) -> UsageRecord:
+    return UsageRecord(
+        request_id=f"r{at}",
+        route="chat",
+        tenant="t",
+        at=datetime.fromtimestamp(at, UTC),
+        candidates=("primary", "backup"),
+        attempts=attempts,
+        chosen=chosen,
+        outcome=outcome,
+        duration_ms=ms,
+    )
+
+
+def test_observe_counts_what_happened() -> None:
+    fell_back = (
+        AttemptOutcome("primary", status=503, failure="fault"),
+        AttemptOutcome("backup", status=200),
+    )
+    skipped = (
+        AttemptOutcome("primary", skipped="breaker_open"),
+        AttemptOutcome("backup", status=429),
+    )
+    records = [
+        record(T0 + 1.0, attempts=(AttemptOutcome("primary", status=200),)),
+        record(T0 + 2.0, chosen="backup", attempts=fell_back, ms=40),
+        record(T0 + 3.5, chosen="backup", attempts=skipped, ms=1000),
+        record(T0 + 4.0, outcome="upstream_failed", chosen=None, ms=3000),
+        record(T0 + 5.0, outcome="client_disconnected", chosen=None),  # the caller's doing
+    ]
+    seen = observe(records, t0=T0, primary="primary", faulted_upstream="primary")
+    assert seen["requests"] == 5
+    assert seen["errors"] == 1 and seen["error_rate"] == 0.2
+    assert seen["fallbacks"] == 2
+    assert seen["first_fallback_s"] == pytest.approx(2.0 - 0.04)
+    assert seen["breaker_open_s"] == pytest.approx(3.5 - 1.0)
+    assert (seen["secondary_calls"], seen["secondary_429"]) == (2, 1)
+    assert seen["p99_ms"] == 3000 and seen["p50_ms"] == 40
+    assert windowed("error_rate", records[-2:], "primary") == 0.5
+    assert windowed("secondary_429", records[:2], "primary") == 0.0
+
+
+def test_predictions_are_judged_as_upper_bounds_and_missing_data_never_passes() -> None:
+    observed = {"p99_ms": 3000.0, "breaker_open_s": None, "error_rate": 0.0}
+    results = judge(
+        (
+            parse_prediction("p99_ms=3500"),
+            parse_prediction("p99_ms=2999"),
+            parse_prediction("breaker_open_s=20"),
+            parse_prediction("error_rate=1%"),
+        ),
+        observed,
+    )
+    assert [r["result"] for r in results] == ["pass", "fail", "no data", "pass"]
+
+
+# --- refusals: exit 2, nothing set ------------------------------------------------------
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> str:
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    config = tmp_path / "gw.toml"
+    config.write_text(
+        f'[gateway]\nstore = "{url}"\n\n'
+        '[upstreams.primary]\nurl = "http://127.0.0.1:9"\n\n'
+        '[upstreams.backup]\nurl = "http://127.0.0.1:10"\n\n'
+        '[[routes]]\nid = "chat"\nprefix = "/chat/"\nplan = ["primary", "backup"]\nretries = 1\n'
+    )
+    return str(config)
+
+
+async def _faults(config: str) -> list[Fault]:
+    url = f"sqlite:///{Path(config).parent / 'store.db'}"
+    route_store = open_store(url)
+    try:
+        return await route_store.load_faults()
+    finally:
+        await route_store.aclose()
+
+
+BASE = ["gameday", "--route", "chat", "--fault", "fail", "--duration", "5s"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--abort", "error_rate=1%"], "no --predict"),
+        (["--predict", "p99_ms=3500"], "no --abort"),
+        (["--predict", "latency=3", "--abort", "error_rate=1%"], "unknown quantity"),
+        (["--predict", "p99_ms=1", "--abort", "error_rate=1%", "--candidate", "x"], "not one of"),
+        (["--predict", "p99_ms=1", "--abort", "error_rate=1%", "--duration", "25h"], "24h"),
+    ],
+)
+def test_refusals_exit_2_and_set_nothing(
+    store: str, extra: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*BASE, "--config", store, *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fallback-mw: error: ") and message in err
+    assert len(err.strip().splitlines()) == 1
+    assert asyncio.run(_faults(store)) == []
+
+
+def test_refuses_unknown_route_pin_without_candidate_and_a_missing_store(
+    store: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ok = ["--predict", "p99_ms=1", "--abort", "error_rate=1%"]
+    argv = ["gameday", "--route", "nope", "--fault", "fail", "--duration", "5s", *ok]
+    assert main([*argv, "--config", store]) == 2
+    assert "unknown route 'nope'" in capsys.readouterr().err
+    pin = ["gameday", "--route", "chat", "--fault", "pin", "--duration", "5s", *ok]
+    assert main([*pin, "--config", store]) == 2
+    assert "--fault pin needs --candidate" in capsys.readouterr().err
+    assert main([*BASE, *ok]) == 2
+    assert "no store" in capsys.readouterr().err
+    assert asyncio.run(_faults(store)) == []
+
+
+def test_refuses_to_overwrite_a_fault_already_set(
+    store: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+
+    async def preset() -> None:
+        route_store = open_store(url)
+        try:
+            await route_store.set_fault(Fault("hang", "primary", time.time() + 60))
+        finally:
+            await route_store.aclose()
+
+    asyncio.run(preset())
+    argv = [*BASE, "--config", store, "--predict", "p99_ms=1", "--abort", "error_rate=1%"]
+    assert main([*argv, "--out", str(tmp_path / "r.json")]) == 2
+    assert "already set on 'primary'" in capsys.readouterr().err
+    (kept,) = asyncio.run(_faults(store))
+    assert kept.kind == "hang"  # the operator's own fault is untouched
