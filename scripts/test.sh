@@ -8,7 +8,7 @@ source scripts/promtool.sh
 
 failed=()
 echo "== ruff check"
-.venv/bin/ruff check src tests || failed+=("ruff")
+.venv/bin/ruff check src tests examples || failed+=("ruff")
 echo "== mypy"
 .venv/bin/mypy || failed+=("mypy")
 echo "== pytest"

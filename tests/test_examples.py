@@ -1,75 +1,171 @@
-"""The examples stay runnable: their configs load and their apps route as documented."""
+"""The examples run offline from their one command: `python examples/<name>/run.py` starts
+the mock upstreams (a primary answering 503, an OpenAI-shaped backup) and the example app on
+uvicorn. Each is started for real and driven with the official `openai` SDK, streaming and
+not; Django's own async test client drives the Django example too."""
 
 from __future__ import annotations
 
-import importlib.util
+import json
 import os
+import re
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
+from openai import OpenAI
 
 from fallback_mw import load_config
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-ENV = {"PRIMARY_API_KEY": "example-primary", "BACKUP_API_KEY": "example-backup"}
+MESSAGES = [{"role": "user", "content": "Say hello"}]
 
 
-@pytest.mark.parametrize("name", ["fastapi_app", "django_app"])
-def test_example_config_loads(name: str) -> None:
-    config = load_config(EXAMPLES / name / "gateway.toml", environ=ENV)
-    assert [route.id for route in config.routes] == ["chat"]
-
-
-@pytest.mark.anyio
-async def test_fastapi_example_routes_v1_and_serves_the_rest(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    for key, value in ENV.items():
-        monkeypatch.setenv(key, value)
-    spec = importlib.util.spec_from_file_location(
-        "fastapi_example", EXAMPLES / "fastapi_app/app.py"
+@contextmanager
+def running_example(name: str) -> Iterator[str]:
+    """`python examples/<name>/run.py --port 0`, run as its README says; yields the gateway
+    URL it prints. Stopped with SIGINT (Ctrl-C), killed if it does not stop."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DJANGO_SETTINGS_MODULE",)}
+    env.pop("PRIMARY_API_KEY", None)
+    env.pop("BACKUP_API_KEY", None)
+    process = subprocess.Popen(
+        [sys.executable, str(EXAMPLES / name / "run.py"), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
     )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    transport = httpx.ASGITransport(app=module.app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-        health = await client.get("/health")
-        routed = await client.get("/v1/models", headers={"x-gateway-deadline-ms": "2000"})
-    assert health.json() == {"status": "ok"}
-    assert "x-gateway-route" not in health.headers
-    # Nothing listens on the example's upstream ports here; what matters is who answered.
-    assert routed.headers["x-gateway-route"] == "chat"
+    watchdog = threading.Timer(60, process.kill)  # a hung start fails the test, not the suite
+    watchdog.start()
+    output: list[str] = []
+    try:
+        assert process.stdout is not None
+        url = None
+        for line in process.stdout:
+            output.append(line)
+            found = re.match(r"gateway: (http://127\.0\.0\.1:\d+)", line)
+            if found:
+                url = found.group(1)
+                break
+        assert url is not None, "".join(output)
+        yield url
+    finally:
+        watchdog.cancel()
+        process.send_signal(2)
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
 
 
-def test_django_example_routes_v1_and_serves_the_rest() -> None:
-    script = """
-import asyncio, httpx
-from asgi import application
+@pytest.mark.e2e
+@pytest.mark.parametrize("name", ["fastapi_app", "django_app"])
+def test_example_runs_offline_and_fails_a_chat_completion_over_with_the_openai_sdk(
+    name: str,
+) -> None:
+    with running_example(name) as url:
+        own = httpx.get(f"{url}/health", timeout=10)
+        client = OpenAI(base_url=f"{url}/v1", api_key="caller-key-never-forwarded", max_retries=0)
+        raw = client.chat.completions.with_raw_response.create(
+            model="gpt-4o-mini", messages=MESSAGES
+        )
+        completion = raw.parse()
+        stream = client.chat.completions.create(
+            model="gpt-4o-mini",
+            messages=MESSAGES,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+    # The app keeps its own route; the gateway does not touch it.
+    assert own.status_code == 200 and own.json() == {"status": "ok"}
+    assert "x-gateway-route" not in own.headers
+    # The POST failed over: the primary answered 503, the backup served.
+    assert raw.headers["x-gateway-provider"] == "backup"
+    assert raw.headers["x-gateway-attempts"] == "2"
+    assert completion.choices[0].message.content == "Hello from the backup upstream."
+    assert completion.usage is not None and completion.usage.completion_tokens == 5
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.strip() == "Hello from the backup upstream."
+    assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens > 0
+
+
+DJANGO_TEST_CLIENT = """
+import asyncio, json, os
+from pathlib import Path
+import django
+from mock_upstreams import config_for_mocks, start_mocks
 
 async def main():
-    transport = httpx.ASGITransport(app=application)
-    async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
+    async with start_mocks() as mocks:
+        config = config_for_mocks(Path("gateway.toml"), mocks, Path(os.environ["TMP_CONFIG"]))
+        os.environ["GATEWAY_CONFIG"] = str(config)
+        django.setup()
+        from django.test import AsyncClient
+        from fallback_mw.django import aclose_gateways
+
+        client = AsyncClient()
         health = await client.get("/health")
-        routed = await client.get("/v1/models", headers={"x-gateway-deadline-ms": "2000"})
-    print(health.status_code, health.json()["status"], routed.headers.get("x-gateway-route"))
-    from fallback_mw.django import aclose_gateways
-    await aclose_gateways()
+        body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+        plain = await client.post("/v1/chat/completions", body, content_type="application/json")
+        plain_body = b"".join([chunk async for chunk in plain.streaming_content])
+        streamed = await client.post(
+            "/v1/chat/completions", {**body, "stream": True}, content_type="application/json"
+        )
+        events = b"".join([chunk async for chunk in streamed.streaming_content])
+        await aclose_gateways()
+    print(json.dumps({
+        "health": [health.status_code, json.loads(health.content)],
+        "plain": [plain.status_code, plain["x-gateway-provider"], plain["x-gateway-attempts"],
+                  json.loads(plain_body)["choices"][0]["message"]["content"]],
+        "stream": [streamed["content-type"], events.decode().rstrip().endswith("data: [DONE]")],
+        "primary": mocks.primary.requests, "backup": mocks.backup.requests,
+    }))
 
 asyncio.run(main())
 """
-    env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
+
+
+def test_django_example_with_djangos_own_async_test_client(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "GATEWAY_CONFIG"}
+    env.update(
+        DJANGO_SETTINGS_MODULE="settings",
+        PYTHONPATH=os.pathsep.join([str(EXAMPLES / "django_app"), str(EXAMPLES)]),
+        PRIMARY_API_KEY="p",
+        BACKUP_API_KEY="b",
+        TMP_CONFIG=str(tmp_path / "gateway.toml"),
+    )
     result = subprocess.run(
-        [sys.executable, "-W", "error", "-c", script],
+        [sys.executable, "-W", "error", "-c", DJANGO_TEST_CLIENT],
         cwd=EXAMPLES / "django_app",
-        env={**env, **ENV},
+        env=env,
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["200", "ok", "chat"]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen == {
+        "health": [200, {"status": "ok"}],
+        "plain": [200, "backup", "2", "Hello from the backup upstream."],
+        "stream": ["text/event-stream", True],
+        "primary": ["POST /v1/chat/completions", "POST /v1/chat/completions"],
+        "backup": ["POST /v1/chat/completions", "POST /v1/chat/completions"],
+    }
+
+
+@pytest.mark.parametrize("name", ["fastapi_app", "django_app"])
+def test_example_config_lets_chat_completions_fail_over(name: str) -> None:
+    config = load_config(
+        EXAMPLES / name / "gateway.toml", environ={"PRIMARY_API_KEY": "p", "BACKUP_API_KEY": "b"}
+    )
+    (route,) = config.routes
+    assert "POST" in route.replayable_methods and route.plan == ("primary", "backup")

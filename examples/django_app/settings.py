@@ -1,16 +1,17 @@
 """Minimal Django settings with the gateway as the first middleware.
 
-    cd examples/django_app
-    PRIMARY_API_KEY=... BACKUP_API_KEY=... DJANGO_SETTINGS_MODULE=settings uvicorn asgi:application
+python examples/django_app/run.py          # mocks + this project, offline (README.md)
+cd examples/django_app && PRIMARY_API_KEY=... BACKUP_API_KEY=... uvicorn asgi:application
 """
 
+import os
 from pathlib import Path
 
 BASE_DIR = Path(__file__).resolve().parent
 
 SECRET_KEY = "example-only-change-me"
 DEBUG = False
-ALLOWED_HOSTS = ["127.0.0.1", "localhost"]
+ALLOWED_HOSTS = ["127.0.0.1", "localhost", "testserver"]
 ROOT_URLCONF = "urls"
 INSTALLED_APPS: list[str] = []
 
@@ -20,4 +21,5 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
 ]
 
-FALLBACK_MW = {"config": str(BASE_DIR / "gateway.toml")}
+# run.py sets GATEWAY_CONFIG to a copy of gateway.toml pointed at its mock upstreams.
+FALLBACK_MW = {"config": os.environ.get("GATEWAY_CONFIG") or str(BASE_DIR / "gateway.toml")}

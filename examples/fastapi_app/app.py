@@ -1,15 +1,19 @@
 """FastAPI app with the gateway in front: /v1/* goes to the upstreams, the rest to FastAPI.
 
-    PRIMARY_API_KEY=... BACKUP_API_KEY=... uvicorn app:app --port 8000
+python examples/fastapi_app/run.py          # mocks + this app, offline (see README.md)
+PRIMARY_API_KEY=... BACKUP_API_KEY=... uvicorn app:app --port 8000   # real upstreams
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from fastapi import FastAPI
 
 from fallback_mw import Gateway, load_config
+
+CONFIG = os.environ.get("GATEWAY_CONFIG") or Path(__file__).with_name("gateway.toml")
 
 app = FastAPI()
 
@@ -20,4 +24,4 @@ async def health() -> dict[str, str]:
 
 
 # Loaded (and checked: every credential variable must be set) when the app is imported.
-app.add_middleware(Gateway, config=load_config(Path(__file__).with_name("gateway.toml")))
+app.add_middleware(Gateway, config=load_config(CONFIG))

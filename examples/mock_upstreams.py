@@ -1,0 +1,314 @@
+"""Local mock LLM upstreams, so the examples and docs run offline.
+
+* the **primary** answers 503 to everything (an outage: the gateway fails over);
+* the **backup** is shaped like the real APIs: OpenAI `POST /v1/chat/completions` (JSON, or
+  SSE chunks ending with `data: [DONE]`, with `usage` in the final chunk when the request
+  asks for `stream_options.include_usage`), `GET /v1/models`, and Anthropic
+  `POST /v1/messages` (JSON, or SSE `message_start` ... `message_stop` with `usage`).
+
+Run alone: `python examples/mock_upstreams.py` prints the two URLs and serves until Ctrl-C.
+Only aiohttp is needed (a base dependency of fallback_mw).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+REPLY = "Hello from the backup upstream."
+
+
+@dataclass
+class MockUpstream:
+    url: str = ""
+    requests: list[str] = field(default_factory=list)  # "METHOD /path", in arrival order
+    credentials: list[str] = field(default_factory=list)  # the key each request carried
+
+
+@dataclass
+class Mocks:
+    primary: MockUpstream
+    backup: MockUpstream
+
+
+def _tokens(text: str) -> int:
+    return max(1, len(text.split()))
+
+
+def _prompt_tokens(body: dict[str, Any]) -> int:
+    text = " ".join(
+        part if isinstance(part, str) else json.dumps(part)
+        for message in body.get("messages", [])
+        for part in [message.get("content", "")]
+    )
+    return _tokens(text + " " + str(body.get("system", "")))
+
+
+async def _sse(
+    request: web.Request, events: list[tuple[str | None, dict[str, Any] | str]]
+) -> web.StreamResponse:
+    response = web.StreamResponse(
+        headers={"content-type": "text/event-stream", "cache-control": "no-cache"}
+    )
+    await response.prepare(request)
+    for event, data in events:
+        payload = data if isinstance(data, str) else json.dumps(data)
+        head = f"event: {event}\n" if event else ""
+        await response.write(f"{head}data: {payload}\n\n".encode())
+        await asyncio.sleep(0)  # one write per event: the client sees a real stream
+    await response.write_eof()
+    return response
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    body = await request.json()
+    model = body.get("model", "mock-model")
+    prompt, completion = _prompt_tokens(body), _tokens(REPLY)
+    usage = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+    base = {"id": "chatcmpl-mock", "created": int(time.time()), "model": model}
+    if not body.get("stream"):
+        return web.json_response(
+            {
+                **base,
+                "object": "chat.completion",
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": REPLY},
+                        "finish_reason": "stop",
+                        "logprobs": None,
+                    }
+                ],
+                "usage": usage,
+            }
+        )
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    chunk = {**base, "object": "chat.completion.chunk"}
+    extra = {"usage": None} if include_usage else {}
+    deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
+    deltas += [{"content": word} for word in REPLY.split(" ") for word in [word + " "]]
+    events: list[tuple[str | None, dict[str, Any] | str]] = [
+        (None, {**chunk, **extra, "choices": [{"index": 0, "delta": d, "finish_reason": None}]})
+        for d in deltas
+    ]
+    events.append(
+        (None, {**chunk, **extra, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    )
+    if include_usage:
+        events.append((None, {**chunk, "choices": [], "usage": usage}))
+    events.append((None, "[DONE]"))
+    return await _sse(request, events)
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    body = await request.json()
+    model = body.get("model", "mock-model")
+    prompt, completion = _prompt_tokens(body), _tokens(REPLY)
+    message = {
+        "id": "msg_mock",
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [{"type": "text", "text": REPLY}],
+        "stop_reason": "end_turn",
+        "stop_sequence": None,
+        "usage": {"input_tokens": prompt, "output_tokens": completion},
+    }
+    if not body.get("stream"):
+        return web.json_response(message)
+    start = {
+        **message,
+        "content": [],
+        "stop_reason": None,
+        "usage": {"input_tokens": prompt, "output_tokens": 1},
+    }
+    events: list[tuple[str | None, dict[str, Any] | str]] = [
+        ("message_start", {"type": "message_start", "message": start}),
+        (
+            "content_block_start",
+            {
+                "type": "content_block_start",
+                "index": 0,
+                "content_block": {"type": "text", "text": ""},
+            },
+        ),
+        ("ping", {"type": "ping"}),
+    ]
+    events += [
+        (
+            "content_block_delta",
+            {
+                "type": "content_block_delta",
+                "index": 0,
+                "delta": {"type": "text_delta", "text": word + " "},
+            },
+        )
+        for word in REPLY.split(" ")
+    ]
+    events += [
+        ("content_block_stop", {"type": "content_block_stop", "index": 0}),
+        (
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                "usage": {"output_tokens": completion},
+            },
+        ),
+        ("message_stop", {"type": "message_stop"}),
+    ]
+    return await _sse(request, events)
+
+
+async def models(request: web.Request) -> web.StreamResponse:
+    return web.json_response(
+        {
+            "object": "list",
+            "data": [{"id": "mock-model", "object": "model", "created": 0, "owned_by": "mock"}],
+        }
+    )
+
+
+def _recording(state: MockUpstream, app: web.Application) -> web.Application:
+    @web.middleware
+    async def record(request: web.Request, handler: Any) -> web.StreamResponse:
+        state.requests.append(f"{request.method} {request.path}")
+        headers = request.headers
+        state.credentials.append(headers.get("x-api-key") or headers.get("authorization") or "")
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    app.middlewares.append(record)
+    return app
+
+
+def primary_app(state: MockUpstream) -> web.Application:
+    async def outage(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        return web.json_response(
+            {"error": {"message": "overloaded", "type": "server_error"}}, status=503
+        )
+
+    app = _recording(state, web.Application())
+    app.router.add_route("*", "/{tail:.*}", outage)
+    return app
+
+
+def backup_app(state: MockUpstream) -> web.Application:
+    app = _recording(state, web.Application())
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_get("/v1/models", models)
+    return app
+
+
+@asynccontextmanager
+async def start_mocks(host: str = "127.0.0.1") -> AsyncIterator[Mocks]:
+    """Both mocks on free loopback ports for as long as the context is open."""
+    mocks = Mocks(primary=MockUpstream(), backup=MockUpstream())
+    runners = []
+    try:
+        for state, build in ((mocks.primary, primary_app), (mocks.backup, backup_app)):
+            runner = web.AppRunner(build(state), access_log=None)
+            await runner.setup()
+            site = web.TCPSite(runner, host, 0)
+            await site.start()
+            runners.append(runner)
+            port = runner.addresses[0][1]
+            state.url = f"http://{host}:{port}"
+        yield mocks
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+def config_for_mocks(template: Path, mocks: Mocks, out: Path) -> Path:
+    """The example's config with its two upstream URLs pointed at the running mocks."""
+    text = template.read_text(encoding="utf-8")
+    text = text.replace("http://127.0.0.1:9001", mocks.primary.url)
+    text = text.replace("http://127.0.0.1:9002", mocks.backup.url)
+    out.write_text(text, encoding="utf-8")
+    return out
+
+
+HOW_TO_CALL = """\
+gateway: {url}   ({own} is the app's own route)
+primary {primary} answers 503; backup {backup} is OpenAI-shaped
+try:
+  curl -s {url}{own}
+  curl -si {url}/v1/chat/completions -H 'content-type: application/json' \\
+       -d '{{"model": "gpt-4o-mini", "messages": [{{"role": "user", "content": "hi"}}]}}'
+or the openai SDK with base_url="{url}/v1" (see the example's README.md)
+Ctrl-C stops everything."""
+
+
+async def run_example(app: str, app_dir: Path, port: int, own_route: str) -> None:
+    """The mocks, then the example's ASGI `app` ("module:attr" in `app_dir`) on uvicorn with
+    its gateway.toml pointed at them (through GATEWAY_CONFIG); prints how to call it."""
+    import uvicorn  # fallback_mw's "serve" extra
+
+    sys.path.insert(0, str(app_dir))  # where uvicorn imports `app` from
+    # The mocks ignore credentials; the gateway still refuses to start without them.
+    os.environ.setdefault("PRIMARY_API_KEY", "mock-primary-key")
+    os.environ.setdefault("BACKUP_API_KEY", "mock-backup-key")
+    async with start_mocks() as mocks:
+        with tempfile.TemporaryDirectory() as tmp:
+            config = config_for_mocks(app_dir / "gateway.toml", mocks, Path(tmp) / "gateway.toml")
+            os.environ["GATEWAY_CONFIG"] = str(config)
+            server = uvicorn.Server(
+                uvicorn.Config(app, host="127.0.0.1", port=port, access_log=False)
+            )
+            serving = asyncio.create_task(server.serve())
+            # uvicorn has no started event: poll its flag.
+            while not server.started and not serving.done():  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+            if server.started:
+                bound = server.servers[0].sockets[0].getsockname()[1]
+                print(
+                    HOW_TO_CALL.format(
+                        url=f"http://127.0.0.1:{bound}",
+                        own=own_route,
+                        primary=mocks.primary.url,
+                        backup=mocks.backup.url,
+                    ),
+                    flush=True,
+                )
+            await serving
+
+
+def example_main(app: str, app_dir: Path, own_route: str) -> None:
+    parser = argparse.ArgumentParser(
+        description="The mock upstreams and this example app on uvicorn, offline."
+    )
+    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    port = parser.parse_args().port
+    with suppress(KeyboardInterrupt):
+        asyncio.run(run_example(app, app_dir, port, own_route))
+
+
+async def _serve_forever() -> None:
+    async with start_mocks() as mocks:
+        print(f"primary (answers 503): {mocks.primary.url}")
+        print(f"backup (OpenAI / Anthropic shaped): {mocks.backup.url}", flush=True)
+        await asyncio.Event().wait()
+
+
+if __name__ == "__main__":
+    with suppress(KeyboardInterrupt):
+        asyncio.run(_serve_forever())
