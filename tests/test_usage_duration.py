@@ -102,3 +102,21 @@ async def test_postgres_v1_store_migrates(pg_url: str) -> None:
         assert version == LATEST_VERSION == 2
     finally:
         await conn.close()
+
+
+async def test_the_gateway_records_each_requests_duration() -> None:
+    """A routed request's usage record covers at least the upstream's own wait."""
+    from fallback_mw.budget.memory import MemoryLedger
+    from tests.helpers import gateway_client
+    from tests.upstreams import status_handler, upstream
+
+    ledger = MemoryLedger()
+    async with upstream(status_handler(200, b"ok", delay=0.2)) as slow:
+        conf = {
+            "upstreams": {"slow": {"url": slow.url}},
+            "routes": [{"id": "chat", "prefix": "/api/", "plan": ["slow"]}],
+        }
+        async with gateway_client(conf, ledger=ledger) as client:
+            assert (await client.get("/api/x")).status_code == 200
+    (record,) = await ledger.usage(route="chat")
+    assert record.duration_ms is not None and record.duration_ms >= 200

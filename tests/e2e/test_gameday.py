@@ -158,19 +158,20 @@ async def test_a_game_day_whose_predictions_pass(tmp_path: Path) -> None:
             *("--config", str(r.config), "--route", "chat", "--fault", "fail"),
             *("--duration", "6s", "--out", str(out)),
             *("--predict", "breaker_open_s=5", "--predict", "first_fallback_s=5"),
-            *("--predict", "error_rate=1%"),
+            *("--predict", "error_rate=1%", "--predict", "p99_ms=3000"),
             *("--abort", "error_rate=20%/2s", "--abort", "p99_ms=6000"),
         )
         assert await stored_faults(r.store) == []
     assert status == 0, stdout + stderr
     report = json.loads(out.read_text())
     assert report["status"] == "completed" and report["abort"] is None
-    assert [p["result"] for p in report["predictions"]] == ["pass"] * 3
+    assert [p["result"] for p in report["predictions"]] == ["pass"] * 4
     observed = report["observed"]
     assert observed["requests"] > 10
     assert observed["errors"] == 0
     assert observed["fallbacks"] > 0  # the backup carried the route while the fault was set
     assert observed["breaker_open_s"] is not None
+    assert observed["durations_recorded"] == observed["requests"]
     assert report["fault"]["target"] == "primary"
     assert "PASS" in stdout and "FAIL" not in stdout
 

@@ -172,6 +172,8 @@ class _MeteredSend:
 def _usage_record(
     context: RequestContext, cost: Decimal | None, charged: Decimal | None
 ) -> UsageRecord:
+    import time
+
     attempts = [
         AttemptOutcome(candidate=a.candidate, status=a.status, failure=a.failure_kind)
         for a in context.attempts
@@ -193,4 +195,6 @@ def _usage_record(
         output_tokens=usage.output_tokens,
         cost=cost,
         charged=charged,
+        # Arrival to settlement (the walk, the response, the ledger's settle call).
+        duration_ms=round((time.monotonic() - context.started) * 1000, 3),
     )
