@@ -197,7 +197,7 @@ def test_a_route_without_post_replay_does_not_fail_over_for_the_sdk(
     gateway: Running, tmp_path: Path
 ) -> None:
     # The negative control: with the default replayable_methods (no POST) the same call is
-    # not replayed: the primary's 503 reaches the SDK and the backup is never asked.
+    # not replayed: the SDK gets the local 502 and the backup is never asked.
 
     config = tmp_path / "gateway.toml"
     config.write_text(
@@ -219,8 +219,15 @@ retries = 1
         client = OpenAI(base_url=f"{url}/v1", api_key=CALLER_KEY, max_retries=0)
         with pytest.raises(InternalServerError) as caught:
             client.chat.completions.create(model="gpt-4o-mini", messages=MESSAGES)
-    # docs/failover.md: a non-replayable request answered with a failover status gets the
-    # upstream's own response as-is.
-    assert caught.value.status_code == 503
+    # SPEC §5: a failover status on a non-replayable request ends the walk with the local
+    # 502 upstream_failed, never the upstream's body.
+    assert caught.value.status_code == 502
+    assert caught.value.body == {  # the SDK unwraps the "error" object
+        "type": "gateway_error",
+        "code": "upstream_failed",
+        "message": caught.value.body["message"],  # type: ignore[index]
+        "route": "chat",
+        "attempts": 1,
+    }
     assert len(gateway.mocks.backup.requests) == before[1]
     assert len(gateway.mocks.primary.requests) == before[0] + 1
