@@ -75,9 +75,9 @@ class AiohttpResponse:
 
 
 class AiohttpClient:
-    def __init__(self, *, allow_hosts: Sequence[str] = (), limit: int = 512) -> None:
+    def __init__(self, *, allow_hosts: Sequence[str] = (), max_connections: int = 512) -> None:
         self._allow_hosts = tuple(allow_hosts)
-        self._limit = limit
+        self._limit = max_connections
         self._session: aiohttp.ClientSession | None = None
         self._checked_hosts: set[str] = set()  # IP-literal checks are pure: do each once
 
@@ -119,8 +119,11 @@ class AiohttpClient:
                     headers=CIMultiDict(request.headers),
                     data=request.body if request.body != b"" else None,
                     allow_redirects=False,
+                    # aiohttp's `connect` includes waiting for a free pooled connection:
+                    # the gateway's own queue, not the upstream's slowness. Only the socket
+                    # connect is the upstream's; the wait is bounded by first_byte above.
                     timeout=aiohttp.ClientTimeout(
-                        total=None, connect=timeouts.connect, sock_connect=timeouts.connect
+                        total=None, connect=None, sock_connect=timeouts.connect
                     ),
                 )
         return AiohttpResponse(response, timeouts.idle)

@@ -20,7 +20,7 @@ from fallback_mw.upstream.base import Phase, UpstreamError, UpstreamRequest, che
 from fallback_mw.upstream.guard import UnsafeAddressError
 from fallback_mw.upstream.httpx_backend import GuardedNetworkBackend
 
-_LIMITS = httpx.Limits(max_connections=512, max_keepalive_connections=128)
+MAX_CONNECTIONS = 512
 
 
 # httpx logs each request's full URL, query string included (INFO), and httpcore logs
@@ -107,7 +107,11 @@ class HttpxClient:
         *,
         allow_hosts: Sequence[str] = (),
         transport: httpx.AsyncBaseTransport | None = None,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
+        self._limits = httpx.Limits(
+            max_connections=max_connections, max_keepalive_connections=min(128, max_connections)
+        )
         self._allow_hosts = tuple(allow_hosts)
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
@@ -117,12 +121,13 @@ class HttpxClient:
         """The default transport with its connection pool built on GuardedNetworkBackend:
         the connect-time SSRF check (resolve once, check every address, connect to the
         checked address)."""
-        transport = httpx.AsyncHTTPTransport(trust_env=False, limits=_LIMITS)
+        limits = self._limits
+        transport = httpx.AsyncHTTPTransport(trust_env=False, limits=limits)
         transport._pool = httpcore.AsyncConnectionPool(
             ssl_context=httpx.create_ssl_context(trust_env=False),
-            max_connections=_LIMITS.max_connections,
-            max_keepalive_connections=_LIMITS.max_keepalive_connections,
-            keepalive_expiry=_LIMITS.keepalive_expiry,
+            max_connections=limits.max_connections,
+            max_keepalive_connections=limits.max_keepalive_connections,
+            keepalive_expiry=limits.keepalive_expiry,
             network_backend=GuardedNetworkBackend(self._allow_hosts),
         )
         return transport
@@ -137,7 +142,7 @@ class HttpxClient:
                 follow_redirects=False,
                 timeout=None,
                 trust_env=False,
-                limits=_LIMITS,
+                limits=self._limits,
             )
         return self._client
 
@@ -151,8 +156,10 @@ class HttpxClient:
             url,
             headers=request.headers,
             content=request.body,
+            # No pool timeout: waiting for a free pooled connection is the gateway's own
+            # queue, not the upstream's slowness (bounded by first_byte below).
             timeout=httpx.Timeout(
-                connect=timeouts.connect, read=timeouts.idle, write=None, pool=timeouts.connect
+                connect=timeouts.connect, read=timeouts.idle, write=None, pool=None
             ),
         )
         # httpx adds these by default; the upstream sees only what the gateway decided.

@@ -1,0 +1,47 @@
+"""Waiting for a free pooled connection is the gateway's own queue: it never counts as the
+upstream's connect timeout (which would fail the request over and feed the upstream's breaker
+under a burst, e.g. 1,000 concurrent streams against a 512-connection pool)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from fallback_mw.upstream import Timeouts, UpstreamRequest
+from fallback_mw.upstream.aiohttp_engine import AiohttpClient
+from fallback_mw.upstream.httpx_engine import HttpxClient
+from tests.upstreams import status_handler, upstream
+
+CONNECT = 0.2  # the upstream's connect timeout; the held connection is busy much longer
+HOLD = 4 * CONNECT
+
+
+def one_connection_client(engine: str) -> AiohttpClient | HttpxClient:
+    if engine == "aiohttp":
+        return AiohttpClient(allow_hosts=("127.0.0.1",), max_connections=1)
+    return HttpxClient(allow_hosts=("127.0.0.1",), max_connections=1)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("engine", ["aiohttp", "httpx"])
+async def test_waiting_for_the_pool_is_not_a_connect_timeout(engine: str) -> None:
+    client = one_connection_client(engine)
+    timeouts = Timeouts(connect=CONNECT, first_byte=30.0, idle=30.0)
+
+    async def fetch() -> bytes:
+        request = UpstreamRequest("GET", server.url + "/slow", [], b"", timeouts)
+        response = await client.send(request)
+        try:
+            return b"".join([chunk async for chunk in response.iter_chunks()])
+        finally:
+            await response.aclose()
+
+    async with upstream(status_handler(200, b"done", delay=HOLD)) as server:
+        try:
+            # Two requests, one pooled connection: the second waits ~HOLD for it.
+            first, second = await asyncio.gather(fetch(), fetch())
+        finally:
+            await client.aclose()
+    assert (first, second) == (b"done", b"done")
+    assert server.count == 2
