@@ -1,0 +1,259 @@
+"""The process tree of a benchmark run: nginx (the upstream), the floor, gateways.
+
+Every process is a child of the benchmark (and dies with it: PR_SET_PDEATHSIG), listens on
+127.0.0.1 on a free port, and writes its output to a file in the run's temporary directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+CHAT_JSON = (
+    '{"id":"chatcmpl-bench","object":"chat.completion","created":1700000000,'
+    '"model":"gpt-4o-mini","choices":[{"index":0,"message":{"role":"assistant",'
+    '"content":"Hello!"},"finish_reason":"stop"}],'
+    '"usage":{"prompt_tokens":9,"completion_tokens":3,"total_tokens":12}}'
+)
+SSE_EVENT = '{"id":"chatcmpl-bench","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"Hi"}}]}'  # noqa: E501
+SSE_BODY = f"data: {SSE_EVENT}\\n\\ndata: [DONE]\\n\\n"  # nginx string escapes
+STREAM_EVENTS = 40  # events in the slow SSE stream used for the concurrent-streams test
+STREAM_RATE = 2048  # bytes/s nginx sends that stream at (each stream lasts ~3 s)
+
+
+class ToolMissing(RuntimeError):
+    """wrk or nginx is not installed and cannot be installed here."""
+
+
+def ensure_tools() -> tuple[str, str]:
+    """Paths of wrk and nginx, installing Debian's packages with apt-get when missing."""
+
+    def find() -> tuple[str | None, str | None]:
+        nginx = shutil.which("nginx") or next(
+            (p for p in ("/usr/sbin/nginx",) if os.access(p, os.X_OK)), None
+        )
+        return shutil.which("wrk"), nginx
+
+    wrk, nginx = find()
+    if wrk and nginx:
+        return wrk, nginx
+    missing = [p for p, found in (("wrk", wrk), ("nginx-light", nginx)) if not found]
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        raise ToolMissing(f"install {' '.join(missing)} (apt-get install {' '.join(missing)})")
+    print(f"installing {' '.join(missing)} with apt-get ...", file=sys.stderr, flush=True)
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for command in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", *missing]):
+        subprocess.run(command, env=env, check=False, stdout=subprocess.DEVNULL)
+    wrk, nginx = find()
+    if not (wrk and nginx):
+        raise ToolMissing(f"apt-get could not install {' '.join(missing)}")
+    return wrk, nginx
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    # Linux: the child gets SIGTERM when the benchmark dies, even by SIGKILL.
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen[bytes]
+    port: int
+    log: Path
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def url(self, path: str = "") -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+
+@dataclass
+class Tree:
+    """Starts children and stops every one of them on exit."""
+
+    workdir: Path
+    children: list[Child] = field(default_factory=list)
+
+    def start(self, name: str, command: list[str], port: int, env: dict[str, str]) -> Child:
+        log = self.workdir / f"{name}.log"
+        with log.open("wb") as out:
+            process = subprocess.Popen(
+                command,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent,
+            )
+        child = Child(name, process, port, log)
+        self.children.append(child)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(
+                    f"{name} exited ({process.returncode}):\n{log.read_text()[-3000:]}"
+                )
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                return child
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"{name} never opened port {port}:\n{log.read_text()[-3000:]}")
+
+    def stop(self, child: Child) -> None:
+        if child.process.poll() is None:
+            child.process.terminate()
+            try:
+                child.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
+        if child in self.children:
+            self.children.remove(child)
+
+    def close(self) -> None:
+        for child in list(reversed(self.children)):
+            self.stop(child)
+
+
+def nginx_conf(workdir: Path, ok: int, backup: int, failing: int, big_mib: int) -> str:
+    files = workdir / "files"
+    files.mkdir(exist_ok=True)
+    event = f"data: {SSE_EVENT}\n\n"
+    (files / "stream.txt").write_text(event * STREAM_EVENTS + "data: [DONE]\n\n")
+    with (files / "big.bin").open("wb") as big:  # sparse: reads as zeros, costs no disk
+        big.truncate(big_mib * 1024 * 1024)
+    temp = "\n".join(
+        f"  {kind}_temp_path {workdir}/nginx-{kind};"
+        for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+    )
+    return f"""
+daemon off;
+master_process off;
+pid {workdir}/nginx.pid;
+error_log {workdir}/nginx-error.log error;
+worker_rlimit_nofile 16384;
+events {{ worker_connections 8192; }}
+http {{
+{temp}
+  access_log off;
+  keepalive_requests 10000000;
+  keepalive_timeout 120s;
+  sendfile on;
+  server {{
+    listen 127.0.0.1:{ok} reuseport backlog=4096;
+    listen 127.0.0.1:{backup} reuseport backlog=4096;
+    location / {{ default_type application/json; return 200 '{CHAT_JSON}'; }}
+    location /v1/sse {{ default_type text/event-stream; return 200 '{SSE_BODY}'; }}
+    location = /v1/stream {{
+      alias {files}/stream.txt; default_type text/event-stream;
+      limit_rate_after 512; limit_rate {STREAM_RATE};
+    }}
+    location = /v1/big {{ alias {files}/big.bin; default_type application/octet-stream; }}
+    location = /otlp/v1/traces {{
+      access_log {workdir}/otlp.log; default_type application/x-protobuf; return 200 '';
+    }}
+    location = /otlp/v1/metrics {{ default_type application/x-protobuf; return 200 ''; }}
+  }}
+  server {{
+    listen 127.0.0.1:{failing} reuseport backlog=4096;
+    location / {{
+      default_type application/json;
+      return 503 '{{"error":{{"message":"overloaded","type":"server_error"}}}}';
+    }}
+  }}
+}}
+"""
+
+
+def start_nginx(tree: Tree, nginx: str, big_mib: int) -> tuple[Child, int, int]:
+    """nginx answering on three ports; returns it, the backup's port and the failing port."""
+    ok, backup, failing = free_port(), free_port(), free_port()
+    conf = tree.workdir / "nginx.conf"
+    conf.write_text(nginx_conf(tree.workdir, ok, backup, failing, big_mib))
+    command = [
+        nginx,
+        "-p",
+        str(tree.workdir),
+        "-c",
+        str(conf),
+        "-e",
+        str(tree.workdir / "nginx-error.log"),
+    ]
+    child = tree.start("nginx", command, ok, dict(os.environ))
+    return child, backup, failing
+
+
+def uvicorn_options() -> list[str]:
+    from fallback_mw.cli import server_options  # the server options `serve` uses
+
+    options = server_options()
+    return ["--loop", options["loop"], "--http", options["http"]]
+
+
+def start_floor(tree: Tree, upstream: str) -> Child:
+    port = free_port()
+    command = [
+        sys.executable, "-m", "uvicorn", "floor:app", "--app-dir", str(HERE),
+        "--host", "127.0.0.1", "--port", str(port), "--no-access-log",
+        "--lifespan", "off", "--log-level", "warning", *uvicorn_options(),
+    ]  # fmt: skip
+    return tree.start("floor", command, port, {**os.environ, "FLOOR_UPSTREAM": upstream})
+
+
+def start_gateway(tree: Tree, name: str, config: str, env: dict[str, str] | None = None) -> Child:
+    port = free_port()
+    path = tree.workdir / f"{name}.toml"
+    path.write_text(config)
+    command = [
+        sys.executable,
+        "-m",
+        "fallback_mw",
+        "serve",
+        "--config",
+        str(path),
+        "--port",
+        str(port),
+    ]
+    environment = {**os.environ, "BENCH_KEY": "bench-upstream-key", **(env or {})}
+    return tree.start(name, command, port, environment)
+
+
+def rss_kib(pid: int) -> dict[str, int]:
+    """VmRSS (now) and VmHWM (peak since start or since reset_peak) in KiB."""
+    values: dict[str, int] = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            values[key] = int(rest.split()[0])
+    return values
+
+
+def reset_peak(pid: int) -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False when not permitted."""
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True

@@ -1,0 +1,317 @@
+"""What `fallback-mw serve` costs, side by side with the floor, under wrk.
+
+One process tree: nginx (the upstream: a fixed chat JSON, SSE, a slow SSE stream, a large
+file, a 503-answering port, an OTLP sink), the floor (benchmarks/floor.py: the fewest lines
+of ASGI that forward a request, same uvicorn and aiohttp as serve) and `fallback-mw serve`
+processes. wrk (-t1, fixed connections, a small chat POST) drives each arm in turn, the
+order rotating every round; the table shows medians over rounds and the per-round ratios to
+the floor. Then: SSE time to first event at low load (interleaved requests), and memory
+(RSS before, peak and after) for one large stream, many concurrent streams and a long run.
+Installs Debian's wrk and nginx-light with apt-get when they are missing (as root).
+
+    .venv/bin/python benchmarks/run.py [--duration 8] [--rounds 3] [--connections 32]
+    .venv/bin/python benchmarks/run.py --quick        # seconds, not minutes: smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import clients
+import procs
+from clients import Load, Memory, median
+from procs import Tree
+
+CHAT = "/v1/chat/completions"
+
+
+def gateway_config(ok: int, backup: int, failing: int, store: Path | None = None) -> str:
+    """One config for every arm; with `store`, the chat route spends from a SQLite ledger."""
+    upstreams = "".join(
+        f'[upstreams.{name}]\nurl = "http://127.0.0.1:{port}"\nauth_env = "BENCH_KEY"\n'
+        for name, port in (("primary", ok), ("backup", backup), ("failing", failing))
+    )
+    store_line = f'store = "sqlite:///{store}"' if store else ""
+    budget_line = 'budget = "bench"' if store else ""
+    budget_tables = (
+        '[budgets.bench]\nlimit = 1000000000\nwindow = "total"\n'
+        '[prices."gpt-4o-mini"]\ninput_per_mtok = 0.15\noutput_per_mtok = 0.60\n'
+        if store
+        else ""
+    )
+    # The large stream must not be stopped by max_response_body. The failover arm must
+    # really try its failing primary on every request: a breaker that cannot open
+    # (min_calls above the window) keeps it from being skipped.
+    return f"""
+[gateway]
+max_response_body = 1073741824
+{store_line}
+[gateway.breaker]
+window = 20
+min_calls = 21
+{upstreams}
+[[routes]]
+id = "chat"
+prefix = "/v1/"
+plan = ["primary", "backup"]
+retries = 1
+deadline_ms = 120000
+replayable_methods = ["GET", "POST"]
+{budget_line}
+[[routes]]
+id = "failover"
+prefix = "/fo/"
+plan = ["failing", "backup"]
+retries = 1
+replayable_methods = ["GET", "POST"]
+{budget_tables}"""
+
+
+def check(condition: bool, message: str) -> None:
+    if not condition:
+        raise RuntimeError(message)
+
+
+def probe(arms: dict[str, str]) -> None:
+    """Each arm answers what it is meant to answer, before any number is taken."""
+    for name, url in arms.items():
+        status, headers, body = clients.post(url)
+        check(status == 200 and b"chatcmpl-bench" in body, f"{name}: status {status}")
+        if name == "failover":
+            attempts, provider = (
+                headers.get("x-gateway-attempts"),
+                headers.get("x-gateway-provider"),
+            )
+            check(attempts == "2" and provider == "backup", f"failover: {attempts=} {provider=}")
+        elif name != "floor":
+            check(headers.get("x-gateway-provider") == "primary", f"{name}: not routed")
+
+
+def ratio_cells(load: list[Load], floor: list[Load]) -> tuple[float, float]:
+    rate = median([a.rate / f.rate for a, f in zip(load, floor, strict=True)])
+    p99 = median([a.p99_ms / f.p99_ms for a, f in zip(load, floor, strict=True)])
+    return rate, p99
+
+
+TARGETS = {  # arm: (min req/s ratio to the floor's healthy, max p99 ratio or None)
+    "healthy": (0.8, 1.5),
+    "failover": (0.5, None),
+    "tracing": (0.6, None),
+    "budget": (0.5, None),
+}
+LABELS = {
+    "floor": "floor (bare ASGI + aiohttp)",
+    "healthy": "serve, healthy",
+    "failover": "serve, every request fails over",
+    "tracing": "serve, tracing on (OTLP sink)",
+    "budget": "serve, budget on SQLite ledger",
+}
+
+
+def verdict(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+def throughput(args: argparse.Namespace, wrk: str, arms: dict[str, str]) -> tuple[list[str], bool]:
+    results: dict[str, list[Load]] = {name: [] for name in arms}
+    for url in arms.values():
+        clients.run_wrk(wrk, url, 1, args.connections)  # warm-up
+    names = list(arms)
+    for round_number in range(args.rounds):
+        shift = round_number % len(names)
+        for name in names[shift:] + names[:shift]:
+            load = clients.run_wrk(wrk, arms[name], args.duration, args.connections)
+            results[name].append(load)
+            print(
+                f"  round {round_number + 1} {name:9s} {load.rate:8.0f} req/s "
+                f"p50 {load.p50_ms:6.1f} ms p99 {load.p99_ms:6.1f} ms",
+                flush=True,
+            )
+    floor = results["floor"]
+    lines = [
+        f"{'arm':34s} {'req/s':>7s} {'p50 ms':>7s} {'p99 ms':>7s} {'x floor':>8s} "
+        f"{'p99 x':>6s}  target",
+    ]
+    broken = False
+    for name, loads in results.items():
+        rate, p99 = ratio_cells(loads, floor)
+        target = ""
+        if name in TARGETS:
+            want_rate, want_p99 = TARGETS[name]
+            target = f">= {want_rate}x {verdict(rate >= want_rate)}"
+            if want_p99 is not None:
+                target += f", p99 <= {want_p99}x {verdict(p99 <= want_p99)}"
+        errors = sum(x.bad_status for x in loads), sum(x.socket_errors for x in loads)
+        if errors[0]:
+            broken = True
+            target += f"  BROKEN: {errors[0]} non-2xx responses"
+        if errors[1]:
+            target += f"  ({errors[1]} socket errors)"
+        lines.append(
+            f"{LABELS[name]:34s} {median([x.rate for x in loads]):7.0f} "
+            f"{median([x.p50_ms for x in loads]):7.1f} {median([x.p99_ms for x in loads]):7.1f} "
+            f"{rate:7.2f}x {p99:5.2f}x  {target}"
+        )
+    return lines, broken
+
+
+def first_event(args: argparse.Namespace, floor: procs.Child, gateway: procs.Child) -> list[str]:
+    times = clients.first_event_pairs(
+        {"floor": floor, "serve": gateway}, "/v1/sse", args.sse_samples
+    )
+    f50, g50 = median(times["floor"]), median(times["serve"])
+    delta = g50 - f50
+    return [
+        f"SSE time to first event, {args.sse_samples} interleaved requests one at a time:",
+        f"  floor median {f50:.2f} ms, serve median {g50:.2f} ms, "
+        f"serve - floor {delta:+.2f} ms (target within 1 ms: {verdict(delta <= 1.0)})",
+    ]
+
+
+def memory_line(label: str, memory: Memory, limit_mib: float | None) -> str:
+    target = ""
+    if limit_mib is not None:
+        ok = memory.added_mib < limit_mib and not memory.failed
+        target = f"  (target < {limit_mib:.0f} MiB, all complete: {verdict(ok)})"
+    return (
+        f"  {label:28s} before {memory.before / 1024:6.1f} MiB  peak {memory.peak / 1024:6.1f} MiB"
+        f"  after {memory.after / 1024:6.1f} MiB  added {memory.added_mib:+6.1f} MiB{target}"
+        f"  [{memory.note}]"
+    )
+
+
+def memory(args: argparse.Namespace, tree: Tree, wrk: str, config: str, upstream: str) -> list[str]:
+    lines = ["Memory (VmRSS / VmHWM of one fresh process per scenario, after a warm-up):"]
+    size = args.big_mib * 1024 * 1024
+    for label, start in (
+        ("floor", lambda: procs.start_floor(tree, upstream)),
+        ("serve", lambda: procs.start_gateway(tree, "gateway-memory", config)),
+    ):
+        target = label == "serve"
+        child = start()
+        lines.append(
+            memory_line(
+                f"{label}: one {args.big_mib} MiB stream",
+                clients.memory_big(child, size),
+                30 if target else None,
+            )
+        )
+        tree.stop(child)
+        child = start()
+        streams = clients.memory_streams(child, args.streams)
+        lines.append(
+            memory_line(f"{label}: {args.streams} SSE streams", streams, 150 if target else None)
+        )
+        tree.stop(child)
+    child = procs.start_gateway(tree, "gateway-long", config)
+    before, samples, total = clients.memory_long_run(
+        wrk, child, args.long_seconds, args.segments, args.connections
+    )
+    tree.stop(child)
+    growth = (samples[-1] - samples[1]) / 1024
+    lines.append(
+        f"  serve: long run, {total} requests: RSS before {before / 1024:.1f} MiB, after each "
+        f"segment "
+        + " ".join(f"{s / 1024:.1f}" for s in samples)
+        + f" MiB; growth after the 2nd segment {growth:+.1f} MiB"
+        f" (target flat, < 2 MiB: {verdict(growth < 2)})"
+    )
+    return lines
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--duration", type=int, default=8, help="seconds per wrk run")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--connections", type=int, default=32)
+    parser.add_argument("--sse-samples", type=int, default=300)
+    parser.add_argument("--big-mib", type=int, default=200)
+    parser.add_argument("--streams", type=int, default=1000)
+    parser.add_argument("--long-seconds", type=int, default=60)
+    parser.add_argument("--segments", type=int, default=6, help="RSS samples in the long run")
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory scenarios")
+    parser.add_argument("--memory-only", action="store_true", help="only the memory scenarios")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
+    args = parser.parse_args()
+    if args.quick:
+        args.duration, args.rounds, args.sse_samples = 1, 1, 5
+        args.big_mib, args.streams, args.long_seconds, args.segments = 8, 20, 3, 3
+    return args
+
+
+def speed_arms(
+    args: argparse.Namespace, tree: Tree, wrk: str, upstream: procs.Child, backup: int, failing: int
+) -> tuple[list[str], bool]:
+    """Throughput and latency under wrk, then SSE time to first event."""
+    config = gateway_config(upstream.port, backup, failing)
+    floor = procs.start_floor(tree, upstream.url())
+    gateway = procs.start_gateway(tree, "gateway", config)
+    sink = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": upstream.url("/otlp"),  # nginx answers 200
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_METRICS_EXPORTER": "otlp",
+    }
+    traced = procs.start_gateway(tree, "gateway-traced", config, sink)
+    ledger = gateway_config(upstream.port, backup, failing, store=tree.workdir / "ledger.db")
+    budgeted = procs.start_gateway(tree, "gateway-budget", ledger)
+    arms = {
+        "floor": floor.url(CHAT),
+        "healthy": gateway.url(CHAT),
+        "failover": gateway.url("/fo" + CHAT),
+        "tracing": traced.url(CHAT),
+        "budget": budgeted.url(CHAT),
+    }
+    probe(arms)
+    print(
+        f"wrk -t1 -c{args.connections} -d{args.duration}s, {args.rounds} rounds, POST {CHAT}",
+        flush=True,
+    )
+    table, broken = throughput(args, wrk, arms)
+    otlp_log = tree.workdir / "otlp.log"
+    exported = otlp_log.read_text().count("\n") if otlp_log.exists() else 0
+    check(exported > 0, "the tracing arm exported no spans")
+    for child in (traced, budgeted):
+        tree.stop(child)
+    lines = [*table, f"(tracing arm: {exported} OTLP span exports received by the sink)", ""]
+    lines += first_event(args, floor, gateway)
+    for child in (gateway, floor):
+        tree.stop(child)
+    return lines, broken
+
+
+def main() -> int:
+    args = parse_args()
+    try:
+        wrk, nginx = procs.ensure_tools()
+    except procs.ToolMissing as exc:
+        print(f"benchmark: {exc}", file=sys.stderr)
+        return 3
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    workdir = Path(tempfile.mkdtemp(prefix="fmw-bench-"))
+    tree = Tree(workdir)
+    try:
+        upstream, backup, failing = procs.start_nginx(tree, nginx, args.big_mib)
+        config = gateway_config(upstream.port, backup, failing)
+        lines: list[str] = []
+        broken = False
+        if not args.memory_only:
+            speed, broken = speed_arms(args, tree, wrk, upstream, backup, failing)
+            lines += speed
+        if not args.no_memory:
+            lines += ["", *memory(args, tree, wrk, config, upstream.url())]
+        print("\n" + "\n".join(lines), flush=True)
+        return 1 if broken else 0
+    finally:
+        tree.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
