@@ -54,6 +54,7 @@ _COLUMNS = (
     ("p95 ms", 8),
     ("p99 ms", 8),
     ("integrity", 9),
+    ("statuses", 16),
 )
 
 
@@ -65,9 +66,10 @@ def _cell(value: object) -> str:
 
 def table(summaries: Sequence[dict[str, Any]]) -> str:
     header = "  ".join(
-        name.rjust(width) if i != 1 else name.ljust(width)
+        name.rjust(width) if i not in (1, len(_COLUMNS) - 1) else name.ljust(width)
         for i, (name, width) in enumerate(_COLUMNS)
     )
+    header = header.rstrip()
     lines = [header, "-" * len(header)]
     for s in summaries:
         rate = s["success_rate"]
@@ -83,11 +85,12 @@ def table(summaries: Sequence[dict[str, Any]]) -> str:
             s["latency_ms"]["p95"],
             s["latency_ms"]["p99"],
             f"{s['integrity_failures']} bad",
+            " ".join(f"{code}x{n}" for code, n in s["statuses"].items()),
         ]
         lines.append(
             "  ".join(
-                _cell(c).rjust(w) if i != 1 else _cell(c).ljust(w)
+                _cell(c).rjust(w) if i not in (1, len(_COLUMNS) - 1) else _cell(c).ljust(w)
                 for i, (c, (_, w)) in enumerate(zip(cells, _COLUMNS, strict=True))
-            )
+            ).rstrip()
         )
     return "\n".join(lines)
