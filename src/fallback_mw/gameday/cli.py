@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -162,6 +163,14 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else _default_out(exercise.route)
     if out.is_dir():
         return _error(f"--out {out} is a directory", 2)
+    try:
+        # The report is written before the fault is set: a path that cannot take it
+        # refuses the exercise instead of failing it half-way.
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return _error(f"--out {out}: {exc.strerror or exc}", 2)
+    if not os.access(out.parent, os.W_OK):
+        return _error(f"--out {out}: the directory is not writable", 2)
     try:
         return asyncio.run(_main(exercise, store_url, out))
     except GameDayRefused as exc:

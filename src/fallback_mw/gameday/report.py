@@ -70,6 +70,11 @@ def print_report(report: dict[str, Any]) -> None:
             f"{fmt(p['observed'], unit):>12}  {p['result'].upper()}"
         )
     o = report["observed"] or {}
+    if not o.get("requests"):
+        print(
+            f"  no request on route {report['route']!r} was recorded while the fault was set: "
+            "is there traffic, and do the gateways use this store?"
+        )
     print(
         f"  observed: {o.get('requests')} requests, {o.get('errors')} customer-visible "
         f"errors ({fmt(o.get('error_rate'), '%')}), {o.get('fallbacks')} served by a "
