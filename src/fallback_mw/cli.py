@@ -17,7 +17,7 @@ from fallback_mw.config import ConfigError
 from fallback_mw.types import Receive, Scope, Send
 
 # Modules that add subcommands with `register(subparsers)`, in help order.
-ADMIN_MODULES = ("fallback_mw.cli_admin", "fallback_mw.budget.cli")
+ADMIN_MODULES = ("fallback_mw.cli_admin", "fallback_mw.budget.cli", "fallback_mw.cli_request")
 
 Handler = Callable[[argparse.Namespace], int]
 

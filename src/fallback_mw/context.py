@@ -40,6 +40,7 @@ class AttemptRecord:
 class SkipRecord:
     candidate: str
     reason: str  # "breaker_open", "no_credential"
+    after_attempts: int = 0  # attempts made before it: places the skip in the walk's order
 
 
 @dataclass(slots=True)

@@ -301,7 +301,9 @@ class _Walk:
             )  # fmt: skip
 
     def _skip(self, name: str, reason: str) -> None:
-        self.context.skipped.append(SkipRecord(candidate=name, reason=reason))
+        self.context.skipped.append(
+            SkipRecord(candidate=name, reason=reason, after_attempts=self.context.attempt_count)
+        )
         self.walker.telemetry.skipped(self.context, name, reason)
 
     def _start_attempt(

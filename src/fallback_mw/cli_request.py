@@ -1,0 +1,209 @@
+"""`fallback-mw request`: one request through the gateway `serve` would build, and its trace.
+
+Same configuration, same store, same shared state (an open breaker in Redis, an active fault
+in the store): the request is one in-process ASGI call, and the trace is read from the
+records the spans and the usage log are built from (`one_request`). Exit status: 0 when the
+client would have received a 2xx in full, 1 otherwise, 2 for a bad invocation or config.
+Never printed: a credential, a request header value, a query string, a body (unless
+`--show-body`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import re
+import sys
+from dataclasses import dataclass
+from typing import Any, BinaryIO, TextIO
+
+from fallback_mw.config import ConfigError, GatewayConfig, load_config
+from fallback_mw.health import StateURLError
+from fallback_mw.one_request import OneRequest, send_one, trace_of
+from fallback_mw.request_table import render
+from fallback_mw.store.url import StoreURLError
+from fallback_mw.types import ASGIApp
+
+EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 field name / method
+_MAX_TARGET = 8192
+
+
+class Refused(Exception):
+    """A bad invocation: exit status 2, nothing sent."""
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    method: str | None  # None: POST with a body, GET without
+    target: str | None  # --path
+    route: str | None  # --route
+    headers: tuple[tuple[str, str], ...]
+    body_source: str | None  # a file name, or "-" for stdin
+    show_body: bool
+    json: bool
+
+
+def parse_header(position: int, text: str) -> tuple[str, str]:
+    """`name: value`. A refusal names the --header by position and never quotes its value
+    (it may be a credential)."""
+    name, colon, value = text.partition(":")
+    name = name.strip()
+    if not colon or not _TOKEN.fullmatch(name):
+        raise Refused(f"--header #{position}: expected 'name: value' with a valid field name")
+    value = value.strip()
+    if any((ord(ch) < 32 and ch != "\t") or ord(ch) == 127 or ord(ch) > 255 for ch in value):
+        raise Refused(
+            f"--header #{position} ({name.lower()}): the value holds a control or non-latin-1 "
+            "character"
+        )
+    return name, value
+
+
+def parse_target(text: str) -> str:
+    if not text.startswith("/") or len(text) > _MAX_TARGET:
+        raise Refused("--path must start with '/' (e.g. /v1/chat/completions)")
+    if not text.isascii() or any(ch.isspace() or not ch.isprintable() for ch in text):
+        raise Refused("--path must be printable ASCII without spaces (percent-encode the rest)")
+    return text
+
+
+def options_from(args: argparse.Namespace) -> Options:
+    if args.path is None and args.route is None:
+        raise Refused("pass --route ID or --path /... (the request to send)")
+    method = args.method
+    if method is not None and not _TOKEN.fullmatch(method):
+        raise Refused("--method must be an HTTP method token (GET, POST, ...)")
+    headers = tuple(parse_header(i, h) for i, h in enumerate(args.header or [], start=1))
+    return Options(
+        method=method.upper() if method else None,
+        target=None if args.path is None else parse_target(args.path),
+        route=args.route,
+        headers=headers,
+        body_source=args.body,
+        show_body=args.show_body,
+        json=args.json,
+    )
+
+
+def gateway_config(args: argparse.Namespace) -> GatewayConfig:
+    """As `serve` loads it (credential variables must be set: a request is really sent)."""
+    if args.config is not None:
+        return load_config(args.config)
+    return load_config({"gateway": {"store": args.store}})
+
+
+def read_body(source: str | None, limit: int, stdin: BinaryIO) -> bytes | None:
+    """The body, at most `limit` + 1 bytes: more than the gateway accepts is enough for
+    it to answer 413 as it would to a client."""
+    if source is None:
+        return None
+    if source == "-":
+        return stdin.read(limit + 1)
+    try:
+        with open(source, "rb") as handle:
+            return handle.read(limit + 1)
+    except OSError as exc:
+        raise Refused(f"--body {source}: {exc.strerror or exc}") from None
+
+
+def route_request(app: Any, options: Options, tenant_header: str) -> OneRequest:
+    """The request to send: `--path`, or `--route ID`'s prefix (with its tenant header when
+    the route is tenant-bound and the caller named none)."""
+    method = options.method or ("GET" if options.body_source is None else "POST")
+    headers = list(options.headers)
+    target = options.target
+    if options.route is not None:
+        table = app.services.table()
+        route = next((r for r in table.routes if r.id == options.route), None)
+        if route is None:
+            known = ", ".join(sorted(r.id for r in table.routes)) or "none"
+            raise Refused(f"no route {options.route!r} (routes: {known})")
+        if route.methods and method not in route.methods:
+            raise Refused(
+                f"route {route.id!r} does not accept {method} (methods: {', '.join(route.methods)})"
+            )
+        target = route.prefix
+        named = {name.lower() for name, _ in headers}
+        if route.tenant is not None and tenant_header.lower() not in named:
+            headers.append((tenant_header, route.tenant))
+    assert target is not None
+    return OneRequest(method=method, target=target, headers=tuple(headers))
+
+
+async def exchange_for(app: Any, options: Options, body: bytes | None) -> dict[str, Any]:
+    """Send the one request through `app` (a Gateway) and return its trace; closes `app`."""
+    try:
+        request = route_request(app, options, app.config.gateway.tenant_header)
+        request = OneRequest(request.method, request.target, request.headers, body)
+        exchange = await send_one(app, request)
+    finally:
+        await app.aclose()
+    return trace_of(exchange, show_body=options.show_body)
+
+
+def build_gateway(config: GatewayConfig, **services: Any) -> ASGIApp:
+    from fallback_mw.cli import not_found_app
+    from fallback_mw.gateway import Gateway
+
+    return Gateway(not_found_app, config=config, **services)
+
+
+def _error(err: TextIO, message: str, status: int) -> int:
+    err.write(f"fallback-mw: error: {' '.join(message.split())}\n")
+    return status
+
+
+def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    out = out or sys.stdout
+    err = err or sys.stderr
+    from fallback_mw.store.routes import StoreError
+
+    package = logging.getLogger("fallback_mw")
+    if not package.handlers:  # the trace reports the outcome; no second, log-shaped line
+        package.addHandler(logging.NullHandler())
+    try:
+        options = options_from(args)
+        config = gateway_config(args)
+        body = read_body(options.body_source, config.gateway.max_request_body, sys.stdin.buffer)
+        gateway = build_gateway(config)
+        trace = asyncio.run(exchange_for(gateway, options, body))
+    except (Refused, ConfigError, StoreURLError, StateURLError) as exc:
+        return _error(err, str(exc), EXIT_REFUSED)
+    except (StoreError, OSError) as exc:
+        return _error(err, f"{type(exc).__name__}: {exc}", EXIT_FAILED)
+    except Exception as exc:
+        # Nothing the exception holds is printed (it could quote a value).
+        return _error(err, f"unexpected internal error ({type(exc).__name__})", EXIT_FAILED)
+    if options.json:
+        out.write(json.dumps(trace, indent=2) + "\n")
+    else:
+        out.write(render(trace) + "\n")
+    return EXIT_OK if trace["ok"] else EXIT_FAILED
+
+
+def register(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "request",
+        help="send one request through the configured gateway and print its whole trace",
+        description="Build the gateway `serve` would (same config, store and shared state), "
+        "send one request through it in process, and print every candidate in order "
+        "(attempted or skipped, and why), each attempt's status, time and failure kind, the "
+        "deadline left, who served, and what the client received. Exit 0 on a 2xx, 1 "
+        "otherwise, 2 for a bad invocation or config.",
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", metavar="FILE", help="gateway TOML file, as for serve")
+    source.add_argument("--store", metavar="URL", help="route store, with default settings")
+    target = parser.add_mutually_exclusive_group()
+    target.add_argument("--route", metavar="ID", help="send to this route's prefix")
+    target.add_argument("--path", metavar="/PATH", help="request target (may carry ?query)")
+    parser.add_argument("--method", help="HTTP method (default GET; POST with --body)")
+    parser.add_argument(
+        "--header", action="append", metavar="'NAME: VALUE'", help="request header (repeatable)"
+    )
+    parser.add_argument("--body", metavar="FILE", help="request body from FILE, or - for stdin")
+    parser.add_argument("--show-body", action="store_true", help="print the response body")
+    parser.add_argument("--json", action="store_true", help="print the trace as one JSON object")
+    parser.set_defaults(handler=run)

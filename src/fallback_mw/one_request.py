@@ -1,0 +1,214 @@
+"""One request through a gateway, in process, and its trace (`fallback-mw request`).
+
+The request is one ASGI call with a hand-built scope; the response messages are captured.
+The trace is read from the request context the walker filled in — the same
+`AttemptRecord`s and `SkipRecord`s the spans (`telemetry.py`) and the usage record
+(`budget/guard.py`) are built from. There is no second bookkeeping here: this module only
+reads them.
+
+What the trace never holds: a credential (it reads none), a request header value (names
+only: a caller's `--header` may well be a credential), a query string, a response header
+other than the gateway's own `x-gateway-*`, and a body unless asked for (`show_body`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote
+
+from fallback_mw.context import AttemptRecord, RequestContext, SkipRecord, get_context
+from fallback_mw.types import ASGIApp, Message, Scope
+
+GATEWAY_HEADER_PREFIX = "x-gateway-"
+_CHUNK = 65536
+
+
+@dataclass(frozen=True, slots=True)
+class OneRequest:
+    method: str
+    target: str  # the request target: a path, with an optional ?query (sent, never shown)
+    headers: Sequence[tuple[str, str]] = ()
+    body: bytes | None = None
+
+    @property
+    def path(self) -> str:
+        return self.target.split("?", 1)[0]
+
+
+@dataclass(slots=True)
+class Exchange:
+    """What one ASGI call did: the context it left in the scope and what the client got."""
+
+    request: OneRequest
+    context: RequestContext | None  # None: no route matched (the host app answered)
+    status: int | None = None
+    headers: list[tuple[str, str]] = field(default_factory=list)  # x-gateway-* only
+    body: bytearray = field(default_factory=bytearray)
+    complete: bool = False  # the final body message arrived
+    deadline_left: float | None = None  # seconds left when the response head was sent
+
+    @property
+    def succeeded(self) -> bool:
+        """The client received a 2xx, in full (an aborted 200 is not a success)."""
+        served = self.context is None or self.context.outcome == "served"
+        return self.status is not None and 200 <= self.status < 300 and self.complete and served
+
+
+def build_scope(request: OneRequest) -> Scope:
+    path, _, query = request.target.partition("?")
+    headers = [
+        (k.strip().lower().encode("latin-1"), v.encode("latin-1")) for k, v in request.headers
+    ]
+    names = {name for name, _ in headers}
+    if b"host" not in names:
+        headers.insert(0, (b"host", b"localhost"))
+    if request.body is not None and b"content-length" not in names:
+        headers.append((b"content-length", str(len(request.body)).encode()))
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.4"},
+        "http_version": "1.1",
+        "method": request.method.upper(),
+        "scheme": "http",
+        "path": unquote(path),
+        "raw_path": path.encode("latin-1"),
+        "query_string": query.encode("latin-1"),
+        "root_path": "",
+        "headers": headers,
+        "client": ("127.0.0.1", 0),
+        "server": ("127.0.0.1", 0),
+        "state": {},
+    }
+
+
+async def send_one(app: ASGIApp, request: OneRequest) -> Exchange:
+    """Send `request` through `app` (a Gateway) and capture the response."""
+    scope = build_scope(request)
+    body = request.body or b""
+    chunks = [body[i : i + _CHUNK] for i in range(0, len(body), _CHUNK)] or [b""]
+    exchange = Exchange(request=request, context=None)
+
+    async def receive() -> Message:
+        if chunks:
+            chunk = chunks.pop(0)
+            return {"type": "http.request", "body": chunk, "more_body": bool(chunks)}
+        # The client stays connected until the call returns (a server's receive blocks
+        # the same way); the walker cancels its disconnect watcher when it is done.
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def send(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            exchange.status = int(message["status"])
+            for key, value in message.get("headers", ()):
+                name = bytes(key).decode("latin-1").lower()
+                if name.startswith(GATEWAY_HEADER_PREFIX):
+                    exchange.headers.append((name, bytes(value).decode("latin-1")))
+            context = get_context(scope)
+            if context is not None:
+                exchange.deadline_left = context.remaining
+        elif message["type"] == "http.response.body":
+            exchange.body += message.get("body", b"")
+            if not message.get("more_body", False):
+                exchange.complete = True
+
+    await app(scope, receive, send)
+    exchange.context = get_context(scope)
+    return exchange
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 1)
+
+
+def _attempt(record: AttemptRecord, context: RequestContext) -> dict[str, Any]:
+    ended = record.started + (record.duration or 0.0)
+    upstream = context.upstreams.get(record.candidate)
+    return {
+        "step": "attempt",
+        "number": record.number,
+        "candidate": record.candidate,
+        "address": record.server_address,
+        "status": record.status,
+        "failure_kind": record.failure_kind,
+        "fault": record.fault,
+        "hedge": record.hedge,
+        "credential_index": record.credential_index,  # a pool position, never a value
+        "pool_size": len(upstream.credential_envs) if upstream is not None else 0,
+        "responsible": record.responsible,
+        "decision": record.decision,
+        "reason": record.reason,
+        "started_ms": _ms(record.started - context.started),
+        "elapsed_ms": _ms(record.duration),
+        "deadline_left_ms": _ms(context.deadline - ended),
+    }
+
+
+def _skip(record: SkipRecord) -> dict[str, Any]:
+    return {"step": "skip", "candidate": record.candidate, "reason": record.reason}
+
+
+def walk_steps(context: RequestContext) -> list[dict[str, Any]]:
+    """Attempts and skips in the order the walk met them (a skip made after k attempts
+    comes before attempt k + 1)."""
+    skips = sorted(context.skipped, key=lambda s: s.after_attempts)
+    steps: list[dict[str, Any]] = []
+    for record in sorted(context.attempts, key=lambda a: a.number):
+        while skips and skips[0].after_attempts < record.number:
+            steps.append(_skip(skips.pop(0)))
+        steps.append(_attempt(record, context))
+    steps.extend(_skip(s) for s in skips)
+    return steps
+
+
+def trace_of(exchange: Exchange, *, show_body: bool = False) -> dict[str, Any]:
+    """The trace as one JSON-ready object (`--json` prints exactly this)."""
+    context = exchange.context
+    request = exchange.request
+    client: dict[str, Any] = {
+        "status": exchange.status,
+        "headers": dict(exchange.headers),
+        "error_code": None,
+        "complete": exchange.complete,
+        "body_bytes": len(exchange.body),
+    }
+    if show_body:
+        client["body"] = bytes(exchange.body).decode("utf-8", "replace")
+    trace: dict[str, Any] = {
+        "ok": exchange.succeeded,
+        "matched": context is not None,
+        "method": request.method.upper(),
+        "path": request.path if context is None else context.path,
+        "request_headers": [name.strip().lower() for name, _ in request.headers],
+        "request_body_bytes": None if request.body is None else len(request.body),
+    }
+    if context is None:
+        trace["client"] = client
+        return trace
+    if context.chosen is None and context.outcome not in (None, "served"):
+        client["error_code"] = context.outcome  # a local error (SPEC §5), never upstream's
+    trace.update(
+        {
+            "request_id": context.request_id,
+            "route": context.route.id,
+            "tenant": context.tenant,
+            "candidates": list(context.candidates),
+            "strategy": context.route.strategy,
+            "attempt_ceiling": context.route.attempt_ceiling,
+            "canary": context.canary,
+            "pinned": context.pinned,
+            "deadline_ms": _ms(context.deadline - context.started),
+            "steps": walk_steps(context),
+            "attempts": context.attempt_count,
+            "skipped": len(context.skipped),
+            "chosen": context.chosen,
+            "fallback": context.fallback,
+            "outcome": context.outcome,
+            "deadline_left_ms": _ms(exchange.deadline_left),
+            "client": client,
+        }
+    )
+    return trace

@@ -1,0 +1,282 @@
+"""`fallback-mw request`: the shipped command (a subprocess) against local upstreams on real
+sockets. Each case checks the trace, the exit status and that the output holds no
+credential, no caller header value and no body unless --show-body."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fallback_mw.config import BreakerConfig
+from fallback_mw.health import create_health
+from tests.upstreams import silent_server, status_handler, upstream
+
+pytestmark = pytest.mark.anyio
+
+ENV = {"PRIMARY_KEY": "sk-primary-7f3a9c", "BACKUP_KEY": "sk-backup-41d0e2"}
+CALLER_SECRET = "sk-caller-5b8e77"
+UPSTREAM_BODY = b"UPSTREAM-BODY-c0ffee"
+REQUEST_BODY = b'{"prompt": "REQUEST-BODY-deadbeef"}'
+# Never in any output: credentials, the caller's header value, the query, bodies (unless
+# --show-body for the response body).
+SECRETS = (*ENV.values(), CALLER_SECRET, "QUERY-SECRET-91", "REQUEST-BODY-deadbeef")
+
+
+def write_config(
+    tmp_path: Path,
+    primary: str,
+    backup: str,
+    *,
+    gateway: str = "",
+    route: str = "",
+    middle: str | None = None,
+) -> Path:
+    plan = '["primary", "middle", "backup"]' if middle else '["primary", "backup"]'
+    extra = f'[upstreams.middle]\nurl = "{middle}"\nauth_env = "BACKUP_KEY"\n' if middle else ""
+    text = f"""
+[gateway]
+{gateway}
+
+[upstreams.primary]
+url = "{primary}"
+auth_env = "PRIMARY_KEY"
+
+[upstreams.backup]
+url = "{backup}"
+auth_header = "x-api-key"
+auth_scheme = ""
+auth_env = "BACKUP_KEY"
+
+{extra}
+[[routes]]
+id = "chat"
+prefix = "/v1/"
+plan = {plan}
+retries = {3 if middle else 1}
+{route}
+"""
+    path = tmp_path / "gateway.toml"
+    path.write_text(text)
+    return path
+
+
+async def request_cli(
+    *argv: str, stdin: bytes | None = None, env: dict[str, str] | None = None
+) -> tuple[int, str, str]:
+    """`python -m fallback_mw request ...` as an operator runs it. Asynchronous, so the
+    upstreams in this event loop keep answering."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "fallback_mw", "request", *argv,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, **ENV, **(env or {})},
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(process.communicate(stdin or b""), timeout=120)
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+def no_leak(*outputs: str, body_shown: bool = False) -> None:
+    for text in outputs:
+        for secret in SECRETS:
+            assert secret not in text
+        if not body_shown:
+            assert UPSTREAM_BODY.decode() not in text
+        assert "Traceback" not in text
+
+
+def attempts(trace: dict[str, Any]) -> list[tuple[Any, ...]]:
+    return [
+        (s["number"], s["candidate"], s["status"], s["failure_kind"], s["responsible"],
+         s["decision"])
+        if s["step"] == "attempt"
+        else ("skip", s["candidate"], s["reason"])
+        for s in trace["steps"]
+    ]  # fmt: skip
+
+
+HEADERS: Sequence[str] = ("--header", f"authorization: Bearer {CALLER_SECRET}",
+                          "--header", f"X-Api-Key: {CALLER_SECRET}")  # fmt: skip
+
+
+async def test_failover_two_attempts_table_and_json(tmp_path: Path) -> None:
+    async with (
+        upstream(status_handler(503, UPSTREAM_BODY)) as primary,
+        upstream(status_handler(200, UPSTREAM_BODY)) as backup,
+    ):
+        config = str(write_config(tmp_path, primary.url, backup.url))
+        target = ("--path", "/v1/chat?key=QUERY-SECRET-91")
+        status, table, err = await request_cli("--config", config, *target, *HEADERS)
+        assert status == 0, err
+        j_status, j_out, j_err = await request_cli("--config", config, *target, *HEADERS, "--json")
+        assert j_status == 0, j_err
+    no_leak(table, err, j_out, j_err)
+    lines = table.splitlines()
+    first = next(line for line in lines if line.strip().startswith("1 "))
+    second = next(line for line in lines if line.strip().startswith("2 "))
+    assert first.split()[:6] == ["1", "primary", "attempt", "503", "status", "upstream"]
+    assert "next_candidate: failover-class" in first
+    assert second.split()[:5] == ["2", "backup", "attempt", "200", "-"]
+    assert "serve:" in second
+    assert "served by backup (fallback)  attempts 2  skipped 0  outcome served" in table
+    assert "x-gateway-provider: backup" in table and "x-gateway-attempts: 2" in table
+    assert "authorization, x-api-key (values not shown)" in table
+    assert "/v1/chat " in table  # the path, never its query
+
+    trace = json.loads(j_out)
+    assert attempts(trace) == [
+        (1, "primary", 503, "status", "upstream", "next_candidate"),
+        (2, "backup", 200, None, "upstream", "serve"),
+    ]
+    assert trace["candidates"] == ["primary", "backup"]
+    assert trace["chosen"] == "backup" and trace["fallback"] is True
+    assert trace["client"]["status"] == 200 and trace["client"]["error_code"] is None
+    assert trace["client"]["headers"]["x-gateway-provider"] == "backup"
+    assert trace["client"]["body_bytes"] == len(UPSTREAM_BODY) and "body" not in trace["client"]
+    first_left = trace["steps"][0]["deadline_left_ms"]
+    assert trace["deadline_ms"] >= first_left >= trace["steps"][1]["deadline_left_ms"]
+    # Both runs really went through the plan, and the caller's credential never did.
+    assert primary.count == 2 and backup.count == 2
+    for received in primary.received:
+        assert dict(received.headers)["authorization"] == f"Bearer {ENV['PRIMARY_KEY']}"
+        assert CALLER_SECRET not in str(received.headers)
+
+
+async def test_show_body_prints_the_response_body(tmp_path: Path) -> None:
+    async with (
+        upstream(status_handler(503)) as primary,
+        upstream(status_handler(200, UPSTREAM_BODY + b"\x1b[2J")) as backup,
+    ):
+        config = str(write_config(tmp_path, primary.url, backup.url))
+        status, out, err = await request_cli("--config", config, "--route", "chat", "--show-body")
+    assert status == 0, err
+    no_leak(out, err, body_shown=True)
+    assert UPSTREAM_BODY.decode() in out
+    assert "\x1b" not in out  # an upstream's escape sequence never reaches the terminal
+
+
+async def test_skip_breaker_open_in_shared_redis(tmp_path: Path, redis_url: str) -> None:
+    breaker = BreakerConfig(min_calls=1, window=1, cooldown_ms=600_000, max_cooldown_ms=600_000)
+    async with (
+        upstream(status_handler(200, UPSTREAM_BODY)) as primary,
+        upstream(status_handler(200, UPSTREAM_BODY)) as backup,
+    ):
+        gateway = (
+            f'state = "{redis_url}"\n[gateway.breaker]\nmin_calls = 1\nwindow = 1\n'
+            "cooldown_ms = 600000\nmax_cooldown_ms = 600000"
+        )
+        config = str(write_config(tmp_path, primary.url, backup.url, gateway=gateway))
+        # Another gateway process saw the primary fail: its breaker is open in Redis.
+        health = create_health(redis_url, breaker)
+        assert await health.admit("primary")
+        await health.record("primary", failure=True)
+        await health.aclose()
+        status, out, err = await request_cli("--config", config, "--route", "chat", "--json")
+        t_status, table, t_err = await request_cli("--config", config, "--route", "chat")
+    assert status == 0 and t_status == 0, err + t_err
+    no_leak(out, err, table, t_err)
+    trace = json.loads(out)
+    assert attempts(trace) == [
+        ("skip", "primary", "breaker_open"),
+        (1, "backup", 200, None, "upstream", "serve"),
+    ]
+    assert trace["chosen"] == "backup" and trace["skipped"] == 1 and trace["attempts"] == 1
+    assert primary.count == 0  # skipped: no packet
+    skip_line = next(line for line in table.splitlines() if "skipped" in line.split())
+    assert skip_line.split() == ["-", "primary", "skipped", "-", "-", "-", "-", "-", "breaker_open"]
+
+
+async def test_refused_post_is_one_attempt_and_a_local_502(tmp_path: Path) -> None:
+    body = tmp_path / "body.json"
+    body.write_bytes(REQUEST_BODY)
+    async with (
+        upstream(status_handler(503, UPSTREAM_BODY)) as primary,
+        upstream(status_handler(200, UPSTREAM_BODY)) as backup,
+    ):
+        config = str(write_config(tmp_path, primary.url, backup.url))
+        argv = ("--config", config, "--path", "/v1/chat/completions", "--body", str(body))
+        status, out, err = await request_cli(*argv, "--json")
+        t_status, table, t_err = await request_cli("--config", config, "--path", "/v1/x",
+                                                   "--body", "-", stdin=REQUEST_BODY)  # fmt: skip
+    assert status == 1 and t_status == 1
+    no_leak(out, err, table, t_err)
+    trace = json.loads(out)
+    assert trace["method"] == "POST" and trace["request_body_bytes"] == len(REQUEST_BODY)
+    assert attempts(trace) == [(1, "primary", 503, "status", "upstream", "local_error")]
+    assert trace["steps"][0]["reason"] == "failover-class, but the request is not replayable"
+    assert trace["client"]["status"] == 502 and trace["client"]["error_code"] == "upstream_failed"
+    assert trace["chosen"] is None and trace["ok"] is False
+    assert backup.count == 0 and primary.received[0].body == REQUEST_BODY
+    assert "502 upstream_failed (local error)" in table
+
+
+async def test_deadline_504_with_the_attempts_made(tmp_path: Path) -> None:
+    async with upstream(status_handler(503)) as primary, silent_server() as (hanging, accepted):
+        config = str(write_config(tmp_path, primary.url, hanging, route="deadline_ms = 400"))
+        status, out, err = await request_cli("--config", config, "--route", "chat", "--json")
+        t_status, table, _ = await request_cli("--config", config, "--route", "chat")
+    assert status == 1 and t_status == 1
+    no_leak(out, err, table)
+    trace = json.loads(out)
+    assert attempts(trace) == [
+        (1, "primary", 503, "status", "upstream", "next_candidate"),
+        # The walk's deadline ended it: the gateway's doing, not the backup's.
+        (2, "backup", None, "timeout", "gateway", "local_error"),
+    ]
+    assert trace["deadline_ms"] == 400
+    assert trace["steps"][1]["deadline_left_ms"] <= 0  # it ended when the deadline passed
+    assert trace["client"]["status"] == 504
+    assert trace["client"]["error_code"] == "deadline_exceeded"
+    assert trace["client"]["headers"]["x-gateway-attempts"] == "2"
+    assert accepted  # the backup was really attempted
+    assert "504 deadline_exceeded (local error)" in table
+
+
+async def test_no_route_matches(tmp_path: Path) -> None:
+    config = str(write_config(tmp_path, "http://127.0.0.1:9", "http://127.0.0.1:10"))
+    status, out, err = await request_cli("--config", config, "--path", "/elsewhere")
+    assert status == 1, err
+    assert "no route matches" in out and "client    404" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (("--route", "nope"), "no route 'nope' (routes: chat)"),
+        (("--path", "v1/x"), "--path must start with '/'"),
+        (("--path", "/v1/x", "--header", "authorization"), "--header #1: expected 'name: value'"),
+        (("--path", "/v1/x", "--header", f"x-key: {CALLER_SECRET}\x01"), "--header #1 (x-key)"),
+        (("--path", "/v1/x", "--method", "GE T"), "--method must be"),
+        (("--path", "/v1/x", "--body", "/nonexistent/body"), "--body /nonexistent/body"),
+        ((), "pass --route ID or --path"),
+    ],
+)
+async def test_bad_invocations_exit_2_in_one_line(
+    tmp_path: Path, argv: tuple[str, ...], expected: str
+) -> None:
+    config = str(write_config(tmp_path, "http://127.0.0.1:9", "http://127.0.0.1:10"))
+    status, out, err = await request_cli("--config", config, *argv)
+    assert status == 2 and out == ""
+    assert err.startswith("fallback-mw: error: ") and expected in err
+    assert len(err.strip().splitlines()) == 1
+    no_leak(err)
+
+
+async def test_bad_config_exits_2_naming_the_variable(tmp_path: Path) -> None:
+    config = str(write_config(tmp_path, "http://127.0.0.1:9", "http://127.0.0.1:10"))
+    env = {**os.environ, "BACKUP_KEY": ""}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "fallback_mw", "request", "--config", config, "--route", "chat",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**env, "PRIMARY_KEY": ENV["PRIMARY_KEY"]},
+    )  # fmt: skip
+    out, err = await process.communicate()
+    assert process.returncode == 2 and out == b""
+    assert b"BACKUP_KEY" in err and ENV["PRIMARY_KEY"].encode() not in err
