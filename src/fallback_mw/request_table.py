@@ -26,7 +26,7 @@ def _row(step: dict[str, Any]) -> tuple[str, ...]:
         return ("-", step["candidate"], "skipped", "-", "-", "-", "-", "-", step["reason"])
     kind = step["failure_kind"]
     if step["fault"]:
-        kind = f"{kind} ({step['fault']} fault)"
+        kind = f"{step['fault']} fault" if kind == "fault" else f"{kind} ({step['fault']} fault)"
     name = step["candidate"]
     if step["credential_index"] is not None and step["pool_size"] > 1:
         name = f"{name} [credential {step['credential_index']}]"
