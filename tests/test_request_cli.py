@@ -280,3 +280,47 @@ async def test_bad_config_exits_2_naming_the_variable(tmp_path: Path) -> None:
     out, err = await process.communicate()
     assert process.returncode == 2 and out == b""
     assert b"BACKUP_KEY" in err and ENV["PRIMARY_KEY"].encode() not in err
+
+
+async def fallback_mw(*argv: str) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "fallback_mw", *argv,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, **ENV},
+    )  # fmt: skip
+    out, err = await process.communicate()
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+async def test_store_only_route_and_an_active_fault_show(tmp_path: Path) -> None:
+    """`--store URL` alone: the route `routes add` stored, and the `fail` fault `faults set`
+    put in the store, are what the one request meets."""
+    store = f"sqlite:///{tmp_path / 'gateway.db'}"
+    async with (
+        upstream(status_handler(200, UPSTREAM_BODY)) as primary,
+        upstream(status_handler(200, UPSTREAM_BODY)) as backup,
+    ):
+        added = await fallback_mw(
+            "routes", "add", "--store", store, "--id", "chat", "--prefix", "/api/",
+            "--upstream", primary.url, "--auth-env", "PRIMARY_KEY", "--retries", "1",
+            "--fallback", backup.url, "--fallback-auth-header", "x-api-key",
+            "--fallback-auth-env", "BACKUP_KEY",
+        )  # fmt: skip
+        assert added[0] == 0, added[2]
+        fault = await fallback_mw("faults", "set", "fail", "--store", store,
+                                  "--upstream", "chat-primary", "--ttl", "600")  # fmt: skip
+        assert fault[0] == 0, fault[2]
+        status, out, err = await request_cli("--store", store, "--route", "chat", "--json")
+        t_status, table, _ = await request_cli("--store", store, "--route", "chat")
+    assert status == 0 and t_status == 0, err
+    no_leak(out, err, table)
+    trace = json.loads(out)
+    assert attempts(trace) == [
+        (1, "chat-primary", 503, "fault", "upstream", "next_candidate"),
+        (2, "chat-fallback", 200, None, "upstream", "serve"),
+    ]
+    assert trace["steps"][0]["fault"] == "fail" and trace["path"] == "/api/"
+    assert trace["client"]["headers"]["x-gateway-fault"] == "1"
+    assert primary.count == 0  # a fail fault: no packet left
+    assert "fail fault" in table
