@@ -219,7 +219,7 @@ async def test_failover_trace_metrics_and_log(
     assert duration.count == 1 and 0 < duration.sum < 5
 
     (log,) = request_logs(caplog)
-    assert log.levelno == logging.INFO
+    assert log.levelno == logging.WARNING  # a failover: shown by default logging
     assert log.getMessage().startswith(
         "gateway request route=chat outcome=served status=200 chosen=backup attempts=2 "
         "candidates=primary,backup duration_ms="

@@ -447,7 +447,11 @@ class Telemetry:
         trace_id: str | None,
         span_id: str | None,
     ) -> None:
-        level = logging.INFO if outcome in _QUIET_OUTCOMES else logging.WARNING
+        # Failovers (a further attempt, or a fallback served) and local errors are WARNING:
+        # Python's default logging shows them under any host. Every other request's line is
+        # INFO, off unless the host turns it on (docs/telemetry.md).
+        quiet = outcome in _QUIET_OUTCOMES and context.attempt_count <= 1 and not context.fallback
+        level = logging.INFO if quiet else logging.WARNING
         if not logger.isEnabledFor(level):
             return
         duration_ms = round(duration * 1000, 1)
