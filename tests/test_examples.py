@@ -13,6 +13,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -25,8 +26,14 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 MESSAGES = [{"role": "user", "content": "Say hello"}]
 
 
+@dataclass
+class Example:
+    url: str
+    output: list[str]  # complete once the example has stopped
+
+
 @contextmanager
-def running_example(name: str) -> Iterator[str]:
+def running_example(name: str) -> Iterator[Example]:
     """`python examples/<name>/run.py --port 0`, run as its README says; yields the gateway
     URL it prints. Stopped with SIGINT (Ctrl-C), killed if it does not stop."""
     env = {k: v for k, v in os.environ.items() if k not in ("DJANGO_SETTINGS_MODULE",)}
@@ -52,7 +59,7 @@ def running_example(name: str) -> Iterator[str]:
                 url = found.group(1)
                 break
         assert url is not None, "".join(output)
-        yield url
+        yield Example(url=url, output=output)
     finally:
         watchdog.cancel()
         process.send_signal(2)
@@ -62,6 +69,7 @@ def running_example(name: str) -> Iterator[str]:
             process.kill()
             process.wait()
         if process.stdout is not None:
+            output.extend(process.stdout)
             process.stdout.close()
 
 
@@ -70,7 +78,8 @@ def running_example(name: str) -> Iterator[str]:
 def test_example_runs_offline_and_fails_a_chat_completion_over_with_the_openai_sdk(
     name: str,
 ) -> None:
-    with running_example(name) as url:
+    with running_example(name) as example:
+        url = example.url
         own = httpx.get(f"{url}/health", timeout=10)
         client = OpenAI(base_url=f"{url}/v1", api_key="caller-key-never-forwarded", max_retries=0)
         raw = client.chat.completions.with_raw_response.create(
@@ -95,6 +104,35 @@ def test_example_runs_offline_and_fails_a_chat_completion_over_with_the_openai_s
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text.strip() == "Hello from the backup upstream."
     assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens > 0
+    # The failovers are logged by Python's default logging (nothing configured it).
+    failovers = [line for line in example.output if line.startswith("gateway request ")]
+    assert len(failovers) == 2, "".join(example.output)
+    assert all("chosen=backup attempts=2" in line for line in failovers)
+
+
+@pytest.mark.parametrize(
+    ("name", "app"), [("fastapi_app", "app:app"), ("django_app", "asgi:application")]
+)
+def test_example_under_plain_uvicorn_refuses_a_missing_variable_in_one_line(
+    name: str, app: str
+) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("PRIMARY_API_KEY", "GATEWAY_CONFIG")}
+    env["BACKUP_API_KEY"] = "b"
+    result = subprocess.run(
+        [sys.executable, "-m", "uvicorn", app, "--port", "0"],
+        cwd=EXAMPLES / name,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert result.stderr.endswith(
+        "upstream 'primary': environment variable PRIMARY_API_KEY is not set\n"
+    )
+    assert len(result.stderr.splitlines()) == 1, result.stderr
 
 
 DJANGO_TEST_CLIENT = """

@@ -9,7 +9,13 @@ Without the middleware, the same result comes from wrapping the Django app itsel
 import os
 
 from django.core.asgi import get_asgi_application
+from django.core.exceptions import ImproperlyConfigured
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "settings")
 
-application = get_asgi_application()
+try:
+    application = get_asgi_application()
+except ImproperlyConfigured as exc:
+    # e.g. "fallback_mw: upstream 'primary': environment variable PRIMARY_API_KEY is not set":
+    # one line instead of a traceback.
+    raise SystemExit(str(exc)) from None

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-from fallback_mw import Gateway, load_config
+from fallback_mw import ConfigError, Gateway, load_config
 
 CONFIG = os.environ.get("GATEWAY_CONFIG") or Path(__file__).with_name("gateway.toml")
 
@@ -23,5 +23,10 @@ async def health() -> dict[str, str]:
     return {"status": "ok"}
 
 
-# Loaded (and checked: every credential variable must be set) when the app is imported.
-app.add_middleware(Gateway, config=load_config(CONFIG))
+# Loaded (and checked: every credential variable must be set) when the app is imported; a
+# refusal exits with its one line instead of a traceback.
+try:
+    config = load_config(CONFIG)
+except ConfigError as exc:
+    raise SystemExit(f"gateway config: {exc}") from None
+app.add_middleware(Gateway, config=config)
