@@ -53,6 +53,10 @@ class RequestBody:
     timed_out: bool = False  # the body did not arrive before the deadline
     client_gone: bool = False  # the caller hung up while sending it
     done: asyncio.Event = field(default_factory=asyncio.Event)  # every message received
+    # The buffered body as a JSON object (None: not one), parsed at most once per request
+    # by whichever layer asks first (walk/body.py `body_json`).
+    json: dict[str, Any] | None = None
+    json_inspected: bool = False
 
     @property
     def ok(self) -> bool:

@@ -169,8 +169,7 @@ async def _run() -> bool:
             and to_backup == 0
         )
         _say(
-            "   => 502 upstream_failed (never the primary's body); the backup was never "
-            "contacted"
+            "   => 502 upstream_failed (never the primary's body); the backup was never contacted"
             if post_rule
             else "   => unexpected result"
         )

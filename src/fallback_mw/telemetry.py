@@ -302,9 +302,7 @@ class Telemetry:
         """The last reported state of each upstream's breaker (a copy)."""
         return dict(self._breaker_states)
 
-    def _observe_breakers(
-        self, options: metrics.CallbackOptions
-    ) -> Iterable[metrics.Observation]:
+    def _observe_breakers(self, options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
         return [
             metrics.Observation(_BREAKER_VALUES[state], {"gateway.upstream": upstream})
             for upstream, state in list(self._breaker_states.items())

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from decimal import ROUND_CEILING, Decimal
+from typing import Any
 
 from fallback_mw.config import MAX_MONEY, PriceConfig
 
@@ -24,6 +25,7 @@ BYTES_PER_TOKEN = 4
 # Token counts are believed up to this (a 10^15-token response does not exist); an upstream
 # reporting more is saturated here, so usage fits a BIGINT column and costs stay finite.
 MAX_TOKENS = 10**15
+_UNPARSED: Any = object()  # estimate_hold's `parsed` when the caller did not parse
 _OUTPUT_LIMIT_KEYS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
@@ -80,20 +82,27 @@ class PriceBook:
         return min(cost, MAX_MONEY)
 
     def estimate_hold(
-        self, body: bytes | None, model: str | None, default_hold: Decimal
+        self,
+        body: bytes | None,
+        model: str | None,
+        default_hold: Decimal,
+        *,
+        parsed: Any = _UNPARSED,
     ) -> Decimal:
         """The hold for a request: priced model + output limit -> an estimate of the most
-        the request can cost; anything else -> `default_hold`."""
+        the request can cost; anything else -> `default_hold`. `parsed` is the body as
+        already parsed by the caller (None: not JSON), to parse it only once."""
         if body is None or not body:
             return default_hold
         price = self.price_for(model)
         if price is None or not any(key.encode() in body for key in _OUTPUT_LIMIT_KEYS):
             return default_hold
-        try:
-            parsed = json.loads(body)
-        except (ValueError, UnicodeDecodeError, RecursionError):
-            # RecursionError: a body nested ~1,000 levels deep. Not an estimate: the default.
-            return default_hold
+        if parsed is _UNPARSED:
+            try:
+                parsed = json.loads(body)
+            except (ValueError, UnicodeDecodeError, RecursionError):
+                # RecursionError: a body nested ~1,000 levels deep. Not an estimate.
+                return default_hold
         if not isinstance(parsed, dict):
             return default_hold
         # Every output limit the body names, and the largest of them: one tiny value must

@@ -21,9 +21,9 @@ from fallback_mw.budget import AttemptOutcome, Hold, Ledger, LedgerUnavailable, 
 from fallback_mw.budget.cost import PriceBook
 from fallback_mw.budget.usage import DEFAULT_JSON_CAP, UsageMeter
 from fallback_mw.config import BudgetConfig, GatewayConfig
-from fallback_mw.context import RequestContext, get_context
+from fallback_mw.context import RequestBody, RequestContext, get_context
 from fallback_mw.types import ASGIApp, Message, Receive, Scope, Send
-from fallback_mw.walk.body import inspect_json, read_body
+from fallback_mw.walk.body import body_json, read_body
 
 logger = logging.getLogger("fallback_mw.budget")
 
@@ -68,7 +68,7 @@ class BudgetGuard:
             if budget_id is not None:
                 body = await read_body(context, scope, receive, self.settings)
                 if body.ok:  # otherwise the walker answers for the body (413, 408, ...)
-                    outcome = await self._hold(ledger, context, budget_id, body.buffered)
+                    outcome = await self._hold(ledger, context, budget_id, body)
                     if isinstance(outcome, str):
                         # The walker answers it, with nothing attempted (and traced).
                         context.refusal = (outcome, _REFUSALS[outcome])
@@ -88,10 +88,10 @@ class BudgetGuard:
         return stored if stored is not None else self.budgets.get(budget_id)
 
     async def _hold(
-        self, ledger: Ledger, context: RequestContext, budget_id: str, body: bytes | None
+        self, ledger: Ledger, context: RequestContext, budget_id: str, body: RequestBody
     ) -> Hold | str:
         """The hold, or the local error code refusing the request."""
-        parsed = inspect_json(body)
+        parsed = body_json(body)
         if parsed is not None and isinstance(parsed.get("model"), str):
             context.request_model = parsed["model"]
         try:
@@ -101,7 +101,9 @@ class BudgetGuard:
                 # ledger, rather than let unmetered traffic through.
                 logger.warning("route %s names an unknown budget %s", context.route.id, budget_id)
                 return "budget_unavailable"
-            amount = self.prices.estimate_hold(body, context.request_model, budget.default_hold)
+            amount = self.prices.estimate_hold(
+                body.buffered, context.request_model, budget.default_hold, parsed=parsed
+            )
             hold = await ledger.hold(budget_id, budget, amount)
         except LedgerUnavailable:
             return "budget_unavailable"

@@ -202,8 +202,7 @@ class RedisHealth:
         self.local_fallbacks = meter.create_counter(
             "gateway.health.local_fallbacks",
             unit="{operation}",
-            description="Health operations served from local memory because Redis was "
-            "unreachable",
+            description="Health operations served from local memory because Redis was unreachable",
         )
         self.config = breaker or BreakerConfig()
         self._url, self.prefix = split_state_url(url)
@@ -211,9 +210,7 @@ class RedisHealth:
         self.probe_lease_ms = max(int(probe_lease * 1000), 1)
         self.retry_interval = retry_interval
         self.socket_timeout = socket_timeout
-        self.local = MemoryHealth(
-            self.config, probe_lease=probe_lease, on_transition=on_transition
-        )
+        self.local = MemoryHealth(self.config, probe_lease=probe_lease, on_transition=on_transition)
         self._client: aioredis.Redis | None = None
         self._scripts: dict[str, Any] = {}
         self._retry_at = 0.0

@@ -116,6 +116,14 @@ class BodyAborted(Exception):
     """The streamed request body ended badly (its RequestBody flags say why)."""
 
 
+def body_json(body: RequestBody) -> dict[str, Any] | None:
+    """The buffered body as a JSON object, parsed once per request."""
+    if not body.json_inspected:
+        body.json = inspect_json(body.buffered)
+        body.json_inspected = True
+    return body.json
+
+
 def inspect_json(data: bytes | None) -> dict[str, Any] | None:
     """The body as a JSON object, or None (not JSON, not an object, or too deeply nested
     to parse safely)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any
@@ -22,7 +23,7 @@ from fallback_mw.types import ASGIApp, Receive, Scope, Send
 from fallback_mw.upstream import make_client
 from fallback_mw.upstream.base import UpstreamClient, UpstreamResponse
 from fallback_mw.walk.attempt import AttemptResult, AttemptRunner
-from fallback_mw.walk.body import inspect_json, read_body
+from fallback_mw.walk.body import body_json, read_body
 from fallback_mw.walk.cursor import CandidateCursor
 from fallback_mw.walk.decide import (
     NO_CANDIDATE,
@@ -119,7 +120,7 @@ class _Walk:
         parsed: dict[str, Any] | None = None
         rewrite = any(context.upstreams[n].model for n in self.route.plan if n in context.upstreams)
         if body.buffered is not None:
-            parsed = inspect_json(body.buffered)
+            parsed = body_json(body)
             if parsed is not None and isinstance(parsed.get("model"), str):
                 context.request_model = context.request_model or parsed["model"]
         if rewrite and (body.buffered is None or (body.buffered and parsed is None)):
@@ -147,7 +148,7 @@ class _Walk:
         self.cursor = CandidateCursor(
             context.candidates, context.upstreams, walker.health, session=context.session,
             has_credential=lambda n, i: context.credential(n, i) is not None,
-            on_skip=self._skip,
+            on_skip=_skip_recorder(context, walker.telemetry),  # no cycle back to self
         )  # fmt: skip
         # A client disconnect cancels the attempt in flight and starts nothing new.
         walk_task = asyncio.current_task()
@@ -208,7 +209,7 @@ class _Walk:
                     await self._act(Outcome("deadline"), None, None, None)
                     return
             record = self._start_attempt(pick.name, pick.upstream, pick.credential_index)
-            hedged = may_hedge(
+            hedged = self.route.hedge_after_ms > 0 and may_hedge(
                 self.state(),
                 hedge_after_ms=self.route.hedge_after_ms,
                 first_attempt=context.attempt_count == 1,
@@ -300,12 +301,6 @@ class _Walk:
                 retry_after=retry_after(response), session=self.context.session,
             )  # fmt: skip
 
-    def _skip(self, name: str, reason: str) -> None:
-        self.context.skipped.append(
-            SkipRecord(candidate=name, reason=reason, after_attempts=self.context.attempt_count)
-        )
-        self.walker.telemetry.skipped(self.context, name, reason)
-
     def _start_attempt(
         self, name: str, upstream: UpstreamConfig, credential_index: int | None,
         *, hedge: bool = False,
@@ -349,6 +344,16 @@ class _Walk:
             await self.walker.health.release(record.candidate)
             return
         await self._record(record, result[0], None)  # a real failure before the winner
+
+
+def _skip_recorder(context: RequestContext, telemetry: Telemetry) -> Callable[[str, str], None]:
+    def skip(name: str, reason: str) -> None:
+        context.skipped.append(
+            SkipRecord(candidate=name, reason=reason, after_attempts=context.attempt_count)
+        )
+        telemetry.skipped(context, name, reason)
+
+    return skip
 
 
 def retry_after(response: UpstreamResponse | None) -> float | None:
