@@ -52,6 +52,11 @@ class GatewaySettings(_Strict):
     store: str | None = None
     engine: Literal["aiohttp", "httpx"] = "aiohttp"
     canary_salt: str = "fallback_mw"
+    # Limits that protect the process (SPEC §11); see docs/security.md.
+    max_header_bytes: int = Field(65_536, ge=1024, le=16 * 1024 * 1024)
+    max_header_count: int = Field(100, ge=1, le=10_000)
+    max_concurrency: int = Field(0, ge=0, le=1_000_000)
+    header_timeout_ms: int = Field(10_000, ge=1, le=600_000)
     breaker: BreakerConfig = BreakerConfig()
 
     @field_validator("tenant_header", "session_header")

@@ -7,7 +7,10 @@ from collections.abc import Callable
 
 from fallback_mw.config import GatewayConfig
 from fallback_mw.context import SCOPE_KEY, RequestContext
+from fallback_mw.errors import send_error
+from fallback_mw.limits import InFlight, header_refusal
 from fallback_mw.routing import RouteTable, normalise_path
+from fallback_mw.telemetry import Telemetry
 from fallback_mw.types import ASGIApp, Receive, Scope, Send
 
 # More digits than this is longer than any deadline (600000 ms): it can shorten nothing.
@@ -44,6 +47,7 @@ class RouteResolver:
         *,
         config: GatewayConfig,
         table: Callable[[], RouteTable] | None = None,
+        telemetry: Telemetry | None = None,
     ) -> None:
         self.app = app
         static = RouteTable(config.routes, config.upstreams)
@@ -52,6 +56,10 @@ class RouteResolver:
         self.tenant_header = config.gateway.tenant_header.encode()
         self.session_header = config.gateway.session_header.encode()
         self.default_deadline_ms = config.gateway.deadline_ms
+        self.max_header_bytes = config.gateway.max_header_bytes
+        self.max_header_count = config.gateway.max_header_count
+        self.in_flight = InFlight(config.gateway.max_concurrency)
+        self.telemetry = telemetry
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -73,7 +81,7 @@ class RouteResolver:
         if requested is not None:
             deadline_ms = min(deadline_ms, requested)  # shorten, never lengthen
         assert path is not None
-        scope[SCOPE_KEY] = RequestContext(
+        context = RequestContext(
             route=route,
             upstreams=table.upstreams,
             upstream_auth_headers=table.auth_headers,
@@ -85,4 +93,35 @@ class RouteResolver:
             started=started,
             deadline=started + deadline_ms / 1000,
         )
-        await self.app(scope, receive, send)
+        refusal = header_refusal(
+            scope.get("headers", ()),
+            max_bytes=self.max_header_bytes,
+            max_count=self.max_header_count,
+        )
+        if refusal is not None:
+            await self._refuse(context, send, "headers_too_large", refusal)
+            return
+        if not self.in_flight.try_enter():
+            await self._refuse(
+                context,
+                send,
+                "overloaded",
+                f"more than {self.in_flight.limit} requests in flight (max_concurrency)",
+            )
+            return
+        try:
+            scope[SCOPE_KEY] = context
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight.leave()
+
+    async def _refuse(self, context: RequestContext, send: Send, code: str, message: str) -> None:
+        """A local refusal before anything else runs: no body read, no upstream contacted,
+        still one span and one log line when telemetry is attached."""
+        if self.telemetry is not None:
+            self.telemetry.request_started(context)
+        try:
+            await send_error(send, context, code, message)
+        finally:
+            if self.telemetry is not None:
+                self.telemetry.request_finished(context)

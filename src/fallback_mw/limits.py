@@ -1,0 +1,48 @@
+"""Limits that protect the process, checked once a request is routed (SPEC §11):
+request header bytes and count (431 `headers_too_large`) and requests in flight
+(503 `overloaded`, at once rather than a queue).
+
+These run inside the ASGI app, after the server has already parsed and buffered the
+request head. `fallback-mw serve` also refuses oversized or slow heads in the server
+itself (fallback_mw.server_limits); a host app on its own server must configure that
+server (docs/security.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+# Per field, as on the wire: "name: value\r\n".
+_FIELD_OVERHEAD = 4
+
+
+def header_refusal(
+    headers: Iterable[tuple[bytes, bytes]], *, max_bytes: int, max_count: int
+) -> str | None:
+    """Why these request headers are refused, or None. Names the limit, never a value."""
+    size = 0
+    for count, (name, value) in enumerate(headers, start=1):
+        size += len(name) + len(value) + _FIELD_OVERHEAD
+        if count > max_count:
+            return f"more than {max_count} request header fields (max_header_count)"
+        if size > max_bytes:
+            return f"request headers larger than {max_bytes} bytes (max_header_bytes)"
+    return None
+
+
+class InFlight:
+    """Routed requests in flight in this process, against `max_concurrency` (0: no limit).
+    Process-wide state, like a connection pool, never per-request data."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.count = 0
+
+    def try_enter(self) -> bool:
+        # No await between the check and the increment: atomic on the event loop.
+        if self.limit and self.count >= self.limit:
+            return False
+        self.count += 1
+        return True
+
+    def leave(self) -> None:
+        self.count -= 1
