@@ -1,0 +1,192 @@
+"""What `fallback-mw serve` sets on uvicorn so the server itself refuses a hostile request
+head before buffering it: a head over `max_header_bytes` gets 431 `headers_too_large`, a
+head not received within `header_timeout_ms` gets 408 `request_timeout`, both before any
+ASGI app runs and with the connection closed.
+
+uvicorn exposes `h11_max_incomplete_event_size` for its h11 parser only; its httptools
+parser buffers a whole header value (8 MiB included) and has no head timeout at all. So
+`serve` runs uvicorn's own protocol classes with a small guard around `data_received`: it
+counts the bytes of each request head as they arrive and arms a timer from the first
+byte of a head (or from the connection's start) until uvicorn has parsed it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, cast
+
+from fallback_mw.config import GatewaySettings
+
+# h11 keeps at most this much beyond max_header_bytes (our count runs after each read,
+# which may be up to a few hundred KiB with uvloop); with httptools the guard alone bounds it.
+_H11_SLACK = 512 * 1024
+_LINGER_SECONDS = 2.0
+_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+
+
+def _refusal(status: int, code: str, message: str) -> bytes:
+    body = json.dumps(
+        {
+            "error": {
+                "type": "gateway_error",
+                "code": code,
+                "message": message,
+                "route": None,
+                "attempts": 0,
+            }
+        },
+        separators=(",", ":"),
+    ).encode()
+    head = (
+        b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+        b"cache-control: no-store\r\nconnection: close\r\n\r\n"
+        % (status, _REASONS[status], len(body))
+    )
+    return head + body
+
+
+class _HeadGuard:
+    """Mixed in before a uvicorn HTTP protocol class (H11Protocol, HttpToolsProtocol).
+    Relies only on what both share: `cycle` (replaced when a request head has been
+    parsed), `transport`, `loop`, `connection_made`, `data_received`."""
+
+    max_head_bytes: int = 65_536
+    head_timeout: float = 10.0
+
+    # Attributes of the uvicorn protocol this is mixed into.
+    cycle: Any
+    transport: asyncio.Transport
+    loop: asyncio.AbstractEventLoop
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._lingering = False
+        self._start_head()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_head()
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return  # refused: the rest of the request is read and dropped, never buffered
+        if not self._counting and self._expecting_head():
+            self._start_head()
+        if self._counting:
+            self._head_bytes += len(data)
+            if self._head_timer is None and self._between_requests():
+                self._arm()
+        super().data_received(data)  # type: ignore[misc]
+        if not self._counting:
+            return
+        if self._head_done():
+            self._stop_head()
+        elif self._head_bytes > self.max_head_bytes:
+            self._refuse(
+                431,
+                "headers_too_large",
+                f"request head larger than {self.max_head_bytes} bytes (max_header_bytes)",
+            )
+
+    # --- internals --------------------------------------------------------------------
+
+    def _between_requests(self) -> bool:
+        return self.cycle is None or bool(self.cycle.response_complete)
+
+    def _expecting_head(self) -> bool:
+        # Between requests, or the request in flight has its whole body: whatever comes
+        # next is a (pipelined) request head.
+        return self._between_requests() or not self.cycle.more_body
+
+    def _head_done(self) -> bool:
+        # A parsed head replaces `cycle`; a websocket upgrade swaps the protocol.
+        return (
+            self.cycle is not self._head_cycle
+            or self.transport.is_closing()
+            or self.transport.get_protocol() is not cast(object, self)
+        )
+
+    def _start_head(self) -> None:
+        self._counting = True
+        self._head_bytes = 0
+        self._head_cycle = self.cycle
+        if self._between_requests():
+            self._arm()
+
+    def _stop_head(self) -> None:
+        self._counting = False
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _arm(self) -> None:
+        self._head_timer = self.loop.call_later(self.head_timeout, self._timed_out)
+
+    def _timed_out(self) -> None:
+        self._head_timer = None
+        if not self._counting or self._head_done() or not self._between_requests():
+            return  # a response in flight: its own timeouts govern the connection
+        if self._head_bytes == 0:
+            self._stop_head()
+            self.transport.close()  # never said anything: nothing to answer
+            return
+        self._refuse(
+            408,
+            "request_timeout",
+            f"request head not received within {self.head_timeout:g} s (header_timeout_ms)",
+        )
+
+    def _refuse(self, status: int, code: str, message: str) -> None:
+        self._stop_head()
+        if self.transport.is_closing():
+            return
+        if not self._between_requests():
+            # A response is still being written: the connection is cut instead.
+            self.transport.close()
+            return
+        self.transport.write(_refusal(status, code, message))
+        # Lingering close: closing with unread request bytes would reset the connection and
+        # the client might never read the answer. Stop writing, drop what still arrives,
+        # close soon.
+        self._lingering = True
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(_LINGER_SECONDS, self.transport.close)
+
+
+def guarded_protocol(base: type[asyncio.Protocol], settings: GatewaySettings) -> type[Any]:
+    """`base` (a uvicorn HTTP protocol class) with the head guard, for these settings."""
+    return type(
+        f"Guarded{base.__name__}",
+        (_HeadGuard, base),
+        {
+            "max_head_bytes": settings.max_header_bytes,
+            "head_timeout": settings.header_timeout_ms / 1000,
+        },
+    )
+
+
+def uvicorn_limits(settings: GatewaySettings, http: str = "auto") -> dict[str, Any]:
+    """Keyword arguments for `uvicorn.run` / `uvicorn.Config` that protect the server:
+    the guarded protocol class for `http` ("auto", "httptools" or "h11"), h11's own
+    buffer bound, and no `server` header (the gateway does not advertise its software;
+    the upstream's is dropped too)."""
+    base: type[asyncio.Protocol]
+    if http == "h11":
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        base = H11Protocol
+    elif http == "httptools":
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        base = HttpToolsProtocol
+    else:
+        from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+        base = AutoHTTPProtocol
+    return {
+        "http": guarded_protocol(base, settings),
+        "h11_max_incomplete_event_size": settings.max_header_bytes + _H11_SLACK,
+        "server_header": False,
+    }
