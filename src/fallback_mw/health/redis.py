@@ -178,6 +178,12 @@ def split_state_url(url: str) -> tuple[str, str]:
     return urlunsplit((parts.scheme, parts.netloc, parts.path, rest, "")), prefix
 
 
+# Connections to Redis per gateway process. Each health call holds one for a round trip
+# (well under a millisecond on a LAN), so 50 serve thousands of calls a second; beyond
+# that callers wait for a free one (pool_timeout) instead of failing.
+DEFAULT_MAX_CONNECTIONS = 50
+
+
 class _Unavailable:
     pass
 
@@ -196,6 +202,8 @@ class RedisHealth:
         socket_timeout: float = 0.5,
         on_transition: TransitionListener | None = None,
         meter_provider: MeterProvider | None = None,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        pool_timeout: float = 2.0,
     ) -> None:
         self.on_transition = on_transition
         meter = (meter_provider or metrics.get_meter_provider()).get_meter("fallback_mw")
@@ -210,12 +218,17 @@ class RedisHealth:
         self.probe_lease_ms = max(int(probe_lease * 1000), 1)
         self.retry_interval = retry_interval
         self.socket_timeout = socket_timeout
-        self.local = MemoryHealth(self.config, probe_lease=probe_lease, on_transition=on_transition)
+        self.max_connections = max_connections
+        self.pool_timeout = pool_timeout
+        self.local = MemoryHealth(
+            self.config, probe_lease=probe_lease, on_transition=on_transition
+        )
         self._client: aioredis.Redis | None = None
         self._scripts: dict[str, Any] = {}
         self._retry_at = 0.0
         self._outage = False
         self._pool_sizes: dict[str, int] = {}
+        self.local_fallback_calls = 0  # calls served on local state (tests, the soak)
         max_ms = max(self.config.max_cooldown_ms, self.config.cooldown_ms)
         self.breaker_ttl_ms = max(2 * max_ms + self.probe_lease_ms, 600_000)
 
@@ -223,13 +236,20 @@ class RedisHealth:
 
     def _script(self, name: str, source: str) -> Any:
         if self._client is None:
-            self._client = aioredis.Redis.from_url(
+            # A bounded pool that waits for a free connection (up to pool_timeout) rather
+            # than failing: redis-py's default pool raises past 100 connections, which
+            # under load read as "Redis unreachable" and silently un-shared the breakers.
+            # `?max_connections=N` in the state URL overrides the size.
+            pool = aioredis.BlockingConnectionPool.from_url(
                 self._url,
+                max_connections=self.max_connections,
+                timeout=self.pool_timeout,
                 decode_responses=True,
                 socket_timeout=self.socket_timeout,
                 socket_connect_timeout=self.socket_timeout,
                 retry=Retry(NoBackoff(), 0),
             )
+            self._client = aioredis.Redis.from_pool(pool)  # the client owns (closes) the pool
             self._scripts.clear()
         script = self._scripts.get(name)
         if script is None:
@@ -239,12 +259,14 @@ class RedisHealth:
     async def _run(self, name: str, source: str, keys: list[str], args: list[Any]) -> Any:
         if time.monotonic() < self._retry_at:
             self.local_fallbacks.add(1)
+            self.local_fallback_calls += 1
             return _UNAVAILABLE
         try:
             result = await self._script(name, source)(keys=keys, args=args)
         except (RedisError, OSError) as exc:
             self._retry_at = time.monotonic() + self.retry_interval
             self.local_fallbacks.add(1)
+            self.local_fallback_calls += 1
             if not self._outage:
                 self._outage = True
                 logger.warning(
