@@ -59,11 +59,16 @@ class Gateway:
         )
         injector = CredentialInjector(walker, config=self.config, environ=environ)
         guard = BudgetGuard(injector, config=self.config, ledger=services.ledger)
-        self.resolver = RouteResolver(guard, config=self.config, table=services.table)
+        self.resolver = RouteResolver(
+            guard, config=self.config, table=services.table, telemetry=services.telemetry
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             await self._lifespan(scope, receive, send)
+            return
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)  # websockets: the host app's, untouched
             return
         await self.resolver(scope, receive, send)
 

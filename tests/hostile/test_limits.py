@@ -196,3 +196,23 @@ async def test_the_head_guard_leaves_kept_alive_and_streaming_connections_alone(
         finally:
             await gateway.aclose()
     assert primary.count == 2
+
+
+async def test_a_limit_refusal_is_logged_like_any_routed_request(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import logging
+
+    from tests.helpers import client_for
+
+    caplog.set_level(logging.INFO, logger="fallback_mw.request")
+    gateway = Gateway(host_app, config=config("http://127.0.0.1:9", max_header_count=5))
+    try:
+        async with client_for(gateway) as client:
+            response = await client.get("/v1/x", headers={f"x-h{i}": "v" for i in range(10)})
+    finally:
+        await gateway.aclose()
+    assert response.status_code == 431
+    lines = [r for r in caplog.records if r.name == "fallback_mw.request"]
+    assert len(lines) == 1
+    assert getattr(lines[0], "outcome", None) == "headers_too_large"
