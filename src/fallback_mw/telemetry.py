@@ -64,12 +64,45 @@ def _model(value: str | None) -> str | None:
     return value
 
 
+# A caller's trace-context field longer than this (the W3C baggage limit) is ignored
+# whole: OpenTelemetry's propagators log a too-long or malformed field *with its value*,
+# which a console exporter setup writes to stderr.
+_MAX_PROPAGATION_FIELD = 8192
+_EXTRACTING: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "fallback_mw_extracting", default=False
+)
+
+
+class _DropCallerEcho(logging.Filter):
+    """Drops the propagators' warnings while they read a caller's headers: those
+    warnings quote the caller's field values."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _EXTRACTING.get()
+
+
+_DROP_CALLER_ECHO = _DropCallerEcho()
+_PROPAGATOR_LOGGERS = ("opentelemetry.baggage.propagation", "opentelemetry.propagate")
+
+
+def _quiet_propagators() -> None:
+    for name in _PROPAGATOR_LOGGERS:
+        target = logging.getLogger(name)
+        if _DROP_CALLER_ECHO not in target.filters:
+            target.addFilter(_DROP_CALLER_ECHO)
+
+
 class _HeaderGetter(Getter[Sequence[tuple[bytes, bytes]]]):
-    """Reads only the propagator's own fields (traceparent, tracestate, baggage)."""
+    """Reads only the propagator's own fields (traceparent, tracestate, baggage), and
+    none longer than _MAX_PROPAGATION_FIELD."""
 
     def get(self, carrier: Sequence[tuple[bytes, bytes]], key: str) -> list[str] | None:
         wanted = key.lower().encode("latin-1")
-        values = [v.decode("latin-1") for k, v in carrier if k.lower() == wanted]
+        values = [
+            v.decode("latin-1")
+            for k, v in carrier
+            if k.lower() == wanted and len(v) <= _MAX_PROPAGATION_FIELD
+        ]
         return values or None
 
     def keys(self, carrier: Sequence[tuple[bytes, bytes]]) -> list[str]:
@@ -116,6 +149,7 @@ class Telemetry:
         tracer_provider: trace.TracerProvider | None = None,
         meter_provider: metrics.MeterProvider | None = None,
     ) -> None:
+        _quiet_propagators()
         version = _version()
         tracer_provider = tracer_provider or trace.get_tracer_provider()
         meter_provider = meter_provider or metrics.get_meter_provider()
@@ -175,7 +209,11 @@ class Telemetry:
                 incoming = otel_context.get_current()
                 kind = trace.SpanKind.INTERNAL
             else:
-                incoming = propagate.extract(context.forward_headers, getter=_GETTER)
+                token = _EXTRACTING.set(True)
+                try:
+                    incoming = propagate.extract(context.forward_headers, getter=_GETTER)
+                finally:
+                    _EXTRACTING.reset(token)
                 kind = trace.SpanKind.SERVER
             span = self._tracer.start_span(
                 REQUEST_SPAN,
