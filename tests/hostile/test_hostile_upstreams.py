@@ -1,0 +1,266 @@
+"""Hostile upstreams on real sockets, each classified as SPEC §5 says, on both engines,
+with a budget on the route: whatever the upstream does, no hold stays in the ledger.
+
+Before the response head (reset, invalid status line, endless headers): failover-class,
+the backup serves. After the commit point (reset, truncated body, a never-ending or huge
+stream): the client response is aborted, never ended as if complete, never restarted. A
+redirect is an answer (never followed); a declared length over max_response_body is a
+local 502 `response_too_large`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from decimal import Decimal
+from typing import Any
+
+import httpx
+import pytest
+
+from fallback_mw import Gateway
+from fallback_mw.config import BudgetConfig
+from tests.upstreams import host_app, serve_asgi, status_handler, upstream
+
+pytestmark = pytest.mark.anyio
+
+Behaviour = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+MAX_RESPONSE = 256 * 1024
+
+
+async def read_head(reader: asyncio.StreamReader) -> None:
+    await reader.readuntil(b"\r\n\r\n")
+
+
+def reset(writer: asyncio.StreamWriter) -> None:
+    """Close with SO_LINGER 0: the peer sees a TCP reset, not a clean end."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
+
+
+async def reset_before_head(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await read_head(reader)
+    reset(writer)
+
+
+async def invalid_status_line(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await read_head(reader)
+    writer.write(b"HTTP/1.1 two-hundred OK\r\ncontent-length: 2\r\n\r\nok")
+    await writer.drain()
+    writer.close()
+
+
+async def endless_headers(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await read_head(reader)
+    writer.write(b"HTTP/1.1 200 OK\r\n")
+    with contextlib.suppress(OSError):
+        for n in range(1_000_000):
+            writer.write(b"x-h%d: %s\r\n" % (n, b"a" * 100))
+            await writer.drain()
+    writer.close()
+
+
+async def reset_after_head(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await read_head(reader)
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100000\r\n\r\n" + b"a" * 10)
+    await writer.drain()
+    await asyncio.sleep(0.2)
+    reset(writer)
+
+
+async def truncated_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await read_head(reader)
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\n" + b"a" * 10)
+    await writer.drain()
+    await asyncio.sleep(0.2)
+    writer.close()
+
+
+async def never_ending_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await read_head(reader)
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                 b"transfer-encoding: chunked\r\n\r\n")  # fmt: skip
+    event = b'data: {"n": 1}\n\n'
+    with contextlib.suppress(OSError):
+        while True:
+            writer.write(b"%x\r\n%s\r\n" % (len(event) * 64, event * 64))
+            await writer.drain()
+    writer.close()
+
+
+async def huge_declared(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await read_head(reader)
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 1000000000000\r\n\r\n" + b"a" * 1000)
+    with contextlib.suppress(OSError):
+        await writer.drain()
+        await asyncio.sleep(5)
+    writer.close()
+
+
+async def redirect_to_metadata(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await read_head(reader)
+    writer.write(b"HTTP/1.1 302 Found\r\nlocation: http://169.254.169.254/latest/meta-data/\r\n"
+                 b"content-length: 0\r\n\r\n")  # fmt: skip
+    await writer.drain()
+    writer.close()
+
+
+async def absurd_usage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await read_head(reader)
+    body = json.dumps(
+        {"model": "m", "usage": {"prompt_tokens": 10**40, "completion_tokens": -(10**40)}}
+    ).encode()
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                 b"content-length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+    await writer.drain()
+    writer.close()
+
+
+@asynccontextmanager
+async def raw_upstream(behaviour: Behaviour) -> AsyncIterator[tuple[str, list[int]]]:
+    accepted: list[int] = []
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(1)
+        task = asyncio.current_task()
+        assert task is not None
+        tasks.add(task)
+        try:
+            with contextlib.suppress(Exception):
+                await behaviour(reader, writer)
+        finally:
+            writer.transport.abort()  # whatever the behaviour left open
+
+    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", accepted
+    finally:
+        server.close()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await server.wait_closed()
+
+
+def config(hostile: str, backup: str, engine: str) -> dict[str, Any]:
+    return {
+        "gateway": {"allow_hosts": ["127.0.0.1"], "engine": engine,
+                    "max_response_body": MAX_RESPONSE, "deadline_ms": 20_000},
+        "upstreams": {
+            "hostile": {"url": hostile, "first_byte_timeout_ms": 3000, "idle_timeout_ms": 3000},
+            "backup": {"url": backup},
+        },
+        "routes": [{"id": "r", "prefix": "/v1/", "plan": ["hostile", "backup"], "retries": 1,
+                    "budget": "b"}],
+        "budgets": {"b": {"limit": "100", "default_hold": "0.5"}},
+        "prices": {"m": {"input_per_mtok": "1", "output_per_mtok": "1"}},
+    }  # fmt: skip
+
+
+async def held(gateway: Gateway) -> Decimal:
+    ledger = gateway.services.ledger
+    assert ledger is not None
+    status = await ledger.status("b", BudgetConfig(limit=Decimal(100)))
+    return status.held
+
+
+async def run(behaviour: Behaviour, engine: str) -> tuple[Any, int, Decimal]:
+    """One GET through a real server. Returns (response or the exception the client
+    got, how many connections the hostile upstream accepted, the ledger's held amount
+    once the request has ended on the gateway's side)."""
+    async with (
+        raw_upstream(behaviour) as (url, accepted),
+        upstream(status_handler(200, b"backup")) as backup,
+    ):
+        gateway = Gateway(host_app, config=config(url, backup.url, engine))
+        try:
+            async with serve_asgi(gateway) as base, httpx.AsyncClient(base_url=base) as client:
+                result: Any
+                try:
+                    result = await client.get("/v1/x", timeout=30)
+                except httpx.HTTPError as exc:
+                    result = exc
+                for _ in range(250):  # the gateway's side settles once the walk has ended
+                    if await held(gateway) == 0:
+                        break
+                    await asyncio.sleep(0.02)
+                remaining = await held(gateway)
+        finally:
+            await gateway.aclose()
+    return result, len(accepted), remaining
+
+
+ENGINES = ["aiohttp", "httpx"]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize(
+    "behaviour",
+    [reset_before_head, invalid_status_line, endless_headers],
+    ids=["reset-before-head", "invalid-status-line", "endless-headers"],
+)
+async def test_failures_before_the_head_fail_over(behaviour: Behaviour, engine: str) -> None:
+    result, accepted, remaining = await run(behaviour, engine)
+    assert isinstance(result, httpx.Response), result
+    assert result.status_code == 200 and result.text == "backup"
+    assert result.headers["x-gateway-attempts"] == "2"
+    # aiohttp itself resends an idempotent request once when the connection drops before
+    # the response head (RFC 9112 §9.3.1); httpx does not. Either way: one gateway attempt.
+    assert accepted == (2 if engine == "aiohttp" and behaviour is reset_before_head else 1)
+    assert remaining == 0
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize(
+    "behaviour",
+    [reset_after_head, truncated_body, never_ending_stream],
+    ids=["reset-after-head", "truncated-body", "never-ending-stream"],
+)
+async def test_failures_after_the_commit_point_abort_the_response(
+    behaviour: Behaviour, engine: str
+) -> None:
+    result, accepted, remaining = await run(behaviour, engine)
+    # Never ended as if complete: the client's read fails (no clean end of body).
+    assert isinstance(result, httpx.RemoteProtocolError | httpx.ReadError), result
+    assert accepted == 1  # never restarted on the backup either
+    assert remaining == 0
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_declared_length_over_the_limit_is_a_local_502(engine: str) -> None:
+    result, accepted, remaining = await run(huge_declared, engine)
+    assert accepted == 1  # no failover for a local 502
+    assert isinstance(result, httpx.Response), result
+    assert result.status_code == 502
+    assert result.json()["error"]["code"] == "response_too_large"
+    assert remaining == 0
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_redirect_to_the_metadata_address_is_passed_back_never_followed(
+    engine: str,
+) -> None:
+    result, accepted, remaining = await run(redirect_to_metadata, engine)
+    assert isinstance(result, httpx.Response), result
+    assert result.status_code == 302
+    assert result.headers["x-gateway-attempts"] == "1"
+    assert result.headers["x-gateway-provider"] == "hostile"
+    assert accepted == 1
+    assert remaining == 0
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_absurd_usage_numbers_settle_the_hold(engine: str) -> None:
+    result, accepted, remaining = await run(absurd_usage, engine)
+    assert accepted == 1
+    assert isinstance(result, httpx.Response), result
+    assert result.status_code == 200
+    assert remaining == 0
