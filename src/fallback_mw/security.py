@@ -61,10 +61,17 @@ def canonical_name(name: bytes) -> bytes:
     return name.lower().replace(b"_", b"-")
 
 
+# Fields whose value lists other fields that must not be forwarded: `Connection` names
+# hop-by-hop fields; `Trailer` names fields meant to come after a chunked body (a server
+# that parses trailers into the request's header list, as uvicorn's httptools parser
+# does, would otherwise hand them on as headers).
+_LISTING_FIELDS = (b"connection", b"trailer")
+
+
 def _connection_named(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
     named: set[bytes] = set()
     for name, value in headers:
-        if canonical_name(name) == b"connection":
+        if canonical_name(name) in _LISTING_FIELDS:
             named.update(
                 canonical_name(token.strip()) for token in value.split(b",") if token.strip()
             )

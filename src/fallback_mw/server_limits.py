@@ -155,11 +155,32 @@ class _HeadGuard:
         self.loop.call_later(_LINGER_SECONDS, self.transport.close)
 
 
+class _NoTrailersAsHeaders:
+    """For uvicorn's httptools protocol, whose parser reports a chunked body's trailer
+    fields through the same `on_header` callback as the head: appended to the request's
+    header list, they would reach the app (and an upstream) as if they were headers.
+    Trailers are dropped instead (uvicorn's h11 protocol ignores them too)."""
+
+    def on_message_begin(self) -> None:
+        self._head_parsed = False
+        super().on_message_begin()  # type: ignore[misc]
+
+    def on_headers_complete(self) -> None:
+        self._head_parsed = True
+        super().on_headers_complete()  # type: ignore[misc]
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if getattr(self, "_head_parsed", False):
+            return  # a trailer field
+        super().on_header(name, value)  # type: ignore[misc]
+
+
 def guarded_protocol(base: type[asyncio.Protocol], settings: GatewaySettings) -> type[Any]:
     """`base` (a uvicorn HTTP protocol class) with the head guard, for these settings."""
+    extra: tuple[type, ...] = (_NoTrailersAsHeaders,) if hasattr(base, "on_header") else ()
     return type(
         f"Guarded{base.__name__}",
-        (_HeadGuard, base),
+        (_HeadGuard, *extra, base),
         {
             "max_head_bytes": settings.max_header_bytes,
             "head_timeout": settings.header_timeout_ms / 1000,

@@ -1,0 +1,119 @@
+"""Request bodies as an attacker sends them, through a real server: a JSON body nested
+1,000 levels deep, and chunked bodies carrying trailer fields (credentials included)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+
+from fallback_mw import Gateway
+from tests.upstreams import host_app, serve_asgi, status_handler, upstream
+
+pytestmark = pytest.mark.anyio
+
+
+def config(url: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "gateway": {"allow_hosts": ["127.0.0.1"]},
+        "upstreams": {"primary": {"url": url, "auth_env": "FMW_T_KEY", **extra}},
+        "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"], "budget": "b",
+                    "replayable_methods": ["GET", "POST"]}],
+        "budgets": {"b": {"limit": "10"}},
+        "prices": {"m": {"input_per_mtok": "1", "output_per_mtok": "1"}},
+    }  # fmt: skip
+
+
+async def exchange(base: str, request: bytes) -> bytes:
+    host, port = base.removeprefix("http://").split(":")
+    stream = await anyio.connect_tcp(host, int(port))
+    data = b""
+    try:
+        await stream.send(request)
+        while True:
+            try:
+                data += await stream.receive()
+            except (anyio.EndOfStream, anyio.BrokenResourceError):
+                break
+    finally:
+        await stream.aclose()
+    return data
+
+
+def post(body: bytes, extra: bytes = b"") -> bytes:
+    return (
+        b"POST /v1/chat HTTP/1.1\r\nhost: gw\r\nconnection: close\r\n"
+        b"content-type: application/json\r\ncontent-length: %d\r\n%s\r\n%s"
+        % (len(body), extra, body)
+    )
+
+
+DEEP = b'{"model":"m","max_tokens":5,"x":' + b"[" * 1000 + b"]" * 1000 + b"}"
+
+
+@pytest.mark.parametrize("http", ["h11", "httptools"])
+@pytest.mark.parametrize("rewrite", [False, True], ids=["plain", "model-rewrite"])
+async def test_a_json_body_nested_1000_deep_is_never_a_500(http: str, rewrite: bool) -> None:
+    async with upstream(status_handler(200, b"ok")) as primary:
+        extra = {"model": "other"} if rewrite else {}
+        gateway = Gateway(host_app, config=config(primary.url, **extra),
+                          environ={"FMW_T_KEY": "k"})  # fmt: skip
+        try:
+            async with serve_asgi(gateway, http=http) as base:
+                response = await exchange(base, post(DEEP))
+        finally:
+            await gateway.aclose()
+    status = int(response.split(b" ", 2)[1])
+    assert status != 500
+    if rewrite:
+        assert status == 400 and b'"bad_request"' in response  # cannot rewrite it
+        assert primary.count == 0
+    else:
+        assert status == 200 and primary.count == 1
+        assert primary.received[0].body == DEEP  # forwarded untouched
+
+
+@pytest.mark.parametrize("http", ["h11", "httptools"])
+async def test_trailer_fields_never_reach_the_upstream(http: str) -> None:
+    async with upstream(status_handler(200, b"ok")) as primary:
+        gateway = Gateway(host_app, config=config(primary.url), environ={"FMW_T_KEY": "k"})
+        try:
+            async with serve_asgi(gateway, http=http) as base:
+                response = await exchange(
+                    base,
+                    b"POST /v1/chat HTTP/1.1\r\nhost: gw\r\nconnection: close\r\n"
+                    b"transfer-encoding: chunked\r\ntrailer: x-api-key, x-after\r\n"
+                    b"te: trailers\r\n\r\n"
+                    b"2\r\n{}\r\n0\r\nx-api-key: caller-secret\r\nx-after: 1\r\n"
+                    b"authorization: Bearer caller-secret\r\n\r\n",
+                )
+        finally:
+            await gateway.aclose()
+    assert response.startswith(b"HTTP/1.1 200")
+    received = primary.received[0]
+    names = [name for name, _ in received.headers]
+    assert all("caller-secret" not in value for _, value in received.headers)
+    assert "x-after" not in names and "trailer" not in names and "te" not in names
+    assert received.body == b"{}"
+
+
+async def test_serve_drops_undeclared_trailer_fields_before_the_app_sees_them() -> None:
+    from fallback_mw.config import load_config
+    from fallback_mw.server_limits import uvicorn_limits
+
+    settings = load_config({}).gateway
+    async with upstream(status_handler(200, b"ok")) as primary:
+        gateway = Gateway(host_app, config=config(primary.url), environ={"FMW_T_KEY": "k"})
+        try:
+            async with serve_asgi(gateway, **uvicorn_limits(settings, "httptools")) as base:
+                response = await exchange(
+                    base,
+                    b"POST /v1/chat HTTP/1.1\r\nhost: gw\r\nconnection: close\r\n"
+                    b"transfer-encoding: chunked\r\n\r\n"
+                    b"2\r\n{}\r\n0\r\nx-after: 1\r\n\r\n",
+                )
+        finally:
+            await gateway.aclose()
+    assert response.startswith(b"HTTP/1.1 200")
+    assert "x-after" not in [name for name, _ in primary.received[0].headers]
