@@ -117,3 +117,34 @@ async def test_serve_drops_undeclared_trailer_fields_before_the_app_sees_them() 
             await gateway.aclose()
     assert response.startswith(b"HTTP/1.1 200")
     assert "x-after" not in [name for name, _ in primary.received[0].headers]
+
+
+async def test_a_body_sent_at_one_byte_a_second_gets_408_within_the_deadline() -> None:
+    async with upstream(status_handler(200, b"ok")) as primary:
+        conf = config(primary.url)
+        conf["routes"][0]["deadline_ms"] = 1000
+        gateway = Gateway(host_app, config=conf, environ={"FMW_T_KEY": "k"})
+        try:
+            async with serve_asgi(gateway) as base:
+                host, port = base.removeprefix("http://").split(":")
+                stream = await anyio.connect_tcp(host, int(port))
+                data = b""
+                try:
+                    await stream.send(
+                        b"POST /v1/chat HTTP/1.1\r\nhost: gw\r\nconnection: close\r\n"
+                        b"content-length: 100\r\n\r\n"
+                    )
+                    with anyio.move_on_after(20):  # the answer comes long before
+                        for _ in range(100):
+                            await stream.send(b"a")
+                            with anyio.move_on_after(1):
+                                data += await stream.receive()
+                            if data:
+                                break
+                finally:
+                    await stream.aclose()
+        finally:
+            await gateway.aclose()
+    assert data.startswith(b"HTTP/1.1 408"), data[:200]
+    assert b'"request_timeout"' in data
+    assert primary.count == 0
