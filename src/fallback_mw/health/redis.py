@@ -220,9 +220,7 @@ class RedisHealth:
         self.socket_timeout = socket_timeout
         self.max_connections = max_connections
         self.pool_timeout = pool_timeout
-        self.local = MemoryHealth(
-            self.config, probe_lease=probe_lease, on_transition=on_transition
-        )
+        self.local = MemoryHealth(self.config, probe_lease=probe_lease, on_transition=on_transition)
         self._client: aioredis.Redis | None = None
         self._scripts: dict[str, Any] = {}
         self._retry_at = 0.0
