@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Set
+from collections.abc import Iterable, Set
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
 from typing import Literal
 
 AFFINITY_LIMIT = 10_000  # sessions remembered per upstream (least recently used dropped)
@@ -86,3 +88,20 @@ class CredentialPool:
         self.affinity.move_to_end(session)
         while len(self.affinity) > AFFINITY_LIMIT:
             self.affinity.popitem(last=False)
+
+
+def retry_after_seconds(headers: Iterable[tuple[bytes, bytes]]) -> float | None:
+    """Retry-After as seconds from now: delta-seconds or an HTTP date (RFC 9110 §10.2.3)."""
+    for key, value in headers:
+        if key == b"retry-after":
+            text = value.decode("latin-1").strip()
+            if text.isdigit():
+                return float(text[:9])
+            try:
+                when = parsedate_to_datetime(text)
+            except (TypeError, ValueError, IndexError):
+                return None
+            if when.tzinfo is None:
+                return None
+            return max((when - datetime.now(UTC)).total_seconds(), 0.0)
+    return None

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
-from email.utils import parsedate_to_datetime
 from typing import Any
 
 from fallback_mw.config import GatewayConfig, UpstreamConfig
@@ -17,13 +15,15 @@ from fallback_mw.credentials import CredentialInjector
 from fallback_mw.errors import send_error
 from fallback_mw.faults import FaultSource, NoFaults
 from fallback_mw.health import AlwaysHealthy, HealthState
+from fallback_mw.health.pool import retry_after_seconds
 from fallback_mw.plan import candidate_order, is_canary
 from fallback_mw.telemetry import Telemetry
 from fallback_mw.types import ASGIApp, Receive, Scope, Send
 from fallback_mw.upstream import make_client
 from fallback_mw.upstream.base import UpstreamClient, UpstreamResponse
+from fallback_mw.walk.admit import refusal, request_json
 from fallback_mw.walk.attempt import AttemptResult, AttemptRunner
-from fallback_mw.walk.body import body_json, read_body
+from fallback_mw.walk.body import read_body
 from fallback_mw.walk.cursor import CandidateCursor
 from fallback_mw.walk.decide import (
     NO_CANDIDATE,
@@ -37,11 +37,6 @@ from fallback_mw.walk.decide import (
 )
 from fallback_mw.walk.hedge import run_hedged
 from fallback_mw.walk.stream import commit
-
-_BODY_ERRORS = {
-    "too_large": ("request_too_large", "request body exceeds max_request_body ({} bytes)"),
-    "timed_out": ("request_timeout", "the request body did not arrive before the deadline"),
-}
 
 
 class PlanWalker:
@@ -109,28 +104,12 @@ class _Walk:
         if body.client_gone:
             context.outcome = "client_disconnected"
             return
-        for flag, (code, message) in _BODY_ERRORS.items():
-            if getattr(body, flag):
-                limit = self.walker.settings.max_request_body
-                await send_error(self.send, context, code, message.format(limit))
-                return
-        if context.refusal is not None:
-            await send_error(self.send, context, *context.refusal)
-            return
-        parsed: dict[str, Any] | None = None
-        rewrite = any(context.upstreams[n].model for n in self.route.plan if n in context.upstreams)
-        if body.buffered is not None:
-            parsed = body_json(body)
-            if parsed is not None and isinstance(parsed.get("model"), str):
-                context.request_model = context.request_model or parsed["model"]
-        if rewrite and (body.buffered is None or (body.buffered and parsed is None)):
-            await send_error(
-                self.send, context, "bad_request",
-                "this route rewrites the model: the body must be a JSON object within "
-                "replay_buffer",
-            )  # fmt: skip
-            return
         walker = self.walker
+        refused = refusal(context, body, walker.settings)
+        if refused is not None:
+            await send_error(self.send, context, *refused)
+            return
+        parsed = request_json(context, body)
         pinned = await walker.faults.pinned_candidate(self.route.id)
         if pinned is not None and pinned in self.route.plan:
             context.pinned = pinned
@@ -297,9 +276,13 @@ class _Walk:
         await health.record(name, failure=mark)
         if record.credential_index is not None:
             await health.credential_result(
-                name, record.credential_index, status=outcome.status, failure=mark,
-                retry_after=retry_after(response), session=self.context.session,
-            )  # fmt: skip
+                name,
+                record.credential_index,
+                status=outcome.status,
+                failure=mark,
+                retry_after=retry_after_seconds(response.headers if response else ()),
+                session=self.context.session,
+            )
 
     def _start_attempt(
         self, name: str, upstream: UpstreamConfig, credential_index: int | None,
@@ -354,22 +337,3 @@ def _skip_recorder(context: RequestContext, telemetry: Telemetry) -> Callable[[s
         telemetry.skipped(context, name, reason)
 
     return skip
-
-
-def retry_after(response: UpstreamResponse | None) -> float | None:
-    """Retry-After as seconds from now: delta-seconds or an HTTP date (RFC 9110 §10.2.3)."""
-    if response is None:
-        return None
-    for key, value in response.headers:
-        if key == b"retry-after":
-            text = value.decode("latin-1").strip()
-            if text.isdigit():
-                return float(text[:9])
-            try:
-                when = parsedate_to_datetime(text)
-            except (TypeError, ValueError, IndexError):
-                return None
-            if when.tzinfo is None:
-                return None
-            return max((when - datetime.now(UTC)).total_seconds(), 0.0)
-    return None

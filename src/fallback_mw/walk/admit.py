@@ -1,0 +1,41 @@
+"""What stops a request before any upstream is contacted: its body (over the limit, too
+slow), a refusal left by a layer in front (the budget guard), a model rewrite the body
+cannot take. Each is a local error; nothing here is an upstream's doing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fallback_mw.config import GatewaySettings
+from fallback_mw.context import RequestBody, RequestContext
+from fallback_mw.walk.body import body_json
+
+
+def refusal(
+    context: RequestContext, body: RequestBody, settings: GatewaySettings
+) -> tuple[str, str] | None:
+    """The local error (code, message) that ends the request before the walk, or None."""
+    if body.too_large:
+        limit = settings.max_request_body
+        return "request_too_large", f"request body exceeds max_request_body ({limit} bytes)"
+    if body.timed_out:
+        return "request_timeout", "the request body did not arrive before the deadline"
+    if context.refusal is not None:
+        return context.refusal
+    rewrite = any(context.upstreams[n].model for n in context.route.plan if n in context.upstreams)
+    if rewrite and (body.buffered is None or (body.buffered and body_json(body) is None)):
+        return (
+            "bad_request",
+            "this route rewrites the model: the body must be a JSON object within replay_buffer",
+        )
+    return None
+
+
+def request_json(context: RequestContext, body: RequestBody) -> dict[str, Any] | None:
+    """The buffered body as a JSON object (None: not one); notes the requested model."""
+    if body.buffered is None:
+        return None
+    parsed = body_json(body)
+    if parsed is not None and isinstance(parsed.get("model"), str):
+        context.request_model = context.request_model or parsed["model"]
+    return parsed
