@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import random
 import signal
@@ -379,6 +380,10 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=24)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args()
+    # The per-request log line (failovers are WARNING) would be most of the soak's work.
+    logging.getLogger("fallback_mw.request").setLevel(logging.ERROR)
+    # SIGTERM stops the soak like Ctrl-C: its Redis and upstream processes are stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     report = asyncio.run(soak(args.seconds, args.clients))
     if args.json:
         print(json.dumps(report, indent=2))
