@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from fallback_mw import Gateway
+from fallback_mw.store.model import Fault
 from fallback_mw.store.postgres import PostgresStore
-from fallback_mw.store.routes import Fault
 from tests.helpers import client_for
 from tests.test_cli_admin import cli, failing_chat_route, gateway_config, host_app
 from tests.upstreams import free_port

@@ -11,7 +11,8 @@ import pytest
 
 from fallback_mw import Gateway
 from fallback_mw.config import ConfigError, GatewayConfig, RouteConfig, UpstreamConfig
-from fallback_mw.store.routes import StoredRoute, StoreError, merge_routes
+from fallback_mw.store.model import StoredRoute, StoreError
+from fallback_mw.store.routes import merge_routes
 from fallback_mw.store.sqlite import SqliteStore
 from tests.helpers import client_for
 from tests.test_cli_admin import cli, gateway_config, host_app

@@ -1,4 +1,5 @@
-"""Configuration: pydantic models, TOML loading and the load-time refusals of SPEC §3."""
+"""Configuration: pydantic models and TOML loading. The load-time refusals of SPEC §3 are
+in rules.py, shared with the route store (ConfigError lives there, re-exported here)."""
 
 from __future__ import annotations
 
@@ -14,18 +15,14 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from fallback_mw import rules
 from fallback_mw.extras import check_config_extras
-from fallback_mw.security import UnsafeUpstream, check_upstream_host, header_value_problem
+from fallback_mw.rules import ConfigError as ConfigError  # re-exported: its public home
 
 MAX_PLAN_LENGTH = 8
 # The largest amount of money (currency units) a budget limit, hold or price may name: the
 # ledgers keep integer nano-units in signed 64-bit columns (see budget/cost.py).
 MAX_MONEY = Decimal(1_000_000_000)
-
-
-class ConfigError(ValueError):
-    """A configuration the gateway refuses to start with. The message names the route or key
-    and never contains a secret value."""
 
 
 class _Strict(BaseModel):
@@ -234,61 +231,6 @@ def _describe(error: ValidationError, data: Mapping[str, Any] | None = None) -> 
     return "; ".join(lines)
 
 
-def check_route(
-    route: RouteConfig, upstreams: Mapping[str, UpstreamConfig], *, where: str | None = None
-) -> None:
-    """The refusals that concern one route. Raised as ConfigError naming the route."""
-    label = where or f"route {route.id!r}"
-    seen: set[str] = set()
-    for name in route.plan:
-        if name in seen:
-            if name == route.plan[0]:
-                raise ConfigError(f"{label}: candidate {name!r} repeats the primary")
-            raise ConfigError(f"{label}: candidate {name!r} appears twice in the plan")
-        seen.add(name)
-        if name not in upstreams:
-            raise ConfigError(f"{label}: unknown upstream {name!r}")
-    primary_url = upstreams[route.plan[0]].url
-    for name in route.plan[1:]:
-        if upstreams[name].url == primary_url:
-            raise ConfigError(
-                f"{label}: fallback {name!r} is the primary's own endpoint ({primary_url})"
-            )
-    fallbacks = len(route.plan) - 1
-    if fallbacks > route.retries:
-        raise ConfigError(
-            f"{label}: plan has {fallbacks} fallback(s) but retries = {route.retries}; "
-            f"a fallback could never be reached (set retries >= {fallbacks})"
-        )
-    if route.hedge_after_ms > 0 and route.retries < len(route.plan):
-        # A hedge spends an attempt; it must never cost a fallback its turn.
-        raise ConfigError(
-            f"{label}: hedge_after_ms needs retries >= {len(route.plan)} (one attempt for "
-            f"the hedge and one for each fallback); retries = {route.retries}"
-        )
-
-
-def check_upstream(name: str, upstream: UpstreamConfig, allow_hosts: tuple[str, ...]) -> None:
-    try:
-        check_upstream_host(upstream.host, allow_hosts)
-    except UnsafeUpstream as exc:
-        raise ConfigError(f"upstream {name!r}: {exc}") from None
-
-
-def check_credential_variable(var: str, environ: Mapping[str, str], where: str) -> None:
-    """A credential variable must be set and usable as a header value (no trailing
-    newline, CR/LF/NUL, control or non-latin-1 characters). Only the name is printed."""
-    value = environ.get(var)
-    if not value:
-        raise ConfigError(f"{where}: environment variable {var} is not set")
-    problem = header_value_problem(value)
-    if problem is not None:
-        raise ConfigError(
-            f"{where}: environment variable {var} cannot be sent as a header value: it "
-            f"{problem} (a trailing newline from a secrets file?)"
-        )
-
-
 def check_environment(config: GatewayConfig, environ: Mapping[str, str]) -> None:
     """Every referenced credential variable must be set and usable. Only the name is
     ever printed."""
@@ -296,21 +238,20 @@ def check_environment(config: GatewayConfig, environ: Mapping[str, str]) -> None
     for name, upstream in config.upstreams.items():
         if name not in used:
             continue
-        for var in upstream.credential_envs:
-            check_credential_variable(var, environ, f"upstream {name!r}")
+        rules.check_variables_set(f"upstream {name!r}", upstream.credential_envs, environ)
 
 
 def validate(
     config: GatewayConfig, *, environ: Mapping[str, str] | None = None, check_env: bool = True
 ) -> GatewayConfig:
     for name, upstream in config.upstreams.items():
-        check_upstream(name, upstream, config.gateway.allow_hosts)
+        rules.check_upstream(name, upstream, config.gateway.allow_hosts)
     ids: set[str] = set()
     for route in config.routes:
         if route.id in ids:
             raise ConfigError(f"route {route.id!r} is defined twice")
         ids.add(route.id)
-        check_route(route, config.upstreams)
+        rules.check_route(route, config.upstreams)
         if (
             route.budget is not None
             and route.budget not in config.budgets

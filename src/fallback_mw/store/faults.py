@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from fallback_mw.faults import UpstreamFault
-from fallback_mw.store.routes import Fault
+from fallback_mw.store.model import Fault
 
 
 class FaultSnapshot:

@@ -17,7 +17,7 @@ try:
 except ImportError:
     raise missing_extra("postgres", 'store = "postgresql://..."') from None
 
-from fallback_mw.store.routes import (
+from fallback_mw.store.model import (
     SCHEMA_COMPONENT,
     SCHEMA_VERSION,
     Fault,

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from fallback_mw.store.routes import (
+from fallback_mw.store.model import (
     SCHEMA_COMPONENT,
     SCHEMA_VERSION,
     Fault,

@@ -1,0 +1,153 @@
+"""The load and store refusals of SPEC §3, each in one function.
+
+The config loader (config.py) and the route store (store/routes.py, the admin CLI) call
+these and nothing else, so a rule cannot drift between them. The functions take the
+models' shapes (read-only protocols), not the models, so this module imports no config.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
+from urllib.parse import urlsplit
+
+from fallback_mw.security import UnsafeUpstream, check_upstream_host, header_value_problem
+
+# POSIX portable environment variable names; a long name is a mistake, not a variable.
+_VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+class ConfigError(ValueError):
+    """A configuration the gateway refuses to start with (or the store refuses to keep).
+    The message names the route, key or variable and never contains a secret value."""
+
+
+class UpstreamShape(Protocol):
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def host(self) -> str: ...
+
+    @property
+    def credential_envs(self) -> tuple[str, ...]: ...
+
+
+class RouteShape(Protocol):
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def plan(self) -> tuple[str, ...]: ...
+
+    @property
+    def retries(self) -> int: ...
+
+    @property
+    def hedge_after_ms(self) -> int: ...
+
+
+def origin(url: str) -> tuple[str, str, int, str]:
+    """The endpoint a URL names, however spelled: scheme and host lower case, the default
+    port made explicit, no trailing dot on the host, no trailing slash on the path."""
+    parts = urlsplit(url.strip())
+    scheme = parts.scheme.lower()
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if port is None:
+        port = _DEFAULT_PORTS.get(scheme, 0)
+    host = (parts.hostname or "").lower().rstrip(".")
+    return (scheme, host, port, parts.path.rstrip("/"))
+
+
+def same_endpoint(a: str, b: str) -> bool:
+    return origin(a) == origin(b)
+
+
+def check_variable_name(where: str, name: str) -> None:
+    """A credential variable name must be a well-formed environment variable name."""
+    if not isinstance(name, str) or _VARIABLE_NAME.fullmatch(name) is None:
+        # repr() of a malformed name shows control characters and non-UTF-8 bytes escaped.
+        raise ConfigError(
+            f"{where}: {name!r} is not a valid environment variable name "
+            "(letters, digits and _, not starting with a digit)"
+        )
+
+
+def check_upstream(name: str, upstream: UpstreamShape, allow_hosts: Sequence[str]) -> None:
+    """One upstream: its host passes the allowlist and the metadata-address guard, and its
+    credential variables are well-formed names."""
+    try:
+        check_upstream_host(upstream.host, allow_hosts)
+    except UnsafeUpstream as exc:
+        raise ConfigError(f"upstream {name!r}: {exc}") from None
+    for variable in upstream.credential_envs:
+        check_variable_name(f"upstream {name!r}: auth_env", variable)
+
+
+def check_route(
+    route: RouteShape, upstreams: Mapping[str, UpstreamShape], *, where: str | None = None
+) -> None:
+    """One route's plan: no repeated candidate, every name a known upstream, no fallback at
+    the primary's endpoint, every fallback reachable within `retries`, and a hedge that
+    cannot spend a fallback's attempt."""
+    label = where or f"route {route.id!r}"
+    seen: set[str] = set()
+    for name in route.plan:
+        if name in seen:
+            if name == route.plan[0]:
+                raise ConfigError(f"{label}: candidate {name!r} repeats the primary")
+            raise ConfigError(f"{label}: candidate {name!r} appears twice in the plan")
+        seen.add(name)
+        if name not in upstreams:
+            raise ConfigError(f"{label}: unknown upstream {name!r}")
+    primary_url = upstreams[route.plan[0]].url
+    for name in route.plan[1:]:
+        if same_endpoint(upstreams[name].url, primary_url):
+            raise ConfigError(
+                f"{label}: fallback {name!r} is the primary's own endpoint ({primary_url}); "
+                "use a credential pool for several keys of one upstream"
+            )
+    fallbacks = len(route.plan) - 1
+    if fallbacks > route.retries:
+        raise ConfigError(
+            f"{label}: plan has {fallbacks} fallback(s) but retries = {route.retries}; "
+            f"a fallback could never be reached (set retries >= {fallbacks})"
+        )
+    if route.hedge_after_ms > 0 and route.retries < len(route.plan):
+        # A hedge spends an attempt; it must never cost a fallback its turn.
+        raise ConfigError(
+            f"{label}: hedge_after_ms needs retries >= {len(route.plan)} (one attempt for "
+            f"the hedge and one for each fallback); retries = {route.retries}"
+        )
+
+
+def check_variables_set(where: str, variables: Iterable[str], environ: Mapping[str, str]) -> None:
+    """Every credential variable is set, not empty, and usable as a header value (no
+    trailing newline, CR/LF/NUL, control or non-latin-1 characters). Only the name is ever
+    printed."""
+    for variable in variables:
+        value = environ.get(variable)
+        if not value:
+            raise ConfigError(f"{where}: environment variable {variable} is not set")
+        problem = header_value_problem(value)
+        if problem is not None:
+            raise ConfigError(
+                f"{where}: environment variable {variable} cannot be sent as a header value: "
+                f"it {problem} (a trailing newline from a secrets file?)"
+            )
+
+
+def check_fallback_credentials(
+    where: str, fallback: str | None, auth_header: str | None, auth_env: str | None
+) -> None:
+    """The CLI's own refusal: fallback credentials without a fallback upstream."""
+    if fallback is None and (auth_header is not None or auth_env is not None):
+        raise ConfigError(
+            f"{where}: --fallback-auth-header/--fallback-auth-env given without --fallback "
+            "(credentials for a fallback upstream that does not exist)"
+        )

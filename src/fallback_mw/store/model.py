@@ -1,0 +1,111 @@
+"""What the route store keeps: stored routes and faults, the store's errors and schema
+version. Shared by the backends (sqlite.py, postgres.py) and the facade (routes.py), which
+the backends never import."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from fallback_mw.config import ConfigError, RouteConfig, UpstreamConfig
+from fallback_mw.config import _describe as describe_validation_error
+
+FaultKind = Literal["fail", "hang", "pin"]
+Model = TypeVar("Model", bound=BaseModel)
+
+
+class StoreError(RuntimeError):
+    """The store cannot be reached or is in a state this package does not understand."""
+
+
+SCHEMA_COMPONENT = "routes"  # the route stores' row in the shared `fmw_schema` table
+SCHEMA_VERSION = 1  # both dialects' migrations lead to this version
+
+
+def pending_migrations(current: int, steps: Sequence[Sequence[str]]) -> list[str]:
+    """The statements taking the route store's schema from version `current` to
+    SCHEMA_VERSION (`steps[n - 1]` migrates from n-1 to n); StoreError when the store is
+    newer than this package."""
+    if current > SCHEMA_VERSION:
+        raise StoreError(
+            f"the store's {SCHEMA_COMPONENT!r} schema is version {current}; this package "
+            f"knows up to {SCHEMA_VERSION} (upgrade fallback_mw)"
+        )
+    return [s for version in range(current + 1, SCHEMA_VERSION + 1) for s in steps[version - 1]]
+
+
+class RouteExists(ConfigError):
+    pass
+
+
+def primary_name(route_id: str) -> str:
+    """Upstream names the store derives for CLI-created routes (documented in
+    docs/operations.md): faults and pins refer to these."""
+    return f"{route_id}-primary"
+
+
+def fallback_name(route_id: str) -> str:
+    return f"{route_id}-fallback"
+
+
+def build_model(model: type[Model], data: Mapping[str, Any], where: str) -> Model:
+    try:
+        return model.model_validate(dict(data))
+    except ValidationError as exc:
+        raise ConfigError(f"{where}: {describe_validation_error(exc)}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class StoredRoute:
+    """One route as the store keeps it, with the upstreams it owns."""
+
+    route: RouteConfig
+    upstreams: dict[str, UpstreamConfig]
+
+    def to_doc(self) -> str:
+        return json.dumps(
+            {
+                "route": self.route.model_dump(mode="json", exclude_defaults=True),
+                "upstreams": {
+                    name: upstream.model_dump(mode="json", exclude_defaults=True)
+                    for name, upstream in self.upstreams.items()
+                },
+            },
+            sort_keys=True,
+        )
+
+    @classmethod
+    def from_doc(cls, route_id: str, text: str) -> StoredRoute:
+        where = f"stored route {route_id!r}"
+        try:
+            data = json.loads(text)
+            route_data = data["route"]
+            upstream_data = data["upstreams"]
+        except (ValueError, KeyError, TypeError):
+            raise ConfigError(f"{where}: unreadable record") from None
+        route = build_model(RouteConfig, route_data, where)
+        upstreams = {
+            str(name): build_model(UpstreamConfig, value, f"{where}, upstream {name!r}")
+            for name, value in dict(upstream_data).items()
+        }
+        return cls(route=route, upstreams=upstreams)
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    kind: FaultKind
+    target: str  # the upstream name (fail, hang) or the route id (pin)
+    expires_at: float  # epoch seconds (wall clock: shared by every process)
+    candidate: str | None = None  # pin only
+
+    @property
+    def scope(self) -> Literal["upstream", "route"]:
+        return "route" if self.kind == "pin" else "upstream"
+
+    def active(self, now: float | None = None) -> bool:
+        return (time.time() if now is None else now) < self.expires_at
