@@ -8,8 +8,8 @@ from collections import deque
 from datetime import datetime
 from decimal import Decimal
 
-from fallback_mw.budget import BudgetStatus, Hold, UsageRecord, window_start
 from fallback_mw.budget.cost import from_units, to_units
+from fallback_mw.budget.ledger import BudgetStatus, Hold, UsageRecord, window_kind, window_start
 from fallback_mw.config import BudgetConfig
 
 USAGE_KEPT = 10_000  # the newest usage records; memory must stay bounded
@@ -59,6 +59,12 @@ class MemoryLedger:
 
     async def stored_budgets(self) -> dict[str, BudgetConfig]:
         return dict(self._budgets)
+
+    async def recorded_budgets(self) -> dict[str, str]:
+        newest: dict[str, str] = {}
+        for budget_id, start in [*self._spent, *self._held]:
+            newest[budget_id] = max(start, newest.get(budget_id, start))
+        return {budget_id: window_kind(start) for budget_id, start in newest.items()}
 
     async def status(self, budget_id: str, budget: BudgetConfig) -> BudgetStatus:
         start = window_start(budget.window)

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
 from decimal import Decimal
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fallback_mw.extras import missing_extra
 
@@ -22,11 +22,19 @@ try:
 except ImportError:
     raise missing_extra("postgres", 'store = "postgresql://..."') from None
 
-from fallback_mw.budget import BudgetStatus, Hold, LedgerUnavailable, UsageRecord, window_start
 from fallback_mw.budget.cost import MAX_UNITS, SPENT_CAP_UNITS, from_units, to_units
+from fallback_mw.budget.ledger import (
+    BudgetStatus,
+    Hold,
+    LedgerUnavailable,
+    UsageRecord,
+    window_kind,
+    window_start,
+)
 from fallback_mw.budget.schema import (
     COMPONENT,
     LATEST_VERSION,
+    RECORDED_WINDOWS,
     SCHEMA_TABLE,
     STALE_HOLD_SECONDS,
     USAGE_COLUMNS,
@@ -220,6 +228,12 @@ class PostgresLedger(SQLLedgerBase):
             return {row[0]: budget_from_row(row[1], row[2], row[3]) for row in rows}
 
         return await self._run(work)
+
+    async def recorded_budgets(self) -> dict[str, str]:
+        async def work(pool: asyncpg.Pool) -> list[Any]:
+            return list(await pool.fetch(RECORDED_WINDOWS))
+
+        return {row[0]: window_kind(row[1]) for row in await self._run(work)}
 
     async def status(self, budget_id: str, budget: BudgetConfig) -> BudgetStatus:
         start = window_start(budget.window)

@@ -10,8 +10,8 @@ import time
 from datetime import UTC, datetime
 from decimal import Decimal
 
-from fallback_mw.budget import AttemptOutcome, Hold, UsageRecord
 from fallback_mw.budget.cost import from_units, to_units
+from fallback_mw.budget.ledger import AttemptOutcome, Hold, UsageRecord
 from fallback_mw.config import BudgetConfig
 
 SCHEMA_TABLE = (
@@ -181,6 +181,10 @@ def _opt_float(value: object) -> float | None:
 
 def _opt_str(value: object) -> str | None:
     return None if value is None else str(value)
+
+
+# Budget ids with any window row, and their newest window key ("total" sorts after dates).
+RECORDED_WINDOWS = "SELECT budget_id, MAX(window_start) FROM fmw_budget_windows GROUP BY budget_id"
 
 
 class BudgetCache:

@@ -16,11 +16,19 @@ from typing import TypeVar
 
 import anyio.to_thread
 
-from fallback_mw.budget import BudgetStatus, Hold, LedgerUnavailable, UsageRecord, window_start
 from fallback_mw.budget.cost import MAX_UNITS, SPENT_CAP_UNITS, from_units, to_units
+from fallback_mw.budget.ledger import (
+    BudgetStatus,
+    Hold,
+    LedgerUnavailable,
+    UsageRecord,
+    window_kind,
+    window_start,
+)
 from fallback_mw.budget.schema import (
     COMPONENT,
     LATEST_VERSION,
+    RECORDED_WINDOWS,
     SCHEMA_TABLE,
     STALE_HOLD_SECONDS,
     USAGE_COLUMNS,
@@ -185,6 +193,12 @@ class SQLiteLedger(SQLLedgerBase):
             return {row[0]: budget_from_row(*row[1:]) for row in rows}
 
         return await self._run(work)
+
+    async def recorded_budgets(self) -> dict[str, str]:
+        def work(conn: sqlite3.Connection) -> list[tuple[str, str]]:
+            return conn.execute(RECORDED_WINDOWS).fetchall()
+
+        return {row[0]: window_kind(row[1]) for row in await self._run(work)}
 
     async def status(self, budget_id: str, budget: BudgetConfig) -> BudgetStatus:
         start = window_start(budget.window)

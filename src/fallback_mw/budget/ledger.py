@@ -1,0 +1,187 @@
+"""The ledger interface and its records (the backends import this, never the package).
+
+A ledger keeps, per budget and window, the money `spent` and the money `held` by requests
+in flight. Money is exact: `Decimal` at the interface, integer nano-units (1e-9) in the
+stores. Three implementations share the interface: memory (no store, one process),
+SQLite (embedded default) and PostgreSQL (many gateway processes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from decimal import Decimal
+from typing import Protocol
+
+from fallback_mw.config import BudgetConfig
+
+SCHEMA_COMPONENT = "ledger"
+
+
+class LedgerUnavailable(Exception):
+    """The ledger cannot be reached; the guard fails closed (503 budget_unavailable)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    hold_id: str
+    budget_id: str
+    amount: Decimal
+    window_start: str = "total"
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetStatus:
+    budget_id: str
+    limit: Decimal
+    window: str
+    window_start: str
+    spent: Decimal
+    held: Decimal
+    default_hold: Decimal
+
+    @property
+    def remaining(self) -> Decimal:
+        return self.limit - self.spent - self.held
+
+    @classmethod
+    def of(
+        cls, budget_id: str, budget: BudgetConfig, start: str, spent_units: int, held_units: int
+    ) -> BudgetStatus:
+        """The status every ledger reports, from its stored integer nano-units."""
+        from fallback_mw.budget.cost import from_units
+
+        return cls(
+            budget_id=budget_id,
+            limit=budget.limit,
+            window=budget.window,
+            window_start=start,
+            spent=from_units(spent_units),
+            held=from_units(held_units),
+            default_hold=budget.default_hold,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptOutcome:
+    """One candidate as this request met it: attempted (status / failure kind) or skipped."""
+
+    candidate: str
+    status: int | None = None
+    failure: str | None = None  # "transport", "timeout", "status", "fault", ...
+    skipped: str | None = None  # "breaker_open", "no_credential"
+
+    def as_dict(self) -> dict[str, object]:
+        data: dict[str, object] = {"candidate": self.candidate}
+        if self.status is not None:
+            data["status"] = self.status
+        if self.failure is not None:
+            data["failure"] = self.failure
+        if self.skipped is not None:
+            data["skipped"] = self.skipped
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> AttemptOutcome:
+        status = data.get("status")
+        failure = data.get("failure")
+        skipped = data.get("skipped")
+        return cls(
+            candidate=str(data.get("candidate", "")),
+            status=status if isinstance(status, int) else None,
+            failure=failure if isinstance(failure, str) else None,
+            skipped=skipped if isinstance(skipped, str) else None,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class UsageRecord:
+    """What one routed request cost and who served it. Names, numbers and codes only:
+    never a body, header value, credential or query string."""
+
+    request_id: str
+    route: str
+    tenant: str
+    at: datetime = field(default_factory=lambda: datetime.now(UTC))
+    budget_id: str | None = None
+    candidates: tuple[str, ...] = ()  # the planned order
+    attempts: tuple[AttemptOutcome, ...] = ()
+    chosen: str | None = None
+    outcome: str | None = None
+    status: int | None = None
+    model: str | None = None
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    cost: Decimal | None = None  # from reported usage and [prices], when both were known
+    charged: Decimal | None = None  # what the budget was settled with
+    duration_ms: float | None = None  # first byte in to last byte out, when measured
+
+
+class Ledger(Protocol):
+    async def hold(self, budget_id: str, budget: BudgetConfig, amount: Decimal) -> Hold | None:
+        """Atomically reserve `amount`; None when that would pass the limit."""
+        ...
+
+    async def settle(self, hold: Hold, amount: Decimal) -> None:
+        """Turn the hold into spend of `amount`. A hold is settled or released once: a
+        second call for the same hold changes nothing."""
+        ...
+
+    async def release(self, hold: Hold) -> None: ...
+
+    async def record_usage(self, record: UsageRecord) -> None: ...
+
+    async def stored_budget(self, budget_id: str) -> BudgetConfig | None:
+        """A budget created with `budgets set` (briefly cached); None if the store has none."""
+        ...
+
+    async def set_budget(self, budget_id: str, budget: BudgetConfig) -> None: ...
+
+    async def stored_budgets(self) -> dict[str, BudgetConfig]: ...
+
+    async def recorded_budgets(self) -> dict[str, str]:
+        """Every budget id the ledger has spend or holds for, defined in the store or not
+        (a config file's budgets live only in the file), with the window kind of its newest
+        window: what `budgets show` lists when it is given the store alone."""
+        ...
+
+    async def status(self, budget_id: str, budget: BudgetConfig) -> BudgetStatus: ...
+
+    async def usage(
+        self,
+        *,
+        since: datetime | None = None,
+        route: str | None = None,
+        tenant: str | None = None,
+        limit: int = 1000,
+    ) -> list[UsageRecord]: ...
+
+    async def aclose(self) -> None: ...
+
+
+def window_start(window: str, now: datetime | None = None) -> str:
+    """The key of the current window (UTC): `2026-11-30`, `2026-11` or `total`."""
+    if window == "total":
+        return "total"
+    moment = (now or datetime.now(UTC)).astimezone(UTC)
+    if window == "day":
+        return moment.strftime("%Y-%m-%d")
+    return moment.strftime("%Y-%m")
+
+
+def window_kind(start: str) -> str:
+    """The window kind a `window_start` key was made for: the inverse of `window_start`."""
+    if start == "total":
+        return "total"
+    return "day" if len(start) == len("2026-11-30") else "month"
+
+
+__all__ = [
+    "AttemptOutcome",
+    "BudgetStatus",
+    "Hold",
+    "Ledger",
+    "LedgerUnavailable",
+    "UsageRecord",
+    "window_kind",
+    "window_start",
+]
