@@ -16,6 +16,8 @@ from fallback_mw.telemetry import Telemetry
 from fallback_mw.upstream import UpstreamClient, make_client
 
 if TYPE_CHECKING:
+    from opentelemetry.metrics import MeterProvider
+
     from fallback_mw.store.reload import StoreRuntime
 
 
@@ -48,6 +50,7 @@ def build_services(
     ledger: Ledger | None = None,
     telemetry: Telemetry | None = None,
     environ: Mapping[str, str] | None = None,
+    meter_provider: MeterProvider | None = None,
 ) -> Services:
     settings = config.gateway
     static = RouteTable(config.routes, config.upstreams)
@@ -57,7 +60,9 @@ def build_services(
         from fallback_mw.store.reload import StoreRuntime
 
         # File routes merged with the store's, reloaded in the background; faults too.
-        runtime = StoreRuntime(config, settings.store, environ=environ)
+        runtime = StoreRuntime(
+            config, settings.store, environ=environ, meter_provider=meter_provider
+        )
         runtime.load_initial()
         table = runtime.table
     telemetry = telemetry or Telemetry()

@@ -12,10 +12,13 @@ import threading
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
+from opentelemetry import metrics
+
 from fallback_mw.config import ConfigError, GatewayConfig
 from fallback_mw.routing import RouteTable
 from fallback_mw.store.faults import StoreFaults
-from fallback_mw.store.routes import RouteStore, StoreError, merge_routes, open_store
+from fallback_mw.store.model import StoreError
+from fallback_mw.store.routes import RouteStore, merge_routes, open_store
 from fallback_mw.store.url import parse_store_url
 
 T = TypeVar("T")
@@ -55,6 +58,7 @@ class StoreRuntime:
         environ: Mapping[str, str] | None = None,
         poll_interval: float | None = None,
         store_factory: Callable[[str], RouteStore] = open_store,
+        meter_provider: metrics.MeterProvider | None = None,
     ) -> None:
         self.config = config
         self.url = url
@@ -70,6 +74,13 @@ class StoreRuntime:
         self._closed = False
         self.last_refusal: str | None = None
         self.reloads = 0
+        meter = (meter_provider or metrics.get_meter_provider()).get_meter("fallback_mw")
+        self._refused = meter.create_counter(
+            "gateway.store.reload_refused",
+            unit="{reload}",
+            description="Store changes not applied because the gateway refuses them "
+            "(e.g. a route naming an unset credential variable); the running routes stay",
+        )
 
     # --- the gateway's view -------------------------------------------------------------
 
@@ -119,6 +130,7 @@ class StoreRuntime:
                 if initial:
                     raise
                 self.last_refusal = str(exc)
+                self._refused.add(1)
                 logger.warning("route reload refused, keeping the running routes: %s", exc)
             else:
                 self._current = merged.table()

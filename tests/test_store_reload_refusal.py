@@ -1,0 +1,115 @@
+"""SPEC §10: a running gateway that would load a route naming an unset credential variable
+refuses that reload, keeps its running routes, and says so in its log and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+from fallback_mw import Gateway
+from fallback_mw.config import load_config
+from fallback_mw.store.reload import StoreRuntime
+from fallback_mw.store.routes import open_store
+from tests.helpers import client_for
+from tests.test_cli_admin import cli, gateway_config, host_app, wait_for
+from tests.upstreams import status_handler, upstream
+
+SECRET = "sk-never-printed-0451"
+
+
+def refused_count(reader: InMemoryMetricReader) -> int:
+    data = reader.get_metrics_data()
+    total = 0
+    for resource in data.resource_metrics if data else ():
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                if metric.name == "gateway.store.reload_refused":
+                    total += sum(int(point.value) for point in metric.data.data_points)
+    return total
+
+
+@pytest.fixture
+def store_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'gateway.db'}"
+
+
+@pytest.mark.anyio
+async def test_reload_naming_an_unset_variable_is_refused_counted_and_logged(
+    store_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The operator's shell does not hold the secret: `routes add` stores the name only.
+    assert (await cli(
+        "routes", "add", "--store", store_url, "--id", "one", "--prefix", "/one/",
+        "--upstream", "http://127.0.0.1:9001", "--auth-env", "FMW_TEST_ONE_KEY",
+    ))[0] == 0  # fmt: skip
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader], shutdown_on_exit=False)
+    runtime = StoreRuntime(
+        load_config(gateway_config(store_url), environ={}),
+        store_url,
+        environ={"FMW_TEST_ONE_KEY": SECRET},
+        meter_provider=provider,
+    )
+    runtime.load_initial()
+    assert [r.id for r in runtime.table().routes] == ["one"]
+    assert refused_count(reader) == 0
+
+    status, _, err = await cli(
+        "routes", "add", "--store", store_url, "--id", "two", "--prefix", "/two/",
+        "--upstream", "http://127.0.0.1:9002", "--auth-env", "FMW_TEST_TWO_KEY",
+    )  # fmt: skip
+    assert status == 0, err
+    store = open_store(store_url)
+    try:
+        with caplog.at_level(logging.WARNING, logger="fallback_mw.store"):
+            await runtime.refresh(store)
+    finally:
+        await store.aclose()
+        await runtime.aclose()
+    assert [r.id for r in runtime.table().routes] == ["one"]  # the running routes stay
+    assert runtime.last_refusal is not None
+    assert "FMW_TEST_TWO_KEY is not set" in runtime.last_refusal
+    assert refused_count(reader) == 1
+    logged = [r.getMessage() for r in caplog.records if r.name == "fallback_mw.store"]
+    assert len(logged) == 1
+    assert "route reload refused, keeping the running routes" in logged[0]
+    assert "FMW_TEST_TWO_KEY" in logged[0] and SECRET not in logged[0]
+    provider.shutdown()
+
+
+@pytest.mark.anyio
+async def test_a_running_gateway_keeps_serving_its_routes(store_url: str) -> None:
+    async with upstream(status_handler(200, b"one")) as one, upstream(status_handler(200)) as two:
+        assert (await cli(
+            "routes", "add", "--store", store_url, "--id", "one", "--prefix", "/one/",
+            "--upstream", one.url, "--auth-env", "FMW_TEST_ONE_KEY",
+        ))[0] == 0  # fmt: skip
+        gateway = Gateway(
+            host_app, config=gateway_config(store_url), environ={"FMW_TEST_ONE_KEY": SECRET}
+        )
+        runtime = gateway.services.store
+        assert runtime is not None
+        runtime.poll_interval = 0.05
+        try:
+            async with client_for(gateway) as client:
+                assert (await client.get("/one/x")).text == "one"
+                assert (await cli(
+                    "routes", "add", "--store", store_url, "--id", "two", "--prefix", "/two/",
+                    "--upstream", two.url, "--auth-env", "FMW_TEST_TWO_KEY",
+                ))[0] == 0  # fmt: skip
+
+                async def refused() -> bool:
+                    return runtime.last_refusal is not None
+
+                assert await wait_for(refused, True)
+                assert (await client.get("/one/x")).text == "one"
+                assert (await client.get("/two/x")).text == "host app"  # never loaded
+                await asyncio.sleep(0)
+        finally:
+            await gateway.aclose()
+    assert two.count == 0
