@@ -1,5 +1,5 @@
 """`fallback-mw budgets show|set` and `fallback-mw usage` against a real SQLite store and the
-real PostgreSQL, through the package's own `main`."""
+real PostgreSQL, through the public `fallback_mw.cli.main`."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import anyio
 import pytest
 
 from fallback_mw.budget import AttemptOutcome, UsageRecord, open_ledger
-from fallback_mw.budget.cli import parse_since
 from fallback_mw.cli import main
+from fallback_mw.cli.usage import parse_since
 from fallback_mw.config import BudgetConfig
 
 
@@ -107,6 +107,51 @@ def test_budgets_via_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert main(["budgets", "show", "--config", str(config)]) == 0
     out = capsys.readouterr().out
     assert "filed" in out and "total" in out and "10.00" in out
+
+
+def show_rows(output: str) -> dict[str, list[str]]:
+    rows = [line.split() for line in output.splitlines()[1:] if not line.startswith("(")]
+    return {row[0]: row for row in rows if row}
+
+
+@pytest.mark.anyio
+async def test_budgets_show_agrees_whichever_way_the_store_is_named(
+    ledger_store: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A budget defined in the config file only, with spend and a hold recorded by a gateway,
+    # and one defined in the store. `--store` used to print an empty table for the first.
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        f'[gateway]\nstore = "{ledger_store}"\n\n'
+        '[budgets.filed]\nlimit = 10.0\nwindow = "day"\n',
+        encoding="utf-8",
+    )
+    ledger = open_ledger(ledger_store)
+    try:
+        filed = BudgetConfig(limit=Decimal("10"), window="day")
+        hold = await ledger.hold("filed", filed, Decimal("0.5"))
+        assert hold is not None
+        await ledger.settle(hold, Decimal("0.25"))
+        assert await ledger.hold("filed", filed, Decimal("0.125")) is not None
+        await ledger.set_budget("stored", BudgetConfig(limit=Decimal("3"), window="total"))
+    finally:
+        await ledger.aclose()
+    capsys.readouterr()
+    assert await cli("budgets", "show", "--config", str(config)) == 0
+    by_config = show_rows(capsys.readouterr().out)
+    assert await cli("budgets", "show", "--store", ledger_store) == 0
+    output = capsys.readouterr().out
+    by_store = show_rows(output)
+    today = datetime.now(UTC).strftime("%Y-%m-%d")
+    assert by_config["filed"] == ["filed", "day", today, "10.00", "0.25", "0.125", "9.625"]
+    assert by_config["stored"] == ["stored", "total", "total", "3.00", "0.00", "0.00", "3.00"]
+    # The same rows; only the limit of a budget defined in a file the CLI was not given is
+    # unknown to the store (and said so).
+    assert by_store["stored"] == by_config["stored"]
+    assert by_store["filed"] == ["filed", "day", today, "-", "0.25", "0.125", "-"]
+    assert "pass --config FILE" in output
+    assert await cli("budgets", "show", "--store", ledger_store, "--budget", "filed") == 0
+    assert set(show_rows(capsys.readouterr().out)) == {"filed"}
 
 
 def test_refusals_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

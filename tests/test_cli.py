@@ -1,4 +1,5 @@
-"""The command line: argument handling, refusals before listening, the demo, the import rule."""
+"""The command line: `serve`, `demo`, the import rule. Driven through the shipped entry
+points (`python -m fallback_mw`, the `fallback-mw` script) and the public `cli.main`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fallback_mw.cli import build_parser, main, not_found_app, server_options
+from fallback_mw.cli import main
+from fallback_mw.cli.serve import not_found_app, server_options
 from tests.upstreams import free_port
 
 SECRET = "s3cr3t-value-never-printed"
@@ -55,15 +57,18 @@ def test_help_lists_serve_and_demo() -> None:
 
 
 def test_no_command_is_a_usage_error() -> None:
-    with pytest.raises(SystemExit) as exc:
-        main([])
-    assert exc.value.code == 2
+    result = run_cli()
+    assert result.returncode == 2
+    assert result.stderr == (
+        "fallback-mw: error: fallback-mw: the following arguments are required: COMMAND\n"
+    )
 
 
-def test_serve_requires_config() -> None:
-    with pytest.raises(SystemExit) as exc:
-        build_parser().parse_args(["serve"])
-    assert exc.value.code == 2
+def test_serve_requires_config(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve"]) == 2
+    assert capsys.readouterr().err == (
+        "fallback-mw: error: fallback-mw serve: the following arguments are required: --config\n"
+    )
 
 
 def test_serve_missing_credential_exits_2_before_listening(tmp_path: Path) -> None:
@@ -158,11 +163,9 @@ def test_demo_shows_failover_and_the_post_rule() -> None:
     out = result.stdout
     assert "GET /v1/models -> 200, x-gateway-provider: backup, x-gateway-attempts: 2" in out
     assert "FAILED OVER to the backup" in out
-    assert (
-        "POST /v1/chat/completions -> 502, x-gateway-attempts: 1"
-        in out
-    )
+    assert "POST /v1/chat/completions -> 502, x-gateway-attempts: 1" in out
     assert "primary received 1, backup received 0" in out
+    assert "502 upstream_failed (never the primary's body); the backup was never" in out
     assert "5 x GET /metered/models -> 200, 200, 200, 402, 402" in out
     assert "backup received 3" in out
     assert "402 budget_exceeded" in out

@@ -1,4 +1,6 @@
-"""`fallback-mw demo`: a failing primary, a backup and the gateway on loopback ports.
+"""`fallback-mw demo [--port P]`: a failing primary, a backup and the gateway on loopback
+ports (free ones by default; with `--port P`: the gateway on P, the primary on P+1 and the
+backup on P+2).
 
 Everything runs in one event loop in this process (two aiohttp upstreams, the gateway on
 uvicorn) and is torn down before returning, so the demo leaves nothing behind. The demo's
@@ -7,10 +9,11 @@ credentials are handed to the Gateway directly; the process environment is not t
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +21,8 @@ from typing import Any
 import httpx
 from aiohttp import web
 
-from fallback_mw.cli import not_found_app
+from fallback_mw.cli.app import Console, Failed, Refused, leaf
+from fallback_mw.cli.serve import not_found_app, port_number
 from fallback_mw.gateway import Gateway
 
 DEMO_ENVIRON = {"DEMO_PRIMARY_KEY": "demo-primary-key", "DEMO_BACKUP_KEY": "demo-backup-key"}
@@ -37,7 +41,7 @@ class DemoUpstream:
 
 
 @asynccontextmanager
-async def _upstream(name: str, status: int) -> AsyncIterator[DemoUpstream]:
+async def _upstream(name: str, status: int, port: int) -> AsyncIterator[DemoUpstream]:
     state = DemoUpstream(name=name, status=status)
 
     async def handle(request: web.Request) -> web.StreamResponse:
@@ -53,8 +57,12 @@ async def _upstream(name: str, status: int) -> AsyncIterator[DemoUpstream]:
     app.router.add_route("*", "/{tail:.*}", handle)
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise Failed(f"{name}: cannot listen on 127.0.0.1:{port} ({exc.strerror})") from None
     server = site._server
     assert server is not None
     port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
@@ -88,12 +96,17 @@ def demo_config(primary: DemoUpstream, backup: DemoUpstream) -> dict[str, Any]:
 
 
 @asynccontextmanager
-async def _gateway(config: dict[str, Any]) -> AsyncIterator[str]:
+async def _gateway(config: dict[str, Any], port: int) -> AsyncIterator[str]:
     import uvicorn
 
     app = Gateway(not_found_app, config=config, environ=DEMO_ENVIRON)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError as exc:
+        sock.close()
+        await app.aclose()
+        raise Failed(f"gateway: cannot listen on 127.0.0.1:{port} ({exc.strerror})") from None
     port = sock.getsockname()[1]
     server = uvicorn.Server(
         uvicorn.Config(app, lifespan="on", log_level="warning", access_log=False)
@@ -112,10 +125,6 @@ async def _gateway(config: dict[str, Any]) -> AsyncIterator[str]:
         sock.close()
 
 
-def _say(text: str = "") -> None:
-    print(text, flush=True)
-
-
 def _describe(response: httpx.Response) -> str:
     headers = response.headers
     parts = [f"{response.status_code}"]
@@ -125,56 +134,58 @@ def _describe(response: httpx.Response) -> str:
     return ", ".join(parts)
 
 
-async def _run() -> bool:
+async def _run(port: int, say: Callable[..., None]) -> bool:
     ok = True
+    ports = (port, port + 1, port + 2) if port else (0, 0, 0)
     async with (
-        _upstream("primary", 503) as primary,
-        _upstream("backup", 200) as backup,
-        _gateway(demo_config(primary, backup)) as gateway_url,
+        _upstream("primary", 503, ports[1]) as primary,
+        _upstream("backup", 200, ports[2]) as backup,
+        _gateway(demo_config(primary, backup), ports[0]) as gateway_url,
         httpx.AsyncClient(base_url=gateway_url, timeout=10) as client,
     ):
-        _say("fallback_mw demo: everything below runs on 127.0.0.1 and stops when it ends")
-        _say(f"  primary  {primary.url}  answers 503 to everything")
-        _say(f"  backup   {backup.url}  answers 200")
-        _say(f"  gateway  {gateway_url}  route 'chat': /v1/ -> plan [primary, backup], retries 1")
-        _say()
+        say("fallback_mw demo: everything below runs on 127.0.0.1 and stops when it ends")
+        say(f"  primary  {primary.url}  answers 503 to everything")
+        say(f"  backup   {backup.url}  answers 200")
+        say(f"  gateway  {gateway_url}  route 'chat': /v1/ -> plan [primary, backup], retries 1")
+        say()
         caller = {"authorization": f"Bearer {CALLER_KEY}"}
 
-        _say("1. GET is replayable, so a 503 from the primary fails over")
+        say("1. GET is replayable, so a 503 from the primary fails over")
         response = await client.get("/v1/models", headers=caller)
-        _say(f"   GET /v1/models -> {_describe(response)}")
-        _say(f"   primary received {len(primary.requests)}, backup received {len(backup.requests)}")
+        say(f"   GET /v1/models -> {_describe(response)}")
+        say(f"   primary received {len(primary.requests)}, backup received {len(backup.requests)}")
         failed_over = (
             response.status_code == 200
             and response.headers.get("x-gateway-provider") == "backup"
             and response.headers.get("x-gateway-attempts") == "2"
         )
-        _say("   => FAILED OVER to the backup" if failed_over else "   => unexpected result")
+        say("   => FAILED OVER to the backup" if failed_over else "   => unexpected result")
         ok = ok and failed_over
-        _say()
+        say()
 
-        _say("2. POST is not replayable (a completion must not run twice): no failover")
+        say("2. POST is not replayable (a completion must not run twice): no failover")
         before_primary, before_backup = len(primary.requests), len(backup.requests)
         response = await client.post(
             "/v1/chat/completions", json={"model": "demo", "messages": []}, headers=caller
         )
         to_primary = len(primary.requests) - before_primary
         to_backup = len(backup.requests) - before_backup
-        _say(f"   POST /v1/chat/completions -> {_describe(response)}")
-        _say(f"   primary received {to_primary}, backup received {to_backup}")
+        say(f"   POST /v1/chat/completions -> {_describe(response)}")
+        say(f"   primary received {to_primary}, backup received {to_backup}")
         post_rule = (
             response.status_code == 502
             and response.json()["error"]["code"] == "upstream_failed"
             and to_primary == 1
             and to_backup == 0
         )
-        _say(
-            "   => 502 upstream_failed (never the primary's body); the backup was never contacted"
+        say(
+            "   => 502 upstream_failed (never the primary's body); the backup was never "
+            "contacted"
             if post_rule
             else "   => unexpected result"
         )
         ok = ok and post_rule
-        _say()
+        say()
 
         # Budgets need a ledger; show them only when this build has one that refuses.
         statuses: list[int] = []
@@ -187,25 +198,25 @@ async def _run() -> bool:
                 refusal = response.json().get("error", {}).get("code")
         served = len(backup.requests) - before_backup
         if refusal == "budget_exceeded":
-            _say(
+            say(
                 f"3. budget: route 'metered' spends budget 'demo' (limit {BUDGET_LIMIT}, "
                 f"hold {BUDGET_HOLD} per request)"
             )
-            _say(f"   5 x GET /metered/models -> {', '.join(map(str, statuses))}")
-            _say(f"   backup received {served}")
+            say(f"   5 x GET /metered/models -> {', '.join(map(str, statuses))}")
+            say(f"   backup received {served}")
             budget_rule = served == statuses.count(200) and statuses.count(402) >= 1
-            _say(
+            say(
                 "   => once the limit is spent: 402 budget_exceeded, no upstream contacted"
                 if budget_rule
                 else "   => unexpected result"
             )
             ok = ok and budget_rule
         else:
-            _say("3. budget: skipped (this build has no budget ledger behind the gateway)")
-        _say()
+            say("3. budget: skipped (this build has no budget ledger behind the gateway)")
+        say()
 
         leaked = primary.caller_key_seen or backup.caller_key_seen
-        _say(
+        say(
             "The caller's Authorization header reached "
             + ("an upstream: UNEXPECTED" if leaked else "no upstream; each got its own key.")
         )
@@ -213,9 +224,26 @@ async def _run() -> bool:
     return ok
 
 
-def run_demo() -> int:
+def demo(args: argparse.Namespace, console: Console) -> None:
+    if args.port and args.port > 65533:
+        raise Refused("--port must leave room for two more ports (P+1, P+2): at most 65533")
     # The per-request log lines would interleave with the story; keep them out of it.
     logging.getLogger("fallback_mw").addHandler(logging.NullHandler())
-    ok = asyncio.run(_run())
-    print("demo finished" if ok else "demo finished: some results were unexpected", flush=True)
-    return 0 if ok else 1
+    if not asyncio.run(_run(args.port, console.print)):
+        raise Failed("demo finished: some results were unexpected")
+    console.print("demo finished")
+
+
+def register(subparsers: Any) -> None:
+    parser = leaf(
+        subparsers,
+        "demo",
+        demo,
+        "show failover, the POST rule and a budget on loopback ports, then exit",
+    )
+    parser.add_argument(
+        "--port",
+        type=port_number,
+        default=0,
+        help="the gateway's port; the primary gets P+1, the backup P+2 (default: free ports)",
+    )

@@ -1,0 +1,139 @@
+"""The one way every `fallback-mw` verb prints, fails and exits.
+
+Exit status: 0 done; 2 a usage error or a refusal (nothing started, nothing stored);
+1 a runtime failure (store unreachable, port in use, a result not found). Every failure is
+exactly one line on stderr, `fallback-mw: error: ...`, and never a traceback.
+
+A verb module exposes `register(subparsers)`; each leaf parser sets `handler`, a function
+`(args, console) -> None` that prints through the console and raises `Refused` or `Failed`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, NoReturn, TextIO, TypeVar
+
+from fallback_mw.config import ConfigError
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_REFUSED = 2
+PROG = "fallback-mw"
+
+T = TypeVar("T")
+
+
+class Refused(Exception):
+    """A usage error or a refusal: exit status 2, nothing started or stored."""
+
+
+class Failed(Exception):
+    """A runtime failure (store unreachable, port in use, not found): exit status 1."""
+
+
+@dataclass
+class Console:
+    out: TextIO
+    err: TextIO
+
+    def print(self, line: str = "") -> None:
+        self.out.write(line + "\n")
+        self.out.flush()
+
+    def error(self, message: str) -> None:
+        # One line, whatever the message holds (a multi-line error would break the rule).
+        text = " ".join(str(message).split()) or "failed"
+        self.err.write(f"{PROG}: error: {text}\n")
+        self.err.flush()
+
+
+Handler = Callable[[argparse.Namespace, Console], None]
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, except that a usage error becomes `Refused` (one line, exit 2) instead of
+    argparse's usage block. Subparsers inherit this class."""
+
+    def error(self, message: str) -> NoReturn:
+        raise Refused(f"{self.prog}: {message}")
+
+
+def leaf(
+    verbs: Any, name: str, handler: Handler, help_text: str, **kwargs: Any
+) -> argparse.ArgumentParser:
+    """A verb's parser with its handler set."""
+    parser: argparse.ArgumentParser = verbs.add_parser(
+        name, help=help_text, description=help_text, **kwargs
+    )
+    parser.set_defaults(handler=handler)
+    return parser
+
+
+def run(work: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """Run a verb's async work on a fresh event loop (the CLI owns no loop of its own)."""
+    return asyncio.run(work())
+
+
+async def closing(work: Awaitable[T], close: Callable[[], Awaitable[None]]) -> T:
+    try:
+        return await work
+    finally:
+        await close()
+
+
+def dispatch(handler: Handler, args: argparse.Namespace, console: Console) -> int:
+    """Call a handler and turn what it raised into an exit status and one stderr line."""
+    from fallback_mw.store.model import StoreError
+    from fallback_mw.store.url import StoreURLError
+
+    quiet_library_warnings()
+    try:
+        handler(args, console)
+    except (Refused, ConfigError, StoreURLError) as exc:
+        console.error(str(exc))
+        return EXIT_REFUSED
+    except (Failed, StoreError) as exc:
+        console.error(str(exc))
+        return EXIT_FAILED
+    except OSError as exc:
+        # e.g. the store's directory is missing, a port is taken: name what failed, no path
+        # to a secret is ever part of these.
+        console.error(f"{type(exc).__name__}: {exc.strerror or exc}")
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        console.error("interrupted")
+        return 130
+    except Exception as exc:
+        # A bug, not the operator's fault: still one line, and nothing the exception holds
+        # (its message could quote a value) beyond its type.
+        console.error(f"unexpected internal error ({type(exc).__name__}); please report it")
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def quiet_library_warnings() -> None:
+    """The package's own warnings (e.g. "ledger unavailable") would reach stderr through
+    logging's last-resort handler as a second line; a command reports its failure once.
+    `serve` installs a real handler for its request log."""
+    package = logging.getLogger("fallback_mw")
+    if not package.handlers:
+        package.addHandler(logging.NullHandler())
+
+
+def argv_is_text(argv: list[str]) -> None:
+    """Arguments must be UTF-8 text: a non-UTF-8 byte (decoded by Python as a surrogate)
+    would otherwise reach the store or a terminal."""
+    for position, arg in enumerate(argv, start=1):
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:
+            raise Refused(f"argument {position} is not valid UTF-8 text") from None
+
+
+def default_console() -> Console:
+    return Console(out=sys.stdout, err=sys.stderr)

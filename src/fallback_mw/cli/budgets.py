@@ -1,0 +1,152 @@
+"""`fallback-mw budgets show|set`: the ledger's budgets from a terminal (SPEC §7, §10).
+
+Budgets are defined in a config file (`[budgets.ID]`) or in the store (`budgets set`; the
+store wins, as in the gateway). The ledger records spend by budget id whichever defined it,
+so `show` lists every budget the ledger has spend or holds for: given `--store` alone, a
+budget defined only in a file shows its spend and window, with its limit unknown ("-")."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Awaitable, Callable
+from decimal import Decimal, InvalidOperation
+from typing import Any, TypeVar
+
+from fallback_mw.budget import Ledger, LedgerUnavailable, open_ledger
+from fallback_mw.budget.cost import format_money
+from fallback_mw.cli.app import Console, Failed, Refused, leaf, run
+from fallback_mw.cli.show import print_table
+from fallback_mw.cli.target import StoreTarget, resolve, store_options
+from fallback_mw.config import MAX_MONEY, BudgetConfig
+from fallback_mw.store.model import build_model
+
+T = TypeVar("T")
+UNKNOWN = "-"
+
+
+def with_ledger(
+    args: argparse.Namespace, action: Callable[[Ledger, StoreTarget], Awaitable[T]]
+) -> T:
+    """Run `action` against the store's ledger; an unreachable ledger is a failure (exit 1)."""
+    target = resolve(args)
+
+    async def main() -> T:
+        ledger = open_ledger(target.url)
+        try:
+            return await action(ledger, target)
+        except LedgerUnavailable as exc:
+            raise Failed(str(exc)) from None
+        finally:
+            await ledger.aclose()
+
+    return run(main)
+
+
+async def _show_rows(
+    ledger: Ledger, target: StoreTarget, only: str | None
+) -> list[tuple[str, ...]]:
+    defined: dict[str, BudgetConfig] = dict(target.config.budgets)
+    defined.update(await ledger.stored_budgets())  # the store wins, as in the gateway
+    # Budgets with spend but no definition here: defined in a config file not given.
+    undefined = {
+        budget_id: kind
+        for budget_id, kind in (await ledger.recorded_budgets()).items()
+        if budget_id not in defined
+    }
+    if only is not None:
+        if only not in defined and only not in undefined:
+            raise Refused(f"no budget {only!r} in the store or the config")
+        defined = {k: v for k, v in defined.items() if k == only}
+        undefined = {k: v for k, v in undefined.items() if k == only}
+    rows: list[tuple[str, ...]] = []
+    for budget_id in sorted({*defined, *undefined}):
+        budget = defined.get(budget_id)
+        # A file-only budget's limit is not in the store; its window kind is (from its key).
+        probe = budget or BudgetConfig(limit=Decimal(0), window=undefined[budget_id])
+        status = await ledger.status(budget_id, probe)
+        known = budget is not None
+        rows.append(
+            (
+                budget_id,
+                status.window,
+                status.window_start,
+                format_money(status.limit) if known else UNKNOWN,
+                format_money(status.spent),
+                format_money(status.held),
+                format_money(status.remaining) if known else UNKNOWN,
+            )
+        )
+    return rows
+
+
+def budgets_show(args: argparse.Namespace, console: Console) -> None:
+    async def action(ledger: Ledger, target: StoreTarget) -> list[tuple[str, ...]]:
+        return await _show_rows(ledger, target, args.budget)
+
+    rows = with_ledger(args, action)
+    print_table(
+        console, [("BUDGET", "WINDOW", "PERIOD", "LIMIT", "SPENT", "HELD", "REMAINING"), *rows]
+    )
+    if any(row[3] == UNKNOWN for row in rows):
+        console.print(
+            "(-: the budget is defined in a config file; pass --config FILE to see its limit)"
+        )
+
+
+def _money(value: str | None, name: str) -> Decimal | None:
+    if value is None:
+        return None
+    try:
+        amount = Decimal(value)
+    except InvalidOperation:
+        raise Refused(f"--{name} must be a decimal amount") from None
+    if not amount.is_finite() or amount < 0:
+        raise Refused(f"--{name} must be a finite amount >= 0")
+    if amount > MAX_MONEY:
+        raise Refused(f"--{name} must be at most {MAX_MONEY} (the ledger's largest amount)")
+    return amount
+
+
+def budgets_set(args: argparse.Namespace, console: Console) -> None:
+    limit = _money(args.limit, "limit")
+    default_hold = _money(args.default_hold, "default-hold")
+    budget_id: str = args.budget
+    if not budget_id or len(budget_id) > 200:
+        raise Refused("--budget must be 1..200 characters")
+
+    async def action(ledger: Ledger, target: StoreTarget) -> BudgetConfig:
+        current = await ledger.stored_budget(budget_id) or target.config.budgets.get(budget_id)
+        if current is None and limit is None:
+            raise Refused(f"budget {budget_id!r} does not exist yet: --limit is required")
+        fields: dict[str, Any] = current.model_dump() if current is not None else {}
+        if limit is not None:
+            fields["limit"] = limit
+        if args.window is not None:
+            fields["window"] = args.window
+        if default_hold is not None:
+            fields["default_hold"] = default_hold
+        budget = build_model(BudgetConfig, fields, f"budget {budget_id!r}")
+        await ledger.set_budget(budget_id, budget)
+        return budget
+
+    budget = with_ledger(args, action)
+    console.print(
+        f"budget {budget_id}: limit {format_money(budget.limit)} per {budget.window}, "
+        f"default hold {format_money(budget.default_hold)}"
+    )
+
+
+def register(subparsers: Any) -> None:
+    budgets = subparsers.add_parser("budgets", help="show or change spend budgets")
+    verbs = budgets.add_subparsers(dest="budgets_verb", metavar="VERB", required=True)
+
+    show = leaf(verbs, "show", budgets_show, "limit, spent, held and window of each budget")
+    store_options(show)
+    show.add_argument("--budget", metavar="ID", help="only this budget")
+
+    change = leaf(verbs, "set", budgets_set, "create or change a budget in the store")
+    store_options(change)
+    change.add_argument("--budget", metavar="ID", required=True)
+    change.add_argument("--limit", metavar="AMOUNT", help="currency units, e.g. 10.00")
+    change.add_argument("--window", choices=("day", "month", "total"))
+    change.add_argument("--default-hold", metavar="AMOUNT", dest="default_hold")

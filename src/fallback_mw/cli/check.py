@@ -1,0 +1,101 @@
+"""`fallback-mw check --config FILE`: validate as `serve` would start (like `nginx -t`),
+and print the resolved routes, their plans and candidate URLs. Exit 0 valid, 2 refused,
+1 when the store cannot be read. Variable names are printed, never their values."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from fallback_mw.cli.app import Console, leaf, run
+from fallback_mw.config import GatewayConfig, RouteConfig, UpstreamConfig, load_config
+from fallback_mw.store.routes import MergedRoutes, merge_routes, open_store
+from fallback_mw.store.url import parse_store_url
+
+
+def _resolve(config: GatewayConfig) -> tuple[MergedRoutes, set[str]]:
+    """File routes merged with the store's, refused exactly as a starting gateway would."""
+    url = config.gateway.store
+    if url is None:
+        return MergedRoutes(config.routes, dict(config.upstreams)), set()
+
+    async def load() -> MergedRoutes:
+        store = open_store(url)
+        try:
+            stored = await store.load_routes()
+        finally:
+            await store.aclose()
+        return merge_routes(config, stored, environ=os.environ)
+
+    merged = run(load)
+    file_ids = {route.id for route in config.routes}
+    return merged, {route.id for route in merged.routes if route.id not in file_ids}
+
+
+def _credential(upstream: UpstreamConfig) -> str:
+    envs = upstream.credential_envs
+    if not envs:
+        return "no credential"
+    scheme = f"{upstream.auth_scheme} " if upstream.auth_scheme else ""
+    names = ", ".join(f"${name}" for name in envs)
+    pool = " (pool)" if len(envs) > 1 else ""
+    return f"{upstream.auth_header}: {scheme}{names}{pool}"
+
+
+def _route_lines(
+    route: RouteConfig, upstreams: Mapping[str, UpstreamConfig], source: str, default_ms: int
+) -> list[str]:
+    tenant = route.tenant or "any"
+    methods = " ".join(route.methods) if route.methods else "any"
+    deadline = route.deadline_ms or default_ms
+    lines = [
+        f"route {route.id} ({source}): prefix {route.prefix}  tenant {tenant}  methods {methods}",
+        f"  plan: {route.strategy}, retries {route.retries} (attempt ceiling "
+        f"{route.attempt_ceiling}), deadline {deadline} ms",
+    ]
+    width = max(len(name) for name in route.plan)
+    for number, name in enumerate(route.plan, start=1):
+        upstream = upstreams[name]
+        model = f"  model {upstream.model}" if upstream.model else ""
+        lines.append(
+            f"    {number}. {name.ljust(width)}  {upstream.url}  {_credential(upstream)}{model}"
+        )
+    lines.append(
+        f"  replayable {' '.join(route.replayable_methods)}; failover on "
+        f"{' '.join(map(str, route.failover_status))}; on_exhausted {route.on_exhausted}"
+    )
+    extras = []
+    if route.budget:
+        extras.append(f"budget {route.budget}")
+    if route.hedge_after_ms:
+        extras.append(f"hedge after {route.hedge_after_ms} ms")
+    if route.canary_eligible:
+        extras.append(f"canary {route.canary_percent}%")
+    if extras:
+        lines.append("  " + "; ".join(extras))
+    return lines
+
+
+def check(args: argparse.Namespace, console: Console) -> None:
+    config = load_config(args.config)  # every refusal, unset variables included
+    merged, from_store = _resolve(config)
+    settings = config.gateway
+    if settings.store is not None:
+        console.print(f"store {parse_store_url(settings.store)}: {len(from_store)} route(s)")
+    for route in merged.routes:
+        source = "store" if route.id in from_store else "file"
+        for line in _route_lines(route, merged.upstreams, source, settings.deadline_ms):
+            console.print(line)
+    console.print(f"configuration {args.config} is valid: {len(merged.routes)} route(s)")
+
+
+def register(subparsers: Any) -> None:
+    parser = leaf(
+        subparsers,
+        "check",
+        check,
+        "validate a configuration as serve would and print its routes and plans",
+    )
+    parser.add_argument("--config", required=True, metavar="FILE", help="gateway TOML file")

@@ -1,0 +1,141 @@
+"""`fallback-mw faults set|clear|list`: game-day faults kept in the store with an expiry
+(SPEC §8, §10). `set` prints the expiry it stored, so a script can wait from it."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from fallback_mw.cli.app import Console, Refused, leaf, run
+from fallback_mw.cli.target import StoreTarget, resolve, store_options
+from fallback_mw.store.model import Fault
+from fallback_mw.store.routes import RouteStore, open_store
+
+MAX_TTL_SECONDS = 7 * 24 * 3600
+
+
+def expiry_text(expires_at: float) -> str:
+    """`2026-11-30T18:00:00.250Z (expires_at=1796061600.250)`: ISO time and epoch seconds."""
+    moment = datetime.fromtimestamp(expires_at, UTC)
+    iso = moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+    return f"{iso} (expires_at={expires_at:.3f})"
+
+
+async def _names(target: StoreTarget, store: RouteStore) -> tuple[dict[str, Any], set[str]]:
+    routes: dict[str, Any] = {r.id: r.plan for r in target.config.routes}
+    upstreams = set(target.config.upstreams)
+    for stored in await store.load_routes():
+        routes[stored.route.id] = stored.route.plan
+        upstreams.update(stored.upstreams)
+    return routes, upstreams
+
+
+def _fault(args: argparse.Namespace, routes: dict[str, Any], upstreams: set[str]) -> Fault:
+    """The fault the arguments describe, checked against the names the CLI can see (with
+    --store alone a file's routes and upstreams are invisible, so names are taken as given)."""
+    # The expiry is computed once, here, and is what is stored and printed.
+    expires_at = round(time.time() + args.ttl, 3)
+    if args.kind == "pin":
+        if args.route is None or args.candidate is None:
+            raise Refused("faults set pin needs --route ID and --candidate NAME")
+        if args.upstream is not None:
+            raise Refused("faults set pin takes --route and --candidate, not --upstream")
+        plan = routes.get(args.route)
+        if plan is None and args.config is not None:
+            raise Refused(f"unknown route {args.route!r}")
+        if plan is not None and args.candidate not in plan:
+            raise Refused(
+                f"route {args.route!r}: {args.candidate!r} is not one of its candidates "
+                f"({', '.join(plan)})"
+            )
+        return Fault("pin", args.route, expires_at, candidate=args.candidate)
+    if args.upstream is None:
+        raise Refused(f"faults set {args.kind} needs --upstream NAME")
+    if args.route is not None or args.candidate is not None:
+        raise Refused(f"faults set {args.kind} takes --upstream only")
+    if args.upstream not in upstreams and args.config is not None:
+        raise Refused(f"unknown upstream {args.upstream!r}")
+    return Fault(args.kind, args.upstream, expires_at)
+
+
+def faults_set(args: argparse.Namespace, console: Console) -> None:
+    if not 0 < args.ttl <= MAX_TTL_SECONDS:
+        raise Refused(f"--ttl must be between 1 and {MAX_TTL_SECONDS} seconds")
+    target = resolve(args)
+
+    async def work() -> Fault:
+        store = open_store(target.url)
+        try:
+            fault = _fault(args, *await _names(target, store))
+            await store.set_fault(fault)
+            return fault
+        finally:
+            await store.aclose()
+
+    fault = run(work)
+    what = (
+        f"pin route {fault.target!r} to {fault.candidate!r}"
+        if fault.kind == "pin"
+        else f"{fault.kind} upstream {fault.target!r}"
+    )
+    console.print(f"fault set: {what} until {expiry_text(fault.expires_at)}")
+
+
+def faults_clear(args: argparse.Namespace, console: Console) -> None:
+    target = resolve(args)
+
+    async def work() -> int:
+        store = open_store(target.url)
+        try:
+            if args.upstream is not None:
+                return await store.clear_faults(upstream=args.upstream)
+            if args.route is not None:
+                return await store.clear_faults(route=args.route)
+            return await store.clear_faults()  # --all
+        finally:
+            await store.aclose()
+
+    console.print(f"{run(work)} fault(s) cleared")
+
+
+def faults_list(args: argparse.Namespace, console: Console) -> None:
+    target = resolve(args)
+
+    async def work() -> list[Fault]:
+        store = open_store(target.url)
+        try:
+            return await store.load_faults()
+        finally:
+            await store.aclose()
+
+    faults = run(work)
+    if not faults:
+        console.print("no faults")
+    for fault in faults:
+        where = f"route={fault.target}" if fault.scope == "route" else f"upstream={fault.target}"
+        extra = f"\tcandidate={fault.candidate}" if fault.candidate else ""
+        console.print(f"{fault.kind}\t{where}{extra}\tuntil {expiry_text(fault.expires_at)}")
+
+
+def register(subparsers: Any) -> None:
+    faults = subparsers.add_parser("faults", help="game-day fault injection")
+    verbs = faults.add_subparsers(dest="faults_verb", metavar="VERB", required=True)
+
+    fset = leaf(verbs, "set", faults_set, "set a fault with an expiry; prints the expiry")
+    store_options(fset)
+    fset.add_argument("kind", choices=["fail", "hang", "pin"])
+    fset.add_argument("--upstream", metavar="NAME")
+    fset.add_argument("--route", metavar="ID")
+    fset.add_argument("--candidate", metavar="NAME")
+    fset.add_argument("--ttl", type=int, required=True, metavar="SECONDS")
+
+    fclear = leaf(verbs, "clear", faults_clear, "clear faults: one selector, or --all")
+    store_options(fclear)
+    which = fclear.add_mutually_exclusive_group(required=True)  # SPEC §10: no bare clear
+    which.add_argument("--upstream", metavar="NAME")
+    which.add_argument("--route", metavar="ID")
+    which.add_argument("--all", action="store_true", help="every fault in the store")
+
+    store_options(leaf(verbs, "list", faults_list, "list active faults"))

@@ -1,0 +1,202 @@
+"""`fallback-mw routes add|set-fallback|clear-fallback|list|remove` (SPEC §10).
+
+The store refuses what the config loader refuses (rules.py, through `merge_routes`), against
+the merged view the gateways will build, and stores nothing when it refuses. Credential
+variable names are checked for form; that they are set only with `--check-env`: an
+operator's shell need not hold the gateway's secrets (a gateway lacking one refuses the
+reload and keeps its running routes)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fallback_mw import rules
+from fallback_mw.cli.app import Console, Failed, Refused, leaf, run
+from fallback_mw.cli.show import route_line
+from fallback_mw.cli.target import StoreTarget, resolve, store_options
+from fallback_mw.config import RouteConfig, UpstreamConfig
+from fallback_mw.store.model import StoredRoute, build_model, fallback_name, primary_name
+from fallback_mw.store.routes import RouteStore, make_upstream, merge_routes, open_store
+
+
+def _with_store(
+    args: argparse.Namespace, work: Callable[[StoreTarget, RouteStore], Awaitable[str]]
+) -> str:
+    target = resolve(args)
+
+    async def main() -> str:
+        store = open_store(target.url)
+        try:
+            return await work(target, store)
+        finally:
+            await store.aclose()
+
+    return run(main)
+
+
+async def _check_and_write(
+    target: StoreTarget,
+    store: RouteStore,
+    stored: StoredRoute,
+    write: Callable[[StoredRoute], Awaitable[None]],
+    check_env: bool,
+) -> None:
+    """The loader's refusals over file routes + every other store route + this one."""
+    if check_env:
+        for name, upstream in stored.upstreams.items():
+            where = f"route {stored.route.id!r}: upstream {name!r}"
+            rules.check_variables_set(where, upstream.credential_envs, os.environ)
+    existing = [s for s in await store.load_routes() if s.route.id != stored.route.id]
+    await asyncio.to_thread(merge_routes, target.config, [*existing, stored])
+    await write(stored)
+
+
+def _stored(routes: list[StoredRoute], route_id: str) -> StoredRoute:
+    for stored in routes:
+        if stored.route.id == route_id:
+            return stored
+    raise Failed(f"no route {route_id!r} in the store")
+
+
+def _store_owned(target: StoreTarget, route_id: str) -> None:
+    if any(r.id == route_id for r in target.config.routes):
+        raise Refused(f"route {route_id!r} is defined in the config file; edit the file instead")
+
+
+def routes_add(args: argparse.Namespace, console: Console) -> None:
+    where = f"route {args.id!r}"
+    rules.check_fallback_credentials(
+        where, args.fallback, args.fallback_auth_header, args.fallback_auth_env
+    )
+    upstreams = {
+        primary_name(args.id): make_upstream(
+            args.upstream, args.auth_header, args.auth_env, f"{where}, --upstream"
+        )
+    }
+    plan = [primary_name(args.id)]
+    if args.fallback is not None:
+        upstreams[fallback_name(args.id)] = make_upstream(
+            args.fallback, args.fallback_auth_header, args.fallback_auth_env, f"{where}, --fallback"
+        )
+        plan.append(fallback_name(args.id))
+    fields: dict[str, Any] = {
+        "id": args.id, "prefix": args.prefix, "plan": plan, "retries": args.retries
+    }  # fmt: skip
+    if args.tenant is not None:
+        fields["tenant"] = args.tenant
+    stored = StoredRoute(route=build_model(RouteConfig, fields, where), upstreams=upstreams)
+
+    async def work(target: StoreTarget, store: RouteStore) -> str:
+        await _check_and_write(target, store, stored, store.insert_route, args.check_env)
+        tenant = f" (tenant {args.tenant})" if args.tenant is not None else ""
+        return f"route {args.id!r} added{tenant}: {' -> '.join(plan)}"
+
+    console.print(_with_store(args, work))
+
+
+def routes_set_fallback(args: argparse.Namespace, console: Console) -> None:
+    async def work(target: StoreTarget, store: RouteStore) -> str:
+        _store_owned(target, args.id)
+        current = _stored(await store.load_routes(), args.id)
+        where = f"route {args.id!r}"
+        primary = current.route.plan[0]
+        upstreams: dict[str, UpstreamConfig] = {}
+        if primary in current.upstreams:
+            upstreams[primary] = current.upstreams[primary]
+        upstreams[fallback_name(args.id)] = make_upstream(
+            args.upstream, args.auth_header, args.auth_env, f"{where}, --upstream"
+        )
+        fields = {**current.route.model_dump(), "plan": [primary, fallback_name(args.id)]}
+        stored = StoredRoute(route=build_model(RouteConfig, fields, where), upstreams=upstreams)
+        await _check_and_write(target, store, stored, store.replace_route, args.check_env)
+        return f"route {args.id!r}: fallback set ({primary} -> {fallback_name(args.id)})"
+
+    console.print(_with_store(args, work))
+
+
+def routes_clear_fallback(args: argparse.Namespace, console: Console) -> None:
+    async def work(target: StoreTarget, store: RouteStore) -> str:
+        _store_owned(target, args.id)
+        current = _stored(await store.load_routes(), args.id)
+        primary = current.route.plan[0]
+        upstreams = {primary: current.upstreams[primary]} if primary in current.upstreams else {}
+        fields = {**current.route.model_dump(), "plan": [primary]}
+        route = build_model(RouteConfig, fields, f"route {args.id!r}")
+        stored = StoredRoute(route=route, upstreams=upstreams)
+        await _check_and_write(target, store, stored, store.replace_route, check_env=False)
+        return f"route {args.id!r}: fallback cleared ({primary} only)"
+
+    console.print(_with_store(args, work))
+
+
+def routes_list(args: argparse.Namespace, console: Console) -> None:
+    async def work(target: StoreTarget, store: RouteStore) -> str:
+        config = target.config
+        lines = [route_line(r, config.upstreams, "file") for r in config.routes]
+        lines += [route_line(s.route, s.upstreams, "store") for s in await store.load_routes()]
+        return "\n".join(lines) if lines else "no routes"
+
+    console.print(_with_store(args, work))
+
+
+def routes_remove(args: argparse.Namespace, console: Console) -> None:
+    async def work(target: StoreTarget, store: RouteStore) -> str:
+        _store_owned(target, args.id)
+        if not await store.remove_route(args.id):
+            raise Failed(f"no route {args.id!r} in the store")
+        return f"route {args.id!r} removed"
+
+    console.print(_with_store(args, work))
+
+
+def _credentials(parser: argparse.ArgumentParser, prefix: str = "") -> None:
+    parser.add_argument(f"--{prefix}auth-header", metavar="HEADER")
+    parser.add_argument(
+        f"--{prefix}auth-env", metavar="VAR", help="the variable's NAME; its value is never read"
+    )
+
+
+def _check_env(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--check-env",
+        action="store_true",
+        help="also refuse when a named credential variable is not set in this shell",
+    )
+
+
+def register(subparsers: Any) -> None:
+    routes = subparsers.add_parser("routes", help="route store administration")
+    verbs = routes.add_subparsers(dest="routes_verb", metavar="VERB", required=True)
+
+    add = leaf(verbs, "add", routes_add, "add a route to the store")
+    store_options(add)
+    add.add_argument("--id", required=True)
+    add.add_argument("--prefix", required=True)
+    add.add_argument("--tenant", help="only this tenant's requests (default: any tenant)")
+    add.add_argument("--upstream", required=True, metavar="URL")
+    _credentials(add)
+    add.add_argument("--retries", type=int, default=0)
+    add.add_argument("--fallback", metavar="URL")
+    _credentials(add, "fallback-")
+    _check_env(add)
+
+    setfb = leaf(verbs, "set-fallback", routes_set_fallback, "set a store route's fallback")
+    store_options(setfb)
+    setfb.add_argument("--id", required=True)
+    setfb.add_argument("--upstream", required=True, metavar="URL")
+    _credentials(setfb)
+    _check_env(setfb)
+
+    clear = leaf(verbs, "clear-fallback", routes_clear_fallback, "drop a store route's fallback")
+    store_options(clear)
+    clear.add_argument("--id", required=True)
+
+    store_options(leaf(verbs, "list", routes_list, "list file and store routes"))
+
+    remove = leaf(verbs, "remove", routes_remove, "remove a store route")
+    store_options(remove)
+    remove.add_argument("--id", required=True)

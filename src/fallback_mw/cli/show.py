@@ -1,0 +1,31 @@
+"""Output shared by verbs: route descriptions and plain text tables. Names, URLs and
+variable names only, never a variable's value."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from fallback_mw.cli.app import Console
+from fallback_mw.config import RouteConfig, UpstreamConfig
+
+
+def candidate(name: str, upstream: UpstreamConfig | None) -> str:
+    if upstream is None:
+        return f"{name}=?"
+    envs = ",".join(upstream.credential_envs)
+    return f"{name}={upstream.url}" + (f" (env {envs})" if envs else "")
+
+
+def route_line(route: RouteConfig, upstreams: Mapping[str, UpstreamConfig], source: str) -> str:
+    """One tab-separated line: id, source, prefix, [tenant,] retries, then the plan."""
+    plan = " -> ".join(candidate(name, upstreams.get(name)) for name in route.plan)
+    tenant = f"tenant={route.tenant}\t" if route.tenant is not None else ""
+    return f"{route.id}\t{source}\t{route.prefix}\t{tenant}retries={route.retries}\t{plan}"
+
+
+def print_table(console: Console, rows: Sequence[Sequence[str]]) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        console.print(
+            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        )

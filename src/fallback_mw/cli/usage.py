@@ -1,0 +1,111 @@
+"""`fallback-mw usage`: what each routed request cost and who served it (SPEC §7)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from fallback_mw.budget import Ledger, UsageRecord
+from fallback_mw.budget.cost import format_money
+from fallback_mw.cli.app import Console, Refused, leaf
+from fallback_mw.cli.budgets import with_ledger
+from fallback_mw.cli.show import print_table
+from fallback_mw.cli.target import StoreTarget, store_options
+
+_RELATIVE = re.compile(r"^(\d{1,9})([smhdw])$")
+_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+COLUMNS = ("TIME", "ROUTE", "TENANT", "ATTEMPTS", "CHOSEN", "OUTCOME", "TOKENS", "COST", "CHARGED")
+
+
+def parse_since(value: str, now: datetime | None = None) -> datetime:
+    """`90s`, `30m`, `1h`, `2d`, `1w` ago, or an ISO date / time (UTC when naive)."""
+    match = _RELATIVE.match(value.strip())
+    try:
+        if match:
+            seconds = int(match.group(1)) * _SECONDS[match.group(2)]
+            return (now or datetime.now(UTC)) - timedelta(seconds=seconds)
+        moment = datetime.fromisoformat(value.strip())
+    except (ValueError, OverflowError):
+        raise Refused(f"--since {value!r}: use e.g. 1h, 2d or 2026-11-30T12:00") from None
+    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment
+
+
+def usage_json(record: UsageRecord) -> dict[str, Any]:
+    return {
+        "at": record.at.astimezone(UTC).isoformat(),
+        "request_id": record.request_id,
+        "route": record.route,
+        "tenant": record.tenant,
+        "budget": record.budget_id,
+        "candidates": list(record.candidates),
+        "attempts": [a.as_dict() for a in record.attempts],
+        "chosen": record.chosen,
+        "outcome": record.outcome,
+        "status": record.status,
+        "model": record.model,
+        "input_tokens": record.input_tokens,
+        "output_tokens": record.output_tokens,
+        "cost": None if record.cost is None else format_money(record.cost),
+        "charged": None if record.charged is None else format_money(record.charged),
+    }
+
+
+def _attempts_text(record: UsageRecord) -> str:
+    parts = []
+    for attempt in record.attempts:
+        if attempt.skipped:
+            parts.append(f"{attempt.candidate}:skipped({attempt.skipped})")
+        elif attempt.status is not None:
+            parts.append(f"{attempt.candidate}:{attempt.status}")
+        else:
+            parts.append(f"{attempt.candidate}:{attempt.failure or '?'}")
+    return ",".join(parts) or "-"
+
+
+def _n(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def _row(record: UsageRecord) -> tuple[str, ...]:
+    return (
+        record.at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        record.route,
+        record.tenant,
+        _attempts_text(record),
+        record.chosen or "-",
+        record.outcome or "-",
+        f"{_n(record.input_tokens)}/{_n(record.output_tokens)}",
+        "-" if record.cost is None else format_money(record.cost),
+        "-" if record.charged is None else format_money(record.charged),
+    )
+
+
+def usage(args: argparse.Namespace, console: Console) -> None:
+    since = parse_since(args.since) if args.since else None
+    if not 1 <= args.limit <= 1_000_000:
+        raise Refused("--limit must be between 1 and 1000000")
+
+    async def action(ledger: Ledger, target: StoreTarget) -> list[UsageRecord]:
+        return await ledger.usage(
+            since=since, route=args.route, tenant=args.tenant, limit=args.limit
+        )
+
+    records = with_ledger(args, action)
+    if args.json:
+        for record in records:
+            console.print(json.dumps(usage_json(record), separators=(",", ":")))
+        return
+    print_table(console, [COLUMNS, *(_row(record) for record in records)])
+
+
+def register(subparsers: Any) -> None:
+    parser = leaf(subparsers, "usage", usage, "what each routed request cost, who served it")
+    store_options(parser)
+    parser.add_argument("--since", help="e.g. 1h, 2d, 2026-11-30 or 2026-11-30T12:00 (UTC)")
+    parser.add_argument("--route", metavar="ID")
+    parser.add_argument("--tenant")
+    parser.add_argument("--limit", type=int, default=100, help="newest N records (default 100)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per line")

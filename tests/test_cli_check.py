@@ -1,0 +1,173 @@
+"""`fallback-mw check --config FILE` (validate like `nginx -t`) and `demo --port`."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.test_cli_admin import run_cli as admin
+from tests.test_cli_convention import FALLBACK_MW, assert_one_error_line
+
+SECRET = "sk-check-never-printed"
+
+CONFIG = """
+[gateway]
+allow_hosts = ["127.0.0.1"]
+{store}
+
+[upstreams.primary]
+url = "http://127.0.0.1:9001"
+auth_env = "FMW_CHECK_PRIMARY"
+model = "gpt-4o-mini"
+
+[upstreams.backup]
+url = "http://127.0.0.1:9002/v1/"
+auth_header = "x-api-key"
+auth_scheme = ""
+auth_env = ["FMW_CHECK_BACKUP_A", "FMW_CHECK_BACKUP_B"]
+
+[[routes]]
+id = "chat"
+prefix = "/v1/"
+tenant = "acme"
+plan = ["primary", "backup"]
+retries = 1
+replayable_methods = ["GET", "POST"]
+budget = "acme"
+
+[budgets.acme]
+limit = 5.0
+"""
+
+ENV = {
+    "FMW_CHECK_PRIMARY": SECRET,
+    "FMW_CHECK_BACKUP_A": SECRET + "-a",
+    "FMW_CHECK_BACKUP_B": SECRET + "-b",
+}
+
+
+def check(
+    path: Path, env: dict[str, str] | None = None, *extra: str
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [FALLBACK_MW, "check", "--config", str(path), *extra],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, **(ENV if env is None else env)},
+    )
+
+
+def test_check_prints_the_resolved_plans_and_never_a_secret(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.toml"
+    path.write_text(CONFIG.format(store=""), encoding="utf-8")
+    result = check(path)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert result.stdout.splitlines() == [
+        "route chat (file): prefix /v1/  tenant acme  methods any",
+        "  plan: sequential, retries 1 (attempt ceiling 2), deadline 5000 ms",
+        "    1. primary  http://127.0.0.1:9001  authorization: Bearer $FMW_CHECK_PRIMARY"
+        "  model gpt-4o-mini",
+        "    2. backup   http://127.0.0.1:9002/v1  x-api-key: $FMW_CHECK_BACKUP_A, "
+        "$FMW_CHECK_BACKUP_B (pool)",
+        "  replayable GET POST; failover on 502 503 504; on_exhausted error",
+        "  budget acme",
+        f"configuration {path} is valid: 1 route(s)",
+    ]
+    assert SECRET not in result.stdout
+
+
+def test_check_refuses_what_serve_refuses(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.toml"
+    path.write_text(CONFIG.format(store=""), encoding="utf-8")
+    unset = {k: v for k, v in ENV.items() if k != "FMW_CHECK_BACKUP_B"}
+    env = {k: v for k, v in os.environ.items() if k != "FMW_CHECK_BACKUP_B"}
+    result = subprocess.run(
+        [FALLBACK_MW, "check", "--config", str(path)],
+        capture_output=True, text=True, timeout=60, check=False, env={**env, **unset},
+    )  # fmt: skip
+    line = assert_one_error_line(result, 2)
+    assert "FMW_CHECK_BACKUP_B is not set" in line and SECRET not in line
+    assert result.stdout == ""
+    path.write_text(
+        CONFIG.format(store="").replace("http://127.0.0.1:9002/v1/", "HTTP://127.0.0.1:9001/"),
+        encoding="utf-8",
+    )
+    line = assert_one_error_line(check(path), 2)
+    assert "fallback 'backup' is the primary's own endpoint" in line
+
+
+def test_check_merges_the_store_routes_as_a_starting_gateway_would(tmp_path: Path) -> None:
+    db = tmp_path / "gw.db"
+    path = tmp_path / "gateway.toml"
+    path.write_text(CONFIG.format(store=f'store = "sqlite:///{db}"'), encoding="utf-8")
+    status, _, err = admin(
+        "routes", "add", "--config", str(path), "--id", "extra", "--prefix", "/x/",
+        "--upstream", "http://127.0.0.1:9005", "--auth-env", "FMW_CHECK_EXTRA",
+    )  # fmt: skip
+    assert status == 0, err
+    # The store route names a variable this shell lacks: the gateway would not start.
+    line = assert_one_error_line(check(path), 2)
+    assert "FMW_CHECK_EXTRA is not set" in line
+    result = check(path, {**ENV, "FMW_CHECK_EXTRA": SECRET})
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.startswith(f"store sqlite:///{db}: 1 route(s)\n")
+    assert "route extra (store): prefix /x/  tenant any" in out
+    assert "1. extra-primary  http://127.0.0.1:9005  authorization: Bearer $FMW_CHECK_EXTRA" in out
+    assert out.endswith("is valid: 2 route(s)\n") and SECRET not in out
+
+
+def free_run(length: int) -> int:
+    """A port P with P .. P+length-1 free on loopback right now."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base + length > 65535:
+            continue
+        sockets = []
+        try:
+            for offset in range(length):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", base + offset))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError("no run of free ports")
+
+
+def test_demo_port_chooses_the_demos_ports() -> None:
+    port = free_run(3)
+    result = subprocess.run(
+        [sys.executable, "-m", "fallback_mw", "demo", "--port", str(port)],
+        capture_output=True, text=True, timeout=90, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert f"gateway  http://127.0.0.1:{port}  " in out
+    assert f"primary  http://127.0.0.1:{port + 1}  " in out
+    assert f"backup   http://127.0.0.1:{port + 2}  " in out
+    assert out.rstrip().endswith("demo finished")
+
+
+def test_demo_on_a_taken_port_fails_with_one_line() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [FALLBACK_MW, "demo", "--port", str(port)],
+            capture_output=True, text=True, timeout=90, check=False,
+        )  # fmt: skip
+    line = assert_one_error_line(result, 1)
+    assert f"cannot listen on 127.0.0.1:{port}" in line

@@ -1,0 +1,117 @@
+"""One command tree, one convention: exit 0 done, 2 usage error or refusal, 1 runtime
+failure; every failure is exactly one `fallback-mw: error: ...` line on stderr and never a
+traceback. Driven through the installed `fallback-mw` script and `python -m fallback_mw`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fallback_mw.cli import VERBS, build_parser
+
+FALLBACK_MW = str(Path(sys.executable).with_name("fallback-mw"))
+SECRET = "pw-secret-never-printed"
+
+
+def run(*args: str | bytes, module: bool = False) -> subprocess.CompletedProcess[str]:
+    command: list[str | bytes] = (
+        [sys.executable, "-m", "fallback_mw", *args] if module else [FALLBACK_MW, *args]
+    )
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=60, check=False, env=dict(os.environ)
+    )
+
+
+def assert_one_error_line(result: subprocess.CompletedProcess[str], status: int) -> str:
+    assert result.returncode == status, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("fallback-mw: error: ")
+    assert SECRET not in result.stderr + result.stdout
+    return lines[0]
+
+
+def test_every_verb_is_one_tree_under_one_entry_point() -> None:
+    names = {"serve", "demo", "check", "routes", "faults", "budgets", "usage"}
+    result = run("--help")
+    assert result.returncode == 0
+    for name in names:
+        assert f"    {name} " in result.stdout
+    assert run("--help", module=True).stdout == result.stdout
+    commands = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    assert set(commands) == names
+    assert all(callable(verb.register) for verb in VERBS)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["no-such-verb"],
+        ["routes"],
+        ["routes", "add", "--store", "sqlite:///x.db"],
+        ["faults", "set", "explode", "--ttl", "5"],
+        ["faults", "set", "fail", "--upstream", "p", "--ttl", "1e400"],
+        ["faults", "set", "fail", "--upstream", "p", "--ttl", "10**9"],
+        ["demo", "--port", "70000"],
+        ["serve", "--config", "x.toml", "--port", "-1"],
+        ["budgets", "show", "--bogus"],
+        ["usage", "--limit", "many"],
+    ],
+)
+def test_usage_errors_exit_2_with_one_line(args: list[str]) -> None:
+    assert_one_error_line(run(*args), 2)
+
+
+def test_refusals_exit_2_with_one_line(tmp_path: Path) -> None:
+    store = f"sqlite:///{tmp_path / 's.db'}"
+    cases = [
+        ["faults", "clear", "--store", store],
+        ["faults", "set", "fail", "--store", store, "--upstream", "p", "--ttl", "99999999999"],
+        ["routes", "add", "--store", store, "--id", "r", "--prefix", "/r/",
+         "--upstream", "http://127.0.0.1:1", "--retries", "99999999999999999999"],
+        ["routes", "add", "--store", store, "--id", "r", "--prefix", "/r/",
+         "--upstream", "http://169.254.169.254/"],
+        ["routes", "list", "--store", "redis://127.0.0.1"],
+        ["routes", "list"],
+        ["usage", "--store", store, "--since", "99999999999d"],
+        ["check", "--config", str(tmp_path / "absent.toml")],
+    ]  # fmt: skip
+    for args in cases:
+        assert_one_error_line(run(*args), 2)
+    assert run("routes", "list", "--store", store).stdout == "no routes\n"
+
+
+def test_a_non_utf8_argument_is_refused_before_anything_is_stored(tmp_path: Path) -> None:
+    store = f"sqlite:///{tmp_path / 's.db'}"
+    result = subprocess.run(
+        [FALLBACK_MW, "routes", "add", "--store", store, "--id", b"chat\xff", "--prefix", "/c/",
+         "--upstream", "http://127.0.0.1:1"],
+        capture_output=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr == b"fallback-mw: error: argument 6 is not valid UTF-8 text\n"
+    assert not (tmp_path / "s.db").exists()
+
+
+def test_runtime_failures_exit_1_with_one_line(tmp_path: Path) -> None:
+    unreachable = f"postgresql://postgres:{SECRET}@127.0.0.1:1/none"
+    for args in (
+        ["routes", "list", "--store", unreachable],
+        ["faults", "list", "--store", unreachable],
+        ["budgets", "show", "--store", unreachable],
+        ["usage", "--store", unreachable],
+        ["routes", "list", "--store", f"sqlite:///{tmp_path}/missing/dir/x.db"],
+        ["routes", "remove", "--store", f"sqlite:///{tmp_path / 's.db'}", "--id", "nope"],
+    ):
+        line = assert_one_error_line(run(*args), 1)
+        assert any(word in line for word in ("PostgreSQL", "postgres@", "SQLite", "no route"))
+
+
+def test_help_of_a_verb_exits_0() -> None:
+    result = run("faults", "clear", "--help")
+    assert result.returncode == 0 and "--all" in result.stdout and result.stderr == ""
