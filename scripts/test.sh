@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole check: ruff, mypy (strict) and the full pytest suite. Non-zero if any fails.
+# The whole check: ruff, mypy (strict), lint-imports and the full pytest suite. Non-zero if any fails.
 # Extra arguments go to pytest (e.g. ./scripts/test.sh -k walker -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,6 +11,8 @@ echo "== ruff check"
 .venv/bin/ruff check src tests examples || failed+=("ruff")
 echo "== mypy"
 .venv/bin/mypy || failed+=("mypy")
+echo "== lint-imports (architecture contracts in pyproject.toml)"
+.venv/bin/lint-imports --no-cache || failed+=("lint-imports")
 echo "== pytest"
 .venv/bin/python -m pytest "$@" || failed+=("pytest")
 
