@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fallback_mw.budget import AttemptOutcome, UsageRecord
-from fallback_mw.gameday.cli import main
+from fallback_mw.cli import main
 from fallback_mw.gameday.observe import observe, windowed
 from fallback_mw.gameday.run import judge
 from fallback_mw.gameday.spec import SpecError, parse_abort, parse_duration, parse_prediction

@@ -25,13 +25,8 @@ from tests.upstreams import status_handler, upstream
 
 pytestmark = [pytest.mark.e2e, pytest.mark.anyio]
 
-# Until the verb is wired into the one command tree: the same parser, run as a process.
-GAMEDAY = [
-    sys.executable,
-    "-c",
-    "import sys; from fallback_mw.gameday.cli import main; sys.exit(main(sys.argv[1:]))",
-    "gameday",
-]
+# The shipped entry point, as an operator runs it.
+GAMEDAY = [str(Path(sys.executable).with_name("fallback-mw")), "gameday"]
 
 
 def _config(tmp_path: Path, store: str, primary: str, backup: str, solo: str) -> Path:

@@ -20,8 +20,10 @@ from fallback_mw.cli.app import (
     default_console,
     dispatch,
 )
+from fallback_mw.evaluation import cli as evaluation
+from fallback_mw.gameday import cli as gameday
 
-VERBS = (serve, demo, check, routes, faults, budgets, usage)
+VERBS = (serve, demo, check, routes, faults, budgets, usage, evaluation, gameday)
 
 
 def build_parser() -> Parser:

@@ -5,7 +5,8 @@ Exit status: 0 done; 2 a usage error or a refusal (nothing started, nothing stor
 exactly one line on stderr, `fallback-mw: error: ...`, and never a traceback.
 
 A verb module exposes `register(subparsers)`; each leaf parser sets `handler`, a function
-`(args, console) -> None` that prints through the console and raises `Refused` or `Failed`.
+`(args, console)` that prints through the console and raises `Refused` or `Failed` (or
+returns an exit status itself, printing its one error line in the same format).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class Console:
         self.err.flush()
 
 
-Handler = Callable[[argparse.Namespace, Console], None]
+Handler = Callable[[argparse.Namespace, Console], int | None]
 
 
 class Parser(argparse.ArgumentParser):
@@ -93,7 +94,7 @@ def dispatch(handler: Handler, args: argparse.Namespace, console: Console) -> in
 
     quiet_library_warnings()
     try:
-        handler(args, console)
+        status = handler(args, console)
     except (Refused, ConfigError, StoreURLError) as exc:
         console.error(str(exc))
         return EXIT_REFUSED
@@ -113,7 +114,7 @@ def dispatch(handler: Handler, args: argparse.Namespace, console: Console) -> in
         # (its message could quote a value) beyond its type.
         console.error(f"unexpected internal error ({type(exc).__name__}); please report it")
         return EXIT_FAILED
-    return EXIT_OK
+    return EXIT_OK if status is None else status
 
 
 def quiet_library_warnings() -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 from fallback_mw.cli.app import Console, Refused, leaf
 from fallback_mw.config import load_config
+from fallback_mw.extras import require
 from fallback_mw.types import Receive, Scope, Send
 
 
@@ -76,6 +77,7 @@ def port_number(value: str) -> int:
 
 
 def serve(args: argparse.Namespace, console: Console) -> None:
+    require("serve", "fallback-mw serve")
     import uvicorn
 
     from fallback_mw.gateway import Gateway

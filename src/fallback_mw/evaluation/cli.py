@@ -79,4 +79,5 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--concurrency", type=int, default=10, help="requests in flight (10)")
     parser.add_argument("--out", default=DEFAULT_OUT, metavar="FILE", help=f"({DEFAULT_OUT})")
-    parser.set_defaults(handler=run)
+    # The tree calls handler(args, console); this verb prints for itself.
+    parser.set_defaults(handler=lambda args, _console: run(args))

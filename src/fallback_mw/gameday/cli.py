@@ -13,7 +13,6 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,8 @@ from fallback_mw.config import ConfigError, load_config
 from fallback_mw.gameday.report import build_report, print_report, write_report
 from fallback_mw.gameday.run import Exercise, GameDayRefused, observe_exercise, run_exercise
 from fallback_mw.gameday.spec import SpecError, parse_abort, parse_duration, parse_prediction
-from fallback_mw.store.routes import StoreError, open_store
+from fallback_mw.store.model import StoreError
+from fallback_mw.store.routes import open_store
 from fallback_mw.store.url import StoreURLError, parse_store_url
 
 
@@ -215,12 +215,6 @@ def register(subparsers: Any) -> None:
         help="e.g. error_rate=1%%/60s, p99_ms=6000, secondary_429=5%% (repeatable)",
     )
     parser.add_argument("--out", metavar="FILE", help="the JSON report (default results/...)")
-    parser.set_defaults(handler=run)
+    # The tree calls handler(args, console); this verb prints for itself.
+    parser.set_defaults(handler=lambda args, _console: run(args))
 
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fallback-mw")
-    register(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
-    args = parser.parse_args(argv)
-    status: int = args.handler(args)
-    return status

@@ -16,7 +16,8 @@ from typing import Any, Literal
 from fallback_mw.budget import Ledger, UsageRecord
 from fallback_mw.gameday.observe import PREDICTION_KEYS, ended_at, observe, started_at, windowed
 from fallback_mw.gameday.spec import AbortCriterion, Prediction
-from fallback_mw.store.routes import Fault, RouteStore
+from fallback_mw.store.model import Fault
+from fallback_mw.store.routes import RouteStore
 
 FaultKind = Literal["fail", "hang", "pin"]
 MAX_RECORDS = 1_000_000
