@@ -15,8 +15,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from fallback_mw import rules
-from fallback_mw.extras import check_config_extras
+from fallback_mw import extras, rules
 from fallback_mw.rules import ConfigError as ConfigError  # re-exported: its public home
 
 MAX_PLAN_LENGTH = 8
@@ -229,6 +228,18 @@ def _describe(error: ValidationError, data: Mapping[str, Any] | None = None) -> 
             # item["msg"] never contains the input value; "input" is deliberately not printed.
             lines.append(f"{where}: {item['msg']}")
     return "; ".join(lines)
+
+
+def check_config_extras(config: GatewayConfig) -> None:
+    """The extras a loaded configuration needs: redis state, a PostgreSQL store, the httpx
+    engine. The memory state, SQLite store and aiohttp engine are in the base install."""
+    settings = config.gateway
+    if settings.state.startswith(("redis://", "rediss://", "unix://")):
+        extras.require("redis", extras.state_feature(settings.state))
+    if settings.store is not None and settings.store.startswith(("postgresql://", "postgres://")):
+        extras.require("postgres", extras.store_feature(settings.store))
+    if settings.engine == "httpx":
+        extras.require("httpx", 'engine = "httpx"')
 
 
 def check_environment(config: GatewayConfig, environ: Mapping[str, str]) -> None:

@@ -8,10 +8,8 @@ dependency raise the same error if they are reached some other way."""
 from __future__ import annotations
 
 import importlib.util
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from fallback_mw.config import ConfigError, GatewayConfig
+from fallback_mw.rules import ConfigError
 
 # extra -> the modules it provides that the code imports
 EXTRAS: dict[str, tuple[str, ...]] = {
@@ -33,8 +31,6 @@ def _installed(module: str) -> bool:
 
 def missing_extra(extra: str, feature: str) -> ConfigError:
     """The one-line refusal for `feature` without `extra` (returned, for `raise ... from None`)."""
-    from fallback_mw.config import ConfigError
-
     return ConfigError(f"{feature} needs the {extra} extra: pip install 'fallback_mw[{extra}]'")
 
 
@@ -55,15 +51,3 @@ def state_feature(url: str) -> str:
 
 def store_feature(url: str) -> str:
     return f'store = "{_scheme(url)}://..."'
-
-
-def check_config_extras(config: GatewayConfig) -> None:
-    """The extras a loaded configuration needs: redis state, a PostgreSQL store, the httpx
-    engine. The memory state, SQLite store and aiohttp engine are in the base install."""
-    settings = config.gateway
-    if settings.state.startswith(("redis://", "rediss://", "unix://")):
-        require("redis", state_feature(settings.state))
-    if settings.store is not None and settings.store.startswith(("postgresql://", "postgres://")):
-        require("postgres", store_feature(settings.store))
-    if settings.engine == "httpx":
-        require("httpx", 'engine = "httpx"')

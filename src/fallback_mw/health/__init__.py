@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
+
+from fallback_mw.health.events import TransitionListener as TransitionListener
 
 if TYPE_CHECKING:
     from opentelemetry.metrics import MeterProvider
 
     from fallback_mw.config import BreakerConfig
-
-# Told of every breaker transition: (upstream, new state: "closed"/"half_open"/"open").
-TransitionListener = Callable[[str, str], None]
-
 
 class HealthState(Protocol):
     """What the walker asks of health. Implementations: memory (per process), Redis (shared)."""

@@ -32,8 +32,8 @@ except ImportError:
     raise missing_extra("redis", 'state = "redis://..."') from None
 
 from fallback_mw.config import BreakerConfig
-from fallback_mw.health import TransitionListener
 from fallback_mw.health.breaker import DEFAULT_PROBE_LEASE
+from fallback_mw.health.events import TransitionListener
 from fallback_mw.health.memory import MemoryHealth, breaker_credential_mark, report_transition
 from fallback_mw.store.url import redact_url
 
