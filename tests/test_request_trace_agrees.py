@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from fallback_mw.budget import open_ledger
 from fallback_mw.cli import build_parser
-from fallback_mw.cli_request import build_gateway, exchange_for, gateway_config, options_from
+from fallback_mw.cli.request import build_gateway, exchange_for, gateway_config, options_from
 from fallback_mw.config import BreakerConfig
 from fallback_mw.health import create_health
 from fallback_mw.telemetry import Telemetry

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TextIO
 
-from fallback_mw.cli import budgets, check, demo, faults, routes, serve, usage
+from fallback_mw.cli import budgets, check, demo, faults, request, routes, serve, usage
 from fallback_mw.cli.app import (
     EXIT_REFUSED,
     PROG,
@@ -23,7 +23,7 @@ from fallback_mw.cli.app import (
 from fallback_mw.evaluation import cli as evaluation
 from fallback_mw.gameday import cli as gameday
 
-VERBS = (serve, demo, check, routes, faults, budgets, usage, evaluation, gameday)
+VERBS = (serve, demo, check, request, routes, faults, budgets, usage, evaluation, gameday)
 
 
 def build_parser() -> Parser:

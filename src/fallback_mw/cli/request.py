@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, BinaryIO, TextIO
 
+from fallback_mw.cli.app import EXIT_FAILED, EXIT_OK, EXIT_REFUSED, Refused
 from fallback_mw.config import ConfigError, GatewayConfig, load_config
 from fallback_mw.health import StateURLError
 from fallback_mw.one_request import OneRequest, send_one, trace_of
@@ -25,13 +26,8 @@ from fallback_mw.request_table import render
 from fallback_mw.store.url import StoreURLError
 from fallback_mw.types import ASGIApp
 
-EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 field name / method
 _MAX_TARGET = 8192
-
-
-class Refused(Exception):
-    """A bad invocation: exit status 2, nothing sent."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +140,7 @@ async def exchange_for(app: Any, options: Options, body: bytes | None) -> dict[s
 
 
 def build_gateway(config: GatewayConfig, **services: Any) -> ASGIApp:
-    from fallback_mw.cli import not_found_app
+    from fallback_mw.cli.serve import not_found_app
     from fallback_mw.gateway import Gateway
 
     return Gateway(not_found_app, config=config, **services)
@@ -158,7 +154,7 @@ def _error(err: TextIO, message: str, status: int) -> int:
 def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
     out = out or sys.stdout
     err = err or sys.stderr
-    from fallback_mw.store.routes import StoreError
+    from fallback_mw.store.model import StoreError
 
     package = logging.getLogger("fallback_mw")
     if not package.handlers:  # the trace reports the outcome; no second, log-shaped line
@@ -206,4 +202,4 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--body", metavar="FILE", help="request body from FILE, or - for stdin")
     parser.add_argument("--show-body", action="store_true", help="print the response body")
     parser.add_argument("--json", action="store_true", help="print the trace as one JSON object")
-    parser.set_defaults(handler=run)
+    parser.set_defaults(handler=lambda args, console: run(args, console.out, console.err))
