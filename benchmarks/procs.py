@@ -206,7 +206,7 @@ def start_nginx(tree: Tree, nginx: str, big_mib: int) -> tuple[Child, int, int]:
 
 
 def uvicorn_options() -> list[str]:
-    from fallback_mw.cli import server_options  # the server options `serve` uses
+    from fallback_mw.cli.serve import server_options  # the server options `serve` uses
 
     options = server_options()
     return ["--loop", options["loop"], "--http", options["http"]]

@@ -24,6 +24,10 @@ class ConfigError(ValueError):
     The message names the route, key or variable and never contains a secret value."""
 
 
+# Its public name, as tracebacks under a host server print it (re-exported there).
+ConfigError.__module__ = "fallback_mw.config"
+
+
 class UpstreamShape(Protocol):
     @property
     def url(self) -> str: ...
