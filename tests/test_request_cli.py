@@ -215,6 +215,10 @@ async def test_refused_post_is_one_attempt_and_a_local_502(tmp_path: Path) -> No
     assert trace["chosen"] is None and trace["ok"] is False
     assert backup.count == 0 and primary.received[0].body == REQUEST_BODY
     assert "502 upstream_failed (local error)" in table
+    assert (
+        err == "fallback-mw: error: the client would have received 502 upstream_failed, "
+        "not a full 2xx\n"
+    )
 
 
 async def test_deadline_504_with_the_attempts_made(tmp_path: Path) -> None:

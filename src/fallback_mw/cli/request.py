@@ -10,20 +10,17 @@ Never printed: a credential, a request header value, a query string, a body (unl
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import logging
 import re
 import sys
 from dataclasses import dataclass
-from typing import Any, BinaryIO, TextIO
+from typing import Any, BinaryIO
 
-from fallback_mw.cli.app import EXIT_FAILED, EXIT_OK, EXIT_REFUSED, Refused
-from fallback_mw.config import ConfigError, GatewayConfig, load_config
+from fallback_mw.cli.app import Console, Failed, Refused, leaf, run
+from fallback_mw.config import GatewayConfig, load_config
 from fallback_mw.health import StateURLError
 from fallback_mw.one_request import OneRequest, send_one, trace_of
 from fallback_mw.request_table import render
-from fallback_mw.store.url import StoreURLError
 from fallback_mw.types import ASGIApp
 
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 field name / method
@@ -146,48 +143,31 @@ def build_gateway(config: GatewayConfig, **services: Any) -> ASGIApp:
     return Gateway(not_found_app, config=config, **services)
 
 
-def _error(err: TextIO, message: str, status: int) -> int:
-    err.write(f"fallback-mw: error: {' '.join(message.split())}\n")
-    return status
-
-
-def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
-    out = out or sys.stdout
-    err = err or sys.stderr
-    from fallback_mw.store.model import StoreError
-
-    package = logging.getLogger("fallback_mw")
-    if not package.handlers:  # the trace reports the outcome; no second, log-shaped line
-        package.addHandler(logging.NullHandler())
+def request(args: argparse.Namespace, console: Console) -> None:
+    options = options_from(args)
+    config = gateway_config(args)
+    body = read_body(options.body_source, config.gateway.max_request_body, sys.stdin.buffer)
     try:
-        options = options_from(args)
-        config = gateway_config(args)
-        body = read_body(options.body_source, config.gateway.max_request_body, sys.stdin.buffer)
         gateway = build_gateway(config)
-        trace = asyncio.run(exchange_for(gateway, options, body))
-    except (Refused, ConfigError, StoreURLError, StateURLError) as exc:
-        return _error(err, str(exc), EXIT_REFUSED)
-    except (StoreError, OSError) as exc:
-        return _error(err, f"{type(exc).__name__}: {exc}", EXIT_FAILED)
-    except Exception as exc:
-        # Nothing the exception holds is printed (it could quote a value).
-        return _error(err, f"unexpected internal error ({type(exc).__name__})", EXIT_FAILED)
-    if options.json:
-        out.write(json.dumps(trace, indent=2) + "\n")
-    else:
-        out.write(render(trace) + "\n")
-    return EXIT_OK if trace["ok"] else EXIT_FAILED
+    except StateURLError as exc:
+        raise Refused(str(exc)) from None
+    trace = run(lambda: exchange_for(gateway, options, body))
+    console.print(json.dumps(trace, indent=2) if options.json else render(trace))
+    if not trace["ok"]:
+        client = trace["client"]
+        got = " ".join(str(p) for p in (client["status"], client["error_code"]) if p is not None)
+        raise Failed(f"the client would have received {got or 'no response'}, not a full 2xx")
 
 
 def register(subparsers: Any) -> None:
-    parser: argparse.ArgumentParser = subparsers.add_parser(
+    parser = leaf(
+        subparsers,
         "request",
-        help="send one request through the configured gateway and print its whole trace",
-        description="Build the gateway `serve` would (same config, store and shared state), "
-        "send one request through it in process, and print every candidate in order "
-        "(attempted or skipped, and why), each attempt's status, time and failure kind, the "
-        "deadline left, who served, and what the client received. Exit 0 on a 2xx, 1 "
-        "otherwise, 2 for a bad invocation or config.",
+        request,
+        "send one request through the gateway serve would build and print its whole trace",
+        epilog="Exit status: 0 when the client would have received a 2xx in full, 1 "
+        "otherwise, 2 for a bad invocation or config. Never printed: a credential, a header "
+        "value you passed, the query string, a body (unless --show-body).",
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--config", metavar="FILE", help="gateway TOML file, as for serve")
@@ -202,4 +182,3 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--body", metavar="FILE", help="request body from FILE, or - for stdin")
     parser.add_argument("--show-body", action="store_true", help="print the response body")
     parser.add_argument("--json", action="store_true", help="print the trace as one JSON object")
-    parser.set_defaults(handler=lambda args, console: run(args, console.out, console.err))
