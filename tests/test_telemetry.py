@@ -496,6 +496,66 @@ async def test_without_sdk_the_callers_trace_context_passes_through() -> None:
     assert header_values(headers, "tracestate") == ["vendor=x"]
 
 
+async def test_without_sdk_or_caller_context_nothing_is_propagated_and_the_line_is_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The global (no-op) providers and no trace context from the caller: the request skips
+    # span work entirely; the upstream sees no trace fields and the log line is still there.
+    caplog.set_level(logging.INFO, logger="fallback_mw.request")
+    async with upstream(status_handler(200)) as p, upstream(status_handler(200)) as b:
+        gateway = Gateway(host_app, config=make_config(p.url, b.url), environ=ENV)
+        async with client_for(gateway) as client:
+            response = await client.get("/v1/models")
+        await gateway.aclose()
+    assert response.status_code == 200
+    names = {name for name, _ in p.received[0].headers}
+    assert not names & {"traceparent", "tracestate", "baggage"}
+    (log,) = request_logs(caplog)
+    assert log.outcome == "served"  # type: ignore[attr-defined]
+    assert log.trace_id is None  # type: ignore[attr-defined]
+
+
+async def test_without_a_tracer_sdk_attempt_metrics_are_still_recorded() -> None:
+    # Metrics SDK only (the global tracer is a no-op): requests skip span work, yet every
+    # attempt is counted, a served one and one a disconnect cut in flight.
+    reader = InMemoryMetricReader()
+    meter_provider = MeterProvider(metric_readers=[reader], shutdown_on_exit=False)
+    metrics_only = Recorded(
+        InMemorySpanExporter(), reader, Telemetry(meter_provider=meter_provider)
+    )
+    release = asyncio.Event()
+    async with upstream(waiting_handler(release)) as p, upstream(status_handler(200)) as b:
+        hanging = Gateway(
+            host_app,
+            config=make_config(p.url, b.url),
+            environ=ENV,
+            telemetry=metrics_only.telemetry,
+        )
+        await hanging(http_scope("GET", "/v1/models"), request_then_disconnect(after=0.2), _drop)
+        release.set()
+        await hanging.aclose()
+    async with upstream(status_handler(200)) as p, upstream(status_handler(200)) as b:
+        serving = Gateway(
+            host_app,
+            config=make_config(p.url, b.url),
+            environ=ENV,
+            telemetry=metrics_only.telemetry,
+        )
+        async with client_for(serving) as client:
+            assert (await client.get("/v1/models")).status_code == 200
+        await serving.aclose()
+    meter_provider.shutdown()
+    kinds = sorted(
+        (point.attributes["gateway.failure.kind"], point.value)
+        for point in metrics_only.points("gateway.attempts")
+    )
+    assert kinds == [("cancelled", 1), ("none", 1)]
+
+
+async def _drop(message: Any) -> None:
+    pass
+
+
 def test_breaker_state_gauge_and_transitions(recorded: Recorded) -> None:
     report = recorded.telemetry.breaker_state
     report("tel-test-a", "open")

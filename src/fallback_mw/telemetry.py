@@ -22,7 +22,7 @@ from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, propagate, trace
-from opentelemetry.propagators.textmap import Getter
+from opentelemetry.propagators.textmap import Getter, TextMapPropagator
 from opentelemetry.util.types import AttributeValue
 
 from fallback_mw.context import AttemptRecord, RequestContext
@@ -128,6 +128,15 @@ class _RequestTrace:
     attempts: list[_AttemptTrace] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class _Untraced:
+    """A request with nothing to trace (no SDK behind the global tracer, no trace context
+    from the caller): no spans, the same metrics. Attempts in flight, for the metrics of
+    those a disconnect cancels."""
+
+    attempts: list[AttemptRecord] = field(default_factory=list)
+
+
 # Marks a request whose telemetry was finished: a second request_finished records nothing.
 _FINISHED = object()
 
@@ -151,6 +160,10 @@ class Telemetry:
     ) -> None:
         _quiet_propagators()
         version = _version()
+        # With the global provider, spans are only recorded once an SDK is installed (serve
+        # installs it after building the gateway): until then a request costs no span work.
+        self._global_tracer = tracer_provider is None
+        self._propagation: tuple[TextMapPropagator, frozenset[str], frozenset[bytes]] | None = None
         tracer_provider = tracer_provider or trace.get_tracer_provider()
         meter_provider = meter_provider or metrics.get_meter_provider()
         self.meter_provider = meter_provider  # shared with the health state it reports on
@@ -204,6 +217,9 @@ class Telemetry:
     def request_started(self, context: RequestContext) -> None:
         try:
             current = trace.get_current_span().get_span_context()
+            if not current.is_valid and self._nothing_to_trace(context):
+                context.trace = _Untraced()
+                return
             if current.is_valid:
                 # An instrumented host app already extracted the caller's context.
                 incoming = otel_context.get_current()
@@ -233,6 +249,9 @@ class Telemetry:
 
     def attempt_started(self, context: RequestContext, attempt: AttemptRecord) -> None:
         try:
+            if isinstance(context.trace, _Untraced):
+                context.trace.attempts.append(attempt)
+                return
             request = self._request_trace(context)
             if request is None:
                 return
@@ -265,6 +284,12 @@ class Telemetry:
 
     def attempt_finished(self, context: RequestContext, attempt: AttemptRecord) -> None:
         try:
+            untraced = context.trace
+            if isinstance(untraced, _Untraced):
+                if any(a is attempt for a in untraced.attempts):
+                    untraced.attempts.remove(attempt)
+                self._attempt_metrics(context, attempt, attempt.failure_kind)
+                return
             request = self._request_trace(context)
             if request is None:
                 return
@@ -306,8 +331,7 @@ class Telemetry:
         try:
             entry = _current_attempt.get()
             ctx = entry.context if entry is not None else None
-            propagator = propagate.get_global_textmap()
-            fields = {f.lower() for f in propagator.fields}
+            propagator, fields, _ = self._propagation_fields()
             carrier: dict[str, str] = {}
             propagator.inject(carrier, context=ctx)
             if not carrier and entry is None:
@@ -348,6 +372,28 @@ class Telemetry:
 
     # --- internals --------------------------------------------------------------------
 
+    def _propagation_fields(self) -> tuple[TextMapPropagator, frozenset[str], frozenset[bytes]]:
+        """The global propagator and its field names (as str and header bytes), computed
+        again only when another propagator is installed."""
+        propagator = propagate.get_global_textmap()
+        cached = self._propagation
+        if cached is None or cached[0] is not propagator:
+            names = frozenset(f.lower() for f in propagator.fields)
+            cached = (propagator, names, frozenset(n.encode("latin-1") for n in names))
+            self._propagation = cached
+        return cached
+
+    def _nothing_to_trace(self, context: RequestContext) -> bool:
+        """No SDK behind the global tracer and no trace context from the caller: a span
+        would record nothing and propagate nothing (the caller's headers pass unchanged
+        either way), so the request skips span bookkeeping altogether."""
+        if not self._global_tracer or not isinstance(
+            trace.get_tracer_provider(), trace.ProxyTracerProvider | trace.NoOpTracerProvider
+        ):
+            return False
+        fields = self._propagation_fields()[2]
+        return not any(name in fields for name, _ in context.forward_headers)
+
     def _request_trace(self, context: RequestContext) -> _RequestTrace | None:
         request = context.trace
         return request if isinstance(request, _RequestTrace) else None
@@ -374,7 +420,11 @@ class Telemetry:
         if kind is not None and kind != "cancelled":
             span.set_status(trace.Status(trace.StatusCode.ERROR, kind))
         span.end()
+        self._attempt_metrics(context, record, kind)
 
+    def _attempt_metrics(
+        self, context: RequestContext, record: AttemptRecord, kind: str | None
+    ) -> None:
         metric: dict[str, AttributeValue] = {
             "gateway.route.id": _label(context.route.id),
             "gateway.candidate": _label(record.candidate),
@@ -403,6 +453,10 @@ class Telemetry:
         route_id = _label(context.route.id)
 
         trace_id = span_id = None
+        if isinstance(request, _Untraced):
+            for record in list(reversed(request.attempts)):  # cancelled mid-flight
+                kind = "cancelled" if record.failure_kind is None else record.failure_kind
+                self._attempt_metrics(context, record, kind)
         if isinstance(request, _RequestTrace):
             # An attempt cancelled mid-flight (client gone) never reached attempt_finished.
             for entry in list(reversed(request.attempts)):
