@@ -58,8 +58,12 @@ class AiohttpResponse:
         content = self._response.content
         while True:
             with map_errors("body"):
-                async with asyncio.timeout(self._idle):
-                    chunk = await content.readany()
+                # What has already arrived (often the whole of a small body, with the
+                # head) is taken without arming an idle timer; only a wait is timed.
+                chunk = content.read_nowait()
+                if not chunk and not content.is_eof():
+                    async with asyncio.timeout(self._idle):
+                        chunk = await content.readany()
             if not chunk:
                 self._finished = True
                 return
@@ -80,6 +84,7 @@ class AiohttpClient:
         self._limit = max_connections
         self._session: aiohttp.ClientSession | None = None
         self._checked_hosts: set[str] = set()  # IP-literal checks are pure: do each once
+        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}  # per connect timeout
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -119,14 +124,20 @@ class AiohttpClient:
                     headers=CIMultiDict(request.headers),
                     data=request.body if request.body != b"" else None,
                     allow_redirects=False,
-                    # aiohttp's `connect` includes waiting for a free pooled connection:
-                    # the gateway's own queue, not the upstream's slowness. Only the socket
-                    # connect is the upstream's; the wait is bounded by first_byte above.
-                    timeout=aiohttp.ClientTimeout(
-                        total=None, connect=None, sock_connect=timeouts.connect
-                    ),
+                    timeout=self._client_timeout(timeouts.connect),
                 )
         return AiohttpResponse(response, timeouts.idle)
+
+    def _client_timeout(self, connect: float) -> aiohttp.ClientTimeout:
+        # aiohttp's `connect` includes waiting for a free pooled connection: the gateway's
+        # own queue, not the upstream's slowness. Only the socket connect is the
+        # upstream's; the wait is bounded by first_byte in `send`.
+        found = self._timeouts.get(connect)
+        if found is None:
+            found = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=connect)
+            if len(self._timeouts) < 256:
+                self._timeouts[connect] = found
+        return found
 
     async def aclose(self) -> None:
         if self._session is not None:
