@@ -35,6 +35,7 @@ class UsageMeter:
         self._event: list[bytes] = []
         self._event_size = 0
         self.reported = False
+        self._finished = False
 
     # --- the observer seam ------------------------------------------------------------
 
@@ -50,7 +51,12 @@ class UsageMeter:
             self.mode = "ignore"
 
     def finish(self) -> None:
-        """The response ended: parse a buffered JSON body, or a final unterminated event."""
+        """The response ended: parse a buffered JSON body, or a final unterminated event.
+        Idempotent: the guard calls it when the last chunk is sent and again when the walk
+        ends (a response cut short never sends a last chunk)."""
+        if self._finished:
+            return
+        self._finished = True
         try:
             if self.mode == "json":
                 if self._json is not None and self._json_size <= self.json_cap:
