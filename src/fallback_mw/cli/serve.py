@@ -4,6 +4,7 @@ Every refusal happens before a socket is opened."""
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import logging
 from typing import Any
@@ -65,6 +66,21 @@ def configure_logging() -> None:
         root.setLevel(logging.INFO)
 
 
+# A routed request leaves no reference cycles behind, so at serve's request rate the cyclic
+# GC finds nothing to free; at Python's default threshold (700 net container allocations)
+# it still ran every few requests, and every few hundred traversed the whole heap. Serve
+# collects once, freezes what startup loaded (never traversed again) and collects young
+# objects when this many more are alive than at the last collection.
+SERVE_GC_THRESHOLD = 50_000
+
+
+def tune_gc() -> None:
+    gc.collect()
+    gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(SERVE_GC_THRESHOLD, older, oldest)
+
+
 def port_number(value: str) -> int:
     """argparse type: a TCP port, 0 (any free port) to 65535."""
     try:
@@ -92,6 +108,7 @@ def serve(args: argparse.Namespace, console: Console) -> None:
     try:
         gateway = Gateway(not_found_app, config=config)
         configure_logging()
+        tune_gc()
         uvicorn.run(
             gateway,
             host=args.host,
