@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -34,14 +35,24 @@ class Load:
     p99_ms: float
     bad_status: int  # non-2xx/3xx responses: the arm is broken, its numbers meaningless
     socket_errors: int
+    cpu_us: float  # CPU time (user + system) the server process spent per request
 
 
-def run_wrk(wrk: str, url: str, seconds: int, connections: int) -> Load:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_wrk(wrk: str, url: str, seconds: int, connections: int, pid: int) -> Load:
+    """wrk against `url`; `pid` is the server process whose CPU time is counted."""
     command = [
         wrk, "-t1", f"-c{connections}", f"-d{max(1, seconds)}s", "--timeout", "10s",
         "-s", str(LUA), url,
     ]  # fmt: skip
+    cpu_before = cpu_seconds(pid)
     result = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 60)
+    cpu = cpu_seconds(pid) - cpu_before
     line = next((x for x in result.stdout.splitlines() if x.startswith("WRK ")), None)
     if line is None:
         raise RuntimeError(f"wrk printed no summary:\n{result.stdout}\n{result.stderr}")
@@ -52,6 +63,7 @@ def run_wrk(wrk: str, url: str, seconds: int, connections: int) -> Load:
         p99_ms=fields["p99_us"] / 1000,
         bad_status=fields["status"],
         socket_errors=sum(fields[k] for k in ("connect", "read", "write", "timeout")),
+        cpu_us=cpu / max(fields["requests"], 1) * 1e6,
     )
 
 
@@ -196,7 +208,7 @@ def memory_long_run(
     before = rss_kib(child.pid)["VmRSS"]
     samples, total, each = [], 0, max(1, seconds // segments)
     for _ in range(segments):
-        load = run_wrk(wrk, child.url("/v1/chat/completions"), each, connections)
+        load = run_wrk(wrk, child.url("/v1/chat/completions"), each, connections, child.pid)
         total += round(load.rate * each)
         samples.append(rss_kib(child.pid)["VmRSS"])
     return before, samples, total

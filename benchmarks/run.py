@@ -79,9 +79,9 @@ def check(condition: bool, message: str) -> None:
         raise RuntimeError(message)
 
 
-def probe(arms: dict[str, str]) -> None:
+def probe(arms: dict[str, tuple[str, int]]) -> None:
     """Each arm answers what it is meant to answer, before any number is taken."""
-    for name, url in arms.items():
+    for name, (url, _) in arms.items():
         status, headers, body = clients.post(url)
         check(status == 200 and b"chatcmpl-bench" in body, f"{name}: status {status}")
         if name == "failover":
@@ -119,25 +119,30 @@ def verdict(ok: bool) -> str:
     return "met" if ok else "MISSED"
 
 
-def throughput(args: argparse.Namespace, wrk: str, arms: dict[str, str]) -> tuple[list[str], bool]:
+def throughput(
+    args: argparse.Namespace, wrk: str, arms: dict[str, tuple[str, int]]
+) -> tuple[list[str], bool]:
+    """`arms`: name -> (URL, pid of the server process behind it)."""
     results: dict[str, list[Load]] = {name: [] for name in arms}
-    for url in arms.values():
-        clients.run_wrk(wrk, url, 1, args.connections)  # warm-up
+    for url, pid in arms.values():
+        clients.run_wrk(wrk, url, 1, args.connections, pid)  # warm-up
     names = list(arms)
     for round_number in range(args.rounds):
         shift = round_number % len(names)
         for name in names[shift:] + names[:shift]:
-            load = clients.run_wrk(wrk, arms[name], args.duration, args.connections)
+            url, pid = arms[name]
+            load = clients.run_wrk(wrk, url, args.duration, args.connections, pid)
             results[name].append(load)
             print(
                 f"  round {round_number + 1} {name:9s} {load.rate:8.0f} req/s "
-                f"p50 {load.p50_ms:6.1f} ms p99 {load.p99_ms:6.1f} ms",
+                f"p50 {load.p50_ms:6.1f} ms p99 {load.p99_ms:6.1f} ms "
+                f"CPU {load.cpu_us:5.0f} us/req",
                 flush=True,
             )
     floor = results["floor"]
     lines = [
-        f"{'arm':34s} {'req/s':>7s} {'p50 ms':>7s} {'p99 ms':>7s} {'x floor':>8s} "
-        f"{'p99 x':>6s}  target",
+        f"{'arm':34s} {'req/s':>7s} {'p50 ms':>7s} {'p99 ms':>7s} {'CPU us':>7s} "
+        f"{'x floor':>8s} {'p99 x':>6s}  target",
     ]
     broken = False
     for name, loads in results.items():
@@ -157,7 +162,7 @@ def throughput(args: argparse.Namespace, wrk: str, arms: dict[str, str]) -> tupl
         lines.append(
             f"{LABELS[name]:34s} {median([x.rate for x in loads]):7.0f} "
             f"{median([x.p50_ms for x in loads]):7.1f} {median([x.p99_ms for x in loads]):7.1f} "
-            f"{rate:7.2f}x {p99:5.2f}x  {target}"
+            f"{median([x.cpu_us for x in loads]):7.0f} {rate:7.2f}x {p99:5.2f}x  {target}"
         )
     return lines, broken
 
@@ -262,11 +267,11 @@ def speed_arms(
     ledger = gateway_config(upstream.port, backup, failing, store=tree.workdir / "ledger.db")
     budgeted = procs.start_gateway(tree, "gateway-budget", ledger)
     arms = {
-        "floor": floor.url(CHAT),
-        "healthy": gateway.url(CHAT),
-        "failover": gateway.url("/fo" + CHAT),
-        "tracing": traced.url(CHAT),
-        "budget": budgeted.url(CHAT),
+        "floor": (floor.url(CHAT), floor.pid),
+        "healthy": (gateway.url(CHAT), gateway.pid),
+        "failover": (gateway.url("/fo" + CHAT), gateway.pid),
+        "tracing": (traced.url(CHAT), traced.pid),
+        "budget": (budgeted.url(CHAT), budgeted.pid),
     }
     probe(arms)
     print(
