@@ -169,6 +169,7 @@ async def test_a_game_day_whose_predictions_pass(tmp_path: Path) -> None:
     assert observed["durations_recorded"] == observed["requests"]
     assert report["fault"]["target"] == "primary"
     assert "PASS" in stdout and "FAIL" not in stdout
+    assert stderr == ""
 
 
 async def test_a_game_day_that_aborts_leaves_no_fault(tmp_path: Path) -> None:
@@ -196,6 +197,9 @@ async def test_a_game_day_that_aborts_leaves_no_fault(tmp_path: Path) -> None:
     assert expires is not None and finished < started + 60
     assert report["predictions"][0]["result"] == "fail"
     assert "ABORT" in stdout
+    assert stderr.splitlines() == [
+        "fallback-mw: error: game day aborted on error_rate=10%/2s; fault cleared"
+    ]
 
 
 async def test_ctrl_c_clears_the_fault_and_a_killed_command_leaves_it_to_expire(

@@ -9,7 +9,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TextIO
 
-from fallback_mw.cli import budgets, check, demo, faults, request, routes, serve, usage
+from fallback_mw.cli import (
+    budgets,
+    check,
+    demo,
+    evaluate,
+    faults,
+    gameday,
+    request,
+    routes,
+    serve,
+    usage,
+)
 from fallback_mw.cli.app import (
     EXIT_REFUSED,
     PROG,
@@ -20,10 +31,8 @@ from fallback_mw.cli.app import (
     default_console,
     dispatch,
 )
-from fallback_mw.evaluation import cli as evaluation
-from fallback_mw.gameday import cli as gameday
 
-VERBS = (serve, demo, check, request, routes, faults, budgets, usage, evaluation, gameday)
+VERBS = (serve, demo, check, request, routes, faults, budgets, usage, evaluate, gameday)
 
 
 def build_parser() -> Parser:

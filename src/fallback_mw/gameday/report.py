@@ -53,29 +53,30 @@ def build_report(
     }
 
 
-def print_report(report: dict[str, Any]) -> None:
+def report_lines(report: dict[str, Any]) -> list[str]:
+    """The report as printed: the predictions table and the observed numbers."""
     fault = report["fault"]
-    print(
+    lines = [
         f"game day {report['status']}: route {report['route']!r}, {fault['kind']} "
         f"{fault['target']!r}, set {fault['seconds_set']} s of {report['duration_s']:g} s"
-    )
+    ]
     if report["abort"] is not None:
         abort = report["abort"]
-        print(f"  aborted at +{abort['at_s']} s on {abort['criterion']}")
-    print(f"  {'prediction':<28} {'predicted':>12} {'observed':>12}  result")
+        lines.append(f"  aborted at +{abort['at_s']} s on {abort['criterion']}")
+    lines.append(f"  {'prediction':<28} {'predicted':>12} {'observed':>12}  result")
     for p in report["predictions"]:
         unit = p["unit"]
-        print(
+        lines.append(
             f"  {p['prediction']:<28} {fmt(p['predicted'], unit):>12} "
             f"{fmt(p['observed'], unit):>12}  {p['result'].upper()}"
         )
     o = report["observed"] or {}
     if not o.get("requests"):
-        print(
+        lines.append(
             f"  no request on route {report['route']!r} was recorded while the fault was set: "
             "is there traffic, and do the gateways use this store?"
         )
-    print(
+    lines.append(
         f"  observed: {o.get('requests')} requests, {o.get('errors')} customer-visible "
         f"errors ({fmt(o.get('error_rate'), '%')}), {o.get('fallbacks')} served by a "
         f"fallback ({fmt(o.get('fallback_share'), '%')}), p50 {fmt(o.get('p50_ms'), 'ms')}, "
@@ -83,6 +84,7 @@ def print_report(report: dict[str, Any]) -> None:
         f"{fmt(o.get('breaker_open_s'), 's')}, secondary 429s "
         f"{o.get('secondary_429')}/{o.get('secondary_calls')}"
     )
+    return lines
 
 
 def write_report(path: Path, report: dict[str, Any]) -> None:

@@ -1,37 +1,34 @@
-"""The `eval` verb: `register(subparsers)` adds it to the `fallback-mw` command tree."""
+"""`fallback-mw eval`: the route-plan evaluation (evaluation/): the four arms over loopback,
+a printed table and the JSON artifact."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
-import sys
 import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from fallback_mw.cli.app import Console, Failed, Refused, leaf
 from fallback_mw.evaluation.arms import arms, run_arms
 from fallback_mw.evaluation.gateway import GatewayDidNotStart
 from fallback_mw.evaluation.report import summarise, table
 
 DEFAULT_OUT = "results/route-plan-eval.json"
 MAX_REQUESTS = 100_000
+MAX_CONCURRENCY = 1000
 
 
-def _error(message: str, status: int) -> int:
-    print(f"fallback-mw: error: {message}", file=sys.stderr)
-    return status
-
-
-def run(args: argparse.Namespace) -> int:
+def handle(args: argparse.Namespace, console: Console) -> None:
     if not 1 <= args.requests <= MAX_REQUESTS:
-        return _error(f"--requests must be between 1 and {MAX_REQUESTS}", 2)
-    if not 1 <= args.concurrency <= 1000:
-        return _error("--concurrency must be between 1 and 1000", 2)
+        raise Refused(f"--requests must be between 1 and {MAX_REQUESTS}")
+    if not 1 <= args.concurrency <= MAX_CONCURRENCY:
+        raise Refused(f"--concurrency must be between 1 and {MAX_CONCURRENCY}")
     out = Path(args.out)
-    if out.exists() and out.is_dir():
-        return _error(f"--out {args.out} is a directory", 2)
+    if out.is_dir():
+        raise Refused(f"--out {args.out} is a directory")
     started = datetime.now(UTC)
     try:
         with tempfile.TemporaryDirectory(prefix="fallback-mw-eval-") as workdir:
@@ -39,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
                 run_arms(arms(args.primary), args.requests, args.concurrency, Path(workdir))
             )
     except GatewayDidNotStart as exc:
-        return _error(str(exc).splitlines()[0], 1)
+        raise Failed(str(exc).splitlines()[0]) from None
     summaries = [summarise(r) for r in runs]
     artifact: dict[str, Any] = {
         "tool": "fallback-mw eval",
@@ -49,26 +46,27 @@ def run(args: argparse.Namespace) -> int:
         "concurrency": args.concurrency,
         "arms": summaries,
     }
-    print(
+    console.print(
         f"route-plan evaluation: primary {args.primary}, {args.requests} requests per arm, "
         f"{args.concurrency} in flight"
     )
-    print(table(summaries))
+    for line in table(summaries).splitlines():
+        console.print(line)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(artifact, indent=2) + "\n")
     except OSError as exc:
-        return _error(f"cannot write {args.out}: {exc.strerror or exc}", 1)
-    print(f"wrote {out}")
-    return 0
+        raise Failed(f"cannot write {args.out}: {exc.strerror or exc}") from None
+    console.print(f"wrote {out}")
 
 
 def register(subparsers: Any) -> None:
-    parser: argparse.ArgumentParser = subparsers.add_parser(
+    parser = leaf(
+        subparsers,
         "eval",
-        help="the route-plan evaluation: four arms over loopback sockets, table + JSON",
-        description="Run the four arms (failing/healthy primary x single upstream/ordered "
-        "plan) against scripted loopback upstreams through a real `fallback-mw serve`.",
+        handle,
+        "the route-plan evaluation: failing/healthy primary x single upstream/ordered plan, "
+        "over loopback through a real `fallback-mw serve`; a table and a JSON artifact",
     )
     parser.add_argument("--requests", type=int, default=300, help="requests per arm (300)")
     parser.add_argument(
@@ -79,5 +77,3 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--concurrency", type=int, default=10, help="requests in flight (10)")
     parser.add_argument("--out", default=DEFAULT_OUT, metavar="FILE", help=f"({DEFAULT_OUT})")
-    # The tree calls handler(args, console); this verb prints for itself.
-    parser.set_defaults(handler=lambda args, _console: run(args))

@@ -1,0 +1,206 @@
+"""`fallback-mw gameday`: a fault with written predictions and numeric abort criteria,
+watched through the usage records every gateway writes to the store (gameday/).
+
+Exit status: 0 when the exercise ran to its end and every prediction passed; 1 when it
+aborted on a criterion, a prediction failed or had no data, or the store failed; 2 when it
+refuses to start (nothing set); 130 when stopped by SIGINT/SIGTERM (the fault is cleared
+first). The report is printed and written in every case but a refusal."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import threading
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from fallback_mw.budget import LedgerUnavailable, open_ledger
+from fallback_mw.cli.app import Console, Failed, Refused, leaf
+from fallback_mw.cli.target import resolve, store_options
+from fallback_mw.gameday.report import build_report, report_lines, write_report
+from fallback_mw.gameday.run import (
+    Exercise,
+    GameDayRefused,
+    Timeline,
+    observe_exercise,
+    run_exercise,
+)
+from fallback_mw.gameday.spec import SpecError, parse_abort, parse_duration, parse_prediction
+from fallback_mw.store.model import StoreError
+from fallback_mw.store.routes import open_store
+
+
+async def _plans(url: str, config_routes: dict[str, tuple[str, ...]]) -> dict[str, Any]:
+    store = open_store(url)
+    try:
+        plans: dict[str, Any] = dict(config_routes)
+        for stored in await store.load_routes():
+            plans[stored.route.id] = stored.route.plan
+        return plans
+    finally:
+        await store.aclose()
+
+
+def _exercise(args: argparse.Namespace) -> tuple[Exercise, str]:
+    """Everything checked before anything is set (raises Refused)."""
+    if not args.predict:
+        raise Refused("no --predict: an exercise without a written prediction cannot fail")
+    if not args.abort:
+        raise Refused("no --abort: a game day needs at least one numeric abort criterion")
+    try:
+        predictions = tuple(parse_prediction(p) for p in args.predict)
+        aborts = tuple(parse_abort(a) for a in args.abort)
+        duration = parse_duration(args.duration, "--duration")
+    except SpecError as exc:
+        raise Refused(str(exc)) from None
+    target = resolve(args)
+    plan = asyncio.run(_plans(target.url, {r.id: r.plan for r in target.config.routes})).get(
+        args.route
+    )
+    if plan is None:
+        raise Refused(
+            f"unknown route {args.route!r} (a route from a config file needs --config FILE)"
+        )
+    if args.fault == "pin":
+        if args.candidate is None or args.candidate not in plan:
+            raise Refused(
+                f"--fault pin needs --candidate, one of route {args.route!r}'s candidates "
+                f"({', '.join(plan)})"
+            )
+        if any(p.name == "breaker_open_s" for p in predictions):
+            raise Refused("breaker_open_s needs a fail or hang fault (a pin opens no breaker)")
+        faulted = args.route
+    else:
+        faulted = args.candidate or plan[0]
+        if faulted not in plan:
+            raise Refused(
+                f"--candidate {faulted!r} is not one of route {args.route!r}'s candidates "
+                f"({', '.join(plan)})"
+            )
+    exercise = Exercise(
+        route=args.route,
+        fault=args.fault,
+        target=faulted,
+        candidate=args.candidate if args.fault == "pin" else None,
+        primary=plan[0],
+        duration_s=duration,
+        predictions=predictions,
+        aborts=aborts,
+        poll_s=min(1.0, max(duration / 20, 0.1)),
+        grace_s=min(2.0, max(duration / 10, 0.5)),
+    )
+    return exercise, target.url
+
+
+def _out_path(args: argparse.Namespace, route: str) -> Path:
+    if args.out:
+        out = Path(args.out)
+    else:
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+        safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in route)[:64]
+        out = Path("results") / f"gameday-{safe}-{stamp}.json"
+    if out.is_dir():
+        raise Refused(f"--out {out} is a directory")
+    try:
+        # The report is written before the fault is set: a path that cannot take it
+        # refuses the exercise instead of failing it half-way.
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise Refused(f"--out {out}: {exc.strerror or exc}") from None
+    if not os.access(out.parent, os.W_OK):
+        raise Refused(f"--out {out}: the directory is not writable")
+    return out
+
+
+async def _run(exercise: Exercise, url: str, out: Path, console: Console) -> dict[str, Any]:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    handled: list[signal.Signals] = []
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+            handled.append(sig)
+    store = open_store(url)
+    ledger = open_ledger(url)
+    try:
+
+        def started(timeline: Timeline) -> None:
+            # Recorded before anything is watched: the predictions as written.
+            write_report(out, build_report(exercise, timeline, None, status="running"))
+
+        timeline = await run_exercise(exercise, store, ledger, stop, console.print, started)
+        observed = await asyncio.shield(
+            observe_exercise(exercise, ledger, timeline, wait=not timeline.interrupted)
+        )
+        status = (
+            "aborted" if timeline.abort else "interrupted" if timeline.interrupted else "completed"
+        )
+        report = build_report(exercise, timeline, observed, status=status)
+        for line in report_lines(report):
+            console.print(line)
+        write_report(out, report)
+        console.print(f"wrote {out}")
+        return report
+    finally:
+        for sig in handled:
+            loop.remove_signal_handler(sig)
+        with contextlib.suppress(Exception):
+            await store.aclose()
+        with contextlib.suppress(Exception):
+            await ledger.aclose()
+
+
+def handle(args: argparse.Namespace, console: Console) -> None:
+    exercise, url = _exercise(args)
+    out = _out_path(args, exercise.route)
+    try:
+        report = asyncio.run(_run(exercise, url, out, console))
+    except GameDayRefused as exc:
+        raise Refused(str(exc)) from None
+    except (StoreError, LedgerUnavailable) as exc:
+        raise Failed(f"game day stopped: {exc} (any fault set expires on its own)") from None
+    if report["status"] == "interrupted":
+        raise KeyboardInterrupt  # the tree's exit status 130, after the fault was cleared
+    if report["abort"] is not None:
+        raise Failed(f"game day aborted on {report['abort']['criterion']}; fault cleared")
+    missed = [p["prediction"] for p in report["predictions"] if p["result"] != "pass"]
+    if missed:
+        raise Failed(f"prediction(s) not met: {', '.join(missed)}")
+
+
+def register(subparsers: Any) -> None:
+    parser = leaf(
+        subparsers,
+        "gameday",
+        handle,
+        "a fault with written predictions and abort criteria, watched and reported",
+    )
+    store_options(parser)
+    parser.add_argument("--route", required=True, metavar="ID")
+    parser.add_argument("--fault", required=True, choices=["fail", "hang", "pin"])
+    parser.add_argument(
+        "--candidate",
+        metavar="NAME",
+        help="fail/hang: the upstream to fault (default: the route's primary); "
+        "pin: the candidate the plan starts at",
+    )
+    parser.add_argument("--duration", required=True, help="e.g. 15m, 90s")
+    parser.add_argument(
+        "--predict",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="e.g. breaker_open_s=20, p99_ms=3500, error_rate=1%% (repeatable)",
+    )
+    parser.add_argument(
+        "--abort",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE[/WINDOW]",
+        help="e.g. error_rate=1%%/60s, p99_ms=6000, secondary_429=5%% (repeatable)",
+    )
+    parser.add_argument("--out", metavar="FILE", help="the JSON report (default results/...)")
