@@ -7,13 +7,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -21,56 +16,9 @@ import pytest
 from openai import OpenAI
 
 from fallback_mw import load_config
+from tests.examples_runner import EXAMPLES, running_example
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 MESSAGES = [{"role": "user", "content": "Say hello"}]
-
-
-@dataclass
-class Example:
-    url: str
-    output: list[str]  # complete once the example has stopped
-
-
-@contextmanager
-def running_example(name: str) -> Iterator[Example]:
-    """`python examples/<name>/run.py --port 0`, run as its README says; yields the gateway
-    URL it prints. Stopped with SIGINT (Ctrl-C), killed if it does not stop."""
-    env = {k: v for k, v in os.environ.items() if k not in ("DJANGO_SETTINGS_MODULE",)}
-    env.pop("PRIMARY_API_KEY", None)
-    env.pop("BACKUP_API_KEY", None)
-    process = subprocess.Popen(
-        [sys.executable, str(EXAMPLES / name / "run.py"), "--port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
-    watchdog = threading.Timer(60, process.kill)  # a hung start fails the test, not the suite
-    watchdog.start()
-    output: list[str] = []
-    try:
-        assert process.stdout is not None
-        url = None
-        for line in process.stdout:
-            output.append(line)
-            found = re.match(r"gateway: (http://127\.0\.0\.1:\d+)", line)
-            if found:
-                url = found.group(1)
-                break
-        assert url is not None, "".join(output)
-        yield Example(url=url, output=output)
-    finally:
-        watchdog.cancel()
-        process.send_signal(2)
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        if process.stdout is not None:
-            output.extend(process.stdout)
-            process.stdout.close()
 
 
 @pytest.mark.e2e
