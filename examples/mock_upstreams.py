@@ -56,6 +56,20 @@ def _prompt_tokens(body: dict[str, Any]) -> int:
     return _tokens(text + " " + str(body.get("system", "")))
 
 
+async def _json_body(request: web.Request) -> dict[str, Any] | None:
+    try:
+        body = json.loads(await request.read())
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def _invalid_request() -> web.Response:
+    # What both real APIs answer to a body that is not a JSON object.
+    error = {"message": "the body must be a JSON object", "type": "invalid_request_error"}
+    return web.json_response({"error": error}, status=400)
+
+
 async def _sse(
     request: web.Request, events: list[tuple[str | None, dict[str, Any] | str]]
 ) -> web.StreamResponse:
@@ -73,7 +87,9 @@ async def _sse(
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    body = await request.json()
+    body = await _json_body(request)
+    if body is None:
+        return _invalid_request()
     model = body.get("model", "mock-model")
     prompt, completion = _prompt_tokens(body), _tokens(REPLY)
     usage = {
@@ -117,7 +133,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
-    body = await request.json()
+    body = await _json_body(request)
+    if body is None:
+        return _invalid_request()
     model = body.get("model", "mock-model")
     prompt, completion = _prompt_tokens(body), _tokens(REPLY)
     message = {

@@ -29,6 +29,7 @@ def test_example_runs_offline_and_fails_a_chat_completion_over_with_the_openai_s
     with running_example(name) as example:
         url = example.url
         own = httpx.get(f"{url}/health", timeout=10)
+        garbage = httpx.post(f"{url}/v1/chat/completions", content=b"not json{", timeout=10)
         client = OpenAI(base_url=f"{url}/v1", api_key="caller-key-never-forwarded", max_retries=0)
         raw = client.chat.completions.with_raw_response.create(
             model="gpt-4o-mini", messages=MESSAGES
@@ -44,6 +45,9 @@ def test_example_runs_offline_and_fails_a_chat_completion_over_with_the_openai_s
     # The app keeps its own route; the gateway does not touch it.
     assert own.status_code == 200 and own.json() == {"status": "ok"}
     assert "x-gateway-route" not in own.headers
+    # A body that is not JSON: the backup's 400 is an answer, passed through as-is.
+    assert garbage.status_code == 400 and garbage.headers["x-gateway-provider"] == "backup"
+    assert garbage.json()["error"]["type"] == "invalid_request_error"
     # The POST failed over: the primary answered 503, the backup served.
     assert raw.headers["x-gateway-provider"] == "backup"
     assert raw.headers["x-gateway-attempts"] == "2"
@@ -54,8 +58,9 @@ def test_example_runs_offline_and_fails_a_chat_completion_over_with_the_openai_s
     assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens > 0
     # The failovers are logged by Python's default logging (nothing configured it).
     failovers = [line for line in example.output if line.startswith("gateway request ")]
-    assert len(failovers) == 2, "".join(example.output)
+    assert len(failovers) == 3, "".join(example.output)
     assert all("chosen=backup attempts=2" in line for line in failovers)
+    assert "Traceback" not in "".join(example.output)
 
 
 @pytest.mark.parametrize(
