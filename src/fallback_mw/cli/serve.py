@@ -98,6 +98,7 @@ def serve(args: argparse.Namespace, console: Console) -> None:
 
     from fallback_mw.gateway import Gateway
     from fallback_mw.otel_setup import TelemetrySetupError, configure_opentelemetry
+    from fallback_mw.server_limits import uvicorn_limits
 
     config = load_config(args.config)
     try:
@@ -105,6 +106,9 @@ def serve(args: argparse.Namespace, console: Console) -> None:
     except TelemetrySetupError as exc:
         raise Refused(str(exc)) from None
     options: dict[str, Any] = server_options()
+    # The server itself refuses an oversized or slow request head before buffering it,
+    # drops chunked trailer fields, and sends no `server` header (server_limits).
+    options.update(uvicorn_limits(config.gateway, options["http"]))
     try:
         gateway = Gateway(not_found_app, config=config)
         configure_logging()

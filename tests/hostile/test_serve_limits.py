@@ -1,0 +1,99 @@
+"""`fallback-mw serve` protects itself: the server refuses oversized or slow request heads
+before buffering them, and names no server software. A real serve process throughout."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import free_port, log_text, serve_process, wait_listening
+from tests.upstreams import status_handler, upstream
+
+pytestmark = pytest.mark.anyio
+
+
+def proc_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} for {pid}")
+
+
+async def send_big_head(port: int, size: int) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        with contextlib.suppress(OSError):
+            writer.write(b"GET /v1/x HTTP/1.1\r\nhost: gw\r\nconnection: close\r\nx-big: ")
+            chunk = b"a" * (256 * 1024)
+            for _ in range(size // len(chunk)):
+                writer.write(chunk)
+                await writer.drain()
+            writer.write(b"\r\n\r\n")
+            await writer.drain()
+        return await asyncio.wait_for(reader.read(), 30)
+    finally:
+        writer.transport.abort()
+
+
+async def exchange(port: int, request: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), 30)
+    finally:
+        writer.transport.abort()
+
+
+def write_config(tmp_path: Path, url: str, extra: str = "") -> Path:
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        f'[gateway]\n{extra}\n[upstreams.primary]\nurl = "{url}"\n\n'
+        '[[routes]]\nid = "r"\nprefix = "/v1/"\nplan = ["primary"]\n',
+        encoding="utf-8",
+    )
+    return config
+
+
+async def test_twenty_8mib_heads_add_under_50mb_to_serve_and_reach_no_upstream(
+    tmp_path: Path,
+) -> None:
+    async with upstream(status_handler(200, b"ok")) as primary:
+        port = free_port()
+        log = tmp_path / "serve.log"
+        with serve_process(write_config(tmp_path, primary.url), port, log) as process:
+            await wait_listening(process, port, log)
+            before = proc_kib(process.pid, "VmRSS")
+            answers = await asyncio.gather(
+                *(send_big_head(port, 8 * 1024 * 1024) for _ in range(20))
+            )
+            peak = proc_kib(process.pid, "VmHWM")  # the process's peak RSS so far
+        assert process.returncode == 0, log_text(log)
+    assert all(a.startswith(b"HTTP/1.1 431") for a in answers), {a[:40] for a in answers}
+    assert all(b'"headers_too_large"' in a for a in answers)
+    assert primary.count == 0
+    assert (peak - before) / 1024 < 50, f"serve grew {(peak - before) / 1024:.1f} MiB"
+
+
+async def test_serve_answers_a_slow_head_with_408_and_sends_no_server_header(
+    tmp_path: Path,
+) -> None:
+    async with upstream(status_handler(200, b"ok")) as primary:
+        port = free_port()
+        log = tmp_path / "serve.log"
+        config = write_config(tmp_path, primary.url, "header_timeout_ms = 500")
+        with serve_process(config, port, log) as process:
+            await wait_listening(process, port, log)
+            slow = await exchange(port, b"GET /v1/x HTTP/1.1\r\nhost: gw\r\n")  # no end
+            normal = await exchange(
+                port, b"GET /v1/x HTTP/1.1\r\nhost: gw\r\nconnection: close\r\n\r\n"
+            )
+    assert slow.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in slow
+    assert normal.startswith(b"HTTP/1.1 200")
+    head = normal.split(b"\r\n\r\n", 1)[0].lower()
+    assert b"\r\nserver:" not in head
+    assert head.count(b"\r\ndate:") == 1
+    assert primary.count == 1
