@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from fallback_mw.walk.decide import (
     NO_CANDIDATE,
+    REPEAT_BUDGET_SPENT,
     Outcome,
     WalkState,
     decide,
@@ -122,6 +123,21 @@ CASES: dict[str, list[tuple[Outcome, WalkState, tuple[str, str | None], bool | N
             None,
         ),
     ],
+    "a repeat at an upstream whose repeat budget is spent": [
+        (REPEAT_BUDGET_SPENT, OPEN, ("local_error", "upstream_failed"), None),
+        (
+            REPEAT_BUDGET_SPENT,
+            replace(OPEN, on_exhausted="last_response", has_last_response=True),
+            ("serve", None),
+            None,
+        ),
+        (
+            REPEAT_BUDGET_SPENT,
+            replace(OPEN, deadline_left=False),
+            ("local_error", "deadline_exceeded"),
+            None,
+        ),
+    ],
     # After the commit point the walk is over: the relay aborts (walk/stream.py); no
     # decision is asked for. Covered end to end in test_walker.py.
     "failure after the commit point (reset, idle timeout, over `max_response_body`)": [],
@@ -153,7 +169,7 @@ def test_the_doc_names_the_same_responsibility_as_the_code() -> None:
         line = next(line for line in text.splitlines() if line.startswith(f"| {row} |"))
         responsible = line.split("|")[2].strip()
         for outcome, _, _, _ in cases:
-            if outcome.kind == "no_candidate":
+            if outcome.kind in ENDS:
                 continue
             expected = "upstream" if responsible.startswith("upstream") else "gateway"
             assert outcome.responsible == expected, (row, outcome)
@@ -163,6 +179,7 @@ def test_the_doc_names_the_same_responsibility_as_the_code() -> None:
 
 UPSTREAM = ("status", "transport", "timeout")
 LOCAL = ("deadline", "client_gone", "body_too_large", "body_timeout", "unsafe_address")
+ENDS = ("no_candidate", "repeat_budget")  # the cursor's answers: no attempt was made
 
 
 def reference(outcome: Outcome, s: WalkState) -> tuple[str, str | None]:
@@ -191,6 +208,8 @@ def reference(outcome: Outcome, s: WalkState) -> tuple[str, str | None]:
         if outcome.status in (401, 403, 429) and s.other_credential and room:
             return ("next_credential", None)
         return ("serve", None)
+    if outcome.kind == "repeat_budget":  # the walk ends: no further attempt at all
+        room = False
     if outcome.kind != "no_candidate" and room:
         return ("next_candidate", None)
     if not s.deadline_left:
@@ -208,6 +227,7 @@ outcomes = st.one_of(
     ),
     st.builds(Outcome, st.sampled_from(UPSTREAM[1:] + LOCAL)),
     st.just(NO_CANDIDATE),
+    st.just(REPEAT_BUDGET_SPENT),
 )
 states = st.builds(
     WalkState,
@@ -234,12 +254,12 @@ def test_decide_matches_the_reference_model(outcome: Outcome, state: WalkState) 
 def test_only_upstream_outcomes_are_failover_class_or_feed_health(
     outcome: Outcome, state: WalkState
 ) -> None:
-    local = outcome.kind in LOCAL or outcome.kind == "no_candidate"
+    local = outcome.kind in LOCAL or outcome.kind in ENDS
     if local:
         assert not is_failover_class(outcome, state.failover_status)
         assert health_mark(outcome, state.failover_status) is None
     # A further attempt never follows a local outcome.
-    if local and outcome.kind != "no_candidate":
+    if local and outcome.kind not in ENDS:
         assert decide(outcome, state).action in ("local_error", "abort")
 
 

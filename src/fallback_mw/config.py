@@ -36,6 +36,17 @@ class BreakerConfig(_Strict):
     max_cooldown_ms: int = Field(300_000, ge=1)
 
 
+class RepeatBudgetConfig(_Strict):
+    """The budget for repeats and hedges, per upstream (docs/failover.md): attempts that go
+    back to an upstream already tried in the request, and hedges, are allowed while they
+    stay within `percent` of that upstream's first attempts over the last `window_ms`,
+    plus `min_per_second` x the window (a floor, so quiet upstreams can still retry)."""
+
+    percent: float = Field(20.0, ge=0.0, le=1000.0)
+    min_per_second: float = Field(1.0, ge=0.0, le=1_000_000.0)
+    window_ms: int = Field(10_000, ge=1000, le=600_000)
+
+
 class GatewaySettings(_Strict):
     tenant_header: str = "x-tenant-id"
     session_header: str = "x-session-id"
@@ -54,6 +65,7 @@ class GatewaySettings(_Strict):
     max_concurrency: int = Field(0, ge=0, le=1_000_000)
     header_timeout_ms: int = Field(10_000, ge=1, le=600_000)
     breaker: BreakerConfig = BreakerConfig()
+    repeat_budget: RepeatBudgetConfig = RepeatBudgetConfig()
 
     @field_validator("tenant_header", "session_header")
     @classmethod
@@ -105,6 +117,8 @@ class UpstreamConfig(_Strict):
     connect_timeout_ms: int = Field(1000, ge=1)
     first_byte_timeout_ms: int = Field(30_000, ge=1)
     idle_timeout_ms: int = Field(60_000, ge=1)
+    rpm: int | None = Field(None, ge=1, le=10**9)  # declared capacity: requests per minute
+    tpm: int | None = Field(None, ge=1, le=10**15)  # declared capacity: tokens per minute
 
     @field_validator("url")
     @classmethod

@@ -56,6 +56,7 @@ class Gateway:
             health=services.health,
             faults=services.faults,
             telemetry=services.telemetry,
+            capacity=services.capacity,
         )
         injector = CredentialInjector(walker, config=self.config, environ=environ)
         guard = BudgetGuard(injector, config=self.config, ledger=services.ledger)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fallback_mw.budget import Ledger, open_ledger
+from fallback_mw.capacity import CapacityState, create_capacity
 from fallback_mw.config import GatewayConfig
 from fallback_mw.faults import FaultSource, NoFaults
 from fallback_mw.health import HealthState, create_health
@@ -29,6 +30,7 @@ class Services:
     telemetry: Telemetry
     ledger: Ledger | None
     table: Callable[[], RouteTable]
+    capacity: CapacityState | None = None  # capacity and repeat-budget counts
     store: StoreRuntime | None = None  # route/fault reloader when gateway.store is set
 
     async def aclose(self) -> None:
@@ -36,6 +38,8 @@ class Services:
             await self.store.aclose()
         await self.client.aclose()
         await self.health.aclose()
+        if self.capacity is not None:
+            await self.capacity.aclose()
         await self.faults.aclose()
         if self.ledger is not None:
             await self.ledger.aclose()
@@ -51,6 +55,7 @@ def build_services(
     telemetry: Telemetry | None = None,
     environ: Mapping[str, str] | None = None,
     meter_provider: MeterProvider | None = None,
+    capacity: CapacityState | None = None,
 ) -> Services:
     settings = config.gateway
     static = RouteTable(config.routes, config.upstreams)
@@ -66,18 +71,25 @@ def build_services(
         runtime.load_initial()
         table = runtime.table
     telemetry = telemetry or Telemetry()
+    health = health or create_health(
+        settings.state,
+        settings.breaker,
+        on_transition=telemetry.breaker_state,
+        meter_provider=telemetry.meter_provider,
+    )
     return Services(
         client=client or make_client(settings.engine, allow_hosts=settings.allow_hosts),
-        health=health
-        or create_health(
-            settings.state,
-            settings.breaker,
-            on_transition=telemetry.breaker_state,
-            meter_provider=telemetry.meter_provider,
-        ),
+        health=health,
         faults=faults or (runtime.faults if runtime is not None else NoFaults()),
         telemetry=telemetry,
         ledger=ledger if ledger is not None else open_ledger(settings.store),
         table=table,
+        capacity=capacity
+        or create_capacity(
+            settings.state,
+            settings.repeat_budget,
+            health=health,
+            meter_provider=telemetry.meter_provider,
+        ),
         store=runtime,
     )

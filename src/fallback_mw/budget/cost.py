@@ -11,6 +11,7 @@ from decimal import ROUND_CEILING, Decimal
 from typing import Any
 
 from fallback_mw.config import MAX_MONEY, PriceConfig
+from fallback_mw.tokens import BYTES_PER_TOKEN, MAX_TOKENS, OUTPUT_LIMIT_KEYS, output_limits
 
 UNITS_PER_CURRENCY = 10**9  # stores keep integer nano-units: exact, no binary floats
 # Every amount the ledgers store fits a signed 64-bit column (SQLite INTEGER, PostgreSQL
@@ -20,13 +21,10 @@ UNITS_PER_CURRENCY = 10**9  # stores keep integer nano-units: exact, no binary f
 MAX_UNITS = int(MAX_MONEY) * UNITS_PER_CURRENCY
 SPENT_CAP_UNITS = 4 * MAX_UNITS
 _MTOK = Decimal(1_000_000)
-# A rough, generous token estimate for the request side: ~4 bytes of JSON per token.
-BYTES_PER_TOKEN = 4
-# Token counts are believed up to this (a 10^15-token response does not exist); an upstream
-# reporting more is saturated here, so usage fits a BIGINT column and costs stay finite.
-MAX_TOKENS = 10**15
+# A rough, generous token estimate for the request side (tokens.py); token counts are
+# believed up to MAX_TOKENS, so usage fits a BIGINT column and costs stay finite.
 _UNPARSED: Any = object()  # estimate_hold's `parsed` when the caller did not parse
-_OUTPUT_LIMIT_KEYS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+_OUTPUT_LIMIT_KEYS = OUTPUT_LIMIT_KEYS
 
 
 def to_units(amount: Decimal) -> int:
@@ -107,11 +105,7 @@ class PriceBook:
             return default_hold
         # Every output limit the body names, and the largest of them: one tiny value must
         # not hide a huge one (providers differ in which key they honour).
-        limits = [
-            parsed[key]
-            for key in _OUTPUT_LIMIT_KEYS
-            if isinstance(parsed.get(key), int) and not isinstance(parsed.get(key), bool)
-        ]
+        limits = output_limits(parsed)
         if not limits or min(limits) < 0:
             return default_hold
         output_limit = min(max(limits), MAX_TOKENS)

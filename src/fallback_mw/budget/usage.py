@@ -12,8 +12,8 @@ import json
 import re
 from typing import Any
 
-from fallback_mw.budget.cost import MAX_TOKENS
 from fallback_mw.context import Usage
+from fallback_mw.tokens import MAX_TOKENS
 
 DEFAULT_JSON_CAP = 1024 * 1024
 _TAIL = 64 * 1024

@@ -169,6 +169,15 @@ class RedisHealth:
             return await local()
         return convert(result)
 
+    async def run_script(
+        self, name: str, source: str, keys: list[str], args: list[Any]
+    ) -> Any | None:
+        """Run a Lua script on this state's connections (the capacity counts share them):
+        its result, or None while Redis is unreachable (the caller then serves on its
+        local state; the outage is logged and counted here, once)."""
+        result = await self._run(name, source, keys, args)
+        return None if isinstance(result, _Unavailable) else result
+
     @property
     def available(self) -> bool:
         """False while serving on local state (Redis unreachable)."""

@@ -3,9 +3,12 @@
 Plan order, passes and skips (SPEC §5): each further attempt goes to the next candidate;
 after the last one the walk restarts from the top, and repeating a candidate already tried
 waits `backoff_ms` first. A candidate whose breaker is open, or with no usable
-credential, is skipped: it costs no attempt. A whole pass in which every candidate was
-skipped ends the walk. The pool rule (SPEC §6): a pool's credentials are each used at most
-once per request; a single-credential upstream may be repeated on a later pass.
+credential, or whose declared capacity (`rpm`/`tpm`) this attempt would exceed, is
+skipped: it costs no attempt. A whole pass in which every candidate was skipped ends the
+walk (`NO_CANDIDATE`); so does a repeat that the upstream's repeat budget refuses
+(`REPEAT_BUDGET_SPENT`, left in `ended`). The pool rule (SPEC §6): a pool's credentials
+are each used at most once per request; a single-credential upstream may be repeated on a
+later pass.
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from fallback_mw.capacity import Admission, Ask, CapacityState
 from fallback_mw.config import UpstreamConfig
 from fallback_mw.health import HealthState
+from fallback_mw.walk.decide import NO_CANDIDATE, REPEAT_BUDGET_SPENT, Outcome
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +28,7 @@ class Pick:
     upstream: UpstreamConfig
     credential_index: int | None
     repeat: bool  # already tried in this request: backoff_ms before it
+    admission: Admission  # as counted by the capacity state (declared capacity, repeat budget)
 
 
 class CandidateCursor:
@@ -35,6 +41,8 @@ class CandidateCursor:
         session: str | None,
         has_credential: Callable[[str, int], bool],
         on_skip: Callable[[str, str], None],
+        capacity: CapacityState,
+        ask: Callable[[str, UpstreamConfig, bool], Ask],
     ) -> None:
         self.order = list(order)
         self.upstreams = upstreams
@@ -42,6 +50,9 @@ class CandidateCursor:
         self.session = session
         self.has_credential = has_credential
         self.on_skip = on_skip
+        self.capacity = capacity
+        self.ask = ask
+        self.ended: Outcome = NO_CANDIDATE  # why pick() returned None
         self.used: dict[str, set[int]] = {}
         self.tried: set[str] = set()
         self._position = 0
@@ -99,7 +110,16 @@ class CandidateCursor:
             if not await self.health.admit(name):
                 self.on_skip(name, "breaker_open")
                 continue
-            return Pick(name, upstream, credential_index, repeat=name in self.tried)
+            repeat = name in self.tried
+            admission = await self.capacity.admit(name, self.ask(name, upstream, repeat))
+            if isinstance(admission, str):
+                await self.health.release(name)  # a half-open probe slot it held is freed
+                self.on_skip(name, admission)
+                if admission == "repeat_budget":
+                    self.ended = REPEAT_BUDGET_SPENT
+                    return None
+                continue
+            return Pick(name, upstream, credential_index, repeat, admission)
 
     async def pick_hedge_credential(self, name: str, credential_index: int | None) -> int | None:
         """The credential a hedge at `name` uses: in a pool another one (each at most once

@@ -31,6 +31,7 @@ OutcomeKind = Literal[
     "body_timeout",  # the request body did not arrive before the deadline
     "unsafe_address",  # the connect-time guard refused the upstream's address
     "no_candidate",  # the cursor ran dry: every remaining candidate was skipped
+    "repeat_budget",  # a repeat (or hedge) at an upstream whose repeat budget is spent
 ]
 UPSTREAM_KINDS = frozenset({"status", "transport", "timeout"})
 
@@ -68,6 +69,10 @@ class Outcome:
 
 
 NO_CANDIDATE = Outcome("no_candidate")
+# The cursor's answer when the next attempt would go back to an upstream already tried and
+# that upstream's budget for repeats and hedges is spent (limits.repeat_allowed): the walk
+# ends here, with the local error, rather than add load to an upstream already failing.
+REPEAT_BUDGET_SPENT = Outcome("repeat_budget")
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +164,8 @@ def decide(outcome: Outcome, state: WalkState) -> Decision:
         if state.attempts_made == 0:
             return Decision("local_error", "route_exhausted", "no candidate could be attempted")
         return _exhausted(state, "no further candidate could be attempted")
+    if outcome.kind == "repeat_budget":
+        return _exhausted(state, "the upstream's budget for repeats is spent")
     if not is_failover_class(outcome, state.failover_status):
         if outcome.kind == "status":
             if (

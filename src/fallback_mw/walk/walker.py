@@ -9,6 +9,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from fallback_mw.capacity import Admission, Ask, CapacityState
+from fallback_mw.capacity.memory import MemoryCapacity
 from fallback_mw.config import GatewayConfig, UpstreamConfig
 from fallback_mw.context import AttemptRecord, RequestBody, RequestContext, SkipRecord, get_context
 from fallback_mw.credentials import CredentialInjector
@@ -18,15 +20,15 @@ from fallback_mw.health import AlwaysHealthy, HealthState
 from fallback_mw.health.pool import retry_after_seconds
 from fallback_mw.plan import candidate_order, is_canary
 from fallback_mw.telemetry import Telemetry
+from fallback_mw.tokens import estimate_tokens
 from fallback_mw.types import ASGIApp, Receive, Scope, Send
 from fallback_mw.upstream import make_client
 from fallback_mw.upstream.base import UpstreamClient, UpstreamResponse
 from fallback_mw.walk.admit import refusal, request_json
 from fallback_mw.walk.attempt import AttemptResult, AttemptRunner
-from fallback_mw.walk.body import read_body
+from fallback_mw.walk.body import declared_length, read_body
 from fallback_mw.walk.cursor import CandidateCursor
 from fallback_mw.walk.decide import (
-    NO_CANDIDATE,
     Decision,
     Outcome,
     WalkState,
@@ -50,6 +52,7 @@ class PlanWalker:
         health: HealthState | None = None,
         faults: FaultSource | None = None,
         telemetry: Telemetry | None = None,
+        capacity: CapacityState | None = None,
     ) -> None:
         self.app = app
         settings = config.gateway
@@ -58,6 +61,7 @@ class PlanWalker:
         self.health: HealthState = health or AlwaysHealthy()
         self.faults: FaultSource = faults or NoFaults()
         self.telemetry = telemetry or Telemetry()
+        self.capacity: CapacityState = capacity or MemoryCapacity(settings.repeat_budget)
         self._hygiene = CredentialInjector(self._walk, config=config)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -97,6 +101,7 @@ class _Walk:
         self.send = send
         self.failover_status = frozenset(self.route.failover_status)
         self.last_response: tuple[str, UpstreamResponse] | None = None
+        self.admissions: dict[str, Admission] = {}  # the latest attempt's, per upstream
 
     async def run(self) -> None:
         context = self.context
@@ -120,6 +125,7 @@ class _Walk:
             self.route, canary=context.canary, pinned=context.pinned
         )
         self.body = body
+        self.ask = _capacity_ask(body.buffered, parsed, declared_length(self.scope))
         self.runner = AttemptRunner(
             context, body, parsed, client=walker.client, faults=walker.faults,
             inject_headers=walker.telemetry.inject_headers,
@@ -128,6 +134,7 @@ class _Walk:
             context.candidates, context.upstreams, walker.health, session=context.session,
             has_credential=lambda n, i: context.credential(n, i) is not None,
             on_skip=_skip_recorder(context, walker.telemetry),  # no cycle back to self
+            capacity=walker.capacity, ask=self.ask,
         )  # fmt: skip
         # A client disconnect cancels the attempt in flight and starts nothing new.
         walk_task = asyncio.current_task()
@@ -178,13 +185,15 @@ class _Walk:
                 await self._act(Outcome("deadline"), None, None, None)
                 return
             pick = await self.cursor.pick()
-            if pick is None:
-                await self._act(NO_CANDIDATE, None, None, None)
+            if pick is None:  # every candidate skipped, or the repeat budget spent
+                await self._act(self.cursor.ended, None, None, None)
                 return
+            self.admissions[pick.name] = pick.admission
             if pick.repeat and self.route.backoff_ms:
                 await asyncio.sleep(min(self.route.backoff_ms / 1000, max(context.remaining, 0)))
                 if context.remaining <= 0:
                     await self.walker.health.release(pick.name)
+                    await self.walker.capacity.cancel(pick.admission)
                     await self._act(Outcome("deadline"), None, None, None)
                     return
             record = self._start_attempt(pick.name, pick.upstream, pick.credential_index)
@@ -232,6 +241,7 @@ class _Walk:
                 self.send, self.context, chosen, kept,
                 max_response_body=self.walker.settings.max_response_body,
             )  # fmt: skip
+            await self._settle_tokens(chosen)
             return True
         if response is not None:
             await response.aclose()
@@ -239,6 +249,18 @@ class _Walk:
             assert decision.error is not None
             await send_error(self.send, self.context, decision.error, self._message(decision))
         return True
+
+    async def _settle_tokens(self, name: str) -> None:
+        """The usage the upstream reported (read by the usage meter as the response went
+        to the client) replaces the estimate counted against its `tpm`."""
+        admission = self.admissions.get(name)
+        usage = self.context.usage
+        if admission is None or not admission.counted:
+            return
+        if usage.input_tokens is None and usage.output_tokens is None:
+            return
+        tokens = (usage.input_tokens or 0) + (usage.output_tokens or 0)
+        await self.walker.capacity.settle(admission, tokens)
 
     async def _keep(self, name: str | None, response: UpstreamResponse) -> None:
         """Keep the newest response (for `on_exhausted = "last_response"`); close the rest."""
@@ -307,6 +329,13 @@ class _Walk:
         credential = await self.cursor.pick_hedge_credential(name, credential_index)
         if credential == -1 or not await self.walker.health.admit(name):
             return None  # e.g. the primary attempt is the half-open probe
+        # A hedge adds load to an upstream already tried: capacity and the repeat budget.
+        admission = await self.walker.capacity.admit(name, self.ask(name, upstream, True))
+        if isinstance(admission, str):
+            await self.walker.health.release(name)
+            self.cursor.on_skip(name, admission)
+            return None
+        self.admissions[name] = admission
         return self._start_attempt(name, upstream, credential, hedge=True)
 
     async def run_attempt(
@@ -337,3 +366,21 @@ def _skip_recorder(context: RequestContext, telemetry: Telemetry) -> Callable[[s
         telemetry.skipped(context, name, reason)
 
     return skip
+
+
+def _capacity_ask(
+    buffered: bytes | None, parsed: dict[str, Any] | None, declared: int | None
+) -> Callable[[str, UpstreamConfig, bool], Ask]:
+    """What an attempt adds to its upstream's counts; the token estimate is made once, and
+    only for an upstream that declares `tpm`."""
+    tokens: list[int] = []
+
+    def ask(name: str, upstream: UpstreamConfig, repeat: bool) -> Ask:
+        if upstream.tpm is None:
+            return Ask(upstream.rpm, None, 0, repeat)
+        if not tokens:
+            size = len(buffered) if buffered is not None else declared
+            tokens.append(estimate_tokens(size or 0, parsed))
+        return Ask(upstream.rpm, upstream.tpm, tokens[0], repeat)
+
+    return ask

@@ -1,0 +1,148 @@
+"""Capacity and repeat-budget counts shared by every gateway process through Redis.
+
+One hash per upstream, fields `r:<second>`, `t:<second>`, `f:<second>`, `p:<second>`
+(requests, tokens, first attempts, repeats). Each admission is one Lua script: read the
+window, decide, count, in one atomic step, so two processes never both take the last
+slot. Time is Redis's own (`TIME`). The key expires after the longest window.
+
+The scripts run on the health state's Redis connections (`RedisHealth.run_script`): if
+Redis cannot be reached this process counts alone (its memory state) until it is back, and
+the outage is logged and counted once, by the health state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fallback_mw.capacity import CAPACITY_WINDOW, Admission, Ask, Refusal
+from fallback_mw.capacity.memory import MemoryCapacity
+from fallback_mw.config import RepeatBudgetConfig
+from fallback_mw.health.redis import RedisHealth
+
+# KEYS[1] the upstream's hash. ARGV: repeat '1'/'0', counted '1'/'0', rpm (-1: none),
+# tpm (-1: none), tokens, percent, min_per_second, window s, keep s, ttl ms.
+# Returns {'ok' | 'capacity' | 'repeat_budget', second}. The budget arithmetic is
+# capacity.repeat_allowed's; the capacity arithmetic capacity.within_capacity's.
+ADMIT = """
+local now = tonumber(redis.call('TIME')[1])
+local window, keep = tonumber(ARGV[8]), tonumber(ARGV[9])
+local fields = redis.call('HGETALL', KEYS[1])
+local requests, tokens, firsts, repeats = 0, 0, 0, 0
+for i = 1, #fields, 2 do
+  local kind, second = string.sub(fields[i], 1, 1), tonumber(string.sub(fields[i], 3))
+  local age, value = now - second, tonumber(fields[i + 1])
+  if age >= keep then
+    redis.call('HDEL', KEYS[1], fields[i])
+  else
+    if age < 60 then
+      if kind == 'r' then requests = requests + value elseif kind == 't' then
+        tokens = tokens + value end
+    end
+    if age < window then
+      if kind == 'f' then firsts = firsts + value elseif kind == 'p' then
+        repeats = repeats + value end
+    end
+  end
+end
+if ARGV[1] == '1' then
+  local allowance = firsts * tonumber(ARGV[6]) / 100 + tonumber(ARGV[7]) * window
+  if repeats + 1 > allowance + 1e-9 then return {'repeat_budget', now} end
+end
+local ask = tonumber(ARGV[5])
+if ARGV[2] == '1' then
+  local rpm, tpm = tonumber(ARGV[3]), tonumber(ARGV[4])
+  if rpm >= 0 and requests + 1 > rpm then return {'capacity', now} end
+  if tpm >= 0 and tokens + ask > tpm then return {'capacity', now} end
+  redis.call('HINCRBY', KEYS[1], 'r:' .. now, 1)
+  redis.call('HINCRBY', KEYS[1], 't:' .. now, ask)
+end
+if ARGV[1] == '1' then
+  redis.call('HINCRBY', KEYS[1], 'p:' .. now, 1)
+else
+  redis.call('HINCRBY', KEYS[1], 'f:' .. now, 1)
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[10])
+return {'ok', now}
+"""
+
+# KEYS[1] the upstream's hash. ARGV: pairs of (field, delta); a field no longer in the
+# window is left alone.
+ADJUST = """
+for i = 1, #ARGV, 2 do
+  if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 1 then
+    redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1])
+  end
+end
+return 0
+"""
+
+
+class RedisCapacity:
+    """The counts in Redis, on the health state's connections (one bounded pool per
+    process, one outage warning): `redis` is the gateway's `RedisHealth`."""
+
+    def __init__(
+        self, redis: RedisHealth, budget: RepeatBudgetConfig, *, owned: bool = False
+    ) -> None:
+        self.redis = redis
+        self.owned = owned  # made for this object alone: closed with it
+        self.budget = budget
+        self.prefix = redis.prefix
+        self.local = MemoryCapacity(budget)
+        self.window = self.local.window
+        self.keep = self.local.keep
+        self.ttl_ms = (self.keep + 5) * 1000
+
+    def _key(self, upstream: str) -> str:
+        return f"{self.prefix}capacity:{upstream}"
+
+    async def admit(self, upstream: str, ask: Ask) -> Admission | Refusal:
+        budget = self.budget
+        result = await self.redis.run_script(
+            "capacity_admit",
+            ADMIT,
+            [self._key(upstream)],
+            [
+                "1" if ask.repeat else "0",
+                "1" if ask.capacity_declared else "0",
+                -1 if ask.rpm is None else ask.rpm,
+                -1 if ask.tpm is None else ask.tpm,
+                ask.tokens,
+                repr(float(budget.percent)),
+                repr(float(budget.min_per_second)),
+                self.window,
+                max(self.keep, CAPACITY_WINDOW),
+                self.ttl_ms,
+            ],
+        )
+        if result is None:  # Redis unreachable: this process counts alone for now
+            return await self.local.admit(upstream, ask)
+        verdict, second = str(result[0]), int(result[1])
+        if verdict == "capacity":
+            return "capacity"
+        if verdict == "repeat_budget":
+            return "repeat_budget"
+        return Admission(upstream, second, ask.tokens, ask.repeat, ask.capacity_declared)
+
+    async def _adjust(self, admission: Admission, deltas: list[tuple[str, int]]) -> None:
+        args: list[Any] = []
+        for kind, delta in deltas:
+            if delta:
+                args += [f"{kind}:{admission.second}", delta]
+        if args:
+            await self.redis.run_script(
+                "capacity_adjust", ADJUST, [self._key(admission.upstream)], args
+            )
+
+    async def settle(self, admission: Admission, tokens: int) -> None:
+        if admission.counted:
+            await self._adjust(admission, [("t", tokens - admission.tokens)])
+
+    async def cancel(self, admission: Admission) -> None:
+        deltas = [("p" if admission.repeat else "f", -1)]
+        if admission.counted:
+            deltas += [("r", -1), ("t", -admission.tokens)]
+        await self._adjust(admission, deltas)
+
+    async def aclose(self) -> None:
+        if self.owned:
+            await self.redis.aclose()

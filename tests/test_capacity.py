@@ -1,0 +1,275 @@
+"""Declared capacity (`rpm`, `tpm`) and the repeat budget, end to end: real upstream
+sockets, the whole Gateway, telemetry from the SDK's in-memory readers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from aiohttp import web
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from fallback_mw import Gateway
+from fallback_mw.telemetry import Telemetry
+from tests.helpers import client_for, free_port, serve_process, wait_listening
+from tests.upstreams import host_app, status_handler, upstream
+
+pytestmark = pytest.mark.anyio
+
+
+class Recorded:
+    def __init__(self) -> None:
+        self.spans = InMemorySpanExporter()
+        self.tracer_provider = TracerProvider(shutdown_on_exit=False)
+        self.tracer_provider.add_span_processor(SimpleSpanProcessor(self.spans))
+        self.reader = InMemoryMetricReader()
+        self.meter_provider = MeterProvider(metric_readers=[self.reader], shutdown_on_exit=False)
+        self.telemetry = Telemetry(
+            tracer_provider=self.tracer_provider, meter_provider=self.meter_provider
+        )
+
+    def skips(self) -> dict[tuple[str, str], int]:
+        found: dict[tuple[str, str], int] = {}
+        data = self.reader.get_metrics_data()
+        for resource in data.resource_metrics if data else ():
+            for scope in resource.scope_metrics:
+                for metric in scope.metrics:
+                    if metric.name == "gateway.skips":
+                        for point in metric.data.data_points:
+                            key = (
+                                str(point.attributes["gateway.candidate"]),
+                                str(point.attributes["gateway.skip.reason"]),
+                            )
+                            found[key] = found.get(key, 0) + point.value
+        return found
+
+    def skip_events(self) -> list[tuple[str, str]]:
+        return [
+            (str(e.attributes["gateway.candidate"]), str(e.attributes["gateway.skip.reason"]))
+            for span in self.spans.get_finished_spans()
+            if span.name == "gateway.request"
+            for e in span.events
+            if e.attributes is not None
+        ]
+
+
+@pytest.fixture
+def recorded() -> Iterator[Recorded]:
+    found = Recorded()
+    yield found
+    found.tracer_provider.shutdown()
+    found.meter_provider.shutdown()
+
+
+NO_BREAKER = {"window": 10_000, "min_calls": 10_000}  # the budget alone limits repeats
+
+
+def limited_backup(limit: int) -> Any:
+    """Like a provider: answers 200 up to `limit` requests, 429 after that."""
+    seen = 0
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        nonlocal seen
+        seen += 1
+        if seen > limit:
+            return web.Response(status=429, text="rate limited")
+        return web.Response(text="backup")
+
+    return handle
+
+
+def config(primary: str, backup: str, **route: Any) -> dict[str, Any]:
+    return {
+        "gateway": {"breaker": {"window": 10, "min_calls": 3, "cooldown_ms": 60_000}},
+        "upstreams": {"primary": {"url": primary}, "backup": {"url": backup, "rpm": 5}},
+        "routes": [
+            {
+                "id": "chat",
+                "prefix": "/v1/",
+                "plan": ["primary", "backup"],
+                "retries": 1,
+                "backoff_ms": 0,
+                "failover_status": [429, 503],
+                **route,
+            }
+        ],
+    }
+
+
+async def test_backup_with_rpm_5_takes_exactly_5_failovers_and_its_breaker_stays_closed(
+    recorded: Recorded,
+) -> None:
+    async with (
+        upstream(status_handler(503)) as primary,
+        upstream(limited_backup(5)) as backup,
+    ):
+        gateway = Gateway(
+            host_app, config=config(primary.url, backup.url), telemetry=recorded.telemetry
+        )
+        try:
+            async with client_for(gateway) as client:
+                responses = [await client.get("/v1/chat") for _ in range(12)]
+            breaker_admits = await gateway.services.health.admit("backup")
+        finally:
+            await gateway.aclose()
+    assert backup.count == 5  # a sixth would have been a 429 that opens its breaker
+    served = [r for r in responses if r.status_code == 200]
+    refused = [r for r in responses if r.status_code != 200]
+    assert len(served) == 5 and all(r.text == "backup" for r in served)
+    assert len(refused) == 7
+    for response in refused:
+        # the local error: the primary failed again (502), or its breaker opened and
+        # nothing could be attempted (503)
+        code = response.json()["error"]["code"]
+        assert (response.status_code, code) in {(502, "upstream_failed"), (503, "route_exhausted")}
+        assert "backup" not in response.text  # never the upstream's body
+    assert breaker_admits and recorded.telemetry.breaker_states().get("backup") != "open"
+    assert recorded.skips()[("backup", "capacity")] == 7
+    assert recorded.skip_events().count(("backup", "capacity")) == 7
+
+
+async def test_nothing_attempted_is_route_exhausted(recorded: Recorded) -> None:
+    async with upstream(status_handler(200, b"only")) as only:
+        conf = {
+            "upstreams": {"only": {"url": only.url, "rpm": 2}},
+            "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["only"]}],
+        }
+        gateway = Gateway(host_app, config=conf, telemetry=recorded.telemetry)
+        try:
+            async with client_for(gateway) as client:
+                responses = [await client.get("/v1/chat") for _ in range(3)]
+        finally:
+            await gateway.aclose()
+    assert [r.status_code for r in responses] == [200, 200, 503]
+    assert responses[2].json()["error"]["code"] == "route_exhausted"
+    assert responses[2].headers["x-gateway-attempts"] == "0"
+    assert only.count == 2
+    assert recorded.skip_events() == [("only", "capacity")]
+
+
+async def test_tpm_counts_the_request_estimate(recorded: Recorded) -> None:
+    async with upstream(status_handler(200, b"ok")) as only:
+        conf = {
+            "upstreams": {"only": {"url": only.url, "tpm": 1000}},
+            "routes": [
+                {
+                    "id": "chat",
+                    "prefix": "/v1/",
+                    "plan": ["only"],
+                    "replayable_methods": ["POST"],
+                }
+            ],
+        }
+        gateway = Gateway(host_app, config=conf, telemetry=recorded.telemetry)
+        try:
+            async with client_for(gateway) as client:
+                body = {"model": "m", "max_tokens": 400, "messages": []}
+                statuses = [
+                    (await client.post("/v1/chat", json=body)).status_code for _ in range(3)
+                ]
+        finally:
+            await gateway.aclose()
+    # ~10 input tokens + 400 output tokens each: two fit in 1000, the third does not.
+    assert statuses == [200, 200, 503]
+    assert only.count == 2
+
+
+async def test_repeats_under_load_stay_within_the_budget(recorded: Recorded) -> None:
+    budget = {"percent": 20, "min_per_second": 0.5, "window_ms": 10_000}
+    async with upstream(status_handler(503)) as primary:
+        conf = {
+            "gateway": {"repeat_budget": budget, "breaker": NO_BREAKER},
+            "upstreams": {"primary": {"url": primary.url}},
+            "routes": [
+                {"id": "chat", "prefix": "/v1/", "plan": ["primary"], "retries": 5,
+                 "backoff_ms": 0}
+            ],
+        }  # fmt: skip
+        gateway = Gateway(host_app, config=conf, telemetry=recorded.telemetry)
+        try:
+            async with client_for(gateway) as client:
+                responses = await asyncio.gather(*(client.get("/v1/chat") for _ in range(40)))
+        finally:
+            await gateway.aclose()
+    assert all(r.status_code == 502 for r in responses)
+    assert {r.json()["error"]["code"] for r in responses} == {"upstream_failed"}
+    repeats = primary.count - 40
+    assert 0 < repeats <= 40 * 0.2 + 0.5 * 10  # without the budget: 200 repeats
+    assert recorded.skips()[("primary", "repeat_budget")] >= 1
+
+
+async def test_without_the_budget_every_repeat_runs(recorded: Recorded) -> None:
+    # The negative control for the test above: a generous budget changes the count.
+    budget = {"percent": 1000, "min_per_second": 1000}
+    async with upstream(status_handler(503)) as primary:
+        conf = {
+            "gateway": {"repeat_budget": budget, "breaker": NO_BREAKER},
+            "upstreams": {"primary": {"url": primary.url}},
+            "routes": [
+                {"id": "chat", "prefix": "/v1/", "plan": ["primary"], "retries": 5,
+                 "backoff_ms": 0}
+            ],
+        }  # fmt: skip
+        gateway = Gateway(host_app, config=conf, telemetry=recorded.telemetry)
+        try:
+            async with client_for(gateway) as client:
+                await asyncio.gather(*(client.get("/v1/chat") for _ in range(40)))
+        finally:
+            await gateway.aclose()
+    assert primary.count == 40 * 6
+
+
+@pytest.mark.e2e
+async def test_two_gateway_processes_share_the_count_through_redis(
+    redis_url: str, tmp_path: Path
+) -> None:
+    async with upstream(status_handler(503)) as primary, upstream(limited_backup(5)) as backup:
+        path = tmp_path / "gateway.toml"
+        path.write_text(
+            f"""
+[gateway]
+state = "{redis_url}"
+
+[upstreams.primary]
+url = "{primary.url}"
+
+[upstreams.backup]
+url = "{backup.url}"
+rpm = 5
+
+[[routes]]
+id = "chat"
+prefix = "/v1/"
+plan = ["primary", "backup"]
+retries = 1
+backoff_ms = 0
+failover_status = [429, 503]
+"""
+        )
+        ports = [free_port(), free_port()]
+        logs = [tmp_path / "one.log", tmp_path / "two.log"]
+        with ExitStack() as stack:
+            processes = [
+                stack.enter_context(serve_process(path, port, log))
+                for port, log in zip(ports, logs, strict=True)
+            ]
+            for process, port, log in zip(processes, ports, logs, strict=True):
+                await wait_listening(process, port, log)
+            async with httpx.AsyncClient(timeout=10) as client:
+                statuses = [
+                    (await client.get(f"http://127.0.0.1:{port}/v1/chat")).status_code
+                    for _ in range(4)
+                    for port in ports
+                ]
+    assert backup.count == 5  # 4 + 4 failovers, 5 slots between the two processes
+    assert sorted(statuses)[:5] == [200] * 5
+    assert all(status in (502, 503) for status in sorted(statuses)[5:])

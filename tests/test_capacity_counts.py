@@ -1,0 +1,149 @@
+"""The counters beside health (limits/): declared capacity over a rolling minute and the
+budget for repeats, in memory with a controlled clock and shared through the real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from fallback_mw.capacity import Admission, Ask, repeat_allowed
+from fallback_mw.capacity.memory import MemoryCapacity
+from fallback_mw.capacity.redis import RedisCapacity
+from fallback_mw.config import RepeatBudgetConfig
+from fallback_mw.health.redis import RedisHealth
+
+pytestmark = pytest.mark.anyio
+
+BUDGET = RepeatBudgetConfig(percent=20, min_per_second=0.5, window_ms=10_000)
+
+
+def shared(url: str) -> RedisCapacity:
+    """A process's Redis counts (on a health state of their own, as `create_capacity`
+    makes them when the gateway's health is not a RedisHealth)."""
+    return RedisCapacity(RedisHealth(url), BUDGET, owned=True)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def ask(
+    *, rpm: int | None = None, tpm: int | None = None, tokens: int = 0, repeat: bool = False
+) -> Ask:
+    return Ask(rpm, tpm, tokens, repeat)
+
+
+async def test_rpm_is_a_rolling_minute() -> None:
+    clock = Clock()
+    limits = MemoryCapacity(BUDGET, clock=clock)
+    verdicts = [await limits.admit("backup", ask(rpm=5)) for _ in range(7)]
+    assert [isinstance(v, Admission) for v in verdicts] == [True] * 5 + [False] * 2
+    assert verdicts[5] == "capacity"
+    clock.now += 59  # the five are still inside the minute
+    assert await limits.admit("backup", ask(rpm=5)) == "capacity"
+    clock.now += 1  # now they are not
+    assert isinstance(await limits.admit("backup", ask(rpm=5)), Admission)
+    # Another upstream has its own count; an undeclared limit is never refused.
+    others = [await limits.admit("other", ask()) for _ in range(100)]
+    assert all(isinstance(v, Admission) for v in others)
+
+
+async def test_tpm_counts_the_estimate_then_the_reported_usage() -> None:
+    limits = MemoryCapacity(BUDGET, clock=Clock())
+    first = await limits.admit("backup", ask(tpm=1000, tokens=600))
+    assert isinstance(first, Admission)
+    assert await limits.admit("backup", ask(tpm=1000, tokens=600)) == "capacity"
+    await limits.settle(first, 100)  # the upstream reported 100 tokens
+    assert isinstance(await limits.admit("backup", ask(tpm=1000, tokens=600)), Admission)
+    # An estimate larger than the whole limit is never admitted (the provider would not).
+    assert await MemoryCapacity(BUDGET).admit("x", ask(tpm=1000, tokens=1001)) == "capacity"
+
+
+async def test_a_cancelled_admission_gives_its_slot_back() -> None:
+    limits = MemoryCapacity(BUDGET, clock=Clock())
+    admitted = await limits.admit("backup", ask(rpm=1))
+    assert isinstance(admitted, Admission)
+    assert await limits.admit("backup", ask(rpm=1)) == "capacity"
+    await limits.cancel(admitted)
+    assert isinstance(await limits.admit("backup", ask(rpm=1)), Admission)
+
+
+def test_the_budget_arithmetic() -> None:
+    # 20 % of 100 first attempts plus 0.5/s over 10 s: 25 repeats.
+    assert repeat_allowed(100, 24, BUDGET)
+    assert not repeat_allowed(100, 25, BUDGET)
+    assert repeat_allowed(0, 4, BUDGET) and not repeat_allowed(0, 5, BUDGET)  # the floor
+    off = RepeatBudgetConfig(percent=0, min_per_second=0)
+    assert not repeat_allowed(1000, 0, off)
+
+
+async def test_repeats_stay_within_the_budget_and_recover_with_the_window() -> None:
+    clock = Clock()
+    limits = MemoryCapacity(BUDGET, clock=clock)
+    for _ in range(50):
+        assert isinstance(await limits.admit("primary", ask()), Admission)
+    granted = 0
+    while isinstance(await limits.admit("primary", ask(repeat=True)), Admission):
+        granted += 1
+        assert granted < 1000
+    assert granted == 15  # 50 * 20 % + 0.5 * 10
+    # Moving to a different upstream is never limited by it.
+    assert isinstance(await limits.admit("backup", ask()), Admission)
+    clock.now += 10  # the window slid past all of it
+    assert isinstance(await limits.admit("primary", ask(repeat=True)), Admission)
+
+
+async def test_two_processes_share_the_count_through_redis(redis_url: str) -> None:
+    one, two = shared(redis_url), shared(redis_url)
+    try:
+        verdicts = await asyncio.gather(
+            *(limits.admit("backup", ask(rpm=5)) for limits in (one, two) for _ in range(6))
+        )
+        assert sum(isinstance(v, Admission) for v in verdicts) == 5
+        assert verdicts.count("capacity") == 7
+        # tokens: one counts, the other sees it; a settlement corrects it for both
+        first = await one.admit("tok", ask(tpm=1000, tokens=700))
+        assert isinstance(first, Admission)
+        assert await two.admit("tok", ask(tpm=1000, tokens=700)) == "capacity"
+        await one.settle(first, 200)
+        assert isinstance(await two.admit("tok", ask(tpm=1000, tokens=700)), Admission)
+        # the repeat budget: the floor (5) shared by both
+        repeats = await asyncio.gather(
+            *(limits.admit("primary", ask(repeat=True)) for limits in (one, two) for _ in range(5))
+        )
+        assert sum(isinstance(v, Admission) for v in repeats) == 5
+        assert repeats.count("repeat_budget") == 5
+    finally:
+        await one.aclose()
+        await two.aclose()
+
+
+async def test_redis_keys_expire(redis_url: str) -> None:
+    import redis.asyncio as aioredis
+
+    limits = shared(redis_url)
+    client = aioredis.Redis(host="127.0.0.1", port=6379)
+    try:
+        assert isinstance(await limits.admit("backup", ask(rpm=5)), Admission)
+        keys = [k async for k in client.scan_iter(match=limits.prefix + "*")]
+        assert keys
+        for key in keys:
+            ttl = await client.pttl(key)
+            assert 0 < ttl <= 65_000
+    finally:
+        await limits.aclose()
+        await client.aclose()
+
+
+async def test_redis_unreachable_counts_locally() -> None:
+    limits = shared("redis://127.0.0.1:1/0")  # nothing listens there
+    try:
+        verdicts = [await limits.admit("backup", ask(rpm=2)) for _ in range(3)]
+        assert [isinstance(v, Admission) for v in verdicts] == [True, True, False]
+    finally:
+        await limits.aclose()
