@@ -116,6 +116,30 @@ class UsageRecord:
     duration_ms: float | None = None  # first byte in to last byte out, when measured
 
 
+@dataclass(frozen=True, slots=True)
+class MinuteUsage:
+    """One route's routed requests in one UTC minute (capacity planning)."""
+
+    route: str
+    minute: datetime  # the minute's start, UTC
+    requests: int
+    tokens: int  # input + output tokens, as the upstreams reported them
+    metered: int  # requests whose usage was reported (tokens are known for these only)
+
+
+def minute_usage(records: list[UsageRecord]) -> list[MinuteUsage]:
+    """Records grouped by route and UTC minute (what the SQL ledgers do in SQL)."""
+    groups: dict[tuple[str, datetime], list[int]] = {}
+    for record in records:
+        minute = record.at.astimezone(UTC).replace(second=0, microsecond=0)
+        counts = groups.setdefault((record.route, minute), [0, 0, 0])
+        counts[0] += 1
+        if record.input_tokens is not None or record.output_tokens is not None:
+            counts[1] += (record.input_tokens or 0) + (record.output_tokens or 0)
+            counts[2] += 1
+    return [MinuteUsage(route, minute, *counts) for (route, minute), counts in groups.items()]
+
+
 class Ledger(Protocol):
     async def hold(self, budget_id: str, budget: BudgetConfig, amount: Decimal) -> Hold | None:
         """Atomically reserve `amount`; None when that would pass the limit."""
@@ -155,6 +179,10 @@ class Ledger(Protocol):
         limit: int = 1000,
     ) -> list[UsageRecord]: ...
 
+    async def usage_per_minute(self, *, since: datetime) -> list[MinuteUsage]:
+        """Every route's requests and reported tokens per UTC minute since `since`."""
+        ...
+
     async def aclose(self) -> None: ...
 
 
@@ -181,6 +209,7 @@ __all__ = [
     "Hold",
     "Ledger",
     "LedgerUnavailable",
+    "MinuteUsage",
     "UsageRecord",
     "window_kind",
     "window_start",

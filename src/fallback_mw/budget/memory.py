@@ -9,7 +9,15 @@ from datetime import datetime
 from decimal import Decimal
 
 from fallback_mw.budget.cost import from_units, to_units
-from fallback_mw.budget.ledger import BudgetStatus, Hold, UsageRecord, window_kind, window_start
+from fallback_mw.budget.ledger import (
+    BudgetStatus,
+    Hold,
+    MinuteUsage,
+    UsageRecord,
+    minute_usage,
+    window_kind,
+    window_start,
+)
 from fallback_mw.config import BudgetConfig
 
 USAGE_KEPT = 10_000  # the newest usage records; memory must stay bounded
@@ -89,6 +97,9 @@ class MemoryLedger:
             and (tenant is None or r.tenant == tenant)
         ]
         return found[-limit:]
+
+    async def usage_per_minute(self, *, since: datetime) -> list[MinuteUsage]:
+        return minute_usage([r for r in self._usage if r.at >= since])
 
     async def aclose(self) -> None:
         return None

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any, TypeVar
 
@@ -27,6 +27,7 @@ from fallback_mw.budget.ledger import (
     BudgetStatus,
     Hold,
     LedgerUnavailable,
+    MinuteUsage,
     UsageRecord,
     window_kind,
     window_start,
@@ -274,6 +275,24 @@ class PostgresLedger(SQLLedgerBase):
                 *params,
             )
             return [usage_from_row(r[0], list(r.values())[1:]) for r in reversed(rows)]
+
+        return await self._run(work)
+
+    async def usage_per_minute(self, *, since: datetime) -> list[MinuteUsage]:
+        async def work(pool: asyncpg.Pool) -> list[MinuteUsage]:
+            rows = await pool.fetch(
+                "SELECT route, date_trunc('minute', at AT TIME ZONE 'UTC') AS minute, "
+                "COUNT(*), SUM(COALESCE(input_tokens, 0) + COALESCE(output_tokens, 0)), "
+                "SUM(CASE WHEN input_tokens IS NULL AND output_tokens IS NULL THEN 0 "
+                "ELSE 1 END) FROM fmw_usage WHERE at >= $1 GROUP BY route, minute",
+                since,
+            )
+            return [
+                MinuteUsage(
+                    str(r[0]), r[1].replace(tzinfo=UTC), int(r[2]), int(r[3] or 0), int(r[4] or 0)
+                )
+                for r in rows
+            ]
 
         return await self._run(work)
 

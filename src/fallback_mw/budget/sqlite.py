@@ -21,6 +21,7 @@ from fallback_mw.budget.ledger import (
     BudgetStatus,
     Hold,
     LedgerUnavailable,
+    MinuteUsage,
     UsageRecord,
     window_kind,
     window_start,
@@ -243,6 +244,22 @@ class SQLiteLedger(SQLLedgerBase):
 
         return await self._run(work)
 
+    async def usage_per_minute(self, *, since: datetime) -> list[MinuteUsage]:
+        def work(conn: sqlite3.Connection) -> list[MinuteUsage]:
+            rows = conn.execute(_PER_MINUTE, (encode_sqlite_time(since),)).fetchall()
+            return [
+                MinuteUsage(
+                    str(route),
+                    datetime.fromisoformat(str(minute)).replace(tzinfo=UTC),
+                    int(requests),
+                    int(tokens or 0),
+                    int(metered or 0),
+                )
+                for route, minute, requests, tokens, metered in rows
+            ]
+
+        return await self._run(work)
+
     async def aclose(self) -> None:
         def close() -> None:
             with self._lock:
@@ -251,6 +268,15 @@ class SQLiteLedger(SQLLedgerBase):
                     self._conn = None
 
         await anyio.to_thread.run_sync(close)
+
+
+# `at` is stored as 2026-11-30T12:34:56.123456Z: its first 16 characters are the minute.
+_PER_MINUTE = (
+    "SELECT route, substr(at, 1, 16), COUNT(*), "
+    "SUM(COALESCE(input_tokens, 0) + COALESCE(output_tokens, 0)), "
+    "SUM(CASE WHEN input_tokens IS NULL AND output_tokens IS NULL THEN 0 ELSE 1 END) "
+    "FROM fmw_usage WHERE at >= ? GROUP BY route, substr(at, 1, 16)"
+)
 
 
 class _immediate:

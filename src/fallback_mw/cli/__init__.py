@@ -11,6 +11,7 @@ from typing import TextIO
 
 from fallback_mw.cli import (
     budgets,
+    capacity,
     check,
     demo,
     evaluate,
@@ -32,7 +33,9 @@ from fallback_mw.cli.app import (
     dispatch,
 )
 
-VERBS = (serve, demo, check, request, routes, faults, budgets, usage, evaluate, gameday)
+VERBS = (
+    serve, demo, check, request, routes, faults, budgets, usage, capacity, evaluate, gameday,
+)  # fmt: skip
 
 
 def build_parser() -> Parser:

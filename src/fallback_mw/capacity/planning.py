@@ -1,0 +1,109 @@
+"""Capacity planning: each route's observed peak per minute against what its fallbacks
+declare they accept (`fallback-mw capacity`).
+
+A full failover at peak sends a fallback everything the primary carried in its busiest
+minute. For each route and each fallback this compares the route's peak requests and
+tokens per minute (from the usage records) with the fallback's `rpm` and `tpm`:
+`ratio = peak / limit`, and the fallback carries the peak when `peak x margin <= limit`.
+A limit that is not declared, or a peak that was never observed, is unknown: reported as
+such, never as fine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Literal
+
+from fallback_mw.budget import MinuteUsage
+from fallback_mw.config import RouteConfig, UpstreamConfig
+
+Verdict = Literal["carries", "cannot_carry", "unknown"]
+
+
+@dataclass(frozen=True, slots=True)
+class Peak:
+    """A route's busiest minute, for requests and for tokens (not always the same one)."""
+
+    requests: int = 0
+    requests_at: datetime | None = None
+    tokens: int | None = None  # None: no request in the window reported usage
+    tokens_at: datetime | None = None
+    metered_share: float = 0.0  # share of the window's requests that reported usage
+
+
+def peaks(minutes: Iterable[MinuteUsage]) -> dict[str, Peak]:
+    by_route: dict[str, list[MinuteUsage]] = {}
+    for minute in minutes:
+        by_route.setdefault(minute.route, []).append(minute)
+    found: dict[str, Peak] = {}
+    for route, rows in by_route.items():
+        busiest = max(rows, key=lambda m: (m.requests, m.minute))
+        metered = [m for m in rows if m.metered]
+        heaviest = max(metered, key=lambda m: (m.tokens, m.minute)) if metered else None
+        total = sum(m.requests for m in rows)
+        found[route] = Peak(
+            requests=busiest.requests,
+            requests_at=busiest.minute,
+            tokens=heaviest.tokens if heaviest else None,
+            tokens_at=heaviest.minute if heaviest else None,
+            metered_share=sum(m.metered for m in rows) / total if total else 0.0,
+        )
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class Dimension:
+    """One limit (requests or tokens per minute) of one fallback against the peak."""
+
+    peak: int | None
+    limit: int | None
+
+    @property
+    def ratio(self) -> float | None:
+        if self.peak is None or self.limit is None:
+            return None
+        return self.peak / self.limit
+
+    def verdict(self, margin: float) -> Verdict:
+        if self.peak is None or self.limit is None:
+            return "unknown"
+        return "carries" if self.peak * margin <= self.limit else "cannot_carry"
+
+
+@dataclass(frozen=True, slots=True)
+class FallbackReport:
+    name: str
+    requests: Dimension
+    tokens: Dimension
+    verdict: Verdict
+
+
+@dataclass(frozen=True, slots=True)
+class RouteReport:
+    route: str
+    primary: str
+    peak: Peak | None  # None: no usage record in the window
+    fallbacks: tuple[FallbackReport, ...]
+
+
+def assess(
+    route: RouteConfig,
+    upstreams: Mapping[str, UpstreamConfig],
+    peak: Peak | None,
+    margin: float,
+) -> RouteReport:
+    reports = []
+    for name in route.plan[1:]:
+        upstream = upstreams[name]
+        requests = Dimension(peak.requests if peak else None, upstream.rpm)
+        tokens = Dimension(peak.tokens if peak else None, upstream.tpm)
+        verdicts = {requests.verdict(margin), tokens.verdict(margin)}
+        if "cannot_carry" in verdicts:
+            verdict: Verdict = "cannot_carry"
+        elif "unknown" in verdicts:
+            verdict = "unknown"
+        else:
+            verdict = "carries"
+        reports.append(FallbackReport(name, requests, tokens, verdict))
+    return RouteReport(route.id, route.plan[0], peak, tuple(reports))

@@ -1,0 +1,166 @@
+"""`fallback-mw capacity`: the primary's peak minute from real usage records (SQLite and
+the real PostgreSQL) against each fallback's declared rpm / tpm, through `main`."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import anyio
+import pytest
+
+from fallback_mw.budget import UsageRecord, open_ledger
+from fallback_mw.cli import main
+
+
+def write_config(tmp_path: Path, store: str, backup_tpm: int = 200_000) -> Path:
+    path = tmp_path / "gateway.toml"
+    path.write_text(
+        f"""
+[gateway]
+store = "{store}"
+
+[upstreams.primary]
+url = "http://127.0.0.1:9001"
+auth_env = "PRIMARY_KEY_NOT_SET_HERE"
+
+[upstreams.backup]
+url = "http://127.0.0.1:9002"
+rpm = 600
+tpm = {backup_tpm}
+
+[upstreams.search]
+url = "http://127.0.0.1:9003"
+
+[upstreams.spare]
+url = "http://127.0.0.1:9004"
+
+[[routes]]
+id = "chat"
+prefix = "/v1/"
+plan = ["primary", "backup"]
+retries = 1
+
+[[routes]]
+id = "search"
+prefix = "/search/"
+plan = ["search", "spare"]
+retries = 1
+""",
+        encoding="utf-8",
+    )
+    return path
+
+
+async def seed(store: str) -> None:
+    ledger = open_ledger(store)
+    now = datetime.now(UTC)
+    peak = (now - timedelta(hours=2)).replace(second=0, microsecond=0)
+    quiet = peak - timedelta(minutes=30)
+    try:
+        for i in range(11):  # the peak minute: 11 requests, 1,100,000 tokens
+            await ledger.record_usage(
+                UsageRecord(request_id=f"p{i}", route="chat", tenant="t",
+                            at=peak + timedelta(seconds=i * 5), input_tokens=60_000,
+                            output_tokens=40_000)
+            )  # fmt: skip
+        for i in range(3):  # a quieter minute, and a request without reported usage
+            await ledger.record_usage(
+                UsageRecord(request_id=f"q{i}", route="chat", tenant="t",
+                            at=quiet + timedelta(seconds=i), input_tokens=1000 if i else None,
+                            output_tokens=10 if i else None)
+            )  # fmt: skip
+        # Older than --since: bigger, and ignored.
+        await ledger.record_usage(
+            UsageRecord(request_id="old", route="chat", tenant="t", at=now - timedelta(days=9),
+                        input_tokens=9_000_000, output_tokens=0)
+        )  # fmt: skip
+        for i in range(4):
+            await ledger.record_usage(
+                UsageRecord(request_id=f"s{i}", route="search", tenant="t",
+                            at=peak + timedelta(seconds=i))
+            )  # fmt: skip
+    finally:
+        await ledger.aclose()
+
+
+async def cli(*argv: str) -> int:
+    status: int = await anyio.to_thread.run_sync(main, list(argv))
+    return status
+
+
+@pytest.mark.anyio
+async def test_capacity_prints_the_ratio_and_exits_1_when_a_backup_cannot_carry(
+    ledger_store: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await seed(ledger_store)
+    config = write_config(tmp_path, ledger_store)
+    capsys.readouterr()
+    assert await cli("capacity", "--config", str(config), "--since", "7d") == 1
+    out = capsys.readouterr().out
+    chat = next(line for line in out.splitlines() if line.startswith("chat "))
+    assert chat.split() == [
+        "chat", "primary", "11", "1,100,000", "backup", "600", "0.02x", "200,000", "5.50x",
+        "CANNOT", "CARRY",
+    ]  # fmt: skip
+    assert "a full failover at peak" in out and "sends backup 5.5x its token limit" in out
+    assert "it needs tpm >= 1,320,000" in out  # 1.1M x margin 1.2
+    # A fallback that declares nothing is unknown, never fine.
+    search = next(line for line in out.splitlines() if line.startswith("search "))
+    assert search.split()[-1] == "unknown"
+    assert "spare declares no rpm" in out
+    assert "PRIMARY_KEY" not in out  # names of secrets are not its business either
+
+    assert await cli("capacity", "--config", str(config), "--json", "--margin", "1") == 1
+    report = json.loads(capsys.readouterr().out)
+    (chat_json,) = [r for r in report["routes"] if r["route"] == "chat"]
+    assert chat_json["peak"]["requests"] == 11 and chat_json["peak"]["tokens"] == 1_100_000
+    (backup,) = chat_json["fallbacks"]
+    assert backup["tokens"]["ratio"] == pytest.approx(5.5)
+    assert backup["requests"]["verdict"] == "carries"
+    assert backup["verdict"] == "cannot_carry"
+
+
+@pytest.mark.anyio
+async def test_a_backup_that_carries_the_peak_exits_0_and_strict_counts_unknowns(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = f"sqlite:///{tmp_path / 'gw.db'}"
+    await seed(store)
+    config = write_config(tmp_path, store, backup_tpm=1_400_000)
+    assert await cli("capacity", "--config", str(config)) == 0  # 1.1M x 1.2 <= 1.4M
+    out = capsys.readouterr().out
+    assert "carries" in next(line for line in out.splitlines() if line.startswith("chat "))
+    assert await cli("capacity", "--config", str(config), "--margin", "1.3") == 1
+    capsys.readouterr()
+    # search's fallback declares nothing: unknown, which --strict does not accept.
+    assert await cli("capacity", "--config", str(config), "--strict") == 1
+    # A window with no traffic: nothing observed is unknown too.
+    assert await cli("capacity", "--config", str(config), "--since", "1m") == 0
+    out = capsys.readouterr().out
+    assert "no traffic" in out and "unknown" in out
+
+
+def test_bad_invocations_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    store = f"sqlite:///{tmp_path / 'gw.db'}"
+    config = write_config(tmp_path, store)
+    assert main(["capacity", "--config", str(config), "--margin", "-1"]) == 2
+    assert main(["capacity", "--config", str(config), "--margin", "lots"]) == 2
+    assert main(["capacity", "--config", str(config), "--since", "a while"]) == 2
+    assert main(["capacity", "--store", "redis://127.0.0.1/0"]) == 2
+    bare = tmp_path / "bare.toml"
+    bare.write_text("[gateway]\n", encoding="utf-8")
+    assert main(["capacity", "--config", str(bare)]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 5 and all(line.startswith("fallback-mw: error: ") for line in lines)
+    assert "Traceback" not in err
+
+
+def test_an_unreachable_store_exits_1_without_its_password(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["capacity", "--store", "postgresql://postgres:pw-secret@127.0.0.1:1/x"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("fallback-mw: error: ") and "pw-secret" not in err
