@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from fallback_mw.capacity import (
+from fallback_mw.capacity.model import (
     CAPACITY_WINDOW,
     Admission,
     Ask,

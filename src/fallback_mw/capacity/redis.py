@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from fallback_mw.capacity import CAPACITY_WINDOW, Admission, Ask, Refusal
 from fallback_mw.capacity.memory import MemoryCapacity
+from fallback_mw.capacity.model import CAPACITY_WINDOW, Admission, Ask, Refusal
 from fallback_mw.config import RepeatBudgetConfig
 from fallback_mw.health.redis import RedisHealth
 

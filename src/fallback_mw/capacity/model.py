@@ -1,0 +1,71 @@
+"""The capacity state's interface and its arithmetic (the backends import this, never the
+package, so the package may import them without a cycle)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Protocol
+
+if TYPE_CHECKING:
+
+    from fallback_mw.config import RepeatBudgetConfig
+
+CAPACITY_WINDOW = 60  # seconds: rpm and tpm are per rolling minute
+
+Refusal = Literal["capacity", "repeat_budget"]
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """What one attempt would add to its upstream's counts."""
+
+    rpm: int | None  # the upstream's declared limits (None: not declared)
+    tpm: int | None
+    tokens: int  # the estimate counted against `tpm` until the real usage is known
+    repeat: bool  # back to an upstream already tried in this request, or a hedge
+
+    @property
+    def capacity_declared(self) -> bool:
+        return self.rpm is not None or self.tpm is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """An attempt as counted: enough to correct its tokens or take it back."""
+
+    upstream: str
+    second: int  # the one-second bucket it was counted in (the store's clock)
+    tokens: int
+    repeat: bool
+    counted: bool  # counted against declared capacity
+
+
+def within_capacity(requests: int, tokens: int, ask: Ask) -> bool:
+    """One more request of `ask.tokens` stays within the declared limits of the minute."""
+    if ask.rpm is not None and requests + 1 > ask.rpm:
+        return False
+    return ask.tpm is None or tokens + ask.tokens <= ask.tpm
+
+
+def repeat_allowed(firsts: int, repeats: int, budget: RepeatBudgetConfig) -> bool:
+    """Finagle's RetryBudget: one more repeat stays within `percent` of the first attempts
+    in the window plus a floor of `min_per_second` over the window. (The Redis script
+    repeats this arithmetic inside its atomic step.)"""
+    window = budget.window_ms / 1000
+    allowance = firsts * budget.percent / 100 + budget.min_per_second * window
+    return repeats + 1 <= allowance + 1e-9
+
+
+class CapacityState(Protocol):
+    async def admit(self, upstream: str, ask: Ask) -> Admission | Refusal: ...
+
+    async def settle(self, admission: Admission, tokens: int) -> None:
+        """The upstream reported `tokens` for this attempt: it replaces the estimate."""
+        ...
+
+    async def cancel(self, admission: Admission) -> None:
+        """The admitted attempt was not made after all (e.g. the deadline passed during
+        the backoff): take it back."""
+        ...
+
+    async def aclose(self) -> None: ...
