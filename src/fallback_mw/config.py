@@ -178,6 +178,8 @@ class RouteConfig(_Strict):
     hedge_after_ms: int = Field(0, ge=0)
     canary_percent: float = Field(0.0, ge=0.0, le=100.0)
     canary_eligible: bool = False
+    shadow: str | None = None  # an upstream that gets copies of the slice, answer discarded
+    shadow_percent: float = Field(0.0, ge=0.0, le=100.0)
 
     @field_validator("prefix")
     @classmethod
@@ -260,6 +262,7 @@ def check_environment(config: GatewayConfig, environ: Mapping[str, str]) -> None
     """Every referenced credential variable must be set and usable. Only the name is
     ever printed."""
     used = {name for route in config.routes for name in route.plan}
+    used |= {route.shadow for route in config.routes if route.shadow is not None}
     for name, upstream in config.upstreams.items():
         if name not in used:
             continue

@@ -57,6 +57,7 @@ class Gateway:
             faults=services.faults,
             telemetry=services.telemetry,
             capacity=services.capacity,
+            shadows=services.shadows,
         )
         injector = CredentialInjector(walker, config=self.config, environ=environ)
         guard = BudgetGuard(injector, config=self.config, ledger=services.ledger)

@@ -52,6 +52,9 @@ class RouteShape(Protocol):
     @property
     def hedge_after_ms(self) -> int: ...
 
+    @property
+    def shadow(self) -> str | None: ...
+
 
 def origin(url: str) -> tuple[str, str, int, str]:
     """The endpoint a URL names, however spelled: scheme and host lower case, the default
@@ -115,6 +118,16 @@ def check_route(
             raise ConfigError(
                 f"{label}: fallback {name!r} is the primary's own endpoint ({primary_url}); "
                 "use a credential pool for several keys of one upstream"
+            )
+    if route.shadow is not None:
+        if route.shadow not in upstreams:
+            raise ConfigError(f"{label}: unknown shadow upstream {route.shadow!r}")
+        if route.shadow == route.plan[0] or same_endpoint(
+            upstreams[route.shadow].url, primary_url
+        ):
+            raise ConfigError(
+                f"{label}: shadow {route.shadow!r} is the primary: its copies would double "
+                "the primary's own load"
             )
     fallbacks = len(route.plan) - 1
     if fallbacks > route.retries:

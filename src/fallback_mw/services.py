@@ -15,6 +15,7 @@ from fallback_mw.health import HealthState, create_health
 from fallback_mw.routing import RouteTable
 from fallback_mw.telemetry import Telemetry
 from fallback_mw.upstream import UpstreamClient, make_client
+from fallback_mw.walk.shadow import ShadowTraffic
 
 if TYPE_CHECKING:
     from opentelemetry.metrics import MeterProvider
@@ -32,8 +33,11 @@ class Services:
     table: Callable[[], RouteTable]
     capacity: CapacityState | None = None  # capacity and repeat-budget counts
     store: StoreRuntime | None = None  # route/fault reloader when gateway.store is set
+    shadows: ShadowTraffic | None = None  # shadow copies in flight
 
     async def aclose(self) -> None:
+        if self.shadows is not None:
+            await self.shadows.aclose()  # before the client their connections belong to
         if self.store is not None:
             await self.store.aclose()
         await self.client.aclose()
@@ -77,19 +81,24 @@ def build_services(
         on_transition=telemetry.breaker_state,
         meter_provider=telemetry.meter_provider,
     )
+    client = client or make_client(settings.engine, allow_hosts=settings.allow_hosts)
+    faults = faults or (runtime.faults if runtime is not None else NoFaults())
+    capacity = capacity or create_capacity(
+        settings.state, settings.repeat_budget, health=health,
+        meter_provider=telemetry.meter_provider,
+    )  # fmt: skip
+    shadows = ShadowTraffic(
+        client=client, health=health, capacity=capacity, faults=faults, telemetry=telemetry,
+        deadline_ms=settings.deadline_ms, max_response_body=settings.max_response_body,
+    )  # fmt: skip
     return Services(
-        client=client or make_client(settings.engine, allow_hosts=settings.allow_hosts),
+        client=client,
         health=health,
-        faults=faults or (runtime.faults if runtime is not None else NoFaults()),
+        faults=faults,
         telemetry=telemetry,
         ledger=ledger if ledger is not None else open_ledger(settings.store),
         table=table,
-        capacity=capacity
-        or create_capacity(
-            settings.state,
-            settings.repeat_budget,
-            health=health,
-            meter_provider=telemetry.meter_provider,
-        ),
+        capacity=capacity,
         store=runtime,
+        shadows=shadows,
     )

@@ -31,6 +31,7 @@ INSTRUMENTATION_NAME = "fallback_mw"
 REQUEST_SPAN = "gateway.request"
 ATTEMPT_SPAN = "gateway.attempt"
 SKIP_EVENT = "gateway.candidate.skipped"
+SHADOW_SPAN = "gateway.shadow"
 
 logger = logging.getLogger("fallback_mw.request")
 _internal = logging.getLogger("fallback_mw.telemetry")
@@ -202,6 +203,17 @@ class Telemetry:
             unit="{transition}",
             description="Breaker state changes, by upstream and new state",
         )
+        self._shadows = meter.create_counter(
+            "gateway.shadow.requests",
+            unit="{request}",
+            description="Shadow copies, by outcome (answered, failed, or why none was sent)",
+        )
+        self._shadow_duration = meter.create_histogram(
+            "gateway.shadow.duration",
+            unit="s",
+            description="Shadow copy duration, request sent to answer read",
+            explicit_bucket_boundaries_advisory=_DURATION_BUCKETS,
+        )
         # This gateway's breakers (its own health state reports to it): no process globals,
         # so two Gateways in one process keep separate gauges.
         self._breaker_states: dict[str, str] = {}
@@ -317,6 +329,56 @@ class Telemetry:
             self._skips.add(1, {"gateway.route.id": _label(context.route.id), **attributes})
         except Exception:
             _internal.debug("skipped failed", exc_info=False)
+
+    def shadow_started(self, context: RequestContext, candidate: str) -> trace.Span | None:
+        """A `gateway.shadow` span for a copy of this request, a child of its request span
+        (it may end after it). None when telemetry cannot make one."""
+        try:
+            request = self._request_trace(context)
+            return self._tracer.start_span(
+                SHADOW_SPAN,
+                context=request.parent if request is not None else None,
+                kind=trace.SpanKind.CLIENT,
+                attributes={
+                    "gateway.shadow": True,
+                    "gateway.route.id": _label(context.route.id),
+                    "gateway.candidate": _label(candidate),
+                },
+            )
+        except Exception:
+            _internal.debug("shadow_started failed", exc_info=False)
+            return None
+
+    def shadow_finished(
+        self,
+        span: trace.Span | None,
+        route_id: str,
+        candidate: str,
+        outcome: str,
+        status: int | None,
+        duration: float,
+        *,
+        failure_kind: str | None = None,
+    ) -> None:
+        try:
+            attributes: dict[str, AttributeValue] = {
+                "gateway.shadow": True,
+                "gateway.route.id": _label(route_id),
+                "gateway.candidate": _label(candidate),
+                "gateway.shadow.outcome": _label(outcome),
+            }
+            if status is not None:
+                attributes["http.response.status_code"] = status
+            if span is not None:
+                if failure_kind is not None:
+                    span.set_attribute("gateway.failure.kind", _label(failure_kind))
+                span.set_attributes(attributes)
+                span.end()
+            self._shadows.add(1, attributes)
+            if outcome in ("answered", "failed"):
+                self._shadow_duration.record(max(duration, 0.0), attributes)
+        except Exception:
+            _internal.debug("shadow_finished failed", exc_info=False)
 
     def request_finished(self, context: RequestContext) -> None:
         try:

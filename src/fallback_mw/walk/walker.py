@@ -38,6 +38,7 @@ from fallback_mw.walk.decide import (
     may_hedge,
 )
 from fallback_mw.walk.hedge import run_hedged
+from fallback_mw.walk.shadow import ShadowTraffic, should_shadow
 from fallback_mw.walk.stream import commit
 
 
@@ -53,6 +54,7 @@ class PlanWalker:
         faults: FaultSource | None = None,
         telemetry: Telemetry | None = None,
         capacity: CapacityState | None = None,
+        shadows: ShadowTraffic | None = None,
     ) -> None:
         self.app = app
         settings = config.gateway
@@ -62,6 +64,11 @@ class PlanWalker:
         self.faults: FaultSource = faults or NoFaults()
         self.telemetry = telemetry or Telemetry()
         self.capacity: CapacityState = capacity or MemoryCapacity(settings.repeat_budget)
+        self.shadows = shadows or ShadowTraffic(
+            client=self.client, health=self.health, capacity=self.capacity, faults=self.faults,
+            telemetry=self.telemetry, deadline_ms=settings.deadline_ms,
+            max_response_body=settings.max_response_body,
+        )  # fmt: skip
         self._hygiene = CredentialInjector(self._walk, config=config)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -83,6 +90,7 @@ class PlanWalker:
             self.telemetry.request_finished(context)
 
     async def aclose(self) -> None:
+        await self.shadows.aclose()
         await self.client.aclose()
 
 
@@ -125,6 +133,7 @@ class _Walk:
             self.route, canary=context.canary, pinned=context.pinned
         )
         self.body = body
+        self.parsed = parsed
         self.ask = _capacity_ask(body.buffered, parsed, declared_length(self.scope))
         self.runner = AttemptRunner(
             context, body, parsed, client=walker.client, faults=walker.faults,
@@ -242,6 +251,9 @@ class _Walk:
                 max_response_body=self.walker.settings.max_response_body,
             )  # fmt: skip
             await self._settle_tokens(chosen)
+            shadow = should_shadow(self.context, self.body, self.walker.settings.canary_salt)
+            if shadow is not None:  # the client's response is sent: a copy cannot touch it
+                self.walker.shadows.start(shadow, self.context, self.body, self.parsed)
             return True
         if response is not None:
             await response.aclose()

@@ -1,0 +1,223 @@
+"""Shadow traffic: a copy of a request sent to a route's `shadow` candidate, its answer read,
+measured and discarded.
+
+The copy starts only once the client's response has been sent (the walk is over), so it
+can never delay, alter or fail it. It is not an attempt of the request: it counts against
+neither the attempt ceiling nor the budget hold, and it has its own deadline (the route's,
+counted from its start). It goes with the shadow candidate's own credential, is admitted
+by that upstream's breaker and declared capacity like any attempt, and feeds its health.
+Only a request in the slice (`shadow_percent` of sessions, deterministic per session),
+whose body was buffered and whose method is replayable, is copied.
+
+`ShadowTraffic` owns the copies in flight: at most `max_in_flight` at once (a copy over the
+limit is dropped and counted), each tracked so `aclose` cancels them and closes their
+connections before the upstream client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from fallback_mw.capacity import Ask, CapacityState
+from fallback_mw.config import RouteConfig
+from fallback_mw.context import AttemptRecord, RequestBody, RequestContext
+from fallback_mw.faults import FaultSource
+from fallback_mw.health import HealthState
+from fallback_mw.health.pool import retry_after_seconds
+from fallback_mw.plan import canary_bucket
+from fallback_mw.telemetry import Telemetry
+from fallback_mw.tokens import estimate_tokens
+from fallback_mw.upstream.base import UpstreamClient, UpstreamError
+from fallback_mw.walk.attempt import AttemptRunner
+from fallback_mw.walk.decide import health_mark
+
+MAX_IN_FLIGHT = 256
+
+
+def in_shadow_slice(route: RouteConfig, session: str | None, salt: str) -> bool:
+    """`shadow_percent` of sessions, by the canary's hash under its own salt (so the shadow
+    slice is not the canary slice). Requests without a session id are never copied."""
+    if route.shadow is None or route.shadow_percent <= 0 or session is None:
+        return False
+    return canary_bucket(session, f"{salt}:shadow") < route.shadow_percent * 100
+
+
+def should_shadow(context: RequestContext, body: RequestBody, salt: str) -> str | None:
+    """The shadow candidate to copy this request to, or None. Called once the client's
+    response has started."""
+    route = context.route
+    name = route.shadow
+    if name is None or name not in context.upstreams:
+        return None
+    if not context.committed or context.chosen is None:
+        return None  # only after an upstream's answer went to the client
+    if body.buffered is None or context.method not in route.replayable_methods:
+        return None  # never a request that cannot be sent twice
+    if any(a.candidate == name for a in context.attempts):
+        return None  # it already had this request, as a real attempt
+    return name if in_shadow_slice(route, context.session, salt) else None
+
+
+@dataclass(frozen=True, slots=True)
+class ShadowResult:
+    outcome: str  # "answered", "failed", or why no copy was sent ("breaker_open", ...)
+    status: int | None = None
+    failure_kind: str | None = None
+    duration: float = 0.0
+    received: int = 0  # response body bytes read (then discarded)
+
+
+class ShadowTraffic:
+    def __init__(
+        self,
+        *,
+        client: UpstreamClient,
+        health: HealthState,
+        capacity: CapacityState,
+        faults: FaultSource,
+        telemetry: Telemetry,
+        deadline_ms: int,
+        max_response_body: int,
+        max_in_flight: int = MAX_IN_FLIGHT,
+    ) -> None:
+        self.client = client
+        self.health = health
+        self.capacity = capacity
+        self.faults = faults
+        self.telemetry = telemetry
+        self.deadline_ms = deadline_ms
+        self.max_response_body = max_response_body
+        self.max_in_flight = max_in_flight
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._tasks)
+
+    def start(
+        self, name: str, context: RequestContext, body: RequestBody, parsed: dict[str, Any] | None
+    ) -> bool:
+        """Start a copy of the request to `name` in the background; False when it was not
+        started (shutting down, or too many copies in flight)."""
+        span = self.telemetry.shadow_started(context, name)
+        if self._closed or len(self._tasks) >= self.max_in_flight:
+            self.telemetry.shadow_finished(span, context.route.id, name, "overloaded", None, 0.0)
+            return False
+        route = context.route
+        deadline = (route.deadline_ms or self.deadline_ms) / 1000
+        # The copy's own context: its own deadline, no attempts, the caller long gone.
+        copy = dataclasses.replace(
+            context, deadline=time.monotonic() + deadline, attempts=[], skipped=[],
+            client_disconnected=False, trace=None,
+        )  # fmt: skip
+        task = asyncio.create_task(self._run(name, copy, body, parsed, span))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return True
+
+    async def _run(
+        self,
+        name: str,
+        context: RequestContext,
+        body: RequestBody,
+        parsed: dict[str, Any] | None,
+        span: Any,
+    ) -> None:
+        result = ShadowResult("cancelled")
+        try:
+            result = await self._copy(name, context, body, parsed)
+        except asyncio.CancelledError:
+            raise  # shutdown: recorded below as cancelled
+        except Exception:  # a copy must never surface anywhere: it is only measured
+            result = ShadowResult("failed", failure_kind="internal")
+        finally:
+            self.telemetry.shadow_finished(
+                span, context.route.id, name, result.outcome, result.status, result.duration,
+                failure_kind=result.failure_kind,
+            )  # fmt: skip
+
+    async def _copy(
+        self, name: str, context: RequestContext, body: RequestBody, parsed: dict[str, Any] | None
+    ) -> ShadowResult:
+        upstream = context.upstreams[name]
+        credential: int | None = None
+        pool = len(upstream.credential_envs)
+        if pool:
+            credential = await self.health.pick_credential(
+                name, pool, exclude=frozenset(), session=context.session
+            )
+            if credential is None or context.credential(name, credential) is None:
+                return ShadowResult("no_credential")
+        if not await self.health.admit(name):
+            return ShadowResult("breaker_open")
+        tokens = 0
+        if upstream.tpm is not None:
+            tokens = estimate_tokens(len(body.buffered or b""), parsed)
+        admission = await self.capacity.admit(name, Ask(upstream.rpm, upstream.tpm, tokens, False))
+        if isinstance(admission, str):
+            await self.health.release(name)
+            return ShadowResult(admission)
+        record = AttemptRecord(
+            candidate=name, number=0, server_address=upstream.host, credential_index=credential
+        )
+        runner = AttemptRunner(
+            context, body, parsed, client=self.client, faults=self.faults,
+            inject_headers=self.telemetry.inject_headers,
+        )  # fmt: skip
+        started = time.monotonic()
+        try:
+            outcome, response = await runner.run(name, upstream, record)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.health.release(name)  # cancelled (shutdown): nothing proven
+            raise
+        received = 0
+        if response is not None:
+            try:
+                async with asyncio.timeout(max(context.remaining, 0.0)):
+                    async for chunk in response.iter_chunks():
+                        received += len(chunk)
+                        if received > self.max_response_body:
+                            break  # measured enough; the rest is not read
+            except (TimeoutError, UpstreamError):
+                pass  # the head arrived: the upstream answered; the body is not graded
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await response.aclose()
+        failover_status = frozenset(context.route.failover_status)
+        mark = health_mark(outcome, failover_status)
+        if mark is None:
+            await self.health.release(name)
+        else:
+            await self.health.record(name, failure=mark)
+            if credential is not None:
+                await self.health.credential_result(
+                    name, credential, status=outcome.status, failure=mark,
+                    retry_after=retry_after_seconds(response.headers if response else ()),
+                    session=context.session,
+                )  # fmt: skip
+        answered = outcome.kind == "status" and not mark
+        return ShadowResult(
+            "answered" if answered else "failed",
+            status=outcome.status,
+            failure_kind=outcome.failure_kind or ("status" if mark else None),
+            duration=time.monotonic() - started,
+            received=received,
+        )
+
+    async def aclose(self) -> None:
+        """Cancel every copy in flight and wait for their connections to close."""
+        self._closed = True
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task

@@ -1,0 +1,242 @@
+"""Shadow traffic: copies reach the shadow candidate with its own credential, after the
+client's answer and never instead of it; non-replayable requests are never copied; copies
+respect the shadow upstream's capacity; shutdown cancels the copies in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from aiohttp import web
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from fallback_mw import ConfigError, Gateway, load_config
+from fallback_mw.telemetry import Telemetry
+from fallback_mw.walk.shadow import in_shadow_slice
+from tests.helpers import client_for
+from tests.upstreams import host_app, status_handler, upstream
+
+pytestmark = pytest.mark.anyio
+
+ENV = {"PRIMARY_KEY": "sk-primary-0001", "SHADOW_KEY": "sk-shadow-0002"}
+CALLER = {"authorization": "Bearer sk-caller-9999", "x-session-id": "user-1"}
+
+
+class Recorded:
+    def __init__(self) -> None:
+        self.spans = InMemorySpanExporter()
+        self.tracer_provider = TracerProvider(shutdown_on_exit=False)
+        self.tracer_provider.add_span_processor(SimpleSpanProcessor(self.spans))
+        self.reader = InMemoryMetricReader()
+        self.meter_provider = MeterProvider(metric_readers=[self.reader], shutdown_on_exit=False)
+        self.telemetry = Telemetry(
+            tracer_provider=self.tracer_provider, meter_provider=self.meter_provider
+        )
+
+    def shadow_outcomes(self) -> dict[str, int]:
+        found: dict[str, int] = {}
+        data = self.reader.get_metrics_data()
+        for resource in data.resource_metrics if data else ():
+            for scope in resource.scope_metrics:
+                for metric in scope.metrics:
+                    if metric.name == "gateway.shadow.requests":
+                        for point in metric.data.data_points:
+                            assert point.attributes["gateway.shadow"] is True
+                            outcome = str(point.attributes["gateway.shadow.outcome"])
+                            found[outcome] = found.get(outcome, 0) + point.value
+        return found
+
+
+@pytest.fixture
+def recorded() -> Iterator[Recorded]:
+    found = Recorded()
+    yield found
+    found.tracer_provider.shutdown()
+    found.meter_provider.shutdown()
+
+
+def config(primary: str, shadow: str, **route: Any) -> dict[str, Any]:
+    return {
+        "upstreams": {
+            "primary": {"url": primary, "auth_env": "PRIMARY_KEY"},
+            "candidate": {
+                "url": shadow,
+                "auth_header": "x-api-key",
+                "auth_scheme": "",
+                "auth_env": "SHADOW_KEY",
+            },
+        },
+        "routes": [
+            {
+                "id": "chat",
+                "prefix": "/v1/",
+                "plan": ["primary"],
+                "shadow": "candidate",
+                "shadow_percent": 100,
+                **route,
+            }
+        ],
+    }
+
+
+async def settled(gateway: Gateway, check: Any, limit: float = 10.0) -> None:
+    """Until `check()` holds (shadow copies run in the background)."""
+    deadline = time.monotonic() + limit
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_copy_reaches_the_shadow_with_its_own_credential_and_never_the_client(
+    recorded: Recorded,
+) -> None:
+    async with (
+        upstream(status_handler(200, b"primary says")) as primary,
+        upstream(status_handler(200, b"shadow says")) as shadow,
+    ):
+        gateway = Gateway(
+            host_app, config=config(primary.url, shadow.url), environ=ENV,
+            telemetry=recorded.telemetry,
+        )  # fmt: skip
+        try:
+            async with client_for(gateway) as client:
+                response = await client.get("/v1/chat?q=1", headers=CALLER)
+            shadows = gateway.services.shadows
+            await settled(gateway, lambda: shadow.count == 1 and not shadows.in_flight)
+        finally:
+            await gateway.aclose()
+    assert response.status_code == 200 and response.text == "primary says"
+    assert response.headers["x-gateway-provider"] == "primary"
+    assert response.headers["x-gateway-attempts"] == "1"
+    (copy,) = shadow.received
+    headers = dict(copy.headers)
+    assert headers["x-api-key"] == "sk-shadow-0002"  # its own credential
+    assert "authorization" not in headers  # neither the caller's nor the primary's
+    assert all("sk-primary" not in v and "sk-caller" not in v for v in headers.values())
+    assert copy.method == "GET" and copy.path == "/v1/chat" and copy.query == "q=1"
+    assert dict(primary.received[0].headers)["authorization"] == "Bearer sk-primary-0001"
+    assert recorded.shadow_outcomes() == {"answered": 1}
+    spans = {s.name: s for s in recorded.spans.get_finished_spans()}
+    shadow_span = spans["gateway.shadow"]
+    assert shadow_span.attributes is not None
+    assert shadow_span.attributes["gateway.shadow"] is True
+    assert shadow_span.attributes["gateway.candidate"] == "candidate"
+    assert shadow_span.parent is not None
+    assert shadow_span.parent.span_id == spans["gateway.request"].context.span_id
+    assert spans["gateway.request"].attributes["gateway.attempts"] == 1  # type: ignore[index]
+
+
+async def test_a_hanging_shadow_does_not_delay_the_client_and_shutdown_cancels_it() -> None:
+    reached, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def hang(request: web.Request) -> web.StreamResponse:
+        reached.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.set()  # the gateway closed the connection
+            raise
+        return web.Response()
+
+    async with (
+        upstream(status_handler(200, b"primary says")) as primary,
+        upstream(hang) as shadow,
+    ):
+        gateway = Gateway(host_app, config=config(primary.url, shadow.url), environ=ENV)
+        shadows = gateway.services.shadows
+        assert shadows is not None
+        try:
+            async with client_for(gateway) as client:
+                first = await client.get("/v1/chat", headers=CALLER)
+                await asyncio.wait_for(reached.wait(), 10)
+                # The copy hangs; the next client request is answered all the same.
+                second = await client.get("/v1/chat", headers=CALLER)
+            assert shadows.in_flight == 2
+        finally:
+            await gateway.aclose()
+        await asyncio.wait_for(cancelled.wait(), 10)
+    assert [first.text, second.text] == ["primary says"] * 2
+    assert shadows.in_flight == 0
+    assert primary.count == 2
+
+
+async def test_a_post_on_a_non_replayable_route_is_never_shadowed(recorded: Recorded) -> None:
+    async with (
+        upstream(status_handler(200, b"primary says")) as primary,
+        upstream(status_handler(200)) as shadow,
+    ):
+        gateway = Gateway(
+            host_app, config=config(primary.url, shadow.url), environ=ENV,
+            telemetry=recorded.telemetry,
+        )  # fmt: skip
+        replayable = Gateway(
+            host_app, config=config(primary.url, shadow.url, replayable_methods=["POST"]),
+            environ=ENV,
+        )  # fmt: skip
+        try:
+            async with client_for(gateway) as client:
+                response = await client.post("/v1/chat", headers=CALLER, json={"n": 1})
+            # The copy would have been started before the response returned.
+            assert gateway.services.shadows.in_flight == 0
+            # The control: the same POST where POST is replayable is copied.
+            async with client_for(replayable) as client:
+                await client.post("/v1/chat", headers=CALLER, json={"n": 2})
+            await settled(replayable, lambda: shadow.count == 1)
+        finally:
+            await gateway.aclose()
+            await replayable.aclose()
+    assert response.text == "primary says"
+    assert [r.body for r in shadow.received] == [b'{"n":2}']  # only the replayable one
+    assert recorded.shadow_outcomes() == {}
+
+
+async def test_the_slice_is_per_session_and_copies_respect_capacity(
+    recorded: Recorded,
+) -> None:
+    conf = config("http://127.0.0.1:1", "http://127.0.0.1:2", shadow_percent=30)
+    route = load_config(conf, environ=ENV).routes[0]
+    sessions = [f"user-{i}" for i in range(400)]
+    inside = [s for s in sessions if in_shadow_slice(route, s, "fallback_mw")]
+    assert 80 <= len(inside) <= 160  # about 30 %, the same sessions every time
+    assert inside == [s for s in sessions if in_shadow_slice(route, s, "fallback_mw")]
+    assert not in_shadow_slice(route, None, "fallback_mw")  # no session, no copy
+
+    async with (
+        upstream(status_handler(200, b"primary says")) as primary,
+        upstream(status_handler(200)) as shadow,
+    ):
+        conf = config(primary.url, shadow.url)
+        conf["upstreams"]["candidate"]["rpm"] = 2
+        gateway = Gateway(host_app, config=conf, environ=ENV, telemetry=recorded.telemetry)
+        try:
+            async with client_for(gateway) as client:
+                for _ in range(4):
+                    response = await client.get("/v1/chat", headers=CALLER)
+                    assert response.text == "primary says"
+                    await settled(gateway, lambda: not gateway.services.shadows.in_flight)
+                await client.get("/v1/chat", headers={"authorization": "Bearer x"})  # no session
+        finally:
+            await gateway.aclose()
+    assert shadow.count == 2
+    assert recorded.shadow_outcomes() == {"answered": 2, "capacity": 2}
+    assert primary.count == 5
+
+
+def test_a_shadow_that_is_the_primary_or_unknown_is_refused() -> None:
+    conf = config("http://127.0.0.1:1", "http://127.0.0.1:2")
+    conf["routes"][0]["shadow"] = "primary"
+    with pytest.raises(ConfigError, match="shadow 'primary' is the primary"):
+        load_config(conf, environ=ENV)
+    conf["routes"][0]["shadow"] = "nobody"
+    with pytest.raises(ConfigError, match="unknown shadow upstream 'nobody'"):
+        load_config(conf, environ=ENV)
+    conf = config("http://127.0.0.1:1", "http://127.0.0.1:2")
+    with pytest.raises(ConfigError, match="SHADOW_KEY"):
+        load_config(conf, environ={"PRIMARY_KEY": "x"})  # its credential must be set too
