@@ -273,3 +273,26 @@ failover_status = [429, 503]
     assert backup.count == 5  # 4 + 4 failovers, 5 slots between the two processes
     assert sorted(statuses)[:5] == [200] * 5
     assert all(status in (502, 503) for status in sorted(statuses)[5:])
+
+
+async def test_a_hedge_over_the_budget_is_not_started(recorded: Recorded) -> None:
+    budget = {"percent": 0, "min_per_second": 0}  # no repeat at all
+    async with upstream(status_handler(200, b"slow primary", delay=0.3)) as primary:
+        conf = {
+            "gateway": {"repeat_budget": budget},
+            "upstreams": {"primary": {"url": primary.url}},
+            "routes": [
+                {"id": "chat", "prefix": "/v1/", "plan": ["primary"], "retries": 1,
+                 "hedge_after_ms": 20}
+            ],
+        }  # fmt: skip
+        gateway = Gateway(host_app, config=conf, telemetry=recorded.telemetry)
+        try:
+            async with client_for(gateway) as client:
+                response = await client.get("/v1/chat")
+        finally:
+            await gateway.aclose()
+    assert response.text == "slow primary"  # the first attempt runs on and is served
+    assert response.headers["x-gateway-attempts"] == "1"
+    assert primary.count == 1
+    assert recorded.skip_events() == [("primary", "repeat_budget")]
