@@ -3,8 +3,7 @@ package, so the package may import them without a cycle)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol
 
 if TYPE_CHECKING:
 
@@ -15,8 +14,7 @@ CAPACITY_WINDOW = 60  # seconds: rpm and tpm are per rolling minute
 Refusal = Literal["capacity", "repeat_budget"]
 
 
-@dataclass(frozen=True, slots=True)
-class Ask:
+class Ask(NamedTuple):  # a tuple: made for every attempt, cheaply
     """What one attempt would add to its upstream's counts."""
 
     rpm: int | None  # the upstream's declared limits (None: not declared)
@@ -29,8 +27,7 @@ class Ask:
         return self.rpm is not None or self.tpm is not None
 
 
-@dataclass(frozen=True, slots=True)
-class Admission:
+class Admission(NamedTuple):
     """An attempt as counted: enough to correct its tokens or take it back."""
 
     upstream: str
