@@ -147,3 +147,30 @@ async def test_redis_unreachable_counts_locally() -> None:
         assert [isinstance(v, Admission) for v in verdicts] == [True, True, False]
     finally:
         await limits.aclose()
+
+
+async def test_first_attempts_reach_redis_without_a_round_trip_each(redis_url: str) -> None:
+    one, two = shared(redis_url), shared(redis_url)
+    calls = 0
+    run_script = one.redis.run_script
+
+    async def counting(*args: object, **kwargs: object) -> object:
+        nonlocal calls
+        calls += 1
+        return await run_script(*args, **kwargs)  # type: ignore[arg-type]
+
+    one.redis.run_script = counting  # type: ignore[method-assign]
+    try:
+        for _ in range(50):
+            assert isinstance(await one.admit("primary", ask()), Admission)
+        assert calls <= 1  # counted locally (a flush at most once a second)
+        # The first repeat deposits them with its own check, in one step.
+        assert isinstance(await one.admit("primary", ask(repeat=True)), Admission)
+        granted = 1
+        while isinstance(await two.admit("primary", ask(repeat=True)), Admission):
+            granted += 1
+            assert granted < 100
+        assert granted == 15  # 50 x 20 % + 0.5/s x 10 s, seen by the other process
+    finally:
+        await one.aclose()
+        await two.aclose()

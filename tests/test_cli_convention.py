@@ -38,7 +38,7 @@ def assert_one_error_line(result: subprocess.CompletedProcess[str], status: int)
 
 def test_every_verb_is_one_tree_under_one_entry_point() -> None:
     names = {"serve", "demo", "check", "request", "routes", "faults", "budgets", "usage"}
-    names |= {"eval", "gameday"}
+    names |= {"eval", "gameday", "capacity"}
     result = run("--help")
     assert result.returncode == 0
     for name in names:

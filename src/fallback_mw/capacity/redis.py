@@ -5,12 +5,19 @@ One hash per upstream, fields `r:<second>`, `t:<second>`, `f:<second>`, `p:<seco
 window, decide, count, in one atomic step, so two processes never both take the last
 slot. Time is Redis's own (`TIME`). The key expires after the longest window.
 
+A first attempt at an upstream that declares no capacity needs no answer from Redis: it is
+counted locally and deposited with this process's next admission for that upstream, or at
+most `flush_interval` (1 s) later, so the common attempt costs no extra round trip (the
+repeat budget may see up to a second of another process's first attempts late, which
+only makes it stricter).
+
 The scripts run on the health state's Redis connections (`RedisHealth.run_script`): if
 Redis cannot be reached this process counts alone (its memory state) until it is back, and
 the outage is logged and counted once, by the health state."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from fallback_mw.capacity.memory import MemoryCapacity
@@ -19,12 +26,15 @@ from fallback_mw.config import RepeatBudgetConfig
 from fallback_mw.health.redis import RedisHealth
 
 # KEYS[1] the upstream's hash. ARGV: repeat '1'/'0', counted '1'/'0', rpm (-1: none),
-# tpm (-1: none), tokens, percent, min_per_second, window s, keep s, ttl ms.
+# tpm (-1: none), tokens, percent, min_per_second, window s, keep s, ttl ms, first attempts
+# this process counted since its last call (deposited before the check).
 # Returns {'ok' | 'capacity' | 'repeat_budget', second}. The budget arithmetic is
 # capacity.repeat_allowed's; the capacity arithmetic capacity.within_capacity's.
 ADMIT = """
 local now = tonumber(redis.call('TIME')[1])
 local window, keep = tonumber(ARGV[8]), tonumber(ARGV[9])
+local pending = tonumber(ARGV[11])
+if pending > 0 then redis.call('HINCRBY', KEYS[1], 'f:' .. now, pending) end
 local fields = redis.call('HGETALL', KEYS[1])
 local requests, tokens, firsts, repeats = 0, 0, 0, 0
 for i = 1, #fields, 2 do
@@ -64,6 +74,14 @@ redis.call('PEXPIRE', KEYS[1], ARGV[10])
 return {'ok', now}
 """
 
+# KEYS[1] the upstream's hash. ARGV: first attempts counted locally, ttl ms.
+DEPOSIT = """
+local now = tonumber(redis.call('TIME')[1])
+redis.call('HINCRBY', KEYS[1], 'f:' .. now, ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return now
+"""
+
 # KEYS[1] the upstream's hash. ARGV: pairs of (field, delta); a field no longer in the
 # window is left alone.
 ADJUST = """
@@ -91,12 +109,38 @@ class RedisCapacity:
         self.window = self.local.window
         self.keep = self.local.keep
         self.ttl_ms = (self.keep + 5) * 1000
+        self.flush_interval = 1.0
+        self._pending: dict[str, int] = {}  # first attempts not yet deposited, per upstream
+        self._pending_since: dict[str, float] = {}
 
     def _key(self, upstream: str) -> str:
         return f"{self.prefix}capacity:{upstream}"
 
+    async def _deposit(self, upstream: str) -> None:
+        pending = self._take_pending(upstream)
+        if pending:
+            result = await self.redis.run_script(
+                "capacity_deposit", DEPOSIT, [self._key(upstream)], [pending, self.ttl_ms]
+            )
+            if result is None:  # not delivered: keep it for the next call
+                self._pending[upstream] = self._pending.get(upstream, 0) + pending
+                self._pending_since.setdefault(upstream, time.monotonic())
+
+    def _take_pending(self, upstream: str) -> int:
+        self._pending_since.pop(upstream, None)
+        return self._pending.pop(upstream, 0)
+
     async def admit(self, upstream: str, ask: Ask) -> Admission | Refusal:
+        if not ask.repeat and not ask.capacity_declared:
+            # Nothing to check: counted here (and in local memory, for an outage).
+            await self.local.admit(upstream, ask)
+            self._pending[upstream] = self._pending.get(upstream, 0) + 1
+            since = self._pending_since.setdefault(upstream, time.monotonic())
+            if time.monotonic() - since >= self.flush_interval:
+                await self._deposit(upstream)
+            return Admission(upstream, -1, 0, False, False)  # -1: not yet in Redis
         budget = self.budget
+        pending = self._take_pending(upstream)
         result = await self.redis.run_script(
             "capacity_admit",
             ADMIT,
@@ -112,9 +156,13 @@ class RedisCapacity:
                 self.window,
                 max(self.keep, CAPACITY_WINDOW),
                 self.ttl_ms,
+                pending,
             ],
         )
         if result is None:  # Redis unreachable: this process counts alone for now
+            if pending:
+                self._pending[upstream] = self._pending.get(upstream, 0) + pending
+                self._pending_since.setdefault(upstream, time.monotonic())
             return await self.local.admit(upstream, ask)
         verdict, second = str(result[0]), int(result[1])
         if verdict == "capacity":
@@ -138,6 +186,10 @@ class RedisCapacity:
             await self._adjust(admission, [("t", tokens - admission.tokens)])
 
     async def cancel(self, admission: Admission) -> None:
+        if admission.second < 0:  # a first attempt still counted locally
+            if self._pending.get(admission.upstream, 0) > 0:
+                self._pending[admission.upstream] -= 1
+            return
         deltas = [("p" if admission.repeat else "f", -1)]
         if admission.counted:
             deltas += [("r", -1), ("t", -admission.tokens)]
