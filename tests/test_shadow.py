@@ -240,3 +240,64 @@ def test_a_shadow_that_is_the_primary_or_unknown_is_refused() -> None:
     conf = config("http://127.0.0.1:1", "http://127.0.0.1:2")
     with pytest.raises(ConfigError, match="SHADOW_KEY"):
         load_config(conf, environ={"PRIMARY_KEY": "x"})  # its credential must be set too
+
+
+async def test_a_copy_is_never_in_the_budget_hold_or_the_usage_record() -> None:
+    from decimal import Decimal
+
+    from fallback_mw.budget.memory import MemoryLedger
+    from fallback_mw.config import BudgetConfig
+
+    def answer(tokens: int) -> Any:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            usage = {"prompt_tokens": tokens, "completion_tokens": tokens}
+            return web.json_response({"model": "m", "usage": usage})
+
+        return handle
+
+    async with (
+        upstream(answer(10)) as primary,
+        upstream(answer(1_000_000)) as shadow,
+    ):
+        conf = config(primary.url, shadow.url, budget="acme", replayable_methods=["POST"])
+        conf["budgets"] = {"acme": {"limit": 100, "window": "total", "default_hold": 1}}
+        conf["prices"] = {"m": {"input_per_mtok": 1, "output_per_mtok": 1}}
+        ledger = MemoryLedger()
+        gateway = Gateway(host_app, config=conf, environ=ENV, ledger=ledger)
+        try:
+            async with client_for(gateway) as client:
+                response = await client.post(
+                    "/v1/chat", headers=CALLER, json={"model": "m", "max_tokens": 5}
+                )
+            await settled(gateway, lambda: shadow.count == 1)
+            shadows = gateway.services.shadows
+            await settled(gateway, lambda: not shadows.in_flight)
+        finally:
+            await gateway.aclose()
+    assert response.status_code == 200
+    status = await ledger.status("acme", BudgetConfig(limit=Decimal(100), window="total"))
+    assert status.spent == Decimal("0.00002")  # the primary's 20 tokens, not the copy's 2M
+    assert status.held == 0
+    (record,) = await ledger.usage()
+    assert record.input_tokens == 10 and [a.candidate for a in record.attempts] == ["primary"]
+
+
+async def test_no_copy_while_the_shadow_breaker_is_open(recorded: Recorded) -> None:
+    async with (
+        upstream(status_handler(200, b"primary says")) as primary,
+        upstream(status_handler(503)) as shadow,
+    ):
+        conf = config(primary.url, shadow.url)
+        conf["gateway"] = {"breaker": {"window": 4, "min_calls": 2, "cooldown_ms": 60_000}}
+        gateway = Gateway(host_app, config=conf, environ=ENV, telemetry=recorded.telemetry)
+        shadows = gateway.services.shadows
+        try:
+            async with client_for(gateway) as client:
+                for _ in range(4):
+                    response = await client.get("/v1/chat", headers=CALLER)
+                    assert response.text == "primary says"  # the copy's 503 is not the client's
+                    await settled(gateway, lambda: not shadows.in_flight)
+        finally:
+            await gateway.aclose()
+    assert shadow.count == 2  # two 503s opened its breaker; no packet after that
+    assert recorded.shadow_outcomes() == {"failed": 2, "breaker_open": 2}
