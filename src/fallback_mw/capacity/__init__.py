@@ -11,7 +11,8 @@ is never refused for the budget; its first attempt is what the budget is a fract
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from fallback_mw.capacity.model import (
     CAPACITY_WINDOW,
@@ -26,8 +27,37 @@ from fallback_mw.capacity.model import (
 if TYPE_CHECKING:
     from opentelemetry.metrics import MeterProvider
 
-    from fallback_mw.config import RepeatBudgetConfig
+    from fallback_mw.config import RepeatBudgetConfig, UpstreamConfig
+    from fallback_mw.context import Usage
     from fallback_mw.health import HealthState
+
+
+def asker(
+    buffered: bytes | None, parsed: Mapping[str, Any] | None, declared: int | None
+) -> Callable[[str, UpstreamConfig, bool], Ask]:
+    """What each attempt of one request adds to its upstream's counts. The token estimate
+    (tokens.py: body size, largest output limit) is made once, and only for an upstream
+    that declares `tpm`."""
+    from fallback_mw.tokens import estimate_tokens
+
+    tokens: list[int] = []
+
+    def ask(name: str, upstream: UpstreamConfig, repeat: bool) -> Ask:
+        if upstream.tpm is None:
+            return Ask(upstream.rpm, None, 0, repeat)
+        if not tokens:
+            size = len(buffered) if buffered is not None else declared
+            tokens.append(estimate_tokens(size or 0, parsed))
+        return Ask(upstream.rpm, upstream.tpm, tokens[0], repeat)
+
+    return ask
+
+
+def reported_tokens(usage: Usage) -> int | None:
+    """Input + output tokens the upstream reported (None: it reported none)."""
+    if usage.input_tokens is None and usage.output_tokens is None:
+        return None
+    return (usage.input_tokens or 0) + (usage.output_tokens or 0)
 
 
 def create_capacity(
@@ -58,7 +88,9 @@ __all__ = [
     "Ask",
     "CapacityState",
     "Refusal",
+    "asker",
     "create_capacity",
     "repeat_allowed",
+    "reported_tokens",
     "within_capacity",
 ]

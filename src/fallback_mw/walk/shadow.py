@@ -24,7 +24,7 @@ from typing import Any
 
 import anyio
 
-from fallback_mw.capacity import Ask, CapacityState
+from fallback_mw.capacity import CapacityState, asker
 from fallback_mw.config import RouteConfig
 from fallback_mw.context import AttemptRecord, RequestBody, RequestContext
 from fallback_mw.faults import FaultSource
@@ -32,7 +32,6 @@ from fallback_mw.health import HealthState
 from fallback_mw.health.pool import retry_after_seconds
 from fallback_mw.plan import canary_bucket
 from fallback_mw.telemetry import Telemetry
-from fallback_mw.tokens import estimate_tokens
 from fallback_mw.upstream.base import UpstreamClient, UpstreamError
 from fallback_mw.walk.attempt import AttemptRunner
 from fallback_mw.walk.decide import health_mark
@@ -157,10 +156,8 @@ class ShadowTraffic:
                 return ShadowResult("no_credential")
         if not await self.health.admit(name):
             return ShadowResult("breaker_open")
-        tokens = 0
-        if upstream.tpm is not None:
-            tokens = estimate_tokens(len(body.buffered or b""), parsed)
-        admission = await self.capacity.admit(name, Ask(upstream.rpm, upstream.tpm, tokens, False))
+        ask = asker(body.buffered, parsed, None)(name, upstream, False)
+        admission = await self.capacity.admit(name, ask)
         if isinstance(admission, str):
             await self.health.release(name)
             return ShadowResult(admission)

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fallback_mw.capacity import Admission, Ask, CapacityState
+from fallback_mw.capacity import Admission, CapacityState, asker, reported_tokens
 from fallback_mw.capacity.memory import MemoryCapacity
 from fallback_mw.config import GatewayConfig, UpstreamConfig
 from fallback_mw.context import AttemptRecord, RequestBody, RequestContext, SkipRecord, get_context
@@ -20,7 +20,6 @@ from fallback_mw.health import AlwaysHealthy, HealthState
 from fallback_mw.health.pool import retry_after_seconds
 from fallback_mw.plan import candidate_order, is_canary
 from fallback_mw.telemetry import Telemetry
-from fallback_mw.tokens import estimate_tokens
 from fallback_mw.types import ASGIApp, Receive, Scope, Send
 from fallback_mw.upstream import make_client
 from fallback_mw.upstream.base import UpstreamClient, UpstreamResponse
@@ -134,7 +133,7 @@ class _Walk:
         )
         self.body = body
         self.parsed = parsed
-        self.ask = _capacity_ask(body.buffered, parsed, declared_length(self.scope))
+        self.ask = asker(body.buffered, parsed, declared_length(self.scope))
         self.runner = AttemptRunner(
             context, body, parsed, client=walker.client, faults=walker.faults,
             inject_headers=walker.telemetry.inject_headers,
@@ -266,13 +265,9 @@ class _Walk:
         """The usage the upstream reported (read by the usage meter as the response went
         to the client) replaces the estimate counted against its `tpm`."""
         admission = self.admissions.get(name)
-        usage = self.context.usage
-        if admission is None or not admission.counted:
-            return
-        if usage.input_tokens is None and usage.output_tokens is None:
-            return
-        tokens = (usage.input_tokens or 0) + (usage.output_tokens or 0)
-        await self.walker.capacity.settle(admission, tokens)
+        tokens = reported_tokens(self.context.usage)
+        if admission is not None and admission.counted and tokens is not None:
+            await self.walker.capacity.settle(admission, tokens)
 
     async def _keep(self, name: str | None, response: UpstreamResponse) -> None:
         """Keep the newest response (for `on_exhausted = "last_response"`); close the rest."""
@@ -379,20 +374,3 @@ def _skip_recorder(context: RequestContext, telemetry: Telemetry) -> Callable[[s
 
     return skip
 
-
-def _capacity_ask(
-    buffered: bytes | None, parsed: dict[str, Any] | None, declared: int | None
-) -> Callable[[str, UpstreamConfig, bool], Ask]:
-    """What an attempt adds to its upstream's counts; the token estimate is made once, and
-    only for an upstream that declares `tpm`."""
-    tokens: list[int] = []
-
-    def ask(name: str, upstream: UpstreamConfig, repeat: bool) -> Ask:
-        if upstream.tpm is None:
-            return Ask(upstream.rpm, None, 0, repeat)
-        if not tokens:
-            size = len(buffered) if buffered is not None else declared
-            tokens.append(estimate_tokens(size or 0, parsed))
-        return Ask(upstream.rpm, upstream.tpm, tokens[0], repeat)
-
-    return ask
