@@ -164,3 +164,36 @@ def test_an_unreachable_store_exits_1_without_its_password(
     assert main(["capacity", "--store", "postgresql://postgres:pw-secret@127.0.0.1:1/x"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("fallback-mw: error: ") and "pw-secret" not in err
+
+
+def test_check_shows_declared_capacity_and_the_shadow(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "gateway.toml"
+    path.write_text(
+        """
+[upstreams.primary]
+url = "http://127.0.0.1:9001"
+
+[upstreams.backup]
+url = "http://127.0.0.1:9002"
+rpm = 600
+tpm = 200000
+
+[upstreams.candidate]
+url = "http://127.0.0.1:9003"
+
+[[routes]]
+id = "chat"
+prefix = "/v1/"
+plan = ["primary", "backup"]
+retries = 1
+shadow = "candidate"
+shadow_percent = 5
+""",
+        encoding="utf-8",
+    )
+    assert main(["check", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "2. backup   http://127.0.0.1:9002  no credential  (rpm 600, tpm 200000)" in out
+    assert "shadow candidate 5.0% http://127.0.0.1:9003" in out

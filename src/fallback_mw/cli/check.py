@@ -44,6 +44,13 @@ def _credential(upstream: UpstreamConfig) -> str:
     return f"{upstream.auth_header}: {scheme}{names}{pool}"
 
 
+def _declared(upstream: UpstreamConfig) -> str:
+    """Declared capacity, when there is any (docs/capacity.md)."""
+    parts = [f"{key} {value}" for key, value in (("rpm", upstream.rpm), ("tpm", upstream.tpm))
+             if value is not None]  # fmt: skip
+    return f"  ({', '.join(parts)})" if parts else ""
+
+
 def _route_lines(
     route: RouteConfig, upstreams: Mapping[str, UpstreamConfig], source: str, default_ms: int
 ) -> list[str]:
@@ -61,6 +68,7 @@ def _route_lines(
         model = f"  model {upstream.model}" if upstream.model else ""
         lines.append(
             f"    {number}. {name.ljust(width)}  {upstream.url}  {_credential(upstream)}{model}"
+            f"{_declared(upstream)}"
         )
     lines.append(
         f"  replayable {' '.join(route.replayable_methods)}; failover on "
@@ -73,6 +81,9 @@ def _route_lines(
         extras.append(f"hedge after {route.hedge_after_ms} ms")
     if route.canary_eligible:
         extras.append(f"canary {route.canary_percent}%")
+    if route.shadow is not None:
+        shadow = upstreams[route.shadow]
+        extras.append(f"shadow {route.shadow} {route.shadow_percent}% {shadow.url}")
     if extras:
         lines.append("  " + "; ".join(extras))
     return lines
