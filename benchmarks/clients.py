@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-from procs import STREAM_EVENTS, Child, reset_peak, rss_kib
+from procs import STREAM_EVENTS, Child, die_with_parent, reset_peak, rss_kib
 
 LUA = Path(__file__).resolve().parent / "post_chat.lua"
 CHAT_BODY = json.dumps(
@@ -51,7 +51,13 @@ def run_wrk(wrk: str, url: str, seconds: int, connections: int, pid: int) -> Loa
         "-s", str(LUA), url,
     ]  # fmt: skip
     cpu_before = cpu_seconds(pid)
-    result = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 60)
+    result = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=seconds + 60,
+        preexec_fn=die_with_parent,  # like every child of the benchmark
+    )
     cpu = cpu_seconds(pid) - cpu_before
     line = next((x for x in result.stdout.splitlines() if x.startswith("WRK ")), None)
     if line is None:
