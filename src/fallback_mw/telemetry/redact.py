@@ -1,0 +1,79 @@
+"""Redaction by construction: the only ways telemetry turns request facts into strings
+(short printable labels, name-shaped model names), and the reader of a caller's trace
+context that takes only the propagator's own fields, none oversized, and never lets the
+propagators quote a caller's value in a log record."""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import re
+from collections.abc import Sequence
+
+from opentelemetry.propagators.textmap import Getter
+
+_MAX_LABEL = 128
+# A model name is echoed from the request body, so only name-shaped values are recorded.
+_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
+
+
+def label(value: object) -> str:
+    """A short printable label (route ids, candidate names, tenant)."""
+    text = str(value)
+    if not text.isprintable():
+        text = "".join(ch if ch.isprintable() else "?" for ch in text)
+    return text[:_MAX_LABEL]
+
+
+def model_name(value: str | None) -> str | None:
+    if value is None or not _MODEL_NAME.fullmatch(value):
+        return None
+    return value
+
+
+# A caller's trace-context field longer than this (the W3C baggage limit) is ignored
+# whole: OpenTelemetry's propagators log a too-long or malformed field *with its value*,
+# which a console exporter setup writes to stderr.
+_MAX_PROPAGATION_FIELD = 8192
+EXTRACTING: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "fallback_mw_extracting", default=False
+)
+
+
+class _DropCallerEcho(logging.Filter):
+    """Drops the propagators' warnings while they read a caller's headers: those
+    warnings quote the caller's field values."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not EXTRACTING.get()
+
+
+_DROP_CALLER_ECHO = _DropCallerEcho()
+_PROPAGATOR_LOGGERS = ("opentelemetry.baggage.propagation", "opentelemetry.propagate")
+
+
+def quiet_propagators() -> None:
+    for name in _PROPAGATOR_LOGGERS:
+        target = logging.getLogger(name)
+        if _DROP_CALLER_ECHO not in target.filters:
+            target.addFilter(_DROP_CALLER_ECHO)
+
+
+class _HeaderGetter(Getter[Sequence[tuple[bytes, bytes]]]):
+    """Reads only the propagator's own fields (traceparent, tracestate, baggage), and
+    none longer than _MAX_PROPAGATION_FIELD."""
+
+    def get(self, carrier: Sequence[tuple[bytes, bytes]], key: str) -> list[str] | None:
+        wanted = key.lower().encode("latin-1")
+        values = [
+            v.decode("latin-1")
+            for k, v in carrier
+            if k.lower() == wanted and len(v) <= _MAX_PROPAGATION_FIELD
+        ]
+        return values or None
+
+    def keys(self, carrier: Sequence[tuple[bytes, bytes]]) -> list[str]:
+        return [k.decode("latin-1").lower() for k, _ in carrier]
+
+
+GETTER = _HeaderGetter()

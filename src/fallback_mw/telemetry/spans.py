@@ -1,0 +1,77 @@
+"""Span bookkeeping: what one request keeps while its spans are open (in `context.trace`,
+never on Telemetry), and the `gateway.request` span's attributes (SPEC §9)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.util.types import AttributeValue
+
+from fallback_mw.context import AttemptRecord, RequestContext
+from fallback_mw.telemetry.redact import label, model_name
+
+
+@dataclass(slots=True)
+class AttemptTrace:
+    record: AttemptRecord
+    span: trace.Span
+    context: otel_context.Context
+
+
+@dataclass(slots=True)
+class RequestTrace:
+    """One request's telemetry state; lives in `context.trace`, never on Telemetry."""
+
+    span: trace.Span
+    parent: otel_context.Context  # incoming context (trace parent, baggage) + our span
+    attempts: list[AttemptTrace] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Untraced:
+    """A request with nothing to trace (no SDK behind the global tracer, no trace context
+    from the caller): no spans, the same metrics. Attempts in flight, for the metrics of
+    those a disconnect cancels."""
+
+    attempts: list[AttemptRecord] = field(default_factory=list)
+
+
+def request_span_attributes(
+    context: RequestContext,
+    outcome: str,
+    candidates: list[str],
+    chosen: str | None,
+    fault: bool,
+) -> dict[str, AttributeValue]:
+    attributes: dict[str, AttributeValue] = {
+        "gateway.plan.candidates": candidates,
+        "gateway.attempts": context.attempt_count,
+        "gateway.fallback": context.fallback,
+        "gateway.canary": context.canary,
+        "gateway.outcome": label(outcome),
+    }
+    if chosen is not None:
+        attributes["gateway.plan.chosen"] = chosen
+    if context.pinned is not None:
+        attributes["gateway.pinned"] = label(context.pinned)
+    if fault:
+        attributes["gateway.fault"] = True
+    if context.skipped:
+        attributes["gateway.skipped"] = len(context.skipped)
+    if context.status is not None:
+        attributes["http.response.status_code"] = context.status
+    model = model_name(context.request_model)
+    if model is not None:
+        attributes["gen_ai.request.model"] = model
+    usage = context.usage
+    if usage is not None:
+        if usage.input_tokens is not None:
+            attributes["gen_ai.usage.input_tokens"] = int(usage.input_tokens)
+        if usage.output_tokens is not None:
+            attributes["gen_ai.usage.output_tokens"] = int(usage.output_tokens)
+        response_model = model_name(usage.model)
+        if response_model is not None:
+            attributes["gen_ai.response.model"] = response_model
+    return attributes
