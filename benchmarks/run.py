@@ -20,6 +20,7 @@ import shutil
 import signal
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -231,16 +232,31 @@ def memory(args: argparse.Namespace, tree: Tree, wrk: str, config: str, upstream
     return lines
 
 
+def at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is less than {low}")
+        return value
+
+    return parse
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--duration", type=int, default=8, help="seconds per wrk run")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--connections", type=int, default=32)
-    parser.add_argument("--sse-samples", type=int, default=300)
-    parser.add_argument("--big-mib", type=int, default=200)
-    parser.add_argument("--streams", type=int, default=1000)
-    parser.add_argument("--long-seconds", type=int, default=60)
-    parser.add_argument("--segments", type=int, default=6, help="RSS samples in the long run")
+    parser.add_argument("--duration", type=at_least(1), default=8, help="seconds per wrk run")
+    parser.add_argument("--rounds", type=at_least(1), default=3)
+    parser.add_argument("--connections", type=at_least(1), default=32)
+    parser.add_argument("--sse-samples", type=at_least(1), default=300)
+    parser.add_argument("--big-mib", type=at_least(1), default=200)
+    parser.add_argument("--streams", type=at_least(1), default=1000)
+    parser.add_argument("--long-seconds", type=at_least(1), default=60)
+    parser.add_argument(
+        "--segments", type=at_least(2), default=6, help="RSS samples in the long run"
+    )
     parser.add_argument("--no-memory", action="store_true", help="skip the memory scenarios")
     parser.add_argument("--memory-only", action="store_true", help="only the memory scenarios")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
