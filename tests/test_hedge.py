@@ -98,9 +98,11 @@ async def test_no_hedge_when_the_primary_answers_in_time() -> None:
 async def test_hedge_only_at_the_primary_never_at_a_fallback() -> None:
     async with (
         upstream(status_handler(503)) as primary,
-        upstream(status_handler(200, b"backup", delay=0.25)) as backup,
+        upstream(status_handler(200, b"backup", delay=1.0)) as backup,
     ):
-        async with gateway_client(config(primary, backup, hedge_after_ms=30)) as client:
+        # The primary's 503 comes well inside 300 ms even on a loaded machine; the backup
+        # takes 1 s, so a hedge at the fallback (the bug) would have fired.
+        async with gateway_client(config(primary, backup, hedge_after_ms=300)) as client:
             response = await client.get("/v1/x")
             assert response.text == "backup"
             assert response.headers["x-gateway-attempts"] == "2"
