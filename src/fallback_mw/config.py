@@ -172,6 +172,9 @@ class RouteConfig(_Strict):
     backoff_ms: int = Field(25, ge=0, le=60_000)
     deadline_ms: int | None = Field(None, ge=1, le=600_000)
     replayable_methods: tuple[str, ...] = ("GET", "HEAD", "OPTIONS")
+    # A POST carrying an Idempotency-Key header (IETF HTTPAPI draft) is replayable too: the
+    # upstream deduplicates on the key, so a second attempt cannot act twice.
+    replay_with_idempotency_key: bool = False
     failover_status: tuple[int, ...] = (502, 503, 504)
     on_exhausted: Literal["error", "last_response"] = "error"
     budget: str | None = None

@@ -13,8 +13,11 @@ they can be failover-class: one caller can never open a breaker for everyone els
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
+
+from fallback_mw.config import RouteConfig
 
 # Within a credential pool these may move to another credential of the same upstream.
 CREDENTIAL_STATUSES = frozenset({401, 403, 429})
@@ -112,6 +115,26 @@ def health_mark(outcome: Outcome, failover_status: frozenset[int]) -> bool | Non
     if outcome.fault is not None and outcome.kind != "status":
         return True  # a hang, even when the walk deadline is what ended it
     return is_failover_class(outcome, failover_status)
+
+
+IDEMPOTENCY_KEY = b"idempotency-key"
+
+
+def is_replayable(
+    route: RouteConfig, method: str, *, buffered: bool, headers: Sequence[tuple[bytes, bytes]]
+) -> bool:
+    """SPEC §5: the method is in `replayable_methods` and the whole body was buffered; or,
+    with `replay_with_idempotency_key`, a buffered POST that carries a non-empty
+    `Idempotency-Key` (the same key goes with every attempt)."""
+    if not buffered:
+        return False
+    if method in route.replayable_methods:
+        return True
+    return (
+        route.replay_with_idempotency_key
+        and method == "POST"
+        and any(k.lower() == IDEMPOTENCY_KEY and v.strip() for k, v in headers)
+    )
 
 
 def further_attempt_possible(state: WalkState) -> bool:

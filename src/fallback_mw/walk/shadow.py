@@ -34,7 +34,7 @@ from fallback_mw.plan import canary_bucket
 from fallback_mw.telemetry import Telemetry
 from fallback_mw.upstream.base import UpstreamClient, UpstreamError
 from fallback_mw.walk.attempt import AttemptRunner
-from fallback_mw.walk.decide import health_mark
+from fallback_mw.walk.decide import health_mark, is_replayable
 
 MAX_IN_FLIGHT = 256
 
@@ -56,7 +56,10 @@ def should_shadow(context: RequestContext, body: RequestBody, salt: str) -> str 
         return None
     if not context.committed or context.chosen is None:
         return None  # only after an upstream's answer went to the client
-    if body.buffered is None or context.method not in route.replayable_methods:
+    replayable = is_replayable(
+        route, context.method, buffered=body.buffered is not None, headers=context.forward_headers
+    )
+    if not replayable:
         return None  # never a request that cannot be sent twice
     if any(a.candidate == name for a in context.attempts):
         return None  # it already had this request, as a real attempt

@@ -34,6 +34,7 @@ from fallback_mw.walk.decide import (
     decide,
     further_attempt_possible,
     health_mark,
+    is_replayable,
     may_hedge,
 )
 from fallback_mw.walk.hedge import run_hedged
@@ -132,6 +133,12 @@ class _Walk:
             self.route, canary=context.canary, pinned=context.pinned
         )
         self.body = body
+        self.replayable = is_replayable(
+            self.route,
+            context.method,
+            buffered=body.buffered is not None,
+            headers=context.forward_headers,
+        )
         self.parsed = parsed
         self.ask = asker(body.buffered, parsed, declared_length(self.scope))
         self.runner = AttemptRunner(
@@ -173,8 +180,7 @@ class _Walk:
     def state(self, *, other_credential: bool = False) -> WalkState:
         context = self.context
         return WalkState(
-            replayable=self.body.buffered is not None
-            and context.method in self.route.replayable_methods,
+            replayable=self.replayable,
             client_connected=not context.client_disconnected,
             deadline_left=context.remaining > 0,
             response_started=context.committed,
@@ -373,4 +379,3 @@ def _skip_recorder(context: RequestContext, telemetry: Telemetry) -> Callable[[s
         telemetry.skipped(context, name, reason)
 
     return skip
-
