@@ -35,6 +35,7 @@ class MockUpstream:
     url: str = ""
     requests: list[str] = field(default_factory=list)  # "METHOD /path", in arrival order
     credentials: list[str] = field(default_factory=list)  # the key each request carried
+    idempotency_keys: list[str] = field(default_factory=list)  # "" when none was sent
 
 
 @dataclass
@@ -209,6 +210,7 @@ def _recording(state: MockUpstream, app: web.Application) -> web.Application:
         state.requests.append(f"{request.method} {request.path}")
         headers = request.headers
         state.credentials.append(headers.get("x-api-key") or headers.get("authorization") or "")
+        state.idempotency_keys.append(headers.get("idempotency-key", ""))
         response: web.StreamResponse = await handler(request)
         return response
 

@@ -231,3 +231,68 @@ retries = 1
     }
     assert len(gateway.mocks.backup.requests) == before[1]
     assert len(gateway.mocks.primary.requests) == before[0] + 1
+
+
+IDEMPOTENT_ROUTES = """
+[upstreams.primary]
+url = "{primary}"
+[upstreams.backup]
+url = "{backup}"
+[upstreams.claude_primary]
+url = "{primary}"
+auth_header = "x-api-key"
+auth_scheme = ""
+[upstreams.claude_backup]
+url = "{backup}"
+auth_header = "x-api-key"
+auth_scheme = ""
+[[routes]]
+id = "chat"
+prefix = "/v1/"
+plan = ["primary", "backup"]
+retries = 1
+replay_with_idempotency_key = true   # POST is not in replayable_methods
+[[routes]]
+id = "messages"
+prefix = "/v1/messages"
+plan = ["claude_primary", "claude_backup"]
+retries = 1
+replay_with_idempotency_key = true
+"""
+
+
+def test_sdks_with_an_idempotency_key_fail_over_and_without_one_do_not(
+    gateway: Running, tmp_path: Path
+) -> None:
+    mocks = gateway.mocks
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        IDEMPOTENT_ROUTES.format(primary=mocks.primary.url, backup=mocks.backup.url),
+        encoding="utf-8",
+    )
+    with serving(config, dict(os.environ)) as url:
+        openai = OpenAI(base_url=f"{url}/v1", api_key=CALLER_KEY, max_retries=0)
+        claude = Anthropic(base_url=url, api_key=CALLER_KEY, max_retries=0)
+        before = _since(mocks)
+        keyed = openai.chat.completions.with_raw_response.create(
+            model="gpt-4o-mini", messages=MESSAGES, extra_headers={"Idempotency-Key": "chat-1"}
+        )
+        with claude.messages.stream(
+            model="claude-sonnet-5",
+            max_tokens=64,
+            messages=MESSAGES,
+            extra_headers={"Idempotency-Key": "msg-1"},
+        ) as stream:
+            streamed = "".join(stream.text_stream)
+        after_keyed = _since(mocks)
+        with pytest.raises(InternalServerError) as unkeyed:
+            openai.chat.completions.create(model="gpt-4o-mini", messages=MESSAGES)
+    assert keyed.headers["x-gateway-provider"] == "backup"
+    assert keyed.parse().choices[0].message.content == REPLY
+    assert streamed.strip() == REPLY
+    # Both attempts of each keyed request carried the caller's key, unchanged.
+    assert mocks.primary.idempotency_keys[before[0] : after_keyed[0]] == ["chat-1", "msg-1"]
+    assert mocks.backup.idempotency_keys[before[1] : after_keyed[1]] == ["chat-1", "msg-1"]
+    # Without the header the POST is not replayable: 502, the backup never asked.
+    assert unkeyed.value.status_code == 502
+    assert len(mocks.backup.requests) == after_keyed[1]
