@@ -122,8 +122,7 @@ async def test_budgets_show_agrees_whichever_way_the_store_is_named(
     # and one defined in the store. `--store` used to print an empty table for the first.
     config = tmp_path / "gateway.toml"
     config.write_text(
-        f'[gateway]\nstore = "{ledger_store}"\n\n'
-        '[budgets.filed]\nlimit = 10.0\nwindow = "day"\n',
+        f'[gateway]\nstore = "{ledger_store}"\n\n[budgets.filed]\nlimit = 10.0\nwindow = "day"\n',
         encoding="utf-8",
     )
     ledger = open_ledger(ledger_store)

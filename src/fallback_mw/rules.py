@@ -122,9 +122,7 @@ def check_route(
     if route.shadow is not None:
         if route.shadow not in upstreams:
             raise ConfigError(f"{label}: unknown shadow upstream {route.shadow!r}")
-        if route.shadow == route.plan[0] or same_endpoint(
-            upstreams[route.shadow].url, primary_url
-        ):
+        if route.shadow == route.plan[0] or same_endpoint(upstreams[route.shadow].url, primary_url):
             raise ConfigError(
                 f"{label}: shadow {route.shadow!r} is the primary: its copies would double "
                 "the primary's own load"

@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol
 
 if TYPE_CHECKING:
-
     from fallback_mw.config import RepeatBudgetConfig
 
 CAPACITY_WINDOW = 60  # seconds: rpm and tpm are per rolling minute

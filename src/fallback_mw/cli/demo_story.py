@@ -179,8 +179,7 @@ async def _run(port: int, say: Callable[..., None]) -> bool:
             and to_backup == 0
         )
         say(
-            "   => 502 upstream_failed (never the primary's body); the backup was never "
-            "contacted"
+            "   => 502 upstream_failed (never the primary's body); the backup was never contacted"
             if post_rule
             else "   => unexpected result"
         )

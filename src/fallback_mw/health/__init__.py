@@ -11,6 +11,7 @@ if TYPE_CHECKING:
 
     from fallback_mw.config import BreakerConfig
 
+
 class HealthState(Protocol):
     """What the walker asks of health. Implementations: memory (per process), Redis (shared)."""
 
