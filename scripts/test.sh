@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole check: ruff, mypy (strict), lint-imports and the full pytest suite. Non-zero if any fails.
+# The whole check: ruff (lint and format), mypy (strict), lint-imports and the full pytest suite. Non-zero if any fails.
 # Extra arguments go to pytest (e.g. ./scripts/test.sh -k walker -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -7,8 +7,9 @@ source scripts/venv.sh
 source scripts/promtool.sh
 
 failed=()
-echo "== ruff check"
-.venv/bin/ruff check src tests examples || failed+=("ruff")
+echo "== ruff check, ruff format --check"
+.venv/bin/ruff check src tests examples benchmarks scripts || failed+=("ruff")
+.venv/bin/ruff format --check src tests examples benchmarks scripts || failed+=("ruff format")
 echo "== mypy"
 .venv/bin/mypy || failed+=("mypy")
 echo "== lint-imports (architecture contracts in pyproject.toml)"
