@@ -163,10 +163,7 @@ async def _run(port: int, say: Callable[..., None]) -> bool:
         ok = ok and failed_over
         say()
 
-        say(
-            "2. POST is not in this route's replayable_methods (a POST may act twice): "
-            "no failover"
-        )
+        say("2. POST is not in this route's replayable_methods (a POST may act twice): no failover")
         before_primary, before_backup = len(primary.requests), len(backup.requests)
         response = await client.post(
             "/v1/chat/completions", json={"model": "demo", "messages": []}, headers=caller
