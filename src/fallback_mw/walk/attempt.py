@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import quote
@@ -17,6 +18,9 @@ from urllib.parse import quote
 from fallback_mw.config import UpstreamConfig
 from fallback_mw.context import AttemptRecord, RequestBody, RequestContext
 from fallback_mw.faults import FaultSource
+from fallback_mw.health import HealthState
+from fallback_mw.health.pool import retry_after_seconds
+from fallback_mw.telemetry import Telemetry
 from fallback_mw.upstream.base import (
     Timeouts,
     UpstreamClient,
@@ -25,7 +29,7 @@ from fallback_mw.upstream.base import (
     UpstreamResponse,
 )
 from fallback_mw.walk.body import BodyAborted
-from fallback_mw.walk.decide import Outcome
+from fallback_mw.walk.decide import Outcome, health_mark
 
 _PATH_SAFE = "/:@!$&'()*+,;=-._~"
 
@@ -148,3 +152,38 @@ def _classify(error: UpstreamError) -> Outcome:
     if error.kind == "timeout":
         return Outcome("timeout")
     return Outcome("transport")
+
+
+async def finish_attempt(
+    record: AttemptRecord,
+    outcome: Outcome,
+    response: UpstreamResponse | None,
+    *,
+    context: RequestContext,
+    telemetry: Telemetry,
+    health: HealthState,
+    failover_status: frozenset[int],
+) -> None:
+    """Finish the attempt's record and telemetry; feed health with upstream outcomes only
+    (`decide.health_mark`): a local outcome frees a half-open probe slot and marks nothing."""
+    record.duration = time.monotonic() - record.started
+    record.status = outcome.status
+    record.responsible = outcome.responsible
+    mark = health_mark(outcome, failover_status)
+    if mark or outcome.kind != "status":
+        record.failure_kind = outcome.failure_kind or "status"
+    telemetry.attempt_finished(context, record)
+    name = record.candidate
+    if mark is None:
+        await health.release(name)
+        return
+    await health.record(name, failure=mark)
+    if record.credential_index is not None:
+        await health.credential_result(
+            name,
+            record.credential_index,
+            status=outcome.status,
+            failure=mark,
+            retry_after=retry_after_seconds(response.headers if response else ()),
+            session=context.session,
+        )

@@ -134,3 +134,17 @@ def inspect_json(data: bytes | None) -> dict[str, Any] | None:
     except (ValueError, UnicodeDecodeError, RecursionError):
         return None
     return parsed if isinstance(parsed, dict) else None
+
+
+async def watch_disconnect(
+    receive: Receive, body: RequestBody, context: RequestContext, walk_task: asyncio.Task[Any]
+) -> None:
+    """Once the body is read, the walk is the only reader left: a disconnect cancels the
+    attempt in flight (walk_task) and starts nothing new."""
+    await body.done.wait()
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            context.client_disconnected = True
+            walk_task.cancel()
+            return

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 
 from fallback_mw.capacity import Admission, Ask, CapacityState
 from fallback_mw.config import UpstreamConfig
+from fallback_mw.context import RequestContext, SkipRecord
 from fallback_mw.health import HealthState
+from fallback_mw.telemetry import Telemetry
 from fallback_mw.walk.decide import NO_CANDIDATE, REPEAT_BUDGET_SPENT, Outcome
 
 
@@ -131,3 +133,15 @@ class CandidateCursor:
             name, pool, exclude=frozenset(self.used.get(name, ())), session=self.session
         )
         return -1 if found is None else found
+
+
+def skip_recorder(context: RequestContext, telemetry: Telemetry) -> Callable[[str, str], None]:
+    """Records a skip in the context and telemetry (no reference back to the walk)."""
+
+    def skip(name: str, reason: str) -> None:
+        context.skipped.append(
+            SkipRecord(candidate=name, reason=reason, after_attempts=context.attempt_count)
+        )
+        telemetry.skipped(context, name, reason)
+
+    return skip

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from fallback_mw.config import RouteConfig
+from fallback_mw.context import RequestContext
 
 # Within a credential pool these may move to another credential of the same upstream.
 CREDENTIAL_STATUSES = frozenset({401, 403, 429})
@@ -223,3 +224,14 @@ def _why_no_further_attempt(state: WalkState) -> str:
     if state.attempts_made >= state.attempt_ceiling:
         return "failover-class, and the attempt ceiling is reached"
     return "failover-class, and no further attempt is allowed"
+
+
+def error_message(decision: Decision, context: RequestContext) -> str:
+    """The local error's message: which rule ended the walk, after how many attempts."""
+    attempts = context.attempt_count
+    if decision.error == "upstream_failed" and attempts:
+        last = context.attempts[-1].failure_kind or "status"
+        return f"all {attempts} attempt(s) failed (last failure: {last})"
+    if decision.error == "deadline_exceeded":
+        return f"the route deadline passed after {attempts} attempt(s)"
+    return decision.reason

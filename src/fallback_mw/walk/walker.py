@@ -6,34 +6,31 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
-from typing import Any
 
 from fallback_mw.capacity import Admission, CapacityState, asker, reported_tokens
 from fallback_mw.capacity.memory import MemoryCapacity
 from fallback_mw.config import GatewayConfig, UpstreamConfig
-from fallback_mw.context import AttemptRecord, RequestBody, RequestContext, SkipRecord, get_context
+from fallback_mw.context import AttemptRecord, RequestContext, get_context
 from fallback_mw.credentials import CredentialInjector
 from fallback_mw.errors import send_error
 from fallback_mw.faults import FaultSource, NoFaults
 from fallback_mw.health import AlwaysHealthy, HealthState
-from fallback_mw.health.pool import retry_after_seconds
 from fallback_mw.plan import candidate_order, is_canary
 from fallback_mw.telemetry import Telemetry
 from fallback_mw.types import ASGIApp, Receive, Scope, Send
 from fallback_mw.upstream import make_client
 from fallback_mw.upstream.base import UpstreamClient, UpstreamResponse
 from fallback_mw.walk.admit import refusal, request_json
-from fallback_mw.walk.attempt import AttemptResult, AttemptRunner
-from fallback_mw.walk.body import declared_length, read_body
-from fallback_mw.walk.cursor import CandidateCursor
+from fallback_mw.walk.attempt import AttemptResult, AttemptRunner, finish_attempt
+from fallback_mw.walk.body import declared_length, read_body, watch_disconnect
+from fallback_mw.walk.cursor import CandidateCursor, skip_recorder
 from fallback_mw.walk.decide import (
     Decision,
     Outcome,
     WalkState,
     decide,
+    error_message,
     further_attempt_possible,
-    health_mark,
     is_replayable,
     may_hedge,
 )
@@ -148,13 +145,13 @@ class _Walk:
         self.cursor = CandidateCursor(
             context.candidates, context.upstreams, walker.health, session=context.session,
             has_credential=lambda n, i: context.credential(n, i) is not None,
-            on_skip=_skip_recorder(context, walker.telemetry),  # no cycle back to self
+            on_skip=skip_recorder(context, walker.telemetry),  # no cycle back to self
             capacity=walker.capacity, ask=self.ask,
         )  # fmt: skip
         # A client disconnect cancels the attempt in flight and starts nothing new.
         walk_task = asyncio.current_task()
         assert walk_task is not None
-        watcher = asyncio.create_task(self._watch_disconnect(walk_task, body))
+        watcher = asyncio.create_task(watch_disconnect(self.receive, body, context, walk_task))
         try:
             await self._loop()
         except asyncio.CancelledError:
@@ -167,15 +164,6 @@ class _Walk:
                 await self.last_response[1].aclose()
         if context.client_disconnected and context.outcome is None:
             context.outcome = "client_disconnected"
-
-    async def _watch_disconnect(self, walk_task: asyncio.Task[Any], body: RequestBody) -> None:
-        await body.done.wait()
-        while True:
-            message = await self.receive()
-            if message["type"] == "http.disconnect":
-                self.context.client_disconnected = True
-                walk_task.cancel()
-                return
 
     def state(self, *, other_credential: bool = False) -> WalkState:
         context = self.context
@@ -223,7 +211,7 @@ class _Walk:
                 )
             else:
                 outcome, response = await self.runner.run(pick.name, pick.upstream, record)
-            await self._record(record, outcome, response)
+            await self._finish_attempt(record, outcome, response)
             if await self._act(outcome, response, pick.name, record):
                 return
 
@@ -264,7 +252,9 @@ class _Walk:
             await response.aclose()
         if decision.action == "local_error":
             assert decision.error is not None
-            await send_error(self.send, self.context, decision.error, self._message(decision))
+            await send_error(
+                self.send, self.context, decision.error, error_message(decision, self.context)
+            )
         return True
 
     async def _settle_tokens(self, name: str) -> None:
@@ -282,42 +272,13 @@ class _Walk:
         assert name is not None
         self.last_response = (name, response)
 
-    def _message(self, decision: Decision) -> str:
-        attempts = self.context.attempt_count
-        if decision.error == "upstream_failed" and attempts:
-            kinds = [a.failure_kind or "status" for a in self.context.attempts]
-            return f"all {attempts} attempt(s) failed (last failure: {kinds[-1]})"
-        if decision.error == "deadline_exceeded":
-            return f"the route deadline passed after {attempts} attempt(s)"
-        return decision.reason
-
-    async def _record(
+    async def _finish_attempt(
         self, record: AttemptRecord, outcome: Outcome, response: UpstreamResponse | None
     ) -> None:
-        """Finish the attempt's record and telemetry; feed health with upstream outcomes
-        only (`decide.health_mark`)."""
-        record.duration = time.monotonic() - record.started
-        record.status = outcome.status
-        record.responsible = outcome.responsible
-        mark = health_mark(outcome, self.failover_status)
-        if mark or outcome.kind != "status":
-            record.failure_kind = outcome.failure_kind or "status"
-        self.walker.telemetry.attempt_finished(self.context, record)
-        health = self.walker.health
-        name = record.candidate
-        if mark is None:
-            await health.release(name)  # a half-open probe that proved nothing frees its slot
-            return
-        await health.record(name, failure=mark)
-        if record.credential_index is not None:
-            await health.credential_result(
-                name,
-                record.credential_index,
-                status=outcome.status,
-                failure=mark,
-                retry_after=retry_after_seconds(response.headers if response else ()),
-                session=self.context.session,
-            )
+        await finish_attempt(
+            record, outcome, response, context=self.context, telemetry=self.walker.telemetry,
+            health=self.walker.health, failover_status=self.failover_status,
+        )  # fmt: skip
 
     def _start_attempt(
         self, name: str, upstream: UpstreamConfig, credential_index: int | None,
@@ -368,14 +329,4 @@ class _Walk:
             self.walker.telemetry.attempt_finished(self.context, record)
             await self.walker.health.release(record.candidate)
             return
-        await self._record(record, result[0], None)  # a real failure before the winner
-
-
-def _skip_recorder(context: RequestContext, telemetry: Telemetry) -> Callable[[str, str], None]:
-    def skip(name: str, reason: str) -> None:
-        context.skipped.append(
-            SkipRecord(candidate=name, reason=reason, after_attempts=context.attempt_count)
-        )
-        telemetry.skipped(context, name, reason)
-
-    return skip
+        await self._finish_attempt(record, result[0], None)  # a real failure before the winner
