@@ -156,16 +156,16 @@ def further_attempt_allowed(state: WalkState, outcome: Outcome) -> bool:
 
 
 def may_hedge(
-    state: WalkState, *, hedge_after_ms: int, first_attempt: bool, at_first_candidate: bool
+    route: RouteConfig, *, replayable: bool, first_attempt: bool, at_first_candidate: bool
 ) -> bool:
-    """Only the walk's first attempt, at the first candidate, of a request that could make
-    one more attempt."""
+    """Only the walk's first attempt, at the first candidate, of a replayable request on a
+    route that hedges and has room for one more attempt."""
     return (
-        hedge_after_ms > 0
+        route.hedge_after_ms > 0
         and first_attempt
         and at_first_candidate
-        and state.replayable
-        and state.attempt_ceiling >= 2
+        and replayable
+        and route.attempt_ceiling >= 2
     )
 
 
@@ -190,23 +190,19 @@ def decide(outcome: Outcome, state: WalkState) -> Decision:
         return _exhausted(state, "no further candidate could be attempted")
     if outcome.kind == "repeat_budget":
         return _exhausted(state, "the upstream's budget for repeats is spent")
-    if not is_failover_class(outcome, state.failover_status):
-        if outcome.kind == "status":
-            if (
-                outcome.status in CREDENTIAL_STATUSES
-                and state.other_credential
-                and further_attempt_possible(state)
-            ):
-                return Decision(
-                    "next_credential",
-                    reason=f"{outcome.status} within a credential pool: another credential",
-                )
-            return Decision("serve", reason="a response outside failover_status is served")
-        return _exhausted(state, "the attempt failed")  # pragma: no cover - all kinds above
+    if not is_failover_class(outcome, state.failover_status):  # a status: all else is above
+        if (
+            outcome.status in CREDENTIAL_STATUSES
+            and state.other_credential
+            and further_attempt_possible(state)
+        ):
+            return Decision(
+                "next_credential",
+                reason=f"{outcome.status} within a credential pool: another credential",
+            )
+        return Decision("serve", reason="a response outside failover_status is served")
     if further_attempt_allowed(state, outcome):
         return Decision("next_candidate", reason="failover-class: the next candidate")
-    if not state.deadline_left:
-        return Decision("local_error", "deadline_exceeded", "the route deadline passed")
     return _exhausted(state, _why_no_further_attempt(state))
 
 

@@ -199,9 +199,9 @@ class _Walk:
                     await self._act(Outcome("deadline"), None, None, None)
                     return
             record = self._start_attempt(pick.name, pick.upstream, pick.credential_index)
-            hedged = self.route.hedge_after_ms > 0 and may_hedge(
-                self.state(),
-                hedge_after_ms=self.route.hedge_after_ms,
+            hedged = may_hedge(
+                self.route,
+                replayable=self.replayable,
                 first_attempt=context.attempt_count == 1,
                 at_first_candidate=pick.name == context.candidates[0],
             )
