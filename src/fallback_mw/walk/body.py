@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from fallback_mw.config import GatewaySettings
@@ -23,14 +23,18 @@ from fallback_mw.context import RequestBody, RequestContext
 from fallback_mw.types import Receive, Scope
 
 
-def declared_length(scope: Scope) -> int | None:
-    for key, value in scope.get("headers", ()):
+def content_length(headers: Iterable[tuple[bytes, bytes]]) -> int | None:
+    """The Content-Length of a request or response: ASCII digits only, at most 18 of
+    them (anything else is treated as not declared)."""
+    for key, value in headers:
         if key.lower() == b"content-length":
             text = value.strip()
-            if not text.isdigit() or len(text) > 18:
-                return None
-            return int(text)
+            return int(text) if text.isdigit() and len(text) <= 18 else None
     return None
+
+
+def declared_length(scope: Scope) -> int | None:
+    return content_length(scope.get("headers", ()))
 
 
 async def read_body(

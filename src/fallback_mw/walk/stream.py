@@ -11,6 +11,7 @@ from fallback_mw.errors import gateway_headers, send_error
 from fallback_mw.security import forwardable_response_headers
 from fallback_mw.types import Send
 from fallback_mw.upstream.base import UpstreamError, UpstreamResponse
+from fallback_mw.walk.body import content_length
 
 
 async def commit(
@@ -53,11 +54,3 @@ async def commit(
         context.outcome = "served"
     finally:
         await response.aclose()
-
-
-def content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
-    for key, value in headers:
-        if key == b"content-length":
-            text = value.strip()
-            return int(text) if text.isdigit() and len(text) <= 18 else None
-    return None
