@@ -88,26 +88,10 @@ def forwardable_request_headers(
     Names are compared with `_` read as `-` (canonical_name): `x_api_key` is stripped like
     `x-api-key`, because WSGI-style upstreams (Django, Flask, PHP...) cannot tell them
     apart. Other underscore names (`x_request_trace`) are forwarded unchanged."""
-    items = list(headers)
-    named = _connection_named(items)
     strip = also_strip
     if any(b"_" in n for n in also_strip):
         strip = frozenset(canonical_name(n) for n in also_strip)
-    kept: Headers = []
-    for name, value in items:
-        lower = name.lower()
-        canonical = lower.replace(b"_", b"-")
-        if (
-            canonical in CREDENTIAL_HEADERS
-            or canonical in strip
-            or canonical in HOP_BY_HOP_HEADERS
-            or canonical in RECOMPUTED_HEADERS
-            or canonical in named
-            or canonical.startswith(GATEWAY_HEADER_PREFIX)
-        ):
-            continue
-        kept.append((lower, value))
-    return kept
+    return _kept(headers, _NEVER_FORWARDED, strip)
 
 
 # The server in front of the client adds its own `date` and `server`; the upstream's copies
@@ -119,6 +103,18 @@ def forwardable_response_headers(headers: Iterable[tuple[bytes, bytes]]) -> Head
     """Upstream response headers the client may see: no hop-by-hop fields, no `x-gateway-*`
     (an upstream must not be able to forge the gateway's own headers), and not the
     upstream's `date` / `server` (the ASGI server sends its own)."""
+    return _kept(headers, _NEVER_RELAYED, frozenset())
+
+
+_NEVER_FORWARDED = CREDENTIAL_HEADERS | HOP_BY_HOP_HEADERS | RECOMPUTED_HEADERS
+_NEVER_RELAYED = HOP_BY_HOP_HEADERS | SERVER_OWNED_RESPONSE_HEADERS
+
+
+def _kept(
+    headers: Iterable[tuple[bytes, bytes]], dropped: frozenset[bytes], also: frozenset[bytes]
+) -> Headers:
+    """The fields whose canonical name is in neither `dropped` nor `also`, not named in
+    `Connection` and not `x-gateway-*`; names lowercased, repeats kept in order."""
     items = list(headers)
     named = _connection_named(items)
     kept: Headers = []
@@ -126,9 +122,9 @@ def forwardable_response_headers(headers: Iterable[tuple[bytes, bytes]]) -> Head
         lower = name.lower()
         canonical = lower.replace(b"_", b"-")
         if (
-            canonical in HOP_BY_HOP_HEADERS
+            canonical in dropped
+            or canonical in also
             or canonical in named
-            or canonical in SERVER_OWNED_RESPONSE_HEADERS
             or canonical.startswith(GATEWAY_HEADER_PREFIX)
         ):
             continue
