@@ -23,7 +23,8 @@ from fallback_mw.budget.usage import DEFAULT_JSON_CAP, UsageMeter
 from fallback_mw.config import BudgetConfig, GatewayConfig
 from fallback_mw.context import RequestBody, RequestContext, get_context
 from fallback_mw.types import ASGIApp, Message, Receive, Scope, Send
-from fallback_mw.walk.body import body_json, read_body
+from fallback_mw.walk.admit import request_json
+from fallback_mw.walk.body import read_body
 
 logger = logging.getLogger("fallback_mw.budget")
 
@@ -91,9 +92,7 @@ class BudgetGuard:
         self, ledger: Ledger, context: RequestContext, budget_id: str, body: RequestBody
     ) -> Hold | str:
         """The hold, or the local error code refusing the request."""
-        parsed = body_json(body)
-        if parsed is not None and isinstance(parsed.get("model"), str):
-            context.request_model = parsed["model"]
+        parsed = request_json(context, body)  # notes the requested model, as the walker does
         try:
             budget = await self.budget_for(ledger, budget_id)
             if budget is None:
