@@ -38,9 +38,9 @@ import redis.asyncio as aioredis
 import uvicorn
 
 from fallback_mw import Gateway
+from fallback_mw.cli.server_limits import uvicorn_limits
 from fallback_mw.config import BudgetConfig
 from fallback_mw.health.redis import RedisHealth
-from fallback_mw.server_limits import uvicorn_limits
 
 UPSTREAMS = textwrap.dedent(
     """

@@ -106,7 +106,7 @@ def test_the_unit_tests_catch_a_broken_rule(
 
 def test_error_outcomes_match_the_game_day_definition() -> None:
     """The rules and `fallback-mw gameday` count the same outcomes as customer-visible."""
-    from fallback_mw.gameday.observe import CALLER_OUTCOMES
+    from fallback_mw.cli.game_day.observe import CALLER_OUTCOMES
 
     quiet = {"served", *CALLER_OUTCOMES}
     matchers = re.findall(r'gateway_outcome!~"([^"]+)"', RULES.read_text())

@@ -12,13 +12,14 @@ import anyio
 import asyncpg
 import pytest
 
-from fallback_mw.budget import Hold, Ledger, UsageRecord, open_ledger, window_start
+from fallback_mw.budget import Hold, Ledger, UsageRecord, window_start
 from fallback_mw.budget.cost import PriceBook, format_money, from_units, to_units
-from fallback_mw.budget.memory import MemoryLedger
-from fallback_mw.budget.schema import LATEST_VERSION
 from fallback_mw.budget.usage import UsageMeter
 from fallback_mw.config import BudgetConfig, PriceConfig
-from fallback_mw.context import Usage
+from fallback_mw.request.context import Usage
+from fallback_mw.store.ledgers import open_ledger
+from fallback_mw.store.ledgers.memory import MemoryLedger
+from fallback_mw.store.ledgers.schema import LATEST_VERSION
 
 SSE = b"text/event-stream; charset=utf-8"
 JSON = b"application/json"
@@ -304,7 +305,7 @@ async def test_postgres_schema_and_shared_table(pg_url: str) -> None:
 
 @pytest.mark.anyio
 async def test_stale_holds_are_settled_on_open(tmp_path: Path) -> None:
-    from fallback_mw.budget.sqlite import SQLiteLedger
+    from fallback_mw.store.ledgers.sqlite import SQLiteLedger
 
     path = str(tmp_path / "l.db")
     crashed = SQLiteLedger(path)

@@ -11,10 +11,11 @@ from pathlib import Path
 import anyio
 import pytest
 
-from fallback_mw.budget import AttemptOutcome, UsageRecord, open_ledger
+from fallback_mw.budget import AttemptOutcome, UsageRecord
 from fallback_mw.cli import main
 from fallback_mw.cli.usage import parse_since
 from fallback_mw.config import BudgetConfig
+from fallback_mw.store.ledgers import open_ledger
 
 
 async def seed(store: str) -> None:

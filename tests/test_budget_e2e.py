@@ -16,8 +16,8 @@ import uvicorn
 from aiohttp import web
 
 from fallback_mw import Gateway
-from fallback_mw.budget import open_ledger
 from fallback_mw.config import BudgetConfig
+from fallback_mw.store.ledgers import open_ledger
 from tests.helpers import free_port, serve_process, wait_listening
 from tests.test_budget_guard import gateway_config, host_app, json_handler
 from tests.upstreams import Handler, upstream

@@ -13,8 +13,8 @@ import pytest
 from aiohttp import web
 
 from fallback_mw import Gateway
-from fallback_mw.budget import open_ledger
 from fallback_mw.config import BudgetConfig
+from fallback_mw.store.ledgers import open_ledger
 from tests.helpers import client_for
 from tests.upstreams import Handler, free_port, host_app, status_handler, upstream
 

@@ -10,8 +10,9 @@ from pathlib import Path
 import anyio
 import pytest
 
-from fallback_mw.budget import UsageRecord, open_ledger
+from fallback_mw.budget import UsageRecord
 from fallback_mw.cli import main
+from fallback_mw.store.ledgers import open_ledger
 
 
 def write_config(tmp_path: Path, store: str, backup_tpm: int = 200_000) -> Path:

@@ -11,7 +11,7 @@ from pathlib import Path
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fallback_mw.walk.decide import (
+from fallback_mw.failover.decide import (
     NO_CANDIDATE,
     REPEAT_BUDGET_SPENT,
     Outcome,

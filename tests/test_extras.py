@@ -146,7 +146,7 @@ def test_a_feature_without_its_extra_is_refused_at_load_in_one_line(
     ("blocked", "module", "extra"),
     [
         (["redis"], "fallback_mw.health.redis", "redis"),
-        (["asyncpg"], "fallback_mw.budget.postgres", "postgres"),
+        (["asyncpg"], "fallback_mw.store.ledgers.postgres", "postgres"),
         (["asyncpg"], "fallback_mw.store.postgres", "postgres"),
         (["httpx"], "fallback_mw.upstream.httpx_engine", "httpx"),
     ],

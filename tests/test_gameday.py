@@ -12,9 +12,9 @@ import pytest
 
 from fallback_mw.budget import AttemptOutcome, UsageRecord
 from fallback_mw.cli import main
-from fallback_mw.gameday.observe import observe, windowed
-from fallback_mw.gameday.run import judge
-from fallback_mw.gameday.spec import SpecError, parse_abort, parse_duration, parse_prediction
+from fallback_mw.cli.game_day.observe import observe, windowed
+from fallback_mw.cli.game_day.run import judge
+from fallback_mw.cli.game_day.spec import SpecError, parse_abort, parse_duration, parse_prediction
 from fallback_mw.store.routes import Fault, open_store
 
 # --- spec -----------------------------------------------------------------------------

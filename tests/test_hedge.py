@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from fallback_mw.walk.hedge import first_head
+from fallback_mw.layers.walker.hedge import first_head
 from tests.helpers import gateway_client
 from tests.upstreams import Upstream, status_handler, upstream
 

@@ -11,8 +11,8 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from fallback_mw import BudgetGuard, Gateway, PlanWalker, RouteResolver, load_config
-from fallback_mw.credentials import CredentialInjector
 from fallback_mw.health.redis import RedisHealth
+from fallback_mw.layers.injector import CredentialInjector
 from fallback_mw.telemetry import Telemetry
 from tests.helpers import client_for
 from tests.upstreams import host_app, status_handler, upstream

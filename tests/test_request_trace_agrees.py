@@ -17,11 +17,11 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from fallback_mw.budget import open_ledger
 from fallback_mw.cli import build_parser
 from fallback_mw.cli.request import build_gateway, exchange_for, gateway_config, options_from
 from fallback_mw.config import BreakerConfig
 from fallback_mw.health import create_health
+from fallback_mw.store.ledgers import open_ledger
 from fallback_mw.telemetry import Telemetry
 from tests.test_request_cli import ENV, write_config
 from tests.upstreams import silent_server, status_handler, upstream

@@ -18,8 +18,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from fallback_mw import ConfigError, Gateway, load_config
+from fallback_mw.shadow import in_shadow_slice
 from fallback_mw.telemetry import Telemetry
-from fallback_mw.walk.shadow import in_shadow_slice
 from tests.helpers import client_for
 from tests.upstreams import host_app, status_handler, upstream
 
@@ -245,8 +245,8 @@ def test_a_shadow_that_is_the_primary_or_unknown_is_refused() -> None:
 async def test_a_copy_is_never_in_the_budget_hold_or_the_usage_record() -> None:
     from decimal import Decimal
 
-    from fallback_mw.budget.memory import MemoryLedger
     from fallback_mw.config import BudgetConfig
+    from fallback_mw.store.ledgers.memory import MemoryLedger
 
     def answer(tokens: int) -> Any:
         async def handle(request: web.Request) -> web.StreamResponse:

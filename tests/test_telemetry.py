@@ -22,9 +22,9 @@ from opentelemetry.trace import SpanKind, StatusCode, format_span_id, format_tra
 
 from fallback_mw import Gateway
 from fallback_mw.config import RouteConfig
-from fallback_mw.context import AttemptRecord, RequestContext, Usage
 from fallback_mw.faults import UpstreamFault
 from fallback_mw.health import AlwaysHealthy
+from fallback_mw.request.context import AttemptRecord, RequestContext, Usage
 from fallback_mw.telemetry import Telemetry
 from tests.helpers import client_for, http_scope, request_then_disconnect
 from tests.upstreams import host_app, status_handler, upstream

@@ -19,9 +19,9 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from fallback_mw.cli.otel_setup import TelemetrySetupError, configure_opentelemetry
 from fallback_mw.config import RouteConfig
-from fallback_mw.context import AttemptRecord, RequestContext
-from fallback_mw.otel_setup import TelemetrySetupError, configure_opentelemetry
+from fallback_mw.request.context import AttemptRecord, RequestContext
 from fallback_mw.telemetry import Telemetry
 from tests.upstreams import upstream
 
@@ -155,7 +155,7 @@ def test_serve_style_global_setup_reaches_a_telemetry_made_before_it(tmp_path: P
     script = textwrap.dedent(
         """
         from fallback_mw.telemetry import Telemetry
-        from fallback_mw.otel_setup import configure_from_env
+        from fallback_mw.cli.otel_setup import configure_from_env
         from tests.test_telemetry_setup import run_one_request
 
         telemetry = Telemetry()

@@ -11,8 +11,9 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from fallback_mw.budget import UsageRecord, open_ledger
-from fallback_mw.budget.schema import LATEST_VERSION, USAGE_COLUMNS, migrations
+from fallback_mw.budget import UsageRecord
+from fallback_mw.store.ledgers import open_ledger
+from fallback_mw.store.ledgers.schema import LATEST_VERSION, USAGE_COLUMNS, migrations
 
 pytestmark = pytest.mark.anyio
 
@@ -106,7 +107,7 @@ async def test_postgres_v1_store_migrates(pg_url: str) -> None:
 
 async def test_the_gateway_records_each_requests_duration() -> None:
     """A routed request's usage record covers at least the upstream's own wait."""
-    from fallback_mw.budget.memory import MemoryLedger
+    from fallback_mw.store.ledgers.memory import MemoryLedger
     from tests.helpers import gateway_client
     from tests.upstreams import status_handler, upstream
 

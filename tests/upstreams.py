@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from fallback_mw.types import Receive, Scope, Send
+from fallback_mw.request.types import Receive, Scope, Send
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

@@ -10,22 +10,22 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from fallback_mw.budget.guard import BudgetGuard
     from fallback_mw.config import ConfigError, GatewayConfig, load_config
-    from fallback_mw.credentials import CredentialInjector
     from fallback_mw.gateway import Gateway
-    from fallback_mw.resolver import RouteResolver
-    from fallback_mw.walk import PlanWalker
+    from fallback_mw.layers.guard import BudgetGuard
+    from fallback_mw.layers.injector import CredentialInjector
+    from fallback_mw.layers.resolver import RouteResolver
+    from fallback_mw.layers.walker import PlanWalker
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "BudgetGuard": "fallback_mw.budget.guard",
+    "BudgetGuard": "fallback_mw.layers.guard",
     "ConfigError": "fallback_mw.config",
-    "CredentialInjector": "fallback_mw.credentials",
+    "CredentialInjector": "fallback_mw.layers.injector",
     "Gateway": "fallback_mw.gateway",
     "GatewayConfig": "fallback_mw.config",
-    "PlanWalker": "fallback_mw.walk",
-    "RouteResolver": "fallback_mw.resolver",
+    "PlanWalker": "fallback_mw.layers.walker",
+    "RouteResolver": "fallback_mw.layers.resolver",
     "load_config": "fallback_mw.config",
 }
 

@@ -85,7 +85,7 @@ class GatewaySettings(_Strict):
     @classmethod
     def _store(cls, value: str | None) -> str | None:
         if value is not None:
-            from fallback_mw.store.url import StoreURLError, parse_store_url
+            from fallback_mw.store_url import StoreURLError, parse_store_url
 
             try:
                 parse_store_url(value)

@@ -1,14 +1,15 @@
-"""CredentialInjector: strip every caller credential; give each candidate only its own."""
+"""Each candidate's own credential, from its own environment variable: the table the
+credential injector (layers/injector.py) computes once per route table. Below all four
+layers, so the walker used alone applies the same hygiene without building a layer."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
-from fallback_mw.config import GatewayConfig, UpstreamConfig
-from fallback_mw.context import get_context
+from fallback_mw.config import UpstreamConfig
+from fallback_mw.request.context import RequestContext
 from fallback_mw.security import forwardable_request_headers
-from fallback_mw.types import ASGIApp, Receive, Scope, Send
 
 Credentials = Mapping[str, tuple[tuple[str, str] | None, ...]]
 
@@ -40,33 +41,29 @@ def credential_table(
     }
 
 
-class CredentialInjector:
-    def __init__(
-        self,
-        app: ASGIApp,
-        /,
-        *,
-        config: GatewayConfig,
-        environ: Mapping[str, str] | None = None,
-    ) -> None:
-        self.app = app
+def apply_hygiene(
+    context: RequestContext, headers: Sequence[tuple[bytes, bytes]], credentials: Credentials
+) -> None:
+    """SPEC §4 step 3 for one request: the caller's headers without any credential or
+    hop-by-hop header, and every candidate's own credential beside them."""
+    context.forward_headers = forwardable_request_headers(
+        headers, also_strip=context.upstream_auth_headers
+    )
+    context.credentials = credentials
+
+
+class CredentialCache:
+    """The credential table, computed once per route table (a store reload swaps the table,
+    and its upstreams)."""
+
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
         self.environ = os.environ if environ is None else environ
-        # Computed once per route table (a store reload swaps the table, and its upstreams).
         self._table: tuple[Mapping[str, UpstreamConfig], Credentials] | None = None
 
-    def _credentials(self, upstreams: Mapping[str, UpstreamConfig]) -> Credentials:
+    def credentials(self, upstreams: Mapping[str, UpstreamConfig]) -> Credentials:
         cached = self._table
         if cached is not None and cached[0] is upstreams:
             return cached[1]
         table = credential_table(upstreams, self.environ)
         self._table = (upstreams, table)
         return table
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        context = get_context(scope)
-        if context is not None:
-            context.forward_headers = forwardable_request_headers(
-                scope.get("headers", ()), also_strip=context.upstream_auth_headers
-            )
-            context.credentials = self._credentials(context.upstreams)
-        await self.app(scope, receive, send)

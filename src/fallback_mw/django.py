@@ -39,7 +39,7 @@ from django.http import HttpRequest, HttpResponseBase, StreamingHttpResponse
 
 from fallback_mw.config import ConfigError
 from fallback_mw.gateway import Gateway
-from fallback_mw.types import Message, Receive, Scope, Send
+from fallback_mw.request.types import Message, Receive, Scope, Send
 
 _EXCHANGE_KEY = "fallback_mw.django.exchange"
 _BODY_CHUNK = 64 * 1024

@@ -7,17 +7,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from fallback_mw.budget import Ledger
-from fallback_mw.budget.guard import BudgetGuard
 from fallback_mw.config import GatewayConfig, load_config
-from fallback_mw.credentials import CredentialInjector
 from fallback_mw.faults import FaultSource
 from fallback_mw.health import HealthState
-from fallback_mw.resolver import RouteResolver
+from fallback_mw.layers.guard import BudgetGuard
+from fallback_mw.layers.injector import CredentialInjector
+from fallback_mw.layers.resolver import RouteResolver
+from fallback_mw.layers.walker import PlanWalker
+from fallback_mw.request.types import ASGIApp, Message, Receive, Scope, Send
 from fallback_mw.services import Services, build_services
 from fallback_mw.telemetry import Telemetry
-from fallback_mw.types import ASGIApp, Message, Receive, Scope, Send
 from fallback_mw.upstream import UpstreamClient
-from fallback_mw.walk import PlanWalker
 
 
 class Gateway:
@@ -49,16 +49,7 @@ class Gateway:
             environ=environ,
         )
         services = self.services
-        walker = PlanWalker(
-            app,
-            config=self.config,
-            client=services.client,
-            health=services.health,
-            faults=services.faults,
-            telemetry=services.telemetry,
-            capacity=services.capacity,
-            shadows=services.shadows,
-        )
+        walker = PlanWalker(app, config=self.config, services=services, environ=environ)
         injector = CredentialInjector(walker, config=self.config, environ=environ)
         guard = BudgetGuard(injector, config=self.config, ledger=services.ledger)
         self.resolver = RouteResolver(

@@ -7,15 +7,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from fallback_mw.budget import Ledger, open_ledger
+from fallback_mw.budget import Ledger
 from fallback_mw.capacity import CapacityState, create_capacity
 from fallback_mw.config import GatewayConfig
 from fallback_mw.faults import FaultSource, NoFaults
 from fallback_mw.health import HealthState, create_health
 from fallback_mw.routing import RouteTable
+from fallback_mw.shadow import ShadowTraffic
+from fallback_mw.store.ledgers import open_ledger
 from fallback_mw.telemetry import Telemetry
 from fallback_mw.upstream import UpstreamClient, make_client
-from fallback_mw.walk.shadow import ShadowTraffic
 
 if TYPE_CHECKING:
     from opentelemetry.metrics import MeterProvider
@@ -31,19 +32,17 @@ class Services:
     telemetry: Telemetry
     ledger: Ledger | None
     table: Callable[[], RouteTable]
-    capacity: CapacityState | None = None  # capacity and repeat-budget counts
+    capacity: CapacityState  # capacity and repeat-budget counts
+    shadows: ShadowTraffic  # shadow copies in flight
     store: StoreRuntime | None = None  # route/fault reloader when gateway.store is set
-    shadows: ShadowTraffic | None = None  # shadow copies in flight
 
     async def aclose(self) -> None:
-        if self.shadows is not None:
-            await self.shadows.aclose()  # before the client their connections belong to
+        await self.shadows.aclose()  # before the client their connections belong to
         if self.store is not None:
             await self.store.aclose()
         await self.client.aclose()
         await self.health.aclose()
-        if self.capacity is not None:
-            await self.capacity.aclose()
+        await self.capacity.aclose()
         await self.faults.aclose()
         if self.ledger is not None:
             await self.ledger.aclose()

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from fallback_mw.evaluation.arms import _integrity, _request_body
-from fallback_mw.evaluation.upstreams import Exchange, ScriptedUpstream, answer_body, digest
+from fallback_mw.cli.evaluation.arms import _integrity, _request_body
+from fallback_mw.cli.evaluation.upstreams import Exchange, ScriptedUpstream, answer_body, digest
 from tests.cli_runner import run_cli
 
 pytestmark = pytest.mark.e2e

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 from fallback_mw import Gateway
-from fallback_mw.budget import cost, open_ledger
+from fallback_mw.budget import cost
 from fallback_mw.budget.cost import PriceBook, to_units
 from fallback_mw.cli import main
 from fallback_mw.config import BudgetConfig, ConfigError, PriceConfig, load_config
+from fallback_mw.store.ledgers import open_ledger
 from tests.helpers import client_for
 from tests.test_budget_guard import gateway_config, json_handler
 from tests.upstreams import host_app, upstream

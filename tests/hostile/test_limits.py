@@ -137,7 +137,7 @@ async def test_requests_beyond_max_concurrency_get_a_fast_503_overloaded() -> No
 
 
 def guarded(gateway: Any, http: str, **settings: Any) -> Any:
-    from fallback_mw.server_limits import uvicorn_limits
+    from fallback_mw.cli.server_limits import uvicorn_limits
 
     loaded = load_config({"gateway": settings})
     return serve_asgi(gateway, **uvicorn_limits(loaded.gateway, http))

@@ -99,8 +99,8 @@ async def test_trailer_fields_never_reach_the_upstream(http: str) -> None:
 
 
 async def test_serve_drops_undeclared_trailer_fields_before_the_app_sees_them() -> None:
+    from fallback_mw.cli.server_limits import uvicorn_limits
     from fallback_mw.config import load_config
-    from fallback_mw.server_limits import uvicorn_limits
 
     settings = load_config({}).gateway
     async with upstream(status_handler(200, b"ok")) as primary:

@@ -50,7 +50,7 @@ async def test_a_malformed_deadline_header_is_ignored_not_a_500(value: bytes) ->
 
 
 def test_requested_deadline_parsing_is_strict_and_bounded() -> None:
-    from fallback_mw.resolver import requested_deadline_ms
+    from fallback_mw.layers.resolver import requested_deadline_ms
 
     assert requested_deadline_ms("250") == 250
     assert requested_deadline_ms(" 250 ") == 250

@@ -10,7 +10,7 @@ import websockets
 from websockets.exceptions import InvalidStatus
 
 from fallback_mw import Gateway
-from fallback_mw.types import Receive, Scope, Send
+from fallback_mw.request.types import Receive, Scope, Send
 from tests.helpers import free_port, log_text, serve_process, wait_listening
 from tests.upstreams import serve_asgi_ws
 

@@ -12,7 +12,7 @@ import json
 import re
 from typing import Any
 
-from fallback_mw.context import Usage
+from fallback_mw.request.context import Usage
 from fallback_mw.tokens import MAX_TOKENS
 
 DEFAULT_JSON_CAP = 1024 * 1024

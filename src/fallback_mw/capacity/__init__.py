@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from opentelemetry.metrics import MeterProvider
 
     from fallback_mw.config import RepeatBudgetConfig, UpstreamConfig
-    from fallback_mw.context import Usage
     from fallback_mw.health import HealthState
+    from fallback_mw.request.context import Usage
 
 
 def asker(

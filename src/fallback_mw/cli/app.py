@@ -90,7 +90,7 @@ async def closing(work: Awaitable[T], close: Callable[[], Awaitable[None]]) -> T
 def dispatch(handler: Handler, args: argparse.Namespace, console: Console) -> int:
     """Call a handler and turn what it raised into an exit status and one stderr line."""
     from fallback_mw.store.model import StoreError
-    from fallback_mw.store.url import StoreURLError
+    from fallback_mw.store_url import StoreURLError
 
     quiet_library_warnings()
     try:

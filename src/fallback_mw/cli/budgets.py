@@ -12,12 +12,13 @@ from collections.abc import Awaitable, Callable
 from decimal import Decimal, InvalidOperation
 from typing import Any, TypeVar
 
-from fallback_mw.budget import Ledger, LedgerUnavailable, open_ledger
+from fallback_mw.budget import Ledger, LedgerUnavailable
 from fallback_mw.budget.cost import format_money
 from fallback_mw.cli.app import Console, Failed, Refused, leaf, run
 from fallback_mw.cli.show import print_table
 from fallback_mw.cli.target import StoreTarget, resolve, store_options
 from fallback_mw.config import MAX_MONEY, BudgetConfig
+from fallback_mw.store.ledgers import open_ledger
 from fallback_mw.store.model import build_model
 
 T = TypeVar("T")

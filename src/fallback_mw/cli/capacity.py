@@ -16,9 +16,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from fallback_mw.budget import Ledger
-from fallback_mw.capacity.planning import Dimension, RouteReport, assess, peaks
 from fallback_mw.cli.app import EXIT_FAILED, EXIT_OK, Console, Refused, leaf
 from fallback_mw.cli.budgets import with_ledger
+from fallback_mw.cli.capacity_planning import Dimension, RouteReport, assess, peaks
 from fallback_mw.cli.target import StoreTarget, store_options
 from fallback_mw.cli.usage import parse_since
 

@@ -12,7 +12,7 @@ from typing import Any
 from fallback_mw.cli.app import Console, leaf, run
 from fallback_mw.config import GatewayConfig, RouteConfig, UpstreamConfig, load_config
 from fallback_mw.store.routes import MergedRoutes, merge_routes, open_store
-from fallback_mw.store.url import parse_store_url
+from fallback_mw.store_url import parse_store_url
 
 
 def _resolve(config: GatewayConfig) -> tuple[MergedRoutes, set[str]]:

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from fallback_mw.cli.app import Console, Failed, Refused, leaf
-from fallback_mw.evaluation.arms import arms, run_arms
-from fallback_mw.evaluation.gateway import GatewayDidNotStart
-from fallback_mw.evaluation.report import summarise, table
+from fallback_mw.cli.evaluation.arms import arms, run_arms
+from fallback_mw.cli.evaluation.gateway import GatewayDidNotStart
+from fallback_mw.cli.evaluation.report import summarise, table
 
 DEFAULT_OUT = "results/route-plan-eval.json"
 MAX_REQUESTS = 100_000

@@ -18,18 +18,19 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from fallback_mw.budget import LedgerUnavailable, open_ledger
+from fallback_mw.budget import LedgerUnavailable
 from fallback_mw.cli.app import Console, Failed, Refused, leaf
-from fallback_mw.cli.target import resolve, store_options
-from fallback_mw.gameday.report import build_report, report_lines, write_report
-from fallback_mw.gameday.run import (
+from fallback_mw.cli.game_day.report import build_report, report_lines, write_report
+from fallback_mw.cli.game_day.run import (
     Exercise,
     GameDayRefused,
     Timeline,
     observe_exercise,
     run_exercise,
 )
-from fallback_mw.gameday.spec import SpecError, parse_abort, parse_duration, parse_prediction
+from fallback_mw.cli.game_day.spec import SpecError, parse_abort, parse_duration, parse_prediction
+from fallback_mw.cli.target import resolve, store_options
+from fallback_mw.store.ledgers import open_ledger
 from fallback_mw.store.model import StoreError
 from fallback_mw.store.routes import open_store
 

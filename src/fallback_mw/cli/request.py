@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from fallback_mw.cli.app import Console, Failed, Refused, leaf, run
+from fallback_mw.cli.one_request import OneRequest, send_one, trace_of
+from fallback_mw.cli.request_table import render
 from fallback_mw.config import GatewayConfig, load_config
 from fallback_mw.health import StateURLError
-from fallback_mw.one_request import OneRequest, send_one, trace_of
-from fallback_mw.request_table import render
-from fallback_mw.types import ASGIApp
+from fallback_mw.request.types import ASGIApp
 
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 field name / method
 _MAX_TARGET = 8192

@@ -12,7 +12,7 @@ from typing import Any
 from fallback_mw.cli.app import Console, Refused, leaf
 from fallback_mw.config import load_config
 from fallback_mw.extras import require
-from fallback_mw.types import Receive, Scope, Send
+from fallback_mw.request.types import Receive, Scope, Send
 
 
 async def not_found_app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -96,9 +96,9 @@ def serve(args: argparse.Namespace, console: Console) -> None:
     require("serve", "fallback-mw serve")
     import uvicorn
 
+    from fallback_mw.cli.otel_setup import TelemetrySetupError, configure_opentelemetry
+    from fallback_mw.cli.server_limits import uvicorn_limits
     from fallback_mw.gateway import Gateway
-    from fallback_mw.otel_setup import TelemetrySetupError, configure_opentelemetry
-    from fallback_mw.server_limits import uvicorn_limits
 
     config = load_config(args.config)
     try:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from fallback_mw.cli.app import Refused
 from fallback_mw.config import GatewayConfig, load_config
-from fallback_mw.store.url import parse_store_url
+from fallback_mw.store_url import parse_store_url
 
 
 def store_options(parser: argparse.ArgumentParser) -> None:

@@ -36,7 +36,7 @@ from fallback_mw.health.breaker import DEFAULT_PROBE_LEASE
 from fallback_mw.health.events import TransitionListener
 from fallback_mw.health.memory import MemoryHealth, breaker_credential_mark, report_transition
 from fallback_mw.health.redis_scripts import ADMIT, MARK, PICK, RECORD, RELEASE
-from fallback_mw.store.url import redact_url
+from fallback_mw.store_url import redact_url
 
 logger = logging.getLogger("fallback_mw.health")
 

@@ -26,7 +26,7 @@ from fallback_mw.store.model import (
     StoreError,
     pending_migrations,
 )
-from fallback_mw.store.url import redact_url
+from fallback_mw.store_url import redact_url
 
 T = TypeVar("T")
 

@@ -19,7 +19,7 @@ from fallback_mw.routing import RouteTable
 from fallback_mw.store.faults import StoreFaults
 from fallback_mw.store.model import StoreError
 from fallback_mw.store.routes import RouteStore, merge_routes, open_store
-from fallback_mw.store.url import parse_store_url
+from fallback_mw.store_url import parse_store_url
 
 T = TypeVar("T")
 logger = logging.getLogger("fallback_mw.store")

@@ -48,7 +48,7 @@ class RouteStore(Protocol):
 
 
 def open_store(url: str) -> RouteStore:
-    from fallback_mw.store.url import parse_store_url
+    from fallback_mw.store_url import parse_store_url
 
     parsed = parse_store_url(url)
     if parsed.kind == "sqlite":

@@ -12,7 +12,7 @@ from opentelemetry import metrics, propagate, trace
 from opentelemetry.propagators.textmap import TextMapPropagator
 from opentelemetry.util.types import AttributeValue
 
-from fallback_mw.context import AttemptRecord, RequestContext
+from fallback_mw.request.context import AttemptRecord, RequestContext
 from fallback_mw.telemetry.instruments import Instruments
 from fallback_mw.telemetry.redact import (
     EXTRACTING,

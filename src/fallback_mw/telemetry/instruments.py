@@ -9,7 +9,7 @@ import time
 from opentelemetry import metrics
 from opentelemetry.util.types import AttributeValue
 
-from fallback_mw.context import AttemptRecord, RequestContext
+from fallback_mw.request.context import AttemptRecord, RequestContext
 from fallback_mw.telemetry.redact import label
 
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)

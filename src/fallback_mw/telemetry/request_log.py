@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from fallback_mw.context import RequestContext
+from fallback_mw.request.context import RequestContext
 from fallback_mw.telemetry.redact import label
 
 logger = logging.getLogger("fallback_mw.request")

@@ -9,7 +9,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.util.types import AttributeValue
 
-from fallback_mw.context import AttemptRecord, RequestContext
+from fallback_mw.request.context import AttemptRecord, RequestContext
 from fallback_mw.telemetry.redact import label, model_name
 
 

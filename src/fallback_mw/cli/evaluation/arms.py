@@ -15,8 +15,13 @@ from typing import Any
 
 import aiohttp
 
-from fallback_mw.evaluation.gateway import served_gateway
-from fallback_mw.evaluation.upstreams import Behaviour, ScriptedUpstream, digest, scripted_upstream
+from fallback_mw.cli.evaluation.gateway import served_gateway
+from fallback_mw.cli.evaluation.upstreams import (
+    Behaviour,
+    ScriptedUpstream,
+    digest,
+    scripted_upstream,
+)
 
 PRIMARY = "primary"
 BACKUP = "backup"

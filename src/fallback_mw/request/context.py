@@ -14,7 +14,7 @@ from typing import Any
 
 from fallback_mw.config import RouteConfig, UpstreamConfig
 
-SCOPE_KEY = "fallback_mw.context"
+SCOPE_KEY = "fallback_mw.request.context"
 
 Headers = list[tuple[bytes, bytes]]
 

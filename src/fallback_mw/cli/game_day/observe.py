@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fallback_mw.budget import UsageRecord
-from fallback_mw.stats import percentile
+from fallback_mw.cli.stats import percentile
 
 # Outcomes that are the caller's own doing, never a customer-visible error. The shipped
 # alert rules (docs/alerts/fallback_mw.rules.yml) exclude exactly these and `served`.

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 from fallback_mw.capacity import Admission, Ask, CapacityState
 from fallback_mw.config import UpstreamConfig
-from fallback_mw.context import RequestContext, SkipRecord
+from fallback_mw.failover.decide import NO_CANDIDATE, REPEAT_BUDGET_SPENT, Outcome
 from fallback_mw.health import HealthState
+from fallback_mw.request.context import RequestContext, SkipRecord
 from fallback_mw.telemetry import Telemetry
-from fallback_mw.walk.decide import NO_CANDIDATE, REPEAT_BUDGET_SPENT, Outcome
 
 
 @dataclass(frozen=True, slots=True)

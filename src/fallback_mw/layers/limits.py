@@ -4,7 +4,7 @@ request header bytes and count (431 `headers_too_large`) and requests in flight
 
 These run inside the ASGI app, after the server has already parsed and buffered the
 request head. `fallback-mw serve` also refuses oversized or slow heads in the server
-itself (fallback_mw.server_limits); a host app on its own server must configure that
+itself (fallback_mw.cli.server_limits); a host app on its own server must configure that
 server (docs/security.md)."""
 
 from __future__ import annotations

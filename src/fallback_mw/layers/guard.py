@@ -21,10 +21,9 @@ from fallback_mw.budget import AttemptOutcome, Hold, Ledger, LedgerUnavailable, 
 from fallback_mw.budget.cost import PriceBook
 from fallback_mw.budget.usage import DEFAULT_JSON_CAP, UsageMeter
 from fallback_mw.config import BudgetConfig, GatewayConfig
-from fallback_mw.context import RequestBody, RequestContext, get_context
-from fallback_mw.types import ASGIApp, Message, Receive, Scope, Send
-from fallback_mw.walk.admit import request_json
-from fallback_mw.walk.body import read_body
+from fallback_mw.request.body import read_body, request_json
+from fallback_mw.request.context import RequestBody, RequestContext, get_context
+from fallback_mw.request.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger("fallback_mw.budget")
 

@@ -6,12 +6,12 @@ the one owner of the upstream response from the commit on; it closes it in a shi
 
 from __future__ import annotations
 
-from fallback_mw.context import RequestContext
-from fallback_mw.errors import gateway_headers, send_error
+from fallback_mw.request.body import content_length
+from fallback_mw.request.context import RequestContext
+from fallback_mw.request.local_errors import gateway_headers, send_error
+from fallback_mw.request.types import Send
 from fallback_mw.security import forwardable_response_headers
-from fallback_mw.types import Send
 from fallback_mw.upstream.base import UpstreamError, UpstreamResponse
-from fallback_mw.walk.body import content_length
 
 
 async def commit(

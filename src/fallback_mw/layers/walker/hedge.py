@@ -21,8 +21,8 @@ from typing import Any, Protocol, TypeVar
 import anyio
 
 from fallback_mw.config import UpstreamConfig
-from fallback_mw.context import AttemptRecord
-from fallback_mw.walk.attempt import AttemptResult
+from fallback_mw.failover.attempt import AttemptResult
+from fallback_mw.request.context import AttemptRecord
 
 R = TypeVar("R")
 

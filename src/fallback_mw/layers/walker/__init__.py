@@ -3,6 +3,6 @@ passes, skips), `attempt` (one upstream request and its outcome), `hedge` (drive
 the attempt runner), `stream` (commit point and relay), `body` (reading and replay) and
 `walker` (the ASGI class that puts them together)."""
 
-from fallback_mw.walk.walker import PlanWalker
+from fallback_mw.layers.walker.walker import PlanWalker
 
 __all__ = ["PlanWalker"]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from fallback_mw.config import RouteConfig
-from fallback_mw.context import RequestContext
+from fallback_mw.request.context import RequestContext
 
 # Within a credential pool these may move to another credential of the same upstream.
 CREDENTIAL_STATUSES = frozenset({401, 403, 429})

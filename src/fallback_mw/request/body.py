@@ -19,8 +19,8 @@ from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from fallback_mw.config import GatewaySettings
-from fallback_mw.context import RequestBody, RequestContext
-from fallback_mw.types import Receive, Scope
+from fallback_mw.request.context import RequestBody, RequestContext
+from fallback_mw.request.types import Receive, Scope
 
 
 def content_length(headers: Iterable[tuple[bytes, bytes]]) -> int | None:
@@ -140,15 +140,11 @@ def inspect_json(data: bytes | None) -> dict[str, Any] | None:
     return parsed if isinstance(parsed, dict) else None
 
 
-async def watch_disconnect(
-    receive: Receive, body: RequestBody, context: RequestContext, walk_task: asyncio.Task[Any]
-) -> None:
-    """Once the body is read, the walk is the only reader left: a disconnect cancels the
-    attempt in flight (walk_task) and starts nothing new."""
-    await body.done.wait()
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            context.client_disconnected = True
-            walk_task.cancel()
-            return
+def request_json(context: RequestContext, body: RequestBody) -> dict[str, Any] | None:
+    """The buffered body as a JSON object (None: not one); notes the requested model."""
+    if body.buffered is None:
+        return None
+    parsed = body_json(body)
+    if parsed is not None and isinstance(parsed.get("model"), str):
+        context.request_model = context.request_model or parsed["model"]
+    return parsed

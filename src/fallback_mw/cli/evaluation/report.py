@@ -6,8 +6,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from fallback_mw.evaluation.arms import PRIMARY, ArmRun
-from fallback_mw.stats import percentile
+from fallback_mw.cli.evaluation.arms import PRIMARY, ArmRun
+from fallback_mw.cli.stats import percentile
 
 
 def summarise(run: ArmRun) -> dict[str, Any]:

@@ -6,12 +6,12 @@ import time
 from collections.abc import Callable
 
 from fallback_mw.config import GatewayConfig
-from fallback_mw.context import SCOPE_KEY, RequestContext
-from fallback_mw.errors import send_error
-from fallback_mw.limits import InFlight, header_refusal
+from fallback_mw.layers.limits import InFlight, header_refusal
+from fallback_mw.request.context import SCOPE_KEY, RequestContext
+from fallback_mw.request.local_errors import send_error
+from fallback_mw.request.types import ASGIApp, Receive, Scope, Send
 from fallback_mw.routing import RouteTable, normalise_path
 from fallback_mw.telemetry import Telemetry
-from fallback_mw.types import ASGIApp, Receive, Scope, Send
 
 # More digits than this is longer than any deadline (600000 ms): it can shorten nothing.
 _DEADLINE_DIGITS = 7

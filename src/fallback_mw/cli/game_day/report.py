@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from fallback_mw.gameday.run import Exercise, Timeline, fmt, iso, judge
+from fallback_mw.cli.game_day.run import Exercise, Timeline, fmt, iso, judge
 
 
 def build_report(

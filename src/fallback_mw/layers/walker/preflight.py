@@ -4,11 +4,9 @@ cannot take. Each is a local error; nothing here is an upstream's doing."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from fallback_mw.config import GatewaySettings
-from fallback_mw.context import RequestBody, RequestContext
-from fallback_mw.walk.body import body_json
+from fallback_mw.request.body import body_json
+from fallback_mw.request.context import RequestBody, RequestContext
 
 
 def refusal(
@@ -29,13 +27,3 @@ def refusal(
             "this route rewrites the model: the body must be a JSON object within replay_buffer",
         )
     return None
-
-
-def request_json(context: RequestContext, body: RequestBody) -> dict[str, Any] | None:
-    """The buffered body as a JSON object (None: not one); notes the requested model."""
-    if body.buffered is None:
-        return None
-    parsed = body_json(body)
-    if parsed is not None and isinstance(parsed.get("model"), str):
-        context.request_model = context.request_model or parsed["model"]
-    return parsed

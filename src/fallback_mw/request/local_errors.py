@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from fallback_mw.context import RequestContext
-from fallback_mw.types import Send
+from fallback_mw.request.context import RequestContext
+from fallback_mw.request.types import Send
 
 STATUS_FOR_CODE = {
     "upstream_failed": 502,

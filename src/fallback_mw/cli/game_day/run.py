@@ -14,8 +14,14 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 from fallback_mw.budget import Ledger, UsageRecord
-from fallback_mw.gameday.observe import PREDICTION_KEYS, ended_at, observe, started_at, windowed
-from fallback_mw.gameday.spec import AbortCriterion, Prediction
+from fallback_mw.cli.game_day.observe import (
+    PREDICTION_KEYS,
+    ended_at,
+    observe,
+    started_at,
+    windowed,
+)
+from fallback_mw.cli.game_day.spec import AbortCriterion, Prediction
 from fallback_mw.store.model import Fault
 from fallback_mw.store.routes import RouteStore
 

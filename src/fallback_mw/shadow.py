@@ -26,15 +26,15 @@ import anyio
 
 from fallback_mw.capacity import CapacityState, asker
 from fallback_mw.config import RouteConfig
-from fallback_mw.context import AttemptRecord, RequestBody, RequestContext
+from fallback_mw.failover.attempt import AttemptRunner
+from fallback_mw.failover.decide import health_mark, is_replayable
 from fallback_mw.faults import FaultSource
 from fallback_mw.health import HealthState
 from fallback_mw.health.pool import retry_after_seconds
 from fallback_mw.plan import canary_bucket
+from fallback_mw.request.context import AttemptRecord, RequestBody, RequestContext
 from fallback_mw.telemetry import Telemetry
 from fallback_mw.upstream.base import UpstreamClient, UpstreamError
-from fallback_mw.walk.attempt import AttemptRunner
-from fallback_mw.walk.decide import health_mark, is_replayable
 
 MAX_IN_FLIGHT = 256
 

@@ -6,25 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 
 from fallback_mw.capacity import Admission, CapacityState, asker, reported_tokens
-from fallback_mw.capacity.memory import MemoryCapacity
 from fallback_mw.config import GatewayConfig, UpstreamConfig
-from fallback_mw.context import AttemptRecord, RequestContext, get_context
-from fallback_mw.credentials import CredentialInjector
-from fallback_mw.errors import send_error
-from fallback_mw.faults import FaultSource, NoFaults
-from fallback_mw.health import AlwaysHealthy, HealthState
-from fallback_mw.plan import candidate_order, is_canary
-from fallback_mw.telemetry import Telemetry
-from fallback_mw.types import ASGIApp, Receive, Scope, Send
-from fallback_mw.upstream import make_client
-from fallback_mw.upstream.base import UpstreamClient, UpstreamResponse
-from fallback_mw.walk.admit import refusal, request_json
-from fallback_mw.walk.attempt import AttemptResult, AttemptRunner, finish_attempt
-from fallback_mw.walk.body import declared_length, read_body, watch_disconnect
-from fallback_mw.walk.cursor import CandidateCursor, skip_recorder
-from fallback_mw.walk.decide import (
+from fallback_mw.credentials import CredentialCache, apply_hygiene
+from fallback_mw.failover.attempt import AttemptResult, AttemptRunner, finish_attempt
+from fallback_mw.failover.decide import (
     Decision,
     Outcome,
     WalkState,
@@ -34,9 +22,22 @@ from fallback_mw.walk.decide import (
     is_replayable,
     may_hedge,
 )
-from fallback_mw.walk.hedge import run_hedged
-from fallback_mw.walk.shadow import ShadowTraffic, should_shadow
-from fallback_mw.walk.stream import commit
+from fallback_mw.faults import FaultSource
+from fallback_mw.health import HealthState
+from fallback_mw.layers.walker.cursor import CandidateCursor, skip_recorder
+from fallback_mw.layers.walker.disconnect import watch_disconnect
+from fallback_mw.layers.walker.hedge import run_hedged
+from fallback_mw.layers.walker.preflight import refusal
+from fallback_mw.layers.walker.stream import commit
+from fallback_mw.plan import candidate_order, is_canary
+from fallback_mw.request.body import declared_length, read_body, request_json
+from fallback_mw.request.context import AttemptRecord, RequestContext, get_context
+from fallback_mw.request.local_errors import send_error
+from fallback_mw.request.types import ASGIApp, Receive, Scope, Send
+from fallback_mw.services import Services, build_services
+from fallback_mw.shadow import ShadowTraffic, should_shadow
+from fallback_mw.telemetry import Telemetry
+from fallback_mw.upstream.base import UpstreamClient, UpstreamResponse
 
 
 class PlanWalker:
@@ -46,36 +47,41 @@ class PlanWalker:
         /,
         *,
         config: GatewayConfig,
+        services: Services | None = None,
+        environ: Mapping[str, str] | None = None,
         client: UpstreamClient | None = None,
         health: HealthState | None = None,
         faults: FaultSource | None = None,
         telemetry: Telemetry | None = None,
         capacity: CapacityState | None = None,
-        shadows: ShadowTraffic | None = None,
     ) -> None:
         self.app = app
-        settings = config.gateway
-        self.settings = settings
-        self.client = client or make_client(settings.engine, allow_hosts=settings.allow_hosts)
-        self.health: HealthState = health or AlwaysHealthy()
-        self.faults: FaultSource = faults or NoFaults()
-        self.telemetry = telemetry or Telemetry()
-        self.capacity: CapacityState = capacity or MemoryCapacity(settings.repeat_budget)
-        self.shadows = shadows or ShadowTraffic(
-            client=self.client, health=self.health, capacity=self.capacity, faults=self.faults,
-            telemetry=self.telemetry, deadline_ms=settings.deadline_ms,
-            max_response_body=settings.max_response_body,
+        self.settings = config.gateway
+        # Built in one place (services.build_services); the walker used alone builds its own,
+        # with any of the pieces given here.
+        self.services = services or build_services(
+            config, client=client, health=health, faults=faults, telemetry=telemetry,
+            capacity=capacity, environ=environ,
         )  # fmt: skip
-        self._hygiene = CredentialInjector(self._walk, config=config)
+        self.client: UpstreamClient = self.services.client
+        self.health: HealthState = self.services.health
+        self.faults: FaultSource = self.services.faults
+        self.telemetry: Telemetry = self.services.telemetry
+        self.capacity: CapacityState = self.services.capacity
+        self.shadows: ShadowTraffic = self.services.shadows
+        # Used alone (no injector in front): the same hygiene, from the same function.
+        self._credentials = CredentialCache(environ)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         context = get_context(scope)
         if context is None:
             await self.app(scope, receive, send)
-        elif context.credentials is None:
-            await self._hygiene(scope, receive, send)  # used alone: the same hygiene here
-        else:
-            await self._walk(scope, receive, send)
+            return
+        if context.credentials is None:
+            apply_hygiene(
+                context, scope.get("headers", ()), self._credentials.credentials(context.upstreams)
+            )
+        await self._walk(scope, receive, send)
 
     async def _walk(self, scope: Scope, receive: Receive, send: Send) -> None:
         context = get_context(scope)
@@ -87,8 +93,7 @@ class PlanWalker:
             self.telemetry.request_finished(context)
 
     async def aclose(self) -> None:
-        await self.shadows.aclose()
-        await self.client.aclose()
+        await self.services.aclose()
 
 
 class _Walk:

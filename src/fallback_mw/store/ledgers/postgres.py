@@ -32,7 +32,8 @@ from fallback_mw.budget.ledger import (
     window_kind,
     window_start,
 )
-from fallback_mw.budget.schema import (
+from fallback_mw.config import BudgetConfig
+from fallback_mw.store.ledgers.schema import (
     COMPONENT,
     LATEST_VERSION,
     RECORDED_WINDOWS,
@@ -47,7 +48,6 @@ from fallback_mw.budget.schema import (
     usage_from_row,
     usage_values,
 )
-from fallback_mw.config import BudgetConfig
 
 T = TypeVar("T")
 logger = logging.getLogger("fallback_mw.budget")

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
-from fallback_mw.context import AttemptRecord, RequestContext, SkipRecord, get_context
-from fallback_mw.types import ASGIApp, Message, Scope
+from fallback_mw.request.context import AttemptRecord, RequestContext, SkipRecord, get_context
+from fallback_mw.request.types import ASGIApp, Message, Scope
 
 GATEWAY_HEADER_PREFIX = "x-gateway-"
 _CHUNK = 65536

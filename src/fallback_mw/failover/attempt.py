@@ -16,10 +16,12 @@ from typing import Any
 from urllib.parse import quote
 
 from fallback_mw.config import UpstreamConfig
-from fallback_mw.context import AttemptRecord, RequestBody, RequestContext
+from fallback_mw.failover.decide import Outcome, health_mark
 from fallback_mw.faults import FaultSource
 from fallback_mw.health import HealthState
 from fallback_mw.health.pool import retry_after_seconds
+from fallback_mw.request.body import BodyAborted
+from fallback_mw.request.context import AttemptRecord, RequestBody, RequestContext
 from fallback_mw.telemetry import Telemetry
 from fallback_mw.upstream.base import (
     Timeouts,
@@ -28,8 +30,6 @@ from fallback_mw.upstream.base import (
     UpstreamRequest,
     UpstreamResponse,
 )
-from fallback_mw.walk.body import BodyAborted
-from fallback_mw.walk.decide import Outcome, health_mark
 
 _PATH_SAFE = "/:@!$&'()*+,;=-._~"
 

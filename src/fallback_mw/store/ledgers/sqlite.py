@@ -26,7 +26,8 @@ from fallback_mw.budget.ledger import (
     window_kind,
     window_start,
 )
-from fallback_mw.budget.schema import (
+from fallback_mw.config import BudgetConfig
+from fallback_mw.store.ledgers.schema import (
     COMPONENT,
     LATEST_VERSION,
     RECORDED_WINDOWS,
@@ -43,7 +44,6 @@ from fallback_mw.budget.schema import (
     usage_from_row,
     usage_values,
 )
-from fallback_mw.config import BudgetConfig
 from fallback_mw.store.sqlite_connect import connect_wal
 
 T = TypeVar("T")

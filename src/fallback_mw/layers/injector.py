@@ -1,0 +1,31 @@
+"""CredentialInjector: strip every caller credential; give each candidate only its own."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from fallback_mw.config import GatewayConfig
+from fallback_mw.credentials import CredentialCache, apply_hygiene
+from fallback_mw.request.context import get_context
+from fallback_mw.request.types import ASGIApp, Receive, Scope, Send
+
+
+class CredentialInjector:
+    def __init__(
+        self,
+        app: ASGIApp,
+        /,
+        *,
+        config: GatewayConfig,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        self.app = app
+        self.cache = CredentialCache(environ)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        context = get_context(scope)
+        if context is not None:
+            apply_hygiene(
+                context, scope.get("headers", ()), self.cache.credentials(context.upstreams)
+            )
+        await self.app(scope, receive, send)
