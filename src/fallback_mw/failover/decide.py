@@ -138,6 +138,15 @@ def is_replayable(
     )
 
 
+def attempt_ceiling(route: RouteConfig, *, replayable: bool) -> int:
+    """The most upstream requests one walk may make: `1 + retries`, and 1 for a request
+    that cannot be repeated. The first of two guards (SPEC §12): `further_attempt_possible`
+    still checks `replayable`, so either guard alone stops a replay."""
+    if not replayable:
+        return 1
+    return route.attempt_ceiling
+
+
 def further_attempt_possible(state: WalkState) -> bool:
     """The conditions of SPEC §5 that do not depend on the last outcome; a hedge needs
     exactly these."""
