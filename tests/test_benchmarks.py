@@ -51,3 +51,54 @@ def test_benchmark_runs_every_arm_and_prints_the_ratios() -> None:
     assert re.search(r"OTLP span exports received by the sink", result.stdout)
     assert result.stdout.count(" added ") == 4  # floor and serve: large stream, many streams
     assert "serve: long run" in result.stdout
+
+
+LAYERS = Path(__file__).parent.parent / "benchmarks" / "layers.py"
+LAYER_ROWS = (
+    "resolver",
+    "+ guard, no budget (memory ledger)",
+    "+ guard, budget on the memory ledger",
+    "+ guard, budget on the SQLite ledger",
+    "+ injector",
+    "+ walker, healthy (whole gateway)",
+    "+ walker, every request fails over",
+    "+ walker, every request hedged",
+    "+ request log line (INFO, to a file)",
+    "+ OTel SDK (batch spans, OTLP encoding; metrics)",
+)
+
+
+def test_layer_benchmark_runs_every_row_and_prints_its_cost() -> None:
+    """benchmarks/layers.py drives requests through each stack (it checks every response's
+    status and x-gateway-provider, and that hedges fired and spans were exported) and
+    prints CPU per request, what each layer adds and its budget."""
+    result = subprocess.run(
+        [sys.executable, str(LAYERS), "--requests", "40", "--rounds", "1", "--warmup", "5"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
+    rows = {}
+    for line in result.stdout.splitlines():
+        for label in LAYER_ROWS:
+            if line.startswith(label + " "):
+                rows[label] = line
+    assert set(rows) == set(LAYER_ROWS), result.stdout
+    for row in rows.values():
+        cells = re.match(r".+?\s+(\d+\.\d)\s+([+-]\d+\.\d)\s+(\d+)\s+(met|OVER) \(over ", row)
+        assert cells is not None, row
+        assert float(cells.group(1)) > 0, row
+
+
+def test_layer_benchmark_refuses_an_unknown_row() -> None:
+    result = subprocess.run(
+        [sys.executable, str(LAYERS), "--only", "nonsense"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "nonsense" in result.stderr
