@@ -26,11 +26,10 @@ import anyio
 
 from fallback_mw.capacity import CapacityState, asker
 from fallback_mw.config import RouteConfig
-from fallback_mw.failover.attempt import AttemptRunner
-from fallback_mw.failover.decide import health_mark, is_replayable
+from fallback_mw.failover.attempt import AttemptLifecycle
+from fallback_mw.failover.decide import is_replayable
 from fallback_mw.faults import FaultSource
 from fallback_mw.health import HealthState
-from fallback_mw.health.pool import retry_after_seconds
 from fallback_mw.plan import canary_bucket
 from fallback_mw.request.context import AttemptRecord, RequestBody, RequestContext
 from fallback_mw.telemetry import Telemetry
@@ -157,23 +156,22 @@ class ShadowTraffic:
             )
             if credential is None or context.credential(name, credential) is None:
                 return ShadowResult("no_credential")
-        if not await self.health.admit(name):
-            return ShadowResult("breaker_open")
-        ask = asker(body.buffered, parsed, None)(name, upstream, False)
-        admission = await self.capacity.admit(name, ask)
+        # The same lifecycle as the walk's attempts: admission and health marking; the
+        # copy is not an attempt of the request, so it is neither started nor finished.
+        attempts = AttemptLifecycle(
+            context, body, parsed, client=self.client, faults=self.faults, health=self.health,
+            capacity=self.capacity, telemetry=self.telemetry,
+            ask=asker(body.buffered, parsed, None),
+        )  # fmt: skip
+        admission = await attempts.admit(name, upstream, repeat=False)
         if isinstance(admission, str):
-            await self.health.release(name)
             return ShadowResult(admission)
         record = AttemptRecord(
             candidate=name, number=0, server_address=upstream.host, credential_index=credential
         )
-        runner = AttemptRunner(
-            context, body, parsed, client=self.client, faults=self.faults,
-            inject_headers=self.telemetry.inject_headers,
-        )  # fmt: skip
         started = time.monotonic()
         try:
-            outcome, response = await runner.run(name, upstream, record)
+            outcome, response = await attempts.run(name, upstream, record)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self.health.release(name)  # cancelled (shutdown): nothing proven
@@ -191,18 +189,7 @@ class ShadowTraffic:
             finally:
                 with anyio.CancelScope(shield=True):
                     await response.aclose()
-        failover_status = frozenset(context.route.failover_status)
-        mark = health_mark(outcome, failover_status)
-        if mark is None:
-            await self.health.release(name)
-        else:
-            await self.health.record(name, failure=mark)
-            if credential is not None:
-                await self.health.credential_result(
-                    name, credential, status=outcome.status, failure=mark,
-                    retry_after=retry_after_seconds(response.headers if response else ()),
-                    session=context.session,
-                )  # fmt: skip
+        mark = await attempts.mark_health(name, credential, outcome, response)
         answered = outcome.kind == "status" and not mark
         return ShadowResult(
             "answered" if answered else "failed",

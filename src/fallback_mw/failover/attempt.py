@@ -1,9 +1,16 @@
-"""One upstream request and its outcome.
+"""One upstream request and its outcome, and the one lifecycle every attempt goes through.
 
 `AttemptRunner.run` builds the request for a candidate (its own credential, the caller's
 cleaned headers, the model rewrite), applies an injected fault, sends it under what is
 left of the walk deadline and returns an `Outcome` saying who is responsible, with the
 response (whose owner is then the caller) when a head arrived.
+
+`AttemptLifecycle` is one request's attempts from admission to the end: `admit` (the
+breaker, then declared capacity and the repeat allowance), `cancel` (admitted, never
+started), `start` (the record and its span), `run`, `finish` (the record, the span, the
+health marks) and `lose` (the loser of a hedge race). The walk loop, the hedge and the
+shadow copy all go through it; `mark_health` is the one place `decide.health_mark` is
+applied to breakers and credentials.
 """
 
 from __future__ import annotations
@@ -11,10 +18,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 from urllib.parse import quote
 
+from fallback_mw.capacity import Admission, Ask, CapacityState, reported_tokens
 from fallback_mw.config import UpstreamConfig
 from fallback_mw.failover.decide import Outcome, health_mark
 from fallback_mw.faults import FaultSource
@@ -154,36 +162,135 @@ def _classify(error: UpstreamError) -> Outcome:
     return Outcome("transport")
 
 
-async def finish_attempt(
-    record: AttemptRecord,
-    outcome: Outcome,
-    response: UpstreamResponse | None,
-    *,
-    context: RequestContext,
-    telemetry: Telemetry,
-    health: HealthState,
-    failover_status: frozenset[int],
-) -> None:
-    """Finish the attempt's record and telemetry; feed health with upstream outcomes only
-    (`decide.health_mark`): a local outcome frees a half-open probe slot and marks nothing."""
-    record.duration = time.monotonic() - record.started
-    record.status = outcome.status
-    record.responsible = outcome.responsible
-    mark = health_mark(outcome, failover_status)
-    if mark or outcome.kind != "status":
-        record.failure_kind = outcome.failure_kind or "status"
-    telemetry.attempt_finished(context, record)
-    name = record.candidate
-    if mark is None:
-        await health.release(name)
-        return
-    await health.record(name, failure=mark)
-    if record.credential_index is not None:
-        await health.credential_result(
-            name,
-            record.credential_index,
-            status=outcome.status,
-            failure=mark,
-            retry_after=retry_after_seconds(response.headers if response else ()),
-            session=context.session,
-        )
+class AttemptLifecycle:
+    """One request's attempts (a per-request helper object; nothing here outlives it)."""
+
+    def __init__(
+        self,
+        context: RequestContext,
+        body: RequestBody,
+        parsed: dict[str, Any] | None,
+        *,
+        client: UpstreamClient,
+        faults: FaultSource,
+        health: HealthState,
+        capacity: CapacityState,
+        telemetry: Telemetry,
+        ask: Callable[[str, UpstreamConfig, bool], Ask],
+    ) -> None:
+        self.context = context
+        self.health = health
+        self.capacity = capacity
+        self.telemetry = telemetry
+        self.ask = ask
+        self.failover_status = frozenset(context.route.failover_status)
+        self.runner = AttemptRunner(
+            context, body, parsed, client=client, faults=faults,
+            inject_headers=telemetry.inject_headers,
+        )  # fmt: skip
+        self.admissions: dict[str, Admission] = {}  # the latest admitted, per upstream
+
+    async def admit(self, name: str, upstream: UpstreamConfig, *, repeat: bool) -> Admission | str:
+        """The breaker, then declared capacity (and, for a repeat or a hedge, the repeat
+        allowance). Returns the admission, or the skip reason (`breaker_open`, ...); a
+        refusal after the breaker admitted frees the half-open probe slot it held."""
+        if not await self.health.admit(name):
+            return "breaker_open"
+        admission = await self.capacity.admit(name, self.ask(name, upstream, repeat))
+        if isinstance(admission, str):
+            await self.health.release(name)
+            return admission
+        self.admissions[name] = admission
+        return admission
+
+    async def cancel(self, name: str, admission: Admission) -> None:
+        """Admitted but never started (e.g. the deadline passed in the backoff)."""
+        await self.health.release(name)
+        await self.capacity.cancel(admission)
+
+    def start(
+        self,
+        name: str,
+        upstream: UpstreamConfig,
+        credential_index: int | None,
+        *,
+        hedge: bool = False,
+    ) -> AttemptRecord:
+        context = self.context
+        record = AttemptRecord(
+            candidate=name, number=context.attempt_count + 1, server_address=upstream.host,
+            credential_index=credential_index, hedge=hedge,
+        )  # fmt: skip
+        context.attempts.append(record)
+        self.telemetry.attempt_started(context, record)
+        return record
+
+    async def run(
+        self, name: str, upstream: UpstreamConfig, record: AttemptRecord
+    ) -> AttemptResult:
+        return await self.runner.run(name, upstream, record)
+
+    async def finish(
+        self, record: AttemptRecord, outcome: Outcome, response: UpstreamResponse | None
+    ) -> None:
+        """Finish the attempt's record and telemetry; feed health with upstream outcomes only
+        (`decide.health_mark`): a local outcome frees a half-open probe slot and marks
+        nothing."""
+        record.duration = time.monotonic() - record.started
+        record.status = outcome.status
+        record.responsible = outcome.responsible
+        mark = health_mark(outcome, self.failover_status)
+        if mark or outcome.kind != "status":
+            record.failure_kind = outcome.failure_kind or "status"
+        self.telemetry.attempt_finished(self.context, record)
+        await self.mark_health(record.candidate, record.credential_index, outcome, response)
+
+    async def mark_health(
+        self,
+        name: str,
+        credential_index: int | None,
+        outcome: Outcome,
+        response: UpstreamResponse | None,
+    ) -> bool | None:
+        """The one place an outcome reaches the breaker and the credential's health.
+        Returns the mark (True a failure, False a success, None nothing recorded)."""
+        mark = health_mark(outcome, self.failover_status)
+        if mark is None:
+            await self.health.release(name)
+            return None
+        await self.health.record(name, failure=mark, fault=outcome.fault)
+        if credential_index is not None:
+            await self.health.credential_result(
+                name,
+                credential_index,
+                status=outcome.status,
+                failure=mark,
+                retry_after=retry_after_seconds(response.headers if response else ()),
+                session=self.context.session,
+            )
+        return mark
+
+    async def lose(self, record: AttemptRecord, result: AttemptResult | None) -> None:
+        """The attempt that lost a hedge race: cancelled (None) or with a head it does not
+        need, it proved nothing about the upstream; a real failure before the winner's
+        head is finished like any attempt."""
+        if result is not None and result[1] is None:
+            await self.finish(record, result[0], None)
+            return
+        if result is not None:
+            assert result[1] is not None
+            record.status = result[1].status
+            await result[1].aclose()
+        record.duration = time.monotonic() - record.started
+        record.failure_kind = "cancelled"
+        record.decision, record.reason = "abort", "lost the hedge race"
+        self.telemetry.attempt_finished(self.context, record)
+        await self.health.release(record.candidate)
+
+    async def settle_tokens(self, name: str) -> None:
+        """The usage the upstream reported (metered as the response went to the client)
+        replaces the estimate counted against its `tpm`."""
+        admission = self.admissions.get(name)
+        tokens = reported_tokens(self.context.usage)
+        if admission is not None and admission.counted and tokens is not None:
+            await self.capacity.settle(admission, tokens)

@@ -5,18 +5,21 @@ after the last one the walk restarts from the top, and repeating a candidate alr
 waits `backoff_ms` first. A candidate whose breaker is open, or with no usable
 credential, or whose declared capacity (`rpm`/`tpm`) this attempt would exceed, is
 skipped: it costs no attempt. A whole pass in which every candidate was skipped ends the
-walk (`NO_CANDIDATE`); so does a repeat that the upstream's repeat budget refuses
-(`REPEAT_BUDGET_SPENT`, left in `ended`). The pool rule (SPEC §6): a pool's credentials
-are each used at most once per request; a single-credential upstream may be repeated on a
-later pass.
+walk (`NO_CANDIDATE`); so does a repeat that the upstream's repeat allowance refuses
+(`REPEAT_BUDGET_SPENT`). `pick` returns the next `Pick` or the `Outcome` that ended the
+pass; what happens then is `decide`'s. Admission itself (breaker, capacity, repeat
+allowance) is the attempt lifecycle's (`failover.attempt.AttemptLifecycle.admit`). The pool
+rule (SPEC §6): a pool's credentials are each used at most once per request; a
+single-credential upstream may be repeated on a later pass.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-from fallback_mw.capacity import Admission, Ask, CapacityState
+from fallback_mw.capacity import Admission
 from fallback_mw.config import UpstreamConfig
 from fallback_mw.failover.decide import NO_CANDIDATE, REPEAT_BUDGET_SPENT, Outcome
 from fallback_mw.health import HealthState
@@ -30,7 +33,18 @@ class Pick:
     upstream: UpstreamConfig
     credential_index: int | None
     repeat: bool  # already tried in this request: backoff_ms before it
-    admission: Admission  # as counted by the capacity state (declared capacity, repeat budget)
+    admission: Admission  # as counted by the capacity state (declared capacity, repeat allowance)
+
+
+# (name, upstream, repeat) -> the admission, or the skip reason
+Admit = Callable[[str, UpstreamConfig, bool], Awaitable[Admission | str]]
+
+
+class SkipListener(Protocol):
+    """Told of each skipped candidate; `fault` names the game-day fault whose outcomes
+    opened the breaker behind a `breaker_open` skip (the skip is the fault's, SPEC §12)."""
+
+    def __call__(self, name: str, reason: str, fault: str | None = None) -> None: ...
 
 
 class CandidateCursor:
@@ -42,9 +56,8 @@ class CandidateCursor:
         *,
         session: str | None,
         has_credential: Callable[[str, int], bool],
-        on_skip: Callable[[str, str], None],
-        capacity: CapacityState,
-        ask: Callable[[str, UpstreamConfig, bool], Ask],
+        on_skip: SkipListener,
+        admit: Admit,
     ) -> None:
         self.order = list(order)
         self.upstreams = upstreams
@@ -52,9 +65,7 @@ class CandidateCursor:
         self.session = session
         self.has_credential = has_credential
         self.on_skip = on_skip
-        self.capacity = capacity
-        self.ask = ask
-        self.ended: Outcome = NO_CANDIDATE  # why pick() returned None
+        self.admit = admit
         self.used: dict[str, set[int]] = {}
         self.tried: set[str] = set()
         self._position = 0
@@ -79,9 +90,9 @@ class CandidateCursor:
         self.tried.add(name)
         self._attempted_in_pass = True
 
-    async def pick(self) -> Pick | None:
-        """The next candidate to attempt, recording the ones skipped; None when none is
-        left (a whole pass skipped)."""
+    async def pick(self) -> Pick | Outcome:
+        """The next candidate to attempt, recording the ones skipped; else the outcome
+        that ended the walk's passes (`NO_CANDIDATE`, `REPEAT_BUDGET_SPENT`)."""
         order = self.order
         while True:
             if self._same_again:
@@ -89,7 +100,7 @@ class CandidateCursor:
                 self._same_again = False
             elif self._position and self._position % len(order) == 0:
                 if not self._attempted_in_pass:
-                    return None  # a whole pass with every candidate skipped
+                    return NO_CANDIDATE  # a whole pass with every candidate skipped
                 self._attempted_in_pass = False
                 for name in list(self.used):
                     if self.pool_size(name) < 2:
@@ -109,39 +120,50 @@ class CandidateCursor:
                 if credential_index is None or not self.has_credential(name, credential_index):
                     self.on_skip(name, "no_credential")
                     continue
-            if not await self.health.admit(name):
-                self.on_skip(name, "breaker_open")
-                continue
             repeat = name in self.tried
-            admission = await self.capacity.admit(name, self.ask(name, upstream, repeat))
+            admission = await self.admit(name, upstream, repeat)
             if isinstance(admission, str):
-                await self.health.release(name)  # a half-open probe slot it held is freed
-                self.on_skip(name, admission)
+                fault = None
+                if admission == "breaker_open":
+                    fault = await self.health.open_fault(name)
+                self.on_skip(name, admission, fault)
                 if admission == "repeat_budget":
-                    self.ended = REPEAT_BUDGET_SPENT
-                    return None
+                    return REPEAT_BUDGET_SPENT
                 continue
+            self.mark_used(name, credential_index)
             return Pick(name, upstream, credential_index, repeat, admission)
 
-    async def pick_hedge_credential(self, name: str, credential_index: int | None) -> int | None:
-        """The credential a hedge at `name` uses: in a pool another one (each at most once
-        per request), else the same. Returns -1 when no credential is left."""
+    async def pick_hedge(self, primary: Pick, credential_index: int | None) -> Pick | None:
+        """A hedge at the primary's upstream: in a pool another credential (each at most
+        once per request), else the same one; admitted like a repeat. None when it may not
+        run (no credential left, the breaker's probe slot taken, capacity or the repeat
+        allowance refusing: only those are recorded as skips)."""
+        name, upstream = primary.name, primary.upstream
         pool = self.pool_size(name)
-        if pool < 2:
-            return credential_index
-        found = await self.health.pick_credential(
-            name, pool, exclude=frozenset(self.used.get(name, ())), session=self.session
-        )
-        return -1 if found is None else found
+        if pool >= 2:
+            credential_index = await self.health.pick_credential(
+                name, pool, exclude=frozenset(self.used.get(name, ())), session=self.session
+            )
+            if credential_index is None:
+                return None
+        admission = await self.admit(name, upstream, True)
+        if isinstance(admission, str):
+            if admission != "breaker_open":  # e.g. the primary attempt is the half-open probe
+                self.on_skip(name, admission)
+            return None
+        self.mark_used(name, credential_index)
+        return Pick(name, upstream, credential_index, True, admission)
 
 
-def skip_recorder(context: RequestContext, telemetry: Telemetry) -> Callable[[str, str], None]:
+def skip_recorder(context: RequestContext, telemetry: Telemetry) -> SkipListener:
     """Records a skip in the context and telemetry (no reference back to the walk)."""
 
-    def skip(name: str, reason: str) -> None:
+    def skip(name: str, reason: str, fault: str | None = None) -> None:
         context.skipped.append(
-            SkipRecord(candidate=name, reason=reason, after_attempts=context.attempt_count)
+            SkipRecord(
+                candidate=name, reason=reason, after_attempts=context.attempt_count, fault=fault
+            )
         )
-        telemetry.skipped(context, name, reason)
+        telemetry.skipped(context, name, reason, fault=fault)
 
     return skip

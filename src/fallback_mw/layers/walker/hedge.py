@@ -7,8 +7,9 @@ the ceiling and is admitted by the breaker. The first response head wins; the lo
 cancelled and its response closed, so its connection is released. Whether the walk's
 attempt is hedged at all is `decide.may_hedge`.
 
-`first_head` is the race itself, free of gateway types; `run_hedged` drives it through
-the narrow `HedgeDriver` interface the walk implements.
+`first_head` is the race itself, free of gateway types; `run_hedged` runs it with the
+request's attempt lifecycle (admission, start, run, lose the race) and the cursor (which
+credential the hedge uses): it never calls back into the walk.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 
-from fallback_mw.config import UpstreamConfig
-from fallback_mw.failover.attempt import AttemptResult
+from fallback_mw.failover.attempt import AttemptLifecycle, AttemptResult
+from fallback_mw.layers.walker.cursor import CandidateCursor, Pick
 from fallback_mw.request.context import AttemptRecord
 
 R = TypeVar("R")
@@ -75,48 +76,37 @@ async def first_head(
                 await discard(index, result)
 
 
-class HedgeDriver(Protocol):
-    """What the hedge needs from the walk, and nothing more."""
-
-    async def start_hedge_attempt(
-        self, name: str, upstream: UpstreamConfig, credential_index: int | None
-    ) -> AttemptRecord | None:
-        """Admit and record a hedge at `name`, or None when it may not run now."""
-        ...
-
-    async def run_attempt(
-        self, name: str, upstream: UpstreamConfig, record: AttemptRecord
-    ) -> AttemptResult: ...
-
-    async def finish_loser(self, record: AttemptRecord, result: AttemptResult | None) -> None:
-        """Close and record the attempt that lost the race (None: cancelled before it
-        finished)."""
-        ...
-
-
 async def run_hedged(
-    driver: HedgeDriver,
-    name: str,
-    upstream: UpstreamConfig,
+    attempts: AttemptLifecycle,
+    cursor: CandidateCursor,
+    pick: Pick,
     record: AttemptRecord,
     *,
     after: float,
+    may_start: Callable[[], bool],
 ) -> tuple[AttemptResult, AttemptRecord]:
-    """The primary attempt, hedged. Returns the winning result and its record."""
+    """The primary attempt (`pick`, started as `record`), hedged after `after` seconds when
+    `may_start()` still holds (`decide.further_attempt_possible`). Returns the winning
+    result and its record; the loser is finished by the lifecycle (`lose`)."""
     records = [record]
 
     async def start_hedge() -> Coroutine[Any, Any, AttemptResult] | None:
-        hedge_record = await driver.start_hedge_attempt(name, upstream, record.credential_index)
-        if hedge_record is None:
+        if not may_start():
             return None
+        hedge = await cursor.pick_hedge(pick, record.credential_index)
+        if hedge is None:
+            return None
+        hedge_record = attempts.start(
+            hedge.name, hedge.upstream, hedge.credential_index, hedge=True
+        )
         records.append(hedge_record)
-        return driver.run_attempt(name, upstream, hedge_record)
+        return attempts.run(hedge.name, hedge.upstream, hedge_record)
 
     async def discard(index: int, result: AttemptResult | None) -> None:
-        await driver.finish_loser(records[index], result)
+        await attempts.lose(records[index], result)
 
     index, result = await first_head(
-        driver.run_attempt(name, upstream, record),
+        attempts.run(pick.name, pick.upstream, record),
         start_hedge,
         after=after,
         is_head=lambda outcome: outcome[1] is not None,

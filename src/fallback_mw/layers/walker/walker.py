@@ -5,13 +5,12 @@ relays the chosen response. It knows nothing of budgets."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Mapping
 
-from fallback_mw.capacity import Admission, CapacityState, asker, reported_tokens
-from fallback_mw.config import GatewayConfig, UpstreamConfig
+from fallback_mw.capacity import CapacityState, asker
+from fallback_mw.config import GatewayConfig
 from fallback_mw.credentials import CredentialCache, apply_hygiene
-from fallback_mw.failover.attempt import AttemptResult, AttemptRunner, finish_attempt
+from fallback_mw.failover.attempt import AttemptLifecycle
 from fallback_mw.failover.decide import (
     Decision,
     Outcome,
@@ -25,7 +24,7 @@ from fallback_mw.failover.decide import (
 )
 from fallback_mw.faults import FaultSource
 from fallback_mw.health import HealthState
-from fallback_mw.layers.walker.cursor import CandidateCursor, skip_recorder
+from fallback_mw.layers.walker.cursor import CandidateCursor, Pick, skip_recorder
 from fallback_mw.layers.walker.disconnect import watch_disconnect
 from fallback_mw.layers.walker.hedge import run_hedged
 from fallback_mw.layers.walker.preflight import refusal
@@ -112,7 +111,6 @@ class _Walk:
         self.send = send
         self.failover_status = frozenset(self.route.failover_status)
         self.last_response: tuple[str, UpstreamResponse] | None = None
-        self.admissions: dict[str, Admission] = {}  # the latest attempt's, per upstream
 
     async def run(self) -> None:
         context = self.context
@@ -143,16 +141,17 @@ class _Walk:
             headers=context.forward_headers,
         )
         self.parsed = parsed
-        self.ask = asker(body.buffered, parsed, declared_length(self.scope))
-        self.runner = AttemptRunner(
+        self.attempts = AttemptLifecycle(
             context, body, parsed, client=walker.client, faults=walker.faults,
-            inject_headers=walker.telemetry.inject_headers,
+            health=walker.health, capacity=walker.capacity, telemetry=walker.telemetry,
+            ask=asker(body.buffered, parsed, declared_length(self.scope)),
         )  # fmt: skip
+        attempts = self.attempts
         self.cursor = CandidateCursor(
             context.candidates, context.upstreams, walker.health, session=context.session,
             has_credential=lambda n, i: context.credential(n, i) is not None,
             on_skip=skip_recorder(context, walker.telemetry),  # no cycle back to self
-            capacity=walker.capacity, ask=self.ask,
+            admit=lambda name, upstream, repeat: attempts.admit(name, upstream, repeat=repeat),
         )  # fmt: skip
         # A client disconnect cancels the attempt in flight and starts nothing new.
         walk_task = asyncio.current_task()
@@ -188,23 +187,22 @@ class _Walk:
 
     async def _loop(self) -> None:
         context = self.context
+        attempts = self.attempts
         while True:
             if context.remaining <= 0:
                 await self._act(Outcome("deadline"), None, None, None)
                 return
             pick = await self.cursor.pick()
-            if pick is None:  # every candidate skipped, or the repeat budget spent
-                await self._act(self.cursor.ended, None, None, None)
+            if not isinstance(pick, Pick):  # every candidate skipped, or no repeat allowed
+                await self._act(pick, None, None, None)
                 return
-            self.admissions[pick.name] = pick.admission
             if pick.repeat and self.route.backoff_ms:
                 await asyncio.sleep(min(self.route.backoff_ms / 1000, max(context.remaining, 0)))
                 if context.remaining <= 0:
-                    await self.walker.health.release(pick.name)
-                    await self.walker.capacity.cancel(pick.admission)
+                    await attempts.cancel(pick.name, pick.admission)
                     await self._act(Outcome("deadline"), None, None, None)
                     return
-            record = self._start_attempt(pick.name, pick.upstream, pick.credential_index)
+            record = attempts.start(pick.name, pick.upstream, pick.credential_index)
             hedged = may_hedge(
                 self.route,
                 replayable=self.replayable,
@@ -213,11 +211,13 @@ class _Walk:
             )
             if hedged:
                 (outcome, response), record = await run_hedged(
-                    self, pick.name, pick.upstream, record, after=self.route.hedge_after_ms / 1000
-                )
+                    attempts, self.cursor, pick, record,
+                    after=self.route.hedge_after_ms / 1000,
+                    may_start=lambda: further_attempt_possible(self.state()),
+                )  # fmt: skip
             else:
-                outcome, response = await self.runner.run(pick.name, pick.upstream, record)
-            await self._finish_attempt(record, outcome, response)
+                outcome, response = await attempts.run(pick.name, pick.upstream, record)
+            await attempts.finish(record, outcome, response)
             if await self._act(outcome, response, pick.name, record):
                 return
 
@@ -249,7 +249,7 @@ class _Walk:
                 self.send, self.context, chosen, kept,
                 max_response_body=self.walker.settings.max_response_body,
             )  # fmt: skip
-            await self._settle_tokens(chosen)
+            await self.attempts.settle_tokens(chosen)
             shadow = should_shadow(self.context, self.body, self.walker.settings.canary_salt)
             if shadow is not None:  # the client's response is sent: a copy cannot touch it
                 self.walker.shadows.start(shadow, self.context, self.body, self.parsed)
@@ -263,76 +263,9 @@ class _Walk:
             )
         return True
 
-    async def _settle_tokens(self, name: str) -> None:
-        """The usage the upstream reported (read by the usage meter as the response went
-        to the client) replaces the estimate counted against its `tpm`."""
-        admission = self.admissions.get(name)
-        tokens = reported_tokens(self.context.usage)
-        if admission is not None and admission.counted and tokens is not None:
-            await self.walker.capacity.settle(admission, tokens)
-
     async def _keep(self, name: str | None, response: UpstreamResponse) -> None:
         """Keep the newest response (for `on_exhausted = "last_response"`); close the rest."""
         if self.last_response is not None:
             await self.last_response[1].aclose()
         assert name is not None
         self.last_response = (name, response)
-
-    async def _finish_attempt(
-        self, record: AttemptRecord, outcome: Outcome, response: UpstreamResponse | None
-    ) -> None:
-        await finish_attempt(
-            record, outcome, response, context=self.context, telemetry=self.walker.telemetry,
-            health=self.walker.health, failover_status=self.failover_status,
-        )  # fmt: skip
-
-    def _start_attempt(
-        self, name: str, upstream: UpstreamConfig, credential_index: int | None,
-        *, hedge: bool = False,
-    ) -> AttemptRecord:  # fmt: skip
-        self.cursor.mark_used(name, credential_index)
-        record = AttemptRecord(
-            candidate=name, number=self.context.attempt_count + 1,
-            server_address=upstream.host, credential_index=credential_index, hedge=hedge,
-        )  # fmt: skip
-        self.context.attempts.append(record)
-        self.walker.telemetry.attempt_started(self.context, record)
-        return record
-
-    # --- HedgeDriver ------------------------------------------------------------------
-
-    async def start_hedge_attempt(
-        self, name: str, upstream: UpstreamConfig, credential_index: int | None
-    ) -> AttemptRecord | None:
-        if not further_attempt_possible(self.state()):
-            return None
-        credential = await self.cursor.pick_hedge_credential(name, credential_index)
-        if credential == -1 or not await self.walker.health.admit(name):
-            return None  # e.g. the primary attempt is the half-open probe
-        # A hedge adds load to an upstream already tried: capacity and the repeat budget.
-        admission = await self.walker.capacity.admit(name, self.ask(name, upstream, True))
-        if isinstance(admission, str):
-            await self.walker.health.release(name)
-            self.cursor.on_skip(name, admission)
-            return None
-        self.admissions[name] = admission
-        return self._start_attempt(name, upstream, credential, hedge=True)
-
-    async def run_attempt(
-        self, name: str, upstream: UpstreamConfig, record: AttemptRecord
-    ) -> AttemptResult:
-        return await self.runner.run(name, upstream, record)
-
-    async def finish_loser(self, record: AttemptRecord, result: AttemptResult | None) -> None:
-        if result is None or result[1] is not None:
-            if result is not None:
-                assert result[1] is not None
-                record.status = result[1].status
-                await result[1].aclose()
-            record.duration = time.monotonic() - record.started
-            record.failure_kind = "cancelled"  # lost the race
-            record.decision, record.reason = "abort", "lost the hedge race"
-            self.walker.telemetry.attempt_finished(self.context, record)
-            await self.walker.health.release(record.candidate)
-            return
-        await self._finish_attempt(record, result[0], None)  # a real failure before the winner
