@@ -60,14 +60,14 @@ def test_no_command_is_a_usage_error() -> None:
     result = run_cli()
     assert result.returncode == 2
     assert result.stderr == (
-        "fallback-mw: error: fallback-mw: the following arguments are required: COMMAND\n"
+        "fallback-mw: error: the following arguments are required: COMMAND\n"
     )
 
 
 def test_serve_requires_config(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve"]) == 2
     assert capsys.readouterr().err == (
-        "fallback-mw: error: fallback-mw serve: the following arguments are required: --config\n"
+        "fallback-mw: error: serve: the following arguments are required: --config\n"
     )
 
 

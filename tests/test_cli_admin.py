@@ -347,7 +347,7 @@ def test_faults_verbs(store_url: str) -> None:
     status, out, err = run_cli("faults", "clear", *s)
     assert (status, out) == (2, "")
     assert err == (
-        "fallback-mw: error: fallback-mw faults clear: "
+        "fallback-mw: error: faults clear: "
         "one of the arguments --upstream --route --all is required\n"
     )
     assert len(run_cli("faults", "list", *s)[1].splitlines()) == 2

@@ -305,6 +305,38 @@ def parse_config(data: Mapping[str, Any]) -> GatewayConfig:
         raise ConfigError(f"invalid configuration: {_describe(exc, data)}") from None
 
 
+MAX_CONFIG_BYTES = 4 * 1024 * 1024
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """The TOML table in `path`; every way the file can be unreadable is one ConfigError
+    naming the file and what is wrong (never its content)."""
+    name = repr(str(path))
+    try:
+        with path.open("rb") as file:
+            raw = file.read(MAX_CONFIG_BYTES + 1)
+    except FileNotFoundError:
+        raise ConfigError(f"configuration file {name} not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"configuration file {name} is a directory, not a file") from None
+    except PermissionError:
+        raise ConfigError(f"configuration file {name} cannot be read (permission denied)") from None
+    except OSError as exc:
+        raise ConfigError(f"configuration file {name} cannot be read ({exc.strerror})") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"configuration file {name} is larger than 4 MiB")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"configuration file {name} is not UTF-8 text (invalid byte at offset {exc.start})"
+        ) from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{name} is not valid TOML: {exc}") from None
+
+
 def load_config(
     source: GatewayConfig | Mapping[str, Any] | str | os.PathLike[str],
     *,
@@ -317,12 +349,5 @@ def load_config(
     elif isinstance(source, Mapping):
         config = parse_config(source)
     else:
-        path = Path(source)
-        try:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError(f"configuration file {str(path)!r} not found") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{str(path)!r} is not valid TOML: {exc}") from None
-        config = parse_config(data)
+        config = parse_config(read_config_file(Path(source)))
     return validate(config, environ=environ, check_env=check_env)

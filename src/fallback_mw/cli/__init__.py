@@ -39,7 +39,10 @@ VERBS = (
 
 
 def build_parser() -> Parser:
+    from fallback_mw import __version__
+
     parser = Parser(prog=PROG, description="An ASGI API / LLM gateway with ordered failover.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for verb in VERBS:
         verb.register(subparsers)

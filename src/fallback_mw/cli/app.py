@@ -61,7 +61,9 @@ class Parser(argparse.ArgumentParser):
     argparse's usage block. Subparsers inherit this class."""
 
     def error(self, message: str) -> NoReturn:
-        raise Refused(f"{self.prog}: {message}")
+        # Console.error adds the `fallback-mw: error:` prefix; name the verb only.
+        verb = self.prog.removeprefix(PROG).strip()
+        raise Refused(f"{verb}: {message}" if verb else message)
 
 
 def leaf(

@@ -67,8 +67,21 @@ def capacity(args: argparse.Namespace, console: Console) -> int:
         console.print(json.dumps(_as_json(reports, since, margin), indent=2))
     else:
         console.print(render(reports, since, margin))
-    verdicts = [f.verdict for report in reports for f in report.fallbacks]
-    if "cannot_carry" in verdicts or (args.strict and "unknown" in verdicts):
+    failing = [(report.route, f.name, f.verdict) for report in reports for f in report.fallbacks]
+    cannot = [f"{route} -> {name}" for route, name, verdict in failing if verdict == "cannot_carry"]
+    unknown = [f"{route} -> {name}" for route, name, verdict in failing if verdict == "unknown"]
+    if cannot:
+        # The exit status says "failed"; stderr says why, in the convention's one line.
+        console.error(
+            f"capacity: {len(cannot)} fallback(s) cannot carry the peak with margin "
+            f"{margin:g}: {', '.join(cannot)}"
+        )
+        return EXIT_FAILED
+    if args.strict and unknown:
+        console.error(
+            f"capacity: --strict: {len(unknown)} fallback(s) with an unknown limit or peak: "
+            f"{', '.join(unknown)}"
+        )
         return EXIT_FAILED
     return EXIT_OK
 

@@ -111,9 +111,42 @@ def routes_set_fallback(args: argparse.Namespace, console: Console) -> None:
             args.upstream, args.auth_header, args.auth_env, f"{where}, --upstream"
         )
         fields = {**current.route.model_dump(), "plan": [primary, fallback_name(args.id)]}
+        write: Callable[[StoredRoute], Awaitable[None]] = store.replace_route
+        if args.retries is not None:
+            fields["retries"] = args.retries
+        elif current.route.retries < 1:
+            # Every other refusal first (checked as if retries were 1), then this one.
+            fields["retries"] = 1
+
+            async def refuse(_: StoredRoute) -> None:
+                raise Refused(
+                    f"{where} has retries = 0, so a fallback could never be reached: "
+                    "add --retries 1 (or more)"
+                )
+
+            write = refuse
+
         stored = StoredRoute(route=build_model(RouteConfig, fields, where), upstreams=upstreams)
-        await _check_and_write(target, store, stored, store.replace_route, args.check_env)
-        return f"route {args.id!r}: fallback set ({primary} -> {fallback_name(args.id)})"
+        await _check_and_write(target, store, stored, write, args.check_env)
+        return (
+            f"route {args.id!r}: fallback set ({primary} -> {fallback_name(args.id)}), "
+            f"retries {stored.route.retries}"
+        )
+
+    console.print(_with_store(args, work))
+
+
+def routes_set(args: argparse.Namespace, console: Console) -> None:
+    async def work(target: StoreTarget, store: RouteStore) -> str:
+        _store_owned(target, args.id)
+        current = _stored(await store.load_routes(), args.id)
+        fields = {**current.route.model_dump(), "retries": args.retries}
+        route = build_model(RouteConfig, fields, f"route {args.id!r}")
+        stored = StoredRoute(route=route, upstreams=dict(current.upstreams))
+        await _check_and_write(target, store, stored, store.replace_route, check_env=False)
+        return (
+            f"route {args.id!r}: retries {route.retries} (attempt ceiling {route.attempt_ceiling})"
+        )
 
     console.print(_with_store(args, work))
 
@@ -136,9 +169,21 @@ def routes_clear_fallback(args: argparse.Namespace, console: Console) -> None:
 def routes_list(args: argparse.Namespace, console: Console) -> None:
     async def work(target: StoreTarget, store: RouteStore) -> str:
         config = target.config
-        lines = [route_line(r, config.upstreams, "file") for r in config.routes]
-        lines += [route_line(s.route, s.upstreams, "store") for s in await store.load_routes()]
-        return "\n".join(lines) if lines else "no routes"
+        stored = await store.load_routes()
+        if args.tenant is not None:
+            # The routes this tenant's requests can match: its own and those for any tenant.
+            def serves(route: RouteConfig) -> bool:
+                return route.tenant in (None, args.tenant)
+
+            routes = [r for r in config.routes if serves(r)]
+            stored = [s for s in stored if serves(s.route)]
+        else:
+            routes = list(config.routes)
+        lines = [route_line(r, config.upstreams, "file") for r in routes]
+        lines += [route_line(s.route, s.upstreams, "store") for s in stored]
+        if lines:
+            return "\n".join(lines)
+        return f"no routes for tenant {args.tenant}" if args.tenant is not None else "no routes"
 
     console.print(_with_store(args, work))
 
@@ -189,13 +234,25 @@ def register(subparsers: Any) -> None:
     setfb.add_argument("--id", required=True)
     setfb.add_argument("--upstream", required=True, metavar="URL")
     _credentials(setfb)
+    setfb.add_argument(
+        "--retries", type=int, help="also set the route's retries (>= 1 to reach the fallback)"
+    )
     _check_env(setfb)
+
+    set_ = leaf(verbs, "set", routes_set, "change a store route's retries")
+    store_options(set_)
+    set_.add_argument("--id", required=True)
+    set_.add_argument("--retries", type=int, required=True, help="attempt ceiling = 1 + N")
 
     clear = leaf(verbs, "clear-fallback", routes_clear_fallback, "drop a store route's fallback")
     store_options(clear)
     clear.add_argument("--id", required=True)
 
-    store_options(leaf(verbs, "list", routes_list, "list file and store routes"))
+    list_ = leaf(verbs, "list", routes_list, "list file and store routes")
+    store_options(list_)
+    list_.add_argument(
+        "--tenant", help="only the routes this tenant's requests can match (its own and any-tenant)"
+    )
 
     remove = leaf(verbs, "remove", routes_remove, "remove a store route")
     store_options(remove)

@@ -4,12 +4,14 @@ Every refusal happens before a socket is opened."""
 from __future__ import annotations
 
 import argparse
+import errno
 import gc
 import importlib.util
 import logging
+import socket
 from typing import Any
 
-from fallback_mw.cli.app import Console, Refused, leaf
+from fallback_mw.cli.app import Console, Failed, Refused, leaf
 from fallback_mw.config import load_config
 from fallback_mw.extras import require
 from fallback_mw.request.types import Receive, Scope, Send
@@ -111,19 +113,45 @@ def serve(args: argparse.Namespace, console: Console) -> None:
     options.update(uvicorn_limits(config.gateway, options["http"]))
     try:
         gateway = Gateway(not_found_app, config=config)
+        sock = listen_socket(args.host, args.port)
         configure_logging()
         tune_gc()
-        uvicorn.run(
-            gateway,
-            host=args.host,
-            port=args.port,
-            lifespan="on",
-            # uvicorn's access log prints query strings; our request log line replaces it.
-            access_log=False,
-            **options,
+        server = uvicorn.Server(
+            uvicorn.Config(
+                gateway,
+                host=args.host,
+                port=args.port,
+                lifespan="on",
+                # uvicorn's access log prints query strings; our request log line replaces it.
+                access_log=False,
+                **options,
+            )
         )
+        bound = sock.getsockname()
+        where = f"[{bound[0]}]" if sock.family == socket.AF_INET6 else bound[0]
+        console.print(f"serving on http://{where}:{bound[1]} (Ctrl-C to stop)")
+        with sock:
+            server.run(sockets=[sock])
+        if not server.started:
+            raise Failed("the gateway did not start (the reason is logged above)")
     finally:
         telemetry.shutdown()
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before uvicorn starts: a busy or forbidden address is one
+    `fallback-mw: error:` line and exit 1, not uvicorn's log lines and exit 3."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        reason = "address already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+        raise Failed(f"cannot listen on {host}:{port}: {reason}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def register(subparsers: Any) -> None:

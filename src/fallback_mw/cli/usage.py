@@ -83,6 +83,12 @@ def _row(record: UsageRecord) -> tuple[str, ...]:
     )
 
 
+def _filters(args: argparse.Namespace) -> str:
+    given = (("since", args.since), ("route", args.route), ("tenant", args.tenant))
+    parts = [f"{flag} {value}" for flag, value in given if value]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def usage(args: argparse.Namespace, console: Console) -> None:
     since = parse_since(args.since) if args.since else None
     if not 1 <= args.limit <= 1_000_000:
@@ -94,6 +100,9 @@ def usage(args: argparse.Namespace, console: Console) -> None:
         )
 
     records = with_ledger(args, action)
+    if not records and not args.json:
+        console.print(f"no usage records{_filters(args)}")
+        return
     if args.json:
         for record in records:
             console.print(json.dumps(usage_json(record), separators=(",", ":")))

@@ -1,0 +1,143 @@
+"""The command line's rough edges (issue 19): every unreadable config is one
+`fallback-mw: error:` line and exit 2, no doubled prefix, `--version`, `routes list
+--tenant`, `routes set --retries` and `set-fallback --retries`, `capacity` naming its
+verdict on stderr, `usage` saying there are no records, `serve` on a busy port."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fallback_mw import __version__
+from fallback_mw.cli import main
+
+FALLBACK_MW = str(Path(sys.executable).with_name("fallback-mw"))
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [FALLBACK_MW, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env if env is not None else dict(os.environ),
+    )
+
+
+def one_error(result: subprocess.CompletedProcess[str], status: int) -> str:
+    assert result.returncode == status, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("fallback-mw: error: ")
+    assert "fallback-mw: error: fallback-mw" not in lines[0]
+    return lines[0]
+
+
+def test_a_config_that_is_not_utf8_is_one_line_exit_2(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.toml"
+    path.write_bytes(b'[gateway]\ntenant_header = "x-\xff"\n')
+    for verb in ("check", "serve"):
+        line = one_error(run(verb, "--config", str(path)), 2)
+        assert "is not UTF-8 text" in line and "gateway.toml" in line
+
+
+def test_a_directory_as_config_is_one_line_exit_2(tmp_path: Path) -> None:
+    line = one_error(run("check", "--config", str(tmp_path)), 2)
+    assert "is a directory" in line
+
+
+def test_an_unreadable_config_is_one_line_exit_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "gateway.toml"
+    path.write_text("", encoding="utf-8")
+    if os.geteuid() != 0:
+        path.chmod(0)
+        line = one_error(run("check", "--config", str(path)), 2)
+        assert "permission denied" in line
+        path.chmod(0o600)
+    # root reads anything: the same refusal through the same reader, the open refused.
+    real_open = Path.open
+
+    def refusing_open(self: Path, *args: object, **kwargs: object) -> object:
+        if self == path:
+            raise PermissionError(13, "Permission denied")
+        return real_open(self, *args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(Path, "open", refusing_open)
+    assert main(["check", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"fallback-mw: error: configuration file {str(path)!r} cannot be read (permission denied)\n"
+    )
+
+
+def test_usage_errors_name_the_verb_once() -> None:
+    line = one_error(run("routes", "add", "--id", "x"), 2)
+    assert line == (
+        "fallback-mw: error: routes add: the following arguments are required: --prefix, --upstream"
+    )
+    assert one_error(run(), 2) == (
+        "fallback-mw: error: the following arguments are required: COMMAND"
+    )
+
+
+def test_version() -> None:
+    result = run("--version")
+    assert result.returncode == 0 and result.stdout == f"fallback-mw {__version__}\n"
+
+
+def test_routes_list_by_tenant_and_retries_settable(tmp_path: Path) -> None:
+    store = ["--store", f"sqlite:///{tmp_path / 's.db'}"]
+    assert run("routes", "add", *store, "--id", "chat", "--prefix", "/c/",
+               "--upstream", "http://127.0.0.1:9001").returncode == 0  # fmt: skip
+    assert run("routes", "add", *store, "--id", "acme", "--prefix", "/a/", "--tenant", "acme",
+               "--upstream", "http://127.0.0.1:9003").returncode == 0  # fmt: skip
+    # A fallback on a route with retries = 0 says how to get there.
+    line = one_error(
+        run(
+            "routes", "set-fallback", *store, "--id", "chat", "--upstream", "http://127.0.0.1:9002"
+        ),
+        2,
+    )
+    assert "--retries 1" in line
+    result = run("routes", "set-fallback", *store, "--id", "chat",
+                 "--upstream", "http://127.0.0.1:9002", "--retries", "1")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "retries 1" in result.stdout
+    result = run("routes", "set", *store, "--id", "chat", "--retries", "3")
+    assert result.stdout == "route 'chat': retries 3 (attempt ceiling 4)\n", result.stderr
+    # Lowering it below what the plan needs is refused, nothing stored.
+    assert "retries = 0" in one_error(run("routes", "set", *store, "--id", "chat",
+                                          "--retries", "0"), 2)  # fmt: skip
+    one_error(run("routes", "set", *store, "--id", "nope", "--retries", "1"), 1)
+
+    acme = run("routes", "list", *store, "--tenant", "acme").stdout.splitlines()
+    assert sorted(line.split("\t")[0] for line in acme) == ["acme", "chat"]
+    assert "retries=3" in next(line for line in acme if line.startswith("chat"))
+    other = run("routes", "list", *store, "--tenant", "other").stdout.splitlines()
+    assert [line.split("\t")[0] for line in other] == ["chat"]
+
+
+def test_usage_says_when_there_are_no_records(tmp_path: Path) -> None:
+    result = run("usage", "--store", f"sqlite:///{tmp_path / 's.db'}", "--route", "chat")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "no usage records (route chat)\n"
+
+
+def test_serve_on_a_busy_port_is_one_line_exit_1(tmp_path: Path) -> None:
+    config = tmp_path / "gateway.toml"
+    config.write_text("", encoding="utf-8")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        line = one_error(run("serve", "--config", str(config), "--port", str(port)), 1)
+    assert f"127.0.0.1:{port}" in line and "in use" in line
