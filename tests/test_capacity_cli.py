@@ -99,7 +99,12 @@ async def test_capacity_prints_the_ratio_and_exits_1_when_a_backup_cannot_carry(
     config = write_config(tmp_path, ledger_store)
     capsys.readouterr()
     assert await cli("capacity", "--config", str(config), "--since", "7d") == 1
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    # The exit status is explained on stderr, in the CLI's one-line convention.
+    assert err == (
+        "fallback-mw: error: capacity: 1 fallback(s) cannot carry the peak with margin 1.2: "
+        "chat -> backup\n"
+    )
     chat = next(line for line in out.splitlines() if line.startswith("chat "))
     assert chat.split() == [
         "chat", "primary", "11", "1,100,000", "backup", "600", "0.02x", "200,000", "5.50x",

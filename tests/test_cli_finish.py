@@ -141,3 +141,21 @@ def test_serve_on_a_busy_port_is_one_line_exit_1(tmp_path: Path) -> None:
         port = busy.getsockname()[1]
         line = one_error(run("serve", "--config", str(config), "--port", str(port)), 1)
     assert f"127.0.0.1:{port}" in line and "in use" in line
+
+
+def test_demo_runs_on_the_default_engine_without_httpx(tmp_path: Path) -> None:
+    # The [serve] extra covers the demo: httpx (the httpx engine's extra) is not needed.
+    code = (
+        "import sys\n"
+        "sys.modules['httpx'] = sys.modules['httpcore'] = None\n"
+        "from fallback_mw.cli import main\n"
+        "rc = main(['demo'])\n"
+        "print('loaded httpx:', sys.modules.get('httpx') is not None)\n"
+        "sys.exit(rc)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=90, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert "FAILED OVER to the backup" in result.stdout
+    assert result.stdout.rstrip().endswith("loaded httpx: False")

@@ -1,7 +1,7 @@
 """The story `fallback-mw demo` tells: a failing primary, a backup and the gateway on
 loopback ports (free ones by default; with `--port P`: the gateway on P, the primary on
 P+1 and the backup on P+2). Imported by cli/demo.py only when the demo runs (it needs
-httpx and uvicorn).
+uvicorn, the serve extra; the caller is aiohttp, in the base install).
 
 Everything runs in one event loop in this process (two aiohttp upstreams, the gateway on
 uvicorn) and is torn down before returning, so the demo leaves nothing behind. The demo's
@@ -11,6 +11,7 @@ credentials are handed to the Gateway directly; the process environment is not t
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 from collections.abc import AsyncIterator, Callable
@@ -18,8 +19,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-from aiohttp import web
+from aiohttp import ClientSession, ClientTimeout, web
 
 from fallback_mw.cli.app import Failed
 from fallback_mw.cli.serve import not_found_app
@@ -125,7 +125,35 @@ async def _gateway(config: dict[str, Any], port: int) -> AsyncIterator[str]:
         sock.close()
 
 
-def _describe(response: httpx.Response) -> str:
+@dataclass
+class Answer:
+    status_code: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+class DemoClient:
+    """The demo's caller: aiohttp (in the base install), answers read whole."""
+
+    def __init__(self, session: ClientSession, base_url: str) -> None:
+        self._session, self._base = session, base_url
+
+    async def request(self, method: str, path: str, **kwargs: Any) -> Answer:
+        async with self._session.request(method, self._base + path, **kwargs) as response:
+            headers = {name.lower(): value for name, value in response.headers.items()}
+            return Answer(response.status, headers, await response.read())
+
+    async def get(self, path: str, **kwargs: Any) -> Answer:
+        return await self.request("GET", path, **kwargs)
+
+    async def post(self, path: str, **kwargs: Any) -> Answer:
+        return await self.request("POST", path, **kwargs)
+
+
+def _describe(response: Answer) -> str:
     headers = response.headers
     parts = [f"{response.status_code}"]
     for name in ("x-gateway-provider", "x-gateway-attempts"):
@@ -141,8 +169,9 @@ async def _run(port: int, say: Callable[..., None]) -> bool:
         _upstream("primary", 503, ports[1]) as primary,
         _upstream("backup", 200, ports[2]) as backup,
         _gateway(demo_config(primary, backup), ports[0]) as gateway_url,
-        httpx.AsyncClient(base_url=gateway_url, timeout=10) as client,
+        ClientSession(timeout=ClientTimeout(total=10)) as session,
     ):
+        client = DemoClient(session, gateway_url)
         say("fallback_mw demo: everything below runs on 127.0.0.1 and stops when it ends")
         say(f"  primary  {primary.url}  answers 503 to everything")
         say(f"  backup   {backup.url}  answers 200")
