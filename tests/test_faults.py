@@ -194,3 +194,77 @@ def test_snapshot_expiry_is_checked_at_lookup() -> None:
     assert snapshot.upstream_fault("other", now=0) is None
     assert snapshot.pinned_candidate("chat", now=99.0) == "b"
     assert snapshot.pinned_candidate("chat", now=100.1) is None
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'faults.db'}"
+    url: str = request.getfixturevalue("pg_url")
+    return url
+
+
+@pytest.mark.anyio
+async def test_faults_set_refuses_an_active_fault_on_the_same_target_unless_replace(
+    any_store: str,
+) -> None:
+    """SPEC §12: a second `faults set` on a target with an active fault stores nothing and
+    says which fault holds it; `--replace` replaces it; another target is independent."""
+    first = await cli(
+        "faults", "set", "hang", "--store", any_store, "--upstream", "p", "--ttl", "60"
+    )
+    assert first[0] == 0, first[2]
+    expiry = expires_at(first[1])
+    status, out, err = await cli(
+        "faults", "set", "fail", "--store", any_store, "--upstream", "p", "--ttl", "30"
+    )
+    assert status == 2 and out == ""
+    assert "a hang fault is already active on upstream 'p'" in err and "--replace" in err
+    listed = (await cli("faults", "list", "--store", any_store))[1]
+    assert listed.startswith("hang\tupstream=p") and expires_at(listed) == expiry
+    # A different target, and a pin on a route of the same name, are other targets.
+    other = await cli(
+        "faults", "set", "revoke", "--store", any_store, "--upstream", "q", "--ttl", "5"
+    )
+    assert other[0] == 0, other[2]
+    pin = await cli(
+        "faults", "set", "pin", "--store", any_store, "--route", "p", "--candidate", "b",
+        "--ttl", "5",
+    )  # fmt: skip
+    assert pin[0] == 0, pin[2]
+    replaced = await cli(
+        "faults", "set", "blackhole", "--store", any_store, "--upstream", "p", "--ttl", "30",
+        "--replace",
+    )  # fmt: skip
+    assert replaced[0] == 0, replaced[2]
+    listed = (await cli("faults", "list", "--store", any_store))[1]
+    assert "blackhole\tupstream=p" in listed and "hang" not in listed
+    assert "revoke\tupstream=q" in listed
+
+
+@pytest.mark.anyio
+async def test_faults_set_is_atomic_under_concurrent_setters(any_store: str) -> None:
+    """Eight processes' worth of `set` racing for one free target: exactly one wins (the
+    check and the write are one statement / one transaction)."""
+    from fallback_mw.store.routes import open_store
+
+    stores = [open_store(any_store) for _ in range(8)]
+    try:
+        await stores[0].load_faults()  # migrate once, before the race
+        now = time.time()
+        results = await asyncio.gather(
+            *(
+                store.set_fault(Fault("fail", "racy", now + 60 + i))
+                for i, store in enumerate(stores)
+            )
+        )
+        assert sum(1 for r in results if r is None) == 1
+        winner = next(i for i, r in enumerate(results) if r is None)
+        assert all(r is not None and r.expires_at == now + 60 + winner for r in results if r)
+        assert [f.expires_at for f in await stores[0].load_faults()] == [now + 60 + winner]
+        # An expired fault does not hold its target.
+        assert await stores[1].set_fault(Fault("fail", "old", now - 1)) is None
+        assert await stores[2].set_fault(Fault("hang", "old", now + 30)) is None
+    finally:
+        for store in stores:
+            await store.aclose()

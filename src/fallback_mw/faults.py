@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from typing import Literal, Protocol
 
-UpstreamFault = Literal["fail", "hang"]
+# fail: a synthetic 503, no packet leaves; hang: the attempt waits out its first-byte
+# timeout in the gateway; blackhole: the attempt really connects, to a local listener that
+# accepts and never answers (the engine's own timeouts fire); revoke: a synthetic 401, as a
+# vendor-disabled credential answers (the credential is retired, the pool moves on).
+UpstreamFault = Literal["fail", "hang", "blackhole", "revoke"]
+UPSTREAM_FAULTS: tuple[UpstreamFault, ...] = ("fail", "hang", "blackhole", "revoke")
 
 
 class FaultSource(Protocol):

@@ -1,6 +1,7 @@
 """`fallback-mw eval`: the four arms over real loopback sockets (a real `fallback-mw serve`
 process, scripted aiohttp upstreams, an aiohttp client). Only the deterministic properties
-are asserted — counts, attempts, integrity — never a latency."""
+are asserted — counts, attempts, integrity — never a latency. With the breaker held closed
+(the default) the counts are exact: 2.00 / 2.00 / 1.00 / 1.00 attempts per request."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from fallback_mw.cli.evaluation.arms import _integrity, _request_body
 from fallback_mw.cli.evaluation.upstreams import Exchange, ScriptedUpstream, answer_body, digest
+from tests.browser import layout, visible
 from tests.cli_runner import run_cli
 
 pytestmark = pytest.mark.e2e
@@ -19,22 +21,31 @@ pytestmark = pytest.mark.e2e
 REQUESTS = 20
 
 
-def _run_eval(tmp_path: Path, capsys: pytest.CaptureFixture[str], primary: str) -> dict[str, Any]:
+def _run_eval(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    primary: str,
+    requests: int = REQUESTS,
+    *extra: str,
+) -> tuple[dict[str, Any], str]:
     out = tmp_path / "results" / "eval.json"
-    status = run_cli(["eval", "--requests", str(REQUESTS), "--primary", primary, "--out", str(out)])
+    argv = ["eval", "--requests", str(requests), "--primary", primary, "--out", str(out)]
+    status = run_cli([*argv, *extra])
     printed = capsys.readouterr().out
     assert status == 0, printed
     artifact: dict[str, Any] = json.loads(out.read_text())
     for arm in artifact["arms"]:
         assert arm["name"] in printed  # the table names every arm
-    return artifact
+    assert (tmp_path / "results" / "eval.html").is_file()
+    return artifact, printed
 
 
-def _check_common(arms: list[dict[str, Any]]) -> None:
+def _check_common(arms: list[dict[str, Any]], requests: int = REQUESTS) -> None:
+    """What holds with the breaker held closed, whatever the primary's failure."""
     assert [a["arm"] for a in arms] == [1, 2, 3, 4]
     for arm in arms:
-        assert arm["requests"] == REQUESTS
-        assert sum(arm["statuses"].values()) == REQUESTS
+        assert arm["requests"] == requests
+        assert sum(arm["statuses"].values()) == requests
         # Every attempt the gateway reports is a request an upstream received, and back.
         assert arm["attempts_total"] == sum(arm["upstream_requests"].values())
         assert arm["integrity_failures"] == 0
@@ -42,39 +53,103 @@ def _check_common(arms: list[dict[str, Any]]) -> None:
         assert arm["configuration"]["routes"][0]["plan"] == (
             ["primary", "backup"] if arm["arm"] in (2, 4) else ["primary"]
         )
+        assert arm["configuration"]["routes"][0]["retries"] == 1
     failing_single, failing_plan, healthy_single, healthy_plan = arms
-    # (1) nothing answers; no fallback exists
+    # (1) nothing answers; every request tried the same dead primary twice (one retry)
     assert failing_single["successes"] == 0
     assert failing_single["fallbacks"] == 0
-    assert set(failing_single["attempts_histogram"]) <= {"0", "1"}
-    # (2) the plan answers every request, each from the backup
-    assert failing_plan["successes"] == REQUESTS
-    assert failing_plan["fallbacks"] == REQUESTS
-    assert failing_plan["upstream_requests"]["backup"] == REQUESTS
-    assert set(failing_plan["attempts_histogram"]) <= {"1", "2"}
+    assert failing_single["attempts_histogram"] == {"2": requests}
+    assert failing_single["upstream_requests"] == {"primary": 2 * requests}
+    # (2) the plan answers every request from the backup, after one primary attempt each
+    assert failing_plan["successes"] == requests
+    assert failing_plan["fallbacks"] == requests
+    assert failing_plan["attempts_histogram"] == {"2": requests}
+    assert failing_plan["upstream_requests"] == {"primary": requests, "backup": requests}
     # (3) and (4): one attempt each, all at the primary, the backup never touched
     for arm in (healthy_single, healthy_plan):
-        assert arm["successes"] == REQUESTS
+        assert arm["successes"] == requests
         assert arm["fallbacks"] == 0
-        assert arm["attempts_histogram"] == {"1": REQUESTS}
-        assert arm["upstream_requests"]["primary"] == REQUESTS
+        assert arm["attempts_histogram"] == {"1": requests}
+        assert arm["upstream_requests"]["primary"] == requests
     assert healthy_plan["upstream_requests"]["backup"] == 0
+    per_request = [a["attempts_per_request"] for a in arms]
+    assert per_request == [2.0, 2.0, 1.0, 1.0]
 
 
-def test_eval_failing_primary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    artifact = _run_eval(tmp_path, capsys, "fail")
+def test_eval_failing_primary_measures_the_plan(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The issue's numbers: 300 requests, 2.00 / 2.00 / 1.00 / 1.00 attempts per request,
+    300 fallbacks in arm 2; the table ends with the verdict, integrity as bad/checked."""
+    artifact, printed = _run_eval(tmp_path, capsys, "fail", 300)
     assert artifact["primary"] == "fail"
-    _check_common(artifact["arms"])
-    # A failing primary answers 503 to every attempt it gets.
+    assert artifact["breaker"] == "held closed"
+    _check_common(artifact["arms"], 300)
+    assert artifact["arms"][1]["fallbacks"] == 300
+    # A failing primary answers 503 to every attempt it gets; arm 1 relays no answer.
     assert artifact["arms"][0]["configuration"]["upstream_behaviour"]["primary"] == "fail"
+    assert artifact["arms"][0]["statuses"] == {"502": 300}
+    lines = printed.splitlines()
+    rows = [line.split() for line in lines if line[:3].strip() in ("1", "2", "3", "4")]
+    # att/req is the column after the success rate (the scenario names vary in length)
+    att = [row[next(i for i, cell in enumerate(row) if cell.endswith("%")) + 1] for row in rows]
+    assert att == ["2.00", "2.00", "1.00", "1.00"]
+    assert "bad/checked" in printed
+    assert [row[-2] for row in rows] == ["0/0", "0/300", "0/300", "0/300"]
+    verdict = [line for line in lines if line.startswith("verdict:")]
+    assert len(verdict) == 1 and verdict[0].startswith("verdict: PASS")
+    last_row = max(i for i, line in enumerate(lines) if line[:3].strip() in ("1", "2", "3", "4"))
+    assert lines.index(verdict[0]) == last_row + 1  # the table ends with the verdict
+    assert artifact["verdict"]["passed"] is True
+
+
+def test_eval_breaker_on_measures_the_breaker_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--breaker on`: the gateway's default breaker opens on the failing primary, so most
+    requests of arm 1 are answered without an attempt and arm 2 skips the primary."""
+    artifact, _ = _run_eval(tmp_path, capsys, "fail", 100, "--breaker", "on")
+    assert artifact["breaker"].startswith("on")
+    single, plan, healthy_single, healthy_plan = artifact["arms"]
+    assert "breaker" not in artifact["arms"][0]["configuration"]["gateway"]
+    assert single["successes"] == 0 and plan["successes"] == 100
+    # The breaker opened well before the end: fewer attempts than the held-closed run.
+    assert single["attempts_total"] < 100
+    assert plan["upstream_requests"]["primary"] < 100
+    assert plan["upstream_requests"]["backup"] == 100
+    for arm in (healthy_single, healthy_plan):
+        assert arm["attempts_histogram"] == {"1": 100}
 
 
 def test_eval_hanging_primary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    artifact = _run_eval(tmp_path, capsys, "hang")
+    artifact, _ = _run_eval(tmp_path, capsys, "hang")
     _check_common(artifact["arms"])
-    # Until its breaker opens, each request waits out the first-byte timeout; the walk
-    # reports those as gateway errors, never as the hanging upstream's answer.
+    # Each attempt waits out the first-byte timeout; the walk reports those as gateway
+    # errors, never as the hanging upstream's answer.
     assert "200" not in artifact["arms"][0]["statuses"]
+
+
+def test_eval_page_renders_in_chromium(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The HTML page beside the JSON: self-contained (the browser fetched nothing), the
+    table, the verdict, and per arm a latency histogram with p50/p95/p99 marks, as laid
+    out by headless Chromium."""
+    artifact, _ = _run_eval(tmp_path, capsys, "fail")
+    page = tmp_path / "results" / "eval.html"
+    html = page.read_text()
+    assert "http://" not in html.replace('xmlns="http://www.w3.org/2000/svg"', "")
+    assert "https://" not in html
+    seen = layout(page, tmp_path)
+    assert seen["title"] == "fallback-mw eval"
+    assert seen["requests"] == []  # nothing loaded from anywhere
+    marks = seen["marks"]
+    charts = visible(marks, tag="svg", cls="latency")
+    assert sorted(int(m["data"]["arm"]) for m in charts) == [1, 2, 3, 4]
+    assert all(m["w"] >= 600 and m["h"] >= 100 for m in charts)
+    assert len(visible(marks, tag="rect", cls="bin")) >= 4  # every arm has bars
+    for name in ("p50", "p95", "p99"):
+        assert len(visible(marks, tag="line", cls=name)) == 4
+    assert artifact["verdict"]["line"] in seen["text"]
+    assert "0/20" in seen["text"]  # integrity as bad/checked
 
 
 def test_integrity_check_catches_a_changed_or_foreign_body() -> None:

@@ -14,14 +14,22 @@ from typing import Any
 from fallback_mw.cli.app import Console, Failed, Refused, leaf
 from fallback_mw.cli.evaluation.arms import arms, run_arms
 from fallback_mw.cli.evaluation.gateway import GatewayDidNotStart
-from fallback_mw.cli.evaluation.report import summarise, table
+from fallback_mw.cli.evaluation.html import render
+from fallback_mw.cli.evaluation.report import summarise, table, verdict
+from fallback_mw.extras import require
 
 DEFAULT_OUT = "results/route-plan-eval.json"
 MAX_REQUESTS = 100_000
 MAX_CONCURRENCY = 1000
 
 
-def handle(args: argparse.Namespace, console: Console) -> None:
+def html_path(out: Path) -> Path:
+    """The HTML page beside the JSON artifact: the same name, `.html`."""
+    return out.with_name(out.name + ".html") if out.suffix == ".html" else out.with_suffix(".html")
+
+
+def handle(args: argparse.Namespace, console: Console) -> int:
+    require("serve", "the eval command")  # each arm runs `fallback-mw serve`
     if not 1 <= args.requests <= MAX_REQUESTS:
         raise Refused(f"--requests must be between 1 and {MAX_REQUESTS}")
     if not 1 <= args.concurrency <= MAX_CONCURRENCY:
@@ -33,31 +41,46 @@ def handle(args: argparse.Namespace, console: Console) -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="fallback-mw-eval-") as workdir:
             runs = asyncio.run(
-                run_arms(arms(args.primary), args.requests, args.concurrency, Path(workdir))
+                run_arms(
+                    arms(args.primary),
+                    args.requests,
+                    args.concurrency,
+                    Path(workdir),
+                    breaker=args.breaker == "on",
+                )
             )
     except GatewayDidNotStart as exc:
         raise Failed(str(exc).splitlines()[0]) from None
     summaries = [summarise(r) for r in runs]
+    passed, line = verdict(summaries)
+    breaker = "on (the gateway's defaults)" if args.breaker == "on" else "held closed"
     artifact: dict[str, Any] = {
         "tool": "fallback-mw eval",
         "started_at": started.isoformat(),
         "primary": args.primary,
+        "breaker": breaker,
         "requests_per_arm": args.requests,
         "concurrency": args.concurrency,
         "arms": summaries,
+        "verdict": {"passed": passed, "line": line},
     }
     console.print(
         f"route-plan evaluation: primary {args.primary}, {args.requests} requests per arm, "
-        f"{args.concurrency} in flight"
+        f"{args.concurrency} in flight, breaker {breaker}"
     )
-    for line in table(summaries).splitlines():
-        console.print(line)
+    for row in table(summaries).splitlines():
+        console.print(row)
+    console.print(line)
+    page = html_path(out)
+    latencies = [[o.ms for o in r.outcomes] for r in runs]
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(artifact, indent=2) + "\n")
+        page.write_text(render(artifact, latencies, (passed, line)))
     except OSError as exc:
         raise Failed(f"cannot write {args.out}: {exc.strerror or exc}") from None
-    console.print(f"wrote {out}")
+    console.print(f"wrote {out} and {page}")
+    return 0 if passed else 1
 
 
 def register(subparsers: Any) -> None:
@@ -74,6 +97,13 @@ def register(subparsers: Any) -> None:
         choices=["fail", "hang"],
         default="fail",
         help="how the failing primary fails: a fast 503, or accepting and never answering",
+    )
+    parser.add_argument(
+        "--breaker",
+        choices=["off", "on"],
+        default="off",
+        help="off (default): breakers held closed, so the plan is what is measured; "
+        "on: the gateway's default breaker, measuring the breaker path",
     )
     parser.add_argument("--concurrency", type=int, default=10, help="requests in flight (10)")
     parser.add_argument("--out", default=DEFAULT_OUT, metavar="FILE", help=f"({DEFAULT_OUT})")

@@ -10,6 +10,7 @@ from typing import Any
 
 from fallback_mw.cli.app import Console, Refused, leaf, run
 from fallback_mw.cli.target import StoreTarget, resolve, store_options
+from fallback_mw.faults import UPSTREAM_FAULTS
 from fallback_mw.store.model import Fault
 from fallback_mw.store.routes import RouteStore, open_store
 
@@ -65,22 +66,31 @@ def faults_set(args: argparse.Namespace, console: Console) -> None:
         raise Refused(f"--ttl must be between 1 and {MAX_TTL_SECONDS} seconds")
     target = resolve(args)
 
-    async def work() -> Fault:
+    async def work() -> tuple[Fault, Fault | None]:
         store = open_store(target.url)
         try:
             fault = _fault(args, *await _names(target, store))
-            await store.set_fault(fault)
-            return fault
+            return fault, await store.set_fault(fault, replace=args.replace)
         finally:
             await store.aclose()
 
-    fault = run(work)
+    fault, active = run(work)
+    if active is not None:
+        raise Refused(
+            f"a {active.kind} fault is already active on {_target(active)} until "
+            f"{expiry_text(active.expires_at)}; nothing set (--replace to replace it, or "
+            "`fallback-mw faults clear` first)"
+        )
     what = (
         f"pin route {fault.target!r} to {fault.candidate!r}"
         if fault.kind == "pin"
         else f"{fault.kind} upstream {fault.target!r}"
     )
     console.print(f"fault set: {what} until {expiry_text(fault.expires_at)}")
+
+
+def _target(fault: Fault) -> str:
+    return f"route {fault.target!r}" if fault.scope == "route" else f"upstream {fault.target!r}"
 
 
 def faults_clear(args: argparse.Namespace, console: Console) -> None:
@@ -125,11 +135,16 @@ def register(subparsers: Any) -> None:
 
     fset = leaf(verbs, "set", faults_set, "set a fault with an expiry; prints the expiry")
     store_options(fset)
-    fset.add_argument("kind", choices=["fail", "hang", "pin"])
+    fset.add_argument("kind", choices=[*UPSTREAM_FAULTS, "pin"])
     fset.add_argument("--upstream", metavar="NAME")
     fset.add_argument("--route", metavar="ID")
     fset.add_argument("--candidate", metavar="NAME")
     fset.add_argument("--ttl", type=int, required=True, metavar="SECONDS")
+    fset.add_argument(
+        "--replace",
+        action="store_true",
+        help="replace an active fault on the same target (otherwise refused)",
+    )
 
     fclear = leaf(verbs, "clear", faults_clear, "clear faults: one selector, or --all")
     store_options(fclear)

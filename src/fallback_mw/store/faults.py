@@ -20,7 +20,12 @@ class FaultSnapshot:
         fault = self.upstreams.get(upstream)
         if fault is None or not fault.active(now):
             return None
-        return "fail" if fault.kind == "fail" else "hang" if fault.kind == "hang" else None
+        return fault.kind if fault.kind != "pin" else None
+
+    def active_upstreams(self, now: float) -> frozenset[str]:
+        """Upstreams with an active fault (the reloader compares successive sets: an
+        upstream that left the set had its fault cleared or expired)."""
+        return frozenset(name for name, f in self.upstreams.items() if f.active(now))
 
     def pinned_candidate(self, route_id: str, now: float) -> str | None:
         fault = self.pins.get(route_id)
@@ -59,6 +64,9 @@ class StoreFaults:
     async def pinned_candidate(self, route_id: str) -> str | None:
         self._on_use()
         return self.snapshot.pinned_candidate(route_id, self._clock())
+
+    def active_upstreams(self) -> frozenset[str]:
+        return self.snapshot.active_upstreams(self._clock())
 
     async def aclose(self) -> None:
         if self._on_close is not None:

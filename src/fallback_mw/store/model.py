@@ -15,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 from fallback_mw.config import ConfigError, RouteConfig, UpstreamConfig
 from fallback_mw.config import _describe as describe_validation_error
 
-FaultKind = Literal["fail", "hang", "pin"]
+FaultKind = Literal["fail", "hang", "blackhole", "revoke", "pin"]
 Model = TypeVar("Model", bound=BaseModel)
 
 
@@ -99,7 +99,7 @@ class StoredRoute:
 @dataclass(frozen=True, slots=True)
 class Fault:
     kind: FaultKind
-    target: str  # the upstream name (fail, hang) or the route id (pin)
+    target: str  # the upstream name (fail, hang, blackhole, revoke) or the route id (pin)
     expires_at: float  # epoch seconds (wall clock: shared by every process)
     candidate: str | None = None  # pin only
 

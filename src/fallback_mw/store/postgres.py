@@ -176,19 +176,37 @@ class PostgresStore:
             for row in rows
         ]
 
-    async def set_fault(self, fault: Fault) -> None:
-        await self._execute("DELETE FROM fmw_faults WHERE expires_at <= $1", time.time())
-        await self._execute(
+    async def set_fault(self, fault: Fault, *, replace: bool = False) -> Fault | None:
+        now = time.time()
+        await self._execute("DELETE FROM fmw_faults WHERE expires_at <= $1", now)
+        # One statement: the row is written when the target is free, its fault has expired
+        # or `replace` says so; otherwise nothing is written and nothing is returned.
+        rows = await self._fetch(
             "INSERT INTO fmw_faults (scope, target, kind, candidate, expires_at) "
             "VALUES ($1, $2, $3, $4, $5) ON CONFLICT (scope, target) DO UPDATE SET "
             "kind = excluded.kind, candidate = excluded.candidate, "
-            "expires_at = excluded.expires_at",
+            "expires_at = excluded.expires_at "
+            "WHERE $7 OR fmw_faults.expires_at <= $6 RETURNING target",
             fault.scope,
             fault.target,
             fault.kind,
             fault.candidate,
             fault.expires_at,
+            now,
+            replace,
         )
+        if rows:
+            return None
+        found = await self._fetch(
+            "SELECT kind, target, expires_at, candidate FROM fmw_faults "
+            "WHERE scope = $1 AND target = $2",
+            fault.scope,
+            fault.target,
+        )
+        if not found:  # cleared in between: the refusal still stands, described as it was
+            return Fault(fault.kind, fault.target, now, None)
+        row = found[0]
+        return Fault(row["kind"], row["target"], float(row["expires_at"]), row["candidate"])
 
     async def clear_faults(self, *, upstream: str | None = None, route: str | None = None) -> int:
         if upstream is not None:

@@ -30,7 +30,10 @@ class RouteStore(Protocol):
         """Active (unexpired) faults."""
         ...
 
-    async def set_fault(self, fault: Fault) -> None: ...
+    async def set_fault(self, fault: Fault, *, replace: bool = False) -> Fault | None:
+        """Store `fault`, atomically refusing while an active fault holds the same target
+        (unless `replace`). Returns None when stored, else the active fault that refused it."""
+        ...
 
     async def clear_faults(self, *, upstream: str | None = None, route: str | None = None) -> int:
         """Clear faults on one upstream, one route, or (neither given) all."""

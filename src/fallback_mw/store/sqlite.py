@@ -146,20 +146,37 @@ class SqliteStore:
         )
         return [Fault(kind=k, target=t, expires_at=float(e), candidate=c) for k, t, e, c in rows]
 
-    async def set_fault(self, fault: Fault) -> None:
-        def put(conn: sqlite3.Connection) -> None:
+    async def set_fault(self, fault: Fault, *, replace: bool = False) -> Fault | None:
+        def put(conn: sqlite3.Connection) -> Fault | None:
+            # One write transaction: the check for an active fault and the insert cannot
+            # interleave with another process's (BEGIN IMMEDIATE takes the write lock).
             conn.execute("BEGIN IMMEDIATE")
-            conn.execute("DELETE FROM fmw_faults WHERE expires_at <= ?", (time.time(),))
-            conn.execute(
-                "INSERT INTO fmw_faults (scope, target, kind, candidate, expires_at) "
-                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (scope, target) DO UPDATE SET "
-                "kind = excluded.kind, candidate = excluded.candidate, "
-                "expires_at = excluded.expires_at",
-                (fault.scope, fault.target, fault.kind, fault.candidate, fault.expires_at),
-            )
+            try:
+                conn.execute("DELETE FROM fmw_faults WHERE expires_at <= ?", (time.time(),))
+                row = conn.execute(
+                    "SELECT kind, target, expires_at, candidate FROM fmw_faults "
+                    "WHERE scope = ? AND target = ?",
+                    (fault.scope, fault.target),
+                ).fetchone()
+                if row is not None and not replace:
+                    conn.execute("ROLLBACK")
+                    kind, target, expires_at, candidate = row
+                    return Fault(kind, target, float(expires_at), candidate)
+                conn.execute(
+                    "INSERT INTO fmw_faults (scope, target, kind, candidate, expires_at) "
+                    "VALUES (?, ?, ?, ?, ?) ON CONFLICT (scope, target) DO UPDATE SET "
+                    "kind = excluded.kind, candidate = excluded.candidate, "
+                    "expires_at = excluded.expires_at",
+                    (fault.scope, fault.target, fault.kind, fault.candidate, fault.expires_at),
+                )
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
             conn.execute("COMMIT")
+            return None
 
-        await self._run(put)
+        return await self._run(put)
 
     async def clear_faults(self, *, upstream: str | None = None, route: str | None = None) -> int:
         def clear(conn: sqlite3.Connection) -> int:

@@ -36,7 +36,7 @@ class Arm:
     number: int
     name: str
     primary: Behaviour
-    ordered: bool  # plan [primary, backup] with one retry; else [primary] alone
+    ordered: bool  # plan [primary, backup]; else [primary] alone (one retry either way)
 
 
 def arms(failing: Behaviour) -> list[Arm]:
@@ -60,10 +60,27 @@ class Outcome:
     integrity_ok: bool | None  # None: not a 200, nothing to check
 
 
-def gateway_config(arm: Arm, upstreams: dict[str, ScriptedUpstream]) -> dict[str, Any]:
+# Inside an evaluation the breaker is held closed (SPEC §12), so the plan is what is being
+# measured: a breaker opens only once its window holds `min_calls` outcomes, and a window
+# never holds more than `window`. `--breaker on` runs with the gateway's defaults instead.
+HELD_CLOSED = {"window": 20, "min_calls": 1_000_000}
+# Every first attempt may be repeated once (the single-upstream arm's retry): the default
+# repeat budget (20 % plus a floor) would refuse most of the retries the arm is about.
+REPEAT_BUDGET = {"percent": 100.0, "min_per_second": 1.0, "window_ms": 10_000}
+BACKOFF_MS = 25  # the route's backoff before the repeat (the configuration's default)
+
+
+def gateway_config(
+    arm: Arm, upstreams: dict[str, ScriptedUpstream], *, breaker: bool = False
+) -> dict[str, Any]:
+    """Both arms allow two attempts: the ordered plan tries the backup after the primary,
+    the single upstream retries the same primary once after the route's backoff."""
     plan = [PRIMARY, BACKUP] if arm.ordered else [PRIMARY]
+    gateway: dict[str, Any] = {"deadline_ms": DEADLINE_MS, "repeat_budget": REPEAT_BUDGET}
+    if not breaker:
+        gateway["breaker"] = HELD_CLOSED
     return {
-        "gateway": {"deadline_ms": DEADLINE_MS},
+        "gateway": gateway,
         "upstreams": {
             name: {"url": upstreams[name].url, "first_byte_timeout_ms": FIRST_BYTE_TIMEOUT_MS}
             for name in plan
@@ -73,7 +90,8 @@ def gateway_config(arm: Arm, upstreams: dict[str, ScriptedUpstream]) -> dict[str
                 "id": "eval",
                 "prefix": "/v1/",
                 "plan": plan,
-                "retries": len(plan) - 1,
+                "retries": 1,
+                "backoff_ms": BACKOFF_MS,
                 "replayable_methods": ["POST"],
             }
         ],
@@ -152,13 +170,15 @@ class ArmRun:
     upstream_requests: dict[str, int]  # requests each upstream received
 
 
-async def run_arm(arm: Arm, requests: int, concurrency: int, workdir: Path) -> ArmRun:
+async def run_arm(
+    arm: Arm, requests: int, concurrency: int, workdir: Path, *, breaker: bool = False
+) -> ArmRun:
     async with (
         scripted_upstream(PRIMARY, arm.primary) as primary,
         scripted_upstream(BACKUP, "ok") as backup,
     ):
         by_name = {PRIMARY: primary, BACKUP: backup}
-        config = gateway_config(arm, by_name)
+        config = gateway_config(arm, by_name, breaker=breaker)
         async with served_gateway(config, workdir, f"arm{arm.number}") as url:
             outcomes = await _drive(url, requests, concurrency, by_name)
         plan = config["routes"][0]["plan"]
@@ -174,6 +194,6 @@ async def run_arm(arm: Arm, requests: int, concurrency: int, workdir: Path) -> A
 
 
 async def run_arms(
-    selected: Sequence[Arm], requests: int, concurrency: int, workdir: Path
+    selected: Sequence[Arm], requests: int, concurrency: int, workdir: Path, *, breaker: bool
 ) -> list[ArmRun]:
-    return [await run_arm(arm, requests, concurrency, workdir) for arm in selected]
+    return [await run_arm(arm, requests, concurrency, workdir, breaker=breaker) for arm in selected]

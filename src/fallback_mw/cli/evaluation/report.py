@@ -53,7 +53,7 @@ _COLUMNS = (
     ("p50 ms", 8),
     ("p95 ms", 8),
     ("p99 ms", 8),
-    ("integrity", 9),
+    ("bad/checked", 11),
     ("statuses", 16),
 )
 
@@ -79,12 +79,12 @@ def table(summaries: Sequence[dict[str, Any]]) -> str:
             s["requests"],
             s["successes"],
             None if rate is None else f"{rate * 100:.1f}%",
-            s["attempts_per_request"],
+            None if s["attempts_per_request"] is None else f"{s['attempts_per_request']:.2f}",
             s["fallbacks"],
             s["latency_ms"]["p50"],
             s["latency_ms"]["p95"],
             s["latency_ms"]["p99"],
-            f"{s['integrity_failures']} bad",
+            f"{s['integrity_failures']}/{s['integrity_checked']}",
             " ".join(f"{code}x{n}" for code, n in s["statuses"].items()),
         ]
         lines.append(
@@ -94,3 +94,47 @@ def table(summaries: Sequence[dict[str, Any]]) -> str:
             ).rstrip()
         )
     return "\n".join(lines)
+
+
+def verdict(summaries: Sequence[dict[str, Any]]) -> tuple[bool, str]:
+    """Does the plan help when the primary fails and cost nothing when it does not? The
+    four arms compared pairwise; any body that failed its integrity check fails the run."""
+    by_arm = {s["arm"]: s for s in summaries}
+    if set(by_arm) != {1, 2, 3, 4}:
+        return False, "verdict: incomplete (the four arms did not all run)"
+    single_fail, plan_fail, single_ok, plan_ok = (by_arm[n] for n in (1, 2, 3, 4))
+    reasons: list[str] = []
+    helps = plan_fail["successes"] > single_fail["successes"]
+    if not helps:
+        reasons.append(
+            f"the plan served {plan_fail['successes']} with the primary failing, "
+            f"the single upstream {single_fail['successes']}"
+        )
+    free = (
+        plan_ok["successes"] == single_ok["successes"]
+        and plan_ok["attempts_total"] == single_ok["attempts_total"]
+        and plan_ok["fallbacks"] == 0
+    )
+    if not free:
+        reasons.append(
+            f"healthy, the plan made {plan_ok['attempts_total']} attempts and "
+            f"{plan_ok['fallbacks']} fallbacks for {plan_ok['successes']} successes "
+            f"(single upstream: {single_ok['attempts_total']} for {single_ok['successes']})"
+        )
+    bad = sum(s["integrity_failures"] for s in summaries)
+    if bad:
+        reasons.append(f"{bad} response bodies failed the integrity check")
+    if reasons:
+        return False, "verdict: FAIL — " + "; ".join(reasons)
+    rate = plan_fail["success_rate"] or 0.0
+    single_rate = single_fail["success_rate"] or 0.0
+    return True, (
+        f"verdict: PASS — with the primary failing the plan served {rate * 100:.1f}% "
+        f"(single upstream {single_rate * 100:.1f}%); healthy it cost no attempt and no "
+        f"fallback (p50 {_ms(plan_ok)} vs {_ms(single_ok)})"
+    )
+
+
+def _ms(summary: dict[str, Any]) -> str:
+    p50 = summary["latency_ms"]["p50"]
+    return "-" if p50 is None else f"{p50} ms"

@@ -130,7 +130,11 @@ async def run_exercise(
         expires_at=timeline.expires,
         candidate=exercise.candidate,
     )
-    await store.set_fault(fault)
+    active_now = await store.set_fault(fault)
+    if active_now is not None:  # set by someone else since the check above
+        raise GameDayRefused(
+            f"a {active_now.kind} fault was set on {exercise.target!r} meanwhile; nothing set"
+        )
     try:
         on_started(timeline)
         emit(f"fault set: {exercise.describe()}, expires {iso(timeline.expires)}")
