@@ -51,7 +51,9 @@ class Gateway:
         services = self.services
         walker = PlanWalker(app, config=self.config, services=services, environ=environ)
         injector = CredentialInjector(walker, config=self.config, environ=environ)
-        guard = BudgetGuard(injector, config=self.config, ledger=services.ledger)
+        guard = BudgetGuard(
+            injector, config=self.config, ledger=services.ledger, telemetry=services.telemetry
+        )
         self.resolver = RouteResolver(
             guard, config=self.config, table=services.table, telemetry=services.telemetry
         )

@@ -1,6 +1,7 @@
 """Budgets (money): the ledger interface and its records (budget/ledger.py), prices and
-costs (cost.py), the usage meter (usage.py). The ledger backends live beside the other
-stores (store/ledgers/), which also picks one from a store URL (`open_ledger`)."""
+costs (cost.py). The usage meter belongs to the response path (request/usage.py). The
+ledger backends live beside the other stores (store/ledgers/), which also picks one from a
+store URL (`open_ledger`)."""
 
 from __future__ import annotations
 

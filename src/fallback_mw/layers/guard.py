@@ -1,17 +1,18 @@
 """BudgetGuard: one hold before any upstream is contacted, one settlement after.
 
-The guard reads the request body (the walker's one reader, `walk.body.read_body`, which
-keeps it in the request context for the walker), estimates and takes the hold, then calls
-the walker. It meters the response by wrapping `send`, the way Starlette's GZipResponder
-watches a response: the walker knows nothing of budgets. The settlement runs in a
-shielded `finally` once the walk has ended (served, failed, or the client went away):
-reported usage priced by `[prices]`, else the hold; nothing served releases the hold. A
-budgeted route with no ledger fails closed (503 `budget_unavailable`). A refusal is left
-in the request context (`refusal`) for the walker to answer, with nothing attempted, so
-refused requests are traced like any other."""
+The guard reads the request body (the one reader below the layers, `request.body.read_body`,
+which keeps it in the request context for the walker), estimates and takes the hold, then
+calls the app behind it. It answers its own refusals through the shared local-error writer:
+402 `budget_exceeded` when the hold is refused, 503 `budget_unavailable` when the ledger
+cannot be reached, a budgeted route has no ledger, or it names no known budget (fail closed,
+in front of any app); nothing behind it runs. The response path meters usage
+(`walker/stream.commit` fills `context.usage`); the settlement reads it, in a shielded
+`finally` once the app has returned (served, failed, or the client went away): reported
+usage priced by `[prices]`, else the hold; nothing served releases the hold."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from decimal import Decimal
 
@@ -19,11 +20,12 @@ import anyio
 
 from fallback_mw.budget import AttemptOutcome, Hold, Ledger, LedgerUnavailable, UsageRecord
 from fallback_mw.budget.cost import PriceBook
-from fallback_mw.budget.usage import DEFAULT_JSON_CAP, UsageMeter
 from fallback_mw.config import BudgetConfig, GatewayConfig
 from fallback_mw.request.body import read_body, request_json
 from fallback_mw.request.context import RequestBody, RequestContext, get_context
-from fallback_mw.request.types import ASGIApp, Message, Receive, Scope, Send
+from fallback_mw.request.local_errors import send_error
+from fallback_mw.request.types import ASGIApp, Receive, Scope, Send
+from fallback_mw.telemetry import Telemetry
 
 logger = logging.getLogger("fallback_mw.budget")
 
@@ -41,45 +43,58 @@ class BudgetGuard:
         *,
         config: GatewayConfig,
         ledger: Ledger | None = None,
-        json_cap: int = DEFAULT_JSON_CAP,
+        telemetry: Telemetry | None = None,
     ) -> None:
         self.app = app
         self.settings = config.gateway
         self.budgets = dict(config.budgets)
         self.prices = PriceBook(config.prices)
         self.ledger = ledger
-        self.json_cap = json_cap
+        self.telemetry = telemetry
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         context = get_context(scope)
         if context is None:
             await self.app(scope, receive, send)
             return
+        # Traced like the resolver's refusals (a no-op when the resolver owns the span).
+        with self._traced(context, scope):
+            await self._guarded(scope, receive, send, context)
+
+    async def _guarded(
+        self, scope: Scope, receive: Receive, send: Send, context: RequestContext
+    ) -> None:
         ledger = self.ledger
         budget_id = context.route.budget
         if ledger is None:
             if budget_id is not None:
-                context.refusal = ("budget_unavailable", _REFUSALS["budget_unavailable"])
+                await _refuse(send, context, "budget_unavailable")  # fail closed, alone too
+                return
             await self.app(scope, receive, send)
             return
         hold: Hold | None = None
-        meter = UsageMeter(context.usage, json_cap=self.json_cap)
         try:
             if budget_id is not None:
                 body = await read_body(context, scope, receive, self.settings)
                 if body.ok:  # otherwise the walker answers for the body (413, 408, ...)
                     outcome = await self._hold(ledger, context, budget_id, body)
                     if isinstance(outcome, str):
-                        # The walker answers it, with nothing attempted (and traced).
-                        context.refusal = (outcome, _REFUSALS[outcome])
-                    else:
-                        hold = outcome
-            await self.app(scope, receive, _MeteredSend(send, meter))
+                        await _refuse(send, context, outcome)  # nothing behind us runs
+                        return
+                    hold = outcome
+            await self.app(scope, receive, send)
         finally:
-            # Shielded: a cancelled request (client gone, server stopping) still settles.
+            # Shielded: a cancelled request (client gone, server stopping) still settles;
+            # every routed request leaves its usage record.
             with anyio.CancelScope(shield=True):
-                meter.finish()
-                await self._settle(ledger, context, meter, hold)
+                await self._settle(ledger, context, hold)
+
+    def _traced(
+        self, context: RequestContext, scope: Scope
+    ) -> contextlib.AbstractContextManager[None]:
+        if self.telemetry is None:
+            return contextlib.nullcontext()
+        return self.telemetry.request(context, scope.get("headers", ()))
 
     async def budget_for(self, ledger: Ledger, budget_id: str) -> BudgetConfig | None:
         """A budget set in the store wins over the file's, so operators can change a
@@ -107,8 +122,8 @@ class BudgetGuard:
             return "budget_unavailable"
         return "budget_exceeded" if hold is None else hold
 
-    def _charge(self, context: RequestContext, meter: UsageMeter, hold: Hold) -> Decimal:
-        cost = self._cost(context, meter)
+    def _charge(self, context: RequestContext, hold: Hold) -> Decimal:
+        cost = self._cost(context)
         if cost is None:
             return hold.amount
         if not context.completed:
@@ -117,18 +132,16 @@ class BudgetGuard:
             return max(cost, hold.amount)
         return cost
 
-    def _cost(self, context: RequestContext, meter: UsageMeter) -> Decimal | None:
-        if not meter.reported:
-            return None
+    def _cost(self, context: RequestContext) -> Decimal | None:
         usage = context.usage
+        if not usage.reported:
+            return None
         cost = self.prices.cost(usage.model, usage.input_tokens, usage.output_tokens)
         if cost is None and usage.model != context.request_model:
             cost = self.prices.cost(context.request_model, usage.input_tokens, usage.output_tokens)
         return cost
 
-    async def _settle(
-        self, ledger: Ledger, context: RequestContext, meter: UsageMeter, hold: Hold | None
-    ) -> None:
+    async def _settle(self, ledger: Ledger, context: RequestContext, hold: Hold | None) -> None:
         charged: Decimal | None = None
         try:
             if hold is not None:
@@ -136,37 +149,19 @@ class BudgetGuard:
                     await ledger.release(hold)
                     charged = Decimal(0)
                 else:
-                    charged = self._charge(context, meter, hold)
+                    charged = self._charge(context, hold)
                     await ledger.settle(hold, charged)
         except LedgerUnavailable:
             # The hold stays in the ledger; it is settled at its amount when it goes stale.
             logger.warning("route %s: settlement failed, ledger unavailable", context.route.id)
         try:
-            await ledger.record_usage(_usage_record(context, self._cost(context, meter), charged))
+            await ledger.record_usage(_usage_record(context, self._cost(context), charged))
         except LedgerUnavailable:
             logger.warning("route %s: usage record lost, ledger unavailable", context.route.id)
 
 
-class _MeteredSend:
-    """Wraps `send`: the usage meter sees each body chunk the client is sent."""
-
-    def __init__(self, send: Send, meter: UsageMeter) -> None:
-        self.send = send
-        self.meter = meter
-        self.content_type: bytes | None = None
-
-    async def __call__(self, message: Message) -> None:
-        kind = message["type"]
-        if kind == "http.response.start":
-            headers = message.get("headers", ())
-            self.content_type = next((v for k, v in headers if k == b"content-type"), None)
-        await self.send(message)
-        if kind == "http.response.body":
-            chunk = message.get("body", b"")
-            if chunk:
-                self.meter.observe(chunk, self.content_type)
-            if not message.get("more_body"):
-                self.meter.finish()  # usage is known before telemetry reads it
+async def _refuse(send: Send, context: RequestContext, code: str) -> None:
+    await send_error(send, context, code, _REFUSALS[code])
 
 
 def _usage_record(
@@ -175,10 +170,15 @@ def _usage_record(
     import time
 
     attempts = [
-        AttemptOutcome(candidate=a.candidate, status=a.status, failure=a.failure_kind)
+        AttemptOutcome(
+            candidate=a.candidate, status=a.status, failure=a.failure_kind, fault=a.fault
+        )
         for a in context.attempts
     ]
-    attempts += [AttemptOutcome(candidate=s.candidate, skipped=s.reason) for s in context.skipped]
+    attempts += [
+        AttemptOutcome(candidate=s.candidate, skipped=s.reason, fault=s.fault)
+        for s in context.skipped
+    ]
     usage = context.usage
     return UsageRecord(
         request_id=context.request_id,

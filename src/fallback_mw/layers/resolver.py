@@ -1,7 +1,12 @@
-"""RouteResolver: which route? Attaches the per-request context; everything else passes."""
+"""RouteResolver: which route? Attaches the per-request context; everything else passes.
+
+With telemetry attached it owns the request span (and the duration metric and the log
+line): opened once the route is known, closed when every layer behind it has returned, so
+the budget guard's hold and settlement are inside it."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -98,30 +103,26 @@ class RouteResolver:
             max_bytes=self.max_header_bytes,
             max_count=self.max_header_count,
         )
-        if refusal is not None:
-            await self._refuse(context, send, "headers_too_large", refusal)
-            return
-        if not self.in_flight.try_enter():
-            await self._refuse(
-                context,
-                send,
-                "overloaded",
-                f"more than {self.in_flight.limit} requests in flight (max_concurrency)",
-            )
-            return
-        try:
-            scope[SCOPE_KEY] = context
-            await self.app(scope, receive, send)
-        finally:
-            self.in_flight.leave()
+        with self._traced(context, scope):
+            if refusal is not None:
+                # A local refusal before anything else runs: no body read, no upstream
+                # contacted, still one span and one log line.
+                await send_error(send, context, "headers_too_large", refusal)
+                return
+            if not self.in_flight.try_enter():
+                limit = self.in_flight.limit
+                message = f"more than {limit} requests in flight (max_concurrency)"
+                await send_error(send, context, "overloaded", message)
+                return
+            try:
+                scope[SCOPE_KEY] = context
+                await self.app(scope, receive, send)
+            finally:
+                self.in_flight.leave()
 
-    async def _refuse(self, context: RequestContext, send: Send, code: str, message: str) -> None:
-        """A local refusal before anything else runs: no body read, no upstream contacted,
-        still one span and one log line when telemetry is attached."""
-        if self.telemetry is not None:
-            self.telemetry.request_started(context)
-        try:
-            await send_error(send, context, code, message)
-        finally:
-            if self.telemetry is not None:
-                self.telemetry.request_finished(context)
+    def _traced(
+        self, context: RequestContext, scope: Scope
+    ) -> contextlib.AbstractContextManager[None]:
+        if self.telemetry is None:
+            return contextlib.nullcontext()
+        return self.telemetry.request(context, scope.get("headers", ()))

@@ -41,6 +41,7 @@ class SkipRecord:
     candidate: str
     reason: str  # "breaker_open", "no_credential"
     after_attempts: int = 0  # attempts made before it: places the skip in the walk's order
+    fault: str | None = None  # breaker_open: the fault whose outcomes opened that breaker
 
 
 @dataclass(slots=True)
@@ -69,6 +70,11 @@ class Usage:
     output_tokens: int | None = None
     model: str | None = None  # the model the upstream says answered
 
+    @property
+    def reported(self) -> bool:
+        """The upstream reported a token count (the response path's meter found one)."""
+        return self.input_tokens is not None or self.output_tokens is not None
+
 
 @dataclass(slots=True)
 class RequestContext:
@@ -92,9 +98,6 @@ class RequestContext:
     # unset). None here means no injector ran: the walker applies the same hygiene.
     credentials: Mapping[str, tuple[tuple[str, str] | None, ...]] | None = None
     body: RequestBody | None = None
-    # A layer in front of the walker refused the request (code, message), e.g. the budget
-    # guard: the walker answers with that local error and contacts no upstream.
-    refusal: tuple[str, str] | None = None
     attempts: list[AttemptRecord] = field(default_factory=list)
     skipped: list[SkipRecord] = field(default_factory=list)
     chosen: str | None = None
@@ -118,6 +121,16 @@ class RequestContext:
     @property
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
+
+    @property
+    def fault(self) -> bool:
+        """Game-day traffic (SPEC §12): a pin chose the order, a fault drove an attempt, or
+        a candidate was skipped because a breaker that fault outcomes opened is open."""
+        return (
+            self.pinned is not None
+            or any(a.fault for a in self.attempts)
+            or any(s.fault for s in self.skipped)
+        )
 
     @property
     def fallback(self) -> bool:

@@ -1,5 +1,9 @@
 """Token usage read from responses as they pass to the client, never holding a stream back.
 
+The response path meters (`layers/walker/stream.commit` feeds each relayed chunk to a
+`UsageMeter` that fills `context.usage`); the budget guard settles from that, the walker
+settles `tpm` from it, telemetry reports it. It sits below the layers for that reason.
+
 OpenAI reports `usage.prompt_tokens` / `usage.completion_tokens`; Anthropic reports
 `usage.input_tokens` / `usage.output_tokens` (in a stream: `message_start` carries the
 input count, `message_delta` the cumulative output count). JSON bodies are parsed once
@@ -52,8 +56,8 @@ class UsageMeter:
 
     def finish(self) -> None:
         """The response ended: parse a buffered JSON body, or a final unterminated event.
-        Idempotent: the guard calls it when the last chunk is sent and again when the walk
-        ends (a response cut short never sends a last chunk)."""
+        Idempotent: the relay calls it when the response ends, however it ends (a response
+        cut short never sends a last chunk)."""
         if self._finished:
             return
         self._finished = True

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, propagate, trace
@@ -91,10 +92,16 @@ class Telemetry:
 
     # --- hooks the walker calls -------------------------------------------------------
 
-    def request_started(self, context: RequestContext) -> None:
+    def request_started(
+        self, context: RequestContext, headers: Sequence[tuple[bytes, bytes]] | None = None
+    ) -> None:
+        """Start the request span. `headers` are the caller's (the W3C trace context is read
+        from them); by default the cleaned ones the walker forwards."""
         try:
+            if headers is None:
+                headers = context.forward_headers
             current = trace.get_current_span().get_span_context()
-            if not current.is_valid and self._nothing_to_trace(context):
+            if not current.is_valid and self._nothing_to_trace(headers):
                 context.trace = Untraced()
                 return
             if current.is_valid:
@@ -104,7 +111,7 @@ class Telemetry:
             else:
                 token = EXTRACTING.set(True)
                 try:
-                    incoming = propagate.extract(context.forward_headers, getter=GETTER)
+                    incoming = propagate.extract(headers, getter=GETTER)
                 finally:
                     EXTRACTING.reset(token)
                 kind = trace.SpanKind.SERVER
@@ -182,16 +189,30 @@ class Telemetry:
         except Exception:
             _internal.debug("attempt_finished failed", exc_info=False)
 
-    def skipped(self, context: RequestContext, candidate: str, reason: str) -> None:
+    def skipped(
+        self, context: RequestContext, candidate: str, reason: str, *, fault: str | None = None
+    ) -> None:
+        """A skipped candidate; `fault` names the game-day fault whose outcomes opened the
+        breaker behind a `breaker_open` skip (the span event carries it)."""
         try:
             request = self._request_trace(context)
-            attributes = {
+            attributes: dict[str, AttributeValue] = {
                 "gateway.candidate": label(candidate),
                 "gateway.skip.reason": label(reason),
             }
             if request is not None:
-                request.span.add_event(SKIP_EVENT, attributes)
-            self._m.skips.add(1, {"gateway.route.id": label(context.route.id), **attributes})
+                event = dict(attributes)
+                if fault is not None:
+                    event["gateway.fault"] = label(fault)
+                request.span.add_event(SKIP_EVENT, event)
+            self._m.skips.add(
+                1,
+                {
+                    "gateway.route.id": label(context.route.id),
+                    **attributes,
+                    "gateway.fault": fault is not None,
+                },
+            )
         except Exception:
             _internal.debug("skipped failed", exc_info=False)
 
@@ -250,6 +271,22 @@ class Telemetry:
             self._finish(context)
         except Exception:
             _internal.debug("request_finished failed", exc_info=False)
+
+    @contextlib.contextmanager
+    def request(
+        self, context: RequestContext, headers: Sequence[tuple[bytes, bytes]] | None = None
+    ) -> Iterator[None]:
+        """The request span (and its metrics and log line) around a layer's work, unless a
+        layer in front already owns it: the resolver opens it, so it covers the request
+        from the route match to the budget settlement; a layer used alone opens its own."""
+        if context.trace is not None:
+            yield
+            return
+        self.request_started(context, headers)
+        try:
+            yield
+        finally:
+            self.request_finished(context)
 
     def inject_headers(self, headers: list[tuple[str, str]]) -> None:
         """Propagate the attempt span's context upstream: the caller's own `traceparent`
@@ -310,7 +347,7 @@ class Telemetry:
             self._propagation = cached
         return cached
 
-    def _nothing_to_trace(self, context: RequestContext) -> bool:
+    def _nothing_to_trace(self, headers: Sequence[tuple[bytes, bytes]]) -> bool:
         """No SDK behind the global tracer and no trace context from the caller: a span
         would record nothing and propagate nothing (the caller's headers pass unchanged
         either way), so the request skips span bookkeeping altogether."""
@@ -319,7 +356,7 @@ class Telemetry:
         ):
             return False
         fields = self._propagation_fields()[2]
-        return not any(name in fields for name, _ in context.forward_headers)
+        return not any(name in fields for name, _ in headers)
 
     def _request_trace(self, context: RequestContext) -> RequestTrace | None:
         request = context.trace
@@ -358,7 +395,7 @@ class Telemetry:
         outcome = context.outcome or ("served" if context.completed else "internal_error")
         candidates = [label(c) for c in (context.candidates or context.route.plan)]
         chosen = label(context.chosen) if context.chosen is not None else None
-        fault = any(a.fault for a in context.attempts) or context.pinned is not None
+        fault = context.fault  # a pin, a faulted attempt, a fault-opened breaker
 
         trace_id = span_id = None
         if isinstance(request, Untraced):

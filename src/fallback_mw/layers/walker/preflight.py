@@ -1,12 +1,15 @@
 """What stops a request before any upstream is contacted: its body (over the limit, too
-slow), a refusal left by a layer in front (the budget guard), a model rewrite the body
-cannot take. Each is a local error; nothing here is an upstream's doing."""
+slow), a model rewrite the body cannot take. Each is a local error; nothing here is an
+upstream's doing. (A budget refusal never gets here: the guard answers it itself.)"""
 
 from __future__ import annotations
 
 from fallback_mw.config import GatewaySettings
 from fallback_mw.request.body import body_json
 from fallback_mw.request.context import RequestBody, RequestContext
+from fallback_mw.security import request_header_problem
+
+_BAD_NAME = "has a name that is not an HTTP token"
 
 
 def refusal(
@@ -18,8 +21,11 @@ def refusal(
         return "request_too_large", f"request body exceeds max_request_body ({limit} bytes)"
     if body.timed_out:
         return "request_timeout", "the request body did not arrive before the deadline"
-    if context.refusal is not None:
-        return context.refusal
+    for name, value in context.forward_headers:
+        problem = request_header_problem(name, value)
+        if problem is not None:
+            shown = name.decode("latin-1") if problem != _BAD_NAME else "a request header"
+            return "bad_request", f"{shown!r} {problem}: nothing was sent upstream"
     rewrite = any(context.upstreams[n].model for n in context.route.plan if n in context.upstreams)
     if rewrite and (body.buffered is None or (body.buffered and body_json(body) is None)):
         return (

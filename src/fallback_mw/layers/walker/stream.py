@@ -2,7 +2,9 @@
 client, and the body follows chunk by chunk (SSE included). A failure after that aborts
 the client response: it is never restarted and never ended as if complete. This module is
 the one owner of the upstream response from the commit on; it closes it in a shielded
-`finally` (the engines' `aclose` completes even under cancellation)."""
+`finally` (the engines' `aclose` completes even under cancellation). It meters the
+response too: each relayed chunk goes to a `UsageMeter` that fills `context.usage`, which
+the walker's `tpm` settlement, the budget guard and telemetry read."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from fallback_mw.request.body import content_length
 from fallback_mw.request.context import RequestContext
 from fallback_mw.request.local_errors import gateway_headers, send_error
 from fallback_mw.request.types import Send
+from fallback_mw.request.usage import UsageMeter
 from fallback_mw.security import forwardable_response_headers
 from fallback_mw.upstream.base import UpstreamError, UpstreamResponse
 
@@ -23,6 +26,7 @@ async def commit(
     max_response_body: int,
 ) -> None:
     limit = max_response_body
+    meter = UsageMeter(context.usage)
     try:
         declared = content_length(response.headers)
         if declared is not None and declared > limit:
@@ -35,9 +39,11 @@ async def commit(
             return
         context.chosen = name
         context.status = response.status
-        headers = forwardable_response_headers(response.headers) + gateway_headers(context)
+        headers = forwardable_response_headers(response.headers, status=response.status)
+        headers += gateway_headers(context)
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         context.committed = True
+        content_type = next((v for k, v in response.headers if k.lower() == b"content-type"), None)
         received = 0
         try:
             async for chunk in response.iter_chunks():
@@ -46,6 +52,8 @@ async def commit(
                     context.outcome = "response_too_large"
                     return  # abort: the client sees an incomplete response
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if chunk:
+                    meter.observe(chunk, content_type)
         except UpstreamError:
             context.outcome = "aborted"
             return  # never ended as if complete
@@ -53,4 +61,5 @@ async def commit(
         context.completed = True
         context.outcome = "served"
     finally:
+        meter.finish()  # however the response ended: a cut-short one still reports usage
         await response.aclose()

@@ -86,11 +86,9 @@ class PlanWalker:
     async def _walk(self, scope: Scope, receive: Receive, send: Send) -> None:
         context = get_context(scope)
         assert context is not None
-        self.telemetry.request_started(context)
-        try:
+        # The resolver owns the request span when it has telemetry; used alone, the walker.
+        with self.telemetry.request(context, scope.get("headers", ())):
             await _Walk(self, context, scope, receive, send).run()
-        finally:
-            self.telemetry.request_finished(context)
 
     async def aclose(self) -> None:
         await self.services.aclose()

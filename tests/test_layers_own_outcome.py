@@ -1,0 +1,219 @@
+"""Each layer answers for itself (issue 20): the budget guard sends its own 402 / 503 in
+front of any app; the response path meters usage, so the resolver and the walker alone
+settle `tpm` and report GenAI usage; the request span covers the request from the
+resolver to the budget settlement. In-process ASGI; real aiohttp upstreams on 127.0.0.1."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from aiohttp import web
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from fallback_mw import Gateway
+from fallback_mw.budget import Hold
+from fallback_mw.config import BudgetConfig, GatewayConfig, load_config
+from fallback_mw.layers.guard import BudgetGuard
+from fallback_mw.layers.resolver import RouteResolver
+from fallback_mw.layers.walker import PlanWalker
+from fallback_mw.request.types import Receive, Scope, Send
+from fallback_mw.store.ledgers.memory import MemoryLedger
+from fallback_mw.telemetry import Telemetry
+from tests.helpers import client_for
+from tests.upstreams import host_app, upstream
+
+pytestmark = pytest.mark.anyio
+
+
+@dataclass
+class Spans:
+    exporter: InMemorySpanExporter
+    telemetry: Telemetry
+
+    def request_span(self) -> ReadableSpan:
+        found = [s for s in self.exporter.get_finished_spans() if s.name == "gateway.request"]
+        assert len(found) == 1, [s.name for s in self.exporter.get_finished_spans()]
+        return found[0]
+
+
+@pytest.fixture
+def spans() -> Iterator[Spans]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(shutdown_on_exit=False)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield Spans(exporter, Telemetry(tracer_provider=provider))
+    provider.shutdown()
+
+
+class RecordingApp:
+    """Any ASGI app: records whether it was reached."""
+
+    def __init__(self) -> None:
+        self.reached = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.reached += 1
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"app ran"})
+
+
+def budget_config(*, limit: str = "1.0", default_hold: str = "0.01") -> dict[str, Any]:
+    return {
+        "upstreams": {"primary": {"url": "http://127.0.0.1:9"}},
+        "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"], "budget": "acme"}],
+        "budgets": {"acme": {"limit": limit, "window": "month", "default_hold": default_hold}},
+    }
+
+
+async def test_guard_alone_answers_402_when_the_hold_is_refused(spans: Spans) -> None:
+    config = load_config(budget_config(limit="0.001", default_hold="0.01"))
+    app = RecordingApp()
+    ledger = MemoryLedger()
+    guard = BudgetGuard(app, config=config, ledger=ledger)
+    stack = RouteResolver(guard, config=config, telemetry=spans.telemetry)
+    async with client_for(stack) as client:
+        response = await client.post("/v1/chat", content=b"{}")
+    assert response.status_code == 402
+    error = response.json()["error"]
+    assert error["code"] == "budget_exceeded"
+    assert error["attempts"] == 0
+    assert response.headers["x-gateway-route"] == "chat"
+    assert app.reached == 0
+    # Traced like the resolver's own refusals: one request span, its outcome named.
+    attributes = dict(spans.request_span().attributes or {})
+    assert attributes["error.type"] == "budget_exceeded"
+    # The refusal left its usage record (the settlement ran; nothing was held).
+    (record,) = await ledger.usage()
+    assert record.outcome == "budget_exceeded"
+    assert record.charged is None
+
+
+async def test_guard_alone_without_a_ledger_fails_closed(spans: Spans) -> None:
+    config = load_config(budget_config())
+    app = RecordingApp()
+    # The guard traces for itself when the resolver has no telemetry.
+    stack = RouteResolver(BudgetGuard(app, config=config, telemetry=spans.telemetry), config=config)
+    async with client_for(stack) as client:
+        refused = await client.post("/v1/chat", content=b"{}")
+        other = await client.get("/elsewhere")
+    assert refused.status_code == 503
+    assert refused.json()["error"]["code"] == "budget_unavailable"
+    assert app.reached == 1  # only the unrouted request
+    assert other.text == "app ran"
+    assert dict(spans.request_span().attributes or {})["error.type"] == "budget_unavailable"
+
+
+async def test_guard_alone_passes_an_unbudgeted_route_without_a_ledger() -> None:
+    conf = budget_config()
+    conf["routes"][0].pop("budget")
+    config = load_config(conf)
+    app = RecordingApp()
+    stack = RouteResolver(BudgetGuard(app, config=config), config=config)
+    async with client_for(stack) as client:
+        response = await client.get("/v1/chat")
+    assert response.status_code == 200
+    assert app.reached == 1
+
+
+def usage_handler(input_tokens: int, output_tokens: int) -> Any:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        return web.json_response(
+            {
+                "model": "gpt-test-2026",
+                "usage": {"prompt_tokens": input_tokens, "completion_tokens": output_tokens},
+            }
+        )
+
+    return handle
+
+
+def tpm_config(url: str) -> GatewayConfig:
+    route = {"id": "chat", "prefix": "/v1/", "plan": ["only"], "replayable_methods": ["POST"]}
+    return load_config({"upstreams": {"only": {"url": url, "tpm": 1000}}, "routes": [route]})
+
+
+async def test_resolver_and_walker_alone_meter_usage_and_settle_tpm(spans: Spans) -> None:
+    async with upstream(usage_handler(5, 7)) as only:
+        config = tpm_config(only.url)
+        walker = PlanWalker(host_app, config=config, telemetry=spans.telemetry)
+        stack = RouteResolver(walker, config=config, telemetry=spans.telemetry)
+        # Each request is estimated at ~10 input + 600 output tokens: two estimates do not
+        # fit in 1000 tpm, so the second is admitted only if the first was settled from
+        # the 12 tokens the upstream reported.
+        body = {"model": "gpt-test", "max_tokens": 600, "messages": []}
+        try:
+            async with client_for(stack) as client:
+                first = await client.post("/v1/chat", json=body)
+                attributes = dict(spans.request_span().attributes or {})
+                second = await client.post("/v1/chat", json=body)
+        finally:
+            await walker.aclose()
+    assert first.status_code == 200
+    assert second.status_code == 200, second.text
+    assert only.count == 2
+    assert attributes["gen_ai.usage.input_tokens"] == 5
+    assert attributes["gen_ai.usage.output_tokens"] == 7
+    assert attributes["gen_ai.response.model"] == "gpt-test-2026"
+
+
+async def test_without_reported_usage_the_estimate_stays_counted(spans: Spans) -> None:
+    """The control for the test above: an upstream that reports nothing leaves the
+    estimate in `tpm`, so the second request does not fit."""
+
+    async def silent(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"model": "gpt-test-2026"})
+
+    async with upstream(silent) as only:
+        config = tpm_config(only.url)
+        walker = PlanWalker(host_app, config=config, telemetry=spans.telemetry)
+        stack = RouteResolver(walker, config=config, telemetry=spans.telemetry)
+        body = {"model": "gpt-test", "max_tokens": 600, "messages": []}
+        try:
+            async with client_for(stack) as client:
+                statuses = [(await client.post("/v1/chat", json=body)).status_code for _ in "ab"]
+        finally:
+            await walker.aclose()
+    assert statuses == [200, 503]
+
+
+class TimedLedger(MemoryLedger):
+    """Records when the hold and the settlement ran (wall clock, as spans are)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held_at = 0
+        self.settled_at = 0
+
+    async def hold(self, budget_id: str, budget: BudgetConfig, amount: Decimal) -> Hold | None:
+        self.held_at = time.time_ns()
+        return await super().hold(budget_id, budget, amount)
+
+    async def settle(self, hold: Hold, amount: Decimal) -> None:
+        await super().settle(hold, amount)
+        self.settled_at = time.time_ns()
+
+
+async def test_the_request_span_covers_the_hold_and_the_settlement(spans: Spans) -> None:
+    async with upstream(usage_handler(3, 4)) as primary:
+        conf = budget_config()
+        conf["upstreams"]["primary"]["url"] = primary.url
+        ledger = TimedLedger()
+        gateway = Gateway(host_app, config=conf, ledger=ledger, telemetry=spans.telemetry)
+        try:
+            async with client_for(gateway) as client:
+                response = await client.post("/v1/chat", content=b"{}")
+        finally:
+            await gateway.aclose()
+    assert response.status_code == 200
+    span = spans.request_span()
+    assert ledger.held_at and ledger.settled_at
+    assert span.start_time is not None and span.end_time is not None
+    assert span.start_time <= ledger.held_at
+    assert span.end_time >= ledger.settled_at
