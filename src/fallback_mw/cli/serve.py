@@ -4,6 +4,7 @@ Every refusal happens before a socket is opened."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import gc
 import importlib.util
@@ -12,7 +13,7 @@ import socket
 from typing import Any
 
 from fallback_mw.cli.app import Console, Failed, Refused, leaf
-from fallback_mw.config import load_config
+from fallback_mw.config import GatewayConfig, load_config
 from fallback_mw.extras import require
 from fallback_mw.request.types import Receive, Scope, Send
 
@@ -58,12 +59,14 @@ def server_options() -> dict[str, str]:
     }
 
 
-def configure_logging() -> None:
-    # One line per routed request (fallback_mw.request); names and codes only.
+def configure_logging(*, with_pid: bool = False) -> None:
+    # One line per routed request (fallback_mw.request); names and codes only. Workers of
+    # `serve --workers` say which process wrote the line: `fallback_mw.request[PID]`.
     root = logging.getLogger("fallback_mw")
     if all(isinstance(handler, logging.NullHandler) for handler in root.handlers):
         handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+        name = "%(name)s[%(process)d]" if with_pid else "%(name)s"
+        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {name} %(message)s"))
         root.addHandler(handler)
         root.setLevel(logging.INFO)
 
@@ -94,27 +97,79 @@ def port_number(value: str) -> int:
     return port
 
 
-def serve(args: argparse.Namespace, console: Console) -> None:
-    require("serve", "fallback-mw serve")
-    import uvicorn
+def worker_count(value: str) -> int:
+    """argparse type: how many worker processes, 1 to 256."""
+    try:
+        count = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid worker count {value!r}") from None
+    if not 1 <= count <= 256:
+        raise argparse.ArgumentTypeError(f"--workers {count} is not between 1 and 256")
+    return count
 
-    from fallback_mw.cli.otel_setup import TelemetrySetupError, configure_opentelemetry
+
+def serve(args: argparse.Namespace, console: Console) -> int | None:
+    require("serve", "the serve command")
     from fallback_mw.cli.server_limits import uvicorn_limits
-    from fallback_mw.gateway import Gateway
+    from fallback_mw.cli.workers import Supervisor, check_shared
 
     config = load_config(args.config)
-    try:
-        telemetry = configure_opentelemetry()
-    except TelemetrySetupError as exc:
-        raise Refused(str(exc)) from None
+    check_shared(config, args.workers)  # N > 1 on per-process state: refused, one line
     options: dict[str, Any] = server_options()
     # The server itself refuses an oversized or slow request head before buffering it,
     # drops chunked trailer fields, and sends no `server` header (server_limits).
     options.update(uvicorn_limits(config.gateway, options["http"]))
+    if args.workers > 1:
+        # Each worker sets up its own OTel SDK and gateway after the fork (cli/workers.py).
+        supervisor = Supervisor(
+            args.workers,
+            args.host,
+            args.port,
+            lambda sock: run_server(config, options, sock, args, console, workers=True),
+            bind=listen_socket,
+            console=console,
+        )
+        console.print(
+            f"serving on {address(supervisor.reservation)} with {args.workers} worker "
+            "processes (Ctrl-C to stop)"
+        )
+        return supervisor.run()
+    run_server(config, options, None, args, console, workers=False)
+    return None
+
+
+def address(sock: socket.socket) -> str:
+    bound = sock.getsockname()
+    where = f"[{bound[0]}]" if sock.family == socket.AF_INET6 else bound[0]
+    return f"http://{where}:{bound[1]}"
+
+
+def run_server(
+    config: GatewayConfig,
+    options: dict[str, Any],
+    sock: socket.socket | None,
+    args: argparse.Namespace,
+    console: Console,
+    *,
+    workers: bool,
+) -> None:
+    """One gateway on uvicorn: `serve` itself, or one worker of `serve --workers N` (then
+    `sock` is the worker's own listening socket and log lines carry the process id)."""
+    import uvicorn
+
+    from fallback_mw.cli.otel_setup import TelemetrySetupError, configure_opentelemetry
+    from fallback_mw.gateway import Gateway
+
+    try:
+        telemetry = configure_opentelemetry()
+    except TelemetrySetupError as exc:
+        raise Refused(str(exc)) from None
     try:
         gateway = Gateway(not_found_app, config=config)
-        sock = listen_socket(args.host, args.port)
-        configure_logging()
+        if sock is None:
+            sock = listen_socket(args.host, args.port)
+            console.print(f"serving on {address(sock)} (Ctrl-C to stop)")
+        configure_logging(with_pid=workers)
         tune_gc()
         server = uvicorn.Server(
             uvicorn.Config(
@@ -127,10 +182,9 @@ def serve(args: argparse.Namespace, console: Console) -> None:
                 **options,
             )
         )
-        bound = sock.getsockname()
-        where = f"[{bound[0]}]" if sock.family == socket.AF_INET6 else bound[0]
-        console.print(f"serving on http://{where}:{bound[1]} (Ctrl-C to stop)")
-        with sock:
+        with sock, contextlib.suppress(KeyboardInterrupt):
+            # uvicorn re-raises the SIGINT it stopped on once it has shut down (uvicorn.run
+            # swallows it the same way): Ctrl-C is a clean stop, exit status 0.
             server.run(sockets=[sock])
         if not server.started:
             raise Failed("the gateway did not start (the reason is logged above)")
@@ -138,13 +192,17 @@ def serve(args: argparse.Namespace, console: Console) -> None:
         telemetry.shutdown()
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
+def listen_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
     """The listening socket, bound before uvicorn starts: a busy or forbidden address is one
-    `fallback-mw: error:` line and exit 1, not uvicorn's log lines and exit 3."""
+    `fallback-mw: error:` line and exit 1, not uvicorn's log lines and exit 3. With
+    `reuse_port` (SO_REUSEPORT: `serve --workers`), every worker binds its own socket to
+    the same address and the kernel spreads new connections across them."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
@@ -159,3 +217,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--config", required=True, metavar="FILE", help="gateway TOML file")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=port_number, default=8000, help="bind port (default 8000)")
+    parser.add_argument(
+        "--workers",
+        type=worker_count,
+        default=1,
+        metavar="N",
+        help="gateway processes on this address (default 1); N > 1 needs a shared "
+        "gateway.state (Redis) and, with budgets, a gateway.store",
+    )

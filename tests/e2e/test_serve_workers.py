@@ -1,0 +1,160 @@
+"""`fallback-mw serve --workers 2`: two worker processes on one port (SO_REUSEPORT), their
+breakers shared through the real Redis; refused with the in-memory state."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+
+from tests.helpers import free_port, log_text, wait_listening
+from tests.upstreams import status_handler, upstream
+
+pytestmark = pytest.mark.e2e
+
+# serve's request log line in a worker: `fallback_mw.request[PID] gateway request ...`
+LINE = re.compile(r"fallback_mw\.request\[(\d+)\] gateway request route=chat .*? attempts=(\d)")
+
+
+def write_config(path: Path, state: str, primary: str, backup: str) -> Path:
+    path.write_text(
+        f"""
+[gateway]
+{state}
+
+[gateway.breaker]
+window = 1
+min_calls = 1
+failure_rate = 0.5
+cooldown_ms = 120000
+
+[upstreams.primary]
+url = "{primary}"
+
+[upstreams.backup]
+url = "{backup}"
+
+[[routes]]
+id = "chat"
+prefix = "/v1/"
+plan = ["primary", "backup"]
+retries = 1
+backoff_ms = 0
+"""
+    )
+    return path
+
+
+def command(config: Path, port: int, workers: int) -> list[str]:
+    return [
+        *(sys.executable, "-m", "fallback_mw", "serve", "--config", str(config)),
+        *("--host", "127.0.0.1", "--port", str(port), "--workers", str(workers)),
+    ]
+
+
+@contextmanager
+def supervisor(config: Path, port: int, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    with log.open("wb") as out:
+        process = subprocess.Popen(command(config, port, 2), stdout=out, stderr=subprocess.STDOUT)
+        try:
+            yield process
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+                try:
+                    process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+
+
+def lines(log: Path) -> list[tuple[int, int]]:
+    """(pid, attempts) of each request log line so far."""
+    return [(int(pid), int(n)) for pid, n in LINE.findall(log_text(log))]
+
+
+async def logged(log: Path, count: int) -> list[tuple[int, int]]:
+    """The request log lines once there are `count` (written just after the response)."""
+    deadline = time.monotonic() + 10
+    while len(found := lines(log)) < count:
+        assert time.monotonic() < deadline, log_text(log)
+        await anyio.sleep(0.02)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.anyio
+async def test_a_breaker_opened_through_one_worker_is_open_in_the_other(
+    redis_url: str, tmp_path: Path
+) -> None:
+    async with upstream(status_handler(503)) as primary, upstream(status_handler(200)) as backup:
+        config = write_config(
+            tmp_path / "gateway.toml", f'state = "{redis_url}"', primary.url, backup.url
+        )
+        port, log = free_port(), tmp_path / "serve.log"
+        with supervisor(config, port, log) as process:
+            await wait_listening(process, port, log)
+            deadline = time.monotonic() + 30
+            while log_text(log).count("Application startup complete") < 2:
+                assert process.poll() is None, log_text(log)
+                assert time.monotonic() < deadline, log_text(log)
+                await anyio.sleep(0.05)
+            url = f"http://127.0.0.1:{port}/v1/chat"
+            # One failure opens the breaker (window 1): through whichever worker took it.
+            async with httpx.AsyncClient(timeout=10) as client:
+                response = await client.get(url)
+            assert response.status_code == 200
+            assert response.headers["x-gateway-attempts"] == "2"
+            assert primary.count == 1
+            ((opener, attempts),) = await logged(log, 1)
+            assert attempts == 2
+            # New connections until the other worker has served some (the kernel spreads
+            # connections across the two sockets); every one skips the open breaker.
+            others: list[int] = []
+            for sent in range(2, 300):
+                async with httpx.AsyncClient(timeout=10) as client:
+                    response = await client.get(url)
+                assert response.status_code == 200
+                assert response.headers["x-gateway-provider"] == "backup"
+                assert response.headers["x-gateway-attempts"] == "1"
+                others = [pid for pid, _ in await logged(log, sent) if pid != opener]
+                if len(others) >= 3:
+                    break
+            assert len(others) >= 3, log_text(log)
+            assert all(n == 1 for pid, n in lines(log)[1:]), log_text(log)
+            assert primary.count == 1  # no worker tried it again
+            workers = {opener, *others}
+            assert len(workers) == 2 and process.pid not in workers
+            process.send_signal(signal.SIGINT)
+            assert process.wait(timeout=30) == 0, log_text(log)
+        assert not any(alive(pid) for pid in workers)
+
+
+def test_more_than_one_worker_with_memory_state_is_refused_in_one_line(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "gateway.toml", "", "http://127.0.0.1:9", "http://localhost:9")
+    port = free_port()
+    result = subprocess.run(
+        command(config, port, 2), capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.count("\n") == 1
+    assert "--workers 2 needs a shared state" in result.stderr
+    assert 'state = "redis://' in result.stderr
