@@ -19,6 +19,16 @@ REDIS_HOST = os.environ.get("FMW_TEST_REDIS_HOST", "127.0.0.1")
 REDIS_PORT = int(os.environ.get("FMW_TEST_REDIS_PORT", "6379"))
 
 
+# scripts/mutants.py runs named tests against a mutated copy of src/: the copy, never the
+# editable install, must be what they import (a green run of the wrong package proves nothing).
+_MUTANT_SRC = os.environ.get("FMW_MUTANT_SRC")
+if _MUTANT_SRC:
+    import fallback_mw
+
+    if not Path(fallback_mw.__file__).resolve().is_relative_to(Path(_MUTANT_SRC).resolve()):
+        raise RuntimeError(f"FMW_MUTANT_SRC is set but fallback_mw is {fallback_mw.__file__}")
+
+
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"

@@ -10,9 +10,12 @@ keeps the rewritten model with a consistent Content-Length.
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
 import pytest
+from aiohttp import web
 
 from fallback_mw import CredentialInjector, Gateway, PlanWalker, RouteResolver, load_config
 from fallback_mw.failover.decide import (
@@ -25,7 +28,7 @@ from fallback_mw.failover.decide import (
 from fallback_mw.request.context import RequestContext, get_context
 from fallback_mw.request.types import Receive, Scope, Send
 from tests.helpers import client_for
-from tests.upstreams import host_app, silent_server, status_handler, upstream
+from tests.upstreams import host_app, serve_asgi, silent_server, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
 
@@ -100,6 +103,33 @@ def test_the_eligibility_guard_alone_stops_a_replay() -> None:
     assert not further_attempt_possible(state)
     decision = decide(Outcome("status", 503), state)
     assert (decision.action, decision.error) == ("local_error", "upstream_failed")
+
+
+async def test_a_streamed_body_is_not_replayed_after_it_was_consumed() -> None:
+    # A declared length over replay_buffer: the body streams to the primary as it arrives
+    # and is gone after that attempt. POST is replayable on this route; the body is not.
+    chunk = b"s" * 1024
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for _ in range(8):
+            yield chunk
+
+    async def consume_then_503(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        return web.Response(status=503)
+
+    async with upstream(consume_then_503) as p, upstream(status_handler(200, b"b")) as b:
+        conf = config_for(p.url, b.url, replayable_methods=["GET", "POST"])
+        gateway = Gateway(host_app, config=conf, environ=ENV)
+        async with serve_asgi(gateway) as url, httpx.AsyncClient(base_url=url) as client:
+            response = await client.post(
+                "/v1/upload", content=chunks(), headers={"content-length": str(8 * 1024)}
+            )
+        await gateway.aclose()
+    assert p.count == 1 and p.received[0].body == chunk * 8
+    assert b.count == 0
+    assert response.status_code == 502
+    assert response.json()["error"]["code"] == "upstream_failed"
 
 
 # --- the runtime credential skip ------------------------------------------------------------

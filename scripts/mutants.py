@@ -1,0 +1,401 @@
+"""Negative controls as code: each named mutation removes one guard from a temporary copy
+of `src/`, and the tests named beside it must turn red. Bounded: only the named tests run
+per mutant (about two minutes in all on a 2-core machine).
+
+    .venv/bin/python scripts/mutants.py [--list] [--only NAME ...] [--json] [-v]
+
+Each mutation is a textual find/replace that must find its text exactly once (a refactor
+that moves the guarded line makes the script fail, so the control is rewritten rather
+than silently lost). The copy is imported instead of the editable install through
+PYTHONPATH; the script checks that the mutant is the module really imported before it
+trusts a green run. First the named tests run once on an unmutated copy: they must pass
+(a "killed" mutant means nothing if the tests fail anyway).
+
+Expectations: `killed` (the named tests fail on the mutant) for every guard, and
+`survives` for each half of a two-guard pair run against the design's negative controls:
+either guard alone stops a replay, so removing one keeps the controls green (the script
+reports that as PASS), and removing both must turn them red. Exit 0 when every mutant
+behaves as expected, 1 otherwise (the report says which), 2 when the script cannot run.
+docs/failover.md lists each control and what it guards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+ROOT = Path(__file__).resolve().parent.parent
+SRC = ROOT / "src" / "fallback_mw"
+
+WALKER = "tests/test_walker.py::"
+ASKS = "tests/test_defence_in_depth.py::"
+
+# The design's negative controls for what cannot be repeated (SPEC §5).
+CONTROLS = (
+    WALKER + "test_post_503_is_not_failed_over",
+    WALKER + "test_body_over_replay_buffer_in_one_message_is_not_failed_over",
+    WALKER + "test_unknown_length_body_over_replay_buffer_is_not_failed_over",
+    ASKS + "test_a_streamed_body_is_not_replayed_after_it_was_consumed",
+    WALKER + "test_failure_after_commit_aborts_and_never_fails_over",
+)
+
+# The two guards of SPEC §12 ("defence in depth"), as text the mutations remove.
+CEILING_FIND = """    if not replayable:
+        return 1
+    return route.attempt_ceiling"""
+CEILING_REPLACE = "    return route.attempt_ceiling"
+ELIGIBILITY_FIND = """        state.replayable
+        and state.client_connected"""
+ELIGIBILITY_REPLACE = "        state.client_connected"
+DECIDE = "failover/decide.py"
+
+
+@dataclass(frozen=True, slots=True)
+class Mutant:
+    name: str
+    guards: str  # what the guard protects (the docs list the same words)
+    edits: tuple[tuple[str, str, str], ...]  # (file under src/fallback_mw, find, replace)
+    tests: tuple[str, ...]
+    expect: Literal["killed", "survives"] = "killed"
+
+
+MUTANTS: tuple[Mutant, ...] = (
+    # --- the four design controls -----------------------------------------------------
+    Mutant(
+        "consumed_body_replayed",
+        "a body streamed to one attempt (not buffered) is never sent again",
+        ((DECIDE, "    if not buffered:\n        return False\n", ""),),
+        CONTROLS[1:4],
+    ),
+    Mutant(
+        "post_after_503",
+        "a method outside replayable_methods (POST) is never failed over",
+        ((DECIDE, "    if method in route.replayable_methods:", "    if True:"),),
+        (CONTROLS[0],),
+    ),
+    Mutant(
+        "unbuffered_body",
+        "a body over replay_buffer is read whole and sent once, never buffered for a replay",
+        (("request/body.py", "if size <= settings.replay_buffer:", "if True:"),),
+        CONTROLS[1:3],
+    ),
+    Mutant(
+        "failure_after_commit",
+        "a failure after the commit point aborts the client response, never ends it as whole",
+        (
+            (
+                "layers/walker/stream.py",
+                '            context.outcome = "aborted"\n            return',
+                '            context.outcome = "aborted"',
+            ),
+        ),
+        (CONTROLS[4],),
+    ),
+    # --- the two guards: either alone holds, both removed the controls turn red ---------
+    Mutant(
+        "ceiling_guard_alone_removed",
+        "the attempt ceiling of 1 for a request that cannot be repeated (the first guard)",
+        ((DECIDE, CEILING_FIND, CEILING_REPLACE),),
+        CONTROLS,
+        expect="survives",
+    ),
+    Mutant(
+        "eligibility_guard_alone_removed",
+        "the eligibility check in further_attempt_possible (the second guard)",
+        ((DECIDE, ELIGIBILITY_FIND, ELIGIBILITY_REPLACE),),
+        CONTROLS,
+        expect="survives",
+    ),
+    Mutant(
+        "both_guards_removed",
+        "what cannot be repeated: with neither guard the controls must fail",
+        ((DECIDE, CEILING_FIND, CEILING_REPLACE), (DECIDE, ELIGIBILITY_FIND, ELIGIBILITY_REPLACE)),
+        CONTROLS,
+    ),
+    Mutant(
+        "ceiling_guard_unit",
+        "the first guard on its own: attempt_ceiling is 1 for a request that cannot be repeated",
+        ((DECIDE, CEILING_FIND, CEILING_REPLACE),),
+        (ASKS + "test_the_ceiling_guard_alone_stops_a_replay",),
+    ),
+    Mutant(
+        "eligibility_guard_unit",
+        "the second guard on its own: a ceiling left at 1 + retries still stops a replay",
+        ((DECIDE, ELIGIBILITY_FIND, ELIGIBILITY_REPLACE),),
+        (ASKS + "test_the_eligibility_guard_alone_stops_a_replay",),
+    ),
+    # --- the asks ----------------------------------------------------------------------
+    Mutant(
+        "runtime_credential_skip_removed",
+        "a candidate whose credential is unset at run time is skipped, never sent bare",
+        (
+            (
+                "layers/walker/cursor.py",
+                "if credential_index is None or not self.has_credential(name, credential_index):",
+                "if credential_index is None:",
+            ),
+        ),
+        (
+            ASKS + "test_a_backup_without_its_credential_is_skipped_never_sent_bare",
+            ASKS + "test_a_primary_without_its_credential_is_skipped_and_costs_no_attempt",
+        ),
+    ),
+    Mutant(
+        "backoff_between_candidates",
+        "no backoff before a different candidate; backoff_ms only before a repeat",
+        (
+            (
+                "layers/walker/walker.py",
+                "if pick.repeat and self.route.backoff_ms:",
+                "if self.route.backoff_ms and context.attempt_count:",
+            ),
+        ),
+        (ASKS + "test_no_backoff_between_different_candidates",),
+    ),
+    Mutant(
+        "backoff_never",
+        "backoff_ms before repeating a candidate already tried",
+        (("layers/walker/walker.py", "if pick.repeat and self.route.backoff_ms:", "if False:"),),
+        (ASKS + "test_backoff_only_before_repeating_a_candidate",),
+    ),
+    Mutant(
+        "commit_point",
+        "nothing reaches the client before a response is accepted (the commit point)",
+        (
+            (
+                "layers/walker/stream.py",
+                "if declared is not None and declared > limit:",
+                "if False:",
+            ),
+        ),
+        (WALKER + "test_response_over_ceiling_is_502_before_commit",),
+    ),
+    Mutant(
+        "fallback_path_differs",
+        "every candidate gets the same (normalised) path and query",
+        (
+            (
+                "failover/attempt.py",
+                "url = upstream.url + quote(self.context.path, safe=_PATH_SAFE)",
+                "url = upstream.url + (quote(self.context.path, safe=_PATH_SAFE) if "
+                'self.context.attempt_count == 1 else "/")',
+            ),
+        ),
+        (ASKS + "test_every_candidate_gets_the_same_path_and_query",),
+    ),
+    Mutant(
+        "forged_gateway_headers_kept",
+        "a caller's x-gateway-* header never reaches an upstream or changes the walk",
+        (("security.py", "            or canonical.startswith(GATEWAY_HEADER_PREFIX)\n", ""),),
+        (ASKS + "test_forged_gateway_headers_change_nothing",),
+    ),
+    Mutant(
+        "caller_deadline_lengthens",
+        "x-gateway-deadline-ms may shorten the route deadline, never lengthen it",
+        (
+            (
+                "layers/resolver.py",
+                "deadline_ms = min(deadline_ms, requested)",
+                "deadline_ms = requested",
+            ),
+        ),
+        (ASKS + "test_a_forged_deadline_cannot_lengthen_the_walk",),
+    ),
+    Mutant(
+        "shared_first_byte_timeout",
+        "each candidate its own connect / first-byte timeout",
+        (
+            (
+                "failover/attempt.py",
+                "first_byte=upstream.first_byte_timeout_ms / 1000,",
+                "first_byte=self.context.upstreams[self.context.candidates[0]]"
+                ".first_byte_timeout_ms / 1000,",
+            ),
+        ),
+        (ASKS + "test_each_candidate_gets_its_own_first_byte_timeout",),
+    ),
+    Mutant(
+        "replay_drops_model_rewrite",
+        "a replay keeps the candidate's model rewrite",
+        (
+            (
+                "failover/attempt.py",
+                "if upstream.model and self.parsed is not None:",
+                "if upstream.model and self.parsed is not None"
+                " and self.context.attempt_count == 1:",
+            ),
+        ),
+        (ASKS + "test_a_replay_keeps_each_candidates_model_and_a_consistent_length",),
+    ),
+    Mutant(
+        "caller_content_length_forwarded",
+        "the Content-Length sent is the rewritten body's, never the caller's",
+        (
+            (
+                "security.py",
+                'RECOMPUTED_HEADERS = frozenset({b"host", b"content-length", b"expect"})',
+                'RECOMPUTED_HEADERS = frozenset({b"host", b"expect"})',
+            ),
+        ),
+        (ASKS + "test_a_replay_keeps_each_candidates_model_and_a_consistent_length",),
+    ),
+)
+
+
+class CannotRun(Exception):
+    """The script cannot do its job (a find text gone, the copy not imported, ...)."""
+
+
+def make_copy(workdir: Path, edits: tuple[tuple[str, str, str], ...]) -> Path:
+    """A fresh copy of src/fallback_mw under `workdir`/src with `edits` applied; returns
+    the directory to put on PYTHONPATH."""
+    src = workdir / "src"
+    if src.exists():
+        shutil.rmtree(src)
+    shutil.copytree(SRC, src / "fallback_mw", ignore=shutil.ignore_patterns("__pycache__"))
+    for relative, find, replace in edits:
+        path = src / "fallback_mw" / relative
+        text = path.read_text()
+        found = text.count(find)
+        if found != 1:
+            raise CannotRun(
+                f"{relative}: the text to mutate is found {found} times (expected once): "
+                f"{find.strip()[:70]!r}"
+            )
+        path.write_text(text.replace(find, replace))
+    return src
+
+
+def environment(src: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(src), str(ROOT)])
+    env["PYTHONDONTWRITEBYTECODE"] = "1"  # nothing of a mutant is left behind
+    return env
+
+
+def check_imported(src: Path, env: dict[str, str]) -> None:
+    """The mutant package, not the editable install, is what `import fallback_mw` finds."""
+    probe = subprocess.run(
+        [sys.executable, "-c", "import fallback_mw; print(fallback_mw.__file__)"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    where = Path(probe.stdout.strip() or "?").resolve()
+    if probe.returncode != 0 or not where.is_relative_to(src.resolve()):
+        raise CannotRun(f"the copy is not what is imported (fallback_mw from {where})")
+
+
+def run_tests(tests: tuple[str, ...], env: dict[str, str], src: Path) -> tuple[int, str]:
+    """pytest on `tests` against the copy; (exit code, the last lines of its output)."""
+    # conftest.py asserts the package comes from the copy (FMW_MUTANT_SRC), so a green run
+    # can never be the editable install's.
+    env = {**env, "FMW_MUTANT_SRC": str(src)}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
+    return result.returncode, "\n".join(failed[:3] + lines[-1:])
+
+
+@dataclass
+class Result:
+    name: str
+    expect: str
+    outcome: str  # "killed", "survives" or "error"
+    seconds: float
+    detail: str
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == self.expect
+
+
+def run_mutant(mutant: Mutant, workdir: Path) -> Result:
+    started = time.monotonic()
+    src = make_copy(workdir, mutant.edits)
+    env = environment(src)
+    check_imported(src, env)
+    code, tail = run_tests(mutant.tests, env, src)
+    # pytest: 0 all passed, 1 some failed; anything else (usage, collection, internal
+    # error) says nothing about the mutant.
+    outcome = {0: "survives", 1: "killed"}.get(code, "error")
+    return Result(mutant.name, mutant.expect, outcome, time.monotonic() - started, tail)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutants")
+    parser.add_argument("--json", action="store_true", help="one JSON report on stdout")
+    parser.add_argument("-v", "--verbose", action="store_true", help="pytest's last lines too")
+    args = parser.parse_args(argv)
+    mutants = MUTANTS
+    if args.only:
+        unknown = set(args.only) - {m.name for m in MUTANTS}
+        if unknown:
+            print(f"unknown mutant(s): {', '.join(sorted(unknown))}", file=sys.stderr)
+            return 2
+        mutants = tuple(m for m in MUTANTS if m.name in args.only)
+    if args.list:
+        for mutant in mutants:
+            print(f"{mutant.name:34} {mutant.expect:9} {mutant.guards}")
+        return 0
+    results: list[Result] = []
+    with tempfile.TemporaryDirectory(prefix="fmw-mutants-") as tmp:
+        workdir = Path(tmp)
+        try:
+            # The baseline: every named test passes on an unmutated copy.
+            src = make_copy(workdir, ())
+            env = environment(src)
+            check_imported(src, env)
+            tests = tuple(dict.fromkeys(t for m in mutants for t in m.tests))
+            code, tail = run_tests(tests, env, src)
+            if code != 0:
+                raise CannotRun(f"the named tests fail without any mutation:\n{tail}")
+            for mutant in mutants:
+                result = run_mutant(mutant, workdir)
+                results.append(result)
+                if not args.json:
+                    verdict = "PASS" if result.ok else "FAIL"
+                    print(
+                        f"{verdict}  {result.name:34} {result.outcome:9} "
+                        f"(expected {result.expect}, {result.seconds:.1f} s)",
+                        flush=True,
+                    )
+                    if args.verbose or not result.ok:
+                        print("      " + result.detail.replace("\n", "\n      "), flush=True)
+        except CannotRun as exc:
+            print(f"mutants: {exc}", file=sys.stderr)
+            return 2
+    failed = [r for r in results if not r.ok]
+    if args.json:
+        print(json.dumps([r.__dict__ | {"ok": r.ok} for r in results], indent=2))
+    else:
+        print(
+            f"{len(results) - len(failed)}/{len(results)} mutants behaved as expected"
+            + (f"; FAILED: {', '.join(r.name for r in failed)}" if failed else "")
+        )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
