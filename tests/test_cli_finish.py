@@ -159,3 +159,84 @@ def test_demo_runs_on_the_default_engine_without_httpx(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "FAILED OVER to the backup" in result.stdout
     assert result.stdout.rstrip().endswith("loaded httpx: False")
+
+
+OPTIONAL = ["uvicorn", "asyncpg", "redis", "httpx", "httpcore", "opentelemetry.sdk"]
+
+
+def _extras_table() -> dict[str, list[str]]:
+    """README's extras table: extra -> the verbs its row names."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    rows: dict[str, list[str]] = {}
+    for line in readme.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and (cells[0] == "(none)" or cells[0].startswith("`[")):
+            verbs = [word for word in cells[2].split("`")[1::2] if word.isalpha()]
+            rows[cells[0].strip("`[]")] = verbs
+    return rows
+
+
+def _run_blocked(blocked: list[str], argv: list[str]) -> subprocess.CompletedProcess[str]:
+    code = (
+        f"import sys\nfor name in {blocked!r}:\n    sys.modules[name] = None\n"
+        f"from fallback_mw.cli import main\nsys.exit(main({argv!r}))\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=90, check=False
+    )
+
+
+def test_the_readme_extras_table_is_true_for_every_verb(tmp_path: Path) -> None:
+    from fallback_mw.cli import build_parser
+
+    table = _extras_table()
+    commands = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    assert set(table["(none)"]) | set(table["serve"]) == set(commands)
+    store = f"sqlite:///{tmp_path / 's.db'}"
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        f'[gateway]\nstore = "{store}"\n[upstreams.primary]\nurl = "http://127.0.0.1:9"\n'
+        '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["primary"]\n',
+        encoding="utf-8",
+    )
+    base = ["--config", str(config)]
+    argv = {
+        "check": ["check", *base],
+        "request": ["request", *base, "--route", "chat"],
+        "routes": ["routes", "list", *base],
+        "faults": ["faults", "list", *base],
+        "budgets": ["budgets", "show", *base],
+        "usage": ["usage", *base],
+        "capacity": ["capacity", *base],
+        "gameday": [
+            "gameday",
+            *base,
+            "--route",
+            "chat",
+            "--fault",
+            "pin",
+            "--candidate",
+            "primary",
+            "--duration",
+            "1s",
+            "--out",
+            str(tmp_path / "gd.json"),
+            "--predict",
+            "error_rate=100%",
+            "--abort",
+            "error_rate=100%",
+        ],
+        "serve": ["serve", *base, "--port", "0"],
+        "demo": ["demo"],
+        "eval": ["eval", "--requests", "1", "--out", str(tmp_path / "e.json")],
+    }
+    for verb in table["(none)"]:
+        result = _run_blocked(OPTIONAL, argv[verb])
+        assert "needs the" not in result.stderr, (verb, result.stderr)
+        assert "unexpected internal error" not in result.stderr, (verb, result.stderr)
+        assert "Traceback" not in result.stderr, (verb, result.stderr)
+        assert result.returncode in (0, 1), (verb, result.stdout, result.stderr)
+    for verb in table["serve"]:
+        result = _run_blocked(["uvicorn"], argv[verb])
+        line = one_error(result, 2)
+        assert line.endswith("needs the serve extra: pip install 'fallback_mw[serve]'"), line

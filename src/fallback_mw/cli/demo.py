@@ -14,7 +14,7 @@ from fallback_mw.extras import require
 def demo(args: argparse.Namespace, console: Console) -> None:
     if args.port and args.port > 65533:
         raise Refused("--port must leave room for two more ports (P+1, P+2): at most 65533")
-    require("serve", "fallback-mw demo")
+    require("serve", "the demo command")
     from fallback_mw.cli.demo_story import run_story
 
     if not run_story(args.port, console.print):

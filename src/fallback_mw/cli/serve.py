@@ -115,6 +115,12 @@ def serve(args: argparse.Namespace, console: Console) -> int | None:
 
     config = load_config(args.config)
     check_shared(config, args.workers)  # N > 1 on per-process state: refused, one line
+    try:  # N > 1 with the Prometheus exporter: refused, one line (cli/otel_setup.py)
+        from fallback_mw.cli.otel_setup import TelemetrySetupError, check_workers
+
+        check_workers(args.workers)
+    except TelemetrySetupError as exc:
+        raise Refused(str(exc)) from None
     options: dict[str, Any] = server_options()
     # The server itself refuses an oversized or slow request head before buffering it,
     # drops chunked trailer fields, and sends no `server` header (server_limits).
