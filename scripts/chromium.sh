@@ -5,7 +5,7 @@
 # the tests say so: skipped outside CI, failed under CI=true.
 
 if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1 \
-        && command -v apt-get >/dev/null 2>&1; then
+        && [ -z "${FALLBACK_MW_NO_APT:-}" ] && command -v apt-get >/dev/null 2>&1; then
     sudo_cmd=""
     if [ "$(id -u)" != 0 ]; then
         if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then

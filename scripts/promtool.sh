@@ -3,7 +3,8 @@
 # here when missing (as root, or through sudo without a password). Anywhere else, or when
 # the install fails, the tests say so: skipped outside CI, failed under CI=true.
 
-if ! command -v promtool >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+if ! command -v promtool >/dev/null 2>&1 && [ -z "${FALLBACK_MW_NO_APT:-}" ] \
+        && command -v apt-get >/dev/null 2>&1; then
     sudo_cmd=""
     if [ "$(id -u)" != 0 ]; then
         if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then

@@ -240,3 +240,31 @@ def test_the_readme_extras_table_is_true_for_every_verb(tmp_path: Path) -> None:
         result = _run_blocked(["uvicorn"], argv[verb])
         line = one_error(result, 2)
         assert line.endswith("needs the serve extra: pip install 'fallback_mw[serve]'"), line
+
+
+def test_test_sh_says_what_it_installs_before_it_does(tmp_path: Path) -> None:
+    # Run test.sh's preamble (up to the installs) with a stub apt-get that records its call:
+    # the explanation is printed first, and FALLBACK_MW_NO_APT=1 installs nothing.
+    root = Path(__file__).parents[1]
+    script = (root / "scripts" / "test.sh").read_text(encoding="utf-8")
+    preamble = script.split("source scripts/promtool.sh")[0].replace("source scripts/venv.sh", ":")
+    assert "apt-get" in preamble and "prometheus" in preamble and "chromium" in preamble
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "apt.log"
+    for tool in ("apt-get", "sudo"):
+        stub = bin_dir / tool
+        stub.write_text(f'#!/bin/sh\necho "{tool} $*" >> {log}\n', encoding="utf-8")
+        stub.chmod(0o755)
+    body = preamble + "source scripts/promtool.sh\nsource scripts/chromium.sh\n"
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    said = subprocess.run(["bash", "-c", body], cwd=root, capture_output=True, text=True,
+                          env=env, timeout=30, check=False)  # fmt: skip
+    explanation = said.stderr.index("promtool checks the shipped alert rules")
+    if log.exists():  # the stubs ran (promtool / chromium absent): after the explanation
+        assert said.stderr.index("installing") > explanation
+    log.unlink(missing_ok=True)
+    env["FALLBACK_MW_NO_APT"] = "1"
+    quiet = subprocess.run(["bash", "-c", body], cwd=root, capture_output=True, text=True,
+                           env=env, timeout=30, check=False)  # fmt: skip
+    assert not log.exists() and "apt-get" not in quiet.stderr
