@@ -180,6 +180,19 @@ MUTANTS: tuple[Mutant, ...] = (
         (WALKER + "test_response_over_ceiling_is_502_before_commit",),
     ),
     Mutant(
+        "rand_shuffles_the_primary",
+        'strategy = "random" keeps the plan\'s first candidate first',
+        (
+            (
+                "plan.py",
+                "        fallbacks = order[1:]\n        (rng or random).shuffle(fallbacks)\n"
+                "        order[1:] = fallbacks\n",
+                "        (rng or random).shuffle(order)\n",
+            ),
+        ),
+        ("tests/test_plans.py::test_random_keeps_the_first_candidate_first_and_draws_the_rest",),
+    ),
+    Mutant(
         "fallback_path_differs",
         "every candidate gets the same (normalised) path and query",
         (

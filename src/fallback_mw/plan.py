@@ -28,7 +28,11 @@ def candidate_order(
 ) -> list[str]:
     order = list(route.plan)
     if route.strategy == "random":
-        (rng or random).shuffle(order)
+        # RAND: the plan's first candidate first, then the fallbacks in random order
+        # (SPEC §12). Each candidate once per pass; no memory of which failed before.
+        fallbacks = order[1:]
+        (rng or random).shuffle(fallbacks)
+        order[1:] = fallbacks
     if canary:
         # The canary is the route's second candidate, whatever the strategy did.
         order.remove(route.plan[1])
