@@ -114,7 +114,10 @@ class UpstreamConfig(_Strict):
     auth_scheme: str = "Bearer"
     auth_env: str | tuple[str, ...] | None = None
     model: str | None = None
-    connect_timeout_ms: int = Field(1000, ge=1)
+    # 3 s: survives one dropped SYN (Linux retransmits the first after 1 s), SPEC §12.
+    connect_timeout_ms: int = Field(3000, ge=1)
+    # Requests (so connections) in flight to this upstream from one process, SPEC §12.
+    max_connections: int = Field(100, ge=1, le=100_000)
     first_byte_timeout_ms: int = Field(30_000, ge=1)
     idle_timeout_ms: int = Field(60_000, ge=1)
     rpm: int | None = Field(None, ge=1, le=10**9)  # declared capacity: requests per minute

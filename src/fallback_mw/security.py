@@ -55,6 +55,30 @@ def header_value_problem(value: str) -> str | None:
     return None
 
 
+_TCHAR = frozenset(b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+_VALUE_CTL = frozenset(range(0x20)) - {0x09} | {0x7F}
+
+
+def request_header_problem(name: bytes, value: bytes) -> str | None:
+    """The one rule, for both engines, for a caller header that would be forwarded (SPEC
+    §12, RFC 9110 §5.1/§5.5): the name a token; the value no control character but HTAB,
+    no leading or trailing SP/HTAB, and bytes >= 0x80 (obs-text) only as UTF-8, which both
+    engines forward byte for byte. None: forward it as sent. Says what is wrong, never
+    what the value is."""
+    if not name or not _TCHAR.issuperset(name):
+        return "has a name that is not an HTTP token"
+    if _VALUE_CTL.intersection(value):
+        return "contains a control character"
+    if value[:1] in (b" ", b"\t") or value[-1:] in (b" ", b"\t"):
+        return "starts or ends with whitespace"
+    if not value.isascii():
+        try:
+            value.decode("utf-8")
+        except UnicodeDecodeError:
+            return "has bytes >= 0x80 that are not UTF-8"
+    return None
+
+
 def canonical_name(name: bytes) -> bytes:
     """The name as WSGI-style upstreams read it: `x_api_key` and `X-Api-Key` are one field
     (both become HTTP_X_API_KEY), so every stripping rule compares this form."""
@@ -99,15 +123,28 @@ def forwardable_request_headers(
 SERVER_OWNED_RESPONSE_HEADERS = frozenset({b"date", b"server"})
 
 
-def forwardable_response_headers(headers: Iterable[tuple[bytes, bytes]]) -> Headers:
+def forwardable_response_headers(
+    headers: Iterable[tuple[bytes, bytes]], *, status: int = 200
+) -> Headers:
     """Upstream response headers the client may see: no hop-by-hop fields, no `x-gateway-*`
     (an upstream must not be able to forge the gateway's own headers), and not the
-    upstream's `date` / `server` (the ASGI server sends its own)."""
-    return _kept(headers, _NEVER_RELAYED, frozenset())
+    upstream's `date` / `server` (the ASGI server sends its own).
+
+    The framing is the gateway's own: `transfer-encoding` never passes (the engines
+    de-chunk), a `content-length` only where it is exact, i.e. a body-carrying status and
+    a head without `transfer-encoding` (the engines refuse contradictory heads before
+    this, `upstream.base.check_response_head`, and end a body that falls short of it as
+    aborted). A 204 or 304 goes out with no length at all."""
+    dropped = _NEVER_RELAYED if status not in _NO_BODY_STATUSES else _NEVER_RELAYED_NO_BODY
+    return _kept(headers, dropped, frozenset())
+
+
+_NO_BODY_STATUSES = frozenset({204, 304})
 
 
 _NEVER_FORWARDED = CREDENTIAL_HEADERS | HOP_BY_HOP_HEADERS | RECOMPUTED_HEADERS
 _NEVER_RELAYED = HOP_BY_HOP_HEADERS | SERVER_OWNED_RESPONSE_HEADERS
+_NEVER_RELAYED_NO_BODY = _NEVER_RELAYED | {b"content-length"}
 
 
 def _kept(

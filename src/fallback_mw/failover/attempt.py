@@ -25,7 +25,7 @@ from urllib.parse import quote
 from fallback_mw.capacity import Admission, Ask, CapacityState, reported_tokens
 from fallback_mw.config import UpstreamConfig
 from fallback_mw.failover.decide import Outcome, health_mark
-from fallback_mw.faults import FaultSource
+from fallback_mw.faults import BlackholeSource, FaultSource
 from fallback_mw.health import HealthState
 from fallback_mw.health.pool import retry_after_seconds
 from fallback_mw.request.body import BodyAborted
@@ -100,7 +100,13 @@ class AttemptRunner:
         self, name: str, upstream: UpstreamConfig, record: AttemptRecord
     ) -> AttemptResult:
         context = self.context
-        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in context.forward_headers]
+        # UTF-8 text: both engines write it back as the very bytes the caller sent (values
+        # were held to security.request_header_problem before the walk; anything else is
+        # refused by the engine's local check, never sent altered).
+        headers = [
+            (k.decode("latin-1"), v.decode("utf-8", "surrogateescape"))
+            for k, v in context.forward_headers
+        ]
         if record.credential_index is not None:
             credential = context.credential(name, record.credential_index)
             if credential is not None:
@@ -121,19 +127,34 @@ class AttemptRunner:
                     record.fault = "hang"
                     await asyncio.sleep(timeouts.first_byte)
                     return Outcome("timeout", fault="hang"), None
+                if fault == "revoke":  # the 401 of a credential disabled at the vendor
+                    record.fault = "revoke"
+                    return Outcome("status", 401, fault="revoke"), SyntheticResponse(401)
+                client, url = self.client, self._request_url(upstream)
+                if fault == "blackhole" and isinstance(self.faults, BlackholeSource):
+                    # A real connection to the process's silent listener: the engine's
+                    # own first-byte timeout ends the attempt (upstream/blackhole.py).
+                    record.fault = "blackhole"
+                    base, client = await self.faults.blackhole().open()
+                    url = base + url[len(upstream.url) :]
                 request = UpstreamRequest(
                     method=context.method,
-                    url=self._request_url(upstream),
+                    url=url,
                     headers=headers,
                     body=self._request_body(upstream),
                     timeouts=timeouts,
+                    max_connections=upstream.max_connections,
+                    pool_key=name,
                 )
-                response = await self.client.send(request)
+                response = await client.send(request)
         except TimeoutError:
             # An injected hang still counts against the upstream when the deadline ends it.
             return self._local_or(Outcome("deadline", fault=record.fault)), None
         except UpstreamError as exc:
-            return self._local_or(_classify(exc)), None
+            outcome = _classify(exc)
+            if record.fault is not None and outcome.kind in ("timeout", "transport"):
+                outcome = Outcome(outcome.kind, fault=record.fault)  # the blackhole's
+            return self._local_or(outcome), None
         except BodyAborted:
             return self._local_or(Outcome("transport")), None
         # A redirect is never followed: it is an answer like any other.
@@ -147,6 +168,8 @@ class AttemptRunner:
             return Outcome("client_gone")
         if body.too_large:
             return Outcome("body_too_large")
+        if body.timed_out:  # the caller's idle gap while its body was streaming
+            return Outcome("body_timeout")
         if outcome.kind == "deadline" and body.stream is not None and not body.done.is_set():
             return Outcome("body_timeout")
         return outcome
@@ -155,6 +178,8 @@ class AttemptRunner:
 def _classify(error: UpstreamError) -> Outcome:
     if error.kind == "unsafe_address":
         return Outcome("unsafe_address")
+    if error.kind == "local":
+        return Outcome("not_sent")
     if error.phase == "body":  # pragma: no cover - engines raise body errors while streaming
         return Outcome("transport")
     if error.kind == "timeout":

@@ -34,6 +34,7 @@ OutcomeKind = Literal[
     "body_too_large",  # the streamed request body went over max_request_body
     "body_timeout",  # the request body did not arrive before the deadline
     "unsafe_address",  # the connect-time guard refused the upstream's address
+    "not_sent",  # the client library refused to build or send the request (nothing sent)
     "no_candidate",  # the cursor ran dry: every remaining candidate was skipped
     "repeat_budget",  # a repeat (or hedge) at an upstream whose repeat budget is spent
 ]
@@ -183,6 +184,11 @@ _LOCAL_ERRORS: dict[str, tuple[str, str]] = {
     "body_too_large": ("request_too_large", "the request body went over max_request_body"),
     "body_timeout": ("request_timeout", "the request body did not arrive in time"),
     "unsafe_address": ("upstream_failed", "the upstream address was refused at connect time"),
+    "not_sent": (
+        "upstream_failed",
+        "the client library refused to build the upstream request (a header value, the URL,"
+        " an encoding); nothing was sent",
+    ),
 }
 
 
@@ -190,6 +196,10 @@ def decide(outcome: Outcome, state: WalkState) -> Decision:
     """The next action after `outcome` (an attempt's, or NO_CANDIDATE)."""
     if outcome.kind == "client_gone" or not state.client_connected:
         return Decision("abort", reason="the client hung up: nothing more is sent or started")
+    if outcome.kind == "not_sent" and further_attempt_possible(state):
+        # Nothing reached that upstream (e.g. its credential went bad under a running
+        # gateway): the next candidate may be sent, and no breaker is marked.
+        return Decision("next_candidate", reason="the request could not be sent: the next one")
     if outcome.kind in _LOCAL_ERRORS:
         code, reason = _LOCAL_ERRORS[outcome.kind]
         return Decision("local_error", code, reason)

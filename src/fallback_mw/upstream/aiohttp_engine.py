@@ -5,12 +5,22 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import aiohttp
 from multidict import CIMultiDict
 from yarl import URL
 
-from fallback_mw.upstream.base import Phase, UpstreamError, UpstreamRequest, check_request_headers
+from fallback_mw.upstream.base import (
+    ConnectionCaps,
+    FirstByteTimer,
+    Phase,
+    Release,
+    UpstreamError,
+    UpstreamRequest,
+    check_request_headers,
+    check_response_head,
+)
 from fallback_mw.upstream.guard import GuardedResolver, UnsafeAddressError, check_literal_host
 
 # aiohttp would otherwise add these; the upstream sees only what the gateway decided.
@@ -32,6 +42,10 @@ def map_errors(phase: Phase) -> Iterator[None]:
         raise UpstreamError("refused", phase, "could not connect") from None
     except UnsafeAddressError as exc:
         raise UpstreamError("unsafe_address", phase, str(exc)) from None
+    except (aiohttp.InvalidURL, ValueError) as exc:
+        # What aiohttp refuses to build or write (a URL, a header value, an encoding):
+        # nothing reached the upstream.
+        raise UpstreamError("local", phase, type(exc).__name__) from None
     except (aiohttp.ClientResponseError, aiohttp.ClientPayloadError) as exc:
         raise UpstreamError("protocol", phase, type(exc).__name__) from None
     except (aiohttp.ClientError, OSError) as exc:
@@ -46,10 +60,29 @@ def _ascii_target(url: str) -> str:
     return "".join(c if c.isascii() else f"%{ord(c) & 0xFF:02X}" for c in url)
 
 
+async def _on_headers_sent(
+    session: aiohttp.ClientSession,
+    context: SimpleNamespace,
+    params: aiohttp.TraceRequestHeadersSentParams,
+) -> None:
+    # A buffered body follows its head at once: from here on the time is the upstream's.
+    timer = context.trace_request_ctx
+    if timer is not None:
+        timer.arm()
+
+
+_HEADERS_SENT = aiohttp.TraceConfig()
+_HEADERS_SENT.on_request_headers_sent.append(_on_headers_sent)
+_HEADERS_SENT.freeze()
+
+
 class AiohttpResponse:
-    def __init__(self, response: aiohttp.ClientResponse, idle_timeout: float) -> None:
+    def __init__(
+        self, response: aiohttp.ClientResponse, idle_timeout: float, release: Release
+    ) -> None:
         self._response = response
         self._idle = idle_timeout
+        self._release = release
         self.status = response.status
         self.headers = [(k.lower(), v) for k, v in response.raw_headers]
         self._finished = False
@@ -71,6 +104,7 @@ class AiohttpResponse:
 
     async def aclose(self) -> None:
         # No await point: cannot be interrupted by a cancellation.
+        self._release()
         if self._finished:
             self._response.release()
         else:
@@ -85,6 +119,7 @@ class AiohttpClient:
         self._session: aiohttp.ClientSession | None = None
         self._checked_hosts: set[str] = set()  # IP-literal checks are pure: do each once
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}  # per connect timeout
+        self._caps = ConnectionCaps()
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -100,38 +135,65 @@ class AiohttpClient:
                 skip_auto_headers=_SKIP_AUTO_HEADERS,
                 timeout=aiohttp.ClientTimeout(total=None),
                 cookie_jar=aiohttp.DummyCookieJar(),
+                trace_configs=[_HEADERS_SENT],
             )
         return self._session
 
     async def send(self, request: UpstreamRequest) -> AiohttpResponse:
-        check_request_headers(request.headers)
+        with map_errors("connect"):
+            check_request_headers(request.headers)
         session = self._get_session()
-        timeouts = request.timeouts
         host = request.url.split("/", 3)[2] if "://" in request.url else request.url
         if host not in self._checked_hosts:
             with map_errors("connect"):
                 check_literal_host(request.url, self._allow_hosts)
             if len(self._checked_hosts) < 4096:
                 self._checked_hosts.add(host)
+        # Waiting for a slot under the upstream's connection cap is the gateway's own queue
+        # (bounded by the walk deadline around this call), never the upstream's time.
+        release = await self._caps.acquire(request)
+        try:
+            response = await self._send(session, request)
+        except BaseException:
+            release()
+            raise
+        return AiohttpResponse(response, request.timeouts.idle, release)
+
+    async def _send(
+        self, session: aiohttp.ClientSession, request: UpstreamRequest
+    ) -> aiohttp.ClientResponse:
+        timeouts = request.timeouts
+        # No timer while connecting (the socket connect has its own) or while the caller's
+        # body is still arriving (the caller's time): see FirstByteTimer.
+        timer = FirstByteTimer(timeouts.first_byte)
+        body = request.body
+        streamed = not isinstance(body, bytes)
+        data = (body or None) if isinstance(body, bytes) else timer.timed_body(body)
         with map_errors("first_byte"):
-            # The first-byte budget covers connecting and waiting for the response head.
-            async with asyncio.timeout(timeouts.first_byte):
+            async with timer.running():
                 response = await session.request(
                     request.method,
                     # encoded=True: the path and query go out byte for byte as the walker
                     # built them (yarl would otherwise decode %3F, %2F, %7e... and re-encode).
                     URL(_ascii_target(request.url), encoded=True),
                     headers=CIMultiDict(request.headers),
-                    data=request.body if request.body != b"" else None,
+                    data=data,
                     allow_redirects=False,
                     timeout=self._client_timeout(timeouts.connect),
+                    trace_request_ctx=None if streamed else timer,
                 )
-        return AiohttpResponse(response, timeouts.idle)
+        try:
+            with map_errors("first_byte"):
+                check_response_head(response.status, response.raw_headers)
+        except UpstreamError:
+            response.close()
+            raise
+        return response
 
     def _client_timeout(self, connect: float) -> aiohttp.ClientTimeout:
         # aiohttp's `connect` includes waiting for a free pooled connection: the gateway's
         # own queue, not the upstream's slowness. Only the socket connect is the
-        # upstream's; the wait is bounded by first_byte in `send`.
+        # upstream's; the wait is bounded by the walk deadline around `send`.
         found = self._timeouts.get(connect)
         if found is None:
             found = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=connect)

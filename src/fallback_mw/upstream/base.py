@@ -4,11 +4,16 @@ low-level errors into failure kinds."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+import asyncio
+import re
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-FailureKind = Literal["transport", "timeout", "refused", "unsafe_address", "protocol"]
+# "local": the client library refused to build or send the request (a header value, a
+# URL, an encoding): nothing reached the upstream, so it is never the upstream's failure.
+FailureKind = Literal["transport", "timeout", "refused", "unsafe_address", "protocol", "local"]
 Phase = Literal["connect", "first_byte", "body"]
 
 
@@ -27,20 +32,49 @@ class UpstreamError(Exception):
         return "timeout" if self.kind == "timeout" else "transport"
 
 
-_FORBIDDEN_IN_VALUES = frozenset("\r\n\x00")
-
-
 def check_request_headers(headers: Sequence[tuple[str, str]]) -> None:
     """Refuse, before a connection is used, a header no engine may put on the wire (a
-    credential variable changed under a running gateway to `key\\n`...). Raises
-    UpstreamError, never the engine's ValueError (which would be a bare 500)."""
+    credential variable changed under a running gateway to `key\\n`...). Raises the local
+    UpstreamError (never the upstream's failure, never the engine's ValueError, which would
+    be a bare 500). Caller headers were held to the same rule before the walk
+    (security.request_header_problem): this is defence in depth."""
     for name, value in headers:
-        if _FORBIDDEN_IN_VALUES.intersection(value) or _FORBIDDEN_IN_VALUES.intersection(name):
-            raise UpstreamError("protocol", "connect", "invalid request header value")
-        try:
-            value.encode("latin-1")
-        except UnicodeEncodeError:
-            raise UpstreamError("protocol", "connect", "invalid request header value") from None
+        if not _TOKEN.fullmatch(name) or _FORBIDDEN_IN_VALUE.search(value):
+            raise UpstreamError("local", "connect", "invalid request header")
+
+
+def encode_request_headers(headers: Sequence[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
+    """The bytes both engines put on the wire: aiohttp writes header text as UTF-8, so the
+    httpx engine sends the same bytes (a caller's UTF-8 value goes out byte for byte)."""
+    return [(name.encode("ascii"), value.encode("utf-8")) for name, value in headers]
+
+
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+# CTLs but HTAB, surrogates (bytes that were not UTF-8), leading or trailing whitespace.
+_FORBIDDEN_IN_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f\ud800-\udfff]|^[ \t]|[ \t]$")
+
+
+def check_response_head(status: int, headers: Sequence[tuple[bytes, bytes]]) -> None:
+    """A response head the relay cannot carry is the upstream's failure (failover-class,
+    SPEC §12): a status outside 100-599, a 1xx as the final answer, or contradictory
+    framing (Content-Length with Transfer-Encoding, repeated or invalid lengths, a length
+    or a chunked body on 204). Raises UpstreamError("protocol")."""
+    if not 200 <= status <= 599:
+        raise UpstreamError("protocol", "first_byte", "the upstream status cannot be relayed")
+    lengths: set[bytes] = set()
+    chunked = False
+    for name, value in headers:
+        lower = name.lower()
+        if lower == b"content-length":
+            lengths.add(value.strip())
+        elif lower == b"transfer-encoding":
+            chunked = True
+    if len(lengths) > 1 or (lengths and not next(iter(lengths)).isdigit()):
+        raise UpstreamError("protocol", "first_byte", "contradictory Content-Length")
+    if chunked and (lengths or status in (204, 304)):
+        raise UpstreamError("protocol", "first_byte", "contradictory response framing")
+    if status == 204 and lengths and lengths != {b"0"}:
+        raise UpstreamError("protocol", "first_byte", "a 204 response that declares a body")
 
 
 @dataclass(slots=True)
@@ -58,6 +92,85 @@ class UpstreamRequest:
     body: bytes | AsyncIterator[bytes]
     timeouts: Timeouts
     allow_hosts: Sequence[str] = field(default_factory=tuple)
+    # The per-upstream connection cap (SPEC §12 `max_connections`; 0: none) and the key it
+    # is counted under (the upstream's name).
+    max_connections: int = 0
+    pool_key: str = ""
+
+
+class FirstByteTimer:
+    """The upstream's first-byte timer for one request, armed and paused from wherever
+    the engine learns the request's progress (its body writer, a trace hook): it runs
+    once the body is sent and while a chunk waits for the upstream to take it, never
+    while the caller's body is still arriving (SPEC §12: the upload is the caller's
+    time). Arming after the send has ended does nothing."""
+
+    def __init__(self, seconds: float) -> None:
+        self._seconds = seconds
+        self._timeout: asyncio.Timeout | None = None
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        async with asyncio.timeout(None) as timeout:
+            self._timeout = timeout
+            try:
+                yield
+            finally:
+                self._timeout = None
+
+    def arm(self) -> None:
+        if self._timeout is not None and not self._timeout.expired():
+            loop = asyncio.get_running_loop()
+            self._timeout.reschedule(loop.time() + self._seconds)
+
+    def pause(self) -> None:
+        if self._timeout is not None and not self._timeout.expired():
+            self._timeout.reschedule(None)
+
+    async def timed_body(self, source: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """The streamed request body as the engine sends it: no timer while the caller's
+        next chunk is awaited (the caller's idle gap and the walk deadline bound that);
+        the first-byte timer while a chunk waits for the upstream, and after the end."""
+        async for chunk in source:
+            self.arm()
+            yield chunk
+            self.pause()
+        self.arm()
+
+
+class ConnectionCaps:
+    """At most `max_connections` requests in flight per upstream, on either engine (an
+    HTTP/1.1 connection carries one request at a time, so this caps connections too).
+    Waiting for a slot is the gateway's own queue: bounded by the walk deadline, never
+    the upstream's timeout."""
+
+    def __init__(self) -> None:
+        self._slots: dict[tuple[str, int], asyncio.Semaphore] = {}
+
+    async def acquire(self, request: UpstreamRequest) -> Release:
+        if request.max_connections <= 0:
+            return _nothing
+        key = (request.pool_key or request.url.split("/", 3)[2], request.max_connections)
+        slots = self._slots.get(key)
+        if slots is None:
+            slots = self._slots[key] = asyncio.Semaphore(request.max_connections)
+        await slots.acquire()
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                slots.release()
+
+        return release
+
+
+Release = Callable[[], None]
+
+
+def _nothing() -> None:
+    return None
 
 
 class UpstreamResponse(Protocol):

@@ -16,7 +16,17 @@ try:
 except ImportError:
     raise missing_extra("httpx", 'engine = "httpx"') from None
 
-from fallback_mw.upstream.base import Phase, UpstreamError, UpstreamRequest, check_request_headers
+from fallback_mw.upstream.base import (
+    ConnectionCaps,
+    FirstByteTimer,
+    Phase,
+    Release,
+    UpstreamError,
+    UpstreamRequest,
+    check_request_headers,
+    check_response_head,
+    encode_request_headers,
+)
 from fallback_mw.upstream.guard import UnsafeAddressError
 from fallback_mw.upstream.httpx_backend import GuardedNetworkBackend
 
@@ -55,6 +65,14 @@ def _silence_engine_logs() -> None:
             logger.addFilter(_DROP_ENGINE_RECORDS)
 
 
+_REFUSED_LOCALLY = (
+    httpx.LocalProtocolError,
+    httpx.InvalidURL,
+    httpx.UnsupportedProtocol,
+    ValueError,
+)
+
+
 @contextmanager
 def map_errors(phase: Phase) -> Iterator[None]:
     """The one place httpx's exceptions become failure kinds (and httpx logging is muted)."""
@@ -69,6 +87,15 @@ def map_errors(phase: Phase) -> Iterator[None]:
         raise UpstreamError("unsafe_address", phase, str(exc)) from None
     except httpx.ConnectError:
         raise UpstreamError("refused", phase, "could not connect") from None
+    except (
+        httpx.LocalProtocolError,
+        httpx.InvalidURL,
+        httpx.UnsupportedProtocol,
+        ValueError,
+    ) as exc:
+        # What httpx/h11 refuse to build or send (a header value, a URL, an encoding):
+        # nothing reached the upstream.
+        raise UpstreamError("local", phase, type(exc).__name__) from None
     except (httpx.RemoteProtocolError, httpx.DecodingError) as exc:
         raise UpstreamError("protocol", phase, type(exc).__name__) from None
     except (httpx.TransportError, OSError) as exc:
@@ -78,9 +105,10 @@ def map_errors(phase: Phase) -> Iterator[None]:
 
 
 class HttpxResponse:
-    def __init__(self, response: httpx.Response, idle_timeout: float) -> None:
+    def __init__(self, response: httpx.Response, idle_timeout: float, release: Release) -> None:
         self._response = response
         self._idle = idle_timeout
+        self._release = release
         self.status = response.status_code
         self.headers = [(k.lower(), v) for k, v in response.headers.raw]
 
@@ -98,6 +126,7 @@ class HttpxResponse:
 
     async def aclose(self) -> None:
         # Shielded: the connection is released even if the caller is being cancelled.
+        self._release()
         await asyncio.shield(self._response.aclose())
 
 
@@ -115,6 +144,7 @@ class HttpxClient:
         self._allow_hosts = tuple(allow_hosts)
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
+        self._caps = ConnectionCaps()
         _silence_engine_logs()
 
     def _guarded_transport(self) -> httpx.AsyncHTTPTransport:
@@ -147,29 +177,63 @@ class HttpxClient:
         return self._client
 
     async def send(self, request: UpstreamRequest) -> HttpxResponse:
-        check_request_headers(request.headers)
-        client = self._get_client()
+        with map_errors("connect"):
+            check_request_headers(request.headers)
+            client = self._get_client()
+            timer = FirstByteTimer(request.timeouts.first_byte)
+            built = self._build(client, request, timer)
+        # Waiting for a slot under the upstream's connection cap is the gateway's own queue
+        # (bounded by the walk deadline around this call), never the upstream's time.
+        release = await self._caps.acquire(request)
+        try:
+            with map_errors("first_byte"):
+                async with timer.running():
+                    if self._transport is not None:
+                        timer.arm()  # a custom transport reports no progress
+                    response = await client.send(built, stream=True, follow_redirects=False)
+            try:
+                with map_errors("first_byte"):
+                    check_response_head(response.status_code, response.headers.raw)
+            except UpstreamError:
+                await asyncio.shield(response.aclose())
+                raise
+        except BaseException:
+            release()
+            raise
+        return HttpxResponse(response, request.timeouts.idle, release)
+
+    def _build(
+        self, client: httpx.AsyncClient, request: UpstreamRequest, timer: FirstByteTimer
+    ) -> httpx.Request:
         timeouts = request.timeouts
-        url = httpx.URL(request.url)
+        body = request.body
+        streamed = not isinstance(body, bytes)
+
+        async def progress(event: str, info: object) -> None:
+            # A buffered body follows its head at once: from here on the time is the
+            # upstream's (a streamed body arms the timer itself, see FirstByteTimer).
+            if not streamed and ".send_request_headers." in event:
+                timer.arm()
+
         built = client.build_request(
             request.method,
-            url,
-            headers=request.headers,
-            content=request.body,
+            httpx.URL(request.url),
+            # Bytes: the same bytes aiohttp writes for the same text (UTF-8).
+            headers=encode_request_headers(request.headers),
+            content=body if isinstance(body, bytes) else timer.timed_body(body),
             # No pool timeout: waiting for a free pooled connection is the gateway's own
-            # queue, not the upstream's slowness (bounded by first_byte below).
+            # queue, not the upstream's slowness (bounded by the walk deadline).
             timeout=httpx.Timeout(
                 connect=timeouts.connect, read=timeouts.idle, write=None, pool=None
             ),
+            extensions={"trace": progress},
         )
         # httpx adds these by default; the upstream sees only what the gateway decided.
+        sent = {k.lower() for k, _ in request.headers}
         for name in ("accept", "accept-encoding", "user-agent", "connection"):
-            if name not in {k.lower() for k, _ in request.headers}:
+            if name not in sent:
                 built.headers.pop(name, None)
-        with map_errors("first_byte"):
-            async with asyncio.timeout(timeouts.first_byte):
-                response = await client.send(built, stream=True, follow_redirects=False)
-        return HttpxResponse(response, timeouts.idle)
+        return built
 
     async def aclose(self) -> None:
         if self._client is not None:

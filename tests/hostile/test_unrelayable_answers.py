@@ -1,0 +1,92 @@
+"""Upstream answers the relay cannot carry are the upstream's failures (SPEC §12): a status
+outside 100-599, a 1xx as the final answer, contradictory framing. On both engines, on real
+sockets: the walk fails over when it may (the backup serves), else the local 502 in JSON;
+never an empty reply, a traceback or a stale Content-Length."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from fallback_mw import Gateway
+from tests.hostile.test_hostile_upstreams import Behaviour, config, raw_upstream, read_head, run
+from tests.upstreams import host_app, serve_asgi, status_handler, upstream
+
+pytestmark = pytest.mark.anyio
+
+ENGINES = ["aiohttp", "httpx"]
+
+ANSWERS = {
+    "status-000": b"HTTP/1.1 000 X\r\ncontent-length: 2\r\n\r\nok",
+    "status-099": b"HTTP/1.1 099 X\r\ncontent-length: 2\r\n\r\nok",
+    "status-600": b"HTTP/1.1 600 X\r\ncontent-length: 2\r\n\r\nok",
+    "final-101": b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\n"
+    b"connection: upgrade\r\n\r\n",
+    "length-and-chunked": b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n"
+    b"transfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+    "204-with-length": b"HTTP/1.1 204 No Content\r\ncontent-length: 5\r\n\r\nhello",
+    "two-lengths": b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\nhello!",
+}
+
+
+def answer(data: bytes) -> Behaviour:
+    async def behaviour(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(data)
+        await writer.drain()
+        await asyncio.sleep(0.3)
+        writer.close()
+
+    return behaviour
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("name", list(ANSWERS))
+async def test_an_answer_the_relay_cannot_carry_fails_over(name: str, engine: str) -> None:
+    result, _, remaining = await run(answer(ANSWERS[name]), engine)
+    assert isinstance(result, httpx.Response), result
+    assert (result.status_code, result.text) == (200, "backup")
+    assert result.headers["x-gateway-attempts"] == "2"
+    assert result.headers["content-length"] == "6"
+    assert remaining == 0
+
+
+async def post_once(behaviour: Behaviour, engine: str) -> httpx.Response:
+    """A POST (not replayable): the walk cannot go on after the hostile answer."""
+    async with (
+        raw_upstream(behaviour) as (url, _),
+        upstream(status_handler(200, b"backup")) as backup,
+    ):
+        gateway = Gateway(host_app, config=config(url, backup.url, engine))
+        try:
+            async with serve_asgi(gateway) as base, httpx.AsyncClient(base_url=base) as client:
+                response = await client.post("/v1/x", content=b"{}", timeout=30)
+        finally:
+            await gateway.aclose()
+    return response
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("name", ["status-600", "final-101", "length-and-chunked"])
+async def test_without_failover_it_is_the_local_502(name: str, engine: str) -> None:
+    response = await post_once(answer(ANSWERS[name]), engine)
+    assert response.status_code == 502
+    error = response.json()["error"]
+    assert error["code"] == "upstream_failed"
+    assert response.headers["x-gateway-attempts"] == "1"
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_204_or_304_is_relayed_without_a_length(engine: str) -> None:
+    for data, status in (
+        (b"HTTP/1.1 204 No Content\r\ncontent-length: 0\r\n\r\n", 204),
+        (b'HTTP/1.1 304 Not Modified\r\ncontent-length: 5\r\netag: "a"\r\n\r\n', 304),
+    ):
+        result, accepted, _ = await run(answer(data), engine)
+        assert isinstance(result, httpx.Response), result
+        assert result.status_code == status
+        assert "content-length" not in result.headers
+        assert result.content == b""
+        assert accepted == 1
