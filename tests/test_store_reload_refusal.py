@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
@@ -13,6 +14,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from fallback_mw import Gateway
 from fallback_mw.config import load_config
+from fallback_mw.store.model import StoreError
 from fallback_mw.store.reload import StoreRuntime
 from fallback_mw.store.routes import open_store
 from tests.helpers import client_for
@@ -113,3 +115,117 @@ async def test_a_running_gateway_keeps_serving_its_routes(store_url: str) -> Non
         finally:
             await gateway.aclose()
     assert two.count == 0
+
+
+@pytest.mark.anyio
+async def test_overlapping_refreshes_count_one_refusal(
+    store_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two refreshes at once (two store connections, as a reload racing a request-started
+    one once did) apply, or here refuse, one change once: `refresh` runs under a lock."""
+    assert (await cli(
+        "routes", "add", "--store", store_url, "--id", "one", "--prefix", "/one/",
+        "--upstream", "http://127.0.0.1:9001", "--auth-env", "FMW_TEST_ONE_KEY",
+    ))[0] == 0  # fmt: skip
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader], shutdown_on_exit=False)
+    runtime = StoreRuntime(
+        load_config(gateway_config(store_url), environ={}),
+        store_url,
+        environ={"FMW_TEST_ONE_KEY": SECRET},
+        meter_provider=provider,
+    )
+    runtime.load_initial()
+    assert (await cli(
+        "routes", "add", "--store", store_url, "--id", "two", "--prefix", "/two/",
+        "--upstream", "http://127.0.0.1:9002", "--auth-env", "FMW_TEST_TWO_KEY",
+    ))[0] == 0  # fmt: skip
+    stores = [open_store(store_url) for _ in range(4)]
+    try:
+        with caplog.at_level(logging.WARNING, logger="fallback_mw.store"):
+            await asyncio.gather(*(runtime.refresh(store) for store in stores))
+    finally:
+        for store in stores:
+            await store.aclose()
+        await runtime.aclose()
+    assert refused_count(reader) == 1
+    logged = [r.getMessage() for r in caplog.records if r.name == "fallback_mw.store"]
+    assert len(logged) == 1, logged
+    provider.shutdown()
+
+
+class FlakyStore:
+    """A real SQLite store that can be switched off: every call then fails as an
+    unreachable PostgreSQL does (StoreError), including the wait for a change."""
+
+    down = False
+    opened = 0
+
+    def __init__(self, url: str) -> None:
+        self.inner = open_store(url)
+        FlakyStore.opened += 1
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self.inner, name)
+        if name == "aclose" or not callable(attribute):
+            return attribute
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            if FlakyStore.down:
+                raise StoreError("cannot reach the store: ConnectionRefusedError")
+            return await attribute(*args, **kwargs)
+
+        return call
+
+
+@pytest.mark.anyio
+async def test_one_reloader_survives_a_store_outage_and_logs_it_twice(
+    store_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with upstream(status_handler(200, b"one")) as one:
+        assert (await cli(
+            "routes", "add", "--store", store_url, "--id", "one", "--prefix", "/one/",
+            "--upstream", one.url, "--auth-env", "FMW_TEST_ONE_KEY",
+        ))[0] == 0  # fmt: skip
+        gateway = Gateway(
+            host_app, config=gateway_config(store_url), environ={"FMW_TEST_ONE_KEY": SECRET}
+        )
+        runtime = gateway.services.store
+        assert runtime is not None
+        # The reloader (not yet started) will open its store through this switchable one.
+        runtime._store_factory = FlakyStore
+        runtime.poll_interval = 0.02
+
+        def reloaders() -> list[asyncio.Task[Any]]:
+            return [t for t in asyncio.all_tasks() if t.get_name() == "fallback_mw.store-reload"]
+
+        try:
+            with caplog.at_level(logging.DEBUG, logger="fallback_mw.store"):
+                async with client_for(gateway) as client:
+                    assert (await client.get("/one/x")).text == "one"
+                    FlakyStore.down = True
+                    for _ in range(40):  # routes keep serving from memory throughout
+                        assert (await client.get("/one/x")).text == "one"
+                        await asyncio.sleep(0.01)
+                    assert len(reloaders()) == 1
+                    FlakyStore.down = False
+
+                    async def recovered() -> bool:
+                        return not runtime._outage.down
+
+                    assert await wait_for(recovered, True)
+                    assert (await client.get("/one/x")).text == "one"
+                    assert len(reloaders()) == 1
+        finally:
+            FlakyStore.down = False
+            await gateway.aclose()
+    warnings = [
+        r.getMessage() for r in caplog.records
+        if r.name == "fallback_mw.store" and r.levelno >= logging.WARNING
+    ]  # fmt: skip
+    assert len(warnings) == 2, warnings
+    assert warnings[0].startswith("route store unreachable")
+    assert warnings[1] == "route store reachable again"
+    retries = [r for r in caplog.records if "still unreachable" in r.getMessage()]
+    assert retries  # it kept retrying, quietly
+    assert not any(r.exc_info for r in caplog.records)

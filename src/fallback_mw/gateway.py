@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
 
 from fallback_mw.budget import Ledger
-from fallback_mw.config import GatewayConfig, load_config
+from fallback_mw.config import ConfigError, GatewayConfig, load_config
 from fallback_mw.faults import FaultSource
 from fallback_mw.health import HealthState
 from fallback_mw.layers.guard import BudgetGuard
@@ -19,10 +21,25 @@ from fallback_mw.services import Services, build_services
 from fallback_mw.telemetry import Telemetry
 from fallback_mw.upstream import UpstreamClient
 
+logger = logging.getLogger("fallback_mw")
+
 
 class Gateway:
     """`Gateway(app, /, *, config)`: requests matching a route walk its plan; every other
-    request goes to `app` untouched. `config` is a GatewayConfig, a path or a dict."""
+    request goes to `app` untouched. `config` is a GatewayConfig, a path or a dict.
+
+    A configuration that does not load never serves, whichever host runs the gateway and
+    however late it builds its middleware (Starlette builds it on the first ASGI call, and
+    uvicorn's default lifespan mode swallows an exception raised there): the constructor
+    logs one ERROR line naming the problem and keeps it in `config_error`; the lifespan
+    startup then fails with that line (uvicorn, hypercorn and granian stop), and a host
+    that runs no lifespan gets a local 503 `config_error` naming it for every request
+    (HTTP) or a refused handshake (WebSocket), with no further log line."""
+
+    config: GatewayConfig
+    services: Services
+    resolver: RouteResolver
+    config_error: str | None = None
 
     def __init__(
         self,
@@ -38,16 +55,22 @@ class Gateway:
         telemetry: Telemetry | None = None,
     ) -> None:
         self.app = app
-        self.config = load_config(config, environ=environ)
-        self.services: Services = build_services(
-            self.config,
-            client=client,
-            health=health,
-            faults=faults,
-            ledger=ledger,
-            telemetry=telemetry,
-            environ=environ,
-        )
+        try:
+            self.config = load_config(config, environ=environ)
+            # Building the services merges the store's routes: refused like the file's.
+            self.services = build_services(
+                self.config,
+                client=client,
+                health=health,
+                faults=faults,
+                ledger=ledger,
+                telemetry=telemetry,
+                environ=environ,
+            )
+        except ConfigError as exc:
+            self.config_error = f"fallback_mw configuration error: {exc}"
+            logger.error("%s (nothing is served until it is fixed)", self.config_error)
+            return
         services = self.services
         walker = PlanWalker(app, config=self.config, services=services, environ=environ)
         injector = CredentialInjector(walker, config=self.config, environ=environ)
@@ -59,6 +82,9 @@ class Gateway:
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.config_error is not None:
+            await _refuse(self.config_error, scope, receive, send)
+            return
         if scope["type"] == "lifespan":
             await self._lifespan(scope, receive, send)
             return
@@ -69,6 +95,8 @@ class Gateway:
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def send_wrapper(message: Message) -> None:
+            if message["type"] == "lifespan.startup.complete" and self.services.store:
+                self.services.store.ensure_started()  # else the first request starts it
             if message["type"] == "lifespan.shutdown.complete":
                 await self.aclose()
             await send(message)
@@ -76,4 +104,33 @@ class Gateway:
         await self.app(scope, receive, send_wrapper)
 
     async def aclose(self) -> None:
-        await self.services.aclose()
+        if self.config_error is None:
+            await self.services.aclose()
+
+
+async def _refuse(problem: str, scope: Scope, receive: Receive, send: Send) -> None:
+    """What a gateway whose configuration did not load answers, whatever is asked."""
+    if scope["type"] == "lifespan":
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.failed", "message": problem})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+    elif scope["type"] == "websocket":
+        await receive()  # websocket.connect
+        await send({"type": "websocket.close", "code": 1011})
+    elif scope["type"] == "http":
+        body = json.dumps(
+            {"error": {"type": "gateway_error", "code": "config_error", "message": problem,
+                       "route": None, "attempts": 0, "rule": "config"}},
+            separators=(",", ":"),
+        ).encode()  # fmt: skip
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"cache-control", b"no-store"),
+        ]
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -153,11 +153,13 @@ class BudgetGuard:
                     await ledger.settle(hold, charged)
         except LedgerUnavailable:
             # The hold stays in the ledger; it is settled at its amount when it goes stale.
-            logger.warning("route %s: settlement failed, ledger unavailable", context.route.id)
+            # The outage itself is logged by the ledger, once when it starts and once when
+            # it ends: nothing per request.
+            logger.debug("route %s: settlement failed, ledger unavailable", context.route.id)
         try:
             await ledger.record_usage(_usage_record(context, self._cost(context), charged))
         except LedgerUnavailable:
-            logger.warning("route %s: usage record lost, ledger unavailable", context.route.id)
+            logger.debug("route %s: usage record lost, ledger unavailable", context.route.id)
 
 
 async def _refuse(send: Send, context: RequestContext, code: str) -> None:

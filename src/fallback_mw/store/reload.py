@@ -1,6 +1,14 @@
 """The store reloader: keeps a gateway's RouteTable (file routes merged with store routes)
-and its faults current. Started lazily inside the running event loop; a reload that would be
-refused leaves the running routes untouched and is logged."""
+and its faults current.
+
+One task per gateway, started once inside the running event loop: from the ASGI lifespan
+startup when the server sends one, else by the first request (`table()` only checks a
+flag). It outlives store outages: a failed reload (or wait) backs off, doubling up to
+`MAX_BACKOFF` seconds, and retries with a fresh connection; the outage is logged once when
+it starts and once when it ends (`store.outage.OutageLog`), never per request, never as a
+traceback. `refresh()` runs under a lock, so overlapping refreshes apply (or refuse) one
+change once. A reload that would be refused leaves the running routes untouched and is
+logged and counted."""
 
 from __future__ import annotations
 
@@ -18,11 +26,15 @@ from fallback_mw.config import ConfigError, GatewayConfig
 from fallback_mw.routing import RouteTable
 from fallback_mw.store.faults import StoreFaults
 from fallback_mw.store.model import StoreError
+from fallback_mw.store.outage import OutageLog
 from fallback_mw.store.routes import RouteStore, merge_routes, open_store
 from fallback_mw.store_url import parse_store_url
 
 T = TypeVar("T")
 logger = logging.getLogger("fallback_mw.store")
+
+FIRST_BACKOFF = 0.25  # seconds before the first retry after a failed reload
+MAX_BACKOFF = 5.0
 
 
 def run_blocking(factory: Callable[[], Awaitable[T]]) -> T:
@@ -68,10 +80,19 @@ class StoreRuntime:
         self.poll_interval = poll_interval or (1.0 if kind == "sqlite" else 2.0)
         self._store_factory = store_factory
         self._current = RouteTable(config.routes, config.upstreams)
-        self.faults = StoreFaults(on_use=self.ensure_started, on_close=self.aclose)
+        self.faults = StoreFaults(
+            on_use=self.ensure_started, on_close=self.aclose, engine=config.gateway.engine
+        )
         self._serials: tuple[int | None, int | None] = (None, None)
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        self._lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
+        self._outage = OutageLog(logger, "route store")
+        # The revert restores (SPEC §12): told of each upstream whose fault went away
+        # (cleared in the store, or expired); the gateway resets the breakers its outcomes
+        # opened (HealthState.reset_fault).
+        self.on_fault_cleared: Callable[[str], Awaitable[None]] | None = None
+        self._faulted: frozenset[str] = frozenset()
         self.last_refusal: str | None = None
         self.reloads = 0
         meter = (meter_provider or metrics.get_meter_provider()).get_meter("fallback_mw")
@@ -89,6 +110,9 @@ class StoreRuntime:
         return self._current
 
     def ensure_started(self) -> None:
+        """Start the reloader once (lifespan startup, or the first request). The task never
+        ends on its own while the gateway is open; only a new event loop (the old one gone)
+        starts another."""
         if self._closed:
             return
         try:
@@ -96,7 +120,7 @@ class StoreRuntime:
         except RuntimeError:
             return
         task = self._task
-        if task is not None and not task.done() and task.get_loop() is loop:
+        if task is not None and task.get_loop() is loop:
             return
         self._task = loop.create_task(self._run(), name="fallback_mw.store-reload")
 
@@ -118,7 +142,19 @@ class StoreRuntime:
         except StoreError as exc:
             raise ConfigError(f"cannot load routes from the store: {exc}") from None
 
+    def _refresh_lock(self) -> asyncio.Lock:
+        # One lock per event loop (the first load runs in a private one).
+        loop = asyncio.get_running_loop()
+        if self._lock is None or self._lock[0] is not loop:
+            self._lock = (loop, asyncio.Lock())
+        return self._lock[1]
+
     async def refresh(self, store: RouteStore, *, initial: bool = False) -> None:
+        """Apply what changed in the store since the last refresh; one at a time."""
+        async with self._refresh_lock():
+            await self._refresh(store, initial=initial)
+
+    async def _refresh(self, store: RouteStore, *, initial: bool) -> None:
         routes_serial, faults_serial = await store.change_serials()
         if routes_serial != self._serials[0]:
             try:
@@ -144,19 +180,50 @@ class StoreRuntime:
             self._serials = (self._serials[0], faults_serial)
 
     async def _run(self) -> None:
-        store = self._store_factory(self.url)
+        store: RouteStore | None = None
+        backoff = FIRST_BACKOFF
         try:
             while not self._closed:
                 try:
+                    if store is None:
+                        store = self._store_factory(self.url)
                     await self.refresh(store)
+                    self._outage.recovered()
+                    await self.revert_cleared_faults()
+                    await store.wait_for_change(self.poll_interval)
+                    backoff = FIRST_BACKOFF
+                    continue
                 except (StoreError, OSError) as exc:
-                    logger.warning("store unreachable, keeping current routes and faults: %s", exc)
+                    # The message is the store's own, with the URL's password redacted.
+                    self._outage.failed(str(exc), "keeping the current routes and faults")
                 except Exception as exc:  # the reloader must outlive any one bad reload
-                    logger.warning("store reload failed: %s", type(exc).__name__)
-                await store.wait_for_change(self.poll_interval)
+                    self._outage.failed(type(exc).__name__, "keeping the current routes and faults")
+                await self.revert_cleared_faults()  # a fault's expiry needs no store
+                # Retry with a fresh connection, backing off while the store stays away.
+                if store is not None:
+                    await _close_quietly(store)
+                    store = None
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF)
         finally:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(store.aclose())
+            if store is not None:
+                await _close_quietly(store)
+
+    async def revert_cleared_faults(self) -> None:
+        """Compare the upstreams under an active fault with the last check's: for each one
+        whose fault went away (`faults clear`, its expiry, a game day's end or abort), tell
+        `on_fault_cleared`, so the breakers that fault opened close at once."""
+        active = self.faults.active_upstreams()
+        cleared, self._faulted = self._faulted - active, active
+        if not cleared or self.on_fault_cleared is None:
+            return
+        for upstream in sorted(cleared):
+            try:
+                await self.on_fault_cleared(upstream)
+            except Exception as exc:  # one failed reset must not stop the reloader
+                logger.warning("fault revert on %s failed: %s", upstream, type(exc).__name__)
+            else:
+                logger.info("fault on upstream %s ended: breakers it opened reset", upstream)
 
     async def aclose(self) -> None:
         self._closed = True
@@ -171,3 +238,8 @@ class StoreRuntime:
         if task.get_loop() is running:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+async def _close_quietly(store: RouteStore) -> None:
+    with contextlib.suppress(Exception):
+        await asyncio.shield(store.aclose())

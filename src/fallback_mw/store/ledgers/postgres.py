@@ -48,6 +48,7 @@ from fallback_mw.store.ledgers.schema import (
     usage_from_row,
     usage_values,
 )
+from fallback_mw.store.outage import OutageLog
 
 T = TypeVar("T")
 logger = logging.getLogger("fallback_mw.budget")
@@ -115,6 +116,7 @@ class PostgresLedger(SQLLedgerBase):
         self._pool: asyncpg.Pool | None = None
         self._opening = asyncio.Lock()
         self._cache = BudgetCache()
+        self._outage = OutageLog(logger, "PostgreSQL ledger")  # one WARNING each way
 
     # --- connection and schema --------------------------------------------------------
 
@@ -148,13 +150,15 @@ class PostgresLedger(SQLLedgerBase):
     async def _run(self, work: Callable[[asyncpg.Pool], Awaitable[T]]) -> T:
         try:
             pool = await self._get_pool()
-            return await work(pool)
+            result = await work(pool)
         except (*_FAILURES, SchemaTooNew) as exc:
             # The exception type only: a driver message may quote the DSN.
-            logger.warning("PostgreSQL ledger unavailable: %s", type(exc).__name__)
+            self._outage.failed(type(exc).__name__, "budgeted routes refuse (fail closed)")
             raise LedgerUnavailable(
                 f"PostgreSQL ledger unavailable ({type(exc).__name__})"
             ) from None
+        self._outage.recovered()
+        return result
 
     # --- holds --------------------------------------------------------------------------
 

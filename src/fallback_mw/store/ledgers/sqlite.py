@@ -44,6 +44,7 @@ from fallback_mw.store.ledgers.schema import (
     usage_from_row,
     usage_values,
 )
+from fallback_mw.store.outage import OutageLog
 from fallback_mw.store.sqlite_connect import connect_wal
 
 T = TypeVar("T")
@@ -64,6 +65,7 @@ class SQLiteLedger(SQLLedgerBase):
         self._conn: sqlite3.Connection | None = None
         self._lock = threading.Lock()
         self._cache = BudgetCache()
+        self._outage = OutageLog(logger, "SQLite ledger")  # one WARNING each way
 
     # --- connection and schema --------------------------------------------------------
 
@@ -88,10 +90,12 @@ class SQLiteLedger(SQLLedgerBase):
                 return work(self._connection())
 
         try:
-            return await anyio.to_thread.run_sync(locked)
+            result = await anyio.to_thread.run_sync(locked)
         except (sqlite3.Error, SchemaTooNew) as exc:
-            logger.warning("SQLite ledger unavailable: %s", type(exc).__name__)
+            self._outage.failed(type(exc).__name__, "budgeted routes refuse (fail closed)")
             raise LedgerUnavailable(f"SQLite ledger unavailable ({type(exc).__name__})") from None
+        self._outage.recovered()
+        return result
 
     # --- holds --------------------------------------------------------------------------
 
