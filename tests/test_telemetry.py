@@ -386,6 +386,7 @@ async def test_skipped_candidate(recorded: Recorded, caplog: pytest.LogCaptureFi
         "gateway.route.id": "chat",
         "gateway.candidate": "primary",
         "gateway.skip.reason": "breaker_open",
+        "gateway.fault": False,  # real failures opened that breaker (no fault did)
     }
     (log,) = request_logs(caplog)
     assert log.__dict__["skipped"] == ["primary"]

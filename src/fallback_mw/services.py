@@ -80,6 +80,8 @@ def build_services(
         on_transition=telemetry.breaker_state,
         meter_provider=telemetry.meter_provider,
     )
+    if runtime is not None:  # a fault that ends resets the breakers its outcomes opened
+        runtime.on_fault_cleared = health.reset_fault
     client = client or make_client(settings.engine, allow_hosts=settings.allow_hosts)
     faults = faults or (runtime.faults if runtime is not None else NoFaults())
     capacity = capacity or create_capacity(

@@ -69,6 +69,9 @@ class AttemptOutcome:
     status: int | None = None
     failure: str | None = None  # "transport", "timeout", "status", "fault", ...
     skipped: str | None = None  # "breaker_open", "no_credential"
+    # The game-day fault behind it: the fault that drove the attempt, or the one whose
+    # outcomes opened the breaker a `breaker_open` skip met (SPEC §12).
+    fault: str | None = None
 
     def as_dict(self) -> dict[str, object]:
         data: dict[str, object] = {"candidate": self.candidate}
@@ -78,6 +81,8 @@ class AttemptOutcome:
             data["failure"] = self.failure
         if self.skipped is not None:
             data["skipped"] = self.skipped
+        if self.fault is not None:
+            data["fault"] = self.fault
         return data
 
     @classmethod
@@ -85,11 +90,13 @@ class AttemptOutcome:
         status = data.get("status")
         failure = data.get("failure")
         skipped = data.get("skipped")
+        fault = data.get("fault")
         return cls(
             candidate=str(data.get("candidate", "")),
             status=status if isinstance(status, int) else None,
             failure=failure if isinstance(failure, str) else None,
             skipped=skipped if isinstance(skipped, str) else None,
+            fault=fault if isinstance(fault, str) else None,
         )
 
 
@@ -114,6 +121,12 @@ class UsageRecord:
     cost: Decimal | None = None  # from reported usage and [prices], when both were known
     charged: Decimal | None = None  # what the budget was settled with
     duration_ms: float | None = None  # first byte in to last byte out, when measured
+
+    @property
+    def fault(self) -> bool:
+        """A game-day fault drove an attempt of this request, or a breaker its outcomes
+        opened made the request skip a candidate (SPEC §12: booked as the fault)."""
+        return any(a.fault is not None for a in self.attempts)
 
 
 @dataclass(frozen=True, slots=True)

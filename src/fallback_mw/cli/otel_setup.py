@@ -5,7 +5,9 @@ The library itself only uses `opentelemetry-api`; a host app configures its own 
 (`pip install 'fallback_mw[otel]'`): the SDK is imported only when an exporter is asked for.
 
 Variables read here: `OTEL_SDK_DISABLED`, `OTEL_TRACES_EXPORTER`, `OTEL_METRICS_EXPORTER`
-(comma-separated; `console`, `otlp`, `none`), `OTEL_EXPORTER_OTLP_PROTOCOL` /
+(comma-separated; `console`, `otlp`, `none`, and for metrics `prometheus`: a pull endpoint,
+`/metrics` on `OTEL_EXPORTER_PROMETHEUS_HOST`:`OTEL_EXPORTER_PROMETHEUS_PORT`, default
+localhost:9464 as the OpenTelemetry specification says), `OTEL_EXPORTER_OTLP_PROTOCOL` /
 `OTEL_EXPORTER_OTLP_{TRACES,METRICS}_PROTOCOL` (`http/protobuf`, or `grpc` when that
 exporter package is installed). Without any `*_EXPORTER` variable, `otlp` is used when an
 OTLP endpoint is set (`OTEL_EXPORTER_OTLP_ENDPOINT` or a signal-specific one) and nothing
@@ -25,7 +27,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-_KNOWN_EXPORTERS = frozenset({"console", "otlp", "none"})
+_KNOWN_EXPORTERS = {
+    "traces": frozenset({"console", "otlp", "none"}),
+    "metrics": frozenset({"console", "otlp", "prometheus", "none"}),
+}
+PROMETHEUS_HOST = "localhost"  # the OpenTelemetry specification's defaults
+PROMETHEUS_PORT = 9464
 
 
 class TelemetrySetupError(RuntimeError):
@@ -42,7 +49,10 @@ class OtelHandle:
     metrics: tuple[str, ...] = ()
     tracer_provider: Any = None  # opentelemetry.sdk.trace.TracerProvider, when traces
     meter_provider: Any = None  # opentelemetry.sdk.metrics.MeterProvider, when metrics
+    # With OTEL_METRICS_EXPORTER=prometheus: where `/metrics` is served, (host, port).
+    prometheus_address: tuple[str, int] | None = None
     _providers: list[Any] = field(default_factory=list)
+    _servers: list[Any] = field(default_factory=list)
 
     @property
     def enabled(self) -> bool:
@@ -54,6 +64,11 @@ class OtelHandle:
             # Flushing at exit must not mask the real exit status.
             with contextlib.suppress(Exception):
                 provider.shutdown()
+        servers, self._servers = self._servers, []
+        for server in servers:
+            with contextlib.suppress(Exception):
+                server.shutdown()
+                server.server_close()
 
 
 def _exporters(environ: Mapping[str, str], signal: str) -> tuple[str, ...]:
@@ -65,11 +80,12 @@ def _exporters(environ: Mapping[str, str], signal: str) -> tuple[str, ...]:
         )
         return ("otlp",) if endpoint else ()
     names = tuple(dict.fromkeys(n.strip().lower() for n in raw.split(",") if n.strip()))
-    unknown = [n for n in names if n not in _KNOWN_EXPORTERS]
+    known = _KNOWN_EXPORTERS[signal]
+    unknown = [n for n in names if n not in known]
     if unknown:
         raise TelemetrySetupError(
             f"{variable}: unsupported exporter {', '.join(sorted(unknown))} "
-            f"(supported: console, otlp, none)"
+            f"(supported: {', '.join(sorted(known))})"
         )
     return tuple(n for n in names if n != "none")
 
@@ -93,6 +109,62 @@ def _missing(package: str) -> TelemetrySetupError:
         f"OpenTelemetry export was requested but {package} is not installed: "
         "pip install 'fallback_mw[otel]'"
     )
+
+
+def prometheus_address(environ: Mapping[str, str]) -> tuple[str, int]:
+    """(host, port) of the `/metrics` endpoint: `OTEL_EXPORTER_PROMETHEUS_HOST` /
+    `OTEL_EXPORTER_PROMETHEUS_PORT`, default localhost:9464."""
+    host = environ.get("OTEL_EXPORTER_PROMETHEUS_HOST", "").strip() or PROMETHEUS_HOST
+    raw = environ.get("OTEL_EXPORTER_PROMETHEUS_PORT", "").strip()
+    if not raw:
+        return host, PROMETHEUS_PORT
+    if not raw.isdigit() or not 0 < int(raw) < 65536:
+        raise TelemetrySetupError(
+            f"OTEL_EXPORTER_PROMETHEUS_PORT: {raw[:16]!r} is not a port number (1-65535)"
+        )
+    return host, int(raw)
+
+
+def check_workers(workers: int, environ: Mapping[str, str] | None = None) -> None:
+    """`serve --workers N` (N > 1) with the Prometheus exporter is refused: each process
+    would serve only its own counts, and only one can listen on the port. Export with
+    `otlp` to a collector instead (docs/telemetry.md)."""
+    environ = os.environ if environ is None else environ
+    disabled = environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
+    if workers > 1 and not disabled and "prometheus" in _exporters(environ, "metrics"):
+        raise TelemetrySetupError(
+            "OTEL_METRICS_EXPORTER=prometheus serves one process's metrics: use "
+            "--workers 1, or export with otlp to an OpenTelemetry Collector that "
+            "Prometheus scrapes (docs/telemetry.md)"
+        )
+
+
+def _prometheus_reader(handle: OtelHandle, environ: Mapping[str, str]) -> Any:
+    """OpenTelemetry's PrometheusMetricReader on a registry of its own, served as
+    `/metrics` by prometheus_client's HTTP server in a daemon thread."""
+    try:
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+    except ImportError as exc:
+        raise _missing("opentelemetry-exporter-prometheus") from exc
+    host, port = prometheus_address(environ)
+    registry = CollectorRegistry()
+    try:
+        reader = PrometheusMetricReader(registry=registry)
+    except TypeError:  # an exporter older than its `registry` argument: the global one
+        registry = REGISTRY
+        reader = PrometheusMetricReader()
+    try:
+        server, _thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise TelemetrySetupError(
+            f"OTEL_EXPORTER_PROMETHEUS_HOST/_PORT: cannot serve /metrics on {host}:{port} "
+            f"({exc.strerror or type(exc).__name__})"
+        ) from None
+    handle._servers.append(server)
+    bound = server.server_address
+    handle.prometheus_address = (host, int(bound[1]))
+    return reader
 
 
 # Per signal: the SDK module with its console exporter, the OTLP exporter module (under
@@ -180,7 +252,9 @@ def configure_opentelemetry(
         from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
         readers = [
-            PeriodicExportingMetricReader(_exporter("metrics", name, environ, stream))
+            _prometheus_reader(handle, environ)
+            if name == "prometheus"
+            else PeriodicExportingMetricReader(_exporter("metrics", name, environ, stream))
             for name in handle.metrics
         ]
         meter_provider = MeterProvider(
@@ -196,4 +270,11 @@ def configure_opentelemetry(
 # The name `fallback-mw serve` looks up.
 configure_from_env = configure_opentelemetry
 
-__all__ = ["OtelHandle", "TelemetrySetupError", "configure_from_env", "configure_opentelemetry"]
+__all__ = [
+    "OtelHandle",
+    "TelemetrySetupError",
+    "check_workers",
+    "configure_from_env",
+    "configure_opentelemetry",
+    "prometheus_address",
+]

@@ -170,8 +170,13 @@ def run_server(
         telemetry = configure_opentelemetry()
     except TelemetrySetupError as exc:
         raise Refused(str(exc)) from None
+    if telemetry.prometheus_address is not None:
+        metrics_host, metrics_port = telemetry.prometheus_address
+        console.print(f"metrics on http://{metrics_host}:{metrics_port}/metrics (Prometheus)")
     try:
         gateway = Gateway(not_found_app, config=config)
+        if gateway.config_error is not None:  # e.g. a store route the file's rules refuse
+            raise Refused(gateway.config_error)
         if sock is None:
             sock = listen_socket(args.host, args.port)
             console.print(f"serving on {address(sock)} (Ctrl-C to stop)")

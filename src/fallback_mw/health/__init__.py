@@ -20,9 +20,20 @@ class HealthState(Protocol):
         admits exactly one probe (the caller must then `record` its outcome)."""
         ...
 
-    async def record(self, upstream: str, *, failure: bool) -> None:
+    async def record(self, upstream: str, *, failure: bool, fault: str | None = None) -> None:
         """Outcome of an admitted attempt. `failure` is failover-class (SPEC §6); statuses
-        outside `failover_status` are recorded as successes for the breaker."""
+        outside `failover_status` are recorded as successes for the breaker. `fault` names
+        the game-day fault that produced it (the breaker remembers that faults opened it)."""
+        ...
+
+    async def open_fault(self, upstream: str) -> str | None:
+        """The fault whose outcomes opened this upstream's breaker, while it is open or
+        half-open (a skip it causes is the fault's); None otherwise."""
+        ...
+
+    async def reset_fault(self, upstream: str) -> None:
+        """The fault on this upstream was cleared: a breaker its outcomes opened closes
+        (window and cooldown reset); one real failures opened is left alone."""
         ...
 
     async def release(self, upstream: str) -> None:
@@ -59,7 +70,13 @@ class AlwaysHealthy:
     async def admit(self, upstream: str) -> bool:
         return True
 
-    async def record(self, upstream: str, *, failure: bool) -> None:
+    async def record(self, upstream: str, *, failure: bool, fault: str | None = None) -> None:
+        return None
+
+    async def open_fault(self, upstream: str) -> str | None:
+        return None
+
+    async def reset_fault(self, upstream: str) -> None:
         return None
 
     async def release(self, upstream: str) -> None:

@@ -9,6 +9,14 @@ half_open exactly one probe admitted at a time. A failed probe reopens the break
           resets the window and the cooldown. A probe that never reports (its request was
           cancelled) loses its slot after `probe_lease` seconds.
 
+Fault attribution (SPEC §12): an outcome may come from a game-day fault (`fault` names it).
+A breaker remembers in `fault` whether fault outcomes opened it: on opening, when the
+window's fault failures alone reach `failure_rate`; on reopening, when the failed probe was
+a fault. While it is open or half-open, skips it causes are the fault's. `reset_fault`
+(the fault was cleared) closes a breaker that a fault opened (window and cooldown reset)
+and drops fault outcomes from a closed breaker's window; a breaker real failures opened is
+left alone.
+
 The Redis state runs the same machine in Lua (health/redis.py); keep the two in step.
 """
 
@@ -31,10 +39,13 @@ class Breaker:
     config: BreakerConfig
     probe_lease: float = DEFAULT_PROBE_LEASE
     state: BreakerState = "closed"
-    outcomes: deque[bool] = field(default_factory=deque)  # True = failover-class failure
+    # 0 success, 1 failover-class failure, 2 failure a game-day fault caused
+    outcomes: deque[int] = field(default_factory=deque)
     cooldown: float = 0.0  # seconds of the current (or next) open period
     open_until: float = 0.0
     probe_until: float | None = None  # half-open: the probe's lease, None = slot free
+    fault: str | None = None  # open / half-open: the fault whose outcomes opened it
+    last_fault: str | None = None  # closed: the latest fault outcome's kind in the window
 
     def __post_init__(self) -> None:
         self.outcomes = deque(maxlen=self.config.window)
@@ -64,27 +75,57 @@ class Breaker:
         self.probe_until = now + self.probe_lease
         return True, transition
 
-    def record(self, *, failure: bool, now: float) -> Transition | None:
-        """The outcome of an admitted attempt; returns the transition it caused, if any."""
+    def record(self, *, failure: bool, now: float, fault: str | None = None) -> Transition | None:
+        """The outcome of an admitted attempt (`fault`: the game-day fault that produced
+        it); returns the transition it caused, if any."""
+        faulted = failure and fault is not None
         if self.state == "closed":
-            self.outcomes.append(failure)
+            self.outcomes.append(2 if faulted else 1 if failure else 0)
+            if faulted:
+                self.last_fault = fault
             calls = len(self.outcomes)
-            if calls >= self.config.min_calls and (
-                sum(self.outcomes) / calls >= self.config.failure_rate
-            ):
+            failures = sum(1 for o in self.outcomes if o)
+            if calls >= self.config.min_calls and failures / calls >= self.config.failure_rate:
+                by_fault = sum(1 for o in self.outcomes if o == 2) / calls
                 self._open(now, self.base_cooldown)
+                self.fault = self.last_fault if by_fault >= self.config.failure_rate else None
                 return "opened"
             return None
         if self.state == "open" or self.probe_until is None:
             return None  # a straggler admitted before the breaker opened
         if failure:
             self._open(now, min(self.cooldown * 2, self.max_cooldown))
+            self.fault = fault if faulted else None
             return "reopened"
+        self._close()
+        return "closed"
+
+    def reset_fault(self) -> Transition | None:
+        """A fault was cleared: close the breaker if fault outcomes opened it (window and
+        cooldown reset); a closed breaker forgets its fault outcomes. Returns "closed" when
+        it closed the breaker."""
+        if self.state == "closed":
+            kept = [o for o in self.outcomes if o != 2]
+            if len(kept) != len(self.outcomes):
+                self.outcomes.clear()
+                self.outcomes.extend(kept)
+            self.last_fault = None
+            return None
+        if self.fault is None:
+            return None  # real failures opened it: left alone
+        self._close()
+        return "closed"
+
+    def open_fault(self) -> str | None:
+        """The fault whose outcomes opened this breaker, while it is not closed."""
+        return None if self.state == "closed" else self.fault
+
+    def _close(self) -> None:
         self.state = "closed"
         self.outcomes.clear()
         self.cooldown = self.base_cooldown
         self.probe_until = None
-        return "closed"
+        self.fault = self.last_fault = None
 
     def release(self) -> None:
         """An admitted attempt ended for a reason that says nothing of the upstream (the

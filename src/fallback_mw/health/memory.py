@@ -84,9 +84,18 @@ class MemoryHealth:
         report_transition(self.on_transition, upstream, transition)
         return admitted
 
-    async def record(self, upstream: str, *, failure: bool) -> None:
-        transition = self.breaker(upstream).record(failure=failure, now=self.clock())
+    async def record(self, upstream: str, *, failure: bool, fault: str | None = None) -> None:
+        transition = self.breaker(upstream).record(failure=failure, now=self.clock(), fault=fault)
         report_transition(self.on_transition, upstream, transition)
+
+    async def open_fault(self, upstream: str) -> str | None:
+        found = self._breakers.get(upstream)
+        return None if found is None else found.open_fault()
+
+    async def reset_fault(self, upstream: str) -> None:
+        found = self._breakers.get(upstream)
+        if found is not None:
+            report_transition(self.on_transition, upstream, found.reset_fault())
 
     async def release(self, upstream: str) -> None:
         self.breaker(upstream).release()

@@ -35,7 +35,15 @@ from fallback_mw.config import BreakerConfig
 from fallback_mw.health.breaker import DEFAULT_PROBE_LEASE
 from fallback_mw.health.events import TransitionListener
 from fallback_mw.health.memory import MemoryHealth, breaker_credential_mark, report_transition
-from fallback_mw.health.redis_scripts import ADMIT, MARK, PICK, RECORD, RELEASE
+from fallback_mw.health.redis_scripts import (
+    ADMIT,
+    MARK,
+    OPEN_FAULT,
+    PICK,
+    RECORD,
+    RELEASE,
+    RESET_FAULT,
+)
 from fallback_mw.store_url import redact_url
 
 logger = logging.getLogger("fallback_mw.health")
@@ -203,7 +211,7 @@ class RedisHealth:
             convert,
         )
 
-    async def record(self, upstream: str, *, failure: bool) -> None:
+    async def record(self, upstream: str, *, failure: bool, fault: str | None = None) -> None:
         config = self.config
 
         def convert(result: Any) -> None:
@@ -221,10 +229,36 @@ class RedisHealth:
                 config.cooldown_ms,
                 max(config.max_cooldown_ms, config.cooldown_ms),
                 self.breaker_ttl_ms,
+                fault or "",
             ],
-            lambda: self.local.record(upstream, failure=failure),
+            lambda: self.local.record(upstream, failure=failure, fault=fault),
             convert,
         )
+
+    async def open_fault(self, upstream: str) -> str | None:
+        return await self._with_fallback(
+            "open_fault",
+            OPEN_FAULT,
+            [self._key("breaker", upstream)],
+            [],
+            lambda: self.local.open_fault(upstream),
+            lambda result: str(result) or None,
+        )
+
+    async def reset_fault(self, upstream: str) -> None:
+        def convert(result: Any) -> None:
+            report_transition(self.on_transition, upstream, result or None)
+
+        await self._with_fallback(
+            "reset_fault",
+            RESET_FAULT,
+            [self._key("breaker", upstream)],
+            [self.config.cooldown_ms],
+            lambda: self.local.reset_fault(upstream),
+            convert,
+        )
+        # The local state served while Redis was unreachable is reset too.
+        await self.local.reset_fault(upstream)
 
     async def release(self, upstream: str) -> None:
         await self._with_fallback(

@@ -28,13 +28,19 @@ return {1, transition}
 )
 
 # KEYS[1] breaker hash. ARGV: failure '1'/'0', window, min_calls, failure_rate,
-# base cooldown ms, max cooldown ms, key ttl ms. Returns the transition or ''.
+# base cooldown ms, max cooldown ms, key ttl ms, the fault kind that produced the outcome
+# ('' for a real one). Returns the transition or ''. The window holds '0' success, '1'
+# failure, '2' a fault's failure; 'fault' is the fault that opened the breaker (health/
+# breaker.py: its fault failures alone reached the rate, or a fault probe reopened it),
+# 'lf' the latest fault kind in a closed breaker's window.
 RECORD = (
     _NOW
     + """
 local key = KEYS[1]
 local failure = ARGV[1]
 local base = tonumber(ARGV[5])
+local fk = ARGV[8] or ''
+local faulted = failure == '1' and fk ~= ''
 local st = redis.call('HGET', key, 'st') or 'closed'
 local result = ''
 local function open(cooldown)
@@ -42,22 +48,34 @@ local function open(cooldown)
     'until', string.format('%.0f', now + cooldown), 'probe', '0', 'win', '')
 end
 if st == 'closed' then
-  local win = (redis.call('HGET', key, 'win') or '') .. failure
+  local mark = failure
+  if faulted then mark = '2' end
+  local win = (redis.call('HGET', key, 'win') or '') .. mark
   local size = tonumber(ARGV[2])
   if #win > size then win = string.sub(win, -size) end
-  local _, fails = string.gsub(win, '1', '')
+  local _, fails = string.gsub(win, '[12]', '')
+  local _, faults = string.gsub(win, '2', '')
+  local lf = redis.call('HGET', key, 'lf') or ''
+  if faulted then lf = fk end
   if #win >= tonumber(ARGV[3]) and fails / #win >= tonumber(ARGV[4]) then
     open(base)
+    local by = ''
+    if faults / #win >= tonumber(ARGV[4]) then by = lf end
+    redis.call('HSET', key, 'fault', by, 'lf', '')
     result = 'opened'
   else
-    redis.call('HSET', key, 'st', 'closed', 'win', win)
+    redis.call('HSET', key, 'st', 'closed', 'win', win, 'lf', lf)
   end
 elseif st == 'half_open' and tonumber(redis.call('HGET', key, 'probe') or '0') > 0 then
   if failure == '1' then
     open(math.min(tonumber(redis.call('HGET', key, 'cd') or ARGV[5]) * 2, tonumber(ARGV[6])))
+    local by = ''
+    if faulted then by = fk end
+    redis.call('HSET', key, 'fault', by)
     result = 'reopened'
   else
-    redis.call('HSET', key, 'st', 'closed', 'win', '', 'cd', ARGV[5], 'probe', '0')
+    redis.call('HSET', key, 'st', 'closed', 'win', '', 'cd', ARGV[5], 'probe', '0',
+      'fault', '', 'lf', '')
     result = 'closed'
   end
 end
@@ -65,6 +83,34 @@ redis.call('PEXPIRE', key, ARGV[7])
 return result
 """
 )
+
+# KEYS[1] breaker hash. The fault whose outcomes opened the breaker, '' when it is closed
+# or real failures opened it.
+OPEN_FAULT = """
+local st = redis.call('HGET', KEYS[1], 'st')
+if (not st) or st == 'closed' then return '' end
+return redis.call('HGET', KEYS[1], 'fault') or ''
+"""
+
+# KEYS[1] breaker hash. ARGV: base cooldown ms. A fault was cleared: a breaker its
+# outcomes opened closes (window and cooldown reset); a closed one forgets its fault
+# outcomes; one real failures opened is left alone. Returns 'closed' or ''.
+RESET_FAULT = """
+local key = KEYS[1]
+local st = redis.call('HGET', key, 'st')
+if not st then return '' end
+if st == 'closed' then
+  local win = redis.call('HGET', key, 'win') or ''
+  local kept = string.gsub(win, '2', '')
+  redis.call('HSET', key, 'win', kept, 'lf', '')
+  return ''
+end
+if (redis.call('HGET', key, 'fault') or '') == '' then return '' end
+redis.call('HSET', key, 'st', 'closed', 'win', '', 'cd', ARGV[1], 'probe', '0',
+  'fault', '', 'lf', '')
+return 'closed'
+"""
+
 
 # KEYS[1] credential hash, KEYS[2] rotation counter, KEYS[3] session affinity key.
 # ARGV: pool size, excluded as ',0,2,', use session '1'/'0', affinity ttl ms, key ttl ms.

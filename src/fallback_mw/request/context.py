@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
+import os
 from collections.abc import AsyncIterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +17,12 @@ from fallback_mw.config import RouteConfig, UpstreamConfig
 SCOPE_KEY = "fallback_mw.request.context"
 
 Headers = list[tuple[bytes, bytes]]
+
+
+def new_request_id() -> str:
+    """32 random hex digits, as `uuid4().hex` was, at a quarter of its cost (no UUID
+    object, no version bits: nothing reads the id as a UUID)."""
+    return os.urandom(16).hex()
 
 
 @dataclass(slots=True)
@@ -86,7 +92,7 @@ class RequestContext:
     path: str  # normalised path, the one matched and forwarded
     query: bytes  # forwarded upstream, never recorded
     deadline: float  # time.monotonic() by which the walk must have a response head
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    request_id: str = field(default_factory=new_request_id)
     started: float = field(default_factory=time.monotonic)
     candidates: list[str] = field(default_factory=list)  # this request's order
     canary: bool = False

@@ -32,8 +32,9 @@ def gateway_headers(context: RequestContext) -> list[tuple[bytes, bytes]]:
         headers.append((b"x-gateway-provider", context.chosen.encode("latin-1", "replace")))
     if context.canary:
         headers.append((b"x-gateway-canary", b"1"))
-    if context.pinned is not None or any(a.fault for a in context.attempts):
-        # Game-day traffic is named as such (a pin, a fail or a hang fault drove it).
+    if context.fault:
+        # Game-day traffic is named as such (a pin, a faulted attempt, or a skip past a
+        # breaker that fault outcomes opened).
         headers.append((b"x-gateway-fault", b"1"))
     return headers
 

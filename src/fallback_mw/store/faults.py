@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable
 
 from fallback_mw.faults import UpstreamFault
 from fallback_mw.store.model import Fault
+from fallback_mw.upstream.blackhole import Blackhole
 
 
 class FaultSnapshot:
@@ -48,8 +49,10 @@ class StoreFaults:
         on_use: Callable[[], None] | None = None,
         on_close: Callable[[], object] | None = None,
         clock: Callable[[], float] = time.time,
+        engine: str = "aiohttp",
     ) -> None:
         self.snapshot = FaultSnapshot()
+        self._blackhole = Blackhole(engine)  # its listener starts on the first blackhole
         self._on_use = on_use or (lambda: None)
         self._on_close = on_close
         self._clock = clock
@@ -68,7 +71,11 @@ class StoreFaults:
     def active_upstreams(self) -> frozenset[str]:
         return self.snapshot.active_upstreams(self._clock())
 
+    def blackhole(self) -> Blackhole:
+        return self._blackhole
+
     async def aclose(self) -> None:
+        await self._blackhole.aclose()
         if self._on_close is not None:
             result = self._on_close()
             if hasattr(result, "__await__"):

@@ -1,0 +1,391 @@
+"""Everything a fault causes is booked as the fault, and the revert restores (SPEC §12).
+
+The breaker remembers whether fault outcomes opened it (memory and Redis); skips past such
+a breaker, and the fallbacks they cause, carry `gateway.fault` in metrics, spans, the log
+line and the usage records; clearing the fault (in the store: `faults clear`, or expiry)
+closes that breaker so the next request reaches the primary. A breaker real failures
+opened is left alone, and its skips stay real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+from fallback_mw import Gateway
+from fallback_mw.config import BreakerConfig
+from fallback_mw.health import HealthState
+from fallback_mw.health.breaker import Breaker
+from fallback_mw.health.memory import MemoryHealth
+from fallback_mw.store.ledgers import open_ledger
+from fallback_mw.telemetry import Telemetry
+from tests.helpers import client_for
+from tests.test_cli_admin import cli
+from tests.upstreams import Upstream, host_app, status_handler, upstream
+
+CONFIG = BreakerConfig(
+    window=4, min_calls=3, failure_rate=0.5, cooldown_ms=100, max_cooldown_ms=350
+)
+
+
+# --- the breaker machine ------------------------------------------------------------------
+
+
+def test_fault_outcomes_open_a_breaker_that_remembers_the_fault() -> None:
+    breaker = Breaker(CONFIG, probe_lease=10)
+    for _ in range(3):
+        breaker.record(failure=True, now=0, fault="fail")
+    assert breaker.state == "open"
+    assert breaker.open_fault() == "fail"
+    # A failed half-open probe under the fault doubles the cooldown and stays the fault's.
+    assert breaker.admit(0.1) == (True, "half_open")
+    assert breaker.open_fault() == "fail"
+    assert breaker.record(failure=True, now=0.1, fault="fail") == "reopened"
+    assert breaker.cooldown == 0.2
+    assert breaker.open_fault() == "fail"
+    # The revert: closed, window and cooldown back to their start.
+    assert breaker.reset_fault() == "closed"
+    assert str(breaker.state) == "closed"
+    assert breaker.cooldown == 0.1
+    assert list(breaker.outcomes) == []
+    assert breaker.open_fault() is None
+    assert breaker.admit(0.15) == (True, None)
+
+
+def test_real_failures_open_a_breaker_the_revert_leaves_alone() -> None:
+    breaker = Breaker(CONFIG)
+    for _ in range(3):
+        breaker.record(failure=True, now=0)
+    assert breaker.open_fault() is None
+    assert breaker.reset_fault() is None
+    assert breaker.state == "open"
+
+
+def test_a_breaker_is_the_faults_only_when_fault_failures_alone_reach_the_rate() -> None:
+    # Window [real, real, fault]: 3/3 failures, but fault failures are 1/3 < 0.5: real.
+    mixed = Breaker(CONFIG)
+    mixed.record(failure=True, now=0)
+    mixed.record(failure=True, now=0)
+    assert mixed.record(failure=True, now=0, fault="fail") == "opened"
+    assert mixed.open_fault() is None
+    # Window [real, fault, fault]: the fault's 2/3 reach the rate on their own.
+    faulted = Breaker(CONFIG)
+    faulted.record(failure=True, now=0)
+    faulted.record(failure=True, now=0, fault="hang")
+    assert faulted.record(failure=True, now=0, fault="hang") == "opened"
+    assert faulted.open_fault() == "hang"
+
+
+def test_a_real_probe_failure_makes_a_fault_breaker_real() -> None:
+    breaker = Breaker(CONFIG, probe_lease=10)
+    for _ in range(3):
+        breaker.record(failure=True, now=0, fault="fail")
+    assert breaker.admit(0.1)[0]
+    assert breaker.record(failure=True, now=0.1) == "reopened"
+    assert breaker.open_fault() is None
+    assert breaker.reset_fault() is None
+    assert breaker.state == "open"
+
+
+def test_the_revert_drops_fault_outcomes_from_a_closed_window() -> None:
+    breaker = Breaker(CONFIG)
+    breaker.record(failure=True, now=0, fault="fail")
+    breaker.record(failure=True, now=0)
+    assert breaker.reset_fault() is None
+    assert breaker.state == "closed"
+    assert list(breaker.outcomes) == [1]  # the real failure stays
+    # One more real failure: 2/2 but under min_calls; a third opens it, as real.
+    breaker.record(failure=False, now=0)
+    assert breaker.record(failure=True, now=0) == "opened"
+    assert breaker.open_fault() is None
+
+
+# --- the health states (memory and the real Redis) ----------------------------------------
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def health_factory(
+    request: pytest.FixtureRequest,
+) -> AsyncIterator[Callable[[], HealthState]]:
+    made: list[HealthState] = []
+    state = "memory://" if request.param == "memory" else request.getfixturevalue("redis_url")
+
+    def make() -> HealthState:
+        from fallback_mw.health import create_health
+
+        health = create_health(state, CONFIG)
+        if isinstance(health, MemoryHealth) and made:
+            return made[0]  # memory: one process, one state
+        made.append(health)
+        return health
+
+    yield make
+    for health in made:
+        await health.aclose()
+
+
+@pytest.mark.anyio
+async def test_health_states_remember_who_opened_the_breaker(
+    health_factory: Callable[[], HealthState],
+) -> None:
+    one, two = health_factory(), health_factory()  # two processes sharing a Redis
+    for _ in range(3):
+        await one.record("faulted", failure=True, fault="fail")
+        await one.record("real", failure=True)
+    for health in (one, two):
+        assert not await health.admit("faulted")
+        assert await health.open_fault("faulted") == "fail"
+        assert not await health.admit("real")
+        assert await health.open_fault("real") is None
+        assert await health.open_fault("never-seen") is None
+    await two.reset_fault("faulted")
+    await two.reset_fault("real")
+    for health in (one, two):
+        assert await health.admit("faulted")  # closed: no probe lease needed
+        assert await health.admit("faulted")
+        assert await health.open_fault("faulted") is None
+        assert not await health.admit("real")
+
+
+@pytest.mark.anyio
+async def test_health_states_revert_forgets_fault_outcomes_of_a_closed_breaker(
+    health_factory: Callable[[], HealthState],
+) -> None:
+    health = health_factory()
+    await health.record("up", failure=True, fault="fail")
+    await health.record("up", failure=True, fault="fail")
+    await health.reset_fault("up")
+    # Were the two fault failures still in the window, this real one would open it.
+    await health.record("up", failure=True)
+    assert await health.admit("up")
+    await health.record("up", failure=False)
+    await health.record("up", failure=True)
+    assert not await health.admit("up")  # 2 real of 3: open, and real
+    assert await health.open_fault("up") is None
+
+
+# --- a gateway under a fault in the store ---------------------------------------------------
+
+
+def gateway_config(store: str, primary: str, backup: str) -> dict[str, Any]:
+    return {
+        "gateway": {
+            "store": store,
+            # A long cooldown: no half-open probe inside the test; only the revert closes it.
+            "breaker": {"window": 10, "min_calls": 3, "failure_rate": 0.5, "cooldown_ms": 600_000},
+        },
+        "upstreams": {"primary": {"url": primary}, "backup": {"url": backup}},
+        "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary", "backup"], "retries": 1}],
+    }
+
+
+def counts(reader: InMemoryMetricReader, name: str) -> dict[tuple[tuple[str, Any], ...], int]:
+    found: dict[tuple[tuple[str, Any], ...], int] = {}
+    data = reader.get_metrics_data()
+    assert data is not None
+    for resource in data.resource_metrics:
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                if metric.name != name:
+                    continue
+                for point in metric.data.data_points:
+                    key = tuple(sorted((point.attributes or {}).items()))
+                    found[key] = found.get(key, 0) + int(point.value)  # type: ignore[union-attr]
+    return found
+
+
+def by_fault(reader: InMemoryMetricReader, name: str) -> dict[bool, int]:
+    result = {True: 0, False: 0}
+    for key, value in counts(reader, name).items():
+        result[bool(dict(key)["gateway.fault"])] += value
+    return result
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[tuple[Upstream, Upstream]]:
+    async with (
+        upstream(status_handler(200, b"primary")) as primary,
+        upstream(status_handler(200, b"backup")) as backup,
+    ):
+        yield primary, backup
+
+
+async def until(condition: Callable[[], Awaitable[bool]], within: float = 15.0) -> None:
+    deadline = time.monotonic() + within
+    while not await condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.anyio
+async def test_a_fail_fault_is_booked_as_the_fault_and_its_clear_restores_the_primary(
+    tmp_path: Path, pair: tuple[Upstream, Upstream]
+) -> None:
+    primary, backup = pair
+    store = f"sqlite:///{tmp_path / 'gw.db'}"
+    reader = InMemoryMetricReader()
+    telemetry = Telemetry(meter_provider=MeterProvider(metric_readers=[reader]))
+    gateway = Gateway(
+        host_app, config=gateway_config(store, primary.url, backup.url), environ={},
+        telemetry=telemetry,
+    )  # fmt: skip
+    runtime = gateway.services.store
+    assert runtime is not None
+    try:
+        async with client_for(gateway) as client:
+            assert (await client.get("/v1/x")).headers["x-gateway-provider"] == "primary"
+            status, _, err = await cli(
+                "faults", "set", "fail", "--store", store, "--upstream", "primary", "--ttl", "600"
+            )
+            assert status == 0, err
+            await until(lambda: _true(runtime.faults.active_upstreams() == {"primary"}))
+            # Steady traffic under the fault: 3 faulted attempts open the breaker, the
+            # rest skip the primary because of it.
+            requests = 300
+            for _ in range(requests):
+                response = await client.get("/v1/x")
+                assert response.status_code == 200
+                assert response.headers["x-gateway-provider"] == "backup"
+                assert response.headers.get("x-gateway-fault") == "1"
+            fallbacks = by_fault(reader, "gateway.fallbacks")
+            assert fallbacks[True] + fallbacks[False] == requests
+            assert fallbacks[True] >= 0.99 * requests, fallbacks
+            assert by_fault(reader, "gateway.requests")[True] == requests
+            # Attempts: a few faulted at the primary (the window also holds the success
+            # before the fault), every backup attempt real; the rest were skips.
+            attempts = counts(reader, "gateway.attempts")
+            faulted = sum(v for k, v in attempts.items() if dict(k)["gateway.fault"])
+            assert 1 <= faulted <= 3
+            skips = counts(reader, "gateway.skips")
+            assert all(dict(k)["gateway.fault"] for k in skips), skips
+            assert sum(skips.values()) == requests - faulted
+            assert primary.count == 1  # no packet left during the fault
+
+            # The usage records say the same, per request.
+            ledger = open_ledger(store)
+            assert ledger is not None
+            try:
+                records = await ledger.usage(route="chat", limit=10_000)
+            finally:
+                await ledger.aclose()
+            during = [r for r in records if r.chosen == "backup"]
+            assert len(during) == requests
+            assert all(r.fault for r in during)
+            skipped = [a for r in during for a in r.attempts if a.skipped == "breaker_open"]
+            assert len(skipped) == requests - faulted
+            assert all(a.fault == "fail" for a in skipped)
+
+            # The revert: `faults clear`; once the reloader has seen it, the very next
+            # request reaches the primary (its breaker was closed, not left to a cooldown).
+            status, _, err = await cli("faults", "clear", "--store", store, "--upstream", "primary")
+            assert status == 0, err
+            await until(lambda: _true(not runtime.faults.active_upstreams()))
+            await until(lambda: _breaker_closed(gateway))
+            response = await client.get("/v1/x")
+            assert response.headers["x-gateway-provider"] == "primary"
+            assert "x-gateway-fault" not in response.headers
+            assert primary.count == 2
+    finally:
+        await gateway.aclose()
+
+
+@pytest.mark.anyio
+async def test_an_expired_fault_restores_the_primary_too(
+    tmp_path: Path, pair: tuple[Upstream, Upstream]
+) -> None:
+    primary, backup = pair
+    store = f"sqlite:///{tmp_path / 'gw.db'}"
+    gateway = Gateway(host_app, config=gateway_config(store, primary.url, backup.url), environ={})
+    runtime = gateway.services.store
+    assert runtime is not None
+    try:
+        async with client_for(gateway) as client:
+            # The first request starts the reloader (it runs inside the serving loop).
+            assert (await client.get("/v1/x")).headers["x-gateway-provider"] == "primary"
+            status, _, err = await cli(
+                "faults", "set", "fail", "--store", store, "--upstream", "primary", "--ttl", "5"
+            )
+            assert status == 0, err
+            await until(lambda: _true(runtime.faults.active_upstreams() == {"primary"}))
+            for _ in range(5):
+                response = await client.get("/v1/x")
+                if response.headers.get("x-gateway-fault") != "1":
+                    break  # the fault expired already (a loaded machine): nothing to revert
+            else:
+                assert await gateway.services.health.open_fault("primary") == "fail"
+            await until(lambda: _breaker_closed(gateway))
+            await until(lambda: _true(not runtime.faults.active_upstreams()))
+            response = await client.get("/v1/x")
+            assert response.headers["x-gateway-provider"] == "primary"
+    finally:
+        await gateway.aclose()
+
+
+@pytest.mark.anyio
+async def test_real_failures_stay_real_through_a_fault_and_its_revert(tmp_path: Path) -> None:
+    store = f"sqlite:///{tmp_path / 'gw.db'}"
+    answer = {"status": 503}
+
+    from aiohttp import web
+
+    async def primary_handler(request: web.Request) -> web.StreamResponse:
+        return web.Response(status=answer["status"], body=b"primary")
+
+    reader = InMemoryMetricReader()
+    telemetry = Telemetry(meter_provider=MeterProvider(metric_readers=[reader]))
+    async with (
+        upstream(primary_handler) as primary,
+        upstream(status_handler(200, b"backup")) as backup,
+    ):
+        gateway = Gateway(
+            host_app, config=gateway_config(store, primary.url, backup.url), environ={},
+            telemetry=telemetry,
+        )  # fmt: skip
+        runtime = gateway.services.store
+        assert runtime is not None
+        try:
+            async with client_for(gateway) as client:
+                for _ in range(3):  # a real outage opens the breaker
+                    assert (await client.get("/v1/x")).headers["x-gateway-provider"] == "backup"
+                assert primary.count == 3
+                answer["status"] = 200
+                status, _, err = await cli(
+                    "faults", "set", "fail", "--store", store, "--upstream", "primary",
+                    "--ttl", "600",
+                )  # fmt: skip
+                assert status == 0, err
+                await until(lambda: _true(runtime.faults.active_upstreams() == {"primary"}))
+                for _ in range(5):
+                    response = await client.get("/v1/x")
+                    assert response.headers["x-gateway-provider"] == "backup"
+                    # The outage's skips, not the fault's.
+                    assert "x-gateway-fault" not in response.headers
+                fallbacks = by_fault(reader, "gateway.fallbacks")
+                assert fallbacks == {True: 0, False: 8}
+                status, _, err = await cli(
+                    "faults", "clear", "--store", store, "--upstream", "primary"
+                )
+                assert status == 0, err
+                await until(lambda: _true(not runtime.faults.active_upstreams()))
+                await asyncio.sleep(0.2)
+                # Left alone: the breaker real failures opened is still open.
+                response = await client.get("/v1/x")
+                assert response.headers["x-gateway-provider"] == "backup"
+                assert primary.count == 3
+        finally:
+            await gateway.aclose()
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def _breaker_closed(gateway: Gateway) -> bool:
+    return await gateway.services.health.open_fault("primary") is None
