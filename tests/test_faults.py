@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from fallback_mw import Gateway
-from fallback_mw.store.faults import FaultSnapshot
+from fallback_mw.store.faults import FaultSnapshot, StoreFaults
 from fallback_mw.store.model import Fault
 from fallback_mw.telemetry import Telemetry
 from tests.helpers import client_for
@@ -268,3 +268,93 @@ async def test_faults_set_is_atomic_under_concurrent_setters(any_store: str) -> 
     finally:
         for store in stores:
             await store.aclose()
+
+
+def _spans_by_candidate(exporter: InMemorySpanExporter) -> dict[str, list[dict[str, Any]]]:
+    found: dict[str, list[dict[str, Any]]] = {}
+    for span in exporter.get_finished_spans():
+        if span.name == "gateway.attempt":
+            attributes = dict(span.attributes or {})
+            found.setdefault(str(attributes.get("gateway.candidate")), []).append(attributes)
+    return found
+
+
+@pytest.mark.anyio
+async def test_blackhole_connects_to_a_silent_listener_and_the_engines_timeout_fires(
+    store_url: str, pair: tuple[Upstream, Upstream]
+) -> None:
+    """The attempt really connects (to the gateway's own loopback listener, never to the
+    upstream) and ends by the engine's first-byte timeout; then the walk fails over."""
+    primary, backup = pair
+    status, _, err = await cli(
+        "faults", "set", "blackhole", "--store", store_url, "--upstream", "primary", "--ttl", "60"
+    )
+    assert status == 0, err
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(shutdown_on_exit=False)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    gateway = Gateway(
+        host_app,
+        config=config(store_url, primary.url, backup.url),
+        environ={},
+        telemetry=Telemetry(tracer_provider=provider),
+    )
+    try:
+        started = time.monotonic()
+        response = await get(gateway)
+        took = time.monotonic() - started
+        faults = gateway.services.faults
+        assert isinstance(faults, StoreFaults)
+        accepted = faults.blackhole().connections
+    finally:
+        await gateway.aclose()
+    assert response.text == "backup" and response.headers["x-gateway-fault"] == "1"
+    assert took >= 0.3  # the primary's first_byte_timeout_ms
+    assert primary.count == 0  # nothing reached the upstream itself
+    assert accepted == 1  # one real connection, to the silent listener
+    spans = _spans_by_candidate(exporter)
+    provider.shutdown()
+    assert spans["primary"][0].get("gateway.failure.kind") == "fault"
+    assert "http.response.status_code" not in spans["primary"][0]
+
+
+@pytest.mark.anyio
+async def test_revoke_answers_401_retires_each_pool_credential_and_moves_on(
+    store_url: str, pair: tuple[Upstream, Upstream]
+) -> None:
+    """A credential disabled at the vendor: each pool credential gets a synthetic 401 (no
+    packet leaves) and is retired, and the pool moves on. As the health rules say, the 401
+    of the last credential is relayed (a 401 is not failover-class); from then on the
+    primary has no usable credential and is skipped: the backup serves at once."""
+    primary, backup = pair
+    status, _, err = await cli(
+        "faults", "set", "revoke", "--store", store_url, "--upstream", "primary", "--ttl", "60"
+    )
+    assert status == 0, err
+    cfg = config(store_url, primary.url, backup.url)
+    cfg["upstreams"]["primary"]["auth_env"] = ["FMW_REVOKE_A", "FMW_REVOKE_B"]
+    cfg["routes"][0]["retries"] = 2
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(shutdown_on_exit=False)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    gateway = Gateway(
+        host_app,
+        config=cfg,
+        environ={"FMW_REVOKE_A": "sk-a", "FMW_REVOKE_B": "sk-b"},
+        telemetry=Telemetry(tracer_provider=provider),
+    )
+    try:
+        first = await get(gateway)
+        second = await get(gateway)
+    finally:
+        await gateway.aclose()
+    assert first.status_code == 401 and first.headers["x-gateway-fault"] == "1"
+    assert first.headers["x-gateway-attempts"] == "2"  # one 401 per pool credential
+    assert primary.count == 0
+    # Both credentials retired: the next request skips the primary without an attempt.
+    assert second.text == "backup" and second.headers["x-gateway-attempts"] == "1"
+    assert second.headers["x-gateway-provider"] == "backup"
+    spans = _spans_by_candidate(exporter)
+    provider.shutdown()
+    assert [s.get("http.response.status_code") for s in spans["primary"]] == [401, 401]
+    assert all(s.get("gateway.failure.kind") == "fault" for s in spans["primary"])

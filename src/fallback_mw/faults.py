@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from fallback_mw.upstream.blackhole import Blackhole
 
 # fail: a synthetic 503, no packet leaves; hang: the attempt waits out its first-byte
 # timeout in the gateway; blackhole: the attempt really connects, to a local listener that
@@ -18,6 +21,13 @@ class FaultSource(Protocol):
     async def pinned_candidate(self, route_id: str) -> str | None: ...
 
     async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class BlackholeSource(Protocol):
+    """A fault source that can apply `blackhole`: it owns the process's listener."""
+
+    def blackhole(self) -> Blackhole: ...
 
 
 class NoFaults:

@@ -265,7 +265,7 @@ class AttemptLifecycle:
         record.status = outcome.status
         record.responsible = outcome.responsible
         mark = health_mark(outcome, self.failover_status)
-        if mark or outcome.kind != "status":
+        if mark or outcome.kind != "status" or outcome.fault is not None:
             record.failure_kind = outcome.failure_kind or "status"
         self.telemetry.attempt_finished(self.context, record)
         await self.mark_health(record.candidate, record.credential_index, outcome, response)
