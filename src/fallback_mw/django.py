@@ -37,7 +37,6 @@ from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpRequest, HttpResponseBase, StreamingHttpResponse
 
-from fallback_mw.config import ConfigError
 from fallback_mw.gateway import Gateway
 from fallback_mw.request.types import Message, Receive, Scope, Send
 
@@ -111,10 +110,10 @@ class GatewayMiddleware:
         self.get_response = get_response
         if iscoroutinefunction(get_response):
             markcoroutinefunction(self)
-        try:
-            self.gateway = Gateway(_to_django, config=_config_source())
-        except ConfigError as exc:
-            raise ImproperlyConfigured(f"fallback_mw: {exc}") from None
+        self.gateway = Gateway(_to_django, config=_config_source())
+        if self.gateway.config_error is not None:
+            # Django builds its middleware when asgi.py is imported: the server stops there.
+            raise ImproperlyConfigured(self.gateway.config_error)
         _live.add(self)
 
     async def __call__(self, request: HttpRequest) -> HttpResponseBase:

@@ -31,15 +31,16 @@ class Gateway:
     A configuration that does not load never serves, whichever host runs the gateway and
     however late it builds its middleware (Starlette builds it on the first ASGI call, and
     uvicorn's default lifespan mode swallows an exception raised there): the constructor
-    logs one ERROR line naming the problem and keeps it in `config_error`; the lifespan
-    startup then fails with that line (uvicorn, hypercorn and granian stop), and a host
-    that runs no lifespan gets a local 503 `config_error` naming it for every request
-    (HTTP) or a refused handshake (WebSocket), with no further log line."""
+    keeps the problem in `config_error` (it does not raise); the lifespan startup then
+    fails with it (uvicorn, hypercorn and granian stop, printing it), and under a host that
+    runs no lifespan every request is a local 503 `config_error` naming it (a WebSocket
+    handshake is refused), with one ERROR log line at the first request."""
 
     config: GatewayConfig
     services: Services
     resolver: RouteResolver
     config_error: str | None = None
+    _config_error_logged = False
 
     def __init__(
         self,
@@ -68,8 +69,9 @@ class Gateway:
                 environ=environ,
             )
         except ConfigError as exc:
+            # Said once: by the server as the lifespan startup failure, else at the first
+            # request (a host without lifespan), never per request.
             self.config_error = f"fallback_mw configuration error: {exc}"
-            logger.error("%s (nothing is served until it is fixed)", self.config_error)
             return
         services = self.services
         walker = PlanWalker(app, config=self.config, services=services, environ=environ)
@@ -83,6 +85,9 @@ class Gateway:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.config_error is not None:
+            if scope["type"] != "lifespan" and not self._config_error_logged:
+                self._config_error_logged = True
+                logger.error("%s; every request is answered 503 config_error", self.config_error)
             await _refuse(self.config_error, scope, receive, send)
             return
         if scope["type"] == "lifespan":

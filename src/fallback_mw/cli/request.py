@@ -140,7 +140,10 @@ def build_gateway(config: GatewayConfig, **services: Any) -> ASGIApp:
     from fallback_mw.cli.serve import not_found_app
     from fallback_mw.gateway import Gateway
 
-    return Gateway(not_found_app, config=config, **services)
+    gateway = Gateway(not_found_app, config=config, **services)
+    if gateway.config_error is not None:  # e.g. a store route the file's rules refuse
+        raise Refused(gateway.config_error)
+    return gateway
 
 
 def request(args: argparse.Namespace, console: Console) -> None:

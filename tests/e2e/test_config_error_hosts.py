@@ -1,0 +1,174 @@
+"""A broken configuration never serves (issue 19). `app.add_middleware(Gateway,
+config="gateway.toml")` with an unset key variable, in a FastAPI app under a real uvicorn
+process: Starlette builds its middleware on the first ASGI call and uvicorn's default
+lifespan mode ("auto") swallows an exception raised there, so the gateway fails the
+lifespan startup itself (uvicorn stops, naming the problem in one line); with the
+lifespan off, every request is a local 503 `config_error` naming it, logged once.
+In-process: the same for a dict and a loaded model."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from fallback_mw import Gateway
+from fallback_mw.config import GatewayConfig
+from tests.helpers import free_port, http_scope, log_text
+
+VARIABLE = "CFG_ERR_PRIMARY_KEY"
+PROBLEM = f"upstream 'primary': environment variable {VARIABLE} is not set"
+
+APP = """
+from fastapi import FastAPI
+from fallback_mw import Gateway
+
+app = FastAPI()
+
+@app.get("/health")
+def health():
+    return {"ok": True}
+
+app.add_middleware(Gateway, config="gateway.toml")
+"""
+
+TOML = f"""
+[upstreams.primary]
+url = "http://127.0.0.1:9"
+auth_env = "{VARIABLE}"
+
+[[routes]]
+id = "chat"
+prefix = "/v1/"
+plan = ["primary"]
+"""
+
+
+def _start(tmp: Path, *uvicorn_args: str) -> tuple[subprocess.Popen[bytes], int, Path]:
+    (tmp / "app.py").write_text(APP)
+    (tmp / "gateway.toml").write_text(TOML)
+    env = {k: v for k, v in os.environ.items() if k != VARIABLE}
+    port = free_port()
+    log = tmp / "uvicorn.log"
+    with log.open("wb") as out:  # the child keeps its own copy of the descriptor
+        process = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "app:app", "--port", str(port), *uvicorn_args],
+            cwd=tmp,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    return process, port, log
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _get(port: int, path: str, deadline: float) -> httpx.Response | None:
+    """GET until the server answers; None if it never does (it stopped, or time ran out)."""
+    while time.monotonic() < deadline:
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}{path}", timeout=5)
+        except httpx.TransportError:
+            time.sleep(0.05)
+    return None
+
+
+@pytest.mark.e2e
+def test_uvicorn_default_lifespan_stops_with_one_line(tmp_path: Path) -> None:
+    process, port, log = _start(tmp_path)
+    try:
+        deadline = time.monotonic() + 20
+        served: list[int] = []
+        while process.poll() is None and time.monotonic() < deadline:
+            answer = _get(port, "/health", min(deadline, time.monotonic() + 0.2))
+            if answer is not None:
+                served.append(answer.status_code)
+        assert process.poll() is not None, "uvicorn kept serving a broken configuration"
+    finally:
+        _stop(process)
+    output = log_text(log)
+    assert 500 not in served and 200 not in served, (served, output)
+    assert process.returncode != 0
+    assert "Traceback" not in output, output
+    lines = [line for line in output.splitlines() if PROBLEM in line]
+    assert lines, output
+    assert "ASGI 'lifespan' protocol appears unsupported" not in output
+
+
+@pytest.mark.e2e
+def test_uvicorn_without_lifespan_answers_503_naming_the_problem_logged_once(
+    tmp_path: Path,
+) -> None:
+    process, port, log = _start(tmp_path, "--lifespan", "off")
+    try:
+        answers = [_get(port, path, time.monotonic() + 20) for path in ("/health", "/v1/x") * 3]
+    finally:
+        _stop(process)
+    output = log_text(log)
+    for answer in answers:
+        assert answer is not None, output
+        assert answer.status_code == 503, (answer.status_code, answer.text, output)
+        error = answer.json()["error"]
+        assert error["code"] == "config_error" and error["rule"] == "config"
+        assert PROBLEM in error["message"]
+    assert "Traceback" not in output, output
+    assert sum(PROBLEM in line for line in output.splitlines()) == 1, output
+
+
+def _broken(form: str) -> Any:
+    data = {
+        "upstreams": {"primary": {"url": "http://127.0.0.1:9", "auth_env": VARIABLE}},
+        "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+    }
+    if form == "model":
+        return GatewayConfig.model_validate(data)
+    return data
+
+
+async def _host(scope: Any, receive: Any, send: Any) -> None:
+    raise AssertionError("the host app is never reached through a broken gateway")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("form", ["dict", "model"])
+async def test_every_config_form_refuses_to_serve(form: str) -> None:
+    gateway = Gateway(_host, config=_broken(form), environ={})
+    assert gateway.config_error is not None and PROBLEM in gateway.config_error
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    incoming = [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}]
+
+    async def lifespan_receive() -> dict[str, Any]:
+        return incoming.pop(0)
+
+    await gateway({"type": "lifespan"}, lifespan_receive, send)  # type: ignore[arg-type]
+    assert sent[0]["type"] == "lifespan.startup.failed" and PROBLEM in sent[0]["message"]
+    assert sent[1] == {"type": "lifespan.shutdown.complete"}
+    sent.clear()
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    await gateway(http_scope("GET", "/anything"), receive, send)  # type: ignore[arg-type]
+    assert sent[0]["status"] == 503
+    assert json.loads(sent[1]["body"])["error"]["code"] == "config_error"
+    await gateway.aclose()
