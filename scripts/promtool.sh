@@ -1,10 +1,12 @@
-# Sourced by test.sh: make `promtool` available for tests/test_alert_rules.py. On Debian and
-# Ubuntu (this project's CI machines) it comes from the `prometheus` package, installed
-# here when missing (as root, or through sudo without a password). Anywhere else, or when
-# the install fails, the tests say so: skipped outside CI, failed under CI=true.
+# Sourced by test.sh: make `promtool` available for tests/test_alert_rules.py, and the
+# Prometheus server itself for tests/e2e/test_prometheus.py (a real Prometheus scraping
+# `fallback-mw serve` with the shipped rules loaded). On Debian and Ubuntu (this project's
+# CI machines) both come from the `prometheus` package, installed here when either is
+# missing (as root, or through sudo without a password). Anywhere else, or when the install
+# fails, the tests say so: skipped outside CI, failed under CI=true.
 
-if ! command -v promtool >/dev/null 2>&1 && [ -z "${FALLBACK_MW_NO_APT:-}" ] \
-        && command -v apt-get >/dev/null 2>&1; then
+if { ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; } \
+        && [ -z "${FALLBACK_MW_NO_APT:-}" ] && command -v apt-get >/dev/null 2>&1; then
     sudo_cmd=""
     if [ "$(id -u)" != 0 ]; then
         if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then

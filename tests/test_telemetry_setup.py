@@ -183,3 +183,68 @@ def test_serve_style_global_setup_reaches_a_telemetry_made_before_it(tmp_path: P
     assert '"name": "gateway.request"' in result.stdout
     assert "gateway.requests" in result.stdout
     assert '"service.name": "fallback-mw"' in result.stdout
+
+
+def test_prometheus_serves_metrics_on_the_configured_address(otel_env: Any) -> None:
+    import urllib.request
+
+    from tests.upstreams import free_port
+
+    port = free_port()
+    otel_env(
+        OTEL_METRICS_EXPORTER="prometheus",
+        OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
+        OTEL_EXPORTER_PROMETHEUS_PORT=str(port),
+    )
+    handle = configure_opentelemetry(set_global=False)
+    try:
+        assert handle.metrics == ("prometheus",)
+        assert handle.prometheus_address == ("127.0.0.1", port)
+        run_one_request(Telemetry(meter_provider=handle.meter_provider))
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+    finally:
+        handle.shutdown()
+    # The names and labels the shipped alert rules use.
+    assert "gateway_requests_total{" in text
+    line = next(x for x in text.splitlines() if x.startswith("gateway_requests_total{"))
+    for label in ('gateway_route_id="chat"', 'gateway_outcome="served"', 'gateway_fault="false"'):
+        assert label in line
+    assert "gateway_request_duration_seconds_bucket{" in text
+    # Shut down: the port is free again.
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+
+
+def test_prometheus_defaults_refusals_and_the_missing_extra(
+    otel_env: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import socket
+
+    from fallback_mw.cli.otel_setup import check_workers, prometheus_address
+
+    assert prometheus_address({}) == ("localhost", 9464)  # the OTel specification's default
+    otel_env(OTEL_TRACES_EXPORTER="prometheus")  # a pull exporter for metrics only
+    with pytest.raises(TelemetrySetupError, match=r"OTEL_TRACES_EXPORTER: .*prometheus"):
+        configure_opentelemetry(set_global=False)
+    otel_env(OTEL_METRICS_EXPORTER="prometheus", OTEL_EXPORTER_PROMETHEUS_PORT="http")
+    with pytest.raises(TelemetrySetupError, match="OTEL_EXPORTER_PROMETHEUS_PORT"):
+        configure_opentelemetry(set_global=False)
+    # A busy port is one line naming the variables, not a traceback.
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        otel_env(
+            OTEL_METRICS_EXPORTER="prometheus",
+            OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
+            OTEL_EXPORTER_PROMETHEUS_PORT=str(busy.getsockname()[1]),
+        )
+        with pytest.raises(TelemetrySetupError, match=r"cannot serve /metrics on 127\.0\.0\.1"):
+            configure_opentelemetry(set_global=False)
+    # One process's counts per port: `serve --workers 2` is refused up front.
+    check_workers(1)
+    with pytest.raises(TelemetrySetupError, match="--workers 1"):
+        check_workers(2)
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.prometheus", None)
+    with pytest.raises(TelemetrySetupError, match=r"exporter-prometheus.*fallback_mw\[otel\]"):
+        configure_opentelemetry(set_global=False)
