@@ -103,7 +103,9 @@ class PostgresLedger(SQLLedgerBase):
         self,
         dsn: str,
         *,
-        min_size: int = 1,
+        # No connection floor: idle connections are still reused, but asyncpg's floor
+        # maintenance would log a traceback per retry while the database is away.
+        min_size: int = 0,
         max_size: int = 10,
         timeout: float = 5.0,
         stale_hold_seconds: float = STALE_HOLD_SECONDS,
