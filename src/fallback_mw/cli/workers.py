@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -104,6 +105,7 @@ class Supervisor:
             except SystemExit as exc:
                 status = exc.code if isinstance(exc.code, int) else 1
             finally:
+                logging.shutdown()  # os._exit runs no atexit: write the buffered log lines
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(status)

@@ -6,8 +6,8 @@ on them (the OpenTelemetry ASGI bug STYLE.md warns about)."""
 from __future__ import annotations
 
 import asyncio
-import time
 import os
+import time
 from collections.abc import AsyncIterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,6 +109,7 @@ class RequestContext:
     chosen: str | None = None
     status: int | None = None  # status sent to the client
     outcome: str | None = None  # "served" or an error code (SPEC §5), or "aborted"
+    rule: str | None = None  # the SPEC §5/§12 rule that ended the walk locally (error body)
     committed: bool = False  # http.response.start sent to the client
     completed: bool = False  # final body chunk sent
     client_disconnected: bool = False

@@ -5,7 +5,9 @@ are gateway facts only, never a header value, body or query string."""
 from __future__ import annotations
 
 import logging
-from typing import Any
+import threading
+import time
+from typing import IO, Any
 
 from fallback_mw.request.context import RequestContext
 from fallback_mw.telemetry.redact import label
@@ -42,6 +44,8 @@ def log_request(
         "attempts": context.attempt_count,
         "attempt_candidates": [label(a.candidate) for a in context.attempts],
         "skipped": [label(s.candidate) for s in context.skipped],
+        "skipped_reasons": [label(s.reason) for s in context.skipped],
+        "rule": context.rule,
         "outcome": label(outcome),
         "status": context.status,
         "fallback": context.fallback,
@@ -52,10 +56,17 @@ def log_request(
         "trace_id": trace_id,
         "span_id": span_id,
     }
+    # Why the walk ended where it did, when a rule decided it, and what was passed over.
+    why = f" rule={context.rule}" if context.rule else ""
+    if context.skipped:
+        passed = dict.fromkeys(
+            f"{label(s.candidate)};reason={label(s.reason)}" for s in context.skipped
+        )
+        why += f" skipped={','.join(passed)}"
     logger.log(
         level,
         "gateway request route=%s outcome=%s status=%s chosen=%s attempts=%d "
-        "candidates=%s duration_ms=%.1f",
+        "candidates=%s duration_ms=%.1f%s",
         fields["route"],
         fields["outcome"],
         context.status if context.status is not None else "-",
@@ -63,5 +74,102 @@ def log_request(
         context.attempt_count,
         ",".join(candidates) or "-",
         duration_ms,
+        why,
         extra=fields,
     )
+
+
+# --- serve's writer -------------------------------------------------------------------
+
+FLUSH_SECONDS = 0.1  # the longest a line waits in LineHandler's buffer
+FLUSH_LINES = 256  # or until this many are waiting
+
+
+class LineFormatter(logging.Formatter):
+    """`logging.Formatter` with `asctime` computed once per second, not per line (the
+    same text: `%Y-%m-%d %H:%M:%S,mmm` in local time)."""
+
+    def __init__(self, fmt: str) -> None:
+        super().__init__(fmt)
+        self._second = -1
+        self._prefix = ""
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        if datefmt is not None:
+            return super().formatTime(record, datefmt)
+        second = int(record.created)
+        if second != self._second:
+            self._prefix = time.strftime("%Y-%m-%d %H:%M:%S", self.converter(second))
+            self._second = second
+        return f"{self._prefix},{int(record.msecs):03d}"
+
+
+class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """A StreamHandler for a process that logs a line per request (`serve`): each
+    record is formatted on the spot (its fields are read while they are current) and
+    the lines are written in batches, by one background thread at most every
+    FLUSH_SECONDS or at once when FLUSH_LINES are waiting, instead of a write and flush
+    system call per request. `flush()` / `close()` (logging.shutdown at exit) write what
+    is waiting."""
+
+    def __init__(self, stream: IO[str] | None = None) -> None:
+        super().__init__(stream)
+        self._pending: list[str] = []
+        self._wake = threading.Event()
+        self._writer: threading.Thread | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record)
+        except Exception:
+            self.handleError(record)
+            return
+        self._pending.append(line)  # under the handler's lock, as flush's swap
+        if len(self._pending) >= FLUSH_LINES:
+            self.flush()
+        elif self._writer is None:
+            self._start_writer()
+
+    def _start_writer(self) -> None:
+        with self._locked():
+            if self._writer is None:
+                self._wake.clear()
+                self._writer = threading.Thread(
+                    target=self._write_periodically, name="fallback-mw-log", daemon=True
+                )
+                self._writer.start()
+
+    def _write_periodically(self) -> None:
+        me = threading.current_thread()
+        while self._writer is me:
+            self._wake.wait(FLUSH_SECONDS)
+            if self._pending:
+                self.flush()
+
+    def _locked(self) -> threading.RLock:
+        assert self.lock is not None  # created by logging.Handler.__init__
+        return self.lock
+
+    def flush(self) -> None:
+        with self._locked():
+            pending, self._pending = self._pending, []
+            if pending and self.stream is not None:
+                try:
+                    self.stream.write(self.terminator.join(pending) + self.terminator)
+                except Exception:
+                    return  # a full disk must not fail a request
+            super().flush()
+
+    def setStream(self, stream: IO[str]) -> IO[str] | None:
+        self.flush()
+        return super().setStream(stream)
+
+    def close(self) -> None:
+        """Writes what is waiting and stops the writer thread. Like StreamHandler, still
+        usable afterwards (logging.config.dictConfig, which uvicorn calls, closes every
+        existing handler and keeps using them): the next line starts a writer again."""
+        with self._locked():
+            self._writer = None
+        self._wake.set()
+        self.flush()
+        super().close()

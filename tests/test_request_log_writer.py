@@ -1,0 +1,66 @@
+"""serve's request log writer (telemetry.request_log.LineHandler / LineFormatter): lines
+formatted when logged, written in order in batches, nothing lost at close, still usable
+after logging.config closes it (uvicorn does)."""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+
+from fallback_mw.telemetry.request_log import FLUSH_LINES, LineFormatter, LineHandler
+
+
+def record(message: str, created: float | None = None) -> logging.LogRecord:
+    item = logging.LogRecord("fallback_mw.request", logging.INFO, "", 0, message, None, None)
+    if created is not None:
+        item.created = created
+        item.msecs = (created - int(created)) * 1000
+    return item
+
+
+def wait_for(stream: io.StringIO, text: str) -> None:
+    deadline = time.monotonic() + 10
+    while text not in stream.getvalue():
+        assert time.monotonic() < deadline, stream.getvalue()
+        time.sleep(0.01)
+
+
+def test_lines_are_written_in_order_by_the_writer_thread_and_at_close() -> None:
+    stream = io.StringIO()
+    handler = LineHandler(stream)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    for number in range(5):
+        handler.handle(record(f"line {number}"))
+    wait_for(stream, "line 4\n")  # no flush asked for: the writer thread wrote them
+    assert stream.getvalue() == "".join(f"line {n}\n" for n in range(5))
+    handler.handle(record("last"))
+    handler.close()
+    assert stream.getvalue().endswith("line 4\nlast\n")
+    # dictConfig closes every handler and keeps using it: so must this one.
+    handler.handle(record("after close"))
+    wait_for(stream, "after close\n")
+    handler.close()
+
+
+def test_a_full_buffer_is_written_at_once() -> None:
+    stream = io.StringIO()
+    handler = LineHandler(stream)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    try:
+        for number in range(FLUSH_LINES):
+            handler.handle(record(f"n{number}"))
+        assert stream.getvalue().count("\n") == FLUSH_LINES  # the last emit wrote them
+    finally:
+        handler.close()
+
+
+def test_the_formatter_writes_what_logging_formatter_writes() -> None:
+    fmt = "%(asctime)s %(levelname)s %(name)s %(message)s"
+    for created in (1_700_000_000.0, 1_700_000_000.5, 1_700_000_001.25, 1_700_003_599.999):
+        item = record("x", created)
+        assert LineFormatter(fmt).format(item) == logging.Formatter(fmt).format(item)
+    cached = LineFormatter(fmt)
+    for created in (1_700_000_000.1, 1_700_000_000.9, 1_700_000_002.0):
+        item = record("y", created)
+        assert cached.format(item) == logging.Formatter(fmt).format(item)
