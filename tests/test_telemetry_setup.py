@@ -248,3 +248,45 @@ def test_prometheus_defaults_refusals_and_the_missing_extra(
     monkeypatch.setitem(sys.modules, "opentelemetry.exporter.prometheus", None)
     with pytest.raises(TelemetrySetupError, match=r"exporter-prometheus.*fallback_mw\[otel\]"):
         configure_opentelemetry(set_global=False)
+
+
+def test_the_documented_host_app_recipe_serves_the_gateway_metrics() -> None:
+    # docs/telemetry.md's two-line recipe for a host app, run as written (on a free port),
+    # then one request through the gateway's telemetry and a scrape of /metrics.
+    from tests.upstreams import free_port
+
+    text = (ROOT / "docs" / "telemetry.md").read_text(encoding="utf-8")
+    recipe = next(
+        block
+        for block in text.split("```python\n")[1:]
+        if "PrometheusMetricReader()" in block.split("```")[0]
+    ).split("```")[0]
+    assert "start_http_server(9464)" in recipe
+    port = free_port()
+    script = recipe.replace("9464", str(port)) + textwrap.dedent(
+        f"""
+        import urllib.request
+        from fallback_mw.telemetry import Telemetry
+        from tests.test_telemetry_setup import run_one_request
+
+        run_one_request(Telemetry())
+        with urllib.request.urlopen("http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            print(response.read().decode())
+        """
+    )
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
+        "PYTHONPATH": str(ROOT),
+    }
+    result = subprocess.run(
+        [sys.executable, "-W", "error", "-c", script],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "gateway_requests_total{" in result.stdout
+    assert 'gateway_route_id="chat"' in result.stdout
