@@ -225,6 +225,8 @@ def test_the_readme_extras_table_is_true_for_every_verb(tmp_path: Path) -> None:
             "error_rate=100%",
             "--abort",
             "error_rate=100%",
+            "--owner",
+            "Ana",
         ],
         "serve": ["serve", *base, "--port", "0"],
         "demo": ["demo"],

@@ -146,7 +146,7 @@ async def _faults(config: str) -> list[Fault]:
         await route_store.aclose()
 
 
-BASE = ["gameday", "--route", "chat", "--fault", "fail", "--duration", "5s"]
+BASE = ["gameday", "--route", "chat", "--fault", "fail", "--duration", "5s", "--owner", "Ana"]
 
 
 @pytest.mark.parametrize(
@@ -157,6 +157,14 @@ BASE = ["gameday", "--route", "chat", "--fault", "fail", "--duration", "5s"]
         (["--predict", "latency=3", "--abort", "error_rate=1%"], "unknown quantity"),
         (["--predict", "p99_ms=1", "--abort", "error_rate=1%", "--candidate", "x"], "not one of"),
         (["--predict", "p99_ms=1", "--abort", "error_rate=1%", "--duration", "25h"], "24h"),
+        (["--predict", "alert:FallbackMwBreakerOpen<=90s", "--abort", "p99_ms=1"], "--prometheus"),
+        (["--predict", "alert:<=90s", "--abort", "p99_ms=1"], "alert:NAME<=DURATION"),
+        (["--predict", "alert:X<=soon", "--abort", "p99_ms=1"], "expected a number"),
+        (["--predict", "p99_ms=1", "--abort", "p99_ms=1", "--owner", " "], "--owner NAME"),
+        (
+            ["--predict", "p99_ms=1", "--abort", "p99_ms=1", "--prometheus", "ftp://x"],
+            "expected http(s)://",
+        ),
     ],
 )
 def test_refusals_exit_2_and_set_nothing(
@@ -172,7 +180,7 @@ def test_refusals_exit_2_and_set_nothing(
 def test_refuses_unknown_route_pin_without_candidate_and_a_missing_store(
     store: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    ok = ["--predict", "p99_ms=1", "--abort", "error_rate=1%"]
+    ok = ["--predict", "p99_ms=1", "--abort", "error_rate=1%", "--owner", "Ana"]
     argv = ["gameday", "--route", "nope", "--fault", "fail", "--duration", "5s", *ok]
     assert main([*argv, "--config", store]) == 2
     assert "unknown route 'nope'" in capsys.readouterr().err

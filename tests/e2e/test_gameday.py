@@ -130,6 +130,8 @@ async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
 
 
 async def gameday(*args: str) -> tuple[int, str, str]:
+    if "--owner" not in args:
+        args = (*args, "--owner", "Ana")
     process = await asyncio.create_subprocess_exec(
         *GAMEDAY, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
     )
@@ -213,6 +215,7 @@ async def test_ctrl_c_clears_the_fault_and_a_killed_command_leaves_it_to_expire(
                 *("--config", str(r.config), "--route", "chat", "--fault", "fail"),
                 *("--duration", duration, "--out", str(out)),
                 *("--predict", "error_rate=1%", "--abort", "error_rate=50%/5s"),
+                *("--owner", "Ana"),
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
             )

@@ -20,6 +20,8 @@ from typing import Any
 
 from fallback_mw.budget import LedgerUnavailable
 from fallback_mw.cli.app import Console, Failed, Refused, leaf
+from fallback_mw.cli.game_day.html import render
+from fallback_mw.cli.game_day.prometheus import AlertWatcher, PrometheusURLError, check_url
 from fallback_mw.cli.game_day.report import build_report, report_lines, write_report
 from fallback_mw.cli.game_day.run import (
     Exercise,
@@ -27,9 +29,17 @@ from fallback_mw.cli.game_day.run import (
     Timeline,
     observe_exercise,
     run_exercise,
+    watch_recovery,
 )
-from fallback_mw.cli.game_day.spec import SpecError, parse_abort, parse_duration, parse_prediction
+from fallback_mw.cli.game_day.spec import (
+    AlertPrediction,
+    SpecError,
+    parse_abort,
+    parse_duration,
+    parse_prediction,
+)
 from fallback_mw.cli.target import resolve, store_options
+from fallback_mw.faults import UPSTREAM_FAULTS
 from fallback_mw.store.ledgers import open_ledger
 from fallback_mw.store.model import StoreError
 from fallback_mw.store.routes import open_store
@@ -48,6 +58,9 @@ async def _plans(url: str, config_routes: dict[str, tuple[str, ...]]) -> dict[st
 
 def _exercise(args: argparse.Namespace) -> tuple[Exercise, str]:
     """Everything checked before anything is set (raises Refused)."""
+    owner = (args.owner or "").strip()
+    if not owner or len(owner) > 200 or not owner.isprintable():
+        raise Refused("--owner NAME: the one person who may call the abort (printable, named)")
     if not args.predict:
         raise Refused("no --predict: an exercise without a written prediction cannot fail")
     if not args.abort:
@@ -56,8 +69,16 @@ def _exercise(args: argparse.Namespace) -> tuple[Exercise, str]:
         predictions = tuple(parse_prediction(p) for p in args.predict)
         aborts = tuple(parse_abort(a) for a in args.abort)
         duration = parse_duration(args.duration, "--duration")
+        recovery_wait = parse_duration(args.recovery_wait, "--recovery-wait")
     except SpecError as exc:
         raise Refused(str(exc)) from None
+    if args.prometheus is not None:
+        try:
+            args.prometheus = check_url(args.prometheus)
+        except PrometheusURLError as exc:
+            raise Refused(str(exc)) from None
+    elif any(isinstance(p, AlertPrediction) for p in predictions):
+        raise Refused("an alert:NAME<=DURATION prediction needs --prometheus URL")
     target = resolve(args)
     plan = asyncio.run(_plans(target.url, {r.id: r.plan for r in target.config.routes})).get(
         args.route
@@ -93,6 +114,8 @@ def _exercise(args: argparse.Namespace) -> tuple[Exercise, str]:
         aborts=aborts,
         poll_s=min(1.0, max(duration / 20, 0.1)),
         grace_s=min(2.0, max(duration / 10, 0.5)),
+        owner=owner,
+        recovery_wait_s=recovery_wait,
     )
     return exercise, target.url
 
@@ -117,7 +140,14 @@ def _out_path(args: argparse.Namespace, route: str) -> Path:
     return out
 
 
-async def _run(exercise: Exercise, url: str, out: Path, console: Console) -> dict[str, Any]:
+def html_path(out: Path) -> Path:
+    """The HTML page beside the JSON report."""
+    return out.with_name(out.name + ".html") if out.suffix == ".html" else out.with_suffix(".html")
+
+
+async def _run(
+    exercise: Exercise, url: str, out: Path, console: Console, prometheus: str | None
+) -> dict[str, Any]:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     handled: list[signal.Signals] = []
@@ -127,26 +157,40 @@ async def _run(exercise: Exercise, url: str, out: Path, console: Console) -> dic
             handled.append(sig)
     store = open_store(url)
     ledger = open_ledger(url)
+    alerts = AlertWatcher(prometheus) if prometheus else None
     try:
 
         def started(timeline: Timeline) -> None:
             # Recorded before anything is watched: the predictions as written.
             write_report(out, build_report(exercise, timeline, None, status="running"))
 
-        timeline = await run_exercise(exercise, store, ledger, stop, console.print, started)
-        observed = await asyncio.shield(
-            observe_exercise(exercise, ledger, timeline, wait=not timeline.interrupted)
+        timeline, feed = await run_exercise(
+            exercise, store, ledger, stop, console.print, started, alerts=alerts
         )
+        if not timeline.interrupted:
+            await watch_recovery(exercise, feed, timeline, stop, console.print, alerts=alerts)
+        observed = observe_exercise(exercise, feed, timeline)
         status = (
             "aborted" if timeline.abort else "interrupted" if timeline.interrupted else "completed"
         )
-        report = build_report(exercise, timeline, observed, status=status)
+        report = build_report(
+            exercise,
+            timeline,
+            observed,
+            status=status,
+            alerts=None if alerts is None else alerts.summary(timeline.started),
+        )
         for line in report_lines(report):
             console.print(line)
         write_report(out, report)
-        console.print(f"wrote {out}")
+        page = html_path(out)
+        page.write_text(render(report))
+        console.print(f"wrote {out} and {page}")
         return report
     finally:
+        if alerts is not None:
+            with contextlib.suppress(Exception):
+                await alerts.aclose()
         for sig in handled:
             loop.remove_signal_handler(sig)
         with contextlib.suppress(Exception):
@@ -159,7 +203,7 @@ def handle(args: argparse.Namespace, console: Console) -> None:
     exercise, url = _exercise(args)
     out = _out_path(args, exercise.route)
     try:
-        report = asyncio.run(_run(exercise, url, out, console))
+        report = asyncio.run(_run(exercise, url, out, console, args.prometheus))
     except GameDayRefused as exc:
         raise Refused(str(exc)) from None
     except (StoreError, LedgerUnavailable) as exc:
@@ -182,12 +226,30 @@ def register(subparsers: Any) -> None:
     )
     store_options(parser)
     parser.add_argument("--route", required=True, metavar="ID")
-    parser.add_argument("--fault", required=True, choices=["fail", "hang", "pin"])
+    parser.add_argument("--fault", required=True, choices=[*UPSTREAM_FAULTS, "pin"])
     parser.add_argument(
         "--candidate",
         metavar="NAME",
-        help="fail/hang: the upstream to fault (default: the route's primary); "
-        "pin: the candidate the plan starts at",
+        help="fail/hang/blackhole/revoke: the upstream to fault (default: the route's "
+        "primary); pin: the candidate the plan starts at",
+    )
+    parser.add_argument(
+        "--owner",
+        required=True,
+        metavar="NAME",
+        help="the one person who may call the abort (in the report)",
+    )
+    parser.add_argument(
+        "--prometheus",
+        metavar="URL",
+        help="a Prometheus whose /api/v1/alerts is polled: alert:NAME<=DURATION predictions "
+        "are checked against it, and the alerts that fired are in the report",
+    )
+    parser.add_argument(
+        "--recovery-wait",
+        default="30s",
+        metavar="DURATION",
+        help="after the revert, how long to wait for the primary to serve again (30s)",
     )
     parser.add_argument("--duration", required=True, help="e.g. 15m, 90s")
     parser.add_argument(
@@ -195,7 +257,8 @@ def register(subparsers: Any) -> None:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="e.g. breaker_open_s=20, p99_ms=3500, error_rate=1%% (repeatable)",
+        help="e.g. breaker_open_s=20, p99_ms=3500, error_rate=1%%, recovery_s=10, "
+        "alert:FallbackMwBreakerOpen<=90s (repeatable)",
     )
     parser.add_argument(
         "--abort",
@@ -204,4 +267,8 @@ def register(subparsers: Any) -> None:
         metavar="NAME=VALUE[/WINDOW]",
         help="e.g. error_rate=1%%/60s, p99_ms=6000, secondary_429=5%% (repeatable)",
     )
-    parser.add_argument("--out", metavar="FILE", help="the JSON report (default results/...)")
+    parser.add_argument(
+        "--out",
+        metavar="FILE",
+        help="the JSON report (default results/...); the HTML page is written beside it",
+    )

@@ -129,8 +129,38 @@ def observe(
     }
 
 
+def series(records: Sequence[UsageRecord], *, t0: float, until: float) -> dict[str, Any]:
+    """Requests, customer-visible errors, fallbacks, primary successes and p99 per time
+    bucket (by when each request ended, seconds from `t0`): the report's charts. About a
+    hundred buckets over the watch, at least one second each."""
+    span = max(until - t0, 1.0)
+    step = max(1.0, round(span / 100))
+    count = int(span // step) + 1
+    buckets: list[list[UsageRecord]] = [[] for _ in range(count)]
+    for record in records:
+        index = int((ended_at(record) - t0) // step)
+        if 0 <= index < count:
+            buckets[index].append(record)
+    points = []
+    for index, bucket in enumerate(buckets):
+        p99 = duration_percentile(bucket, 99)
+        rate = error_rate(bucket)
+        points.append(
+            {
+                "t": round(index * step, 3),
+                "requests": len(bucket),
+                "errors": sum(1 for r in bucket if customer_error(r)),
+                "error_rate": None if rate is None else round(rate, 4),
+                "fallbacks": sum(1 for r in bucket if served_by_fallback(r)),
+                "p99_ms": None if p99 is None else round(p99, 1),
+            }
+        )
+    return {"step_s": step, "points": points}
+
+
 # The observed key each prediction is judged on.
 PREDICTION_KEYS = {
+    "recovery_s": "recovery_s",
     "breaker_open_s": "breaker_open_s",
     "first_fallback_s": "first_fallback_s",
     "p50_ms": "p50_ms",

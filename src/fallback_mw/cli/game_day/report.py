@@ -11,14 +11,47 @@ from typing import Any
 from fallback_mw.cli.game_day.run import Exercise, Timeline, fmt, iso, judge
 
 
+def events(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The exercise's milestones, seconds from the fault being set, in order: what the
+    timeline of the HTML page marks."""
+    observed = report.get("observed") or {}
+    fault = report["fault"]
+    found: list[tuple[str, str, float | None]] = [
+        ("fault_set", "fault set", 0.0),
+        ("breaker_open", "breaker open", observed.get("breaker_open_s")),
+        ("first_fallback", "first fallback", observed.get("first_fallback_s")),
+    ]
+    alerts = ((report.get("prometheus") or {}).get("alerts")) or {}
+    for name, seen in alerts.items():
+        found.append(("alert_firing", f"{name} firing", seen.get("firing_s")))
+    seconds_set = fault.get("seconds_set")
+    found.append(("revert", "revert", seconds_set))
+    recovery = observed.get("recovery_s")
+    found.append(
+        (
+            "primary_success",
+            "first primary success",
+            None if recovery is None or seconds_set is None else round(seconds_set + recovery, 3),
+        )
+    )
+    listed = [{"event": key, "label": label, "at_s": at} for key, label, at in found]
+    return sorted(listed, key=lambda e: (e["at_s"] is None, e["at_s"] or 0.0))
+
+
 def build_report(
-    exercise: Exercise, timeline: Timeline, observed: dict[str, Any] | None, *, status: str
+    exercise: Exercise,
+    timeline: Timeline,
+    observed: dict[str, Any] | None,
+    *,
+    status: str,
+    alerts: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     abort = timeline.abort
-    return {
+    report: dict[str, Any] = {
         "tool": "fallback-mw gameday",
         "status": status,  # running, completed, aborted, interrupted
         "route": exercise.route,
+        "owner": exercise.owner,  # the one person who may call the abort
         "fault": {
             "kind": exercise.fault,
             "target": exercise.target,
@@ -43,14 +76,18 @@ def build_report(
             "observed": round(abort.observed, 4),
             "at_s": abort.at_s,
         },
-        "predictions": judge(exercise.predictions, observed)
+        "predictions": judge(exercise.predictions, observed, alerts)
         if observed is not None
         else [
             {"prediction": p.text, "name": p.name, "unit": p.unit, "predicted": p.value}
             for p in exercise.predictions
         ],
         "observed": observed,
+        "prometheus": alerts,
     }
+    report["fault"]["recovered_at"] = iso(timeline.recovered)
+    report["events"] = events(report) if observed is not None else []
+    return report
 
 
 def report_lines(report: dict[str, Any]) -> list[str]:
@@ -58,7 +95,8 @@ def report_lines(report: dict[str, Any]) -> list[str]:
     fault = report["fault"]
     lines = [
         f"game day {report['status']}: route {report['route']!r}, {fault['kind']} "
-        f"{fault['target']!r}, set {fault['seconds_set']} s of {report['duration_s']:g} s"
+        f"{fault['target']!r}, set {fault['seconds_set']} s of {report['duration_s']:g} s, "
+        f"owner {report['owner']}"
     ]
     if report["abort"] is not None:
         abort = report["abort"]
@@ -84,6 +122,21 @@ def report_lines(report: dict[str, Any]) -> list[str]:
         f"{fmt(o.get('breaker_open_s'), 's')}, secondary 429s "
         f"{o.get('secondary_429')}/{o.get('secondary_calls')}"
     )
+    lines.append(
+        f"  recovery: the primary served again {fmt(o.get('recovery_s'), 's')} after the revert"
+    )
+    prometheus = report.get("prometheus")
+    if prometheus is not None:
+        fired = [
+            f"{name} firing at +{fmt(seen['firing_s'], 's')}"
+            + (f", resolved at +{fmt(seen['resolved_s'], 's')}" if seen["resolved_s"] else "")
+            for name, seen in prometheus["alerts"].items()
+            if seen["firing_s"] is not None
+        ]
+        lines.append(
+            f"  prometheus: {'; '.join(fired) or 'no alert fired'} "
+            f"({prometheus['failed_polls']} of {prometheus['polls']} polls failed)"
+        )
     return lines
 
 

@@ -18,15 +18,20 @@ from fallback_mw.cli.game_day.observe import (
     PREDICTION_KEYS,
     ended_at,
     observe,
+    series,
     started_at,
     windowed,
 )
-from fallback_mw.cli.game_day.spec import AbortCriterion, Prediction
+from fallback_mw.cli.game_day.prometheus import AlertWatcher
+from fallback_mw.cli.game_day.spec import AbortCriterion, AlertPrediction, Prediction
 from fallback_mw.store.model import Fault
 from fallback_mw.store.routes import RouteStore
 
-FaultKind = Literal["fail", "hang", "pin"]
+FaultKind = Literal["fail", "hang", "blackhole", "revoke", "pin"]
 MAX_RECORDS = 1_000_000
+# Records from several gateway processes reach the store out of order: each poll re-asks
+# for the last few seconds before the newest record seen (duplicates dropped by id).
+RECORD_LAG_S = 5.0
 
 
 class GameDayRefused(Exception):
@@ -41,10 +46,12 @@ class Exercise:
     candidate: str | None  # pin: the candidate the plan starts at
     primary: str  # the route's first candidate: every other one is a "secondary"
     duration_s: float
-    predictions: tuple[Prediction, ...]
+    predictions: tuple[Prediction | AlertPrediction, ...]
     aborts: tuple[AbortCriterion, ...]
     poll_s: float = 1.0
     grace_s: float = 2.0  # after the fault is cleared, for records of requests in flight
+    owner: str = ""  # the one person who may call the abort
+    recovery_wait_s: float = 30.0  # after the revert, for the primary's first success
 
     @property
     def scope(self) -> str:
@@ -72,18 +79,48 @@ class Timeline:
     interrupted: bool = False
     cleared_count: int | None = None
     notes: list[str] = field(default_factory=list)
+    recovered: float | None = None  # end of the first request the primary served after
+    watched_until: float | None = None  # the last poll (after the recovery wait)
+
+
+class RecordFeed:
+    """The route's usage records since the fault was set, read incrementally: each poll
+    asks the ledger only for records that ended after the newest one seen (less
+    RECORD_LAG_S for writers that lag), and keeps those it had not seen."""
+
+    def __init__(self, ledger: Ledger, route: str, since: float) -> None:
+        self.ledger = ledger
+        self.route = route
+        self.since = since
+        self.records: list[UsageRecord] = []
+        self._seen: set[str] = set()
+        self._newest = since
+        self.polls = 0
+        self.fetched = 0  # records returned by the ledger over all polls (the cost)
+
+    async def poll(self) -> list[UsageRecord]:
+        cursor = max(self.since, self._newest - RECORD_LAG_S)
+        batch = await self.ledger.usage(
+            since=datetime.fromtimestamp(cursor, UTC), route=self.route, limit=MAX_RECORDS
+        )
+        self.polls += 1
+        self.fetched += len(batch)
+        fresh = []
+        for record in batch:
+            key = record.request_id
+            if key in self._seen or started_at(record) < self.since:
+                continue
+            self._seen.add(key)
+            fresh.append(record)
+            self._newest = max(self._newest, ended_at(record))
+        self.records.extend(fresh)
+        return fresh
 
 
 def iso(moment: float | None) -> str | None:
     if moment is None:
         return None
     return datetime.fromtimestamp(moment, UTC).isoformat().replace("+00:00", "Z")
-
-
-async def _records(ledger: Ledger, route: str, since: float) -> list[UsageRecord]:
-    return await ledger.usage(
-        since=datetime.fromtimestamp(since, UTC), route=route, limit=MAX_RECORDS
-    )
 
 
 def _abort_holding(
@@ -110,18 +147,9 @@ async def run_exercise(
     stop: asyncio.Event,
     emit: Callable[[str], None],
     on_started: Callable[[Timeline], None],
-) -> Timeline:
-    active = [
-        f
-        for f in await store.load_faults()
-        if f.scope == exercise.scope and f.target == exercise.target
-    ]
-    if active:
-        left = max(active[0].expires_at - time.time(), 0)
-        raise GameDayRefused(
-            f"a {active[0].kind} fault is already set on {exercise.target!r} "
-            f"(expires in {left:.0f} s); clear it first with `fallback-mw faults clear`"
-        )
+    *,
+    alerts: AlertWatcher | None = None,
+) -> tuple[Timeline, RecordFeed]:
     timeline = Timeline(started=time.time())
     timeline.expires = timeline.started + exercise.duration_s
     fault = Fault(
@@ -130,11 +158,15 @@ async def run_exercise(
         expires_at=timeline.expires,
         candidate=exercise.candidate,
     )
-    active_now = await store.set_fault(fault)
-    if active_now is not None:  # set by someone else since the check above
+    # Refused atomically by the store while a fault holds the same target.
+    active = await store.set_fault(fault)
+    if active is not None:
+        left = max(active.expires_at - time.time(), 0)
         raise GameDayRefused(
-            f"a {active_now.kind} fault was set on {exercise.target!r} meanwhile; nothing set"
+            f"a {active.kind} fault is already set on {exercise.target!r} "
+            f"(expires in {left:.0f} s); clear it first with `fallback-mw faults clear`"
         )
+    feed = RecordFeed(ledger, exercise.route, timeline.started)
     try:
         on_started(timeline)
         emit(f"fault set: {exercise.describe()}, expires {iso(timeline.expires)}")
@@ -142,12 +174,10 @@ async def run_exercise(
             now = time.time()
             if now >= timeline.expires:
                 break
-            records = [
-                r
-                for r in await _records(ledger, exercise.route, timeline.started)
-                if started_at(r) >= timeline.started
-            ]
-            holding = _abort_holding(exercise, records, now)
+            await feed.poll()
+            if alerts is not None:
+                await alerts.poll(now)
+            holding = _abort_holding(exercise, feed.records, now)
             if holding is not None:
                 criterion, value = holding
                 timeline.abort = Abort(criterion, value, round(now - timeline.started, 3))
@@ -173,33 +203,91 @@ async def run_exercise(
         emit("interrupted: fault cleared")
     else:
         emit("time is up: fault cleared")
-    return timeline
+    return timeline, feed
 
 
-async def observe_exercise(
-    exercise: Exercise, ledger: Ledger, timeline: Timeline, *, wait: bool = True
-) -> dict[str, Any]:
-    """The observed numbers for requests that arrived while the fault was set."""
-    if wait:
-        await asyncio.sleep(exercise.grace_s)
-    end = timeline.cleared or time.time()
-    records = [
-        r
-        for r in await _records(ledger, exercise.route, timeline.started)
-        if timeline.started <= started_at(r) <= end
+def _primary_success_after(
+    records: list[UsageRecord], primary: str, cleared: float
+) -> float | None:
+    ends = [
+        ended_at(r)
+        for r in records
+        if r.outcome == "served" and r.chosen == primary and ended_at(r) >= cleared
     ]
-    return observe(
-        records,
+    return min(ends) if ends else None
+
+
+async def watch_recovery(
+    exercise: Exercise,
+    feed: RecordFeed,
+    timeline: Timeline,
+    stop: asyncio.Event,
+    emit: Callable[[str], None],
+    *,
+    alerts: AlertWatcher | None = None,
+) -> None:
+    """After the revert: until the primary has served a request again (at most
+    `recovery_wait_s`), and at least `grace_s` for the records of requests in flight."""
+    cleared = timeline.cleared or time.time()
+    while not stop.is_set():
+        now = time.time()
+        await feed.poll()
+        if alerts is not None:
+            await alerts.poll(now)
+        timeline.recovered = _primary_success_after(feed.records, exercise.primary, cleared)
+        waited = now - cleared
+        if (timeline.recovered is not None and waited >= exercise.grace_s) or (
+            waited >= max(exercise.recovery_wait_s, exercise.grace_s)
+        ):
+            break
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), exercise.poll_s)
+    timeline.watched_until = time.time()
+    if timeline.recovered is not None:
+        emit(f"recovered: the primary served again {timeline.recovered - cleared:.1f} s after")
+    elif not stop.is_set():
+        emit(
+            f"not recovered: the primary served no request within "
+            f"{exercise.recovery_wait_s:g} s of the revert"
+        )
+
+
+def observe_exercise(exercise: Exercise, feed: RecordFeed, timeline: Timeline) -> dict[str, Any]:
+    """The observed numbers: the predictions' quantities over requests that arrived while
+    the fault was set; the recovery; and the series over the whole watch."""
+    end = timeline.cleared or time.time()
+    during = [r for r in feed.records if timeline.started <= started_at(r) <= end]
+    observed = observe(
+        during,
         t0=timeline.started,
         primary=exercise.primary,
         faulted_upstream=None if exercise.fault == "pin" else exercise.target,
     )
+    observed["recovery_s"] = (
+        None
+        if timeline.recovered is None or timeline.cleared is None
+        else round(max(timeline.recovered - timeline.cleared, 0.0), 3)
+    )
+    observed["series"] = series(
+        feed.records, t0=timeline.started, until=timeline.watched_until or end
+    )
+    observed["record_polls"] = feed.polls
+    observed["records_fetched"] = feed.fetched
+    return observed
 
 
-def judge(predictions: tuple[Prediction, ...], observed: dict[str, Any]) -> list[dict[str, Any]]:
+def judge(
+    predictions: tuple[Prediction | AlertPrediction, ...],
+    observed: dict[str, Any],
+    alerts: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
     results = []
     for prediction in predictions:
-        value = observed.get(PREDICTION_KEYS[prediction.name])
+        if isinstance(prediction, AlertPrediction):
+            seen = ((alerts or {}).get("alerts") or {}).get(prediction.alert) or {}
+            value = seen.get("firing_s")
+        else:
+            value = observed.get(PREDICTION_KEYS[prediction.name])
         result = "no data" if value is None else "pass" if value <= prediction.value else "fail"
         results.append(
             {

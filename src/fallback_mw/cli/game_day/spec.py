@@ -21,6 +21,10 @@ PREDICTIONS = {
     "p99_ms": ("ms", "99th percentile request duration while the fault was set"),
     "error_rate": ("%", "share of requests with a customer-visible error"),
     "secondary_429": ("%", "share of calls to candidates after the first answered 429"),
+    "recovery_s": (
+        "s",
+        "seconds from the revert to the end of the first request the primary served again",
+    ),
 }
 ABORTS = {
     "error_rate": "%",
@@ -100,7 +104,41 @@ def _split(text: str, kind: str) -> tuple[str, str]:
     return name.strip(), value.strip()
 
 
-def parse_prediction(text: str) -> Prediction:
+@dataclass(frozen=True, slots=True)
+class AlertPrediction:
+    """`alert:NAME<=DURATION`: the Prometheus alert NAME is firing within DURATION of the
+    fault being set (checked against the real alert state, `--prometheus URL`)."""
+
+    alert: str
+    within_s: float
+    text: str
+
+    @property
+    def name(self) -> str:
+        return f"alert:{self.alert}"
+
+    @property
+    def value(self) -> float:
+        return self.within_s
+
+    @property
+    def unit(self) -> str:
+        return "s"
+
+
+_ALERT = re.compile(r"alert:([A-Za-z_:][A-Za-z0-9_:]*)\s*<=\s*(\S+)")
+
+
+def parse_prediction(text: str) -> Prediction | AlertPrediction:
+    if text.strip().startswith("alert:"):
+        match = _ALERT.fullmatch(text.strip())
+        if match is None:
+            raise SpecError(
+                f"--predict {text!r}: expected alert:NAME<=DURATION (e.g. "
+                "alert:FallbackMwBreakerOpen<=90s)"
+            )
+        within = parse_duration(match.group(2), f"--predict {text!r}")
+        return AlertPrediction(match.group(1), within, text)
     name, value = _split(text, "--predict")
     if name not in PREDICTIONS:
         known = ", ".join(PREDICTIONS)

@@ -1,0 +1,106 @@
+"""The real alert state, from Prometheus's HTTP API (`GET /api/v1/alerts`), polled while a
+game day runs: when each alert was first seen firing, and when it stopped. Only alert
+names, states and times are kept (label values can name hosts; they are not reported)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+
+POLL_TIMEOUT_S = 3.0
+
+
+class PrometheusURLError(ValueError):
+    pass
+
+
+def check_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise PrometheusURLError(f"--prometheus {url!r}: expected http(s)://host:port")
+    if parts.username or parts.password or parts.query or parts.fragment:
+        raise PrometheusURLError("--prometheus: no credentials, query or fragment in the URL")
+    return url.rstrip("/")
+
+
+@dataclass
+class AlertSeen:
+    pending_at: float | None = None  # epoch seconds, first poll that saw it pending/firing
+    firing_at: float | None = None  # first poll that saw it firing
+    resolved_at: float | None = None  # first poll after firing that no longer saw it firing
+
+
+@dataclass
+class AlertWatcher:
+    url: str
+    alerts: dict[str, AlertSeen] = field(default_factory=dict)
+    polls: int = 0
+    failures: int = 0
+    last_error: str | None = None
+    _session: aiohttp.ClientSession | None = None
+
+    async def poll(self, now: float | None = None) -> None:
+        """One look at the alert state; a failed poll is counted, never raised (the
+        exercise goes on; the report says how many polls failed)."""
+        now = time.time() if now is None else now
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=POLL_TIMEOUT_S)
+            )
+        self.polls += 1
+        try:
+            async with self._session.get(self.url + "/api/v1/alerts") as response:
+                if response.status != 200:
+                    raise ValueError(f"HTTP {response.status}")
+                payload: Any = await response.json(content_type=None)
+            listed = payload["data"]["alerts"]
+            states: dict[str, str] = {}
+            for alert in listed:
+                name = str(alert["labels"]["alertname"])
+                state = str(alert["state"])
+                if states.get(name) != "firing":  # firing anywhere wins
+                    states[name] = state
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
+            self.failures += 1
+            self.last_error = type(exc).__name__ if not str(exc) else str(exc)[:200]
+            return
+        for name, state in states.items():
+            seen = self.alerts.setdefault(name, AlertSeen())
+            if seen.pending_at is None:
+                seen.pending_at = now
+            if state == "firing":
+                if seen.firing_at is None:
+                    seen.firing_at = now
+                seen.resolved_at = None  # firing again
+        for name, seen in self.alerts.items():
+            firing = states.get(name) == "firing"
+            if seen.firing_at is not None and not firing and seen.resolved_at is None:
+                seen.resolved_at = now
+
+    def summary(self, t0: float) -> dict[str, Any]:
+        def rel(moment: float | None) -> float | None:
+            return None if moment is None else round(moment - t0, 3)
+
+        return {
+            "url": self.url,
+            "polls": self.polls,
+            "failed_polls": self.failures,
+            "last_error": self.last_error,
+            "alerts": {
+                name: {
+                    "pending_s": rel(seen.pending_at),
+                    "firing_s": rel(seen.firing_at),
+                    "resolved_s": rel(seen.resolved_at),
+                }
+                for name, seen in sorted(self.alerts.items())
+            },
+        }
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
