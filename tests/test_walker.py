@@ -227,6 +227,7 @@ async def test_exhausted_plan_is_a_local_error_without_upstream_body() -> None:
         "message": error["message"],
         "route": "chat",
         "attempts": 2,
+        "rule": "ceiling",
     }
     assert b"SECRET-UPSTREAM-BODY" not in response.content
     assert response.headers["x-gateway-route"] == "chat"

@@ -228,7 +228,9 @@ retries = 1
         "message": caught.value.body["message"],  # type: ignore[index]
         "route": "chat",
         "attempts": 1,
+        "rule": "not_replayable_method",  # SPEC §12: and the message says how to opt in
     }
+    assert 'add "POST" to its replayable_methods' in caught.value.body["message"]  # type: ignore[index]
     assert len(gateway.mocks.backup.requests) == before[1]
     assert len(gateway.mocks.primary.requests) == before[0] + 1
 

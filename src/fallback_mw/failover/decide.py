@@ -1,14 +1,25 @@
-"""Every failover rule of SPEC §5, decided here and nowhere else.
+"""The failover rules of SPEC §5, as pure functions of facts the walk gathers.
 
-An attempt ends in an `Outcome` that says who is responsible for it: the upstream (a
-status, a transport error by phase, one of its own timeouts, an injected `fail`/`hang`
-fault) or the gateway's side of the request (the walk deadline, the caller hanging up, a
-body over the limit or too slow, an address the guard refused). `decide` maps an outcome
-and the state of the walk to the next action. The walker, the hedge, the docs
-(`docs/failover.md`) and the trace all follow it.
+Decided here: what an engine error means (`engine_outcome`), that the caller's own trouble
+wins over it (`local_or`), who is responsible (`Outcome.responsible`), failover-class
+(`is_failover_class`), what reaches breakers and credentials (`health_mark`),
+replayability (`is_replayable`), the attempt ceiling (`attempt_ceiling`), whether a
+further attempt may run (`further_attempt_possible` / `_allowed`), whether to hedge
+(`may_hedge`), and the next action after any outcome (`decide`) with its local error
+(`error_message`). The walker, the hedge, the shadow copy, the docs and the trace follow.
 
-Only upstream outcomes feed breakers and credential health (`health_mark`), and only
-they can be failover-class: one caller can never open a breaker for everyone else.
+Decided elsewhere, each in one place (docs/failover.md, "Where each rule is decided",
+a table tests/test_decide.py checks against the imports): the effective deadline
+(`routing.effective_deadline_ms`); the plan order (`plan.candidate_order`); skips,
+passes and the backoff before a repeat (the walker's candidate cursor); admission
+(breaker, declared capacity, repeat allowance: `failover.attempt.AttemptLifecycle.admit`);
+the commit point (`layers.walker.stream.commit`). The deadline is enforced where time
+passes (the walk loop checks it before each attempt, the runner bounds each attempt by
+it); what its running out means is `decide`'s.
+
+Only upstream outcomes feed breakers and credential health (`health_mark`, applied only
+by `AttemptLifecycle.mark_health`), and only they can be failover-class: one caller can
+never open a breaker for everyone else.
 """
 
 from __future__ import annotations
@@ -92,6 +103,9 @@ class WalkState:
     on_exhausted: Literal["error", "last_response"] = "error"
     other_credential: bool = False  # the upstream just tried has an unused usable credential
     has_last_response: bool = False  # a failover-class response is kept (last_response)
+    # Why the request is not replayable (`replay_rule`), None when it is: named by the
+    # local error that ends its walk.
+    unreplayable: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +113,10 @@ class Decision:
     action: Action
     error: str | None = None  # the local error code, for "local_error"
     reason: str = ""  # one short phrase for the trace and the docs
+    # The rule that ended the walk (SPEC §12: `not_replayable_method`, `not_buffered`,
+    # `no_idempotency_key`, `deadline`, `ceiling`, `client_gone`, ...), for a local error
+    # body, the log line and `on_exhausted = "last_response"`.
+    rule: str | None = None
 
 
 def is_failover_class(outcome: Outcome, failover_status: frozenset[int]) -> bool:
@@ -119,6 +137,43 @@ def health_mark(outcome: Outcome, failover_status: frozenset[int]) -> bool | Non
     return is_failover_class(outcome, failover_status)
 
 
+def engine_outcome(kind: str, phase: str, *, fault: str | None = None) -> Outcome:
+    """What an engine error (`UpstreamError.kind` / `.phase`) says about the attempt: the
+    connect-time address guard's refusal; a request the client library would not send
+    (`local`: nothing left, SPEC §12); else a transport error or the upstream's own
+    timeout. An injected fault that drove the attempt (`blackhole`) stays on it."""
+    if kind == "unsafe_address":
+        return Outcome("unsafe_address")
+    if kind == "local":
+        return Outcome("not_sent")
+    if kind == "timeout" and phase != "body":
+        return Outcome("timeout", fault=fault)
+    return Outcome("transport", fault=fault)
+
+
+def local_or(
+    outcome: Outcome,
+    *,
+    client_gone: bool,
+    body_too_large: bool,
+    body_timed_out: bool,
+    body_unfinished: bool,
+) -> Outcome:
+    """SPEC §5 "local conditions are not upstream failures": the request body's own trouble
+    wins over whatever the engine made of it. A caller that hung up, sent too much, or too
+    slowly (an idle gap, or a deadline that ran out while its body was still streaming) is
+    never the upstream's fault."""
+    if client_gone:
+        return Outcome("client_gone")
+    if body_too_large:
+        return Outcome("body_too_large")
+    if body_timed_out:
+        return Outcome("body_timeout")
+    if outcome.kind == "deadline" and body_unfinished:
+        return Outcome("body_timeout")
+    return outcome
+
+
 IDEMPOTENCY_KEY = b"idempotency-key"
 
 
@@ -137,6 +192,21 @@ def is_replayable(
         and method == "POST"
         and any(k.lower() == IDEMPOTENCY_KEY and v.strip() for k, v in headers)
     )
+
+
+def replay_rule(
+    route: RouteConfig, method: str, *, buffered: bool, headers: Sequence[tuple[bytes, bytes]]
+) -> str | None:
+    """Which rule makes the request not replayable (None: it is), the same test as
+    `is_replayable`, told apart for the error message."""
+    if is_replayable(route, method, buffered=buffered, headers=headers):
+        return None
+    if method in route.replayable_methods:
+        return "not_buffered"
+    if route.replay_with_idempotency_key and method == "POST":
+        keyed = any(k.lower() == IDEMPOTENCY_KEY and v.strip() for k, v in headers)
+        return "not_buffered" if keyed else "no_idempotency_key"
+    return "not_replayable_method"
 
 
 def attempt_ceiling(route: RouteConfig, *, replayable: bool) -> int:
@@ -190,25 +260,38 @@ _LOCAL_ERRORS: dict[str, tuple[str, str]] = {
         " an encoding); nothing was sent",
     ),
 }
+_LOCAL_RULES = {
+    "deadline": "deadline",
+    "body_too_large": "max_request_body",
+    "body_timeout": "body_timeout",
+    "unsafe_address": "unsafe_address",
+    "not_sent": "not_sent",
+}
 
 
 def decide(outcome: Outcome, state: WalkState) -> Decision:
     """The next action after `outcome` (an attempt's, or NO_CANDIDATE)."""
     if outcome.kind == "client_gone" or not state.client_connected:
-        return Decision("abort", reason="the client hung up: nothing more is sent or started")
+        return Decision(
+            "abort", reason="the client hung up: nothing more is sent or started",
+            rule="client_gone",
+        )  # fmt: skip
     if outcome.kind == "not_sent" and further_attempt_possible(state):
         # Nothing reached that upstream (e.g. its credential went bad under a running
         # gateway): the next candidate may be sent, and no breaker is marked.
         return Decision("next_candidate", reason="the request could not be sent: the next one")
     if outcome.kind in _LOCAL_ERRORS:
         code, reason = _LOCAL_ERRORS[outcome.kind]
-        return Decision("local_error", code, reason)
+        return Decision("local_error", code, reason, rule=_LOCAL_RULES[outcome.kind])
     if outcome.kind == "no_candidate":
         if state.attempts_made == 0:
-            return Decision("local_error", "route_exhausted", "no candidate could be attempted")
-        return _exhausted(state, "no further candidate could be attempted")
+            return Decision(
+                "local_error", "route_exhausted", "no candidate could be attempted",
+                rule="no_candidate",
+            )  # fmt: skip
+        return _exhausted(state, "no further candidate could be attempted", "no_candidate")
     if outcome.kind == "repeat_budget":
-        return _exhausted(state, "the upstream's budget for repeats is spent")
+        return _exhausted(state, "the upstream's budget for repeats is spent", "repeat_budget")
     if not is_failover_class(outcome, state.failover_status):  # a status: all else is above
         if (
             outcome.status in CREDENTIAL_STATUSES
@@ -222,31 +305,72 @@ def decide(outcome: Outcome, state: WalkState) -> Decision:
         return Decision("serve", reason="a response outside failover_status is served")
     if further_attempt_allowed(state, outcome):
         return Decision("next_candidate", reason="failover-class: the next candidate")
-    return _exhausted(state, _why_no_further_attempt(state))
+    return _exhausted(state, *_why_no_further_attempt(state))
 
 
-def _exhausted(state: WalkState, reason: str) -> Decision:
+def _exhausted(state: WalkState, reason: str, rule: str) -> Decision:
     if not state.deadline_left:
-        return Decision("local_error", "deadline_exceeded", "the route deadline passed")
+        return Decision(
+            "local_error", "deadline_exceeded", "the route deadline passed", rule="deadline"
+        )
     if state.on_exhausted == "last_response" and state.has_last_response:
-        return Decision("serve", reason=f"{reason}; on_exhausted = last_response")
-    return Decision("local_error", "upstream_failed", reason)
+        return Decision("serve", reason=f"{reason}; on_exhausted = last_response", rule=rule)
+    return Decision("local_error", "upstream_failed", reason, rule=rule)
 
 
-def _why_no_further_attempt(state: WalkState) -> str:
+def _why_no_further_attempt(state: WalkState) -> tuple[str, str]:
     if not state.replayable:
-        return "failover-class, but the request is not replayable"
+        return "failover-class, but the request is not replayable", (
+            state.unreplayable or "not_replayable_method"
+        )
     if state.attempts_made >= state.attempt_ceiling:
-        return "failover-class, and the attempt ceiling is reached"
-    return "failover-class, and no further attempt is allowed"
+        return "failover-class, and the attempt ceiling is reached", "ceiling"
+    return "failover-class, and no further attempt is allowed", "not_allowed"
+
+
+# What would change each rule's answer: the configuration key (or caller header) to use.
+_REMEDY = {
+    "not_buffered": "the body is larger than [gateway] replay_buffer, so it cannot be "
+    "replayed; raise replay_buffer to let it fail over",
+    "ceiling": "the attempt ceiling (1 + retries) is reached; raise the route's retries",
+    "no_candidate": "every other candidate was skipped (see x-gateway-skipped)",
+    "repeat_budget": "the upstream's budget for repeats is spent "
+    "([gateway.repeat_budget] percent / min_per_second)",
+}
+
+
+def _remedy(rule: str | None, context: RequestContext) -> str:
+    route, method = context.route, context.method
+    if rule == "not_replayable_method":
+        hint = f'{method} is not replayable on route {route.id!r}: add "{method}" to its '
+        hint += "replayable_methods"
+        if method == "POST":
+            hint += " (or set replay_with_idempotency_key = true and send Idempotency-Key)"
+        return hint + " to let it fail over"
+    if rule == "no_idempotency_key":
+        return (
+            f"a POST without an Idempotency-Key header is not replayable on route "
+            f"{route.id!r}: send one (replay_with_idempotency_key is on), or add "
+            f'"POST" to replayable_methods'
+        )
+    return _REMEDY.get(rule or "", "")
 
 
 def error_message(decision: Decision, context: RequestContext) -> str:
-    """The local error's message: which rule ended the walk, after how many attempts."""
+    """The local error's message: which rule ended the walk, after how many attempts, and
+    what configuration would change it."""
     attempts = context.attempt_count
+    remedy = _remedy(decision.rule, context)
     if decision.error == "upstream_failed" and attempts:
         last = context.attempts[-1].failure_kind or "status"
-        return f"all {attempts} attempt(s) failed (last failure: {last})"
+        message = f"all {attempts} attempt(s) failed (last failure: {last})"
+        return f"{message}; {remedy}" if remedy else message
     if decision.error == "deadline_exceeded":
-        return f"the route deadline passed after {attempts} attempt(s)"
+        return (
+            f"the route deadline passed after {attempts} attempt(s); raise the route's "
+            "deadline_ms (or send a larger x-gateway-deadline-ms, if the caller shortened it)"
+        )
+    if decision.error == "route_exhausted":
+        skipped = ", ".join(f"{s.candidate} ({s.reason})" for s in context.skipped)
+        return f"no candidate could be attempted: {skipped or 'none'} skipped"
     return decision.reason

@@ -20,7 +20,34 @@ STATUS_FOR_CODE = {
     "request_timeout": 408,
     "headers_too_large": 431,
     "overloaded": 503,
+    "method_not_allowed": 405,
+    "config_error": 503,
 }
+
+# The rule a local error names when its sender gives none: the setting that decided it.
+DEFAULT_RULE = {
+    "request_too_large": "max_request_body",
+    "headers_too_large": "max_header_bytes",
+    "overloaded": "max_concurrency",
+    "budget_exceeded": "budget",
+    "budget_unavailable": "budget_store",
+    "request_timeout": "body_timeout",
+    "response_too_large": "max_response_body",
+    "method_not_allowed": "methods",
+    "route_exhausted": "no_candidate",
+    "deadline_exceeded": "deadline",
+}
+
+
+def skipped_header(context: RequestContext) -> bytes:
+    """`x-gateway-skipped: NAME;reason=REASON[, ...]` (SPEC §12): each candidate passed
+    over without an attempt, in walk order, once per (name, reason)."""
+    seen: list[str] = []
+    for skip in context.skipped:
+        item = f"{skip.candidate};reason={skip.reason}"
+        if item not in seen:
+            seen.append(item)
+    return ", ".join(seen).encode("latin-1", "replace")
 
 
 def gateway_headers(context: RequestContext) -> list[tuple[bytes, bytes]]:
@@ -30,6 +57,8 @@ def gateway_headers(context: RequestContext) -> list[tuple[bytes, bytes]]:
     ]
     if context.chosen is not None:
         headers.append((b"x-gateway-provider", context.chosen.encode("latin-1", "replace")))
+    if context.skipped:
+        headers.append((b"x-gateway-skipped", skipped_header(context)))
     if context.canary:
         headers.append((b"x-gateway-canary", b"1"))
     if context.fault:
@@ -39,7 +68,7 @@ def gateway_headers(context: RequestContext) -> list[tuple[bytes, bytes]]:
     return headers
 
 
-def error_body(code: str, message: str, context: RequestContext) -> bytes:
+def error_body(code: str, message: str, context: RequestContext, rule: str | None = None) -> bytes:
     payload: dict[str, Any] = {
         "error": {
             "type": "gateway_error",
@@ -47,17 +76,23 @@ def error_body(code: str, message: str, context: RequestContext) -> bytes:
             "message": message,
             "route": context.route.id,
             "attempts": context.attempt_count,
+            "rule": rule or DEFAULT_RULE.get(code, code),
         }
     }
     return json.dumps(payload, separators=(",", ":")).encode()
 
 
-async def send_error(send: Send, context: RequestContext, code: str, message: str) -> None:
-    """Send a local error. Never echoes an upstream body or header."""
+async def send_error(
+    send: Send, context: RequestContext, code: str, message: str, *, rule: str | None = None
+) -> None:
+    """Send a local error. Never echoes an upstream body or header. `rule` names what
+    ended the request (SPEC §12; default: the setting behind `code`)."""
     status = STATUS_FOR_CODE[code]
-    body = error_body(code, message, context)
+    rule = rule or DEFAULT_RULE.get(code, code)
+    body = error_body(code, message, context, rule)
     context.status = status
     context.outcome = code
+    context.rule = rule
     context.committed = True
     headers = [
         (b"content-type", b"application/json"),

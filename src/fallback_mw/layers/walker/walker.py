@@ -19,11 +19,12 @@ from fallback_mw.failover.decide import (
     decide,
     error_message,
     further_attempt_possible,
-    is_replayable,
     may_hedge,
+    replay_rule,
 )
 from fallback_mw.faults import FaultSource
 from fallback_mw.health import HealthState
+from fallback_mw.health.pool import affinity_key
 from fallback_mw.layers.walker.cursor import CandidateCursor, Pick, skip_recorder
 from fallback_mw.layers.walker.disconnect import watch_disconnect
 from fallback_mw.layers.walker.hedge import run_hedged
@@ -132,12 +133,13 @@ class _Walk:
             self.route, canary=context.canary, pinned=context.pinned
         )
         self.body = body
-        self.replayable = is_replayable(
+        self.unreplayable = replay_rule(
             self.route,
             context.method,
             buffered=body.buffered is not None,
             headers=context.forward_headers,
         )
+        self.replayable = self.unreplayable is None
         self.parsed = parsed
         self.attempts = AttemptLifecycle(
             context, body, parsed, client=walker.client, faults=walker.faults,
@@ -146,7 +148,8 @@ class _Walk:
         )  # fmt: skip
         attempts = self.attempts
         self.cursor = CandidateCursor(
-            context.candidates, context.upstreams, walker.health, session=context.session,
+            context.candidates, context.upstreams, walker.health,
+            session=affinity_key(self.route.id, context.request_model, context.session),
             has_credential=lambda n, i: context.credential(n, i) is not None,
             on_skip=skip_recorder(context, walker.telemetry),  # no cycle back to self
             admit=lambda name, upstream, repeat: attempts.admit(name, upstream, repeat=repeat),
@@ -181,6 +184,7 @@ class _Walk:
             on_exhausted=self.route.on_exhausted,
             other_credential=other_credential,
             has_last_response=self.last_response is not None,
+            unreplayable=self.unreplayable,
         )
 
     async def _loop(self) -> None:
@@ -231,6 +235,8 @@ class _Walk:
         decision: Decision = decide(outcome, self.state(other_credential=other))
         if record is not None:
             record.decision, record.reason = decision.action, decision.reason
+        if decision.rule is not None:
+            self.context.rule = decision.rule
         if decision.action in ("next_candidate", "next_credential"):
             if response is not None:
                 await self._keep(name, response)
@@ -257,8 +263,9 @@ class _Walk:
         if decision.action == "local_error":
             assert decision.error is not None
             await send_error(
-                self.send, self.context, decision.error, error_message(decision, self.context)
-            )
+                self.send, self.context, decision.error, error_message(decision, self.context),
+                rule=decision.rule,
+            )  # fmt: skip
         return True
 
     async def _keep(self, name: str | None, response: UpstreamResponse) -> None:

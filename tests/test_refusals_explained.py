@@ -1,0 +1,129 @@
+"""Every refusal says which rule ended the walk and what would change it (SPEC §12): the
+local error body's `"rule"` and a message naming the configuration key; the request log
+line carries the rule; candidates passed over are listed in `x-gateway-skipped` and in
+the log line."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+from tests.helpers import gateway_client
+from tests.upstreams import status_handler, upstream
+
+pytestmark = pytest.mark.anyio
+
+ENV = {"PRIMARY_KEY": "sk-primary-0001", "BACKUP_KEY": "sk-backup-0002"}
+
+
+def config(primary: str, backup: str, gateway: dict[str, Any] | None = None, **route: Any) -> Any:
+    return {
+        "gateway": {"replay_buffer": 1024, **(gateway or {})},
+        "upstreams": {
+            "primary": {"url": primary, "auth_env": "PRIMARY_KEY"},
+            "backup": {"url": backup, "auth_env": "BACKUP_KEY"},
+        },
+        "routes": [
+            {"id": "chat", "prefix": "/v1/", "plan": ["primary", "backup"], "retries": 1, **route}
+        ],
+    }
+
+
+def log_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "fallback_mw.request"]
+
+
+@pytest.mark.parametrize(
+    ("route", "method", "headers", "body", "rule", "says"),
+    [
+        ({}, "POST", {}, b"{}", "not_replayable_method",
+         ['add "POST" to its replayable_methods', "replay_with_idempotency_key"]),
+        ({"replayable_methods": ["GET", "DELETE"]}, "PATCH", {}, b"{}", "not_replayable_method",
+         ['add "PATCH" to its replayable_methods']),
+        ({"replay_with_idempotency_key": True}, "POST", {}, b"{}", "no_idempotency_key",
+         ["without an Idempotency-Key header", "send one"]),
+        ({"replayable_methods": ["PUT"]}, "PUT", {}, b"x" * 5000, "not_buffered",
+         ["replay_buffer"]),
+    ],
+)  # fmt: skip
+async def test_a_refused_failover_names_its_rule_and_the_key_that_would_change_it(
+    caplog: pytest.LogCaptureFixture,
+    route: dict[str, Any],
+    method: str,
+    headers: dict[str, str],
+    body: bytes,
+    rule: str,
+    says: list[str],
+) -> None:
+    caplog.set_level(logging.INFO, logger="fallback_mw.request")
+    async with upstream(status_handler(503)) as p, upstream(status_handler(200)) as b:
+        conf = config(p.url, b.url, **route)
+        async with gateway_client(conf, environ=ENV) as client:
+            response = await client.request(method, "/v1/chat", content=body, headers=headers)
+    assert (p.count, b.count) == (1, 0)
+    assert response.status_code == 502
+    error = response.json()["error"]
+    assert (error["code"], error["rule"], error["attempts"]) == ("upstream_failed", rule, 1)
+    for phrase in says:
+        assert phrase in error["message"], error["message"]
+    assert f"rule={rule}" in log_lines(caplog)[-1]
+
+
+async def test_the_ceiling_and_the_deadline_are_named(caplog: pytest.LogCaptureFixture) -> None:
+    async with upstream(status_handler(503)) as p, upstream(status_handler(503)) as b:
+        conf = config(p.url, b.url)
+        async with gateway_client(conf, environ=ENV) as client:
+            response = await client.get("/v1/models")
+    error = response.json()["error"]
+    assert (response.status_code, error["rule"], error["attempts"]) == (502, "ceiling", 2)
+    assert "raise the route's retries" in error["message"]
+
+    async with (
+        upstream(status_handler(200, delay=2.0)) as p,
+        upstream(status_handler(200)) as b,
+    ):
+        conf = config(p.url, b.url, deadline_ms=100)
+        async with gateway_client(conf, environ=ENV) as client:
+            response = await client.get("/v1/models")
+    error = response.json()["error"]
+    assert (response.status_code, error["code"], error["rule"]) == (504, "deadline_exceeded",
+                                                                     "deadline")  # fmt: skip
+    assert "deadline_ms" in error["message"]
+
+
+async def test_skipped_candidates_are_named_in_a_header_and_the_log_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="fallback_mw.request")
+    breaker = {"breaker": {"window": 1, "min_calls": 1, "failure_rate": 1.0,
+                           "cooldown_ms": 600_000}}  # fmt: skip
+    async with upstream(status_handler(503)) as p, upstream(status_handler(200)) as b:
+        conf = config(p.url, b.url, gateway=breaker)
+        async with gateway_client(conf, environ=ENV) as client:
+            first = await client.get("/v1/models")  # primary 503 opens its breaker
+            second = await client.get("/v1/models")
+    assert first.headers["x-gateway-provider"] == "backup"
+    assert "x-gateway-skipped" not in first.headers
+    assert second.status_code == 200 and second.headers["x-gateway-attempts"] == "1"
+    assert second.headers["x-gateway-skipped"] == "primary;reason=breaker_open"
+    assert p.count == 1
+    assert log_lines(caplog)[-1].endswith(" skipped=primary;reason=breaker_open")
+
+
+async def test_nothing_attempted_lists_what_was_skipped() -> None:
+    breaker = {"breaker": {"window": 1, "min_calls": 1, "failure_rate": 1.0,
+                           "cooldown_ms": 600_000}}  # fmt: skip
+    async with upstream(status_handler(503)) as p, upstream(status_handler(503)) as b:
+        conf = config(p.url, b.url, gateway=breaker)
+        async with gateway_client(conf, environ=ENV) as client:
+            await client.get("/v1/models")  # both answer 503: both breakers open
+            response = await client.get("/v1/models")
+    error = response.json()["error"]
+    assert (response.status_code, error["code"], error["rule"]) == (503, "route_exhausted",
+                                                                     "no_candidate")  # fmt: skip
+    assert "primary (breaker_open), backup (breaker_open)" in error["message"]
+    assert response.headers["x-gateway-skipped"] == (
+        "primary;reason=breaker_open, backup;reason=breaker_open"
+    )
