@@ -4,6 +4,8 @@ SPEC §5 written independently of the implementation."""
 
 from __future__ import annotations
 
+import ast
+import importlib
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -17,8 +19,10 @@ from fallback_mw.failover.decide import (
     Outcome,
     WalkState,
     decide,
+    engine_outcome,
     health_mark,
     is_failover_class,
+    local_or,
 )
 
 FAILOVER = frozenset({502, 503, 504})
@@ -268,3 +272,75 @@ def test_reference_model_is_not_the_code() -> None:
     source = Path(__file__).read_text()
     body = source.split("def reference(", 1)[1].split("\noutcomes = ", 1)[0]
     assert not re.search(r"\b(decide|is_failover_class|further_attempt)\w*\(", body)
+
+
+# --- where each rule is decided (docs/failover.md) ------------------------------------
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "fallback_mw"
+
+
+def rule_table() -> list[tuple[str, list[str], set[str]]]:
+    section = DOC.read_text().split("## Where each rule is decided", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ")][1:]
+    table = []
+    for row in rows:
+        rule, deciders, users = (cell.strip() for cell in row.strip("|").split("|"))
+        table.append(
+            (rule, re.findall(r"`([\w.]+)`", deciders), set(re.findall(r"`([\w/.]+)`", users)))
+        )
+    return table
+
+
+def importers(module: str, names: set[str]) -> set[str]:
+    """Every module under src/fallback_mw that imports one of `names` from `module`."""
+    found = set()
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module == module
+                and any(alias.name in names for alias in node.names)
+            ):
+                found.add(str(path.relative_to(SRC)))
+    return found
+
+
+def test_each_rule_is_decided_where_the_table_says() -> None:
+    table = rule_table()
+    assert len(table) >= 10
+    for rule, deciders, users in table:
+        assert deciders and users, rule
+        modules = {name.rsplit(".", 1)[0] for name in deciders}
+        assert len(modules) == 1, (rule, "one module decides a rule")
+        (module,) = modules
+        names = {name.rsplit(".", 1)[1] for name in deciders}
+        imported = importlib.import_module(f"fallback_mw.{module}")
+        for name in names:
+            assert callable(getattr(imported, name, None)), (rule, name)
+        assert importers(f"fallback_mw.{module}", names) == users, rule
+
+
+def test_engine_errors_and_the_callers_trouble_are_classified_in_decide() -> None:
+    assert engine_outcome("connect", "connect") == Outcome("transport")
+    assert engine_outcome("timeout", "first_byte") == Outcome("timeout")
+    assert engine_outcome("timeout", "body") == Outcome("transport")
+    assert engine_outcome("timeout", "connect", fault="blackhole") == Outcome(
+        "timeout", fault="blackhole"
+    )
+    assert engine_outcome("unsafe_address", "connect", fault="blackhole") == Outcome(
+        "unsafe_address"
+    )
+    assert engine_outcome("local", "connect") == Outcome("not_sent")
+    quiet = {"client_gone": False, "body_too_large": False, "body_timed_out": False}
+    deadline = Outcome("deadline")
+    assert local_or(deadline, **quiet, body_unfinished=False) == deadline
+    assert local_or(deadline, **quiet, body_unfinished=True) == Outcome("body_timeout")
+    assert local_or(Outcome("timeout"), **quiet, body_unfinished=True) == Outcome("timeout")
+    gone = {**quiet, "client_gone": True, "body_too_large": True}
+    assert local_or(Outcome("transport"), **gone, body_unfinished=True) == Outcome("client_gone")
+    large = {**quiet, "body_too_large": True}
+    assert local_or(Outcome("transport"), **large, body_unfinished=False) == Outcome(
+        "body_too_large"
+    )
+    slow = {**quiet, "body_timed_out": True}
+    assert local_or(Outcome("timeout"), **slow, body_unfinished=False) == Outcome("body_timeout")

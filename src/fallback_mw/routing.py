@@ -9,6 +9,18 @@ from fallback_mw.config import RouteConfig, UpstreamConfig
 from fallback_mw.security import canonical_name
 
 
+def effective_deadline_ms(
+    route: RouteConfig, default_ms: int, requested_ms: int | None = None
+) -> int:
+    """SPEC §5: one deadline for the whole walk, the route's `deadline_ms`, else
+    `[gateway] deadline_ms`; the caller's `x-gateway-deadline-ms` (`requested_ms`) may
+    shorten it, never lengthen it. The resolver, the shadow copy and `check` all ask here."""
+    deadline_ms = route.deadline_ms or default_ms
+    if requested_ms is not None:
+        deadline_ms = min(deadline_ms, requested_ms)
+    return deadline_ms
+
+
 def normalise_path(raw_path: str) -> str | None:
     """Percent-decode once, then resolve dot segments and empty segments, so that neither
     `..`, `%2e%2e` nor an encoded `/` or `\\` can move a request out of a prefix.

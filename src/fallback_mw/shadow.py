@@ -32,6 +32,7 @@ from fallback_mw.faults import FaultSource
 from fallback_mw.health import HealthState
 from fallback_mw.plan import canary_bucket
 from fallback_mw.request.context import AttemptRecord, RequestBody, RequestContext
+from fallback_mw.routing import effective_deadline_ms
 from fallback_mw.telemetry import Telemetry
 from fallback_mw.upstream.base import UpstreamClient, UpstreamError
 
@@ -112,7 +113,7 @@ class ShadowTraffic:
             self.telemetry.shadow_finished(span, context.route.id, name, "overloaded", None, 0.0)
             return False
         route = context.route
-        deadline = (route.deadline_ms or self.deadline_ms) / 1000
+        deadline = effective_deadline_ms(route, self.deadline_ms) / 1000
         # The copy's own context: its own deadline, no attempts, the caller long gone.
         copy = dataclasses.replace(
             context, deadline=time.monotonic() + deadline, attempts=[], skipped=[],

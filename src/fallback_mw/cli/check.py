@@ -11,6 +11,7 @@ from typing import Any
 
 from fallback_mw.cli.app import Console, leaf, run
 from fallback_mw.config import GatewayConfig, RouteConfig, UpstreamConfig, load_config
+from fallback_mw.routing import effective_deadline_ms
 from fallback_mw.store.routes import MergedRoutes, merge_routes, open_store
 from fallback_mw.store_url import parse_store_url
 
@@ -56,7 +57,7 @@ def _route_lines(
 ) -> list[str]:
     tenant = route.tenant or "any"
     methods = " ".join(route.methods) if route.methods else "any"
-    deadline = route.deadline_ms or default_ms
+    deadline = effective_deadline_ms(route, default_ms)
     lines = [
         f"route {route.id} ({source}): prefix {route.prefix}  tenant {tenant}  methods {methods}",
         f"  plan: {route.strategy}, retries {route.retries} (attempt ceiling "

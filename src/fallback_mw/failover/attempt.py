@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -24,10 +25,11 @@ from urllib.parse import quote
 
 from fallback_mw.capacity import Admission, Ask, CapacityState, reported_tokens
 from fallback_mw.config import UpstreamConfig
-from fallback_mw.failover.decide import Outcome, health_mark
+from fallback_mw.failover.decide import Outcome, engine_outcome, health_mark, local_or
 from fallback_mw.faults import BlackholeSource, FaultSource
 from fallback_mw.health import HealthState
 from fallback_mw.health.pool import retry_after_seconds
+from fallback_mw.health.quota import PeekedResponse, peek_quota
 from fallback_mw.request.body import BodyAborted
 from fallback_mw.request.context import AttemptRecord, RequestBody, RequestContext
 from fallback_mw.telemetry import Telemetry
@@ -147,44 +149,30 @@ class AttemptRunner:
                     pool_key=name,
                 )
                 response = await client.send(request)
+                if response.status == 429 and len(upstream.credential_envs) > 1:
+                    # A pool credential's 429: quota spent or rate limited? (a bounded read
+                    # of the body; the client still gets every byte if it is served)
+                    response = await peek_quota(response)
         except TimeoutError:
             # An injected hang still counts against the upstream when the deadline ends it.
             return self._local_or(Outcome("deadline", fault=record.fault)), None
         except UpstreamError as exc:
-            outcome = _classify(exc)
-            if record.fault is not None and outcome.kind in ("timeout", "transport"):
-                outcome = Outcome(outcome.kind, fault=record.fault)  # the blackhole's
-            return self._local_or(outcome), None
+            return self._local_or(engine_outcome(exc.kind, exc.phase, fault=record.fault)), None
         except BodyAborted:
             return self._local_or(Outcome("transport")), None
         # A redirect is never followed: it is an answer like any other.
         return Outcome("status", response.status), response
 
     def _local_or(self, outcome: Outcome) -> Outcome:
-        """The request body's own trouble wins over whatever the engine made of it: a
-        caller that hung up or sent too much or too slowly is never the upstream's fault."""
+        """The body's facts, for `decide.local_or` (the rule is decided there)."""
         body = self.body
-        if body.client_gone or self.context.client_disconnected:
-            return Outcome("client_gone")
-        if body.too_large:
-            return Outcome("body_too_large")
-        if body.timed_out:  # the caller's idle gap while its body was streaming
-            return Outcome("body_timeout")
-        if outcome.kind == "deadline" and body.stream is not None and not body.done.is_set():
-            return Outcome("body_timeout")
-        return outcome
-
-
-def _classify(error: UpstreamError) -> Outcome:
-    if error.kind == "unsafe_address":
-        return Outcome("unsafe_address")
-    if error.kind == "local":
-        return Outcome("not_sent")
-    if error.phase == "body":  # pragma: no cover - engines raise body errors while streaming
-        return Outcome("transport")
-    if error.kind == "timeout":
-        return Outcome("timeout")
-    return Outcome("transport")
+        return local_or(
+            outcome,
+            client_gone=body.client_gone or self.context.client_disconnected,
+            body_too_large=body.too_large,
+            body_timed_out=body.timed_out,
+            body_unfinished=body.stream is not None and not body.done.is_set(),
+        )
 
 
 class AttemptLifecycle:
@@ -268,7 +256,9 @@ class AttemptLifecycle:
         if mark or outcome.kind != "status" or outcome.fault is not None:
             record.failure_kind = outcome.failure_kind or "status"
         self.telemetry.attempt_finished(self.context, record)
-        await self.mark_health(record.candidate, record.credential_index, outcome, response)
+        await self.mark_health(
+            record.candidate, record.credential_index, outcome, response, latency=record.duration
+        )
 
     async def mark_health(
         self,
@@ -276,6 +266,8 @@ class AttemptLifecycle:
         credential_index: int | None,
         outcome: Outcome,
         response: UpstreamResponse | None,
+        *,
+        latency: float | None = None,
     ) -> bool | None:
         """The one place an outcome reaches the breaker and the credential's health.
         Returns the mark (True a failure, False a success, None nothing recorded)."""
@@ -292,8 +284,17 @@ class AttemptLifecycle:
                 failure=mark,
                 retry_after=retry_after_seconds(response.headers if response else ()),
                 session=self.context.session,
+                latency=latency,
+                quota=self._quota(name, response),
             )
         return mark
+
+    def _quota(self, name: str, response: UpstreamResponse | None) -> float | None:
+        """Seconds a pool credential's spent quota keeps it retired (None: not spent)."""
+        quota = response.quota if isinstance(response, PeekedResponse) else None
+        if quota is None or math.isfinite(quota):
+            return quota
+        return self.context.upstreams[name].quota_retire_ms / 1000  # no reset given
 
     async def lose(self, record: AttemptRecord, result: AttemptResult | None) -> None:
         """The attempt that lost a hedge race: cancelled (None) or with a head it does not

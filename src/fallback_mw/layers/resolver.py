@@ -15,7 +15,7 @@ from fallback_mw.layers.limits import InFlight, header_refusal
 from fallback_mw.request.context import SCOPE_KEY, RequestContext
 from fallback_mw.request.local_errors import send_error
 from fallback_mw.request.types import ASGIApp, Receive, Scope, Send
-from fallback_mw.routing import RouteTable, normalise_path
+from fallback_mw.routing import RouteTable, effective_deadline_ms, normalise_path
 from fallback_mw.telemetry import Telemetry
 
 # More digits than this is longer than any deadline (600000 ms): it can shorten nothing.
@@ -81,10 +81,8 @@ class RouteResolver:
         if route is None:
             await self.app(scope, receive, send)
             return
-        deadline_ms = route.deadline_ms or self.default_deadline_ms
         requested = requested_deadline_ms(_header(scope, b"x-gateway-deadline-ms"))
-        if requested is not None:
-            deadline_ms = min(deadline_ms, requested)  # shorten, never lengthen
+        deadline_ms = effective_deadline_ms(route, self.default_deadline_ms, requested)
         assert path is not None
         context = RequestContext(
             route=route,
