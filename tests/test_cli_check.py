@@ -75,7 +75,8 @@ def test_check_prints_the_resolved_plans_and_never_a_secret(tmp_path: Path) -> N
         "  model gpt-4o-mini",
         "    2. backup   http://127.0.0.1:9002/v1  x-api-key: $FMW_CHECK_BACKUP_A, "
         "$FMW_CHECK_BACKUP_B (pool)",
-        "  replayable GET POST; failover on 502 503 504; on_exhausted error",
+        "  replayable GET POST; failover on 502 503 504, transport errors and timeouts; "
+        "401 403 429 move to another credential within backup (pool); on_exhausted error",
         "  budget acme",
         f"configuration {path} is valid: 1 route(s)",
     ]

@@ -270,3 +270,23 @@ def test_test_sh_says_what_it_installs_before_it_does(tmp_path: Path) -> None:
     quiet = subprocess.run(["bash", "-c", body], cwd=root, capture_output=True, text=True,
                            env=env, timeout=30, check=False)  # fmt: skip
     assert not log.exists() and "apt-get" not in quiet.stderr
+
+
+def test_check_shows_the_idempotency_key_opt_in_and_the_failover_statuses(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        '[upstreams.primary]\nurl = "http://127.0.0.1:9001"\n'
+        '[upstreams.backup]\nurl = "http://127.0.0.1:9002"\n'
+        '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["primary", "backup"]\nretries = 1\n'
+        "replay_with_idempotency_key = true\nfailover_status = [429, 502, 503]\n",
+        encoding="utf-8",
+    )
+    result = run("check", "--config", str(config))
+    assert result.returncode == 0, result.stderr
+    assert (
+        "  replayable GET HEAD OPTIONS + POST with an Idempotency-Key header "
+        "(replay_with_idempotency_key); failover on 429 502 503, transport errors and "
+        "timeouts; on_exhausted error"
+    ) in result.stdout.splitlines()

@@ -52,6 +52,22 @@ def _declared(upstream: UpstreamConfig) -> str:
     return f"  ({', '.join(parts)})" if parts else ""
 
 
+def _replayable(route: RouteConfig) -> str:
+    """The methods that may fail over, the Idempotency-Key opt-in included."""
+    text = " ".join(route.replayable_methods) or "none"
+    if route.replay_with_idempotency_key and "POST" not in route.replayable_methods:
+        text += " + POST with an Idempotency-Key header (replay_with_idempotency_key)"
+    return text
+
+
+def _pools(route: RouteConfig, upstreams: Mapping[str, UpstreamConfig]) -> str:
+    """Within a credential pool 401/403/429 move to another credential (SPEC §6)."""
+    pools = [name for name in route.plan if len(upstreams[name].credential_envs) > 1]
+    if not pools:
+        return ""
+    return f"; 401 403 429 move to another credential within {', '.join(pools)} (pool)"
+
+
 def _route_lines(
     route: RouteConfig, upstreams: Mapping[str, UpstreamConfig], source: str, default_ms: int
 ) -> list[str]:
@@ -72,8 +88,9 @@ def _route_lines(
             f"{_declared(upstream)}"
         )
     lines.append(
-        f"  replayable {' '.join(route.replayable_methods)}; failover on "
-        f"{' '.join(map(str, route.failover_status))}; on_exhausted {route.on_exhausted}"
+        f"  replayable {_replayable(route)}; failover on "
+        f"{' '.join(map(str, route.failover_status))}, transport errors and timeouts"
+        f"{_pools(route, upstreams)}; on_exhausted {route.on_exhausted}"
     )
     extras = []
     if route.budget:
