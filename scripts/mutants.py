@@ -38,6 +38,7 @@ SRC = ROOT / "src" / "fallback_mw"
 
 WALKER = "tests/test_walker.py::"
 ASKS = "tests/test_defence_in_depth.py::"
+POOL = "tests/test_credential_pool.py::"
 
 # The design's negative controls for what cannot be repeated (SPEC §5).
 CONTROLS = (
@@ -191,6 +192,42 @@ MUTANTS: tuple[Mutant, ...] = (
             ),
         ),
         ("tests/test_plans.py::test_random_keeps_the_first_candidate_first_and_draws_the_rest",),
+    ),
+    Mutant(
+        "affinity_by_session_alone",
+        "session affinity keyed by (route, model, session), not the session alone",
+        (
+            (
+                "layers/walker/walker.py",
+                "session=affinity_key(self.route.id, context.request_model, context.session),",
+                "session=context.session,",
+            ),
+        ),
+        (POOL + "test_affinity_is_keyed_by_route_model_and_session",),
+    ),
+    Mutant(
+        "score_selection_ignored",
+        'selection = "score" orders the pool by recent success and latency',
+        (("health/pool.py", 'if selection != "score":', "if True:"),),
+        (POOL + "test_score_selection_prefers_the_fast_credential",),
+    ),
+    Mutant(
+        "quota_429_as_rate_limit",
+        "a 429 that says the quota is spent retires the credential until its reset",
+        (("health/pool.py", "if status == 429 and quota is not None:", "if False:"),),
+        (POOL + "test_a_spent_quota_retires_until_its_reset_a_rate_limit_cools_down",),
+    ),
+    Mutant(
+        "peeked_429_bytes_lost",
+        "the bytes read to judge a 429 still reach the client",
+        (
+            (
+                "health/quota.py",
+                "        if prefix:\n            yield prefix",
+                "        if 0:\n            yield prefix",
+            ),
+        ),
+        (POOL + "test_a_429_body_is_relayed_whole_after_the_peek",),
     ),
     Mutant(
         "fallback_path_differs",

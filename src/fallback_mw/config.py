@@ -122,6 +122,11 @@ class UpstreamConfig(_Strict):
     idle_timeout_ms: int = Field(60_000, ge=1)
     rpm: int | None = Field(None, ge=1, le=10**9)  # declared capacity: requests per minute
     tpm: int | None = Field(None, ge=1, le=10**15)  # declared capacity: tokens per minute
+    # A credential pool (auth_env as a list), SPEC §12: how a credential is chosen, and how
+    # long a credential whose 429 says its quota is spent is retired when it says not until
+    # when.
+    selection: Literal["round_robin", "score"] = "round_robin"
+    quota_retire_ms: int = Field(3_600_000, ge=1, le=31 * 86_400_000)
 
     @field_validator("url")
     @classmethod

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from fallback_mw.health.events import TransitionListener as TransitionListener
+from fallback_mw.health.pool import Selection
 
 if TYPE_CHECKING:
     from opentelemetry.metrics import MeterProvider
@@ -33,7 +34,13 @@ class HealthState(Protocol):
 
     async def reset_fault(self, upstream: str) -> None:
         """The fault on this upstream was cleared: a breaker its outcomes opened closes
-        (window and cooldown reset); one real failures opened is left alone."""
+        (window and cooldown reset); one real failures opened is left alone. Pool
+        credentials a fault's outcome marked (`fault_marked`) are usable again."""
+        ...
+
+    async def fault_marked(self, upstream: str, index: int) -> None:
+        """A fault's outcome reached this pool credential (a `revoke` 401 retired it, a
+        `fail` cooled it down): `reset_fault` restores it."""
         ...
 
     async def release(self, upstream: str) -> None:
@@ -43,9 +50,16 @@ class HealthState(Protocol):
         ...
 
     async def pick_credential(
-        self, upstream: str, pool_size: int, *, exclude: frozenset[int], session: str | None
+        self,
+        upstream: str,
+        pool_size: int,
+        *,
+        exclude: frozenset[int],
+        session: str | None,
+        selection: Selection = "round_robin",
     ) -> int | None:
-        """Index of a usable credential of the pool, or None when none is usable."""
+        """Index of a usable credential of the pool, or None when none is usable.
+        `session` is the affinity key (`pool.affinity_key`: route, model, session)."""
         ...
 
     async def credential_result(
@@ -57,8 +71,12 @@ class HealthState(Protocol):
         failure: bool,
         retry_after: float | None,
         session: str | None,
+        latency: float | None = None,
+        quota: float | None = None,
     ) -> None:
-        """401 retires the credential; 403, 429 and failover-class failures cool it down."""
+        """401 retires the credential; a 429 that says the quota is spent (`quota`: seconds
+        until it resets) retires it until then; 403, a plain 429 and failover-class failures
+        cool it down. `latency` (seconds to the response head) feeds the score."""
         ...
 
     async def aclose(self) -> None: ...
@@ -79,11 +97,20 @@ class AlwaysHealthy:
     async def reset_fault(self, upstream: str) -> None:
         return None
 
+    async def fault_marked(self, upstream: str, index: int) -> None:
+        return None
+
     async def release(self, upstream: str) -> None:
         return None
 
     async def pick_credential(
-        self, upstream: str, pool_size: int, *, exclude: frozenset[int], session: str | None
+        self,
+        upstream: str,
+        pool_size: int,
+        *,
+        exclude: frozenset[int],
+        session: str | None,
+        selection: Selection = "round_robin",
     ) -> int | None:
         for index in range(pool_size):
             if index not in exclude:
@@ -99,6 +126,8 @@ class AlwaysHealthy:
         failure: bool,
         retry_after: float | None,
         session: str | None,
+        latency: float | None = None,
+        quota: float | None = None,
     ) -> None:
         return None
 

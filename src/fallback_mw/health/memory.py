@@ -9,7 +9,13 @@ from collections.abc import Callable
 from fallback_mw.config import BreakerConfig
 from fallback_mw.health.breaker import DEFAULT_PROBE_LEASE, Breaker, Transition
 from fallback_mw.health.events import TransitionListener
-from fallback_mw.health.pool import CredentialMark, CredentialPool, credential_mark
+from fallback_mw.health.pool import (
+    CredentialMark,
+    CredentialPool,
+    Selection,
+    credential_mark,
+    score_outcome,
+)
 
 logger = logging.getLogger("fallback_mw.health")
 
@@ -33,14 +39,17 @@ def breaker_credential_mark(
     status: int | None,
     failure: bool,
     retry_after: float | None,
+    quota: float | None = None,
 ) -> CredentialMark | None:
-    """`credential_mark` with the breaker settings' cool-downs; a mark is logged."""
+    """`credential_mark` with the breaker settings' cool-downs; a mark is logged (the
+    action only: never the answer that caused it)."""
     mark = credential_mark(
         status=status,
         failure=failure,
         retry_after=retry_after,
         default_cooldown=config.cooldown_ms / 1000,
         max_cooldown=max(config.max_cooldown_ms, config.cooldown_ms) / 1000,
+        quota=quota,
     )
     if mark is not None:
         logger.info("credential upstream=%s index=%d mark=%s", upstream, index, mark.action)
@@ -65,7 +74,9 @@ class MemoryHealth:
         self.probe_lease = probe_lease
         self._breakers: dict[str, Breaker] = {}
         self._pools: dict[str, CredentialPool] = {}
+        self._fault_marks: dict[str, set[int]] = {}  # pool credentials a fault marked
         self.pool_sizes: dict[str, int] = {}
+        self.selections: dict[str, Selection] = {}
 
     def breaker(self, upstream: str) -> Breaker:
         found = self._breakers.get(upstream)
@@ -96,18 +107,34 @@ class MemoryHealth:
         found = self._breakers.get(upstream)
         if found is not None:
             report_transition(self.on_transition, upstream, found.reset_fault())
+        marked = self._fault_marks.pop(upstream, set())
+        pool = self._pools.get(upstream)
+        if pool is not None and marked:
+            for index in marked:
+                pool.unusable_until.pop(index, None)
+            logger.info("credential upstream=%s restored=%d (fault cleared)", upstream, len(marked))
+
+    async def fault_marked(self, upstream: str, index: int) -> None:
+        self._fault_marks.setdefault(upstream, set()).add(index)
 
     async def release(self, upstream: str) -> None:
         self.breaker(upstream).release()
 
     async def pick_credential(
-        self, upstream: str, pool_size: int, *, exclude: frozenset[int], session: str | None
+        self,
+        upstream: str,
+        pool_size: int,
+        *,
+        exclude: frozenset[int],
+        session: str | None,
+        selection: Selection = "round_robin",
     ) -> int | None:
         self.pool_sizes[upstream] = pool_size
+        self.selections[upstream] = selection
         if pool_size <= 1:
             return None if 0 in exclude or pool_size < 1 else 0
         return self.pool(upstream).pick(
-            pool_size, exclude=exclude, session=session, now=self.clock()
+            pool_size, exclude=exclude, session=session, now=self.clock(), selection=selection
         )
 
     async def credential_result(
@@ -119,13 +146,20 @@ class MemoryHealth:
         failure: bool,
         retry_after: float | None,
         session: str | None,
+        latency: float | None = None,
+        quota: float | None = None,
     ) -> None:
         if self.pool_sizes.get(upstream, 0) <= 1:
             return
         mark = breaker_credential_mark(
-            self.config, upstream, index, status=status, failure=failure, retry_after=retry_after
-        )
-        self.pool(upstream).apply(index, mark, self.clock())
+            self.config, upstream, index, status=status, failure=failure,
+            retry_after=retry_after, quota=quota,
+        )  # fmt: skip
+        pool, now = self.pool(upstream), self.clock()
+        pool.apply(index, mark, now)
+        if self.selections.get(upstream) == "score":
+            pool.observe(index, ok=score_outcome(status=status, failure=failure), latency=latency,
+                         now=now)  # fmt: skip
 
     async def aclose(self) -> None:
         return None

@@ -1,7 +1,16 @@
-"""Credential pools (SPEC §6): per-credential health and session affinity, no I/O.
+"""Credential pools (SPEC §6, §12): per-credential health, selection and session affinity,
+no I/O.
 
 `credential_mark` is the one place that says what an outcome does to a credential; the
 memory state applies it here, the Redis state applies the same mark in Redis.
+
+Selection (`selection` on the upstream): `round_robin` rotates over the usable
+credentials; `score` takes the usable credential with the best score, where the score
+is the recent success rate (optimistic: an untried credential scores 1, a failure-only
+one falls towards 0) divided by (1 + its mean latency in seconds), all counts decayed with
+a half-life of `SCORE_HALF_LIFE` seconds (a credential that failed long ago is tried
+again). Ties rotate. Affinity comes first either way: a session keeps
+its credential while it is usable, keyed by (route, model, session) (`affinity_key`).
 """
 
 from __future__ import annotations
@@ -15,12 +24,22 @@ from email.utils import parsedate_to_datetime
 from typing import Literal
 
 AFFINITY_LIMIT = 10_000  # sessions remembered per upstream (least recently used dropped)
+SCORE_HALF_LIFE = 60.0  # seconds: an observation this old counts half
+Selection = Literal["round_robin", "score"]
+
+
+def affinity_key(route: str, model: str | None, session: str | None) -> str | None:
+    """What session affinity is keyed by (SPEC §12): the route, the requested model and the
+    session; None (no affinity) without a session."""
+    if session is None:
+        return None
+    return "\x1f".join((route, model or "", session))
 
 
 @dataclass(frozen=True, slots=True)
 class CredentialMark:
-    action: Literal["retire", "cool_down"]
-    seconds: float = 0.0  # cool_down only
+    action: Literal["retire", "cool_down", "quota"]
+    seconds: float = 0.0  # cool_down and quota: how long the credential is unusable
 
 
 def credential_mark(
@@ -30,17 +49,69 @@ def credential_mark(
     retry_after: float | None,
     default_cooldown: float,
     max_cooldown: float,
+    quota: float | None = None,
 ) -> CredentialMark | None:
-    """401 retires; 403 and 429 cool down (for `Retry-After` when given, capped);
-    failover-class failures cool down; anything else leaves the credential as it is."""
+    """401 retires; a 429 whose answer says the quota is spent (`quota`: seconds until it
+    resets, see health/quota.py) retires the credential until then; 403 and a plain 429
+    cool down (for `Retry-After` when given, capped); failover-class failures cool down;
+    anything else leaves the credential as it is."""
     if status == 401:
         return CredentialMark("retire")
+    if status == 429 and quota is not None:
+        return CredentialMark("quota", max(quota, 0.0))
     if status in (403, 429):
         seconds = default_cooldown if retry_after is None else retry_after
         return CredentialMark("cool_down", min(max(seconds, 0.0), max_cooldown))
     if failure:
         return CredentialMark("cool_down", default_cooldown)
     return None
+
+
+def score(successes: float, failures: float, latency_sum: float) -> float:
+    """Recent success rate over (1 + mean latency in seconds). Optimistic: an untried (or
+    long quiet) credential scores 1, so it is tried before one known to be slow."""
+    rate = (successes + 1.0) / (successes + failures + 1.0)
+    latency = latency_sum / successes if successes > 1e-9 else 0.0
+    return rate / (1.0 + latency)
+
+
+def decay_factor(elapsed: float) -> float:
+    return math.pow(0.5, max(elapsed, 0.0) / SCORE_HALF_LIFE)
+
+
+@dataclass(slots=True)
+class CredentialStats:
+    """One credential's decayed outcomes (for `selection = "score"`)."""
+
+    successes: float = 0.0
+    failures: float = 0.0
+    latency_sum: float = 0.0  # seconds, over the successes
+    at: float = 0.0
+
+    def decayed(self, now: float) -> CredentialStats:
+        factor = decay_factor(now - self.at)
+        return CredentialStats(
+            self.successes * factor, self.failures * factor, self.latency_sum * factor, now
+        )
+
+    def add(self, *, ok: bool, latency: float | None, now: float) -> CredentialStats:
+        current = self.decayed(now)
+        if ok:
+            current.successes += 1.0
+            current.latency_sum += max(latency or 0.0, 0.0)
+        else:
+            current.failures += 1.0
+        return current
+
+    def score(self, now: float) -> float:
+        current = self.decayed(now)
+        return score(current.successes, current.failures, current.latency_sum)
+
+
+def score_outcome(*, status: int | None, failure: bool) -> bool:
+    """What counts as a success for the score: an answer that is not a failover-class
+    failure and not a credential's own refusal (401 / 403 / 429)."""
+    return not failure and status not in (401, 403, 429)
 
 
 @dataclass(slots=True)
@@ -50,29 +121,50 @@ class CredentialPool:
     unusable_until: dict[int, float] = field(default_factory=dict)  # inf = retired
     rotation: int = 0
     affinity: OrderedDict[str, int] = field(default_factory=OrderedDict)
+    stats: dict[int, CredentialStats] = field(default_factory=dict)
 
     def usable(self, index: int, now: float) -> bool:
         return self.unusable_until.get(index, -math.inf) <= now
 
     def pick(
-        self, pool_size: int, *, exclude: Set[int], session: str | None, now: float
+        self,
+        pool_size: int,
+        *,
+        exclude: Set[int],
+        session: str | None,
+        now: float,
+        selection: Selection = "round_robin",
     ) -> int | None:
+        """`session` is the affinity key (`affinity_key`), None for no affinity."""
         if session is not None:
             bound = self.affinity.get(session)
             usable = bound is not None and bound < pool_size and bound not in exclude
             if bound is not None and usable and self.usable(bound, now):
                 self.affinity.move_to_end(session)
                 return bound
-        # Round robin over the healthy credentials spreads rate limits across the pool.
+        # Round robin over the healthy credentials spreads rate limits across the pool;
+        # with `score` the best one wins and the rotation only breaks ties.
         start = self.rotation
         self.rotation = (self.rotation + 1) % max(pool_size, 1)
+        best: int | None = None
+        best_score = -1.0
         for offset in range(pool_size):
             index = (start + offset) % pool_size
-            if index not in exclude and self.usable(index, now):
-                if session is not None:
-                    self._bind(session, index)
-                return index
-        return None
+            if index in exclude or not self.usable(index, now):
+                continue
+            if selection != "score":
+                best = index
+                break
+            value = self.stats.get(index, CredentialStats(at=now)).score(now)
+            if value > best_score:
+                best, best_score = index, value
+        if best is not None and session is not None:
+            self._bind(session, best)
+        return best
+
+    def observe(self, index: int, *, ok: bool, latency: float | None, now: float) -> None:
+        stats = self.stats.get(index, CredentialStats(at=now))
+        self.stats[index] = stats.add(ok=ok, latency=latency, now=now)
 
     def apply(self, index: int, mark: CredentialMark | None, now: float) -> None:
         if mark is None:

@@ -35,14 +35,18 @@ from fallback_mw.config import BreakerConfig
 from fallback_mw.health.breaker import DEFAULT_PROBE_LEASE
 from fallback_mw.health.events import TransitionListener
 from fallback_mw.health.memory import MemoryHealth, breaker_credential_mark, report_transition
+from fallback_mw.health.pool import SCORE_HALF_LIFE, Selection, score_outcome
 from fallback_mw.health.redis_scripts import (
     ADMIT,
+    FAULT_MARKED,
     MARK,
+    OBSERVE,
     OPEN_FAULT,
     PICK,
     RECORD,
     RELEASE,
     RESET_FAULT,
+    RESTORE_FAULT_MARKS,
 )
 from fallback_mw.store_url import redact_url
 
@@ -71,6 +75,10 @@ DEFAULT_MAX_CONNECTIONS = 50
 
 class _Unavailable:
     pass
+
+
+async def _nothing() -> None:
+    return None
 
 
 _UNAVAILABLE = _Unavailable()
@@ -111,6 +119,7 @@ class RedisHealth:
         self._retry_at = 0.0
         self._outage = False
         self._pool_sizes: dict[str, int] = {}
+        self._selections: dict[str, Selection] = {}
         self.local_fallback_calls = 0  # calls served on local state (tests, the soak)
         max_ms = max(self.config.max_cooldown_ms, self.config.cooldown_ms)
         self.breaker_ttl_ms = max(2 * max_ms + self.probe_lease_ms, 600_000)
@@ -257,8 +266,26 @@ class RedisHealth:
             lambda: self.local.reset_fault(upstream),
             convert,
         )
+        await self._with_fallback(
+            "restore_fault_marks",
+            RESTORE_FAULT_MARKS,
+            [self._key("credentials", upstream), self._key("fault_marks", upstream)],
+            [],
+            _nothing,
+            lambda result: None,
+        )
         # The local state served while Redis was unreachable is reset too.
         await self.local.reset_fault(upstream)
+
+    async def fault_marked(self, upstream: str, index: int) -> None:
+        await self._with_fallback(
+            "fault_marked",
+            FAULT_MARKED,
+            [self._key("fault_marks", upstream)],
+            [index, CREDENTIAL_TTL_MS],
+            lambda: self.local.fault_marked(upstream, index),
+            lambda result: None,
+        )
 
     async def release(self, upstream: str) -> None:
         await self._with_fallback(
@@ -271,9 +298,16 @@ class RedisHealth:
         )
 
     async def pick_credential(
-        self, upstream: str, pool_size: int, *, exclude: frozenset[int], session: str | None
+        self,
+        upstream: str,
+        pool_size: int,
+        *,
+        exclude: frozenset[int],
+        session: str | None,
+        selection: Selection = "round_robin",
     ) -> int | None:
         self._pool_sizes[upstream] = self.local.pool_sizes[upstream] = pool_size
+        self._selections[upstream] = self.local.selections[upstream] = selection
         if pool_size <= 1:
             return None if 0 in exclude or pool_size < 1 else 0
         session_key = ""
@@ -293,6 +327,7 @@ class RedisHealth:
                 self._key("credentials", upstream),
                 self._key("rotation", upstream),
                 session_key or self._key("affinity", upstream),
+                self._key("score", upstream),
             ],
             [
                 pool_size,
@@ -300,9 +335,11 @@ class RedisHealth:
                 "1" if session is not None else "0",
                 AFFINITY_TTL_MS,
                 CREDENTIAL_TTL_MS,
+                selection,
+                int(SCORE_HALF_LIFE * 1000),
             ],
             lambda: self.local.pick_credential(
-                upstream, pool_size, exclude=exclude, session=session
+                upstream, pool_size, exclude=exclude, session=session, selection=selection
             ),
             convert,
         )
@@ -316,12 +353,26 @@ class RedisHealth:
         failure: bool,
         retry_after: float | None,
         session: str | None,
+        latency: float | None = None,
+        quota: float | None = None,
     ) -> None:
         if self._pool_sizes.get(upstream, 0) <= 1:
             return
+        if self._selections.get(upstream) == "score":
+            ok = score_outcome(status=status, failure=failure)
+            await self._with_fallback(
+                "observe",
+                OBSERVE,
+                [self._key("score", upstream)],
+                [index, "1" if ok else "0", f"{max(latency or 0.0, 0.0):.6f}",
+                 int(SCORE_HALF_LIFE * 1000), CREDENTIAL_TTL_MS],
+                lambda: self._observe_locally(upstream, index, ok=ok, latency=latency),
+                lambda result: None,
+            )  # fmt: skip
         mark = breaker_credential_mark(
-            self.config, upstream, index, status=status, failure=failure, retry_after=retry_after
-        )
+            self.config, upstream, index, status=status, failure=failure,
+            retry_after=retry_after, quota=quota,
+        )  # fmt: skip
         if mark is None:
             return
         await self._with_fallback(
@@ -336,9 +387,15 @@ class RedisHealth:
                 failure=failure,
                 retry_after=retry_after,
                 session=session,
+                quota=quota,
             ),
             lambda result: None,
         )
+
+    async def _observe_locally(
+        self, upstream: str, index: int, *, ok: bool, latency: float | None
+    ) -> None:
+        self.local.pool(upstream).observe(index, ok=ok, latency=latency, now=self.local.clock())
 
     async def aclose(self) -> None:
         client, self._client = self._client, None

@@ -92,6 +92,22 @@ if (not st) or st == 'closed' then return '' end
 return redis.call('HGET', KEYS[1], 'fault') or ''
 """
 
+# KEYS[1] credential hash, KEYS[2] the set of credentials a fault marked. A fault was
+# cleared: those credentials lose their marks (retired or cooling down). Returns how many.
+RESTORE_FAULT_MARKS = """
+local marked = redis.call('SMEMBERS', KEYS[2])
+for _, index in ipairs(marked) do redis.call('HDEL', KEYS[1], index) end
+redis.call('DEL', KEYS[2])
+return #marked
+"""
+
+# KEYS[1] the set of credentials a fault marked. ARGV: index, key ttl ms.
+FAULT_MARKED = """
+redis.call('SADD', KEYS[1], ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
 # KEYS[1] breaker hash. ARGV: base cooldown ms. A fault was cleared: a breaker its
 # outcomes opened closes (window and cooldown reset); a closed one forgets its fault
 # outcomes; one real failures opened is left alone. Returns 'closed' or ''.
@@ -112,12 +128,33 @@ return 'closed'
 """
 
 
-# KEYS[1] credential hash, KEYS[2] rotation counter, KEYS[3] session affinity key.
-# ARGV: pool size, excluded as ',0,2,', use session '1'/'0', affinity ttl ms, key ttl ms.
+# A credential's decayed score (health/pool.py: `score`, `CredentialStats`): the score hash
+# holds, per index, "successes failures latency_seconds at_ms"; ARGV[HL] the half-life ms.
+_STATS = """
+local function stats(key, i, half_life)
+  local v = redis.call('HGET', key, tostring(i))
+  if not v then return 0, 0, 0 end
+  local s, f, l, at = string.match(v, '^(%S+) (%S+) (%S+) (%S+)$')
+  if not at then return 0, 0, 0 end
+  local factor = 0.5 ^ (math.max(now - tonumber(at), 0) / half_life)
+  return tonumber(s) * factor, tonumber(f) * factor, tonumber(l) * factor
+end
+"""
+
+# KEYS[1] credential hash, KEYS[2] rotation counter, KEYS[3] session affinity key, KEYS[4]
+# score hash. ARGV: pool size, excluded as ',0,2,', use session '1'/'0', affinity ttl ms,
+# key ttl ms, selection 'score' / 'round_robin', score half-life ms.
 # Returns the index or -1.
 PICK = (
     _NOW
+    + _STATS
     + """
+local function score(i)
+  local s, f, l = stats(KEYS[4], i, tonumber(ARGV[7]))
+  local lat = 0
+  if s > 1e-9 then lat = l / s end
+  return ((s + 1) / (s + f + 1)) / (1 + lat)
+end
 local function usable(i)
   if string.find(ARGV[2], ',' .. i .. ',', 1, true) then return false end
   local v = redis.call('HGET', KEYS[1], tostring(i))
@@ -135,14 +172,38 @@ if ARGV[3] == '1' then
 end
 local start = redis.call('INCR', KEYS[2]) - 1
 redis.call('PEXPIRE', KEYS[2], ARGV[5])
+local best = -1
+local best_score = -1
 for offset = 0, size - 1 do
   local i = (start + offset) % size
   if usable(i) then
-    if ARGV[3] == '1' then redis.call('SET', KEYS[3], tostring(i), 'PX', ARGV[4]) end
-    return i
+    if ARGV[6] ~= 'score' then best = i break end
+    local value = score(i)
+    if value > best_score then best, best_score = i, value end
   end
 end
-return -1
+if best >= 0 and ARGV[3] == '1' then
+  redis.call('SET', KEYS[3], tostring(best), 'PX', ARGV[4])
+end
+return best
+"""
+)
+
+# KEYS[1] score hash. ARGV: index, ok '1' / '0', latency seconds, half-life ms, key ttl ms.
+OBSERVE = (
+    _NOW
+    + _STATS
+    + """
+local s, f, l = stats(KEYS[1], ARGV[1], tonumber(ARGV[4]))
+if ARGV[2] == '1' then
+  s = s + 1
+  l = l + math.max(tonumber(ARGV[3]), 0)
+else
+  f = f + 1
+end
+redis.call('HSET', KEYS[1], ARGV[1], string.format('%.6f %.6f %.6f %.0f', s, f, l, now))
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
+return 1
 """
 )
 

@@ -54,7 +54,7 @@ class CandidateCursor:
         upstreams: Mapping[str, UpstreamConfig],
         health: HealthState,
         *,
-        session: str | None,
+        session: str | None,  # the affinity key (health.pool.affinity_key)
         has_credential: Callable[[str, int], bool],
         on_skip: SkipListener,
         admit: Admit,
@@ -116,6 +116,7 @@ class CandidateCursor:
                     pool,
                     exclude=frozenset(self.used.get(name, ())),
                     session=self.session,
+                    selection=upstream.selection,
                 )
                 if credential_index is None or not self.has_credential(name, credential_index):
                     self.on_skip(name, "no_credential")
@@ -142,8 +143,9 @@ class CandidateCursor:
         pool = self.pool_size(name)
         if pool >= 2:
             credential_index = await self.health.pick_credential(
-                name, pool, exclude=frozenset(self.used.get(name, ())), session=self.session
-            )
+                name, pool, exclude=frozenset(self.used.get(name, ())), session=self.session,
+                selection=upstream.selection,
+            )  # fmt: skip
             if credential_index is None:
                 return None
         admission = await self.admit(name, upstream, True)

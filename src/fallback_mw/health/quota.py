@@ -1,0 +1,182 @@
+"""Telling a spent quota from a rate limit in a 429 (SPEC §12, credential pools).
+
+A plain 429 cools the credential down for `Retry-After`. A 429 that says the credential's
+quota is exhausted retires it until the quota resets: OpenAI's `insufficient_quota` error
+code in the JSON body, or rate-limit headers that report nothing remaining together with
+when it comes back (`x-ratelimit-remaining-requests: 0` + `x-ratelimit-reset-requests`,
+Anthropic's `anthropic-ratelimit-*-remaining: 0` + `-reset`, the IETF `ratelimit-remaining`
++ `ratelimit-reset`).
+
+The body is read only for a pool credential's 429, and only its first `PEEK_LIMIT` bytes
+(`peek_quota`); the client still receives the whole response when it is served. The body
+is never logged, kept or put in any record: only the verdict leaves this module.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import AsyncIterator, Iterable
+from datetime import UTC, datetime
+from typing import Protocol
+
+PEEK_LIMIT = 4096  # bytes of a 429's body read before deciding
+QUOTA_CODES = frozenset({"insufficient_quota", "billing_hard_limit_reached", "quota_exceeded"})
+
+# (remaining header, reset header, reset format)
+_HEADER_PAIRS = (
+    (b"x-ratelimit-remaining-requests", b"x-ratelimit-reset-requests", "duration"),
+    (b"x-ratelimit-remaining-tokens", b"x-ratelimit-reset-tokens", "duration"),
+    (b"anthropic-ratelimit-requests-remaining", b"anthropic-ratelimit-requests-reset", "date"),
+    (b"anthropic-ratelimit-tokens-remaining", b"anthropic-ratelimit-tokens-reset", "date"),
+    (
+        b"anthropic-ratelimit-input-tokens-remaining",
+        b"anthropic-ratelimit-input-tokens-reset",
+        "date",
+    ),
+    (
+        b"anthropic-ratelimit-output-tokens-remaining",
+        b"anthropic-ratelimit-output-tokens-reset",
+        "date",
+    ),
+    (b"ratelimit-remaining", b"ratelimit-reset", "seconds"),
+)
+_DURATION = re.compile(
+    r"^(?:(\d{1,6})h)?(?:(\d{1,6})m(?!s))?(?:(\d{1,9}(?:\.\d{1,9})?)s)?(?:(\d{1,9})ms)?$"
+)
+MAX_RESET = 31 * 86400.0  # a reset further away than this is read as "unknown"
+
+
+def parse_duration(text: str) -> float | None:
+    """OpenAI's reset format: `1s`, `6m0s`, `1h2m3.5s`, `20ms`; None when unreadable."""
+    match = _DURATION.match(text.strip())
+    if match is None or not any(match.groups()):
+        return None
+    hours, minutes, seconds, millis = match.groups()
+    return (
+        int(hours or 0) * 3600
+        + int(minutes or 0) * 60
+        + float(seconds or 0)
+        + int(millis or 0) / 1000
+    )
+
+
+def _reset_seconds(text: str, form: str, now: datetime) -> float | None:
+    text = text.strip()
+    if form == "duration":
+        return parse_duration(text)
+    if form == "seconds":
+        return float(text) if text.isdigit() and len(text) <= 9 else None
+    try:
+        when = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if when.tzinfo is None:
+        return None
+    return max((when - now).total_seconds(), 0.0)
+
+
+def _header_quota(headers: Iterable[tuple[bytes, bytes]], now: datetime) -> float | None:
+    values: dict[bytes, str] = {}
+    for key, value in headers:
+        values.setdefault(key.lower(), value.decode("latin-1"))
+    found: float | None = None
+    for remaining, reset, form in _HEADER_PAIRS:
+        if values.get(remaining, "").strip() != "0" or reset not in values:
+            continue
+        seconds = _reset_seconds(values[reset], form, now)
+        if seconds is None or seconds > MAX_RESET:
+            continue
+        found = seconds if found is None else max(found, seconds)
+    return found
+
+
+def _body_says_quota(prefix: bytes) -> bool:
+    try:
+        parsed = json.loads(prefix)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return False  # not JSON, or cut at PEEK_LIMIT: no verdict from the body
+    error = parsed.get("error") if isinstance(parsed, dict) else None
+    if not isinstance(error, dict):
+        return False
+    return any(error.get(key) in QUOTA_CODES for key in ("code", "type"))
+
+
+def quota_reset(
+    headers: Iterable[tuple[bytes, bytes]], body_prefix: bytes, *, now: datetime | None = None
+) -> float | None:
+    """For a 429: None when it is a plain rate limit; otherwise the seconds until the
+    quota resets, `math.inf` when the answer says the quota is spent but not when it comes
+    back (the upstream's `quota_retire_ms` applies)."""
+    seconds = _header_quota(headers, now or datetime.now(UTC))
+    if seconds is not None:
+        return seconds
+    return math.inf if _body_says_quota(body_prefix) else None
+
+
+class PeekedResponse:
+    """An upstream response whose first body bytes were read to judge a 429; relays them
+    first, then the rest, as if nothing had been read. `quota` is the verdict."""
+
+    def __init__(
+        self,
+        response: _Response,
+        prefix: bytes,
+        rest: AsyncIterator[bytes] | None,
+        error: BaseException | None,
+        quota: float | None,
+    ) -> None:
+        self.status = response.status
+        self.headers = response.headers
+        self.quota = quota
+        self._response = response
+        self._prefix = prefix
+        self._rest = rest
+        self._error = error
+
+    async def iter_chunks(self) -> AsyncIterator[bytes]:
+        prefix, self._prefix = self._prefix, b""
+        if prefix:
+            yield prefix
+        if self._error is not None:
+            raise self._error  # the read failed while peeking: the relay sees it now
+        if self._rest is not None:
+            async for chunk in self._rest:
+                yield chunk
+
+    async def aclose(self) -> None:
+        await self._response.aclose()
+
+
+class _Response(Protocol):  # upstream.base.UpstreamResponse, without importing it
+    status: int
+    headers: list[tuple[bytes, bytes]]
+
+    def iter_chunks(self) -> AsyncIterator[bytes]: ...
+
+    async def aclose(self) -> None: ...
+
+
+async def peek_quota(response: _Response, *, limit: int = PEEK_LIMIT) -> PeekedResponse:
+    """Read at most `limit` bytes of a 429's body (bounded by the engine's idle timeout and
+    the caller's deadline) and judge it; the returned response relays every byte."""
+    rest = response.iter_chunks()
+    chunks: list[bytes] = []
+    size = 0
+    error: BaseException | None = None
+    ended = False
+    try:
+        while size < limit:
+            try:
+                chunk = await anext(rest)
+            except StopAsyncIteration:
+                ended = True
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except Exception as exc:  # the engine's error, raised again when relayed
+        error = exc
+    prefix = b"".join(chunks)
+    verdict = quota_reset(response.headers, prefix[:limit])
+    return PeekedResponse(response, prefix, None if ended else rest, error, verdict)

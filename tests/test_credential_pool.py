@@ -1,0 +1,270 @@
+"""The credential pool as designed (SPEC §12): affinity keyed by (route, model, session),
+`selection = "round_robin" | "score"`, and a 429 that says the quota is spent told apart
+from a plain rate limit. Through the whole gateway against real upstream servers, on the
+memory state (a hand-driven clock where expiry matters) and on the real Redis."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+from aiohttp import web
+
+from fallback_mw import Gateway
+from fallback_mw.health.memory import MemoryHealth
+from fallback_mw.health.pool import CredentialStats, affinity_key, score
+from fallback_mw.health.quota import parse_duration, quota_reset
+from tests.helpers import client_for
+from tests.upstreams import Upstream, host_app, upstream
+
+pytestmark = pytest.mark.anyio
+
+ENV = {"KEY_A": "key-a", "KEY_B": "key-b", "KEY_C": "key-c"}
+QUOTA_BODY = json.dumps(
+    {"error": {"message": "You exceeded your current quota (ref q-7c1f)", "type":
+               "insufficient_quota", "code": "insufficient_quota"}}
+).encode()  # fmt: skip
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def key_of(request: web.Request) -> str:
+    return request.headers.get("authorization", "").removeprefix("Bearer ")
+
+
+def keys_used(up: Upstream) -> list[str]:
+    return [dict(r.headers).get("authorization", "").removeprefix("Bearer ") for r in up.received]
+
+
+def pool_config(url: str, *, state: str = "memory://", **upstream_keys: Any) -> dict[str, Any]:
+    return {
+        "gateway": {"state": state},
+        "upstreams": {
+            "pool": {"url": url, "auth_env": ["KEY_A", "KEY_B", "KEY_C"], **upstream_keys}
+        },
+        "routes": [
+            {"id": "one", "prefix": "/v1/", "plan": ["pool"], "retries": 2, "backoff_ms": 0},
+            {"id": "two", "prefix": "/v2/", "plan": ["pool"], "retries": 2, "backoff_ms": 0},
+        ],
+    }
+
+
+@asynccontextmanager
+async def gateway_client(conf: dict[str, Any], **kwargs: Any) -> AsyncIterator[httpx.AsyncClient]:
+    gateway = Gateway(host_app, config=conf, environ=ENV, **kwargs)
+    try:
+        async with client_for(gateway) as client:
+            yield client
+    finally:
+        await gateway.aclose()
+
+
+async def served_by(
+    client: httpx.AsyncClient, path: str, *, session: str | None = None, model: str = "m1"
+) -> str:
+    headers = {"x-session-id": session} if session else {}
+    response = await client.post(path, json={"model": model, "messages": []}, headers=headers)
+    assert response.status_code == 200, response.text
+    return response.text
+
+
+async def echo_key(request: web.Request) -> web.StreamResponse:
+    return web.Response(text=key_of(request))
+
+
+# --- affinity ---------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["memory", "redis"])
+def state(request: pytest.FixtureRequest) -> str:
+    if request.param == "memory":
+        return "memory://"
+    url: str = request.getfixturevalue("redis_url")
+    return url
+
+
+async def test_affinity_is_keyed_by_route_model_and_session(state: str) -> None:
+    bound = {}
+    async with upstream(echo_key) as pool, gateway_client(pool_config(pool.url, state=state)) as c:
+        for path, model in (("/v1/chat", "m1"), ("/v2/chat", "m1"), ("/v1/chat", "m2")):
+            keys = {await served_by(c, path, session="s1", model=model) for _ in range(3)}
+            assert len(keys) == 1, f"{path} {model}: the session moved while healthy"
+            bound[(path, model)] = keys.pop()
+    # The same session on another route, or asking for another model, is bound on its own:
+    # keyed by the session alone, all three would share one credential.
+    assert len(set(bound.values())) == 3, bound
+
+
+def test_the_affinity_key_names_route_model_and_session() -> None:
+    assert affinity_key("r", "m", None) is None
+    keys = {affinity_key("r", "m", "s"), affinity_key("r2", "m", "s"), affinity_key("r", None, "s")}
+    assert len(keys) == 3
+
+
+# --- selection --------------------------------------------------------------------------
+
+
+def slow_key(slow: str, delay: float) -> Any:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        import asyncio
+
+        if key_of(request) == slow:
+            await asyncio.sleep(delay)
+        return web.Response(text=key_of(request))
+
+    return handle
+
+
+@pytest.mark.parametrize("selection", ["round_robin", "score"])
+async def test_score_selection_prefers_the_fast_credential(state: str, selection: str) -> None:
+    # key-a takes 400 ms to answer, key-b and key-c answer at once. Round robin keeps
+    # sending a third of the traffic to key-a; score tries each once, then avoids it.
+    async with upstream(slow_key("key-a", 0.4)) as pool:
+        conf = pool_config(pool.url, state=state, selection=selection)
+        async with gateway_client(conf) as client:
+            used = [await served_by(client, "/v1/chat") for _ in range(12)]
+    slow = used.count("key-a")
+    if selection == "round_robin":
+        assert slow == 4
+    else:
+        assert slow == 1, used  # tried once (untried credentials score highest), then not
+        assert set(used) == {"key-a", "key-b", "key-c"}
+
+
+def test_score_is_decayed_success_over_latency() -> None:
+    assert score(0, 0, 0) == 1.0  # untried: optimistic
+    fast = CredentialStats().add(ok=True, latency=0.01, now=0.0)
+    slow = CredentialStats().add(ok=True, latency=0.5, now=0.0)
+    failing = CredentialStats().add(ok=False, latency=None, now=0.0)
+    assert fast.score(0.0) > slow.score(0.0) > failing.score(0.0)
+    # Decayed: an hour later the failure is forgotten and the credential is tried again.
+    assert failing.score(3600.0) > 0.99
+
+
+# --- quota spent vs rate limited --------------------------------------------------------
+
+
+def limited(answers: dict[str, tuple[bytes, dict[str, str]]]) -> Any:
+    """429 with the given body and headers for the keys in `answers`, 200 for the rest."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        key = key_of(request)
+        if key in answers:
+            body, headers = answers[key]
+            return web.Response(status=429, body=body, headers=headers)
+        return web.Response(text=key)
+
+    return handle
+
+
+def two_keys(url: str, **upstream_keys: Any) -> dict[str, Any]:
+    conf = pool_config(url, **upstream_keys)
+    conf["upstreams"]["pool"]["auth_env"] = ["KEY_A", "KEY_B"]
+    conf["routes"] = conf["routes"][:1]
+    return conf
+
+
+async def key_a_back_after(client: httpx.AsyncClient, pool: Upstream) -> bool:
+    """Whether key-a is asked again within a few requests (round robin over two keys)."""
+    before = keys_used(pool).count("key-a")
+    for _ in range(4):
+        await client.get("/v1/x")
+    return keys_used(pool).count("key-a") > before
+
+
+@pytest.mark.parametrize(
+    ("answer", "retired_for"),
+    [
+        # OpenAI: insufficient_quota in the body, no reset given -> quota_retire_ms (600 s)
+        ((QUOTA_BODY, {"retry-after": "20"}), 600.0),
+        # headers: nothing remaining, the reset in 2 minutes
+        (
+            (
+                b'{"error": {"code": "rate_limit_exceeded"}}',
+                {
+                    "x-ratelimit-remaining-requests": "0",
+                    "x-ratelimit-reset-requests": "2m0s",
+                    "retry-after": "20",
+                },
+            ),
+            120.0,
+        ),
+        # a plain rate limit: cools down for Retry-After (20 s) only
+        ((b'{"error": {"code": "rate_limit_exceeded"}}', {"retry-after": "20"}), 20.0),
+    ],
+    ids=["quota-body", "quota-headers", "rate-limited"],
+)
+async def test_a_spent_quota_retires_until_its_reset_a_rate_limit_cools_down(
+    answer: tuple[bytes, dict[str, str]], retired_for: float, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    answers = {"key-a": answer}
+    clock = Clock()
+    health = MemoryHealth(clock=clock)
+    async with upstream(limited(answers)) as pool:
+        conf = two_keys(pool.url, quota_retire_ms=600_000)
+        async with gateway_client(conf, health=health) as client:
+            response = await client.get("/v1/x")  # key-a: 429, then key-b within the request
+            assert (response.status_code, response.text) == (200, "key-b")
+            assert keys_used(pool) == ["key-a", "key-b"]
+            answers.clear()  # key-a would answer now: only its mark keeps it out
+            clock.now += retired_for - 5
+            assert not await key_a_back_after(client, pool)
+            clock.now += 10
+            assert await key_a_back_after(client, pool)
+    # The 429's body is read to decide, never logged.
+    assert "q-7c1f" not in caplog.text and "exceeded" not in caplog.text
+
+
+async def test_a_429_body_is_relayed_whole_after_the_peek() -> None:
+    # Every key spent: the last 429 is served, every byte of a body longer than the peek.
+    body = json.dumps({"error": {"code": "insufficient_quota", "pad": "x" * 20_000}}).encode()
+    answers: dict[str, tuple[bytes, dict[str, str]]] = {k: (body, {}) for k in ("key-a", "key-b")}
+    async with upstream(limited(answers)) as pool, gateway_client(two_keys(pool.url)) as client:
+        response = await client.get("/v1/x")
+    assert response.status_code == 429
+    assert response.content == body
+    assert sorted(keys_used(pool)) == ["key-a", "key-b"]
+
+
+async def test_a_spent_quota_is_shared_through_redis(redis_url: str) -> None:
+    answers = {"key-a": (QUOTA_BODY, {"retry-after": "1"})}
+    async with upstream(limited(answers)) as pool:
+        conf = two_keys(pool.url, state=redis_url, quota_retire_ms=600_000)
+        async with gateway_client(conf) as client:
+            assert (await client.get("/v1/x")).text == "key-b"
+        answers.clear()
+        # A second gateway (another process would do the same) never asks key-a again.
+        async with gateway_client(conf) as client:
+            for _ in range(4):
+                assert (await client.get("/v1/x")).text == "key-b"
+    assert keys_used(pool).count("key-a") == 1
+
+
+def test_quota_verdicts() -> None:
+    assert quota_reset([], QUOTA_BODY) == float("inf")
+    assert quota_reset([], b'{"error": {"code": "rate_limit_exceeded"}}') is None
+    assert quota_reset([], b"not json") is None
+    assert quota_reset([], QUOTA_BODY[:20]) is None  # cut at the peek: no verdict
+    openai = [(b"x-ratelimit-remaining-tokens", b"0"), (b"x-ratelimit-reset-tokens", b"1m30s")]
+    assert quota_reset(openai, b"") == 90.0
+    remaining = [(b"x-ratelimit-remaining-requests", b"3"), (b"x-ratelimit-reset-requests", b"1s")]
+    assert quota_reset(remaining, b"") is None
+    anthropic = [
+        (b"anthropic-ratelimit-requests-remaining", b"0"),
+        (b"anthropic-ratelimit-requests-reset", b"2030-01-01T00:00:00Z"),
+    ]
+    assert quota_reset(anthropic, b"") is None  # years away: unknown, read as a plain limit
+    assert parse_duration("6m0s") == 360.0 and parse_duration("20ms") == 0.02
+    assert parse_duration("soon") is None
