@@ -68,6 +68,7 @@ def test_usage_errors_exit_2_with_one_line(args: list[str]) -> None:
     assert_one_error_line(run(*args), 2)
 
 
+@pytest.mark.slow
 def test_refusals_exit_2_with_one_line(tmp_path: Path) -> None:
     store = f"sqlite:///{tmp_path / 's.db'}"
     cases = [
@@ -99,6 +100,7 @@ def test_a_non_utf8_argument_is_refused_before_anything_is_stored(tmp_path: Path
     assert not (tmp_path / "s.db").exists()
 
 
+@pytest.mark.slow
 def test_runtime_failures_exit_1_with_one_line(tmp_path: Path) -> None:
     unreachable = f"postgresql://postgres:{SECRET}@127.0.0.1:1/none"
     for args in (

@@ -55,6 +55,7 @@ async def get(gateway: Gateway, path: str = "/v1/chat") -> httpx.Response:
         return await client.get(path)
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_fail_fault_sends_no_packet_and_expires_on_time(
     store_url: str, pair: tuple[Upstream, Upstream]

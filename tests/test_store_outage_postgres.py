@@ -127,6 +127,7 @@ default_hold = 0.001
     )
 
 
+@pytest.mark.slow
 async def test_a_postgres_outage_under_traffic_is_two_log_lines_per_dependency(
     own_postgres: OwnPostgres, tmp_path: Path
 ) -> None:

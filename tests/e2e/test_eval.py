@@ -121,6 +121,7 @@ def test_eval_breaker_on_measures_the_breaker_path(
         assert arm["attempts_histogram"] == {"1": 100}
 
 
+@pytest.mark.slow
 def test_eval_hanging_primary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     artifact, _ = _run_eval(tmp_path, capsys, "hang")
     _check_common(artifact["arms"])

@@ -158,6 +158,7 @@ async def test_the_server_refuses_an_8mib_head_before_buffering_it(http: str) ->
     assert primary.count == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("http", ["httptools", "h11"])
 async def test_a_head_that_arrives_too_slowly_gets_408(http: str) -> None:
     async with upstream(status_handler(200, b"ok")) as primary:

@@ -17,6 +17,7 @@ from tests.conftest import IN_CI
 SOAK = Path(__file__).parent.parent.parent / "scripts" / "soak.py"
 
 
+@pytest.mark.slow
 def test_a_short_soak_leaves_nothing_behind() -> None:
     if shutil.which("redis-server") is None:
         if IN_CI:
