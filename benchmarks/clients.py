@@ -38,10 +38,25 @@ class Load:
     cpu_us: float  # CPU time (user + system) the server process spent per request
 
 
+def descendants(pid: int) -> list[int]:
+    """`pid` and every live process below it (`serve --workers`: the supervisor and its
+    workers)."""
+    found, queue = [], [pid]
+    while queue:
+        current = queue.pop()
+        found.append(current)
+        for task in Path(f"/proc/{current}/task").glob("*/children"):
+            queue += [int(child) for child in task.read_text().split()]
+    return found
+
+
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (/proc/PID/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU time so far of a process and its live descendants (/proc)."""
+    ticks = 0
+    for each in descendants(pid):
+        fields = Path(f"/proc/{each}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def run_wrk(wrk: str, url: str, seconds: int, connections: int, pid: int) -> Load:

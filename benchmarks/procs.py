@@ -222,7 +222,9 @@ def start_floor(tree: Tree, upstream: str) -> Child:
     return tree.start("floor", command, port, {**os.environ, "FLOOR_UPSTREAM": upstream})
 
 
-def start_gateway(tree: Tree, name: str, config: str, env: dict[str, str] | None = None) -> Child:
+def start_gateway(
+    tree: Tree, name: str, config: str, env: dict[str, str] | None = None, workers: int = 1
+) -> Child:
     port = free_port()
     path = tree.workdir / f"{name}.toml"
     path.write_text(config)
@@ -235,6 +237,8 @@ def start_gateway(tree: Tree, name: str, config: str, env: dict[str, str] | None
         str(path),
         "--port",
         str(port),
+        "--workers",
+        str(workers),
     ]
     environment = {**os.environ, "BENCH_KEY": "bench-upstream-key", **(env or {})}
     return tree.start(name, command, port, environment)
