@@ -1,4 +1,5 @@
-"""The credential pool as designed (SPEC §12): affinity keyed by (route, model, session),
+"""The credential pool as designed (SPEC §12) and the incident view: affinity keyed by
+(route, model, session),
 `selection = "round_robin" | "score"`, and a 429 that says the quota is spent told apart
 from a plain rate limit. Through the whole gateway against real upstream servers, on the
 memory state (a hand-driven clock where expiry matters) and on the real Redis."""
@@ -9,13 +10,18 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 from aiohttp import web
 
 from fallback_mw import Gateway
+from fallback_mw.budget import AttemptOutcome, UsageRecord
+from fallback_mw.cli import main
+from fallback_mw.cli.usage import incident_kinds
 from fallback_mw.health.memory import MemoryHealth
 from fallback_mw.health.pool import CredentialStats, affinity_key, score
 from fallback_mw.health.quota import parse_duration, quota_reset
@@ -268,3 +274,70 @@ def test_quota_verdicts() -> None:
     assert quota_reset(anthropic, b"") is None  # years away: unknown, read as a plain limit
     assert parse_duration("6m0s") == 360.0 and parse_duration("20ms") == 0.02
     assert parse_duration("soon") is None
+
+
+# --- the incident view ------------------------------------------------------------------
+
+
+async def test_usage_incidents_lists_failed_over_and_local_errors_with_their_trails(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async def primary(request: web.Request) -> web.StreamResponse:
+        return web.Response(status=200 if request.path == "/v1/fine" else 503, text="p")
+
+    store = f"sqlite:///{tmp_path / 'gw.db'}"
+    async with upstream(primary) as p, upstream(echo_key) as b:
+        conf = {
+            "gateway": {"store": store},
+            "upstreams": {
+                "primary": {"url": p.url, "auth_env": "KEY_A"},
+                "backup": {"url": b.url, "auth_env": "KEY_B"},
+            },
+            "routes": [
+                {"id": "chat", "prefix": "/v1/", "plan": ["primary", "backup"], "retries": 1}
+            ],
+        }
+        async with gateway_client(conf) as client:
+            assert (await client.get("/v1/moved")).text == "key-b"  # failed over
+            assert (await client.get("/v1/fine")).text == "p"  # no incident
+            assert (await client.post("/v1/posted", content=b"{}")).status_code == 502
+    capsys.readouterr()
+    status: int = await anyio.to_thread.run_sync(
+        main, ["usage", "--store", store, "--incidents", "--json"]
+    )
+    assert status == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    trails = {
+        tuple(line["incident"]): [(a["candidate"], a.get("status")) for a in line["attempts"]]
+        for line in lines
+    }
+    assert trails == {
+        ("failed_over",): [("primary", 503), ("backup", 200)],
+        ("local_error",): [("primary", 503)],
+    }
+    assert await anyio.to_thread.run_sync(main, ["usage", "--store", store, "--incidents"]) == 0
+    table = capsys.readouterr().out
+    assert "primary:503,backup:200" in table and "failed_over" in table
+    assert "upstream_failed" in table and "local_error" in table
+    assert len(table.strip().splitlines()) == 3  # the header and the two incidents
+
+
+def test_a_skipped_candidate_is_an_incident() -> None:
+    skipped = UsageRecord(
+        request_id="r",
+        route="chat",
+        tenant="t",
+        attempts=(
+            AttemptOutcome("backup", status=200),
+            AttemptOutcome("primary", skipped="breaker_open"),
+        ),
+        chosen="backup",
+        outcome="served",
+        status=200,
+    )
+    assert incident_kinds(skipped) == ["skipped"]
+    quiet = UsageRecord(
+        request_id="q", route="chat", tenant="t", attempts=(AttemptOutcome("primary", status=200),),
+        chosen="primary", outcome="served", status=200,
+    )  # fmt: skip
+    assert incident_kinds(quiet) == []

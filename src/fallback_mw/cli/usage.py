@@ -1,4 +1,6 @@
-"""`fallback-mw usage`: what each routed request cost and who served it (SPEC §7)."""
+"""`fallback-mw usage`: what each routed request cost and who served it (SPEC §7).
+`--incidents`: only the requests that failed over, skipped a candidate or ended in a local
+error, each with its trail (every attempt and skip, in the walk's order)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,24 @@ from fallback_mw.cli.target import StoreTarget, store_options
 _RELATIVE = re.compile(r"^(\d{1,9})([smhdw])$")
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 COLUMNS = ("TIME", "ROUTE", "TENANT", "ATTEMPTS", "CHOSEN", "OUTCOME", "TOKENS", "COST", "CHARGED")
+INCIDENT_COLUMNS = ("TIME", "REQUEST", "ROUTE", "TENANT", "INCIDENT", "TRAIL", "OUTCOME", "STATUS")
+INCIDENT_SCAN = 10_000  # newest records searched for incidents
+# Outcomes that are not a local error: served, cut short after the commit, the caller gone.
+_NOT_LOCAL = frozenset({"served", "aborted", "response_too_large", "client_disconnected"})
+
+
+def incident_kinds(record: UsageRecord) -> list[str]:
+    """Why a request is an incident: `failed_over` (more than one attempt: another
+    candidate or another credential), `skipped` (a candidate skipped: breaker, credential,
+    capacity, repeat budget), `local_error` (the gateway answered itself). Empty: none."""
+    kinds = []
+    if sum(1 for a in record.attempts if a.skipped is None) > 1:
+        kinds.append("failed_over")
+    if any(a.skipped is not None for a in record.attempts):
+        kinds.append("skipped")
+    if record.chosen is None and record.outcome is not None and record.outcome not in _NOT_LOCAL:
+        kinds.append("local_error")
+    return kinds
 
 
 def parse_since(value: str, now: datetime | None = None) -> datetime:
@@ -83,6 +103,19 @@ def _row(record: UsageRecord) -> tuple[str, ...]:
     )
 
 
+def _incident_row(record: UsageRecord) -> tuple[str, ...]:
+    return (
+        record.at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        record.request_id,
+        record.route,
+        record.tenant,
+        ",".join(incident_kinds(record)),
+        _attempts_text(record),
+        record.outcome or "-",
+        _n(record.status),
+    )
+
+
 def _filters(args: argparse.Namespace) -> str:
     given = (("since", args.since), ("route", args.route), ("tenant", args.tenant))
     parts = [f"{flag} {value}" for flag, value in given if value]
@@ -94,18 +127,28 @@ def usage(args: argparse.Namespace, console: Console) -> None:
     if not 1 <= args.limit <= 1_000_000:
         raise Refused("--limit must be between 1 and 1000000")
 
+    incidents = bool(args.incidents)
+    scan = max(args.limit, INCIDENT_SCAN) if incidents else args.limit
+
     async def action(ledger: Ledger, target: StoreTarget) -> list[UsageRecord]:
-        return await ledger.usage(
-            since=since, route=args.route, tenant=args.tenant, limit=args.limit
-        )
+        return await ledger.usage(since=since, route=args.route, tenant=args.tenant, limit=scan)
 
     records = with_ledger(args, action)
+    if incidents:
+        records = [record for record in records if incident_kinds(record)][: args.limit]
     if not records and not args.json:
-        console.print(f"no usage records{_filters(args)}")
+        what = "incidents" if incidents else "usage records"
+        console.print(f"no {what}{_filters(args)}")
         return
     if args.json:
         for record in records:
-            console.print(json.dumps(usage_json(record), separators=(",", ":")))
+            data = usage_json(record)
+            if incidents:
+                data["incident"] = incident_kinds(record)
+            console.print(json.dumps(data, separators=(",", ":")))
+        return
+    if incidents:
+        print_table(console, [INCIDENT_COLUMNS, *(_incident_row(r) for r in records)])
         return
     print_table(console, [COLUMNS, *(_row(record) for record in records)])
 
@@ -118,3 +161,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--tenant")
     parser.add_argument("--limit", type=int, default=100, help="newest N records (default 100)")
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
+    parser.add_argument(
+        "--incidents",
+        action="store_true",
+        help="only requests that failed over, skipped a candidate or ended in a local error, "
+        f"with their trails (searches the newest {INCIDENT_SCAN} records)",
+    )
