@@ -389,3 +389,58 @@ async def _true(value: bool) -> bool:
 
 async def _breaker_closed(gateway: Gateway) -> bool:
     return await gateway.services.health.open_fault("primary") is None
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("state", ["memory", "redis"])
+async def test_clearing_a_revoke_fault_gives_the_pool_its_credentials_back(
+    tmp_path: Path, pair: tuple[Upstream, Upstream], state: str, request: pytest.FixtureRequest
+) -> None:
+    primary, backup = pair
+    store = f"sqlite:///{tmp_path / 'gw.db'}"
+    conf = gateway_config(store, primary.url, backup.url)
+    if state == "redis":
+        conf["gateway"]["state"] = request.getfixturevalue("redis_url")
+    conf["upstreams"]["primary"]["auth_env"] = ["FMW_POOL_A", "FMW_POOL_B"]
+    gateway = Gateway(host_app, config=conf, environ={"FMW_POOL_A": "sk-a", "FMW_POOL_B": "sk-b"})
+    runtime = gateway.services.store
+    assert runtime is not None
+    try:
+        async with client_for(gateway) as client:
+            assert (await client.get("/v1/x")).headers["x-gateway-provider"] == "primary"
+            status, _, err = await cli(
+                "faults", "set", "revoke", "--store", store, "--upstream", "primary",
+                "--ttl", "600",
+            )  # fmt: skip
+            assert status == 0, err
+            await until(lambda: _true(runtime.faults.active_upstreams() == {"primary"}))
+            # The first request meets both credentials revoked (each answers 401, as a
+            # vendor-disabled key would, and is retired; the last 401 is the answer);
+            # then the pool is empty: the primary is skipped, the backup answers.
+            first = await client.get("/v1/x")
+            assert (first.status_code, first.headers["x-gateway-attempts"]) == (401, "2")
+            for _ in range(3):
+                response = await client.get("/v1/x")
+                assert response.headers["x-gateway-provider"] == "backup"
+                # Skipped for want of a credential the fault retired: the fault's traffic.
+                assert response.headers.get("x-gateway-fault") == "1"
+            assert primary.count == 1  # no packet left under the fault
+            status, _, err = await cli("faults", "clear", "--store", store, "--upstream", "primary")
+            assert status == 0, err
+            await until(lambda: _true(not runtime.faults.active_upstreams()))
+
+            async def restored() -> bool:
+                # Asked of the health state itself, not by sending a request.
+                health = gateway.services.health
+                found = await health.pick_credential(
+                    "primary", 2, exclude=frozenset(), session=None
+                )
+                return found is not None
+
+            await until(restored)
+            response = await client.get("/v1/x")
+            assert response.headers["x-gateway-provider"] == "primary"
+            assert "x-gateway-fault" not in response.headers
+            assert primary.count == 2
+    finally:
+        await gateway.aclose()

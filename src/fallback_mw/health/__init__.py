@@ -38,9 +38,14 @@ class HealthState(Protocol):
         credentials a fault's outcome marked (`fault_marked`) are usable again."""
         ...
 
-    async def fault_marked(self, upstream: str, index: int) -> None:
+    async def fault_marked(self, upstream: str, index: int, fault: str) -> None:
         """A fault's outcome reached this pool credential (a `revoke` 401 retired it, a
         `fail` cooled it down): `reset_fault` restores it."""
+        ...
+
+    async def pool_fault(self, upstream: str) -> str | None:
+        """The fault whose outcomes marked credentials of this pool, until its revert (a
+        `no_credential` skip is then the fault's); None otherwise."""
         ...
 
     async def release(self, upstream: str) -> None:
@@ -97,7 +102,10 @@ class AlwaysHealthy:
     async def reset_fault(self, upstream: str) -> None:
         return None
 
-    async def fault_marked(self, upstream: str, index: int) -> None:
+    async def fault_marked(self, upstream: str, index: int, fault: str) -> None:
+        return None
+
+    async def pool_fault(self, upstream: str) -> str | None:
         return None
 
     async def release(self, upstream: str) -> None:

@@ -74,7 +74,8 @@ class MemoryHealth:
         self.probe_lease = probe_lease
         self._breakers: dict[str, Breaker] = {}
         self._pools: dict[str, CredentialPool] = {}
-        self._fault_marks: dict[str, set[int]] = {}  # pool credentials a fault marked
+        # Pool credentials a fault's outcome marked: upstream -> index -> fault kind.
+        self._fault_marks: dict[str, dict[int, str]] = {}
         self.pool_sizes: dict[str, int] = {}
         self.selections: dict[str, Selection] = {}
 
@@ -107,15 +108,18 @@ class MemoryHealth:
         found = self._breakers.get(upstream)
         if found is not None:
             report_transition(self.on_transition, upstream, found.reset_fault())
-        marked = self._fault_marks.pop(upstream, set())
+        marked = self._fault_marks.pop(upstream, {})
         pool = self._pools.get(upstream)
         if pool is not None and marked:
             for index in marked:
                 pool.unusable_until.pop(index, None)
             logger.info("credential upstream=%s restored=%d (fault cleared)", upstream, len(marked))
 
-    async def fault_marked(self, upstream: str, index: int) -> None:
-        self._fault_marks.setdefault(upstream, set()).add(index)
+    async def fault_marked(self, upstream: str, index: int, fault: str) -> None:
+        self._fault_marks.setdefault(upstream, {})[index] = fault
+
+    async def pool_fault(self, upstream: str) -> str | None:
+        return next(iter(self._fault_marks.get(upstream, {}).values()), None)
 
     async def release(self, upstream: str) -> None:
         self.breaker(upstream).release()

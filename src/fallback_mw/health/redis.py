@@ -43,6 +43,7 @@ from fallback_mw.health.redis_scripts import (
     OBSERVE,
     OPEN_FAULT,
     PICK,
+    POOL_FAULT,
     RECORD,
     RELEASE,
     RESET_FAULT,
@@ -277,14 +278,24 @@ class RedisHealth:
         # The local state served while Redis was unreachable is reset too.
         await self.local.reset_fault(upstream)
 
-    async def fault_marked(self, upstream: str, index: int) -> None:
+    async def fault_marked(self, upstream: str, index: int, fault: str) -> None:
         await self._with_fallback(
             "fault_marked",
             FAULT_MARKED,
             [self._key("fault_marks", upstream)],
-            [index, CREDENTIAL_TTL_MS],
-            lambda: self.local.fault_marked(upstream, index),
+            [index, fault, CREDENTIAL_TTL_MS],
+            lambda: self.local.fault_marked(upstream, index, fault),
             lambda result: None,
+        )
+
+    async def pool_fault(self, upstream: str) -> str | None:
+        return await self._with_fallback(
+            "pool_fault",
+            POOL_FAULT,
+            [self._key("fault_marks", upstream)],
+            [],
+            lambda: self.local.pool_fault(upstream),
+            lambda result: str(result) or None,
         )
 
     async def release(self, upstream: str) -> None:

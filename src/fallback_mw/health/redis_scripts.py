@@ -92,20 +92,27 @@ if (not st) or st == 'closed' then return '' end
 return redis.call('HGET', KEYS[1], 'fault') or ''
 """
 
-# KEYS[1] credential hash, KEYS[2] the set of credentials a fault marked. A fault was
-# cleared: those credentials lose their marks (retired or cooling down). Returns how many.
+# KEYS[1] credential hash, KEYS[2] the hash of credentials a fault marked (index -> fault
+# kind). A fault was cleared: those credentials lose their marks (retired or cooling
+# down). Returns how many.
 RESTORE_FAULT_MARKS = """
-local marked = redis.call('SMEMBERS', KEYS[2])
+local marked = redis.call('HKEYS', KEYS[2])
 for _, index in ipairs(marked) do redis.call('HDEL', KEYS[1], index) end
 redis.call('DEL', KEYS[2])
 return #marked
 """
 
-# KEYS[1] the set of credentials a fault marked. ARGV: index, key ttl ms.
+# KEYS[1] the hash of credentials a fault marked. ARGV: index, fault kind, key ttl ms.
 FAULT_MARKED = """
-redis.call('SADD', KEYS[1], ARGV[1])
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return 1
+"""
+
+# KEYS[1] the hash of credentials a fault marked: one fault kind, or ''.
+POOL_FAULT = """
+local kinds = redis.call('HVALS', KEYS[1])
+return kinds[1] or ''
 """
 
 # KEYS[1] breaker hash. ARGV: base cooldown ms. A fault was cleared: a breaker its
