@@ -1,8 +1,8 @@
-"""The credential pool as designed (SPEC §12) and the incident view: affinity keyed by
-(route, model, session),
+"""The credential pool as designed (SPEC §12): affinity keyed by (route, model, session),
 `selection = "round_robin" | "score"`, and a 429 that says the quota is spent told apart
-from a plain rate limit. Through the whole gateway against real upstream servers, on the
-memory state (a hand-driven clock where expiry matters) and on the real Redis."""
+from a plain rate limit; and `usage --incidents`. Through the whole gateway against real
+upstream servers, on the memory state (a hand-driven clock where expiry matters) and on
+the real Redis."""
 
 from __future__ import annotations
 
