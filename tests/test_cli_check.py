@@ -69,7 +69,8 @@ def test_check_prints_the_resolved_plans_and_never_a_secret(tmp_path: Path) -> N
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     assert result.stdout.splitlines() == [
-        "route chat (file): prefix /v1/  tenant acme  methods any",
+        "route chat (file): prefix /v1/  tenant acme  methods GET HEAD OPTIONS POST PUT "
+        "PATCH DELETE (default)",
         "  plan: sequential, retries 1 (attempt ceiling 2), deadline 5000 ms",
         "    1. primary  http://127.0.0.1:9001  authorization: Bearer $FMW_CHECK_PRIMARY"
         "  model gpt-4o-mini",

@@ -19,6 +19,9 @@ SAME_ENDPOINT = [
     ("https://localhost", "https://LOCALHOST:443"),
     ("http://localhost:8080/v1", "http://localhost:8080/v1/"),
     ("http://localhost.", "http://localhost:80"),
+    # SPEC §12: loopback and literal spellings of one address are one origin
+    ("http://127.0.0.1:18011", "HTTP://LocalHost:18011/"),
+    ("http://localhost:9001", "http://127.0.0.1:9001/"),
 ]
 # Different endpoints that a raw or careless comparison could confuse.
 DIFFERENT_ENDPOINT = [
@@ -26,7 +29,7 @@ DIFFERENT_ENDPOINT = [
     ("http://localhost", "http://localhost:8080"),  # port
     ("https://localhost:80", "http://localhost"),  # 80 is not https' default
     ("http://localhost/v1", "http://localhost/v2"),  # another path on one host
-    ("http://127.0.0.1", "http://localhost"),  # names are not resolved
+    ("http://127.0.0.1:9001", "http://localhost:9002"),  # one host, two ports
 ]
 
 

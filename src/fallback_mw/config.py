@@ -36,7 +36,7 @@ class BreakerConfig(_Strict):
     max_cooldown_ms: int = Field(300_000, ge=1)
 
 
-class RepeatBudgetConfig(_Strict):
+class RepeatAllowanceConfig(_Strict):
     """The budget for repeats and hedges, per upstream (docs/failover.md): attempts that go
     back to an upstream already tried in the request, and hedges, are allowed while they
     stay within `percent` of that upstream's first attempts over the last `window_ms`,
@@ -65,7 +65,7 @@ class GatewaySettings(_Strict):
     max_concurrency: int = Field(0, ge=0, le=1_000_000)
     header_timeout_ms: int = Field(10_000, ge=1, le=600_000)
     breaker: BreakerConfig = BreakerConfig()
-    repeat_budget: RepeatBudgetConfig = RepeatBudgetConfig()
+    repeat_budget: RepeatAllowanceConfig = RepeatAllowanceConfig()
 
     @field_validator("tenant_header", "session_header")
     @classmethod
@@ -169,11 +169,16 @@ class UpstreamConfig(_Strict):
         return urlsplit(self.url).hostname or ""
 
 
+# A route that lists no `methods` forwards these; any other method on its paths (TRACE,
+# CONNECT, a custom one) is a local 405 `method_not_allowed` (SPEC §12).
+DEFAULT_METHODS = ("GET", "HEAD", "OPTIONS", "POST", "PUT", "PATCH", "DELETE")
+
+
 class RouteConfig(_Strict):
     id: str = Field(min_length=1, max_length=200)
     prefix: str
     tenant: str | None = None
-    methods: tuple[str, ...] | None = None
+    methods: tuple[str, ...] | None = None  # None: DEFAULT_METHODS
     plan: tuple[str, ...] = Field(min_length=1, max_length=MAX_PLAN_LENGTH)
     strategy: Literal["sequential", "random"] = "sequential"
     retries: int = Field(0, ge=0, le=32)
@@ -217,6 +222,10 @@ class RouteConfig(_Strict):
     @property
     def attempt_ceiling(self) -> int:
         return 1 + self.retries
+
+    @property
+    def accepted_methods(self) -> tuple[str, ...]:
+        return DEFAULT_METHODS if self.methods is None else self.methods
 
 
 class BudgetConfig(_Strict):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from urllib.parse import unquote
 
-from fallback_mw.config import RouteConfig, UpstreamConfig
+from fallback_mw.config import DEFAULT_METHODS, RouteConfig, UpstreamConfig
 from fallback_mw.security import canonical_name
 
 
@@ -71,6 +71,17 @@ class RouteTable:
         )
 
     def match(self, method: str, path: str, tenant: str) -> RouteConfig | None:
+        return self.resolve(method, path, tenant)[0]
+
+    def resolve(
+        self, method: str, path: str, tenant: str
+    ) -> tuple[RouteConfig | None, RouteConfig | None]:
+        """(the route that takes the request, None) or, when none does, (None, the route
+        that refuses its method): a route without `methods` owns its paths for every
+        method, forwarding DEFAULT_METHODS and answering any other with a local 405. A
+        method a route's explicit `methods` leaves out goes on (another route, or the
+        host app)."""
+        refused: RouteConfig | None = None
         for route in self.routes:
             # "/v1/" also matches a request for exactly "/v1".
             if not path.startswith(route.prefix) and not (
@@ -79,7 +90,12 @@ class RouteTable:
                 continue
             if route.tenant is not None and route.tenant != tenant:
                 continue
-            if route.methods is not None and method not in route.methods:
+            if route.methods is None:
+                if method in DEFAULT_METHODS:
+                    return route, None
+                refused = refused or route
                 continue
-            return route
-        return None
+            if method not in route.methods:
+                continue
+            return route, None
+        return None, refused

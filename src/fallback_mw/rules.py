@@ -7,6 +7,7 @@ models' shapes (read-only protocols), not the models, so this module imports no 
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
@@ -67,8 +68,25 @@ def origin(url: str) -> tuple[str, str, int, str]:
         port = None
     if port is None:
         port = _DEFAULT_PORTS.get(scheme, 0)
-    host = (parts.hostname or "").lower().rstrip(".")
+    host = _same_host((parts.hostname or "").lower().rstrip("."))
     return (scheme, host, port, parts.path.rstrip("/"))
+
+
+def _same_host(host: str) -> str:
+    """One spelling per address (SPEC §12): an IP literal in its canonical form (an
+    IPv4-mapped IPv6 address as the IPv4 one), and `localhost`, 127.0.0.1 and ::1 as the
+    one loopback host they name on this machine."""
+    if host == "localhost" or host.endswith(".localhost"):
+        return "loopback"
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if address in (ipaddress.IPv4Address("127.0.0.1"), ipaddress.IPv6Address("::1")):
+        return "loopback"
+    return str(address)
 
 
 def same_endpoint(a: str, b: str) -> bool:

@@ -72,7 +72,7 @@ def _route_lines(
     route: RouteConfig, upstreams: Mapping[str, UpstreamConfig], source: str, default_ms: int
 ) -> list[str]:
     tenant = route.tenant or "any"
-    methods = " ".join(route.methods) if route.methods else "any"
+    methods = " ".join(route.accepted_methods) + (" (default)" if route.methods is None else "")
     deadline = effective_deadline_ms(route, default_ms)
     lines = [
         f"route {route.id} ({source}): prefix {route.prefix}  tenant {tenant}  methods {methods}",

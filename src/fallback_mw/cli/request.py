@@ -113,9 +113,10 @@ def route_request(app: Any, options: Options, tenant_header: str) -> OneRequest:
         if route is None:
             known = ", ".join(sorted(r.id for r in table.routes)) or "none"
             raise Refused(f"no route {options.route!r} (routes: {known})")
-        if route.methods and method not in route.methods:
+        if method not in route.accepted_methods:
             raise Refused(
-                f"route {route.id!r} does not accept {method} (methods: {', '.join(route.methods)})"
+                f"route {route.id!r} does not accept {method} "
+                f"(methods: {', '.join(route.accepted_methods)})"
             )
         target = route.prefix
         named = {name.lower() for name, _ in headers}

@@ -10,7 +10,7 @@ import contextlib
 import time
 from collections.abc import Callable
 
-from fallback_mw.config import GatewayConfig
+from fallback_mw.config import DEFAULT_METHODS, GatewayConfig
 from fallback_mw.layers.limits import InFlight, header_refusal
 from fallback_mw.request.context import SCOPE_KEY, RequestContext
 from fallback_mw.request.local_errors import send_error
@@ -77,10 +77,13 @@ class RouteResolver:
         path = normalise_path(raw_path)
         table = self.table()
         tenant = _header(scope, self.tenant_header) or "default"
-        route = table.match(scope["method"].upper(), path, tenant) if path else None
-        if route is None:
+        method = scope["method"].upper()
+        route, refused = table.resolve(method, path, tenant) if path else (None, None)
+        if route is None and refused is None:
             await self.app(scope, receive, send)
             return
+        route = route or refused
+        assert route is not None
         requested = requested_deadline_ms(_header(scope, b"x-gateway-deadline-ms"))
         deadline_ms = effective_deadline_ms(route, self.default_deadline_ms, requested)
         assert path is not None
@@ -90,7 +93,7 @@ class RouteResolver:
             upstream_auth_headers=table.auth_headers,
             tenant=tenant,
             session=_header(scope, self.session_header),
-            method=scope["method"].upper(),
+            method=method,
             path=path,
             query=scope.get("query_string", b""),
             started=started,
@@ -106,6 +109,15 @@ class RouteResolver:
                 # A local refusal before anything else runs: no body read, no upstream
                 # contacted, still one span and one log line.
                 await send_error(send, context, "headers_too_large", refusal)
+                return
+            if refused is not None:
+                await send_error(
+                    send, context, "method_not_allowed",
+                    f"{method} is not forwarded on route {route.id!r}: a route without "
+                    f"methods forwards {', '.join(DEFAULT_METHODS)}; list {method} in its "
+                    "methods to forward it",
+                    headers=[(b"allow", ", ".join(DEFAULT_METHODS).encode())],
+                )  # fmt: skip
                 return
             if not self.in_flight.try_enter():
                 limit = self.in_flight.limit

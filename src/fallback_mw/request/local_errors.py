@@ -83,7 +83,13 @@ def error_body(code: str, message: str, context: RequestContext, rule: str | Non
 
 
 async def send_error(
-    send: Send, context: RequestContext, code: str, message: str, *, rule: str | None = None
+    send: Send,
+    context: RequestContext,
+    code: str,
+    message: str,
+    *,
+    rule: str | None = None,
+    headers: list[tuple[bytes, bytes]] | None = None,
 ) -> None:
     """Send a local error. Never echoes an upstream body or header. `rule` names what
     ended the request (SPEC §12; default: the setting behind `code`)."""
@@ -94,12 +100,13 @@ async def send_error(
     context.outcome = code
     context.rule = rule
     context.committed = True
-    headers = [
+    response_headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
         (b"cache-control", b"no-store"),
         *gateway_headers(context),
+        *(headers or ()),
     ]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.start", "status": status, "headers": response_headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
     context.completed = True
