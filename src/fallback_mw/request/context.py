@@ -6,7 +6,7 @@ on them (the OpenTelemetry ASGI bug STYLE.md warns about)."""
 from __future__ import annotations
 
 import asyncio
-import os
+import random
 import time
 from collections.abc import AsyncIterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
@@ -20,9 +20,12 @@ Headers = list[tuple[bytes, bytes]]
 
 
 def new_request_id() -> str:
-    """32 random hex digits, as `uuid4().hex` was, at a quarter of its cost (no UUID
-    object, no version bits: nothing reads the id as a UUID)."""
-    return os.urandom(16).hex()
+    """32 random hex digits, as `uuid4().hex` was, at a sixth of its cost: `random`'s
+    generator (seeded from the OS, and again in a forked child) rather than a
+    `getrandom` system call per request, which also releases the GIL and, with a
+    background thread busy (the OTel SDK's exporter), can wait a whole switch interval
+    to get it back. Ids are for correlation, not secrets; nothing reads them as UUIDs."""
+    return f"{random.getrandbits(128):032x}"
 
 
 @dataclass(slots=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sqlite3
 import threading
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from fallback_mw.budget.ledger import (
     window_start,
 )
 from fallback_mw.config import BudgetConfig
+from fallback_mw.request.context import new_request_id
 from fallback_mw.store.ledgers.schema import (
     COMPONENT,
     LATEST_VERSION,
@@ -163,7 +163,7 @@ class SQLiteLedger(SQLLedgerBase):
         limit = to_units(budget.limit)
         if units > limit:
             return None
-        hold_id = os.urandom(16).hex()
+        hold_id = new_request_id()  # random hex, as a request id
         now = encode_sqlite_time(datetime.now(UTC))
 
         def work(conn: sqlite3.Connection) -> bool:
