@@ -444,3 +444,40 @@ async def test_clearing_a_revoke_fault_gives_the_pool_its_credentials_back(
             assert primary.count == 2
     finally:
         await gateway.aclose()
+
+
+@pytest.mark.anyio
+async def test_redis_every_process_reports_the_reverted_breaker_closed(redis_url: str) -> None:
+    # Two gateway processes share the breaker; each reports the transitions it saw to its
+    # own gauge. After the revert both must say closed, or FallbackMwBreakerOpen (max over
+    # processes) would keep firing on the one that saw it open last.
+    from fallback_mw.health.redis import RedisHealth
+
+    seen: dict[str, dict[str, str]] = {"one": {}, "two": {}}
+    one = RedisHealth(redis_url, CONFIG, on_transition=lambda u, s: seen["one"].__setitem__(u, s))
+    two = RedisHealth(redis_url, CONFIG, on_transition=lambda u, s: seen["two"].__setitem__(u, s))
+    try:
+        for _ in range(3):
+            await one.record("up", failure=True, fault="fail")
+        assert seen["one"] == {"up": "open"}
+        await asyncio.sleep(CONFIG.cooldown_ms / 1000 + 0.05)
+        assert await two.admit("up")  # the half-open probe, in the other process
+        await two.record("up", failure=True, fault="fail")  # the fault reopens it
+        assert seen["two"] == {"up": "open"}
+        assert await one.open_fault("up") == "fail"
+        await one.reset_fault("up")  # the first reloader to see the clear
+        await two.reset_fault("up")  # the second: already closed, still reported
+        assert seen == {"one": {"up": "closed"}, "two": {"up": "closed"}}
+        assert await two.admit("up") and await one.admit("up")
+        # A real probe failure makes a fault's breaker real (the Lua path).
+        for _ in range(3):
+            await one.record("real", failure=True, fault="fail")
+        await asyncio.sleep(CONFIG.cooldown_ms / 1000 + 0.05)
+        assert await two.admit("real")
+        await two.record("real", failure=True)
+        assert await one.open_fault("real") is None
+        await one.reset_fault("real")
+        assert not await one.admit("real")
+    finally:
+        await one.aclose()
+        await two.aclose()

@@ -117,16 +117,18 @@ return kinds[1] or ''
 
 # KEYS[1] breaker hash. ARGV: base cooldown ms. A fault was cleared: a breaker its
 # outcomes opened closes (window and cooldown reset); a closed one forgets its fault
-# outcomes; one real failures opened is left alone. Returns 'closed' or ''.
+# outcomes; one real failures opened is left alone. Returns 'closed' when the breaker is
+# closed afterwards (every process that runs it reports so: one that saw it open last
+# would otherwise keep reporting it open), '' when it stays open.
 RESET_FAULT = """
 local key = KEYS[1]
 local st = redis.call('HGET', key, 'st')
-if not st then return '' end
+if not st then return 'closed' end
 if st == 'closed' then
   local win = redis.call('HGET', key, 'win') or ''
   local kept = string.gsub(win, '2', '')
   redis.call('HSET', key, 'win', kept, 'lf', '')
-  return ''
+  return 'closed'
 end
 if (redis.call('HGET', key, 'fault') or '') == '' then return '' end
 redis.call('HSET', key, 'st', 'closed', 'win', '', 'cd', ARGV[1], 'probe', '0',
