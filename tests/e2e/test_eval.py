@@ -6,6 +6,7 @@ are asserted — counts, attempts, integrity — never a latency. With the break
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import pytest
 
 from fallback_mw.cli.evaluation.arms import _integrity, _request_body
 from fallback_mw.cli.evaluation.upstreams import Exchange, ScriptedUpstream, answer_body, digest
-from tests.browser import layout, visible
+from tests.browser import layout, screenshot, visible
 from tests.cli_runner import run_cli
 
 pytestmark = pytest.mark.e2e
@@ -151,6 +152,8 @@ def test_eval_page_renders_in_chromium(tmp_path: Path, capsys: pytest.CaptureFix
         assert len(visible(marks, tag="line", cls=name)) == 4
     assert artifact["verdict"]["line"] in seen["text"]
     assert "0/20" in seen["text"]  # integrity as bad/checked
+    if os.environ.get("FALLBACK_MW_SCREENSHOTS"):  # docs/img/, refreshed by hand
+        screenshot(page, Path(os.environ["FALLBACK_MW_SCREENSHOTS"]) / "eval.png", tmp_path)
 
 
 def test_integrity_check_catches_a_changed_or_foreign_body() -> None:

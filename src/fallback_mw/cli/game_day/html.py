@@ -89,11 +89,12 @@ def chart_svg(
     step: float,
     seconds_set: float | None,
     label: Callable[[float], str],
+    floor: float = 1.0,
 ) -> str:
     height = 170
     top, bottom = 12, height - 26
     values = [v for v in (value(p) for p in points) if v is not None]
-    high = max(values, default=0.0) or 1.0
+    high = max(values, default=0.0) or floor
     ticks = nice_ticks(0.0, high, 4)
     high = max(high, ticks[-1])
 
@@ -191,6 +192,7 @@ def render(report: dict[str, Any]) -> str:
             step,
             seconds_set,
             lambda v: f"{v * 100:.3g}%",
+            floor=0.01,  # an all-clear chart reads 0 % of a 1 % scale
         ),
         "<h2>p99 request duration</h2>",
         chart_svg(

@@ -81,6 +81,9 @@ class AlertWatcher:
             if seen.firing_at is not None and not firing and seen.resolved_at is None:
                 seen.resolved_at = now
 
+    def all_resolved(self) -> bool:
+        return all(s.firing_at is None or s.resolved_at is not None for s in self.alerts.values())
+
     def summary(self, t0: float) -> dict[str, Any]:
         def rel(moment: float | None) -> float | None:
             return None if moment is None else round(moment - t0, 3)

@@ -23,7 +23,8 @@ def events(report: dict[str, Any]) -> list[dict[str, Any]]:
     ]
     alerts = ((report.get("prometheus") or {}).get("alerts")) or {}
     for name, seen in alerts.items():
-        found.append(("alert_firing", f"{name} firing", seen.get("firing_s")))
+        if seen.get("firing_s") is not None:  # pending only: not a milestone
+            found.append(("alert_firing", f"{name} firing", seen["firing_s"]))
     seconds_set = fault.get("seconds_set")
     found.append(("revert", "revert", seconds_set))
     recovery = observed.get("recovery_s")

@@ -226,8 +226,9 @@ async def watch_recovery(
     *,
     alerts: AlertWatcher | None = None,
 ) -> None:
-    """After the revert: until the primary has served a request again (at most
-    `recovery_wait_s`), and at least `grace_s` for the records of requests in flight."""
+    """After the revert: until the primary has served a request again and every alert
+    that fired has resolved (at most `recovery_wait_s`), and at least `grace_s` for the
+    records of requests in flight."""
     cleared = timeline.cleared or time.time()
     while not stop.is_set():
         now = time.time()
@@ -236,7 +237,8 @@ async def watch_recovery(
             await alerts.poll(now)
         timeline.recovered = _primary_success_after(feed.records, exercise.primary, cleared)
         waited = now - cleared
-        if (timeline.recovered is not None and waited >= exercise.grace_s) or (
+        settled = alerts is None or alerts.all_resolved()
+        if (timeline.recovered is not None and settled and waited >= exercise.grace_s) or (
             waited >= max(exercise.recovery_wait_s, exercise.grace_s)
         ):
             break
