@@ -290,3 +290,30 @@ def test_the_documented_host_app_recipe_serves_the_gateway_metrics() -> None:
     assert result.returncode == 0, result.stderr
     assert "gateway_requests_total{" in result.stdout
     assert 'gateway_route_id="chat"' in result.stdout
+
+
+def test_serve_workers_with_the_prometheus_exporter_is_refused_in_one_line(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        '[gateway]\nstate = "redis://127.0.0.1:6379/0"\n\n'
+        '[upstreams.primary]\nurl = "http://127.0.0.1:9"\n\n'
+        '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["primary"]\n',
+        encoding="utf-8",
+    )
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
+        "OTEL_METRICS_EXPORTER": "prometheus",
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "fallback_mw", "serve", "--config", str(config), "--workers", "2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert "OTEL_METRICS_EXPORTER=prometheus" in line and "--workers 1" in line
