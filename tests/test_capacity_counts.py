@@ -7,15 +7,15 @@ import asyncio
 
 import pytest
 
-from fallback_mw.capacity import Admission, Ask, repeat_allowed
+from fallback_mw.capacity import Ask, Reservation, repeat_allowed
 from fallback_mw.capacity.memory import MemoryCapacity
 from fallback_mw.capacity.redis import RedisCapacity
-from fallback_mw.config import RepeatBudgetConfig
+from fallback_mw.config import RepeatAllowanceConfig
 from fallback_mw.health.redis import RedisHealth
 
 pytestmark = pytest.mark.anyio
 
-BUDGET = RepeatBudgetConfig(percent=20, min_per_second=0.5, window_ms=10_000)
+BUDGET = RepeatAllowanceConfig(percent=20, min_per_second=0.5, window_ms=10_000)
 
 
 def shared(url: str) -> RedisCapacity:
@@ -41,36 +41,36 @@ def ask(
 async def test_rpm_is_a_rolling_minute() -> None:
     clock = Clock()
     limits = MemoryCapacity(BUDGET, clock=clock)
-    verdicts = [await limits.admit("backup", ask(rpm=5)) for _ in range(7)]
-    assert [isinstance(v, Admission) for v in verdicts] == [True] * 5 + [False] * 2
+    verdicts = [await limits.reserve("backup", ask(rpm=5)) for _ in range(7)]
+    assert [isinstance(v, Reservation) for v in verdicts] == [True] * 5 + [False] * 2
     assert verdicts[5] == "capacity"
     clock.now += 59  # the five are still inside the minute
-    assert await limits.admit("backup", ask(rpm=5)) == "capacity"
+    assert await limits.reserve("backup", ask(rpm=5)) == "capacity"
     clock.now += 1  # now they are not
-    assert isinstance(await limits.admit("backup", ask(rpm=5)), Admission)
+    assert isinstance(await limits.reserve("backup", ask(rpm=5)), Reservation)
     # Another upstream has its own count; an undeclared limit is never refused.
-    others = [await limits.admit("other", ask()) for _ in range(100)]
-    assert all(isinstance(v, Admission) for v in others)
+    others = [await limits.reserve("other", ask()) for _ in range(100)]
+    assert all(isinstance(v, Reservation) for v in others)
 
 
 async def test_tpm_counts_the_estimate_then_the_reported_usage() -> None:
     limits = MemoryCapacity(BUDGET, clock=Clock())
-    first = await limits.admit("backup", ask(tpm=1000, tokens=600))
-    assert isinstance(first, Admission)
-    assert await limits.admit("backup", ask(tpm=1000, tokens=600)) == "capacity"
+    first = await limits.reserve("backup", ask(tpm=1000, tokens=600))
+    assert isinstance(first, Reservation)
+    assert await limits.reserve("backup", ask(tpm=1000, tokens=600)) == "capacity"
     await limits.settle(first, 100)  # the upstream reported 100 tokens
-    assert isinstance(await limits.admit("backup", ask(tpm=1000, tokens=600)), Admission)
+    assert isinstance(await limits.reserve("backup", ask(tpm=1000, tokens=600)), Reservation)
     # An estimate larger than the whole limit is never admitted (the provider would not).
-    assert await MemoryCapacity(BUDGET).admit("x", ask(tpm=1000, tokens=1001)) == "capacity"
+    assert await MemoryCapacity(BUDGET).reserve("x", ask(tpm=1000, tokens=1001)) == "capacity"
 
 
 async def test_a_cancelled_admission_gives_its_slot_back() -> None:
     limits = MemoryCapacity(BUDGET, clock=Clock())
-    admitted = await limits.admit("backup", ask(rpm=1))
-    assert isinstance(admitted, Admission)
-    assert await limits.admit("backup", ask(rpm=1)) == "capacity"
+    admitted = await limits.reserve("backup", ask(rpm=1))
+    assert isinstance(admitted, Reservation)
+    assert await limits.reserve("backup", ask(rpm=1)) == "capacity"
     await limits.cancel(admitted)
-    assert isinstance(await limits.admit("backup", ask(rpm=1)), Admission)
+    assert isinstance(await limits.reserve("backup", ask(rpm=1)), Reservation)
 
 
 def test_the_budget_arithmetic() -> None:
@@ -78,7 +78,7 @@ def test_the_budget_arithmetic() -> None:
     assert repeat_allowed(100, 24, BUDGET)
     assert not repeat_allowed(100, 25, BUDGET)
     assert repeat_allowed(0, 4, BUDGET) and not repeat_allowed(0, 5, BUDGET)  # the floor
-    off = RepeatBudgetConfig(percent=0, min_per_second=0)
+    off = RepeatAllowanceConfig(percent=0, min_per_second=0)
     assert not repeat_allowed(1000, 0, off)
 
 
@@ -86,37 +86,41 @@ async def test_repeats_stay_within_the_budget_and_recover_with_the_window() -> N
     clock = Clock()
     limits = MemoryCapacity(BUDGET, clock=clock)
     for _ in range(50):
-        assert isinstance(await limits.admit("primary", ask()), Admission)
+        assert isinstance(await limits.reserve("primary", ask()), Reservation)
     granted = 0
-    while isinstance(await limits.admit("primary", ask(repeat=True)), Admission):
+    while isinstance(await limits.reserve("primary", ask(repeat=True)), Reservation):
         granted += 1
         assert granted < 1000
     assert granted == 15  # 50 * 20 % + 0.5 * 10
     # Moving to a different upstream is never limited by it.
-    assert isinstance(await limits.admit("backup", ask()), Admission)
+    assert isinstance(await limits.reserve("backup", ask()), Reservation)
     clock.now += 10  # the window slid past all of it
-    assert isinstance(await limits.admit("primary", ask(repeat=True)), Admission)
+    assert isinstance(await limits.reserve("primary", ask(repeat=True)), Reservation)
 
 
 async def test_two_processes_share_the_count_through_redis(redis_url: str) -> None:
     one, two = shared(redis_url), shared(redis_url)
     try:
         verdicts = await asyncio.gather(
-            *(limits.admit("backup", ask(rpm=5)) for limits in (one, two) for _ in range(6))
+            *(limits.reserve("backup", ask(rpm=5)) for limits in (one, two) for _ in range(6))
         )
-        assert sum(isinstance(v, Admission) for v in verdicts) == 5
+        assert sum(isinstance(v, Reservation) for v in verdicts) == 5
         assert verdicts.count("capacity") == 7
         # tokens: one counts, the other sees it; a settlement corrects it for both
-        first = await one.admit("tok", ask(tpm=1000, tokens=700))
-        assert isinstance(first, Admission)
-        assert await two.admit("tok", ask(tpm=1000, tokens=700)) == "capacity"
+        first = await one.reserve("tok", ask(tpm=1000, tokens=700))
+        assert isinstance(first, Reservation)
+        assert await two.reserve("tok", ask(tpm=1000, tokens=700)) == "capacity"
         await one.settle(first, 200)
-        assert isinstance(await two.admit("tok", ask(tpm=1000, tokens=700)), Admission)
+        assert isinstance(await two.reserve("tok", ask(tpm=1000, tokens=700)), Reservation)
         # the repeat budget: the floor (5) shared by both
         repeats = await asyncio.gather(
-            *(limits.admit("primary", ask(repeat=True)) for limits in (one, two) for _ in range(5))
+            *(
+                limits.reserve("primary", ask(repeat=True))
+                for limits in (one, two)
+                for _ in range(5)
+            )
         )
-        assert sum(isinstance(v, Admission) for v in repeats) == 5
+        assert sum(isinstance(v, Reservation) for v in repeats) == 5
         assert repeats.count("repeat_budget") == 5
     finally:
         await one.aclose()
@@ -129,7 +133,7 @@ async def test_redis_keys_expire(redis_url: str) -> None:
     limits = shared(redis_url)
     client = aioredis.Redis(host="127.0.0.1", port=6379)
     try:
-        assert isinstance(await limits.admit("backup", ask(rpm=5)), Admission)
+        assert isinstance(await limits.reserve("backup", ask(rpm=5)), Reservation)
         keys = [k async for k in client.scan_iter(match=limits.prefix + "*")]
         assert keys
         for key in keys:
@@ -143,8 +147,8 @@ async def test_redis_keys_expire(redis_url: str) -> None:
 async def test_redis_unreachable_counts_locally() -> None:
     limits = shared("redis://127.0.0.1:1/0")  # nothing listens there
     try:
-        verdicts = [await limits.admit("backup", ask(rpm=2)) for _ in range(3)]
-        assert [isinstance(v, Admission) for v in verdicts] == [True, True, False]
+        verdicts = [await limits.reserve("backup", ask(rpm=2)) for _ in range(3)]
+        assert [isinstance(v, Reservation) for v in verdicts] == [True, True, False]
     finally:
         await limits.aclose()
 
@@ -162,12 +166,12 @@ async def test_first_attempts_reach_redis_without_a_round_trip_each(redis_url: s
     one.redis.run_script = counting  # type: ignore[method-assign]
     try:
         for _ in range(50):
-            assert isinstance(await one.admit("primary", ask()), Admission)
+            assert isinstance(await one.reserve("primary", ask()), Reservation)
         assert calls <= 1  # counted locally (a flush at most once a second)
         # The first repeat deposits them with its own check, in one step.
-        assert isinstance(await one.admit("primary", ask(repeat=True)), Admission)
+        assert isinstance(await one.reserve("primary", ask(repeat=True)), Reservation)
         granted = 1
-        while isinstance(await two.admit("primary", ask(repeat=True)), Admission):
+        while isinstance(await two.reserve("primary", ask(repeat=True)), Reservation):
             granted += 1
             assert granted < 100
         assert granted == 15  # 50 x 20 % + 0.5/s x 10 s, seen by the other process

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from fallback_mw.failover.decide import (
     NO_CANDIDATE,
-    REPEAT_BUDGET_SPENT,
+    REPEAT_ALLOWANCE_SPENT,
     Outcome,
     WalkState,
     decide,
@@ -128,15 +128,15 @@ CASES: dict[str, list[tuple[Outcome, WalkState, tuple[str, str | None], bool | N
         ),
     ],
     "a repeat at an upstream whose repeat budget is spent": [
-        (REPEAT_BUDGET_SPENT, OPEN, ("local_error", "upstream_failed"), None),
+        (REPEAT_ALLOWANCE_SPENT, OPEN, ("local_error", "upstream_failed"), None),
         (
-            REPEAT_BUDGET_SPENT,
+            REPEAT_ALLOWANCE_SPENT,
             replace(OPEN, on_exhausted="last_response", has_last_response=True),
             ("serve", None),
             None,
         ),
         (
-            REPEAT_BUDGET_SPENT,
+            REPEAT_ALLOWANCE_SPENT,
             replace(OPEN, deadline_left=False),
             ("local_error", "deadline_exceeded"),
             None,
@@ -231,7 +231,7 @@ outcomes = st.one_of(
     ),
     st.builds(Outcome, st.sampled_from(UPSTREAM[1:] + LOCAL)),
     st.just(NO_CANDIDATE),
-    st.just(REPEAT_BUDGET_SPENT),
+    st.just(REPEAT_ALLOWANCE_SPENT),
 )
 states = st.builds(
     WalkState,

@@ -157,16 +157,16 @@ class ShadowTraffic:
             )
             if credential is None or context.credential(name, credential) is None:
                 return ShadowResult("no_credential")
-        # The same lifecycle as the walk's attempts: admission and health marking; the
+        # The same lifecycle as the walk's attempts: its gates and health marking; the
         # copy is not an attempt of the request, so it is neither started nor finished.
         attempts = AttemptLifecycle(
             context, body, parsed, client=self.client, faults=self.faults, health=self.health,
             capacity=self.capacity, telemetry=self.telemetry,
             ask=asker(body.buffered, parsed, None),
         )  # fmt: skip
-        admission = await attempts.admit(name, upstream, repeat=False)
-        if isinstance(admission, str):
-            return ShadowResult(admission)
+        reservation = await attempts.gate(name, upstream, repeat=False)
+        if isinstance(reservation, str):
+            return ShadowResult(reservation)
         record = AttemptRecord(
             candidate=name, number=0, server_address=upstream.host, credential_index=credential
         )

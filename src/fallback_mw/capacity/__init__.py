@@ -1,13 +1,13 @@
 """Counters shared by every request to an upstream, beside health: declared capacity
-(`rpm`, `tpm`, a rolling minute) and the budget for repeats and hedges (a sliding window
-of first attempts). Memory (per process) and Redis (shared, one Lua script per admission)
+(`rpm`, `tpm`, a rolling minute) and the allowance for repeats and hedges (a sliding window
+of first attempts). Memory (per process) and Redis (shared, one Lua script per reservation)
 implementations sit behind one small interface, like the health state's.
 
 `admit` is asked once per attempt, after the breaker admitted it. It either counts the
-attempt (an `Admission`) or refuses it: `"capacity"` (a declared limit would be exceeded:
+attempt (an `Reservation`) or refuses it: `"capacity"` (a declared limit would be exceeded:
 the candidate is skipped, no packet, no breaker mark) or `"repeat_budget"` (a repeat or a
-hedge over the budget: the walk ends, `walk.decide`). Moving to a candidate not tried yet
-is never refused for the budget; its first attempt is what the budget is a fraction of."""
+hedge over the allowance: the walk ends, `walk.decide`). Moving to a candidate not tried yet
+is never refused for the allowance; its first attempt is what the allowance is a fraction of."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 from fallback_mw.capacity.model import (
     CAPACITY_WINDOW,
-    Admission,
     Ask,
     CapacityState,
     Refusal,
+    Reservation,
     repeat_allowed,
     within_capacity,
 )
@@ -27,7 +27,7 @@ from fallback_mw.capacity.model import (
 if TYPE_CHECKING:
     from opentelemetry.metrics import MeterProvider
 
-    from fallback_mw.config import RepeatBudgetConfig, UpstreamConfig
+    from fallback_mw.config import RepeatAllowanceConfig, UpstreamConfig
     from fallback_mw.health import HealthState
     from fallback_mw.request.context import Usage
 
@@ -62,7 +62,7 @@ def reported_tokens(usage: Usage) -> int | None:
 
 def create_capacity(
     state: str,
-    budget: RepeatBudgetConfig,
+    allowance: RepeatAllowanceConfig,
     *,
     health: HealthState | None = None,
     meter_provider: MeterProvider | None = None,
@@ -74,20 +74,20 @@ def create_capacity(
         from fallback_mw.health.redis import RedisHealth
 
         if isinstance(health, RedisHealth):
-            return RedisCapacity(health, budget)
+            return RedisCapacity(health, allowance)
         own = RedisHealth(state, meter_provider=meter_provider)
-        return RedisCapacity(own, budget, owned=True)
+        return RedisCapacity(own, allowance, owned=True)
     from fallback_mw.capacity.memory import MemoryCapacity
 
-    return MemoryCapacity(budget)
+    return MemoryCapacity(allowance)
 
 
 __all__ = [
     "CAPACITY_WINDOW",
-    "Admission",
     "Ask",
     "CapacityState",
     "Refusal",
+    "Reservation",
     "asker",
     "create_capacity",
     "repeat_allowed",

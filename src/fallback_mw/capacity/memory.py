@@ -1,6 +1,6 @@
-"""Capacity and repeat-budget counts for one process (`state = "memory://"`): per upstream,
+"""Capacity and repeat-allowance counts for one process (`state = "memory://"`): per upstream,
 two rolling windows of one-second buckets with running totals (requests and tokens over
-the minute; first attempts and repeats over the budget's window), so an admission costs
+the minute; first attempts and repeats over the allowance's window), so an reservation costs
 O(1), not a sum over the window."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from collections.abc import Callable
 
 from fallback_mw.capacity.model import (
     CAPACITY_WINDOW,
-    Admission,
     Ask,
     Refusal,
+    Reservation,
     repeat_allowed,
     within_capacity,
 )
-from fallback_mw.config import RepeatBudgetConfig
+from fallback_mw.config import RepeatAllowanceConfig
 
 
 class Rolling:
@@ -56,33 +56,33 @@ class Rolling:
 
 
 _REQUESTS, _TOKENS = 0, 1  # capacity window
-_FIRSTS, _REPEATS = 0, 1  # budget window
+_FIRSTS, _REPEATS = 0, 1  # allowance window
 
 
 class MemoryCapacity:
     def __init__(
-        self, budget: RepeatBudgetConfig, *, clock: Callable[[], float] = time.time
+        self, allowance: RepeatAllowanceConfig, *, clock: Callable[[], float] = time.time
     ) -> None:
-        self.budget = budget
+        self.allowance = allowance
         self.clock = clock
-        self.window = max(int(budget.window_ms // 1000), 1)
+        self.window = max(int(allowance.window_ms // 1000), 1)
         self.keep = max(self.window, CAPACITY_WINDOW)
         self._capacity: dict[str, Rolling] = {}
-        self._budget: dict[str, Rolling] = {}
+        self._allowance: dict[str, Rolling] = {}
 
     def _windows(self, upstream: str) -> tuple[Rolling, Rolling]:
         capacity = self._capacity.get(upstream)
         if capacity is None:
             capacity = self._capacity[upstream] = Rolling(CAPACITY_WINDOW)
-            self._budget[upstream] = Rolling(self.window)
-        return capacity, self._budget[upstream]
+            self._allowance[upstream] = Rolling(self.window)
+        return capacity, self._allowance[upstream]
 
-    async def admit(self, upstream: str, ask: Ask) -> Admission | Refusal:
+    async def reserve(self, upstream: str, ask: Ask) -> Reservation | Refusal:
         now = int(self.clock())
-        capacity, budget = self._windows(upstream)
+        capacity, allowance = self._windows(upstream)
         if ask.repeat:
-            firsts, repeats = budget.advance(now)
-            if not repeat_allowed(firsts, repeats, self.budget):
+            firsts, repeats = allowance.advance(now)
+            if not repeat_allowed(firsts, repeats, self.allowance):
                 return "repeat_budget"
         counted = ask.capacity_declared
         if counted:
@@ -91,21 +91,21 @@ class MemoryCapacity:
                 return "capacity"
             capacity.add(now, _REQUESTS, 1)
             capacity.add(now, _TOKENS, ask.tokens)
-        budget.advance(now)
-        budget.add(now, _REPEATS if ask.repeat else _FIRSTS, 1)
-        return Admission(upstream, now, ask.tokens, ask.repeat, counted)
+        allowance.advance(now)
+        allowance.add(now, _REPEATS if ask.repeat else _FIRSTS, 1)
+        return Reservation(upstream, now, ask.tokens, ask.repeat, counted)
 
-    async def settle(self, admission: Admission, tokens: int) -> None:
-        if admission.counted:
-            capacity, _ = self._windows(admission.upstream)
-            capacity.adjust(admission.second, _TOKENS, tokens - admission.tokens)
+    async def settle(self, reservation: Reservation, tokens: int) -> None:
+        if reservation.counted:
+            capacity, _ = self._windows(reservation.upstream)
+            capacity.adjust(reservation.second, _TOKENS, tokens - reservation.tokens)
 
-    async def cancel(self, admission: Admission) -> None:
-        capacity, budget = self._windows(admission.upstream)
-        if admission.counted:
-            capacity.adjust(admission.second, _REQUESTS, -1)
-            capacity.adjust(admission.second, _TOKENS, -admission.tokens)
-        budget.adjust(admission.second, _REPEATS if admission.repeat else _FIRSTS, -1)
+    async def cancel(self, reservation: Reservation) -> None:
+        capacity, allowance = self._windows(reservation.upstream)
+        if reservation.counted:
+            capacity.adjust(reservation.second, _REQUESTS, -1)
+            capacity.adjust(reservation.second, _TOKENS, -reservation.tokens)
+        allowance.adjust(reservation.second, _REPEATS if reservation.repeat else _FIRSTS, -1)
 
     async def aclose(self) -> None:
         return None

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol
 
 if TYPE_CHECKING:
-    from fallback_mw.config import RepeatBudgetConfig
+    from fallback_mw.config import RepeatAllowanceConfig
 
 CAPACITY_WINDOW = 60  # seconds: rpm and tpm are per rolling minute
 
@@ -26,7 +26,7 @@ class Ask(NamedTuple):  # a tuple: made for every attempt, cheaply
         return self.rpm is not None or self.tpm is not None
 
 
-class Admission(NamedTuple):
+class Reservation(NamedTuple):
     """An attempt as counted: enough to correct its tokens or take it back."""
 
     upstream: str
@@ -43,23 +43,23 @@ def within_capacity(requests: int, tokens: int, ask: Ask) -> bool:
     return ask.tpm is None or tokens + ask.tokens <= ask.tpm
 
 
-def repeat_allowed(firsts: int, repeats: int, budget: RepeatBudgetConfig) -> bool:
+def repeat_allowed(firsts: int, repeats: int, config: RepeatAllowanceConfig) -> bool:
     """Finagle's RetryBudget: one more repeat stays within `percent` of the first attempts
     in the window plus a floor of `min_per_second` over the window. (The Redis script
     repeats this arithmetic inside its atomic step.)"""
-    window = budget.window_ms / 1000
-    allowance = firsts * budget.percent / 100 + budget.min_per_second * window
+    window = config.window_ms / 1000
+    allowance = firsts * config.percent / 100 + config.min_per_second * window
     return repeats + 1 <= allowance + 1e-9
 
 
 class CapacityState(Protocol):
-    async def admit(self, upstream: str, ask: Ask) -> Admission | Refusal: ...
+    async def reserve(self, upstream: str, ask: Ask) -> Reservation | Refusal: ...
 
-    async def settle(self, admission: Admission, tokens: int) -> None:
+    async def settle(self, reservation: Reservation, tokens: int) -> None:
         """The upstream reported `tokens` for this attempt: it replaces the estimate."""
         ...
 
-    async def cancel(self, admission: Admission) -> None:
+    async def cancel(self, reservation: Reservation) -> None:
         """The admitted attempt was not made after all (e.g. the deadline passed during
         the backoff): take it back."""
         ...

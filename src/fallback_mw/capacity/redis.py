@@ -1,14 +1,14 @@
-"""Capacity and repeat-budget counts shared by every gateway process through Redis.
+"""Capacity and repeat-allowance counts shared by every gateway process through Redis.
 
 One hash per upstream, fields `r:<second>`, `t:<second>`, `f:<second>`, `p:<second>`
-(requests, tokens, first attempts, repeats). Each admission is one Lua script: read the
+(requests, tokens, first attempts, repeats). Each reservation is one Lua script: read the
 window, decide, count, in one atomic step, so two processes never both take the last
 slot. Time is Redis's own (`TIME`). The key expires after the longest window.
 
 A first attempt at an upstream that declares no capacity needs no answer from Redis: it is
-counted locally and deposited with this process's next admission for that upstream, or at
+counted locally and deposited with this process's next reservation for that upstream, or at
 most `flush_interval` (1 s) later, so the common attempt costs no extra round trip (the
-repeat budget may see up to a second of another process's first attempts late, which
+repeat allowance may see up to a second of another process's first attempts late, which
 only makes it stricter).
 
 The scripts run on the health state's Redis connections (`RedisHealth.run_script`): if
@@ -21,14 +21,14 @@ import time
 from typing import Any
 
 from fallback_mw.capacity.memory import MemoryCapacity
-from fallback_mw.capacity.model import CAPACITY_WINDOW, Admission, Ask, Refusal
-from fallback_mw.config import RepeatBudgetConfig
+from fallback_mw.capacity.model import CAPACITY_WINDOW, Ask, Refusal, Reservation
+from fallback_mw.config import RepeatAllowanceConfig
 from fallback_mw.health.redis import RedisHealth
 
 # KEYS[1] the upstream's hash. ARGV: repeat '1'/'0', counted '1'/'0', rpm (-1: none),
 # tpm (-1: none), tokens, percent, min_per_second, window s, keep s, ttl ms, first attempts
 # this process counted since its last call (deposited before the check).
-# Returns {'ok' | 'capacity' | 'repeat_budget', second}. The budget arithmetic is
+# Returns {'ok' | 'capacity' | 'repeat_budget', second}. The allowance arithmetic is
 # capacity.repeat_allowed's; the capacity arithmetic capacity.within_capacity's.
 ADMIT = """
 local now = tonumber(redis.call('TIME')[1])
@@ -99,13 +99,13 @@ class RedisCapacity:
     process, one outage warning): `redis` is the gateway's `RedisHealth`."""
 
     def __init__(
-        self, redis: RedisHealth, budget: RepeatBudgetConfig, *, owned: bool = False
+        self, redis: RedisHealth, allowance: RepeatAllowanceConfig, *, owned: bool = False
     ) -> None:
         self.redis = redis
         self.owned = owned  # made for this object alone: closed with it
-        self.budget = budget
+        self.allowance = allowance
         self.prefix = redis.prefix
-        self.local = MemoryCapacity(budget)
+        self.local = MemoryCapacity(allowance)
         self.window = self.local.window
         self.keep = self.local.keep
         self.ttl_ms = (self.keep + 5) * 1000
@@ -130,16 +130,16 @@ class RedisCapacity:
         self._pending_since.pop(upstream, None)
         return self._pending.pop(upstream, 0)
 
-    async def admit(self, upstream: str, ask: Ask) -> Admission | Refusal:
+    async def reserve(self, upstream: str, ask: Ask) -> Reservation | Refusal:
         if not ask.repeat and not ask.capacity_declared:
             # Nothing to check: counted here (and in local memory, for an outage).
-            await self.local.admit(upstream, ask)
+            await self.local.reserve(upstream, ask)
             self._pending[upstream] = self._pending.get(upstream, 0) + 1
             since = self._pending_since.setdefault(upstream, time.monotonic())
             if time.monotonic() - since >= self.flush_interval:
                 await self._deposit(upstream)
-            return Admission(upstream, -1, 0, False, False)  # -1: not yet in Redis
-        budget = self.budget
+            return Reservation(upstream, -1, 0, False, False)  # -1: not yet in Redis
+        allowance = self.allowance
         pending = self._take_pending(upstream)
         result = await self.redis.run_script(
             "capacity_admit",
@@ -151,8 +151,8 @@ class RedisCapacity:
                 -1 if ask.rpm is None else ask.rpm,
                 -1 if ask.tpm is None else ask.tpm,
                 ask.tokens,
-                repr(float(budget.percent)),
-                repr(float(budget.min_per_second)),
+                repr(float(allowance.percent)),
+                repr(float(allowance.min_per_second)),
                 self.window,
                 max(self.keep, CAPACITY_WINDOW),
                 self.ttl_ms,
@@ -163,37 +163,37 @@ class RedisCapacity:
             if pending:
                 self._pending[upstream] = self._pending.get(upstream, 0) + pending
                 self._pending_since.setdefault(upstream, time.monotonic())
-            return await self.local.admit(upstream, ask)
+            return await self.local.reserve(upstream, ask)
         verdict, second = str(result[0]), int(result[1])
         if verdict == "capacity":
             return "capacity"
         if verdict == "repeat_budget":
             return "repeat_budget"
-        return Admission(upstream, second, ask.tokens, ask.repeat, ask.capacity_declared)
+        return Reservation(upstream, second, ask.tokens, ask.repeat, ask.capacity_declared)
 
-    async def _adjust(self, admission: Admission, deltas: list[tuple[str, int]]) -> None:
+    async def _adjust(self, reservation: Reservation, deltas: list[tuple[str, int]]) -> None:
         args: list[Any] = []
         for kind, delta in deltas:
             if delta:
-                args += [f"{kind}:{admission.second}", delta]
+                args += [f"{kind}:{reservation.second}", delta]
         if args:
             await self.redis.run_script(
-                "capacity_adjust", ADJUST, [self._key(admission.upstream)], args
+                "capacity_adjust", ADJUST, [self._key(reservation.upstream)], args
             )
 
-    async def settle(self, admission: Admission, tokens: int) -> None:
-        if admission.counted:
-            await self._adjust(admission, [("t", tokens - admission.tokens)])
+    async def settle(self, reservation: Reservation, tokens: int) -> None:
+        if reservation.counted:
+            await self._adjust(reservation, [("t", tokens - reservation.tokens)])
 
-    async def cancel(self, admission: Admission) -> None:
-        if admission.second < 0:  # a first attempt still counted locally
-            if self._pending.get(admission.upstream, 0) > 0:
-                self._pending[admission.upstream] -= 1
+    async def cancel(self, reservation: Reservation) -> None:
+        if reservation.second < 0:  # a first attempt still counted locally
+            if self._pending.get(reservation.upstream, 0) > 0:
+                self._pending[reservation.upstream] -= 1
             return
-        deltas = [("p" if admission.repeat else "f", -1)]
-        if admission.counted:
-            deltas += [("r", -1), ("t", -admission.tokens)]
-        await self._adjust(admission, deltas)
+        deltas = [("p" if reservation.repeat else "f", -1)]
+        if reservation.counted:
+            deltas += [("r", -1), ("t", -reservation.tokens)]
+        await self._adjust(reservation, deltas)
 
     async def aclose(self) -> None:
         if self.owned:

@@ -5,12 +5,13 @@ cleaned headers, the model rewrite), applies an injected fault, sends it under w
 left of the walk deadline and returns an `Outcome` saying who is responsible, with the
 response (whose owner is then the caller) when a head arrived.
 
-`AttemptLifecycle` is one request's attempts from admission to the end: `admit` (the
-breaker, then declared capacity and the repeat allowance), `cancel` (admitted, never
-started), `start` (the record and its span), `run`, `finish` (the record, the span, the
-health marks) and `lose` (the loser of a hedge race). The walk loop, the hedge and the
-shadow copy all go through it; `mark_health` is the one place `decide.health_mark` is
-applied to breakers and credentials.
+`AttemptLifecycle` is one request's attempts from the gates to the end: `gate` (the
+breaker admits it, then capacity reserves room: declared capacity and, for a repeat, the
+repeat allowance), `cancel` (through the gates, never started), `start` (the record and
+its span), `run`, `finish` (the record, the span, the health marks) and `lose` (the loser
+of a hedge race). The walk loop, the hedge and the shadow copy all go through it;
+`mark_health` is the one place `decide.health_mark` is applied to breakers and
+credentials.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 from urllib.parse import quote
 
-from fallback_mw.capacity import Admission, Ask, CapacityState, reported_tokens
+from fallback_mw.capacity import Ask, CapacityState, Reservation, reported_tokens
 from fallback_mw.config import UpstreamConfig
 from fallback_mw.failover.decide import Outcome, engine_outcome, health_mark, local_or
 from fallback_mw.faults import BlackholeSource, FaultSource
@@ -201,25 +202,25 @@ class AttemptLifecycle:
             context, body, parsed, client=client, faults=faults,
             inject_headers=telemetry.inject_headers,
         )  # fmt: skip
-        self.admissions: dict[str, Admission] = {}  # the latest admitted, per upstream
+        self.reservations: dict[str, Reservation] = {}  # the latest, per upstream
 
-    async def admit(self, name: str, upstream: UpstreamConfig, *, repeat: bool) -> Admission | str:
+    async def gate(self, name: str, upstream: UpstreamConfig, *, repeat: bool) -> Reservation | str:
         """The breaker, then declared capacity (and, for a repeat or a hedge, the repeat
-        allowance). Returns the admission, or the skip reason (`breaker_open`, ...); a
+        allowance). Returns the reservation, or the skip reason (`breaker_open`, ...); a
         refusal after the breaker admitted frees the half-open probe slot it held."""
         if not await self.health.admit(name):
             return "breaker_open"
-        admission = await self.capacity.admit(name, self.ask(name, upstream, repeat))
-        if isinstance(admission, str):
+        reservation = await self.capacity.reserve(name, self.ask(name, upstream, repeat))
+        if isinstance(reservation, str):
             await self.health.release(name)
-            return admission
-        self.admissions[name] = admission
-        return admission
+            return reservation
+        self.reservations[name] = reservation
+        return reservation
 
-    async def cancel(self, name: str, admission: Admission) -> None:
-        """Admitted but never started (e.g. the deadline passed in the backoff)."""
+    async def cancel(self, name: str, reservation: Reservation) -> None:
+        """Through the gates but never started (e.g. the deadline passed in the backoff)."""
         await self.health.release(name)
-        await self.capacity.cancel(admission)
+        await self.capacity.cancel(reservation)
 
     def start(
         self,
@@ -287,6 +288,8 @@ class AttemptLifecycle:
                 latency=latency,
                 quota=self._quota(name, response),
             )
+            if outcome.fault is not None:  # the fault's revert restores this credential
+                await self.health.fault_marked(name, credential_index, outcome.fault)
         return mark
 
     def _quota(self, name: str, response: UpstreamResponse | None) -> float | None:
@@ -316,7 +319,7 @@ class AttemptLifecycle:
     async def settle_tokens(self, name: str) -> None:
         """The usage the upstream reported (metered as the response went to the client)
         replaces the estimate counted against its `tpm`."""
-        admission = self.admissions.get(name)
+        reservation = self.reservations.get(name)
         tokens = reported_tokens(self.context.usage)
-        if admission is not None and admission.counted and tokens is not None:
-            await self.capacity.settle(admission, tokens)
+        if reservation is not None and reservation.counted and tokens is not None:
+            await self.capacity.settle(reservation, tokens)

@@ -12,7 +12,7 @@ Decided elsewhere, each in one place (docs/failover.md, "Where each rule is deci
 a table tests/test_decide.py checks against the imports): the effective deadline
 (`routing.effective_deadline_ms`); the plan order (`plan.candidate_order`); skips,
 passes and the backoff before a repeat (the walker's candidate cursor); admission
-(breaker, declared capacity, repeat allowance: `failover.attempt.AttemptLifecycle.admit`);
+(breaker, declared capacity, repeat allowance: `failover.attempt.AttemptLifecycle.gate`);
 the commit point (`layers.walker.stream.commit`). The deadline is enforced where time
 passes (the walk loop checks it before each attempt, the runner bounds each attempt by
 it); what its running out means is `decide`'s.
@@ -88,7 +88,7 @@ NO_CANDIDATE = Outcome("no_candidate")
 # The cursor's answer when the next attempt would go back to an upstream already tried and
 # that upstream's budget for repeats and hedges is spent (limits.repeat_allowed): the walk
 # ends here, with the local error, rather than add load to an upstream already failing.
-REPEAT_BUDGET_SPENT = Outcome("repeat_budget")
+REPEAT_ALLOWANCE_SPENT = Outcome("repeat_budget")
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,7 +66,7 @@ class Outcome:
 HELD_CLOSED = {"window": 20, "min_calls": 1_000_000}
 # Every first attempt may be repeated once (the single-upstream arm's retry): the default
 # repeat budget (20 % plus a floor) would refuse most of the retries the arm is about.
-REPEAT_BUDGET = {"percent": 100.0, "min_per_second": 1.0, "window_ms": 10_000}
+REPEAT_ALLOWANCE = {"percent": 100.0, "min_per_second": 1.0, "window_ms": 10_000}
 BACKOFF_MS = 25  # the route's backoff before the repeat (the configuration's default)
 
 
@@ -76,7 +76,7 @@ def gateway_config(
     """Both arms allow two attempts: the ordered plan tries the backup after the primary,
     the single upstream retries the same primary once after the route's backoff."""
     plan = [PRIMARY, BACKUP] if arm.ordered else [PRIMARY]
-    gateway: dict[str, Any] = {"deadline_ms": DEADLINE_MS, "repeat_budget": REPEAT_BUDGET}
+    gateway: dict[str, Any] = {"deadline_ms": DEADLINE_MS, "repeat_budget": REPEAT_ALLOWANCE}
     if not breaker:
         gateway["breaker"] = HELD_CLOSED
     return {

@@ -6,9 +6,9 @@ waits `backoff_ms` first. A candidate whose breaker is open, or with no usable
 credential, or whose declared capacity (`rpm`/`tpm`) this attempt would exceed, is
 skipped: it costs no attempt. A whole pass in which every candidate was skipped ends the
 walk (`NO_CANDIDATE`); so does a repeat that the upstream's repeat allowance refuses
-(`REPEAT_BUDGET_SPENT`). `pick` returns the next `Pick` or the `Outcome` that ended the
-pass; what happens then is `decide`'s. Admission itself (breaker, capacity, repeat
-allowance) is the attempt lifecycle's (`failover.attempt.AttemptLifecycle.admit`). The pool
+(`REPEAT_ALLOWANCE_SPENT`). `pick` returns the next `Pick` or the `Outcome` that ended the
+pass; what happens then is `decide`'s. The gates themselves (the breaker, capacity, the
+repeat allowance) are the attempt lifecycle's (`failover.attempt.AttemptLifecycle.gate`). The pool
 rule (SPEC §6): a pool's credentials are each used at most once per request; a
 single-credential upstream may be repeated on a later pass.
 """
@@ -19,9 +19,9 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from fallback_mw.capacity import Admission
+from fallback_mw.capacity import Reservation
 from fallback_mw.config import UpstreamConfig
-from fallback_mw.failover.decide import NO_CANDIDATE, REPEAT_BUDGET_SPENT, Outcome
+from fallback_mw.failover.decide import NO_CANDIDATE, REPEAT_ALLOWANCE_SPENT, Outcome
 from fallback_mw.health import HealthState
 from fallback_mw.request.context import RequestContext, SkipRecord
 from fallback_mw.telemetry import Telemetry
@@ -33,11 +33,11 @@ class Pick:
     upstream: UpstreamConfig
     credential_index: int | None
     repeat: bool  # already tried in this request: backoff_ms before it
-    admission: Admission  # as counted by the capacity state (declared capacity, repeat allowance)
+    reservation: Reservation  # counted by capacity (declared capacity, repeat allowance)
 
 
-# (name, upstream, repeat) -> the admission, or the skip reason
-Admit = Callable[[str, UpstreamConfig, bool], Awaitable[Admission | str]]
+# (name, upstream, repeat) -> the reservation, or the skip reason
+Gate = Callable[[str, UpstreamConfig, bool], Awaitable[Reservation | str]]
 
 
 class SkipListener(Protocol):
@@ -57,7 +57,7 @@ class CandidateCursor:
         session: str | None,  # the affinity key (health.pool.affinity_key)
         has_credential: Callable[[str, int], bool],
         on_skip: SkipListener,
-        admit: Admit,
+        gate: Gate,
     ) -> None:
         self.order = list(order)
         self.upstreams = upstreams
@@ -65,7 +65,7 @@ class CandidateCursor:
         self.session = session
         self.has_credential = has_credential
         self.on_skip = on_skip
-        self.admit = admit
+        self.gate = gate
         self.used: dict[str, set[int]] = {}
         self.tried: set[str] = set()
         self._position = 0
@@ -92,7 +92,7 @@ class CandidateCursor:
 
     async def pick(self) -> Pick | Outcome:
         """The next candidate to attempt, recording the ones skipped; else the outcome
-        that ended the walk's passes (`NO_CANDIDATE`, `REPEAT_BUDGET_SPENT`)."""
+        that ended the walk's passes (`NO_CANDIDATE`, `REPEAT_ALLOWANCE_SPENT`)."""
         order = self.order
         while True:
             if self._same_again:
@@ -119,20 +119,21 @@ class CandidateCursor:
                     selection=upstream.selection,
                 )
                 if credential_index is None or not self.has_credential(name, credential_index):
-                    self.on_skip(name, "no_credential")
+                    # A pool a fault emptied (e.g. `revoke`): the skip is the fault's.
+                    self.on_skip(name, "no_credential", await self.health.pool_fault(name))
                     continue
             repeat = name in self.tried
-            admission = await self.admit(name, upstream, repeat)
-            if isinstance(admission, str):
+            verdict = await self.gate(name, upstream, repeat)
+            if isinstance(verdict, str):
                 fault = None
-                if admission == "breaker_open":
+                if verdict == "breaker_open":
                     fault = await self.health.open_fault(name)
-                self.on_skip(name, admission, fault)
-                if admission == "repeat_budget":
-                    return REPEAT_BUDGET_SPENT
+                self.on_skip(name, verdict, fault)
+                if verdict == "repeat_budget":
+                    return REPEAT_ALLOWANCE_SPENT
                 continue
             self.mark_used(name, credential_index)
-            return Pick(name, upstream, credential_index, repeat, admission)
+            return Pick(name, upstream, credential_index, repeat, verdict)
 
     async def pick_hedge(self, primary: Pick, credential_index: int | None) -> Pick | None:
         """A hedge at the primary's upstream: in a pool another credential (each at most
@@ -148,13 +149,13 @@ class CandidateCursor:
             )  # fmt: skip
             if credential_index is None:
                 return None
-        admission = await self.admit(name, upstream, True)
-        if isinstance(admission, str):
-            if admission != "breaker_open":  # e.g. the primary attempt is the half-open probe
-                self.on_skip(name, admission)
+        verdict = await self.gate(name, upstream, True)
+        if isinstance(verdict, str):
+            if verdict != "breaker_open":  # e.g. the primary attempt is the half-open probe
+                self.on_skip(name, verdict)
             return None
         self.mark_used(name, credential_index)
-        return Pick(name, upstream, credential_index, True, admission)
+        return Pick(name, upstream, credential_index, True, verdict)
 
 
 def skip_recorder(context: RequestContext, telemetry: Telemetry) -> SkipListener:

@@ -8,7 +8,7 @@ cancelled and its response closed, so its connection is released. Whether the wa
 attempt is hedged at all is `decide.may_hedge`.
 
 `first_head` is the race itself, free of gateway types; `run_hedged` runs it with the
-request's attempt lifecycle (admission, start, run, lose the race) and the cursor (which
+request's attempt lifecycle (reservation, start, run, lose the race) and the cursor (which
 credential the hedge uses): it never calls back into the walk.
 """
 

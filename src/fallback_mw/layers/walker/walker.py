@@ -152,7 +152,7 @@ class _Walk:
             session=affinity_key(self.route.id, context.request_model, context.session),
             has_credential=lambda n, i: context.credential(n, i) is not None,
             on_skip=skip_recorder(context, walker.telemetry),  # no cycle back to self
-            admit=lambda name, upstream, repeat: attempts.admit(name, upstream, repeat=repeat),
+            gate=lambda name, upstream, repeat: attempts.gate(name, upstream, repeat=repeat),
         )  # fmt: skip
         # A client disconnect cancels the attempt in flight and starts nothing new.
         walk_task = asyncio.current_task()
@@ -201,7 +201,7 @@ class _Walk:
             if pick.repeat and self.route.backoff_ms:
                 await asyncio.sleep(min(self.route.backoff_ms / 1000, max(context.remaining, 0)))
                 if context.remaining <= 0:
-                    await attempts.cancel(pick.name, pick.admission)
+                    await attempts.cancel(pick.name, pick.reservation)
                     await self._act(Outcome("deadline"), None, None, None)
                     return
             record = attempts.start(pick.name, pick.upstream, pick.credential_index)
