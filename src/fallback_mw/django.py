@@ -32,10 +32,15 @@ from dataclasses import dataclass
 from http.cookies import SimpleCookie
 from typing import Any
 
-from asgiref.sync import iscoroutinefunction, markcoroutinefunction
-from django.conf import settings
-from django.core.exceptions import ImproperlyConfigured
-from django.http import HttpRequest, HttpResponseBase, StreamingHttpResponse
+from fallback_mw.extras import missing_extra
+
+try:
+    from asgiref.sync import iscoroutinefunction, markcoroutinefunction
+    from django.conf import settings
+    from django.core.exceptions import ImproperlyConfigured
+    from django.http import HttpRequest, HttpResponseBase, StreamingHttpResponse
+except ImportError:
+    raise missing_extra("django", "fallback_mw.django") from None
 
 from fallback_mw.gateway import Gateway
 from fallback_mw.request.types import Message, Receive, Scope, Send

@@ -18,6 +18,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "redis": ("redis",),
     "httpx": ("httpx", "httpcore"),
     "otel": ("opentelemetry.sdk",),
+    "django": ("django", "asgiref"),
 }
 
 
