@@ -10,6 +10,7 @@ opened is left alone, and its skips stay real.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -226,8 +227,9 @@ async def until(condition: Callable[[], Awaitable[bool]], within: float = 15.0) 
 
 @pytest.mark.anyio
 async def test_a_fail_fault_is_booked_as_the_fault_and_its_clear_restores_the_primary(
-    tmp_path: Path, pair: tuple[Upstream, Upstream]
+    tmp_path: Path, pair: tuple[Upstream, Upstream], caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="fallback_mw.request")
     primary, backup = pair
     store = f"sqlite:///{tmp_path / 'gw.db'}"
     reader = InMemoryMetricReader()
@@ -278,6 +280,11 @@ async def test_a_fail_fault_is_booked_as_the_fault_and_its_clear_restores_the_pr
             during = [r for r in records if r.chosen == "backup"]
             assert len(during) == requests
             assert all(r.fault for r in during)
+            # And the request log lines.
+            lines = [r for r in caplog.records if r.name == "fallback_mw.request"]
+            fallback_lines = [r for r in lines if r.__dict__["chosen"] == "backup"]
+            assert len(fallback_lines) == requests
+            assert all(r.__dict__["fault"] is True for r in fallback_lines)
             skipped = [a for r in during for a in r.attempts if a.skipped == "breaker_open"]
             assert len(skipped) == requests - faulted
             assert all(a.fault == "fail" for a in skipped)
