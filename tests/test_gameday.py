@@ -7,6 +7,7 @@ import asyncio
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -210,3 +211,80 @@ def test_refuses_to_overwrite_a_fault_already_set(
     assert "already set on 'primary'" in capsys.readouterr().err
     (kept,) = asyncio.run(_faults(store))
     assert kept.kind == "hang"  # the operator's own fault is untouched
+
+
+# --- incremental record reads, the recovery, the report's events -----------------------
+
+
+def test_record_feed_reads_incrementally_from_a_real_ledger(tmp_path: Path) -> None:
+    """Each poll asks the SQLite ledger only for records that ended after the newest one
+    seen (less the lag allowance): over 20 polls of 50 new records each the feed fetches a
+    bounded number per poll, never the whole history again; a record written late (its
+    end a little before the newest seen, within the allowance) is still picked up, once."""
+    from fallback_mw.cli.game_day.run import RECORD_LAG_S, RecordFeed
+    from fallback_mw.store.ledgers import open_ledger
+
+    async def work() -> tuple[RecordFeed, list[int]]:
+        ledger = open_ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
+        now = time.time()
+        feed = RecordFeed(ledger, "chat", since=now - 1)
+        per_poll = []
+        try:
+            for step in range(20):
+                for i in range(50):
+                    at = now + step * 10 + i * 0.1  # 10 s of traffic per step
+                    await ledger.record_usage(
+                        UsageRecord(
+                            request_id=f"s{step}-{i}", route="chat", tenant="t",
+                            at=datetime.fromtimestamp(at, UTC), duration_ms=5.0,
+                        )
+                    )  # fmt: skip
+                if step == 10:  # a writer that lagged: ended 2 s before the newest seen
+                    late = now + 9 * 10 + 4.9 - 2
+                    await ledger.record_usage(
+                        UsageRecord(
+                            request_id="late", route="chat", tenant="t",
+                            at=datetime.fromtimestamp(late, UTC), duration_ms=5.0,
+                        )
+                    )  # fmt: skip
+                before = feed.fetched
+                await feed.poll()
+                per_poll.append(feed.fetched - before)
+        finally:
+            await ledger.aclose()
+        return feed, per_poll
+
+    feed, per_poll = asyncio.run(work())
+    assert len(feed.records) == 20 * 50 + 1
+    assert len({r.request_id for r in feed.records}) == len(feed.records)
+    assert sum(1 for r in feed.records if r.request_id == "late") == 1
+    # 50 new records plus at most the lag allowance's worth again (0.1 s apart)
+    assert max(per_poll) <= 50 + RECORD_LAG_S / 0.1 + 2
+    assert feed.fetched < 2 * len(feed.records)  # a full re-read would be ~10x
+
+
+def test_events_order_the_milestones_and_recovery_is_judged() -> None:
+    from fallback_mw.cli.game_day.report import events
+
+    report: dict[str, Any] = {
+        "fault": {"seconds_set": 10.0},
+        "observed": {"breaker_open_s": 1.5, "first_fallback_s": 0.4, "recovery_s": 0.7},
+        "prometheus": {
+            "alerts": {
+                "FallbackMwBreakerOpen": {"pending_s": 2.0, "firing_s": 3.0, "resolved_s": 12.0},
+                "FallbackMwSilentFallback": {"pending_s": 2.0, "firing_s": None},
+            }
+        },
+    }
+    listed = events(report)
+    assert [(e["event"], e["at_s"]) for e in listed] == [
+        ("fault_set", 0.0),
+        ("first_fallback", 0.4),
+        ("breaker_open", 1.5),
+        ("alert_firing", 3.0),
+        ("revert", 10.0),
+        ("primary_success", 10.7),
+    ]
+    predictions = (parse_prediction("recovery_s=1"), parse_prediction("alert:Nope<=5s"))
+    results = judge(predictions, report["observed"], report["prometheus"])
+    assert [(r["observed"], r["result"]) for r in results] == [(0.7, "pass"), (None, "no data")]
