@@ -488,3 +488,36 @@ async def test_redis_every_process_reports_the_reverted_breaker_closed(redis_url
     finally:
         await one.aclose()
         await two.aclose()
+
+
+@pytest.mark.anyio
+async def test_postgresql_store_the_clear_reaches_the_gateway_and_restores_the_primary(
+    pg_url: str, pair: tuple[Upstream, Upstream]
+) -> None:
+    # PostgreSQL tells the reloader by NOTIFY: the revert follows the clear at once.
+    primary, backup = pair
+    gateway = Gateway(host_app, config=gateway_config(pg_url, primary.url, backup.url), environ={})
+    runtime = gateway.services.store
+    assert runtime is not None
+    try:
+        async with client_for(gateway) as client:
+            assert (await client.get("/v1/x")).headers["x-gateway-provider"] == "primary"
+            status, _, err = await cli(
+                "faults", "set", "fail", "--store", pg_url, "--upstream", "primary", "--ttl", "600"
+            )
+            assert status == 0, err
+            await until(lambda: _true(runtime.faults.active_upstreams() == {"primary"}))
+            for _ in range(6):
+                response = await client.get("/v1/x")
+                assert response.headers["x-gateway-provider"] == "backup"
+                assert response.headers.get("x-gateway-fault") == "1"
+            assert await gateway.services.health.open_fault("primary") == "fail"
+            status, _, err = await cli(
+                "faults", "clear", "--store", pg_url, "--upstream", "primary"
+            )
+            assert status == 0, err
+            await until(lambda: _breaker_closed(gateway))
+            response = await client.get("/v1/x")
+            assert response.headers["x-gateway-provider"] == "primary"
+    finally:
+        await gateway.aclose()
