@@ -521,3 +521,37 @@ async def test_postgresql_store_the_clear_reaches_the_gateway_and_restores_the_p
             assert response.headers["x-gateway-provider"] == "primary"
     finally:
         await gateway.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", ["hang", "blackhole"])
+async def test_timeout_faults_are_booked_and_reverted_too(
+    tmp_path: Path, pair: tuple[Upstream, Upstream], kind: str
+) -> None:
+    primary, backup = pair
+    store = f"sqlite:///{tmp_path / 'gw.db'}"
+    conf = gateway_config(store, primary.url, backup.url)
+    conf["upstreams"]["primary"]["first_byte_timeout_ms"] = 300
+    gateway = Gateway(host_app, config=conf, environ={})
+    runtime = gateway.services.store
+    assert runtime is not None
+    try:
+        async with client_for(gateway) as client:
+            assert (await client.get("/v1/x")).headers["x-gateway-provider"] == "primary"
+            status, _, err = await cli(
+                "faults", "set", kind, "--store", store, "--upstream", "primary", "--ttl", "600"
+            )
+            assert status == 0, err
+            await until(lambda: _true(runtime.faults.active_upstreams() == {"primary"}))
+            for _ in range(6):  # a few time out (the breaker opens), the rest skip
+                response = await client.get("/v1/x")
+                assert response.headers["x-gateway-provider"] == "backup"
+                assert response.headers.get("x-gateway-fault") == "1"
+            assert await gateway.services.health.open_fault("primary") == kind
+            status, _, err = await cli("faults", "clear", "--store", store, "--upstream", "primary")
+            assert status == 0, err
+            await until(lambda: _breaker_closed(gateway))
+            response = await client.get("/v1/x")
+            assert response.headers["x-gateway-provider"] == "primary"
+    finally:
+        await gateway.aclose()
