@@ -80,7 +80,13 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "post_after_503",
         "a method outside replayable_methods (POST) is never failed over",
-        ((DECIDE, "    if method in route.replayable_methods:", "    if True:"),),
+        (
+            (
+                DECIDE,
+                "    if method in route.replayable_methods:\n        return True",
+                "    if True:\n        return True",
+            ),
+        ),
         (CONTROLS[0],),
     ),
     Mutant(
@@ -230,6 +236,18 @@ MUTANTS: tuple[Mutant, ...] = (
         (POOL + "test_a_429_body_is_relayed_whole_after_the_peek",),
     ),
     Mutant(
+        "incidents_miss_failovers",
+        "usage --incidents lists a request that failed over, with its trail",
+        (
+            (
+                "cli/usage.py",
+                "if sum(1 for a in record.attempts if a.skipped is None) > 1:",
+                "if sum(1 for a in record.attempts if a.skipped is None) > 2:",
+            ),
+        ),
+        (POOL + "test_usage_incidents_lists_failed_over_and_local_errors_with_their_trails",),
+    ),
+    Mutant(
         "fallback_path_differs",
         "every candidate gets the same (normalised) path and query",
         (
@@ -253,9 +271,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "x-gateway-deadline-ms may shorten the route deadline, never lengthen it",
         (
             (
-                "layers/resolver.py",
-                "deadline_ms = min(deadline_ms, requested)",
-                "deadline_ms = requested",
+                "routing.py",
+                "deadline_ms = min(deadline_ms, requested_ms)",
+                "deadline_ms = requested_ms",
             ),
         ),
         (ASKS + "test_a_forged_deadline_cannot_lengthen_the_walk",),
