@@ -160,6 +160,7 @@ async def test_a_backup_without_its_credential_is_skipped_never_sent_bare() -> N
     assert response.headers["x-gateway-attempts"] == "2"
     (context,) = app.contexts
     assert [(s.candidate, s.reason) for s in context.skipped] == [("backup", "no_credential")]
+    assert response.headers["x-gateway-skipped"] == "backup;reason=no_credential"
 
 
 async def test_a_primary_without_its_credential_is_skipped_and_costs_no_attempt() -> None:
