@@ -555,3 +555,31 @@ async def test_timeout_faults_are_booked_and_reverted_too(
             assert response.headers["x-gateway-provider"] == "primary"
     finally:
         await gateway.aclose()
+
+
+@pytest.mark.anyio
+async def test_redis_every_process_reports_the_shared_breaker_as_it_is(redis_url: str) -> None:
+    # A transition another process made reaches this process's gauge at its next
+    # admission: a real outage's breaker that one process opened and another closed after
+    # its probe must not stay "open" on the first (FallbackMwBreakerOpen would never resolve).
+    from fallback_mw.health.redis import RedisHealth
+
+    seen: dict[str, list[str]] = {"one": [], "two": []}
+    one = RedisHealth(redis_url, CONFIG, on_transition=lambda u, s: seen["one"].append(s))
+    two = RedisHealth(redis_url, CONFIG, on_transition=lambda u, s: seen["two"].append(s))
+    try:
+        assert await one.admit("up") and await two.admit("up")
+        assert seen == {"one": [], "two": []}  # closed and never seen otherwise: nothing
+        for _ in range(3):
+            await one.record("up", failure=True)
+        assert not await two.admit("up")
+        assert seen == {"one": ["open"], "two": ["open"]}
+        await asyncio.sleep(CONFIG.cooldown_ms / 1000 + 0.05)
+        assert await two.admit("up")  # two's probe
+        await two.record("up", failure=False)
+        assert seen["two"] == ["open", "half_open", "closed"]
+        assert await one.admit("up")
+        assert seen["one"] == ["open", "closed"]
+    finally:
+        await one.aclose()
+        await two.aclose()

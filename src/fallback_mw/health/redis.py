@@ -74,6 +74,9 @@ def split_state_url(url: str) -> tuple[str, str]:
 DEFAULT_MAX_CONNECTIONS = 50
 
 
+_STATE_AFTER = {"opened": "open", "reopened": "open"}  # other transitions name the state
+
+
 class _Unavailable:
     pass
 
@@ -114,6 +117,7 @@ class RedisHealth:
         self.socket_timeout = socket_timeout
         self.max_connections = max_connections
         self.pool_timeout = pool_timeout
+        self._seen: dict[str, str] = {}  # breaker state last reported, per upstream
         self.local = MemoryHealth(self.config, probe_lease=probe_lease, on_transition=on_transition)
         self._client: aioredis.Redis | None = None
         self._scripts: dict[str, Any] = {}
@@ -206,10 +210,27 @@ class RedisHealth:
 
     # --- HealthState -------------------------------------------------------------------
 
+    def _report(self, upstream: str, transition: str | None) -> None:
+        """A transition this process's script made: logged and told to the listener."""
+        if transition:
+            self._seen[upstream] = _STATE_AFTER.get(transition, transition)
+            report_transition(self.on_transition, upstream, transition)
+
+    def _sync(self, upstream: str, state: str) -> None:
+        """The shared breaker's state as an admission found it: told to the listener when it
+        differs from what this process last reported (another process moved it), so every
+        process's gauge follows the shared state (FallbackMwBreakerOpen resolves)."""
+        if self._seen.get(upstream, "closed") != state:
+            self._seen[upstream] = state
+            if self.on_transition is not None:
+                self.on_transition(upstream, state)
+
     async def admit(self, upstream: str) -> bool:
         def convert(result: Any) -> bool:
-            admitted, transition = result
-            report_transition(self.on_transition, upstream, transition or None)
+            admitted, transition, *rest = result
+            self._report(upstream, transition or None)
+            if rest and rest[0]:
+                self._sync(upstream, str(rest[0]))
             return bool(int(admitted))
 
         return await self._with_fallback(
@@ -225,7 +246,7 @@ class RedisHealth:
         config = self.config
 
         def convert(result: Any) -> None:
-            report_transition(self.on_transition, upstream, result or None)
+            self._report(upstream, result or None)
 
         await self._with_fallback(
             "record",
@@ -257,7 +278,10 @@ class RedisHealth:
 
     async def reset_fault(self, upstream: str) -> None:
         def convert(result: Any) -> None:
-            report_transition(self.on_transition, upstream, result or None)
+            if result == "=closed":
+                self._sync(upstream, "closed")
+            else:
+                self._report(upstream, result or None)
 
         await self._with_fallback(
             "reset_fault",

@@ -7,23 +7,27 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# KEYS[1] breaker hash. ARGV: probe lease ms, key ttl ms. Returns {admitted, transition}.
+# KEYS[1] breaker hash. ARGV: probe lease ms, key ttl ms. Returns {admitted, transition,
+# state}: the state lets every process report the shared breaker as it is now, also when
+# another process made the transition.
 ADMIT = (
     _NOW
     + """
 local key = KEYS[1]
 local st = redis.call('HGET', key, 'st')
-if (not st) or st == 'closed' then return {1, ''} end
+if (not st) or st == 'closed' then return {1, '', 'closed'} end
 local transition = ''
 if st == 'open' then
-  if now < tonumber(redis.call('HGET', key, 'until') or '0') then return {0, ''} end
+  if now < tonumber(redis.call('HGET', key, 'until') or '0') then return {0, '', 'open'} end
   redis.call('HSET', key, 'st', 'half_open', 'probe', '0')
   transition = 'half_open'
 end
 redis.call('PEXPIRE', key, ARGV[2])
-if tonumber(redis.call('HGET', key, 'probe') or '0') > now then return {0, transition} end
+if tonumber(redis.call('HGET', key, 'probe') or '0') > now then
+  return {0, transition, 'half_open'}
+end
 redis.call('HSET', key, 'probe', string.format('%.0f', now + tonumber(ARGV[1])))
-return {1, transition}
+return {1, transition, 'half_open'}
 """
 )
 
@@ -117,18 +121,19 @@ return kinds[1] or ''
 
 # KEYS[1] breaker hash. ARGV: base cooldown ms. A fault was cleared: a breaker its
 # outcomes opened closes (window and cooldown reset); a closed one forgets its fault
-# outcomes; one real failures opened is left alone. Returns 'closed' when the breaker is
-# closed afterwards (every process that runs it reports so: one that saw it open last
-# would otherwise keep reporting it open), '' when it stays open.
+# outcomes; one real failures opened is left alone. Returns 'closed' when it closed the
+# breaker, '=closed' when it was closed already (every process that runs it then reports
+# it closed: one that saw it open last would otherwise keep reporting it open), '' when it
+# stays open.
 RESET_FAULT = """
 local key = KEYS[1]
 local st = redis.call('HGET', key, 'st')
-if not st then return 'closed' end
+if not st then return '=closed' end
 if st == 'closed' then
   local win = redis.call('HGET', key, 'win') or ''
   local kept = string.gsub(win, '2', '')
   redis.call('HSET', key, 'win', kept, 'lf', '')
-  return 'closed'
+  return '=closed'
 end
 if (redis.call('HGET', key, 'fault') or '') == '' then return '' end
 redis.call('HSET', key, 'st', 'closed', 'win', '', 'cd', ARGV[1], 'probe', '0',
