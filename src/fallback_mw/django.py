@@ -12,8 +12,10 @@ adapter bridges one Django request to it:
   fact; the request then continues down Django's middleware chain (`get_response`),
   body unread;
 * a routed response becomes a StreamingHttpResponse fed chunk by chunk from the Gateway
-  (SSE included). A response the Gateway aborts after its head was sent raises from the
-  body iterator, so the server aborts the connection instead of ending it as complete.
+  (SSE included). A response the Gateway aborts after its head was sent is never ended
+  as complete: the adapter breaks the server's connection (request/abort.py, found
+  through the ASGI scope Django was handed) and ends Django's send with GatewayAborted,
+  which Django takes quietly: no traceback per abort, under any server.
 
 Limits of the bridge: Django's response headers are a case-insensitive mapping, so a
 repeated upstream header is joined with ", " (Set-Cookie goes through response.cookies);
@@ -43,6 +45,7 @@ except ImportError:
     raise missing_extra("django", "fallback_mw.django") from None
 
 from fallback_mw.gateway import Gateway
+from fallback_mw.request.abort import break_response
 from fallback_mw.request.types import Message, Receive, Scope, Send
 
 _EXCHANGE_KEY = "fallback_mw.django.exchange"
@@ -60,8 +63,15 @@ class _End:
         self.error = error
 
 
-class GatewayAborted(Exception):
-    """The Gateway ended a started response without completing it (SPEC §5)."""
+class GatewayAborted(asyncio.CancelledError):
+    """The Gateway ended a started response without completing it (SPEC §5).
+
+    A CancelledError, which Django's ASGI handler takes for a client gone while the
+    response is sent: it stops sending, quietly (no traceback per abort), and returns
+    without the final body message. Before raising it, the adapter breaks the server's
+    connection itself (request/abort.py), as the Gateway does when it is the outermost
+    ASGI app: a server left to itself may keep the connection open (daphne) or log an
+    error line (uvicorn)."""
 
 
 @dataclass(eq=False)
@@ -152,7 +162,7 @@ class GatewayMiddleware:
             if exchange.passthrough:
                 return await self.get_response(request)
             raise RuntimeError("fallback_mw: the gateway returned without a response")
-        return _streaming_response(first, queue, task)
+        return _streaming_response(first, queue, task, base_scope)
 
     async def aclose(self) -> None:
         await self.gateway.aclose()
@@ -172,9 +182,26 @@ async def _cancel(task: asyncio.Task[None]) -> None:
         await task
 
 
+def _server_send(scope: Scope) -> Send | None:
+    """The server's own `send` for the request whose ASGI scope is `scope`: the middleware
+    is handed a Django request, not the ASGI callables, so it is found in the outermost
+    frame of the running tasks that was called with this very scope (Django's ASGIHandler,
+    or an ASGI middleware around it that passed the scope on)."""
+    for task in asyncio.all_tasks():
+        coroutine: Any = task.get_coro()
+        while coroutine is not None:
+            frame = getattr(coroutine, "cr_frame", None)
+            if frame is not None and frame.f_locals.get("scope") is scope:
+                send = frame.f_locals.get("send")
+                return send if callable(send) else None
+            coroutine = getattr(coroutine, "cr_await", None)
+    return None
+
+
 def _streaming_response(
-    start: Message, queue: asyncio.Queue[Message | _End], task: asyncio.Task[None]
-) -> StreamingHttpResponse:
+    start: Message, queue: asyncio.Queue[Message | _End], task: asyncio.Task[None],
+    scope: Scope,
+) -> StreamingHttpResponse:  # fmt: skip
     async def body() -> AsyncIterator[bytes]:
         complete = False
         try:
@@ -182,6 +209,9 @@ def _streaming_response(
                 item = await queue.get()
                 if isinstance(item, _End):
                     if not complete:
+                        send = _server_send(scope)
+                        if send is not None:
+                            await break_response(send)
                         raise GatewayAborted("the gateway aborted the response") from item.error
                     return
                 if item["type"] != "http.response.body" or complete:

@@ -16,6 +16,8 @@ from fallback_mw.layers.guard import BudgetGuard
 from fallback_mw.layers.injector import CredentialInjector
 from fallback_mw.layers.resolver import RouteResolver
 from fallback_mw.layers.walker import PlanWalker
+from fallback_mw.request.abort import break_response
+from fallback_mw.request.context import get_context
 from fallback_mw.request.types import ASGIApp, Message, Receive, Scope, Send
 from fallback_mw.services import Services, build_services
 from fallback_mw.telemetry import Telemetry
@@ -97,6 +99,16 @@ class Gateway:
             await self.app(scope, receive, send)  # websockets: the host app's, untouched
             return
         await self.resolver(scope, receive, send)
+        context = get_context(scope)
+        if (
+            context is not None
+            and context.committed
+            and not context.completed
+            and not context.client_disconnected
+        ):
+            # A failure after the commit point: the client must see a broken response,
+            # now, under whichever server runs us (request/abort.py).
+            await break_response(send)
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def send_wrapper(message: Message) -> None:

@@ -1,0 +1,78 @@
+"""Breaking a started response, whichever server runs the gateway (SPEC §5: a failure
+after the commit point aborts the client response; it is never ended as if complete).
+
+ASGI has no message that says "abort this response": a server is expected to close the
+connection when the application returns, or raises, before `more_body: False`. What the
+servers actually do differs, so the gateway's outermost layer calls `break_response` with
+the server's own `send` once a response it started could not be finished:
+
+* uvicorn closes the connection, but logs an ERROR ("ASGI callable returned without
+  completing response"), and a traceback if the application raises instead. Here the
+  transport is closed first and the cycle marked disconnected, so uvicorn says nothing
+  more: the gateway's own WARNING request line is the one line.
+* hypercorn, HTTP/1.1: closes the connection, quietly. HTTP/2 (h2 and h2c): ends the
+  stream without a RST_STREAM, so the client waits for the connection's idle timeout.
+  Here the stream is reset.
+* daphne keeps the connection open (the client waits for its own timeout, 60 s in curl,
+  10 minutes in the openai SDK); a raise logs a traceback and then fails to send a 500.
+  Here twisted's channel is closed (HTTP/1.1: what was written is flushed first, the
+  chunked body is left unterminated) or the stream is reset (HTTP/2).
+* granian closes the connection, quietly.
+
+Anything else (another server, or a shape this code does not recognise): nothing is done
+here and the application returns; the server does what ASGI asks of it. Every branch
+only calls what the server itself calls to close a connection, and a failure in it is
+never an error for the request."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+from fallback_mw.request.types import Send
+
+logger = logging.getLogger("fallback_mw")
+
+
+async def break_response(send: Send) -> None:
+    """Make the server break the client's response now (see the module docstring)."""
+    try:
+        if isinstance(send, functools.partial):
+            _daphne(send)
+            return
+        owner: Any = getattr(send, "__self__", None)
+        module = type(owner).__module__ if owner is not None else ""
+        if module.startswith("uvicorn."):
+            _uvicorn(owner)
+        elif module.startswith("hypercorn."):
+            await _hypercorn(owner)
+    except Exception as exc:  # the server's internals changed: fall back to ASGI's way
+        logger.debug("could not break the response directly (%s)", type(exc).__name__)
+
+
+def _uvicorn(cycle: Any) -> None:
+    transport = cycle.transport
+    transport.close()  # what uvicorn itself does; buffered bytes are flushed first
+    cycle.disconnected = True  # as its connection_lost would: no "without completing" line
+
+
+async def _hypercorn(stream: Any) -> None:
+    if str(stream.scope.get("http_version", "")).startswith("2"):
+        protocol = stream.send.__self__  # H2Protocol.stream_send
+        protocol.connection.reset_stream(stream.stream_id, error_code=2)  # INTERNAL_ERROR
+        await protocol._flush()
+
+
+def _daphne(send: functools.partial[Any]) -> None:
+    owner = getattr(send.func, "__self__", None)
+    if owner is None or not type(owner).__module__.startswith("daphne."):
+        return
+    request = send.args[0]  # daphne's WebRequest (a twisted.web Request)
+    channel = request.channel
+    if channel is None:
+        return
+    if type(channel).__name__ == "H2Stream":
+        channel.abortConnection()  # RST_STREAM
+    else:
+        channel.loseConnection()  # HTTPChannel: flush, then close

@@ -1,0 +1,200 @@
+"""Aborts close the connection under every server (SPEC §5, issue 19): the upstream dies
+in the middle of an SSE stream, after the commit point, and the client must see a broken
+response (never a complete one) within a second, under uvicorn, hypercorn (HTTP/1.1 and
+h2c), daphne and granian, each run as its own process, with the Gateway as the ASGI app,
+and with the Django middleware (request/abort.py says what each server needs). The
+server's output holds one WARNING request line for the abort and no traceback or error.
+
+The servers come with the dev extra; outside CI a missing one is skipped, under CI=true
+it fails."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+from aiohttp import web
+
+from tests.helpers import free_port, log_text
+from tests.upstreams import upstream
+
+pytestmark = [pytest.mark.e2e, pytest.mark.anyio]
+
+GATEWAY_APP = """
+import os
+from fallback_mw import Gateway
+
+async def host(scope, receive, send):
+    if scope["type"] == "lifespan":
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            else:
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+    await send({"type": "http.response.start", "status": 404, "headers": []})
+    await send({"type": "http.response.body", "body": b"host"})
+
+app = Gateway(host, config={
+    "upstreams": {"primary": {"url": os.environ["ABORT_UPSTREAM"]}},
+    "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+})
+"""
+
+DJANGO_SETTINGS = """
+import os
+SECRET_KEY = "test-only"
+DEBUG = False
+ALLOWED_HOSTS = ["*"]
+ROOT_URLCONF = "urls"
+INSTALLED_APPS = []
+MIDDLEWARE = ["fallback_mw.django.GatewayMiddleware"]
+FALLBACK_MW = {"config": {
+    "upstreams": {"primary": {"url": os.environ["ABORT_UPSTREAM"]}},
+    "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+}}
+"""
+DJANGO_URLS = "urlpatterns = []\n"
+DJANGO_ASGI = """
+import os
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "settings")
+from django.core.asgi import get_asgi_application
+app = get_asgi_application()
+"""
+
+SERVERS: dict[str, tuple[str, list[str]]] = {
+    # name: (module that must be importable, command after `python -m`)
+    "uvicorn": ("uvicorn", ["uvicorn", "app:app", "--port", "{port}"]),
+    "hypercorn": ("hypercorn", ["hypercorn", "app:app", "--bind", "127.0.0.1:{port}"]),
+    "hypercorn-h2c": ("hypercorn", ["hypercorn", "app:app", "--bind", "127.0.0.1:{port}"]),
+    "daphne": ("daphne", ["daphne", "-b", "127.0.0.1", "-p", "{port}", "app:app"]),
+    "granian": ("granian", ["granian", "--interface", "asgi", "--host", "127.0.0.1",
+                            "--port", "{port}", "--workers", "1", "app:app"]),
+}  # fmt: skip
+
+
+def require_server(module: str) -> None:
+    if importlib.util.find_spec(module) is not None:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"{module} is not installed (it is in the dev extra)")
+    pytest.skip(f"{module} is not installed")
+
+
+class DyingStream:
+    """An SSE upstream: two events, then the connection dies when told to."""
+
+    def __init__(self) -> None:
+        self.die = asyncio.Event()
+        self.died_at = 0.0
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b"data: one\n\n")
+        await response.write(b"data: two\n\n")
+        await self.die.wait()
+        self.died_at = time.monotonic()
+        assert request.transport is not None
+        request.transport.abort()  # mid-stream, no terminating chunk
+        return response
+
+
+@contextmanager
+def server_process(tmp: Path, name: str, upstream_url: str, port: int) -> Iterator[Path]:
+    command = SERVERS[name][1]
+    log = tmp / f"{name}.log"
+    env = {**os.environ, "ABORT_UPSTREAM": upstream_url, "PYTHONUNBUFFERED": "1"}
+    args = [part.format(port=port) for part in command]
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", *args], cwd=tmp, env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+    try:
+        yield log
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+async def wait_for(port: int, log: Path) -> None:
+    with anyio.fail_after(30, shield=True):
+        while True:
+            try:
+                stream = await anyio.connect_tcp("127.0.0.1", port)
+            except OSError:
+                await anyio.sleep(0.05)
+                continue
+            await stream.aclose()
+            return
+
+
+async def stream_until_broken(port: int, dying: DyingStream, *, h2: bool) -> tuple[float, bytes]:
+    """GET the stream; after the two events tell the upstream to die. Returns (seconds
+    from the upstream's death to the client's error, what the client received)."""
+    received = b""
+    url = f"http://127.0.0.1:{port}/v1/chat"
+    async with (
+        httpx.AsyncClient(http1=not h2, http2=h2, timeout=30) as client,
+        client.stream("GET", url) as response,
+    ):
+        assert response.status_code == 200
+        assert response.http_version == ("HTTP/2" if h2 else "HTTP/1.1")
+        try:
+            async for chunk in response.aiter_raw():
+                received += chunk
+                if received.count(b"\n\n") >= 2:
+                    dying.die.set()
+        except httpx.TransportError:
+            return time.monotonic() - dying.died_at, received
+    pytest.fail(f"the response ended as if complete: {received!r}")
+
+
+def write_app(tmp: Path, django: bool) -> None:
+    if django:
+        (tmp / "settings.py").write_text(DJANGO_SETTINGS)
+        (tmp / "urls.py").write_text(DJANGO_URLS)
+        (tmp / "app.py").write_text(DJANGO_ASGI)
+    else:
+        (tmp / "app.py").write_text(GATEWAY_APP)
+
+
+@pytest.mark.parametrize("django", [False, True], ids=["gateway", "django-middleware"])
+@pytest.mark.parametrize("name", list(SERVERS))
+async def test_an_upstream_dying_mid_stream_breaks_the_client_response(
+    tmp_path: Path, name: str, django: bool
+) -> None:
+    require_server(SERVERS[name][0])
+    if django:
+        require_server("django")
+    write_app(tmp_path, django)
+    dying = DyingStream()
+    port = free_port()
+    async with upstream(dying.handle) as up:
+        with server_process(tmp_path, name, up.url, port) as log:
+            await wait_for(port, log)
+            seconds, received = await stream_until_broken(port, dying, h2=name.endswith("h2c"))
+            await anyio.sleep(0.5)  # the request line is written when the request ends
+    output = log_text(log)
+    assert received == b"data: one\n\ndata: two\n\n"
+    assert seconds < 1.0, (seconds, output)
+    assert "Traceback" not in output, output
+    assert "ERROR" not in output and "Exception" not in output, output
+    aborted = [line for line in output.splitlines() if "outcome=aborted" in line]
+    assert len(aborted) == 1, output
