@@ -229,3 +229,43 @@ async def test_one_reloader_survives_a_store_outage_and_logs_it_twice(
     retries = [r for r in caplog.records if "still unreachable" in r.getMessage()]
     assert retries  # it kept retrying, quietly
     assert not any(r.exc_info for r in caplog.records)
+
+
+@pytest.mark.anyio
+async def test_the_reloader_starts_once_at_lifespan_startup(store_url: str) -> None:
+    async def lifespan_app(scope: Any, receive: Any, send: Any) -> None:
+        assert scope["type"] == "lifespan"
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    gateway = Gateway(lifespan_app, config=gateway_config(store_url), environ={})
+    runtime = gateway.services.store
+    assert runtime is not None
+    inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    sent: list[str] = []
+    started = asyncio.Event()
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message["type"])
+        if message["type"] == "lifespan.startup.complete":
+            started.set()
+
+    def reloaders() -> list[asyncio.Task[Any]]:
+        return [t for t in asyncio.all_tasks() if t.get_name() == "fallback_mw.store-reload"]
+
+    await inbox.put({"type": "lifespan.startup"})
+    server = asyncio.create_task(gateway({"type": "lifespan"}, inbox.get, send))
+    await asyncio.wait_for(started.wait(), 10)
+    (task,) = reloaders()  # before any request
+    runtime.table()
+    runtime.table()
+    assert reloaders() == [task]  # a request (the table getter) starts nothing more
+    await inbox.put({"type": "lifespan.shutdown"})
+    await server
+    assert sent == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
+    assert task.done() and not reloaders()  # closed with the gateway
