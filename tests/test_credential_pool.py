@@ -233,12 +233,16 @@ async def test_a_spent_quota_retires_until_its_reset_a_rate_limit_cools_down(
     assert "q-7c1f" not in caplog.text and "exceeded" not in caplog.text
 
 
-async def test_a_429_body_is_relayed_whole_after_the_peek() -> None:
+@pytest.mark.parametrize("engine", ["aiohttp", "httpx"])
+async def test_a_429_body_is_relayed_whole_after_the_peek(engine: str) -> None:
     # Every key spent: the last 429 is served, every byte of a body longer than the peek.
     body = json.dumps({"error": {"code": "insufficient_quota", "pad": "x" * 20_000}}).encode()
     answers: dict[str, tuple[bytes, dict[str, str]]] = {k: (body, {}) for k in ("key-a", "key-b")}
-    async with upstream(limited(answers)) as pool, gateway_client(two_keys(pool.url)) as client:
-        response = await client.get("/v1/x")
+    async with upstream(limited(answers)) as pool:
+        conf = two_keys(pool.url)
+        conf["gateway"]["engine"] = engine
+        async with gateway_client(conf) as client:
+            response = await client.get("/v1/x")
     assert response.status_code == 429
     assert response.content == body
     assert sorted(keys_used(pool)) == ["key-a", "key-b"]
