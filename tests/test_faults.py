@@ -281,8 +281,9 @@ def _spans_by_candidate(exporter: InMemorySpanExporter) -> dict[str, list[dict[s
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("engine", ["aiohttp", "httpx"])
 async def test_blackhole_connects_to_a_silent_listener_and_the_engines_timeout_fires(
-    store_url: str, pair: tuple[Upstream, Upstream]
+    store_url: str, pair: tuple[Upstream, Upstream], engine: str
 ) -> None:
     """The attempt really connects (to the gateway's own loopback listener, never to the
     upstream) and ends by the engine's first-byte timeout; then the walk fails over."""
@@ -294,11 +295,15 @@ async def test_blackhole_connects_to_a_silent_listener_and_the_engines_timeout_f
     exporter = InMemorySpanExporter()
     provider = TracerProvider(shutdown_on_exit=False)
     provider.add_span_processor(SimpleSpanProcessor(exporter))
+    cfg = config(store_url, primary.url, backup.url)
+    cfg["gateway"]["engine"] = engine
+    # The guard allows only "localhost" here: the blackhole's 127.0.0.1 listener is reached
+    # all the same (exempt for this purpose), the upstreams by their allowed name.
+    cfg["gateway"]["allow_hosts"] = ["localhost"]
+    for upstream_config in cfg["upstreams"].values():
+        upstream_config["url"] = upstream_config["url"].replace("127.0.0.1", "localhost")
     gateway = Gateway(
-        host_app,
-        config=config(store_url, primary.url, backup.url),
-        environ={},
-        telemetry=Telemetry(tracer_provider=provider),
+        host_app, config=cfg, environ={}, telemetry=Telemetry(tracer_provider=provider)
     )
     try:
         started = time.monotonic()

@@ -94,7 +94,9 @@ def _exercise(args: argparse.Namespace) -> tuple[Exercise, str]:
                 f"({', '.join(plan)})"
             )
         if any(p.name == "breaker_open_s" for p in predictions):
-            raise Refused("breaker_open_s needs a fail or hang fault (a pin opens no breaker)")
+            raise Refused(
+                "breaker_open_s needs a fault that fails the upstream (a pin opens no breaker)"
+            )
         faulted = args.route
     else:
         faulted = args.candidate or plan[0]
