@@ -9,7 +9,8 @@ source scripts/venv.sh
 if [ -z "${FALLBACK_MW_NO_APT:-}" ]; then
     echo "test.sh: two system tools come from Debian packages, installed with apt-get only" \
          "when missing and only as root or with passwordless sudo:" >&2
-    echo "  prometheus  its promtool checks the shipped alert rules (tests/test_alert_rules.py)" >&2
+    echo "  prometheus  its promtool checks the shipped alert rules (tests/test_alert_rules.py);" \
+         "the server scrapes a real serve with them loaded (tests/e2e/test_prometheus.py)" >&2
     echo "  chromium    headless, renders the eval / gameday HTML reports (tests/browser.py)" >&2
     echo "  (FALLBACK_MW_NO_APT=1 installs neither: those tests skip, or fail under CI=true)" >&2
 fi
