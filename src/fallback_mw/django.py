@@ -182,20 +182,8 @@ async def _cancel(task: asyncio.Task[None]) -> None:
         await task
 
 
-def _server_send(scope: Scope) -> Send | None:
-    """The server's own `send` for the request whose ASGI scope is `scope`: the middleware
-    is handed a Django request, not the ASGI callables, so it is found in the outermost
-    frame of the running tasks that was called with this very scope (Django's ASGIHandler,
-    or an ASGI middleware around it that passed the scope on)."""
-    for task in asyncio.all_tasks():
-        coroutine: Any = task.get_coro()
-        while coroutine is not None:
-            frame = getattr(coroutine, "cr_frame", None)
-            if frame is not None and frame.f_locals.get("scope") is scope:
-                send = frame.f_locals.get("send")
-                return send if callable(send) else None
-            coroutine = getattr(coroutine, "cr_await", None)
-    return None
+async def _no_send(message: Message) -> None:
+    """Stands for the server's send when it cannot be found: nothing to break."""
 
 
 def _streaming_response(
@@ -209,9 +197,7 @@ def _streaming_response(
                 item = await queue.get()
                 if isinstance(item, _End):
                     if not complete:
-                        send = _server_send(scope)
-                        if send is not None:
-                            await break_response(send)
+                        await break_response(_no_send, scope)
                         raise GatewayAborted("the gateway aborted the response") from item.error
                     return
                 if item["type"] != "http.response.body" or complete:

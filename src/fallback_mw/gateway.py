@@ -108,7 +108,7 @@ class Gateway:
         ):
             # A failure after the commit point: the client must see a broken response,
             # now, under whichever server runs us (request/abort.py).
-            await break_response(send)
+            await break_response(send, scope)
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def send_wrapper(message: Message) -> None:

@@ -2,7 +2,8 @@
 in the middle of an SSE stream, after the commit point, and the client must see a broken
 response (never a complete one) within a second, under uvicorn, hypercorn (HTTP/1.1 and
 h2c), daphne and granian, each run as its own process, with the Gateway as the ASGI app,
-and with the Django middleware (request/abort.py says what each server needs). The
+inside FastAPI (`add_middleware`) and as the Django middleware (request/abort.py says what
+each server needs). The
 server's output holds one WARNING request line for the abort and no traceback or error.
 
 The servers come with the dev extra; outside CI a missing one is skipped, under CI=true
@@ -48,6 +49,18 @@ async def host(scope, receive, send):
     await send({"type": "http.response.body", "body": b"host"})
 
 app = Gateway(host, config={
+    "upstreams": {"primary": {"url": os.environ["ABORT_UPSTREAM"]}},
+    "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+})
+"""
+
+FASTAPI_APP = """
+import os
+from fastapi import FastAPI
+from fallback_mw import Gateway
+
+app = FastAPI()
+app.add_middleware(Gateway, config={
     "upstreams": {"primary": {"url": os.environ["ABORT_UPSTREAM"]}},
     "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
 })
@@ -166,24 +179,26 @@ async def stream_until_broken(port: int, dying: DyingStream, *, h2: bool) -> tup
     pytest.fail(f"the response ended as if complete: {received!r}")
 
 
-def write_app(tmp: Path, django: bool) -> None:
-    if django:
+def write_app(tmp: Path, host: str) -> None:
+    if host == "django-middleware":
+        require_server("django")
         (tmp / "settings.py").write_text(DJANGO_SETTINGS)
         (tmp / "urls.py").write_text(DJANGO_URLS)
         (tmp / "app.py").write_text(DJANGO_ASGI)
+    elif host == "fastapi":
+        require_server("fastapi")
+        (tmp / "app.py").write_text(FASTAPI_APP)
     else:
         (tmp / "app.py").write_text(GATEWAY_APP)
 
 
-@pytest.mark.parametrize("django", [False, True], ids=["gateway", "django-middleware"])
+@pytest.mark.parametrize("host", ["gateway", "fastapi", "django-middleware"])
 @pytest.mark.parametrize("name", list(SERVERS))
 async def test_an_upstream_dying_mid_stream_breaks_the_client_response(
-    tmp_path: Path, name: str, django: bool
+    tmp_path: Path, name: str, host: str
 ) -> None:
     require_server(SERVERS[name][0])
-    if django:
-        require_server("django")
-    write_app(tmp_path, django)
+    write_app(tmp_path, host)
     dying = DyingStream()
     port = free_port()
     async with upstream(dying.handle) as up:
@@ -192,6 +207,7 @@ async def test_an_upstream_dying_mid_stream_breaks_the_client_response(
             seconds, received = await stream_until_broken(port, dying, h2=name.endswith("h2c"))
             await anyio.sleep(0.5)  # the request line is written when the request ends
     output = log_text(log)
+    print(f"{name} / {host}: broken {seconds * 1000:.0f} ms after the upstream died")
     assert received == b"data: one\n\ndata: two\n\n"
     assert seconds < 1.0, (seconds, output)
     assert "Traceback" not in output, output

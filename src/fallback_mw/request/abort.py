@@ -3,8 +3,10 @@ after the commit point aborts the client response; it is never ended as if compl
 
 ASGI has no message that says "abort this response": a server is expected to close the
 connection when the application returns, or raises, before `more_body: False`. What the
-servers actually do differs, so the gateway's outermost layer calls `break_response` with
-the server's own `send` once a response it started could not be finished:
+servers actually do differs, so the Gateway (and the Django adapter) call `break_response`
+once a response they started could not be finished. It acts on the server's own `send`,
+found as the one the server called the outermost app with (`server_send`: behind
+Starlette's middleware or Django's handler the gateway is handed a wrapper):
 
 * uvicorn closes the connection, but logs an ERROR ("ASGI callable returned without
   completing response"), and a traceback if the application raises instead. Here the
@@ -26,18 +28,22 @@ never an error for the request."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from typing import Any
 
-from fallback_mw.request.types import Send
+from fallback_mw.request.types import Scope, Send
 
 logger = logging.getLogger("fallback_mw")
 
 
-async def break_response(send: Send) -> None:
-    """Make the server break the client's response now (see the module docstring)."""
+async def break_response(send: Send, scope: Scope | None = None) -> None:
+    """Make the server break the client's response now (see the module docstring).
+    `send` is the one the gateway was handed; with `scope`, the server's own is looked up
+    first, so this works behind other middleware (Starlette's, Django's handler) too."""
     try:
+        send = (server_send(scope) if scope is not None else None) or send
         if isinstance(send, functools.partial):
             _daphne(send)
             return
@@ -49,6 +55,22 @@ async def break_response(send: Send) -> None:
             await _hypercorn(owner)
     except Exception as exc:  # the server's internals changed: fall back to ASGI's way
         logger.debug("could not break the response directly (%s)", type(exc).__name__)
+
+
+def server_send(scope: Scope) -> Send | None:
+    """The server's own `send` for the request whose ASGI scope is `scope`: the one in
+    the outermost frame, among the running tasks' coroutines, that was called with this
+    very scope object (middleware pass the scope on; a server calls its app once). None
+    when there is no such frame (e.g. an in-process test client)."""
+    for task in asyncio.all_tasks():
+        coroutine: Any = task.get_coro()
+        while coroutine is not None:
+            frame = getattr(coroutine, "cr_frame", None)
+            if frame is not None and frame.f_locals.get("scope") is scope:
+                send = frame.f_locals.get("send")
+                return send if callable(send) else None
+            coroutine = getattr(coroutine, "cr_await", None)
+    return None
 
 
 def _uvicorn(cycle: Any) -> None:
