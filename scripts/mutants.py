@@ -316,6 +316,43 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         (ASKS + "test_a_replay_keeps_each_candidates_model_and_a_consistent_length",),
     ),
+    # --- game days and the evaluation (issue 18) -----------------------------------------
+    Mutant(
+        "eval_breaker_left_at_defaults",
+        "eval holds breakers closed, so the plan is what it measures",
+        (
+            (
+                "cli/evaluation/arms.py",
+                '    if not breaker:\n        gateway["breaker"] = HELD_CLOSED\n',
+                "",
+            ),
+        ),
+        ("tests/e2e/test_eval.py::test_eval_failing_primary_measures_the_plan",),
+    ),
+    Mutant(
+        "faults_set_overwrites_an_active_fault",
+        "faults set refuses while a fault holds the same target (SQLite)",
+        (("store/sqlite.py", "if row is not None and not replace:", "if False:"),),
+        (
+            "tests/test_faults.py::"
+            "test_faults_set_refuses_an_active_fault_on_the_same_target_unless_replace[sqlite]",
+        ),
+    ),
+    Mutant(
+        "blackhole_through_the_guarded_client",
+        "the blackhole listener is reached by its own client, exempt from allow_hosts",
+        (
+            (
+                "failover/attempt.py",
+                "base, client = await self.faults.blackhole().open()",
+                "base, _ = await self.faults.blackhole().open()",
+            ),
+        ),
+        (
+            "tests/test_faults.py::"
+            "test_blackhole_connects_to_a_silent_listener_and_the_engines_timeout_fires",
+        ),
+    ),
 )
 
 
