@@ -292,6 +292,19 @@ MUTANTS: tuple[Mutant, ...] = (
         (ASKS + "test_each_candidate_gets_its_own_first_byte_timeout",),
     ),
     Mutant(
+        "shared_connect_timeout",
+        "each candidate its own connect timeout",
+        (
+            (
+                "failover/attempt.py",
+                "connect=upstream.connect_timeout_ms / 1000,",
+                "connect=self.context.upstreams[self.context.candidates[-1]]"
+                ".connect_timeout_ms / 1000,",
+            ),
+        ),
+        (ASKS + "test_each_candidate_gets_its_own_connect_timeout",),
+    ),
+    Mutant(
         "replay_drops_model_rewrite",
         "a replay keeps the candidate's model rewrite",
         (

@@ -10,7 +10,9 @@ keeps the rewritten model with a consistent Content-Length.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+import socket
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import httpx
@@ -293,6 +295,52 @@ async def test_each_candidate_gets_its_own_first_byte_timeout() -> None:
     first, second = context.attempts
     assert first.failure_kind == "timeout"
     assert second.status == 200 and second.duration is not None and second.duration >= 2.0
+
+
+@contextmanager
+def saturated_listener() -> Iterator[str]:
+    """A listener whose accept queue is full: a further connect is never answered (the
+    SYN is dropped), so only the connect timeout ends it."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(0)
+    port = server.getsockname()[1]
+    fillers = []
+    for _ in range(4):
+        filler = socket.socket()
+        filler.setblocking(False)
+        with suppress(BlockingIOError):
+            filler.connect(("127.0.0.1", port))
+        fillers.append(filler)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        for filler in fillers:
+            filler.close()
+        server.close()
+
+
+async def test_each_candidate_gets_its_own_connect_timeout() -> None:
+    # The primary never completes a connect: its own 300 ms connect timeout ends the
+    # attempt, not the backup's 5 s (nor its own 10 s first byte). The backup connects at
+    # once and is served.
+    async with upstream(status_handler(200, b"backup")) as b:
+        with saturated_listener() as unreachable:
+            conf = config_for(unreachable, b.url, deadline_ms=30_000)
+            conf["upstreams"]["primary"].update(
+                connect_timeout_ms=300, first_byte_timeout_ms=10_000
+            )
+            conf["upstreams"]["backup"]["connect_timeout_ms"] = 5000
+            app = Recorded(Gateway(host_app, config=conf, environ=ENV))
+            async with client_for(app) as client:
+                response = await client.get("/v1/models")
+            await app.app.aclose()
+    assert (response.status_code, response.content) == (200, b"backup")
+    (context,) = app.contexts
+    first, second = context.attempts
+    assert second.candidate == "backup" and second.status == 200
+    assert first.failure_kind == "timeout" and first.duration is not None
+    assert first.duration < 2.5, f"the primary's connect took {first.duration:.2f} s"
 
 
 # --- a replay keeps the rewritten model -----------------------------------------------------
