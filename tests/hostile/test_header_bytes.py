@@ -1,0 +1,130 @@
+"""Caller header values: one rule for both engines (SPEC §12, RFC 9110 §5.5). A value the
+rule refuses (a control character, leading or trailing whitespace, bytes >= 0x80 that are
+not UTF-8) gets the local 400 `bad_request` before any upstream, with no breaker mark; every
+other value reaches the upstream byte for byte, on both engines. What an engine refuses
+anyway (a URL it cannot build) is local too: never the upstream's failure, never a bare 500."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import MutableMapping
+from typing import Any
+
+import pytest
+
+from fallback_mw import Gateway
+from fallback_mw.health.memory import MemoryHealth
+from fallback_mw.upstream import Timeouts, UpstreamError, UpstreamRequest, make_client
+from tests.helpers import http_scope
+from tests.upstreams import Upstream, host_app, status_handler, upstream
+
+pytestmark = pytest.mark.anyio
+
+ENGINES = ["aiohttp", "httpx"]
+
+
+def config(url: str, engine: str) -> dict[str, Any]:
+    return {
+        "gateway": {"allow_hosts": ["127.0.0.1"], "engine": engine},
+        "upstreams": {"primary": {"url": url}},
+        "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+    }
+
+
+async def call(gateway: Gateway, headers: list[tuple[bytes, bytes]]) -> tuple[int, bytes]:
+    """One GET straight through the ASGI interface (no server in front to tidy headers)."""
+    sent: list[MutableMapping[str, Any]] = []
+
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if delivered:  # the caller stays connected until the gateway is done
+            await asyncio.Event().wait()
+        delivered = True
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        sent.append(message)
+
+    await gateway(http_scope("GET", "/v1/x", headers=headers), receive, send)
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return status, body
+
+
+def breaker_marks(gateway: Gateway, name: str) -> list[int]:
+    health = gateway.services.health
+    assert isinstance(health, MemoryHealth)
+    return list(health.breaker(name).outcomes)
+
+
+REFUSED = {
+    "trailing-tab": b"value\t",
+    "leading-space": b" value",
+    "escape": b"a\x1bb",
+    "bell": b"a\x07b",
+    "delete": b"a\x7fb",
+    "lone-latin-1": b"caf\xe9",
+}
+FORWARDED = {
+    "inner-tab": b"a\tb",
+    "utf-8": "café ☕".encode(),
+    "visible": b"!#$%&'()*+,-./:;<=>?@[\\]^_`{|}~",
+}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("name", list(REFUSED))
+async def test_a_value_the_rule_refuses_is_400_before_any_upstream(name: str, engine: str) -> None:
+    async with upstream(status_handler(200, b"ok")) as primary:
+        gateway = Gateway(host_app, config=config(primary.url, engine))
+        try:
+            for _ in range(8):  # more than min_calls: a breaker would have opened
+                status, body = await call(gateway, [(b"x-note", REFUSED[name])])
+                assert status == 400, body
+                error = json.loads(body)["error"]
+                assert error["code"] == "bad_request"
+                assert "x-note" in error["message"]
+            marks = breaker_marks(gateway, "primary")
+        finally:
+            await gateway.aclose()
+    assert primary.count == 0
+    assert marks == []
+
+
+def received_header(server: Upstream, name: str) -> bytes:
+    values = [v for k, v in server.received[-1].headers if k == name]
+    assert len(values) == 1
+    return values[0].encode("utf-8", "surrogateescape")
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("name", list(FORWARDED))
+async def test_every_other_value_reaches_the_upstream_byte_for_byte(name: str, engine: str) -> None:
+    async with upstream(status_handler(200, b"ok")) as primary:
+        gateway = Gateway(host_app, config=config(primary.url, engine))
+        try:
+            status, _ = await call(gateway, [(b"x-note", FORWARDED[name])])
+        finally:
+            await gateway.aclose()
+    assert status == 200
+    assert received_header(primary, "x-note") == FORWARDED[name]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_what_an_engine_refuses_is_local_never_a_bare_500(engine: str) -> None:
+    client = make_client(engine, allow_hosts=("127.0.0.1",))
+    timeouts = Timeouts(connect=1.0, first_byte=1.0, idle=1.0)
+    try:
+        for url, headers in (
+            ("http://127.0.0.1:1/x", [("x-note", "a\r\nx-injected: 1")]),
+            ("http://127.0.0.1:1/x", [("bad name", "v")]),
+            ("http://[::1/x", []),
+        ):
+            with pytest.raises(UpstreamError) as caught:
+                await client.send(UpstreamRequest("GET", url, headers, b"", timeouts))
+            assert caught.value.kind == "local", (url, caught.value)
+    finally:
+        await client.aclose()
