@@ -95,7 +95,15 @@ FROM totals
 WHERE w.budget_id = totals.budget_id AND w.window_start = totals.window_start
 """
 
-_FAILURES = (OSError, asyncio.TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError)
+# InternalClientError: a pooled connection the server dropped mid-operation ("cannot switch
+# to state ...; another operation is in progress"), seen when PostgreSQL stops under load.
+_FAILURES = (
+    OSError,
+    asyncio.TimeoutError,
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.exceptions.InternalClientError,
+)
 
 
 class PostgresLedger(SQLLedgerBase):
