@@ -261,6 +261,11 @@ def test_record_feed_reads_incrementally_from_a_real_ledger(tmp_path: Path) -> N
     # 50 new records plus at most the lag allowance's worth again (0.1 s apart)
     assert max(per_poll) <= 50 + RECORD_LAG_S / 0.1 + 2
     assert feed.fetched < 2 * len(feed.records)  # a full re-read would be ~10x
+    # The abort criteria's window, read from the tail: the same records a full scan finds.
+    newest = max(r.at.timestamp() for r in feed.records)
+    for window in (0.5, 3.0, 12.0, 60.0):
+        brute = [r for r in feed.records if r.at.timestamp() >= newest - window]
+        assert feed.ended_since(newest - window) == brute
 
 
 def test_events_order_the_milestones_and_recovery_is_judged() -> None:

@@ -116,6 +116,20 @@ class RecordFeed:
         self.records.extend(fresh)
         return fresh
 
+    def ended_since(self, moment: float) -> list[UsageRecord]:
+        """Records that ended at or after `moment`, scanning back from the newest only as
+        far as the lag allowance requires (records are kept in arrival order, which is
+        end order give or take RECORD_LAG_S)."""
+        found: list[UsageRecord] = []
+        for record in reversed(self.records):
+            end = ended_at(record)
+            if end < moment - RECORD_LAG_S:
+                break
+            if end >= moment:
+                found.append(record)
+        found.reverse()
+        return found
+
 
 def iso(moment: float | None) -> str | None:
     if moment is None:
@@ -124,10 +138,10 @@ def iso(moment: float | None) -> str | None:
 
 
 def _abort_holding(
-    exercise: Exercise, records: list[UsageRecord], now: float
+    exercise: Exercise, feed: RecordFeed, now: float
 ) -> tuple[AbortCriterion, float] | None:
     for criterion in exercise.aborts:
-        recent = [r for r in records if ended_at(r) >= now - criterion.window_s]
+        recent = feed.ended_since(now - criterion.window_s)
         value = windowed(criterion.name, recent, exercise.primary)
         if value is not None and value > criterion.threshold:
             return criterion, value
@@ -177,7 +191,7 @@ async def run_exercise(
             await feed.poll()
             if alerts is not None:
                 await alerts.poll(now)
-            holding = _abort_holding(exercise, feed.records, now)
+            holding = _abort_holding(exercise, feed, now)
             if holding is not None:
                 criterion, value = holding
                 timeline.abort = Abort(criterion, value, round(now - timeline.started, 3))
