@@ -30,6 +30,7 @@ from fallback_mw.failover.attempt import AttemptLifecycle
 from fallback_mw.failover.decide import is_replayable
 from fallback_mw.faults import FaultSource
 from fallback_mw.health import HealthState
+from fallback_mw.health.pool import affinity_key
 from fallback_mw.plan import canary_bucket
 from fallback_mw.request.context import AttemptRecord, RequestBody, RequestContext
 from fallback_mw.routing import effective_deadline_ms
@@ -153,8 +154,9 @@ class ShadowTraffic:
         pool = len(upstream.credential_envs)
         if pool:
             credential = await self.health.pick_credential(
-                name, pool, exclude=frozenset(), session=context.session
-            )
+                name, pool, exclude=frozenset(), selection=upstream.selection,
+                session=affinity_key(context.route.id, context.request_model, context.session),
+            )  # fmt: skip
             if credential is None or context.credential(name, credential) is None:
                 return ShadowResult("no_credential")
         # The same lifecycle as the walk's attempts: its gates and health marking; the
