@@ -6,6 +6,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import ssl
 import tomllib
 from collections.abc import Mapping
 from decimal import Decimal
@@ -66,6 +67,9 @@ class GatewaySettings(_Strict):
     header_timeout_ms: int = Field(10_000, ge=1, le=600_000)
     breaker: BreakerConfig = BreakerConfig()
     repeat_budget: RepeatAllowanceConfig = RepeatAllowanceConfig()
+    # A PEM bundle of the CAs trusted for https:// upstreams, instead of the system's
+    # store (which SSL_CERT_FILE / SSL_CERT_DIR replace); an upstream's own wins.
+    ca_file: str | None = None
 
     @field_validator("tenant_header", "session_header")
     @classmethod
@@ -127,6 +131,9 @@ class UpstreamConfig(_Strict):
     # when.
     selection: Literal["round_robin", "score"] = "round_robin"
     quota_retire_ms: int = Field(3_600_000, ge=1, le=31 * 86_400_000)
+    ca_file: str | None = None  # PEM bundle trusted for this https:// upstream
+    proxy: str | None = None  # egress HTTP proxy, http://host:port
+    provider: str | None = None  # GenAI provider name (gen_ai.provider.name), e.g. "openai"
 
     @field_validator("url")
     @classmethod
@@ -155,6 +162,39 @@ class UpstreamConfig(_Strict):
     @classmethod
     def _header(cls, value: str) -> str:
         return value.strip().lower()
+
+    @field_validator("proxy")
+    @classmethod
+    def _proxy(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if not value.isascii() or any(c.isspace() or ord(c) < 0x20 for c in value):
+            raise ValueError("must be plain ASCII without spaces or control characters")
+        parts = urlsplit(value)
+        if parts.scheme != "http" or not parts.hostname or not _valid_host(parts.hostname):
+            raise ValueError("must be an http:// proxy URL with a host (http://proxy:3128)")
+        if parts.username or parts.password:
+            raise ValueError("must not carry credentials (proxy authentication is not supported)")
+        if parts.path not in ("", "/") or parts.query or parts.fragment:
+            raise ValueError("must be http://host:port, without a path or query")
+        try:
+            parts.port  # noqa: B018 - raises for a port that is not 0..65535
+        except ValueError:
+            raise ValueError("has a malformed port") from None
+        return value.rstrip("/")
+
+    @field_validator("provider")
+    @classmethod
+    def _provider(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[a-z0-9][a-z0-9_.\-]{0,63}", value):
+            raise ValueError(
+                'must be a provider name in lower case, e.g. "openai", "anthropic", "aws.bedrock"'
+            )
+        return value
+
+    @property
+    def proxy_host(self) -> str | None:
+        return urlsplit(self.proxy).hostname if self.proxy else None
 
     @property
     def credential_envs(self) -> tuple[str, ...]:
@@ -289,11 +329,34 @@ def check_environment(config: GatewayConfig, environ: Mapping[str, str]) -> None
         rules.check_variables_set(f"upstream {name!r}", upstream.credential_envs, environ)
 
 
+def check_ca_file(where: str, path: str) -> None:
+    """A `ca_file` must be a readable PEM bundle with at least one CA certificate."""
+    try:
+        context = ssl.create_default_context(cafile=path)
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: ca_file {path!r} not found") from None
+    except (OSError, ssl.SSLError, ValueError) as exc:
+        reason = getattr(exc, "strerror", None) or type(exc).__name__
+        raise ConfigError(
+            f"{where}: ca_file {path!r} is not a readable PEM bundle ({reason})"
+        ) from None
+    if not context.get_ca_certs():
+        raise ConfigError(f"{where}: ca_file {path!r} holds no CA certificate")
+
+
 def validate(
     config: GatewayConfig, *, environ: Mapping[str, str] | None = None, check_env: bool = True
 ) -> GatewayConfig:
+    if config.gateway.ca_file is not None:
+        check_ca_file("[gateway]", config.gateway.ca_file)
     for name, upstream in config.upstreams.items():
         rules.check_upstream(name, upstream, config.gateway.allow_hosts)
+        if upstream.ca_file is not None:
+            check_ca_file(f"upstream {name!r}", upstream.ca_file)
+        if upstream.proxy_host is not None:
+            # The proxy is a host the gateway connects to: the allowlist and the
+            # metadata-address guard apply to it as to an upstream.
+            rules.check_proxy_host(name, upstream.proxy_host, config.gateway.allow_hosts)
     ids: set[str] = set()
     for route in config.routes:
         if route.id in ids:

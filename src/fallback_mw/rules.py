@@ -114,6 +114,14 @@ def check_upstream(name: str, upstream: UpstreamShape, allow_hosts: Sequence[str
         check_variable_name(f"upstream {name!r}: auth_env", variable)
 
 
+def check_proxy_host(name: str, host: str, allow_hosts: Sequence[str]) -> None:
+    """An upstream's egress proxy: the allowlist and the metadata guard apply to it too."""
+    try:
+        check_upstream_host(host, allow_hosts)
+    except UnsafeUpstream as exc:
+        raise ConfigError(f"upstream {name!r}: proxy {exc}") from None
+
+
 def check_route(
     route: RouteShape, upstreams: Mapping[str, UpstreamShape], *, where: str | None = None
 ) -> None:

@@ -82,7 +82,9 @@ def build_services(
     )
     if runtime is not None:  # a fault that ends resets the breakers its outcomes opened
         runtime.on_fault_cleared = health.reset_fault
-    client = client or make_client(settings.engine, allow_hosts=settings.allow_hosts)
+    client = client or make_client(
+        settings.engine, allow_hosts=settings.allow_hosts, ca_file=settings.ca_file
+    )
     faults = faults or (runtime.faults if runtime is not None else NoFaults())
     capacity = capacity or create_capacity(
         settings.state, settings.repeat_budget, health=health,

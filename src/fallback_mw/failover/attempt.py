@@ -148,6 +148,8 @@ class AttemptRunner:
                     timeouts=timeouts,
                     max_connections=upstream.max_connections,
                     pool_key=name,
+                    ca_file=upstream.ca_file,
+                    proxy=upstream.proxy,
                 )
                 response = await client.send(request)
                 if response.status == 429 and len(upstream.credential_envs) > 1:

@@ -61,6 +61,9 @@ class Outcome:
     # "fail" / "hang": an injected upstream failure. It feeds health like the real thing,
     # even when the walk deadline is what ended a hang (game days exercise the breaker).
     fault: str | None = None
+    # A transport failure named more precisely for the trace (`tls`: the certificate did
+    # not verify); the rules treat it as its kind.
+    detail: str | None = None
 
     @property
     def responsible(self) -> Literal["upstream", "gateway"]:
@@ -73,6 +76,8 @@ class Outcome:
         """SPEC §9 `gateway.failure.kind` for the attempt span (None: no failure)."""
         if self.fault is not None:
             return "fault"
+        if self.detail is not None:
+            return self.detail
         if self.kind == "status":
             return None
         if self.kind in ("timeout", "deadline", "body_timeout"):
@@ -148,6 +153,8 @@ def engine_outcome(kind: str, phase: str, *, fault: str | None = None) -> Outcom
         return Outcome("not_sent")
     if kind == "timeout" and phase != "body":
         return Outcome("timeout", fault=fault)
+    if kind == "tls":
+        return Outcome("transport", fault=fault, detail="tls")
     return Outcome("transport", fault=fault)
 
 
@@ -364,6 +371,11 @@ def error_message(decision: Decision, context: RequestContext) -> str:
     if decision.error == "upstream_failed" and attempts:
         last = context.attempts[-1].failure_kind or "status"
         message = f"all {attempts} attempt(s) failed (last failure: {last})"
+        if last == "tls":
+            message += (
+                "; the upstream's TLS certificate did not verify: set ca_file (under "
+                "[gateway] or the upstream) to the CA that signed it"
+            )
         return f"{message}; {remedy}" if remedy else message
     if decision.error == "deadline_exceeded":
         return (

@@ -58,6 +58,13 @@ def log_request(
     }
     # Why the walk ended where it did, when a rule decided it, and what was passed over.
     why = f" rule={context.rule}" if context.rule else ""
+    failed = [
+        f"{label(a.candidate)}:{label(a.failure_kind)}"
+        for a in context.attempts
+        if a.failure_kind not in (None, "status", "cancelled")
+    ]
+    if failed:  # what went wrong below HTTP (transport, timeout, tls, fault, ...)
+        why += f" failures={','.join(failed)}"
     if context.skipped:
         passed = dict.fromkeys(
             f"{label(s.candidate)};reason={label(s.reason)}" for s in context.skipped

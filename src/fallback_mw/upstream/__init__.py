@@ -12,14 +12,18 @@ from fallback_mw.upstream.base import (
 )
 
 
-def make_client(engine: str, *, allow_hosts: tuple[str, ...] = ()) -> UpstreamClient:
+def make_client(
+    engine: str, *, allow_hosts: tuple[str, ...] = (), ca_file: str | None = None
+) -> UpstreamClient:
+    """The engine's client; `ca_file` is the gateway-wide CA bundle (an upstream's own, on
+    its requests, wins)."""
     if engine == "httpx":
         from fallback_mw.upstream.httpx_engine import HttpxClient
 
-        return HttpxClient(allow_hosts=allow_hosts)
+        return HttpxClient(allow_hosts=allow_hosts, ca_file=ca_file)
     from fallback_mw.upstream.aiohttp_engine import AiohttpClient
 
-    return AiohttpClient(allow_hosts=allow_hosts)
+    return AiohttpClient(allow_hosts=allow_hosts, ca_file=ca_file)
 
 
 __all__ = [

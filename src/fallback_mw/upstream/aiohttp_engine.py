@@ -22,6 +22,7 @@ from fallback_mw.upstream.base import (
     check_response_head,
 )
 from fallback_mw.upstream.guard import GuardedResolver, UnsafeAddressError, check_literal_host
+from fallback_mw.upstream.tls import ssl_context
 
 # aiohttp would otherwise add these; the upstream sees only what the gateway decided.
 _SKIP_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
@@ -36,6 +37,10 @@ def map_errors(phase: Phase) -> Iterator[None]:
         raise
     except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
         raise UpstreamError("timeout", phase, f"timed out during {phase}") from exc
+    except aiohttp.ClientConnectorCertificateError:
+        raise UpstreamError("tls", phase, "the upstream's TLS certificate did not verify") from None
+    except aiohttp.ClientSSLError:
+        raise UpstreamError("tls", phase, "the TLS handshake with the upstream failed") from None
     except aiohttp.ClientConnectorError as exc:
         if isinstance(exc.os_error, UnsafeAddressError):
             raise UpstreamError("unsafe_address", phase, str(exc.os_error)) from None
@@ -113,8 +118,15 @@ class AiohttpResponse:
 
 
 class AiohttpClient:
-    def __init__(self, *, allow_hosts: Sequence[str] = (), max_connections: int = 512) -> None:
+    def __init__(
+        self,
+        *,
+        allow_hosts: Sequence[str] = (),
+        max_connections: int = 512,
+        ca_file: str | None = None,
+    ) -> None:
         self._allow_hosts = tuple(allow_hosts)
+        self._ca_file = ca_file
         self._limit = max_connections
         self._session: aiohttp.ClientSession | None = None
         self._checked_hosts: set[str] = set()  # IP-literal checks are pure: do each once
@@ -181,6 +193,11 @@ class AiohttpClient:
                     allow_redirects=False,
                     timeout=self._client_timeout(timeouts.connect),
                     trace_request_ctx=None if streamed else timer,
+                    # The same trust on both engines (upstream/tls.py); plain http needs none.
+                    ssl=ssl_context(request.ca_file or self._ca_file)
+                    if request.url.startswith("https:")
+                    else True,
+                    proxy=request.proxy,
                 )
         try:
             with map_errors("first_byte"):

@@ -13,7 +13,11 @@ from typing import Literal, Protocol
 
 # "local": the client library refused to build or send the request (a header value, a
 # URL, an encoding): nothing reached the upstream, so it is never the upstream's failure.
-FailureKind = Literal["transport", "timeout", "refused", "unsafe_address", "protocol", "local"]
+# "tls": the TLS handshake failed (a certificate that does not verify, SPEC §12): the
+# upstream's failure like any transport error, named as what it is.
+FailureKind = Literal[
+    "transport", "timeout", "refused", "unsafe_address", "protocol", "local", "tls"
+]
 Phase = Literal["connect", "first_byte", "body"]
 
 
@@ -28,8 +32,9 @@ class UpstreamError(Exception):
 
     @property
     def telemetry_kind(self) -> str:
-        # SPEC §9 vocabulary: timeouts are "timeout", everything else below HTTP "transport".
-        return "timeout" if self.kind == "timeout" else "transport"
+        # SPEC §9 vocabulary: timeouts are "timeout", a failed TLS handshake "tls",
+        # everything else below HTTP "transport".
+        return self.kind if self.kind in ("timeout", "tls") else "transport"
 
 
 def check_request_headers(headers: Sequence[tuple[str, str]]) -> None:
@@ -96,6 +101,10 @@ class UpstreamRequest:
     # is counted under (the upstream's name).
     max_connections: int = 0
     pool_key: str = ""
+    # The upstream's own TLS trust (`ca_file`; None: the engine's default) and egress
+    # proxy (`proxy`; None: direct).
+    ca_file: str | None = None
+    proxy: str | None = None
 
 
 class FirstByteTimer:

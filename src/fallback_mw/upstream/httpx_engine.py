@@ -29,6 +29,7 @@ from fallback_mw.upstream.base import (
 )
 from fallback_mw.upstream.guard import UnsafeAddressError
 from fallback_mw.upstream.httpx_backend import GuardedNetworkBackend
+from fallback_mw.upstream.tls import is_certificate_error, ssl_context
 
 MAX_CONNECTIONS = 512
 
@@ -85,7 +86,11 @@ def map_errors(phase: Phase) -> Iterator[None]:
         raise UpstreamError("timeout", phase, f"timed out during {phase}") from exc
     except UnsafeAddressError as exc:
         raise UpstreamError("unsafe_address", phase, str(exc)) from None
-    except httpx.ConnectError:
+    except httpx.ConnectError as exc:
+        if is_certificate_error(exc):
+            raise UpstreamError(
+                "tls", phase, "the upstream's TLS certificate did not verify"
+            ) from None
         raise UpstreamError("refused", phase, "could not connect") from None
     except (
         httpx.LocalProtocolError,
@@ -137,49 +142,70 @@ class HttpxClient:
         allow_hosts: Sequence[str] = (),
         transport: httpx.AsyncBaseTransport | None = None,
         max_connections: int = MAX_CONNECTIONS,
+        ca_file: str | None = None,
     ) -> None:
         self._limits = httpx.Limits(
             max_connections=max_connections, max_keepalive_connections=min(128, max_connections)
         )
         self._allow_hosts = tuple(allow_hosts)
         self._transport = transport
-        self._client: httpx.AsyncClient | None = None
+        self._ca_file = ca_file
+        # One client (and pool) per (CA bundle, egress proxy): httpx takes both per client.
+        self._clients: dict[tuple[str | None, str | None], httpx.AsyncClient] = {}
         self._caps = ConnectionCaps()
         _silence_engine_logs()
 
-    def _guarded_transport(self) -> httpx.AsyncHTTPTransport:
+    def _guarded_transport(
+        self, ca_file: str | None, proxy: str | None
+    ) -> httpx.AsyncHTTPTransport:
         """The default transport with its connection pool built on GuardedNetworkBackend:
         the connect-time SSRF check (resolve once, check every address, connect to the
-        checked address)."""
+        checked address; through a proxy, the proxy's). TLS trust as on the aiohttp
+        engine (upstream/tls.py)."""
         limits = self._limits
-        transport = httpx.AsyncHTTPTransport(trust_env=False, limits=limits)
-        transport._pool = httpcore.AsyncConnectionPool(
-            ssl_context=httpx.create_ssl_context(trust_env=False),
-            max_connections=limits.max_connections,
-            max_keepalive_connections=limits.max_keepalive_connections,
-            keepalive_expiry=limits.keepalive_expiry,
-            network_backend=GuardedNetworkBackend(self._allow_hosts),
-        )
+        context = ssl_context(ca_file)
+        if not self._allow_hosts:  # no allowlist: httpx's own pool, same trust and proxy
+            return httpx.AsyncHTTPTransport(
+                trust_env=False, limits=limits, verify=context, proxy=proxy
+            )
+        transport = httpx.AsyncHTTPTransport(trust_env=False, limits=limits, verify=context)
+        options: dict[str, object] = {
+            "ssl_context": context,
+            "max_connections": limits.max_connections,
+            "max_keepalive_connections": limits.max_keepalive_connections,
+            "keepalive_expiry": limits.keepalive_expiry,
+            "network_backend": GuardedNetworkBackend(self._allow_hosts),
+        }
+        if proxy is not None:
+            transport._pool = httpcore.AsyncHTTPProxy(proxy_url=proxy, **options)  # type: ignore[arg-type]
+        else:
+            transport._pool = httpcore.AsyncConnectionPool(**options)  # type: ignore[arg-type]
         return transport
 
-    def _get_client(self) -> httpx.AsyncClient:
-        if self._client is None:
+    def _get_client(self, request: UpstreamRequest | None = None) -> httpx.AsyncClient:
+        ca_file = (request.ca_file if request else None) or self._ca_file
+        proxy = request.proxy if request else None
+        if self._transport is not None:
+            ca_file = proxy = None  # a custom transport (tests) is used as it is
+        key = (ca_file, proxy)
+        client = self._clients.get(key)
+        if client is None:
             transport = self._transport
-            if transport is None and self._allow_hosts:
-                transport = self._guarded_transport()
-            self._client = httpx.AsyncClient(
+            if transport is None:
+                transport = self._guarded_transport(ca_file, proxy)
+            client = self._clients[key] = httpx.AsyncClient(
                 transport=transport,
                 follow_redirects=False,
                 timeout=None,
                 trust_env=False,
                 limits=self._limits,
             )
-        return self._client
+        return client
 
     async def send(self, request: UpstreamRequest) -> HttpxResponse:
         with map_errors("connect"):
             check_request_headers(request.headers)
-            client = self._get_client()
+            client = self._get_client(request)
             timer = FirstByteTimer(request.timeouts.first_byte)
             built = self._build(client, request, timer)
         # Waiting for a slot under the upstream's connection cap is the gateway's own queue
@@ -236,6 +262,6 @@ class HttpxClient:
         return built
 
     async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            await client.aclose()
