@@ -14,6 +14,7 @@ is never logged, kept or put in any record: only the verdict leaves this module.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -146,7 +147,14 @@ class PeekedResponse:
                 yield chunk
 
     async def aclose(self) -> None:
-        await self._response.aclose()
+        rest, self._rest = self._rest, None
+        try:
+            closer = getattr(rest, "aclose", None)
+            if closer is not None:  # the engine's body generator, left mid-way by the peek
+                with contextlib.suppress(Exception):
+                    await closer()
+        finally:
+            await self._response.aclose()
 
 
 class _Response(Protocol):  # upstream.base.UpstreamResponse, without importing it
