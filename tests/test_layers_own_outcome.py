@@ -217,3 +217,19 @@ async def test_the_request_span_covers_the_hold_and_the_settlement(spans: Spans)
     assert span.start_time is not None and span.end_time is not None
     assert span.start_time <= ledger.held_at
     assert span.end_time >= ledger.settled_at
+
+
+async def test_guard_alone_answers_a_body_it_cannot_hold_for() -> None:
+    conf = budget_config()
+    conf["gateway"] = {"max_request_body": 1000, "replay_buffer": 500}
+    config = load_config(conf)
+    app = RecordingApp()
+    ledger = MemoryLedger()
+    stack = RouteResolver(BudgetGuard(app, config=config, ledger=ledger), config=config)
+    async with client_for(stack) as client:
+        response = await client.post("/v1/chat", content=b"x" * 2000)
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "request_too_large"
+    assert app.reached == 0
+    (record,) = await ledger.usage()
+    assert record.outcome == "request_too_large"

@@ -5,7 +5,8 @@ which keeps it in the request context for the walker), estimates and takes the h
 calls the app behind it. It answers its own refusals through the shared local-error writer:
 402 `budget_exceeded` when the hold is refused, 503 `budget_unavailable` when the ledger
 cannot be reached, a budgeted route has no ledger, or it names no known budget (fail closed,
-in front of any app); nothing behind it runs. The response path meters usage
+in front of any app); a body it cannot estimate from (over `max_request_body`, too slow)
+gets the walker's own 413 / 408 (`request.refusals`). Nothing behind it runs then. The response path meters usage
 (`walker/stream.commit` fills `context.usage`); the settlement reads it, in a shielded
 `finally` once the app has returned (served, failed, or the client went away): reported
 usage priced by `[prices]`, else the hold; nothing served releases the hold."""
@@ -24,6 +25,7 @@ from fallback_mw.config import BudgetConfig, GatewayConfig
 from fallback_mw.request.body import read_body, request_json
 from fallback_mw.request.context import RequestBody, RequestContext, get_context
 from fallback_mw.request.local_errors import send_error
+from fallback_mw.request.refusals import body_refusal
 from fallback_mw.request.types import ASGIApp, Receive, Scope, Send
 from fallback_mw.telemetry import Telemetry
 
@@ -76,12 +78,18 @@ class BudgetGuard:
         try:
             if budget_id is not None:
                 body = await read_body(context, scope, receive, self.settings)
-                if body.ok:  # otherwise the walker answers for the body (413, 408, ...)
-                    outcome = await self._hold(ledger, context, budget_id, body)
-                    if isinstance(outcome, str):
-                        await _refuse(send, context, outcome)  # nothing behind us runs
-                        return
-                    hold = outcome
+                if not body.ok:  # no hold can be estimated: nothing behind us runs
+                    refused = body_refusal(body, self.settings)
+                    if refused is not None:
+                        await send_error(send, context, *refused)
+                    else:
+                        context.outcome = "client_disconnected"
+                    return
+                outcome = await self._hold(ledger, context, budget_id, body)
+                if isinstance(outcome, str):
+                    await _refuse(send, context, outcome)  # nothing behind us runs
+                    return
+                hold = outcome
             await self.app(scope, receive, send)
         finally:
             # Shielded: a cancelled request (client gone, server stopping) still settles;

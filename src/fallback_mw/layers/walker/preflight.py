@@ -7,6 +7,7 @@ from __future__ import annotations
 from fallback_mw.config import GatewaySettings
 from fallback_mw.request.body import body_json
 from fallback_mw.request.context import RequestBody, RequestContext
+from fallback_mw.request.refusals import body_refusal
 from fallback_mw.security import request_header_problem
 
 _BAD_NAME = "has a name that is not an HTTP token"
@@ -16,11 +17,9 @@ def refusal(
     context: RequestContext, body: RequestBody, settings: GatewaySettings
 ) -> tuple[str, str] | None:
     """The local error (code, message) that ends the request before the walk, or None."""
-    if body.too_large:
-        limit = settings.max_request_body
-        return "request_too_large", f"request body exceeds max_request_body ({limit} bytes)"
-    if body.timed_out:
-        return "request_timeout", "the request body did not arrive before the deadline"
+    refused = body_refusal(body, settings)
+    if refused is not None:
+        return refused
     for name, value in context.forward_headers:
         problem = request_header_problem(name, value)
         if problem is not None:
