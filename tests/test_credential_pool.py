@@ -24,7 +24,7 @@ from fallback_mw.cli import main
 from fallback_mw.cli.usage import incident_kinds
 from fallback_mw.health.memory import MemoryHealth
 from fallback_mw.health.pool import CredentialStats, affinity_key, score
-from fallback_mw.health.quota import parse_duration, quota_reset
+from fallback_mw.health.quota import parse_duration, peek_quota, quota_reset
 from tests.helpers import client_for
 from tests.upstreams import Upstream, host_app, upstream
 
@@ -345,3 +345,41 @@ def test_a_skipped_candidate_is_an_incident() -> None:
         chosen="primary", outcome="served", status=200,
     )  # fmt: skip
     assert incident_kinds(quiet) == []
+
+
+class _Answer:
+    """A response whose body arrives in `chunks`, then ends or fails with `error`."""
+
+    def __init__(self, chunks: list[bytes], error: Exception | None = None) -> None:
+        self.status = 429
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.chunks = chunks
+        self.error = error
+        self.closed = False
+
+    async def iter_chunks(self) -> AsyncIterator[bytes]:
+        for chunk in self.chunks:
+            yield chunk
+        if self.error is not None:
+            raise self.error
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+async def test_the_peek_reads_a_bounded_prefix_and_relays_every_byte_or_the_error() -> None:
+    long = _Answer([b"a" * 3000, b"b" * 3000, b"c" * 3000])
+    peeked = await peek_quota(long, limit=4096)
+    assert peeked.quota is None  # cut at the peek: no verdict
+    assert b"".join([c async for c in peeked.iter_chunks()]) == b"".join(long.chunks)
+    await peeked.aclose()
+    assert long.closed
+
+    broken = _Answer([QUOTA_BODY[:10]], error=ConnectionResetError("reset"))
+    peeked = await peek_quota(broken)
+    relayed = []
+    with pytest.raises(ConnectionResetError):
+        async for chunk in peeked.iter_chunks():
+            relayed.append(chunk)
+    assert relayed == [QUOTA_BODY[:10]]
+    await peeked.aclose()
