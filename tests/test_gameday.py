@@ -4,6 +4,7 @@ predictions and abort criteria, and what it computes from usage records."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -293,3 +294,70 @@ def test_events_order_the_milestones_and_recovery_is_judged() -> None:
     predictions = (parse_prediction("recovery_s=1"), parse_prediction("alert:Nope<=5s"))
     results = judge(predictions, report["observed"], report["prometheus"])
     assert [(r["observed"], r["result"]) for r in results] == [(0.7, "pass"), (None, "no data")]
+
+
+def test_refuses_when_prometheus_cannot_be_read(
+    store: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An alert prediction against a Prometheus that does not answer would only ever say
+    NO DATA after the whole exercise: refused before anything is set."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # bound, never listening: connection refused
+        argv = [
+            *BASE, "--config", store, "--out", str(tmp_path / "r.json"),
+            "--predict", "alert:FallbackMwBreakerOpen<=60s", "--abort", "error_rate=1%",
+            "--prometheus", f"http://127.0.0.1:{port}",
+        ]  # fmt: skip
+        assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "cannot read /api/v1/alerts" in err and "nothing set" in err
+    assert asyncio.run(_faults(store)) == []
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_an_alert_already_firing_before_the_fault_is_not_credited_to_it() -> None:
+    """The alert API as Prometheus serves it (a scripted endpoint): an alert firing before
+    the fault counts only once it has resolved and fires again; a new one counts at once."""
+    from aiohttp import web
+
+    from fallback_mw.cli.game_day.prometheus import AlertWatcher
+
+    script: list[dict[str, str]] = [{"Old": "firing"}]
+
+    async def alerts(_: web.Request) -> web.Response:
+        states = script[0]
+        listed = [{"labels": {"alertname": n}, "state": s} for n, s in states.items()]
+        return web.json_response({"status": "success", "data": {"alerts": listed}})
+
+    async def work() -> dict[str, Any]:
+        app = web.Application()
+        app.router.add_get("/api/v1/alerts", alerts)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        watcher = AlertWatcher(f"http://127.0.0.1:{port}")
+        try:
+            await watcher.baseline()
+            await watcher.poll(now=T0 + 1)  # Old still firing: not the exercise's
+            script[0] = {"Old": "firing", "New": "pending"}
+            await watcher.poll(now=T0 + 2)
+            script[0] = {"Old": "inactive", "New": "firing"}
+            await watcher.poll(now=T0 + 3)
+            script[0] = {"Old": "firing", "New": "firing"}  # Old fires again: counts now
+            await watcher.poll(now=T0 + 4)
+            script[0] = {}
+            await watcher.poll(now=T0 + 5)
+            return watcher.summary(T0)
+        finally:
+            await watcher.aclose()
+            await runner.cleanup()
+
+    summary = asyncio.run(work())
+    assert summary["alerts"] == {
+        "New": {"pending_s": 2.0, "firing_s": 3.0, "resolved_s": 5.0},
+        "Old": {"pending_s": 4.0, "firing_s": 4.0, "resolved_s": 5.0},
+    }
+    assert summary["polls"] == 5 and summary["failed_polls"] == 0

@@ -21,7 +21,12 @@ from typing import Any
 from fallback_mw.budget import LedgerUnavailable
 from fallback_mw.cli.app import Console, Failed, Refused, leaf
 from fallback_mw.cli.game_day.html import render
-from fallback_mw.cli.game_day.prometheus import AlertWatcher, PrometheusURLError, check_url
+from fallback_mw.cli.game_day.prometheus import (
+    AlertWatcher,
+    PrometheusUnavailable,
+    PrometheusURLError,
+    check_url,
+)
 from fallback_mw.cli.game_day.report import build_report, report_lines, write_report
 from fallback_mw.cli.game_day.run import (
     Exercise,
@@ -166,6 +171,13 @@ async def _run(
             # Recorded before anything is watched: the predictions as written.
             write_report(out, build_report(exercise, timeline, None, status="running"))
 
+        if alerts is not None:
+            try:
+                await alerts.baseline()
+            except PrometheusUnavailable as exc:
+                raise GameDayRefused(
+                    f"--prometheus {prometheus}: cannot read /api/v1/alerts ({exc}); nothing set"
+                ) from None
         timeline, feed = await run_exercise(
             exercise, store, ledger, stop, console.print, started, alerts=alerts
         )

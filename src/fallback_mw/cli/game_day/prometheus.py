@@ -34,6 +34,10 @@ class AlertSeen:
     resolved_at: float | None = None  # first poll after firing that no longer saw it firing
 
 
+class PrometheusUnavailable(RuntimeError):
+    pass
+
+
 @dataclass
 class AlertWatcher:
     url: str
@@ -41,33 +45,53 @@ class AlertWatcher:
     polls: int = 0
     failures: int = 0
     last_error: str | None = None
+    # Alerts already firing before the fault: not the exercise's doing until they resolve.
+    firing_before: set[str] = field(default_factory=set)
     _session: aiohttp.ClientSession | None = None
 
-    async def poll(self, now: float | None = None) -> None:
-        """One look at the alert state; a failed poll is counted, never raised (the
-        exercise goes on; the report says how many polls failed)."""
-        now = time.time() if now is None else now
+    async def _states(self) -> dict[str, str]:
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=POLL_TIMEOUT_S)
             )
-        self.polls += 1
         try:
             async with self._session.get(self.url + "/api/v1/alerts") as response:
                 if response.status != 200:
                     raise ValueError(f"HTTP {response.status}")
                 payload: Any = await response.json(content_type=None)
-            listed = payload["data"]["alerts"]
             states: dict[str, str] = {}
-            for alert in listed:
+            for alert in payload["data"]["alerts"]:
                 name = str(alert["labels"]["alertname"])
                 state = str(alert["state"])
+                if state not in ("pending", "firing"):
+                    continue  # inactive: not listed by Prometheus, ignored if it were
                 if states.get(name) != "firing":  # firing anywhere wins
                     states[name] = state
+            return states
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
+            message = type(exc).__name__ if not str(exc) else str(exc)[:200]
+            raise PrometheusUnavailable(message) from None
+
+    async def baseline(self) -> None:
+        """Before the fault: Prometheus answers (else PrometheusUnavailable), and which
+        alerts already fire (they are not credited to the exercise while they do)."""
+        states = await self._states()
+        self.firing_before = {name for name, state in states.items() if state == "firing"}
+
+    async def poll(self, now: float | None = None) -> None:
+        """One look at the alert state; a failed poll is counted, never raised (the
+        exercise goes on; the report says how many polls failed)."""
+        now = time.time() if now is None else now
+        self.polls += 1
+        try:
+            states = await self._states()
+        except PrometheusUnavailable as exc:
             self.failures += 1
-            self.last_error = type(exc).__name__ if not str(exc) else str(exc)[:200]
+            self.last_error = str(exc)
             return
+        self.firing_before &= {name for name, state in states.items() if state == "firing"}
+        for name in self.firing_before:
+            states.pop(name, None)  # still the old firing: not this exercise's
         for name, state in states.items():
             seen = self.alerts.setdefault(name, AlertSeen())
             if seen.pending_at is None:
@@ -93,6 +117,7 @@ class AlertWatcher:
             "polls": self.polls,
             "failed_polls": self.failures,
             "last_error": self.last_error,
+            "firing_before_the_fault": sorted(self.firing_before),
             "alerts": {
                 name: {
                     "pending_s": rel(seen.pending_at),
