@@ -183,6 +183,7 @@ async def _run(
         )
         if not timeline.interrupted:
             await watch_recovery(exercise, feed, timeline, stop, console.print, alerts=alerts)
+            timeline.interrupted = stop.is_set()  # Ctrl-C during the recovery watch
         observed = observe_exercise(exercise, feed, timeline)
         status = (
             "aborted" if timeline.abort else "interrupted" if timeline.interrupted else "completed"
