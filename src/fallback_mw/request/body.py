@@ -5,7 +5,8 @@ declared `Content-Length` (within `max_request_body`) streams to one attempt onl
 it is sent. A larger body without a declared length is read up to `max_request_body`
 before any upstream is contacted, so a chunked body over the limit gets its 413 with no
 upstream contacted (the memory this costs is bounded by `max_request_body`). Reading counts
-against the route deadline: a body that does not arrive in time is the caller's 408.
+against the route deadline, and a gap over `header_timeout_ms` between the caller's chunks
+ends it: a body that does not arrive in time is the caller's 408.
 
 The result is kept in the request context, so the budget guard (which needs the body for
 its estimate) and the walker share one read.
@@ -53,10 +54,12 @@ async def read_body(
     head_limit = settings.replay_buffer if declared is not None else limit
     chunks: list[bytes] = []
     size = 0
+    gap = settings.header_timeout_ms / 1000  # the caller's idle gap (SPEC §12)
     try:
         async with asyncio.timeout(max(context.remaining, 0.0)):
             while True:
-                message = await receive()
+                async with asyncio.timeout(gap):
+                    message = await receive()
                 if message["type"] == "http.disconnect":
                     body.client_gone = context.client_disconnected = True
                     return body
@@ -77,7 +80,7 @@ async def read_body(
                     return body
                 if size > head_limit:
                     body.stream = _stream_rest(
-                        b"".join(chunks), size, body, context, receive, limit
+                        b"".join(chunks), size, body, context, receive, limit, gap
                     )
                     return body
     except TimeoutError:
@@ -96,11 +99,20 @@ async def _stream_rest(
     context: RequestContext,
     receive: Receive,
     limit: int,
+    gap: float,
 ) -> AsyncIterator[bytes]:
-    """Over replay_buffer: the body goes to one attempt only, read as it is sent."""
+    """Over replay_buffer: the body goes to one attempt only, read as it is sent. The
+    upload is the caller's time (SPEC §12): a gap longer than `gap` between its chunks
+    ends it as the caller's 408 (the walk deadline bounds the whole), and the engines
+    run no upstream timer while a chunk is awaited here."""
     yield head
     while True:
-        message = await receive()
+        try:
+            async with asyncio.timeout(gap):
+                message = await receive()
+        except TimeoutError:
+            body.timed_out = True
+            raise BodyAborted("request body stalled") from None
         if message["type"] == "http.disconnect":
             body.client_gone = context.client_disconnected = True
             raise BodyAborted("client disconnected")
