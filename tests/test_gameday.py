@@ -217,16 +217,18 @@ def test_refuses_to_overwrite_a_fault_already_set(
 # --- incremental record reads, the recovery, the report's events -----------------------
 
 
-def test_record_feed_reads_incrementally_from_a_real_ledger(tmp_path: Path) -> None:
-    """Each poll asks the SQLite ledger only for records that ended after the newest one
-    seen (less the lag allowance): over 20 polls of 50 new records each the feed fetches a
-    bounded number per poll, never the whole history again; a record written late (its
-    end a little before the newest seen, within the allowance) is still picked up, once."""
+@pytest.mark.anyio
+async def test_record_feed_reads_incrementally_from_a_real_ledger(ledger_store: str) -> None:
+    """Each poll asks the ledger (SQLite, PostgreSQL) only for records that ended after
+    the newest one seen (less the lag allowance): over 20 polls of 50 new records each the
+    feed fetches a bounded number per poll, never the whole history again; a record written
+    late (its end a little before the newest seen, within the allowance) is still picked
+    up, once."""
     from fallback_mw.cli.game_day.run import RECORD_LAG_S, RecordFeed
     from fallback_mw.store.ledgers import open_ledger
 
     async def work() -> tuple[RecordFeed, list[int]]:
-        ledger = open_ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
+        ledger = open_ledger(ledger_store)
         now = time.time()
         feed = RecordFeed(ledger, "chat", since=now - 1)
         per_poll = []
@@ -255,7 +257,7 @@ def test_record_feed_reads_incrementally_from_a_real_ledger(tmp_path: Path) -> N
             await ledger.aclose()
         return feed, per_poll
 
-    feed, per_poll = asyncio.run(work())
+    feed, per_poll = await work()
     assert len(feed.records) == 20 * 50 + 1
     assert len({r.request_id for r in feed.records}) == len(feed.records)
     assert sum(1 for r in feed.records if r.request_id == "late") == 1
