@@ -172,6 +172,7 @@ async def test_failover_trace_metrics_and_log(
         "http.response.status_code": 503,
         "gateway.failure.kind": "status",
         "error.type": "503",
+        "gen_ai.operation.name": "chat",  # GenAI semconv, from the path
     }
     assert first.status.status_code is StatusCode.ERROR
     assert dict(second.attributes or {}) == {
@@ -180,6 +181,7 @@ async def test_failover_trace_metrics_and_log(
         "server.address": "127.0.0.1",
         "gateway.credential.index": 0,
         "http.response.status_code": 200,
+        "gen_ai.operation.name": "chat",
     }
     assert first.kind is SpanKind.CLIENT
     # Attempts are real intervals inside the request.

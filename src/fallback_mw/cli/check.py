@@ -104,7 +104,29 @@ def _route_lines(
         extras.append(f"shadow {route.shadow} {route.shadow_percent}% {shadow.url}")
     if extras:
         lines.append("  " + "; ".join(extras))
+    lines += [f"  warning: {warning}" for warning in route_warnings(route, upstreams)]
     return lines
+
+
+# Statuses a provider answers when it is briefly unable to serve, which a route whose
+# candidate declares that provider should fail over on (docs/llm.md has the table).
+PROVIDER_TRANSIENT = {"anthropic": (529, "Anthropic's overloaded_error")}
+
+
+def route_warnings(route: RouteConfig, upstreams: Mapping[str, UpstreamConfig]) -> list[str]:
+    """What is valid but probably not meant: a declared provider's transient status that
+    the route does not fail over on."""
+    warnings = []
+    for name in route.plan:
+        provider = upstreams[name].provider
+        if provider in PROVIDER_TRANSIENT and len(route.plan) > 1:
+            status, meaning = PROVIDER_TRANSIENT[provider]
+            if status not in route.failover_status:
+                warnings.append(
+                    f"candidate {name!r} is provider {provider}, and {status} ({meaning}) is "
+                    f"not in failover_status: add {status} to fail over when it is overloaded"
+                )
+    return warnings
 
 
 def check(args: argparse.Namespace, console: Console) -> None:
@@ -113,11 +135,14 @@ def check(args: argparse.Namespace, console: Console) -> None:
     settings = config.gateway
     if settings.store is not None:
         console.print(f"store {parse_store_url(settings.store)}: {len(from_store)} route(s)")
+    warnings = 0
     for route in merged.routes:
         source = "store" if route.id in from_store else "file"
         for line in _route_lines(route, merged.upstreams, source, settings.deadline_ms):
             console.print(line)
-    console.print(f"configuration {args.config} is valid: {len(merged.routes)} route(s)")
+        warnings += len(route_warnings(route, merged.upstreams))
+    noted = f", {warnings} warning(s)" if warnings else ""
+    console.print(f"configuration {args.config} is valid: {len(merged.routes)} route(s){noted}")
 
 
 def register(subparsers: Any) -> None:

@@ -14,6 +14,7 @@ from opentelemetry.propagators.textmap import TextMapPropagator
 from opentelemetry.util.types import AttributeValue
 
 from fallback_mw.request.context import AttemptRecord, RequestContext
+from fallback_mw.telemetry.genai import operation_name
 from fallback_mw.telemetry.instruments import Instruments
 from fallback_mw.telemetry.redact import (
     EXTRACTING,
@@ -119,11 +120,15 @@ class Telemetry:
                 REQUEST_SPAN,
                 context=incoming,
                 kind=kind,
-                attributes={
-                    "gateway.route.id": label(context.route.id),
-                    "gateway.tenant": label(context.tenant),
-                    "http.request.method": label(context.method),
-                },
+                attributes=_genai(
+                    {
+                        "gateway.route.id": label(context.route.id),
+                        "gateway.tenant": label(context.tenant),
+                        "http.request.method": label(context.method),
+                    },
+                    context,
+                    None,
+                ),
             )
             context.trace = RequestTrace(
                 span=span, parent=trace.set_span_in_context(span, incoming)
@@ -148,6 +153,7 @@ class Telemetry:
                 attributes["gateway.attempt.hedge"] = True
             if attempt.credential_index is not None:
                 attributes["gateway.credential.index"] = attempt.credential_index
+            _genai(attributes, context, attempt.candidate)
             span = self._tracer.start_span(
                 ATTEMPT_SPAN,
                 context=request.parent,
@@ -409,6 +415,7 @@ class Telemetry:
             request.attempts.clear()
             span = request.span
             attributes = request_span_attributes(context, outcome, candidates, chosen, fault)
+            _genai(attributes, context, chosen)
             if outcome != "served":
                 attributes["error.type"] = label(outcome)
                 if outcome not in QUIET_OUTCOMES:
@@ -422,6 +429,20 @@ class Telemetry:
 
         self._m.request(context, outcome, candidates, chosen, fault, duration)
         log_request(context, outcome, candidates, chosen, fault, duration, trace_id, span_id)
+
+
+def _genai(
+    attributes: dict[str, AttributeValue], context: RequestContext, candidate: str | None
+) -> dict[str, AttributeValue]:
+    """GenAI semantic-convention attributes (telemetry/genai.py): the operation read from
+    the path, the provider the candidate declares."""
+    operation = operation_name(context.path)
+    if operation is not None:
+        attributes["gen_ai.operation.name"] = operation
+    upstream = context.upstreams.get(candidate) if candidate is not None else None
+    if upstream is not None and upstream.provider is not None:
+        attributes["gen_ai.provider.name"] = upstream.provider
+    return attributes
 
 
 def _version() -> str:
