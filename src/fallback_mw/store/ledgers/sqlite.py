@@ -7,6 +7,7 @@ thread."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import sqlite3
@@ -70,6 +71,7 @@ class SQLiteLedger(SQLLedgerBase):
         self._conn: sqlite3.Connection | None = None
         self._fast: sqlite3.Connection | None = None  # the event loop thread's (_inline)
         self._calls = 0
+        self._turns: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         self._lock = threading.Lock()
         self._cache = BudgetCache()
         self._outage = OutageLog(logger, "SQLite ledger")  # one WARNING each way
@@ -130,16 +132,34 @@ class SQLiteLedger(SQLLedgerBase):
                 return
             self._fast = fast
 
-    async def _run(self, work: Callable[[sqlite3.Connection], T]) -> T:
-        self._calls += 1
-        # Every CHECKPOINT_EVERY-th call goes to the worker thread, whose connection
-        # checkpoints the WAL when it has grown past SQLite's default 1000 pages.
-        if self._calls % CHECKPOINT_EVERY:
-            done, found = self._inline(work)
-            if done:
-                self._outage.recovered()
-                return found  # type: ignore[return-value]
+    def _loop_lock(self) -> asyncio.Lock | None:
+        """This process's calls take turns on an asyncio lock (one per event loop), so a
+        call waits for one running in the worker thread instead of hopping to a thread
+        behind it. None outside asyncio (then every call hops, as before)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return None
+        if self._turns is None or self._turns[0] is not loop:
+            self._turns = (loop, asyncio.Lock())
+        return self._turns[1]
 
+    async def _run(self, work: Callable[[sqlite3.Connection], T]) -> T:
+        turns = self._loop_lock()
+        if turns is None:
+            return await self._in_thread(work)
+        async with turns:
+            self._calls += 1
+            # Every CHECKPOINT_EVERY-th call goes to the worker thread, whose connection
+            # checkpoints the WAL when it has grown past SQLite's default 1000 pages.
+            if self._calls % CHECKPOINT_EVERY:
+                done, found = self._inline(work)
+                if done:
+                    self._outage.recovered()
+                    return found  # type: ignore[return-value]
+            return await self._in_thread(work)
+
+    async def _in_thread(self, work: Callable[[sqlite3.Connection], T]) -> T:
         def locked() -> T:
             with self._lock:
                 conn = self._connection()
