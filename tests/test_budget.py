@@ -14,9 +14,9 @@ import pytest
 
 from fallback_mw.budget import Hold, Ledger, UsageRecord, window_start
 from fallback_mw.budget.cost import PriceBook, format_money, from_units, to_units
-from fallback_mw.request.usage import UsageMeter
 from fallback_mw.config import BudgetConfig, PriceConfig
 from fallback_mw.request.context import Usage
+from fallback_mw.request.usage import UsageMeter
 from fallback_mw.store.ledgers import open_ledger
 from fallback_mw.store.ledgers.memory import MemoryLedger
 from fallback_mw.store.ledgers.schema import LATEST_VERSION

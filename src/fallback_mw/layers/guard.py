@@ -6,10 +6,11 @@ calls the app behind it. It answers its own refusals through the shared local-er
 402 `budget_exceeded` when the hold is refused, 503 `budget_unavailable` when the ledger
 cannot be reached, a budgeted route has no ledger, or it names no known budget (fail closed,
 in front of any app); a body it cannot estimate from (over `max_request_body`, too slow)
-gets the walker's own 413 / 408 (`request.refusals`). Nothing behind it runs then. The response path meters usage
-(`walker/stream.commit` fills `context.usage`); the settlement reads it, in a shielded
-`finally` once the app has returned (served, failed, or the client went away): reported
-usage priced by `[prices]`, else the hold; nothing served releases the hold."""
+gets the walker's own 413 / 408 (`request.refusals`). Nothing behind it runs then. The
+response path meters usage (`walker/stream.commit` fills `context.usage`); the settlement
+reads it, in a shielded `finally` once the app has returned (served, failed, or the client
+went away): reported usage priced by `[prices]`, else the hold; nothing served releases the
+hold."""
 
 from __future__ import annotations
 
