@@ -153,7 +153,8 @@ async def test_no_secret_reaches_any_span_metric_log_or_output(
         (b"x-tenant-id", b"acme"),
         (b"traceparent", b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
     ]
-    query = f"api_key={MARKERS['query string']}&q=1".encode()
+    # Not a credential key (api_key/key are stripped before any upstream, SPEC §12).
+    query = f"filter={MARKERS['query string']}&q=1".encode()
 
     async with upstream(upstream_answer(503)) as p, upstream(upstream_answer(200)) as b:
         config = {

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from fallback_mw import extras, rules
 from fallback_mw.rules import ConfigError as ConfigError  # re-exported: its public home
+from fallback_mw.security import DEFAULT_STRIP_HEADERS, DEFAULT_STRIP_QUERY_KEYS
 
 MAX_PLAN_LENGTH = 8
 # The largest amount of money (currency units) a budget limit, hold or price may name: the
@@ -70,6 +71,18 @@ class GatewaySettings(_Strict):
     # A PEM bundle of the CAs trusted for https:// upstreams, instead of the system's
     # store (which SSL_CERT_FILE / SSL_CERT_DIR replace); an upstream's own wins.
     ca_file: str | None = None
+    # Caller credentials beyond SPEC §4's list, removed before any upstream (SPEC §12);
+    # a list given here replaces the defaults.
+    strip_headers: tuple[str, ...] = DEFAULT_STRIP_HEADERS
+    strip_query_keys: tuple[str, ...] = DEFAULT_STRIP_QUERY_KEYS
+
+    @field_validator("strip_headers", "strip_query_keys")
+    @classmethod
+    def _names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for name in value:
+            if not name or not name.isascii() or any(c.isspace() or c in "=&" for c in name):
+                raise ValueError(f"{name!r} is not a header name or query key")
+        return tuple(name.lower() for name in value)
 
     @field_validator("tenant_header", "session_header")
     @classmethod
@@ -349,6 +362,14 @@ def validate(
 ) -> GatewayConfig:
     if config.gateway.ca_file is not None:
         check_ca_file("[gateway]", config.gateway.ca_file)
+    rules.check_identity_headers(
+        config.gateway.tenant_header,
+        config.gateway.session_header,
+        stripped=(
+            *config.gateway.strip_headers,
+            *(u.auth_header for u in config.upstreams.values()),
+        ),
+    )
     for name, upstream in config.upstreams.items():
         rules.check_upstream(name, upstream, config.gateway.allow_hosts)
         if upstream.ca_file is not None:

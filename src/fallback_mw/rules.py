@@ -13,11 +13,23 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 from urllib.parse import urlsplit
 
-from fallback_mw.security import UnsafeUpstream, check_upstream_host, header_value_problem
+from fallback_mw.security import (
+    CREDENTIAL_HEADERS,
+    GATEWAY_HEADER_PREFIX,
+    HOP_BY_HOP_HEADERS,
+    RECOMPUTED_HEADERS,
+    UnsafeUpstream,
+    canonical_name,
+    check_upstream_host,
+    header_value_problem,
+    is_legacy_ipv4,
+)
 
 # POSIX portable environment variable names; a long name is a mistake, not a variable.
 _VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 _DEFAULT_PORTS = {"http": 80, "https": 443}
+# Route and upstream ids go into response headers, spans, logs and terminal output.
+_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 
 
 class ConfigError(ValueError):
@@ -103,13 +115,51 @@ def check_variable_name(where: str, name: str) -> None:
         )
 
 
+def check_id(kind: str, value: str) -> None:
+    """A route or upstream id: letters, digits and `-_.:` only, at most 128 (SPEC §12).
+    It travels in `x-gateway-route` / `x-gateway-provider`, spans and terminal output, so
+    a control character or a line break in it must never get that far."""
+    if not isinstance(value, str) or _ID.fullmatch(value) is None:
+        raise ConfigError(
+            f"{kind} id {value!r} is not allowed: use letters, digits and - _ . : only "
+            "(at most 128)"
+        )
+
+
+def check_host_spelling(where: str, host: str) -> None:
+    """Legacy IPv4 spellings are refused like any other ambiguous host (SPEC §12)."""
+    if is_legacy_ipv4(host):
+        raise ConfigError(
+            f"{where}: host {host!r} spells an IPv4 address in a legacy form (octal, hex, "
+            "integer or short); write it as four decimal numbers"
+        )
+
+
+def check_identity_headers(tenant: str, session: str, *, stripped: Iterable[str]) -> None:
+    """`tenant_header` / `session_header` may not name a header the gateway strips: a
+    credential (SPEC §4's, an upstream's own `auth_header`, `strip_headers`), a hop-by-hop
+    or recomputed field, or `x-gateway-*`. Its value would land in spans, logs and the
+    request table."""
+    refused = CREDENTIAL_HEADERS | HOP_BY_HOP_HEADERS | RECOMPUTED_HEADERS
+    refused |= {canonical_name(name.encode("latin-1", "replace")) for name in stripped}
+    for key, name in (("tenant_header", tenant), ("session_header", session)):
+        canonical = canonical_name(name.encode("latin-1", "replace"))
+        if canonical in refused or canonical.startswith(GATEWAY_HEADER_PREFIX):
+            raise ConfigError(
+                f"[gateway] {key} = {name!r} names a header the gateway strips (a credential"
+                " or a connection field): its value would be recorded; choose another header"
+            )
+
+
 def check_upstream(name: str, upstream: UpstreamShape, allow_hosts: Sequence[str]) -> None:
-    """One upstream: its host passes the allowlist and the metadata-address guard, and its
-    credential variables are well-formed names."""
+    """One upstream: a safe id, a plainly spelled host that passes the allowlist and the
+    metadata-address guard, and well-formed credential variable names."""
+    check_id("upstream", name)
     try:
         check_upstream_host(upstream.host, allow_hosts)
     except UnsafeUpstream as exc:
         raise ConfigError(f"upstream {name!r}: {exc}") from None
+    check_host_spelling(f"upstream {name!r}", upstream.host)
     for variable in upstream.credential_envs:
         check_variable_name(f"upstream {name!r}: auth_env", variable)
 
@@ -120,6 +170,7 @@ def check_proxy_host(name: str, host: str, allow_hosts: Sequence[str]) -> None:
         check_upstream_host(host, allow_hosts)
     except UnsafeUpstream as exc:
         raise ConfigError(f"upstream {name!r}: proxy {exc}") from None
+    check_host_spelling(f"upstream {name!r}: proxy", host)
 
 
 def check_route(
@@ -128,6 +179,7 @@ def check_route(
     """One route's plan: no repeated candidate, every name a known upstream, no fallback at
     the primary's endpoint, every fallback reachable within `retries`, and a hedge that
     cannot spend a fallback's attempt."""
+    check_id("route", route.id)
     label = where or f"route {route.id!r}"
     seen: set[str] = set()
     for name in route.plan:

@@ -6,6 +6,7 @@ import ipaddress
 import socket
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
+from urllib.parse import unquote_to_bytes
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 Headers = list[tuple[bytes, bytes]]
@@ -21,6 +22,18 @@ CREDENTIAL_HEADERS = frozenset(
         b"cookie",
     }
 )
+# Further credential-looking headers and query keys stripped by default (SPEC §12
+# `[gateway] strip_headers` / `strip_query_keys`; setting a list replaces these).
+DEFAULT_STRIP_HEADERS = (
+    "x-auth-token",
+    "anthropic-api-key",
+    "ocp-apim-subscription-key",
+    "x-amz-security-token",
+    "x-goog-iam-authorization-token",
+    "x-functions-key",
+    "private-token",
+)
+DEFAULT_STRIP_QUERY_KEYS = ("api_key", "key", "api-key", "apikey", "access_token")
 # RFC 9110 §7.6.1 connection-specific fields, plus the usual legacy ones.
 HOP_BY_HOP_HEADERS = frozenset(
     {
@@ -77,6 +90,33 @@ def request_header_problem(name: bytes, value: bytes) -> str | None:
         except UnicodeDecodeError:
             return "has bytes >= 0x80 that are not UTF-8"
     return None
+
+
+def strip_query_keys(query: bytes, keys: frozenset[bytes]) -> bytes:
+    """The query string without the parameters whose name (percent-decoded, case-folded)
+    is one of `keys`; every other parameter is kept byte for byte, in order."""
+    if not keys or not query:
+        return query
+    kept = [
+        part
+        for part in query.split(b"&")
+        if unquote_to_bytes(part.split(b"=", 1)[0].replace(b"+", b" ")).lower() not in keys
+    ]
+    return b"&".join(kept)
+
+
+def is_legacy_ipv4(host: str) -> bool:
+    """An IPv4 address in a spelling other than four dotted decimals (octal `0177.0.0.1`,
+    hex `0x7f.1`, integer `2130706433`, short `127.1`): resolvers read them as addresses,
+    readers as names, so a configuration may not use them."""
+    text = host.strip().rstrip(".").lower()
+    if parse_ip(text) is None:
+        return False
+    try:
+        ipaddress.IPv4Address(text)
+    except ValueError:
+        return ":" not in text  # an IPv6 literal is fine
+    return False
 
 
 def canonical_name(name: bytes) -> bytes:

@@ -16,6 +16,7 @@ from fallback_mw.request.context import SCOPE_KEY, RequestContext
 from fallback_mw.request.local_errors import send_error
 from fallback_mw.request.types import ASGIApp, Receive, Scope, Send
 from fallback_mw.routing import RouteTable, effective_deadline_ms, normalise_path
+from fallback_mw.security import canonical_name, strip_query_keys
 from fallback_mw.telemetry import Telemetry
 
 # More digits than this is longer than any deadline (600000 ms): it can shorten nothing.
@@ -60,6 +61,14 @@ class RouteResolver:
         self.table = table or (lambda: static)
         self.tenant_header = config.gateway.tenant_header.encode()
         self.session_header = config.gateway.session_header.encode()
+        # SPEC §12 `strip_headers` / `strip_query_keys`: caller credentials beyond §4's list.
+        self.strip_headers = frozenset(
+            canonical_name(name.encode("latin-1", "replace"))
+            for name in config.gateway.strip_headers
+        )
+        self.strip_query_keys = frozenset(
+            key.encode("latin-1", "replace") for key in config.gateway.strip_query_keys
+        )
         self.default_deadline_ms = config.gateway.deadline_ms
         self.max_header_bytes = config.gateway.max_header_bytes
         self.max_header_count = config.gateway.max_header_count
@@ -90,12 +99,12 @@ class RouteResolver:
         context = RequestContext(
             route=route,
             upstreams=table.upstreams,
-            upstream_auth_headers=table.auth_headers,
+            upstream_auth_headers=table.auth_headers | self.strip_headers,
             tenant=tenant,
             session=_header(scope, self.session_header),
             method=method,
             path=path,
-            query=scope.get("query_string", b""),
+            query=strip_query_keys(scope.get("query_string", b""), self.strip_query_keys),
             started=started,
             deadline=started + deadline_ms / 1000,
         )

@@ -1,0 +1,160 @@
+"""Operator input cannot smuggle (SPEC §12): identity headers that name a stripped header,
+ids outside letters, digits and `-_.:`, legacy IPv4 spellings and oversized files are
+refused at load (and the ids in the route store, through the admin CLI); the extra
+credential headers and query keys (`strip_headers`, `strip_query_keys`) never reach any
+upstream, the shadow included."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fallback_mw import Gateway
+from fallback_mw.cli import main
+from fallback_mw.config import ConfigError, load_config
+from tests.helpers import client_for
+from tests.upstreams import host_app, status_handler, upstream
+
+
+def base(**gateway: Any) -> dict[str, Any]:
+    return {
+        "gateway": {"allow_hosts": ["127.0.0.1"], **gateway},
+        "upstreams": {"primary": {"url": "http://127.0.0.1:9001", "auth_header": "x-custom-auth"}},
+        "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+    }
+
+
+def refused(data: dict[str, Any]) -> str:
+    with pytest.raises(ConfigError) as caught:
+        load_config(data, check_env=False)
+    return str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("key", "name"),
+    [
+        ("tenant_header", "authorization"),
+        ("tenant_header", "Authorization"),
+        ("session_header", "x-api-key"),
+        ("session_header", "X_Api_Key"),
+        ("tenant_header", "cookie"),
+        ("tenant_header", "x-custom-auth"),  # an upstream's own auth header
+        ("tenant_header", "x-auth-token"),  # a default of strip_headers
+        ("session_header", "connection"),
+        ("session_header", "content-length"),
+        ("tenant_header", "x-gateway-route"),
+    ],
+)
+def test_an_identity_header_that_names_a_stripped_header_is_refused(key: str, name: str) -> None:
+    message = refused(base(**{key: name}))
+    assert key in message and "strips" in message
+
+
+def test_a_header_removed_from_strip_headers_may_carry_the_tenant() -> None:
+    load_config(base(tenant_header="x-auth-token", strip_headers=[]), check_env=False)
+
+
+BAD_IDS = ["chat\r\nx-injected: 1", "a\x1b[31mred", "two words", "caf\u00e9", "", "a" * 129]
+
+
+@pytest.mark.parametrize("bad", BAD_IDS)
+def test_route_and_upstream_ids_outside_the_safe_charset_are_refused(bad: str) -> None:
+    data = base()
+    data["routes"][0]["id"] = bad
+    message = refused(data)
+    assert "id" in message
+    assert not any(c in message for c in "\r\n\x1b")  # shown escaped, never raw
+    data = base()
+    data["upstreams"] = {bad: data["upstreams"]["primary"]}
+    data["routes"][0]["plan"] = [bad]
+    message = refused(data)
+    assert "upstream id" in message
+    assert not any(c in message for c in "\r\n\x1b")
+
+
+def test_safe_ids_load() -> None:
+    data = base()
+    data["routes"][0]["id"] = "Chat.v1:eu-west_2"
+    load_config(data, check_env=False)
+
+
+def test_the_route_store_refuses_an_unsafe_id(tmp_path: Path) -> None:
+    store = f"sqlite:///{tmp_path / 'gateway.db'}"
+    out, err = io.StringIO(), io.StringIO()
+    status = main(
+        ["routes", "add", "--store", store, "--id", "chat\x1b[2J", "--prefix", "/a/",
+         "--upstream", "http://127.0.0.1:1"],
+        stdout=out, stderr=err,
+    )  # fmt: skip
+    assert status == 2
+    assert "is not allowed" in err.getvalue() and "\x1b" not in err.getvalue()
+    out = io.StringIO()
+    assert main(["routes", "list", "--store", store], stdout=out, stderr=io.StringIO()) == 0
+    assert out.getvalue() == "no routes\n"
+
+
+@pytest.mark.parametrize(
+    "host", ["0177.0.0.1", "2130706433", "127.1", "0x7f.0.0.1", "0x7f000001", "017700000001"]
+)
+def test_legacy_ipv4_spellings_are_refused_at_load(host: str) -> None:
+    data = base()
+    data["upstreams"]["primary"]["url"] = f"http://{host}:9001"
+    message = refused(data)
+    assert "legacy form" in message and "upstream 'primary'" in message
+
+
+def test_an_oversized_configuration_file_is_refused_quickly() -> None:
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as caught:
+        load_config("/dev/zero")
+    assert time.monotonic() - started < 5
+    assert "4 MiB" in str(caught.value)
+
+
+CALLER_SECRETS = {
+    "x-auth-token": "caller-secret-1",
+    "anthropic-api-key": "caller-secret-2",
+    "ocp-apim-subscription-key": "caller-secret-3",
+    "x-amz-security-token": "caller-secret-4",
+    "X_Auth_Token": "caller-secret-5",
+}
+
+
+@pytest.mark.anyio
+async def test_extra_credentials_reach_no_upstream_shadow_included() -> None:
+    async with (
+        upstream(status_handler(200, b"primary")) as primary,
+        upstream(status_handler(200, b"shadow")) as shadow,
+    ):
+        conf = {
+            "gateway": {"allow_hosts": ["127.0.0.1"]},
+            "upstreams": {"primary": {"url": primary.url}, "copy": {"url": shadow.url}},
+            "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"],
+                        "shadow": "copy", "shadow_percent": 100}],
+        }  # fmt: skip
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                response = await client.get(
+                    "/v1/x?keep=1&api_key=caller-secret-6&KEY=caller-secret-7&a%70i_key=s8&z=2",
+                    headers={**CALLER_SECRETS, "x-session-id": "s1", "x-kept": "yes"},
+                )
+            for _ in range(500):
+                if shadow.count == 1 and not gateway.services.shadows.in_flight:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            await gateway.aclose()
+    assert response.status_code == 200
+    for server in (primary, shadow):
+        (received,) = server.received
+        assert received.query == "keep=1&z=2"
+        names = {name for name, _ in received.headers}
+        assert "x-kept" in names
+        assert not any("caller-secret" in value for _, value in received.headers)
+        assert not names & {n.lower().replace("_", "-") for n in CALLER_SECRETS}
