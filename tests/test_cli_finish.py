@@ -290,3 +290,20 @@ def test_check_shows_the_idempotency_key_opt_in_and_the_failover_statuses(
         "(replay_with_idempotency_key); failover on 429 502 503, transport errors and "
         "timeouts; on_exhausted error"
     ) in result.stdout.splitlines()
+
+
+def test_eval_takes_a_port(tmp_path: Path) -> None:
+    # Each arm's gateway listens on --port: with the port taken, eval says so in one line.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        result = run("eval", "--requests", "2", "--port", str(port),
+                     "--out", str(tmp_path / "e.json"))  # fmt: skip
+    line = one_error(result, 1)
+    assert line == (
+        f"fallback-mw: error: the gateway exited (1): cannot listen on 127.0.0.1:{port}: "
+        "address already in use"
+    )
+    result = run("eval", "--requests", "2", "--port", str(port), "--out", str(tmp_path / "e.json"))
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "e.json").exists()

@@ -16,6 +16,7 @@ from fallback_mw.cli.evaluation.arms import arms, run_arms
 from fallback_mw.cli.evaluation.gateway import GatewayDidNotStart
 from fallback_mw.cli.evaluation.html import render
 from fallback_mw.cli.evaluation.report import summarise, table, verdict
+from fallback_mw.cli.serve import port_number
 from fallback_mw.extras import require
 
 DEFAULT_OUT = "results/route-plan-eval.json"
@@ -47,6 +48,7 @@ def handle(args: argparse.Namespace, console: Console) -> int:
                     args.concurrency,
                     Path(workdir),
                     breaker=args.breaker == "on",
+                    port=args.port,
                 )
             )
     except GatewayDidNotStart as exc:
@@ -106,4 +108,10 @@ def register(subparsers: Any) -> None:
         "on: the gateway's default breaker, measuring the breaker path",
     )
     parser.add_argument("--concurrency", type=int, default=10, help="requests in flight (10)")
+    parser.add_argument(
+        "--port",
+        type=port_number,
+        default=0,
+        help="the gateway's port, each arm in turn (default: a free port per arm)",
+    )
     parser.add_argument("--out", default=DEFAULT_OUT, metavar="FILE", help=f"({DEFAULT_OUT})")

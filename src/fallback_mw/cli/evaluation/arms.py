@@ -171,15 +171,16 @@ class ArmRun:
 
 
 async def run_arm(
-    arm: Arm, requests: int, concurrency: int, workdir: Path, *, breaker: bool = False
-) -> ArmRun:
+    arm: Arm, requests: int, concurrency: int, workdir: Path, *, breaker: bool = False,
+    port: int = 0,
+) -> ArmRun:  # fmt: skip
     async with (
         scripted_upstream(PRIMARY, arm.primary) as primary,
         scripted_upstream(BACKUP, "ok") as backup,
     ):
         by_name = {PRIMARY: primary, BACKUP: backup}
         config = gateway_config(arm, by_name, breaker=breaker)
-        async with served_gateway(config, workdir, f"arm{arm.number}") as url:
+        async with served_gateway(config, workdir, f"arm{arm.number}", port) as url:
             outcomes = await _drive(url, requests, concurrency, by_name)
         plan = config["routes"][0]["plan"]
         counted = {name: by_name[name].requests for name in plan}
@@ -194,6 +195,11 @@ async def run_arm(
 
 
 async def run_arms(
-    selected: Sequence[Arm], requests: int, concurrency: int, workdir: Path, *, breaker: bool
-) -> list[ArmRun]:
-    return [await run_arm(arm, requests, concurrency, workdir, breaker=breaker) for arm in selected]
+    selected: Sequence[Arm], requests: int, concurrency: int, workdir: Path, *, breaker: bool,
+    port: int = 0,
+) -> list[ArmRun]:  # fmt: skip
+    """The arms one after the other (each gateway on `port` in turn; 0: a free port each)."""
+    return [
+        await run_arm(arm, requests, concurrency, workdir, breaker=breaker, port=port)
+        for arm in selected
+    ]

@@ -64,7 +64,8 @@ async def _wait_listening(process: asyncio.subprocess.Process, port: int, log: P
     while time.monotonic() < deadline:
         if process.returncode is not None:
             text = await asyncio.to_thread(log.read_text, errors="replace")
-            tail = text[-2000:]
+            # Its own one-line error, without its prefix (ours is added once, by eval).
+            tail = text[-2000:].strip().removeprefix("fallback-mw: error: ")
             raise GatewayDidNotStart(f"the gateway exited ({process.returncode}): {tail}")
         try:
             _, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -78,13 +79,16 @@ async def _wait_listening(process: asyncio.subprocess.Process, port: int, log: P
 
 
 @asynccontextmanager
-async def served_gateway(config: Mapping[str, Any], workdir: Path, name: str) -> AsyncIterator[str]:
-    """Runs `fallback-mw serve` with `config`; yields its base URL; stops it (SIGINT, then
-    kill after 10 s) at the end. Its log goes to `workdir/<name>.log`."""
+async def served_gateway(
+    config: Mapping[str, Any], workdir: Path, name: str, port: int = 0
+) -> AsyncIterator[str]:
+    """Runs `fallback-mw serve` with `config` on `port` (0: a free one); yields its base
+    URL; stops it (SIGINT, then kill after 10 s) at the end. Its log goes to
+    `workdir/<name>.log`."""
     path = workdir / f"{name}.toml"
     path.write_text(to_toml(config))
     log = workdir / f"{name}.log"
-    port = free_port()
+    port = port or free_port()
     with log.open("wb") as out:
         process = await asyncio.create_subprocess_exec(
             *(sys.executable, "-m", "fallback_mw", "serve", "--config", str(path)),
