@@ -52,15 +52,26 @@ plan = ["primary"]
 """
 
 
-def _start(tmp: Path, *uvicorn_args: str) -> tuple[subprocess.Popen[bytes], int, Path]:
+SERVERS = {
+    "uvicorn": ["uvicorn", "app:app", "--port", "{port}"],
+    "hypercorn": ["hypercorn", "app:app", "--bind", "127.0.0.1:{port}"],
+    "granian": ["granian", "--interface", "asgi", "--port", "{port}", "app:app"],
+    "daphne": ["daphne", "-p", "{port}", "app:app"],
+}
+
+
+def _start(
+    tmp: Path, *uvicorn_args: str, server: str = "uvicorn"
+) -> tuple[subprocess.Popen[bytes], int, Path]:
     (tmp / "app.py").write_text(APP)
     (tmp / "gateway.toml").write_text(TOML)
     env = {k: v for k, v in os.environ.items() if k != VARIABLE}
     port = free_port()
-    log = tmp / "uvicorn.log"
+    log = tmp / f"{server}.log"
+    command = [part.format(port=port) for part in SERVERS[server]]
     with log.open("wb") as out:  # the child keeps its own copy of the descriptor
         process = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "app:app", "--port", str(port), *uvicorn_args],
+            [sys.executable, "-m", *command, *uvicorn_args],
             cwd=tmp,
             env=env,
             stdout=out,
@@ -127,6 +138,45 @@ def test_uvicorn_without_lifespan_answers_503_naming_the_problem_logged_once(
         error = answer.json()["error"]
         assert error["code"] == "config_error" and error["rule"] == "config"
         assert PROBLEM in error["message"]
+    assert "Traceback" not in output, output
+    assert sum(PROBLEM in line for line in output.splitlines()) == 1, output
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("server", ["hypercorn", "granian"])
+def test_other_lifespan_servers_stop_naming_the_problem(tmp_path: Path, server: str) -> None:
+    pytest.importorskip(server)
+    process, port, log = _start(tmp_path, server=server)
+    try:
+        deadline = time.monotonic() + 20
+        served: list[int] = []
+        while process.poll() is None and time.monotonic() < deadline:
+            answer = _get(port, "/health", min(deadline, time.monotonic() + 0.2))
+            if answer is not None:
+                served.append(answer.status_code)
+        assert process.poll() is not None, f"{server} kept serving a broken configuration"
+    finally:
+        _stop(process)
+    output = log_text(log)
+    assert 500 not in served and 200 not in served, (served, output)
+    # hypercorn reports a failed startup with its own traceback, whose last line is it.
+    assert PROBLEM in output.strip().splitlines()[-1] or any(
+        PROBLEM in line and "ERROR" in line for line in output.splitlines()
+    ), output
+
+
+@pytest.mark.e2e
+def test_daphne_without_lifespan_answers_503_naming_the_problem(tmp_path: Path) -> None:
+    pytest.importorskip("daphne")
+    process, port, log = _start(tmp_path, server="daphne")
+    try:
+        answers = [_get(port, path, time.monotonic() + 20) for path in ("/health", "/v1/x") * 2]
+    finally:
+        _stop(process)
+    output = log_text(log)
+    for answer in answers:
+        assert answer is not None and answer.status_code == 503, output
+        assert answer.json()["error"]["code"] == "config_error"
     assert "Traceback" not in output, output
     assert sum(PROBLEM in line for line in output.splitlines()) == 1, output
 
