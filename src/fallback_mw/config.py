@@ -245,6 +245,8 @@ class RouteConfig(_Strict):
     on_exhausted: Literal["error", "last_response"] = "error"
     budget: str | None = None
     hedge_after_ms: int = Field(0, ge=0)
+    # Hedge a POST that carries an Idempotency-Key too (two concurrent requests, one key).
+    hedge_idempotent_posts: bool = False
     canary_percent: float = Field(0.0, ge=0.0, le=100.0)
     canary_eligible: bool = False
     shadow: str | None = None  # an upstream that gets copies of the slice, answer discarded

@@ -75,15 +75,14 @@ _VALUE_CTL = frozenset(range(0x20)) - {0x09} | {0x7F}
 def request_header_problem(name: bytes, value: bytes) -> str | None:
     """The one rule, for both engines, for a caller header that would be forwarded (SPEC
     §12, RFC 9110 §5.1/§5.5): the name a token; the value no control character but HTAB,
-    no leading or trailing SP/HTAB, and bytes >= 0x80 (obs-text) only as UTF-8, which both
-    engines forward byte for byte. None: forward it as sent. Says what is wrong, never
-    what the value is."""
+    and bytes >= 0x80 (obs-text) only as UTF-8, which both engines forward byte for byte.
+    Leading and trailing SP/HTAB are not part of a field value (RFC 9110 §5.5): the
+    attempt trims them, as every HTTP parser does. None: forward it. Says what is wrong,
+    never what the value is."""
     if not name or not _TCHAR.issuperset(name):
         return "has a name that is not an HTTP token"
     if _VALUE_CTL.intersection(value):
         return "contains a control character"
-    if value[:1] in (b" ", b"\t") or value[-1:] in (b" ", b"\t"):
-        return "starts or ends with whitespace"
     if not value.isascii():
         try:
             value.decode("utf-8")
@@ -217,6 +216,13 @@ _ALWAYS_REFUSED = (
     ipaddress.ip_network("fd00:ec2::254/128"),  # AWS IMDS over IPv6
     ipaddress.ip_network("0.0.0.0/8"),  # "this network": connects to local services
     ipaddress.ip_network("::/128"),
+    ipaddress.ip_network("100.100.100.200/32"),  # Alibaba Cloud metadata
+    # Translation ranges whose IPv4 destination cannot be read off the address: local-use
+    # NAT64 (RFC 8215, the prefix and its embedding are the operator's) and Teredo (the
+    # client address is obfuscated). The well-known NAT64 prefix 64:ff9b::/96, 6to4 and
+    # IPv4-mapped addresses are judged by the IPv4 address they carry (`_embedded_ipv4`).
+    ipaddress.ip_network("64:ff9b:1::/48"),
+    ipaddress.ip_network("2001::/32"),
 )
 
 
@@ -298,17 +304,17 @@ class Allowlist:
         `localhost` may reach loopback."""
         if is_always_refused(address):
             return False
-        mapped = _embedded_ipv4(address)
-        for candidate in (address, mapped):
-            if candidate is None:
-                continue
-            for network in self.networks:
-                if candidate.version == network.version and candidate in network:
-                    return True
+        # An address that carries an IPv4 one (IPv4-mapped, NAT64 64:ff9b::/96, 6to4) is
+        # judged by that IPv4 address alone: `::/0` must not open 127.0.0.1 or 10.0.0.0/8
+        # through ::ffff:127.0.0.1 or 64:ff9b::a00:5.
+        target: IPAddress = _embedded_ipv4(address) or address
+        for network in self.networks:
+            if target.version == network.version and target in network:
+                return True
         if via_name is not None and self.allows_name(via_name):
             if via_name.lower().rstrip(".") == "localhost":
-                return address.is_loopback or (mapped is not None and mapped.is_loopback)
-            return address.is_global
+                return target.is_loopback
+            return target.is_global
         return False
 
 

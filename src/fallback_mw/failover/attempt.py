@@ -105,11 +105,16 @@ class AttemptRunner:
         context = self.context
         # UTF-8 text: both engines write it back as the very bytes the caller sent (values
         # were held to security.request_header_problem before the walk; anything else is
-        # refused by the engine's local check, never sent altered).
+        # refused by the engine's local check, never sent altered). Leading and trailing
+        # SP/HTAB are not part of a field value (RFC 9110 §5.5).
         headers = [
-            (k.decode("latin-1"), v.decode("utf-8", "surrogateescape"))
+            (k.decode("latin-1"), v.strip(b" \t").decode("utf-8", "surrogateescape"))
             for k, v in context.forward_headers
         ]
+        if self.body.buffered is None and self.body.length is not None:
+            # A streamed body keeps its declared length (no chunked upload an upstream
+            # that demands a length would answer with 411).
+            headers.append(("content-length", str(self.body.length)))
         if record.credential_index is not None:
             credential = context.credential(name, record.credential_index)
             if credential is not None:

@@ -243,17 +243,30 @@ def further_attempt_allowed(state: WalkState, outcome: Outcome) -> bool:
 
 
 def may_hedge(
-    route: RouteConfig, *, replayable: bool, first_attempt: bool, at_first_candidate: bool
+    route: RouteConfig,
+    *,
+    replayable: bool,
+    first_attempt: bool,
+    at_first_candidate: bool,
+    keyed_post: bool = False,
 ) -> bool:
     """Only the walk's first attempt, at the first candidate, of a replayable request on a
-    route that hedges and has room for one more attempt."""
+    route that hedges and has room for one more attempt. A POST carrying an
+    Idempotency-Key is not hedged unless the route says `hedge_idempotent_posts`: a hedge
+    sends two concurrent requests with one key, which many APIs answer with 409."""
     return (
         route.hedge_after_ms > 0
         and first_attempt
         and at_first_candidate
         and replayable
         and route.attempt_ceiling >= 2
+        and (not keyed_post or route.hedge_idempotent_posts)
     )
+
+
+def is_keyed_post(method: str, headers: Sequence[tuple[bytes, bytes]]) -> bool:
+    """A POST with a non-empty Idempotency-Key header."""
+    return method == "POST" and any(k.lower() == IDEMPOTENCY_KEY and v.strip() for k, v in headers)
 
 
 _LOCAL_ERRORS: dict[str, tuple[str, str]] = {

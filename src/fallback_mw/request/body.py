@@ -77,8 +77,10 @@ async def read_body(
                         body.buffered = data
                     else:  # larger than replay_buffer, read whole: sent once, not replayable
                         body.stream = _once(data)
+                        body.length = size
                     return body
                 if size > head_limit:
+                    body.length = declared
                     body.stream = _stream_rest(
                         b"".join(chunks), size, body, context, receive, limit, gap
                     )

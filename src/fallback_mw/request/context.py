@@ -59,6 +59,9 @@ class RequestBody:
 
     buffered: bytes | None = None  # the whole body when it fit in replay_buffer
     stream: AsyncIterator[bytes] | None = None  # otherwise: the rest, read on demand
+    # The streamed body's length when known (the caller's Content-Length, or a chunked body
+    # read whole): sent upstream as Content-Length, so upstreams that demand one get it.
+    length: int | None = None
     too_large: bool = False  # over max_request_body (before or while streaming)
     timed_out: bool = False  # the body did not arrive before the deadline
     client_gone: bool = False  # the caller hung up while sending it

@@ -19,6 +19,7 @@ from fallback_mw.failover.decide import (
     decide,
     error_message,
     further_attempt_possible,
+    is_keyed_post,
     may_hedge,
     replay_rule,
 )
@@ -210,6 +211,7 @@ class _Walk:
                 replayable=self.replayable,
                 first_attempt=context.attempt_count == 1,
                 at_first_candidate=pick.name == context.candidates[0],
+                keyed_post=is_keyed_post(context.method, context.forward_headers),
             )
             if hedged:
                 (outcome, response), record = await run_hedged(
