@@ -1,7 +1,8 @@
 """What `fallback-mw serve` sets on uvicorn so the server itself refuses a hostile request
 head before buffering it: a head over `max_header_bytes` gets 431 `headers_too_large`, a
-head not received within `header_timeout_ms` gets 408 `request_timeout`, both before any
-ASGI app runs and with the connection closed.
+head not received within `header_timeout_ms` gets 408 `request_timeout`, a head the parser
+cannot read gets 400 `bad_request`, all before any ASGI app runs, in the gateway's JSON error
+shape, with the connection closed.
 
 uvicorn exposes `h11_max_incomplete_event_size` for its h11 parser only; its httptools
 parser buffers a whole header value (8 MiB included) and has no head timeout at all. So
@@ -21,7 +22,7 @@ from fallback_mw.config import GatewaySettings
 # which may be up to a few hundred KiB with uvloop); with httptools the guard alone bounds it.
 _H11_SLACK = 512 * 1024
 _LINGER_SECONDS = 2.0
-_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+_REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
 
 def _refusal(status: int, code: str, message: str) -> bytes:
@@ -88,6 +89,18 @@ class _HeadGuard:
                 "headers_too_large",
                 f"request head larger than {self.max_head_bytes} bytes (max_header_bytes)",
             )
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request it cannot parse (both its h11 and httptools
+        protocols call this), in the gateway's JSON error shape instead of plain text. The
+        parser's message is not echoed: it may quote the caller's bytes."""
+        self._stop_head()
+        if self.transport.is_closing():
+            return
+        self.transport.write(
+            _refusal(400, "bad_request", "malformed HTTP request: the server could not parse it")
+        )
+        self.transport.close()
 
     # --- internals --------------------------------------------------------------------
 
