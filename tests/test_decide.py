@@ -109,11 +109,19 @@ CASES: dict[str, list[tuple[Outcome, WalkState, tuple[str, str | None], bool | N
     "the streamed request body goes over `max_request_body`": [
         (Outcome("body_too_large"), OPEN, ("local_error", "request_too_large"), None),
     ],
-    "the streamed request body stops arriving before the deadline": [
+    "the streamed request body stops arriving (deadline, or a pause over `header_timeout_ms`)": [
         (Outcome("body_timeout"), OPEN, ("local_error", "request_timeout"), None),
     ],
     "upstream address refused by the connect-time guard": [
         (Outcome("unsafe_address"), OPEN, ("local_error", "upstream_failed"), None),
+    ],
+    "the client library refuses to build or send the request (a header, the URL, an encoding)": [
+        (Outcome("not_sent"), OPEN, ("next_candidate", None), None),
+        (Outcome("not_sent"), LAST, ("local_error", "upstream_failed"), None),
+    ],
+    "an answer the relay cannot carry (a status outside 200-599, a 101, contradictory framing)": [
+        (Outcome("transport"), OPEN, ("next_candidate", None), True),
+        (Outcome("transport"), LAST, ("local_error", "upstream_failed"), True),
     ],
     "every remaining candidate skipped, no attempt made": [
         (NO_CANDIDATE, replace(OPEN, attempts_made=0), ("local_error", "route_exhausted"), None),
