@@ -147,7 +147,7 @@ async def test_a_chunked_body_over_the_limit_contacts_no_upstream() -> None:
     server = await asyncio.start_server(listener, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    gateway = Gateway(host_app, config=config(url, f"http://localhost:{port}"), environ=ENV)
+    gateway = Gateway(host_app, config=config(url, f"{url}/backup"), environ=ENV)
     async with (
         serve_asgi(gateway) as gateway_url,
         httpx.AsyncClient(base_url=gateway_url) as client,
