@@ -59,9 +59,7 @@ def test_help_lists_serve_and_demo() -> None:
 def test_no_command_is_a_usage_error() -> None:
     result = run_cli()
     assert result.returncode == 2
-    assert result.stderr == (
-        "fallback-mw: error: the following arguments are required: COMMAND\n"
-    )
+    assert result.stderr == ("fallback-mw: error: the following arguments are required: COMMAND\n")
 
 
 def test_serve_requires_config(capsys: pytest.CaptureFixture[str]) -> None:

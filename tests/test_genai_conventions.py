@@ -56,7 +56,7 @@ async def test_operation_and_provider_on_request_and_attempt_spans(
     request = next(s for s in finished if s.name == "gateway.request")
     attempts = sorted(
         (s for s in finished if s.name == "gateway.attempt"),
-        key=lambda s: s.attributes["gateway.attempt.number"],  # type: ignore[index]
+        key=lambda s: int((s.attributes or {})["gateway.attempt.number"]),  # type: ignore[arg-type]
     )
     assert request.attributes is not None
     assert request.attributes["gen_ai.operation.name"] == "chat"

@@ -148,7 +148,9 @@ async def test_a_breaker_opened_through_one_worker_is_open_in_the_other(
 
 
 def test_more_than_one_worker_with_memory_state_is_refused_in_one_line(tmp_path: Path) -> None:
-    config = write_config(tmp_path / "gateway.toml", "", "http://127.0.0.1:9", "http://localhost:10")
+    config = write_config(
+        tmp_path / "gateway.toml", "", "http://127.0.0.1:9", "http://localhost:10"
+    )
     port = free_port()
     result = subprocess.run(
         command(config, port, 2), capture_output=True, text=True, timeout=60, check=False
