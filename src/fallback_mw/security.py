@@ -91,6 +91,17 @@ def request_header_problem(name: bytes, value: bytes) -> str | None:
     return None
 
 
+_TARGET_FORBIDDEN = frozenset(range(0x21)) | {0x7F, ord("#")}
+
+
+def query_problem(query: bytes) -> str | None:
+    """Why a query string cannot go out in a request target (RFC 9112 §3.2: no control
+    character, space or `#`), or None. Bytes >= 0x80 go out percent-encoded."""
+    if _TARGET_FORBIDDEN.intersection(query):
+        return "the query string has a control character, a space or '#'"
+    return None
+
+
 def strip_query_keys(query: bytes, keys: frozenset[bytes]) -> bytes:
     """The query string without the parameters whose name (percent-decoded, case-folded)
     is one of `keys`; every other parameter is kept byte for byte, in order."""

@@ -8,7 +8,7 @@ from fallback_mw.config import GatewaySettings
 from fallback_mw.request.body import body_json
 from fallback_mw.request.context import RequestBody, RequestContext
 from fallback_mw.request.refusals import body_refusal
-from fallback_mw.security import request_header_problem
+from fallback_mw.security import query_problem, request_header_problem
 
 _BAD_NAME = "has a name that is not an HTTP token"
 
@@ -20,6 +20,9 @@ def refusal(
     refused = body_refusal(body, settings)
     if refused is not None:
         return refused
+    problem = query_problem(context.query)
+    if problem is not None:
+        return "bad_request", f"{problem}: nothing was sent upstream"
     for name, value in context.forward_headers:
         problem = request_header_problem(name, value)
         if problem is not None:
