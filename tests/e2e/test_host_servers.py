@@ -2,8 +2,8 @@
 in the middle of an SSE stream, after the commit point, and the client must see a broken
 response (never a complete one) within a second, under uvicorn, hypercorn (HTTP/1.1 and
 h2c), daphne and granian, each run as its own process, with the Gateway as the ASGI app,
-inside FastAPI (`add_middleware`) and as the Django middleware (request/abort.py says what
-each server needs). The
+inside FastAPI (`add_middleware`), as the Django middleware and around a Django app
+(request/abort.py says what each server needs). The
 server's output holds one WARNING request line for the abort and no traceback or error.
 
 The servers come with the dev extra; outside CI a missing one is skipped, under CI=true
@@ -80,6 +80,16 @@ FALLBACK_MW = {"config": {
 }}
 """
 DJANGO_URLS = "urlpatterns = []\n"
+DJANGO_WRAPPED = """
+import os
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "settings")
+from django.core.asgi import get_asgi_application
+from fallback_mw import Gateway
+app = Gateway(get_asgi_application(), config={
+    "upstreams": {"primary": {"url": os.environ["ABORT_UPSTREAM"]}},
+    "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+})
+"""
 DJANGO_ASGI = """
 import os
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "settings")
@@ -185,6 +195,14 @@ def write_app(tmp: Path, host: str) -> None:
         (tmp / "settings.py").write_text(DJANGO_SETTINGS)
         (tmp / "urls.py").write_text(DJANGO_URLS)
         (tmp / "app.py").write_text(DJANGO_ASGI)
+    elif host == "django-wrapped":
+        require_server("django")
+        settings = DJANGO_SETTINGS.replace(
+            'MIDDLEWARE = ["fallback_mw.django.GatewayMiddleware"]', "MIDDLEWARE = []"
+        )
+        (tmp / "settings.py").write_text(settings.split("FALLBACK_MW")[0])
+        (tmp / "urls.py").write_text(DJANGO_URLS)
+        (tmp / "app.py").write_text(DJANGO_WRAPPED)
     elif host == "fastapi":
         require_server("fastapi")
         (tmp / "app.py").write_text(FASTAPI_APP)
@@ -192,7 +210,7 @@ def write_app(tmp: Path, host: str) -> None:
         (tmp / "app.py").write_text(GATEWAY_APP)
 
 
-@pytest.mark.parametrize("host", ["gateway", "fastapi", "django-middleware"])
+@pytest.mark.parametrize("host", ["gateway", "fastapi", "django-middleware", "django-wrapped"])
 @pytest.mark.parametrize("name", list(SERVERS))
 async def test_an_upstream_dying_mid_stream_breaks_the_client_response(
     tmp_path: Path, name: str, host: str
