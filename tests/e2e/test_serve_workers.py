@@ -17,6 +17,7 @@ import anyio
 import httpx
 import pytest
 
+from fallback_mw.cli.workers import START_UP_SECONDS
 from tests.helpers import free_port, log_text, wait_listening
 from tests.upstreams import status_handler, upstream
 
@@ -160,3 +161,39 @@ def test_more_than_one_worker_with_memory_state_is_refused_in_one_line(tmp_path:
     assert result.stderr.count("\n") == 1
     assert "--workers 2 needs a shared state" in result.stderr
     assert 'state = "redis://' in result.stderr
+
+
+STARTED = re.compile(r"Started server process \[(\d+)\]")
+
+
+@pytest.mark.anyio
+async def test_a_worker_that_dies_is_replaced(redis_url: str, tmp_path: Path) -> None:
+    async with upstream(status_handler(200)) as primary, upstream(status_handler(200)) as backup:
+        config = write_config(
+            tmp_path / "gateway.toml", f'state = "{redis_url}"', primary.url, backup.url
+        )
+        port, log = free_port(), tmp_path / "serve.log"
+        with supervisor(config, port, log) as process:
+            await wait_listening(process, port, log)
+            deadline = time.monotonic() + 30
+            while len(started := STARTED.findall(log_text(log))) < 2:
+                assert time.monotonic() < deadline, log_text(log)
+                await anyio.sleep(0.05)
+            # Past the start-up window: a death now is a crash, not a start-up failure.
+            await anyio.sleep(START_UP_SECONDS + 0.5)
+            victim = int(started[0])
+            os.kill(victim, signal.SIGKILL)
+            while len(STARTED.findall(log_text(log))) < 3:
+                assert process.poll() is None, log_text(log)
+                assert time.monotonic() < deadline + 30, log_text(log)
+                await anyio.sleep(0.05)
+            assert f"worker {victim} exited (-9); starting another" in log_text(log)
+            workers = {int(pid) for pid in STARTED.findall(log_text(log))} - {victim}
+            assert len(workers) == 2 and all(alive(pid) for pid in workers)
+            for _ in range(10):  # new connections: whichever worker takes them answers
+                async with httpx.AsyncClient(timeout=10) as client:
+                    response = await client.get(f"http://127.0.0.1:{port}/v1/chat")
+                assert response.status_code == 200
+            process.send_signal(signal.SIGINT)
+            assert process.wait(timeout=30) == 0, log_text(log)
+        assert not any(alive(pid) for pid in workers)
