@@ -111,6 +111,13 @@ class Gateway:
             await break_response(send, scope)
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        asked = False
+
+        async def receive_wrapper() -> Message:
+            nonlocal asked
+            asked = True
+            return await receive()
+
         async def send_wrapper(message: Message) -> None:
             if message["type"] == "lifespan.startup.complete" and self.services.store:
                 self.services.store.ensure_started()  # else the first request starts it
@@ -118,7 +125,27 @@ class Gateway:
                 await self.aclose()
             await send(message)
 
-        await self.app(scope, receive, send_wrapper)
+        try:
+            await self.app(scope, receive_wrapper, send_wrapper)
+        except Exception:
+            if asked:
+                raise  # the host app's own startup or shutdown failed: the server says so
+            # A host app that speaks no lifespan at all (Django refuses the scope before
+            # reading a message): the gateway answers it alone, so the server logs no
+            # "lifespan unsupported" and the upstream sessions close at shutdown.
+            await self._own_lifespan(receive, send)
+
+    async def _own_lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                if self.services.store:
+                    self.services.store.ensure_started()
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
 
     async def aclose(self) -> None:
         if self.config_error is None:

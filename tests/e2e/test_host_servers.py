@@ -94,7 +94,8 @@ DJANGO_ASGI = """
 import os
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "settings")
 from django.core.asgi import get_asgi_application
-app = get_asgi_application()
+from fallback_mw.django import with_lifespan
+app = with_lifespan(get_asgi_application())
 """
 
 SERVERS: dict[str, tuple[str, list[str]]] = {
@@ -232,3 +233,5 @@ async def test_an_upstream_dying_mid_stream_breaks_the_client_response(
     assert "ERROR" not in output and "Exception" not in output, output
     aborted = [line for line in output.splitlines() if "outcome=aborted" in line]
     assert len(aborted) == 1, output
+    # Started and stopped cleanly: the lifespan answered, the upstream sessions closed.
+    assert "lifespan" not in output.lower() and "Unclosed" not in output, output
