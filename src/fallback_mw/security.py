@@ -185,8 +185,12 @@ def forwardable_response_headers(
     a head without `transfer-encoding` (the engines refuse contradictory heads before
     this, `upstream.base.check_response_head`, and end a body that falls short of it as
     aborted). A 204 or 304 goes out with no length at all."""
-    dropped = _NEVER_RELAYED if status not in _NO_BODY_STATUSES else _NEVER_RELAYED_NO_BODY
-    return _kept(headers, dropped, frozenset())
+    items = list(headers)
+    # No length beside a transfer coding (the engine de-chunks: the length would be stale),
+    # and none on a status that has no body.
+    chunked = any(name.lower() == b"transfer-encoding" for name, _ in items)
+    no_length = chunked or status in _NO_BODY_STATUSES
+    return _kept(items, _NEVER_RELAYED_NO_BODY if no_length else _NEVER_RELAYED, frozenset())
 
 
 _NO_BODY_STATUSES = frozenset({204, 304})

@@ -90,3 +90,14 @@ async def test_a_204_or_304_is_relayed_without_a_length(engine: str) -> None:
         assert "content-length" not in result.headers
         assert result.content == b""
         assert accepted == 1
+
+
+def test_the_relayed_framing_is_the_gateways_own() -> None:
+    """The response header filter never passes a length that could be stale."""
+    from fallback_mw.security import forwardable_response_headers as relayed
+
+    chunked = [(b"Content-Length", b"100"), (b"Transfer-Encoding", b"chunked"), (b"x-a", b"1")]
+    assert relayed(chunked) == [(b"x-a", b"1")]
+    assert relayed([(b"content-length", b"5")], status=204) == []
+    assert relayed([(b"content-length", b"5")], status=304) == []
+    assert relayed([(b"Content-Length", b"5")]) == [(b"content-length", b"5")]
