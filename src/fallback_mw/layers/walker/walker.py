@@ -117,6 +117,7 @@ class _Walk:
         body = await read_body(context, self.scope, self.receive, self.walker.settings)
         if body.client_gone:
             context.outcome = "client_disconnected"
+            context.rule = "client_gone"
             return
         walker = self.walker
         refused = refusal(context, body, walker.settings)
@@ -171,6 +172,7 @@ class _Walk:
                 await self.last_response[1].aclose()
         if context.client_disconnected and context.outcome is None:
             context.outcome = "client_disconnected"
+            context.rule = "client_gone"
 
     def state(self, *, other_credential: bool = False) -> WalkState:
         context = self.context
