@@ -127,3 +127,25 @@ async def test_nothing_attempted_lists_what_was_skipped() -> None:
     assert response.headers["x-gateway-skipped"] == (
         "primary;reason=breaker_open, backup;reason=breaker_open"
     )
+
+
+async def test_a_caller_that_leaves_is_named_in_the_log_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from fallback_mw import Gateway
+    from tests.helpers import http_scope, request_then_disconnect
+    from tests.upstreams import host_app
+
+    caplog.set_level(logging.INFO, logger="fallback_mw.request")
+    sent: list[Any] = []
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    async with upstream(status_handler(200, delay=5.0)) as p, upstream(status_handler(200)) as b:
+        gateway = Gateway(host_app, config=config(p.url, b.url), environ=ENV)
+        await gateway(http_scope("GET", "/v1/models"), request_then_disconnect(0.2), send)
+        await gateway.aclose()
+    assert sent == []  # nobody left to answer
+    assert log_lines(caplog)[-1].startswith("gateway request route=chat outcome=client_disconn")
+    assert "rule=client_gone" in log_lines(caplog)[-1]
