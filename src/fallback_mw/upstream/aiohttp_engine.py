@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
 from types import SimpleNamespace
@@ -88,6 +89,9 @@ class AiohttpResponse:
         self._response = response
         self._idle = idle_timeout
         self._release = release
+        # A response dropped without aclose (a cancellation between send and its owner)
+        # still gives its slot under the connection cap back.
+        weakref.finalize(self, release)
         self.status = response.status
         self.headers = [(k.lower(), v) for k, v in response.raw_headers]
         self._finished = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import weakref
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -114,6 +115,9 @@ class HttpxResponse:
         self._response = response
         self._idle = idle_timeout
         self._release = release
+        # A response dropped without aclose (a cancellation between send and its owner)
+        # still gives its slot under the connection cap back.
+        weakref.finalize(self, release)
         self.status = response.status_code
         self.headers = [(k.lower(), v) for k, v in response.headers.raw]
 
