@@ -22,6 +22,7 @@ import pytest
 
 from fallback_mw import Gateway
 from fallback_mw.config import GatewayConfig
+from tests.e2e.test_host_servers import require_server
 from tests.helpers import free_port, http_scope, log_text
 
 VARIABLE = "CFG_ERR_PRIMARY_KEY"
@@ -145,7 +146,7 @@ def test_uvicorn_without_lifespan_answers_503_naming_the_problem_logged_once(
 @pytest.mark.e2e
 @pytest.mark.parametrize("server", ["hypercorn", "granian"])
 def test_other_lifespan_servers_stop_naming_the_problem(tmp_path: Path, server: str) -> None:
-    pytest.importorskip(server)
+    require_server(server)
     process, port, log = _start(tmp_path, server=server)
     try:
         deadline = time.monotonic() + 20
@@ -167,7 +168,7 @@ def test_other_lifespan_servers_stop_naming_the_problem(tmp_path: Path, server: 
 
 @pytest.mark.e2e
 def test_daphne_without_lifespan_answers_503_naming_the_problem(tmp_path: Path) -> None:
-    pytest.importorskip("daphne")
+    require_server("daphne")
     process, port, log = _start(tmp_path, server="daphne")
     try:
         answers = [_get(port, path, time.monotonic() + 20) for path in ("/health", "/v1/x") * 2]
