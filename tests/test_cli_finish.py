@@ -307,3 +307,14 @@ def test_eval_takes_a_port(tmp_path: Path) -> None:
     result = run("eval", "--requests", "2", "--port", str(port), "--out", str(tmp_path / "e.json"))
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "e.json").exists()
+
+
+def test_a_reader_that_leaves_is_not_an_error() -> None:
+    # `fallback-mw demo | head -1`: the first line, then nothing on stderr, status 141.
+    result = subprocess.run(
+        ["bash", "-c", f'{FALLBACK_MW} demo | head -1; echo "status=${{PIPESTATUS[0]}}"'],
+        capture_output=True, text=True, timeout=90, check=False,
+    )  # fmt: skip
+    assert result.stdout.splitlines()[0].startswith("fallback_mw demo:")
+    assert result.stdout.splitlines()[-1] == "status=141"
+    assert result.stderr == ""

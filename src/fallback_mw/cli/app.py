@@ -24,6 +24,7 @@ from fallback_mw.config import ConfigError
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_REFUSED = 2
+EXIT_SIGPIPE = 141  # 128 + SIGPIPE, as a shell reports a writer whose reader left
 PROG = "fallback-mw"
 
 T = TypeVar("T")
@@ -103,6 +104,11 @@ def dispatch(handler: Handler, args: argparse.Namespace, console: Console) -> in
     except (Failed, StoreError) as exc:
         console.error(str(exc))
         return EXIT_FAILED
+    except BrokenPipeError:
+        # The reader went away (`fallback-mw demo | head`): nothing to report, and the
+        # interpreter's own flush at exit must not fail on that pipe either.
+        _silence_stdout(console)
+        return EXIT_SIGPIPE
     except OSError as exc:
         # e.g. the store's directory is missing, a port is taken: name what failed, no path
         # to a secret is ever part of these.
@@ -117,6 +123,16 @@ def dispatch(handler: Handler, args: argparse.Namespace, console: Console) -> in
         console.error(f"unexpected internal error ({type(exc).__name__}); please report it")
         return EXIT_FAILED
     return EXIT_OK if status is None else status
+
+
+def _silence_stdout(console: Console) -> None:
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, console.out.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass  # not a real file (a test's StringIO): nothing to silence
 
 
 def quiet_library_warnings() -> None:
