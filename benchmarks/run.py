@@ -46,8 +46,11 @@ def gateway_config(
 ) -> str:
     """One config for every arm; with `store`, the chat route spends from a SQLite ledger;
     `engine` the upstream client, `state` where breakers and capacity counts live."""
+    # max_connections: the floor's pool (512), not the per-upstream default (100), so the
+    # 1,000 concurrent streams queue for the pool no longer through serve than the floor.
     upstreams = "".join(
         f'[upstreams.{name}]\nurl = "http://127.0.0.1:{port}"\nauth_env = "BENCH_KEY"\n'
+        "max_connections = 512\n"
         for name, port in (("primary", ok), ("backup", backup), ("failing", failing))
     )
     store_line = f'store = "sqlite:///{store}"' if store else ""
