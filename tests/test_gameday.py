@@ -363,3 +363,19 @@ def test_an_alert_already_firing_before_the_fault_is_not_credited_to_it() -> Non
         "Old": {"pending_s": 4.0, "firing_s": 4.0, "resolved_s": 5.0},
     }
     assert summary["polls"] == 5 and summary["failed_polls"] == 0
+
+
+def test_without_owner_the_login_running_it_owns_the_abort(
+    store: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exercise always has an owner: --owner, else the login name running the command."""
+    from fallback_mw.cli import build_parser
+    from fallback_mw.cli import gameday as command
+
+    argv = ["gameday", "--config", store, "--route", "chat", "--fault", "fail", "--duration", "5s"]
+    checks = ["--predict", "p99_ms=1", "--abort", "p99_ms=1"]
+    monkeypatch.setattr(command.getpass, "getuser", lambda: "Ana Lima")
+    exercise, _ = command._exercise(build_parser().parse_args([*argv, *checks]))
+    assert exercise.owner == "Ana Lima"
+    named, _ = command._exercise(build_parser().parse_args([*argv, *checks, "--owner", "Bo"]))
+    assert named.owner == "Bo"

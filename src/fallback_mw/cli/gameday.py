@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import getpass
 import os
 import signal
 import threading
@@ -61,9 +62,17 @@ async def _plans(url: str, config_routes: dict[str, tuple[str, ...]]) -> dict[st
         await store.aclose()
 
 
+def _login_name() -> str:
+    """Without --owner, whoever runs the exercise owns its abort."""
+    try:
+        return getpass.getuser()
+    except (OSError, KeyError):
+        return ""
+
+
 def _exercise(args: argparse.Namespace) -> tuple[Exercise, str]:
     """Everything checked before anything is set (raises Refused)."""
-    owner = (args.owner or "").strip()
+    owner = (args.owner if args.owner is not None else _login_name()).strip()
     if not owner or len(owner) > 200 or not owner.isprintable():
         raise Refused("--owner NAME: the one person who may call the abort (printable, named)")
     if not args.predict:
@@ -250,9 +259,9 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--owner",
-        required=True,
         metavar="NAME",
-        help="the one person who may call the abort (in the report)",
+        help="the one person who may call the abort (in the report; default: the login "
+        "name running the command)",
     )
     parser.add_argument(
         "--prometheus",
