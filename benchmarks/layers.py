@@ -13,6 +13,7 @@ lowest of `--rounds` rounds (the steadiest estimate on a shared machine).
 Rows build on each other (the `base` column): the per-layer cost is the difference.
 
     .venv/bin/python benchmarks/layers.py [--requests 3000] [--rounds 3] [--only ROW,...]
+        [--redis redis://127.0.0.1:6379/0]        # adds the Redis-state row
     .venv/bin/python benchmarks/layers.py --profile healthy     # cProfile of one row
 """
 
@@ -24,6 +25,7 @@ import contextlib
 import cProfile
 import gc
 import logging
+import os
 import pstats
 import sys
 import tempfile
@@ -107,7 +109,7 @@ class FakeClient:
         return None
 
 
-def gateway_config(*, budget: bool = False) -> dict[str, Any]:
+def gateway_config(*, budget: bool = False, state: str = "memory://") -> dict[str, Any]:
     upstreams = {
         name: {"url": f"http://127.0.0.1:{port}", "auth_env": "BENCH_KEY"}
         for name, port in PORTS.items()
@@ -124,6 +126,7 @@ def gateway_config(*, budget: bool = False) -> dict[str, Any]:
         chat["budget"] = "bench"
     return {
         "gateway": {
+            "state": state,
             # The failover row really tries its failing primary every time (as run.py).
             "breaker": {"window": 20, "min_calls": 21},
             # Every request of the hedged row may hedge.
@@ -155,6 +158,7 @@ def gateway_config(*, budget: bool = False) -> dict[str, Any]:
 
 
 ENVIRON = {"BENCH_KEY": "sk-bench"}
+REDIS: list[str] = []  # --redis URL: the Redis-state row's (keys under this run's prefix)
 
 
 # --- the stacks -----------------------------------------------------------------------
@@ -208,11 +212,12 @@ def full(
     provider: str = "primary",
     telemetry: Telemetry | None = None,
     flush: Callable[[], None] | None = None,
+    state: str = "memory://",
 ) -> Stack:
     client = FakeClient()
     gateway = Gateway(
         not_found_app,
-        config=gateway_config(),
+        config=gateway_config(state=state),
         environ=ENVIRON,
         client=client,
         telemetry=telemetry,
@@ -353,6 +358,13 @@ ROWS = (
         15,
         lambda w: with_request_log(full(), w),
     ),
+    Row(
+        "redis",
+        "+ Redis state (breakers, capacity counts)",
+        "healthy",
+        150,
+        lambda w: full(state=f"{REDIS[0]}?prefix=fmw-layers-{os.getpid()}:"),
+    ),
     Row("sdk", "+ OTel SDK (batch spans, OTLP encoding; metrics)", "log", 150, with_sdk),
 )
 
@@ -484,7 +496,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--only", default="", help="comma-separated row names")
     parser.add_argument("--profile", metavar="ROW", help="cProfile one row instead")
+    parser.add_argument(
+        "--redis", default="", metavar="URL", help="a Redis for the Redis-state row"
+    )
     args = parser.parse_args()
+    if args.redis:
+        REDIS.append(args.redis)
     names = {row.name for row in ROWS}
     wanted = [n for n in args.only.split(",") if n] + ([args.profile] if args.profile else [])
     unknown = [n for n in wanted if n not in names]
@@ -503,6 +520,9 @@ async def main_async(args: argparse.Namespace) -> int:
         results: dict[str, float] = {}
         for row in ROWS:
             if only and row.name not in only:
+                continue
+            if row.name == "redis" and not REDIS:
+                print("  redis         skipped (no --redis URL)", flush=True)
                 continue
             results[row.name] = await measure(row, workdir, args)
             print(f"  {row.name:13s} {results[row.name]:8.1f} us/request", flush=True)

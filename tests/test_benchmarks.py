@@ -79,6 +79,7 @@ LAYER_ROWS = (
     "+ walker, every request fails over",
     "+ walker, every request hedged",
     "+ request log line (INFO, to a file)",
+    "+ Redis state (breakers, capacity counts)",
     "+ OTel SDK (batch spans, OTLP encoding; metrics)",
 )
 
@@ -87,8 +88,12 @@ def test_layer_benchmark_runs_every_row_and_prints_its_cost() -> None:
     """benchmarks/layers.py drives requests through each stack (it checks every response's
     status and x-gateway-provider, and that hedges fired and spans were exported) and
     prints CPU per request, what each layer adds and its budget."""
+    require_service("Redis", REDIS_HOST, REDIS_PORT)  # the Redis-state row
     result = subprocess.run(
-        [sys.executable, str(LAYERS), "--requests", "40", "--rounds", "1", "--warmup", "5"],
+        [
+            *(sys.executable, str(LAYERS), "--requests", "40", "--rounds", "1", "--warmup", "5"),
+            *("--redis", f"redis://{REDIS_HOST}:{REDIS_PORT}/0"),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
