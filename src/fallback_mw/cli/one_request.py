@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
+from fallback_mw.failover.decide import attempt_ceiling, is_replayable
 from fallback_mw.request.context import AttemptRecord, RequestContext, SkipRecord, get_context
 from fallback_mw.request.types import ASGIApp, Message, Scope
 
@@ -197,7 +198,7 @@ def trace_of(exchange: Exchange, *, show_body: bool = False) -> dict[str, Any]:
             "tenant": context.tenant,
             "candidates": list(context.candidates),
             "strategy": context.route.strategy,
-            "attempt_ceiling": context.route.attempt_ceiling,
+            "attempt_ceiling": _ceiling(context),
             "canary": context.canary,
             "pinned": context.pinned,
             "deadline_ms": _ms(context.deadline - context.started),
@@ -212,3 +213,16 @@ def trace_of(exchange: Exchange, *, show_body: bool = False) -> dict[str, Any]:
         }
     )
     return trace
+
+
+def _ceiling(context: RequestContext) -> int:
+    """The ceiling this request walked under: 1 + retries, or 1 when it cannot be repeated
+    (the walker's own rule, `decide.attempt_ceiling`)."""
+    body = context.body
+    replayable = body is not None and is_replayable(
+        context.route,
+        context.method,
+        buffered=body.buffered is not None,
+        headers=context.forward_headers,
+    )
+    return attempt_ceiling(context.route, replayable=replayable)
