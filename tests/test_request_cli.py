@@ -126,6 +126,7 @@ async def test_failover_two_attempts_table_and_json(tmp_path: Path) -> None:
     assert second.split()[:5] == ["2", "backup", "attempt", "200", "-"]
     assert "serve:" in second
     assert "served by backup (fallback)  attempts 2  skipped 0  outcome served" in table
+    assert json.loads(j_out)["attempt_ceiling"] == 2  # a replayable GET: 1 + retries
     assert "x-gateway-provider: backup" in table and "x-gateway-attempts: 2" in table
     assert "authorization, x-api-key (values not shown)" in table
     assert "/v1/chat " in table  # the path, never its query
