@@ -18,6 +18,42 @@ async def watch_disconnect(
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
+            if context.completed:
+                # The response is complete: servers answer `receive` with a disconnect
+                # from then on (uvicorn does). Not a client gone mid-walk: the walk's
+                # work after its last chunk (closing the upstream response, settling
+                # tokens) is not cancelled.
+                return
             context.client_disconnected = True
             walk_task.cancel()
             return
+
+
+# How long a walk runs before its disconnect watcher starts (see PlanWalker).
+WATCH_AFTER = 0.01
+
+
+class DisconnectWatch:
+    """`watch_disconnect` in a task started WATCH_AFTER seconds from now, unless stopped
+    first: a task per request costs more CPU than the rest of a fast walk's layer."""
+
+    __slots__ = ("_args", "_task", "_timer")
+
+    def __init__(
+        self,
+        receive: Receive,
+        body: RequestBody,
+        context: RequestContext,
+        walk_task: asyncio.Task[Any],
+    ) -> None:
+        self._args = (receive, body, context, walk_task)
+        self._task: asyncio.Task[None] | None = None
+        self._timer = asyncio.get_running_loop().call_later(WATCH_AFTER, self._start)
+
+    def _start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(watch_disconnect(*self._args))
+
+    def stop(self) -> None:
+        self._timer.cancel()
+        if self._task is not None:
+            self._task.cancel()

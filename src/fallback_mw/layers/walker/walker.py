@@ -27,7 +27,7 @@ from fallback_mw.faults import FaultSource
 from fallback_mw.health import HealthState
 from fallback_mw.health.pool import affinity_key
 from fallback_mw.layers.walker.cursor import CandidateCursor, Pick, skip_recorder
-from fallback_mw.layers.walker.disconnect import watch_disconnect
+from fallback_mw.layers.walker.disconnect import DisconnectWatch
 from fallback_mw.layers.walker.hedge import run_hedged
 from fallback_mw.layers.walker.preflight import refusal
 from fallback_mw.layers.walker.stream import commit
@@ -156,10 +156,13 @@ class _Walk:
             on_skip=skip_recorder(context, walker.telemetry),  # no cycle back to self
             gate=lambda name, upstream, repeat: attempts.gate(name, upstream, repeat=repeat),
         )  # fmt: skip
-        # A client disconnect cancels the attempt in flight and starts nothing new.
+        # A client disconnect cancels the attempt in flight and starts nothing new. The
+        # watcher (a task reading `receive`) starts once the walk has lasted WATCH_AFTER:
+        # a walk done sooner never pays for it, and a disconnect is noticed at most that
+        # much later (the server keeps it: `receive` says `http.disconnect` when asked).
         walk_task = asyncio.current_task()
         assert walk_task is not None
-        watcher = asyncio.create_task(watch_disconnect(self.receive, body, context, walk_task))
+        watch = DisconnectWatch(self.receive, body, context, walk_task)
         try:
             await self._loop()
         except asyncio.CancelledError:
@@ -167,7 +170,7 @@ class _Walk:
             if not context.client_disconnected or walk_task.uncancel() > 0:
                 raise
         finally:
-            watcher.cancel()
+            watch.stop()
             if self.last_response is not None:
                 await self.last_response[1].aclose()
         if context.client_disconnected and context.outcome is None:
