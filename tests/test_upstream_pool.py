@@ -5,6 +5,7 @@ under a burst, e.g. 1,000 concurrent streams against a 512-connection pool)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 
@@ -44,4 +45,32 @@ async def test_waiting_for_the_pool_is_not_a_connect_timeout(engine: str) -> Non
         finally:
             await client.aclose()
     assert (first, second) == (b"done", b"done")
+    assert server.count == 2
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("engine", ["aiohttp", "httpx"])
+async def test_a_response_dropped_without_aclose_gives_its_slot_back(engine: str) -> None:
+    """A response its owner lost before closing it (a cancellation between `send` and the
+    relay) must not hold its upstream's `max_connections` slot for ever: with a cap of one,
+    the next request would wait for the walk deadline."""
+    client: AiohttpClient | HttpxClient  # the pool is large; the cap is the request's
+    if engine == "aiohttp":
+        client = AiohttpClient(allow_hosts=("127.0.0.1",))
+    else:
+        client = HttpxClient(allow_hosts=("127.0.0.1",))
+    timeouts = Timeouts(connect=CONNECT, first_byte=30.0, idle=30.0)
+    async with upstream(status_handler(200, b"done")) as server:
+        request = UpstreamRequest(
+            "GET", server.url + "/", [], b"", timeouts, max_connections=1, pool_key="u"
+        )
+        try:
+            response = await client.send(request)
+            del response  # never closed
+            gc.collect()
+            async with asyncio.timeout(5):
+                again = await client.send(request)
+            await again.aclose()
+        finally:
+            await client.aclose()
     assert server.count == 2

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import weakref
-from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import contextmanager
-from types import SimpleNamespace
+from collections.abc import AsyncIterator, Sequence
+from contextvars import ContextVar
+from typing import Any
 
 import aiohttp
 from multidict import CIMultiDict
@@ -29,33 +28,57 @@ from fallback_mw.upstream.tls import ssl_context
 _SKIP_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 
 
-@contextmanager
-def map_errors(phase: Phase) -> Iterator[None]:
-    """The one place aiohttp's exceptions become failure kinds."""
-    try:
-        yield
-    except UpstreamError:
-        raise
-    except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
-        raise UpstreamError("timeout", phase, f"timed out during {phase}") from exc
-    except aiohttp.ClientConnectorCertificateError:
-        raise UpstreamError("tls", phase, "the upstream's TLS certificate did not verify") from None
-    except aiohttp.ClientSSLError:
-        raise UpstreamError("tls", phase, "the TLS handshake with the upstream failed") from None
-    except aiohttp.ClientConnectorError as exc:
-        if isinstance(exc.os_error, UnsafeAddressError):
-            raise UpstreamError("unsafe_address", phase, str(exc.os_error)) from None
-        raise UpstreamError("refused", phase, "could not connect") from None
-    except UnsafeAddressError as exc:
-        raise UpstreamError("unsafe_address", phase, str(exc)) from None
-    except (aiohttp.InvalidURL, ValueError) as exc:
-        # What aiohttp refuses to build or write (a URL, a header value, an encoding):
-        # nothing reached the upstream.
-        raise UpstreamError("local", phase, type(exc).__name__) from None
-    except (aiohttp.ClientResponseError, aiohttp.ClientPayloadError) as exc:
-        raise UpstreamError("protocol", phase, type(exc).__name__) from None
-    except (aiohttp.ClientError, OSError) as exc:
-        raise UpstreamError("transport", phase, type(exc).__name__) from None
+class _ErrorMap:
+    """The one place aiohttp's exceptions become failure kinds: `with map_errors(phase):`.
+    Class-based and stateless (one instance per phase): it runs several times per request."""
+
+    __slots__ = ("phase",)
+
+    def __init__(self, phase: Phase) -> None:
+        self.phase: Phase = phase
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, typ: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        if exc is None or not isinstance(exc, Exception) or isinstance(exc, UpstreamError):
+            return  # nothing raised, or a cancellation / an UpstreamError: as they are
+        phase = self.phase
+        if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
+            raise UpstreamError("timeout", phase, f"timed out during {phase}") from exc
+        if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+            raise UpstreamError(
+                "tls", phase, "the upstream's TLS certificate did not verify"
+            ) from None
+        if isinstance(exc, aiohttp.ClientSSLError):
+            raise UpstreamError(
+                "tls", phase, "the TLS handshake with the upstream failed"
+            ) from None
+        if isinstance(exc, aiohttp.ClientConnectorError):
+            if isinstance(exc.os_error, UnsafeAddressError):
+                raise UpstreamError("unsafe_address", phase, str(exc.os_error)) from None
+            raise UpstreamError("refused", phase, "could not connect") from None
+        if isinstance(exc, UnsafeAddressError):
+            raise UpstreamError("unsafe_address", phase, str(exc)) from None
+        if isinstance(exc, aiohttp.InvalidURL | ValueError):
+            # What aiohttp refuses to build or write (a URL, a header value, an encoding):
+            # nothing reached the upstream.
+            raise UpstreamError("local", phase, type(exc).__name__) from None
+        if isinstance(exc, aiohttp.ClientResponseError | aiohttp.ClientPayloadError):
+            raise UpstreamError("protocol", phase, type(exc).__name__) from None
+        if isinstance(exc, aiohttp.ClientError | OSError):
+            raise UpstreamError("transport", phase, type(exc).__name__) from None
+
+
+_ERROR_MAPS: dict[str, _ErrorMap] = {
+    phase: _ErrorMap(phase) for phase in ("connect", "first_byte", "body")
+}
+
+
+def map_errors(phase: Phase) -> _ErrorMap:
+    return _ERROR_MAPS[phase]
 
 
 def _ascii_target(url: str) -> str:
@@ -66,20 +89,27 @@ def _ascii_target(url: str) -> str:
     return "".join(c if c.isascii() else f"%{ord(c) & 0xFF:02X}" for c in url)
 
 
-async def _on_headers_sent(
-    session: aiohttp.ClientSession,
-    context: SimpleNamespace,
-    params: aiohttp.TraceRequestHeadersSentParams,
-) -> None:
-    # A buffered body follows its head at once: from here on the time is the upstream's.
-    timer = context.trace_request_ctx
-    if timer is not None:
-        timer.arm()
+# The first-byte timer of the request being sent in this task (a buffered body only): the
+# connector arms it once it has a connection, just before the request head and its body
+# go out (from then on the time is the upstream's). A context variable rather than an
+# aiohttp trace hook: traces cost a handful of signal sends on every request.
+_ARM_ON_CONNECT: ContextVar[FirstByteTimer | None] = ContextVar(
+    "fallback_mw_arm_on_connect", default=None
+)
 
 
-_HEADERS_SENT = aiohttp.TraceConfig()
-_HEADERS_SENT.on_request_headers_sent.append(_on_headers_sent)
-_HEADERS_SENT.freeze()
+class _Connector(aiohttp.TCPConnector):
+    async def connect(
+        self,
+        req: aiohttp.ClientRequest,
+        traces: list[Any],
+        timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 (aiohttp's signature)
+    ) -> Any:
+        connection = await super().connect(req, traces, timeout)
+        timer = _ARM_ON_CONNECT.get()
+        if timer is not None:
+            timer.arm()
+        return connection
 
 
 class AiohttpResponse:
@@ -89,9 +119,6 @@ class AiohttpResponse:
         self._response = response
         self._idle = idle_timeout
         self._release = release
-        # A response dropped without aclose (a cancellation between send and its owner)
-        # still gives its slot under the connection cap back.
-        weakref.finalize(self, release)
         self.status = response.status
         self.headers = [(k.lower(), v) for k, v in response.raw_headers]
         self._finished = False
@@ -110,6 +137,11 @@ class AiohttpResponse:
                 self._finished = True
                 return
             yield chunk
+
+    def __del__(self) -> None:
+        # A response dropped without aclose (a cancellation between send and its owner)
+        # still gives its slot under the connection cap back (release is idempotent).
+        self._release()
 
     async def aclose(self) -> None:
         # No await point: cannot be interrupted by a cancellation.
@@ -139,7 +171,7 @@ class AiohttpClient:
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(
+            connector = _Connector(
                 limit=self._limit,
                 limit_per_host=0,
                 resolver=GuardedResolver(self._allow_hosts),
@@ -151,7 +183,6 @@ class AiohttpClient:
                 skip_auto_headers=_SKIP_AUTO_HEADERS,
                 timeout=aiohttp.ClientTimeout(total=None),
                 cookie_jar=aiohttp.DummyCookieJar(),
-                trace_configs=[_HEADERS_SENT],
             )
         return self._session
 
@@ -185,24 +216,27 @@ class AiohttpClient:
         body = request.body
         streamed = not isinstance(body, bytes)
         data = (body or None) if isinstance(body, bytes) else timer.timed_body(body)
-        with map_errors("first_byte"):
-            async with timer.running():
-                response = await session.request(
-                    request.method,
-                    # encoded=True: the path and query go out byte for byte as the walker
-                    # built them (yarl would otherwise decode %3F, %2F, %7e... and re-encode).
-                    URL(_ascii_target(request.url), encoded=True),
-                    headers=CIMultiDict(request.headers),
-                    data=data,
-                    allow_redirects=False,
-                    timeout=self._client_timeout(timeouts.connect),
-                    trace_request_ctx=None if streamed else timer,
-                    # The same trust on both engines (upstream/tls.py); plain http needs none.
-                    ssl=ssl_context(request.ca_file or self._ca_file)
-                    if request.url.startswith("https:")
-                    else True,
-                    proxy=request.proxy,
-                )
+        armed = _ARM_ON_CONNECT.set(None if streamed else timer)
+        try:
+            with map_errors("first_byte"):
+                async with timer.running():
+                    response = await session.request(
+                        request.method,
+                        # encoded=True: the path and query go out byte for byte as the walker
+                        # built them (yarl would otherwise decode %3F, %2F, %7e... and re-encode).
+                        URL(_ascii_target(request.url), encoded=True),
+                        headers=CIMultiDict(request.headers),
+                        data=data,
+                        allow_redirects=False,
+                        timeout=self._client_timeout(timeouts.connect),
+                        # The same trust on both engines (upstream/tls.py); plain http needs none.
+                        ssl=ssl_context(request.ca_file or self._ca_file)
+                        if request.url.startswith("https:")
+                        else True,
+                        proxy=request.proxy,
+                    )
+        finally:
+            _ARM_ON_CONNECT.reset(armed)
         try:
             with map_errors("first_byte"):
                 check_response_head(response.status, response.raw_headers)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Literal, Protocol
 
 # "local": the client library refused to build or send the request (a header value, a
@@ -109,23 +109,36 @@ class UpstreamRequest:
 
 class FirstByteTimer:
     """The upstream's first-byte timer for one request, armed and paused from wherever
-    the engine learns the request's progress (its body writer, a trace hook): it runs
+    the engine learns the request's progress (its body writer, its connector): it runs
     once the body is sent and while a chunk waits for the upstream to take it, never
     while the caller's body is still arriving (SPEC §12: the upload is the caller's
     time). Arming after the send has ended does nothing."""
+
+    __slots__ = ("_seconds", "_timeout")
 
     def __init__(self, seconds: float) -> None:
         self._seconds = seconds
         self._timeout: asyncio.Timeout | None = None
 
-    @asynccontextmanager
-    async def running(self) -> AsyncIterator[None]:
-        async with asyncio.timeout(None) as timeout:
-            self._timeout = timeout
-            try:
-                yield
-            finally:
-                self._timeout = None
+    def running(self) -> FirstByteTimer:
+        """`async with timer.running():` the scope the timer may end (unarmed at first).
+        A class-based context manager: this runs once per attempt."""
+        return self
+
+    async def __aenter__(self) -> None:
+        timeout = asyncio.Timeout(None)
+        await timeout.__aenter__()
+        self._timeout = timeout
+
+    async def __aexit__(
+        self,
+        typ: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        timeout, self._timeout = self._timeout, None
+        assert timeout is not None
+        await timeout.__aexit__(typ, exc, tb)  # raises TimeoutError; never suppresses
 
     def arm(self) -> None:
         if self._timeout is not None and not self._timeout.expired():
