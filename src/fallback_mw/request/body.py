@@ -55,11 +55,14 @@ async def read_body(
     chunks: list[bytes] = []
     size = 0
     gap = settings.header_timeout_ms / 1000  # the caller's idle gap (SPEC §12)
+    # One timer for both bounds (either ends the read the same way): the walk deadline and
+    # the gap before the next chunk, whichever is sooner, moved on after each chunk.
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + max(context.remaining, 0.0)
     try:
-        async with asyncio.timeout(max(context.remaining, 0.0)):
+        async with asyncio.timeout_at(min(deadline, loop.time() + gap)) as timer:
             while True:
-                async with asyncio.timeout(gap):
-                    message = await receive()
+                message = await receive()
                 if message["type"] == "http.disconnect":
                     body.client_gone = context.client_disconnected = True
                     return body
@@ -85,6 +88,7 @@ async def read_body(
                         b"".join(chunks), size, body, context, receive, limit, gap
                     )
                     return body
+                timer.reschedule(min(deadline, loop.time() + gap))
     except TimeoutError:
         body.timed_out = True
         return body
