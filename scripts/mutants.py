@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -465,6 +466,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutants")
     parser.add_argument("--json", action="store_true", help="one JSON report on stdout")
     parser.add_argument("-v", "--verbose", action="store_true", help="pytest's last lines too")
+    parser.add_argument(
+        "--jobs", type=int, default=2, help="mutants run at a time (default 2: two cores)"
+    )
     args = parser.parse_args(argv)
     mutants = MUTANTS
     if args.only:
@@ -489,18 +493,25 @@ def main(argv: list[str] | None = None) -> int:
             code, tail = run_tests(tests, env, src)
             if code != 0:
                 raise CannotRun(f"the named tests fail without any mutation:\n{tail}")
-            for mutant in mutants:
-                result = run_mutant(mutant, workdir)
-                results.append(result)
-                if not args.json:
-                    verdict = "PASS" if result.ok else "FAIL"
-                    print(
-                        f"{verdict}  {result.name:34} {result.outcome:9} "
-                        f"(expected {result.expect}, {result.seconds:.1f} s)",
-                        flush=True,
-                    )
-                    if args.verbose or not result.ok:
-                        print("      " + result.detail.replace("\n", "\n      "), flush=True)
+            # Each mutant in its own copy; `--jobs` at a time (each is mostly a pytest run).
+            with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+                futures = [
+                    pool.submit(run_mutant, mutant, workdir / f"m{number}")
+                    for number, mutant in enumerate(mutants)
+                ]
+                for future in futures:  # printed in the table's order, as they finish
+                    result = future.result()
+                    results.append(result)
+                    if not args.json:
+                        verdict = "PASS" if result.ok else "FAIL"
+                        print(
+                            f"{verdict}  {result.name:34} {result.outcome:9} "
+                            f"(expected {result.expect}, {result.seconds:.1f} s)",
+                            flush=True,
+                        )
+                        if args.verbose or not result.ok:
+                            detail = result.detail.replace("\n", "\n      ")
+                            print("      " + detail, flush=True)
         except CannotRun as exc:
             print(f"mutants: {exc}", file=sys.stderr)
             return 2
