@@ -122,3 +122,41 @@ def test_layer_benchmark_refuses_an_unknown_row() -> None:
     )
     assert result.returncode == 2
     assert "nonsense" in result.stderr
+
+
+AB = Path(__file__).parent.parent / "benchmarks" / "ab.py"
+
+
+@pytest.mark.slow
+def test_ab_benchmark_serves_both_trees_side_by_side() -> None:
+    """benchmarks/ab.py runs `serve` from another tree (here: this one) beside this
+    checkout's and the floor, and prints CPU per request for each arm."""
+    src = Path(__file__).parent.parent / "src"
+    result = subprocess.run(
+        [sys.executable, str(AB), str(src), "--rounds", "1", "--duration", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    if result.returncode == 3 and not os.environ.get("CI"):
+        pytest.skip(result.stderr.strip())
+    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
+    for arm in (
+        "floor", "healthy (base)", "healthy (this)", "failover (base)", "failover (this)"
+    ):  # fmt: skip
+        line = next((x for x in result.stdout.splitlines() if x.startswith(arm + " ")), "")
+        cells = re.match(r".+ CPU us/req \[(\d+)\] median \d+ \((\d+\.\d\d)x floor\)", line)
+        assert cells is not None and int(cells.group(1)) > 0, result.stdout
+
+
+def test_ab_benchmark_refuses_a_tree_without_the_package(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(AB), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "holds no fallback_mw package" in result.stderr

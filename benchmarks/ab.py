@@ -1,0 +1,84 @@
+"""A/B through `serve`: the gateway from another source tree beside this one, with the
+floor, under wrk, in rotating rounds; CPU per request from /proc (as `run.py` counts it).
+
+For a change whose effect is smaller than the run-to-run spread of `run.py` (±10-15 % on
+a shared machine): both trees serve the same config at the same time, and each round
+drives every arm in turn, so both see the same noise.
+
+    git worktree add /tmp/base HEAD~3
+    .venv/bin/python benchmarks/ab.py /tmp/base/src [--rounds 3] [--duration 5]
+
+The other tree runs on this checkout's virtual environment (`PYTHONPATH` put in front):
+only `src/fallback_mw` differs between the arms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import clients
+import procs
+import run
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("base", type=Path, help="the other tree's src directory")
+    parser.add_argument("--rounds", type=run.at_least(1), default=3)
+    parser.add_argument("--duration", type=run.at_least(1), default=5, help="seconds per arm")
+    parser.add_argument("--connections", type=run.at_least(1), default=32)
+    args = parser.parse_args()
+    if not (args.base / "fallback_mw" / "__init__.py").exists():
+        print(f"ab: {args.base} holds no fallback_mw package", file=sys.stderr)
+        return 2
+    try:
+        wrk, nginx = procs.ensure_tools()
+    except procs.ToolMissing as exc:
+        print(f"ab: {exc}", file=sys.stderr)
+        return 3
+    tree = procs.Tree(Path(tempfile.mkdtemp(prefix="fmw-ab-")))
+    try:
+        upstream, backup, failing = procs.start_nginx(tree, nginx, 8)
+        config = run.gateway_config(upstream.port, backup, failing)
+        floor = procs.start_floor(tree, upstream.url())
+        base = procs.start_gateway(tree, "base", config, {"PYTHONPATH": str(args.base)})
+        this = procs.start_gateway(tree, "this", config)
+        arms = {
+            "floor": (floor.url(run.CHAT), floor.pid),
+            "healthy (base)": (base.url(run.CHAT), base.pid),
+            "healthy (this)": (this.url(run.CHAT), this.pid),
+            "failover (base)": (base.url("/fo" + run.CHAT), base.pid),
+            "failover (this)": (this.url("/fo" + run.CHAT), this.pid),
+        }
+        run.probe(arms)
+        for url, pid in arms.values():
+            clients.run_wrk(wrk, url, 1, args.connections, pid)  # warm-up
+        loads: dict[str, list[clients.Load]] = {name: [] for name in arms}
+        names = list(arms)
+        for number in range(args.rounds):
+            shift = number % len(names)
+            for name in names[shift:] + names[:shift]:
+                url, pid = arms[name]
+                loads[name].append(clients.run_wrk(wrk, url, args.duration, args.connections, pid))
+        floor_cpu = statistics.median(load.cpu_us for load in loads["floor"])
+        print(f"wrk -t1 -c{args.connections} -d{args.duration}s, {args.rounds} rounds")
+        for name, runs in loads.items():
+            cpu = [round(load.cpu_us) for load in runs]
+            rate = [round(load.rate) for load in runs]
+            median = statistics.median(cpu)
+            print(
+                f"{name:15} CPU us/req {cpu} median {median:.0f} "
+                f"({median / floor_cpu:.2f}x floor), req/s {rate}",
+                flush=True,
+            )
+        return 0
+    finally:
+        tree.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
