@@ -147,8 +147,9 @@ def throughput(
 ) -> tuple[list[str], bool]:
     """`arms`: name -> (URL, pid of the server process behind it)."""
     results: dict[str, list[Load]] = {name: [] for name in arms}
-    for url, pid in arms.values():
-        clients.run_wrk(wrk, url, 1, args.connections, pid)  # warm-up
+    if not args.quick:  # the smoke run's numbers mean nothing anyway
+        for url, pid in arms.values():
+            clients.run_wrk(wrk, url, 1, args.connections, pid)  # warm-up
     names = list(arms)
     for round_number in range(args.rounds):
         shift = round_number % len(names)
