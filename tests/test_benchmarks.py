@@ -15,6 +15,25 @@ import pytest
 from tests.conftest import REDIS_HOST, REDIS_PORT, require_service
 
 RUN = Path(__file__).parent.parent / "benchmarks" / "run.py"
+
+
+def script(path: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    """One benchmark script, run as a user runs it, with this interpreter."""
+    return subprocess.run(
+        [sys.executable, str(path), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def skip_without_tools(result: subprocess.CompletedProcess[str]) -> None:
+    """Exit status 3: wrk or nginx missing and not installable (a skip only outside CI)."""
+    if result.returncode == 3 and not os.environ.get("CI"):
+        pytest.skip(result.stderr.strip())
+
+
 ARMS = (
     "floor (bare ASGI + aiohttp)",
     "serve, healthy",
@@ -33,18 +52,12 @@ ARMS = (
 @pytest.mark.slow
 def test_benchmark_runs_every_arm_and_prints_the_ratios() -> None:
     require_service("Redis", REDIS_HOST, REDIS_PORT)  # the --workers arms share breakers
-    result = subprocess.run(
-        [
-            *(sys.executable, str(RUN), "--quick", "--engines", "--workers", "2"),
-            *("--redis", f"redis://{REDIS_HOST}:{REDIS_PORT}/0"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    result = script(
+        RUN,
+        *("--quick", "--engines", "--workers", "2"),
+        *("--redis", f"redis://{REDIS_HOST}:{REDIS_PORT}/0"),
     )
-    if result.returncode == 3 and not os.environ.get("CI"):
-        pytest.skip(result.stderr.strip())
+    skip_without_tools(result)
     # Exit status 1: an arm answered non-2xx (e.g. failover broke); the table says which.
     assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
     rows = {}
@@ -89,15 +102,10 @@ def test_layer_benchmark_runs_every_row_and_prints_its_cost() -> None:
     status and x-gateway-provider, and that hedges fired and spans were exported) and
     prints CPU per request, what each layer adds and its budget."""
     require_service("Redis", REDIS_HOST, REDIS_PORT)  # the Redis-state row
-    result = subprocess.run(
-        [
-            *(sys.executable, str(LAYERS), "--requests", "40", "--rounds", "1", "--warmup", "5"),
-            *("--redis", f"redis://{REDIS_HOST}:{REDIS_PORT}/0"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    result = script(
+        LAYERS,
+        *("--requests", "40", "--rounds", "1", "--warmup", "5"),
+        *("--redis", f"redis://{REDIS_HOST}:{REDIS_PORT}/0"),
     )
     assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
     rows = {}
@@ -113,13 +121,7 @@ def test_layer_benchmark_runs_every_row_and_prints_its_cost() -> None:
 
 
 def test_layer_benchmark_refuses_an_unknown_row() -> None:
-    result = subprocess.run(
-        [sys.executable, str(LAYERS), "--only", "nonsense"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    result = script(LAYERS, "--only", "nonsense", timeout=60)
     assert result.returncode == 2
     assert "nonsense" in result.stderr
 
@@ -132,15 +134,8 @@ def test_ab_benchmark_serves_both_trees_side_by_side() -> None:
     """benchmarks/ab.py runs `serve` from another tree (here: this one) beside this
     checkout's and the floor, and prints CPU per request for each arm."""
     src = Path(__file__).parent.parent / "src"
-    result = subprocess.run(
-        [sys.executable, str(AB), str(src), "--rounds", "1", "--duration", "1"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    if result.returncode == 3 and not os.environ.get("CI"):
-        pytest.skip(result.stderr.strip())
+    result = script(AB, str(src), "--rounds", "1", "--duration", "1")
+    skip_without_tools(result)
     assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
     for arm in (
         "floor", "healthy (base)", "healthy (this)", "failover (base)", "failover (this)"
@@ -151,12 +146,6 @@ def test_ab_benchmark_serves_both_trees_side_by_side() -> None:
 
 
 def test_ab_benchmark_refuses_a_tree_without_the_package(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, str(AB), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    result = script(AB, str(tmp_path), timeout=60)
     assert result.returncode == 2
     assert "holds no fallback_mw package" in result.stderr

@@ -58,9 +58,10 @@ async def read_body(
     # One timer for both bounds (either ends the read the same way): the walk deadline and
     # the gap before the next chunk, whichever is sooner, moved on after each chunk.
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + max(context.remaining, 0.0)
+    now = loop.time()
+    deadline = now + max(context.remaining, 0.0)
     try:
-        async with asyncio.timeout_at(min(deadline, loop.time() + gap)) as timer:
+        async with asyncio.timeout_at(min(deadline, now + gap)) as timer:
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
