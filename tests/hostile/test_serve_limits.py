@@ -97,3 +97,32 @@ async def test_serve_answers_a_slow_head_with_408_and_sends_no_server_header(
     assert b"\r\nserver:" not in head
     assert head.count(b"\r\ndate:") == 1
     assert primary.count == 1
+
+
+async def test_a_later_head_on_a_kept_alive_connection_gets_its_whole_header_timeout(
+    tmp_path: Path,
+) -> None:
+    """The head timer is one per connection, armed at its start: a second head that starts
+    0.3 s later still gets its full 0.5 s, not what was left of the first one's."""
+    async with upstream(status_handler(200, b"ok")) as primary:
+        port = free_port()
+        log = tmp_path / "serve.log"
+        config = write_config(tmp_path, primary.url, "header_timeout_ms = 500")
+        with serve_process(config, port, log) as process:
+            await wait_listening(process, port, log)
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            try:
+                writer.write(b"GET /v1/x HTTP/1.1\r\nhost: gw\r\n\r\n")
+                first = await asyncio.wait_for(reader.readuntil(b"ok"), 10)
+                await asyncio.sleep(0.3)
+                loop = asyncio.get_running_loop()
+                started = loop.time()
+                writer.write(b"GET /v1/x HTTP/1.1\r\nhost: gw\r\n")  # never ends
+                second = await asyncio.wait_for(reader.read(), 10)
+                waited = loop.time() - started
+            finally:
+                writer.transport.abort()
+    assert first.startswith(b"HTTP/1.1 200"), first[:80]
+    assert second.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in second, second[:80]
+    assert 0.45 <= waited < 3, f"the second head was refused after {waited:.2f} s"
+    assert primary.count == 1

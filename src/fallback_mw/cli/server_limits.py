@@ -8,7 +8,9 @@ uvicorn exposes `h11_max_incomplete_event_size` for its h11 parser only; its htt
 parser buffers a whole header value (8 MiB included) and has no head timeout at all. So
 `serve` runs uvicorn's own protocol classes with a small guard around `data_received`: it
 counts the bytes of each request head as they arrive and arms a timer from the first
-byte of a head (or from the connection's start) until uvicorn has parsed it."""
+byte of a head (or from the connection's start) until uvicorn has parsed it. The clock is
+a timestamp per head; the timer is one per connection, re-armed for what is left when it
+fires early (a new head started since), so a keep-alive connection's requests arm none."""
 
 from __future__ import annotations
 
@@ -62,11 +64,15 @@ class _HeadGuard:
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
         self._head_timer: asyncio.TimerHandle | None = None
+        self._head_since: float | None = None  # when the head being timed started
         self._lingering = False
         self._start_head()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_head()
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
         super().connection_lost(exc)  # type: ignore[misc]
 
     def data_received(self, data: bytes) -> None:
@@ -76,8 +82,8 @@ class _HeadGuard:
             self._start_head()
         if self._counting:
             self._head_bytes += len(data)
-            if self._head_timer is None and self._between_requests():
-                self._arm()
+            if self._head_since is None and self._between_requests():
+                self._time_head()
         super().data_received(data)  # type: ignore[misc]
         if not self._counting:
             return
@@ -125,21 +131,29 @@ class _HeadGuard:
         self._head_bytes = 0
         self._head_cycle = self.cycle
         if self._between_requests():
-            self._arm()
+            self._time_head()
 
     def _stop_head(self) -> None:
         self._counting = False
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+        self._head_since = None  # the connection's timer, if armed, finds nothing to time
 
-    def _arm(self) -> None:
-        self._head_timer = self.loop.call_later(self.head_timeout, self._timed_out)
+    def _time_head(self) -> None:
+        self._head_since = self.loop.time()
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.head_timeout, self._timed_out)
 
     def _timed_out(self) -> None:
         self._head_timer = None
-        if not self._counting or self._head_done() or not self._between_requests():
-            return  # a response in flight: its own timeouts govern the connection
+        since = self._head_since
+        if not self._counting or since is None:
+            return  # no head being timed: the next one arms the timer again
+        if self._head_done() or not self._between_requests():
+            self._head_since = None  # a response in flight: its own timeouts govern
+            return
+        left = since + self.head_timeout - self.loop.time()
+        if left > 0:  # a later head than the one the timer was armed for
+            self._head_timer = self.loop.call_later(left, self._timed_out)
+            return
         if self._head_bytes == 0:
             self._stop_head()
             self.transport.close()  # never said anything: nothing to answer

@@ -14,7 +14,6 @@ hold."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from decimal import Decimal
 
@@ -54,14 +53,20 @@ class BudgetGuard:
         self.prices = PriceBook(config.prices)
         self.ledger = ledger
         self.telemetry = telemetry
+        # A ledger whose calls never suspend (the in-memory one: nothing in them awaits)
+        # cannot be cancelled part-way through a settlement: no shield is needed for it.
+        self._shield = not getattr(ledger, "never_suspends", False)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         context = get_context(scope)
         if context is None:
             await self.app(scope, receive, send)
             return
-        # Traced like the resolver's refusals (a no-op when the resolver owns the span).
-        with self._traced(context, scope):
+        if self.telemetry is None or context.trace is not None:
+            await self._guarded(scope, receive, send, context)  # the resolver owns the span
+            return
+        # Used alone: traced like the resolver's refusals.
+        with self.telemetry.request(context, scope.get("headers", ())):
             await self._guarded(scope, receive, send, context)
 
     async def _guarded(
@@ -95,15 +100,11 @@ class BudgetGuard:
         finally:
             # Shielded: a cancelled request (client gone, server stopping) still settles;
             # every routed request leaves its usage record.
-            with anyio.CancelScope(shield=True):
+            if self._shield:
+                with anyio.CancelScope(shield=True):
+                    await self._settle(ledger, context, hold)
+            else:
                 await self._settle(ledger, context, hold)
-
-    def _traced(
-        self, context: RequestContext, scope: Scope
-    ) -> contextlib.AbstractContextManager[None]:
-        if self.telemetry is None:
-            return contextlib.nullcontext()
-        return self.telemetry.request(context, scope.get("headers", ()))
 
     async def budget_for(self, ledger: Ledger, budget_id: str) -> BudgetConfig | None:
         """A budget set in the store wins over the file's, so operators can change a

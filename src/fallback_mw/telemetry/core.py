@@ -6,7 +6,7 @@ import contextlib
 import contextvars
 import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, propagate, trace
@@ -278,21 +278,15 @@ class Telemetry:
         except Exception:
             _internal.debug("request_finished failed", exc_info=False)
 
-    @contextlib.contextmanager
     def request(
         self, context: RequestContext, headers: Sequence[tuple[bytes, bytes]] | None = None
-    ) -> Iterator[None]:
+    ) -> contextlib.AbstractContextManager[None]:
         """The request span (and its metrics and log line) around a layer's work, unless a
         layer in front already owns it: the resolver opens it, so it covers the request
         from the route match to the budget settlement; a layer used alone opens its own."""
         if context.trace is not None:
-            yield
-            return
-        self.request_started(context, headers)
-        try:
-            yield
-        finally:
-            self.request_finished(context)
+            return _NOT_OURS
+        return _RequestScope(self, context, headers)
 
     def inject_headers(self, headers: list[tuple[str, str]]) -> None:
         """Propagate the attempt span's context upstream: the caller's own `traceparent`
@@ -429,6 +423,32 @@ class Telemetry:
 
         self._m.request(context, outcome, candidates, chosen, fault, duration)
         log_request(context, outcome, candidates, chosen, fault, duration, trace_id, span_id)
+
+
+class _RequestScope:
+    """`Telemetry.request`'s scope for the layer that owns the request span (a class, not
+    a generator: it runs once per request)."""
+
+    __slots__ = ("context", "headers", "telemetry")
+
+    def __init__(
+        self,
+        telemetry: Telemetry,
+        context: RequestContext,
+        headers: Sequence[tuple[bytes, bytes]] | None,
+    ) -> None:
+        self.telemetry = telemetry
+        self.context = context
+        self.headers = headers
+
+    def __enter__(self) -> None:
+        self.telemetry.request_started(self.context, self.headers)
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.telemetry.request_finished(self.context)
+
+
+_NOT_OURS = contextlib.nullcontext()
 
 
 def _genai(

@@ -24,6 +24,10 @@ USAGE_KEPT = 10_000  # the newest usage records; memory must stay bounded
 
 
 class MemoryLedger:
+    # No call awaits anything: none can be suspended, so none can be cancelled part-way
+    # (the budget guard settles without a shield scope).
+    never_suspends = True
+
     def __init__(self, *, usage_kept: int = USAGE_KEPT) -> None:
         self._spent: dict[tuple[str, str], int] = {}
         self._held: dict[tuple[str, str], int] = {}
