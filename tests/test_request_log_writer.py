@@ -4,11 +4,20 @@ after logging.config closes it (uvicorn does)."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import time
+from collections.abc import Iterator
 
-from fallback_mw.telemetry.request_log import FLUSH_LINES, LineFormatter, LineHandler
+from fallback_mw.telemetry.request_log import (
+    FLUSH_LINES,
+    SERVE_FORMAT,
+    SERVE_FORMAT_PID,
+    LineFormatter,
+    LineHandler,
+    _direct_handler,
+)
 
 
 def record(message: str, created: float | None = None) -> logging.LogRecord:
@@ -64,3 +73,73 @@ def test_the_formatter_writes_what_logging_formatter_writes() -> None:
     for created in (1_700_000_000.1, 1_700_000_000.9, 1_700_000_002.0):
         item = record("y", created)
         assert cached.format(item) == logging.Formatter(fmt).format(item)
+
+
+def test_a_line_written_from_its_parts_is_the_line_the_record_would_give() -> None:
+    for fmt in (SERVE_FORMAT, SERVE_FORMAT_PID):
+        formatter = LineFormatter(fmt)
+        assert formatter.direct
+        for created in (1_700_000_000.0, 1_700_000_000.5, 1_700_000_001.2501, 1_700_003_599.999):
+            for level in (logging.INFO, logging.WARNING):
+                item = record("gateway request route=r outcome=served", created)
+                item.levelno, item.levelname = level, logging.getLevelName(level)
+                expected = logging.Formatter(fmt).format(item)
+                assert formatter.line(level, item.name, item.getMessage(), created) == expected
+    assert not LineFormatter("%(message)s %(request_id)s").direct  # reads the record
+
+
+@contextlib.contextmanager
+def serve_logging() -> Iterator[tuple[LineHandler, io.StringIO]]:
+    """serve's logging set up on the real `fallback_mw` logger, restored afterwards."""
+    owner = logging.getLogger("fallback_mw")
+    saved = owner.handlers[:], owner.level
+    owner.handlers = []
+    stream = io.StringIO()
+    handler = LineHandler(stream)
+    handler.setFormatter(LineFormatter(SERVE_FORMAT))
+    handler.install(owner)
+    owner.setLevel(logging.INFO)
+    try:
+        yield handler, stream
+    finally:
+        handler.close()
+        owner.handlers, level = saved
+        owner.setLevel(level)
+
+
+def test_the_line_skips_the_record_only_while_nothing_else_would_see_it() -> None:
+    request_logger = logging.getLogger("fallback_mw.request")
+    root = logging.getLogger()
+    runner = root.handlers[:]  # pytest's capture handlers: a host's handlers, like any
+    with serve_logging() as (handler, _):
+        if runner:
+            assert _direct_handler(logging.INFO) is None
+        root.handlers = []
+        try:
+            check_direct(handler, request_logger, root)
+        finally:
+            root.handlers = runner
+
+
+def check_direct(
+    handler: LineHandler, request_logger: logging.Logger, root: logging.Logger
+) -> None:
+    assert _direct_handler(logging.INFO) is handler
+    added = logging.NullHandler()
+    request_logger.addHandler(added)
+    assert _direct_handler(logging.INFO) is None
+    request_logger.removeHandler(added)
+    owner = logging.getLogger("fallback_mw")
+    owner.addFilter(lambda _: True)
+    assert _direct_handler(logging.INFO) is None
+    owner.filters.clear()
+    handler.setLevel(logging.WARNING)
+    assert _direct_handler(logging.INFO) is None
+    assert _direct_handler(logging.WARNING) is handler
+    handler.setLevel(logging.NOTSET)
+    root.addHandler(added)
+    try:
+        assert _direct_handler(logging.INFO) is None
+    finally:
+        root.removeHandler(added)
+    assert _direct_handler(logging.INFO) is handler

@@ -66,14 +66,18 @@ def configure_logging(*, with_pid: bool = False) -> None:
     # process (serve's own) skips what no serve format shows: the caller's source line,
     # thread and multiprocessing names, the pid unless it is printed (about a quarter of
     # the line's cost).
-    from fallback_mw.telemetry.request_log import LineFormatter, LineHandler
+    from fallback_mw.telemetry.request_log import (
+        SERVE_FORMAT,
+        SERVE_FORMAT_PID,
+        LineFormatter,
+        LineHandler,
+    )
 
     root = logging.getLogger("fallback_mw")
     if all(isinstance(handler, logging.NullHandler) for handler in root.handlers):
         handler = LineHandler()
-        name = "%(name)s[%(process)d]" if with_pid else "%(name)s"
-        handler.setFormatter(LineFormatter(f"%(asctime)s %(levelname)s {name} %(message)s"))
-        root.addHandler(handler)
+        handler.setFormatter(LineFormatter(SERVE_FORMAT_PID if with_pid else SERVE_FORMAT))
+        handler.install(root)
         root.setLevel(logging.INFO)
         logging._srcfile = None  # the logging HOWTO's "Optimization" section
         logging.logThreads = False

@@ -5,6 +5,7 @@ are gateway facts only, never a header value, body or query string."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import IO, Any
@@ -35,6 +36,13 @@ def log_request(
     if not logger.isEnabledFor(level):
         return
     duration_ms = round(duration * 1000, 1)
+    direct = _direct_handler(level)
+    if direct is not None:
+        # serve's own writer and nothing else listening: the same line, without a record.
+        direct.write_line(
+            level, _MESSAGE % _arguments(context, outcome, candidates, chosen, duration_ms)
+        )
+        return
     fields: dict[str, Any] = {
         "route": label(context.route.id),
         "tenant": label(context.tenant),
@@ -56,6 +64,27 @@ def log_request(
         "trace_id": trace_id,
         "span_id": span_id,
     }
+    logger.log(
+        level,
+        _MESSAGE,
+        *_arguments(context, outcome, candidates, chosen, duration_ms),
+        extra=fields,
+    )
+
+
+_MESSAGE = (
+    "gateway request route=%s outcome=%s status=%s chosen=%s attempts=%d "
+    "candidates=%s duration_ms=%.1f%s"
+)
+
+
+def _arguments(
+    context: RequestContext,
+    outcome: str,
+    candidates: list[str],
+    chosen: str | None,
+    duration_ms: float,
+) -> tuple[object, ...]:
     # Why the walk ended where it did, when a rule decided it, and what was passed over.
     why = f" rule={context.rule}" if context.rule else ""
     failed = [
@@ -70,20 +99,46 @@ def log_request(
             f"{label(s.candidate)};reason={label(s.reason)}" for s in context.skipped
         )
         why += f" skipped={','.join(passed)}"
-    logger.log(
-        level,
-        "gateway request route=%s outcome=%s status=%s chosen=%s attempts=%d "
-        "candidates=%s duration_ms=%.1f%s",
-        fields["route"],
-        fields["outcome"],
+    return (
+        label(context.route.id),
+        label(outcome),
         context.status if context.status is not None else "-",
         chosen or "-",
         context.attempt_count,
         ",".join(candidates) or "-",
         duration_ms,
         why,
-        extra=fields,
     )
+
+
+# serve's LineHandler, when serve installed it (LineHandler.install); the line skips the
+# LogRecord while nothing else could see it (_direct_handler).
+_installed: LineHandler | None = None
+
+
+def _direct_handler(level: int) -> LineHandler | None:
+    """serve's LineHandler when it is the only thing that would see this line: the
+    request logger and its parent without filters, the parent's one handler serve's, no
+    handler above it, the handler's level and filters letting it pass. Anything else (a
+    host's handlers, a filter, a formatter that reads the record's fields) gets the
+    LogRecord, as always."""
+    handler = _installed
+    if handler is None or logger.handlers or logger.filters or not logger.propagate:
+        return None
+    parent = handler.owner
+    if (
+        logger.parent is not parent
+        or parent.filters
+        or len(parent.handlers) != 1
+        or parent.handlers[0] is not handler
+        or (parent.propagate and logging.root.handlers)
+        or handler.filters
+        or level < handler.level
+        or not isinstance(handler.formatter, LineFormatter)
+        or not handler.formatter.direct
+    ):
+        return None
+    return handler
 
 
 # --- serve's writer -------------------------------------------------------------------
@@ -92,23 +147,44 @@ FLUSH_SECONDS = 0.1  # the longest a line waits in LineHandler's buffer
 FLUSH_LINES = 256  # or until this many are waiting
 
 
+# serve's line formats: the ones LineFormatter can also write without a LogRecord.
+SERVE_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+SERVE_FORMAT_PID = "%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s"
+
+
 class LineFormatter(logging.Formatter):
     """`logging.Formatter` with `asctime` computed once per second, not per line (the
-    same text: `%Y-%m-%d %H:%M:%S,mmm` in local time)."""
+    same text: `%Y-%m-%d %H:%M:%S,mmm` in local time). With one of serve's formats it
+    also writes a line from its parts (`line`), the text `format` gives for the record."""
 
     def __init__(self, fmt: str) -> None:
         super().__init__(fmt)
         self._second = -1
         self._prefix = ""
+        self.direct = fmt in (SERVE_FORMAT, SERVE_FORMAT_PID)
+        self._with_pid = fmt == SERVE_FORMAT_PID
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
         if datefmt is not None:
             return super().formatTime(record, datefmt)
-        second = int(record.created)
+        return self._time(record.created, record.msecs)
+
+    def _time(self, created: float, msecs: float) -> str:
+        second = int(created)
         if second != self._second:
             self._prefix = time.strftime("%Y-%m-%d %H:%M:%S", self.converter(second))
             self._second = second
-        return f"{self._prefix},{int(record.msecs):03d}"
+        return f"{self._prefix},{int(msecs):03d}"
+
+    def line(self, level: int, name: str, message: str, created: float) -> str:
+        """What `format` writes for a record of `name` at `level` with this message,
+        created at `created` (serve's formats only)."""
+        msecs = int((created - int(created)) * 1000) + 0.0  # as LogRecord computes it
+        stamp = self._time(created, msecs)
+        levelname = logging.getLevelName(level)
+        if self._with_pid:
+            return f"{stamp} {levelname} {name}[{os.getpid()}] {message}"
+        return f"{stamp} {levelname} {name} {message}"
 
 
 class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
@@ -124,6 +200,25 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
         self._pending: list[str] = []
         self._wake = threading.Event()
         self._writer: threading.Thread | None = None
+        self.owner = logging.getLogger("fallback_mw")
+
+    def install(self, owner: logging.Logger) -> None:
+        """Add this handler to `owner` (the `fallback_mw` logger) and let the request log
+        line reach it without a LogRecord while nothing else would see the line."""
+        global _installed
+        self.owner = owner
+        for quiet in [h for h in owner.handlers if isinstance(h, logging.NullHandler)]:
+            owner.removeHandler(quiet)  # it only kept logging's last resort away
+        owner.addHandler(self)
+        _installed = self
+
+    def write_line(self, level: int, message: str) -> None:
+        """The request line, as `emit` would write its record (serve's format)."""
+        formatter = self.formatter
+        assert isinstance(formatter, LineFormatter)
+        line = formatter.line(level, logger.name, message, time.time())
+        with self._locked():  # as Handler.handle holds it around emit
+            self._enqueue(line)
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -131,6 +226,9 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
         except Exception:
             self.handleError(record)
             return
+        self._enqueue(line)
+
+    def _enqueue(self, line: str) -> None:
         self._pending.append(line)  # under the handler's lock, as flush's swap
         if len(self._pending) >= FLUSH_LINES:
             self.flush()
