@@ -759,3 +759,44 @@ async def test_a_real_breaker_opening_shows_in_the_gauge(recorded: Recorded) -> 
     assert transitions[("tel-gauge-primary", "open")] == 1
     skips = recorded.points("gateway.skips")
     assert [pt.attributes["gateway.skip.reason"] for pt in skips] == ["breaker_open"]
+
+
+def test_without_an_attempt_span_only_what_the_context_holds_is_propagated() -> None:
+    """No SDK, no attempt span: the caller's headers pass unchanged when the OTel context
+    is empty; baggage a host app put in the context still goes upstream; a propagator
+    other than the W3C ones is always asked."""
+    from opentelemetry import baggage, propagate
+    from opentelemetry import context as otel_context
+
+    telemetry = Telemetry()
+    caller = [("traceparent", "00-caller-01"), ("accept", "*/*")]
+    headers = list(caller)
+    telemetry.inject_headers(headers)
+    assert headers == caller
+    token = otel_context.attach(baggage.set_baggage("tier", "gold"))
+    try:
+        headers = list(caller)
+        telemetry.inject_headers(headers)
+    finally:
+        otel_context.detach(token)
+    assert ("baggage", "tier=gold") in headers
+
+    class Constant(propagate.textmap.TextMapPropagator):  # type: ignore[misc]
+        def extract(self, carrier: Any, context: Any = None, getter: Any = None) -> Any:
+            return context
+
+        def inject(self, carrier: Any, context: Any = None, setter: Any = None) -> None:
+            carrier["x-sampled"] = "0"
+
+        @property
+        def fields(self) -> set[str]:
+            return {"x-sampled"}
+
+    previous = propagate.get_global_textmap()
+    propagate.set_global_textmap(Constant())
+    try:
+        headers = list(caller)
+        telemetry.inject_headers(headers)
+    finally:
+        propagate.set_global_textmap(previous)
+    assert ("x-sampled", "0") in headers

@@ -10,7 +10,10 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, propagate, trace
+from opentelemetry.baggage.propagation import W3CBaggagePropagator
+from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.propagators.textmap import TextMapPropagator
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
 
 from fallback_mw.request.context import AttemptRecord, RequestContext
@@ -48,6 +51,11 @@ _current_attempt: contextvars.ContextVar[AttemptTrace | None] = contextvars.Cont
 )
 
 
+# The global propagator, its field names as str and as header bytes, and whether it is
+# made of the W3C propagators only.
+_Propagation = tuple[TextMapPropagator, frozenset[str], frozenset[bytes], bool]
+_W3C_PROPAGATORS = (TraceContextTextMapPropagator, W3CBaggagePropagator)
+
 # Marks a request whose telemetry was finished: a second request_finished records nothing.
 _FINISHED = object()
 
@@ -74,7 +82,7 @@ class Telemetry:
         # With the global provider, spans are only recorded once an SDK is installed (serve
         # installs it after building the gateway): until then a request costs no span work.
         self._global_tracer = tracer_provider is None
-        self._propagation: tuple[TextMapPropagator, frozenset[str], frozenset[bytes]] | None = None
+        self._propagation: _Propagation | None = None
         tracer_provider = tracer_provider or trace.get_tracer_provider()
         meter_provider = meter_provider or metrics.get_meter_provider()
         self.meter_provider = meter_provider  # shared with the health state it reports on
@@ -294,8 +302,10 @@ class Telemetry:
         caller's context passes through unchanged."""
         try:
             entry = _current_attempt.get()
+            propagator, fields, _, quiet = self._propagation_fields()
+            if entry is None and quiet and not otel_context.get_current():
+                return  # no span, no baggage: W3C propagators would write nothing
             ctx = entry.context if entry is not None else None
-            propagator, fields, _ = self._propagation_fields()
             carrier: dict[str, str] = {}
             propagator.inject(carrier, context=ctx)
             if not carrier and entry is None:
@@ -336,14 +346,21 @@ class Telemetry:
 
     # --- internals --------------------------------------------------------------------
 
-    def _propagation_fields(self) -> tuple[TextMapPropagator, frozenset[str], frozenset[bytes]]:
-        """The global propagator and its field names (as str and header bytes), computed
-        again only when another propagator is installed."""
+    def _propagation_fields(self) -> _Propagation:
+        """The global propagator, its field names (as str and header bytes) and whether
+        it is made of the W3C propagators only (which inject nothing from an empty
+        context), computed again only when another propagator is installed."""
         propagator = propagate.get_global_textmap()
         cached = self._propagation
         if cached is None or cached[0] is not propagator:
             names = frozenset(f.lower() for f in propagator.fields)
-            cached = (propagator, names, frozenset(n.encode("latin-1") for n in names))
+            parts = (
+                getattr(propagator, "_propagators", None)
+                if type(propagator) is CompositePropagator
+                else (propagator,)
+            )
+            quiet = parts is not None and all(type(p) in _W3C_PROPAGATORS for p in parts)
+            cached = (propagator, names, frozenset(n.encode("latin-1") for n in names), quiet)
             self._propagation = cached
         return cached
 
