@@ -204,6 +204,9 @@ def run_server(
                 lifespan="on",
                 # uvicorn's access log prints query strings; our request log line replaces it.
                 access_log=False,
+                # The gateway reads neither the client address nor the scheme: uvicorn's
+                # rewrite of them from X-Forwarded-* is work nothing uses.
+                proxy_headers=False,
                 **options,
             )
         )

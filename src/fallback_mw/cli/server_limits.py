@@ -186,20 +186,17 @@ class _NoTrailersAsHeaders:
     """For uvicorn's httptools protocol, whose parser reports a chunked body's trailer
     fields through the same `on_header` callback as the head: appended to the request's
     header list, they would reach the app (and an upstream) as if they were headers.
-    Trailers are dropped instead (uvicorn's h11 protocol ignores them too)."""
+    Trailers are dropped instead (uvicorn's h11 protocol ignores them too): once the head
+    is parsed (the scope holds its list), `on_header` appends to a list nobody reads, and
+    the next request's `on_message_begin` starts a new one. Nothing runs per header."""
 
-    def on_message_begin(self) -> None:
-        self._head_parsed = False
-        super().on_message_begin()  # type: ignore[misc]
+    headers: list[tuple[bytes, bytes]]
+    parser: Any
 
     def on_headers_complete(self) -> None:
-        self._head_parsed = True
         super().on_headers_complete()  # type: ignore[misc]
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if getattr(self, "_head_parsed", False):
-            return  # a trailer field
-        super().on_header(name, value)  # type: ignore[misc]
+        if not self.parser.should_upgrade():  # an upgrade reads the head's list afterwards
+            self.headers = []
 
 
 def guarded_protocol(base: type[asyncio.Protocol], settings: GatewaySettings) -> type[Any]:

@@ -1,0 +1,211 @@
+"""Instructions per request, counted by valgrind's callgrind: a measure that does not move
+with the machine's load, for changes smaller than the CPU-time spread of `run.py` and
+`ab.py` (±10-15 % on a shared machine, more on a busy one).
+
+    .venv/bin/python benchmarks/instructions.py serve [--requests 1000] [--base SRC]
+    .venv/bin/python benchmarks/instructions.py layers healthy,log [--base SRC]
+
+`serve`: the floor (bare uvicorn + aiohttp) and `fallback-mw serve` (healthy, and every
+request failing over) run under callgrind in front of the nginx mock upstreams; after a
+warm-up the counters are zeroed, `--requests` requests are sent (8 at a time, from a
+client outside valgrind), and the count is read from the dump: every thread of the
+server process, the event loop and the log writer included. `layers`: `layers.py` rows
+in process, each run twice (500 and 1,500 timed requests) and the difference divided by
+1,000, so start-up and imports cancel out. `--base SRC` counts another source tree
+beside this one (as `ab.py`), with `PYTHONHASHSEED=0` in every run. Under callgrind a
+process runs some 50x slower: `serve` takes about five minutes, a layers row two.
+
+Instructions are not time (a cache miss or a system call costs more than its count), so
+this is for A/B of Python-level changes; `run.py` keeps the CPU-time numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import procs
+import run
+
+HERE = Path(__file__).resolve().parent
+BODY = (
+    b'{"model":"gpt-4o-mini","messages":[{"role":"user","content":"Say hello."}],"max_tokens":16}'
+)
+HEADERS = {"content-type": "application/json", "authorization": "Bearer caller-key"}
+START_SECONDS = 300  # imports under callgrind are slow
+
+
+def callgrind(out: Path) -> list[str]:
+    return ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--dump-line=no"]
+
+
+def start(
+    tree: procs.Tree, name: str, command: list[str], env: dict[str, str]
+) -> tuple[subprocess.Popen[bytes], int, Path]:
+    port = procs.free_port()
+    out = tree.workdir / f"{name}.callgrind"
+    log = tree.workdir / f"{name}.log"
+    command = [part.replace("{port}", str(port)) for part in command]
+    with log.open("wb") as sink:
+        process = subprocess.Popen(
+            [*callgrind(out), *command],
+            env={**os.environ, "PYTHONHASHSEED": "0", **env},
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=procs.die_with_parent,
+        )
+    return process, port, out
+
+
+def wait_listening(process: subprocess.Popen[bytes], port: int, name: str) -> None:
+    deadline = time.monotonic() + START_SECONDS
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{name} exited ({process.returncode})")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError(f"{name} did not listen within {START_SECONDS} s")
+
+
+async def drive(url: str, count: int) -> None:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        gate = asyncio.Semaphore(8)
+
+        async def one() -> None:
+            async with gate, session.post(url, data=BODY, headers=HEADERS) as response:
+                await response.read()
+                if response.status != 200:
+                    raise RuntimeError(f"{url} answered {response.status}")
+
+        await asyncio.gather(*(one() for _ in range(count)))
+
+
+def counted(process: subprocess.Popen[bytes], out: Path, url: str, count: int) -> float:
+    """Instructions per request for `count` requests to `url` (counters zeroed first)."""
+    subprocess.run(["callgrind_control", "-z", str(process.pid)], capture_output=True, check=True)
+    asyncio.run(drive(url, count))
+    before = set(out.parent.glob(out.name + "*"))
+    subprocess.run(["callgrind_control", "-d", str(process.pid)], capture_output=True, check=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for dump in set(out.parent.glob(out.name + "*")) - before:
+            for line in dump.read_text(errors="replace").splitlines():
+                if line.startswith(("summary:", "totals:")):
+                    return int(line.split()[1]) / count
+        time.sleep(0.5)
+    raise RuntimeError("callgrind wrote no dump")
+
+
+def serve_arms(args: argparse.Namespace) -> int:
+    wrk, nginx = procs.ensure_tools()
+    del wrk
+    tree = procs.Tree(Path(tempfile.mkdtemp(prefix="fmw-instr-")))
+    try:
+        upstream, backup, failing = procs.start_nginx(tree, nginx, 8)
+        config = tree.workdir / "gateway.toml"
+        config.write_text(run.gateway_config(upstream.port, backup, failing))
+        serve = [
+            sys.executable,
+            "-m",
+            "fallback_mw",
+            "serve",
+            "--config",
+            str(config),
+            "--port",
+            "{port}",
+        ]
+        floor = [
+            sys.executable, "-m", "uvicorn", "floor:app", "--app-dir", str(HERE),
+            "--host", "127.0.0.1", "--port", "{port}", "--no-access-log", "--lifespan", "off",
+            "--log-level", "warning", *procs.uvicorn_options(),
+        ]  # fmt: skip
+        servers = {"floor": start(tree, "floor", floor, {"FLOOR_UPSTREAM": upstream.url()})}
+        key = {"BENCH_KEY": "bench-upstream-key"}
+        if args.base is not None:
+            servers["base"] = start(tree, "base", serve, {**key, "PYTHONPATH": str(args.base)})
+        servers["this"] = start(tree, "this", serve, key)
+        for name, (process, port, _) in servers.items():
+            wait_listening(process, port, name)
+        arms: list[tuple[str, str, str]] = [("floor", "floor", run.CHAT)]
+        for name in servers:
+            if name != "floor":
+                arms += [
+                    (f"healthy ({name})", name, run.CHAT),
+                    (f"failover ({name})", name, "/fo" + run.CHAT),
+                ]
+        for _, name, path in arms:  # warm-up: pools, caches, first-call work
+            asyncio.run(drive(f"http://127.0.0.1:{servers[name][1]}{path}", 100))
+        results: dict[str, float] = {}
+        for arm, name, path in arms:
+            process, port, out = servers[name]
+            results[arm] = counted(process, out, f"http://127.0.0.1:{port}{path}", args.requests)
+        floor_count = results["floor"]
+        print(f"instructions per request (callgrind, {args.requests} requests, 8 at a time)")
+        for arm, value in results.items():
+            print(f"  {arm:<18} {value / 1000:8.0f}k  {value / floor_count:5.2f}x floor")
+    finally:
+        tree.close()
+    return 0
+
+
+def layer_rows(args: argparse.Namespace) -> int:
+    trees = [("base", str(args.base))] if args.base is not None else []
+    trees.append(("this", ""))
+    print("instructions per request in process (callgrind, 1500 - 500 requests)")
+    for row in args.rows.split(","):
+        for name, path in trees:
+            counts = []
+            for requests in (500, 1500):
+                command = [
+                    *callgrind(Path(os.devnull)), sys.executable, str(HERE / "layers.py"),
+                    "--only", row, "--rounds", "1", "--warmup", "100", "--requests", str(requests),
+                ]  # fmt: skip
+                env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": path}
+                done = subprocess.run(command, env=env, capture_output=True, text=True)
+                found = [ln for ln in done.stderr.splitlines() if "Collected :" in ln]
+                if done.returncode != 0 or not found:
+                    print(
+                        f"layers.py --only {row} failed:\n{done.stderr[-3000:]}",
+                        file=sys.stderr,
+                    )
+                    return 1
+                counts.append(int(found[-1].split(":")[-1]))
+            print(f"  {row:<10} {name:<5} {(counts[1] - counts[0]) / 1000 / 1000:8.0f}k")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    serve = sub.add_parser("serve", help="the floor and serve, healthy and failing over")
+    serve.add_argument("--requests", type=run.at_least(10), default=1000)
+    layers = sub.add_parser("layers", help="layers.py rows, in process")
+    layers.add_argument("rows", help="comma-separated layers.py row names")
+    for each in (serve, layers):
+        each.add_argument("--base", type=Path, help="another tree's src directory, counted beside")
+    args = parser.parse_args()
+    if args.base is not None and not (args.base / "fallback_mw" / "__init__.py").exists():
+        print(f"instructions: {args.base} holds no fallback_mw package", file=sys.stderr)
+        return 2
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        print("instructions: needs valgrind (Debian: apt-get install valgrind)", file=sys.stderr)
+        return 3
+    return serve_arms(args) if args.what == "serve" else layer_rows(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
