@@ -74,3 +74,45 @@ async def test_a_response_dropped_without_aclose_gives_its_slot_back(engine: str
         finally:
             await client.aclose()
     assert server.count == 2
+
+
+@pytest.mark.anyio
+async def test_an_unread_body_that_has_arrived_gives_its_connection_back() -> None:
+    """A failover status's short body, never read (the walk moves on), came with its head:
+    aiohttp has put the connection back in the pool by the time the walk closes the
+    response, and the next attempt reuses it. A body still arriving closes it."""
+    from aiohttp import web
+
+    peers: list[object] = []
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        peers.append(request.transport.get_extra_info("peername") if request.transport else None)
+        if request.path == "/short":
+            return web.Response(status=503, body=b"overloaded")
+        response = web.StreamResponse(status=503)
+        response.content_length = 1_000_000
+        await response.prepare(request)
+        await response.write(b"x" * 1000)
+        await asyncio.sleep(0.5)  # the rest never comes before the client gives up
+        return response
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", handle)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    client = AiohttpClient(allow_hosts=("127.0.0.1",))
+    timeouts = Timeouts(connect=5.0, first_byte=5.0, idle=5.0)
+    try:
+        for path in ("/short", "/short", "/short", "/long", "/short"):
+            response = await client.send(UpstreamRequest("GET", base + path, [], b"", timeouts))
+            assert response.status == 503
+            await asyncio.sleep(0.05)  # a short body is in by now; a long one is not
+            await response.aclose()
+    finally:
+        await client.aclose()
+        await runner.cleanup()
+    assert peers[0] == peers[1] == peers[2] == peers[3]  # one connection, reused
+    assert peers[4] != peers[3]  # the half-read body's connection was closed
