@@ -6,8 +6,11 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from fallback_mw import Gateway
+from fallback_mw.layers.resolver import _headers
 from tests.upstreams import host_app, serve_asgi, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
@@ -59,3 +62,32 @@ def test_requested_deadline_parsing_is_strict_and_bounded() -> None:
     assert requested_deadline_ms("٣") is None
     assert requested_deadline_ms("1" * 5000) is None  # longer than any deadline: no shortening
     assert requested_deadline_ms("-1") is None
+
+
+_NAMES = (b"x-tenant-id", b"x-session-id", b"x-gateway-deadline-ms")
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([*_NAMES, b"X-Tenant-ID", b"X-Gateway-Deadline-MS", b"accept"]),
+            st.binary(max_size=12),
+        ),
+        max_size=8,
+    ),
+    st.sampled_from([_NAMES, (b"x-tenant-id", b"x-tenant-id", b"x-gateway-deadline-ms")]),
+)
+def test_the_resolver_reads_each_header_as_the_first_field_of_that_name(
+    headers: list[tuple[bytes, bytes]], names: tuple[bytes, ...]
+) -> None:
+    """One pass for the tenant, the session and the deadline: each is the first field of
+    its name (any case), stripped, None when absent or empty; one name asked twice (the
+    tenant and session headers configured alike) gets the same answer twice."""
+
+    def first(name: bytes) -> str | None:
+        for key, value in headers:
+            if key.lower() == name:
+                return value.decode("latin-1").strip() or None
+        return None
+
+    assert _headers({"headers": headers}, names) == [first(name) for name in names]

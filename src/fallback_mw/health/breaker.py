@@ -84,9 +84,9 @@ class Breaker:
             if faulted:
                 self.last_fault = fault
             calls = len(self.outcomes)
-            failures = sum(1 for o in self.outcomes if o)
+            failures = calls - self.outcomes.count(0)  # deque.count: no Python loop
             if calls >= self.config.min_calls and failures / calls >= self.config.failure_rate:
-                by_fault = sum(1 for o in self.outcomes if o == 2) / calls
+                by_fault = self.outcomes.count(2) / calls
                 self._open(now, self.base_cooldown)
                 self.fault = self.last_fault if by_fault >= self.config.failure_rate else None
                 return "opened"

@@ -37,12 +37,19 @@ def requested_deadline_ms(text: str | None) -> int | None:
     return value if value > 0 else None
 
 
-def _header(scope: Scope, name: bytes) -> str | None:
+def _headers(scope: Scope, names: tuple[bytes, ...]) -> list[str | None]:
+    """The first value of each named header (stripped, None when absent or empty), in one
+    pass over the request's headers."""
+    found: list[str | None] = [None] * len(names)
+    seen = [False] * len(names)
     for key, value in scope.get("headers", ()):
-        if key.lower() == name:
-            text: str = value.decode("latin-1").strip()
-            return text or None
-    return None
+        lower = key.lower()
+        if lower in names:
+            for index, name in enumerate(names):
+                if name == lower and not seen[index]:
+                    seen[index] = True
+                    found[index] = value.decode("latin-1").strip() or None
+    return found
 
 
 class RouteResolver:
@@ -61,6 +68,8 @@ class RouteResolver:
         self.table = table or (lambda: static)
         self.tenant_header = config.gateway.tenant_header.encode()
         self.session_header = config.gateway.session_header.encode()
+        # Read in one pass per request: the tenant, the session, the caller's deadline.
+        self.read_headers = (self.tenant_header, self.session_header, b"x-gateway-deadline-ms")
         # SPEC §12 `strip_headers` / `strip_query_keys`: caller credentials beyond §4's list.
         self.strip_headers = frozenset(
             canonical_name(name.encode("latin-1", "replace"))
@@ -85,7 +94,8 @@ class RouteResolver:
         raw_path = raw_path.split("?", 1)[0]
         path = normalise_path(raw_path)
         table = self.table()
-        tenant = _header(scope, self.tenant_header) or "default"
+        tenant_text, session, deadline_text = _headers(scope, self.read_headers)
+        tenant = tenant_text or "default"
         method = scope["method"].upper()
         route, refused = table.resolve(method, path, tenant) if path else (None, None)
         if route is None and refused is None:
@@ -93,7 +103,7 @@ class RouteResolver:
             return
         route = route or refused
         assert route is not None
-        requested = requested_deadline_ms(_header(scope, b"x-gateway-deadline-ms"))
+        requested = requested_deadline_ms(deadline_text)
         deadline_ms = effective_deadline_ms(route, self.default_deadline_ms, requested)
         assert path is not None
         context = RequestContext(
@@ -101,7 +111,7 @@ class RouteResolver:
             upstreams=table.upstreams,
             upstream_auth_headers=table.auth_headers | self.strip_headers,
             tenant=tenant,
-            session=_header(scope, self.session_header),
+            session=session,
             method=method,
             path=path,
             query=strip_query_keys(scope.get("query_string", b""), self.strip_query_keys),
