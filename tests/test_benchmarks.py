@@ -149,3 +149,15 @@ def test_ab_benchmark_refuses_a_tree_without_the_package(tmp_path: Path) -> None
     result = script(AB, str(tmp_path), timeout=60)
     assert result.returncode == 2
     assert "holds no fallback_mw package" in result.stderr
+
+
+INSTRUCTIONS = RUN.parent / "instructions.py"
+
+
+@pytest.mark.parametrize("what", [["serve"], ["layers", "healthy"]])
+def test_instruction_count_refuses_a_tree_without_the_package(
+    tmp_path: Path, what: list[str]
+) -> None:
+    result = script(INSTRUCTIONS, *what, "--base", str(tmp_path), timeout=60)
+    assert result.returncode == 2
+    assert "holds no fallback_mw package" in result.stderr
