@@ -800,3 +800,49 @@ def test_without_an_attempt_span_only_what_the_context_holds_is_propagated() -> 
     finally:
         propagate.set_global_textmap(previous)
     assert ("x-sampled", "0") in headers
+
+
+GLOBAL_PROVIDER_LATER = """
+import time
+from opentelemetry import metrics
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from fallback_mw.config import RouteConfig
+from fallback_mw.request.context import AttemptRecord, RequestContext
+from fallback_mw.telemetry import Telemetry
+
+def one_request(telemetry):
+    route = RouteConfig(id="chat", prefix="/v1/", plan=("primary",))
+    context = RequestContext(route=route, upstreams={}, tenant="t", session=None,
+                             method="GET", path="/v1/x", query=b"", deadline=time.monotonic() + 5)
+    telemetry.request_started(context)
+    record = AttemptRecord(candidate="primary", number=1, server_address="h", status=200)
+    context.attempts.append(record)
+    telemetry.attempt_started(context, record)
+    telemetry.attempt_finished(context, record)
+    context.chosen, context.status, context.completed = "primary", 200, True
+    telemetry.request_finished(context)
+
+telemetry = Telemetry()  # the global provider: none installed yet (serve's order)
+one_request(telemetry)  # goes nowhere, raises nothing
+reader = InMemoryMetricReader()
+metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+one_request(telemetry)
+names = {m.name: sum(p.value for p in m.data.data_points if hasattr(p, "value"))
+         for rm in reader.get_metrics_data().resource_metrics
+         for sm in rm.scope_metrics for m in sm.metrics}
+print(names.get("gateway.requests"), names.get("gateway.attempts"))
+"""
+
+
+def test_recordings_start_once_an_sdk_is_installed_after_the_gateway_is_built() -> None:
+    """serve builds the gateway, then installs the SDK: recordings made before go nowhere
+    (and skip their attribute work), every one after is counted."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", GLOBAL_PROVIDER_LATER], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1", "1"], done.stdout

@@ -61,7 +61,10 @@ class BudgetStatus:
         )
 
 
-@dataclass(frozen=True, slots=True)
+# The per-request records below are built on every routed request (the usage record):
+# plain slotted dataclasses, not frozen ones, whose __init__ costs several times more
+# (object.__setattr__ per field). Nothing changes them once built.
+@dataclass(slots=True)
 class AttemptOutcome:
     """One candidate as this request met it: attempted (status / failure kind) or skipped."""
 
@@ -100,7 +103,7 @@ class AttemptOutcome:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class UsageRecord:
     """What one routed request cost and who served it. Names, numbers and codes only:
     never a body, header value, credential or query string."""

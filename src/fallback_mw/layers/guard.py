@@ -15,6 +15,7 @@ hold."""
 from __future__ import annotations
 
 import logging
+import time
 from decimal import Decimal
 
 import anyio
@@ -179,8 +180,6 @@ async def _refuse(send: Send, context: RequestContext, code: str) -> None:
 def _usage_record(
     context: RequestContext, cost: Decimal | None, charged: Decimal | None
 ) -> UsageRecord:
-    import time
-
     attempts = [
         AttemptOutcome(
             candidate=a.candidate, status=a.status, failure=a.failure_kind, fault=a.fault

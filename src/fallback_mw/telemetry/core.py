@@ -6,7 +6,7 @@ import contextlib
 import contextvars
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, propagate, trace
@@ -88,7 +88,7 @@ class Telemetry:
         self.meter_provider = meter_provider  # shared with the health state it reports on
         self._tracer = tracer_provider.get_tracer(INSTRUMENTATION_NAME, version)
         meter = meter_provider.get_meter(INSTRUMENTATION_NAME, version)
-        self._m = Instruments(meter)
+        self._m = Instruments(meter, idle=_unset_global_meter_provider(meter_provider))
         # This gateway's breakers (its own health state reports to it): no process globals,
         # so two Gateways in one process keep separate gauges.
         self._breaker_states: dict[str, str] = {}
@@ -466,6 +466,21 @@ class _RequestScope:
 
 
 _NOT_OURS = contextlib.nullcontext()
+
+
+def _unset_global_meter_provider(provider: metrics.MeterProvider) -> Callable[[], bool]:
+    """For instruments made from the global meter provider while none is installed (the
+    OTel API's proxy): whether that is still so. Until an SDK is installed, a recording
+    goes nowhere, so the per-request attribute work is skipped. Any other provider: never
+    idle. (The proxy is recognised by its class name: should the API rename it, every
+    recording is made, as before.)"""
+    if type(provider).__name__ != "_ProxyMeterProvider":
+        return _never
+    return lambda: metrics.get_meter_provider() is provider
+
+
+def _never() -> bool:
+    return False
 
 
 def _genai(

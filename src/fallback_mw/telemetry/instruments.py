@@ -5,6 +5,7 @@ are gateway facts only: labels, counts, status codes, failure kinds."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from opentelemetry import metrics
 from opentelemetry.util.types import AttributeValue
@@ -15,8 +16,15 @@ from fallback_mw.telemetry.redact import label
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
+def _never() -> bool:
+    return False
+
+
 class Instruments:
-    def __init__(self, meter: metrics.Meter) -> None:
+    def __init__(self, meter: metrics.Meter, *, idle: Callable[[], bool] = _never) -> None:
+        # True while the recordings go nowhere (no SDK installed yet): the per-request
+        # recordings then skip building their attributes.
+        self.idle = idle
         self.requests = meter.create_counter(
             "gateway.requests", unit="{request}", description="Routed requests, by outcome"
         )
@@ -63,6 +71,8 @@ class Instruments:
         )
 
     def attempt(self, context: RequestContext, record: AttemptRecord, kind: str | None) -> None:
+        if self.idle():
+            return
         metric: dict[str, AttributeValue] = {
             "gateway.route.id": label(context.route.id),
             "gateway.candidate": label(record.candidate),
@@ -87,6 +97,8 @@ class Instruments:
         fault: bool,
         duration: float,
     ) -> None:
+        if self.idle():
+            return
         route_id = label(context.route.id)
         common: dict[str, AttributeValue] = {
             "gateway.route.id": route_id,
