@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import free_port, log_text, serve_process, wait_listening
-from tests.upstreams import status_handler, upstream
+from tests.upstreams import Upstream, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
 
@@ -78,19 +79,26 @@ async def test_twenty_8mib_heads_add_under_50mb_to_serve_and_reach_no_upstream(
     assert (peak - before) / 1024 < 50, f"serve grew {(peak - before) / 1024:.1f} MiB"
 
 
-async def test_serve_answers_a_slow_head_with_408_and_sends_no_server_header(
-    tmp_path: Path,
-) -> None:
+@contextlib.asynccontextmanager
+async def serving_with_half_second_heads(tmp_path: Path) -> AsyncIterator[tuple[Upstream, int]]:
+    """A serve process with `header_timeout_ms = 500` in front of an upstream answering 200."""
     async with upstream(status_handler(200, b"ok")) as primary:
         port = free_port()
         log = tmp_path / "serve.log"
         config = write_config(tmp_path, primary.url, "header_timeout_ms = 500")
         with serve_process(config, port, log) as process:
             await wait_listening(process, port, log)
-            slow = await exchange(port, b"GET /v1/x HTTP/1.1\r\nhost: gw\r\n")  # no end
-            normal = await exchange(
-                port, b"GET /v1/x HTTP/1.1\r\nhost: gw\r\nconnection: close\r\n\r\n"
-            )
+            yield primary, port
+
+
+async def test_serve_answers_a_slow_head_with_408_and_sends_no_server_header(
+    tmp_path: Path,
+) -> None:
+    async with serving_with_half_second_heads(tmp_path) as (primary, port):
+        slow = await exchange(port, b"GET /v1/x HTTP/1.1\r\nhost: gw\r\n")  # no end
+        normal = await exchange(
+            port, b"GET /v1/x HTTP/1.1\r\nhost: gw\r\nconnection: close\r\n\r\n"
+        )
     assert slow.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in slow
     assert normal.startswith(b"HTTP/1.1 200")
     head = normal.split(b"\r\n\r\n", 1)[0].lower()
@@ -104,24 +112,19 @@ async def test_a_later_head_on_a_kept_alive_connection_gets_its_whole_header_tim
 ) -> None:
     """The head timer is one per connection, armed at its start: a second head that starts
     0.3 s later still gets its full 0.5 s, not what was left of the first one's."""
-    async with upstream(status_handler(200, b"ok")) as primary:
-        port = free_port()
-        log = tmp_path / "serve.log"
-        config = write_config(tmp_path, primary.url, "header_timeout_ms = 500")
-        with serve_process(config, port, log) as process:
-            await wait_listening(process, port, log)
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            try:
-                writer.write(b"GET /v1/x HTTP/1.1\r\nhost: gw\r\n\r\n")
-                first = await asyncio.wait_for(reader.readuntil(b"ok"), 10)
-                await asyncio.sleep(0.3)
-                loop = asyncio.get_running_loop()
-                started = loop.time()
-                writer.write(b"GET /v1/x HTTP/1.1\r\nhost: gw\r\n")  # never ends
-                second = await asyncio.wait_for(reader.read(), 10)
-                waited = loop.time() - started
-            finally:
-                writer.transport.abort()
+    async with serving_with_half_second_heads(tmp_path) as (primary, port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(b"GET /v1/x HTTP/1.1\r\nhost: gw\r\n\r\n")
+            first = await asyncio.wait_for(reader.readuntil(b"ok"), 10)
+            await asyncio.sleep(0.3)
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            writer.write(b"GET /v1/x HTTP/1.1\r\nhost: gw\r\n")  # never ends
+            second = await asyncio.wait_for(reader.read(), 10)
+            waited = loop.time() - started
+        finally:
+            writer.transport.abort()
     assert first.startswith(b"HTTP/1.1 200"), first[:80]
     assert second.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in second, second[:80]
     assert 0.45 <= waited < 3, f"the second head was refused after {waited:.2f} s"
