@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -45,38 +44,6 @@ START_SECONDS = 300  # imports under callgrind are slow
 
 def callgrind(out: Path) -> list[str]:
     return ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--dump-line=no"]
-
-
-def start(
-    tree: procs.Tree, name: str, command: list[str], env: dict[str, str]
-) -> tuple[subprocess.Popen[bytes], int, Path]:
-    port = procs.free_port()
-    out = tree.workdir / f"{name}.callgrind"
-    log = tree.workdir / f"{name}.log"
-    command = [part.replace("{port}", str(port)) for part in command]
-    with log.open("wb") as sink:
-        process = subprocess.Popen(
-            [*callgrind(out), *command],
-            env={**os.environ, "PYTHONHASHSEED": "0", **env},
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            preexec_fn=procs.die_with_parent,
-        )
-    return process, port, out
-
-
-def wait_listening(process: subprocess.Popen[bytes], port: int, name: str) -> None:
-    deadline = time.monotonic() + START_SECONDS
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{name} exited ({process.returncode})")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return
-        except OSError:
-            time.sleep(0.5)
-    raise RuntimeError(f"{name} did not listen within {START_SECONDS} s")
 
 
 async def drive(url: str, count: int) -> None:
@@ -111,35 +78,27 @@ def counted(process: subprocess.Popen[bytes], out: Path, url: str, count: int) -
 
 
 def serve_arms(args: argparse.Namespace) -> int:
+    os.environ["PYTHONHASHSEED"] = "0"  # inherited by every server: the same dict layouts
     wrk, nginx = procs.ensure_tools()
     del wrk
     tree = procs.Tree(Path(tempfile.mkdtemp(prefix="fmw-instr-")))
     try:
         upstream, backup, failing = procs.start_nginx(tree, nginx, 8)
-        config = tree.workdir / "gateway.toml"
-        config.write_text(run.gateway_config(upstream.port, backup, failing))
-        serve = [
-            sys.executable,
-            "-m",
-            "fallback_mw",
-            "serve",
-            "--config",
-            str(config),
-            "--port",
-            "{port}",
-        ]
-        floor = [
-            sys.executable, "-m", "uvicorn", "floor:app", "--app-dir", str(HERE),
-            "--host", "127.0.0.1", "--port", "{port}", "--no-access-log", "--lifespan", "off",
-            "--log-level", "warning", *procs.uvicorn_options(),
-        ]  # fmt: skip
-        servers = {"floor": start(tree, "floor", floor, {"FLOOR_UPSTREAM": upstream.url()})}
-        key = {"BENCH_KEY": "bench-upstream-key"}
+        config = run.gateway_config(upstream.port, backup, failing)
+        outs = {name: tree.workdir / f"{name}.callgrind" for name in ("floor", "base", "this")}
+        servers = {
+            "floor": procs.start_floor(tree, upstream.url(), wrap=callgrind(outs["floor"]), wait=0)
+        }
         if args.base is not None:
-            servers["base"] = start(tree, "base", serve, {**key, "PYTHONPATH": str(args.base)})
-        servers["this"] = start(tree, "this", serve, key)
-        for name, (process, port, _) in servers.items():
-            wait_listening(process, port, name)
+            servers["base"] = procs.start_gateway(
+                tree, "base", config, {"PYTHONPATH": str(args.base)},
+                wrap=callgrind(outs["base"]), wait=0,
+            )  # fmt: skip
+        servers["this"] = procs.start_gateway(
+            tree, "this", config, wrap=callgrind(outs["this"]), wait=0
+        )
+        for child in servers.values():  # started side by side: imports under callgrind are slow
+            tree.listening(child, START_SECONDS)
         arms: list[tuple[str, str, str]] = [("floor", "floor", run.CHAT)]
         for name in servers:
             if name != "floor":
@@ -148,11 +107,11 @@ def serve_arms(args: argparse.Namespace) -> int:
                     (f"failover ({name})", name, "/fo" + run.CHAT),
                 ]
         for _, name, path in arms:  # warm-up: pools, caches, first-call work
-            asyncio.run(drive(f"http://127.0.0.1:{servers[name][1]}{path}", 100))
+            asyncio.run(drive(servers[name].url(path), 100))
         results: dict[str, float] = {}
         for arm, name, path in arms:
-            process, port, out = servers[name]
-            results[arm] = counted(process, out, f"http://127.0.0.1:{port}{path}", args.requests)
+            child = servers[name]
+            results[arm] = counted(child.process, outs[name], child.url(path), args.requests)
         floor_count = results["floor"]
         print(f"instructions per request (callgrind, {args.requests} requests, 8 at a time)")
         for arm, value in results.items():

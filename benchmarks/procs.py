@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -95,7 +96,11 @@ class Tree:
     workdir: Path
     children: list[Child] = field(default_factory=list)
 
-    def start(self, name: str, command: list[str], port: int, env: dict[str, str]) -> Child:
+    def start(
+        self, name: str, command: list[str], port: int, env: dict[str, str], wait: float = 30
+    ) -> Child:
+        """Start `command`; wait up to `wait` seconds for its port (0: return at once, then
+        `listening(child, seconds)`)."""
         log = self.workdir / f"{name}.log"
         with log.open("wb") as out:
             process = subprocess.Popen(
@@ -108,18 +113,26 @@ class Tree:
             )
         child = Child(name, process, port, log)
         self.children.append(child)
-        deadline = time.monotonic() + 30
+        if wait:
+            self.listening(child, wait)
+        return child
+
+    def listening(self, child: Child, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
-            if process.poll() is not None:
+            if child.process.poll() is not None:
                 raise RuntimeError(
-                    f"{name} exited ({process.returncode}):\n{log.read_text()[-3000:]}"
+                    f"{child.name} exited ({child.process.returncode}):\n"
+                    f"{child.log.read_text()[-3000:]}"
                 )
             try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                return child
+                socket.create_connection(("127.0.0.1", child.port), timeout=0.2).close()
+                return
             except OSError:
                 time.sleep(0.05)
-        raise RuntimeError(f"{name} never opened port {port}:\n{log.read_text()[-3000:]}")
+        raise RuntimeError(
+            f"{child.name} never opened port {child.port}:\n{child.log.read_text()[-3000:]}"
+        )
 
     def stop(self, child: Child) -> None:
         if child.process.poll() is None:
@@ -212,23 +225,34 @@ def uvicorn_options() -> list[str]:
     return ["--loop", options["loop"], "--http", options["http"]]
 
 
-def start_floor(tree: Tree, upstream: str) -> Child:
+def start_floor(tree: Tree, upstream: str, *, wrap: Sequence[str] = (), wait: float = 30) -> Child:
+    """The floor; `wrap` goes in front of the command (e.g. valgrind), `wait` as Tree.start."""
     port = free_port()
     command = [
-        sys.executable, "-m", "uvicorn", "floor:app", "--app-dir", str(HERE),
+        *wrap, sys.executable, "-m", "uvicorn", "floor:app", "--app-dir", str(HERE),
         "--host", "127.0.0.1", "--port", str(port), "--no-access-log",
         "--lifespan", "off", "--log-level", "warning", *uvicorn_options(),
     ]  # fmt: skip
-    return tree.start("floor", command, port, {**os.environ, "FLOOR_UPSTREAM": upstream})
+    env = {**os.environ, "FLOOR_UPSTREAM": upstream}
+    return tree.start("floor", command, port, env, wait)
 
 
 def start_gateway(
-    tree: Tree, name: str, config: str, env: dict[str, str] | None = None, workers: int = 1
+    tree: Tree,
+    name: str,
+    config: str,
+    env: dict[str, str] | None = None,
+    workers: int = 1,
+    *,
+    wrap: Sequence[str] = (),
+    wait: float = 30,
 ) -> Child:
+    """`fallback-mw serve` with `config`; `wrap` and `wait` as start_floor."""
     port = free_port()
     path = tree.workdir / f"{name}.toml"
     path.write_text(config)
     command = [
+        *wrap,
         sys.executable,
         "-m",
         "fallback_mw",
@@ -241,7 +265,7 @@ def start_gateway(
         str(workers),
     ]
     environment = {**os.environ, "BENCH_KEY": "bench-upstream-key", **(env or {})}
-    return tree.start(name, command, port, environment)
+    return tree.start(name, command, port, environment, wait)
 
 
 def rss_kib(pid: int) -> dict[str, int]:
