@@ -14,6 +14,7 @@ hold."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from decimal import Decimal
@@ -63,11 +64,8 @@ class BudgetGuard:
         if context is None:
             await self.app(scope, receive, send)
             return
-        if self.telemetry is None or context.trace is not None:
-            await self._guarded(scope, receive, send, context)  # the resolver owns the span
-            return
-        # Used alone: traced like the resolver's refusals.
-        with self.telemetry.request(context, scope.get("headers", ())):
+        # Traced like the resolver's refusals (a no-op when the resolver owns the span).
+        with self._traced(context, scope):
             await self._guarded(scope, receive, send, context)
 
     async def _guarded(
@@ -106,6 +104,13 @@ class BudgetGuard:
                     await self._settle(ledger, context, hold)
             else:
                 await self._settle(ledger, context, hold)
+
+    def _traced(
+        self, context: RequestContext, scope: Scope
+    ) -> contextlib.AbstractContextManager[None]:
+        if self.telemetry is None:
+            return contextlib.nullcontext()
+        return self.telemetry.request(context, scope.get("headers", ()))
 
     async def budget_for(self, ledger: Ledger, budget_id: str) -> BudgetConfig | None:
         """A budget set in the store wins over the file's, so operators can change a

@@ -18,7 +18,7 @@ from opentelemetry.util.types import AttributeValue
 
 from fallback_mw.request.context import AttemptRecord, RequestContext
 from fallback_mw.telemetry.genai import operation_name
-from fallback_mw.telemetry.instruments import Instruments
+from fallback_mw.telemetry.instruments import Instruments, never_idle
 from fallback_mw.telemetry.redact import (
     EXTRACTING,
     GETTER,
@@ -475,12 +475,8 @@ def _unset_global_meter_provider(provider: metrics.MeterProvider) -> Callable[[]
     idle. (The proxy is recognised by its class name: should the API rename it, every
     recording is made, as before.)"""
     if type(provider).__name__ != "_ProxyMeterProvider":
-        return _never
+        return never_idle
     return lambda: metrics.get_meter_provider() is provider
-
-
-def _never() -> bool:
-    return False
 
 
 def _genai(

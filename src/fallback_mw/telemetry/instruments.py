@@ -16,12 +16,12 @@ from fallback_mw.telemetry.redact import label
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
-def _never() -> bool:
+def never_idle() -> bool:
     return False
 
 
 class Instruments:
-    def __init__(self, meter: metrics.Meter, *, idle: Callable[[], bool] = _never) -> None:
+    def __init__(self, meter: metrics.Meter, *, idle: Callable[[], bool] = never_idle) -> None:
         # True while the recordings go nowhere (no SDK installed yet): the per-request
         # recordings then skip building their attributes.
         self.idle = idle

@@ -36,15 +36,14 @@ def log_request(
     if not logger.isEnabledFor(level):
         return
     duration_ms = round(duration * 1000, 1)
+    arguments = _arguments(context, outcome, candidates, chosen, duration_ms)
     direct = _direct_handler(level)
     if direct is not None:
         # serve's own writer and nothing else listening: the same line, without a record.
-        direct.write_line(
-            level, _MESSAGE % _arguments(context, outcome, candidates, chosen, duration_ms)
-        )
+        direct.write_line(level, _MESSAGE % arguments)
         return
     fields: dict[str, Any] = {
-        "route": label(context.route.id),
+        "route": arguments[0],
         "tenant": label(context.tenant),
         "method": label(context.method),
         "candidates": candidates,
@@ -54,7 +53,7 @@ def log_request(
         "skipped": [label(s.candidate) for s in context.skipped],
         "skipped_reasons": [label(s.reason) for s in context.skipped],
         "rule": context.rule,
-        "outcome": label(outcome),
+        "outcome": arguments[1],
         "status": context.status,
         "fallback": context.fallback,
         "canary": context.canary,
@@ -64,12 +63,7 @@ def log_request(
         "trace_id": trace_id,
         "span_id": span_id,
     }
-    logger.log(
-        level,
-        _MESSAGE,
-        *_arguments(context, outcome, candidates, chosen, duration_ms),
-        extra=fields,
-    )
+    logger.log(level, _MESSAGE, *arguments, extra=fields)
 
 
 _MESSAGE = (
@@ -85,6 +79,8 @@ def _arguments(
     chosen: str | None,
     duration_ms: float,
 ) -> tuple[object, ...]:
+    """The line's %-arguments; the first two (route and outcome labels) are also the
+    record's `route` and `outcome` fields."""
     # Why the walk ended where it did, when a rule decided it, and what was passed over.
     why = f" rule={context.rule}" if context.rule else ""
     failed = [

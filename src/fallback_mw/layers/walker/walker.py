@@ -88,10 +88,7 @@ class PlanWalker:
     async def _walk(self, scope: Scope, receive: Receive, send: Send) -> None:
         context = get_context(scope)
         assert context is not None
-        if context.trace is not None:  # the resolver owns the request span
-            await _Walk(self, context, scope, receive, send).run()
-            return
-        # Used alone, the walker owns it.
+        # The resolver owns the request span when it has telemetry; used alone, the walker.
         with self.telemetry.request(context, scope.get("headers", ())):
             await _Walk(self, context, scope, receive, send).run()
 
