@@ -93,10 +93,12 @@ scrape_configs:
 async def until(
     what: str, check: Callable[[], Awaitable[Any]], *, within: float, logs: list[Path]
 ) -> Any:
-    """Poll `check` until it returns something truthy; fail naming `what` after `within` s."""
+    """Poll `check` until it returns something truthy; fail naming `what` after `within` s.
+    A refused connection or an error status (Prometheus answers 503 until its storage is
+    ready) counts as not yet."""
     deadline = time.monotonic() + within
     while True:
-        with contextlib.suppress(httpx.TransportError):
+        with contextlib.suppress(httpx.TransportError, httpx.HTTPStatusError):
             found = await check()
             if found:
                 return found
@@ -187,19 +189,21 @@ retries = 1
                     traffic(f"http://127.0.0.1:{gateway_port}/v1/chat") as answered,
                 ):
 
+                    async def data(path: str, **params: str) -> Any:
+                        response = await prom.get(f"{api}/{path}", params=params)
+                        response.raise_for_status()
+                        return response.json()["data"]
+
                     async def query(expr: str) -> list[dict[str, Any]]:
-                        response = await prom.get(f"{api}/query", params={"query": expr})
-                        result: list[dict[str, Any]] = response.json()["data"]["result"]
+                        result: list[dict[str, Any]] = (await data("query", query=expr))["result"]
                         return result
 
                     async def alerts() -> list[dict[str, Any]]:
-                        found: list[dict[str, Any]] = (await prom.get(f"{api}/alerts")).json()[
-                            "data"
-                        ]["alerts"]
+                        found: list[dict[str, Any]] = (await data("alerts"))["alerts"]
                         return [a for a in found if a["labels"]["alertname"] == ALERT]
 
                     async def rules_loaded() -> bool:
-                        groups = (await prom.get(f"{api}/rules")).json()["data"]["groups"]
+                        groups = (await data("rules"))["groups"]
                         return any(r["name"] == ALERT for g in groups for r in g["rules"])
 
                     await until("the shipped rules loaded", rules_loaded, within=60, logs=logs)
