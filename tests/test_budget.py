@@ -12,7 +12,7 @@ import anyio
 import asyncpg
 import pytest
 
-from fallback_mw.budget import Hold, Ledger, UsageRecord, window_start
+from fallback_mw.budget import Hold, Ledger, SettlesAndRecords, UsageRecord, window_start
 from fallback_mw.budget.cost import PriceBook, format_money, from_units, to_units
 from fallback_mw.config import BudgetConfig, PriceConfig
 from fallback_mw.request.context import Usage
@@ -224,6 +224,35 @@ async def test_budgets_and_usage_round_trip(store: str | None) -> None:
         assert (back.candidates, back.chosen, back.input_tokens) == (("a", "b"), "b", 1)
         assert back.at == record.at
         assert await ledger.usage(route="nope") == []
+    finally:
+        await ledger.aclose()
+
+
+@pytest.mark.anyio
+async def test_settle_and_record_is_one_step_both_or_neither(ledger_store: str) -> None:
+    ledger = open_ledger(ledger_store)
+    assert isinstance(ledger, SettlesAndRecords)  # the SQL ledgers have it; the guard uses it
+    try:
+        held = await ledger.hold("acme", BUDGET, Decimal("0.01"))
+        assert held is not None
+        await ledger.settle_and_record(held, Decimal("0.004"), UsageRecord("r1", "chat", "t"))
+        status = await ledger.status("acme", BUDGET)
+        assert (status.spent, status.held) == (Decimal("0.004"), 0)
+        # Settled once: a second settlement only records.
+        await ledger.settle_and_record(held, Decimal("0.004"), UsageRecord("r2", "chat", "t"))
+        await ledger.settle_and_record(None, Decimal(0), UsageRecord("r3", "chat", "t"))
+        status = await ledger.status("acme", BUDGET)
+        assert (status.spent, status.held) == (Decimal("0.004"), 0)
+        assert [r.request_id for r in await ledger.usage()] == ["r1", "r2", "r3"]
+        # A record the store refuses (request_id is NOT NULL) takes the settlement with it.
+        second = await ledger.hold("acme", BUDGET, Decimal("0.01"))
+        assert second is not None
+        bad = UsageRecord(None, "chat", "t")  # type: ignore[arg-type]
+        with pytest.raises(Exception):  # noqa: B017 (each store names it its way)
+            await ledger.settle_and_record(second, Decimal("0.002"), bad)
+        status = await ledger.status("acme", BUDGET)
+        assert (status.spent, status.held) == (Decimal("0.004"), Decimal("0.01"))
+        assert len(await ledger.usage()) == 3
     finally:
         await ledger.aclose()
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from fallback_mw.config import BudgetConfig
 
@@ -202,6 +202,20 @@ class Ledger(Protocol):
     async def aclose(self) -> None: ...
 
 
+@runtime_checkable
+class SettlesAndRecords(Protocol):
+    """What a ledger may add to `Ledger` (the SQL ledgers do): the end of a request in one
+    step. The guard uses it when the ledger has it, else `settle` / `release` and then
+    `record_usage`."""
+
+    async def settle_and_record(
+        self, hold: Hold | None, amount: Decimal, record: UsageRecord
+    ) -> None:
+        """Settle `hold` at `amount` (a hold settled at 0 is released; no hold: nothing to
+        settle) and store `record`, in one transaction: both or neither."""
+        ...
+
+
 def window_start(window: str, now: datetime | None = None) -> str:
     """The key of the current window (UTC): `2026-11-30`, `2026-11` or `total`."""
     if window == "total":
@@ -226,6 +240,7 @@ __all__ = [
     "Ledger",
     "LedgerUnavailable",
     "MinuteUsage",
+    "SettlesAndRecords",
     "UsageRecord",
     "window_kind",
     "window_start",

@@ -21,7 +21,14 @@ from decimal import Decimal
 
 import anyio
 
-from fallback_mw.budget import AttemptOutcome, Hold, Ledger, LedgerUnavailable, UsageRecord
+from fallback_mw.budget import (
+    AttemptOutcome,
+    Hold,
+    Ledger,
+    LedgerUnavailable,
+    SettlesAndRecords,
+    UsageRecord,
+)
 from fallback_mw.budget.cost import PriceBook
 from fallback_mw.config import BudgetConfig, GatewayConfig
 from fallback_mw.request.body import read_body, request_json
@@ -58,6 +65,9 @@ class BudgetGuard:
         # A ledger whose calls never suspend (the in-memory one: nothing in them awaits)
         # cannot be cancelled part-way through a settlement: no shield is needed for it.
         self._shield = not getattr(ledger, "never_suspends", False)
+        # A ledger that settles and records in one transaction (the SQL ledgers) gets one
+        # call per request end instead of two.
+        self._one_step = ledger if isinstance(ledger, SettlesAndRecords) else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         context = get_context(scope)
@@ -138,8 +148,9 @@ class BudgetGuard:
             return "budget_unavailable"
         return "budget_exceeded" if hold is None else hold
 
-    def _charge(self, context: RequestContext, hold: Hold) -> Decimal:
-        cost = self._cost(context)
+    def _charge(self, context: RequestContext, hold: Hold, cost: Decimal | None) -> Decimal:
+        if context.chosen is None:
+            return Decimal(0)  # nothing served: the hold is released
         if cost is None:
             return hold.amount
         if not context.completed:
@@ -158,22 +169,29 @@ class BudgetGuard:
         return cost
 
     async def _settle(self, ledger: Ledger, context: RequestContext, hold: Hold | None) -> None:
-        charged: Decimal | None = None
+        cost = self._cost(context)
+        charged = None if hold is None else self._charge(context, hold, cost)
+        one_step = self._one_step
+        if one_step is not None:
+            record = _usage_record(context, cost, charged)
+            try:
+                await one_step.settle_and_record(hold, charged or Decimal(0), record)
+            except LedgerUnavailable:
+                # The hold stays in the ledger; it is settled at its amount when it goes
+                # stale. The outage itself is logged by the ledger, once when it starts and
+                # once when it ends: nothing per request.
+                logger.debug("route %s: settlement and usage record failed", context.route.id)
+            return
         try:
-            if hold is not None:
+            if hold is not None and charged is not None:
                 if context.chosen is None:
                     await ledger.release(hold)
-                    charged = Decimal(0)
                 else:
-                    charged = self._charge(context, hold)
                     await ledger.settle(hold, charged)
         except LedgerUnavailable:
-            # The hold stays in the ledger; it is settled at its amount when it goes stale.
-            # The outage itself is logged by the ledger, once when it starts and once when
-            # it ends: nothing per request.
             logger.debug("route %s: settlement failed, ledger unavailable", context.route.id)
         try:
-            await ledger.record_usage(_usage_record(context, self._cost(context), charged))
+            await ledger.record_usage(_usage_record(context, cost, charged))
         except LedgerUnavailable:
             logger.debug("route %s: usage record lost, ledger unavailable", context.route.id)
 
@@ -211,6 +229,6 @@ def _usage_record(
         output_tokens=usage.output_tokens,
         cost=cost,
         charged=charged,
-        # Arrival to settlement (the walk, the response, the ledger's settle call).
+        # Arrival to settlement (the walk, the response).
         duration_ms=round((time.monotonic() - context.started) * 1000, 3),
     )

@@ -80,6 +80,29 @@ FROM finished
 WHERE w.budget_id = finished.budget_id AND w.window_start = finished.window_start
 """
 
+_USAGE_COUNT = USAGE_COLUMNS.count(",") + 1  # the usage columns are $1..$N
+_INSERT_USAGE = (
+    f"INSERT INTO fmw_usage ({USAGE_COLUMNS}) "
+    f"VALUES ({', '.join(f'${i}' for i in range(1, _USAGE_COUNT + 1))})"
+)
+# _FINISH and the usage insert as one statement (the hold's id, the spend and the cap
+# after the usage columns): PostgreSQL runs a data-modifying WITH exactly once, to
+# completion, whether or not the main statement reads it.
+_HOLD_ID, _SPENT, _CAP = (f"${_USAGE_COUNT + i}" for i in (1, 2, 3))
+_SETTLE_AND_RECORD = f"""
+WITH finished AS (
+    DELETE FROM fmw_budget_holds WHERE hold_id = {_HOLD_ID}
+    RETURNING budget_id, window_start, amount_units
+), settled AS (
+    UPDATE fmw_budget_windows AS w
+    SET held_units = w.held_units - finished.amount_units,
+        spent_units = w.spent_units + LEAST({_SPENT}::bigint, {_CAP}::bigint - w.spent_units)
+    FROM finished
+    WHERE w.budget_id = finished.budget_id AND w.window_start = finished.window_start
+)
+{_INSERT_USAGE}
+"""
+
 _REAP = """
 WITH stale AS (
     DELETE FROM fmw_budget_holds WHERE created_at < $1
@@ -197,12 +220,25 @@ class PostgresLedger(SQLLedgerBase):
 
     async def record_usage(self, record: UsageRecord) -> None:
         values = (record.at, *usage_values(record))
-        placeholders = ", ".join(f"${i}" for i in range(1, len(values) + 1))
 
         async def work(pool: asyncpg.Pool) -> None:
-            await pool.execute(
-                f"INSERT INTO fmw_usage ({USAGE_COLUMNS}) VALUES ({placeholders})", *values
-            )
+            await pool.execute(_INSERT_USAGE, *values)
+
+        await self._run(work)
+
+    async def settle_and_record(
+        self, hold: Hold | None, amount: Decimal, record: UsageRecord
+    ) -> None:
+        """The settlement and the usage record in one statement (one round trip, one
+        transaction)."""
+        if hold is None:
+            await self.record_usage(record)
+            return
+        values = (record.at, *usage_values(record))
+        spent = min(max(to_units(amount), 0), MAX_UNITS)
+
+        async def work(pool: asyncpg.Pool) -> None:
+            await pool.execute(_SETTLE_AND_RECORD, *values, hold.hold_id, spent, SPENT_CAP_UNITS)
 
         await self._run(work)
 

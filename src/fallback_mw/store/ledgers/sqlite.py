@@ -226,10 +226,23 @@ class SQLiteLedger(SQLLedgerBase):
         values = (encode_sqlite_time(record.at), *usage_values(record))
 
         def work(conn: sqlite3.Connection) -> None:
-            conn.execute(
-                f"INSERT INTO fmw_usage ({USAGE_COLUMNS}) VALUES ({', '.join('?' * len(values))})",
-                values,
-            )
+            conn.execute(_INSERT_USAGE, values)
+
+        await self._run(work)
+
+    async def settle_and_record(
+        self, hold: Hold | None, amount: Decimal, record: UsageRecord
+    ) -> None:
+        """The settlement and the usage record in one transaction (one ledger call)."""
+        values = (encode_sqlite_time(record.at), *usage_values(record))
+        hold_id = None if hold is None else hold.hold_id
+        spent = to_units(amount)
+
+        def work(conn: sqlite3.Connection) -> None:
+            with _immediate(conn):
+                if hold_id is not None:
+                    _finish_hold(conn, hold_id, spent)
+                conn.execute(_INSERT_USAGE, values)
 
         await self._run(work)
 
@@ -353,6 +366,10 @@ class SQLiteLedger(SQLLedgerBase):
         await anyio.to_thread.run_sync(close)
 
 
+_INSERT_USAGE = (
+    f"INSERT INTO fmw_usage ({USAGE_COLUMNS}) "
+    f"VALUES ({', '.join('?' * (USAGE_COLUMNS.count(',') + 1))})"
+)
 # `at` is stored as 2026-11-30T12:34:56.123456Z: its first 16 characters are the minute.
 _PER_MINUTE = (
     "SELECT route, substr(at, 1, 16), COUNT(*), "
