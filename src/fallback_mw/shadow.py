@@ -35,6 +35,7 @@ from fallback_mw.plan import canary_bucket
 from fallback_mw.request.context import AttemptRecord, RequestBody, RequestContext
 from fallback_mw.routing import effective_deadline_ms
 from fallback_mw.telemetry import Telemetry
+from fallback_mw.timers import deadline_after
 from fallback_mw.upstream.base import UpstreamClient, UpstreamError
 
 MAX_IN_FLIGHT = 256
@@ -182,7 +183,7 @@ class ShadowTraffic:
         received = 0
         if response is not None:
             try:
-                async with asyncio.timeout(max(context.remaining, 0.0)):
+                async with deadline_after(max(context.remaining, 0.0)):
                     async for chunk in response.iter_chunks():
                         received += len(chunk)
                         if received > self.max_response_body:

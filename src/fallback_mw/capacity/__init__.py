@@ -23,6 +23,7 @@ from fallback_mw.capacity.model import (
     repeat_allowed,
     within_capacity,
 )
+from fallback_mw.tokens import estimate_tokens
 
 if TYPE_CHECKING:
     from opentelemetry.metrics import MeterProvider
@@ -38,8 +39,6 @@ def asker(
     """What each attempt of one request adds to its upstream's counts. The token estimate
     (tokens.py: body size, largest output limit) is made once, and only for an upstream
     that declares `tpm`."""
-    from fallback_mw.tokens import estimate_tokens
-
     tokens: list[int] = []
 
     def ask(name: str, upstream: UpstreamConfig, repeat: bool) -> Ask:

@@ -34,6 +34,7 @@ from fallback_mw.health.quota import PeekedResponse, peek_quota
 from fallback_mw.request.body import BodyAborted
 from fallback_mw.request.context import AttemptRecord, RequestBody, RequestContext
 from fallback_mw.telemetry import Telemetry
+from fallback_mw.timers import deadline_after
 from fallback_mw.upstream.base import (
     Timeouts,
     UpstreamClient,
@@ -127,7 +128,7 @@ class AttemptRunner:
         )
         fault = await self.faults.upstream_fault(name)
         try:
-            async with asyncio.timeout(max(context.remaining, 0.0)):
+            async with deadline_after(max(context.remaining, 0.0)):
                 if fault == "fail":
                     record.fault = "fail"
                     return Outcome("status", 503, fault="fail"), SyntheticResponse(503)

@@ -83,6 +83,7 @@ class RouteResolver:
         self.max_header_count = config.gateway.max_header_count
         self.in_flight = InFlight(config.gateway.max_concurrency)
         self.telemetry = telemetry
+        self._auth_cache: tuple[RouteTable, frozenset[bytes]] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -109,7 +110,7 @@ class RouteResolver:
         context = RequestContext(
             route=route,
             upstreams=table.upstreams,
-            upstream_auth_headers=table.auth_headers | self.strip_headers,
+            upstream_auth_headers=self._auth_headers(table),
             tenant=tenant,
             session=session,
             method=method,
@@ -148,6 +149,14 @@ class RouteResolver:
                 await self.app(scope, receive, send)
             finally:
                 self.in_flight.leave()
+
+    def _auth_headers(self, table: RouteTable) -> frozenset[bytes]:
+        """The table's credential headers and `strip_headers`: one set per route table,
+        made again only when a route store swaps the table."""
+        cached = self._auth_cache
+        if cached is None or cached[0] is not table:
+            cached = self._auth_cache = (table, table.auth_headers | self.strip_headers)
+        return cached[1]
 
     def _traced(
         self, context: RequestContext, scope: Scope

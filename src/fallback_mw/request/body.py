@@ -22,6 +22,7 @@ from typing import Any
 from fallback_mw.config import GatewaySettings
 from fallback_mw.request.context import RequestBody, RequestContext
 from fallback_mw.request.types import Receive, Scope
+from fallback_mw.timers import Deadline, deadline_after
 
 
 def content_length(headers: Iterable[tuple[bytes, bytes]]) -> int | None:
@@ -61,7 +62,7 @@ async def read_body(
     now = loop.time()
     deadline = now + max(context.remaining, 0.0)
     try:
-        async with asyncio.timeout_at(min(deadline, now + gap)) as timer:
+        async with Deadline(min(deadline, now + gap)) as timer:
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
@@ -115,7 +116,7 @@ async def _stream_rest(
     yield head
     while True:
         try:
-            async with asyncio.timeout(gap):
+            async with deadline_after(gap):
                 message = await receive()
         except TimeoutError:
             body.timed_out = True

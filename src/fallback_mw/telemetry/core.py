@@ -368,9 +368,7 @@ class Telemetry:
         """No SDK behind the global tracer and no trace context from the caller: a span
         would record nothing and propagate nothing (the caller's headers pass unchanged
         either way), so the request skips span bookkeeping altogether."""
-        if not self._global_tracer or not isinstance(
-            trace.get_tracer_provider(), trace.ProxyTracerProvider | trace.NoOpTracerProvider
-        ):
+        if not self._global_tracer or not _tracing_off():
             return False
         fields = self._propagation_fields()[2]
         return not any(name in fields for name, _ in headers)
@@ -476,7 +474,25 @@ def _unset_global_meter_provider(provider: metrics.MeterProvider) -> Callable[[]
     recording is made, as before.)"""
     if type(provider).__name__ != "_ProxyMeterProvider":
         return never_idle
-    return lambda: metrics.get_meter_provider() is provider
+    internal = getattr(metrics, "_internal", None)
+    if internal is None or getattr(internal, "_METER_PROVIDER", _MISSING) is not None:
+        return lambda: metrics.get_meter_provider() is provider
+    # The API's global, set once and never unset (`set_meter_provider`), read as it is:
+    # `get_meter_provider()` looks up an environment variable on every call while unset.
+    return lambda: internal._METER_PROVIDER is None
+
+
+_MISSING = object()
+
+
+def _tracing_off() -> bool:
+    """The global tracer provider is the API's proxy (no SDK installed) or a no-op one."""
+    provider = getattr(trace, "_TRACER_PROVIDER", _MISSING)
+    if provider is None:  # unset: the proxy (checked without `get_tracer_provider()`'s
+        return True  # environment lookup per call; the API sets it once, never unsets it)
+    if provider is _MISSING:  # an API without the global: ask it
+        provider = trace.get_tracer_provider()
+    return isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider)
 
 
 def _genai(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Sequence
 from contextvars import ContextVar
 from typing import Any
@@ -11,6 +10,7 @@ import aiohttp
 from multidict import CIMultiDict
 from yarl import URL
 
+from fallback_mw.timers import deadline_after
 from fallback_mw.upstream.base import (
     ConnectionCaps,
     FirstByteTimer,
@@ -131,7 +131,7 @@ class AiohttpResponse:
                 # head) is taken without arming an idle timer; only a wait is timed.
                 chunk = content.read_nowait()
                 if not chunk and not content.is_eof():
-                    async with asyncio.timeout(self._idle):
+                    async with deadline_after(self._idle):
                         chunk = await content.readany()
             if not chunk:
                 self._finished = True

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Literal, Protocol
 
+from fallback_mw.timers import Deadline
+
 # "local": the client library refused to build or send the request (a header value, a
 # URL, an encoding): nothing reached the upstream, so it is never the upstream's failure.
 # "tls": the TLS handshake failed (a certificate that does not verify, SPEC §12): the
@@ -118,7 +120,7 @@ class FirstByteTimer:
 
     def __init__(self, seconds: float) -> None:
         self._seconds = seconds
-        self._timeout: asyncio.Timeout | None = None
+        self._timeout: Deadline | None = None
 
     def running(self) -> FirstByteTimer:
         """`async with timer.running():` the scope the timer may end (unarmed at first).
@@ -126,7 +128,7 @@ class FirstByteTimer:
         return self
 
     async def __aenter__(self) -> None:
-        timeout = asyncio.Timeout(None)
+        timeout = Deadline(None)  # on the timer wheel (timers.py): it seldom fires
         await timeout.__aenter__()
         self._timeout = timeout
 

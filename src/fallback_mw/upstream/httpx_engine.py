@@ -17,6 +17,7 @@ try:
 except ImportError:
     raise missing_extra("httpx", 'engine = "httpx"') from None
 
+from fallback_mw.timers import deadline_after
 from fallback_mw.upstream.base import (
     ConnectionCaps,
     FirstByteTimer,
@@ -125,7 +126,7 @@ class HttpxResponse:
         stream = self._response.aiter_raw()
         while True:
             with map_errors("body"):
-                async with asyncio.timeout(self._idle):
+                async with deadline_after(self._idle):
                     try:
                         chunk = await stream.__anext__()
                     except StopAsyncIteration:

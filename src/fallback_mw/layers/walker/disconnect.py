@@ -7,6 +7,7 @@ from typing import Any
 
 from fallback_mw.request.context import RequestBody, RequestContext
 from fallback_mw.request.types import Receive
+from fallback_mw.timers import wheel
 
 
 async def watch_disconnect(
@@ -34,10 +35,11 @@ WATCH_AFTER = 0.01
 
 
 class DisconnectWatch:
-    """`watch_disconnect` in a task started WATCH_AFTER seconds from now, unless stopped
-    first: a task per request costs more CPU than the rest of a fast walk's layer."""
+    """`watch_disconnect` in a task started WATCH_AFTER seconds from now (on the timer
+    wheel: up to timers.TICK later), unless stopped first: a task per request costs more
+    CPU than the rest of a fast walk's layer."""
 
-    __slots__ = ("_args", "_task", "_timer")
+    __slots__ = ("_args", "_key", "_task", "_wheel")
 
     def __init__(
         self,
@@ -48,12 +50,16 @@ class DisconnectWatch:
     ) -> None:
         self._args = (receive, body, context, walk_task)
         self._task: asyncio.Task[None] | None = None
-        self._timer = asyncio.get_running_loop().call_later(WATCH_AFTER, self._start)
+        self._wheel = wheel()
+        self._key: int | None = self._wheel.add(self._wheel.loop.time() + WATCH_AFTER, self._start)
 
     def _start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(watch_disconnect(*self._args))
+        self._key = None
+        self._task = self._wheel.loop.create_task(watch_disconnect(*self._args))
 
     def stop(self) -> None:
-        self._timer.cancel()
+        if self._key is not None:
+            self._wheel.discard(self._key, self._start)
+            self._key = None
         if self._task is not None:
             self._task.cancel()

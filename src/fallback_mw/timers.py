@@ -1,0 +1,227 @@
+"""Coarse timers for the request path: deadlines that almost never fire.
+
+Every request arms several: the body read's (the walk deadline, or the caller's idle gap),
+each attempt's (what is left of the walk deadline), the upstream's first-byte timer, and
+the start of the disconnect watcher. Nearly all are cancelled long before they are due,
+yet a timer of the event loop costs its creation and its cancellation either way (on
+uvloop, `call_at` and `cancel` are about 2 µs; an `asyncio.timeout` scope about 7 µs,
+some fifteen per cent of a healthy request's in-process cost for three of them).
+
+A `Wheel` (one per event loop) keeps them in buckets of `TICK` seconds instead: adding
+and removing one is a dict operation, and the loop holds one timer for the earliest
+bucket. A timer fires in the first bucket at or after its time: up to `TICK` late, never
+early. `Deadline` is `asyncio.timeout_at` on it (the same `TimeoutError`, the same
+cancellation rules: it is an `asyncio.Timeout` that the wheel expires).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import math
+import threading
+from collections.abc import Callable
+from types import TracebackType
+
+TICK = 0.005  # seconds: how late a timer may fire
+_PER_SECOND = 1 / TICK
+
+Callback = Callable[[], object]
+
+
+class Wheel:
+    """Timers of one event loop, in buckets of TICK seconds, with one loop timer for the
+    earliest bucket."""
+
+    __slots__ = ("_armed", "_buckets", "_handle", "_heap", "loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._buckets: dict[int, dict[Callback, None]] = {}
+        self._heap: list[int] = []  # bucket keys; a key whose bucket emptied is stale
+        self._handle: asyncio.TimerHandle | None = None
+        self._armed = math.inf  # the bucket the loop timer fires for
+
+    def add(self, when: float, callback: Callback) -> int:
+        """Call `callback` once the loop's time passes `when` (in the first bucket at or
+        after it). Returns the key `discard` needs. One callback object per timer: a bound
+        method of the object that owns the timer does."""
+        key = math.ceil(when * _PER_SECOND)
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = {}
+            heap = self._heap
+            heapq.heappush(heap, key)
+            if len(heap) > 2 * len(self._buckets) + 64:  # stale keys: keep the heap small
+                self._heap = heap = list(self._buckets)
+                heapq.heapify(heap)
+            if key < self._armed:
+                self._arm(key)
+        bucket[callback] = None
+        return key
+
+    def discard(self, key: int, callback: Callback) -> None:
+        """Cancel a timer that has not fired (nothing, if it has)."""
+        bucket = self._buckets.get(key)
+        if bucket is not None and callback in bucket:
+            del bucket[callback]
+            if not bucket:
+                del self._buckets[key]
+
+    def pending(self) -> int:
+        """How many timers wait (for tests and the curious)."""
+        return sum(len(bucket) for bucket in self._buckets.values())
+
+    def _arm(self, key: int) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+        self._armed = key
+        self._handle = self.loop.call_at(key * TICK, self._fire)
+
+    def _fire(self) -> None:
+        self._handle = None
+        self._armed = math.inf
+        now = self.loop.time() * _PER_SECOND
+        heap, buckets = self._heap, self._buckets
+        due: list[Callback] = []
+        while heap and heap[0] <= now:
+            bucket = buckets.pop(heapq.heappop(heap), None)
+            if bucket:
+                due.extend(bucket)
+        while heap and heap[0] not in buckets:
+            heapq.heappop(heap)
+        if heap:
+            self._arm(heap[0])  # before the callbacks: one may add a timer
+        for callback in due:
+            try:
+                callback()
+            except Exception as exc:  # as the loop treats a failing callback of its own
+                self.loop.call_exception_handler(
+                    {"message": "fallback_mw timer callback failed", "exception": exc}
+                )
+
+
+# Each event loop's wheel, as the loop's own timers are the loop's: the one asked for last
+# without a lock (a request asks several times), the rest under it.
+_last: tuple[asyncio.AbstractEventLoop, Wheel] | None = None
+_wheels: dict[asyncio.AbstractEventLoop, Wheel] = {}
+_lock = threading.Lock()
+
+
+def wheel(loop: asyncio.AbstractEventLoop | None = None) -> Wheel:
+    """The wheel of `loop` (default: the running loop), made on first use; a closed
+    loop's is dropped when a new loop asks."""
+    global _last
+    if loop is None:
+        loop = asyncio.get_running_loop()
+    last = _last
+    if last is not None and last[0] is loop:
+        return last[1]
+    with _lock:  # loops in other threads ask too
+        found = _wheels.get(loop)
+        if found is None:
+            for closed in [known for known in _wheels if known.is_closed()]:
+                del _wheels[closed]
+            found = _wheels[loop] = Wheel(loop)
+    _last = (loop, found)
+    return found
+
+
+# Deadline's states, as asyncio.Timeout's.
+_CREATED, _ENTERED, _EXPIRING, _EXPIRED, _EXITED = range(5)
+
+
+class Deadline:
+    """`async with Deadline(when) as scope:` is `asyncio.timeout_at(when)` on the wheel:
+    once the loop's time passes `when` (up to TICK later) the block's task is cancelled and
+    the scope raises `TimeoutError` in its place; a cancellation that is not the scope's
+    own passes through untouched (the same `Task.cancelling` / `uncancel` rule as
+    asyncio.Timeout). `when` None: no deadline until `reschedule`. A deadline already
+    passed on entry, or rescheduled into the past, expires on the loop's next iteration,
+    as asyncio's does. `Deadline.after(seconds)` is `asyncio.timeout(seconds)`."""
+
+    __slots__ = ("_cancelling", "_delay", "_handle", "_key", "_state", "_task", "_wheel", "_when")
+
+    def __init__(self, when: float | None) -> None:
+        self._when = when
+        self._delay: float | None = None
+        self._state = _CREATED
+        self._key: int | None = None
+        self._handle: asyncio.Handle | None = None
+
+    @classmethod
+    def after(cls, seconds: float) -> Deadline:
+        deadline = cls(None)
+        deadline._delay = seconds  # from the moment the scope is entered, as asyncio's
+        return deadline
+
+    async def __aenter__(self) -> Deadline:
+        if self._state != _CREATED:
+            raise RuntimeError("Deadline has already been entered")
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task(loop)
+        if task is None:
+            raise RuntimeError("Deadline should be used inside a task")
+        self._state = _ENTERED
+        self._task = task
+        self._cancelling = task.cancelling()
+        self._wheel = wheel(loop)
+        when = self._when if self._delay is None else loop.time() + self._delay
+        self._arm(when)
+        return self
+
+    async def __aexit__(
+        self,
+        typ: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._disarm()
+        if self._state == _EXPIRING:
+            self._state = _EXPIRED
+            if self._task.uncancel() <= self._cancelling and typ is asyncio.CancelledError:
+                raise TimeoutError from exc  # ours: the deadline passed
+        elif self._state == _ENTERED:
+            self._state = _EXITED
+
+    def when(self) -> float | None:
+        return self._when
+
+    def reschedule(self, when: float | None) -> None:
+        """Move the deadline (None: none)."""
+        if self._state != _ENTERED:
+            raise RuntimeError("Deadline is not active: it cannot be rescheduled")
+        self._disarm()
+        self._arm(when)
+
+    def expired(self) -> bool:
+        return self._state in (_EXPIRING, _EXPIRED)
+
+    def _arm(self, when: float | None) -> None:
+        self._when = when
+        if when is None:
+            return
+        wheel = self._wheel
+        if when <= wheel.loop.time():
+            self._handle = wheel.loop.call_soon(self._expire)
+        else:
+            self._key = wheel.add(when, self._expire)
+
+    def _disarm(self) -> None:
+        if self._key is not None:
+            self._wheel.discard(self._key, self._expire)
+            self._key = None
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _expire(self) -> None:
+        self._key = self._handle = None
+        if self._state == _ENTERED:
+            self._task.cancel()
+            self._state = _EXPIRING
+
+
+def deadline_after(seconds: float) -> Deadline:
+    """`async with deadline_after(s):` like `asyncio.timeout(s)`, on the wheel."""
+    return Deadline.after(seconds)

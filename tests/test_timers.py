@@ -1,0 +1,197 @@
+"""The timer wheel (timers.py): the request path's deadlines on coarse buckets. A timer
+fires once its time has passed, at most a tick late and never early; a discarded one
+never fires; `Deadline` behaves as `asyncio.timeout_at` (TimeoutError, someone else's
+cancellation untouched, reschedule, an expired deadline at once). On asyncio's loop and on
+uvloop, the loop serve runs."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import pytest
+import uvloop
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fallback_mw.timers import TICK, Deadline, deadline_after, wheel
+
+LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+SLACK = 0.05  # a shared machine's scheduling delay on top of the tick
+
+
+def run(loop_name: str, main: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    loop = LOOPS[loop_name]()
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+
+
+@pytest.fixture(params=sorted(LOOPS))
+def loop_name(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def test_deadline_raises_timeout_error_once_passed_never_early(loop_name: str) -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(TimeoutError):
+            async with Deadline(started + 0.03):
+                await asyncio.sleep(5)
+        elapsed = loop.time() - started
+        assert 0.03 <= elapsed < 0.03 + TICK + SLACK
+        assert wheel().pending() == 0
+
+    run(loop_name, main)
+
+
+def test_a_block_done_in_time_leaves_nothing_behind(loop_name: str) -> None:
+    async def main() -> None:
+        for _ in range(200):
+            async with deadline_after(0.02) as scope:
+                await asyncio.sleep(0)
+            assert not scope.expired()
+        assert wheel().pending() == 0
+        await asyncio.sleep(0.02 + 2 * TICK)  # the buckets' time passes: nothing fires
+
+    run(loop_name, main)
+
+
+def test_someone_elses_cancellation_is_not_turned_into_a_timeout(loop_name: str) -> None:
+    async def main() -> None:
+        async def inner() -> None:
+            async with deadline_after(10):
+                await asyncio.sleep(10)
+
+        task = asyncio.get_running_loop().create_task(inner())
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert wheel().pending() == 0
+
+    run(loop_name, main)
+
+
+def test_a_deadline_already_passed_expires_at_once(loop_name: str) -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            async with Deadline(loop.time() - 1):
+                await asyncio.sleep(5)
+        assert time.monotonic() - started < SLACK
+        with pytest.raises(TimeoutError):
+            async with deadline_after(0):
+                await asyncio.sleep(5)
+
+    run(loop_name, main)
+
+
+def test_reschedule_later_earlier_and_off(loop_name: str) -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        # Later: the first time passes without a timeout.
+        async with Deadline(loop.time() + 0.02) as scope:
+            scope.reschedule(loop.time() + 10)
+            await asyncio.sleep(0.05)
+        # Off, then on again and earlier.
+        started = loop.time()
+        with pytest.raises(TimeoutError):
+            async with Deadline(loop.time() + 10) as scope:
+                scope.reschedule(None)
+                await asyncio.sleep(0.02)
+                scope.reschedule(loop.time() + 0.02)
+                await asyncio.sleep(5)
+        assert 0.04 <= loop.time() - started < 0.04 + TICK + SLACK
+        # Into the past: expires at once, as asyncio's does; and back out of it in time.
+        with pytest.raises(TimeoutError):
+            async with Deadline(loop.time() + 10) as scope:
+                scope.reschedule(loop.time() - 1)
+                await asyncio.sleep(5)
+        async with Deadline(loop.time() + 10) as scope:
+            scope.reschedule(loop.time() - 1)
+            scope.reschedule(loop.time() + 10)
+            await asyncio.sleep(0.02)
+        assert wheel().pending() == 0
+
+    run(loop_name, main)
+
+
+def test_a_failing_callback_reaches_the_loops_handler_and_the_rest_still_fire(
+    loop_name: str,
+) -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        seen: list[dict[str, Any]] = []
+        loop.set_exception_handler(lambda _loop, context: seen.append(context))
+        fired: list[str] = []
+
+        def boom() -> None:
+            raise ValueError("boom")
+
+        at = loop.time() + 0.01
+        wheel().add(at, boom)
+        wheel().add(at, lambda: fired.append("after"))
+        await asyncio.sleep(0.01 + TICK + SLACK)
+        assert fired == ["after"]
+        assert [type(c.get("exception")) for c in seen] == [ValueError]
+
+    run(loop_name, main)
+
+
+def test_each_loop_has_its_own_wheel() -> None:
+    wheels: list[object] = []
+
+    async def main() -> None:
+        wheels.append(wheel())
+        assert wheel() is wheels[-1]
+
+    run("asyncio", main)
+    run("uvloop", main)
+    assert wheels[0] is not wheels[1]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(min_value=0, max_value=40), st.booleans()),
+        min_size=1,
+        max_size=30,
+    )
+)
+def test_property_every_kept_timer_fires_once_in_time_and_no_discarded_one(
+    timers: list[tuple[int, bool]],
+) -> None:
+    """Timers at random offsets (ms), some discarded: each kept one fires exactly once,
+    not before its time and at most a tick (plus scheduling) after; no discarded one."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        wheel_ = wheel()
+        base = loop.time()
+        fired: dict[int, float] = {}
+        keys = []
+        for index, (offset_ms, _) in enumerate(timers):
+
+            def callback(index: int = index) -> None:
+                assert index not in fired
+                fired[index] = loop.time()
+
+            keys.append((wheel_.add(base + offset_ms / 1000, callback), callback))
+        for (key, callback), (_, discard) in zip(keys, timers, strict=True):
+            if discard:
+                wheel_.discard(key, callback)
+        await asyncio.sleep(0.04 + TICK + SLACK)
+        kept = {i for i, (_, discard) in enumerate(timers) if not discard}
+        assert set(fired) == kept
+        for index in kept:
+            due = base + timers[index][0] / 1000
+            assert due <= fired[index] < due + TICK + SLACK
+        assert wheel_.pending() == 0
+
+    run("uvloop", main)
