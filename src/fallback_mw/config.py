@@ -3,6 +3,7 @@ in rules.py, shared with the route store (ConfigError lives there, re-exported h
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import os
 import re
@@ -219,7 +220,13 @@ class UpstreamConfig(_Strict):
 
     @property
     def host(self) -> str:
-        return urlsplit(self.url).hostname or ""
+        return _hostname(self.url)
+
+
+@functools.lru_cache(maxsize=1024)
+def _hostname(url: str) -> str:
+    """An upstream URL's host (each attempt names it: parsed once per URL, not per call)."""
+    return urlsplit(url).hostname or ""
 
 
 # A route that lists no `methods` forwards these; any other method on its paths (TRACE,

@@ -205,7 +205,7 @@ class AttemptLifecycle:
         self.capacity = capacity
         self.telemetry = telemetry
         self.ask = ask
-        self.failover_status = frozenset(context.route.failover_status)
+        self.failover_status = context.route.failover_status  # a few codes: a tuple will do
         self.runner = AttemptRunner(
             context, body, parsed, client=client, faults=faults,
             inject_headers=telemetry.inject_headers,

@@ -24,7 +24,7 @@ never open a breaker for everyone else.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -104,7 +104,7 @@ class WalkState:
     response_started: bool  # any byte, even http.response.start, sent to the client
     attempts_made: int
     attempt_ceiling: int
-    failover_status: frozenset[int]
+    failover_status: Collection[int]
     on_exhausted: Literal["error", "last_response"] = "error"
     other_credential: bool = False  # the upstream just tried has an unused usable credential
     has_last_response: bool = False  # a failover-class response is kept (last_response)
@@ -124,7 +124,7 @@ class Decision:
     rule: str | None = None
 
 
-def is_failover_class(outcome: Outcome, failover_status: frozenset[int]) -> bool:
+def is_failover_class(outcome: Outcome, failover_status: Collection[int]) -> bool:
     """A transport error or upstream timeout before response headers, or a status listed
     in `failover_status`. Local outcomes never are."""
     if outcome.kind == "status":
@@ -132,7 +132,7 @@ def is_failover_class(outcome: Outcome, failover_status: frozenset[int]) -> bool
     return outcome.kind in ("transport", "timeout")
 
 
-def health_mark(outcome: Outcome, failover_status: frozenset[int]) -> bool | None:
+def health_mark(outcome: Outcome, failover_status: Collection[int]) -> bool | None:
     """What the outcome does to the upstream's breaker and credential: True a failure,
     False a success, None nothing at all (the gateway's side of the request)."""
     if outcome.responsible != "upstream":

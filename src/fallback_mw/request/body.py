@@ -47,7 +47,7 @@ async def read_body(
         return context.body
     body = context.body = RequestBody()
     limit = settings.max_request_body
-    declared = declared_length(scope)
+    declared = body.declared = declared_length(scope)
     if declared is not None and declared > limit:
         body.too_large = True
         return body

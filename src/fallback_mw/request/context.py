@@ -62,6 +62,7 @@ class RequestBody:
     # The streamed body's length when known (the caller's Content-Length, or a chunked body
     # read whole): sent upstream as Content-Length, so upstreams that demand one get it.
     length: int | None = None
+    declared: int | None = None  # the caller's Content-Length, if any (body.content_length)
     too_large: bool = False  # over max_request_body (before or while streaming)
     timed_out: bool = False  # the body did not arrive before the deadline
     client_gone: bool = False  # the caller hung up while sending it

@@ -32,7 +32,7 @@ from fallback_mw.layers.walker.hedge import run_hedged
 from fallback_mw.layers.walker.preflight import refusal
 from fallback_mw.layers.walker.stream import commit
 from fallback_mw.plan import candidate_order, is_canary
-from fallback_mw.request.body import declared_length, read_body, request_json
+from fallback_mw.request.body import read_body, request_json
 from fallback_mw.request.context import AttemptRecord, RequestContext, get_context
 from fallback_mw.request.local_errors import send_error
 from fallback_mw.request.types import ASGIApp, Receive, Scope, Send
@@ -109,7 +109,6 @@ class _Walk:
         self.scope = scope
         self.receive = receive
         self.send = send
-        self.failover_status = frozenset(self.route.failover_status)
         self.last_response: tuple[str, UpstreamResponse] | None = None
 
     async def run(self) -> None:
@@ -146,7 +145,7 @@ class _Walk:
         self.attempts = AttemptLifecycle(
             context, body, parsed, client=walker.client, faults=walker.faults,
             health=walker.health, capacity=walker.capacity, telemetry=walker.telemetry,
-            ask=asker(body.buffered, parsed, declared_length(self.scope)),
+            ask=asker(body.buffered, parsed, body.declared),
         )  # fmt: skip
         attempts = self.attempts
         self.cursor = CandidateCursor(
@@ -186,7 +185,7 @@ class _Walk:
             response_started=context.committed,
             attempts_made=context.attempt_count,
             attempt_ceiling=attempt_ceiling(self.route, replayable=self.replayable),
-            failover_status=self.failover_status,
+            failover_status=self.route.failover_status,
             on_exhausted=self.route.on_exhausted,
             other_credential=other_credential,
             has_last_response=self.last_response is not None,
