@@ -197,6 +197,10 @@ class Deadline:
     def expired(self) -> bool:
         return self._state in (_EXPIRING, _EXPIRED)
 
+    def active(self) -> bool:
+        """Entered, not exited and not expired: `reschedule` may move it."""
+        return self._state == _ENTERED
+
     def _arm(self, when: float | None) -> None:
         self._when = when
         if when is None:

@@ -8,7 +8,6 @@ import asyncio
 import re
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Literal, Protocol
 
 from fallback_mw.timers import Deadline
@@ -109,47 +108,31 @@ class UpstreamRequest:
     proxy: str | None = None
 
 
-class FirstByteTimer:
+class FirstByteTimer(Deadline):
     """The upstream's first-byte timer for one request, armed and paused from wherever
     the engine learns the request's progress (its body writer, its connector): it runs
     once the body is sent and while a chunk waits for the upstream to take it, never
     while the caller's body is still arriving (SPEC §12: the upload is the caller's
-    time). Arming after the send has ended does nothing."""
+    time). Arming after the send has ended does nothing. A `Deadline` (timers.py, on the
+    loop's timer wheel: it seldom fires) that starts unarmed."""
 
-    __slots__ = ("_seconds", "_timeout")
+    __slots__ = ("_seconds",)
 
     def __init__(self, seconds: float) -> None:
+        super().__init__(None)
         self._seconds = seconds
-        self._timeout: Deadline | None = None
 
     def running(self) -> FirstByteTimer:
-        """`async with timer.running():` the scope the timer may end (unarmed at first).
-        A class-based context manager: this runs once per attempt."""
+        """`async with timer.running():` the scope the timer may end (unarmed at first)."""
         return self
 
-    async def __aenter__(self) -> None:
-        timeout = Deadline(None)  # on the timer wheel (timers.py): it seldom fires
-        await timeout.__aenter__()
-        self._timeout = timeout
-
-    async def __aexit__(
-        self,
-        typ: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        timeout, self._timeout = self._timeout, None
-        assert timeout is not None
-        await timeout.__aexit__(typ, exc, tb)  # raises TimeoutError; never suppresses
-
     def arm(self) -> None:
-        if self._timeout is not None and not self._timeout.expired():
-            loop = asyncio.get_running_loop()
-            self._timeout.reschedule(loop.time() + self._seconds)
+        if self.active():
+            self.reschedule(asyncio.get_running_loop().time() + self._seconds)
 
     def pause(self) -> None:
-        if self._timeout is not None and not self._timeout.expired():
-            self._timeout.reschedule(None)
+        if self.active():
+            self.reschedule(None)
 
     async def timed_body(self, source: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         """The streamed request body as the engine sends it: no timer while the caller's
