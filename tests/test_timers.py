@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import uvloop
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fallback_mw.timers import TICK, Deadline, deadline_after, wheel
@@ -195,3 +195,23 @@ def test_property_every_kept_timer_fires_once_in_time_and_no_discarded_one(
         assert wheel_.pending() == 0
 
     run("uvloop", main)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.floats(min_value=0, max_value=1e7, allow_nan=False, allow_infinity=False))
+@example(5586.985000000001)  # seen in CI: its bucket computed as 5586.985
+def test_property_a_timers_bucket_is_never_before_it_and_at_most_a_tick_after(
+    when: float,
+) -> None:
+    """In floats as the loop compares them: the bucket's time is at or after the timer's
+    (5586.985000000001 once landed in the bucket at 5586.985: a timer fired early by a
+    rounding error) and less than a tick after it."""
+    loop = asyncio.new_event_loop()
+    try:
+        wheel_ = wheel(loop)
+        key = wheel_.add(when, print)
+        assert when <= key * TICK < when + TICK + 1e-9
+        wheel_.discard(key, print)
+        assert wheel_.pending() == 0
+    finally:
+        loop.close()

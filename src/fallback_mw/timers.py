@@ -47,6 +47,8 @@ class Wheel:
         after it). Returns the key `discard` needs. One callback object per timer: a bound
         method of the object that owns the timer does."""
         key = math.ceil(when * _PER_SECOND)
+        if key * TICK < when:  # never early, float rounding included
+            key += 1
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = self._buckets[key] = {}
@@ -81,10 +83,10 @@ class Wheel:
     def _fire(self) -> None:
         self._handle = None
         self._armed = math.inf
-        now = self.loop.time() * _PER_SECOND
+        now = self.loop.time()
         heap, buckets = self._heap, self._buckets
         due: list[Callback] = []
-        while heap and heap[0] <= now:
+        while heap and heap[0] * TICK <= now:  # the same float as the bucket's time: never early
             bucket = buckets.pop(heapq.heappop(heap), None)
             if bucket:
                 due.extend(bucket)
