@@ -132,6 +132,7 @@ def layer_rows(args: argparse.Namespace) -> int:
                 command = [
                     *callgrind(Path(os.devnull)), sys.executable, str(HERE / "layers.py"),
                     "--only", row, "--rounds", "1", "--warmup", "100", "--requests", str(requests),
+                    *(["--nginx"] if row in ("aiohttp", "engine") else []),  # real sockets
                 ]  # fmt: skip
                 env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": path}
                 done = subprocess.run(command, env=env, capture_output=True, text=True)

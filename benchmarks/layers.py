@@ -12,8 +12,15 @@ lowest of `--rounds` rounds (the steadiest estimate on a shared machine).
 
 Rows build on each other (the `base` column): the per-layer cost is the difference.
 
+With `--nginx` (Debian's nginx, started by the script on loopback as `run.py` does), two
+rows leave the fake client for real sockets: a bare in-process aiohttp proxy (what
+`benchmarks/floor.py` does, without uvicorn) and the whole gateway on its real aiohttp
+engine. Their difference is what the gateway adds over a bare proxy, in one process,
+with the engine seam included: the part of `serve`'s cost the fake-client rows miss.
+
     .venv/bin/python benchmarks/layers.py [--requests 3000] [--rounds 3] [--only ROW,...]
         [--redis redis://127.0.0.1:6379/0]        # adds the Redis-state row
+        [--nginx]                                 # adds the real-engine rows (nginx upstream)
     .venv/bin/python benchmarks/layers.py --profile healthy     # cProfile of one row
 """
 
@@ -159,6 +166,7 @@ def gateway_config(*, budget: bool = False, state: str = "memory://") -> dict[st
 
 ENVIRON = {"BENCH_KEY": "sk-bench"}
 REDIS: list[str] = []  # --redis URL: the Redis-state row's (keys under this run's prefix)
+NGINX: list[int] = []  # --nginx: nginx's two chat ports (the real-engine rows)
 
 
 # --- the stacks -----------------------------------------------------------------------
@@ -223,6 +231,59 @@ def full(
         telemetry=telemetry,
     )
     return Stack(gateway, path, provider, (gateway.aclose,), flush, client)
+
+
+def bare_proxy(workdir: Path) -> Stack:
+    """The in-process floor: read the body, one pooled aiohttp session to nginx, relay the
+    response chunk by chunk (benchmarks/floor.py's app, without uvicorn)."""
+    import aiohttp
+
+    upstream = f"http://127.0.0.1:{NGINX[0]}"
+    session: aiohttp.ClientSession | None = None
+    hop_by_hop = {b"connection", b"keep-alive", b"transfer-encoding"}
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        nonlocal session
+        if session is None:
+            connector = aiohttp.TCPConnector(limit=512, limit_per_host=0)
+            session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        async with session.request(
+            scope["method"], upstream + scope["path"], data=body or None,
+            headers={"content-type": "application/json"},
+        ) as response:  # fmt: skip
+            headers = [
+                (k.lower(), v) for k, v in response.raw_headers if k.lower() not in hop_by_hop
+            ]
+            await send(
+                {"type": "http.response.start", "status": response.status, "headers": headers}
+            )
+            async for chunk in response.content.iter_any():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+
+    async def close() -> None:
+        if session is not None:
+            await session.close()
+
+    return Stack(app, provider=None, closers=(close,))
+
+
+def real_engine(workdir: Path) -> Stack:
+    """The whole gateway (as the healthy row) on its real aiohttp engine, to nginx."""
+    config = gateway_config()
+    ok, backup = NGINX[0], NGINX[1]  # two ports: a fallback may not be its primary's endpoint
+    config["upstreams"] = {
+        name: {"url": f"http://127.0.0.1:{port}", "auth_env": "BENCH_KEY"}
+        for name, port in (("primary", ok), ("backup", backup))
+    }
+    config["routes"] = [r for r in config["routes"] if r["id"] == "chat"]
+    gateway = Gateway(not_found_app, config=config, environ=ENVIRON)
+    return Stack(gateway, provider="primary", closers=(gateway.aclose,))
 
 
 def quiet_logging() -> logging.Logger:
@@ -366,7 +427,11 @@ ROWS = (
         lambda w: full(state=f"{REDIS[0]}?prefix=fmw-layers-{os.getpid()}:"),
     ),
     Row("sdk", "+ OTel SDK (batch spans, OTLP encoding; metrics)", "log", 150, with_sdk),
+    Row("aiohttp", "bare aiohttp proxy to nginx (in-process floor)", None, 0, bare_proxy),
+    # What the gateway may add over a bare proxy: its layers' budgets (without the log line).
+    Row("engine", "whole gateway, real aiohttp engine to nginx", "aiohttp", 125, real_engine),
 )
+REAL_ENGINE_ROWS = ("aiohttp", "engine")
 
 
 # --- the driver -----------------------------------------------------------------------
@@ -499,6 +564,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--redis", default="", metavar="URL", help="a Redis for the Redis-state row"
     )
+    parser.add_argument(
+        "--nginx", action="store_true", help="start nginx and add the real-engine rows"
+    )
     args = parser.parse_args()
     if args.redis:
         REDIS.append(args.redis)
@@ -512,8 +580,20 @@ def parse_args() -> argparse.Namespace:
 
 async def main_async(args: argparse.Namespace) -> int:
     only = {n for n in args.only.split(",") if n}
-    with tempfile.TemporaryDirectory(prefix="fmw-layers-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="fmw-layers-") as tmp, contextlib.ExitStack() as stack:
         workdir = Path(tmp)
+        if args.nginx:
+            import procs  # benchmarks/procs.py: nginx as run.py starts it
+
+            try:
+                _, nginx = procs.ensure_tools()
+            except procs.ToolMissing as exc:
+                print(f"layers: {exc}", file=sys.stderr)
+                return 3
+            tree = procs.Tree(workdir)
+            stack.callback(tree.close)
+            child, backup, _ = procs.start_nginx(tree, nginx, 1)
+            NGINX.extend((child.port, backup))
         if args.profile:
             await profile(next(r for r in ROWS if r.name == args.profile), workdir, args)
             return 0
@@ -523,6 +603,9 @@ async def main_async(args: argparse.Namespace) -> int:
                 continue
             if row.name == "redis" and not REDIS:
                 print("  redis         skipped (no --redis URL)", flush=True)
+                continue
+            if row.name in REAL_ENGINE_ROWS and not NGINX:
+                print(f"  {row.name:13s} skipped (no --nginx)", flush=True)
                 continue
             results[row.name] = await measure(row, workdir, args)
             print(f"  {row.name:13s} {results[row.name]:8.1f} us/request", flush=True)

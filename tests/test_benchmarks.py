@@ -94,20 +94,27 @@ LAYER_ROWS = (
     "+ request log line (INFO, to a file)",
     "+ Redis state (breakers, capacity counts)",
     "+ OTel SDK (batch spans, OTLP encoding; metrics)",
+    "whole gateway, real aiohttp engine to nginx",
 )
 
 
 def test_layer_benchmark_runs_every_row_and_prints_its_cost() -> None:
     """benchmarks/layers.py drives requests through each stack (it checks every response's
     status and x-gateway-provider, and that hedges fired and spans were exported) and
-    prints CPU per request, what each layer adds and its budget."""
+    prints CPU per request, what each layer adds and its budget; with --nginx also the
+    bare in-process proxy and the gateway on its real engine, through real sockets."""
     require_service("Redis", REDIS_HOST, REDIS_PORT)  # the Redis-state row
     result = script(
         LAYERS,
         *("--requests", "40", "--rounds", "1", "--warmup", "5"),
-        *("--redis", f"redis://{REDIS_HOST}:{REDIS_PORT}/0"),
+        *("--redis", f"redis://{REDIS_HOST}:{REDIS_PORT}/0", "--nginx"),
     )
+    skip_without_tools(result)
     assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
+    bare = re.search(
+        r"^bare aiohttp proxy to nginx \(in-process floor\)\s+(\d+\.\d)\s*$", result.stdout, re.M
+    )
+    assert bare is not None and float(bare.group(1)) > 0, result.stdout
     rows = {}
     for line in result.stdout.splitlines():
         for label in LAYER_ROWS:
