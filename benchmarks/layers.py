@@ -13,8 +13,8 @@ lowest of `--rounds` rounds (the steadiest estimate on a shared machine).
 Rows build on each other (the `base` column): the per-layer cost is the difference.
 
 With `--nginx` (Debian's nginx, started by the script on loopback as `run.py` does), two
-rows leave the fake client for real sockets: a bare in-process aiohttp proxy (what
-`benchmarks/floor.py` does, without uvicorn) and the whole gateway on its real aiohttp
+rows leave the fake client for real sockets: a bare in-process aiohttp proxy
+(`benchmarks/floor.py`'s app, without uvicorn) and the whole gateway on its real aiohttp
 engine. Their difference is what the gateway adds over a bare proxy, in one process,
 with the engine seam included: the part of `serve`'s cost the fake-client rows miss.
 
@@ -234,43 +234,17 @@ def full(
 
 
 def bare_proxy(workdir: Path) -> Stack:
-    """The in-process floor: read the body, one pooled aiohttp session to nginx, relay the
-    response chunk by chunk (benchmarks/floor.py's app, without uvicorn)."""
-    import aiohttp
-
-    upstream = f"http://127.0.0.1:{NGINX[0]}"
-    session: aiohttp.ClientSession | None = None
-    hop_by_hop = {b"connection", b"keep-alive", b"transfer-encoding"}
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        nonlocal session
-        if session is None:
-            connector = aiohttp.TCPConnector(limit=512, limit_per_host=0)
-            session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-        body, more = b"", True
-        while more:
-            message = await receive()
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-        async with session.request(
-            scope["method"], upstream + scope["path"], data=body or None,
-            headers={"content-type": "application/json"},
-        ) as response:  # fmt: skip
-            headers = [
-                (k.lower(), v) for k, v in response.raw_headers if k.lower() not in hop_by_hop
-            ]
-            await send(
-                {"type": "http.response.start", "status": response.status, "headers": headers}
-            )
-            async for chunk in response.content.iter_any():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b""})
+    """The in-process floor: benchmarks/floor.py's app itself (read the body, one pooled
+    aiohttp session to nginx, relay the response chunk by chunk), without uvicorn."""
+    os.environ["FLOOR_UPSTREAM"] = f"http://127.0.0.1:{NGINX[0]}"  # read when floor loads
+    import floor
 
     async def close() -> None:
-        if session is not None:
-            await session.close()
+        if floor.session is not None:
+            await floor.session.close()
+            floor.session = None
 
-    return Stack(app, provider=None, closers=(close,))
+    return Stack(floor.app, provider=None, closers=(close,))
 
 
 def real_engine(workdir: Path) -> Stack:
