@@ -142,10 +142,12 @@ def canonical_name(name: bytes) -> bytes:
 _LISTING_FIELDS = (b"connection", b"trailer")
 
 
-def _connection_named(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
+def _connection_named(lowered: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
+    """The canonical names listed in `Connection` / `Trailer` fields (`lowered`: names
+    already lowercased; neither listing field has a `_` to fold)."""
     named: set[bytes] = set()
-    for name, value in headers:
-        if canonical_name(name) in _LISTING_FIELDS:
+    for name, value in lowered:
+        if name in _LISTING_FIELDS:
             named.update(
                 canonical_name(token.strip()) for token in value.split(b",") if token.strip()
             )
@@ -165,7 +167,7 @@ def forwardable_request_headers(
     strip = also_strip
     if any(b"_" in n for n in also_strip):
         strip = frozenset(canonical_name(n) for n in also_strip)
-    return _kept(headers, _NEVER_FORWARDED, strip)
+    return _kept([(name.lower(), value) for name, value in headers], _NEVER_FORWARDED, strip)
 
 
 # The server in front of the client adds its own `date` and `server`; the upstream's copies
@@ -185,12 +187,16 @@ def forwardable_response_headers(
     a head without `transfer-encoding` (the engines refuse contradictory heads before
     this, `upstream.base.check_response_head`, and end a body that falls short of it as
     aborted). A 204 or 304 goes out with no length at all."""
-    items = list(headers)
+    lowered = [(name.lower(), value) for name, value in headers]
     # No length beside a transfer coding (the engine de-chunks: the length would be stale),
     # and none on a status that has no body.
-    chunked = any(name.lower() == b"transfer-encoding" for name, _ in items)
-    no_length = chunked or status in _NO_BODY_STATUSES
-    return _kept(items, _NEVER_RELAYED_NO_BODY if no_length else _NEVER_RELAYED, frozenset())
+    no_length = status in _NO_BODY_STATUSES
+    if not no_length:
+        for name, _ in lowered:
+            if name == b"transfer-encoding":
+                no_length = True
+                break
+    return _kept(lowered, _NEVER_RELAYED_NO_BODY if no_length else _NEVER_RELAYED, frozenset())
 
 
 _NO_BODY_STATUSES = frozenset({204, 304})
@@ -201,17 +207,19 @@ _NEVER_RELAYED = HOP_BY_HOP_HEADERS | SERVER_OWNED_RESPONSE_HEADERS
 _NEVER_RELAYED_NO_BODY = _NEVER_RELAYED | {b"content-length"}
 
 
-def _kept(
-    headers: Iterable[tuple[bytes, bytes]], dropped: frozenset[bytes], also: frozenset[bytes]
-) -> Headers:
-    """The fields whose canonical name is in neither `dropped` nor `also`, not named in
-    `Connection` and not `x-gateway-*`; names lowercased, repeats kept in order."""
-    items = list(headers)
-    named = _connection_named(items)
+def _kept(lowered: Headers, dropped: frozenset[bytes], also: frozenset[bytes]) -> Headers:
+    """The fields (`lowered`: names already lowercased) whose canonical name is in neither
+    `dropped` nor `also`, not named in `Connection` and not `x-gateway-*`; repeats kept in
+    order. The listing fields are read first only when there is one (they are hop-by-hop
+    themselves, so rarely sent)."""
+    named: set[bytes] | frozenset[bytes] = _NONE_NAMED
+    for name, _ in lowered:
+        if name in _LISTING_FIELDS:
+            named = _connection_named(lowered)
+            break
     kept: Headers = []
-    for name, value in items:
-        lower = name.lower()
-        canonical = lower.replace(b"_", b"-")
+    for name, value in lowered:
+        canonical = name.replace(b"_", b"-")
         if (
             canonical in dropped
             or canonical in also
@@ -219,8 +227,11 @@ def _kept(
             or canonical.startswith(GATEWAY_HEADER_PREFIX)
         ):
             continue
-        kept.append((lower, value))
+        kept.append((name, value))
     return kept
+
+
+_NONE_NAMED: frozenset[bytes] = frozenset()
 
 
 # --- upstream addresses -------------------------------------------------------------------
