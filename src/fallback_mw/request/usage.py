@@ -126,7 +126,10 @@ class UsageMeter:
             return
         data = b"\n".join(event)
         # Cheap filter: only events that can carry usage, or the model when still unknown.
-        if b'"usage"' not in data and (self.target.model is not None or b'"model"' not in data):
+        # `find`, not `in`: bytes `in` formats and drops a TypeError first (CPython 3.11).
+        if data.find(b'"usage"') < 0 and (
+            self.target.model is not None or data.find(b'"model"') < 0
+        ):
             return
         self._apply_document(_loads(data))
 

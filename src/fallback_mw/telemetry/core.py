@@ -184,8 +184,11 @@ class Telemetry:
         try:
             untraced = context.trace
             if isinstance(untraced, Untraced):
-                if any(a is attempt for a in untraced.attempts):
-                    untraced.attempts.remove(attempt)
+                attempts = untraced.attempts
+                for index, started in enumerate(attempts):
+                    if started is attempt:
+                        del attempts[index]
+                        break
                 self._m.attempt(context, attempt, attempt.failure_kind)
                 return
             request = self._request_trace(context)

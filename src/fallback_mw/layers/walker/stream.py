@@ -43,7 +43,11 @@ async def commit(
         headers += gateway_headers(context)
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         context.committed = True
-        content_type = next((v for k, v in response.headers if k.lower() == b"content-type"), None)
+        content_type = None
+        for key, value in response.headers:
+            if key.lower() == b"content-type":
+                content_type = value
+                break
         received = 0
         try:
             async for chunk in response.iter_chunks():
