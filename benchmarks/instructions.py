@@ -122,6 +122,8 @@ def serve_arms(args: argparse.Namespace) -> int:
 
 
 def layer_rows(args: argparse.Namespace) -> int:
+    from layers import REAL_ENGINE_ROWS  # the rows that need nginx
+
     trees = [("base", str(args.base))] if args.base is not None else []
     trees.append(("this", ""))
     print("instructions per request in process (callgrind, 1500 - 500 requests)")
@@ -132,7 +134,7 @@ def layer_rows(args: argparse.Namespace) -> int:
                 command = [
                     *callgrind(Path(os.devnull)), sys.executable, str(HERE / "layers.py"),
                     "--only", row, "--rounds", "1", "--warmup", "100", "--requests", str(requests),
-                    *(["--nginx"] if row in ("aiohttp", "engine") else []),  # real sockets
+                    *(["--nginx"] if row in REAL_ENGINE_ROWS else []),  # real sockets
                 ]  # fmt: skip
                 env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": path}
                 done = subprocess.run(command, env=env, capture_output=True, text=True)

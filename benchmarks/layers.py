@@ -247,6 +247,46 @@ def bare_proxy(workdir: Path) -> Stack:
     return Stack(floor.app, provider=None, closers=(close,))
 
 
+def engine_seam(workdir: Path) -> Stack:
+    """The bare proxy's work through the gateway's engine seam (`AiohttpClient.send`, the
+    response's `iter_chunks` and `aclose`: the connection cap, the first-byte and idle
+    timers, the head checks) instead of aiohttp directly: what the seam costs alone."""
+    from fallback_mw.upstream.aiohttp_engine import AiohttpClient
+    from fallback_mw.upstream.base import Timeouts
+
+    client = AiohttpClient(max_connections=512)
+    upstream = f"http://127.0.0.1:{NGINX[0]}"
+    timeouts = Timeouts(connect=3.0, first_byte=30.0, idle=60.0)
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        request = UpstreamRequest(
+            method=scope["method"], url=upstream + scope["path"],
+            headers=[("content-type", "application/json")], body=body, timeouts=timeouts,
+            max_connections=100, pool_key="primary",
+        )  # fmt: skip
+        response = await client.send(request)
+        try:
+            headers = [(k, v) for k, v in response.headers if k not in HOP_BY_HOP]
+            await send(
+                {"type": "http.response.start", "status": response.status, "headers": headers}
+            )
+            async for chunk in response.iter_chunks():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            await response.aclose()
+
+    return Stack(app, provider=None, closers=(client.aclose,))
+
+
+HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding"})  # as floor.py
+
+
 def real_engine(workdir: Path) -> Stack:
     """The whole gateway (as the healthy row) on its real aiohttp engine, to nginx."""
     config = gateway_config()
@@ -402,10 +442,11 @@ ROWS = (
     ),
     Row("sdk", "+ OTel SDK (batch spans, OTLP encoding; metrics)", "log", 150, with_sdk),
     Row("aiohttp", "bare aiohttp proxy to nginx (in-process floor)", None, 0, bare_proxy),
+    Row("seam", "bare proxy through the gateway's engine seam", "aiohttp", 15, engine_seam),
     # What the gateway may add over a bare proxy: its layers' budgets (without the log line).
     Row("engine", "whole gateway, real aiohttp engine to nginx", "aiohttp", 125, real_engine),
 )
-REAL_ENGINE_ROWS = ("aiohttp", "engine")
+REAL_ENGINE_ROWS = ("aiohttp", "seam", "engine")
 
 
 # --- the driver -----------------------------------------------------------------------

@@ -94,6 +94,7 @@ LAYER_ROWS = (
     "+ request log line (INFO, to a file)",
     "+ Redis state (breakers, capacity counts)",
     "+ OTel SDK (batch spans, OTLP encoding; metrics)",
+    "bare proxy through the gateway's engine seam",
     "whole gateway, real aiohttp engine to nginx",
 )
 
@@ -102,7 +103,8 @@ def test_layer_benchmark_runs_every_row_and_prints_its_cost() -> None:
     """benchmarks/layers.py drives requests through each stack (it checks every response's
     status and x-gateway-provider, and that hedges fired and spans were exported) and
     prints CPU per request, what each layer adds and its budget; with --nginx also the
-    bare in-process proxy and the gateway on its real engine, through real sockets."""
+    bare in-process proxy, that proxy through the gateway's engine seam and the gateway on
+    its real engine, through real sockets."""
     require_service("Redis", REDIS_HOST, REDIS_PORT)  # the Redis-state row
     result = script(
         LAYERS,
