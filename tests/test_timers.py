@@ -77,6 +77,36 @@ def test_someone_elses_cancellation_is_not_turned_into_a_timeout(loop_name: str)
     run(loop_name, main)
 
 
+def test_the_plain_with_form_is_the_same_scope(loop_name: str) -> None:
+    """The request path enters deadlines with `with` (no coroutines): the same timeout,
+    the same pass-through of someone else's cancellation, the same clean exit."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(TimeoutError), Deadline(started + 0.03):
+            await asyncio.sleep(5)
+        assert 0.03 <= loop.time() - started < 0.03 + TICK + SLACK
+
+        async def inner() -> None:
+            with deadline_after(10):
+                await asyncio.sleep(10)
+
+        task = loop.create_task(inner())
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        with deadline_after(0.5) as scope:
+            await asyncio.sleep(0)
+        assert not scope.expired() and not scope.active()
+        with pytest.raises(RuntimeError), scope:
+            pass  # entered once only, as asyncio.Timeout
+        assert wheel().pending() == 0
+
+    run(loop_name, main)
+
+
 def test_a_deadline_already_passed_expires_at_once(loop_name: str) -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()

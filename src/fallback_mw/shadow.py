@@ -183,7 +183,7 @@ class ShadowTraffic:
         received = 0
         if response is not None:
             try:
-                async with deadline_after(max(context.remaining, 0.0)):
+                with deadline_after(max(context.remaining, 0.0)):
                     async for chunk in response.iter_chunks():
                         received += len(chunk)
                         if received > self.max_response_body:

@@ -133,9 +133,10 @@ _CREATED, _ENTERED, _EXPIRING, _EXPIRED, _EXITED = range(5)
 
 
 class Deadline:
-    """`async with Deadline(when) as scope:` is `asyncio.timeout_at(when)` on the wheel:
-    once the loop's time passes `when` (up to TICK later) the block's task is cancelled and
-    the scope raises `TimeoutError` in its place; a cancellation that is not the scope's
+    """`with Deadline(when) as scope:` (or `async with`), inside a task, is
+    `asyncio.timeout_at(when)` on the wheel: once the loop's time passes `when` (up to
+    TICK later) the block's task is cancelled and the scope raises `TimeoutError` in its
+    place; a cancellation that is not the scope's
     own passes through untouched (the same `Task.cancelling` / `uncancel` rule as
     asyncio.Timeout). `when` None: no deadline until `reschedule`. A deadline already
     passed on entry, or rescheduled into the past, expires on the loop's next iteration,
@@ -150,7 +151,7 @@ class Deadline:
         self._key: int | None = None
         self._handle: asyncio.Handle | None = None
 
-    async def __aenter__(self) -> Deadline:
+    def __enter__(self) -> Deadline:
         if self._state != _CREATED:
             raise RuntimeError("Deadline has already been entered")
         loop = asyncio.get_running_loop()
@@ -165,7 +166,7 @@ class Deadline:
         self._arm(when)
         return self
 
-    async def __aexit__(
+    def __exit__(
         self,
         typ: type[BaseException] | None,
         exc: BaseException | None,
@@ -178,6 +179,19 @@ class Deadline:
                 raise TimeoutError from exc  # ours: the deadline passed
         elif self._state == _ENTERED:
             self._state = _EXITED
+
+    # `async with` as asyncio.Timeout is used; `with` is the same scope without the two
+    # coroutines (nothing here awaits), which the request path uses.
+    async def __aenter__(self) -> Deadline:
+        return self.__enter__()
+
+    async def __aexit__(
+        self,
+        typ: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.__exit__(typ, exc, tb)
 
     def reschedule(self, when: float | None) -> None:
         """Move the deadline (None: none)."""
@@ -218,7 +232,7 @@ class Deadline:
 
 
 def deadline_after(seconds: float) -> Deadline:
-    """`async with deadline_after(s):` like `asyncio.timeout(s)`, on the wheel."""
+    """`with deadline_after(s):` (or `async with`) like `asyncio.timeout(s)`, on the wheel."""
     deadline = Deadline(None)
     deadline._delay = seconds  # from the moment the scope is entered, as asyncio's
     return deadline

@@ -128,7 +128,7 @@ class AttemptRunner:
         )
         fault = await self.faults.upstream_fault(name)
         try:
-            async with deadline_after(max(context.remaining, 0.0)):
+            with deadline_after(max(context.remaining, 0.0)):
                 if fault == "fail":
                     record.fault = "fail"
                     return Outcome("status", 503, fault="fail"), SyntheticResponse(503)

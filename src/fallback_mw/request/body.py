@@ -62,7 +62,7 @@ async def read_body(
     now = loop.time()
     deadline = now + max(context.remaining, 0.0)
     try:
-        async with Deadline(min(deadline, now + gap)) as timer:
+        with Deadline(min(deadline, now + gap)) as timer:
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
@@ -116,7 +116,7 @@ async def _stream_rest(
     yield head
     while True:
         try:
-            async with deadline_after(gap):
+            with deadline_after(gap):
                 message = await receive()
         except TimeoutError:
             body.timed_out = True

@@ -131,7 +131,7 @@ class AiohttpResponse:
                 # head) is taken without arming an idle timer; only a wait is timed.
                 chunk = content.read_nowait()
                 if not chunk and not content.is_eof():
-                    async with deadline_after(self._idle):
+                    with deadline_after(self._idle):
                         chunk = await content.readany()
             if not chunk:
                 self._finished = True
@@ -218,23 +218,22 @@ class AiohttpClient:
         data = (body or None) if isinstance(body, bytes) else timer.timed_body(body)
         armed = _ARM_ON_CONNECT.set(None if streamed else timer)
         try:
-            with map_errors("first_byte"):
-                async with timer.running():
-                    response = await session.request(
-                        request.method,
-                        # encoded=True: the path and query go out byte for byte as the walker
-                        # built them (yarl would otherwise decode %3F, %2F, %7e... and re-encode).
-                        URL(_ascii_target(request.url), encoded=True),
-                        headers=CIMultiDict(request.headers),
-                        data=data,
-                        allow_redirects=False,
-                        timeout=self._client_timeout(timeouts.connect),
-                        # The same trust on both engines (upstream/tls.py); plain http needs none.
-                        ssl=ssl_context(request.ca_file or self._ca_file)
-                        if request.url.startswith("https:")
-                        else True,
-                        proxy=request.proxy,
-                    )
+            with map_errors("first_byte"), timer.running():
+                response = await session.request(
+                    request.method,
+                    # encoded=True: the path and query go out byte for byte as the walker
+                    # built them (yarl would otherwise decode %3F, %2F, %7e... and re-encode).
+                    URL(_ascii_target(request.url), encoded=True),
+                    headers=CIMultiDict(request.headers),
+                    data=data,
+                    allow_redirects=False,
+                    timeout=self._client_timeout(timeouts.connect),
+                    # The same trust on both engines (upstream/tls.py); plain http needs none.
+                    ssl=ssl_context(request.ca_file or self._ca_file)
+                    if request.url.startswith("https:")
+                    else True,
+                    proxy=request.proxy,
+                )
         finally:
             _ARM_ON_CONNECT.reset(armed)
         try:

@@ -123,7 +123,7 @@ class FirstByteTimer(Deadline):
         self._seconds = seconds
 
     def running(self) -> FirstByteTimer:
-        """`async with timer.running():` the scope the timer may end (unarmed at first)."""
+        """`with timer.running():` the scope the timer may end (unarmed at first)."""
         return self
 
     def arm(self) -> None:

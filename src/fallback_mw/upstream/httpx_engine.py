@@ -125,12 +125,11 @@ class HttpxResponse:
     async def iter_chunks(self) -> AsyncIterator[bytes]:
         stream = self._response.aiter_raw()
         while True:
-            with map_errors("body"):
-                async with deadline_after(self._idle):
-                    try:
-                        chunk = await stream.__anext__()
-                    except StopAsyncIteration:
-                        return
+            with map_errors("body"), deadline_after(self._idle):
+                try:
+                    chunk = await stream.__anext__()
+                except StopAsyncIteration:
+                    return
             if chunk:
                 yield chunk
 
@@ -217,11 +216,10 @@ class HttpxClient:
         # (bounded by the walk deadline around this call), never the upstream's time.
         release = await self._caps.acquire(request)
         try:
-            with map_errors("first_byte"):
-                async with timer.running():
-                    if self._transport is not None:
-                        timer.arm()  # a custom transport reports no progress
-                    response = await client.send(built, stream=True, follow_redirects=False)
+            with map_errors("first_byte"), timer.running():
+                if self._transport is not None:
+                    timer.arm()  # a custom transport reports no progress
+                response = await client.send(built, stream=True, follow_redirects=False)
             try:
                 with map_errors("first_byte"):
                     check_response_head(response.status_code, response.headers.raw)
