@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextvars import ContextVar
 from typing import Any
 
@@ -123,8 +123,20 @@ class AiohttpResponse:
         self.headers = [(k.lower(), v) for k, v in response.raw_headers]
         self._finished = False
 
-    def iter_chunks(self) -> _Chunks:
-        return _Chunks(self)
+    async def iter_chunks(self) -> AsyncIterator[bytes]:
+        content = self._response.content
+        while True:
+            with map_errors("body"):
+                # What has already arrived (often the whole of a small body, with the
+                # head) is taken without arming an idle timer; only a wait is timed.
+                chunk = content.read_nowait()
+                if not chunk and not content.is_eof():
+                    with deadline_after(self._idle):
+                        chunk = await content.readany()
+            if not chunk:
+                self._finished = True
+                return
+            yield chunk
 
     def __del__(self) -> None:
         # A response dropped without aclose (a cancellation between send and its owner)
@@ -139,35 +151,6 @@ class AiohttpResponse:
         else:
             # An unread body: the connection cannot be reused safely.
             self._response.close()
-
-
-class _Chunks:
-    """`AiohttpResponse.iter_chunks`: an iterator class rather than an async generator,
-    which the loop's async-generator hooks would track in a weak set (an entry and a
-    weakref callback per response)."""
-
-    __slots__ = ("_owner",)
-
-    def __init__(self, owner: AiohttpResponse) -> None:
-        self._owner = owner
-
-    def __aiter__(self) -> _Chunks:
-        return self
-
-    async def __anext__(self) -> bytes:
-        owner = self._owner
-        content = owner._response.content
-        with map_errors("body"):
-            # What has already arrived (often the whole of a small body, with the head)
-            # is taken without arming an idle timer; only a wait is timed.
-            chunk = content.read_nowait()
-            if not chunk and not content.is_eof():
-                with deadline_after(owner._idle):
-                    chunk = await content.readany()
-        if not chunk:
-            owner._finished = True
-            raise StopAsyncIteration
-        return chunk
 
 
 class AiohttpClient:
