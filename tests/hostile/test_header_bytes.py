@@ -13,9 +13,12 @@ from collections.abc import MutableMapping
 from typing import Any
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from fallback_mw import Gateway
 from fallback_mw.health.memory import MemoryHealth
+from fallback_mw.security import query_problem, request_header_problem
 from fallback_mw.upstream import Timeouts, UpstreamError, UpstreamRequest, make_client
 from tests.helpers import http_scope
 from tests.upstreams import Upstream, host_app, status_handler, upstream
@@ -134,3 +137,52 @@ async def test_what_an_engine_refuses_is_local_never_a_bare_500(engine: str) -> 
             assert caught.value.kind == "local", (url, caught.value)
     finally:
         await client.aclose()
+
+
+# The rule written out byte by byte (RFC 9110 §5.1 tchar, §5.5 field values; RFC 9112 §3.2
+# for the query): the fast checks in security.py must agree with it for any bytes.
+_TCHAR_BYTES = frozenset(
+    b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+)
+
+
+def _header_refused_by_the_rule(name: bytes, value: bytes) -> bool:
+    if not name or any(byte not in _TCHAR_BYTES for byte in name):
+        return True
+    if any((byte < 0x20 and byte != 0x09) or byte == 0x7F for byte in value):
+        return True
+    try:
+        value.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
+_ALPHABET = st.sampled_from(
+    [0x00, 0x09, 0x0A, 0x1F, 0x20, 0x23, 0x2D, 0x41, 0x5F, 0x61, 0x7E, 0x7F, 0x80, 0xC3, 0xA9, 0xFF]
+)
+_BYTES = st.one_of(st.binary(max_size=40), st.lists(_ALPHABET, max_size=40).map(bytes))
+
+
+@settings(max_examples=600, deadline=None)
+@given(_BYTES, _BYTES)
+@example(b"content-type", b"application/json")
+@example(b"x_api_key", b"a\tb")
+@example(b"", b"")
+@example(b"x-caf\xc3\xa9", b"ok")
+@example(b"accept", b"caf\xc3\xa9 \x7f")
+def test_the_header_check_is_the_rule_for_any_bytes(name: bytes, value: bytes) -> None:
+    problem = request_header_problem(name, value)
+    assert (problem is not None) == _header_refused_by_the_rule(name, value), (name, value)
+
+
+@settings(max_examples=600, deadline=None)
+@given(_BYTES)
+@example(b"a=1&b=2")
+@example(b"a=1#frag")
+@example(b"a= 1")
+@example(b"q=caf\xc3\xa9")
+@example(b"a=\x7f")
+def test_the_query_check_is_the_rule_for_any_bytes(query: bytes) -> None:
+    refused = any(byte <= 0x20 or byte in (0x7F, 0x23) for byte in query)
+    assert (query_problem(query) is not None) == refused, query
