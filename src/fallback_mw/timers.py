@@ -136,11 +136,11 @@ class Deadline:
     """`with Deadline(when) as scope:` (or `async with`), inside a task, is
     `asyncio.timeout_at(when)` on the wheel: once the loop's time passes `when` (up to
     TICK later) the block's task is cancelled and the scope raises `TimeoutError` in its
-    place; a cancellation that is not the scope's
-    own passes through untouched (the same `Task.cancelling` / `uncancel` rule as
-    asyncio.Timeout). `when` None: no deadline until `reschedule`. A deadline already
-    passed on entry, or rescheduled into the past, expires on the loop's next iteration,
-    as asyncio's does. `deadline_after(seconds)` is `asyncio.timeout(seconds)`."""
+    place; a cancellation that is not the scope's own passes through untouched (the same
+    `Task.cancelling` / `uncancel` rule as asyncio.Timeout). `when` None: no deadline
+    until `reschedule`. A deadline already passed on entry, or rescheduled into the past,
+    expires on the loop's next iteration, as asyncio's does. `deadline_after(seconds)` is
+    `asyncio.timeout(seconds)`."""
 
     __slots__ = ("_cancelling", "_delay", "_handle", "_key", "_state", "_task", "_wheel", "_when")
 
