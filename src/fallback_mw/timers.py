@@ -133,14 +133,14 @@ _CREATED, _ENTERED, _EXPIRING, _EXPIRED, _EXITED = range(5)
 
 
 class Deadline:
-    """`with Deadline(when) as scope:` (or `async with`), inside a task, is
-    `asyncio.timeout_at(when)` on the wheel: once the loop's time passes `when` (up to
-    TICK later) the block's task is cancelled and the scope raises `TimeoutError` in its
-    place; a cancellation that is not the scope's own passes through untouched (the same
-    `Task.cancelling` / `uncancel` rule as asyncio.Timeout). `when` None: no deadline
-    until `reschedule`. A deadline already passed on entry, or rescheduled into the past,
-    expires on the loop's next iteration, as asyncio's does. `deadline_after(seconds)` is
-    `asyncio.timeout(seconds)`."""
+    """`with Deadline(when) as scope:`, inside a task, is `asyncio.timeout_at(when)` on
+    the wheel (a plain `with`: nothing here awaits, so no coroutines to enter and exit):
+    once the loop's time passes `when` (up to TICK later) the block's task is cancelled
+    and the scope raises `TimeoutError` in its place; a cancellation that is not the
+    scope's own passes through untouched (the same `Task.cancelling` / `uncancel` rule as
+    asyncio.Timeout). `when` None: no deadline until `reschedule`. A deadline already
+    passed on entry, or rescheduled into the past, expires on the loop's next iteration,
+    as asyncio's does. `deadline_after(seconds)` is `asyncio.timeout(seconds)`."""
 
     __slots__ = ("_cancelling", "_delay", "_handle", "_key", "_state", "_task", "_wheel", "_when")
 
@@ -179,19 +179,6 @@ class Deadline:
                 raise TimeoutError from exc  # ours: the deadline passed
         elif self._state == _ENTERED:
             self._state = _EXITED
-
-    # `async with` as asyncio.Timeout is used; `with` is the same scope without the two
-    # coroutines (nothing here awaits), which the request path uses.
-    async def __aenter__(self) -> Deadline:
-        return self.__enter__()
-
-    async def __aexit__(
-        self,
-        typ: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.__exit__(typ, exc, tb)
 
     def reschedule(self, when: float | None) -> None:
         """Move the deadline (None: none)."""
@@ -232,7 +219,7 @@ class Deadline:
 
 
 def deadline_after(seconds: float) -> Deadline:
-    """`with deadline_after(s):` (or `async with`) like `asyncio.timeout(s)`, on the wheel."""
+    """`with deadline_after(s):` like `asyncio.timeout(s)`, on the wheel."""
     deadline = Deadline(None)
     deadline._delay = seconds  # from the moment the scope is entered, as asyncio's
     return deadline
