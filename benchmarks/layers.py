@@ -233,11 +233,18 @@ def full(
     return Stack(gateway, path, provider, (gateway.aclose,), flush, client)
 
 
+def floor_module() -> Any:
+    """benchmarks/floor.py, pointed at the nginx upstream (it reads it when it loads)."""
+    os.environ["FLOOR_UPSTREAM"] = f"http://127.0.0.1:{NGINX[0]}"
+    import floor
+
+    return floor
+
+
 def bare_proxy(workdir: Path) -> Stack:
     """The in-process floor: benchmarks/floor.py's app itself (read the body, one pooled
     aiohttp session to nginx, relay the response chunk by chunk), without uvicorn."""
-    os.environ["FLOOR_UPSTREAM"] = f"http://127.0.0.1:{NGINX[0]}"  # read when floor loads
-    import floor
+    floor = floor_module()
 
     async def close() -> None:
         if floor.session is not None:
@@ -254,8 +261,9 @@ def engine_seam(workdir: Path) -> Stack:
     from fallback_mw.upstream.aiohttp_engine import AiohttpClient
     from fallback_mw.upstream.base import Timeouts
 
+    floor = floor_module()  # the same upstream and hop-by-hop set as the bare proxy
     client = AiohttpClient(max_connections=512)
-    upstream = f"http://127.0.0.1:{NGINX[0]}"
+    upstream = floor.UPSTREAM
     timeouts = Timeouts(connect=3.0, first_byte=30.0, idle=60.0)
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -271,7 +279,7 @@ def engine_seam(workdir: Path) -> Stack:
         )  # fmt: skip
         response = await client.send(request)
         try:
-            headers = [(k, v) for k, v in response.headers if k not in HOP_BY_HOP]
+            headers = [(k, v) for k, v in response.headers if k not in floor.HOP_BY_HOP]
             await send(
                 {"type": "http.response.start", "status": response.status, "headers": headers}
             )
@@ -282,9 +290,6 @@ def engine_seam(workdir: Path) -> Stack:
             await response.aclose()
 
     return Stack(app, provider=None, closers=(client.aclose,))
-
-
-HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding"})  # as floor.py
 
 
 def real_engine(workdir: Path) -> Stack:
