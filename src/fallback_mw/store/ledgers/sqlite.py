@@ -3,7 +3,9 @@ every change runs in a `BEGIN IMMEDIATE` transaction (the database write lock), 
 check and its update are one atomic step across processes. WAL mode keeps readers off
 the writers' backs. Calls run one at a time per ledger: on the event loop's thread when
 that cannot block (`_inline`: about a quarter of a thread hop's CPU), else in a worker
-thread."""
+thread. A request's two calls (the hold; the settlement with its usage record) are
+committed in groups (`_grouped`): every such call of this process that is ready on one
+turn of the event loop shares one transaction."""
 
 from __future__ import annotations
 
@@ -12,10 +14,10 @@ import contextlib
 import logging
 import sqlite3
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio.to_thread
 
@@ -72,6 +74,8 @@ class SQLiteLedger(SQLLedgerBase):
         self._fast: sqlite3.Connection | None = None  # the event loop thread's (_inline)
         self._calls = 0
         self._turns: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
+        self._waiting: list[_Call] = []  # grouped calls for the next commit (_grouped)
+        self._writers: set[asyncio.Task[None]] = set()  # groups gone to the worker thread
         self._lock = threading.Lock()
         self._cache = BudgetCache()
         self._outage = OutageLog(logger, "SQLite ledger")  # one WARNING each way
@@ -175,6 +179,71 @@ class SQLiteLedger(SQLLedgerBase):
         self._outage.recovered()
         return result
 
+    # --- group commit -------------------------------------------------------------------
+
+    async def _grouped(self, work: Callable[[sqlite3.Connection], T]) -> T:
+        """`work` (its statements; the transaction is the group's) committed with every
+        other grouped call of this process that is ready on this turn of the event loop:
+        one `BEGIN IMMEDIATE` ... `COMMIT` for all of them. A commit's cost is its file
+        locks and WAL writes, not its statements (measured: a hold alone about 40 µs of
+        CPU, in a group of 16 about 12; a usage record 20 and 2). Each call's result is
+        its own, as if it ran alone and in this order; a call whose statements fail fails
+        alone (the others commit); a group that cannot be written (the database locked
+        by another process) goes to the worker thread whole, nothing of it committed."""
+        turns = self._loop_lock()
+        if turns is None:  # outside asyncio: a transaction of its own, as any call
+            return await self._run(_transaction(work))
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        if not self._waiting:
+            # Written after every task ready on this turn has run (and joined the group):
+            # a loop callback, so no caller's cancellation can leave the others waiting.
+            loop.call_soon(self._commit_group, turns)
+        self._waiting.append(_Call(work, future))
+        result: T = await future
+        return result
+
+    def _commit_group(self, turns: asyncio.Lock) -> None:
+        group, self._waiting = self._waiting, []
+        self._calls += 1
+        # Every CHECKPOINT_EVERY-th group goes to the worker thread, whose connection
+        # checkpoints the WAL (as `_run`).
+        inline = self._calls % CHECKPOINT_EVERY != 0
+        if inline and not turns.locked():
+            try:
+                done, results = self._inline(_group_work(group))
+            except Exception as exc:  # a lone call's own failure (e.g. a constraint)
+                _deliver(group, [_Failed(exc)] * len(group))
+                return
+            if done:
+                assert results is not None
+                self._outage.recovered()
+                _deliver(group, results)
+                return
+            inline = False  # locked by another process: the worker thread waits for it
+        # Behind a call in the worker thread (its turn comes when that one is done), or
+        # to the worker thread itself.
+        task = asyncio.get_running_loop().create_task(self._commit_later(group, turns, inline))
+        self._writers.add(task)
+        task.add_done_callback(self._writers.discard)
+
+    async def _commit_later(self, group: list[_Call], turns: asyncio.Lock, inline: bool) -> None:
+        work = _group_work(group)
+        try:
+            async with turns:
+                done, results = self._inline(work) if inline else (False, None)
+                if done:
+                    self._outage.recovered()
+                else:
+                    results = await self._in_thread(work)
+        except BaseException as exc:  # LedgerUnavailable, a lone call's failure, shutdown
+            _deliver(group, [_Failed(exc)] * len(group))
+            if not isinstance(exc, Exception):
+                raise
+            return
+        assert results is not None
+        _deliver(group, results)
+
     # --- holds --------------------------------------------------------------------------
 
     async def hold(self, budget_id: str, budget: BudgetConfig, amount: Decimal) -> Hold | None:
@@ -187,29 +256,27 @@ class SQLiteLedger(SQLLedgerBase):
         now = encode_sqlite_time(datetime.now(UTC))
 
         def work(conn: sqlite3.Connection) -> bool:
-            with _immediate(conn):
-                conn.execute(
-                    "INSERT OR IGNORE INTO fmw_budget_windows (budget_id, window_start) "
-                    "VALUES (?, ?)",
-                    (budget_id, start),
-                )
-                cursor = conn.execute(
-                    "UPDATE fmw_budget_windows SET held_units = held_units + ? "
-                    "WHERE budget_id = ? AND window_start = ? "
-                    "AND spent_units + held_units + ? <= ?",
-                    (units, budget_id, start, units, limit),
-                )
-                if cursor.rowcount != 1:
-                    return False
-                conn.execute(
-                    "INSERT INTO fmw_budget_holds "
-                    "(hold_id, budget_id, window_start, amount_units, created_at) "
-                    "VALUES (?, ?, ?, ?, ?)",
-                    (hold_id, budget_id, start, units, now),
-                )
-                return True
+            conn.execute(
+                "INSERT OR IGNORE INTO fmw_budget_windows (budget_id, window_start) VALUES (?, ?)",
+                (budget_id, start),
+            )
+            cursor = conn.execute(
+                "UPDATE fmw_budget_windows SET held_units = held_units + ? "
+                "WHERE budget_id = ? AND window_start = ? "
+                "AND spent_units + held_units + ? <= ?",
+                (units, budget_id, start, units, limit),
+            )
+            if cursor.rowcount != 1:
+                return False
+            conn.execute(
+                "INSERT INTO fmw_budget_holds "
+                "(hold_id, budget_id, window_start, amount_units, created_at) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (hold_id, budget_id, start, units, now),
+            )
+            return True
 
-        if not await self._run(work):
+        if not await self._grouped(work):
             return None
         return Hold(hold_id, budget_id, from_units(units), start)
 
@@ -239,12 +306,11 @@ class SQLiteLedger(SQLLedgerBase):
         spent = to_units(amount)
 
         def work(conn: sqlite3.Connection) -> None:
-            with _immediate(conn):
-                if hold_id is not None:
-                    _finish_hold(conn, hold_id, spent)
-                conn.execute(_INSERT_USAGE, values)
+            if hold_id is not None:
+                _finish_hold(conn, hold_id, spent)
+            conn.execute(_INSERT_USAGE, values)
 
-        await self._run(work)
+        await self._grouped(work)
 
     async def _load_budget(self, budget_id: str) -> BudgetConfig | None:
         def work(conn: sqlite3.Connection) -> BudgetConfig | None:
@@ -393,6 +459,78 @@ class _immediate:
             self.conn.execute("COMMIT")
         else:
             self.conn.execute("ROLLBACK")
+
+
+def _transaction(work: Callable[[sqlite3.Connection], T]) -> Callable[[sqlite3.Connection], T]:
+    def transaction(conn: sqlite3.Connection) -> T:
+        with _immediate(conn):
+            return work(conn)
+
+    return transaction
+
+
+class _Call:
+    """A grouped call waiting for its group's commit."""
+
+    __slots__ = ("future", "work")
+
+    def __init__(self, work: Callable[[sqlite3.Connection], Any], future: asyncio.Future[Any]):
+        self.work = work
+        self.future = future
+
+
+class _Failed:
+    """A grouped call's exception, in the group's list of results."""
+
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+def _group_work(group: Sequence[_Call]) -> Callable[[sqlite3.Connection], list[object]]:
+    """One transaction for the group's calls, in order; a call whose caller was cancelled
+    before its group was written is left out (its result `None`, never read). When a
+    call's statements fail (anything but an `OperationalError`: the database locked or
+    unwritable, which fails the group whole with nothing committed), the group is written
+    again, in one transaction still, each call in a savepoint: the failing call's changes
+    are undone and its exception is its result; the others commit."""
+
+    def work(conn: sqlite3.Connection) -> list[object]:
+        calls = [call for call in group if not call.future.cancelled()]
+        try:
+            with _immediate(conn):
+                done = {id(call): call.work(conn) for call in calls}
+        except sqlite3.OperationalError:
+            raise
+        except Exception:
+            if len(calls) == 1:
+                raise
+            done = {}
+            with _immediate(conn):
+                for call in calls:
+                    conn.execute("SAVEPOINT fmw_call")
+                    try:
+                        done[id(call)] = call.work(conn)
+                    except sqlite3.OperationalError:
+                        raise
+                    except Exception as exc:
+                        conn.execute("ROLLBACK TO fmw_call")
+                        done[id(call)] = _Failed(exc)
+                    conn.execute("RELEASE fmw_call")
+        return [done.get(id(call)) for call in group]
+
+    return work
+
+
+def _deliver(group: Sequence[_Call], results: Sequence[object]) -> None:
+    for call, result in zip(group, results, strict=True):
+        if call.future.done():  # its caller was cancelled: the commit stands
+            continue
+        if isinstance(result, _Failed):
+            call.future.set_exception(result.exc)
+        else:
+            call.future.set_result(result)
 
 
 def _finish_hold(conn: sqlite3.Connection, hold_id: str, spent: int) -> None:
