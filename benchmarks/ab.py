@@ -7,6 +7,10 @@ drives every arm in turn, so both see the same noise.
 
     git worktree add /tmp/base HEAD~3
     .venv/bin/python benchmarks/ab.py /tmp/base/src [--rounds 3] [--duration 5]
+        [--arms healthy,failover,budget]
+
+`--arms` picks the gateway arms (default healthy and failover); `budget` is `run.py`'s:
+the chat route spending from a SQLite ledger, each tree with a ledger file of its own.
 
 The other tree runs on this checkout's virtual environment (`PYTHONPATH` put in front):
 only `src/fallback_mw` differs between the arms.
@@ -24,6 +28,8 @@ import clients
 import procs
 import run
 
+ARMS = ("healthy", "failover", "budget")
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -31,7 +37,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=run.at_least(1), default=3)
     parser.add_argument("--duration", type=run.at_least(1), default=5, help="seconds per arm")
     parser.add_argument("--connections", type=run.at_least(1), default=32)
+    parser.add_argument("--arms", default="healthy,failover", help="of " + ",".join(ARMS))
     args = parser.parse_args()
+    chosen = [a for a in args.arms.split(",") if a]
+    if not chosen or any(a not in ARMS for a in chosen):
+        print(f"ab: --arms takes names from {', '.join(ARMS)}", file=sys.stderr)
+        return 2
     if not (args.base / "fallback_mw" / "__init__.py").exists():
         print(f"ab: {args.base} holds no fallback_mw package", file=sys.stderr)
         return 2
@@ -45,15 +56,27 @@ def main() -> int:
         upstream, backup, failing = procs.start_nginx(tree, nginx, 8)
         config = run.gateway_config(upstream.port, backup, failing)
         floor = procs.start_floor(tree, upstream.url())
-        base = procs.start_gateway(tree, "base", config, {"PYTHONPATH": str(args.base)})
+        base_env = {"PYTHONPATH": str(args.base)}
+        base = procs.start_gateway(tree, "base", config, base_env)
         this = procs.start_gateway(tree, "this", config)
-        arms = {
-            "floor": (floor.url(run.CHAT), floor.pid),
-            "healthy (base)": (base.url(run.CHAT), base.pid),
-            "healthy (this)": (this.url(run.CHAT), this.pid),
-            "failover (base)": (base.url("/fo" + run.CHAT), base.pid),
-            "failover (this)": (this.url("/fo" + run.CHAT), this.pid),
-        }
+        arms = {"floor": (floor.url(run.CHAT), floor.pid)}
+        if "budget" in chosen:
+            ledgers = {
+                side: run.gateway_config(
+                    upstream.port, backup, failing, store=tree.workdir / f"ledger-{side}.db"
+                )
+                for side in ("base", "this")
+            }
+            budgeted = {
+                "base": procs.start_gateway(tree, "budget-base", ledgers["base"], base_env),
+                "this": procs.start_gateway(tree, "budget-this", ledgers["this"]),
+            }
+        for arm in chosen:
+            for side, gateway in (("base", base), ("this", this)):
+                if arm == "budget":
+                    gateway = budgeted[side]
+                path = "/fo" + run.CHAT if arm == "failover" else run.CHAT
+                arms[f"{arm} ({side})"] = (gateway.url(path), gateway.pid)
         run.probe(arms)
         for url, pid in arms.values():
             clients.run_wrk(wrk, url, 1, args.connections, pid)  # warm-up
