@@ -256,18 +256,16 @@ class SQLiteLedger(SQLLedgerBase):
         now = encode_sqlite_time(datetime.now(UTC))
 
         def work(conn: sqlite3.Connection) -> bool:
-            conn.execute(
-                "INSERT OR IGNORE INTO fmw_budget_windows (budget_id, window_start) VALUES (?, ?)",
-                (budget_id, start),
-            )
-            cursor = conn.execute(
-                "UPDATE fmw_budget_windows SET held_units = held_units + ? "
-                "WHERE budget_id = ? AND window_start = ? "
-                "AND spent_units + held_units + ? <= ?",
-                (units, budget_id, start, units, limit),
-            )
-            if cursor.rowcount != 1:
-                return False
+            reserve = (units, budget_id, start, units, limit)
+            if conn.execute(_RESERVE, reserve).rowcount != 1:
+                # No such window yet (its first hold), or the hold does not fit.
+                created = conn.execute(
+                    "INSERT OR IGNORE INTO fmw_budget_windows (budget_id, window_start) "
+                    "VALUES (?, ?)",
+                    (budget_id, start),
+                ).rowcount
+                if created != 1 or conn.execute(_RESERVE, reserve).rowcount != 1:
+                    return False
             conn.execute(
                 "INSERT INTO fmw_budget_holds "
                 "(hold_id, budget_id, window_start, amount_units, created_at) "
@@ -432,6 +430,11 @@ class SQLiteLedger(SQLLedgerBase):
         await anyio.to_thread.run_sync(close)
 
 
+# The check and the update of a hold, one statement (in the group's transaction).
+_RESERVE = (
+    "UPDATE fmw_budget_windows SET held_units = held_units + ? "
+    "WHERE budget_id = ? AND window_start = ? AND spent_units + held_units + ? <= ?"
+)
 _INSERT_USAGE = (
     f"INSERT INTO fmw_usage ({USAGE_COLUMNS}) "
     f"VALUES ({', '.join('?' * (USAGE_COLUMNS.count(',') + 1))})"
