@@ -73,8 +73,7 @@ class SQLiteLedger(SQLLedgerBase):
         self._conn: sqlite3.Connection | None = None
         self._fast: sqlite3.Connection | None = None  # the event loop thread's (_inline)
         self._calls = 0
-        self._turns: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
-        self._waiting: list[_Call] = []  # grouped calls for the next commit (_grouped)
+        self._turns: _Turns | None = None
         self._writers: set[asyncio.Task[None]] = set()  # groups gone to the worker thread
         self._lock = threading.Lock()
         self._cache = BudgetCache()
@@ -136,23 +135,24 @@ class SQLiteLedger(SQLLedgerBase):
                 return
             self._fast = fast
 
-    def _loop_lock(self) -> asyncio.Lock | None:
+    def _loop_turns(self) -> _Turns | None:
         """This process's calls take turns on an asyncio lock (one per event loop), so a
         call waits for one running in the worker thread instead of hopping to a thread
-        behind it. None outside asyncio (then every call hops, as before)."""
+        behind it; its grouped calls (`_grouped`) wait with it. None outside asyncio (then
+        every call hops, as before)."""
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return None
-        if self._turns is None or self._turns[0] is not loop:
-            self._turns = (loop, asyncio.Lock())
-        return self._turns[1]
+        if self._turns is None or self._turns.loop is not loop:
+            self._turns = _Turns(loop)
+        return self._turns
 
     async def _run(self, work: Callable[[sqlite3.Connection], T]) -> T:
-        turns = self._loop_lock()
+        turns = self._loop_turns()
         if turns is None:
             return await self._in_thread(work)
-        async with turns:
+        async with turns.lock:
             self._calls += 1
             # Every CHECKPOINT_EVERY-th call goes to the worker thread, whose connection
             # checkpoints the WAL when it has grown past SQLite's default 1000 pages.
@@ -190,26 +190,25 @@ class SQLiteLedger(SQLLedgerBase):
         its own, as if it ran alone and in this order; a call whose statements fail fails
         alone (the others commit); a group that cannot be written (the database locked
         by another process) goes to the worker thread whole, nothing of it committed."""
-        turns = self._loop_lock()
+        turns = self._loop_turns()
         if turns is None:  # outside asyncio: a transaction of its own, as any call
             return await self._run(_transaction(work))
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
-        if not self._waiting:
+        future: asyncio.Future[Any] = turns.loop.create_future()
+        if not turns.waiting:
             # Written after every task ready on this turn has run (and joined the group):
             # a loop callback, so no caller's cancellation can leave the others waiting.
-            loop.call_soon(self._commit_group, turns)
-        self._waiting.append(_Call(work, future))
+            turns.loop.call_soon(self._commit_group, turns)
+        turns.waiting.append(_Call(work, future))
         result: T = await future
         return result
 
-    def _commit_group(self, turns: asyncio.Lock) -> None:
-        group, self._waiting = self._waiting, []
+    def _commit_group(self, turns: _Turns) -> None:
+        group, turns.waiting = turns.waiting, []
         self._calls += 1
         # Every CHECKPOINT_EVERY-th group goes to the worker thread, whose connection
         # checkpoints the WAL (as `_run`).
         inline = self._calls % CHECKPOINT_EVERY != 0
-        if inline and not turns.locked():
+        if inline and not turns.lock.locked():
             try:
                 done, results = self._inline(_group_work(group))
             except Exception as exc:  # a lone call's own failure (e.g. a constraint)
@@ -223,7 +222,7 @@ class SQLiteLedger(SQLLedgerBase):
             inline = False  # locked by another process: the worker thread waits for it
         # Behind a call in the worker thread (its turn comes when that one is done), or
         # to the worker thread itself.
-        task = asyncio.get_running_loop().create_task(self._commit_later(group, turns, inline))
+        task = turns.loop.create_task(self._commit_later(group, turns.lock, inline))
         self._writers.add(task)
         task.add_done_callback(self._writers.discard)
 
@@ -470,6 +469,18 @@ def _transaction(work: Callable[[sqlite3.Connection], T]) -> Callable[[sqlite3.C
             return work(conn)
 
     return transaction
+
+
+class _Turns:
+    """One event loop's turn-taking on the ledger: the lock its calls take turns on, and
+    the grouped calls waiting for the next commit."""
+
+    __slots__ = ("lock", "loop", "waiting")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.lock = asyncio.Lock()
+        self.waiting: list[_Call] = []
 
 
 class _Call:
