@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import threading
+from collections.abc import AsyncIterator
 from decimal import Decimal
 from pathlib import Path
 
@@ -26,11 +27,15 @@ def record(request_id: str) -> UsageRecord:
     return UsageRecord(request_id=request_id, route="chat", tenant="t", budget_id="b")
 
 
-async def opened(path: Path) -> SQLiteLedger:
-    ledger = SQLiteLedger(str(path))
-    await ledger.set_budget("other", BUDGET)  # opens both connections
-    await ledger.status("b", BUDGET)
-    return ledger
+@pytest.fixture
+async def ledger(tmp_path: Path) -> AsyncIterator[SQLiteLedger]:
+    opened = SQLiteLedger(str(tmp_path / "ledger.db"))
+    try:
+        await opened.set_budget("other", BUDGET)  # opens both connections
+        await opened.status("b", BUDGET)
+        yield opened
+    finally:
+        await opened.aclose()
 
 
 def count_commits(ledger: SQLiteLedger) -> list[str]:
@@ -44,69 +49,57 @@ def count_commits(ledger: SQLiteLedger) -> list[str]:
 
 @pytest.mark.anyio
 async def test_concurrent_holds_share_commits_and_each_gets_its_own_answer(
-    tmp_path: Path,
+    ledger: SQLiteLedger,
 ) -> None:
-    ledger = await opened(tmp_path / "ledger.db")
-    try:
-        statements = count_commits(ledger)
-        holds = await asyncio.gather(*(ledger.hold("b", BUDGET, Decimal(1)) for _ in range(40)))
-        granted = [h for h in holds if h is not None]
-        assert len(granted) == 25  # the limit: the 26th and later are refused, in order
-        assert holds[:25] == granted and holds[25:] == [None] * 15
-        assert len({h.hold_id for h in granted}) == 25
-        begins = [s for s in statements if s.startswith("BEGIN")]
-        assert 1 <= len(begins) <= 2, begins  # one group (two if the loop split them)
-        status = await ledger.status("b", BUDGET)
-        assert (status.held, status.spent) == (Decimal(25), 0)
+    statements = count_commits(ledger)
+    holds = await asyncio.gather(*(ledger.hold("b", BUDGET, Decimal(1)) for _ in range(40)))
+    granted = [h for h in holds if h is not None]
+    assert len(granted) == 25  # the limit: the 26th and later are refused, in order
+    assert holds[:25] == granted and holds[25:] == [None] * 15
+    assert len({h.hold_id for h in granted}) == 25
+    begins = [s for s in statements if s.startswith("BEGIN")]
+    assert 1 <= len(begins) <= 2, begins  # one group (two if the loop split them)
+    status = await ledger.status("b", BUDGET)
+    assert (status.held, status.spent) == (Decimal(25), 0)
 
-        settled = [
-            ledger.settle_and_record(h, Decimal("0.5"), record(f"r{n}"))
-            for n, h in enumerate(granted)
-        ]
-        statements.clear()
-        await asyncio.gather(*settled)
-        assert len([s for s in statements if s.startswith("BEGIN")]) <= 2
-        status = await ledger.status("b", BUDGET)
-        assert (status.held, status.spent) == (0, Decimal("12.5"))
-        assert sorted(r.request_id for r in await ledger.usage()) == sorted(
-            f"r{n}" for n in range(25)
-        )
-    finally:
-        await ledger.aclose()
+    settled = [
+        ledger.settle_and_record(h, Decimal("0.5"), record(f"r{n}")) for n, h in enumerate(granted)
+    ]
+    statements.clear()
+    await asyncio.gather(*settled)
+    assert len([s for s in statements if s.startswith("BEGIN")]) <= 2
+    status = await ledger.status("b", BUDGET)
+    assert (status.held, status.spent) == (0, Decimal("12.5"))
+    assert sorted(r.request_id for r in await ledger.usage()) == sorted(f"r{n}" for n in range(25))
 
 
 @pytest.mark.anyio
-async def test_a_call_whose_statements_fail_fails_alone(tmp_path: Path) -> None:
-    ledger = await opened(tmp_path / "ledger.db")
-    try:
-        first = await ledger.hold("b", BUDGET, Decimal(2))
-        second = await ledger.hold("b", BUDGET, Decimal(2))
-        assert isinstance(first, Hold) and isinstance(second, Hold)
-        bad = UsageRecord(None, "chat", "t")  # type: ignore[arg-type]  # NOT NULL
-        results = await asyncio.gather(
-            ledger.settle_and_record(first, Decimal(1), record("good-1")),
-            ledger.settle_and_record(second, Decimal(1), bad),
-            ledger.hold("b", BUDGET, Decimal(3)),
-            ledger.settle_and_record(None, Decimal(0), record("good-2")),
-            return_exceptions=True,
-        )
-        assert results[0] is None and results[3] is None
-        assert isinstance(results[1], sqlite3.IntegrityError)
-        assert isinstance(results[2], Hold)
-        # The failing call's settlement went with its record; everything else committed.
-        status = await ledger.status("b", BUDGET)
-        assert (status.spent, status.held) == (Decimal(1), Decimal(2) + Decimal(3))
-        assert [r.request_id for r in await ledger.usage()] == ["good-1", "good-2"]
-    finally:
-        await ledger.aclose()
+async def test_a_call_whose_statements_fail_fails_alone(ledger: SQLiteLedger) -> None:
+    first = await ledger.hold("b", BUDGET, Decimal(2))
+    second = await ledger.hold("b", BUDGET, Decimal(2))
+    assert isinstance(first, Hold) and isinstance(second, Hold)
+    bad = UsageRecord(None, "chat", "t")  # type: ignore[arg-type]  # NOT NULL
+    results = await asyncio.gather(
+        ledger.settle_and_record(first, Decimal(1), record("good-1")),
+        ledger.settle_and_record(second, Decimal(1), bad),
+        ledger.hold("b", BUDGET, Decimal(3)),
+        ledger.settle_and_record(None, Decimal(0), record("good-2")),
+        return_exceptions=True,
+    )
+    assert results[0] is None and results[3] is None
+    assert isinstance(results[1], sqlite3.IntegrityError)
+    assert isinstance(results[2], Hold)
+    # The failing call's settlement went with its record; everything else committed.
+    status = await ledger.status("b", BUDGET)
+    assert (status.spent, status.held) == (Decimal(1), Decimal(2) + Decimal(3))
+    assert [r.request_id for r in await ledger.usage()] == ["good-1", "good-2"]
 
 
 @pytest.mark.anyio
 async def test_a_group_the_database_refuses_waits_whole_in_the_worker_thread(
-    tmp_path: Path,
+    ledger: SQLiteLedger, tmp_path: Path
 ) -> None:
     path = tmp_path / "ledger.db"
-    ledger = await opened(path)
     other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     try:
         other.execute("BEGIN IMMEDIATE")  # another process's writer
@@ -124,47 +117,38 @@ async def test_a_group_the_database_refuses_waits_whole_in_the_worker_thread(
         assert status.held == Decimal(10)  # each once: nothing of the refused try stayed
     finally:
         other.close()
-        await ledger.aclose()
 
 
 @pytest.mark.anyio
 async def test_a_caller_cancelled_before_its_group_is_written_leaves_nothing(
-    tmp_path: Path,
+    ledger: SQLiteLedger,
 ) -> None:
-    ledger = await opened(tmp_path / "ledger.db")
-    try:
-        tasks = [asyncio.ensure_future(ledger.hold("b", BUDGET, Decimal(n))) for n in (1, 2, 4)]
-        await asyncio.sleep(0)  # every call has joined the group; none is written yet
-        tasks[1].cancel()
-        with anyio.fail_after(5):
-            done = await asyncio.gather(*tasks, return_exceptions=True)
-        assert isinstance(done[0], Hold) and isinstance(done[2], Hold)
-        assert isinstance(done[1], asyncio.CancelledError)
-        status = await ledger.status("b", BUDGET)
-        assert status.held == Decimal(5)  # 1 + 4: the cancelled hold was never written
-    finally:
-        await ledger.aclose()
+    tasks = [asyncio.ensure_future(ledger.hold("b", BUDGET, Decimal(n))) for n in (1, 2, 4)]
+    await asyncio.sleep(0)  # every call has joined the group; none is written yet
+    tasks[1].cancel()
+    with anyio.fail_after(5):
+        done = await asyncio.gather(*tasks, return_exceptions=True)
+    assert isinstance(done[0], Hold) and isinstance(done[2], Hold)
+    assert isinstance(done[1], asyncio.CancelledError)
+    status = await ledger.status("b", BUDGET)
+    assert status.held == Decimal(5)  # 1 + 4: the cancelled hold was never written
 
 
 @pytest.mark.anyio
-async def test_a_hold_alone_is_committed_at_once(tmp_path: Path) -> None:
-    ledger = await opened(tmp_path / "ledger.db")
+async def test_a_hold_alone_is_committed_at_once(ledger: SQLiteLedger, tmp_path: Path) -> None:
+    statements = count_commits(ledger)
+    hold = await ledger.hold("b", BUDGET, Decimal(1))
+    assert hold is not None
+    assert [s for s in statements if s.startswith(("BEGIN", "COMMIT"))] == [
+        "BEGIN IMMEDIATE",
+        "COMMIT",
+    ]
+    # Visible to another connection (another process) as soon as the call returns.
+    reader = sqlite3.connect(tmp_path / "ledger.db")
     try:
-        statements = count_commits(ledger)
-        hold = await ledger.hold("b", BUDGET, Decimal(1))
-        assert hold is not None
-        assert [s for s in statements if s.startswith(("BEGIN", "COMMIT"))] == [
-            "BEGIN IMMEDIATE",
-            "COMMIT",
-        ]
-        # Visible to another connection (another process) as soon as the call returns.
-        reader = sqlite3.connect(tmp_path / "ledger.db")
-        try:
-            (held,) = reader.execute(
-                "SELECT held_units FROM fmw_budget_windows WHERE budget_id = 'b'"
-            ).fetchone()
-        finally:
-            reader.close()
-        assert held > 0
+        (held,) = reader.execute(
+            "SELECT held_units FROM fmw_budget_windows WHERE budget_id = 'b'"
+        ).fetchone()
     finally:
-        await ledger.aclose()
+        reader.close()
+    assert held > 0
