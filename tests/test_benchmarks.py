@@ -141,13 +141,16 @@ AB = Path(__file__).parent.parent / "benchmarks" / "ab.py"
 @pytest.mark.slow
 def test_ab_benchmark_serves_both_trees_side_by_side() -> None:
     """benchmarks/ab.py runs `serve` from another tree (here: this one) beside this
-    checkout's and the floor, and prints CPU per request for each arm."""
+    checkout's and the floor, and prints CPU per request for each arm (the budget arm:
+    each tree on a SQLite ledger of its own)."""
     src = Path(__file__).parent.parent / "src"
-    result = script(AB, str(src), "--rounds", "1", "--duration", "1")
+    arms = "healthy,failover,budget"
+    result = script(AB, str(src), "--rounds", "1", "--duration", "1", "--arms", arms)
     skip_without_tools(result)
     assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
     for arm in (
-        "floor", "healthy (base)", "healthy (this)", "failover (base)", "failover (this)"
+        "floor", "healthy (base)", "healthy (this)", "failover (base)", "failover (this)",
+        "budget (base)", "budget (this)",
     ):  # fmt: skip
         line = next((x for x in result.stdout.splitlines() if x.startswith(arm + " ")), "")
         cells = re.match(r".+ CPU us/req \[(\d+)\] median \d+ \((\d+\.\d\d)x floor\)", line)
@@ -158,6 +161,13 @@ def test_ab_benchmark_refuses_a_tree_without_the_package(tmp_path: Path) -> None
     result = script(AB, str(tmp_path), timeout=60)
     assert result.returncode == 2
     assert "holds no fallback_mw package" in result.stderr
+
+
+def test_ab_benchmark_refuses_an_unknown_arm() -> None:
+    src = Path(__file__).parent.parent / "src"
+    result = script(AB, str(src), "--arms", "healthy,tracing", timeout=60)
+    assert result.returncode == 2
+    assert "--arms takes names from healthy, failover, budget" in result.stderr
 
 
 INSTRUCTIONS = RUN.parent / "instructions.py"
