@@ -11,6 +11,7 @@ Redis again after `retry_interval` seconds and says so when Redis is back.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import time
@@ -27,7 +28,7 @@ try:
     import redis.asyncio as aioredis
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
-    from redis.exceptions import RedisError
+    from redis.exceptions import NoScriptError, RedisError
 except ImportError:
     raise missing_extra("redis", 'state = "redis://..."') from None
 
@@ -88,6 +89,18 @@ async def _nothing() -> None:
 _UNAVAILABLE = _Unavailable()
 
 
+class _Call:
+    """A script call waiting for its pipeline."""
+
+    __slots__ = ("args", "future", "keys", "name", "source")
+
+    def __init__(
+        self, name: str, source: str, keys: list[str], args: list[Any], future: asyncio.Future[Any]
+    ) -> None:
+        self.name, self.source, self.keys, self.args = name, source, keys, args
+        self.future = future
+
+
 class RedisHealth:
     def __init__(
         self,
@@ -126,6 +139,9 @@ class RedisHealth:
         self._pool_sizes: dict[str, int] = {}
         self._selections: dict[str, Selection] = {}
         self.local_fallback_calls = 0  # calls served on local state (tests, the soak)
+        # Script calls waiting for the next pipeline (`_run`), with their event loop.
+        self._batch: tuple[asyncio.AbstractEventLoop, list[_Call]] | None = None
+        self._senders: set[asyncio.Task[None]] = set()
         max_ms = max(self.config.max_cooldown_ms, self.config.cooldown_ms)
         self.breaker_ttl_ms = max(2 * max_ms + self.probe_lease_ms, 600_000)
 
@@ -154,28 +170,85 @@ class RedisHealth:
         return script
 
     async def _run(self, name: str, source: str, keys: list[str], args: list[Any]) -> Any:
+        """One script call. The calls of this process ready on one turn of the event loop
+        go to Redis together, in one pipeline (one round trip, without MULTI: each script
+        is atomic on its own, as before, and they run in the order they were made)."""
         if time.monotonic() < self._retry_at:
-            self.local_fallbacks.add(1)
-            self.local_fallback_calls += 1
-            return _UNAVAILABLE
+            return self._fell_back()
+        loop = asyncio.get_running_loop()
+        batch = self._batch
+        if batch is None or batch[0] is not loop:
+            batch = self._batch = (loop, [])
+        if not batch[1]:
+            loop.call_soon(self._send_batch, batch)
+        future: asyncio.Future[Any] = loop.create_future()
+        batch[1].append(_Call(name, source, keys, args, future))
+        return await future
+
+    def _send_batch(self, batch: tuple[asyncio.AbstractEventLoop, list[_Call]]) -> None:
+        calls = batch[1][:]
+        batch[1].clear()
+        task = batch[0].create_task(self._send(calls))
+        self._senders.add(task)
+        task.add_done_callback(self._senders.discard)
+
+    async def _send(self, calls: list[_Call]) -> None:
         try:
-            result = await self._script(name, source)(keys=keys, args=args)
+            results = await self._pipeline(calls)
+        except BaseException as exc:  # the loop stopping: nobody waits forever
+            for call in calls:
+                if not call.future.done():
+                    call.future.set_exception(exc)
+            raise
+        for call, result in zip(calls, results, strict=True):
+            if call.future.done():  # its caller was cancelled; the call stands
+                continue
+            if isinstance(result, RedisError | OSError):
+                call.future.set_result(self._failed(result))
+            else:
+                self._recovered()
+                call.future.set_result(result)
+
+    async def _pipeline(self, calls: list[_Call]) -> list[Any]:
+        """Each call's result, or the `RedisError` / `OSError` it met."""
+        scripts = [self._script(call.name, call.source) for call in calls]
+        try:
+            assert self._client is not None  # made by _script
+            pipe = self._client.pipeline(transaction=False)
+            for call, script in zip(calls, scripts, strict=True):
+                pipe.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+            results: list[Any] = await pipe.execute(raise_on_error=False)
         except (RedisError, OSError) as exc:
-            self._retry_at = time.monotonic() + self.retry_interval
-            self.local_fallbacks.add(1)
-            self.local_fallback_calls += 1
-            if not self._outage:
-                self._outage = True
-                logger.warning(
-                    "health state %s unreachable (%s): serving on local in-memory state",
-                    self._label,
-                    type(exc).__name__,
-                )
-            return _UNAVAILABLE
+            return [exc] * len(calls)
+        for index, result in enumerate(results):
+            if isinstance(result, NoScriptError):  # first use, or Redis restarted
+                call = calls[index]
+                try:  # the script object loads the script, then runs it
+                    results[index] = await scripts[index](keys=call.keys, args=call.args)
+                except (RedisError, OSError) as exc:
+                    results[index] = exc
+        return results
+
+    def _fell_back(self) -> _Unavailable:
+        self.local_fallbacks.add(1)
+        self.local_fallback_calls += 1
+        return _UNAVAILABLE
+
+    def _failed(self, exc: BaseException) -> _Unavailable:
+        self._retry_at = time.monotonic() + self.retry_interval
+        if not self._outage:
+            self._outage = True
+            logger.warning(
+                "health state %s unreachable (%s): serving on local in-memory state",
+                self._label,
+                type(exc).__name__,
+            )
+        return self._fell_back()
+
+    def _recovered(self) -> None:
         if self._outage:
             self._outage = False
             logger.warning("health state %s reachable again: state is shared", self._label)
-        return result
 
     async def _with_fallback(
         self,
