@@ -10,7 +10,9 @@ drives every arm in turn, so both see the same noise.
         [--arms healthy,failover,budget]
 
 `--arms` picks the gateway arms (default healthy and failover); `budget` is `run.py`'s:
-the chat route spending from a SQLite ledger, each tree with a ledger file of its own.
+the chat route spending from a SQLite ledger, each tree with a ledger file of its own;
+`redis` is healthy with breakers and capacity counts in Redis (`--redis`, each tree under
+a key prefix of its own).
 
 The other tree runs on this checkout's virtual environment (`PYTHONPATH` put in front):
 only `src/fallback_mw` differs between the arms.
@@ -19,6 +21,7 @@ only `src/fallback_mw` differs between the arms.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -28,7 +31,7 @@ import clients
 import procs
 import run
 
-ARMS = ("healthy", "failover", "budget")
+ARMS = ("healthy", "failover", "budget", "redis")
 
 
 def main() -> int:
@@ -38,6 +41,7 @@ def main() -> int:
     parser.add_argument("--duration", type=run.at_least(1), default=5, help="seconds per arm")
     parser.add_argument("--connections", type=run.at_least(1), default=32)
     parser.add_argument("--arms", default="healthy,failover", help="of " + ",".join(ARMS))
+    parser.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="for --arms redis")
     args = parser.parse_args()
     chosen = [a for a in args.arms.split(",") if a]
     if not chosen or any(a not in ARMS for a in chosen):
@@ -71,10 +75,26 @@ def main() -> int:
                 "base": procs.start_gateway(tree, "budget-base", ledgers["base"], base_env),
                 "this": procs.start_gateway(tree, "budget-this", ledgers["this"]),
             }
+        if "redis" in chosen:
+            shared = {
+                side: run.gateway_config(
+                    upstream.port,
+                    backup,
+                    failing,
+                    state=f"{args.redis}?prefix=fmw-ab-{side}-{os.getpid()}:",
+                )
+                for side in ("base", "this")
+            }
+            on_redis = {
+                "base": procs.start_gateway(tree, "redis-base", shared["base"], base_env),
+                "this": procs.start_gateway(tree, "redis-this", shared["this"]),
+            }
         for arm in chosen:
             for side, gateway in (("base", base), ("this", this)):
                 if arm == "budget":
                     gateway = budgeted[side]
+                elif arm == "redis":
+                    gateway = on_redis[side]
                 path = "/fo" + run.CHAT if arm == "failover" else run.CHAT
                 arms[f"{arm} ({side})"] = (gateway.url(path), gateway.pid)
         run.probe(arms)

@@ -167,7 +167,7 @@ def test_ab_benchmark_refuses_an_unknown_arm() -> None:
     src = Path(__file__).parent.parent / "src"
     result = script(AB, str(src), "--arms", "healthy,tracing", timeout=60)
     assert result.returncode == 2
-    assert "--arms takes names from healthy, failover, budget" in result.stderr
+    assert "--arms takes names from healthy, failover, budget, redis" in result.stderr
 
 
 INSTRUCTIONS = RUN.parent / "instructions.py"
