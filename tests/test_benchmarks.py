@@ -142,15 +142,16 @@ AB = Path(__file__).parent.parent / "benchmarks" / "ab.py"
 def test_ab_benchmark_serves_both_trees_side_by_side() -> None:
     """benchmarks/ab.py runs `serve` from another tree (here: this one) beside this
     checkout's and the floor, and prints CPU per request for each arm (the budget arm:
-    each tree on a SQLite ledger of its own)."""
+    each tree on a SQLite ledger of its own; the Redis arm: each under a key prefix of its
+    own)."""
     src = Path(__file__).parent.parent / "src"
-    arms = "healthy,failover,budget"
+    arms = "healthy,failover,budget,redis"
     result = script(AB, str(src), "--rounds", "1", "--duration", "1", "--arms", arms)
     skip_without_tools(result)
     assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
     for arm in (
         "floor", "healthy (base)", "healthy (this)", "failover (base)", "failover (this)",
-        "budget (base)", "budget (this)",
+        "budget (base)", "budget (this)", "redis (base)", "redis (this)",
     ):  # fmt: skip
         line = next((x for x in result.stdout.splitlines() if x.startswith(arm + " ")), "")
         cells = re.match(r".+ CPU us/req \[(\d+)\] median \d+ \((\d+\.\d\d)x floor\)", line)
