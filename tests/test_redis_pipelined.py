@@ -81,3 +81,14 @@ async def test_a_cancelled_caller_leaves_the_others_answered(redis_url: str) -> 
         assert [done[n] for n in (0, 1, 3, 4)] == [True] * 4
     finally:
         await health.aclose()
+
+
+@pytest.mark.anyio
+async def test_closing_sends_the_calls_already_made_first(redis_url: str) -> None:
+    health = RedisHealth(redis_url, BREAKER)
+    calls = [asyncio.ensure_future(health.admit(f"up{n}")) for n in range(3)]
+    await asyncio.sleep(0)  # made, not yet sent
+    await health.aclose()
+    assert await asyncio.gather(*calls) == [True, True, True]
+    assert health.local_fallback_calls == 0
+    assert health._client is None  # closed, not made again

@@ -152,3 +152,34 @@ async def test_a_hold_alone_is_committed_at_once(ledger: SQLiteLedger, tmp_path:
     finally:
         reader.close()
     assert held > 0
+
+
+@pytest.mark.anyio
+async def test_closing_writes_the_calls_already_made_first(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.db"
+    ledger = SQLiteLedger(str(path))
+    await ledger.status("b", BUDGET)  # opened
+    other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    other.execute("BEGIN IMMEDIATE")  # another process's writer: groups go to the thread
+    released = threading.Timer(0.3, lambda: other.execute("COMMIT"))
+    released.start()
+    try:
+        first = asyncio.ensure_future(ledger.hold("b", BUDGET, Decimal(1)))
+        for _ in range(3):  # its group refused on the loop thread, waiting in the worker
+            await asyncio.sleep(0)
+        second = asyncio.ensure_future(ledger.hold("b", BUDGET, Decimal(2)))
+        await asyncio.sleep(0)  # a second group, behind the first
+        await ledger.aclose()
+    finally:
+        released.join()
+        other.close()
+    assert isinstance(await first, Hold) and isinstance(await second, Hold)
+    assert ledger._conn is None and ledger._fast is None  # closed, not opened again
+    reader = sqlite3.connect(path)
+    try:
+        (held,) = reader.execute(
+            "SELECT held_units FROM fmw_budget_windows WHERE budget_id = 'b'"
+        ).fetchone()
+    finally:
+        reader.close()
+    assert held == 3 * 10**9  # both holds, in the ledger's units

@@ -506,6 +506,14 @@ class RedisHealth:
         self.local.pool(upstream).observe(index, ok=ok, latency=latency, now=self.local.clock())
 
     async def aclose(self) -> None:
+        # Calls already made go out first (a batch waiting for its turn of the loop, then
+        # the pipelines in flight), never on a client made again after this one closed.
+        batch = self._batch
+        if batch is not None and batch[0] is asyncio.get_running_loop():
+            if batch[1]:
+                await asyncio.sleep(0)
+            if self._senders:
+                await asyncio.gather(*self._senders, return_exceptions=True)
         client, self._client = self._client, None
         if client is not None:
             await client.aclose()

@@ -419,6 +419,15 @@ class SQLiteLedger(SQLLedgerBase):
         return await self._run(work)
 
     async def aclose(self) -> None:
+        # Grouped calls already made are written first (a group waiting for its turn of
+        # the loop, then the groups in the worker thread), never into a reopened file.
+        turns = self._turns
+        if turns is not None and turns.loop is _running_loop():
+            if turns.waiting:
+                await asyncio.sleep(0)
+            if self._writers:
+                await asyncio.gather(*self._writers, return_exceptions=True)
+
         def close() -> None:
             with self._lock:
                 for conn in (self._conn, self._fast):
@@ -461,6 +470,13 @@ class _immediate:
             self.conn.execute("COMMIT")
         else:
             self.conn.execute("ROLLBACK")
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def _transaction(work: Callable[[sqlite3.Connection], T]) -> Callable[[sqlite3.Connection], T]:
