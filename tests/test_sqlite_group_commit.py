@@ -38,6 +38,18 @@ async def ledger(tmp_path: Path) -> AsyncIterator[SQLiteLedger]:
         await opened.aclose()
 
 
+def held_in_the_file(path: Path) -> int:
+    """Budget `b`'s held units as another connection (another process) reads them."""
+    reader = sqlite3.connect(path)
+    try:
+        (held,) = reader.execute(
+            "SELECT held_units FROM fmw_budget_windows WHERE budget_id = 'b'"
+        ).fetchone()
+    finally:
+        reader.close()
+    return int(held)
+
+
 def count_commits(ledger: SQLiteLedger) -> list[str]:
     """The statements the event loop thread's connection runs (where groups are written
     while nothing holds the database)."""
@@ -144,14 +156,7 @@ async def test_a_hold_alone_is_committed_at_once(ledger: SQLiteLedger, tmp_path:
         "COMMIT",
     ]
     # Visible to another connection (another process) as soon as the call returns.
-    reader = sqlite3.connect(tmp_path / "ledger.db")
-    try:
-        (held,) = reader.execute(
-            "SELECT held_units FROM fmw_budget_windows WHERE budget_id = 'b'"
-        ).fetchone()
-    finally:
-        reader.close()
-    assert held > 0
+    assert held_in_the_file(tmp_path / "ledger.db") > 0
 
 
 @pytest.mark.anyio
@@ -175,11 +180,4 @@ async def test_closing_writes_the_calls_already_made_first(tmp_path: Path) -> No
         other.close()
     assert isinstance(await first, Hold) and isinstance(await second, Hold)
     assert ledger._conn is None and ledger._fast is None  # closed, not opened again
-    reader = sqlite3.connect(path)
-    try:
-        (held,) = reader.execute(
-            "SELECT held_units FROM fmw_budget_windows WHERE budget_id = 'b'"
-        ).fetchone()
-    finally:
-        reader.close()
-    assert held == 3 * 10**9  # both holds, in the ledger's units
+    assert held_in_the_file(path) == 3 * 10**9  # both holds, in the ledger's units
