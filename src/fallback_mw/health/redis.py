@@ -16,13 +16,14 @@ import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from opentelemetry import metrics
 from opentelemetry.metrics import MeterProvider
 
 from fallback_mw.extras import missing_extra
+from fallback_mw.grouping import Group, Pending, fail
 
 try:
     import redis.asyncio as aioredis
@@ -89,16 +90,13 @@ async def _nothing() -> None:
 _UNAVAILABLE = _Unavailable()
 
 
-class _Call:
+class _ScriptCall(NamedTuple):
     """A script call waiting for its pipeline."""
 
-    __slots__ = ("args", "future", "keys", "name", "source")
-
-    def __init__(
-        self, name: str, source: str, keys: list[str], args: list[Any], future: asyncio.Future[Any]
-    ) -> None:
-        self.name, self.source, self.keys, self.args = name, source, keys, args
-        self.future = future
+    name: str
+    source: str
+    keys: list[str]
+    args: list[Any]
 
 
 class RedisHealth:
@@ -139,8 +137,8 @@ class RedisHealth:
         self._pool_sizes: dict[str, int] = {}
         self._selections: dict[str, Selection] = {}
         self.local_fallback_calls = 0  # calls served on local state (tests, the soak)
-        # Script calls waiting for the next pipeline (`_run`), with their event loop.
-        self._batch: tuple[asyncio.AbstractEventLoop, list[_Call]] | None = None
+        # Script calls waiting for the next pipeline (`_run`), one group per event loop.
+        self._group: Group[_ScriptCall] | None = None
         self._senders: set[asyncio.Task[None]] = set()
         max_ms = max(self.config.max_cooldown_ms, self.config.cooldown_ms)
         self.breaker_ttl_ms = max(2 * max_ms + self.probe_lease_ms, 600_000)
@@ -176,29 +174,21 @@ class RedisHealth:
         if time.monotonic() < self._retry_at:
             return self._fell_back()
         loop = asyncio.get_running_loop()
-        batch = self._batch
-        if batch is None or batch[0] is not loop:
-            batch = self._batch = (loop, [])
-        if not batch[1]:
-            loop.call_soon(self._send_batch, batch)
-        future: asyncio.Future[Any] = loop.create_future()
-        batch[1].append(_Call(name, source, keys, args, future))
-        return await future
+        group = self._group
+        if group is None or group.loop is not loop:
+            group = self._group = Group(loop, self._send_group)
+        return await group.join(_ScriptCall(name, source, keys, args))
 
-    def _send_batch(self, batch: tuple[asyncio.AbstractEventLoop, list[_Call]]) -> None:
-        calls = batch[1][:]
-        batch[1].clear()
-        task = batch[0].create_task(self._send(calls))
+    def _send_group(self, calls: list[Pending[_ScriptCall]]) -> None:
+        task = asyncio.get_running_loop().create_task(self._send(calls))
         self._senders.add(task)
         task.add_done_callback(self._senders.discard)
 
-    async def _send(self, calls: list[_Call]) -> None:
+    async def _send(self, calls: list[Pending[_ScriptCall]]) -> None:
         try:
-            results = await self._pipeline(calls)
+            results = await self._pipeline([call.item for call in calls])
         except BaseException as exc:  # the loop stopping: nobody waits forever
-            for call in calls:
-                if not call.future.done():
-                    call.future.set_exception(exc)
+            fail(calls, exc)
             raise
         for call, result in zip(calls, results, strict=True):
             if call.future.done():  # its caller was cancelled; the call stands
@@ -209,7 +199,7 @@ class RedisHealth:
                 self._recovered()
                 call.future.set_result(result)
 
-    async def _pipeline(self, calls: list[_Call]) -> list[Any]:
+    async def _pipeline(self, calls: list[_ScriptCall]) -> list[Any]:
         """Each call's result, or the `RedisError` / `OSError` it met."""
         scripts = [self._script(call.name, call.source) for call in calls]
         try:
@@ -508,9 +498,9 @@ class RedisHealth:
     async def aclose(self) -> None:
         # Calls already made go out first (a batch waiting for its turn of the loop, then
         # the pipelines in flight), never on a client made again after this one closed.
-        batch = self._batch
-        if batch is not None and batch[0] is asyncio.get_running_loop():
-            if batch[1]:
+        group = self._group
+        if group is not None and group.loop is asyncio.get_running_loop():
+            if group.waiting:
                 await asyncio.sleep(0)
             if self._senders:
                 await asyncio.gather(*self._senders, return_exceptions=True)

@@ -32,6 +32,7 @@ from fallback_mw.budget.ledger import (
     window_start,
 )
 from fallback_mw.config import BudgetConfig
+from fallback_mw.grouping import Failed, Group, Pending, fail, settle
 from fallback_mw.request.context import new_request_id
 from fallback_mw.store.ledgers.schema import (
     COMPONENT,
@@ -108,7 +109,7 @@ class SQLiteLedger(SQLLedgerBase):
         if conn is None or not self._lock.acquire(blocking=False):
             return False, None
         try:
-            return True, work(conn)
+            found = work(conn)
         except sqlite3.OperationalError:
             # Locked by another process, or a real failure the worker thread will meet
             # again (and report): either way nothing was committed.
@@ -118,6 +119,8 @@ class SQLiteLedger(SQLLedgerBase):
             return False, None
         finally:
             self._lock.release()
+        self._outage.recovered()
+        return True, found
 
     def _open_fast(self) -> None:
         """The loop thread's connection, opened (from the worker thread) once the main
@@ -140,12 +143,11 @@ class SQLiteLedger(SQLLedgerBase):
         call waits for one running in the worker thread instead of hopping to a thread
         behind it; its grouped calls (`_grouped`) wait with it. None outside asyncio (then
         every call hops, as before)."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
+        loop = _running_loop()
+        if loop is None:
             return None
         if self._turns is None or self._turns.loop is not loop:
-            self._turns = _Turns(loop)
+            self._turns = _Turns(loop, self._commit_group)
         return self._turns
 
     async def _run(self, work: Callable[[sqlite3.Connection], T]) -> T:
@@ -154,14 +156,18 @@ class SQLiteLedger(SQLLedgerBase):
             return await self._in_thread(work)
         async with turns.lock:
             self._calls += 1
-            # Every CHECKPOINT_EVERY-th call goes to the worker thread, whose connection
-            # checkpoints the WAL when it has grown past SQLite's default 1000 pages.
-            if self._calls % CHECKPOINT_EVERY:
-                done, found = self._inline(work)
-                if done:
-                    self._outage.recovered()
-                    return found  # type: ignore[return-value]
-            return await self._in_thread(work)
+            return await self._write(work, inline=self._calls % CHECKPOINT_EVERY != 0)
+
+    async def _write(self, work: Callable[[sqlite3.Connection], T], *, inline: bool) -> T:
+        """`work`, in this loop's turn: on the loop's thread when `inline` and that cannot
+        block, else in the worker thread. Every CHECKPOINT_EVERY-th call is not inline: the
+        worker thread's connection checkpoints the WAL when it has grown past SQLite's
+        default 1000 pages."""
+        if inline:
+            done, found = self._inline(work)
+            if done:
+                return found  # type: ignore[return-value]
+        return await self._in_thread(work)
 
     async def _in_thread(self, work: Callable[[sqlite3.Connection], T]) -> T:
         def locked() -> T:
@@ -183,65 +189,57 @@ class SQLiteLedger(SQLLedgerBase):
 
     async def _grouped(self, work: Callable[[sqlite3.Connection], T]) -> T:
         """`work` (its statements; the transaction is the group's) committed with every
-        other grouped call of this process that is ready on this turn of the event loop:
-        one `BEGIN IMMEDIATE` ... `COMMIT` for all of them. A commit's cost is its file
-        locks and WAL writes, not its statements (measured: a hold alone about 40 µs of
-        CPU, in a group of 16 about 12; a usage record 20 and 2). Each call's result is
-        its own, as if it ran alone and in this order; a call whose statements fail fails
-        alone (the others commit); a group that cannot be written (the database locked
-        by another process) goes to the worker thread whole, nothing of it committed."""
+        other grouped call of this process that is ready on this turn of the event loop
+        (`fallback_mw.grouping`): one `BEGIN IMMEDIATE` ... `COMMIT` for all of them. A
+        commit's cost is its file locks and WAL writes, not its statements (measured: a
+        hold alone about 40 µs of CPU, in a group of 16 about 12; a usage record 20 and
+        2). Each call's result is its own, as if it ran alone and in this order; a call
+        whose statements fail fails alone (the others commit); a group that cannot be
+        written (the database locked by another process) goes to the worker thread whole,
+        nothing of it committed."""
         turns = self._loop_turns()
         if turns is None:  # outside asyncio: a transaction of its own, as any call
             return await self._run(_transaction(work))
-        future: asyncio.Future[Any] = turns.loop.create_future()
-        if not turns.waiting:
-            # Written after every task ready on this turn has run (and joined the group):
-            # a loop callback, so no caller's cancellation can leave the others waiting.
-            turns.loop.call_soon(self._commit_group, turns)
-        turns.waiting.append(_Call(work, future))
-        result: T = await future
+        result: T = await turns.group.join(work)
         return result
 
-    def _commit_group(self, turns: _Turns) -> None:
-        group, turns.waiting = turns.waiting, []
+    def _commit_group(self, turns: _Turns, calls: list[Pending[_Work]]) -> None:
+        work = _group_work(calls)
         self._calls += 1
-        # Every CHECKPOINT_EVERY-th group goes to the worker thread, whose connection
-        # checkpoints the WAL (as `_run`).
-        inline = self._calls % CHECKPOINT_EVERY != 0
+        inline = self._calls % CHECKPOINT_EVERY != 0  # as `_run`
         if inline and not turns.lock.locked():
             try:
-                done, results = self._inline(_group_work(group))
+                done, results = self._inline(work)
             except Exception as exc:  # a lone call's own failure (e.g. a constraint)
-                _deliver(group, [_Failed(exc)] * len(group))
+                fail(calls, exc)
                 return
             if done:
                 assert results is not None
-                self._outage.recovered()
-                _deliver(group, results)
+                settle(calls, results)
                 return
             inline = False  # locked by another process: the worker thread waits for it
         # Behind a call in the worker thread (its turn comes when that one is done), or
         # to the worker thread itself.
-        task = turns.loop.create_task(self._commit_later(group, turns.lock, inline))
+        task = turns.loop.create_task(self._commit_later(calls, work, turns.lock, inline))
         self._writers.add(task)
         task.add_done_callback(self._writers.discard)
 
-    async def _commit_later(self, group: list[_Call], turns: asyncio.Lock, inline: bool) -> None:
-        work = _group_work(group)
+    async def _commit_later(
+        self,
+        calls: list[Pending[_Work]],
+        work: Callable[[sqlite3.Connection], list[object]],
+        turn: asyncio.Lock,
+        inline: bool,
+    ) -> None:
         try:
-            async with turns:
-                done, results = self._inline(work) if inline else (False, None)
-                if done:
-                    self._outage.recovered()
-                else:
-                    results = await self._in_thread(work)
+            async with turn:
+                results = await self._write(work, inline=inline)
         except BaseException as exc:  # LedgerUnavailable, a lone call's failure, shutdown
-            _deliver(group, [_Failed(exc)] * len(group))
+            fail(calls, exc)
             if not isinstance(exc, Exception):
                 raise
             return
-        assert results is not None
-        _deliver(group, results)
+        settle(calls, results)
 
     # --- holds --------------------------------------------------------------------------
 
@@ -423,7 +421,7 @@ class SQLiteLedger(SQLLedgerBase):
         # the loop, then the groups in the worker thread), never into a reopened file.
         turns = self._turns
         if turns is not None and turns.loop is _running_loop():
-            if turns.waiting:
+            if turns.group.waiting:
                 await asyncio.sleep(0)
             if self._writers:
                 await asyncio.gather(*self._writers, return_exceptions=True)
@@ -487,38 +485,26 @@ def _transaction(work: Callable[[sqlite3.Connection], T]) -> Callable[[sqlite3.C
     return transaction
 
 
+_Work = Callable[[sqlite3.Connection], Any]  # a grouped call's statements
+
+
 class _Turns:
     """One event loop's turn-taking on the ledger: the lock its calls take turns on, and
-    the grouped calls waiting for the next commit."""
+    the grouped calls waiting for the next commit (handed to `commit`)."""
 
-    __slots__ = ("lock", "loop", "waiting")
+    __slots__ = ("group", "lock", "loop")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        commit: Callable[[_Turns, list[Pending[_Work]]], None],
+    ) -> None:
         self.loop = loop
         self.lock = asyncio.Lock()
-        self.waiting: list[_Call] = []
+        self.group: Group[_Work] = Group(loop, lambda calls: commit(self, calls))
 
 
-class _Call:
-    """A grouped call waiting for its group's commit."""
-
-    __slots__ = ("future", "work")
-
-    def __init__(self, work: Callable[[sqlite3.Connection], Any], future: asyncio.Future[Any]):
-        self.work = work
-        self.future = future
-
-
-class _Failed:
-    """A grouped call's exception, in the group's list of results."""
-
-    __slots__ = ("exc",)
-
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
-
-
-def _group_work(group: Sequence[_Call]) -> Callable[[sqlite3.Connection], list[object]]:
+def _group_work(calls: Sequence[Pending[_Work]]) -> Callable[[sqlite3.Connection], list[object]]:
     """One transaction for the group's calls, in order; a call whose caller was cancelled
     before its group was written is left out (its result `None`, never read). When a
     call's statements fail (anything but an `OperationalError`: the database locked or
@@ -527,40 +513,30 @@ def _group_work(group: Sequence[_Call]) -> Callable[[sqlite3.Connection], list[o
     are undone and its exception is its result; the others commit."""
 
     def work(conn: sqlite3.Connection) -> list[object]:
-        calls = [call for call in group if not call.future.cancelled()]
+        live = [call for call in calls if not call.future.cancelled()]
         try:
             with _immediate(conn):
-                done = {id(call): call.work(conn) for call in calls}
+                done = {id(call): call.item(conn) for call in live}
         except sqlite3.OperationalError:
             raise
         except Exception:
-            if len(calls) == 1:
+            if len(live) == 1:
                 raise
             done = {}
             with _immediate(conn):
-                for call in calls:
+                for call in live:
                     conn.execute("SAVEPOINT fmw_call")
                     try:
-                        done[id(call)] = call.work(conn)
+                        done[id(call)] = call.item(conn)
                     except sqlite3.OperationalError:
                         raise
                     except Exception as exc:
                         conn.execute("ROLLBACK TO fmw_call")
-                        done[id(call)] = _Failed(exc)
+                        done[id(call)] = Failed(exc)
                     conn.execute("RELEASE fmw_call")
-        return [done.get(id(call)) for call in group]
+        return [done.get(id(call)) for call in calls]
 
     return work
-
-
-def _deliver(group: Sequence[_Call], results: Sequence[object]) -> None:
-    for call, result in zip(group, results, strict=True):
-        if call.future.done():  # its caller was cancelled: the commit stands
-            continue
-        if isinstance(result, _Failed):
-            call.future.set_exception(result.exc)
-        else:
-            call.future.set_result(result)
 
 
 def _finish_hold(conn: sqlite3.Connection, hold_id: str, spent: int) -> None:
