@@ -181,3 +181,17 @@ async def test_closing_writes_the_calls_already_made_first(tmp_path: Path) -> No
     assert isinstance(await first, Hold) and isinstance(await second, Hold)
     assert ledger._conn is None and ledger._fast is None  # closed, not opened again
     assert held_in_the_file(path) == 3 * 10**9  # both holds, in the ledger's units
+
+
+@pytest.mark.anyio
+async def test_grouped_calls_alone_keep_the_wal_checkpointed(tmp_path: Path) -> None:
+    ledger = SQLiteLedger(str(tmp_path / "ledger.db"))
+    try:
+        for number in range(5000):  # only grouped calls, as a budgeted route makes them
+            await ledger.settle_and_record(None, Decimal(0), record(f"{number:032x}"))
+        # Never checkpointed, 5,000 usage rows leave tens of MB of WAL; a group in every
+        # CHECKPOINT_EVERY goes to the worker thread, whose connection checkpoints.
+        assert (tmp_path / "ledger.db-wal").stat().st_size < 12_000_000
+        assert len(await ledger.usage(limit=10_000)) == 5000
+    finally:
+        await ledger.aclose()
