@@ -7,7 +7,7 @@ drives every arm in turn, so both see the same noise.
 
     git worktree add /tmp/base HEAD~3
     .venv/bin/python benchmarks/ab.py /tmp/base/src [--rounds 3] [--duration 5]
-        [--arms healthy,failover,budget]
+        [--arms healthy,failover,budget,redis]
 
 `--arms` picks the gateway arms (default healthy and failover); `budget` is `run.py`'s:
 the chat route spending from a SQLite ledger, each tree with a ledger file of its own;
@@ -25,6 +25,7 @@ import os
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import clients
@@ -32,6 +33,7 @@ import procs
 import run
 
 ARMS = ("healthy", "failover", "budget", "redis")
+SIDES = ("base", "this")
 
 
 def main() -> int:
@@ -61,40 +63,39 @@ def main() -> int:
         config = run.gateway_config(upstream.port, backup, failing)
         floor = procs.start_floor(tree, upstream.url())
         base_env = {"PYTHONPATH": str(args.base)}
-        base = procs.start_gateway(tree, "base", config, base_env)
-        this = procs.start_gateway(tree, "this", config)
-        arms = {"floor": (floor.url(run.CHAT), floor.pid)}
-        if "budget" in chosen:
-            ledgers = {
-                side: run.gateway_config(
-                    upstream.port, backup, failing, store=tree.workdir / f"ledger-{side}.db"
+
+        def pair(kind: str, config_of: Callable[[str], str]) -> dict[str, procs.Child]:
+            """One gateway from each tree, each with the config `config_of(side)`."""
+            return {
+                side: procs.start_gateway(
+                    tree, f"{kind}-{side}", config_of(side), base_env if side == "base" else None
                 )
-                for side in ("base", "this")
+                for side in SIDES
             }
-            budgeted = {
-                "base": procs.start_gateway(tree, "budget-base", ledgers["base"], base_env),
-                "this": procs.start_gateway(tree, "budget-this", ledgers["this"]),
-            }
+
+        plain = pair("gateway", lambda side: config)  # the healthy and failover arms
+        gateways = {"healthy": plain, "failover": plain}
+        if "budget" in chosen:
+            gateways["budget"] = pair(
+                "budget",
+                lambda side: run.gateway_config(
+                    upstream.port, backup, failing, store=tree.workdir / f"ledger-{side}.db"
+                ),
+            )
         if "redis" in chosen:
-            shared = {
-                side: run.gateway_config(
+            gateways["redis"] = pair(
+                "redis",
+                lambda side: run.gateway_config(
                     upstream.port,
                     backup,
                     failing,
                     state=f"{args.redis}?prefix=fmw-ab-{side}-{os.getpid()}:",
-                )
-                for side in ("base", "this")
-            }
-            on_redis = {
-                "base": procs.start_gateway(tree, "redis-base", shared["base"], base_env),
-                "this": procs.start_gateway(tree, "redis-this", shared["this"]),
-            }
+                ),
+            )
+        arms = {"floor": (floor.url(run.CHAT), floor.pid)}
         for arm in chosen:
-            for side, gateway in (("base", base), ("this", this)):
-                if arm == "budget":
-                    gateway = budgeted[side]
-                elif arm == "redis":
-                    gateway = on_redis[side]
+            for side in SIDES:
+                gateway = gateways[arm][side]
                 path = "/fo" + run.CHAT if arm == "failover" else run.CHAT
                 arms[f"{arm} ({side})"] = (gateway.url(path), gateway.pid)
         run.probe(arms)
