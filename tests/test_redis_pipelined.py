@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
@@ -14,6 +15,15 @@ from fallback_mw.config import BreakerConfig
 from fallback_mw.health.redis import RedisHealth
 
 BREAKER = BreakerConfig(window=4, min_calls=3, failure_rate=0.5, cooldown_ms=60_000)
+
+
+@pytest.fixture
+async def health(redis_url: str) -> AsyncIterator[RedisHealth]:
+    state = RedisHealth(redis_url, BREAKER)
+    try:
+        yield state
+    finally:
+        await state.aclose()
 
 
 def named(redis_url: str) -> tuple[str, str]:
@@ -52,35 +62,27 @@ async def test_a_burst_of_calls_shares_one_round_trip(redis_url: str) -> None:
 
 
 @pytest.mark.anyio
-async def test_a_script_redis_forgot_is_loaded_again(redis_url: str) -> None:
-    health = RedisHealth(redis_url, BREAKER)
+async def test_a_script_redis_forgot_is_loaded_again(health: RedisHealth) -> None:
+    assert await health.admit("up")
+    admin = aioredis.Redis(host="127.0.0.1", port=6379)
     try:
-        assert await health.admit("up")
-        admin = aioredis.Redis(host="127.0.0.1", port=6379)
-        try:
-            await admin.script_flush()  # as a Redis restart would
-        finally:
-            await admin.aclose()
-        await asyncio.gather(*(health.record("up", failure=True) for _ in range(3)))
-        assert not await health.admit("up")  # the breaker opened in Redis
-        assert health.local_fallback_calls == 0
-        assert health.available
+        await admin.script_flush()  # as a Redis restart would
     finally:
-        await health.aclose()
+        await admin.aclose()
+    await asyncio.gather(*(health.record("up", failure=True) for _ in range(3)))
+    assert not await health.admit("up")  # the breaker opened in Redis
+    assert health.local_fallback_calls == 0
+    assert health.available
 
 
 @pytest.mark.anyio
-async def test_a_cancelled_caller_leaves_the_others_answered(redis_url: str) -> None:
-    health = RedisHealth(redis_url, BREAKER)
-    try:
-        tasks = [asyncio.ensure_future(health.admit(f"up{n}")) for n in range(5)]
-        await asyncio.sleep(0)  # every call is waiting for the same pipeline
-        tasks[2].cancel()
-        done = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 5)
-        assert isinstance(done[2], asyncio.CancelledError)
-        assert [done[n] for n in (0, 1, 3, 4)] == [True] * 4
-    finally:
-        await health.aclose()
+async def test_a_cancelled_caller_leaves_the_others_answered(health: RedisHealth) -> None:
+    tasks = [asyncio.ensure_future(health.admit(f"up{n}")) for n in range(5)]
+    await asyncio.sleep(0)  # every call is waiting for the same pipeline
+    tasks[2].cancel()
+    done = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 5)
+    assert isinstance(done[2], asyncio.CancelledError)
+    assert [done[n] for n in (0, 1, 3, 4)] == [True] * 4
 
 
 @pytest.mark.anyio
