@@ -47,6 +47,20 @@ _PATH_SAFE = "/:@!$&'()*+,;=-._~"
 
 AttemptResult = tuple[Outcome, UpstreamResponse | None]
 
+# An upstream's timeouts in seconds, per distinct setting (a few per config; shared,
+# never changed: Timeouts is frozen).
+_TIMEOUTS: dict[tuple[int, int, int], Timeouts] = {}
+
+
+def _timeouts(upstream: UpstreamConfig) -> Timeouts:
+    key = (upstream.connect_timeout_ms, upstream.first_byte_timeout_ms, upstream.idle_timeout_ms)
+    found = _TIMEOUTS.get(key)
+    if found is None:
+        found = Timeouts(connect=key[0] / 1000, first_byte=key[1] / 1000, idle=key[2] / 1000)
+        if len(_TIMEOUTS) < 1024:  # configs reloaded with ever new values: bounded
+            _TIMEOUTS[key] = found
+    return found
+
 
 class SyntheticResponse:
     """A response made by the gateway itself (a `fail` fault): no packet leaves."""
@@ -82,12 +96,34 @@ class AttemptRunner:
         self.client = client
         self.faults = faults
         self.inject_headers = inject_headers
+        # What every attempt of the request sends alike, made on the first attempt: the
+        # quoted path and query, the caller's cleaned headers as text.
+        self._target: str | None = None
+        self._headers: list[tuple[str, str]] | None = None
 
     def _request_url(self, upstream: UpstreamConfig) -> str:
-        url = upstream.url + quote(self.context.path, safe=_PATH_SAFE)
-        if self.context.query:
-            url += "?" + self.context.query.decode("latin-1")
-        return url
+        target = self._target
+        if target is None:
+            target = quote(self.context.path, safe=_PATH_SAFE)
+            if self.context.query:
+                target += "?" + self.context.query.decode("latin-1")
+            self._target = target
+        return upstream.url + target
+
+    def _forwarded(self) -> list[tuple[str, str]]:
+        """The caller's cleaned headers as text, a list of the attempt's own.
+
+        UTF-8 text: both engines write it back as the very bytes the caller sent (values
+        were held to security.request_header_problem before the walk; anything else is
+        refused by the engine's local check, never sent altered). Leading and trailing
+        SP/HTAB are not part of a field value (RFC 9110 §5.5)."""
+        decoded = self._headers
+        if decoded is None:
+            decoded = self._headers = [
+                (k.decode("latin-1"), v.strip(b" \t").decode("utf-8", "surrogateescape"))
+                for k, v in self.context.forward_headers
+            ]
+        return decoded.copy()
 
     def _request_body(self, upstream: UpstreamConfig) -> bytes | AsyncIterator[bytes]:
         body = self.body
@@ -104,14 +140,7 @@ class AttemptRunner:
         self, name: str, upstream: UpstreamConfig, record: AttemptRecord
     ) -> AttemptResult:
         context = self.context
-        # UTF-8 text: both engines write it back as the very bytes the caller sent (values
-        # were held to security.request_header_problem before the walk; anything else is
-        # refused by the engine's local check, never sent altered). Leading and trailing
-        # SP/HTAB are not part of a field value (RFC 9110 §5.5).
-        headers = [
-            (k.decode("latin-1"), v.strip(b" \t").decode("utf-8", "surrogateescape"))
-            for k, v in context.forward_headers
-        ]
+        headers = self._forwarded()
         if self.body.buffered is None and self.body.length is not None:
             # A streamed body keeps its declared length (no chunked upload an upstream
             # that demands a length would answer with 411).
@@ -121,11 +150,7 @@ class AttemptRunner:
             if credential is not None:
                 headers.append(credential)
         self.inject_headers(headers)
-        timeouts = Timeouts(
-            connect=upstream.connect_timeout_ms / 1000,
-            first_byte=upstream.first_byte_timeout_ms / 1000,
-            idle=upstream.idle_timeout_ms / 1000,
-        )
+        timeouts = _timeouts(upstream)
         fault = await self.faults.upstream_fault(name)
         try:
             with deadline_after(max(context.remaining, 0.0)):

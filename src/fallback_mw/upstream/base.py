@@ -83,7 +83,7 @@ def check_response_head(status: int, headers: Sequence[tuple[bytes, bytes]]) -> 
         raise UpstreamError("protocol", "first_byte", "a 204 response that declares a body")
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class Timeouts:
     connect: float
     first_byte: float
