@@ -254,9 +254,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "failover/attempt.py",
-                "url = upstream.url + quote(self.context.path, safe=_PATH_SAFE)",
-                "url = upstream.url + (quote(self.context.path, safe=_PATH_SAFE) if "
-                'self.context.attempt_count == 1 else "/")',
+                "return upstream.url + target\n",
+                'return upstream.url + (target if self.context.attempt_count == 1 else "/")\n',
             ),
         ),
         (ASKS + "test_every_candidate_gets_the_same_path_and_query",),
@@ -285,9 +284,10 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "failover/attempt.py",
-                "first_byte=upstream.first_byte_timeout_ms / 1000,",
-                "first_byte=self.context.upstreams[self.context.candidates[0]]"
-                ".first_byte_timeout_ms / 1000,",
+                "timeouts = _timeouts(upstream)\n",
+                "timeouts = _timeouts(upstream)\n"
+                "        first = _timeouts(context.upstreams[context.candidates[0]])\n"
+                "        timeouts = Timeouts(timeouts.connect, first.first_byte, timeouts.idle)\n",
             ),
         ),
         (ASKS + "test_each_candidate_gets_its_own_first_byte_timeout",),
@@ -298,9 +298,10 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "failover/attempt.py",
-                "connect=upstream.connect_timeout_ms / 1000,",
-                "connect=self.context.upstreams[self.context.candidates[-1]]"
-                ".connect_timeout_ms / 1000,",
+                "timeouts = _timeouts(upstream)\n",
+                "timeouts = _timeouts(upstream)\n"
+                "        last = _timeouts(context.upstreams[context.candidates[-1]])\n"
+                "        timeouts = Timeouts(last.connect, timeouts.first_byte, timeouts.idle)\n",
             ),
         ),
         (ASKS + "test_each_candidate_gets_its_own_connect_timeout",),
