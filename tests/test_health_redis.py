@@ -15,7 +15,8 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from fallback_mw.config import BreakerConfig
-from fallback_mw.health.redis import RedisHealth, split_state_url
+from fallback_mw.health.redis import RedisHealth
+from fallback_mw.store_url import split_state_url
 from tests.helpers import gateway_client
 from tests.upstreams import Upstream, status_handler, upstream
 

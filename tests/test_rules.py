@@ -22,6 +22,14 @@ SAME_ENDPOINT = [
     # SPEC §12: loopback and literal spellings of one address are one origin
     ("http://127.0.0.1:18011", "HTTP://LocalHost:18011/"),
     ("http://localhost:9001", "http://127.0.0.1:9001/"),
+    # one path however spelled: dot segments, escaped unreserved characters, empty segments
+    ("http://127.0.0.1:9001", "http://127.0.0.1:9001/x/.."),
+    ("http://127.0.0.1:9001", "http://127.0.0.1:9001/%2e"),
+    ("http://127.0.0.1:9001", "http://127.0.0.1:9001/./"),
+    ("http://127.0.0.1:9001/api", "http://127.0.0.1:9001/%61pi"),
+    ("http://127.0.0.1:9001/api/v1", "http://127.0.0.1:9001/api//v1/"),
+    ("http://127.0.0.1:9001/a%2fb", "http://127.0.0.1:9001/a%2Fb"),
+    ("http://127.0.0.1:9001/v1", "http://127.0.0.1:9001/v2/../v1"),
 ]
 # Different endpoints that a raw or careless comparison could confuse.
 DIFFERENT_ENDPOINT = [
@@ -30,6 +38,9 @@ DIFFERENT_ENDPOINT = [
     ("https://localhost:80", "http://localhost"),  # 80 is not https' default
     ("http://localhost/v1", "http://localhost/v2"),  # another path on one host
     ("http://127.0.0.1:9001", "http://localhost:9002"),  # one host, two ports
+    ("http://localhost/v1", "http://localhost/V1"),  # paths are case-sensitive
+    ("http://localhost/a/b", "http://localhost/a%2Fb"),  # an escaped slash is not a slash
+    ("http://localhost/a", "http://localhost/a%2E"),  # `a.` is not `a`
 ]
 
 

@@ -97,6 +97,13 @@ class GatewaySettings(_Strict):
             ("redis://", "rediss://", "unix://")
         ):
             raise ValueError('must be "memory://" or "redis://host:port/db"')
+        if value.startswith(("redis://", "rediss://", "unix://")):
+            from fallback_mw.store_url import StoreURLError, check_state_url
+
+            try:
+                check_state_url(value)
+            except StoreURLError as exc:
+                raise ValueError(str(exc)) from None
         return value
 
     @field_validator("store")

@@ -71,7 +71,8 @@ class RouteShape(Protocol):
 
 def origin(url: str) -> tuple[str, str, int, str]:
     """The endpoint a URL names, however spelled: scheme and host lower case, the default
-    port made explicit, no trailing dot on the host, no trailing slash on the path."""
+    port made explicit, no trailing dot on the host, and the path in one spelling
+    (`_same_path`)."""
     parts = urlsplit(url.strip())
     scheme = parts.scheme.lower()
     try:
@@ -81,7 +82,33 @@ def origin(url: str) -> tuple[str, str, int, str]:
     if port is None:
         port = _DEFAULT_PORTS.get(scheme, 0)
     host = _same_host((parts.hostname or "").lower().rstrip("."))
-    return (scheme, host, port, parts.path.rstrip("/"))
+    return (scheme, host, port, _same_path(parts.path))
+
+
+_PERCENT = re.compile(r"%([0-9A-Fa-f]{2})")
+_UNRESERVED = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
+
+
+def _decode_unreserved(match: re.Match[str]) -> str:
+    char = chr(int(match.group(1), 16))
+    return char if char in _UNRESERVED else f"%{match.group(1).upper()}"
+
+
+def _same_path(path: str) -> str:
+    """One spelling per path, as a server reads it (RFC 3986 §6.2.2): percent-encoded
+    unreserved characters decoded (`/%61pi` is `/api`, `/%2e` is `/.`), other escapes in
+    upper case, dot segments removed (`/x/..` is `/`), empty segments and a trailing slash
+    dropped. Letter case is kept: `/v1` and `/V1` stay two paths."""
+    kept: list[str] = []
+    for segment in _PERCENT.sub(_decode_unreserved, path).split("/"):
+        if segment in ("", "."):
+            continue
+        if segment == "..":
+            if kept:
+                kept.pop()
+            continue
+        kept.append(segment)
+    return "/" + "/".join(kept) if kept else ""
 
 
 def _same_host(host: str) -> str:

@@ -1,9 +1,14 @@
-"""Store URLs: `sqlite:///relative.db`, `sqlite:////abs/path.db`, `postgresql://...`."""
+"""Store URLs (`sqlite:///relative.db`, `sqlite:////abs/path.db`, `postgresql://...`) and
+state URLs (`redis://`, `rediss://`, `unix://`): read and checked when the configuration
+is loaded, so a malformed one is refused by name there, never met as an error on the first
+request. No message here ever carries a password."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,15 +28,19 @@ class StoreURLError(ValueError):
 
 
 def redact_url(url: str) -> str:
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(url)
-    netloc = parts.hostname or ""
-    if parts.port:
-        netloc += f":{parts.port}"
-    if parts.username:
-        netloc = f"{parts.username}@{netloc}"
-    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+    """The URL without its password, query (it can carry `password=`) and fragment. Read as
+    text, never through `urlsplit(...).port`: a PostgreSQL URL may list several hosts."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return ""
+    authority, slash, path = rest.partition("/")
+    authority = authority.split("?", 1)[0].split("#", 1)[0]
+    if "@" in authority:
+        userinfo, hosts = authority.rsplit("@", 1)
+        user = userinfo.split(":", 1)[0]
+        authority = f"{user}@{hosts}" if user else hosts
+    path = path.split("?", 1)[0].split("#", 1)[0]
+    return f"{scheme}://{authority}{slash}{path}"
 
 
 def parse_store_url(url: str) -> StoreURL:
@@ -41,7 +50,75 @@ def parse_store_url(url: str) -> StoreURL:
             raise StoreURLError("sqlite store URL needs a path: sqlite:///gateway.db")
         return StoreURL("sqlite", path)
     if url.startswith(("postgresql://", "postgres://")):
+        _check_hosts(url, "store")
         return StoreURL("postgresql", url)
     raise StoreURLError(
         "store must be sqlite:///path.db, sqlite:////abs/path.db or postgresql://..."
     )
+
+
+_PORT = re.compile(r"[0-9]{1,5}")
+
+
+def _check_hosts(url: str, key: str) -> None:
+    """Every `host[:port]` of the URL's authority (PostgreSQL takes a comma-separated
+    list) well formed: a bracketed IPv6 literal closed, a port of digits in 1-65535."""
+    authority = url.split("://", 1)[1].split("/", 1)[0].split("?", 1)[0]
+    hosts = authority.rsplit("@", 1)[-1]  # never look at (or print) the user's password
+    for host in hosts.split(","):
+        port = ""
+        if host.startswith("["):
+            end = host.find("]")
+            if end < 0:
+                raise StoreURLError(f"{key} URL has an unclosed [ in its host")
+            rest = host[end + 1 :]
+            if rest and not rest.startswith(":"):
+                raise StoreURLError(f"{key} URL has text after its IPv6 host")
+            port = rest[1:]
+        elif ":" in host:
+            port = host.rsplit(":", 1)[1]
+        if port and not (_PORT.fullmatch(port) and 0 < int(port) <= 65535):
+            raise StoreURLError(f"{key} URL has a port that is not a number from 1 to 65535")
+
+
+def split_state_url(url: str) -> tuple[str, str]:
+    """(the URL for redis-py, the key prefix from `?prefix=`)."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    prefix = next((value for key, value in query if key == "prefix"), "fallback_mw:")
+    rest = urlencode([(key, value) for key, value in query if key != "prefix"])
+    return urlunsplit((parts.scheme, parts.netloc, parts.path, rest, "")), prefix
+
+
+_UNKNOWN_ARGUMENT = re.compile(r"unexpected keyword argument '([A-Za-z0-9_]{1,64})'")
+
+
+def check_state_url(url: str) -> None:
+    """A `redis://` / `rediss://` / `unix://` state URL read as redis-py will read it when
+    the first request needs it: its port, its database number (the path: digits or
+    nothing), and every query parameter (`?max_connections=abc`, `?socket_timeout=x`, a
+    parameter redis-py does not know). Without redis installed only the shape is checked:
+    the missing extra is refused on its own."""
+    if url.startswith(("redis://", "rediss://")):
+        _check_hosts(url, "state")
+        path = urlsplit(url).path.strip("/")
+        if path and not path.isdigit():
+            raise StoreURLError(
+                "state URL's path is the Redis database number: redis://host:6379/0"
+            )
+    try:
+        import redis.asyncio as aioredis
+    except ImportError:
+        return
+    try:
+        pool = aioredis.BlockingConnectionPool.from_url(split_state_url(url)[0])
+        pool.make_connection()  # type: ignore[no-untyped-call]  # builds it; connects nothing
+    except (ValueError, TypeError, OverflowError) as exc:
+        unknown = _UNKNOWN_ARGUMENT.search(str(exc))
+        if unknown is not None:
+            reason = f"unknown query parameter {unknown.group(1)!r}"
+        elif isinstance(exc, ValueError) and "connection URL" in str(exc):
+            reason = str(exc).rstrip(".")  # "Invalid value for 'max_connections' in ..."
+        else:
+            reason = "it cannot be read as a Redis URL"
+        raise StoreURLError(f"state URL: {reason}") from None

@@ -17,7 +17,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple, TypeVar
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from opentelemetry import metrics
 from opentelemetry.metrics import MeterProvider
@@ -51,7 +50,7 @@ from fallback_mw.health.redis_scripts import (
     RESET_FAULT,
     RESTORE_FAULT_MARKS,
 )
-from fallback_mw.store_url import redact_url
+from fallback_mw.store_url import redact_url, split_state_url
 
 logger = logging.getLogger("fallback_mw.health")
 
@@ -59,15 +58,6 @@ T = TypeVar("T")
 
 CREDENTIAL_TTL_MS = 24 * 3600 * 1000  # a retired credential stays retired this long
 AFFINITY_TTL_MS = 3600 * 1000  # an idle session forgets its credential after this long
-
-
-def split_state_url(url: str) -> tuple[str, str]:
-    """(the URL for redis-py, the key prefix from `?prefix=`)."""
-    parts = urlsplit(url)
-    query = parse_qsl(parts.query, keep_blank_values=True)
-    prefix = next((value for key, value in query if key == "prefix"), "fallback_mw:")
-    rest = urlencode([(key, value) for key, value in query if key != "prefix"])
-    return urlunsplit((parts.scheme, parts.netloc, parts.path, rest, "")), prefix
 
 
 # Connections to Redis per gateway process. Each health call holds one for a round trip

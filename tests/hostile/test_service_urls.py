@@ -1,0 +1,93 @@
+"""A malformed state or store URL is refused by name when the configuration is loaded
+(`check` and `serve` exit 2), never met as a bare 500 on every request or as an
+"unexpected internal error"; the refusal never prints the URL's password."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fallback_mw.config import ConfigError, load_config
+from fallback_mw.store_url import redact_url
+from tests.cli_runner import run_cli
+
+
+def base(**gateway: Any) -> dict[str, Any]:
+    return {
+        "gateway": {"allow_hosts": ["127.0.0.1"], **gateway},
+        "upstreams": {"primary": {"url": "http://127.0.0.1:9001"}},
+        "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+    }
+
+
+@pytest.mark.parametrize(
+    ("key", "url", "says"),
+    [
+        ("state", "redis://:PW-SECRET@127.0.0.1:notaport/0", "port"),
+        ("state", "redis://:PW-SECRET@127.0.0.1:99999/0", "port"),
+        ("state", "redis://:PW-SECRET@127.0.0.1:0/0", "port"),
+        ("state", "redis://:PW-SECRET@[::1/0", "["),
+        ("state", "redis://:PW-SECRET@127.0.0.1:6379/abc", "database number"),
+        ("state", "redis://:PW-SECRET@127.0.0.1:6379/0?max_connections=abc", "max_connections"),
+        ("state", "redis://:PW-SECRET@127.0.0.1:6379/0?socket_timeout=x", "socket_timeout"),
+        ("state", "redis://:PW-SECRET@127.0.0.1:6379/0?no_such_option=1", "no_such_option"),
+        ("store", "postgresql://u:PW-SECRET@[bad/db", "["),
+        ("store", "postgresql://u:PW-SECRET@127.0.0.1:99999/db", "port"),
+        ("store", "postgresql://u:PW-SECRET@h1:5432,h2:x/db", "port"),
+    ],
+)
+def test_a_malformed_service_url_is_refused_by_name(key: str, url: str, says: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(base(**{key: url}), check_env=False)
+    message = str(caught.value)
+    assert f"gateway.{key}" in message and says in message
+    assert "PW-SECRET" not in message
+
+
+@pytest.mark.parametrize(
+    ("key", "url"),
+    [
+        ("state", "redis://:pw@127.0.0.1:6379/0?prefix=team-a:&max_connections=5"),
+        ("state", "redis://127.0.0.1/"),
+        ("state", "rediss://[::1]:6380/2?socket_timeout=0.5"),
+        ("state", "unix:///run/redis.sock?db=2"),
+        ("store", "postgresql://u:pw@h1:5432,h2:5433/db?sslmode=disable"),
+        ("store", "postgresql://u:pw@[::1]:5432/db"),
+        ("store", "postgres://localhost/db"),
+    ],
+)
+def test_well_formed_service_urls_load(key: str, url: str) -> None:
+    config = load_config(base(**{key: url}), check_env=False)
+    assert getattr(config.gateway, key) == url
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        (
+            "postgresql://u:PW-SECRET@h1:5432,h2:5433/db?sslmode=x",
+            "postgresql://u@h1:5432,h2:5433/db",
+        ),
+        ("redis://:PW-SECRET@127.0.0.1:6379/0?prefix=a", "redis://127.0.0.1:6379/0"),
+        ("postgresql://u:p@host/db?password=PW-SECRET#x", "postgresql://u@host/db"),
+    ],
+)
+def test_a_url_in_a_message_has_no_password_and_no_query(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
+
+
+def test_check_refuses_a_bad_state_url_with_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        '[gateway]\nallow_hosts = ["127.0.0.1"]\n'
+        'state = "redis://:PW-SECRET@127.0.0.1:6379/0?max_connections=abc"\n'
+        '[upstreams.p]\nurl = "http://127.0.0.1:9001"\n'
+        '[[routes]]\nid = "r"\nprefix = "/v1/"\nplan = ["p"]\n'
+    )
+    assert run_cli(["check", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "gateway.state" in err and "max_connections" in err and "PW-SECRET" not in err
