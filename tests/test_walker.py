@@ -248,6 +248,63 @@ async def test_on_exhausted_last_response_passes_the_last_answer() -> None:
     assert response.headers["x-gateway-provider"] == "backup"
 
 
+@pytest.mark.parametrize(
+    ("plan", "method", "rule"),
+    [
+        (["primary"], "GET", "ceiling"),  # the one candidate's answer ends the walk
+        (["primary", "backup"], "POST", "not_replayable_method"),  # no replay of a POST
+    ],
+)
+async def test_last_response_serves_the_answer_that_ended_the_walk(
+    engine: str, plan: list[str], method: str, rule: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SPEC §5: a walk that ends on a failover-class failure, whatever stopped it (the
+    ceiling, a non-replayable method), passes the last upstream answer through with
+    `on_exhausted = "last_response"`, also when that answer came from its only attempt."""
+    async with (
+        upstream(status_handler(503, b"primary says 503")) as p,
+        upstream(status_handler(200)) as b,
+    ):
+        config = make_config(p.url, b.url, engine=engine, on_exhausted="last_response")
+        config["routes"][0].update(plan=plan, retries=len(plan) - 1)
+        gateway = Gateway(host_app, config=config, environ=ENV)
+        async with client_for(gateway) as client:
+            response = await client.request(method, "/v1/chat", content=b"{}")
+        await gateway.aclose()
+    assert (response.status_code, response.content) == (503, b"primary says 503")
+    assert response.headers["x-gateway-provider"] == "primary"
+    assert response.headers["x-gateway-attempts"] == "1"
+    assert (p.count, b.count) == (1, 0)
+    assert f"rule={rule}" in caplog.text  # the log line says what ended the walk
+
+
+async def test_last_response_after_a_timeout_serves_the_answer_that_came(engine: str) -> None:
+    """A first-byte timeout (no answer), then a 503: the 503 is the last upstream answer."""
+    async with silent_server() as (silent, _), upstream(status_handler(503, b"second")) as b:
+        config = make_config(silent, b.url, engine=engine, on_exhausted="last_response")
+        config["upstreams"]["primary"]["first_byte_timeout_ms"] = 100
+        gateway = Gateway(host_app, config=config, environ=ENV)
+        async with client_for(gateway) as client:
+            response = await client.get("/v1/models")
+        await gateway.aclose()
+    assert (response.status_code, response.content) == (503, b"second")
+    assert response.headers["x-gateway-provider"] == "backup"
+
+
+async def test_last_response_without_any_answer_is_the_local_error(engine: str) -> None:
+    """Nothing answered (a timeout only): there is no answer to pass through."""
+    async with silent_server() as (silent, _):
+        config = make_config(silent, silent, engine=engine, on_exhausted="last_response")
+        config["routes"][0].update(plan=["primary"], retries=0)
+        config["upstreams"]["primary"]["first_byte_timeout_ms"] = 100
+        gateway = Gateway(host_app, config=config, environ=ENV)
+        async with client_for(gateway) as client:
+            response = await client.get("/v1/models")
+        await gateway.aclose()
+    assert response.status_code == 502
+    assert response.json()["error"]["code"] == "upstream_failed"
+
+
 async def test_retries_restart_from_the_top_with_backoff() -> None:
     async with upstream(status_handler(503)) as p, upstream(status_handler(503)) as b:
         gateway = Gateway(

@@ -176,7 +176,9 @@ class _Walk:
             context.outcome = "client_disconnected"
             context.rule = "client_gone"
 
-    def state(self, *, other_credential: bool = False) -> WalkState:
+    def state(self, *, other_credential: bool = False, holding: bool = False) -> WalkState:
+        """The walk as `decide` reads it. `holding`: the outcome being decided came with a
+        response (not yet kept): it is the last upstream answer `last_response` serves."""
         context = self.context
         return WalkState(
             replayable=self.replayable,
@@ -188,7 +190,7 @@ class _Walk:
             failover_status=self.route.failover_status,
             on_exhausted=self.route.on_exhausted,
             other_credential=other_credential,
-            has_last_response=self.last_response is not None,
+            has_last_response=holding or self.last_response is not None,
             unreplayable=self.unreplayable,
         )
 
@@ -238,7 +240,8 @@ class _Walk:
     ) -> bool:
         """Carry out the decision for `outcome`; True when the walk is over."""
         other = name is not None and self.cursor.other_credential(name)
-        decision: Decision = decide(outcome, self.state(other_credential=other))
+        state = self.state(other_credential=other, holding=response is not None)
+        decision: Decision = decide(outcome, state)
         if record is not None:
             record.decision, record.reason = decision.action, decision.reason
         if decision.rule is not None:
