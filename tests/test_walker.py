@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -261,6 +262,7 @@ async def test_last_response_serves_the_answer_that_ended_the_walk(
     """SPEC §5: a walk that ends on a failover-class failure, whatever stopped it (the
     ceiling, a non-replayable method), passes the last upstream answer through with
     `on_exhausted = "last_response"`, also when that answer came from its only attempt."""
+    caplog.set_level(logging.INFO, logger="fallback_mw")
     async with (
         upstream(status_handler(503, b"primary says 503")) as p,
         upstream(status_handler(200)) as b,
