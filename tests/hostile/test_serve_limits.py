@@ -100,6 +100,7 @@ async def test_serve_answers_a_slow_head_with_408_and_sends_no_server_header(
             port, b"GET /v1/x HTTP/1.1\r\nhost: gw\r\nconnection: close\r\n\r\n"
         )
     assert slow.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in slow
+    assert b'"rule":"header_timeout_ms"' in slow
     assert normal.startswith(b"HTTP/1.1 200")
     head = normal.split(b"\r\n\r\n", 1)[0].lower()
     assert b"\r\nserver:" not in head

@@ -1,8 +1,9 @@
 """What `fallback-mw serve` sets on uvicorn so the server itself refuses a hostile request
 head before buffering it: a head over `max_header_bytes` gets 431 `headers_too_large`, a
 head not received within `header_timeout_ms` gets 408 `request_timeout`, a head the parser
-cannot read gets 400 `bad_request`, all before any ASGI app runs, in the gateway's JSON error
-shape, with the connection closed.
+cannot read gets 400 `bad_request` (405 `method_not_allowed` when all it could not read is an
+unknown method token: uvicorn's httptools parser knows a fixed list), all before any ASGI
+app runs, in the gateway's JSON error shape with its `rule`, with the connection closed.
 
 uvicorn exposes `h11_max_incomplete_event_size` for its h11 parser only; its httptools
 parser buffers a whole header value (8 MiB included) and has no head timeout at all. So
@@ -16,18 +17,29 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any, cast
 
-from fallback_mw.config import GatewaySettings
+from fallback_mw.config import DEFAULT_METHODS, GatewaySettings
 
 # h11 keeps at most this much beyond max_header_bytes (our count runs after each read,
 # which may be up to a few hundred KiB with uvloop); with httptools the guard alone bounds it.
 _H11_SLACK = 512 * 1024
 _LINGER_SECONDS = 2.0
-_REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+_REASONS = {
+    400: b"Bad Request",
+    405: b"Method Not Allowed",
+    408: b"Request Timeout",
+    431: b"Request Header Fields Too Large",
+}
+# The head's end: CRLF CRLF, or the bare LF LF a lenient parser also accepts.
+_HEAD_END = re.compile(rb"\r?\n\r?\n")
+# A request line whose method is a token (RFC 9110) the parser may not know.
+_REQUEST_LINE = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]{1,32}) [^ \r\n]+ HTTP/1\.[01]\r?\n")
+_ALLOW = ", ".join(DEFAULT_METHODS).encode()
 
 
-def _refusal(status: int, code: str, message: str) -> bytes:
+def _refusal(status: int, code: str, message: str, rule: str, extra: bytes = b"") -> bytes:
     body = json.dumps(
         {
             "error": {
@@ -36,16 +48,36 @@ def _refusal(status: int, code: str, message: str) -> bytes:
                 "message": message,
                 "route": None,
                 "attempts": 0,
+                "rule": rule,
             }
         },
         separators=(",", ":"),
     ).encode()
     head = (
         b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-        b"cache-control: no-store\r\nconnection: close\r\n\r\n"
-        % (status, _REASONS[status], len(body))
+        b"cache-control: no-store\r\nconnection: close\r\n%s\r\n"
+        % (status, _REASONS[status], len(body), extra)
     )
     return head + body
+
+
+def _unreadable(request_line: bytes) -> bytes:
+    """The answer to a head the parser refused. A well-formed request line with a method
+    the parser does not know is SPEC §12's 405 (no route forwards it); anything else 400."""
+    line = _REQUEST_LINE.match(request_line)
+    if line is not None and line.group(1).decode() not in DEFAULT_METHODS:
+        method = line.group(1).decode()
+        return _refusal(
+            405, "method_not_allowed",
+            f"{method} is not forwarded: a route without methods forwards "
+            f"{', '.join(DEFAULT_METHODS)}, and this server's HTTP parser reads no method "
+            "outside its own list",
+            "methods", b"allow: %s\r\n" % _ALLOW,
+        )  # fmt: skip
+    return _refusal(
+        400, "bad_request", "malformed HTTP request: the server could not parse it",
+        "malformed_request",
+    )  # fmt: skip
 
 
 class _HeadGuard:
@@ -66,6 +98,8 @@ class _HeadGuard:
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_since: float | None = None  # when the head being timed started
         self._lingering = False
+        self._request_line = b""  # the start of the head being read (for send_400_response)
+        self._head_tail = b""  # the last bytes of the head so far: its end may straddle reads
         self._start_head()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -81,6 +115,19 @@ class _HeadGuard:
         if not self._counting and self._expecting_head():
             self._start_head()
         if self._counting:
+            if self._head_bytes == 0:
+                self._request_line = data[:256]
+            if self._head_too_large(data):
+                # Refused before the parser sees it: a head that arrives in one read (up to
+                # 256 KiB with uvloop) would otherwise be parsed whole and reach the app.
+                self._head_bytes += len(data)
+                self._refuse(
+                    431, "headers_too_large",
+                    f"request head larger than {self.max_head_bytes} bytes (max_header_bytes)",
+                    "max_header_bytes",
+                )  # fmt: skip
+                self._lingering = True
+                return
             self._head_bytes += len(data)
             if self._head_since is None and self._between_requests():
                 self._time_head()
@@ -94,6 +141,7 @@ class _HeadGuard:
                 431,
                 "headers_too_large",
                 f"request head larger than {self.max_head_bytes} bytes (max_header_bytes)",
+                "max_header_bytes",
             )
 
     def send_400_response(self, msg: str) -> None:
@@ -103,12 +151,23 @@ class _HeadGuard:
         self._stop_head()
         if self.transport.is_closing():
             return
-        self.transport.write(
-            _refusal(400, "bad_request", "malformed HTTP request: the server could not parse it")
-        )
+        self.transport.write(_unreadable(self._request_line))
         self.transport.close()
 
     # --- internals --------------------------------------------------------------------
+
+    def _head_too_large(self, data: bytes) -> bool:
+        """Would the head being read, with `data`, be over max_head_bytes? Counts only up to
+        the head's end when `data` holds it (a body or a pipelined request may follow)."""
+        window = self._head_tail + data
+        end = _HEAD_END.search(window)
+        if end is None:
+            self._head_tail = window[-3:]
+            head = self._head_bytes + len(data)
+        else:
+            self._head_tail = b""
+            head = self._head_bytes + max(end.end() - len(window) + len(data), 0)
+        return head > self.max_head_bytes
 
     def _between_requests(self) -> bool:
         return self.cycle is None or bool(self.cycle.response_complete)
@@ -129,6 +188,7 @@ class _HeadGuard:
     def _start_head(self) -> None:
         self._counting = True
         self._head_bytes = 0
+        self._head_tail = b""
         self._head_cycle = self.cycle
         if self._between_requests():
             self._time_head()
@@ -162,9 +222,10 @@ class _HeadGuard:
             408,
             "request_timeout",
             f"request head not received within {self.head_timeout:g} s (header_timeout_ms)",
+            "header_timeout_ms",
         )
 
-    def _refuse(self, status: int, code: str, message: str) -> None:
+    def _refuse(self, status: int, code: str, message: str, rule: str) -> None:
         self._stop_head()
         if self.transport.is_closing():
             return
@@ -172,7 +233,7 @@ class _HeadGuard:
             # A response is still being written: the connection is cut instead.
             self.transport.close()
             return
-        self.transport.write(_refusal(status, code, message))
+        self.transport.write(_refusal(status, code, message, rule))
         # Lingering close: closing with unread request bytes would reset the connection and
         # the client might never read the answer. Stop writing, drop what still arrives,
         # close soon.
