@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from fallback_mw import extras, rules
 from fallback_mw.rules import ConfigError as ConfigError  # re-exported: its public home
-from fallback_mw.security import DEFAULT_STRIP_HEADERS, DEFAULT_STRIP_QUERY_KEYS
+from fallback_mw.security import DEFAULT_STRIP_HEADERS, DEFAULT_STRIP_QUERY_KEYS, is_legacy_ipv4
 
 MAX_PLAN_LENGTH = 8
 # The largest amount of money (currency units) a budget limit, hold or price may name: the
@@ -84,6 +84,38 @@ class GatewaySettings(_Strict):
             if not name or not name.isascii() or any(c.isspace() or c in "=&" for c in name):
                 raise ValueError(f"{name!r} is not a header name or query key")
         return tuple(name.lower() for name in value)
+
+    @field_validator("allow_hosts")
+    @classmethod
+    def _allow_hosts(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        """Each entry a host name, an IP address or a CIDR network: a URL, a `host:port`
+        or a malformed network would otherwise be kept as a name that matches nothing,
+        and the error would surface later, naming the upstream instead of the entry."""
+        for entry in value:
+            text = entry.strip().lower()
+            try:
+                ipaddress.ip_network(text.strip("[]"), strict=False)
+                continue
+            except ValueError:
+                pass
+            if "://" in text:
+                hint = ": list the host alone, without scheme or path"
+            elif "/" in text:
+                hint = ": not a CIDR network (an address, a slash, a prefix length)"
+            elif text.count(":") == 1:
+                hint = ": list the host alone, without a port"
+            elif "*" in text:
+                hint = ": exact host names only, no wildcards"
+            elif is_legacy_ipv4(text):
+                hint = ": an IPv4 address in a legacy spelling; write it as four decimals"
+            elif not _valid_host(text.rstrip(".")):
+                hint = ": not a host name"
+            else:
+                continue
+            raise ValueError(
+                f"{entry[:80]!r} is not a host name, an IP address or a CIDR network{hint}"
+            )
+        return value
 
     @field_validator("tenant_header", "session_header")
     @classmethod

@@ -143,7 +143,7 @@ async def test_an_ipv6_loopback_upstream_works_when_listed(engine: str, entry: s
 )
 def test_an_upstream_url_with_a_malformed_host_is_refused_at_load(url: str) -> None:
     conf: dict[str, Any] = {
-        "gateway": {"allow_hosts": ["0.0.0.0/0", "exa mple.com", "exämple.com", "h"]},
+        "gateway": {"allow_hosts": ["0.0.0.0/0", "h"]},
         "upstreams": {"u": {"url": url}},
         "routes": [{"id": "r", "prefix": "/v1/", "plan": ["u"]}],
     }

@@ -158,3 +158,31 @@ async def test_extra_credentials_reach_no_upstream_shadow_included() -> None:
         assert "x-kept" in names
         assert not any("caller-secret" in value for _, value in received.headers)
         assert not names & {n.lower().replace("_", "-") for n in CALLER_SECRETS}
+
+
+@pytest.mark.parametrize(
+    ("entry", "says"),
+    [
+        ("10.0.0.0/33", "not a CIDR network"),
+        ("https://api.openai.com", "without scheme"),
+        ("api.openai.com:443", "without a port"),
+        ("*.openai.com", "no wildcards"),
+        ("0177.0.0.1", "legacy spelling"),
+        ("not a host!", "not a host name"),
+        ("exämple.com", "not a host name"),
+    ],
+)
+def test_a_malformed_allow_hosts_entry_is_refused_by_name(entry: str, says: str) -> None:
+    """Kept as a name, such an entry would match nothing, and the error would come later
+    naming the upstream ("not in allow_hosts") instead of the entry."""
+    message = refused(base(allow_hosts=["127.0.0.1", entry]))
+    assert "gateway.allow_hosts" in message and says in message and repr(entry) in message
+
+
+@pytest.mark.parametrize(
+    "entry",
+    ["api.openai.com", "LOCALHOST.", "[::1]", "::1/128", "10.0.0.0/8", "0.0.0.0/0", "my_host"],
+)
+def test_well_formed_allow_hosts_entries_load(entry: str) -> None:
+    config = load_config(base(allow_hosts=["127.0.0.1", entry]), check_env=False)
+    assert entry in config.gateway.allow_hosts
