@@ -56,6 +56,37 @@ def test_the_hold_takes_the_largest_output_limit_the_body_names() -> None:
     assert book.estimate_hold(body, "m", Decimal("0.01")) == Decimal(1)
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [
+        '"max_tokens":-1',  # a stray negative limit hides nothing
+        '"max_tokens":true',
+        '"max_tokens":"lots"',
+        '"max_tokens":1.5',
+        '"max_tokens":null',
+    ],
+)
+def test_a_limit_that_limits_nothing_does_not_hide_the_largest(extra: str) -> None:
+    book = PriceBook({"m": PriceConfig(input_per_mtok=Decimal(0), output_per_mtok=Decimal(1))})
+    body = b'{"model":"m","max_completion_tokens":1000000,%s}' % extra.encode()
+    assert book.estimate_hold(body, "m", Decimal("0.01")) == Decimal(1)
+
+
+@pytest.mark.parametrize("spelling", ["1e6", "1000000.0", '"1000000"', '" 1000000 "'])
+def test_a_limit_a_lenient_upstream_reads_as_an_integer_is_held(spelling: str) -> None:
+    """`1e6`, `1000000.0` and `"1000000"` are 1,000,000 tokens to an upstream that coerces
+    (pydantic's lax mode does): the hold prices them, not the default."""
+    book = PriceBook({"m": PriceConfig(input_per_mtok=Decimal(0), output_per_mtok=Decimal(1))})
+    body = b'{"model":"m","max_tokens":%s}' % spelling.encode()
+    assert book.estimate_hold(body, "m", Decimal("0.01")) == Decimal(1)
+
+
+def test_only_negative_limits_get_the_default_hold() -> None:
+    book = PriceBook({"m": PriceConfig(input_per_mtok=Decimal(0), output_per_mtok=Decimal(1))})
+    body = b'{"model":"m","max_tokens":-5}'
+    assert book.estimate_hold(body, "m", Decimal("0.01")) == Decimal("0.01")
+
+
 def test_a_deeply_nested_body_gets_the_default_hold_not_a_recursion_error() -> None:
     book = PriceBook({"m": PriceConfig(input_per_mtok=Decimal(1), output_per_mtok=Decimal(1))})
     body = b'{"model":"m","max_tokens":5,"x":' + b"[" * 100_000 + b"]" * 100_000 + b"}"

@@ -104,9 +104,10 @@ class PriceBook:
         if not isinstance(parsed, dict):
             return default_hold
         # Every output limit the body names, and the largest of them: one tiny value must
-        # not hide a huge one (providers differ in which key they honour).
+        # not hide a huge one (providers differ in which key they honour), and neither
+        # may a negative or unreadable one (it limits nothing: left out).
         limits = output_limits(parsed)
-        if not limits or min(limits) < 0:
+        if not limits:
             return default_hold
         output_limit = min(max(limits), MAX_TOKENS)
         input_estimate = -(-len(body) // BYTES_PER_TOKEN)
