@@ -4,7 +4,8 @@ Same configuration, same store, same shared state (an open breaker in Redis, an 
 in the store): the request is one in-process ASGI call, and the trace is read from the
 records the spans and the usage log are built from (`one_request`). Exit status: 0 when the
 client would have received a 2xx in full, 1 otherwise, 2 for a bad invocation or config.
-Never printed: a credential, a request header value, a query string, a body (unless
+Never printed: a credential, a request header value (except the tenant the gateway read,
+a label that spans and the log line carry too), a query string, a body (unless
 `--show-body`)."""
 
 from __future__ import annotations
@@ -171,7 +172,8 @@ def register(subparsers: Any) -> None:
         "send one request through the gateway serve would build and print its whole trace",
         epilog="Exit status: 0 when the client would have received a 2xx in full, 1 "
         "otherwise, 2 for a bad invocation or config. Never printed: a credential, a header "
-        "value you passed, the query string, a body (unless --show-body).",
+        "value you passed (except the tenant the gateway read from tenant_header, a label "
+        "spans and the log line carry too), the query string, a body (unless --show-body).",
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--config", metavar="FILE", help="gateway TOML file, as for serve")
