@@ -106,17 +106,37 @@ def query_problem(query: bytes) -> str | None:
     return None
 
 
+def canonical_query_key(name: bytes) -> bytes:
+    """A query parameter's name as the servers that read it loosely do: percent-decoded,
+    `+` as a space, case-folded; an array suffix dropped (`api_key[]`, `api_key[0]`: PHP
+    and Rails read `api_key`); `.` and spaces as `_` (PHP reads `api.key` and `api key`
+    as `api_key`). Every `strip_query_keys` comparison uses this form on both sides."""
+    key = unquote_to_bytes(name.replace(b"+", b" ")).lower()
+    bracket = key.find(b"[")
+    if bracket > 0:
+        key = key[:bracket]
+    return key.replace(b".", b"_").replace(b" ", b"_")
+
+
 def strip_query_keys(query: bytes, keys: frozenset[bytes]) -> bytes:
-    """The query string without the parameters whose name (percent-decoded, case-folded)
-    is one of `keys`; every other parameter is kept byte for byte, in order."""
+    """The query string without the parameters whose name is one of `keys` (both compared
+    as `canonical_query_key`); every other parameter is kept byte for byte, in order.
+    `;` separates parameters too (older servers split on it): `a=1;key=s` loses `;key=s`."""
     if not keys or not query:
         return query
-    kept = [
-        part
-        for part in query.split(b"&")
-        if unquote_to_bytes(part.split(b"=", 1)[0].replace(b"+", b" ")).lower() not in keys
-    ]
+    kept = []
+    for part in query.split(b"&"):
+        if b";" in part:
+            pieces = [p for p in part.split(b";") if not _names_a_key(p, keys)]
+            if pieces:
+                kept.append(b";".join(pieces))
+        elif not _names_a_key(part, keys):
+            kept.append(part)
     return b"&".join(kept)
+
+
+def _names_a_key(parameter: bytes, keys: frozenset[bytes]) -> bool:
+    return canonical_query_key(parameter.split(b"=", 1)[0]) in keys
 
 
 def is_legacy_ipv4(host: str) -> bool:

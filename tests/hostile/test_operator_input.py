@@ -17,6 +17,7 @@ import pytest
 from fallback_mw import Gateway
 from fallback_mw.cli import main
 from fallback_mw.config import ConfigError, load_config
+from fallback_mw.security import DEFAULT_STRIP_QUERY_KEYS, canonical_query_key, strip_query_keys
 from tests.helpers import client_for
 from tests.upstreams import host_app, status_handler, upstream
 
@@ -158,6 +159,26 @@ async def test_extra_credentials_reach_no_upstream_shadow_included() -> None:
         assert "x-kept" in names
         assert not any("caller-secret" in value for _, value in received.headers)
         assert not names & {n.lower().replace("_", "-") for n in CALLER_SECRETS}
+
+
+@pytest.mark.parametrize(
+    ("query", "forwarded"),
+    [
+        (b"keep=1&api.key=s1&z=2", b"keep=1&z=2"),  # PHP reads api.key as api_key
+        (b"keep=1&api+key=s1", b"keep=1"),  # ... and api key
+        (b"api_key[]=s1&keep=1", b"keep=1"),  # PHP and Rails read api_key[] as api_key
+        (b"KEY[0]=s1&keep=1", b"keep=1"),
+        (b"a=1;key=s1;b=2&c=3", b"a=1;b=2&c=3"),  # `;` separates parameters too
+        (b"key=s1;api_key=s2", b""),
+        (b"keep=a;b&x=%2F&&y", b"keep=a;b&x=%2F&&y"),  # nothing to strip: byte for byte
+        (b"monkey=1&keys=2&key_id=3&[key]=4", b"monkey=1&keys=2&key_id=3&[key]=4"),
+    ],
+)
+def test_credential_query_keys_are_stripped_however_a_server_reads_them(
+    query: bytes, forwarded: bytes
+) -> None:
+    keys = frozenset(canonical_query_key(k.encode()) for k in DEFAULT_STRIP_QUERY_KEYS)
+    assert strip_query_keys(query, keys) == forwarded
 
 
 @pytest.mark.parametrize(

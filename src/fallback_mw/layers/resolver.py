@@ -16,7 +16,7 @@ from fallback_mw.request.context import SCOPE_KEY, RequestContext
 from fallback_mw.request.local_errors import send_error
 from fallback_mw.request.types import ASGIApp, Receive, Scope, Send
 from fallback_mw.routing import RouteTable, effective_deadline_ms, normalise_path
-from fallback_mw.security import canonical_name, strip_query_keys
+from fallback_mw.security import canonical_name, canonical_query_key, strip_query_keys
 from fallback_mw.telemetry import Telemetry
 
 # More digits than this is longer than any deadline (600000 ms): it can shorten nothing.
@@ -76,7 +76,8 @@ class RouteResolver:
             for name in config.gateway.strip_headers
         )
         self.strip_query_keys = frozenset(
-            key.encode("latin-1", "replace") for key in config.gateway.strip_query_keys
+            canonical_query_key(key.encode("latin-1", "replace"))
+            for key in config.gateway.strip_query_keys
         )
         self.default_deadline_ms = config.gateway.deadline_ms
         self.max_header_bytes = config.gateway.max_header_bytes
