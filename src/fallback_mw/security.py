@@ -308,19 +308,32 @@ def parse_ip(host: str) -> IPAddress | None:
     return None
 
 
+_EMBEDDING_PREFIXES = frozenset(
+    bytes.fromhex(prefix)
+    for prefix in (
+        "000000000000000000000000",  # ::a.b.c.d (IPv4-compatible)
+        "0000000000000000ffff0000",  # ::ffff:0:a.b.c.d (IPv4-translated)
+        "0064ff9b0000000000000000",  # 64:ff9b::a.b.c.d (NAT64)
+        "0064ff9b0001000000000000",  # 64:ff9b:1::a.b.c.d (local-use NAT64)
+    )
+)
+
+
 def _embedded_ipv4(address: IPAddress) -> ipaddress.IPv4Address | None:
     if isinstance(address, ipaddress.IPv6Address):
         if address.ipv4_mapped is not None:
             return address.ipv4_mapped
         if address.sixtofour is not None:
             return address.sixtofour
-        # IPv4-compatible (::a.b.c.d) and NAT64 (64:ff9b::/96) embed the address in the low
-        # bits. `::1` (loopback) and `::` are not IPv4-compatible addresses (RFC 4291 §2.5.5.1):
-        # read as 0.0.0.1 / 0.0.0.0 they would be refused as "this network".
+        # IPv4-compatible (::a.b.c.d), IPv4-translated (::ffff:0:a.b.c.d, RFC 2765) and
+        # NAT64 (64:ff9b::/96, and 64:ff9b:1::/96 of the local-use 64:ff9b:1::/48, RFC
+        # 8215) embed the address in the low bits. `::1` (loopback) and `::` are not
+        # IPv4-compatible addresses (RFC 4291 §2.5.5.1): read as 0.0.0.1 / 0.0.0.0 they
+        # would be refused as "this network".
         if address.is_loopback or address.is_unspecified:
             return None
         packed = address.packed
-        if packed[:12] == bytes(12) or packed[:12] == bytes.fromhex("0064ff9b0000000000000000"):
+        if packed[:12] in _EMBEDDING_PREFIXES:
             return ipaddress.IPv4Address(packed[12:])
     return None
 

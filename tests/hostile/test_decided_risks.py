@@ -29,6 +29,7 @@ WIDE = ["0.0.0.0/0", "::/0"]
         "[2001:0:4136:e378:8000:63bf:3fff:fdd2]",  # Teredo
         "[64:ff9b::a9fe:a9fe]",  # well-known NAT64 of 169.254.169.254
         "[::ffff:169.254.169.254]",
+        "[::ffff:0:a9fe:a9fe]",  # IPv4-translated (RFC 2765) 169.254.169.254
     ],
 )
 def test_metadata_and_translation_ranges_are_refused_under_the_widest_allowlist(
@@ -45,7 +46,9 @@ def test_metadata_and_translation_ranges_are_refused_under_the_widest_allowlist(
         check_connect_addresses("example.com", [host.strip("[]")], WIDE)
 
 
-@pytest.mark.parametrize("address", ["::ffff:127.0.0.1", "64:ff9b::a00:5", "::ffff:10.0.0.5"])
+@pytest.mark.parametrize(
+    "address", ["::ffff:127.0.0.1", "64:ff9b::a00:5", "::ffff:10.0.0.5", "::ffff:0:a00:5"]
+)
 def test_an_ipv6_address_carrying_ipv4_is_judged_by_the_ipv4_address(address: str) -> None:
     parsed = parse_ip(address)
     assert parsed is not None
