@@ -1,5 +1,6 @@
 """Upstream answers the relay cannot carry are the upstream's failures (SPEC §12): a status
-outside 100-599, a 1xx as the final answer, contradictory framing. On both engines, on real
+outside 100-599, a 1xx as the final answer, contradictory framing, a transfer coding other
+than chunked. On both engines, on real
 sockets: the walk fails over when it may (the backup serves), else the local 502 in JSON;
 never an empty reply, a traceback or a stale Content-Length."""
 
@@ -28,6 +29,9 @@ ANSWERS = {
     b"transfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
     "204-with-length": b"HTTP/1.1 204 No Content\r\ncontent-length: 5\r\n\r\nhello",
     "two-lengths": b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\nhello!",
+    # Re-framed, the gzip-coded body would reach the client unlabelled (aiohttp relayed it).
+    "gzip-chunked": b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n"
+    b"5\r\nhello\r\n0\r\n\r\n",
 }
 
 

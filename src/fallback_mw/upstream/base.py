@@ -64,22 +64,30 @@ def check_response_head(status: int, headers: Sequence[tuple[bytes, bytes]]) -> 
     """A response head the relay cannot carry is the upstream's failure (failover-class,
     SPEC §12): a status outside 100-599, a 1xx as the final answer, or contradictory
     framing (Content-Length with Transfer-Encoding, repeated or invalid lengths, a length
-    or a chunked body on 204). Raises UpstreamError("protocol")."""
+    or a chunked body on 204), or a transfer coding other than `chunked` (`gzip, chunked`:
+    the relay re-frames the body and would hand on coded bytes unlabelled). Two equal
+    Content-Length fields: aiohttp's parser refuses them, h11 (httpx) merges them before
+    this sees them. Raises UpstreamError("protocol")."""
     if not 200 <= status <= 599:
         raise UpstreamError("protocol", "first_byte", "the upstream status cannot be relayed")
-    lengths: set[bytes] = set()
-    chunked = False
+    lengths: list[bytes] = []
+    codings: list[bytes] = []
     for name, value in headers:
         lower = name.lower()
         if lower == b"content-length":
-            lengths.add(value.strip())
+            lengths.append(value.strip())
         elif lower == b"transfer-encoding":
-            chunked = True
-    if len(lengths) > 1 or (lengths and not next(iter(lengths)).isdigit()):
+            codings.extend(c.strip().lower() for c in value.split(b","))
+    if len(lengths) > 1 or (lengths and not lengths[0].isdigit()):
         raise UpstreamError("protocol", "first_byte", "contradictory Content-Length")
+    chunked = bool(codings)
+    if codings and codings != [b"chunked"]:
+        raise UpstreamError(
+            "protocol", "first_byte", "a transfer coding other than chunked cannot be relayed"
+        )
     if chunked and (lengths or status in (204, 304)):
         raise UpstreamError("protocol", "first_byte", "contradictory response framing")
-    if status == 204 and lengths and lengths != {b"0"}:
+    if status == 204 and lengths and lengths != [b"0"]:
         raise UpstreamError("protocol", "first_byte", "a 204 response that declares a body")
 
 
