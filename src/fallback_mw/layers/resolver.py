@@ -37,6 +37,21 @@ def requested_deadline_ms(text: str | None) -> int | None:
     return value if value > 0 else None
 
 
+def below_root(raw_path: str, root_path: str) -> str:
+    """The path a mounted app routes on: below its `root_path` when the server or the
+    framework put the mount point in front of the path (uvicorn `--root-path`, Starlette's
+    `Mount`: `path` and `raw_path` hold it, `root_path` names it), as Starlette's own
+    routing reads it. A path that does not start with the mount point is left as it is
+    (servers that keep `root_path` out of `path`, e.g. daphne)."""
+    root = root_path.rstrip("/")
+    if not root or not raw_path.startswith(root):
+        return raw_path
+    rest = raw_path[len(root) :]
+    if not rest:
+        return "/"
+    return rest if rest.startswith("/") else raw_path
+
+
 def _headers(scope: Scope, names: tuple[bytes, ...]) -> list[str | None]:
     """The first value of each named header (stripped, None when absent or empty), in one
     pass over the request's headers."""
@@ -94,6 +109,9 @@ class RouteResolver:
         raw = scope.get("raw_path")
         raw_path = raw.decode("latin-1") if isinstance(raw, bytes) else scope.get("path", "/")
         raw_path = raw_path.split("?", 1)[0]
+        root = scope.get("root_path")
+        if root:
+            raw_path = below_root(raw_path, root)
         path = normalise_path(raw_path)
         table = self.table()
         tenant_text, session, deadline_text = _headers(scope, self.read_headers)

@@ -1,0 +1,77 @@
+"""A gateway mounted below a path routes on the path below its mount point, as Starlette's
+own routing does: under Starlette's `Mount` and uvicorn's `--root-path` (both put the mount
+point in `path` and `raw_path` and name it in `root_path`). The upstream gets the path the
+route saw. Real sockets for uvicorn; Starlette in process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.routing import Mount
+
+from fallback_mw import Gateway
+from fallback_mw.layers.resolver import below_root
+from tests.helpers import client_for
+from tests.upstreams import host_app, serve_asgi, status_handler, upstream
+
+pytestmark = pytest.mark.anyio
+
+
+def config(url: str) -> dict[str, Any]:
+    return {
+        "gateway": {"allow_hosts": ["127.0.0.1"]},
+        "upstreams": {"primary": {"url": url}},
+        "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+    }
+
+
+@pytest.mark.parametrize(
+    ("raw", "root", "below"),
+    [
+        ("/gw/v1/x", "/gw", "/v1/x"),
+        ("/gw/v1/x", "/gw/", "/v1/x"),
+        ("/gw", "/gw", "/"),
+        ("/gwx/v1/x", "/gw", "/gwx/v1/x"),  # not below the mount point: as it is
+        ("/v1/x", "/api", "/v1/x"),  # a server that keeps root_path out of path
+        ("/v1/x", "", "/v1/x"),
+    ],
+)
+def test_below_root(raw: str, root: str, below: str) -> None:
+    assert below_root(raw, root) == below
+
+
+async def test_under_a_starlette_mount_the_route_matches_below_the_mount_point() -> None:
+    async with upstream(status_handler(200, b"up")) as primary:
+        gateway = Gateway(host_app, config=config(primary.url))
+        app = Starlette(routes=[Mount("/gw", app=gateway)])
+        try:
+            async with client_for(app) as client:
+                routed = await client.get("/gw/v1/chat?x=1")
+                other = await client.get("/gw/elsewhere")
+        finally:
+            await gateway.aclose()
+    assert (routed.status_code, routed.text) == (200, "up")
+    assert routed.headers["x-gateway-route"] == "chat"
+    assert [r.path for r in primary.received] == ["/v1/chat"]
+    assert other.status_code == 404 and "x-gateway-route" not in other.headers
+
+
+@pytest.mark.parametrize("http", ["h11", "httptools"])
+async def test_under_uvicorn_root_path_the_route_matches_below_it(http: str) -> None:
+    """Behind a proxy that strips `/api`, uvicorn `--root-path /api` puts it back in front
+    of `path`: the gateway routes (and forwards) what the proxy passed on."""
+    async with upstream(status_handler(200, b"up")) as primary:
+        gateway = Gateway(host_app, config=config(primary.url))
+        try:
+            async with (
+                serve_asgi(gateway, root_path="/api", http=http) as base,
+                httpx.AsyncClient(base_url=base) as client,
+            ):
+                routed = await client.get("/v1/chat")
+        finally:
+            await gateway.aclose()
+    assert (routed.status_code, routed.text) == (200, "up")
+    assert [r.path for r in primary.received] == ["/v1/chat"]
