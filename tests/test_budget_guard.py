@@ -4,6 +4,7 @@ tmp_path and the real PostgreSQL. Upstreams are real aiohttp servers on 127.0.0.
 from __future__ import annotations
 
 import json
+import time
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,9 @@ import pytest
 from aiohttp import web
 
 from fallback_mw import Gateway
-from fallback_mw.config import BudgetConfig
+from fallback_mw.config import BudgetConfig, RouteConfig
+from fallback_mw.layers.guard import charge
+from fallback_mw.request.context import AttemptRecord, RequestContext
 from fallback_mw.store.ledgers import open_ledger
 from tests.helpers import client_for
 from tests.upstreams import Handler, free_port, host_app, status_handler, upstream
@@ -336,3 +339,42 @@ async def test_usage_records_hold_no_body_or_credentials(tmp_path: Path) -> None
     assert b"chat" in raw  # the file does hold the usage record, and no secret:
     for secret in (b"q-secret", b"body-secret", b"caller-secret"):
         assert secret not in raw
+
+
+def settled_context(**fields: Any) -> RequestContext:
+    route = RouteConfig(id="chat", prefix="/v1/", plan=("primary", "backup"), retries=1)
+    return RequestContext(
+        route=route, upstreams={}, tenant="acme", session=None, method="POST",
+        path="/v1/chat", query=b"", deadline=time.monotonic() + 5, **fields,
+    )  # fmt: skip
+
+
+HELD = Decimal("0.5")
+
+
+@pytest.mark.parametrize(
+    ("fields", "statuses", "cost", "charged"),
+    [
+        # Served in full: the reported usage's cost, else the hold.
+        ({"chosen": "primary", "completed": True}, [200], Decimal("0.1"), Decimal("0.1")),
+        ({"chosen": "primary", "completed": True}, [200], None, HELD),
+        # Cut short after the relay began: never less than the hold.
+        ({"chosen": "primary", "completed": False}, [200], Decimal("0.1"), HELD),
+        # Nothing served and no upstream answered: released.
+        ({}, [503, 503], None, Decimal(0)),
+        ({"client_disconnected": True}, [], None, Decimal(0)),
+        ({"client_disconnected": True}, [503], None, Decimal(0)),
+        # An upstream answered 200 but the client left before the relay began: the upstream
+        # generated (and bills); its usage was never read: the hold.
+        ({"client_disconnected": True}, [503, 200], None, HELD),
+    ],
+)
+def test_what_a_settled_request_is_charged(
+    fields: dict[str, Any], statuses: list[int], cost: Decimal | None, charged: Decimal
+) -> None:
+    context = settled_context(**fields)
+    context.attempts = [
+        AttemptRecord(candidate="primary", number=n, server_address="h", status=status)
+        for n, status in enumerate(statuses, 1)
+    ]
+    assert charge(context, HELD, cost) == charged

@@ -148,17 +148,6 @@ class BudgetGuard:
             return "budget_unavailable"
         return "budget_exceeded" if hold is None else hold
 
-    def _charge(self, context: RequestContext, hold: Hold, cost: Decimal | None) -> Decimal:
-        if context.chosen is None:
-            return Decimal(0)  # nothing served: the hold is released
-        if cost is None:
-            return hold.amount
-        if not context.completed:
-            # Cut short (client gone, response aborted): the upstream's count is partial
-            # but it may bill for the whole generation; never charge less than the hold.
-            return max(cost, hold.amount)
-        return cost
-
     def _cost(self, context: RequestContext) -> Decimal | None:
         usage = context.usage
         if not usage.reported:
@@ -170,7 +159,7 @@ class BudgetGuard:
 
     async def _settle(self, ledger: Ledger, context: RequestContext, hold: Hold | None) -> None:
         cost = self._cost(context)
-        charged = None if hold is None else self._charge(context, hold, cost)
+        charged = None if hold is None else charge(context, hold.amount, cost)
         one_step = self._one_step
         if one_step is not None:
             record = _usage_record(context, cost, charged)
@@ -184,7 +173,7 @@ class BudgetGuard:
             return
         try:
             if hold is not None and charged is not None:
-                if context.chosen is None:
+                if not charged:
                     await ledger.release(hold)
                 else:
                     await ledger.settle(hold, charged)
@@ -194,6 +183,27 @@ class BudgetGuard:
             await ledger.record_usage(_usage_record(context, cost, charged))
         except LedgerUnavailable:
             logger.debug("route %s: usage record lost, ledger unavailable", context.route.id)
+
+
+def charge(context: RequestContext, held: Decimal, cost: Decimal | None) -> Decimal:
+    """What a settled request is charged (SPEC §7): the reported usage's cost, else the
+    hold; nothing when nothing was served and no upstream answered."""
+    if context.chosen is None:
+        if context.client_disconnected and any(
+            record.status is not None and 200 <= record.status < 300
+            for record in context.attempts
+        ):
+            # An upstream answered (it generated, and bills for it) but the client left
+            # before the relay began: the body, and its usage, were never read.
+            return held
+        return Decimal(0)  # nothing served: the hold is released
+    if cost is None:
+        return held
+    if not context.completed:
+        # Cut short (client gone, response aborted): the upstream's count is partial
+        # but it may bill for the whole generation; never charge less than the hold.
+        return max(cost, held)
+    return cost
 
 
 async def _refuse(send: Send, context: RequestContext, code: str) -> None:
