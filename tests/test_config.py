@@ -156,3 +156,20 @@ def test_unknown_budget_without_a_store_is_refused() -> None:
     data = base(budget="nope")
     data["gateway"] = {"store": "sqlite:///unused.db"}
     assert load_config(data, environ=ENV).routes[0].budget == "nope"  # the store may have it
+
+
+def test_every_unset_or_unusable_credential_variable_is_named_at_once() -> None:
+    """An operator fixing a deployment learns of every missing variable in one run, not
+    one per run; only names are printed, never a value."""
+    data = {
+        "upstreams": {
+            "a": {"url": "http://127.0.0.1:9001", "auth_env": "A_KEY"},
+            "b": {"url": "http://127.0.0.1:9002", "auth_env": "B_KEY"},
+            "c": {"url": "http://127.0.0.1:9003", "auth_env": "C_KEY"},
+        },
+        "routes": [{"id": "r", "prefix": "/v1/", "plan": ["a", "b", "c"], "retries": 2}],
+    }
+    message = refused(data, environ={"B_KEY": "sk-secret\n"})
+    assert "A_KEY is not set" in message and "C_KEY is not set" in message
+    assert "B_KEY cannot be sent as a header value" in message
+    assert "sk-secret" not in message

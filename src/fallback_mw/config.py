@@ -381,13 +381,17 @@ def check_config_extras(config: GatewayConfig) -> None:
 
 def check_environment(config: GatewayConfig, environ: Mapping[str, str]) -> None:
     """Every referenced credential variable must be set and usable. Only the name is
-    ever printed."""
+    ever printed; every problem is named at once (not one per run)."""
     used = {name for route in config.routes for name in route.plan}
     used |= {route.shadow for route in config.routes if route.shadow is not None}
+    problems = []
     for name, upstream in config.upstreams.items():
-        if name not in used:
-            continue
-        rules.check_variables_set(f"upstream {name!r}", upstream.credential_envs, environ)
+        if name in used:
+            problems += rules.variable_problems(
+                f"upstream {name!r}", upstream.credential_envs, environ
+            )
+    if problems:
+        raise ConfigError("; ".join(problems))
 
 
 def check_ca_file(where: str, path: str) -> None:

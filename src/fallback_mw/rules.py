@@ -249,17 +249,29 @@ def check_route(
 def check_variables_set(where: str, variables: Iterable[str], environ: Mapping[str, str]) -> None:
     """Every credential variable is set, not empty, and usable as a header value (no
     trailing newline, CR/LF/NUL, control or non-latin-1 characters). Only the name is ever
-    printed."""
+    printed. Raises one ConfigError naming every problem."""
+    problems = variable_problems(where, variables, environ)
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def variable_problems(
+    where: str, variables: Iterable[str], environ: Mapping[str, str]
+) -> list[str]:
+    """What `check_variables_set` refuses, one phrase per variable (names only)."""
+    problems = []
     for variable in variables:
         value = environ.get(variable)
         if not value:
-            raise ConfigError(f"{where}: environment variable {variable} is not set")
+            problems.append(f"{where}: environment variable {variable} is not set")
+            continue
         problem = header_value_problem(value)
         if problem is not None:
-            raise ConfigError(
+            problems.append(
                 f"{where}: environment variable {variable} cannot be sent as a header value: "
                 f"it {problem} (a trailing newline from a secrets file?)"
             )
+    return problems
 
 
 def check_fallback_credentials(

@@ -190,8 +190,7 @@ def charge(context: RequestContext, held: Decimal, cost: Decimal | None) -> Deci
     hold; nothing when nothing was served and no upstream answered."""
     if context.chosen is None:
         if context.client_disconnected and any(
-            record.status is not None and 200 <= record.status < 300
-            for record in context.attempts
+            record.status is not None and 200 <= record.status < 300 for record in context.attempts
         ):
             # An upstream answered (it generated, and bills for it) but the client left
             # before the relay began: the body, and its usage, were never read.
