@@ -211,7 +211,7 @@ async def test_refused_post_is_one_attempt_and_a_local_502(tmp_path: Path) -> No
     trace = json.loads(out)
     assert trace["method"] == "POST" and trace["request_body_bytes"] == len(REQUEST_BODY)
     assert trace["attempt_ceiling"] == 1  # a POST that cannot be repeated: 1, not 1 + retries
-    assert "at most 1 attempts" in table
+    assert "at most 1 attempt" in table
     assert attempts(trace) == [(1, "primary", 503, "status", "upstream", "local_error")]
     assert trace["steps"][0]["reason"] == "failover-class, but the request is not replayable"
     assert trace["client"]["status"] == 502 and trace["client"]["error_code"] == "upstream_failed"

@@ -94,6 +94,7 @@ def test_the_route_store_refuses_an_unsafe_id(tmp_path: Path) -> None:
     )  # fmt: skip
     assert status == 2
     assert "is not allowed" in err.getvalue() and "\x1b" not in err.getvalue()
+    assert "route id" in err.getvalue()  # the id given, not the upstream name derived from it
     out = io.StringIO()
     assert main(["routes", "list", "--store", store], stdout=out, stderr=io.StringIO()) == 0
     assert out.getvalue() == "no routes\n"

@@ -104,7 +104,7 @@ def _exercise(args: argparse.Namespace) -> tuple[Exercise, str]:
     if args.fault == "pin":
         if args.candidate is None or args.candidate not in plan:
             raise Refused(
-                f"--fault pin needs --candidate, one of route {args.route!r}'s candidates "
+                f"--fault pin needs --candidate, one of the candidates of route {args.route!r} "
                 f"({', '.join(plan)})"
             )
         if any(p.name == "breaker_open_s" for p in predictions):
@@ -116,7 +116,7 @@ def _exercise(args: argparse.Namespace) -> tuple[Exercise, str]:
         faulted = args.candidate or plan[0]
         if faulted not in plan:
             raise Refused(
-                f"--candidate {faulted!r} is not one of route {args.route!r}'s candidates "
+                f"--candidate {faulted!r} is not one of the candidates of route {args.route!r} "
                 f"({', '.join(plan)})"
             )
     exercise = Exercise(

@@ -69,7 +69,7 @@ def render(trace: dict[str, Any]) -> str:
             f"tenant {_cell(trace['tenant'])}  deadline {trace['deadline_ms']:.0f} ms"
         )
         plan = " -> ".join(_cell(c) for c in trace["candidates"])
-        notes = [f"{trace['strategy']}", f"at most {trace['attempt_ceiling']} attempts"]
+        notes = [f"{trace['strategy']}", _at_most(trace["attempt_ceiling"])]
         if trace["canary"]:
             notes.append("canary: second candidate first")
         if trace["pinned"]:
@@ -107,3 +107,7 @@ def render(trace: dict[str, Any]) -> str:
     else:
         lines.append(f"body      {client['body_bytes']} bytes (not shown; --show-body shows it)")
     return "\n".join(lines)
+
+
+def _at_most(ceiling: int) -> str:
+    return f"at most {ceiling} attempt{'' if ceiling == 1 else 's'}"

@@ -69,6 +69,7 @@ def _store_owned(target: StoreTarget, route_id: str) -> None:
 
 def routes_add(args: argparse.Namespace, console: Console) -> None:
     where = f"route {args.id!r}"
+    rules.check_id("route", args.id)  # before the upstream names derived from it
     rules.check_fallback_credentials(
         where, args.fallback, args.fallback_auth_header, args.fallback_auth_env
     )
