@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
@@ -129,6 +130,21 @@ _FAILURES = (
 )
 
 
+# What says the database is away (not that it refused one statement).
+_UNREACHABLE = (
+    OSError,
+    asyncio.TimeoutError,
+    asyncpg.InterfaceError,
+    asyncpg.exceptions.InternalClientError,
+    asyncpg.exceptions.PostgresConnectionError,
+    asyncpg.exceptions.OperatorInterventionError,
+)
+
+# While the database is known to be away, calls fail at once (fail closed) instead of each
+# waiting out the timeout behind the others; one call per interval tries it again.
+RETRY_INTERVAL = 1.0
+
+
 class PostgresLedger(SQLLedgerBase):
     def __init__(
         self,
@@ -140,8 +156,11 @@ class PostgresLedger(SQLLedgerBase):
         max_size: int = 10,
         timeout: float = 5.0,
         stale_hold_seconds: float = STALE_HOLD_SECONDS,
+        retry_interval: float = RETRY_INTERVAL,
     ) -> None:
         self.dsn = dsn
+        self.retry_interval = retry_interval
+        self._retry_at = 0.0
         self.min_size = min_size
         self.max_size = max_size
         self.timeout = timeout
@@ -181,11 +200,25 @@ class PostgresLedger(SQLLedgerBase):
             return self._pool
 
     async def _run(self, work: Callable[[asyncpg.Pool], Awaitable[T]]) -> T:
+        """One unit of work, `timeout` at most in all: the wait for a pooled connection
+        included, so a hung database refuses every caller within `timeout`, not each after
+        the ones queued before it. During an outage, calls fail at once (fail closed) but
+        one per `retry_interval`, which tries the database again."""
+        if self._outage.down:
+            now = time.monotonic()
+            if now < self._retry_at:
+                raise LedgerUnavailable("PostgreSQL ledger unavailable (outage)")
+            self._retry_at = now + self.retry_interval
         try:
-            pool = await self._get_pool()
-            result = await work(pool)
+            async with asyncio.timeout(self.timeout):
+                pool = await self._get_pool()
+                result = await work(pool)
         except (*_FAILURES, SchemaTooNew) as exc:
             # The exception type only: a driver message may quote the DSN.
+            if isinstance(exc, _UNREACHABLE):
+                self._retry_at = time.monotonic() + self.retry_interval
+            else:
+                self._retry_at = 0.0  # the database answered: the next call tries at once
             self._outage.failed(type(exc).__name__, "budgeted routes refuse (fail closed)")
             raise LedgerUnavailable(
                 f"PostgreSQL ledger unavailable ({type(exc).__name__})"
