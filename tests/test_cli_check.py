@@ -84,6 +84,17 @@ def test_check_prints_the_resolved_plans_and_never_a_secret(tmp_path: Path) -> N
     assert SECRET not in result.stdout
 
 
+def test_check_warns_about_a_configuration_without_routes(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.toml"
+    path.write_text("[gateway]\n", encoding="utf-8")
+    result = check(path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "  warning: no routes: every request goes to the host app (serve: 404)",
+        f"configuration {path} is valid: 0 route(s), 1 warning(s)",
+    ]
+
+
 def test_check_refuses_what_serve_refuses(tmp_path: Path) -> None:
     path = tmp_path / "gateway.toml"
     path.write_text(CONFIG.format(store=""), encoding="utf-8")

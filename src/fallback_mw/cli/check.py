@@ -141,6 +141,9 @@ def check(args: argparse.Namespace, console: Console) -> None:
         for line in _route_lines(route, merged.upstreams, source, settings.deadline_ms):
             console.print(line)
         warnings += len(route_warnings(route, merged.upstreams))
+    if not merged.routes:
+        console.print("  warning: no routes: every request goes to the host app (serve: 404)")
+        warnings += 1
     noted = f", {warnings} warning(s)" if warnings else ""
     console.print(f"configuration {args.config} is valid: {len(merged.routes)} route(s){noted}")
 
