@@ -10,6 +10,7 @@ import gc
 import importlib.util
 import logging
 import socket
+from collections.abc import Callable
 from typing import Any
 
 from fallback_mw.cli.app import Console, Failed, Refused, leaf
@@ -145,7 +146,9 @@ def serve(args: argparse.Namespace, console: Console) -> int | None:
             args.workers,
             args.host,
             args.port,
-            lambda sock: run_server(config, options, sock, args, console, workers=True),
+            lambda sock, ready: run_server(
+                config, options, sock, args, console, workers=True, ready=ready
+            ),
             bind=listen_socket,
             console=console,
         )
@@ -172,13 +175,21 @@ def run_server(
     console: Console,
     *,
     workers: bool,
+    ready: Callable[[], None] | None = None,
 ) -> None:
     """One gateway on uvicorn: `serve` itself, or one worker of `serve --workers N` (then
-    `sock` is the worker's own listening socket and log lines carry the process id)."""
+    `sock` is the worker's own listening socket, log lines carry the process id, and
+    `ready()` tells the supervisor once the worker serves)."""
     import uvicorn
 
     from fallback_mw.cli.otel_setup import TelemetrySetupError, configure_opentelemetry
     from fallback_mw.gateway import Gateway
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started and ready is not None:
+                ready()  # listening, its lifespan started: the supervisor's count of it
 
     try:
         telemetry = configure_opentelemetry()
@@ -196,7 +207,7 @@ def run_server(
             console.print(f"serving on {address(sock)} (Ctrl-C to stop)")
         configure_logging(with_pid=workers)
         tune_gc()
-        server = uvicorn.Server(
+        server = Server(
             uvicorn.Config(
                 gateway,
                 host=args.host,

@@ -15,9 +15,15 @@ each process's memory (`check_shared`): two workers would each keep their own br
 and budgets, and the gateway would silently do N times what it was configured to do.
 
 SIGINT / SIGTERM to the supervisor stop every worker (each finishes its requests in
-flight, as uvicorn does on SIGTERM). A worker that dies on its own is replaced; one that
-fails within its first seconds (a start-up error: it printed its own line) stops them
-all, and the supervisor exits with its status."""
+flight, as uvicorn does on SIGTERM). Each worker tells the supervisor (one line on a pipe)
+once it serves. Until all N have served at once, a worker that fails to start (a start-up
+error: it printed its own line) stops them all, and the supervisor exits with its status:
+the configuration, the store or the host is wrong. From then on the instance has served,
+and a replacement that fails to start (the store unreachable, a store route naming an
+environment variable this host lacks) is a runtime outage: the other workers keep
+serving, and the supervisor starts another after 1 s, 2 s, 4 s, ... up to 30 s apart, one
+line each time. A worker that served and dies START_UP_SECONDS or more after its start is
+replaced at once; one that dies younger waits its turn in the same backoff."""
 
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ import argparse
 import contextlib
 import logging
 import os
+import select
 import signal
 import socket
 import sys
@@ -35,9 +42,15 @@ from types import FrameType
 from fallback_mw.cli.app import Console, Refused, dispatch
 from fallback_mw.config import GatewayConfig
 
-# A worker that exits within this long of its start failed at start-up: not replaced.
+# A worker that served and exits this long or more after its start is replaced at once;
+# one that exits sooner, or never served, is retried with the backoff (once established).
 START_UP_SECONDS = 5.0
 _STOP_GRACE_SECONDS = 30.0
+# Once the instance has served, a replacement that fails to start is retried after 1 s,
+# then 2, 4, ... up to 30 s (back to 1 s once a worker serves again).
+_RETRY_FIRST_SECONDS = 1.0
+_RETRY_MAX_SECONDS = 30.0
+_POLL_SECONDS = 0.1  # how soon the supervisor notices a worker's death
 
 
 def check_shared(config: GatewayConfig, workers: int) -> None:
@@ -62,15 +75,16 @@ def _exit_now(_signum: int, _frame: FrameType | None) -> None:
 
 
 class Supervisor:
-    """Forks `count` workers, each running `worker(sock)` (returns an exit status) on its
-    own SO_REUSEPORT socket; replaces a worker that dies after start-up."""
+    """Forks `count` workers, each running `worker(sock, ready)` (returns an exit status) on
+    its own SO_REUSEPORT socket and calling `ready()` once it serves; replaces a worker that
+    dies, and retries one that fails to start once the instance has served."""
 
     def __init__(
         self,
         count: int,
         host: str,
         port: int,
-        worker: Callable[[socket.socket], int | None],
+        worker: Callable[[socket.socket, Callable[[], None]], int | None],
         *,
         bind: Callable[..., socket.socket],
         console: Console,
@@ -85,7 +99,17 @@ class Supervisor:
         self.reservation = bind(host, port, reuse_port=True)
         self.port: int = self.reservation.getsockname()[1]
         self.children: dict[int, float] = {}  # pid -> time started
+        self.ready: set[int] = set()  # the children that said they serve
+        # True once all `count` workers served at the same time: from then on a worker
+        # that fails to start is a runtime outage (retried), no longer a start-up error.
+        self.established = False
+        self.restarts: list[float] = []  # when each pending replacement is due
+        self.failures = 0  # replacements failed in a row (the backoff's exponent)
         self.stopping = False
+        # Each worker writes "PID\n" here once it serves (one write, under PIPE_BUF: atomic).
+        self._ready_read, self._ready_write = os.pipe()
+        os.set_blocking(self._ready_read, False)
+        self._ready_buffer = b""
 
     def _start_one(self) -> None:
         sys.stdout.flush()
@@ -100,6 +124,7 @@ class Supervisor:
                 signal.signal(signal.SIGINT, _exit_now)
                 signal.signal(signal.SIGTERM, _exit_now)
                 self.reservation.close()
+                os.close(self._ready_read)
                 # The worker's own errors are one line and an exit status, as `serve`'s.
                 status = dispatch(self._work, argparse.Namespace(), self.console)
             except SystemExit as exc:
@@ -110,9 +135,17 @@ class Supervisor:
                 sys.stderr.flush()
                 os._exit(status)
         self.children[pid] = time.monotonic()
+        if self.stopping:  # a SIGTERM that arrived during the fork
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
 
     def _work(self, _args: argparse.Namespace, _console: Console) -> int | None:
-        return self.worker(self.bind(self.host, self.port, reuse_port=True))
+        return self.worker(self.bind(self.host, self.port, reuse_port=True), self._serving)
+
+    def _serving(self) -> None:
+        """In a worker: tell the supervisor this worker serves."""
+        with contextlib.suppress(OSError):  # the supervisor is gone: nobody to tell
+            os.write(self._ready_write, f"{os.getpid()}\n".encode())
 
     def _stop(self, signum: int, _frame: FrameType | None) -> None:
         self.stopping = True
@@ -128,34 +161,98 @@ class Supervisor:
         try:
             for _ in range(self.count):
                 self._start_one()
-            while self.children:
-                try:
-                    pid, wait_status = os.wait()
-                except ChildProcessError:
-                    break
-                started = self.children.pop(pid, None)
-                if started is None:
-                    continue
-                code = os.waitstatus_to_exitcode(wait_status)
-                if self.stopping:
-                    continue
-                if time.monotonic() - started < START_UP_SECONDS:
-                    # A start-up failure: the worker said why; the others would fail too.
-                    status = code if code > 0 else 1
-                    self._stop(signal.SIGTERM, None)
-                    continue
-                print(
-                    f"fallback-mw: worker {pid} exited ({code}); starting another",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                self._start_one()
+            while self.children or (self.restarts and not self.stopping):
+                self._wait(self._next_due())
+                self._read_ready()  # before the deaths: a worker may serve, then die
+                while self.children:
+                    try:
+                        pid, wait_status = os.waitpid(-1, os.WNOHANG)
+                    except ChildProcessError:
+                        self.children.clear()
+                        break
+                    if pid == 0:
+                        break
+                    failed = self._exited(pid, os.waitstatus_to_exitcode(wait_status))
+                    if failed is not None:
+                        status = failed
+                        self._stop(signal.SIGTERM, None)
+                now = time.monotonic()
+                while self.restarts and self.restarts[0] <= now and not self.stopping:
+                    self.restarts.pop(0)
+                    self._start_one()
         finally:
             self._reap()
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
             self.reservation.close()
+            os.close(self._ready_read)
+            os.close(self._ready_write)
         return status
+
+    def _next_due(self) -> float:
+        """Seconds until the next pending replacement, at most _POLL_SECONDS."""
+        if not self.restarts:
+            return _POLL_SECONDS
+        return max(0.0, min(_POLL_SECONDS, self.restarts[0] - time.monotonic()))
+
+    def _wait(self, timeout: float) -> None:
+        """Until a worker says it serves, or `timeout` (deaths are polled after it)."""
+        with contextlib.suppress(InterruptedError):
+            select.select([self._ready_read], [], [], timeout)
+
+    def _read_ready(self) -> None:
+        try:
+            self._ready_buffer += os.read(self._ready_read, 4096)
+        except BlockingIOError:
+            return
+        *lines, self._ready_buffer = self._ready_buffer.split(b"\n")
+        for line in lines:
+            pid = int(line)
+            if pid in self.children:
+                self.ready.add(pid)
+                self.failures = 0
+        if len(self.ready) >= self.count and not self.established:
+            self.established = True
+            print(
+                f"fallback-mw: all {self.count} workers serving; "
+                "one that fails to start from now on is retried",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def _exited(self, pid: int, code: int) -> int | None:
+        """One worker gone: the supervisor's exit status when it stops everything (a
+        start-up failure before the instance ever served), else None (replaced)."""
+        started = self.children.pop(pid, None)
+        served = pid in self.ready
+        self.ready.discard(pid)
+        if started is None or self.stopping:
+            return None
+        lived = time.monotonic() - started
+        if not self.established and not served:
+            # A start-up failure: the worker said why; the others would fail too.
+            return code if code > 0 else 1
+        if served and lived >= START_UP_SECONDS:
+            print(
+                f"fallback-mw: worker {pid} exited ({code}); starting another",
+                file=sys.stderr,
+                flush=True,
+            )
+            self._start_one()
+            return None
+        # It failed to start (store unreachable, an env variable this host lacks, ...) or
+        # died young: the others keep serving; retried later and later, up to 30 s apart.
+        delay = min(_RETRY_MAX_SECONDS, _RETRY_FIRST_SECONDS * 2.0**self.failures)
+        self.failures = min(self.failures + 1, 16)  # 2.0**1024 would overflow in a long outage
+        what = "exited" if served else "failed to start"
+        print(
+            f"fallback-mw: worker {pid} {what} ({code}); starting another in {delay:g} s",
+            file=sys.stderr,
+            flush=True,
+        )
+        self.restarts.append(time.monotonic() + delay)
+        self.restarts.sort()
+        return None
 
     def _reap(self) -> None:
         """Every worker gone before the supervisor returns (SIGKILL after the grace)."""
