@@ -6,12 +6,17 @@ clocks agree. Every key expires. `?prefix=` in the URL namespaces the keys.
 
 If Redis cannot be reached the gateway keeps serving on this process's in-memory state,
 logs one warning per outage (never the URL's password) and counts it in a metric; it tries
-Redis again after `retry_interval` seconds and says so when Redis is back.
+Redis again after `retry_interval` seconds and says so when Redis is back. The tries after an
+outage began are made on a new connection pool: the connections of before may be dead
+(Redis restarted, a proxy or the network dropped them) and redis-py hands an idle one out
+unchecked, so each would fail once Redis is back, and each failure would start an "outage"
+of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import time
@@ -130,12 +135,15 @@ class RedisHealth:
         # Script calls waiting for the next pipeline (`_run`), one group per event loop.
         self._group: Group[_ScriptCall] | None = None
         self._senders: set[asyncio.Task[None]] = set()
+        self._retiring: set[asyncio.Task[None]] = set()  # closing a pool an outage retired
         max_ms = max(self.config.max_cooldown_ms, self.config.cooldown_ms)
         self.breaker_ttl_ms = max(2 * max_ms + self.probe_lease_ms, 600_000)
 
     # --- plumbing ----------------------------------------------------------------------
 
-    def _script(self, name: str, source: str) -> Any:
+    def _connection(self) -> aioredis.Redis:
+        """The client (its pool of connections): made on first use, and again on the first
+        try after an outage began (`_retire`)."""
         if self._client is None:
             # A bounded pool that waits for a free connection (up to pool_timeout) rather
             # than failing: redis-py's default pool raises past 100 connections, which
@@ -152,9 +160,13 @@ class RedisHealth:
             )
             self._client = aioredis.Redis.from_pool(pool)  # the client owns (closes) the pool
             self._scripts.clear()
+        return self._client
+
+    def _script(self, name: str, source: str) -> Any:
+        client = self._connection()
         script = self._scripts.get(name)
         if script is None:
-            script = self._scripts[name] = self._client.register_script(source)
+            script = self._scripts[name] = client.register_script(source)
         return script
 
     async def _run(self, name: str, source: str, keys: list[str], args: list[Any]) -> Any:
@@ -175,26 +187,30 @@ class RedisHealth:
         task.add_done_callback(self._senders.discard)
 
     async def _send(self, calls: list[Pending[_ScriptCall]]) -> None:
+        client = self._connection()
         try:
-            results = await self._pipeline([call.item for call in calls])
+            results = await self._pipeline(client, [call.item for call in calls])
         except BaseException as exc:  # the loop stopping: nobody waits forever
             fail(calls, exc)
             raise
         for call, result in zip(calls, results, strict=True):
             if call.future.done():  # its caller was cancelled; the call stands
                 continue
+            # A pipeline on a pool an outage retired (sent before the outage began) neither
+            # ends the outage nor starts another: it answers its own calls only.
+            current = client is self._client
             if isinstance(result, RedisError | OSError):
-                call.future.set_result(self._failed(result))
+                call.future.set_result(self._failed(result) if current else self._fell_back())
             else:
-                self._recovered()
+                if current:
+                    self._recovered()
                 call.future.set_result(result)
 
-    async def _pipeline(self, calls: list[_ScriptCall]) -> list[Any]:
+    async def _pipeline(self, client: aioredis.Redis, calls: list[_ScriptCall]) -> list[Any]:
         """Each call's result, or the `RedisError` / `OSError` it met."""
-        scripts = [self._script(call.name, call.source) for call in calls]
+        scripts = [self._script(call.name, call.source) for call in calls]  # on `client`
         try:
-            assert self._client is not None  # made by _script
-            pipe = self._client.pipeline(transaction=False)
+            pipe = client.pipeline(transaction=False)
             for call, script in zip(calls, scripts, strict=True):
                 pipe.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
             results: list[Any] = await pipe.execute(raise_on_error=False)
@@ -204,7 +220,9 @@ class RedisHealth:
             if isinstance(result, NoScriptError):  # first use, or Redis restarted
                 call = calls[index]
                 try:  # the script object loads the script, then runs it
-                    results[index] = await scripts[index](keys=call.keys, args=call.args)
+                    results[index] = await scripts[index](
+                        keys=call.keys, args=call.args, client=client
+                    )
                 except (RedisError, OSError) as exc:
                     results[index] = exc
         return results
@@ -218,6 +236,7 @@ class RedisHealth:
         self._retry_at = time.monotonic() + self.retry_interval
         if not self._outage:
             self._outage = True
+            self._retire()
             logger.warning(
                 "health state %s unreachable (%s): serving on local in-memory state",
                 self._label,
@@ -228,7 +247,29 @@ class RedisHealth:
     def _recovered(self) -> None:
         if self._outage:
             self._outage = False
+            self._retry_at = 0.0  # shared at once, even if another call of this try failed
             logger.warning("health state %s reachable again: state is shared", self._label)
+
+    def _retire(self) -> None:
+        """An outage began: its tries, and the calls after it, are made on a new pool. This
+        one's connections may be dead, and redis-py 8 hands an idle one out unchecked (it
+        skips that check while maintenance notifications are on, its default): once Redis is
+        back each would fail in turn, each failure a new outage, warning and retry interval.
+        The pool is closed once the pipelines already sent, or about to be, are done."""
+        client, self._client = self._client, None
+        if client is None:
+            return
+        in_flight = set(self._senders)
+        task = asyncio.get_running_loop().create_task(self._close_after(client, in_flight))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    @staticmethod
+    async def _close_after(client: aioredis.Redis, in_flight: set[asyncio.Task[None]]) -> None:
+        if in_flight:
+            await asyncio.wait(in_flight)  # never cancels them
+        with contextlib.suppress(RedisError, OSError):  # its connections may be dead
+            await client.aclose()
 
     async def _with_fallback(
         self,
@@ -494,6 +535,8 @@ class RedisHealth:
                 await asyncio.sleep(0)
             if self._senders:
                 await asyncio.gather(*self._senders, return_exceptions=True)
+            if self._retiring:  # pools retired by an outage
+                await asyncio.gather(*self._retiring, return_exceptions=True)
         client, self._client = self._client, None
         if client is not None:
             await client.aclose()
