@@ -137,6 +137,61 @@ async def test_breaker_opens_skips_probes_once_doubles_and_closes() -> None:
 
 
 @pytest.mark.anyio
+async def test_a_slow_probe_keeps_its_slot_for_its_upstreams_timeouts() -> None:
+    """One probe at a time (SPEC §6) also while the probe waits up to its upstream's 90 s
+    first-byte timeout: its lease (3 + 90 + 5 s) outlasts it, not a fixed 30 s."""
+    answer = {"status": 503}
+    arrived, go = asyncio.Event(), asyncio.Event()
+
+    async def primary_handler(request: web.Request) -> web.StreamResponse:
+        if answer["status"] == 200 and not arrived.is_set():  # the probe, held until `go`
+            arrived.set()
+            await go.wait()
+        return web.Response(status=answer["status"], body=b"p")
+
+    clock = Clock()
+    health = MemoryHealth(BreakerConfig(**BREAKER), clock=clock)
+    async with (
+        upstream(primary_handler) as primary,
+        upstream(status_handler(200, b"backup")) as backup,
+    ):
+        conf = config({"primary": primary, "backup": backup}, ["primary", "backup"],
+                      deadline_ms=120_000)  # fmt: skip
+        conf["upstreams"]["primary"]["first_byte_timeout_ms"] = 90_000
+        async with gateway_client(conf, health=health) as (client, _):
+            for _ in range(3):
+                await client.get("/v1/x")
+            assert health.breaker("primary").state == "open"
+            clock.now += 0.1
+            answer["status"] = 200
+            probe = asyncio.ensure_future(client.get("/v1/x"))
+            try:
+                await asyncio.wait_for(arrived.wait(), 5)
+                assert primary.count == 4
+
+                clock.now += 40  # the probe still in flight, past the old 30 s lease
+                response = await client.get("/v1/x")
+                assert response.headers["x-gateway-provider"] == "backup"
+                assert response.headers["x-gateway-attempts"] == "1"
+                assert primary.count == 4
+                clock.now += 57.9  # 97.9 s: still inside the lease
+                assert (await client.get("/v1/x")).headers["x-gateway-attempts"] == "1"
+                assert primary.count == 4
+
+                # A probe that never reports frees its slot once its lease is over (98 s).
+                clock.now += 0.2
+                response = await client.get("/v1/x")
+                assert response.headers["x-gateway-provider"] == "primary"
+                assert primary.count == 5
+            finally:
+                go.set()  # never leave a handler waiting, nor the probe in flight
+                (result,) = await asyncio.gather(probe, return_exceptions=True)
+            assert not isinstance(result, BaseException)
+            assert result.headers["x-gateway-provider"] == "primary"
+            assert health.breaker("primary").state == "closed"
+
+
+@pytest.mark.anyio
 async def test_statuses_outside_failover_status_never_trip_the_breaker() -> None:
     async with upstream(status_handler(400)) as primary, upstream(status_handler(200)) as backup:
         conf = config({"primary": primary, "backup": backup}, ["primary", "backup"])

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 
-from fallback_mw.config import BreakerConfig
-from fallback_mw.health.breaker import Breaker
+import pytest
+
+from fallback_mw.config import BreakerConfig, UpstreamConfig
+from fallback_mw.health.breaker import DEFAULT_PROBE_LEASE, Breaker, upstream_probe_lease
 from fallback_mw.health.pool import CredentialMark, CredentialPool, credential_mark
 
 CONFIG = BreakerConfig(
@@ -80,6 +82,30 @@ def test_a_lost_probe_frees_its_slot_after_the_lease() -> None:
     assert breaker.admit(0.2)[0] is True
     assert breaker.admit(1.1)[0] is False
     assert breaker.admit(1.2)[0] is True
+
+
+def test_a_probe_holds_its_slot_for_the_lease_it_was_admitted_with() -> None:
+    breaker = Breaker(CONFIG, probe_lease=1.0)
+    for _ in range(3):
+        breaker.record(failure=True, now=0)
+    assert breaker.admit(0.2, lease=5.0)[0] is True
+    assert breaker.admit(1.3)[0] is False  # past the floor, still inside the lease
+    assert breaker.admit(5.1)[0] is False
+    assert breaker.admit(5.2)[0] is True  # a lost probe still frees its slot
+    assert breaker.admit(5.3, lease=0.5)[0] is False  # a shorter lease: the floor holds
+    assert breaker.admit(6.2)[0] is True
+
+
+def test_the_upstream_probe_lease_outlasts_the_longest_attempt() -> None:
+    def lease(**timeouts: int) -> float:
+        return upstream_probe_lease(UpstreamConfig(url="http://up.example", **timeouts))
+
+    assert lease() == 38.0  # 3 s connect + 30 s first byte + 5 s: the old 30 s was short
+    assert lease(first_byte_timeout_ms=90_000) == 98.0
+    # The longest walk deadline (600 s) ends any attempt first.
+    assert lease(connect_timeout_ms=10_000, first_byte_timeout_ms=900_000) == 605.0
+    assert lease(connect_timeout_ms=500, first_byte_timeout_ms=1500) == pytest.approx(7.0)
+    assert DEFAULT_PROBE_LEASE == 30.0  # the floor, applied by the breaker
 
 
 def test_credential_marks() -> None:

@@ -126,6 +126,79 @@ async def test_two_gateways_share_a_breaker(redis_url: str) -> None:
 
 
 @pytest.mark.anyio
+async def test_a_slow_probe_keeps_its_slot_for_its_upstreams_timeouts(redis_url: str) -> None:
+    """One probe at a time (SPEC §6) for as long as the probe can take: the lease comes
+    from the upstream's timeouts (3 s connect + 2 s first byte + 5 s), not from the state's
+    floor (here lowered to 0.1 s)."""
+    answer = {"status": 503}
+    arrived, go = asyncio.Event(), asyncio.Event()
+
+    async def primary_handler(request: web.Request) -> web.StreamResponse:
+        if answer["status"] == 200 and not arrived.is_set():  # the probe, held until `go`
+            arrived.set()
+            await go.wait()
+        return web.Response(status=answer["status"], body=b"primary")
+
+    async with (
+        upstream(primary_handler) as primary,
+        upstream(status_handler(200, b"backup")) as backup,
+    ):
+        conf = config(redis_url, primary, backup, first_byte_timeout_ms=2000)
+        health = RedisHealth(redis_url, BreakerConfig(**BREAKER), probe_lease=0.1)
+        url, prefix = split_state_url(redis_url)
+        inspect = aioredis.Redis.from_url(url, decode_responses=True)
+        try:
+            async with gateway_client(conf, health=health) as client:
+                for _ in range(3):
+                    assert (await client.get("/v1/x")).text == "backup"
+                assert primary.count == 3
+                await asyncio.sleep(COOLDOWN_MS / 1000 + 0.02)
+                answer["status"] = 200
+                probe = asyncio.ensure_future(client.get("/v1/x"))
+                key = f"{prefix}breaker:primary"
+                try:
+                    await asyncio.wait_for(arrived.wait(), 5)
+                    assert primary.count == 4
+
+                    await asyncio.sleep(0.3)  # past the floor, the probe still in flight
+                    response = await client.get("/v1/x")
+                    assert response.text == "backup"
+                    assert response.headers["x-gateway-attempts"] == "1"
+                    assert primary.count == 4
+                    seconds, micros = await inspect.time()
+                    now_ms = int(seconds) * 1000 + int(micros) // 1000
+                    held_ms = int(await inspect.hget(key, "probe") or 0) - now_ms
+                    assert 9_000 < held_ms <= 10_000
+                    assert await inspect.pttl(key) > held_ms  # the key outlives the lease
+                finally:
+                    go.set()  # never leave a handler waiting, nor the probe in flight
+                    (result,) = await asyncio.gather(probe, return_exceptions=True)
+                assert not isinstance(result, BaseException)
+                assert result.text == "primary"
+                assert await inspect.hget(key, "st") == "closed"
+        finally:
+            await inspect.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_probe_lease_longer_than_the_key_ttl_keeps_the_key(redis_url: str) -> None:
+    health = RedisHealth(redis_url, BreakerConfig(**BREAKER))
+    url, prefix = split_state_url(redis_url)
+    inspect = aioredis.Redis.from_url(url, decode_responses=True)
+    try:
+        for _ in range(3):
+            await health.record("u", failure=True)
+        assert health.breaker_ttl_ms == 600_000
+        await asyncio.sleep(COOLDOWN_MS / 1000 + 0.02)
+        assert await health.admit("u", lease=605.0)  # the longest deadline's attempt
+        assert not await health.admit("u")
+        assert await inspect.pttl(f"{prefix}breaker:u") > 605_000
+    finally:
+        await health.aclose()
+        await inspect.aclose()
+
+
+@pytest.mark.anyio
 async def test_two_gateways_share_credential_health(redis_url: str) -> None:
     async def handler(request: web.Request) -> web.StreamResponse:
         key = request.headers.get("authorization", "")

@@ -346,7 +346,7 @@ async def test_cancelled_client(recorded: Recorded, caplog: pytest.LogCaptureFix
 
 
 class PrimaryBreakerOpen(AlwaysHealthy):
-    async def admit(self, upstream: str) -> bool:
+    async def admit(self, upstream: str, *, lease: float = 0.0) -> bool:
         return upstream != "primary"
 
 

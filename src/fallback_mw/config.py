@@ -25,6 +25,8 @@ MAX_PLAN_LENGTH = 8
 # The largest amount of money (currency units) a budget limit, hold or price may name: the
 # ledgers keep integer nano-units in signed 64-bit columns (see budget/cost.py).
 MAX_MONEY = Decimal(1_000_000_000)
+# The longest walk deadline (route or gateway `deadline_ms`): it also bounds every attempt.
+MAX_DEADLINE_MS = 600_000
 
 
 class _Strict(BaseModel):
@@ -56,7 +58,7 @@ class GatewaySettings(_Strict):
     max_request_body: int = Field(8 * 1024 * 1024, ge=0)
     replay_buffer: int = Field(1024 * 1024, ge=0)
     max_response_body: int = Field(10 * 1024 * 1024, ge=0)
-    deadline_ms: int = Field(5000, ge=1, le=600_000)
+    deadline_ms: int = Field(5000, ge=1, le=MAX_DEADLINE_MS)
     allow_hosts: tuple[str, ...] = ("127.0.0.1", "localhost")
     state: str = "memory://"
     store: str | None = None
@@ -282,7 +284,7 @@ class RouteConfig(_Strict):
     strategy: Literal["sequential", "random"] = "sequential"
     retries: int = Field(0, ge=0, le=32)
     backoff_ms: int = Field(25, ge=0, le=60_000)
-    deadline_ms: int | None = Field(None, ge=1, le=600_000)
+    deadline_ms: int | None = Field(None, ge=1, le=MAX_DEADLINE_MS)
     replayable_methods: tuple[str, ...] = ("GET", "HEAD", "OPTIONS")
     # A POST carrying an Idempotency-Key header (IETF HTTPAPI draft) is replayable too: the
     # upstream deduplicates on the key, so a second attempt cannot act twice.

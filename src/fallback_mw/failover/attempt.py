@@ -29,6 +29,7 @@ from fallback_mw.config import UpstreamConfig
 from fallback_mw.failover.decide import Outcome, engine_outcome, health_mark, local_or
 from fallback_mw.faults import BlackholeSource, FaultSource
 from fallback_mw.health import HealthState
+from fallback_mw.health.breaker import upstream_probe_lease
 from fallback_mw.health.pool import retry_after_seconds
 from fallback_mw.health.quota import PeekedResponse, peek_quota
 from fallback_mw.request.body import BodyAborted
@@ -241,7 +242,7 @@ class AttemptLifecycle:
         """The breaker, then declared capacity (and, for a repeat or a hedge, the repeat
         allowance). Returns the reservation, or the skip reason (`breaker_open`, ...); a
         refusal after the breaker admitted frees the half-open probe slot it held."""
-        if not await self.health.admit(name):
+        if not await self.health.admit(name, lease=upstream_probe_lease(upstream)):
             return "breaker_open"
         reservation = await self.capacity.reserve(name, self.ask(name, upstream, repeat))
         if isinstance(reservation, str):

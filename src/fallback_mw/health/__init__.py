@@ -16,9 +16,12 @@ if TYPE_CHECKING:
 class HealthState(Protocol):
     """What the walker asks of health. Implementations: memory (per process), Redis (shared)."""
 
-    async def admit(self, upstream: str) -> bool:
+    async def admit(self, upstream: str, *, lease: float = 0.0) -> bool:
         """May this upstream be attempted now? An open breaker says no; a half-open one
-        admits exactly one probe (the caller must then `record` its outcome)."""
+        admits exactly one probe (the caller must then `record` its outcome, or `release`).
+        `lease`: seconds the probe holds its slot unless it reports first, longer than the
+        upstream may take to answer (`breaker.upstream_probe_lease`); never less than the
+        state's own `probe_lease` (30 s)."""
         ...
 
     async def record(self, upstream: str, *, failure: bool, fault: str | None = None) -> None:
@@ -90,7 +93,7 @@ class HealthState(Protocol):
 class AlwaysHealthy:
     """No breakers, no credential health: every upstream admitted, first unused credential."""
 
-    async def admit(self, upstream: str) -> bool:
+    async def admit(self, upstream: str, *, lease: float = 0.0) -> bool:
         return True
 
     async def record(self, upstream: str, *, failure: bool, fault: str | None = None) -> None:

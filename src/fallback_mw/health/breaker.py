@@ -7,7 +7,9 @@ open      nothing admitted until the cooldown has passed; outcomes are ignored.
 half_open exactly one probe admitted at a time. A failed probe reopens the breaker with
           the cooldown doubled (capped at `max_cooldown_ms`); a successful one closes it and
           resets the window and the cooldown. A probe that never reports (its request was
-          cancelled) loses its slot after `probe_lease` seconds.
+          cancelled) loses its slot after its lease: the `lease` it was admitted with (the
+          upstream's, `upstream_probe_lease`: longer than the upstream may take), never
+          less than `probe_lease` seconds.
 
 Fault attribution (SPEC §12): an outcome may come from a game-day fault (`fault` names it).
 A breaker remembers in `fault` whether fault outcomes opened it: on opening, when the
@@ -26,12 +28,22 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
-from fallback_mw.config import BreakerConfig
+from fallback_mw.config import MAX_DEADLINE_MS, BreakerConfig, UpstreamConfig
 
 BreakerState = Literal["closed", "open", "half_open"]
 Transition = Literal["opened", "half_open", "reopened", "closed"]
 
-DEFAULT_PROBE_LEASE = 30.0  # seconds; longer than any sane first-byte timeout
+DEFAULT_PROBE_LEASE = 30.0  # seconds: the least a half-open probe holds its slot
+PROBE_LEASE_MARGIN = 5.0  # seconds past the longest a probe's attempt can take
+
+
+def upstream_probe_lease(upstream: UpstreamConfig) -> float:
+    """Seconds a half-open probe on `upstream` holds its slot unless it reports first: the
+    longest the upstream may take to answer it (the connect and first-byte timeouts, never
+    more than the longest walk deadline, which ends any attempt) plus a margin. A second
+    probe admitted while the first still waits would break "one probe at a time" (SPEC §6)."""
+    connect, first_byte = upstream.connect_timeout_ms, upstream.first_byte_timeout_ms
+    return min(connect + first_byte, MAX_DEADLINE_MS) / 1000 + PROBE_LEASE_MARGIN
 
 
 @dataclass(slots=True)
@@ -59,8 +71,9 @@ class Breaker:
     def max_cooldown(self) -> float:
         return max(self.config.max_cooldown_ms, self.config.cooldown_ms) / 1000
 
-    def admit(self, now: float) -> tuple[bool, Transition | None]:
-        """May an attempt run now? Returns (admitted, transition)."""
+    def admit(self, now: float, lease: float = 0.0) -> tuple[bool, Transition | None]:
+        """May an attempt run now? Returns (admitted, transition). A half-open probe holds
+        its slot for `lease` seconds (at least `probe_lease`) unless it reports first."""
         transition: Transition | None = None
         if self.state == "closed":
             return True, None
@@ -72,7 +85,7 @@ class Breaker:
             transition = "half_open"
         if self.probe_until is not None and now < self.probe_until:
             return False, transition
-        self.probe_until = now + self.probe_lease
+        self.probe_until = now + max(self.probe_lease, lease)
         return True, transition
 
     def record(self, *, failure: bool, now: float, fault: str | None = None) -> Transition | None:

@@ -71,7 +71,7 @@ class MemoryHealth:
         self.on_transition = on_transition
         self.config = breaker or BreakerConfig()
         self.clock = clock
-        self.probe_lease = probe_lease
+        self.probe_lease = probe_lease  # the least a probe holds its slot (see admit's lease)
         self._breakers: dict[str, Breaker] = {}
         self._pools: dict[str, CredentialPool] = {}
         # Pool credentials a fault's outcome marked: upstream -> index -> fault kind.
@@ -91,8 +91,8 @@ class MemoryHealth:
             found = self._pools[upstream] = CredentialPool()
         return found
 
-    async def admit(self, upstream: str) -> bool:
-        admitted, transition = self.breaker(upstream).admit(self.clock())
+    async def admit(self, upstream: str, *, lease: float = 0.0) -> bool:
+        admitted, transition = self.breaker(upstream).admit(self.clock(), lease)
         report_transition(self.on_transition, upstream, transition)
         return admitted
 

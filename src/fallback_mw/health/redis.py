@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple, TypeVar
@@ -118,7 +119,7 @@ class RedisHealth:
         self.config = breaker or BreakerConfig()
         self._url, self.prefix = split_state_url(url)
         self._label = redact_url(self._url)
-        self.probe_lease_ms = max(int(probe_lease * 1000), 1)
+        self.probe_lease_ms = max(int(probe_lease * 1000), 1)  # admit's lease may be longer
         self.retry_interval = retry_interval
         self.socket_timeout = socket_timeout
         self.max_connections = max_connections
@@ -136,8 +137,12 @@ class RedisHealth:
         self._group: Group[_ScriptCall] | None = None
         self._senders: set[asyncio.Task[None]] = set()
         self._retiring: set[asyncio.Task[None]] = set()  # closing a pool an outage retired
-        max_ms = max(self.config.max_cooldown_ms, self.config.cooldown_ms)
-        self.breaker_ttl_ms = max(2 * max_ms + self.probe_lease_ms, 600_000)
+        self._max_cooldown_ms = max(self.config.max_cooldown_ms, self.config.cooldown_ms)
+        self.breaker_ttl_ms = self._breaker_ttl_ms(self.probe_lease_ms)
+
+    def _breaker_ttl_ms(self, lease_ms: int) -> int:
+        """A breaker key outlives its longest open period twice over, and a probe's lease."""
+        return max(2 * self._max_cooldown_ms + lease_ms, 600_000)
 
     # --- plumbing ----------------------------------------------------------------------
 
@@ -319,7 +324,10 @@ class RedisHealth:
             if self.on_transition is not None:
                 self.on_transition(upstream, state)
 
-    async def admit(self, upstream: str) -> bool:
+    async def admit(self, upstream: str, *, lease: float = 0.0) -> bool:
+        lease_ms = max(self.probe_lease_ms, math.ceil(lease * 1000))
+        ttl_ms = self._breaker_ttl_ms(lease_ms)  # the key outlives the probe's lease
+
         def convert(result: Any) -> bool:
             admitted, transition, *rest = result
             self._report(upstream, transition or None)
@@ -331,8 +339,8 @@ class RedisHealth:
             "admit",
             ADMIT,
             [self._key("breaker", upstream)],
-            [self.probe_lease_ms, self.breaker_ttl_ms],
-            lambda: self.local.admit(upstream),
+            [lease_ms, ttl_ms],
+            lambda: self.local.admit(upstream, lease=lease),
             convert,
         )
 

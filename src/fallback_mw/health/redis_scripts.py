@@ -7,9 +7,10 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# KEYS[1] breaker hash. ARGV: probe lease ms, key ttl ms. Returns {admitted, transition,
-# state}: the state lets every process report the shared breaker as it is now, also when
-# another process made the transition.
+# KEYS[1] breaker hash. ARGV: the probe's lease ms, key ttl ms (longer than the lease; a
+# key's ttl is never shortened here, so it outlives a probe that another process took with
+# a longer lease). Returns {admitted, transition, state}: the state lets every process
+# report the shared breaker as it is now, also when another process made the transition.
 ADMIT = (
     _NOW
     + """
@@ -22,7 +23,7 @@ if st == 'open' then
   redis.call('HSET', key, 'st', 'half_open', 'probe', '0')
   transition = 'half_open'
 end
-redis.call('PEXPIRE', key, ARGV[2])
+if redis.call('PTTL', key) < tonumber(ARGV[2]) then redis.call('PEXPIRE', key, ARGV[2]) end
 if tonumber(redis.call('HGET', key, 'probe') or '0') > now then
   return {0, transition, 'half_open'}
 end
