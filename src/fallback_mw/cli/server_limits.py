@@ -158,7 +158,14 @@ class _HeadGuard:
 
     def _head_too_large(self, data: bytes) -> bool:
         """Would the head being read, with `data`, be over max_head_bytes? Counts only up to
-        the head's end when `data` holds it (a body or a pipelined request may follow)."""
+        the head's end when `data` holds it (a body or a pipelined request may follow). The
+        usual read, head and body well under the limit, costs one comparison and a slice."""
+        if self._head_bytes + len(data) <= self.max_head_bytes:
+            # All of it fits, head or not. Kept: the bytes a later read's search needs
+            # when the head's end straddles two reads.
+            tail = data[-3:] if len(data) >= 3 else (self._head_tail + data)[-3:]
+            self._head_tail = tail
+            return False
         window = self._head_tail + data
         end = _HEAD_END.search(window)
         if end is None:
