@@ -120,13 +120,7 @@ class _HeadGuard:
             if self._head_too_large(data):
                 # Refused before the parser sees it: a head that arrives in one read (up to
                 # 256 KiB with uvloop) would otherwise be parsed whole and reach the app.
-                self._head_bytes += len(data)
-                self._refuse(
-                    431, "headers_too_large",
-                    f"request head larger than {self.max_head_bytes} bytes (max_header_bytes)",
-                    "max_header_bytes",
-                )  # fmt: skip
-                self._lingering = True
+                self._refuse_large_head()
                 return
             self._head_bytes += len(data)
             if self._head_since is None and self._between_requests():
@@ -137,12 +131,7 @@ class _HeadGuard:
         if self._head_done():
             self._stop_head()
         elif self._head_bytes > self.max_head_bytes:
-            self._refuse(
-                431,
-                "headers_too_large",
-                f"request head larger than {self.max_head_bytes} bytes (max_header_bytes)",
-                "max_header_bytes",
-            )
+            self._refuse_large_head()
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a request it cannot parse (both its h11 and httptools
@@ -231,6 +220,13 @@ class _HeadGuard:
             f"request head not received within {self.head_timeout:g} s (header_timeout_ms)",
             "header_timeout_ms",
         )
+
+    def _refuse_large_head(self) -> None:
+        self._refuse(
+            431, "headers_too_large",
+            f"request head larger than {self.max_head_bytes} bytes (max_header_bytes)",
+            "max_header_bytes",
+        )  # fmt: skip
 
     def _refuse(self, status: int, code: str, message: str, rule: str) -> None:
         self._stop_head()

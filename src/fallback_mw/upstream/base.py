@@ -80,12 +80,11 @@ def check_response_head(status: int, headers: Sequence[tuple[bytes, bytes]]) -> 
             codings.extend(c.strip().lower() for c in value.split(b","))
     if len(lengths) > 1 or (lengths and not lengths[0].isdigit()):
         raise UpstreamError("protocol", "first_byte", "contradictory Content-Length")
-    chunked = bool(codings)
     if codings and codings != [b"chunked"]:
         raise UpstreamError(
             "protocol", "first_byte", "a transfer coding other than chunked cannot be relayed"
         )
-    if chunked and (lengths or status in (204, 304)):
+    if codings and (lengths or status in (204, 304)):
         raise UpstreamError("protocol", "first_byte", "contradictory response framing")
     if status == 204 and lengths and lengths != [b"0"]:
         raise UpstreamError("protocol", "first_byte", "a 204 response that declares a body")
