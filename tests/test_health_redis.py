@@ -4,10 +4,7 @@ would have) agree about breakers and credentials; Redis down means local state."
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -17,7 +14,9 @@ from aiohttp import web
 from fallback_mw.config import BreakerConfig
 from fallback_mw.health.redis import RedisHealth
 from fallback_mw.store_url import split_state_url
+from tests.conftest import REDIS_HOST, REDIS_PORT
 from tests.helpers import gateway_client
+from tests.tcp_proxy import tcp_proxy
 from tests.upstreams import Upstream, status_handler, upstream
 
 COOLDOWN_MS = 150
@@ -238,65 +237,26 @@ async def test_unreachable_redis_serves_on_local_state_and_warns_once(
     assert "hunter2secret" not in message
 
 
-@asynccontextmanager
-async def tcp_proxy(target_port: int) -> AsyncIterator[tuple[int, Any]]:
-    """A switchable TCP proxy to the real Redis: `set_up(False)` drops every connection."""
-    up = {"on": True}
-    writers: set[asyncio.StreamWriter] = set()
-
-    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(OSError):
-            while data := await reader.read(65536):
-                writer.write(data)
-                await writer.drain()
-        writer.close()
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if not up["on"]:
-            writer.close()
-            return
-        r2, w2 = await asyncio.open_connection("127.0.0.1", target_port)
-        writers.update((writer, w2))
-        await asyncio.gather(pipe(reader, w2), pipe(r2, writer))
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-
-    def set_up(on: bool) -> None:
-        up["on"] = on
-        if not on:
-            for writer in writers:
-                writer.close()
-            writers.clear()
-
-    try:
-        yield port, set_up
-    finally:
-        set_up(False)
-        server.close()
-        await server.wait_closed()
-
-
 @pytest.mark.anyio
 async def test_redis_outage_falls_back_and_recovers(
     redis_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="fallback_mw.health")
     prefix = split_state_url(redis_url)[1]
-    async with tcp_proxy(6379) as (port, set_up):
+    async with tcp_proxy(REDIS_HOST, REDIS_PORT) as redis:
         health = RedisHealth(
-            f"redis://127.0.0.1:{port}/0?prefix={prefix}",
+            f"redis://127.0.0.1:{redis.port}/0?prefix={prefix}",
             BreakerConfig(**BREAKER),
             retry_interval=0.05,
         )
         try:
             assert await health.admit("u") is True
-            set_up(False)
+            await redis.cut("close")
             for _ in range(3):
                 await health.record("u", failure=True)
             assert not health.available
             assert await health.admit("u") is False  # the local breaker opened
-            set_up(True)
+            await redis.open()
             await asyncio.sleep(0.06)
             assert await health.admit("u") is True  # Redis again: its breaker is closed
             assert health.available

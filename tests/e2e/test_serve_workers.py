@@ -4,8 +4,6 @@ that cannot start during a store outage is retried while the other worker serves
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
 import re
 import signal
@@ -23,6 +21,7 @@ import pytest
 
 from fallback_mw.cli.workers import START_UP_SECONDS
 from tests.helpers import free_port, log_text, wait_listening
+from tests.tcp_proxy import tcp_proxy
 from tests.upstreams import status_handler, upstream
 
 pytestmark = pytest.mark.e2e
@@ -203,47 +202,6 @@ async def test_a_worker_that_dies_is_replaced(redis_url: str, tmp_path: Path) ->
         assert not any(alive(pid) for pid in workers)
 
 
-class StoreProxy:
-    """A TCP proxy in front of PostgreSQL: `close()` makes the store unreachable (refused
-    connections, open ones cut), `open()` reachable again on the same port."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.target = (host, port)
-        self.port = 0
-        self.server: asyncio.Server | None = None
-        self.writers: list[asyncio.StreamWriter] = []
-
-    async def open(self) -> None:
-        self.server = await asyncio.start_server(self._pipe, "127.0.0.1", self.port)
-        self.port = self.server.sockets[0].getsockname()[1]
-
-    async def close(self) -> None:
-        assert self.server is not None
-        self.server.close()
-        for writer in self.writers:
-            writer.transport.abort()
-        self.writers.clear()
-        await self.server.wait_closed()
-        self.server = None
-
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            up_reader, up_writer = await asyncio.open_connection(*self.target)
-        except OSError:
-            writer.transport.abort()
-            return
-        self.writers += [writer, up_writer]
-
-        async def copy(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
-            with contextlib.suppress(OSError):
-                while data := await source.read(65536):
-                    sink.write(data)
-                    await sink.drain()
-            sink.transport.abort()
-
-        await asyncio.gather(copy(reader, up_writer), copy(up_reader, writer))
-
-
 @pytest.mark.anyio
 async def test_a_replacement_that_cannot_reach_the_store_is_retried_while_the_other_serves(
     redis_url: str, pg_url: str, tmp_path: Path
@@ -254,68 +212,63 @@ async def test_a_replacement_that_cannot_reach_the_store_is_retried_while_the_ot
     stopping the instance, and the replacement starts once the store is back."""
     pg = urlsplit(pg_url)
     assert pg.hostname is not None and pg.port is not None
-    proxy = StoreProxy(pg.hostname, pg.port)
-    await proxy.open()
-    try:
-        async with (
-            upstream(status_handler(200)) as primary,
-            upstream(status_handler(200)) as backup,
-        ):
-            store = pg_url.replace(f"@{pg.hostname}:{pg.port}/", f"@127.0.0.1:{proxy.port}/")
-            config = write_config(
-                tmp_path / "gateway.toml",
-                f'state = "{redis_url}"\nstore = "{store}"',
-                primary.url,
-                backup.url,
-            )
-            port, log = free_port(), tmp_path / "serve.log"
-            with supervisor(config, port, log) as process:
-                await wait_listening(process, port, log)
-                deadline = time.monotonic() + 30
-                while log_text(log).count("Application startup complete") < 2:
-                    assert process.poll() is None, log_text(log)
-                    assert time.monotonic() < deadline, log_text(log)
-                    await anyio.sleep(0.05)
-                started = STARTED.findall(log_text(log))
-                assert len(started) == 2, log_text(log)
-                # Past the start-up window, as an instance that has run a while.
-                await anyio.sleep(START_UP_SECONDS + 0.5)
-                await proxy.close()  # the store is unreachable from now on
-                victim, survivor = int(started[0]), int(started[1])
-                os.kill(victim, signal.SIGKILL)
-                deadline = time.monotonic() + 20
-                while "failed to start" not in log_text(log):
-                    assert process.poll() is None, log_text(log)
-                    assert time.monotonic() < deadline, log_text(log)
-                    await anyio.sleep(0.05)
-                text = log_text(log)
-                assert "all 2 workers serving" in text
-                assert f"worker {victim} exited (-9); starting another" in text
-                assert "cannot load routes from the store: cannot reach the store" in text
-                assert re.search(r"failed to start \(\d+\); starting another in \d+ s", text)
-                assert pg.password is None or pg.password not in text
-                for _ in range(10):  # new connections: the survivor answers every one
-                    async with httpx.AsyncClient(timeout=10) as client:
-                        response = await client.get(f"http://127.0.0.1:{port}/v1/chat")
-                    assert response.status_code == 200
-                assert process.poll() is None and alive(survivor), log_text(log)
-                await proxy.open()  # the store is back: the next retry starts a worker
-                deadline = time.monotonic() + 40
-                while len(STARTED.findall(log_text(log))) < 3:
-                    assert process.poll() is None, log_text(log)
-                    assert time.monotonic() < deadline, log_text(log)
-                    await anyio.sleep(0.05)
-                workers = {int(pid) for pid in STARTED.findall(log_text(log))} - {victim}
-                assert len(workers) == 2
-                process.send_signal(signal.SIGINT)
-                # Waited for without blocking: the workers close their store connections
-                # through the proxy, which runs on this event loop.
-                deadline = time.monotonic() + 30
-                while process.poll() is None:
-                    assert time.monotonic() < deadline, log_text(log)
-                    await anyio.sleep(0.05)
-                assert process.returncode == 0, log_text(log)
-            assert not any(alive(pid) for pid in workers)
-    finally:
-        if proxy.server is not None:
-            await proxy.close()
+    async with (
+        tcp_proxy(pg.hostname, pg.port) as proxy,
+        upstream(status_handler(200)) as primary,
+        upstream(status_handler(200)) as backup,
+    ):
+        store = pg_url.replace(f"@{pg.hostname}:{pg.port}/", f"@127.0.0.1:{proxy.port}/")
+        config = write_config(
+            tmp_path / "gateway.toml",
+            f'state = "{redis_url}"\nstore = "{store}"',
+            primary.url,
+            backup.url,
+        )
+        port, log = free_port(), tmp_path / "serve.log"
+        with supervisor(config, port, log) as process:
+            await wait_listening(process, port, log)
+            deadline = time.monotonic() + 30
+            while log_text(log).count("Application startup complete") < 2:
+                assert process.poll() is None, log_text(log)
+                assert time.monotonic() < deadline, log_text(log)
+                await anyio.sleep(0.05)
+            started = STARTED.findall(log_text(log))
+            assert len(started) == 2, log_text(log)
+            # Past the start-up window, as an instance that has run a while.
+            await anyio.sleep(START_UP_SECONDS + 0.5)
+            await proxy.cut()  # the store is unreachable from now on
+            victim, survivor = int(started[0]), int(started[1])
+            os.kill(victim, signal.SIGKILL)
+            deadline = time.monotonic() + 20
+            while "failed to start" not in log_text(log):
+                assert process.poll() is None, log_text(log)
+                assert time.monotonic() < deadline, log_text(log)
+                await anyio.sleep(0.05)
+            text = log_text(log)
+            assert "all 2 workers serving" in text
+            assert f"worker {victim} exited (-9); starting another" in text
+            assert "cannot load routes from the store: cannot reach the store" in text
+            assert re.search(r"failed to start \(\d+\); starting another in \d+ s", text)
+            assert pg.password is None or pg.password not in text
+            for _ in range(10):  # new connections: the survivor answers every one
+                async with httpx.AsyncClient(timeout=10) as client:
+                    response = await client.get(f"http://127.0.0.1:{port}/v1/chat")
+                assert response.status_code == 200
+            assert process.poll() is None and alive(survivor), log_text(log)
+            await proxy.open()  # the store is back: the next retry starts a worker
+            deadline = time.monotonic() + 40
+            while len(STARTED.findall(log_text(log))) < 3:
+                assert process.poll() is None, log_text(log)
+                assert time.monotonic() < deadline, log_text(log)
+                await anyio.sleep(0.05)
+            workers = {int(pid) for pid in STARTED.findall(log_text(log))} - {victim}
+            assert len(workers) == 2
+            process.send_signal(signal.SIGINT)
+            # Waited for without blocking: the workers close their store connections
+            # through the proxy, which runs on this event loop.
+            deadline = time.monotonic() + 30
+            while process.poll() is None:
+                assert time.monotonic() < deadline, log_text(log)
+                await anyio.sleep(0.05)
+            assert process.returncode == 0, log_text(log)
+        assert not any(alive(pid) for pid in workers)

@@ -1,0 +1,90 @@
+"""One TCP proxy for the tests that need a real service (Redis, PostgreSQL) to go away and
+come back, or to hang, while the code under test keeps its address."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Literal
+
+__all__ = ["TcpProxy", "tcp_proxy"]
+
+
+class TcpProxy:
+    """Forwards 127.0.0.1:`port` to (host, port) of the real service.
+
+    - `cut(kill)` stops listening (new connections are refused) and kills every live one,
+      by reset (`"abort"`: a host or process that died) or by close (`"close"`: a FIN, a
+      server shutting down); `open()` listens again on the same port.
+    - `pause()` holds every byte and every new connection (a hung server); `resume()`.
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        self.target = (host, port)
+        self.port = 0
+        self.server: asyncio.Server | None = None
+        self.running = asyncio.Event()
+        self.running.set()
+        self.transports: set[asyncio.BaseTransport] = set()
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    async def open(self) -> None:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    async def cut(self, kill: Literal["abort", "close"] = "abort") -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        for transport in self.transports:
+            if kill == "abort":
+                transport.abort()  # type: ignore[attr-defined]
+            else:
+                transport.close()
+        self.transports.clear()
+        await asyncio.sleep(0.05)  # the resets and FINs reach the other end's sockets
+
+    def pause(self) -> None:
+        self.running.clear()
+
+    def resume(self) -> None:
+        self.running.set()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self.running.wait()
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self.target)
+        except OSError:
+            writer.transport.abort()
+            return
+        self.transports.update((writer.transport, up_writer.transport))
+        for copy in (self._copy(reader, up_writer), self._copy(up_reader, writer)):
+            task = asyncio.ensure_future(copy)
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    async def _copy(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError):
+            while data := await source.read(65536):
+                await self.running.wait()
+                sink.write(data)
+                await sink.drain()
+        sink.close()
+
+    async def aclose(self) -> None:
+        self.resume()
+        await self.cut("close")
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+@contextlib.asynccontextmanager
+async def tcp_proxy(host: str, port: int) -> AsyncIterator[TcpProxy]:
+    proxy = TcpProxy(host, port)
+    await proxy.open()
+    try:
+        yield proxy
+    finally:
+        await proxy.aclose()
