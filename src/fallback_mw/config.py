@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from fallback_mw import extras, rules
 from fallback_mw.rules import ConfigError as ConfigError  # re-exported: its public home
 from fallback_mw.security import DEFAULT_STRIP_HEADERS, DEFAULT_STRIP_QUERY_KEYS, is_legacy_ipv4
+from fallback_mw.store_url import is_redis_url
 
 MAX_PLAN_LENGTH = 8
 # The largest amount of money (currency units) a budget limit, hold or price may name: the
@@ -127,11 +128,9 @@ class GatewaySettings(_Strict):
     @field_validator("state")
     @classmethod
     def _state(cls, value: str) -> str:
-        if value not in ("memory://", "memory", "") and not value.startswith(
-            ("redis://", "rediss://", "unix://")
-        ):
+        if value not in ("memory://", "memory", "") and not is_redis_url(value):
             raise ValueError('must be "memory://" or "redis://host:port/db"')
-        if value.startswith(("redis://", "rediss://", "unix://")):
+        if is_redis_url(value):
             from fallback_mw.store_url import StoreURLError, check_state_url
 
             try:
@@ -373,7 +372,7 @@ def check_config_extras(config: GatewayConfig) -> None:
     """The extras a loaded configuration needs: redis state, a PostgreSQL store, the httpx
     engine. The memory state, SQLite store and aiohttp engine are in the base install."""
     settings = config.gateway
-    if settings.state.startswith(("redis://", "rediss://", "unix://")):
+    if is_redis_url(settings.state):
         extras.require("redis", extras.state_feature(settings.state))
     if settings.store is not None and settings.store.startswith(("postgresql://", "postgres://")):
         extras.require("postgres", extras.store_feature(settings.store))

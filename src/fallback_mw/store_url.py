@@ -27,6 +27,14 @@ class StoreURLError(ValueError):
     pass
 
 
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def is_redis_url(url: str) -> bool:
+    """A `gateway.state` naming Redis (shared state) rather than memory."""
+    return url.startswith(REDIS_SCHEMES)
+
+
 def redact_url(url: str) -> str:
     """The URL without its password, query (it can carry `password=`) and fragment. Read as
     text, never through `urlsplit(...).port`: a PostgreSQL URL may list several hosts."""

@@ -23,6 +23,7 @@ from fallback_mw.capacity.model import (
     repeat_allowed,
     within_capacity,
 )
+from fallback_mw.store_url import is_redis_url
 from fallback_mw.tokens import estimate_tokens
 
 if TYPE_CHECKING:
@@ -68,7 +69,7 @@ def create_capacity(
 ) -> CapacityState:
     """The counters for `gateway.state`: memory, or Redis (shared by every process, on the
     Redis health state's connections when `health` is one)."""
-    if state.startswith(("redis://", "rediss://", "unix://")):
+    if is_redis_url(state):
         from fallback_mw.capacity.redis import RedisCapacity
         from fallback_mw.health.redis import RedisHealth
 

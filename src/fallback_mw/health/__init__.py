@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from fallback_mw.health.events import TransitionListener as TransitionListener
 from fallback_mw.health.pool import Selection
+from fallback_mw.store_url import is_redis_url
 
 if TYPE_CHECKING:
     from opentelemetry.metrics import MeterProvider
@@ -164,7 +165,7 @@ def create_health(
         from fallback_mw.health.memory import MemoryHealth
 
         return MemoryHealth(breaker, on_transition=on_transition)
-    if state.startswith(("redis://", "rediss://", "unix://")):
+    if is_redis_url(state):
         from fallback_mw.health.redis import RedisHealth
 
         return RedisHealth(
