@@ -187,12 +187,35 @@ def forwardable_request_headers(
 
     Names are compared with `_` read as `-` (canonical_name): `x_api_key` is stripped like
     `x-api-key`, because WSGI-style upstreams (Django, Flask, PHP...) cannot tell them
-    apart. Other underscore names (`x_request_trace`) are forwarded unchanged."""
-    return _kept(
+    apart. Other underscore names (`x_request_trace`) are forwarded unchanged.
+
+    `Accept-Encoding` is narrowed to the codings the usage meter reads
+    (`readable_accept_encoding`)."""
+    kept = _kept(
         [(name.lower(), value) for name, value in headers],
         _NEVER_FORWARDED,
         _canonical_names(also_strip),
     )
+    for index, (name, value) in enumerate(kept):
+        if name == b"accept-encoding":
+            kept[index] = (name, readable_accept_encoding(value))
+    return kept
+
+
+# The content codings the usage meter (request/usage.py) decodes, besides `identity`.
+READABLE_CODINGS = frozenset({b"gzip", b"x-gzip", b"deflate"})
+
+
+def readable_accept_encoding(value: bytes) -> bytes:
+    """The caller's `Accept-Encoding` less the codings the usage meter cannot read (`br`,
+    `zstd`, `*`...): an answer in one of those would hide its usage from the budget and
+    be settled at the hold. `identity` when nothing readable is left."""
+    kept = [
+        item.strip()
+        for item in value.split(b",")
+        if item.split(b";", 1)[0].strip().lower() in READABLE_CODINGS
+    ]
+    return b", ".join(kept) or b"identity"
 
 
 @lru_cache(maxsize=64)

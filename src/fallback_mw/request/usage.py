@@ -8,15 +8,22 @@ OpenAI reports `usage.prompt_tokens` / `usage.completion_tokens`; Anthropic repo
 `usage.input_tokens` / `usage.output_tokens` (in a stream: `message_start` carries the
 input count, `message_delta` the cumulative output count). JSON bodies are parsed once
 they end, if they fit in `json_cap`; a larger body is only searched near its end, where
-both providers put `usage`. SSE is parsed line by line, keeping at most one event."""
+both providers put `usage`. SSE is parsed line by line, keeping at most one event.
+
+A body with `Content-Encoding: gzip` / `deflate` (a caller may ask for one) is read
+decoded, up to `MAX_DECODED` bytes; the walker narrows the caller's `Accept-Encoding` to
+those codings (security.readable_accept_encoding), so no answer hides its usage in a
+coding the meter cannot read."""
 
 from __future__ import annotations
 
 import json
 import re
+import zlib
 from typing import Any
 
 from fallback_mw.request.context import Usage
+from fallback_mw.security import READABLE_CODINGS
 from fallback_mw.tokens import MAX_TOKENS
 
 DEFAULT_JSON_CAP = 1024 * 1024
@@ -28,10 +35,15 @@ class UsageMeter:
     """Observe `(chunk, content_type)` pairs for one response; fills `target` as soon as
     usage is seen, so telemetry reading the context after the walk sees it."""
 
+    # Decoded bytes read from a compressed body at most (a decompression bomb costs this).
+    MAX_DECODED = 16 * 1024 * 1024
+
     def __init__(self, target: Usage, *, json_cap: int = DEFAULT_JSON_CAP) -> None:
         self.target = target
         self.json_cap = json_cap
         self.mode: str | None = None  # "sse", "json" or "ignore"
+        self._decoder: Any = None  # a zlib decompressor for a gzip / deflate body
+        self.decoded = 0  # bytes it produced
         self._json: list[bytes] = []
         self._json_size = 0
         self._tail = b""
@@ -43,16 +55,27 @@ class UsageMeter:
 
     # --- the observer seam ------------------------------------------------------------
 
-    def observe(self, chunk: bytes, content_type: bytes | None) -> None:
+    def observe(
+        self, chunk: bytes, content_type: bytes | None, content_encoding: bytes | None = None
+    ) -> None:
         try:
             if self.mode is None:
                 self.mode = _mode(content_type)
+                if self.mode != "ignore" and content_encoding is not None:
+                    readable, self._decoder = _decoder(content_encoding)
+                    if not readable:
+                        self.mode = "ignore"  # a coding the meter cannot read
+            if self.mode == "ignore":
+                return
+            if self._decoder is not None:
+                chunk = self._decode(chunk)
             if self.mode == "sse":
                 self._feed_sse(chunk)
             elif self.mode == "json":
                 self._feed_json(chunk)
         except Exception:  # metering must never break a response
             self.mode = "ignore"
+            self._decoder = None
 
     def finish(self) -> None:
         """The response ended: parse a buffered JSON body, or a final unterminated event.
@@ -75,6 +98,14 @@ class UsageMeter:
         except Exception:
             pass
         self._json = []
+
+    def _decode(self, chunk: bytes) -> bytes:
+        room = self.MAX_DECODED - self.decoded
+        decoded = self._decoder.decompress(chunk, room + 1)
+        self.decoded += len(decoded)
+        if self.decoded > self.MAX_DECODED:
+            raise ValueError("decoded body over MAX_DECODED")  # observe stops metering
+        return bytes(decoded)
 
     # --- JSON -------------------------------------------------------------------------
 
@@ -175,6 +206,22 @@ def _mode(content_type: bytes | None) -> str:
     if kind == b"application/json" or kind.endswith(b"+json"):
         return "json"
     return "ignore"
+
+
+# A gzip (`x-gzip`) or zlib-wrapped deflate stream, told apart by its header.
+_GZIP_OR_ZLIB = zlib.MAX_WBITS | 32
+
+
+def _decoder(content_encoding: bytes) -> tuple[bool, Any]:
+    """Whether the meter can read a body in these codings, and the decompressor for its
+    one coding (None: `identity`). Not readable: `br`, `zstd`, two codings stacked."""
+    codings = [c.strip().lower() for c in content_encoding.split(b",")]
+    codings = [c for c in codings if c and c != b"identity"]
+    if not codings:
+        return True, None
+    if len(codings) == 1 and codings[0] in READABLE_CODINGS:
+        return True, zlib.decompressobj(_GZIP_OR_ZLIB)
+    return False, None
 
 
 def _loads(data: bytes) -> Any:

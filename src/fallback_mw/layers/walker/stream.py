@@ -43,11 +43,16 @@ async def commit(
         headers += gateway_headers(context)
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         context.committed = True
-        content_type = None
+        content_type = content_encoding = None
         for key, value in response.headers:
-            if key.lower() == b"content-type":
+            lower = key.lower()
+            if lower == b"content-type":
                 content_type = value
-                break
+            elif lower == b"content-encoding":
+                # Several fields are one list (RFC 9110 §5.3): the meter reads it whole.
+                content_encoding = (
+                    value if content_encoding is None else content_encoding + b"," + value
+                )
         received = 0
         try:
             async for chunk in response.iter_chunks():
@@ -57,7 +62,7 @@ async def commit(
                     return  # abort: the client sees an incomplete response
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 if chunk:
-                    meter.observe(chunk, content_type)
+                    meter.observe(chunk, content_type, content_encoding)
         except UpstreamError:
             context.outcome = "aborted"
             return  # never ended as if complete

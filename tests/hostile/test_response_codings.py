@@ -1,0 +1,113 @@
+"""A caller cannot hide a response's usage from the budget by asking for a compressed
+answer: the meter reads gzip / deflate bodies, and the caller's `Accept-Encoding` reaches
+an upstream narrowed to the codings the meter reads (a `br` or `zstd` answer would be
+settled at the hold, however many tokens it carried)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import zlib
+from decimal import Decimal
+
+import pytest
+from aiohttp import web
+
+from fallback_mw import Gateway
+from fallback_mw.request.context import Usage
+from fallback_mw.request.usage import UsageMeter
+from tests.helpers import client_for
+from tests.test_budget_guard import gateway_config, status_of
+from tests.upstreams import host_app, upstream
+
+pytestmark = pytest.mark.anyio
+
+ENGINES = ["aiohttp", "httpx"]
+PAYLOAD = {"model": "gpt-test", "usage": {"prompt_tokens": 10, "completion_tokens": 20_000}}
+
+
+async def compressing(request: web.Request) -> web.StreamResponse:
+    response = web.json_response(PAYLOAD)
+    response.enable_compression()  # honours the request's Accept-Encoding, as APIs do
+    return response
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("coding", ["gzip", "deflate"])
+async def test_a_compressed_answer_is_charged_its_reported_usage(engine: str, coding: str) -> None:
+    async with upstream(compressing) as primary:
+        conf = gateway_config({"primary": primary.url}, store=None, limit="1000")
+        conf["gateway"]["engine"] = engine
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                response = await client.post(
+                    "/v1/chat",
+                    content=b'{"model":"gpt-test"}',
+                    headers={"accept-encoding": coding},
+                )
+            assert response.status_code == 200
+            assert response.headers["content-encoding"] == coding  # relayed as it came
+            spent, held = await status_of(gateway)
+            # 10 input tokens at 1000/Mtok + 20,000 output tokens at 2000/Mtok.
+            assert (spent, held) == (Decimal("40.01"), 0)
+        finally:
+            await gateway.aclose()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_accept_encoding_reaches_the_upstream_narrowed_to_readable_codings(
+    engine: str,
+) -> None:
+    asked = {
+        "gzip, deflate, br, zstd": "gzip, deflate",
+        "br;q=1.0, gzip;q=0.5": "gzip;q=0.5",
+        "br": "identity",
+        "*": "identity",
+        "identity": "identity",
+    }
+    async with upstream(compressing) as primary:
+        conf = gateway_config({"primary": primary.url}, store=None, limit="1000")
+        conf["gateway"]["engine"] = engine
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                for value in asked:
+                    response = await client.post(
+                        "/v1/chat", content=b"{}", headers={"accept-encoding": value}
+                    )
+                    assert response.status_code == 200
+        finally:
+            await gateway.aclose()
+    sent = [dict(r.headers).get("accept-encoding") for r in primary.received]
+    assert sent == list(asked.values())
+
+
+def test_the_meter_reads_gzip_and_deflate_split_anywhere() -> None:
+    body = json.dumps(PAYLOAD).encode()
+    sse = b"data: " + body + b"\n\ndata: [DONE]\n\n"
+    for coding, data, kind in (
+        (b"gzip", gzip.compress(body), b"application/json"),
+        (b"x-gzip", gzip.compress(sse), b"text/event-stream"),
+        (b"deflate", zlib.compress(body), b"application/json"),
+    ):
+        for size in (1, 7, len(data)):
+            usage = Usage()
+            meter = UsageMeter(usage)
+            for start in range(0, len(data), size):
+                meter.observe(data[start : start + size], kind, coding)
+            meter.finish()
+            assert (usage.input_tokens, usage.output_tokens) == (10, 20_000), (coding, size)
+
+
+def test_a_decompression_bomb_is_read_only_up_to_a_bound() -> None:
+    bomb = gzip.compress(b" " * (64 * 1024 * 1024))  # 64 MiB of spaces in ~64 KiB
+    usage = Usage()
+    meter = UsageMeter(usage)
+    half = len(bomb) // 2
+    meter.observe(bomb[:half], b"application/json", b"gzip")
+    meter.observe(bomb[half:], b"application/json", b"gzip")  # no more decoding
+    meter.finish()
+    assert meter.decoded <= UsageMeter.MAX_DECODED + 1
+    assert meter.mode == "ignore"
+    assert not usage.reported
