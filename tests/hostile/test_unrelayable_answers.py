@@ -32,6 +32,10 @@ ANSWERS = {
     # Re-framed, the gzip-coded body would reach the client unlabelled (aiohttp relayed it).
     "gzip-chunked": b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n"
     b"5\r\nhello\r\n0\r\n\r\n",
+    # Field values the engines accept but no ASGI server will write (uvicorn raised after
+    # the commit point: an empty reply to the client, no failover).
+    "control-in-value": b"HTTP/1.1 200 OK\r\nx-bad: a\x01b\r\ncontent-length: 2\r\n\r\nok",
+    "delete-in-value": b"HTTP/1.1 200 OK\r\nx-bad: a\x7fb\r\ncontent-length: 2\r\n\r\nok",
 }
 
 

@@ -60,12 +60,18 @@ _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _FORBIDDEN_IN_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f\ud800-\udfff]|^[ \t]|[ \t]$")
 
 
+# What no server writes in a field value (RFC 9110 §5.5; uvicorn's and h11's own checks).
+_CTL_IN_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+
+
 def check_response_head(status: int, headers: Sequence[tuple[bytes, bytes]]) -> None:
     """A response head the relay cannot carry is the upstream's failure (failover-class,
     SPEC §12): a status outside 100-599, a 1xx as the final answer, or contradictory
     framing (Content-Length with Transfer-Encoding, repeated or invalid lengths, a length
-    or a chunked body on 204), or a transfer coding other than `chunked` (`gzip, chunked`:
-    the relay re-frames the body and would hand on coded bytes unlabelled). Two equal
+    or a chunked body on 204), a transfer coding other than `chunked` (`gzip, chunked`:
+    the relay re-frames the body and would hand on coded bytes unlabelled), or a field
+    value with a control character other than HTAB (the engines accept `\x01` and `\x7f`;
+    uvicorn refuses to write them, after the commit point: an empty reply). Two equal
     Content-Length fields: aiohttp's parser refuses them, h11 (httpx) merges them before
     this sees them. Raises UpstreamError("protocol")."""
     if not 200 <= status <= 599:
@@ -73,6 +79,8 @@ def check_response_head(status: int, headers: Sequence[tuple[bytes, bytes]]) -> 
     lengths: list[bytes] = []
     codings: list[bytes] = []
     for name, value in headers:
+        if _CTL_IN_VALUE.search(value) is not None:
+            raise UpstreamError("protocol", "first_byte", "a response field cannot be relayed")
         lower = name.lower()
         if lower == b"content-length":
             lengths.append(value.strip())
