@@ -52,6 +52,31 @@ def apply_hygiene(
     context.credentials = credentials
 
 
+# A provider credential shorter than this is not searched for in response fields: it would
+# match ordinary text (a test key such as "k1"); real provider keys are far longer.
+MIN_ECHOED_SECRET = 8
+
+
+def without_echoed_credentials(
+    context: RequestContext, name: str, headers: list[tuple[bytes, bytes]]
+) -> list[tuple[bytes, bytes]]:
+    """Response fields less any that carry a credential of upstream `name` (an upstream
+    echoing what the gateway injected must not hand a provider key to the caller)."""
+    found = (context.credentials or {}).get(name, ())
+    upstream = context.upstreams.get(name)
+    if not found or upstream is None:
+        return headers
+    skip = len(upstream.auth_scheme) + 1 if upstream.auth_scheme else 0
+    secrets = [
+        value[skip:].encode("latin-1", "replace")
+        for _, value in filter(None, found)
+        if len(value) - skip >= MIN_ECHOED_SECRET
+    ]
+    if not secrets:
+        return headers
+    return [(k, v) for k, v in headers if all(v.find(secret) < 0 for secret in secrets)]
+
+
 class CredentialCache:
     """The credential table, computed once per route table (a store reload swaps the table,
     and its upstreams)."""

@@ -8,6 +8,7 @@ the walker's `tpm` settlement, the budget guard and telemetry read."""
 
 from __future__ import annotations
 
+from fallback_mw.credentials import without_echoed_credentials
 from fallback_mw.request.body import content_length
 from fallback_mw.request.context import RequestContext
 from fallback_mw.request.local_errors import gateway_headers, send_error
@@ -40,6 +41,7 @@ async def commit(
         context.chosen = name
         context.status = response.status
         headers = forwardable_response_headers(response.headers, status=response.status)
+        headers = without_echoed_credentials(context, name, headers)
         headers += gateway_headers(context)
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         context.committed = True

@@ -1,0 +1,67 @@
+"""An upstream that echoes the credential the gateway injected (a debug endpoint, an
+echo service, a misconfigured proxy) must not hand it to the caller in a response field:
+callers never hold provider keys (SPEC §1, §4)."""
+
+from __future__ import annotations
+
+import pytest
+from aiohttp import web
+
+from tests.helpers import gateway_client
+from tests.upstreams import upstream
+
+pytestmark = pytest.mark.anyio
+
+ENGINES = ["aiohttp", "httpx"]
+SECRET = "sk-provider-0123456789abcdef"
+POOL = ("sk-pool-one-0123456789", "sk-pool-two-0123456789")
+
+
+async def echo(request: web.Request) -> web.StreamResponse:
+    given = request.headers.get("authorization") or request.headers.get("x-api-key", "")
+    return web.Response(
+        text="ok",
+        headers={
+            "authorization": given,
+            "x-echo": f"you sent {given}",
+            "www-authenticate": f'Bearer realm="api", token="{given}"',
+            "x-request-id": "req-1",
+        },
+    )
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_an_echoed_provider_credential_never_reaches_the_caller(
+    engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ECHO_KEY", SECRET)
+    monkeypatch.setenv("POOL_ONE", POOL[0])
+    monkeypatch.setenv("POOL_TWO", POOL[1])
+    async with upstream(echo) as single, upstream(echo) as pooled:
+        conf = {
+            "gateway": {"engine": engine},
+            "upstreams": {
+                "single": {"url": single.url, "auth_env": "ECHO_KEY"},
+                "pooled": {
+                    "url": pooled.url,
+                    "auth_header": "x-api-key",
+                    "auth_scheme": "",
+                    "auth_env": ["POOL_ONE", "POOL_TWO"],
+                },
+            },
+            "routes": [
+                {"id": "a", "prefix": "/a/", "plan": ["single"]},
+                {"id": "b", "prefix": "/b/", "plan": ["pooled"]},
+            ],
+        }
+        async with gateway_client(conf) as client:
+            for path in ("/a/x", "/b/x", "/b/y"):
+                response = await client.get(path, headers={"authorization": "Bearer caller"})
+                assert response.status_code == 200
+                assert response.text == "ok"
+                fields = "\n".join(f"{k}: {v}" for k, v in response.headers.multi_items())
+                for secret in (SECRET, *POOL):
+                    assert secret not in fields, path
+                assert response.headers["x-request-id"] == "req-1"  # the rest is relayed
+    injected = ("authorization", f"Bearer {SECRET}")
+    assert all(injected in r.headers for r in single.received)  # it was sent, and echoed
