@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from fallback_mw import Gateway
+from fallback_mw.cli import main
 from fallback_mw.layers.resolver import _headers
+from tests.helpers import client_for
+from tests.test_budget_guard import gateway_config
 from tests.upstreams import host_app, serve_asgi, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
@@ -91,3 +96,26 @@ def test_the_resolver_reads_each_header_as_the_first_field_of_that_name(
         return None
 
     assert _headers({"headers": headers}, names) == [first(name) for name in names]
+
+
+async def test_a_tenant_with_c1_controls_reaches_the_usage_table_escaped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The tenant is the caller's text: `fallback-mw usage` shows it printable, never as
+    the terminal controls it spells (U+009B is CSI: `\\x9b2J` clears an xterm's screen)."""
+    store = f"sqlite:///{tmp_path / 'ledger.db'}"
+    async with upstream(status_handler(200)) as primary:
+        gateway = Gateway(host_app, config=gateway_config({"primary": primary.url}, store=store))
+        try:
+            async with client_for(gateway) as client:
+                tenant = "evil\u009b2J\u009b31mred\u202eabc".encode()
+                response = await client.get("/v1/x", headers=[(b"x-tenant-id", tenant)])
+                assert response.status_code == 200
+        finally:
+            await gateway.aclose()
+    capsys.readouterr()
+    status = await anyio.to_thread.run_sync(main, ["usage", "--store", store])
+    assert status == 0
+    out = capsys.readouterr().out
+    assert "evil" in out
+    assert all(ch.isprintable() for line in out.splitlines() for ch in line)

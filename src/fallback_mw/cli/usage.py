@@ -14,6 +14,7 @@ from fallback_mw.budget import Ledger, UsageRecord
 from fallback_mw.budget.cost import format_money
 from fallback_mw.cli.app import Console, Refused, leaf
 from fallback_mw.cli.budgets import with_ledger
+from fallback_mw.cli.request_table import printable
 from fallback_mw.cli.show import print_table
 from fallback_mw.cli.target import StoreTarget, store_options
 
@@ -93,7 +94,7 @@ def _row(record: UsageRecord) -> tuple[str, ...]:
     return (
         record.at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         record.route,
-        record.tenant,
+        printable(record.tenant),  # the caller's text: never raw terminal controls
         _attempts_text(record),
         record.chosen or "-",
         record.outcome or "-",
@@ -108,7 +109,7 @@ def _incident_row(record: UsageRecord) -> tuple[str, ...]:
         record.at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         record.request_id,
         record.route,
-        record.tenant,
+        printable(record.tenant),  # the caller's text: never raw terminal controls
         ",".join(incident_kinds(record)),
         _attempts_text(record),
         record.outcome or "-",
