@@ -178,3 +178,32 @@ def test_parse_since() -> None:
     assert parse_since("90s", now) == now - timedelta(seconds=90)
     assert parse_since("2d", now) == now - timedelta(days=2)
     assert parse_since("2026-11-01") == datetime(2026, 11, 1, tzinfo=UTC)
+
+
+@pytest.mark.anyio
+async def test_usage_incidents_limit_shows_the_newest_incidents(
+    ledger_store: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--incidents --limit N` shows the newest N incidents (docs/budgets.md), not the
+    oldest N of the records it searched: during an outage the current ones are wanted."""
+    ledger = open_ledger(ledger_store)
+    start = datetime.now(UTC) - timedelta(minutes=10)
+    try:
+        for minute in range(5):
+            await ledger.record_usage(
+                UsageRecord(
+                    request_id=f"r-{minute}",
+                    route="chat",
+                    tenant="t1",
+                    at=start + timedelta(minutes=minute),
+                    attempts=(AttemptOutcome("primary", status=503, failure="status"),),
+                    outcome="upstream_failed",
+                    status=502,
+                )
+            )
+    finally:
+        await ledger.aclose()
+    capsys.readouterr()
+    assert await cli("usage", "--store", ledger_store, "--incidents", "--limit", "2", "--json") == 0
+    shown = [json.loads(line)["request_id"] for line in capsys.readouterr().out.splitlines()]
+    assert shown == ["r-3", "r-4"]  # the newest two, oldest first like every listing

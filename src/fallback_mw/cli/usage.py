@@ -136,7 +136,8 @@ def usage(args: argparse.Namespace, console: Console) -> None:
 
     records = with_ledger(args, action)
     if incidents:
-        records = [record for record in records if incident_kinds(record)][: args.limit]
+        # The records come oldest first: the newest `--limit` incidents are the last ones.
+        records = [record for record in records if incident_kinds(record)][-args.limit :]
     if not records and not args.json:
         what = "incidents" if incidents else "usage records"
         console.print(f"no {what}{_filters(args)}")
