@@ -148,6 +148,23 @@ async def test_score_selection_prefers_the_fast_credential(state: str, selection
         assert set(used) == {"key-a", "key-b", "key-c"}
 
 
+async def test_round_robin_spreads_evenly_over_the_credentials_left(state: str) -> None:
+    # key-a's quota is spent (retired for the hour): round robin must share the traffic
+    # between key-b and key-c, not hand key-a's turns to its successor (2/3 on key-b).
+    answers = {"key-a": (QUOTA_BODY, {})}
+    async with (
+        upstream(limited(answers)) as pool,
+        gateway_client(pool_config(pool.url, state=state)) as client,
+    ):
+        await client.get("/v1/x")  # whichever key it meets first, key-a is retired now
+        before = len(keys_used(pool))
+        for _ in range(12):
+            assert (await client.get("/v1/x")).status_code == 200
+    used = keys_used(pool)[before:]
+    assert "key-a" not in used
+    assert (used.count("key-b"), used.count("key-c")) == (6, 6), used
+
+
 def test_score_is_decayed_success_over_latency() -> None:
     assert score(0, 0, 0) == 1.0  # untried: optimistic
     fast = CredentialStats().add(ok=True, latency=0.01, now=0.0)

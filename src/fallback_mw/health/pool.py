@@ -145,19 +145,22 @@ class CredentialPool:
         # Round robin over the healthy credentials spreads rate limits across the pool;
         # with `score` the best one wins and the rotation only breaks ties.
         start = self.rotation
-        self.rotation = (self.rotation + 1) % max(pool_size, 1)
+        self.rotation += 1  # not wrapped at the pool's size: the usable ones may be fewer
         best: int | None = None
-        best_score = -1.0
-        for offset in range(pool_size):
-            index = (start + offset) % pool_size
-            if index in exclude or not self.usable(index, now):
-                continue
-            if selection != "score":
-                best = index
-                break
-            value = self.stats.get(index, CredentialStats(at=now)).score(now)
-            if value > best_score:
-                best, best_score = index, value
+        if selection != "score":
+            # The turn is taken among the usable ones: a credential out of the rotation
+            # does not hand its turns to the next one (2/3 of the traffic on one key).
+            ok = [i for i in range(pool_size) if i not in exclude and self.usable(i, now)]
+            best = ok[start % len(ok)] if ok else None
+        else:
+            best_score = -1.0
+            for offset in range(pool_size):
+                index = (start + offset) % pool_size
+                if index in exclude or not self.usable(index, now):
+                    continue
+                value = self.stats.get(index, CredentialStats(at=now)).score(now)
+                if value > best_score:
+                    best, best_score = index, value
         if best is not None and session is not None:
             self._bind(session, best)
         return best

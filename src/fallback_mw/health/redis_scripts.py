@@ -189,12 +189,20 @@ local start = redis.call('INCR', KEYS[2]) - 1
 redis.call('PEXPIRE', KEYS[2], ARGV[5])
 local best = -1
 local best_score = -1
-for offset = 0, size - 1 do
-  local i = (start + offset) % size
-  if usable(i) then
-    if ARGV[6] ~= 'score' then best = i break end
-    local value = score(i)
-    if value > best_score then best, best_score = i, value end
+if ARGV[6] ~= 'score' then
+  -- the turn is taken among the usable credentials (pool.py: CredentialPool.pick)
+  local ok = {}
+  for i = 0, size - 1 do
+    if usable(i) then ok[#ok + 1] = i end
+  end
+  if #ok > 0 then best = ok[(start % #ok) + 1] end
+else
+  for offset = 0, size - 1 do
+    local i = (start + offset) % size
+    if usable(i) then
+      local value = score(i)
+      if value > best_score then best, best_score = i, value end
+    end
   end
 end
 if best >= 0 and ARGV[3] == '1' then
