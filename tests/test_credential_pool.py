@@ -279,6 +279,32 @@ async def test_a_spent_quota_is_shared_through_redis(redis_url: str) -> None:
     assert keys_used(pool).count("key-a") == 1
 
 
+async def test_a_quota_retirement_past_a_day_outlives_the_redis_key_ttl(redis_url: str) -> None:
+    # The quota resets in 3 days: in Redis the credential stays retired that long, as in
+    # memory. The credentials hash expired 24 h after its last write, forgetting it sooner;
+    # a later mark on another credential must not shorten it either.
+    import redis.asyncio as aioredis
+
+    from fallback_mw.store_url import split_state_url
+
+    headers = {"ratelimit-remaining": "0", "ratelimit-reset": str(3 * 86400)}
+    answers = {"key-a": (b"{}", headers), "key-b": (b"{}", {"retry-after": "5"})}
+    async with upstream(limited(answers)) as pool:
+        conf = two_keys(pool.url, state=redis_url)
+        conf["upstreams"]["pool"]["auth_env"] = ["KEY_A", "KEY_B", "KEY_C"]
+        async with gateway_client(conf) as client:
+            for _ in range(3):
+                assert (await client.get("/v1/x")).text == "key-c"
+    assert keys_used(pool).count("key-a") == 1 and keys_used(pool).count("key-b") == 1
+    url, prefix = split_state_url(redis_url)
+    inspect = aioredis.Redis.from_url(url)
+    try:
+        ttl_ms = await inspect.pttl(f"{prefix}credentials:pool")
+    finally:
+        await inspect.aclose()
+    assert ttl_ms > 3 * 86400 * 1000 - 60_000, ttl_ms
+
+
 def test_quota_verdicts() -> None:
     assert quota_reset([], QUOTA_BODY) == float("inf")
     assert quota_reset([], b'{"error": {"code": "rate_limit_exceeded"}}') is None

@@ -231,18 +231,24 @@ return 1
 )
 
 # KEYS[1] credential hash. ARGV: index, 'retire' / 'cool_down', cool-down ms, key ttl ms.
+# The key lives at least the ttl, and as long as its furthest mark (a quota that resets in
+# days): a later, shorter mark never cuts it short.
 MARK = (
     _NOW
     + """
 local current = redis.call('HGET', KEYS[1], ARGV[1])
+local ttl = tonumber(ARGV[4])
 if ARGV[2] == 'retire' then
   redis.call('HSET', KEYS[1], ARGV[1], 'retired')
 elseif current ~= 'retired' then
   local untl = now + tonumber(ARGV[3])
   if current and tonumber(current) > untl then untl = tonumber(current) end
   redis.call('HSET', KEYS[1], ARGV[1], string.format('%.0f', untl))
+  if untl - now > ttl then ttl = untl - now end
 end
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
+if redis.call('PTTL', KEYS[1]) < ttl then
+  redis.call('PEXPIRE', KEYS[1], string.format('%.0f', ttl))
+end
 return 1
 """
 )
