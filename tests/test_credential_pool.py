@@ -265,6 +265,26 @@ async def test_a_429_body_is_relayed_whole_after_the_peek(engine: str) -> None:
     assert sorted(keys_used(pool)) == ["key-a", "key-b"]
 
 
+async def test_a_pool_with_every_key_spent_says_what_brings_one_back() -> None:
+    answers: dict[str, tuple[bytes, dict[str, str]]] = {
+        k: (QUOTA_BODY, {}) for k in ("key-a", "key-b")
+    }
+    async with upstream(limited(answers)) as pool, gateway_client(two_keys(pool.url)) as client:
+        assert (await client.get("/v1/x")).status_code == 429  # both keys retired
+        response = await client.get("/v1/x")
+    error = response.json()["error"]
+    assert (response.status_code, error["code"], error["rule"]) == (
+        503,
+        "route_exhausted",
+        "no_candidate",
+    )
+    assert response.headers["x-gateway-skipped"] == "pool;reason=no_credential"
+    assert "quota_retire_ms" in error["message"]
+    assert "auth_env pool" in error["message"]
+    assert "the plan of route 'one' would be tried" in error["message"]
+    assert len(pool.received) == 2  # the second request reached no upstream
+
+
 async def test_a_spent_quota_is_shared_through_redis(redis_url: str) -> None:
     answers = {"key-a": (QUOTA_BODY, {"retry-after": "1"})}
     async with upstream(limited(answers)) as pool:

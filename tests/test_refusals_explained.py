@@ -124,6 +124,8 @@ async def test_nothing_attempted_lists_what_was_skipped() -> None:
     assert (response.status_code, error["code"], error["rule"]) == (503, "route_exhausted",
                                                                      "no_candidate")  # fmt: skip
     assert "primary (breaker_open), backup (breaker_open)" in error["message"]
+    assert "[gateway.breaker] cooldown_ms" in error["message"]
+    assert "the plan of route 'chat' would be tried" in error["message"]
     assert response.headers["x-gateway-skipped"] == (
         "primary;reason=breaker_open, backup;reason=breaker_open"
     )

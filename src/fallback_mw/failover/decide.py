@@ -359,6 +359,28 @@ _REMEDY = {
 }
 
 
+# What would bring a skipped candidate back, by skip reason (route_exhausted's message).
+_SKIP_REMEDY = {
+    "breaker_open": "an open breaker lets a probe through after its cooldown "
+    "([gateway.breaker] cooldown_ms)",
+    "no_credential": "a credential a quota 429 retired returns at its reset (or after the "
+    "upstream's quota_retire_ms), one a plain 429 cooled after its Retry-After; add "
+    "credentials to the upstream's auth_env pool",
+    "capacity": "a declared rpm / tpm is full until its minute turns; raise the upstream's "
+    "rpm / tpm (fallback-mw capacity)",
+    "repeat_budget": _REMEDY["repeat_budget"],
+}
+
+
+def _route_exhausted(context: RequestContext) -> str:
+    skipped = ", ".join(f"{s.candidate} ({s.reason})" for s in context.skipped)
+    message = f"no candidate could be attempted: {skipped or 'none'} skipped"
+    reasons = dict.fromkeys(s.reason for s in context.skipped)
+    remedies = [_SKIP_REMEDY[r] for r in reasons if r in _SKIP_REMEDY]
+    remedies.append(f"a further upstream in the plan of route {context.route.id!r} would be tried")
+    return f"{message}; " + "; ".join(remedies)
+
+
 def _remedy(rule: str | None, context: RequestContext) -> str:
     route, method = context.route, context.method
     if rule == "not_replayable_method":
@@ -396,6 +418,5 @@ def error_message(decision: Decision, context: RequestContext) -> str:
             "deadline_ms (or send a larger x-gateway-deadline-ms, if the caller shortened it)"
         )
     if decision.error == "route_exhausted":
-        skipped = ", ".join(f"{s.candidate} ({s.reason})" for s in context.skipped)
-        return f"no candidate could be attempted: {skipped or 'none'} skipped"
+        return _route_exhausted(context)
     return decision.reason
