@@ -33,15 +33,22 @@ __all__ = [
 
 @contextmanager
 def serve_process(
-    config: Path, port: int, log: Path, *, env: dict[str, str] | None = None
+    config: Path,
+    port: int,
+    log: Path,
+    *,
+    env: dict[str, str] | None = None,
+    options: Iterable[str] = (),
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """`python -m fallback_mw serve` on 127.0.0.1:`port`, its output in `log`; SIGINT at
-    the end (killed after 10 s). `env` None inherits this process's environment."""
+    """`python -m fallback_mw serve` on 127.0.0.1:`port` with `options`, its output in
+    `log`; SIGINT at the end (killed after 10 s). `env` None inherits this process's
+    environment."""
     with log.open("wb") as out:
         process = subprocess.Popen(
             [
                 *(sys.executable, "-m", "fallback_mw", "serve", "--config", str(config)),
                 *("--host", "127.0.0.1", "--port", str(port)),
+                *options,
             ],
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -3,6 +3,7 @@ gateway processes (`fallback-mw serve`) holding against one PostgreSQL ledger.""
 
 from __future__ import annotations
 
+import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from decimal import Decimal
@@ -18,7 +19,7 @@ from aiohttp import web
 from fallback_mw import Gateway
 from fallback_mw.config import BudgetConfig
 from fallback_mw.store.ledgers import open_ledger
-from tests.helpers import free_port, serve_process, wait_listening
+from tests.helpers import free_port, log_text, serve_process, wait_listening
 from tests.test_budget_guard import gateway_config, host_app, json_handler
 from tests.upstreams import Handler, upstream
 
@@ -154,5 +155,69 @@ default_hold = {config["budgets"]["acme"]["default_hold"]}
         status = await ledger.status("acme", BUDGET)
         assert (status.spent, status.held) == (Decimal("0.05"), Decimal(0))
         assert len(await ledger.usage()) == 20
+    finally:
+        await ledger.aclose()
+
+
+async def test_a_stop_cuts_an_endless_stream_after_the_graceful_timeout_and_settles_it(
+    tmp_path: Path,
+) -> None:
+    """SIGTERM while a stream that never ends is in flight: `serve` waits
+    `--timeout-graceful-shutdown`, then cuts it, settles its hold and exits 0 (without the
+    bound it waited for the stream for ever)."""
+    store = f"sqlite:///{tmp_path / 'ledger.db'}"
+    async with upstream(slow_sse(first_events=2, then_sleep=120)) as primary:
+        config_path = tmp_path / "gateway.toml"
+        config_path.write_text(
+            f"""
+[gateway]
+store = "{store}"
+deadline_ms = 120000
+
+[upstreams.primary]
+url = "{primary.url}"
+idle_timeout_ms = 120000
+
+[[routes]]
+id = "chat"
+prefix = "/v1/"
+plan = ["primary"]
+budget = "acme"
+
+[budgets.acme]
+limit = 0.05
+window = "month"
+default_hold = 0.01
+""",
+            encoding="utf-8",
+        )
+        port, log = free_port(), tmp_path / "serve.log"
+        with serve_process(
+            config_path, port, log, options=("--timeout-graceful-shutdown", "1")
+        ) as process:
+            await wait_listening(process, port, log)
+            stream = await anyio.connect_tcp("127.0.0.1", port)
+            await stream.send(
+                b"POST /v1/chat HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+                b"content-length: 2\r\n\r\n{}"
+            )
+            head = b""
+            with anyio.fail_after(5):
+                while b"data:" not in head:
+                    head += await stream.receive()
+            assert head.startswith(b"HTTP/1.1 200")
+            started = anyio.current_time()
+            process.send_signal(signal.SIGTERM)
+            while process.poll() is None:
+                assert anyio.current_time() - started < 8, log_text(log)
+                await anyio.sleep(0.05)
+            assert process.returncode == 0, log_text(log)
+            assert anyio.current_time() - started >= 0.9  # it did wait for the stream
+            await stream.aclose()
+    ledger = open_ledger(store)
+    try:
+        status = await ledger.status("acme", BUDGET)
+        # Cut short with no usage reported: charged the hold, nothing left held.
+        assert (status.spent, status.held) == (Decimal("0.01"), Decimal(0))
     finally:
         await ledger.aclose()

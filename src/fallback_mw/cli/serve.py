@@ -9,6 +9,7 @@ import errno
 import gc
 import importlib.util
 import logging
+import signal
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -92,6 +93,11 @@ def configure_logging(*, with_pid: bool = False) -> None:
 # collects once, freezes what startup loaded (never traversed again) and collects young
 # objects when this many more are alive than at the last collection.
 SERVE_GC_THRESHOLD = 50_000
+# How long a stop waits for requests in flight (`--timeout-graceful-shutdown`): under a
+# Kubernetes pod's default 30 s termination grace, so the cut streams still settle.
+DEFAULT_GRACEFUL_SECONDS = 25.0
+# After that wait, how long a worker may take to settle, close and exit before SIGKILL.
+STOP_MARGIN_SECONDS = 5.0
 
 
 def tune_gc() -> None:
@@ -123,10 +129,21 @@ def worker_count(value: str) -> int:
     return count
 
 
+def graceful_seconds(value: str) -> float:
+    """argparse type: how long a stop waits for requests in flight, 0 to 3600 seconds."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number of seconds {value!r}") from None
+    if not 0 <= seconds <= 3600:
+        raise argparse.ArgumentTypeError(f"{value} is not between 0 and 3600 seconds")
+    return seconds
+
+
 def serve(args: argparse.Namespace, console: Console) -> int | None:
     require("serve", "the serve command")
     from fallback_mw.cli.server_limits import uvicorn_limits
-    from fallback_mw.cli.workers import Supervisor, check_shared
+    from fallback_mw.cli.workers import Supervisor, check_shared, exit_now
 
     config = load_config(args.config)
     check_shared(config, args.workers)  # N > 1 on per-process state: refused, one line
@@ -140,6 +157,9 @@ def serve(args: argparse.Namespace, console: Console) -> int | None:
     # The server itself refuses an oversized or slow request head before buffering it,
     # drops chunked trailer fields, and sends no `server` header (server_limits).
     options.update(uvicorn_limits(config.gateway, options["http"]))
+    # A stop (SIGTERM, SIGINT) waits this long for requests in flight (an endless stream
+    # would hold it forever), then cancels them: their holds settle as cut short.
+    options["timeout_graceful_shutdown"] = args.timeout_graceful_shutdown
     if args.workers > 1:
         # Each worker sets up its own OTel SDK and gateway after the fork (cli/workers.py).
         supervisor = Supervisor(
@@ -151,12 +171,18 @@ def serve(args: argparse.Namespace, console: Console) -> int | None:
             ),
             bind=listen_socket,
             console=console,
+            # The workers' own wait, then time to settle, close and exit, before SIGKILL.
+            stop_grace=args.timeout_graceful_shutdown + STOP_MARGIN_SECONDS,
         )
         console.print(
             f"serving on {address(supervisor.reservation)} with {args.workers} worker "
             "processes (Ctrl-C to stop)"
         )
         return supervisor.run()
+    # SIGTERM, like Ctrl-C, is a clean stop (exit status 0) once uvicorn has shut down: it
+    # re-raises the signal it stopped on, and the default action would end the process
+    # with -15 (a worker of `serve --workers` does the same, cli/workers.py).
+    signal.signal(signal.SIGTERM, exit_now)
     run_server(config, options, None, args, console, workers=False)
     return None
 
@@ -263,4 +289,12 @@ def register(subparsers: Any) -> None:
         metavar="N",
         help="gateway processes on this address (default 1); N > 1 needs a shared "
         "gateway.state (Redis) and, with budgets, a gateway.store",
+    )
+    parser.add_argument(
+        "--timeout-graceful-shutdown",
+        type=graceful_seconds,
+        default=DEFAULT_GRACEFUL_SECONDS,
+        metavar="SECONDS",
+        help="on SIGTERM / Ctrl-C, how long requests in flight may finish before they are "
+        f"cut (their holds settled as cut short; default {DEFAULT_GRACEFUL_SECONDS:g})",
     )

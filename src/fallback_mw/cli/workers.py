@@ -70,7 +70,7 @@ def check_shared(config: GatewayConfig, workers: int) -> None:
         )
 
 
-def _exit_now(_signum: int, _frame: FrameType | None) -> None:
+def exit_now(_signum: int, _frame: FrameType | None) -> None:
     raise SystemExit(0)
 
 
@@ -88,8 +88,10 @@ class Supervisor:
         *,
         bind: Callable[..., socket.socket],
         console: Console,
+        stop_grace: float = _STOP_GRACE_SECONDS,
     ) -> None:
         self.count = count
+        self.stop_grace = stop_grace  # from a stop signal to SIGKILL, per worker
         self.host = host
         self.worker = worker
         self.bind = bind  # (host, port, reuse_port=True) -> a bound socket, or Failed
@@ -121,8 +123,8 @@ class Supervisor:
                 # Until uvicorn takes them over (and after: it re-raises the one it stopped
                 # on), SIGINT / SIGTERM end the worker through its `finally` blocks, so its
                 # OTel SDK still flushes.
-                signal.signal(signal.SIGINT, _exit_now)
-                signal.signal(signal.SIGTERM, _exit_now)
+                signal.signal(signal.SIGINT, exit_now)
+                signal.signal(signal.SIGTERM, exit_now)
                 self.reservation.close()
                 os.close(self._ready_read)
                 # The worker's own errors are one line and an exit status, as `serve`'s.
@@ -256,7 +258,7 @@ class Supervisor:
 
     def _reap(self) -> None:
         """Every worker gone before the supervisor returns (SIGKILL after the grace)."""
-        deadline = time.monotonic() + _STOP_GRACE_SECONDS
+        deadline = time.monotonic() + self.stop_grace
         while self.children and time.monotonic() < deadline:
             for pid in list(self.children):
                 try:
