@@ -93,6 +93,33 @@ async def test_the_ceiling_and_the_deadline_are_named(caplog: pytest.LogCaptureF
     assert "deadline_ms" in error["message"]
 
 
+async def test_a_deadline_that_cuts_a_hang_names_the_timeout_that_would_let_it_fail_over() -> None:
+    # The defaults (deadline_ms 5000, first_byte_timeout_ms 30000) in small: a hanging
+    # primary is cut by the deadline before its own timer fires, so the walk never reaches
+    # the backup. Raising deadline_ms, but not above the timer, changes nothing; the message
+    # must name the timer, and following it must change the outcome.
+    async def answered(conf: Any) -> Any:
+        async with gateway_client(conf, environ=ENV) as client:
+            return await client.get("/v1/models")
+
+    async with (
+        upstream(status_handler(200, delay=2.0)) as p,
+        upstream(status_handler(200)) as b,
+    ):
+        first = await answered(config(p.url, b.url, deadline_ms=200))
+        raised = await answered(config(p.url, b.url, deadline_ms=400))
+        conf = config(p.url, b.url, deadline_ms=400)
+        conf["upstreams"]["primary"]["first_byte_timeout_ms"] = 100
+        followed = await answered(conf)
+    error = first.json()["error"]
+    assert (first.status_code, error["code"], error["rule"]) == (504, "deadline_exceeded",
+                                                                  "deadline")  # fmt: skip
+    assert "'primary'" in error["message"], error["message"]
+    assert "first_byte_timeout_ms (30000 ms)" in error["message"], error["message"]
+    assert raised.status_code == 504
+    assert (followed.status_code, followed.headers["x-gateway-provider"]) == (200, "backup")
+
+
 async def test_skipped_candidates_are_named_in_a_header_and_the_log_line(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -348,6 +348,21 @@ def _why_no_further_attempt(state: WalkState) -> tuple[str, str]:
     return "failover-class, and no further attempt is allowed", "not_allowed"
 
 
+def _cut_by_deadline(context: RequestContext) -> tuple[str, int] | None:
+    """The candidate and its first_byte_timeout_ms when the deadline ended its attempt
+    before its own timer would have: raising deadline_ms below that timer changes nothing,
+    since the walk moves on only once the attempt has failed."""
+    last = context.attempts[-1] if context.attempts else None
+    if last is None or last.responsible != "gateway" or last.duration is None:
+        return None
+    if last.failure_kind != "timeout" and last.fault not in ("hang", "blackhole"):
+        return None
+    upstream = context.upstreams.get(last.candidate)
+    if upstream is None or last.duration * 1000 >= upstream.first_byte_timeout_ms:
+        return None
+    return last.candidate, upstream.first_byte_timeout_ms
+
+
 # What would change each rule's answer: the configuration key (or caller header) to use.
 _REMEDY = {
     "not_buffered": "the body is larger than [gateway] replay_buffer, so it cannot be "
@@ -413,6 +428,16 @@ def error_message(decision: Decision, context: RequestContext) -> str:
             )
         return f"{message}; {remedy}" if remedy else message
     if decision.error == "deadline_exceeded":
+        waiting = _cut_by_deadline(context)
+        if waiting is not None:
+            name, timeout_ms = waiting
+            return (
+                f"the route deadline passed after {attempts} attempt(s), while {name!r} was "
+                f"still inside its first_byte_timeout_ms ({timeout_ms} ms): lower that below "
+                "the route's deadline_ms so that a hang ends in time for the next attempt, or "
+                f"raise deadline_ms above {timeout_ms} ms (or send a larger "
+                "x-gateway-deadline-ms, if the caller shortened it)"
+            )
         return (
             f"the route deadline passed after {attempts} attempt(s); raise the route's "
             "deadline_ms (or send a larger x-gateway-deadline-ms, if the caller shortened it)"
