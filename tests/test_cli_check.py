@@ -22,6 +22,7 @@ allow_hosts = ["127.0.0.1"]
 url = "http://127.0.0.1:9001"
 auth_env = "FMW_CHECK_PRIMARY"
 model = "gpt-4o-mini"
+first_byte_timeout_ms = 2000  # below the route deadline: a hang fails over
 
 [upstreams.backup]
 url = "http://127.0.0.1:9002/v1/"
@@ -93,6 +94,32 @@ def test_check_warns_about_a_configuration_without_routes(tmp_path: Path) -> Non
         "  warning: no routes: every request goes to the host app (serve: 404)",
         f"configuration {path} is valid: 0 route(s), 1 warning(s)",
     ]
+
+
+def test_check_warns_when_the_deadline_would_cut_a_hang_before_its_fallback(
+    tmp_path: Path,
+) -> None:
+    # The defaults: deadline_ms 5000, first_byte_timeout_ms 30000. A hanging primary is cut
+    # by the deadline (504) and the backup is never tried; the backup, last, is not named.
+    path = tmp_path / "gateway.toml"
+    body = (
+        '[upstreams.primary]\nurl = "http://127.0.0.1:9001"\n'
+        '[upstreams.backup]\nurl = "http://127.0.0.1:9002"\n'
+        '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["primary", "backup"]\nretries = 1\n'
+    )
+    path.write_text(body, encoding="utf-8")
+    result = check(path)
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stdout.splitlines() if "  warning: " in line]
+    assert warnings == [
+        "  warning: candidate 'primary' has first_byte_timeout_ms 30000, not below the route "
+        "deadline (5000 ms): a hang on it ends in 504 deadline_exceeded, never a fallback; "
+        "lower its first_byte_timeout_ms"
+    ]
+    assert result.stdout.rstrip().endswith("1 route(s), 1 warning(s)")
+    path.write_text(body.replace('9001"\n', '9001"\nfirst_byte_timeout_ms = 2000\n'), "utf-8")
+    result = check(path)
+    assert result.returncode == 0 and "warning" not in result.stdout, result.stdout
 
 
 def test_check_refuses_what_serve_refuses(tmp_path: Path) -> None:

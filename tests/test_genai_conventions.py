@@ -92,6 +92,7 @@ def test_check_warns_about_an_anthropic_candidate_without_529(tmp_path: Path) ->
     config = tmp_path / "gateway.toml"
     body = (
         '[upstreams.openai]\nurl = "http://127.0.0.1:9001"\nprovider = "openai"\n'
+        "first_byte_timeout_ms = 2000\n"
         '[upstreams.claude]\nurl = "http://127.0.0.1:9002"\nprovider = "anthropic"\n'
         '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["openai", "claude"]\nretries = 1\n'
     )

@@ -104,7 +104,7 @@ def _route_lines(
         extras.append(f"shadow {route.shadow} {route.shadow_percent}% {shadow.url}")
     if extras:
         lines.append("  " + "; ".join(extras))
-    lines += [f"  warning: {warning}" for warning in route_warnings(route, upstreams)]
+    lines += [f"  warning: {warning}" for warning in route_warnings(route, upstreams, default_ms)]
     return lines
 
 
@@ -113,10 +113,22 @@ def _route_lines(
 PROVIDER_TRANSIENT = {"anthropic": (529, "Anthropic's overloaded_error")}
 
 
-def route_warnings(route: RouteConfig, upstreams: Mapping[str, UpstreamConfig]) -> list[str]:
+def route_warnings(
+    route: RouteConfig, upstreams: Mapping[str, UpstreamConfig], default_ms: int
+) -> list[str]:
     """What is valid but probably not meant: a declared provider's transient status that
-    the route does not fail over on."""
+    the route does not fail over on; a candidate whose first-byte timeout the route
+    deadline cuts, so that a hang on it never reaches the next candidate."""
     warnings = []
+    deadline = effective_deadline_ms(route, default_ms)
+    for name in _followed(route):
+        timeout_ms = upstreams[name].first_byte_timeout_ms
+        if timeout_ms >= deadline:
+            warnings.append(
+                f"candidate {name!r} has first_byte_timeout_ms {timeout_ms}, not below the "
+                f"route deadline ({deadline} ms): a hang on it ends in 504 "
+                "deadline_exceeded, never a fallback; lower its first_byte_timeout_ms"
+            )
     for name in route.plan:
         provider = upstreams[name].provider
         if provider in PROVIDER_TRANSIENT and len(route.plan) > 1:
@@ -127,6 +139,17 @@ def route_warnings(route: RouteConfig, upstreams: Mapping[str, UpstreamConfig]) 
                     f"not in failover_status: add {status} to fail over when it is overloaded"
                 )
     return warnings
+
+
+def _followed(route: RouteConfig) -> list[str]:
+    """The candidates an attempt at which may be followed by another one."""
+    ceiling = route.attempt_ceiling
+    if ceiling <= 1:
+        return []
+    sequential = route.strategy == "sequential" and not route.canary_eligible
+    if sequential and ceiling <= len(route.plan):  # the last one within reach ends the walk
+        return list(route.plan[: ceiling - 1])
+    return list(route.plan)
 
 
 def check(args: argparse.Namespace, console: Console) -> None:
@@ -140,7 +163,7 @@ def check(args: argparse.Namespace, console: Console) -> None:
         source = "store" if route.id in from_store else "file"
         for line in _route_lines(route, merged.upstreams, source, settings.deadline_ms):
             console.print(line)
-        warnings += len(route_warnings(route, merged.upstreams))
+        warnings += len(route_warnings(route, merged.upstreams, settings.deadline_ms))
     if not merged.routes:
         console.print("  warning: no routes: every request goes to the host app (serve: 404)")
         warnings += 1
