@@ -387,17 +387,22 @@ _SKIP_REMEDY = {
 }
 
 
-def _route_exhausted(context: RequestContext) -> str:
-    skipped = ", ".join(f"{s.candidate} ({s.reason})" for s in context.skipped)
-    message = f"no candidate could be attempted: {skipped or 'none'} skipped"
+def _skip_remedy(context: RequestContext) -> str:
     reasons = dict.fromkeys(s.reason for s in context.skipped)
     remedies = [_SKIP_REMEDY[r] for r in reasons if r in _SKIP_REMEDY]
     remedies.append(f"a further upstream in the plan of route {context.route.id!r} would be tried")
-    return f"{message}; " + "; ".join(remedies)
+    return "; ".join(remedies)
+
+
+def _route_exhausted(context: RequestContext) -> str:
+    skipped = ", ".join(f"{s.candidate} ({s.reason})" for s in context.skipped)
+    return f"no candidate could be attempted: {skipped or 'none'} skipped; {_skip_remedy(context)}"
 
 
 def _remedy(rule: str | None, context: RequestContext) -> str:
     route, method = context.route, context.method
+    if rule == "no_candidate":
+        return f"{_REMEDY['no_candidate']}; {_skip_remedy(context)}"
     if rule == "not_replayable_method":
         hint = f'{method} is not replayable on route {route.id!r}: add "{method}" to its '
         hint += "replayable_methods"
