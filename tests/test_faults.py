@@ -125,6 +125,27 @@ async def test_fault_set_while_running_is_picked_up_and_cleared_by_one_command(
 
 
 @pytest.mark.anyio
+async def test_a_hang_fault_cut_by_the_deadline_names_the_timeout_to_lower(
+    store_url: str, pair: tuple[Upstream, Upstream]
+) -> None:
+    # The game day the docs warn about: a hang longer than the deadline gives 504, not a
+    # fallback. The 504 must say which setting would change that (SPEC §12).
+    primary, backup = pair
+    await cli("faults", "set", "hang", "--store", store_url, "--upstream", "primary", "--ttl", "60")
+    gateway = Gateway(
+        host_app, config=config(store_url, primary.url, backup.url, deadline_ms=150), environ={}
+    )
+    try:
+        response = await get(gateway)
+    finally:
+        await gateway.aclose()
+    error = response.json()["error"]
+    assert (response.status_code, error["code"]) == (504, "deadline_exceeded")
+    assert "'primary' was still inside its first_byte_timeout_ms (300 ms)" in error["message"]
+    assert backup.count == 0
+
+
+@pytest.mark.anyio
 async def test_hang_fault_waits_for_the_first_byte_timeout_then_fails_over(
     store_url: str, pair: tuple[Upstream, Upstream]
 ) -> None:

@@ -353,9 +353,10 @@ def _cut_by_deadline(context: RequestContext) -> tuple[str, int] | None:
     before its own timer would have: raising deadline_ms below that timer changes nothing,
     since the walk moves on only once the attempt has failed."""
     last = context.attempts[-1] if context.attempts else None
-    if last is None or last.responsible != "gateway" or last.duration is None:
+    if last is None or last.duration is None:
         return None
-    if last.failure_kind != "timeout" and last.fault not in ("hang", "blackhole"):
+    waited = last.fault in ("hang", "blackhole")  # injected: booked to the upstream
+    if not waited and (last.responsible, last.failure_kind) != ("gateway", "timeout"):
         return None
     upstream = context.upstreams.get(last.candidate)
     if upstream is None or last.duration * 1000 >= upstream.first_byte_timeout_ms:
