@@ -224,6 +224,25 @@ async def test_refused_post_is_one_attempt_and_a_local_502(tmp_path: Path) -> No
     )
 
 
+async def test_a_response_over_max_response_body_is_not_traced_as_served(
+    tmp_path: Path,
+) -> None:
+    async with (
+        upstream(status_handler(200, UPSTREAM_BODY)) as primary,
+        upstream(status_handler(200)) as backup,
+    ):
+        config = str(write_config(tmp_path, primary.url, backup.url,
+                                  gateway="max_response_body = 10"))  # fmt: skip
+        status, out, err = await request_cli("--config", config, "--route", "chat", "--json")
+    assert status == 1
+    no_leak(out, err)
+    trace = json.loads(out)
+    assert trace["client"]["error_code"] == "response_too_large"
+    # The trace agrees with what the client got: the attempt's answer was refused, not served.
+    assert attempts(trace) == [(1, "primary", 200, None, "upstream", "local_error")]
+    assert "max_response_body" in trace["steps"][0]["reason"]
+
+
 async def test_deadline_504_with_the_attempts_made(tmp_path: Path) -> None:
     async with upstream(status_handler(503)) as primary, silent_server() as (hanging, accepted):
         config = str(write_config(tmp_path, primary.url, hanging, route="deadline_ms = 400"))

@@ -31,11 +31,18 @@ async def commit(
     try:
         declared = content_length(response.headers)
         if declared is not None and declared > limit:
+            for attempt in reversed(context.attempts):
+                if attempt.candidate == name and attempt.decision == "serve":
+                    # The trace's account of this attempt: not served, refused here.
+                    attempt.decision = "local_error"
+                    attempt.reason = "the response is larger than max_response_body"
+                    break
             await send_error(
                 send,
                 context,
                 "response_too_large",
-                f"the upstream response exceeds max_response_body ({limit} bytes)",
+                f"the upstream response exceeds max_response_body ({limit} bytes); raise "
+                "[gateway] max_response_body to pass it",
             )
             return
         context.chosen = name
