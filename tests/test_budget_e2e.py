@@ -15,6 +15,7 @@ import httpx
 import pytest
 import uvicorn
 from aiohttp import web
+from anyio.abc import SocketStream
 
 from fallback_mw import Gateway
 from fallback_mw.config import BudgetConfig
@@ -64,6 +65,21 @@ def slow_sse(first_events: int, then_sleep: float) -> Handler:
     return handle
 
 
+async def stream_started(port: int) -> SocketStream:
+    """A chat POST on a raw connection, read until its 200 and first event have arrived."""
+    stream = await anyio.connect_tcp("127.0.0.1", port)
+    await stream.send(
+        b"POST /v1/chat HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+        b"content-length: 2\r\n\r\n{}"
+    )
+    head = b""
+    with anyio.fail_after(5):
+        while b"data:" not in head:
+            head += await stream.receive()
+    assert head.startswith(b"HTTP/1.1 200")
+    return stream
+
+
 async def test_client_leaving_mid_stream_leaves_no_hold(ledger_store: str) -> None:
     async with upstream(slow_sse(first_events=3, then_sleep=5)) as primary:
         gateway = Gateway(
@@ -73,16 +89,7 @@ async def test_client_leaving_mid_stream_leaves_no_hold(ledger_store: str) -> No
         assert ledger is not None
         try:
             async with serving(gateway) as port:
-                stream = await anyio.connect_tcp("127.0.0.1", port)
-                await stream.send(
-                    b"POST /v1/chat HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
-                    b"content-length: 2\r\n\r\n{}"
-                )
-                head = b""
-                with anyio.fail_after(5):
-                    while b"data:" not in head:
-                        head += await stream.receive()
-                assert head.startswith(b"HTTP/1.1 200")
+                stream = await stream_started(port)
                 status = await ledger.status("acme", BUDGET)
                 assert status.held == Decimal("0.01")  # the stream is in flight, held
                 await stream.aclose()  # the client leaves mid-stream
@@ -196,16 +203,7 @@ default_hold = 0.01
             config_path, port, log, options=("--timeout-graceful-shutdown", "1")
         ) as process:
             await wait_listening(process, port, log)
-            stream = await anyio.connect_tcp("127.0.0.1", port)
-            await stream.send(
-                b"POST /v1/chat HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
-                b"content-length: 2\r\n\r\n{}"
-            )
-            head = b""
-            with anyio.fail_after(5):
-                while b"data:" not in head:
-                    head += await stream.receive()
-            assert head.startswith(b"HTTP/1.1 200")
+            stream = await stream_started(port)
             started = anyio.current_time()
             process.send_signal(signal.SIGTERM)
             while process.poll() is None:
