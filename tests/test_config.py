@@ -128,6 +128,17 @@ def test_bad_values_are_explained() -> None:
     assert "credentials" in message and "pw" not in message
 
 
+@pytest.mark.parametrize(
+    "prefix", ["/v1/*", "/v1*", "/v1//", "//v1/", "/v1/?model=x", "/v1#a", "/v1\\"]
+)
+def test_a_prefix_that_could_never_match_is_refused(prefix: str) -> None:
+    # Requests match on the normalised path (no empty segments, no query or fragment, `\\`
+    # read as `/`) and a prefix is literal: each of these would be a route that never serves.
+    message = refused(base(prefix=prefix))
+    assert "routes['chat'].prefix" in message and "a prefix is literal" in message
+    assert load_config(base(prefix="/v1/chat"), environ=ENV).routes[0].prefix == "/v1/chat"
+
+
 def test_missing_file_and_bad_toml(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.toml")

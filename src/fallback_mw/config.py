@@ -306,6 +306,13 @@ class RouteConfig(_Strict):
             raise ValueError("must start with '/'")
         if any(seg in (".", "..") for seg in value.split("/")) or "%" in value:
             raise ValueError("must be a plain path without dot segments or percent-encoding")
+        # Requests are matched on the normalised path (no empty segments, `\\` read as `/`,
+        # no query or fragment): a prefix holding one of these could never match.
+        if "//" in value or any(char in value for char in "?#\\*"):
+            raise ValueError(
+                "must be a plain path: no '//', '?', '#', '\\' or '*' (a prefix is literal "
+                "and matches every path below it: '/v1/' takes /v1/chat/completions)"
+            )
         return value
 
     @field_validator("methods", "replayable_methods")
