@@ -132,6 +132,30 @@ def test_malformed_variable_names_are_refused_by_loader_and_store(
     assert err.count("\n") == 1
 
 
+def test_a_credential_pasted_as_auth_env_is_never_echoed(tmp_path: Path) -> None:
+    # The usual malformed "variable name" is the key itself: the refusal names the upstream
+    # and the key, never the value (SPEC §3: a secret is never printed).
+    key = "sk-proj-Zx81vQ3LmN0pRt7YwK2b"
+    config = {
+        "upstreams": {"primary": {"url": "http://127.0.0.1:9001", "auth_env": [key]}},
+        "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+    }
+    with pytest.raises(ConfigError) as info:
+        load_config(config, check_env=False)
+    message = str(info.value)
+    assert "upstream 'primary': auth_env" in message and key not in message
+    assert "never the credential itself" in message
+    status, _, err = run_cli(
+        "routes", "add", "--store", f"sqlite:///{tmp_path / 'k.db'}", "--id", "chat",
+        "--prefix", "/v1/", "--upstream", "http://127.0.0.1:9001", "--auth-env", key,
+    )  # fmt: skip
+    assert status == 2 and "auth_env" in err and key not in err
+    # A shell-style reference is a name: said how to write it.
+    config["upstreams"]["primary"]["auth_env"] = "${PRIMARY_KEY}"
+    with pytest.raises(ConfigError, match="write PRIMARY_KEY without the '\\$'"):
+        load_config(config, check_env=False)
+
+
 def test_well_formed_names_pass() -> None:
     for name in ("OPENAI_API_KEY", "_private", "k1", "K" * 128):
         rules.check_variable_name("x", name)

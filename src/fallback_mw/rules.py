@@ -135,10 +135,19 @@ def same_endpoint(a: str, b: str) -> bool:
 def check_variable_name(where: str, name: str) -> None:
     """A credential variable name must be a well-formed environment variable name."""
     if not isinstance(name, str) or _VARIABLE_NAME.fullmatch(name) is None:
-        # repr() of a malformed name shows control characters and non-UTF-8 bytes escaped.
+        # The value is not echoed: the usual malformed "name" is the credential itself
+        # (`auth_env = "sk-..."`), and this line reaches terminals, CI logs and the log.
+        text = name if isinstance(name, str) else ""
+        bare = text.removeprefix("$").removeprefix("{").removesuffix("}")
+        hint = (
+            f"; write {bare} without the '$'"
+            if text.startswith("$") and _VARIABLE_NAME.fullmatch(bare)
+            else "; it names the variable that holds the credential, never the credential "
+            "itself (the value is not shown)"
+        )
         raise ConfigError(
-            f"{where}: {name!r} is not a valid environment variable name "
-            "(letters, digits and _, not starting with a digit)"
+            f"{where} is not a valid environment variable name "
+            f"(letters, digits and _, not starting with a digit, at most 128){hint}"
         )
 
 
