@@ -122,6 +122,37 @@ def test_check_warns_when_the_deadline_would_cut_a_hang_before_its_fallback(
     assert result.returncode == 0 and "warning" not in result.stdout, result.stdout
 
 
+def test_check_warns_about_a_route_no_request_can_reach(tmp_path: Path) -> None:
+    # Same prefix and tenant as "chat", which comes first in the route table (the tie-break
+    # is the id) and takes every method: "chat2" is valid but dead. A POST-only route
+    # beside a GET-only one, or another tenant's route of the same prefix, is not.
+    path = tmp_path / "gateway.toml"
+    extra = (
+        '\n[[routes]]\nid = "chat2"\nprefix = "/v1/"\ntenant = "acme"\nplan = ["backup"]\n'
+        '\n[[routes]]\nid = "other"\nprefix = "/v1/"\ntenant = "beta"\nplan = ["backup"]\n'
+    )
+    path.write_text(CONFIG.format(store="") + extra, encoding="utf-8")
+    result = check(path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    warnings = [line for line in lines if line.startswith("  warning:")]
+    assert warnings == [
+        "  warning: no request can reach this route: 'chat' (same prefix and tenant, first in "
+        "the route table) takes every method it accepts; give it another prefix, tenant or "
+        "methods, or remove it"
+    ]
+    assert lines.index(warnings[0]) > lines.index(next(x for x in lines if "route chat2" in x))
+    assert lines[-1].endswith("is valid: 3 route(s), 1 warning(s)")
+    path.write_text(
+        CONFIG.format(store="").replace('replayable_methods = ["GET", "POST"]', 'methods = ["GET"]')
+        + extra.replace('plan = ["backup"]', 'plan = ["backup"]\nmethods = ["POST"]', 1),
+        encoding="utf-8",
+    )
+    result = check(path)
+    assert result.returncode == 0, result.stderr
+    assert "warning" not in result.stdout
+
+
 def test_check_refuses_what_serve_refuses(tmp_path: Path) -> None:
     path = tmp_path / "gateway.toml"
     path.write_text(CONFIG.format(store=""), encoding="utf-8")

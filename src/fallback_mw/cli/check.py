@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fallback_mw.cli.app import Console, leaf, run
 from fallback_mw.config import GatewayConfig, RouteConfig, UpstreamConfig, load_config
-from fallback_mw.routing import effective_deadline_ms
+from fallback_mw.routing import RouteTable, effective_deadline_ms
 from fallback_mw.store.routes import MergedRoutes, merge_routes, open_store
 from fallback_mw.store_url import parse_store_url
 
@@ -152,6 +152,29 @@ def _followed(route: RouteConfig) -> list[str]:
     return list(route.plan)
 
 
+def unreachable_routes(
+    routes: Sequence[RouteConfig], upstreams: Mapping[str, UpstreamConfig]
+) -> dict[str, str]:
+    """Route id -> why no request can ever reach it: routes of the same prefix and tenant
+    that come first in the route table (its tie-break is the id) take every method it
+    accepts. Valid, but almost always a copy-paste or a store route added over a file one."""
+    taken: dict[tuple[str, str | None], list[RouteConfig]] = {}
+    found: dict[str, str] = {}
+    for route in RouteTable(routes, upstreams).routes:
+        before = taken.setdefault((route.prefix, route.tenant), [])
+        methods = {method for earlier in before for method in earlier.accepted_methods}
+        if before and methods.issuperset(route.accepted_methods):
+            names = ", ".join(repr(earlier.id) for earlier in before)
+            verb = "takes" if len(before) == 1 else "take"
+            found[route.id] = (
+                f"no request can reach this route: {names} (same prefix and tenant, first in "
+                f"the route table) {verb} every method it accepts; give it another prefix, "
+                "tenant or methods, or remove it"
+            )
+        before.append(route)
+    return found
+
+
 def check(args: argparse.Namespace, console: Console) -> None:
     config = load_config(args.config)  # every refusal, unset variables included
     merged, from_store = _resolve(config)
@@ -159,11 +182,15 @@ def check(args: argparse.Namespace, console: Console) -> None:
     if settings.store is not None:
         console.print(f"store {parse_store_url(settings.store)}: {len(from_store)} route(s)")
     warnings = 0
+    unreachable = unreachable_routes(merged.routes, merged.upstreams)
     for route in merged.routes:
         source = "store" if route.id in from_store else "file"
         for line in _route_lines(route, merged.upstreams, source, settings.deadline_ms):
             console.print(line)
         warnings += len(route_warnings(route, merged.upstreams, settings.deadline_ms))
+        if route.id in unreachable:
+            console.print(f"  warning: {unreachable[route.id]}")
+            warnings += 1
     if not merged.routes:
         console.print("  warning: no routes: every request goes to the host app (serve: 404)")
         warnings += 1
