@@ -148,6 +148,14 @@ def test_missing_file_and_bad_toml(tmp_path: Path) -> None:
         load_config(bad)
 
 
+def test_a_file_saved_with_a_byte_order_mark_loads(tmp_path: Path) -> None:
+    # Windows editors (Notepad, PowerShell 5's Out-File -Encoding utf8) start UTF-8 with a
+    # BOM; tomllib refused it as "Invalid statement (at line 1, column 1)".
+    path = tmp_path / "gateway.toml"
+    path.write_bytes(b"\xef\xbb\xbf[gateway]\ndeadline_ms = 3000\n")
+    assert load_config(path).gateway.deadline_ms == 3000
+
+
 def test_state_and_store_urls_are_checked_at_load() -> None:
     data = base()
     data["gateway"] = {"state": "bogus://x"}

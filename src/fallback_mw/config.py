@@ -492,6 +492,9 @@ def read_config_file(path: Path) -> dict[str, Any]:
         raise ConfigError(
             f"configuration file {name} is not UTF-8 text (invalid byte at offset {exc.start})"
         ) from None
+    # A UTF-8 byte order mark (Notepad, PowerShell 5's `Out-File -Encoding utf8`) is not TOML:
+    # tomllib's "Invalid statement (at line 1, column 1)" would point at nothing visible.
+    text = text.removeprefix("\ufeff")
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
