@@ -139,6 +139,14 @@ def test_a_prefix_that_could_never_match_is_refused(prefix: str) -> None:
     assert load_config(base(prefix="/v1/chat"), environ=ENV).routes[0].prefix == "/v1/chat"
 
 
+@pytest.mark.parametrize("status", [200, 204, 101])
+def test_a_success_in_failover_status_is_refused(status: int) -> None:
+    # A 2xx there would fail over on every success, booking each one to the breaker.
+    message = refused(base(failover_status=[status, 503]))
+    assert "routes['chat'].failover_status" in message and f"{status} is not a failure" in message
+    assert load_config(base(failover_status=[307, 429, 503]), environ=ENV)
+
+
 def test_missing_file_and_bad_toml(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.toml")

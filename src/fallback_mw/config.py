@@ -326,6 +326,11 @@ class RouteConfig(_Strict):
         for status in value:
             if not 100 <= status <= 599:
                 raise ValueError(f"{status} is not an HTTP status")
+            if status < 300:  # a 2xx would fail over (and mark the breaker) on every success
+                raise ValueError(
+                    f"{status} is not a failure: list the statuses that should move the walk "
+                    "on, e.g. 429, 500, 502, 503, 504, 529 (a 1xx as the final answer always does)"
+                )
         return value
 
     @property
