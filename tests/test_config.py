@@ -147,6 +147,22 @@ def test_a_success_in_failover_status_is_refused(status: int) -> None:
     assert load_config(base(failover_status=[307, 429, 503]), environ=ENV)
 
 
+@pytest.mark.parametrize(
+    "header",
+    ["bad header", "authorization:", "", "x-api-key\r\nx-injected: 1", "host", "content-length",
+     "transfer-encoding", "connection", "x-gateway-key"],
+)  # fmt: skip
+def test_an_auth_header_that_cannot_carry_the_credential_is_refused(header: str) -> None:
+    # Before, these loaded: a malformed name failed every attempt at that upstream as a
+    # local 502, and a framing field (host, content-length, ...) sent the key in its place.
+    data = base()
+    data["upstreams"]["backup"]["auth_header"] = header
+    message = refused(data)
+    assert "upstreams.backup.auth_header" in message
+    data["upstreams"]["backup"]["auth_header"] = " X-Backup_Token "
+    assert load_config(data, environ=ENV).upstreams["backup"].auth_header == "x-backup_token"
+
+
 def test_missing_file_and_bad_toml(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.toml")

@@ -19,7 +19,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from fallback_mw import extras, rules
 from fallback_mw.rules import ConfigError as ConfigError  # re-exported: its public home
-from fallback_mw.security import DEFAULT_STRIP_HEADERS, DEFAULT_STRIP_QUERY_KEYS, is_legacy_ipv4
+from fallback_mw.security import (
+    DEFAULT_STRIP_HEADERS,
+    DEFAULT_STRIP_QUERY_KEYS,
+    GATEWAY_HEADER_PREFIX,
+    HOP_BY_HOP_HEADERS,
+    RECOMPUTED_HEADERS,
+    is_legacy_ipv4,
+)
 from fallback_mw.store_url import is_redis_url
 
 MAX_PLAN_LENGTH = 8
@@ -153,6 +160,8 @@ class GatewaySettings(_Strict):
 
 
 _HOST_NAME = re.compile(r"[a-z0-9_]([a-z0-9_-]{0,62})(\.[a-z0-9_]([a-z0-9_-]{0,62}))*\.?")
+# An HTTP field name (RFC 9110 §5.1: a token), lower-cased.
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9a-z]+")
 
 
 def _valid_host(host: str) -> bool:
@@ -215,7 +224,21 @@ class UpstreamConfig(_Strict):
     @field_validator("auth_header")
     @classmethod
     def _header(cls, value: str) -> str:
-        return value.strip().lower()
+        name = value.strip().lower()
+        if _HEADER_NAME.fullmatch(name) is None:
+            raise ValueError(
+                "must be an HTTP header name (letters, digits and !#$%&'*+-.^_`|~, no spaces "
+                "or ':'), e.g. authorization or x-api-key"
+            )
+        field = name.encode()
+        if field in HOP_BY_HOP_HEADERS or field in RECOMPUTED_HEADERS:
+            raise ValueError(
+                f"{name} is a connection or framing field the upstream client sets itself; "
+                "the credential needs a header of its own (authorization, x-api-key, ...)"
+            )
+        if field.startswith(GATEWAY_HEADER_PREFIX):
+            raise ValueError("x-gateway-* headers are the gateway's own")
+        return name
 
     @field_validator("proxy")
     @classmethod
