@@ -163,6 +163,19 @@ def test_an_auth_header_that_cannot_carry_the_credential_is_refused(header: str)
     assert load_config(data, environ=ENV).upstreams["backup"].auth_header == "x-backup_token"
 
 
+def test_auth_scheme_is_trimmed_and_a_control_character_refused() -> None:
+    # "Bearer " sent "Bearer  <key>"; "Bearer\r\n" loaded and failed every attempt as a
+    # local 502 (the client library refused the header).
+    data = base()
+    data["upstreams"]["backup"]["auth_scheme"] = "Bearer "
+    assert load_config(data, environ=ENV).upstreams["backup"].auth_scheme == "Bearer"
+    data["upstreams"]["backup"]["auth_scheme"] = " "
+    assert load_config(data, environ=ENV).upstreams["backup"].auth_scheme == ""
+    for scheme in ("Bearer\r\n", "Bearer\x00", "Bé\u2028"):
+        data["upstreams"]["backup"]["auth_scheme"] = scheme
+        assert "upstreams.backup.auth_scheme" in refused(data)
+
+
 def test_missing_file_and_bad_toml(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.toml")

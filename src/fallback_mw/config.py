@@ -25,6 +25,7 @@ from fallback_mw.security import (
     GATEWAY_HEADER_PREFIX,
     HOP_BY_HOP_HEADERS,
     RECOMPUTED_HEADERS,
+    header_value_problem,
     is_legacy_ipv4,
 )
 from fallback_mw.store_url import is_redis_url
@@ -239,6 +240,17 @@ class UpstreamConfig(_Strict):
         if field.startswith(GATEWAY_HEADER_PREFIX):
             raise ValueError("x-gateway-* headers are the gateway's own")
         return name
+
+    @field_validator("auth_scheme")
+    @classmethod
+    def _scheme(cls, value: str) -> str:
+        # Sent as "<scheme> <credential>": a trailing space would double the separator, and
+        # a control character would fail every attempt here at request time.
+        scheme = value.strip(" \t")
+        problem = header_value_problem(scheme)
+        if problem is not None:
+            raise ValueError(f"cannot start a header value: it {problem}")
+        return scheme
 
     @field_validator("proxy")
     @classmethod
