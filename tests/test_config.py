@@ -163,6 +163,17 @@ def test_an_auth_header_that_cannot_carry_the_credential_is_refused(header: str)
     assert load_config(data, environ=ENV).upstreams["backup"].auth_header == "x-backup_token"
 
 
+@pytest.mark.parametrize("key", ["tenant_header", "session_header"])
+def test_a_tenant_or_session_header_that_no_request_can_carry_is_refused(key: str) -> None:
+    # "x tenant" or "x-tenant-id:" loaded and matched no request: tenant routes never
+    # served, canary and affinity silently off.
+    for header in ("x tenant", "x-tenant-id:", ""):
+        data = {**base(), "gateway": {key: header}}
+        assert f"gateway.{key}" in refused(data)
+    data = {**base(), "gateway": {key: " X-Org "}}
+    assert getattr(load_config(data, environ=ENV).gateway, key) == "x-org"
+
+
 def test_auth_scheme_is_trimmed_and_a_control_character_refused() -> None:
     # "Bearer " sent "Bearer  <key>"; "Bearer\r\n" loaded and failed every attempt as a
     # local 502 (the client library refused the header).

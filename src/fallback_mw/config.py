@@ -131,7 +131,7 @@ class GatewaySettings(_Strict):
     @field_validator("tenant_header", "session_header")
     @classmethod
     def _lower(cls, value: str) -> str:
-        return value.strip().lower()
+        return _header_name(value)  # a malformed one would match no request, silently
 
     @field_validator("state")
     @classmethod
@@ -163,6 +163,17 @@ class GatewaySettings(_Strict):
 _HOST_NAME = re.compile(r"[a-z0-9_]([a-z0-9_-]{0,62})(\.[a-z0-9_]([a-z0-9_-]{0,62}))*\.?")
 # An HTTP field name (RFC 9110 §5.1: a token), lower-cased.
 _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9a-z]+")
+
+
+def _header_name(value: str) -> str:
+    """A configured header name, lower-cased; ValueError unless it is an HTTP field name."""
+    name = value.strip().lower()
+    if _HEADER_NAME.fullmatch(name) is None:
+        raise ValueError(
+            "must be an HTTP header name (letters, digits and !#$%&'*+-.^_`|~, no spaces "
+            "or ':'), e.g. authorization or x-api-key"
+        )
+    return name
 
 
 def _valid_host(host: str) -> bool:
@@ -225,12 +236,7 @@ class UpstreamConfig(_Strict):
     @field_validator("auth_header")
     @classmethod
     def _header(cls, value: str) -> str:
-        name = value.strip().lower()
-        if _HEADER_NAME.fullmatch(name) is None:
-            raise ValueError(
-                "must be an HTTP header name (letters, digits and !#$%&'*+-.^_`|~, no spaces "
-                "or ':'), e.g. authorization or x-api-key"
-            )
+        name = _header_name(value)
         field = name.encode()
         if field in HOP_BY_HOP_HEADERS or field in RECOMPUTED_HEADERS:
             raise ValueError(
