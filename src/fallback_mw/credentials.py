@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from functools import lru_cache
 
 from fallback_mw.config import UpstreamConfig
 from fallback_mw.request.context import RequestContext
@@ -62,19 +63,29 @@ def without_echoed_credentials(
 ) -> list[tuple[bytes, bytes]]:
     """Response fields less any that carry a credential of upstream `name` (an upstream
     echoing what the gateway injected must not hand a provider key to the caller)."""
-    found = (context.credentials or {}).get(name, ())
+    found = (context.credentials or {}).get(name)
     upstream = context.upstreams.get(name)
     if not found or upstream is None:
         return headers
-    skip = len(upstream.auth_scheme) + 1 if upstream.auth_scheme else 0
-    secrets = [
+    secrets = _echo_secrets(found, upstream.auth_scheme)
+    if not secrets:
+        return headers
+    joined = b"\n".join([value for _, value in headers])  # one search when none is there
+    if not any(secret in joined for secret in secrets):
+        return headers
+    return [(k, v) for k, v in headers if all(secret not in v for secret in secrets)]
+
+
+@lru_cache(maxsize=256)
+def _echo_secrets(found: tuple[tuple[str, str] | None, ...], scheme: str) -> tuple[bytes, ...]:
+    """The secrets behind one upstream's credential values (the scheme cut off), as bytes;
+    the ones too short to search for left out. Per credential table, not per request."""
+    skip = len(scheme) + 1 if scheme else 0
+    return tuple(
         value[skip:].encode("latin-1", "replace")
         for _, value in filter(None, found)
         if len(value) - skip >= MIN_ECHOED_SECRET
-    ]
-    if not secrets:
-        return headers
-    return [(k, v) for k, v in headers if all(v.find(secret) < 0 for secret in secrets)]
+    )
 
 
 class CredentialCache:

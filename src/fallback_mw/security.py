@@ -206,6 +206,7 @@ def forwardable_request_headers(
 READABLE_CODINGS = frozenset({b"gzip", b"x-gzip", b"deflate"})
 
 
+@lru_cache(maxsize=64)
 def readable_accept_encoding(value: bytes) -> bytes:
     """The caller's `Accept-Encoding` less the codings the usage meter cannot read (`br`,
     `zstd`, `*`...): an answer in one of those would hide its usage from the budget and

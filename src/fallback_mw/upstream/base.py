@@ -76,11 +76,12 @@ def check_response_head(status: int, headers: Sequence[tuple[bytes, bytes]]) -> 
     this sees them. Raises UpstreamError("protocol")."""
     if not 200 <= status <= 599:
         raise UpstreamError("protocol", "first_byte", "the upstream status cannot be relayed")
+    # One search over every value (a tab between them is allowed in a value anyway).
+    if _CTL_IN_VALUE.search(b"\t".join([value for _, value in headers])) is not None:
+        raise UpstreamError("protocol", "first_byte", "a response field cannot be relayed")
     lengths: list[bytes] = []
     codings: list[bytes] = []
     for name, value in headers:
-        if _CTL_IN_VALUE.search(value) is not None:
-            raise UpstreamError("protocol", "first_byte", "a response field cannot be relayed")
         lower = name.lower()
         if lower == b"content-length":
             lengths.append(value.strip())
