@@ -632,6 +632,27 @@ async def test_tenant_routes_and_longest_prefix() -> None:
     assert deep.headers["x-gateway-route"] == "deep"
 
 
+async def test_a_tenant_outside_ascii_matches_its_route_as_written() -> None:
+    """Header values are UTF-8 on the wire (both engines forward them so): the tenant
+    `café` in the file is the one a caller sends, not `cafÃ©` (read as latin-1)."""
+    async with upstream(status_handler(200, b"p")) as p, upstream(status_handler(200, b"b")) as b:
+        config = make_config(p.url, b.url)
+        config["routes"] = [
+            {"id": "generic", "prefix": "/v1/", "plan": ["primary"]},
+            {"id": "cafe", "prefix": "/v1/", "tenant": "café", "plan": ["backup"]},
+        ]
+        gateway = Gateway(host_app, config=config, environ=ENV)
+        async with client_for(gateway) as client:
+            cafe = await client.get("/v1/models", headers=[(b"x-tenant-id", "café".encode())])
+            other = await client.get("/v1/models", headers=[(b"x-tenant-id", b"caf\xc3")])
+        await gateway.aclose()
+    assert (cafe.status_code, cafe.headers["x-gateway-route"]) == (200, "cafe")
+    # Not UTF-8: no route of a tenant matches it, and the request is refused before any
+    # upstream (SPEC §12: a field value that is not UTF-8 is a 400).
+    assert other.status_code == 400
+    assert (p.count, b.count) == (0, 1)
+
+
 async def test_interleaved_requests_never_see_each_others_state() -> None:
     release = asyncio.Event()
 

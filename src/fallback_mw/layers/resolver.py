@@ -63,7 +63,11 @@ def _headers(scope: Scope, names: tuple[bytes, ...]) -> list[str | None]:
             for index, name in enumerate(names):
                 if name == lower and not seen[index]:
                     seen[index] = True
-                    found[index] = value.decode("latin-1").strip() or None
+                    try:  # UTF-8, as the engines forward it and as the config names it
+                        text = value.decode()
+                    except UnicodeDecodeError:  # refused with a 400 before any upstream
+                        text = value.decode("latin-1")
+                    found[index] = text.strip() or None
     return found
 
 
