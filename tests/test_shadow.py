@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from fallback_mw import ConfigError, Gateway, load_config
 from fallback_mw.shadow import in_shadow_slice
 from fallback_mw.telemetry import Telemetry
-from tests.helpers import client_for
+from tests.helpers import client_for, http_scope
 from tests.upstreams import host_app, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
@@ -301,3 +301,45 @@ async def test_no_copy_while_the_shadow_breaker_is_open(recorded: Recorded) -> N
             await gateway.aclose()
     assert shadow.count == 2  # two 503s opened its breaker; no packet after that
     assert recorded.shadow_outcomes() == {"failed": 2, "breaker_open": 2}
+
+
+async def test_a_response_aborted_after_the_commit_is_not_copied(recorded: Recorded) -> None:
+    """Only served requests are copied: a response cut short after its head went to the
+    client (a reset mid-body) was not served, so the shadow gets nothing."""
+
+    async def breaks_mid_stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(status=200, headers={"content-type": "text/plain"})
+        await response.prepare(request)
+        await response.write(b"partial-")
+        await asyncio.sleep(0.05)
+        assert request.transport is not None
+        request.transport.abort()
+        return response
+
+    async with upstream(breaks_mid_stream) as primary, upstream(status_handler(200)) as shadow:
+        gateway = Gateway(
+            host_app, config=config(primary.url, shadow.url), environ=ENV,
+            telemetry=recorded.telemetry,
+        )  # fmt: skip
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            if not sent:
+                return {"type": "http.request", "body": b"", "more_body": False}
+            await asyncio.sleep(3600)
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        headers = [(k.encode(), v.encode()) for k, v in CALLER.items()]
+        try:
+            await gateway(http_scope("GET", "/v1/chat", headers=headers), receive, send)
+            await asyncio.sleep(0.2)
+            assert gateway.services.shadows.in_flight == 0
+        finally:
+            await gateway.aclose()
+    assert sent[0]["status"] == 200
+    assert not any(m.get("more_body") is False for m in sent)  # aborted, never ended
+    assert shadow.count == 0
+    assert recorded.shadow_outcomes() == {}

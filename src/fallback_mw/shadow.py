@@ -51,13 +51,15 @@ def in_shadow_slice(route: RouteConfig, session: str | None, salt: str) -> bool:
 
 def should_shadow(context: RequestContext, body: RequestBody, salt: str) -> str | None:
     """The shadow candidate to copy this request to, or None. Called once the client's
-    response has started."""
+    response has ended."""
     route = context.route
     name = route.shadow
     if name is None or name not in context.upstreams:
         return None
-    if not context.committed or context.chosen is None:
-        return None  # only after an upstream's answer went to the client
+    if not context.completed or context.chosen is None:
+        # Only after an upstream's answer went to the client whole: a response cut short
+        # after the commit (a reset, over max_response_body) was not served.
+        return None
     replayable = is_replayable(
         route, context.method, buffered=body.buffered is not None, headers=context.forward_headers
     )
