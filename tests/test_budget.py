@@ -93,6 +93,22 @@ def test_anthropic_sse_cumulative_output() -> None:
     assert (usage.input_tokens, usage.output_tokens, usage.model) == (12, 9, "claude-x")
 
 
+def test_openai_responses_sse_usage_in_response_completed() -> None:
+    """The OpenAI Responses API (`/v1/responses`, a `chat` operation) streams its usage
+    inside the final `response.completed` event's `response` object."""
+    stream = (
+        b"event: response.created\n"
+        b'data: {"type":"response.created","response":{"model":"gpt-4o-mini","usage":null}}\n\n'
+        b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta"}\n\n'
+        b"event: response.completed\n"
+        b'data: {"type":"response.completed","response":{"model":"gpt-4o-mini",'
+        b'"usage":{"input_tokens":12,"output_tokens":5,"total_tokens":17}}}\n\n'
+    )
+    for size in (1, 9, len(stream)):
+        usage = meter_over(split_every(stream, size), SSE)
+        assert (usage.input_tokens, usage.output_tokens, usage.model) == (12, 5, "gpt-4o-mini")
+
+
 def test_other_content_and_garbage_report_nothing() -> None:
     assert meter_over([b'{"usage":{"prompt_tokens":1}}'], b"text/plain") == Usage()
     assert meter_over([b"data: {not json\n\n", b"\xff\xfe\n\n"], SSE) == Usage()

@@ -6,9 +6,10 @@ settles `tpm` from it, telemetry reports it. It sits below the layers for that r
 
 OpenAI reports `usage.prompt_tokens` / `usage.completion_tokens`; Anthropic reports
 `usage.input_tokens` / `usage.output_tokens` (in a stream: `message_start` carries the
-input count, `message_delta` the cumulative output count). JSON bodies are parsed once
-they end, if they fit in `json_cap`; a larger body is only searched near its end, where
-both providers put `usage`. SSE is parsed line by line, keeping at most one event.
+input count, `message_delta` the cumulative output count); the OpenAI Responses API's
+stream reports them in the final `response.completed` event's `response`. JSON bodies
+are parsed once they end, if they fit in `json_cap`; a larger body is only searched near
+its end, where the providers put `usage`. SSE is parsed line by line, keeping at most one event.
 
 A body with `Content-Encoding: gzip` / `deflate` (a caller may ask for one) is read
 decoded, up to `MAX_DECODED` bytes; the walker narrows the caller's `Accept-Encoding` to
@@ -169,10 +170,13 @@ class UsageMeter:
     def _apply_document(self, document: Any) -> None:
         if not isinstance(document, dict):
             return
-        message = document.get("message")  # Anthropic `message_start`
-        if isinstance(message, dict):
-            self._apply_model(message.get("model"))
-            self._apply_usage(message.get("usage"))
+        # Anthropic `message_start` nests it in `message`; the OpenAI Responses API's
+        # stream in `response` (`response.created`, `response.completed`).
+        for key in ("message", "response"):
+            nested = document.get(key)
+            if isinstance(nested, dict):
+                self._apply_model(nested.get("model"))
+                self._apply_usage(nested.get("usage"))
         self._apply_model(document.get("model"))
         self._apply_usage(document.get("usage"))
 
