@@ -100,3 +100,52 @@ async def test_canary_through_the_gateway() -> None:
             await gateway.aclose()
     assert 45 <= len(canary) <= 105, len(canary)  # 300 sessions at 25 %: mean 75
     assert backup.count == 2 * len(canary)
+
+
+class PinSource:
+    """A fault source holding one `pin` (as the store would after a plan change)."""
+
+    def __init__(self, pinned: str) -> None:
+        self.pinned = pinned
+
+    async def upstream_fault(self, upstream: str) -> None:
+        return None
+
+    async def pinned_candidate(self, route_id: str) -> str | None:
+        return self.pinned
+
+    async def aclose(self) -> None:
+        return None
+
+
+@pytest.mark.anyio
+async def test_a_pin_outside_the_plan_changes_nothing_not_even_the_canary() -> None:
+    """A pin applies only to a candidate of the route's plan (one the plan has since lost
+    is ignored); ignored, it must not switch the canary slice off either."""
+    async with (
+        upstream(status_handler(200, b"primary")) as primary,
+        upstream(status_handler(200, b"backup")) as backup,
+    ):
+        config = {
+            "gateway": {"canary_salt": SALT},
+            "upstreams": {"primary": {"url": primary.url}, "backup": {"url": backup.url}},
+            "routes": [
+                {
+                    "id": "chat",
+                    "prefix": "/v1/",
+                    "plan": ["primary", "backup"],
+                    "retries": 1,
+                    "canary_eligible": True,
+                    "canary_percent": 100.0,
+                }
+            ],
+        }
+        gateway = Gateway(host_app, config=config, environ={}, faults=PinSource("removed"))
+        try:
+            async with client_for(gateway) as client:
+                response = await client.get("/v1/chat", headers={"x-session-id": "user-1"})
+        finally:
+            await gateway.aclose()
+    assert response.text == "backup"
+    assert response.headers.get("x-gateway-canary") == "1"
+    assert "x-gateway-fault" not in response.headers

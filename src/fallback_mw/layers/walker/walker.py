@@ -127,7 +127,7 @@ class _Walk:
         pinned = await walker.faults.pinned_candidate(self.route.id)
         if pinned is not None and pinned in self.route.plan:
             context.pinned = pinned
-        context.canary = pinned is None and is_canary(
+        context.canary = context.pinned is None and is_canary(
             self.route, context.session, walker.settings.canary_salt
         )
         context.candidates = candidate_order(
