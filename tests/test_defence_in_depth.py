@@ -9,6 +9,7 @@ keeps the rewritten model with a consistent Content-Length.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 from collections.abc import AsyncIterator, Iterator
@@ -176,6 +177,32 @@ async def test_a_primary_without_its_credential_is_skipped_and_costs_no_attempt(
     assert response.headers["x-gateway-attempts"] == "1"
     assert ("authorization", f"Bearer {ENV['BACKUP_KEY']}") in b.received[0].headers
     assert all(value != "Bearer caller" for _, value in b.received[0].headers)
+
+
+async def test_a_hedge_never_goes_out_without_its_credential() -> None:
+    """A hedge at a pool upstream uses another credential of the pool; one whose variable
+    is unset at run time (a rotation) is never used: the hedge is not started, and the
+    first attempt runs on. Never a request without its credential."""
+    calls = 0
+
+    async def first_slow(request: web.Request) -> web.StreamResponse:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            await asyncio.sleep(0.4)
+        return web.Response(text=f"answer {calls}")
+
+    async with upstream(first_slow) as p, upstream(status_handler(200, b"b")) as b:
+        conf = config_for(p.url, b.url, retries=2, hedge_after_ms=50)
+        conf["upstreams"]["primary"]["auth_env"] = ["PRIMARY_KEY", "PRIMARY_KEY_2"]
+        walker, app = layers(conf, {"PRIMARY_KEY": ENV["PRIMARY_KEY"]})
+        async with client_for(app) as client:
+            response = await client.get("/v1/models", headers={"authorization": "Bearer caller"})
+        await walker.aclose()
+    assert (response.status_code, response.text) == (200, "answer 1")
+    assert response.headers["x-gateway-attempts"] == "1"
+    assert p.count == 1 and b.count == 0
+    assert ("authorization", f"Bearer {ENV['PRIMARY_KEY']}") in p.received[0].headers
 
 
 # --- no backoff between different candidates ------------------------------------------------

@@ -147,8 +147,8 @@ class CandidateCursor:
                 name, pool, exclude=frozenset(self.used.get(name, ())), session=self.session,
                 selection=upstream.selection,
             )  # fmt: skip
-            if credential_index is None:
-                return None
+            if credential_index is None or not self.has_credential(name, credential_index):
+                return None  # never sent without its credential (unset at run time)
         verdict = await self.gate(name, upstream, True)
         if isinstance(verdict, str):
             if verdict != "breaker_open":  # e.g. the primary attempt is the half-open probe
