@@ -412,3 +412,35 @@ async def test_a_callers_copy_of_a_store_upstreams_auth_header_is_stripped(
     assert response.status_code == 200
     sent = [v for n, v in target.received[0].headers if n == "x-custom-key"]
     assert sent == ["sk-custom-real"]
+
+
+def test_remove_repairs_a_store_route_whose_id_the_file_defines(
+    tmp_path: Path, store_url: str
+) -> None:
+    # `routes add --store` cannot see the file, so it stores an id the file defines; every
+    # gateway then refuses its reloads. The operator's usual `--config` must remove it.
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        f"""
+[gateway]
+store = "{store_url}"
+
+[upstreams.primary]
+url = "http://127.0.0.1:9001"
+
+[[routes]]
+id = "chat"
+prefix = "/v1/"
+plan = ["primary"]
+""",
+        encoding="utf-8",
+    )
+    add = ["routes", "add", "--store", store_url, "--id", "chat", "--prefix", "/api/"]
+    assert run_cli(*add, "--upstream", "http://127.0.0.1:9005")[0] == 0
+    remove = ["routes", "remove", "--config", str(config), "--id", "chat"]
+    assert run_cli(*remove) == (0, "route 'chat' removed\n", "")
+    status, out, _ = run_cli("routes", "list", "--config", str(config))
+    assert status == 0 and out == "chat\tfile\t/v1/\tretries=0\tprimary=http://127.0.0.1:9001\n"
+    # Now only the file defines it: refused as before, nothing to remove.
+    status, _, err = run_cli(*remove)
+    assert status == 2 and "defined in the config file" in err

@@ -191,10 +191,12 @@ def routes_list(args: argparse.Namespace, console: Console) -> None:
 
 def routes_remove(args: argparse.Namespace, console: Console) -> None:
     async def work(target: StoreTarget, store: RouteStore) -> str:
+        # The store's copy first: one whose id the file defines too (added with --store
+        # alone) makes every gateway refuse its reloads, and removing it is the repair.
+        if await store.remove_route(args.id):
+            return f"route {args.id!r} removed"
         _store_owned(target, args.id)
-        if not await store.remove_route(args.id):
-            raise Failed(f"no route {args.id!r} in the store")
-        return f"route {args.id!r} removed"
+        raise Failed(f"no route {args.id!r} in the store")
 
     console.print(_with_store(args, work))
 
