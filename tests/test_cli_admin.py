@@ -444,3 +444,35 @@ plan = ["primary"]
     # Now only the file defines it: refused as before, nothing to remove.
     status, _, err = run_cli(*remove)
     assert status == 2 and "defined in the config file" in err
+
+
+@pytest.mark.anyio
+async def test_faults_set_with_store_alone_warns_about_a_name_the_store_does_not_know(
+    store_url: str,
+) -> None:
+    # With --store alone the file's upstreams are invisible, so a typo ('primray') cannot be
+    # refused; it is stored (a file's upstream may be meant) with a warning naming what the
+    # store knows. A name no upstream or route can have is refused, whatever the store.
+    async with failing_chat_route(store_url):
+        s = ["--store", store_url]
+        status, out, err = await cli(
+            "faults", "set", "fail", *s, "--upstream", "primray", "--ttl", "60"
+        )
+        assert status == 0 and out.startswith("fault set: fail upstream 'primray'")
+        assert err == (
+            "fallback-mw: warning: upstream 'primray' is not in the store (it has: "
+            "chat-primary); a config file's names cannot be checked with --store alone: "
+            "pass --config FILE to check it\n"
+        )
+        known = await cli("faults", "set", "fail", *s, "--upstream", "chat-primary", "--ttl", "60")
+        assert known[0] == 0 and known[2] == ""
+        pin = ["faults", "set", "pin", *s, "--candidate", "chat-primary", "--ttl", "60"]
+        status, _, err = await cli(*pin, "--route", "caht")
+        assert status == 0 and "warning: route 'caht' is not a store route (it has: chat)" in err
+        for odd in (["--upstream", "a\nb"], ["--upstream", "x y"]):
+            status, out, err = await cli("faults", "set", "hang", *s, *odd, "--ttl", "60")
+            assert (status, out) == (2, "") and "upstream id" in err and "not allowed" in err
+        status, _, err = await cli(*pin[:-2], "--route", "c\td", "--ttl", "60")
+        assert status == 2 and "route id" in err
+        listed = (await cli("faults", "list", *s))[1].splitlines()
+        assert len(listed) == 3, listed

@@ -47,6 +47,11 @@ class Console:
         self.out.write(line + "\n")
         self.out.flush()
 
+    def warning(self, message: str) -> None:
+        """One line on stderr beside a result that stands (exit status unchanged)."""
+        self.err.write(f"{PROG}: warning: {' '.join(str(message).split())}\n")
+        self.err.flush()
+
     def error(self, message: str) -> None:
         # One line, whatever the message holds (a multi-line error would break the rule).
         text = " ".join(str(message).split()) or "failed"

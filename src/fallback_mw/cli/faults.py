@@ -8,6 +8,7 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
+from fallback_mw import rules
 from fallback_mw.cli.app import Console, Refused, leaf, run
 from fallback_mw.cli.target import StoreTarget, resolve, store_options
 from fallback_mw.faults import UPSTREAM_FAULTS
@@ -35,7 +36,8 @@ async def _names(target: StoreTarget, store: RouteStore) -> tuple[dict[str, Any]
 
 def _fault(args: argparse.Namespace, routes: dict[str, Any], upstreams: set[str]) -> Fault:
     """The fault the arguments describe, checked against the names the CLI can see (with
-    --store alone a file's routes and upstreams are invisible, so names are taken as given)."""
+    --store alone a file's routes and upstreams are invisible: an unknown name is stored with
+    a warning, `_unchecked`)."""
     # The expiry is computed once, here, and is what is stored and printed.
     expires_at = round(time.time() + args.ttl, 3)
     if args.kind == "pin":
@@ -43,6 +45,9 @@ def _fault(args: argparse.Namespace, routes: dict[str, Any], upstreams: set[str]
             raise Refused("faults set pin needs --route ID and --candidate NAME")
         if args.upstream is not None:
             raise Refused("faults set pin takes --route and --candidate, not --upstream")
+        # A name no route or upstream can have (SPEC §12) would never match anything.
+        rules.check_id("route", args.route)
+        rules.check_id("upstream", args.candidate)
         plan = routes.get(args.route)
         if plan is None and args.config is not None:
             raise Refused(f"unknown route {args.route!r}")
@@ -56,9 +61,27 @@ def _fault(args: argparse.Namespace, routes: dict[str, Any], upstreams: set[str]
         raise Refused(f"faults set {args.kind} needs --upstream NAME")
     if args.route is not None or args.candidate is not None:
         raise Refused(f"faults set {args.kind} takes --upstream only")
+    rules.check_id("upstream", args.upstream)
     if args.upstream not in upstreams and args.config is not None:
         raise Refused(f"unknown upstream {args.upstream!r}")
     return Fault(args.kind, args.upstream, expires_at)
+
+
+def _unchecked(fault: Fault, routes: dict[str, Any], upstreams: set[str]) -> str | None:
+    """With --store alone, a name the store does not know may be a file's (invisible here)
+    or a typo that faults nothing: stored, with a warning naming what the store knows."""
+    if fault.scope == "route":
+        if fault.target in routes:
+            return None
+        what, known = f"route {fault.target!r} is not a store route", sorted(routes)
+    else:
+        if fault.target in upstreams:
+            return None
+        what, known = f"upstream {fault.target!r} is not in the store", sorted(upstreams)
+    return (
+        f"{what} (it has: {', '.join(known) or 'none'}); a config file's names cannot be "
+        "checked with --store alone: pass --config FILE to check it"
+    )
 
 
 def faults_set(args: argparse.Namespace, console: Console) -> None:
@@ -66,15 +89,17 @@ def faults_set(args: argparse.Namespace, console: Console) -> None:
         raise Refused(f"--ttl must be between 1 and {MAX_TTL_SECONDS} seconds")
     target = resolve(args)
 
-    async def work() -> tuple[Fault, Fault | None]:
+    async def work() -> tuple[Fault, Fault | None, str | None]:
         store = open_store(target.url)
         try:
-            fault = _fault(args, *await _names(target, store))
-            return fault, await store.set_fault(fault, replace=args.replace)
+            routes, upstreams = await _names(target, store)
+            fault = _fault(args, routes, upstreams)
+            warning = None if target.from_file else _unchecked(fault, routes, upstreams)
+            return fault, await store.set_fault(fault, replace=args.replace), warning
         finally:
             await store.aclose()
 
-    fault, active = run(work)
+    fault, active, warning = run(work)
     if active is not None:
         raise Refused(
             f"a {active.kind} fault is already active on {_target(active)} until "
@@ -87,6 +112,8 @@ def faults_set(args: argparse.Namespace, console: Console) -> None:
         else f"{fault.kind} upstream {fault.target!r}"
     )
     console.print(f"fault set: {what} until {expiry_text(fault.expires_at)}")
+    if warning is not None:
+        console.warning(warning)
 
 
 def _target(fault: Fault) -> str:
