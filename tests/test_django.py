@@ -280,6 +280,14 @@ def test_missing_setting_is_improperly_configured() -> None:
         pytest.raises(ImproperlyConfigured, match="typo"),
     ):
         GatewayMiddleware(django_view)
+    # {"config": os.environ.get("GATEWAY_CONFIG")} with the variable unset, or a typo'd
+    # value: named, not a bare TypeError from deep inside the loader.
+    for source in (None, 42, ["gateway.toml"]):
+        with (
+            override_settings(FALLBACK_MW={"config": source}),
+            pytest.raises(ImproperlyConfigured, match=r'FALLBACK_MW\["config"\] must be a path'),
+        ):
+            GatewayMiddleware(django_view)
 
 
 def test_missing_credential_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:

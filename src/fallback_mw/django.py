@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from http.cookies import SimpleCookie
 from typing import Any
@@ -44,6 +45,7 @@ try:
 except ImportError:
     raise missing_extra("django", "fallback_mw.django") from None
 
+from fallback_mw.config import GatewayConfig
 from fallback_mw.gateway import Gateway
 from fallback_mw.request.abort import break_response
 from fallback_mw.request.types import Message, Receive, Scope, Send
@@ -112,7 +114,14 @@ def _config_source() -> Any:
     unknown = sorted(set(options) - {"config"})
     if unknown:
         raise ImproperlyConfigured(f"fallback_mw: unknown FALLBACK_MW key(s): {unknown}")
-    return options["config"]
+    source = options["config"]
+    # e.g. {"config": os.environ.get("GATEWAY_CONFIG")} with the variable unset: None.
+    if not isinstance(source, str | os.PathLike | Mapping | GatewayConfig):
+        raise ImproperlyConfigured(
+            'fallback_mw: FALLBACK_MW["config"] must be a path to the gateway TOML, a dict '
+            f"or a GatewayConfig, not {type(source).__name__}"
+        )
+    return source
 
 
 class GatewayMiddleware:
