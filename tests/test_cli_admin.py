@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from fallback_mw import Gateway
+from fallback_mw import ConfigError, Gateway, load_config
 from fallback_mw.cli import main
 from fallback_mw.store.model import StoredRoute
 from fallback_mw.store.routes import open_store
@@ -198,6 +198,22 @@ def test_routes_add_with_a_tenant(store_url: str) -> None:
     assert out == "route 'acme-chat' added (tenant acme): acme-chat-primary\n"
     _, out, _ = run_cli("routes", "list", "--store", store_url)
     assert out.startswith("acme-chat\tstore\t/v1/\ttenant=acme\tretries=0\t")
+
+
+@pytest.mark.parametrize("tenant", ["", " acme", "acme ", "a\nb", "a\tb", "a\x7fb", "a\x9bb"])
+def test_a_tenant_no_request_can_carry_is_refused(store_url: str, tenant: str) -> None:
+    # The tenant header's value is stripped and an empty one is tenant "default": these
+    # routes could never serve, and a line break split the one-line-per-route listing.
+    status, out, err = run_cli(
+        "routes", "add", "--store", store_url, "--id", "t", "--prefix", "/v1/",
+        "--tenant", tenant, "--upstream", "http://127.0.0.1:1",
+    )  # fmt: skip
+    assert (status, out) == (2, "") and "tenant" in err and len(err.splitlines()) == 1
+    assert run_cli("routes", "list", "--store", store_url)[1] == "no routes\n"
+    file_route = {"id": "t", "prefix": "/v1/", "plan": ["p"], "tenant": tenant}
+    config = {"upstreams": {"p": {"url": "http://127.0.0.1:1"}}, "routes": [file_route]}
+    with pytest.raises(ConfigError, match="tenant"):
+        load_config(config)
 
 
 @pytest.mark.anyio

@@ -356,6 +356,22 @@ class RouteConfig(_Strict):
             )
         return value
 
+    @field_validator("tenant")
+    @classmethod
+    def _tenant(cls, value: str | None) -> str | None:
+        # Matched against the tenant header's value, stripped and never empty (empty is
+        # tenant "default"), which no control character can be part of: such a tenant could
+        # never match, and a line break would split `routes list` / `check` lines.
+        if value is None:
+            return None
+        control = any(c < " " or "\x7f" <= c <= "\x9f" for c in value)
+        if not value or value != value.strip() or control:
+            raise ValueError(
+                "must be a tenant header value: not empty, no surrounding spaces, no control "
+                "characters (omit tenant for a route that serves every tenant)"
+            )
+        return value
+
     @field_validator("methods", "replayable_methods")
     @classmethod
     def _upper(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
