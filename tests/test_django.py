@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -335,5 +336,61 @@ async def test_cancelled_request_cancels_the_walk_and_starts_no_fallback() -> No
             await asyncio.sleep(0.6)
             assert backup.count == 0
             assert primary.count == 1
+        finally:
+            await middleware.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_client_gone_is_recorded_as_client_disconnected(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Django cancels the request's task when the client leaves, before the response head
+    # or mid-stream. The Gateway must hear a disconnect, as under any server, and record
+    # `client_disconnected`, not an unexplained `internal_error` in logs, spans and metrics.
+    arrived = asyncio.Event()
+
+    async def slow_stream(request: web.Request) -> web.StreamResponse:
+        arrived.set()
+        if request.path == "/v1/head":
+            await asyncio.sleep(30)
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b"data: one\n\n")
+        await asyncio.sleep(30)
+        return response
+
+    async def read_all(response: Any, first: asyncio.Event) -> None:
+        async for _ in response:
+            first.set()
+
+    async with upstream(slow_stream) as primary, upstream(status_handler(200)) as backup:
+        with override_settings(FALLBACK_MW={"config": gateway_config(primary, backup)}):
+            middleware = GatewayMiddleware(django_view)
+        try:
+            with caplog.at_level(logging.INFO, logger="fallback_mw.request"):
+                response = await middleware(AsyncRequestFactory().get("/v1/stream"))
+                first = asyncio.Event()
+                reader = asyncio.create_task(read_all(response, first))
+                with anyio.fail_after(5):
+                    await first.wait()
+                reader.cancel()
+                with anyio.fail_after(2), pytest.raises(asyncio.CancelledError):
+                    await reader
+                arrived.clear()
+                request_task = asyncio.create_task(
+                    middleware(AsyncRequestFactory().get("/v1/head"))
+                )
+                with anyio.fail_after(5):
+                    await arrived.wait()
+                request_task.cancel()
+                with anyio.fail_after(2), pytest.raises(asyncio.CancelledError):
+                    await request_task
+            outcomes = [
+                r.getMessage().split("outcome=")[1].split()[0]
+                for r in caplog.records
+                if r.name == "fallback_mw.request"
+            ]
+            assert outcomes == ["client_disconnected", "client_disconnected"]
+            assert backup.count == 0
         finally:
             await middleware.aclose()

@@ -19,7 +19,7 @@ adapter bridges one Django request to it:
 
 Limits of the bridge: Django's response headers are a case-insensitive mapping, so a
 repeated upstream header is joined with ", " (Set-Cookie goes through response.cookies);
-client disconnects reach the Gateway as cancellation when Django cancels the request.
+a client that leaves (Django cancels the request) reaches the Gateway as `http.disconnect`.
 Under WSGI, wrap nothing: serve Django over ASGI, or put `Gateway(get_asgi_application(),
 config=...)` in asgi.py, which needs no adapter at all.
 """
@@ -31,7 +31,7 @@ import contextlib
 import os
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.cookies import SimpleCookie
 from typing import Any
 
@@ -52,6 +52,7 @@ from fallback_mw.request.types import Message, Receive, Scope, Send
 
 _EXCHANGE_KEY = "fallback_mw.django.exchange"
 _BODY_CHUNK = 64 * 1024
+_GONE_GRACE = 1.0  # seconds the Gateway has to wind a walk down after the client left
 
 GetResponse = Callable[[HttpRequest], Awaitable[HttpResponseBase]]
 
@@ -84,18 +85,34 @@ class _Exchange:
     queue: asyncio.Queue[Message | _End]
     passthrough: bool = False
     body_done: bool = False
+    gone: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def receive(self) -> Message:
         if self.body_done:
-            # Nothing more will arrive; a disconnect reaches the Gateway as cancellation.
-            await asyncio.Event().wait()
+            # Nothing more will arrive but the client leaving (Django cancels the request).
+            await self.gone.wait()
+            return {"type": "http.disconnect"}
         chunk = self.request.read(_BODY_CHUNK)
         more = len(chunk) == _BODY_CHUNK  # a short read is the end of the spooled body
         self.body_done = not more
         return {"type": "http.request", "body": chunk, "more_body": more}
 
-    async def send(self, message: Message) -> None:
-        await self.queue.put(message)
+    async def send(self, message: Message | _End) -> None:
+        if not self.gone.is_set():  # nobody reads the queue once the client left
+            await self.queue.put(message)
+
+    async def client_gone(self, task: asyncio.Task[None]) -> None:
+        """Django cancelled the request (the client left): tell the Gateway as a server
+        would, with `http.disconnect`, so its walk stops and records a client gone (not a
+        cancelled, unexplained request); cancel what is still running after a moment."""
+        self.gone.set()
+        while not self.queue.empty():
+            self.queue.get_nowait()
+        try:
+            if not task.done():
+                await asyncio.wait({task}, timeout=_GONE_GRACE)
+        finally:
+            await _cancel(task)  # cancelled again while waiting: never leave it running
 
 
 async def _to_django(scope: Scope, receive: Receive, send: Send) -> None:
@@ -154,15 +171,15 @@ class GatewayMiddleware:
             try:
                 await self.gateway(scope, exchange.receive, exchange.send)
             except Exception as exc:
-                await queue.put(_End(exc))
+                await exchange.send(_End(exc))
             else:
-                await queue.put(_End())
+                await exchange.send(_End())
 
         task = asyncio.create_task(run())
         try:
             first = await queue.get()
         except BaseException:
-            await _cancel(task)
+            await exchange.client_gone(task)
             raise
         if isinstance(first, _End):
             await task
@@ -171,7 +188,7 @@ class GatewayMiddleware:
             if exchange.passthrough:
                 return await self.get_response(request)
             raise RuntimeError("fallback_mw: the gateway returned without a response")
-        return _streaming_response(first, queue, task, base_scope)
+        return _streaming_response(first, exchange, task, base_scope)
 
     async def aclose(self) -> None:
         await self.gateway.aclose()
@@ -221,9 +238,10 @@ async def _no_send(message: Message) -> None:
 
 
 def _streaming_response(
-    start: Message, queue: asyncio.Queue[Message | _End], task: asyncio.Task[None],
-    scope: Scope,
-) -> StreamingHttpResponse:  # fmt: skip
+    start: Message, exchange: _Exchange, task: asyncio.Task[None], scope: Scope
+) -> StreamingHttpResponse:
+    queue = exchange.queue
+
     async def body() -> AsyncIterator[bytes]:
         complete = False
         try:
@@ -243,7 +261,8 @@ def _streaming_response(
                 # After the last chunk keep reading: the Gateway settles budgets and
                 # records telemetry before it returns (_End).
         finally:
-            await _cancel(task)
+            if not task.done():  # Django stopped reading: the client left mid-response
+                await exchange.client_gone(task)
 
     response = StreamingHttpResponse(body(), status=start["status"])
     del response.headers["Content-Type"]  # only what the Gateway sent
