@@ -42,6 +42,25 @@ async def test_schema_version_wal_and_newer_schema_refused(tmp_path: Path) -> No
 
 
 @pytest.mark.anyio
+async def test_a_store_file_that_cannot_be_migrated_is_a_store_error(tmp_path: Path) -> None:
+    # A file this package cannot write its schema into (read-only, not a database it made,
+    # /dev/null): a StoreError naming the file and SQLite's reason, which the CLI prints as
+    # one line (exit 1) and the gateway refuses to start on. The raw sqlite3 error reached
+    # the CLI as "unexpected internal error (OperationalError)".
+    odd = tmp_path / "odd.db"
+    with sqlite3.connect(odd) as conn:
+        conn.execute("CREATE TABLE fmw_schema (x)")
+    for path, reason in ((str(odd), "no such column: version"), ("/dev/null", "")):
+        with pytest.raises(StoreError, match=f"cannot open the SQLite store {path}: {reason}"):
+            await SqliteStore(path).load_routes()
+    status, out, err = await cli("routes", "list", "--store", f"sqlite:///{odd}")
+    assert (status, out) == (1, "")
+    assert (
+        err == f"fallback-mw: error: cannot open the SQLite store {odd}: no such column: version\n"
+    )
+
+
+@pytest.mark.anyio
 async def test_records_round_trip_and_counters_move_on_every_change(tmp_path: Path) -> None:
     store = SqliteStore(str(tmp_path / "s.db"))
     original = stored("a", "http://127.0.0.1:1", retries=2, canary_eligible=True)

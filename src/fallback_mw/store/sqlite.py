@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
 import time
 from collections.abc import Callable
@@ -54,14 +55,19 @@ class SqliteStore:
         self._migrated = False
 
     def _connect(self) -> sqlite3.Connection:
+        conn: sqlite3.Connection | None = None
         try:
             conn = connect_wal(self.path, timeout=5.0)
-        except sqlite3.Error as exc:
-            raise StoreError(f"cannot open the SQLite store: {exc}") from None
-        conn.execute("PRAGMA busy_timeout = 5000")
-        if not self._migrated:
-            self._migrate(conn)
-            self._migrated = True
+            conn.execute("PRAGMA busy_timeout = 5000")
+            if not self._migrated:  # a read-only file fails here, at its first write
+                self._migrate(conn)
+                self._migrated = True
+        except BaseException as exc:
+            if conn is not None:
+                conn.close()
+            if isinstance(exc, sqlite3.Error):
+                raise StoreError(f"cannot open the SQLite store {self.path}: {exc}") from None
+            raise
         return conn
 
     def _migrate(self, conn: sqlite3.Connection) -> None:
@@ -81,7 +87,8 @@ class SqliteStore:
             )
             conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            with contextlib.suppress(sqlite3.Error):  # never hide why the migration failed
+                conn.execute("ROLLBACK")
             raise
 
     async def _run(self, operation: Callable[[sqlite3.Connection], T]) -> T:
