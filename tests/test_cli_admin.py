@@ -492,3 +492,19 @@ async def test_faults_set_with_store_alone_warns_about_a_name_the_store_does_not
         assert status == 2 and "route id" in err
         listed = (await cli("faults", "list", *s))[1].splitlines()
         assert len(listed) == 3, listed
+
+
+def test_a_route_id_too_long_for_its_derived_upstream_names_is_refused_clearly(
+    store_url: str,
+) -> None:
+    # A route id may have 128 characters, but `<id>-fallback` must fit in 128 too: the
+    # refusal names the route id's own limit, not an upstream id the operator never typed.
+    add = ["routes", "add", "--store", store_url, "--prefix", "/x/"]
+    status, out, err = run_cli(*add, "--id", "L" * 128, "--upstream", "http://127.0.0.1:1")
+    assert (status, out) == (2, "")
+    assert "the id is too long for the upstream names derived from it" in err
+    assert "use at most 119 characters" in err and len(err.splitlines()) == 1
+    status, out, err = run_cli(*add, "--id", "L" * 119, "--upstream", "http://127.0.0.1:1")
+    assert status == 0, err
+    fallback = ["--store", store_url, "--id", "L" * 119, "--upstream", "http://127.0.0.1:2"]
+    assert run_cli("routes", "set-fallback", *fallback, "--retries", "1")[0] == 0

@@ -29,7 +29,8 @@ from fallback_mw.security import (
 _VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 # Route and upstream ids go into response headers, spans, logs and terminal output.
-_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+MAX_ID_LENGTH = 128  # route and upstream ids
+_ID = re.compile(rf"[A-Za-z0-9_.:-]{{1,{MAX_ID_LENGTH}}}")
 
 
 class ConfigError(ValueError):

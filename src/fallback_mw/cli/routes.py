@@ -70,6 +70,13 @@ def _store_owned(target: StoreTarget, route_id: str) -> None:
 def routes_add(args: argparse.Namespace, console: Console) -> None:
     where = f"route {args.id!r}"
     rules.check_id("route", args.id)  # before the upstream names derived from it
+    longest = fallback_name(args.id)  # the longer derived name, kept fit for set-fallback
+    if len(longest) > rules.MAX_ID_LENGTH:
+        raise Refused(
+            f"{where}: the id is too long for the upstream names derived from it ({longest!r}"
+            f" is over {rules.MAX_ID_LENGTH} characters); use at most "
+            f"{rules.MAX_ID_LENGTH - len(longest) + len(args.id)} characters"
+        )
     rules.check_fallback_credentials(
         where, args.fallback, args.fallback_auth_header, args.fallback_auth_env
     )
