@@ -30,7 +30,7 @@ from asgiref.sync import iscoroutinefunction
 from django.core.exceptions import ImproperlyConfigured
 from django.core.handlers.asgi import ASGIHandler
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
-from django.test import AsyncRequestFactory, RequestFactory, override_settings
+from django.test import AsyncClient, AsyncRequestFactory, RequestFactory, override_settings
 from django.urls import path
 
 from fallback_mw.django import GatewayAborted, GatewayMiddleware, aclose_gateways
@@ -177,6 +177,41 @@ async def test_repeated_headers_and_cookies_survive_the_bridge(
     assert response.headers.get_list("x-multi") == ["a, b"]
     assert response.cookies["flavour"] == "oat"
     assert response.headers["content-type"] == "text/plain"  # as sent, no Django default
+
+
+@pytest.mark.anyio
+async def test_set_cookie_lines_are_relayed_as_the_upstream_wrote_them(
+    django_site: Any, closing: None
+) -> None:
+    # Re-parsed through SimpleCookie, `Partitioned` and a JSON value were dropped, and
+    # `Priority=High` became a second cookie; two cookies of one name collapsed into one.
+    sent = [
+        "chips=1; Path=/; Secure; HttpOnly; SameSite=None; Partitioned",
+        "pri=1; Path=/; Priority=High",
+        'prefs={"a":1}; Path=/',
+        "__cf_bm=abc.def-1; path=/; expires=Wed, 21 Oct 2037 07:28:00 GMT; HttpOnly; Secure",
+        "sid=a; Path=/v1/",
+        "sid=b; Path=/v2/",
+    ]
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        response = web.Response(body=b"ok", content_type="text/plain")
+        for line in sent:
+            response.headers.add("set-cookie", line)
+        return response
+
+    async with upstream(handler) as primary, upstream(status_handler(200)) as backup:
+        app = django_site(gateway_config(primary, backup))
+        async with client_for(app) as client:
+            response = await client.get("/v1/cookie")
+        # Django's own test client reads response.cookies: names and values as sent.
+        relayed = (await AsyncClient().get("/v1/cookie")).cookies
+    assert response.status_code == 200
+    assert sorted(response.headers.get_list("set-cookie")) == sorted(sent)
+    assert sorted((m.key, m.value) for m in relayed.values()) == [
+        ("__cf_bm", "abc.def-1"), ("chips", "1"), ("prefs", '{"a":1}'), ("pri", "1"),
+        ("sid", "a"), ("sid", "b"),
+    ]  # fmt: skip
 
 
 # --- the bridge driven directly, with Django request objects ----------------------------

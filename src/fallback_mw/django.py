@@ -18,7 +18,7 @@ adapter bridges one Django request to it:
   which Django takes quietly: no traceback per abort, under any server.
 
 Limits of the bridge: Django's response headers are a case-insensitive mapping, so a
-repeated upstream header is joined with ", " (Set-Cookie goes through response.cookies);
+repeated upstream header is joined with ", " (each Set-Cookie line is relayed as written);
 a client that leaves (Django cancels the request) reaches the Gateway as `http.disconnect`.
 Under WSGI, wrap nothing: serve Django over ASGI, or put `Gateway(get_asgi_application(),
 config=...)` in asgi.py, which needs no adapter at all.
@@ -30,9 +30,9 @@ import asyncio
 import contextlib
 import os
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Container, Mapping
 from dataclasses import dataclass, field
-from http.cookies import SimpleCookie
+from http.cookies import Morsel, SimpleCookie
 from typing import Any
 
 from fallback_mw.extras import missing_extra
@@ -270,11 +270,31 @@ def _streaming_response(
     return response
 
 
+class _RelayedCookie(Morsel[str]):
+    """One upstream `Set-Cookie`, relayed as the upstream wrote it. Django sends only
+    `response.cookies` as Set-Cookie, and re-parsing through SimpleCookie drops a cookie
+    with an attribute it does not know (`Partitioned`) or a JSON value, and splits one
+    with `Priority=High` into two cookies."""
+
+    def __init__(self, raw: str) -> None:
+        super().__init__()
+        self.raw = raw
+        # key / value for readers of response.cookies (Django's test client), unchecked.
+        name, _, value = raw.split(";", 1)[0].partition("=")
+        self._key, self._value, self._coded_value = name.strip(), value.strip(), value.strip()
+
+    def output(self, attrs: Container[str] | None = None, header: str = "Set-Cookie:") -> str:
+        return f"{header} {self.raw}"
+
+
 def _copy_headers(headers: Any, response: StreamingHttpResponse) -> None:
     for raw_name, raw_value in headers:
         name = raw_name.decode("latin-1")
         value = raw_value.decode("latin-1")
-        if name.lower() == "set-cookie":
+        if name.lower() == "set-cookie" and value.isascii():
+            # Keyed by the whole line: two cookies of one name (other paths) both go out.
+            dict.__setitem__(response.cookies, value, _RelayedCookie(value))
+        elif name.lower() == "set-cookie":
             cookie: SimpleCookie = SimpleCookie()
             cookie.load(value)
             for key, morsel in cookie.items():
