@@ -26,6 +26,7 @@ from tests.upstreams import host_app, status_handler, upstream
 pytestmark = pytest.mark.anyio
 
 ENV = {"PRIMARY_KEY": "sk-primary-0001", "SHADOW_KEY": "sk-shadow-0002"}
+CALLER_TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 CALLER = {"authorization": "Bearer sk-caller-9999", "x-session-id": "user-1"}
 
 
@@ -107,7 +108,9 @@ async def test_a_copy_reaches_the_shadow_with_its_own_credential_and_never_the_c
         )  # fmt: skip
         try:
             async with client_for(gateway) as client:
-                response = await client.get("/v1/chat?q=1", headers=CALLER)
+                response = await client.get(
+                    "/v1/chat?q=1", headers={**CALLER, "traceparent": CALLER_TRACEPARENT}
+                )
             shadows = gateway.services.shadows
             await settled(gateway, lambda: shadow.count == 1 and not shadows.in_flight)
         finally:
@@ -131,6 +134,12 @@ async def test_a_copy_reaches_the_shadow_with_its_own_credential_and_never_the_c
     assert shadow_span.parent is not None
     assert shadow_span.parent.span_id == spans["gateway.request"].context.span_id
     assert spans["gateway.request"].attributes["gateway.attempts"] == 1  # type: ignore[index]
+    # The copy carries its own span's context, in the caller's trace: the shadow upstream's
+    # server span hangs off gateway.shadow, not off the caller's span.
+    (traceparent,) = [v for k, v in copy.headers if k.lower() == "traceparent"]
+    trace_id, parent_id = traceparent.split("-")[1:3]
+    assert trace_id == CALLER_TRACEPARENT.split("-")[1]
+    assert parent_id == format(shadow_span.context.span_id, "016x")
 
 
 async def test_a_hanging_shadow_does_not_delay_the_client_and_shutdown_cancels_it() -> None:

@@ -138,7 +138,8 @@ class ShadowTraffic:
     ) -> None:
         result = ShadowResult("cancelled")
         try:
-            result = await self._copy(name, context, body, parsed)
+            with self.telemetry.shadow_scope(span):
+                result = await self._copy(name, context, body, parsed)
         except asyncio.CancelledError:
             raise  # shutdown: recorded below as cancelled
         except Exception:  # a copy must never surface anywhere: it is only measured

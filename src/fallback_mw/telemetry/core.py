@@ -6,7 +6,7 @@ import contextlib
 import contextvars
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, propagate, trace
@@ -251,6 +251,22 @@ class Telemetry:
         except Exception:
             _internal.debug("shadow_started failed", exc_info=False)
             return None
+
+    @contextlib.contextmanager
+    def shadow_scope(self, span: trace.Span | None) -> Iterator[None]:
+        """Within it (a shadow copy's own task), `span` is this task's current span and no
+        attempt is: the copy propagates its `gateway.shadow` span's context upstream, not
+        the caller's `traceparent`."""
+        if span is None:
+            yield
+            return
+        attempt = _current_attempt.set(None)
+        token = otel_context.attach(trace.set_span_in_context(span))
+        try:
+            yield
+        finally:
+            otel_context.detach(token)
+            _current_attempt.reset(attempt)
 
     def shadow_finished(
         self,
