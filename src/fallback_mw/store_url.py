@@ -56,6 +56,9 @@ def parse_store_url(url: str) -> StoreURL:
         path = url[len("sqlite:///") :]
         if not path:
             raise StoreURLError("sqlite store URL needs a path: sqlite:///gateway.db")
+        if "?" in path or "#" in path:
+            # No option is read from it: `?mode=ro` would become part of the file's name.
+            raise StoreURLError("sqlite store URL takes no query or fragment: sqlite:///gateway.db")
         return StoreURL("sqlite", path)
     if url.startswith(("postgresql://", "postgres://")):
         _check_hosts(url, "store")

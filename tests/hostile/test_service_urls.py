@@ -36,6 +36,9 @@ def base(**gateway: Any) -> dict[str, Any]:
         ("store", "postgresql://u:PW-SECRET@[bad/db", "["),
         ("store", "postgresql://u:PW-SECRET@127.0.0.1:99999/db", "port"),
         ("store", "postgresql://u:PW-SECRET@h1:5432,h2:x/db", "port"),
+        # SQLite options are not read: the query would become part of the file's name.
+        ("store", "sqlite:///gateway.db?mode=ro", "query"),
+        ("store", "sqlite:///gateway.db#PW-SECRET", "query"),
     ],
 )
 def test_a_malformed_service_url_is_refused_by_name(key: str, url: str, says: str) -> None:
