@@ -148,14 +148,28 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "layers/walker/cursor.py",
-                "if credential_index is None or not self.has_credential(name, credential_index):",
-                "if credential_index is None:",
+                "if credential_index is None or not self.has_credential(name, credential_index):"
+                "\n                    # A pool a fault emptied",
+                "if credential_index is None:\n                    # A pool a fault emptied",
             ),
         ),
         (
             ASKS + "test_a_backup_without_its_credential_is_skipped_never_sent_bare",
             ASKS + "test_a_primary_without_its_credential_is_skipped_and_costs_no_attempt",
         ),
+    ),
+    Mutant(
+        "hedge_credential_skip_removed",
+        "a hedge whose pool credential is unset at run time is not started, never sent bare",
+        (
+            (
+                "layers/walker/cursor.py",
+                "if credential_index is None or not self.has_credential(name, credential_index):"
+                "\n                return None",
+                "if credential_index is None:\n                return None",
+            ),
+        ),
+        (ASKS + "test_a_hedge_never_goes_out_without_its_credential",),
     ),
     Mutant(
         "backoff_between_candidates",
