@@ -68,6 +68,19 @@ def test_usage_errors_exit_2_with_one_line(args: list[str]) -> None:
     assert_one_error_line(run(*args), 2)
 
 
+@pytest.mark.parametrize(
+    ("args", "verb"),
+    [
+        (["budgets", "show", "--bogus"], "budgets show"),
+        (["faults", "list", "--store", "sqlite:///x.db", "--bogus"], "faults list"),
+        (["check", "--config", "x.toml", "extra"], "check"),
+    ],
+)
+def test_an_unknown_argument_is_named_with_its_verb(args: list[str], verb: str) -> None:
+    line = assert_one_error_line(run(*args), 2)
+    assert line.startswith(f"fallback-mw: error: {verb}: unrecognized arguments: "), line
+
+
 @pytest.mark.slow
 def test_refusals_exit_2_with_one_line(tmp_path: Path) -> None:
     store = f"sqlite:///{tmp_path / 's.db'}"

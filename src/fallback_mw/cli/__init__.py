@@ -60,7 +60,11 @@ def main(
     args_list = list(sys.argv[1:] if argv is None else argv)
     try:
         argv_is_text(args_list)
-        args = build_parser().parse_args(args_list)
+        parser = build_parser()
+        args, unknown = parser.parse_known_args(args_list)
+        if unknown:  # named with the verb they were given to, as its other usage errors
+            verb_parser = getattr(args, "verb_parser", parser)
+            verb_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     except Refused as exc:
         console.error(str(exc))
         return EXIT_REFUSED

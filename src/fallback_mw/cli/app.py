@@ -79,7 +79,7 @@ def leaf(
     parser: argparse.ArgumentParser = verbs.add_parser(
         name, help=help_text, description=help_text, **kwargs
     )
-    parser.set_defaults(handler=handler)
+    parser.set_defaults(handler=handler, verb_parser=parser)
     return parser
 
 
