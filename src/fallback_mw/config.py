@@ -26,6 +26,7 @@ from fallback_mw.security import (
     HOP_BY_HOP_HEADERS,
     RECOMPUTED_HEADERS,
     header_value_problem,
+    is_field_name,
     is_legacy_ipv4,
 )
 from fallback_mw.store_url import is_redis_url
@@ -161,14 +162,12 @@ class GatewaySettings(_Strict):
 
 
 _HOST_NAME = re.compile(r"[a-z0-9_]([a-z0-9_-]{0,62})(\.[a-z0-9_]([a-z0-9_-]{0,62}))*\.?")
-# An HTTP field name (RFC 9110 §5.1: a token), lower-cased.
-_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9a-z]+")
 
 
 def _header_name(value: str) -> str:
     """A configured header name, lower-cased; ValueError unless it is an HTTP field name."""
     name = value.strip().lower()
-    if _HEADER_NAME.fullmatch(name) is None:
+    if not is_field_name(name):
         raise ValueError(
             "must be an HTTP header name (letters, digits and !#$%&'*+-.^_`|~, no spaces "
             "or ':'), e.g. authorization or x-api-key"

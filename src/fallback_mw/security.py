@@ -72,6 +72,11 @@ _TCHAR = frozenset(b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefgh
 _VALUE_CTL = frozenset(range(0x20)) - {0x09} | {0x7F}
 
 
+def is_field_name(name: str) -> bool:
+    """An HTTP field name (RFC 9110 §5.1: a token), as a configured header name must be."""
+    return bool(name) and name.isascii() and _TCHAR.issuperset(name.encode("ascii"))
+
+
 def request_header_problem(name: bytes, value: bytes) -> str | None:
     """The one rule, for both engines, for a caller header that would be forwarded (SPEC
     §12, RFC 9110 §5.1/§5.5): the name a token; the value no control character but HTAB,
