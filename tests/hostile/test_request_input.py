@@ -86,13 +86,18 @@ def test_the_resolver_reads_each_header_as_the_first_field_of_that_name(
     headers: list[tuple[bytes, bytes]], names: tuple[bytes, ...]
 ) -> None:
     """One pass for the tenant, the session and the deadline: each is the first field of
-    its name (any case), stripped, None when absent or empty; one name asked twice (the
-    tenant and session headers configured alike) gets the same answer twice."""
+    its name (any case), read as UTF-8 when it is, stripped, None when absent or empty;
+    one name asked twice (the tenant and session headers configured alike) gets the same
+    answer twice."""
 
     def first(name: bytes) -> str | None:
         for key, value in headers:
             if key.lower() == name:
-                return value.decode("latin-1").strip() or None
+                try:  # UTF-8 as written (a tenant outside ASCII matches its route)
+                    text = value.decode()
+                except UnicodeDecodeError:  # refused with a 400 later
+                    text = value.decode("latin-1")
+                return text.strip() or None
         return None
 
     assert _headers({"headers": headers}, names) == [first(name) for name in names]
