@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -23,8 +22,8 @@ from fallback_mw.cli.request_table import render
 from fallback_mw.config import GatewayConfig, load_config
 from fallback_mw.health import StateURLError
 from fallback_mw.request.types import ASGIApp
+from fallback_mw.security import is_field_name
 
-_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 field name / method
 _MAX_TARGET = 8192
 
 
@@ -44,7 +43,7 @@ def parse_header(position: int, text: str) -> tuple[str, str]:
     (it may be a credential)."""
     name, colon, value = text.partition(":")
     name = name.strip()
-    if not colon or not _TOKEN.fullmatch(name):
+    if not colon or not is_field_name(name):
         raise Refused(f"--header #{position}: expected 'name: value' with a valid field name")
     value = value.strip()
     if any((ord(ch) < 32 and ch != "\t") or ord(ch) == 127 or ord(ch) > 255 for ch in value):
@@ -67,7 +66,7 @@ def options_from(args: argparse.Namespace) -> Options:
     if args.path is None and args.route is None:
         raise Refused("pass --route ID or --path /... (the request to send)")
     method = args.method
-    if method is not None and not _TOKEN.fullmatch(method):
+    if method is not None and not is_field_name(method):
         raise Refused("--method must be an HTTP method token (GET, POST, ...)")
     headers = tuple(parse_header(i, h) for i, h in enumerate(args.header or [], start=1))
     return Options(

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from fallback_mw.security import is_field_name
 from fallback_mw.timers import Deadline
 
 # "local": the client library refused to build or send the request (a header value, a
@@ -45,7 +46,7 @@ def check_request_headers(headers: Sequence[tuple[str, str]]) -> None:
     be a bare 500). Caller headers were held to the same rule before the walk
     (security.request_header_problem): this is defence in depth."""
     for name, value in headers:
-        if not _TOKEN.fullmatch(name) or _FORBIDDEN_IN_VALUE.search(value):
+        if not is_field_name(name) or _FORBIDDEN_IN_VALUE.search(value):
             raise UpstreamError("local", "connect", "invalid request header")
 
 
@@ -55,7 +56,6 @@ def encode_request_headers(headers: Sequence[tuple[str, str]]) -> list[tuple[byt
     return [(name.encode("ascii"), value.encode("utf-8")) for name, value in headers]
 
 
-_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 # CTLs but HTAB, surrogates (bytes that were not UTF-8), leading or trailing whitespace.
 _FORBIDDEN_IN_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f\ud800-\udfff]|^[ \t]|[ \t]$")
 
