@@ -4,6 +4,7 @@ traceback. Driven through the installed `fallback-mw` script and `python -m fall
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -131,3 +132,22 @@ def test_runtime_failures_exit_1_with_one_line(tmp_path: Path) -> None:
 def test_help_of_a_verb_exits_0() -> None:
     result = run("faults", "clear", "--help")
     assert result.returncode == 0 and "--all" in result.stdout and result.stderr == ""
+
+
+def test_every_option_of_every_verb_says_what_it_is_for() -> None:
+    """`--help` is the operator's first manual: no option or argument is listed bare."""
+
+    def bare(parser: argparse.ArgumentParser, verb: str) -> list[str]:
+        found: list[str] = []
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    found += bare(sub, f"{verb} {name}".strip())
+            elif (
+                not isinstance(action, argparse._HelpAction | argparse._VersionAction)
+                and not (action.help or "").strip()
+            ):
+                found.append(f"{verb}: {'/'.join(action.option_strings) or action.dest}")
+        return found
+
+    assert bare(build_parser(), "") == []

@@ -147,7 +147,18 @@ def register(subparsers: Any) -> None:
 
     change = leaf(verbs, "set", budgets_set, "create or change a budget in the store")
     store_options(change)
-    change.add_argument("--budget", metavar="ID", required=True)
+    change.add_argument(
+        "--budget", metavar="ID", required=True, help="the budget to create or change"
+    )
     change.add_argument("--limit", metavar="AMOUNT", help="currency units, e.g. 10.00")
-    change.add_argument("--window", choices=("day", "month", "total"))
-    change.add_argument("--default-hold", metavar="AMOUNT", dest="default_hold")
+    change.add_argument(
+        "--window",
+        choices=("day", "month", "total"),
+        help="day / month: spend starts again at 0 each day / month; total: never",
+    )
+    change.add_argument(
+        "--default-hold",
+        metavar="AMOUNT",
+        dest="default_hold",
+        help="held for a request whose price cannot be read from it",
+    )

@@ -162,11 +162,22 @@ def register(subparsers: Any) -> None:
 
     fset = leaf(verbs, "set", faults_set, "set a fault with an expiry; prints the expiry")
     store_options(fset)
-    fset.add_argument("kind", choices=[*UPSTREAM_FAULTS, "pin"])
-    fset.add_argument("--upstream", metavar="NAME")
-    fset.add_argument("--route", metavar="ID")
-    fset.add_argument("--candidate", metavar="NAME")
-    fset.add_argument("--ttl", type=int, required=True, metavar="SECONDS")
+    fset.add_argument(
+        "kind",
+        choices=[*UPSTREAM_FAULTS, "pin"],
+        help="fail: a synthetic 503; hang: no answer until the timeout; blackhole: a listener "
+        "that never answers; revoke: a 401; pin: the route's plan starts at --candidate",
+    )
+    fset.add_argument("--upstream", metavar="NAME", help="the upstream to fault (not pin)")
+    fset.add_argument("--route", metavar="ID", help="pin: the route whose plan is pinned")
+    fset.add_argument("--candidate", metavar="NAME", help="pin: the candidate to start at")
+    fset.add_argument(
+        "--ttl",
+        type=int,
+        required=True,
+        metavar="SECONDS",
+        help="the fault expires by itself after this",
+    )
     fset.add_argument(
         "--replace",
         action="store_true",
@@ -176,8 +187,8 @@ def register(subparsers: Any) -> None:
     fclear = leaf(verbs, "clear", faults_clear, "clear faults: one selector, or --all")
     store_options(fclear)
     which = fclear.add_mutually_exclusive_group(required=True)  # SPEC §10: no bare clear
-    which.add_argument("--upstream", metavar="NAME")
-    which.add_argument("--route", metavar="ID")
+    which.add_argument("--upstream", metavar="NAME", help="the faults on this upstream")
+    which.add_argument("--route", metavar="ID", help="the pin on this route")
     which.add_argument("--all", action="store_true", help="every fault in the store")
 
     store_options(leaf(verbs, "list", faults_list, "list active faults"))

@@ -249,8 +249,13 @@ def register(subparsers: Any) -> None:
         "a fault with written predictions and abort criteria, watched and reported",
     )
     store_options(parser)
-    parser.add_argument("--route", required=True, metavar="ID")
-    parser.add_argument("--fault", required=True, choices=[*UPSTREAM_FAULTS, "pin"])
+    parser.add_argument("--route", required=True, metavar="ID", help="the route under test")
+    parser.add_argument(
+        "--fault",
+        required=True,
+        choices=[*UPSTREAM_FAULTS, "pin"],
+        help="the fault to set for --duration (see `fallback-mw faults set --help`)",
+    )
     parser.add_argument(
         "--candidate",
         metavar="NAME",

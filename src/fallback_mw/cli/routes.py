@@ -209,7 +209,12 @@ def routes_remove(args: argparse.Namespace, console: Console) -> None:
 
 
 def _credentials(parser: argparse.ArgumentParser, prefix: str = "") -> None:
-    parser.add_argument(f"--{prefix}auth-header", metavar="HEADER")
+    parser.add_argument(
+        f"--{prefix}auth-header",
+        metavar="HEADER",
+        help="the header the credential goes in (default authorization, sent as 'Bearer KEY'; "
+        "any other header carries the bare key)",
+    )
     parser.add_argument(
         f"--{prefix}auth-env", metavar="VAR", help="the variable's NAME; its value is never read"
     )
@@ -229,20 +234,29 @@ def register(subparsers: Any) -> None:
 
     add = leaf(verbs, "add", routes_add, "add a route to the store")
     store_options(add)
-    add.add_argument("--id", required=True)
-    add.add_argument("--prefix", required=True)
+    add.add_argument("--id", required=True, help="the new route's id (letters, digits, -_.:)")
+    add.add_argument(
+        "--prefix", required=True, help="the path prefix it routes, e.g. /api/ (longest wins)"
+    )
     add.add_argument("--tenant", help="only this tenant's requests (default: any tenant)")
-    add.add_argument("--upstream", required=True, metavar="URL")
+    add.add_argument(
+        "--upstream", required=True, metavar="URL", help="the primary, e.g. https://api.a.com"
+    )
     _credentials(add)
-    add.add_argument("--retries", type=int, default=0)
-    add.add_argument("--fallback", metavar="URL")
+    add.add_argument(
+        "--retries",
+        type=int,
+        default=0,
+        help="attempts after the first (default 0; >= 1 to reach the fallback)",
+    )
+    add.add_argument("--fallback", metavar="URL", help="the candidate tried after the primary")
     _credentials(add, "fallback-")
     _check_env(add)
 
     setfb = leaf(verbs, "set-fallback", routes_set_fallback, "set a store route's fallback")
     store_options(setfb)
-    setfb.add_argument("--id", required=True)
-    setfb.add_argument("--upstream", required=True, metavar="URL")
+    setfb.add_argument("--id", required=True, help="the store route to change")
+    setfb.add_argument("--upstream", required=True, metavar="URL", help="the new fallback")
     _credentials(setfb)
     setfb.add_argument(
         "--retries", type=int, help="also set the route's retries (>= 1 to reach the fallback)"
@@ -251,12 +265,12 @@ def register(subparsers: Any) -> None:
 
     set_ = leaf(verbs, "set", routes_set, "change a store route's retries")
     store_options(set_)
-    set_.add_argument("--id", required=True)
+    set_.add_argument("--id", required=True, help="the store route to change")
     set_.add_argument("--retries", type=int, required=True, help="attempt ceiling = 1 + N")
 
     clear = leaf(verbs, "clear-fallback", routes_clear_fallback, "drop a store route's fallback")
     store_options(clear)
-    clear.add_argument("--id", required=True)
+    clear.add_argument("--id", required=True, help="the store route to change")
 
     list_ = leaf(verbs, "list", routes_list, "list file and store routes")
     store_options(list_)
@@ -266,4 +280,4 @@ def register(subparsers: Any) -> None:
 
     remove = leaf(verbs, "remove", routes_remove, "remove a store route")
     store_options(remove)
-    remove.add_argument("--id", required=True)
+    remove.add_argument("--id", required=True, help="the store route to remove")
