@@ -212,10 +212,17 @@ default_hold = 0.01
             assert process.returncode == 0, log_text(log)
             assert anyio.current_time() - started >= 0.9  # it did wait for the stream
             await stream.aclose()
+            # The cut is recorded as the host's, not as the gateway's internal error, and
+            # uvicorn's traceback for it is one line.
+            text = log_text(log)
+            assert "outcome=cancelled" in text, text
+            assert "internal_error" not in text and "Traceback" not in text, text
+            assert "outlasted --timeout-graceful-shutdown" in text, text
     ledger = open_ledger(store)
     try:
         status = await ledger.status("acme", BUDGET)
         # Cut short with no usage reported: charged the hold, nothing left held.
         assert (status.spent, status.held) == (Decimal("0.01"), Decimal(0))
+        assert [record.outcome for record in await ledger.usage()] == ["cancelled"]
     finally:
         await ledger.aclose()

@@ -4,6 +4,7 @@ Every refusal happens before a socket is opened."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import errno
 import gc
@@ -59,6 +60,30 @@ def server_options() -> dict[str, str]:
         "loop": "uvloop" if installed("uvloop") is not None else "auto",
         "http": "httptools" if installed("httptools") is not None else "auto",
     }
+
+
+class CutRequestLine(logging.Filter):
+    """uvicorn logs each request its graceful-shutdown timeout cuts as "Exception in ASGI
+    application" with the CancelledError's traceback, once per request: on every deploy
+    with a long stream in flight. That record becomes one line saying what happened (the
+    request's own line says `outcome=cancelled`); any other error keeps its traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info
+        if (
+            exc is not None
+            and exc[0] is not None
+            and issubclass(exc[0], asyncio.CancelledError)
+            and str(record.msg).startswith("Exception in ASGI application")
+        ):
+            record.msg = (
+                "a request in flight was cut: it outlasted --timeout-graceful-shutdown "
+                "(its line says outcome=cancelled)"
+            )
+            record.args = ()
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
 
 
 def configure_logging(*, with_pid: bool = False) -> None:
@@ -247,6 +272,7 @@ def run_server(
                 **options,
             )
         )
+        logging.getLogger("uvicorn.error").addFilter(CutRequestLine())  # after uvicorn's dictConfig
         with sock, contextlib.suppress(KeyboardInterrupt):
             # uvicorn re-raises the SIGINT it stopped on once it has shut down (uvicorn.run
             # swallows it the same way): Ctrl-C is a clean stop, exit status 0.

@@ -14,6 +14,7 @@ hold."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -32,7 +33,12 @@ from fallback_mw.budget import (
 from fallback_mw.budget.cost import PriceBook
 from fallback_mw.config import BudgetConfig, GatewayConfig
 from fallback_mw.request.body import read_body, request_json
-from fallback_mw.request.context import RequestBody, RequestContext, get_context
+from fallback_mw.request.context import (
+    RequestBody,
+    RequestContext,
+    get_context,
+    host_cancelled,
+)
 from fallback_mw.request.local_errors import send_error
 from fallback_mw.request.refusals import body_refusal
 from fallback_mw.request.types import ASGIApp, Receive, Scope, Send
@@ -106,6 +112,9 @@ class BudgetGuard:
                     return
                 hold = outcome
             await self.app(scope, receive, send)
+        except asyncio.CancelledError:
+            host_cancelled(context)  # recorded as cut by the host, settled below
+            raise
         finally:
             # Shielded: a cancelled request (client gone, server stopping) still settles;
             # every routed request leaves its usage record.

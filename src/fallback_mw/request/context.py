@@ -158,3 +158,12 @@ class RequestContext:
 def get_context(scope: MutableMapping[str, Any]) -> RequestContext | None:
     context = scope.get(SCOPE_KEY)
     return context if isinstance(context, RequestContext) else None
+
+
+def host_cancelled(context: RequestContext) -> None:
+    """The host cancelled the request's task (serve's `--timeout-graceful-shutdown` cutting
+    a request in flight, a host that cancels on disconnect): recorded as `cancelled` (log
+    line, span, metrics, usage record), not as the gateway's `internal_error`, unless an
+    outcome was already known."""
+    if context.outcome is None:
+        context.outcome = "cancelled"

@@ -33,7 +33,12 @@ from fallback_mw.layers.walker.preflight import refusal
 from fallback_mw.layers.walker.stream import commit
 from fallback_mw.plan import candidate_order, is_canary
 from fallback_mw.request.body import read_body, request_json
-from fallback_mw.request.context import AttemptRecord, RequestContext, get_context
+from fallback_mw.request.context import (
+    AttemptRecord,
+    RequestContext,
+    get_context,
+    host_cancelled,
+)
 from fallback_mw.request.local_errors import send_error
 from fallback_mw.request.types import ASGIApp, Receive, Scope, Send
 from fallback_mw.services import Services, build_services
@@ -167,6 +172,7 @@ class _Walk:
         except asyncio.CancelledError:
             # Swallow only our own cancellation; anyone else's propagates.
             if not context.client_disconnected or walk_task.uncancel() > 0:
+                host_cancelled(context)
                 raise
         finally:
             watch.stop()
