@@ -352,3 +352,34 @@ async def test_a_response_aborted_after_the_commit_is_not_copied(recorded: Recor
     assert not any(m.get("more_body") is False for m in sent)  # aborted, never ended
     assert shadow.count == 0
     assert recorded.shadow_outcomes() == {}
+
+
+async def test_a_copys_reported_tokens_count_against_the_shadows_tpm(
+    recorded: Recorded,
+) -> None:
+    """A copy's usage is what the candidate's `tpm` is charged, as for a real attempt: a
+    copy whose answer reports 600 tokens leaves no room for another under tpm = 1000 (the
+    request's own estimate is a handful of tokens)."""
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        usage = {"prompt_tokens": 400, "completion_tokens": 200}
+        return web.json_response({"model": "m", "usage": usage})
+
+    async with (
+        upstream(status_handler(200, b"primary says")) as primary,
+        upstream(answer) as shadow,
+    ):
+        conf = config(primary.url, shadow.url, replayable_methods=["POST"])
+        conf["upstreams"]["candidate"]["tpm"] = 1000
+        gateway = Gateway(host_app, config=conf, environ=ENV, telemetry=recorded.telemetry)
+        shadows = gateway.services.shadows
+        try:
+            async with client_for(gateway) as client:
+                for _ in range(3):
+                    response = await client.post("/v1/chat", headers=CALLER, json={"model": "m"})
+                    assert response.text == "primary says"
+                    await settled(gateway, lambda: not shadows.in_flight)
+        finally:
+            await gateway.aclose()
+    assert shadow.count == 2  # 600, then 1200: the third would exceed tpm
+    assert recorded.shadow_outcomes() == {"answered": 2, "capacity": 1}

@@ -32,7 +32,8 @@ from fallback_mw.faults import FaultSource
 from fallback_mw.health import HealthState
 from fallback_mw.health.pool import affinity_key
 from fallback_mw.plan import canary_bucket
-from fallback_mw.request.context import AttemptRecord, RequestBody, RequestContext
+from fallback_mw.request.context import AttemptRecord, RequestBody, RequestContext, Usage
+from fallback_mw.request.usage import UsageMeter, body_coding
 from fallback_mw.routing import effective_deadline_ms
 from fallback_mw.telemetry import Telemetry
 from fallback_mw.timers import deadline_after
@@ -119,9 +120,10 @@ class ShadowTraffic:
         route = context.route
         deadline = effective_deadline_ms(route, self.deadline_ms) / 1000
         # The copy's own context: its own deadline, no attempts, the caller long gone.
+        # Its own usage: what the copy's answer reports is the candidate's, never the client's.
         copy = dataclasses.replace(
             context, deadline=time.monotonic() + deadline, attempts=[], skipped=[],
-            client_disconnected=False, trace=None,
+            client_disconnected=False, trace=None, usage=Usage(),
         )  # fmt: skip
         task = asyncio.create_task(self._run(name, copy, body, parsed, span))
         self._tasks.add(task)
@@ -185,18 +187,25 @@ class ShadowTraffic:
             raise
         received = 0
         if response is not None:
+            # Metered like a served response: the usage it reports replaces the estimate
+            # counted against the candidate's `tpm` (the copy's tokens are spent there).
+            meter = UsageMeter(context.usage)
+            content_type, content_encoding = body_coding(response.headers)
             try:
                 with deadline_after(max(context.remaining, 0.0)):
                     async for chunk in response.iter_chunks():
                         received += len(chunk)
                         if received > self.max_response_body:
                             break  # measured enough; the rest is not read
+                        meter.observe(chunk, content_type, content_encoding)
             except (TimeoutError, UpstreamError):
                 pass  # the head arrived: the upstream answered; the body is not graded
             finally:
+                meter.finish()
                 with anyio.CancelScope(shield=True):
                     await response.aclose()
         mark = await attempts.mark_health(name, credential, outcome, response)
+        await attempts.settle_tokens(name)
         answered = outcome.kind == "status" and not mark
         return ShadowResult(
             "answered" if answered else "failed",

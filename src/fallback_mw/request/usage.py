@@ -32,6 +32,21 @@ _TAIL = 64 * 1024
 _USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*(\{[^{}]*\})')
 
 
+def body_coding(headers: list[tuple[bytes, bytes]]) -> tuple[bytes | None, bytes | None]:
+    """A response's `Content-Type` and `Content-Encoding`, as `UsageMeter.observe` reads
+    them. Several `Content-Encoding` fields are one list (RFC 9110 §5.3): joined whole."""
+    content_type = content_encoding = None
+    for key, value in headers:
+        lower = key.lower()
+        if lower == b"content-type":
+            content_type = value
+        elif lower == b"content-encoding":
+            content_encoding = (
+                value if content_encoding is None else content_encoding + b"," + value
+            )
+    return content_type, content_encoding
+
+
 class UsageMeter:
     """Observe `(chunk, content_type)` pairs for one response; fills `target` as soon as
     usage is seen, so telemetry reading the context after the walk sees it."""

@@ -13,7 +13,7 @@ from fallback_mw.request.body import content_length
 from fallback_mw.request.context import RequestContext
 from fallback_mw.request.local_errors import gateway_headers, send_error
 from fallback_mw.request.types import Send
-from fallback_mw.request.usage import UsageMeter
+from fallback_mw.request.usage import UsageMeter, body_coding
 from fallback_mw.security import forwardable_response_headers
 from fallback_mw.upstream.base import UpstreamError, UpstreamResponse
 
@@ -52,16 +52,7 @@ async def commit(
         headers += gateway_headers(context)
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         context.committed = True
-        content_type = content_encoding = None
-        for key, value in response.headers:
-            lower = key.lower()
-            if lower == b"content-type":
-                content_type = value
-            elif lower == b"content-encoding":
-                # Several fields are one list (RFC 9110 §5.3): the meter reads it whole.
-                content_encoding = (
-                    value if content_encoding is None else content_encoding + b"," + value
-                )
+        content_type, content_encoding = body_coding(response.headers)
         received = 0
         try:
             async for chunk in response.iter_chunks():
