@@ -217,3 +217,23 @@ async def test_a_limit_refusal_is_logged_like_any_routed_request(
     lines = [r for r in caplog.records if r.name == "fallback_mw.request"]
     assert len(lines) == 1
     assert getattr(lines[0], "outcome", None) == "headers_too_large"
+
+
+async def test_a_431_names_the_limit_that_refused_it_as_its_rule() -> None:
+    """Too many fields is `max_header_count`'s refusal, too many bytes `max_header_bytes`'s:
+    the body's `rule` (SPEC §12) names the setting an operator would change."""
+    from tests.helpers import client_for
+
+    gateway = Gateway(
+        host_app, config=config("http://127.0.0.1:9", max_header_count=8, max_header_bytes=2000)
+    )
+    try:
+        async with client_for(gateway) as client:
+            many = await client.get("/v1/x", headers={f"x-h{i}": "v" for i in range(10)})
+            big = await client.get("/v1/x", headers={"x-big": "a" * 3000})
+    finally:
+        await gateway.aclose()
+    assert many.status_code == big.status_code == 431
+    assert many.json()["error"]["rule"] == "max_header_count"
+    assert "max_header_count" in many.json()["error"]["message"]
+    assert big.json()["error"]["rule"] == "max_header_bytes"

@@ -17,15 +17,18 @@ _FIELD_OVERHEAD = 4
 
 def header_refusal(
     headers: Iterable[tuple[bytes, bytes]], *, max_bytes: int, max_count: int
-) -> str | None:
-    """Why these request headers are refused, or None. Names the limit, never a value."""
+) -> tuple[str, str] | None:
+    """Why these request headers are refused and the setting that refused them (the error's
+    `rule`), or None. Names the limit, never a value."""
     size = 0
     for count, (name, value) in enumerate(headers, start=1):
         size += len(name) + len(value) + _FIELD_OVERHEAD
         if count > max_count:
-            return f"more than {max_count} request header fields (max_header_count)"
+            message = f"more than {max_count} request header fields (max_header_count)"
+            return message, "max_header_count"
         if size > max_bytes:
-            return f"request headers larger than {max_bytes} bytes (max_header_bytes)"
+            message = f"request headers larger than {max_bytes} bytes (max_header_bytes)"
+            return message, "max_header_bytes"
     return None
 
 

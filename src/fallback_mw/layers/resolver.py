@@ -151,7 +151,8 @@ class RouteResolver:
             if refusal is not None:
                 # A local refusal before anything else runs: no body read, no upstream
                 # contacted, still one span and one log line.
-                await send_error(send, context, "headers_too_large", refusal)
+                message, rule = refusal
+                await send_error(send, context, "headers_too_large", message, rule=rule)
                 return
             if refused is not None:
                 await send_error(
