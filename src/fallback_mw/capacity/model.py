@@ -34,6 +34,7 @@ class Reservation(NamedTuple):
     tokens: int
     repeat: bool
     counted: bool  # counted against declared capacity
+    local: bool = False  # counted in this process alone (Redis was unreachable)
 
 
 def within_capacity(requests: int, tokens: int, ask: Ask) -> bool:

@@ -13,7 +13,8 @@ only makes it stricter).
 
 The scripts run on the health state's Redis connections (`RedisHealth.run_script`): if
 Redis cannot be reached this process counts alone (its memory state) until it is back, and
-the outage is logged and counted once, by the health state."""
+the outage is logged and counted once, by the health state. An attempt counted there is
+settled and cancelled there too (never in a Redis field it was not counted in)."""
 
 from __future__ import annotations
 
@@ -163,7 +164,10 @@ class RedisCapacity:
             if pending:
                 self._pending[upstream] = self._pending.get(upstream, 0) + pending
                 self._pending_since.setdefault(upstream, time.monotonic())
-            return await self.local.reserve(upstream, ask)
+            counted = await self.local.reserve(upstream, ask)
+            if isinstance(counted, Reservation):  # corrected there too, never in Redis
+                return counted._replace(local=True)
+            return counted
         verdict, second = str(result[0]), int(result[1])
         if verdict == "capacity":
             return "capacity"
@@ -182,10 +186,15 @@ class RedisCapacity:
             )
 
     async def settle(self, reservation: Reservation, tokens: int) -> None:
-        if reservation.counted:
+        if reservation.local:
+            await self.local.settle(reservation, tokens)
+        elif reservation.counted:
             await self._adjust(reservation, [("t", tokens - reservation.tokens)])
 
     async def cancel(self, reservation: Reservation) -> None:
+        if reservation.local:
+            await self.local.cancel(reservation)
+            return
         if reservation.second < 0:  # a first attempt still counted locally
             if self._pending.get(reservation.upstream, 0) > 0:
                 self._pending[reservation.upstream] -= 1
