@@ -9,6 +9,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 from aiohttp import web
@@ -296,3 +297,37 @@ async def test_a_hedge_over_the_budget_is_not_started(recorded: Recorded) -> Non
     assert response.headers["x-gateway-attempts"] == "1"
     assert primary.count == 1
     assert recorded.skip_events() == [("primary", "repeat_budget")]
+
+
+async def test_a_caller_that_leaves_during_the_backoff_gives_the_repeats_slot_back() -> None:
+    """The repeat admitted before `backoff_ms` was never sent when the caller hangs up
+    during the backoff: it takes no slot of the upstream's `rpm` (rpm = 2: the next request
+    still gets its first attempt, and only its own repeat is over the limit)."""
+    from tests.helpers import http_scope, request_then_disconnect
+
+    async with upstream(status_handler(503)) as primary:
+        conf = {
+            "gateway": {"breaker": NO_BREAKER},
+            "upstreams": {"primary": {"url": primary.url, "rpm": 2}},
+            "routes": [
+                {"id": "chat", "prefix": "/v1/", "plan": ["primary"], "retries": 1,
+                 "backoff_ms": 3_000, "deadline_ms": 10_000}
+            ],
+        }  # fmt: skip
+        gateway = Gateway(host_app, config=conf)
+        sent: list[Any] = []
+
+        async def send(message: Any) -> None:
+            sent.append(message)
+
+        try:
+            with anyio.fail_after(5):
+                await gateway(http_scope("GET", "/v1/x"), request_then_disconnect(0.5), send)
+            assert sent == [] and primary.count == 1  # left in the backoff: no repeat sent
+            async with client_for(gateway) as client:
+                response = await client.get("/v1/x")
+        finally:
+            await gateway.aclose()
+    assert primary.count == 2  # the second request's first attempt had its slot
+    assert response.headers["x-gateway-attempts"] == "1"
+    assert response.headers["x-gateway-skipped"] == "primary;reason=capacity"

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 
+import anyio
+
 from fallback_mw.capacity import CapacityState, asker
 from fallback_mw.config import GatewayConfig
 from fallback_mw.credentials import CredentialCache, apply_hygiene
@@ -212,7 +214,16 @@ class _Walk:
                 await self._act(pick, None, None, None)
                 return
             if pick.repeat and self.route.backoff_ms:
-                await asyncio.sleep(min(self.route.backoff_ms / 1000, max(context.remaining, 0)))
+                try:
+                    await asyncio.sleep(
+                        min(self.route.backoff_ms / 1000, max(context.remaining, 0))
+                    )
+                except asyncio.CancelledError:
+                    # The caller left during the backoff: the repeat is never sent, so it
+                    # gives back its capacity slot and any probe slot it held.
+                    with anyio.CancelScope(shield=True):
+                        await attempts.cancel(pick.name, pick.reservation)
+                    raise
                 if context.remaining <= 0:
                     await attempts.cancel(pick.name, pick.reservation)
                     await self._act(Outcome("deadline"), None, None, None)
