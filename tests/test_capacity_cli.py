@@ -203,3 +203,36 @@ shadow_percent = 5
     out = capsys.readouterr().out
     assert "2. backup   http://127.0.0.1:9002  no credential  (rpm 600, tpm 200000)" in out
     assert "shadow candidate 5.0% http://127.0.0.1:9003" in out
+
+
+@pytest.mark.anyio
+async def test_a_token_peak_from_partly_metered_traffic_is_named_a_lower_bound(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Streams sent without usage report no tokens: when most of the window's requests
+    reported none, the token peak counts only the few that did. The report says so
+    (printed and in JSON) rather than present a backup as carrying it without a word."""
+    store = f"sqlite:///{tmp_path / 'gw.db'}"
+    ledger = open_ledger(store)
+    minute = (datetime.now(UTC) - timedelta(hours=1)).replace(second=0, microsecond=0)
+    try:
+        for i in range(10):  # 10 requests, 2 of them reporting 10,000 tokens
+            metered = i < 2
+            await ledger.record_usage(
+                UsageRecord(request_id=f"r{i}", route="chat", tenant="t",
+                            at=minute + timedelta(seconds=i), chosen="primary",
+                            input_tokens=6_000 if metered else None,
+                            output_tokens=4_000 if metered else None)
+            )  # fmt: skip
+    finally:
+        await ledger.aclose()
+    config = write_config(tmp_path, store, backup_tpm=200_000)
+    assert await cli("capacity", "--config", str(config)) == 0
+    out = capsys.readouterr().out
+    chat = next(line for line in out.splitlines() if line.startswith("chat "))
+    assert chat.split()[3] == "20,000"
+    assert (
+        "chat: 80% of the window's requests reported no token usage (e.g. streams without "
+        "usage): the token peak counts only the 20% that did, so the real peak may be higher"
+    ) in out
+    assert "search:" in out and "search: 0%" not in out  # no traffic: its own note

@@ -137,6 +137,14 @@ def render(reports: list[RouteReport], since: datetime, margin: float) -> str:
                 _VERDICT[fallback.verdict],
             ))  # fmt: skip
             notes += _notes(report, fallback.name, requests, tokens, margin)
+        if peak and peak.tokens is not None and peak.metered_share < 1 and report.fallbacks:
+            # A verdict on tokens from partly metered traffic is on a lower bound.
+            share = peak.metered_share
+            notes.append(
+                f"{report.route}: {1 - share:.0%} of the window's requests reported no token "
+                f"usage (e.g. streams without usage): the token peak counts only the "
+                f"{share:.0%} that did, so the real peak may be higher"
+            )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
              for row in rows]  # fmt: skip
