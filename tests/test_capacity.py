@@ -331,3 +331,30 @@ async def test_a_caller_that_leaves_during_the_backoff_gives_the_repeats_slot_ba
     assert primary.count == 2  # the second request's first attempt had its slot
     assert response.headers["x-gateway-attempts"] == "1"
     assert response.headers["x-gateway-skipped"] == "primary;reason=capacity"
+
+
+async def test_a_chunked_body_over_replay_buffer_counts_its_size_against_tpm() -> None:
+    """A body sent without Content-Length (chunked) and larger than `replay_buffer` is
+    read whole before the walk: its size is known and counts against `tpm` as a declared
+    length does. 8,000 bytes are about 2,000 tokens: over tpm = 1000, never sent there."""
+
+    async def chunked() -> Any:
+        for _ in range(8):
+            yield b"a" * 1000
+
+    async with upstream(status_handler(200, b"ok")) as only:
+        conf = {
+            "gateway": {"replay_buffer": 1024},
+            "upstreams": {"only": {"url": only.url, "tpm": 1000}},
+            "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["only"]}],
+        }
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                sized = await client.post("/v1/chat", content=b"a" * 8000)
+                streamed = await client.post("/v1/chat", content=chunked())
+        finally:
+            await gateway.aclose()
+    assert sized.status_code == streamed.status_code == 503
+    assert streamed.headers["x-gateway-skipped"] == "only;reason=capacity"
+    assert only.count == 0

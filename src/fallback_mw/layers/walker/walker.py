@@ -149,10 +149,12 @@ class _Walk:
         )
         self.replayable = self.unreplayable is None
         self.parsed = parsed
+        # Not buffered: the size read whole (a chunked body) or the declared length.
+        size = body.length if body.length is not None else body.declared
         self.attempts = AttemptLifecycle(
             context, body, parsed, client=walker.client, faults=walker.faults,
             health=walker.health, capacity=walker.capacity, telemetry=walker.telemetry,
-            ask=asker(body.buffered, parsed, body.declared),
+            ask=asker(body.buffered, parsed, size),
         )  # fmt: skip
         attempts = self.attempts
         self.cursor = CandidateCursor(
