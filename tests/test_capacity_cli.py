@@ -236,3 +236,47 @@ async def test_a_token_peak_from_partly_metered_traffic_is_named_a_lower_bound(
         "usage): the token peak counts only the 20% that did, so the real peak may be higher"
     ) in out
     assert "search:" in out and "search: 0%" not in out  # no traffic: its own note
+
+
+@pytest.mark.anyio
+async def test_requests_refused_before_the_plan_are_not_a_peak_a_fallback_must_carry(
+    ledger_store: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A tenant over its budget retrying 29 times in a minute got 402s: no upstream saw
+    them, and none would in a failover. The peak is what reached the plan: the request the
+    primary carried, a route_exhausted one and one whose body stalled mid-attempt."""
+    from fallback_mw.budget.ledger import AttemptOutcome
+    from fallback_mw.store.ledgers.memory import MemoryLedger
+
+    minute = (datetime.now(UTC) - timedelta(hours=1)).replace(second=0, microsecond=0)
+    records = [
+        UsageRecord(request_id="served", route="chat", tenant="t", at=minute, chosen="primary",
+                    outcome="served", attempts=(AttemptOutcome("primary", status=200),),
+                    input_tokens=100, output_tokens=50),
+        UsageRecord(request_id="skipped", route="chat", tenant="t", at=minute,
+                    outcome="route_exhausted",
+                    attempts=(AttemptOutcome("primary", skipped="capacity"),)),
+        *(UsageRecord(request_id=f"r{i}", route="chat", tenant="t",
+                      at=minute + timedelta(seconds=i), outcome=outcome)
+          for i, outcome in enumerate(
+              ["budget_exceeded"] * 25 + ["budget_unavailable", "request_too_large",
+                                          "bad_request", "request_timeout"])),
+        # A body that stalled while it streamed to an upstream: that one reached the plan.
+        UsageRecord(request_id="stalled", route="chat", tenant="t", at=minute,
+                    outcome="request_timeout",
+                    attempts=(AttemptOutcome("primary", failure="transport"),)),
+    ]  # fmt: skip
+    memory = MemoryLedger()
+    for ledger in (open_ledger(ledger_store), memory):
+        try:
+            for record in records:
+                await ledger.record_usage(record)
+            (counted,) = await ledger.usage_per_minute(since=minute - timedelta(minutes=1))
+        finally:
+            if ledger is not memory:
+                await ledger.aclose()
+        assert (counted.requests, counted.tokens, counted.metered) == (3, 150, 1)
+    config = write_config(tmp_path, ledger_store)
+    assert await cli("capacity", "--config", str(config), "--json") == 0
+    (chat,) = [r for r in json.loads(capsys.readouterr().out)["routes"] if r["route"] == "chat"]
+    assert chat["peak"]["requests"] == 3 and chat["peak"]["metered_share"] == 0.3333

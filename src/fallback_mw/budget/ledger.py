@@ -143,10 +143,33 @@ class MinuteUsage:
     metered: int  # requests whose usage was reported (tokens are known for these only)
 
 
+# Outcomes of requests refused before the plan was walked (the budget guard, the body
+# read), when no candidate was attempted or skipped: no upstream saw them and none would
+# in a failover, so they are not demand a fallback must carry (capacity planning). The
+# SQL ledgers filter the same way (`attempts` is stored as JSON text, '[]' when empty).
+REFUSED_BEFORE_THE_PLAN = (
+    "budget_exceeded",
+    "budget_unavailable",
+    "request_too_large",
+    "bad_request",
+    "request_timeout",
+)
+PER_MINUTE_FILTER = "(outcome IS NULL OR attempts <> '[]' OR outcome NOT IN ({}))".format(
+    ", ".join(f"'{outcome}'" for outcome in REFUSED_BEFORE_THE_PLAN)
+)
+
+
+def refused_before_the_plan(record: UsageRecord) -> bool:
+    return not record.attempts and record.outcome in REFUSED_BEFORE_THE_PLAN
+
+
 def minute_usage(records: list[UsageRecord]) -> list[MinuteUsage]:
-    """Records grouped by route and UTC minute (what the SQL ledgers do in SQL)."""
+    """Records grouped by route and UTC minute (what the SQL ledgers do in SQL), without
+    the requests refused before the plan."""
     groups: dict[tuple[str, datetime], list[int]] = {}
     for record in records:
+        if refused_before_the_plan(record):
+            continue
         minute = record.at.astimezone(UTC).replace(second=0, microsecond=0)
         counts = groups.setdefault((record.route, minute), [0, 0, 0])
         counts[0] += 1
@@ -196,7 +219,8 @@ class Ledger(Protocol):
     ) -> list[UsageRecord]: ...
 
     async def usage_per_minute(self, *, since: datetime) -> list[MinuteUsage]:
-        """Every route's requests and reported tokens per UTC minute since `since`."""
+        """Every route's requests and reported tokens per UTC minute since `since` (the
+        requests that reached the plan: not those `refused_before_the_plan`)."""
         ...
 
     async def aclose(self) -> None: ...

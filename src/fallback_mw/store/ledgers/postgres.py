@@ -25,6 +25,7 @@ except ImportError:
 
 from fallback_mw.budget.cost import MAX_UNITS, SPENT_CAP_UNITS, from_units, to_units
 from fallback_mw.budget.ledger import (
+    PER_MINUTE_FILTER,
     BudgetStatus,
     Hold,
     LedgerUnavailable,
@@ -367,7 +368,8 @@ class PostgresLedger(SQLLedgerBase):
                 "SELECT route, date_trunc('minute', at AT TIME ZONE 'UTC') AS minute, "
                 "COUNT(*), SUM(COALESCE(input_tokens, 0) + COALESCE(output_tokens, 0)), "
                 "SUM(CASE WHEN input_tokens IS NULL AND output_tokens IS NULL THEN 0 "
-                "ELSE 1 END) FROM fmw_usage WHERE at >= $1 GROUP BY route, minute",
+                "ELSE 1 END) FROM fmw_usage WHERE at >= $1 AND "
+                f"{PER_MINUTE_FILTER} GROUP BY route, minute",
                 since,
             )
             return [

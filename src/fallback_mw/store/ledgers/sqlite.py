@@ -23,6 +23,7 @@ import anyio.to_thread
 
 from fallback_mw.budget.cost import MAX_UNITS, SPENT_CAP_UNITS, from_units, to_units
 from fallback_mw.budget.ledger import (
+    PER_MINUTE_FILTER,
     BudgetStatus,
     Hold,
     LedgerUnavailable,
@@ -450,7 +451,7 @@ _PER_MINUTE = (
     "SELECT route, substr(at, 1, 16), COUNT(*), "
     "SUM(COALESCE(input_tokens, 0) + COALESCE(output_tokens, 0)), "
     "SUM(CASE WHEN input_tokens IS NULL AND output_tokens IS NULL THEN 0 ELSE 1 END) "
-    "FROM fmw_usage WHERE at >= ? GROUP BY route, substr(at, 1, 16)"
+    f"FROM fmw_usage WHERE at >= ? AND {PER_MINUTE_FILTER} GROUP BY route, substr(at, 1, 16)"
 )
 
 
