@@ -98,6 +98,28 @@ async def test_repeats_stay_within_the_budget_and_recover_with_the_window() -> N
     assert isinstance(await limits.reserve("primary", ask(repeat=True)), Reservation)
 
 
+async def test_a_window_of_part_seconds_grants_the_same_repeats_in_memory_and_redis(
+    redis_url: str,
+) -> None:
+    """The windows count whole seconds (memory and the Redis script alike): the floor is
+    `min_per_second` over those seconds in both, not over 1.5 s in one and 1 s in the
+    other (memory granted half as many again as every process sharing Redis)."""
+    odd = RepeatAllowanceConfig(percent=0, min_per_second=2, window_ms=1500)
+    memory = MemoryCapacity(odd, clock=Clock())
+    redis = RedisCapacity(RedisHealth(redis_url), odd, owned=True)
+    try:
+        granted = []
+        for limits in (memory, redis):
+            count = 0
+            while isinstance(await limits.reserve("odd", ask(repeat=True)), Reservation):
+                count += 1
+                assert count < 100
+            granted.append(count)
+        assert granted == [2, 2]
+    finally:
+        await redis.aclose()
+
+
 async def test_two_processes_share_the_count_through_redis(redis_url: str) -> None:
     one, two = shared(redis_url), shared(redis_url)
     try:

@@ -55,7 +55,8 @@ class RepeatAllowanceConfig(_Strict):
     """The budget for repeats and hedges, per upstream (docs/failover.md): attempts that go
     back to an upstream already tried in the request, and hedges, are allowed while they
     stay within `percent` of that upstream's first attempts over the last `window_ms`,
-    plus `min_per_second` x the window (a floor, so quiet upstreams can still retry)."""
+    plus `min_per_second` x the window (a floor, so quiet upstreams can still retry). The
+    window is kept in whole seconds (`window_ms` rounded down: 1500 is 1 s)."""
 
     percent: float = Field(20.0, ge=0.0, le=1000.0)
     min_per_second: float = Field(1.0, ge=0.0, le=1_000_000.0)

@@ -47,8 +47,9 @@ def within_capacity(requests: int, tokens: int, ask: Ask) -> bool:
 def repeat_allowed(firsts: int, repeats: int, config: RepeatAllowanceConfig) -> bool:
     """Finagle's RetryBudget: one more repeat stays within `percent` of the first attempts
     in the window plus a floor of `min_per_second` over the window. (The Redis script
-    repeats this arithmetic inside its atomic step.)"""
-    window = config.window_ms / 1000
+    repeats this arithmetic inside its atomic step.) The window is counted in whole
+    seconds, as both keep it: `window_ms = 1500` is a 1 s window."""
+    window = max(config.window_ms // 1000, 1)
     allowance = firsts * config.percent / 100 + config.min_per_second * window
     return repeats + 1 <= allowance + 1e-9
 
