@@ -358,3 +358,33 @@ async def test_a_chunked_body_over_replay_buffer_counts_its_size_against_tpm() -
     assert sized.status_code == streamed.status_code == 503
     assert streamed.headers["x-gateway-skipped"] == "only;reason=capacity"
     assert only.count == 0
+
+
+async def test_the_usage_record_lists_a_skip_where_the_walk_met_it() -> None:
+    """primary is full (rpm = 1), backup answers: the trail `fallback-mw usage` shows is
+    [primary skipped: capacity, backup 200], the walk's order, not the attempts first and
+    the skips after them."""
+    from fallback_mw.budget import AttemptOutcome
+    from fallback_mw.store.ledgers.memory import MemoryLedger
+
+    async with upstream(status_handler(200)) as primary, upstream(status_handler(200)) as backup:
+        conf = {
+            "upstreams": {"primary": {"url": primary.url, "rpm": 1}, "backup": {"url": backup.url}},
+            "routes": [
+                {"id": "chat", "prefix": "/v1/", "plan": ["primary", "backup"], "retries": 1}
+            ],
+        }
+        ledger = MemoryLedger()
+        gateway = Gateway(host_app, config=conf, ledger=ledger)
+        try:
+            async with client_for(gateway) as client:
+                assert (await client.get("/v1/x")).status_code == 200
+                assert (await client.get("/v1/x")).headers["x-gateway-provider"] == "backup"
+        finally:
+            await gateway.aclose()
+    first, second = await ledger.usage()
+    assert first.attempts == (AttemptOutcome("primary", status=200),)
+    assert second.attempts == (
+        AttemptOutcome("primary", skipped="capacity"),
+        AttemptOutcome("backup", status=200),
+    )

@@ -20,7 +20,13 @@ from typing import Any
 from urllib.parse import unquote
 
 from fallback_mw.failover.decide import attempt_ceiling, is_replayable
-from fallback_mw.request.context import AttemptRecord, RequestContext, SkipRecord, get_context
+from fallback_mw.request.context import (
+    AttemptRecord,
+    RequestContext,
+    SkipRecord,
+    get_context,
+    walk_order,
+)
 from fallback_mw.request.types import ASGIApp, Message, Scope
 
 GATEWAY_HEADER_PREFIX = "x-gateway-"
@@ -155,14 +161,10 @@ def _skip(record: SkipRecord) -> dict[str, Any]:
 def walk_steps(context: RequestContext) -> list[dict[str, Any]]:
     """Attempts and skips in the order the walk met them (a skip made after k attempts
     comes before attempt k + 1)."""
-    skips = sorted(context.skipped, key=lambda s: s.after_attempts)
-    steps: list[dict[str, Any]] = []
-    for record in sorted(context.attempts, key=lambda a: a.number):
-        while skips and skips[0].after_attempts < record.number:
-            steps.append(_skip(skips.pop(0)))
-        steps.append(_attempt(record, context))
-    steps.extend(_skip(s) for s in skips)
-    return steps
+    return [
+        _skip(step) if isinstance(step, SkipRecord) else _attempt(step, context)
+        for step in walk_order(context)
+    ]
 
 
 def trace_of(exchange: Exchange, *, show_body: bool = False) -> dict[str, Any]:

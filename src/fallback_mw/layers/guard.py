@@ -36,8 +36,10 @@ from fallback_mw.request.body import read_body, request_json
 from fallback_mw.request.context import (
     RequestBody,
     RequestContext,
+    SkipRecord,
     get_context,
     host_cancelled,
+    walk_order,
 )
 from fallback_mw.request.local_errors import send_error
 from fallback_mw.request.refusals import body_refusal
@@ -222,15 +224,13 @@ def _usage_record(
     context: RequestContext, cost: Decimal | None, charged: Decimal | None
 ) -> UsageRecord:
     attempts = [
-        AttemptOutcome(
-            candidate=a.candidate, status=a.status, failure=a.failure_kind, fault=a.fault
-        )
-        for a in context.attempts
-    ]
-    attempts += [
         AttemptOutcome(candidate=s.candidate, skipped=s.reason, fault=s.fault)
-        for s in context.skipped
-    ]
+        if isinstance(s, SkipRecord)
+        else AttemptOutcome(
+            candidate=s.candidate, status=s.status, failure=s.failure_kind, fault=s.fault
+        )
+        for s in walk_order(context)
+    ]  # in the walk's order: a skip before the attempt that followed it
     usage = context.usage
     return UsageRecord(
         request_id=context.request_id,

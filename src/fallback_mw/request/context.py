@@ -167,3 +167,16 @@ def host_cancelled(context: RequestContext) -> None:
     outcome was already known."""
     if context.outcome is None:
         context.outcome = "cancelled"
+
+
+def walk_order(context: RequestContext) -> list[AttemptRecord | SkipRecord]:
+    """Attempts and skips in the order the walk met them (a skip made after k attempts
+    comes before attempt k + 1): what `usage` and `request` show as the request's trail."""
+    skips = sorted(context.skipped, key=lambda s: s.after_attempts)
+    steps: list[AttemptRecord | SkipRecord] = []
+    for record in sorted(context.attempts, key=lambda a: a.number):
+        while skips and skips[0].after_attempts < record.number:
+            steps.append(skips.pop(0))
+        steps.append(record)
+    steps.extend(skips)
+    return steps
