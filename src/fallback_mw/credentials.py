@@ -62,7 +62,9 @@ def without_echoed_credentials(
     context: RequestContext, name: str, headers: list[tuple[bytes, bytes]]
 ) -> list[tuple[bytes, bytes]]:
     """Response fields less any that carry a credential of upstream `name` (an upstream
-    echoing what the gateway injected must not hand a provider key to the caller)."""
+    echoing what the gateway injected must not hand a provider key to the caller) in its
+    value or its name, in any case: the relay lowercases field names, so a key echoed in
+    a name (`x-debug-sk-...: 1`) arrives lowercased."""
     found = (context.credentials or {}).get(name)
     upstream = context.upstreams.get(name)
     if not found or upstream is None:
@@ -70,19 +72,25 @@ def without_echoed_credentials(
     secrets = _echo_secrets(found, upstream.auth_scheme)
     if not secrets:
         return headers
-    joined = b"\n".join([value for _, value in headers])  # one search when none is there
+    # One search when none is there.
+    joined = b"\n".join([b"%s:%s" % (key, value) for key, value in headers]).lower()
     if not any(secret in joined for secret in secrets):
         return headers
-    return [(k, v) for k, v in headers if all(secret not in v for secret in secrets)]
+    return [
+        (k, v)
+        for k, v in headers
+        if all(secret not in k.lower() and secret not in v.lower() for secret in secrets)
+    ]
 
 
 @lru_cache(maxsize=256)
 def _echo_secrets(found: tuple[tuple[str, str] | None, ...], scheme: str) -> tuple[bytes, ...]:
-    """The secrets behind one upstream's credential values (the scheme cut off), as bytes;
-    the ones too short to search for left out. Per credential table, not per request."""
+    """The secrets behind one upstream's credential values (the scheme cut off), as
+    lowercased bytes; the ones too short to search for left out. Per credential table,
+    not per request."""
     skip = len(scheme) + 1 if scheme else 0
     return tuple(
-        value[skip:].encode("latin-1", "replace")
+        value[skip:].encode("latin-1", "replace").lower()
         for _, value in filter(None, found)
         if len(value) - skip >= MIN_ECHOED_SECRET
     )

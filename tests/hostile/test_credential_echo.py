@@ -65,3 +65,36 @@ async def test_an_echoed_provider_credential_never_reaches_the_caller(
                 assert response.headers["x-request-id"] == "req-1"  # the rest is relayed
     injected = ("authorization", f"Bearer {SECRET}")
     assert all(injected in r.headers for r in single.received)  # it was sent, and echoed
+
+
+MIXED = "sk-Proj-AbCdEf0123456789"
+
+
+async def echo_in_names(request: web.Request) -> web.StreamResponse:
+    given = request.headers.get("authorization", "").removeprefix("Bearer ")
+    return web.Response(
+        text="ok",
+        headers={f"x-debug-{given}": "1", "x-upper": given.upper(), "x-request-id": "req-1"},
+    )
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_credential_echoed_in_a_field_name_or_another_case_never_reaches_the_caller(
+    engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The relay lowercases field names, so a key echoed as (part of) a name arrives in
+    # lowercase: `x-debug-sk-proj-abcdef0123456789: 1` still hands the caller the key.
+    monkeypatch.setenv("ECHO_KEY", MIXED)
+    async with upstream(echo_in_names) as single:
+        conf = {
+            "gateway": {"engine": engine},
+            "upstreams": {"single": {"url": single.url, "auth_env": "ECHO_KEY"}},
+            "routes": [{"id": "a", "prefix": "/a/", "plan": ["single"]}],
+        }
+        async with gateway_client(conf) as client:
+            response = await client.get("/a/x")
+    assert response.status_code == 200
+    assert response.text == "ok"
+    fields = "\n".join(f"{k}: {v}" for k, v in response.headers.multi_items()).lower()
+    assert MIXED.lower() not in fields
+    assert response.headers["x-request-id"] == "req-1"  # the rest is relayed
