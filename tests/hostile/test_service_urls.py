@@ -94,3 +94,32 @@ def test_check_refuses_a_bad_state_url_with_exit_2(
     assert run_cli(["check", "--config", str(config)]) == 2
     err = capsys.readouterr().err
     assert "gateway.state" in err and "max_connections" in err and "PW-SECRET" not in err
+
+
+@pytest.mark.parametrize(
+    ("option", "says"),
+    [("sslmode=requir", "sslmode"), ("target_session_attrs=primry", "target_session_attrs")],
+)
+@pytest.mark.parametrize("verb", [["routes", "list"], ["faults", "list"], ["check"]])
+def test_a_store_url_option_the_driver_refuses_is_a_clear_error(
+    option: str,
+    says: str,
+    verb: list[str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The driver reads these options only when it connects: a typo in sslmode made every
+    # admin verb, check and serve say "unexpected internal error (ClientConfigurationError);
+    # please report it", naming neither the store nor the option.
+    url = f"postgresql://u:PW-SECRET@127.0.0.1:1/db?{option}"
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        f'[gateway]\nallow_hosts = ["127.0.0.1"]\nstore = "{url}"\n'
+        '[upstreams.p]\nurl = "http://127.0.0.1:9001"\n'
+        '[[routes]]\nid = "r"\nprefix = "/v1/"\nplan = ["p"]\n'
+    )
+    assert run_cli([*verb, "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "internal error" not in err and "please report" not in err, err
+    assert says in err and "postgresql://u@127.0.0.1:1/db" in err, err
+    assert "PW-SECRET" not in err
