@@ -264,3 +264,48 @@ async def test_absurd_usage_numbers_settle_the_hold(engine: str) -> None:
     assert isinstance(result, httpx.Response), result
     assert result.status_code == 200
     assert remaining == 0
+
+
+def answer_with(status: int, *fields: bytes) -> Behaviour:
+    async def behaviour(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(b"HTTP/1.1 %d X\r\n%scontent-length: 2\r\n\r\nok"
+                     % (status, b"".join(f + b"\r\n" for f in fields)))  # fmt: skip
+        await writer.drain()
+        writer.close()
+
+    return behaviour
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize(
+    ("status", "fields"),
+    [
+        # U+00B2 (latin-1 0xB2) passes str.isdigit() but float() refuses it.
+        (200, (b"retry-after: \xb2",)),
+        (429, (b"retry-after: 1\xb2",)),
+        (429, (b"ratelimit-remaining: 0", b"ratelimit-reset: \xb2")),
+    ],
+    ids=["200-retry-after", "429-retry-after", "429-ratelimit-reset"],
+)
+async def test_a_pool_upstreams_unreadable_retry_after_is_never_a_500(
+    status: int, fields: tuple[bytes, ...], engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every answer from a credential pool is read for its Retry-After (and a 429 for its
+    # quota reset); a value str.isdigit() accepts and float() does not broke the walk.
+    monkeypatch.setenv("POOL_A", "key-a")
+    monkeypatch.setenv("POOL_B", "key-b")
+    async with raw_upstream(answer_with(status, *fields)) as (url, _):
+        conf = {
+            "gateway": {"allow_hosts": ["127.0.0.1"], "engine": engine},
+            "upstreams": {"pool": {"url": url, "auth_env": ["POOL_A", "POOL_B"]}},
+            "routes": [{"id": "r", "prefix": "/v1/", "plan": ["pool"]}],
+        }
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with serve_asgi(gateway) as base, httpx.AsyncClient(base_url=base) as client:
+                response = await client.get("/v1/x", timeout=30)
+        finally:
+            await gateway.aclose()
+    assert response.status_code == status, response.text
+    assert response.text == "ok"

@@ -190,7 +190,7 @@ def retry_after_seconds(headers: Iterable[tuple[bytes, bytes]]) -> float | None:
     for key, value in headers:
         if key == b"retry-after":
             text = value.decode("latin-1").strip()
-            if text.isdigit():
+            if text.isascii() and text.isdigit():  # `²` is a digit to isdigit, not to float
                 return float(text[:9])
             try:
                 when = parsedate_to_datetime(text)

@@ -68,7 +68,8 @@ def _reset_seconds(text: str, form: str, now: datetime) -> float | None:
     if form == "duration":
         return parse_duration(text)
     if form == "seconds":
-        return float(text) if text.isdigit() and len(text) <= 9 else None
+        # ASCII digits only: `²` is a digit to str.isdigit, not to float.
+        return float(text) if text.isascii() and text.isdigit() and len(text) <= 9 else None
     try:
         when = datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
