@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
+from aiohttp import web
 
 from fallback_mw import Gateway
 from fallback_mw.config import BudgetConfig
@@ -309,3 +310,47 @@ async def test_a_pool_upstreams_unreadable_retry_after_is_never_a_500(
             await gateway.aclose()
     assert response.status_code == status, response.text
     assert response.text == "ok"
+
+
+async def big_body(request: web.Request) -> web.StreamResponse:
+    return web.Response(body=b"B" * (8 * 1024 * 1024))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("http", ["h11", "httptools"])
+async def test_a_caller_that_stops_reading_does_not_hold_the_upstreams_connections(
+    engine: str, http: str
+) -> None:
+    # The relay waits for the client to take each chunk. Without a bound on that wait, a
+    # caller that requests a large answer and never reads it holds an upstream connection
+    # for as long as it likes: `max_connections` such callers (100 by default) made every
+    # other request to that upstream wait for the pool until its deadline (504).
+    async with upstream(big_body) as primary:
+        conf = {
+            "gateway": {"allow_hosts": ["127.0.0.1"], "engine": engine, "deadline_ms": 4000},
+            "upstreams": {
+                "primary": {"url": primary.url, "max_connections": 1, "idle_timeout_ms": 500}
+            },
+            "routes": [{"id": "r", "prefix": "/v1/", "plan": ["primary"]}],
+        }
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with serve_asgi(gateway, http=http) as base:
+                port = int(base.rsplit(":", 1)[1])
+                stalled = socket.socket()
+                stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                stalled.setblocking(False)
+                loop = asyncio.get_running_loop()
+                await loop.sock_connect(stalled, ("127.0.0.1", port))
+                await loop.sock_sendall(stalled, b"GET /v1/big HTTP/1.1\r\nhost: gw\r\n\r\n")
+                try:
+                    assert (await loop.sock_recv(stalled, 12)).startswith(b"HTTP/1.1 200")
+                    # ...and reads nothing more: the relay blocks on this client.
+                    async with httpx.AsyncClient(base_url=base) as client:
+                        response = await client.get("/v1/next", timeout=30)
+                finally:
+                    stalled.close()
+        finally:
+            await gateway.aclose()
+    assert response.status_code == 200, response.text
+    assert len(response.content) == 8 * 1024 * 1024
