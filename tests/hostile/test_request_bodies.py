@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import anyio
@@ -148,3 +149,25 @@ async def test_a_body_sent_at_one_byte_a_second_gets_408_within_the_deadline() -
     assert data.startswith(b"HTTP/1.1 408"), data[:200]
     assert b'"request_timeout"' in data
     assert primary.count == 0
+
+
+LONE_SURROGATE = b'{"model":"m","max_tokens":5,"messages":[{"role":"user","content":"\\ud800"}]}'
+
+
+@pytest.mark.parametrize("http", ["h11", "httptools"])
+async def test_a_json_body_with_a_lone_surrogate_escape_is_never_a_500(http: str) -> None:
+    # "\ud800" is valid JSON (an escape) that json.loads turns into a lone surrogate; the
+    # model rewrite re-encoded the body as UTF-8, which cannot hold one: a bare 500.
+    async with upstream(status_handler(200, b"ok")) as primary:
+        gateway = Gateway(host_app, config=config(primary.url, model="other"),
+                          environ={"FMW_T_KEY": "k"})  # fmt: skip
+        try:
+            async with serve_asgi(gateway, http=http) as base:
+                response = await exchange(base, post(LONE_SURROGATE))
+        finally:
+            await gateway.aclose()
+    status = int(response.split(b" ", 2)[1])
+    assert status == 200, response
+    sent = json.loads(primary.received[0].body)
+    assert sent["model"] == "other"
+    assert sent["messages"][0]["content"] == "\ud800"  # the caller's text, as it was

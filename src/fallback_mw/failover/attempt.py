@@ -134,7 +134,12 @@ class AttemptRunner:
         if upstream.model and self.parsed is not None:
             rewritten = dict(self.parsed)
             rewritten["model"] = upstream.model
-            return json.dumps(rewritten, separators=(",", ":"), ensure_ascii=False).encode()
+            try:
+                return json.dumps(rewritten, separators=(",", ":"), ensure_ascii=False).encode()
+            except UnicodeEncodeError:
+                # A lone surrogate (`"\ud800"` in the caller's JSON) has no UTF-8 form: it
+                # goes out escaped, as the caller wrote it.
+                return json.dumps(rewritten, separators=(",", ":")).encode()
         return body.buffered
 
     async def run(
