@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -126,3 +127,36 @@ async def test_an_upstream_reporting_1e40_tokens_leaves_no_hold_and_a_usage_reco
         assert len(await again.usage(route="chat")) == 1
     finally:
         await again.aclose()
+
+
+@pytest.mark.parametrize(
+    ("sent", "reported"),
+    [('"m\\ud800"', None), ('"gpt-test"', "gpt-\ud800")],
+    ids=["caller-model", "upstream-model"],
+)
+async def test_a_model_name_with_a_lone_surrogate_leaves_no_hold_and_a_usage_record(
+    sent: str, reported: str | None, ledger_store: str
+) -> None:
+    # `"model": "m\ud800"` is valid JSON (an escape) that no UTF-8 column can hold: the
+    # settlement and its usage record failed, so the hold stayed until the stale reaper
+    # charged it an hour later, the record was lost, and PostgreSQL logged an outage.
+    payload: dict[str, Any] = {"usage": {"prompt_tokens": 1, "completion_tokens": 1}}
+    if reported is not None:
+        payload["model"] = reported
+    async with upstream(json_handler(payload)) as primary:
+        conf = gateway_config({"primary": primary.url}, store=ledger_store, limit="1000")
+        gateway = Gateway(host_app, config=conf)
+        ledger = gateway.services.ledger
+        assert ledger is not None
+        try:
+            async with client_for(gateway) as client:
+                body = b'{"model":%s,"max_tokens":10}' % sent.encode()
+                response = await client.post("/v1/chat", content=body)
+                assert response.status_code == 200
+            status = await ledger.status("acme", BudgetConfig(limit=Decimal(1000)))
+            assert status.held == 0  # the hold was settled, not stuck
+            records = await ledger.usage(route="chat")
+            assert len(records) == 1
+            assert records[0].input_tokens == 1
+        finally:
+            await gateway.aclose()

@@ -242,7 +242,7 @@ def _usage_record(
         chosen=context.chosen,
         outcome=context.outcome,
         status=context.status,
-        model=usage.model or context.request_model,
+        model=_storable(usage.model or context.request_model),
         input_tokens=usage.input_tokens,
         output_tokens=usage.output_tokens,
         cost=cost,
@@ -250,3 +250,17 @@ def _usage_record(
         # Arrival to settlement (the walk, the response).
         duration_ms=round((time.monotonic() - context.started) * 1000, 3),
     )
+
+
+def _storable(text: str | None) -> str | None:
+    """`text` as a UTF-8 column can hold it. A model name comes from JSON (the caller's
+    body, the upstream's answer), where `"\ud800"` is a valid escape for a lone surrogate
+    that UTF-8 cannot encode: written as that escape, the record and its settlement are
+    stored instead of failing."""
+    if text is None or text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
