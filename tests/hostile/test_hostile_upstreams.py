@@ -354,3 +354,49 @@ async def test_a_caller_that_stops_reading_does_not_hold_the_upstreams_connectio
             await gateway.aclose()
     assert response.status_code == 200, response.text
     assert len(response.content) == 8 * 1024 * 1024
+
+
+FORGED = b"HTTP/1.1 200 OK\r\ncontent-length: 6\r\nx-forged: 1\r\n\r\nFORGED"
+
+
+async def keep_alive_with_extra_bytes(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    """A kept-alive upstream that writes more than each answer's framing says: a body on
+    an answer to HEAD (naive servers do), or bytes past its Content-Length. What is left
+    over is a whole forged response, sent with the answer it follows."""
+    served = 0
+    while True:
+        head = await reader.readuntil(b"\r\n\r\n")
+        served += 1
+        if head.startswith((b"HEAD /v1/head", b"GET /v1/over")):
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello" + FORGED)
+        else:
+            body = b"answer-%d" % served
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("first", ["HEAD /v1/head", "GET /v1/over"])
+async def test_bytes_past_an_answers_framing_never_become_the_next_callers_answer(
+    engine: str, first: str
+) -> None:
+    # The httpx engine pooled the connection with the leftover bytes in h11's buffer, so
+    # the next request on it (another caller's) was answered with the forged response.
+    method, path = first.split(" ")
+    async with raw_upstream(keep_alive_with_extra_bytes) as (url, _):
+        conf = {
+            "gateway": {"allow_hosts": ["127.0.0.1"], "engine": engine},
+            "upstreams": {"primary": {"url": url, "max_connections": 1}},
+            "routes": [{"id": "r", "prefix": "/v1/", "plan": ["primary"]}],
+        }
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with serve_asgi(gateway) as base, httpx.AsyncClient(base_url=base) as client:
+                await client.request(method, path, timeout=30)
+                victim = await client.get("/v1/victim", timeout=30)
+        finally:
+            await gateway.aclose()
+    assert "x-forged" not in victim.headers
+    assert victim.status_code == 200 and victim.text.startswith("answer-"), victim.text

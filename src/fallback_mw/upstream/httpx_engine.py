@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from fallback_mw.extras import missing_extra
 
 try:
+    import h11
     import httpcore
     import httpx
 except ImportError:
@@ -109,6 +110,21 @@ def map_errors(phase: Phase) -> Iterator[None]:
         raise UpstreamError("transport", phase, type(exc).__name__) from None
     finally:
         _ENGINE_ACTIVE.reset(token)
+
+
+def _never_pool_leftovers(response: httpx.Response) -> None:
+    """Called as httpcore hands a finished HTTP/1.1 response's connection back to the pool.
+    Bytes already read past the answer's framing (a body on an answer to HEAD, bytes past
+    its Content-Length) would be read as the answer to the next request on the connection,
+    another caller's: such a connection is closed instead (aiohttp's parser refuses it).
+    h11's state is found through httpcore's internals, read defensively: another shape
+    checks nothing."""
+    bound = getattr(response.stream, "_stream", None)  # httpx's AsyncResponseStream
+    pooled = getattr(bound, "_httpcore_stream", None)  # httpcore's PoolByteStream
+    inner = getattr(pooled, "_stream", None)  # HTTP11ConnectionByteStream
+    state = getattr(getattr(inner, "_connection", None), "_h11_state", None)
+    if isinstance(state, h11.Connection) and state.trailing_data[0]:
+        state.send_failed()  # not DONE: httpcore closes the connection, never pools it
 
 
 class HttpxResponse:
@@ -211,7 +227,8 @@ class HttpxClient:
             check_request_headers(request.headers)
             client = self._get_client(request)
             timer = FirstByteTimer(request.timeouts.first_byte)
-            built = self._build(client, request, timer)
+            answer: list[httpx.Response] = []  # the response, once its head is in
+            built = self._build(client, request, timer, answer)
         # Waiting for a slot under the upstream's connection cap is the gateway's own queue
         # (bounded by the walk deadline around this call), never the upstream's time.
         release = await self._caps.acquire(request)
@@ -220,6 +237,7 @@ class HttpxClient:
                 if self._transport is not None:
                     timer.arm()  # a custom transport reports no progress
                 response = await client.send(built, stream=True, follow_redirects=False)
+            answer.append(response)
             try:
                 with map_errors("first_byte"):
                     check_response_head(response.status_code, response.headers.raw)
@@ -232,7 +250,11 @@ class HttpxClient:
         return HttpxResponse(response, request.timeouts.idle, release)
 
     def _build(
-        self, client: httpx.AsyncClient, request: UpstreamRequest, timer: FirstByteTimer
+        self,
+        client: httpx.AsyncClient,
+        request: UpstreamRequest,
+        timer: FirstByteTimer,
+        answer: list[httpx.Response],
     ) -> httpx.Request:
         timeouts = request.timeouts
         body = request.body
@@ -243,6 +265,8 @@ class HttpxClient:
             # upstream's (a streamed body arms the timer itself, see FirstByteTimer).
             if not streamed and ".send_request_headers." in event:
                 timer.arm()
+            elif event.endswith(".response_closed.started") and answer:
+                _never_pool_leftovers(answer[0])
 
         built = client.build_request(
             request.method,
