@@ -131,15 +131,21 @@ async def test_an_upstream_reporting_1e40_tokens_leaves_no_hold_and_a_usage_reco
 
 @pytest.mark.parametrize(
     ("sent", "reported"),
-    [('"m\\ud800"', None), ('"gpt-test"', "gpt-\ud800")],
-    ids=["caller-model", "upstream-model"],
+    [
+        ('"m\\ud800"', None),
+        ('"gpt-test"', "gpt-\ud800"),
+        ('"m\\u0000"', None),
+        ('"gpt-test"', "gpt-\x00"),
+    ],
+    ids=["caller-model", "upstream-model", "caller-model-nul", "upstream-model-nul"],
 )
-async def test_a_model_name_with_a_lone_surrogate_leaves_no_hold_and_a_usage_record(
+async def test_a_model_name_no_text_column_holds_leaves_no_hold_and_a_usage_record(
     sent: str, reported: str | None, ledger_store: str
 ) -> None:
-    # `"model": "m\ud800"` is valid JSON (an escape) that no UTF-8 column can hold: the
-    # settlement and its usage record failed, so the hold stayed until the stale reaper
-    # charged it an hour later, the record was lost, and PostgreSQL logged an outage.
+    # `"model": "m\\ud800"` (a lone surrogate) is valid JSON that no UTF-8 column can hold,
+    # `"m\\u0000"` (NUL) one PostgreSQL text cannot: the settlement and its usage record
+    # failed, so the hold stayed until the stale reaper charged it an hour later, the
+    # record was lost, and PostgreSQL logged a ledger outage.
     payload: dict[str, Any] = {"usage": {"prompt_tokens": 1, "completion_tokens": 1}}
     if reported is not None:
         payload["model"] = reported

@@ -253,12 +253,13 @@ def _usage_record(
 
 
 def _storable(text: str | None) -> str | None:
-    """`text` as a UTF-8 column can hold it. A model name comes from JSON (the caller's
-    body, the upstream's answer), where `"\ud800"` is a valid escape for a lone surrogate
-    that UTF-8 cannot encode: written as that escape, the record and its settlement are
-    stored instead of failing."""
-    if text is None or text.isascii():
+    """`text` as every ledger's text column can hold it. A model name comes from JSON (the
+    caller's body, the upstream's answer), where `"\\ud800"` (a lone surrogate, which UTF-8
+    cannot encode) and `"\\u0000"` (NUL, which PostgreSQL text refuses) are valid escapes:
+    written as escapes, the record and its settlement are stored instead of failing."""
+    if text is None or text.isprintable():  # neither a NUL nor a surrogate is printable
         return text
+    text = text.replace("\x00", "\\x00")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
