@@ -400,3 +400,40 @@ async def test_bytes_past_an_answers_framing_never_become_the_next_callers_answe
             await gateway.aclose()
     assert "x-forged" not in victim.headers
     assert victim.status_code == 200 and victim.text.startswith("answer-"), victim.text
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize(
+    "body",
+    [b'{"error":{"code":["insufficient_quota"]}}', b'{"error":{"type":{"a":1}}}'],
+    ids=["code-list", "type-object"],
+)
+async def test_a_pool_upstreams_429_with_an_unhashable_error_code_is_never_a_500(
+    body: bytes, engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A pool credential's 429 body is read to tell a spent quota from a rate limit; an
+    # error code that is a list or an object (not a string) was looked up in a set.
+    monkeypatch.setenv("POOL_A", "key-a")
+    monkeypatch.setenv("POOL_B", "key-b")
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(b"HTTP/1.1 429 X\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        await writer.drain()
+        writer.close()
+
+    async with raw_upstream(answer) as (url, _):
+        conf = {
+            "gateway": {"allow_hosts": ["127.0.0.1"], "engine": engine},
+            "upstreams": {"pool": {"url": url, "auth_env": ["POOL_A", "POOL_B"]}},
+            "routes": [{"id": "r", "prefix": "/v1/", "plan": ["pool"]}],
+        }
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with serve_asgi(gateway) as base, httpx.AsyncClient(base_url=base) as client:
+                response = await client.get("/v1/x", timeout=30)
+        finally:
+            await gateway.aclose()
+    assert response.status_code == 429, response.text
+    assert response.content == body  # the upstream's answer, relayed whole

@@ -102,7 +102,11 @@ def _body_says_quota(prefix: bytes) -> bool:
     error = parsed.get("error") if isinstance(parsed, dict) else None
     if not isinstance(error, dict):
         return False
-    return any(error.get(key) in QUOTA_CODES for key in ("code", "type"))
+    # Strings only: a list or an object there is no code (and cannot be looked up in a set).
+    return any(
+        isinstance(code, str) and code in QUOTA_CODES
+        for code in (error.get("code"), error.get("type"))
+    )
 
 
 def quota_reset(
