@@ -461,6 +461,27 @@ async def test_hanging_upstream_fails_over_after_first_byte_timeout(engine: str)
     assert 0.2 <= elapsed < 1.5
 
 
+async def test_a_slow_head_within_first_byte_is_served_whatever_the_idle_timeout(
+    engine: str,
+) -> None:
+    # The wait for the response head is the first-byte timeout's alone: an idle timeout
+    # shorter than it (it times the gaps between body chunks) must not cut the wait short,
+    # on either engine.
+    async with (
+        upstream(status_handler(200, b"slow but fine", delay=0.6)) as p,
+        upstream(status_handler(200, b"backup")) as b,
+    ):
+        config = make_config(p.url, b.url, engine=engine)
+        config["upstreams"]["primary"]["idle_timeout_ms"] = 200
+        gateway = Gateway(host_app, config=config, environ=ENV)
+        async with client_for(gateway) as client:
+            response = await client.get("/v1/models")
+        await gateway.aclose()
+    assert response.status_code == 200 and response.content == b"slow but fine"
+    assert response.headers["x-gateway-attempts"] == "1"
+    assert b.count == 0
+
+
 async def test_idle_timeout_after_commit_aborts() -> None:
     async def stalls(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(status=200)

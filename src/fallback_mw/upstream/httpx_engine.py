@@ -275,10 +275,11 @@ class HttpxClient:
             headers=encode_request_headers(request.headers),
             content=body if isinstance(body, bytes) else timer.timed_body(body),
             # No pool timeout: waiting for a free pooled connection is the gateway's own
-            # queue, not the upstream's slowness (bounded by the walk deadline).
-            timeout=httpx.Timeout(
-                connect=timeouts.connect, read=timeouts.idle, write=None, pool=None
-            ),
+            # queue, not the upstream's slowness (bounded by the walk deadline). No read
+            # timeout: httpcore would apply it to the wait for the response head too, where
+            # only the first-byte timer rules (as on aiohttp); the gaps between body chunks
+            # are timed by iter_chunks.
+            timeout=httpx.Timeout(connect=timeouts.connect, read=None, write=None, pool=None),
             extensions={"trace": progress},
         )
         # httpx adds these by default; the upstream sees only what the gateway decided.
