@@ -79,6 +79,38 @@ async def test_two_gateways_in_one_process_keep_separate_breaker_gauges() -> Non
     assert telemetries[1].breaker_states() == {}
 
 
+async def test_two_gateways_on_one_meter_provider_both_report_their_breakers() -> None:
+    # The host's one MeterProvider (the global one, as in any real process): the SDK keeps
+    # one `gateway.breaker.state` gauge per meter and drops the callback of a second
+    # registration, so the second gateway's open breaker must still reach the gauge.
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader], shutdown_on_exit=False)
+    async with upstream(status_handler(503)) as failing, upstream(status_handler(200)) as ok:
+        first = Gateway(
+            host_app,
+            config=config(ok.url, failing.url),
+            environ=ENV,
+            telemetry=Telemetry(meter_provider=provider),
+        )
+        second = Gateway(
+            host_app,
+            config=config(failing.url, ok.url),
+            environ=ENV,
+            telemetry=Telemetry(meter_provider=provider),
+        )
+        async with client_for(first) as a, client_for(second) as b:
+            for _ in range(3):
+                assert (await a.get("/v1/models")).status_code == 200
+                assert (await b.get("/v1/models")).status_code == 200
+        await first.aclose()
+        await second.aclose()
+    assert second.services.telemetry.breaker_states() == {"primary": "open"}
+    gauge = {
+        p.attributes["gateway.upstream"]: p.value for p in points(reader, "gateway.breaker.state")
+    }
+    assert gauge == {"primary": 2}
+
+
 async def test_redis_health_counts_on_the_meter_provider_it_is_given() -> None:
     reader = InMemoryMetricReader()
     provider = MeterProvider(metric_readers=[reader], shutdown_on_exit=False)

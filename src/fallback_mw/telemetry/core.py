@@ -6,6 +6,7 @@ import contextlib
 import contextvars
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from opentelemetry import context as otel_context
@@ -59,6 +60,9 @@ _W3C_PROPAGATORS = (TraceContextTextMapPropagator, W3CBaggagePropagator)
 # Marks a request whose telemetry was finished: a second request_finished records nothing.
 _FINISHED = object()
 
+# Every live Telemetry, for the breaker gauge (Telemetry._observe_breakers).
+_LIVE: weakref.WeakSet[Telemetry] = weakref.WeakSet()
+
 
 def normalise_breaker_state(state: str) -> str | None:
     normalised = state.strip().lower().replace("-", "_")
@@ -89,9 +93,12 @@ class Telemetry:
         self._tracer = tracer_provider.get_tracer(INSTRUMENTATION_NAME, version)
         meter = meter_provider.get_meter(INSTRUMENTATION_NAME, version)
         self._m = Instruments(meter, idle=_unset_global_meter_provider(meter_provider))
-        # This gateway's breakers (its own health state reports to it): no process globals,
-        # so two Gateways in one process keep separate gauges.
+        # This gateway's breakers (its own health state reports to it), so two Gateways on
+        # two meter providers keep separate gauges. On one provider (the host's global one)
+        # the SDK keeps the first gateway's gauge and drops a second registration's
+        # callback: each gauge callback reports every live gateway on its provider.
         self._breaker_states: dict[str, str] = {}
+        _LIVE.add(self)
         meter.create_observable_gauge(
             "gateway.breaker.state",
             callbacks=[self._observe_breakers],
@@ -358,9 +365,19 @@ class Telemetry:
         return dict(self._breaker_states)
 
     def _observe_breakers(self, options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
+        """The breakers of every live gateway whose instruments are on this one's meter
+        provider (the one registration of the gauge the SDK kept reports them all); an
+        upstream name two of them use reports its worst state."""
+        provider = _resolved(self.meter_provider)
+        values: dict[str, int] = {}
+        for telemetry in list(_LIVE):
+            if telemetry is not self and _resolved(telemetry.meter_provider) is not provider:
+                continue
+            for upstream, state in list(telemetry._breaker_states.items()):
+                values[upstream] = max(values.get(upstream, 0), _BREAKER_VALUES[state])
         return [
-            metrics.Observation(_BREAKER_VALUES[state], {"gateway.upstream": upstream})
-            for upstream, state in list(self._breaker_states.items())
+            metrics.Observation(value, {"gateway.upstream": upstream})
+            for upstream, value in values.items()
         ]
 
     # --- internals --------------------------------------------------------------------
@@ -483,6 +500,13 @@ class _RequestScope:
 
 
 _NOT_OURS = contextlib.nullcontext()
+
+
+def _resolved(provider: metrics.MeterProvider) -> object:
+    """The provider whose meters instruments made on `provider` end up on: the installed
+    SDK's for the OTel API's global proxy once one is installed, else `provider`."""
+    real = getattr(provider, "_real_meter_provider", None)
+    return provider if real is None else real
 
 
 def _unset_global_meter_provider(provider: metrics.MeterProvider) -> Callable[[], bool]:
