@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 from aiohttp import web
 
-from tests.helpers import gateway_client
-from tests.upstreams import upstream
+from fallback_mw import Gateway
+from tests.helpers import client_for, gateway_client
+from tests.upstreams import host_app, upstream
 
 pytestmark = pytest.mark.anyio
 
@@ -98,3 +99,34 @@ async def test_a_credential_echoed_in_a_field_name_or_another_case_never_reaches
     fields = "\n".join(f"{k}: {v}" for k, v in response.headers.multi_items()).lower()
     assert MIXED.lower() not in fields
     assert response.headers["x-request-id"] == "req-1"  # the rest is relayed
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_cookie_one_callers_upstream_set_never_goes_with_another_callers_request(
+    engine: str,
+) -> None:
+    # The upstream's Set-Cookie is the caller's to keep (it is relayed); the gateway's own
+    # client must not keep it and send it upstream with the next caller's request.
+    cookies: list[str | None] = []
+
+    async def sets_a_session(request: web.Request) -> web.StreamResponse:
+        cookies.append(request.headers.get("cookie"))
+        response = web.Response(text="ok")
+        response.set_cookie("session", "caller-a-session")
+        return response
+
+    async with upstream(sets_a_session) as origin:
+        conf = {
+            "gateway": {"engine": engine},
+            "upstreams": {"origin": {"url": origin.url}},
+            "routes": [{"id": "a", "prefix": "/a/", "plan": ["origin"]}],
+        }
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as caller_a, client_for(gateway) as caller_b:
+                first = await caller_a.get("/a/login")
+                assert "caller-a-session" in first.headers["set-cookie"]
+                assert (await caller_b.get("/a/whoami")).status_code == 200
+        finally:
+            await gateway.aclose()
+    assert cookies == [None, None]

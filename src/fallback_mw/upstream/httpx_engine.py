@@ -8,6 +8,7 @@ import logging
 import weakref
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
+from http.cookiejar import CookieJar, DefaultCookiePolicy
 
 from fallback_mw.extras import missing_extra
 
@@ -219,6 +220,9 @@ class HttpxClient:
                 timeout=None,
                 trust_env=False,
                 limits=self._limits,
+                # No cookie jar (aiohttp's DummyCookieJar): an upstream's Set-Cookie is
+                # relayed to its caller, never kept and sent with another caller's request.
+                cookies=CookieJar(policy=DefaultCookiePolicy(allowed_domains=[])),
             )
         return client
 
