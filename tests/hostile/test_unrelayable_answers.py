@@ -109,3 +109,18 @@ def test_the_relayed_framing_is_the_gateways_own() -> None:
     assert relayed([(b"content-length", b"5")], status=204) == []
     assert relayed([(b"content-length", b"5")], status=304) == []
     assert relayed([(b"Content-Length", b"5")]) == [(b"content-length", b"5")]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_large_response_field_is_relayed_on_either_engine(engine: str) -> None:
+    # A 12 KB field (a long Content-Security-Policy, Link or Set-Cookie): httpx reads a
+    # head up to 100 KiB, and aiohttp's own default (8190 bytes a field) made the same
+    # answer a protocol failure, failed over and booked to the upstream's breaker.
+    big = b"a" * 12_000
+    head = b"HTTP/1.1 200 OK\r\nx-big: " + big + b"\r\ncontent-length: 2\r\n\r\nok"
+    result, _, remaining = await run(answer(head), engine)
+    assert isinstance(result, httpx.Response), result
+    assert (result.status_code, result.text) == (200, "ok")
+    assert result.headers["x-big"] == big.decode()
+    assert result.headers["x-gateway-attempts"] == "1"
+    assert remaining == 0

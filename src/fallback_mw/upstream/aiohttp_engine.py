@@ -27,6 +27,12 @@ from fallback_mw.upstream.tls import ssl_context
 # aiohttp would otherwise add these; the upstream sees only what the gateway decided.
 _SKIP_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 
+# The longest response status line and header field read (aiohttp's default is 8190 bytes:
+# a long Content-Security-Policy, Link or Set-Cookie became a protocol failure, booked to
+# the upstream, where the httpx engine reads a head up to 100 KiB). aiohttp's count of
+# fields (128) stays, so a head is still bounded (about 8 MiB at most).
+_MAX_RESPONSE_FIELD = 64 * 1024
+
 
 class _ErrorMap:
     """The one place aiohttp's exceptions become failure kinds: `with map_errors(phase):`.
@@ -183,6 +189,8 @@ class AiohttpClient:
                 skip_auto_headers=_SKIP_AUTO_HEADERS,
                 timeout=aiohttp.ClientTimeout(total=None),
                 cookie_jar=aiohttp.DummyCookieJar(),
+                max_line_size=_MAX_RESPONSE_FIELD,
+                max_field_size=_MAX_RESPONSE_FIELD,
             )
         return self._session
 
