@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Sequence
 from contextvars import ContextVar
 from typing import Any
@@ -159,6 +161,21 @@ class AiohttpResponse:
             self._response.close()
 
 
+def _close_on(loop: asyncio.AbstractEventLoop, session: aiohttp.ClientSession) -> None:
+    """Close a session of another event loop: on that loop while it runs; once it is
+    closed, nothing can close its connections (the garbage collector drops them), so the
+    session and its connector are only marked closed (else each logs "Unclosed ...")."""
+    if not loop.is_closed():
+        with contextlib.suppress(RuntimeError):  # it closed meanwhile
+            asyncio.run_coroutine_threadsafe(session.close(), loop)
+            return
+    connector = session.connector
+    session.detach()
+    if connector is not None:
+        with contextlib.suppress(Exception):
+            connector._close()  # on a closed loop: marks it closed, touches no transport
+
+
 class AiohttpClient:
     def __init__(
         self,
@@ -171,11 +188,22 @@ class AiohttpClient:
         self._ca_file = ca_file
         self._limit = max_connections
         self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one the session runs on
         self._checked_hosts: set[str] = set()  # IP-literal checks are pure: do each once
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}  # per connect timeout
         self._caps = ConnectionCaps()
 
     def _get_session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            # Called from another event loop than the session's (Starlette's TestClient
+            # runs each request on a new one when used without `with`, the last one
+            # closed): its pooled connections belong to that loop and cannot be used
+            # from this one. A new session, and new connection caps (their semaphores are
+            # bound to a loop too), for this loop; the old session is closed on its own.
+            if self._session is not None and self._loop is not None:
+                _close_on(self._loop, self._session)
+            self._session, self._loop, self._caps = None, loop, ConnectionCaps()
         if self._session is None or self._session.closed:
             connector = _Connector(
                 limit=self._limit,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import weakref
@@ -173,6 +174,7 @@ class HttpxClient:
         self._ca_file = ca_file
         # One client (and pool) per (CA bundle, egress proxy): httpx takes both per client.
         self._clients: dict[tuple[str | None, str | None], httpx.AsyncClient] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one the clients run on
         self._caps = ConnectionCaps()
         _silence_engine_logs()
 
@@ -204,6 +206,19 @@ class HttpxClient:
         return transport
 
     def _get_client(self, request: UpstreamRequest | None = None) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            # Called from another event loop than the clients' (Starlette's TestClient
+            # runs each request on a new one when used without `with`, the last one
+            # closed): their pooled connections belong to that loop. New clients, and new
+            # connection caps, for this loop; the old clients are closed on their own loop
+            # while it runs (once it is closed, the garbage collector drops them).
+            old, self._clients = list(self._clients.values()), {}
+            if self._loop is not None and not self._loop.is_closed():
+                for stale in old:
+                    with contextlib.suppress(RuntimeError):  # it closed meanwhile
+                        asyncio.run_coroutine_threadsafe(stale.aclose(), self._loop)
+            self._loop, self._caps = loop, ConnectionCaps()
         ca_file = (request.ca_file if request else None) or self._ca_file
         proxy = request.proxy if request else None
         if self._transport is not None:
