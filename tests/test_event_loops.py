@@ -5,8 +5,10 @@ served, on both engines."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import threading
+import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -16,6 +18,7 @@ from starlette.middleware import Middleware
 from starlette.testclient import TestClient
 
 from fallback_mw import Gateway
+from tests.conftest import PG_HOST, PG_PORT, PG_USER, REDIS_HOST, REDIS_PORT, require_service
 
 
 class _Answer(BaseHTTPRequestHandler):
@@ -61,7 +64,67 @@ def test_a_test_client_without_lifespan_is_served_on_each_new_loop(
         response = client.get("/v1/models")
         assert (response.status_code, response.text) == (200, "upstream")
         assert response.headers["x-gateway-provider"] == "primary"
+    gateway = app.middleware_stack.app  # type: ignore[union-attr]  # Starlette built it
+    assert isinstance(gateway, Gateway)
+    asyncio.run(gateway.aclose())  # from yet another loop: the last one's pool is closed
     # The pooled connections of the closed loops can only be left to the garbage
     # collector: collected here, where their ResourceWarnings are expected.
-    del client, app
+    del client, app, gateway
+    gc.collect()
+
+
+@pytest.fixture
+def shared_stores() -> Iterator[tuple[str, str]]:
+    """A fresh PostgreSQL database (the ledger) and a Redis key prefix (the health state),
+    made and removed without an event loop of the test's own."""
+    require_service("PostgreSQL", PG_HOST, PG_PORT)
+    require_service("Redis", REDIS_HOST, REDIS_PORT)
+    import asyncpg
+    import redis
+
+    name = f"fmw_test_{uuid.uuid4().hex[:12]}"
+
+    async def admin(statement: str) -> None:
+        conn = await asyncpg.connect(host=PG_HOST, port=PG_PORT, user=PG_USER, database="postgres")
+        try:
+            await conn.execute(statement)
+        finally:
+            await conn.close()
+
+    asyncio.run(admin(f'CREATE DATABASE "{name}"'))
+    prefix = f"fmwtest:{uuid.uuid4().hex[:12]}:"
+    try:
+        yield (
+            f"postgresql://{PG_USER}@{PG_HOST}:{PG_PORT}/{name}",
+            f"redis://{REDIS_HOST}:{REDIS_PORT}/14?prefix={prefix}",
+        )
+    finally:
+        asyncio.run(admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        client = redis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=14)
+        try:
+            keys = list(client.scan_iter(match=prefix + "*"))
+            if keys:
+                client.delete(*keys)
+        finally:
+            client.close()
+
+
+@pytest.mark.filterwarnings("ignore::ResourceWarning")  # the closed loops' sockets
+def test_the_postgres_ledger_and_redis_state_follow_a_new_loop(
+    upstream_url: str, shared_stores: tuple[str, str]
+) -> None:
+    store, state = shared_stores
+    conf = {
+        "gateway": {"store": store, "state": state},
+        "upstreams": {"primary": {"url": upstream_url}},
+        "routes": [{"id": "up", "prefix": "/v1/", "plan": ["primary"], "budget": "b"}],
+        "budgets": {"b": {"limit": 10.0, "default_hold": 0.01}},
+    }
+    gateway = Gateway(Starlette(), config=conf)
+    client = TestClient(gateway)  # no `with`: a new event loop for every request
+    for _ in range(3):
+        response = client.get("/v1/models")
+        assert (response.status_code, response.text) == (200, "upstream")
+    asyncio.run(gateway.aclose())
+    del client, gateway
     gc.collect()

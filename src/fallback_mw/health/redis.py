@@ -127,6 +127,7 @@ class RedisHealth:
         self._seen: dict[str, str] = {}  # breaker state last reported, per upstream
         self.local = MemoryHealth(self.config, probe_lease=probe_lease, on_transition=on_transition)
         self._client: aioredis.Redis | None = None
+        self._client_loop: asyncio.AbstractEventLoop | None = None  # the one it runs on
         self._scripts: dict[str, Any] = {}
         self._retry_at = 0.0
         self._outage = False
@@ -148,8 +149,11 @@ class RedisHealth:
 
     def _connection(self) -> aioredis.Redis:
         """The client (its pool of connections): made on first use, and again on the first
-        try after an outage began (`_retire`)."""
+        try after an outage began (`_retire`), and on another event loop than its own."""
+        loop = asyncio.get_running_loop()
+        self._follow_loop(loop)
         if self._client is None:
+            self._client_loop = loop
             # A bounded pool that waits for a free connection (up to pool_timeout) rather
             # than failing: redis-py's default pool raises past 100 connections, which
             # under load read as "Redis unreachable" and silently un-shared the breakers.
@@ -166,6 +170,16 @@ class RedisHealth:
             self._client = aioredis.Redis.from_pool(pool)  # the client owns (closes) the pool
             self._scripts.clear()
         return self._client
+
+    def _follow_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Starlette's TestClient without `with` runs each request on a new event loop and
+        closes it after: a pool made on another loop cannot be used from this one. It is
+        closed on its own loop while that runs (else left to the garbage collector)."""
+        if self._client is not None and self._client_loop is not loop:
+            stale, old, self._client = self._client, self._client_loop, None
+            if old is not None and not old.is_closed():
+                with contextlib.suppress(RuntimeError):  # it closed meanwhile
+                    asyncio.run_coroutine_threadsafe(stale.aclose(), old)
 
     def _script(self, name: str, source: str) -> Any:
         client = self._connection()
@@ -545,6 +559,7 @@ class RedisHealth:
                 await asyncio.gather(*self._senders, return_exceptions=True)
             if self._retiring:  # pools retired by an outage
                 await asyncio.gather(*self._retiring, return_exceptions=True)
+        self._follow_loop(asyncio.get_running_loop())  # another loop's pool: closed there
         client, self._client = self._client, None
         if client is not None:
             await client.aclose()

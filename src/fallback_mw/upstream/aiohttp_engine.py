@@ -193,17 +193,20 @@ class AiohttpClient:
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}  # per connect timeout
         self._caps = ConnectionCaps()
 
-    def _get_session(self) -> aiohttp.ClientSession:
+    def _follow_loop(self) -> None:
+        """Called from another event loop than the session's (Starlette's TestClient runs
+        each request on a new one when used without `with`, the last one closed): its
+        pooled connections belong to that loop and cannot be used from this one. The old
+        session is closed on its own loop; a new one, and new connection caps (their
+        semaphores are bound to a loop too), are made for this loop."""
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
-            # Called from another event loop than the session's (Starlette's TestClient
-            # runs each request on a new one when used without `with`, the last one
-            # closed): its pooled connections belong to that loop and cannot be used
-            # from this one. A new session, and new connection caps (their semaphores are
-            # bound to a loop too), for this loop; the old session is closed on its own.
             if self._session is not None and self._loop is not None:
                 _close_on(self._loop, self._session)
             self._session, self._loop, self._caps = None, loop, ConnectionCaps()
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        self._follow_loop()
         if self._session is None or self._session.closed:
             connector = _Connector(
                 limit=self._limit,
@@ -292,6 +295,7 @@ class AiohttpClient:
         return found
 
     async def aclose(self) -> None:
+        self._follow_loop()  # a session of another loop is closed on that loop
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -205,20 +205,23 @@ class HttpxClient:
             transport._pool = httpcore.AsyncConnectionPool(**options)  # type: ignore[arg-type]
         return transport
 
-    def _get_client(self, request: UpstreamRequest | None = None) -> httpx.AsyncClient:
+    def _follow_loop(self) -> None:
+        """Called from another event loop than the clients' (Starlette's TestClient runs
+        each request on a new one when used without `with`, the last one closed): their
+        pooled connections belong to that loop. The old clients are closed on their own
+        loop while it runs (once it is closed, the garbage collector drops them); new
+        clients, and new connection caps, are made for this loop."""
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
-            # Called from another event loop than the clients' (Starlette's TestClient
-            # runs each request on a new one when used without `with`, the last one
-            # closed): their pooled connections belong to that loop. New clients, and new
-            # connection caps, for this loop; the old clients are closed on their own loop
-            # while it runs (once it is closed, the garbage collector drops them).
             old, self._clients = list(self._clients.values()), {}
             if self._loop is not None and not self._loop.is_closed():
                 for stale in old:
                     with contextlib.suppress(RuntimeError):  # it closed meanwhile
                         asyncio.run_coroutine_threadsafe(stale.aclose(), self._loop)
             self._loop, self._caps = loop, ConnectionCaps()
+
+    def _get_client(self, request: UpstreamRequest | None = None) -> httpx.AsyncClient:
+        self._follow_loop()
         ca_file = (request.ca_file if request else None) or self._ca_file
         proxy = request.proxy if request else None
         if self._transport is not None:
@@ -309,6 +312,7 @@ class HttpxClient:
         return built
 
     async def aclose(self) -> None:
+        self._follow_loop()  # clients of another loop are closed on that loop
         clients, self._clients = list(self._clients.values()), {}
         for client in clients:
             await client.aclose()

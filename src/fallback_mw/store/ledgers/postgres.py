@@ -8,6 +8,7 @@ latest committed row, so no interleaving of processes can hold past the limit.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -167,6 +168,7 @@ class PostgresLedger(SQLLedgerBase):
         self.timeout = timeout
         self.stale_hold_seconds = stale_hold_seconds
         self._pool: asyncpg.Pool | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one the pool runs on
         self._opening = asyncio.Lock()
         self._cache = BudgetCache()
         self._outage = OutageLog(logger, "PostgreSQL ledger")  # one WARNING each way
@@ -174,6 +176,13 @@ class PostgresLedger(SQLLedgerBase):
     # --- connection and schema --------------------------------------------------------
 
     async def _get_pool(self) -> asyncpg.Pool:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            # Called from another event loop than the pool's (Starlette's TestClient runs
+            # each request on a new one when used without `with`, the last one closed):
+            # its connections cannot be used from this one. A new pool (and lock) here.
+            self._abandon_pool()
+            self._loop, self._opening = loop, asyncio.Lock()
         if self._pool is not None:
             return self._pool
         async with self._opening:
@@ -199,6 +208,16 @@ class PostgresLedger(SQLLedgerBase):
                     raise
                 self._pool = pool
             return self._pool
+
+    def _abandon_pool(self) -> None:
+        """Close the pool of the previous event loop on that loop while it runs; once it
+        is closed, nothing can close its connections (the garbage collector drops them)."""
+        pool, loop, self._pool = self._pool, self._loop, None
+        if pool is None or loop is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is closed, or closing
+            if not loop.is_closed():
+                asyncio.run_coroutine_threadsafe(pool.close(), loop)
 
     async def _run(self, work: Callable[[asyncpg.Pool], Awaitable[T]]) -> T:
         """One unit of work, `timeout` at most in all: the wait for a pooled connection
@@ -382,6 +401,8 @@ class PostgresLedger(SQLLedgerBase):
         return await self._run(work)
 
     async def aclose(self) -> None:
+        if self._loop is not asyncio.get_running_loop():
+            self._abandon_pool()  # a pool of another loop is closed on that loop
         pool, self._pool = self._pool, None
         if pool is not None:
             await pool.close()
