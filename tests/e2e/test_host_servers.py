@@ -235,3 +235,50 @@ async def test_an_upstream_dying_mid_stream_breaks_the_client_response(
     assert len(aborted) == 1, output
     # Started and stopped cleanly: the lifespan answered, the upstream sessions closed.
     assert "lifespan" not in output.lower() and "Unclosed" not in output, output
+
+
+FASTAPI_LIMITED_APP = FASTAPI_APP.replace(
+    "app.add_middleware(Gateway, config={",
+    'app.add_middleware(Gateway, config={\n    "gateway": {"max_response_body": 100},',
+)
+
+
+async def growing_stream(request: web.Request) -> web.StreamResponse:
+    """An SSE upstream whose events, arriving together, pass max_response_body (100)."""
+    response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+    await response.prepare(request)
+    for n in range(20):
+        await response.write(b"data: %02d %s\n\n" % (n, b"x" * 30))
+        if n == 0:
+            await asyncio.sleep(0.2)  # the head and the first event go out alone
+    await asyncio.sleep(1)
+    return response
+
+
+@pytest.mark.parametrize("name", ["uvicorn", "hypercorn"])
+async def test_a_response_growing_past_the_limit_is_broken_quietly_inside_fastapi(
+    tmp_path: Path, name: str
+) -> None:
+    # The body passing max_response_body is cut without the task suspending first, and
+    # the server's own send must still be found behind FastAPI's middleware: else
+    # uvicorn logs "ASGI callable returned without completing response" per abort.
+    require_server(SERVERS[name][0])
+    require_server("fastapi")
+    (tmp_path / "app.py").write_text(FASTAPI_LIMITED_APP)
+    port = free_port()
+    async with upstream(growing_stream) as up:
+        with server_process(tmp_path, name, up.url, port) as log:
+            await wait_for(port, log)
+            received = b""
+            async with httpx.AsyncClient(timeout=30) as client:
+                with pytest.raises(httpx.TransportError):
+                    async with client.stream("GET", f"http://127.0.0.1:{port}/v1/x") as response:
+                        assert response.status_code == 200
+                        async for chunk in response.aiter_raw():
+                            received += chunk
+            await anyio.sleep(0.5)  # the request line is written when the request ends
+    output = log_text(log)
+    assert received.startswith(b"data: 00") and len(received) <= 100, received
+    assert "ERROR" not in output and "Traceback" not in output, output
+    too_large = [line for line in output.splitlines() if "outcome=response_too_large" in line]
+    assert len(too_large) == 1, output

@@ -31,6 +31,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import sys
+from types import FrameType
 from typing import Any
 
 from fallback_mw.request.types import Scope, Send
@@ -61,7 +63,14 @@ def server_send(scope: Scope) -> Send | None:
     """The server's own `send` for the request whose ASGI scope is `scope`: the one in
     the outermost frame, among the running tasks' coroutines, that was called with this
     very scope object (middleware pass the scope on; a server calls its app once). None
-    when there is no such frame (e.g. an in-process test client)."""
+    when there is no such frame (e.g. an in-process test client).
+
+    The calling task's own coroutine chain (`cr_await`) can stop at a frame that is
+    executing rather than suspended (a body cut at max_response_body with no await in
+    between stopped it at uvicorn's run_asgi, behind FastAPI): when no task shows the
+    frame, the calling task's stack is read instead. The tasks come first because the
+    Django adapter runs the gateway in a task of its own, whose outermost such frame is
+    the adapter's, not the server's."""
     for task in asyncio.all_tasks():
         coroutine: Any = task.get_coro()
         while coroutine is not None:
@@ -70,7 +79,16 @@ def server_send(scope: Scope) -> Send | None:
                 send = frame.f_locals.get("send")
                 return send if callable(send) else None
             coroutine = getattr(coroutine, "cr_await", None)
-    return None
+    found: FrameType | None = None
+    caller: FrameType | None = sys._getframe(1)
+    while caller is not None:
+        if caller.f_locals.get("scope") is scope:
+            found = caller  # keep going: the outermost one is the server's call
+        caller = caller.f_back
+    if found is None:
+        return None
+    send = found.f_locals.get("send")
+    return send if callable(send) else None
 
 
 def _uvicorn(cycle: Any) -> None:
