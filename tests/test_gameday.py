@@ -379,3 +379,45 @@ def test_without_owner_the_login_running_it_owns_the_abort(
     assert exercise.owner == "Ana Lima"
     named, _ = command._exercise(build_parser().parse_args([*argv, *checks, "--owner", "Bo"]))
     assert named.owner == "Bo"
+
+
+@pytest.mark.anyio
+async def test_an_overloaded_answer_is_a_customer_visible_error_the_game_day_sees() -> None:
+    """Requests beyond `max_concurrency` are answered 503 `overloaded` by the resolver,
+    before the budget guard: they leave a usage record too, so a hang game day that piles
+    requests up past the limit shows those customers' errors (the alert rules count them
+    from the metrics; the command read 0 % while customers got 503s)."""
+    import anyio
+
+    from fallback_mw import Gateway
+    from tests.helpers import client_for
+    from tests.upstreams import host_app, status_handler, upstream
+
+    async with upstream(status_handler(200, b"ok", delay=0.5)) as primary:
+        conf = {
+            "gateway": {"max_concurrency": 1},
+            "upstreams": {"primary": {"url": primary.url}},
+            "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+        }
+        gateway = Gateway(host_app, config=conf)
+        statuses: list[int] = []
+        try:
+            async with client_for(gateway) as client:
+
+                async def one(delay: float) -> None:
+                    await anyio.sleep(delay)
+                    statuses.append((await client.get("/v1/models")).status_code)
+
+                async with anyio.create_task_group() as group:
+                    group.start_soon(one, 0.0)
+                    group.start_soon(one, 0.2)  # while the first is in flight
+            ledger = gateway.services.ledger
+            assert ledger is not None
+            records = await ledger.usage(route="chat")
+        finally:
+            await gateway.aclose()
+    assert sorted(statuses) == [200, 503]
+    assert sorted(r.outcome or "" for r in records) == ["overloaded", "served"]
+    t0 = min(r.at.timestamp() for r in records) - 1
+    seen = observe(records, t0=t0, primary="primary", faulted_upstream="primary")
+    assert (seen["requests"], seen["errors"], seen["error_rate"]) == (2, 1, 0.5)

@@ -82,7 +82,11 @@ class Gateway:
             injector, config=self.config, ledger=services.ledger, telemetry=services.telemetry
         )
         self.resolver = RouteResolver(
-            guard, config=self.config, table=services.table, telemetry=services.telemetry
+            guard,
+            config=self.config,
+            table=services.table,
+            telemetry=services.telemetry,
+            ledger=services.ledger,
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

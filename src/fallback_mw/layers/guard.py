@@ -17,18 +17,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from decimal import Decimal
 
 import anyio
 
 from fallback_mw.budget import (
-    AttemptOutcome,
     Hold,
     Ledger,
     LedgerUnavailable,
     SettlesAndRecords,
-    UsageRecord,
 )
 from fallback_mw.budget.cost import PriceBook
 from fallback_mw.config import BudgetConfig, GatewayConfig
@@ -36,12 +33,11 @@ from fallback_mw.request.body import read_body, request_json
 from fallback_mw.request.context import (
     RequestBody,
     RequestContext,
-    SkipRecord,
     get_context,
     host_cancelled,
-    walk_order,
 )
 from fallback_mw.request.local_errors import send_error
+from fallback_mw.request.record import usage_record
 from fallback_mw.request.refusals import body_refusal
 from fallback_mw.request.types import ASGIApp, Receive, Scope, Send
 from fallback_mw.telemetry import Telemetry
@@ -173,7 +169,7 @@ class BudgetGuard:
         charged = None if hold is None else charge(context, hold.amount, cost)
         one_step = self._one_step
         if one_step is not None:
-            record = _usage_record(context, cost, charged)
+            record = usage_record(context, cost, charged)
             try:
                 await one_step.settle_and_record(hold, charged or Decimal(0), record)
             except LedgerUnavailable:
@@ -191,7 +187,7 @@ class BudgetGuard:
         except LedgerUnavailable:
             logger.debug("route %s: settlement failed, ledger unavailable", context.route.id)
         try:
-            await ledger.record_usage(_usage_record(context, cost, charged))
+            await ledger.record_usage(usage_record(context, cost, charged))
         except LedgerUnavailable:
             logger.debug("route %s: usage record lost, ledger unavailable", context.route.id)
 
@@ -218,50 +214,3 @@ def charge(context: RequestContext, held: Decimal, cost: Decimal | None) -> Deci
 
 async def _refuse(send: Send, context: RequestContext, code: str) -> None:
     await send_error(send, context, code, _REFUSALS[code])
-
-
-def _usage_record(
-    context: RequestContext, cost: Decimal | None, charged: Decimal | None
-) -> UsageRecord:
-    attempts = [
-        AttemptOutcome(candidate=s.candidate, skipped=s.reason, fault=s.fault)
-        if isinstance(s, SkipRecord)
-        else AttemptOutcome(
-            candidate=s.candidate, status=s.status, failure=s.failure_kind, fault=s.fault
-        )
-        for s in walk_order(context)
-    ]  # in the walk's order: a skip before the attempt that followed it
-    usage = context.usage
-    return UsageRecord(
-        request_id=context.request_id,
-        route=context.route.id,
-        tenant=context.tenant,
-        budget_id=context.route.budget,
-        candidates=tuple(context.candidates),
-        attempts=tuple(attempts),
-        chosen=context.chosen,
-        outcome=context.outcome,
-        status=context.status,
-        model=_storable(usage.model or context.request_model),
-        input_tokens=usage.input_tokens,
-        output_tokens=usage.output_tokens,
-        cost=cost,
-        charged=charged,
-        # Arrival to settlement (the walk, the response).
-        duration_ms=round((time.monotonic() - context.started) * 1000, 3),
-    )
-
-
-def _storable(text: str | None) -> str | None:
-    """`text` as every ledger's text column can hold it. A model name comes from JSON (the
-    caller's body, the upstream's answer), where `"\\ud800"` (a lone surrogate, which UTF-8
-    cannot encode) and `"\\u0000"` (NUL, which PostgreSQL text refuses) are valid escapes:
-    written as escapes, the record and its settlement are stored instead of failing."""
-    if text is None or text.isprintable():  # neither a NUL nor a surrogate is printable
-        return text
-    text = text.replace("\x00", "\\x00")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return text.encode("utf-8", "backslashreplace").decode("utf-8")
-    return text

@@ -7,17 +7,24 @@ the budget guard's hold and settlement are inside it."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 
+import anyio
+
+from fallback_mw.budget import Ledger, LedgerUnavailable
 from fallback_mw.config import DEFAULT_METHODS, GatewayConfig
 from fallback_mw.layers.limits import InFlight, header_refusal
 from fallback_mw.request.context import SCOPE_KEY, RequestContext
 from fallback_mw.request.local_errors import send_error
+from fallback_mw.request.record import usage_record
 from fallback_mw.request.types import ASGIApp, Receive, Scope, Send
 from fallback_mw.routing import RouteTable, effective_deadline_ms, normalise_path
 from fallback_mw.security import canonical_name, canonical_query_key, strip_query_keys
 from fallback_mw.telemetry import Telemetry
+
+logger = logging.getLogger("fallback_mw.budget")
 
 # More digits than this is longer than any deadline (600000 ms): it can shorten nothing.
 _DEADLINE_DIGITS = 7
@@ -80,8 +87,12 @@ class RouteResolver:
         config: GatewayConfig,
         table: Callable[[], RouteTable] | None = None,
         telemetry: Telemetry | None = None,
+        ledger: Ledger | None = None,
     ) -> None:
         self.app = app
+        # Where the requests refused here leave their usage record, as the budget guard's
+        # settlement does for every other routed request.
+        self.ledger = ledger
         static = RouteTable(config.routes, config.upstreams)
         # `table` lets a route store swap the routes at run time without touching us.
         self.table = table or (lambda: static)
@@ -153,6 +164,7 @@ class RouteResolver:
                 # contacted, still one span and one log line.
                 message, rule = refusal
                 await send_error(send, context, "headers_too_large", message, rule=rule)
+                await self._record(context)
                 return
             if refused is not None:
                 await send_error(
@@ -162,11 +174,13 @@ class RouteResolver:
                     "methods to forward it",
                     headers=[(b"allow", ", ".join(DEFAULT_METHODS).encode())],
                 )  # fmt: skip
+                await self._record(context)
                 return
             if not self.in_flight.try_enter():
                 limit = self.in_flight.limit
                 message = f"more than {limit} requests in flight (max_concurrency)"
                 await send_error(send, context, "overloaded", message)
+                await self._record(context)
                 return
             try:
                 scope[SCOPE_KEY] = context
@@ -181,6 +195,18 @@ class RouteResolver:
         if cached is None or cached[0] is not table:
             cached = self._auth_cache = (table, table.auth_headers | self.strip_headers)
         return cached[1]
+
+    async def _record(self, context: RequestContext) -> None:
+        """The usage record of a request refused here: a 503 `overloaded` is an answer a
+        customer got, which a game day's error rate and `fallback-mw usage` must see."""
+        ledger = self.ledger
+        if ledger is None:
+            return
+        with anyio.CancelScope(shield=True):
+            try:
+                await ledger.record_usage(usage_record(context, None, None))
+            except LedgerUnavailable:
+                logger.debug("route %s: usage record lost, ledger unavailable", context.route.id)
 
     def _traced(
         self, context: RequestContext, scope: Scope

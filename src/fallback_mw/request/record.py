@@ -1,0 +1,60 @@
+"""The usage record a routed request leaves in the ledger when it ends: who was tried, who
+answered, the outcome, the cost. Every routed request leaves one — the budget guard's
+settlement writes it, and so does the resolver for the requests it refuses itself (405,
+431, 503 `overloaded`) — so `fallback-mw usage` and a game day's observation see every
+answer a caller got."""
+
+from __future__ import annotations
+
+import time
+from decimal import Decimal
+
+from fallback_mw.budget import AttemptOutcome, UsageRecord
+from fallback_mw.request.context import RequestContext, SkipRecord, walk_order
+
+
+def usage_record(
+    context: RequestContext, cost: Decimal | None, charged: Decimal | None
+) -> UsageRecord:
+    attempts = [
+        AttemptOutcome(candidate=s.candidate, skipped=s.reason, fault=s.fault)
+        if isinstance(s, SkipRecord)
+        else AttemptOutcome(
+            candidate=s.candidate, status=s.status, failure=s.failure_kind, fault=s.fault
+        )
+        for s in walk_order(context)
+    ]  # in the walk's order: a skip before the attempt that followed it
+    usage = context.usage
+    return UsageRecord(
+        request_id=context.request_id,
+        route=context.route.id,
+        tenant=context.tenant,
+        budget_id=context.route.budget,
+        candidates=tuple(context.candidates),
+        attempts=tuple(attempts),
+        chosen=context.chosen,
+        outcome=context.outcome,
+        status=context.status,
+        model=_storable(usage.model or context.request_model),
+        input_tokens=usage.input_tokens,
+        output_tokens=usage.output_tokens,
+        cost=cost,
+        charged=charged,
+        # Arrival to settlement (the walk, the response).
+        duration_ms=round((time.monotonic() - context.started) * 1000, 3),
+    )
+
+
+def _storable(text: str | None) -> str | None:
+    """`text` as every ledger's text column can hold it. A model name comes from JSON (the
+    caller's body, the upstream's answer), where `"\\ud800"` (a lone surrogate, which UTF-8
+    cannot encode) and `"\\u0000"` (NUL, which PostgreSQL text refuses) are valid escapes:
+    written as escapes, the record and its settlement are stored instead of failing."""
+    if text is None or text.isprintable():  # neither a NUL nor a surrogate is printable
+        return text
+    text = text.replace("\x00", "\\x00")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
