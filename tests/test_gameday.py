@@ -382,6 +382,39 @@ def test_without_owner_the_login_running_it_owns_the_abort(
 
 
 @pytest.mark.anyio
+async def test_a_method_the_route_does_not_forward_is_not_a_customer_visible_error() -> None:
+    """A scanner's PROPFIND on a routed path is answered 405 `method_not_allowed`: the
+    caller's doing, like a malformed or oversized request. The game day's error_rate (and
+    the shipped rules, which exclude the same outcomes) must not count it as an outage."""
+    from fallback_mw import Gateway
+    from tests.helpers import client_for
+    from tests.upstreams import host_app, status_handler, upstream
+
+    async with upstream(status_handler(200, b"ok")) as primary:
+        conf = {
+            "upstreams": {"primary": {"url": primary.url}},
+            "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+        }
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                assert (await client.get("/v1/models")).status_code == 200
+                for _ in range(3):
+                    response = await client.request("PROPFIND", "/v1/models")
+                    assert response.status_code == 405
+            ledger = gateway.services.ledger
+            assert ledger is not None
+            records = await ledger.usage(route="chat")
+        finally:
+            await gateway.aclose()
+    assert sorted(r.outcome or "" for r in records) == ["method_not_allowed"] * 3 + ["served"]
+    t0 = min(r.at.timestamp() for r in records) - 1
+    seen = observe(records, t0=t0, primary="primary", faulted_upstream="primary")
+    assert (seen["errors"], seen["error_rate"]) == (0, 0.0)
+    assert windowed("error_rate", records, "primary") == 0.0
+
+
+@pytest.mark.anyio
 async def test_an_overloaded_answer_is_a_customer_visible_error_the_game_day_sees() -> None:
     """Requests beyond `max_concurrency` are answered 503 `overloaded` by the resolver,
     before the budget guard: they leave a usage record too, so a hang game day that piles

@@ -16,6 +16,7 @@ CALLER_OUTCOMES = frozenset(
         "client_disconnected",
         "budget_exceeded",
         "bad_request",
+        "method_not_allowed",
         "request_too_large",
         "headers_too_large",
         "request_timeout",
