@@ -454,3 +454,69 @@ async def test_an_overloaded_answer_is_a_customer_visible_error_the_game_day_see
     t0 = min(r.at.timestamp() for r in records) - 1
     seen = observe(records, t0=t0, primary="primary", faulted_upstream="primary")
     assert (seen["requests"], seen["errors"], seen["error_rate"]) == (2, 1, 0.5)
+
+
+def test_alerts_about_other_routes_and_upstreams_are_not_credited_to_the_exercise(
+    store: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Prometheus lists every alert of the fleet. An exercise on route chat (plan primary,
+    backup) is credited only with the instances about it: another route's upstream whose
+    breaker opens during the window (a real outage elsewhere) must not pass chat's
+    `alert:FallbackMwBreakerOpen` prediction, and an alert already firing for another
+    route must not hide chat's own firing."""
+    import http.server
+    import json
+    import threading
+
+    polls: list[int] = []
+
+    def alert(name: str, **labels: str) -> dict[str, Any]:
+        return {"labels": {"alertname": name, **labels}, "state": "firing"}
+
+    class Alerts(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            polls.append(1)
+            listed = [alert("FallbackMwErrorRateAbort", gateway_route_id="other")]
+            if len(polls) > 1:  # from the first poll after the baseline
+                listed += [
+                    alert("FallbackMwBreakerOpen", gateway_upstream="elsewhere"),
+                    alert("FallbackMwErrorRateAbort", gateway_route_id="chat"),
+                    alert("FallbackMwSilentFallback", gateway_route_id="other"),
+                ]
+            body = json.dumps({"status": "success", "data": {"alerts": listed}}).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Alerts)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    out = tmp_path / "r.json"
+    try:
+        argv = [
+            "gameday", "--config", store, "--route", "chat", "--fault", "fail",
+            "--duration", "2s", "--recovery-wait", "1s", "--owner", "Ana", "--out", str(out),
+            "--prometheus", f"http://127.0.0.1:{server.server_address[1]}",
+            "--predict", "alert:FallbackMwBreakerOpen<=5s",
+            "--predict", "alert:FallbackMwErrorRateAbort<=5s",
+            "--abort", "error_rate=50%",
+        ]  # fmt: skip
+        assert main(argv) == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+    capsys.readouterr()
+    report = json.loads(out.read_text())
+    results = {p["name"]: p["result"] for p in report["predictions"]}
+    assert results == {
+        "alert:FallbackMwBreakerOpen": "no data",  # another upstream's breaker
+        "alert:FallbackMwErrorRateAbort": "pass",  # chat's own, despite other's firing
+    }
+    assert sorted(report["prometheus"]["alerts"]) == ["FallbackMwErrorRateAbort"]
+    assert report["prometheus"]["firing_before_the_fault"] == []
+    assert asyncio.run(_faults(store)) == []

@@ -132,6 +132,7 @@ def _exercise(args: argparse.Namespace) -> tuple[Exercise, str]:
         grace_s=min(2.0, max(duration / 10, 0.5)),
         owner=owner,
         recovery_wait_s=recovery_wait,
+        candidates=tuple(plan),
     )
     return exercise, target.url
 
@@ -173,7 +174,11 @@ async def _run(
             handled.append(sig)
     store = open_store(url)
     ledger = open_ledger(url)
-    alerts = AlertWatcher(prometheus) if prometheus else None
+    alerts = (
+        AlertWatcher(prometheus, route=exercise.route, upstreams=frozenset(exercise.candidates))
+        if prometheus
+        else None
+    )
     try:
 
         def started(timeline: Timeline) -> None:

@@ -1,6 +1,11 @@
 """The real alert state, from Prometheus's HTTP API (`GET /api/v1/alerts`), polled while a
 game day runs: when each alert was first seen firing, and when it stopped. Only alert
-names, states and times are kept (label values can name hosts; they are not reported)."""
+names, states and times are kept (label values can name hosts; they are not reported).
+
+Prometheus lists the whole fleet's alerts: only the instances about the exercise count —
+an instance labelled with another route (`gateway_route_id`) or with an upstream outside
+the route's plan (`gateway_upstream`) is another team's news, not the exercise's result.
+An alert with neither label (one of your own) counts as it is."""
 
 from __future__ import annotations
 
@@ -41,6 +46,8 @@ class PrometheusUnavailable(RuntimeError):
 @dataclass
 class AlertWatcher:
     url: str
+    route: str | None = None  # the exercise's route: other routes' instances are ignored
+    upstreams: frozenset[str] = frozenset()  # its plan: other upstreams' are ignored
     alerts: dict[str, AlertSeen] = field(default_factory=dict)
     polls: int = 0
     failures: int = 0
@@ -61,6 +68,8 @@ class AlertWatcher:
                 payload: Any = await response.json(content_type=None)
             states: dict[str, str] = {}
             for alert in payload["data"]["alerts"]:
+                if not self.concerns(alert["labels"]):
+                    continue
                 name = str(alert["labels"]["alertname"])
                 state = str(alert["state"])
                 if state not in ("pending", "firing"):
@@ -71,6 +80,14 @@ class AlertWatcher:
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
             message = type(exc).__name__ if not str(exc) else str(exc)[:200]
             raise PrometheusUnavailable(message) from None
+
+    def concerns(self, labels: dict[str, Any]) -> bool:
+        """Whether an alert instance is about the exercise's route or one of its upstreams."""
+        route = labels.get("gateway_route_id")
+        if self.route is not None and route is not None and route != self.route:
+            return False
+        upstream = labels.get("gateway_upstream")
+        return not (self.upstreams and upstream is not None and upstream not in self.upstreams)
 
     async def baseline(self) -> None:
         """Before the fault: Prometheus answers (else PrometheusUnavailable), and which

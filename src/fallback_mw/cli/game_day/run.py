@@ -52,6 +52,7 @@ class Exercise:
     grace_s: float = 2.0  # after the fault is cleared, for records of requests in flight
     owner: str = ""  # the one person who may call the abort
     recovery_wait_s: float = 30.0  # after the revert, for the primary's first success
+    candidates: tuple[str, ...] = ()  # the route's plan: whose alerts are the exercise's
 
     @property
     def scope(self) -> str:
