@@ -583,3 +583,55 @@ async def test_redis_every_process_reports_the_shared_breaker_as_it_is(redis_url
     finally:
         await one.aclose()
         await two.aclose()
+
+
+def breaker_gauge(reader: InMemoryMetricReader) -> dict[str, int]:
+    found: dict[str, int] = {}
+    data = reader.get_metrics_data()
+    for resource in data.resource_metrics if data is not None else ():
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                if metric.name == "gateway.breaker.state":
+                    for point in metric.data.data_points:
+                        upstream_name = str((point.attributes or {})["gateway.upstream"])
+                        found[upstream_name] = int(point.value)  # type: ignore[union-attr]
+    return found
+
+
+@pytest.mark.anyio
+async def test_a_removed_route_s_open_breaker_leaves_the_gauge(tmp_path: Path) -> None:
+    """An operator removes a stored route whose primary's breaker is open (the usual way to
+    stop paging about a dead vendor): once the gateway has reloaded, the
+    `gateway.breaker.state` gauge no longer reports that upstream, so FallbackMwBreakerOpen
+    resolves. It reported it open (2) until the process restarted."""
+    store = f"sqlite:///{tmp_path / 'gw.db'}"
+    async with (
+        upstream(status_handler(503)) as dead,
+        upstream(status_handler(200, b"backup")) as backup,
+    ):
+        base = ["--store", store, "--id", "gone"]
+        status, _, err = await cli(
+            "routes", "add", *base, "--prefix", "/gone/", "--upstream", dead.url,
+            "--fallback", backup.url, "--retries", "1",
+        )  # fmt: skip
+        assert status == 0, err
+        reader = InMemoryMetricReader()
+        telemetry = Telemetry(meter_provider=MeterProvider(metric_readers=[reader]))
+        conf = gateway_config(store, dead.url, backup.url)  # route chat: never asked
+        gateway = Gateway(host_app, config=conf, environ={}, telemetry=telemetry)
+        runtime = gateway.services.store
+        assert runtime is not None
+        try:
+            async with client_for(gateway) as client:
+                for _ in range(5):
+                    assert (await client.get("/gone/x")).status_code == 200
+                assert breaker_gauge(reader).get("gone-primary") == 2
+                reloads = runtime.reloads
+                status, _, err = await cli("routes", "remove", *base)
+                assert status == 0, err
+                await until(lambda: _true(runtime.reloads > reloads))
+                assert (await client.get("/gone/x")).status_code == 404  # the host app's
+                gauge = breaker_gauge(reader)
+                assert "gone-primary" not in gauge, gauge
+        finally:
+            await gateway.aclose()

@@ -82,6 +82,8 @@ def build_services(
     )
     if runtime is not None:  # a fault that ends resets the breakers its outcomes opened
         runtime.on_fault_cleared = health.reset_fault
+        # An upstream a reload removes leaves the breaker gauge.
+        telemetry.only_upstreams(runtime.upstream_names)
     client = client or make_client(
         settings.engine, allow_hosts=settings.allow_hosts, ca_file=settings.ca_file
     )

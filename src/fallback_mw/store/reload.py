@@ -17,7 +17,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any, TypeVar
 
 from opentelemetry import metrics
@@ -108,6 +108,10 @@ class StoreRuntime:
     def table(self) -> RouteTable:
         self.ensure_started()
         return self._current
+
+    def upstream_names(self) -> Collection[str]:
+        """The upstreams of the running routes (file and store); safe from any thread."""
+        return self._current.upstreams.keys()
 
     def ensure_started(self) -> None:
         """Start the reloader once (lifespan startup, or the first request). The task never

@@ -7,7 +7,7 @@ import contextvars
 import logging
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, propagate, trace
@@ -99,6 +99,8 @@ class Telemetry:
         # callback: each gauge callback reports every live gateway on its provider.
         self._breaker_states: dict[str, str] = {}
         _LIVE.add(self)
+        # With a route store, the upstreams the gateway still serves (only_upstreams).
+        self._serving: Callable[[], Collection[str]] | None = None
         meter.create_observable_gauge(
             "gateway.breaker.state",
             callbacks=[self._observe_breakers],
@@ -364,17 +366,37 @@ class Telemetry:
         """The last reported state of each upstream's breaker (a copy)."""
         return dict(self._breaker_states)
 
+    def only_upstreams(self, serving: Callable[[], Collection[str]]) -> None:
+        """Report the breaker gauge only for the upstreams `serving()` names: when a route
+        store reload drops an upstream, its series goes, so an open breaker of a removed
+        upstream does not keep FallbackMwBreakerOpen firing until a restart. Its last state
+        is kept: an upstream added back reports it again."""
+        self._serving = serving
+
+    def _serving_labels(self) -> set[str] | None:
+        """The labels of the upstreams `only_upstreams` names; None: report every one."""
+        if self._serving is None:
+            return None
+        try:
+            return {label(name) for name in self._serving()}
+        except Exception:
+            _internal.debug("serving upstreams not read", exc_info=False)
+            return None
+
     def _observe_breakers(self, options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
         """The breakers of every live gateway whose instruments are on this one's meter
         provider (the one registration of the gauge the SDK kept reports them all); an
-        upstream name two of them use reports its worst state."""
+        upstream name two of them use reports its worst state. A gateway with a route
+        store reports only the upstreams it still serves (`only_upstreams`)."""
         provider = _resolved(self.meter_provider)
         values: dict[str, int] = {}
         for telemetry in list(_LIVE):
             if telemetry is not self and _resolved(telemetry.meter_provider) is not provider:
                 continue
+            serving = telemetry._serving_labels()
             for upstream, state in list(telemetry._breaker_states.items()):
-                values[upstream] = max(values.get(upstream, 0), _BREAKER_VALUES[state])
+                if serving is None or upstream in serving:
+                    values[upstream] = max(values.get(upstream, 0), _BREAKER_VALUES[state])
         return [
             metrics.Observation(value, {"gateway.upstream": upstream})
             for upstream, value in values.items()
