@@ -520,3 +520,24 @@ def test_alerts_about_other_routes_and_upstreams_are_not_credited_to_the_exercis
     assert sorted(report["prometheus"]["alerts"]) == ["FallbackMwErrorRateAbort"]
     assert report["prometheus"]["firing_before_the_fault"] == []
     assert asyncio.run(_faults(store)) == []
+
+
+def test_the_report_page_shows_a_dash_for_what_was_not_observed(
+    store: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A quantity with no data (no breaker opened, no recovery seen) reads '-' on the
+    page, as in the printed report; the page said 'None' (Python's spelling)."""
+    import re
+
+    out = tmp_path / "r.json"
+    argv = [
+        *BASE, "--config", store, "--duration", "1s", "--recovery-wait", "1s",
+        "--out", str(out), "--predict", "breaker_open_s=5", "--abort", "error_rate=50%",
+    ]  # fmt: skip
+    assert main(argv) == 1  # no traffic: NO DATA
+    assert "breaker open after -" in capsys.readouterr().out
+    page = out.with_suffix(".html").read_text()
+    observed = re.search(r'<table class="observed">.*?</table>', page)
+    assert observed is not None
+    assert "None" not in page
+    assert '<td class="text">-</td>' in observed.group(0)

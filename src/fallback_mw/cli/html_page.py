@@ -43,8 +43,9 @@ def table(header: Sequence[str], rows: Iterable[Sequence[object]], *, cls: str =
     )
     lines = [f'<table class="{text(cls)}"><thead><tr>{head}</tr></thead><tbody>']
     for row in rows:
+        # Nothing observed reads "-" in every column, as the printed tables say it.
         cells = "".join(
-            f'<td class="text">{text(c)}</td>'
+            f'<td class="text">{text("-" if c is None else c)}</td>'
             if i == 1
             else f"<td>{text('-' if c is None else c)}</td>"
             for i, c in enumerate(row)
