@@ -541,3 +541,48 @@ def test_the_report_page_shows_a_dash_for_what_was_not_observed(
     assert observed is not None
     assert "None" not in page
     assert '<td class="text">-</td>' in observed.group(0)
+
+
+def test_the_printed_predictions_table_keeps_its_columns_for_long_predictions(
+    store: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`alert:FallbackMwFallbackShareAboveCanaryBaseline<=180s` (the prediction the docs
+    recommend) is longer than the column the table gave predictions: every row's columns
+    still line up under the header."""
+    import http.server
+    import json
+    import threading
+
+    class Alerts(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps({"status": "success", "data": {"alerts": []}}).encode()
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Alerts)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    long = "alert:FallbackMwFallbackShareAboveCanaryBaseline<=180s"
+    try:
+        argv = [
+            *BASE, "--config", store, "--duration", "1s", "--recovery-wait", "1s",
+            "--out", str(tmp_path / "r.json"), "--predict", "breaker_open_s=5",
+            "--predict", long, "--abort", "error_rate=50%",
+            "--prometheus", f"http://127.0.0.1:{server.server_address[1]}",
+        ]  # fmt: skip
+        assert main(argv) == 1  # no traffic, no alert: NO DATA
+    finally:
+        server.shutdown()
+        server.server_close()
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.strip().startswith("prediction"))
+    table = lines[header : header + 3]
+    assert table[2].split()[0] == long, table
+    predicted_end = table[0].index("predicted") + len("predicted")
+    for line in table[1:]:  # right-aligned values end under their header's end
+        assert line[predicted_end - 2 : predicted_end] == " s", table
+        assert line.index("NO DATA") == table[0].index("result"), table

@@ -102,11 +102,13 @@ def report_lines(report: dict[str, Any]) -> list[str]:
     if report["abort"] is not None:
         abort = report["abort"]
         lines.append(f"  aborted at +{abort['at_s']} s on {abort['criterion']}")
-    lines.append(f"  {'prediction':<28} {'predicted':>12} {'observed':>12}  result")
+    # As wide as the longest prediction (an alert: prediction is often over 28).
+    width = max([28, *(len(p["prediction"]) for p in report["predictions"])])
+    lines.append(f"  {'prediction':<{width}} {'predicted':>12} {'observed':>12}  result")
     for p in report["predictions"]:
         unit = p["unit"]
         lines.append(
-            f"  {p['prediction']:<28} {fmt(p['predicted'], unit):>12} "
+            f"  {p['prediction']:<{width}} {fmt(p['predicted'], unit):>12} "
             f"{fmt(p['observed'], unit):>12}  {p['result'].upper()}"
         )
     o = report["observed"] or {}
