@@ -125,6 +125,14 @@ _GROUPING = re.compile(r"\b(?:by|on|without|ignoring)\s*\(([^)]*)\)")
 def _exported_families() -> dict[str, set[str]]:
     """Metric name -> label names, from a real routed request (failing primary, backup
     answers, breaker opens) exported by OpenTelemetry's Prometheus exporter."""
+    families: dict[str, set[str]] = {}
+    for sample in _exported_samples():
+        families.setdefault(sample.name, set()).update(sample.labels)
+    return families
+
+
+def _exported_samples() -> list[Any]:
+    """The samples of that export (prometheus_client `Sample`s)."""
     import anyio
     from opentelemetry.exporter.prometheus import PrometheusMetricReader
     from opentelemetry.sdk.metrics import MeterProvider
@@ -158,13 +166,9 @@ def _exported_families() -> dict[str, set[str]]:
 
     try:
         anyio.run(drive)
-        families: dict[str, set[str]] = {}
-        for family in registry.collect():
-            for sample in family.samples:
-                families.setdefault(sample.name, set()).update(sample.labels)
+        return [sample for family in registry.collect() for sample in family.samples]
     finally:
         provider.shutdown()
-    return families
 
 
 def test_rules_use_the_exported_names_and_labels() -> None:
@@ -198,3 +202,51 @@ def test_rules_use_the_exported_names_and_labels() -> None:
         else:
             assert token in all_labels, f"{token} is neither an exported metric nor a label"
     assert {"gateway_breaker_state", "gateway_requests_total"} <= used_metrics
+
+
+def test_requests_just_under_the_latency_threshold_do_not_fire_it(
+    promtool: str, tmp_path: Path
+) -> None:
+    """FallbackMwLatencyP99Abort compares `histogram_quantile(0.99, ...)` with 6 s; the
+    quantile is interpolated inside the bucket it falls in. On the buckets the gateway
+    really exports, a route whose every request takes 5.5 s (p99 5.5 s, under the
+    criterion) must not fire it. With no bucket boundary at 6 s the 0.99 quantile of the
+    (5, 10] bucket read 9.95 s and the abort fired on a healthy slow route."""
+    threshold = 6.0
+    rule = next(a for a in _alerts(_load(RULES)) if a["alert"] == "FallbackMwLatencyP99Abort")
+    assert re.search(r"\)\s*>\s*6\s*$", rule["expr"].strip()), rule["expr"]
+    buckets = sorted(
+        {
+            float(sample.labels["le"])
+            for sample in _exported_samples()
+            if sample.name == "gateway_request_duration_seconds_bucket"
+        }
+    )
+    assert buckets and buckets[-1] == float("inf")
+    took = threshold - 0.5
+    series = [
+        {
+            "series": "gateway_request_duration_seconds_bucket"
+            f'{{gateway_route_id="slow", gateway_outcome="served", le="{le:g}"}}'.replace(
+                'le="inf"', 'le="+Inf"'
+            ),
+            "values": "0+10x40" if le >= took else "0x40",
+        }
+        for le in buckets
+    ]
+    tests = {
+        "rule_files": [str(RULES)],
+        "evaluation_interval": "15s",
+        "tests": [
+            {
+                "interval": "15s",
+                "input_series": series,
+                "alert_rule_test": [
+                    {"eval_time": "5m", "alertname": "FallbackMwLatencyP99Abort", "exp_alerts": []}
+                ],
+            }
+        ],
+    }
+    (tmp_path / "latency.test.yml").write_text(yaml.safe_dump(tests))
+    result = _run(promtool, "test", "rules", "latency.test.yml", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -43,7 +43,6 @@ SHADOW_SPAN = "gateway.shadow"
 _internal = logging.getLogger("fallback_mw.telemetry")
 
 _BREAKER_VALUES = {"closed": 0, "half_open": 1, "open": 2}
-_DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 # The attempt span in flight in this task, so `inject_headers` (called with the attempt's
 # header list only) can propagate its context. Set in attempt_started, cleared after.
