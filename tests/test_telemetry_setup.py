@@ -91,6 +91,23 @@ def test_missing_sdk_names_the_extra(otel_env: Any, monkeypatch: pytest.MonkeyPa
         configure_opentelemetry(set_global=False)
 
 
+def test_missing_grpc_exporter_names_its_own_package(otel_env: Any) -> None:
+    """grpc is not in the `otel` extra: the fix named must install what is missing
+    (it said `pip install 'fallback_mw[otel]'`, which installs no grpc exporter)."""
+    otel_env(OTEL_TRACES_EXPORTER="otlp", OTEL_EXPORTER_OTLP_PROTOCOL="grpc")
+    try:
+        import opentelemetry.exporter.otlp.proto.grpc  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("the grpc exporter is installed here")
+    with pytest.raises(TelemetrySetupError) as raised:
+        configure_opentelemetry(set_global=False)
+    message = str(raised.value)
+    assert "pip install opentelemetry-exporter-otlp-proto-grpc" in message, message
+    assert "fallback_mw[otel]" not in message, message
+
+
 def test_console_exporters_write_spans_and_metrics(otel_env: Any) -> None:
     otel_env(
         OTEL_TRACES_EXPORTER="console",

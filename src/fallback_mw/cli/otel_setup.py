@@ -104,10 +104,14 @@ def _protocol(environ: Mapping[str, str], signal: str) -> str:
     return protocol
 
 
+# Not in the `otel` extra: the extra would not install it.
+_OUTSIDE_THE_EXTRA = frozenset({"opentelemetry-exporter-otlp-proto-grpc"})
+
+
 def _missing(package: str) -> TelemetrySetupError:
+    fix = package if package in _OUTSIDE_THE_EXTRA else "'fallback_mw[otel]'"
     return TelemetrySetupError(
-        f"OpenTelemetry export was requested but {package} is not installed: "
-        "pip install 'fallback_mw[otel]'"
+        f"OpenTelemetry export was requested but {package} is not installed: pip install {fix}"
     )
 
 
