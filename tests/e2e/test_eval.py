@@ -191,3 +191,19 @@ def test_eval_refuses_a_directory_as_out(
 ) -> None:
     assert run_cli(["eval", "--requests", "1", "--out", str(tmp_path)]) == 2
     assert "is a directory" in capsys.readouterr().err
+
+
+def test_eval_refuses_an_out_it_cannot_write_before_running_the_arms(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An --out whose directory cannot be made is refused at once (exit 2, nothing run),
+    as gameday does: it ran all four arms (minutes with a large --requests) and only then
+    failed, losing the artifact."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    out = blocker / "results" / "eval.json"
+    assert run_cli(["eval", "--requests", "1", "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("fallback-mw: error: --out ") and str(out) in captured.err
+    assert len(captured.err.strip().splitlines()) == 1
+    assert "route-plan evaluation" not in captured.out  # no arm ran

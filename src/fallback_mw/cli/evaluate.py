@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
@@ -38,6 +39,14 @@ def handle(args: argparse.Namespace, console: Console) -> int:
     out = Path(args.out)
     if out.is_dir():
         raise Refused(f"--out {args.out} is a directory")
+    try:
+        # Before the arms run (minutes with a large --requests): a path that cannot take
+        # the artifact refuses the run instead of losing its results at the end.
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise Refused(f"--out {args.out}: {exc.strerror or exc}") from None
+    if not os.access(out.parent, os.W_OK):
+        raise Refused(f"--out {args.out}: the directory is not writable")
     started = datetime.now(UTC)
     try:
         with tempfile.TemporaryDirectory(prefix="fallback-mw-eval-") as workdir:
