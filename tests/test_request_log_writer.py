@@ -143,3 +143,25 @@ def check_direct(
     finally:
         root.removeHandler(added)
     assert _direct_handler(logging.INFO) is handler
+
+
+def test_a_line_logged_just_before_exit_is_written_after_uvicorn_configured_logging() -> None:
+    """serve installs its LineHandler, then uvicorn's dictConfig empties logging's handler
+    list (which logging.shutdown flushes at exit). A request line still waiting when the
+    process ends (a request a stop cut, the last one served) is written all the same."""
+    import subprocess
+    import sys
+
+    script = (
+        "import logging, logging.config\n"
+        "from uvicorn.config import LOGGING_CONFIG\n"
+        "from fallback_mw.cli.serve import configure_logging\n"
+        "configure_logging()\n"
+        "logging.config.dictConfig(LOGGING_CONFIG)\n"
+        "logging.getLogger('fallback_mw.request').warning('the last line outcome=cancelled')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "the last line outcome=cancelled" in done.stderr

@@ -41,6 +41,7 @@ from types import FrameType
 
 from fallback_mw.cli.app import Console, Refused, dispatch
 from fallback_mw.config import GatewayConfig
+from fallback_mw.telemetry.request_log import flush_request_lines
 
 # A worker that served and exits this long or more after its start is replaced at once;
 # one that exits sooner, or never served, is retried with the backoff (once established).
@@ -132,7 +133,10 @@ class Supervisor:
             except SystemExit as exc:
                 status = exc.code if isinstance(exc.code, int) else 1
             finally:
-                logging.shutdown()  # os._exit runs no atexit: write the buffered log lines
+                # os._exit runs no atexit: write the buffered log lines (the request log's
+                # own handler too: uvicorn's dictConfig took it out of logging's list).
+                flush_request_lines()
+                logging.shutdown()
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(status)

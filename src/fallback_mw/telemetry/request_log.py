@@ -4,6 +4,7 @@ are gateway facts only, never a header value, body or query string."""
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -206,6 +207,11 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
         for quiet in [h for h in owner.handlers if isinstance(h, logging.NullHandler)]:
             owner.removeHandler(quiet)  # it only kept logging's last resort away
         owner.addHandler(self)
+        if _installed is None:
+            # logging.shutdown at exit flushes only the handlers in logging's own list, and
+            # uvicorn's dictConfig (after this) empties that list: the lines still waiting
+            # (the last 0.1 s: the requests a stop cut, the last ones served) were lost.
+            atexit.register(flush_request_lines)
         _installed = self
 
     def write_line(self, level: int, message: str) -> None:
@@ -274,3 +280,11 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
         self._wake.set()
         self.flush()
         super().close()
+
+
+def flush_request_lines() -> None:
+    """Write the request lines still waiting in serve's LineHandler (at exit; a worker of
+    `serve --workers`, which ends with os._exit, calls it itself)."""
+    handler = _installed
+    if handler is not None:
+        handler.flush()
