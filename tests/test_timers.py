@@ -16,7 +16,7 @@ import uvloop
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from fallback_mw.timers import TICK, Deadline, deadline_after, wheel
+from fallback_mw.timers import TICK, Deadline, Stall, deadline_after, wheel
 
 LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 SLACK = 0.05  # a shared machine's scheduling delay on top of the tick
@@ -227,3 +227,43 @@ def test_property_a_timers_bucket_is_never_before_it_and_at_most_a_tick_after(
         assert wheel_.pending() == 0
     finally:
         loop.close()
+
+
+def test_a_stall_cuts_one_wait_that_lasts_its_period_never_slow_progress(loop_name: str) -> None:
+    """`Stall(s)`: many waits each shorter than s never fire, however long they add up to;
+    one wait that lasts s is cut (TimeoutError) between s and 2 s after it began; a
+    cancellation that is not the stall's passes through; nothing is left on the wheel."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        period = 0.1
+        with Stall(period) as stall:  # progress: 12 waits of a third of the period
+            for _ in range(12):
+                stall.waiting()
+                await asyncio.sleep(period / 3)
+                stall.done()
+        assert not stall.expired()
+        with Stall(period) as stall:  # idle between waits is not a stall either
+            await asyncio.sleep(period * 3)
+        assert not stall.expired()
+        began = loop.time()
+        with pytest.raises(TimeoutError), Stall(period) as stall:
+            stall.waiting()
+            await asyncio.sleep(60)  # a client that never reads
+        cut = loop.time() - began
+        assert period <= cut <= 2 * period + TICK + SLACK, cut
+        assert stall.expired()
+
+        async def cancelled_by_someone_else() -> None:
+            with Stall(period) as stall:
+                stall.waiting()
+                await asyncio.sleep(60)
+
+        other = asyncio.ensure_future(cancelled_by_someone_else())
+        await asyncio.sleep(0.01)
+        other.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await other
+        assert wheel(loop).pending() == 0
+
+    run(loop_name, main)

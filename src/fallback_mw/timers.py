@@ -218,6 +218,63 @@ class Deadline:
             self._state = _EXPIRING
 
 
+class Stall:
+    """`with Stall(seconds) as stall:` around a relay that waits on its client: each wait
+    is `stall.waiting()` ... `stall.done()`, and one wait that lasts `seconds` cancels the
+    block's task, which the scope turns into `TimeoutError` (a `Deadline` underneath, so
+    the same cancellation rules). Checked once every `seconds` by one wheel timer, not a
+    timer per wait: a stuck wait is cut between `seconds` and twice that after it began;
+    each wait costs two attribute writes."""
+
+    __slots__ = ("_count", "_deadline", "_key", "_seconds", "_seen", "_waiting", "_wheel")
+
+    def __init__(self, seconds: float) -> None:
+        self._seconds = seconds
+        self._deadline = Deadline(None)
+        self._count = 0  # waits begun
+        self._seen = -1  # the wait in progress at the last check
+        self._waiting = False
+        self._key: int | None = None
+
+    def __enter__(self) -> Stall:
+        self._deadline.__enter__()
+        self._wheel = self._deadline._wheel
+        self._key = self._wheel.add(self._wheel.loop.time() + self._seconds, self._check)
+        return self
+
+    def __exit__(
+        self,
+        typ: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._key is not None:
+            self._wheel.discard(self._key, self._check)
+            self._key = None
+        self._deadline.__exit__(typ, exc, tb)
+
+    def waiting(self) -> None:
+        self._count += 1
+        self._waiting = True
+
+    def done(self) -> None:
+        self._waiting = False
+
+    def expired(self) -> bool:
+        return self._deadline.expired()
+
+    def _check(self) -> None:
+        self._key = None
+        if not self._deadline.active():
+            return
+        now = self._wheel.loop.time()
+        if self._waiting and self._count == self._seen:  # the same wait as a check ago
+            self._deadline.reschedule(now)  # expires on the next iteration
+            return
+        self._seen = self._count if self._waiting else -1
+        self._key = self._wheel.add(now + self._seconds, self._check)
+
+
 def deadline_after(seconds: float) -> Deadline:
     """`with deadline_after(s):` like `asyncio.timeout(s)`, on the wheel."""
     deadline = Deadline(None)

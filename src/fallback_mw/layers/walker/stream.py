@@ -15,7 +15,7 @@ from fallback_mw.request.local_errors import gateway_headers, send_error
 from fallback_mw.request.types import Send
 from fallback_mw.request.usage import UsageMeter, body_coding
 from fallback_mw.security import forwardable_response_headers
-from fallback_mw.timers import deadline_after
+from fallback_mw.timers import Stall
 from fallback_mw.upstream.base import UpstreamError, UpstreamResponse
 
 
@@ -58,39 +58,36 @@ async def commit(
         # The client's side of the relay has the upstream's idle bound too: a client that
         # takes no chunk for that long (it stopped reading) is treated as gone, so it cannot
         # hold an upstream connection (one of max_connections) for as long as it likes.
-        stall = context.upstreams[name].idle_timeout_ms / 1000
+        # One watchdog for the relay (checked once per idle period: a stuck send is cut
+        # after one to two of them), not a timer per chunk; the upstream's waits have
+        # their own.
+        client = Stall(context.upstreams[name].idle_timeout_ms / 1000)
         try:
-            async for chunk in response.iter_chunks():
-                received += len(chunk)
-                if received > limit:
-                    context.outcome = "response_too_large"
-                    return  # abort: the client sees an incomplete response
-                if not await _to_client(send, context, chunk, stall, more=True):
-                    return
-                if chunk:
-                    meter.observe(chunk, content_type, content_encoding)
-        except UpstreamError:
-            context.outcome = "aborted"
-            return  # never ended as if complete
-        if not await _to_client(send, context, b"", stall, more=False):
+            with client:
+                try:
+                    async for chunk in response.iter_chunks():
+                        received += len(chunk)
+                        if received > limit:
+                            context.outcome = "response_too_large"
+                            return  # abort: the client sees an incomplete response
+                        client.waiting()
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                        client.done()
+                        if chunk:
+                            meter.observe(chunk, content_type, content_encoding)
+                except UpstreamError:
+                    context.outcome = "aborted"
+                    return  # never ended as if complete
+                client.waiting()
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except TimeoutError:
+            if not client.expired():
+                raise
+            context.outcome = "client_disconnected"  # it stopped reading: as if gone
+            context.rule = "client_gone"
             return
         context.completed = True
         context.outcome = "served"
     finally:
         meter.finish()  # however the response ended: a cut-short one still reports usage
         await response.aclose()
-
-
-async def _to_client(
-    send: Send, context: RequestContext, chunk: bytes, stall: float, *, more: bool
-) -> bool:
-    """Send one body chunk; False when the client took nothing for `stall` seconds (it
-    stopped reading): the response is then aborted as if the client had gone."""
-    try:
-        with deadline_after(stall):
-            await send({"type": "http.response.body", "body": chunk, "more_body": more})
-    except TimeoutError:
-        context.outcome = "client_disconnected"
-        context.rule = "client_gone"
-        return False
-    return True
