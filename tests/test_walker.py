@@ -743,6 +743,11 @@ async def test_model_rewrite_keeps_content_length_consistent(engine: str) -> Non
         payload = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hé"}]}
         async with client_for(gateway) as client:
             response = await client.post("/v1/chat/completions", json=payload)
+        await gateway.aclose()
+        # Every candidate rewrites the model: a body that is not a JSON object is refused.
+        config["upstreams"]["primary"]["model"] = "primary-model"
+        gateway = Gateway(host_app, config=config, environ=ENV)
+        async with client_for(gateway) as client:
             bad = await client.post("/v1/chat/completions", content=b"[1, 2]")
         await gateway.aclose()
     assert response.status_code == 200
@@ -752,6 +757,55 @@ async def test_model_rewrite_keeps_content_length_consistent(engine: str) -> Non
     assert dict(forwarded.headers)["content-length"] == str(len(forwarded.body))
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "bad_request"
     assert p.count == 1  # the bad request contacted no upstream
+
+
+MULTIPART = (
+    b'--x\r\nContent-Disposition: form-data; name="model"\r\n\r\nwhisper-1\r\n'
+    b'--x\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n\r\n'
+    b"RIFF....WAVE\r\n--x--\r\n"
+)
+
+
+async def test_a_body_only_the_fallbacks_rewrite_cannot_take_still_reaches_the_primary(
+    engine: str,
+) -> None:
+    # docs/llm.md's config: the fallback rewrites "model", the primary does not. An upload
+    # (the openai SDK's audio transcriptions and files are multipart) and a chat body over
+    # replay_buffer are the primary's to serve; they were refused 400 before any upstream.
+    big = json.dumps({"model": "gpt-4o-mini", "messages": [{"content": "x" * 5000}]}).encode()
+    form = {"content-type": "multipart/form-data; boundary=x"}
+    async with upstream(status_handler(200)) as p, upstream(status_handler(200)) as b:
+        config = make_config(p.url, b.url, engine=engine, replayable_methods=["POST"])
+        config["upstreams"]["backup"]["model"] = "backup-model"
+        gateway = Gateway(host_app, config=config, environ=ENV)
+        async with client_for(gateway) as client:
+            upload = await client.post("/v1/audio/transcriptions", content=MULTIPART, headers=form)
+            large = await client.post("/v1/chat/completions", content=big)
+        await gateway.aclose()
+    assert (upload.status_code, large.status_code) == (200, 200)
+    assert upload.headers["x-gateway-provider"] == "primary"
+    assert [r.body for r in p.received] == [MULTIPART, big]
+    assert b.count == 0
+
+
+async def test_a_fallback_that_rewrites_the_model_is_skipped_for_a_body_it_cannot_take(
+    engine: str,
+) -> None:
+    async with upstream(status_handler(503)) as p, upstream(status_handler(200)) as b:
+        config = make_config(p.url, b.url, engine=engine, replayable_methods=["POST"])
+        config["upstreams"]["backup"]["model"] = "backup-model"
+        gateway = Gateway(host_app, config=config, environ=ENV)
+        async with client_for(gateway) as client:
+            response = await client.post(
+                "/v1/audio/transcriptions",
+                content=MULTIPART,
+                headers={"content-type": "multipart/form-data; boundary=x"},
+            )
+        await gateway.aclose()
+    assert response.status_code == 502
+    assert response.json()["error"]["code"] == "upstream_failed"
+    assert response.headers["x-gateway-skipped"] == "backup;reason=model_rewrite"
+    assert p.count == 2 and b.count == 0  # never sent without the model it needs
 
 
 async def test_redirects_are_never_followed(engine: str) -> None:

@@ -126,6 +126,14 @@ class AttemptRunner:
             ]
         return decoded.copy()
 
+    def takes_body(self, upstream: UpstreamConfig) -> bool:
+        """A candidate that rewrites the model (`model`) needs a buffered JSON object body
+        (an empty one needs no rewrite); any other candidate takes the body as it is."""
+        if not upstream.model:
+            return True
+        buffered = self.body.buffered
+        return buffered is not None and (not buffered or self.parsed is not None)
+
     def _request_body(self, upstream: UpstreamConfig) -> bytes | AsyncIterator[bytes]:
         body = self.body
         if body.buffered is None:
@@ -244,9 +252,12 @@ class AttemptLifecycle:
         self.reservations: dict[str, Reservation] = {}  # the latest, per upstream
 
     async def gate(self, name: str, upstream: UpstreamConfig, *, repeat: bool) -> Reservation | str:
-        """The breaker, then declared capacity (and, for a repeat or a hedge, the repeat
-        allowance). Returns the reservation, or the skip reason (`breaker_open`, ...); a
-        refusal after the breaker admitted frees the half-open probe slot it held."""
+        """The body, the breaker, then declared capacity (and, for a repeat or a hedge, the
+        repeat allowance). Returns the reservation, or the skip reason (`model_rewrite`,
+        `breaker_open`, ...); a refusal after the breaker admitted frees the half-open probe
+        slot it held."""
+        if not self.runner.takes_body(upstream):
+            return "model_rewrite"  # never sent without the model it needs
         if not await self.health.admit(name, lease=upstream_probe_lease(upstream)):
             return "breaker_open"
         reservation = await self.capacity.reserve(name, self.ask(name, upstream, repeat))

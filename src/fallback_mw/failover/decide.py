@@ -385,6 +385,8 @@ _SKIP_REMEDY = {
     "capacity": "a declared rpm / tpm is full until its minute turns; raise the upstream's "
     "rpm / tpm (fallback-mw capacity)",
     "repeat_budget": _REMEDY["repeat_budget"],
+    "model_rewrite": "a candidate that rewrites the model takes only a JSON object body within "
+    "[gateway] replay_buffer",
 }
 
 

@@ -48,7 +48,7 @@ class AttemptRecord:
 @dataclass(slots=True)
 class SkipRecord:
     candidate: str
-    reason: str  # "breaker_open", "no_credential"
+    reason: str  # "breaker_open", "no_credential", "capacity", "model_rewrite", ...
     after_attempts: int = 0  # attempts made before it: places the skip in the walk's order
     fault: str | None = None  # breaker_open: the fault whose outcomes opened that breaker
 

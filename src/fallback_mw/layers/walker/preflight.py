@@ -1,6 +1,7 @@
 """What stops a request before any upstream is contacted: its body (over the limit, too
-slow), a model rewrite the body cannot take. Each is a local error; nothing here is an
-upstream's doing. (A budget refusal never gets here: the guard answers it itself.)"""
+slow), a model rewrite the body cannot take on every candidate. Each is a local error;
+nothing here is an upstream's doing. (A budget refusal never gets here: the guard answers it
+itself.)"""
 
 from __future__ import annotations
 
@@ -28,10 +29,14 @@ def refusal(
         if problem is not None:
             shown = name.decode("latin-1") if problem != _BAD_NAME else "a request header"
             return "bad_request", f"{shown!r} {problem}: nothing was sent upstream"
-    rewrite = any(context.upstreams[n].model for n in context.route.plan if n in context.upstreams)
+    # Only when no candidate could take it: a candidate that rewrites the model is skipped
+    # for a body it cannot rewrite (`AttemptRunner.takes_body`), the others send it as is.
+    plan = [context.upstreams[n] for n in context.route.plan if n in context.upstreams]
+    rewrite = bool(plan) and all(upstream.model for upstream in plan)
     if rewrite and (body.buffered is None or (body.buffered and body_json(body) is None)):
         return (
             "bad_request",
-            "this route rewrites the model: the body must be a JSON object within replay_buffer",
+            "every candidate of this route rewrites the model: the body must be a JSON object "
+            "within replay_buffer",
         )
     return None
