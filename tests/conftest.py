@@ -26,6 +26,7 @@ PG_PORT = int(os.environ.get("FMW_TEST_PG_PORT", "5432"))
 PG_USER = os.environ.get("FMW_TEST_PG_USER", "postgres")
 REDIS_HOST = os.environ.get("FMW_TEST_REDIS_HOST", "127.0.0.1")
 REDIS_PORT = int(os.environ.get("FMW_TEST_REDIS_PORT", "6379"))
+REDIS_DB = int(os.environ.get("FMW_TEST_REDIS_DB", "0"))
 
 
 # scripts/mutants.py runs named tests against a mutated copy of src/: the copy, never the
@@ -96,10 +97,10 @@ def redis_url() -> Iterator[str]:
     """The real Redis, with a key prefix unique to this test (`?prefix=`)."""
     require_service("Redis", REDIS_HOST, REDIS_PORT)
     prefix = f"fmwtest:{uuid.uuid4().hex[:12]}:"
-    yield f"redis://{REDIS_HOST}:{REDIS_PORT}/0?prefix={prefix}"
+    yield f"redis://{REDIS_HOST}:{REDIS_PORT}/{REDIS_DB}?prefix={prefix}"
     import redis
 
-    client = redis.Redis(host=REDIS_HOST, port=REDIS_PORT)
+    client = redis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=REDIS_DB)
     try:
         keys = list(client.scan_iter(match=prefix + "*"))
         if keys:

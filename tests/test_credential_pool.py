@@ -319,10 +319,34 @@ async def test_a_quota_retirement_past_a_day_outlives_the_redis_key_ttl(redis_ur
     url, prefix = split_state_url(redis_url)
     inspect = aioredis.Redis.from_url(url)
     try:
-        ttl_ms = await inspect.pttl(f"{prefix}credentials:pool")
+        [key] = await inspect.keys(f"{prefix}credentials:pool:*")  # named after its variables
+        ttl_ms = await inspect.pttl(key)
     finally:
         await inspect.aclose()
     assert ttl_ms > 3 * 86400 * 1000 - 60_000, ttl_ms
+
+
+async def test_a_key_removed_from_the_pool_leaves_no_mark_on_another_in_redis(
+    redis_url: str,
+) -> None:
+    # key-a was revoked (401: retired for 24 h in Redis); the operator takes KEY_A out of
+    # auth_env and restarts. Index 0 is KEY_B now: it must not inherit key-a's retirement
+    # (all the traffic went to key-c, key-b sat retired for a day).
+    async def revoked_a(request: web.Request) -> web.StreamResponse:
+        key = key_of(request)
+        return web.Response(status=401 if key == "key-a" else 200, text=key)
+
+    async with upstream(revoked_a) as pool:
+        conf = pool_config(pool.url, state=redis_url)
+        conf["routes"] = conf["routes"][:1]
+        async with gateway_client(conf) as client:
+            for _ in range(3):
+                assert (await client.get("/v1/x")).status_code == 200
+        assert keys_used(pool).count("key-a") == 1
+        conf["upstreams"]["pool"]["auth_env"] = ["KEY_B", "KEY_C"]
+        async with gateway_client(conf) as client:
+            served = [(await client.get("/v1/x")).text for _ in range(4)]
+    assert sorted(served) == ["key-b", "key-b", "key-c", "key-c"]
 
 
 def test_quota_verdicts() -> None:

@@ -79,6 +79,7 @@ def build_services(
         settings.breaker,
         on_transition=telemetry.breaker_state,
         meter_provider=telemetry.meter_provider,
+        pools={name: u.credential_envs for name, u in config.upstreams.items()},
     )
     if runtime is not None:  # a fault that ends resets the breakers its outcomes opened
         runtime.on_fault_cleared = health.reset_fault

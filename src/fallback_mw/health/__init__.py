@@ -9,6 +9,8 @@ from fallback_mw.health.pool import Selection
 from fallback_mw.store_url import is_redis_url
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
     from opentelemetry.metrics import MeterProvider
 
     from fallback_mw.config import BreakerConfig
@@ -157,10 +159,12 @@ def create_health(
     *,
     on_transition: TransitionListener | None = None,
     meter_provider: MeterProvider | None = None,
+    pools: Mapping[str, Sequence[str]] | None = None,
 ) -> HealthState:
     """The health state named by `gateway.state`: "memory://" (per process, the default)
     or "redis://..." / "rediss://..." (shared; `?prefix=` namespaces the keys).
-    `on_transition` hears every breaker transition (the gateway's telemetry)."""
+    `on_transition` hears every breaker transition (the gateway's telemetry); `pools`: each
+    upstream's credential variables, which name a pool's keys in Redis."""
     if state in ("memory://", "memory", ""):
         from fallback_mw.health.memory import MemoryHealth
 
@@ -169,6 +173,7 @@ def create_health(
         from fallback_mw.health.redis import RedisHealth
 
         return RedisHealth(
-            state, breaker, on_transition=on_transition, meter_provider=meter_provider
-        )
+            state, breaker, on_transition=on_transition, meter_provider=meter_provider,
+            pools=pools,
+        )  # fmt: skip
     raise StateURLError('state must be "memory://" or "redis://host:port/db[?prefix=...]"')

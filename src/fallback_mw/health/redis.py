@@ -21,7 +21,7 @@ import hashlib
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 from opentelemetry import metrics
@@ -108,8 +108,17 @@ class RedisHealth:
         meter_provider: MeterProvider | None = None,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         pool_timeout: float = 2.0,
+        pools: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         self.on_transition = on_transition
+        # Credential marks are kept per index; an index means one variable only within one
+        # list of variables. A pool whose list changed (a revoked key removed, one added or
+        # reordered) gets keys of its own, so no mark lands on another credential.
+        self._pool_ids = {
+            name: hashlib.sha256("\x1f".join(envs).encode()).hexdigest()[:12]
+            for name, envs in (pools or {}).items()
+            if len(envs) > 1
+        }
         meter = (meter_provider or metrics.get_meter_provider()).get_meter("fallback_mw")
         self.local_fallbacks = meter.create_counter(
             "gateway.health.local_fallbacks",
@@ -321,6 +330,11 @@ class RedisHealth:
     def _key(self, kind: str, upstream: str) -> str:
         return f"{self.prefix}{kind}:{upstream}"
 
+    def _pool_key(self, kind: str, upstream: str) -> str:
+        """A key holding credential indexes: named after the pool's list of variables."""
+        pool = self._pool_ids.get(upstream)
+        return self._key(kind, upstream) + (f":{pool}" if pool else "")
+
     # --- HealthState -------------------------------------------------------------------
 
     def _report(self, upstream: str, transition: str | None) -> None:
@@ -410,7 +424,7 @@ class RedisHealth:
         await self._with_fallback(
             "restore_fault_marks",
             RESTORE_FAULT_MARKS,
-            [self._key("credentials", upstream), self._key("fault_marks", upstream)],
+            [self._pool_key("credentials", upstream), self._pool_key("fault_marks", upstream)],
             [],
             _nothing,
             lambda result: None,
@@ -422,7 +436,7 @@ class RedisHealth:
         await self._with_fallback(
             "fault_marked",
             FAULT_MARKED,
-            [self._key("fault_marks", upstream)],
+            [self._pool_key("fault_marks", upstream)],
             [index, fault, CREDENTIAL_TTL_MS],
             lambda: self.local.fault_marked(upstream, index, fault),
             lambda result: None,
@@ -432,7 +446,7 @@ class RedisHealth:
         return await self._with_fallback(
             "pool_fault",
             POOL_FAULT,
-            [self._key("fault_marks", upstream)],
+            [self._pool_key("fault_marks", upstream)],
             [],
             lambda: self.local.pool_fault(upstream),
             lambda result: str(result) or None,
@@ -464,7 +478,7 @@ class RedisHealth:
         session_key = ""
         if session is not None:
             digest = hashlib.sha256(session.encode("utf-8", "replace")).hexdigest()[:32]
-            session_key = f"{self.prefix}affinity:{upstream}:{digest}"
+            session_key = f"{self._pool_key('affinity', upstream)}:{digest}"
         excluded = "," + ",".join(str(i) for i in sorted(exclude)) + ","
 
         def convert(result: Any) -> int | None:
@@ -475,10 +489,10 @@ class RedisHealth:
             "pick",
             PICK,
             [
-                self._key("credentials", upstream),
-                self._key("rotation", upstream),
-                session_key or self._key("affinity", upstream),
-                self._key("score", upstream),
+                self._pool_key("credentials", upstream),
+                self._pool_key("rotation", upstream),
+                session_key or self._pool_key("affinity", upstream),
+                self._pool_key("score", upstream),
             ],
             [
                 pool_size,
@@ -514,7 +528,7 @@ class RedisHealth:
             await self._with_fallback(
                 "observe",
                 OBSERVE,
-                [self._key("score", upstream)],
+                [self._pool_key("score", upstream)],
                 [index, "1" if ok else "0", f"{max(latency or 0.0, 0.0):.6f}",
                  int(SCORE_HALF_LIFE * 1000), CREDENTIAL_TTL_MS],
                 lambda: self._observe_locally(upstream, index, ok=ok, latency=latency),
@@ -529,7 +543,7 @@ class RedisHealth:
         await self._with_fallback(
             "mark",
             MARK,
-            [self._key("credentials", upstream)],
+            [self._pool_key("credentials", upstream)],
             [index, mark.action, int(mark.seconds * 1000), CREDENTIAL_TTL_MS],
             lambda: self.local.credential_result(
                 upstream,
