@@ -14,14 +14,16 @@ MAX_TOKENS = 10**15
 OUTPUT_LIMIT_KEYS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
-def _limit(value: Any) -> int | None:
-    """An output limit as a lenient upstream reads it: an integer, an integral number
-    (`1e8`, `100000000.0`) or a string of digits (`"100000000"`: pydantic's lax mode takes
-    it). Negative or unreadable: None (it limits nothing, and hides no other limit)."""
+def token_count(value: Any) -> int | None:
+    """A token count as a lenient reader reads it: an integer, an integral number
+    (`1e8`, `100000000.0`) or a string of digits (`"100000000"`: pydantic's lax mode, and
+    so the SDKs' validated models, take it). Negative or unreadable: None. Read so for an
+    output limit in a request (it limits nothing, and hides no other limit) and for the
+    usage an upstream reports (request/usage.py)."""
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
-        return value if value >= 0 else None
+        return min(value, MAX_TOKENS) if value >= 0 else None
     if isinstance(value, float):
         if math.isfinite(value) and value >= 0 and value.is_integer():
             return min(int(value), MAX_TOKENS)
@@ -29,17 +31,17 @@ def _limit(value: Any) -> int | None:
     if isinstance(value, str):
         text = value.strip()
         if 0 < len(text) <= 16 and text.isascii() and text.isdigit():
-            return int(text)
+            return min(int(text), MAX_TOKENS)
     return None
 
 
 def output_limits(parsed: Mapping[str, Any]) -> list[int]:
     """Every output limit the body names (providers differ in which key they honour), as
-    non-negative integers; values that limit nothing are left out (`_limit`)."""
+    non-negative integers; values that limit nothing are left out (`token_count`)."""
     limits = []
     for key in OUTPUT_LIMIT_KEYS:
         if key in parsed:
-            limit = _limit(parsed[key])
+            limit = token_count(parsed[key])
             if limit is not None:
                 limits.append(limit)
     return limits

@@ -25,7 +25,7 @@ from typing import Any
 
 from fallback_mw.request.context import Usage
 from fallback_mw.security import READABLE_CODINGS
-from fallback_mw.tokens import MAX_TOKENS
+from fallback_mw.tokens import token_count
 
 DEFAULT_JSON_CAP = 1024 * 1024
 _TAIL = 64 * 1024
@@ -204,13 +204,13 @@ class UsageMeter:
             return
         found = False
         for key in ("prompt_tokens", "input_tokens"):
-            value = _count(usage.get(key))
+            value = token_count(usage.get(key))
             if value is not None:
                 self.target.input_tokens = value
                 found = True
                 break
         for key in ("completion_tokens", "output_tokens"):
-            value = _count(usage.get(key))
+            value = token_count(usage.get(key))
             if value is not None:
                 self.target.output_tokens = value  # Anthropic's is cumulative: last wins
                 found = True
@@ -248,9 +248,3 @@ def _loads(data: bytes) -> Any:
         return json.loads(data)
     except (ValueError, UnicodeDecodeError):
         return None
-
-
-def _count(value: Any) -> int | None:
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return min(value, MAX_TOKENS)  # an absurd count saturates; the record still fits
-    return None

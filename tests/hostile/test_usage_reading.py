@@ -1,0 +1,58 @@
+"""A hostile upstream's usage report, read as the OpenAI and Anthropic SDKs read it: the
+budget is charged the usage a client's SDK sees, whatever spelling, framing or trailing
+event the upstream uses to make the gateway read less (or more)."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+import pytest
+from aiohttp import web
+
+from fallback_mw import Gateway
+from tests.helpers import client_for
+from tests.test_budget_guard import gateway_config, status_of
+from tests.upstreams import Handler, host_app, upstream
+
+pytestmark = pytest.mark.anyio
+
+ENGINES = ["aiohttp", "httpx"]
+# 10 input tokens at 1000/Mtok + 20,000 output tokens at 2000/Mtok.
+FULL_COST = Decimal("40.01")
+
+
+def answering(body: bytes, content_type: str) -> Handler:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        return web.Response(body=body, headers={"content-type": content_type})
+
+    return handle
+
+
+async def charged_for(body: bytes, content_type: str, engine: str) -> Decimal:
+    async with upstream(answering(body, content_type)) as primary:
+        conf = gateway_config({"primary": primary.url}, store=None, limit="1000")
+        conf["gateway"]["engine"] = engine
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                response = await client.post("/v1/chat", content=b'{"model":"gpt-test"}')
+            assert response.status_code == 200
+            assert response.content == body  # relayed as it came
+            spent, held = await status_of(gateway)
+            assert held == 0
+            return spent
+        finally:
+            await gateway.aclose()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("count", ["20000.0", "2e4", '"20000"'])
+async def test_a_token_count_spelled_as_a_number_a_lenient_reader_takes_is_charged(
+    engine: str, count: str
+) -> None:
+    # The SDKs' validated models (pydantic, lax) read 20000.0, 2e4 and "20000" as 20000;
+    # the meter read none of them and charged the input tokens alone (0.01 of 40.01).
+    body = b'{"model":"gpt-test","usage":{"prompt_tokens":10,"completion_tokens":%s}}' % (
+        count.encode()
+    )
+    assert await charged_for(body, "application/json", engine) == FULL_COST
