@@ -4,6 +4,7 @@ event the upstream uses to make the gateway read less (or more)."""
 
 from __future__ import annotations
 
+import json
 from decimal import Decimal
 
 import pytest
@@ -45,6 +46,41 @@ async def charged_for(body: bytes, content_type: str, engine: str) -> Decimal:
             await gateway.aclose()
 
 
+async def sdk_output_tokens(body: bytes, engine: str) -> int | None:
+    """The completion tokens the openai SDK reads from this stream through the gateway."""
+    import openai
+
+    async with upstream(answering(body, "text/event-stream")) as primary:
+        conf = gateway_config({"primary": primary.url}, store=None, limit="1000")
+        conf["gateway"]["engine"] = engine
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as http:
+                client = openai.AsyncOpenAI(
+                    base_url="http://gw/v1", api_key="unused", http_client=http, max_retries=0
+                )
+                stream = await client.chat.completions.create(
+                    model="gpt-test", messages=[], stream=True
+                )
+                tokens = None
+                async for chunk in stream:
+                    if chunk.usage is not None:
+                        tokens = chunk.usage.completion_tokens
+                return tokens
+        finally:
+            await gateway.aclose()
+
+
+def sse(*events: bytes, end: bytes = b"\n") -> bytes:
+    return b"".join(b"data: " + event + end + end for event in events)
+
+
+USAGE = json.dumps(
+    {"model": "gpt-test", "choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 20000}}
+).encode()
+CHUNK = json.dumps({"model": "gpt-test", "choices": [{"index": 0, "delta": {"content": "hi"}}]})
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("count", ["20000.0", "2e4", '"20000"'])
 async def test_a_token_count_spelled_as_a_number_a_lenient_reader_takes_is_charged(
@@ -56,3 +92,25 @@ async def test_a_token_count_spelled_as_a_number_a_lenient_reader_takes_is_charg
         count.encode()
     )
     assert await charged_for(body, "application/json", engine) == FULL_COST
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("end", [b"\r", b"\r\n", b"\n"], ids=["CR", "CRLF", "LF"])
+async def test_an_sse_stream_is_charged_whichever_line_ending_frames_it(
+    engine: str, end: bytes
+) -> None:
+    # SSE ends a line at CRLF, LF or a lone CR (the SDKs' decoders take all three); a
+    # stream framed with CR was read as one endless line and settled at the hold (0.01).
+    body = sse(CHUNK.encode(), USAGE, b"[DONE]", end=end)
+    assert await sdk_output_tokens(body, engine) == 20000
+    assert await charged_for(body, "text/event-stream", engine) == FULL_COST
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_usage_sent_after_done_is_not_read(engine: str) -> None:
+    # The SDKs stop at `data: [DONE]`: a client sees 20,000 completion tokens. A usage
+    # event the upstream adds after it (never seen by any client) set the charge to 0.
+    after = b'{"usage":{"prompt_tokens":0,"completion_tokens":0}}'
+    body = sse(CHUNK.encode(), USAGE, b"[DONE]", after)
+    assert await sdk_output_tokens(body, engine) == 20000
+    assert await charged_for(body, "text/event-stream", engine) == FULL_COST

@@ -9,7 +9,8 @@ OpenAI reports `usage.prompt_tokens` / `usage.completion_tokens`; Anthropic repo
 input count, `message_delta` the cumulative output count); the OpenAI Responses API's
 stream reports them in the final `response.completed` event's `response`. JSON bodies
 are parsed once they end, if they fit in `json_cap`; a larger body is only searched near
-its end, where the providers put `usage`. SSE is parsed line by line, keeping at most one event.
+its end, where the providers put `usage`. SSE is parsed line by line (CRLF, LF or CR),
+keeping at most one event, up to `data: [DONE]`, where the SDKs stop reading.
 
 A body with `Content-Encoding: gzip` / `deflate` (a caller may ask for one) is read
 decoded, up to `MAX_DECODED` bytes; the walker narrows the caller's `Accept-Encoding` to
@@ -30,6 +31,9 @@ from fallback_mw.tokens import token_count
 DEFAULT_JSON_CAP = 1024 * 1024
 _TAIL = 64 * 1024
 _USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*(\{[^{}]*\})')
+# SSE ends a line at CRLF, LF or a lone CR (WHATWG HTML, server-sent events), as the
+# SDKs' decoders do.
+_LINE_END = re.compile(rb"\r\n|\r|\n")
 
 
 def body_coding(headers: list[tuple[bytes, bytes]]) -> tuple[bytes | None, bytes | None]:
@@ -145,11 +149,15 @@ class UsageMeter:
 
     def _feed_sse(self, chunk: bytes) -> None:
         data = self._line + chunk
-        lines = data.split(b"\n")
-        self._line = lines.pop()
+        # A CR at the end may be the first half of a CRLF: kept until the next chunk.
+        cut = len(data) - 1 if data.endswith(b"\r") else len(data)
+        lines = _LINE_END.split(data[:cut])
+        self._line = lines.pop() + data[cut:]
         if len(self._line) > self.json_cap:
             self._line = b""  # an absurd line: drop it rather than grow
         for line in lines:
+            if self.mode != "sse":
+                return  # `[DONE]` was read: nothing after it is metered
             self._sse_line(line)
 
     def _sse_line(self, line: bytes) -> None:
@@ -172,6 +180,10 @@ class UsageMeter:
         if not event or size > self.json_cap:
             return
         data = b"\n".join(event)
+        if data.startswith(b"[DONE]"):
+            # The SDKs stop reading here: usage sent after it reaches no client.
+            self.mode = "ignore"
+            return
         # Cheap filter: only events that can carry usage, or the model when still unknown.
         # `find`, not `in`: bytes `in` formats and drops a TypeError first (CPython 3.11).
         if data.find(b'"usage"') < 0 and (
