@@ -114,3 +114,23 @@ async def test_usage_sent_after_done_is_not_read(engine: str) -> None:
     body = sse(CHUNK.encode(), USAGE, b"[DONE]", after)
     assert await sdk_output_tokens(body, engine) == 20000
     assert await charged_for(body, "text/event-stream", engine) == FULL_COST
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_large_answer_whose_usage_has_details_is_charged(engine: str) -> None:
+    # Over the 1 MiB JSON cap only the tail is searched; OpenAI's usage nests
+    # `prompt_tokens_details` / `completion_tokens_details`, which the tail search could not
+    # read: a caller asking for a long answer (n=20, no max_tokens) was charged the hold.
+    answer = {
+        "model": "gpt-test",
+        "choices": [{"index": 0, "message": {"content": "x" * 1_200_000}}],
+        "usage": {
+            "prompt_tokens": 10,
+            "completion_tokens": 20000,
+            "total_tokens": 20010,
+            "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
+            "completion_tokens_details": {"reasoning_tokens": 0},
+        },
+    }
+    body = json.dumps(answer).encode()
+    assert await charged_for(body, "application/json", engine) == FULL_COST

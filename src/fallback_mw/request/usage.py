@@ -19,6 +19,7 @@ coding the meter cannot read."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import zlib
@@ -30,7 +31,9 @@ from fallback_mw.tokens import token_count
 
 DEFAULT_JSON_CAP = 1024 * 1024
 _TAIL = 64 * 1024
-_USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*(\{[^{}]*\})')
+# Where a `usage` object starts; it is read from there with a JSON decoder, since it
+# nests objects of its own (OpenAI's `prompt_tokens_details`, Anthropic's `cache_creation`).
+_USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
 # SSE ends a line at CRLF, LF or a lone CR (WHATWG HTML, server-sent events), as the
 # SDKs' decoders do.
 _LINE_END = re.compile(rb"\r\n|\r|\n")
@@ -143,7 +146,10 @@ class UsageMeter:
     def _apply_tail(self) -> None:
         matches = list(_USAGE_OBJECT.finditer(self._tail))
         if matches:
-            self._apply_usage(_loads(matches[-1].group(1)))
+            start = matches[-1].end() - 1
+            text = self._tail[start:].decode("utf-8", "replace")
+            with contextlib.suppress(ValueError):
+                self._apply_usage(json.JSONDecoder().raw_decode(text)[0])
 
     # --- SSE --------------------------------------------------------------------------
 
