@@ -1,6 +1,7 @@
 """Token estimates made before a request is sent: ~4 bytes of JSON per input token, plus
-the largest output limit the body names. The budget hold prices this estimate; declared
-capacity (`tpm`) counts it until the upstream reports the real usage."""
+the largest output limit the body names times the completions it asks for. The budget
+hold prices this estimate; declared capacity (`tpm`) counts it until the upstream reports
+the real usage."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ BYTES_PER_TOKEN = 4
 # Token counts are believed up to this (a 10^15-token response does not exist).
 MAX_TOKENS = 10**15
 OUTPUT_LIMIT_KEYS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+OUTPUT_COPIES_KEYS = ("n", "best_of")
 
 
 def token_count(value: Any) -> int | None:
@@ -47,11 +49,35 @@ def output_limits(parsed: Mapping[str, Any]) -> list[int]:
     return limits
 
 
+def output_copies(parsed: Mapping[str, Any]) -> int:
+    """How many completions the output limit is spent on, each billed: OpenAI's `n`
+    (choices), a legacy completion's `best_of` (generated server-side), once per prompt of
+    a batched `prompt` (a list of strings or of token lists)."""
+    copies = 1
+    for key in OUTPUT_COPIES_KEYS:
+        count = token_count(parsed.get(key))
+        if count is not None and count > copies:
+            copies = count
+    prompt = parsed.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        copies *= len(prompt)
+    return min(copies, MAX_TOKENS)
+
+
+def output_estimate(parsed: Mapping[str, Any]) -> int | None:
+    """The most output tokens the body lets the upstream generate: the largest output
+    limit it names, times its completions (`output_copies`); None without a limit."""
+    limits = output_limits(parsed)
+    if not limits:
+        return None
+    return min(max(limits) * output_copies(parsed), MAX_TOKENS)
+
+
 def estimate_tokens(size: int, parsed: Mapping[str, Any] | None) -> int:
-    """Input tokens from the body's size, plus the largest output limit when one is named."""
+    """Input tokens from the body's size, plus the output estimate when a limit is named."""
     estimate = -(-max(size, 0) // BYTES_PER_TOKEN)
     if parsed is not None:
-        limits = output_limits(parsed)
-        if limits:
-            estimate += max(limits)
+        output = output_estimate(parsed)
+        if output is not None:
+            estimate += output
     return min(estimate, MAX_TOKENS)

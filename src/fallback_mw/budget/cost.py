@@ -11,7 +11,7 @@ from decimal import ROUND_CEILING, Decimal
 from typing import Any
 
 from fallback_mw.config import MAX_MONEY, PriceConfig
-from fallback_mw.tokens import BYTES_PER_TOKEN, MAX_TOKENS, OUTPUT_LIMIT_KEYS, output_limits
+from fallback_mw.tokens import BYTES_PER_TOKEN, MAX_TOKENS, OUTPUT_LIMIT_KEYS, output_estimate
 
 UNITS_PER_CURRENCY = 10**9  # stores keep integer nano-units: exact, no binary floats
 # Every amount the ledgers store fits a signed 64-bit column (SQLite INTEGER, PostgreSQL
@@ -106,10 +106,10 @@ class PriceBook:
         # Every output limit the body names, and the largest of them: one tiny value must
         # not hide a huge one (providers differ in which key they honour), and neither
         # may a negative or unreadable one (it limits nothing: left out).
-        limits = output_limits(parsed)
-        if not limits:
+        # ... times the completions the body asks for (`n`, `best_of`, a batched `prompt`).
+        output_limit = output_estimate(parsed)
+        if output_limit is None:
             return default_hold
-        output_limit = min(max(limits), MAX_TOKENS)
         input_estimate = -(-len(body) // BYTES_PER_TOKEN)
         estimate = (
             Decimal(input_estimate) * price.input_per_mtok

@@ -1,0 +1,50 @@
+"""A caller's body crafted to get a tiny hold for a huge generation: the hold prices every
+completion the upstream will generate and bill, not one."""
+
+from __future__ import annotations
+
+import json
+from decimal import Decimal
+
+import pytest
+
+from fallback_mw import Gateway
+from tests.helpers import client_for
+from tests.test_budget_guard import gateway_config, json_handler, status_of
+from tests.upstreams import host_app, upstream
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.mark.parametrize(
+    "copies",
+    [
+        {"n": 128},  # chat / completions: 128 choices, each up to max_tokens, all billed
+        {"n": "128"},  # read as a lenient upstream reads it
+        {"best_of": 20, "n": 1},  # legacy completions: 20 generated server-side, billed
+        {"prompt": ["a"] * 64, "n": 2},  # a batch of 64 prompts, two completions each
+    ],
+    ids=["n", "n-string", "best_of", "prompt-batch"],
+)
+async def test_a_request_for_many_completions_is_held_for_all_of_them(
+    copies: dict[str, object],
+) -> None:
+    # 1,000 output tokens at 2000/Mtok is 2.00 a completion; the budget has 30. One
+    # completion's hold (2.00) fitted, so 15 such requests in flight could each generate
+    # 128 completions (256.00 each, 3,840 against a limit of 30) before any settled.
+    body = json.dumps({"model": "gpt-test", "max_tokens": 1000, **copies}).encode()
+    async with upstream(json_handler({"ok": True})) as primary:
+        conf = gateway_config({"primary": primary.url}, store=None, limit="30")
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                response = await client.post("/v1/chat", content=body)
+                assert response.status_code == 402
+                assert response.json()["error"]["code"] == "budget_exceeded"
+                # One completion of the same size is held and served as before.
+                one = json.dumps({"model": "gpt-test", "max_tokens": 1000, "n": 1})
+                assert (await client.post("/v1/chat", content=one)).status_code == 200
+            assert await status_of(gateway) == (Decimal(2) + Decimal("0.013"), 0)
+        finally:
+            await gateway.aclose()
+    assert len(primary.received) == 1  # the refused request reached no upstream
