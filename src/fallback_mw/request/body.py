@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from fallback_mw.config import GatewaySettings
-from fallback_mw.request.context import RequestBody, RequestContext
+from fallback_mw.request.context import MAX_NAME, RequestBody, RequestContext
 from fallback_mw.request.types import Receive, Scope
 from fallback_mw.timers import Deadline, deadline_after
 
@@ -166,5 +166,7 @@ def request_json(context: RequestContext, body: RequestBody) -> dict[str, Any] |
         return None
     parsed = body_json(body)
     if parsed is not None and isinstance(parsed.get("model"), str):
-        context.request_model = context.request_model or parsed["model"]
+        # Bounded: a 1 MiB name would otherwise be kept whole in every usage record and
+        # session-affinity key (the body is still forwarded as it came).
+        context.request_model = context.request_model or parsed["model"][:MAX_NAME]
     return parsed

@@ -15,6 +15,9 @@ from typing import Any
 from fallback_mw.config import RouteConfig, UpstreamConfig
 
 SCOPE_KEY = "fallback_mw.request.context"
+# The most of a caller's or an upstream's name (a model, a tenant) a request keeps beyond
+# its routing: usage records (kept for every request), affinity keys, the meter's model.
+MAX_NAME = 200
 
 Headers = list[tuple[bytes, bytes]]
 

@@ -10,7 +10,7 @@ import time
 from decimal import Decimal
 
 from fallback_mw.budget import AttemptOutcome, UsageRecord
-from fallback_mw.request.context import RequestContext, SkipRecord, walk_order
+from fallback_mw.request.context import MAX_NAME, RequestContext, SkipRecord, walk_order
 
 
 def usage_record(
@@ -28,7 +28,7 @@ def usage_record(
     return UsageRecord(
         request_id=context.request_id,
         route=context.route.id,
-        tenant=context.tenant,
+        tenant=context.tenant[:MAX_NAME],  # the caller's header: bounded like the model
         budget_id=context.route.budget,
         candidates=tuple(context.candidates),
         attempts=tuple(attempts),

@@ -25,7 +25,7 @@ import re
 import zlib
 from typing import Any
 
-from fallback_mw.request.context import Usage
+from fallback_mw.request.context import MAX_NAME, Usage
 from fallback_mw.security import READABLE_CODINGS
 from fallback_mw.tokens import token_count
 
@@ -215,7 +215,7 @@ class UsageMeter:
 
     def _apply_model(self, model: Any) -> None:
         if isinstance(model, str) and model and self.target.model is None:
-            self.target.model = model[:200]
+            self.target.model = model[:MAX_NAME]
 
     def _apply_usage(self, usage: Any) -> None:
         if not isinstance(usage, dict):
