@@ -134,3 +134,28 @@ async def test_a_large_answer_whose_usage_has_details_is_charged(engine: str) ->
     }
     body = json.dumps(answer).encode()
     assert await charged_for(body, "application/json", engine) == FULL_COST
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_stream_event_too_large_to_parse_is_still_charged_its_usage(engine: str) -> None:
+    # The Responses API's final `response.completed` event carries the whole response,
+    # the caller's `instructions` echoed in it: a caller sending 1.2 MB of instructions
+    # (a body over replay_buffer: the hold is default_hold) made that event too large to
+    # parse, and the request was settled at the 0.01 hold.
+    completed = {
+        "type": "response.completed",
+        "response": {
+            "model": "gpt-test",
+            "instructions": "x" * 1_200_000,
+            "output": [],
+            "usage": {
+                "input_tokens": 10,
+                "output_tokens": 20000,
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": 0},
+            },
+        },
+    }
+    event = json.dumps(completed).encode()
+    body = b"event: response.completed\ndata: " + event + b"\n\n"
+    assert await charged_for(body, "text/event-stream", engine) == FULL_COST

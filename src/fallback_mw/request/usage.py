@@ -73,6 +73,9 @@ class UsageMeter:
         self._line = b""
         self._event: list[bytes] = []
         self._event_size = 0
+        self._event_tail = b""  # the end of an event over json_cap
+        self._long_line = False  # the pending line is over json_cap: only its tail is kept
+        self._long_data = False  # ... and it is a `data:` line
         self.reported = False
         self._finished = False
 
@@ -115,7 +118,7 @@ class UsageMeter:
                     self._apply_tail()
             elif self.mode == "sse":
                 if self._line:
-                    self._sse_line(self._line)
+                    self._end_line(self._line)
                     self._line = b""
                 self._dispatch_event()
         except Exception:
@@ -143,11 +146,14 @@ class UsageMeter:
             return
         self._tail = (self._tail + chunk)[-_TAIL:]
 
-    def _apply_tail(self) -> None:
-        matches = list(_USAGE_OBJECT.finditer(self._tail))
+    def _apply_tail(self, tail: bytes | None = None) -> None:
+        """Usage from the end of a document too large to parse (a JSON body, an SSE event):
+        its last `"usage": {...}`, read whole."""
+        tail = self._tail if tail is None else tail
+        matches = list(_USAGE_OBJECT.finditer(tail))
         if matches:
             start = matches[-1].end() - 1
-            text = self._tail[start:].decode("utf-8", "replace")
+            text = tail[start:].decode("utf-8", "replace")
             with contextlib.suppress(ValueError):
                 self._apply_usage(json.JSONDecoder().raw_decode(text)[0])
 
@@ -159,12 +165,25 @@ class UsageMeter:
         cut = len(data) - 1 if data.endswith(b"\r") else len(data)
         lines = _LINE_END.split(data[:cut])
         self._line = lines.pop() + data[cut:]
-        if len(self._line) > self.json_cap:
-            self._line = b""  # an absurd line: drop it rather than grow
         for line in lines:
             if self.mode != "sse":
                 return  # `[DONE]` was read: nothing after it is metered
-            self._sse_line(line)
+            self._end_line(line)
+        if len(self._line) > self.json_cap:
+            # A line too long to keep whole (the Responses API's `response.completed`
+            # carries the whole response, echoed `instructions` included): its tail only.
+            if not self._long_line:
+                self._long_line, self._long_data = True, self._line.startswith(b"data:")
+            self._line = self._line[-_TAIL:]
+
+    def _end_line(self, line: bytes) -> None:
+        if self._long_line:  # the end of a line kept by its tail
+            self._long_line = False
+            if self._long_data:
+                self._event_size += self.json_cap + 1
+                self._event_tail = (self._event_tail + line)[-_TAIL:]
+            return
+        self._sse_line(line)
 
     def _sse_line(self, line: bytes) -> None:
         if line.endswith(b"\r"):
@@ -179,11 +198,16 @@ class UsageMeter:
             self._event_size += len(value)
             if self._event_size <= self.json_cap:
                 self._event.append(value)
+            else:  # too large to parse: its tail is searched, as a large JSON body's is
+                self._event_tail = (self._event_tail + value)[-_TAIL:]
 
     def _dispatch_event(self) -> None:
-        event, size = self._event, self._event_size
-        self._event, self._event_size = [], 0
-        if not event or size > self.json_cap:
+        event, size, tail = self._event, self._event_size, self._event_tail
+        self._event, self._event_size, self._event_tail = [], 0, b""
+        if size > self.json_cap:
+            self._apply_tail(tail)
+            return
+        if not event:
             return
         data = b"\n".join(event)
         if data.startswith(b"[DONE]"):
