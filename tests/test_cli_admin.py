@@ -508,3 +508,54 @@ def test_a_route_id_too_long_for_its_derived_upstream_names_is_refused_clearly(
     assert status == 0, err
     fallback = ["--store", store_url, "--id", "L" * 119, "--upstream", "http://127.0.0.1:2"]
     assert run_cli("routes", "set-fallback", *fallback, "--retries", "1")[0] == 0
+
+
+def test_a_relative_sqlite_store_from_another_directory_is_named_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`store = "sqlite:///gw.db"` resolves against the working directory (deployments rely
+    on it): run from elsewhere, an admin verb says which file it uses and which one sits
+    beside the config file, and how to name one file for all."""
+    config = tmp_path / "gw.toml"
+    config.write_text('[gateway]\nstore = "sqlite:///gw.db"\n', encoding="utf-8")
+    other = tmp_path / "other"
+    other.mkdir()
+    monkeypatch.chdir(other)
+    add = ["--config", "../gw.toml", "--id", "chat", "--prefix", "/api/"]
+    status, out, err = run_cli("routes", "add", *add, "--upstream", "http://127.0.0.1:9001")
+    assert status == 0 and "route 'chat' added" in out
+    used, beside = (other / "gw.db").resolve(), (tmp_path / "gw.db").resolve()
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fallback-mw: warning: "), err
+    assert f"uses {used}," in lines[0] and f"not {beside} beside the config file" in lines[0]
+    assert f'store = "sqlite:///{beside}"' in lines[0]  # sqlite:////abs/path.db
+    assert used.exists() and not beside.exists()  # where it resolves is unchanged
+    # A failure is still one line: the caveat joins it.
+    status, _, err = run_cli("routes", "add", *add, "--upstream", "http://127.0.0.1:9001")
+    assert status == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("fallback-mw: error: route 'chat' already exists in the store; note: ")
+    assert f"uses {used}," in err
+    # Every verb that takes the store from --config says so; --store names it: no warning.
+    status, out, err = run_cli("routes", "list", "--config", "../gw.toml")
+    assert status == 0 and out.startswith("chat\tstore") and f"uses {used}," in err
+    status, _, err = run_cli("budgets", "show", "--config", "../gw.toml")
+    assert status == 0 and err.count("fallback-mw: warning: ") == 1
+    status, _, err = run_cli(
+        "routes", "list", "--config", "../gw.toml", "--store", "sqlite:///gw.db"
+    )
+    assert status == 0 and err == ""
+    # `check` says where the relative store resolves, and that it is not the file beside it.
+    status, out, _ = run_cli("check", "--config", "../gw.toml")
+    assert status == 0
+    assert f"store sqlite:///gw.db (relative to the working directory: {used}): 1 route(s)" in out
+    assert "  warning: ../gw.toml: store sqlite:///gw.db is relative" in out
+    # From the config file's directory the two are one file: nothing to warn about.
+    monkeypatch.chdir(tmp_path)
+    here = ["--id", "here", "--prefix", "/here/", "--upstream", "http://127.0.0.1:9002"]
+    status, _, err = run_cli("routes", "add", "--config", "gw.toml", *here)
+    assert status == 0 and err == ""
+    status, _, err = run_cli("routes", "list", "--config", "gw.toml")
+    assert status == 0 and err == ""
+    status, out, _ = run_cli("check", "--config", "gw.toml")
+    assert f"(relative to the working directory: {beside}): 1 route(s)" in out
+    assert "is relative to the working directory, not to the config file" not in out

@@ -2,7 +2,10 @@
 
 Exit status: 0 done; 2 a usage error or a refusal (nothing started, nothing stored);
 1 a runtime failure (store unreachable, port in use, a result not found). Every failure is
-exactly one line on stderr, `fallback-mw: error: ...`, and never a traceback.
+exactly one line on stderr, `fallback-mw: error: ...`, and never a traceback. A warning is
+one line, `fallback-mw: warning: ...`, beside a result that stands; a caveat (about where the
+command looked for its store) is a warning after the result, or joins the error line
+(`...; note: ...`) when there is no result.
 
 A verb module exposes `register(subparsers)`; each leaf parser sets `handler`, a function
 `(args, console)` that prints through the console and raises `Refused` or `Failed` (or
@@ -16,7 +19,7 @@ import asyncio
 import logging
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NoReturn, TextIO, TypeVar
 
 from fallback_mw.config import ConfigError
@@ -42,6 +45,7 @@ class Failed(Exception):
 class Console:
     out: TextIO
     err: TextIO
+    caveats: list[str] = field(default_factory=list)
 
     def print(self, line: str = "") -> None:
         self.out.write(line + "\n")
@@ -52,10 +56,23 @@ class Console:
         self.err.write(f"{PROG}: warning: {' '.join(str(message).split())}\n")
         self.err.flush()
 
+    def caveat(self, message: str) -> None:
+        """Something about where the command looked for its store that may explain its
+        result: said once it ends, as a warning line beside a result that stands, or within
+        the one error line of a failure."""
+        self.caveats.append(message)
+
+    def flush_caveats(self) -> None:
+        for message in self.caveats:
+            self.warning(message)
+        self.caveats.clear()
+
     def error(self, message: str) -> None:
         # One line, whatever the message holds (a multi-line error would break the rule).
         text = " ".join(str(message).split()) or "failed"
-        self.err.write(f"{PROG}: error: {text}\n")
+        notes = "".join(f"; note: {' '.join(c.split())}" for c in self.caveats)
+        self.caveats.clear()
+        self.err.write(f"{PROG}: error: {text}{notes}\n")
         self.err.flush()
 
 
@@ -127,6 +144,7 @@ def dispatch(handler: Handler, args: argparse.Namespace, console: Console) -> in
         # (its message could quote a value) beyond its type.
         console.error(f"unexpected internal error ({type(exc).__name__}); please report it")
         return EXIT_FAILED
+    console.flush_caveats()
     return EXIT_OK if status is None else status
 
 

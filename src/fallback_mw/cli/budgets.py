@@ -26,10 +26,12 @@ UNKNOWN = "-"
 
 
 def with_ledger(
-    args: argparse.Namespace, action: Callable[[Ledger, StoreTarget], Awaitable[T]]
+    args: argparse.Namespace,
+    console: Console,
+    action: Callable[[Ledger, StoreTarget], Awaitable[T]],
 ) -> T:
     """Run `action` against the store's ledger; an unreachable ledger is a failure (exit 1)."""
-    target = resolve(args)
+    target = resolve(args, console)
 
     async def main() -> T:
         ledger = open_ledger(target.url)
@@ -84,7 +86,7 @@ def budgets_show(args: argparse.Namespace, console: Console) -> None:
     async def action(ledger: Ledger, target: StoreTarget) -> list[tuple[str, ...]]:
         return await _show_rows(ledger, target, args.budget)
 
-    rows = with_ledger(args, action)
+    rows = with_ledger(args, console, action)
     print_table(
         console, [("BUDGET", "WINDOW", "PERIOD", "LIMIT", "SPENT", "HELD", "REMAINING"), *rows]
     )
@@ -130,7 +132,7 @@ def budgets_set(args: argparse.Namespace, console: Console) -> None:
         await ledger.set_budget(budget_id, budget)
         return budget
 
-    budget = with_ledger(args, action)
+    budget = with_ledger(args, console, action)
     console.print(
         f"budget {budget_id}: limit {format_money(budget.limit)} per {budget.window}, "
         f"default hold {format_money(budget.default_hold)}"

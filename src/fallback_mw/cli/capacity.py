@@ -62,7 +62,7 @@ def capacity(args: argparse.Namespace, console: Console) -> int:
             for route in merged.routes
         ]
 
-    reports = with_ledger(args, action)
+    reports = with_ledger(args, console, action)
     if args.json:
         console.print(json.dumps(_as_json(reports, since, margin), indent=2))
     else:

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fallback_mw.cli.app import Console, leaf, run
+from fallback_mw.cli.target import relative_sqlite_path, relative_store_elsewhere
 from fallback_mw.config import GatewayConfig, RouteConfig, UpstreamConfig, load_config
 from fallback_mw.routing import RouteTable, effective_deadline_ms
 from fallback_mw.store.routes import MergedRoutes, merge_routes, open_store
@@ -179,9 +180,15 @@ def check(args: argparse.Namespace, console: Console) -> None:
     config = load_config(args.config)  # every refusal, unset variables included
     merged, from_store = _resolve(config)
     settings = config.gateway
-    if settings.store is not None:
-        console.print(f"store {parse_store_url(settings.store)}: {len(from_store)} route(s)")
     warnings = 0
+    if settings.store is not None:
+        resolved = relative_sqlite_path(settings.store)
+        where = f" (relative to the working directory: {resolved})" if resolved else ""
+        console.print(f"store {parse_store_url(settings.store)}{where}: {len(from_store)} route(s)")
+        elsewhere = relative_store_elsewhere(args.config, settings.store)
+        if elsewhere is not None:
+            console.print(f"  warning: {elsewhere}")
+            warnings += 1
     unreachable = unreachable_routes(merged.routes, merged.upstreams)
     for route in merged.routes:
         source = "store" if route.id in from_store else "file"

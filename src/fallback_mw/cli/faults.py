@@ -87,7 +87,7 @@ def _unchecked(fault: Fault, routes: dict[str, Any], upstreams: set[str]) -> str
 def faults_set(args: argparse.Namespace, console: Console) -> None:
     if not 0 < args.ttl <= MAX_TTL_SECONDS:
         raise Refused(f"--ttl must be between 1 and {MAX_TTL_SECONDS} seconds")
-    target = resolve(args)
+    target = resolve(args, console)
 
     async def work() -> tuple[Fault, Fault | None, str | None]:
         store = open_store(target.url)
@@ -121,7 +121,7 @@ def _target(fault: Fault) -> str:
 
 
 def faults_clear(args: argparse.Namespace, console: Console) -> None:
-    target = resolve(args)
+    target = resolve(args, console)
 
     async def work() -> int:
         store = open_store(target.url)
@@ -138,7 +138,7 @@ def faults_clear(args: argparse.Namespace, console: Console) -> None:
 
 
 def faults_list(args: argparse.Namespace, console: Console) -> None:
-    target = resolve(args)
+    target = resolve(args, console)
 
     async def work() -> list[Fault]:
         store = open_store(target.url)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fallback_mw.budget import LedgerUnavailable
-from fallback_mw.cli.app import Console, Failed, Refused, leaf
+from fallback_mw.cli.app import Console, Failed, Refused, default_console, leaf
 from fallback_mw.cli.game_day.html import render
 from fallback_mw.cli.game_day.prometheus import (
     AlertWatcher,
@@ -70,7 +70,7 @@ def _login_name() -> str:
         return ""
 
 
-def _exercise(args: argparse.Namespace) -> tuple[Exercise, str]:
+def _exercise(args: argparse.Namespace, console: Console | None = None) -> tuple[Exercise, str]:
     """Everything checked before anything is set (raises Refused)."""
     owner = (args.owner if args.owner is not None else _login_name()).strip()
     if not owner or len(owner) > 200 or not owner.isprintable():
@@ -93,7 +93,7 @@ def _exercise(args: argparse.Namespace) -> tuple[Exercise, str]:
             raise Refused(str(exc)) from None
     elif any(isinstance(p, AlertPrediction) for p in predictions):
         raise Refused("an alert:NAME<=DURATION prediction needs --prometheus URL")
-    target = resolve(args)
+    target = resolve(args, console or default_console())
     plan = asyncio.run(_plans(target.url, {r.id: r.plan for r in target.config.routes})).get(
         args.route
     )
@@ -229,7 +229,7 @@ async def _run(
 
 
 def handle(args: argparse.Namespace, console: Console) -> None:
-    exercise, url = _exercise(args)
+    exercise, url = _exercise(args, console)
     out = _out_path(args, exercise.route)
     try:
         report = asyncio.run(_run(exercise, url, out, console, args.prometheus))

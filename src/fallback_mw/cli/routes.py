@@ -24,9 +24,11 @@ from fallback_mw.store.routes import RouteStore, make_upstream, merge_routes, op
 
 
 def _with_store(
-    args: argparse.Namespace, work: Callable[[StoreTarget, RouteStore], Awaitable[str]]
+    args: argparse.Namespace,
+    console: Console,
+    work: Callable[[StoreTarget, RouteStore], Awaitable[str]],
 ) -> str:
-    target = resolve(args)
+    target = resolve(args, console)
 
     async def main() -> str:
         store = open_store(target.url)
@@ -103,7 +105,7 @@ def routes_add(args: argparse.Namespace, console: Console) -> None:
         tenant = f" (tenant {args.tenant})" if args.tenant is not None else ""
         return f"route {args.id!r} added{tenant}: {' -> '.join(plan)}"
 
-    console.print(_with_store(args, work))
+    console.print(_with_store(args, console, work))
 
 
 def routes_set_fallback(args: argparse.Namespace, console: Console) -> None:
@@ -141,7 +143,7 @@ def routes_set_fallback(args: argparse.Namespace, console: Console) -> None:
             f"retries {stored.route.retries}"
         )
 
-    console.print(_with_store(args, work))
+    console.print(_with_store(args, console, work))
 
 
 def routes_set(args: argparse.Namespace, console: Console) -> None:
@@ -156,7 +158,7 @@ def routes_set(args: argparse.Namespace, console: Console) -> None:
             f"route {args.id!r}: retries {route.retries} (attempt ceiling {route.attempt_ceiling})"
         )
 
-    console.print(_with_store(args, work))
+    console.print(_with_store(args, console, work))
 
 
 def routes_clear_fallback(args: argparse.Namespace, console: Console) -> None:
@@ -171,7 +173,7 @@ def routes_clear_fallback(args: argparse.Namespace, console: Console) -> None:
         await _check_and_write(target, store, stored, store.replace_route, check_env=False)
         return f"route {args.id!r}: fallback cleared ({primary} only)"
 
-    console.print(_with_store(args, work))
+    console.print(_with_store(args, console, work))
 
 
 def routes_list(args: argparse.Namespace, console: Console) -> None:
@@ -193,7 +195,7 @@ def routes_list(args: argparse.Namespace, console: Console) -> None:
             return "\n".join(lines)
         return f"no routes for tenant {args.tenant}" if args.tenant is not None else "no routes"
 
-    console.print(_with_store(args, work))
+    console.print(_with_store(args, console, work))
 
 
 def routes_remove(args: argparse.Namespace, console: Console) -> None:
@@ -205,7 +207,7 @@ def routes_remove(args: argparse.Namespace, console: Console) -> None:
         _store_owned(target, args.id)
         raise Failed(f"no route {args.id!r} in the store")
 
-    console.print(_with_store(args, work))
+    console.print(_with_store(args, console, work))
 
 
 def _credentials(parser: argparse.ArgumentParser, prefix: str = "") -> None:

@@ -134,7 +134,7 @@ def usage(args: argparse.Namespace, console: Console) -> None:
     async def action(ledger: Ledger, target: StoreTarget) -> list[UsageRecord]:
         return await ledger.usage(since=since, route=args.route, tenant=args.tenant, limit=scan)
 
-    records = with_ledger(args, action)
+    records = with_ledger(args, console, action)
     if incidents:
         # The records come oldest first: the newest `--limit` incidents are the last ones.
         records = [record for record in records if incident_kinds(record)][-args.limit :]
