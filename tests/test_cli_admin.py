@@ -559,3 +559,55 @@ def test_a_relative_sqlite_store_from_another_directory_is_named_with_a_warning(
     status, out, _ = run_cli("check", "--config", "gw.toml")
     assert f"(relative to the working directory: {beside}): 1 route(s)" in out
     assert "is relative to the working directory, not to the config file" not in out
+
+
+@pytest.mark.parametrize(
+    "verb",
+    [["usage"], ["capacity"], ["budgets", "show"], ["routes", "list"], ["faults", "list"]],
+)
+def test_a_read_only_verb_on_a_store_file_that_is_not_there_creates_none_and_says_so(
+    tmp_path: Path, verb: list[str]
+) -> None:
+    """A typo in the store's path (`--store sqlite:////tmp/typo.db`) is not answered with a
+    fresh empty database and a calm "no traffic": nothing is created, one warning says
+    there is no file, the report is the empty store's (exit status unchanged)."""
+    typo = (tmp_path / "typo.db").resolve()
+    status, _, err = run_cli(*verb, "--store", f"sqlite:///{typo}")
+    assert status == 0
+    assert err == (
+        f"fallback-mw: warning: no store file at {typo}: nothing is recorded there yet "
+        "(check the path; a gateway, `routes add`, `faults set` or `budgets set` creates it)\n"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_only_the_verbs_that_store_something_create_a_missing_store_file(tmp_path: Path) -> None:
+    typo = (tmp_path / "typo.db").resolve()
+    store = ["--store", f"sqlite:///{typo}"]
+    # Changing or removing what is not there fails as before, in one line with the reason.
+    for verb in (
+        ["routes", "remove", "--id", "chat"],
+        ["routes", "clear-fallback", "--id", "chat"],
+        ["faults", "clear", "--all"],
+    ):
+        status, _, err = run_cli(*verb, *store)
+        assert len(err.splitlines()) == 1 and f"no store file at {typo}" in err, err
+        assert status == (0 if verb[0] == "faults" else 1)
+    config = tmp_path / "gw.toml"
+    config.write_text(f'[gateway]\nstore = "sqlite:///{typo}"\n', encoding="utf-8")
+    status, out, _ = run_cli("check", "--config", str(config))
+    assert status == 0 and f"  warning: no store file at {typo}" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gw.toml"]
+    # A writer creates it; then the readers say nothing more.
+    status, _, err = run_cli("budgets", "set", *store, "--budget", "acme", "--limit", "5")
+    assert status == 0 and err == "" and typo.exists()
+    for verb in (["budgets", "show"], ["routes", "list"], ["faults", "list"], ["usage"]):
+        status, _, err = run_cli(*verb, *store)
+        assert status == 0 and err == "", (verb, err)
+    for writer in (
+        ["faults", "set", "fail", "--upstream", "x-primary", "--ttl", "60"],
+        ["routes", "add", "--id", "x", "--prefix", "/x/", "--upstream", "http://127.0.0.1:9001"],
+    ):
+        other = tmp_path / f"{writer[0]}.db"
+        status, _, err = run_cli(*writer, "--store", f"sqlite:///{other}")
+        assert status == 0 and other.exists() and "no store file" not in err

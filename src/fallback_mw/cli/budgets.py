@@ -16,9 +16,8 @@ from fallback_mw.budget import Ledger, LedgerUnavailable
 from fallback_mw.budget.cost import format_money
 from fallback_mw.cli.app import Console, Failed, Refused, leaf, run
 from fallback_mw.cli.show import print_table
-from fallback_mw.cli.target import StoreTarget, resolve, store_options
+from fallback_mw.cli.target import StoreTarget, open_ledger_of, resolve, store_options
 from fallback_mw.config import MAX_MONEY, BudgetConfig
-from fallback_mw.store.ledgers import open_ledger
 from fallback_mw.store.model import build_model
 
 T = TypeVar("T")
@@ -29,12 +28,14 @@ def with_ledger(
     args: argparse.Namespace,
     console: Console,
     action: Callable[[Ledger, StoreTarget], Awaitable[T]],
+    *,
+    creates: bool = False,
 ) -> T:
     """Run `action` against the store's ledger; an unreachable ledger is a failure (exit 1)."""
-    target = resolve(args, console)
+    target = resolve(args, console, creates=creates)
 
     async def main() -> T:
-        ledger = open_ledger(target.url)
+        ledger = open_ledger_of(target)
         try:
             return await action(ledger, target)
         except LedgerUnavailable as exc:
@@ -132,7 +133,7 @@ def budgets_set(args: argparse.Namespace, console: Console) -> None:
         await ledger.set_budget(budget_id, budget)
         return budget
 
-    budget = with_ledger(args, console, action)
+    budget = with_ledger(args, console, action, creates=True)
     console.print(
         f"budget {budget_id}: limit {format_money(budget.limit)} per {budget.window}, "
         f"default hold {format_money(budget.default_hold)}"

@@ -19,7 +19,7 @@ from fallback_mw.budget import Ledger
 from fallback_mw.cli.app import EXIT_FAILED, EXIT_OK, Console, Refused, leaf
 from fallback_mw.cli.budgets import with_ledger
 from fallback_mw.cli.capacity_planning import Dimension, RouteReport, assess, peaks
-from fallback_mw.cli.target import StoreTarget, store_options
+from fallback_mw.cli.target import StoreTarget, open_route_store, store_options
 from fallback_mw.cli.usage import parse_since
 
 
@@ -48,9 +48,9 @@ def capacity(args: argparse.Namespace, console: Console) -> int:
     since = parse_since(args.since)
 
     async def action(ledger: Ledger, target: StoreTarget) -> list[RouteReport]:
-        from fallback_mw.store.routes import merge_routes, open_store
+        from fallback_mw.store.routes import merge_routes
 
-        store = open_store(target.url)
+        store = open_route_store(target)
         try:
             stored = await store.load_routes()
         finally:

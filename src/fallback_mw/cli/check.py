@@ -10,7 +10,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fallback_mw.cli.app import Console, leaf, run
-from fallback_mw.cli.target import relative_sqlite_path, relative_store_elsewhere
+from fallback_mw.cli.target import (
+    missing_sqlite_file,
+    no_store_file,
+    relative_sqlite_path,
+    relative_store_elsewhere,
+)
 from fallback_mw.config import GatewayConfig, RouteConfig, UpstreamConfig, load_config
 from fallback_mw.routing import RouteTable, effective_deadline_ms
 from fallback_mw.store.routes import MergedRoutes, merge_routes, open_store
@@ -24,6 +29,8 @@ def _resolve(config: GatewayConfig) -> tuple[MergedRoutes, set[str]]:
         return MergedRoutes(config.routes, dict(config.upstreams)), set()
 
     async def load() -> MergedRoutes:
+        if missing_sqlite_file(url) is not None:  # like nginx -t, check creates nothing
+            return merge_routes(config, [], environ=os.environ)
         store = open_store(url)
         try:
             stored = await store.load_routes()
@@ -188,6 +195,10 @@ def check(args: argparse.Namespace, console: Console) -> None:
         elsewhere = relative_store_elsewhere(args.config, settings.store)
         if elsewhere is not None:
             console.print(f"  warning: {elsewhere}")
+            warnings += 1
+        absent = missing_sqlite_file(settings.store)
+        if absent is not None:
+            console.print(f"  warning: {no_store_file(absent)}")
             warnings += 1
     unreachable = unreachable_routes(merged.routes, merged.upstreams)
     for route in merged.routes:

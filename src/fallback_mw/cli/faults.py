@@ -10,10 +10,10 @@ from typing import Any
 
 from fallback_mw import rules
 from fallback_mw.cli.app import Console, Refused, leaf, run
-from fallback_mw.cli.target import StoreTarget, resolve, store_options
+from fallback_mw.cli.target import StoreTarget, open_route_store, resolve, store_options
 from fallback_mw.faults import UPSTREAM_FAULTS
 from fallback_mw.store.model import Fault
-from fallback_mw.store.routes import RouteStore, open_store
+from fallback_mw.store.routes import RouteStore
 
 MAX_TTL_SECONDS = 7 * 24 * 3600
 
@@ -87,10 +87,10 @@ def _unchecked(fault: Fault, routes: dict[str, Any], upstreams: set[str]) -> str
 def faults_set(args: argparse.Namespace, console: Console) -> None:
     if not 0 < args.ttl <= MAX_TTL_SECONDS:
         raise Refused(f"--ttl must be between 1 and {MAX_TTL_SECONDS} seconds")
-    target = resolve(args, console)
+    target = resolve(args, console, creates=True)
 
     async def work() -> tuple[Fault, Fault | None, str | None]:
-        store = open_store(target.url)
+        store = open_route_store(target)
         try:
             routes, upstreams = await _names(target, store)
             fault = _fault(args, routes, upstreams)
@@ -121,10 +121,10 @@ def _target(fault: Fault) -> str:
 
 
 def faults_clear(args: argparse.Namespace, console: Console) -> None:
-    target = resolve(args, console)
+    target = resolve(args, console, creates=False)
 
     async def work() -> int:
-        store = open_store(target.url)
+        store = open_route_store(target)
         try:
             if args.upstream is not None:
                 return await store.clear_faults(upstream=args.upstream)
@@ -138,10 +138,10 @@ def faults_clear(args: argparse.Namespace, console: Console) -> None:
 
 
 def faults_list(args: argparse.Namespace, console: Console) -> None:
-    target = resolve(args, console)
+    target = resolve(args, console, creates=False)
 
     async def work() -> list[Fault]:
-        store = open_store(target.url)
+        store = open_route_store(target)
         try:
             return await store.load_faults()
         finally:

@@ -93,7 +93,7 @@ def _exercise(args: argparse.Namespace, console: Console | None = None) -> tuple
             raise Refused(str(exc)) from None
     elif any(isinstance(p, AlertPrediction) for p in predictions):
         raise Refused("an alert:NAME<=DURATION prediction needs --prometheus URL")
-    target = resolve(args, console or default_console())
+    target = resolve(args, console or default_console(), creates=True)
     plan = asyncio.run(_plans(target.url, {r.id: r.plan for r in target.config.routes})).get(
         args.route
     )

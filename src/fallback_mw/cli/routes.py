@@ -17,21 +17,23 @@ from typing import Any
 from fallback_mw import rules
 from fallback_mw.cli.app import Console, Failed, Refused, leaf, run
 from fallback_mw.cli.show import route_line
-from fallback_mw.cli.target import StoreTarget, resolve, store_options
+from fallback_mw.cli.target import StoreTarget, open_route_store, resolve, store_options
 from fallback_mw.config import RouteConfig, UpstreamConfig
 from fallback_mw.store.model import StoredRoute, build_model, fallback_name, primary_name
-from fallback_mw.store.routes import RouteStore, make_upstream, merge_routes, open_store
+from fallback_mw.store.routes import RouteStore, make_upstream, merge_routes
 
 
 def _with_store(
     args: argparse.Namespace,
     console: Console,
     work: Callable[[StoreTarget, RouteStore], Awaitable[str]],
+    *,
+    creates: bool = False,
 ) -> str:
-    target = resolve(args, console)
+    target = resolve(args, console, creates=creates)
 
     async def main() -> str:
-        store = open_store(target.url)
+        store = open_route_store(target)
         try:
             return await work(target, store)
         finally:
@@ -105,7 +107,7 @@ def routes_add(args: argparse.Namespace, console: Console) -> None:
         tenant = f" (tenant {args.tenant})" if args.tenant is not None else ""
         return f"route {args.id!r} added{tenant}: {' -> '.join(plan)}"
 
-    console.print(_with_store(args, console, work))
+    console.print(_with_store(args, console, work, creates=True))
 
 
 def routes_set_fallback(args: argparse.Namespace, console: Console) -> None:

@@ -7,8 +7,12 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from fallback_mw.cli.app import Console, Refused
+from fallback_mw.budget import Ledger
+from fallback_mw.cli.app import Console, Failed, Refused
 from fallback_mw.config import GatewayConfig, load_config
+from fallback_mw.store.ledgers import open_ledger
+from fallback_mw.store.model import Fault, StoredRoute
+from fallback_mw.store.routes import RouteStore, open_store
 from fallback_mw.store_url import parse_store_url
 
 
@@ -24,11 +28,21 @@ class StoreTarget:
     config: GatewayConfig  # the file's configuration, or the defaults with --store alone
     url: str
     from_file: bool
+    # A SQLite file that does not exist, for a verb that stores nothing new: not created.
+    absent: Path | None = None
 
 
-def resolve(args: argparse.Namespace, console: Console) -> StoreTarget:
+def resolve(args: argparse.Namespace, console: Console, *, creates: bool) -> StoreTarget:
     """The store URL and the file's configuration. An operator's shell need not hold the
-    gateway's secrets, so the file's credential variables are not required to be set."""
+    gateway's secrets, so the file's credential variables are not required to be set.
+
+    Only a verb that `creates` something (`routes add`, `faults set`, `budgets set`,
+    `gameday`) creates a SQLite store file that is not there: for every other verb a missing
+    file is most likely a typo in the path, and creating it would hide that behind "no
+    routes" / "no usage records". It is read as empty (`open_route_store`, `open_ledger_of`)
+    and said once (a caveat: a warning line beside the result, or part of the error line);
+    the exit status is the empty store's. So is a relative SQLite store from `--config` that
+    resolves, from here, to another file than the one beside the config file."""
     config = GatewayConfig()
     from_file = args.config is not None
     if from_file:
@@ -43,7 +57,76 @@ def resolve(args: argparse.Namespace, console: Console) -> StoreTarget:
         elsewhere = relative_store_elsewhere(args.config, url)
         if elsewhere is not None:
             console.caveat(elsewhere)
-    return StoreTarget(config=config, url=url, from_file=from_file)
+    absent = None if creates else missing_sqlite_file(url)
+    if absent is not None:
+        console.caveat(no_store_file(absent))
+    return StoreTarget(config=config, url=url, from_file=from_file, absent=absent)
+
+
+def missing_sqlite_file(url: str) -> Path | None:
+    """The SQLite store's file when it does not exist in a directory that does. (In a
+    missing directory nothing could ever have been stored: opening it fails, exit 1.)"""
+    parsed = parse_store_url(url)
+    if parsed.kind != "sqlite":
+        return None
+    path = Path(parsed.target)
+    if path.exists() or not path.parent.is_dir():
+        return None
+    return path.resolve()
+
+
+def no_store_file(path: Path) -> str:
+    return (
+        f"no store file at {path}: nothing is recorded there yet (check the path; a gateway, "
+        "`routes add`, `faults set` or `budgets set` creates it)"
+    )
+
+
+def open_route_store(target: StoreTarget) -> RouteStore:
+    return AbsentStore(target.absent) if target.absent is not None else open_store(target.url)
+
+
+def open_ledger_of(target: StoreTarget) -> Ledger:
+    # An empty ledger in memory stands for the file that is not there.
+    return open_ledger(None if target.absent is not None else target.url)
+
+
+class AbsentStore:
+    """The route store of a SQLite file that does not exist: no routes, no faults; the
+    changes that need something there find nothing, and nothing is created."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    async def load_routes(self) -> list[StoredRoute]:
+        return []
+
+    async def insert_route(self, stored: StoredRoute) -> None:
+        raise Failed(f"no store file at {self.path}")  # verbs that create open the file
+
+    async def replace_route(self, stored: StoredRoute) -> None:
+        raise Failed(f"no store file at {self.path}")
+
+    async def remove_route(self, route_id: str) -> bool:
+        return False
+
+    async def load_faults(self) -> list[Fault]:
+        return []
+
+    async def set_fault(self, fault: Fault, *, replace: bool = False) -> Fault | None:
+        raise Failed(f"no store file at {self.path}")
+
+    async def clear_faults(self, *, upstream: str | None = None, route: str | None = None) -> int:
+        return 0
+
+    async def change_serials(self) -> tuple[int, int]:
+        return 0, 0
+
+    async def wait_for_change(self, poll_interval: float) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
 
 
 def relative_sqlite_path(url: str) -> Path | None:
