@@ -51,6 +51,24 @@ def redact_url(url: str) -> str:
     return f"{scheme}://{authority}{slash}{path}"
 
 
+def unusable_store(dsn: str, exc: Exception) -> str:
+    """What the command line and the log say when the PostgreSQL driver refuses one of the
+    store URL's options (`sslmode=requir`): the route store and the ledger say the same."""
+    return f"the store {redact_url(dsn)} cannot be used: {driver_reason(exc, dsn)}"
+
+
+def driver_reason(exc: Exception, dsn: str) -> str:
+    """The driver's one-line reason, or its type's name when the URL's password (or its
+    query, which may carry `password=`) could be in it."""
+    text = str(exc).splitlines()[0][:200] if str(exc) else ""
+    authority = dsn.partition("://")[2].split("/", 1)[0]
+    secrets = [authority.rsplit("@", 1)[0].partition(":")[2]] if "@" in authority else []
+    secrets.append(dsn.partition("?")[2])
+    if not text or any(secret and secret in text for secret in secrets):
+        return type(exc).__name__
+    return text
+
+
 def parse_store_url(url: str) -> StoreURL:
     if url.startswith("sqlite:///"):
         path = url[len("sqlite:///") :]

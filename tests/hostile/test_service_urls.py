@@ -100,7 +100,20 @@ def test_check_refuses_a_bad_state_url_with_exit_2(
     ("option", "says"),
     [("sslmode=requir", "sslmode"), ("target_session_attrs=primry", "target_session_attrs")],
 )
-@pytest.mark.parametrize("verb", [["routes", "list"], ["faults", "list"], ["check"]])
+@pytest.mark.parametrize(
+    "verb",
+    [
+        ["routes", "list"],
+        ["faults", "list"],
+        ["check"],
+        # The ledger's verbs said "PostgreSQL ledger unavailable (ClientConfigurationError)",
+        # exit 1: as if the database were down, naming neither the option nor the reason.
+        ["budgets", "show"],
+        ["budgets", "set", "--budget", "b", "--limit", "1"],
+        ["usage"],
+        ["capacity"],
+    ],
+)
 def test_a_store_url_option_the_driver_refuses_is_a_clear_error(
     option: str,
     says: str,
@@ -123,3 +136,6 @@ def test_a_store_url_option_the_driver_refuses_is_a_clear_error(
     assert "internal error" not in err and "please report" not in err, err
     assert says in err and "postgresql://u@127.0.0.1:1/db" in err, err
     assert "PW-SECRET" not in err
+    # One line, the route store's and the ledger's words alike.
+    assert err.startswith("fallback-mw: error: the store postgresql://u@127.0.0.1:1/db cannot be")
+    assert err.count("\n") == 1, err

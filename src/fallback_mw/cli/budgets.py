@@ -19,6 +19,7 @@ from fallback_mw.cli.show import print_table
 from fallback_mw.cli.target import StoreTarget, open_ledger_of, resolve, store_options
 from fallback_mw.config import MAX_MONEY, BudgetConfig
 from fallback_mw.store.model import build_model
+from fallback_mw.store_url import StoreURLError
 
 T = TypeVar("T")
 UNKNOWN = "-"
@@ -38,6 +39,8 @@ def with_ledger(
         ledger = open_ledger_of(target)
         try:
             return await action(ledger, target)
+        except StoreURLError:
+            raise  # an option the driver refuses: a refusal (exit 2), as for the route store
         except LedgerUnavailable as exc:
             raise Failed(str(exc)) from None
         finally:

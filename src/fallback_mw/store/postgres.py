@@ -26,7 +26,7 @@ from fallback_mw.store.model import (
     StoreError,
     pending_migrations,
 )
-from fallback_mw.store_url import StoreURLError, redact_url
+from fallback_mw.store_url import StoreURLError, redact_url, unusable_store
 
 T = TypeVar("T")
 
@@ -85,9 +85,7 @@ class PostgresStore:
             # The driver reads the URL's options (sslmode, target_session_attrs...) only
             # here. Its reason names the option, never the password: it is said, once the
             # URL's own password is known not to be in it.
-            raise StoreOptionError(
-                f"the store {redact_url(self._dsn)} cannot be used: {_reason(exc, self._dsn)}"
-            ) from None
+            raise StoreOptionError(unusable_store(self._dsn, exc)) from None
 
     async def _connection(self) -> asyncpg.Connection[Any]:
         if self._conn is None or self._conn.is_closed():
@@ -279,15 +277,3 @@ class PostgresStore:
                     conn.terminate()
         self._listener = None
         self._conn = None
-
-
-def _reason(exc: Exception, dsn: str) -> str:
-    """The driver's one-line reason, or its type's name when the URL's password (or its
-    query, which may carry `password=`) could be in it."""
-    text = str(exc).splitlines()[0][:200] if str(exc) else ""
-    authority = dsn.partition("://")[2].split("/", 1)[0]
-    secrets = [authority.rsplit("@", 1)[0].partition(":")[2]] if "@" in authority else []
-    secrets.append(dsn.partition("?")[2])
-    if not text or any(secret and secret in text for secret in secrets):
-        return type(exc).__name__
-    return text

@@ -52,6 +52,7 @@ from fallback_mw.store.ledgers.schema import (
     usage_values,
 )
 from fallback_mw.store.outage import OutageLog
+from fallback_mw.store_url import StoreURLError, unusable_store
 
 T = TypeVar("T")
 logger = logging.getLogger("fallback_mw.budget")
@@ -141,6 +142,13 @@ _UNREACHABLE = (
     asyncpg.exceptions.PostgresConnectionError,
     asyncpg.exceptions.OperatorInterventionError,
 )
+
+
+class LedgerOptionError(LedgerUnavailable, StoreURLError):
+    """The store URL has an option the driver refuses (`sslmode=requir`): the guard fails
+    closed as for any unavailable ledger; the command line refuses the URL (exit 2) with
+    the route store's words (store/postgres.py `StoreOptionError`)."""
+
 
 # While the database is known to be away, calls fail at once (fail closed) instead of each
 # waiting out the timeout behind the others; one call per interval tries it again.
@@ -233,6 +241,11 @@ class PostgresLedger(SQLLedgerBase):
             async with asyncio.timeout(self.timeout):
                 pool = await self._get_pool()
                 result = await work(pool)
+        except asyncpg.ClientConfigurationError as exc:
+            # Read from the URL only when connecting; no retry can change the answer.
+            self._retry_at = time.monotonic() + self.retry_interval
+            self._outage.failed(type(exc).__name__, "budgeted routes refuse (fail closed)")
+            raise LedgerOptionError(unusable_store(self.dsn, exc)) from None
         except (*_FAILURES, SchemaTooNew) as exc:
             # The exception type only: a driver message may quote the DSN.
             if isinstance(exc, _UNREACHABLE):
