@@ -611,3 +611,26 @@ def test_only_the_verbs_that_store_something_create_a_missing_store_file(tmp_pat
         other = tmp_path / f"{writer[0]}.db"
         status, _, err = run_cli(*writer, "--store", f"sqlite:///{other}")
         assert status == 0 and other.exists() and "no store file" not in err
+
+
+def test_faults_clear_on_a_name_without_a_fault_names_the_faults_still_active(
+    store_url: str,
+) -> None:
+    """`faults clear --upstream chat-primray` after a game day said "0 fault(s) cleared"
+    and nothing else, while the fail fault on chat-primary went on failing requests."""
+    store = ["--store", store_url]
+    status, out, _ = run_cli("faults", "set", "fail", *store, "--upstream", "chat-primary",
+                             "--ttl", "600")  # fmt: skip
+    assert status == 0
+    until = out.split(" until ", 1)[1].strip()
+    status, out, err = run_cli("faults", "clear", *store, "--upstream", "chat-primray")
+    assert status == 0 and out == "0 fault(s) cleared\n"
+    assert err == (
+        "fallback-mw: warning: no active fault on upstream 'chat-primray'; still active: "
+        f"fail upstream 'chat-primary' until {until}\n"
+    )
+    status, out, err = run_cli("faults", "clear", *store, "--upstream", "chat-primary")
+    assert (status, out, err) == (0, "1 fault(s) cleared\n", "")
+    # Nothing active at all: nothing to warn about (a cleanup may run twice).
+    status, out, err = run_cli("faults", "clear", *store, "--upstream", "chat-primary")
+    assert (status, out, err) == (0, "0 fault(s) cleared\n", "")

@@ -123,18 +123,32 @@ def _target(fault: Fault) -> str:
 def faults_clear(args: argparse.Namespace, console: Console) -> None:
     target = resolve(args, console, creates=False)
 
-    async def work() -> int:
+    async def work() -> tuple[int, list[Fault]]:
         store = open_route_store(target)
         try:
             if args.upstream is not None:
-                return await store.clear_faults(upstream=args.upstream)
-            if args.route is not None:
-                return await store.clear_faults(route=args.route)
-            return await store.clear_faults()  # --all
+                cleared = await store.clear_faults(upstream=args.upstream)
+            elif args.route is not None:
+                cleared = await store.clear_faults(route=args.route)
+            else:
+                return await store.clear_faults(), []  # --all
+            return cleared, [] if cleared else await store.load_faults()
         finally:
             await store.aclose()
 
-    console.print(f"{run(work)} fault(s) cleared")
+    cleared, still_active = run(work)
+    console.print(f"{cleared} fault(s) cleared")
+    if still_active:
+        # A name that holds no fault while others are active: most likely a typo, and the
+        # fault meant to end is still injecting. (Nothing active at all: nothing to say.)
+        selector = (
+            f"route {args.route!r}" if args.route is not None else f"upstream {args.upstream!r}"
+        )
+        active = "; ".join(
+            f"{fault.kind} {_target(fault)} until {expiry_text(fault.expires_at)}"
+            for fault in still_active
+        )
+        console.warning(f"no active fault on {selector}; still active: {active}")
 
 
 def faults_list(args: argparse.Namespace, console: Console) -> None:
