@@ -634,3 +634,21 @@ def test_faults_clear_on_a_name_without_a_fault_names_the_faults_still_active(
     # Nothing active at all: nothing to warn about (a cleanup may run twice).
     status, out, err = run_cli("faults", "clear", *store, "--upstream", "chat-primary")
     assert (status, out, err) == (0, "0 fault(s) cleared\n", "")
+
+
+@pytest.mark.parametrize("verb", [["budgets", "show"], ["usage"]])
+def test_a_ledger_verb_on_a_file_that_is_not_a_store_says_why(
+    tmp_path: Path, verb: list[str]
+) -> None:
+    """`--store sqlite:///gw.toml` (the config file, by mistake): `routes list` said "cannot
+    open the SQLite store gw.toml: file is not a database", the ledger's verbs only "SQLite
+    ledger unavailable (DatabaseError)"."""
+    config = tmp_path / "gw.toml"
+    config.write_text('[gateway]\nstore = "sqlite:///gw.db"\n', encoding="utf-8")
+    status, _, err = run_cli(*verb, "--store", f"sqlite:///{config}")
+    assert status == 1 and len(err.splitlines()) == 1
+    assert err == (
+        f"fallback-mw: error: SQLite ledger {config} unavailable "
+        "(DatabaseError: file is not a database)\n"
+    )
+    assert config.read_text(encoding="utf-8") == '[gateway]\nstore = "sqlite:///gw.db"\n'

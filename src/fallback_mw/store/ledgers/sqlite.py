@@ -182,7 +182,12 @@ class SQLiteLedger(SQLLedgerBase):
             result = await anyio.to_thread.run_sync(locked)
         except (sqlite3.Error, SchemaTooNew) as exc:
             self._outage.failed(type(exc).__name__, "budgeted routes refuse (fail closed)")
-            raise LedgerUnavailable(f"SQLite ledger unavailable ({type(exc).__name__})") from None
+            # SQLite's own reason ("file is not a database", "attempt to write a readonly
+            # database") names no secret: a file path holds none.
+            reason = " ".join(str(exc).split())[:200]
+            raise LedgerUnavailable(
+                f"SQLite ledger {self.path} unavailable ({type(exc).__name__}: {reason})"
+            ) from None
         self._outage.recovered()
         return result
 
