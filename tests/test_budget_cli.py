@@ -166,6 +166,30 @@ def test_refusals_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert "--limit" in err and "nope" in err
 
 
+def test_a_budget_id_never_puts_terminal_controls_on_the_operators_screen(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`budgets set --budget $'ev\\x1b[31mil\\nx'` was stored, and `budgets show` then wrote
+    the escape sequence and the newline raw, breaking the table on every screen."""
+    store = f"sqlite:///{tmp_path / 'l.db'}"
+    evil = "ev\x1b[31mil\nx"
+    assert main(["budgets", "set", "--store", store, "--budget", evil, "--limit", "1"]) == 2
+    assert "printable" in capsys.readouterr().err
+
+    async def plant() -> None:  # stored by an older version, or written by hand
+        ledger = open_ledger(store)
+        try:
+            await ledger.set_budget(evil, BudgetConfig(limit=Decimal(1)))
+        finally:
+            await ledger.aclose()
+
+    anyio.run(plant)
+    assert main(["budgets", "show", "--store", store]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and len(out.splitlines()) == 2
+    assert out.splitlines()[1].startswith("ev?[31mil?x ")
+
+
 def test_unreachable_store_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
     url = "postgresql://postgres:pw-secret@127.0.0.1:1/none"
     assert main(["budgets", "show", "--store", url]) == 1

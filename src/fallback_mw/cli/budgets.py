@@ -74,7 +74,7 @@ async def _show_rows(
         known = budget is not None
         rows.append(
             (
-                budget_id,
+                _label(budget_id),
                 status.window,
                 status.window_start,
                 format_money(status.limit) if known else UNKNOWN,
@@ -84,6 +84,12 @@ async def _show_rows(
             )
         )
     return rows
+
+
+def _label(budget_id: str) -> str:
+    """An id stored before `budgets set` refused control characters, or from a config
+    file: never raw terminal controls, never a broken row."""
+    return "".join(ch if ch.isprintable() else "?" for ch in budget_id)
 
 
 def budgets_show(args: argparse.Namespace, console: Console) -> None:
@@ -118,8 +124,9 @@ def budgets_set(args: argparse.Namespace, console: Console) -> None:
     limit = _money(args.limit, "limit")
     default_hold = _money(args.default_hold, "default-hold")
     budget_id: str = args.budget
-    if not budget_id or len(budget_id) > 200:
-        raise Refused("--budget must be 1..200 characters")
+    if not budget_id or len(budget_id) > 200 or not budget_id.isprintable():
+        # A control character would reach every terminal that runs `budgets show`.
+        raise Refused("--budget must be 1..200 printable characters")
 
     async def action(ledger: Ledger, target: StoreTarget) -> BudgetConfig:
         current = await ledger.stored_budget(budget_id) or target.config.budgets.get(budget_id)
