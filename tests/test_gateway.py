@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -96,6 +97,47 @@ async def test_layers_compose_without_budget_guard() -> None:
     assert routed.content == b"b"
     assert ("authorization", "Bearer sk-backup") in b.received[0].headers
     assert other.content == b"host app"
+
+
+@pytest.mark.parametrize("form", ["path", "dict"])
+async def test_layers_composed_by_hand_take_a_path_or_a_dict_as_gateway_does(
+    form: str, tmp_path: Path
+) -> None:
+    """SPEC §2: `config=` is a GatewayConfig, a path or a dict; the layers used on their own
+    took only the model (a path or a dict was an AttributeError at construction)."""
+    from fallback_mw import BudgetGuard
+
+    async with upstream(status_handler(503)) as p, upstream(status_handler(200, b"b")) as b:
+        source: Any = config_for(p.url, b.url)
+        if form == "path":
+            toml = tmp_path / "gateway.toml"
+            toml.write_text(
+                f"""
+[upstreams.primary]
+url = "{p.url}"
+auth_env = "PRIMARY_KEY"
+[upstreams.backup]
+url = "{b.url}"
+auth_env = "BACKUP_KEY"
+[[routes]]
+id = "chat"
+prefix = "/v1/"
+plan = ["primary", "backup"]
+retries = 1
+""",
+                encoding="utf-8",
+            )
+            source = toml
+        walker = PlanWalker(host_app, config=source, environ=ENV)
+        injector = CredentialInjector(walker, config=source, environ=ENV)
+        app = RouteResolver(BudgetGuard(injector, config=source), config=source)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+            routed = await client.get("/v1/x", headers={"authorization": "Bearer caller"})
+        await walker.aclose()
+    assert routed.content == b"b"
+    assert routed.headers["x-gateway-provider"] == "backup"
+    assert ("authorization", "Bearer sk-backup") in b.received[0].headers
 
 
 async def test_walker_alone_still_strips_caller_credentials(

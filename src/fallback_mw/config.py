@@ -577,3 +577,17 @@ def load_config(
     else:
         config = parse_config(read_config_file(Path(source)))
     return validate(config, environ=environ, check_env=check_env)
+
+
+ConfigSource = GatewayConfig | Mapping[str, Any] | str | os.PathLike[str]
+
+
+def as_config(
+    source: ConfigSource, *, environ: Mapping[str, str] | None = None, check_env: bool = True
+) -> GatewayConfig:
+    """What every layer's `config=` takes, as `Gateway` does (SPEC §2): a `GatewayConfig`
+    as it is (`Gateway` hands its layers the one it validated), a path or a dict loaded
+    and validated (`load_config`; `check_env=False` for a layer that reads no credential)."""
+    if isinstance(source, GatewayConfig):
+        return source
+    return load_config(source, environ=environ, check_env=check_env)

@@ -28,7 +28,7 @@ from fallback_mw.budget import (
     SettlesAndRecords,
 )
 from fallback_mw.budget.cost import PriceBook
-from fallback_mw.config import BudgetConfig, GatewayConfig
+from fallback_mw.config import BudgetConfig, ConfigSource, as_config
 from fallback_mw.request.body import read_body, request_json
 from fallback_mw.request.context import (
     RequestBody,
@@ -56,11 +56,12 @@ class BudgetGuard:
         app: ASGIApp,
         /,
         *,
-        config: GatewayConfig,
+        config: ConfigSource,
         ledger: Ledger | None = None,
         telemetry: Telemetry | None = None,
     ) -> None:
         self.app = app
+        config = as_config(config, check_env=False)  # it reads no credential
         self.settings = config.gateway
         self.budgets = dict(config.budgets)
         self.prices = PriceBook(config.prices)

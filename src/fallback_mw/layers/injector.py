@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from fallback_mw.config import GatewayConfig
+from fallback_mw.config import ConfigSource, as_config
 from fallback_mw.credentials import CredentialCache, apply_hygiene
 from fallback_mw.request.context import get_context
 from fallback_mw.request.types import ASGIApp, Receive, Scope, Send
@@ -16,10 +16,11 @@ class CredentialInjector:
         app: ASGIApp,
         /,
         *,
-        config: GatewayConfig,
+        config: ConfigSource,
         environ: Mapping[str, str] | None = None,
     ) -> None:
         self.app = app
+        as_config(config, environ=environ)  # checked as Gateway checks it
         self.cache = CredentialCache(environ)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import anyio
 
 from fallback_mw.budget import Ledger, LedgerUnavailable
-from fallback_mw.config import DEFAULT_METHODS, GatewayConfig
+from fallback_mw.config import DEFAULT_METHODS, ConfigSource, as_config
 from fallback_mw.layers.limits import InFlight, header_refusal
 from fallback_mw.request.context import SCOPE_KEY, RequestContext
 from fallback_mw.request.local_errors import send_error
@@ -84,12 +84,13 @@ class RouteResolver:
         app: ASGIApp,
         /,
         *,
-        config: GatewayConfig,
+        config: ConfigSource,
         table: Callable[[], RouteTable] | None = None,
         telemetry: Telemetry | None = None,
         ledger: Ledger | None = None,
     ) -> None:
         self.app = app
+        config = as_config(config, check_env=False)  # it reads no credential
         # Where the requests refused here leave their usage record, as the budget guard's
         # settlement does for every other routed request.
         self.ledger = ledger

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import anyio
 
 from fallback_mw.capacity import CapacityState, asker
-from fallback_mw.config import GatewayConfig
+from fallback_mw.config import ConfigSource, as_config
 from fallback_mw.credentials import CredentialCache, apply_hygiene
 from fallback_mw.failover.attempt import AttemptLifecycle
 from fallback_mw.failover.decide import (
@@ -55,7 +55,7 @@ class PlanWalker:
         app: ASGIApp,
         /,
         *,
-        config: GatewayConfig,
+        config: ConfigSource,
         services: Services | None = None,
         environ: Mapping[str, str] | None = None,
         client: UpstreamClient | None = None,
@@ -65,6 +65,7 @@ class PlanWalker:
         capacity: CapacityState | None = None,
     ) -> None:
         self.app = app
+        config = as_config(config, environ=environ)
         self.settings = config.gateway
         # Built in one place (services.build_services); the walker used alone builds its own,
         # with any of the pieces given here.
