@@ -33,7 +33,7 @@ DEFAULT_STRIP_HEADERS = (
     "x-functions-key",
     "private-token",
 )
-DEFAULT_STRIP_QUERY_KEYS = ("api_key", "key", "api-key", "apikey", "access_token")
+DEFAULT_STRIP_QUERY_KEYS = ("api_key", "key", "api-key", "apikey", "access_token", "private_token")
 # RFC 9110 §7.6.1 connection-specific fields, plus the usual legacy ones.
 HOP_BY_HOP_HEADERS = frozenset(
     {

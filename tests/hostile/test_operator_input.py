@@ -143,7 +143,8 @@ async def test_extra_credentials_reach_no_upstream_shadow_included() -> None:
         try:
             async with client_for(gateway) as client:
                 response = await client.get(
-                    "/v1/x?keep=1&api_key=caller-secret-6&KEY=caller-secret-7&a%70i_key=s8&z=2",
+                    "/v1/x?keep=1&api_key=caller-secret-6&KEY=caller-secret-7&a%70i_key=s8&z=2"
+                    "&private_token=caller-secret-9",
                     headers={**CALLER_SECRETS, "x-session-id": "s1", "x-kept": "yes"},
                 )
             for _ in range(500):
