@@ -17,9 +17,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NoReturn, TextIO, TypeVar
 
 from fallback_mw.config import ConfigError
@@ -179,3 +181,17 @@ def argv_is_text(argv: list[str]) -> None:
 
 def default_console() -> Console:
     return Console(out=sys.stdout, err=sys.stderr)
+
+
+def writable_out(out: Path, shown: str) -> None:
+    """Refuse (exit 2) an `--out` that cannot take the report, before the work that makes
+    it runs (minutes of eval arms, a game day's fault): its results are never lost at the
+    end. Its directory is made if missing."""
+    if out.is_dir():
+        raise Refused(f"--out {shown} is a directory")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise Refused(f"--out {shown}: {exc.strerror or exc}") from None
+    if not os.access(out.parent, os.W_OK):
+        raise Refused(f"--out {shown}: the directory is not writable")

@@ -6,13 +6,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from fallback_mw.cli.app import Console, Failed, Refused, leaf
+from fallback_mw.cli.app import Console, Failed, Refused, leaf, writable_out
 from fallback_mw.cli.evaluation.arms import arms, run_arms
 from fallback_mw.cli.evaluation.gateway import GatewayDidNotStart
 from fallback_mw.cli.evaluation.html import render
@@ -37,16 +36,7 @@ def handle(args: argparse.Namespace, console: Console) -> int:
     if not 1 <= args.concurrency <= MAX_CONCURRENCY:
         raise Refused(f"--concurrency must be between 1 and {MAX_CONCURRENCY}")
     out = Path(args.out)
-    if out.is_dir():
-        raise Refused(f"--out {args.out} is a directory")
-    try:
-        # Before the arms run (minutes with a large --requests): a path that cannot take
-        # the artifact refuses the run instead of losing its results at the end.
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise Refused(f"--out {args.out}: {exc.strerror or exc}") from None
-    if not os.access(out.parent, os.W_OK):
-        raise Refused(f"--out {args.out}: the directory is not writable")
+    writable_out(out, args.out)  # before the arms run (minutes with a large --requests)
     started = datetime.now(UTC)
     try:
         with tempfile.TemporaryDirectory(prefix="fallback-mw-eval-") as workdir:

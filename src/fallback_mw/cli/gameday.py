@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import contextlib
 import getpass
-import os
 import signal
 import threading
 from datetime import UTC, datetime
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fallback_mw.budget import LedgerUnavailable
-from fallback_mw.cli.app import Console, Failed, Refused, default_console, leaf
+from fallback_mw.cli.app import Console, Failed, Refused, default_console, leaf, writable_out
 from fallback_mw.cli.game_day.html import render
 from fallback_mw.cli.game_day.prometheus import (
     AlertWatcher,
@@ -144,16 +143,7 @@ def _out_path(args: argparse.Namespace, route: str) -> Path:
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in route)[:64]
         out = Path("results") / f"gameday-{safe}-{stamp}.json"
-    if out.is_dir():
-        raise Refused(f"--out {out} is a directory")
-    try:
-        # The report is written before the fault is set: a path that cannot take it
-        # refuses the exercise instead of failing it half-way.
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise Refused(f"--out {out}: {exc.strerror or exc}") from None
-    if not os.access(out.parent, os.W_OK):
-        raise Refused(f"--out {out}: the directory is not writable")
+    writable_out(out, str(out))  # before the fault is set, not half-way through
     return out
 
 
