@@ -159,3 +159,26 @@ async def test_a_stream_event_too_large_to_parse_is_still_charged_its_usage(engi
     event = json.dumps(completed).encode()
     body = b"event: response.completed\ndata: " + event + b"\n\n"
     assert await charged_for(body, "text/event-stream", engine) == FULL_COST
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_later_event_reporting_fewer_tokens_does_not_lower_the_charge(
+    engine: str,
+) -> None:
+    # Anthropic's stream: `message_start` (input), `message_delta` (cumulative output).
+    # A hostile upstream adds an event the anthropic SDK skips (an unknown `event:` name)
+    # whose usage says 0: read last-wins, it settled the request at its input alone. A
+    # count only grows over a stream: the largest reported is charged.
+    start = (
+        b'{"type":"message_start","message":{"model":"gpt-test",'
+        b'"usage":{"input_tokens":10,"output_tokens":1}}}'
+    )
+    delta = b'{"type":"message_delta","usage":{"output_tokens":20000}}'
+    zero = b'{"type":"message_delta","usage":{"input_tokens":0,"output_tokens":0}}'
+    body = (
+        b"event: message_start\ndata: " + start + b"\n\n"
+        b"event: message_delta\ndata: " + delta + b"\n\n"
+        b"event: ping_usage\ndata: " + zero + b"\n\n"
+        b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
+    )
+    assert await charged_for(body, "text/event-stream", engine) == FULL_COST

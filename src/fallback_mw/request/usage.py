@@ -244,17 +244,23 @@ class UsageMeter:
     def _apply_usage(self, usage: Any) -> None:
         if not isinstance(usage, dict):
             return
+        # A count only grows over one response (Anthropic's output count is cumulative;
+        # OpenAI reports once): the largest reported stands, so a later event saying less
+        # (one the SDKs skip, e.g. an unknown `event:` name) cannot lower the charge.
+        target = self.target
         found = False
         for key in ("prompt_tokens", "input_tokens"):
             value = token_count(usage.get(key))
             if value is not None:
-                self.target.input_tokens = value
+                if target.input_tokens is None or value > target.input_tokens:
+                    target.input_tokens = value
                 found = True
                 break
         for key in ("completion_tokens", "output_tokens"):
             value = token_count(usage.get(key))
             if value is not None:
-                self.target.output_tokens = value  # Anthropic's is cumulative: last wins
+                if target.output_tokens is None or value > target.output_tokens:
+                    target.output_tokens = value
                 found = True
                 break
         self.reported = self.reported or found
