@@ -118,6 +118,18 @@ def test_the_affinity_key_names_route_model_and_session() -> None:
     assert len(keys) == 3
 
 
+def test_a_huge_session_id_is_remembered_by_a_short_key() -> None:
+    """A caller's session header may be up to max_header_bytes (64 KiB): the memory pool
+    remembers 10,000 sessions per upstream, so kept whole they were some 640 MiB. A long
+    key is kept as its digest: still one key per (route, model, session)."""
+    long_a, long_b = "a" * 60_000, "a" * 59_999 + "b"
+    key_a, key_b = affinity_key("r", "m", long_a), affinity_key("r", "m", long_b)
+    assert key_a is not None and key_b is not None
+    assert len(key_a) <= 256 and len(key_b) <= 256
+    assert key_a != key_b and key_a == affinity_key("r", "m", long_a)
+    assert affinity_key("r", "m", "s1") == "r\x1fm\x1fs1"  # a usual one stays as it is
+
+
 # --- selection --------------------------------------------------------------------------
 
 

@@ -15,6 +15,7 @@ its credential while it is usable, keyed by (route, model, session) (`affinity_k
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import OrderedDict
 from collections.abc import Iterable, Set
@@ -24,6 +25,7 @@ from email.utils import parsedate_to_datetime
 from typing import Literal
 
 AFFINITY_LIMIT = 10_000  # sessions remembered per upstream (least recently used dropped)
+_LONGEST_AFFINITY_KEY = 256  # characters kept as they are; a longer key by its digest
 SCORE_HALF_LIFE = 60.0  # seconds: an observation this old counts half
 Selection = Literal["round_robin", "score"]
 
@@ -33,7 +35,13 @@ def affinity_key(route: str, model: str | None, session: str | None) -> str | No
     session; None (no affinity) without a session."""
     if session is None:
         return None
-    return "\x1f".join((route, model or "", session))
+    key = "\x1f".join((route, model or "", session))
+    if len(key) > _LONGEST_AFFINITY_KEY:
+        # A caller's session header may be 64 KiB: 10,000 of them kept whole per upstream
+        # would be some 640 MiB. A digest stands for a long key (the Redis state keeps
+        # only digests anyway).
+        return "sha256:" + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+    return key
 
 
 @dataclass(frozen=True, slots=True)
