@@ -110,7 +110,10 @@ def test_openai_responses_sse_usage_in_response_completed() -> None:
 
 
 def test_other_content_and_garbage_report_nothing() -> None:
-    assert meter_over([b'{"usage":{"prompt_tokens":1}}'], b"text/plain") == Usage()
+    # Text and unlabelled answers are metered as JSON (the SDKs parse them so); others not.
+    assert meter_over([b'{"usage":{"prompt_tokens":1}}'], b"text/html") == Usage()
+    assert meter_over([b'{"usage":{"prompt_tokens":1}}'], b"application/octet-stream") == Usage()
+    assert meter_over([b"plain words, no usage"], b"text/plain") == Usage()
     assert meter_over([b"data: {not json\n\n", b"\xff\xfe\n\n"], SSE) == Usage()
     assert meter_over([b'{"usage": {"prompt_tokens": true}}'], JSON) == Usage()
 

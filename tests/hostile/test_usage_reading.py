@@ -182,3 +182,18 @@ async def test_a_later_event_reporting_fewer_tokens_does_not_lower_the_charge(
         b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
     )
     assert await charged_for(body, "text/event-stream", engine) == FULL_COST
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("content_type", ["text/plain", "text/plain; charset=utf-8", ""])
+async def test_a_json_answer_labelled_as_text_is_charged_its_usage(
+    engine: str, content_type: str
+) -> None:
+    # The openai SDK parses an answer as JSON whatever its content type says: an upstream
+    # labelling it `text/plain` (or not at all) was settled at the 0.01 hold.
+    answer = {
+        "model": "gpt-test",
+        "choices": [],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 20000},
+    }
+    assert await charged_for(json.dumps(answer).encode(), content_type, engine) == FULL_COST

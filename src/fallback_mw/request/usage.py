@@ -272,7 +272,14 @@ def _mode(content_type: bytes | None) -> str:
         return "sse"
     if kind == b"application/json" or kind.endswith(b"+json"):
         return "json"
+    if kind in _UNLABELLED:
+        # The SDKs parse an answer as JSON whatever it is labelled: one sent as text (or
+        # unlabelled) is metered as JSON, so no label can hide its usage.
+        return "json"
     return "ignore"
+
+
+_UNLABELLED = frozenset({b"", b"text/plain"})
 
 
 # A gzip (`x-gzip`) or zlib-wrapped deflate stream, told apart by its header.
