@@ -102,8 +102,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "layers/walker/stream.py",
-                '            context.outcome = "aborted"\n            return',
-                '            context.outcome = "aborted"',
+                '                    context.outcome = "aborted"\n                    return',
+                '                    context.outcome = "aborted"',
             ),
         ),
         (CONTROLS[4],),
