@@ -29,6 +29,7 @@ from opentelemetry.metrics import MeterProvider
 
 from fallback_mw.extras import missing_extra
 from fallback_mw.grouping import Group, Pending, fail
+from fallback_mw.loops import close_on_its_loop
 
 try:
     import redis.asyncio as aioredis
@@ -186,9 +187,7 @@ class RedisHealth:
         closed on its own loop while that runs (else left to the garbage collector)."""
         if self._client is not None and self._client_loop is not loop:
             stale, old, self._client = self._client, self._client_loop, None
-            if old is not None and not old.is_closed():
-                with contextlib.suppress(RuntimeError):  # it closed meanwhile
-                    asyncio.run_coroutine_threadsafe(stale.aclose(), old)
+            close_on_its_loop(old, stale.aclose)
 
     def _script(self, name: str, source: str) -> Any:
         client = self._connection()

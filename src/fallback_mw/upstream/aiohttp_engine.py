@@ -12,6 +12,7 @@ import aiohttp
 from multidict import CIMultiDict
 from yarl import URL
 
+from fallback_mw.loops import close_on_its_loop
 from fallback_mw.timers import deadline_after
 from fallback_mw.upstream.base import (
     ConnectionCaps,
@@ -165,10 +166,8 @@ def _close_on(loop: asyncio.AbstractEventLoop, session: aiohttp.ClientSession) -
     """Close a session of another event loop: on that loop while it runs; once it is
     closed, nothing can close its connections (the garbage collector drops them), so the
     session and its connector are only marked closed (else each logs "Unclosed ...")."""
-    if not loop.is_closed():
-        with contextlib.suppress(RuntimeError):  # it closed meanwhile
-            asyncio.run_coroutine_threadsafe(session.close(), loop)
-            return
+    if close_on_its_loop(loop, session.close):
+        return
     connector = session.connector
     session.detach()
     if connector is not None:

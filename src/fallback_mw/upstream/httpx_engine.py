@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import logging
 import weakref
@@ -12,6 +11,7 @@ from contextlib import contextmanager
 from http.cookiejar import CookieJar, DefaultCookiePolicy
 
 from fallback_mw.extras import missing_extra
+from fallback_mw.loops import close_on_its_loop
 
 try:
     import h11
@@ -214,10 +214,8 @@ class HttpxClient:
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
             old, self._clients = list(self._clients.values()), {}
-            if self._loop is not None and not self._loop.is_closed():
-                for stale in old:
-                    with contextlib.suppress(RuntimeError):  # it closed meanwhile
-                        asyncio.run_coroutine_threadsafe(stale.aclose(), self._loop)
+            for stale in old:
+                close_on_its_loop(self._loop, stale.aclose)
             self._loop, self._caps = loop, ConnectionCaps()
 
     def _get_client(self, request: UpstreamRequest | None = None) -> httpx.AsyncClient:

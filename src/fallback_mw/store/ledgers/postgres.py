@@ -8,7 +8,6 @@ latest committed row, so no interleaving of processes can hold past the limit.""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -18,6 +17,7 @@ from decimal import Decimal
 from typing import Any, TypeVar
 
 from fallback_mw.extras import missing_extra
+from fallback_mw.loops import close_on_its_loop
 
 try:
     import asyncpg
@@ -221,11 +221,8 @@ class PostgresLedger(SQLLedgerBase):
         """Close the pool of the previous event loop on that loop while it runs; once it
         is closed, nothing can close its connections (the garbage collector drops them)."""
         pool, loop, self._pool = self._pool, self._loop, None
-        if pool is None or loop is None:
-            return
-        with contextlib.suppress(RuntimeError):  # the loop is closed, or closing
-            if not loop.is_closed():
-                asyncio.run_coroutine_threadsafe(pool.close(), loop)
+        if pool is not None:
+            close_on_its_loop(loop, pool.close)
 
     async def _run(self, work: Callable[[asyncpg.Pool], Awaitable[T]]) -> T:
         """One unit of work, `timeout` at most in all: the wait for a pooled connection
