@@ -37,7 +37,7 @@ from fallback_mw.request.context import (
     host_cancelled,
 )
 from fallback_mw.request.local_errors import send_error
-from fallback_mw.request.record import usage_record
+from fallback_mw.request.record import usage_record, write_record
 from fallback_mw.request.refusals import body_refusal
 from fallback_mw.request.types import ASGIApp, Receive, Scope, Send
 from fallback_mw.telemetry import Telemetry
@@ -187,10 +187,7 @@ class BudgetGuard:
                     await ledger.settle(hold, charged)
         except LedgerUnavailable:
             logger.debug("route %s: settlement failed, ledger unavailable", context.route.id)
-        try:
-            await ledger.record_usage(usage_record(context, cost, charged))
-        except LedgerUnavailable:
-            logger.debug("route %s: usage record lost, ledger unavailable", context.route.id)
+        await write_record(ledger, context, cost, charged)
 
 
 def charge(context: RequestContext, held: Decimal, cost: Decimal | None) -> Decimal:

@@ -7,24 +7,21 @@ the budget guard's hold and settlement are inside it."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from collections.abc import Callable
 
 import anyio
 
-from fallback_mw.budget import Ledger, LedgerUnavailable
+from fallback_mw.budget import Ledger
 from fallback_mw.config import DEFAULT_METHODS, ConfigSource, as_config
 from fallback_mw.layers.limits import InFlight, header_refusal
 from fallback_mw.request.context import SCOPE_KEY, RequestContext
 from fallback_mw.request.local_errors import send_error
-from fallback_mw.request.record import usage_record
+from fallback_mw.request.record import write_record
 from fallback_mw.request.types import ASGIApp, Receive, Scope, Send
 from fallback_mw.routing import RouteTable, effective_deadline_ms, normalise_path
 from fallback_mw.security import canonical_name, canonical_query_key, strip_query_keys
 from fallback_mw.telemetry import Telemetry
-
-logger = logging.getLogger("fallback_mw.budget")
 
 # More digits than this is longer than any deadline (600000 ms): it can shorten nothing.
 _DEADLINE_DIGITS = 7
@@ -204,10 +201,7 @@ class RouteResolver:
         if ledger is None:
             return
         with anyio.CancelScope(shield=True):
-            try:
-                await ledger.record_usage(usage_record(context, None, None))
-            except LedgerUnavailable:
-                logger.debug("route %s: usage record lost, ledger unavailable", context.route.id)
+            await write_record(ledger, context, None, None)
 
     def _traced(
         self, context: RequestContext, scope: Scope

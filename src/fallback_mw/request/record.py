@@ -6,11 +6,14 @@ answer a caller got."""
 
 from __future__ import annotations
 
+import logging
 import time
 from decimal import Decimal
 
-from fallback_mw.budget import AttemptOutcome, UsageRecord
+from fallback_mw.budget import AttemptOutcome, Ledger, LedgerUnavailable, UsageRecord
 from fallback_mw.request.context import MAX_NAME, RequestContext, SkipRecord, walk_order
+
+logger = logging.getLogger("fallback_mw.budget")
 
 
 def usage_record(
@@ -43,6 +46,17 @@ def usage_record(
         # Arrival to settlement (the walk, the response).
         duration_ms=round((time.monotonic() - context.started) * 1000, 3),
     )
+
+
+async def write_record(
+    ledger: Ledger, context: RequestContext, cost: Decimal | None, charged: Decimal | None
+) -> None:
+    """The request's usage record into the ledger. An unavailable ledger loses it; the
+    outage itself is logged by the ledger, once each way: nothing per request here."""
+    try:
+        await ledger.record_usage(usage_record(context, cost, charged))
+    except LedgerUnavailable:
+        logger.debug("route %s: usage record lost, ledger unavailable", context.route.id)
 
 
 def _storable(text: str | None) -> str | None:
