@@ -30,18 +30,20 @@ def test_example_runs_offline_and_fails_a_chat_completion_over_with_the_openai_s
         url = example.url
         own = httpx.get(f"{url}/health", timeout=10)
         garbage = httpx.post(f"{url}/v1/chat/completions", content=b"not json{", timeout=10)
-        client = OpenAI(base_url=f"{url}/v1", api_key="caller-key-never-forwarded", max_retries=0)
-        raw = client.chat.completions.with_raw_response.create(
-            model="gpt-4o-mini", messages=MESSAGES
-        )
-        completion = raw.parse()
-        stream = client.chat.completions.create(
-            model="gpt-4o-mini",
-            messages=MESSAGES,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-        chunks = list(stream)
+        with OpenAI(
+            base_url=f"{url}/v1", api_key="caller-key-never-forwarded", max_retries=0
+        ) as client:
+            raw = client.chat.completions.with_raw_response.create(
+                model="gpt-4o-mini", messages=MESSAGES
+            )
+            completion = raw.parse()
+            stream = client.chat.completions.create(
+                model="gpt-4o-mini",
+                messages=MESSAGES,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            chunks = list(stream)
     # The app keeps its own route; the gateway does not touch it.
     assert own.status_code == 200 and own.json() == {"status": "ok"}
     assert "x-gateway-route" not in own.headers

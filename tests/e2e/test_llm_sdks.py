@@ -133,64 +133,66 @@ def _since(mocks: Mocks) -> tuple[int, int]:
 
 def test_openai_sdk_chat_completion_fails_over(gateway: Running) -> None:
     before = _since(gateway.mocks)
-    client = OpenAI(base_url=f"{gateway.url}/v1", api_key=CALLER_KEY, max_retries=0)
-    raw = client.chat.completions.with_raw_response.create(model="gpt-4o-mini", messages=MESSAGES)
-    completion = raw.parse()
-    assert raw.headers["x-gateway-route"] == "chat"
-    assert raw.headers["x-gateway-provider"] == "backup"
-    assert int(raw.headers["x-gateway-attempts"]) in (1, 2)  # 1 once the breaker opens
-    assert completion.choices[0].message.content == REPLY
-    assert completion.usage is not None and completion.usage.completion_tokens == 5
-    backup = gateway.mocks.backup
-    assert backup.requests[before[1] :] == ["POST /v1/chat/completions"]
-    assert backup.credentials[before[1] :] == ["Bearer openai-backup-key"]
+    with OpenAI(base_url=f"{gateway.url}/v1", api_key=CALLER_KEY, max_retries=0) as client:
+        raw = client.chat.completions.with_raw_response.create(
+            model="gpt-4o-mini", messages=MESSAGES
+        )
+        completion = raw.parse()
+        assert raw.headers["x-gateway-route"] == "chat"
+        assert raw.headers["x-gateway-provider"] == "backup"
+        assert int(raw.headers["x-gateway-attempts"]) in (1, 2)  # 1 once the breaker opens
+        assert completion.choices[0].message.content == REPLY
+        assert completion.usage is not None and completion.usage.completion_tokens == 5
+        backup = gateway.mocks.backup
+        assert backup.requests[before[1] :] == ["POST /v1/chat/completions"]
+        assert backup.credentials[before[1] :] == ["Bearer openai-backup-key"]
 
 
 def test_openai_sdk_streams_with_usage_in_the_final_chunk(gateway: Running) -> None:
-    client = OpenAI(base_url=f"{gateway.url}/v1", api_key=CALLER_KEY, max_retries=0)
-    with client.chat.completions.with_streaming_response.create(
-        model="gpt-4o-mini",
-        messages=MESSAGES,
-        stream=True,
-        stream_options={"include_usage": True},
-    ) as response:
-        assert response.headers["x-gateway-provider"] == "backup"
-        assert response.headers["content-type"].startswith("text/event-stream")
-        chunks = list(response.parse())
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text.strip() == REPLY
-    assert chunks[-1].choices == [] and chunks[-1].usage is not None
-    assert chunks[-1].usage.completion_tokens == 5
-    assert all(c.usage is None for c in chunks[:-1])
+    with OpenAI(base_url=f"{gateway.url}/v1", api_key=CALLER_KEY, max_retries=0) as client:
+        with client.chat.completions.with_streaming_response.create(
+            model="gpt-4o-mini",
+            messages=MESSAGES,
+            stream=True,
+            stream_options={"include_usage": True},
+        ) as response:
+            assert response.headers["x-gateway-provider"] == "backup"
+            assert response.headers["content-type"].startswith("text/event-stream")
+            chunks = list(response.parse())
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text.strip() == REPLY
+        assert chunks[-1].choices == [] and chunks[-1].usage is not None
+        assert chunks[-1].usage.completion_tokens == 5
+        assert all(c.usage is None for c in chunks[:-1])
 
 
 def test_anthropic_sdk_message_fails_over(gateway: Running) -> None:
     before = _since(gateway.mocks)
-    client = Anthropic(base_url=gateway.url, api_key=CALLER_KEY, max_retries=0)
-    raw = client.messages.with_raw_response.create(
-        model="claude-sonnet-5", max_tokens=64, messages=MESSAGES
-    )
-    message = raw.parse()
-    assert raw.headers["x-gateway-route"] == "messages"
-    assert raw.headers["x-gateway-provider"] == "claude_backup"
-    assert message.content[0].type == "text" and message.content[0].text == REPLY
-    assert message.usage.output_tokens == 5
-    backup = gateway.mocks.backup
-    assert backup.requests[before[1] :] == ["POST /v1/messages"]
-    assert backup.credentials[before[1] :] == ["claude-backup-key"]
+    with Anthropic(base_url=gateway.url, api_key=CALLER_KEY, max_retries=0) as client:
+        raw = client.messages.with_raw_response.create(
+            model="claude-sonnet-5", max_tokens=64, messages=MESSAGES
+        )
+        message = raw.parse()
+        assert raw.headers["x-gateway-route"] == "messages"
+        assert raw.headers["x-gateway-provider"] == "claude_backup"
+        assert message.content[0].type == "text" and message.content[0].text == REPLY
+        assert message.usage.output_tokens == 5
+        backup = gateway.mocks.backup
+        assert backup.requests[before[1] :] == ["POST /v1/messages"]
+        assert backup.credentials[before[1] :] == ["claude-backup-key"]
 
 
 def test_anthropic_sdk_streams_its_event_types_with_usage(gateway: Running) -> None:
-    client = Anthropic(base_url=gateway.url, api_key=CALLER_KEY, max_retries=0)
-    with client.messages.stream(
-        model="claude-sonnet-5", max_tokens=64, messages=MESSAGES
-    ) as stream:
-        events = [event.type for event in stream]
-        final = stream.get_final_message()
-    assert events[0] == "message_start" and events[-1] == "message_stop"
-    assert {"content_block_start", "content_block_delta", "message_delta"} <= set(events)
-    assert "".join(b.text for b in final.content if b.type == "text").strip() == REPLY
-    assert final.usage.output_tokens == 5 and final.usage.input_tokens > 0
+    with Anthropic(base_url=gateway.url, api_key=CALLER_KEY, max_retries=0) as client:
+        with client.messages.stream(
+            model="claude-sonnet-5", max_tokens=64, messages=MESSAGES
+        ) as stream:
+            events = [event.type for event in stream]
+            final = stream.get_final_message()
+        assert events[0] == "message_start" and events[-1] == "message_stop"
+        assert {"content_block_start", "content_block_delta", "message_delta"} <= set(events)
+        assert "".join(b.text for b in final.content if b.type == "text").strip() == REPLY
+        assert final.usage.output_tokens == 5 and final.usage.input_tokens > 0
 
 
 def test_a_route_without_post_replay_does_not_fail_over_for_the_sdk(
@@ -215,10 +217,12 @@ retries = 1
         encoding="utf-8",
     )
     before = _since(gateway.mocks)
-    with serving(config, dict(os.environ)) as url:
-        client = OpenAI(base_url=f"{url}/v1", api_key=CALLER_KEY, max_retries=0)
-        with pytest.raises(InternalServerError) as caught:
-            client.chat.completions.create(model="gpt-4o-mini", messages=MESSAGES)
+    with (
+        serving(config, dict(os.environ)) as url,
+        OpenAI(base_url=f"{url}/v1", api_key=CALLER_KEY, max_retries=0) as client,
+        pytest.raises(InternalServerError) as caught,
+    ):
+        client.chat.completions.create(model="gpt-4o-mini", messages=MESSAGES)
     # SPEC §5: a failover status on a non-replayable request ends the walk with the local
     # 502 upstream_failed, never the upstream's body.
     assert caught.value.status_code == 502
@@ -272,9 +276,11 @@ def test_sdks_with_an_idempotency_key_fail_over_and_without_one_do_not(
         IDEMPOTENT_ROUTES.format(primary=mocks.primary.url, backup=mocks.backup.url),
         encoding="utf-8",
     )
-    with serving(config, dict(os.environ)) as url:
-        openai = OpenAI(base_url=f"{url}/v1", api_key=CALLER_KEY, max_retries=0)
-        claude = Anthropic(base_url=url, api_key=CALLER_KEY, max_retries=0)
+    with (
+        serving(config, dict(os.environ)) as url,
+        OpenAI(base_url=f"{url}/v1", api_key=CALLER_KEY, max_retries=0) as openai,
+        Anthropic(base_url=url, api_key=CALLER_KEY, max_retries=0) as claude,
+    ):
         before = _since(mocks)
         keyed = openai.chat.completions.with_raw_response.create(
             model="gpt-4o-mini", messages=MESSAGES, extra_headers={"Idempotency-Key": "chat-1"}
