@@ -13,6 +13,7 @@ from decimal import Decimal
 from fallback_mw.budget.cost import from_units, to_units
 from fallback_mw.budget.ledger import AttemptOutcome, Hold, UsageRecord
 from fallback_mw.config import BudgetConfig
+from fallback_mw.request.context import MAX_NAME
 
 SCHEMA_TABLE = (
     "CREATE TABLE IF NOT EXISTS fmw_schema (component TEXT PRIMARY KEY, version INTEGER NOT NULL)"
@@ -89,7 +90,7 @@ def usage_values(record: UsageRecord) -> tuple[object, ...]:
     return (
         record.request_id,
         record.route,
-        record.tenant[:200],
+        record.tenant[:MAX_NAME],
         record.budget_id,
         json.dumps(list(record.candidates)),
         json.dumps([a.as_dict() for a in record.attempts]),
