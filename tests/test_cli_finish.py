@@ -133,6 +133,13 @@ def test_usage_says_when_there_are_no_records(tmp_path: Path) -> None:
     assert result.stdout == "no usage records (route chat)\n"
 
 
+def test_usage_never_echoes_a_filters_terminal_controls(tmp_path: Path) -> None:
+    store = f"sqlite:///{tmp_path / 's.db'}"
+    result = run("usage", "--store", store, "--route", "x\x1b[31mred", "--tenant", "a\rb")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "no usage records (route x?[31mred, tenant a?b)\n"
+
+
 def test_serve_on_a_busy_port_is_one_line_exit_1(tmp_path: Path) -> None:
     config = tmp_path / "gateway.toml"
     config.write_text("", encoding="utf-8")

@@ -119,7 +119,7 @@ def _incident_row(record: UsageRecord) -> tuple[str, ...]:
 
 def _filters(args: argparse.Namespace) -> str:
     given = (("since", args.since), ("route", args.route), ("tenant", args.tenant))
-    parts = [f"{flag} {value}" for flag, value in given if value]
+    parts = [f"{flag} {printable(value)}" for flag, value in given if value]
     return f" ({', '.join(parts)})" if parts else ""
 
 
