@@ -295,6 +295,15 @@ async def test_bad_invocations_exit_2_in_one_line(
     no_leak(err)
 
 
+async def test_a_store_file_that_is_not_there_is_refused_and_not_created(tmp_path: Path) -> None:
+    typo = tmp_path / "gatewya.db"
+    status, out, err = await request_cli("--store", f"sqlite:///{typo}", "--path", "/v1/x")
+    assert (status, out) == (2, "")
+    assert err.startswith(f"fallback-mw: error: --store: no store file at {typo}: nothing is")
+    assert len(err.splitlines()) == 1
+    assert not typo.exists()
+
+
 async def test_bad_config_exits_2_naming_the_variable(tmp_path: Path) -> None:
     config = str(write_config(tmp_path, "http://127.0.0.1:9", "http://127.0.0.1:10"))
     env = {**os.environ, "BACKUP_KEY": ""}

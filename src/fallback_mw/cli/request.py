@@ -19,6 +19,7 @@ from typing import Any, BinaryIO
 from fallback_mw.cli.app import Console, Failed, Refused, leaf, run
 from fallback_mw.cli.one_request import OneRequest, send_one, trace_of
 from fallback_mw.cli.request_table import render
+from fallback_mw.cli.target import missing_sqlite_file, no_store_file
 from fallback_mw.config import GatewayConfig, load_config
 from fallback_mw.health import StateURLError
 from fallback_mw.request.types import ASGIApp
@@ -84,7 +85,13 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
     """As `serve` loads it (credential variables must be set: a request is really sent)."""
     if args.config is not None:
         return load_config(args.config)
-    return load_config({"gateway": {"store": args.store}})
+    config = load_config({"gateway": {"store": args.store}})
+    # `--store` alone routes by the store's routes: a file that is not there holds none, and
+    # the gateway would create it, hiding a typo in the path behind "no route".
+    absent = missing_sqlite_file(args.store)
+    if absent is not None:
+        raise Refused(f"--store: {no_store_file(absent)}")
+    return config
 
 
 def read_body(source: str | None, limit: int, stdin: BinaryIO) -> bytes | None:
