@@ -166,6 +166,23 @@ def test_refusals_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert "--limit" in err and "nope" in err
 
 
+def test_a_default_hold_above_the_limit_is_refused_and_nothing_stored(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = f"sqlite:///{tmp_path / 'l.db'}"
+    set_ = ["budgets", "set", "--store", store, "--budget", "acme"]
+    assert main([*set_, "--limit", "1", "--default-hold", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "default hold 5" in err and "above the limit 1" in err
+    assert main([*set_, "--limit", "10", "--default-hold", "5"]) == 0
+    assert main([*set_, "--limit", "2"]) == 2  # the stored hold now stands above it
+    assert main([*set_, "--limit", "0"]) == 0  # a limit of 0 refuses everything anyway
+    capsys.readouterr()
+    assert main(["budgets", "show", "--store", store, "--budget", "acme"]) == 0
+    (row,) = capsys.readouterr().out.splitlines()[1:]
+    assert row.split()[:4] == ["acme", "month", row.split()[2], "0.00"]
+
+
 def test_a_budget_id_never_puts_terminal_controls_on_the_operators_screen(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -140,6 +140,14 @@ def budgets_set(args: argparse.Namespace, console: Console) -> None:
         if default_hold is not None:
             fields["default_hold"] = default_hold
         budget = build_model(BudgetConfig, fields, f"budget {budget_id!r}")
+        if 0 < budget.limit < budget.default_hold:
+            # Every request the gateway cannot estimate would be refused with 402 even at
+            # zero spend (a limit of 0, which refuses everything anyway, is a choice).
+            raise Refused(
+                f"budget {budget_id!r}: default hold {format_money(budget.default_hold)} is "
+                f"above the limit {format_money(budget.limit)}: every request without an "
+                "estimate would be refused (402); lower --default-hold or raise --limit"
+            )
         await ledger.set_budget(budget_id, budget)
         return budget
 
