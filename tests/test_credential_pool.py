@@ -26,7 +26,7 @@ from fallback_mw.health.memory import MemoryHealth
 from fallback_mw.health.pool import CredentialStats, affinity_key, score
 from fallback_mw.health.quota import parse_duration, peek_quota, quota_reset
 from tests.helpers import client_for
-from tests.upstreams import Upstream, host_app, upstream
+from tests.upstreams import Upstream, host_app, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
 
@@ -295,6 +295,48 @@ async def test_a_pool_with_every_key_spent_says_what_brings_one_back() -> None:
     assert "auth_env pool" in error["message"]
     assert "the plan of route 'one' would be tried" in error["message"]
     assert len(pool.received) == 2  # the second request reached no upstream
+
+
+async def revoked(request: web.Request) -> web.StreamResponse:
+    return web.Response(status=401, text="revoked " + key_of(request))
+
+
+@pytest.mark.parametrize(
+    ("plan", "sibling", "repeats"),
+    [
+        (["pool", "backup"], "cooling", None),  # key-b cooling from an earlier 429
+        (["pool"], "cooling", None),
+        (["pool", "backup"], "healthy", {"percent": 0, "min_per_second": 0}),  # repeats off
+    ],
+    ids=["sibling-cooling-with-fallback", "sibling-cooling-alone", "repeat-allowance-spent"],
+)
+async def test_a_401_the_pool_cannot_retry_is_served_as_is_never_failed_over(
+    plan: list[str], sibling: str, repeats: dict[str, int] | None
+) -> None:
+    # SPEC §5: a 401 is served as-is; within a pool it may move to another credential of
+    # the same upstream. When no other credential can be tried (cooling, or the repeat
+    # allowance refuses the move), the caller gets the 401, not another upstream's answer
+    # and not a 502 "all attempts failed".
+    health = MemoryHealth()
+    async with upstream(revoked) as pool, upstream(status_handler(200)) as backup:
+        conf = two_keys(pool.url)
+        conf["upstreams"]["backup"] = {"url": backup.url}
+        conf["routes"][0]["plan"] = plan
+        if repeats is not None:
+            conf["gateway"]["repeat_budget"] = repeats
+        if sibling == "cooling":
+            await health.pick_credential("pool", 2, exclude=frozenset(), session=None)
+            await health.credential_result(
+                "pool", 1, status=429, failure=False, retry_after=60, session=None
+            )
+        async with gateway_client(conf, health=health) as client:
+            response = await client.get("/v1/x")
+    assert (response.status_code, response.text) == (401, "revoked key-a"), response.headers
+    assert keys_used(pool) == ["key-a"]
+    assert backup.count == 0
+    assert response.headers["x-gateway-provider"] == "pool"
+    reason = "no_credential" if sibling == "cooling" else "repeat_budget"
+    assert response.headers["x-gateway-skipped"] == f"pool;reason={reason}"
 
 
 async def test_a_spent_quota_is_shared_through_redis(redis_url: str) -> None:

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from fallback_mw.failover.decide import (
     NO_CANDIDATE,
+    NO_OTHER_CREDENTIAL,
     REPEAT_ALLOWANCE_SPENT,
     Outcome,
     WalkState,
@@ -89,6 +90,11 @@ CASES: dict[str, list[tuple[Outcome, WalkState, tuple[str, str | None], bool | N
     + [
         # no further attempt possible: served as-is
         (Outcome("status", 429), replace(LAST, other_credential=True), ("serve", None), False),
+    ],
+    "401 / 403 / 429 from a credential pool whose other credentials cannot be tried"
+    " (unusable, or the repeat allowance refuses)": [
+        (NO_OTHER_CREDENTIAL, OPEN, ("serve", None), None),
+        (NO_OTHER_CREDENTIAL, replace(OPEN, on_exhausted="last_response"), ("serve", None), None),
     ],
     "any other status (2xx, 3xx, 400, 401, 403, 404, 429, 500, …)": [
         (Outcome("status", s), OPEN, ("serve", None), False)
@@ -191,12 +197,15 @@ def test_the_doc_names_the_same_responsibility_as_the_code() -> None:
 
 UPSTREAM = ("status", "transport", "timeout")
 LOCAL = ("deadline", "client_gone", "body_too_large", "body_timeout", "unsafe_address")
-ENDS = ("no_candidate", "repeat_budget")  # the cursor's answers: no attempt was made
+# the cursor's answers: no attempt was made
+ENDS = ("no_candidate", "repeat_budget", "no_other_credential")
 
 
 def reference(outcome: Outcome, s: WalkState) -> tuple[str, str | None]:
     if not s.client_connected or outcome.kind == "client_gone":
         return ("abort", None)
+    if outcome.kind == "no_other_credential":  # a pool's 401/403/429: served as-is
+        return ("serve", None)
     local_codes = {
         "deadline": "deadline_exceeded",
         "body_too_large": "request_too_large",
@@ -240,6 +249,7 @@ outcomes = st.one_of(
     st.builds(Outcome, st.sampled_from(UPSTREAM[1:] + LOCAL)),
     st.just(NO_CANDIDATE),
     st.just(REPEAT_ALLOWANCE_SPENT),
+    st.just(NO_OTHER_CREDENTIAL),
 )
 states = st.builds(
     WalkState,

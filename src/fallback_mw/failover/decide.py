@@ -48,6 +48,7 @@ OutcomeKind = Literal[
     "not_sent",  # the client library refused to build or send the request (nothing sent)
     "no_candidate",  # the cursor ran dry: every remaining candidate was skipped
     "repeat_budget",  # a repeat (or hedge) at an upstream whose repeat budget is spent
+    "no_other_credential",  # after a pool's 401/403/429, no other credential could be tried
 ]
 UPSTREAM_KINDS = frozenset({"status", "transport", "timeout"})
 
@@ -94,6 +95,10 @@ NO_CANDIDATE = Outcome("no_candidate")
 # that upstream's budget for repeats and hedges is spent (limits.repeat_allowed): the walk
 # ends here, with the local error, rather than add load to an upstream already failing.
 REPEAT_ALLOWANCE_SPENT = Outcome("repeat_budget")
+# The cursor's answer when a pool's 401/403/429 asked for another credential of the same
+# upstream and none could be tried (all unusable, or the repeat allowance refused): that
+# answer is served as-is (SPEC §5: those statuses never fail over to another upstream).
+NO_OTHER_CREDENTIAL = Outcome("no_other_credential")
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,6 +301,8 @@ def decide(outcome: Outcome, state: WalkState) -> Decision:
             "abort", reason="the client hung up: nothing more is sent or started",
             rule="client_gone",
         )  # fmt: skip
+    if outcome.kind == "no_other_credential":
+        return Decision("serve", reason="no other credential of the pool could be tried")
     if outcome.kind == "not_sent" and further_attempt_possible(state):
         # Nothing reached that upstream (e.g. its credential went bad under a running
         # gateway): the next candidate may be sent, and no breaker is marked.

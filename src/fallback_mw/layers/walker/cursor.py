@@ -6,9 +6,11 @@ waits `backoff_ms` first. A candidate whose breaker is open, or with no usable
 credential, or whose declared capacity (`rpm`/`tpm`) this attempt would exceed, is
 skipped: it costs no attempt. A whole pass in which every candidate was skipped ends the
 walk (`NO_CANDIDATE`); so does a repeat that the upstream's repeat allowance refuses
-(`REPEAT_ALLOWANCE_SPENT`). `pick` returns the next `Pick` or the `Outcome` that ended the
-pass; what happens then is `decide`'s. The gates themselves (the breaker, capacity, the
-repeat allowance) are the attempt lifecycle's (`failover.attempt.AttemptLifecycle.gate`). The pool
+(`REPEAT_ALLOWANCE_SPENT`). After a pool's 401/403/429 the next pick is that upstream
+again, with another credential, or `NO_OTHER_CREDENTIAL` when none can be tried. `pick`
+returns the next `Pick` or the `Outcome` that ended the pass; what happens then is
+`decide`'s. The gates themselves (the breaker, capacity, the repeat allowance) are the
+attempt lifecycle's (`failover.attempt.AttemptLifecycle.gate`). The pool
 rule (SPEC §6): a pool's credentials are each used at most once per request; a
 single-credential upstream may be repeated on a later pass.
 """
@@ -21,7 +23,12 @@ from typing import Protocol
 
 from fallback_mw.capacity import Reservation
 from fallback_mw.config import UpstreamConfig
-from fallback_mw.failover.decide import NO_CANDIDATE, REPEAT_ALLOWANCE_SPENT, Outcome
+from fallback_mw.failover.decide import (
+    NO_CANDIDATE,
+    NO_OTHER_CREDENTIAL,
+    REPEAT_ALLOWANCE_SPENT,
+    Outcome,
+)
 from fallback_mw.health import HealthState
 from fallback_mw.request.context import RequestContext, SkipRecord
 from fallback_mw.telemetry import Telemetry
@@ -95,7 +102,10 @@ class CandidateCursor:
         that ended the walk's passes (`NO_CANDIDATE`, `REPEAT_ALLOWANCE_SPENT`)."""
         order = self.order
         while True:
-            if self._same_again:
+            # Another credential of the upstream just tried (a pool's 401/403/429): when
+            # none can be tried, that answer is served, never another upstream's.
+            same_again = self._same_again
+            if same_again:
                 self._position -= 1
                 self._same_again = False
             elif self._position and self._position % len(order) == 0:
@@ -121,6 +131,8 @@ class CandidateCursor:
                 if credential_index is None or not self.has_credential(name, credential_index):
                     # A pool a fault emptied (e.g. `revoke`): the skip is the fault's.
                     self.on_skip(name, "no_credential", await self.health.pool_fault(name))
+                    if same_again:
+                        return NO_OTHER_CREDENTIAL
                     continue
             repeat = name in self.tried
             verdict = await self.gate(name, upstream, repeat)
@@ -129,6 +141,8 @@ class CandidateCursor:
                 if verdict == "breaker_open":
                     fault = await self.health.open_fault(name)
                 self.on_skip(name, verdict, fault)
+                if same_again:
+                    return NO_OTHER_CREDENTIAL
                 if verdict == "repeat_budget":
                     return REPEAT_ALLOWANCE_SPENT
                 continue
