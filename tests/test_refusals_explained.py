@@ -120,6 +120,50 @@ async def test_a_deadline_that_cuts_a_hang_names_the_timeout_that_would_let_it_f
     assert (followed.status_code, followed.headers["x-gateway-provider"]) == (200, "backup")
 
 
+async def test_a_deadline_the_caller_shortened_is_named_as_the_callers() -> None:
+    # The route allows 1500 ms and the primary's own timer (300 ms) would end a hang in
+    # time for the backup; the caller asked for 200 ms. Raising the route's deadline_ms
+    # changes nothing, so the message must name the caller's header and its value, and
+    # following it (no header, or one above the timer) must change the outcome.
+    async with (
+        upstream(status_handler(200, delay=2.0)) as p,
+        upstream(status_handler(200)) as b,
+    ):
+        conf = config(p.url, b.url, deadline_ms=1500)
+        conf["upstreams"]["primary"]["first_byte_timeout_ms"] = 300
+        async with gateway_client(conf, environ=ENV) as client:
+            cut = await client.get("/v1/models", headers={"x-gateway-deadline-ms": "200"})
+            longer = await client.get("/v1/models", headers={"x-gateway-deadline-ms": "1000"})
+            unasked = await client.get("/v1/models")
+    error = cut.json()["error"]
+    assert (cut.status_code, error["code"], error["rule"]) == (504, "deadline_exceeded",
+                                                                "deadline")  # fmt: skip
+    message = error["message"]
+    assert "200 ms the caller set with x-gateway-deadline-ms" in message, message
+    assert "route's is 1500 ms" in message, message
+    assert "above 300 ms" in message, message
+    assert "raise the route's deadline_ms" not in message, message
+    assert "deadline_ms above" not in message, message
+    for followed in (longer, unasked):
+        assert (followed.status_code, followed.headers["x-gateway-provider"]) == (200, "backup")
+
+
+async def test_a_route_deadline_is_named_with_its_value_and_key() -> None:
+    async with (
+        upstream(status_handler(200, delay=2.0)) as p,
+        upstream(status_handler(200)) as b,
+    ):
+        route = config(p.url, b.url, deadline_ms=150)
+        gateway = config(p.url, b.url, gateway={"deadline_ms": 150})
+        for conf, key in ((route, "the route's deadline_ms"), (gateway, "[gateway] deadline_ms")):
+            async with gateway_client(conf, environ=ENV) as client:
+                response = await client.get("/v1/models")
+            message = response.json()["error"]["message"]
+            assert "the route deadline (150 ms) passed" in message, message
+            assert key in message, message
+            assert "x-gateway-deadline-ms" not in message, message
+
+
 async def test_skipped_candidates_are_named_in_a_header_and_the_log_line(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

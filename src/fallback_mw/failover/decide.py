@@ -428,6 +428,44 @@ def _remedy(rule: str | None, context: RequestContext) -> str:
     return _REMEDY.get(rule or "", "")
 
 
+def _deadline_message(context: RequestContext) -> str:
+    """Which deadline passed, the caller's x-gateway-deadline-ms or the configured one
+    (the route's deadline_ms, else [gateway]'s), and what would let the walk go on."""
+    attempts, waiting = context.attempt_count, _cut_by_deadline(context)
+    configured, caller = context.configured_deadline_ms, context.caller_deadline_ms
+    if caller is not None:
+        passed = (
+            f"the deadline of {caller} ms the caller set with x-gateway-deadline-ms (the "
+            f"route's is {configured} ms) passed after {attempts} attempt(s)"
+        )
+        if waiting is None:
+            return f"{passed}; the caller may send a larger x-gateway-deadline-ms, or none"
+        name, timeout_ms = waiting
+        remedy = f"lower that timeout below {caller} ms so that a hang ends in time for the "
+        remedy += "next attempt"
+        if configured is not None and timeout_ms < configured:
+            remedy = (
+                f"the caller may send a larger x-gateway-deadline-ms (above {timeout_ms} ms), "
+                f"or none; or {remedy}"
+            )
+        return (
+            f"{passed}, while {name!r} was still inside its first_byte_timeout_ms "
+            f"({timeout_ms} ms): {remedy}"
+        )
+    key = "the route's deadline_ms"
+    if context.route.deadline_ms is None:
+        key = "[gateway] deadline_ms (or set the route's deadline_ms)"
+    passed = f"the route deadline ({configured} ms) passed after {attempts} attempt(s)"
+    if waiting is None:
+        return f"{passed}; raise {key}"
+    name, timeout_ms = waiting
+    return (
+        f"{passed}, while {name!r} was still inside its first_byte_timeout_ms ({timeout_ms} "
+        f"ms): lower that below {configured} ms so that a hang ends in time for the next "
+        f"attempt, or raise {key} above {timeout_ms} ms"
+    )
+
+
 def error_message(decision: Decision, context: RequestContext) -> str:
     """The local error's message: which rule ended the walk, after how many attempts, and
     what configuration would change it."""
@@ -443,20 +481,7 @@ def error_message(decision: Decision, context: RequestContext) -> str:
             )
         return f"{message}; {remedy}" if remedy else message
     if decision.error == "deadline_exceeded":
-        waiting = _cut_by_deadline(context)
-        if waiting is not None:
-            name, timeout_ms = waiting
-            return (
-                f"the route deadline passed after {attempts} attempt(s), while {name!r} was "
-                f"still inside its first_byte_timeout_ms ({timeout_ms} ms): lower that below "
-                "the route's deadline_ms so that a hang ends in time for the next attempt, or "
-                f"raise deadline_ms above {timeout_ms} ms (or send a larger "
-                "x-gateway-deadline-ms, if the caller shortened it)"
-            )
-        return (
-            f"the route deadline passed after {attempts} attempt(s); raise the route's "
-            "deadline_ms (or send a larger x-gateway-deadline-ms, if the caller shortened it)"
-        )
+        return _deadline_message(context)
     if decision.error == "route_exhausted":
         return _route_exhausted(context)
     return decision.reason

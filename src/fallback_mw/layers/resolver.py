@@ -137,6 +137,7 @@ class RouteResolver:
         route = route or refused
         assert route is not None
         requested = requested_deadline_ms(deadline_text)
+        configured_ms = effective_deadline_ms(route, self.default_deadline_ms, None)
         deadline_ms = effective_deadline_ms(route, self.default_deadline_ms, requested)
         assert path is not None
         context = RequestContext(
@@ -150,6 +151,8 @@ class RouteResolver:
             query=strip_query_keys(scope.get("query_string", b""), self.strip_query_keys),
             started=started,
             deadline=started + deadline_ms / 1000,
+            configured_deadline_ms=configured_ms,
+            caller_deadline_ms=deadline_ms if deadline_ms < configured_ms else None,
         )
         refusal = header_refusal(
             scope.get("headers", ()),

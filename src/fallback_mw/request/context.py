@@ -102,6 +102,10 @@ class RequestContext:
     path: str  # normalised path, the one matched and forwarded
     query: bytes  # forwarded upstream, never recorded
     deadline: float  # time.monotonic() by which the walk must have a response head
+    # The configured deadline (the route's deadline_ms, else [gateway]'s), and the caller's
+    # x-gateway-deadline-ms when it shortened it: a 504 names the one that applied.
+    configured_deadline_ms: int | None = None
+    caller_deadline_ms: int | None = None
     request_id: str = field(default_factory=new_request_id)
     started: float = field(default_factory=time.monotonic)
     candidates: list[str] = field(default_factory=list)  # this request's order
