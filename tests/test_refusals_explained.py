@@ -222,3 +222,45 @@ async def test_a_caller_that_leaves_is_named_in_the_log_line(
     assert sent == []  # nobody left to answer
     assert log_lines(caplog)[-1].startswith("gateway request route=chat outcome=client_disconn")
     assert "rule=client_gone" in log_lines(caplog)[-1]
+
+
+@pytest.fixture(params=["memory", "redis"])
+def state(request: pytest.FixtureRequest) -> str:
+    if request.param == "memory":
+        return "memory://"
+    url: str = request.getfixturevalue("redis_url")
+    return url
+
+
+async def test_route_exhausted_says_when_to_retry(state: str) -> None:
+    # Every candidate skipped: the 503 says when the first one may be tried again (a
+    # breaker half-opens, a pool credential returns), so an SDK does not retry blindly.
+    breaker = {"breaker": {"window": 1, "min_calls": 1, "failure_rate": 1.0,
+                           "cooldown_ms": 20_000}}  # fmt: skip
+    pool_env = {**ENV, "KEY_A": "key-a", "KEY_B": "key-b"}
+    async with (
+        upstream(status_handler(503)) as p,
+        upstream(status_handler(429, **{"retry-after": "40"})) as limited,
+        upstream(status_handler(401)) as revoked,
+    ):
+        conf = config(p.url, limited.url, gateway={"state": state, **breaker})
+        conf["upstreams"]["backup"]["auth_env"] = ["KEY_A", "KEY_B"]
+        conf["routes"][0]["plan"] = ["primary"]
+        conf["routes"][0]["retries"] = 0
+        conf["routes"].append({"id": "pool", "prefix": "/v2/", "plan": ["backup"], "retries": 1})
+        conf["upstreams"]["revoked"] = {"url": revoked.url, "auth_env": ["KEY_A", "KEY_B"]}
+        conf["routes"].append({"id": "gone", "prefix": "/v3/", "plan": ["revoked"], "retries": 1})
+        async with gateway_client(conf, environ=pool_env) as client:
+            assert (await client.get("/v1/x")).status_code == 502  # opens the breaker
+            opened = await client.get("/v1/x")
+            assert (await client.get("/v2/x")).status_code == 429  # both keys cool down
+            cooled = await client.get("/v2/x")
+            assert (await client.get("/v3/x")).status_code == 401  # both keys retired
+            retired = await client.get("/v3/x")
+    for response, most in ((opened, 20), (cooled, 40)):
+        assert (response.status_code, response.json()["error"]["code"]) == (503, "route_exhausted")
+        # whole seconds, rounded up; a loaded machine may have spent a few of them
+        assert most - 5 <= int(response.headers["retry-after"]) <= most, response.headers
+    # A retired credential does not come back by itself: no time to give.
+    assert retired.status_code == 503
+    assert "retry-after" not in retired.headers

@@ -60,6 +60,13 @@ class HealthState(Protocol):
         probe slot it held is freed."""
         ...
 
+    async def usable_in(self, upstream: str, pool_size: int) -> float | None:
+        """Seconds until this upstream may be attempted again: its breaker admits (an open
+        one half-opens) and, for a pool, a credential is usable again. 0: now; None: never
+        by itself (every credential of the pool retired). Asked only when a walk found no
+        candidate to attempt (the Retry-After of 503 route_exhausted)."""
+        ...
+
     async def pick_credential(
         self,
         upstream: str,
@@ -116,6 +123,9 @@ class AlwaysHealthy:
 
     async def release(self, upstream: str) -> None:
         return None
+
+    async def usable_in(self, upstream: str, pool_size: int) -> float | None:
+        return 0.0
 
     async def pick_credential(
         self,

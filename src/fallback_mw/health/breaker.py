@@ -129,6 +129,11 @@ class Breaker:
         self._close()
         return "closed"
 
+    def admits_in(self, now: float) -> float:
+        """Seconds until the breaker admits an attempt again: an open one when its cooldown
+        ends; 0 otherwise (a half-open probe in flight reports soon, and frees its slot)."""
+        return max(self.open_until - now, 0.0) if self.state == "open" else 0.0
+
     def open_fault(self) -> str | None:
         """The fault whose outcomes opened this breaker, while it is not closed."""
         return None if self.state == "closed" else self.fault

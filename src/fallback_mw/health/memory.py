@@ -124,6 +124,15 @@ class MemoryHealth:
     async def release(self, upstream: str) -> None:
         self.breaker(upstream).release()
 
+    async def usable_in(self, upstream: str, pool_size: int) -> float | None:
+        now = self.clock()
+        found = self._breakers.get(upstream)
+        wait: float | None = 0.0 if found is None else found.admits_in(now)
+        if pool_size > 1:
+            credential = self.pool(upstream).usable_in(pool_size, now)
+            wait = None if credential is None else max(wait or 0.0, credential)
+        return wait
+
     async def pick_credential(
         self,
         upstream: str,

@@ -134,6 +134,13 @@ class CredentialPool:
     def usable(self, index: int, now: float) -> bool:
         return self.unusable_until.get(index, -math.inf) <= now
 
+    def usable_in(self, pool_size: int, now: float) -> float | None:
+        """Seconds until a credential of the pool is usable (0: one is now); None when
+        every one is retired for good (a 401: it does not come back by itself)."""
+        waits = [self.unusable_until.get(i, -math.inf) - now for i in range(pool_size)]
+        soonest = min(waits, default=0.0)
+        return None if soonest == math.inf else max(soonest, 0.0)
+
     def pick(
         self,
         pool_size: int,

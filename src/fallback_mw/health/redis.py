@@ -56,6 +56,7 @@ from fallback_mw.health.redis_scripts import (
     RELEASE,
     RESET_FAULT,
     RESTORE_FAULT_MARKS,
+    USABLE_IN,
 )
 from fallback_mw.store_url import redact_url, split_state_url
 
@@ -459,6 +460,20 @@ class RedisHealth:
             [],
             lambda: self.local.release(upstream),
             lambda result: None,
+        )
+
+    async def usable_in(self, upstream: str, pool_size: int) -> float | None:
+        def convert(result: Any) -> float | None:
+            breaker, credential = (int(v) for v in result)
+            return None if credential < 0 else max(breaker, credential) / 1000
+
+        return await self._with_fallback(
+            "usable_in",
+            USABLE_IN,
+            [self._key("breaker", upstream), self._pool_key("credentials", upstream)],
+            [pool_size],
+            lambda: self.local.usable_in(upstream, pool_size),
+            convert,
         )
 
     async def pick_credential(

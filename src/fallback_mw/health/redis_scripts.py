@@ -261,3 +261,27 @@ if redis.call('HGET', KEYS[1], 'st') == 'half_open' then
 end
 return 0
 """
+
+
+# KEYS[1] breaker hash, KEYS[2] credential hash. ARGV: pool size (1: no pool). Returns
+# {ms until the breaker admits, ms until a credential is usable or -1 when all are
+# retired}: health/breaker.py `admits_in`, health/pool.py `CredentialPool.usable_in`.
+USABLE_IN = (
+    _NOW
+    + """
+local breaker = 0
+if redis.call('HGET', KEYS[1], 'st') == 'open' then
+  breaker = math.max(tonumber(redis.call('HGET', KEYS[1], 'until') or '0') - now, 0)
+end
+local size = tonumber(ARGV[1])
+if size < 2 then return {breaker, 0} end
+local soonest = -1
+for i = 0, size - 1 do
+  local v = redis.call('HGET', KEYS[2], tostring(i))
+  local wait = 0
+  if v == 'retired' then wait = -1 elseif v then wait = math.max(tonumber(v) - now, 0) end
+  if wait >= 0 and (soonest < 0 or wait < soonest) then soonest = wait end
+end
+return {breaker, soonest}
+"""
+)

@@ -5,6 +5,7 @@ relays the chosen response. It knows nothing of budgets."""
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Mapping
 
 import anyio
@@ -291,9 +292,12 @@ class _Walk:
             await response.aclose()
         if decision.action == "local_error":
             assert decision.error is not None
+            headers = []
+            if decision.error == "route_exhausted":  # asked only here: no cost when served
+                headers = await retry_after(self.context, self.walker.health)
             await send_error(
                 self.send, self.context, decision.error, error_message(decision, self.context),
-                rule=decision.rule,
+                rule=decision.rule, headers=headers,
             )  # fmt: skip
         return True
 
@@ -303,3 +307,26 @@ class _Walk:
             await self.last_response[1].aclose()
         assert name is not None
         self.last_response = (name, response)
+
+
+async def retry_after(context: RequestContext, health: HealthState) -> list[tuple[bytes, bytes]]:
+    """The Retry-After of a 503 route_exhausted: whole seconds until the first skipped
+    candidate may be attempted again (its breaker half-opens, a pool credential returns).
+    No header when that is not known: a declared capacity or repeat allowance frees as its
+    window rolls, and a candidate that never returns by itself (retired credentials, a
+    credential unset at run time, a model rewrite the body cannot take) is not waited for."""
+    waits: list[float] = []
+    for name, reason in dict.fromkeys((s.candidate, s.reason) for s in context.skipped):
+        if reason not in ("breaker_open", "no_credential"):
+            if reason == "model_rewrite":
+                continue
+            return []  # capacity, repeat_budget: back sooner than anything said here
+        pool = len(context.upstreams[name].credential_envs)
+        if pool and not any(context.credential(name, i) is not None for i in range(pool)):
+            continue  # its variable is unset: no wait brings it back
+        wait = await health.usable_in(name, pool)
+        if wait is not None:
+            waits.append(wait)
+    if not waits:
+        return []
+    return [(b"retry-after", str(max(1, math.ceil(min(waits)))).encode())]
