@@ -93,6 +93,17 @@ async def test_the_ceiling_and_the_deadline_are_named(caplog: pytest.LogCaptureF
     assert "deadline_ms" in error["message"]
 
 
+async def test_upstream_failed_names_the_last_candidate_and_what_it_did() -> None:
+    # The local 502 carries no x-gateway-provider: its message is where the operator
+    # learns which candidate failed last, and how.
+    async with upstream(status_handler(503)) as p, upstream(status_handler(502)) as b:
+        conf = config(p.url, b.url)
+        async with gateway_client(conf, environ=ENV) as client:
+            response = await client.get("/v1/models")
+    message = response.json()["error"]["message"]
+    assert "all 2 attempt(s) failed (last failure: status 502 at 'backup')" in message, message
+
+
 async def test_a_deadline_that_cuts_a_hang_names_the_timeout_that_would_let_it_fail_over() -> None:
     # The defaults (deadline_ms 5000, first_byte_timeout_ms 30000) in small: a hanging
     # primary is cut by the deadline before its own timer fires, so the walk never reaches

@@ -472,8 +472,11 @@ def error_message(decision: Decision, context: RequestContext) -> str:
     attempts = context.attempt_count
     remedy = _remedy(decision.rule, context)
     if decision.error == "upstream_failed" and attempts:
-        last = context.attempts[-1].failure_kind or "status"
-        message = f"all {attempts} attempt(s) failed (last failure: {last})"
+        record = context.attempts[-1]
+        last = record.failure_kind or "status"
+        if record.status is not None and last == "status":
+            last += f" {record.status}"
+        message = f"all {attempts} attempt(s) failed (last failure: {last} at {record.candidate!r})"
         if last == "tls":
             message += (
                 "; the upstream's TLS certificate did not verify: set ca_file (under "
