@@ -462,6 +462,46 @@ plan = ["primary"]
     assert status == 2 and "defined in the config file" in err
 
 
+def test_removing_a_store_route_clears_the_faults_on_it_and_its_upstreams(
+    store_url: str,
+) -> None:
+    # A platform engineer pinned and failed a store route, removed it, and added it back
+    # under the same id: the new route (same derived upstream names) inherited the old
+    # route's `fail` fault and answered 502 to every request. A removed route's faults (its
+    # pin, its upstreams' faults) go with it; `clear-fallback` likewise takes the faults of
+    # the fallback it drops (and a pin to it). Faults on anything else stay.
+    s = ["--store", store_url]
+    add = ["routes", "add", *s, "--id", "items", "--prefix", "/items/", "--retries", "1"]
+    urls = ["--upstream", "http://127.0.0.1:9001", "--fallback", "http://127.0.0.1:9002"]
+    assert run_cli(*add, *urls)[0] == 0
+    ttl = ["--ttl", "600"]
+    for fault in (
+        ["pin", "--route", "items", "--candidate", "items-fallback"],
+        ["fail", "--upstream", "items-primary"],
+        ["hang", "--upstream", "items-fallback"],
+        ["fail", "--upstream", "other"],
+    ):
+        assert run_cli("faults", "set", fault[0], *s, *fault[1:], *ttl)[0] == 0
+    assert run_cli("routes", "clear-fallback", *s, "--id", "items") == (
+        0,
+        "route 'items': fallback cleared (items-primary only); "
+        "2 fault(s) on items-fallback cleared\n",
+        "",
+    )
+    assert run_cli("routes", "remove", *s, "--id", "items") == (
+        0,
+        "route 'items' removed; 1 fault(s) on it cleared\n",
+        "",
+    )
+    status, out, _ = run_cli("faults", "list", *s)
+    assert status == 0 and [line.split("\t")[:2] for line in out.splitlines()] == [
+        ["fail", "upstream=other"]
+    ]
+    # Added back, the route starts clean.
+    assert run_cli(*add, *urls)[0] == 0
+    assert run_cli("faults", "list", *s)[1].count("\n") == 1
+
+
 @pytest.mark.anyio
 async def test_faults_set_with_store_alone_warns_about_a_name_the_store_does_not_know(
     store_url: str,

@@ -66,6 +66,24 @@ def _stored(routes: list[StoredRoute], route_id: str) -> StoredRoute:
     raise Failed(f"no route {route_id!r} in the store")
 
 
+async def _clear_faults_left_behind(
+    target: StoreTarget, store: RouteStore, route_id: str, upstreams: list[str], *, pins: bool
+) -> int:
+    """The faults on what a store route no longer has: the upstreams it dropped and (`pins`,
+    the route itself is gone) its pin; a pin to a dropped upstream either way. Left in the
+    store, they would fault the route added back under the same id (same derived upstream
+    names). A name the config file defines is the file's, and its faults stay."""
+    cleared = 0
+    mine = [name for name in upstreams if name not in target.config.upstreams]
+    for name in mine:
+        cleared += await store.clear_faults(upstream=name)
+    if all(route.id != route_id for route in target.config.routes):
+        pin = [f for f in await store.load_faults() if f.scope == "route" and f.target == route_id]
+        if pin and (pins or pin[0].candidate in mine):
+            cleared += await store.clear_faults(route=route_id)
+    return cleared
+
+
 def _store_owned(target: StoreTarget, route_id: str) -> None:
     if any(r.id == route_id for r in target.config.routes):
         raise Refused(f"route {route_id!r} is defined in the config file; edit the file instead")
@@ -173,7 +191,10 @@ def routes_clear_fallback(args: argparse.Namespace, console: Console) -> None:
         route = build_model(RouteConfig, fields, f"route {args.id!r}")
         stored = StoredRoute(route=route, upstreams=upstreams)
         await _check_and_write(target, store, stored, store.replace_route, check_env=False)
-        return f"route {args.id!r}: fallback cleared ({primary} only)"
+        dropped = [name for name in current.upstreams if name not in upstreams]
+        cleared = await _clear_faults_left_behind(target, store, args.id, dropped, pins=False)
+        faults = f"; {cleared} fault(s) on {', '.join(dropped)} cleared" if cleared else ""
+        return f"route {args.id!r}: fallback cleared ({primary} only){faults}"
 
     console.print(_with_store(args, console, work))
 
@@ -204,8 +225,12 @@ def routes_remove(args: argparse.Namespace, console: Console) -> None:
     async def work(target: StoreTarget, store: RouteStore) -> str:
         # The store's copy first: one whose id the file defines too (added with --store
         # alone) makes every gateway refuse its reloads, and removing it is the repair.
+        removed = [s for s in await store.load_routes() if s.route.id == args.id]
         if await store.remove_route(args.id):
-            return f"route {args.id!r} removed"
+            owned = [name for stored in removed for name in stored.upstreams]
+            cleared = await _clear_faults_left_behind(target, store, args.id, owned, pins=True)
+            faults = f"; {cleared} fault(s) on it cleared" if cleared else ""
+            return f"route {args.id!r} removed{faults}"
         _store_owned(target, args.id)
         raise Failed(f"no route {args.id!r} in the store")
 
