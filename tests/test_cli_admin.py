@@ -216,6 +216,23 @@ def test_a_tenant_no_request_can_carry_is_refused(store_url: str, tenant: str) -
         load_config(config)
 
 
+@pytest.mark.parametrize("prefix", ["/f/ x", "/api/ ", "/a\nb/", "/a\tb/", "/a\x7fb", "/a\xa0b"])
+def test_a_prefix_with_a_space_or_control_character_is_refused(store_url: str, prefix: str) -> None:
+    # `routes add --prefix "/f/ x"` (a quoting slip) was stored and served only paths
+    # spelled `/f/%20x...`; a line break split the one-line-per-route listing.
+    status, out, err = run_cli(
+        "routes", "add", "--store", store_url, "--id", "p", "--prefix", prefix,
+        "--upstream", "http://127.0.0.1:1",
+    )  # fmt: skip
+    assert (status, out) == (2, "") and "prefix" in err and len(err.splitlines()) == 1
+    assert "no spaces or control characters" in err
+    assert run_cli("routes", "list", "--store", store_url)[1] == "no routes\n"
+    file_route = {"id": "p", "prefix": prefix, "plan": ["u"]}
+    config = {"upstreams": {"u": {"url": "http://127.0.0.1:1"}}, "routes": [file_route]}
+    with pytest.raises(ConfigError, match="no spaces or control characters"):
+        load_config(config)
+
+
 @pytest.mark.anyio
 async def test_a_tenant_route_serves_only_its_tenant(store_url: str) -> None:
     async with upstream(status_handler(200, b"acme only")) as target:

@@ -354,6 +354,13 @@ class RouteConfig(_Strict):
                 "must be a plain path: no '//', '?', '#', '\\' or '*' (a prefix is literal "
                 "and matches every path below it: '/v1/' takes /v1/chat/completions)"
             )
+        # A space is a quoting slip far more often than a path (such a route serves only
+        # `%20` spellings); a control character would also split `routes list` lines.
+        if any(char.isspace() or char < " " or "\x7f" <= char <= "\x9f" for char in value):
+            raise ValueError(
+                "must be a plain path: no spaces or control characters (route a parent "
+                "path, e.g. '/files/', to serve paths that contain them)"
+            )
         return value
 
     @field_validator("tenant")
