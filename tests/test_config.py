@@ -139,6 +139,20 @@ def test_a_prefix_that_could_never_match_is_refused(prefix: str) -> None:
     assert load_config(base(prefix="/v1/chat"), environ=ENV).routes[0].prefix == "/v1/chat"
 
 
+@pytest.mark.parametrize("key", ["methods", "replayable_methods"])
+@pytest.mark.parametrize("methods", [["GET,HEAD"], ["GET POST"], ["GET", ""], [" GET"]])
+def test_a_method_no_request_can_carry_is_refused(key: str, methods: list[str]) -> None:
+    # `replayable_methods = ["GET,HEAD"]` loaded and silently ended GET failover (no request
+    # method is "GET,HEAD"); `methods = ["GET, POST"]` made a route that served nothing.
+    message = refused(base(**{key: methods}))
+    assert f"routes['chat'].{key}" in message and "HTTP method" in message
+    loaded = load_config(base(**{key: ["get", "PROPFIND"]}), environ=ENV).routes[0]
+    assert getattr(loaded, key) == ("GET", "PROPFIND")
+    # No replayable method is a choice (never replay); a route of no methods serves nothing.
+    assert load_config(base(replayable_methods=[]), environ=ENV).routes[0].replayable_methods == ()
+    assert "routes['chat'].methods" in refused(base(methods=[]))
+
+
 @pytest.mark.parametrize("status", [200, 204, 101])
 def test_a_success_in_failover_status_is_refused(status: int) -> None:
     # A 2xx there would fail over on every success, booking each one to the breaker.

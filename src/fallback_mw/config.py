@@ -382,7 +382,27 @@ class RouteConfig(_Strict):
     @field_validator("methods", "replayable_methods")
     @classmethod
     def _upper(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
-        return None if value is None else tuple(m.upper() for m in value)
+        if value is None:
+            return None
+        for method in value:
+            # A method is a token, as a field name is (RFC 9110 §9.1): "GET,HEAD" or
+            # "GET POST" would match no request, silently.
+            if not is_field_name(method):
+                raise ValueError(
+                    f"{method!r} is not an HTTP method: list one method per string, e.g. "
+                    '["GET", "HEAD"]'
+                )
+        return tuple(m.upper() for m in value)
+
+    @field_validator("methods")
+    @classmethod
+    def _some_methods(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if value is not None and not value:
+            raise ValueError(
+                "a route of no methods serves no request: list its methods, or omit the key "
+                f"for {', '.join(DEFAULT_METHODS)}"
+            )
+        return value
 
     @field_validator("failover_status")
     @classmethod
