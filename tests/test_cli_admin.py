@@ -479,6 +479,47 @@ plan = ["primary"]
     assert status == 2 and "defined in the config file" in err
 
 
+def test_routes_add_warns_when_a_route_takes_another_ones_traffic(
+    tmp_path: Path, store_url: str
+) -> None:
+    # A store route added at a file route's prefix took all of that route's traffic (the
+    # route table's tie-break is the id, and 'api' sorts before 'orders') while `routes add`
+    # said only "added"; `check` would have warned. The route is still stored (the loader
+    # accepts it too), with a warning naming the route that no request can reach any more.
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        f"""
+[gateway]
+store = "{store_url}"
+
+[upstreams.orders-svc]
+url = "http://127.0.0.1:9001"
+
+[[routes]]
+id = "orders"
+prefix = "/orders/"
+plan = ["orders-svc"]
+""",
+        encoding="utf-8",
+    )
+    add = ["routes", "add", "--config", str(config), "--upstream", "http://127.0.0.1:9002"]
+    status, out, err = run_cli(*add, "--id", "api", "--prefix", "/orders/")
+    assert (status, out) == (0, "route 'api' added: api-primary\n")
+    assert err == (
+        "fallback-mw: warning: route 'orders': no request can reach this route: 'api' (same "
+        "prefix and tenant, first in the route table) takes every method it accepts; give it "
+        "another prefix, tenant or methods, or remove it\n"
+    )
+    # Added behind the file route, the new one is the unreachable one.
+    status, _, err = run_cli(*add, "--id", "zz", "--prefix", "/orders/")
+    assert status == 0 and err.startswith("fallback-mw: warning: route 'zz': no request")
+    assert run_cli(*add, "--id", "other", "--prefix", "/other/") == (
+        0,
+        "route 'other' added: other-primary\n",
+        "",
+    )
+
+
 def test_removing_a_store_route_clears_the_faults_on_it_and_its_upstreams(
     store_url: str,
 ) -> None:

@@ -16,9 +16,10 @@ from typing import Any
 
 from fallback_mw import rules
 from fallback_mw.cli.app import Console, Failed, Refused, leaf, run
+from fallback_mw.cli.check import unreachable_routes
 from fallback_mw.cli.show import route_line
 from fallback_mw.cli.target import StoreTarget, open_route_store, resolve, store_options
-from fallback_mw.config import RouteConfig, UpstreamConfig
+from fallback_mw.config import GatewayConfig, RouteConfig, UpstreamConfig
 from fallback_mw.store.model import StoredRoute, build_model, fallback_name, primary_name
 from fallback_mw.store.routes import RouteStore, make_upstream, merge_routes
 
@@ -48,8 +49,9 @@ async def _check_and_write(
     stored: StoredRoute,
     write: Callable[[StoredRoute], Awaitable[None]],
     check_env: bool,
-) -> None:
-    """The loader's refusals over file routes + every other store route + this one."""
+) -> list[StoredRoute]:
+    """The loader's refusals over file routes + every other store route + this one.
+    Returns those other store routes."""
     if check_env:
         for name, upstream in stored.upstreams.items():
             where = f"route {stored.route.id!r}: upstream {name!r}"
@@ -57,6 +59,21 @@ async def _check_and_write(
     existing = [s for s in await store.load_routes() if s.route.id != stored.route.id]
     await asyncio.to_thread(merge_routes, target.config, [*existing, stored])
     await write(stored)
+    return existing
+
+
+def _newly_unreachable(
+    config: GatewayConfig, others: list[StoredRoute], added: StoredRoute
+) -> dict[str, str]:
+    """The routes no request can reach once `added` joins the table, that could before
+    (the new one included): valid, so stored, but `check` would warn about them."""
+    routes = [*config.routes, *(stored.route for stored in others)]
+    upstreams = dict(config.upstreams)
+    for stored in [*others, added]:
+        upstreams.update(stored.upstreams)
+    before = unreachable_routes(routes, upstreams)
+    after = unreachable_routes([*routes, added.route], upstreams)
+    return {route_id: why for route_id, why in after.items() if route_id not in before}
 
 
 def _stored(routes: list[StoredRoute], route_id: str) -> StoredRoute:
@@ -120,12 +137,17 @@ def routes_add(args: argparse.Namespace, console: Console) -> None:
         fields["tenant"] = args.tenant
     stored = StoredRoute(route=build_model(RouteConfig, fields, where), upstreams=upstreams)
 
+    unreachable: dict[str, str] = {}
+
     async def work(target: StoreTarget, store: RouteStore) -> str:
-        await _check_and_write(target, store, stored, store.insert_route, args.check_env)
+        others = await _check_and_write(target, store, stored, store.insert_route, args.check_env)
+        unreachable.update(_newly_unreachable(target.config, others, stored))
         tenant = f" (tenant {args.tenant})" if args.tenant is not None else ""
         return f"route {args.id!r} added{tenant}: {' -> '.join(plan)}"
 
     console.print(_with_store(args, console, work, creates=True))
+    for route_id, why in unreachable.items():
+        console.warning(f"route {route_id!r}: {why}")
 
 
 def routes_set_fallback(args: argparse.Namespace, console: Console) -> None:
