@@ -735,6 +735,32 @@ async def test_response_over_ceiling_is_502_before_commit() -> None:
     assert b"xxxx" not in response.content
 
 
+async def test_a_large_representation_with_no_body_is_not_too_large(engine: str) -> None:
+    # An artifact service's HEAD (its Content-Length is the file's size, no body follows)
+    # and a 304 of a large representation were answered 502 response_too_large: only a
+    # body that will follow can be over max_response_body.
+    async def files(scope: Any, receive: Any, send: Any) -> None:
+        status = 304 if scope["path"].endswith("/cached") else 200
+        headers = [(b"content-length", b"5000"), (b"etag", b'"v1"')]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": b""})
+
+    async with serve_asgi(files) as url, upstream(status_handler(200)) as b:
+        config = make_config(url, b.url, engine=engine)
+        config["gateway"]["max_response_body"] = 1000
+        gateway = Gateway(host_app, config=config, environ=ENV)
+        async with client_for(gateway) as client:
+            head = await client.head("/v1/artifact.tar")
+            cached = await client.get("/v1/cached", headers={"if-none-match": '"v1"'})
+            get = await client.get("/v1/artifact.tar")
+        await gateway.aclose()
+    assert (head.status_code, head.headers["content-length"], head.content) == (200, "5000", b"")
+    assert head.headers["x-gateway-provider"] == "primary"
+    assert (cached.status_code, cached.headers["etag"], cached.content) == (304, '"v1"', b"")
+    assert get.status_code == 502  # a GET's body would follow: still refused
+    assert get.json()["error"]["code"] == "response_too_large"
+
+
 async def test_model_rewrite_keeps_content_length_consistent(engine: str) -> None:
     async with upstream(status_handler(503)) as p, upstream(status_handler(200)) as b:
         config = make_config(p.url, b.url, engine=engine, replayable_methods=["POST"])

@@ -30,7 +30,10 @@ async def commit(
     limit = max_response_body
     meter = UsageMeter(context.usage)
     try:
-        declared = content_length(response.headers)
+        # A HEAD's, a 204's or a 304's Content-Length is the size of a body that never
+        # follows (an artifact's HEAD): only a body that will follow can be over the limit.
+        bodyless = context.method == "HEAD" or response.status in (204, 304)
+        declared = None if bodyless else content_length(response.headers)
         if declared is not None and declared > limit:
             for attempt in reversed(context.attempts):
                 if attempt.candidate == name and attempt.decision == "serve":
