@@ -36,7 +36,13 @@ def content_length(headers: Iterable[tuple[bytes, bytes]]) -> int | None:
 
 
 def declared_length(scope: Scope) -> int | None:
-    return content_length(scope.get("headers", ()))
+    """The caller's Content-Length, None beside a Transfer-Encoding: the server framed the
+    body by its coding (RFC 9112 §6.3: it overrides the length, which an intermediary must
+    not forward), so the length says nothing about the bytes that will arrive."""
+    headers = scope.get("headers", ())
+    if any(key.lower() == b"transfer-encoding" for key, _ in headers):
+        return None
+    return content_length(headers)
 
 
 async def read_body(
