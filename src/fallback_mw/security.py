@@ -48,6 +48,12 @@ HOP_BY_HOP_HEADERS = frozenset(
     }
 )
 GATEWAY_HEADER_PREFIX = b"x-gateway-"
+# Fields asking the upstream to read a request as another method: Google's APIs, Rails,
+# Express, Laravel and ASP.NET Core honour one on a POST. The gateway routes and replays
+# on what the upstream will do, so these methods count as the request's (`override_methods`).
+METHOD_OVERRIDE_FIELDS = frozenset(
+    {b"x-http-method-override", b"x-http-method", b"x-method-override"}
+)
 # Recomputed by the upstream client for whatever body it actually sends.
 RECOMPUTED_HEADERS = frozenset({b"host", b"content-length", b"expect"})
 
@@ -159,6 +165,21 @@ def is_legacy_ipv4(host: str) -> bool:
     except ValueError:
         return ":" not in text  # an IPv6 literal is fine
     return False
+
+
+def override_methods(headers: Iterable[tuple[bytes, bytes]], method: str) -> frozenset[str]:
+    """The methods other than `method` that the caller's method-override fields name, as
+    the servers that honour them read them: any spelling of the name (`_` read as `-`),
+    every comma-separated value of every such field, upper-cased."""
+    named: set[str] = set()
+    for name, value in headers:
+        if canonical_name(name) in METHOD_OVERRIDE_FIELDS:
+            for item in value.decode("latin-1").split(","):
+                item = item.strip().upper()
+                if item:
+                    named.add(item)
+    named.discard(method)
+    return frozenset(named)
 
 
 def canonical_name(name: bytes) -> bytes:

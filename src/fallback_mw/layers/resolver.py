@@ -20,7 +20,12 @@ from fallback_mw.request.local_errors import send_error
 from fallback_mw.request.record import write_record
 from fallback_mw.request.types import ASGIApp, Receive, Scope, Send
 from fallback_mw.routing import RouteTable, effective_deadline_ms, normalise_path
-from fallback_mw.security import canonical_name, canonical_query_key, strip_query_keys
+from fallback_mw.security import (
+    canonical_name,
+    canonical_query_key,
+    override_methods,
+    strip_query_keys,
+)
 from fallback_mw.telemetry import Telemetry
 
 # More digits than this is longer than any deadline (600000 ms): it can shorten nothing.
@@ -136,6 +141,12 @@ class RouteResolver:
             return
         route = route or refused
         assert route is not None
+        # A method-override field naming a method the route does not forward: the upstream
+        # would act on that method (a DELETE through a route that forwards GET and POST).
+        overridden = [
+            m for m in override_methods(scope.get("headers", ()), method)
+            if m not in route.accepted_methods
+        ]  # fmt: skip
         requested = requested_deadline_ms(deadline_text)
         configured_ms = effective_deadline_ms(route, self.default_deadline_ms, None)
         deadline_ms = effective_deadline_ms(route, self.default_deadline_ms, requested)
@@ -174,6 +185,18 @@ class RouteResolver:
                     f"methods forwards {', '.join(DEFAULT_METHODS)}; list {method} in its "
                     "methods to forward it",
                     headers=[(b"allow", ", ".join(DEFAULT_METHODS).encode())],
+                )  # fmt: skip
+                await self._record(context)
+                return
+            if overridden:
+                # The caller's value is not echoed: it may be anything up to the head limit.
+                await send_error(
+                    send, context, "method_not_allowed",
+                    f"a method-override header (X-HTTP-Method-Override and its kin) asks for "
+                    f"a method route {route.id!r} does not forward (it forwards "
+                    f"{', '.join(route.accepted_methods)}); list that method in its methods "
+                    "to forward it",
+                    headers=[(b"allow", ", ".join(route.accepted_methods).encode())],
                 )  # fmt: skip
                 await self._record(context)
                 return
