@@ -11,7 +11,7 @@ from aiohttp import web
 
 from fallback_mw import Gateway
 from tests.helpers import client_for
-from tests.upstreams import host_app, upstream
+from tests.upstreams import host_app, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
 
@@ -24,8 +24,7 @@ async def honours_override(request: web.Request) -> web.StreamResponse:
             "x-http-method-override", "x-http-method", "x-method-override"
         ):  # fmt: skip
             acted = value.split(",")[0].strip().upper()
-    status = 503 if request.app.get("fail") else 200
-    return web.Response(status=status, text=f"acted {acted}")
+    return web.Response(text=f"acted {acted}")
 
 
 def config(url: str, **route: Any) -> dict[str, Any]:
@@ -69,3 +68,29 @@ async def test_an_override_to_a_method_the_route_does_not_forward_is_405(
     assert field[1] not in response.text  # the caller's value is not echoed
     assert allowed.status_code == 200 and allowed.text == "acted POST"
     assert primary.count == 1  # only the request whose override the route forwards
+
+
+@pytest.mark.parametrize("field", ["X-HTTP-Method-Override", "x_http_method"])
+async def test_a_get_that_an_override_makes_a_post_is_not_replayed(field: str) -> None:
+    # Before: GET is replayable by default, so a GET carrying `X-HTTP-Method-Override: POST`
+    # failed over, and the backup ran the POST (a completion, billed, an action taken) that
+    # the primary may already have run; a hedge would have sent two at once.
+    async with (
+        upstream(status_handler(503)) as primary,
+        upstream(honours_override) as backup,
+    ):
+        conf = config(primary.url, retries=1, plan=["primary", "backup"])
+        conf["upstreams"]["backup"] = {"url": backup.url}
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                overridden = await client.get("/v1/chat", headers={field: "POST"})
+                plain = await client.get("/v1/chat", headers={field: "get"})
+        finally:
+            await gateway.aclose()
+    assert overridden.status_code == 502
+    error = overridden.json()["error"]
+    assert error["rule"] == "method_override" and error["attempts"] == 1
+    assert "replayable_methods" in error["message"]
+    assert plain.status_code == 200 and plain.text == "acted GET"  # GET is replayable
+    assert primary.count == 2 and backup.count == 1

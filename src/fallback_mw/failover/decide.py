@@ -30,6 +30,7 @@ from typing import Literal
 
 from fallback_mw.config import RouteConfig
 from fallback_mw.request.context import RequestContext
+from fallback_mw.security import override_methods
 
 # Within a credential pool these may move to another credential of the same upstream.
 CREDENTIAL_STATUSES = frozenset({401, 403, 429})
@@ -124,8 +125,8 @@ class Decision:
     error: str | None = None  # the local error code, for "local_error"
     reason: str = ""  # one short phrase for the trace and the docs
     # The rule that ended the walk (SPEC §12: `not_replayable_method`, `not_buffered`,
-    # `no_idempotency_key`, `deadline`, `ceiling`, `client_gone`, ...), for a local error
-    # body, the log line and `on_exhausted = "last_response"`.
+    # `no_idempotency_key`, `method_override`, `deadline`, `ceiling`, `client_gone`, ...),
+    # for a local error body, the log line and `on_exhausted = "last_response"`.
     rule: str | None = None
 
 
@@ -194,8 +195,12 @@ def is_replayable(
 ) -> bool:
     """SPEC §5: the method is in `replayable_methods` and the whole body was buffered; or,
     with `replay_with_idempotency_key`, a buffered POST that carries a non-empty
-    `Idempotency-Key` (the same key goes with every attempt)."""
+    `Idempotency-Key` (the same key goes with every attempt). A method-override field
+    (`override_methods`) naming a method outside `replayable_methods` makes it not
+    replayable: the upstream acts on that method (a GET carrying `POST`)."""
     if not buffered:
+        return False
+    if override_methods(headers, method).difference(route.replayable_methods):
         return False
     if method in route.replayable_methods:
         return True
@@ -213,6 +218,8 @@ def replay_rule(
     `is_replayable`, told apart for the error message."""
     if is_replayable(route, method, buffered=buffered, headers=headers):
         return None
+    if override_methods(headers, method).difference(route.replayable_methods):
+        return "method_override"
     if method in route.replayable_methods:
         return "not_buffered"
     if route.replay_with_idempotency_key and method == "POST":
@@ -376,6 +383,8 @@ _REMEDY = {
     "not_buffered": "the body is larger than [gateway] replay_buffer, so it cannot be "
     "replayed; raise replay_buffer to let it fail over",
     "ceiling": "the attempt ceiling (1 + retries) is reached; raise the route's retries",
+    "method_override": "a method-override header (X-HTTP-Method-Override and its kin) names a "
+    "method the route's replayable_methods leave out; add it there to let it fail over",
     "no_candidate": "every other candidate was skipped (see x-gateway-skipped)",
     "repeat_budget": "the upstream's budget for repeats is spent "
     "([gateway.repeat_budget] percent / min_per_second)",
