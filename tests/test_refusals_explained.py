@@ -6,10 +6,12 @@ the log line."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from fallback_mw.store.ledgers import open_ledger
 from tests.helpers import gateway_client
 from tests.upstreams import status_handler, upstream
 
@@ -275,3 +277,36 @@ async def test_route_exhausted_says_when_to_retry(state: str) -> None:
     # A retired credential does not come back by itself: no time to give.
     assert retired.status_code == 503
     assert "retry-after" not in retired.headers
+
+
+async def test_the_budget_guards_refusals_say_what_would_change_them(tmp_path: Path) -> None:
+    # 402 and 503 from the guard: the message names the budget and the key or command an
+    # operator changes, and tells an undefined budget from a ledger that cannot be reached
+    # (an operator chasing a store outage for a typo in `budget` is the failure here).
+    async with upstream(status_handler(200)) as p, upstream(status_handler(200)) as b:
+        conf = config(p.url, b.url, gateway={"store": f"sqlite:///{tmp_path / 'gw.db'}"})
+        conf["budgets"] = {"acme": {"limit": "0", "window": "day"}}
+        conf["routes"][0]["budget"] = "acme"
+        conf["routes"].append(
+            {"id": "typo", "prefix": "/v2/", "plan": ["primary"], "budget": "acmee"}
+        )
+        async with gateway_client(conf, environ=ENV) as client:
+            exceeded = (await client.post("/v1/chat", content=b"{}")).json()["error"]
+            undefined = (await client.post("/v2/chat", content=b"{}")).json()["error"]
+        conf["gateway"]["store"] = None
+        conf["routes"].pop()  # without a store, an undefined budget is refused at load
+        ledger = open_ledger(f"sqlite:///{tmp_path / 'missing-dir' / 'ledger.db'}")
+        async with gateway_client(conf, environ=ENV, ledger=ledger) as client:
+            unreachable = (await client.post("/v1/chat", content=b"{}")).json()["error"]
+    assert (p.count, b.count) == (0, 0)
+    assert (exceeded["code"], exceeded["rule"]) == ("budget_exceeded", "budget")
+    for phrase in ("'acme'", "limit", "fallback-mw budgets set"):
+        assert phrase in exceeded["message"], exceeded["message"]
+    assert undefined["code"] == "budget_unavailable"
+    for phrase in ("'acmee'", "[budgets.acmee]", "fallback-mw budgets set"):
+        assert phrase in undefined["message"], undefined["message"]
+    assert "cannot be reached" not in undefined["message"]
+    assert unreachable["code"] == "budget_unavailable"
+    for phrase in ("cannot be reached", "[gateway] store", "budget"):
+        assert phrase in unreachable["message"], unreachable["message"]
+    assert "missing-dir" not in unreachable["message"]  # never the store's URL

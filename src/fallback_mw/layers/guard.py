@@ -44,10 +44,33 @@ from fallback_mw.telemetry import Telemetry
 
 logger = logging.getLogger("fallback_mw.budget")
 
-_REFUSALS = {
-    "budget_exceeded": "the budget for this route has no room for this request",
-    "budget_unavailable": "the budget ledger cannot be reached; refusing (fail closed)",
-}
+# Each refusal says what would change it (SPEC §12), never the store's URL.
+_LEDGER_UNREACHABLE = (
+    "the budget ledger ([gateway] store) cannot be reached: refusing (fail closed) until it "
+    "answers again; a route without a budget is not metered and keeps serving"
+)
+_NO_LEDGER = (
+    "this route has a budget but the BudgetGuard has no ledger: refusing (fail closed); "
+    "give it one (Gateway builds it from [gateway] store, else in memory)"
+)
+
+
+def _exceeded(budget_id: str) -> str:
+    return (
+        f"budget {budget_id!r} has no room for this request in its current window (its limit "
+        f"is spent or held): raise its limit with `fallback-mw budgets set --budget "
+        f"{budget_id} --limit AMOUNT` (or [budgets.{budget_id}] limit), or wait for its next "
+        f"window"
+    )
+
+
+def _undefined(budget_id: str) -> str:
+    return (
+        f"budget {budget_id!r}, which this route spends, is defined neither in the "
+        f"configuration ([budgets.{budget_id}]) nor in the store: refusing (fail closed); "
+        f"define it (`fallback-mw budgets set --budget {budget_id} --limit AMOUNT`) or "
+        f"correct the route's budget"
+    )
 
 
 class BudgetGuard:
@@ -90,7 +113,7 @@ class BudgetGuard:
         budget_id = context.route.budget
         if ledger is None:
             if budget_id is not None:
-                await _refuse(send, context, "budget_unavailable")  # fail closed, alone too
+                await _refuse(send, context, "budget_unavailable", _NO_LEDGER)  # fail closed
                 return
             await self.app(scope, receive, send)
             return
@@ -106,8 +129,8 @@ class BudgetGuard:
                         context.outcome = "client_disconnected"
                     return
                 outcome = await self._hold(ledger, context, budget_id, body)
-                if isinstance(outcome, str):
-                    await _refuse(send, context, outcome)  # nothing behind us runs
+                if isinstance(outcome, tuple):
+                    await _refuse(send, context, *outcome)  # nothing behind us runs
                     return
                 hold = outcome
             await self.app(scope, receive, send)
@@ -138,8 +161,8 @@ class BudgetGuard:
 
     async def _hold(
         self, ledger: Ledger, context: RequestContext, budget_id: str, body: RequestBody
-    ) -> Hold | str:
-        """The hold, or the local error code refusing the request."""
+    ) -> Hold | tuple[str, str]:
+        """The hold, or the local error (code, message) refusing the request."""
         parsed = request_json(context, body)  # notes the requested model, as the walker does
         try:
             budget = await self.budget_for(ledger, budget_id)
@@ -147,14 +170,14 @@ class BudgetGuard:
                 # A route naming a budget nobody defined: fail closed, like an unreachable
                 # ledger, rather than let unmetered traffic through.
                 logger.warning("route %s names an unknown budget %s", context.route.id, budget_id)
-                return "budget_unavailable"
+                return "budget_unavailable", _undefined(budget_id)
             amount = self.prices.estimate_hold(
                 body.buffered, context.request_model, budget.default_hold, parsed=parsed
             )
             hold = await ledger.hold(budget_id, budget, amount)
         except LedgerUnavailable:
-            return "budget_unavailable"
-        return "budget_exceeded" if hold is None else hold
+            return "budget_unavailable", _LEDGER_UNREACHABLE
+        return ("budget_exceeded", _exceeded(budget_id)) if hold is None else hold
 
     def _cost(self, context: RequestContext) -> Decimal | None:
         usage = context.usage
@@ -210,5 +233,5 @@ def charge(context: RequestContext, held: Decimal, cost: Decimal | None) -> Deci
     return cost
 
 
-async def _refuse(send: Send, context: RequestContext, code: str) -> None:
-    await send_error(send, context, code, _REFUSALS[code])
+async def _refuse(send: Send, context: RequestContext, code: str, message: str) -> None:
+    await send_error(send, context, code, message)
