@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -280,3 +281,47 @@ async def test_requests_refused_before_the_plan_are_not_a_peak_a_fallback_must_c
     assert await cli("capacity", "--config", str(config), "--json") == 0
     (chat,) = [r for r in json.loads(capsys.readouterr().out)["routes"] if r["route"] == "chat"]
     assert chat["peak"]["requests"] == 3 and chat["peak"]["metered_share"] == 0.3333
+
+
+@pytest.mark.anyio
+async def test_requests_the_resolver_refused_are_not_a_peak_a_fallback_must_carry(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The resolver's refusals leave usage records too (405 from a scanner's TRACE, 431,
+    503 overloaded): none reached the plan, and none would in a failover, so a burst of
+    them is not a peak the backup must carry. Through a real gateway and its SQLite store."""
+    from fallback_mw import Gateway
+    from tests.helpers import client_for
+    from tests.upstreams import host_app, status_handler, upstream
+
+    store = f"sqlite:///{tmp_path / 'gw.db'}"
+    async with upstream(status_handler(200, delay=0.3)) as primary:
+        conf = {
+            "gateway": {"store": store, "max_header_count": 20, "max_concurrency": 1},
+            "upstreams": {"primary": {"url": primary.url}, "backup": {"url": primary.url + "/b"}},
+            "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary", "backup"],
+                        "retries": 1}],
+        }  # fmt: skip
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                async with anyio.create_task_group() as group:  # one served, two overloaded
+                    for delay in (0.0, 0.1, 0.1):
+                        group.start_soon(_get_after, client, delay)
+                for _ in range(5):
+                    assert (await client.request("TRACE", "/v1/x")).status_code == 405
+                many = {f"x-h{i}": "v" for i in range(30)}
+                for _ in range(3):
+                    assert (await client.get("/v1/x", headers=many)).status_code == 431
+        finally:
+            await gateway.aclose()
+    assert primary.count == 1
+    config = write_config(tmp_path, store)
+    assert await cli("capacity", "--config", str(config), "--json") == 0
+    (chat,) = [r for r in json.loads(capsys.readouterr().out)["routes"] if r["route"] == "chat"]
+    assert chat["peak"]["requests"] == 1, chat
+
+
+async def _get_after(client: Any, delay: float) -> None:
+    await anyio.sleep(delay)
+    await client.get("/v1/x")

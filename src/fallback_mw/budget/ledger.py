@@ -143,11 +143,14 @@ class MinuteUsage:
     metered: int  # requests whose usage was reported (tokens are known for these only)
 
 
-# Outcomes of requests refused before the plan was walked (the budget guard, the body
-# read), when no candidate was attempted or skipped: no upstream saw them and none would
-# in a failover, so they are not demand a fallback must carry (capacity planning). The
-# SQL ledgers filter the same way (`attempts` is stored as JSON text, '[]' when empty).
+# Outcomes of requests refused before the plan was walked (the resolver, the budget guard,
+# the body read), when no candidate was attempted or skipped: no upstream saw them and none
+# would in a failover, so they are not demand a fallback must carry (capacity planning).
+# The SQL ledgers filter the same way (`attempts` is stored as JSON text, '[]' when empty).
 REFUSED_BEFORE_THE_PLAN = (
+    "method_not_allowed",
+    "headers_too_large",
+    "overloaded",
     "budget_exceeded",
     "budget_unavailable",
     "request_too_large",
