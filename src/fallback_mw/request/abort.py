@@ -12,14 +12,21 @@ Starlette's middleware or Django's handler the gateway is handed a wrapper):
   completing response"), and a traceback if the application raises instead. Here the
   transport is closed first and the cycle marked disconnected, so uvicorn says nothing
   more: the gateway's own WARNING request line is the one line.
-* hypercorn, HTTP/1.1: closes the connection, quietly. HTTP/2 (h2 and h2c): ends the
-  stream without a RST_STREAM, so the client waits for the connection's idle timeout.
-  Here the stream is reset.
+* hypercorn, HTTP/1.1: closes the connection, quietly (here it is closed at once: behind
+  a middleware that ends the response itself, below, hypercorn would not). HTTP/2 (h2 and
+  h2c): ends the stream without a RST_STREAM, so the client waits for the connection's
+  idle timeout. Here the stream is reset.
 * daphne keeps the connection open (the client waits for its own timeout, 60 s in curl,
   10 minutes in the openai SDK); a raise logs a traceback and then fails to send a 500.
   Here twisted's channel is closed (HTTP/1.1: what was written is flushed first, the
   chunked body is left unterminated) or the stream is reset (HTTP/2).
 * granian closes the connection, quietly.
+
+Behind Starlette's `BaseHTTPMiddleware` (FastAPI's `@app.middleware("http")`) the gateway
+runs in a task of the middleware's, and the middleware ends the response as complete when
+the gateway returns: only the server's own connection, broken first, keeps the client from
+reading a complete answer. granian offers no handle on its connection: behind such a
+middleware it sends the response as the middleware ended it.
 
 Anything else (another server, or a shape this code does not recognise): nothing is done
 here and the application returns; the server does what ASGI asks of it. Every branch
@@ -46,15 +53,14 @@ async def break_response(send: Send, scope: Scope | None = None) -> None:
     first, so this works behind other middleware (Starlette's, Django's handler) too."""
     try:
         send = (server_send(scope) if scope is not None else None) or send
-        if isinstance(send, functools.partial):
+        server = _server_of(send)
+        if server == "daphne":
+            assert isinstance(send, functools.partial)
             _daphne(send)
-            return
-        owner: Any = getattr(send, "__self__", None)
-        module = type(owner).__module__ if owner is not None else ""
-        if module.startswith("uvicorn."):
-            _uvicorn(owner)
-        elif module.startswith("hypercorn."):
-            await _hypercorn(owner)
+        elif server == "uvicorn":
+            _uvicorn(getattr(send, "__self__", None))
+        elif server == "hypercorn":
+            await _hypercorn(getattr(send, "__self__", None))
     except Exception as exc:  # the server's internals changed: fall back to ASGI's way
         logger.debug("could not break the response directly (%s)", type(exc).__name__)
 
@@ -65,20 +71,32 @@ def server_send(scope: Scope) -> Send | None:
     very scope object (middleware pass the scope on; a server calls its app once). None
     when there is no such frame (e.g. an in-process test client).
 
+    Several tasks can hold such frames: a middleware that runs the app behind it in a
+    task of its own (Starlette's `BaseHTTPMiddleware`) passes the scope on to it. A send
+    this module knows as a server's wins, whichever task the search meets first; else
+    the first one found.
+
     The calling task's own coroutine chain (`cr_await`) can stop at a frame that is
     executing rather than suspended (a body cut at max_response_body with no await in
     between stopped it at uvicorn's run_asgi, behind FastAPI): when no task shows the
     frame, the calling task's stack is read instead. The tasks come first because the
     Django adapter runs the gateway in a task of its own, whose outermost such frame is
     the adapter's, not the server's."""
+    first: Send | None = None
     for task in asyncio.all_tasks():
         coroutine: Any = task.get_coro()
         while coroutine is not None:
             frame = getattr(coroutine, "cr_frame", None)
             if frame is not None and frame.f_locals.get("scope") is scope:
-                send = frame.f_locals.get("send")
-                return send if callable(send) else None
+                send: Send | None = frame.f_locals.get("send")
+                if callable(send):
+                    if _server_of(send) is not None:
+                        return send
+                    first = first or send
+                break  # this task's outermost frame with the scope
             coroutine = getattr(coroutine, "cr_await", None)
+    if first is not None:
+        return first
     found: FrameType | None = None
     caller: FrameType | None = sys._getframe(1)
     while caller is not None:
@@ -91,6 +109,19 @@ def server_send(scope: Scope) -> Send | None:
     return send if callable(send) else None
 
 
+def _server_of(send: Any) -> str | None:
+    """Which server `send` belongs to ("uvicorn", "hypercorn", "daphne"), if any known."""
+    if isinstance(send, functools.partial):
+        owner = getattr(send.func, "__self__", None)
+        return "daphne" if type(owner).__module__.startswith("daphne.") else None
+    owner = getattr(send, "__self__", None)
+    module = type(owner).__module__ if owner is not None else ""
+    for server in ("uvicorn", "hypercorn"):
+        if module.startswith(server + "."):
+            return server
+    return None
+
+
 def _uvicorn(cycle: Any) -> None:
     transport = cycle.transport
     transport.close()  # what uvicorn itself does; buffered bytes are flushed first
@@ -98,10 +129,14 @@ def _uvicorn(cycle: Any) -> None:
 
 
 async def _hypercorn(stream: Any) -> None:
+    protocol = stream.send.__self__  # H11Protocol / H2Protocol .stream_send
     if str(stream.scope.get("http_version", "")).startswith("2"):
-        protocol = stream.send.__self__  # H2Protocol.stream_send
         protocol.connection.reset_stream(stream.stream_id, error_code=2)  # INTERNAL_ERROR
         await protocol._flush()
+    else:
+        from hypercorn.events import Closed  # only ever under hypercorn
+
+        await protocol.send(Closed())  # what it sends itself for an unfinished response
 
 
 def _daphne(send: functools.partial[Any]) -> None:
@@ -116,3 +151,6 @@ def _daphne(send: functools.partial[Any]) -> None:
         channel.abortConnection()  # RST_STREAM
     else:
         channel.loseConnection()  # HTTPChannel: flush, then close
+    # As daphne records a connection lost: what a middleware in front still sends (the
+    # end of the body, as if complete) is dropped, not flushed before the close.
+    owner.protocol_disconnected(request)
