@@ -13,7 +13,7 @@ from starlette.applications import Starlette
 from starlette.routing import Mount
 
 from fallback_mw import Gateway
-from fallback_mw.layers.resolver import below_root
+from fallback_mw.routing import below_root
 from tests.helpers import client_for
 from tests.upstreams import host_app, serve_asgi, status_handler, upstream
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 from urllib.parse import unquote
 
 from fallback_mw.config import DEFAULT_METHODS, RouteConfig, UpstreamConfig
@@ -19,6 +20,36 @@ def effective_deadline_ms(
     if requested_ms is not None:
         deadline_ms = min(deadline_ms, requested_ms)
     return deadline_ms
+
+
+def routed_path(scope: Mapping[str, Any]) -> str | None:
+    """The path the gateway routes an HTTP scope on: the raw path as the caller sent it
+    (`path` when the server gives no `raw_path`), below a mount's `root_path`, normalised
+    (`normalise_path`). None: it cannot be made safe, and no route matches it. A middleware
+    in front of the gateway that authorizes by path compares this, never `scope["path"]`
+    (docs/security.md): `/public/../v1/chat` is routed to `/v1/`."""
+    raw = scope.get("raw_path")
+    raw_path = raw.decode("latin-1") if isinstance(raw, bytes) else scope.get("path", "/")
+    raw_path = raw_path.split("?", 1)[0]
+    root = scope.get("root_path")
+    if root:
+        raw_path = below_root(raw_path, root)
+    return normalise_path(raw_path)
+
+
+def below_root(raw_path: str, root_path: str) -> str:
+    """The path a mounted app routes on: below its `root_path` when the server or the
+    framework put the mount point in front of the path (uvicorn `--root-path`, Starlette's
+    `Mount`: `path` and `raw_path` hold it, `root_path` names it), as Starlette's own
+    routing reads it. A path that does not start with the mount point is left as it is
+    (servers that keep `root_path` out of `path`, e.g. daphne)."""
+    root = root_path.rstrip("/")
+    if not root or not raw_path.startswith(root):
+        return raw_path
+    rest = raw_path[len(root) :]
+    if not rest:
+        return "/"
+    return rest if rest.startswith("/") else raw_path
 
 
 def normalise_path(raw_path: str) -> str | None:

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from fallback_mw import Gateway
 from fallback_mw.config import ConfigError, load_config
-from fallback_mw.routing import normalise_path
+from fallback_mw.routing import normalise_path, routed_path
 from fallback_mw.security import forwardable_request_headers
 from tests.upstreams import host_app, serve_asgi, status_handler, upstream
 
@@ -197,6 +197,65 @@ async def test_a_dot_dot_parameter_path_is_not_forwarded_under_the_prefix() -> N
             await gateway.aclose()
     assert data.startswith(b"HTTP/1.1 404")  # the host app answered: not routed
     assert primary.count == 0
+
+
+def public_only(app: Any, *, naive: bool) -> Any:
+    """A host's authorization in front of the gateway: only paths below /public/ pass. The
+    naive one reads scope["path"]; the documented one the path the gateway routes on."""
+
+    async def middleware(scope: Any, receive: Any, send: Any) -> None:
+        path = scope["path"] if naive else routed_path(scope)
+        if path is None or not path.startswith("/public/"):
+            await send({"type": "http.response.start", "status": 403, "headers": []})
+            await send({"type": "http.response.body", "body": b"forbidden"})
+            return
+        await app(scope, receive, send)
+
+    return middleware
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "target", ["/public/../v1/x", "/public/%2e%2e/v1/x", "/public/..;p/v1/x", "/public/%2F../v1/x"]
+)
+async def test_a_path_check_in_front_that_reads_routed_path_is_not_bypassed(target: str) -> None:
+    """docs/security.md: the gateway routes dot segments resolved, the server hands the
+    middleware in front the path as written. A check on scope["path"] lets
+    `/public/../v1/x` reach the /v1/ route's upstream; one on `routed_path(scope)` does not."""
+    async with (
+        upstream(status_handler(200, b"public")) as public,
+        upstream(status_handler(200, b"private")) as private,
+    ):
+        conf = {
+            "upstreams": {"public": {"url": public.url}, "private": {"url": private.url}},
+            "routes": [
+                {"id": "pub", "prefix": "/public/", "plan": ["public"]},
+                {"id": "priv", "prefix": "/v1/", "plan": ["private"]},
+            ],
+        }
+        heads = []
+        for naive in (True, False):
+            gateway = Gateway(host_app, config=conf)
+            try:
+                async with serve_asgi(public_only(gateway, naive=naive)) as base:
+                    host, port = base.removeprefix("http://").split(":")
+                    stream = await anyio.connect_tcp(host, int(port))
+                    request = f"GET {target} HTTP/1.1\r\nhost: gw\r\nconnection: close\r\n\r\n"
+                    await stream.send(request.encode())
+                    data = b""
+                    while True:
+                        try:
+                            data += await stream.receive()
+                        except anyio.EndOfStream:
+                            break
+                    await stream.aclose()
+            finally:
+                await gateway.aclose()
+            heads.append(data.split(b"\r\n", 1)[0])
+        reached_private = private.count
+    assert heads[0] == b"HTTP/1.1 200 OK"  # the naive check: the private route answered
+    assert heads[1] == b"HTTP/1.1 403 Forbidden"  # routed_path: refused
+    assert reached_private == 1  # only the naive check's request
 
 
 @pytest.mark.anyio

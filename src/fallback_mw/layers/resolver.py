@@ -19,7 +19,7 @@ from fallback_mw.request.context import SCOPE_KEY, RequestContext
 from fallback_mw.request.local_errors import send_error
 from fallback_mw.request.record import write_record
 from fallback_mw.request.types import ASGIApp, Receive, Scope, Send
-from fallback_mw.routing import RouteTable, effective_deadline_ms, normalise_path
+from fallback_mw.routing import RouteTable, effective_deadline_ms, routed_path
 from fallback_mw.security import (
     canonical_name,
     canonical_query_key,
@@ -44,21 +44,6 @@ def requested_deadline_ms(text: str | None) -> int | None:
         return None
     value = int(text)
     return value if value > 0 else None
-
-
-def below_root(raw_path: str, root_path: str) -> str:
-    """The path a mounted app routes on: below its `root_path` when the server or the
-    framework put the mount point in front of the path (uvicorn `--root-path`, Starlette's
-    `Mount`: `path` and `raw_path` hold it, `root_path` names it), as Starlette's own
-    routing reads it. A path that does not start with the mount point is left as it is
-    (servers that keep `root_path` out of `path`, e.g. daphne)."""
-    root = root_path.rstrip("/")
-    if not root or not raw_path.startswith(root):
-        return raw_path
-    rest = raw_path[len(root) :]
-    if not rest:
-        return "/"
-    return rest if rest.startswith("/") else raw_path
 
 
 def _headers(scope: Scope, names: tuple[bytes, ...]) -> list[str | None]:
@@ -124,13 +109,7 @@ class RouteResolver:
             await self.app(scope, receive, send)
             return
         started = time.monotonic()
-        raw = scope.get("raw_path")
-        raw_path = raw.decode("latin-1") if isinstance(raw, bytes) else scope.get("path", "/")
-        raw_path = raw_path.split("?", 1)[0]
-        root = scope.get("root_path")
-        if root:
-            raw_path = below_root(raw_path, root)
-        path = normalise_path(raw_path)
+        path = routed_path(scope)
         table = self.table()
         tenant_text, session, deadline_text = _headers(scope, self.read_headers)
         tenant = tenant_text or "default"
