@@ -20,6 +20,22 @@ from tests.upstreams import host_app, serve_asgi, status_handler, upstream
 CALLER_SECRET = "caller-secret-77"
 
 
+async def exchange(base: str, request: bytes) -> bytes:
+    """Send `request` as written over one connection to `base`; all it answers, to EOF."""
+    host, port = base.removeprefix("http://").split(":")
+    stream = await anyio.connect_tcp(host, int(port))
+    try:
+        await stream.send(request)
+        data = b""
+        while True:
+            try:
+                data += await stream.receive()
+            except anyio.EndOfStream:
+                return data
+    finally:
+        await stream.aclose()
+
+
 @pytest.mark.parametrize(
     "name",
     [
@@ -62,20 +78,12 @@ async def test_an_underscore_credential_never_reaches_the_upstream() -> None:
         gateway = Gateway(host_app, config=conf, environ={"FMW_T_KEY": "gateway-key"})
         try:
             async with serve_asgi(gateway) as base:
-                host, port = base.removeprefix("http://").split(":")
-                stream = await anyio.connect_tcp(host, int(port))
-                await stream.send(
+                data = await exchange(
+                    base,
                     b"GET /v1/x HTTP/1.1\r\nhost: gw\r\nconnection: close\r\n"
                     b"x_primary_key: " + CALLER_SECRET.encode() + b"\r\n"
-                    b"x_api_key: " + CALLER_SECRET.encode() + b"\r\n\r\n"
+                    b"x_api_key: " + CALLER_SECRET.encode() + b"\r\n\r\n",
                 )
-                data = b""
-                while True:
-                    try:
-                        data += await stream.receive()
-                    except anyio.EndOfStream:
-                        break
-                await stream.aclose()
         finally:
             await gateway.aclose()
     assert data.startswith(b"HTTP/1.1 200")
@@ -181,18 +189,9 @@ async def test_a_dot_dot_parameter_path_is_not_forwarded_under_the_prefix() -> N
         gateway = Gateway(host_app, config=conf)
         try:
             async with serve_asgi(gateway) as base:
-                host, port = base.removeprefix("http://").split(":")
-                stream = await anyio.connect_tcp(host, int(port))
-                await stream.send(
-                    b"GET /v1/..;/admin HTTP/1.1\r\nhost: gw\r\nconnection: close\r\n\r\n"
+                data = await exchange(
+                    base, b"GET /v1/..;/admin HTTP/1.1\r\nhost: gw\r\nconnection: close\r\n\r\n"
                 )
-                data = b""
-                while True:
-                    try:
-                        data += await stream.receive()
-                    except anyio.EndOfStream:
-                        break
-                await stream.aclose()
         finally:
             await gateway.aclose()
     assert data.startswith(b"HTTP/1.1 404")  # the host app answered: not routed
@@ -238,17 +237,8 @@ async def test_a_path_check_in_front_that_reads_routed_path_is_not_bypassed(targ
             gateway = Gateway(host_app, config=conf)
             try:
                 async with serve_asgi(public_only(gateway, naive=naive)) as base:
-                    host, port = base.removeprefix("http://").split(":")
-                    stream = await anyio.connect_tcp(host, int(port))
                     request = f"GET {target} HTTP/1.1\r\nhost: gw\r\nconnection: close\r\n\r\n"
-                    await stream.send(request.encode())
-                    data = b""
-                    while True:
-                        try:
-                            data += await stream.receive()
-                        except anyio.EndOfStream:
-                            break
-                    await stream.aclose()
+                    data = await exchange(base, request.encode())
             finally:
                 await gateway.aclose()
             heads.append(data.split(b"\r\n", 1)[0])
