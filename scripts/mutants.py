@@ -102,8 +102,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "layers/walker/stream.py",
-                '                    context.outcome = "aborted"\n                    return',
-                '                    context.outcome = "aborted"',
+                "return relay_outcome(exc.kind)  # never ended as if complete",
+                "pass",
             ),
         ),
         (CONTROLS[4],),

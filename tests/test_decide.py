@@ -24,6 +24,7 @@ from fallback_mw.failover.decide import (
     health_mark,
     is_failover_class,
     local_or,
+    relay_outcome,
 )
 
 FAILOVER = frozenset({502, 503, 504})
@@ -39,6 +40,7 @@ OPEN = WalkState(
     failover_status=FAILOVER,
 )
 LAST = replace(OPEN, attempts_made=2)  # the ceiling is reached
+STARTED = replace(OPEN, response_started=True)  # the response head went to the client
 
 # row of the table -> (outcome, state, expected (action, error), expected health mark)
 CASES: dict[str, list[tuple[Outcome, WalkState, tuple[str, str | None], bool | None]]] = {
@@ -158,8 +160,27 @@ CASES: dict[str, list[tuple[Outcome, WalkState, tuple[str, str | None], bool | N
     ],
     # After the commit point the walk is over: the relay aborts (walk/stream.py); no
     # decision is asked for. Covered end to end in test_walker.py.
-    "failure after the commit point (reset, idle timeout, over `max_response_body`)": [],
+    "failure after the commit point (a reset, the upstream's `idle_timeout_ms`, a body that"
+    " breaks its own framing)": [
+        (relay_outcome("transport"), STARTED, ("abort", None), None),
+        (relay_outcome("protocol"), STARTED, ("abort", None), None),
+        (relay_outcome("timeout"), replace(STARTED, attempts_made=2), ("abort", None), None),
+    ],
+    "the relayed body goes over `max_response_body` after the commit point": [
+        (relay_outcome(None), STARTED, ("abort", None), None),
+    ],
 }
+
+
+def test_a_failure_after_the_commit_point_names_its_kind_and_rule() -> None:
+    kinds = [relay_outcome(k).failure_kind for k in ("transport", "protocol", "timeout", None)]
+    assert kinds == ["transport", "transport", "timeout", "response_too_large"]
+    for outcome in (relay_outcome("timeout"), relay_outcome(None)):
+        decision = decide(outcome, STARTED)
+        assert (decision.action, decision.rule) == ("abort", "response_started")
+    # A caller that left first is the caller's: nobody is answered either way.
+    gone = decide(relay_outcome("transport"), replace(STARTED, client_connected=False))
+    assert gone.rule == "client_gone"
 
 
 def table_rows() -> list[str]:
@@ -203,6 +224,8 @@ ENDS = ("no_candidate", "repeat_budget", "no_other_credential")
 
 def reference(outcome: Outcome, s: WalkState) -> tuple[str, str | None]:
     if not s.client_connected or outcome.kind == "client_gone":
+        return ("abort", None)
+    if s.response_started or outcome.committed:  # never restarted, never ended as whole
         return ("abort", None)
     if outcome.kind == "no_other_credential":  # a pool's 401/403/429: served as-is
         return ("serve", None)
@@ -250,13 +273,18 @@ outcomes = st.one_of(
     st.just(NO_CANDIDATE),
     st.just(REPEAT_ALLOWANCE_SPENT),
     st.just(NO_OTHER_CREDENTIAL),
+    st.builds(
+        Outcome,
+        st.sampled_from(["transport", "timeout", "response_too_large"]),
+        committed=st.just(True),
+    ),
 )
 states = st.builds(
     WalkState,
     replayable=st.booleans(),
     client_connected=st.booleans(),
     deadline_left=st.booleans(),
-    response_started=st.just(False),  # the walk asks nothing after the commit point
+    response_started=st.booleans(),
     attempts_made=st.integers(0, 6),
     attempt_ceiling=st.integers(1, 6),
     failover_status=st.sampled_from([FAILOVER, frozenset({429, 503}), frozenset()]),
@@ -276,12 +304,12 @@ def test_decide_matches_the_reference_model(outcome: Outcome, state: WalkState) 
 def test_only_upstream_outcomes_are_failover_class_or_feed_health(
     outcome: Outcome, state: WalkState
 ) -> None:
-    local = outcome.kind in LOCAL or outcome.kind in ENDS
+    local = outcome.kind in LOCAL or outcome.kind in ENDS or outcome.committed
     if local:
         assert not is_failover_class(outcome, state.failover_status)
         assert health_mark(outcome, state.failover_status) is None
     # A further attempt never follows a local outcome.
-    if local and outcome.kind not in ENDS:
+    if local and outcome.kind not in ENDS and not outcome.committed:
         assert decide(outcome, state).action in ("local_error", "abort")
 
 

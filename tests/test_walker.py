@@ -182,6 +182,113 @@ async def test_failure_after_commit_aborts_and_never_fails_over(engine: str) -> 
     assert b.count == 0
 
 
+class BookedHealth(AlwaysHealthy):
+    """Every mark that reaches an upstream's breaker, in order."""
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[str, bool]] = []
+
+    async def record(self, upstream: str, *, failure: bool, fault: str | None = None) -> None:
+        self.marks.append((upstream, failure))
+
+
+def fails_mid_stream(how: str) -> Any:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(status=200, headers={"content-type": "text/plain"})
+        await response.prepare(request)
+        await response.write(b"partial-")
+        await asyncio.sleep(0.05)
+        if how == "reset":
+            assert request.transport is not None
+            request.transport.abort()
+        elif how == "idle":
+            await asyncio.sleep(2)  # past the upstream's idle_timeout_ms
+        else:
+            await response.write(b"x" * 2048)  # past max_response_body
+        return response
+
+    return handle
+
+
+@pytest.mark.parametrize(
+    ("how", "kind", "outcome"),
+    [
+        ("reset", "transport", "aborted"),
+        ("idle", "timeout", "aborted"),
+        ("over_limit", "response_too_large", "response_too_large"),
+    ],
+)
+async def test_a_failure_after_commit_is_booked_on_its_attempt_with_the_rule(
+    how: str, kind: str, outcome: str, engine: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The operator's "why didn't it fail over?": the log line and the usage record say
+    # which candidate failed after the commit point, how, and the rule; the breaker keeps
+    # the success recorded at the head (SPEC §6: not failover-class), nothing more.
+    caplog.set_level(logging.INFO, logger="fallback_mw")
+    health = BookedHealth()
+    async with upstream(fails_mid_stream(how)) as p, upstream(status_handler(200)) as b:
+        conf = make_config(p.url, b.url, engine=engine)
+        conf["upstreams"]["primary"]["idle_timeout_ms"] = 300
+        conf["gateway"]["max_response_body"] = 1024
+        gateway = Gateway(host_app, config=conf, environ=ENV, health=health)
+        async with serve_asgi(gateway) as url, httpx.AsyncClient(base_url=url) as client:
+            with pytest.raises(httpx.RemoteProtocolError):
+                async with client.stream("GET", "/v1/stream") as response:
+                    async for _ in response.aiter_raw():
+                        pass
+        ledger = gateway.services.ledger
+        assert ledger is not None
+        for _ in range(100):  # the record is written once the walk has returned
+            records = await ledger.usage()
+            if records:
+                break
+            await asyncio.sleep(0.02)
+        await gateway.aclose()
+    assert b.count == 0
+    (record,) = records
+    assert record.outcome == outcome and record.chosen == "primary"
+    assert [a.as_dict() for a in record.attempts] == [
+        {"candidate": "primary", "status": 200, "failure": kind}
+    ]
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "fallback_mw.request"]
+    assert f"outcome={outcome} " in line
+    assert " rule=response_started" in line and f"failures=primary:{kind}" in line
+    assert health.marks == [("primary", False)]
+
+
+async def test_a_client_gone_mid_stream_books_nothing_to_the_upstream() -> None:
+    async def slow_stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(status=200, headers={"content-type": "text/plain"})
+        await response.prepare(request)
+        for _ in range(40):
+            await response.write(b"chunk-")
+            await asyncio.sleep(0.05)
+        return response
+
+    health = BookedHealth()
+    async with upstream(slow_stream) as p, upstream(status_handler(200)) as b:
+        gateway = Gateway(host_app, config=make_config(p.url, b.url), environ=ENV, health=health)
+        async with (
+            serve_asgi(gateway) as url,
+            httpx.AsyncClient(base_url=url) as client,
+            client.stream("GET", "/v1/stream") as response,
+        ):
+            async for _ in response.aiter_raw():
+                break  # the caller hangs up after the first chunk
+        ledger = gateway.services.ledger
+        assert ledger is not None
+        for _ in range(150):
+            records = await ledger.usage()
+            if records:
+                break
+            await asyncio.sleep(0.02)
+        await gateway.aclose()
+    (record,) = records
+    assert record.outcome == "client_disconnected"
+    assert [a.as_dict() for a in record.attempts] == [{"candidate": "primary", "status": 200}]
+    assert health.marks == [("primary", False)]  # the head's success, never a failure
+
+
 # --- served as-is ---------------------------------------------------------------------------
 
 

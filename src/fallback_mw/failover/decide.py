@@ -1,6 +1,7 @@
 """The failover rules of SPEC §5, as pure functions of facts the walk gathers.
 
-Decided here: what an engine error means (`engine_outcome`), that the caller's own trouble
+Decided here: what an engine error means (`engine_outcome`; after the commit point,
+`relay_outcome`), that the caller's own trouble
 wins over it (`local_or`), who is responsible (`Outcome.responsible`), failover-class
 (`is_failover_class`), what reaches breakers and credentials (`health_mark`),
 replayability (`is_replayable`), the attempt ceiling (`attempt_ceiling`), whether a
@@ -50,6 +51,7 @@ OutcomeKind = Literal[
     "no_candidate",  # the cursor ran dry: every remaining candidate was skipped
     "repeat_budget",  # a repeat (or hedge) at an upstream whose repeat budget is spent
     "no_other_credential",  # after a pool's 401/403/429, no other credential could be tried
+    "response_too_large",  # the relayed body went over max_response_body (after the commit)
 ]
 UPSTREAM_KINDS = frozenset({"status", "transport", "timeout"})
 
@@ -66,6 +68,9 @@ class Outcome:
     # A transport failure named more precisely for the trace (`tls`: the certificate did
     # not verify); the rules treat it as its kind.
     detail: str | None = None
+    # It came after the commit point (the response had started): the client's response is
+    # aborted, never failed over, and nothing more reaches health (`relay_outcome`).
+    committed: bool = False
 
     @property
     def responsible(self) -> Literal["upstream", "gateway"]:
@@ -88,6 +93,8 @@ class Outcome:
             return "cancelled"
         if self.kind == "body_too_large":
             return "request_too_large"
+        if self.kind == "response_too_large":
+            return "response_too_large"
         return "transport"
 
 
@@ -132,7 +139,9 @@ class Decision:
 
 def is_failover_class(outcome: Outcome, failover_status: Collection[int]) -> bool:
     """A transport error or upstream timeout before response headers, or a status listed
-    in `failover_status`. Local outcomes never are."""
+    in `failover_status`. Local outcomes never are, nor anything after the commit point."""
+    if outcome.committed:
+        return False
     if outcome.kind == "status":
         return outcome.status is not None and outcome.status in failover_status
     return outcome.kind in ("transport", "timeout")
@@ -140,8 +149,10 @@ def is_failover_class(outcome: Outcome, failover_status: Collection[int]) -> boo
 
 def health_mark(outcome: Outcome, failover_status: Collection[int]) -> bool | None:
     """What the outcome does to the upstream's breaker and credential: True a failure,
-    False a success, None nothing at all (the gateway's side of the request)."""
-    if outcome.responsible != "upstream":
+    False a success, None nothing at all (the gateway's side of the request, or a failure
+    after the commit point: the head was recorded then, as a success, and what follows is
+    not failover-class, SPEC §6; an attempt is booked once)."""
+    if outcome.responsible != "upstream" or outcome.committed:
         return None
     if outcome.fault is not None and outcome.kind != "status":
         return True  # a hang, even when the walk deadline is what ended it
@@ -162,6 +173,15 @@ def engine_outcome(kind: str, phase: str, *, fault: str | None = None) -> Outcom
     if kind == "tls":
         return Outcome("transport", fault=fault, detail="tls")
     return Outcome("transport", fault=fault)
+
+
+def relay_outcome(kind: str | None) -> Outcome:
+    """What ended a relay after the commit point: an engine error (`UpstreamError.kind`:
+    the upstream's idle timeout, a reset, a body that breaks its own framing), or None for
+    a body that went over max_response_body."""
+    if kind is None:
+        return Outcome("response_too_large", committed=True)
+    return Outcome("timeout" if kind == "timeout" else "transport", committed=True)
 
 
 def local_or(
@@ -307,6 +327,12 @@ def decide(outcome: Outcome, state: WalkState) -> Decision:
         return Decision(
             "abort", reason="the client hung up: nothing more is sent or started",
             rule="client_gone",
+        )  # fmt: skip
+    if outcome.committed or state.response_started:
+        return Decision(
+            "abort", rule="response_started",
+            reason="failed after the commit point: the response had started, so it is "
+            "aborted, never failed over",
         )  # fmt: skip
     if outcome.kind == "no_other_credential":
         return Decision("serve", reason="no other credential of the pool could be tried")

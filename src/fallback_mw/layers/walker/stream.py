@@ -4,11 +4,13 @@ the client response: it is never restarted and never ended as if complete. This 
 the one owner of the upstream response from the commit on; it closes it in a shielded
 `finally` (the engines' `aclose` completes even under cancellation). It meters the
 response too: each relayed chunk goes to a `UsageMeter` that fills `context.usage`, which
-the walker's `tpm` settlement, the budget guard and telemetry read."""
+the walker's `tpm` settlement, the budget guard and telemetry read. A relay that fails
+returns what ended it (`decide.relay_outcome`), for the walker to book on its attempt."""
 
 from __future__ import annotations
 
 from fallback_mw.credentials import without_echoed_credentials
+from fallback_mw.failover.decide import Outcome, relay_outcome
 from fallback_mw.request.body import content_length
 from fallback_mw.request.context import RequestContext
 from fallback_mw.request.local_errors import gateway_headers, send_error
@@ -26,7 +28,7 @@ async def commit(
     response: UpstreamResponse,
     *,
     max_response_body: int,
-) -> None:
+) -> Outcome | None:
     limit = max_response_body
     meter = UsageMeter(context.usage)
     try:
@@ -48,7 +50,7 @@ async def commit(
                 f"the upstream response exceeds max_response_body ({limit} bytes); raise "
                 "[gateway] max_response_body to pass it",
             )
-            return
+            return None
         context.chosen = name
         context.status = response.status
         headers = forwardable_response_headers(response.headers, status=response.status)
@@ -72,15 +74,15 @@ async def commit(
                         received += len(chunk)
                         if received > limit:
                             context.outcome = "response_too_large"
-                            return  # abort: the client sees an incomplete response
+                            return relay_outcome(None)  # abort: the client sees it incomplete
                         client.waiting()
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
                         client.done()
                         if chunk:
                             meter.observe(chunk, content_type, content_encoding)
-                except UpstreamError:
+                except UpstreamError as exc:
                     context.outcome = "aborted"
-                    return  # never ended as if complete
+                    return relay_outcome(exc.kind)  # never ended as if complete
                 client.waiting()
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         except TimeoutError:
@@ -88,9 +90,10 @@ async def commit(
                 raise
             context.outcome = "client_disconnected"  # it stopped reading: as if gone
             context.rule = "client_gone"
-            return
+            return None
         context.completed = True
         context.outcome = "served"
+        return None
     finally:
         meter.finish()  # however the response ended: a cut-short one still reports usage
         await response.aclose()

@@ -118,7 +118,8 @@ class _Walk:
         self.scope = scope
         self.receive = receive
         self.send = send
-        self.last_response: tuple[str, UpstreamResponse] | None = None
+        # The response kept to serve, with the attempt that produced it.
+        self.last_response: tuple[str, UpstreamResponse, AttemptRecord | None] | None = None
 
     async def run(self) -> None:
         context = self.context
@@ -269,20 +270,22 @@ class _Walk:
             self.context.rule = decision.rule
         if decision.action in ("next_candidate", "next_credential"):
             if response is not None:
-                await self._keep(name, response)
+                await self._keep(name, response, record)
             if decision.action == "next_credential":
                 self.cursor.same_upstream_again()
             return False
         if decision.action == "serve":
             if response is not None and name is not None:
-                await self._keep(name, response)
+                await self._keep(name, response, record)
             assert self.last_response is not None
-            chosen, kept = self.last_response
+            chosen, kept, served = self.last_response
             self.last_response = None
-            await commit(
+            failed = await commit(
                 self.send, self.context, chosen, kept,
                 max_response_body=self.walker.settings.max_response_body,
             )  # fmt: skip
+            if failed is not None:
+                self._aborted(failed, served)
             await self.attempts.settle_tokens(chosen)
             shadow = should_shadow(self.context, self.body, self.walker.settings.canary_salt)
             if shadow is not None:  # the client's response is sent: a copy cannot touch it
@@ -301,12 +304,25 @@ class _Walk:
             )  # fmt: skip
         return True
 
-    async def _keep(self, name: str | None, response: UpstreamResponse) -> None:
+    async def _keep(
+        self, name: str | None, response: UpstreamResponse, record: AttemptRecord | None
+    ) -> None:
         """Keep the newest response (for `on_exhausted = "last_response"`); close the rest."""
         if self.last_response is not None:
             await self.last_response[1].aclose()
         assert name is not None
-        self.last_response = (name, response)
+        self.last_response = (name, response, record)
+
+    def _aborted(self, outcome: Outcome, record: AttemptRecord | None) -> None:
+        """The relay failed after the commit point: the attempt whose response it was says
+        how, and `decide` why no failover followed (the rule for the log line, the usage
+        record and the trace). Nothing reaches health (`decide.health_mark`)."""
+        decision = decide(outcome, self.state())
+        self.context.rule = decision.rule
+        if record is not None:
+            record.failure_kind = outcome.failure_kind
+            record.responsible = outcome.responsible
+            record.decision, record.reason = decision.action, decision.reason
 
 
 async def retry_after(context: RequestContext, health: HealthState) -> list[tuple[bytes, bytes]]:
