@@ -26,7 +26,7 @@ from fallback_mw.health.memory import MemoryHealth
 from fallback_mw.health.pool import CredentialStats, affinity_key, score
 from fallback_mw.health.quota import parse_duration, peek_quota, quota_reset
 from tests.helpers import client_for
-from tests.upstreams import Upstream, host_app, status_handler, upstream
+from tests.upstreams import Upstream, host_app, serve_asgi, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
 
@@ -465,6 +465,51 @@ async def test_usage_incidents_lists_failed_over_and_local_errors_with_their_tra
     assert "primary:503,backup:200" in table and "failed_over" in table
     assert "upstream_failed" in table and "local_error" in table
     assert len(table.strip().splitlines()) == 3  # the header and the two incidents
+
+
+async def test_usage_shows_a_response_cut_short_after_the_commit_point_as_an_incident(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # "Why didn't it fail over?": the primary's 200 reset mid-stream. `usage` showed it as
+    # a plain primary:200 and `--incidents` left it out.
+    async def resets_mid_stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(status=200)
+        await response.prepare(request)
+        await response.write(b"partial-")
+        await anyio.sleep(0.05)
+        assert request.transport is not None
+        request.transport.abort()
+        return response
+
+    store = f"sqlite:///{tmp_path / 'gw.db'}"
+    async with upstream(resets_mid_stream) as p, upstream(echo_key) as b:
+        conf = {
+            "gateway": {"store": store},
+            "upstreams": {
+                "primary": {"url": p.url, "auth_env": "KEY_A"},
+                "backup": {"url": b.url, "auth_env": "KEY_B"},
+            },
+            "routes": [
+                {"id": "chat", "prefix": "/v1/", "plan": ["primary", "backup"], "retries": 1}
+            ],
+        }
+        gateway = Gateway(host_app, config=conf, environ={"KEY_A": "a", "KEY_B": "b"})
+        async with serve_asgi(gateway) as url, httpx.AsyncClient(base_url=url) as client:
+            with pytest.raises(httpx.RemoteProtocolError):
+                await client.get("/v1/stream")
+        await gateway.aclose()  # the usage record is written before the walk returns
+    capsys.readouterr()
+    assert await anyio.to_thread.run_sync(main, ["usage", "--store", store, "--json"]) == 0
+    (line,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert line["attempts"] == [{"candidate": "primary", "status": 200, "failure": "transport"}]
+    assert (line["outcome"], line["chosen"]) == ("aborted", "primary")
+    args = ["usage", "--store", store, "--incidents"]
+    assert await anyio.to_thread.run_sync(main, args) == 0
+    table = capsys.readouterr().out
+    assert "primary:200(aborted:transport)" in table and " aborted " in table
+    assert await anyio.to_thread.run_sync(main, [*args, "--json"]) == 0
+    (line,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert line["incident"] == ["aborted"]
 
 
 def test_a_skipped_candidate_is_an_incident() -> None:

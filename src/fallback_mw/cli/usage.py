@@ -1,6 +1,7 @@
 """`fallback-mw usage`: what each routed request cost and who served it (SPEC §7).
-`--incidents`: only the requests that failed over, skipped a candidate or ended in a local
-error, each with its trail (every attempt and skip, in the walk's order)."""
+`--incidents`: only the requests that failed over, skipped a candidate, ended in a local
+error or were cut short after the commit point, each with its trail (every attempt and
+skip, in the walk's order)."""
 
 from __future__ import annotations
 
@@ -27,10 +28,15 @@ INCIDENT_SCAN = 10_000  # newest records searched for incidents
 _NOT_LOCAL = frozenset({"served", "aborted", "response_too_large", "client_disconnected"})
 
 
+# A candidate's response failed after the commit point: aborted, never failed over.
+_CUT_SHORT = frozenset({"aborted", "response_too_large"})
+
+
 def incident_kinds(record: UsageRecord) -> list[str]:
     """Why a request is an incident: `failed_over` (more than one attempt: another
     candidate or another credential), `skipped` (a candidate skipped: breaker, credential,
-    capacity, repeat budget), `local_error` (the gateway answered itself). Empty: none."""
+    capacity, repeat budget), `local_error` (the gateway answered itself), `aborted` (the
+    chosen response failed after the commit point: rule `response_started`). Empty: none."""
     kinds = []
     if sum(1 for a in record.attempts if a.skipped is None) > 1:
         kinds.append("failed_over")
@@ -38,6 +44,8 @@ def incident_kinds(record: UsageRecord) -> list[str]:
         kinds.append("skipped")
     if record.chosen is None and record.outcome is not None and record.outcome not in _NOT_LOCAL:
         kinds.append("local_error")
+    if record.chosen is not None and record.outcome in _CUT_SHORT:
+        kinds.append("aborted")
     return kinds
 
 
@@ -79,6 +87,9 @@ def _attempts_text(record: UsageRecord) -> str:
     for attempt in record.attempts:
         if attempt.skipped:
             parts.append(f"{attempt.candidate}:skipped({attempt.skipped})")
+        elif attempt.status is not None and attempt.failure not in (None, "status", "fault"):
+            # A head, then a failure after the commit point (rule response_started).
+            parts.append(f"{attempt.candidate}:{attempt.status}(aborted:{attempt.failure})")
         elif attempt.status is not None:
             parts.append(f"{attempt.candidate}:{attempt.status}")
         else:
