@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import pytest
 from aiohttp import web
 from opentelemetry.sdk.metrics import MeterProvider
@@ -27,7 +28,7 @@ from fallback_mw.health import AlwaysHealthy
 from fallback_mw.request.context import AttemptRecord, RequestContext, Usage
 from fallback_mw.telemetry import Telemetry
 from tests.helpers import client_for, http_scope, request_then_disconnect
-from tests.upstreams import host_app, status_handler, upstream
+from tests.upstreams import host_app, serve_asgi, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
 
@@ -269,6 +270,49 @@ async def test_served_as_is_4xx(recorded: Recorded, caplog: pytest.LogCaptureFix
     assert recorded.points("gateway.fallbacks") == []
     (log,) = request_logs(caplog)
     assert log.__dict__["status"] == 429 and log.__dict__["outcome"] == "served"
+
+
+async def test_a_failure_after_the_commit_point_is_on_the_trace(
+    recorded: Recorded, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The attempt span ends at the head (a 200, no failure then); the idle timeout that
+    # cut the body later is on the request span: which attempt, how, and the rule.
+    caplog.set_level(logging.INFO, logger="fallback_mw.request")
+
+    async def stalls_mid_stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(status=200)
+        await response.prepare(request)
+        await response.write(b"partial-")
+        await asyncio.sleep(2)
+        return response
+
+    async with upstream(stalls_mid_stream) as p, upstream(status_handler(200)) as b:
+        config = make_config(p.url, b.url)
+        config["upstreams"]["primary"]["idle_timeout_ms"] = 300
+        gateway = Gateway(host_app, config=config, environ=ENV, telemetry=recorded.telemetry)
+        async with serve_asgi(gateway) as url, httpx.AsyncClient(base_url=url) as client:
+            with pytest.raises(httpx.RemoteProtocolError):
+                await client.get("/v1/stream")
+        await gateway.aclose()
+    assert b.count == 0
+    span = recorded.request_span()
+    assert dict(span.attributes or {})["gateway.outcome"] == "aborted"
+    events = [(e.name, dict(e.attributes or {})) for e in span.events]
+    assert events == [
+        (
+            "gateway.response.aborted",
+            {
+                "gateway.candidate": "primary",
+                "gateway.attempt.number": 1,
+                "gateway.failure.kind": "timeout",
+                "gateway.rule": "response_started",
+            },
+        )
+    ]
+    (attempt,) = recorded.attempt_spans()
+    assert dict(attempt.attributes or {})["http.response.status_code"] == 200
+    (log,) = request_logs(caplog)
+    assert log.__dict__["rule"] == "response_started"
 
 
 async def test_deadline_exceeded(recorded: Recorded, caplog: pytest.LogCaptureFixture) -> None:

@@ -38,6 +38,7 @@ INSTRUMENTATION_NAME = "fallback_mw"
 REQUEST_SPAN = "gateway.request"
 ATTEMPT_SPAN = "gateway.attempt"
 SKIP_EVENT = "gateway.candidate.skipped"
+ABORT_EVENT = "gateway.response.aborted"
 SHADOW_SPAN = "gateway.shadow"
 
 _internal = logging.getLogger("fallback_mw.telemetry")
@@ -240,6 +241,26 @@ class Telemetry:
             )
         except Exception:
             _internal.debug("skipped failed", exc_info=False)
+
+    def response_aborted(self, context: RequestContext, attempt: AttemptRecord) -> None:
+        """The response of `attempt` failed after the commit point (the abort path only).
+        Its `gateway.attempt` span ended at the head, so the request span carries an event
+        naming the attempt, how it failed and the rule that allowed no failover."""
+        try:
+            request = self._request_trace(context)
+            if request is None:
+                return
+            request.span.add_event(
+                ABORT_EVENT,
+                {
+                    "gateway.candidate": label(attempt.candidate),
+                    "gateway.attempt.number": attempt.number,
+                    "gateway.failure.kind": label(attempt.failure_kind),
+                    "gateway.rule": label(context.rule),
+                },
+            )
+        except Exception:
+            _internal.debug("response_aborted failed", exc_info=False)
 
     def shadow_started(self, context: RequestContext, candidate: str) -> trace.Span | None:
         """A `gateway.shadow` span for a copy of this request, a child of its request span
@@ -583,6 +604,7 @@ def _version() -> str:
 
 
 __all__ = [
+    "ABORT_EVENT",
     "ATTEMPT_SPAN",
     "REQUEST_SPAN",
     "SKIP_EVENT",

@@ -323,6 +323,7 @@ class _Walk:
             record.failure_kind = outcome.failure_kind
             record.responsible = outcome.responsible
             record.decision, record.reason = decision.action, decision.reason
+            self.walker.telemetry.response_aborted(self.context, record)
 
 
 async def retry_after(context: RequestContext, health: HealthState) -> list[tuple[bytes, bytes]]:
