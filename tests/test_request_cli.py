@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
 
 from fallback_mw.config import BreakerConfig
 from fallback_mw.health import create_health
@@ -241,6 +242,32 @@ async def test_a_response_over_max_response_body_is_not_traced_as_served(
     # The trace agrees with what the client got: the attempt's answer was refused, not served.
     assert attempts(trace) == [(1, "primary", 200, None, "upstream", "local_error")]
     assert "max_response_body" in trace["steps"][0]["reason"]
+
+
+async def test_a_response_that_fails_after_the_commit_point_says_why_no_failover(
+    tmp_path: Path,
+) -> None:
+    async def resets_mid_stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(status=200)
+        await response.prepare(request)
+        await response.write(b"partial-")
+        await asyncio.sleep(0.05)
+        assert request.transport is not None
+        request.transport.abort()
+        return response
+
+    async with upstream(resets_mid_stream) as primary, upstream(status_handler(200)) as backup:
+        config = str(write_config(tmp_path, primary.url, backup.url))
+        status, out, err = await request_cli("--config", config, "--route", "chat", "--json")
+        table_status, table, _ = await request_cli("--config", config, "--route", "chat")
+    assert (status, table_status) == (1, 1)
+    no_leak(out, err, table)
+    trace = json.loads(out)
+    assert attempts(trace) == [(1, "primary", 200, "transport", "upstream", "abort")]
+    assert "after the commit point" in trace["steps"][0]["reason"]
+    assert (trace["outcome"], trace["rule"]) == ("aborted", "response_started")
+    assert backup.count == 0
+    assert "outcome aborted (rule response_started)" in table
 
 
 async def test_deadline_504_with_the_attempts_made(tmp_path: Path) -> None:

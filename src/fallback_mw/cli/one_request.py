@@ -210,6 +210,7 @@ def trace_of(exchange: Exchange, *, show_body: bool = False) -> dict[str, Any]:
             "chosen": context.chosen,
             "fallback": context.fallback,
             "outcome": context.outcome,
+            "rule": context.rule,  # what ended the walk (docs/failover.md, `rule`)
             "deadline_left_ms": _ms(exchange.deadline_left),
             "client": client,
         }

@@ -90,6 +90,7 @@ def render(trace: dict[str, Any]) -> str:
         lines.append(
             f"served by {served}  attempts {trace['attempts']}  skipped {trace['skipped']}  "
             f"outcome {_cell(trace['outcome'])}"
+            + (f" (rule {_cell(trace['rule'])})" if trace.get("rule") else "")
         )
         left = trace["deadline_left_ms"]
         if left is not None:
