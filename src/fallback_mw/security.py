@@ -172,16 +172,23 @@ def override_methods(headers: Iterable[tuple[bytes, bytes]], method: str) -> fro
     """The methods other than `method` that the caller's method-override fields name, as
     the servers that honour them read them: any spelling of the name (`_` read as `-`),
     every comma-separated value of every such field, upper-cased."""
-    named: set[str] = set()
+    named: set[str] | None = None
     for name, value in headers:
-        # The length first: on the request path every routed request asks, twice.
+        # The length first: every routed request asks (the resolver, once).
         if len(name) in _OVERRIDE_LENGTHS and canonical_name(name) in METHOD_OVERRIDE_FIELDS:
+            if named is None:
+                named = set()
             for item in value.decode("latin-1").split(","):
                 item = item.strip().upper()
                 if item:
                     named.add(item)
+    if named is None:
+        return _NO_METHODS
     named.discard(method)
     return frozenset(named)
+
+
+_NO_METHODS: frozenset[str] = frozenset()
 
 
 def canonical_name(name: bytes) -> bytes:

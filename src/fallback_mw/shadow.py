@@ -62,7 +62,11 @@ def should_shadow(context: RequestContext, body: RequestBody, salt: str) -> str 
         # after the commit (a reset, over max_response_body) was not served.
         return None
     replayable = is_replayable(
-        route, context.method, buffered=body.buffered is not None, headers=context.forward_headers
+        route,
+        context.method,
+        buffered=body.buffered is not None,
+        headers=context.forward_headers,
+        overrides=context.overrides,
     )
     if not replayable:
         return None  # never a request that cannot be sent twice

@@ -227,5 +227,6 @@ def _ceiling(context: RequestContext) -> int:
         context.method,
         buffered=body.buffered is not None,
         headers=context.forward_headers,
+        overrides=context.overrides,
     )
     return attempt_ceiling(context.route, replayable=replayable)

@@ -211,16 +211,24 @@ IDEMPOTENCY_KEY = b"idempotency-key"
 
 
 def is_replayable(
-    route: RouteConfig, method: str, *, buffered: bool, headers: Sequence[tuple[bytes, bytes]]
+    route: RouteConfig,
+    method: str,
+    *,
+    buffered: bool,
+    headers: Sequence[tuple[bytes, bytes]],
+    overrides: frozenset[str] | None = None,
 ) -> bool:
     """SPEC §5: the method is in `replayable_methods` and the whole body was buffered; or,
     with `replay_with_idempotency_key`, a buffered POST that carries a non-empty
     `Idempotency-Key` (the same key goes with every attempt). A method-override field
     (`override_methods`) naming a method outside `replayable_methods` makes it not
-    replayable: the upstream acts on that method (a GET carrying `POST`)."""
+    replayable: the upstream acts on that method (a GET carrying `POST`). `overrides`: those
+    methods as already read (`RequestContext.overrides`), else read from `headers`."""
     if not buffered:
         return False
-    if override_methods(headers, method).difference(route.replayable_methods):
+    if overrides is None:
+        overrides = override_methods(headers, method)
+    if overrides and overrides.difference(route.replayable_methods):
         return False
     if method in route.replayable_methods:
         return True
@@ -232,13 +240,20 @@ def is_replayable(
 
 
 def replay_rule(
-    route: RouteConfig, method: str, *, buffered: bool, headers: Sequence[tuple[bytes, bytes]]
+    route: RouteConfig,
+    method: str,
+    *,
+    buffered: bool,
+    headers: Sequence[tuple[bytes, bytes]],
+    overrides: frozenset[str] | None = None,
 ) -> str | None:
     """Which rule makes the request not replayable (None: it is), the same test as
     `is_replayable`, told apart for the error message."""
-    if is_replayable(route, method, buffered=buffered, headers=headers):
+    if overrides is None:
+        overrides = override_methods(headers, method)
+    if is_replayable(route, method, buffered=buffered, headers=headers, overrides=overrides):
         return None
-    if override_methods(headers, method).difference(route.replayable_methods):
+    if overrides.difference(route.replayable_methods):
         return "method_override"
     if method in route.replayable_methods:
         return "not_buffered"

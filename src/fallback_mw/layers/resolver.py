@@ -122,10 +122,8 @@ class RouteResolver:
         assert route is not None
         # A method-override field naming a method the route does not forward: the upstream
         # would act on that method (a DELETE through a route that forwards GET and POST).
-        overridden = [
-            m for m in override_methods(scope.get("headers", ()), method)
-            if m not in route.accepted_methods
-        ]  # fmt: skip
+        overrides = override_methods(scope.get("headers", ()), method)
+        overridden = [m for m in overrides if m not in route.accepted_methods]
         requested = requested_deadline_ms(deadline_text)
         configured_ms = effective_deadline_ms(route, self.default_deadline_ms, None)
         deadline_ms = effective_deadline_ms(route, self.default_deadline_ms, requested)
@@ -143,6 +141,7 @@ class RouteResolver:
             deadline=started + deadline_ms / 1000,
             configured_deadline_ms=configured_ms,
             caller_deadline_ms=deadline_ms if deadline_ms < configured_ms else None,
+            overrides=overrides,
         )
         refusal = header_refusal(
             scope.get("headers", ()),

@@ -39,10 +39,17 @@ def declared_length(scope: Scope) -> int | None:
     """The caller's Content-Length, None beside a Transfer-Encoding: the server framed the
     body by its coding (RFC 9112 §6.3: it overrides the length, which an intermediary must
     not forward), so the length says nothing about the bytes that will arrive."""
-    headers = scope.get("headers", ())
-    if any(key.lower() == b"transfer-encoding" for key, _ in headers):
-        return None
-    return content_length(headers)
+    length: int | None = None
+    seen = False
+    for key, value in scope.get("headers", ()):  # one pass: this is every request's
+        lower = key.lower()
+        if lower == b"transfer-encoding":
+            return None
+        if lower == b"content-length" and not seen:  # the first, as `content_length` reads
+            seen = True
+            text = value.strip()
+            length = int(text) if text.isdigit() and len(text) <= 18 else None
+    return length
 
 
 async def read_body(

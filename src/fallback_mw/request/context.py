@@ -106,6 +106,9 @@ class RequestContext:
     # x-gateway-deadline-ms when it shortened it: a 504 names the one that applied.
     configured_deadline_ms: int | None = None
     caller_deadline_ms: int | None = None
+    # The methods the caller's method-override fields name (`security.override_methods`),
+    # read once by the resolver from the request as it came: its 405 and the replay rule.
+    overrides: frozenset[str] = frozenset()
     request_id: str = field(default_factory=new_request_id)
     started: float = field(default_factory=time.monotonic)
     candidates: list[str] = field(default_factory=list)  # this request's order

@@ -149,6 +149,7 @@ class _Walk:
             context.method,
             buffered=body.buffered is not None,
             headers=context.forward_headers,
+            overrides=context.overrides,
         )
         self.replayable = self.unreplayable is None
         self.parsed = parsed
