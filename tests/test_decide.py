@@ -120,6 +120,10 @@ CASES: dict[str, list[tuple[Outcome, WalkState, tuple[str, str | None], bool | N
     "the streamed request body stops arriving (deadline, or a pause over `header_timeout_ms`)": [
         (Outcome("body_timeout"), OPEN, ("local_error", "request_timeout"), None),
     ],
+    "the streamed request body is shorter or longer than its `Content-Length` (a lenient host"
+    " server, an in-process driver)": [
+        (Outcome("body_misframed"), OPEN, ("local_error", "bad_request"), None),
+    ],
     "upstream address refused by the connect-time guard": [
         (Outcome("unsafe_address"), OPEN, ("local_error", "upstream_failed"), None),
     ],
@@ -217,7 +221,10 @@ def test_the_doc_names_the_same_responsibility_as_the_code() -> None:
 # --- a reference model of SPEC §5, written from the SPEC text alone ---------------------
 
 UPSTREAM = ("status", "transport", "timeout")
-LOCAL = ("deadline", "client_gone", "body_too_large", "body_timeout", "unsafe_address")
+LOCAL = (
+    "deadline", "client_gone", "body_too_large", "body_timeout", "body_misframed",
+    "unsafe_address",
+)  # fmt: skip
 # the cursor's answers: no attempt was made
 ENDS = ("no_candidate", "repeat_budget", "no_other_credential")
 
@@ -233,6 +240,7 @@ def reference(outcome: Outcome, s: WalkState) -> tuple[str, str | None]:
         "deadline": "deadline_exceeded",
         "body_too_large": "request_too_large",
         "body_timeout": "request_timeout",
+        "body_misframed": "bad_request",
         "unsafe_address": "upstream_failed",
     }
     if outcome.kind in local_codes:
@@ -377,7 +385,10 @@ def test_engine_errors_and_the_callers_trouble_are_classified_in_decide() -> Non
         "unsafe_address"
     )
     assert engine_outcome("local", "connect") == Outcome("not_sent")
-    quiet = {"client_gone": False, "body_too_large": False, "body_timed_out": False}
+    quiet = {
+        "client_gone": False, "body_too_large": False, "body_timed_out": False,
+        "body_misframed": False,
+    }  # fmt: skip
     deadline = Outcome("deadline")
     assert local_or(deadline, **quiet, body_unfinished=False) == deadline
     assert local_or(deadline, **quiet, body_unfinished=True) == Outcome("body_timeout")
@@ -388,5 +399,7 @@ def test_engine_errors_and_the_callers_trouble_are_classified_in_decide() -> Non
     assert local_or(Outcome("transport"), **large, body_unfinished=False) == Outcome(
         "body_too_large"
     )
+    short = {**quiet, "body_misframed": True}
+    assert local_or(Outcome("timeout"), **short, body_unfinished=True) == Outcome("body_misframed")
     slow = {**quiet, "body_timed_out": True}
     assert local_or(Outcome("timeout"), **slow, body_unfinished=False) == Outcome("body_timeout")

@@ -219,6 +219,7 @@ class AttemptRunner:
             client_gone=body.client_gone or self.context.client_disconnected,
             body_too_large=body.too_large,
             body_timed_out=body.timed_out,
+            body_misframed=body.misframed,
             body_unfinished=body.stream is not None and not body.done.is_set(),
         )
 

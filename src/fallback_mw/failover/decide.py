@@ -46,6 +46,7 @@ OutcomeKind = Literal[
     "client_gone",  # the caller hung up
     "body_too_large",  # the streamed request body went over max_request_body
     "body_timeout",  # the request body did not arrive before the deadline
+    "body_misframed",  # the streamed request body was not the length it declared
     "unsafe_address",  # the connect-time guard refused the upstream's address
     "not_sent",  # the client library refused to build or send the request (nothing sent)
     "no_candidate",  # the cursor ran dry: every remaining candidate was skipped
@@ -95,6 +96,8 @@ class Outcome:
             return "request_too_large"
         if self.kind == "response_too_large":
             return "response_too_large"
+        if self.kind == "body_misframed":
+            return "bad_request"
         return "transport"
 
 
@@ -190,16 +193,19 @@ def local_or(
     client_gone: bool,
     body_too_large: bool,
     body_timed_out: bool,
+    body_misframed: bool,
     body_unfinished: bool,
 ) -> Outcome:
     """SPEC §5 "local conditions are not upstream failures": the request body's own trouble
-    wins over whatever the engine made of it. A caller that hung up, sent too much, or too
-    slowly (an idle gap, or a deadline that ran out while its body was still streaming) is
-    never the upstream's fault."""
+    wins over whatever the engine made of it. A caller that hung up, sent too much, too
+    slowly (an idle gap, or a deadline that ran out while its body was still streaming),
+    or not the length it declared, is never the upstream's fault."""
     if client_gone:
         return Outcome("client_gone")
     if body_too_large:
         return Outcome("body_too_large")
+    if body_misframed:
+        return Outcome("body_misframed")
     if body_timed_out:
         return Outcome("body_timeout")
     if outcome.kind == "deadline" and body_unfinished:
@@ -320,6 +326,10 @@ _LOCAL_ERRORS: dict[str, tuple[str, str]] = {
     "deadline": ("deadline_exceeded", "the route deadline passed"),
     "body_too_large": ("request_too_large", "the request body went over max_request_body"),
     "body_timeout": ("request_timeout", "the request body did not arrive in time"),
+    "body_misframed": (
+        "bad_request",
+        "the request body was shorter or longer than its Content-Length (the caller's framing)",
+    ),
     "unsafe_address": ("upstream_failed", "the upstream address was refused at connect time"),
     "not_sent": (
         "upstream_failed",
@@ -331,6 +341,7 @@ _LOCAL_RULES = {
     "deadline": "deadline",
     "body_too_large": "max_request_body",
     "body_timeout": "body_timeout",
+    "body_misframed": "bad_request",
     "unsafe_address": "unsafe_address",
     "not_sent": "not_sent",
 }

@@ -4,7 +4,10 @@ A body that fits in `replay_buffer` is buffered and may be replayed. A larger bo
 declared `Content-Length` (within `max_request_body`) streams to one attempt only, read as
 it is sent. A larger body without a declared length is read up to `max_request_body`
 before any upstream is contacted, so a chunked body over the limit gets its 413 with no
-upstream contacted (the memory this costs is bounded by `max_request_body`). Reading counts
+upstream contacted (the memory this costs is bounded by `max_request_body`). A streamed
+body is held to its declared length as it is read (the upstream gets that length): one
+shorter or longer is the caller's 400 (a lenient host server, an app driving the gateway
+in-process, can hand on such a body). Reading counts
 against the route deadline, and a gap over `header_timeout_ms` between the caller's chunks
 ends it: a body that does not arrive in time is the caller's 408.
 
@@ -98,6 +101,9 @@ async def read_body(
                         body.length = size
                     return body
                 if size > head_limit:
+                    if declared is not None and size > declared:
+                        body.misframed = True  # over its Content-Length already
+                        return body
                     body.length = declared
                     body.stream = _stream_rest(
                         b"".join(chunks), size, body, context, receive, limit, gap
@@ -125,8 +131,20 @@ async def _stream_rest(
     """Over replay_buffer: the body goes to one attempt only, read as it is sent. The
     upload is the caller's time (SPEC §12): a gap longer than `gap` between its chunks
     ends it as the caller's 408 (the walk deadline bounds the whole), and the engines
-    run no upstream timer while a chunk is awaited here."""
-    yield head
+    run no upstream timer while a chunk is awaited here.
+
+    The upstream is told the declared length (`body.length`): bytes past it, or an end
+    short of it, end the body as the caller's 400 (else the upstream got a body cut short,
+    or waited for bytes that never came: a first-byte timeout on its breaker). The bytes
+    that complete the length are held until the caller's end is seen, so an upstream
+    never gets a whole request that the caller then overruns."""
+    declared = body.length
+    assert declared is not None  # only a body with a Content-Length streams
+    held = b""
+    if size < declared:
+        yield head
+    else:
+        held = head
     while True:
         try:
             with deadline_after(gap):
@@ -139,14 +157,25 @@ async def _stream_rest(
             raise BodyAborted("client disconnected")
         chunk = message.get("body", b"")
         size += len(chunk)
-        if size > limit:
-            body.too_large = True
-            raise BodyAborted("request body over max_request_body")
-        if chunk:
-            yield chunk
+        if size > declared:  # declared <= limit: one comparison bounds both
+            if size > limit:
+                body.too_large = True
+                raise BodyAborted("request body over max_request_body")
+            body.misframed = True
+            raise BodyAborted("request body longer than its Content-Length")
         if not message.get("more_body", False):
+            if size < declared:
+                body.misframed = True
+                raise BodyAborted("request body shorter than its Content-Length")
+            if held or chunk:
+                yield held or chunk  # one of them is empty: the length is exact
             body.done.set()
             return
+        if size < declared:
+            if chunk:
+                yield chunk
+        elif chunk:
+            held = chunk
 
 
 class BodyAborted(Exception):

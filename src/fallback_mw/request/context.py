@@ -69,6 +69,7 @@ class RequestBody:
     too_large: bool = False  # over max_request_body (before or while streaming)
     timed_out: bool = False  # the body did not arrive before the deadline
     client_gone: bool = False  # the caller hung up while sending it
+    misframed: bool = False  # shorter or longer than the Content-Length it streams with
     done: asyncio.Event = field(default_factory=asyncio.Event)  # every message received
     # The buffered body as a JSON object (None: not one), parsed at most once per request
     # by whichever layer asks first (walk/body.py `body_json`).
@@ -77,7 +78,7 @@ class RequestBody:
 
     @property
     def ok(self) -> bool:
-        return not (self.too_large or self.timed_out or self.client_gone)
+        return not (self.too_large or self.timed_out or self.client_gone or self.misframed)
 
 
 @dataclass(slots=True)

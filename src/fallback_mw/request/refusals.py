@@ -1,6 +1,6 @@
 """The local errors for a request body the gateway will not forward (over the limit, too
-slow), one wording for every layer that meets one: the budget guard, which reads the body
-for its estimate, and the walker's preflight."""
+slow, not the length it declared), one wording for every layer that meets one: the budget
+guard, which reads the body for its estimate, the walker's preflight and its walk."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from fallback_mw.request.context import RequestBody
 
 
 def body_refusal(body: RequestBody, settings: GatewaySettings) -> tuple[str, str] | None:
-    """(code, message) for a body over `max_request_body` or one that did not arrive in
-    time; None otherwise (a caller that hung up is answered by no one)."""
+    """(code, message) for a body over `max_request_body`, one that did not arrive in
+    time, or one longer than its Content-Length; None otherwise (a caller that hung up is
+    answered by no one)."""
     if body.too_large:
         limit = settings.max_request_body
         return "request_too_large", f"request body exceeds max_request_body ({limit} bytes)"
@@ -20,4 +21,12 @@ def body_refusal(body: RequestBody, settings: GatewaySettings) -> tuple[str, str
             "the request body did not arrive in time (the route deadline, or a pause longer"
             " than header_timeout_ms)",
         )
+    if body.misframed:
+        return "bad_request", MISFRAMED
     return None
+
+
+MISFRAMED = (
+    "the request body is not the length its Content-Length declares (the server in front"
+    " of the gateway passed it on); send the body's exact length"
+)
