@@ -6,6 +6,7 @@ on)."""
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -13,6 +14,7 @@ import pytest
 
 from fallback_mw import Gateway
 from fallback_mw.health.memory import MemoryHealth
+from fallback_mw.upstream import Timeouts, UpstreamError, UpstreamRequest, make_client
 from tests.upstreams import host_app, serve_asgi, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
@@ -151,3 +153,39 @@ async def test_a_streamed_body_that_is_not_its_declared_length_is_the_callers_40
     assert nothing_answered == []  # no upstream acted on a body cut to its length
     assert served == (200, b"ok")
     assert primary.received[-1].body == b"c" * 2000 + b"d" * 1000
+
+
+async def _chunks(*pieces: bytes) -> AsyncIterator[bytes]:
+    for piece in pieces:
+        yield piece
+
+
+@pytest.mark.parametrize("declared", [5000, 2000], ids=["short", "long"])
+async def test_a_body_h11_refuses_to_send_is_a_local_refusal_on_the_httpx_engine(
+    declared: int,
+) -> None:
+    # Defence in depth below the body reader: h11 refuses a body that is not the length
+    # its Content-Length declares with its own LocalProtocolError, which httpcore does not
+    # map for the body (only for the head) and the engine's error map did not know: a bare
+    # 500 instead of the local `not_sent` (SPEC §12: what the client library refuses to
+    # send is local, never a breaker mark, never a bare 500).
+    client = make_client("httpx", allow_hosts=("127.0.0.1",))
+    timeouts = Timeouts(connect=2.0, first_byte=2.0, idle=2.0)
+    try:
+        async with upstream(status_handler(200, b"ok")) as primary:
+            headers = [("content-length", str(declared))]
+            request = UpstreamRequest(
+                "POST", primary.url + "/x", headers, _chunks(b"a" * 3000), timeouts
+            )
+            with pytest.raises(UpstreamError) as caught:
+                await client.send(request)
+            # The connection that refused is not pooled: the next request is answered.
+            good = UpstreamRequest("POST", primary.url + "/y", [], b"b" * 10, timeouts)
+            response = await client.send(good)
+            body = b"".join([chunk async for chunk in response.iter_chunks()])
+            await response.aclose()
+    finally:
+        await client.aclose()
+    assert caught.value.kind == "local", caught.value
+    assert (response.status, body) == (200, b"ok")
+    assert [r.body for r in primary.received] == [b"b" * 10]

@@ -71,8 +71,12 @@ def _silence_engine_logs() -> None:
             logger.addFilter(_DROP_ENGINE_RECORDS)
 
 
+# What httpx/h11 refuse to build or send (a header value, a URL, an encoding; a body that
+# is not its Content-Length, which h11 refuses as it is written and httpcore passes on
+# unmapped): nothing the upstream could act on.
 _REFUSED_LOCALLY = (
     httpx.LocalProtocolError,
+    h11.LocalProtocolError,
     httpx.InvalidURL,
     httpx.UnsupportedProtocol,
     ValueError,
@@ -97,14 +101,7 @@ def map_errors(phase: Phase) -> Iterator[None]:
                 "tls", phase, "the upstream's TLS certificate did not verify"
             ) from None
         raise UpstreamError("refused", phase, "could not connect") from None
-    except (
-        httpx.LocalProtocolError,
-        httpx.InvalidURL,
-        httpx.UnsupportedProtocol,
-        ValueError,
-    ) as exc:
-        # What httpx/h11 refuse to build or send (a header value, a URL, an encoding):
-        # nothing reached the upstream.
+    except _REFUSED_LOCALLY as exc:
         raise UpstreamError("local", phase, type(exc).__name__) from None
     except (httpx.RemoteProtocolError, httpx.DecodingError) as exc:
         raise UpstreamError("protocol", phase, type(exc).__name__) from None
