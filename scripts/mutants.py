@@ -345,6 +345,27 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         (ASKS + "test_a_replay_keeps_each_candidates_model_and_a_consistent_length",),
     ),
+    Mutant(
+        "streamed_body_length_unchecked",
+        "a streamed body is held to the Content-Length it goes out with",
+        (
+            (
+                "request/body.py",
+                "        if size > declared:  # declared <= limit",
+                "        if size > limit:  # declared <= limit",
+            ),
+            (
+                "request/body.py",
+                "            if size < declared:\n                body.misframed = True",
+                "            if False:\n                body.misframed = True",
+            ),
+        ),
+        tuple(
+            "tests/hostile/test_request_framing.py::"
+            f"test_a_streamed_body_that_is_not_its_declared_length_is_the_callers_400[{case}]"
+            for case in ("short-aiohttp", "crossing-httpx")
+        ),
+    ),
     # --- game days and the evaluation (issue 18) -----------------------------------------
     Mutant(
         "eval_breaker_left_at_defaults",
