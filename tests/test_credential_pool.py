@@ -512,6 +512,35 @@ async def test_usage_shows_a_response_cut_short_after_the_commit_point_as_an_inc
     assert line["incident"] == ["aborted"]
 
 
+async def test_a_response_too_large_before_the_commit_point_is_a_local_error_incident(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The gateway's own 502 response_too_large (the declared length over
+    # max_response_body, refused before a byte reached the client): `usage --incidents`
+    # left it out, its outcome being read as one of a response that had started.
+    async def too_large(request: web.Request) -> web.Response:
+        return web.Response(body=b"x" * 4000)
+
+    store = f"sqlite:///{tmp_path / 'gw.db'}"
+    async with upstream(too_large) as p:
+        conf = {
+            "gateway": {"store": store, "max_response_body": 1000},
+            "upstreams": {"primary": {"url": p.url}},
+            "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+        }
+        gateway = Gateway(host_app, config=conf)
+        async with serve_asgi(gateway) as url, httpx.AsyncClient(base_url=url) as client:
+            answer = await client.get("/v1/big")
+        await gateway.aclose()
+    assert (answer.status_code, answer.json()["error"]["code"]) == (502, "response_too_large")
+    capsys.readouterr()
+    args = ["usage", "--store", store, "--incidents", "--json"]
+    assert await anyio.to_thread.run_sync(main, args) == 0
+    (line,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert (line["outcome"], line["chosen"]) == ("response_too_large", None)
+    assert line["incident"] == ["local_error"]
+
+
 def test_a_skipped_candidate_is_an_incident() -> None:
     skipped = UsageRecord(
         request_id="r",

@@ -24,8 +24,10 @@ _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 COLUMNS = ("TIME", "ROUTE", "TENANT", "ATTEMPTS", "CHOSEN", "OUTCOME", "TOKENS", "COST", "CHARGED")
 INCIDENT_COLUMNS = ("TIME", "REQUEST", "ROUTE", "TENANT", "INCIDENT", "TRAIL", "OUTCOME", "STATUS")
 INCIDENT_SCAN = 10_000  # newest records searched for incidents
-# Outcomes that are not a local error: served, cut short after the commit, the caller gone.
-_NOT_LOCAL = frozenset({"served", "aborted", "response_too_large", "client_disconnected"})
+# Outcomes that are not the gateway answering itself (served, cut short after the commit,
+# the caller gone). Not `response_too_large`: with no chosen candidate it is the local 502
+# refused before the commit point; with one, an `aborted` incident (`_CUT_SHORT`).
+_NOT_LOCAL = frozenset({"served", "aborted", "client_disconnected"})
 
 
 # A candidate's response failed after the commit point: aborted, never failed over.
