@@ -368,6 +368,30 @@ async def test_stale_holds_are_settled_on_open(tmp_path: Path) -> None:
 
 
 @pytest.mark.anyio
+async def test_a_running_ledger_settles_holds_that_go_stale(ledger_store: str) -> None:
+    """`serve --workers 2` on PostgreSQL: a worker SIGKILLed mid-request left its hold, and
+    its replacement opened its ledger at once, while that hold was fresh. Settled only when
+    a ledger opened, it stayed HELD (the budget's room gone) until a restart an hour on; a
+    running ledger now settles it once it is stale, on a hold taken after that."""
+    running = open_ledger(ledger_store)
+    running.stale_hold_seconds = 0.2  # type: ignore[attr-defined]
+    running.reap_interval = 0.2  # type: ignore[attr-defined]
+    crashed = open_ledger(ledger_store)
+    try:
+        assert (await running.status("acme", BUDGET)).held == 0  # opened: nothing stale
+        assert await crashed.hold("acme", BUDGET, Decimal("0.02")) is not None
+        await crashed.aclose()  # the worker "died" holding 0.02
+        await anyio.sleep(0.5)
+        hold = await running.hold("acme", BUDGET, Decimal("0.01"))
+        assert hold is not None
+        status = await running.status("acme", BUDGET)
+        assert (status.spent, status.held) == (Decimal("0.02"), Decimal("0.01"))
+        await running.release(hold)
+    finally:
+        await running.aclose()
+
+
+@pytest.mark.anyio
 async def test_memory_ledger_usage_is_bounded() -> None:
     ledger = MemoryLedger(usage_kept=3)
     for n in range(5):

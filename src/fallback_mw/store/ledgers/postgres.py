@@ -39,6 +39,7 @@ from fallback_mw.config import BudgetConfig
 from fallback_mw.store.ledgers.schema import (
     COMPONENT,
     LATEST_VERSION,
+    REAP_INTERVAL,
     RECORDED_WINDOWS,
     SCHEMA_TABLE,
     STALE_HOLD_SECONDS,
@@ -167,6 +168,7 @@ class PostgresLedger(SQLLedgerBase):
         timeout: float = 5.0,
         stale_hold_seconds: float = STALE_HOLD_SECONDS,
         retry_interval: float = RETRY_INTERVAL,
+        reap_interval: float = REAP_INTERVAL,
     ) -> None:
         self.dsn = dsn
         self.retry_interval = retry_interval
@@ -175,6 +177,7 @@ class PostgresLedger(SQLLedgerBase):
         self.max_size = max_size
         self.timeout = timeout
         self.stale_hold_seconds = stale_hold_seconds
+        self.reap_interval = reap_interval
         self._pool: asyncpg.Pool | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the one the pool runs on
         self._opening = asyncio.Lock()
@@ -205,17 +208,19 @@ class PostgresLedger(SQLLedgerBase):
                 try:
                     async with pool.acquire() as conn:
                         await _migrate(conn)
-                        await conn.execute(
-                            _REAP,
-                            datetime.now().astimezone()
-                            - timedelta(seconds=self.stale_hold_seconds),
-                            SPENT_CAP_UNITS,
-                        )
+                        await self._reap(conn)
                 except BaseException:
                     await pool.close()
                     raise
                 self._pool = pool
+                self._reap_at = time.monotonic() + self.reap_interval
             return self._pool
+
+    async def _reap(self, conn: asyncpg.Pool | asyncpg.pool.PoolConnectionProxy) -> None:
+        """Settle the holds older than `stale_hold_seconds` at their amount: left by a
+        process that died mid-request, or by a settlement the ledger missed."""
+        cutoff = datetime.now().astimezone() - timedelta(seconds=self.stale_hold_seconds)
+        await conn.execute(_REAP, cutoff, SPENT_CAP_UNITS)
 
     def _abandon_pool(self) -> None:
         """Close the pool of the previous event loop on that loop while it runs; once it
@@ -267,6 +272,8 @@ class PostgresLedger(SQLLedgerBase):
         hold_id = uuid.uuid4().hex
 
         async def work(pool: asyncpg.Pool) -> object:
+            if self._reap_due():  # a running ledger settles stale holds too
+                await self._reap(pool)
             return await pool.fetchval(_HOLD, budget_id, start, units, limit, hold_id)
 
         if await self._run(work) is None:

@@ -20,6 +20,10 @@ SCHEMA_TABLE = (
 )
 COMPONENT = "ledger"
 STALE_HOLD_SECONDS = 3600  # a hold this old was left by a process that died mid-request
+# A running ledger looks for stale holds this often (on a hold), not only when it opens:
+# under `serve --workers N` a dead worker's replacement opens its ledger while the hold
+# the dead one left is still fresh.
+REAP_INTERVAL = 60.0
 
 # version -> statements, per dialect. Add a version; never edit a shipped one.
 _V1 = [
@@ -213,6 +217,16 @@ class SQLLedgerBase:
     `_finish(hold_id, spent_units)`, and stored budgets read through the short cache."""
 
     _cache: BudgetCache
+    reap_interval: float = REAP_INTERVAL
+    _reap_at: float = 0.0  # monotonic; 0 until the ledger has opened (and reaped)
+
+    def _reap_due(self) -> bool:
+        """Whether this hold also settles the stale holds (once per `reap_interval`)."""
+        now = time.monotonic()
+        if now < self._reap_at:
+            return False
+        self._reap_at = now + self.reap_interval
+        return True
 
     async def _finish(self, hold_id: str, spent: int) -> None:
         raise NotImplementedError

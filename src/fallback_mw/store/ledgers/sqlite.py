@@ -14,6 +14,7 @@ import contextlib
 import logging
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -38,6 +39,7 @@ from fallback_mw.request.context import new_request_id
 from fallback_mw.store.ledgers.schema import (
     COMPONENT,
     LATEST_VERSION,
+    REAP_INTERVAL,
     RECORDED_WINDOWS,
     SCHEMA_TABLE,
     STALE_HOLD_SECONDS,
@@ -68,10 +70,12 @@ class SQLiteLedger(SQLLedgerBase):
         *,
         busy_timeout: float = 5.0,
         stale_hold_seconds: float = STALE_HOLD_SECONDS,
+        reap_interval: float = REAP_INTERVAL,
     ) -> None:
         self.path = path
         self.busy_timeout = busy_timeout
         self.stale_hold_seconds = stale_hold_seconds
+        self.reap_interval = reap_interval
         self._conn: sqlite3.Connection | None = None
         self._fast: sqlite3.Connection | None = None  # the event loop thread's (_inline)
         self._calls = 0
@@ -91,11 +95,13 @@ class SQLiteLedger(SQLLedgerBase):
             try:
                 conn.execute("PRAGMA synchronous=NORMAL")
                 _migrate(conn)
-                _reap_stale_holds(conn, self.stale_hold_seconds)
+                with _immediate(conn):
+                    _settle_stale_holds(conn, self.stale_hold_seconds)
             except BaseException:
                 conn.close()
                 raise
             self._conn = conn
+            self._reap_at = time.monotonic() + self.reap_interval
         return self._conn
 
     def _inline(self, work: Callable[[sqlite3.Connection], T]) -> tuple[bool, T | None]:
@@ -258,7 +264,11 @@ class SQLiteLedger(SQLLedgerBase):
         hold_id = new_request_id()  # random hex, as a request id
         now = encode_sqlite_time(datetime.now(UTC))
 
+        reap = self._reap_due()  # a running ledger settles stale holds too
+
         def work(conn: sqlite3.Connection) -> bool:
+            if reap:
+                _settle_stale_holds(conn, self.stale_hold_seconds)
             reserve = (units, budget_id, start, units, limit)
             if conn.execute(_RESERVE, reserve).rowcount != 1:
                 # No such window yet (its first hold), or the hold does not fit.
@@ -579,14 +589,14 @@ def _migrate(conn: sqlite3.Connection) -> None:
             )
 
 
-def _reap_stale_holds(conn: sqlite3.Connection, older_than: float) -> None:
+def _settle_stale_holds(conn: sqlite3.Connection, older_than: float) -> None:
     """Holds left by a process that died mid-request are settled at their amount (the
-    conservative choice: the upstream may have served and billed)."""
+    conservative choice: the upstream may have served and billed). In the caller's
+    transaction."""
     cutoff = encode_sqlite_time(datetime.now(UTC) - timedelta(seconds=older_than))
-    with _immediate(conn):
-        rows = conn.execute(
-            "SELECT hold_id, amount_units FROM fmw_budget_holds WHERE created_at < ?",
-            (cutoff,),
-        ).fetchall()
-        for hold_id, amount in rows:
-            _finish_hold(conn, hold_id, int(amount))
+    rows = conn.execute(
+        "SELECT hold_id, amount_units FROM fmw_budget_holds WHERE created_at < ?",
+        (cutoff,),
+    ).fetchall()
+    for hold_id, amount in rows:
+        _finish_hold(conn, hold_id, int(amount))
