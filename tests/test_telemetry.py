@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, get_args
 
 import httpx
 import pytest
@@ -23,11 +25,13 @@ from opentelemetry.trace import SpanKind, StatusCode, format_span_id, format_tra
 
 from fallback_mw import Gateway
 from fallback_mw.config import RouteConfig
+from fallback_mw.failover.decide import Outcome, OutcomeKind
 from fallback_mw.faults import UpstreamFault
 from fallback_mw.health import AlwaysHealthy
 from fallback_mw.request.context import AttemptRecord, RequestContext, Usage
 from fallback_mw.telemetry import Telemetry
 from tests.helpers import client_for, http_scope, request_then_disconnect
+from tests.hostile.test_request_framing import drive
 from tests.upstreams import host_app, serve_asgi, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
@@ -36,6 +40,7 @@ ENV = {"PRIMARY_KEY": "sk-primary-0001", "BACKUP_KEY": "sk-backup-0002"}
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
 TRACEPARENT = f"00-{TRACE_ID}-{PARENT_ID}-01"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass
@@ -313,6 +318,42 @@ async def test_a_failure_after_the_commit_point_is_on_the_trace(
     assert dict(attempt.attributes or {})["http.response.status_code"] == 200
     (log,) = request_logs(caplog)
     assert log.__dict__["rule"] == "response_started"
+
+
+async def test_every_failure_kind_an_attempt_carries_is_in_the_docs(recorded: Recorded) -> None:
+    # A dashboard on gateway.failure.kind is built from docs/telemetry.md's attempt table: a
+    # caller's body that is not its declared length booked its attempt `bad_request` (and
+    # one over max_request_body `request_too_large`), kinds the table did not name.
+    async with upstream(status_handler(200, b"ok")) as primary:
+        conf = {
+            "gateway": {"allow_hosts": ["127.0.0.1"], "replay_buffer": 1024},
+            "upstreams": {"primary": {"url": primary.url}},
+            "routes": [{"id": "r", "prefix": "/v1/", "plan": ["primary"]}],
+        }
+        gateway = Gateway(host_app, config=conf, telemetry=recorded.telemetry)
+        try:
+            status, _ = await drive(gateway, 5000, [b"a" * 2000, b"b" * 1000])  # short
+        finally:
+            await gateway.aclose()
+    assert status == 400
+    (point,) = recorded.points("gateway.attempts")
+    assert dict(point.attributes)["gateway.failure.kind"] == "bad_request"
+    (row,) = [
+        line
+        for line in (ROOT / "docs" / "telemetry.md").read_text(encoding="utf-8").splitlines()
+        if line.startswith("| `gateway.failure.kind` |")
+    ]
+    documented = set(re.findall(r"`([a-z_]+)` \(", row))
+    # Every kind an attempt span can end with (after the commit point the attempt span has
+    # ended: those kinds are the gateway.response.aborted event's, documented there).
+    never_an_attempt = {"no_candidate", "repeat_budget", "no_other_credential"}
+    kinds = {
+        Outcome(kind).failure_kind or "status"
+        for kind in get_args(OutcomeKind)
+        if kind not in never_an_attempt and kind != "response_too_large"
+    }
+    kinds |= {"fault", "tls", "cancelled"}
+    assert kinds - documented == set()
 
 
 async def test_deadline_exceeded(recorded: Recorded, caplog: pytest.LogCaptureFixture) -> None:
