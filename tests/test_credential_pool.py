@@ -25,6 +25,7 @@ from fallback_mw.cli.usage import incident_kinds
 from fallback_mw.health.memory import MemoryHealth
 from fallback_mw.health.pool import CredentialStats, affinity_key, score
 from fallback_mw.health.quota import parse_duration, peek_quota, quota_reset
+from fallback_mw.store.ledgers import open_ledger
 from tests.helpers import client_for
 from tests.upstreams import Upstream, host_app, serve_asgi, status_handler, upstream
 
@@ -510,6 +511,35 @@ async def test_usage_shows_a_response_cut_short_after_the_commit_point_as_an_inc
     assert await anyio.to_thread.run_sync(main, [*args, "--json"]) == 0
     (line,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert line["incident"] == ["aborted"]
+
+
+async def test_a_hedge_that_lost_the_race_with_its_head_is_not_read_as_aborted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Two heads in the same instant: the hedge that lost is closed unused (failure kind
+    # `cancelled`, its head's status kept). The trail read `primary:200(aborted:cancelled)`,
+    # a failure after the commit point that never happened, beside the primary that served.
+    store = f"sqlite:///{tmp_path / 'gw.db'}"
+    ledger = open_ledger(store)
+    try:
+        await ledger.record_usage(
+            UsageRecord(
+                request_id="h", route="chat", tenant="t", candidates=("primary", "backup"),
+                attempts=(
+                    AttemptOutcome("primary", status=200),
+                    AttemptOutcome("primary", status=200, failure="cancelled"),
+                ),
+                chosen="primary", outcome="served", status=200,
+            )
+        )  # fmt: skip
+    finally:
+        await ledger.aclose()
+    capsys.readouterr()
+    args = ["usage", "--store", store, "--incidents"]
+    assert await anyio.to_thread.run_sync(main, args) == 0
+    table = capsys.readouterr().out
+    assert "primary:200,primary:200(cancelled)" in table, table
+    assert "aborted" not in table
 
 
 async def test_a_response_too_large_before_the_commit_point_is_a_local_error_incident(

@@ -89,6 +89,9 @@ def _attempts_text(record: UsageRecord) -> str:
     for attempt in record.attempts:
         if attempt.skipped:
             parts.append(f"{attempt.candidate}:skipped({attempt.skipped})")
+        elif attempt.status is not None and attempt.failure == "cancelled":
+            # A hedge that lost the race with its head in hand: closed unused, not aborted.
+            parts.append(f"{attempt.candidate}:{attempt.status}(cancelled)")
         elif attempt.status is not None and attempt.failure not in (None, "status", "fault"):
             # A head, then a failure after the commit point (rule response_started).
             parts.append(f"{attempt.candidate}:{attempt.status}(aborted:{attempt.failure})")
