@@ -415,6 +415,62 @@ async def test_a_method_the_route_does_not_forward_is_not_a_customer_visible_err
 
 
 @pytest.mark.anyio
+async def test_a_response_cut_short_counts_and_the_callers_misframing_does_not() -> None:
+    """A response that fails after the commit point (outcome `aborted`) is a broken answer a
+    customer got; a streamed body that is not its declared length (400 `bad_request`) and a
+    method-override header naming a method the route does not forward (405) are the
+    caller's own doing. The game day counts them as the shipped rules do, from the records
+    the gateway really writes."""
+    import anyio
+    import httpx
+    from aiohttp import web
+
+    from fallback_mw import Gateway
+    from tests.hostile.test_request_framing import drive
+    from tests.upstreams import host_app, serve_asgi, upstream
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(status=200)
+        await response.prepare(request)
+        await response.write(b"partial-")
+        if request.path == "/v1/stream":
+            await anyio.sleep(0.05)
+            assert request.transport is not None
+            request.transport.abort()
+        return response
+
+    async with upstream(answer) as primary:
+        conf = {
+            "gateway": {"allow_hosts": ["127.0.0.1"], "replay_buffer": 1024},
+            "upstreams": {"primary": {"url": primary.url}},
+            "routes": [
+                {"id": "chat", "prefix": "/v1/", "plan": ["primary"], "methods": ["GET", "POST"]}
+            ],
+        }
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with serve_asgi(gateway) as url, httpx.AsyncClient(base_url=url) as client:
+                assert (await client.get("/v1/models")).status_code == 200
+                with pytest.raises(httpx.RemoteProtocolError):
+                    await client.get("/v1/stream")
+                override = {"x-http-method-override": "DELETE"}
+                assert (await client.post("/v1/f", headers=override)).status_code == 405
+            status, _ = await drive(gateway, 5000, [b"a" * 2000, b"b" * 1000])
+            assert status == 400
+            ledger = gateway.services.ledger
+            assert ledger is not None
+            records = await ledger.usage(route="chat")
+        finally:
+            await gateway.aclose()
+    outcomes = sorted(r.outcome or "" for r in records)
+    assert outcomes == ["aborted", "bad_request", "method_not_allowed", "served"]
+    t0 = min(r.at.timestamp() for r in records) - 1
+    seen = observe(records, t0=t0, primary="primary", faulted_upstream="primary")
+    assert (seen["requests"], seen["errors"], seen["error_rate"]) == (4, 1, 0.25)
+
+
+@pytest.mark.anyio
 async def test_an_overloaded_answer_is_a_customer_visible_error_the_game_day_sees() -> None:
     """Requests beyond `max_concurrency` are answered 503 `overloaded` by the resolver,
     before the budget guard: they leave a usage record too, so a hang game day that piles
