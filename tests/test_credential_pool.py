@@ -571,6 +571,25 @@ async def test_a_response_too_large_before_the_commit_point_is_a_local_error_inc
     assert line["incident"] == ["local_error"]
 
 
+def test_a_response_the_host_cut_after_it_started_is_an_incident() -> None:
+    # A deploy's --timeout-graceful-shutdown cutting a stream: the alerts and the game day
+    # count outcome `cancelled` as customer-visible; `usage --incidents` left it out.
+    cut = UsageRecord(
+        request_id="c",
+        route="chat",
+        tenant="t",
+        attempts=(AttemptOutcome("primary", status=200),),
+        chosen="primary",
+        outcome="cancelled",
+        status=200,
+    )
+    assert incident_kinds(cut) == ["cancelled"]
+    before_the_head = UsageRecord(
+        request_id="h", route="chat", tenant="t", attempts=(), outcome="cancelled"
+    )
+    assert incident_kinds(before_the_head) == ["local_error"]
+
+
 def test_a_skipped_candidate_is_an_incident() -> None:
     skipped = UsageRecord(
         request_id="r",

@@ -38,7 +38,9 @@ def incident_kinds(record: UsageRecord) -> list[str]:
     """Why a request is an incident: `failed_over` (more than one attempt: another
     candidate or another credential), `skipped` (a candidate skipped: breaker, credential,
     capacity, repeat budget), `local_error` (the gateway answered itself), `aborted` (the
-    chosen response failed after the commit point: rule `response_started`). Empty: none."""
+    chosen response failed after the commit point: rule `response_started`), `cancelled`
+    (the host cancelled the request after the chosen response started, e.g. a deploy's
+    `--timeout-graceful-shutdown`: the client's answer was cut). Empty: none."""
     kinds = []
     if sum(1 for a in record.attempts if a.skipped is None) > 1:
         kinds.append("failed_over")
@@ -48,6 +50,8 @@ def incident_kinds(record: UsageRecord) -> list[str]:
         kinds.append("local_error")
     if record.chosen is not None and record.outcome in _CUT_SHORT:
         kinds.append("aborted")
+    if record.chosen is not None and record.outcome == "cancelled":
+        kinds.append("cancelled")
     return kinds
 
 
