@@ -4,6 +4,7 @@ that cannot start during a store outage is retried while the other worker serves
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -272,3 +273,50 @@ async def test_a_replacement_that_cannot_reach_the_store_is_retried_while_the_ot
                 await anyio.sleep(0.05)
             assert process.returncode == 0, log_text(log)
         assert not any(alive(pid) for pid in workers)
+
+
+def children(pid: int) -> set[int]:
+    """The live child processes of `pid` (Linux's /proc)."""
+    found = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text()
+        found.update(int(child) for child in text.split())
+    return found
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGHUP], ids=["SIGKILL", "SIGHUP"])
+async def test_no_worker_serves_on_once_the_supervisor_is_gone(
+    redis_url: str, tmp_path: Path, how: signal.Signals
+) -> None:
+    """A supervisor killed (SIGKILL), or hung up on (SIGHUP: the terminal closed, left to
+    its default), left its two workers serving on the port with nobody to replace or stop
+    them. Now SIGHUP stops the workers as SIGTERM does, and a worker dies with its
+    supervisor however that one dies."""
+    config = write_config(
+        tmp_path / "gateway.toml",
+        f'state = "{redis_url}"',
+        "http://127.0.0.1:9",
+        "http://localhost:10",
+    )
+    port, log = free_port(), tmp_path / "serve.log"
+    with supervisor(config, port, log) as process:
+        await wait_listening(process, port, log)
+        deadline = time.monotonic() + 30
+        while log_text(log).count("Application startup complete") < 2:
+            assert process.poll() is None, log_text(log)
+            assert time.monotonic() < deadline, log_text(log)
+            await anyio.sleep(0.05)
+        workers = children(process.pid)
+        assert len(workers) == 2, log_text(log)
+        try:
+            process.send_signal(how)
+            process.wait(timeout=30)
+            deadline = time.monotonic() + 20
+            while any(alive(pid) for pid in workers):
+                assert time.monotonic() < deadline, f"workers serve on: {log_text(log)}"
+                await anyio.sleep(0.05)
+        finally:
+            for pid in workers:  # a failing run leaves no orphan serving
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)

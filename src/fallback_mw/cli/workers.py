@@ -14,9 +14,10 @@ machine, PostgreSQL across machines). `serve` refuses N > 1 when either would be
 each process's memory (`check_shared`): two workers would each keep their own breakers
 and budgets, and the gateway would silently do N times what it was configured to do.
 
-SIGINT / SIGTERM to the supervisor stop every worker (each finishes its requests in
-flight, as uvicorn does on SIGTERM). Each worker tells the supervisor (one line on a pipe)
-once it serves. Until all N have served at once, a worker that fails to start (a start-up
+SIGINT / SIGTERM / SIGHUP to the supervisor stop every worker (each finishes its requests
+in flight, as uvicorn does on SIGTERM); a supervisor that dies otherwise (SIGKILL) takes
+its workers with it (Linux: each gets SIGTERM). Each worker tells the supervisor (one line
+on a pipe) once it serves. Until all N have served at once, a worker that fails to start (a start-up
 error: it printed its own line) stops them all, and the supervisor exits with its status:
 the configuration, the store or the host is wrong. From then on the instance has served,
 and a replacement that fails to start (the store unreachable, a store route naming an
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import logging
 import os
 import select
@@ -75,6 +77,23 @@ def exit_now(_signum: int, _frame: FrameType | None) -> None:
     raise SystemExit(0)
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with(supervisor: int) -> None:
+    """In a worker: SIGTERM when the supervisor dies, however it dies (SIGKILL, an unhandled
+    signal), so that no worker goes on serving unsupervised, never replaced, never stopped
+    by a later `serve`'s operator. Linux's PR_SET_PDEATHSIG; elsewhere nothing."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+            return
+    except (OSError, AttributeError):  # not Linux: no such call
+        return
+    if os.getppid() != supervisor:  # it died between the fork and the prctl
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 class Supervisor:
     """Forks `count` workers, each running `worker(sock, ready)` (returns an exit status) on
     its own SO_REUSEPORT socket and calling `ready()` once it serves; replaces a worker that
@@ -117,6 +136,7 @@ class Supervisor:
     def _start_one(self) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
+        supervisor = os.getpid()
         pid = os.fork()
         if pid == 0:  # the worker
             status = 1
@@ -126,6 +146,10 @@ class Supervisor:
                 # OTel SDK still flushes.
                 signal.signal(signal.SIGINT, exit_now)
                 signal.signal(signal.SIGTERM, exit_now)
+                # A terminal's hangup reaches the whole group: the supervisor stops the
+                # workers (SIGTERM, graceful); the inherited handler is the supervisor's.
+                signal.signal(signal.SIGHUP, signal.SIG_IGN)
+                die_with(supervisor)
                 self.reservation.close()
                 os.close(self._ready_read)
                 # The worker's own errors are one line and an exit status, as `serve`'s.
@@ -160,8 +184,11 @@ class Supervisor:
                 os.kill(pid, signal.SIGTERM)
 
     def run(self) -> int:
+        # SIGHUP (the terminal that started it closed) stops the workers too: left to its
+        # default it killed the supervisor alone, and its workers served on.
         previous = {
-            signum: signal.signal(signum, self._stop) for signum in (signal.SIGINT, signal.SIGTERM)
+            signum: signal.signal(signum, self._stop)
+            for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
         }
         status = 0
         try:
