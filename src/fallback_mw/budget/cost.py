@@ -43,8 +43,11 @@ def from_units(units: int) -> Decimal:
 
 
 def format_money(amount: Decimal) -> str:
+    """At least two decimals, more when the amount has them: 2.00, 3.30, 0.125 (`budgets
+    show` printed a limit of 3.3 beside one of 2.00)."""
     text = f"{amount.normalize():f}"
-    return text if "." in text else text + ".00"
+    whole, _, cents = text.partition(".")
+    return f"{whole}.{cents.ljust(2, '0')}"
 
 
 class PriceBook:
