@@ -31,6 +31,7 @@ from typing import Literal
 
 from fallback_mw.config import RouteConfig
 from fallback_mw.request.context import RequestContext
+from fallback_mw.request.refusals import MISFRAMED
 from fallback_mw.security import override_methods
 
 # Within a credential pool these may move to another credential of the same upstream.
@@ -326,10 +327,7 @@ _LOCAL_ERRORS: dict[str, tuple[str, str]] = {
     "deadline": ("deadline_exceeded", "the route deadline passed"),
     "body_too_large": ("request_too_large", "the request body went over max_request_body"),
     "body_timeout": ("request_timeout", "the request body did not arrive in time"),
-    "body_misframed": (
-        "bad_request",
-        "the request body was shorter or longer than its Content-Length (the caller's framing)",
-    ),
+    "body_misframed": ("bad_request", MISFRAMED),  # one wording, mid-stream or in the head
     "unsafe_address": ("upstream_failed", "the upstream address was refused at connect time"),
     "not_sent": (
         "upstream_failed",
