@@ -113,7 +113,7 @@ class BudgetGuard:
         budget_id = context.route.budget
         if ledger is None:
             if budget_id is not None:
-                await _refuse(send, context, "budget_unavailable", _NO_LEDGER)  # fail closed
+                await send_error(send, context, "budget_unavailable", _NO_LEDGER)  # closed
                 return
             await self.app(scope, receive, send)
             return
@@ -130,7 +130,7 @@ class BudgetGuard:
                     return
                 outcome = await self._hold(ledger, context, budget_id, body)
                 if isinstance(outcome, tuple):
-                    await _refuse(send, context, *outcome)  # nothing behind us runs
+                    await send_error(send, context, *outcome)  # nothing behind us runs
                     return
                 hold = outcome
             await self.app(scope, receive, send)
@@ -231,7 +231,3 @@ def charge(context: RequestContext, held: Decimal, cost: Decimal | None) -> Deci
         # but it may bill for the whole generation; never charge less than the hold.
         return max(cost, held)
     return cost
-
-
-async def _refuse(send: Send, context: RequestContext, code: str, message: str) -> None:
-    await send_error(send, context, code, message)

@@ -33,9 +33,13 @@ def content_length(headers: Iterable[tuple[bytes, bytes]]) -> int | None:
     them (anything else is treated as not declared)."""
     for key, value in headers:
         if key.lower() == b"content-length":
-            text = value.strip()
-            return int(text) if text.isdigit() and len(text) <= 18 else None
+            return _length(value)
     return None
+
+
+def _length(value: bytes) -> int | None:
+    text = value.strip()
+    return int(text) if text.isdigit() and len(text) <= 18 else None
 
 
 def declared_length(scope: Scope) -> int | None:
@@ -50,8 +54,7 @@ def declared_length(scope: Scope) -> int | None:
             return None
         if lower == b"content-length" and not seen:  # the first, as `content_length` reads
             seen = True
-            text = value.strip()
-            length = int(text) if text.isdigit() and len(text) <= 18 else None
+            length = _length(value)
     return length
 
 
