@@ -97,6 +97,16 @@ async def logged(log: Path, count: int) -> list[tuple[int, int]]:
     return found
 
 
+async def both_serving(process: subprocess.Popen[bytes], port: int, log: Path) -> None:
+    """Until the supervisor listens and both its workers have started."""
+    await wait_listening(process, port, log)
+    deadline = time.monotonic() + 30
+    while log_text(log).count("Application startup complete") < 2:
+        assert process.poll() is None, log_text(log)
+        assert time.monotonic() < deadline, log_text(log)
+        await anyio.sleep(0.05)
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -115,12 +125,7 @@ async def test_a_breaker_opened_through_one_worker_is_open_in_the_other(
         )
         port, log = free_port(), tmp_path / "serve.log"
         with supervisor(config, port, log) as process:
-            await wait_listening(process, port, log)
-            deadline = time.monotonic() + 30
-            while log_text(log).count("Application startup complete") < 2:
-                assert process.poll() is None, log_text(log)
-                assert time.monotonic() < deadline, log_text(log)
-                await anyio.sleep(0.05)
+            await both_serving(process, port, log)
             url = f"http://127.0.0.1:{port}/v1/chat"
             # One failure opens the breaker (window 1): through whichever worker took it.
             async with httpx.AsyncClient(timeout=10) as client:
@@ -227,12 +232,7 @@ async def test_a_replacement_that_cannot_reach_the_store_is_retried_while_the_ot
         )
         port, log = free_port(), tmp_path / "serve.log"
         with supervisor(config, port, log) as process:
-            await wait_listening(process, port, log)
-            deadline = time.monotonic() + 30
-            while log_text(log).count("Application startup complete") < 2:
-                assert process.poll() is None, log_text(log)
-                assert time.monotonic() < deadline, log_text(log)
-                await anyio.sleep(0.05)
+            await both_serving(process, port, log)
             started = STARTED.findall(log_text(log))
             assert len(started) == 2, log_text(log)
             # Past the start-up window, as an instance that has run a while.
@@ -301,12 +301,7 @@ async def test_no_worker_serves_on_once_the_supervisor_is_gone(
     )
     port, log = free_port(), tmp_path / "serve.log"
     with supervisor(config, port, log) as process:
-        await wait_listening(process, port, log)
-        deadline = time.monotonic() + 30
-        while log_text(log).count("Application startup complete") < 2:
-            assert process.poll() is None, log_text(log)
-            assert time.monotonic() < deadline, log_text(log)
-            await anyio.sleep(0.05)
+        await both_serving(process, port, log)
         workers = children(process.pid)
         assert len(workers) == 2, log_text(log)
         try:
