@@ -9,6 +9,7 @@ import io
 import logging
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 from fallback_mw.telemetry.request_log import (
     FLUSH_LINES,
@@ -165,3 +166,22 @@ def test_a_line_logged_just_before_exit_is_written_after_uvicorn_configured_logg
     )
     assert done.returncode == 0, done.stderr
     assert "the last line outcome=cancelled" in done.stderr
+
+
+def test_the_exit_flush_is_quiet_when_the_stream_was_closed_under_it(tmp_path: Path) -> None:
+    """A program that gave serve's handler its own file and closed it (the layer benchmark
+    did) got 'Exception ignored in atexit callback ... I/O operation on closed file' from
+    the exit flush. Waiting lines cannot be written then; the flush says nothing."""
+    stream = (tmp_path / "requests.log").open("a")
+    handler = LineHandler(stream)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    try:
+        handler.handle(record("written"))
+        handler.flush()
+        assert (tmp_path / "requests.log").read_text() == "written\n"
+        stream.close()
+        handler.flush()  # nothing waiting: StreamHandler.flush raised ValueError
+        handler.handle(record("lost"))
+        handler.flush()  # the line cannot be written; the flush does not raise
+    finally:
+        handler.close()

@@ -265,7 +265,10 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
                     self.stream.write(self.terminator.join(pending) + self.terminator)
                 except Exception:
                     return  # a full disk must not fail a request
-            super().flush()
+            try:
+                super().flush()
+            except (OSError, ValueError):
+                return  # nor a stream its owner closed (the exit flush runs after)
 
     def setStream(self, stream: IO[str]) -> IO[str] | None:
         self.flush()
