@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -155,6 +156,19 @@ class LedgerOptionError(LedgerUnavailable, StoreURLError):
 # waiting out the timeout behind the others; one call per interval tries it again.
 RETRY_INTERVAL = 1.0
 
+# Usage records (with their settlements) that an outage kept from the database without
+# sending them are kept in memory, up to this many, and written once it answers again.
+BACKLOG_LIMIT = 10_000
+_DRAIN_BATCH = 500
+
+# (hold id or None, spent units, usage values): one settlement and usage record to write.
+_Pending = tuple[str | None, int, tuple[object, ...]]
+
+
+class _NotSent(LedgerUnavailable):
+    """Refused before anything reached the database (the outage's fast refusal, a refused
+    connection): writing it later cannot write it twice."""
+
 
 class PostgresLedger(SQLLedgerBase):
     def __init__(
@@ -183,6 +197,9 @@ class PostgresLedger(SQLLedgerBase):
         self._opening = asyncio.Lock()
         self._cache = BudgetCache()
         self._outage = OutageLog(logger, "PostgreSQL ledger")  # one WARNING each way
+        self._backlog: deque[_Pending] = deque()
+        self._backlog_full = False  # said once per outage
+        self._draining: asyncio.Task[None] | None = None
 
     # --- connection and schema --------------------------------------------------------
 
@@ -237,7 +254,7 @@ class PostgresLedger(SQLLedgerBase):
         if self._outage.down:
             now = time.monotonic()
             if now < self._retry_at:
-                raise LedgerUnavailable("PostgreSQL ledger unavailable (outage)")
+                raise _NotSent("PostgreSQL ledger unavailable (outage)")
             self._retry_at = now + self.retry_interval
         try:
             async with asyncio.timeout(self.timeout):
@@ -255,10 +272,11 @@ class PostgresLedger(SQLLedgerBase):
             else:
                 self._retry_at = 0.0  # the database answered: the next call tries at once
             self._outage.failed(type(exc).__name__, "budgeted routes refuse (fail closed)")
-            raise LedgerUnavailable(
-                f"PostgreSQL ledger unavailable ({type(exc).__name__})"
-            ) from None
+            unavailable = _NotSent if isinstance(exc, ConnectionRefusedError) else LedgerUnavailable
+            raise unavailable(f"PostgreSQL ledger unavailable ({type(exc).__name__})") from None
         self._outage.recovered()
+        if self._backlog and self._draining is None:
+            self._draining = asyncio.create_task(self._drain())
         return result
 
     # --- holds --------------------------------------------------------------------------
@@ -289,28 +307,79 @@ class PostgresLedger(SQLLedgerBase):
     # --- usage and budgets --------------------------------------------------------------
 
     async def record_usage(self, record: UsageRecord) -> None:
-        values = (record.at, *usage_values(record))
-
-        async def work(pool: asyncpg.Pool) -> None:
-            await pool.execute(_INSERT_USAGE, *values)
-
-        await self._run(work)
+        await self._write(None, 0, (record.at, *usage_values(record)))
 
     async def settle_and_record(
         self, hold: Hold | None, amount: Decimal, record: UsageRecord
     ) -> None:
         """The settlement and the usage record in one statement (one round trip, one
         transaction)."""
-        if hold is None:
-            await self.record_usage(record)
-            return
         values = (record.at, *usage_values(record))
-        spent = min(max(to_units(amount), 0), MAX_UNITS)
+        if hold is None:
+            await self._write(None, 0, values)
+            return
+        await self._write(hold.hold_id, min(max(to_units(amount), 0), MAX_UNITS), values)
+
+    async def _write(self, hold_id: str | None, spent: int, values: tuple[object, ...]) -> None:
+        """One usage record, with its hold's settlement when there is one. Refused by an
+        outage before it was sent: kept (BACKLOG_LIMIT at most) and written when the
+        database answers again, so an outage loses neither the record nor the settlement
+        (the hold would otherwise be charged at its full amount once stale)."""
 
         async def work(pool: asyncpg.Pool) -> None:
-            await pool.execute(_SETTLE_AND_RECORD, *values, hold.hold_id, spent, SPENT_CAP_UNITS)
+            if hold_id is None:
+                await pool.execute(_INSERT_USAGE, *values)
+            else:
+                await pool.execute(_SETTLE_AND_RECORD, *values, hold_id, spent, SPENT_CAP_UNITS)
 
-        await self._run(work)
+        try:
+            await self._run(work)
+        except _NotSent:
+            if len(self._backlog) >= BACKLOG_LIMIT:
+                if not self._backlog_full:
+                    self._backlog_full = True
+                    logger.warning(
+                        "PostgreSQL ledger: %d usage records wait for the database; "
+                        "later ones are dropped until it answers",
+                        len(self._backlog),
+                    )
+                raise
+            self._backlog.append((hold_id, spent, values))
+
+    @property
+    def waiting(self) -> int:
+        """Usage records kept through an outage, not yet written."""
+        return len(self._backlog)
+
+    async def _drain(self) -> None:
+        """Write the kept records in batches, each one transaction; stops (keeping the
+        rest) when the database is away again: the next call that reaches it resumes."""
+        written = 0
+        try:
+            while self._backlog:
+                count = min(_DRAIN_BATCH, len(self._backlog))
+                batch = [self._backlog.popleft() for _ in range(count)]
+                try:
+                    refused = await self._run(_batch_work(batch))
+                except LedgerUnavailable:
+                    self._backlog.extendleft(reversed(batch))
+                    return
+                if refused is not None:  # the database answered, and refused these rows
+                    logger.warning(
+                        "PostgreSQL ledger: %d usage records kept through the outage were "
+                        "refused (%s) and dropped",
+                        len(batch),
+                        refused,
+                    )
+                    continue
+                written += len(batch)
+            self._backlog_full = False
+        finally:
+            self._draining = None
+            if written:
+                logger.info(
+                    "PostgreSQL ledger: wrote %d usage records kept through the outage", written
+                )
 
     async def _load_budget(self, budget_id: str) -> BudgetConfig | None:
         async def work(pool: asyncpg.Pool) -> BudgetConfig | None:
@@ -420,9 +489,47 @@ class PostgresLedger(SQLLedgerBase):
     async def aclose(self) -> None:
         if self._loop is not asyncio.get_running_loop():
             self._abandon_pool()  # a pool of another loop is closed on that loop
+        if self._draining is not None:
+            await asyncio.shield(self._draining)
+        if self._backlog:
+            self._retry_at = 0.0  # one last try, whatever the outage's pace
+            await self._drain()
+        if self._backlog:
+            logger.warning(
+                "PostgreSQL ledger: %d usage records kept through the outage are lost "
+                "(unreachable at close); their holds are charged in full once stale",
+                len(self._backlog),
+            )
+            self._backlog.clear()
         pool, self._pool = self._pool, None
         if pool is not None:
             await pool.close()
+
+
+def _batch_work(batch: list[_Pending]) -> Callable[[asyncpg.Pool], Awaitable[str | None]]:
+    """One transaction writing `batch` in its order: runs of plain records and of
+    settlements, each run one executemany."""
+    runs: list[tuple[str, list[tuple[object, ...]]]] = []
+    for hold_id, spent, values in batch:
+        statement = _INSERT_USAGE if hold_id is None else _SETTLE_AND_RECORD
+        row = values if hold_id is None else (*values, hold_id, spent, SPENT_CAP_UNITS)
+        if runs and runs[-1][0] is statement:
+            runs[-1][1].append(row)
+        else:
+            runs.append((statement, [row]))
+
+    async def work(pool: asyncpg.Pool) -> str | None:
+        try:
+            async with pool.acquire() as conn, conn.transaction():
+                for statement, rows in runs:
+                    await conn.executemany(statement, rows)
+        except asyncpg.PostgresError as exc:
+            if isinstance(exc, _UNREACHABLE):
+                raise
+            return type(exc).__name__
+        return None
+
+    return work
 
 
 async def _migrate(conn: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy) -> None:

@@ -1,0 +1,112 @@
+"""A PostgreSQL outage loses no usage record and no settlement that the ledger refused
+before sending: they are kept (up to BACKLOG_LIMIT) and written once the database answers
+again. Before, every request of the outage — budgeted or not — left no usage record, and a
+budgeted one's hold was charged at its full amount an hour later. The real PostgreSQL
+behind a TCP proxy that is cut and opened again."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from decimal import Decimal
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+
+from fallback_mw.budget.ledger import LedgerUnavailable, UsageRecord
+from fallback_mw.config import BudgetConfig
+from fallback_mw.store.ledgers import postgres
+from fallback_mw.store.ledgers.postgres import PostgresLedger
+from tests.tcp_proxy import TcpProxy, tcp_proxy
+
+pytestmark = pytest.mark.anyio
+
+BUDGET = BudgetConfig(limit=Decimal("100"), window="month", default_hold=Decimal("0.01"))
+RETRY = 1.5  # the kept calls below are made well inside one retry interval
+
+
+def record(request_id: str) -> UsageRecord:
+    return UsageRecord(request_id=request_id, route="chat", tenant="acme", budget_id="acme")
+
+
+@pytest.fixture
+async def proxied(pg_url: str) -> AsyncIterator[tuple[TcpProxy, PostgresLedger]]:
+    parts = urlsplit(pg_url)
+    async with tcp_proxy(parts.hostname or "127.0.0.1", parts.port or 5432) as proxy:
+        netloc = f"{parts.username}@127.0.0.1:{proxy.port}"
+        url = urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+        ledger = PostgresLedger(url, timeout=1.0, retry_interval=RETRY)
+        try:
+            yield proxy, ledger
+        finally:
+            await ledger.aclose()
+
+
+async def outage(proxy: TcpProxy, ledger: PostgresLedger) -> None:
+    """Cut the database away and let one call find out (the outage starts)."""
+    await proxy.cut("abort")
+    with pytest.raises(LedgerUnavailable):
+        await ledger.hold("acme", BUDGET, Decimal("0.01"))
+
+
+async def until_written(ledger: PostgresLedger) -> None:
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            await ledger.status("acme", BUDGET)  # any call that reaches it starts the drain
+        except LedgerUnavailable:
+            pass
+        else:
+            if ledger.waiting == 0:
+                return
+        assert time.monotonic() < deadline, f"{ledger.waiting} records still waiting"
+        await asyncio.sleep(0.1)
+
+
+async def test_records_and_settlements_refused_in_an_outage_are_written_when_it_ends(
+    proxied: tuple[TcpProxy, PostgresLedger],
+) -> None:
+    proxy, ledger = proxied
+    hold = await ledger.hold("acme", BUDGET, Decimal("2"))
+    assert hold is not None
+    await ledger.record_usage(record("before"))
+
+    await outage(proxy, ledger)
+    # Served during the outage: the settlement of a hold taken before it, and the record
+    # of a request without one (an unbudgeted route's, or a refusal's).
+    await ledger.settle_and_record(hold, Decimal("0.5"), record("settled-in-outage"))
+    await ledger.record_usage(record("recorded-in-outage"))
+    assert ledger.waiting == 2
+
+    await proxy.open()
+    await until_written(ledger)
+    ids = [r.request_id for r in await ledger.usage()]
+    assert ids == ["before", "settled-in-outage", "recorded-in-outage"]
+    status = await ledger.status("acme", BUDGET)
+    assert (status.spent, status.held) == (Decimal("0.5"), Decimal("0"))  # not the 2 held
+
+
+async def test_the_backlog_is_bounded_and_what_is_left_at_close_is_said(
+    proxied: tuple[TcpProxy, PostgresLedger],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    proxy, ledger = proxied
+    monkeypatch.setattr(postgres, "BACKLOG_LIMIT", 2)
+    await ledger.record_usage(record("open"))  # the schema exists
+    await outage(proxy, ledger)
+    await ledger.record_usage(record("kept-1"))
+    await ledger.record_usage(record("kept-2"))
+    with caplog.at_level(logging.WARNING, logger="fallback_mw.budget"):
+        with pytest.raises(LedgerUnavailable):
+            await ledger.record_usage(record("one-too-many"))
+        with pytest.raises(LedgerUnavailable):
+            await ledger.record_usage(record("still-too-many"))
+        assert ledger.waiting == 2
+        await ledger.aclose()  # the database is still away: the two are lost, and said
+    text = caplog.text
+    assert text.count("later ones are dropped") == 1, text
+    assert "2 usage records kept through the outage are lost" in text, text
+    assert ledger.waiting == 0
