@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import random
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from fallback_mw.cli.ports import free_port
 from fallback_mw.request.types import Receive, Scope, Send
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -130,34 +129,6 @@ async def silent_server() -> AsyncIterator[tuple[str, list[int]]]:
             writer.close()
         server.close()
         await server.wait_closed()
-
-
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as handle:
-            return int(handle.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-_FIRST_EPHEMERAL = _ephemeral_low()
-
-
-def free_port() -> int:
-    """A 127.0.0.1 port nothing listens on (bound and released), drawn below the ephemeral
-    range. A port the kernel hands out for `bind(0)` is one it also gives outgoing
-    connections as their local port: between this check and the server's own bind, any
-    connection (the suite's own, another process's) could take it, and a Prometheus under CI
-    failed so ("bind: address already in use"). Below that range only a listener can."""
-    for _ in range(200):
-        port = random.randrange(10_000, _FIRST_EPHEMERAL)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free 127.0.0.1 port below the ephemeral range")
 
 
 def closed_port_url() -> str:

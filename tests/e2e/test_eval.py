@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -207,3 +208,17 @@ def test_eval_refuses_an_out_it_cannot_write_before_running_the_arms(
     assert captured.err.startswith("fallback-mw: error: --out ") and str(out) in captured.err
     assert len(captured.err.strip().splitlines()) == 1
     assert "route-plan evaluation" not in captured.out  # no arm ran
+
+
+def test_the_evaluation_gateway_port_is_one_no_outgoing_connection_can_take() -> None:
+    """eval's own gateway took its port from bind(0): the kernel's ephemeral range, which
+    it also hands to outgoing connections as local ports, so the port could be taken
+    before `serve` bound it ("address already in use"). Drawn below that range now."""
+    from fallback_mw.cli.evaluation import gateway
+    from fallback_mw.cli.ports import FIRST_EPHEMERAL
+
+    for _ in range(50):
+        port = gateway.free_port()
+        assert 10_000 <= port < FIRST_EPHEMERAL
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))  # free

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,16 +14,11 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+from fallback_mw.cli.ports import free_port
+
 
 class GatewayDidNotStart(RuntimeError):
     pass
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _toml_value(value: Any) -> str:
