@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import Literal
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +116,10 @@ def split_state_url(url: str) -> tuple[str, str]:
     query = parse_qsl(parts.query, keep_blank_values=True)
     prefix = next((value for key, value in query if key == "prefix"), "fallback_mw:")
     rest = urlencode([(key, value) for key, value in query if key != "prefix"])
-    return urlunsplit((parts.scheme, parts.netloc, parts.path, rest, "")), prefix
+    # Not urlunsplit: it writes `unix:///run/redis.sock` as `unix:/run/redis.sock`, which
+    # redis-py 8 refuses ("must specify one of the following schemes").
+    url = f"{parts.scheme}://{parts.netloc}{parts.path}" + (f"?{rest}" if rest else "")
+    return url, prefix
 
 
 _UNKNOWN_ARGUMENT = re.compile(r"unexpected keyword argument '([A-Za-z0-9_]{1,64})'")
