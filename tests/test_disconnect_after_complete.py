@@ -107,3 +107,53 @@ async def test_the_servers_disconnect_after_a_complete_response_cancels_nothing(
     assert context.outcome == "served"
     assert not context.client_disconnected
     assert client.responses[0].closed  # its close was not cut short
+
+
+@pytest.mark.anyio
+async def test_a_receive_that_never_blocks_after_the_body_does_not_hold_the_loop() -> None:
+    """A driver (a test harness, a non-conforming host) whose `receive` keeps answering
+    `http.request` at once after the body's end: the watcher read it in a loop that never
+    suspended, so the event loop (every request of the process) was held for good, at
+    100 % CPU, whenever the upstream took longer than WATCH_AFTER. It now stops watching."""
+    client = Client()  # answers after WATCH_AFTER * 3: the watcher has started by then
+    gateway = Gateway(
+        host_app,
+        config={
+            "upstreams": {"a": {"url": "http://127.0.0.1:9"}},
+            "routes": [{"id": "r", "prefix": "/v1/", "plan": ["a"]}],
+        },
+        client=client,
+    )
+    calls = 0
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        nonlocal calls
+        calls += 1
+        if calls > 100:  # the old loop: fail instead of hanging the test run
+            raise RuntimeError("receive read in a loop")
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    scope: dict[str, Any] = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": "/v1/x",
+        "raw_path": b"/v1/x",
+        "query_string": b"",
+        "headers": [(b"host", b"gateway")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 2),
+    }
+    try:
+        await gateway(scope, receive, send)
+    finally:
+        await gateway.aclose()
+    assert calls == 2  # the body, then one read by the watcher
+    assert sent[0]["status"] == 200
+    assert b"".join(m.get("body", b"") for m in sent[1:]) == BODY

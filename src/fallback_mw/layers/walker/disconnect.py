@@ -16,18 +16,20 @@ async def watch_disconnect(
     """Once the body is read, the walk is the only reader left: a disconnect cancels the
     attempt in flight (walk_task) and starts nothing new."""
     await body.done.wait()
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            if context.completed:
-                # The response is complete: servers answer `receive` with a disconnect
-                # from then on (uvicorn does). Not a client gone mid-walk: the walk's
-                # work after its last chunk (closing the upstream response, settling
-                # tokens) is not cancelled.
-                return
-            context.client_disconnected = True
-            walk_task.cancel()
-            return
+    message = await receive()
+    if message["type"] != "http.disconnect":
+        # After the body's last message a server's `receive` blocks until the client
+        # goes (ASGI). A driver that answers at once with another message cannot say
+        # when that happens; reading it in a loop never suspended and held the event
+        # loop (every request of the process) for good. Nothing more is watched.
+        return
+    if context.completed:
+        # The response is complete: servers answer `receive` with a disconnect from
+        # then on (uvicorn does). Not a client gone mid-walk: the walk's work after its
+        # last chunk (closing the upstream response, settling tokens) is not cancelled.
+        return
+    context.client_disconnected = True
+    walk_task.cancel()
 
 
 # How long a walk runs before its disconnect watcher starts (see PlanWalker).
