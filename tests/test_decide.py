@@ -187,6 +187,16 @@ def test_a_failure_after_the_commit_point_names_its_kind_and_rule() -> None:
     assert gone.rule == "client_gone"
 
 
+def test_the_gateways_own_refusals_to_send_name_themselves() -> None:
+    """The connect-time address guard's refusal and a request the client library would not
+    build showed failure kind `transport` on the attempt span, the metrics and the log
+    line's `failures=`, which reads as the upstream's network failing: neither reached it."""
+    assert Outcome("unsafe_address").failure_kind == "unsafe_address"
+    assert Outcome("not_sent").failure_kind == "not_sent"
+    assert engine_outcome("local", "connect").failure_kind == "not_sent"
+    assert Outcome("transport").failure_kind == "transport"
+
+
 def table_rows() -> list[str]:
     text = DOC.read_text()
     section = text.split("## Classification of one attempt", 1)[1].split("\n## ", 1)[0]

@@ -99,6 +99,8 @@ class Outcome:
             return "response_too_large"
         if self.kind == "body_misframed":
             return "bad_request"
+        if self.kind in ("unsafe_address", "not_sent"):
+            return self.kind  # the gateway refused to send it: nothing of the upstream's
         return "transport"
 
 
