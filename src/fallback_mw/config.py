@@ -227,9 +227,13 @@ class UpstreamConfig(_Strict):
             parts.port  # noqa: B018 - raises for a port that is not 0..65535
         except ValueError:
             raise ValueError("has a malformed port") from None
-        if parts.username or parts.password:
+        # An empty userinfo (`http://@host`, `http://:@host`), query (`/?`) or fragment
+        # (`/#`) counts too: the caller's path is appended to this URL, so a trailing `?`
+        # or `#` turned it into the query or dropped it, and aiohttp fails every request
+        # to `http://:@host` (an empty Basic credential beside the injected one).
+        if "@" in parts.netloc:
             raise ValueError("must not carry credentials (use auth_env)")
-        if parts.query or parts.fragment:
+        if "?" in value or "#" in value:
             raise ValueError("must not carry a query string or fragment")
         return value.rstrip("/")
 
@@ -268,9 +272,9 @@ class UpstreamConfig(_Strict):
         parts = urlsplit(value)
         if parts.scheme != "http" or not parts.hostname or not _valid_host(parts.hostname):
             raise ValueError("must be an http:// proxy URL with a host (http://proxy:3128)")
-        if parts.username or parts.password:
+        if "@" in parts.netloc:
             raise ValueError("must not carry credentials (proxy authentication is not supported)")
-        if parts.path not in ("", "/") or parts.query or parts.fragment:
+        if parts.path not in ("", "/") or "?" in value or "#" in value:
             raise ValueError("must be http://host:port, without a path or query")
         try:
             parts.port  # noqa: B018 - raises for a port that is not 0..65535
