@@ -3,12 +3,17 @@ file, through the Python API and through the route store (`routes add`)."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from fallback_mw.config import ConfigError, load_config
 from fallback_mw.store.routes import make_upstream
+from tests.helpers import free_port, gateway_client, log_text, serve_process, wait_listening
+from tests.test_cli_admin import run_cli
+from tests.upstreams import silent_server, status_handler, upstream
 
 
 def _conf(upstream: dict[str, Any]) -> dict[str, Any]:
@@ -47,3 +52,79 @@ def test_an_upstream_url_with_an_empty_userinfo_query_or_fragment_is_refused(url
 def test_a_proxy_url_with_an_empty_userinfo_query_or_fragment_is_refused(proxy: str) -> None:
     with pytest.raises(ConfigError, match=r"upstreams\.u\.proxy"):
         load_config(_conf({"url": "http://127.0.0.1:9000", "proxy": proxy}), environ={})
+
+
+PROXY_SECRET = "proxy-pw-never-printed"
+PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("engine", ["aiohttp", "httpx"])
+async def test_proxy_variables_in_the_environment_are_not_followed(
+    engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only a configured `proxy` (checked against the allowlist and the metadata guard)
+    carries upstream traffic; a proxy from the environment would get none of those checks."""
+    async with silent_server() as (proxy_url, accepted), upstream(status_handler(200)) as target:
+        for variable in PROXY_VARIABLES:
+            monkeypatch.setenv(variable, proxy_url.replace("://", f"://u:{PROXY_SECRET}@"))
+        conf = _conf({"url": target.url})
+        conf["gateway"]["engine"] = engine
+        async with gateway_client(conf, environ={}) as client:
+            response = await client.get("/v1/x")
+    assert response.status_code == 200, response.text
+    assert target.count == 1 and accepted == []
+
+
+CONFIG = """
+[gateway]
+allow_hosts = ["127.0.0.1"]
+
+[upstreams.direct]
+url = "http://127.0.0.1:9"
+
+[upstreams.proxied]
+url = "http://127.0.0.1:8"
+proxy = "http://127.0.0.1:3128"
+
+[[routes]]
+id = "r"
+prefix = "/v1/"
+plan = ["direct", "proxied"]
+retries = 1
+"""
+
+
+def test_check_warns_that_proxy_variables_are_ignored_naming_never_their_value(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "gateway.toml"
+    path.write_text(CONFIG, encoding="utf-8")
+    for variable in PROXY_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    status, out, err = run_cli("check", "--config", str(path))
+    assert status == 0 and "proxy variables" not in out, out + err
+    monkeypatch.setenv("HTTPS_PROXY", f"http://u:{PROXY_SECRET}@10.0.0.1:3128")
+    status, out, err = run_cli("check", "--config", str(path))
+    assert status == 0, err
+    warnings = [line for line in out.splitlines() if "proxy variables" in line]
+    assert warnings == [
+        "  warning: HTTPS_PROXY set in the environment, but the gateway does not read proxy "
+        "variables: upstreams 'direct' are contacted directly; set `proxy` on an upstream "
+        "to send it through an egress proxy"
+    ]
+    assert PROXY_SECRET not in out + err and "10.0.0.1" not in out + err
+
+
+@pytest.mark.anyio
+async def test_serve_warns_that_proxy_variables_are_ignored(tmp_path: Path) -> None:
+    path, log = tmp_path / "gateway.toml", tmp_path / "serve.log"
+    path.write_text(CONFIG, encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k.upper() not in PROXY_VARIABLES}
+    env["http_proxy"] = f"http://u:{PROXY_SECRET}@10.0.0.1:3128"
+    port = free_port()
+    with serve_process(path, port, log, env=env) as process:
+        await wait_listening(process, port, log)
+    text = log_text(log)
+    assert "warning: http_proxy set in the environment, but the gateway does not read" in text
+    assert PROXY_SECRET not in text and "10.0.0.1" not in text

@@ -160,6 +160,36 @@ def _followed(route: RouteConfig) -> list[str]:
     return list(route.plan)
 
 
+# The proxy variables client libraries read when they trust the environment. Neither engine
+# does (trust_env off): a proxy taken from the environment would get none of the checks a
+# configured `proxy` gets (allowlist, metadata guard, no credentials in its URL).
+PROXY_VARIABLES = ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY")
+
+
+def ignored_proxy_variables(
+    upstreams: Mapping[str, UpstreamConfig], environ: Mapping[str, str], *, store: bool = False
+) -> str | None:
+    """A warning when a proxy variable is set (names only, never its value: a proxy URL
+    may carry a password) while upstreams without `proxy` will be contacted directly
+    (`store`: the route store's too, which the admin CLI creates without one)."""
+    found = [
+        spelling
+        for name in PROXY_VARIABLES
+        for spelling in (name, name.lower())
+        if environ.get(spelling, "").strip()
+    ]
+    direct = [repr(name) for name, upstream in upstreams.items() if upstream.proxy is None]
+    if store:
+        direct.append("the route store's")
+    if not found or not direct:
+        return None
+    return (
+        f"{', '.join(found)} set in the environment, but the gateway does not read proxy "
+        f"variables: upstreams {', '.join(direct)} are contacted directly; set `proxy` on "
+        "an upstream to send it through an egress proxy"
+    )
+
+
 def unreachable_routes(
     routes: Sequence[RouteConfig], upstreams: Mapping[str, UpstreamConfig]
 ) -> dict[str, str]:
@@ -209,6 +239,10 @@ def check(args: argparse.Namespace, console: Console) -> None:
         if route.id in unreachable:
             console.print(f"  warning: {unreachable[route.id]}")
             warnings += 1
+    ignored = ignored_proxy_variables(merged.upstreams, os.environ)
+    if ignored is not None:
+        console.print(f"  warning: {ignored}")
+        warnings += 1
     if not merged.routes:
         console.print("  warning: no routes: every request goes to the host app (serve: 404)")
         warnings += 1

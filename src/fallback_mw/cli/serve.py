@@ -10,12 +10,14 @@ import errno
 import gc
 import importlib.util
 import logging
+import os
 import signal
 import socket
 from collections.abc import Callable
 from typing import Any
 
 from fallback_mw.cli.app import Console, Failed, Refused, leaf
+from fallback_mw.cli.check import ignored_proxy_variables
 from fallback_mw.config import GatewayConfig, load_config
 from fallback_mw.extras import require
 from fallback_mw.request.types import Receive, Scope, Send
@@ -172,6 +174,10 @@ def serve(args: argparse.Namespace, console: Console) -> int | None:
 
     config = load_config(args.config)
     check_shared(config, args.workers)  # N > 1 on per-process state: refused, one line
+    store = config.gateway.store is not None
+    ignored = ignored_proxy_variables(config.upstreams, os.environ, store=store)
+    if ignored is not None:
+        console.warning(ignored)
     try:  # N > 1 with the Prometheus exporter: refused, one line (cli/otel_setup.py)
         from fallback_mw.cli.otel_setup import TelemetrySetupError, check_workers
 
