@@ -119,6 +119,40 @@ async def test_public_name_resolving_to_loopback_is_refused_at_connect_time(
     assert fake_dns["lookups"] == ["myhost.test"]
 
 
+def test_a_listed_name_resolving_to_a_private_address_says_what_to_add(
+    fake_dns: dict[str, Any],
+) -> None:
+    """A platform team lists its internal proxy by name: the refusal said the host was
+    "not in allow_hosts" when it was listed; it says why, and what to add."""
+    fake_dns["answers"]["llm-proxy.test"] = "10.1.2.3"
+    conf: dict[str, Any] = {
+        "gateway": {"allow_hosts": ["llm-proxy.test"]},
+        "upstreams": {"p": {"url": "http://llm-proxy.test:8000"}},
+        "routes": [{"id": "r", "prefix": "/v1/", "plan": ["p"]}],
+    }
+    with pytest.raises(ConfigError) as caught:
+        load_config(conf, environ={})
+    message = str(caught.value)
+    assert "not in allow_hosts" not in message
+    assert "is in allow_hosts, but resolves only to non-public" in message
+    assert "10.1.2.3" in message and "add the address or its network" in message
+    conf["gateway"]["allow_hosts"] = ["llm-proxy.test", "10.0.0.0/8"]
+    load_config(conf, environ={})
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("engine", ["aiohttp", "httpx"])
+@pytest.mark.parametrize("address", ["169.254.169.254", "fd00:ec2::254", "::ffff:169.254.169.254"])
+async def test_a_name_resolving_to_a_metadata_address_at_connect_time_is_refused(
+    engine: str, address: str, fake_dns: dict[str, Any]
+) -> None:
+    fake_dns["answers"]["metadata.test"] = address
+    client = make_client(engine, allow_hosts=(*PERMISSIVE, "metadata.test"))
+    with pytest.raises(UpstreamError) as caught:
+        await send(client, "http://metadata.test:80/latest/meta-data/")
+    assert caught.value.kind == "unsafe_address"
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("engine", ["aiohttp", "httpx"])
 async def test_connect_goes_to_the_checked_address_after_one_lookup(
