@@ -11,6 +11,7 @@ import pytest
 from fallback_mw import Gateway
 from fallback_mw.config import ConfigError, load_config
 from fallback_mw.upstream import Timeouts, UpstreamError, UpstreamRequest, make_client
+from tests.helpers import client_for
 from tests.upstreams import host_app, serve_asgi, status_handler, upstream
 
 SECRET = "sk-live-1f2e3d"
@@ -88,3 +89,28 @@ async def test_the_engines_map_an_invalid_header_value_to_an_upstream_error(
         finally:
             await client.aclose()
     assert target.count == 0
+
+
+@pytest.mark.anyio
+async def test_a_variable_unset_under_a_running_gateway_is_named_as_the_remedy() -> None:
+    """The 503 said a 429 had retired the credential and to wait for its reset, when the
+    variable had been emptied (by the host app, after load checked it)."""
+    environ = {"FMW_T_PRIMARY": SECRET, "FMW_T_BACKUP": SECRET + "-b"}
+    async with upstream(status_handler(200)) as primary, upstream(status_handler(200)) as backup:
+        gateway = Gateway(host_app, config=config(primary.url, backup.url), environ=environ)
+        del environ["FMW_T_PRIMARY"]
+        environ["FMW_T_BACKUP"] = ""
+        try:
+            async with client_for(gateway) as client:
+                response = await client.get("/v1/x")
+        finally:
+            await gateway.aclose()
+    assert primary.count == backup.count == 0
+    assert response.status_code == 503
+    error = response.json()["error"]
+    assert error["code"] == "route_exhausted"
+    assert (
+        "set the auth_env variable of 'primary', 'backup' in the gateway's environment"
+        in (error["message"])
+    )
+    assert "429" not in error["message"] and SECRET not in response.text

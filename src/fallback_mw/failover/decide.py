@@ -460,9 +460,34 @@ _SKIP_REMEDY = {
 
 def _skip_remedy(context: RequestContext) -> str:
     reasons = dict.fromkeys(s.reason for s in context.skipped)
+    unset, retired = _no_credential_candidates(context)
+    if unset:
+        # No 429 retired these: their variables were empty when the credentials were read
+        # (unset under a running gateway after load had checked them).
+        reasons.pop("no_credential", None)
     remedies = [_SKIP_REMEDY[r] for r in reasons if r in _SKIP_REMEDY]
+    if unset:
+        names = ", ".join(repr(name) for name in unset)
+        remedies.insert(0, f"set the auth_env variable of {names} in the gateway's environment")
+        if retired:
+            remedies.insert(1, _SKIP_REMEDY["no_credential"])
     remedies.append(f"a further upstream in the plan of route {context.route.id!r} would be tried")
     return "; ".join(remedies)
+
+
+def _no_credential_candidates(context: RequestContext) -> tuple[list[str], bool]:
+    """The `no_credential` candidates none of whose variables held a value (names only),
+    and whether any other candidate was skipped for want of a credential."""
+    found = context.credentials or {}
+    unset: dict[str, None] = {}
+    retired = False
+    for skip in context.skipped:
+        if skip.reason == "no_credential":
+            if skip.candidate in found and not any(found[skip.candidate]):
+                unset[skip.candidate] = None
+            else:
+                retired = True
+    return list(unset), retired
 
 
 def _route_exhausted(context: RequestContext) -> str:
