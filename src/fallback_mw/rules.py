@@ -133,6 +133,35 @@ def same_endpoint(a: str, b: str) -> bool:
     return origin(a) == origin(b)
 
 
+# Credentials that are also well-formed variable names (Stripe, GitHub, Hugging Face, npm):
+# written in `auth_env` by mistake, "environment variable <credential> is not set" would
+# print the credential on terminals, CI logs, the gateway's log and its 503 config_error.
+_TOKEN_PREFIXES = (
+    *("sk_live_", "sk_test_", "rk_live_", "rk_test_", "whsec_"),
+    *("ghp_", "gho_", "ghu_", "ghs_", "ghr_", "github_pat_", "hf_", "npm_"),
+)
+
+
+def shown_variable(name: str) -> str:
+    """A credential variable's name as messages and listings show it: as written, unless
+    it is shaped like a credential (a known token prefix, or 20+ characters mixing upper-
+    and lower-case letters and digits), which is cut to its first four characters."""
+    shaped = len(name) >= 20 and (
+        name.startswith(_TOKEN_PREFIXES)
+        or (
+            any(c.islower() for c in name)
+            and any(c.isupper() for c in name)
+            and sum(c.isdigit() for c in name) >= 2
+        )
+    )
+    if not shaped:
+        return name
+    return (
+        f"{name[:4]}... (a {len(name)}-character name shaped like a credential, not shown: "
+        "auth_env names the variable that holds the credential, never the credential itself)"
+    )
+
+
 def check_variable_name(where: str, name: str) -> None:
     """A credential variable name must be a well-formed environment variable name."""
     if not isinstance(name, str) or _VARIABLE_NAME.fullmatch(name) is None:
@@ -141,7 +170,7 @@ def check_variable_name(where: str, name: str) -> None:
         text = name if isinstance(name, str) else ""
         bare = text.removeprefix("$").removeprefix("{").removesuffix("}")
         hint = (
-            f"; write {bare} without the '$'"
+            f"; write {shown_variable(bare)} without the '$'"
             if text.startswith("$") and _VARIABLE_NAME.fullmatch(bare)
             else "; it names the variable that holds the credential, never the credential "
             "itself (the value is not shown)"
@@ -273,12 +302,13 @@ def variable_problems(
     for variable in variables:
         value = environ.get(variable)
         if not value:
-            problems.append(f"{where}: environment variable {variable} is not set")
+            problems.append(f"{where}: environment variable {shown_variable(variable)} is not set")
             continue
         problem = header_value_problem(value)
         if problem is not None:
             problems.append(
-                f"{where}: environment variable {variable} cannot be sent as a header value: "
+                f"{where}: environment variable {shown_variable(variable)} cannot be sent as a "
+                "header value: "
                 f"it {problem} (a trailing newline from a secrets file?)"
             )
     return problems

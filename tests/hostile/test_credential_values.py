@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -12,6 +13,7 @@ from fallback_mw import Gateway
 from fallback_mw.config import ConfigError, load_config
 from fallback_mw.upstream import Timeouts, UpstreamError, UpstreamRequest, make_client
 from tests.helpers import client_for
+from tests.test_cli_admin import run_cli
 from tests.upstreams import host_app, serve_asgi, status_handler, upstream
 
 SECRET = "sk-live-1f2e3d"
@@ -114,3 +116,58 @@ async def test_a_variable_unset_under_a_running_gateway_is_named_as_the_remedy()
         in (error["message"])
     )
     assert "429" not in error["message"] and SECRET not in response.text
+
+
+# Credentials that are also well-formed variable names, written in auth_env by mistake.
+TOKEN_NAMES = [
+    "sk_live_51HqLyjWDarjtT1zdp7dcXYZabc",
+    "ghp_16C7e42F292c6912E7710c838347Ae178B4a",
+    "hf_AbCdEfGhIjKlMnOpQrStUvWxYz01234567",
+    "aB3dE5gH7jK9mN1pQ3sT5vW7",
+]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("token", TOKEN_NAMES)
+async def test_a_credential_written_as_the_variable_name_is_never_printed(token: str) -> None:
+    """`auth_env = "sk_live_..."`: "environment variable sk_live_... is not set" went to the
+    terminal, the log, and every caller's 503 config_error body."""
+    conf = config("http://127.0.0.1:1", "http://127.0.0.1:2")
+    conf["upstreams"]["primary"]["auth_env"] = token
+    environ = {"FMW_T_BACKUP": "fine"}
+    with pytest.raises(ConfigError) as caught:
+        load_config(conf, environ=environ)
+    message = str(caught.value)
+    assert token not in message and token[4:12] not in message
+    assert "shaped like a credential" in message and "is not set" in message
+    gateway = Gateway(host_app, config=conf, environ=environ)
+    try:
+        async with client_for(gateway) as client:
+            response = await client.get("/v1/x")
+    finally:
+        await gateway.aclose()
+    assert response.status_code == 503 and token[4:12] not in response.text
+
+
+@pytest.mark.parametrize("token", TOKEN_NAMES[:2])
+def test_the_route_store_never_lists_a_credential_written_as_the_variable_name(
+    token: str, tmp_path: Path
+) -> None:
+    store = f"sqlite:///{tmp_path / 'routes.db'}"
+    added = (
+        *("routes", "add", "--store", store, "--id", "chat", "--prefix", "/v1/"),
+        *("--upstream", "http://127.0.0.1:9", "--auth-env", token),
+    )
+    status, out, err = run_cli(*added)
+    assert status == 0, err
+    status, out, err = run_cli("routes", "list", "--store", store)
+    assert status == 0 and "shaped like a credential" in out
+    assert token[4:12] not in out + err
+
+
+@pytest.mark.parametrize("name", ["OPENAI_API_KEY", "openai_api_key", "AZURE_KEY_2024_EU_WEST_1"])
+def test_an_ordinary_variable_name_is_still_named(name: str) -> None:
+    conf = config("http://127.0.0.1:1", "http://127.0.0.1:2")
+    conf["upstreams"]["primary"]["auth_env"] = name
+    with pytest.raises(ConfigError, match=f"environment variable {name} is not set"):
+        load_config(conf, environ={"FMW_T_BACKUP": "fine"})

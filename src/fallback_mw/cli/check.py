@@ -18,6 +18,7 @@ from fallback_mw.cli.target import (
 )
 from fallback_mw.config import GatewayConfig, RouteConfig, UpstreamConfig, load_config
 from fallback_mw.routing import RouteTable, effective_deadline_ms
+from fallback_mw.rules import shown_variable
 from fallback_mw.store.routes import MergedRoutes, merge_routes, open_store
 from fallback_mw.store_url import parse_store_url
 
@@ -48,7 +49,7 @@ def _credential(upstream: UpstreamConfig) -> str:
     if not envs:
         return "no credential"
     scheme = f"{upstream.auth_scheme} " if upstream.auth_scheme else ""
-    names = ", ".join(f"${name}" for name in envs)
+    names = ", ".join(f"${shown_variable(name)}" for name in envs)
     pool = " (pool)" if len(envs) > 1 else ""
     return f"{upstream.auth_header}: {scheme}{names}{pool}"
 

@@ -7,12 +7,13 @@ from collections.abc import Mapping, Sequence
 
 from fallback_mw.cli.app import Console
 from fallback_mw.config import RouteConfig, UpstreamConfig
+from fallback_mw.rules import shown_variable
 
 
 def candidate(name: str, upstream: UpstreamConfig | None) -> str:
     if upstream is None:
         return f"{name}=?"
-    envs = ",".join(upstream.credential_envs)
+    envs = ",".join(shown_variable(env) for env in upstream.credential_envs)
     return f"{name}={upstream.url}" + (f" (env {envs})" if envs else "")
 
 
