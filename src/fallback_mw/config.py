@@ -9,6 +9,7 @@ import os
 import re
 import ssl
 import tomllib
+import weakref
 from collections.abc import Mapping
 from decimal import Decimal
 from pathlib import Path
@@ -549,7 +550,25 @@ def validate(
     check_config_extras(config)
     if check_env:
         check_environment(config, os.environ if environ is None else environ)
+    _mark_validated(config, env_checked=check_env)
     return config
+
+
+# The models `validate` passed (by identity; a frozen model with dict fields has no hash),
+# and whether their credential variables were checked too: `as_config` hands a layer a
+# model the Gateway (or another layer) already validated without a second look-up.
+_VALIDATED: dict[int, tuple[weakref.ref[GatewayConfig], bool]] = {}
+
+
+def _mark_validated(config: GatewayConfig, *, env_checked: bool) -> None:
+    key = id(config)
+    env_checked = env_checked or _was_validated(config, env_checked=True)
+    _VALIDATED[key] = (weakref.ref(config, lambda _: _VALIDATED.pop(key, None)), env_checked)
+
+
+def _was_validated(config: GatewayConfig, *, env_checked: bool) -> bool:
+    entry = _VALIDATED.get(id(config))
+    return entry is not None and entry[0]() is config and (entry[1] or not env_checked)
 
 
 def parse_config(data: Mapping[str, Any]) -> GatewayConfig:
@@ -616,9 +635,11 @@ ConfigSource = GatewayConfig | Mapping[str, Any] | str | os.PathLike[str]
 def as_config(
     source: ConfigSource, *, environ: Mapping[str, str] | None = None, check_env: bool = True
 ) -> GatewayConfig:
-    """What every layer's `config=` takes, as `Gateway` does (SPEC §2): a `GatewayConfig`
-    as it is (`Gateway` hands its layers the one it validated), a path or a dict loaded
-    and validated (`load_config`; `check_env=False` for a layer that reads no credential)."""
-    if isinstance(source, GatewayConfig):
+    """What every layer's `config=` takes, as `Gateway` does (SPEC §2): a path, a dict or
+    a `GatewayConfig`, loaded and validated (`load_config`; `check_env=False` for a layer
+    that reads no credential). A model `validate` already passed (`Gateway` hands its
+    layers the one it validated) is taken as it is; one built directly
+    (`GatewayConfig.model_validate(...)`) meets the load-time refusals like a dict."""
+    if isinstance(source, GatewayConfig) and _was_validated(source, env_checked=check_env):
         return source
     return load_config(source, environ=environ, check_env=check_env)

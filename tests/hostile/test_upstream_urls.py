@@ -7,13 +7,15 @@ import os
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
-from fallback_mw.config import ConfigError, load_config
+from fallback_mw import BudgetGuard, CredentialInjector, PlanWalker, RouteResolver
+from fallback_mw.config import ConfigError, GatewayConfig, load_config
 from fallback_mw.store.routes import make_upstream
 from tests.helpers import free_port, gateway_client, log_text, serve_process, wait_listening
 from tests.test_cli_admin import run_cli
-from tests.upstreams import silent_server, status_handler, upstream
+from tests.upstreams import host_app, silent_server, status_handler, upstream
 
 
 def _conf(upstream: dict[str, Any]) -> dict[str, Any]:
@@ -128,3 +130,40 @@ async def test_serve_warns_that_proxy_variables_are_ignored(tmp_path: Path) -> N
     text = log_text(log)
     assert "warning: http_proxy set in the environment, but the gateway does not read" in text
     assert PROXY_SECRET not in text and "10.0.0.1" not in text
+
+
+LAYERS = {"resolver": RouteResolver, "guard": BudgetGuard, "injector": CredentialInjector}
+
+
+@pytest.mark.parametrize("layer", ["resolver", "guard", "injector", "walker"])
+def test_a_layer_given_a_model_built_directly_meets_the_load_time_refusals(layer: str) -> None:
+    """`GatewayConfig.model_validate(...)` handed to a layer used alone was taken as it
+    was: a metadata upstream, an unreachable fallback, no refusal at all."""
+    model = GatewayConfig.model_validate(
+        {
+            "gateway": {"allow_hosts": ["0.0.0.0/0"]},
+            "upstreams": {"u": {"url": "http://169.254.169.254"}},
+            "routes": [{"id": "r", "prefix": "/v1/", "plan": ["u"]}],
+        }
+    )
+    with pytest.raises(ConfigError, match="link-local / metadata"):
+        if layer == "walker":
+            PlanWalker(host_app, config=model, environ={})
+        else:
+            LAYERS[layer](host_app, config=model)
+
+
+def test_a_walker_given_a_model_checked_without_the_environment_checks_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = load_config(_conf({"url": "http://localhost:9", "auth_env": "FMW_T_UNSET"}),
+                        check_env=False)  # fmt: skip
+    RouteResolver(host_app, config=model)  # reads no credential: no check needed
+    with pytest.raises(ConfigError, match="environment variable FMW_T_UNSET is not set"):
+        PlanWalker(host_app, config=model, environ={})
+    walker = PlanWalker(host_app, config=model, environ={"FMW_T_UNSET": "k"})
+    lookups: list[str] = []
+    monkeypatch.setattr("socket.getaddrinfo", lambda *a, **k: lookups.append(a[0]) or [])
+    CredentialInjector(walker, config=model, environ={"FMW_T_UNSET": "k"})
+    assert lookups == []  # validated once: the next layer takes it as it is
+    anyio.run(walker.aclose)
