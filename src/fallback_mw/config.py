@@ -236,6 +236,11 @@ class UpstreamConfig(_Strict):
             raise ValueError("must not carry credentials (use auth_env)")
         if "?" in value or "#" in value:
             raise ValueError("must not carry a query string or fragment")
+        # httpx resolves `.` / `..` segments before sending, aiohttp sends them as written:
+        # one URL would reach two paths depending on the engine.
+        segments = parts.path.lower().replace("%2e", ".").split("/")
+        if "." in segments or ".." in segments:
+            raise ValueError("has a '.' or '..' segment in its path; write the path it means")
         return value.rstrip("/")
 
     @field_validator("auth_header")

@@ -49,6 +49,22 @@ def test_an_upstream_url_with_an_empty_userinfo_query_or_fragment_is_refused(url
 
 
 @pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:9000/a/../b",
+        "http://127.0.0.1:9000/./v1",
+        "http://127.0.0.1:9000/v1/%2E%2e",
+    ],
+)
+def test_an_upstream_url_with_dot_segments_is_refused(url: str) -> None:
+    """httpx resolved `/a/../b` to `/b` before sending; aiohttp sent `/a/../b/...` as
+    written: one configured URL reached two paths depending on the engine."""
+    with pytest.raises(ConfigError, match=r"upstreams\.u\.url: .*'\.' or '\.\.' segment"):
+        load_config(_conf({"url": url}), environ={})
+    load_config(_conf({"url": "http://127.0.0.1:9000/v1.2/..x/.well-known"}), environ={})
+
+
+@pytest.mark.parametrize(
     "proxy", ["http://proxy.test:3128?", "http://proxy.test:3128/#", "http://:@proxy.test:3128"]
 )
 def test_a_proxy_url_with_an_empty_userinfo_query_or_fragment_is_refused(proxy: str) -> None:
