@@ -488,12 +488,12 @@ def check_upstream_host(host: str, allow_hosts: Sequence[str], *, resolve: bool 
     if not any(allow.allows_address(a, via_name=host) for a in addresses):
         if allow.allows_name(host):
             # Listed, but a listed name admits public addresses only: say so, and what
-            # to add, rather than "not in allow_hosts" about a host that is.
-            shown = ", ".join(sorted(str(a) for a in addresses)[:4])
+            # to add, rather than "not in allow_hosts" about a host that is. The addresses
+            # are not named: a refusal also answers callers (503 config_error).
             raise UnsafeUpstream(
                 f"host {host!r} is in allow_hosts, but resolves only to non-public "
-                f"(loopback, private or reserved) addresses ({shown}), which a listed name "
-                "does not admit; add the address or its network (CIDR) to allow_hosts"
+                "(loopback, private or reserved) addresses, which a listed name does not "
+                "admit; add the address or its network (CIDR) to allow_hosts"
             )
         raise UnsafeUpstream(f"host {host!r} is not in allow_hosts")
 
