@@ -225,9 +225,11 @@ class UpstreamConfig(_Strict):
         if not _valid_host(parts.hostname):
             raise ValueError("has a malformed host (a DNS name or an IP address)")
         try:
-            parts.port  # noqa: B018 - raises for a port that is not 0..65535
+            port = parts.port  # raises for a port that is not 0..65535
         except ValueError:
             raise ValueError("has a malformed port") from None
+        if port == 0:  # no server listens there: every attempt would fail as a transport error
+            raise ValueError("has port 0 (no server listens on it)")
         # An empty userinfo (`http://@host`, `http://:@host`), query (`/?`) or fragment
         # (`/#`) counts too: the caller's path is appended to this URL, so a trailing `?`
         # or `#` turned it into the query or dropped it, and aiohttp fails every request
@@ -283,9 +285,11 @@ class UpstreamConfig(_Strict):
         if parts.path not in ("", "/") or "?" in value or "#" in value:
             raise ValueError("must be http://host:port, without a path or query")
         try:
-            parts.port  # noqa: B018 - raises for a port that is not 0..65535
+            port = parts.port  # raises for a port that is not 0..65535
         except ValueError:
             raise ValueError("has a malformed port") from None
+        if port == 0:  # no server listens there: every attempt would fail as a transport error
+            raise ValueError("has port 0 (no server listens on it)")
         return value.rstrip("/")
 
     @field_validator("provider")

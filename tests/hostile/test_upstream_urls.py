@@ -183,3 +183,14 @@ def test_a_walker_given_a_model_checked_without_the_environment_checks_it(
     CredentialInjector(walker, config=model, environ={"FMW_T_UNSET": "k"})
     assert lookups == []  # validated once: the next layer takes it as it is
     anyio.run(walker.aclose)
+
+
+@pytest.mark.parametrize("key", ["url", "proxy"])
+def test_an_upstream_or_proxy_url_with_port_0_is_refused(key: str) -> None:
+    """Port 0 was accepted at load: every attempt then failed as a transport error and
+    marked the upstream's breaker, for a typo `check` could have named."""
+    upstream = {"url": "http://127.0.0.1:9001"}
+    upstream[key] = "http://127.0.0.1:0"
+    config = {"upstreams": {"a": upstream}, "routes": [{"id": "r", "prefix": "/", "plan": ["a"]}]}
+    with pytest.raises(ConfigError, match="port 0"):
+        load_config(config, environ={})
