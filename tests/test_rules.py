@@ -92,11 +92,15 @@ def store_says(tmp_path: Path, primary: str, fallback: str, verb: str) -> str | 
 def test_loader_and_store_refuse_the_primarys_endpoint_however_spelled(
     tmp_path: Path, primary: str, fallback: str
 ) -> None:
+    # A dot segment is refused on its own now (the engines would reach two different
+    # paths): the refusal names that, before any comparison with the primary.
+    dotted = any(s in (".", "..", "%2e") for s in fallback.lower().split("/")[3:])
+    expected = "'.' or '..' segment" if dotted else "is the primary's own endpoint"
     loader = loader_says(primary, fallback)
-    assert loader is not None and "is the primary's own endpoint" in loader
+    assert loader is not None and expected in loader
     for verb in ("add", "set-fallback"):
         store = store_says(tmp_path, primary, fallback, verb)
-        assert store is not None and "is the primary's own endpoint" in store, verb
+        assert store is not None and expected in store, verb
 
 
 @pytest.mark.parametrize(("primary", "fallback"), DIFFERENT_ENDPOINT)

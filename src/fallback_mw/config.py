@@ -559,25 +559,27 @@ def validate(
     check_config_extras(config)
     if check_env:
         check_environment(config, os.environ if environ is None else environ)
-    _mark_validated(config, env_checked=check_env)
+    _mark_validated(config)
     return config
 
 
-# The models `validate` passed (by identity; a frozen model with dict fields has no hash),
-# and whether their credential variables were checked too: `as_config` hands a layer a
-# model the Gateway (or another layer) already validated without a second look-up.
-_VALIDATED: dict[int, tuple[weakref.ref[GatewayConfig], bool]] = {}
+# The models `validate` passed (by identity; a frozen model with dict fields has no hash):
+# `as_config` hands a layer a model the Gateway (or another layer, or the caller's own
+# `load_config`) already validated without a second look-up. Whether its credential
+# variables were checked is the validating caller's choice: a model loaded with
+# `check_env=False` (a variable set later, or rotated away) is taken as it is, and a
+# credential missing at run time is a skipped candidate (SPEC §6), never a bare request.
+_VALIDATED: dict[int, weakref.ref[GatewayConfig]] = {}
 
 
-def _mark_validated(config: GatewayConfig, *, env_checked: bool) -> None:
+def _mark_validated(config: GatewayConfig) -> None:
     key = id(config)
-    env_checked = env_checked or _was_validated(config, env_checked=True)
-    _VALIDATED[key] = (weakref.ref(config, lambda _: _VALIDATED.pop(key, None)), env_checked)
+    _VALIDATED[key] = weakref.ref(config, lambda _: _VALIDATED.pop(key, None))
 
 
-def _was_validated(config: GatewayConfig, *, env_checked: bool) -> bool:
+def _was_validated(config: GatewayConfig) -> bool:
     entry = _VALIDATED.get(id(config))
-    return entry is not None and entry[0]() is config and (entry[1] or not env_checked)
+    return entry is not None and entry() is config
 
 
 def parse_config(data: Mapping[str, Any]) -> GatewayConfig:
@@ -649,6 +651,6 @@ def as_config(
     that reads no credential). A model `validate` already passed (`Gateway` hands its
     layers the one it validated) is taken as it is; one built directly
     (`GatewayConfig.model_validate(...)`) meets the load-time refusals like a dict."""
-    if isinstance(source, GatewayConfig) and _was_validated(source, env_checked=check_env):
+    if isinstance(source, GatewayConfig) and _was_validated(source):
         return source
     return load_config(source, environ=environ, check_env=check_env)
