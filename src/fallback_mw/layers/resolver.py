@@ -46,23 +46,28 @@ def requested_deadline_ms(text: str | None) -> int | None:
     return value if value > 0 else None
 
 
-def _headers(scope: Scope, names: tuple[bytes, ...]) -> list[str | None]:
+def _headers(scope: Scope, names: tuple[bytes, ...]) -> tuple[list[str | None], bytes | None]:
     """The first value of each named header (stripped, None when absent or empty), in one
-    pass over the request's headers."""
+    pass over the request's headers; and the first of `names[:2]` (the identity headers)
+    sent twice with different values, or None."""
     found: list[str | None] = [None] * len(names)
     seen = [False] * len(names)
+    twice: bytes | None = None
     for key, value in scope.get("headers", ()):
         lower = key.lower()
         if lower in names:
             for index, name in enumerate(names):
-                if name == lower and not seen[index]:
-                    seen[index] = True
+                if name == lower:
                     try:  # UTF-8, as the engines forward it and as the config names it
                         text = value.decode()
                     except UnicodeDecodeError:  # refused with a 400 before any upstream
                         text = value.decode("latin-1")
-                    found[index] = text.strip() or None
-    return found
+                    if not seen[index]:
+                        seen[index] = True
+                        found[index] = text.strip() or None
+                    elif index < 2 and twice is None and (text.strip() or None) != found[index]:
+                        twice = name
+    return found, twice
 
 
 class RouteResolver:
@@ -111,7 +116,7 @@ class RouteResolver:
         started = time.monotonic()
         path = routed_path(scope)
         table = self.table()
-        tenant_text, session, deadline_text = _headers(scope, self.read_headers)
+        (tenant_text, session, deadline_text), twice = _headers(scope, self.read_headers)
         tenant = tenant_text or "default"
         method = scope["method"].upper()
         route, refused = table.resolve(method, path, tenant) if path else (None, None)
@@ -154,6 +159,19 @@ class RouteResolver:
                 # contacted, still one span and one log line.
                 message, rule = refusal
                 await send_error(send, context, "headers_too_large", message, rule=rule)
+                await self._record(context)
+                return
+            if twice is not None:
+                # Which one would be the caller's? A proxy in front that adds its own field
+                # beside the caller's (Envoy's default append) would let the caller's win.
+                name = twice.decode("latin-1")
+                await send_error(
+                    send, context, "bad_request",
+                    f"{name!r} was sent more than once with different values: it names the "
+                    "request's identity (tenant_header / session_header), so it must be sent "
+                    "once; a proxy in front must replace the caller's field, not add a second",
+                    rule="identity_header",
+                )  # fmt: skip
                 await self._record(context)
                 return
             if refused is not None:

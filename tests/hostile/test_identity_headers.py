@@ -1,0 +1,74 @@
+"""The tenant and session headers sent twice. A proxy in front that sets the tenant from
+the caller's authenticated identity by *adding* a field (Envoy's default append) leaves the
+caller's own field first, and the gateway read the first: the caller chose its tenant, so
+its routes, credentials and budget. Two different values are refused; equal ones are one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from fallback_mw import Gateway
+from tests.helpers import client_for
+from tests.upstreams import host_app, status_handler, upstream
+
+pytestmark = pytest.mark.anyio
+
+
+def config(url: str) -> dict[str, Any]:
+    return {
+        "gateway": {"allow_hosts": ["127.0.0.1"]},
+        "upstreams": {"acme": {"url": url}, "other": {"url": url}},
+        "routes": [
+            {"id": "acme-chat", "prefix": "/v1/", "plan": ["acme"], "tenant": "acme"},
+            {"id": "other-chat", "prefix": "/v1/", "plan": ["other"], "tenant": "other"},
+        ],
+    }
+
+
+@pytest.mark.parametrize("name", ["x-tenant-id", "x-session-id"])
+async def test_an_identity_header_sent_twice_with_different_values_is_refused(name: str) -> None:
+    async with upstream(status_handler(200, b"answered")) as up:
+        gateway = Gateway(host_app, config=config(up.url))
+        try:
+            async with client_for(gateway) as client:
+                first = "other-caller-chosen" if name == "x-tenant-id" else "s-1"
+                headers = [("x-tenant-id", "acme"), (name, first), (name, "acme-from-proxy")]
+                if name == "x-tenant-id":
+                    headers = [(name, "other"), (name, "acme")]  # the caller's first
+                response = await client.get("/v1/chat", headers=headers)
+                assert response.status_code == 400, response.text
+                error = response.json()["error"]
+                assert error["code"] == "bad_request"
+                assert error["rule"] == "identity_header"
+                assert name in error["message"]
+                assert "acme" not in error["message"] and "other" not in error["message"]
+                assert up.count == 0  # nothing sent upstream
+        finally:
+            await gateway.aclose()
+
+
+async def test_an_identity_header_sent_twice_with_one_value_is_one() -> None:
+    async with upstream(status_handler(200, b"answered")) as up:
+        gateway = Gateway(host_app, config=config(up.url))
+        try:
+            async with client_for(gateway) as client:
+                headers = [("x-tenant-id", "acme"), ("X-Tenant-Id", " acme ")]
+                response = await client.get("/v1/chat", headers=headers)
+                assert response.status_code == 200, response.text
+                assert response.headers["x-gateway-route"] == "acme-chat"
+        finally:
+            await gateway.aclose()
+
+
+async def test_an_unrouted_request_with_two_tenants_goes_to_the_host_app() -> None:
+    async with upstream(status_handler(200, b"answered")) as up:
+        gateway = Gateway(host_app, config=config(up.url))
+        try:
+            async with client_for(gateway) as client:
+                headers = [("x-tenant-id", "acme"), ("x-tenant-id", "other")]
+                response = await client.get("/elsewhere", headers=headers)
+                assert (response.status_code, response.text) == (404, "host app")
+        finally:
+            await gateway.aclose()
