@@ -51,8 +51,9 @@ def usage_record(
 async def write_record(
     ledger: Ledger, context: RequestContext, cost: Decimal | None, charged: Decimal | None
 ) -> None:
-    """The request's usage record into the ledger. An unavailable ledger loses it; the
-    outage itself is logged by the ledger, once each way: nothing per request here."""
+    """The request's usage record into the ledger. An unavailable ledger loses it (the
+    PostgreSQL ledger keeps what an outage refused before sending, and writes it later);
+    the outage itself is logged by the ledger, once each way: nothing per request here."""
     try:
         await ledger.record_usage(usage_record(context, cost, charged))
     except LedgerUnavailable:
