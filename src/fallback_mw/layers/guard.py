@@ -197,9 +197,10 @@ class BudgetGuard:
             try:
                 await one_step.settle_and_record(hold, charged or Decimal(0), record)
             except LedgerUnavailable:
-                # The hold stays in the ledger; it is settled at its amount when it goes
-                # stale. The outage itself is logged by the ledger, once when it starts and
-                # once when it ends: nothing per request.
+                # Not kept for later (the PostgreSQL ledger keeps what an outage refused
+                # before sending): the hold stays in the ledger and is settled at its
+                # amount when it goes stale. The outage itself is logged by the ledger,
+                # once when it starts and once when it ends: nothing per request.
                 logger.debug("route %s: settlement and usage record failed", context.route.id)
             return
         try:
