@@ -15,7 +15,7 @@ from fallback_mw.budget.cost import PriceBook, to_units
 from fallback_mw.cli import main
 from fallback_mw.config import BudgetConfig, ConfigError, PriceConfig, load_config
 from fallback_mw.store.ledgers import open_ledger
-from tests.helpers import client_for
+from tests.helpers import client_for, http_scope
 from tests.test_budget_guard import gateway_config, json_handler
 from tests.upstreams import host_app, upstream
 
@@ -166,3 +166,37 @@ async def test_a_model_name_no_text_column_holds_leaves_no_hold_and_a_usage_reco
             assert records[0].input_tokens == 1
         finally:
             await gateway.aclose()
+
+
+async def test_a_tenant_no_text_column_holds_leaves_no_hold_and_a_usage_record(
+    ledger_store: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The tenant is the caller's header: an app driving the gateway in-process (or a host
+    # middleware that sets it from a token's claim) can hand it a NUL, which the gateway
+    # refuses (400) but PostgreSQL text cannot hold. The settlement and its usage record
+    # failed together: the hold stayed until the stale reaper charged it, the record was
+    # lost, and every such request logged a ledger outage (and its end) at WARNING.
+    async with upstream(json_handler({})) as primary:
+        conf = gateway_config({"primary": primary.url}, store=ledger_store, limit="1000")
+        gateway = Gateway(host_app, config=conf)
+        ledger = gateway.services.ledger
+        assert ledger is not None
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        try:
+            scope = http_scope("GET", "/v1/chat", headers=[(b"x-tenant-id", b"acme\x00x")])
+            await gateway(scope, receive, send)
+            assert sent[0]["status"] == 400
+            status = await ledger.status("acme", BudgetConfig(limit=Decimal(1000)))
+            assert status.held == 0  # released, not stuck
+            (record,) = await ledger.usage(route="chat")
+            assert record.tenant == "acme\\x00x" and record.outcome == "bad_request"
+        finally:
+            await gateway.aclose()
+    assert not [r for r in caplog.records if "unreachable" in r.getMessage()]

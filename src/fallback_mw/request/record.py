@@ -31,7 +31,9 @@ def usage_record(
     return UsageRecord(
         request_id=context.request_id,
         route=context.route.id,
-        tenant=context.tenant[:MAX_NAME],  # the caller's header: bounded like the model
+        # The caller's header: bounded and stored like the model (a NUL that the header
+        # check refuses still reaches this record of its 400).
+        tenant=_storable(context.tenant[:MAX_NAME]) or "",
         budget_id=context.route.budget,
         candidates=tuple(context.candidates),
         attempts=tuple(attempts),
@@ -61,7 +63,8 @@ async def write_record(
 
 
 def _storable(text: str | None) -> str | None:
-    """`text` as every ledger's text column can hold it. A model name comes from JSON (the
+    """`text` as every ledger's text column can hold it. A tenant is a caller's header value
+    (a NUL in it is refused, but recorded). A model name comes from JSON (the
     caller's body, the upstream's answer), where `"\\ud800"` (a lone surrogate, which UTF-8
     cannot encode) and `"\\u0000"` (NUL, which PostgreSQL text refuses) are valid escapes:
     written as escapes, the record and its settlement are stored instead of failing."""
