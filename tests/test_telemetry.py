@@ -32,7 +32,7 @@ from fallback_mw.request.context import AttemptRecord, RequestContext, Usage
 from fallback_mw.telemetry import Telemetry
 from tests.helpers import client_for, http_scope, request_then_disconnect
 from tests.hostile.test_request_framing import drive
-from tests.upstreams import host_app, serve_asgi, status_handler, upstream
+from tests.upstreams import closed_port_url, host_app, serve_asgi, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
 
@@ -550,6 +550,44 @@ async def test_interleaved_requests_keep_their_own_spans(recorded: Recorded) -> 
             if s.parent is not None and s.parent.span_id == spans[tenant].context.span_id
         ]
         assert len(children) == count
+
+
+async def test_a_method_token_the_caller_makes_up_is_recorded_as_other(recorded: Recorded) -> None:
+    # A server on h11 (hypercorn, daphne, uvicorn --http h11) hands on any method token;
+    # each one the gateway refused (405) became a new value of http.request.method, the
+    # attribute span-derived metrics (the collector's spanmetrics, Tempo's generator)
+    # group by. OpenTelemetry's HTTP conventions record an unknown method as `_OTHER`.
+    config = make_config(closed_port_url(), closed_port_url())
+    config["routes"].append(
+        {"id": "dav", "prefix": "/dav/", "plan": ["primary"], "methods": ["PROPFIND"]}
+    )
+    gateway = Gateway(host_app, config=config, environ=ENV, telemetry=recorded.telemetry)
+    sent = [("X-MADE-UP-1", "/v1/models"), ("PROPFIND", "/v1/models"), ("PROPFIND", "/dav/")]
+    try:
+        for method, path in sent:
+            sink = _Sink()
+            await gateway(http_scope(method, path), request_then_disconnect(5), sink)
+            assert sink.status in (405, 502)
+    finally:
+        await gateway.aclose()
+    spans = [s for s in recorded.finished() if s.name == "gateway.request"]
+    seen = [
+        (
+            (s.attributes or {})["http.request.method"],
+            (s.attributes or {}).get("http.request.method_original"),
+        )
+        for s in spans
+    ]
+    # A method a route of the gateway forwards is known, as the standard ones are.
+    assert seen == [("_OTHER", "X-MADE-UP-1"), ("_OTHER", "PROPFIND"), ("PROPFIND", None)]
+
+
+class _Sink:
+    status: int | None = None
+
+    async def __call__(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
 
 
 async def test_without_incoming_context_a_new_trace_starts(recorded: Recorded) -> None:

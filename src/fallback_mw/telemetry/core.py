@@ -23,6 +23,7 @@ from fallback_mw.telemetry.instruments import Instruments, never_idle
 from fallback_mw.telemetry.redact import (
     EXTRACTING,
     GETTER,
+    http_method,
     label,
     quiet_propagators,
 )
@@ -133,19 +134,19 @@ class Telemetry:
                 finally:
                     EXTRACTING.reset(token)
                 kind = trace.SpanKind.SERVER
+            method, original = http_method(context.method, context.route.accepted_methods)
+            attributes: dict[str, AttributeValue] = {
+                "gateway.route.id": label(context.route.id),
+                "gateway.tenant": label(context.tenant),
+                "http.request.method": method,
+            }
+            if original is not None:
+                attributes["http.request.method_original"] = original
             span = self._tracer.start_span(
                 REQUEST_SPAN,
                 context=incoming,
                 kind=kind,
-                attributes=_genai(
-                    {
-                        "gateway.route.id": label(context.route.id),
-                        "gateway.tenant": label(context.tenant),
-                        "http.request.method": label(context.method),
-                    },
-                    context,
-                    None,
-                ),
+                attributes=_genai(attributes, context, None),
             )
             context.trace = RequestTrace(
                 span=span, parent=trace.set_span_in_context(span, incoming)

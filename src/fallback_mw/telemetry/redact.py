@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from opentelemetry.propagators.textmap import Getter
 
@@ -29,6 +29,22 @@ def model_name(value: str | None) -> str | None:
     if value is None or not _MODEL_NAME.fullmatch(value):
         return None
     return value
+
+
+# OpenTelemetry's HTTP conventions: the methods of RFC 9110 and PATCH are known; any other
+# token a caller sends is recorded as `_OTHER`, so callers cannot mint values of an attribute
+# that span-derived metrics group by.
+_KNOWN_METHODS = frozenset(
+    ("CONNECT", "DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT", "TRACE")
+)
+
+
+def http_method(method: str, forwarded: Collection[str]) -> tuple[str, str | None]:
+    """`http.request.method` and, for `_OTHER`, `http.request.method_original` (a short
+    label). A method the route forwards (`methods = ["PROPFIND"]`) is known: configured."""
+    if method in _KNOWN_METHODS or method in forwarded:
+        return method, None
+    return "_OTHER", label(method)
 
 
 # A caller's trace-context field longer than this (the W3C baggage limit) is ignored
