@@ -125,6 +125,33 @@ async def test_routed_get_fails_over_inside_django(django_site: Any, closing: No
 
 
 @pytest.mark.anyio
+async def test_a_routed_error_is_logged_once_by_the_gateway_not_by_django(
+    django_site: Any, closing: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Django logs every response >= 400 on `django.request` (5xx at ERROR: mailed to the
+    # ADMINS by Django's default LOGGING) with the HttpRequest in the record, whose repr
+    # carries the query string. A routed answer already has the gateway's own line.
+    caplog.set_level(logging.INFO)
+    async with (
+        upstream(status_handler(503)) as primary,
+        upstream(status_handler(503)) as backup,
+    ):
+        app = django_site(gateway_config(primary, backup))
+        async with client_for(app) as client:
+            failed = await client.get("/v1/models?api_key=dj-query-secret")
+            refused = await client.request("PROPFIND", "/v1/models?api_key=dj-query-secret")
+            missing = await client.get("/nowhere/?q=1")  # not routed: Django's as ever
+    assert (failed.status_code, refused.status_code, missing.status_code) == (502, 405, 404)
+    django_lines = [r for r in caplog.records if r.name == "django.request"]
+    assert [r.getMessage() for r in django_lines] == ["Not Found: /nowhere/"]
+    gateway_lines = [r for r in caplog.records if r.name == "fallback_mw.request"]
+    assert [r.__dict__["outcome"] for r in gateway_lines] == [
+        "upstream_failed",
+        "method_not_allowed",
+    ]
+
+
+@pytest.mark.anyio
 async def test_unmatched_requests_reach_django_with_their_body(
     django_site: Any, closing: None
 ) -> None:

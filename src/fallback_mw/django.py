@@ -266,6 +266,10 @@ def _streaming_response(
 
     response = StreamingHttpResponse(body(), status=start["status"])
     del response.headers["Content-Type"]  # only what the Gateway sent
+    # The gateway logged this request (its one line, no query string): Django's own
+    # `django.request` record of a status >= 400 would be a second, carrying the
+    # HttpRequest (its repr shows the query) to handlers such as mail_admins.
+    response._has_been_logged = True
     _copy_headers(start.get("headers", ()), response)
     return response
 
