@@ -853,6 +853,15 @@ async def test_hedged_attempts_each_propagate_their_own_span(recorded: Recorded)
     assert attrs["gateway.attempts"] == 2
     assert attrs["gateway.plan.chosen"] == "primary"
     assert attrs["gateway.fallback"] is False
+    # The loser's `cancelled` is the gateway's doing, not a client gone: a dashboard of
+    # client hang-ups on gateway.failure.kind="cancelled" is told so by the attempt table.
+    (row,) = [
+        line
+        for line in (ROOT / "docs" / "telemetry.md").read_text(encoding="utf-8").splitlines()
+        if line.startswith("| `gateway.failure.kind` |")
+    ]
+    cancelled = row.split("`cancelled` (", 1)[1].split(")", 1)[0]
+    assert "hedge" in cancelled
 
 
 async def test_a_real_breaker_opening_shows_in_the_gauge(recorded: Recorded) -> None:
