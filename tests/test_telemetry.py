@@ -277,6 +277,31 @@ async def test_served_as_is_4xx(recorded: Recorded, caplog: pytest.LogCaptureFix
     assert log.__dict__["status"] == 429 and log.__dict__["outcome"] == "served"
 
 
+async def test_a_served_5xx_is_an_error_on_the_request_span(recorded: Recorded) -> None:
+    # An upstream's 500 (not a failover_status) is served as it is: the outcome stays
+    # `served`, but the client got a server error, and OpenTelemetry's HTTP server
+    # convention makes that span an error (trace backends count errors by span status:
+    # an upstream answering 500 to everything read as a healthy service).
+    async with upstream(status_handler(500)) as p, upstream(status_handler(200)) as b:
+        gateway = Gateway(
+            host_app, config=make_config(p.url, b.url), environ=ENV, telemetry=recorded.telemetry
+        )
+        async with client_for(gateway) as client:
+            response = await client.get("/v1/models")
+        await gateway.aclose()
+    assert response.status_code == 500 and b.count == 0
+    request = recorded.request_span()
+    attrs = dict(request.attributes or {})
+    assert attrs["gateway.outcome"] == "served" and attrs["http.response.status_code"] == 500
+    assert attrs["error.type"] == "500"
+    assert request.status.status_code is StatusCode.ERROR
+    assert request.status.description == "500"
+    (attempt,) = recorded.attempt_spans()  # the upstream answered: no failure kind
+    assert attempt.status.status_code is StatusCode.UNSET
+    (point,) = recorded.points("gateway.requests")
+    assert point.attributes["gateway.outcome"] == "served"
+
+
 async def test_a_failure_after_the_commit_point_is_on_the_trace(
     recorded: Recorded, caplog: pytest.LogCaptureFixture
 ) -> None:

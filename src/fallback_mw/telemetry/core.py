@@ -508,6 +508,11 @@ class Telemetry:
                 attributes["error.type"] = label(outcome)
                 if outcome not in QUIET_OUTCOMES:
                     span.set_status(trace.Status(trace.StatusCode.ERROR, label(outcome)))
+            elif context.status is not None and context.status >= 500:
+                # An upstream's 5xx served as it is: OpenTelemetry's HTTP server convention
+                # (the client got a server error), the status code as error.type.
+                attributes["error.type"] = str(context.status)
+                span.set_status(trace.Status(trace.StatusCode.ERROR, str(context.status)))
             span.set_attributes(attributes)
             span.end()
             span_context = span.get_span_context()
