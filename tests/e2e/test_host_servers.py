@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -28,7 +28,7 @@ import pytest
 from aiohttp import web
 
 from tests.helpers import free_port, log_text
-from tests.upstreams import upstream
+from tests.upstreams import status_handler, upstream
 
 pytestmark = [pytest.mark.e2e, pytest.mark.anyio]
 
@@ -152,8 +152,10 @@ class DyingStream:
 
 
 @contextmanager
-def server_process(tmp: Path, name: str, upstream_url: str, port: int) -> Iterator[Path]:
-    command = SERVERS[name][1]
+def server_process(
+    tmp: Path, name: str, upstream_url: str, port: int, options: Sequence[str] = ()
+) -> Iterator[Path]:
+    command = [*SERVERS[name][1], *options]
     log = tmp / f"{name}.log"
     env = {**os.environ, "ABORT_UPSTREAM": upstream_url, "PYTHONUNBUFFERED": "1"}
     args = [part.format(port=port) for part in command]
@@ -336,3 +338,35 @@ async def test_a_response_growing_past_the_limit_is_broken_quietly_inside_fastap
     assert "ERROR" not in output and "Traceback" not in output, output
     too_large = [line for line in output.splitlines() if "outcome=response_too_large" in line]
     assert len(too_large) == 1, output
+
+
+# What docs/telemetry.md tells each server to keep its access log (which prints the query
+# string) quiet; a server absent here writes none unless asked.
+QUIET_ACCESS_LOG = {"uvicorn": ["--no-access-log"], "daphne": ["-v", "0"]}
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("name", [n for n in SERVERS if n != "hypercorn-h2c"])
+async def test_run_as_documented_no_server_writes_the_query_string(
+    tmp_path: Path, name: str
+) -> None:
+    # daphne writes an access line per request at its default verbosity, query string
+    # included ("GET /v1/chat?api_key=..."), and the docs named only uvicorn's.
+    require_server(SERVERS[name][0])
+    options = QUIET_ACCESS_LOG.get(name, [])
+    if options:
+        documented = (ROOT / "docs" / "telemetry.md").read_text(encoding="utf-8")
+        assert f"`{' '.join(options)}`" in documented, name
+    write_app(tmp_path, "gateway")
+    port = free_port()
+    async with upstream(status_handler(503)) as up:
+        with server_process(tmp_path, name, up.url, port, options) as log:
+            await wait_for(port, log)
+            async with httpx.AsyncClient(timeout=30) as client:
+                url = f"http://127.0.0.1:{port}/v1/chat?api_key=query-marker-7"
+                assert (await client.get(url)).status_code == 502
+            await anyio.sleep(0.5)  # the request line is written when the request ends
+    output = log_text(log)
+    assert "query-marker-7" not in output, output
+    failed = [line for line in output.splitlines() if "outcome=upstream_failed" in line]
+    assert len(failed) == 1, output
