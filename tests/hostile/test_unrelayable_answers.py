@@ -29,6 +29,9 @@ ANSWERS = {
     b"transfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
     "204-with-length": b"HTTP/1.1 204 No Content\r\ncontent-length: 5\r\n\r\nhello",
     "two-lengths": b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\nhello!",
+    # 2, spelled in 31 digits: aiohttp read it, uvicorn refused to write it after the
+    # commit point (an empty reply, outcome internal_error); h11 refuses over 20 digits.
+    "length-31-digits": b"HTTP/1.1 200 OK\r\ncontent-length: " + b"0" * 30 + b"2\r\n\r\nok",
     # Re-framed, the gzip-coded body would reach the client unlabelled (aiohttp relayed it).
     "gzip-chunked": b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n"
     b"5\r\nhello\r\n0\r\n\r\n",
@@ -123,4 +126,19 @@ async def test_a_large_response_field_is_relayed_on_either_engine(engine: str) -
     assert (result.status_code, result.text) == (200, "ok")
     assert result.headers["x-big"] == big.decode()
     assert result.headers["x-gateway-attempts"] == "1"
+    assert remaining == 0
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_declared_length_of_19_digits_is_over_the_limit_before_the_commit(
+    engine: str,
+) -> None:
+    # Past 18 digits the length read as "not declared": the head was relayed (200, a
+    # 10**19-byte promise) and the body cut short at max_response_body, outcome aborted.
+    head = b"HTTP/1.1 200 OK\r\ncontent-length: 9999999999999999999\r\n\r\nok"
+    result, accepted, remaining = await run(answer(head), engine)
+    assert isinstance(result, httpx.Response), result
+    assert result.status_code == 502
+    assert result.json()["error"]["code"] == "response_too_large"
+    assert accepted == 1
     assert remaining == 0

@@ -29,11 +29,14 @@ from fallback_mw.timers import Deadline, deadline_after
 
 
 def content_length(headers: Iterable[tuple[bytes, bytes]]) -> int | None:
-    """The Content-Length of a request or response: ASCII digits only, at most 18 of
-    them (anything else is treated as not declared)."""
+    """The Content-Length of an upstream response: ASCII digits only, at most 20 of them
+    (the engines refuse any other, `upstream.base.check_response_head`), read exactly: a
+    declared 10**19 bytes is over max_response_body, never "not declared" (it was, past
+    18 digits, and the head was relayed and then cut short)."""
     for key, value in headers:
         if key.lower() == b"content-length":
-            return _length(value)
+            text = value.strip()
+            return int(text) if text.isdigit() and len(text) <= 20 else None
     return None
 
 

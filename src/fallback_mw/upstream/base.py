@@ -60,6 +60,12 @@ def encode_request_headers(headers: Sequence[tuple[str, str]]) -> list[tuple[byt
 _FORBIDDEN_IN_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f\ud800-\udfff]|^[ \t]|[ \t]$")
 
 
+# The most digits a relayed Content-Length may have: h11's bound (the httpx engine, and
+# uvicorn and hypercorn writing the relayed head). Every length up to it is read exactly
+# (request.body.content_length), 10**19 bytes included.
+MAX_LENGTH_DIGITS = 20
+
+
 # What no server writes in a field value (RFC 9110 §5.5; uvicorn's and h11's own checks).
 _CTL_IN_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 
@@ -73,7 +79,9 @@ def check_response_head(status: int, headers: Sequence[tuple[bytes, bytes]]) -> 
     value with a control character other than HTAB (the engines accept `\x01` and `\x7f`;
     uvicorn refuses to write them, after the commit point: an empty reply). Two equal
     Content-Length fields: aiohttp's parser refuses them, h11 (httpx) merges them before
-    this sees them. Raises UpstreamError("protocol")."""
+    this sees them. A length of more than MAX_LENGTH_DIGITS digits (h11's own bound, so
+    both engines agree; aiohttp read `000...02` and uvicorn refused to write it after the
+    commit point: an empty reply) is invalid. Raises UpstreamError("protocol")."""
     if not 200 <= status <= 599:
         raise UpstreamError("protocol", "first_byte", "the upstream status cannot be relayed")
     # One search over every value (a tab between them is allowed in a value anyway).
@@ -87,8 +95,10 @@ def check_response_head(status: int, headers: Sequence[tuple[bytes, bytes]]) -> 
             lengths.append(value.strip())
         elif lower == b"transfer-encoding":
             codings.extend(c.strip().lower() for c in value.split(b","))
-    if len(lengths) > 1 or (lengths and not lengths[0].isdigit()):
+    if len(lengths) > 1:
         raise UpstreamError("protocol", "first_byte", "contradictory Content-Length")
+    if lengths and not (lengths[0].isdigit() and len(lengths[0]) <= MAX_LENGTH_DIGITS):
+        raise UpstreamError("protocol", "first_byte", "an invalid Content-Length")
     if codings and codings != [b"chunked"]:
         raise UpstreamError(
             "protocol", "first_byte", "a transfer coding other than chunked cannot be relayed"
