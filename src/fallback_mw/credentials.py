@@ -83,6 +83,24 @@ def without_echoed_credentials(
     ]
 
 
+def echoes_credential(context: RequestContext, name: str, text: str) -> bool:
+    """Whether `text`, read from upstream `name`'s answer (the model its body says
+    answered), carries a credential the gateway injected into that upstream: such a value
+    is never recorded (spans, the usage record, `fallback-mw usage`), since an upstream
+    echoing its key there would otherwise put a provider key in the operator's telemetry."""
+    found = (context.credentials or {}).get(name)
+    upstream = context.upstreams.get(name)
+    if not found or upstream is None:
+        return False
+    lowered = text.encode("latin-1", "replace").lower()
+    # The meter keeps at most MAX_NAME characters: a longer key arrives cut, as a piece.
+    piece = len(lowered) >= MIN_ECHOED_SECRET
+    return any(
+        secret in lowered or (piece and lowered in secret)
+        for secret in _echo_secrets(found, upstream.auth_scheme)
+    )
+
+
 @lru_cache(maxsize=256)
 def _echo_secrets(found: tuple[tuple[str, str] | None, ...], scheme: str) -> tuple[bytes, ...]:
     """The secrets behind one upstream's credential values (the scheme cut off), as

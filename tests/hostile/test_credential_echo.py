@@ -4,10 +4,16 @@ callers never hold provider keys (SPEC §1, §4)."""
 
 from __future__ import annotations
 
+from decimal import Decimal
+
 import pytest
 from aiohttp import web
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from fallback_mw import Gateway
+from fallback_mw.telemetry import Telemetry
 from tests.helpers import client_for, gateway_client
 from tests.upstreams import host_app, upstream
 
@@ -130,3 +136,52 @@ async def test_a_cookie_one_callers_upstream_set_never_goes_with_another_callers
         finally:
             await gateway.aclose()
     assert cookies == [None, None]
+
+
+LONG_KEY = "sk-" + "a1b2c3d4" * 30  # longer than the meter keeps of a model (MAX_NAME)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("key", [SECRET, LONG_KEY], ids=["key", "long-key-cut"])
+async def test_a_credential_echoed_as_the_answering_model_is_never_recorded(
+    engine: str, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The model an answer says answered goes to gen_ai.response.model, the usage record
+    # and `fallback-mw usage`: an upstream putting its key there (upper-cased here) had
+    # it written into the operator's telemetry and ledger.
+    async def model_is_the_key(request: web.Request) -> web.StreamResponse:
+        given = request.headers["authorization"].removeprefix("Bearer ")
+        usage = {"prompt_tokens": 3, "completion_tokens": 4}
+        return web.json_response({"model": given.upper(), "usage": usage})
+
+    monkeypatch.setenv("ECHO_KEY", key)
+    spans = InMemorySpanExporter()
+    provider = TracerProvider(shutdown_on_exit=False)
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    async with upstream(model_is_the_key) as single:
+        conf = {
+            "gateway": {"engine": engine},
+            "upstreams": {"single": {"url": single.url, "auth_env": "ECHO_KEY"}},
+            "routes": [{"id": "a", "prefix": "/a/", "plan": ["single"], "budget": "b"}],
+            "budgets": {"b": {"limit": "100", "default_hold": "0.5"}},
+            "prices": {"m": {"input_per_mtok": "1", "output_per_mtok": "1"}},
+        }
+        gateway = Gateway(host_app, config=conf, telemetry=Telemetry(tracer_provider=provider))
+        try:
+            async with client_for(gateway) as client:
+                response = await client.post("/a/chat", json={"model": "m", "max_tokens": 5})
+            assert response.status_code == 200
+            assert response.json()["usage"]["completion_tokens"] == 4  # relayed as it is
+            ledger = gateway.services.ledger
+            assert ledger is not None
+            (record,) = await ledger.usage()
+        finally:
+            await gateway.aclose()
+    provider.shutdown()
+    (request_span,) = [s for s in spans.get_finished_spans() if s.name == "gateway.request"]
+    assert "gen_ai.response.model" not in (request_span.attributes or {})
+    assert request_span.attributes["gen_ai.usage.output_tokens"] == 4  # the meter read it
+    assert record.model == "m"  # the requested model, which also priced it
+    assert record.cost == Decimal("0.000007")
+    recorded = request_span.to_json() + repr(record)
+    assert key[:40].lower() not in recorded.lower()

@@ -9,7 +9,7 @@ returns what ended it (`decide.relay_outcome`), for the walker to book on its at
 
 from __future__ import annotations
 
-from fallback_mw.credentials import without_echoed_credentials
+from fallback_mw.credentials import echoes_credential, without_echoed_credentials
 from fallback_mw.failover.decide import Outcome, relay_outcome
 from fallback_mw.request.body import content_length
 from fallback_mw.request.context import RequestContext
@@ -96,4 +96,7 @@ async def commit(
         return None
     finally:
         meter.finish()  # however the response ended: a cut-short one still reports usage
+        usage = context.usage
+        if usage.model is not None and echoes_credential(context, name, usage.model):
+            usage.model = None  # never recorded; the requested model prices it
         await response.aclose()
