@@ -402,6 +402,55 @@ async def test_bytes_past_an_answers_framing_never_become_the_next_callers_answe
     assert victim.status_code == 200 and victim.text.startswith("answer-"), victim.text
 
 
+def repeats_its_answer_late() -> Behaviour:
+    """A kept-alive upstream that sends its first answer again a moment later, while the
+    connection sits idle in the gateway's pool (a duplicating proxy; a server's late 408
+    is the same shape). Answers are numbered across connections."""
+    served = 0
+
+    async def behaviour(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal served
+        while True:
+            await reader.readuntil(b"\r\n\r\n")
+            served += 1
+            body = b"answer-%d" % served
+            answer = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+            writer.write(answer)
+            await writer.drain()
+            if served == 1:
+                await asyncio.sleep(0.05)
+                writer.write(answer)
+                await writer.drain()
+
+    return behaviour
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_an_answer_written_on_an_idle_connection_never_answers_the_next_caller(
+    engine: str,
+) -> None:
+    # aiohttp parsed the repeat into the idle connection's queue and handed the connection
+    # out again: the next caller's request was answered with the first caller's answer.
+    async with raw_upstream(repeats_its_answer_late()) as (url, accepted):
+        conf = {
+            "gateway": {"allow_hosts": ["127.0.0.1"], "engine": engine},
+            "upstreams": {"primary": {"url": url}},
+            "routes": [{"id": "r", "prefix": "/v1/", "plan": ["primary"]}],
+        }
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with serve_asgi(gateway) as base, httpx.AsyncClient(base_url=base) as client:
+                first = await client.get("/v1/first", timeout=30)
+                await asyncio.sleep(0.3)  # the repeat has arrived on the idle connection
+                victim = await client.get("/v1/victim", timeout=30)
+        finally:
+            await gateway.aclose()
+    assert first.text == "answer-1"
+    assert victim.status_code == 200
+    assert victim.text == "answer-2"  # its own, on a new connection: never the repeat
+    assert len(accepted) == 2
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize(
     "body",

@@ -115,6 +115,17 @@ class _Connector(aiohttp.TCPConnector):
         timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 (aiohttp's signature)
     ) -> Any:
         connection = await super().connect(req, traces, timeout)
+        # A pooled connection on which the upstream wrote while it sat idle (a late or
+        # repeated answer, another caller's) holds that answer parsed and queued, and
+        # aiohttp hands it out as is: the next request on it, another caller's, would be
+        # answered with it. Such a connection is closed and another taken; the pool holds
+        # at most `limit` of them, so a fresh connection ends the loop.
+        for _ in range((self.limit or 1024) + 1):
+            protocol = connection.protocol
+            if protocol is None or not protocol.should_close:
+                break
+            connection.close()
+            connection = await super().connect(req, traces, timeout)
         timer = _ARM_ON_CONNECT.get()
         if timer is not None:
             timer.arm()
