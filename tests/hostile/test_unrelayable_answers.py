@@ -32,6 +32,11 @@ ANSWERS = {
     # 2, spelled in 31 digits: aiohttp read it, uvicorn refused to write it after the
     # commit point (an empty reply, outcome internal_error); h11 refuses over 20 digits.
     "length-31-digits": b"HTTP/1.1 200 OK\r\ncontent-length: " + b"0" * 30 + b"2\r\n\r\nok",
+    # 7 MB of fields (each within aiohttp's 64 KiB, fewer than its 128): aiohttp relayed
+    # the head whole, past what a client reads (h11: 100 KiB), booked as served.
+    "head-7mb": b"HTTP/1.1 200 OK\r\n"
+    + b"".join(b"x-h%d: %s\r\n" % (n, b"v" * 60_000) for n in range(120))
+    + b"content-length: 2\r\n\r\nok",
     # Re-framed, the gzip-coded body would reach the client unlabelled (aiohttp relayed it).
     "gzip-chunked": b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n"
     b"5\r\nhello\r\n0\r\n\r\n",

@@ -60,6 +60,14 @@ def encode_request_headers(headers: Sequence[tuple[str, str]]) -> list[tuple[byt
 _FORBIDDEN_IN_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f\ud800-\udfff]|^[ \t]|[ \t]$")
 
 
+# The largest response head relayed, its fields counted as written: the httpx engine's own
+# bound (h11's, as httpcore sets it), so both engines agree. aiohttp bounds each field and
+# their number, not their sum: a head of 120 fields of 60 KB (7 MB) was relayed, and a
+# client with h11's or a browser's bound could not read the answer the gateway booked as
+# served.
+MAX_RESPONSE_HEAD = 100 * 1024
+
+
 # The most digits a relayed Content-Length may have: h11's bound (the httpx engine, and
 # uvicorn and hypercorn writing the relayed head). Every length up to it is read exactly
 # (request.body.content_length), 10**19 bytes included.
@@ -81,20 +89,26 @@ def check_response_head(status: int, headers: Sequence[tuple[bytes, bytes]]) -> 
     Content-Length fields: aiohttp's parser refuses them, h11 (httpx) merges them before
     this sees them. A length of more than MAX_LENGTH_DIGITS digits (h11's own bound, so
     both engines agree; aiohttp read `000...02` and uvicorn refused to write it after the
-    commit point: an empty reply) is invalid. Raises UpstreamError("protocol")."""
+    commit point: an empty reply) is invalid, and so is a head over MAX_RESPONSE_HEAD.
+    Raises UpstreamError("protocol")."""
     if not 200 <= status <= 599:
         raise UpstreamError("protocol", "first_byte", "the upstream status cannot be relayed")
     # One search over every value (a tab between them is allowed in a value anyway).
-    if _CTL_IN_VALUE.search(b"\t".join([value for _, value in headers])) is not None:
+    values = b"\t".join([value for _, value in headers])
+    if _CTL_IN_VALUE.search(values) is not None:
         raise UpstreamError("protocol", "first_byte", "a response field cannot be relayed")
+    size = len(values) + 3 * len(headers)  # each field's ": " and CRLF, less the tab
     lengths: list[bytes] = []
     codings: list[bytes] = []
     for name, value in headers:
+        size += len(name)
         lower = name.lower()
         if lower == b"content-length":
             lengths.append(value.strip())
         elif lower == b"transfer-encoding":
             codings.extend(c.strip().lower() for c in value.split(b","))
+    if size > MAX_RESPONSE_HEAD:
+        raise UpstreamError("protocol", "first_byte", "the response head is too large to relay")
     if len(lengths) > 1:
         raise UpstreamError("protocol", "first_byte", "contradictory Content-Length")
     if lengths and not (lengths[0].isdigit() and len(lengths[0]) <= MAX_LENGTH_DIGITS):
