@@ -32,6 +32,9 @@ ANSWERS = {
     # 2, spelled in 31 digits: aiohttp read it, uvicorn refused to write it after the
     # commit point (an empty reply, outcome internal_error); h11 refuses over 20 digits.
     "length-31-digits": b"HTTP/1.1 200 OK\r\ncontent-length: " + b"0" * 30 + b"2\r\n\r\nok",
+    # More than its Content-Length, in the same read: the httpx engine relayed "ok" as
+    # the complete answer (aiohttp's parser refuses it).
+    "past-its-length": b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nokEXTRA",
     # 7 MB of fields (each within aiohttp's 64 KiB, fewer than its 128): aiohttp relayed
     # the head whole, past what a client reads (h11: 100 KiB), booked as served.
     "head-7mb": b"HTTP/1.1 200 OK\r\n"
@@ -147,3 +150,14 @@ async def test_a_declared_length_of_19_digits_is_over_the_limit_before_the_commi
     assert result.json()["error"]["code"] == "response_too_large"
     assert accepted == 1
     assert remaining == 0
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_blank_line_after_an_answer_is_not_past_its_framing(engine: str) -> None:
+    # Lenient servers end an answer with an extra CRLF; parsers skip it (RFC 9112 §2.2).
+    head = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok\r\n"
+    result, accepted, _ = await run(answer(head), engine)
+    assert isinstance(result, httpx.Response), result
+    assert (result.status_code, result.text) == (200, "ok")
+    assert result.headers["x-gateway-attempts"] == "1"
+    assert accepted == 1

@@ -111,19 +111,50 @@ def map_errors(phase: Phase) -> Iterator[None]:
         _ENGINE_ACTIVE.reset(token)
 
 
-def _never_pool_leftovers(response: httpx.Response) -> None:
-    """Called as httpcore hands a finished HTTP/1.1 response's connection back to the pool.
-    Bytes already read past the answer's framing (a body on an answer to HEAD, bytes past
-    its Content-Length) would be read as the answer to the next request on the connection,
-    another caller's: such a connection is closed instead (aiohttp's parser refuses it).
-    h11's state is found through httpcore's internals, read defensively: another shape
-    checks nothing."""
+def _h11_state(response: httpx.Response) -> h11.Connection | None:
+    """The h11 state of the connection an HTTP/1.1 response came on, found through
+    httpcore's internals, read defensively: another shape finds nothing."""
     bound = getattr(response.stream, "_stream", None)  # httpx's AsyncResponseStream
     pooled = getattr(bound, "_httpcore_stream", None)  # httpcore's PoolByteStream
     inner = getattr(pooled, "_stream", None)  # HTTP11ConnectionByteStream
     state = getattr(getattr(inner, "_connection", None), "_h11_state", None)
-    if isinstance(state, h11.Connection) and state.trailing_data[0]:
+    return state if isinstance(state, h11.Connection) else None
+
+
+def _never_pool_leftovers(response: httpx.Response) -> None:
+    """Called as httpcore hands a finished HTTP/1.1 response's connection back to the pool.
+    Bytes already read past the answer's framing (a body on an answer to HEAD, bytes past
+    its Content-Length) would be read as the answer to the next request on the connection,
+    another caller's: such a connection is closed instead (aiohttp's parser refuses it)."""
+    state = _h11_state(response)
+    if state is not None and state.trailing_data[0]:
         state.send_failed()  # not DONE: httpcore closes the connection, never pools it
+
+
+def _past_its_framing(response: httpx.Response, method: str) -> bool:
+    """Whether more bytes came with the response head than its framing allows: a body on
+    an answer to HEAD, a 204 or a 304, or more than its Content-Length. Such an answer
+    contradicts itself (SPEC §12): relayed, the caller got the first Content-Length bytes
+    as a complete answer (aiohttp's parser refuses it before the head is used). Only what
+    arrived with the head is seen, as on aiohttp; h11 holds it unparsed until the body is
+    read (its buffer's length is read, not copied). The head passed check_response_head:
+    at most one Content-Length, of at most 20 digits."""
+    bodyless = method == "HEAD" or response.status_code in (204, 304)
+    declared = None
+    if not bodyless:
+        for name, value in response.headers.raw:
+            if name.lower() == b"content-length":
+                declared = int(value)
+                break
+        else:
+            return False  # chunked or close-delimited: no length to overrun
+    state = _h11_state(response)
+    buffered = getattr(state, "_receive_buffer", None)
+    if state is None or buffered is None or len(buffered) <= (declared or 0):
+        return False
+    # Blank lines after an answer are tolerated before the next (RFC 9112 §2.2; aiohttp's
+    # parser skips them too): only other bytes contradict the framing.
+    return bool(state.trailing_data[0][declared or 0 :].strip(b"\r\n"))
 
 
 class HttpxResponse:
@@ -258,6 +289,10 @@ class HttpxClient:
             try:
                 with map_errors("first_byte"):
                     check_response_head(response.status_code, response.headers.raw)
+                    if _past_its_framing(response, request.method):
+                        raise UpstreamError(
+                            "protocol", "first_byte", "bytes past the answer's framing"
+                        )
             except UpstreamError:
                 await asyncio.shield(response.aclose())
                 raise
