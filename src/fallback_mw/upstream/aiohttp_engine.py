@@ -33,7 +33,8 @@ _SKIP_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 # The longest response status line and header field read (aiohttp's default is 8190 bytes:
 # a long Content-Security-Policy, Link or Set-Cookie became a protocol failure, booked to
 # the upstream, where the httpx engine reads a head up to 100 KiB). aiohttp's count of
-# fields (128) stays, so a head is still bounded (about 8 MiB at most).
+# fields (128) stays, so a head read is still bounded (about 8 MiB at most); one relayed,
+# as on the httpx engine, is at most 100 KiB (base.MAX_RESPONSE_HEAD).
 _MAX_RESPONSE_FIELD = 64 * 1024
 
 
