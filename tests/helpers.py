@@ -3,7 +3,9 @@ httpx client on an in-process gateway."""
 
 from __future__ import annotations
 
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,8 +27,10 @@ __all__ = [
     "gateway_client",
     "http_scope",
     "log_text",
+    "own_redis",
     "request_then_disconnect",
     "serve_process",
+    "shared_again",
     "wait_listening",
 ]
 
@@ -64,6 +68,49 @@ def serve_process(
                 except subprocess.TimeoutExpired:
                     process.kill()
                     process.wait()
+
+
+@contextmanager
+def own_redis(*options: str) -> Iterator[subprocess.Popen[bytes]]:
+    """A private redis-server on a free 127.0.0.1 port (no persistence; `options` added),
+    for tests that stop, hang or misconfigure it: its port is `process.args[2]`. Killed at
+    the end, resumed first if a test left it stopped (SIGSTOP)."""
+    from tests.conftest import IN_CI
+
+    if shutil.which("redis-server") is None:
+        if IN_CI:
+            pytest.fail("redis-server is not installed (CI=true: a missing service fails)")
+        pytest.skip("redis-server is not installed")
+    port = free_port()
+    process = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no", *options],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        for _ in range(250):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+                break
+            except OSError:
+                time.sleep(0.02)
+        else:
+            raise RuntimeError("redis-server did not start")
+        yield process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGCONT)
+            process.kill()
+            process.wait()
+
+
+async def shared_again(health: Any, within: float = 10.0) -> None:
+    """Wait until a `RedisHealth` in an outage found Redis again (its background try)."""
+    until = time.monotonic() + within
+    while not health.available:
+        assert time.monotonic() < until, "Redis was not found again"
+        await anyio.sleep(0.02)
 
 
 def log_text(log: Path) -> str:

@@ -15,7 +15,7 @@ from fallback_mw.config import BreakerConfig
 from fallback_mw.health.redis import RedisHealth
 from fallback_mw.store_url import split_state_url
 from tests.conftest import REDIS_HOST, REDIS_PORT
-from tests.helpers import gateway_client
+from tests.helpers import gateway_client, shared_again
 from tests.tcp_proxy import tcp_proxy
 from tests.upstreams import Upstream, status_handler, upstream
 
@@ -257,7 +257,7 @@ async def test_redis_outage_falls_back_and_recovers(
             assert not health.available
             assert await health.admit("u") is False  # the local breaker opened
             await redis.open()
-            await asyncio.sleep(0.06)
+            await shared_again(health)
             assert await health.admit("u") is True  # Redis again: its breaker is closed
             assert health.available
         finally:

@@ -14,6 +14,7 @@ import pytest
 from fallback_mw.config import BreakerConfig
 from fallback_mw.health.redis import RedisHealth
 from tests.conftest import REDIS_HOST, REDIS_PORT
+from tests.helpers import shared_again
 from tests.tcp_proxy import tcp_proxy
 
 RETRY_INTERVAL = 0.2
@@ -58,7 +59,7 @@ async def test_recovery_after_an_outage_does_not_flap(
             assert during >= 7
 
             await redis.open()
-            await asyncio.sleep(RETRY_INTERVAL + 0.05)
+            await shared_again(health)  # the background try, no call needed
             for _ in range(5):
                 assert await staggered_calls(health, 6) == [True] * 6
                 assert health.available

@@ -5,10 +5,13 @@ gets the half-open probe. Time is Redis's own clock (`TIME`), so processes with 
 clocks agree. Every key expires. `?prefix=` in the URL namespaces the keys.
 
 If Redis cannot be reached the gateway keeps serving on this process's in-memory state,
-logs one warning per outage (never the URL's password) and counts it in a metric; it tries
-Redis again after `retry_interval` seconds and says so when Redis is back. The tries after an
-outage began are made on a new connection pool: the connections of before may be dead
-(Redis restarted, a proxy or the network dropped them) and redis-py hands an idle one out
+logs one warning per outage (its reason in Redis's words, never the URL's password) and
+counts it in a metric. While the outage lasts no request waits for Redis: every
+`retry_interval` seconds one PING in the background tries it again, and the first that
+answers ends the outage (logged). A Redis that hangs (stopped, a network that drops
+packets) costs the calls in flight when it began one `socket_timeout`, and nothing after.
+The tries are made on a new connection pool: the connections of before may be dead (Redis
+restarted, a proxy or the network dropped them) and redis-py hands an idle one out
 unchecked, so each would fail once Redis is back, and each failure would start an "outage"
 of its own.
 """
@@ -23,6 +26,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
+from urllib.parse import urlsplit
 
 from opentelemetry import metrics
 from opentelemetry.metrics import MeterProvider
@@ -149,6 +153,8 @@ class RedisHealth:
         self._group: Group[_ScriptCall] | None = None
         self._senders: set[asyncio.Task[None]] = set()
         self._retiring: set[asyncio.Task[None]] = set()  # closing a pool an outage retired
+        self._trying: asyncio.Task[None] | None = None  # the PING of an outage's next try
+        self._retry_timer: asyncio.TimerHandle | None = None  # when that PING is due
         self._max_cooldown_ms = max(self.config.max_cooldown_ms, self.config.cooldown_ms)
         self.breaker_ttl_ms = self._breaker_ttl_ms(self.probe_lease_ms)
 
@@ -201,7 +207,8 @@ class RedisHealth:
         """One script call. The calls of this process ready on one turn of the event loop
         go to Redis together, in one pipeline (one round trip, without MULTI: each script
         is atomic on its own, as before, and they run in the order they were made)."""
-        if time.monotonic() < self._retry_at:
+        if self._outage:  # nobody waits for a Redis that failed: a PING tries it again
+            self._try_again()
             return self._fell_back()
         loop = asyncio.get_running_loop()
         group = self._group
@@ -261,21 +268,71 @@ class RedisHealth:
         return _UNAVAILABLE
 
     def _failed(self, exc: BaseException) -> _Unavailable:
-        self._retry_at = time.monotonic() + self.retry_interval
         if not self._outage:
             self._outage = True
             self._retire()
+            self._try_later()
             logger.warning(
-                "health state %s unreachable (%s): serving on local in-memory state",
+                "health state %s unreachable (%s): serving on local in-memory state, "
+                "trying it again every %gs",
                 self._label,
-                type(exc).__name__,
+                self._reason(exc),
+                self.retry_interval,
             )
         return self._fell_back()
+
+    def _reason(self, exc: BaseException) -> str:
+        """The error's class and Redis's (or the socket's) words: a wrong password, a
+        database number Redis does not have, a refused or timed-out connection. One line;
+        the URL's password never (Redis does not echo it; removed should it appear)."""
+        words = " ".join(str(exc).split())[:200]
+        password = urlsplit(self._url).password
+        if password:
+            words = words.replace(password, "***")
+        return f"{type(exc).__name__}: {words}" if words else type(exc).__name__
+
+    def _try_again(self) -> None:
+        """A call made during an outage: the next try, if it is due (its timer is for an
+        outage no call sees; this, for a loop that timer's is not)."""
+        if time.monotonic() >= self._retry_at:
+            self._start_try()
+
+    def _start_try(self) -> None:
+        """One PING in the background, never two at a time, on new connections."""
+        if not self._outage:
+            return
+        trying = self._trying
+        loop = asyncio.get_running_loop()
+        if trying is not None and not trying.done() and trying.get_loop() is loop:
+            return
+        self._trying = loop.create_task(self._try())
+
+    def _try_later(self) -> None:
+        self._retry_at = time.monotonic() + self.retry_interval
+        if self._retry_timer is not None:
+            self._retry_timer.cancel()
+        self._retry_timer = asyncio.get_running_loop().call_later(
+            self.retry_interval, self._start_try
+        )
+
+    async def _try(self) -> None:
+        client = self._connection()
+        try:
+            await client.ping()
+        except (RedisError, OSError):
+            self._retire()  # the next try starts from new connections too
+            self._try_later()
+        else:
+            if client is self._client:
+                self._recovered()
 
     def _recovered(self) -> None:
         if self._outage:
             self._outage = False
             self._retry_at = 0.0  # shared at once, even if another call of this try failed
+            if self._retry_timer is not None:
+                self._retry_timer.cancel()
+                self._retry_timer = None
             logger.warning("health state %s reachable again: state is shared", self._label)
 
     def _retire(self) -> None:
@@ -585,8 +642,14 @@ class RedisHealth:
                 await asyncio.sleep(0)
             if self._senders:
                 await asyncio.gather(*self._senders, return_exceptions=True)
+            trying = self._trying
+            if trying is not None and trying.get_loop() is group.loop:
+                await asyncio.gather(trying, return_exceptions=True)
             if self._retiring:  # pools retired by an outage
                 await asyncio.gather(*self._retiring, return_exceptions=True)
+        if self._retry_timer is not None:  # after the try in flight: it may set another
+            self._retry_timer.cancel()
+            self._retry_timer = None
         self._follow_loop(asyncio.get_running_loop())  # another loop's pool: closed there
         client, self._client = self._client, None
         if client is not None:

@@ -1,0 +1,104 @@
+"""A Redis that hangs (its process stopped: connections are accepted, nothing answers) or
+that refuses the gateway (a wrong password, a database number it does not have), each on
+a real redis-server of the test's own. The health state serves on local memory: a request
+waits for a hung Redis once, when the hang begins, and never again while it lasts; the
+warning says why in Redis's words, never with the password."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+
+import pytest
+
+from fallback_mw.health.redis import RedisHealth
+from tests.helpers import own_redis
+
+pytestmark = pytest.mark.anyio
+
+SOCKET_TIMEOUT = 0.3
+RETRY_INTERVAL = 0.2
+
+
+async def timed_admit(health: RedisHealth, upstream: str = "u") -> float:
+    started = time.monotonic()
+    assert await health.admit(upstream) is True
+    return time.monotonic() - started
+
+
+async def test_a_hung_redis_delays_requests_once_not_every_retry(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="fallback_mw.health")
+    with own_redis() as redis:
+        health = RedisHealth(
+            f"redis://127.0.0.1:{redis.args[2]}/0",
+            socket_timeout=SOCKET_TIMEOUT,
+            retry_interval=RETRY_INTERVAL,
+        )
+        try:
+            await timed_admit(health)
+            assert health.available
+            redis.send_signal(signal.SIGSTOP)
+            first = await timed_admit(health)  # the call that meets the hang waits for it
+            assert first >= SOCKET_TIMEOUT * 0.9
+            assert not health.available
+            # Several retry intervals of the hang: every call is served at once, on local
+            # state; the tries are the background's (before: each call made after a retry
+            # interval waited SOCKET_TIMEOUT again, a third of the time).
+            waits = []
+            until = time.monotonic() + 6 * RETRY_INTERVAL + 2 * SOCKET_TIMEOUT
+            while time.monotonic() < until:
+                waits.append(await timed_admit(health))
+                await asyncio.sleep(0.01)
+            assert len(waits) > 20
+            assert max(waits) < SOCKET_TIMEOUT / 2, sorted(waits)[-5:]
+            assert not health.available
+
+            redis.send_signal(signal.SIGCONT)
+            for _ in range(200):  # a call after the retry interval starts the next try
+                await timed_admit(health)
+                if health.available:
+                    break
+                await asyncio.sleep(0.05)
+            assert health.available
+            fallbacks = health.local_fallback_calls
+            assert await timed_admit(health) < SOCKET_TIMEOUT
+            assert health.local_fallback_calls == fallbacks  # shared again
+        finally:
+            await health.aclose()
+    messages = [r.getMessage() for r in caplog.records if r.name == "fallback_mw.health"]
+    assert len([m for m in messages if "unreachable" in m]) == 1
+    assert "Timeout" in messages[0]
+    assert len([m for m in messages if "reachable again" in m]) == 1
+
+
+@pytest.mark.parametrize(
+    ("credentials", "database", "reason"),
+    [
+        (":wrong-PW-9917@", 0, "invalid username-password pair"),
+        ("someone:wrong-PW-9917@", 0, "invalid username-password pair"),
+        ("", 0, "AuthenticationError"),
+        (":right-PW-4471@", 99, "DB index is out of range"),
+    ],
+)
+async def test_a_refusing_redis_is_named_in_the_warning_without_the_password(
+    credentials: str, database: int, reason: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="fallback_mw.health")
+    with own_redis("--requirepass", "right-PW-4471") as redis:
+        health = RedisHealth(
+            f"redis://{credentials}127.0.0.1:{redis.args[2]}/{database}",
+            retry_interval=RETRY_INTERVAL,
+        )
+        try:
+            assert await health.admit("u") is True  # served on local state
+            assert not health.available
+        finally:
+            await health.aclose()
+    (message,) = [r.getMessage() for r in caplog.records if r.name == "fallback_mw.health"]
+    assert "unreachable" in message
+    assert reason in message
+    assert "PW" not in message
