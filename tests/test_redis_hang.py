@@ -10,11 +10,14 @@ import asyncio
 import logging
 import signal
 import time
+from pathlib import Path
 
+import anyio
+import httpx
 import pytest
 
 from fallback_mw.health.redis import RedisHealth
-from tests.helpers import own_redis
+from tests.helpers import free_port, log_text, own_redis, serve_process, wait_listening
 
 pytestmark = pytest.mark.anyio
 
@@ -102,3 +105,32 @@ async def test_a_refusing_redis_is_named_in_the_warning_without_the_password(
     assert "unreachable" in message
     assert reason in message
     assert "PW" not in message
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+async def test_serve_says_at_startup_that_it_cannot_use_the_redis_state(
+    workers: str, tmp_path: Path
+) -> None:
+    """An operator starting `serve` on a Redis that refuses the password learns it from the
+    startup log, before any traffic (each worker once), and the gateway serves."""
+    with own_redis("--requirepass", "right-PW-4471") as redis:
+        config = tmp_path / "gateway.toml"
+        config.write_text(
+            f'[gateway]\nstate = "redis://:wrong-PW-9917@127.0.0.1:{redis.args[2]}/0"\n\n'
+            '[upstreams.a]\nurl = "http://127.0.0.1:9"\n\n'
+            '[[routes]]\nid = "r"\nprefix = "/v1/"\nplan = ["a"]\n'
+        )
+        port, log = free_port(), tmp_path / "serve.log"
+        with serve_process(config, port, log, options=["--workers", workers]) as process:
+            await wait_listening(process, port, log)
+            until = time.monotonic() + 20
+            while log_text(log).count("unreachable") < int(workers):
+                assert time.monotonic() < until, log_text(log)
+                await anyio.sleep(0.1)
+            async with httpx.AsyncClient() as client:  # and it serves
+                response = await client.get(f"http://127.0.0.1:{port}/v1/x")
+            assert response.headers["x-gateway-route"] == "r"
+    text = log_text(log)
+    assert text.count("invalid username-password pair") == int(workers), text
+    assert "PW" not in text
+    assert "Traceback" not in text

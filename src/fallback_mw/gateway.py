@@ -123,8 +123,8 @@ class Gateway:
             return await receive()
 
         async def send_wrapper(message: Message) -> None:
-            if message["type"] == "lifespan.startup.complete" and self.services.store:
-                self.services.store.ensure_started()  # else the first request starts it
+            if message["type"] == "lifespan.startup.complete":
+                self.services.start()  # the store's reloader, the shared state's check
             if message["type"] == "lifespan.shutdown.complete":
                 await self.aclose()
             await send(message)
@@ -143,8 +143,7 @@ class Gateway:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                if self.services.store:
-                    self.services.store.ensure_started()
+                self.services.start()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 await self.aclose()

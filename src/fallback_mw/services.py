@@ -36,6 +36,14 @@ class Services:
     shadows: ShadowTraffic  # shadow copies in flight
     store: StoreRuntime | None = None  # route/fault reloader when gateway.store is set
 
+    def start(self) -> None:
+        """Lifespan startup: the route reloader starts (else the first request starts it)
+        and the shared state tries Redis (an unusable one is said now, not at the first
+        request)."""
+        if self.store is not None:
+            self.store.ensure_started()
+        self.health.start()
+
     async def aclose(self) -> None:
         await self.shadows.aclose()  # before the client their connections belong to
         if self.store is not None:

@@ -97,6 +97,12 @@ class HealthState(Protocol):
         cool it down. `latency` (seconds to the response head) feeds the score."""
         ...
 
+    def start(self) -> None:
+        """The server started (lifespan startup, on its event loop): a shared state tries
+        its connection now, in the background, so one it cannot use is said at startup
+        (its outage warning), not at the first request. Never raises, never waits."""
+        ...
+
     async def aclose(self) -> None: ...
 
 
@@ -153,6 +159,9 @@ class AlwaysHealthy:
         latency: float | None = None,
         quota: float | None = None,
     ) -> None:
+        return None
+
+    def start(self) -> None:
         return None
 
     async def aclose(self) -> None:

@@ -174,5 +174,8 @@ class MemoryHealth:
             pool.observe(index, ok=score_outcome(status=status, failure=failure), latency=latency,
                          now=now)  # fmt: skip
 
+    def start(self) -> None:
+        return None  # nothing to reach
+
     async def aclose(self) -> None:
         return None

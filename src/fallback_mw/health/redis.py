@@ -315,6 +315,26 @@ class RedisHealth:
             self.retry_interval, self._start_try
         )
 
+    def start(self) -> None:
+        """Lifespan startup: one PING in the background. Redis unreachable, or refusing
+        the password or the database number: the outage begins now, its warning at startup
+        (else said at the first request)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if self._outage or (self._trying is not None and not self._trying.done()):
+            return
+        self._trying = loop.create_task(self._check())
+
+    async def _check(self) -> None:
+        client = self._connection()
+        try:
+            await client.ping()
+        except (RedisError, OSError) as exc:
+            if client is self._client:
+                self._failed(exc)
+
     async def _try(self) -> None:
         client = self._connection()
         try:
