@@ -71,3 +71,38 @@ async def test_recovery_after_an_outage_does_not_flap(
     assert [m for m in messages if "unreachable" in m] == messages[:1]
     assert [m for m in messages if "reachable again" in m] == messages[1:2]
     assert len(messages) == 2
+
+
+@pytest.mark.anyio
+async def test_a_breaker_opened_locally_during_an_outage_is_reported_shared_after_it(
+    redis_url: str,
+) -> None:
+    """During the outage the local breaker opens (and the gauge says so); once Redis is back
+    the first admission reports the shared breaker, closed: FallbackMwBreakerOpen resolves
+    (before, the gauge stayed at open while every request was admitted)."""
+    reported: dict[str, str] = {}
+    parts = urlsplit(redis_url)
+    async with tcp_proxy(REDIS_HOST, REDIS_PORT) as redis:
+        health = RedisHealth(
+            f"redis://127.0.0.1:{redis.port}{parts.path}?{parts.query}",
+            BreakerConfig(window=4, min_calls=3, cooldown_ms=60_000),
+            retry_interval=RETRY_INTERVAL,
+            on_transition=reported.__setitem__,
+        )
+        try:
+            assert await health.admit("p")
+            await health.record("p", failure=False)
+            await redis.cut("abort")
+            for _ in range(3):
+                await health.admit("p")
+                await health.record("p", failure=True)
+            assert not health.available
+            assert reported == {"p": "open"}  # the local breaker
+            assert await health.admit("p") is False
+
+            await redis.open()
+            await shared_again(health)
+            assert await health.admit("p") is True  # the shared breaker never opened
+            assert reported == {"p": "closed"}
+        finally:
+            await health.aclose()

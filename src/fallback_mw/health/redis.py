@@ -140,7 +140,9 @@ class RedisHealth:
         self.max_connections = max_connections
         self.pool_timeout = pool_timeout
         self._seen: dict[str, str] = {}  # breaker state last reported, per upstream
-        self.local = MemoryHealth(self.config, probe_lease=probe_lease, on_transition=on_transition)
+        self.local = MemoryHealth(
+            self.config, probe_lease=probe_lease, on_transition=self._local_transition
+        )
         self._client: aioredis.Redis | None = None
         self._client_loop: asyncio.AbstractEventLoop | None = None  # the one it runs on
         self._scripts: dict[str, Any] = {}
@@ -419,6 +421,15 @@ class RedisHealth:
         if transition:
             self._seen[upstream] = _STATE_AFTER.get(transition, transition)
             report_transition(self.on_transition, upstream, transition)
+
+    def _local_transition(self, upstream: str, state: str) -> None:
+        """A transition of the local breakers served during an outage: reported like any,
+        and remembered as the state last reported, so the first admission once Redis is
+        back reports the shared state again (`_sync`). Else a breaker opened locally kept
+        the gauge at open, FallbackMwBreakerOpen firing, while the shared one was closed."""
+        self._seen[upstream] = state
+        if self.on_transition is not None:
+            self.on_transition(upstream, state)
 
     def _sync(self, upstream: str, state: str) -> None:
         """The shared breaker's state as an admission found it: told to the listener when it
