@@ -154,3 +154,10 @@ def check_state_url(url: str) -> None:
         else:
             reason = "it cannot be read as a Redis URL"
         raise StoreURLError(f"state URL: {reason}") from None
+    options = pool.connection_kwargs
+    for name in ("socket_timeout", "socket_connect_timeout"):
+        # 0 or less: every call to Redis times out at once (or the socket refuses it), so
+        # the state is never shared, while the name reads as "no timeout".
+        value = options.get(name)
+        if isinstance(value, int | float) and not value > 0:
+            raise StoreURLError(f"state URL: {name} must be a number of seconds above 0")
