@@ -15,9 +15,18 @@ from pathlib import Path
 import anyio
 import httpx
 import pytest
+import redis.asyncio as aioredis
 
+from fallback_mw.config import BreakerConfig
 from fallback_mw.health.redis import RedisHealth
-from tests.helpers import free_port, log_text, own_redis, serve_process, wait_listening
+from tests.helpers import (
+    free_port,
+    log_text,
+    own_redis,
+    serve_process,
+    shared_again,
+    wait_listening,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -134,3 +143,36 @@ async def test_serve_says_at_startup_that_it_cannot_use_the_redis_state(
     assert text.count("invalid username-password pair") == int(workers), text
     assert "PW" not in text
     assert "Traceback" not in text
+
+
+async def test_a_probe_admitted_by_a_hung_redis_after_the_caller_gave_up_is_given_back() -> None:
+    """The admission that met the hang timed out here but ran in Redis once it resumed: on a
+    half-open breaker it took the probe slot for nobody, and the recovered upstream was
+    skipped for the whole probe lease (30 s or more) after Redis was back."""
+    breaker = BreakerConfig(window=2, min_calls=2, cooldown_ms=200)
+    with own_redis() as redis:
+        url = f"redis://127.0.0.1:{redis.args[2]}/0"
+        health = RedisHealth(
+            url, breaker, socket_timeout=SOCKET_TIMEOUT, retry_interval=RETRY_INTERVAL
+        )
+        inspect = aioredis.Redis.from_url(url, decode_responses=True)
+        try:
+            for _ in range(2):
+                assert await health.admit("p")
+                await health.record("p", failure=True)
+            assert await health.admit("p") is False  # open
+            await asyncio.sleep(0.25)  # its cooldown is over: the next admission probes
+            redis.send_signal(signal.SIGSTOP)
+            assert await health.admit("p") is True  # timed out here: the local breaker's
+            assert not health.available
+            await health.release("p")  # the attempt it admitted ended (local state)
+            redis.send_signal(signal.SIGCONT)
+            await shared_again(health)
+            for _ in range(100):  # the ghost's slot given back once Redis is back
+                if await inspect.hget("fallback_mw:breaker:p", "probe") == "0":
+                    break
+                await asyncio.sleep(0.02)
+            assert await health.admit("p") is True  # the probe, not the lease's skip
+        finally:
+            await inspect.aclose()
+            await health.aclose()

@@ -21,8 +21,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import logging
 import math
+import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
@@ -51,6 +53,7 @@ from fallback_mw.health.pool import SCORE_HALF_LIFE, Selection, score_outcome
 from fallback_mw.health.redis_scripts import (
     ADMIT,
     FAULT_MARKED,
+    GIVE_BACK,
     MARK,
     OBSERVE,
     OPEN_FAULT,
@@ -157,6 +160,12 @@ class RedisHealth:
         self._retiring: set[asyncio.Task[None]] = set()  # closing a pool an outage retired
         self._trying: asyncio.Task[None] | None = None  # the PING of an outage's next try
         self._retry_timer: asyncio.TimerHandle | None = None  # when that PING is due
+        # Admissions are numbered (with this object's id, the owner of a probe slot they
+        # take); those sent whose answer never came are given back once Redis is back.
+        self._owner = os.urandom(6).hex()
+        self._admissions = itertools.count()
+        self._unanswered: list[tuple[str, int]] = []  # (breaker key, admission number)
+        self._giving_back: set[asyncio.Task[None]] = set()
         self._max_cooldown_ms = max(self.config.max_cooldown_ms, self.config.cooldown_ms)
         self.breaker_ttl_ms = self._breaker_ttl_ms(self.probe_lease_ms)
 
@@ -237,6 +246,10 @@ class RedisHealth:
             # ends the outage nor starts another: it answers its own calls only.
             current = client is self._client
             if isinstance(result, RedisError | OSError):
+                if call.item.name == "admit" and len(self._unanswered) < 10_000:
+                    # Sent, no answer: Redis may still run it (a hang ends) and give this
+                    # admission a probe slot nobody uses. Given back once Redis is back.
+                    self._unanswered.append((call.item.keys[0], call.item.args[3]))
                 call.future.set_result(self._failed(result) if current else self._fell_back())
             else:
                 if current:
@@ -356,6 +369,15 @@ class RedisHealth:
                 self._retry_timer.cancel()
                 self._retry_timer = None
             logger.warning("health state %s reachable again: state is shared", self._label)
+            if self._unanswered:
+                task = asyncio.get_running_loop().create_task(self._give_back())
+                self._giving_back.add(task)
+                task.add_done_callback(self._giving_back.discard)
+
+    async def _give_back(self) -> None:
+        unanswered, self._unanswered = self._unanswered, []
+        for key, number in unanswered:
+            await self._run("give_back", GIVE_BACK, [key], [self._owner, number])
 
     def _retire(self) -> None:
         """An outage began: its tries, and the calls after it, are made on a new pool. This
@@ -455,7 +477,7 @@ class RedisHealth:
             "admit",
             ADMIT,
             [self._key("breaker", upstream)],
-            [lease_ms, ttl_ms],
+            [lease_ms, ttl_ms, self._owner, next(self._admissions)],
             lambda: self.local.admit(upstream, lease=lease),
             convert,
         )
@@ -676,6 +698,8 @@ class RedisHealth:
             trying = self._trying
             if trying is not None and trying.get_loop() is group.loop:
                 await asyncio.gather(trying, return_exceptions=True)
+            if self._giving_back:
+                await asyncio.gather(*self._giving_back, return_exceptions=True)
             if self._retiring:  # pools retired by an outage
                 await asyncio.gather(*self._retiring, return_exceptions=True)
         if self._retry_timer is not None:  # after the try in flight: it may set another

@@ -9,7 +9,8 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 # KEYS[1] breaker hash. ARGV: the probe's lease ms, key ttl ms (longer than the lease; a
 # key's ttl is never shortened here, so it outlives a probe that another process took with
-# a longer lease). Returns {admitted, transition, state}: the state lets every process
+# a longer lease), the admitting process's id and the admission's number (the probe's
+# owner, for GIVE_BACK). Returns {admitted, transition, state}: the state lets every process
 # report the shared breaker as it is now, also when another process made the transition.
 ADMIT = (
     _NOW
@@ -27,7 +28,8 @@ if redis.call('PTTL', key) < tonumber(ARGV[2]) then redis.call('PEXPIRE', key, A
 if tonumber(redis.call('HGET', key, 'probe') or '0') > now then
   return {0, transition, 'half_open'}
 end
-redis.call('HSET', key, 'probe', string.format('%.0f', now + tonumber(ARGV[1])))
+redis.call('HSET', key, 'probe', string.format('%.0f', now + tonumber(ARGV[1])),
+  'owner', (ARGV[3] or '') .. ':' .. (ARGV[4] or ''))
 return {1, transition, 'half_open'}
 """
 )
@@ -255,6 +257,19 @@ return 1
 
 
 # KEYS[1] breaker hash. A half-open probe that proved nothing frees its slot.
+# KEYS[1] breaker hash. ARGV: a process id, an admission's number. An admission whose
+# answer never came back (Redis hung, the call timed out) may still have run once Redis
+# resumed: the probe slot it took, if it still holds it, is freed. Returns 1 if it did.
+GIVE_BACK = """
+local key = KEYS[1]
+if redis.call('HGET', key, 'st') == 'half_open'
+    and redis.call('HGET', key, 'owner') == ARGV[1] .. ':' .. ARGV[2] then
+  redis.call('HSET', key, 'probe', '0')
+  return 1
+end
+return 0
+"""
+
 RELEASE = """
 if redis.call('HGET', KEYS[1], 'st') == 'half_open' then
   redis.call('HSET', KEYS[1], 'probe', '0')
