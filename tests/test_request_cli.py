@@ -17,7 +17,7 @@ from aiohttp import web
 
 from fallback_mw.config import BreakerConfig
 from fallback_mw.health import create_health
-from tests.upstreams import silent_server, status_handler, upstream
+from tests.upstreams import free_port, silent_server, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
 
@@ -193,6 +193,28 @@ async def test_skip_breaker_open_in_shared_redis(tmp_path: Path, redis_url: str)
     assert primary.count == 0  # skipped: no packet
     skip_line = next(line for line in table.splitlines() if "skipped" in line.split())
     assert skip_line.split() == ["-", "primary", "skipped", "-", "-", "-", "-", "-", "breaker_open"]
+
+
+async def test_an_unreachable_redis_state_is_said_in_the_trace(tmp_path: Path) -> None:
+    """An operator asking "why is the primary skipped in production?" must not read a trace
+    made on a fresh local state as if it were the shared one: it says Redis was not used,
+    and why, never with the URL's password (before: nothing; the breakers looked closed)."""
+    async with (
+        upstream(status_handler(200, UPSTREAM_BODY)) as primary,
+        upstream(status_handler(200, UPSTREAM_BODY)) as backup,
+    ):
+        state = f"redis://:PW-REDIS-7731@127.0.0.1:{free_port()}/0"  # nothing listens
+        config = str(write_config(tmp_path, primary.url, backup.url, gateway=f'state = "{state}"'))
+        status, out, err = await request_cli("--config", config, "--route", "chat", "--json")
+        t_status, table, t_err = await request_cli("--config", config, "--route", "chat")
+    assert status == 0 and t_status == 0, err + t_err
+    no_leak(out, err, table, t_err)
+    assert "PW-REDIS-7731" not in out + err + table + t_err
+    trace = json.loads(out)
+    assert trace["state"]["kind"] == "local"
+    assert trace["state"]["reason"].startswith("ConnectionError")
+    line = next(line for line in table.splitlines() if line.startswith("state"))
+    assert "unreachable (ConnectionError" in line and "not the shared ones" in line
 
 
 async def test_refused_post_is_one_attempt_and_a_local_502(tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ from fallback_mw.config import GatewayConfig, load_config
 from fallback_mw.health import StateURLError
 from fallback_mw.request.types import ASGIApp
 from fallback_mw.security import is_field_name
+from fallback_mw.store_url import is_redis_url
 
 _MAX_TARGET = 8192
 
@@ -139,9 +140,26 @@ async def exchange_for(app: Any, options: Options, body: bytes | None) -> dict[s
         request = route_request(app, options, app.config.gateway.tenant_header)
         request = OneRequest(request.method, request.target, request.headers, body)
         exchange = await send_one(app, request)
+        state = shared_state(app)
     finally:
         await app.aclose()
-    return trace_of(exchange, show_body=options.show_body)
+    trace = trace_of(exchange, show_body=options.show_body)
+    trace["state"] = state
+    return trace
+
+
+def shared_state(app: Any) -> dict[str, Any]:
+    """Which breakers, credential health and counts the request met: `memory` (this
+    process's), `shared` (Redis), or `local` (Redis configured but not usable: a fresh
+    in-memory state, so an open breaker in Redis does not show), with the reason."""
+    if not is_redis_url(app.config.gateway.state):
+        return {"kind": "memory"}
+    from fallback_mw.health.redis import RedisHealth
+
+    health = app.services.health
+    if not isinstance(health, RedisHealth) or health.available:
+        return {"kind": "shared"}
+    return {"kind": "local", "url": health.label, "reason": health.outage_reason}
 
 
 def build_gateway(config: GatewayConfig, **services: Any) -> ASGIApp:

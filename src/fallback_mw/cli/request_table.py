@@ -75,6 +75,13 @@ def render(trace: dict[str, Any]) -> str:
         if trace["pinned"]:
             notes.append(f"pinned to {_cell(trace['pinned'])} (fault)")
         lines.append(f"plan      {plan}  ({', '.join(notes)})")
+    state = trace.get("state") or {}
+    if state.get("kind") == "local":
+        lines.append(
+            f"state     {_cell(state['url'])} unreachable ({_cell(state['reason'])}): this "
+            "trace used this process's own fresh breakers, credential health and counts, "
+            "not the shared ones"
+        )
     headers = ", ".join(_cell(h) for h in trace["request_headers"])
     sent = f"headers {headers} (values not shown)" if headers else "no headers"
     size = trace["request_body_bytes"]

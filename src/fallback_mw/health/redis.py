@@ -151,6 +151,7 @@ class RedisHealth:
         self._scripts: dict[str, Any] = {}
         self._retry_at = 0.0
         self._outage = False
+        self.outage_reason: str | None = None  # why the current outage began (no password)
         self._pool_sizes: dict[str, int] = {}
         self._selections: dict[str, Selection] = {}
         self.local_fallback_calls = 0  # calls served on local state (tests, the soak)
@@ -285,13 +286,14 @@ class RedisHealth:
     def _failed(self, exc: BaseException) -> _Unavailable:
         if not self._outage:
             self._outage = True
+            self.outage_reason = self._reason(exc)
             self._retire()
             self._try_later()
             logger.warning(
                 "health state %s unreachable (%s): serving on local in-memory state, "
                 "trying it again every %gs",
                 self._label,
-                self._reason(exc),
+                self.outage_reason,
                 self.retry_interval,
             )
         return self._fell_back()
@@ -422,6 +424,11 @@ class RedisHealth:
         local state; the outage is logged and counted here, once)."""
         result = await self._run(name, source, keys, args)
         return None if isinstance(result, _Unavailable) else result
+
+    @property
+    def label(self) -> str:
+        """The state URL without its password (for messages)."""
+        return self._label
 
     @property
     def available(self) -> bool:
