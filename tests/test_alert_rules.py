@@ -124,7 +124,8 @@ _GROUPING = re.compile(r"\b(?:by|on|without|ignoring)\s*\(([^)]*)\)")
 
 def _exported_families() -> dict[str, set[str]]:
     """Metric name -> label names, from a real routed request (failing primary, backup
-    answers, breaker opens) exported by OpenTelemetry's Prometheus exporter."""
+    answers, breaker opens, the Redis state unreachable) exported by OpenTelemetry's
+    Prometheus exporter."""
     families: dict[str, set[str]] = {}
     for sample in _exported_samples():
         families.setdefault(sample.name, set()).update(sample.labels)
@@ -140,7 +141,7 @@ def _exported_samples() -> list[Any]:
 
     from fallback_mw.telemetry import Telemetry
     from tests.helpers import gateway_client
-    from tests.upstreams import status_handler, upstream
+    from tests.upstreams import free_port, status_handler, upstream
 
     registry = CollectorRegistry()
     reader = PrometheusMetricReader(registry=registry)  # type: ignore[no-untyped-call]
@@ -152,7 +153,11 @@ def _exported_samples() -> list[Any]:
             upstream(status_handler(200, b"ok")) as backup,
         ):
             conf = {
-                "gateway": {"breaker": {"min_calls": 1}},
+                # A Redis state nothing answers: served on local state, and counted.
+                "gateway": {
+                    "breaker": {"min_calls": 1},
+                    "state": f"redis://127.0.0.1:{free_port()}/0",
+                },
                 "upstreams": {"primary": {"url": primary.url}, "backup": {"url": backup.url}},
                 "routes": [
                     {"id": "chat", "prefix": "/api/", "plan": ["primary", "backup"], "retries": 1}
@@ -180,6 +185,7 @@ def test_rules_use_the_exported_names_and_labels() -> None:
         "gateway_fallbacks_total",
         "gateway_request_duration_seconds_bucket",
         "gateway_breaker_state",
+        "gateway_health_local_fallbacks_total",
     ):
         assert name in families, sorted(families)
     all_labels = set().union(*families.values())
