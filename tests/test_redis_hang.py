@@ -176,3 +176,15 @@ async def test_a_probe_admitted_by_a_hung_redis_after_the_caller_gave_up_is_give
         finally:
             await inspect.aclose()
             await health.aclose()
+
+
+def test_the_warning_reason_never_holds_the_password_however_spelled() -> None:
+    """Planted leak: should an error ever quote the password, as written in the URL or as
+    sent (percent-decoded), the warning's reason shows neither."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    health = RedisHealth("redis://:p%40ss-PW-5120@127.0.0.1:6390/0")
+    for quoted in ("p%40ss-PW-5120", "p@ss-PW-5120"):
+        reason = health._reason(RedisConnectionError(f"refused for {quoted} at 127.0.0.1"))
+        assert "PW-5120" not in reason
+        assert reason.startswith("ConnectionError: refused for *** at 127.0.0.1")

@@ -28,7 +28,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from opentelemetry import metrics
 from opentelemetry.metrics import MeterProvider
@@ -304,8 +304,8 @@ class RedisHealth:
         the URL's password never (Redis does not echo it; removed should it appear)."""
         words = " ".join(str(exc).split())[:200]
         password = urlsplit(self._url).password
-        if password:
-            words = words.replace(password, "***")
+        for spelling in {password, unquote(password)} if password else ():
+            words = words.replace(spelling, "***")  # as written, and as sent (decoded)
         return f"{type(exc).__name__}: {words}" if words else type(exc).__name__
 
     def _try_again(self) -> None:
