@@ -109,10 +109,23 @@ def test_openai_responses_sse_usage_in_response_completed() -> None:
         assert (usage.input_tokens, usage.output_tokens, usage.model) == (12, 5, "gpt-4o-mini")
 
 
+def test_the_bodys_first_bytes_decide_how_it_is_read_split_anywhere() -> None:
+    # Leading whitespace and a chunk too short to tell wait for more bytes (or the end).
+    answer = b' \r\n {"model":"m","usage":{"prompt_tokens":2,"completion_tokens":3}}'
+    stream = b'\n: hi\ndata: {"model":"m","usage":{"prompt_tokens":2,"completion_tokens":3}}\n\n'
+    for body, label in ((answer, b"application/octet-stream"), (answer, SSE), (stream, JSON)):
+        for size in (1, 3, len(body)):
+            usage = meter_over(split_every(body, size), label)
+            assert (usage.input_tokens, usage.output_tokens) == (2, 3), (body, label, size)
+
+
 def test_other_content_and_garbage_report_nothing() -> None:
-    # Text and unlabelled answers are metered as JSON (the SDKs parse them so); others not.
-    assert meter_over([b'{"usage":{"prompt_tokens":1}}'], b"text/html") == Usage()
-    assert meter_over([b'{"usage":{"prompt_tokens":1}}'], b"application/octet-stream") == Usage()
+    # A body that is neither a JSON object nor an event stream, under a label that says
+    # neither, is not metered (the SDKs read any label's JSON object or stream).
+    assert meter_over([b'<p>"usage":{"prompt_tokens":1}}'], b"text/html") == Usage()
+    assert (
+        meter_over([b'\x00{"usage":{"prompt_tokens":1}}'], b"application/octet-stream") == Usage()
+    )
     assert meter_over([b"plain words, no usage"], b"text/plain") == Usage()
     assert meter_over([b"data: {not json\n\n", b"\xff\xfe\n\n"], SSE) == Usage()
     assert meter_over([b'{"usage": {"prompt_tokens": true}}'], JSON) == Usage()

@@ -46,11 +46,14 @@ async def charged_for(body: bytes, content_type: str, engine: str) -> Decimal:
             await gateway.aclose()
 
 
-async def sdk_output_tokens(body: bytes, engine: str) -> int | None:
-    """The completion tokens the openai SDK reads from this stream through the gateway."""
+async def sdk_output_tokens(
+    body: bytes, engine: str, content_type: str = "text/event-stream", *, stream: bool = True
+) -> int | None:
+    """The completion tokens the openai SDK reads from this answer through the gateway,
+    having asked for a stream (or not)."""
     import openai
 
-    async with upstream(answering(body, "text/event-stream")) as primary:
+    async with upstream(answering(body, content_type)) as primary:
         conf = gateway_config({"primary": primary.url}, store=None, limit="1000")
         conf["gateway"]["engine"] = engine
         gateway = Gateway(host_app, config=conf)
@@ -59,11 +62,14 @@ async def sdk_output_tokens(body: bytes, engine: str) -> int | None:
                 client = openai.AsyncOpenAI(
                     base_url="http://gw/v1", api_key="unused", http_client=http, max_retries=0
                 )
-                stream = await client.chat.completions.create(
+                if not stream:
+                    answer = await client.chat.completions.create(model="gpt-test", messages=[])
+                    return None if answer.usage is None else answer.usage.completion_tokens
+                chunks = await client.chat.completions.create(
                     model="gpt-test", messages=[], stream=True
                 )
                 tokens = None
-                async for chunk in stream:
+                async for chunk in chunks:
                     if chunk.usage is not None:
                         tokens = chunk.usage.completion_tokens
                 return tokens
@@ -197,3 +203,48 @@ async def test_a_json_answer_labelled_as_text_is_charged_its_usage(
         "usage": {"prompt_tokens": 10, "completion_tokens": 20000},
     }
     assert await charged_for(json.dumps(answer).encode(), content_type, engine) == FULL_COST
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize(
+    "content_type",
+    ["application/octet-stream", "text/html", "text/json", "text/event-stream", "image/png"],
+)
+async def test_a_json_answer_under_any_label_is_charged_its_usage(
+    engine: str, content_type: str
+) -> None:
+    # The SDKs parse a non-streamed answer as JSON whatever its content type (openai's and
+    # anthropic's _response.py: any label not ending in "json" is still tried as JSON): an
+    # upstream labelling it application/octet-stream, text/html or even text/event-stream
+    # was settled at the 0.01 hold while the client read 20,000 completion tokens.
+    answer = json.dumps(
+        {
+            "model": "gpt-test",
+            "choices": [],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 20000},
+        }
+    ).encode()
+    assert await sdk_output_tokens(answer, engine, content_type, stream=False) == 20000
+    assert await charged_for(answer, content_type, engine) == FULL_COST
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize(
+    "content_type", ["application/json", "text/plain", "application/octet-stream"]
+)
+async def test_an_event_stream_under_any_label_is_charged_its_usage(
+    engine: str, content_type: str
+) -> None:
+    # An SDK that asked for a stream reads the answer as SSE whatever its content type: a
+    # stream labelled application/json was parsed as one JSON document, failed, and was
+    # settled at the hold.
+    body = sse(CHUNK.encode(), USAGE, b"[DONE]")
+    assert await sdk_output_tokens(body, engine, content_type) == 20000
+    assert await charged_for(body, content_type, engine) == FULL_COST
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_binary_answer_is_relayed_and_settled_at_the_hold(engine: str) -> None:
+    # Audio, images: not metered (no SDK reads usage from them): the hold is charged.
+    body = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 64
+    assert await charged_for(body, "image/png", engine) == Decimal("0.01")

@@ -7,7 +7,9 @@ settles `tpm` from it, telemetry reports it. It sits below the layers for that r
 OpenAI reports `usage.prompt_tokens` / `usage.completion_tokens`; Anthropic reports
 `usage.input_tokens` / `usage.output_tokens` (in a stream: `message_start` carries the
 input count, `message_delta` the cumulative output count); the OpenAI Responses API's
-stream reports them in the final `response.completed` event's `response`. JSON bodies
+stream reports them in the final `response.completed` event's `response`. The body's first
+bytes decide how it is read, the label only when they cannot (`UsageMeter._sniff`), as the
+SDKs read a JSON object or an event stream under any content type. JSON bodies
 are parsed once they end, if they fit in `json_cap`; a larger body is only searched near
 its end, where the providers put `usage`. SSE is parsed line by line (CRLF, LF or CR),
 keeping at most one event, up to `data: [DONE]`, where the SDKs stop reading.
@@ -64,7 +66,9 @@ class UsageMeter:
     def __init__(self, target: Usage, *, json_cap: int = DEFAULT_JSON_CAP) -> None:
         self.target = target
         self.json_cap = json_cap
-        self.mode: str | None = None  # "sse", "json" or "ignore"
+        self.mode: str | None = None  # "sniff", then "sse", "json" or "ignore"
+        self._label = "other"  # what the content type says: "sse", "json" or "other"
+        self._head = b""  # the body's first bytes while they cannot decide yet
         self._decoder: Any = None  # a zlib decompressor for a gzip / deflate body
         self.decoded = 0  # bytes it produced
         self._json: list[bytes] = []
@@ -86,8 +90,8 @@ class UsageMeter:
     ) -> None:
         try:
             if self.mode is None:
-                self.mode = _mode(content_type)
-                if self.mode != "ignore" and content_encoding is not None:
+                self.mode, self._label = "sniff", _mode(content_type)
+                if content_encoding is not None:
                     readable, self._decoder = _decoder(content_encoding)
                     if not readable:
                         self.mode = "ignore"  # a coding the meter cannot read
@@ -95,6 +99,8 @@ class UsageMeter:
                 return
             if self._decoder is not None:
                 chunk = self._decode(chunk)
+            if self.mode == "sniff":
+                chunk = self._sniff(chunk, ended=False)
             if self.mode == "sse":
                 self._feed_sse(chunk)
             elif self.mode == "json":
@@ -111,12 +117,26 @@ class UsageMeter:
             return
         self._finished = True
         try:
+            if self.mode == "sniff":  # a body too short to decide until now
+                head = self._sniff(b"", ended=True)
+                if self.mode == "sse":
+                    self._feed_sse(head)
+                elif self.mode == "json":
+                    self._feed_json(head)
             if self.mode == "json":
                 if self._json is not None and self._json_size <= self.json_cap:
-                    self._apply_document(_loads(b"".join(self._json)))
+                    data = b"".join(self._json)
+                    document = _loads(data)
+                    if document is None and data.find(b"data:") >= 0:
+                        # Not one JSON document but an event stream labelled as JSON:
+                        # an SDK that asked for a stream reads it as one, whatever its label.
+                        self.mode = "sse"
+                        self._feed_sse(data)
+                    else:
+                        self._apply_document(document)
                 else:
                     self._apply_tail()
-            elif self.mode == "sse":
+            if self.mode == "sse":
                 if self._line:
                     self._end_line(self._line)
                     self._line = b""
@@ -132,6 +152,32 @@ class UsageMeter:
         if self.decoded > self.MAX_DECODED:
             raise ValueError("decoded body over MAX_DECODED")  # observe stops metering
         return bytes(decoded)
+
+    def _sniff(self, chunk: bytes, *, ended: bool) -> bytes:
+        """Decide the mode from the body's first bytes, as the SDKs read a body whatever
+        its label: a JSON object (`{`) is parsed as JSON (an SDK parses a non-streamed
+        answer as JSON under any content type), an event stream's first field as SSE (an
+        SDK that asked for a stream reads it as one under any content type); otherwise
+        the label decides (`_mode`), and a body of any other type is not metered. Returns
+        the bytes to feed the chosen mode (none while undecided)."""
+        data = self._head + chunk if self._head else chunk
+        start = _FIRST_BYTE.search(data)
+        first = b"" if start is None else data[start.start() : start.start() + _SSE_FIELD_BYTES]
+        decided = ended or first[:1] == b"{" or len(first) == _SSE_FIELD_BYTES
+        if not decided and len(data) < _HEAD_MAX:  # whitespace so far, or too few to tell
+            self._head = data
+            return b""
+        self._head = b""
+        if first[:1] == b"{":
+            self.mode = "json"
+        elif self._label == "sse" or _SSE_FIELD.match(first):
+            self.mode = "sse"
+        elif self._label == "json":
+            self.mode = "json"
+        else:
+            self.mode = "ignore"  # audio, an image, HTML: nothing an SDK reads usage from
+            return b""
+        return data
 
     # --- JSON -------------------------------------------------------------------------
 
@@ -267,19 +313,25 @@ class UsageMeter:
 
 
 def _mode(content_type: bytes | None) -> str:
+    """What the label says the body is; the body's first bytes have the last word
+    (`UsageMeter._sniff`)."""
     kind = (content_type or b"").split(b";", 1)[0].strip().lower()
     if kind == b"text/event-stream":
         return "sse"
-    if kind == b"application/json" or kind.endswith(b"+json"):
+    if kind.endswith(b"json") or kind in _UNLABELLED:
+        # The SDKs parse an answer as JSON whatever it is labelled; these labels are
+        # parsed even when the body does not start like a JSON object.
         return "json"
-    if kind in _UNLABELLED:
-        # The SDKs parse an answer as JSON whatever it is labelled: one sent as text (or
-        # unlabelled) is metered as JSON, so no label can hide its usage.
-        return "json"
-    return "ignore"
+    return "other"
 
 
 _UNLABELLED = frozenset({b"", b"text/plain"})
+# The first byte that is not whitespace or a UTF-8 byte-order mark's.
+_FIRST_BYTE = re.compile(rb"[^ \t\r\n\xef\xbb\xbf]")
+# An event stream's first line: a field (`data:`, `event:`, `id:`, `retry:`) or a comment.
+_SSE_FIELD = re.compile(rb"(?:data|event|id|retry)?:|(?:data|event|id|retry)\r?\n")
+_SSE_FIELD_BYTES = len(b"retry:")
+_HEAD_MAX = 1024  # leading whitespace kept while undecided, at most
 
 
 # A gzip (`x-gzip`) or zlib-wrapped deflate stream, told apart by its header.
