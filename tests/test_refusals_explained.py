@@ -310,3 +310,38 @@ async def test_the_budget_guards_refusals_say_what_would_change_them(tmp_path: P
     for phrase in ("cannot be reached", "[gateway] store", "budget"):
         assert phrase in unreachable["message"], unreachable["message"]
     assert "missing-dir" not in unreachable["message"]  # never the store's URL
+
+
+async def test_a_hold_larger_than_the_whole_limit_says_so_not_wait_for_the_next_window(
+    tmp_path: Path,
+) -> None:
+    # A caller asking for max_tokens 100,000 of a budget whose whole limit is 1.00 was told
+    # the limit "is spent or held" and to "wait for its next window", at zero spend: no
+    # window would ever have room. The message now says the request's hold is over the
+    # whole limit, how much, and what in the request (or the budget) would change it.
+    async with upstream(status_handler(200)) as p, upstream(status_handler(200)) as b:
+        conf = config(p.url, b.url, gateway={"store": f"sqlite:///{tmp_path / 'gw.db'}"})
+        conf["budgets"] = {
+            "acme": {"limit": "1", "window": "day"},
+            "zero": {"limit": "0", "window": "day"},
+        }
+        conf["prices"] = {"gpt-x": {"input_per_mtok": "0", "output_per_mtok": "20"}}
+        conf["routes"][0]["budget"] = "acme"
+        conf["routes"].append({"id": "z", "prefix": "/v2/", "plan": ["primary"], "budget": "zero"})
+        async with gateway_client(conf, environ=ENV) as client:
+            big = b'{"model":"gpt-x","max_tokens":100000}'
+            alone = (await client.post("/v1/chat", content=big)).json()["error"]
+            zero = (await client.post("/v2/chat", content=b"{}")).json()["error"]
+            fits = b'{"model":"gpt-x","max_tokens":40000}'  # 0.80: the first fits, not the next
+            assert (await client.post("/v1/chat", content=fits)).status_code == 200
+            full = (await client.post("/v1/chat", content=fits)).json()["error"]
+    assert p.count == 1
+    assert alone["code"] == zero["code"] == full["code"] == "budget_exceeded"
+    for phrase in ("hold of 2.00", "whole limit", "max_tokens", "'acme'", "budgets set"):
+        assert phrase in alone["message"], alone["message"]
+    assert "next window" not in alone["message"]
+    for phrase in ("hold of 0.01", "default_hold", "whole limit", "'zero'"):
+        assert phrase in zero["message"], zero["message"]
+    assert "max_tokens" not in zero["message"]
+    # A window with no room left for a hold that would fit an empty one: wait, or raise.
+    assert "spent or held" in full["message"] and "next window" in full["message"]

@@ -27,7 +27,7 @@ from fallback_mw.budget import (
     LedgerUnavailable,
     SettlesAndRecords,
 )
-from fallback_mw.budget.cost import PriceBook
+from fallback_mw.budget.cost import PriceBook, format_money, to_units
 from fallback_mw.config import BudgetConfig, ConfigSource, as_config
 from fallback_mw.request.body import read_body, request_json
 from fallback_mw.request.context import (
@@ -61,6 +61,26 @@ def _exceeded(budget_id: str) -> str:
         f"is spent or held): raise its limit with `fallback-mw budgets set --budget "
         f"{budget_id} --limit AMOUNT` (or [budgets.{budget_id}] limit), or wait for its next "
         f"window"
+    )
+
+
+def _over_the_whole_limit(budget_id: str, amount: Decimal, estimated: bool) -> str:
+    """The hold alone is more than the limit: no window will ever have room for it, so
+    waiting changes nothing (what `_exceeded` would suggest)."""
+    if estimated:
+        why = (
+            "estimated from its model's price and its output limit (the largest of "
+            "max_tokens, max_completion_tokens, max_output_tokens, times n / best_of)"
+        )
+        change = "ask for fewer output tokens (a lower max_tokens, or n) or raise the limit"
+    else:
+        why = f"budget {budget_id!r}'s default_hold, for a request it cannot estimate"
+        change = "raise the limit, or lower default_hold"
+    return (
+        f"this request needs a hold of {format_money(amount)} ({why}), more than budget "
+        f"{budget_id!r}'s whole limit: no window has room for it; {change} "
+        f"(`fallback-mw budgets set --budget {budget_id} --limit AMOUNT`, or "
+        f"[budgets.{budget_id}])"
     )
 
 
@@ -177,7 +197,12 @@ class BudgetGuard:
             hold = await ledger.hold(budget_id, budget, amount)
         except LedgerUnavailable:
             return "budget_unavailable", _LEDGER_UNREACHABLE
-        return ("budget_exceeded", _exceeded(budget_id)) if hold is None else hold
+        if hold is not None:
+            return hold
+        if to_units(amount) > to_units(budget.limit):
+            estimated = amount != budget.default_hold
+            return "budget_exceeded", _over_the_whole_limit(budget_id, amount, estimated)
+        return "budget_exceeded", _exceeded(budget_id)
 
     def _cost(self, context: RequestContext) -> Decimal | None:
         usage = context.usage
