@@ -11,7 +11,7 @@ import ssl
 import tomllib
 import weakref
 from collections.abc import Mapping
-from decimal import Decimal
+from decimal import ROUND_DOWN, Decimal
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -36,6 +36,8 @@ MAX_PLAN_LENGTH = 8
 # The largest amount of money (currency units) a budget limit, hold or price may name: the
 # ledgers keep integer nano-units in signed 64-bit columns (see budget/cost.py).
 MAX_MONEY = Decimal(1_000_000_000)
+MONEY_DECIMALS = 9  # the ledgers' integer nano-units
+_NANO = Decimal(1).scaleb(-MONEY_DECIMALS)
 # The longest walk deadline (route or gateway `deadline_ms`): it also bounds every attempt.
 MAX_DEADLINE_MS = 600_000
 
@@ -444,6 +446,15 @@ class BudgetConfig(_Strict):
     limit: Decimal = Field(ge=0, le=MAX_MONEY)
     window: Literal["day", "month", "total"] = "month"
     default_hold: Decimal = Field(Decimal("0.01"), ge=0, le=MAX_MONEY)
+
+    @field_validator("limit", "default_hold")
+    @classmethod
+    def _whole_nano_units(cls, value: Decimal) -> Decimal:
+        # The ledgers keep amounts in integer nano-units (budget/cost.py): a limit of
+        # 0.1000000001 would be kept as 0.100000001, more than was asked for.
+        if value != value.quantize(_NANO, rounding=ROUND_DOWN):  # finite, <= MAX_MONEY here
+            raise ValueError(f"at most {MONEY_DECIMALS} decimal places (the ledger's unit)")
+        return value + 0  # -0 is 0
 
 
 class PriceConfig(_Strict):

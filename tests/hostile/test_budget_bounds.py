@@ -45,6 +45,41 @@ def test_non_finite_or_negative_limits_are_refused(value: str) -> None:
         load_config({"budgets": {"x": {"limit": value}}})
 
 
+@pytest.mark.parametrize("key", ["limit", "default_hold"])
+@pytest.mark.parametrize("value", ["0.1000000001", "1e-12", 1e-10])
+def test_an_amount_finer_than_the_ledgers_unit_is_refused_naming_the_key(
+    key: str, value: object
+) -> None:
+    # The ledgers keep nano-units, rounding up: a limit of 0.1000000001 was kept as
+    # 0.100000001 and 1e-12 as 0.000000001, more than the operator asked for.
+    budget = {"limit": "1", key: value}
+    with pytest.raises(ConfigError, match=rf"budgets\.x\.{key}: .*at most 9 decimal places"):
+        load_config({"budgets": {"x": budget}})
+
+
+def test_budgets_set_stores_exactly_what_it_confirms(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `budgets set --limit 0.1000000001` printed "limit 0.1000000001" and stored
+    # 0.100000001; `--limit -0` printed "limit -0.00".
+    store = f"sqlite:///{tmp_path / 'ledger.db'}"
+    status = main(["budgets", "set", "--budget", "x", "--limit", "0.1000000001", "--store", store])
+    captured = capsys.readouterr()
+    assert status == 2 and "at most 9 decimal places" in captured.err
+    assert "Traceback" not in captured.err
+    assert main(["budgets", "show", "--store", store]) == 0
+    assert "x " not in capsys.readouterr().out  # nothing stored
+    assert main(["budgets", "set", "--budget", "x", "--limit", "-0", "--store", store]) == 0
+    assert "limit 0.00 per month" in capsys.readouterr().out
+    assert (
+        main(["budgets", "set", "--budget", "x", "--limit", "0.123456789", "--store", store]) == 0
+    )
+    assert "limit 0.123456789 per month" in capsys.readouterr().out
+    assert main(["budgets", "show", "--store", store]) == 0
+    row = capsys.readouterr().out.splitlines()[1].split()
+    assert row[:4] == ["x", "month", row[2], "0.123456789"], row
+
+
 def test_to_units_saturates_instead_of_overflowing_a_bigint() -> None:
     assert to_units(Decimal(10) ** 40) == cost.MAX_UNITS
     assert cost.MAX_UNITS < 2**63
