@@ -378,3 +378,36 @@ def test_what_a_settled_request_is_charged(
         for n, status in enumerate(statuses, 1)
     ]
     assert charge(context, HELD, cost) == charged
+
+
+async def test_an_answer_naming_no_model_is_priced_as_the_model_the_upstream_was_sent(
+    ledger_store: str,
+) -> None:
+    # A candidate with `model = "gpt-test"` rewrites the caller's model. The answer named
+    # no model, so the settlement priced the caller's: a caller naming a cheap priced model
+    # was charged 0.00000002 for what the upstream generated (and bills) as gpt-test, 40.01.
+    answer = {"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 20000}}
+    async with upstream(json_handler(answer)) as primary, upstream(json_handler(answer)) as plain:
+        conf = gateway_config({"primary": primary.url}, store=ledger_store, limit="1000")
+        conf["upstreams"]["primary"]["model"] = "gpt-test"
+        conf["upstreams"]["plain"] = {"url": plain.url}
+        conf["routes"].append(
+            {"id": "plain", "prefix": "/v2/", "plan": ["plain"], "budget": "acme"}
+        )
+        conf["prices"]["cheap"] = {"input_per_mtok": "0", "output_per_mtok": "0.000001"}
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                body = {"model": "cheap", "messages": []}
+                assert (await client.post("/v1/chat", json=body)).status_code == 200
+                assert (await client.post("/v2/chat", json=body)).status_code == 200
+            assert json.loads(primary.received[0].body)["model"] == "gpt-test"
+            ledger = gateway.services.ledger
+            assert ledger is not None
+            rewritten, sent_as_named = await ledger.usage()
+            assert (rewritten.model, rewritten.charged) == ("gpt-test", Decimal("40.01"))
+            # Without a rewrite the caller's model is the one the upstream was sent.
+            assert (sent_as_named.model, sent_as_named.charged) == ("cheap", Decimal("0.00000002"))
+            assert await status_of(gateway) == (Decimal("40.01000002"), Decimal(0))
+        finally:
+            await gateway.aclose()

@@ -37,7 +37,7 @@ from fallback_mw.request.context import (
     host_cancelled,
 )
 from fallback_mw.request.local_errors import send_error
-from fallback_mw.request.record import usage_record, write_record
+from fallback_mw.request.record import model_asked, usage_record, write_record
 from fallback_mw.request.refusals import body_refusal
 from fallback_mw.request.types import ASGIApp, Receive, Scope, Send
 from fallback_mw.telemetry import Telemetry
@@ -209,8 +209,12 @@ class BudgetGuard:
         if not usage.reported:
             return None
         cost = self.prices.cost(usage.model, usage.input_tokens, usage.output_tokens)
-        if cost is None and usage.model != context.request_model:
-            cost = self.prices.cost(context.request_model, usage.input_tokens, usage.output_tokens)
+        if cost is None:
+            # The answer names no priced model: the one the upstream was asked for (a
+            # candidate's `model` rewrite, not the caller's name, when it has one).
+            asked = model_asked(context)
+            if asked != usage.model:
+                cost = self.prices.cost(asked, usage.input_tokens, usage.output_tokens)
         return cost
 
     async def _settle(self, ledger: Ledger, context: RequestContext, hold: Hold | None) -> None:

@@ -40,7 +40,7 @@ def usage_record(
         chosen=context.chosen,
         outcome=context.outcome,
         status=context.status,
-        model=_storable(usage.model or context.request_model),
+        model=_storable(usage.model or model_asked(context)),
         input_tokens=usage.input_tokens,
         output_tokens=usage.output_tokens,
         cost=cost,
@@ -48,6 +48,18 @@ def usage_record(
         # Arrival to settlement (the walk, the response).
         duration_ms=round((time.monotonic() - context.started) * 1000, 3),
     )
+
+
+def model_asked(context: RequestContext) -> str | None:
+    """The model the served upstream was asked for: the chosen candidate's `model` when it
+    rewrites the body's, else the caller's. What the answer is priced as when it names no
+    priced model of its own (never the caller's name for a model it was not sent to)."""
+    chosen = context.chosen
+    if chosen is not None:
+        upstream = context.upstreams.get(chosen)
+        if upstream is not None and upstream.model:
+            return upstream.model
+    return context.request_model
 
 
 async def write_record(
