@@ -3,6 +3,7 @@ on the request path so a hold never sticks and the usage record is never lost.""
 
 from __future__ import annotations
 
+import json
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,16 @@ def test_the_hold_takes_the_largest_output_limit_the_body_names() -> None:
     book = PriceBook({"m": PriceConfig(input_per_mtok=Decimal(0), output_per_mtok=Decimal(1))})
     body = b'{"model":"m","max_tokens":1,"max_completion_tokens":1000000}'
     assert book.estimate_hold(body, "m", Decimal("0.01")) == Decimal(1)
+
+
+@pytest.mark.parametrize("parse", [True, False])
+def test_an_output_limit_spelled_with_escapes_is_held(parse: bool) -> None:
+    # `"max\u005ftokens"` is max_tokens to every JSON reader, the upstream's too; the
+    # hold looked for the plain bytes first and took default_hold (0.01 for 1.00).
+    book = PriceBook({"m": PriceConfig(input_per_mtok=Decimal(0), output_per_mtok=Decimal(1))})
+    body = b'{"model":"m","max\\u005ftokens":1000000}'
+    kwargs = {"parsed": json.loads(body)} if parse else {}
+    assert book.estimate_hold(body, "m", Decimal("0.01"), **kwargs) == Decimal(1)
 
 
 @pytest.mark.parametrize(

@@ -96,9 +96,13 @@ class PriceBook:
         if body is None or not body:
             return default_hold
         price = self.price_for(model)
-        if price is None or not any(key.encode() in body for key in _OUTPUT_LIMIT_KEYS):
+        if price is None:
             return default_hold
         if parsed is _UNPARSED:
+            # A cheap look before parsing; a key may be spelled with escapes
+            # (`"max\u005ftokens"`), which every JSON reader, the upstream's too, decodes.
+            if b"\\u" not in body and not any(key.encode() in body for key in _OUTPUT_LIMIT_KEYS):
+                return default_hold
             try:
                 parsed = json.loads(body)
             except (ValueError, UnicodeDecodeError, RecursionError):
