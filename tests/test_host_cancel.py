@@ -5,6 +5,7 @@ its log line and usage record: the gateway did not fail, and it is not `internal
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from decimal import Decimal
 from typing import Any
@@ -101,5 +102,59 @@ async def test_a_request_the_host_cancels_is_recorded_as_cancelled(
                 # Cut mid-stream: charged the hold; cut before any answer: released.
                 assert status.spent == (Decimal("0.01") if committed else Decimal(0))
                 assert status.held == 0
+        finally:
+            await gateway.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_cancel_that_lands_while_the_ledger_writes_leaves_nothing_held(
+    ledger_store: str,
+) -> None:
+    # A host cancelling the request (a client gone behind a cancelling middleware, a stop's
+    # graceful timeout) while the guard waited for the ledger: a hold the ledger had
+    # already written was never learnt by the guard, and a settlement waiting for its
+    # group (SQLite) or in flight (PostgreSQL) was dropped, so 0.01 stayed HELD for an hour
+    # and was then charged as spent (for a request no upstream saw, or one served). Cancelled
+    # at every turn of the request in turn, nothing stays held.
+    from tests.test_budget_guard import gateway_config
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        return web.Response(text="ok")
+
+    async with upstream(answer) as primary:
+        conf = gateway_config({"primary": primary.url}, store=ledger_store, limit="1")
+        gateway = Gateway(host_app, config=conf)
+        ledger = gateway.services.ledger
+        assert ledger is not None
+        budget = BudgetConfig(limit=Decimal(1), window="month")
+        try:
+            await ledger.status("acme", budget)  # opened
+            for turns in range(60):
+                delivered = False
+
+                async def receive() -> Message:
+                    nonlocal delivered
+                    if not delivered:
+                        delivered = True
+                        return {"type": "http.request", "body": b"{}", "more_body": False}
+                    await asyncio.sleep(30)
+                    return {"type": "http.disconnect"}
+
+                async def send(message: Message) -> None:
+                    return None
+
+                scope = {**SCOPE, "method": "POST"}
+                task = asyncio.ensure_future(gateway(scope, receive, send))
+                for _ in range(turns):
+                    await asyncio.sleep(0)
+                task.cancel()  # a request already done (many turns) is not cancelled
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            for _ in range(200):  # a release left behind is written on a later turn
+                held = (await ledger.status("acme", budget)).held
+                if held == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert held == 0
         finally:
             await gateway.aclose()

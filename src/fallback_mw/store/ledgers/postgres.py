@@ -200,6 +200,7 @@ class PostgresLedger(SQLLedgerBase):
         self._backlog: deque[_Pending] = deque()
         self._backlog_full = False  # said once per outage
         self._draining: asyncio.Task[None] | None = None
+        self._outliving_calls: set[asyncio.Task[Any]] = set()  # holds and settlements
 
     # --- connection and schema --------------------------------------------------------
 
@@ -294,9 +295,33 @@ class PostgresLedger(SQLLedgerBase):
                 await self._reap(pool)
             return await pool.fetchval(_HOLD, budget_id, start, units, limit, hold_id)
 
-        if await self._run(work) is None:
+        statement = self._outliving(self._run(work))
+        try:
+            taken = await asyncio.shield(statement)
+        except asyncio.CancelledError:
+            # The caller gave up while the statement ran: the database may still take the
+            # hold, which nobody would settle (HELD for an hour, then charged). Once the
+            # statement is done, a hold it took is released.
+            statement.add_done_callback(lambda done: self._release_if_taken(done, hold_id))
+            raise
+        if taken is None:
             return None
         return Hold(hold_id, budget_id, from_units(units), start)
+
+    def _outliving(self, call: Awaitable[T]) -> asyncio.Task[T]:
+        """`call` in a task of its own that a cancelled caller does not cancel (awaited
+        through `asyncio.shield`); `aclose` waits for it."""
+        task: asyncio.Task[T] = asyncio.ensure_future(call)
+        self._outliving_calls.add(task)
+        task.add_done_callback(self._outliving_calls.discard)
+        task.add_done_callback(_retrieved)
+        return task
+
+    def _release_if_taken(self, statement: asyncio.Task[object], hold_id: str) -> None:
+        if statement.cancelled() or statement.exception() is not None:
+            return
+        if statement.result() is not None:
+            self._outliving(self._finish(hold_id, 0))
 
     async def _finish(self, hold_id: str, spent: int) -> None:
         async def work(pool: asyncpg.Pool) -> None:
@@ -333,7 +358,13 @@ class PostgresLedger(SQLLedgerBase):
                 await pool.execute(_SETTLE_AND_RECORD, *values, hold_id, spent, SPENT_CAP_UNITS)
 
         try:
-            await self._run(work)
+            if hold_id is None:
+                await self._run(work)
+            else:
+                # Not cancelled with its caller: a host's cancel landing while the
+                # statement ran (the budget guard's shield holds off an anyio scope's
+                # cancel, not a task's own) left the hold HELD.
+                await asyncio.shield(self._outliving(self._run(work)))
         except _NotSent:
             if len(self._backlog) >= BACKLOG_LIMIT:
                 if not self._backlog_full:
@@ -487,6 +518,10 @@ class PostgresLedger(SQLLedgerBase):
         return await self._run(work)
 
     async def aclose(self) -> None:
+        if self._outliving_calls:  # settlements and releases a cancelled caller left
+            await asyncio.gather(*self._outliving_calls, return_exceptions=True)
+            if self._outliving_calls:  # a release started by a hold that just ended
+                await asyncio.gather(*self._outliving_calls, return_exceptions=True)
         if self._loop is not asyncio.get_running_loop():
             self._abandon_pool()  # a pool of another loop is closed on that loop
         if self._draining is not None:
@@ -530,6 +565,11 @@ def _batch_work(batch: list[_Pending]) -> Callable[[asyncpg.Pool], Awaitable[str
         return None
 
     return work
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # seen: never "Task exception was never retrieved"
 
 
 async def _migrate(conn: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy) -> None:

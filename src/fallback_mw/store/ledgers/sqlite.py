@@ -287,9 +287,33 @@ class SQLiteLedger(SQLLedgerBase):
             )
             return True
 
-        if not await self._grouped(work):
+        turns = self._loop_turns()
+        if turns is None:
+            taken = await self._grouped(work)
+        else:
+            future = turns.group.join(work)
+            try:
+                taken = await future
+            except asyncio.CancelledError:
+                # Cancelled after its group committed the hold but before this caller
+                # resumed (a cancel still pending cancels the call itself): the caller will
+                # never settle it, so it is released on the next group, not left HELD.
+                written = future.done() and not future.cancelled()
+                if written and future.exception() is None and future.result():
+                    self._release_behind(turns, hold_id)
+                raise
+        if not taken:
             return None
         return Hold(hold_id, budget_id, from_units(units), start)
+
+    def _release_behind(self, turns: _Turns, hold_id: str) -> None:
+        """Release a hold on the next group commit, awaited by nobody (a failure leaves it
+        to the stale-hold reaper, as a failed settlement does)."""
+
+        def work(conn: sqlite3.Connection) -> None:
+            _finish_hold(conn, hold_id, 0)
+
+        turns.group.join(work).add_done_callback(_retrieved)
 
     async def _finish(self, hold_id: str, spent: int) -> None:
         def work(conn: sqlite3.Connection) -> None:
@@ -321,7 +345,17 @@ class SQLiteLedger(SQLLedgerBase):
                 _finish_hold(conn, hold_id, spent)
             conn.execute(_INSERT_USAGE, values)
 
-        await self._grouped(work)
+        turns = self._loop_turns()
+        if turns is None:
+            await self._grouped(work)
+            return
+        # A group leaves out a call whose caller gave up: a host's cancel landing while
+        # the settlement waited for its group (the budget guard's shield holds off an
+        # anyio scope's cancel, not a task's own) left the hold HELD. Shielded, the group
+        # writes it whatever happens to the caller.
+        future = turns.group.join(work)
+        future.add_done_callback(_retrieved)
+        await asyncio.shield(future)
 
     async def _load_budget(self, budget_id: str) -> BudgetConfig | None:
         def work(conn: sqlite3.Connection) -> BudgetConfig | None:
@@ -484,6 +518,11 @@ class _immediate:
             self.conn.execute("COMMIT")
         else:
             self.conn.execute("ROLLBACK")
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()  # seen: never "Future exception was never retrieved"
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
