@@ -411,3 +411,26 @@ async def test_an_answer_naming_no_model_is_priced_as_the_model_the_upstream_was
             assert await status_of(gateway) == (Decimal("40.01000002"), Decimal(0))
         finally:
             await gateway.aclose()
+
+
+async def test_the_hold_prices_the_model_a_candidate_rewrites_the_request_to(
+    ledger_store: str,
+) -> None:
+    # Every candidate rewrites the model (`model = "gpt-test"`): callers may name anything.
+    # A caller naming an unpriced placeholder got default_hold (0.01) for max_tokens 100 of
+    # gpt-test (0.2), over a limit of 0.05: the hold bounded nothing. It is now priced as
+    # the model each candidate is sent.
+    async with upstream(json_handler({"ok": True})) as primary:
+        conf = gateway_config({"primary": primary.url}, store=ledger_store, limit="0.05")
+        conf["upstreams"]["primary"]["model"] = "gpt-test"
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                big = {"model": "placeholder", "max_tokens": 100, "messages": []}
+                small = {"model": "placeholder", "max_tokens": 1, "messages": []}
+                assert (await client.post("/v1/chat", json=big)).status_code == 402
+                assert (await client.post("/v1/chat", json=small)).status_code == 200
+            assert primary.count == 1
+            assert json.loads(primary.received[0].body)["model"] == "gpt-test"
+        finally:
+            await gateway.aclose()

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 from decimal import Decimal
+from typing import Any
 
 import anyio
 
@@ -191,9 +192,7 @@ class BudgetGuard:
                 # ledger, rather than let unmetered traffic through.
                 logger.warning("route %s names an unknown budget %s", context.route.id, budget_id)
                 return "budget_unavailable", _undefined(budget_id)
-            amount = self.prices.estimate_hold(
-                body.buffered, context.request_model, budget.default_hold, parsed=parsed
-            )
+            amount = self._estimate(context, body, parsed, budget.default_hold)
             hold = await ledger.hold(budget_id, budget, amount)
         except LedgerUnavailable:
             return "budget_unavailable", _LEDGER_UNREACHABLE
@@ -203,6 +202,24 @@ class BudgetGuard:
             estimated = amount != budget.default_hold
             return "budget_exceeded", _over_the_whole_limit(budget_id, amount, estimated)
         return "budget_exceeded", _exceeded(budget_id)
+
+    def _estimate(
+        self, context: RequestContext, body: RequestBody, parsed: Any, default_hold: Decimal
+    ) -> Decimal:
+        """The most the request can cost on any candidate of its plan: priced as the
+        caller's model, and as each `model` a candidate rewrites it to (a caller's
+        placeholder or unpriced name would otherwise get default_hold for what the
+        upstream is sent as a priced model)."""
+        buffered, prices = body.buffered, self.prices
+        amount = prices.estimate_hold(buffered, context.request_model, default_hold, parsed=parsed)
+        for name in context.route.plan:
+            upstream = context.upstreams.get(name)
+            if upstream is not None and upstream.model and upstream.model != context.request_model:
+                rewritten = prices.estimate_hold(
+                    buffered, upstream.model, default_hold, parsed=parsed
+                )
+                amount = max(amount, rewritten)
+        return amount
 
     def _cost(self, context: RequestContext) -> Decimal | None:
         usage = context.usage
