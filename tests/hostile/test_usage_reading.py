@@ -248,3 +248,16 @@ async def test_a_binary_answer_is_relayed_and_settled_at_the_hold(engine: str) -
     # Audio, images: not metered (no SDK reads usage from them): the hold is charged.
     body = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 64
     assert await charged_for(body, "image/png", engine) == Decimal("0.01")
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("digits", [41, 5001])
+async def test_an_absurd_token_count_is_charged_the_largest_amount(
+    engine: str, digits: int
+) -> None:
+    # docs/budgets.md: an upstream reporting 10^40 tokens is charged the largest amount.
+    # One reporting 10^5000 was charged the 0.01 hold: Python refuses to read an integer of
+    # over 4,300 digits, so the whole answer read as no usage at all.
+    count = b"1" + b"0" * (digits - 1)
+    body = b'{"model":"gpt-test","usage":{"prompt_tokens":%s,"completion_tokens":3}}' % count
+    assert await charged_for(body, "application/json", engine) == Decimal(1_000_000_000)

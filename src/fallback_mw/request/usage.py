@@ -354,4 +354,19 @@ def _loads(data: bytes) -> Any:
     try:
         return json.loads(data)
     except (ValueError, UnicodeDecodeError):
+        pass
+    try:
+        # Python refuses an integer of over 4,300 digits (a ValueError, as for bad JSON):
+        # a count of 10^5000 tokens is read as the largest, as 10^40 is, not as no usage.
+        return json.loads(data, parse_int=_saturated_int)
+    except (ValueError, UnicodeDecodeError):
         return None
+
+
+def _saturated_int(text: str) -> int:
+    if len(text) <= _INT_DIGITS:
+        return int(text)
+    return -1 if text.startswith("-") else 10**_INT_DIGITS  # token_count caps it
+
+
+_INT_DIGITS = 30
