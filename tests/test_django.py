@@ -152,6 +152,23 @@ async def test_a_routed_error_is_logged_once_by_the_gateway_not_by_django(
 
 
 @pytest.mark.anyio
+async def test_a_routed_request_meets_allowed_hosts(django_site: Any, closing: None) -> None:
+    # Django checks ALLOWED_HOSTS when a view (or CommonMiddleware) reads the host; routed
+    # requests never did, so a Host Django refuses (a DNS-rebinding page's, an
+    # internal-only name) was forwarded with the provider's credential.
+    async with upstream(status_handler(200)) as primary, upstream(status_handler(200)) as backup:
+        app = django_site(gateway_config(primary, backup))
+        with override_settings(ALLOWED_HOSTS=["gateway.internal"]):
+            async with client_for(app) as client:
+                refused = await client.get("/v1/models", headers={"host": "evil.example"})
+                allowed = await client.get("/v1/models", headers={"host": "gateway.internal"})
+    assert refused.status_code == 400
+    assert "x-gateway-route" not in refused.headers
+    assert allowed.status_code == 200
+    assert primary.count == 1 and backup.count == 0
+
+
+@pytest.mark.anyio
 async def test_unmatched_requests_reach_django_with_their_body(
     django_site: Any, closing: None
 ) -> None:

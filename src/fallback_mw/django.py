@@ -163,6 +163,11 @@ class GatewayMiddleware:
             raise ImproperlyConfigured(
                 "fallback_mw.django.GatewayMiddleware needs Django served over ASGI (asgi.py)"
             )
+        # ALLOWED_HOSTS, as Django checks it for its own views (CommonMiddleware calls
+        # get_host): a routed request never reached that check, so a Host Django refuses
+        # (a DNS-rebinding page's) was forwarded with the provider's credential. Raises
+        # DisallowedHost, which Django answers 400 and logs on django.security.
+        request.get_host()
         queue: asyncio.Queue[Message | _End] = asyncio.Queue(maxsize=1)
         exchange = _Exchange(request=request, queue=queue)
         scope = {**base_scope, _EXCHANGE_KEY: exchange}
