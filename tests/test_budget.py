@@ -410,3 +410,34 @@ async def test_memory_ledger_usage_is_bounded() -> None:
     for n in range(5):
         await ledger.record_usage(UsageRecord(request_id=str(n), route="r", tenant="t"))
     assert [r.request_id for r in await ledger.usage()] == ["2", "3", "4"]
+
+
+@pytest.mark.anyio
+async def test_a_gateway_clock_ahead_does_not_settle_live_holds_on_postgres(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Holds are stamped with PostgreSQL's now(); the stale cutoff was the gateway host's
+    clock less an hour, so a host two hours ahead (NTP broken on one of several gateway
+    machines) settled every other process's live hold at its amount. The cutoff is the
+    database's clock now."""
+    import datetime as real_datetime
+
+    from fallback_mw.store.ledgers import postgres
+
+    class Ahead(real_datetime.datetime):
+        @classmethod
+        def now(cls, tz: real_datetime.tzinfo | None = None) -> Ahead:  # type: ignore[override]
+            return super().now(tz) + real_datetime.timedelta(hours=2)  # type: ignore[return-value]
+
+    holder = postgres.PostgresLedger(pg_url)
+    try:
+        assert await holder.hold("acme", BUDGET, Decimal("0.02")) is not None  # live
+        monkeypatch.setattr(postgres, "datetime", Ahead)
+        skewed = postgres.PostgresLedger(pg_url)  # opening reaps stale holds
+        try:
+            status = await skewed.status("acme", BUDGET)
+            assert (status.spent, status.held) == (Decimal(0), Decimal("0.02"))
+        finally:
+            await skewed.aclose()
+    finally:
+        await holder.aclose()

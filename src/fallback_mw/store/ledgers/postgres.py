@@ -13,7 +13,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any, TypeVar
 
@@ -111,7 +111,7 @@ WITH finished AS (
 
 _REAP = """
 WITH stale AS (
-    DELETE FROM fmw_budget_holds WHERE created_at < $1
+    DELETE FROM fmw_budget_holds WHERE created_at < now() - make_interval(secs => $1)
     RETURNING budget_id, window_start, amount_units
 ), totals AS (
     SELECT budget_id, window_start, sum(amount_units) AS units FROM stale
@@ -237,8 +237,9 @@ class PostgresLedger(SQLLedgerBase):
     async def _reap(self, conn: asyncpg.Pool | asyncpg.pool.PoolConnectionProxy) -> None:
         """Settle the holds older than `stale_hold_seconds` at their amount: left by a
         process that died mid-request, or by a settlement the ledger missed."""
-        cutoff = datetime.now().astimezone() - timedelta(seconds=self.stale_hold_seconds)
-        await conn.execute(_REAP, cutoff, SPENT_CAP_UNITS)
+        # The database's clock on both sides (a hold's created_at is its now()): a gateway
+        # host whose clock ran an hour ahead settled other processes' live holds.
+        await conn.execute(_REAP, float(self.stale_hold_seconds), SPENT_CAP_UNITS)
 
     def _abandon_pool(self) -> None:
         """Close the pool of the previous event loop on that loop while it runs; once it
