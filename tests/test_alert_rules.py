@@ -210,6 +210,21 @@ def test_rules_use_the_exported_names_and_labels() -> None:
     assert {"gateway_breaker_state", "gateway_requests_total"} <= used_metrics
 
 
+def test_every_exported_series_carries_the_scope_name_and_version() -> None:
+    """docs/telemetry.md: every series carries otel_scope_name="fallback_mw" and the scope
+    version. The health state's and the route store's meters were made without a version:
+    gateway_health_local_fallbacks_total went out with otel_scope_version="", so a query
+    joining on the version (a rollout's dashboard) lost it."""
+    from importlib.metadata import version
+
+    samples = [s for s in _exported_samples() if s.name.startswith("gateway_")]
+    names = {s.name for s in samples}
+    assert "gateway_health_local_fallbacks_total" in names, sorted(names)
+    for sample in samples:
+        assert sample.labels.get("otel_scope_name") == "fallback_mw", sample
+        assert sample.labels.get("otel_scope_version") == version("fallback_mw"), sample
+
+
 def test_requests_just_under_the_latency_threshold_do_not_fire_it(
     promtool: str, tmp_path: Path
 ) -> None:

@@ -7,7 +7,9 @@ dependency raise the same error if they are reached some other way."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
+from functools import cache
 
 from fallback_mw.rules import ConfigError
 
@@ -52,3 +54,13 @@ def state_feature(url: str) -> str:
 
 def store_feature(url: str) -> str:
     return f'store = "{_scheme(url)}://..."'
+
+
+@cache
+def package_version() -> str:
+    """This package's installed version: every meter and tracer of the gateway reports it
+    as its scope version (`otel_scope_version` on each exported series)."""
+    try:
+        return importlib.metadata.version("fallback_mw")
+    except Exception:
+        return "0"

@@ -33,7 +33,7 @@ from urllib.parse import unquote, urlsplit
 from opentelemetry import metrics
 from opentelemetry.metrics import MeterProvider
 
-from fallback_mw.extras import missing_extra
+from fallback_mw.extras import missing_extra, package_version
 from fallback_mw.grouping import Group, Pending, fail
 from fallback_mw.loops import close_on_its_loop
 
@@ -128,7 +128,9 @@ class RedisHealth:
             for name, envs in (pools or {}).items()
             if len(envs) > 1
         }
-        meter = (meter_provider or metrics.get_meter_provider()).get_meter("fallback_mw")
+        meter = (meter_provider or metrics.get_meter_provider()).get_meter(
+            "fallback_mw", package_version()
+        )
         self.local_fallbacks = meter.create_counter(
             "gateway.health.local_fallbacks",
             unit="{operation}",

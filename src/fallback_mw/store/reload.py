@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from opentelemetry import metrics
 
 from fallback_mw.config import ConfigError, GatewayConfig
+from fallback_mw.extras import package_version
 from fallback_mw.routing import RouteTable
 from fallback_mw.store.faults import StoreFaults
 from fallback_mw.store.model import StoreError
@@ -95,7 +96,9 @@ class StoreRuntime:
         self._faulted: frozenset[str] = frozenset()
         self.last_refusal: str | None = None
         self.reloads = 0
-        meter = (meter_provider or metrics.get_meter_provider()).get_meter("fallback_mw")
+        meter = (meter_provider or metrics.get_meter_provider()).get_meter(
+            "fallback_mw", package_version()
+        )
         self._refused = meter.create_counter(
             "gateway.store.reload_refused",
             unit="{reload}",

@@ -17,6 +17,7 @@ from opentelemetry.propagators.textmap import TextMapPropagator
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
 
+from fallback_mw.extras import package_version
 from fallback_mw.request.context import AttemptRecord, RequestContext
 from fallback_mw.telemetry.genai import operation_name
 from fallback_mw.telemetry.instruments import Instruments, never_idle
@@ -83,7 +84,7 @@ class Telemetry:
         meter_provider: metrics.MeterProvider | None = None,
     ) -> None:
         quiet_propagators()
-        version = _version()
+        version = package_version()
         # With the global provider, spans are only recorded once an SDK is installed (serve
         # installs it after building the gateway): until then a request costs no span work.
         self._global_tracer = tracer_provider is None
@@ -598,15 +599,6 @@ def _genai(
     if upstream is not None and upstream.provider is not None:
         attributes["gen_ai.provider.name"] = upstream.provider
     return attributes
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("fallback_mw")
-    except Exception:
-        return "0"
 
 
 __all__ = [
