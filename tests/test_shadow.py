@@ -16,6 +16,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 
 from fallback_mw import ConfigError, Gateway, load_config
 from fallback_mw.shadow import in_shadow_slice
@@ -310,6 +311,14 @@ async def test_no_copy_while_the_shadow_breaker_is_open(recorded: Recorded) -> N
             await gateway.aclose()
     assert shadow.count == 2  # two 503s opened its breaker; no packet after that
     assert recorded.shadow_outcomes() == {"failed": 2, "breaker_open": 2}
+    # A failed copy's span is an error, as a failed attempt's is (its status stayed UNSET).
+    copies = [s for s in recorded.spans.get_finished_spans() if s.name == "gateway.shadow"]
+    failed = [s for s in copies if (s.attributes or {})["gateway.shadow.outcome"] == "failed"]
+    assert len(failed) == 2
+    for span in failed:
+        assert span.status.status_code is StatusCode.ERROR
+        assert (span.attributes or {})["error.type"] == "503"
+    assert all(s.status.status_code is StatusCode.UNSET for s in copies if s not in failed)
 
 
 async def test_a_response_aborted_after_the_commit_is_not_copied(recorded: Recorded) -> None:

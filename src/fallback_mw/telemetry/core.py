@@ -323,6 +323,11 @@ class Telemetry:
                 if failure_kind is not None:
                     span.set_attribute("gateway.failure.kind", label(failure_kind))
                 span.set_attributes(attributes)
+                if outcome == "failed":  # as a failed attempt's span
+                    kind = label(failure_kind or "failed")
+                    error = str(status) if kind == "status" and status is not None else kind
+                    span.set_attribute("error.type", error)
+                    span.set_status(trace.Status(trace.StatusCode.ERROR, kind))
                 span.end()
             self._m.shadows.add(1, attributes)
             if outcome in ("answered", "failed"):
