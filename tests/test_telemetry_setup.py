@@ -258,10 +258,18 @@ def test_prometheus_defaults_refusals_and_the_missing_extra(
         )
         with pytest.raises(TelemetrySetupError, match=r"cannot serve /metrics on 127\.0\.0\.1"):
             configure_opentelemetry(set_global=False)
-    # One process's counts per port: `serve --workers 2` is refused up front.
+    # One port per worker: `serve --workers N` serves PORT .. PORT + N - 1, refused up
+    # front only when that range runs past 65535.
+    assert prometheus_address({"OTEL_EXPORTER_PROMETHEUS_PORT": "9000"}, 3) == ("localhost", 9003)
     check_workers(1)
-    with pytest.raises(TelemetrySetupError, match="--workers 1"):
-        check_workers(2)
+    check_workers(2, {"OTEL_METRICS_EXPORTER": "prometheus"})
+    check_workers(
+        2, {"OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_PROMETHEUS_PORT": "65534"}
+    )
+    with pytest.raises(TelemetrySetupError, match="one port per worker"):
+        check_workers(
+            3, {"OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_PROMETHEUS_PORT": "65534"}
+        )
     monkeypatch.setitem(sys.modules, "opentelemetry.exporter.prometheus", None)
     with pytest.raises(TelemetrySetupError, match=r"exporter-prometheus.*fallback_mw\[otel\]"):
         configure_opentelemetry(set_global=False)
@@ -309,7 +317,7 @@ def test_the_documented_host_app_recipe_serves_the_gateway_metrics() -> None:
     assert 'gateway_route_id="chat"' in result.stdout
 
 
-def test_serve_workers_with_the_prometheus_exporter_is_refused_in_one_line(
+def test_serve_workers_whose_metrics_ports_run_past_65535_is_refused_in_one_line(
     tmp_path: Path,
 ) -> None:
     config = tmp_path / "gateway.toml"
@@ -322,6 +330,7 @@ def test_serve_workers_with_the_prometheus_exporter_is_refused_in_one_line(
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
         "OTEL_METRICS_EXPORTER": "prometheus",
+        "OTEL_EXPORTER_PROMETHEUS_PORT": "65535",  # worker 1 would need 65536
     }
     result = subprocess.run(
         [sys.executable, "-m", "fallback_mw", "serve", "--config", str(config), "--workers", "2"],
@@ -333,4 +342,4 @@ def test_serve_workers_with_the_prometheus_exporter_is_refused_in_one_line(
     )
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.strip().splitlines()
-    assert "OTEL_METRICS_EXPORTER=prometheus" in line and "--workers 1" in line
+    assert "OTEL_EXPORTER_PROMETHEUS_PORT: 65535 + 1 (one port per worker)" in line

@@ -8,6 +8,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,7 +22,7 @@ import httpx
 import pytest
 
 from fallback_mw.cli.workers import START_UP_SECONDS
-from tests.helpers import free_port, log_text, wait_listening
+from tests.helpers import free_port, log_text, serve_process, wait_listening
 from tests.tcp_proxy import tcp_proxy
 from tests.upstreams import status_handler, upstream
 
@@ -315,3 +316,79 @@ async def test_no_worker_serves_on_once_the_supervisor_is_gone(
             for pid in workers:  # a failing run leaves no orphan serving
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+
+
+METRICS_ON = re.compile(r"metrics on http://127\.0\.0\.1:(\d+)/metrics")
+REQUESTS = re.compile(r'^gateway_requests_total\{[^}]*gateway_route_id="chat"[^}]*\} (\S+)$', re.M)
+
+
+def two_free_ports() -> int:
+    """A port P with P + 1 free too (worker i serves /metrics on P + i)."""
+    for _ in range(50):
+        port = free_port()
+        if port < 65535:
+            with contextlib.suppress(OSError), socket.socket() as probe:
+                probe.bind(("127.0.0.1", port + 1))
+                return port
+    raise AssertionError("no two consecutive free ports")
+
+
+@pytest.mark.anyio
+async def test_each_worker_serves_its_own_metrics_port_and_a_replacement_takes_it_over(
+    redis_url: str, tmp_path: Path
+) -> None:
+    # An SRE with Debian's Prometheus (it scrapes; no OTLP receiver) runs `serve --workers 2`
+    # with OTEL_METRICS_EXPORTER=prometheus: it was refused ("use --workers 1"), so the
+    # instance could not be scraped. Now worker i serves /metrics on PORT + i; the two
+    # targets' counts add up to every request, and a replacement serves its slot's port.
+    async with upstream(status_handler(200)) as primary, upstream(status_handler(200)) as backup:
+        config = write_config(
+            tmp_path / "gateway.toml", f'state = "{redis_url}"', primary.url, backup.url
+        )
+        port, log, metrics = free_port(), tmp_path / "serve.log", two_free_ports()
+        env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
+            "OTEL_METRICS_EXPORTER": "prometheus",
+            "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1",
+            "OTEL_EXPORTER_PROMETHEUS_PORT": str(metrics),
+        }
+        with serve_process(config, port, log, env=env, options=("--workers", "2")) as process:
+            await both_serving(process, port, log)
+            assert sorted(map(int, METRICS_ON.findall(log_text(log)))) == [metrics, metrics + 1]
+            sent = 40
+            for _ in range(sent):  # a connection each: the kernel spreads them
+                async with httpx.AsyncClient(timeout=10) as client:
+                    response = await client.get(f"http://127.0.0.1:{port}/v1/chat")
+                assert response.status_code == 200
+
+            async def scrape() -> list[float]:
+                counts = []
+                async with httpx.AsyncClient(timeout=5) as client:
+                    for target in (metrics, metrics + 1):
+                        page = await client.get(f"http://127.0.0.1:{target}/metrics")
+                        assert page.status_code == 200
+                        counts.append(sum(float(v) for v in REQUESTS.findall(page.text)))
+                return counts
+
+            counts = await scrape()
+            assert sum(counts) == sent, counts
+
+            # A worker dies past its start-up window: its replacement serves the same port.
+            await anyio.sleep(START_UP_SECONDS + 0.5)
+            victim = int(STARTED.findall(log_text(log))[0])
+            os.kill(victim, signal.SIGKILL)
+            deadline = time.monotonic() + 20
+            while len(METRICS_ON.findall(log_text(log))) < 3:
+                assert process.poll() is None, log_text(log)
+                assert time.monotonic() < deadline, log_text(log)
+                await anyio.sleep(0.05)
+            ports = list(map(int, METRICS_ON.findall(log_text(log))))
+            assert ports[2] in (metrics, metrics + 1) and sorted(ports[:2]) == [
+                metrics,
+                metrics + 1,
+            ]
+            while log_text(log).count("Application startup complete") < 3:
+                assert time.monotonic() < deadline, log_text(log)
+                await anyio.sleep(0.05)
+            counts = await scrape()  # both answer again; the dead worker's counts are gone
+            assert len(counts) == 2 and sum(counts) < sent

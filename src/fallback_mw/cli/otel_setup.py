@@ -115,43 +115,48 @@ def _missing(package: str) -> TelemetrySetupError:
     )
 
 
-def prometheus_address(environ: Mapping[str, str]) -> tuple[str, int]:
+def prometheus_address(environ: Mapping[str, str], offset: int = 0) -> tuple[str, int]:
     """(host, port) of the `/metrics` endpoint: `OTEL_EXPORTER_PROMETHEUS_HOST` /
-    `OTEL_EXPORTER_PROMETHEUS_PORT`, default localhost:9464."""
+    `OTEL_EXPORTER_PROMETHEUS_PORT`, default localhost:9464; `offset` added to the port
+    (the worker's slot under `serve --workers N`: worker i serves on PORT + i)."""
     host = environ.get("OTEL_EXPORTER_PROMETHEUS_HOST", "").strip() or PROMETHEUS_HOST
     raw = environ.get("OTEL_EXPORTER_PROMETHEUS_PORT", "").strip()
     if not raw:
-        return host, PROMETHEUS_PORT
-    if not raw.isdigit() or not 0 < int(raw) < 65536:
+        port = PROMETHEUS_PORT
+    elif not raw.isdigit() or not 0 < int(raw) < 65536:
         raise TelemetrySetupError(
             f"OTEL_EXPORTER_PROMETHEUS_PORT: {raw[:16]!r} is not a port number (1-65535)"
         )
-    return host, int(raw)
+    else:
+        port = int(raw)
+    if port + offset > 65535:
+        raise TelemetrySetupError(
+            f"OTEL_EXPORTER_PROMETHEUS_PORT: {port} + {offset} (one port per worker) "
+            "is past 65535; choose a lower port"
+        )
+    return host, port + offset
 
 
 def check_workers(workers: int, environ: Mapping[str, str] | None = None) -> None:
-    """`serve --workers N` (N > 1) with the Prometheus exporter is refused: each process
-    would serve only its own counts, and only one can listen on the port. Export with
-    `otlp` to a collector instead (docs/telemetry.md)."""
+    """`serve --workers N` (N > 1) with the Prometheus exporter: each worker serves its own
+    counts on its own port, PORT .. PORT + N - 1 (docs/telemetry.md); refused up front when
+    that range would run past 65535."""
     environ = os.environ if environ is None else environ
     disabled = environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
     if workers > 1 and not disabled and "prometheus" in _exporters(environ, "metrics"):
-        raise TelemetrySetupError(
-            "OTEL_METRICS_EXPORTER=prometheus serves one process's metrics: use "
-            "--workers 1, or export with otlp to an OpenTelemetry Collector that "
-            "Prometheus scrapes (docs/telemetry.md)"
-        )
+        prometheus_address(environ, workers - 1)
 
 
-def _prometheus_reader(handle: OtelHandle, environ: Mapping[str, str]) -> Any:
+def _prometheus_reader(handle: OtelHandle, environ: Mapping[str, str], offset: int) -> Any:
     """OpenTelemetry's PrometheusMetricReader on a registry of its own, served as
-    `/metrics` by prometheus_client's HTTP server in a daemon thread."""
+    `/metrics` by prometheus_client's HTTP server in a daemon thread (on the configured
+    port + `offset`)."""
     try:
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
         from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
     except ImportError as exc:
         raise _missing("opentelemetry-exporter-prometheus") from exc
-    host, port = prometheus_address(environ)
+    host, port = prometheus_address(environ, offset)
     registry = CollectorRegistry()
     try:
         reader = PrometheusMetricReader(registry=registry)
@@ -201,6 +206,7 @@ def configure_opentelemetry(
     service_name: str = "fallback-mw",
     out: TextIO | None = None,
     set_global: bool = True,
+    metrics_port_offset: int = 0,
 ) -> OtelHandle:
     """Install tracer and meter providers as the process-wide OpenTelemetry providers,
     from the `OTEL_*` variables of the process environment (the SDK and its exporters
@@ -210,7 +216,8 @@ def configure_opentelemetry(
     interpreter exit). Nothing is installed when no exporter is asked for or
     `OTEL_SDK_DISABLED=true`. Raises `TelemetrySetupError` for an unsupported exporter or
     protocol, or when the SDK (the `otel` extra) is not installed. `console` writes to
-    `out` (default: stdout)."""
+    `out` (default: stdout). The Prometheus endpoint listens on its configured port plus
+    `metrics_port_offset` (a worker's slot under `serve --workers N`)."""
     environ = os.environ
     handle = OtelHandle()
     if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
@@ -256,7 +263,7 @@ def configure_opentelemetry(
         from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
         readers = [
-            _prometheus_reader(handle, environ)
+            _prometheus_reader(handle, environ, metrics_port_offset)
             if name == "prometheus"
             else PeriodicExportingMetricReader(_exporter("metrics", name, environ, stream))
             for name in handle.metrics

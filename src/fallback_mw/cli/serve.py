@@ -178,7 +178,7 @@ def serve(args: argparse.Namespace, console: Console) -> int | None:
     ignored = ignored_proxy_variables(config.upstreams, os.environ, store=store)
     if ignored is not None:
         console.warning(ignored)
-    try:  # N > 1 with the Prometheus exporter: refused, one line (cli/otel_setup.py)
+    try:  # N > 1 with the Prometheus exporter: one port per worker, checked up front
         from fallback_mw.cli.otel_setup import TelemetrySetupError, check_workers
 
         check_workers(args.workers)
@@ -197,8 +197,8 @@ def serve(args: argparse.Namespace, console: Console) -> int | None:
             args.workers,
             args.host,
             args.port,
-            lambda sock, ready: run_server(
-                config, options, sock, args, console, workers=True, ready=ready
+            lambda sock, ready, slot: run_server(
+                config, options, sock, args, console, workers=True, ready=ready, slot=slot
             ),
             bind=listen_socket,
             console=console,
@@ -233,10 +233,12 @@ def run_server(
     *,
     workers: bool,
     ready: Callable[[], None] | None = None,
+    slot: int = 0,
 ) -> None:
     """One gateway on uvicorn: `serve` itself, or one worker of `serve --workers N` (then
-    `sock` is the worker's own listening socket, log lines carry the process id, and
-    `ready()` tells the supervisor once the worker serves)."""
+    `sock` is the worker's own listening socket, log lines carry the process id,
+    `ready()` tells the supervisor once the worker serves, and a Prometheus `/metrics`
+    endpoint listens on its configured port + `slot`: one scrape target per worker)."""
     import uvicorn
 
     from fallback_mw.cli.otel_setup import TelemetrySetupError, configure_opentelemetry
@@ -249,7 +251,7 @@ def run_server(
                 ready()  # listening, its lifespan started: the supervisor's count of it
 
     try:
-        telemetry = configure_opentelemetry()
+        telemetry = configure_opentelemetry(metrics_port_offset=slot)
     except TelemetrySetupError as exc:
         raise Refused(str(exc)) from None
     if telemetry.prometheus_address is not None:

@@ -95,16 +95,18 @@ def die_with(supervisor: int) -> None:
 
 
 class Supervisor:
-    """Forks `count` workers, each running `worker(sock, ready)` (returns an exit status) on
-    its own SO_REUSEPORT socket and calling `ready()` once it serves; replaces a worker that
-    dies, and retries one that fails to start once the instance has served."""
+    """Forks `count` workers, each running `worker(sock, ready, slot)` (returns an exit
+    status) on its own SO_REUSEPORT socket and calling `ready()` once it serves; replaces a
+    worker that dies, and retries one that fails to start once the instance has served.
+    `slot` (0 .. count-1) is the worker's place: a replacement takes the slot of the worker
+    it replaces, so what a slot names (its `/metrics` port) stays the same across restarts."""
 
     def __init__(
         self,
         count: int,
         host: str,
         port: int,
-        worker: Callable[[socket.socket, Callable[[], None]], int | None],
+        worker: Callable[[socket.socket, Callable[[], None], int], int | None],
         *,
         bind: Callable[..., socket.socket],
         console: Console,
@@ -121,11 +123,14 @@ class Supervisor:
         self.reservation = bind(host, port, reuse_port=True)
         self.port: int = self.reservation.getsockname()[1]
         self.children: dict[int, float] = {}  # pid -> time started
+        self.slots: dict[int, int] = {}  # pid -> its slot (0 .. count-1)
+        self._slot = 0  # in a worker: its own slot
         self.ready: set[int] = set()  # the children that said they serve
         # True once all `count` workers served at the same time: from then on a worker
         # that fails to start is a runtime outage (retried), no longer a start-up error.
         self.established = False
-        self.restarts: list[float] = []  # when each pending replacement is due
+        # (when due, slot) of each pending replacement
+        self.restarts: list[tuple[float, int]] = []
         self.failures = 0  # replacements failed in a row (the backoff's exponent)
         self.stopping = False
         # Each worker writes "PID\n" here once it serves (one write, under PIPE_BUF: atomic).
@@ -133,7 +138,7 @@ class Supervisor:
         os.set_blocking(self._ready_read, False)
         self._ready_buffer = b""
 
-    def _start_one(self) -> None:
+    def _start_one(self, slot: int) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         supervisor = os.getpid()
@@ -152,6 +157,7 @@ class Supervisor:
                 die_with(supervisor)
                 self.reservation.close()
                 os.close(self._ready_read)
+                self._slot = slot
                 # The worker's own errors are one line and an exit status, as `serve`'s.
                 status = dispatch(self._work, argparse.Namespace(), self.console)
             except SystemExit as exc:
@@ -165,12 +171,14 @@ class Supervisor:
                 sys.stderr.flush()
                 os._exit(status)
         self.children[pid] = time.monotonic()
+        self.slots[pid] = slot
         if self.stopping:  # a SIGTERM that arrived during the fork
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
 
     def _work(self, _args: argparse.Namespace, _console: Console) -> int | None:
-        return self.worker(self.bind(self.host, self.port, reuse_port=True), self._serving)
+        sock = self.bind(self.host, self.port, reuse_port=True)
+        return self.worker(sock, self._serving, self._slot)
 
     def _serving(self) -> None:
         """In a worker: tell the supervisor this worker serves."""
@@ -192,8 +200,8 @@ class Supervisor:
         }
         status = 0
         try:
-            for _ in range(self.count):
-                self._start_one()
+            for slot in range(self.count):
+                self._start_one(slot)
             while self.children or (self.restarts and not self.stopping):
                 self._wait(self._next_due())
                 self._read_ready()  # before the deaths: a worker may serve, then die
@@ -210,9 +218,9 @@ class Supervisor:
                         status = failed
                         self._stop(signal.SIGTERM, None)
                 now = time.monotonic()
-                while self.restarts and self.restarts[0] <= now and not self.stopping:
-                    self.restarts.pop(0)
-                    self._start_one()
+                while self.restarts and self.restarts[0][0] <= now and not self.stopping:
+                    _due, slot = self.restarts.pop(0)
+                    self._start_one(slot)
         finally:
             self._reap()
             for signum, handler in previous.items():
@@ -226,7 +234,7 @@ class Supervisor:
         """Seconds until the next pending replacement, at most _POLL_SECONDS."""
         if not self.restarts:
             return _POLL_SECONDS
-        return max(0.0, min(_POLL_SECONDS, self.restarts[0] - time.monotonic()))
+        return max(0.0, min(_POLL_SECONDS, self.restarts[0][0] - time.monotonic()))
 
     def _wait(self, timeout: float) -> None:
         """Until a worker says it serves, or `timeout` (deaths are polled after it)."""
@@ -257,6 +265,7 @@ class Supervisor:
         """One worker gone: the supervisor's exit status when it stops everything (a
         start-up failure before the instance ever served), else None (replaced)."""
         started = self.children.pop(pid, None)
+        slot = self.slots.pop(pid, 0)
         served = pid in self.ready
         self.ready.discard(pid)
         if started is None or self.stopping:
@@ -271,7 +280,7 @@ class Supervisor:
                 file=sys.stderr,
                 flush=True,
             )
-            self._start_one()
+            self._start_one(slot)
             return None
         # It failed to start (store unreachable, an env variable this host lacks, ...) or
         # died young: the others keep serving; retried later and later, up to 30 s apart.
@@ -283,7 +292,7 @@ class Supervisor:
             file=sys.stderr,
             flush=True,
         )
-        self.restarts.append(time.monotonic() + delay)
+        self.restarts.append((time.monotonic() + delay, slot))
         self.restarts.sort()
         return None
 
