@@ -10,13 +10,16 @@ opened is left alone, and its skips stay real.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
@@ -390,6 +393,15 @@ async def test_real_failures_stay_real_through_a_fault_and_its_revert(tmp_path: 
             await gateway.aclose()
 
 
+@asynccontextmanager
+async def _gateway(config: dict[str, Any]) -> AsyncIterator[Gateway]:
+    gateway = Gateway(host_app, config=config, environ={})
+    try:
+        yield gateway
+    finally:
+        await gateway.aclose()
+
+
 async def _true(value: bool) -> bool:
     return value
 
@@ -635,3 +647,53 @@ async def test_a_removed_route_s_open_breaker_leaves_the_gauge(tmp_path: Path) -
                 assert "gone-primary" not in gauge, gauge
         finally:
             await gateway.aclose()
+
+
+@pytest.mark.anyio
+async def test_usage_incidents_mark_the_game_days_failovers_apart_from_a_real_one(
+    tmp_path: Path,
+) -> None:
+    # After a `fail` game day, `usage --incidents` listed its failovers as
+    # `failed_over  primary:503,backup:200`: the same line as a real primary 503, so the
+    # review of the week's outages counted the exercise. They now say it was the fault.
+    async def down_path_fails(request: web.Request) -> web.StreamResponse:
+        return web.Response(status=503 if request.path == "/v1/down" else 200)
+
+    store = f"sqlite:///{tmp_path / 'gw.db'}"
+    async with (
+        upstream(down_path_fails) as primary,
+        upstream(status_handler(200)) as backup,
+        _gateway(gateway_config(store, primary.url, backup.url)) as gateway,
+        client_for(gateway) as client,
+    ):
+        runtime = gateway.services.store
+        assert runtime is not None
+        # The first request starts the store reloader (and is no incident).
+        assert (await client.get("/v1/x")).headers["x-gateway-provider"] == "primary"
+        status, _, err = await cli(
+            "faults", "set", "fail", "--store", store, "--upstream", "primary", "--ttl", "600"
+        )
+        assert status == 0, err
+        await until(lambda: _true(runtime.faults.active_upstreams() == {"primary"}))
+        for _ in range(4):
+            assert (await client.get("/v1/x")).headers["x-gateway-provider"] == "backup"
+        status, _, err = await cli("faults", "clear", "--store", store, "--upstream", "primary")
+        assert status == 0, err
+        await until(lambda: _true(not runtime.faults.active_upstreams()))
+        await until(lambda: _breaker_closed(gateway))
+        # A real outage now (on this path): the primary answers 503 itself.
+        assert (await client.get("/v1/down")).headers["x-gateway-provider"] == "backup"
+    status, table, err = await cli("usage", "--store", store, "--incidents")
+    assert status == 0, err
+    rows = [line.split() for line in table.strip().splitlines()[1:]]
+    incidents = [(row[4], row[5]) for row in rows]
+    # Two faulted attempts open the breaker (the window holds the first success too).
+    assert incidents == [
+        *[("failed_over,fault", "primary:503(fault:fail),backup:200")] * 2,
+        *[("skipped,fault", "primary:skipped(breaker_open,fault:fail),backup:200")] * 2,
+        ("failed_over", "primary:503,backup:200"),  # the real one, unmarked
+    ]
+    status, out, err = await cli("usage", "--store", store, "--incidents", "--json")
+    assert status == 0, err
+    kinds = [json.loads(line)["incident"] for line in out.splitlines()]
+    assert [k for k in kinds if "fault" not in k] == [["failed_over"]]

@@ -40,7 +40,9 @@ def incident_kinds(record: UsageRecord) -> list[str]:
     capacity, repeat budget), `local_error` (the gateway answered itself), `aborted` (the
     chosen response failed after the commit point: rule `response_started`), `cancelled`
     (the host cancelled the request after the chosen response started, e.g. a deploy's
-    `--timeout-graceful-shutdown`: the client's answer was cut). Empty: none."""
+    `--timeout-graceful-shutdown`: the client's answer was cut), then `fault` when a
+    game-day fault caused it (SPEC §12: booked as the fault, not as an outage). Empty:
+    none."""
     kinds = []
     if sum(1 for a in record.attempts if a.skipped is None) > 1:
         kinds.append("failed_over")
@@ -52,6 +54,10 @@ def incident_kinds(record: UsageRecord) -> list[str]:
         kinds.append("aborted")
     if record.chosen is not None and record.outcome == "cancelled":
         kinds.append("cancelled")
+    if kinds and record.fault:
+        # Game-day traffic: a fault drove an attempt or emptied the way (a breaker its
+        # outcomes opened). Marked, so a review of real outages can leave it out.
+        kinds.append("fault")
     return kinds
 
 
@@ -91,7 +97,20 @@ def usage_json(record: UsageRecord) -> dict[str, Any]:
 def _attempts_text(record: UsageRecord) -> str:
     parts = []
     for attempt in record.attempts:
-        if attempt.skipped:
+        if attempt.fault is not None:
+            # The fault's doing, never to be read as the upstream's: `primary:503(fault:fail)`
+            # (a synthetic answer), `primary:fault:hang`, `primary:skipped(breaker_open,
+            # fault:fail)` (a breaker the fault's outcomes opened).
+            if attempt.skipped:
+                parts.append(
+                    f"{attempt.candidate}:skipped({attempt.skipped},fault:{attempt.fault})"
+                )
+            elif attempt.status is None and attempt.failure in (None, "fault"):
+                parts.append(f"{attempt.candidate}:fault:{attempt.fault}")
+            else:
+                seen = attempt.status if attempt.status is not None else attempt.failure
+                parts.append(f"{attempt.candidate}:{seen}(fault:{attempt.fault})")
+        elif attempt.skipped:
             parts.append(f"{attempt.candidate}:skipped({attempt.skipped})")
         elif attempt.status is not None and attempt.failure == "cancelled":
             # A hedge that lost the race with its head in hand: closed unused, not aborted.
