@@ -642,3 +642,57 @@ def test_the_printed_predictions_table_keeps_its_columns_for_long_predictions(
     for line in table[1:]:  # right-aligned values end under their header's end
         assert line[predicted_end - 2 : predicted_end] == " s", table
         assert line.index("NO DATA") == table[0].index("result"), table
+
+
+@pytest.mark.anyio
+async def test_the_faults_own_answer_relayed_to_callers_is_a_customer_visible_error(
+    tmp_path: Path,
+) -> None:
+    """A `revoke` game day on a single-credential primary (a route that does not fail over
+    on 401): every caller got the fault's synthetic 401, relayed as `served`. The report
+    said `0 customer-visible errors (0.00%)` and passed `error_rate=0.1%`, and the
+    `error_rate` abort never held. The fault's own answer is now an error it caused; a
+    real upstream's 401 stays the upstream's answer."""
+    from fallback_mw import Gateway
+    from tests.helpers import client_for
+    from tests.test_cli_admin import cli
+    from tests.upstreams import host_app, status_handler, upstream
+
+    store = f"sqlite:///{tmp_path / 'gw.db'}"
+    async with upstream(status_handler(200, b"ok")) as primary:
+        conf = {
+            "gateway": {"store": store},
+            "upstreams": {"primary": {"url": primary.url}},
+            "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+        }
+        gateway = Gateway(host_app, config=conf, environ={})
+        runtime = gateway.services.store
+        assert runtime is not None
+        try:
+            async with client_for(gateway) as client:
+                assert (await client.get("/v1/x")).status_code == 200  # starts the reloader
+                status, _, err = await cli(
+                    "faults", "set", "revoke", "--store", store, "--upstream", "primary",
+                    "--ttl", "600",
+                )  # fmt: skip
+                assert status == 0, err
+                for _ in range(300):
+                    if runtime.faults.active_upstreams() == {"primary"}:
+                        break
+                    await asyncio.sleep(0.05)
+                for _ in range(4):
+                    assert (await client.get("/v1/x")).status_code == 401
+            ledger = gateway.services.ledger
+            assert ledger is not None
+            records = await ledger.usage(route="chat")
+        finally:
+            await gateway.aclose()
+    faulted = [r for r in records if r.fault]
+    assert len(faulted) == 4 and all(r.outcome == "served" and r.status == 401 for r in faulted)
+    t0 = min(r.at.timestamp() for r in faulted) - 1
+    seen = observe(faulted, t0=t0, primary="primary", faulted_upstream="primary")
+    assert (seen["errors"], seen["error_rate"]) == (4, 1.0)
+    assert windowed("error_rate", faulted, "primary") == 1.0
+    # A 401 the upstream itself sent is its answer, not an error the exercise caused.
+    real = record(T0 + 1.0, attempts=(AttemptOutcome("primary", status=401),))
+    assert observe([real], t0=T0, primary="primary", faulted_upstream="primary")["errors"] == 0

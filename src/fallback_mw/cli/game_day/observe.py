@@ -34,7 +34,20 @@ def started_at(record: UsageRecord) -> float:
 
 
 def customer_error(record: UsageRecord) -> bool:
-    return record.outcome != "served" and record.outcome not in CALLER_OUTCOMES
+    if record.outcome == "served":
+        return fault_answered(record)
+    return record.outcome not in CALLER_OUTCOMES
+
+
+def fault_answered(record: UsageRecord) -> bool:
+    """The caller got the fault's own synthetic answer, relayed as if an upstream gave it:
+    `revoke`'s 401 on a route that does not fail over on 401, or `fail`'s 503 with
+    `on_exhausted = "last_response"`. Booked `served`, yet every such caller saw an error
+    the exercise caused."""
+    for attempt in reversed(record.attempts):
+        if attempt.skipped is None and attempt.candidate == record.chosen:
+            return attempt.fault is not None
+    return False
 
 
 def served_by_fallback(record: UsageRecord) -> bool:
