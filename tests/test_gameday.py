@@ -696,3 +696,68 @@ async def test_the_faults_own_answer_relayed_to_callers_is_a_customer_visible_er
     # A 401 the upstream itself sent is its answer, not an error the exercise caused.
     real = record(T0 + 1.0, attempts=(AttemptOutcome("primary", status=401),))
     assert observe([real], t0=T0, primary="primary", faulted_upstream="primary")["errors"] == 0
+
+
+@pytest.mark.anyio
+async def test_ctrl_c_still_reads_the_records_of_requests_that_ended_after_the_last_poll(
+    tmp_path: Path,
+) -> None:
+    """Ctrl-C ended the watch without one more read: a request that ended after the last
+    poll (up to a poll interval of them) or was in flight at the revert was missing from the
+    interrupted report, which then showed fewer requests (and errors) than callers saw."""
+    import io
+    import os
+    import signal
+
+    from fallback_mw.cli.app import Console
+    from fallback_mw.cli.game_day.run import Exercise
+    from fallback_mw.cli.gameday import _run
+    from fallback_mw.store.ledgers import open_ledger
+
+    url = f"sqlite:///{tmp_path / 'gw.db'}"
+    exercise = Exercise(
+        route="chat", fault="fail", target="primary", candidate=None, primary="primary",
+        duration_s=60, predictions=(parse_prediction("error_rate=1%"),),
+        aborts=(parse_abort("error_rate=50%"),), poll_s=1.0, grace_s=0.5, owner="Ana",
+        candidates=("primary", "backup"),
+    )  # fmt: skip
+    ledger = open_ledger(url)
+    assert ledger is not None
+
+    async def write(request_id: str, ended: float, chosen: str | None, outcome: str) -> None:
+        await ledger.record_usage(
+            UsageRecord(
+                request_id=request_id, route="chat", tenant="t", candidates=("primary", "backup"),
+                at=datetime.fromtimestamp(ended, UTC), duration_ms=100.0, chosen=chosen,
+                outcome=outcome,
+            )
+        )  # fmt: skip
+
+    async def caller_traffic_then_ctrl_c() -> None:
+        for _ in range(500):  # until the exercise has set its fault
+            if await stored(url):
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)  # past the exercise's first poll
+        await write("ended-after-the-last-poll", time.time(), "backup", "served")
+        os.kill(os.getpid(), signal.SIGINT)  # the operator's Ctrl-C
+        await asyncio.sleep(0.1)
+        await write("in-flight-at-the-revert", time.time(), None, "upstream_failed")
+
+    async def stored(store_url: str) -> bool:
+        store = open_store(store_url)
+        try:
+            return bool(await store.load_faults())
+        finally:
+            await store.aclose()
+
+    console = Console(io.StringIO(), io.StringIO())
+    try:
+        caller = asyncio.ensure_future(caller_traffic_then_ctrl_c())
+        report = await _run(exercise, url, tmp_path / "gd.json", console, None)
+        await caller
+    finally:
+        await ledger.aclose()
+    assert report["status"] == "interrupted"
+    observed = report["observed"]
+    assert (observed["requests"], observed["errors"], observed["fallbacks"]) == (2, 1, 1)

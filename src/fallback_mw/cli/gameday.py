@@ -33,6 +33,7 @@ from fallback_mw.cli.game_day.run import (
     GameDayRefused,
     Timeline,
     observe_exercise,
+    read_in_flight,
     run_exercise,
     watch_recovery,
 )
@@ -188,6 +189,8 @@ async def _run(
         if not timeline.interrupted:
             await watch_recovery(exercise, feed, timeline, stop, console.print, alerts=alerts)
             timeline.interrupted = stop.is_set()  # Ctrl-C during the recovery watch
+        if timeline.interrupted:  # still the records of requests in flight, read once
+            await read_in_flight(exercise, feed, timeline)
         observed = observe_exercise(exercise, feed, timeline)
         status = (
             "aborted" if timeline.abort else "interrupted" if timeline.interrupted else "completed"

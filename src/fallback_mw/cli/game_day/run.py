@@ -269,6 +269,18 @@ async def watch_recovery(
         )
 
 
+async def read_in_flight(exercise: Exercise, feed: RecordFeed, timeline: Timeline) -> None:
+    """After Ctrl-C / SIGTERM: no recovery watch, but the moment (`grace_s` after the
+    revert) for the records of requests still in flight, and one last read. Without it the
+    report left out every request that ended after the last poll (up to a poll interval of
+    them, plus those in flight): fewer requests, errors and fallbacks than callers saw."""
+    cleared = timeline.cleared or time.time()
+    await asyncio.sleep(max(0.0, cleared + exercise.grace_s - time.time()))
+    await feed.poll()
+    timeline.recovered = _primary_success_after(feed.records, exercise.primary, cleared)
+    timeline.watched_until = time.time()
+
+
 def observe_exercise(exercise: Exercise, feed: RecordFeed, timeline: Timeline) -> dict[str, Any]:
     """The observed numbers: the predictions' quantities over requests that arrived while
     the fault was set; the recovery; and the series over the whole watch."""
