@@ -697,3 +697,38 @@ async def test_usage_incidents_mark_the_game_days_failovers_apart_from_a_real_on
     assert status == 0, err
     kinds = [json.loads(line)["incident"] for line in out.splitlines()]
     assert [k for k in kinds if "fault" not in k] == [["failed_over"]]
+
+
+@pytest.mark.anyio
+async def test_hung_attempts_that_end_after_the_clear_do_not_reopen_the_breaker(
+    tmp_path: Path, pair: tuple[Upstream, Upstream]
+) -> None:
+    # A hang game day aborted (or cleared) while requests hung on the primary: the revert
+    # reset the breaker, then those attempts timed out and booked their fault failures into
+    # the fresh window, which opened it again, as the fault's, with no fault left to reset
+    # it: the primary stayed skipped for a whole cooldown (here 10 minutes) after the clear.
+    primary, backup = pair
+    store = f"sqlite:///{tmp_path / 'gw.db'}"
+    config = gateway_config(store, primary.url, backup.url)
+    config["upstreams"]["primary"]["first_byte_timeout_ms"] = 2500
+    async with _gateway(config) as gateway, client_for(gateway) as client:
+        runtime = gateway.services.store
+        assert runtime is not None
+        assert (await client.get("/v1/x")).headers["x-gateway-provider"] == "primary"
+        status, _, err = await cli(
+            "faults", "set", "hang", "--store", store, "--upstream", "primary", "--ttl", "600"
+        )
+        assert status == 0, err
+        await until(lambda: _true(runtime.faults.active_upstreams() == {"primary"}))
+        hung = [asyncio.ensure_future(client.get("/v1/x")) for _ in range(4)]
+        await asyncio.sleep(0.2)  # all four hang on the primary now
+        status, _, err = await cli("faults", "clear", "--store", store, "--upstream", "primary")
+        assert status == 0, err
+        await until(lambda: _true(not runtime.faults.active_upstreams()))
+        assert not any(task.done() for task in hung)  # the revert came while they hung
+        for response in await asyncio.gather(*hung):
+            assert response.headers["x-gateway-provider"] == "backup"
+        assert await _breaker_closed(gateway)
+        response = await client.get("/v1/x")
+        assert response.headers["x-gateway-provider"] == "primary"
+        assert "x-gateway-fault" not in response.headers

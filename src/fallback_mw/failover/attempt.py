@@ -324,6 +324,16 @@ class AttemptLifecycle:
         """The one place an outcome reaches the breaker and the credential's health.
         Returns the mark (True a failure, False a success, None nothing recorded)."""
         mark = health_mark(outcome, self.failover_status)
+        # The fault ended (cleared, expired) while this attempt hung on it: the revert has
+        # reset the breaker, and a late outcome of the fault must not open it again with no
+        # fault left to reset it (it outlived the fault by a whole cooldown). Booked as
+        # nothing, like a local outcome.
+        if (
+            mark is not None
+            and outcome.fault is not None
+            and await self.runner.faults.upstream_fault(name) is None
+        ):
+            mark = None
         if mark is None:
             await self.health.release(name)
             return None
