@@ -25,6 +25,7 @@ import httpx
 import pytest
 
 from tests.conftest import IN_CI
+from tests.e2e.test_serve_workers import both_serving, two_free_ports
 from tests.helpers import free_port, log_text, serve_process, wait_listening
 from tests.test_cli_admin import cli
 from tests.upstreams import status_handler, upstream
@@ -48,9 +49,10 @@ def prometheus_binary() -> str:
 
 
 @contextlib.contextmanager
-def prometheus(binary: str, tmp_path: Path, target: str, port: int) -> Iterator[Path]:
-    """Prometheus on 127.0.0.1:`port`, scraping `target` every second and evaluating the
-    shipped rules every second; its log in the yielded path."""
+def prometheus(binary: str, tmp_path: Path, target: str | list[str], port: int) -> Iterator[Path]:
+    """Prometheus on 127.0.0.1:`port`, scraping `target` (or each of a list) every second
+    and evaluating the shipped rules every second; its log in the yielded path."""
+    targets = ", ".join(f'"{t}"' for t in ([target] if isinstance(target, str) else target))
     config = tmp_path / "prometheus.yml"
     config.write_text(
         f"""
@@ -62,7 +64,7 @@ rule_files:
 scrape_configs:
   - job_name: fallback-mw
     static_configs:
-      - targets: ["{target}"]
+      - targets: [{targets}]
 """,
         encoding="utf-8",
     )
@@ -271,3 +273,123 @@ retries = 1
                         f"alert firing {fired_after:.1f} s after the fault was set; resolved "
                         f"{resolved_after:.1f} s after it was cleared"
                     )
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_prometheus_scrapes_every_worker_of_serve_workers_2_and_the_alert_follows_the_fault(
+    prometheus_binary: str, redis_url: str, tmp_path: Path
+) -> None:
+    # The SRE's setup: `serve --workers 2` (breakers shared through Redis), Debian's
+    # Prometheus scraping each worker's own /metrics port with the shipped rules loaded.
+    # Every request is counted once across the two targets, the breaker-open alert fires
+    # during a `fail` fault and resolves after `faults clear`.
+    store = f"sqlite:///{tmp_path / 'gateway.db'}"
+    gateway_port, metrics_port, prometheus_port = free_port(), two_free_ports(), free_port()
+    async with (
+        upstream(status_handler(200, b"primary")) as primary,
+        upstream(status_handler(200, b"backup")) as backup,
+    ):
+        config = tmp_path / "gateway.toml"
+        config.write_text(
+            f"""
+[gateway]
+state = "{redis_url}"
+store = "{store}"
+
+[gateway.breaker]
+window = 10
+min_calls = 3
+failure_rate = 0.5
+cooldown_ms = 600000
+
+[upstreams.primary]
+url = "{primary.url}"
+
+[upstreams.backup]
+url = "{backup.url}"
+
+[[routes]]
+id = "chat"
+prefix = "/v1/"
+plan = ["primary", "backup"]
+retries = 1
+""",
+            encoding="utf-8",
+        )
+        env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
+            "OTEL_METRICS_EXPORTER": "prometheus",
+            "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1",
+            "OTEL_EXPORTER_PROMETHEUS_PORT": str(metrics_port),
+        }
+        targets = [f"127.0.0.1:{metrics_port}", f"127.0.0.1:{metrics_port + 1}"]
+        serve_log = tmp_path / "serve.log"
+        with serve_process(
+            config, gateway_port, serve_log, env=env, options=("--workers", "2")
+        ) as process:
+            await both_serving(process, gateway_port, serve_log)
+            with prometheus(prometheus_binary, tmp_path, targets, prometheus_port) as prom_log:
+                logs = [serve_log, prom_log]
+                api = f"http://127.0.0.1:{prometheus_port}/api/v1"
+                url = f"http://127.0.0.1:{gateway_port}/v1/chat"
+                async with httpx.AsyncClient(timeout=5) as prom:
+
+                    async def query(expr: str) -> list[dict[str, Any]]:
+                        response = await prom.get(f"{api}/query", params={"query": expr})
+                        response.raise_for_status()
+                        result: list[dict[str, Any]] = response.json()["data"]["result"]
+                        return result
+
+                    async def firing() -> list[dict[str, Any]]:
+                        response = await prom.get(f"{api}/alerts")
+                        response.raise_for_status()
+                        return [
+                            a
+                            for a in response.json()["data"]["alerts"]
+                            if a["labels"]["alertname"] == ALERT and a["state"] == "firing"
+                        ]
+
+                    async def send(count: int) -> list[str]:
+                        providers = []
+                        for _ in range(count):  # a connection each: both workers serve
+                            async with httpx.AsyncClient(timeout=10) as client:
+                                response = await client.get(url)
+                            assert response.status_code == 200
+                            providers.append(response.headers["x-gateway-provider"])
+                        return providers
+
+                    assert await send(20) == ["primary"] * 20
+
+                    async def both_up_and_counted() -> bool:
+                        up = await query('sum(up{job="fallback-mw"})')
+                        total = await query('sum(gateway_requests_total{gateway_route_id="chat"})')
+                        return bool(up and total) and (
+                            float(up[0]["value"][1]),
+                            float(total[0]["value"][1]),
+                        ) == (2.0, 20.0)
+
+                    await until(
+                        "both targets up, 20 requests", both_up_and_counted, within=60, logs=logs
+                    )
+
+                    status, _, err = await cli(
+                        "faults", "set", "fail", "--store", store, "--upstream", "primary",
+                        "--ttl", "600",
+                    )  # fmt: skip
+                    assert status == 0, err
+                    await asyncio.sleep(1.5)  # the workers' reload (about a second)
+                    assert set(await send(10)) == {"backup"}
+                    (alert,) = await until("the alert firing", firing, within=60, logs=logs)
+                    assert alert["labels"]["gateway_upstream"] == "primary"
+
+                    status, _, err = await cli(
+                        "faults", "clear", "--store", store, "--upstream", "primary"
+                    )
+                    assert status == 0, err
+
+                    async def resolved() -> bool:
+                        return await firing() == []
+
+                    await until("the alert resolved", resolved, within=60, logs=logs)
+                    assert await send(4) == ["primary"] * 4
