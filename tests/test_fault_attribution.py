@@ -732,3 +732,33 @@ async def test_hung_attempts_that_end_after_the_clear_do_not_reopen_the_breaker(
         response = await client.get("/v1/x")
         assert response.headers["x-gateway-provider"] == "primary"
         assert "x-gateway-fault" not in response.headers
+
+
+@pytest.mark.anyio
+async def test_the_request_log_line_says_a_game_days_failover_was_the_fault(
+    tmp_path: Path, pair: tuple[Upstream, Upstream], caplog: pytest.LogCaptureFixture
+) -> None:
+    # serve writes the text line: under a `fail` fault, a request that skipped the
+    # primary's open breaker read `... chosen=backup ... skipped=primary;reason=breaker_open`,
+    # the same WARNING as a real outage's; only a JSON formatter saw the `fault` field.
+    caplog.set_level(logging.INFO, logger="fallback_mw.request")
+    primary, backup = pair
+    store = f"sqlite:///{tmp_path / 'gw.db'}"
+    async with (
+        _gateway(gateway_config(store, primary.url, backup.url)) as gateway,
+        client_for(gateway) as client,
+    ):
+        runtime = gateway.services.store
+        assert runtime is not None
+        assert (await client.get("/v1/x")).headers["x-gateway-provider"] == "primary"
+        status, _, err = await cli(
+            "faults", "set", "fail", "--store", store, "--upstream", "primary", "--ttl", "600"
+        )
+        assert status == 0, err
+        await until(lambda: _true(runtime.faults.active_upstreams() == {"primary"}))
+        for _ in range(4):
+            assert (await client.get("/v1/x")).headers["x-gateway-provider"] == "backup"
+    lines = [r.getMessage() for r in caplog.records if r.name == "fallback_mw.request"]
+    assert not lines[0].endswith("fault=true")  # before the fault
+    assert all(line.endswith(" fault=true") for line in lines[1:]), lines
+    assert lines[-1].endswith(" skipped=primary;reason=breaker_open fault=true")

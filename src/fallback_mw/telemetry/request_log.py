@@ -37,7 +37,7 @@ def log_request(
     if not logger.isEnabledFor(level):
         return
     duration_ms = round(duration * 1000, 1)
-    arguments = _arguments(context, outcome, candidates, chosen, duration_ms)
+    arguments = _arguments(context, outcome, candidates, chosen, duration_ms, fault)
     direct = _direct_handler(level)
     if direct is not None:
         # serve's own writer and nothing else listening: the same line, without a record.
@@ -79,6 +79,7 @@ def _arguments(
     candidates: list[str],
     chosen: str | None,
     duration_ms: float,
+    fault: bool,
 ) -> tuple[object, ...]:
     """The line's %-arguments; the first two (route and outcome labels) are also the
     record's `route` and `outcome` fields."""
@@ -96,6 +97,8 @@ def _arguments(
             f"{label(s.candidate)};reason={label(s.reason)}" for s in context.skipped
         )
         why += f" skipped={','.join(passed)}"
+    if fault:  # game-day traffic (SPEC §12): not to be read as a real outage
+        why += " fault=true"
     return (
         label(context.route.id),
         label(outcome),
