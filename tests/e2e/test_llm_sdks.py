@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import anthropic
 import pytest
 from anthropic import Anthropic
 from examples.mock_upstreams import REPLY, Mocks, start_mocks
@@ -237,6 +238,62 @@ retries = 1
     assert 'add "POST" to its replayable_methods' in caught.value.body["message"]  # type: ignore[index]
     assert len(gateway.mocks.backup.requests) == before[1]
     assert len(gateway.mocks.primary.requests) == before[0] + 1
+
+
+NOT_REPLAYED_ROUTES = """
+[upstreams.primary]
+url = "{primary}"
+[upstreams.backup]
+url = "{backup}"
+[upstreams.claude_primary]
+url = "{primary}"
+auth_header = "x-api-key"
+auth_scheme = ""
+[upstreams.claude_backup]
+url = "{backup}"
+auth_header = "x-api-key"
+auth_scheme = ""
+[[routes]]
+id = "chat"
+prefix = "/v1/"
+plan = ["primary", "backup"]
+retries = 1
+[[routes]]
+id = "messages"
+prefix = "/v1/messages"
+plan = ["claude_primary", "claude_backup"]
+retries = 1
+"""
+
+
+def test_the_sdks_default_retries_do_not_resend_a_post_the_route_does_not_replay(
+    gateway: Running, tmp_path: Path
+) -> None:
+    # Both SDKs retry a 5xx twice by default. The gateway's 502 after its walk says
+    # `x-should-retry: false`, which they obey: the POST reaches the primary once, as the
+    # route's replayable_methods promise, not once per SDK attempt.
+    mocks = gateway.mocks
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        NOT_REPLAYED_ROUTES.format(primary=mocks.primary.url, backup=mocks.backup.url),
+        encoding="utf-8",
+    )
+    with (
+        serving(config, dict(os.environ)) as url,
+        OpenAI(base_url=f"{url}/v1", api_key=CALLER_KEY) as openai,
+        Anthropic(base_url=url, api_key=CALLER_KEY) as claude,
+    ):
+        before = _since(mocks)
+        with pytest.raises(InternalServerError) as chat:
+            openai.chat.completions.create(model="gpt-4o-mini", messages=MESSAGES)
+        after_chat = _since(mocks)
+        with pytest.raises(anthropic.InternalServerError) as message:
+            claude.messages.create(model="claude-sonnet-5", max_tokens=64, messages=MESSAGES)
+        after_message = _since(mocks)
+    assert chat.value.status_code == 502 and message.value.status_code == 502
+    assert after_chat == (before[0] + 1, before[1])
+    assert after_message == (before[0] + 2, before[1])
+    assert chat.value.response.headers["x-should-retry"] == "false"
 
 
 IDEMPOTENT_ROUTES = """

@@ -107,6 +107,11 @@ async def send_error(
         *gateway_headers(context),
         *(headers or ()),
     ]
+    if context.attempt_count:
+        # The route's retry policy has already run against the upstreams. The openai and
+        # anthropic SDKs retry every 5xx by default and obey this header: without it each
+        # SDK retry walks the plan again, resending a POST the route does not replay.
+        response_headers.append((b"x-should-retry", b"false"))
     await send({"type": "http.response.start", "status": status, "headers": response_headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
     context.completed = True
