@@ -80,6 +80,51 @@ def test_unknown_upstream_and_unknown_key_are_refused() -> None:
     assert "unknown key 'gateway.deadline'" in refused(data)
 
 
+def test_a_newcomers_toml_mistakes_are_named_in_toml_words_with_the_fix(tmp_path: Path) -> None:
+    # Each was refused before, but as pydantic spoke: "Input should be a valid tuple",
+    # "a valid dictionary or instance of UpstreamConfig", "Value error, ...", and a union
+    # reported once per member type ("auth_env.str: ...; auth_env.tuple[str, ...]: ...").
+    def toml_refusal(text: str) -> str:
+        path = tmp_path / "gateway.toml"
+        path.write_text(text, encoding="utf-8")
+        with pytest.raises(ConfigError) as info:
+            load_config(path, environ=ENV)
+        return str(info.value)
+
+    upstream = '[upstreams.primary]\nurl = "http://127.0.0.1:9001"\n'
+    route = 'id = "chat"\nprefix = "/v1/"\nplan = ["primary"]\n'
+    assert toml_refusal(upstream + "[routes]\n" + route).endswith(
+        "routes: must be an array of tables: write each route as [[routes]]"
+    )
+    assert toml_refusal(
+        upstream + '[[routes]]\nid = "c"\nprefix = "/v1/"\nplan = "primary"\n'
+    ).endswith("routes['c'].plan: must be an array [...]")
+    assert toml_refusal('[upstreams]\nprimary = "http://127.0.0.1:9001"\n').endswith(
+        "upstreams.primary: must be a table"
+    )
+    assert toml_refusal(upstream + "[[routes]]\n" + route + "retires = 1\n").endswith(
+        "unknown key \"routes['chat'].retires\" (did you mean 'retries'?)"
+    )
+    assert toml_refusal('[upstream.primary]\nurl = "http://127.0.0.1:9001"\n').endswith(
+        "unknown key 'upstream' (did you mean 'upstreams'?)"
+    )
+    assert toml_refusal('[gateway]\nallow_host = ["127.0.0.1"]\n').endswith(
+        "unknown key 'gateway.allow_host' (did you mean 'allow_hosts'?)"
+    )
+    assert toml_refusal(upstream + "auth_env = 5\n").endswith(
+        "upstreams.primary.auth_env: must be a string or an array [...]"
+    )
+    assert toml_refusal(upstream + "auth_env = [5]\n").endswith(
+        "upstreams.primary.auth_env: must be a string or an array [...]"
+    )
+    assert toml_refusal(
+        upstream + '[[routes]]\nid = "chat"\nprefix = "v1/"\nplan = ["primary"]\n'
+    ).endswith("routes['chat'].prefix: must start with '/'")
+    assert toml_refusal(upstream + '[[routes]]\nprefix = "/v1/"\nplan = ["primary"]\n').endswith(
+        "routes[0].id: required key missing"
+    )
+
+
 def test_missing_credential_variable_is_named_and_no_value_printed() -> None:
     message = refused(base(), environ={"PRIMARY_KEY": "sk-very-secret-value"})
     assert "BACKUP_KEY" in message and "not set" in message

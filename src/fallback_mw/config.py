@@ -3,6 +3,7 @@ in rules.py, shared with the route store (ConfigError lives there, re-exported h
 
 from __future__ import annotations
 
+import difflib
 import functools
 import ipaddress
 import os
@@ -10,10 +11,11 @@ import re
 import ssl
 import tomllib
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from decimal import ROUND_DOWN, Decimal
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -470,22 +472,99 @@ class GatewayConfig(_Strict):
     prices: dict[str, PriceConfig] = {}
 
 
-def _describe(error: ValidationError, data: Mapping[str, Any] | None = None) -> str:
-    lines = []
+def _annotation_at(root: type[BaseModel], loc: Sequence[Any]) -> Any:
+    """The type the configuration expects at `loc` (a pydantic error location), or None."""
+    annotation: Any = root
+    for part in loc:
+        annotation = _without_none(annotation)
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            field = annotation.model_fields.get(part) if isinstance(part, str) else None
+            annotation = None if field is None else field.annotation
+        elif get_origin(annotation) is dict and not isinstance(part, int):
+            annotation = get_args(annotation)[1]
+        elif get_origin(annotation) is tuple and isinstance(part, int):
+            annotation = get_args(annotation)[0]
+        else:
+            return None
+    return _without_none(annotation)
+
+
+def _without_none(annotation: Any) -> Any:
+    if get_origin(annotation) in (Union, UnionType):
+        members = [a for a in get_args(annotation) if a is not type(None)]
+        if len(members) == 1:
+            return members[0]
+    return annotation
+
+
+def _kind(annotation: Any) -> str:
+    """What a TOML author writes for `annotation`, in their words (not pydantic's)."""
+    origin = get_origin(annotation)
+    if origin in (Union, UnionType):
+        members = [a for a in get_args(annotation) if a is not type(None)]
+        return " or ".join(dict.fromkeys(_kind(a) for a in members))
+    if origin is tuple or annotation is tuple:
+        return "an array [...]"
+    if origin is dict or (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        return "a table"
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(annotation))
+    names = {str: "a string", bool: "true or false", int: "an integer"}
+    return names.get(annotation, "a number" if annotation in (float, Decimal) else "a value")
+
+
+def _unknown_key(root: type[BaseModel], loc: Sequence[Any], where: str) -> str:
+    parent = _annotation_at(root, loc[:-1])
+    if isinstance(parent, type) and issubclass(parent, BaseModel):
+        close = difflib.get_close_matches(str(loc[-1]), list(parent.model_fields), n=1)
+        if close:
+            return f"unknown key {where!r} (did you mean {close[0]!r}?)"
+    return f"unknown key {where!r}"
+
+
+def _describe(
+    error: ValidationError,
+    data: Mapping[str, Any] | None = None,
+    root: type[BaseModel] | None = None,
+) -> str:
+    root = root or GatewayConfig
+    lines: list[str] = []
     routes = (data or {}).get("routes")
     for item in error.errors():
-        loc = list(item["loc"])
+        raw = tuple(item["loc"])
+        loc = list(raw)
+        expected = _annotation_at(root, raw)
+        union = False
+        if expected is None:
+            # Past a union pydantic names each member by its type ("auth_env.str"): the
+            # key is the union's, and one line says every type it accepts.
+            for end in range(len(raw) - 1, 0, -1):
+                parent = _annotation_at(root, raw[:end])
+                if get_origin(parent) in (Union, UnionType):
+                    loc, expected, union = loc[:end], parent, True
+                    break
         # "routes.0.retry" reads better as "routes['chat'].retry".
         if len(loc) >= 2 and loc[0] == "routes" and isinstance(loc[1], int):
             route = routes[loc[1]] if isinstance(routes, list | tuple) else None
             if isinstance(route, Mapping) and isinstance(route.get("id"), str):
                 loc[:2] = [f"routes[{route['id']!r}]"]
+            else:
+                loc[:2] = [f"routes[{loc[1]}]"]
         where = ".".join(str(p) for p in loc)
-        if item["type"] == "extra_forbidden":
-            lines.append(f"unknown key {where!r}")
+        kind = item["type"]
+        if kind == "extra_forbidden":
+            line = _unknown_key(root, raw, where)
+        elif kind == "missing":
+            line = f"{where}: required key missing"
+        elif raw == ("routes",) and kind in ("tuple_type", "list_type"):
+            line = "routes: must be an array of tables: write each route as [[routes]]"
+        elif union or kind in ("tuple_type", "list_type", "dict_type", "model_type"):
+            line = f"{where}: must be {_kind(expected)}"
         else:
             # item["msg"] never contains the input value; "input" is deliberately not printed.
-            lines.append(f"{where}: {item['msg']}")
+            line = f"{where}: {item['msg'].removeprefix('Value error, ')}"
+        if line not in lines:
+            lines.append(line)
     return "; ".join(lines)
 
 

@@ -57,7 +57,7 @@ def build_model(model: type[Model], data: Mapping[str, Any], where: str) -> Mode
     try:
         return model.model_validate(dict(data))
     except ValidationError as exc:
-        raise ConfigError(f"{where}: {describe_validation_error(exc)}") from None
+        raise ConfigError(f"{where}: {describe_validation_error(exc, root=model)}") from None
 
 
 @dataclass(frozen=True, slots=True)
