@@ -25,7 +25,7 @@ model = "gpt-4o-mini"
 first_byte_timeout_ms = 2000  # below the route deadline: a hang fails over
 
 [upstreams.backup]
-url = "http://127.0.0.1:9002/v1/"
+url = "http://127.0.0.1:9002/api/"
 auth_header = "x-api-key"
 auth_scheme = ""
 auth_env = ["FMW_CHECK_BACKUP_A", "FMW_CHECK_BACKUP_B"]
@@ -75,7 +75,7 @@ def test_check_prints_the_resolved_plans_and_never_a_secret(tmp_path: Path) -> N
         "  plan: sequential, retries 1 (attempt ceiling 2), deadline 5000 ms",
         "    1. primary  http://127.0.0.1:9001  authorization: Bearer $FMW_CHECK_PRIMARY"
         "  model gpt-4o-mini",
-        "    2. backup   http://127.0.0.1:9002/v1  x-api-key: $FMW_CHECK_BACKUP_A, "
+        "    2. backup   http://127.0.0.1:9002/api  x-api-key: $FMW_CHECK_BACKUP_A, "
         "$FMW_CHECK_BACKUP_B (pool)",
         "  replayable GET POST; failover on 502 503 504, transport errors and timeouts; "
         "401 403 429 move to another credential within backup (pool); on_exhausted error",
@@ -118,6 +118,28 @@ def test_check_warns_when_the_deadline_would_cut_a_hang_before_its_fallback(
     ]
     assert result.stdout.rstrip().endswith("1 route(s), 1 warning(s)")
     path.write_text(body.replace('9001"\n', '9001"\nfirst_byte_timeout_ms = 2000\n'), "utf-8")
+    result = check(path)
+    assert result.returncode == 0 and "warning" not in result.stdout, result.stdout
+
+
+def test_check_warns_when_an_upstream_url_repeats_the_route_prefix(tmp_path: Path) -> None:
+    # OpenAI's SDKs document https://api.openai.com/v1 as the base URL; as an upstream url
+    # behind a /v1/ route every request reached /v1/v1/... (a 404), and check said nothing.
+    path = tmp_path / "gateway.toml"
+    body = (
+        '[upstreams.primary]\nurl = "http://127.0.0.1:9001/v1"\nfirst_byte_timeout_ms = 2000\n'
+        '[upstreams.backup]\nurl = "http://127.0.0.1:9002/api/"\n'
+        '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["primary", "backup"]\nretries = 1\n'
+    )
+    path.write_text(body, encoding="utf-8")
+    result = check(path)
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stdout.splitlines() if "  warning: " in line]
+    assert warnings == [
+        "  warning: candidate 'primary' has url path /v1 and the route prefix is /v1/: the "
+        "request path is appended, so requests reach /v1/v1/...; drop /v1 from its url"
+    ]
+    path.write_text(body.replace("9001/v1", "9001"), encoding="utf-8")
     result = check(path)
     assert result.returncode == 0 and "warning" not in result.stdout, result.stdout
 
@@ -166,7 +188,7 @@ def test_check_refuses_what_serve_refuses(tmp_path: Path) -> None:
     assert "FMW_CHECK_BACKUP_B is not set" in line and SECRET not in line
     assert result.stdout == ""
     path.write_text(
-        CONFIG.format(store="").replace("http://127.0.0.1:9002/v1/", "HTTP://127.0.0.1:9001/"),
+        CONFIG.format(store="").replace("http://127.0.0.1:9002/api/", "HTTP://127.0.0.1:9001/"),
         encoding="utf-8",
     )
     line = assert_one_error_line(check(path), 2)

@@ -8,6 +8,7 @@ import argparse
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 from fallback_mw.cli.app import Console, leaf, run
 from fallback_mw.cli.target import (
@@ -127,7 +128,8 @@ def route_warnings(
 ) -> list[str]:
     """What is valid but probably not meant: a declared provider's transient status that
     the route does not fail over on; a candidate whose first-byte timeout the route
-    deadline cuts, so that a hang on it never reaches the next candidate."""
+    deadline cuts, so that a hang on it never reaches the next candidate; a candidate whose
+    url path the route prefix repeats (`/v1` + `/v1/...`)."""
     warnings = []
     deadline = effective_deadline_ms(route, default_ms)
     for name in _followed(route):
@@ -137,6 +139,16 @@ def route_warnings(
                 f"candidate {name!r} has first_byte_timeout_ms {timeout_ms}, not below the "
                 f"route deadline ({deadline} ms): a hang on it ends in 504 "
                 "deadline_exceeded, never a fallback; lower its first_byte_timeout_ms"
+            )
+    for name in route.plan:
+        base = urlsplit(upstreams[name].url).path.rstrip("/")
+        if base and (route.prefix == base or route.prefix.startswith(base + "/")):
+            # The request path is appended to the url's: an SDK's documented base URL
+            # (https://api.openai.com/v1) behind a /v1/ route reaches /v1/v1/..., a 404.
+            warnings.append(
+                f"candidate {name!r} has url path {base} and the route prefix is "
+                f"{route.prefix}: the request path is appended, so requests reach "
+                f"{base}{route.prefix}...; drop {base} from its url"
             )
     for name in route.plan:
         provider = upstreams[name].provider
