@@ -71,7 +71,13 @@ def test_repeated_candidate_and_primary_as_fallback_are_refused() -> None:
 
 
 def test_unknown_upstream_and_unknown_key_are_refused() -> None:
-    assert "unknown upstream 'nope'" in refused(base(plan=["primary", "nope"]))
+    assert "unknown upstream 'nope' (defined: backup, primary)" in refused(
+        base(plan=["primary", "nope"])
+    )
+    # A typo is answered with the name meant.
+    assert refused(base(plan=["primary", "backpu"])).endswith(
+        "unknown upstream 'backpu' (did you mean 'backup'?)"
+    )
     data = base()
     data["routes"][0]["retry"] = 3
     assert "unknown key \"routes['chat'].retry\"" in refused(data)

@@ -7,6 +7,7 @@ models' shapes (read-only protocols), not the models, so this module imports no 
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -239,6 +240,18 @@ def check_proxy_host(name: str, host: str, allow_hosts: Sequence[str]) -> None:
     check_host_spelling(f"upstream {name!r}: proxy", host)
 
 
+def known_names(name: str, known: Iterable[str]) -> str:
+    """What to write instead of an unknown name: the close one, else the defined ones."""
+    names = sorted(known)
+    close = difflib.get_close_matches(name, names, n=1)
+    if close:
+        return f" (did you mean {close[0]!r}?)"
+    if not names:
+        return " (no upstream is defined: add an [upstreams.NAME] table)"
+    shown = ", ".join(names[:10]) + (", ..." if len(names) > 10 else "")
+    return f" (defined: {shown})"
+
+
 def check_route(
     route: RouteShape, upstreams: Mapping[str, UpstreamShape], *, where: str | None = None
 ) -> None:
@@ -255,7 +268,7 @@ def check_route(
             raise ConfigError(f"{label}: candidate {name!r} appears twice in the plan")
         seen.add(name)
         if name not in upstreams:
-            raise ConfigError(f"{label}: unknown upstream {name!r}")
+            raise ConfigError(f"{label}: unknown upstream {name!r}{known_names(name, upstreams)}")
     primary_url = upstreams[route.plan[0]].url
     for name in route.plan[1:]:
         if same_endpoint(upstreams[name].url, primary_url):
@@ -265,7 +278,10 @@ def check_route(
             )
     if route.shadow is not None:
         if route.shadow not in upstreams:
-            raise ConfigError(f"{label}: unknown shadow upstream {route.shadow!r}")
+            raise ConfigError(
+                f"{label}: unknown shadow upstream {route.shadow!r}"
+                f"{known_names(route.shadow, upstreams)}"
+            )
         if route.shadow == route.plan[0] or same_endpoint(upstreams[route.shadow].url, primary_url):
             raise ConfigError(
                 f"{label}: shadow {route.shadow!r} is the primary: its copies would double "
