@@ -129,6 +129,12 @@ def test_a_newcomers_toml_mistakes_are_named_in_toml_words_with_the_fix(tmp_path
     assert toml_refusal(upstream + '[[routes]]\nprefix = "/v1/"\nplan = ["primary"]\n').endswith(
         "routes[0].id: required key missing"
     )
+    assert toml_refusal(
+        upstream + '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = []\n'
+    ).endswith("routes['chat'].plan: must not be empty")
+    assert toml_refusal('[upstreams.primary]\nurl = "http://10.1.2.3:9001"\n').endswith(
+        "upstream 'primary': host '10.1.2.3' is not in allow_hosts: add it to [gateway] allow_hosts"
+    )
 
 
 def test_missing_credential_variable_is_named_and_no_value_printed() -> None:

@@ -556,6 +556,8 @@ def _describe(
             line = _unknown_key(root, raw, where)
         elif kind == "missing":
             line = f"{where}: required key missing"
+        elif kind == "too_short" and item.get("ctx", {}).get("min_length") == 1:
+            line = f"{where}: must not be empty"
         elif raw == ("routes",) and kind in ("tuple_type", "list_type"):
             line = "routes: must be an array of tables: write each route as [[routes]]"
         elif union or kind in ("tuple_type", "list_type", "dict_type", "model_type"):

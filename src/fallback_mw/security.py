@@ -459,6 +459,10 @@ def _allowlist(entries: tuple[str, ...]) -> Allowlist:
     return Allowlist(entries)
 
 
+def _not_listed(host: str) -> UnsafeUpstream:
+    return UnsafeUpstream(f"host {host!r} is not in allow_hosts: add it to [gateway] allow_hosts")
+
+
 def check_upstream_host(host: str, allow_hosts: Sequence[str], *, resolve: bool = True) -> None:
     """Load-time / store-write check of an upstream host. Raises UnsafeUpstream."""
     allow = _allowlist(tuple(allow_hosts))
@@ -467,20 +471,20 @@ def check_upstream_host(host: str, allow_hosts: Sequence[str], *, resolve: bool 
         if is_always_refused(literal):
             raise UnsafeUpstream(f"host {host!r} is a link-local / metadata address")
         if not allow.allows_address(literal) and not allow.allows_name(host):
-            raise UnsafeUpstream(f"host {host!r} is not in allow_hosts")
+            raise _not_listed(host)
         return
     if not allow.allows_name(host) and not allow.networks:
-        raise UnsafeUpstream(f"host {host!r} is not in allow_hosts")
+        raise _not_listed(host)
     if not resolve:
         if not allow.allows_name(host):
-            raise UnsafeUpstream(f"host {host!r} is not in allow_hosts")
+            raise _not_listed(host)
         return
     try:
         infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
     except (OSError, UnicodeError):
         if allow.allows_name(host):
             return  # unresolvable now; the connect-time check still applies
-        raise UnsafeUpstream(f"host {host!r} is not in allow_hosts") from None
+        raise _not_listed(host) from None
     addresses = {ipaddress.ip_address(str(info[4][0]).split("%", 1)[0]) for info in infos}
     for address in addresses:
         if is_always_refused(address):
@@ -495,7 +499,7 @@ def check_upstream_host(host: str, allow_hosts: Sequence[str], *, resolve: bool 
                 "(loopback, private or reserved) addresses, which a listed name does not "
                 "admit; add the address or its network (CIDR) to allow_hosts"
             )
-        raise UnsafeUpstream(f"host {host!r} is not in allow_hosts")
+        raise _not_listed(host)
 
 
 def check_connect_addresses(
