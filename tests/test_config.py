@@ -78,6 +78,9 @@ def test_unknown_upstream_and_unknown_key_are_refused() -> None:
     assert refused(base(plan=["primary", "backpu"])).endswith(
         "unknown upstream 'backpu' (did you mean 'backup'?)"
     )
+    data = base(budget="acem")
+    data["budgets"] = {"acme": {"limit": 1}}
+    assert refused(data).endswith("unknown budget 'acem' (did you mean 'acme'?)")
     data = base()
     data["routes"][0]["retry"] = 3
     assert "unknown key \"routes['chat'].retry\"" in refused(data)

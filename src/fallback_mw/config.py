@@ -644,9 +644,14 @@ def validate(
             and route.budget not in config.budgets
             and config.gateway.store is None
         ):
+            close = difflib.get_close_matches(route.budget, list(config.budgets), n=1)
             raise ConfigError(
                 f"route {route.id!r}: unknown budget {route.budget!r} "
-                f"(define [budgets.{route.budget}] or use a store that has it)"
+                + (
+                    f"(did you mean {close[0]!r}?)"
+                    if close
+                    else f"(define [budgets.{route.budget}] or use a store that has it)"
+                )
             )
     check_config_extras(config)
     if check_env:
