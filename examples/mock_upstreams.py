@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import os
+import socket
 import sys
 import tempfile
 import time
@@ -278,9 +279,10 @@ or the openai SDK with base_url="{url}/v1" (see the example's README.md)
 Ctrl-C stops everything."""
 
 
-async def run_example(app: str, app_dir: Path, port: int, own_route: str) -> None:
+async def run_example(app: str, app_dir: Path, listener: socket.socket, own_route: str) -> int:
     """The mocks, then the example's ASGI `app` ("module:attr" in `app_dir`) on uvicorn with
-    its gateway.toml pointed at them (through GATEWAY_CONFIG); prints how to call it."""
+    its gateway.toml pointed at them (through GATEWAY_CONFIG); prints how to call it. Returns
+    uvicorn's exit status (non-zero when the app failed to start; uvicorn said why)."""
     import uvicorn  # fallback_mw's "serve" extra
 
     sys.path.insert(0, str(app_dir))  # where uvicorn imports `app` from
@@ -291,15 +293,13 @@ async def run_example(app: str, app_dir: Path, port: int, own_route: str) -> Non
         with tempfile.TemporaryDirectory() as tmp:
             config = config_for_mocks(app_dir / "gateway.toml", mocks, Path(tmp) / "gateway.toml")
             os.environ["GATEWAY_CONFIG"] = str(config)
-            server = uvicorn.Server(
-                uvicorn.Config(app, host="127.0.0.1", port=port, access_log=False)
-            )
-            serving = asyncio.create_task(server.serve())
+            server = uvicorn.Server(uvicorn.Config(app, access_log=False))
+            serving = asyncio.create_task(_serve(server, listener))
             # uvicorn has no started event: poll its flag.
             while not server.started and not serving.done():  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
             if server.started:
-                bound = server.servers[0].sockets[0].getsockname()[1]
+                bound = listener.getsockname()[1]
                 print(
                     HOW_TO_CALL.format(
                         url=f"http://127.0.0.1:{bound}",
@@ -309,7 +309,33 @@ async def run_example(app: str, app_dir: Path, port: int, own_route: str) -> Non
                     ),
                     flush=True,
                 )
-            await serving
+            return await serving
+
+
+async def _serve(server: Any, listener: socket.socket) -> int:
+    # uvicorn ends a failed start-up with sys.exit(3); raised out of a task, SystemExit
+    # escapes the event loop as a traceback after uvicorn's own one-line reason.
+    try:
+        await server.serve(sockets=[listener])
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 1
+    return 0
+
+
+def listen(port: int) -> socket.socket:
+    """The example's socket on 127.0.0.1, bound before anything starts: a busy port is one
+    line naming the way out, not uvicorn's traceback after the mocks are up."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind(("127.0.0.1", port))
+    except (OSError, OverflowError) as exc:
+        listener.close()
+        raise SystemExit(
+            f"cannot listen on 127.0.0.1:{port}: {getattr(exc, 'strerror', None) or exc}; "
+            "pass --port N for another port, or --port 0 for a free one"
+        ) from None
+    return listener
 
 
 def example_main(app: str, app_dir: Path, own_route: str) -> None:
@@ -318,8 +344,10 @@ def example_main(app: str, app_dir: Path, own_route: str) -> None:
     )
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     port = parser.parse_args().port
-    with suppress(KeyboardInterrupt):
-        asyncio.run(run_example(app, app_dir, port, own_route))
+    status = 0
+    with listen(port) as listener, suppress(KeyboardInterrupt):
+        status = asyncio.run(run_example(app, app_dir, listener, own_route))
+    sys.exit(status)
 
 
 async def _serve_forever() -> None:

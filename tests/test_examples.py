@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -92,6 +93,29 @@ def test_example_under_plain_uvicorn_refuses_a_missing_variable_in_one_line(
     assert result.stderr.endswith(
         "upstream 'primary': environment variable PRIMARY_API_KEY is not set\n"
     )
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+
+
+@pytest.mark.parametrize("name", ["fastapi_app", "django_app"])
+def test_example_on_a_busy_port_says_so_in_one_line(name: str) -> None:
+    # Port 8000, the examples' default, is often taken. uvicorn's failed start-up used to
+    # escape the example's event loop as "Task exception was never retrieved" and two
+    # tracebacks, after the mock upstreams had started.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, str(EXAMPLES / name / "run.py"), "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert result.stderr.startswith(f"cannot listen on 127.0.0.1:{port}: "), result.stderr
+    assert result.stderr.endswith("; pass --port N for another port, or --port 0 for a free one\n")
     assert len(result.stderr.splitlines()) == 1, result.stderr
 
 
