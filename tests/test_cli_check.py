@@ -267,3 +267,18 @@ def test_demo_on_a_taken_port_fails_with_one_line() -> None:
     # demo met first is named.
     named = [p for p in (port, port + 1, port + 2) if f"cannot listen on 127.0.0.1:{p} " in line]
     assert named, line
+    # The reason once, in the OS's words (not asyncio's "error while attempting to bind on
+    # address (...)" inside it, as the upstreams' bind failures said), and the way out.
+    assert "(Address already in use); the demo uses --port P, P+1 and P+2" in line, line
+    assert "error while attempting" not in line
+    # P free and P+1 taken: the primary's bind (asyncio's) is the one that fails.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1] - 1
+        result = subprocess.run(
+            [FALLBACK_MW, "demo", "--port", str(port)],
+            capture_output=True, text=True, timeout=90, check=False,
+        )  # fmt: skip
+    line = assert_one_error_line(result, 1)
+    assert "error while attempting" not in line and "(Address already in use); " in line, line

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -29,6 +30,16 @@ DEMO_ENVIRON = {"DEMO_PRIMARY_KEY": "demo-primary-key", "DEMO_BACKUP_KEY": "demo
 CALLER_KEY = "caller-key-that-must-not-travel"
 BUDGET_LIMIT = "0.03"
 BUDGET_HOLD = "0.01"
+
+
+def _cannot_listen(port: int, exc: OSError) -> str:
+    # asyncio's bind error carries its own sentence ("error while attempting to bind on
+    # address ('127.0.0.1', P): address already in use") as strerror: say it once, plainly.
+    reason = os.strerror(exc.errno) if exc.errno else str(exc)
+    return (
+        f"cannot listen on 127.0.0.1:{port} ({reason}); the demo uses --port P, P+1 and "
+        "P+2: choose another P, or leave --port out for free ports"
+    )
 
 
 @dataclass
@@ -62,7 +73,7 @@ async def _upstream(name: str, status: int, port: int) -> AsyncIterator[DemoUpst
         await site.start()
     except OSError as exc:
         await runner.cleanup()
-        raise Failed(f"{name}: cannot listen on 127.0.0.1:{port} ({exc.strerror})") from None
+        raise Failed(f"{name}: {_cannot_listen(port, exc)}") from None
     server = site._server
     assert server is not None
     port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
@@ -106,7 +117,7 @@ async def _gateway(config: dict[str, Any], port: int) -> AsyncIterator[str]:
     except OSError as exc:
         sock.close()
         await app.aclose()
-        raise Failed(f"gateway: cannot listen on 127.0.0.1:{port} ({exc.strerror})") from None
+        raise Failed(f"gateway: {_cannot_listen(port, exc)}") from None
     port = sock.getsockname()[1]
     server = uvicorn.Server(
         uvicorn.Config(app, lifespan="on", log_level="warning", access_log=False)
