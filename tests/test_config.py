@@ -117,6 +117,15 @@ def test_a_newcomers_toml_mistakes_are_named_in_toml_words_with_the_fix(tmp_path
     assert toml_refusal('[upstream.primary]\nurl = "http://127.0.0.1:9001"\n').endswith(
         "unknown key 'upstream' (did you mean 'upstreams'?)"
     )
+    # A key below the wrong header belongs to that header's table: say whose key it is.
+    assert toml_refusal(
+        '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["primary", "backup"]\n'
+        '[upstreams.primary]\nurl = "http://127.0.0.1:9001"\n'
+        '[upstreams.backup]\nurl = "http://127.0.0.1:9002"\nretries = 1\n'
+    ).endswith(
+        "unknown key 'upstreams.backup.retries' (retries is a key of [[routes]]: a TOML key "
+        "belongs to the last [table] header above it)"
+    )
     assert toml_refusal('[gateway]\nallow_host = ["127.0.0.1"]\n').endswith(
         "unknown key 'gateway.allow_host' (did you mean 'allow_hosts'?)"
     )

@@ -472,6 +472,16 @@ class GatewayConfig(_Strict):
     prices: dict[str, PriceConfig] = {}
 
 
+_TABLES: tuple[tuple[str, type[BaseModel]], ...] = (
+    ("[gateway]", GatewaySettings),
+    ("[gateway.breaker]", BreakerConfig),
+    ("[gateway.repeat_budget]", RepeatAllowanceConfig),
+    ("[upstreams.NAME]", UpstreamConfig),
+    ("[[routes]]", RouteConfig),
+    ("[budgets.NAME]", BudgetConfig),
+)
+
+
 def _annotation_at(root: type[BaseModel], loc: Sequence[Any]) -> Any:
     """The type the configuration expects at `loc` (a pydantic error location), or None."""
     annotation: Any = root
@@ -514,11 +524,20 @@ def _kind(annotation: Any) -> str:
 
 
 def _unknown_key(root: type[BaseModel], loc: Sequence[Any], where: str) -> str:
+    key = str(loc[-1])
     parent = _annotation_at(root, loc[:-1])
     if isinstance(parent, type) and issubclass(parent, BaseModel):
-        close = difflib.get_close_matches(str(loc[-1]), list(parent.model_fields), n=1)
+        close = difflib.get_close_matches(key, list(parent.model_fields), n=1)
         if close:
             return f"unknown key {where!r} (did you mean {close[0]!r}?)"
+    # A key written below the wrong header: in TOML a key belongs to the last [table]
+    # header above it, so `retries` after [upstreams.backup] is the upstream's.
+    homes = [table for table, model in _TABLES if model is not parent and key in model.model_fields]
+    if homes:
+        return (
+            f"unknown key {where!r} ({key} is a key of {' and '.join(homes)}: a TOML key "
+            "belongs to the last [table] header above it)"
+        )
     return f"unknown key {where!r}"
 
 
