@@ -95,6 +95,25 @@ async def test_the_ceiling_and_the_deadline_are_named(caplog: pytest.LogCaptureF
     assert "deadline_ms" in error["message"]
 
 
+async def test_a_ceiling_reached_past_a_skipped_fallback_names_the_skip_not_more_retries() -> None:
+    # A multipart upload (the SDK's files.create) on a route whose backup rewrites the
+    # model: the backup is skipped, the walk repeats the primary, and the 502 said "raise
+    # the route's retries", which would only send the upload to the primary once more.
+    async with upstream(status_handler(503)) as p, upstream(status_handler(200)) as b:
+        conf = config(p.url, b.url, replayable_methods=["POST"])
+        conf["upstreams"]["backup"]["model"] = "openai/gpt-4o-mini"
+        async with gateway_client(conf, environ=ENV) as client:
+            response = await client.post("/v1/files", files={"file": ("a.jsonl", b"{}")})
+    error = response.json()["error"]
+    assert (response.status_code, error["rule"], b.count) == (502, "ceiling", 0)
+    assert response.headers["x-gateway-skipped"] == "backup;reason=model_rewrite"
+    assert error["message"].endswith(
+        "the attempt ceiling (1 + retries) is reached with backup (model_rewrite) skipped: a "
+        "candidate that rewrites the model takes only a JSON object body within [gateway] "
+        "replay_buffer"
+    ), error["message"]
+
+
 async def test_upstream_failed_names_the_last_candidate_and_what_it_did() -> None:
     # The local 502 carries no x-gateway-provider: its message is where the operator
     # learns which candidate failed last, and how.

@@ -511,6 +511,13 @@ def _remedy(rule: str | None, context: RequestContext) -> str:
             f"{route.id!r}: send one (replay_with_idempotency_key is on), or add "
             f'"POST" to replayable_methods'
         )
+    if rule == "ceiling" and context.skipped:
+        # More retries would only repeat what was left: name what was passed over, and why.
+        skipped = ", ".join(dict.fromkeys(f"{s.candidate} ({s.reason})" for s in context.skipped))
+        reasons = dict.fromkeys(s.reason for s in context.skipped)
+        remedies = "; ".join(_SKIP_REMEDY[r] for r in reasons if r in _SKIP_REMEDY)
+        message = f"the attempt ceiling (1 + retries) is reached with {skipped} skipped"
+        return f"{message}: {remedies}" if remedies else message
     return _REMEDY.get(rule or "", "")
 
 
