@@ -144,6 +144,12 @@ def test_a_newcomers_toml_mistakes_are_named_in_toml_words_with_the_fix(tmp_path
     assert toml_refusal(
         upstream + '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = []\n'
     ).endswith("routes['chat'].plan: must not be empty")
+    assert toml_refusal('[gateway]\ndeadline_ms = "5s"\n').endswith(
+        "gateway.deadline_ms: must be an integer"
+    )
+    assert toml_refusal(upstream + "[[routes]]\n" + route + 'canary_eligible = "maybe"\n').endswith(
+        "routes['chat'].canary_eligible: must be true or false"
+    )
     assert toml_refusal('[upstreams.primary]\nurl = "http://10.1.2.3:9001"\n').endswith(
         "upstream 'primary': host '10.1.2.3' is not in allow_hosts: add it to [gateway] allow_hosts"
     )

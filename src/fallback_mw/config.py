@@ -482,6 +482,17 @@ _TABLES: tuple[tuple[str, type[BaseModel]], ...] = (
 )
 
 
+# Pydantic's "Input should be a valid integer, unable to parse string as an integer" and
+# kin: said in TOML's words as "must be an integer" (`deadline_ms = "5s"`).
+_WRONG_TYPE = frozenset(
+    {
+        "tuple_type", "list_type", "dict_type", "model_type", "string_type", "int_type",
+        "int_parsing", "int_from_float", "float_type", "float_parsing", "decimal_type",
+        "decimal_parsing", "bool_type", "bool_parsing",
+    }
+)  # fmt: skip
+
+
 def _annotation_at(root: type[BaseModel], loc: Sequence[Any]) -> Any:
     """The type the configuration expects at `loc` (a pydantic error location), or None."""
     annotation: Any = root
@@ -579,7 +590,7 @@ def _describe(
             line = f"{where}: must not be empty"
         elif raw == ("routes",) and kind in ("tuple_type", "list_type"):
             line = "routes: must be an array of tables: write each route as [[routes]]"
-        elif union or kind in ("tuple_type", "list_type", "dict_type", "model_type"):
+        elif union or kind in _WRONG_TYPE:
             line = f"{where}: must be {_kind(expected)}"
         else:
             # item["msg"] never contains the input value; "input" is deliberately not printed.
