@@ -13,7 +13,7 @@ import pytest
 
 from fallback_mw.store.ledgers import open_ledger
 from tests.helpers import gateway_client
-from tests.upstreams import status_handler, upstream
+from tests.upstreams import closed_port_url, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
 
@@ -112,6 +112,30 @@ async def test_a_ceiling_reached_past_a_skipped_fallback_names_the_skip_not_more
         "candidate that rewrites the model takes only a JSON object body within [gateway] "
         "replay_buffer"
     ), error["message"]
+
+
+async def test_a_walk_where_no_upstream_accepted_a_connection_says_check_the_urls() -> None:
+    # A newcomer's first run: the upstreams are not running (or the urls are wrong). The
+    # 502 said "last failure: transport" and "raise the route's retries".
+    conf = config(closed_port_url(), closed_port_url())
+    async with gateway_client(conf, environ=ENV) as client:
+        response = await client.get("/v1/models")
+    error = response.json()["error"]
+    assert (response.status_code, error["rule"]) == (502, "ceiling")
+    assert error["message"] == (
+        "all 2 attempt(s) failed (last failure: transport (could not connect) at 'backup'); "
+        "no candidate accepted a connection: check each candidate's url (`fallback-mw check` "
+        "prints them) and that the upstream is running"
+    )
+    # One refused, one answering 503: the ceiling's own remedy stands.
+    async with upstream(status_handler(503)) as b:
+        conf = config(closed_port_url(), b.url)
+        async with gateway_client(conf, environ=ENV) as client:
+            response = await client.get("/v1/models")
+    assert response.json()["error"]["message"].endswith(
+        "(last failure: status 503 at 'backup'); the attempt ceiling (1 + retries) is reached; "
+        "raise the route's retries"
+    )
 
 
 async def test_upstream_failed_names_the_last_candidate_and_what_it_did() -> None:

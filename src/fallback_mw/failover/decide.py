@@ -569,7 +569,16 @@ def error_message(decision: Decision, context: RequestContext) -> str:
         last = record.failure_kind or "status"
         if record.status is not None and last == "status":
             last += f" {record.status}"
+        if record.could_not_connect and last == "transport":
+            last += " (could not connect)"
         message = f"all {attempts} attempt(s) failed (last failure: {last} at {record.candidate!r})"
+        if decision.rule == "ceiling" and all(a.could_not_connect for a in context.attempts):
+            # Nothing answered at all: more retries would not help a wrong url or a stopped
+            # upstream (a newcomer's first run, more often than not).
+            remedy = (
+                "no candidate accepted a connection: check each candidate's url "
+                "(`fallback-mw check` prints them) and that the upstream is running"
+            )
         if last == "tls":
             message += (
                 "; the upstream's TLS certificate did not verify: set ca_file (under "
