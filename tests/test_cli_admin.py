@@ -113,7 +113,8 @@ async def test_route_added_by_the_cli_serves_with_failover(
 BAD_FALLBACKS = {
     "no_retries": (
         ["--fallback", "http://127.0.0.1:9002"],
-        "could never be reached",
+        # The flag to add, not the loader's "set retries >= 1" (--retries defaults to 0).
+        "so its --fallback could never be reached: add --retries 1 (or more)",
     ),
     "equal_to_primary": (
         ["--retries", "1", "--fallback", "http://127.0.0.1:9001/"],

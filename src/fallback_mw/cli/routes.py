@@ -136,6 +136,13 @@ def routes_add(args: argparse.Namespace, console: Console) -> None:
     if args.tenant is not None:
         fields["tenant"] = args.tenant
     stored = StoredRoute(route=build_model(RouteConfig, fields, where), upstreams=upstreams)
+    if args.fallback is not None and args.retries < 1:
+        # The loader's own words ("set retries >= 1") name a key this command spells
+        # --retries, and its default is 0.
+        raise Refused(
+            f"{where} has retries = {args.retries}, so its --fallback could never be reached: "
+            "add --retries 1 (or more)"
+        )
 
     unreachable: dict[str, str] = {}
 
