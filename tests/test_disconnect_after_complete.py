@@ -55,17 +55,34 @@ class Client:
         return None
 
 
+def get_scope() -> dict[str, Any]:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": "/v1/x",
+        "raw_path": b"/v1/x",
+        "query_string": b"",
+        "headers": [(b"host", b"gateway")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 2),
+    }
+
+
+def gateway_over(client: Client) -> Gateway:
+    config = {
+        "upstreams": {"a": {"url": "http://127.0.0.1:9"}},
+        "routes": [{"id": "r", "prefix": "/v1/", "plan": ["a"]}],
+    }
+    return Gateway(host_app, config=config, client=client)
+
+
 @pytest.mark.anyio
 async def test_the_servers_disconnect_after_a_complete_response_cancels_nothing() -> None:
     client = Client()
-    gateway = Gateway(
-        host_app,
-        config={
-            "upstreams": {"a": {"url": "http://127.0.0.1:9"}},
-            "routes": [{"id": "r", "prefix": "/v1/", "plan": ["a"]}],
-        },
-        client=client,
-    )
+    gateway = gateway_over(client)
     complete = asyncio.Event()
     received = False
     sent: list[Message] = []
@@ -83,19 +100,7 @@ async def test_the_servers_disconnect_after_a_complete_response_cancels_nothing(
         if message["type"] == "http.response.body" and not message.get("more_body"):
             complete.set()
 
-    scope: dict[str, Any] = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "GET",
-        "scheme": "http",
-        "path": "/v1/x",
-        "raw_path": b"/v1/x",
-        "query_string": b"",
-        "headers": [(b"host", b"gateway")],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 2),
-    }
+    scope = get_scope()
     try:
         await gateway(scope, receive, send)
     finally:
@@ -116,14 +121,7 @@ async def test_a_receive_that_never_blocks_after_the_body_does_not_hold_the_loop
     suspended, so the event loop (every request of the process) was held for good, at
     100 % CPU, whenever the upstream took longer than WATCH_AFTER. It now stops watching."""
     client = Client()  # answers after WATCH_AFTER * 3: the watcher has started by then
-    gateway = Gateway(
-        host_app,
-        config={
-            "upstreams": {"a": {"url": "http://127.0.0.1:9"}},
-            "routes": [{"id": "r", "prefix": "/v1/", "plan": ["a"]}],
-        },
-        client=client,
-    )
+    gateway = gateway_over(client)
     calls = 0
     sent: list[Message] = []
 
@@ -137,19 +135,7 @@ async def test_a_receive_that_never_blocks_after_the_body_does_not_hold_the_loop
     async def send(message: Message) -> None:
         sent.append(message)
 
-    scope: dict[str, Any] = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "GET",
-        "scheme": "http",
-        "path": "/v1/x",
-        "raw_path": b"/v1/x",
-        "query_string": b"",
-        "headers": [(b"host", b"gateway")],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 2),
-    }
+    scope = get_scope()
     try:
         await gateway(scope, receive, send)
     finally:
