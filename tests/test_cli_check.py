@@ -282,3 +282,19 @@ def test_demo_on_a_taken_port_fails_with_one_line() -> None:
         )  # fmt: skip
     line = assert_one_error_line(result, 1)
     assert "error while attempting" not in line and "(Address already in use); " in line, line
+
+
+def test_check_refuses_a_store_serve_could_not_load_with_status_2(tmp_path: Path) -> None:
+    # SPEC §11: `check --config FILE` exits 0 or 2, and `serve` refuses this very file with
+    # 2 ("cannot load routes from the store"): a store that cannot be opened or reached is
+    # a configuration serve would not start with, not a third outcome.
+    missing_dir = tmp_path / "no-such-dir" / "gw.db"
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there: the PostgreSQL store is unreachable
+    for store in (f"sqlite:///{missing_dir}", f"postgresql://postgres@127.0.0.1:{port}/fxad"):
+        path = tmp_path / "gateway.toml"
+        path.write_text(CONFIG.format(store=f'store = "{store}"'), encoding="utf-8")
+        line = assert_one_error_line(check(path), 2)
+        assert "cannot load routes from the store" in line, line

@@ -1,6 +1,7 @@
 """`fallback-mw check --config FILE`: validate as `serve` would start (like `nginx -t`),
-and print the resolved routes, their plans and candidate URLs. Exit 0 valid, 2 refused,
-1 when the store cannot be read. Variable names are printed, never their values."""
+and print the resolved routes, their plans and candidate URLs. Exit 0 valid, 2 refused
+(SPEC §11: 0 or 2), a store that cannot be opened or reached included: `serve` refuses to
+start on it with 2 too. Variable names are printed, never their values."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from fallback_mw.cli.app import Console, leaf, run
+from fallback_mw.cli.app import Console, Refused, leaf, run
 from fallback_mw.cli.target import (
     missing_sqlite_file,
     no_store_file,
@@ -20,6 +21,7 @@ from fallback_mw.cli.target import (
 from fallback_mw.config import GatewayConfig, RouteConfig, UpstreamConfig, load_config
 from fallback_mw.routing import RouteTable, effective_deadline_ms
 from fallback_mw.rules import shown_variable
+from fallback_mw.store.model import StoreError
 from fallback_mw.store.routes import MergedRoutes, merge_routes, open_store
 from fallback_mw.store_url import parse_store_url
 
@@ -40,7 +42,10 @@ def _resolve(config: GatewayConfig) -> tuple[MergedRoutes, set[str]]:
             await store.aclose()
         return merge_routes(config, stored, environ=os.environ)
 
-    merged = run(load)
+    try:
+        merged = run(load)
+    except StoreError as exc:  # serve's own refusal of the same file (store/reload.py)
+        raise Refused(f"cannot load routes from the store: {exc}") from None
     file_ids = {route.id for route in config.routes}
     return merged, {route.id for route in merged.routes if route.id not in file_ids}
 
