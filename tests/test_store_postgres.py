@@ -133,3 +133,21 @@ async def test_a_separate_serve_process_sees_the_change(pg_url: str, tmp_path: P
                 process.terminate()
             await process.wait()
     assert took < 5.0
+
+
+@pytest.mark.anyio
+async def test_a_store_the_server_refuses_is_named_in_the_servers_words(pg_url: str) -> None:
+    """A misspelt database or role reached the server, which said which: the command line
+    said only the driver's class name ('cannot reach the store ...: InvalidCatalogNameError'),
+    a word a newcomer cannot act on. The server's reason names the database or role (never
+    a password, which it does not know to quote)."""
+    base, _, _ = pg_url.rpartition("/")
+    missing_db = f"{base}/fxad_no_such_db"
+    status, _, err = await cli("routes", "list", "--store", missing_db)
+    assert status == 1, err
+    assert 'database "fxad_no_such_db" does not exist' in err, err
+    host = base.partition("@")[2]
+    missing_role = f"postgresql://fxad_no_such_role:pw-never-shown@{host}/postgres"
+    status, _, err = await cli("routes", "list", "--store", missing_role)
+    assert status == 1, err
+    assert "fxad_no_such_role" in err and "pw-never-shown" not in err, err

@@ -26,7 +26,7 @@ from fallback_mw.store.model import (
     StoreError,
     pending_migrations,
 )
-from fallback_mw.store_url import StoreURLError, redact_url, unusable_store
+from fallback_mw.store_url import StoreURLError, driver_reason, redact_url, unusable_store
 
 T = TypeVar("T")
 
@@ -77,9 +77,17 @@ class PostgresStore:
     async def _connect(self) -> asyncpg.Connection[Any]:
         try:
             return await asyncpg.connect(self._dsn, timeout=5)
-        except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
+        except (OSError, TimeoutError, asyncpg.PostgresConnectionError) as exc:
             raise StoreError(
                 f"cannot reach the store {redact_url(self._dsn)}: {type(exc).__name__}"
+            ) from None
+        except asyncpg.PostgresError as exc:
+            # The server answered and said why (a database or role that does not exist, a
+            # password it refused): its reason, as `driver_reason` vets it (the type's name
+            # when the URL's password could be in it), not the driver's class name.
+            raise StoreError(
+                f"cannot reach the store {redact_url(self._dsn)}: the server refused the "
+                f"connection: {driver_reason(exc, self._dsn)}"
             ) from None
         except asyncpg.ClientConfigurationError as exc:
             # The driver reads the URL's options (sslmode, target_session_attrs...) only
