@@ -73,8 +73,9 @@ async def test_two_gateways_in_one_process_keep_separate_breaker_gauges() -> Non
         p.attributes["gateway.upstream"]: p.value
         for p in points(readers[1], "gateway.breaker.state")
     }
-    assert gauge_a == {"primary": 2}  # open in the gateway whose primary fails
-    assert gauge_b == {}  # the other gateway's breakers never moved
+    assert gauge_a == {"primary": 2, "backup": 0}  # open in the gateway whose primary fails
+    # The other gateway's breakers never moved: closed, as every upstream is from the start.
+    assert gauge_b == {"primary": 0, "backup": 0}
     assert telemetries[0].breaker_states() == {"primary": "open"}
     assert telemetries[1].breaker_states() == {}
 
@@ -108,7 +109,7 @@ async def test_two_gateways_on_one_meter_provider_both_report_their_breakers() -
     gauge = {
         p.attributes["gateway.upstream"]: p.value for p in points(reader, "gateway.breaker.state")
     }
-    assert gauge == {"primary": 2}
+    assert gauge == {"primary": 2, "backup": 0}  # the worst state of each upstream name
 
 
 async def test_redis_health_counts_on_the_meter_provider_it_is_given() -> None:

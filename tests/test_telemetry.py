@@ -1003,3 +1003,35 @@ def test_recordings_start_once_an_sdk_is_installed_after_the_gateway_is_built() 
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["1", "1"], done.stdout
+
+
+async def test_every_configured_upstream_s_breaker_is_in_the_gauge_from_the_start(
+    recorded: Recorded,
+) -> None:
+    """SPEC §9 lists breaker state among the metrics: a platform team scraping a healthy
+    gateway saw no `gateway_breaker_state` series at all (the gauge reported an upstream
+    only once its breaker had moved), so a panel of breaker states was empty and an
+    `absent()` rule fired. Each upstream reports 0 (closed) until its breaker moves."""
+    async with upstream(status_handler(200)) as p, upstream(status_handler(200)) as b:
+        config = make_config(p.url, b.url)
+        config["upstreams"] = {
+            "tel-start-primary": config["upstreams"]["primary"],
+            "tel-start-backup": config["upstreams"]["backup"],
+        }
+        config["routes"][0]["plan"] = ["tel-start-primary", "tel-start-backup"]
+        gateway = Gateway(host_app, config=config, environ=ENV, telemetry=recorded.telemetry)
+        try:
+            gauge = {
+                pt.attributes["gateway.upstream"]: pt.value
+                for pt in recorded.points("gateway.breaker.state")
+            }
+            assert gauge == {"tel-start-primary": 0, "tel-start-backup": 0}
+            async with client_for(gateway) as client:
+                assert (await client.get("/v1/models")).status_code == 200
+            gauge = {
+                pt.attributes["gateway.upstream"]: pt.value
+                for pt in recorded.points("gateway.breaker.state")
+            }
+            assert gauge == {"tel-start-primary": 0, "tel-start-backup": 0}
+        finally:
+            await gateway.aclose()

@@ -93,6 +93,9 @@ def build_services(
         runtime.on_fault_cleared = health.reset_fault
         # An upstream a reload removes leaves the breaker gauge.
         telemetry.only_upstreams(runtime.upstream_names)
+    else:  # every upstream of the file is in the breaker gauge from the start
+        names = tuple(config.upstreams)
+        telemetry.only_upstreams(lambda: names)
     client = client or make_client(
         settings.engine, allow_hosts=settings.allow_hosts, ca_file=settings.ca_file
     )

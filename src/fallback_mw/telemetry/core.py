@@ -101,8 +101,9 @@ class Telemetry:
         # callback: each gauge callback reports every live gateway on its provider.
         self._breaker_states: dict[str, str] = {}
         _LIVE.add(self)
-        # With a route store, the upstreams the gateway still serves (only_upstreams).
-        self._serving: Callable[[], Collection[str]] | None = None
+        # The upstreams each gateway reporting here serves (only_upstreams): its file's,
+        # or with a route store those it still serves after the last reload.
+        self._serving: list[Callable[[], Collection[str]]] = []
         meter.create_observable_gauge(
             "gateway.breaker.state",
             callbacks=[self._observe_breakers],
@@ -394,18 +395,21 @@ class Telemetry:
         return dict(self._breaker_states)
 
     def only_upstreams(self, serving: Callable[[], Collection[str]]) -> None:
-        """Report the breaker gauge only for the upstreams `serving()` names: when a route
-        store reload drops an upstream, its series goes, so an open breaker of a removed
-        upstream does not keep FallbackMwBreakerOpen firing until a restart. Its last state
-        is kept: an upstream added back reports it again."""
-        self._serving = serving
+        """Report the breaker gauge for the upstreams `serving()` names (a gateway calls it
+        once; two gateways sharing this Telemetry report both sets): each from the start,
+        0 (closed) until its breaker moves (SPEC §9: breaker state is a metric, and a
+        healthy gateway had no series at all); and only those: when a route store reload
+        drops an upstream, its series goes, so an open breaker of a removed upstream does
+        not keep FallbackMwBreakerOpen firing until a restart. Its last state is kept: an
+        upstream added back reports it again."""
+        self._serving.append(serving)
 
     def _serving_labels(self) -> set[str] | None:
         """The labels of the upstreams `only_upstreams` names; None: report every one."""
-        if self._serving is None:
+        if not self._serving:
             return None
         try:
-            return {label(name) for name in self._serving()}
+            return {label(name) for serving in self._serving for name in serving()}
         except Exception:
             _internal.debug("serving upstreams not read", exc_info=False)
             return None
@@ -413,8 +417,8 @@ class Telemetry:
     def _observe_breakers(self, options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
         """The breakers of every live gateway whose instruments are on this one's meter
         provider (the one registration of the gauge the SDK kept reports them all); an
-        upstream name two of them use reports its worst state. A gateway with a route
-        store reports only the upstreams it still serves (`only_upstreams`)."""
+        upstream name two of them use reports its worst state. A gateway reports the
+        upstreams it serves (`only_upstreams`), a breaker that never moved as closed."""
         provider = _resolved(self.meter_provider)
         values: dict[str, int] = {}
         for telemetry in list(_LIVE):
@@ -424,6 +428,8 @@ class Telemetry:
             for upstream, state in list(telemetry._breaker_states.items()):
                 if serving is None or upstream in serving:
                     values[upstream] = max(values.get(upstream, 0), _BREAKER_VALUES[state])
+            for upstream in serving or ():
+                values.setdefault(upstream, _BREAKER_VALUES["closed"])  # never moved yet
         return [
             metrics.Observation(value, {"gateway.upstream": upstream})
             for upstream, value in values.items()
