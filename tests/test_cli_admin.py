@@ -751,3 +751,34 @@ def test_a_ledger_verb_on_a_file_that_is_not_a_store_says_why(
         "(DatabaseError: file is not a database)\n"
     )
     assert config.read_text(encoding="utf-8") == '[gateway]\nstore = "sqlite:///gw.db"\n'
+
+
+def test_an_allowlist_refusal_under_store_alone_says_to_pass_the_config(
+    store_url: str, tmp_path: Path
+) -> None:
+    """`routes add --store URL` (SPEC §10: the store or the config) to a provider host was
+    refused 'add it to [gateway] allow_hosts', though this command had read no config file:
+    the default allowlist (loopback) applied, and the way out is --config FILE, the
+    gateway's own, whose allow_hosts lists the host."""
+    add = [
+        "routes",
+        "add",
+        "--id",
+        "oa",
+        "--prefix",
+        "/oa/",
+        "--upstream",
+        "https://api.example.com",
+    ]
+    status, _, err = run_cli(*add, "--store", store_url)
+    assert status == 2
+    assert "not in allow_hosts" in err and "--config FILE" in err, err
+    config = tmp_path / "gw.toml"
+    config.write_text(
+        f'[gateway]\nstore = "{store_url}"\nallow_hosts = ["api.example.com"]\n', encoding="utf-8"
+    )
+    status, _, err = run_cli(*add, "--config", str(config))
+    assert status == 0, err
+    other = ["--id", "ob", "--prefix", "/ob/", "--upstream", "https://other.example.com"]
+    status, _, err = run_cli("routes", "add", *other, "--config", str(config))
+    assert status == 2 and "not in allow_hosts" in err and "--config FILE" not in err, err

@@ -19,7 +19,7 @@ from fallback_mw.cli.app import Console, Failed, Refused, leaf, run
 from fallback_mw.cli.check import unreachable_routes
 from fallback_mw.cli.show import route_line
 from fallback_mw.cli.target import StoreTarget, open_route_store, resolve, store_options
-from fallback_mw.config import GatewayConfig, RouteConfig, UpstreamConfig
+from fallback_mw.config import ConfigError, GatewayConfig, RouteConfig, UpstreamConfig
 from fallback_mw.store.model import StoredRoute, build_model, fallback_name, primary_name
 from fallback_mw.store.routes import RouteStore, make_upstream, merge_routes
 
@@ -57,7 +57,18 @@ async def _check_and_write(
             where = f"route {stored.route.id!r}: upstream {name!r}"
             rules.check_variables_set(where, upstream.credential_envs, os.environ)
     existing = [s for s in await store.load_routes() if s.route.id != stored.route.id]
-    await asyncio.to_thread(merge_routes, target.config, [*existing, stored])
+    try:
+        await asyncio.to_thread(merge_routes, target.config, [*existing, stored])
+    except ConfigError as exc:
+        if target.from_file or "not in allow_hosts" not in str(exc):
+            raise
+        # "add it to [gateway] allow_hosts" names a file this command did not read: with
+        # --store alone the default allowlist (loopback) applies.
+        raise ConfigError(
+            f"{exc} (with --store alone the default allow_hosts apply, "
+            f"{', '.join(target.config.gateway.allow_hosts)}: pass --config FILE, the "
+            "gateway's configuration, whose allow_hosts lists it)"
+        ) from None
     await write(stored)
     return existing
 
