@@ -23,7 +23,7 @@ from fallback_mw.routing import RouteTable, effective_deadline_ms
 from fallback_mw.rules import shown_variable
 from fallback_mw.store.model import StoreError
 from fallback_mw.store.routes import MergedRoutes, merge_routes, open_store
-from fallback_mw.store_url import parse_store_url
+from fallback_mw.store_url import StoreURLError, parse_store_url
 
 
 def _resolve(config: GatewayConfig) -> tuple[MergedRoutes, set[str]]:
@@ -44,6 +44,8 @@ def _resolve(config: GatewayConfig) -> tuple[MergedRoutes, set[str]]:
 
     try:
         merged = run(load)
+    except StoreURLError:
+        raise  # an option the driver refuses: a refusal already, in its own words
     except StoreError as exc:  # serve's own refusal of the same file (store/reload.py)
         raise Refused(f"cannot load routes from the store: {exc}") from None
     file_ids = {route.id for route in config.routes}
