@@ -298,3 +298,33 @@ def test_check_refuses_a_store_serve_could_not_load_with_status_2(tmp_path: Path
         path.write_text(CONFIG.format(store=f'store = "{store}"'), encoding="utf-8")
         line = assert_one_error_line(check(path), 2)
         assert "cannot load routes from the store" in line, line
+
+
+def test_check_warns_when_strip_lists_drop_a_default_credential(tmp_path: Path) -> None:
+    # SPEC §12: strip_headers / strip_query_keys name caller credentials removed before
+    # any upstream, with defaults (x-auth-token, anthropic-api-key, api_key, key ...). A
+    # list given replaces those defaults: an operator adding one header of theirs let a
+    # caller's anthropic-api-key through to every upstream, and check said nothing.
+    path = tmp_path / "gateway.toml"
+    text = CONFIG.format(store="").replace(
+        'allow_hosts = ["127.0.0.1"]',
+        'allow_hosts = ["127.0.0.1"]\nstrip_headers = ["x-mine"]\nstrip_query_keys = ["sig"]',
+    )
+    path.write_text(text, encoding="utf-8")
+    result = check(path)
+    assert result.returncode == 0, result.stderr
+    headers = [line for line in result.stdout.splitlines() if "strip_headers" in line]
+    assert len(headers) == 1 and "anthropic-api-key" in headers[0], result.stdout
+    assert "x-auth-token" in headers[0] and "warning" in headers[0]
+    keys = [line for line in result.stdout.splitlines() if "strip_query_keys" in line]
+    assert len(keys) == 1 and "api_key" in keys[0], result.stdout
+    # The defaults kept (the list extends them): no warning.
+    extended = CONFIG.format(store="").replace(
+        'allow_hosts = ["127.0.0.1"]',
+        'allow_hosts = ["127.0.0.1"]\nstrip_headers = ["x-mine", "x-auth-token", '
+        '"anthropic-api-key", "ocp-apim-subscription-key", "x-amz-security-token", '
+        '"x-goog-iam-authorization-token", "x-functions-key", "private-token"]',
+    )
+    path.write_text(extended, encoding="utf-8")
+    result = check(path)
+    assert result.returncode == 0 and "warning" not in result.stdout, result.stdout

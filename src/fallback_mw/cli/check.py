@@ -18,9 +18,16 @@ from fallback_mw.cli.target import (
     relative_sqlite_path,
     relative_store_elsewhere,
 )
-from fallback_mw.config import GatewayConfig, RouteConfig, UpstreamConfig, load_config
+from fallback_mw.config import (
+    GatewayConfig,
+    GatewaySettings,
+    RouteConfig,
+    UpstreamConfig,
+    load_config,
+)
 from fallback_mw.routing import RouteTable, effective_deadline_ms
 from fallback_mw.rules import shown_variable
+from fallback_mw.security import DEFAULT_STRIP_HEADERS, DEFAULT_STRIP_QUERY_KEYS
 from fallback_mw.store.model import StoreError
 from fallback_mw.store.routes import MergedRoutes, merge_routes, open_store
 from fallback_mw.store_url import StoreURLError, parse_store_url
@@ -186,6 +193,24 @@ def _followed(route: RouteConfig) -> list[str]:
 PROXY_VARIABLES = ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY")
 
 
+def dropped_strip_defaults(settings: GatewaySettings) -> list[str]:
+    """Warnings for a `strip_headers` / `strip_query_keys` list that leaves out defaults:
+    a list replaces the defaults (docs/configuration.md), so the caller credentials it
+    does not name again reach every upstream (SPEC §4, §12)."""
+    warnings = []
+    for key, given, defaults in (
+        ("strip_headers", settings.strip_headers, DEFAULT_STRIP_HEADERS),
+        ("strip_query_keys", settings.strip_query_keys, DEFAULT_STRIP_QUERY_KEYS),
+    ):
+        dropped = [name for name in defaults if name not in given]
+        if dropped:
+            warnings.append(
+                f"[gateway] {key} replaces its defaults: {', '.join(dropped)} from callers "
+                "now reach the upstreams; list them too to keep removing them"
+            )
+    return warnings
+
+
 def ignored_proxy_variables(
     upstreams: Mapping[str, UpstreamConfig], environ: Mapping[str, str], *, store: bool = False
 ) -> str | None:
@@ -259,6 +284,9 @@ def check(args: argparse.Namespace, console: Console) -> None:
         if route.id in unreachable:
             console.print(f"  warning: {unreachable[route.id]}")
             warnings += 1
+    for dropped in dropped_strip_defaults(settings):
+        console.print(f"  warning: {dropped}")
+        warnings += 1
     ignored = ignored_proxy_variables(merged.upstreams, os.environ)
     if ignored is not None:
         console.print(f"  warning: {ignored}")
