@@ -761,3 +761,25 @@ async def test_ctrl_c_still_reads_the_records_of_requests_that_ended_after_the_l
     assert report["status"] == "interrupted"
     observed = report["observed"]
     assert (observed["requests"], observed["errors"], observed["fallbacks"]) == (2, 1, 1)
+
+
+def test_a_pin_game_day_names_the_candidate_it_pinned() -> None:
+    """`gameday --route chat --fault pin --candidate backup` printed 'pin 'chat'' (the
+    route again, as if the route were what was pinned) and never the candidate; it says
+    'pin to 'backup'', as `faults set pin` does."""
+    from fallback_mw.cli.game_day.report import report_lines
+
+    report: dict[str, Any] = {
+        "status": "completed",
+        "route": "chat",
+        "fault": {"kind": "pin", "target": "chat", "candidate": "backup", "seconds_set": 3.0},
+        "duration_s": 3.0,
+        "owner": "alice",
+        "abort": None,
+        "predictions": [],
+        "observed": {"requests": 1},
+    }
+    first = report_lines(report)[0]
+    assert first.startswith("game day completed: route 'chat', pin to 'backup', set 3.0 s"), first
+    report["fault"] = {"kind": "fail", "target": "primary", "candidate": None, "seconds_set": 3.0}
+    assert "route 'chat', fail 'primary', set" in report_lines(report)[0]

@@ -94,10 +94,15 @@ def build_report(
 def report_lines(report: dict[str, Any]) -> list[str]:
     """The report as printed: the predictions table and the observed numbers."""
     fault = report["fault"]
+    # A pin's target is the route (named already): what it pinned is the candidate.
+    what = (
+        f"pin to {fault.get('candidate')!r}"
+        if fault["kind"] == "pin"
+        else f"{fault['kind']} {fault['target']!r}"
+    )
     lines = [
-        f"game day {report['status']}: route {report['route']!r}, {fault['kind']} "
-        f"{fault['target']!r}, set {fault['seconds_set']} s of {report['duration_s']:g} s, "
-        f"owner {report['owner']}"
+        f"game day {report['status']}: route {report['route']!r}, {what}, "
+        f"set {fault['seconds_set']} s of {report['duration_s']:g} s, owner {report['owner']}"
     ]
     if report["abort"] is not None:
         abort = report["abort"]
