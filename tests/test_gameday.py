@@ -783,3 +783,15 @@ def test_a_pin_game_day_names_the_candidate_it_pinned() -> None:
     assert first.startswith("game day completed: route 'chat', pin to 'backup', set 3.0 s"), first
     report["fault"] = {"kind": "fail", "target": "primary", "candidate": None, "seconds_set": 3.0}
     assert "route 'chat', fail 'primary', set" in report_lines(report)[0]
+
+
+def test_a_pin_game_day_page_names_the_candidate_it_pinned(store: str, tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    argv = [
+        "gameday", "--route", "chat", "--fault", "pin", "--candidate", "backup",
+        "--duration", "1s", "--recovery-wait", "1s", "--config", store, "--out", str(out),
+        "--predict", "error_rate=1%", "--abort", "error_rate=50%",
+    ]  # fmt: skip
+    assert main(argv) == 1  # no traffic: NO DATA
+    page = out.with_suffix(".html").read_text()
+    assert "<h1>Game day: route chat, pin to &#x27;backup&#x27;</h1>" in page, page[:2000]

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from fallback_mw.cli.game_day.report import fault_subject
 from fallback_mw.cli.game_day.run import fmt
 from fallback_mw.cli.html_page import PALETTE, nice_ticks, page, table, text
 from fallback_mw.cli.html_page import fmt as num
@@ -165,8 +166,7 @@ def render(report: dict[str, Any]) -> str:
     )
     abort = report.get("abort")
     body = [
-        f"<h1>Game day: route {text(report['route'])}, {text(fault['kind'])} "
-        f"{text(fault['target'])}</h1>",
+        f"<h1>Game day: route {text(report['route'])}, {text(fault_subject(fault))}</h1>",
         f'<p class="muted">owner (may call the abort): <strong id="owner">'
         f"{text(report.get('owner') or '-')}</strong> · status {text(report['status'])} · "
         f"fault set {text(fault['set_at'])}, cleared {text(fault['cleared_at'])} "

@@ -91,15 +91,18 @@ def build_report(
     return report
 
 
+def fault_subject(fault: dict[str, Any]) -> str:
+    """What the fault was set on, as `faults set` says it: a pin's target is the route
+    (the report names it already), what it pinned is the candidate."""
+    if fault["kind"] == "pin":
+        return f"pin to {fault.get('candidate')!r}"
+    return f"{fault['kind']} {fault['target']!r}"
+
+
 def report_lines(report: dict[str, Any]) -> list[str]:
     """The report as printed: the predictions table and the observed numbers."""
     fault = report["fault"]
-    # A pin's target is the route (named already): what it pinned is the candidate.
-    what = (
-        f"pin to {fault.get('candidate')!r}"
-        if fault["kind"] == "pin"
-        else f"{fault['kind']} {fault['target']!r}"
-    )
+    what = fault_subject(fault)
     lines = [
         f"game day {report['status']}: route {report['route']!r}, {what}, "
         f"set {fault['seconds_set']} s of {report['duration_s']:g} s, owner {report['owner']}"
