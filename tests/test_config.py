@@ -329,3 +329,17 @@ def test_every_unset_or_unusable_credential_variable_is_named_at_once() -> None:
     assert "A_KEY is not set" in message and "C_KEY is not set" in message
     assert "B_KEY cannot be sent as a header value" in message
     assert "sk-secret" not in message
+
+
+def test_an_unsendable_credential_is_explained_by_its_own_fault() -> None:
+    """Every unsendable credential value was asked 'a trailing newline from a secrets
+    file?', a key in Cyrillic letters too: the hint belongs to a line break or surrounding
+    whitespace only; the value is never printed."""
+    data = {
+        "upstreams": {"a": {"url": "http://127.0.0.1:9001", "auth_env": "A_KEY"}},
+        "routes": [{"id": "r", "prefix": "/v1/", "plan": ["a"]}],
+    }
+    wide = refused(data, environ={"A_KEY": "ключ-secret"})
+    assert "outside latin-1" in wide and "secrets file" not in wide and "secret" not in wide
+    newline = refused(data, environ={"A_KEY": "sk-secret\n"})
+    assert "a trailing newline from a secrets file?" in newline and "sk-secret" not in newline

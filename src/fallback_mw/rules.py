@@ -322,10 +322,12 @@ def variable_problems(
             continue
         problem = header_value_problem(value)
         if problem is not None:
+            # The usual cause of a line break or an edge space, not of other characters.
+            edge = value != value.strip()
+            hint = " (a trailing newline from a secrets file?)" if edge else ""
             problems.append(
                 f"{where}: environment variable {shown_variable(variable)} cannot be sent as a "
-                "header value: "
-                f"it {problem} (a trailing newline from a secrets file?)"
+                f"header value: it {problem}{hint}"
             )
     return problems
 
