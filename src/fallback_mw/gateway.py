@@ -87,6 +87,7 @@ class Gateway:
             table=services.table,
             telemetry=services.telemetry,
             ledger=services.ledger,
+            environ=environ,
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import anyio
 
 from fallback_mw.budget import Ledger
 from fallback_mw.config import DEFAULT_METHODS, ConfigSource, as_config
+from fallback_mw.credentials import CredentialCache
 from fallback_mw.layers.limits import InFlight, header_refusal
 from fallback_mw.request.context import SCOPE_KEY, RequestContext
 from fallback_mw.request.local_errors import send_error
 from fallback_mw.request.record import write_record
+from fallback_mw.request.secrets import RequestSecrets, provider_secrets, recordable
 from fallback_mw.request.types import ASGIApp, Receive, Scope, Send
 from fallback_mw.routing import RouteTable, effective_deadline_ms, routed_path
 from fallback_mw.security import (
@@ -80,9 +82,14 @@ class RouteResolver:
         table: Callable[[], RouteTable] | None = None,
         telemetry: Telemetry | None = None,
         ledger: Ledger | None = None,
+        environ: Mapping[str, str] | None = None,
     ) -> None:
         self.app = app
-        config = as_config(config, check_env=False)  # it reads no credential
+        config = as_config(config, check_env=False)  # it forwards no credential
+        # The provider keys, only to keep them out of what telemetry records of a request
+        # (a caller's tenant or model set to one): request/secrets.py.
+        self._credentials = CredentialCache(environ)
+        self._secrets_cache: tuple[RouteTable, tuple[bytes, ...]] | None = None
         # Where the requests refused here leave their usage record, as the budget guard's
         # settlement does for every other routed request.
         self.ledger = ledger
@@ -147,6 +154,13 @@ class RouteResolver:
             configured_deadline_ms=configured_ms,
             caller_deadline_ms=deadline_ms if deadline_ms < configured_ms else None,
             overrides=overrides,
+            secrets=RequestSecrets(
+                scope.get("headers", ()),
+                scope.get("query_string", b""),
+                names=self._auth_headers(table),
+                query_keys=self.strip_query_keys,
+                provider=self._provider_secrets(table),
+            ),
         )
         refusal = header_refusal(
             scope.get("headers", ()),
@@ -175,10 +189,12 @@ class RouteResolver:
                 await self._record(context)
                 return
             if refused is not None:
+                # The caller's token, unless it carries one of the request's credentials.
+                named = recordable(context.secrets, method) or "this method"
                 await send_error(
                     send, context, "method_not_allowed",
-                    f"{method} is not forwarded on route {route.id!r}: a route without "
-                    f"methods forwards {', '.join(DEFAULT_METHODS)}; list {method} in its "
+                    f"{named} is not forwarded on route {route.id!r}: a route without "
+                    f"methods forwards {', '.join(DEFAULT_METHODS)}; list {named} in its "
                     "methods to forward it",
                     headers=[(b"allow", ", ".join(DEFAULT_METHODS).encode())],
                 )  # fmt: skip
@@ -214,6 +230,15 @@ class RouteResolver:
         cached = self._auth_cache
         if cached is None or cached[0] is not table:
             cached = self._auth_cache = (table, table.auth_headers | self.strip_headers)
+        return cached[1]
+
+    def _provider_secrets(self, table: RouteTable) -> tuple[bytes, ...]:
+        """Every provider key of the table's upstreams, once per route table."""
+        cached = self._secrets_cache
+        if cached is None or cached[0] is not table:
+            upstreams = table.upstreams
+            secrets = provider_secrets(self._credentials.credentials(upstreams), upstreams)
+            cached = self._secrets_cache = (table, secrets)
         return cached[1]
 
     async def _record(self, context: RequestContext) -> None:

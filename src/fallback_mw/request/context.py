@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fallback_mw.config import RouteConfig, UpstreamConfig
+from fallback_mw.request.secrets import RequestSecrets
 
 SCOPE_KEY = "fallback_mw.request.context"
 # The most of a caller's or an upstream's name (a model, a tenant) a request keeps beyond
@@ -135,6 +136,8 @@ class RequestContext:
     request_model: str | None = None
     usage: Usage = field(default_factory=Usage)
     trace: object | None = None  # telemetry's own per-request state (spans in flight)
+    # The credentials nothing recorded of this request may carry (request/secrets.py).
+    secrets: RequestSecrets | None = None
 
     def credential(self, upstream: str, index: int) -> tuple[str, str] | None:
         found = (self.credentials or {}).get(upstream, ())

@@ -12,6 +12,7 @@ from decimal import Decimal
 
 from fallback_mw.budget import AttemptOutcome, Ledger, LedgerUnavailable, UsageRecord
 from fallback_mw.request.context import MAX_NAME, RequestContext, SkipRecord, walk_order
+from fallback_mw.request.secrets import recordable, recorded_tenant
 
 logger = logging.getLogger("fallback_mw.budget")
 
@@ -33,14 +34,18 @@ def usage_record(
         route=context.route.id,
         # The caller's header: bounded and stored like the model (a NUL that the header
         # check refuses still reaches this record of its 400).
-        tenant=_storable(context.tenant[:MAX_NAME]) or "",
+        # A tenant id that carries a credential of the request is not stored as it is.
+        tenant=_storable(recorded_tenant(context.tenant, context.secrets)[:MAX_NAME]) or "",
         budget_id=context.route.budget,
         candidates=tuple(context.candidates),
         attempts=tuple(attempts),
         chosen=context.chosen,
         outcome=context.outcome,
         status=context.status,
-        model=_storable(usage.model or model_asked(context)),
+        model=_storable(
+            recordable(context.secrets, usage.model)
+            or recordable(context.secrets, model_asked(context))
+        ),
         input_tokens=usage.input_tokens,
         output_tokens=usage.output_tokens,
         cost=cost,

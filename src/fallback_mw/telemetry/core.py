@@ -19,6 +19,7 @@ from opentelemetry.util.types import AttributeValue
 
 from fallback_mw.extras import package_version
 from fallback_mw.request.context import AttemptRecord, RequestContext
+from fallback_mw.request.secrets import RequestSecrets
 from fallback_mw.telemetry.genai import operation_name
 from fallback_mw.telemetry.instruments import Instruments, never_idle
 from fallback_mw.telemetry.redact import (
@@ -27,6 +28,7 @@ from fallback_mw.telemetry.redact import (
     http_method,
     label,
     quiet_propagators,
+    tenant_label,
 )
 from fallback_mw.telemetry.request_log import QUIET_OUTCOMES, log_request
 from fallback_mw.telemetry.spans import (
@@ -135,11 +137,14 @@ class Telemetry:
                     incoming = propagate.extract(headers, getter=GETTER)
                 finally:
                     EXTRACTING.reset(token)
+                incoming = _without_secret_trace_state(incoming, context.secrets)
                 kind = trace.SpanKind.SERVER
-            method, original = http_method(context.method, context.route.accepted_methods)
+            method, original = http_method(
+                context.method, context.route.accepted_methods, context.secrets
+            )
             attributes: dict[str, AttributeValue] = {
                 "gateway.route.id": label(context.route.id),
-                "gateway.tenant": label(context.tenant),
+                "gateway.tenant": tenant_label(context.tenant, context.secrets),
                 "http.request.method": method,
             }
             if original is not None:
@@ -596,6 +601,37 @@ def _tracing_off() -> bool:
     if provider is _MISSING:  # an API without the global: ask it
         provider = trace.get_tracer_provider()
     return isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider)
+
+
+def _without_secret_trace_state(
+    incoming: otel_context.Context, secrets: RequestSecrets | None
+) -> otel_context.Context:
+    """The caller's context less any `tracestate` entry that carries a credential of the
+    request: every span of the trace inherits the parent's trace state, and exporters write
+    it out with each span (OTLP `trace_state`), so a caller could otherwise get its own
+    token or a provider key recorded through a header value. The other entries stay and
+    propagate upstream as W3C asks."""
+    if secrets is None:
+        return incoming
+    parent = trace.get_current_span(incoming).get_span_context()
+    state = parent.trace_state
+    if not parent.is_valid or not state:
+        return incoming
+    kept = [
+        (key, value)
+        for key, value in state.items()
+        if not secrets.carried_by(key) and not secrets.carried_by(value)
+    ]
+    if len(kept) == len(state):
+        return incoming
+    cleaned = trace.SpanContext(
+        parent.trace_id,
+        parent.span_id,
+        is_remote=parent.is_remote,
+        trace_flags=parent.trace_flags,
+        trace_state=trace.TraceState(kept),
+    )
+    return trace.set_span_in_context(trace.NonRecordingSpan(cleaned), incoming)
 
 
 def _genai(

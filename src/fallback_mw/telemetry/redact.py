@@ -12,6 +12,8 @@ from collections.abc import Collection, Sequence
 
 from opentelemetry.propagators.textmap import Getter
 
+from fallback_mw.request.secrets import REDACTED, RequestSecrets, recorded_tenant
+
 _MAX_LABEL = 128
 # A model name is echoed from the request body, so only name-shaped values are recorded.
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
@@ -25,10 +27,20 @@ def label(value: object) -> str:
     return text[:_MAX_LABEL]
 
 
-def model_name(value: str | None) -> str | None:
+def model_name(value: str | None, secrets: RequestSecrets | None = None) -> str | None:
+    """A name-shaped model name that carries none of the request's credentials (a caller
+    or an upstream can put a key there: request/secrets.py), else None."""
     if value is None or not _MODEL_NAME.fullmatch(value):
         return None
+    if secrets is not None and secrets.carried_by(value):
+        return None
     return value
+
+
+def tenant_label(tenant: str, secrets: RequestSecrets | None) -> str:
+    """The tenant as recorded: its label, or `[REDACTED]` when the caller sent one of the
+    request's credentials as its tenant id."""
+    return label(recorded_tenant(tenant, secrets))
 
 
 # OpenTelemetry's HTTP conventions: the methods of RFC 9110 and PATCH are known; any other
@@ -39,11 +51,16 @@ _KNOWN_METHODS = frozenset(
 )
 
 
-def http_method(method: str, forwarded: Collection[str]) -> tuple[str, str | None]:
+def http_method(
+    method: str, forwarded: Collection[str], secrets: RequestSecrets | None = None
+) -> tuple[str, str | None]:
     """`http.request.method` and, for `_OTHER`, `http.request.method_original` (a short
-    label). A method the route forwards (`methods = ["PROPFIND"]`) is known: configured."""
+    label; `[REDACTED]` for a token that carries a credential of the request). A method the
+    route forwards (`methods = ["PROPFIND"]`) is known: configured."""
     if method in _KNOWN_METHODS or method in forwarded:
         return method, None
+    if secrets is not None and secrets.carried_by(method):
+        return "_OTHER", REDACTED
     return "_OTHER", label(method)
 
 

@@ -12,7 +12,7 @@ import time
 from typing import IO, Any
 
 from fallback_mw.request.context import RequestContext
-from fallback_mw.telemetry.redact import label
+from fallback_mw.telemetry.redact import http_method, label, tenant_label
 
 logger = logging.getLogger("fallback_mw.request")
 # Outcomes that are the caller's or the upstream's doing, not a gateway failure.
@@ -45,8 +45,8 @@ def log_request(
         return
     fields: dict[str, Any] = {
         "route": arguments[0],
-        "tenant": label(context.tenant),
-        "method": label(context.method),
+        "tenant": tenant_label(context.tenant, context.secrets),
+        "method": _method(context),
         "candidates": candidates,
         "chosen": chosen,
         "attempts": context.attempt_count,
@@ -65,6 +65,13 @@ def log_request(
         "span_id": span_id,
     }
     logger.log(level, _MESSAGE, *arguments, extra=fields)
+
+
+def _method(context: RequestContext) -> str:
+    """The method as the span records it: the caller's token for an unknown method, unless
+    it carries a credential of the request."""
+    method, original = http_method(context.method, context.route.accepted_methods, context.secrets)
+    return original if original is not None else method
 
 
 _MESSAGE = (

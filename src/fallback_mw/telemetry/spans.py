@@ -62,7 +62,7 @@ def request_span_attributes(
         attributes["gateway.skipped"] = len(context.skipped)
     if context.status is not None:
         attributes["http.response.status_code"] = context.status
-    model = model_name(context.request_model)
+    model = model_name(context.request_model, context.secrets)
     if model is not None:
         attributes["gen_ai.request.model"] = model
     usage = context.usage
@@ -71,7 +71,7 @@ def request_span_attributes(
             attributes["gen_ai.usage.input_tokens"] = int(usage.input_tokens)
         if usage.output_tokens is not None:
             attributes["gen_ai.usage.output_tokens"] = int(usage.output_tokens)
-        response_model = model_name(usage.model)
+        response_model = model_name(usage.model, context.secrets)
         if response_model is not None:
             attributes["gen_ai.response.model"] = response_model
     return attributes

@@ -1,0 +1,126 @@
+"""The credentials one request's records must never carry (SPEC §9): the caller's own (the
+credential headers and query keys the gateway strips) and every provider key the gateway
+could inject. Telemetry records a few values a caller chooses — the tenant, the body's
+`model`, an unknown method token, the W3C `tracestate` its spans inherit — and an upstream
+chooses one (the model it says answered). A caller that puts a credential there (its own
+bearer token as its tenant id, a provider key it learnt as the model name) must not get it
+written into spans, log lines, usage records or error bodies: `recordable` says whether
+such a value may be recorded.
+
+Nothing is computed for a request that records no such value: the caller's credential
+values are read from its headers on the first question only."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from urllib.parse import unquote_to_bytes
+
+from fallback_mw.config import UpstreamConfig
+from fallback_mw.security import CREDENTIAL_HEADERS, canonical_name, canonical_query_key
+
+# A credential shorter than this is not searched for: it would match ordinary text (a test
+# key such as "k1"); real keys are far longer. A recorded value this long that is a piece of
+# a credential (a key cut at a label's length) is caught too.
+MIN_SECRET = 8
+# What a redacted tenant is recorded as (OpenTelemetry's instrumentations use this word).
+REDACTED = "[REDACTED]"
+
+
+def secret_forms(value: bytes) -> list[bytes]:
+    """The secrets one credential field value holds, lowercased: the whole value and, for
+    `Scheme token`, the token; for a cookie list, each cookie's value."""
+    value = value.strip()
+    forms = [value]
+    if b" " in value:
+        forms.append(value.rsplit(b" ", 1)[1])
+    if b"=" in value:
+        for pair in value.split(b";"):
+            forms.append(pair.split(b"=", 1)[-1].strip())
+    return [form.lower() for form in forms if len(form) >= MIN_SECRET]
+
+
+class RequestSecrets:
+    """One request's credentials, read lazily from its headers and query string (the
+    caller's), plus the provider keys of the route table it was resolved on."""
+
+    __slots__ = ("_headers", "_names", "_provider", "_query", "_query_keys", "_values")
+
+    def __init__(
+        self,
+        headers: Sequence[tuple[bytes, bytes]],
+        query: bytes,
+        *,
+        names: frozenset[bytes] = frozenset(),
+        query_keys: frozenset[bytes] = frozenset(),
+        provider: tuple[bytes, ...] = (),
+    ) -> None:
+        self._headers = headers
+        self._query = query
+        self._names = names  # credential header names beyond CREDENTIAL_HEADERS (canonical)
+        self._query_keys = query_keys  # canonical strip_query_keys
+        self._provider = provider
+        self._values: tuple[bytes, ...] | None = None
+
+    def values(self) -> tuple[bytes, ...]:
+        values = self._values
+        if values is None:
+            found = list(self._provider)
+            for name, value in self._headers:
+                canonical = canonical_name(name)
+                if canonical in CREDENTIAL_HEADERS or canonical in self._names:
+                    found.extend(secret_forms(value))
+            if self._query and self._query_keys:
+                for part in self._query.replace(b";", b"&").split(b"&"):
+                    key, _, value = part.partition(b"=")
+                    if canonical_query_key(key) in self._query_keys:
+                        found.extend(secret_forms(value))
+                        found.extend(secret_forms(unquote_to_bytes(value.replace(b"+", b" "))))
+            values = self._values = tuple(dict.fromkeys(found))
+        return values
+
+    def carried_by(self, text: str) -> bool:
+        """Whether `text` holds one of these credentials, or is a piece of one."""
+        values = self.values()
+        if not values:
+            return False
+        lowered = text.encode("utf-8", "replace").lower()
+        piece = len(lowered) >= MIN_SECRET
+        return any(secret in lowered or (piece and lowered in secret) for secret in values)
+
+
+def provider_secrets(
+    credentials: Mapping[str, Sequence[tuple[str, str] | None]],
+    upstreams: Mapping[str, UpstreamConfig],
+) -> tuple[bytes, ...]:
+    """The provider keys behind a credential table's injected values (`scheme key`, or the
+    raw key), lowercased; the ones too short to search for left out."""
+    found: list[bytes] = []
+    for name, values in credentials.items():
+        upstream = upstreams.get(name)
+        scheme = upstream.auth_scheme if upstream is not None else ""
+        for credential in values:
+            if credential is None:
+                continue
+            value = credential[1]
+            if scheme and value.startswith(scheme + " "):
+                value = value[len(scheme) + 1 :]
+            secret = value.strip().encode("utf-8", "replace").lower()
+            if len(secret) >= MIN_SECRET:
+                found.append(secret)
+    return tuple(dict.fromkeys(found))
+
+
+def recorded_tenant(tenant: str, secrets: RequestSecrets | None) -> str:
+    """The tenant as recorded: `[REDACTED]` when the caller sent one of the request's
+    credentials as its tenant id. The default tenant (no header) costs nothing."""
+    if secrets is not None and tenant != "default" and secrets.carried_by(tenant):
+        return REDACTED
+    return tenant
+
+
+def recordable(secrets: RequestSecrets | None, text: str | None) -> str | None:
+    """`text` when it may be recorded, None when it carries one of the request's
+    credentials (or is None)."""
+    if text is None or (secrets is not None and secrets.carried_by(text)):
+        return None
+    return text

@@ -1,0 +1,218 @@
+"""A caller that places a credential where telemetry records a caller's value — its tenant
+id, the body's `model`, a `tracestate` entry, an unknown method token — never gets it
+recorded (SPEC §9): not its own token, not a provider key it learnt. Spans (their trace
+state included), the request log line and its fields, the usage record and the local error
+body are scanned; the ordinary values of the same places are still recorded."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from fallback_mw import Gateway
+from fallback_mw.telemetry import Telemetry
+from tests.helpers import http_scope
+from tests.test_telemetry_leak import Everything, call, render_record
+from tests.upstreams import Upstream, host_app, upstream
+
+pytestmark = pytest.mark.anyio
+
+PROVIDER_KEY = "sk-prov-7Hq2Lx9Wd41Zr"
+BACKUP_KEY = "sk-back-3Mv8Tn5Ys20Kp"
+CALLER_TOKEN = "sk-caller-Ab4Cd6Ef8Gh"
+QUERY_KEY = "qk-Zz9Yy8Xx7Ww6"
+SECRETS = (PROVIDER_KEY, BACKUP_KEY, CALLER_TOKEN, QUERY_KEY)
+ENV = {"PRIMARY_KEY": PROVIDER_KEY, "BACKUP_KEY": BACKUP_KEY}
+TRACEPARENT = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def carried(text: str) -> list[str]:
+    lowered = text.lower()
+    return [secret for secret in SECRETS if secret.lower() in lowered]
+
+
+async def answer_with_usage(request: Any) -> Any:
+    from aiohttp import web
+
+    await request.read()
+    payload = {"model": "gpt-4o-mini", "usage": {"prompt_tokens": 3, "completion_tokens": 4}}
+    return web.json_response(payload)
+
+
+@dataclass
+class Recorded:
+    gateway: Gateway
+    spans: InMemorySpanExporter
+    logs: Everything
+    upstream: Upstream
+
+    async def request(
+        self,
+        method: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes = b"",
+        query: bytes = b"",
+    ) -> tuple[int, bytes, str]:
+        """Status, body, and everything recorded for this one request, as text."""
+        self.spans.clear()
+        self.logs.records.clear()
+        status, out = await call(self.gateway, http_scope(method, "/v1/chat/completions", query,
+                                                          headers), body)  # fmt: skip
+        spans = self.spans.get_finished_spans()
+        assert spans, "the request was not traced"
+        text = "\n".join(span.to_json() for span in spans)
+        text += "\n".join(render_record(r) for r in self.logs.records)
+        records = await self.gateway.services.ledger.usage(route="chat")  # type: ignore[union-attr]
+        text += "\n".join(repr(r) for r in records)
+        return status, out, text
+
+    def request_span(self) -> Any:
+        (span,) = [s for s in self.spans.get_finished_spans() if s.name == "gateway.request"]
+        return span
+
+
+@pytest.fixture
+def everything_logged() -> Iterator[Everything]:
+    handler = Everything()
+    root = logging.getLogger()
+    old_level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG)
+    try:
+        yield handler
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(old_level)
+
+
+@pytest.fixture
+async def recorded(everything_logged: Everything) -> AsyncIterator[Recorded]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(shutdown_on_exit=False)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    async with upstream(answer_with_usage) as answering:
+        config = {
+            "upstreams": {
+                "primary": {"url": answering.url, "auth_env": "PRIMARY_KEY"},
+                "backup": {"url": answering.url + "/b", "auth_env": "BACKUP_KEY"},
+            },
+            "routes": [
+                {"id": "chat", "prefix": "/v1/", "plan": ["primary", "backup"], "retries": 1}
+            ],
+        }
+        gateway = Gateway(
+            host_app, config=config, environ=ENV, telemetry=Telemetry(tracer_provider=provider)
+        )
+        try:
+            yield Recorded(gateway, exporter, everything_logged, answering)
+        finally:
+            await gateway.aclose()
+            provider.shutdown()
+
+
+def caller(*extra: tuple[bytes, bytes]) -> list[tuple[bytes, bytes]]:
+    return [(b"authorization", f"Bearer {CALLER_TOKEN}".encode()), *extra]
+
+
+@pytest.mark.parametrize("secret", [PROVIDER_KEY, BACKUP_KEY, CALLER_TOKEN])
+async def test_a_credential_sent_as_the_tenant_id_is_recorded_redacted(
+    recorded: Recorded, secret: str
+) -> None:
+    status, _, text = await recorded.request("GET", caller((b"x-tenant-id", secret.encode())))
+    assert status == 200
+    assert carried(text) == []
+    assert recorded.request_span().attributes["gateway.tenant"] == "[REDACTED]"
+    (record,) = await recorded.gateway.services.ledger.usage(route="chat")  # type: ignore[union-attr]
+    assert record.tenant == "[REDACTED]"
+
+
+async def test_a_credential_inside_a_longer_tenant_id_or_from_the_query_is_redacted(
+    recorded: Recorded,
+) -> None:
+    tenant = f"team-{PROVIDER_KEY}-eu"
+    status, _, text = await recorded.request("GET", caller((b"x-tenant-id", tenant.encode())))
+    assert status == 200 and carried(text) == []
+    # The caller's key in a query parameter the gateway strips (api_key) is a credential too.
+    status, _, text = await recorded.request(
+        "GET", [(b"x-tenant-id", QUERY_KEY.encode())], query=f"api_key={QUERY_KEY}".encode()
+    )
+    assert status == 200 and carried(text) == []
+    assert recorded.request_span().attributes["gateway.tenant"] == "[REDACTED]"
+
+
+@pytest.mark.parametrize("secret", [PROVIDER_KEY, CALLER_TOKEN])
+async def test_a_credential_sent_as_the_model_is_not_recorded(
+    recorded: Recorded, secret: str
+) -> None:
+    body = json.dumps({"model": secret, "messages": []}).encode()
+    headers = caller((b"content-type", b"application/json"), (b"x-tenant-id", b"acme"))
+    status, _, text = await recorded.request("POST", headers, body)
+    assert status == 200
+    assert carried(text) == []
+    attributes = recorded.request_span().attributes
+    assert "gen_ai.request.model" not in attributes
+    assert attributes["gen_ai.response.model"] == "gpt-4o-mini"  # the upstream's own: kept
+    (record,) = await recorded.gateway.services.ledger.usage(route="chat")  # type: ignore[union-attr]
+    assert record.model == "gpt-4o-mini"
+
+
+async def test_a_credential_in_tracestate_is_not_inherited_by_any_span(
+    recorded: Recorded,
+) -> None:
+    tracestate = f"vendor=v1,leak={PROVIDER_KEY},mine={CALLER_TOKEN}".encode()
+    headers = caller((b"traceparent", TRACEPARENT), (b"tracestate", tracestate))
+    status, _, text = await recorded.request("GET", headers)
+    assert status == 200
+    assert carried(text) == []
+    spans = recorded.spans.get_finished_spans()
+    assert {s.name for s in spans} == {"gateway.request", "gateway.attempt"}
+    for span in spans:
+        assert span.context.trace_id == 0x4BF92F3577B34DA6A3CE929D0E0E4736  # still continued
+        assert dict(span.context.trace_state) == {"vendor": "v1"}  # the rest still propagates
+    (received,) = recorded.upstream.received
+    sent = dict(received.headers)
+    assert sent["tracestate"] == "vendor=v1"
+    assert sent["authorization"] == f"Bearer {PROVIDER_KEY}"  # its own credential, and only
+    others = [(name, value) for name, value in received.headers if name != "authorization"]
+    assert carried(json.dumps(others)) == []
+
+
+async def test_an_unknown_method_token_that_is_a_credential_is_not_echoed(
+    recorded: Recorded,
+) -> None:
+    status, body, text = await recorded.request(PROVIDER_KEY.upper(), caller())
+    assert status == 405
+    assert carried(text + body.decode()) == []
+    assert json.loads(body)["error"]["code"] == "method_not_allowed"
+    assert recorded.request_span().attributes["http.request.method_original"] == "[REDACTED]"
+
+
+async def test_ordinary_values_are_still_recorded(recorded: Recorded) -> None:
+    # The control: the same places with ordinary values record them as they are.
+    body = json.dumps({"model": "gpt-4o-mini-2024-07-18"}).encode()
+    headers = caller(
+        (b"x-tenant-id", b"acme-production"),
+        (b"traceparent", TRACEPARENT),
+        (b"tracestate", b"vendor=v1,other=abcdefghijkl"),
+        (b"content-type", b"application/json"),
+    )
+    status, _, _ = await recorded.request("POST", headers, body)
+    assert status == 200
+    span = recorded.request_span()
+    assert span.attributes["gateway.tenant"] == "acme-production"
+    assert span.attributes["gen_ai.request.model"] == "gpt-4o-mini-2024-07-18"
+    assert dict(span.context.trace_state) == {"vendor": "v1", "other": "abcdefghijkl"}
+    status, body_out, _ = await recorded.request("PROPFIND", caller())
+    assert status == 405 and b"PROPFIND is not forwarded" in body_out
+    assert recorded.request_span().attributes["http.request.method_original"] == "PROPFIND"
+    records = await recorded.gateway.services.ledger.usage(route="chat")  # type: ignore[union-attr]
+    assert "acme-production" in {r.tenant for r in records}
+    assert "gpt-4o-mini" in {r.model for r in records}
