@@ -179,6 +179,8 @@ async def test_failover_trace_metrics_and_log(
         "gateway.failure.kind": "status",
         "error.type": "503",
         "gen_ai.operation.name": "chat",  # GenAI semconv, from the path
+        "gateway.decision": "next_candidate",  # what the walk did after it, and why
+        "gateway.decision.reason": "failover-class: the next candidate",
     }
     assert first.status.status_code is StatusCode.ERROR
     assert dict(second.attributes or {}) == {
@@ -188,6 +190,8 @@ async def test_failover_trace_metrics_and_log(
         "gateway.credential.index": 0,
         "http.response.status_code": 200,
         "gen_ai.operation.name": "chat",
+        "gateway.decision": "serve",
+        "gateway.decision.reason": "a response outside failover_status is served",
     }
     assert first.kind is SpanKind.CLIENT
     # Attempts are real intervals inside the request.

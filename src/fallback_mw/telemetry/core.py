@@ -35,6 +35,7 @@ from fallback_mw.telemetry.spans import (
     AttemptTrace,
     RequestTrace,
     Untraced,
+    decision_attributes,
     request_span_attributes,
 )
 
@@ -219,9 +220,24 @@ class Telemetry:
                 if entry is None:
                     return
             request.attempts.remove(entry)
-            self._end_attempt(context, entry, cancelled=False)
+            self._end_attempt(context, entry, cancelled=False, request=request)
         except Exception:
             _internal.debug("attempt_finished failed", exc_info=False)
+
+    def attempt_decided(self, context: RequestContext, attempt: AttemptRecord) -> None:
+        """The walk decided what follows `attempt` (its record's `decision` and `reason`):
+        its span, finished already, gets them and ends at the time it finished."""
+        try:
+            request = self._request_trace(context)
+            if request is None:
+                return
+            entry = next((a for a in request.undecided if a.record is attempt), None)
+            if entry is None:
+                return
+            request.undecided.remove(entry)
+            _end_decided(entry)
+        except Exception:
+            _internal.debug("attempt_decided failed", exc_info=False)
 
     def skipped(
         self, context: RequestContext, candidate: str, reason: str, *, fault: str | None = None
@@ -474,8 +490,16 @@ class Telemetry:
         return request if isinstance(request, RequestTrace) else None
 
     def _end_attempt(
-        self, context: RequestContext, entry: AttemptTrace, *, cancelled: bool
+        self,
+        context: RequestContext,
+        entry: AttemptTrace,
+        *,
+        cancelled: bool,
+        request: RequestTrace | None = None,
     ) -> None:
+        """Finish the attempt's span and metrics. Its span ends now when the walk's decision
+        about it is known (or it was cancelled); else it waits in `request.undecided` for
+        attempt_decided (or the request's end), keeping this moment as its end time."""
         record = entry.record
         span = entry.span
         if _current_attempt.get() is entry:
@@ -494,7 +518,11 @@ class Telemetry:
         span.set_attributes(attributes)
         if kind is not None and kind != "cancelled":
             span.set_status(trace.Status(trace.StatusCode.ERROR, kind))
-        span.end()
+        if request is not None and record.decision is None:
+            entry.finished_at = time.time_ns()
+            request.undecided.append(entry)
+        else:
+            _end_decided(entry)
         self._m.attempt(context, record, kind)
 
     def _finish(self, context: RequestContext) -> None:
@@ -518,6 +546,11 @@ class Telemetry:
             for entry in list(reversed(request.attempts)):
                 self._end_attempt(context, entry, cancelled=True)
             request.attempts.clear()
+            # Finished attempts whose decision never came (the walk was cut short): their
+            # own end time, with whatever decision their record holds.
+            for entry in request.undecided:
+                _end_decided(entry)
+            request.undecided.clear()
             span = request.span
             attributes = request_span_attributes(context, outcome, candidates, chosen, fault)
             _genai(attributes, context, chosen)
@@ -601,6 +634,15 @@ def _tracing_off() -> bool:
     if provider is _MISSING:  # an API without the global: ask it
         provider = trace.get_tracer_provider()
     return isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider)
+
+
+def _end_decided(entry: AttemptTrace) -> None:
+    """End an attempt's span with the walk's decision about it, at the time the attempt
+    finished (now, when it was not kept waiting for the decision)."""
+    attributes = decision_attributes(entry.record)
+    if attributes:
+        entry.span.set_attributes(attributes)
+    entry.span.end(end_time=entry.finished_at)
 
 
 def _without_secret_trace_state(

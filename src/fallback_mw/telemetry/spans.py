@@ -18,6 +18,9 @@ class AttemptTrace:
     record: AttemptRecord
     span: trace.Span
     context: otel_context.Context
+    # When the attempt finished (ns since the epoch): its span ends at that time once the
+    # walk has decided what follows it (Telemetry.attempt_decided), or when the request ends.
+    finished_at: int | None = None
 
 
 @dataclass(slots=True)
@@ -27,6 +30,7 @@ class RequestTrace:
     span: trace.Span
     parent: otel_context.Context  # incoming context (trace parent, baggage) + our span
     attempts: list[AttemptTrace] = field(default_factory=list)
+    undecided: list[AttemptTrace] = field(default_factory=list)  # finished, decision to come
 
 
 @dataclass(slots=True)
@@ -36,6 +40,17 @@ class Untraced:
     those a disconnect cancels."""
 
     attempts: list[AttemptRecord] = field(default_factory=list)
+
+
+def decision_attributes(record: AttemptRecord) -> dict[str, AttributeValue]:
+    """What the walk did after this attempt and why (`decide.Decision`'s action and reason:
+    constant phrases of the failover rules, never a caller's or an upstream's text)."""
+    if record.decision is None:
+        return {}
+    attributes: dict[str, AttributeValue] = {"gateway.decision": label(record.decision)}
+    if record.reason:
+        attributes["gateway.decision.reason"] = label(record.reason)
+    return attributes
 
 
 def request_span_attributes(
@@ -54,6 +69,8 @@ def request_span_attributes(
     }
     if chosen is not None:
         attributes["gateway.plan.chosen"] = chosen
+    if context.rule is not None:
+        attributes["gateway.rule"] = label(context.rule)
     if context.pinned is not None:
         attributes["gateway.pinned"] = label(context.pinned)
     if fault:

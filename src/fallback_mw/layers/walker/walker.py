@@ -267,6 +267,8 @@ class _Walk:
         decision: Decision = decide(outcome, state)
         if record is not None:
             record.decision, record.reason = decision.action, decision.reason
+            if decision.action != "serve":  # a served attempt's, once the relay has ended
+                self.walker.telemetry.attempt_decided(self.context, record)
         if decision.rule is not None:
             self.context.rule = decision.rule
         if decision.action in ("next_candidate", "next_credential"):
@@ -287,6 +289,8 @@ class _Walk:
             )  # fmt: skip
             if failed is not None:
                 self._aborted(failed, served)
+            if record is not None:  # its decision as it stands now (the relay may change it)
+                self.walker.telemetry.attempt_decided(self.context, record)
             await self.attempts.settle_tokens(chosen)
             shadow = should_shadow(self.context, self.body, self.walker.settings.canary_salt)
             if shadow is not None:  # the client's response is sent: a copy cannot touch it

@@ -1,0 +1,125 @@
+"""The trace says why the walk went where it did: each `gateway.attempt` span carries the
+walk's decision after it (`gateway.decision`, `gateway.decision.reason`: decide's action and
+reason) and the request span the rule that ended the walk locally (`gateway.rule`, as the
+log line and the error body). The attempt span still ends when the attempt finished (its
+response head), not when the decision about it or the relayed body was done."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from fallback_mw import Gateway
+from tests.helpers import client_for, http_scope
+from tests.test_telemetry import ENV, Recorded, make_config, recorded
+from tests.test_telemetry_leak import call
+from tests.upstreams import host_app, status_handler, upstream
+
+pytestmark = pytest.mark.anyio
+
+__all__ = ["recorded"]  # the fixture, shared with tests/test_telemetry.py
+
+
+def decisions(recorded: Recorded) -> list[tuple[str, Any, Any]]:
+    return [
+        (
+            span.attributes["gateway.candidate"],  # type: ignore[index]
+            span.attributes.get("gateway.decision"),  # type: ignore[union-attr]
+            span.attributes.get("gateway.decision.reason"),  # type: ignore[union-attr]
+        )
+        for span in recorded.attempt_spans()
+    ]
+
+
+async def test_each_attempt_span_says_what_the_walk_did_next(recorded: Recorded) -> None:
+    async with upstream(status_handler(503)) as p, upstream(status_handler(200)) as b:
+        gateway = Gateway(
+            host_app, config=make_config(p.url, b.url), environ=ENV, telemetry=recorded.telemetry
+        )
+        async with client_for(gateway) as client:
+            response = await client.get("/v1/chat")
+        await gateway.aclose()
+    assert response.status_code == 200
+    assert decisions(recorded) == [
+        ("primary", "next_candidate", "failover-class: the next candidate"),
+        ("backup", "serve", "a response outside failover_status is served"),
+    ]
+    assert "gateway.rule" not in recorded.request_span().attributes  # type: ignore[operator]
+
+
+async def test_a_walk_a_rule_ended_names_the_rule_on_the_request_span(
+    recorded: Recorded,
+) -> None:
+    async with upstream(status_handler(503)) as p, upstream(status_handler(200)) as b:
+        gateway = Gateway(
+            host_app, config=make_config(p.url, b.url), environ=ENV, telemetry=recorded.telemetry
+        )
+        async with client_for(gateway) as client:
+            response = await client.post("/v1/chat", content=b"{}")
+        await gateway.aclose()
+    assert response.status_code == 502
+    assert response.json()["error"]["rule"] == "not_replayable_method"
+    assert decisions(recorded) == [
+        ("primary", "local_error", "failover-class, but the request is not replayable")
+    ]
+    attributes = recorded.request_span().attributes
+    assert attributes["gateway.rule"] == "not_replayable_method"  # type: ignore[index]
+    assert attributes["gateway.plan.candidates"] == ("primary", "backup")  # type: ignore[index]
+
+
+async def test_the_served_attempt_span_ends_at_its_head_not_after_the_stream(
+    recorded: Recorded,
+) -> None:
+    async def streaming(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        for _ in range(4):
+            await asyncio.sleep(0.1)
+            await response.write(b"data: x\n\n")
+        await response.write_eof()
+        return response
+
+    async with upstream(streaming) as p, upstream(status_handler(200)) as b:
+        gateway = Gateway(
+            host_app, config=make_config(p.url, b.url), environ=ENV, telemetry=recorded.telemetry
+        )
+        async with client_for(gateway) as client:
+            response = await client.get("/v1/chat")
+        await gateway.aclose()
+    assert response.status_code == 200 and response.content.count(b"data: x") == 4
+    ((candidate, decision, _),) = decisions(recorded)
+    assert (candidate, decision) == ("primary", "serve")
+    (attempt,) = recorded.attempt_spans()
+    request = recorded.request_span()
+    assert attempt.end_time is not None and request.end_time is not None
+    # The body took at least 0.4 s after the head; the attempt span ended at the head.
+    assert request.end_time - attempt.end_time >= 300_000_000
+
+
+async def test_a_relay_failure_after_the_commit_names_the_abort_on_the_attempt(
+    recorded: Recorded,
+) -> None:
+    async def cut(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b"data: x\n\n")
+        await asyncio.sleep(0.05)
+        assert request.transport is not None
+        request.transport.close()
+        return response
+
+    async with upstream(cut) as p, upstream(status_handler(200)) as b:
+        gateway = Gateway(
+            host_app, config=make_config(p.url, b.url), environ=ENV, telemetry=recorded.telemetry
+        )
+        # A raw ASGI caller: the response is cut short (no final body message).
+        status, _ = await call(gateway, http_scope("GET", "/v1/chat"), b"")
+        await gateway.aclose()
+    assert status == 200
+    ((candidate, decision, reason),) = decisions(recorded)
+    assert (candidate, decision) == ("primary", "abort")
+    assert "commit point" in reason
+    assert recorded.request_span().attributes["gateway.rule"] == "response_started"  # type: ignore[index]
