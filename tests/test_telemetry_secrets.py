@@ -195,6 +195,21 @@ async def test_an_unknown_method_token_that_is_a_credential_is_not_echoed(
     assert recorded.request_span().attributes["http.request.method_original"] == "[REDACTED]"
 
 
+async def test_a_header_name_that_is_a_credential_is_not_echoed_in_the_400(
+    recorded: Recorded,
+) -> None:
+    # A header the gateway would forward, whose value it refuses (bytes that are not UTF-8):
+    # the 400 names the header, unless its name is a credential of the request.
+    status, body, text = await recorded.request(
+        "GET", caller((PROVIDER_KEY.lower().encode(), b"\xff\xfe"))
+    )
+    assert status == 400
+    assert carried(text + body.decode()) == []
+    assert "'a request header' has bytes >= 0x80" in json.loads(body)["error"]["message"]
+    status, body, _ = await recorded.request("GET", caller((b"x-trace-note", b"\xff\xfe")))
+    assert status == 400 and "'x-trace-note' has bytes" in json.loads(body)["error"]["message"]
+
+
 async def test_ordinary_values_are_still_recorded(recorded: Recorded) -> None:
     # The control: the same places with ordinary values record them as they are.
     body = json.dumps({"model": "gpt-4o-mini-2024-07-18"}).encode()

@@ -9,6 +9,7 @@ from fallback_mw.config import GatewaySettings
 from fallback_mw.request.body import body_json
 from fallback_mw.request.context import RequestBody, RequestContext
 from fallback_mw.request.refusals import body_refusal
+from fallback_mw.request.secrets import recordable
 from fallback_mw.security import query_problem, request_header_problem
 
 _BAD_NAME = "has a name that is not an HTTP token"
@@ -27,7 +28,10 @@ def refusal(
     for name, value in context.forward_headers:
         problem = request_header_problem(name, value)
         if problem is not None:
-            shown = name.decode("latin-1") if problem != _BAD_NAME else "a request header"
+            # The name, unless it is no token or carries a credential of the request.
+            shown = recordable(context.secrets, name.decode("latin-1"))
+            if shown is None or problem == _BAD_NAME:
+                shown = "a request header"
             return "bad_request", f"{shown!r} {problem}: nothing was sent upstream"
     # Only when no candidate could take it: a candidate that rewrites the model is skipped
     # for a body it cannot rewrite (`AttemptRunner.takes_body`), the others send it as is.
