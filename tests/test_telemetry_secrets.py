@@ -210,6 +210,31 @@ async def test_a_header_name_that_is_a_credential_is_not_echoed_in_the_400(
     assert status == 400 and "'x-trace-note' has bytes" in json.loads(body)["error"]["message"]
 
 
+async def test_a_model_cut_to_its_kept_length_is_still_known_as_the_key(
+    recorded: Recorded,
+) -> None:
+    # A request keeps 200 characters of its model: a longer key arrives cut, as a piece.
+    long_token = "sk-long-" + "Qx7" * 100
+    body = json.dumps({"model": long_token}).encode()
+    headers = [(b"x-api-key", long_token.encode()), (b"content-type", b"application/json")]
+    status, _, text = await recorded.request("POST", headers, body)
+    assert status == 200
+    assert long_token[:40].lower() not in text.lower()
+    assert "gen_ai.request.model" not in recorded.request_span().attributes  # type: ignore[operator]
+
+
+async def test_a_tenant_that_is_only_a_word_of_the_token_is_recorded(
+    recorded: Recorded,
+) -> None:
+    headers = [
+        (b"authorization", b"Bearer acme-production-7f3a9c2e11b4"),
+        (b"x-tenant-id", b"acme-production"),
+    ]
+    status, _, _ = await recorded.request("GET", headers)
+    assert status == 200
+    assert recorded.request_span().attributes["gateway.tenant"] == "acme-production"  # type: ignore[index]
+
+
 async def test_ordinary_values_are_still_recorded(recorded: Recorded) -> None:
     # The control: the same places with ordinary values record them as they are.
     body = json.dumps({"model": "gpt-4o-mini-2024-07-18"}).encode()

@@ -19,9 +19,12 @@ from fallback_mw.config import UpstreamConfig
 from fallback_mw.security import CREDENTIAL_HEADERS, canonical_name, canonical_query_key
 
 # A credential shorter than this is not searched for: it would match ordinary text (a test
-# key such as "k1"); real keys are far longer. A recorded value this long that is a piece of
-# a credential (a key cut at a label's length) is caught too.
+# key such as "k1"); real keys are far longer.
 MIN_SECRET = 8
+# A recorded value at least this long that is a piece of a credential is caught too (a key
+# sent as the model and cut to the 200 characters a request keeps of it). Shorter pieces
+# are ordinary words: a tenant "acme-prod" beside a token "acme-prod-7f3a...".
+MIN_PIECE = 32
 # What a redacted tenant is recorded as (OpenTelemetry's instrumentations use this word).
 REDACTED = "[REDACTED]"
 
@@ -84,7 +87,7 @@ class RequestSecrets:
         if not values:
             return False
         lowered = text.encode("utf-8", "replace").lower()
-        piece = len(lowered) >= MIN_SECRET
+        piece = len(lowered) >= MIN_PIECE
         return any(secret in lowered or (piece and lowered in secret) for secret in values)
 
 
