@@ -343,3 +343,18 @@ def test_an_unsendable_credential_is_explained_by_its_own_fault() -> None:
     assert "outside latin-1" in wide and "secrets file" not in wide and "secret" not in wide
     newline = refused(data, environ={"A_KEY": "sk-secret\n"})
     assert "a trailing newline from a secrets file?" in newline and "sk-secret" not in newline
+
+
+def test_a_credential_variable_set_to_the_empty_string_is_called_empty_not_unset() -> None:
+    """`export PRIMARY_API_KEY=` was refused as "is not set", while `env` showed the variable:
+    the message now says what is wrong with it."""
+    data = {
+        "upstreams": {
+            "a": {"url": "http://127.0.0.1:9001", "auth_env": "A_KEY"},
+            "b": {"url": "http://127.0.0.1:9002", "auth_env": "B_KEY"},
+        },
+        "routes": [{"id": "r", "prefix": "/v1/", "plan": ["a", "b"], "retries": 1}],
+    }
+    message = refused(data, environ={"A_KEY": ""})
+    assert "upstream 'a': environment variable A_KEY is set but empty" in message
+    assert "upstream 'b': environment variable B_KEY is not set" in message

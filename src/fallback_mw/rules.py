@@ -317,8 +317,15 @@ def variable_problems(
     problems = []
     for variable in variables:
         value = environ.get(variable)
-        if not value:
+        if value is None:
             problems.append(f"{where}: environment variable {shown_variable(variable)} is not set")
+            continue
+        if not value:
+            # `export KEY=` (or an empty line in an env file): set, so "not set" would send
+            # the reader to check a variable that `env` shows them is there.
+            problems.append(
+                f"{where}: environment variable {shown_variable(variable)} is set but empty"
+            )
             continue
         problem = header_value_problem(value)
         if problem is not None:
