@@ -15,9 +15,17 @@ def connect_wal(
     "database is locked" at once, without its busy handler, when another connection is
     opening the same fresh file (seen: 18 of 600 racing openers) — so retry until
     `timeout`."""
-    conn = sqlite3.connect(
-        path, timeout=timeout, isolation_level=None, check_same_thread=check_same_thread
-    )
+    try:
+        conn = sqlite3.connect(
+            path, timeout=timeout, isolation_level=None, check_same_thread=check_same_thread
+        )
+    except sqlite3.OperationalError as exc:
+        missing = missing_directory(path)
+        if missing is None:
+            raise
+        # SQLite says only "unable to open database file"; the usual cause is a directory
+        # that is not there, often because a relative path resolved from elsewhere.
+        raise sqlite3.OperationalError(f"{exc}: {missing}") from None
     deadline = time.monotonic() + timeout
     delay = 0.005
     while True:
@@ -30,3 +38,17 @@ def connect_wal(
                 raise
         time.sleep(delay)
         delay = min(delay * 2, 0.1)
+
+
+def missing_directory(path: str | Path) -> str | None:
+    """Why a SQLite file cannot be created at `path` when its directory does not exist, in
+    words naming the directory (and, for a relative path, the working directory it was
+    resolved against); None when the directory is there."""
+    target = Path(path)
+    parent = target.parent.absolute()
+    if parent.is_dir():
+        return None
+    reason = f"directory {parent} does not exist"
+    if not target.is_absolute():
+        reason += f" (the relative path is resolved against the working directory {Path.cwd()})"
+    return reason
