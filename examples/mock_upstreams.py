@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import socket
@@ -338,12 +339,31 @@ def listen(port: int) -> socket.socket:
     return listener
 
 
-def example_main(app: str, app_dir: Path, own_route: str) -> None:
+def missing_packages(needs: dict[str, str]) -> str | None:
+    """One line naming what to install when a module the example imports is not there
+    (`needs`: module -> what pip installs it, `fallback_mw[extra]` or a package), instead of
+    a traceback after the mocks started; None when everything is importable."""
+    absent = [module for module in needs if importlib.util.find_spec(module) is None]
+    if not absent:
+        return None
+    wanted = list(dict.fromkeys(needs[module] for module in absent))
+    extras = [w.removeprefix("fallback_mw[").removesuffix("]") for w in wanted if "[" in w]
+    install = " ".join(
+        ([f"'fallback_mw[{','.join(extras)}]'"] if extras else [])
+        + [w for w in wanted if "[" not in w]
+    )
+    return f"this example needs {', '.join(absent)}, not installed here: pip install {install}"
+
+
+def example_main(app: str, app_dir: Path, own_route: str, needs: dict[str, str]) -> None:
     parser = argparse.ArgumentParser(
         description="The mock upstreams and this example app on uvicorn, offline."
     )
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     port = parser.parse_args().port
+    missing = missing_packages({"uvicorn": "fallback_mw[serve]", **needs})
+    if missing is not None:
+        raise SystemExit(missing)
     status = 0
     with listen(port) as listener, suppress(KeyboardInterrupt):
         status = asyncio.run(run_example(app, app_dir, listener, own_route))

@@ -119,6 +119,52 @@ def test_example_on_a_busy_port_says_so_in_one_line(name: str) -> None:
     assert len(result.stderr.splitlines()) == 1, result.stderr
 
 
+@pytest.mark.parametrize(
+    ("name", "absent", "line"),
+    [
+        (
+            "fastapi_app",
+            ["uvicorn", "fastapi"],
+            "this example needs uvicorn, fastapi, not installed here: "
+            "pip install 'fallback_mw[serve]' fastapi",
+        ),
+        (
+            "django_app",
+            ["uvicorn", "django"],
+            "this example needs uvicorn, django, not installed here: "
+            "pip install 'fallback_mw[serve,django]'",
+        ),
+        (
+            "fastapi_app",
+            ["fastapi"],
+            "this example needs fastapi, not installed here: pip install fastapi",
+        ),
+    ],
+)
+def test_example_without_its_packages_says_what_to_install_in_one_line(
+    name: str, absent: list[str], line: str
+) -> None:
+    # `pip install fallback_mw` and then the example's one command: a traceback ending in
+    # "No module named 'uvicorn'" after the mocks had started (FastAPI is in no extra).
+    hide = "".join(f"sys.modules[{module!r}] = None; " for module in absent)
+    run = EXAMPLES / name / "run.py"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"import runpy, sys; {hide}sys.argv = [{str(run)!r}, '--port', '0']; "
+            f"runpy.run_path({str(run)!r}, run_name='__main__')",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert result.stderr == line + "\n", result.stderr
+
+
 DJANGO_TEST_CLIENT = """
 import asyncio, json, os
 from pathlib import Path

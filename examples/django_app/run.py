@@ -12,4 +12,6 @@ sys.path.insert(0, str(HERE.parent))  # examples/mock_upstreams.py
 from mock_upstreams import example_main  # noqa: E402
 
 if __name__ == "__main__":
-    example_main("asgi:application", HERE, own_route="/health")
+    example_main(
+        "asgi:application", HERE, own_route="/health", needs={"django": "fallback_mw[django]"}
+    )

@@ -12,4 +12,4 @@ sys.path.insert(0, str(HERE.parent))  # examples/mock_upstreams.py
 from mock_upstreams import example_main  # noqa: E402
 
 if __name__ == "__main__":
-    example_main("app:app", HERE, own_route="/health")
+    example_main("app:app", HERE, own_route="/health", needs={"fastapi": "fastapi"})
