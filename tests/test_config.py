@@ -276,6 +276,23 @@ def test_auth_scheme_is_trimmed_and_a_control_character_refused() -> None:
         assert "upstreams.backup.auth_scheme" in refused(data)
 
 
+def test_a_missing_relative_config_file_says_where_it_was_looked_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # FALLBACK_MW = {"config": "gateway.toml"} (or Gateway(app, config="gateway.toml")) under a
+    # server started from another directory: "configuration file 'gateway.toml' not found"
+    # named no directory, and the file was right there beside settings.py.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as relative:
+        load_config("gateway.toml")
+    assert str(relative.value) == (
+        f"configuration file 'gateway.toml' not found (looked for {tmp_path / 'gateway.toml'})"
+    )
+    with pytest.raises(ConfigError) as absolute:
+        load_config(tmp_path / "absent.toml")
+    assert str(absolute.value) == f"configuration file {str(tmp_path / 'absent.toml')!r} not found"
+
+
 def test_missing_file_and_bad_toml(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.toml")

@@ -727,7 +727,10 @@ def read_config_file(path: Path) -> dict[str, Any]:
         with path.open("rb") as file:
             raw = file.read(MAX_CONFIG_BYTES + 1)
     except FileNotFoundError:
-        raise ConfigError(f"configuration file {name} not found") from None
+        # A relative path is the server's working directory's: often not where the config
+        # is (a Django FALLBACK_MW setting, a service manager's cwd). Say where it looked.
+        where = "" if path.is_absolute() else f" (looked for {path.absolute()})"
+        raise ConfigError(f"configuration file {name} not found{where}") from None
     except IsADirectoryError:
         raise ConfigError(f"configuration file {name} is a directory, not a file") from None
     except PermissionError:
