@@ -155,6 +155,27 @@ def test_a_newcomers_toml_mistakes_are_named_in_toml_words_with_the_fix(tmp_path
     )
 
 
+def test_a_value_out_of_range_is_refused_with_its_bound_in_plain_words(tmp_path: Path) -> None:
+    # pydantic's words were passed through: "retries: Input should be greater than or equal
+    # to 0", beside the loader's own "must be an integer".
+    def toml_refusal(text: str) -> str:
+        path = tmp_path / "gateway.toml"
+        path.write_text(text, encoding="utf-8")
+        with pytest.raises(ConfigError) as info:
+            load_config(path, environ=ENV)
+        return str(info.value)
+
+    assert toml_refusal("[gateway]\ndeadline_ms = 0\n").endswith(
+        "gateway.deadline_ms: must be at least 1"
+    )
+    assert toml_refusal("[gateway]\ndeadline_ms = 30_000_000\n").endswith(
+        "gateway.deadline_ms: must be at most 600000"
+    )
+    assert toml_refusal("[gateway.breaker]\nfailure_rate = 0\n").endswith(
+        "gateway.breaker.failure_rate: must be above 0.0"
+    )
+
+
 def test_missing_credential_variable_is_named_and_no_value_printed() -> None:
     message = refused(base(), environ={"PRIMARY_KEY": "sk-very-secret-value"})
     assert "BACKUP_KEY" in message and "not set" in message

@@ -552,6 +552,14 @@ def _unknown_key(root: type[BaseModel], loc: Sequence[Any], where: str) -> str:
     return f"unknown key {where!r}"
 
 
+_OUT_OF_RANGE = {
+    "greater_than_equal": "at least",
+    "less_than_equal": "at most",
+    "greater_than": "above",
+    "less_than": "below",
+}
+
+
 def _describe(
     error: ValidationError,
     data: Mapping[str, Any] | None = None,
@@ -592,6 +600,10 @@ def _describe(
             line = "routes: must be an array of tables: write each route as [[routes]]"
         elif union or kind in _WRONG_TYPE:
             line = f"{where}: must be {_kind(expected)}"
+        elif kind in _OUT_OF_RANGE:
+            # pydantic's "Input should be greater than or equal to 0": say it as the bound.
+            bound = next(iter(item.get("ctx", {}).values()), "?")
+            line = f"{where}: must be {_OUT_OF_RANGE[kind]} {bound}"
         else:
             # item["msg"] never contains the input value; "input" is deliberately not printed.
             line = f"{where}: {item['msg'].removeprefix('Value error, ')}"
