@@ -5,6 +5,7 @@ are asserted — counts, attempts, integrity — never a latency. With the break
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -222,3 +223,44 @@ def test_the_evaluation_gateway_port_is_one_no_outgoing_connection_can_take() ->
         assert 10_000 <= port < FIRST_EPHEMERAL
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port))  # free
+
+
+def test_eval_on_a_port_another_program_listens_on_says_so_and_measures_nothing(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`eval --port P` with P already taken: its gateway could not bind, but eval saw P
+    accept a connection (the other program's) and ran its arms against that program,
+    printing a table and a verdict of someone else's server."""
+    import threading
+
+    from fallback_mw.cli.ports import free_port
+
+    foreign = socket.socket()
+    foreign.bind(("127.0.0.1", free_port()))
+    foreign.listen(64)
+    port = foreign.getsockname()[1]
+
+    def answer_and_close() -> None:  # a server that is not the gateway: closes at once
+        while True:
+            try:
+                conn, _ = foreign.accept()
+            except OSError:
+                return
+            conn.close()
+
+    thread = threading.Thread(target=answer_and_close, daemon=True)
+    thread.start()
+    try:
+        status = run_cli(["eval", "--requests", "2", "--port", str(port)])
+    finally:
+        with contextlib.suppress(OSError):
+            foreign.shutdown(socket.SHUT_RDWR)  # wakes the accept() of the thread
+        foreign.close()
+        thread.join(5)
+    captured = capsys.readouterr()
+    assert status == 1, captured
+    assert captured.err == (
+        f"fallback-mw: error: the gateway exited (1): cannot listen on 127.0.0.1:{port}: "
+        "address already in use\n"
+    )
+    assert "verdict" not in captured.out

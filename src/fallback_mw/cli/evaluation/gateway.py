@@ -54,13 +54,20 @@ def to_toml(config: Mapping[str, Any]) -> str:
 
 
 async def _wait_listening(process: asyncio.subprocess.Process, port: int, log: Path) -> None:
+    """Until our gateway listens on `port`: it has said "serving on" (it bound the port)
+    and the port accepts. A connection alone could reach another program already on the
+    port (`eval --port P` with P taken): its arms would measure that program."""
     deadline = time.monotonic() + 30
+    bound = f"serving on http://127.0.0.1:{port} "
     while time.monotonic() < deadline:
+        text = await asyncio.to_thread(log.read_text, errors="replace")
         if process.returncode is not None:
-            text = await asyncio.to_thread(log.read_text, errors="replace")
             # Its own one-line error, without its prefix (ours is added once, by eval).
             tail = text[-2000:].strip().removeprefix("fallback-mw: error: ")
             raise GatewayDidNotStart(f"the gateway exited ({process.returncode}): {tail}")
+        if bound not in text:
+            await asyncio.sleep(0.05)
+            continue
         try:
             _, writer = await asyncio.open_connection("127.0.0.1", port)
         except OSError:
