@@ -226,7 +226,7 @@ def test_the_evaluation_gateway_port_is_one_no_outgoing_connection_can_take() ->
 
 
 def test_eval_on_a_port_another_program_listens_on_says_so_and_measures_nothing(
-    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`eval --port P` with P already taken: its gateway could not bind, but eval saw P
     accept a connection (the other program's) and ran its arms against that program,
@@ -251,7 +251,8 @@ def test_eval_on_a_port_another_program_listens_on_says_so_and_measures_nothing(
     thread = threading.Thread(target=answer_and_close, daemon=True)
     thread.start()
     try:
-        status = run_cli(["eval", "--requests", "2", "--port", str(port)])
+        out = tmp_path / "eval.json"
+        status = run_cli(["eval", "--requests", "2", "--port", str(port), "--out", str(out)])
     finally:
         with contextlib.suppress(OSError):
             foreign.shutdown(socket.SHUT_RDWR)  # wakes the accept() of the thread
@@ -263,4 +264,4 @@ def test_eval_on_a_port_another_program_listens_on_says_so_and_measures_nothing(
         f"fallback-mw: error: the gateway exited (1): cannot listen on 127.0.0.1:{port}: "
         "address already in use\n"
     )
-    assert "verdict" not in captured.out
+    assert "verdict" not in captured.out and not out.exists()
