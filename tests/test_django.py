@@ -370,6 +370,27 @@ def test_missing_setting_is_improperly_configured() -> None:
             GatewayMiddleware(django_view)
 
 
+def test_a_misspelt_or_misshapen_setting_says_what_to_write() -> None:
+    # FALLBACK_MW = {"confg": ...} and FALLBACK_MW = "gateway.toml" were both answered with
+    # 'set FALLBACK_MW = {"config": "gateway.toml"}', as if the setting were absent.
+    with (
+        override_settings(FALLBACK_MW={"confg": "gateway.toml"}),
+        pytest.raises(ImproperlyConfigured) as typo,
+    ):
+        GatewayMiddleware(django_view)
+    assert str(typo.value) == (
+        "fallback_mw: unknown FALLBACK_MW key(s): ['confg'] (did you mean 'config'?)"
+    )
+    with (
+        override_settings(FALLBACK_MW="gateway.toml"),
+        pytest.raises(ImproperlyConfigured) as bare,
+    ):
+        GatewayMiddleware(django_view)
+    assert str(bare.value) == (
+        "fallback_mw: FALLBACK_MW is a dict: write FALLBACK_MW = {'config': 'gateway.toml'}"
+    )
+
+
 def test_missing_credential_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FMW_DJ_PRIMARY_KEY", PRIMARY_KEY)
     monkeypatch.delenv("FMW_DJ_BACKUP_KEY")

@@ -124,13 +124,25 @@ async def _to_django(scope: Scope, receive: Receive, send: Send) -> None:
 
 def _config_source() -> Any:
     options = getattr(settings, "FALLBACK_MW", None)
-    if not isinstance(options, dict) or "config" not in options:
+    if isinstance(options, str | os.PathLike):
+        # FALLBACK_MW = "gateway.toml": the path itself, not the dict that holds it.
+        written = f"{{'config': {str(options)!r}}}"
+        raise ImproperlyConfigured(
+            f"fallback_mw: FALLBACK_MW is a dict: write FALLBACK_MW = {written}"
+        )
+    if not isinstance(options, dict):
         raise ImproperlyConfigured(
             'fallback_mw: set FALLBACK_MW = {"config": "gateway.toml"} in your settings'
         )
     unknown = sorted(set(options) - {"config"})
     if unknown:
-        raise ImproperlyConfigured(f"fallback_mw: unknown FALLBACK_MW key(s): {unknown}")
+        # {"confg": "gateway.toml"} said only "set FALLBACK_MW = {"config": ...}".
+        hint = " (did you mean 'config'?)" if "config" not in options else ""
+        raise ImproperlyConfigured(f"fallback_mw: unknown FALLBACK_MW key(s): {unknown}{hint}")
+    if "config" not in options:
+        raise ImproperlyConfigured(
+            'fallback_mw: set FALLBACK_MW = {"config": "gateway.toml"} in your settings'
+        )
     source = options["config"]
     # e.g. {"config": os.environ.get("GATEWAY_CONFIG")} with the variable unset: None.
     if not isinstance(source, str | os.PathLike | Mapping | GatewayConfig):
