@@ -176,6 +176,48 @@ def test_a_value_out_of_range_is_refused_with_its_bound_in_plain_words(tmp_path:
     )
 
 
+@pytest.mark.parametrize(
+    ("line", "says"),
+    [
+        # A 1 ms deadline for every route, from a boolean.
+        ("[gateway]\ndeadline_ms = true\n", "gateway.deadline_ms: must be an integer"),
+        ('[gateway]\nmax_concurrency = "10"\n', "gateway.max_concurrency: must be an integer"),
+        ('[gateway.breaker]\nfailure_rate = "0.5"\n', "breaker.failure_rate: must be a number"),
+        ('[[routes]]\nid = "r"\nprefix = "/v1/"\nplan = ["p"]\nretries = "1"\n',
+         "routes['r'].retries: must be an integer"),
+        ('[[routes]]\nid = "r"\nprefix = "/v1/"\nplan = ["p"]\ncanary_eligible = 1\n',
+         "routes['r'].canary_eligible: must be true or false"),
+        ('[[routes]]\nid = "r"\nprefix = "/v1/"\nplan = ["p"]\ncanary_eligible = "true"\n',
+         "routes['r'].canary_eligible: must be true or false"),
+    ],
+)  # fmt: skip
+def test_a_toml_value_of_another_type_is_refused_not_converted(
+    line: str, says: str, tmp_path: Path
+) -> None:
+    # pydantic's lax mode took each as if it had been written right ("1" as 1, true as 1,
+    # 1 as true): `deadline_ms = true` loaded as a 1 ms deadline.
+    path = tmp_path / "gateway.toml"
+    path.write_text('[upstreams.p]\nurl = "http://127.0.0.1:9001"\n' + line, encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ=ENV)
+    assert str(info.value).endswith(says), str(info.value)
+
+
+def test_numbers_and_booleans_of_the_right_type_still_load() -> None:
+    config = load_config(
+        {
+            "gateway": {"deadline_ms": 1000, "breaker": {"failure_rate": 1}},
+            "upstreams": {"p": {"url": "http://127.0.0.1:9001", "rpm": None}},
+            "routes": [
+                {"id": "r", "prefix": "/v1/", "plan": ["p"], "canary_eligible": True,
+                 "canary_percent": 5, "deadline_ms": None}
+            ],
+        },
+        environ=ENV,
+    )  # fmt: skip
+    assert config.gateway.breaker.failure_rate == 1.0 and config.routes[0].canary_percent == 5.0
+
+
 def test_missing_credential_variable_is_named_and_no_value_printed() -> None:
     message = refused(base(), environ={"PRIMARY_KEY": "sk-very-secret-value"})
     assert "BACKUP_KEY" in message and "not set" in message

@@ -18,7 +18,15 @@ from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from fallback_mw import extras, rules
 from fallback_mw.rules import ConfigError as ConfigError  # re-exported: its public home
@@ -46,6 +54,29 @@ MAX_DEADLINE_MS = 600_000
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_type_juggling(cls, value: Any, info: ValidationInfo) -> Any:
+        # TOML has numbers and booleans of its own: `retries = "1"`, `deadline_ms = true`
+        # (a 1 ms deadline) and `canary_eligible = 1` are slips, which pydantic's lax mode
+        # took as 1, 1 and true. Refused as the wrong type, like `deadline_ms = "5s"`.
+        if info.field_name is None:
+            return value
+        kinds = _scalar_kinds(cls.model_fields[info.field_name].annotation)
+        if not kinds or "str" in kinds:
+            return value
+        numeric = kinds & {"int", "float"}
+        if isinstance(value, bool):
+            wrong = "bool" not in kinds
+        elif isinstance(value, str):
+            wrong = True
+        else:
+            wrong = isinstance(value, int | float) and not numeric
+        if not wrong:
+            return value
+        kind = "int_type" if "int" in kinds else "float_type" if numeric else "bool_type"
+        raise PydanticCustomError(kind, "wrong type")
 
 
 class BreakerConfig(_Strict):
@@ -484,6 +515,27 @@ _TABLES: tuple[tuple[str, type[BaseModel]], ...] = (
 
 # Pydantic's "Input should be a valid integer, unable to parse string as an integer" and
 # kin: said in TOML's words as "must be an integer" (`deadline_ms = "5s"`).
+_SCALARS = {int: "int", float: "float", bool: "bool", str: "str"}
+
+
+def _scalar_kinds(annotation: Any) -> frozenset[str]:
+    """The plain scalar types a field takes ("int", "float", "bool", "str"), with None
+    allowed beside them; empty when it takes anything else too (a tuple, a Decimal, a
+    Literal, a model), whose own validation decides."""
+    members = (
+        get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+    )
+    kinds = set()
+    for member in members:
+        if member is type(None):
+            continue
+        kind = _SCALARS.get(member)
+        if kind is None:
+            return frozenset()
+        kinds.add(kind)
+    return frozenset(kinds)
+
+
 _WRONG_TYPE = frozenset(
     {
         "tuple_type", "list_type", "dict_type", "model_type", "string_type", "int_type",
