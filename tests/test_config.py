@@ -218,6 +218,22 @@ def test_numbers_and_booleans_of_the_right_type_still_load() -> None:
     assert config.gateway.breaker.failure_rate == 1.0 and config.routes[0].canary_percent == 5.0
 
 
+def test_a_misspelt_replayable_method_is_refused_with_the_method_it_resembles() -> None:
+    # replayable_methods = ["PSOT"] loaded, and the route's POSTs never failed over.
+    data = base()
+    data["routes"][0]["replayable_methods"] = ["GET", "PSOT"]
+    assert refused(data).endswith(
+        "routes['chat'].replayable_methods: 'PSOT' is neither an HTTP method nor one this "
+        "route's methods list (GET, HEAD, OPTIONS, POST, PUT, PATCH, DELETE): did you mean "
+        "'POST'?"
+    )
+    # A custom method the route forwards, and HTTP's own methods, still load.
+    data["routes"][0]["methods"] = ["PROPFIND", "POST"]
+    data["routes"][0]["replayable_methods"] = ["propfind", "GET", "HEAD", "OPTIONS", "POST"]
+    route = load_config(data, environ=ENV).routes[0]
+    assert route.replayable_methods == ("PROPFIND", "GET", "HEAD", "OPTIONS", "POST")
+
+
 def test_missing_credential_variable_is_named_and_no_value_printed() -> None:
     message = refused(base(), environ={"PRIMARY_KEY": "sk-very-secret-value"})
     assert "BACKUP_KEY" in message and "not set" in message
@@ -284,7 +300,10 @@ def test_a_method_no_request_can_carry_is_refused(key: str, methods: list[str]) 
     # method is "GET,HEAD"); `methods = ["GET, POST"]` made a route that served nothing.
     message = refused(base(**{key: methods}))
     assert f"routes['chat'].{key}" in message and "HTTP method" in message
-    loaded = load_config(base(**{key: ["get", "PROPFIND"]}), environ=ENV).routes[0]
+    # A custom method is replayable where the route forwards it (see the misspelt method).
+    loaded = load_config(
+        base(**{"methods": ["GET", "PROPFIND"], key: ["get", "PROPFIND"]}), environ=ENV
+    ).routes[0]
     assert getattr(loaded, key) == ("GET", "PROPFIND")
     # No replayable method is a choice (never replay); a route of no methods serves nothing.
     assert load_config(base(replayable_methods=[]), environ=ENV).routes[0].replayable_methods == ()

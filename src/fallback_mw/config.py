@@ -362,6 +362,8 @@ def _hostname(url: str) -> str:
 # A route that lists no `methods` forwards these; any other method on its paths (TRACE,
 # CONNECT, a custom one) is a local 405 `method_not_allowed` (SPEC §12).
 DEFAULT_METHODS = ("GET", "HEAD", "OPTIONS", "POST", "PUT", "PATCH", "DELETE")
+# HTTP's own methods (RFC 9110 §9, PATCH: RFC 5789).
+HTTP_METHODS = (*DEFAULT_METHODS, "TRACE", "CONNECT")
 
 
 class RouteConfig(_Strict):
@@ -451,6 +453,24 @@ class RouteConfig(_Strict):
                 "a route of no methods serves no request: list its methods, or omit the key "
                 f"for {', '.join(DEFAULT_METHODS)}"
             )
+        return value
+
+    @field_validator("replayable_methods")
+    @classmethod
+    def _replayable_known(cls, value: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
+        # `replayable_methods = ["PSOT"]` loaded, and POST silently never failed over. A
+        # method is listed here only to be forwarded: one of HTTP's own, or one the route's
+        # `methods` names (a custom method such as PROPFIND).
+        routed = info.data.get("methods") or DEFAULT_METHODS
+        known = (*routed, *(m for m in HTTP_METHODS if m not in routed))
+        for method in value:
+            if method not in known:
+                close = difflib.get_close_matches(method, known, n=1)
+                hint = f": did you mean {close[0]!r}?" if close else ""
+                raise ValueError(
+                    f"{method!r} is neither an HTTP method nor one this route's methods "
+                    f"list ({', '.join(routed)}){hint}"
+                )
         return value
 
     @field_validator("failover_status")
