@@ -83,6 +83,43 @@ async def test_accept_encoding_reaches_the_upstream_narrowed_to_readable_codings
     assert sent == list(asked.values())
 
 
+def raw_deflate(data: bytes) -> bytes:
+    """`deflate` as many servers send it: the RFC 1951 stream without its zlib wrapper."""
+    compressor = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    return compressor.compress(data) + compressor.flush()
+
+
+async def raw_deflating(request: web.Request) -> web.StreamResponse:
+    return web.Response(
+        body=raw_deflate(json.dumps(PAYLOAD).encode()),
+        headers={"content-type": "application/json", "content-encoding": "deflate"},
+    )
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_raw_deflate_answer_is_charged_its_reported_usage(engine: str) -> None:
+    # `deflate` without its zlib wrapper is what httpx (the OpenAI and Anthropic SDKs'
+    # client), aiohttp and browsers all read; the meter read only the wrapped form, so a
+    # caller asking for `deflate` from such an upstream was settled at the hold.
+    async with upstream(raw_deflating) as primary:
+        conf = gateway_config({"primary": primary.url}, store=None, limit="1000")
+        conf["gateway"]["engine"] = engine
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                response = await client.post(
+                    "/v1/chat",
+                    content=b'{"model":"gpt-test"}',
+                    headers={"accept-encoding": "deflate"},
+                )
+            assert response.status_code == 200
+            assert response.json() == PAYLOAD  # what a client reads
+            spent, held = await status_of(gateway)
+            assert (spent, held) == (Decimal("40.01"), 0)
+        finally:
+            await gateway.aclose()
+
+
 def test_the_meter_reads_gzip_and_deflate_split_anywhere() -> None:
     body = json.dumps(PAYLOAD).encode()
     sse = b"data: " + body + b"\n\ndata: [DONE]\n\n"
@@ -90,6 +127,8 @@ def test_the_meter_reads_gzip_and_deflate_split_anywhere() -> None:
         (b"gzip", gzip.compress(body), b"application/json"),
         (b"x-gzip", gzip.compress(sse), b"text/event-stream"),
         (b"deflate", zlib.compress(body), b"application/json"),
+        (b"deflate", raw_deflate(body), b"application/json"),
+        (b"deflate", raw_deflate(sse), b"text/event-stream"),
     ):
         for size in (1, 7, len(data)):
             usage = Usage()

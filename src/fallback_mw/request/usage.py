@@ -15,7 +15,8 @@ its end, where the providers put `usage`. SSE is parsed line by line (CRLF, LF o
 keeping at most one event, up to `data: [DONE]`, where the SDKs stop reading.
 
 A body with `Content-Encoding: gzip` / `deflate` (a caller may ask for one) is read
-decoded, up to `MAX_DECODED` bytes; the walker narrows the caller's `Accept-Encoding` to
+decoded (`deflate` with or without its zlib wrapper, as clients read it), up to
+`MAX_DECODED` bytes; the walker narrows the caller's `Accept-Encoding` to
 those codings (security.readable_accept_encoding), so no answer hides its usage in a
 coding the meter cannot read."""
 
@@ -70,6 +71,9 @@ class UsageMeter:
         self._label = "other"  # what the content type says: "sse", "json" or "other"
         self._head = b""  # the body's first bytes while they cannot decide yet
         self._decoder: Any = None  # a zlib decompressor for a gzip / deflate body
+        # A `deflate` body's first coded bytes, kept until they show whether it carries the
+        # zlib wrapper (None: decided, or not `deflate`).
+        self._coded_head: bytes | None = None
         self.decoded = 0  # bytes it produced
         self._json: list[bytes] = []
         self._json_size = 0
@@ -92,9 +96,11 @@ class UsageMeter:
             if self.mode is None:
                 self.mode, self._label = "sniff", _mode(content_type)
                 if content_encoding is not None:
-                    readable, self._decoder = _decoder(content_encoding)
+                    readable, self._decoder, deflate = _decoder(content_encoding)
                     if not readable:
                         self.mode = "ignore"  # a coding the meter cannot read
+                    elif deflate:
+                        self._coded_head = b""
             if self.mode == "ignore":
                 return
             if self._decoder is not None:
@@ -147,7 +153,23 @@ class UsageMeter:
 
     def _decode(self, chunk: bytes) -> bytes:
         room = self.MAX_DECODED - self.decoded
-        decoded = self._decoder.decompress(chunk, room + 1)
+        head = self._coded_head
+        if head is None:
+            decoded = self._decoder.decompress(chunk, room + 1)
+        else:
+            try:
+                decoded = self._decoder.decompress(chunk, room + 1)
+            except zlib.error:
+                # `deflate` sent as the bare RFC 1951 stream, without the zlib wrapper: many
+                # servers send it so, and httpx (the SDKs' client), aiohttp and browsers read
+                # it. Read from its first byte again, as raw deflate.
+                self._coded_head = None
+                self._decoder = zlib.decompressobj(-zlib.MAX_WBITS)
+                decoded = self._decoder.decompress(head + chunk, room + 1)
+            else:
+                # Two bytes read without an error: the zlib header was there.
+                head += chunk
+                self._coded_head = head if len(head) < 2 else None
         self.decoded += len(decoded)
         if self.decoded > self.MAX_DECODED:
             raise ValueError("decoded body over MAX_DECODED")  # observe stops metering
@@ -338,16 +360,17 @@ _HEAD_MAX = 1024  # leading whitespace kept while undecided, at most
 _GZIP_OR_ZLIB = zlib.MAX_WBITS | 32
 
 
-def _decoder(content_encoding: bytes) -> tuple[bool, Any]:
-    """Whether the meter can read a body in these codings, and the decompressor for its
-    one coding (None: `identity`). Not readable: `br`, `zstd`, two codings stacked."""
+def _decoder(content_encoding: bytes) -> tuple[bool, Any, bool]:
+    """Whether the meter can read a body in these codings, the decompressor for its one
+    coding (None: `identity`), and whether that coding is `deflate` (which may come without
+    its zlib wrapper). Not readable: `br`, `zstd`, two codings stacked."""
     codings = [c.strip().lower() for c in content_encoding.split(b",")]
     codings = [c for c in codings if c and c != b"identity"]
     if not codings:
-        return True, None
+        return True, None, False
     if len(codings) == 1 and codings[0] in READABLE_CODINGS:
-        return True, zlib.decompressobj(_GZIP_OR_ZLIB)
-    return False, None
+        return True, zlib.decompressobj(_GZIP_OR_ZLIB), codings[0] == b"deflate"
+    return False, None, False
 
 
 def _loads(data: bytes) -> Any:
