@@ -5,6 +5,7 @@ event the upstream uses to make the gateway read less (or more)."""
 from __future__ import annotations
 
 import json
+import math
 from decimal import Decimal
 
 import pytest
@@ -261,3 +262,18 @@ async def test_an_absurd_token_count_is_charged_the_largest_amount(
     count = b"1" + b"0" * (digits - 1)
     body = b'{"model":"gpt-test","usage":{"prompt_tokens":%s,"completion_tokens":3}}' % count
     assert await charged_for(body, "application/json", engine) == Decimal(1_000_000_000)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("count", [b"1e400", b"Infinity"])
+async def test_a_count_that_reads_as_infinity_is_charged_the_largest_amount(
+    engine: str, count: bytes
+) -> None:
+    # JSON's 1e400 (and Python's `Infinity`) read as an infinite float: the SDK hands the
+    # caller `completion_tokens == inf`, but the meter dropped the count as unreadable and
+    # charged the input tokens alone, where 1e300 or 10^40 is charged the largest amount.
+    body = b'{"model":"gpt-test","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":%s}}'
+    body %= count
+    assert await sdk_output_tokens(body, engine, "application/json", stream=False) == math.inf
+    assert await charged_for(body, "application/json", engine) == Decimal(1_000_000_000)
+    assert await charged_for(sse(body), "text/event-stream", engine) == Decimal(1_000_000_000)

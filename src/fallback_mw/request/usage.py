@@ -30,7 +30,7 @@ from typing import Any
 
 from fallback_mw.request.context import MAX_NAME, Usage
 from fallback_mw.security import READABLE_CODINGS
-from fallback_mw.tokens import token_count
+from fallback_mw.tokens import MAX_TOKENS, token_count
 
 DEFAULT_JSON_CAP = 1024 * 1024
 _TAIL = 64 * 1024
@@ -318,20 +318,31 @@ class UsageMeter:
         target = self.target
         found = False
         for key in ("prompt_tokens", "input_tokens"):
-            value = token_count(usage.get(key))
+            value = _reported_count(usage.get(key))
             if value is not None:
                 if target.input_tokens is None or value > target.input_tokens:
                     target.input_tokens = value
                 found = True
                 break
         for key in ("completion_tokens", "output_tokens"):
-            value = token_count(usage.get(key))
+            value = _reported_count(usage.get(key))
             if value is not None:
                 if target.output_tokens is None or value > target.output_tokens:
                     target.output_tokens = value
                 found = True
                 break
         self.reported = self.reported or found
+
+
+def _reported_count(value: Any) -> int | None:
+    """A reported token count (`token_count`), where one too large for a float (`1e400`,
+    `Infinity`: the SDKs read `inf`) is the largest, as 1e300 or 10^5000 is."""
+    if isinstance(value, float) and value == _INFINITY:
+        return MAX_TOKENS
+    return token_count(value)
+
+
+_INFINITY = float("inf")
 
 
 def _mode(content_type: bytes | None) -> str:
