@@ -101,6 +101,85 @@ def echoes_credential(context: RequestContext, name: str, text: str) -> bool:
     )
 
 
+class EchoMask:
+    """Masks, in one response body as it streams, every credential the gateway injected
+    into the upstream that answers: each is replaced by as many `*` (lengths and framing
+    still hold). A key split over two chunks is caught too: a chunk's end that could begin
+    a credential is held back until the next chunk shows whether it does (only such an
+    end, so an SSE event's closing blank line is never delayed)."""
+
+    __slots__ = ("_held", "_secrets")
+
+    def __init__(self, secrets: tuple[bytes, ...]) -> None:
+        self._secrets = secrets
+        self._held = b""
+
+    @classmethod
+    def for_answer(
+        cls, context: RequestContext, name: str, headers: Sequence[tuple[bytes, bytes]]
+    ) -> EchoMask | None:
+        """A mask for upstream `name`'s answer, or None: no credential long enough to look
+        for, or a coded body (`Content-Encoding`: its bytes are not the text)."""
+        found = (context.credentials or {}).get(name)
+        upstream = context.upstreams.get(name)
+        if not found or upstream is None:
+            return None
+        secrets = _body_secrets(found, upstream.auth_scheme)
+        if not secrets:
+            return None
+        for key, value in headers:
+            if key.lower() == b"content-encoding" and value.strip().lower() not in (
+                b"",
+                b"identity",
+            ):
+                return None
+        return cls(secrets)
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The part of the body seen so far that can be relayed, masked."""
+        data = self._held + chunk if self._held else chunk
+        for secret in self._secrets:
+            if data.find(secret) >= 0:
+                data = data.replace(secret, b"*" * len(secret))
+        keep = self._partial(data)
+        if keep:
+            self._held = data[-keep:]
+            return data[:-keep]
+        self._held = b""
+        return data
+
+    def flush(self) -> bytes:
+        """What was held back, once the body has ended (it began no credential)."""
+        held, self._held = self._held, b""
+        return held
+
+    def _partial(self, data: bytes) -> int:
+        """The length of the longest end of `data` that begins some credential."""
+        longest = 0
+        size = len(data)
+        for secret in self._secrets:
+            first = secret[:1]
+            position = data.find(first, max(size - len(secret) + 1, 0))
+            while position >= 0:
+                if secret.startswith(data[position:]):
+                    longest = max(longest, size - position)
+                    break  # the earliest start is the longest end
+                position = data.find(first, position + 1)
+        return longest
+
+
+@lru_cache(maxsize=256)
+def _body_secrets(found: tuple[tuple[str, str] | None, ...], scheme: str) -> tuple[bytes, ...]:
+    """The secrets behind one upstream's credential values as the body would carry them
+    (UTF-8, case kept); those too short to look for left out."""
+    skip = len(scheme) + 1 if scheme else 0
+    return tuple(
+        value[skip:].encode("utf-8", "replace")
+        for _, value in filter(None, found)
+        if len(value) - skip >= MIN_ECHOED_SECRET
+    )
+
+
 @lru_cache(maxsize=256)
 def _echo_secrets(found: tuple[tuple[str, str] | None, ...], scheme: str) -> tuple[bytes, ...]:
     """The secrets behind one upstream's credential values (the scheme cut off), as

@@ -4,8 +4,10 @@ callers never hold provider keys (SPEC §1, §4)."""
 
 from __future__ import annotations
 
+import asyncio
 from decimal import Decimal
 
+import httpx
 import pytest
 from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
@@ -13,9 +15,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from fallback_mw import Gateway
+from fallback_mw.credentials import EchoMask
 from fallback_mw.telemetry import Telemetry
 from tests.helpers import client_for, gateway_client
-from tests.upstreams import host_app, upstream
+from tests.upstreams import host_app, serve_asgi, upstream
 
 pytestmark = pytest.mark.anyio
 
@@ -185,3 +188,65 @@ async def test_a_credential_echoed_as_the_answering_model_is_never_recorded(
     assert record.cost == Decimal("0.000007")
     recorded = request_span.to_json() + repr(record)
     assert key[:40].lower() not in recorded.lower()
+
+
+async def echo_in_body(request: web.Request) -> web.StreamResponse:
+    given = request.headers.get("authorization", "").removeprefix("Bearer ")
+    if request.path.endswith("/stream"):
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        event = b'data: {"echo": "%s"}\n\n' % given.encode()
+        for start in range(0, len(event), 5):  # the key split over several chunks
+            await response.write(event[start : start + 5])
+            await asyncio.sleep(0.001)
+        await response.write_eof()
+        return response
+    error = {"error": {"message": f"Incorrect API key provided: {given}", "type": "auth"}}
+    return web.json_response(error, status=401)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_credential_echoed_in_the_body_never_reaches_the_caller(
+    engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An upstream's error body quoting the key it was sent (a debug or echo service, a
+    # provider's verbose 401), or a stream echoing it, handed the caller the provider key.
+    # The key is masked with as many `*`, so every length and framing still holds.
+    monkeypatch.setenv("ECHO_KEY", SECRET)
+    masked = "*" * len(SECRET)
+    async with upstream(echo_in_body) as single:
+        conf = {
+            "gateway": {"engine": engine, "allow_hosts": ["127.0.0.1"]},
+            "upstreams": {"single": {"url": single.url, "auth_env": "ECHO_KEY"}},
+            "routes": [{"id": "a", "prefix": "/a/", "plan": ["single"]}],
+        }
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with serve_asgi(gateway) as base, httpx.AsyncClient(base_url=base) as client:
+                error = await client.get("/a/chat", timeout=30)
+                stream = await client.get("/a/stream", timeout=30)
+        finally:
+            await gateway.aclose()
+    assert error.status_code == 401
+    assert error.json()["error"]["message"] == f"Incorrect API key provided: {masked}"
+    assert int(error.headers["content-length"]) == len(error.content)
+    assert stream.status_code == 200
+    assert stream.content == b'data: {"echo": "%s"}\n\n' % masked.encode()
+    assert all(("authorization", f"Bearer {SECRET}") in r.headers for r in single.received)
+
+
+def test_the_body_mask_catches_a_credential_split_anywhere_and_delays_nothing_else() -> None:
+    secret = SECRET.encode()
+    body = b'data: {"a": "%s", "b": "sk-pro", "c": "%s"}\n\n' % (secret, secret)
+    masked = body.replace(secret, b"*" * len(secret))
+    for first in range(len(body)):
+        for second in range(first, len(body)):
+            mask = EchoMask((secret,))
+            pieces = (body[:first], body[first:second], body[second:])
+            out = b"".join(mask.feed(piece) for piece in pieces) + mask.flush()
+            assert out == masked, (first, second)
+    # An end that cannot begin the key is relayed at once: an event's closing blank line.
+    mask = EchoMask((secret,))
+    assert mask.feed(b'data: {"n": 1}\n\n') == b'data: {"n": 1}\n\n'
+    assert mask.feed(b"data: sk-") == b"data: "  # may be the key's beginning: held
+    assert mask.feed(b"other\n\n") == b"sk-other\n\n"

@@ -9,7 +9,7 @@ returns what ended it (`decide.relay_outcome`), for the walker to book on its at
 
 from __future__ import annotations
 
-from fallback_mw.credentials import echoes_credential, without_echoed_credentials
+from fallback_mw.credentials import EchoMask, echoes_credential, without_echoed_credentials
 from fallback_mw.failover.decide import Outcome, relay_outcome
 from fallback_mw.request.body import content_length
 from fallback_mw.request.context import RequestContext
@@ -59,6 +59,9 @@ async def commit(
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         context.committed = True
         content_type, content_encoding = body_coding(response.headers)
+        # An upstream echoing its own credential in the body (an error quoting the key it
+        # was sent) must not hand it to the caller, as in a header.
+        mask = EchoMask.for_answer(context, name, response.headers)
         received = 0
         # The client's side of the relay has the upstream's idle bound too: a client that
         # takes no chunk for that long (it stopped reading) is treated as gone, so it cannot
@@ -75,6 +78,10 @@ async def commit(
                         if received > limit:
                             context.outcome = "response_too_large"
                             return relay_outcome(None)  # abort: the client sees it incomplete
+                        if mask is not None:
+                            chunk = mask.feed(chunk)
+                            if not chunk:
+                                continue  # all of it may begin a credential: held back
                         client.waiting()
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
                         client.done()
@@ -83,8 +90,11 @@ async def commit(
                 except UpstreamError as exc:
                     context.outcome = "aborted"
                     return relay_outcome(exc.kind)  # never ended as if complete
+                last = b"" if mask is None else mask.flush()
+                if last:
+                    meter.observe(last, content_type, content_encoding)
                 client.waiting()
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                await send({"type": "http.response.body", "body": last, "more_body": False})
         except TimeoutError:
             if not client.expired():
                 raise
