@@ -40,6 +40,14 @@ ANSWERS = {
     "head-7mb": b"HTTP/1.1 200 OK\r\n"
     + b"".join(b"x-h%d: %s\r\n" % (n, b"v" * 60_000) for n in range(120))
     + b"content-length: 2\r\n\r\nok",
+    # Past aiohttp's bounds (128 fields, 64 KiB a field) but within 100 KiB: aiohttp
+    # refused the head (failed over), the httpx engine relayed it as served.
+    "129-fields": b"HTTP/1.1 200 OK\r\n"
+    + b"".join(b"x-h%d: v\r\n" % n for n in range(128))
+    + b"content-length: 2\r\n\r\nok",
+    "field-over-64k": b"HTTP/1.1 200 OK\r\nx-big: "
+    + b"v" * 66_000
+    + b"\r\ncontent-length: 2\r\n\r\nok",
     # Re-framed, the gzip-coded body would reach the client unlabelled (aiohttp relayed it).
     "gzip-chunked": b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n"
     b"5\r\nhello\r\n0\r\n\r\n",
@@ -120,6 +128,17 @@ def test_the_relayed_framing_is_the_gateways_own() -> None:
     assert relayed([(b"content-length", b"5")], status=204) == []
     assert relayed([(b"content-length", b"5")], status=304) == []
     assert relayed([(b"Content-Length", b"5")]) == [(b"content-length", b"5")]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_head_of_128_fields_is_relayed_on_either_engine(engine: str) -> None:
+    fields = b"".join(b"x-h%d: v\r\n" % n for n in range(127))
+    head = b"HTTP/1.1 200 OK\r\n" + fields + b"content-length: 2\r\n\r\nok"
+    result, _, remaining = await run(answer(head), engine)
+    assert isinstance(result, httpx.Response), result
+    assert (result.status_code, result.text) == (200, "ok")
+    assert result.headers["x-h126"] == "v"
+    assert remaining == 0
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -15,6 +15,8 @@ from yarl import URL
 from fallback_mw.loops import close_on_its_loop
 from fallback_mw.timers import deadline_after
 from fallback_mw.upstream.base import (
+    MAX_RESPONSE_FIELD,
+    MAX_RESPONSE_FIELDS,
     ConnectionCaps,
     FirstByteTimer,
     Phase,
@@ -33,9 +35,10 @@ _SKIP_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 # The longest response status line and header field read (aiohttp's default is 8190 bytes:
 # a long Content-Security-Policy, Link or Set-Cookie became a protocol failure, booked to
 # the upstream, where the httpx engine reads a head up to 100 KiB). aiohttp's count of
-# fields (128) stays, so a head read is still bounded (about 8 MiB at most); one relayed,
-# as on the httpx engine, is at most 100 KiB (base.MAX_RESPONSE_HEAD).
-_MAX_RESPONSE_FIELD = 64 * 1024
+# fields (128, passed explicitly) stays, so a head read is still bounded (about 8 MiB at
+# most); one relayed, as on the httpx engine, is at most 100 KiB (base.MAX_RESPONSE_HEAD),
+# and both engines hold this field length and that count (base.check_response_head).
+_MAX_RESPONSE_FIELD = MAX_RESPONSE_FIELD
 
 
 class _ErrorMap:
@@ -233,6 +236,7 @@ class AiohttpClient:
                 cookie_jar=aiohttp.DummyCookieJar(),
                 max_line_size=_MAX_RESPONSE_FIELD,
                 max_field_size=_MAX_RESPONSE_FIELD,
+                max_headers=MAX_RESPONSE_FIELDS,
             )
         return self._session
 

@@ -67,6 +67,12 @@ _FORBIDDEN_IN_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f\ud800-\udfff]|^[ \t]|
 # served.
 MAX_RESPONSE_HEAD = 100 * 1024
 
+# The most fields a relayed head has, and the longest field (name and value): aiohttp's
+# bounds (its count, and the field length the aiohttp engine sets), held on the httpx
+# engine too, so one answer is not served by one engine and failed over by the other.
+MAX_RESPONSE_FIELDS = 128
+MAX_RESPONSE_FIELD = 64 * 1024
+
 
 # The most digits a relayed Content-Length may have: h11's bound (the httpx engine, and
 # uvicorn and hypercorn writing the relayed head). Every length up to it is read exactly
@@ -89,7 +95,8 @@ def check_response_head(status: int, headers: Sequence[tuple[bytes, bytes]]) -> 
     Content-Length fields: aiohttp's parser refuses them, h11 (httpx) merges them before
     this sees them. A length of more than MAX_LENGTH_DIGITS digits (h11's own bound, so
     both engines agree; aiohttp read `000...02` and uvicorn refused to write it after the
-    commit point: an empty reply) is invalid, and so is a head over MAX_RESPONSE_HEAD.
+    commit point: an empty reply) is invalid, and so is a head over MAX_RESPONSE_HEAD,
+    one of more than MAX_RESPONSE_FIELDS fields or with a field over MAX_RESPONSE_FIELD.
     Raises UpstreamError("protocol")."""
     if not 200 <= status <= 599:
         raise UpstreamError("protocol", "first_byte", "the upstream status cannot be relayed")
@@ -97,11 +104,15 @@ def check_response_head(status: int, headers: Sequence[tuple[bytes, bytes]]) -> 
     values = b"\t".join([value for _, value in headers])
     if _CTL_IN_VALUE.search(values) is not None:
         raise UpstreamError("protocol", "first_byte", "a response field cannot be relayed")
+    if len(headers) > MAX_RESPONSE_FIELDS:
+        raise UpstreamError("protocol", "first_byte", "the response head has too many fields")
     size = len(values) + 3 * len(headers)  # each field's ": " and CRLF, less the tab
     lengths: list[bytes] = []
     codings: list[bytes] = []
     for name, value in headers:
         size += len(name)
+        if len(name) + len(value) > MAX_RESPONSE_FIELD:
+            raise UpstreamError("protocol", "first_byte", "a response field is too large to relay")
         lower = name.lower()
         if lower == b"content-length":
             lengths.append(value.strip())
