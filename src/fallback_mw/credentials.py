@@ -171,13 +171,15 @@ class EchoMask:
 @lru_cache(maxsize=256)
 def _body_secrets(found: tuple[tuple[str, str] | None, ...], scheme: str) -> tuple[bytes, ...]:
     """The secrets behind one upstream's credential values as the body would carry them
-    (UTF-8, case kept); those too short to look for left out."""
+    (UTF-8, case kept); those too short to look for left out. Longest first: a key that
+    begins with another pool key is masked whole, not cut after the shorter one."""
     skip = len(scheme) + 1 if scheme else 0
-    return tuple(
+    secrets = {
         value[skip:].encode("utf-8", "replace")
         for _, value in filter(None, found)
         if len(value) - skip >= MIN_ECHOED_SECRET
-    )
+    }
+    return tuple(sorted(secrets, key=len, reverse=True))
 
 
 @lru_cache(maxsize=256)

@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from fallback_mw import Gateway
-from fallback_mw.credentials import EchoMask
+from fallback_mw.credentials import EchoMask, _body_secrets
 from fallback_mw.telemetry import Telemetry
 from tests.helpers import client_for, gateway_client
 from tests.upstreams import host_app, serve_asgi, upstream
@@ -250,3 +250,10 @@ def test_the_body_mask_catches_a_credential_split_anywhere_and_delays_nothing_el
     assert mask.feed(b'data: {"n": 1}\n\n') == b'data: {"n": 1}\n\n'
     assert mask.feed(b"data: sk-") == b"data: "  # may be the key's beginning: held
     assert mask.feed(b"other\n\n") == b"sk-other\n\n"
+
+
+def test_a_pool_key_that_begins_with_another_is_masked_whole() -> None:
+    short, long = "sk-pool-0123456789", "sk-pool-0123456789-and-more"
+    found = (("authorization", f"Bearer {short}"), ("authorization", f"Bearer {long}"))
+    secrets = _body_secrets(found, "Bearer")
+    assert EchoMask(secrets).feed(b"[%s]" % long.encode()) == b"[%s]" % (b"*" * len(long))
