@@ -115,25 +115,15 @@ class EchoMask:
         self._held = b""
 
     @classmethod
-    def for_answer(
-        cls, context: RequestContext, name: str, headers: Sequence[tuple[bytes, bytes]]
-    ) -> EchoMask | None:
+    def for_answer(cls, context: RequestContext, name: str) -> EchoMask | None:
         """A mask for upstream `name`'s answer, or None: no credential long enough to look
-        for, or a coded body (`Content-Encoding`: its bytes are not the text)."""
+        for. The mask reads the body's text: a coded body is decoded first (the relay)."""
         found = (context.credentials or {}).get(name)
         upstream = context.upstreams.get(name)
         if not found or upstream is None:
             return None
         secrets = _body_secrets(found, upstream.auth_scheme)
-        if not secrets:
-            return None
-        for key, value in headers:
-            if key.lower() == b"content-encoding" and value.strip().lower() not in (
-                b"",
-                b"identity",
-            ):
-                return None
-        return cls(secrets)
+        return cls(secrets) if secrets else None
 
     def feed(self, chunk: bytes) -> bytes:
         """The part of the body seen so far that can be relayed, masked."""

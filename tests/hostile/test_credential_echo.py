@@ -5,6 +5,7 @@ callers never hold provider keys (SPEC §1, §4)."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 from decimal import Decimal
 
 import httpx
@@ -257,3 +258,77 @@ def test_a_pool_key_that_begins_with_another_is_masked_whole() -> None:
     found = (("authorization", f"Bearer {short}"), ("authorization", f"Bearer {long}"))
     secrets = _body_secrets(found, "Bearer")
     assert EchoMask(secrets).feed(b"[%s]" % long.encode()) == b"[%s]" % (b"*" * len(long))
+
+
+async def compressed_echo(request: web.Request) -> web.StreamResponse:
+    given = request.headers.get("authorization", "").removeprefix("Bearer ")
+    error = {"error": {"message": f"Incorrect API key provided: {given}", "type": "auth"}}
+    response = web.json_response(error, status=401)
+    response.enable_compression()  # honours the request's Accept-Encoding, as APIs do
+    return response
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("coding", ["gzip", "deflate"])
+async def test_a_credential_echoed_in_a_compressed_body_never_reaches_the_caller(
+    engine: str, coding: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A caller asking for a compressed answer (every HTTP client library does by default)
+    # got the echoing upstream's body coded, relayed as it came: the key in it unmasked.
+    # From an upstream holding a credential, such a body is relayed decoded, and masked.
+    monkeypatch.setenv("ECHO_KEY", SECRET)
+    async with upstream(compressed_echo) as single:
+        conf = {
+            "gateway": {"engine": engine, "allow_hosts": ["127.0.0.1"]},
+            "upstreams": {"single": {"url": single.url, "auth_env": "ECHO_KEY"}},
+            "routes": [{"id": "a", "prefix": "/a/", "plan": ["single"]}],
+        }
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with serve_asgi(gateway) as base, httpx.AsyncClient(base_url=base) as client:
+                response = await client.get("/a/x", headers={"accept-encoding": coding})
+        finally:
+            await gateway.aclose()
+    assert ("accept-encoding", coding) in single.received[0].headers  # it did compress
+    assert response.status_code == 401
+    assert "content-encoding" not in response.headers
+    masked = "*" * len(SECRET)
+    assert response.json()["error"]["message"] == f"Incorrect API key provided: {masked}"
+    assert SECRET not in response.text
+
+
+async def bomb(request: web.Request) -> web.StreamResponse:
+    coded = gzip.compress(b" " * (64 * 1024 * 1024))  # 64 MiB of spaces in ~64 KiB
+    return web.Response(body=coded, headers={"content-encoding": "gzip"})
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_compressed_body_relayed_decoded_is_held_to_max_response_body(
+    engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ECHO_KEY", SECRET)
+    async with upstream(bomb) as single:
+        conf = {
+            "gateway": {
+                "engine": engine,
+                "allow_hosts": ["127.0.0.1"],
+                "max_response_body": 1024 * 1024,
+            },
+            "upstreams": {"single": {"url": single.url, "auth_env": "ECHO_KEY"}},
+            "routes": [{"id": "a", "prefix": "/a/", "plan": ["single"]}],
+        }
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with (
+                serve_asgi(gateway) as base,
+                httpx.AsyncClient(base_url=base) as client,
+                client.stream("GET", "/a/x", timeout=30) as response,
+            ):
+                assert response.status_code == 200
+                received = 0
+                with pytest.raises(httpx.RemoteProtocolError):  # aborted, never complete
+                    async for chunk in response.aiter_raw():
+                        received += len(chunk)
+        finally:
+            await gateway.aclose()
+    assert received <= 1024 * 1024

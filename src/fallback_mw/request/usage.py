@@ -70,10 +70,7 @@ class UsageMeter:
         self.mode: str | None = None  # "sniff", then "sse", "json" or "ignore"
         self._label = "other"  # what the content type says: "sse", "json" or "other"
         self._head = b""  # the body's first bytes while they cannot decide yet
-        self._decoder: Any = None  # a zlib decompressor for a gzip / deflate body
-        # A `deflate` body's first coded bytes, kept until they show whether it carries the
-        # zlib wrapper (None: decided, or not `deflate`).
-        self._coded_head: bytes | None = None
+        self._decoder: ContentDecoder | None = None  # for a gzip / deflate body
         self.decoded = 0  # bytes it produced
         self._json: list[bytes] = []
         self._json_size = 0
@@ -96,15 +93,14 @@ class UsageMeter:
             if self.mode is None:
                 self.mode, self._label = "sniff", _mode(content_type)
                 if content_encoding is not None:
-                    readable, self._decoder, deflate = _decoder(content_encoding)
+                    readable, self._decoder = content_decoder(content_encoding)
                     if not readable:
                         self.mode = "ignore"  # a coding the meter cannot read
-                    elif deflate:
-                        self._coded_head = b""
             if self.mode == "ignore":
                 return
-            if self._decoder is not None:
-                chunk = self._decode(chunk)
+            decoder = self._decoder
+            if decoder is not None:
+                chunk = self._decode(decoder, chunk)
             if self.mode == "sniff":
                 chunk = self._sniff(chunk, ended=False)
             if self.mode == "sse":
@@ -151,25 +147,9 @@ class UsageMeter:
             pass
         self._json = []
 
-    def _decode(self, chunk: bytes) -> bytes:
+    def _decode(self, decoder: ContentDecoder, chunk: bytes) -> bytes:
         room = self.MAX_DECODED - self.decoded
-        head = self._coded_head
-        if head is None:
-            decoded = self._decoder.decompress(chunk, room + 1)
-        else:
-            try:
-                decoded = self._decoder.decompress(chunk, room + 1)
-            except zlib.error:
-                # `deflate` sent as the bare RFC 1951 stream, without the zlib wrapper: many
-                # servers send it so, and httpx (the SDKs' client), aiohttp and browsers read
-                # it. Read from its first byte again, as raw deflate.
-                self._coded_head = None
-                self._decoder = zlib.decompressobj(-zlib.MAX_WBITS)
-                decoded = self._decoder.decompress(head + chunk, room + 1)
-            else:
-                # Two bytes read without an error: the zlib header was there.
-                head += chunk
-                self._coded_head = head if len(head) < 2 else None
+        decoded = decoder.decode(chunk, room + 1)
         self.decoded += len(decoded)
         if self.decoded > self.MAX_DECODED:
             raise ValueError("decoded body over MAX_DECODED")  # observe stops metering
@@ -371,17 +351,52 @@ _HEAD_MAX = 1024  # leading whitespace kept while undecided, at most
 _GZIP_OR_ZLIB = zlib.MAX_WBITS | 32
 
 
-def _decoder(content_encoding: bytes) -> tuple[bool, Any, bool]:
-    """Whether the meter can read a body in these codings, the decompressor for its one
-    coding (None: `identity`), and whether that coding is `deflate` (which may come without
-    its zlib wrapper). Not readable: `br`, `zstd`, two codings stacked."""
+class ContentDecoder:
+    """One gzip / deflate body decoded as it streams, as clients decode it: gzip and
+    zlib-wrapped deflate told apart by their header, and `deflate` sent as the bare RFC 1951
+    stream, without the zlib wrapper (many servers send it so; httpx, the SDKs' client,
+    aiohttp and browsers read it), read from its first byte again. Raises zlib.error on a
+    body that is none of these."""
+
+    __slots__ = ("_decompressor", "_head")
+
+    def __init__(self, *, deflate: bool) -> None:
+        self._decompressor = zlib.decompressobj(_GZIP_OR_ZLIB)
+        # A `deflate` body's first coded bytes, kept until they show whether it carries
+        # the zlib wrapper (None: decided, or not `deflate`).
+        self._head: bytes | None = b"" if deflate else None
+
+    def decode(self, chunk: bytes, max_length: int = 0) -> bytes:
+        """The decoded bytes `chunk` completes, at most `max_length` (0: all)."""
+        head = self._head
+        if head is None:
+            return self._decompressor.decompress(chunk, max_length)
+        try:
+            decoded = self._decompressor.decompress(chunk, max_length)
+        except zlib.error:
+            self._head = None
+            self._decompressor = zlib.decompressobj(-zlib.MAX_WBITS)
+            return self._decompressor.decompress(head + chunk, max_length)
+        # Two bytes read without an error: the zlib header was there.
+        head += chunk
+        self._head = head if len(head) < 2 else None
+        return decoded
+
+    def flush(self) -> bytes:
+        """What the decoder still holds once the body has ended."""
+        return self._decompressor.flush()
+
+
+def content_decoder(content_encoding: bytes) -> tuple[bool, ContentDecoder | None]:
+    """Whether a body in these codings can be read, and the decoder for its one coding
+    (None: `identity`). Not readable: `br`, `zstd`, two codings stacked."""
     codings = [c.strip().lower() for c in content_encoding.split(b",")]
     codings = [c for c in codings if c and c != b"identity"]
     if not codings:
-        return True, None, False
+        return True, None
     if len(codings) == 1 and codings[0] in READABLE_CODINGS:
-        return True, zlib.decompressobj(_GZIP_OR_ZLIB), codings[0] == b"deflate"
-    return False, None, False
+        return True, ContentDecoder(deflate=codings[0] == b"deflate")
+    return False, None
 
 
 def _loads(data: bytes) -> Any:

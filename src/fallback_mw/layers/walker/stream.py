@@ -9,13 +9,15 @@ returns what ended it (`decide.relay_outcome`), for the walker to book on its at
 
 from __future__ import annotations
 
+import zlib
+
 from fallback_mw.credentials import EchoMask, echoes_credential, without_echoed_credentials
 from fallback_mw.failover.decide import Outcome, relay_outcome
 from fallback_mw.request.body import content_length
 from fallback_mw.request.context import RequestContext
 from fallback_mw.request.local_errors import gateway_headers, send_error
 from fallback_mw.request.types import Send
-from fallback_mw.request.usage import UsageMeter, body_coding
+from fallback_mw.request.usage import ContentDecoder, UsageMeter, body_coding, content_decoder
 from fallback_mw.security import forwardable_response_headers
 from fallback_mw.timers import Stall
 from fallback_mw.upstream.base import UpstreamError, UpstreamResponse
@@ -55,13 +57,23 @@ async def commit(
         context.status = response.status
         headers = forwardable_response_headers(response.headers, status=response.status)
         headers = without_echoed_credentials(context, name, headers)
+        content_type, content_encoding = body_coding(response.headers)
+        # An upstream echoing its own credential in the body (an error quoting the key it
+        # was sent) must not hand it to the caller, as in a header. The mask reads text: a
+        # gzip / deflate body (every client library asks for one) is relayed decoded, or
+        # a caller could have the key handed over compressed, unmasked.
+        mask = None if bodyless else EchoMask.for_answer(context, name)
+        decoder = None
+        if mask is not None and content_encoding is not None:
+            readable, decoder = content_decoder(content_encoding)
+            if not readable:
+                mask = None  # a coding no caller asked for: relayed as it comes
+            elif decoder is not None:
+                headers = [(k, v) for k, v in headers if k not in _CODED_BODY_FIELDS]
+                content_encoding = None  # the meter reads what is relayed
         headers += gateway_headers(context)
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         context.committed = True
-        content_type, content_encoding = body_coding(response.headers)
-        # An upstream echoing its own credential in the body (an error quoting the key it
-        # was sent) must not hand it to the caller, as in a header.
-        mask = EchoMask.for_answer(context, name, response.headers)
         received = 0
         # The client's side of the relay has the upstream's idle bound too: a client that
         # takes no chunk for that long (it stopped reading) is treated as gone, so it cannot
@@ -74,6 +86,9 @@ async def commit(
             with client:
                 try:
                     async for chunk in response.iter_chunks():
+                        if decoder is not None:
+                            # Bounded: what is relayed is held to max_response_body.
+                            chunk = _decoded(decoder, chunk, limit - received + 1)
                         received += len(chunk)
                         if received > limit:
                             context.outcome = "response_too_large"
@@ -87,10 +102,18 @@ async def commit(
                         client.done()
                         if chunk:
                             meter.observe(chunk, content_type, content_encoding)
+                    last = b""
+                    if decoder is not None:
+                        last = _decoded(decoder, None, 0)
+                        received += len(last)
+                        if received > limit:
+                            context.outcome = "response_too_large"
+                            return relay_outcome(None)
                 except UpstreamError as exc:
                     context.outcome = "aborted"
                     return relay_outcome(exc.kind)  # never ended as if complete
-                last = b"" if mask is None else mask.flush()
+                if mask is not None:
+                    last = mask.feed(last) + mask.flush()
                 if last:
                     meter.observe(last, content_type, content_encoding)
                 client.waiting()
@@ -110,3 +133,16 @@ async def commit(
         if usage.model is not None and echoes_credential(context, name, usage.model):
             usage.model = None  # never recorded; the requested model prices it
         await response.aclose()
+
+
+# What a decoded body is relayed without: its coding, and its length (the coded one).
+_CODED_BODY_FIELDS = frozenset({b"content-encoding", b"content-length"})
+
+
+def _decoded(decoder: ContentDecoder, chunk: bytes | None, max_length: int) -> bytes:
+    """`chunk` decoded (None: what the decoder still holds at the body's end)."""
+    try:
+        return decoder.flush() if chunk is None else decoder.decode(chunk, max_length)
+    except zlib.error:
+        # The client would have failed to read it too: the upstream's broken body.
+        raise UpstreamError("protocol", "body", "the body does not decode as labelled") from None
