@@ -84,6 +84,7 @@ async def commit(
         client = Stall(context.upstreams[name].idle_timeout_ms / 1000)
         try:
             with client:
+                last = b""  # what ends the body: the decoder's and the mask's tails
                 try:
                     async for chunk in response.iter_chunks():
                         if decoder is not None:
@@ -102,7 +103,6 @@ async def commit(
                         client.done()
                         if chunk:
                             meter.observe(chunk, content_type, content_encoding)
-                    last = b""
                     if decoder is not None:
                         last = _decoded(decoder, None, 0)
                         received += len(last)
