@@ -10,6 +10,7 @@ from functools import lru_cache
 
 from fallback_mw.config import UpstreamConfig
 from fallback_mw.request.context import RequestContext
+from fallback_mw.request.secrets import MIN_SECRET
 from fallback_mw.security import forwardable_request_headers
 
 Credentials = Mapping[str, tuple[tuple[str, str] | None, ...]]
@@ -54,8 +55,9 @@ def apply_hygiene(
 
 
 # A provider credential shorter than this is not searched for in response fields: it would
-# match ordinary text (a test key such as "k1"); real provider keys are far longer.
-MIN_ECHOED_SECRET = 8
+# match ordinary text (a test key such as "k1"); real provider keys are far longer. The
+# bound telemetry uses for a caller-chosen value (request/secrets.py), so both agree.
+MIN_ECHOED_SECRET = MIN_SECRET
 
 
 def without_echoed_credentials(
@@ -158,31 +160,28 @@ class EchoMask:
         return longest
 
 
+def _keys(found: tuple[tuple[str, str] | None, ...], scheme: str) -> list[str]:
+    """The keys behind one upstream's credential values (the scheme cut off); those too
+    short to look for left out."""
+    skip = len(scheme) + 1 if scheme else 0
+    return [
+        value[skip:] for _, value in filter(None, found) if len(value) - skip >= MIN_ECHOED_SECRET
+    ]
+
+
 @lru_cache(maxsize=256)
 def _body_secrets(found: tuple[tuple[str, str] | None, ...], scheme: str) -> tuple[bytes, ...]:
-    """The secrets behind one upstream's credential values as the body would carry them
-    (UTF-8, case kept); those too short to look for left out. Longest first: a key that
+    """The keys as the body would carry them (UTF-8, case kept). Longest first: a key that
     begins with another pool key is masked whole, not cut after the shorter one."""
-    skip = len(scheme) + 1 if scheme else 0
-    secrets = {
-        value[skip:].encode("utf-8", "replace")
-        for _, value in filter(None, found)
-        if len(value) - skip >= MIN_ECHOED_SECRET
-    }
+    secrets = {key.encode("utf-8", "replace") for key in _keys(found, scheme)}
     return tuple(sorted(secrets, key=len, reverse=True))
 
 
 @lru_cache(maxsize=256)
 def _echo_secrets(found: tuple[tuple[str, str] | None, ...], scheme: str) -> tuple[bytes, ...]:
-    """The secrets behind one upstream's credential values (the scheme cut off), as
-    lowercased bytes; the ones too short to search for left out. Per credential table,
-    not per request."""
-    skip = len(scheme) + 1 if scheme else 0
-    return tuple(
-        value[skip:].encode("latin-1", "replace").lower()
-        for _, value in filter(None, found)
-        if len(value) - skip >= MIN_ECHOED_SECRET
-    )
+    """The keys as lowercased bytes, searched for in response fields. Per credential
+    table, not per request."""
+    return tuple(key.encode("latin-1", "replace").lower() for key in _keys(found, scheme))
 
 
 class CredentialCache:
