@@ -56,6 +56,22 @@ def normalise_path(raw_path: str) -> str | None:
     """Percent-decode once, then resolve dot segments and empty segments, so that neither
     `..`, `%2e%2e` nor an encoded `/` or `\\` can move a request out of a prefix.
     Returns None for paths that cannot be made safe (NUL, climbing above the root)."""
+    # Nothing for `_normalise` to change (no escape, backslash or NUL, no empty segment,
+    # none beginning with a dot: `.`, `..`, `..;x`, and `/.well-known`, which it keeps):
+    # the path as sent, without the loop (the path of nearly every request).
+    if (
+        raw_path[:1] == "/"
+        and "%" not in raw_path
+        and "//" not in raw_path
+        and "/." not in raw_path
+        and "\\" not in raw_path
+        and "\x00" not in raw_path
+    ):
+        return raw_path
+    return _normalise(raw_path)
+
+
+def _normalise(raw_path: str) -> str | None:
     try:
         decoded = unquote(raw_path, errors="strict") if "%" in raw_path else raw_path
     except UnicodeDecodeError:
