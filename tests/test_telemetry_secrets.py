@@ -134,6 +134,20 @@ async def test_a_credential_sent_as_the_tenant_id_is_recorded_redacted(
     assert record.tenant == "[REDACTED]"
 
 
+@pytest.mark.parametrize("field", [b"X_Api_Key", b"x-api_key", b"X_AUTH_TOKEN", b"Authorization"])
+async def test_a_callers_credential_in_any_spelling_of_its_field_is_known_as_one(
+    recorded: Recorded, field: bytes
+) -> None:
+    """`x_api_key` is `X-Api-Key` to a WSGI-style upstream (both HTTP_X_API_KEY), so the
+    gateway strips it; a token sent in it and again as the tenant is the caller's own
+    credential, recorded redacted, as under its usual spelling."""
+    headers = [(field, CALLER_TOKEN.encode()), (b"x-tenant-id", CALLER_TOKEN.encode())]
+    status, _, text = await recorded.request("GET", headers)
+    assert status == 200
+    assert carried(text) == []
+    assert recorded.request_span().attributes["gateway.tenant"] == "[REDACTED]"
+
+
 async def test_a_credential_inside_a_longer_tenant_id_or_from_the_query_is_redacted(
     recorded: Recorded,
 ) -> None:

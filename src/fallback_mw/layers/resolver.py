@@ -23,6 +23,7 @@ from fallback_mw.request.secrets import RequestSecrets, provider_secrets, record
 from fallback_mw.request.types import ASGIApp, Receive, Scope, Send
 from fallback_mw.routing import RouteTable, effective_deadline_ms, routed_path
 from fallback_mw.security import (
+    CREDENTIAL_HEADERS,
     canonical_name,
     canonical_query_key,
     override_methods,
@@ -115,6 +116,7 @@ class RouteResolver:
         self.in_flight = InFlight(config.gateway.max_concurrency)
         self.telemetry = telemetry
         self._auth_cache: tuple[RouteTable, frozenset[bytes]] | None = None
+        self._names_cache: tuple[RouteTable, frozenset[bytes]] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -157,7 +159,7 @@ class RouteResolver:
             secrets=RequestSecrets(
                 scope.get("headers", ()),
                 scope.get("query_string", b""),
-                names=self._auth_headers(table),
+                names=self._credential_names(table),
                 query_keys=self.strip_query_keys,
                 provider=self._provider_secrets(table),
             ),
@@ -230,6 +232,13 @@ class RouteResolver:
         cached = self._auth_cache
         if cached is None or cached[0] is not table:
             cached = self._auth_cache = (table, table.auth_headers | self.strip_headers)
+        return cached[1]
+
+    def _credential_names(self, table: RouteTable) -> frozenset[bytes]:
+        """Every header name a caller's credential may come in: §4's and the table's."""
+        cached = self._names_cache
+        if cached is None or cached[0] is not table:
+            cached = self._names_cache = (table, CREDENTIAL_HEADERS | self._auth_headers(table))
         return cached[1]
 
     def _provider_secrets(self, table: RouteTable) -> tuple[bytes, ...]:

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from urllib.parse import unquote_to_bytes
 
 from fallback_mw.config import UpstreamConfig
-from fallback_mw.security import CREDENTIAL_HEADERS, canonical_name, canonical_query_key
+from fallback_mw.security import CREDENTIAL_HEADERS, canonical_query_key
 
 # A credential shorter than this is not searched for: it would match ordinary text (a test
 # key such as "k1"); real keys are far longer.
@@ -53,13 +53,14 @@ class RequestSecrets:
         headers: Sequence[tuple[bytes, bytes]],
         query: bytes,
         *,
-        names: frozenset[bytes] = frozenset(),
+        names: frozenset[bytes] = CREDENTIAL_HEADERS,
         query_keys: frozenset[bytes] = frozenset(),
         provider: tuple[bytes, ...] = (),
     ) -> None:
         self._headers = headers
         self._query = query
-        self._names = names  # credential header names beyond CREDENTIAL_HEADERS (canonical)
+        # The credential header names (canonical): CREDENTIAL_HEADERS and the table's own.
+        self._names = names
         self._query_keys = query_keys  # canonical strip_query_keys
         self._provider = provider
         self._values: tuple[bytes, ...] | None = None
@@ -68,9 +69,11 @@ class RequestSecrets:
         values = self._values
         if values is None:
             found = list(self._provider)
+            names = self._names
             for name, value in self._headers:
-                canonical = canonical_name(name)
-                if canonical in CREDENTIAL_HEADERS or canonical in self._names:
+                # canonical_name, without its copy for a name that has no `_`
+                lower = name.lower()
+                if lower in names or (b"_" in lower and lower.replace(b"_", b"-") in names):
                     found.extend(secret_forms(value))
             if self._query and self._query_keys:
                 for part in self._query.replace(b";", b"&").split(b"&"):
