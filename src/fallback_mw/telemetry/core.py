@@ -515,7 +515,7 @@ class Telemetry:
             )
         if record.fault is not None:
             attributes["gateway.fault"] = label(record.fault)
-        span.set_attributes(attributes)
+        entry.ended = attributes  # set when the span ends (_end_decided)
         if kind is not None and kind != "cancelled":
             span.set_status(trace.Status(trace.StatusCode.ERROR, kind))
         if request is not None and record.decision is None:
@@ -639,7 +639,8 @@ def _tracing_off() -> bool:
 def _end_decided(entry: AttemptTrace) -> None:
     """End an attempt's span with the walk's decision about it, at the time the attempt
     finished (now, when it was not kept waiting for the decision)."""
-    attributes = decision_attributes(entry.record)
+    attributes = entry.ended or {}
+    attributes.update(decision_attributes(entry.record))
     if attributes:
         entry.span.set_attributes(attributes)
     entry.span.end(end_time=entry.finished_at)

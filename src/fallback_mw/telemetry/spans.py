@@ -21,6 +21,9 @@ class AttemptTrace:
     # When the attempt finished (ns since the epoch): its span ends at that time once the
     # walk has decided what follows it (Telemetry.attempt_decided), or when the request ends.
     finished_at: int | None = None
+    # What the attempt's end adds to its span, set with the walk's decision in one call
+    # when the span ends (each `set_attributes` cleans and locks: one per span, not two).
+    ended: dict[str, AttributeValue] | None = None
 
 
 @dataclass(slots=True)
