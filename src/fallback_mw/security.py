@@ -125,11 +125,20 @@ def canonical_query_key(name: bytes) -> bytes:
     """A query parameter's name as the servers that read it loosely do: percent-decoded,
     `+` as a space, case-folded; an array suffix dropped (`api_key[]`, `api_key[0]`: PHP
     and Rails read `api_key`); `.` and spaces as `_` (PHP reads `api.key` and `api key`
-    as `api_key`). Every `strip_query_keys` comparison uses this form on both sides."""
+    as `api_key`). PHP also reads a name up to a NUL, skips leading spaces and reads an
+    unclosed `[` as `_` (`%20api_key`, `api_key%00x` and `api[key` are all `api_key`).
+    Every `strip_query_keys` comparison uses this form on both sides."""
     key = unquote_to_bytes(name.replace(b"+", b" ")).lower()
+    nul = key.find(b"\x00")
+    if nul >= 0:
+        key = key[:nul]
+    key = key.lstrip(b" ")
     bracket = key.find(b"[")
     if bracket > 0:
-        key = key[:bracket]
+        if key.find(b"]", bracket) > 0:
+            key = key[:bracket]
+        else:
+            key = key[:bracket] + b"_" + key[bracket + 1 :]
     return key.replace(b".", b"_").replace(b" ", b"_")
 
 

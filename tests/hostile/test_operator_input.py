@@ -174,6 +174,12 @@ async def test_extra_credentials_reach_no_upstream_shadow_included() -> None:
         (b"key=s1;api_key=s2", b""),
         (b"keep=a;b&x=%2F&&y", b"keep=a;b&x=%2F&&y"),  # nothing to strip: byte for byte
         (b"monkey=1&keys=2&key_id=3&[key]=4", b"monkey=1&keys=2&key_id=3&[key]=4"),
+        # PHP skips leading spaces, reads a name up to a NUL and an unclosed `[` as `_`
+        (b"%20api_key=s1&keep=1", b"keep=1"),
+        (b"+key=s1&keep=1", b"keep=1"),
+        (b"api_key%00x=s1&keep=1", b"keep=1"),
+        (b"api[key=s1&keep=1", b"keep=1"),
+        (b"access[token=s1;keep=1", b"keep=1"),
     ],
 )
 def test_credential_query_keys_are_stripped_however_a_server_reads_them(
