@@ -29,7 +29,17 @@ def routed_path(scope: Mapping[str, Any]) -> str | None:
     in front of the gateway that authorizes by path compares this, never `scope["path"]`
     (docs/security.md): `/public/../v1/chat` is routed to `/v1/`."""
     raw = scope.get("raw_path")
-    raw_path = raw.decode("latin-1") if isinstance(raw, bytes) else scope.get("path", "/")
+    if isinstance(raw, bytes):
+        # UTF-8, as a percent-encoded path is read: a server that passes the caller's
+        # bytes >= 0x80 as they came (granian) gets the path the caller wrote, never its
+        # latin-1 reading re-encoded (`/v1/é` went out as `/v1/%C3%83%C2%A9`). Bytes that
+        # are not UTF-8 match no route, as `%E9` does.
+        try:
+            raw_path = raw.decode()
+        except UnicodeDecodeError:
+            return None
+    else:
+        raw_path = scope.get("path", "/")
     raw_path = raw_path.split("?", 1)[0]
     root = scope.get("root_path")
     if root:

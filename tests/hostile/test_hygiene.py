@@ -15,6 +15,7 @@ from fallback_mw import Gateway
 from fallback_mw.config import ConfigError, load_config
 from fallback_mw.routing import normalise_path, routed_path
 from fallback_mw.security import forwardable_request_headers
+from tests.helpers import http_scope
 from tests.upstreams import host_app, serve_asgi, status_handler, upstream
 
 CALLER_SECRET = "caller-secret-77"
@@ -268,3 +269,36 @@ async def test_a_routed_response_has_one_date_and_never_the_upstreams_server_hea
     assert len(response.headers.get_list("date")) == 1
     assert all("aiohttp" not in value for value in response.headers.get_list("server"))
     assert len(response.headers.get_list("server")) <= 1
+
+
+@pytest.mark.anyio
+async def test_a_path_with_raw_utf8_bytes_is_forwarded_as_the_caller_wrote_it() -> None:
+    """granian hands the app the caller's bytes >= 0x80 as they came (uvicorn, hypercorn
+    and daphne refuse them): `raw_path` b"/v1/\\xc3\\xa9" went to the upstream as
+    `/v1/%C3%83%C2%A9`, its latin-1 reading encoded again. Bytes that are not UTF-8 match
+    no route (as `%E9` does): the host app answers, no upstream is contacted."""
+    async with upstream(status_handler(200, b"ok")) as primary:
+        conf = {
+            "upstreams": {"primary": {"url": primary.url}},
+            "routes": [{"id": "r", "prefix": "/v1/", "plan": ["primary"]}],
+        }
+        gateway = Gateway(host_app, config=conf)
+        statuses = []
+        try:
+            for raw in ("/v1/é/ü".encode(), "/v1/é%20x".encode(), b"/v1/\xe9"):
+                scope = http_scope("GET", raw.decode("utf-8", "replace"))
+                scope["raw_path"] = raw
+                sent: list[dict[str, Any]] = []
+
+                async def receive() -> dict[str, Any]:
+                    return {"type": "http.request", "body": b"", "more_body": False}
+
+                async def send(message: dict[str, Any], sent: list[Any] = sent) -> None:
+                    sent.append(message)
+
+                await gateway(scope, receive, send)
+                statuses.append(sent[0]["status"])
+        finally:
+            await gateway.aclose()
+    assert statuses == [200, 200, 404]
+    assert [r.path for r in primary.received] == ["/v1/%C3%A9/%C3%BC", "/v1/%C3%A9%20x"]
