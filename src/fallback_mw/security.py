@@ -32,6 +32,12 @@ DEFAULT_STRIP_HEADERS = (
     "x-goog-iam-authorization-token",
     "x-functions-key",
     "private-token",
+    # Not secrets, but they choose whose account the gateway's own credential acts for:
+    # OpenAI bills a request to the organization / project these name (a key in several),
+    # Google to the `x-goog-user-project`. A caller must not pick who pays.
+    "openai-organization",
+    "openai-project",
+    "x-goog-user-project",
 )
 DEFAULT_STRIP_QUERY_KEYS = ("api_key", "key", "api-key", "apikey", "access_token", "private_token")
 # RFC 9110 §7.6.1 connection-specific fields, plus the usual legacy ones.

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from openai import AsyncOpenAI
 
 from fallback_mw import Gateway
 from fallback_mw.cli import main
@@ -215,3 +216,33 @@ def test_a_malformed_allow_hosts_entry_is_refused_by_name(entry: str, says: str)
 def test_well_formed_allow_hosts_entries_load(entry: str) -> None:
     config = load_config(base(allow_hosts=["127.0.0.1", entry]), check_env=False)
     assert entry in config.gateway.allow_hosts
+
+
+@pytest.mark.anyio
+async def test_a_caller_cannot_choose_whose_account_the_gateways_credential_bills() -> None:
+    """The openai SDK sends `OpenAI-Organization` / `OpenAI-Project` when a caller sets
+    `organization=` / `project=`: OpenAI bills the request to them when the key belongs to
+    several, so with the gateway's key injected the caller chose which of the platform's
+    organizations paid. Google's `x-goog-user-project` names the project billed likewise."""
+    async with upstream(status_handler(200, b"{}", **{"content-type": "application/json"})) as up:
+        conf = {
+            "gateway": {"allow_hosts": ["127.0.0.1"]},
+            "upstreams": {"primary": {"url": up.url, "auth_env": "FMW_T_KEY"}},
+            "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+        }
+        gateway = Gateway(host_app, config=conf, environ={"FMW_T_KEY": "gateway-key-1234"})
+        try:
+            async with client_for(gateway) as http:
+                sdk = AsyncOpenAI(
+                    base_url="http://gw/v1", api_key="caller-key", organization="org-victim",
+                    project="proj-victim", http_client=http, max_retries=0,
+                )  # fmt: skip
+                await sdk.models.list(extra_headers={"X-Goog-User-Project": "victim-project"})
+        finally:
+            await gateway.aclose()
+    (received,) = up.received
+    names = {name for name, _ in received.headers}
+    assert "openai-organization" not in names and "openai-project" not in names
+    assert "x-goog-user-project" not in names
+    assert not any("victim" in value for _, value in received.headers)
+    assert ("authorization", "Bearer gateway-key-1234") in received.headers
