@@ -323,7 +323,7 @@ def test_check_warns_when_strip_lists_drop_a_default_credential(tmp_path: Path) 
         'allow_hosts = ["127.0.0.1"]',
         'allow_hosts = ["127.0.0.1"]\nstrip_headers = ["x-mine", "x-auth-token", '
         '"anthropic-api-key", "ocp-apim-subscription-key", "x-amz-security-token", '
-        '"x-goog-iam-authorization-token", "x-functions-key", "private-token", '
+        '"x-goog-iam-authorization-token", "x-functions-key", "private-token", "apikey", '
         '"openai-organization", "openai-project", "x-goog-user-project"]',
     )
     path.write_text(extended, encoding="utf-8")

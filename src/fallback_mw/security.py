@@ -32,6 +32,7 @@ DEFAULT_STRIP_HEADERS = (
     "x-goog-iam-authorization-token",
     "x-functions-key",
     "private-token",
+    "apikey",  # Kong's key-auth and Supabase read the key from this header (and `?apikey=`)
     # Not secrets, but they choose whose account the gateway's own credential acts for:
     # OpenAI bills a request to the organization / project these name (a key in several),
     # Google to the `x-goog-user-project`. A caller must not pick who pays.

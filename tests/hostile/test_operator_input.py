@@ -125,6 +125,7 @@ CALLER_SECRETS = {
     "ocp-apim-subscription-key": "caller-secret-3",
     "x-amz-security-token": "caller-secret-4",
     "X_Auth_Token": "caller-secret-5",
+    "apikey": "caller-secret-10",  # Kong / Supabase, as `?apikey=` (a default query key)
 }
 
 
