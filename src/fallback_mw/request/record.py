@@ -24,7 +24,12 @@ def usage_record(
         AttemptOutcome(candidate=s.candidate, skipped=s.reason, fault=s.fault)
         if isinstance(s, SkipRecord)
         else AttemptOutcome(
-            candidate=s.candidate, status=s.status, failure=s.failure_kind, fault=s.fault
+            candidate=s.candidate,
+            status=s.status,
+            # Never finished: cancelled in flight (the client left, the host cancelled),
+            # as its span says; not an attempt with no outcome at all.
+            failure=s.failure_kind or ("cancelled" if s.duration is None else None),
+            fault=s.fault,
         )
         for s in walk_order(context)
     ]  # in the walk's order: a skip before the attempt that followed it

@@ -1,0 +1,54 @@
+"""How a budgeted request ended, as the ledger, `fallback-mw usage` and telemetry tell it:
+one hold, one settlement and one usage record per request, on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+from decimal import Decimal
+from typing import Any
+
+import anyio
+import pytest
+
+from fallback_mw import Gateway
+from fallback_mw.cli import main
+from tests.helpers import http_scope, request_then_disconnect
+from tests.test_budget_guard import gateway_config, json_handler, status_of
+from tests.upstreams import host_app, upstream
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_an_attempt_the_client_left_during_reads_cancelled_in_usage(
+    ledger_store: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The client left while the primary had not answered: the attempt was cancelled, the
+    # span said so (gateway.failure.kind cancelled), but the usage record kept it with
+    # neither a status nor a failure: `usage` showed the trail as 'primary:?'.
+    async with upstream(json_handler({"ok": True}, delay=3)) as primary:
+        gateway = Gateway(
+            host_app, config=gateway_config({"primary": primary.url}, store=ledger_store)
+        )
+        try:
+            sent: list[Any] = []
+
+            async def send(message: Any) -> None:
+                sent.append(message)
+
+            scope = http_scope("POST", "/v1/chat")
+            with anyio.fail_after(10):
+                await gateway(scope, request_then_disconnect(after=0.3), send)
+            assert sent == []
+            assert await status_of(gateway) == (Decimal(0), Decimal(0))  # released
+        finally:
+            await gateway.aclose()
+    capsys.readouterr()
+    assert await anyio.to_thread.run_sync(main, ["usage", "--store", ledger_store, "--json"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    record = json.loads(line)
+    assert record["outcome"] == "client_disconnected"
+    assert record["attempts"] == [{"candidate": "primary", "failure": "cancelled"}]
+    assert Decimal(record["charged"]) == 0
+    assert await anyio.to_thread.run_sync(main, ["usage", "--store", ledger_store]) == 0
+    table = capsys.readouterr().out
+    assert "primary:cancelled" in table and "?" not in table
