@@ -277,3 +277,30 @@ async def test_a_count_that_reads_as_infinity_is_charged_the_largest_amount(
     assert await sdk_output_tokens(body, engine, "application/json", stream=False) == math.inf
     assert await charged_for(body, "application/json", engine) == Decimal(1_000_000_000)
     assert await charged_for(sse(body), "text/event-stream", engine) == Decimal(1_000_000_000)
+
+
+ANTHROPIC_CACHED_JSON = (
+    b'{"type":"message","model":"gpt-test","content":[],"usage":{"input_tokens":10,'
+    b'"cache_creation_input_tokens":100000,"cache_read_input_tokens":20000,'
+    b'"output_tokens":20000}}'
+)
+ANTHROPIC_CACHED_SSE = (
+    b'event: message_start\ndata: {"type":"message_start","message":{"model":"gpt-test",'
+    b'"usage":{"input_tokens":10,"cache_creation_input_tokens":100000,'
+    b'"cache_read_input_tokens":20000,"output_tokens":1}}}\n\n'
+    b'event: message_delta\ndata: {"type":"message_delta","usage":{"output_tokens":20000}}\n\n'
+    b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
+)
+
+
+@pytest.mark.parametrize(
+    ("body", "content_type"),
+    [(ANTHROPIC_CACHED_JSON, "application/json"), (ANTHROPIC_CACHED_SSE, "text/event-stream")],
+    ids=["json", "sse"],
+)
+async def test_anthropic_cache_tokens_are_charged_as_input(body: bytes, content_type: str) -> None:
+    # Anthropic's input_tokens leaves out the prompt it wrote to or read from its cache
+    # (cache_creation_input_tokens, billed at 1.25x the input price; cache_read_input_tokens
+    # at 0.1x): a caller marking a 120,000-token prompt cache_control was charged for 10
+    # input tokens (40.01) where the provider bills for 120,010 of them.
+    assert await charged_for(body, content_type, "aiohttp") == FULL_COST + Decimal("120")

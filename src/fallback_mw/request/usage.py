@@ -5,14 +5,16 @@ The response path meters (`layers/walker/stream.commit` feeds each relayed chunk
 settles `tpm` from it, telemetry reports it. It sits below the layers for that reason.
 
 OpenAI reports `usage.prompt_tokens` / `usage.completion_tokens`; Anthropic reports
-`usage.input_tokens` / `usage.output_tokens` (in a stream: `message_start` carries the
-input count, `message_delta` the cumulative output count); the OpenAI Responses API's
-stream reports them in the final `response.completed` event's `response`. The body's first
-bytes decide how it is read, the label only when they cannot (`UsageMeter._sniff`), as the
-SDKs read a JSON object or an event stream under any content type. JSON bodies
-are parsed once they end, if they fit in `json_cap`; a larger body is only searched near
-its end, where the providers put `usage`. SSE is parsed line by line (CRLF, LF or CR),
-keeping at most one event, up to `data: [DONE]`, where the SDKs stop reading.
+`usage.input_tokens` (plus its cache's `cache_creation_input_tokens` and
+`cache_read_input_tokens`, which count as input) / `usage.output_tokens` (in a stream:
+`message_start` carries the input count, `message_delta` the cumulative output count);
+the OpenAI Responses API's stream reports them in the final `response.completed` event's
+`response`. The body's first bytes decide how it is read, the label only when they
+cannot (`UsageMeter._sniff`), as the SDKs read a JSON object or an event stream under any
+content type. JSON bodies are parsed once they end, if they fit in `json_cap`; a larger
+body is only searched near its end, where the providers put `usage`. SSE is parsed line by
+line (CRLF, LF or CR), keeping at most one event, up to `data: [DONE]`, where the SDKs stop
+reading.
 
 A body with `Content-Encoding: gzip` / `deflate` (a caller may ask for one) is read
 decoded (`deflate` with or without its zlib wrapper, as clients read it), up to
@@ -300,6 +302,14 @@ class UsageMeter:
         for key in ("prompt_tokens", "input_tokens"):
             value = _reported_count(usage.get(key))
             if value is not None:
+                if key == "input_tokens":
+                    # Anthropic's input_tokens leaves out the prompt written to and read
+                    # from its cache (billed too): they count as input, as the GenAI
+                    # conventions' gen_ai.usage.input_tokens includes cached tokens.
+                    for cached in _ANTHROPIC_CACHE_KEYS:
+                        extra = _reported_count(usage.get(cached))
+                        if extra is not None:
+                            value = min(value + extra, MAX_TOKENS)
                 if target.input_tokens is None or value > target.input_tokens:
                     target.input_tokens = value
                 found = True
@@ -323,6 +333,7 @@ def _reported_count(value: Any) -> int | None:
 
 
 _INFINITY = float("inf")
+_ANTHROPIC_CACHE_KEYS = ("cache_creation_input_tokens", "cache_read_input_tokens")
 
 
 def _mode(content_type: bytes | None) -> str:
