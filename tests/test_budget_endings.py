@@ -12,7 +12,7 @@ import pytest
 
 from fallback_mw import Gateway
 from fallback_mw.cli import main
-from tests.helpers import http_scope, request_then_disconnect
+from tests.helpers import client_for, http_scope, request_then_disconnect
 from tests.test_budget_guard import gateway_config, json_handler, status_of
 from tests.upstreams import host_app, upstream
 
@@ -52,3 +52,34 @@ async def test_an_attempt_the_client_left_during_reads_cancelled_in_usage(
     assert await anyio.to_thread.run_sync(main, ["usage", "--store", ledger_store]) == 0
     table = capsys.readouterr().out
     assert "primary:cancelled" in table and "?" not in table
+
+
+@pytest.mark.parametrize("limit", ["0", "0.01"])
+async def test_a_hold_of_zero_needs_room_left_in_the_budget(ledger_store: str, limit: str) -> None:
+    # With default_hold = 0 (charge only what the answer reports) a request the gateway
+    # cannot estimate holds 0, and 0 fits `spent + held + 0 <= limit` when spent is the
+    # whole limit: an exhausted budget kept serving, each answer charged past the limit,
+    # and a budget set to 0 to block a tenant ("a limit of 0 refuses every request")
+    # served every request.
+    answer = {"model": "gpt-test", "usage": {"prompt_tokens": 5, "completion_tokens": 0}}
+    async with upstream(json_handler(answer)) as primary:
+        conf = gateway_config(
+            {"primary": primary.url}, store=ledger_store, limit=limit, default_hold="0"
+        )
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                statuses = [(await client.post("/v1/chat", content=b"{}")).status_code]
+                statuses += [(await client.post("/v1/chat", content=b"{}")).status_code]
+            # 5 input tokens at 1000/Mtok: 0.005; the second takes spent to the limit.
+            expected = [402, 402] if limit == "0" else [200, 200]
+            assert statuses == expected
+            async with client_for(gateway) as client:
+                refused = await client.post("/v1/chat", content=b"{}")
+            assert refused.status_code == 402
+            assert refused.json()["error"]["code"] == "budget_exceeded"
+            spent, held = await status_of(gateway)
+            assert (spent, held) == (Decimal(limit), Decimal(0))
+            assert primary.count == expected.count(200)
+        finally:
+            await gateway.aclose()

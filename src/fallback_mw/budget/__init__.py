@@ -14,6 +14,7 @@ from fallback_mw.budget.ledger import (
     MinuteUsage,
     SettlesAndRecords,
     UsageRecord,
+    room_needed,
     window_kind,
     window_start,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "MinuteUsage",
     "SettlesAndRecords",
     "UsageRecord",
+    "room_needed",
     "window_kind",
     "window_start",
 ]

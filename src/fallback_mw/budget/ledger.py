@@ -243,6 +243,14 @@ class SettlesAndRecords(Protocol):
         ...
 
 
+def room_needed(units: int) -> int:
+    """The room (nano-units) a hold of `units` needs left in its window: itself, and at least
+    one nano-unit. A hold of 0 (`default_hold = 0`, a request priced at nothing) would
+    otherwise fit `spent + held + 0 <= limit` in a window spent to its limit, or under a
+    limit of 0, and be served and charged past it."""
+    return max(units, 1)
+
+
 def window_start(window: str, now: datetime | None = None) -> str:
     """The key of the current window (UTC): `2026-11-30`, `2026-11` or `total`."""
     if window == "total":
@@ -269,6 +277,7 @@ __all__ = [
     "MinuteUsage",
     "SettlesAndRecords",
     "UsageRecord",
+    "room_needed",
     "window_kind",
     "window_start",
 ]

@@ -27,6 +27,7 @@ from fallback_mw.budget import (
     Ledger,
     LedgerUnavailable,
     SettlesAndRecords,
+    room_needed,
 )
 from fallback_mw.budget.cost import PriceBook, format_money, to_units
 from fallback_mw.config import BudgetConfig, ConfigSource, as_config
@@ -198,7 +199,7 @@ class BudgetGuard:
             return "budget_unavailable", _LEDGER_UNREACHABLE
         if hold is not None:
             return hold
-        if to_units(amount) > to_units(budget.limit):
+        if room_needed(to_units(amount)) > to_units(budget.limit):
             estimated = amount != budget.default_hold
             return "budget_exceeded", _over_the_whole_limit(budget_id, amount, estimated)
         return "budget_exceeded", _exceeded(budget_id)

@@ -15,6 +15,7 @@ from fallback_mw.budget.ledger import (
     MinuteUsage,
     UsageRecord,
     minute_usage,
+    room_needed,
     window_kind,
     window_start,
 )
@@ -38,7 +39,9 @@ class MemoryLedger:
     async def hold(self, budget_id: str, budget: BudgetConfig, amount: Decimal) -> Hold | None:
         key = (budget_id, window_start(budget.window))
         units = to_units(amount)
-        if self._spent.get(key, 0) + self._held.get(key, 0) + units > to_units(budget.limit):
+        # A hold of 0 needs room left too (`room_needed`): 0 always "fits" a spent budget.
+        needed = room_needed(units)
+        if self._spent.get(key, 0) + self._held.get(key, 0) + needed > to_units(budget.limit):
             return None
         self._held[key] = self._held.get(key, 0) + units
         hold_id = uuid.uuid4().hex

@@ -33,6 +33,7 @@ from fallback_mw.budget.ledger import (
     LedgerUnavailable,
     MinuteUsage,
     UsageRecord,
+    room_needed,
     window_kind,
     window_start,
 )
@@ -66,7 +67,7 @@ WITH window_row AS (
     VALUES ($1, $2, 0, $3)
     ON CONFLICT (budget_id, window_start) DO UPDATE
         SET held_units = w.held_units + EXCLUDED.held_units
-        WHERE w.spent_units + w.held_units + EXCLUDED.held_units <= $4
+        WHERE w.spent_units + w.held_units + $6 <= $4
     RETURNING 1
 )
 INSERT INTO fmw_budget_holds (hold_id, budget_id, window_start, amount_units, created_at)
@@ -287,14 +288,15 @@ class PostgresLedger(SQLLedgerBase):
         start = window_start(budget.window)
         units = to_units(amount)
         limit = to_units(budget.limit)
-        if units > limit:
+        needed = room_needed(units)
+        if needed > limit:
             return None  # the insert branch of the upsert does not check the limit
         hold_id = uuid.uuid4().hex
 
         async def work(pool: asyncpg.Pool) -> object:
             if self._reap_due():  # a running ledger settles stale holds too
                 await self._reap(pool)
-            return await pool.fetchval(_HOLD, budget_id, start, units, limit, hold_id)
+            return await pool.fetchval(_HOLD, budget_id, start, units, limit, hold_id, needed)
 
         statement = self._outliving(self._run(work))
         try:

@@ -30,6 +30,7 @@ from fallback_mw.budget.ledger import (
     LedgerUnavailable,
     MinuteUsage,
     UsageRecord,
+    room_needed,
     window_kind,
     window_start,
 )
@@ -259,7 +260,8 @@ class SQLiteLedger(SQLLedgerBase):
         start = window_start(budget.window)
         units = to_units(amount)
         limit = to_units(budget.limit)
-        if units > limit:
+        needed = room_needed(units)
+        if needed > limit:
             return None
         hold_id = new_request_id()  # random hex, as a request id
         now = encode_sqlite_time(datetime.now(UTC))
@@ -269,7 +271,7 @@ class SQLiteLedger(SQLLedgerBase):
         def work(conn: sqlite3.Connection) -> bool:
             if reap:
                 _settle_stale_holds(conn, self.stale_hold_seconds)
-            reserve = (units, budget_id, start, units, limit)
+            reserve = (units, budget_id, start, needed, limit)
             if conn.execute(_RESERVE, reserve).rowcount != 1:
                 # No such window yet (its first hold), or the hold does not fit.
                 created = conn.execute(
