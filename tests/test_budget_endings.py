@@ -3,6 +3,7 @@ one hold, one settlement and one usage record per request, on SQLite and Postgre
 
 from __future__ import annotations
 
+import contextlib
 import json
 from decimal import Decimal
 from typing import Any
@@ -81,5 +82,90 @@ async def test_a_hold_of_zero_needs_room_left_in_the_budget(ledger_store: str, l
             spent, held = await status_of(gateway)
             assert (spent, held) == (Decimal(limit), Decimal(0))
             assert primary.count == expected.count(200)
+        finally:
+            await gateway.aclose()
+
+
+def _answer(kind: str) -> Any:
+    """An upstream that ends its answer as `kind` says."""
+    usage = (
+        b'data: {"model":"gpt-test","choices":[],"usage":' + json.dumps(USAGE).encode() + b"}\n\n"
+    )
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        if kind == "json":
+            return web.json_response({"model": "gpt-test", "usage": USAGE})
+        if kind in ("503", "400"):
+            return web.Response(status=int(kind), text="no")
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n')
+        if kind in ("sse", "sse-reset", "sse-hang"):
+            await response.write(usage)
+        if kind in ("sse-reset", "sse-no-usage-reset"):
+            assert request.transport is not None
+            request.transport.close()
+            return response
+        if kind == "sse-hang":
+            await anyio.sleep(5)
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    return handle
+
+
+USAGE = {"prompt_tokens": 3, "completion_tokens": 2}
+COST = Decimal("0.007")  # 3 x 1000/Mtok + 2 x 2000/Mtok
+HOLD = Decimal("0.055")  # ceil(140 bytes / 4) x 1000/Mtok + 10 x 2000/Mtok
+BODY = json.dumps({"model": "gpt-test", "max_tokens": 10, "messages": [], "x": "y" * 76}).encode()
+
+
+@pytest.mark.parametrize(
+    ("ending", "plan", "charged"),
+    [
+        ("served, usage in JSON", ["json"], COST),
+        ("served, usage in the stream", ["sse"], COST),
+        ("served, no usage", ["sse-no-usage"], HOLD),
+        ("failover then served", ["503", "json"], COST),
+        ("every candidate failed", ["503", "503"], Decimal(0)),
+        ("an upstream 400 relayed", ["400"], Decimal(0)),
+        ("reset mid-stream after usage", ["sse-reset"], HOLD),
+        ("reset mid-stream, no usage", ["sse-no-usage-reset"], HOLD),
+        ("idle after the head", ["sse-hang"], HOLD),
+    ],
+)
+async def test_every_ending_leaves_one_settlement_and_one_record(
+    ledger_store: str, ending: str, plan: list[str], charged: Decimal
+) -> None:
+    assert len(BODY) == 140
+    async with contextlib.AsyncExitStack() as stack:
+        names = {}
+        for index, kind in enumerate(plan):
+            names[f"c{index}"] = (await stack.enter_async_context(upstream(_answer(kind)))).url
+        conf = gateway_config(names, store=ledger_store, limit="1")
+        for name in names:
+            conf["upstreams"][name]["idle_timeout_ms"] = 300
+        gateway = Gateway(host_app, config=conf)
+        try:
+            delivered = False
+
+            async def receive() -> dict[str, Any]:
+                nonlocal delivered
+                if not delivered:
+                    delivered = True
+                    return {"type": "http.request", "body": BODY, "more_body": False}
+                await anyio.sleep(30)
+                return {"type": "http.disconnect"}
+
+            async def send(message: Any) -> None:
+                return None
+
+            with anyio.fail_after(10):
+                await gateway(http_scope("POST", "/v1/chat"), receive, send)
+            ledger = gateway.services.ledger
+            assert ledger is not None
+            (record,) = await ledger.usage()  # exactly one record
+            assert record.charged == charged, ending
+            assert await status_of(gateway) == (charged, Decimal(0))  # settled once, none held
         finally:
             await gateway.aclose()
