@@ -147,6 +147,41 @@ async def test_a_caller_cancelled_before_its_group_is_written_leaves_nothing(
 
 
 @pytest.mark.anyio
+async def test_a_caller_cancelled_while_its_group_waits_in_the_worker_thread_leaves_nothing(
+    ledger: SQLiteLedger, tmp_path: Path
+) -> None:
+    # Another process held the write lock, so the hold's group went to the worker thread,
+    # which chose its calls and then waited for the lock; the caller was cancelled meanwhile
+    # (a host cancelling the request). The group still wrote the hold, nobody learnt of it:
+    # HELD for an hour, then charged as spent.
+    path = tmp_path / "ledger.db"
+    other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    try:
+        other.execute("BEGIN IMMEDIATE")  # another process's writer
+        released = threading.Timer(0.5, lambda: other.execute("COMMIT"))
+        released.start()
+        try:
+            kept = asyncio.ensure_future(ledger.hold("b", BUDGET, Decimal(1)))
+            cancelled = asyncio.ensure_future(ledger.hold("b", BUDGET, Decimal(2)))
+            await asyncio.sleep(0.2)  # the group is in the worker thread, waiting
+            cancelled.cancel()
+            with anyio.fail_after(10):
+                done = await asyncio.gather(kept, cancelled, return_exceptions=True)
+        finally:
+            released.join()
+        assert isinstance(done[0], Hold)
+        assert isinstance(done[1], asyncio.CancelledError)
+        for _ in range(100):  # a release behind the group is written on a later turn
+            if (await ledger.status("b", BUDGET)).held == Decimal(1):
+                break
+            await asyncio.sleep(0.02)
+        assert (await ledger.status("b", BUDGET)).held == Decimal(1)  # the kept hold only
+        assert held_in_the_file(path) == 1_000_000_000
+    finally:
+        other.close()
+
+
+@pytest.mark.anyio
 async def test_a_hold_alone_is_committed_at_once(ledger: SQLiteLedger, tmp_path: Path) -> None:
     statements = count_commits(ledger)
     hold = await ledger.hold("b", BUDGET, Decimal(1))

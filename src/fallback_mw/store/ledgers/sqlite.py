@@ -298,10 +298,14 @@ class SQLiteLedger(SQLLedgerBase):
                 taken = await future
             except asyncio.CancelledError:
                 # Cancelled after its group committed the hold but before this caller
-                # resumed (a cancel still pending cancels the call itself): the caller will
-                # never settle it, so it is released on the next group, not left HELD.
-                written = future.done() and not future.cancelled()
-                if written and future.exception() is None and future.result():
+                # resumed: the caller will never settle it, so it is released on the next
+                # group, not left HELD. Cancelled before (its future cancelled), the hold
+                # may be written still: its group can be in the worker thread, its calls
+                # chosen, waiting for another process's lock. Released behind that group
+                # too (the turns lock orders them; a no-op when it was left out).
+                if future.cancelled() or (
+                    future.done() and future.exception() is None and future.result()
+                ):
                     self._release_behind(turns, hold_id)
                 raise
         if not taken:
