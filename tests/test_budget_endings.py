@@ -13,6 +13,8 @@ import pytest
 
 from fallback_mw import Gateway
 from fallback_mw.cli import main
+from fallback_mw.config import BudgetConfig
+from fallback_mw.store.ledgers.memory import MemoryLedger
 from tests.helpers import client_for, http_scope, request_then_disconnect
 from tests.test_budget_guard import gateway_config, json_handler, status_of
 from tests.upstreams import host_app, upstream
@@ -169,3 +171,15 @@ async def test_every_ending_leaves_one_settlement_and_one_record(
             assert await status_of(gateway) == (charged, Decimal(0))  # settled once, none held
         finally:
             await gateway.aclose()
+
+
+async def test_the_memory_ledger_refuses_a_zero_hold_without_room() -> None:
+    ledger = MemoryLedger()
+    assert (
+        await ledger.hold("b", BudgetConfig(limit=Decimal(0), window="total"), Decimal(0)) is None
+    )
+    budget = BudgetConfig(limit=Decimal(1), window="total")
+    hold = await ledger.hold("b", budget, Decimal(1))
+    assert hold is not None
+    await ledger.settle(hold, Decimal(1))  # spent to the limit
+    assert await ledger.hold("b", budget, Decimal(0)) is None
