@@ -5,10 +5,12 @@ the log line."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from fallback_mw.store.ledgers import open_ledger
@@ -388,3 +390,40 @@ async def test_a_hold_larger_than_the_whole_limit_says_so_not_wait_for_the_next_
     assert "max_tokens" not in zero["message"]
     # A window with no room left for a hold that would fit an empty one: wait, or raise.
     assert "spent or held" in full["message"] and "next window" in full["message"]
+
+
+async def test_a_body_that_stalls_during_the_attempt_names_the_keys_like_one_before_it() -> None:
+    # A body over replay_buffer streams to the attempt; the caller stops sending half-way.
+    # The 408 said only "the request body did not arrive in time", where the same refusal
+    # before any attempt names the deadline and header_timeout_ms.
+    from fallback_mw import Gateway
+    from tests.helpers import http_scope
+    from tests.upstreams import host_app
+
+    sent: list[Any] = []
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    calls = 0
+
+    async def receive() -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return {"type": "http.request", "body": b"x" * 2000, "more_body": True}
+        await anyio.sleep(30)
+        return {"type": "http.disconnect"}
+
+    async with upstream(status_handler(200)) as p, upstream(status_handler(200)) as b:
+        conf = config(p.url, b.url, deadline_ms=300, replayable_methods=["POST"])
+        gateway = Gateway(host_app, config=conf, environ=ENV)
+        headers = [(b"content-length", b"4000")]
+        await gateway(http_scope("POST", "/v1/files", headers=headers), receive, send)
+        await gateway.aclose()
+    assert sent[0]["status"] == 408
+    error = json.loads(sent[1]["body"])["error"]
+    assert (error["code"], error["rule"], error["attempts"]) == ("request_timeout",
+                                                                 "body_timeout", 1)  # fmt: skip
+    assert "deadline_ms" in error["message"], error["message"]
+    assert "header_timeout_ms" in error["message"], error["message"]

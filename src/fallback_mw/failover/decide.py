@@ -31,7 +31,7 @@ from typing import Literal
 
 from fallback_mw.config import RouteConfig
 from fallback_mw.request.context import RequestContext
-from fallback_mw.request.refusals import MISFRAMED
+from fallback_mw.request.refusals import MISFRAMED, SLOW_BODY
 from fallback_mw.security import override_methods
 
 # Within a credential pool these may move to another credential of the same upstream.
@@ -328,7 +328,7 @@ def is_keyed_post(method: str, headers: Sequence[tuple[bytes, bytes]]) -> bool:
 _LOCAL_ERRORS: dict[str, tuple[str, str]] = {
     "deadline": ("deadline_exceeded", "the route deadline passed"),
     "body_too_large": ("request_too_large", "the request body went over max_request_body"),
-    "body_timeout": ("request_timeout", "the request body did not arrive in time"),
+    "body_timeout": ("request_timeout", SLOW_BODY),  # one wording, mid-stream or before
     "body_misframed": ("bad_request", MISFRAMED),  # one wording, mid-stream or in the head
     "unsafe_address": ("upstream_failed", "the upstream address was refused at connect time"),
     "not_sent": (

@@ -16,15 +16,17 @@ def body_refusal(body: RequestBody, settings: GatewaySettings) -> tuple[str, str
         limit = settings.max_request_body
         return "request_too_large", f"request body exceeds max_request_body ({limit} bytes)"
     if body.timed_out:
-        return (
-            "request_timeout",
-            "the request body did not arrive in time (the route deadline, or a pause longer"
-            " than header_timeout_ms)",
-        )
+        return "request_timeout", SLOW_BODY
     if body.misframed:
         return "bad_request", MISFRAMED
     return None
 
+
+# One wording for a body too slow, before the walk or during an attempt it streams to.
+SLOW_BODY = (
+    "the request body did not arrive in time (the walk deadline: the route's deadline_ms or"
+    " a shorter x-gateway-deadline-ms; or a pause longer than [gateway] header_timeout_ms)"
+)
 
 MISFRAMED = (
     "the request body is not the length its Content-Length declares (the server in front"
