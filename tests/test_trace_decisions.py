@@ -123,3 +123,23 @@ async def test_a_relay_failure_after_the_commit_names_the_abort_on_the_attempt(
     assert (candidate, decision) == ("primary", "abort")
     assert "commit point" in reason
     assert recorded.request_span().attributes["gateway.rule"] == "response_started"  # type: ignore[index]
+
+
+async def test_a_deadline_the_caller_shortened_is_the_callers_in_the_trace(
+    recorded: Recorded,
+) -> None:
+    # The error body named the caller's x-gateway-deadline-ms; the attempt span's reason
+    # (and so `fallback-mw request`'s "next" column) said "the route deadline passed", and
+    # an operator raised a deadline_ms that was never the one that ran out.
+    async with upstream(status_handler(200, delay=2.0)) as p, upstream(status_handler(200)) as b:
+        conf = make_config(p.url, b.url, deadline_ms=5000)
+        gateway = Gateway(host_app, config=conf, environ=ENV, telemetry=recorded.telemetry)
+        async with client_for(gateway) as client:
+            cut = await client.get("/v1/chat", headers={"x-gateway-deadline-ms": "150"})
+        await gateway.aclose()
+    assert cut.status_code == 504
+    assert "x-gateway-deadline-ms" in cut.json()["error"]["message"]
+    [(candidate, action, reason)] = decisions(recorded)
+    assert (candidate, action) == ("primary", "local_error")
+    assert "x-gateway-deadline-ms" in reason, reason
+    assert "route deadline" not in reason, reason

@@ -130,6 +130,9 @@ class WalkState:
     # Why the request is not replayable (`replay_rule`), None when it is: named by the
     # local error that ends its walk.
     unreplayable: str | None = None
+    # The caller's x-gateway-deadline-ms shortened the walk: a deadline that passes is
+    # theirs, not the route's (the trace's reason says which, as the error message does).
+    caller_deadline: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,7 +329,6 @@ def is_keyed_post(method: str, headers: Sequence[tuple[bytes, bytes]]) -> bool:
 
 
 _LOCAL_ERRORS: dict[str, tuple[str, str]] = {
-    "deadline": ("deadline_exceeded", "the route deadline passed"),
     "body_too_large": ("request_too_large", "the request body went over max_request_body"),
     "body_timeout": ("request_timeout", SLOW_BODY),  # one wording, mid-stream or before
     "body_misframed": ("bad_request", MISFRAMED),  # one wording, mid-stream or in the head
@@ -338,7 +340,6 @@ _LOCAL_ERRORS: dict[str, tuple[str, str]] = {
     ),
 }
 _LOCAL_RULES = {
-    "deadline": "deadline",
     "body_too_large": "max_request_body",
     "body_timeout": "body_timeout",
     "body_misframed": "bad_request",
@@ -366,6 +367,8 @@ def decide(outcome: Outcome, state: WalkState) -> Decision:
         # Nothing reached that upstream (e.g. its credential went bad under a running
         # gateway): the next candidate may be sent, and no breaker is marked.
         return Decision("next_candidate", reason="the request could not be sent: the next one")
+    if outcome.kind == "deadline":
+        return _deadline_passed(state)
     if outcome.kind in _LOCAL_ERRORS:
         code, reason = _LOCAL_ERRORS[outcome.kind]
         return Decision("local_error", code, reason, rule=_LOCAL_RULES[outcome.kind])
@@ -394,11 +397,16 @@ def decide(outcome: Outcome, state: WalkState) -> Decision:
     return _exhausted(state, *_why_no_further_attempt(state))
 
 
+def _deadline_passed(state: WalkState) -> Decision:
+    reason = "the route deadline passed"
+    if state.caller_deadline:
+        reason = "the deadline the caller set with x-gateway-deadline-ms passed"
+    return Decision("local_error", "deadline_exceeded", reason, rule="deadline")
+
+
 def _exhausted(state: WalkState, reason: str, rule: str) -> Decision:
     if not state.deadline_left:
-        return Decision(
-            "local_error", "deadline_exceeded", "the route deadline passed", rule="deadline"
-        )
+        return _deadline_passed(state)
     if state.on_exhausted == "last_response" and state.has_last_response:
         return Decision("serve", reason=f"{reason}; on_exhausted = last_response", rule=rule)
     return Decision("local_error", "upstream_failed", reason, rule=rule)

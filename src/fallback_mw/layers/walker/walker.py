@@ -206,6 +206,7 @@ class _Walk:
             other_credential=other_credential,
             has_last_response=holding or self.last_response is not None,
             unreplayable=self.unreplayable,
+            caller_deadline=context.caller_deadline_ms is not None,
         )
 
     async def _loop(self) -> None:
