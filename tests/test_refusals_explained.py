@@ -15,9 +15,12 @@ import pytest
 
 from fallback_mw.store.ledgers import open_ledger
 from tests.helpers import gateway_client
+from tests.test_security import fake_dns
 from tests.upstreams import closed_port_url, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
+
+__all__ = ["fake_dns"]  # the fixture, shared with tests/test_security.py
 
 ENV = {"PRIMARY_KEY": "sk-primary-0001", "BACKUP_KEY": "sk-backup-0002"}
 
@@ -427,3 +430,33 @@ async def test_a_body_that_stalls_during_the_attempt_names_the_keys_like_one_bef
                                                                  "body_timeout", 1)  # fmt: skip
     assert "deadline_ms" in error["message"], error["message"]
     assert "header_timeout_ms" in error["message"], error["message"]
+
+
+async def test_an_address_the_connect_time_guard_refuses_names_allow_hosts(
+    fake_dns: dict[str, Any],
+) -> None:
+    # The primary's name resolved to a public address when the config loaded, and to a
+    # loopback one when the request was sent (a DNS change, or a rebinding attempt). The
+    # 502 said "last failure: unsafe_address at 'primary'" and nothing an operator could
+    # act on; it names allow_hosts, and following it (listing the address) serves.
+    async with upstream(status_handler(200)) as p, upstream(status_handler(200)) as b:
+        port = p.url.rsplit(":", 1)[1]
+        fake_dns["answers"]["rebind.test"] = "93.184.216.34"
+        primary = f"http://rebind.test:{port}"
+        backup = b.url.replace("127.0.0.1", "localhost")
+        conf = config(primary, backup, gateway={"allow_hosts": ["rebind.test", "localhost"]})
+        listed = config(primary, backup, gateway={"allow_hosts": ["rebind.test", "localhost",
+                                                                  "127.0.0.1"]})  # fmt: skip
+        async with gateway_client(conf, environ=ENV) as client:
+            fake_dns["answers"]["rebind.test"] = "127.0.0.1"
+            refused = await client.get("/v1/models")
+        assert p.count == 0  # nothing reached the loopback service
+        async with gateway_client(listed, environ=ENV) as client:
+            followed = await client.get("/v1/models")
+    error = refused.json()["error"]
+    assert (refused.status_code, error["code"], error["rule"]) == (502, "upstream_failed",
+                                                                    "unsafe_address")  # fmt: skip
+    assert "unsafe_address at 'primary'" in error["message"], error["message"]
+    assert "allow_hosts" in error["message"], error["message"]
+    assert "127.0.0.1" not in error["message"]  # the address is not told to the caller
+    assert (followed.status_code, followed.headers["x-gateway-provider"]) == (200, "primary")

@@ -448,6 +448,10 @@ _REMEDY = {
     "no_candidate": "every other candidate was skipped (see x-gateway-skipped)",
     "repeat_budget": "the upstream's budget for repeats is spent "
     "([gateway.repeat_budget] percent / min_per_second)",
+    "unsafe_address": "the connect-time guard refused the address its host resolved to when "
+    "the request was sent (a listed name may reach only public addresses; link-local and "
+    "metadata addresses never): if that address is the upstream's own, add it or its "
+    "network (CIDR) to [gateway] allow_hosts; nothing was sent to it",
 }
 
 
