@@ -460,3 +460,27 @@ async def test_an_address_the_connect_time_guard_refuses_names_allow_hosts(
     assert "allow_hosts" in error["message"], error["message"]
     assert "127.0.0.1" not in error["message"]  # the address is not told to the caller
     assert (followed.status_code, followed.headers["x-gateway-provider"]) == (200, "primary")
+
+
+async def test_a_deadline_that_runs_out_in_the_backoff_names_backoff_ms() -> None:
+    # One candidate, one retry: the primary's 503 is repeated after backoff_ms, which is
+    # longer than what the deadline leaves. The 504 said "raise the route's deadline_ms"
+    # and nothing of the wait the walk spent it on; it names backoff_ms, and following
+    # it (a shorter backoff) lets the repeat run.
+    answers = iter([503, 503, 200])
+
+    async def flaky(request: Any) -> Any:
+        return await status_handler(next(answers))(request)
+
+    async with upstream(flaky) as p, upstream(status_handler(200)) as b:
+        conf = config(p.url, b.url, plan=["primary"], deadline_ms=400, backoff_ms=5000)
+        async with gateway_client(conf, environ=ENV) as client:
+            waited = await client.get("/v1/models")
+        conf["routes"][0]["backoff_ms"] = 25
+        async with gateway_client(conf, environ=ENV) as client:
+            followed = await client.get("/v1/models")
+    error = waited.json()["error"]
+    assert (waited.status_code, error["rule"], error["attempts"]) == (504, "deadline", 1)
+    assert "backoff_ms (5000 ms)" in error["message"], error["message"]
+    assert "'primary'" in error["message"], error["message"]
+    assert (followed.status_code, followed.headers["x-gateway-attempts"]) == (200, "2")

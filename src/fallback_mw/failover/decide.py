@@ -538,11 +538,22 @@ def _deadline_message(context: RequestContext) -> str:
     (the route's deadline_ms, else [gateway]'s), and what would let the walk go on."""
     attempts, waiting = context.attempt_count, _cut_by_deadline(context)
     configured, caller = context.configured_deadline_ms, context.caller_deadline_ms
+    backoff = None
+    if context.backoff_cut is not None:
+        backoff = (
+            f"while the walk waited the route's backoff_ms ({context.route.backoff_ms} ms) "
+            f"before repeating {context.backoff_cut!r}"
+        )
     if caller is not None:
         passed = (
             f"the deadline of {caller} ms the caller set with x-gateway-deadline-ms (the "
             f"route's is {configured} ms) passed after {attempts} attempt(s)"
         )
+        if backoff is not None:
+            return (
+                f"{passed}, {backoff}: the caller may send a larger x-gateway-deadline-ms, or "
+                f"none; or lower the route's backoff_ms"
+            )
         if waiting is None:
             return f"{passed}; the caller may send a larger x-gateway-deadline-ms, or none"
         name, timeout_ms = waiting
@@ -561,6 +572,8 @@ def _deadline_message(context: RequestContext) -> str:
     if context.route.deadline_ms is None:
         key = "[gateway] deadline_ms (or set the route's deadline_ms)"
     passed = f"the route deadline ({configured} ms) passed after {attempts} attempt(s)"
+    if backoff is not None:
+        return f"{passed}, {backoff}: lower the route's backoff_ms, or raise {key}"
     if waiting is None:
         return f"{passed}; raise {key}"
     name, timeout_ms = waiting

@@ -109,6 +109,9 @@ class RequestContext:
     # x-gateway-deadline-ms when it shortened it: a 504 names the one that applied.
     configured_deadline_ms: int | None = None
     caller_deadline_ms: int | None = None
+    # The candidate whose repeat the walk was waiting out backoff_ms for when the deadline
+    # ran out (the 504 names the backoff, not only the deadline).
+    backoff_cut: str | None = None
     # The methods the caller's method-override fields name (`security.override_methods`),
     # read once by the resolver from the request as it came: its 405 and the replay rule.
     overrides: frozenset[str] = frozenset()

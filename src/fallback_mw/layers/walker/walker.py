@@ -233,6 +233,7 @@ class _Walk:
                     raise
                 if context.remaining <= 0:
                     await attempts.cancel(pick.name, pick.reservation)
+                    context.backoff_cut = pick.name
                     await self._act(Outcome("deadline"), None, None, None)
                     return
             record = attempts.start(pick.name, pick.upstream, pick.credential_index)
