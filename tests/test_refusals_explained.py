@@ -484,3 +484,28 @@ async def test_a_deadline_that_runs_out_in_the_backoff_names_backoff_ms() -> Non
     assert "backoff_ms (5000 ms)" in error["message"], error["message"]
     assert "'primary'" in error["message"], error["message"]
     assert (followed.status_code, followed.headers["x-gateway-attempts"]) == (200, "2")
+
+
+async def test_the_log_line_says_which_status_made_each_candidate_fail_over(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # "chosen=backup attempts=2" said that the primary failed, not how: a transport error
+    # or a timeout was named (`failures=primary:timeout`), a 503 was not, and the local
+    # 502 names only the last candidate's status.
+    caplog.set_level(logging.INFO, logger="fallback_mw.request")
+    async with (
+        upstream(status_handler(503)) as p,
+        upstream(status_handler(502)) as down,
+        upstream(status_handler(200)) as b,
+    ):
+        async with gateway_client(config(p.url, b.url), environ=ENV) as client:
+            served = await client.get("/v1/models")
+        async with gateway_client(config(p.url, down.url), environ=ENV) as client:
+            failed = await client.get("/v1/models")
+        async with gateway_client(config(closed_port_url(), down.url), environ=ENV) as client:
+            mixed = await client.get("/v1/models")
+    assert (served.status_code, failed.status_code, mixed.status_code) == (200, 502, 502)
+    lines = log_lines(caplog)
+    assert lines[0].endswith(" failures=primary:503"), lines[0]
+    assert lines[1].endswith(" rule=ceiling failures=primary:503,backup:502"), lines[1]
+    assert lines[2].endswith(" rule=ceiling failures=primary:transport,backup:502"), lines[2]

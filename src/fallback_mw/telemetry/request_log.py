@@ -92,12 +92,15 @@ def _arguments(
     record's `route` and `outcome` fields."""
     # Why the walk ended where it did, when a rule decided it, and what was passed over.
     why = f" rule={context.rule}" if context.rule else ""
+    # What made each failed attempt fail: below HTTP its kind (transport, timeout, tls,
+    # fault, ...), else the failover-class status it answered (kind `status`).
     failed = [
-        f"{label(a.candidate)}:{label(a.failure_kind)}"
+        f"{label(a.candidate)}:{a.status if a.failure_kind == 'status' else label(a.failure_kind)}"
         for a in context.attempts
-        if a.failure_kind not in (None, "status", "cancelled")
+        if a.failure_kind not in (None, "cancelled")
+        and (a.failure_kind != "status" or a.status is not None)
     ]
-    if failed:  # what went wrong below HTTP (transport, timeout, tls, fault, ...)
+    if failed:
         why += f" failures={','.join(failed)}"
     if context.skipped:
         passed = dict.fromkeys(
