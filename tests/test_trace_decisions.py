@@ -143,3 +143,30 @@ async def test_a_deadline_the_caller_shortened_is_the_callers_in_the_trace(
     assert (candidate, action) == ("primary", "local_error")
     assert "x-gateway-deadline-ms" in reason, reason
     assert "route deadline" not in reason, reason
+
+
+async def test_a_hedged_attempt_that_fails_first_ends_when_it_failed_not_with_the_race(
+    recorded: Recorded,
+) -> None:
+    # The primary's own first-byte timeout (300 ms) ends it while its hedge (started at
+    # 150 ms) still waits: its span, its record (`fallback-mw request`'s ms column) and its
+    # breaker mark came only when the hedge ended, so the trace read a 300 ms timeout as
+    # 450 ms, and an operator tuning first_byte_timeout_ms read the wrong number.
+    from tests.upstreams import silent_server
+
+    async with silent_server() as (hang, _), upstream(status_handler(200)) as b:
+        conf = make_config(hang, b.url, retries=2, hedge_after_ms=150)
+        conf["upstreams"]["primary"]["first_byte_timeout_ms"] = 300
+        gateway = Gateway(host_app, config=conf, environ=ENV, telemetry=recorded.telemetry)
+        async with client_for(gateway) as client:
+            response = await client.get("/v1/chat")
+        await gateway.aclose()
+    assert (response.status_code, response.headers["x-gateway-attempts"]) == (200, "3")
+    first, hedge, served = recorded.attempt_spans()
+    assert [s.attributes["gateway.candidate"] for s in (first, hedge, served)] == [  # type: ignore[index]
+        "primary", "primary", "backup"
+    ]  # fmt: skip
+    assert first.end_time is not None and hedge.end_time is not None
+    assert first.attributes["gateway.failure.kind"] == "timeout"  # type: ignore[index]
+    # Both waited their own 300 ms, the hedge 150 ms later: so it ended about 150 ms later.
+    assert hedge.end_time - first.end_time >= 80_000_000, (first.end_time, hedge.end_time)

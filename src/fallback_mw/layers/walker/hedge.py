@@ -39,10 +39,13 @@ async def first_head(
     """Run `primary`; if it has not finished after `after` seconds, ask `start_hedge` for
     a second attempt and race the two. Returns (0 for the primary / 1 for the hedge, its
     result). Every other attempt is cancelled, and `discard(index, result)` is awaited for
-    it (`result` is None when it was cancelled before finishing)."""
+    it (`result` is None when it was cancelled before finishing). One that finished without
+    a head while another still runs is discarded then, not after the race: its record ends
+    when it did (a timeout of 300 ms reads 300 ms) and its upstream's health hears of it."""
     tasks = [asyncio.ensure_future(primary)]
     winner: int | None = None
     last: int | None = None
+    discarded: set[int] = set()
     try:
         done, _ = await asyncio.wait(tasks, timeout=after)
         if not done:
@@ -57,13 +60,19 @@ async def first_head(
                 last = index
                 if winner is None and is_head(tasks[index].result()):
                     winner = index
+            if winner is None and pending:
+                # Failed while another runs on: finished now (it cannot be the one returned).
+                for index in sorted(tasks.index(task) for task in done):
+                    discarded.add(index)
+                    with anyio.CancelScope(shield=True):
+                        await discard(index, tasks[index].result())
         chosen = winner if winner is not None else last
         assert chosen is not None
         return chosen, tasks[chosen].result()
     finally:
         with anyio.CancelScope(shield=True):
             for index, task in enumerate(tasks):
-                if index == winner or (winner is None and index == last):
+                if index == winner or (winner is None and index == last) or index in discarded:
                     continue
                 if not task.done():
                     task.cancel()
