@@ -329,3 +329,33 @@ def test_check_warns_when_strip_lists_drop_a_default_credential(tmp_path: Path) 
     path.write_text(extended, encoding="utf-8")
     result = check(path)
     assert result.returncode == 0 and "warning" not in result.stdout, result.stdout
+
+
+def test_check_warns_when_the_backoff_before_a_repeat_outlasts_the_deadline(
+    tmp_path: Path,
+) -> None:
+    # One candidate, two retries: each repeat first waits backoff_ms. With a backoff not
+    # below the deadline the repeat can never run: every walk that needs it waits out the
+    # deadline and ends in 504 (the 504 says so; check should say it before a deploy).
+    path = tmp_path / "gateway.toml"
+    body = (
+        '[upstreams.primary]\nurl = "http://127.0.0.1:9001"\nfirst_byte_timeout_ms = 1000\n'
+        '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["primary"]\nretries = 2\n'
+        "deadline_ms = 3000\nbackoff_ms = 3000\n"
+    )
+    path.write_text(body, encoding="utf-8")
+    result = check(path)
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stdout.splitlines() if "  warning: " in line]
+    assert warnings == [
+        "  warning: a repeat of a candidate first waits backoff_ms 3000, not below the route "
+        "deadline (3000 ms): it can never run, and a walk that needs it ends in 504 "
+        "deadline_exceeded; lower backoff_ms"
+    ]
+    path.write_text(body.replace("backoff_ms = 3000", "backoff_ms = 100"), "utf-8")
+    result = check(path)
+    assert result.returncode == 0 and "warning" not in result.stdout, result.stdout
+    # No repeat in the plan (retries below its length): no backoff is ever waited.
+    path.write_text(body.replace("retries = 2", "retries = 0"), "utf-8")
+    result = check(path)
+    assert result.returncode == 0 and "warning" not in result.stdout, result.stdout

@@ -142,8 +142,9 @@ def route_warnings(
 ) -> list[str]:
     """What is valid but probably not meant: a declared provider's transient status that
     the route does not fail over on; a candidate whose first-byte timeout the route
-    deadline cuts, so that a hang on it never reaches the next candidate; a candidate whose
-    url path the route prefix repeats (`/v1` + `/v1/...`)."""
+    deadline cuts, so that a hang on it never reaches the next candidate; a backoff before
+    a repeat that the deadline always outlasts; a candidate whose url path the route prefix
+    repeats (`/v1` + `/v1/...`)."""
     warnings = []
     deadline = effective_deadline_ms(route, default_ms)
     for name in _followed(route):
@@ -154,6 +155,13 @@ def route_warnings(
                 f"route deadline ({deadline} ms): a hang on it ends in 504 "
                 "deadline_exceeded, never a fallback; lower its first_byte_timeout_ms"
             )
+    if route.attempt_ceiling > len(route.plan) and route.backoff_ms >= deadline:
+        # A later pass repeats a candidate, after backoff_ms: the deadline ends it first.
+        warnings.append(
+            f"a repeat of a candidate first waits backoff_ms {route.backoff_ms}, not below the "
+            f"route deadline ({deadline} ms): it can never run, and a walk that needs it ends "
+            "in 504 deadline_exceeded; lower backoff_ms"
+        )
     for name in route.plan:
         base = urlsplit(upstreams[name].url).path.rstrip("/")
         if base and (route.prefix == base or route.prefix.startswith(base + "/")):
