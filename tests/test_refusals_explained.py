@@ -509,3 +509,24 @@ async def test_the_log_line_says_which_status_made_each_candidate_fail_over(
     assert lines[0].endswith(" failures=primary:503"), lines[0]
     assert lines[1].endswith(" rule=ceiling failures=primary:503,backup:502"), lines[1]
     assert lines[2].endswith(" rule=ceiling failures=primary:transport,backup:502"), lines[2]
+
+
+async def test_the_405_advice_keeps_the_methods_the_route_forwards_now() -> None:
+    # "list PROPFIND in its methods" taken at its word (methods = ["PROPFIND"]) forwards
+    # PROPFIND and sends every GET and POST of the route to the host app instead. The
+    # message gives the whole list; following it forwards PROPFIND and keeps the rest.
+    import re
+
+    async with upstream(status_handler(200)) as p, upstream(status_handler(200)) as b:
+        async with gateway_client(config(p.url, b.url), environ=ENV) as client:
+            refused = await client.request("PROPFIND", "/v1/files")
+        error = refused.json()["error"]
+        assert (refused.status_code, error["rule"]) == (405, "methods")
+        found = re.search(r"methods = (\[[^\]]*\])", error["message"])
+        assert found is not None, error["message"]
+        conf = config(p.url, b.url, methods=json.loads(found.group(1)))
+        async with gateway_client(conf, environ=ENV) as client:
+            forwarded = await client.request("PROPFIND", "/v1/files")
+            kept = await client.get("/v1/models")
+    assert (forwarded.status_code, forwarded.headers["x-gateway-provider"]) == (200, "primary")
+    assert (kept.status_code, kept.headers["x-gateway-provider"]) == (200, "primary")

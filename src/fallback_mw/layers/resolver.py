@@ -7,6 +7,7 @@ the budget guard's hold and settlement are inside it."""
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Callable, Mapping
 
@@ -192,12 +193,16 @@ class RouteResolver:
                 return
             if refused is not None:
                 # The caller's token, unless it carries one of the request's credentials.
-                named = recordable(context.secrets, method) or "this method"
+                shown = recordable(context.secrets, method)
+                named = shown or "this method"
+                # The whole list: `methods = ["PROPFIND"]` alone would forward it and send
+                # the route's GETs and POSTs to the host app.
+                listed = f" (methods = {json.dumps([*DEFAULT_METHODS, shown])})" if shown else ""
                 await send_error(
                     send, context, "method_not_allowed",
                     f"{named} is not forwarded on route {route.id!r}: a route without "
-                    f"methods forwards {', '.join(DEFAULT_METHODS)}; list {named} in its "
-                    "methods to forward it",
+                    f"methods forwards {', '.join(DEFAULT_METHODS)}; to forward {named} as "
+                    f"well, list it beside them in the route's methods{listed}",
                     headers=[(b"allow", ", ".join(DEFAULT_METHODS).encode())],
                 )  # fmt: skip
                 await self._record(context)
@@ -208,8 +213,8 @@ class RouteResolver:
                     send, context, "method_not_allowed",
                     f"a method-override header (X-HTTP-Method-Override and its kin) asks for "
                     f"a method route {route.id!r} does not forward (it forwards "
-                    f"{', '.join(route.accepted_methods)}); list that method in its methods "
-                    "to forward it",
+                    f"{', '.join(route.accepted_methods)}); to forward it, add that method to "
+                    "the route's methods beside those",
                     headers=[(b"allow", ", ".join(route.accepted_methods).encode())],
                 )  # fmt: skip
                 await self._record(context)
