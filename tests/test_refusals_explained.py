@@ -530,3 +530,28 @@ async def test_the_405_advice_keeps_the_methods_the_route_forwards_now() -> None
             kept = await client.get("/v1/models")
     assert (forwarded.status_code, forwarded.headers["x-gateway-provider"]) == (200, "primary")
     assert (kept.status_code, kept.headers["x-gateway-provider"]) == (200, "primary")
+
+
+@pytest.mark.parametrize("engine", ["aiohttp", "httpx"])
+async def test_an_https_url_for_a_plain_http_upstream_is_not_told_to_set_ca_file(
+    engine: str,
+) -> None:
+    # The url says https:// and the upstream speaks plain HTTP (or the port is another
+    # service's): the handshake fails before any certificate is seen. The 502 said "the
+    # upstream's TLS certificate did not verify: set ca_file", which changes nothing; it
+    # says to check the url's scheme and port, and following it serves.
+    async with upstream(status_handler(200)) as p, upstream(status_handler(200)) as b:
+        wrong = config(p.url.replace("http://", "https://"), b.url, plan=["primary"],
+                       gateway={"engine": engine})  # fmt: skip
+        right = config(p.url, b.url, plan=["primary"], gateway={"engine": engine})
+        async with gateway_client(wrong, environ=ENV) as client:
+            refused = await client.get("/v1/models")
+        async with gateway_client(right, environ=ENV) as client:
+            followed = await client.get("/v1/models")
+    error = refused.json()["error"]
+    assert (refused.status_code, error["code"]) == (502, "upstream_failed")
+    assert "last failure: tls at 'primary'" in error["message"], error["message"]
+    assert "ca_file" not in error["message"], error["message"]
+    assert "did not verify" not in error["message"], error["message"]
+    assert "scheme" in error["message"], error["message"]
+    assert (followed.status_code, followed.headers["x-gateway-provider"]) == (200, "primary")

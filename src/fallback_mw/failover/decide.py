@@ -604,10 +604,16 @@ def error_message(decision: Decision, context: RequestContext) -> str:
                 "no candidate accepted a connection: check each candidate's url "
                 "(`fallback-mw check` prints them) and that the upstream is running"
             )
-        if last == "tls":
+        if last == "tls" and record.unverified_certificate:
             message += (
                 "; the upstream's TLS certificate did not verify: set ca_file (under "
                 "[gateway] or the upstream) to the CA that signed it"
+            )
+        elif last == "tls":
+            message += (
+                "; the TLS handshake with it failed before any certificate was checked: "
+                "check the url's scheme and port (an https:// url for an upstream that "
+                "speaks plain http, or another service's port)"
             )
         return f"{message}; {remedy}" if remedy else message
     if decision.error == "deadline_exceeded":

@@ -42,6 +42,8 @@ class AttemptRecord:
     status: int | None = None
     failure_kind: str | None = None  # "transport", "timeout", "status", "fault", ...
     could_not_connect: bool = False  # the engine made no connection (refused, no route, DNS)
+    # A `tls` failure on the certificate (ca_file would change it), not on the handshake.
+    unverified_certificate: bool = False
     fault: str | None = None  # "fail" / "hang" when a game-day fault drove the attempt
     hedge: bool = False
     credential_index: int | None = None  # position in the pool, never the value or name

@@ -63,7 +63,7 @@ class _ErrorMap:
             raise UpstreamError("timeout", phase, f"timed out during {phase}") from exc
         if isinstance(exc, aiohttp.ClientConnectorCertificateError):
             raise UpstreamError(
-                "tls", phase, "the upstream's TLS certificate did not verify"
+                "tls", phase, "the upstream's TLS certificate did not verify", certificate=True
             ) from None
         if isinstance(exc, aiohttp.ClientSSLError):
             raise UpstreamError(

@@ -27,10 +27,15 @@ class UpstreamError(Exception):
     """An attempt failed below HTTP. `kind` is what the walker and telemetry see; the
     message never contains a URL query, header value or body."""
 
-    def __init__(self, kind: FailureKind, phase: Phase, message: str = "") -> None:
+    def __init__(
+        self, kind: FailureKind, phase: Phase, message: str = "", *, certificate: bool = False
+    ) -> None:
         super().__init__(message or f"{kind} during {phase}")
         self.kind: FailureKind = kind
         self.phase: Phase = phase
+        # kind "tls": the certificate did not verify (ca_file would change it), not another
+        # handshake failure (a plain-HTTP upstream behind an https:// url, ...).
+        self.certificate = certificate
 
     @property
     def telemetry_kind(self) -> str:

@@ -34,7 +34,7 @@ from fallback_mw.upstream.base import (
 )
 from fallback_mw.upstream.guard import UnsafeAddressError
 from fallback_mw.upstream.httpx_backend import GuardedNetworkBackend
-from fallback_mw.upstream.tls import is_certificate_error, ssl_context
+from fallback_mw.upstream.tls import is_certificate_error, is_unverified_certificate, ssl_context
 
 MAX_CONNECTIONS = 512
 
@@ -96,9 +96,13 @@ def map_errors(phase: Phase) -> Iterator[None]:
     except UnsafeAddressError as exc:
         raise UpstreamError("unsafe_address", phase, str(exc)) from None
     except httpx.ConnectError as exc:
+        if is_unverified_certificate(exc):
+            raise UpstreamError(
+                "tls", phase, "the upstream's TLS certificate did not verify", certificate=True
+            ) from None
         if is_certificate_error(exc):
             raise UpstreamError(
-                "tls", phase, "the upstream's TLS certificate did not verify"
+                "tls", phase, "the TLS handshake with the upstream failed"
             ) from None
         raise UpstreamError("refused", phase, "could not connect") from None
     except _REFUSED_LOCALLY as exc:
