@@ -408,3 +408,32 @@ async def test_store_only_route_and_an_active_fault_show(tmp_path: Path) -> None
     assert trace["client"]["headers"]["x-gateway-fault"] == "1"
     assert primary.count == 0  # a fail fault: no packet left
     assert "fail fault" in table
+
+
+async def test_a_refusal_of_the_routes_own_resolver_is_traced_as_that_route(
+    tmp_path: Path,
+) -> None:
+    # A method the route does not forward (405) or a head over max_header_bytes (431) is
+    # answered by the route itself (x-gateway-route, a gateway_error with its rule); the
+    # trace said "no route matches; the host app answered", sending the operator to the
+    # routes when the answer names the setting to change.
+    config = str(
+        write_config(tmp_path, "http://127.0.0.1:9", "http://127.0.0.1:10",
+                     gateway="max_header_bytes = 2048")
+    )  # fmt: skip
+    status, out, err = await request_cli("--config", config, "--path", "/v1/x",
+                                         "--method", "PROPFIND", "--json")  # fmt: skip
+    assert status == 1, err
+    trace = json.loads(out)
+    assert trace["matched"] is True and trace["route"] == "chat", trace
+    assert (trace["outcome"], trace["rule"]) == ("method_not_allowed", "methods")
+    client = trace["client"]
+    assert (client["status"], client["error_code"]) == (405, "method_not_allowed")
+    assert "405 method_not_allowed" in err
+    assert trace["candidates"] == ["primary", "backup"]  # as the span and the log line
+    status, out, err = await request_cli(
+        "--config", config, "--path", "/v1/x", "--header", "x-big: " + "a" * 3000
+    )
+    assert status == 1, err
+    assert "no route matches" not in out, out
+    assert "route chat" in out and "client    431 headers_too_large (local error)" in out, out

@@ -198,7 +198,9 @@ def trace_of(exchange: Exchange, *, show_body: bool = False) -> dict[str, Any]:
             "request_id": context.request_id,
             "route": context.route.id,
             "tenant": context.tenant,
-            "candidates": list(context.candidates),
+            # The request's order; the route's plan when it was refused before the walk
+            # ordered it (a 405, a 413), as the span and the log line say.
+            "candidates": list(context.candidates or context.route.plan),
             "strategy": context.route.strategy,
             "attempt_ceiling": _ceiling(context),
             "canary": context.canary,

@@ -170,6 +170,9 @@ class RouteResolver:
             max_bytes=self.max_header_bytes,
             max_count=self.max_header_count,
         )
+        # Attached before the refusals below too: a 405 / 431 / 503 answered here is this
+        # route's answer, and `fallback-mw request` reads the route's records from here.
+        scope[SCOPE_KEY] = context
         with self._traced(context, scope):
             if refusal is not None:
                 # A local refusal before anything else runs: no body read, no upstream
@@ -226,7 +229,6 @@ class RouteResolver:
                 await self._record(context)
                 return
             try:
-                scope[SCOPE_KEY] = context
                 await self.app(scope, receive, send)
             finally:
                 self.in_flight.leave()
