@@ -555,3 +555,32 @@ async def test_an_https_url_for_a_plain_http_upstream_is_not_told_to_set_ca_file
     assert "did not verify" not in error["message"], error["message"]
     assert "scheme" in error["message"], error["message"]
     assert (followed.status_code, followed.headers["x-gateway-provider"]) == (200, "primary")
+
+
+async def test_a_pool_that_401s_retired_says_what_brings_a_key_back(redis_url: str) -> None:
+    # Every key of the pool answered 401 (revoked at the vendor). The 503 listed when a
+    # 429's cool-down or a spent quota ends, neither of which applies: a 401 retirement
+    # lasts the gateway's life, and 24 h in Redis, restarts included. It says so, and
+    # what does bring one back: a working key under a new variable name in auth_env.
+    async def vendor(request: Any) -> Any:
+        ok = request.headers.get("authorization") == "Bearer key-c"
+        return await status_handler(200 if ok else 401)(request)
+
+    env = {**ENV, "KEY_A": "key-a", "KEY_B": "key-b", "KEY_C": "key-c"}
+    async with upstream(vendor) as p, upstream(status_handler(200)) as b:
+        conf = config(p.url, b.url, gateway={"state": redis_url}, plan=["primary"])
+        conf["upstreams"]["primary"]["auth_env"] = ["KEY_A", "KEY_B"]
+        async with gateway_client(conf, environ=env) as client:
+            assert (await client.get("/v1/models")).status_code == 401  # both retired
+            retired = await client.get("/v1/models")
+        async with gateway_client(conf, environ=env) as client:  # a restart
+            restarted = await client.get("/v1/models")
+        conf["upstreams"]["primary"]["auth_env"] = ["KEY_A", "KEY_C"]
+        async with gateway_client(conf, environ=env) as client:
+            followed = await client.get("/v1/models")
+    error = retired.json()["error"]
+    assert (retired.status_code, error["code"]) == (503, "route_exhausted")
+    assert "401" in error["message"], error["message"]
+    assert "new variable name" in error["message"], error["message"]
+    assert restarted.status_code == 503
+    assert (followed.status_code, followed.headers["x-gateway-provider"]) == (200, "primary")

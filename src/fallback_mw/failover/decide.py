@@ -460,8 +460,10 @@ _SKIP_REMEDY = {
     "breaker_open": "an open breaker lets a probe through after its cooldown "
     "([gateway.breaker] cooldown_ms)",
     "no_credential": "a credential a quota 429 retired returns at its reset (or after the "
-    "upstream's quota_retire_ms), one a plain 429 cooled after its Retry-After; add "
-    "credentials to the upstream's auth_env pool",
+    "upstream's quota_retire_ms), one a plain 429 cooled after its Retry-After; one a 401 "
+    "retired does not return (for the gateway's life; 24 h in a Redis state, restarts "
+    "included): list a working key under a new variable name in the upstream's auth_env "
+    "pool (a changed list starts the pool's health afresh)",
     "capacity": "a declared rpm / tpm is full until its minute turns; raise the upstream's "
     "rpm / tpm (fallback-mw capacity)",
     "repeat_budget": _REMEDY["repeat_budget"],
