@@ -584,3 +584,28 @@ async def test_a_pool_that_401s_retired_says_what_brings_a_key_back(redis_url: s
     assert "new variable name" in error["message"], error["message"]
     assert restarted.status_code == 503
     assert (followed.status_code, followed.headers["x-gateway-provider"]) == (200, "primary")
+
+
+async def test_the_log_line_says_which_status_moved_a_pool_to_its_next_key(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # "chosen=primary attempts=2" for a request one upstream answered: the first key's 401
+    # (the reason the pool moved on and retired it) was on the span, not on the line.
+    caplog.set_level(logging.INFO, logger="fallback_mw.request")
+
+    async def vendor(request: Any) -> Any:
+        ok = request.headers.get("authorization") == "Bearer key-b"
+        return await status_handler(200 if ok else 401)(request)
+
+    env = {**ENV, "KEY_A": "key-a", "KEY_B": "key-b"}
+    async with upstream(vendor) as p, upstream(status_handler(200)) as b:
+        conf = config(p.url, b.url, plan=["primary"])
+        conf["upstreams"]["primary"]["auth_env"] = ["KEY_A", "KEY_B"]
+        conf["upstreams"]["primary"]["selection"] = "round_robin"
+        async with gateway_client(conf, environ=env) as client:
+            responses = [await client.get("/v1/models") for _ in range(2)]
+    assert [r.status_code for r in responses] == [200, 200]
+    lines = log_lines(caplog)
+    moved = [line for line in lines if "attempts=2" in line]
+    assert len(moved) == 1, lines
+    assert moved[0].endswith(" failures=primary:401"), moved[0]

@@ -11,7 +11,7 @@ import threading
 import time
 from typing import IO, Any
 
-from fallback_mw.request.context import RequestContext
+from fallback_mw.request.context import AttemptRecord, RequestContext
 from fallback_mw.telemetry.redact import http_method, label, tenant_label
 
 logger = logging.getLogger("fallback_mw.request")
@@ -92,14 +92,7 @@ def _arguments(
     record's `route` and `outcome` fields."""
     # Why the walk ended where it did, when a rule decided it, and what was passed over.
     why = f" rule={context.rule}" if context.rule else ""
-    # What made each failed attempt fail: below HTTP its kind (transport, timeout, tls,
-    # fault, ...), else the failover-class status it answered (kind `status`).
-    failed = [
-        f"{label(a.candidate)}:{a.status if a.failure_kind == 'status' else label(a.failure_kind)}"
-        for a in context.attempts
-        if a.failure_kind not in (None, "cancelled")
-        and (a.failure_kind != "status" or a.status is not None)
-    ]
+    failed = [_failure(a) for a in context.attempts if _failed(a)]
     if failed:
         why += f" failures={','.join(failed)}"
     if context.skipped:
@@ -119,6 +112,22 @@ def _arguments(
         duration_ms,
         why,
     )
+
+
+def _failed(attempt: AttemptRecord) -> bool:
+    if attempt.decision == "next_credential":
+        return attempt.status is not None  # a pool's 401/403/429: why another key was tried
+    if attempt.failure_kind == "status":
+        return attempt.status is not None
+    return attempt.failure_kind not in (None, "cancelled")
+
+
+def _failure(attempt: AttemptRecord) -> str:
+    """What made an attempt fail: below HTTP its kind (transport, timeout, tls, fault, ...),
+    else the status it answered (failover-class, or a pool credential's 401/403/429)."""
+    if attempt.failure_kind in (None, "status"):
+        return f"{label(attempt.candidate)}:{attempt.status}"
+    return f"{label(attempt.candidate)}:{label(attempt.failure_kind)}"
 
 
 # serve's LineHandler, when serve installed it (LineHandler.install); the line skips the
