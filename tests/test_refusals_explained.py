@@ -609,3 +609,21 @@ async def test_the_log_line_says_which_status_moved_a_pool_to_its_next_key(
     moved = [line for line in lines if "attempts=2" in line]
     assert len(moved) == 1, lines
     assert moved[0].endswith(" failures=primary:401"), moved[0]
+
+
+async def test_a_route_with_no_fallback_says_so_rather_than_raise_retries() -> None:
+    # `routes add` without --fallback (or a plan of one): the primary's 503 ended in "the
+    # attempt ceiling is reached; raise the route's retries", which only repeats the
+    # failing primary. Nothing was there to fail over to: the message says so, and
+    # following it (a fallback in the plan, with a retry to reach it) serves.
+    async with upstream(status_handler(503)) as p, upstream(status_handler(200)) as b:
+        alone = config(p.url, b.url, plan=["primary"], retries=0)
+        async with gateway_client(alone, environ=ENV) as client:
+            refused = await client.get("/v1/models")
+        async with gateway_client(config(p.url, b.url), environ=ENV) as client:
+            followed = await client.get("/v1/models")
+    error = refused.json()["error"]
+    assert (refused.status_code, error["rule"]) == (502, "ceiling")
+    assert "no fallback" in error["message"], error["message"]
+    assert "set-fallback" in error["message"], error["message"]
+    assert (followed.status_code, followed.headers["x-gateway-provider"]) == (200, "backup")

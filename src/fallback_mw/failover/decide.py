@@ -525,6 +525,15 @@ def _remedy(rule: str | None, context: RequestContext) -> str:
             f"{route.id!r}: send one (replay_with_idempotency_key is on), or add "
             f'"POST" to replayable_methods'
         )
+    if rule == "ceiling" and not context.skipped and len(route.plan) == 1:
+        # A plan of one: more retries only repeat it; a fallback is what was missing.
+        only = route.plan[0]
+        return (
+            f"route {route.id!r} has no fallback (its plan is {only!r} alone), so there was "
+            f"nothing to fail over to: add a fallback to its plan with the retries to reach "
+            f"it (a store route: fallback-mw routes set-fallback --id {route.id} --upstream "
+            f"URL --retries 1), or raise its retries to repeat {only!r}"
+        )
     if rule == "ceiling" and context.skipped:
         # More retries would only repeat what was left: name what was passed over, and why.
         skipped = ", ".join(dict.fromkeys(f"{s.candidate} ({s.reason})" for s in context.skipped))
