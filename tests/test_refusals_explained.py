@@ -627,3 +627,20 @@ async def test_a_route_with_no_fallback_says_so_rather_than_raise_retries() -> N
     assert "no fallback" in error["message"], error["message"]
     assert "set-fallback" in error["message"], error["message"]
     assert (followed.status_code, followed.headers["x-gateway-provider"]) == (200, "backup")
+
+
+async def test_a_post_on_a_route_without_a_fallback_is_told_both_changes() -> None:
+    # "add POST to replayable_methods to let it fail over" on a route of one candidate and
+    # no retries: followed, the POST still made its one attempt and got the same 502.
+    async with upstream(status_handler(503)) as p, upstream(status_handler(200)) as b:
+        alone = config(p.url, b.url, plan=["primary"], retries=0)
+        async with gateway_client(alone, environ=ENV) as client:
+            refused = await client.post("/v1/chat", content=b"{}")
+        both = config(p.url, b.url, replayable_methods=["POST"])
+        async with gateway_client(both, environ=ENV) as client:
+            followed = await client.post("/v1/chat", content=b"{}")
+    error = refused.json()["error"]
+    assert (refused.status_code, error["rule"]) == (502, "not_replayable_method")
+    assert 'add "POST" to its replayable_methods' in error["message"], error["message"]
+    assert "no fallback and no retries" in error["message"], error["message"]
+    assert (followed.status_code, followed.headers["x-gateway-provider"]) == (200, "backup")

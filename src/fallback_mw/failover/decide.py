@@ -509,7 +509,25 @@ def _route_exhausted(context: RequestContext) -> str:
     return f"no candidate could be attempted: {skipped or 'none'} skipped; {_skip_remedy(context)}"
 
 
+_REPLAY_RULES = frozenset({"not_replayable_method", "no_idempotency_key", "method_override",
+                           "not_buffered"})  # fmt: skip
+
+
 def _remedy(rule: str | None, context: RequestContext) -> str:
+    remedy = _rule_remedy(rule, context)
+    route = context.route
+    if rule in _REPLAY_RULES and route.attempt_ceiling == 1:
+        # Replayable or not, this route makes one attempt: a replay needs somewhere to go.
+        remedy += (
+            f"; route {route.id!r} also has no fallback and no retries, so a replayable "
+            f"request would not fail over either: add a fallback to its plan with retries = 1 "
+            f"(a store route: fallback-mw routes set-fallback --id {route.id} --upstream URL "
+            f"--retries 1)"
+        )
+    return remedy
+
+
+def _rule_remedy(rule: str | None, context: RequestContext) -> str:
     route, method = context.route, context.method
     if rule == "no_candidate":
         return f"{_REMEDY['no_candidate']}; {_skip_remedy(context)}"
