@@ -10,10 +10,13 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from fallback_mw.config import BreakerConfig
 from fallback_mw.health.redis import RedisHealth
 from fallback_mw.store_url import split_state_url
+from fallback_mw.telemetry import Telemetry
 from tests.conftest import REDIS_HOST, REDIS_PORT
 from tests.helpers import gateway_client, shared_again
 from tests.tcp_proxy import tcp_proxy
@@ -266,3 +269,56 @@ async def test_redis_outage_falls_back_and_recovers(
     assert len(messages) == 2
     assert "unreachable" in messages[0]
     assert "reachable again" in messages[1]
+
+
+def breaker_points(reader: InMemoryMetricReader, name: str) -> dict[tuple[str, ...], float]:
+    """`gateway.breaker.*` points on one process's reader, keyed by their attribute values."""
+    found: dict[tuple[str, ...], float] = {}
+    data = reader.get_metrics_data()
+    for resource in data.resource_metrics if data is not None else ():
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                if metric.name == name:
+                    for point in metric.data.data_points:
+                        key = tuple(str(v) for _, v in sorted((point.attributes or {}).items()))
+                        found[key] = point.value  # type: ignore[union-attr]
+    return found
+
+
+@pytest.mark.anyio
+async def test_a_shared_breaker_transition_is_counted_once_across_processes(
+    redis_url: str,
+) -> None:
+    # A platform team sums gateway_breaker_transitions_total over every worker of `serve
+    # --workers N` ("how often did the primary's breaker open today?"). The breaker opened
+    # once, through one gateway; the other one learnt it at its next admission and counted
+    # a transition of its own too (one "breaker ... opened" log line, two opens summed, N
+    # with N workers). The other gateway's gauge still follows the shared state.
+    async with (
+        upstream(status_handler(503)) as primary,
+        upstream(status_handler(200, b"backup")) as backup,
+    ):
+        conf = config(redis_url, primary, backup)
+        readers = [InMemoryMetricReader(), InMemoryMetricReader()]
+        providers = [MeterProvider(metric_readers=[r], shutdown_on_exit=False) for r in readers]
+        one_telemetry, two_telemetry = (Telemetry(meter_provider=p) for p in providers)
+        try:
+            async with (
+                gateway_client(conf, telemetry=one_telemetry) as one,
+                gateway_client(conf, telemetry=two_telemetry) as two,
+            ):
+                for _ in range(3):  # min_calls 3: the third failure opens it, through one
+                    assert (await one.get("/v1/x")).text == "backup"
+                response = await two.get("/v1/x")  # two skips it: it learns it is open
+                assert response.headers["x-gateway-attempts"] == "1"
+                assert primary.count == 3
+            gauges = [breaker_points(r, "gateway.breaker.state") for r in readers]
+            assert [g[("primary",)] for g in gauges] == [2, 2]  # both say open
+            opened = [
+                breaker_points(r, "gateway.breaker.transitions").get(("open", "primary"), 0)
+                for r in readers
+            ]
+            assert sum(opened) == 1, opened  # one transition, counted once
+        finally:
+            for provider in providers:
+                provider.shutdown()

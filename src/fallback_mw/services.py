@@ -86,6 +86,7 @@ def build_services(
         settings.state,
         settings.breaker,
         on_transition=telemetry.breaker_state,
+        on_observed=telemetry.breaker_seen,
         meter_provider=telemetry.meter_provider,
         pools={name: u.credential_envs for name, u in config.upstreams.items()},
     )

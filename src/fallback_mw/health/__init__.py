@@ -177,12 +177,14 @@ def create_health(
     breaker: BreakerConfig | None = None,
     *,
     on_transition: TransitionListener | None = None,
+    on_observed: TransitionListener | None = None,
     meter_provider: MeterProvider | None = None,
     pools: Mapping[str, Sequence[str]] | None = None,
 ) -> HealthState:
     """The health state named by `gateway.state`: "memory://" (per process, the default)
     or "redis://..." / "rediss://..." (shared; `?prefix=` namespaces the keys).
-    `on_transition` hears every breaker transition (the gateway's telemetry); `pools`: each
+    `on_transition` hears every breaker transition this process makes (the gateway's
+    telemetry), `on_observed` each one another process made to a shared breaker; `pools`: each
     upstream's credential variables, which name a pool's keys in Redis."""
     if state in ("memory://", "memory", ""):
         from fallback_mw.health.memory import MemoryHealth
@@ -192,7 +194,7 @@ def create_health(
         from fallback_mw.health.redis import RedisHealth
 
         return RedisHealth(
-            state, breaker, on_transition=on_transition, meter_provider=meter_provider,
-            pools=pools,
+            state, breaker, on_transition=on_transition, on_observed=on_observed,
+            meter_provider=meter_provider, pools=pools,
         )  # fmt: skip
     raise StateURLError('state must be "memory://" or "redis://host:port/db[?prefix=...]"')

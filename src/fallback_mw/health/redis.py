@@ -114,12 +114,16 @@ class RedisHealth:
         retry_interval: float = 1.0,
         socket_timeout: float = 0.5,
         on_transition: TransitionListener | None = None,
+        on_observed: TransitionListener | None = None,
         meter_provider: MeterProvider | None = None,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         pool_timeout: float = 2.0,
         pools: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         self.on_transition = on_transition
+        # Told of a state another process moved the shared breaker to (the gauge follows
+        # it; not a transition of this process's, so not counted twice); else on_transition.
+        self.on_observed = on_observed
         # Credential marks are kept per index; an index means one variable only within one
         # list of variables. A pool whose list changed (a revoked key removed, one added or
         # reordered) gets keys of its own, so no mark lands on another credential.
@@ -468,8 +472,9 @@ class RedisHealth:
         process's gauge follows the shared state (FallbackMwBreakerOpen resolves)."""
         if self._seen.get(upstream, "closed") != state:
             self._seen[upstream] = state
-            if self.on_transition is not None:
-                self.on_transition(upstream, state)
+            listener = self.on_observed or self.on_transition
+            if listener is not None:
+                listener(upstream, state)
 
     async def admit(self, upstream: str, *, lease: float = 0.0) -> bool:
         lease_ms = max(self.probe_lease_ms, math.ceil(lease * 1000))

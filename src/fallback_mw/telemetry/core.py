@@ -411,6 +411,17 @@ class Telemetry:
         except Exception:
             _internal.debug("breaker state not recorded", exc_info=False)
 
+    def breaker_seen(self, upstream: str, state: str) -> None:
+        """A shared breaker's state that another process moved it to (Redis state): the
+        gauge follows it, `gateway.breaker.transitions` does not count it, so that summed
+        over every process each transition counts once. Never raises."""
+        try:
+            normalised = normalise_breaker_state(state)
+            if normalised is not None:
+                self._breaker_states[label(upstream)] = normalised
+        except Exception:
+            _internal.debug("breaker state not recorded", exc_info=False)
+
     def breaker_states(self) -> Mapping[str, str]:
         """The last reported state of each upstream's breaker (a copy)."""
         return dict(self._breaker_states)
