@@ -359,3 +359,32 @@ def test_check_warns_when_the_backoff_before_a_repeat_outlasts_the_deadline(
     path.write_text(body.replace("retries = 2", "retries = 0"), "utf-8")
     result = check(path)
     assert result.returncode == 0 and "warning" not in result.stdout, result.stdout
+
+
+def test_check_says_whether_the_shared_redis_state_can_be_used(
+    tmp_path: Path, redis_url: str
+) -> None:
+    # A platform team runs `check` on the gateway host before `serve --workers 4`. With
+    # gateway.state naming a Redis the host cannot reach (a wrong port, password or
+    # database), serve starts anyway, each worker on its own breakers, credential health
+    # and capacity counts: `check` said "valid" and nothing about the state at all.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed = probe.getsockname()[1]  # nothing listens here
+    down = f"redis://:state-password@127.0.0.1:{closed}/0"
+    path = tmp_path / "gateway.toml"
+    path.write_text(CONFIG.format(store=f'state = "{down}"'), encoding="utf-8")
+    result = check(path)
+    assert result.returncode == 0, result.stderr  # serve would start: valid, warned
+    warning = next(line for line in result.stdout.splitlines() if "state redis://" in line)
+    assert warning.startswith(f"  warning: state redis://127.0.0.1:{closed}/0 unreachable (")
+    assert "own breakers, credential health and capacity counts" in warning
+    assert "state-password" not in result.stdout + result.stderr
+    assert result.stdout.splitlines()[-1].endswith("1 route(s), 1 warning(s)")
+
+    path.write_text(CONFIG.format(store=f'state = "{redis_url}"'), encoding="utf-8")
+    result = check(path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0].startswith("state redis://")
+    assert result.stdout.splitlines()[0].endswith(": reachable, shared by every gateway process")
+    assert result.stdout.splitlines()[-1].endswith("is valid: 1 route(s)")

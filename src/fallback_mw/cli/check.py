@@ -1,7 +1,9 @@
 """`fallback-mw check --config FILE`: validate as `serve` would start (like `nginx -t`),
 and print the resolved routes, their plans and candidate URLs. Exit 0 valid, 2 refused
 (SPEC §11: 0 or 2), a store that cannot be opened or reached included: `serve` refuses to
-start on it with 2 too. Variable names are printed, never their values."""
+start on it with 2 too. A Redis `state` is tried once (one PING): unusable is a warning, as
+`serve` starts on it, each process on its own breakers. Variable names are printed, never
+their values."""
 
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from fallback_mw.rules import shown_variable
 from fallback_mw.security import DEFAULT_STRIP_HEADERS, DEFAULT_STRIP_QUERY_KEYS
 from fallback_mw.store.model import StoreError
 from fallback_mw.store.routes import MergedRoutes, merge_routes, open_store
-from fallback_mw.store_url import StoreURLError, parse_store_url
+from fallback_mw.store_url import StoreURLError, is_redis_url, parse_store_url
 
 
 def _resolve(config: GatewayConfig) -> tuple[MergedRoutes, set[str]]:
@@ -266,11 +268,43 @@ def unreachable_routes(
     return found
 
 
+def state_line(state: str) -> tuple[str, bool] | None:
+    """With `state = "redis://..."`: one PING, and the line saying whether the breakers,
+    credential health and capacity counts will be shared (True when it is a warning):
+    `serve` starts on an unusable Redis, each process on its own state."""
+    if not is_redis_url(state):
+        return None
+    from fallback_mw.health.redis import RedisHealth
+
+    health = RedisHealth(state)
+
+    async def probe() -> str | None:
+        try:
+            return await health.unusable()
+        finally:
+            await health.aclose()
+
+    reason = run(probe)
+    if reason is None:
+        return f"state {health.label}: reachable, shared by every gateway process", False
+    return (
+        f"state {health.label} unreachable ({reason}): serve would start, but each process "
+        "would keep its own breakers, credential health and capacity counts until Redis "
+        "answers",
+        True,
+    )
+
+
 def check(args: argparse.Namespace, console: Console) -> None:
     config = load_config(args.config)  # every refusal, unset variables included
     merged, from_store = _resolve(config)
     settings = config.gateway
     warnings = 0
+    state = state_line(settings.state)
+    if state is not None:
+        line, warned = state
+        console.print(f"  warning: {line}" if warned else line)
+        warnings += warned
     if settings.store is not None:
         resolved = relative_sqlite_path(settings.store)
         where = f" (relative to the working directory: {resolved})" if resolved else ""

@@ -358,6 +358,16 @@ class RedisHealth:
             if client is self._client:
                 self._failed(exc)
 
+    async def unusable(self) -> str | None:
+        """One PING, on a connection of its own: None when this state can be used now,
+        else why not, in the outage warning's words (`fallback-mw check`)."""
+        client = self._connection()
+        try:
+            await client.ping()
+        except (RedisError, OSError) as exc:
+            return self._reason(exc)
+        return None
+
     async def _try(self) -> None:
         client = self._connection()
         try:
