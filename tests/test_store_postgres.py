@@ -4,6 +4,7 @@ gateways sharing the store."""
 from __future__ import annotations
 
 import asyncio
+import re
 import sys
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ from fallback_mw.store.model import Fault
 from fallback_mw.store.postgres import PostgresStore
 from tests.helpers import client_for
 from tests.test_cli_admin import cli, failing_chat_route, gateway_config, host_app
-from tests.upstreams import free_port
+from tests.upstreams import free_port, status_handler, upstream
 
 
 async def _probe(client: httpx.AsyncClient) -> str:
@@ -151,3 +152,52 @@ async def test_a_store_the_server_refuses_is_named_in_the_servers_words(pg_url: 
     status, _, err = await cli("routes", "list", "--store", missing_role)
     assert status == 1, err
     assert "fxad_no_such_role" in err and "pw-never-shown" not in err, err
+
+
+SIZING = Path(__file__).resolve().parent.parent / "docs" / "performance.md"
+
+
+@pytest.mark.anyio
+async def test_a_gateway_process_holds_no_more_postgresql_connections_than_the_sizing_says(
+    pg_url: str,
+) -> None:
+    # A platform team sets PostgreSQL's max_connections from docs/performance.md's "Sizing a
+    # deployment" before running `serve --workers N` on several hosts. It said nothing of
+    # PostgreSQL connections; a worker holds the ledger's pool and the route store's
+    # connections, 12 at peak (a default server's 100 is full at 8 workers).
+    sizing = SIZING.read_text(encoding="utf-8").split("### Sizing a deployment", 1)[1]
+    sizing = sizing.split("\n### ", 1)[0]
+    stated = re.search(r"holds up to (\d+) PostgreSQL connections", sizing)
+    assert stated is not None, "the sizing section does not say how many PostgreSQL connections"
+    database = pg_url.rsplit("/", 1)[1]
+    usage = b'{"usage": {"prompt_tokens": 10, "completion_tokens": 10}}'
+    async with upstream(status_handler(200, usage, delay=0.05)) as primary:
+        config = {
+            "gateway": {"store": pg_url},
+            "upstreams": {"primary": {"url": primary.url}},
+            "budgets": {"acme": {"limit": 100.0, "default_hold": 0.01}},
+            "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"], "budget": "acme"}],
+        }
+        gateway = Gateway(host_app, config=config, environ={})
+        admin = await asyncpg.connect(pg_url.rsplit("/", 1)[0] + "/postgres")
+        try:
+            async with client_for(gateway) as client:
+                peak = 0
+
+                async def watch() -> None:
+                    nonlocal peak
+                    while True:
+                        held = await admin.fetchval(
+                            "SELECT count(*) FROM pg_stat_activity WHERE datname = $1", database
+                        )
+                        peak = max(peak, held)
+                        await asyncio.sleep(0.01)
+
+                watcher = asyncio.create_task(watch())
+                responses = await asyncio.gather(*(client.get("/v1/x") for _ in range(60)))
+                watcher.cancel()
+                assert all(r.status_code == 200 for r in responses)
+            assert 2 < peak <= int(stated.group(1)), peak
+        finally:
+            await admin.close()
+            await gateway.aclose()
