@@ -400,6 +400,21 @@ def test_state_and_store_urls_are_checked_at_load() -> None:
     assert "gateway.store" in refused(data)
 
 
+def test_an_in_memory_sqlite_store_is_refused_naming_the_key() -> None:
+    # `sqlite:///:memory:` (SQLAlchemy's spelling) opened a database per connection: the
+    # store created its tables on one and read routes on another, and `serve` stopped with
+    # "SQLite store error: no such table: fmw_routes", naming no key; `check` called it a
+    # file ":memory:" in the working directory, and `routes add` stored into nothing.
+    data = base()
+    data["gateway"] = {"store": "sqlite:///:memory:"}
+    message = refused(data)
+    assert "gateway.store" in message and ":memory:" in message
+    assert "omit gateway.store" in message and "sqlite:///gateway.db" in message
+    for named in ("sqlite:///./:memory:", "sqlite:///:MEMORY:"):  # files of that name (SQLite)
+        data["gateway"] = {"store": named}
+        assert load_config(data, environ=ENV).gateway.store == named
+
+
 def test_fallback_at_the_primarys_own_endpoint_is_refused() -> None:
     data = base()
     data["upstreams"]["backup"]["url"] = "http://127.0.0.1:9001"

@@ -77,6 +77,14 @@ def parse_store_url(url: str) -> StoreURL:
         if "?" in path or "#" in path:
             # No option is read from it: `?mode=ro` would become part of the file's name.
             raise StoreURLError("sqlite store URL takes no query or fragment: sqlite:///gateway.db")
+        if path == ":memory:":
+            # SQLite's name for a new empty database per connection: the store's tables,
+            # made on one connection, are not there on the next, nor in any other process.
+            raise StoreURLError(
+                "sqlite:///:memory: is a new empty database on every connection, shared by "
+                "nothing: omit gateway.store for the in-memory ledger of one process, or "
+                "name a file: sqlite:///gateway.db"
+            )
         return StoreURL("sqlite", path)
     if url.startswith(("postgresql://", "postgres://")):
         _check_hosts(url, "store")
