@@ -322,3 +322,23 @@ async def test_a_shared_breaker_transition_is_counted_once_across_processes(
         finally:
             for provider in providers:
                 provider.shutdown()
+
+
+@pytest.mark.anyio
+async def test_the_local_fallback_counter_is_exported_at_zero_before_any_outage(
+    redis_url: str,
+) -> None:
+    # FallbackMwSharedStateUnreachable is `increase(gateway_health_local_fallbacks_total[2m])
+    # > 0`. The series appeared only with the first outage, already at its count: a scrape
+    # saw it once at N, then N again, an increase of 0, so an outage over before the next
+    # scrape (a Redis restart, a failover) never fired the alert. From 0, it does.
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader], shutdown_on_exit=False)
+    health = RedisHealth(redis_url, BreakerConfig(), meter_provider=provider)
+    try:
+        assert await health.admit("primary")  # Redis answers: nothing served locally
+        points = breaker_points(reader, "gateway.health.local_fallbacks")
+        assert points == {(): 0}, points
+    finally:
+        await health.aclose()
+        provider.shutdown()

@@ -35,6 +35,18 @@ def refused_count(reader: InMemoryMetricReader) -> int:
     return total
 
 
+def refused_points(reader: InMemoryMetricReader) -> list[int]:
+    data = reader.get_metrics_data()
+    return [
+        int(point.value)
+        for resource in (data.resource_metrics if data else ())
+        for scope in resource.scope_metrics
+        for metric in scope.metrics
+        if metric.name == "gateway.store.reload_refused"
+        for point in metric.data.data_points
+    ]
+
+
 @pytest.fixture
 def store_url(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'gateway.db'}"
@@ -59,7 +71,10 @@ async def test_reload_naming_an_unset_variable_is_refused_counted_and_logged(
     )
     runtime.load_initial()
     assert [r.id for r in runtime.table().routes] == ["one"]
+    # Exported at 0 from the start: the first refusal is an increase (`increase(...) > 0`
+    # alerts saw the series appear at 1 and stay there: no increase, no alert).
     assert refused_count(reader) == 0
+    assert refused_points(reader) == [0]
 
     status, _, err = await cli(
         "routes", "add", "--store", store_url, "--id", "two", "--prefix", "/two/",

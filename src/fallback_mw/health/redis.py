@@ -140,6 +140,9 @@ class RedisHealth:
             unit="{operation}",
             description="Health operations served from local memory because Redis was unreachable",
         )
+        # Exported at 0 from the start: an outage's first calls are then an increase
+        # (`increase(...) > 0` cannot see a series that first appears at its count).
+        self.local_fallbacks.add(0)
         self.config = breaker or BreakerConfig()
         self._url, self.prefix = split_state_url(url)
         self._label = redact_url(self._url)

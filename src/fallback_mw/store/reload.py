@@ -105,6 +105,7 @@ class StoreRuntime:
             description="Store changes not applied because the gateway refuses them "
             "(e.g. a route naming an unset credential variable); the running routes stay",
         )
+        self._refused.add(0)  # at 0 from the start: the first refusal is an increase
 
     # --- the gateway's view -------------------------------------------------------------
 
