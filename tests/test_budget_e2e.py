@@ -226,3 +226,68 @@ default_hold = 0.01
         assert [record.outcome for record in await ledger.usage()] == ["cancelled"]
     finally:
         await ledger.aclose()
+
+
+async def test_a_second_ctrl_c_cuts_settles_and_closes_without_a_traceback(
+    tmp_path: Path,
+) -> None:
+    """Ctrl-C twice (uvicorn's force quit) while a budgeted stream is in flight: uvicorn
+    stopped waiting and skipped the lifespan shutdown; the event loop's teardown cancelled
+    the stream and the lifespan task, which printed "Exception in 'lifespan' protocol" with
+    a traceback, the cut was said to have "outlasted --timeout-graceful-shutdown" (it had
+    not), and the gateway was never closed. Now the stream is cut at once, settled, its
+    line says why, and the lifespan shutdown runs: exit 0, no traceback."""
+    store = f"sqlite:///{tmp_path / 'ledger.db'}"
+    async with upstream(slow_sse(first_events=2, then_sleep=120)) as primary:
+        config_path = tmp_path / "gateway.toml"
+        config_path.write_text(
+            f"""
+[gateway]
+store = "{store}"
+deadline_ms = 120000
+
+[upstreams.primary]
+url = "{primary.url}"
+idle_timeout_ms = 120000
+
+[[routes]]
+id = "chat"
+prefix = "/v1/"
+plan = ["primary"]
+budget = "acme"
+
+[budgets.acme]
+limit = 0.05
+window = "month"
+default_hold = 0.01
+""",
+            encoding="utf-8",
+        )
+        port, log = free_port(), tmp_path / "serve.log"
+        with serve_process(config_path, port, log) as process:  # the default 25 s wait
+            await wait_listening(process, port, log)
+            stream = await stream_started(port)
+            process.send_signal(signal.SIGINT)
+            while "Waiting for connections to close" not in log_text(log):
+                assert process.poll() is None, log_text(log)
+                await anyio.sleep(0.02)
+            started = anyio.current_time()
+            process.send_signal(signal.SIGINT)  # the second Ctrl-C: stop now
+            while process.poll() is None:
+                assert anyio.current_time() - started < 8, log_text(log)
+                await anyio.sleep(0.05)
+            assert process.returncode == 0, log_text(log)
+            await stream.aclose()
+            text = log_text(log)
+            assert "Traceback" not in text and "Exception in 'lifespan'" not in text, text
+            assert "cut by a forced stop (a second Ctrl-C)" in text, text
+            assert "outlasted --timeout-graceful-shutdown" not in text, text
+            assert "outcome=cancelled" in text, text
+            assert "Application shutdown complete" in text, text  # the gateway was closed
+    ledger = open_ledger(store)
+    try:
+        status = await ledger.status("acme", BUDGET)
+        assert (status.spent, status.held) == (Decimal("0.01"), Decimal(0))
+        assert [record.outcome for record in await ledger.usage()] == ["cancelled"]
+    finally:
+        await ledger.aclose()

@@ -68,7 +68,12 @@ class CutRequestLine(logging.Filter):
     """uvicorn logs each request its graceful-shutdown timeout cuts as "Exception in ASGI
     application" with the CancelledError's traceback, once per request: on every deploy
     with a long stream in flight. That record becomes one line saying what happened (the
-    request's own line says `outcome=cancelled`); any other error keeps its traceback."""
+    request's own line says `outcome=cancelled`); any other error keeps its traceback.
+    `forced()`: whether a second Ctrl-C cut them (uvicorn's force quit), not the timeout."""
+
+    def __init__(self, forced: Callable[[], bool] = lambda: False) -> None:
+        super().__init__()
+        self.forced = forced
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info
@@ -79,7 +84,10 @@ class CutRequestLine(logging.Filter):
             and str(record.msg).startswith("Exception in ASGI application")
         ):
             record.msg = (
-                "a request in flight was cut: it outlasted --timeout-graceful-shutdown "
+                "a request in flight was cut by a forced stop (a second Ctrl-C) "
+                "(its line says outcome=cancelled)"
+                if self.forced()
+                else "a request in flight was cut: it outlasted --timeout-graceful-shutdown "
                 "(its line says outcome=cancelled)"
             )
             record.args = ()
@@ -125,6 +133,24 @@ SERVE_GC_THRESHOLD = 50_000
 DEFAULT_GRACEFUL_SECONDS = 25.0
 # After that wait, how long a worker may take to settle, close and exit before SIGKILL.
 STOP_MARGIN_SECONDS = 5.0
+
+
+async def finish_forced_stop(server: Any) -> None:
+    """After uvicorn's shutdown on a second Ctrl-C (its force quit). uvicorn then stops
+    waiting for the requests in flight and skips the lifespan shutdown: the event loop's
+    teardown cancelled the requests and the lifespan task, uvicorn logged "Exception in
+    'lifespan' protocol" with a traceback, and the gateway was never closed (its upstream
+    sessions, its ledger's records kept through an outage). Cut the requests now, as the
+    graceful timeout does (each settles its hold, shielded), then run the lifespan
+    shutdown; all of it bounded by STOP_MARGIN_SECONDS."""
+    tasks = [task for task in server.server_state.tasks if not task.done()]
+    for task in tasks:
+        task.cancel(msg="forced stop")
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(STOP_MARGIN_SECONDS):
+            if tasks:
+                await asyncio.wait(tasks)
+            await server.lifespan.shutdown()
 
 
 def tune_gc() -> None:
@@ -250,6 +276,11 @@ def run_server(
             if self.started and ready is not None:
                 ready()  # listening, its lifespan started: the supervisor's count of it
 
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().shutdown(sockets=sockets)
+            if self.force_exit:  # a second Ctrl-C: cut, settle and close, not abandon
+                await finish_forced_stop(self)
+
     try:
         telemetry = configure_opentelemetry(metrics_port_offset=slot)
     except TelemetrySetupError as exc:
@@ -280,7 +311,8 @@ def run_server(
                 **options,
             )
         )
-        logging.getLogger("uvicorn.error").addFilter(CutRequestLine())  # after uvicorn's dictConfig
+        # After uvicorn's dictConfig.
+        logging.getLogger("uvicorn.error").addFilter(CutRequestLine(lambda: server.force_exit))
         with sock, contextlib.suppress(KeyboardInterrupt):
             # uvicorn re-raises the SIGINT it stopped on once it has shut down (uvicorn.run
             # swallows it the same way): Ctrl-C is a clean stop, exit status 0.
