@@ -342,3 +342,39 @@ async def test_the_local_fallback_counter_is_exported_at_zero_before_any_outage(
     finally:
         await health.aclose()
         provider.shutdown()
+
+
+@pytest.mark.anyio
+async def test_a_process_with_no_traffic_learns_that_another_closed_the_breaker(
+    redis_url: str,
+) -> None:
+    # `serve --workers 2`: worker one opened the primary's breaker; worker two's probe
+    # closed it. One's gauge said open until one admitted a request for that upstream: on a
+    # quiet route FallbackMwBreakerOpen (max over the workers) fired for hours after the
+    # recovery. A process whose gauge says a breaker is not closed now reads the shared
+    # state every refresh_interval, without a request.
+    config = BreakerConfig(window=4, min_calls=3, failure_rate=0.5, cooldown_ms=COOLDOWN_MS)
+    seen: dict[str, list[str]] = {"one": [], "two": []}
+    one = RedisHealth(
+        redis_url, config, refresh_interval=0.1, on_transition=lambda u, s: seen["one"].append(s)
+    )
+    two = RedisHealth(
+        redis_url, config, refresh_interval=0.1, on_transition=lambda u, s: seen["two"].append(s)
+    )
+    try:
+        for _ in range(3):
+            assert await one.admit("up")
+            await one.record("up", failure=True)
+        assert seen["one"] == ["open"]
+        await asyncio.sleep(COOLDOWN_MS / 1000 + 0.05)
+        assert await two.admit("up")  # the probe, in the other process
+        await two.record("up", failure=False)
+        assert seen["two"] == ["half_open", "closed"]
+        for _ in range(100):  # no call on `one`: its own refresh must find it closed
+            if seen["one"][-1] == "closed":
+                break
+            await asyncio.sleep(0.02)
+        assert seen["one"] == ["open", "closed"]
+    finally:
+        await one.aclose()
+        await two.aclose()

@@ -52,6 +52,7 @@ from fallback_mw.health.memory import MemoryHealth, breaker_credential_mark, rep
 from fallback_mw.health.pool import SCORE_HALF_LIFE, Selection, score_outcome
 from fallback_mw.health.redis_scripts import (
     ADMIT,
+    BREAKER_STATE,
     FAULT_MARKED,
     GIVE_BACK,
     MARK,
@@ -73,6 +74,8 @@ T = TypeVar("T")
 
 CREDENTIAL_TTL_MS = 24 * 3600 * 1000  # a retired credential stays retired this long
 AFFINITY_TTL_MS = 3600 * 1000  # an idle session forgets its credential after this long
+# How often a process whose gauge says a breaker is not closed reads its shared state.
+REFRESH_INTERVAL = 5.0
 
 
 # Connections to Redis per gateway process. Each health call holds one for a round trip
@@ -113,6 +116,7 @@ class RedisHealth:
         probe_lease: float = DEFAULT_PROBE_LEASE,
         retry_interval: float = 1.0,
         socket_timeout: float = 0.5,
+        refresh_interval: float = REFRESH_INTERVAL,
         on_transition: TransitionListener | None = None,
         on_observed: TransitionListener | None = None,
         meter_provider: MeterProvider | None = None,
@@ -152,6 +156,11 @@ class RedisHealth:
         self.max_connections = max_connections
         self.pool_timeout = pool_timeout
         self._seen: dict[str, str] = {}  # breaker state last reported, per upstream
+        # While a breaker this process reported is not closed, its shared state is read
+        # every refresh_interval (`_watch`): another process's probe may close it.
+        self.refresh_interval = refresh_interval
+        self._refresh_timer: asyncio.TimerHandle | None = None
+        self._refreshing: asyncio.Task[None] | None = None
         self.local = MemoryHealth(
             self.config, probe_lease=probe_lease, on_transition=self._local_transition
         )
@@ -467,8 +476,10 @@ class RedisHealth:
     def _report(self, upstream: str, transition: str | None) -> None:
         """A transition this process's script made: logged and told to the listener."""
         if transition:
-            self._seen[upstream] = _STATE_AFTER.get(transition, transition)
+            self._seen[upstream] = state = _STATE_AFTER.get(transition, transition)
             report_transition(self.on_transition, upstream, transition)
+            if state != "closed":
+                self._watch()
 
     def _local_transition(self, upstream: str, state: str) -> None:
         """A transition of the local breakers served during an outage: reported like any,
@@ -478,6 +489,8 @@ class RedisHealth:
         self._seen[upstream] = state
         if self.on_transition is not None:
             self.on_transition(upstream, state)
+        if state != "closed":
+            self._watch()
 
     def _sync(self, upstream: str, state: str) -> None:
         """The shared breaker's state as an admission found it: told to the listener when it
@@ -488,6 +501,43 @@ class RedisHealth:
             listener = self.on_observed or self.on_transition
             if listener is not None:
                 listener(upstream, state)
+            if state != "closed":
+                self._watch()
+
+    def _watch(self) -> None:
+        """Read the shared state of the breakers this process last reported not closed in
+        refresh_interval: another process's probe may close one, and this process's gauge
+        followed only at its next admission of that upstream, so on a quiet route
+        FallbackMwBreakerOpen (max over processes) kept firing after the recovery. One
+        timer at a time, none while every breaker reported is closed."""
+        if self._refresh_timer is not None or self._refreshing is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._refresh_timer = loop.call_later(self.refresh_interval, self._start_refresh)
+
+    def _start_refresh(self) -> None:
+        self._refresh_timer = None
+        self._refreshing = asyncio.get_running_loop().create_task(self._refresh())
+
+    async def _refresh(self) -> None:
+        try:
+            upstreams = [name for name, state in self._seen.items() if state != "closed"]
+            states = await asyncio.gather(
+                *(
+                    self._run("breaker_state", BREAKER_STATE, [self._key("breaker", name)], [])
+                    for name in upstreams
+                )
+            )
+            for name, state in zip(upstreams, states, strict=True):
+                if not isinstance(state, _Unavailable):  # an outage: its local state stands
+                    self._sync(name, str(state))
+        finally:
+            self._refreshing = None
+        if any(state != "closed" for state in self._seen.values()):
+            self._watch()
 
     async def admit(self, upstream: str, *, lease: float = 0.0) -> bool:
         lease_ms = max(self.probe_lease_ms, math.ceil(lease * 1000))
@@ -732,6 +782,13 @@ class RedisHealth:
         if self._retry_timer is not None:  # after the try in flight: it may set another
             self._retry_timer.cancel()
             self._retry_timer = None
+        if self._refresh_timer is not None:
+            self._refresh_timer.cancel()
+            self._refresh_timer = None
+        refreshing = self._refreshing
+        if refreshing is not None and refreshing.get_loop() is asyncio.get_running_loop():
+            refreshing.cancel()
+            await asyncio.gather(refreshing, return_exceptions=True)
         self._follow_loop(asyncio.get_running_loop())  # another loop's pool: closed there
         client, self._client = self._client, None
         if client is not None:

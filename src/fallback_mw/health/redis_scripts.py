@@ -91,6 +91,9 @@ return result
 """
 )
 
+# KEYS[1] breaker hash. The state it stores (a missing key is a closed breaker), read only.
+BREAKER_STATE = "return redis.call('HGET', KEYS[1], 'st') or 'closed'"
+
 # KEYS[1] breaker hash. The fault whose outcomes opened the breaker, '' when it is closed
 # or real failures opened it.
 OPEN_FAULT = """
