@@ -12,6 +12,7 @@ from fallback_mw.capacity.memory import MemoryCapacity
 from fallback_mw.capacity.redis import RedisCapacity
 from fallback_mw.config import RepeatAllowanceConfig
 from fallback_mw.health.redis import RedisHealth
+from tests.conftest import REDIS_DB, REDIS_HOST, REDIS_PORT
 
 pytestmark = pytest.mark.anyio
 
@@ -153,7 +154,7 @@ async def test_redis_keys_expire(redis_url: str) -> None:
     import redis.asyncio as aioredis
 
     limits = shared(redis_url)
-    client = aioredis.Redis(host="127.0.0.1", port=6379)
+    client = aioredis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=REDIS_DB)  # the URL's own
     try:
         assert isinstance(await limits.reserve("backup", ask(rpm=5)), Reservation)
         keys = [k async for k in client.scan_iter(match=limits.prefix + "*")]
