@@ -378,3 +378,21 @@ async def test_a_process_with_no_traffic_learns_that_another_closed_the_breaker(
     finally:
         await one.aclose()
         await two.aclose()
+
+
+@pytest.mark.anyio
+async def test_the_breaker_refresh_reads_nothing_during_an_outage() -> None:
+    # The refresh of a breaker reported open must not count as health calls served
+    # locally while Redis is away: gateway.health.local_fallbacks moves with traffic only.
+    config = BreakerConfig(window=4, min_calls=3, failure_rate=0.5, cooldown_ms=60_000)
+    health = RedisHealth("redis://127.0.0.1:1/0", config, refresh_interval=0.05)  # no Redis
+    try:
+        for _ in range(3):
+            await health.admit("up")
+            await health.record("up", failure=True)  # the local breaker opens
+        assert not health.available
+        calls = health.local_fallback_calls
+        await asyncio.sleep(0.3)  # several refresh intervals, no request
+        assert health.local_fallback_calls == calls
+    finally:
+        await health.aclose()

@@ -524,7 +524,9 @@ class RedisHealth:
 
     async def _refresh(self) -> None:
         try:
-            upstreams = [name for name, state in self._seen.items() if state != "closed"]
+            # During an outage the local breakers stand; a read would only count as a
+            # local fallback (that counter moves with traffic only).
+            upstreams = [] if self._outage else [n for n, s in self._seen.items() if s != "closed"]
             states = await asyncio.gather(
                 *(
                     self._run("breaker_state", BREAKER_STATE, [self._key("breaker", name)], [])
