@@ -173,6 +173,31 @@ def test_more_than_one_worker_with_memory_state_is_refused_in_one_line(tmp_path:
     assert 'state = "redis://' in result.stderr
 
 
+def test_a_store_that_cannot_be_loaded_at_start_is_one_line_not_one_per_worker(
+    tmp_path: Path,
+) -> None:
+    # `serve --workers 4` with the store unreachable at start: each worker loaded the
+    # store's routes after the fork and printed the same error, four lines for one
+    # problem. The supervisor loads them once before forking: one line, exit 2, as `serve`.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed = probe.getsockname()[1]  # nothing listens here
+    config = write_config(
+        tmp_path / "gateway.toml",
+        'state = "redis://127.0.0.1:6379/0"\n'
+        f'store = "postgresql://nobody@127.0.0.1:{closed}/gateway"',
+        "http://127.0.0.1:9",
+        "http://localhost:10",
+    )
+    result = subprocess.run(
+        command(config, free_port(), 4), capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert "cannot load routes from the store: cannot reach the store" in result.stderr
+
+
 STARTED = re.compile(r"Started server process \[(\d+)\]")
 
 

@@ -35,7 +35,7 @@ from fallback_mw.store.routes import MergedRoutes, merge_routes, open_store
 from fallback_mw.store_url import StoreURLError, is_redis_url, parse_store_url
 
 
-def _resolve(config: GatewayConfig) -> tuple[MergedRoutes, set[str]]:
+def resolve_routes(config: GatewayConfig) -> tuple[MergedRoutes, set[str]]:
     """File routes merged with the store's, refused exactly as a starting gateway would."""
     url = config.gateway.store
     if url is None:
@@ -297,7 +297,7 @@ def state_line(state: str) -> tuple[str, bool] | None:
 
 def check(args: argparse.Namespace, console: Console) -> None:
     config = load_config(args.config)  # every refusal, unset variables included
-    merged, from_store = _resolve(config)
+    merged, from_store = resolve_routes(config)
     settings = config.gateway
     warnings = 0
     state = state_line(settings.state)

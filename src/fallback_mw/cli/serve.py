@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fallback_mw.cli.app import Console, Failed, Refused, leaf
-from fallback_mw.cli.check import ignored_proxy_variables
+from fallback_mw.cli.check import ignored_proxy_variables, resolve_routes
 from fallback_mw.config import GatewayConfig, load_config
 from fallback_mw.extras import require
 from fallback_mw.request.types import Receive, Scope, Send
@@ -218,6 +218,11 @@ def serve(args: argparse.Namespace, console: Console) -> int | None:
     # would hold it forever), then cancels them: their holds settle as cut short.
     options["timeout_graceful_shutdown"] = args.timeout_graceful_shutdown
     if args.workers > 1:
+        if config.gateway.store is not None:
+            # The store's routes, loaded and refused once here (the connection closed
+            # before the fork): an unreachable store or a route the rules refuse is one
+            # line, not one per worker. Each worker loads them again as it starts.
+            resolve_routes(config)
         # Each worker sets up its own OTel SDK and gateway after the fork (cli/workers.py).
         supervisor = Supervisor(
             args.workers,
