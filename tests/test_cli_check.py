@@ -144,6 +144,28 @@ def test_check_warns_when_an_upstream_url_repeats_the_route_prefix(tmp_path: Pat
     assert result.returncode == 0 and "warning" not in result.stdout, result.stdout
 
 
+def test_check_warns_about_a_prefix_that_does_not_end_at_a_segment(tmp_path: Path) -> None:
+    # A prefix is literal: /v1 routes /v1x/admin and /v1-internal/... too, with the
+    # provider's credential, to the upstream. Valid, and said.
+    path = tmp_path / "gateway.toml"
+    body = (
+        '[upstreams.primary]\nurl = "http://127.0.0.1:9001"\n'
+        '[[routes]]\nid = "chat"\nprefix = "/v1"\nplan = ["primary"]\n'
+    )
+    path.write_text(body, encoding="utf-8")
+    result = check(path)
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stdout.splitlines() if "  warning: " in line]
+    assert warnings == [
+        "  warning: the route prefix /v1 is matched as written, so it also takes /v1x/... and "
+        "/v1-anything/... to its candidates; end it with '/' (/v1/) to take only the paths "
+        "below /v1/"
+    ]
+    path.write_text(body.replace('"/v1"', '"/v1/"'), encoding="utf-8")
+    result = check(path)
+    assert result.returncode == 0 and "warning" not in result.stdout, result.stdout
+
+
 def test_check_warns_about_a_route_no_request_can_reach(tmp_path: Path) -> None:
     # Same prefix and tenant as "chat", which comes first in the route table (the tie-break
     # is the id) and takes every method: "chat2" is valid but dead. A POST-only route

@@ -146,8 +146,16 @@ def route_warnings(
     the route does not fail over on; a candidate whose first-byte timeout the route
     deadline cuts, so that a hang on it never reaches the next candidate; a backoff before
     a repeat that the deadline always outlasts; a candidate whose url path the route prefix
-    repeats (`/v1` + `/v1/...`)."""
+    repeats (`/v1` + `/v1/...`); a prefix that does not end at a segment boundary."""
     warnings = []
+    if not route.prefix.endswith("/"):
+        # A prefix is literal (SPEC §4, the longest match): /v1 also takes /v1x/... and
+        # /v1-admin/..., with the route's credentials, to its upstreams.
+        warnings.append(
+            f"the route prefix {route.prefix} is matched as written, so it also takes "
+            f"{route.prefix}x/... and {route.prefix}-anything/... to its candidates; end it "
+            f"with '/' ({route.prefix}/) to take only the paths below {route.prefix}/"
+        )
     deadline = effective_deadline_ms(route, default_ms)
     for name in _followed(route):
         timeout_ms = upstreams[name].first_byte_timeout_ms
