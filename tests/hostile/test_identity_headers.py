@@ -49,6 +49,29 @@ async def test_an_identity_header_sent_twice_with_different_values_is_refused(na
             await gateway.aclose()
 
 
+@pytest.mark.parametrize("spelling", ["x_tenant_id", "X_Tenant-Id"])
+async def test_an_identity_header_in_its_underscore_spelling_is_the_same_field(
+    spelling: str,
+) -> None:
+    # A WSGI-style upstream reads x_tenant_id and x-tenant-id as one field (both
+    # HTTP_X_TENANT_ID, and it may keep either): a caller's underscore spelling beside the
+    # proxy's field is the field sent twice. Alone, it names the tenant as the dash form.
+    async with upstream(status_handler(200, b"answered")) as up:
+        gateway = Gateway(host_app, config=config(up.url))
+        try:
+            async with client_for(gateway) as client:
+                headers = [(spelling, "other"), ("x-tenant-id", "acme")]
+                response = await client.get("/v1/chat", headers=headers)
+                assert response.status_code == 400, response.text
+                assert response.json()["error"]["rule"] == "identity_header"
+                assert up.count == 0
+                response = await client.get("/v1/chat", headers=[(spelling, "other")])
+                assert response.status_code == 200, response.text
+                assert response.headers["x-gateway-route"] == "other-chat"
+        finally:
+            await gateway.aclose()
+
+
 async def test_an_identity_header_sent_twice_with_one_value_is_one() -> None:
     async with upstream(status_handler(200, b"answered")) as up:
         gateway = Gateway(host_app, config=config(up.url))

@@ -59,6 +59,10 @@ def _headers(scope: Scope, names: tuple[bytes, ...]) -> tuple[list[str | None], 
     twice: bytes | None = None
     for key, value in scope.get("headers", ()):
         lower = key.lower()
+        if b"_" in lower:
+            # `x_tenant_id` is `x-tenant-id` to a WSGI-style upstream (HTTP_X_TENANT_ID):
+            # one field, so a caller's underscore spelling beside a proxy's field is two.
+            lower = lower.replace(b"_", b"-")
         if lower in names:
             for index, name in enumerate(names):
                 if name == lower:
@@ -101,7 +105,11 @@ class RouteResolver:
         self.tenant_header = config.gateway.tenant_header.encode()
         self.session_header = config.gateway.session_header.encode()
         # Read in one pass per request: the tenant, the session, the caller's deadline.
-        self.read_headers = (self.tenant_header, self.session_header, b"x-gateway-deadline-ms")
+        self.read_headers = (
+            canonical_name(self.tenant_header),
+            canonical_name(self.session_header),
+            b"x-gateway-deadline-ms",
+        )
         # SPEC §12 `strip_headers` / `strip_query_keys`: caller credentials beyond §4's list.
         self.strip_headers = frozenset(
             canonical_name(name.encode("latin-1", "replace"))
