@@ -298,6 +298,27 @@ async def test_a_pool_with_every_key_spent_says_what_brings_one_back() -> None:
     assert len(pool.received) == 2  # the second request reached no upstream
 
 
+async def test_a_pool_with_every_key_revoked_names_its_variables_not_a_429(state: str) -> None:
+    """Every credential answered 401: retired for good. The 503 said a quota 429's reset or
+    a Retry-After would bring one back (neither will) and never named a variable; it names
+    the pool's variables and what to do, and sends no Retry-After."""
+    async with (
+        upstream(status_handler(401)) as pool,
+        gateway_client(pool_config(pool.url, state=state)) as client,
+    ):
+        assert (await client.get("/v1/x")).status_code == 401  # all three keys retired
+        response = await client.get("/v1/x")
+    error = response.json()["error"]
+    assert (response.status_code, error["code"]) == (503, "route_exhausted")
+    assert "retry-after" not in response.headers
+    message = error["message"]
+    assert "every credential of 'pool' answered 401" in message
+    assert "KEY_A, KEY_B, KEY_C" in message
+    assert "429" not in message and "Retry-After" not in message
+    assert "key-a" not in message  # a variable's name, never its value
+    assert pool.count == 3
+
+
 async def revoked(request: web.Request) -> web.StreamResponse:
     return web.Response(status=401, text="revoked " + key_of(request))
 

@@ -479,7 +479,18 @@ def _skip_remedy(context: RequestContext) -> str:
         # No 429 retired these: their variables were empty when the credentials were read
         # (unset under a running gateway after load had checked them).
         reasons.pop("no_credential", None)
+    revoked = [name for name in context.revoked if name not in unset]
+    if revoked and not retired_for_now(context, unset, revoked):
+        reasons.pop("no_credential", None)  # none of them comes back by itself
     remedies = [_SKIP_REMEDY[r] for r in reasons if r in _SKIP_REMEDY]
+    for name in reversed(revoked):
+        envs = ", ".join(context.upstreams[name].credential_envs)
+        remedies.insert(
+            0,
+            f"every credential of {name!r} answered 401 and is retired, which does not end "
+            f"by itself: put valid keys in {envs} and restart the gateway (a shared redis "
+            f"state keeps a retirement 24 h unless the upstream's auth_env list changes)",
+        )
     if unset:
         names = ", ".join(repr(name) for name in unset)
         remedies.insert(0, f"set the auth_env variable of {names} in the gateway's environment")
@@ -487,6 +498,13 @@ def _skip_remedy(context: RequestContext) -> str:
             remedies.insert(1, _SKIP_REMEDY["no_credential"])
     remedies.append(f"a further upstream in the plan of route {context.route.id!r} would be tried")
     return "; ".join(remedies)
+
+
+def retired_for_now(context: RequestContext, unset: list[str], revoked: list[str]) -> bool:
+    """Whether some `no_credential` candidate is neither unset nor retired for good: its
+    credentials come back by themselves (a cool-down, a quota's reset)."""
+    gone = {*unset, *revoked}
+    return any(s.reason == "no_credential" and s.candidate not in gone for s in context.skipped)
 
 
 def _no_credential_candidates(context: RequestContext) -> tuple[list[str], bool]:

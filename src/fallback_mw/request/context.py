@@ -131,6 +131,9 @@ class RequestContext:
     body: RequestBody | None = None
     attempts: list[AttemptRecord] = field(default_factory=list)
     skipped: list[SkipRecord] = field(default_factory=list)
+    # Skipped pools every credential of which is retired for good (401s): set by a 503
+    # route_exhausted's Retry-After look-up, named with their variables in its message.
+    revoked: tuple[str, ...] = ()
     chosen: str | None = None
     status: int | None = None  # status sent to the client
     outcome: str | None = None  # "served" or an error code (SPEC §5), or "aborted"

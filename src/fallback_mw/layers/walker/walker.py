@@ -340,6 +340,7 @@ async def retry_after(context: RequestContext, health: HealthState) -> list[tupl
     window rolls, and a candidate that never returns by itself (retired credentials, a
     credential unset at run time, a model rewrite the body cannot take) is not waited for."""
     waits: list[float] = []
+    revoked: list[str] = []
     for name, reason in dict.fromkeys((s.candidate, s.reason) for s in context.skipped):
         if reason not in ("breaker_open", "no_credential"):
             if reason == "model_rewrite":
@@ -351,6 +352,9 @@ async def retry_after(context: RequestContext, health: HealthState) -> list[tupl
         wait = await health.usable_in(name, pool)
         if wait is not None:
             waits.append(wait)
+        elif reason == "no_credential":
+            revoked.append(name)  # every credential retired: the message names its variables
+    context.revoked = tuple(revoked)
     if not waits:
         return []
     return [(b"retry-after", str(max(1, math.ceil(min(waits)))).encode())]
