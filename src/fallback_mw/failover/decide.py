@@ -488,8 +488,10 @@ def _skip_remedy(context: RequestContext) -> str:
         remedies.insert(
             0,
             f"every credential of {name!r} answered 401 and is retired, which does not end "
-            f"by itself: put valid keys in {envs} and restart the gateway (a shared redis "
-            f"state keeps a retirement 24 h unless the upstream's auth_env list changes)",
+            f"by itself: put valid keys in {envs} and restart the gateway; a shared Redis "
+            "state keeps a retirement 24 h across restarts, so there list a working key "
+            "under a new variable name in its auth_env (a changed list starts the pool's "
+            "health afresh)",
         )
     if unset:
         names = ", ".join(repr(name) for name in unset)
