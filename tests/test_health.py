@@ -17,7 +17,7 @@ from fallback_mw.config import BreakerConfig
 from fallback_mw.health import create_health
 from fallback_mw.health.memory import MemoryHealth
 from fallback_mw.health.redis import RedisHealth
-from tests.helpers import client_for
+from tests.helpers import client_for, http_scope
 from tests.upstreams import Upstream, host_app, status_handler, upstream
 
 BREAKER = {"window": 4, "min_calls": 3, "failure_rate": 0.5, "cooldown_ms": 100,
@@ -328,3 +328,93 @@ async def test_single_credential_is_governed_by_the_breaker_only() -> None:
                 response = await client.get("/v1/x")
                 assert response.status_code == 429
         assert primary.count == 3
+
+
+def straggler_upstream(gates: dict[str, asyncio.Event]) -> Any:
+    """`/v1/fail` answers 503; a path named in `gates` waits for its event, then 200."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        name = request.path.rsplit("/", 1)[-1]
+        if name == "fail":
+            return web.Response(status=503)
+        if name in gates:
+            await gates[name].wait()
+        return web.Response(body=b"primary")
+
+    return handle
+
+
+async def wait_for_count(up: Upstream, count: int) -> None:
+    for _ in range(400):
+        if up.count >= count:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"the upstream received {up.count} requests, not {count}")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("state", ["memory", "redis"])
+@pytest.mark.parametrize("ending", ["answers"])
+async def test_an_attempt_admitted_before_the_breaker_opened_is_not_the_half_open_probe(
+    state: str, ending: str, request: pytest.FixtureRequest
+) -> None:
+    """A request admitted while the breaker was closed that ends while it is half-open (its
+    answer arrives, or its caller hangs up) is not the probe: the answer closed the breaker
+    with the probe still out, and the hang-up freed the probe's slot, letting a second
+    probe through (SPEC §6: half-open admits one probe)."""
+    gates = {"straggler": asyncio.Event(), "probe": asyncio.Event()}
+    clock = Clock()
+    kwargs: dict[str, Any] = {}
+    if state == "memory":
+        kwargs["health"] = MemoryHealth(BreakerConfig(**BREAKER), clock=clock)
+        state_url = "memory://"
+    else:
+        state_url = request.getfixturevalue("redis_url")
+    async with upstream(straggler_upstream(gates)) as primary:
+        conf = config({"primary": primary}, ["primary"], state=state_url)
+        async with gateway_client(conf, **kwargs) as (client, gateway):
+            left = asyncio.Event()
+            sent: list[dict[str, Any]] = []
+
+            async def receive() -> dict[str, Any]:
+                if not sent:
+                    sent.append({})
+                    return {"type": "http.request", "body": b"", "more_body": False}
+                await left.wait()
+                return {"type": "http.disconnect"}
+
+            async def send(message: dict[str, Any]) -> None:
+                sent.append(message)
+
+            if ending == "answers":
+                straggler = asyncio.ensure_future(client.get("/v1/straggler"))
+            else:
+                scope = http_scope("GET", "/v1/straggler")
+                straggler = asyncio.ensure_future(gateway(scope, receive, send))
+            await wait_for_count(primary, 1)  # admitted by the closed breaker, in flight
+            for _ in range(3):
+                assert (await client.get("/v1/fail")).status_code == 502
+            assert (await client.get("/v1/x")).status_code == 503  # open: skipped
+            assert primary.count == 4
+
+            if state == "memory":
+                clock.now += 0.1
+            else:
+                await asyncio.sleep(0.15)
+            probe = asyncio.ensure_future(client.get("/v1/probe"))
+            await wait_for_count(primary, 5)  # the one half-open probe, in flight
+
+            if ending == "answers":
+                gates["straggler"].set()
+            else:
+                left.set()
+            await straggler
+            response = await client.get("/v1/x")
+            assert response.status_code == 503, "a second probe while the first is out"
+            assert response.headers["x-gateway-skipped"] == "primary;reason=breaker_open"
+            assert primary.count == 5
+
+            gates["probe"].set()
+            assert (await probe).status_code == 200  # the probe's success closes it
+            assert (await client.get("/v1/x")).text == "primary"
+            assert primary.count == 6

@@ -460,7 +460,7 @@ async def test_cancelled_client(recorded: Recorded, caplog: pytest.LogCaptureFix
 
 
 class PrimaryBreakerOpen(AlwaysHealthy):
-    async def admit(self, upstream: str, *, lease: float = 0.0) -> bool:
+    async def admit(self, upstream: str, *, lease: float = 0.0, admission: Any = None) -> bool:
         return upstream != "primary"
 
 

@@ -188,7 +188,9 @@ class BookedHealth(AlwaysHealthy):
     def __init__(self) -> None:
         self.marks: list[tuple[str, bool]] = []
 
-    async def record(self, upstream: str, *, failure: bool, fault: str | None = None) -> None:
+    async def record(
+        self, upstream: str, *, failure: bool, fault: str | None = None, admission: Any = None
+    ) -> None:
         self.marks.append((upstream, failure))
 
 

@@ -187,7 +187,7 @@ class ShadowTraffic:
             outcome, response = await attempts.run(name, upstream, record)
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await self.health.release(name)  # cancelled (shutdown): nothing proven
+                await attempts.release(name)  # cancelled (shutdown): nothing proven
             raise
         received = 0
         if response is not None:

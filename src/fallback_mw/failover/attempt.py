@@ -28,7 +28,7 @@ from fallback_mw.capacity import Ask, CapacityState, Reservation, reported_token
 from fallback_mw.config import UpstreamConfig
 from fallback_mw.failover.decide import Outcome, engine_outcome, health_mark, local_or
 from fallback_mw.faults import BlackholeSource, FaultSource
-from fallback_mw.health import HealthState
+from fallback_mw.health import Admission, HealthState
 from fallback_mw.health.breaker import upstream_probe_lease
 from fallback_mw.health.pool import retry_after_seconds
 from fallback_mw.health.quota import PeekedResponse, peek_quota
@@ -253,6 +253,10 @@ class AttemptLifecycle:
             inject_headers=telemetry.inject_headers,
         )  # fmt: skip
         self.reservations: dict[str, Reservation] = {}  # the latest, per upstream
+        # The latest breaker admission per upstream: its outcome or release names it, so a
+        # half-open breaker heeds only its probe. (A hedge at the same upstream is admitted
+        # only by a closed breaker, as its first attempt was: either admission will do.)
+        self.admissions: dict[str, Admission] = {}
 
     async def gate(self, name: str, upstream: UpstreamConfig, *, repeat: bool) -> Reservation | str:
         """The body, the breaker, then declared capacity (and, for a repeat or a hedge, the
@@ -261,18 +265,22 @@ class AttemptLifecycle:
         slot it held."""
         if not self.runner.takes_body(upstream):
             return "model_rewrite"  # never sent without the model it needs
-        if not await self.health.admit(name, lease=upstream_probe_lease(upstream)):
+        admission = Admission()
+        if not await self.health.admit(
+            name, lease=upstream_probe_lease(upstream), admission=admission
+        ):
             return "breaker_open"
+        self.admissions[name] = admission
         reservation = await self.capacity.reserve(name, self.ask(name, upstream, repeat))
         if isinstance(reservation, str):
-            await self.health.release(name)
+            await self.health.release(name, admission)
             return reservation
         self.reservations[name] = reservation
         return reservation
 
     async def cancel(self, name: str, reservation: Reservation) -> None:
         """Through the gates but never started (e.g. the deadline passed in the backoff)."""
-        await self.health.release(name)
+        await self.release(name)
         await self.capacity.cancel(reservation)
 
     def start(
@@ -337,9 +345,11 @@ class AttemptLifecycle:
         ):
             mark = None
         if mark is None:
-            await self.health.release(name)
+            await self.release(name)
             return None
-        await self.health.record(name, failure=mark, fault=outcome.fault)
+        await self.health.record(
+            name, failure=mark, fault=outcome.fault, admission=self.admissions.get(name)
+        )
         if credential_index is not None:
             await self.health.credential_result(
                 name,
@@ -377,7 +387,12 @@ class AttemptLifecycle:
         record.failure_kind = "cancelled"
         record.decision, record.reason = "abort", "lost the hedge race"
         self.telemetry.attempt_finished(self.context, record)
-        await self.health.release(record.candidate)
+        await self.release(record.candidate)
+
+    async def release(self, name: str) -> None:
+        """The attempt at `name` ended for a local reason: the probe slot it held (if it was
+        the half-open probe) is freed, nothing recorded."""
+        await self.health.release(name, self.admissions.get(name))
 
     async def settle_tokens(self, name: str) -> None:
         """The usage the upstream reported (metered as the response went to the client)

@@ -16,19 +16,41 @@ if TYPE_CHECKING:
     from fallback_mw.config import BreakerConfig
 
 
+class Admission:
+    """One attempt's admission by a breaker, filled in by `admit` and handed to the `record`
+    or `release` that ends the attempt: `probe` names the half-open probe it is ("" when a
+    closed breaker admitted it). Only the probe's own outcome decides a half-open breaker."""
+
+    __slots__ = ("probe",)
+
+    def __init__(self) -> None:
+        self.probe: str | None = None  # None: not admitted (yet)
+
+
 class HealthState(Protocol):
     """What the walker asks of health. Implementations: memory (per process), Redis (shared)."""
 
-    async def admit(self, upstream: str, *, lease: float = 0.0) -> bool:
+    async def admit(
+        self, upstream: str, *, lease: float = 0.0, admission: Admission | None = None
+    ) -> bool:
         """May this upstream be attempted now? An open breaker says no; a half-open one
         admits exactly one probe (the caller must then `record` its outcome, or `release`).
         `lease`: seconds the probe holds its slot unless it reports first, longer than the
         upstream may take to answer (`breaker.upstream_probe_lease`); never less than the
-        state's own `probe_lease` (30 s)."""
+        state's own `probe_lease` (30 s). `admission` is filled in: which admission this is,
+        for the `record` or `release` that ends it."""
         ...
 
-    async def record(self, upstream: str, *, failure: bool, fault: str | None = None) -> None:
-        """Outcome of an admitted attempt. `failure` is failover-class (SPEC §6); statuses
+    async def record(
+        self,
+        upstream: str,
+        *,
+        failure: bool,
+        fault: str | None = None,
+        admission: Admission | None = None,
+    ) -> None:
+        """Outcome of an admitted attempt (`admission`: its admission; a half-open breaker
+        heeds only its probe's). `failure` is failover-class (SPEC §6); statuses
         outside `failover_status` are recorded as successes for the breaker. `fault` names
         the game-day fault that produced it (the breaker remembers that faults opened it)."""
         ...
@@ -54,7 +76,7 @@ class HealthState(Protocol):
         `no_credential` skip is then the fault's); None otherwise."""
         ...
 
-    async def release(self, upstream: str) -> None:
+    async def release(self, upstream: str, admission: Admission | None = None) -> None:
         """An admitted attempt ended for a reason that is not the upstream's (SPEC §5:
         local conditions are not upstream failures): nothing is recorded; a half-open
         probe slot it held is freed."""
@@ -109,10 +131,19 @@ class HealthState(Protocol):
 class AlwaysHealthy:
     """No breakers, no credential health: every upstream admitted, first unused credential."""
 
-    async def admit(self, upstream: str, *, lease: float = 0.0) -> bool:
+    async def admit(
+        self, upstream: str, *, lease: float = 0.0, admission: Admission | None = None
+    ) -> bool:
         return True
 
-    async def record(self, upstream: str, *, failure: bool, fault: str | None = None) -> None:
+    async def record(
+        self,
+        upstream: str,
+        *,
+        failure: bool,
+        fault: str | None = None,
+        admission: Admission | None = None,
+    ) -> None:
         return None
 
     async def open_fault(self, upstream: str) -> str | None:
@@ -127,7 +158,7 @@ class AlwaysHealthy:
     async def pool_fault(self, upstream: str) -> str | None:
         return None
 
-    async def release(self, upstream: str) -> None:
+    async def release(self, upstream: str, admission: Admission | None = None) -> None:
         return None
 
     async def usable_in(self, upstream: str, pool_size: int) -> float | None:

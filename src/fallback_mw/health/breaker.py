@@ -19,6 +19,12 @@ a fault. While it is open or half-open, skips it causes are the fault's. `reset_
 and drops fault outcomes from a closed breaker's window; a breaker real failures opened is
 left alone.
 
+Only the probe decides a half-open breaker: an attempt admitted while it was closed that
+ends while it is half-open (its answer, or its caller gone) says nothing of the probe and
+frees no slot. `admit` numbers each probe (`probe_owner`); `record` and `release` name the
+admission they end (`probe`: that number, "" for a closed breaker's admission, None when
+the caller does not say, taken as the probe's).
+
 The Redis state runs the same machine in Lua (health/redis.py); keep the two in step.
 """
 
@@ -58,6 +64,7 @@ class Breaker:
     probe_until: float | None = None  # half-open: the probe's lease, None = slot free
     fault: str | None = None  # open / half-open: the fault whose outcomes opened it
     last_fault: str | None = None  # closed: the latest fault outcome's kind in the window
+    probe_owner: int = 0  # half-open: the number of the probe that holds the slot
 
     def __post_init__(self) -> None:
         self.outcomes = deque(maxlen=self.config.window)
@@ -86,11 +93,19 @@ class Breaker:
         if self.probe_until is not None and now < self.probe_until:
             return False, transition
         self.probe_until = now + max(self.probe_lease, lease)
+        self.probe_owner += 1
         return True, transition
 
-    def record(self, *, failure: bool, now: float, fault: str | None = None) -> Transition | None:
+    def admission(self) -> str:
+        """Right after an `admit` that said yes: who it admitted, for `record` / `release`
+        (the probe's number, "" for a closed breaker's admission)."""
+        return str(self.probe_owner) if self.state == "half_open" else ""
+
+    def record(
+        self, *, failure: bool, now: float, fault: str | None = None, probe: str | None = None
+    ) -> Transition | None:
         """The outcome of an admitted attempt (`fault`: the game-day fault that produced
-        it); returns the transition it caused, if any."""
+        it; `probe`: its `admission()`); returns the transition it caused, if any."""
         faulted = failure and fault is not None
         if self.state == "closed":
             self.outcomes.append(2 if faulted else 1 if failure else 0)
@@ -104,8 +119,8 @@ class Breaker:
                 self.fault = self.last_fault if by_fault >= self.config.failure_rate else None
                 return "opened"
             return None
-        if self.state == "open" or self.probe_until is None:
-            return None  # a straggler admitted before the breaker opened
+        if self.state == "open" or self.probe_until is None or not self._is_probe(probe):
+            return None  # a straggler admitted before the breaker opened, or a stale probe
         if failure:
             self._open(now, min(self.cooldown * 2, self.max_cooldown))
             self.fault = fault if faulted else None
@@ -145,11 +160,15 @@ class Breaker:
         self.probe_until = None
         self.fault = self.last_fault = None
 
-    def release(self) -> None:
+    def release(self, probe: str | None = None) -> None:
         """An admitted attempt ended for a reason that says nothing of the upstream (the
-        caller's deadline, a hang-up): a half-open probe slot is freed, nothing recorded."""
-        if self.state == "half_open":
+        caller's deadline, a hang-up): the half-open probe slot it held is freed, nothing
+        recorded."""
+        if self.state == "half_open" and self._is_probe(probe):
             self.probe_until = None
+
+    def _is_probe(self, probe: str | None) -> bool:
+        return probe is None or probe == str(self.probe_owner)
 
     def _open(self, now: float, cooldown: float) -> None:
         self.state = "open"

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 
 from fallback_mw.config import BreakerConfig
+from fallback_mw.health import Admission
 from fallback_mw.health.breaker import DEFAULT_PROBE_LEASE, Breaker, Transition
 from fallback_mw.health.events import TransitionListener
 from fallback_mw.health.pool import (
@@ -56,6 +57,11 @@ def breaker_credential_mark(
     return mark
 
 
+def probe_of(admission: Admission | None) -> str | None:
+    """The probe an admission names; None (taken as the probe's) when nobody said."""
+    return None if admission is None else admission.probe
+
+
 class MemoryHealth:
     """Breakers and credential pools kept in this process. Credential health applies to
     pools (more than one credential); a single credential is governed by the breaker."""
@@ -91,13 +97,27 @@ class MemoryHealth:
             found = self._pools[upstream] = CredentialPool()
         return found
 
-    async def admit(self, upstream: str, *, lease: float = 0.0) -> bool:
-        admitted, transition = self.breaker(upstream).admit(self.clock(), lease)
+    async def admit(
+        self, upstream: str, *, lease: float = 0.0, admission: Admission | None = None
+    ) -> bool:
+        breaker = self.breaker(upstream)
+        admitted, transition = breaker.admit(self.clock(), lease)
         report_transition(self.on_transition, upstream, transition)
+        if admitted and admission is not None:
+            admission.probe = breaker.admission()
         return admitted
 
-    async def record(self, upstream: str, *, failure: bool, fault: str | None = None) -> None:
-        transition = self.breaker(upstream).record(failure=failure, now=self.clock(), fault=fault)
+    async def record(
+        self,
+        upstream: str,
+        *,
+        failure: bool,
+        fault: str | None = None,
+        admission: Admission | None = None,
+    ) -> None:
+        transition = self.breaker(upstream).record(
+            failure=failure, now=self.clock(), fault=fault, probe=probe_of(admission)
+        )
         report_transition(self.on_transition, upstream, transition)
 
     async def open_fault(self, upstream: str) -> str | None:
@@ -121,8 +141,8 @@ class MemoryHealth:
     async def pool_fault(self, upstream: str) -> str | None:
         return next(iter(self._fault_marks.get(upstream, {}).values()), None)
 
-    async def release(self, upstream: str) -> None:
-        self.breaker(upstream).release()
+    async def release(self, upstream: str, admission: Admission | None = None) -> None:
+        self.breaker(upstream).release(probe_of(admission))
 
     async def usable_in(self, upstream: str, pool_size: int) -> float | None:
         now = self.clock()

@@ -46,6 +46,7 @@ except ImportError:
     raise missing_extra("redis", 'state = "redis://..."') from None
 
 from fallback_mw.config import BreakerConfig
+from fallback_mw.health import Admission
 from fallback_mw.health.breaker import DEFAULT_PROBE_LEASE
 from fallback_mw.health.events import TransitionListener
 from fallback_mw.health.memory import MemoryHealth, breaker_credential_mark, report_transition
@@ -85,6 +86,14 @@ DEFAULT_MAX_CONNECTIONS = 50
 
 
 _STATE_AFTER = {"opened": "open", "reopened": "open"}  # other transitions name the state
+
+
+def shared_probe(admission: Admission | None) -> str:
+    """The admission that ended, as RECORD and RELEASE read it: '*' when nobody said (taken
+    as the probe's), '-' a closed breaker's, else the probe's owner."""
+    if admission is None or admission.probe is None:
+        return "*"
+    return admission.probe or "-"
 
 
 class _Unavailable:
@@ -541,27 +550,41 @@ class RedisHealth:
         if any(state != "closed" for state in self._seen.values()):
             self._watch()
 
-    async def admit(self, upstream: str, *, lease: float = 0.0) -> bool:
+    async def admit(
+        self, upstream: str, *, lease: float = 0.0, admission: Admission | None = None
+    ) -> bool:
         lease_ms = max(self.probe_lease_ms, math.ceil(lease * 1000))
         ttl_ms = self._breaker_ttl_ms(lease_ms)  # the key outlives the probe's lease
+        number = next(self._admissions)
 
         def convert(result: Any) -> bool:
             admitted, transition, *rest = result
             self._report(upstream, transition or None)
             if rest and rest[0]:
                 self._sync(upstream, str(rest[0]))
+            if int(admitted) and admission is not None:
+                # The probe's owner as ADMIT wrote it; '-' a closed breaker's admission.
+                half_open = bool(rest) and rest[0] == "half_open"
+                admission.probe = f"{self._owner}:{number}" if half_open else "-"
             return bool(int(admitted))
 
         return await self._with_fallback(
             "admit",
             ADMIT,
             [self._key("breaker", upstream)],
-            [lease_ms, ttl_ms, self._owner, next(self._admissions)],
-            lambda: self.local.admit(upstream, lease=lease),
+            [lease_ms, ttl_ms, self._owner, number],
+            lambda: self.local.admit(upstream, lease=lease, admission=admission),
             convert,
         )
 
-    async def record(self, upstream: str, *, failure: bool, fault: str | None = None) -> None:
+    async def record(
+        self,
+        upstream: str,
+        *,
+        failure: bool,
+        fault: str | None = None,
+        admission: Admission | None = None,
+    ) -> None:
         config = self.config
 
         def convert(result: Any) -> None:
@@ -580,8 +603,9 @@ class RedisHealth:
                 max(config.max_cooldown_ms, config.cooldown_ms),
                 self.breaker_ttl_ms,
                 fault or "",
+                shared_probe(admission),
             ],
-            lambda: self.local.record(upstream, failure=failure, fault=fault),
+            lambda: self.local.record(upstream, failure=failure, fault=fault, admission=admission),
             convert,
         )
 
@@ -641,13 +665,13 @@ class RedisHealth:
             lambda result: str(result) or None,
         )
 
-    async def release(self, upstream: str) -> None:
+    async def release(self, upstream: str, admission: Admission | None = None) -> None:
         await self._with_fallback(
             "release",
             RELEASE,
             [self._key("breaker", upstream)],
-            [],
-            lambda: self.local.release(upstream),
+            [shared_probe(admission)],
+            lambda: self.local.release(upstream, admission),
             lambda result: None,
         )
 

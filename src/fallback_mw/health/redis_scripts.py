@@ -36,7 +36,9 @@ return {1, transition, 'half_open'}
 
 # KEYS[1] breaker hash. ARGV: failure '1'/'0', window, min_calls, failure_rate,
 # base cooldown ms, max cooldown ms, key ttl ms, the fault kind that produced the outcome
-# ('' for a real one). Returns the transition or ''. The window holds '0' success, '1'
+# ('' for a real one), the admission that ended ('*': not said, taken as the probe; '-':
+# a closed breaker's; else the probe's owner as ADMIT wrote it: a half-open breaker heeds
+# only its probe). Returns the transition or ''. The window holds '0' success, '1'
 # failure, '2' a fault's failure; 'fault' is the fault that opened the breaker (health/
 # breaker.py: its fault failures alone reached the rate, or a fault probe reopened it),
 # 'lf' the latest fault kind in a closed breaker's window.
@@ -73,7 +75,8 @@ if st == 'closed' then
   else
     redis.call('HSET', key, 'st', 'closed', 'win', win, 'lf', lf)
   end
-elseif st == 'half_open' and tonumber(redis.call('HGET', key, 'probe') or '0') > 0 then
+elseif st == 'half_open' and tonumber(redis.call('HGET', key, 'probe') or '0') > 0
+    and (ARGV[9] == '*' or redis.call('HGET', key, 'owner') == ARGV[9]) then
   if failure == '1' then
     open(math.min(tonumber(redis.call('HGET', key, 'cd') or ARGV[5]) * 2, tonumber(ARGV[6])))
     local by = ''
@@ -273,8 +276,11 @@ end
 return 0
 """
 
+# KEYS[1] breaker hash. ARGV[1]: the admission that ended, as RECORD's ARGV[9]: only the
+# probe's own frees the slot.
 RELEASE = """
-if redis.call('HGET', KEYS[1], 'st') == 'half_open' then
+if redis.call('HGET', KEYS[1], 'st') == 'half_open'
+    and (ARGV[1] == '*' or redis.call('HGET', KEYS[1], 'owner') == ARGV[1]) then
   redis.call('HSET', KEYS[1], 'probe', '0')
 end
 return 0
