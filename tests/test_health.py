@@ -354,7 +354,7 @@ async def wait_for_count(up: Upstream, count: int) -> None:
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("state", ["memory", "redis"])
-@pytest.mark.parametrize("ending", ["answers"])
+@pytest.mark.parametrize("ending", ["answers", "hangs_up"])
 async def test_an_attempt_admitted_before_the_breaker_opened_is_not_the_half_open_probe(
     state: str, ending: str, request: pytest.FixtureRequest
 ) -> None:
@@ -418,3 +418,53 @@ async def test_an_attempt_admitted_before_the_breaker_opened_is_not_the_half_ope
             assert (await probe).status_code == 200  # the probe's success closes it
             assert (await client.get("/v1/x")).text == "primary"
             assert primary.count == 6
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("state", ["memory", "redis"])
+async def test_a_probe_whose_caller_hangs_up_frees_its_slot(
+    state: str, request: pytest.FixtureRequest
+) -> None:
+    """The half-open probe's caller leaves: the probe proved nothing, and its slot was held
+    for its whole lease (38 s with the default timeouts) while every request skipped the
+    upstream. The next request is the probe now."""
+    gates = {"probe": asyncio.Event()}
+    clock = Clock()
+    kwargs: dict[str, Any] = {}
+    if state == "memory":
+        kwargs["health"] = MemoryHealth(BreakerConfig(**BREAKER), clock=clock)
+        state_url = "memory://"
+    else:
+        state_url = request.getfixturevalue("redis_url")
+    async with upstream(straggler_upstream(gates)) as primary:
+        conf = config({"primary": primary}, ["primary"], state=state_url)
+        async with gateway_client(conf, **kwargs) as (client, gateway):
+            for _ in range(3):
+                assert (await client.get("/v1/fail")).status_code == 502
+            if state == "memory":
+                clock.now += 0.1
+            else:
+                await asyncio.sleep(0.15)
+            left = asyncio.Event()
+            sent: list[dict[str, Any]] = []
+
+            async def receive() -> dict[str, Any]:
+                if not sent:
+                    sent.append({})
+                    return {"type": "http.request", "body": b"", "more_body": False}
+                await left.wait()
+                return {"type": "http.disconnect"}
+
+            async def send(message: dict[str, Any]) -> None:
+                sent.append(message)
+
+            probe = asyncio.ensure_future(gateway(http_scope("GET", "/v1/probe"), receive, send))
+            await wait_for_count(primary, 4)  # the probe, in flight
+            assert (await client.get("/v1/x")).status_code == 503  # one probe at a time
+            left.set()
+            await probe
+            assert len(sent) == 1  # nothing was sent to the caller who left
+            response = await client.get("/v1/x")
+            assert response.status_code == 200, "the probe's slot is held for nobody"
+            assert primary.count == 5
+            assert (await client.get("/v1/x")).text == "primary"  # its success closed it

@@ -244,14 +244,22 @@ class _Walk:
                 at_first_candidate=pick.name == context.candidates[0],
                 keyed_post=is_keyed_post(context.method, context.forward_headers),
             )
-            if hedged:
-                (outcome, response), record = await run_hedged(
-                    attempts, self.cursor, pick, record,
-                    after=self.route.hedge_after_ms / 1000,
-                    may_start=lambda: further_attempt_possible(self.state()),
-                )  # fmt: skip
-            else:
-                outcome, response = await attempts.run(pick.name, pick.upstream, record)
+            try:
+                if hedged:
+                    (outcome, response), record = await run_hedged(
+                        attempts, self.cursor, pick, record,
+                        after=self.route.hedge_after_ms / 1000,
+                        may_start=lambda: further_attempt_possible(self.state()),
+                    )  # fmt: skip
+                else:
+                    outcome, response = await attempts.run(pick.name, pick.upstream, record)
+            except asyncio.CancelledError:
+                # The caller left mid-attempt (or the host cancelled it): nothing proven of
+                # the upstream, and a half-open probe slot the attempt held is free now, not
+                # at the end of its lease (every request skipped the upstream meanwhile).
+                with anyio.CancelScope(shield=True):
+                    await attempts.release(pick.name)
+                raise
             await attempts.finish(record, outcome, response)
             if await self._act(outcome, response, pick.name, record):
                 return
