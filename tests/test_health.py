@@ -468,3 +468,55 @@ async def test_a_probe_whose_caller_hangs_up_frees_its_slot(
             assert response.status_code == 200, "the probe's slot is held for nobody"
             assert primary.count == 5
             assert (await client.get("/v1/x")).text == "primary"  # its success closed it
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("state", ["memory", "redis"])
+async def test_a_fallback_moved_to_another_url_by_the_store_starts_with_a_closed_breaker(
+    state: str, request: pytest.FixtureRequest, tmp_path: Any
+) -> None:
+    """`routes set-fallback` points the route's fallback at a healthy host: the breaker the
+    old host opened went on skipping the new one (503 route_exhausted) for its cooldown,
+    up to max_cooldown_ms once doubled. A name that now stands for another url gets a
+    closed breaker; one whose url is unchanged keeps its state."""
+    from tests.test_cli_admin import cli, wait_for
+
+    store = f"sqlite:///{tmp_path / 'gateway.db'}"
+    state_url = "memory://" if state == "memory" else request.getfixturevalue("redis_url")
+    async with (
+        upstream(status_handler(503)) as primary,
+        upstream(status_handler(503)) as old,
+        upstream(status_handler(200, b"new")) as new,
+    ):
+        assert (await cli(
+            "routes", "add", "--store", store, "--id", "st", "--prefix", "/st/",
+            "--upstream", primary.url, "--retries", "1", "--fallback", old.url,
+        ))[0] == 0  # fmt: skip
+        conf = {
+            "gateway": {"store": store, "state": state_url,
+                        "breaker": {"window": 2, "min_calls": 2, "cooldown_ms": 60_000}},
+        }  # fmt: skip
+        async with gateway_client(conf) as (client, gateway):
+            runtime = gateway.services.store
+            assert runtime is not None
+            runtime.poll_interval = 0.05
+            for _ in range(2):
+                assert (await client.get("/st/x")).status_code == 502
+            response = await client.get("/st/x")
+            assert response.headers["x-gateway-skipped"] == (
+                "st-primary;reason=breaker_open, st-fallback;reason=breaker_open"
+            )
+            reloads = runtime.reloads
+            assert (await cli(
+                "routes", "set-fallback", "--store", store, "--id", "st", "--upstream", new.url,
+            ))[0] == 0  # fmt: skip
+
+            async def reloaded() -> bool:
+                return runtime.reloads > reloads
+
+            assert await wait_for(reloaded, True)
+            response = await client.get("/st/x")
+            assert (response.status_code, response.text) == (200, "new")
+            # The primary's url did not change: its breaker is still open.
+            assert response.headers["x-gateway-skipped"] == "st-primary;reason=breaker_open"
+    assert (primary.count, old.count, new.count) == (2, 2, 1)

@@ -92,6 +92,7 @@ def build_services(
     )
     if runtime is not None:  # a fault that ends resets the breakers its outcomes opened
         runtime.on_fault_cleared = health.reset_fault
+        runtime.on_upstream_moved = health.forget  # a breaker judged the old url
         # An upstream a reload removes leaves the breaker gauge.
         telemetry.only_upstreams(runtime.upstream_names)
     else:  # every upstream of the file is in the breaker gauge from the start

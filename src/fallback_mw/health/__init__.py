@@ -66,6 +66,11 @@ class HealthState(Protocol):
         credentials a fault's outcome marked (`fault_marked`) are usable again."""
         ...
 
+    async def forget(self, upstream: str) -> None:
+        """This upstream name now stands for another origin (a store reload changed its url):
+        its breaker, kept for the old origin, starts closed again."""
+        ...
+
     async def fault_marked(self, upstream: str, index: int, fault: str) -> None:
         """A fault's outcome reached this pool credential (a `revoke` 401 retired it, a
         `fail` cooled it down): `reset_fault` restores it."""
@@ -150,6 +155,9 @@ class AlwaysHealthy:
         return None
 
     async def reset_fault(self, upstream: str) -> None:
+        return None
+
+    async def forget(self, upstream: str) -> None:
         return None
 
     async def fault_marked(self, upstream: str, index: int, fault: str) -> None:

@@ -55,6 +55,7 @@ from fallback_mw.health.redis_scripts import (
     ADMIT,
     BREAKER_STATE,
     FAULT_MARKED,
+    FORGET,
     GIVE_BACK,
     MARK,
     OBSERVE,
@@ -644,6 +645,18 @@ class RedisHealth:
         )
         # The local state served while Redis was unreachable is reset too.
         await self.local.reset_fault(upstream)
+
+    async def forget(self, upstream: str) -> None:
+        def convert(result: Any) -> None:
+            if result == "=closed":
+                self._sync(upstream, "closed")
+            else:
+                self._report(upstream, result or None)
+
+        await self._with_fallback(
+            "forget", FORGET, [self._key("breaker", upstream)], [], _nothing, convert
+        )
+        await self.local.forget(upstream)  # the state served while Redis was unreachable
 
     async def fault_marked(self, upstream: str, index: int, fault: str) -> None:
         await self._with_fallback(

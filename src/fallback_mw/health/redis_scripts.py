@@ -151,6 +151,16 @@ return 'closed'
 """
 
 
+# KEYS[1] breaker hash. The upstream name now stands for another origin: its breaker is
+# dropped (closed). Returns 'closed' when that closed an open or half-open one.
+FORGET = """
+local st = redis.call('HGET', KEYS[1], 'st')
+redis.call('DEL', KEYS[1])
+if st and st ~= 'closed' then return 'closed' end
+return '=closed'
+"""
+
+
 # A credential's decayed score (health/pool.py: `score`, `CredentialStats`): the score hash
 # holds, per index, "successes failures latency_seconds at_ms"; ARGV[HL] the half-life ms.
 _STATS = """

@@ -94,6 +94,10 @@ class StoreRuntime:
         # opened (HealthState.reset_fault).
         self.on_fault_cleared: Callable[[str], Awaitable[None]] | None = None
         self._faulted: frozenset[str] = frozenset()
+        # A reload that points an upstream name at another url (`routes set-fallback`):
+        # its breaker, kept for the old url, is forgotten (HealthState.forget).
+        self.on_upstream_moved: Callable[[str], Awaitable[None]] | None = None
+        self._urls = {name: u.url for name, u in config.upstreams.items()}
         self.last_refusal: str | None = None
         self.reloads = 0
         meter = (meter_provider or metrics.get_meter_provider()).get_meter(
@@ -179,6 +183,7 @@ class StoreRuntime:
             else:
                 self._current = merged.table()
                 self.last_refusal = None
+                await self._forget_moved(initial=initial)
                 self.reloads += 1
                 if not initial:
                     logger.info("routes reloaded from the store (%d routes)", len(merged.routes))
@@ -216,6 +221,25 @@ class StoreRuntime:
         finally:
             if store is not None:
                 await _close_quietly(store)
+
+    async def _forget_moved(self, *, initial: bool) -> None:
+        """Each upstream name whose url differs from the one last loaded under that name
+        (also one removed and added again) gets a fresh breaker: the old one judged
+        another origin."""
+        moved = []
+        for name, upstream in self._current.upstreams.items():
+            if self._urls.get(name, upstream.url) != upstream.url:
+                moved.append(name)
+            self._urls[name] = upstream.url
+        if initial or self.on_upstream_moved is None:
+            return
+        for name in moved:
+            try:
+                await self.on_upstream_moved(name)
+            except Exception as exc:  # one failed reset must not stop the reloader
+                logger.warning("breaker reset of %s failed: %s", name, type(exc).__name__)
+            else:
+                logger.info("upstream %s now has another url: its breaker starts closed", name)
 
     async def revert_cleared_faults(self) -> None:
         """Compare the upstreams under an active fault with the last check's: for each one
