@@ -23,7 +23,13 @@ from fallback_mw.budget import AttemptOutcome, UsageRecord
 from fallback_mw.cli import main
 from fallback_mw.cli.usage import incident_kinds
 from fallback_mw.health.memory import MemoryHealth
-from fallback_mw.health.pool import CredentialStats, affinity_key, score
+from fallback_mw.health.pool import (
+    CredentialStats,
+    affinity_key,
+    credential_mark,
+    retry_after_seconds,
+    score,
+)
 from fallback_mw.health.quota import parse_duration, peek_quota, quota_reset
 from fallback_mw.store.ledgers import open_ledger
 from tests.helpers import client_for
@@ -668,3 +674,27 @@ async def test_the_peek_reads_a_bounded_prefix_and_relays_every_byte_or_the_erro
             relayed.append(chunk)
     assert relayed == [QUOTA_BODY[:10]]
     await peeked.aclose()
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [
+        (b"120", 120.0),
+        (b"0000000000120", 120.0),  # leading zeros: read whole, not its first 9 digits (0)
+        (b"-5", None),
+        (b"1e9", None),
+        (b"\xc2\xb2", None),
+        (b"garbage", None),
+        (b"Wed, 21 Oct 2015 07:28:00 GMT", 0.0),  # a date in the past: retry now
+    ],
+)
+def test_retry_after_is_read_whole_or_not_at_all(value: bytes, seconds: float | None) -> None:
+    assert retry_after_seconds([(b"retry-after", value)]) == seconds
+
+
+def test_a_huge_retry_after_cools_a_credential_for_max_cooldown_only() -> None:
+    seconds = retry_after_seconds([(b"retry-after", b"9" * 400)])
+    mark = credential_mark(
+        status=429, failure=False, retry_after=seconds, default_cooldown=5, max_cooldown=300
+    )
+    assert mark is not None and (mark.action, mark.seconds) == ("cool_down", 300)

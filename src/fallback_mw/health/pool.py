@@ -206,7 +206,9 @@ def retry_after_seconds(headers: Iterable[tuple[bytes, bytes]]) -> float | None:
         if key == b"retry-after":
             text = value.decode("latin-1").strip()
             if text.isascii() and text.isdigit():  # `²` is a digit to isdigit, not to float
-                return float(text[:9])
+                # Whole: the first 9 digits of `0000000000120` said 0 (no cool-down at all).
+                # A huge value is a huge float (inf at worst), capped by the caller.
+                return float(text)
             try:
                 when = parsedate_to_datetime(text)
             except (TypeError, ValueError, IndexError):
