@@ -466,6 +466,40 @@ async def test_clearing_a_revoke_fault_gives_the_pool_its_credentials_back(
 
 
 @pytest.mark.anyio
+async def test_a_pool_a_revoke_fault_emptied_says_the_fault_not_replace_the_keys(
+    tmp_path: Path, pair: tuple[Upstream, Upstream]
+) -> None:
+    """Every credential of a pool-only route retired by a `revoke` fault: the 503 names the
+    fault and how to end it, not "put valid keys in ... and restart" (the keys are fine)."""
+    primary, backup = pair
+    store = f"sqlite:///{tmp_path / 'gw.db'}"
+    conf = gateway_config(store, primary.url, backup.url)
+    conf["routes"][0]["plan"] = ["primary"]
+    conf["upstreams"]["primary"]["auth_env"] = ["FMW_POOL_A", "FMW_POOL_B"]
+    gateway = Gateway(host_app, config=conf, environ={"FMW_POOL_A": "sk-a", "FMW_POOL_B": "sk-b"})
+    runtime = gateway.services.store
+    assert runtime is not None
+    try:
+        async with client_for(gateway) as client:
+            assert (await client.get("/v1/x")).status_code == 200  # starts the reloader
+            status, _, err = await cli(
+                "faults", "set", "revoke", "--store", store, "--upstream", "primary",
+                "--ttl", "600",
+            )  # fmt: skip
+            assert status == 0, err
+            await until(lambda: _true(runtime.faults.active_upstreams() == {"primary"}))
+            assert (await client.get("/v1/x")).status_code == 401  # both retired by the fault
+            response = await client.get("/v1/x")
+    finally:
+        await gateway.aclose()
+    assert (response.status_code, response.headers.get("x-gateway-fault")) == (503, "1")
+    message = response.json()["error"]["message"]
+    assert "retired by the revoke fault on it" in message, message
+    assert "fallback-mw faults clear --upstream primary" in message
+    assert "put valid keys" not in message
+
+
+@pytest.mark.anyio
 async def test_redis_every_process_reports_the_reverted_breaker_closed(redis_url: str) -> None:
     # Two gateway processes share the breaker; each reports the transitions it saw to its
     # own gauge. After the revert both must say closed, or FallbackMwBreakerOpen (max over

@@ -483,12 +483,17 @@ def _skip_remedy(context: RequestContext) -> str:
     if revoked and not retired_for_now(context, unset, revoked):
         reasons.pop("no_credential", None)  # none of them comes back by itself
     remedies = [_SKIP_REMEDY[r] for r in reasons if r in _SKIP_REMEDY]
+    faults = {s.candidate: s.fault for s in context.skipped if s.reason == "no_credential"}
     for name in reversed(revoked):
         envs = ", ".join(context.upstreams[name].credential_envs)
+        fault = faults.get(name)
         remedies.insert(
             0,
-            f"every credential of {name!r} answered 401 and is retired, which does not end "
-            f"by itself: put valid keys in {envs} and restart the gateway; a shared Redis "
+            f"every credential of {name!r} was retired by the {fault} fault on it: "
+            f"`fallback-mw faults clear --upstream {name}` (or its expiry) gives them back"
+            if fault
+            else f"every credential of {name!r} answered 401 and is retired, which does not "
+            f"end by itself: put valid keys in {envs} and restart the gateway; a shared Redis "
             "state keeps a retirement 24 h across restarts, so there list a working key "
             "under a new variable name in its auth_env (a changed list starts the pool's "
             "health afresh)",
