@@ -520,3 +520,47 @@ async def test_a_fallback_moved_to_another_url_by_the_store_starts_with_a_closed
             # The primary's url did not change: its breaker is still open.
             assert response.headers["x-gateway-skipped"] == "st-primary;reason=breaker_open"
     assert (primary.count, old.count, new.count) == (2, 2, 1)
+
+
+@pytest.mark.anyio
+async def test_a_hedge_that_is_the_probe_is_judged_by_its_own_answer() -> None:
+    """The first attempt was admitted while the breaker was closed; the breaker opened and
+    half-opened meanwhile, so the hedge at the same upstream is the probe. The hedge's head
+    won, and the first attempt, cancelled as the loser, released the slot by upstream name:
+    the probe's, so the probe's own success, booked next, was ignored and the breaker stayed
+    half-open. Each attempt now ends its own admission: the probe's success closes it."""
+    gates = {"first": asyncio.Event(), "hedge": asyncio.Event()}
+    arrivals: list[str] = []
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        if request.path.endswith("/fail"):
+            return web.Response(status=503)
+        if request.path.endswith("/race"):
+            arrivals.append("race")
+            if len(arrivals) == 1:
+                await gates["first"].wait()
+                return web.Response(status=503)
+            await gates["hedge"].wait()
+        return web.Response(body=b"primary")
+
+    clock = Clock()
+    health = MemoryHealth(BreakerConfig(**BREAKER), clock=clock)
+    async with upstream(handle) as primary:
+        conf = config({"primary": primary}, ["primary"], retries=1, hedge_after_ms=1000)
+        async with gateway_client(conf, health=health) as (client, _):
+            race = asyncio.ensure_future(client.get("/v1/race"))
+            await wait_for_count(primary, 1)  # admitted by the closed breaker
+            for _ in range(2):  # 3 failures (a retry each, the second skipped): open
+                assert (await client.get("/v1/fail")).status_code == 502
+            assert health.breaker("primary").state == "open"
+            assert primary.count == 4
+            clock.now += 0.1  # the cooldown is over: the hedge will be the half-open probe
+            await wait_for_count(primary, 5)
+            assert health.breaker("primary").state == "half_open"
+            gates["hedge"].set()  # the probe's head wins; the first attempt is cancelled
+            response = await race
+            gates["first"].set()
+            assert (response.status_code, response.text) == (200, "primary")
+            assert health.breaker("primary").state == "closed"
+            response = await client.get("/v1/x")
+            assert response.text == "primary", response.headers.get("x-gateway-skipped")

@@ -253,10 +253,12 @@ class AttemptLifecycle:
             inject_headers=telemetry.inject_headers,
         )  # fmt: skip
         self.reservations: dict[str, Reservation] = {}  # the latest, per upstream
-        # The latest breaker admission per upstream: its outcome or release names it, so a
-        # half-open breaker heeds only its probe. (A hedge at the same upstream is admitted
-        # only by a closed breaker, as its first attempt was: either admission will do.)
+        # The latest breaker admission per upstream (`gate`), then each started attempt's
+        # own (`start`, by the record's id): its outcome or release names it, so a
+        # half-open breaker heeds only its probe, also when a hedge at the same upstream is
+        # the probe and the attempt it races was admitted before the breaker opened.
         self.admissions: dict[str, Admission] = {}
+        self._admitted: dict[int, Admission] = {}
 
     async def gate(self, name: str, upstream: UpstreamConfig, *, repeat: bool) -> Reservation | str:
         """The body, the breaker, then declared capacity (and, for a repeat or a hedge, the
@@ -297,6 +299,9 @@ class AttemptLifecycle:
             credential_index=credential_index, hedge=hedge,
         )  # fmt: skip
         context.attempts.append(record)
+        admission = self.admissions.get(name)
+        if admission is not None:  # the admission `gate` just made for this attempt
+            self._admitted[id(record)] = admission
         self.telemetry.attempt_started(context, record)
         return record
 
@@ -319,8 +324,9 @@ class AttemptLifecycle:
             record.failure_kind = outcome.failure_kind or "status"
         self.telemetry.attempt_finished(self.context, record)
         await self.mark_health(
-            record.candidate, record.credential_index, outcome, response, latency=record.duration
-        )
+            record.candidate, record.credential_index, outcome, response,
+            latency=record.duration, admission=self._admitted.get(id(record)),
+        )  # fmt: skip
 
     async def mark_health(
         self,
@@ -330,9 +336,12 @@ class AttemptLifecycle:
         response: UpstreamResponse | None,
         *,
         latency: float | None = None,
+        admission: Admission | None = None,
     ) -> bool | None:
         """The one place an outcome reaches the breaker and the credential's health.
-        Returns the mark (True a failure, False a success, None nothing recorded)."""
+        Returns the mark (True a failure, False a success, None nothing recorded).
+        `admission`: the attempt's (default: the latest at `name`)."""
+        admission = admission or self.admissions.get(name)
         mark = health_mark(outcome, self.failover_status)
         # The fault ended (cleared, expired) while this attempt hung on it: the revert has
         # reset the breaker, and a late outcome of the fault must not open it again with no
@@ -345,11 +354,9 @@ class AttemptLifecycle:
         ):
             mark = None
         if mark is None:
-            await self.release(name)
+            await self.health.release(name, admission)
             return None
-        await self.health.record(
-            name, failure=mark, fault=outcome.fault, admission=self.admissions.get(name)
-        )
+        await self.health.record(name, failure=mark, fault=outcome.fault, admission=admission)
         if credential_index is not None:
             await self.health.credential_result(
                 name,
@@ -387,12 +394,13 @@ class AttemptLifecycle:
         record.failure_kind = "cancelled"
         record.decision, record.reason = "abort", "lost the hedge race"
         self.telemetry.attempt_finished(self.context, record)
-        await self.release(record.candidate)
+        await self.release(record.candidate, record)
 
-    async def release(self, name: str) -> None:
-        """The attempt at `name` ended for a local reason: the probe slot it held (if it was
-        the half-open probe) is freed, nothing recorded."""
-        await self.health.release(name, self.admissions.get(name))
+    async def release(self, name: str, record: AttemptRecord | None = None) -> None:
+        """The attempt at `name` (`record`, once started) ended for a local reason: the probe
+        slot it held (if it was the half-open probe) is freed, nothing recorded."""
+        admission = self._admitted.get(id(record)) if record is not None else None
+        await self.health.release(name, admission or self.admissions.get(name))
 
     async def settle_tokens(self, name: str) -> None:
         """The usage the upstream reported (metered as the response went to the client)

@@ -258,7 +258,7 @@ class _Walk:
                 # the upstream, and a half-open probe slot the attempt held is free now, not
                 # at the end of its lease (every request skipped the upstream meanwhile).
                 with anyio.CancelScope(shield=True):
-                    await attempts.release(pick.name)
+                    await attempts.release(pick.name, record)
                 raise
             await attempts.finish(record, outcome, response)
             if await self._act(outcome, response, pick.name, record):
