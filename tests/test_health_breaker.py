@@ -145,3 +145,24 @@ def test_pool_rotation_exclusion_retirement_and_affinity() -> None:
     # The session stays on its new credential while that one is healthy, even after the
     # old one has cooled down.
     assert all(pool.pick(3, exclude=set(), session="s", now=20) == moved for _ in range(5))
+
+
+def test_a_half_open_breaker_heeds_only_its_probe() -> None:
+    """The machine's side of test_health.py's straggler tests: an admission the closed
+    breaker made, or a probe whose lease ran out and was replaced, neither decides a
+    half-open breaker nor frees the current probe's slot."""
+    breaker = Breaker(CONFIG, probe_lease=10)
+    assert breaker.admit(0)[0] and breaker.admission() == ""  # a closed breaker's
+    for _ in range(3):
+        breaker.record(failure=True, now=0)
+    assert breaker.admit(0.1) == (True, "half_open")
+    first = breaker.admission()
+    assert breaker.record(failure=False, now=0.2, probe="") is None  # the straggler's
+    breaker.release("")
+    assert breaker.admit(0.2) == (False, None)  # the slot is still the probe's
+    assert breaker.admit(10.2) == (True, None)  # its lease ran out: a second probe
+    second = breaker.admission()
+    assert second != first
+    assert breaker.record(failure=True, now=10.3, probe=first) is None  # stale
+    assert breaker.state == "half_open"
+    assert breaker.record(failure=False, now=10.3, probe=second) == "closed"
