@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import anyio
 import pytest
 from aiohttp import web
 from opentelemetry.sdk.metrics import MeterProvider
@@ -392,3 +393,55 @@ async def test_a_copys_reported_tokens_count_against_the_shadows_tpm(
             await gateway.aclose()
     assert shadow.count == 2  # 600, then 1200: the third would exceed tpm
     assert recorded.shadow_outcomes() == {"answered": 2, "capacity": 1}
+
+
+async def test_copies_hanging_on_a_shadow_that_is_also_a_fallback_never_hold_its_connections() -> (
+    None
+):
+    """The shadow candidate is the backup of another route, `max_connections = 2`. Copies it
+    is slow to answer hold connection slots of their own (a quarter, at least one): a real
+    failover to the backup is answered at once, not after the copies' deadline."""
+    copies = 0
+
+    async def backup(request: web.Request) -> web.StreamResponse:
+        nonlocal copies
+        if request.path.startswith("/s/"):  # a copy: hangs until its deadline
+            copies += 1
+            await asyncio.sleep(3600)
+        return web.Response(text="backup says")
+
+    async with (
+        upstream(status_handler(200)) as primary,
+        upstream(status_handler(503)) as failing,
+        upstream(backup) as backup_upstream,
+    ):
+        conf = {
+            "gateway": {"allow_hosts": ["127.0.0.1"], "deadline_ms": 30_000},
+            "upstreams": {
+                "primary": {"url": primary.url},
+                "failing": {"url": failing.url},
+                "backup": {"url": backup_upstream.url, "max_connections": 2},
+            },
+            "routes": [
+                {"id": "shadowed", "prefix": "/s/", "plan": ["primary"], "retries": 0,
+                 "shadow": "backup", "shadow_percent": 100.0},
+                {"id": "chat", "prefix": "/v1/", "plan": ["failing", "backup"], "retries": 1},
+            ],
+        }  # fmt: skip
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                for session in range(4):
+                    await client.get("/s/x", headers={"x-session-id": f"user-{session}"})
+                await settled(gateway, lambda: copies >= 1)
+                await asyncio.sleep(0.1)  # the rest queue behind their own slot
+                started = time.monotonic()
+                with anyio.fail_after(5):
+                    response = await client.get("/v1/chat")
+                elapsed = time.monotonic() - started
+        finally:
+            await gateway.aclose()
+    assert response.status_code == 200
+    assert response.text == "backup says"
+    assert elapsed < 2
+    assert copies == 1  # max(1, 2 // 4): one copy at a time on the backup

@@ -174,7 +174,7 @@ class ShadowTraffic:
         attempts = AttemptLifecycle(
             context, body, parsed, client=self.client, faults=self.faults, health=self.health,
             capacity=self.capacity, telemetry=self.telemetry,
-            ask=asker(body.buffered, parsed, None),
+            ask=asker(body.buffered, parsed, None), shadow=True,
         )  # fmt: skip
         reservation = await attempts.gate(name, upstream, repeat=False)
         if isinstance(reservation, str):

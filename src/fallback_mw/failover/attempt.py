@@ -78,6 +78,16 @@ class SyntheticResponse:
         return None
 
 
+def connection_slots(upstream: UpstreamConfig, *, shadow: bool) -> int:
+    """The connection cap an attempt waits under. Shadow copies have slots of their own
+    (a space in the key: no upstream name has one), a quarter of `max_connections`, at
+    least one: a copy the candidate is slow to answer holds one of those, never one a real
+    attempt (the candidate may also be a fallback) would wait for."""
+    if not shadow:
+        return upstream.max_connections
+    return max(1, upstream.max_connections // 4)
+
+
 class AttemptRunner:
     """Runs attempts for one request. The hedge drives it through `run` only."""
 
@@ -90,6 +100,7 @@ class AttemptRunner:
         client: UpstreamClient,
         faults: FaultSource,
         inject_headers: Any,
+        shadow: bool = False,
     ) -> None:
         self.context = context
         self.body = body
@@ -97,6 +108,7 @@ class AttemptRunner:
         self.client = client
         self.faults = faults
         self.inject_headers = inject_headers
+        self.shadow = shadow  # a shadow copy: its own connection slots (shadow_slots)
         # What every attempt of the request sends alike, made on the first attempt: the
         # quoted path and query, the caller's cleaned headers as text.
         self._target: str | None = None
@@ -191,8 +203,8 @@ class AttemptRunner:
                     headers=headers,
                     body=self._request_body(upstream),
                     timeouts=timeouts,
-                    max_connections=upstream.max_connections,
-                    pool_key=name,
+                    max_connections=connection_slots(upstream, shadow=self.shadow),
+                    pool_key=f"{name} shadow" if self.shadow else name,
                     ca_file=upstream.ca_file,
                     proxy=upstream.proxy,
                 )
@@ -241,6 +253,7 @@ class AttemptLifecycle:
         capacity: CapacityState,
         telemetry: Telemetry,
         ask: Callable[[str, UpstreamConfig, bool], Ask],
+        shadow: bool = False,
     ) -> None:
         self.context = context
         self.health = health
@@ -250,7 +263,7 @@ class AttemptLifecycle:
         self.failover_status = context.route.failover_status  # a few codes: a tuple will do
         self.runner = AttemptRunner(
             context, body, parsed, client=client, faults=faults,
-            inject_headers=telemetry.inject_headers,
+            inject_headers=telemetry.inject_headers, shadow=shadow,
         )  # fmt: skip
         self.reservations: dict[str, Reservation] = {}  # the latest, per upstream
         # The latest breaker admission per upstream (`gate`), then each started attempt's
