@@ -133,6 +133,24 @@ async def test_requests_beyond_max_concurrency_get_a_fast_503_overloaded() -> No
     assert len(accepted) == 2  # the third never reached the upstream
 
 
+async def test_a_503_overloaded_says_when_to_retry() -> None:
+    """The openai and anthropic SDKs retry a 503 at once unless told: Retry-After."""
+    async with silent_server() as (url, accepted):
+        gateway = Gateway(host_app, config=config(url, max_concurrency=1))
+        try:
+            async with serve_asgi(gateway) as base, anyio.create_task_group() as group:
+                group.start_soon(exchange, base, get("/v1/hang"))
+                await eventually(lambda: len(accepted) == 1)
+                second = await exchange(base, get("/v1/second"))
+                group.cancel_scope.cancel()
+        finally:
+            await gateway.aclose()
+    head = second.partition(b"\r\n\r\n")[0].lower()
+    assert error_code(second) == (503, "overloaded")
+    assert b"\r\nretry-after: 1\r\n" in head + b"\r\n"
+    assert b"max_concurrency" in second
+
+
 # --- in the server, as `serve` runs it -----------------------------------------------
 
 

@@ -34,6 +34,8 @@ from fallback_mw.telemetry import Telemetry
 
 # More digits than this is longer than any deadline (600000 ms): it can shorten nothing.
 _DEADLINE_DIGITS = 7
+# A 503 overloaded's Retry-After: whole seconds, the smallest (slots free as requests end).
+_RETRY_SOON = ((b"retry-after", b"1"),)
 
 
 def requested_deadline_ms(text: str | None) -> int | None:
@@ -232,8 +234,13 @@ class RouteResolver:
                 return
             if not self.in_flight.try_enter():
                 limit = self.in_flight.limit
-                message = f"more than {limit} requests in flight (max_concurrency)"
-                await send_error(send, context, "overloaded", message)
+                message = (
+                    f"more than {limit} requests in flight (max_concurrency); retry after "
+                    "the Retry-After seconds, or raise max_concurrency"
+                )
+                # Nothing was sent upstream: a retry is safe, and the slots free as the
+                # requests in flight end. Without the header SDKs retry at once.
+                await send_error(send, context, "overloaded", message, headers=list(_RETRY_SOON))
                 await self._record(context)
                 return
             try:
