@@ -445,3 +445,36 @@ async def test_copies_hanging_on_a_shadow_that_is_also_a_fallback_never_hold_its
     assert response.text == "backup says"
     assert elapsed < 2
     assert copies == 1  # max(1, 2 // 4): one copy at a time on the backup
+
+
+async def test_the_bodies_copies_hold_in_flight_are_bounded(recorded: Recorded) -> None:
+    """A copy keeps the request body alive until its own deadline, and a caller picks a
+    session id in the slice: 256 hanging copies of an 8 MiB replay_buffer would hold 2 GiB.
+    The copies in flight hold at most 64 MiB of bodies between them; the rest are dropped."""
+    reached = asyncio.Event()
+
+    async def hang(request: web.Request) -> web.StreamResponse:
+        reached.set()
+        await asyncio.sleep(3600)
+        return web.Response()
+
+    body = b"x" * (1 << 20)  # the default replay_buffer: buffered, so copied
+    async with upstream(status_handler(200, b"primary says")) as primary, upstream(hang) as shadow:
+        gateway = Gateway(
+            host_app, config=config(primary.url, shadow.url, replayable_methods=["POST"]),
+            environ=ENV, telemetry=recorded.telemetry,
+        )  # fmt: skip
+        shadows = gateway.services.shadows
+        try:
+            async with client_for(gateway) as client:
+                for session in range(65):
+                    headers = {"x-session-id": f"user-{session}"}
+                    response = await client.post("/v1/chat", headers=headers, content=body)
+                    assert response.text == "primary says"
+                await asyncio.wait_for(reached.wait(), 10)
+            assert shadows.in_flight == 64  # 64 x 1 MiB: the 65th would pass 64 MiB
+            assert recorded.shadow_outcomes() == {"overloaded": 1}
+        finally:
+            await gateway.aclose()
+    assert shadows.in_flight == 0
+    assert shadows.bytes_in_flight == 0

@@ -9,8 +9,9 @@ by that upstream's breaker and declared capacity like any attempt, and feeds its
 Only a request in the slice (`shadow_percent` of sessions, deterministic per session),
 whose body was buffered and whose method is replayable, is copied.
 
-`ShadowTraffic` owns the copies in flight: at most `max_in_flight` at once (a copy over the
-limit is dropped and counted), each tracked so `aclose` cancels them and closes their
+`ShadowTraffic` owns the copies in flight: at most `max_in_flight` at once, holding at most
+`max_in_flight_bytes` of request bodies between them (a copy over either limit is dropped
+and counted), each tracked so `aclose` cancels them and closes their
 connections before the upstream client goes away."""
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ from fallback_mw.timers import deadline_after
 from fallback_mw.upstream.base import UpstreamClient, UpstreamError
 
 MAX_IN_FLIGHT = 256
+# The request bodies copies in flight may keep alive between them: a copy holds its body
+# until its own deadline, long after the caller's request has ended (256 copies of an
+# 8 MiB replay_buffer would be 2 GiB; a caller picks a session id in the slice).
+MAX_IN_FLIGHT_BYTES = 64 * 1024 * 1024
 
 
 def in_shadow_slice(route: RouteConfig, session: str | None, salt: str) -> bool:
@@ -96,6 +101,7 @@ class ShadowTraffic:
         deadline_ms: int,
         max_response_body: int,
         max_in_flight: int = MAX_IN_FLIGHT,
+        max_in_flight_bytes: int = MAX_IN_FLIGHT_BYTES,
     ) -> None:
         self.client = client
         self.health = health
@@ -105,6 +111,8 @@ class ShadowTraffic:
         self.deadline_ms = deadline_ms
         self.max_response_body = max_response_body
         self.max_in_flight = max_in_flight
+        self.max_in_flight_bytes = max_in_flight_bytes
+        self.bytes_in_flight = 0  # the buffered bodies the copies in flight hold
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
 
@@ -116,9 +124,14 @@ class ShadowTraffic:
         self, name: str, context: RequestContext, body: RequestBody, parsed: dict[str, Any] | None
     ) -> bool:
         """Start a copy of the request to `name` in the background; False when it was not
-        started (shutting down, or too many copies in flight)."""
+        started (shutting down, or too many copies or body bytes in flight)."""
         span = self.telemetry.shadow_started(context, name)
-        if self._closed or len(self._tasks) >= self.max_in_flight:
+        size = len(body.buffered) if body.buffered is not None else 0
+        if (
+            self._closed
+            or len(self._tasks) >= self.max_in_flight
+            or self.bytes_in_flight + size > self.max_in_flight_bytes
+        ):
             self.telemetry.shadow_finished(span, context.route.id, name, "overloaded", None, 0.0)
             return False
         route = context.route
@@ -131,7 +144,13 @@ class ShadowTraffic:
         )  # fmt: skip
         task = asyncio.create_task(self._run(name, copy, body, parsed, span))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.bytes_in_flight += size
+
+        def done(task: asyncio.Task[None]) -> None:
+            self._tasks.discard(task)
+            self.bytes_in_flight -= size
+
+        task.add_done_callback(done)
         return True
 
     async def _run(
