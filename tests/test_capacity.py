@@ -157,6 +157,42 @@ async def test_nothing_attempted_is_route_exhausted(recorded: Recorded) -> None:
     assert recorded.skip_events() == [("only", "capacity")]
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["memory", "redis"])
+async def test_a_503_for_full_capacity_says_when_the_minute_has_room(
+    shared: bool, request: pytest.FixtureRequest
+) -> None:
+    """Every candidate skipped for `capacity`: the 503 carries Retry-After, the seconds
+    until the rolling minute lets out enough to fit (here: the first of the two requests,
+    a minute after it). A request whose estimate is over the whole tpm never fits: none."""
+    state = request.getfixturevalue("redis_url") if shared else "memory://"
+    async with upstream(status_handler(200, b"only")) as only:
+        conf = {
+            "gateway": {"state": state},
+            "upstreams": {
+                "only": {"url": only.url, "rpm": 2},
+                "small": {"url": only.url + "/small", "tpm": 100},
+            },
+            "routes": [
+                {"id": "chat", "prefix": "/v1/", "plan": ["only"]},
+                {"id": "small", "prefix": "/s/", "plan": ["small"], "replayable_methods": ["POST"]},
+            ],
+        }
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                responses = [await client.get("/v1/chat") for _ in range(3)]
+                too_big = await client.post("/s/x", json={"max_tokens": 1000})
+        finally:
+            await gateway.aclose()
+    assert [r.status_code for r in responses] == [200, 200, 503]
+    assert "retry-after" not in responses[0].headers
+    assert 58 <= int(responses[2].headers["retry-after"]) <= 60
+    assert responses[2].headers["x-gateway-skipped"] == "only;reason=capacity"
+    assert too_big.status_code == 503
+    assert too_big.headers["x-gateway-skipped"] == "small;reason=capacity"
+    assert "retry-after" not in too_big.headers
+
+
 async def test_tpm_counts_the_request_estimate(recorded: Recorded) -> None:
     async with upstream(status_handler(200, b"ok")) as only:
         conf = {

@@ -219,3 +219,40 @@ async def test_first_attempts_reach_redis_without_a_round_trip_each(redis_url: s
     finally:
         await one.aclose()
         await two.aclose()
+
+
+async def test_free_in_is_when_the_oldest_seconds_leave_the_minute() -> None:
+    """The Retry-After of a 503 whose candidates were full: when enough of the minute's
+    oldest seconds have left it for one more request to fit."""
+    clock = Clock()
+    limits = MemoryCapacity(BUDGET, clock=clock)
+    assert await limits.free_in("backup", ask(rpm=3)) == 0  # nothing counted: room now
+    for step in (0, 10, 20):  # one request at t, t+10, t+20
+        clock.now += step and 10
+        assert isinstance(
+            await limits.reserve("backup", ask(rpm=3, tpm=100, tokens=30)), Reservation
+        )
+    clock.now += 5  # t+25: full; the oldest leaves at t+60
+    assert await limits.reserve("backup", ask(rpm=3)) == "capacity"
+    assert await limits.free_in("backup", ask(rpm=3)) == 35
+    # 70 of 100 tokens wanted: the first two seconds must leave (t+70)
+    assert await limits.free_in("backup", ask(tpm=100, tokens=70)) == 45
+    assert await limits.free_in("backup", ask(tpm=100, tokens=101)) is None  # never fits
+    clock.now += 35
+    assert isinstance(await limits.reserve("backup", ask(rpm=3)), Reservation)
+
+
+async def test_free_in_reads_the_shared_count_through_redis(redis_url: str) -> None:
+    one, two = shared(redis_url), shared(redis_url)
+    try:
+        for _ in range(2):
+            assert isinstance(await one.reserve("backup", ask(rpm=2)), Reservation)
+        assert await two.reserve("backup", ask(rpm=2)) == "capacity"
+        wait = await two.free_in("backup", ask(rpm=2))  # the other process's two requests
+        assert wait is not None and 58 <= wait <= 60
+        assert await two.free_in("backup", ask(rpm=3)) == 0
+        assert await two.free_in("idle", ask(rpm=1)) == 0
+        assert await two.free_in("backup", ask(tpm=10, tokens=11)) is None
+    finally:
+        await one.aclose()
+        await two.aclose()

@@ -14,6 +14,7 @@ from fallback_mw.capacity.model import (
     Ask,
     Refusal,
     Reservation,
+    capacity_free_in,
     repeat_allowed,
     within_capacity,
 )
@@ -106,6 +107,12 @@ class MemoryCapacity:
             capacity.adjust(reservation.second, _REQUESTS, -1)
             capacity.adjust(reservation.second, _TOKENS, -reservation.tokens)
         allowance.adjust(reservation.second, _REPEATS if reservation.repeat else _FIRSTS, -1)
+
+    async def free_in(self, upstream: str, ask: Ask) -> float | None:
+        capacity = self._capacity.get(upstream)
+        buckets = capacity.buckets if capacity is not None else ()
+        rows = [(second, counts[_REQUESTS], counts[_TOKENS]) for second, counts in buckets]
+        return capacity_free_in(rows, int(self.clock()), ask)
 
     async def aclose(self) -> None:
         return None

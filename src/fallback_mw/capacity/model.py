@@ -3,6 +3,7 @@ package, so the package may import them without a cycle)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol
 
 if TYPE_CHECKING:
@@ -44,6 +45,24 @@ def within_capacity(requests: int, tokens: int, ask: Ask) -> bool:
     return ask.tpm is None or tokens + ask.tokens <= ask.tpm
 
 
+def capacity_free_in(buckets: Iterable[tuple[int, int, int]], now: int, ask: Ask) -> float | None:
+    """Seconds until one more request of `ask.tokens` fits, from the window's one-second
+    buckets (second, requests, tokens), oldest first: the time the oldest buckets whose
+    leaving makes room leave the rolling minute. None when it never fits."""
+    if ask.tpm is not None and ask.tokens > ask.tpm:
+        return None
+    rows = [(second, r, t) for second, r, t in buckets if now - second < CAPACITY_WINDOW]
+    requests = sum(r for _, r, _ in rows)
+    tokens = sum(t for _, _, t in rows)
+    if within_capacity(requests, tokens, ask):
+        return 0.0
+    for second, r, t in sorted(rows):
+        requests, tokens = requests - r, tokens - t
+        if within_capacity(requests, tokens, ask):
+            return float(second + CAPACITY_WINDOW - now)
+    return 0.0
+
+
 def repeat_allowed(firsts: int, repeats: int, config: RepeatAllowanceConfig) -> bool:
     """Finagle's RetryBudget: one more repeat stays within `percent` of the first attempts
     in the window plus a floor of `min_per_second` over the window. (The Redis script
@@ -64,6 +83,12 @@ class CapacityState(Protocol):
     async def cancel(self, reservation: Reservation) -> None:
         """The admitted attempt was not made after all (e.g. the deadline passed during
         the backoff): take it back."""
+        ...
+
+    async def free_in(self, upstream: str, ask: Ask) -> float | None:
+        """Seconds until `ask` fits within the upstream's declared limits as the minute
+        rolls (0: now; None: never, an estimate over the whole `tpm`). Asked only when a
+        walk found no candidate to attempt (the Retry-After of 503 route_exhausted)."""
         ...
 
     async def aclose(self) -> None: ...

@@ -22,7 +22,13 @@ import time
 from typing import Any
 
 from fallback_mw.capacity.memory import MemoryCapacity
-from fallback_mw.capacity.model import CAPACITY_WINDOW, Ask, Refusal, Reservation
+from fallback_mw.capacity.model import (
+    CAPACITY_WINDOW,
+    Ask,
+    Refusal,
+    Reservation,
+    capacity_free_in,
+)
 from fallback_mw.config import RepeatAllowanceConfig
 from fallback_mw.health.redis import RedisHealth
 
@@ -92,6 +98,27 @@ for i = 1, #ARGV, 2 do
   end
 end
 return 0
+"""
+
+
+# KEYS[1] the upstream's hash. Returns {now, second, requests, tokens, ...} for the seconds
+# of the rolling minute (capacity.capacity_free_in does the arithmetic).
+WINDOW = """
+local now = tonumber(redis.call('TIME')[1])
+local fields = redis.call('HGETALL', KEYS[1])
+local seconds, out = {}, {now}
+for i = 1, #fields, 2 do
+  local kind, second = string.sub(fields[i], 1, 1), string.sub(fields[i], 3)
+  if (kind == 'r' or kind == 't') and now - tonumber(second) < 60 then
+    local row = seconds[second]
+    if row == nil then row = {0, 0}; seconds[second] = row end
+    if kind == 'r' then row[1] = tonumber(fields[i + 1]) else row[2] = tonumber(fields[i + 1]) end
+  end
+end
+for second, row in pairs(seconds) do
+  out[#out + 1] = tonumber(second); out[#out + 1] = row[1]; out[#out + 1] = row[2]
+end
+return out
 """
 
 
@@ -203,6 +230,14 @@ class RedisCapacity:
         if reservation.counted:
             deltas += [("r", -1), ("t", -reservation.tokens)]
         await self._adjust(reservation, deltas)
+
+    async def free_in(self, upstream: str, ask: Ask) -> float | None:
+        result = await self.redis.run_script("capacity_window", WINDOW, [self._key(upstream)], [])
+        if result is None:  # Redis unreachable: what this process counted alone
+            return await self.local.free_in(upstream, ask)
+        values = [int(v) for v in result]
+        rows = zip(values[1::3], values[2::3], values[3::3], strict=True)
+        return capacity_free_in(rows, values[0], ask)
 
     async def aclose(self) -> None:
         if self.owned:

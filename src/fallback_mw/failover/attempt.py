@@ -293,6 +293,12 @@ class AttemptLifecycle:
         self.reservations[name] = reservation
         return reservation
 
+    async def capacity_free_in(self, name: str) -> float | None:
+        """Seconds until an attempt at `name` fits its declared `rpm` / `tpm` (a 503's
+        Retry-After; None: never)."""
+        upstream = self.context.upstreams[name]
+        return await self.capacity.free_in(name, self.ask(name, upstream, False))
+
     async def cancel(self, name: str, reservation: Reservation) -> None:
         """Through the gates but never started (e.g. the deadline passed in the backoff)."""
         await self.release(name)

@@ -464,8 +464,9 @@ _SKIP_REMEDY = {
     "retired does not return (for the gateway's life; 24 h in a Redis state, restarts "
     "included): list a working key under a new variable name in the upstream's auth_env "
     "pool (a changed list starts the pool's health afresh)",
-    "capacity": "a declared rpm / tpm is full until its minute turns; raise the upstream's "
-    "rpm / tpm (fallback-mw capacity)",
+    "capacity": "a declared rpm / tpm is full until the rolling minute frees room "
+    "(Retry-After says when), or the request's token estimate is over the whole tpm; raise "
+    "the upstream's rpm / tpm (fallback-mw capacity)",
     "repeat_budget": _REMEDY["repeat_budget"],
     "model_rewrite": "a candidate that rewrites the model takes only a JSON object body within "
     "[gateway] replay_buffer",

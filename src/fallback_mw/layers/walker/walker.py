@@ -312,7 +312,7 @@ class _Walk:
             assert decision.error is not None
             headers = []
             if decision.error == "route_exhausted":  # asked only here: no cost when served
-                headers = await retry_after(self.context, self.walker.health)
+                headers = await retry_after(self.context, self.walker.health, self.attempts)
             await send_error(
                 self.send, self.context, decision.error, error_message(decision, self.context),
                 rule=decision.rule, headers=headers,
@@ -341,19 +341,27 @@ class _Walk:
             self.walker.telemetry.response_aborted(self.context, record)
 
 
-async def retry_after(context: RequestContext, health: HealthState) -> list[tuple[bytes, bytes]]:
+async def retry_after(
+    context: RequestContext, health: HealthState, attempts: AttemptLifecycle
+) -> list[tuple[bytes, bytes]]:
     """The Retry-After of a 503 route_exhausted: whole seconds until the first skipped
-    candidate may be attempted again (its breaker half-opens, a pool credential returns).
-    No header when that is not known: a declared capacity or repeat allowance frees as its
-    window rolls, and a candidate that never returns by itself (retired credentials, a
-    credential unset at run time, a model rewrite the body cannot take) is not waited for."""
+    candidate may be attempted again (its breaker half-opens, a pool credential returns,
+    its declared rpm / tpm has room as the minute rolls). No header when that is not
+    known: a repeat allowance frees as its window rolls, and a candidate that never
+    returns by itself (retired credentials, a credential unset at run time, a model
+    rewrite the body cannot take, an estimate over its whole tpm) is not waited for."""
     waits: list[float] = []
     revoked: list[str] = []
     for name, reason in dict.fromkeys((s.candidate, s.reason) for s in context.skipped):
+        if reason == "capacity":
+            wait = await attempts.capacity_free_in(name)
+            if wait is not None:
+                waits.append(wait)
+            continue
         if reason not in ("breaker_open", "no_credential"):
             if reason == "model_rewrite":
                 continue
-            return []  # capacity, repeat_budget: back sooner than anything said here
+            return []  # repeat_budget: back sooner than anything said here
         pool = len(context.upstreams[name].credential_envs)
         if pool and not any(context.credential(name, i) is not None for i in range(pool)):
             continue  # its variable is unset: no wait brings it back
