@@ -176,6 +176,42 @@ async def test_the_server_refuses_an_8mib_head_before_buffering_it(http: str) ->
     assert primary.count == 1
 
 
+def fields_of(total: int) -> list[tuple[bytes, bytes]]:
+    """Header fields (besides `get`'s host and connection) that bring the request's fields
+    to exactly `total` bytes as max_header_bytes counts them (name + value + 4 each), in
+    values the test upstream takes (under its 8 KiB field limit)."""
+    left = total - (4 + 2 + 4) - (10 + 5 + 4)  # host: gw, connection: close
+    fields = []
+    for i in range(100):
+        name = b"x-f%02d" % i
+        size = min(left - len(name) - 4, 7000)
+        if size <= 0:
+            break
+        fields.append((name, b"v" * size))
+        left -= len(name) + 4 + size
+    assert left == 0, left
+    return fields
+
+
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+async def test_header_fields_exactly_at_max_header_bytes_pass_under_serve(http: str) -> None:
+    """The limit counts header fields (docs/configuration.md), as the gateway does in any
+    server: fields of exactly max_header_bytes are served under `serve` too (its guard once
+    counted the request line and final CRLF as well, and refused them), one byte more is
+    the gateway's 431."""
+    async with upstream(status_handler(200, b"ok")) as primary:
+        gateway = Gateway(host_app, config=config(primary.url))
+        try:
+            async with guarded(gateway, http) as base:
+                at_limit = await exchange(base, get("/v1/x", fields_of(65_536)))
+                over = await exchange(base, get("/v1/x", fields_of(65_537)))
+        finally:
+            await gateway.aclose()
+    assert at_limit.startswith(b"HTTP/1.1 200"), at_limit[:200]
+    assert error_code(over) == (431, "headers_too_large")
+    assert primary.count == 1
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("http", ["httptools", "h11"])
 async def test_a_head_that_arrives_too_slowly_gets_408(http: str) -> None:

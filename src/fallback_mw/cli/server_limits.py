@@ -1,6 +1,7 @@
 """What `fallback-mw serve` sets on uvicorn so the server itself refuses a hostile request
-head before buffering it: a head over `max_header_bytes` gets 431 `headers_too_large`, a
-head not received within `header_timeout_ms` gets 408 `request_timeout`, a head the parser
+head before buffering it: a head over `max_header_bytes` (plus room for its request line)
+gets 431 `headers_too_large`, a head not received within `header_timeout_ms` gets 408
+`request_timeout`, a head the parser
 cannot read gets 400 `bad_request` (405 `method_not_allowed` when all it could not read is an
 unknown method token: uvicorn's httptools parser knows a fixed list), all before any ASGI
 app runs, in the gateway's JSON error shape with its `rule`, with the connection closed.
@@ -25,6 +26,11 @@ from fallback_mw.config import DEFAULT_METHODS, GatewaySettings
 # h11 keeps at most this much beyond max_header_bytes (our count runs after each read,
 # which may be up to a few hundred KiB with uvloop); with httptools the guard alone bounds it.
 _H11_SLACK = 512 * 1024
+# max_header_bytes counts header fields (name + value + 4 each, layers/limits.py); a head
+# also has its request line and closing CRLF. The server lets a head through with room for
+# a request line of up to 8 KiB, so fields exactly at the limit reach the gateway's own
+# exact check, and refuses anything larger before buffering it.
+_REQUEST_LINE_ROOM = 8 * 1024 + 2
 _LINGER_SECONDS = 2.0
 _REASONS = {
     400: b"Bad Request",
@@ -85,7 +91,8 @@ class _HeadGuard:
     Relies only on what both share: `cycle` (replaced when a request head has been
     parsed), `transport`, `loop`, `connection_made`, `data_received`."""
 
-    max_head_bytes: int = 65_536
+    max_head_bytes: int = 65_536 + _REQUEST_LINE_ROOM
+    max_header_bytes: int = 65_536  # the setting, for the message
     head_timeout: float = 10.0
 
     # Attributes of the uvicorn protocol this is mixed into.
@@ -224,7 +231,8 @@ class _HeadGuard:
     def _refuse_large_head(self) -> None:
         self._refuse(
             431, "headers_too_large",
-            f"request head larger than {self.max_head_bytes} bytes (max_header_bytes)",
+            f"request head larger than {self.max_header_bytes} bytes of header fields and "
+            f"a {_REQUEST_LINE_ROOM - 2}-byte request line (max_header_bytes)",
             "max_header_bytes",
         )  # fmt: skip
 
@@ -270,7 +278,8 @@ def guarded_protocol(base: type[asyncio.Protocol], settings: GatewaySettings) ->
         f"Guarded{base.__name__}",
         (_HeadGuard, *extra, base),
         {
-            "max_head_bytes": settings.max_header_bytes,
+            "max_head_bytes": settings.max_header_bytes + _REQUEST_LINE_ROOM,
+            "max_header_bytes": settings.max_header_bytes,
             "head_timeout": settings.header_timeout_ms / 1000,
         },
     )
