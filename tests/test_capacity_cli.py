@@ -325,3 +325,80 @@ async def test_requests_the_resolver_refused_are_not_a_peak_a_fallback_must_carr
 async def _get_after(client: Any, delay: float) -> None:
     await anyio.sleep(delay)
     await client.get("/v1/x")
+
+
+@pytest.mark.anyio
+async def test_the_peak_is_a_rolling_minute_like_the_limit_it_is_checked_against(
+    ledger_store: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """rpm / tpm are enforced over any 60 seconds: a burst of 12 requests across a minute's
+    turn (6 in its last seconds, 6 in the next one's first) is a peak of 12, not two clock
+    minutes of 6 each, and a backup with rpm = 10 cannot carry it."""
+    turn = (datetime.now(UTC) - timedelta(hours=1)).replace(second=0, microsecond=0)
+    ledger = open_ledger(ledger_store)
+    try:
+        for i in range(12):
+            await ledger.record_usage(
+                UsageRecord(request_id=f"b{i}", route="chat", tenant="t",
+                            at=turn + timedelta(seconds=i - 6), input_tokens=100,
+                            output_tokens=50)
+            )  # fmt: skip
+    finally:
+        await ledger.aclose()
+    config = write_config(tmp_path, ledger_store)
+    text = config.read_text(encoding="utf-8").replace("rpm = 600", "rpm = 10")
+    config.write_text(text, encoding="utf-8")
+    capsys.readouterr()
+    assert await cli("capacity", "--config", str(config), "--json") == 1
+    (chat,) = [r for r in json.loads(capsys.readouterr().out)["routes"] if r["route"] == "chat"]
+    assert chat["peak"]["requests"] == 12
+    assert chat["peak"]["tokens"] == 1800
+    assert chat["peak"]["requests_at"] == (turn - timedelta(seconds=6)).isoformat()
+    (backup,) = chat["fallbacks"]
+    assert backup["requests"]["verdict"] == "cannot_carry"
+    assert await cli("capacity", "--config", str(config)) == 1
+    out = capsys.readouterr().out
+    started = (turn - timedelta(seconds=6)).strftime("%Y-%m-%d %H:%M:%SZ")
+    assert f"a full failover at peak (the minute from {started}) sends backup 1.2x" in out
+
+
+@pytest.mark.anyio
+async def test_every_ledger_finds_the_same_rolling_peak_as_counting_every_window(
+    ledger_store: str,
+) -> None:
+    """The SQL ledgers find the busiest 60 seconds in the database (a window function);
+    the memory ledger in Python: all agree with counting every window by hand."""
+    import random
+
+    from fallback_mw.store.ledgers.memory import MemoryLedger
+
+    rng = random.Random(7)  # 400 requests over 10 minutes, on two routes
+    start = (datetime.now(UTC) - timedelta(hours=1)).replace(microsecond=0)
+    records = [
+        UsageRecord(request_id=f"r{i}", route=rng.choice(["a", "b"]), tenant="t",
+                    at=start + timedelta(seconds=rng.uniform(0, 600)),
+                    input_tokens=rng.choice([None, rng.randrange(1000)]), output_tokens=None)
+        for i in range(400)
+    ]  # fmt: skip
+
+    def by_hand(route: str) -> tuple[int, int]:
+        mine = [r for r in records if r.route == route]
+        seconds = [r.at.replace(microsecond=0) for r in mine]
+        requests = tokens = 0
+        for first in set(seconds):
+            inside = [r for r, s in zip(mine, seconds, strict=True)
+                      if first <= s < first + timedelta(seconds=60)]  # fmt: skip
+            requests = max(requests, len(inside))
+            tokens = max(tokens, sum(r.input_tokens or 0 for r in inside))
+        return requests, tokens
+
+    expected = {route: by_hand(route) for route in ("a", "b")}
+    for ledger in (open_ledger(ledger_store), MemoryLedger()):
+        try:
+            for record in records:
+                await ledger.record_usage(record)
+            found = await ledger.rolling_peaks(since=start - timedelta(minutes=1))
+        finally:
+            await ledger.aclose()
+        assert {p.route: (p.requests, p.tokens) for p in found} == expected
+        assert sum(p.total for p in found) == 400

@@ -7,10 +7,11 @@ SQLite (embedded default) and PostgreSQL (many gateway processes)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from fallback_mw.config import BudgetConfig
 
@@ -134,13 +135,60 @@ class UsageRecord:
 
 @dataclass(frozen=True, slots=True)
 class MinuteUsage:
-    """One route's routed requests in one UTC minute (capacity planning)."""
+    """One route's routed requests in one UTC minute (or one second: what a rolling minute
+    is summed from)."""
 
     route: str
-    minute: datetime  # the minute's start, UTC
+    minute: datetime  # the minute's (or the second's) start, UTC
     requests: int
     tokens: int  # input + output tokens, as the upstreams reported them
     metered: int  # requests whose usage was reported (tokens are known for these only)
+
+
+@dataclass(frozen=True, slots=True)
+class RollingPeak:
+    """One route's busiest rolling minute (any 60 seconds, as `rpm` / `tpm` are enforced)
+    for requests and, separately, for reported tokens; each time is its window's first
+    second (the latest such window on a tie)."""
+
+    route: str
+    requests: int
+    requests_at: datetime
+    tokens: int
+    tokens_at: datetime
+    total: int  # the route's requests in the whole period
+    metered: int  # of which reported usage (tokens are known for these only)
+
+
+ROLLING_SECONDS = 60
+
+
+def rolling_peaks(seconds: list[MinuteUsage]) -> list[RollingPeak]:
+    """`RollingPeak`s from per-second rows (what the SQL ledgers compute in SQL)."""
+    by_route: dict[str, list[MinuteUsage]] = {}
+    for second in seconds:
+        by_route.setdefault(second.route, []).append(second)
+    found = []
+    for route, rows in by_route.items():
+        rows.sort(key=lambda m: m.minute)
+        requests, requests_at = _busiest(rows, requests=True)
+        tokens, tokens_at = _busiest(rows, requests=False)
+        total, metered = sum(m.requests for m in rows), sum(m.metered for m in rows)
+        found.append(RollingPeak(route, requests, requests_at, tokens, tokens_at, total, metered))
+    return found
+
+
+def _busiest(rows: list[MinuteUsage], *, requests: bool) -> tuple[int, datetime]:
+    best, best_at = -1, rows[0].minute
+    total, start = 0, 0
+    for row in rows:
+        total += row.requests if requests else row.tokens
+        while (row.minute - rows[start].minute).total_seconds() >= ROLLING_SECONDS:
+            total -= rows[start].requests if requests else rows[start].tokens
+            start += 1
+        if total >= best:
+            best, best_at = total, rows[start].minute
+    return best, best_at
 
 
 # Outcomes of requests refused before the plan was walked (the resolver, the budget guard,
@@ -162,18 +210,57 @@ PER_MINUTE_FILTER = "(outcome IS NULL OR attempts <> '[]' OR outcome NOT IN ({})
 )
 
 
+def rolling_peaks_sql(second: str, since: str) -> str:
+    """The SQL ledgers' `rolling_peaks`: per-second counts, summed over each second's
+    preceding minute (a window function, in the database), the busiest such window per
+    route for requests and for tokens, with the route's totals. `second` is the dialect's
+    epoch second of `at`, `since` its parameter. Rows: route, requests, requests_at,
+    tokens, tokens_at (epoch seconds), total, metered."""
+    return f"""
+WITH s AS (
+  SELECT route, {second} AS sec, COUNT(*) AS n,
+    SUM(COALESCE(input_tokens, 0) + COALESCE(output_tokens, 0)) AS t,
+    SUM(CASE WHEN input_tokens IS NULL AND output_tokens IS NULL THEN 0 ELSE 1 END) AS m
+  FROM fmw_usage WHERE at >= {since} AND {PER_MINUTE_FILTER} GROUP BY route, {second}
+), w AS (
+  SELECT route, SUM(n) OVER win AS rn, SUM(t) OVER win AS rt, MIN(sec) OVER win AS first
+  FROM s WINDOW win AS (PARTITION BY route ORDER BY sec
+    RANGE BETWEEN {ROLLING_SECONDS - 1} PRECEDING AND CURRENT ROW)
+), bn AS (
+  SELECT route, rn, first,
+    ROW_NUMBER() OVER (PARTITION BY route ORDER BY rn DESC, first DESC) AS k FROM w
+), bt AS (
+  SELECT route, rt, first,
+    ROW_NUMBER() OVER (PARTITION BY route ORDER BY rt DESC, first DESC) AS k FROM w
+), totals AS (SELECT route, SUM(n) AS n, SUM(m) AS m FROM s GROUP BY route)
+SELECT totals.route, bn.rn, bn.first, bt.rt, bt.first, totals.n, totals.m
+FROM totals JOIN bn ON bn.route = totals.route AND bn.k = 1
+JOIN bt ON bt.route = totals.route AND bt.k = 1"""
+
+
+def rolling_peak_of(row: Sequence[Any] | Any) -> RollingPeak:
+    """A row of `rolling_peaks_sql` as a `RollingPeak`."""
+    route, requests, requests_at, tokens, tokens_at, total, metered = row
+    return RollingPeak(
+        str(route), int(requests), datetime.fromtimestamp(int(requests_at), UTC),
+        int(tokens or 0), datetime.fromtimestamp(int(tokens_at), UTC), int(total),
+        int(metered or 0),
+    )  # fmt: skip
+
+
 def refused_before_the_plan(record: UsageRecord) -> bool:
     return not record.attempts and record.outcome in REFUSED_BEFORE_THE_PLAN
 
 
-def minute_usage(records: list[UsageRecord]) -> list[MinuteUsage]:
-    """Records grouped by route and UTC minute (what the SQL ledgers do in SQL), without
-    the requests refused before the plan."""
+def minute_usage(records: list[UsageRecord], *, per_second: bool = False) -> list[MinuteUsage]:
+    """Records grouped by route and UTC minute, or second (what the SQL ledgers do in
+    SQL), without the requests refused before the plan."""
     groups: dict[tuple[str, datetime], list[int]] = {}
     for record in records:
         if refused_before_the_plan(record):
             continue
-        minute = record.at.astimezone(UTC).replace(second=0, microsecond=0)
+        at = record.at.astimezone(UTC)
+        minute = at.replace(microsecond=0) if per_second else at.replace(second=0, microsecond=0)
         counts = groups.setdefault((record.route, minute), [0, 0, 0])
         counts[0] += 1
         if record.input_tokens is not None or record.output_tokens is not None:
@@ -226,6 +313,12 @@ class Ledger(Protocol):
         requests that reached the plan: not those `refused_before_the_plan`)."""
         ...
 
+    async def rolling_peaks(self, *, since: datetime) -> list[RollingPeak]:
+        """Every route's busiest rolling minute since `since`, computed where the records
+        are (a week of busy seconds is never sent over), of the same requests as
+        `usage_per_minute`."""
+        ...
+
     async def aclose(self) -> None: ...
 
 
@@ -275,6 +368,7 @@ __all__ = [
     "Ledger",
     "LedgerUnavailable",
     "MinuteUsage",
+    "RollingPeak",
     "SettlesAndRecords",
     "UsageRecord",
     "room_needed",

@@ -56,7 +56,7 @@ def capacity(args: argparse.Namespace, console: Console) -> int:
         finally:
             await store.aclose()
         merged = merge_routes(target.config, stored)
-        observed = peaks(await ledger.usage_per_minute(since=since))
+        observed = peaks(await ledger.rolling_peaks(since=since))
         return [
             assess(route, merged.upstreams, observed.get(route.id), margin)
             for route in merged.routes
@@ -108,8 +108,14 @@ def _ratio(dimension: Dimension) -> str:
     return "-" if ratio is None else f"{ratio:.2f}x"
 
 
-def _minute(moment: datetime | None) -> str:
-    return "-" if moment is None else moment.astimezone(UTC).strftime("%Y-%m-%d %H:%MZ")
+def _second(moment: datetime | None) -> str:
+    return "-" if moment is None else moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def _times(ratio: float) -> str:
+    """The ratio as the table shows it (two decimals), without a trailing zero."""
+    text = f"{ratio:.2f}"
+    return text[:-1] if text.endswith("0") and not text.endswith(".00") else text
 
 
 _VERDICT = {"carries": "carries", "cannot_carry": "CANNOT CARRY", "unknown": "unknown"}
@@ -173,8 +179,8 @@ def _notes(
             notes.append(f"{report.route}: {what} in the window: {name}'s {key} unchecked")
         elif dimension.verdict(margin) == "cannot_carry":
             notes.append(
-                f"{report.route}: a full failover at peak ({_minute(at)}) sends {name} "
-                f"{ratio:.1f}x its {label} limit ({dimension.peak:,} per minute against "
+                f"{report.route}: a full failover at peak (the minute from {_second(at)}) sends "
+                f"{name} {_times(ratio)}x its {label} limit ({dimension.peak:,} per minute against "
                 f"{key} = {dimension.limit:,}; with margin {margin:g} it needs "
                 f"{key} >= {math.ceil(dimension.peak * margin):,})"
             )

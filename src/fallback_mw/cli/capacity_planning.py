@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
 
-from fallback_mw.budget import MinuteUsage
+from fallback_mw.budget import RollingPeak
 from fallback_mw.config import RouteConfig, UpstreamConfig
 
 Verdict = Literal["carries", "cannot_carry", "unknown"]
@@ -32,24 +32,20 @@ class Peak:
     metered_share: float = 0.0  # share of the window's requests that reported usage
 
 
-def peaks(minutes: Iterable[MinuteUsage]) -> dict[str, Peak]:
-    by_route: dict[str, list[MinuteUsage]] = {}
-    for minute in minutes:
-        by_route.setdefault(minute.route, []).append(minute)
-    found: dict[str, Peak] = {}
-    for route, rows in by_route.items():
-        busiest = max(rows, key=lambda m: (m.requests, m.minute))
-        metered = [m for m in rows if m.metered]
-        heaviest = max(metered, key=lambda m: (m.tokens, m.minute)) if metered else None
-        total = sum(m.requests for m in rows)
-        found[route] = Peak(
-            requests=busiest.requests,
-            requests_at=busiest.minute,
-            tokens=heaviest.tokens if heaviest else None,
-            tokens_at=heaviest.minute if heaviest else None,
-            metered_share=sum(m.metered for m in rows) / total if total else 0.0,
+def peaks(rolling: Iterable[RollingPeak]) -> dict[str, Peak]:
+    """Each route's busiest rolling minute (any 60 seconds, as `rpm` / `tpm` are enforced,
+    not a clock minute: a burst across a minute's turn counts whole), as the ledger found
+    it (`Ledger.rolling_peaks`). A peak's time is its window's first second."""
+    return {
+        p.route: Peak(
+            requests=p.requests,
+            requests_at=p.requests_at,
+            tokens=p.tokens if p.metered else None,
+            tokens_at=p.tokens_at if p.metered else None,
+            metered_share=p.metered / p.total if p.total else 0.0,
         )
-    return found
+        for p in rolling
+    }
 
 
 @dataclass(frozen=True, slots=True)

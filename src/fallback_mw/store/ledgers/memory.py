@@ -13,8 +13,10 @@ from fallback_mw.budget.ledger import (
     BudgetStatus,
     Hold,
     MinuteUsage,
+    RollingPeak,
     UsageRecord,
     minute_usage,
+    rolling_peaks,
     room_needed,
     window_kind,
     window_start,
@@ -107,6 +109,10 @@ class MemoryLedger:
 
     async def usage_per_minute(self, *, since: datetime) -> list[MinuteUsage]:
         return minute_usage([r for r in self._usage if r.at >= since])
+
+    async def rolling_peaks(self, *, since: datetime) -> list[RollingPeak]:
+        records = [r for r in self._usage if r.at >= since]
+        return rolling_peaks(minute_usage(records, per_second=True))
 
     async def aclose(self) -> None:
         return None

@@ -32,7 +32,10 @@ from fallback_mw.budget.ledger import (
     Hold,
     LedgerUnavailable,
     MinuteUsage,
+    RollingPeak,
     UsageRecord,
+    rolling_peak_of,
+    rolling_peaks_sql,
     room_needed,
     window_kind,
     window_start,
@@ -501,6 +504,12 @@ class PostgresLedger(SQLLedgerBase):
 
         return await self._run(work)
 
+    async def rolling_peaks(self, *, since: datetime) -> list[RollingPeak]:
+        async def work(pool: asyncpg.Pool) -> list[RollingPeak]:
+            return [rolling_peak_of(row) for row in await pool.fetch(_ROLLING_PEAKS, since)]
+
+        return await self._run(work)
+
     async def usage_per_minute(self, *, since: datetime) -> list[MinuteUsage]:
         async def work(pool: asyncpg.Pool) -> list[MinuteUsage]:
             rows = await pool.fetch(
@@ -593,3 +602,7 @@ async def _migrate(conn: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy) 
                 COMPONENT,
                 LATEST_VERSION,
             )
+
+
+# The epoch second of `at` (a timestamptz: the same instant whatever the session's zone).
+_ROLLING_PEAKS = rolling_peaks_sql("EXTRACT(EPOCH FROM date_trunc('second', at))::bigint", "$1")

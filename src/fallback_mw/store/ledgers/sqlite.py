@@ -29,7 +29,10 @@ from fallback_mw.budget.ledger import (
     Hold,
     LedgerUnavailable,
     MinuteUsage,
+    RollingPeak,
     UsageRecord,
+    rolling_peak_of,
+    rolling_peaks_sql,
     room_needed,
     window_kind,
     window_start,
@@ -456,6 +459,13 @@ class SQLiteLedger(SQLLedgerBase):
 
         return await self._run(work)
 
+    async def rolling_peaks(self, *, since: datetime) -> list[RollingPeak]:
+        def work(conn: sqlite3.Connection) -> list[RollingPeak]:
+            rows = conn.execute(_ROLLING_PEAKS, (encode_sqlite_time(since),)).fetchall()
+            return [rolling_peak_of(row) for row in rows]
+
+        return await self._run(work)
+
     async def usage_per_minute(self, *, since: datetime) -> list[MinuteUsage]:
         def work(conn: sqlite3.Connection) -> list[MinuteUsage]:
             rows = conn.execute(_PER_MINUTE, (encode_sqlite_time(since),)).fetchall()
@@ -501,7 +511,9 @@ _INSERT_USAGE = (
     f"INSERT INTO fmw_usage ({USAGE_COLUMNS}) "
     f"VALUES ({', '.join('?' * (USAGE_COLUMNS.count(',') + 1))})"
 )
-# `at` is stored as 2026-11-30T12:34:56.123456Z: its first 16 characters are the minute.
+# `at` is stored as 2026-11-30T12:34:56.123456Z: its first 16 characters are the minute,
+# its first 19 the second.
+_ROLLING_PEAKS = rolling_peaks_sql("CAST(strftime('%s', substr(at, 1, 19)) AS INTEGER)", "?")
 _PER_MINUTE = (
     "SELECT route, substr(at, 1, 16), COUNT(*), "
     "SUM(COALESCE(input_tokens, 0) + COALESCE(output_tokens, 0)), "
