@@ -171,3 +171,47 @@ async def test_a_json_body_with_a_lone_surrogate_escape_is_never_a_500(http: str
     sent = json.loads(primary.received[0].body)
     assert sent["model"] == "other"
     assert sent["messages"][0]["content"] == "\ud800"  # the caller's text, as it was
+
+
+@pytest.mark.parametrize("engine", ["aiohttp", "httpx"])
+async def test_a_buffered_body_over_1mib_is_sent_without_a_warning(engine: str) -> None:
+    """With `replay_buffer` raised above 1 MiB, a 2 MiB body is buffered and sent whole;
+    aiohttp warned (ResourceWarning) on such a body, and under warnings as errors (this
+    suite, a host's test suite) the request ended in that warning instead of an answer.
+    Its failover replays the same bytes."""
+    from tests.helpers import client_for
+
+    received: list[tuple[str, bytes]] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        data = b""
+        while True:
+            message = await receive()
+            data += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        received.append((scope["path"], data))
+        status = 503 if scope["path"].startswith("/a/") else 200
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    body = bytes(range(256)) * (8 * 1024)  # 2 MiB
+    async with serve_asgi(app) as base:
+        conf: dict[str, Any] = {
+            "gateway": {"allow_hosts": ["127.0.0.1"], "engine": engine,
+                        "replay_buffer": 4 << 20, "max_request_body": 4 << 20},
+            "upstreams": {"primary": {"url": base + "/a"}, "backup": {"url": base + "/b"}},
+            "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary", "backup"],
+                        "retries": 1, "replayable_methods": ["POST"]}],
+        }  # fmt: skip
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                response = await client.post("/v1/chat", content=body)
+        finally:
+            await gateway.aclose()
+    assert response.status_code == 200
+    assert response.headers["x-gateway-attempts"] == "2"
+    assert received == [("/a/v1/chat", body), ("/b/v1/chat", body)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import warnings
 from collections.abc import AsyncIterator, Sequence
 from contextvars import ContextVar
 from typing import Any
@@ -190,6 +191,20 @@ def _close_on(loop: asyncio.AbstractEventLoop, session: aiohttp.ClientSession) -
             connector._close()  # on a closed loop: marks it closed, touches no transport
 
 
+_LARGE_BYTES = 1 << 20  # aiohttp's TOO_LARGE_BYTES_BODY
+
+
+def _bytes_payload(body: bytes) -> aiohttp.payload.BytesPayload:
+    """A buffered body over 1 MiB (a `replay_buffer` raised above its default), as aiohttp
+    would wrap it, without its ResourceWarning ("might lock the event loop": the body is
+    already in memory, and one transport write copies it). A host that runs with warnings
+    as errors (its test suite) had the request end in that warning, raised out of the
+    gateway. Constructing the payload does not await: no other task sees the filter."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        return aiohttp.payload.BytesPayload(body)
+
+
 class AiohttpClient:
     def __init__(
         self,
@@ -269,7 +284,10 @@ class AiohttpClient:
         timer = FirstByteTimer(timeouts.first_byte)
         body = request.body
         streamed = not isinstance(body, bytes)
-        data = (body or None) if isinstance(body, bytes) else timer.timed_body(body)
+        if isinstance(body, bytes):
+            data: Any = _bytes_payload(body) if len(body) > _LARGE_BYTES else (body or None)
+        else:
+            data = timer.timed_body(body)
         armed = _ARM_ON_CONNECT.set(None if streamed else timer)
         try:
             with map_errors("first_byte"), timer.running():
