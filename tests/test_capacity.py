@@ -193,6 +193,55 @@ async def test_a_503_for_full_capacity_says_when_the_minute_has_room(
     assert "retry-after" not in too_big.headers
 
 
+class PrimaryFault:
+    """A game-day fault on `primary`, set and cleared by the test (the store's source in
+    a running gateway)."""
+
+    def __init__(self) -> None:
+        self.fault: Any = None
+
+    async def upstream_fault(self, upstream: str) -> Any:
+        return self.fault if upstream == "primary" else None
+
+    async def pinned_candidate(self, route_id: str) -> str | None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+
+@pytest.mark.parametrize("fault", ["fail", "revoke"])
+async def test_attempts_a_fault_answered_leave_the_upstreams_rpm_alone(fault: str) -> None:
+    """A faulted attempt sends nothing to the upstream: it does not count against its
+    declared rpm, so when the game day ends the primary takes traffic at once instead of
+    being skipped for `capacity` until the minute has passed."""
+    faults = PrimaryFault()
+    async with (
+        upstream(status_handler(200, b"primary")) as primary,
+        upstream(status_handler(200, b"backup")) as backup,
+    ):
+        conf = {
+            "gateway": {"breaker": NO_BREAKER},
+            "upstreams": {"primary": {"url": primary.url, "rpm": 3},
+                          "backup": {"url": backup.url}},
+            "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary", "backup"],
+                        "retries": 1, "failover_status": [401, 503]}],
+        }  # fmt: skip
+        gateway = Gateway(host_app, config=conf, faults=faults)
+        try:
+            async with client_for(gateway) as client:
+                faults.fault = fault
+                during = [await client.get("/v1/chat") for _ in range(5)]
+                faults.fault = None  # the game day ends
+                after = [await client.get("/v1/chat") for _ in range(3)]
+        finally:
+            await gateway.aclose()
+    assert [r.text for r in during] == ["backup"] * 5
+    assert all("x-gateway-skipped" not in r.headers for r in during)  # primary tried each time
+    assert [r.text for r in after] == ["primary"] * 3
+    assert primary.count == 3
+
+
 async def test_tpm_counts_the_request_estimate(recorded: Recorded) -> None:
     async with upstream(status_handler(200, b"ok")) as only:
         conf = {

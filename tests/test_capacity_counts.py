@@ -256,3 +256,22 @@ async def test_free_in_reads_the_shared_count_through_redis(redis_url: str) -> N
     finally:
         await one.aclose()
         await two.aclose()
+
+
+async def test_release_capacity_takes_back_the_count_but_not_the_repeat(redis_url: str) -> None:
+    """An attempt a fault answered: its rpm / tpm count is taken back (in memory and in
+    the shared Redis count), its place in the repeat allowance is kept."""
+    for limits in (MemoryCapacity(BUDGET, clock=Clock()), shared(redis_url)):
+        try:
+            first = await limits.reserve("backup", ask(rpm=1, tpm=100, tokens=60))
+            assert isinstance(first, Reservation)
+            assert await limits.reserve("backup", ask(rpm=1)) == "capacity"
+            await limits.release_capacity(first)
+            again = await limits.reserve("backup", ask(rpm=1, tpm=100, tokens=100))
+            assert isinstance(again, Reservation)  # a request slot and all 100 tokens free
+            # The floor of the repeat allowance (0.5 x 10 s = 5) is not given back.
+            repeats = [await limits.reserve("p", ask(repeat=True)) for _ in range(5)]
+            await limits.release_capacity(repeats[0])  # type: ignore[arg-type]
+            assert await limits.reserve("p", ask(repeat=True)) == "repeat_budget"
+        finally:
+            await limits.aclose()

@@ -108,6 +108,12 @@ class MemoryCapacity:
             capacity.adjust(reservation.second, _TOKENS, -reservation.tokens)
         allowance.adjust(reservation.second, _REPEATS if reservation.repeat else _FIRSTS, -1)
 
+    async def release_capacity(self, reservation: Reservation) -> None:
+        if reservation.counted:
+            capacity, _ = self._windows(reservation.upstream)
+            capacity.adjust(reservation.second, _REQUESTS, -1)
+            capacity.adjust(reservation.second, _TOKENS, -reservation.tokens)
+
     async def free_in(self, upstream: str, ask: Ask) -> float | None:
         capacity = self._capacity.get(upstream)
         buckets = capacity.buckets if capacity is not None else ()

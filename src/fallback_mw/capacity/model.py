@@ -85,6 +85,12 @@ class CapacityState(Protocol):
         the backoff): take it back."""
         ...
 
+    async def release_capacity(self, reservation: Reservation) -> None:
+        """The attempt was made but reached no upstream (a game-day fault answered it:
+        `fail`, `hang`, `revoke`, `blackhole`): take back its declared-capacity count,
+        keep its repeat-allowance count (the walk did repeat)."""
+        ...
+
     async def free_in(self, upstream: str, ask: Ask) -> float | None:
         """Seconds until `ask` fits within the upstream's declared limits as the minute
         rolls (0: now; None: never, an estimate over the whole `tpm`). Asked only when a

@@ -231,6 +231,12 @@ class RedisCapacity:
             deltas += [("r", -1), ("t", -reservation.tokens)]
         await self._adjust(reservation, deltas)
 
+    async def release_capacity(self, reservation: Reservation) -> None:
+        if reservation.local:
+            await self.local.release_capacity(reservation)
+        elif reservation.counted:
+            await self._adjust(reservation, [("r", -1), ("t", -reservation.tokens)])
+
     async def free_in(self, upstream: str, ask: Ask) -> float | None:
         result = await self.redis.run_script("capacity_window", WINDOW, [self._key(upstream)], [])
         if result is None:  # Redis unreachable: what this process counted alone

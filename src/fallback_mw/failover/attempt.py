@@ -24,6 +24,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 from urllib.parse import quote
 
+import anyio
+
 from fallback_mw.capacity import Ask, CapacityState, Reservation, reported_tokens
 from fallback_mw.config import UpstreamConfig
 from fallback_mw.failover.decide import Outcome, engine_outcome, health_mark, local_or
@@ -327,7 +329,18 @@ class AttemptLifecycle:
     async def run(
         self, name: str, upstream: UpstreamConfig, record: AttemptRecord
     ) -> AttemptResult:
-        return await self.runner.run(name, upstream, record)
+        try:
+            return await self.runner.run(name, upstream, record)
+        finally:
+            if record.fault is not None:
+                # A fault answered it (or the blackhole listener): nothing reached the
+                # upstream, so nothing counts against its declared rpm / tpm (a game day
+                # must not leave the upstream capacity-skipped for a minute after it).
+                # Popped: a hedge's second faulted attempt never releases the same count.
+                reservation = self.reservations.pop(name, None)
+                if reservation is not None:
+                    with anyio.CancelScope(shield=True):
+                        await self.capacity.release_capacity(reservation)
 
     async def finish(
         self, record: AttemptRecord, outcome: Outcome, response: UpstreamResponse | None
