@@ -242,6 +242,42 @@ async def test_attempts_a_fault_answered_leave_the_upstreams_rpm_alone(fault: st
     assert primary.count == 3
 
 
+async def test_attempts_that_never_got_a_connection_leave_the_upstreams_rpm_alone() -> None:
+    """A burst beyond `max_connections` waits in the gateway; an attempt whose deadline ends
+    there sent nothing, so it does not count against the upstream's declared rpm (the
+    upstream would otherwise be skipped for `capacity` for a minute after the burst)."""
+    reached = asyncio.Event()
+
+    async def first_slow(request: web.Request) -> web.StreamResponse:
+        if not reached.is_set():
+            reached.set()
+            await asyncio.sleep(0.5)  # holds the only connection past the burst's deadlines
+        return web.Response(text="ok")
+
+    async with upstream(first_slow) as only:
+        conf = {
+            "upstreams": {"only": {"url": only.url, "rpm": 5, "max_connections": 1}},
+            "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["only"], "deadline_ms": 5000}],
+        }
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                holder = asyncio.ensure_future(client.get("/v1/chat"))
+                await asyncio.wait_for(reached.wait(), 10)
+                short = {"x-gateway-deadline-ms": "150"}
+                burst = await asyncio.gather(
+                    *(client.get("/v1/c", headers=short) for _ in range(4))
+                )
+                held = await holder
+                after = [await client.get("/v1/chat") for _ in range(4)]
+        finally:
+            await gateway.aclose()
+    assert [r.status_code for r in burst] == [504] * 4  # waited for the connection, sent nothing
+    assert held.status_code == 200
+    assert [r.status_code for r in after] == [200] * 4, [r.headers for r in after]
+    assert only.count == 5  # the holder and the four after
+
+
 async def test_tpm_counts_the_request_estimate(recorded: Recorded) -> None:
     async with upstream(status_handler(200, b"ok")) as only:
         conf = {

@@ -180,6 +180,7 @@ class AttemptRunner:
         self.inject_headers(headers)
         timeouts = _timeouts(upstream)
         fault = await self.faults.upstream_fault(name)
+        request: UpstreamRequest | None = None
         try:
             with deadline_after(max(context.remaining, 0.0)):
                 if fault == "fail":
@@ -224,6 +225,9 @@ class AttemptRunner:
             return self._local_or(engine_outcome(exc.kind, exc.phase, fault=record.fault)), None
         except BodyAborted:
             return self._local_or(Outcome("transport")), None
+        finally:
+            if request is not None and not request.slot_taken:
+                record.queued_only = True  # ended waiting for a connection: never sent
         # A redirect is never followed: it is an answer like any other.
         return Outcome("status", response.status), response
 
@@ -332,11 +336,12 @@ class AttemptLifecycle:
         try:
             return await self.runner.run(name, upstream, record)
         finally:
-            if record.fault is not None:
-                # A fault answered it (or the blackhole listener): nothing reached the
-                # upstream, so nothing counts against its declared rpm / tpm (a game day
+            if record.fault is not None or record.queued_only:
+                # A fault answered it (or the blackhole listener), or it ended waiting for
+                # a connection under max_connections: nothing reached the upstream, so
+                # nothing counts against its declared rpm / tpm (a game day or a burst
                 # must not leave the upstream capacity-skipped for a minute after it).
-                # Popped: a hedge's second faulted attempt never releases the same count.
+                # Popped: a hedge's second such attempt never releases the same count.
                 reservation = self.reservations.pop(name, None)
                 if reservation is not None:
                     with anyio.CancelScope(shield=True):

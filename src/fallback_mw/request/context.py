@@ -45,6 +45,9 @@ class AttemptRecord:
     # A `tls` failure on the certificate (ca_file would change it), not on the handshake.
     unverified_certificate: bool = False
     fault: str | None = None  # "fail" / "hang" when a game-day fault drove the attempt
+    # It waited for a connection slot (`max_connections`) and ended before getting one:
+    # nothing was sent (its declared-capacity count is taken back).
+    queued_only: bool = False
     hedge: bool = False
     credential_index: int | None = None  # position in the pool, never the value or name
     responsible: str | None = None  # "upstream" or "gateway": who the outcome is down to

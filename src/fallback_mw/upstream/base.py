@@ -162,6 +162,9 @@ class UpstreamRequest:
     # proxy (`proxy`; None: direct).
     ca_file: str | None = None
     proxy: str | None = None
+    # Set by the connection cap once this request holds a slot: until then nothing of it
+    # has left the gateway.
+    slot_taken: bool = False
 
 
 class FirstByteTimer(Deadline):
@@ -212,12 +215,14 @@ class ConnectionCaps:
 
     async def acquire(self, request: UpstreamRequest) -> Release:
         if request.max_connections <= 0:
+            request.slot_taken = True
             return _nothing
         key = (request.pool_key or request.url.split("/", 3)[2], request.max_connections)
         slots = self._slots.get(key)
         if slots is None:
             slots = self._slots[key] = asyncio.Semaphore(request.max_connections)
         await slots.acquire()
+        request.slot_taken = True
         released = False
 
         def release() -> None:
