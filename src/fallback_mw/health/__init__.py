@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+from fallback_mw.health.events import Admission as Admission
 from fallback_mw.health.events import TransitionListener as TransitionListener
 from fallback_mw.health.pool import Selection
 from fallback_mw.store_url import is_redis_url
@@ -14,17 +15,6 @@ if TYPE_CHECKING:
     from opentelemetry.metrics import MeterProvider
 
     from fallback_mw.config import BreakerConfig
-
-
-class Admission:
-    """One attempt's admission by a breaker, filled in by `admit` and handed to the `record`
-    or `release` that ends the attempt: `probe` names the half-open probe it is ("" when a
-    closed breaker admitted it). Only the probe's own outcome decides a half-open breaker."""
-
-    __slots__ = ("probe",)
-
-    def __init__(self) -> None:
-        self.probe: str | None = None  # None: not admitted (yet)
 
 
 class HealthState(Protocol):

@@ -7,9 +7,8 @@ import time
 from collections.abc import Callable
 
 from fallback_mw.config import BreakerConfig
-from fallback_mw.health import Admission
 from fallback_mw.health.breaker import DEFAULT_PROBE_LEASE, Breaker, Transition
-from fallback_mw.health.events import TransitionListener
+from fallback_mw.health.events import Admission, TransitionListener
 from fallback_mw.health.pool import (
     CredentialMark,
     CredentialPool,

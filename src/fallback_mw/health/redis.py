@@ -46,9 +46,8 @@ except ImportError:
     raise missing_extra("redis", 'state = "redis://..."') from None
 
 from fallback_mw.config import BreakerConfig
-from fallback_mw.health import Admission
 from fallback_mw.health.breaker import DEFAULT_PROBE_LEASE
-from fallback_mw.health.events import TransitionListener
+from fallback_mw.health.events import Admission, TransitionListener
 from fallback_mw.health.memory import MemoryHealth, breaker_credential_mark, report_transition
 from fallback_mw.health.pool import SCORE_HALF_LIFE, Selection, score_outcome
 from fallback_mw.health.redis_scripts import (
