@@ -14,6 +14,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from fallback_mw.config import BreakerConfig
+from fallback_mw.health import Admission
 from fallback_mw.health.redis import RedisHealth
 from fallback_mw.store_url import split_state_url
 from fallback_mw.telemetry import Telemetry
@@ -395,4 +396,47 @@ async def test_the_breaker_refresh_reads_nothing_during_an_outage() -> None:
         await asyncio.sleep(0.3)  # several refresh intervals, no request
         assert health.local_fallback_calls == calls
     finally:
+        await health.aclose()
+
+
+@pytest.mark.anyio
+async def test_an_admission_whose_caller_left_during_its_round_trip_frees_the_probe_slot(
+    redis_url: str,
+) -> None:
+    """The caller of an `admit` is cancelled (its client hung up) while the pipeline that
+    carries ADMIT is on its way: Redis still runs it, and a half-open breaker gave its one
+    probe slot to nobody, so every request skipped the upstream for the probe's lease (30 s
+    and more) and none probed it. The slot is given back once the answer arrives."""
+    health = RedisHealth(redis_url, BreakerConfig(**BREAKER))
+    url, prefix = split_state_url(redis_url)
+    inspect = aioredis.Redis.from_url(url, decode_responses=True)
+    key = f"{prefix}breaker:primary"
+    try:
+        for _ in range(3):
+            assert await health.admit("primary")
+            await health.record("primary", failure=True)
+        assert await inspect.hget(key, "st") == "open"
+        await asyncio.sleep(COOLDOWN_MS / 1000 + 0.02)
+
+        admitting = asyncio.ensure_future(health.admit("primary", admission=Admission()))
+        for _ in range(100):  # until the pipeline with its ADMIT is handed over
+            if health._senders:
+                break
+            await asyncio.sleep(0)
+        assert health._senders
+        admitting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await admitting
+        for _ in range(200):  # the answer arrives; the slot it took goes back
+            await asyncio.sleep(0.005)
+            if not health._senders and await inspect.hget(key, "probe") == "0":
+                break
+        assert await inspect.hget(key, "st") == "half_open"  # ADMIT ran
+        assert await inspect.hget(key, "probe") == "0", "a probe slot held for nobody"
+        probe = Admission()
+        assert await health.admit("primary", admission=probe)  # the next caller probes
+        await health.record("primary", failure=False, admission=probe)
+        assert await inspect.hget(key, "st") == "closed"
+    finally:
+        await inspect.aclose()
         await health.aclose()

@@ -96,6 +96,16 @@ def shared_probe(admission: Admission | None) -> str:
     return admission.probe or "-"
 
 
+def _took_probe(result: Any) -> bool:
+    """Whether ADMIT's answer gave its admission the half-open probe slot."""
+    return (
+        isinstance(result, list)
+        and len(result) > 2
+        and str(result[0]) == "1"
+        and result[2] == "half_open"
+    )
+
+
 class _Unavailable:
     pass
 
@@ -269,6 +279,10 @@ class RedisHealth:
             raise
         for call, result in zip(calls, results, strict=True):
             if call.future.done():  # its caller was cancelled; the call stands
+                if call.item.name == "admit" and _took_probe(result):
+                    # ...and made its admission the half-open probe: nobody will end it,
+                    # and every request would skip the upstream for the probe's lease.
+                    self._give_back_soon([(call.item.keys[0], call.item.args[3])])
                 continue
             # A pipeline on a pool an outage retired (sent before the outage began) neither
             # ends the outage nor starts another: it answers its own calls only.
@@ -409,13 +423,18 @@ class RedisHealth:
                 self._retry_timer = None
             logger.warning("health state %s reachable again: state is shared", self._label)
             if self._unanswered:
-                task = asyncio.get_running_loop().create_task(self._give_back())
-                self._giving_back.add(task)
-                task.add_done_callback(self._giving_back.discard)
+                unanswered, self._unanswered = self._unanswered, []
+                self._give_back_soon(unanswered)
 
-    async def _give_back(self) -> None:
-        unanswered, self._unanswered = self._unanswered, []
-        for key, number in unanswered:
+    def _give_back_soon(self, admissions: list[tuple[str, Any]]) -> None:
+        """Free the probe slots these admissions (breaker key, number) may hold, in the
+        background: their callers never will."""
+        task = asyncio.get_running_loop().create_task(self._give_back(admissions))
+        self._giving_back.add(task)
+        task.add_done_callback(self._giving_back.discard)
+
+    async def _give_back(self, admissions: list[tuple[str, Any]]) -> None:
+        for key, number in admissions:
             await self._run("give_back", GIVE_BACK, [key], [self._owner, number])
 
     def _retire(self) -> None:
