@@ -523,6 +523,74 @@ async def test_a_fallback_moved_to_another_url_by_the_store_starts_with_a_closed
 
 
 @pytest.mark.anyio
+async def test_a_url_change_is_forgotten_once_across_processes_sharing_a_breaker(
+    redis_url: str, tmp_path: Any
+) -> None:
+    """Two gateway processes on one Redis state see one `routes set-fallback` on their own
+    reloads. The first one's forget gave the new url a closed breaker, the new url then
+    failed and opened it; the second process's reload dropped that breaker again, so every
+    process sent traffic to the broken host as if nothing had been learned. A change of url
+    is forgotten once: the later reloads of the same change leave the breaker alone."""
+    from fallback_mw.store.routes import open_store
+    from tests.test_cli_admin import cli, wait_for
+
+    store = f"sqlite:///{tmp_path / 'gateway.db'}"
+    async with (
+        upstream(status_handler(503)) as primary,
+        upstream(status_handler(503)) as old,
+        upstream(status_handler(503)) as new,
+    ):
+        assert (await cli(
+            "routes", "add", "--store", store, "--id", "st", "--prefix", "/st/",
+            "--upstream", primary.url, "--retries", "1", "--fallback", old.url,
+        ))[0] == 0  # fmt: skip
+        conf = {
+            "gateway": {"store": store, "state": redis_url,
+                        "breaker": {"window": 2, "min_calls": 2, "cooldown_ms": 60_000}},
+        }  # fmt: skip
+        async with (
+            gateway_client(conf) as (one, first),
+            gateway_client(conf) as (two, second),
+        ):
+            runtime, other = first.services.store, second.services.store
+            assert runtime is not None and other is not None
+            runtime.poll_interval = other.poll_interval = 3600.0
+            for _ in range(2):
+                assert (await one.get("/st/x")).status_code == 502
+            assert (await two.get("/st/x")).headers["x-gateway-skipped"] == (
+                "st-primary;reason=breaker_open, st-fallback;reason=breaker_open"
+            )
+            await asyncio.sleep(1.2)  # each reloader's first wait (1 s) is over
+            assert (await cli(
+                "routes", "set-fallback", "--store", store, "--id", "st", "--upstream", new.url,
+            ))[0] == 0  # fmt: skip
+
+            async def reload(runtime: Any) -> None:
+                route_store = open_store(store)
+                try:
+                    await runtime.refresh(route_store)
+                finally:
+                    await route_store.aclose()
+
+            await reload(runtime)  # the first process: the new url starts closed
+            assert (await one.get("/st/x")).status_code == 502  # two attempts at it
+            assert new.count == 2  # ... whose failures opened the shared breaker
+            assert (await one.get("/st/x")).status_code == 503
+            await reload(other)  # the second process sees the same change later
+
+            async def reloaded() -> bool:
+                return other.reloads > 1
+
+            assert await wait_for(reloaded, True)
+            response = await two.get("/st/x")
+            assert response.status_code == 503
+            assert response.headers["x-gateway-skipped"] == (
+                "st-primary;reason=breaker_open, st-fallback;reason=breaker_open"
+            )
+    assert new.count == 2
+
+
+@pytest.mark.anyio
 async def test_a_hedge_that_is_the_probe_is_judged_by_its_own_answer() -> None:
     """The first attempt was admitted while the breaker was closed; the breaker opened and
     half-opened meanwhile, so the hedge at the same upstream is the probe. The hedge's head

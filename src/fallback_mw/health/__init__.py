@@ -56,9 +56,11 @@ class HealthState(Protocol):
         credentials a fault's outcome marked (`fault_marked`) are usable again."""
         ...
 
-    async def forget(self, upstream: str) -> None:
-        """This upstream name now stands for another origin (a store reload changed its url):
-        its breaker, kept for the old origin, starts closed again."""
+    async def forget(self, upstream: str, url: str) -> None:
+        """This upstream name now stands for another origin, `url` (a store reload changed
+        it): its breaker, kept for the old origin, starts closed again; once per change in a
+        shared state, whichever process reloads first (a later one's reload of the same
+        change leaves the breaker the new url's outcomes made)."""
         ...
 
     async def fault_marked(self, upstream: str, index: int, fault: str) -> None:
@@ -147,7 +149,7 @@ class AlwaysHealthy:
     async def reset_fault(self, upstream: str) -> None:
         return None
 
-    async def forget(self, upstream: str) -> None:
+    async def forget(self, upstream: str, url: str) -> None:
         return None
 
     async def fault_marked(self, upstream: str, index: int, fault: str) -> None:

@@ -134,7 +134,7 @@ class MemoryHealth:
                 pool.unusable_until.pop(index, None)
             logger.info("credential upstream=%s restored=%d (fault cleared)", upstream, len(marked))
 
-    async def forget(self, upstream: str) -> None:
+    async def forget(self, upstream: str, url: str) -> None:
         found = self._breakers.pop(upstream, None)
         if found is not None and found.state != "closed":
             report_transition(self.on_transition, upstream, "closed")

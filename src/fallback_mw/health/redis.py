@@ -664,17 +664,24 @@ class RedisHealth:
         # The local state served while Redis was unreachable is reset too.
         await self.local.reset_fault(upstream)
 
-    async def forget(self, upstream: str) -> None:
+    async def forget(self, upstream: str, url: str) -> None:
         def convert(result: Any) -> None:
+            if result == "=":
+                return  # another process forgot it for this url: the breaker is the new url's
             if result == "=closed":
                 self._sync(upstream, "closed")
             else:
                 self._report(upstream, result or None)
 
         await self._with_fallback(
-            "forget", FORGET, [self._key("breaker", upstream)], [], _nothing, convert
+            "forget",
+            FORGET,
+            [self._key("breaker", upstream), self._key("breaker_url", upstream)],
+            [hashlib.sha256(url.encode()).hexdigest()[:32], CREDENTIAL_TTL_MS],
+            _nothing,
+            convert,
         )
-        await self.local.forget(upstream)  # the state served while Redis was unreachable
+        await self.local.forget(upstream, url)  # the state served while Redis was unreachable
 
     async def fault_marked(self, upstream: str, index: int, fault: str) -> None:
         await self._with_fallback(

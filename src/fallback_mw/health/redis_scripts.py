@@ -151,9 +151,15 @@ return 'closed'
 """
 
 
-# KEYS[1] breaker hash. The upstream name now stands for another origin: its breaker is
-# dropped (closed). Returns 'closed' when that closed an open or half-open one.
+# KEYS[1] breaker hash, KEYS[2] the url its name was last forgotten for. ARGV: the url the
+# name now stands for, the marker's ttl ms. The upstream name now stands for another
+# origin: its breaker is dropped (closed), once per change of url: every process sees the
+# change on its own reload, and a later one must not drop the breaker the new url's
+# failures opened meanwhile ('=' then: nothing done). Returns 'closed' when that closed an
+# open or half-open one.
 FORGET = """
+if redis.call('GET', KEYS[2]) == ARGV[1] then return '=' end
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
 local st = redis.call('HGET', KEYS[1], 'st')
 redis.call('DEL', KEYS[1])
 if st and st ~= 'closed' then return 'closed' end

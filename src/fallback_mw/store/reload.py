@@ -96,7 +96,7 @@ class StoreRuntime:
         self._faulted: frozenset[str] = frozenset()
         # A reload that points an upstream name at another url (`routes set-fallback`):
         # its breaker, kept for the old url, is forgotten (HealthState.forget).
-        self.on_upstream_moved: Callable[[str], Awaitable[None]] | None = None
+        self.on_upstream_moved: Callable[[str, str], Awaitable[None]] | None = None
         self._urls = {name: u.url for name, u in config.upstreams.items()}
         self.last_refusal: str | None = None
         self.reloads = 0
@@ -229,13 +229,13 @@ class StoreRuntime:
         moved = []
         for name, upstream in self._current.upstreams.items():
             if self._urls.get(name, upstream.url) != upstream.url:
-                moved.append(name)
+                moved.append((name, upstream.url))
             self._urls[name] = upstream.url
         if initial or self.on_upstream_moved is None:
             return
-        for name in moved:
+        for name, url in moved:
             try:
-                await self.on_upstream_moved(name)
+                await self.on_upstream_moved(name, url)
             except Exception as exc:  # one failed reset must not stop the reloader
                 logger.warning("breaker reset of %s failed: %s", name, type(exc).__name__)
             else:
