@@ -89,6 +89,33 @@ async def test_a_hold_of_zero_needs_room_left_in_the_budget(ledger_store: str, l
             await gateway.aclose()
 
 
+async def test_a_limit_of_zero_says_it_refuses_a_request_that_holds_nothing(
+    ledger_store: str,
+) -> None:
+    # A budget set to 0 blocks its tenant (docs/budgets.md). Since a hold of 0 needs room
+    # too, a request held at 0 (default_hold = 0) got a 402 saying it "needs a hold of
+    # 0.00 ..., more than budget 'acme''s whole limit" and to "lower default_hold", already
+    # 0: the limit is what refuses, and only raising it changes that.
+    async with upstream(json_handler({"ok": True})) as primary:
+        conf = gateway_config(
+            {"primary": primary.url}, store=ledger_store, limit="0", default_hold="0"
+        )
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                refused = await client.post("/v1/chat", content=b"{}")
+        finally:
+            await gateway.aclose()
+    assert refused.status_code == 402
+    error = refused.json()["error"]
+    assert error["code"] == "budget_exceeded"
+    message = error["message"]
+    assert "limit is 0, which refuses every request" in message, message
+    assert "default_hold" not in message and "fewer output tokens" not in message
+    assert "--limit AMOUNT" in message
+    assert primary.count == 0
+
+
 def _answer(kind: str) -> Any:
     """An upstream that ends its answer as `kind` says."""
     usage = (

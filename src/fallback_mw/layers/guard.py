@@ -66,6 +66,16 @@ def _exceeded(budget_id: str) -> str:
     )
 
 
+def _limit_zero(budget_id: str) -> str:
+    """A request that holds nothing, refused by a limit of 0 (docs/budgets.md: it refuses
+    every request; a hold of 0 needs room too, `room_needed`): no lower hold serves it."""
+    return (
+        f"budget {budget_id!r}'s limit is 0, which refuses every request; to serve this "
+        f"route's requests, raise it (`fallback-mw budgets set --budget {budget_id} --limit "
+        f"AMOUNT`, or [budgets.{budget_id}] limit)"
+    )
+
+
 def _over_the_whole_limit(budget_id: str, amount: Decimal, estimated: bool) -> str:
     """The hold alone is more than the limit: no window will ever have room for it, so
     waiting changes nothing (what `_exceeded` would suggest)."""
@@ -199,6 +209,9 @@ class BudgetGuard:
             return "budget_unavailable", _LEDGER_UNREACHABLE
         if hold is not None:
             return hold
+        if to_units(amount) == 0 and to_units(budget.limit) == 0:
+            # No hold to lower (`room_needed`): it is the limit of 0 that refuses.
+            return "budget_exceeded", _limit_zero(budget_id)
         if room_needed(to_units(amount)) > to_units(budget.limit):
             estimated = amount != budget.default_hold
             return "budget_exceeded", _over_the_whole_limit(budget_id, amount, estimated)
