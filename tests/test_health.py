@@ -523,6 +523,57 @@ async def test_a_fallback_moved_to_another_url_by_the_store_starts_with_a_closed
 
 
 @pytest.mark.anyio
+async def test_a_probe_cancelled_while_its_capacity_is_counted_frees_its_slot(
+    redis_url: str,
+) -> None:
+    """The breaker admits the half-open probe, then the upstream's declared rpm is counted
+    in Redis (a round trip): the request cancelled then (its client gone, the host's stop)
+    left the probe slot held for nobody for the probe's whole lease, every request
+    skipping the upstream meanwhile. The gate gives the admission back."""
+    answer = {"status": 503}
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        return web.Response(status=answer["status"], body=b"primary")
+
+    health = RedisHealth(redis_url, BreakerConfig(**BREAKER))
+    async with upstream(handle) as primary:
+        conf = config({"primary": primary}, ["primary"], state=redis_url)
+        conf["upstreams"]["primary"]["rpm"] = 100_000
+        async with gateway_client(conf, health=health) as (client, gateway):
+            for _ in range(3):
+                assert (await client.get("/v1/x")).status_code == 502
+            assert (await client.get("/v1/x")).status_code == 503  # open: skipped
+            await asyncio.sleep(0.15)
+            answer["status"] = 200
+            counting = asyncio.Event()
+            send_group = health._send_group
+
+            def spy(calls: list[Any]) -> None:  # the real pipeline, watched
+                if any(call.item.name == "capacity_admit" for call in calls):
+                    counting.set()
+                send_group(calls)
+
+            health._send_group = spy  # type: ignore[method-assign]
+            health._group = None  # the next group hands over to the spy
+
+            async def receive() -> dict[str, Any]:
+                return {"type": "http.request", "body": b"", "more_body": False}
+
+            async def send(message: dict[str, Any]) -> None:
+                pass
+
+            probe = asyncio.ensure_future(gateway(http_scope("GET", "/v1/probe"), receive, send))
+            await asyncio.wait_for(counting.wait(), 5)
+            probe.cancel()  # while the capacity's round trip is out
+            await asyncio.gather(probe, return_exceptions=True)
+            health._send_group = send_group  # type: ignore[method-assign]
+            assert primary.count == 3  # the probe was never sent
+            response = await client.get("/v1/x")
+            assert response.status_code == 200, "the probe's slot is held for nobody"
+            assert primary.count == 4
+
+
+@pytest.mark.anyio
 async def test_a_url_change_is_forgotten_once_across_processes_sharing_a_breaker(
     redis_url: str, tmp_path: Any
 ) -> None:

@@ -292,7 +292,14 @@ class AttemptLifecycle:
         ):
             return "breaker_open"
         self.admissions[name] = admission
-        reservation = await self.capacity.reserve(name, self.ask(name, upstream, repeat))
+        try:
+            reservation = await self.capacity.reserve(name, self.ask(name, upstream, repeat))
+        except BaseException:
+            # Cancelled while the capacity is counted (a Redis round trip): a half-open
+            # probe slot this admission took would be held for nobody for its lease.
+            with anyio.CancelScope(shield=True):
+                await self.health.release(name, admission)
+            raise
         if isinstance(reservation, str):
             await self.health.release(name, admission)
             return reservation
