@@ -478,3 +478,63 @@ async def test_the_bodies_copies_hold_in_flight_are_bounded(recorded: Recorded) 
             await gateway.aclose()
     assert shadows.in_flight == 0
     assert shadows.bytes_in_flight == 0
+
+
+async def test_a_copy_that_is_the_probe_and_cut_by_shutdown_mid_body_frees_its_slot(
+    redis_url: str,
+) -> None:
+    """A copy the half-open breaker admitted as its probe got the shadow's head, then the
+    gateway stopped while it read the body: the copy was cancelled past every release, so
+    with a shared state every other gateway process skipped the shadow (and its copies)
+    for the probe's whole lease. The copy ends its admission however it ends."""
+    import redis.asyncio as aioredis
+
+    from fallback_mw.store_url import split_state_url
+
+    answer = {"status": 503}
+    reading = asyncio.Event()
+
+    async def shadow_handler(request: web.Request) -> web.StreamResponse:
+        if answer["status"] == 503:
+            return web.Response(status=503)
+        response = web.StreamResponse(status=200)
+        await response.prepare(request)
+        await response.write(b"{")
+        reading.set()
+        await asyncio.sleep(3600)  # the rest of the body never comes
+        return response
+
+    async with (
+        upstream(status_handler(200, b"primary says")) as primary,
+        upstream(shadow_handler) as shadow,
+    ):
+        conf = config(primary.url, shadow.url)
+        conf["gateway"] = {
+            "state": redis_url,
+            "breaker": {"window": 4, "min_calls": 2, "cooldown_ms": 100},
+        }
+        gateway = Gateway(host_app, config=conf, environ=ENV)
+        shadows = gateway.services.shadows
+        url, prefix = split_state_url(redis_url)
+        inspect = aioredis.Redis.from_url(url, decode_responses=True)
+        key = f"{prefix}breaker:candidate"
+        try:
+            async with client_for(gateway) as client:
+                for _ in range(2):
+                    assert (await client.get("/v1/chat", headers=CALLER)).text == "primary says"
+                    await settled(gateway, lambda: not shadows.in_flight)
+                assert await inspect.hget(key, "st") == "open"
+                await asyncio.sleep(0.15)
+                answer["status"] = 200
+                assert (await client.get("/v1/chat", headers=CALLER)).text == "primary says"
+                await asyncio.wait_for(reading.wait(), 10)  # the probe copy reads its body
+                assert await inspect.hget(key, "st") == "half_open"
+                assert await inspect.hget(key, "probe") != "0"
+        finally:
+            await gateway.aclose()  # cancels the copy mid-body
+        try:
+            assert shadows.in_flight == 0
+            assert await inspect.hget(key, "probe") == "0", "a probe slot held for nobody"
+        finally:
+            await inspect.aclose()
+    assert shadow.count == 3

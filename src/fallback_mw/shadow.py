@@ -38,7 +38,7 @@ from fallback_mw.request.usage import UsageMeter, body_coding
 from fallback_mw.routing import effective_deadline_ms
 from fallback_mw.telemetry import Telemetry
 from fallback_mw.timers import deadline_after
-from fallback_mw.upstream.base import UpstreamClient, UpstreamError
+from fallback_mw.upstream.base import UpstreamClient, UpstreamError, UpstreamResponse
 
 MAX_IN_FLIGHT = 256
 # The request bodies copies in flight may keep alive between them: a copy holds its body
@@ -208,25 +208,15 @@ class ShadowTraffic:
             with anyio.CancelScope(shield=True):
                 await attempts.release(name)  # cancelled (shutdown): nothing proven
             raise
-        received = 0
-        if response is not None:
-            # Metered like a served response: the usage it reports replaces the estimate
-            # counted against the candidate's `tpm` (the copy's tokens are spent there).
-            meter = UsageMeter(context.usage)
-            content_type, content_encoding = body_coding(response.headers)
-            try:
-                with deadline_after(max(context.remaining, 0.0)):
-                    async for chunk in response.iter_chunks():
-                        received += len(chunk)
-                        if received > self.max_response_body:
-                            break  # measured enough; the rest is not read
-                        meter.observe(chunk, content_type, content_encoding)
-            except (TimeoutError, UpstreamError):
-                pass  # the head arrived: the upstream answered; the body is not graded
-            finally:
-                meter.finish()
-                with anyio.CancelScope(shield=True):
-                    await response.aclose()
+        try:
+            received = 0 if response is None else await self._read(context, response)
+        except BaseException:
+            # Cancelled mid-body (shutdown): its admission ends here too, or a half-open
+            # probe slot the copy held stays taken for its lease (in Redis, for every
+            # process).
+            with anyio.CancelScope(shield=True):
+                await attempts.release(name)
+            raise
         mark = await attempts.mark_health(name, credential, outcome, response)
         await attempts.settle_tokens(name)
         answered = outcome.kind == "status" and not mark
@@ -237,6 +227,28 @@ class ShadowTraffic:
             duration=time.monotonic() - started,
             received=received,
         )
+
+    async def _read(self, context: RequestContext, response: UpstreamResponse) -> int:
+        """The copy's body, up to max_response_body (the bytes received). Metered like a
+        served response: the usage it reports replaces the estimate counted against the
+        candidate's `tpm` (the copy's tokens are spent there)."""
+        received = 0
+        meter = UsageMeter(context.usage)
+        content_type, content_encoding = body_coding(response.headers)
+        try:
+            with deadline_after(max(context.remaining, 0.0)):
+                async for chunk in response.iter_chunks():
+                    received += len(chunk)
+                    if received > self.max_response_body:
+                        break  # measured enough; the rest is not read
+                    meter.observe(chunk, content_type, content_encoding)
+        except (TimeoutError, UpstreamError):
+            pass  # the head arrived: the upstream answered; the body is not graded
+        finally:
+            meter.finish()
+            with anyio.CancelScope(shield=True):
+                await response.aclose()
+        return received
 
     async def aclose(self) -> None:
         """Cancel every copy in flight and wait for their connections to close."""
