@@ -325,6 +325,38 @@ async def test_a_pool_with_every_key_revoked_names_its_variables_not_a_429(state
     assert pool.count == 3
 
 
+async def test_a_revoked_pool_is_named_also_when_another_candidate_is_at_its_capacity() -> None:
+    """The same 503 with the fallback skipped too, for its declared rpm: the Retry-After
+    look-up stops at a capacity skip (nothing it could say beats a minute's turn) before
+    it had noted the revoked pool, so the message fell back to the 429 cool-downs and
+    resets and never named the pool's variables or what to do with them."""
+    async with (
+        upstream(status_handler(401)) as pool,
+        upstream(status_handler(200, b"backup")) as backup,
+    ):
+        conf = pool_config(pool.url)
+        conf["upstreams"]["backup"] = {"url": backup.url, "rpm": 1}
+        conf["routes"] = [
+            {"id": "one", "prefix": "/v1/", "plan": ["pool", "backup"], "retries": 3,
+             "backoff_ms": 0},
+            {"id": "spend", "prefix": "/v2/", "plan": ["backup"], "retries": 0},
+        ]  # fmt: skip
+        async with gateway_client(conf) as client:
+            assert (await client.get("/v1/x")).status_code == 401  # all three keys retired
+            assert (await client.get("/v2/x")).text == "backup"  # its rpm of 1 is spent
+            response = await client.get("/v1/x")
+    error = response.json()["error"]
+    assert (response.status_code, error["code"]) == (503, "route_exhausted")
+    assert response.headers["x-gateway-skipped"] == (
+        "pool;reason=no_credential, backup;reason=capacity"
+    )
+    message = error["message"]
+    assert "every credential of 'pool' answered 401" in message, message
+    assert "429" not in message and "Retry-After" not in message
+    assert "KEY_A, KEY_B, KEY_C" in message
+    assert (pool.count, backup.count) == (3, 1)
+
+
 async def revoked(request: web.Request) -> web.StreamResponse:
     return web.Response(status=401, text="revoked " + key_of(request))
 

@@ -352,6 +352,7 @@ async def retry_after(
     rewrite the body cannot take, an estimate over its whole tpm) is not waited for."""
     waits: list[float] = []
     revoked: list[str] = []
+    sooner = False  # a repeat_budget skip: back sooner than anything said here
     for name, reason in dict.fromkeys((s.candidate, s.reason) for s in context.skipped):
         if reason == "capacity":
             wait = await attempts.capacity_free_in(name)
@@ -359,9 +360,9 @@ async def retry_after(
                 waits.append(wait)
             continue
         if reason not in ("breaker_open", "no_credential"):
-            if reason == "model_rewrite":
-                continue
-            return []  # repeat_budget: back sooner than anything said here
+            # Not `return`: the pools retired for good are named in the message all the same.
+            sooner = sooner or reason != "model_rewrite"  # repeat_budget: back sooner
+            continue
         pool = len(context.upstreams[name].credential_envs)
         if pool and not any(context.credential(name, i) is not None for i in range(pool)):
             continue  # its variable is unset: no wait brings it back
@@ -371,6 +372,6 @@ async def retry_after(
         elif reason == "no_credential":
             revoked.append(name)  # every credential retired: the message names its variables
     context.revoked = tuple(revoked)
-    if not waits:
+    if sooner or not waits:
         return []
     return [(b"retry-after", str(max(1, math.ceil(min(waits)))).encode())]
