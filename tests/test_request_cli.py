@@ -437,3 +437,24 @@ async def test_a_refusal_of_the_routes_own_resolver_is_traced_as_that_route(
     assert status == 1, err
     assert "no route matches" not in out, out
     assert "route chat" in out and "client    431 headers_too_large (local error)" in out, out
+
+
+async def test_a_tenant_named_in_the_underscore_spelling_is_not_sent_twice(
+    tmp_path: Path,
+) -> None:
+    # `--route` adds the route's tenant header unless the operator named one; the gateway
+    # reads `x_tenant_id` as that field too, so adding `x-tenant-id: acme` beside the
+    # operator's `x_tenant_id: other` was the identity header sent twice (a 400 the
+    # operator did not ask about). Either spelling now asks the same question.
+    async with upstream(status_handler(200, UPSTREAM_BODY)) as up:
+        route = 'tenant = "acme"\n[[routes]]\nid = "other"\nprefix = "/v1/"\nplan = ["primary"]\n'
+        route += 'tenant = "other"\n'
+        config = str(write_config(tmp_path, up.url, "http://127.0.0.1:9", route=route))
+        seen = []
+        for name in ("x-tenant-id", "x_tenant_id"):
+            status, out, _err = await request_cli(
+                "--config", config, "--route", "chat", "--header", f"{name}: other", "--json"
+            )
+            assert "identity_header" not in out, out
+            seen.append((status, json.loads(out)["client"]["status"]))
+        assert seen == [(0, 200), (0, 200)], seen  # tenant other's route, either way

@@ -127,8 +127,10 @@ def route_request(app: Any, options: Options, tenant_header: str) -> OneRequest:
                 f"(methods: {', '.join(route.accepted_methods)})"
             )
         target = route.prefix
-        named = {name.lower() for name, _ in headers}
-        if route.tenant is not None and tenant_header.lower() not in named:
+        # In the gateway's canonical form: `x_tenant_id` is the tenant field too (the
+        # resolver reads it so), and a second spelling beside it would be refused.
+        named = {name.lower().replace("_", "-") for name, _ in headers}
+        if route.tenant is not None and tenant_header.lower().replace("_", "-") not in named:
             headers.append((tenant_header, route.tenant))
     assert target is not None
     return OneRequest(method=method, target=target, headers=tuple(headers))
