@@ -210,7 +210,8 @@ _NO_METHODS: frozenset[str] = frozenset()
 def canonical_name(name: bytes) -> bytes:
     """The name as WSGI-style upstreams read it: `x_api_key` and `X-Api-Key` are one field
     (both become HTTP_X_API_KEY), so every stripping rule compares this form."""
-    return name.lower().replace(b"_", b"-")
+    lower = name.lower()
+    return lower.replace(b"_", b"-") if b"_" in lower else lower
 
 
 # Fields whose value lists other fields that must not be forwarded: `Connection` names

@@ -204,16 +204,11 @@ class ShadowTraffic:
         started = time.monotonic()
         try:
             outcome, response = await attempts.run(name, upstream, record)
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await attempts.release(name)  # cancelled (shutdown): nothing proven
-            raise
-        try:
             received = 0 if response is None else await self._read(context, response)
         except BaseException:
-            # Cancelled mid-body (shutdown): its admission ends here too, or a half-open
-            # probe slot the copy held stays taken for its lease (in Redis, for every
-            # process).
+            # Cancelled (shutdown) in the attempt or mid-body: nothing proven, and a
+            # half-open probe slot the copy held must not stay taken for its lease (in
+            # Redis, for every process).
             with anyio.CancelScope(shield=True):
                 await attempts.release(name)
             raise

@@ -102,10 +102,8 @@ class MemoryCapacity:
             capacity.adjust(reservation.second, _TOKENS, tokens - reservation.tokens)
 
     async def cancel(self, reservation: Reservation) -> None:
-        capacity, allowance = self._windows(reservation.upstream)
-        if reservation.counted:
-            capacity.adjust(reservation.second, _REQUESTS, -1)
-            capacity.adjust(reservation.second, _TOKENS, -reservation.tokens)
+        await self.release_capacity(reservation)
+        _, allowance = self._windows(reservation.upstream)
         allowance.adjust(reservation.second, _REPEATS if reservation.repeat else _FIRSTS, -1)
 
     async def release_capacity(self, reservation: Reservation) -> None:

@@ -23,7 +23,7 @@ from fallback_mw.cli.target import missing_sqlite_file, no_store_file
 from fallback_mw.config import GatewayConfig, load_config
 from fallback_mw.health import StateURLError
 from fallback_mw.request.types import ASGIApp
-from fallback_mw.security import is_field_name
+from fallback_mw.security import canonical_name, is_field_name
 from fallback_mw.store_url import is_redis_url
 
 _MAX_TARGET = 8192
@@ -129,8 +129,9 @@ def route_request(app: Any, options: Options, tenant_header: str) -> OneRequest:
         target = route.prefix
         # In the gateway's canonical form: `x_tenant_id` is the tenant field too (the
         # resolver reads it so), and a second spelling beside it would be refused.
-        named = {name.lower().replace("_", "-") for name, _ in headers}
-        if route.tenant is not None and tenant_header.lower().replace("_", "-") not in named:
+        named = {canonical_name(name.encode("latin-1", "replace")) for name, _ in headers}
+        wanted = canonical_name(tenant_header.encode("latin-1", "replace"))
+        if route.tenant is not None and wanted not in named:
             headers.append((tenant_header, route.tenant))
     assert target is not None
     return OneRequest(method=method, target=target, headers=tuple(headers))

@@ -60,11 +60,9 @@ def _headers(scope: Scope, names: tuple[bytes, ...]) -> tuple[list[str | None], 
     seen = [False] * len(names)
     twice: bytes | None = None
     for key, value in scope.get("headers", ()):
-        lower = key.lower()
-        if b"_" in lower:
-            # `x_tenant_id` is `x-tenant-id` to a WSGI-style upstream (HTTP_X_TENANT_ID):
-            # one field, so a caller's underscore spelling beside a proxy's field is two.
-            lower = lower.replace(b"_", b"-")
+        # `x_tenant_id` is `x-tenant-id` to a WSGI-style upstream (HTTP_X_TENANT_ID): one
+        # field, so a caller's underscore spelling beside a proxy's field is two.
+        lower = canonical_name(key)
         if lower in names:
             for index, name in enumerate(names):
                 if name == lower:

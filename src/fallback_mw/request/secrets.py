@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from urllib.parse import unquote_to_bytes
 
 from fallback_mw.config import UpstreamConfig
-from fallback_mw.security import CREDENTIAL_HEADERS, canonical_query_key
+from fallback_mw.security import CREDENTIAL_HEADERS, canonical_name, canonical_query_key
 
 # A credential shorter than this is not searched for: it would match ordinary text (a test
 # key such as "k1"); real keys are far longer.
@@ -71,9 +71,7 @@ class RequestSecrets:
             found = list(self._provider)
             names = self._names
             for name, value in self._headers:
-                # canonical_name, without its copy for a name that has no `_`
-                lower = name.lower()
-                if lower in names or (b"_" in lower and lower.replace(b"_", b"-") in names):
+                if canonical_name(name) in names:
                     found.extend(secret_forms(value))
             if self._query and self._query_keys:
                 for part in self._query.replace(b";", b"&").split(b"&"):
