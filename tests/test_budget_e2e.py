@@ -166,23 +166,18 @@ default_hold = {config["budgets"]["acme"]["default_hold"]}
         await ledger.aclose()
 
 
-async def test_a_stop_cuts_an_endless_stream_after_the_graceful_timeout_and_settles_it(
-    tmp_path: Path,
-) -> None:
-    """SIGTERM while a stream that never ends is in flight: `serve` waits
-    `--timeout-graceful-shutdown`, then cuts it, settles its hold and exits 0 (without the
-    bound it waited for the stream for ever)."""
-    store = f"sqlite:///{tmp_path / 'ledger.db'}"
-    async with upstream(slow_sse(first_events=2, then_sleep=120)) as primary:
-        config_path = tmp_path / "gateway.toml"
-        config_path.write_text(
-            f"""
+def endless_stream_config(tmp_path: Path, store: str, url: str) -> Path:
+    """A budgeted route to `url` (a stream that never ends) whose deadline and idle bound
+    outlast the test: only a stop of `serve` cuts it."""
+    path = tmp_path / "gateway.toml"
+    path.write_text(
+        f"""
 [gateway]
 store = "{store}"
 deadline_ms = 120000
 
 [upstreams.primary]
-url = "{primary.url}"
+url = "{url}"
 idle_timeout_ms = 120000
 
 [[routes]]
@@ -196,8 +191,20 @@ limit = 0.05
 window = "month"
 default_hold = 0.01
 """,
-            encoding="utf-8",
-        )
+        encoding="utf-8",
+    )
+    return path
+
+
+async def test_a_stop_cuts_an_endless_stream_after_the_graceful_timeout_and_settles_it(
+    tmp_path: Path,
+) -> None:
+    """SIGTERM while a stream that never ends is in flight: `serve` waits
+    `--timeout-graceful-shutdown`, then cuts it, settles its hold and exits 0 (without the
+    bound it waited for the stream for ever)."""
+    store = f"sqlite:///{tmp_path / 'ledger.db'}"
+    async with upstream(slow_sse(first_events=2, then_sleep=120)) as primary:
+        config_path = endless_stream_config(tmp_path, store, primary.url)
         port, log = free_port(), tmp_path / "serve.log"
         with serve_process(
             config_path, port, log, options=("--timeout-graceful-shutdown", "1")
@@ -239,30 +246,7 @@ async def test_a_second_ctrl_c_cuts_settles_and_closes_without_a_traceback(
     line says why, and the lifespan shutdown runs: exit 0, no traceback."""
     store = f"sqlite:///{tmp_path / 'ledger.db'}"
     async with upstream(slow_sse(first_events=2, then_sleep=120)) as primary:
-        config_path = tmp_path / "gateway.toml"
-        config_path.write_text(
-            f"""
-[gateway]
-store = "{store}"
-deadline_ms = 120000
-
-[upstreams.primary]
-url = "{primary.url}"
-idle_timeout_ms = 120000
-
-[[routes]]
-id = "chat"
-prefix = "/v1/"
-plan = ["primary"]
-budget = "acme"
-
-[budgets.acme]
-limit = 0.05
-window = "month"
-default_hold = 0.01
-""",
-            encoding="utf-8",
-        )
+        config_path = endless_stream_config(tmp_path, store, primary.url)
         port, log = free_port(), tmp_path / "serve.log"
         with serve_process(config_path, port, log) as process:  # the default 25 s wait
             await wait_listening(process, port, log)
