@@ -546,6 +546,8 @@ async def profile(row: Row, workdir: Path, args: argparse.Namespace) -> None:
         await drive(stack, args.requests, args.concurrency)
         profiler.disable()
         stats = pstats.Stats(profiler)
+        if args.profile_out:
+            stats.dump_stats(args.profile_out)
         stats.sort_stats("tottime").print_stats(40)
         stats.sort_stats("cumulative").print_stats(40)
     finally:
@@ -581,6 +583,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--only", default="", help="comma-separated row names")
     parser.add_argument("--profile", metavar="ROW", help="cProfile one row instead")
+    parser.add_argument("--profile-out", metavar="FILE", help="also write --profile's stats")
     parser.add_argument(
         "--redis", default="", metavar="URL", help="a Redis for the Redis-state row"
     )
