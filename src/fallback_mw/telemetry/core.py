@@ -98,6 +98,9 @@ class Telemetry:
         self._tracer = tracer_provider.get_tracer(INSTRUMENTATION_NAME, version)
         meter = meter_provider.get_meter(INSTRUMENTATION_NAME, version)
         self._m = Instruments(meter, idle=_unset_global_meter_provider(meter_provider))
+        # A gateway dropped with counts its tallies hold gives them to the counters (the
+        # next collection reads them), as `add` would have.
+        weakref.finalize(self, self._m.flush)
         # This gateway's breakers (its own health state reports to it), so two Gateways on
         # two meter providers keep separate gauges. On one provider (the host's global one)
         # the SDK keeps the first gateway's gauge and drops a second registration's
@@ -448,7 +451,8 @@ class Telemetry:
 
     def _observe_breakers(self, options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
         """The breakers of every live gateway whose instruments are on this one's meter
-        provider (the one registration of the gauge the SDK kept reports them all); an
+        provider (the one registration of the gauge the SDK kept reports them all), after
+        adding their tallied counts to the counters; an
         upstream name two of them use reports its worst state. A gateway reports the
         upstreams it serves (`only_upstreams`), a breaker that never moved as closed."""
         provider = _resolved(self.meter_provider)
@@ -456,6 +460,9 @@ class Telemetry:
         for telemetry in list(_LIVE):
             if telemetry is not self and _resolved(telemetry.meter_provider) is not provider:
                 continue
+            # Every collection runs the callbacks before it reads the counters: the counts
+            # the tallies hold (instruments.Tally) are added now, and read in this one.
+            telemetry._m.flush()
             serving = telemetry._serving_labels()
             for upstream, state in list(telemetry._breaker_states.items()):
                 if serving is None or upstream in serving:

@@ -4,6 +4,7 @@ are gateway facts only: labels, counts, status codes, failure kinds."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -25,22 +26,74 @@ def never_idle() -> bool:
     return False
 
 
+class Tally:
+    """A counter's per-request increments, counted here by attribute values and added to
+    the counter once per attribute set when the metrics are collected (`flush`): the SDK's
+    `add` (a `Measurement`, its attributes cleaned, hashed and matched to every view) costs
+    about as much as the rest of the request's metric work, once per request; this costs a
+    dict increment. Every collection flushes first (`Telemetry._observe_breakers`), so what
+    a reader collects is what it would have collected from `add`; the counts carry no
+    exemplars (they are added outside the request's span)."""
+
+    __slots__ = ("_counter", "_lock", "_names", "_pending")
+
+    def __init__(self, counter: metrics.Counter, names: tuple[str, ...]) -> None:
+        self._counter = counter
+        self._names = names  # the attribute names, in the order of `add`'s values
+        self._lock = threading.Lock()  # the loop's thread adds, a reader's thread flushes
+        self._pending: dict[tuple[AttributeValue | None, ...], int] = {}
+
+    def add(self, values: tuple[AttributeValue | None, ...]) -> None:
+        """One increment for these attribute values (None: the attribute is left out)."""
+        with self._lock:
+            pending = self._pending
+            pending[values] = pending.get(values, 0) + 1
+
+    def flush(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        names = self._names
+        for values, count in pending.items():
+            self._counter.add(
+                count, {name: v for name, v in zip(names, values, strict=True) if v is not None}
+            )
+
+
 class Instruments:
     def __init__(self, meter: metrics.Meter, *, idle: Callable[[], bool] = never_idle) -> None:
         # True while the recordings go nowhere (no SDK installed yet): the per-request
         # recordings then skip building their attributes.
         self.idle = idle
-        self.requests = meter.create_counter(
-            "gateway.requests", unit="{request}", description="Routed requests, by outcome"
-        )
-        self.attempts = meter.create_counter(
-            "gateway.attempts", unit="{attempt}", description="Upstream requests made"
-        )
-        self.fallbacks = meter.create_counter(
-            "gateway.fallbacks",
-            unit="{request}",
-            description="Requests answered by a candidate other than the first of their order",
-        )
+        self.requests = Tally(
+            meter.create_counter(
+                "gateway.requests", unit="{request}", description="Routed requests, by outcome"
+            ),
+            (
+                "gateway.route.id", "gateway.outcome", "gateway.fallback", "gateway.canary",
+                "gateway.fault", "gateway.candidate",
+            ),
+        )  # fmt: skip
+        self.attempts = Tally(
+            meter.create_counter(
+                "gateway.attempts", unit="{attempt}", description="Upstream requests made"
+            ),
+            (
+                "gateway.route.id", "gateway.candidate", "gateway.failure.kind",
+                "gateway.fault", "gateway.canary", "http.response.status_code",
+            ),
+        )  # fmt: skip
+        self.fallbacks = Tally(
+            meter.create_counter(
+                "gateway.fallbacks",
+                unit="{request}",
+                description="Requests answered by a candidate other than the first of their "
+                "order",
+            ),
+            (
+                "gateway.route.id", "gateway.candidate", "gateway.primary", "gateway.outcome",
+                "gateway.canary", "gateway.fault",
+            ),
+        )  # fmt: skip
         self.skips = meter.create_counter(
             "gateway.skips",
             unit="{candidate}",
@@ -78,16 +131,18 @@ class Instruments:
     def attempt(self, context: RequestContext, record: AttemptRecord, kind: str | None) -> None:
         if self.idle():
             return
+        route_id, candidate = label(context.route.id), label(record.candidate)
+        fault, canary, status = record.fault is not None, context.canary, record.status
+        self.attempts.add((route_id, candidate, kind or "none", fault, canary, status))
         metric: dict[str, AttributeValue] = {
-            "gateway.route.id": label(context.route.id),
-            "gateway.candidate": label(record.candidate),
+            "gateway.route.id": route_id,
+            "gateway.candidate": candidate,
             "gateway.failure.kind": kind or "none",
-            "gateway.fault": record.fault is not None,
-            "gateway.canary": context.canary,
+            "gateway.fault": fault,
+            "gateway.canary": canary,
         }
-        if record.status is not None:
-            metric["http.response.status_code"] = record.status
-        self.attempts.add(1, metric)
+        if status is not None:
+            metric["http.response.status_code"] = status
         duration = record.duration
         if duration is None:
             duration = time.monotonic() - record.started
@@ -104,25 +159,22 @@ class Instruments:
     ) -> None:
         if self.idle():
             return
-        route_id = label(context.route.id)
+        route_id, outcome = label(context.route.id), label(outcome)
+        fallback, canary = context.fallback, context.canary
+        self.requests.add((route_id, outcome, fallback, canary, fault, chosen or "none"))
         common: dict[str, AttributeValue] = {
             "gateway.route.id": route_id,
-            "gateway.outcome": label(outcome),
-            "gateway.fallback": context.fallback,
-            "gateway.canary": context.canary,
+            "gateway.outcome": outcome,
+            "gateway.fallback": fallback,
+            "gateway.canary": canary,
             "gateway.fault": fault,
         }
-        self.requests.add(1, {**common, "gateway.candidate": chosen or "none"})
         self.duration.record(duration, common)
-        if context.fallback and chosen is not None:
-            self.fallbacks.add(
-                1,
-                {
-                    "gateway.route.id": route_id,
-                    "gateway.candidate": chosen,
-                    "gateway.primary": candidates[0] if candidates else "none",
-                    "gateway.outcome": label(outcome),
-                    "gateway.canary": context.canary,
-                    "gateway.fault": fault,
-                },
-            )
+        if fallback and chosen is not None:
+            primary = candidates[0] if candidates else "none"
+            self.fallbacks.add((route_id, chosen, primary, outcome, canary, fault))
+
+    def flush(self) -> None:
+        """Add the counts waiting in the tallies to their counters (before a collection)."""
+        for tally in (self.requests, self.attempts, self.fallbacks):
+            tally.flush()
