@@ -1039,3 +1039,114 @@ async def test_every_configured_upstream_s_breaker_is_in_the_gauge_from_the_star
             assert gauge == {"tel-start-primary": 0, "tel-start-backup": 0}
         finally:
             await gateway.aclose()
+
+
+@pytest.mark.parametrize(
+    "propagators",
+    [
+        ["tracecontext", "baggage"],
+        ["tracecontext"],
+        ["baggage"],
+        [],
+    ],
+)
+@pytest.mark.parametrize(
+    "incoming",
+    [
+        {},
+        {"traceparent": TRACEPARENT},
+        {"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-00", "tracestate": "vendor=x,other=y"},
+        {"traceparent": TRACEPARENT, "baggage": "tier=gold,region=eu"},
+    ],
+)
+@pytest.mark.parametrize("sampled", [True, False])
+def test_an_attempt_propagates_what_the_w3c_propagators_write_for_its_span(
+    propagators: list[str], incoming: dict[str, str], sampled: bool
+) -> None:
+    """`inject_headers` writes the W3C fields itself for an attempt span without baggage:
+    exactly what the global propagator writes for the attempt's context, sampled or not,
+    with the caller's tracestate, for any mix of the W3C propagators; with baggage it asks
+    the propagator."""
+    from opentelemetry import propagate
+    from opentelemetry.baggage.propagation import W3CBaggagePropagator
+    from opentelemetry.propagators.composite import CompositePropagator
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    from fallback_mw.telemetry.core import _current_attempt
+
+    kinds = {"tracecontext": TraceContextTextMapPropagator, "baggage": W3CBaggagePropagator}
+    previous = propagate.get_global_textmap()
+    propagate.set_global_textmap(CompositePropagator([kinds[k]() for k in propagators]))
+    provider = TracerProvider(
+        sampler=ParentBased(ALWAYS_ON if sampled else ALWAYS_OFF), shutdown_on_exit=False
+    )
+    try:
+        telemetry = Telemetry(tracer_provider=provider, meter_provider=MeterProvider())
+        context = hand_made_context()
+        telemetry.request_started(context, [(k.encode(), v.encode()) for k, v in incoming.items()])
+        record = AttemptRecord(candidate="primary", number=1, server_address="127.0.0.1")
+        telemetry.attempt_started(context, record)
+        entry = _current_attempt.get()
+        assert entry is not None
+        expected: dict[str, str] = {}
+        propagate.get_global_textmap().inject(expected, context=entry.context)
+        headers = [("accept", "*/*"), *incoming.items()]
+        telemetry.inject_headers(headers)
+        fields = set(propagate.get_global_textmap().fields)
+        # The caller's own fields of the propagator are replaced, anything else passes.
+        passed = [("accept", "*/*"), *((k, v) for k, v in incoming.items() if k not in fields)]
+        assert [h for h in headers if h[0] not in fields] == passed
+        assert dict(h for h in headers if h[0] in fields) == expected
+        if "tracecontext" in propagators:
+            assert expected["traceparent"].startswith(f"00-{TRACE_ID}-" if incoming else "00-")
+        if incoming.get("tracestate") and "tracecontext" in propagators:
+            assert expected["tracestate"] == "vendor=x,other=y"
+        if incoming.get("baggage") and "baggage" in propagators:
+            assert expected["baggage"] == "tier=gold,region=eu"
+        _current_attempt.set(None)
+    finally:
+        propagate.set_global_textmap(previous)
+        provider.shutdown()
+
+
+async def test_the_default_propagators_are_not_asked_for_an_attempt_without_baggage(
+    recorded: Recorded, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The W3C fields of an attempt span are written by `inject_headers` itself (above: the
+    same fields); the propagators' own `inject` (context look-ups on every attempt) runs
+    only when there is baggage to carry."""
+    from opentelemetry.baggage.propagation import W3CBaggagePropagator
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    asked: list[str] = []
+    for kind in (TraceContextTextMapPropagator, W3CBaggagePropagator):
+        original = kind.inject
+
+        def counted(self: Any, *args: Any, _original: Any = original, **kwargs: Any) -> None:
+            asked.append(type(self).__name__)
+            _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(kind, "inject", counted)
+    received: list[list[tuple[str, str]]] = []
+
+    async def echo(request: web.Request) -> web.Response:
+        received.append(list(request.headers.items()))
+        return web.Response(text="ok")
+
+    async with upstream(echo) as p, upstream(echo) as b:
+        gateway = Gateway(
+            host_app, config=make_config(p.url, b.url), environ=ENV, telemetry=recorded.telemetry
+        )
+        async with client_for(gateway) as client:
+            assert (await client.get("/v1/models")).status_code == 200
+            assert asked == []
+            response = await client.get("/v1/models", headers={"baggage": "tier=gold"})
+            assert response.status_code == 200
+        await gateway.aclose()
+    assert asked == ["TraceContextTextMapPropagator", "W3CBaggagePropagator"]
+    attempts = {format_span_id(s.context.span_id) for s in recorded.attempt_spans()}
+    for headers in received:
+        (traceparent,) = header_values([(k.lower(), v) for k, v in headers], "traceparent")
+        assert traceparent.split("-")[2] in attempts  # each upstream got its attempt's span
+    assert header_values([(k.lower(), v) for k, v in received[1]], "baggage") == ["tier=gold"]
