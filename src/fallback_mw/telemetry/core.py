@@ -11,7 +11,6 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, S
 
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, propagate, trace
-from opentelemetry.baggage import get_all as get_all_baggage
 from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.propagators.textmap import TextMapPropagator
@@ -58,10 +57,9 @@ _current_attempt: contextvars.ContextVar[AttemptTrace | None] = contextvars.Cont
 )
 
 
-# The global propagator, its field names as str and as header bytes, whether it is made
-# of the W3C propagators only, and whether those include the trace context's and the
-# baggage's.
-_Propagation = tuple[TextMapPropagator, frozenset[str], frozenset[bytes], bool, bool, bool]
+# The global propagator, its field names as str and as header bytes, and whether it is
+# made of the W3C propagators only.
+_Propagation = tuple[TextMapPropagator, frozenset[str], frozenset[bytes], bool]
 _W3C_PROPAGATORS = (TraceContextTextMapPropagator, W3CBaggagePropagator)
 
 # Marks a request whose telemetry was finished: a second request_finished records nothing.
@@ -384,27 +382,12 @@ class Telemetry:
         caller's context passes through unchanged."""
         try:
             entry = _current_attempt.get()
-            propagator, fields, _, quiet, tracecontext, baggage = self._propagation_fields()
+            propagator, fields, _, quiet = self._propagation_fields()
             if entry is None and quiet and not otel_context.get_current():
                 return  # no span, no baggage: W3C propagators would write nothing
+            ctx = entry.context if entry is not None else None
             carrier: dict[str, str] = {}
-            if entry is None:
-                propagator.inject(carrier)
-            elif quiet and not (baggage and get_all_baggage(entry.context)):
-                # What the W3C propagators write for the attempt's span and no baggage,
-                # without their context look-ups (TraceContextTextMapPropagator.inject).
-                if tracecontext:
-                    span_context = entry.span.get_span_context()
-                    if span_context.is_valid:
-                        carrier["traceparent"] = (
-                            f"00-{trace.format_trace_id(span_context.trace_id)}-"
-                            f"{trace.format_span_id(span_context.span_id)}-"
-                            f"{span_context.trace_flags:02x}"
-                        )
-                        if span_context.trace_state:
-                            carrier["tracestate"] = span_context.trace_state.to_header()
-            else:
-                propagator.inject(carrier, context=entry.context)
+            propagator.inject(carrier, context=ctx)
             if not carrier and entry is None:
                 return  # no trace context of ours at all: leave the caller's untouched
             headers[:] = [(k, v) for k, v in headers if k.lower() not in fields]
@@ -506,12 +489,8 @@ class Telemetry:
                 if type(propagator) is CompositePropagator
                 else (propagator,)
             )
-            kinds = {type(p) for p in parts} if parts is not None else {TextMapPropagator}
-            quiet = kinds <= set(_W3C_PROPAGATORS)
-            cached = (
-                propagator, names, frozenset(n.encode("latin-1") for n in names), quiet,
-                TraceContextTextMapPropagator in kinds, W3CBaggagePropagator in kinds,
-            )  # fmt: skip
+            quiet = parts is not None and all(type(p) in _W3C_PROPAGATORS for p in parts)
+            cached = (propagator, names, frozenset(n.encode("latin-1") for n in names), quiet)
             self._propagation = cached
         return cached
 
