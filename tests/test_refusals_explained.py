@@ -644,3 +644,33 @@ async def test_a_post_on_a_route_without_a_fallback_is_told_both_changes() -> No
     assert 'add "POST" to its replayable_methods' in error["message"], error["message"]
     assert "no fallback and no retries" in error["message"], error["message"]
     assert (followed.status_code, followed.headers["x-gateway-provider"]) == (200, "backup")
+
+
+@pytest.mark.parametrize(
+    ("route", "method", "headers", "rule"),
+    [
+        ({"replay_with_idempotency_key": True}, "POST", {}, "no_idempotency_key"),
+        ({}, "PATCH", {}, "not_replayable_method"),
+    ],
+)  # fmt: skip
+async def test_a_method_refusal_for_a_body_over_replay_buffer_names_replay_buffer_too(
+    route: dict[str, Any], method: str, headers: dict[str, str], rule: str
+) -> None:
+    # A platform team's large upload (a POST or PATCH over replay_buffer) ended in "send an
+    # Idempotency-Key" / "add PATCH to replayable_methods"; followed, the next upload got
+    # the same 502, now as not_buffered. The message names both changes, and following
+    # both serves from the backup.
+    body = b"x" * 5000  # replay_buffer is 1024 in config()
+    async with upstream(status_handler(503)) as p, upstream(status_handler(200)) as b:
+        async with gateway_client(config(p.url, b.url, **route), environ=ENV) as client:
+            refused = await client.request(method, "/v1/files", content=body, headers=headers)
+        both = config(
+            p.url, b.url, gateway={"replay_buffer": 8192},
+            **{**route, "replayable_methods": ["GET", method]},
+        )  # fmt: skip
+        async with gateway_client(both, environ=ENV) as client:
+            followed = await client.request(method, "/v1/files", content=body)
+    error = refused.json()["error"]
+    assert (refused.status_code, error["rule"]) == (502, rule)
+    assert "replay_buffer" in error["message"], error["message"]
+    assert (followed.status_code, followed.headers["x-gateway-provider"]) == (200, "backup")

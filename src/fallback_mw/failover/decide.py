@@ -537,11 +537,17 @@ def _route_exhausted(context: RequestContext) -> str:
 
 _REPLAY_RULES = frozenset({"not_replayable_method", "no_idempotency_key", "method_override",
                            "not_buffered"})  # fmt: skip
+_METHOD_RULES = _REPLAY_RULES - {"not_buffered"}
 
 
 def _remedy(rule: str | None, context: RequestContext) -> str:
     remedy = _rule_remedy(rule, context)
     route = context.route
+    body = context.body
+    if rule in _METHOD_RULES and body is not None and body.buffered is None:
+        # The method rule is checked first; a body that was not buffered would stop the
+        # replay too, so the method's remedy alone changes nothing.
+        remedy += f"; and {_REMEDY['not_buffered']}"
     if rule in _REPLAY_RULES and route.attempt_ceiling == 1:
         # Replayable or not, this route makes one attempt: a replay needs somewhere to go.
         remedy += (
