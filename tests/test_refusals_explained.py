@@ -674,3 +674,34 @@ async def test_a_method_refusal_for_a_body_over_replay_buffer_names_replay_buffe
     assert (refused.status_code, error["rule"]) == (502, rule)
     assert "replay_buffer" in error["message"], error["message"]
     assert (followed.status_code, followed.headers["x-gateway-provider"]) == (200, "backup")
+
+
+@pytest.mark.parametrize(
+    ("route", "method"),
+    [({"plan": ["primary"], "retries": 0}, "GET"), ({}, "POST")],
+)  # fmt: skip
+async def test_a_deadline_that_cuts_the_only_attempt_does_not_promise_a_next_one(
+    route: dict[str, Any], method: str
+) -> None:
+    # A long-polling internal service behind a route of one candidate (or a POST, which
+    # never fails over): the deadline cut its hang and the message said to lower the
+    # primary's first_byte_timeout_ms "so that a hang ends in time for the next attempt".
+    # There is none: followed, the 504 became a 502. What serves is a deadline above the
+    # wait; the message says that, and that the lower timeout would not fail it over.
+    async with (
+        upstream(status_handler(200, delay=0.5)) as p,
+        upstream(status_handler(200)) as b,
+    ):
+        async with gateway_client(config(p.url, b.url, deadline_ms=200, **route),
+                                  environ=ENV) as client:  # fmt: skip
+            cut = await client.request(method, "/v1/poll", content=b"{}")
+        async with gateway_client(config(p.url, b.url, deadline_ms=2000, **route),
+                                  environ=ENV) as client:  # fmt: skip
+            followed = await client.request(method, "/v1/poll", content=b"{}")
+    error = cut.json()["error"]
+    assert (cut.status_code, error["rule"]) == (504, "deadline")
+    message = error["message"]
+    assert "first_byte_timeout_ms (30000 ms)" in message, message
+    assert "in time for the next attempt" not in message, message
+    assert "raise the route's deadline_ms" in message, message
+    assert (followed.status_code, followed.headers["x-gateway-provider"]) == (200, "primary")

@@ -620,6 +620,13 @@ def _deadline_message(context: RequestContext) -> str:
         name, timeout_ms = waiting
         remedy = f"lower that timeout below {caller} ms so that a hang ends in time for the "
         remedy += "next attempt"
+        alone = _no_next_attempt(context)
+        if alone is not None:
+            return (
+                f"{passed}, while {name!r} was still inside its first_byte_timeout_ms "
+                f"({timeout_ms} ms); {alone}: the caller may send a larger "
+                f"x-gateway-deadline-ms, or none, to wait longer for it"
+            )
         if configured is not None and timeout_ms < configured:
             remedy = (
                 f"the caller may send a larger x-gateway-deadline-ms (above {timeout_ms} ms), "
@@ -638,11 +645,41 @@ def _deadline_message(context: RequestContext) -> str:
     if waiting is None:
         return f"{passed}; raise {key}"
     name, timeout_ms = waiting
+    alone = _no_next_attempt(context)
+    if alone is not None:
+        return (
+            f"{passed}, while {name!r} was still inside its first_byte_timeout_ms ({timeout_ms} "
+            f"ms); {alone}: raise {key} to wait longer for it (up to {timeout_ms} ms)"
+        )
     return (
         f"{passed}, while {name!r} was still inside its first_byte_timeout_ms ({timeout_ms} "
         f"ms): lower that below {configured} ms so that a hang ends in time for the next "
         f"attempt, or raise {key} above {timeout_ms} ms"
     )
+
+
+def _no_next_attempt(context: RequestContext) -> str | None:
+    """Why no attempt could have followed the one the deadline cut (None: one could): a
+    shorter first_byte_timeout_ms would then only end the walk sooner, never serve it."""
+    route, body = context.route, context.body
+    rule = replay_rule(
+        route,
+        context.method,
+        buffered=body is not None and body.buffered is not None,
+        headers=context.forward_headers,
+        overrides=context.overrides,
+    )
+    if rule is not None:
+        return (
+            f"the request is not replayable ({rule}), so no attempt follows it and a shorter "
+            f"first_byte_timeout_ms would only end it sooner"
+        )
+    if context.attempt_count >= route.attempt_ceiling:
+        return (
+            f"route {route.id!r} makes {route.attempt_ceiling} attempt(s) (1 + retries), so no "
+            f"attempt follows and a shorter first_byte_timeout_ms would only end it sooner"
+        )
+    return None
 
 
 def error_message(decision: Decision, context: RequestContext) -> str:
