@@ -197,6 +197,28 @@ def test_check_warns_about_a_route_no_request_can_reach(tmp_path: Path) -> None:
     assert "warning" not in result.stdout
 
 
+def test_an_unreachable_route_names_only_the_routes_that_take_its_methods(tmp_path: Path) -> None:
+    # A platform team's read route beside a write route on one prefix, and an older
+    # route of that prefix that takes every method: the read route's warning named the
+    # POST-only write route as taking its GET too, and the fix read off it (change the
+    # write route) changed nothing.
+    path = tmp_path / "gateway.toml"
+    extra = (
+        '\n[[routes]]\nid = "chat1-write"\nprefix = "/v1/"\ntenant = "acme"\n'
+        'methods = ["POST"]\nplan = ["backup"]\n'
+        '\n[[routes]]\nid = "chat2-read"\nprefix = "/v1/"\ntenant = "acme"\n'
+        'methods = ["GET"]\nplan = ["backup"]\n'
+    )
+    path.write_text(CONFIG.format(store="") + extra, encoding="utf-8")
+    result = check(path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    read = lines.index(next(x for x in lines if x.startswith("route chat2-read ")))
+    warning = next(x for x in lines[read:] if x.startswith("  warning:"))
+    assert warning.startswith("  warning: no request can reach this route: 'chat' (same"), warning
+    assert "chat1-write" not in warning, warning
+
+
 def test_check_refuses_what_serve_refuses(tmp_path: Path) -> None:
     path = tmp_path / "gateway.toml"
     path.write_text(CONFIG.format(store=""), encoding="utf-8")

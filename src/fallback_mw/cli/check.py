@@ -265,8 +265,12 @@ def unreachable_routes(
         before = taken.setdefault((route.prefix, route.tenant), [])
         methods = {method for earlier in before for method in earlier.accepted_methods}
         if before and methods.issuperset(route.accepted_methods):
-            names = ", ".join(repr(earlier.id) for earlier in before)
-            verb = "takes" if len(before) == 1 else "take"
+            # Only those that take some of its methods: a POST-only route beside it takes
+            # none of a GET route's requests.
+            wanted = set(route.accepted_methods)
+            takers = [e for e in before if not wanted.isdisjoint(e.accepted_methods)]
+            names = ", ".join(repr(earlier.id) for earlier in takers)
+            verb = "takes" if len(takers) == 1 else "take"
             found[route.id] = (
                 f"no request can reach this route: {names} (same prefix and tenant, first in "
                 f"the route table) {verb} every method it accepts; give it another prefix, "
