@@ -385,6 +385,48 @@ async def test_every_failure_kind_an_attempt_carries_is_in_the_docs(recorded: Re
     assert kinds - documented == set()
 
 
+async def test_a_caller_that_stalls_its_upload_is_not_booked_as_the_upstreams_timeout(
+    recorded: Recorded, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A platform team's slow uploader (its body streams to the attempt, then stops): the
+    # 408 is the caller's (SPEC §12), yet its attempt carried gateway.failure.kind
+    # `timeout`, the upstream's connect / first-byte timeout in docs/telemetry.md, and the
+    # log line said `failures=primary:timeout`: dashboards and log searches for a slow
+    # upstream counted the caller's stall against the primary.
+    caplog.set_level(logging.INFO, logger="fallback_mw.request")
+    async with upstream(status_handler(200, b"ok")) as primary:
+        conf = {
+            "gateway": {"allow_hosts": ["127.0.0.1"], "replay_buffer": 1024},
+            "upstreams": {"primary": {"url": primary.url}},
+            "routes": [{"id": "r", "prefix": "/v1/", "plan": ["primary"], "deadline_ms": 300}],
+        }
+        gateway = Gateway(host_app, config=conf, telemetry=recorded.telemetry)
+        sent: list[dict[str, Any]] = []
+        pieces = [{"type": "http.request", "body": b"a" * 2000, "more_body": True}]
+
+        async def receive() -> dict[str, Any]:
+            if pieces:
+                return pieces.pop()
+            await asyncio.sleep(30)  # the caller stalls
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        scope = http_scope("PUT", "/v1/files", headers=[(b"content-length", b"5000")])
+        try:
+            await gateway(scope, receive, send)
+        finally:
+            await gateway.aclose()
+    assert sent[0]["status"] == 408
+    (point,) = recorded.points("gateway.attempts")
+    assert dict(point.attributes)["gateway.failure.kind"] == "request_timeout"
+    (attempt,) = recorded.attempt_spans()
+    assert dict(attempt.attributes or {})["gateway.failure.kind"] == "request_timeout"
+    (log,) = request_logs(caplog)
+    assert "primary:timeout" not in log.getMessage(), log.getMessage()
+
+
 async def test_deadline_exceeded(recorded: Recorded, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="fallback_mw.request")
     release = asyncio.Event()

@@ -89,8 +89,10 @@ class Outcome:
             return self.detail
         if self.kind == "status":
             return None
-        if self.kind in ("timeout", "deadline", "body_timeout"):
+        if self.kind in ("timeout", "deadline"):
             return "timeout"
+        if self.kind == "body_timeout":
+            return "request_timeout"  # the caller's body did not arrive: not the upstream's
         if self.kind == "client_gone":
             return "cancelled"
         if self.kind == "body_too_large":
