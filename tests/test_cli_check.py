@@ -219,6 +219,31 @@ def test_an_unreachable_route_names_only_the_routes_that_take_its_methods(tmp_pa
     assert "chat1-write" not in warning, warning
 
 
+def test_the_replayable_line_names_only_methods_the_route_takes(tmp_path: Path) -> None:
+    # A platform team's write route (POST PUT DELETE) read "replayable GET HEAD OPTIONS;
+    # failover on 502 503 504 ...": none of its requests can fail over, and check said
+    # otherwise. A GET-only route listed HEAD and OPTIONS, which go to the host app.
+    path = tmp_path / "gateway.toml"
+    extra = (
+        '\n[[routes]]\nid = "write"\nprefix = "/svc/"\nmethods = ["POST", "PUT", "DELETE"]\n'
+        'plan = ["primary", "backup"]\nretries = 1\n'
+        '\n[[routes]]\nid = "read"\nprefix = "/svc/"\nmethods = ["GET"]\n'
+        'plan = ["primary", "backup"]\nretries = 1\n'
+    )
+    path.write_text(CONFIG.format(store="") + extra, encoding="utf-8")
+    result = check(path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+
+    def replayable(route: str) -> str:
+        start = lines.index(next(x for x in lines if x.startswith(f"route {route} ")))
+        return next(x for x in lines[start:] if x.startswith("  replayable "))
+
+    assert replayable("write").startswith("  replayable none of its methods (POST PUT DELETE)")
+    assert replayable("read").startswith("  replayable GET; failover on"), replayable("read")
+    assert replayable("chat").startswith("  replayable GET POST; failover on")
+
+
 def test_check_refuses_what_serve_refuses(tmp_path: Path) -> None:
     path = tmp_path / "gateway.toml"
     path.write_text(CONFIG.format(store=""), encoding="utf-8")

@@ -79,10 +79,21 @@ def _declared(upstream: UpstreamConfig) -> str:
 
 
 def _replayable(route: RouteConfig) -> str:
-    """The methods that may fail over, the Idempotency-Key opt-in included."""
-    text = " ".join(route.replayable_methods) or "none"
-    if route.replay_with_idempotency_key and "POST" not in route.replayable_methods:
-        text += " + POST with an Idempotency-Key header (replay_with_idempotency_key)"
+    """The route's methods that may fail over, the Idempotency-Key opt-in included (a
+    replayable method the route does not take never reaches it)."""
+    taken = route.accepted_methods
+    methods = [m for m in route.replayable_methods if m in taken]
+    keyed = (
+        route.replay_with_idempotency_key
+        and "POST" in taken
+        and "POST" not in route.replayable_methods
+    )
+    if not methods and not keyed:
+        return f"none of its methods ({' '.join(taken)})"
+    text = " ".join(methods)
+    if keyed:
+        text += " + " if text else ""
+        text += "POST with an Idempotency-Key header (replay_with_idempotency_key)"
     return text
 
 
