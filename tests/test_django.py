@@ -203,6 +203,53 @@ async def test_post_is_not_replayed_and_body_is_forwarded_whole(
     assert backup.count == 0
 
 
+class ReadsFormFields:
+    """A middleware listed before GatewayMiddleware that looks at a form field (a
+    method-override or audit middleware): on a multipart upload request.POST reads the
+    body stream itself."""
+
+    async_capable = True
+    sync_capable = False
+
+    def __init__(self, get_response: Any) -> None:
+        from asgiref.sync import markcoroutinefunction
+
+        self.get_response = get_response
+        markcoroutinefunction(self)
+
+    async def __call__(self, request: HttpRequest) -> HttpResponseBase:
+        request.POST.get("_method")
+        response: HttpResponseBase = await self.get_response(request)
+        return response
+
+
+@pytest.mark.anyio
+async def test_a_body_an_earlier_middleware_consumed_is_never_forwarded_empty(
+    closing: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A platform team's Django project with a form-reading middleware above the gateway:
+    # a routed multipart upload reached the internal service as an empty body with
+    # Content-Length: 0 and the caller got the service's 200 (the upload silently lost).
+    # The request now fails loudly, naming the middleware order to fix, and nothing
+    # reaches any upstream.
+    async with upstream(status_handler(200)) as primary, upstream(status_handler(200)) as backup:
+        middleware = [f"{__name__}.ReadsFormFields", "fallback_mw.django.GatewayMiddleware"]
+        config = gateway_config(primary, backup)
+        with override_settings(MIDDLEWARE=middleware, FALLBACK_MW={"config": config}):
+            app = ASGIHandler()
+            async with client_for(app) as client:
+                upload = await client.post(
+                    "/v1/files", files={"file": ("a.bin", b"\x00" * 5000)}, data={"k": "v"}
+                )
+                form = await client.post("/v1/files", data={"_method": "PUT", "k": "v"})
+    assert upload.status_code == 500
+    assert primary.count == 1 and backup.count == 0  # the url-encoded form only
+    assert primary.received[0].body == b"_method=PUT&k=v"
+    assert form.status_code == 200
+    errors = [str(r.exc_info[1]) for r in caplog.records if r.exc_info and r.exc_info[1]]
+    assert any("before fallback_mw.django.GatewayMiddleware" in e for e in errors), errors
+
+
 @pytest.mark.anyio
 async def test_repeated_headers_and_cookies_survive_the_bridge(
     django_site: Any, closing: None

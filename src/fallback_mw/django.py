@@ -85,6 +85,7 @@ class _Exchange:
     queue: asyncio.Queue[Message | _End]
     passthrough: bool = False
     body_done: bool = False
+    reading: bool = False
     gone: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def receive(self) -> Message:
@@ -92,6 +93,9 @@ class _Exchange:
             # Nothing more will arrive but the client leaving (Django cancels the request).
             await self.gone.wait()
             return {"type": "http.disconnect"}
+        if not self.reading:
+            self.reading = True
+            _check_unread(self.request)
         chunk = self.request.read(_BODY_CHUNK)
         more = len(chunk) == _BODY_CHUNK  # a short read is the end of the spooled body
         self.body_done = not more
@@ -113,6 +117,20 @@ class _Exchange:
                 await asyncio.wait({task}, timeout=_GONE_GRACE)
         finally:
             await _cancel(task)  # cancelled again while waiting: never leave it running
+
+
+def _check_unread(request: HttpRequest) -> None:
+    """A routed request's body must still be Django's to read: a middleware listed before
+    GatewayMiddleware that read the stream itself (request.POST on a multipart upload, a
+    request.read()) left nothing, and the upload went upstream empty, as if complete.
+    (`request.body` keeps a copy, read here as usual.)"""
+    if getattr(request, "_read_started", False) and not hasattr(request, "_body"):
+        raise ImproperlyConfigured(
+            "fallback_mw: a middleware before fallback_mw.django.GatewayMiddleware read this "
+            "routed request's body stream (request.POST on a multipart upload reads it), so "
+            "it cannot be forwarded: list GatewayMiddleware before that middleware in "
+            "MIDDLEWARE"
+        )
 
 
 async def _to_django(scope: Scope, receive: Receive, send: Send) -> None:
