@@ -122,6 +122,36 @@ def test_check_warns_when_the_deadline_would_cut_a_hang_before_its_fallback(
     assert result.returncode == 0 and "warning" not in result.stdout, result.stdout
 
 
+def test_check_warns_when_the_deadline_would_cut_a_connect_before_its_fallback(
+    tmp_path: Path,
+) -> None:
+    # A platform team's short route deadline (800 ms) in front of an internal host that is
+    # down: its SYNs are dropped, the connect waits connect_timeout_ms (3000 by default),
+    # the deadline ends the walk in 504 and the backup is never tried. check warned about
+    # first_byte_timeout_ms only.
+    path = tmp_path / "gateway.toml"
+    body = (
+        '[upstreams.primary]\nurl = "http://127.0.0.1:9001"\nfirst_byte_timeout_ms = 300\n'
+        '[upstreams.backup]\nurl = "http://127.0.0.1:9002"\n'
+        '[[routes]]\nid = "svc"\nprefix = "/svc/"\nplan = ["primary", "backup"]\nretries = 1\n'
+        "deadline_ms = 800\n"
+    )
+    path.write_text(body, encoding="utf-8")
+    result = check(path)
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stdout.splitlines() if "  warning: " in line]
+    assert warnings == [
+        "  warning: candidate 'primary' has connect_timeout_ms 3000, not below the route "
+        "deadline (800 ms): a connect that is never answered (a host that is down, a "
+        "firewall that drops) ends in 504 deadline_exceeded, never a fallback; lower its "
+        "connect_timeout_ms"
+    ]
+    path.write_text(body.replace("first_byte_timeout_ms = 300\n", "first_byte_timeout_ms = 300"
+                                 "\nconnect_timeout_ms = 250\n"), "utf-8")  # fmt: skip
+    result = check(path)
+    assert result.returncode == 0 and "warning" not in result.stdout, result.stdout
+
+
 def test_check_warns_when_an_upstream_url_repeats_the_route_prefix(tmp_path: Path) -> None:
     # OpenAI's SDKs document https://api.openai.com/v1 as the base URL; as an upstream url
     # behind a /v1/ route every request reached /v1/v1/... (a 404), and check said nothing.
@@ -409,6 +439,7 @@ def test_check_warns_when_the_backoff_before_a_repeat_outlasts_the_deadline(
     path = tmp_path / "gateway.toml"
     body = (
         '[upstreams.primary]\nurl = "http://127.0.0.1:9001"\nfirst_byte_timeout_ms = 1000\n'
+        "connect_timeout_ms = 1000\n"
         '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["primary"]\nretries = 2\n'
         "deadline_ms = 3000\nbackoff_ms = 3000\n"
     )

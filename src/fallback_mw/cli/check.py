@@ -154,8 +154,8 @@ def route_warnings(
     route: RouteConfig, upstreams: Mapping[str, UpstreamConfig], default_ms: int
 ) -> list[str]:
     """What is valid but probably not meant: a declared provider's transient status that
-    the route does not fail over on; a candidate whose first-byte timeout the route
-    deadline cuts, so that a hang on it never reaches the next candidate; a backoff before
+    the route does not fail over on; a candidate whose connect or first-byte timeout the
+    route deadline cuts, so that a hang on it never reaches the next candidate; a backoff before
     a repeat that the deadline always outlasts; a candidate whose url path the route prefix
     repeats (`/v1` + `/v1/...`); a prefix that does not end at a segment boundary."""
     warnings = []
@@ -169,6 +169,14 @@ def route_warnings(
         )
     deadline = effective_deadline_ms(route, default_ms)
     for name in _followed(route):
+        connect_ms = upstreams[name].connect_timeout_ms
+        if connect_ms >= deadline:
+            warnings.append(
+                f"candidate {name!r} has connect_timeout_ms {connect_ms}, not below the "
+                f"route deadline ({deadline} ms): a connect that is never answered (a host "
+                "that is down, a firewall that drops) ends in 504 deadline_exceeded, never a "
+                "fallback; lower its connect_timeout_ms"
+            )
         timeout_ms = upstreams[name].first_byte_timeout_ms
         if timeout_ms >= deadline:
             warnings.append(
