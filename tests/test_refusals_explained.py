@@ -705,3 +705,42 @@ async def test_a_deadline_that_cuts_the_only_attempt_does_not_promise_a_next_one
     assert "in time for the next attempt" not in message, message
     assert "raise the route's deadline_ms" in message, message
     assert (followed.status_code, followed.headers["x-gateway-provider"]) == (200, "primary")
+
+
+async def test_a_deadline_that_cuts_a_connect_names_connect_timeout_ms() -> None:
+    # An internal host that is down drops the SYNs: the primary's connect waits its
+    # connect_timeout_ms (3000 by default) and a short route deadline (800 ms) ends the
+    # walk before the backup. The 504 said only "raise the route's deadline_ms"; it names
+    # the connect timeout now, and following it (a connect_timeout_ms below the deadline)
+    # serves from the backup.
+    import contextlib
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)  # never accepted: once its queue is full, SYNs are dropped
+    port = listener.getsockname()[1]
+    fillers = []
+    for _ in range(3):
+        filler = socket.socket()
+        filler.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            filler.connect(("127.0.0.1", port))
+        fillers.append(filler)
+    try:
+        async with upstream(status_handler(200)) as b:
+            down = f"http://127.0.0.1:{port}"
+            conf = config(down, b.url, deadline_ms=800)
+            conf["upstreams"]["primary"]["first_byte_timeout_ms"] = 300
+            async with gateway_client(conf, environ=ENV) as client:
+                cut = await client.get("/v1/models")
+            conf["upstreams"]["primary"]["connect_timeout_ms"] = 300
+            async with gateway_client(conf, environ=ENV) as client:
+                followed = await client.get("/v1/models")
+    finally:
+        for sock in (*fillers, listener):
+            sock.close()
+    error = cut.json()["error"]
+    assert (cut.status_code, error["rule"]) == (504, "deadline")
+    assert "connect_timeout_ms (3000 ms)" in error["message"], error["message"]
+    assert (followed.status_code, followed.headers["x-gateway-provider"]) == (200, "backup")

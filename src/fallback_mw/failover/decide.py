@@ -424,10 +424,12 @@ def _why_no_further_attempt(state: WalkState) -> tuple[str, str]:
     return "failover-class, and no further attempt is allowed", "not_allowed"
 
 
-def _cut_by_deadline(context: RequestContext) -> tuple[str, int] | None:
-    """The candidate and its first_byte_timeout_ms when the deadline ended its attempt
-    before its own timer would have: raising deadline_ms below that timer changes nothing,
-    since the walk moves on only once the attempt has failed."""
+def _cut_by_deadline(context: RequestContext) -> tuple[str, str, int] | None:
+    """The candidate, the timer and its value when the deadline ended its attempt before
+    that timer would have: raising deadline_ms below it changes nothing, since the walk
+    moves on only once the attempt has failed. The timer is its first_byte_timeout_ms, or
+    its connect_timeout_ms when the attempt outlived the first-byte timer of a buffered
+    body (armed once connected: it never was) without waiting for a connection slot."""
     last = context.attempts[-1] if context.attempts else None
     if last is None or last.duration is None:
         return None
@@ -435,9 +437,23 @@ def _cut_by_deadline(context: RequestContext) -> tuple[str, int] | None:
     if not waited and (last.responsible, last.failure_kind) != ("gateway", "timeout"):
         return None
     upstream = context.upstreams.get(last.candidate)
-    if upstream is None or last.duration * 1000 >= upstream.first_byte_timeout_ms:
+    if upstream is None:
         return None
-    return last.candidate, upstream.first_byte_timeout_ms
+    took_ms = last.duration * 1000
+    if took_ms < upstream.first_byte_timeout_ms:
+        return last.candidate, "first_byte_timeout_ms", upstream.first_byte_timeout_ms
+    body = context.body
+    buffered = body is not None and body.buffered is not None
+    connecting = buffered and not waited and not last.queued_only
+    if connecting and took_ms < upstream.connect_timeout_ms:
+        return last.candidate, "connect_timeout_ms", upstream.connect_timeout_ms
+    return None
+
+
+def _inside(name: str, timer: str, timeout_ms: int) -> str:
+    if timer == "connect_timeout_ms":
+        return f"while {name!r} was still connecting, inside its {timer} ({timeout_ms} ms)"
+    return f"while {name!r} was still inside its {timer} ({timeout_ms} ms)"
 
 
 # What would change each rule's answer: the configuration key (or caller header) to use.
@@ -619,14 +635,14 @@ def _deadline_message(context: RequestContext) -> str:
             )
         if waiting is None:
             return f"{passed}; the caller may send a larger x-gateway-deadline-ms, or none"
-        name, timeout_ms = waiting
+        name, timer, timeout_ms = waiting
+        inside = _inside(name, timer, timeout_ms)
         remedy = f"lower that timeout below {caller} ms so that a hang ends in time for the "
         remedy += "next attempt"
-        alone = _no_next_attempt(context)
+        alone = _no_next_attempt(context, timer)
         if alone is not None:
             return (
-                f"{passed}, while {name!r} was still inside its first_byte_timeout_ms "
-                f"({timeout_ms} ms); {alone}: the caller may send a larger "
+                f"{passed}, {inside}; {alone}: the caller may send a larger "
                 f"x-gateway-deadline-ms, or none, to wait longer for it"
             )
         if configured is not None and timeout_ms < configured:
@@ -634,10 +650,7 @@ def _deadline_message(context: RequestContext) -> str:
                 f"the caller may send a larger x-gateway-deadline-ms (above {timeout_ms} ms), "
                 f"or none; or {remedy}"
             )
-        return (
-            f"{passed}, while {name!r} was still inside its first_byte_timeout_ms "
-            f"({timeout_ms} ms): {remedy}"
-        )
+        return f"{passed}, {inside}: {remedy}"
     key = "the route's deadline_ms"
     if context.route.deadline_ms is None:
         key = "[gateway] deadline_ms (or set the route's deadline_ms)"
@@ -646,23 +659,23 @@ def _deadline_message(context: RequestContext) -> str:
         return f"{passed}, {backoff}: lower the route's backoff_ms, or raise {key}"
     if waiting is None:
         return f"{passed}; raise {key}"
-    name, timeout_ms = waiting
-    alone = _no_next_attempt(context)
+    name, timer, timeout_ms = waiting
+    inside = _inside(name, timer, timeout_ms)
+    alone = _no_next_attempt(context, timer)
     if alone is not None:
         return (
-            f"{passed}, while {name!r} was still inside its first_byte_timeout_ms ({timeout_ms} "
-            f"ms); {alone}: raise {key} to wait longer for it (up to {timeout_ms} ms)"
+            f"{passed}, {inside}; {alone}: raise {key} to wait longer for it (up to "
+            f"{timeout_ms} ms)"
         )
     return (
-        f"{passed}, while {name!r} was still inside its first_byte_timeout_ms ({timeout_ms} "
-        f"ms): lower that below {configured} ms so that a hang ends in time for the next "
-        f"attempt, or raise {key} above {timeout_ms} ms"
+        f"{passed}, {inside}: lower that below {configured} ms so that a hang ends in time "
+        f"for the next attempt, or raise {key} above {timeout_ms} ms"
     )
 
 
-def _no_next_attempt(context: RequestContext) -> str | None:
+def _no_next_attempt(context: RequestContext, timer: str) -> str | None:
     """Why no attempt could have followed the one the deadline cut (None: one could): a
-    shorter first_byte_timeout_ms would then only end the walk sooner, never serve it."""
+    shorter `timer` would then only end the walk sooner, never serve it."""
     route, body = context.route, context.body
     rule = replay_rule(
         route,
@@ -674,12 +687,12 @@ def _no_next_attempt(context: RequestContext) -> str | None:
     if rule is not None:
         return (
             f"the request is not replayable ({rule}), so no attempt follows it and a shorter "
-            f"first_byte_timeout_ms would only end it sooner"
+            f"{timer} would only end it sooner"
         )
     if context.attempt_count >= route.attempt_ceiling:
         return (
             f"route {route.id!r} makes {route.attempt_ceiling} attempt(s) (1 + retries), so no "
-            f"attempt follows and a shorter first_byte_timeout_ms would only end it sooner"
+            f"attempt follows and a shorter {timer} would only end it sooner"
         )
     return None
 
