@@ -29,6 +29,7 @@ from fallback_mw.failover.decide import Outcome, OutcomeKind
 from fallback_mw.faults import UpstreamFault
 from fallback_mw.health import AlwaysHealthy
 from fallback_mw.request.context import AttemptRecord, RequestContext, Usage
+from fallback_mw.store.routes import open_store
 from fallback_mw.telemetry import Telemetry
 from tests.helpers import client_for, http_scope, request_then_disconnect
 from tests.hostile.test_request_framing import drive
@@ -276,7 +277,7 @@ async def test_served_as_is_4xx(recorded: Recorded, caplog: pytest.LogCaptureFix
     assert attempt_attrs["http.response.status_code"] == 429
     assert "gateway.failure.kind" not in attempt_attrs
     assert attempt.status.status_code is StatusCode.UNSET
-    assert recorded.points("gateway.fallbacks") == []
+    assert [pt.value for pt in recorded.points("gateway.fallbacks")] == [0]  # none counted
     (log,) = request_logs(caplog)
     assert log.__dict__["status"] == 429 and log.__dict__["outcome"] == "served"
 
@@ -1079,5 +1080,58 @@ async def test_every_configured_upstream_s_breaker_is_in_the_gauge_from_the_star
                 for pt in recorded.points("gateway.breaker.state")
             }
             assert gauge == {"tel-start-primary": 0, "tel-start-backup": 0}
+        finally:
+            await gateway.aclose()
+
+
+def fallback_series(recorded: Recorded) -> dict[tuple[object, ...], int]:
+    keys = ("gateway.route.id", "gateway.primary", "gateway.candidate", "gateway.outcome")
+    return {
+        (*(pt.attributes[k] for k in keys), pt.attributes["gateway.canary"],
+         pt.attributes["gateway.fault"]): pt.value
+        for pt in recorded.points("gateway.fallbacks")
+    }  # fmt: skip
+
+
+async def test_each_routes_fallback_series_is_exported_at_zero_before_the_first_fallback(
+    recorded: Recorded, tmp_path: Path
+) -> None:
+    """The observability team's FallbackMwSilentFallback never fired for a primary that
+    failed a few times: the `gateway_fallbacks_total` series appeared at its first scrape
+    already at 3, and Prometheus's `increase` and `rate` ignore a series' first sample (a
+    real Prometheus scraping `serve --workers 2` read 4 fallbacks of 35). Each route's real
+    fallback series (a later candidate of its plan served it, no canary, no fault) is at 0
+    from the start, and so is that of a route a store reload adds."""
+    from tests.test_cli_admin import cli
+
+    store = f"sqlite:///{tmp_path / 'gateway.db'}"
+    async with upstream(status_handler(503)) as p, upstream(status_handler(200)) as b:
+        config = make_config(p.url, b.url)
+        config["gateway"]["store"] = store
+        gateway = Gateway(host_app, config=config, environ=ENV, telemetry=recorded.telemetry)
+        try:
+            zero = ("chat", "primary", "backup", "served", False, False)
+            assert fallback_series(recorded) == {zero: 0}
+            async with client_for(gateway) as client:
+                assert (await client.get("/v1/models")).headers["x-gateway-provider"] == "backup"
+            assert fallback_series(recorded) == {zero: 1}  # the same series, counted up
+
+            status, _, err = await cli(
+                "routes", "add", "--store", store, "--id", "added", "--prefix", "/added/",
+                "--upstream", p.url, "--fallback", b.url, "--retries", "1",
+            )  # fmt: skip
+            assert status == 0, err
+            runtime = gateway.services.store
+            assert runtime is not None
+            route_store = open_store(store)
+            try:
+                await runtime.refresh(route_store)
+            finally:
+                await route_store.aclose()
+            added = next(r for r in runtime.routes() if r.id == "added")
+            assert fallback_series(recorded) == {
+                zero: 1,
+                ("added", added.plan[0], added.plan[1], "served", False, False): 0,
+            }
         finally:
             await gateway.aclose()

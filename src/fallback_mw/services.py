@@ -95,9 +95,12 @@ def build_services(
         runtime.on_upstream_moved = health.forget  # a breaker judged the old url
         # An upstream a reload removes leaves the breaker gauge.
         telemetry.only_upstreams(runtime.upstream_names)
+        runtime.on_routes_loaded = telemetry.routes_loaded
     else:  # every upstream of the file is in the breaker gauge from the start
         names = tuple(config.upstreams)
         telemetry.only_upstreams(lambda: names)
+    # Each route's fallbacks are counted from 0 (a reload tells of its new routes too).
+    telemetry.routes_loaded(runtime.routes() if runtime is not None else static.routes)
     client = client or make_client(
         settings.engine, allow_hosts=settings.allow_hosts, ca_file=settings.ca_file
     )

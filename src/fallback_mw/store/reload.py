@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from opentelemetry import metrics
 
-from fallback_mw.config import ConfigError, GatewayConfig
+from fallback_mw.config import ConfigError, GatewayConfig, RouteConfig
 from fallback_mw.extras import package_version
 from fallback_mw.routing import RouteTable
 from fallback_mw.store.faults import StoreFaults
@@ -97,6 +97,8 @@ class StoreRuntime:
         # A reload that points an upstream name at another url (`routes set-fallback`):
         # its breaker, kept for the old url, is forgotten (HealthState.forget).
         self.on_upstream_moved: Callable[[str, str], Awaitable[None]] | None = None
+        # Told the routes of each table loaded after the first (Telemetry.routes_loaded).
+        self.on_routes_loaded: Callable[[tuple[RouteConfig, ...]], None] | None = None
         self._urls = {name: u.url for name, u in config.upstreams.items()}
         self.last_refusal: str | None = None
         self.reloads = 0
@@ -116,6 +118,10 @@ class StoreRuntime:
     def table(self) -> RouteTable:
         self.ensure_started()
         return self._current
+
+    def routes(self) -> tuple[RouteConfig, ...]:
+        """The running routes (file and store), without starting the reloader."""
+        return self._current.routes
 
     def upstream_names(self) -> Collection[str]:
         """The upstreams of the running routes (file and store); safe from any thread."""
@@ -183,6 +189,8 @@ class StoreRuntime:
             else:
                 self._current = merged.table()
                 self.last_refusal = None
+                if self.on_routes_loaded is not None:
+                    self.on_routes_loaded(self._current.routes)
                 await self._forget_moved(initial=initial)
                 self.reloads += 1
                 if not initial:

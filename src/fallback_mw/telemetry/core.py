@@ -17,6 +17,7 @@ from opentelemetry.propagators.textmap import TextMapPropagator
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
 
+from fallback_mw.config import RouteConfig
 from fallback_mw.extras import package_version
 from fallback_mw.request.context import AttemptRecord, RequestContext
 from fallback_mw.request.secrets import RequestSecrets
@@ -428,6 +429,16 @@ class Telemetry:
     def breaker_states(self) -> Mapping[str, str]:
         """The last reported state of each upstream's breaker (a copy)."""
         return dict(self._breaker_states)
+
+    def routes_loaded(self, routes: Iterable[RouteConfig]) -> None:
+        """The routes this gateway serves now (at start, and after each store reload): each
+        route's fallback series is exported at 0 from the start, so the first fallback is an
+        increase. Never raises."""
+        try:
+            for route in routes:
+                self._m.fallbacks_at_zero(route.id, route.plan)
+        except Exception:
+            _internal.debug("fallback series not started", exc_info=False)
 
     def only_upstreams(self, serving: Callable[[], Collection[str]]) -> None:
         """Report the breaker gauge for the upstreams `serving()` names (a gateway calls it

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from opentelemetry import metrics
 from opentelemetry.util.types import AttributeValue
@@ -127,6 +127,24 @@ class Instruments:
             description="Shadow copy duration, request sent to answer read",
             explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
         )
+
+    def fallbacks_at_zero(self, route_id: str, plan: Sequence[str]) -> None:
+        """The series a real fallback of this route counts in (served by a later candidate
+        of its plan, no canary, no fault), at 0 before the first one: Prometheus's
+        `increase` and `rate` ignore a series' first sample, so a counter that appears at 1
+        read as no fallback at all (FallbackMwSilentFallback stayed silent)."""
+        for candidate in plan[1:]:
+            self.fallbacks.add(
+                0,
+                {
+                    "gateway.route.id": label(route_id),
+                    "gateway.candidate": label(candidate),
+                    "gateway.primary": label(plan[0]),
+                    "gateway.outcome": "served",
+                    "gateway.canary": False,
+                    "gateway.fault": False,
+                },
+            )
 
     def attempt(self, context: RequestContext, record: AttemptRecord, kind: str | None) -> None:
         if self.idle():
