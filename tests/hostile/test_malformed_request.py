@@ -75,7 +75,23 @@ async def test_a_method_no_route_forwards_is_405_with_its_rule(http: str) -> Non
     assert b"\r\nallow: GET, HEAD, OPTIONS, POST, PUT, PATCH, DELETE" in head
     error = json.loads(body)["error"]
     assert (error["code"], error["rule"]) == ("method_not_allowed", "methods")
-    assert "FOO" in error["message"]
+    assert "this method is not forwarded" in error["message"]
+
+
+async def test_the_servers_405_never_echoes_the_method_token() -> None:
+    """A caller's method token can be its own bearer token (or a provider key it learnt):
+    the gateway's own 405 names such a token "this method" (docs/telemetry.md, redaction),
+    but under `serve` httptools cannot parse an unknown method, so the server's guard
+    answers before the gateway runs and it quoted the token. It cannot tell which headers
+    hold a credential there: it never echoes the token."""
+    token = b"SK-LIVE-0123456789abcdef"
+    answer = await exchange(
+        "httptools",
+        b"%s /v1/x HTTP/1.1\r\nhost: gw\r\nauthorization: Bearer %s\r\n"
+        b"connection: close\r\n\r\n" % (token, token),
+    )
+    assert answer.startswith(b"HTTP/1.1 405 "), answer
+    assert token.lower() not in answer.lower()
 
 
 @pytest.mark.parametrize("http", ["h11", "httptools"])

@@ -72,10 +72,11 @@ def _unreadable(request_line: bytes) -> bytes:
     the parser does not know is SPEC §12's 405 (no route forwards it); anything else 400."""
     line = _REQUEST_LINE.match(request_line)
     if line is not None and line.group(1).decode() not in DEFAULT_METHODS:
-        method = line.group(1).decode()
+        # The token is not quoted: it can be the caller's credential (the gateway's own 405
+        # redacts one, request/secrets.py), and this guard has not read the headers.
         return _refusal(
             405, "method_not_allowed",
-            f"{method} is not forwarded: a route without methods forwards "
+            "this method is not forwarded: a route without methods forwards "
             f"{', '.join(DEFAULT_METHODS)}, and this server's HTTP parser reads no method "
             "outside its own list",
             "methods", b"allow: %s\r\n" % _ALLOW,
