@@ -1135,3 +1135,34 @@ async def test_each_routes_fallback_series_is_exported_at_zero_before_the_first_
             }
         finally:
             await gateway.aclose()
+
+
+async def test_a_hedged_attempt_that_fails_while_its_twin_runs_carries_no_decision(
+    recorded: Recorded,
+) -> None:
+    """Read in a real trace: a hung primary hedged after 50 ms, both attempts timing out,
+    the backup serving. The first attempt's span had no `gateway.decision`, which the docs
+    said happens only when the walk is cut short: the walk decides on the race's last
+    outcome (the hedge's), and the docs now say so."""
+    release = asyncio.Event()
+    async with upstream(waiting_handler(release)) as p, upstream(status_handler(200)) as b:
+        config = make_config(p.url, b.url, hedge_after_ms=50, retries=2)
+        config["upstreams"]["primary"]["first_byte_timeout_ms"] = 200
+        gateway = Gateway(host_app, config=config, environ=ENV, telemetry=recorded.telemetry)
+        async with client_for(gateway) as client:
+            response = await client.get("/v1/models")
+        release.set()
+        await gateway.aclose()
+    assert response.headers["x-gateway-provider"] == "backup"
+    first, hedge, served = (dict(s.attributes or {}) for s in recorded.attempt_spans())
+    assert first["gateway.failure.kind"] == hedge["gateway.failure.kind"] == "timeout"
+    assert "gateway.decision" not in first
+    assert hedge["gateway.attempt.hedge"] is True
+    assert hedge["gateway.decision"] == "next_candidate"
+    assert served["gateway.decision"] == "serve"
+    (row,) = [
+        line
+        for line in (ROOT / "docs" / "telemetry.md").read_text(encoding="utf-8").splitlines()
+        if line.startswith("| `gateway.decision` |")
+    ]
+    assert "hedged attempt that failed without a response head" in row
