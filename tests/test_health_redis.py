@@ -13,6 +13,7 @@ from aiohttp import web
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
+from fallback_mw import Gateway
 from fallback_mw.config import BreakerConfig
 from fallback_mw.health import Admission
 from fallback_mw.health.redis import RedisHealth
@@ -21,7 +22,7 @@ from fallback_mw.telemetry import Telemetry
 from tests.conftest import REDIS_HOST, REDIS_PORT
 from tests.helpers import gateway_client, shared_again
 from tests.tcp_proxy import tcp_proxy
-from tests.upstreams import Upstream, status_handler, upstream
+from tests.upstreams import Upstream, host_app, status_handler, upstream
 
 COOLDOWN_MS = 150
 BREAKER = {"window": 4, "min_calls": 3, "failure_rate": 0.5, "cooldown_ms": COOLDOWN_MS,
@@ -440,3 +441,44 @@ async def test_an_admission_whose_caller_left_during_its_round_trip_frees_the_pr
     finally:
         await inspect.aclose()
         await health.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_process_that_starts_while_the_shared_breaker_is_open_reports_it_open(
+    redis_url: str,
+) -> None:
+    # `serve --workers 2` with Redis state, watched by Prometheus: a worker replaced (or a
+    # whole deploy) while the shared breaker was open reported the primary closed (0)
+    # until its first admission of it, so after a restart FallbackMwBreakerOpen (max over
+    # the workers) resolved while every request still skipped the primary. At startup a
+    # process reads the shared breakers of its upstreams.
+    async with (
+        upstream(status_handler(503)) as primary,
+        upstream(status_handler(200, b"backup")) as backup,
+    ):
+        conf = config(redis_url, primary, backup)
+        conf["gateway"]["breaker"] = {**BREAKER, "cooldown_ms": 60_000}
+        readers = [InMemoryMetricReader(), InMemoryMetricReader()]
+        providers = [MeterProvider(metric_readers=[r], shutdown_on_exit=False) for r in readers]
+        one_telemetry, two_telemetry = (Telemetry(meter_provider=p) for p in providers)
+        try:
+            async with gateway_client(conf, telemetry=one_telemetry) as one:
+                for _ in range(3):  # min_calls 3: the third failure opens it
+                    assert (await one.get("/v1/x")).text == "backup"
+            assert breaker_points(readers[0], "gateway.breaker.state")[("primary",)] == 2
+            two = Gateway(host_app, config=conf, telemetry=two_telemetry)
+            try:
+                two.services.start()  # lifespan startup; no request reaches `two`
+                for _ in range(100):
+                    gauge = breaker_points(readers[1], "gateway.breaker.state")
+                    if gauge.get(("primary",)) == 2:
+                        break
+                    await asyncio.sleep(0.02)
+                assert gauge == {("primary",): 2, ("backup",): 0}
+                transitions = breaker_points(readers[1], "gateway.breaker.transitions")
+                assert transitions == {}  # another process's transition: not counted here
+            finally:
+                await two.aclose()
+        finally:
+            for provider in providers:
+                provider.shutdown()

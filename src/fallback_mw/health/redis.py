@@ -150,6 +150,7 @@ class RedisHealth:
         # Credential marks are kept per index; an index means one variable only within one
         # list of variables. A pool whose list changed (a revoked key removed, one added or
         # reordered) gets keys of its own, so no mark lands on another credential.
+        self._upstreams = tuple(pools or ())  # read at startup (_read_shared_breakers)
         self._pool_ids = {
             name: hashlib.sha256("\x1f".join(envs).encode()).hexdigest()[:12]
             for name, envs in (pools or {}).items()
@@ -392,6 +393,26 @@ class RedisHealth:
         except (RedisError, OSError) as exc:
             if client is self._client:
                 self._failed(exc)
+            return
+        await self._read_shared_breakers()
+
+    async def _read_shared_breakers(self) -> None:
+        """At startup, the shared state of each configured upstream's breaker: one that
+        other (or earlier) processes opened is reported now. A restarted `serve` said
+        closed for it until its first admission of that upstream, so FallbackMwBreakerOpen
+        resolved on a deploy while the shared breaker stayed open."""
+        names = [name for name in self._upstreams if name not in self._seen]
+        if self._outage or not names:
+            return
+        states = await asyncio.gather(
+            *(
+                self._run("breaker_state", BREAKER_STATE, [self._key("breaker", name)], [])
+                for name in names
+            )
+        )
+        for name, state in zip(names, states, strict=True):
+            if not isinstance(state, _Unavailable):
+                self._sync(name, str(state))
 
     async def unusable(self) -> str | None:
         """One PING, on a connection of its own: None when this state can be used now,
