@@ -303,7 +303,7 @@ async def test_deadline_504_with_the_attempts_made(tmp_path: Path) -> None:
     assert attempts(trace) == [
         (1, "primary", 503, "status", "upstream", "next_candidate"),
         # The walk's deadline ended it: the gateway's doing, not the backup's.
-        (2, "backup", None, "timeout", "gateway", "local_error"),
+        (2, "backup", None, "deadline", "gateway", "local_error"),
     ]
     assert trace["deadline_ms"] == 400
     assert trace["steps"][1]["deadline_left_ms"] <= 0  # it ended when the deadline passed

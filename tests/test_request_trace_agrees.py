@@ -139,5 +139,5 @@ async def test_deadline_agrees(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         )
         cli, spans, usage = await three_views(["--config", str(config), "--route", "chat"], store)
     assert cli == spans == usage
-    assert cli["attempts"] == [("primary", 503, "status"), ("backup", None, "timeout")]
+    assert cli["attempts"] == [("primary", 503, "status"), ("backup", None, "deadline")]
     assert cli["outcome"] == "deadline_exceeded" and cli["chosen"] is None

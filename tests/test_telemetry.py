@@ -452,8 +452,8 @@ async def test_deadline_exceeded(recorded: Recorded, caplog: pytest.LogCaptureFi
     assert request.status.status_code is StatusCode.ERROR
     (attempt,) = recorded.attempt_spans()
     attempt_attrs = dict(attempt.attributes or {})
-    assert attempt_attrs["gateway.failure.kind"] == "timeout"
-    assert attempt_attrs["error.type"] == "timeout"
+    assert attempt_attrs["gateway.failure.kind"] == "deadline"  # the walk's, not the upstream's
+    assert attempt_attrs["error.type"] == "deadline"
     assert "http.response.status_code" not in attempt_attrs
     assert attempt.start_time is not None and attempt.end_time is not None
     assert (attempt.end_time - attempt.start_time) / 1e9 > 0.1  # a real duration
@@ -1166,3 +1166,35 @@ async def test_a_hedged_attempt_that_fails_while_its_twin_runs_carries_no_decisi
         if line.startswith("| `gateway.decision` |")
     ]
     assert "hedged attempt that failed without a response head" in row
+
+
+async def test_a_callers_short_deadline_is_not_booked_as_the_upstreams_timeout(
+    recorded: Recorded, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An observability team's "attempts by failure kind" panel (docs/telemetry.md's own
+    query) showed a healthy upstream timing out: any caller that sent
+    `x-gateway-deadline-ms: 1` got its attempt booked `gateway.failure.kind="timeout"` on
+    that candidate, in the attempt span, `gateway.attempts` and the log line's
+    `failures=`, the same word as the upstream's own first-byte timeout. SPEC §5: a
+    deadline the caller shortened is not an upstream failure. It is `deadline` now."""
+    caplog.set_level(logging.INFO, logger="fallback_mw.request")
+
+    async def slow_but_healthy(request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(0.2)
+        return web.Response(status=200, text="ok")
+
+    async with upstream(slow_but_healthy) as p, upstream(status_handler(200)) as b:
+        gateway = Gateway(
+            host_app, config=make_config(p.url, b.url), environ=ENV, telemetry=recorded.telemetry
+        )
+        async with client_for(gateway) as client:
+            response = await client.get("/v1/models", headers={"x-gateway-deadline-ms": "50"})
+        await gateway.aclose()
+    assert response.status_code == 504
+    (attempt,) = recorded.attempt_spans()
+    assert dict(attempt.attributes or {})["gateway.failure.kind"] == "deadline"
+    (point,) = recorded.points("gateway.attempts")
+    assert point.attributes["gateway.candidate"] == "primary"
+    assert point.attributes["gateway.failure.kind"] == "deadline"
+    (log,) = request_logs(caplog)
+    assert "failures=primary:deadline" in log.getMessage()

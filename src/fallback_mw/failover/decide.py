@@ -89,10 +89,12 @@ class Outcome:
             return self.detail
         if self.kind == "status":
             return None
-        if self.kind in ("timeout", "deadline"):
+        if self.kind == "timeout":
             return "timeout"
-        if self.kind == "body_timeout":
-            return "request_timeout"  # the caller's body did not arrive: not the upstream's
+        if self.kind == "deadline":  # the walk's (or the caller's) deadline, not the upstream
+            return "deadline"
+        if self.kind == "body_timeout":  # the caller's body stalled: the caller's doing
+            return "request_timeout"
         if self.kind == "client_gone":
             return "cancelled"
         if self.kind == "body_too_large":
@@ -434,7 +436,7 @@ def _cut_by_deadline(context: RequestContext) -> tuple[str, str, int] | None:
     if last is None or last.duration is None:
         return None
     waited = last.fault in ("hang", "blackhole")  # injected: booked to the upstream
-    if not waited and (last.responsible, last.failure_kind) != ("gateway", "timeout"):
+    if not waited and last.failure_kind != "deadline":
         return None
     upstream = context.upstreams.get(last.candidate)
     if upstream is None:
