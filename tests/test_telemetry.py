@@ -946,6 +946,8 @@ async def test_a_real_breaker_opening_shows_in_the_gauge(recorded: Recorded) -> 
         }
         config["routes"][0]["plan"] = ["tel-gauge-primary", "tel-gauge-backup"]
         gateway = Gateway(host_app, config=config, environ=ENV, telemetry=recorded.telemetry)
+        before = [pt.value for pt in recorded.points("gateway.breaker.transitions")]
+        assert before == [0] * 6  # two upstreams, three states: there before any request
         async with client_for(gateway) as client:
             for _ in range(3):
                 assert (await client.get("/v1/models")).status_code == 200
@@ -961,6 +963,17 @@ async def test_a_real_breaker_opening_shows_in_the_gauge(recorded: Recorded) -> 
         for pt in recorded.points("gateway.breaker.transitions")
     }
     assert transitions[("tel-gauge-primary", "open")] == 1
+    # Each upstream's transition series was there at 0 before its first transition: a
+    # platform team's `increase(gateway_breaker_transitions_total{...="open"}[1d])` read a
+    # breaker that opened once a day as never opened (the series appeared at 1).
+    assert transitions == {
+        ("tel-gauge-primary", "open"): 1,
+        ("tel-gauge-primary", "half_open"): 0,
+        ("tel-gauge-primary", "closed"): 0,
+        ("tel-gauge-backup", "open"): 0,
+        ("tel-gauge-backup", "half_open"): 0,
+        ("tel-gauge-backup", "closed"): 0,
+    }
     skips = recorded.points("gateway.skips")
     assert [pt.attributes["gateway.skip.reason"] for pt in skips] == ["breaker_open"]
 

@@ -432,11 +432,18 @@ class Telemetry:
 
     def routes_loaded(self, routes: Iterable[RouteConfig]) -> None:
         """The routes this gateway serves now (at start, and after each store reload): each
-        route's fallback series is exported at 0 from the start, so the first fallback is an
+        route's fallback series, and the breaker transition series of each upstream they
+        use, are exported at 0 from the start, so the first fallback (or transition) is an
         increase. Never raises."""
         try:
+            upstreams: dict[str, None] = {}
             for route in routes:
                 self._m.fallbacks_at_zero(route.id, route.plan)
+                upstreams.update(dict.fromkeys(route.plan))
+                if route.shadow is not None:
+                    upstreams[route.shadow] = None
+            for upstream in upstreams:
+                self._m.transitions_at_zero(upstream)
         except Exception:
             _internal.debug("fallback series not started", exc_info=False)
 

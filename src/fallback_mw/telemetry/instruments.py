@@ -146,6 +146,15 @@ class Instruments:
                 },
             )
 
+    def transitions_at_zero(self, upstream: str) -> None:
+        """An upstream's breaker transition series at 0 before its first transition, for
+        the same reason: `increase(gateway_breaker_transitions_total[1d])` read a breaker
+        that opened once as never opened."""
+        for state in ("closed", "half_open", "open"):
+            self.transitions.add(
+                0, {"gateway.upstream": label(upstream), "gateway.breaker.state": state}
+            )
+
     def attempt(self, context: RequestContext, record: AttemptRecord, kind: str | None) -> None:
         if self.idle():
             return
