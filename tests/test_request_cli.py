@@ -458,3 +458,21 @@ async def test_a_tenant_named_in_the_underscore_spelling_is_not_sent_twice(
             assert "identity_header" not in out, out
             seen.append((status, json.loads(out)["client"]["status"]))
         assert seen == [(0, 200), (0, 200)], seen  # tenant other's route, either way
+
+
+async def test_a_tenant_that_is_the_callers_credential_is_printed_redacted(
+    tmp_path: Path,
+) -> None:
+    # "Never printed: a credential ... except the tenant (a label, as spans and the log
+    # line carry it)": a tenant id that is the caller's own bearer token is `[REDACTED]` in
+    # spans, the log line and the usage record, yet `request` printed it as sent.
+    async with upstream(status_handler(200, UPSTREAM_BODY)) as primary:
+        config = str(write_config(tmp_path, primary.url, primary.url + "/b"))
+        tenant = ("--header", f"x-tenant-id: {CALLER_SECRET}")
+        for output in ((), ("--json",)):
+            status, out, err = await request_cli(
+                "--config", config, "--path", "/v1/chat", *HEADERS, *tenant, *output
+            )
+            assert status == 0, err
+            no_leak(out, err)
+            assert "[REDACTED]" in out

@@ -28,6 +28,7 @@ from fallback_mw.request.context import (
     walk_order,
 )
 from fallback_mw.request.types import ASGIApp, Message, Scope
+from fallback_mw.telemetry.redact import tenant_label
 
 GATEWAY_HEADER_PREFIX = "x-gateway-"
 _CHUNK = 65536
@@ -197,7 +198,8 @@ def trace_of(exchange: Exchange, *, show_body: bool = False) -> dict[str, Any]:
         {
             "request_id": context.request_id,
             "route": context.route.id,
-            "tenant": context.tenant,
+            # As spans and the log line record it: `[REDACTED]` when it is a credential.
+            "tenant": tenant_label(context.tenant, context.secrets),
             # The request's order; the route's plan when it was refused before the walk
             # ordered it (a 405, a 413), as the span and the log line say.
             "candidates": list(context.candidates or context.route.plan),
