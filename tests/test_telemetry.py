@@ -1211,3 +1211,20 @@ async def test_a_callers_short_deadline_is_not_booked_as_the_upstreams_timeout(
     assert point.attributes["gateway.failure.kind"] == "deadline"
     (log,) = request_logs(caplog)
     assert "failures=primary:deadline" in log.getMessage()
+
+
+async def test_the_store_reload_counter_goes_to_the_gateways_own_meter_provider(
+    recorded: Recorded, tmp_path: Path
+) -> None:
+    """A host that passes `telemetry=Telemetry(meter_provider=...)` (docs/telemetry.md: how
+    to send the gateway's telemetry to providers other than the global ones) had every
+    instrument there but `gateway.store.reload_refused`, which the route store made on the
+    global provider: its refused reloads never reached the host's exporter."""
+    async with upstream(status_handler(200)) as p:
+        config = make_config(p.url, p.url + "/b")
+        config["gateway"]["store"] = f"sqlite:///{tmp_path / 'gateway.db'}"
+        gateway = Gateway(host_app, config=config, environ=ENV, telemetry=recorded.telemetry)
+        try:
+            assert [pt.value for pt in recorded.points("gateway.store.reload_refused")] == [0]
+        finally:
+            await gateway.aclose()

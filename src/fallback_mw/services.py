@@ -72,16 +72,20 @@ def build_services(
     static = RouteTable(config.routes, config.upstreams)
     table: Callable[[], RouteTable] = lambda: static  # noqa: E731
     runtime: StoreRuntime | None = None
+    telemetry = telemetry or Telemetry()
     if settings.store:
         from fallback_mw.store.reload import StoreRuntime
 
-        # File routes merged with the store's, reloaded in the background; faults too.
+        # File routes merged with the store's, reloaded in the background; faults too. Its
+        # counter goes where the gateway's other instruments go.
         runtime = StoreRuntime(
-            config, settings.store, environ=environ, meter_provider=meter_provider
+            config,
+            settings.store,
+            environ=environ,
+            meter_provider=meter_provider or telemetry.meter_provider,
         )
         runtime.load_initial()
         table = runtime.table
-    telemetry = telemetry or Telemetry()
     health = health or create_health(
         settings.state,
         settings.breaker,
