@@ -35,10 +35,10 @@ class Tally:
     a reader collects is what it would have collected from `add`; the counts carry no
     exemplars (they are added outside the request's span)."""
 
-    __slots__ = ("_counter", "_lock", "_names", "_pending")
+    __slots__ = ("_lock", "_names", "_pending", "counter")
 
     def __init__(self, counter: metrics.Counter, names: tuple[str, ...]) -> None:
-        self._counter = counter
+        self.counter = counter  # what `flush` adds to (a series at 0 is added to it directly)
         self._names = names  # the attribute names, in the order of `add`'s values
         self._lock = threading.Lock()  # the loop's thread adds, a reader's thread flushes
         self._pending: dict[tuple[AttributeValue | None, ...], int] = {}
@@ -54,7 +54,7 @@ class Tally:
             pending, self._pending = self._pending, {}
         names = self._names
         for values, count in pending.items():
-            self._counter.add(
+            self.counter.add(
                 count, {name: v for name, v in zip(names, values, strict=True) if v is not None}
             )
 
@@ -134,7 +134,7 @@ class Instruments:
         `increase` and `rate` ignore a series' first sample, so a counter that appears at 1
         read as no fallback at all (FallbackMwSilentFallback stayed silent)."""
         for candidate in plan[1:]:
-            self.fallbacks.add(
+            self.fallbacks.counter.add(
                 0,
                 {
                     "gateway.route.id": label(route_id),
