@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import json
+from collections.abc import Awaitable, Callable
 from decimal import Decimal
 
 import httpx
 import pytest
 from aiohttp import web
+from multidict import CIMultiDict
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -325,6 +328,88 @@ async def test_a_compressed_body_relayed_decoded_is_held_to_max_response_body(
                 client.stream("GET", "/a/x", timeout=30) as response,
             ):
                 assert response.status_code == 200
+                received = 0
+                with pytest.raises(httpx.RemoteProtocolError):  # aborted, never complete
+                    async for chunk in response.aiter_raw():
+                        received += len(chunk)
+        finally:
+            await gateway.aclose()
+    assert received <= 1024 * 1024
+
+
+def twice_compressed_echo(fields: list[str]) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """An app compressing its answer and a proxy in front compressing it again, each
+    naming its coding: `Content-Encoding: gzip, gzip` (or two fields), as RFC 9110 §8.4
+    lists codings in the order applied."""
+
+    async def handler(request: web.Request) -> web.Response:
+        given = request.headers.get("authorization", "").removeprefix("Bearer ")
+        error = {"error": {"message": f"Incorrect API key provided: {given}", "type": "auth"}}
+        body = gzip.compress(gzip.compress(json.dumps(error).encode()))
+        headers = CIMultiDict([("content-type", "application/json")])
+        for value in fields:
+            headers.add("content-encoding", value)
+        return web.Response(status=401, body=body, headers=headers)
+
+    return handler
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("fields", [["gzip, gzip"], ["gzip", "gzip"]], ids=["one-field", "two"])
+async def test_a_credential_echoed_in_a_body_compressed_twice_never_reaches_the_caller(
+    engine: str, fields: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two stacked codings were "not readable": the body was relayed as it came, the key in
+    # it unmasked, and httpx (the SDKs' client) undoes both codings for the caller.
+    monkeypatch.setenv("ECHO_KEY", SECRET)
+    async with upstream(twice_compressed_echo(fields)) as single:
+        conf = {
+            "gateway": {"engine": engine, "allow_hosts": ["127.0.0.1"]},
+            "upstreams": {"single": {"url": single.url, "auth_env": "ECHO_KEY"}},
+            "routes": [{"id": "a", "prefix": "/a/", "plan": ["single"]}],
+        }
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with serve_asgi(gateway) as base, httpx.AsyncClient(base_url=base) as client:
+                response = await client.get("/a/x")
+        finally:
+            await gateway.aclose()
+    assert response.status_code == 401
+    assert "content-encoding" not in response.headers  # relayed decoded
+    masked = "*" * len(SECRET)
+    assert response.json()["error"]["message"] == f"Incorrect API key provided: {masked}"
+    assert SECRET not in response.text
+
+
+async def twice_compressed_bomb(request: web.Request) -> web.StreamResponse:
+    coded = gzip.compress(gzip.compress(b" " * (64 * 1024 * 1024)))
+    return web.Response(body=coded, headers={"content-encoding": "gzip, gzip"})
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_body_compressed_twice_relayed_decoded_is_held_to_max_response_body(
+    engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ECHO_KEY", SECRET)
+    async with upstream(twice_compressed_bomb) as single:
+        conf = {
+            "gateway": {
+                "engine": engine,
+                "allow_hosts": ["127.0.0.1"],
+                "max_response_body": 1024 * 1024,
+            },
+            "upstreams": {"single": {"url": single.url, "auth_env": "ECHO_KEY"}},
+            "routes": [{"id": "a", "prefix": "/a/", "plan": ["single"]}],
+        }
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with (
+                serve_asgi(gateway) as base,
+                httpx.AsyncClient(base_url=base) as client,
+                client.stream("GET", "/a/x", timeout=30) as response,
+            ):
+                assert response.status_code == 200
+                assert "content-encoding" not in response.headers
                 received = 0
                 with pytest.raises(httpx.RemoteProtocolError):  # aborted, never complete
                     async for chunk in response.aiter_raw():

@@ -129,6 +129,9 @@ def test_the_meter_reads_gzip_and_deflate_split_anywhere() -> None:
         (b"deflate", zlib.compress(body), b"application/json"),
         (b"deflate", raw_deflate(body), b"application/json"),
         (b"deflate", raw_deflate(sse), b"text/event-stream"),
+        # Codings listed in the order applied: compressed twice, undone last first.
+        (b"gzip, gzip", gzip.compress(gzip.compress(body)), b"application/json"),
+        (b"deflate, gzip", gzip.compress(raw_deflate(sse)), b"text/event-stream"),
     ):
         for size in (1, 7, len(data)):
             usage = Usage()
@@ -146,6 +149,19 @@ def test_a_decompression_bomb_is_read_only_up_to_a_bound() -> None:
     half = len(bomb) // 2
     meter.observe(bomb[:half], b"application/json", b"gzip")
     meter.observe(bomb[half:], b"application/json", b"gzip")  # no more decoding
+    meter.finish()
+    assert meter.decoded <= UsageMeter.MAX_DECODED + 1
+    assert meter.mode == "ignore"
+    assert not usage.reported
+
+
+def test_a_body_compressed_twice_is_read_only_up_to_a_bound() -> None:
+    # Each coding undone is bounded: the inner stream of a twice-compressed bomb is itself
+    # 64 KiB, what it decodes to 64 MiB.
+    bomb = gzip.compress(gzip.compress(b" " * (64 * 1024 * 1024)))
+    usage = Usage()
+    meter = UsageMeter(usage)
+    meter.observe(bomb, b"application/json", b"gzip, gzip")
     meter.finish()
     assert meter.decoded <= UsageMeter.MAX_DECODED + 1
     assert meter.mode == "ignore"

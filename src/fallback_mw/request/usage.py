@@ -17,10 +17,11 @@ line (CRLF, LF or CR), keeping at most one event, up to `data: [DONE]`, where th
 reading.
 
 A body with `Content-Encoding: gzip` / `deflate` (a caller may ask for one) is read
-decoded (`deflate` with or without its zlib wrapper, as clients read it), up to
-`MAX_DECODED` bytes; the walker narrows the caller's `Accept-Encoding` to
-those codings (security.readable_accept_encoding), so no answer hides its usage in a
-coding the meter cannot read."""
+decoded (`deflate` with or without its zlib wrapper, as clients read it; codings stacked
+on one body undone in turn, `StackedDecoder`), up to `MAX_DECODED` bytes; the walker
+narrows the caller's `Accept-Encoding` to those codings
+(security.readable_accept_encoding), so no answer hides its usage in a coding the meter
+cannot read."""
 
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ class UsageMeter:
         self.mode: str | None = None  # "sniff", then "sse", "json" or "ignore"
         self._label = "other"  # what the content type says: "sse", "json" or "other"
         self._head = b""  # the body's first bytes while they cannot decide yet
-        self._decoder: ContentDecoder | None = None  # for a gzip / deflate body
+        self._decoder: BodyDecoder | None = None  # for a gzip / deflate body
         self.decoded = 0  # bytes it produced
         self._json: list[bytes] = []
         self._json_size = 0
@@ -149,7 +150,7 @@ class UsageMeter:
             pass
         self._json = []
 
-    def _decode(self, decoder: ContentDecoder, chunk: bytes) -> bytes:
+    def _decode(self, decoder: BodyDecoder, chunk: bytes) -> bytes:
         room = self.MAX_DECODED - self.decoded
         decoded = decoder.decode(chunk, room + 1)
         self.decoded += len(decoded)
@@ -398,16 +399,50 @@ class ContentDecoder:
         return self._decompressor.flush()
 
 
-def content_decoder(content_encoding: bytes) -> tuple[bool, ContentDecoder | None]:
-    """Whether a body in these codings can be read, and the decoder for its one coding
-    (None: `identity`). Not readable: `br`, `zstd`, two codings stacked."""
+class StackedDecoder:
+    """A body coded more than once (`Content-Encoding: gzip, gzip`: an app compressed it
+    and a proxy in front compressed it again; RFC 9110 §8.4 lists codings in the order
+    applied), undone last coding first, as clients undo it (httpx, urllib3). Each stage
+    is bounded like the last: a stage that fills `max_length` stops the decoding there,
+    and the caller reads a result of `max_length` bytes as over its bound (nothing of it
+    is relayed or metered)."""
+
+    __slots__ = ("_stages",)
+
+    def __init__(self, stages: list[ContentDecoder]) -> None:
+        self._stages = stages
+
+    def decode(self, chunk: bytes, max_length: int = 0) -> bytes:
+        for stage in self._stages:
+            chunk = stage.decode(chunk, max_length)
+            if max_length and len(chunk) >= max_length:
+                return chunk
+        return chunk
+
+    def flush(self) -> bytes:
+        data = b""
+        for stage in self._stages:
+            data = (stage.decode(data) if data else b"") + stage.flush()
+        return data
+
+
+BodyDecoder = ContentDecoder | StackedDecoder
+# Codings stacked on one body that are undone at most (urllib3's own bound): a longer
+# stack is not read, as `br` is not.
+MAX_STACKED_CODINGS = 5
+
+
+def content_decoder(content_encoding: bytes) -> tuple[bool, BodyDecoder | None]:
+    """Whether a body in these codings can be read, and the decoder that undoes them
+    (None: `identity`). Not readable: `br`, `zstd`, more than MAX_STACKED_CODINGS."""
     codings = [c.strip().lower() for c in content_encoding.split(b",")]
     codings = [c for c in codings if c and c != b"identity"]
     if not codings:
         return True, None
-    if len(codings) == 1 and codings[0] in READABLE_CODINGS:
-        return True, ContentDecoder(deflate=codings[0] == b"deflate")
-    return False, None
+    if len(codings) > MAX_STACKED_CODINGS or not all(c in READABLE_CODINGS for c in codings):
+        return False, None
+    stages = [ContentDecoder(deflate=c == b"deflate") for c in reversed(codings)]
+    return True, stages[0] if len(stages) == 1 else StackedDecoder(stages)
 
 
 def _loads(data: bytes) -> Any:

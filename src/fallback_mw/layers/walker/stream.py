@@ -17,7 +17,7 @@ from fallback_mw.request.body import content_length
 from fallback_mw.request.context import RequestContext
 from fallback_mw.request.local_errors import gateway_headers, send_error
 from fallback_mw.request.types import Send
-from fallback_mw.request.usage import ContentDecoder, UsageMeter, body_coding, content_decoder
+from fallback_mw.request.usage import BodyDecoder, UsageMeter, body_coding, content_decoder
 from fallback_mw.security import forwardable_response_headers
 from fallback_mw.timers import Stall
 from fallback_mw.upstream.base import UpstreamError, UpstreamResponse
@@ -139,7 +139,7 @@ async def commit(
 _CODED_BODY_FIELDS = frozenset({b"content-encoding", b"content-length"})
 
 
-def _decoded(decoder: ContentDecoder, chunk: bytes | None, max_length: int) -> bytes:
+def _decoded(decoder: BodyDecoder, chunk: bytes | None, max_length: int) -> bytes:
     """`chunk` decoded (None: what the decoder still holds at the body's end)."""
     try:
         return decoder.flush() if chunk is None else decoder.decode(chunk, max_length)
