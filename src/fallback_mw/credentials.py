@@ -173,10 +173,37 @@ def _keys(found: tuple[tuple[str, str] | None, ...], scheme: str) -> list[str]:
 
 @lru_cache(maxsize=256)
 def _body_secrets(found: tuple[tuple[str, str] | None, ...], scheme: str) -> tuple[bytes, ...]:
-    """The keys as the body would carry them (UTF-8, case kept). Longest first: a key that
-    begins with another pool key is masked whole, not cut after the shorter one."""
-    secrets = {key.encode("utf-8", "replace") for key in _keys(found, scheme)}
+    """The keys as the body would carry them (UTF-8, case kept), also as JSON encoders
+    write them in a string (`_json_spellings`). Longest first: a key that begins with
+    another pool key is masked whole, not cut after the shorter one."""
+    secrets = {
+        spelling
+        for key in _keys(found, scheme)
+        for spelling in _json_spellings(key.encode("utf-8", "replace"))
+    }
     return tuple(sorted(secrets, key=len, reverse=True))
+
+
+# What JSON encoders escape that a key may hold: PHP's json_encode writes `/` as `\/`;
+# .NET's System.Text.Json writes `+` (and, as Go's encoding/json does, `<`, `>`, `&`, `'`)
+# as `\u00XX`, .NET with upper-case hex digits, Go with lower-case ones.
+_SLASH = (b"/", b"\\/")
+_HTML_SENSITIVE = b"+<>&'`"
+
+
+def _json_spellings(key: bytes) -> set[bytes]:
+    """`key` as it is and as a JSON encoder may spell it inside a string, which a caller's
+    JSON reader turns back into the key."""
+    slashed = key.replace(*_SLASH)
+    spellings = {key, slashed}
+    if any(byte in key for byte in _HTML_SENSITIVE):
+        for form in (b"\\u%04X", b"\\u%04x"):
+            for base in (key, slashed):
+                escaped = base
+                for byte in _HTML_SENSITIVE:
+                    escaped = escaped.replace(bytes((byte,)), form % byte)
+                spellings.add(escaped)
+    return spellings
 
 
 @lru_cache(maxsize=256)

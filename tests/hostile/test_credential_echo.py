@@ -417,3 +417,51 @@ async def test_a_body_compressed_twice_relayed_decoded_is_held_to_max_response_b
         finally:
             await gateway.aclose()
     assert received <= 1024 * 1024
+
+
+BASE64_KEY = "k3Y/a1b2+c3d4/e5f6+g7h8=="  # a base64 key: `/` and `+` in it
+
+
+def escaping_echo(style: str) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """An error quoting the key as JSON encoders write a string: PHP's json_encode writes
+    `/` as `\\/`, .NET's System.Text.Json writes `+` as `\\u002B`, Go's `<>&` as `\\u003c`."""
+
+    async def handler(request: web.Request) -> web.Response:
+        given = request.headers.get("authorization", "").removeprefix("Bearer ")
+        text = json.dumps({"error": {"message": f"Incorrect API key provided: {given}"}})
+        if style == "php":
+            text = text.replace("/", "\\/")
+        elif style == "dotnet":
+            text = text.replace("+", "\\u002B")
+        else:
+            text = text.replace("/", "\\/").replace("+", "\\u002b")
+        return web.Response(status=401, text=text, content_type="application/json")
+
+    return handler
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("style", ["php", "dotnet", "both"])
+async def test_a_credential_echoed_with_json_escapes_never_reaches_the_caller(
+    engine: str, style: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The key is masked as the body spells it; a JSON encoder escaping `/` or `+` spelled
+    # it otherwise, and the caller's JSON reader undid the escapes: the key, unmasked.
+    monkeypatch.setenv("ECHO_KEY", BASE64_KEY)
+    async with upstream(escaping_echo(style)) as single:
+        conf = {
+            "gateway": {"engine": engine, "allow_hosts": ["127.0.0.1"]},
+            "upstreams": {"single": {"url": single.url, "auth_env": "ECHO_KEY"}},
+            "routes": [{"id": "a", "prefix": "/a/", "plan": ["single"]}],
+        }
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with serve_asgi(gateway) as base, httpx.AsyncClient(base_url=base) as client:
+                response = await client.get("/a/x")
+        finally:
+            await gateway.aclose()
+    assert response.status_code == 401
+    message = response.json()["error"]["message"]
+    assert message.startswith("Incorrect API key provided: ***")
+    assert set(message.removeprefix("Incorrect API key provided: ")) == {"*"}
+    assert int(response.headers["content-length"]) == len(response.content)
