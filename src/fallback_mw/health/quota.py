@@ -8,8 +8,10 @@ Anthropic's `anthropic-ratelimit-*-remaining: 0` + `-reset`, the IETF `ratelimit
 + `ratelimit-reset`).
 
 The body is read only for a pool credential's 429, and only its first `PEEK_LIMIT` bytes
-(`peek_quota`); the client still receives the whole response when it is served. The body
-is never logged, kept or put in any record: only the verdict leaves this module.
+(`peek_quota`), decoded when it is gzip / deflate coded (the gateway asks upstreams for
+such an answer whenever its caller does: every client library does); the client still
+receives the whole response, as it came, when it is served. The body is never logged,
+kept or put in any record: only the verdict leaves this module.
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ import contextlib
 import json
 import math
 import re
+import zlib
 from collections.abc import AsyncIterator, Iterable
 from datetime import UTC, datetime
 from typing import Protocol
+
+from fallback_mw.request.usage import body_coding, content_decoder
 
 PEEK_LIMIT = 4096  # bytes of a 429's body read before deciding
 QUOTA_CODES = frozenset({"insufficient_quota", "billing_hard_limit_reached", "quota_exceeded"})
@@ -191,5 +196,22 @@ async def peek_quota(response: _Response, *, limit: int = PEEK_LIMIT) -> PeekedR
     except Exception as exc:  # the engine's error, raised again when relayed
         error = exc
     prefix = b"".join(chunks)
-    verdict = quota_reset(response.headers, prefix[:limit])
+    verdict = quota_reset(response.headers, _readable(response.headers, prefix, limit))
     return PeekedResponse(response, prefix, None if ended else rest, error, verdict)
+
+
+def _readable(headers: list[tuple[bytes, bytes]], prefix: bytes, limit: int) -> bytes:
+    """At most `limit` bytes of the body's text: `prefix` decoded when the body is coded
+    (nothing to judge when it is in a coding that cannot be read, or does not decode)."""
+    coding = body_coding(headers)[1]
+    if coding is None:
+        return prefix[:limit]
+    readable, decoder = content_decoder(coding)
+    if not readable:
+        return b""
+    if decoder is None:
+        return prefix[:limit]
+    try:
+        return decoder.decode(prefix, limit)[:limit]
+    except zlib.error:
+        return b""
