@@ -174,13 +174,13 @@ def _keys(found: tuple[tuple[str, str] | None, ...], scheme: str) -> list[str]:
 @lru_cache(maxsize=256)
 def _body_secrets(found: tuple[tuple[str, str] | None, ...], scheme: str) -> tuple[bytes, ...]:
     """The keys as the body would carry them (UTF-8, case kept), also as JSON encoders
-    write them in a string (`_json_spellings`). Longest first: a key that begins with
+    write them in a string (`_json_spellings`) and percent-encoded (`_percent_spellings`).
+    Longest first: a key that begins with
     another pool key is masked whole, not cut after the shorter one."""
-    secrets = {
-        spelling
-        for key in _keys(found, scheme)
-        for spelling in _json_spellings(key.encode("utf-8", "replace"))
-    }
+    secrets: set[bytes] = set()
+    for key in _keys(found, scheme):
+        encoded = key.encode("utf-8", "replace")
+        secrets |= _json_spellings(encoded) | _percent_spellings(encoded)
     return tuple(sorted(secrets, key=len, reverse=True))
 
 
@@ -206,11 +206,38 @@ def _json_spellings(key: bytes) -> set[bytes]:
     return spellings
 
 
+# What URL and form encoders leave as it is (RFC 3986's unreserved characters).
+_UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
+
+
+def _percent_spellings(key: bytes) -> set[bytes]:
+    """`key` quoted in a URL (a `Location`, a link in an error) as URL and form encoders
+    write it: every other byte as `%XX`, `/` kept or not (urllib's `quote` keeps it), hex
+    digits in either case. Empty for a key that has nothing to encode."""
+    if all(byte in _UNRESERVED for byte in key):
+        return set()
+    spellings = set()
+    for kept in (b"", b"/"):
+        for form in (b"%%%02X", b"%%%02x"):
+            spellings.add(
+                b"".join(
+                    bytes((byte,)) if byte in _UNRESERVED or byte in kept else form % byte
+                    for byte in key
+                )
+            )
+    return spellings
+
+
 @lru_cache(maxsize=256)
 def _echo_secrets(found: tuple[tuple[str, str] | None, ...], scheme: str) -> tuple[bytes, ...]:
-    """The keys as lowercased bytes, searched for in response fields. Per credential
-    table, not per request."""
-    return tuple(key.encode("latin-1", "replace").lower() for key in _keys(found, scheme))
+    """The keys as lowercased bytes, searched for in response fields, also percent-encoded
+    (a `Location` quoting the key). Per credential table, not per request."""
+    secrets: set[bytes] = set()
+    for key in _keys(found, scheme):
+        encoded = key.encode("latin-1", "replace")
+        secrets.add(encoded.lower())
+        secrets.update(spelling.lower() for spelling in _percent_spellings(encoded))
+    return tuple(secrets)
 
 
 class CredentialCache:

@@ -9,6 +9,7 @@ import gzip
 import json
 from collections.abc import Awaitable, Callable
 from decimal import Decimal
+from urllib.parse import quote, unquote
 
 import httpx
 import pytest
@@ -465,3 +466,44 @@ async def test_a_credential_echoed_with_json_escapes_never_reaches_the_caller(
     assert message.startswith("Incorrect API key provided: ***")
     assert set(message.removeprefix("Incorrect API key provided: ")) == {"*"}
     assert int(response.headers["content-length"]) == len(response.content)
+
+
+async def percent_encoded_echo(request: web.Request) -> web.Response:
+    """The key quoted in a URL, as URL and form encoders write it: a `Location` to a help
+    page naming the key it was sent, and the same link in the error body."""
+    given = request.headers.get("authorization", "").removeprefix("Bearer ")
+    link = f"https://help.example/keys?key={quote(given, safe='')}&path={quote(given)}"
+    body = json.dumps({"error": {"message": "Incorrect API key provided", "help": link}})
+    return web.Response(
+        status=401,
+        text=body,
+        content_type="application/json",
+        headers={"location": link, "x-request-id": "req-1"},
+    )
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_credential_echoed_percent_encoded_never_reaches_the_caller(
+    engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A base64 key's `/`, `+` and `=` are `%2F`, `%2B`, `%3D` in a URL: the field and the
+    # body carried the key in a spelling any reader decodes, unmasked.
+    monkeypatch.setenv("ECHO_KEY", BASE64_KEY)
+    async with upstream(percent_encoded_echo) as single:
+        conf = {
+            "gateway": {"engine": engine, "allow_hosts": ["127.0.0.1"]},
+            "upstreams": {"single": {"url": single.url, "auth_env": "ECHO_KEY"}},
+            "routes": [{"id": "a", "prefix": "/a/", "plan": ["single"]}],
+        }
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with serve_asgi(gateway) as base, httpx.AsyncClient(base_url=base) as client:
+                response = await client.get("/a/x")
+        finally:
+            await gateway.aclose()
+    assert response.status_code == 401
+    assert "location" not in response.headers  # the field carrying it is dropped
+    assert response.headers["x-request-id"] == "req-1"
+    help_link = unquote(response.json()["error"]["help"])
+    assert BASE64_KEY not in help_link
+    assert help_link.startswith("https://help.example/keys?key=***")
