@@ -132,6 +132,8 @@ def test_the_meter_reads_gzip_and_deflate_split_anywhere() -> None:
         # Codings listed in the order applied: compressed twice, undone last first.
         (b"gzip, gzip", gzip.compress(gzip.compress(body)), b"application/json"),
         (b"deflate, gzip", gzip.compress(raw_deflate(sse)), b"text/event-stream"),
+        # A gzip body in two members (RFC 1952 §2.2), the usage in the second.
+        (b"gzip", gzip.compress(body[:10]) + gzip.compress(body[10:]), b"application/json"),
     ):
         for size in (1, 7, len(data)):
             usage = Usage()

@@ -367,19 +367,37 @@ class ContentDecoder:
     """One gzip / deflate body decoded as it streams, as clients decode it: gzip and
     zlib-wrapped deflate told apart by their header, and `deflate` sent as the bare RFC 1951
     stream, without the zlib wrapper (many servers send it so; httpx, the SDKs' client,
-    aiohttp and browsers read it), read from its first byte again. Raises zlib.error on a
-    body that is none of these."""
+    aiohttp and browsers read it), read from its first byte again. A gzip body may hold
+    several members (RFC 1952 §2.2: a server compressing each flush on its own); each is
+    read, as urllib3 and browsers read them, and bytes after a member that are not another
+    one are ignored, as urllib3 ignores them. Raises zlib.error on a body that is none of
+    these."""
 
-    __slots__ = ("_decompressor", "_head")
+    __slots__ = ("_decompressor", "_head", "_members")
 
     def __init__(self, *, deflate: bool) -> None:
         self._decompressor = zlib.decompressobj(_GZIP_OR_ZLIB)
         # A `deflate` body's first coded bytes, kept until they show whether it carries
         # the zlib wrapper (None: decided, or not `deflate`).
         self._head: bytes | None = b"" if deflate else None
+        # gzip: _FIRST, then _LATER once a second member begins; _IGNORED once what
+        # follows a member is not one. `deflate` is one stream: None.
+        self._members: int | None = None if deflate else _FIRST
 
     def decode(self, chunk: bytes, max_length: int = 0) -> bytes:
         """The decoded bytes `chunk` completes, at most `max_length` (0: all)."""
+        members = self._members
+        if members is not None:
+            if members == _IGNORED:
+                return b""
+            try:
+                decoded = self._decompressor.decompress(chunk, max_length)
+            except zlib.error:
+                if members == _FIRST:
+                    raise
+                self._members = _IGNORED
+                return b""
+            return self._later_members(decoded, max_length)
         head = self._head
         if head is None:
             return self._decompressor.decompress(chunk, max_length)
@@ -396,7 +414,31 @@ class ContentDecoder:
 
     def flush(self) -> bytes:
         """What the decoder still holds once the body has ended."""
+        if self._members == _IGNORED:
+            return b""
         return self._decompressor.flush()
+
+    def _later_members(self, decoded: bytes, max_length: int) -> bytes:
+        """`decoded`, and what the gzip members that follow the one that ended decode to
+        (at most `max_length` in all)."""
+        decompressor = self._decompressor
+        while decompressor.eof and decompressor.unused_data:
+            if max_length and len(decoded) >= max_length:
+                break  # the caller reads this as over its bound
+            rest = decompressor.unused_data
+            decompressor = self._decompressor = zlib.decompressobj(_GZIP)
+            self._members = _LATER
+            room = max_length - len(decoded) if max_length else 0
+            try:
+                decoded += decompressor.decompress(rest, room)
+            except zlib.error:
+                self._members = _IGNORED  # not a member: ignored, as clients ignore it
+                break
+        return decoded
+
+
+_GZIP = zlib.MAX_WBITS | 16
+_FIRST, _LATER, _IGNORED = 0, 1, 2
 
 
 class StackedDecoder:
