@@ -68,6 +68,10 @@ async def commit(
             readable, decoder = content_decoder(content_encoding)
             if not readable:
                 mask = None  # a coding no caller asked for: relayed as it comes
+            elif decoder is not None and response.status == 206:
+                # A range of a coded object counts coded bytes (its Content-Range), and
+                # one from the middle does not decode: relayed as it comes.
+                mask, decoder = None, None
             elif decoder is not None:
                 headers = [(k, v) for k, v in headers if k not in _CODED_BODY_FIELDS]
                 content_encoding = None  # the meter reads what is relayed
