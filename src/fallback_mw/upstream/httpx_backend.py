@@ -1,8 +1,12 @@
 """The httpx engine's connect-time guard: an httpcore network backend that connects only to
-addresses the allowlist allows (httpcore comes with the httpx extra)."""
+addresses the allowlist allows (httpcore comes with the httpx extra). Its plain-TCP streams
+also stop sending a request body once the upstream has answered with an error
+(`EarlyAnswerStream`)."""
 
 from __future__ import annotations
 
+import socket
+import ssl
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -36,13 +40,14 @@ class GuardedNetworkBackend(httpcore.AsyncNetworkBackend):
         last_error: Exception | None = None
         for address in addresses:
             try:
-                return await self._inner.connect_tcp(
+                stream = await self._inner.connect_tcp(
                     address,
                     port,
                     timeout=timeout,
                     local_address=local_address,
                     socket_options=options,
                 )
+                return EarlyAnswerStream(stream)
             except (httpcore.ConnectError, httpcore.ConnectTimeout, OSError) as exc:
                 last_error = exc
         assert last_error is not None
@@ -58,3 +63,71 @@ class GuardedNetworkBackend(httpcore.AsyncNetworkBackend):
 
     async def sleep(self, seconds: float) -> None:
         await self._inner.sleep(seconds)
+
+
+class EarlyAnswerStream(httpcore.AsyncNetworkStream):
+    """A plain-TCP stream that stops sending once the upstream has answered with an error
+    (RFC 9112 §9.5: a server may answer before the request body is complete, a 413 or a
+    401, and close). httpcore sends the whole body before it reads, and its anyio stream
+    does not read meanwhile: when the upstream closed, the failed write closed the
+    transport with the answer unread, and the upstream's 413 became a transport failure
+    on its breaker. Here each write first peeks at what has arrived: an error status
+    (4xx, 5xx) or the upstream's end raises httpcore's WriteError before writing, which
+    httpcore answers by reading the response. Any other early bytes (an interim 1xx, a
+    2xx an upstream streams while it reads) leave the body going. TLS streams are not
+    wrapped (a TLS 1.3 server's session tickets arrive unasked)."""
+
+    def __init__(self, inner: httpcore.AsyncNetworkStream) -> None:
+        self._inner = inner
+        # asyncio hands out a TransportSocket, which cannot peek: the socket it wraps,
+        # read defensively (another shape: no peeking, the body goes as before).
+        raw = inner.get_extra_info("socket")
+        raw = getattr(raw, "_sock", raw)
+        self._socket: socket.socket | None = raw if isinstance(raw, socket.socket) else None
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:  # noqa: ASYNC109 - httpcore's signature
+        return await self._inner.read(max_bytes, timeout)
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:  # noqa: ASYNC109 - httpcore's signature
+        sock = self._socket
+        if sock is None or not buffer:
+            await self._inner.write(buffer, timeout)
+            return
+        # In slices: a body buffered whole is one write, which an upstream that answered
+        # and stopped reading would block until it closes.
+        for start in range(0, len(buffer), _SLICE):
+            if _answered_early(sock):
+                raise httpcore.WriteError("the upstream answered before the request was sent")
+            await self._inner.write(buffer[start : start + _SLICE], timeout)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+    async def start_tls(
+        self,
+        ssl_context: ssl.SSLContext,
+        server_hostname: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's signature
+    ) -> httpcore.AsyncNetworkStream:
+        return await self._inner.start_tls(ssl_context, server_hostname, timeout)
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._inner.get_extra_info(info)
+
+
+_STATUS_LINE = len(b"HTTP/1.1 4")
+_SLICE = 64 * 1024
+
+
+def _answered_early(sock: socket.socket) -> bool:
+    """Whether the upstream has sent an error status line, or ended the connection, before
+    the request was all sent (a peek: nothing is taken from the socket)."""
+    try:
+        head = sock.recv(_STATUS_LINE, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return False  # nothing yet: the usual case
+    except OSError:
+        return True  # reset: the read that follows says so
+    if not head:
+        return True  # the upstream closed: what it sent first is read
+    return len(head) == _STATUS_LINE and head.startswith(b"HTTP/1.") and head[-1:] in b"45"
