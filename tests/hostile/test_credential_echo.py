@@ -5,6 +5,7 @@ callers never hold provider keys (SPEC §1, §4)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import random
@@ -597,3 +598,48 @@ async def test_a_range_of_a_compressed_object_is_relayed_as_it_came(
     assert got.headers["content-encoding"] == "gzip"
     assert got.headers["content-range"] == f"bytes {start}-{end}/{len(STORED)}"
     assert received == STORED[start : end + 1]
+
+
+async def endless_empty_blocks(request: web.Request) -> web.StreamResponse:
+    """A gzip stream of empty deflate blocks (five coded bytes each, none decoded), sent
+    for as long as the gateway reads: an upstream response with no end and no content."""
+    response = web.StreamResponse(headers={"content-encoding": "gzip"})
+    await response.prepare(request)
+    await response.write(b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff")
+    empty = b"\x00\x00\x00\xff\xff" * 4096
+    with contextlib.suppress(ConnectionError):
+        for _ in range(10_000):  # 200 MB coded, if nothing stops it
+            await response.write(empty)
+    return response
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_compressed_body_relayed_decoded_is_held_to_max_response_body_coded_too(
+    engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Relayed decoded, only the decoded bytes were counted: a coded stream that decodes
+    # to nothing was read without bound (relayed coded, it stops at max_response_body).
+    monkeypatch.setenv("ECHO_KEY", SECRET)
+    async with upstream(endless_empty_blocks) as single:
+        conf = {
+            "gateway": {
+                "engine": engine,
+                "allow_hosts": ["127.0.0.1"],
+                "max_response_body": 1024 * 1024,
+            },
+            "upstreams": {"single": {"url": single.url, "auth_env": "ECHO_KEY"}},
+            "routes": [{"id": "a", "prefix": "/a/", "plan": ["single"]}],
+        }
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with (
+                serve_asgi(gateway) as base,
+                httpx.AsyncClient(base_url=base) as client,
+                client.stream("GET", "/a/x", timeout=30) as response,
+            ):
+                assert response.status_code == 200
+                with pytest.raises(httpx.RemoteProtocolError):  # aborted, never complete
+                    async for _ in response.aiter_raw():
+                        pass
+        finally:
+            await gateway.aclose()

@@ -79,6 +79,7 @@ async def commit(
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         context.committed = True
         received = 0
+        coded = 0  # what a decoded body's upstream sent: held to the limit too
         # The client's side of the relay has the upstream's idle bound too: a client that
         # takes no chunk for that long (it stopped reading) is treated as gone, so it cannot
         # hold an upstream connection (one of max_connections) for as long as it likes.
@@ -92,10 +93,13 @@ async def commit(
                 try:
                     async for chunk in response.iter_chunks():
                         if decoder is not None:
-                            # Bounded: what is relayed is held to max_response_body.
+                            # Bounded: what is relayed is held to max_response_body, and
+                            # so is what the upstream sends (a coded stream of empty
+                            # blocks decodes to nothing, for as long as it is read).
+                            coded += len(chunk)
                             chunk = _decoded(decoder, chunk, limit - received + 1)
                         received += len(chunk)
-                        if received > limit:
+                        if received > limit or coded > limit:
                             context.outcome = "response_too_large"
                             return relay_outcome(None)  # abort: the client sees it incomplete
                         if mask is not None:
