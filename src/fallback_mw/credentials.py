@@ -175,8 +175,8 @@ def _keys(found: tuple[tuple[str, str] | None, ...], scheme: str) -> list[str]:
 def _body_secrets(found: tuple[tuple[str, str] | None, ...], scheme: str) -> tuple[bytes, ...]:
     """The keys as the body would carry them (UTF-8, case kept), also as JSON encoders
     write them in a string (`_json_spellings`) and percent-encoded (`_percent_spellings`).
-    Longest first: a key that begins with
-    another pool key is masked whole, not cut after the shorter one."""
+    Longest first: a key that begins with another pool key is masked whole, not cut after
+    the shorter one."""
     secrets: set[bytes] = set()
     for key in _keys(found, scheme):
         encoded = key.encode("utf-8", "replace")
