@@ -117,13 +117,16 @@ class EarlyAnswerStream(httpcore.AsyncNetworkStream):
 
 _STATUS_LINE = len(b"HTTP/1.1 4")
 _SLICE = 64 * 1024
+# The socket is non-blocking under asyncio already; MSG_DONTWAIT (not on Windows) says so
+# again for a peek.
+_PEEK = socket.MSG_PEEK | getattr(socket, "MSG_DONTWAIT", 0)
 
 
 def _answered_early(sock: socket.socket) -> bool:
     """Whether the upstream has sent an error status line, or ended the connection, before
     the request was all sent (a peek: nothing is taken from the socket)."""
     try:
-        head = sock.recv(_STATUS_LINE, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        head = sock.recv(_STATUS_LINE, _PEEK)
     except BlockingIOError:
         return False  # nothing yet: the usual case
     except OSError:
