@@ -37,6 +37,7 @@ import pytest
 import yaml
 
 from fallback_mw import load_config
+from fallback_mw.cli.check import route_warnings
 from tests.examples_runner import Example, running_example
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,7 +128,15 @@ def check_toml(block: Block) -> None:
             else upstream.get("auth_env", [])
         )
     }
-    load_config(data, environ={var: "docs-test-dummy" for var in variables})
+    config = load_config(data, environ={var: "docs-test-dummy" for var in variables})
+    if block.marker != "fragment":
+        # A whole config a reader may copy: `fallback-mw check` must not warn about it.
+        warnings = [
+            warning
+            for route in config.routes
+            for warning in route_warnings(route, config.upstreams, config.gateway.deadline_ms)
+        ]
+        assert not warnings, f"{block.name}: fallback-mw check warns: {warnings}"
 
 
 @dataclass
