@@ -82,7 +82,8 @@ def store_says(tmp_path: Path, primary: str, fallback: str, verb: str) -> str | 
     status, _, err = run_cli(*args)
     assert status in (0, 2), err
     if status == 0:
-        assert err == ""
+        # Stored; at most a warning `check` would give too (the primary's first-byte timeout).
+        assert "fallback-mw: error" not in err, err
         return None
     assert err.startswith("fallback-mw: error: ") and err.count("\n") == 1
     return err

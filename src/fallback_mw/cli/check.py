@@ -141,7 +141,8 @@ def _route_lines(
         extras.append(f"shadow {route.shadow} {route.shadow_percent}% {shadow.url}")
     if extras:
         lines.append("  " + "; ".join(extras))
-    lines += [f"  warning: {warning}" for warning in route_warnings(route, upstreams, default_ms)]
+    warnings = route_warnings(route, upstreams, default_ms, store=source == "store")
+    lines += [f"  warning: {warning}" for warning in warnings]
     return lines
 
 
@@ -151,13 +152,19 @@ PROVIDER_TRANSIENT = {"anthropic": (529, "Anthropic's overloaded_error")}
 
 
 def route_warnings(
-    route: RouteConfig, upstreams: Mapping[str, UpstreamConfig], default_ms: int
+    route: RouteConfig,
+    upstreams: Mapping[str, UpstreamConfig],
+    default_ms: int,
+    *,
+    store: bool = False,
 ) -> list[str]:
     """What is valid but probably not meant: a declared provider's transient status that
     the route does not fail over on; a candidate whose connect or first-byte timeout the
     route deadline cuts, so that a hang on it never reaches the next candidate; a backoff before
     a repeat that the deadline always outlasts; a candidate whose url path the route prefix
-    repeats (`/v1` + `/v1/...`); a prefix that does not end at a segment boundary."""
+    repeats (`/v1` + `/v1/...`); a prefix that does not end at a segment boundary.
+    `store`: a route store's route, whose upstreams' timeouts no admin verb sets, so the
+    remedy named is the one an operator has."""
     warnings = []
     if not route.prefix.endswith("/"):
         # A prefix is literal (SPEC §4, the longest match): /v1 also takes /v1x/... and
@@ -179,10 +186,16 @@ def route_warnings(
             )
         timeout_ms = upstreams[name].first_byte_timeout_ms
         if timeout_ms >= deadline:
+            remedy = (
+                f"raise [gateway] deadline_ms above {timeout_ms}, or define the route in the "
+                "config file, where its upstream's first_byte_timeout_ms can be lowered"
+                if store
+                else "lower its first_byte_timeout_ms"
+            )
             warnings.append(
                 f"candidate {name!r} has first_byte_timeout_ms {timeout_ms}, not below the "
                 f"route deadline ({deadline} ms): a hang on it ends in 504 "
-                "deadline_exceeded, never a fallback; lower its first_byte_timeout_ms"
+                f"deadline_exceeded, never a fallback; {remedy}"
             )
     if route.attempt_ceiling > len(route.plan) and route.backoff_ms >= deadline:
         # A later pass repeats a candidate, after backoff_ms: the deadline ends it first.
@@ -353,7 +366,9 @@ def check(args: argparse.Namespace, console: Console) -> None:
         source = "store" if route.id in from_store else "file"
         for line in _route_lines(route, merged.upstreams, source, settings.deadline_ms):
             console.print(line)
-        warnings += len(route_warnings(route, merged.upstreams, settings.deadline_ms))
+        warnings += len(
+            route_warnings(route, merged.upstreams, settings.deadline_ms, store=source == "store")
+        )
         if route.id in unreachable:
             console.print(f"  warning: {unreachable[route.id]}")
             warnings += 1

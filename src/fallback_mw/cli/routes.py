@@ -16,7 +16,7 @@ from typing import Any
 
 from fallback_mw import rules
 from fallback_mw.cli.app import Console, Failed, Refused, leaf, run
-from fallback_mw.cli.check import unreachable_routes
+from fallback_mw.cli.check import route_warnings, unreachable_routes
 from fallback_mw.cli.show import route_line
 from fallback_mw.cli.target import StoreTarget, open_route_store, resolve, store_options
 from fallback_mw.config import ConfigError, GatewayConfig, RouteConfig, UpstreamConfig
@@ -85,6 +85,15 @@ def _newly_unreachable(
     before = unreachable_routes(routes, upstreams)
     after = unreachable_routes([*routes, added.route], upstreams)
     return {route_id: why for route_id, why in after.items() if route_id not in before}
+
+
+def _stored_route_warnings(target: StoreTarget, stored: StoredRoute) -> list[str]:
+    """What `check` would warn about the route just stored (a prefix without its '/', a
+    primary whose first-byte timeout the deadline cuts, ...): valid, so stored, but said
+    by the verb that stored it rather than left for the next `check`."""
+    upstreams = {**target.config.upstreams, **stored.upstreams}
+    deadline_ms = target.config.gateway.deadline_ms
+    return route_warnings(stored.route, upstreams, deadline_ms, store=True)
 
 
 def _stored(routes: list[StoredRoute], route_id: str) -> StoredRoute:
@@ -156,19 +165,25 @@ def routes_add(args: argparse.Namespace, console: Console) -> None:
         )
 
     unreachable: dict[str, str] = {}
+    warnings: list[str] = []
 
     async def work(target: StoreTarget, store: RouteStore) -> str:
         others = await _check_and_write(target, store, stored, store.insert_route, args.check_env)
+        warnings.extend(_stored_route_warnings(target, stored))
         unreachable.update(_newly_unreachable(target.config, others, stored))
         tenant = f" (tenant {args.tenant})" if args.tenant is not None else ""
         return f"route {args.id!r} added{tenant}: {' -> '.join(plan)}"
 
     console.print(_with_store(args, console, work, creates=True))
+    for warning in warnings:
+        console.warning(f"route {args.id!r}: {warning}")
     for route_id, why in unreachable.items():
         console.warning(f"route {route_id!r}: {why}")
 
 
 def routes_set_fallback(args: argparse.Namespace, console: Console) -> None:
+    warnings: list[str] = []
+
     async def work(target: StoreTarget, store: RouteStore) -> str:
         _store_owned(target, args.id)
         current = _stored(await store.load_routes(), args.id)
@@ -198,15 +213,20 @@ def routes_set_fallback(args: argparse.Namespace, console: Console) -> None:
 
         stored = StoredRoute(route=build_model(RouteConfig, fields, where), upstreams=upstreams)
         await _check_and_write(target, store, stored, write, args.check_env)
+        warnings.extend(_stored_route_warnings(target, stored))
         return (
             f"route {args.id!r}: fallback set ({primary} -> {fallback_name(args.id)}), "
             f"retries {stored.route.retries}"
         )
 
     console.print(_with_store(args, console, work))
+    for warning in warnings:
+        console.warning(f"route {args.id!r}: {warning}")
 
 
 def routes_set(args: argparse.Namespace, console: Console) -> None:
+    warnings: list[str] = []
+
     async def work(target: StoreTarget, store: RouteStore) -> str:
         _store_owned(target, args.id)
         current = _stored(await store.load_routes(), args.id)
@@ -214,11 +234,14 @@ def routes_set(args: argparse.Namespace, console: Console) -> None:
         route = build_model(RouteConfig, fields, f"route {args.id!r}")
         stored = StoredRoute(route=route, upstreams=dict(current.upstreams))
         await _check_and_write(target, store, stored, store.replace_route, check_env=False)
+        warnings.extend(_stored_route_warnings(target, stored))
         return (
             f"route {args.id!r}: retries {route.retries} (attempt ceiling {route.attempt_ceiling})"
         )
 
     console.print(_with_store(args, console, work))
+    for warning in warnings:
+        console.warning(f"route {args.id!r}: {warning}")
 
 
 def routes_clear_fallback(args: argparse.Namespace, console: Console) -> None:
