@@ -189,6 +189,11 @@ def test_a_value_out_of_range_is_refused_with_its_bound_in_plain_words(tmp_path:
          "routes['r'].canary_eligible: must be true or false"),
         ('[[routes]]\nid = "r"\nprefix = "/v1/"\nplan = ["p"]\ncanary_eligible = "true"\n',
          "routes['r'].canary_eligible: must be true or false"),
+        # A list's numbers too: ["503"] loaded as 503, beside a doc saying "never converted".
+        ('[[routes]]\nid = "r"\nprefix = "/v1/"\nplan = ["p"]\nfailover_status = ["503"]\n',
+         "routes['r'].failover_status.0: must be an integer"),
+        ('[[routes]]\nid = "r"\nprefix = "/v1/"\nplan = ["p"]\nfailover_status = [503, 5e2]\n',
+         "routes['r'].failover_status.1: must be an integer"),
     ],
 )  # fmt: skip
 def test_a_toml_value_of_another_type_is_refused_not_converted(

@@ -15,13 +15,14 @@ from collections.abc import Mapping, Sequence
 from decimal import ROUND_DOWN, Decimal
 from pathlib import Path
 from types import UnionType
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictInt,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -380,7 +381,7 @@ class RouteConfig(_Strict):
     # A POST carrying an Idempotency-Key header (IETF HTTPAPI draft) is replayable too: the
     # upstream deduplicates on the key, so a second attempt cannot act twice.
     replay_with_idempotency_key: bool = False
-    failover_status: tuple[int, ...] = (502, 503, 504)
+    failover_status: tuple[StrictInt, ...] = (502, 503, 504)  # ["503"] refused, as retries = "1"
     on_exhausted: Literal["error", "last_response"] = "error"
     budget: str | None = None
     hedge_after_ms: int = Field(0, ge=0)
@@ -592,6 +593,8 @@ def _without_none(annotation: Any) -> Any:
 
 def _kind(annotation: Any) -> str:
     """What a TOML author writes for `annotation`, in their words (not pydantic's)."""
+    if get_origin(annotation) is Annotated:  # StrictInt: int with a constraint
+        annotation = get_args(annotation)[0]
     origin = get_origin(annotation)
     if origin in (Union, UnionType):
         members = [a for a in get_args(annotation) if a is not type(None)]
