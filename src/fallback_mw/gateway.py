@@ -163,7 +163,11 @@ async def _refuse(problem: str, scope: Scope, receive: Receive, send: Send) -> N
             message = await receive()
             if message["type"] == "lifespan.startup":
                 await send({"type": "lifespan.startup.failed", "message": problem})
-            elif message["type"] == "lifespan.shutdown":
+                # Then end the lifespan by raising, as Starlette's router does: a server
+                # stops on the message alone, but an in-process harness (Starlette's
+                # TestClient) waits for the app to end it, and reports what it raised.
+                raise ConfigError(problem)
+            if message["type"] == "lifespan.shutdown":
                 await send({"type": "lifespan.shutdown.complete"})
                 return
     elif scope["type"] == "websocket":

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from fallback_mw import Gateway
+from fallback_mw import ConfigError, Gateway
 from fallback_mw.config import GatewayConfig
 from tests.e2e.test_host_servers import require_server
 from tests.helpers import free_port, http_scope, log_text
@@ -213,9 +214,14 @@ async def test_every_config_form_refuses_to_serve(form: str) -> None:
     async def lifespan_receive() -> dict[str, Any]:
         return incoming.pop(0)
 
+    # The failed startup ends the lifespan: said in the message, then raised.
+    with pytest.raises(ConfigError, match=PROBLEM):
+        await gateway({"type": "lifespan"}, lifespan_receive, send)  # type: ignore[arg-type]
+    assert sent == [{"type": "lifespan.startup.failed", "message": gateway.config_error}]
+    # A server that asks for a shutdown alone (no startup) is answered.
+    sent.clear()
     await gateway({"type": "lifespan"}, lifespan_receive, send)  # type: ignore[arg-type]
-    assert sent[0]["type"] == "lifespan.startup.failed" and PROBLEM in sent[0]["message"]
-    assert sent[1] == {"type": "lifespan.shutdown.complete"}
+    assert sent == [{"type": "lifespan.shutdown.complete"}]
     sent.clear()
 
     async def receive() -> dict[str, Any]:
@@ -225,3 +231,30 @@ async def test_every_config_form_refuses_to_serve(form: str) -> None:
     assert sent[0]["status"] == 503
     assert json.loads(sent[1]["body"])["error"]["code"] == "config_error"
     await gateway.aclose()
+
+
+def test_starlette_testclient_raises_the_problem_instead_of_hanging() -> None:
+    # A FastAPI user's test suite hung for ever: `with TestClient(app)` (Starlette's, which
+    # FastAPI re-exports) waits, after `lifespan.startup.failed`, for the app to end its
+    # lifespan (Starlette's own router re-raises there), and the gateway kept waiting for a
+    # shutdown message instead. Now the failed startup raises the problem, as the router's.
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    app = FastAPI()
+    app.add_middleware(Gateway, config=_broken("dict"), environ={})
+    outcome: list[BaseException | None] = []
+
+    def enter() -> None:
+        try:
+            with TestClient(app):
+                outcome.append(None)
+        except BaseException as exc:  # what the user's test would see
+            outcome.append(exc)
+
+    thread = threading.Thread(target=enter, daemon=True)
+    thread.start()
+    thread.join(timeout=20)
+    assert not thread.is_alive(), "TestClient hung on the gateway's failed lifespan startup"
+    assert len(outcome) == 1 and isinstance(outcome[0], ConfigError), outcome
+    assert PROBLEM in str(outcome[0])
