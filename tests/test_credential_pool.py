@@ -18,7 +18,7 @@ import httpx
 import pytest
 from aiohttp import web
 
-from fallback_mw import Gateway
+from fallback_mw import ConfigError, Gateway, load_config
 from fallback_mw.budget import AttemptOutcome, UsageRecord
 from fallback_mw.cli import main
 from fallback_mw.cli.usage import incident_kinds
@@ -732,3 +732,25 @@ def test_a_huge_retry_after_cools_a_credential_for_max_cooldown_only() -> None:
         status=429, failure=False, retry_after=seconds, default_cooldown=5, max_cooldown=300
     )
     assert mark is not None and (mark.action, mark.seconds) == ("cool_down", 300)
+
+
+async def test_a_pool_naming_one_variable_twice_is_refused_at_load() -> None:
+    # auth_env = ["KEY_A", "KEY_A"] (a copy-paste slip for KEY_B) loaded as a pool of two,
+    # and a 429 "moved to another credential" that was the same key: one request sent it
+    # twice to an upstream that had just rate-limited it (SPEC §6: each credential at most
+    # once per request). Refused at load, naming the upstream and the variable once.
+    conf = {
+        "upstreams": {
+            "pool": {"url": "http://127.0.0.1:9", "auth_env": ["KEY_A", "KEY_B", "KEY_A"]}
+        },
+        "routes": [{"id": "one", "prefix": "/v1/", "plan": ["pool"], "retries": 2}],
+    }
+    with pytest.raises(ConfigError) as info:
+        load_config(conf, environ=ENV)
+    message = str(info.value)
+    assert message == (
+        "upstream 'pool': auth_env names KEY_A more than once: each credential of a pool is "
+        "its own variable (a request uses each at most once)"
+    )
+    gateway = Gateway(host_app, config=conf, environ=ENV)
+    assert gateway.config_error is not None and message in gateway.config_error

@@ -229,6 +229,15 @@ def check_upstream(name: str, upstream: UpstreamShape, allow_hosts: Sequence[str
     check_host_spelling(f"upstream {name!r}", upstream.host)
     for variable in upstream.credential_envs:
         check_variable_name(f"upstream {name!r}: auth_env", variable)
+    repeated = [
+        v for i, v in enumerate(upstream.credential_envs) if v in upstream.credential_envs[:i]
+    ]
+    if repeated:
+        # One key twice in a pool: a 401/403/429 "moves on" to the same key (SPEC §6).
+        raise ConfigError(
+            f"upstream {name!r}: auth_env names {shown_variable(repeated[0])} more than once: "
+            "each credential of a pool is its own variable (a request uses each at most once)"
+        )
 
 
 def check_proxy_host(name: str, host: str, allow_hosts: Sequence[str]) -> None:
