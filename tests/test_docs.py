@@ -342,3 +342,25 @@ def test_the_checker_fails_on_broken_snippets(sandboxes: dict[str, Sandbox]) -> 
     assert "has no attribute 'contents'" in failures[1]
     assert "untagged code block" in failures[2]
     assert "docs-test: run" in failures[3]
+
+
+def test_the_incidents_sample_shows_request_ids_as_the_cli_prints_them() -> None:
+    # docs/budgets.md's `usage --incidents` sample showed 16-digit request ids; the CLI
+    # prints the 32 hex digits of every request's id, which a reader greps the log for.
+    from fallback_mw.request.context import new_request_id
+
+    budgets = ROOT / "docs" / "budgets.md"
+    (sample,) = [
+        block
+        for block in parse_blocks(budgets)
+        if block.lang == "text" and "--incidents" in block.text and "REQUEST" in block.text
+    ]
+    header, *rows = [line for line in sample.text.splitlines() if not line.startswith("$")]
+    assert header.split()[1] == "REQUEST"
+    ids = [row.split()[1] for row in rows]
+    assert ids and all(re.fullmatch(r"[0-9a-f]+", i) for i in ids), ids
+    assert {len(i) for i in ids} == {len(new_request_id())}, ids
+    # The columns line up as the CLI pads them: each header starts where its values do.
+    starts = [header.index(name) for name in ("ROUTE", "TENANT", "INCIDENT")]
+    for row in rows:
+        assert [row[start - 2 : start] for start in starts] == ["  "] * 3, row
