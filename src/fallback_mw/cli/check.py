@@ -160,8 +160,8 @@ def route_warnings(
 ) -> list[str]:
     """What is valid but probably not meant: a declared provider's transient status that
     the route does not fail over on; a candidate whose connect or first-byte timeout the
-    route deadline cuts, so that a hang on it never reaches the next candidate; a backoff before
-    a repeat that the deadline always outlasts; a candidate whose url path the route prefix
+    route deadline cuts, so that a hang on it never reaches the next candidate; a backoff
+    before a repeat that the deadline always outlasts; a candidate whose url path the route prefix
     repeats (`/v1` + `/v1/...`); a prefix that does not end at a segment boundary.
     `store`: a route store's route, whose upstreams' timeouts no admin verb sets, so the
     remedy named is the one an operator has."""
@@ -178,11 +178,17 @@ def route_warnings(
     for name in _followed(route):
         connect_ms = upstreams[name].connect_timeout_ms
         if connect_ms >= deadline:
+            remedy = (
+                f"raise [gateway] deadline_ms above {connect_ms}, or define the route in the "
+                "config file, where its upstream's connect_timeout_ms can be lowered"
+                if store
+                else "lower its connect_timeout_ms"
+            )
             warnings.append(
                 f"candidate {name!r} has connect_timeout_ms {connect_ms}, not below the "
                 f"route deadline ({deadline} ms): a connect that is never answered (a host "
                 "that is down, a firewall that drops) ends in 504 deadline_exceeded, never a "
-                "fallback; lower its connect_timeout_ms"
+                f"fallback; {remedy}"
             )
         timeout_ms = upstreams[name].first_byte_timeout_ms
         if timeout_ms >= deadline:
