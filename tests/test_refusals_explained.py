@@ -744,3 +744,54 @@ async def test_a_deadline_that_cuts_a_connect_names_connect_timeout_ms() -> None
     assert (cut.status_code, error["rule"]) == (504, "deadline")
     assert "connect_timeout_ms (3000 ms)" in error["message"], error["message"]
     assert (followed.status_code, followed.headers["x-gateway-provider"]) == (200, "backup")
+
+
+@pytest.mark.parametrize("deadline", ["1", "2", "40"])
+async def test_a_caller_deadline_too_short_to_split_is_not_answered_with_a_timeout_to_lower(
+    deadline: str,
+) -> None:
+    # A caller sent x-gateway-deadline-ms: 1 and the 504 said "lower that timeout below
+    # 1 ms so that a hang ends in time for the next attempt": no timeout can be that low
+    # (1 ms is the least), and one that low would fail every attempt. What helps is the
+    # caller's own deadline: a larger one, or none. Lowering a timeout is offered only
+    # where the deadline leaves room for it and a next attempt (the route's 200 ms here).
+    async with (
+        upstream(status_handler(200, delay=2.0)) as p,
+        upstream(status_handler(200)) as b,
+    ):
+        conf = config(p.url, b.url, deadline_ms=1500)
+        conf["upstreams"]["primary"]["first_byte_timeout_ms"] = 300
+        async with gateway_client(conf, environ=ENV) as client:
+            cut = await client.get("/v1/models", headers={"x-gateway-deadline-ms": deadline})
+            sensible = await client.get("/v1/models", headers={"x-gateway-deadline-ms": "200"})
+            unasked = await client.get("/v1/models")
+    error = cut.json()["error"]
+    assert (cut.status_code, error["code"], error["rule"]) == (504, "deadline_exceeded",
+                                                                "deadline")  # fmt: skip
+    message = error["message"]
+    assert f"{deadline} ms the caller set with x-gateway-deadline-ms" in message, message
+    assert "lower that timeout" not in message, message
+    assert "the caller may send a larger x-gateway-deadline-ms" in message, message
+    assert "or none" in message, message
+    assert "lower that timeout below 200 ms" in sensible.json()["error"]["message"]
+    assert (unasked.status_code, unasked.headers["x-gateway-provider"]) == (200, "backup")
+
+
+async def test_a_route_deadline_too_short_to_split_is_not_answered_with_a_timeout_to_lower() -> (
+    None
+):
+    # The same for the operator's own deadline: a route with deadline_ms = 50 cut by a hang
+    # was told to lower the timer "below 50 ms so that a hang ends in time for the next
+    # attempt"; what helps is a deadline above the timer.
+    async with (
+        upstream(status_handler(200, delay=2.0)) as p,
+        upstream(status_handler(200)) as b,
+    ):
+        conf = config(p.url, b.url, deadline_ms=50)
+        conf["upstreams"]["primary"]["first_byte_timeout_ms"] = 300
+        async with gateway_client(conf, environ=ENV) as client:
+            cut = await client.get("/v1/models")
+    message = cut.json()["error"]["message"]
+    assert "the route deadline (50 ms) passed" in message, message
+    assert "lower that" not in message, message
+    assert "raise the route's deadline_ms above 300 ms" in message, message

@@ -614,6 +614,11 @@ def _rule_remedy(rule: str | None, context: RequestContext) -> str:
     return _REMEDY.get(rule or "", "")
 
 
+# The shortest deadline a cut attempt and the attempt after it can share: below it, "lower
+# that timeout below N ms" asks for a timer (1 ms at least) that would fail every attempt.
+_LEAST_SHARED_DEADLINE_MS = 100
+
+
 def _deadline_message(context: RequestContext) -> str:
     """Which deadline passed, the caller's x-gateway-deadline-ms or the configured one
     (the route's deadline_ms, else [gateway]'s), and what would let the walk go on."""
@@ -647,6 +652,17 @@ def _deadline_message(context: RequestContext) -> str:
                 f"{passed}, {inside}; {alone}: the caller may send a larger "
                 f"x-gateway-deadline-ms, or none, to wait longer for it"
             )
+        if caller < _LEAST_SHARED_DEADLINE_MS:
+            # No timeout can end a hang in time for another attempt inside 1 ms (or 40):
+            # only the caller's own deadline stands between this request and the backup.
+            larger = "a larger x-gateway-deadline-ms"
+            if configured is not None and timeout_ms < configured:
+                larger += f" (above {timeout_ms} ms)"
+            return (
+                f"{passed}, {inside}: {caller} ms is too short for any timeout to end a hang "
+                f"in time for another attempt; the caller may send {larger}, or none (the "
+                f"route's {configured} ms then applies)"
+            )
         if configured is not None and timeout_ms < configured:
             remedy = (
                 f"the caller may send a larger x-gateway-deadline-ms (above {timeout_ms} ms), "
@@ -669,6 +685,8 @@ def _deadline_message(context: RequestContext) -> str:
             f"{passed}, {inside}; {alone}: raise {key} to wait longer for it (up to "
             f"{timeout_ms} ms)"
         )
+    if configured is None or configured < _LEAST_SHARED_DEADLINE_MS:
+        return f"{passed}, {inside}: raise {key} above {timeout_ms} ms"
     return (
         f"{passed}, {inside}: lower that below {configured} ms so that a hang ends in time "
         f"for the next attempt, or raise {key} above {timeout_ms} ms"
