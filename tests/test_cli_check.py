@@ -8,6 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import anyio
+
+from tests.helpers import free_port, log_text, serve_process, wait_listening
 from tests.test_cli_admin import run_cli as admin
 from tests.test_cli_convention import FALLBACK_MW, assert_one_error_line
 
@@ -488,3 +491,69 @@ def test_check_says_whether_the_shared_redis_state_can_be_used(
     assert result.stdout.splitlines()[0].startswith("state redis://")
     assert result.stdout.splitlines()[0].endswith(": reachable, shared by every gateway process")
     assert result.stdout.splitlines()[-1].endswith("is valid: 1 route(s)")
+
+
+DOUBLED = """
+[upstreams.primary]
+url = "http://127.0.0.1:9001"
+auth_env = "FMW_CHECK_PRIMARY"
+first_byte_timeout_ms = 2000
+
+[upstreams.backup]
+url = "http://127.0.0.1:9002"
+auth_header = "x-api-key"
+auth_scheme = ""
+auth_env = "FMW_CHECK_BACKUP_A"
+
+[[routes]]
+id = "chat"
+prefix = "/v1/"
+plan = ["primary", "backup"]
+retries = 1
+"""
+
+
+def test_check_warns_when_a_credential_variable_already_holds_the_auth_scheme(
+    tmp_path: Path,
+) -> None:
+    # An operator pasted the whole header value, `Bearer sk-...`, into the variable: the
+    # gateway sent `authorization: Bearer Bearer sk-...` and the provider answered every
+    # request 401, which read as a wrong key. check names the upstream and the variable,
+    # never the value; the key alone (or a raw-key upstream, auth_scheme "") is quiet.
+    path = tmp_path / "gateway.toml"
+    path.write_text(DOUBLED, encoding="utf-8")
+    expected = (
+        "  warning: upstream 'primary': $FMW_CHECK_PRIMARY already starts with its "
+        "auth_scheme 'Bearer', so authorization is sent as 'Bearer Bearer ...' and the "
+        'provider answers 401; set $FMW_CHECK_PRIMARY to the key alone, or auth_scheme = "" '
+        "to send it as written"
+    )
+    for pasted in (f"Bearer {SECRET}", f"bearer  {SECRET}"):
+        env = {"FMW_CHECK_PRIMARY": pasted, "FMW_CHECK_BACKUP_A": f"Bearer {SECRET}-a"}
+        result = check(path, env)
+        assert result.returncode == 0, result.stderr
+        warnings = [line for line in result.stdout.splitlines() if "  warning: " in line]
+        assert warnings == [expected], result.stdout
+        assert result.stdout.rstrip().endswith("1 route(s), 1 warning(s)")
+        assert SECRET not in result.stdout + result.stderr
+    for key in (SECRET, f"Bearer{SECRET}"):
+        result = check(path, {"FMW_CHECK_PRIMARY": key, "FMW_CHECK_BACKUP_A": SECRET})
+        assert result.returncode == 0 and "warning" not in result.stdout, result.stdout
+
+
+def test_serve_warns_when_a_credential_variable_already_holds_the_auth_scheme(
+    tmp_path: Path,
+) -> None:
+    path, log = tmp_path / "gateway.toml", tmp_path / "serve.log"
+    path.write_text(DOUBLED, encoding="utf-8")
+    env = {**os.environ, "FMW_CHECK_PRIMARY": f"Bearer {SECRET}", "FMW_CHECK_BACKUP_A": SECRET}
+    port = free_port()
+
+    async def started() -> None:
+        with serve_process(path, port, log, env=env) as process:
+            await wait_listening(process, port, log)
+
+    anyio.run(started)
+    text = log_text(log)
+    assert "warning: upstream 'primary': $FMW_CHECK_PRIMARY already starts with its" in text
+    assert SECRET not in text

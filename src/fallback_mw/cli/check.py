@@ -243,6 +243,39 @@ def _followed(route: RouteConfig) -> list[str]:
     return list(route.plan)
 
 
+def reached_upstreams(routes: Sequence[RouteConfig]) -> list[str]:
+    """The upstreams some route sends requests to (a plan or a shadow), in route order."""
+    names = [name for route in routes for name in (*route.plan, route.shadow) if name]
+    return list(dict.fromkeys(names))
+
+
+def credential_warnings(
+    upstreams: Mapping[str, UpstreamConfig],
+    routes: Sequence[RouteConfig],
+    environ: Mapping[str, str],
+) -> list[str]:
+    """Credentials that are valid but answered 401 by the provider, on the upstreams some
+    route reaches: a variable whose value already starts with the upstream's auth_scheme
+    (sent as "Bearer Bearer sk-..."). Names only, never a value; nothing is rewritten: the
+    credential is sent as configured."""
+    warnings = []
+    for name in reached_upstreams(routes):
+        upstream = upstreams[name]
+        scheme = upstream.auth_scheme
+        for variable in upstream.credential_envs if scheme else ():
+            value = environ.get(variable, "").lstrip()
+            head, rest = value[: len(scheme)], value[len(scheme) :]
+            if head.lower() == scheme.lower() and rest[:1].isspace() and rest.strip():
+                shown = shown_variable(variable)
+                warnings.append(
+                    f"upstream {name!r}: ${shown} already starts with its auth_scheme "
+                    f"{scheme!r}, so {upstream.auth_header} is sent as '{scheme} {scheme} ...' "
+                    f"and the provider answers 401; set ${shown} to the key alone, or "
+                    f'auth_scheme = "" to send it as written'
+                )
+    return warnings
+
+
 # The proxy variables client libraries read when they trust the environment. Neither engine
 # does (trust_env off): a proxy taken from the environment would get none of the checks a
 # configured `proxy` gets (allowlist, metadata guard, no credentials in its URL).
@@ -378,6 +411,9 @@ def check(args: argparse.Namespace, console: Console) -> None:
         if route.id in unreachable:
             console.print(f"  warning: {unreachable[route.id]}")
             warnings += 1
+    for warning in credential_warnings(merged.upstreams, merged.routes, os.environ):
+        console.print(f"  warning: {warning}")
+        warnings += 1
     for dropped in dropped_strip_defaults(settings):
         console.print(f"  warning: {dropped}")
         warnings += 1

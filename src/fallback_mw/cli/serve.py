@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fallback_mw.cli.app import Console, Failed, Refused, leaf
-from fallback_mw.cli.check import ignored_proxy_variables, resolve_routes
+from fallback_mw.cli.check import credential_warnings, ignored_proxy_variables, resolve_routes
 from fallback_mw.config import GatewayConfig, load_config
 from fallback_mw.extras import require
 from fallback_mw.request.types import Receive, Scope, Send
@@ -204,6 +204,8 @@ def serve(args: argparse.Namespace, console: Console) -> int | None:
     ignored = ignored_proxy_variables(config.upstreams, os.environ, store=store)
     if ignored is not None:
         console.warning(ignored)
+    for warning in credential_warnings(config.upstreams, config.routes, os.environ):
+        console.warning(warning)  # what check says too: a 401 on every request, explained
     try:  # N > 1 with the Prometheus exporter: one port per worker, checked up front
         from fallback_mw.cli.otel_setup import TelemetrySetupError, check_workers
 
