@@ -557,3 +557,33 @@ def test_serve_warns_when_a_credential_variable_already_holds_the_auth_scheme(
     text = log_text(log)
     assert "warning: upstream 'primary': $FMW_CHECK_PRIMARY already starts with its" in text
     assert SECRET not in text
+
+
+def test_check_warns_about_a_provider_candidate_without_a_credential(tmp_path: Path) -> None:
+    # provider = "openai" and no auth_env: the caller's own key is stripped before any
+    # upstream (SPEC §4) and none is injected, so OpenAI answered every request 401, which
+    # looked like a wrong key. check says so; with auth_env, or no provider, it is quiet.
+    path = tmp_path / "gateway.toml"
+    body = (
+        '[upstreams.primary]\nurl = "http://127.0.0.1:9001"\nprovider = "openai"\n'
+        "first_byte_timeout_ms = 2000\n"
+        '[upstreams.backup]\nurl = "http://127.0.0.1:9002"\n'
+        '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["primary", "backup"]\nretries = 1\n'
+    )
+    path.write_text(body, encoding="utf-8")
+    result = check(path)
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stdout.splitlines() if "  warning: " in line]
+    assert warnings == [
+        "  warning: upstream 'primary' is provider openai but has no auth_env: the caller's "
+        "own credential is stripped before any upstream and none is injected, so a provider "
+        "that needs a key answers every request 401; set auth_env to the variable holding "
+        "its key"
+    ]
+    keyed = body.replace(
+        'provider = "openai"\n', 'provider = "openai"\nauth_env = "FMW_CHECK_PRIMARY"\n'
+    )
+    for quiet in (keyed, body.replace('provider = "openai"\n', "")):
+        path.write_text(quiet, encoding="utf-8")
+        result = check(path)
+        assert result.returncode == 0 and "warning" not in result.stdout, result.stdout

@@ -5,6 +5,7 @@ request and attempt spans; `check` warns when a route's candidate is provider
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -92,13 +93,15 @@ def test_check_warns_about_an_anthropic_candidate_without_529(tmp_path: Path) ->
     config = tmp_path / "gateway.toml"
     body = (
         '[upstreams.openai]\nurl = "http://127.0.0.1:9001"\nprovider = "openai"\n'
-        "first_byte_timeout_ms = 2000\n"
+        'first_byte_timeout_ms = 2000\nauth_env = "FMW_GENAI_KEY"\n'
         '[upstreams.claude]\nurl = "http://127.0.0.1:9002"\nprovider = "anthropic"\n'
+        'auth_header = "x-api-key"\nauth_scheme = ""\nauth_env = "FMW_GENAI_KEY"\n'
         '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["openai", "claude"]\nretries = 1\n'
     )
     config.write_text(body, encoding="utf-8")
     fallback_mw = str(Path(sys.executable).with_name("fallback-mw"))
-    result = subprocess.run([fallback_mw, "check", "--config", str(config)],
+    env = {**os.environ, "FMW_GENAI_KEY": "sk-genai-0001"}
+    result = subprocess.run([fallback_mw, "check", "--config", str(config)], env=env,
                             capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert (
@@ -107,6 +110,6 @@ def test_check_warns_about_an_anthropic_candidate_without_529(tmp_path: Path) ->
     ) in result.stdout.splitlines()
     assert result.stdout.rstrip().endswith("1 route(s), 1 warning(s)")
     config.write_text(body + "failover_status = [502, 503, 504, 529]\n", encoding="utf-8")
-    result = subprocess.run([fallback_mw, "check", "--config", str(config)],
+    result = subprocess.run([fallback_mw, "check", "--config", str(config)], env=env,
                             capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
     assert "warning" not in result.stdout

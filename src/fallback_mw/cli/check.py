@@ -256,8 +256,9 @@ def credential_warnings(
 ) -> list[str]:
     """Credentials that are valid but answered 401 by the provider, on the upstreams some
     route reaches: a variable whose value already starts with the upstream's auth_scheme
-    (sent as "Bearer Bearer sk-..."). Names only, never a value; nothing is rewritten: the
-    credential is sent as configured."""
+    (sent as "Bearer Bearer sk-..."), and a declared provider without auth_env (the caller's
+    own key is stripped, SPEC §4, and none is injected). Names only, never a value; nothing
+    is rewritten: the credential is sent as configured."""
     warnings = []
     for name in reached_upstreams(routes):
         upstream = upstreams[name]
@@ -273,6 +274,13 @@ def credential_warnings(
                     f"and the provider answers 401; set ${shown} to the key alone, or "
                     f'auth_scheme = "" to send it as written'
                 )
+        if upstream.provider is not None and not upstream.credential_envs:
+            warnings.append(
+                f"upstream {name!r} is provider {upstream.provider} but has no auth_env: the "
+                "caller's own credential is stripped before any upstream and none is "
+                "injected, so a provider that needs a key answers every request 401; set "
+                "auth_env to the variable holding its key"
+            )
     return warnings
 
 
