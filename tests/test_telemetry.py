@@ -16,6 +16,7 @@ from typing import Any, get_args
 import httpx
 import pytest
 from aiohttp import web
+from opentelemetry import trace as trace_api
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -31,7 +32,7 @@ from fallback_mw.health import AlwaysHealthy
 from fallback_mw.request.context import AttemptRecord, RequestContext, Usage
 from fallback_mw.store.routes import open_store
 from fallback_mw.telemetry import Telemetry
-from tests.helpers import client_for, http_scope, request_then_disconnect
+from tests.helpers import client_for, gateway_client, http_scope, request_then_disconnect
 from tests.hostile.test_request_framing import drive
 from tests.upstreams import closed_port_url, host_app, serve_asgi, status_handler, upstream
 
@@ -1022,6 +1023,7 @@ def test_without_an_attempt_span_only_what_the_context_holds_is_propagated() -> 
 GLOBAL_PROVIDER_LATER = """
 import time
 from opentelemetry import metrics
+from opentelemetry import trace as trace_api
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from fallback_mw.config import RouteConfig
@@ -1228,3 +1230,29 @@ async def test_the_store_reload_counter_goes_to_the_gateways_own_meter_provider(
             assert [pt.value for pt in recorded.points("gateway.store.reload_refused")] == [0]
         finally:
             await gateway.aclose()
+
+
+async def test_the_log_line_names_its_trace_when_the_request_was_traced(
+    recorded: Recorded, caplog: pytest.LogCaptureFixture
+) -> None:
+    # An observability team reading `gateway request ... failures=primary:503` could not
+    # find its trace: the trace id was on the record's fields (for JSON formatters) only,
+    # never in the text serve and the default handlers print. The line ends with it now,
+    # when there is one; an untraced request's line has none (nothing to join).
+    caplog.set_level(logging.INFO, logger="fallback_mw.request")
+    untraced = Telemetry(tracer_provider=trace_api.NoOpTracerProvider())
+    async with upstream(status_handler(503)) as p, upstream(status_handler(200)) as b:
+        for telemetry in (recorded.telemetry, untraced):
+            conf = make_config(p.url, b.url)
+            async with gateway_client(conf, environ=ENV, telemetry=telemetry) as client:
+                await client.get("/v1/models", headers={"traceparent": TRACEPARENT})
+                await client.get("/v1/models")
+    spans = [s for s in recorded.finished() if s.name == "gateway.request"]
+    own = format_trace_id(spans[1].context.trace_id)
+    lines = [log.getMessage() for log in request_logs(caplog)]
+    assert len(lines) == 4, lines
+    assert lines[0].endswith(" failures=primary:503 trace_id=" + TRACE_ID), lines[0]
+    assert lines[1].endswith(f" failures=primary:503 trace_id={own}"), lines[1]
+    assert re.fullmatch(r"[0-9a-f]{32}", own) and own != TRACE_ID
+    assert "trace_id=" not in lines[3], lines[3]
+    assert request_logs(caplog)[3].__dict__["trace_id"] is None

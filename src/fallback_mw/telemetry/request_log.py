@@ -37,7 +37,7 @@ def log_request(
     if not logger.isEnabledFor(level):
         return
     duration_ms = round(duration * 1000, 1)
-    arguments = _arguments(context, outcome, candidates, chosen, duration_ms, fault)
+    arguments = _arguments(context, outcome, candidates, chosen, duration_ms, fault, trace_id)
     direct = _direct_handler(level)
     if direct is not None:
         # serve's own writer and nothing else listening: the same line, without a record.
@@ -87,6 +87,7 @@ def _arguments(
     chosen: str | None,
     duration_ms: float,
     fault: bool,
+    trace_id: str | None,
 ) -> tuple[object, ...]:
     """The line's %-arguments; the first two (route and outcome labels) are also the
     record's `route` and `outcome` fields."""
@@ -102,6 +103,8 @@ def _arguments(
         why += f" skipped={','.join(passed)}"
     if fault:  # game-day traffic (SPEC §12): not to be read as a real outage
         why += " fault=true"
+    if trace_id is not None:  # traced: the line joins its trace (the SDK's 32 hex digits)
+        why += f" trace_id={trace_id}"
     return (
         label(context.route.id),
         label(outcome),
