@@ -289,12 +289,24 @@ def _canonical_names(names: frozenset[bytes]) -> frozenset[bytes]:
 SERVER_OWNED_RESPONSE_HEADERS = frozenset({b"date", b"server"})
 
 
+# What a provider answers about the account a request was billed to: the organization and
+# project behind the key. When that key is the gateway's (injected), they are the
+# operator's ids, not the caller's to see (the caller's own copies are stripped on the way
+# in: `openai-organization` / `openai-project` in DEFAULT_STRIP_HEADERS). The rate-limit
+# fields (`x-ratelimit-*`) are kept: SDKs and callers pace themselves by them.
+ACCOUNT_RESPONSE_HEADERS = frozenset(
+    {b"openai-organization", b"openai-project", b"anthropic-organization-id"}
+)
+
+
 def forwardable_response_headers(
-    headers: Iterable[tuple[bytes, bytes]], *, status: int = 200
+    headers: Iterable[tuple[bytes, bytes]], *, status: int = 200, injected: bool = False
 ) -> Headers:
     """Upstream response headers the client may see: no hop-by-hop fields, no `x-gateway-*`
     (an upstream must not be able to forge the gateway's own headers), and not the
-    upstream's `date` / `server` (the ASGI server sends its own).
+    upstream's `date` / `server` (the ASGI server sends its own). `injected` (the gateway
+    sent its own credential on this attempt): not the account ids it answers about that
+    credential either (ACCOUNT_RESPONSE_HEADERS), filtered in the same pass, at no cost.
 
     The framing is the gateway's own: `transfer-encoding` never passes (the engines
     de-chunk), a `content-length` only where it is exact, i.e. a body-carrying status and
@@ -310,15 +322,22 @@ def forwardable_response_headers(
             if name == b"transfer-encoding":
                 no_length = True
                 break
-    return _kept(lowered, _NEVER_RELAYED_NO_BODY if no_length else _NEVER_RELAYED, frozenset())
+    return _kept(lowered, _NEVER_RELAYED[injected, no_length], frozenset())
 
 
 _NO_BODY_STATUSES = frozenset({204, 304})
 
 
 _NEVER_FORWARDED = CREDENTIAL_HEADERS | HOP_BY_HOP_HEADERS | RECOMPUTED_HEADERS
-_NEVER_RELAYED = HOP_BY_HOP_HEADERS | SERVER_OWNED_RESPONSE_HEADERS
-_NEVER_RELAYED_NO_BODY = _NEVER_RELAYED | {b"content-length"}
+# By (injected, no_length): one precomputed set each, so choosing costs one lookup.
+_NEVER_RELAYED = {
+    (injected, no_length): HOP_BY_HOP_HEADERS
+    | SERVER_OWNED_RESPONSE_HEADERS
+    | (ACCOUNT_RESPONSE_HEADERS if injected else frozenset())
+    | ({b"content-length"} if no_length else frozenset())
+    for injected in (False, True)
+    for no_length in (False, True)
+}
 
 
 def _kept(lowered: Headers, dropped: frozenset[bytes], also: frozenset[bytes]) -> Headers:

@@ -643,3 +643,63 @@ async def test_a_compressed_body_relayed_decoded_is_held_to_max_response_body_co
                         pass
         finally:
             await gateway.aclose()
+
+
+async def account_ids(request: web.Request) -> web.StreamResponse:
+    # What OpenAI (and Anthropic) answer beside every response, about the key's account.
+    return web.Response(
+        text="{}",
+        headers={
+            "OpenAI-Organization": "org-operator-0001",
+            "OpenAI-Project": "proj_operator0001",
+            "anthropic-organization-id": "0e0e0e0e-operator",
+            "openai-processing-ms": "12",
+            "x-ratelimit-limit-requests": "10000",
+            "x-ratelimit-remaining-tokens": "149984",
+            "x-request-id": "req-1",
+        },
+    )
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_the_account_ids_behind_the_gateways_key_never_reach_the_caller(
+    engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # OpenAI answers every request with `openai-organization` / `openai-project`: relayed,
+    # they told any caller which organization and project the operator's key belongs to
+    # (the gateway strips the caller's own copies on the way in, docs/security.md). They
+    # stay in the gateway when it injected its key on the attempt; an upstream it sent no
+    # key to answers about whatever the caller's request reached, and is relayed as it is.
+    # The rate-limit fields pass either way: SDKs and callers pace themselves by them.
+    monkeypatch.setenv("ACCOUNT_KEY", SECRET)
+    async with upstream(account_ids) as keyed, upstream(account_ids) as keyless:
+        conf = {
+            "gateway": {"engine": engine},
+            "upstreams": {
+                "keyed": {"url": keyed.url, "auth_env": "ACCOUNT_KEY"},
+                "keyless": {"url": keyless.url},
+            },
+            "routes": [
+                {"id": "a", "prefix": "/a/", "plan": ["keyed"]},
+                {"id": "b", "prefix": "/b/", "plan": ["keyless"]},
+            ],
+        }
+        async with gateway_client(conf) as client:
+            injected = await client.get("/a/v1/models")
+            bare = await client.get("/b/v1/models")
+    assert injected.status_code == bare.status_code == 200
+    kept = {
+        "openai-processing-ms": "12",
+        "x-ratelimit-limit-requests": "10000",
+        "x-ratelimit-remaining-tokens": "149984",
+        "x-request-id": "req-1",
+    }
+    for response in (injected, bare):
+        for name, value in kept.items():
+            assert response.headers.get_list(name) == [value], response.headers
+    fields = "\n".join(f"{k}: {v}" for k, v in injected.headers.multi_items())
+    for name in ("openai-organization", "openai-project", "anthropic-organization-id"):
+        assert name not in injected.headers, fields
+    assert "operator" not in fields, fields
+    assert bare.headers["openai-organization"] == "org-operator-0001"
+    assert bare.headers["openai-project"] == "proj_operator0001"

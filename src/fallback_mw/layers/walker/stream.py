@@ -55,7 +55,12 @@ async def commit(
             return None
         context.chosen = name
         context.status = response.status
-        headers = forwardable_response_headers(response.headers, status=response.status)
+        # The gateway's own key went with this attempt (an upstream without one is attempted
+        # bare, one whose variables are all unset is skipped): its account ids stay here.
+        injected = any((context.credentials or {}).get(name, ()))
+        headers = forwardable_response_headers(
+            response.headers, status=response.status, injected=injected
+        )
         headers = without_echoed_credentials(context, name, headers)
         content_type, content_encoding = body_coding(response.headers)
         # An upstream echoing its own credential in the body (an error quoting the key it
