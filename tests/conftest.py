@@ -25,6 +25,8 @@ if IN_CI:
 PG_HOST = os.environ.get("FMW_TEST_PG_HOST", "127.0.0.1")
 PG_PORT = int(os.environ.get("FMW_TEST_PG_PORT", "5432"))
 PG_USER = os.environ.get("FMW_TEST_PG_USER", "postgres")
+# Test databases are named PREFIX + a random suffix (one shared server, many users).
+PG_PREFIX = os.environ.get("FMW_TEST_PG_PREFIX", "fmw_test_")
 REDIS_HOST = os.environ.get("FMW_TEST_REDIS_HOST", "127.0.0.1")
 REDIS_PORT = int(os.environ.get("FMW_TEST_REDIS_PORT", "6379"))
 REDIS_DB = int(os.environ.get("FMW_TEST_REDIS_DB", "0"))
@@ -79,7 +81,7 @@ async def pg_url() -> AsyncIterator[str]:
     require_service("PostgreSQL", PG_HOST, PG_PORT)
     import asyncpg
 
-    name = f"fmw_test_{uuid.uuid4().hex[:12]}"
+    name = f"{PG_PREFIX}{uuid.uuid4().hex[:12]}"
     admin = await asyncpg.connect(host=PG_HOST, port=PG_PORT, user=PG_USER, database="postgres")
     try:
         await admin.execute(f'CREATE DATABASE "{name}"')

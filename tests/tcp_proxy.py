@@ -26,6 +26,7 @@ class TcpProxy:
         self.server: asyncio.Server | None = None
         self.running = asyncio.Event()
         self.running.set()
+        self.muted = False
         self.transports: set[asyncio.BaseTransport] = set()
         self.tasks: set[asyncio.Task[None]] = set()
 
@@ -51,6 +52,12 @@ class TcpProxy:
     def resume(self) -> None:
         self.running.set()
 
+    def mute(self) -> None:
+        self.muted = True
+
+    def unmute(self) -> None:
+        self.muted = False
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await self.running.wait()
         try:
@@ -59,15 +66,19 @@ class TcpProxy:
             writer.transport.abort()
             return
         self.transports.update((writer.transport, up_writer.transport))
-        for copy in (self._copy(reader, up_writer), self._copy(up_reader, writer)):
+        for copy in (self._copy(reader, up_writer), self._copy(up_reader, writer, answer=True)):
             task = asyncio.ensure_future(copy)
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
 
-    async def _copy(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+    async def _copy(
+        self, source: asyncio.StreamReader, sink: asyncio.StreamWriter, *, answer: bool = False
+    ) -> None:
         with contextlib.suppress(OSError):
             while data := await source.read(65536):
                 await self.running.wait()
+                if answer and self.muted:
+                    continue
                 sink.write(data)
                 await sink.drain()
         sink.close()

@@ -110,3 +110,25 @@ async def test_the_backlog_is_bounded_and_what_is_left_at_close_is_said(
     assert text.count("later ones are dropped") == 1, text
     assert "2 usage records kept through the outage are lost" in text, text
     assert ledger.waiting == 0
+
+
+async def test_a_hold_whose_answer_was_lost_is_released_once_the_database_answers(
+    proxied: tuple[TcpProxy, PostgresLedger],
+) -> None:
+    """Under load, a pg_terminate_backend (or a database restart, a hung answer) left the
+    hold statement committed but its answer lost: the caller got 503 budget_unavailable,
+    nothing was served, and the hold stayed HELD for an hour, then was charged in full."""
+    proxy, ledger = proxied
+    warm = await ledger.hold("acme", BUDGET, Decimal("1"))  # the statement is prepared
+    assert warm is not None
+    await ledger.settle_and_record(warm, Decimal("0"), record("warm"))
+    proxy.mute()  # the database takes the hold; its answer never comes back
+    with pytest.raises(LedgerUnavailable):
+        await ledger.hold("acme", BUDGET, Decimal("2"))
+    proxy.unmute()
+    await proxy.cut("abort")  # the connection the answer was lost on goes away
+    await proxy.open()
+    await asyncio.sleep(RETRY)
+    await until_written(ledger)
+    status = await ledger.status("acme", BUDGET)
+    assert (status.spent, status.held) == (Decimal("0"), Decimal("0"))

@@ -165,8 +165,9 @@ RETRY_INTERVAL = 1.0
 BACKLOG_LIMIT = 10_000
 _DRAIN_BATCH = 500
 
-# (hold id or None, spent units, usage values): one settlement and usage record to write.
-_Pending = tuple[str | None, int, tuple[object, ...]]
+# (hold id or None, spent units, usage values): one settlement and usage record to write;
+# (hold id, 0, None): the release of a hold whose statement's answer was lost.
+_Pending = tuple[str | None, int, tuple[object, ...] | None]
 
 
 class _NotSent(LedgerUnavailable):
@@ -304,6 +305,15 @@ class PostgresLedger(SQLLedgerBase):
         statement = self._outliving(self._run(work))
         try:
             taken = await asyncio.shield(statement)
+        except _NotSent:
+            raise
+        except LedgerUnavailable:
+            # The statement may have reached the database and taken the hold, its answer
+            # lost (a terminated connection, a restart, a timeout): the caller is refused
+            # and nothing is served, so the hold, if taken, is released once the database
+            # answers again (a release of a hold never taken changes nothing).
+            self._keep((hold_id, 0, None))
+            raise
         except asyncio.CancelledError:
             # The caller gave up while the statement ran: the database may still take the
             # hold, which nobody would settle (HELD for an hour, then charged). Once the
@@ -372,16 +382,22 @@ class PostgresLedger(SQLLedgerBase):
                 # cancel, not a task's own) left the hold HELD.
                 await asyncio.shield(self._outliving(self._run(work)))
         except _NotSent:
-            if len(self._backlog) >= BACKLOG_LIMIT:
-                if not self._backlog_full:
-                    self._backlog_full = True
-                    logger.warning(
-                        "PostgreSQL ledger: %d usage records wait for the database; "
-                        "later ones are dropped until it answers",
-                        len(self._backlog),
-                    )
+            if not self._keep((hold_id, spent, values)):
                 raise
-            self._backlog.append((hold_id, spent, values))
+
+    def _keep(self, pending: _Pending) -> bool:
+        """Keep `pending` for when the database answers again (False: the backlog is full)."""
+        if len(self._backlog) >= BACKLOG_LIMIT:
+            if not self._backlog_full:
+                self._backlog_full = True
+                logger.warning(
+                    "PostgreSQL ledger: %d usage records wait for the database; "
+                    "later ones are dropped until it answers",
+                    len(self._backlog),
+                )
+            return False
+        self._backlog.append(pending)
+        return True
 
     @property
     def waiting(self) -> int:
@@ -409,7 +425,7 @@ class PostgresLedger(SQLLedgerBase):
                         refused,
                     )
                     continue
-                written += len(batch)
+                written += sum(values is not None for _, _, values in batch)
             self._backlog_full = False
         finally:
             self._draining = None
@@ -558,8 +574,13 @@ def _batch_work(batch: list[_Pending]) -> Callable[[asyncpg.Pool], Awaitable[str
     settlements, each run one executemany."""
     runs: list[tuple[str, list[tuple[object, ...]]]] = []
     for hold_id, spent, values in batch:
-        statement = _INSERT_USAGE if hold_id is None else _SETTLE_AND_RECORD
-        row = values if hold_id is None else (*values, hold_id, spent, SPENT_CAP_UNITS)
+        row: tuple[object, ...]
+        if values is None:  # a release
+            statement, row = _FINISH, (hold_id, 0, SPENT_CAP_UNITS)
+        elif hold_id is None:
+            statement, row = _INSERT_USAGE, values
+        else:
+            statement, row = _SETTLE_AND_RECORD, (*values, hold_id, spent, SPENT_CAP_UNITS)
         if runs and runs[-1][0] is statement:
             runs[-1][1].append(row)
         else:
