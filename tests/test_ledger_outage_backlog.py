@@ -7,6 +7,7 @@ behind a TCP proxy that is cut and opened again."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -132,3 +133,40 @@ async def test_a_hold_whose_answer_was_lost_is_released_once_the_database_answer
     await until_written(ledger)
     status = await ledger.status("acme", BUDGET)
     assert (status.spent, status.held) == (Decimal("0"), Decimal("0"))
+
+
+async def settle_on_the_wire(
+    proxy: TcpProxy, ledger: PostgresLedger, *, arrives: bool, request_id: str
+) -> None:
+    """A settlement under way when the connection went away: it reached the database (its
+    answer lost) or it did not (held on the way there)."""
+    warm = await ledger.hold("acme", BUDGET, Decimal("1"))  # the statements are prepared
+    assert warm is not None
+    await ledger.settle_and_record(warm, Decimal("0.25"), record("warm"))
+    hold = await ledger.hold("acme", BUDGET, Decimal("2"))
+    assert hold is not None
+    proxy.mute() if arrives else proxy.pause()
+    with contextlib.suppress(LedgerUnavailable):  # the guard's caller goes on either way
+        await ledger.settle_and_record(hold, Decimal("0.5"), record(request_id))
+    proxy.unmute()
+    proxy.resume()
+    await proxy.cut("abort")
+    await proxy.open()
+    await asyncio.sleep(RETRY)
+    await until_written(ledger)
+
+
+@pytest.mark.parametrize("arrives", [False, True], ids=["lost-on-the-way", "answer-lost"])
+async def test_a_settlement_on_the_wire_is_written_exactly_once(
+    proxied: tuple[TcpProxy, PostgresLedger], arrives: bool
+) -> None:
+    """pg_terminate_backend under load: a served request's settlement on the wire was
+    dropped, so the request had no usage record and its hold stayed HELD for an hour, then
+    was charged in full (its hold, not what it cost). It is kept and written again, but
+    only while its hold is still there: never twice."""
+    proxy, ledger = proxied
+    await settle_on_the_wire(proxy, ledger, arrives=arrives, request_id="served")
+    ids = [r.request_id for r in await ledger.usage()]
+    assert ids == ["warm", "served"]
+    status = await ledger.status("acme", BUDGET)
+    assert (status.spent, status.held) == (Decimal("0.75"), Decimal("0"))

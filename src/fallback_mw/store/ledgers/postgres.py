@@ -165,9 +165,11 @@ RETRY_INTERVAL = 1.0
 BACKLOG_LIMIT = 10_000
 _DRAIN_BATCH = 500
 
-# (hold id or None, spent units, usage values): one settlement and usage record to write;
-# (hold id, 0, None): the release of a hold whose statement's answer was lost.
-_Pending = tuple[str | None, int, tuple[object, ...] | None]
+# (hold id or None, spent units, usage values, sent): one settlement and usage record to
+# write; (hold id, 0, None, True): the release of a hold whose statement's answer was lost.
+# `sent`: a settlement that may have been written already (its answer was lost): written
+# again only while its hold is still there, which the first write would have deleted.
+_Pending = tuple[str | None, int, tuple[object, ...] | None, bool]
 
 
 class _NotSent(LedgerUnavailable):
@@ -312,7 +314,7 @@ class PostgresLedger(SQLLedgerBase):
             # lost (a terminated connection, a restart, a timeout): the caller is refused
             # and nothing is served, so the hold, if taken, is released once the database
             # answers again (a release of a hold never taken changes nothing).
-            self._keep((hold_id, 0, None))
+            self._keep((hold_id, 0, None, True))
             raise
         except asyncio.CancelledError:
             # The caller gave up while the statement ran: the database may still take the
@@ -382,7 +384,13 @@ class PostgresLedger(SQLLedgerBase):
                 # cancel, not a task's own) left the hold HELD.
                 await asyncio.shield(self._outliving(self._run(work)))
         except _NotSent:
-            if not self._keep((hold_id, spent, values)):
+            if not self._keep((hold_id, spent, values, False)):
+                raise
+        except LedgerUnavailable:
+            # A settlement on the wire when the database went away: written or not, it is
+            # kept, and written again once only if its hold is still there (so neither lost
+            # nor written twice). A plain record cannot be told apart: not sent again.
+            if hold_id is None or not self._keep((hold_id, spent, values, True)):
                 raise
 
     def _keep(self, pending: _Pending) -> bool:
@@ -425,7 +433,7 @@ class PostgresLedger(SQLLedgerBase):
                         refused,
                     )
                     continue
-                written += sum(values is not None for _, _, values in batch)
+                written += sum(values is not None for _, _, values, _ in batch)
             self._backlog_full = False
         finally:
             self._draining = None
@@ -571,9 +579,11 @@ class PostgresLedger(SQLLedgerBase):
 
 def _batch_work(batch: list[_Pending]) -> Callable[[asyncpg.Pool], Awaitable[str | None]]:
     """One transaction writing `batch` in its order: runs of plain records and of
-    settlements, each run one executemany."""
-    runs: list[tuple[str, list[tuple[object, ...]]]] = []
-    for hold_id, spent, values in batch:
+    settlements, each run one executemany; a settlement that may have been written already
+    (and a release) only while its hold is still there."""
+    # (statement, rows, the hold a row that may have been written needs: None for a run)
+    runs: list[tuple[str, list[tuple[object, ...]], str | None]] = []
+    for hold_id, spent, values, sent in batch:
         row: tuple[object, ...]
         if values is None:  # a release
             statement, row = _FINISH, (hold_id, 0, SPENT_CAP_UNITS)
@@ -581,15 +591,19 @@ def _batch_work(batch: list[_Pending]) -> Callable[[asyncpg.Pool], Awaitable[str
             statement, row = _INSERT_USAGE, values
         else:
             statement, row = _SETTLE_AND_RECORD, (*values, hold_id, spent, SPENT_CAP_UNITS)
-        if runs and runs[-1][0] is statement:
+        if sent and values is not None:
+            runs.append((statement, [row], hold_id))
+        elif runs and runs[-1][0] is statement and runs[-1][2] is None:
             runs[-1][1].append(row)
         else:
-            runs.append((statement, [row]))
+            runs.append((statement, [row], None))
 
     async def work(pool: asyncpg.Pool) -> str | None:
         try:
             async with pool.acquire() as conn, conn.transaction():
-                for statement, rows in runs:
+                for statement, rows, needs in runs:
+                    if needs is not None and await conn.fetchval(_HOLD_THERE, needs) is None:
+                        continue  # written before its answer was lost
                     await conn.executemany(statement, rows)
         except asyncpg.PostgresError as exc:
             if isinstance(exc, _UNREACHABLE):
@@ -598,6 +612,9 @@ def _batch_work(batch: list[_Pending]) -> Callable[[asyncpg.Pool], Awaitable[str
         return None
 
     return work
+
+
+_HOLD_THERE = "SELECT 1 FROM fmw_budget_holds WHERE hold_id = $1 FOR UPDATE"
 
 
 def _retrieved(task: asyncio.Future[Any]) -> None:
