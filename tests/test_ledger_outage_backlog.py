@@ -170,3 +170,28 @@ async def test_a_settlement_on_the_wire_is_written_exactly_once(
     assert ids == ["warm", "served"]
     status = await ledger.status("acme", BUDGET)
     assert (status.spent, status.held) == (Decimal("0.75"), Decimal("0"))
+
+
+async def test_a_hold_on_the_wire_when_its_caller_left_is_released_too(
+    proxied: tuple[TcpProxy, PostgresLedger],
+) -> None:
+    """The client left while the hold statement ran, and the connection went away before
+    its answer: the hold the database took was left HELD (then charged in full)."""
+    proxy, ledger = proxied
+    warm = await ledger.hold("acme", BUDGET, Decimal("1"))  # the statement is prepared
+    assert warm is not None
+    await ledger.settle_and_record(warm, Decimal("0"), record("warm"))
+    proxy.mute()
+    caller = asyncio.ensure_future(ledger.hold("acme", BUDGET, Decimal("2")))
+    await asyncio.sleep(0.2)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    await asyncio.sleep(1.2)  # the statement's own timeout (1 s) ends it
+    proxy.unmute()
+    await proxy.cut("abort")
+    await proxy.open()
+    await asyncio.sleep(RETRY)
+    await until_written(ledger)
+    status = await ledger.status("acme", BUDGET)
+    assert (status.spent, status.held) == (Decimal("0"), Decimal("0"))

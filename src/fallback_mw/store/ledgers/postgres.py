@@ -336,10 +336,21 @@ class PostgresLedger(SQLLedgerBase):
         return task
 
     def _release_if_taken(self, statement: asyncio.Task[object], hold_id: str) -> None:
-        if statement.cancelled() or statement.exception() is not None:
+        if statement.cancelled():
             return
-        if statement.result() is not None:
-            self._outliving(self._finish(hold_id, 0))
+        error = statement.exception()
+        if isinstance(error, LedgerUnavailable) and not isinstance(error, _NotSent):
+            self._keep((hold_id, 0, None, True))  # its answer may have been lost
+        elif error is None and statement.result() is not None:
+            self._outliving(self._release(hold_id))
+
+    async def _release(self, hold_id: str) -> None:
+        """Release a hold nobody will settle; one the database did not answer for is kept
+        and released when it answers again."""
+        try:
+            await self._finish(hold_id, 0)
+        except LedgerUnavailable:
+            self._keep((hold_id, 0, None, True))
 
     async def _finish(self, hold_id: str, spent: int) -> None:
         async def work(pool: asyncpg.Pool) -> None:
