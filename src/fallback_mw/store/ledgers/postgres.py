@@ -177,6 +177,11 @@ class _NotSent(LedgerUnavailable):
     connection): writing it later cannot write it twice."""
 
 
+class _AnswerLost(LedgerUnavailable):
+    """The database went away (or did not answer in time) while the call was under way:
+    it may have been done, its answer lost."""
+
+
 class PostgresLedger(SQLLedgerBase):
     def __init__(
         self,
@@ -281,7 +286,11 @@ class PostgresLedger(SQLLedgerBase):
             else:
                 self._retry_at = 0.0  # the database answered: the next call tries at once
             self._outage.failed(type(exc).__name__, "budgeted routes refuse (fail closed)")
-            unavailable = _NotSent if isinstance(exc, ConnectionRefusedError) else LedgerUnavailable
+            unavailable: type[LedgerUnavailable] = LedgerUnavailable
+            if isinstance(exc, ConnectionRefusedError):
+                unavailable = _NotSent
+            elif isinstance(exc, _UNREACHABLE):
+                unavailable = _AnswerLost
             raise unavailable(f"PostgreSQL ledger unavailable ({type(exc).__name__})") from None
         self._outage.recovered()
         if self._backlog and self._draining is None:
@@ -307,9 +316,7 @@ class PostgresLedger(SQLLedgerBase):
         statement = self._outliving(self._run(work))
         try:
             taken = await asyncio.shield(statement)
-        except _NotSent:
-            raise
-        except LedgerUnavailable:
+        except _AnswerLost:
             # The statement may have reached the database and taken the hold, its answer
             # lost (a terminated connection, a restart, a timeout): the caller is refused
             # and nothing is served, so the hold, if taken, is released once the database
@@ -339,7 +346,7 @@ class PostgresLedger(SQLLedgerBase):
         if statement.cancelled():
             return
         error = statement.exception()
-        if isinstance(error, LedgerUnavailable) and not isinstance(error, _NotSent):
+        if isinstance(error, _AnswerLost):
             self._keep((hold_id, 0, None, True))  # its answer may have been lost
         elif error is None and statement.result() is not None:
             self._outliving(self._release(hold_id))
@@ -349,7 +356,7 @@ class PostgresLedger(SQLLedgerBase):
         and released when it answers again."""
         try:
             await self._finish(hold_id, 0)
-        except LedgerUnavailable:
+        except (_NotSent, _AnswerLost):
             self._keep((hold_id, 0, None, True))
 
     async def _finish(self, hold_id: str, spent: int) -> None:
@@ -397,7 +404,7 @@ class PostgresLedger(SQLLedgerBase):
         except _NotSent:
             if not self._keep((hold_id, spent, values, False)):
                 raise
-        except LedgerUnavailable:
+        except _AnswerLost:
             # A settlement on the wire when the database went away: written or not, it is
             # kept, and written again once only if its hold is still there (so neither lost
             # nor written twice). A plain record cannot be told apart: not sent again.
