@@ -258,9 +258,10 @@ class BudgetGuard:
                 await one_step.settle_and_record(hold, charged or Decimal(0), record)
             except LedgerUnavailable:
                 # Not kept for later (the PostgreSQL ledger keeps what an outage refused
-                # before sending): the hold stays in the ledger and is settled at its
-                # amount when it goes stale. The outage itself is logged by the ledger,
-                # once when it starts and once when it ends: nothing per request.
+                # before sending, and a settlement whose answer was lost): the hold stays
+                # in the ledger and is settled at its amount when it goes stale. The outage
+                # itself is logged by the ledger, once when it starts and once when it
+                # ends: nothing per request.
                 logger.debug("route %s: settlement and usage record failed", context.route.id)
             return
         try:
