@@ -93,6 +93,9 @@ class Usage:
     input_tokens: int | None = None
     output_tokens: int | None = None
     model: str | None = None  # the model the upstream says answered
+    # An SSE stream's `data: [DONE]` was relayed: all that the SDKs read of it (they stop
+    # there) reached the client, its usage included.
+    done: bool = False
 
     @property
     def reported(self) -> bool:

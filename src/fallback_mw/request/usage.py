@@ -264,6 +264,7 @@ class UsageMeter:
         if data.startswith(b"[DONE]"):
             # The SDKs stop reading here: usage sent after it reaches no client.
             self.mode = "ignore"
+            self.target.done = True
             return
         # Cheap filter: only events that can carry usage, or the model when still unknown.
         # `find`, not `in`: bytes `in` formats and drops a TypeError first (CPython 3.11).

@@ -187,8 +187,14 @@ class _Walk:
             if self.last_response is not None:
                 await self.last_response[1].aclose()
         if context.client_disconnected and context.outcome is None:
-            context.outcome = "client_disconnected"
-            context.rule = "client_gone"
+            if context.usage.done:
+                # It left after `data: [DONE]` (the sync openai SDK closes the response
+                # there), before the upstream's end of body: nothing it reads was lost.
+                context.completed = True
+                context.outcome = "served"
+            else:
+                context.outcome = "client_disconnected"
+                context.rule = "client_gone"
 
     def state(self, *, other_credential: bool = False, holding: bool = False) -> WalkState:
         """The walk as `decide` reads it. `holding`: the outcome being decided came with a

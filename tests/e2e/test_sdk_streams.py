@@ -1,0 +1,120 @@
+"""Streamed answers as an application team meets them: the real `openai` SDK reading a
+chat-completions stream from the Gateway on a real uvicorn socket, in front of a local
+upstream that streams like the real API (SSE chunks, the usage chunk of
+`stream_options.include_usage`, `data: [DONE]`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from aiohttp import web
+from openai import OpenAI
+
+from fallback_mw import Gateway
+from fallback_mw.cli import main
+from tests.test_budget_guard import status_of
+from tests.upstreams import host_app, serve_asgi, upstream
+
+pytestmark = [pytest.mark.e2e, pytest.mark.anyio]
+
+USAGE = {"prompt_tokens": 11, "completion_tokens": 20, "total_tokens": 31}
+
+
+def chat_stream(*, after_done: float) -> Any:
+    """An OpenAI chat-completions stream with usage, whose body ends `after_done` seconds
+    after `data: [DONE]` (a provider, or a proxy in front of it, that closes the stream a
+    moment after its last event: the terminating chunk travels on its own)."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        base = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": body["model"]}
+
+        async def event(fields: dict[str, Any]) -> None:
+            await response.write(b"data: " + json.dumps({**base, **fields}).encode() + b"\n\n")
+
+        await event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+        for word in ("Hello", " there"):
+            await event({"choices": [{"index": 0, "delta": {"content": word}}]})
+        await event({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+        await event({"choices": [], "usage": USAGE})
+        await response.write(b"data: [DONE]\n\n")
+        await asyncio.sleep(after_done)
+        await response.write_eof()
+        return response
+
+    return handle
+
+
+async def settled(gateway: Gateway) -> None:
+    """Until nothing is held: the settlement runs once the relay has ended."""
+    for _ in range(250):
+        if not (await status_of(gateway))[1]:
+            return
+        await anyio.sleep(0.02)
+    raise AssertionError("the hold was never settled")
+
+
+def config(primary: str, store: str) -> dict[str, Any]:
+    return {
+        "gateway": {"store": store, "deadline_ms": 10_000},
+        "upstreams": {"primary": {"url": primary}},
+        "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"], "budget": "acme"}],
+        "budgets": {"acme": {"limit": "100", "window": "month", "default_hold": "0.01"}},
+        "prices": {"gpt-test": {"input_per_mtok": "1000", "output_per_mtok": "2000"}},
+    }
+
+
+async def test_a_stream_the_sync_sdk_closes_after_done_is_charged_its_reported_usage(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The sync openai SDK closes the response as soon as it reads `data: [DONE]`. When the
+    # upstream's end of body came a moment after that event, the gateway saw the client
+    # leave "mid-stream": the answer, whole with its usage, was recorded
+    # client_disconnected and charged its hold (max_tokens 4000: 8.0) instead of the
+    # 0.051 its 11 + 20 tokens cost.
+    store = f"sqlite:///{tmp_path / 'ledger.db'}"
+    async with upstream(chat_stream(after_done=0.5)) as primary:
+        gateway = Gateway(host_app, config=config(primary.url, store))
+        try:
+            async with serve_asgi(gateway) as url:
+
+                def read() -> tuple[str, Any]:
+                    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+                    stream = client.chat.completions.create(
+                        model="gpt-test",
+                        messages=[{"role": "user", "content": "Say hello"}],
+                        max_tokens=4000,
+                        stream=True,
+                        stream_options={"include_usage": True},
+                    )
+                    text, usage = "", None
+                    for chunk in stream:
+                        if chunk.choices:
+                            text += chunk.choices[0].delta.content or ""
+                        usage = chunk.usage or usage
+                    client.close()
+                    return text, usage
+
+                with anyio.fail_after(10):
+                    text, usage = await anyio.to_thread.run_sync(read)
+                assert text == "Hello there"
+                assert usage is not None and usage.completion_tokens == 20
+                await settled(gateway)
+                # 11 input tokens at 1000 / Mtok, 20 output tokens at 2000 / Mtok.
+                assert await status_of(gateway) == (Decimal("0.051"), Decimal(0))
+        finally:
+            await gateway.aclose()
+    capsys.readouterr()
+    assert await anyio.to_thread.run_sync(main, ["usage", "--store", store, "--json"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    record = json.loads(line)
+    assert record["outcome"] == "served"
+    assert Decimal(record["charged"]) == Decimal("0.051")
