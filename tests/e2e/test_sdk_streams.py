@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -118,3 +119,42 @@ async def test_a_stream_the_sync_sdk_closes_after_done_is_charged_its_reported_u
     record = json.loads(line)
     assert record["outcome"] == "served"
     assert Decimal(record["charged"]) == Decimal("0.051")
+
+
+async def test_streams_the_sync_sdk_closes_after_done_count_their_reported_tokens_in_tpm(
+    tmp_path: Path,
+) -> None:
+    # The same close at `[DONE]` left each answer's estimate (its max_tokens, 2000) counted
+    # against the upstream's declared tpm instead of the 31 tokens it reported: the third
+    # sequential request of a team with tpm = 5000 was refused 503 route_exhausted
+    # (`capacity`), the upstream having served 93 tokens that minute.
+    async with upstream(chat_stream(after_done=0.3)) as primary:
+        conf = config(primary.url, f"sqlite:///{tmp_path / 'ledger.db'}")
+        conf["upstreams"]["primary"]["tpm"] = 5000
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with serve_asgi(gateway) as url:
+
+                def read() -> list[str]:
+                    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+                    served = []
+                    for _ in range(4):
+                        stream = client.chat.completions.create(
+                            model="gpt-test",
+                            messages=[{"role": "user", "content": "Say hello"}],
+                            max_tokens=2000,
+                            stream=True,
+                            stream_options={"include_usage": True},
+                        )
+                        served.append(
+                            "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+                        )
+                        time.sleep(0.5)  # the gateway has seen the client go
+                    client.close()
+                    return served
+
+                with anyio.fail_after(20):
+                    served = await anyio.to_thread.run_sync(read)
+                assert served == ["Hello there"] * 4
+        finally:
+            await gateway.aclose()

@@ -192,6 +192,8 @@ class _Walk:
                 # there), before the upstream's end of body: nothing it reads was lost.
                 context.completed = True
                 context.outcome = "served"
+                if context.chosen is not None:  # its reported tokens replace the estimate
+                    await self.attempts.settle_tokens(context.chosen)
             else:
                 context.outcome = "client_disconnected"
                 context.rule = "client_gone"
