@@ -158,3 +158,48 @@ async def test_streams_the_sync_sdk_closes_after_done_count_their_reported_token
                 assert served == ["Hello there"] * 4
         finally:
             await gateway.aclose()
+
+
+async def test_a_stream_the_sync_sdk_closes_after_done_is_shadowed(tmp_path: Path) -> None:
+    # A route shadowing every session to a candidate under evaluation: the copies of
+    # answers the sync openai SDK read to `[DONE]` (and closed there, before the upstream's
+    # end of body) were never sent, so the candidate saw a fraction of the slice.
+    async with (
+        upstream(chat_stream(after_done=0.3)) as primary,
+        upstream(chat_stream(after_done=0)) as candidate,
+    ):
+        conf = config(primary.url, f"sqlite:///{tmp_path / 'ledger.db'}")
+        conf["upstreams"]["candidate"] = {"url": candidate.url}
+        conf["routes"][0].update(
+            {"shadow": "candidate", "shadow_percent": 100, "replayable_methods": ["POST"]}
+        )
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with serve_asgi(gateway) as url:
+
+                def read() -> str:
+                    client = OpenAI(
+                        base_url=f"{url}/v1",
+                        api_key="unused",
+                        max_retries=0,
+                        default_headers={"x-session-id": "s1"},
+                    )
+                    stream = client.chat.completions.create(
+                        model="gpt-test",
+                        messages=[{"role": "user", "content": "Say hello"}],
+                        stream=True,
+                        stream_options={"include_usage": True},
+                    )
+                    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+                    client.close()
+                    return text
+
+                with anyio.fail_after(10):
+                    assert await anyio.to_thread.run_sync(read) == "Hello there"
+                for _ in range(100):
+                    if candidate.count:
+                        break
+                    await anyio.sleep(0.05)
+                assert candidate.count == 1
+        finally:
+            await gateway.aclose()

@@ -192,8 +192,8 @@ class _Walk:
                 # there), before the upstream's end of body: nothing it reads was lost.
                 context.completed = True
                 context.outcome = "served"
-                if context.chosen is not None:  # its reported tokens replace the estimate
-                    await self.attempts.settle_tokens(context.chosen)
+                if context.chosen is not None:
+                    await self._served(context.chosen)
             else:
                 context.outcome = "client_disconnected"
                 context.rule = "client_gone"
@@ -309,10 +309,7 @@ class _Walk:
                 self._aborted(failed, served)
             if record is not None:  # its decision as it stands now (the relay may change it)
                 self.walker.telemetry.attempt_decided(self.context, record)
-            await self.attempts.settle_tokens(chosen)
-            shadow = should_shadow(self.context, self.body, self.walker.settings.canary_salt)
-            if shadow is not None:  # the client's response is sent: a copy cannot touch it
-                self.walker.shadows.start(shadow, self.context, self.body, self.parsed)
+            await self._served(chosen)
             return True
         if response is not None:
             await response.aclose()
@@ -326,6 +323,14 @@ class _Walk:
                 rule=decision.rule, headers=headers,
             )  # fmt: skip
         return True
+
+    async def _served(self, chosen: str) -> None:
+        """After the relay of `chosen`'s response ended: its reported tokens replace the
+        estimate counted against its tpm, and a served request is copied to the shadow."""
+        await self.attempts.settle_tokens(chosen)
+        shadow = should_shadow(self.context, self.body, self.walker.settings.canary_salt)
+        if shadow is not None:  # the client's response is sent: a copy cannot touch it
+            self.walker.shadows.start(shadow, self.context, self.body, self.parsed)
 
     async def _keep(
         self, name: str | None, response: UpstreamResponse, record: AttemptRecord | None
