@@ -203,3 +203,58 @@ async def test_a_stream_the_sync_sdk_closes_after_done_is_shadowed(tmp_path: Pat
                 assert candidate.count == 1
         finally:
             await gateway.aclose()
+
+
+async def test_an_sdk_closing_mid_stream_closes_the_upstream_connection_at_once(
+    tmp_path: Path,
+) -> None:
+    # What held (docs/failover.md "Client disconnects"): the SDK's close() mid-answer
+    # reaches the upstream as a closed connection within a second, the hold settles as a
+    # cut-short answer, and no pooled connection to the upstream is left behind.
+    gone = anyio.Event()
+    clock: dict[str, float] = {}
+
+    async def long_answer(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        try:
+            for index in range(3000):  # a minute of tokens
+                chunk = {"choices": [{"index": 0, "delta": {"content": f"t{index} "}}]}
+                await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                await asyncio.sleep(0.02)
+        except (ConnectionError, asyncio.CancelledError):  # aiohttp cancels the handler
+            clock["gone"] = time.monotonic()
+            gone.set()
+            raise
+        return response
+
+    store = f"sqlite:///{tmp_path / 'ledger.db'}"
+    async with upstream(long_answer) as primary:
+        gateway = Gateway(host_app, config=config(primary.url, store))
+        try:
+            async with serve_asgi(gateway) as url:
+
+                def read_a_little() -> None:
+                    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+                    stream = client.chat.completions.create(
+                        model="gpt-test",
+                        messages=[{"role": "user", "content": "Say hello"}],
+                        max_tokens=4000,
+                        stream=True,
+                    )
+                    for index, _ in enumerate(stream):
+                        if index == 5:
+                            break
+                    clock["closed"] = time.monotonic()
+                    stream.close()
+                    client.close()
+
+                with anyio.fail_after(10):
+                    await anyio.to_thread.run_sync(read_a_little)
+                    await gone.wait()
+                assert clock["gone"] - clock["closed"] < 1.0
+                await settled(gateway)
+                # Cut short, no usage reported: the hold (4000 output tokens: 8.0, + input).
+                assert await status_of(gateway) == (Decimal("8.026"), Decimal(0))
+        finally:
+            await gateway.aclose()
