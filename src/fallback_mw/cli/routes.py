@@ -12,7 +12,7 @@ import argparse
 import asyncio
 import os
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from fallback_mw import rules
 from fallback_mw.cli.app import Console, Failed, Refused, leaf, run
@@ -22,6 +22,8 @@ from fallback_mw.cli.target import StoreTarget, open_route_store, resolve, store
 from fallback_mw.config import ConfigError, GatewayConfig, RouteConfig, UpstreamConfig
 from fallback_mw.store.model import StoredRoute, build_model, fallback_name, primary_name
 from fallback_mw.store.routes import RouteStore, make_upstream, merge_routes
+
+T = TypeVar("T")
 
 
 def _with_store(
@@ -121,6 +123,41 @@ async def _clear_faults_left_behind(
     return cleared
 
 
+class _ChangedMeanwhile(Exception):
+    """Another command changed or removed the route between this one's read and its write."""
+
+
+_EDIT_ATTEMPTS = 5
+
+
+def _unless_changed(
+    store: RouteStore, current: StoredRoute
+) -> Callable[[StoredRoute], Awaitable[None]]:
+    """Write an edit of `current` only while the store still holds `current`: of two
+    operators editing one route at once, the second re-reads and applies its change to
+    the first one's result (or finds the route gone), never overwriting it unseen."""
+
+    async def write(stored: StoredRoute) -> None:
+        if not await store.replace_route(stored, expected=current.doc):
+            raise _ChangedMeanwhile
+
+    return write
+
+
+async def _edit(route_id: str, attempt: Callable[[], Awaitable[T]]) -> T:
+    """Run a read-check-write `attempt` again while another command's edit of the route
+    lands between its read and its write."""
+    for _ in range(_EDIT_ATTEMPTS):
+        try:
+            return await attempt()
+        except _ChangedMeanwhile:
+            continue
+    raise Failed(
+        f"route {route_id!r} kept changing while this command ran (another command is "
+        "editing it); nothing was stored: run it again"
+    )
+
+
 def _store_owned(target: StoreTarget, route_id: str) -> None:
     if any(r.id == route_id for r in target.config.routes):
         raise Refused(f"route {route_id!r} is defined in the config file; edit the file instead")
@@ -186,6 +223,9 @@ def routes_set_fallback(args: argparse.Namespace, console: Console) -> None:
 
     async def work(target: StoreTarget, store: RouteStore) -> str:
         _store_owned(target, args.id)
+        return await _edit(args.id, lambda: attempt(target, store))
+
+    async def attempt(target: StoreTarget, store: RouteStore) -> str:
         current = _stored(await store.load_routes(), args.id)
         where = f"route {args.id!r}"
         primary = current.route.plan[0]
@@ -196,7 +236,7 @@ def routes_set_fallback(args: argparse.Namespace, console: Console) -> None:
             args.upstream, args.auth_header, args.auth_env, f"{where}, --upstream"
         )
         fields = {**current.route.model_dump(), "plan": [primary, fallback_name(args.id)]}
-        write: Callable[[StoredRoute], Awaitable[None]] = store.replace_route
+        write = _unless_changed(store, current)
         if args.retries is not None:
             fields["retries"] = args.retries
         elif current.route.retries < 1:
@@ -229,11 +269,15 @@ def routes_set(args: argparse.Namespace, console: Console) -> None:
 
     async def work(target: StoreTarget, store: RouteStore) -> str:
         _store_owned(target, args.id)
+        return await _edit(args.id, lambda: attempt(target, store))
+
+    async def attempt(target: StoreTarget, store: RouteStore) -> str:
         current = _stored(await store.load_routes(), args.id)
         fields = {**current.route.model_dump(), "retries": args.retries}
         route = build_model(RouteConfig, fields, f"route {args.id!r}")
         stored = StoredRoute(route=route, upstreams=dict(current.upstreams))
-        await _check_and_write(target, store, stored, store.replace_route, check_env=False)
+        write = _unless_changed(store, current)
+        await _check_and_write(target, store, stored, write, check_env=False)
         warnings.extend(_stored_route_warnings(target, stored))
         return (
             f"route {args.id!r}: retries {route.retries} (attempt ceiling {route.attempt_ceiling})"
@@ -247,13 +291,17 @@ def routes_set(args: argparse.Namespace, console: Console) -> None:
 def routes_clear_fallback(args: argparse.Namespace, console: Console) -> None:
     async def work(target: StoreTarget, store: RouteStore) -> str:
         _store_owned(target, args.id)
+        return await _edit(args.id, lambda: attempt(target, store))
+
+    async def attempt(target: StoreTarget, store: RouteStore) -> str:
         current = _stored(await store.load_routes(), args.id)
         primary = current.route.plan[0]
         upstreams = {primary: current.upstreams[primary]} if primary in current.upstreams else {}
         fields = {**current.route.model_dump(), "plan": [primary]}
         route = build_model(RouteConfig, fields, f"route {args.id!r}")
         stored = StoredRoute(route=route, upstreams=upstreams)
-        await _check_and_write(target, store, stored, store.replace_route, check_env=False)
+        write = _unless_changed(store, current)
+        await _check_and_write(target, store, stored, write, check_env=False)
         dropped = [name for name in current.upstreams if name not in upstreams]
         cleared = await _clear_faults_left_behind(target, store, args.id, dropped, pins=False)
         faults = f"; {cleared} fault(s) on {', '.join(dropped)} cleared" if cleared else ""

@@ -104,7 +104,7 @@ class AbsentStore:
     async def insert_route(self, stored: StoredRoute) -> None:
         raise Failed(f"no store file at {self.path}")  # verbs that create open the file
 
-    async def replace_route(self, stored: StoredRoute) -> None:
+    async def replace_route(self, stored: StoredRoute, *, expected: str | None = None) -> bool:
         raise Failed(f"no store file at {self.path}")
 
     async def remove_route(self, route_id: str) -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -66,6 +66,9 @@ class StoredRoute:
 
     route: RouteConfig
     upstreams: dict[str, UpstreamConfig]
+    # The record as read from the store (None for one built here): an edit is written only
+    # while the store still holds exactly this, so a concurrent edit is never overwritten.
+    doc: str | None = field(default=None, compare=False, repr=False)
 
     def to_doc(self) -> str:
         return json.dumps(
@@ -93,7 +96,7 @@ class StoredRoute:
             str(name): build_model(UpstreamConfig, value, f"{where}, upstream {name!r}")
             for name, value in dict(upstream_data).items()
         }
-        return cls(route=route, upstreams=upstreams)
+        return cls(route=route, upstreams=upstreams, doc=text)
 
 
 @dataclass(frozen=True, slots=True)

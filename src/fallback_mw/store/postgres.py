@@ -164,13 +164,22 @@ class PostgresStore:
         except asyncpg.UniqueViolationError:
             raise RouteExists(f"route {stored.route.id!r} already exists in the store") from None
 
-    async def replace_route(self, stored: StoredRoute) -> None:
+    async def replace_route(self, stored: StoredRoute, *, expected: str | None = None) -> bool:
+        if expected is not None:
+            status = await self._execute(
+                "UPDATE fmw_routes SET doc = $2, updated_at = now() WHERE id = $1 AND doc = $3",
+                stored.route.id,
+                stored.to_doc(),
+                expected,
+            )
+            return status != "UPDATE 0"
         await self._execute(
             "INSERT INTO fmw_routes (id, doc) VALUES ($1, $2) ON CONFLICT (id) "
             "DO UPDATE SET doc = excluded.doc, updated_at = now()",
             stored.route.id,
             stored.to_doc(),
         )
+        return True
 
     async def remove_route(self, route_id: str) -> bool:
         status = await self._execute("DELETE FROM fmw_routes WHERE id = $1", route_id)

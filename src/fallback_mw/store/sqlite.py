@@ -125,15 +125,23 @@ class SqliteStore:
 
         await self._run(insert)
 
-    async def replace_route(self, stored: StoredRoute) -> None:
-        await self._run(
-            lambda c: c.execute(
+    async def replace_route(self, stored: StoredRoute, *, expected: str | None = None) -> bool:
+        def replace(conn: sqlite3.Connection) -> bool:
+            if expected is not None:
+                cursor = conn.execute(
+                    "UPDATE fmw_routes SET doc = ?, updated_at = ? WHERE id = ? AND doc = ?",
+                    (stored.to_doc(), time.time(), stored.route.id, expected),
+                )
+                return cursor.rowcount > 0
+            conn.execute(
                 "INSERT INTO fmw_routes (id, doc, updated_at) VALUES (?, ?, ?) "
                 "ON CONFLICT (id) DO UPDATE SET doc = excluded.doc, "
                 "updated_at = excluded.updated_at",
                 (stored.route.id, stored.to_doc(), time.time()),
             )
-        )
+            return True
+
+        return await self._run(replace)
 
     async def remove_route(self, route_id: str) -> bool:
         def remove(conn: sqlite3.Connection) -> bool:

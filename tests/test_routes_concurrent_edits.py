@@ -1,0 +1,143 @@
+"""Two operators editing one store route at once (`routes set`, `set-fallback`,
+`clear-fallback`, `remove` from two shells): each edit reads the route, checks it and writes
+it back, so the second writer must apply its change to the first one's result, or find the
+route gone — never overwrite it unseen while both print success."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import asyncpg
+import pytest
+
+from fallback_mw.store.model import StoredRoute
+from fallback_mw.store.routes import open_store
+from tests.test_cli_admin import FALLBACK_MW, cli
+
+PRIMARY = "http://127.0.0.1:21401"
+FALLBACK = "http://127.0.0.1:21402"
+
+
+async def _start(*argv: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        FALLBACK_MW, *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+
+
+async def _waiting_on_the_lock(admin: asyncpg.Connection, count: int) -> None:
+    deadline = time.monotonic() + 20
+    while True:
+        waiting = await admin.fetchval(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        )
+        if waiting >= count:
+            return
+        assert time.monotonic() < deadline, f"{waiting} of {count} writers reached the lock"
+        await asyncio.sleep(0.05)
+
+
+async def _race(pg_url: str, first: list[str], second: list[str]) -> list[tuple[int, str, str]]:
+    """Both commands read the route, then write in this order: its row is locked until both
+    wait on it (PostgreSQL queues a row's waiters, and grants them in turn)."""
+    holder = await asyncpg.connect(pg_url)
+    watcher = await asyncpg.connect(pg_url)  # outside the transaction: a fresh view of waits
+    try:
+        transaction = holder.transaction()
+        await transaction.start()
+        await holder.execute("SELECT id FROM fmw_routes WHERE id = 'chat' FOR UPDATE")
+        a = await _start(*first)
+        await _waiting_on_the_lock(watcher, 1)
+        b = await _start(*second)
+        await _waiting_on_the_lock(watcher, 2)
+        await transaction.rollback()
+        results = []
+        for process in (a, b):
+            out, err = await asyncio.wait_for(process.communicate(), timeout=30)
+            assert process.returncode is not None
+            results.append((process.returncode, out.decode(), err.decode()))
+        return results
+    finally:
+        await holder.close()
+        await watcher.close()
+
+
+async def _route(store_url: str) -> StoredRoute | None:
+    store = open_store(store_url)
+    try:
+        routes = await store.load_routes()
+    finally:
+        await store.aclose()
+    return routes[0] if routes else None
+
+
+@pytest.mark.anyio
+async def test_a_retries_change_racing_set_fallback_keeps_the_fallback(pg_url: str) -> None:
+    base = ["--store", pg_url, "--id", "chat"]
+    status, _, err = await cli("routes", "add", *base, "--prefix", "/v1/", "--upstream", PRIMARY)
+    assert status == 0, err
+
+    (fb_status, fb_out, fb_err), (set_status, set_out, set_err) = await _race(
+        pg_url,
+        ["routes", "set-fallback", *base, "--upstream", FALLBACK, "--retries", "1"],
+        ["routes", "set", *base, "--retries", "3"],
+    )
+    assert fb_status == 0, fb_err
+    assert "fallback set" in fb_out
+    assert set_status == 0, set_err
+    assert "retries 3" in set_out
+
+    route = await _route(pg_url)
+    assert route is not None
+    # Both edits, in the order they landed: the fallback the first one set, the retries
+    # the second one set. (Before: the second wrote back the plan it had read, without
+    # the fallback, and both commands said they had done their part.)
+    assert list(route.route.plan) == ["chat-primary", "chat-fallback"]
+    assert route.route.retries == 3
+
+
+@pytest.mark.anyio
+async def test_an_edit_racing_remove_does_not_bring_the_route_back(pg_url: str) -> None:
+    base = ["--store", pg_url, "--id", "chat"]
+    status, _, err = await cli(
+        "routes", "add", *base, "--prefix", "/v1/", "--upstream", PRIMARY,
+        "--fallback", FALLBACK, "--retries", "1",
+    )  # fmt: skip
+    assert status == 0, err
+
+    (rm_status, rm_out, rm_err), (set_status, set_out, set_err) = await _race(
+        pg_url, ["routes", "remove", *base], ["routes", "set", *base, "--retries", "2"]
+    )
+    assert rm_status == 0, rm_err
+    assert "removed" in rm_out
+    # The route was gone when `set` came to write: said, exit 1, nothing written.
+    assert set_status == 1, set_out
+    assert set_out == ""
+    assert set_err.strip() == "fallback-mw: error: no route 'chat' in the store"
+    assert await _route(pg_url) is None
+
+
+@pytest.mark.anyio
+async def test_a_conditional_replace_writes_only_over_the_record_it_read(
+    ledger_store: str,
+) -> None:
+    url = ledger_store  # a SQLite file, then a fresh PostgreSQL database
+    base = ["--store", url, "--id", "chat"]
+    status, _, err = await cli("routes", "add", *base, "--prefix", "/v1/", "--upstream", PRIMARY)
+    assert status == 0, err
+    read = await _route(url)
+    assert read is not None and read.doc is not None
+    status, _, err = await cli("routes", "set", *base, "--retries", "2")
+    assert status == 0, err
+
+    store = open_store(url)
+    try:
+        stale = StoredRoute(route=read.route, upstreams=read.upstreams)
+        assert await store.replace_route(stale, expected=read.doc) is False
+        assert (await store.load_routes())[0].route.retries == 2
+        current = (await store.load_routes())[0]
+        assert await store.replace_route(stale, expected=current.doc) is True
+        assert (await store.load_routes())[0].route.retries == 0
+    finally:
+        await store.aclose()
