@@ -41,7 +41,7 @@ async def test_duration_round_trip(ledger_store: str) -> None:
 
 
 def _v1_insert() -> str:
-    columns = USAGE_COLUMNS.removesuffix(", duration_ms")
+    columns = USAGE_COLUMNS.removesuffix(", duration_ms, rule")
     assert columns != USAGE_COLUMNS
     return f"INSERT INTO fmw_usage ({columns}) VALUES "
 
@@ -68,7 +68,7 @@ async def test_sqlite_v1_store_migrates(tmp_path: Path) -> None:
         old, new = await ledger.usage(route="chat")
     finally:
         await ledger.aclose()
-    assert (old.request_id, old.duration_ms, old.status) == ("old", None, 200)
+    assert (old.request_id, old.duration_ms, old.status, old.rule) == ("old", None, 200, None)
     assert (new.request_id, new.duration_ms) == ("new", 7.0)
     with sqlite3.connect(path) as conn:
         version = conn.execute("SELECT version FROM fmw_schema WHERE component = 'ledger'")
@@ -100,7 +100,7 @@ async def test_postgres_v1_store_migrates(pg_url: str) -> None:
         assert (old.request_id, old.duration_ms) == ("old", None)
         assert (new.request_id, new.duration_ms) == ("new", 7.0)
         version = await conn.fetchval("SELECT version FROM fmw_schema WHERE component = 'ledger'")
-        assert version == LATEST_VERSION == 2
+        assert version == LATEST_VERSION == 3
     finally:
         await conn.close()
 

@@ -125,6 +125,7 @@ class UsageRecord:
     cost: Decimal | None = None  # from reported usage and [prices], when both were known
     charged: Decimal | None = None  # what the budget was settled with
     duration_ms: float | None = None  # first byte in to last byte out, when measured
+    rule: str | None = None  # the SPEC §5/§12 rule that ended the walk (the log line's rule=)
 
     @property
     def fault(self) -> bool:

@@ -22,7 +22,9 @@ from fallback_mw.cli.target import StoreTarget, store_options
 _RELATIVE = re.compile(r"^(\d{1,9})([smhdw])$")
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 COLUMNS = ("TIME", "ROUTE", "TENANT", "ATTEMPTS", "CHOSEN", "OUTCOME", "TOKENS", "COST", "CHARGED")
-INCIDENT_COLUMNS = ("TIME", "REQUEST", "ROUTE", "TENANT", "INCIDENT", "TRAIL", "OUTCOME", "STATUS")
+INCIDENT_COLUMNS = (
+    "TIME", "REQUEST", "ROUTE", "TENANT", "INCIDENT", "TRAIL", "OUTCOME", "RULE", "STATUS"
+)  # fmt: skip
 INCIDENT_SCAN = 10_000  # newest records searched for incidents
 # Outcomes that are not the gateway answering itself (served, cut short after the commit,
 # the caller gone). Not `response_too_large`: with no chosen candidate it is the local 502
@@ -91,6 +93,7 @@ def usage_json(record: UsageRecord) -> dict[str, Any]:
         "output_tokens": record.output_tokens,
         "cost": None if record.cost is None else format_money(record.cost),
         "charged": None if record.charged is None else format_money(record.charged),
+        "rule": record.rule,
     }
 
 
@@ -152,6 +155,7 @@ def _incident_row(record: UsageRecord) -> tuple[str, ...]:
         ",".join(incident_kinds(record)),
         _attempts_text(record),
         record.outcome or "-",
+        record.rule or "-",  # what ended the walk, as the request log line's rule=
         _n(record.status),
     )
 

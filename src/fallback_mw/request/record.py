@@ -57,6 +57,7 @@ def usage_record(
         charged=charged,
         # Arrival to settlement (the walk, the response).
         duration_ms=round((time.monotonic() - context.started) * 1000, 3),
+        rule=context.rule,
     )
 
 

@@ -45,6 +45,9 @@ _V1 = [
 # v2: how long each routed request took (`fallback-mw gameday` reads its p99 from these);
 # NULL in rows written before, or by a gateway that does not measure it.
 _V2 = ["ALTER TABLE fmw_usage ADD COLUMN duration_ms {real}"]
+# v3: the rule that ended the walk (`fallback-mw usage --incidents`, as the log line's
+# `rule=`); NULL in rows written before, and for a walk no rule ended.
+_V3 = ["ALTER TABLE fmw_usage ADD COLUMN rule TEXT"]
 _TYPES = {
     "sqlite": {"ts": "TEXT", "serial": "INTEGER", "real": "REAL"},
     "postgresql": {"ts": "TIMESTAMPTZ", "serial": "BIGSERIAL", "real": "DOUBLE PRECISION"},
@@ -53,7 +56,10 @@ _TYPES = {
 
 def migrations(dialect: str) -> dict[int, list[str]]:
     types = _TYPES[dialect]
-    return {version: [s.format(**types) for s in steps] for version, steps in ((1, _V1), (2, _V2))}
+    return {
+        version: [s.format(**types) for s in steps]
+        for version, steps in ((1, _V1), (2, _V2), (3, _V3))
+    }
 
 
 LATEST_VERSION = max(migrations("sqlite"))
@@ -107,12 +113,13 @@ def usage_values(record: UsageRecord) -> tuple[object, ...]:
         None if record.cost is None else to_units(record.cost),
         None if record.charged is None else to_units(record.charged),
         record.duration_ms,
+        record.rule,
     )
 
 
 USAGE_COLUMNS = (
     "at, request_id, route, tenant, budget_id, candidates, attempts, chosen, outcome, "
-    "status, model, input_tokens, output_tokens, cost_units, charged_units, duration_ms"
+    "status, model, input_tokens, output_tokens, cost_units, charged_units, duration_ms, rule"
 )
 
 
@@ -133,6 +140,7 @@ def usage_from_row(at: datetime, row: tuple[object, ...] | list[object]) -> Usag
         cost_units,
         charged_units,
         duration_ms,
+        rule,
     ) = row
     return UsageRecord(
         request_id=str(request_id),
@@ -151,6 +159,7 @@ def usage_from_row(at: datetime, row: tuple[object, ...] | list[object]) -> Usag
         cost=None if cost_units is None else from_units(_int(cost_units)),
         charged=None if charged_units is None else from_units(_int(charged_units)),
         duration_ms=_opt_float(duration_ms),
+        rule=_opt_str(rule),
     )
 
 

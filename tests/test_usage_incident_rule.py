@@ -1,0 +1,47 @@
+"""`fallback-mw usage --incidents` names the rule that ended each incident's walk, as the
+request log line's `rule=` does: an operator reading the incidents after an outage sees
+why a request was answered locally (the ceiling, a POST that is not replayable, the
+deadline) without the logs of every gateway process."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from tests.helpers import gateway_client
+from tests.test_budget_cli import cli
+from tests.test_cli_admin import gateway_config
+from tests.upstreams import status_handler, upstream
+
+
+@pytest.mark.anyio
+async def test_incidents_name_the_rule_the_log_line_names(
+    ledger_store: str, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    async with upstream(status_handler(503)) as primary, upstream(status_handler(503)) as backup:
+        conf = gateway_config(
+            ledger_store,
+            upstreams={"primary": {"url": primary.url}, "backup": {"url": backup.url}},
+            routes=[{"id": "chat", "prefix": "/v1/", "plan": ["primary", "backup"], "retries": 1}],
+        )
+        with caplog.at_level(logging.INFO):
+            async with gateway_client(conf) as client:
+                assert (await client.get("/v1/models")).status_code == 502  # the ceiling
+                assert (await client.post("/v1/chat", content=b"{}")).status_code == 502
+    logged = [
+        r.getMessage() for r in caplog.records if r.getMessage().startswith("gateway request")
+    ]
+    rules = [line.split(" rule=")[1].split()[0] for line in logged]
+    assert rules == ["ceiling", "not_replayable_method"]
+
+    capsys.readouterr()
+    assert await cli("usage", "--store", ledger_store, "--incidents", "--json") == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["rule"] for r in records] == rules
+
+    assert await cli("usage", "--store", ledger_store, "--incidents") == 0
+    header, *rows = capsys.readouterr().out.splitlines()
+    column = header.index("RULE")
+    assert [row[column:].split()[0] for row in rows] == rules
