@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from decimal import Decimal
 from urllib.parse import urlsplit, urlunsplit
 
+import asyncpg
 import pytest
 
 from fallback_mw.budget.ledger import LedgerUnavailable, UsageRecord
@@ -195,3 +196,42 @@ async def test_a_hold_on_the_wire_when_its_caller_left_is_released_too(
     await until_written(ledger)
     status = await ledger.status("acme", BUDGET)
     assert (status.spent, status.held) == (Decimal("0"), Decimal("0"))
+
+
+async def test_records_refused_while_the_server_turns_connections_away_are_kept(
+    pg_url: str,
+) -> None:
+    """The server answers, but takes no connection: a restart's "the database system is
+    starting up", "too many connections", a database an operator closed to connections
+    (`ALTER DATABASE ... ALLOW_CONNECTIONS false`, as here). Nothing was sent, as for a
+    refused TCP connect, so the record and its settlement are kept and written once the
+    database takes connections again (before: each was dropped, the hold later charged in
+    full, and every request tried to connect again at once)."""
+    name = urlsplit(pg_url).path.lstrip("/")
+    ledger = PostgresLedger(pg_url, timeout=1.0, retry_interval=RETRY)
+    admin = await asyncpg.connect(pg_url.rsplit("/", 1)[0] + "/postgres")
+    try:
+        hold = await ledger.hold("acme", BUDGET, Decimal("2"))
+        assert hold is not None
+        await ledger.record_usage(record("before"))
+        await admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
+        await admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1", name
+        )
+        await asyncio.sleep(0.5)  # the pool sees its connections closed
+        with pytest.raises(LedgerUnavailable):
+            await ledger.hold("acme", BUDGET, Decimal("0.01"))  # the outage starts
+        await ledger.settle_and_record(hold, Decimal("0.5"), record("settled-in-outage"))
+        await ledger.record_usage(record("recorded-in-outage"))
+        assert ledger.waiting == 2
+
+        await admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
+        await until_written(ledger)
+        ids = [r.request_id for r in await ledger.usage()]
+        assert ids == ["before", "settled-in-outage", "recorded-in-outage"]
+        status = await ledger.status("acme", BUDGET)
+        assert (status.spent, status.held) == (Decimal("0.5"), Decimal("0"))
+    finally:
+        await admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
+        await admin.close()
+        await ledger.aclose()

@@ -147,6 +147,18 @@ _UNREACHABLE = (
     asyncpg.exceptions.InternalClientError,
     asyncpg.exceptions.PostgresConnectionError,
     asyncpg.exceptions.OperatorInterventionError,
+    asyncpg.exceptions.TooManyConnectionsError,
+    asyncpg.exceptions.ObjectNotInPrerequisiteStateError,  # "not accepting connections"
+)
+
+# A connection refused: by the host (nothing listens), or by the server itself while it
+# starts up or shuts down (CannotConnectNowError), has no slot left, or takes no
+# connections to this database. Nothing was sent: writing it later cannot write it twice.
+_CONNECTION_REFUSED = (
+    ConnectionRefusedError,
+    asyncpg.exceptions.CannotConnectNowError,
+    asyncpg.exceptions.TooManyConnectionsError,
+    asyncpg.exceptions.ObjectNotInPrerequisiteStateError,
 )
 
 
@@ -287,7 +299,7 @@ class PostgresLedger(SQLLedgerBase):
                 self._retry_at = 0.0  # the database answered: the next call tries at once
             self._outage.failed(type(exc).__name__, "budgeted routes refuse (fail closed)")
             unavailable: type[LedgerUnavailable] = LedgerUnavailable
-            if isinstance(exc, ConnectionRefusedError):
+            if isinstance(exc, _CONNECTION_REFUSED):
                 unavailable = _NotSent
             elif isinstance(exc, _UNREACHABLE):
                 unavailable = _AnswerLost
