@@ -746,10 +746,6 @@ def validate(
         rules.check_upstream(name, upstream, config.gateway.allow_hosts)
         if upstream.ca_file is not None:
             check_ca_file(f"upstream {name!r}", upstream.ca_file)
-        if upstream.proxy_host is not None:
-            # The proxy is a host the gateway connects to: the allowlist and the
-            # metadata-address guard apply to it as to an upstream.
-            rules.check_proxy_host(name, upstream.proxy_host, config.gateway.allow_hosts)
     ids: set[str] = set()
     for route in config.routes:
         if route.id in ids:

@@ -51,6 +51,9 @@ class UpstreamShape(Protocol):
     def host(self) -> str: ...
 
     @property
+    def proxy_host(self) -> str | None: ...
+
+    @property
     def credential_envs(self) -> tuple[str, ...]: ...
 
 
@@ -220,13 +223,17 @@ def check_identity_headers(tenant: str, session: str, *, stripped: Iterable[str]
 
 def check_upstream(name: str, upstream: UpstreamShape, allow_hosts: Sequence[str]) -> None:
     """One upstream: a safe id, a plainly spelled host that passes the allowlist and the
-    metadata-address guard, and well-formed credential variable names."""
+    metadata-address guard, the same of its egress proxy's host, and well-formed credential
+    variable names. The config file's upstreams and the route store's both come here."""
     check_id("upstream", name)
     try:
         check_upstream_host(upstream.host, allow_hosts)
     except UnsafeUpstream as exc:
         raise ConfigError(f"upstream {name!r}: {exc}") from None
     check_host_spelling(f"upstream {name!r}", upstream.host)
+    if upstream.proxy_host is not None:
+        # The proxy is a host the gateway connects to (and sends the credential to).
+        check_proxy_host(name, upstream.proxy_host, allow_hosts)
     for variable in upstream.credential_envs:
         check_variable_name(f"upstream {name!r}: auth_env", variable)
     repeated = [

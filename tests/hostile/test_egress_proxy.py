@@ -1,0 +1,108 @@
+"""An attacker aiming the gateway's egress (and the provider key it injects) through an
+upstream's `proxy`: the allowlist and the metadata guard apply to the proxy's own host
+wherever the upstream comes from (the config file or the route store), at load and at
+connect time, on both engines."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+
+from fallback_mw import Gateway
+from fallback_mw.config import RouteConfig, UpstreamConfig
+from fallback_mw.store.model import StoredRoute
+from fallback_mw.store.routes import open_store
+from tests.helpers import client_for
+from tests.test_cli_admin import cli
+from tests.upstreams import host_app
+
+pytestmark = pytest.mark.anyio
+
+KEY = "sk-proxy-test-key-0123456789"
+
+
+@asynccontextmanager
+async def listener() -> AsyncIterator[tuple[int, list[bytes]]]:
+    """A loopback listener standing in for the place the attacker aims at (a metadata
+    service, an internal proxy): records each request head it gets, answers 200."""
+    heads: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            heads.append(await reader.readuntil(b"\r\n\r\n"))
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok")
+            await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1], heads
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def _store_route_with_proxy(path: Path, proxy: str) -> str:
+    """A store record whose upstream goes through `proxy` (written as a script, another
+    version of the package or a database admin would: the CLI has no --proxy)."""
+    url = f"sqlite:///{path}"
+    store = open_store(url)
+    try:
+        upstream = UpstreamConfig(url="http://localhost:9", auth_env="FMW_T_KEY", proxy=proxy)
+        route = RouteConfig(id="r", prefix="/v1/", plan=["p"])
+        await store.insert_route(StoredRoute(route=route, upstreams={"p": upstream}))
+    finally:
+        await store.aclose()
+    return url
+
+
+@pytest.mark.parametrize("engine", ["aiohttp", "httpx"])
+async def test_a_store_route_whose_proxy_is_outside_the_allowlist_is_refused(
+    engine: str, tmp_path: Path
+) -> None:
+    """The loader refused a file upstream's proxy outside allow_hosts, but a stored route's
+    proxy was never checked: the gateway loaded it and, on aiohttp, sent the request with
+    the injected key to it. The store's routes are refused as the file's (503
+    config_error naming the route and the proxy, nothing sent)."""
+    async with listener() as (port, heads):
+        store = await _store_route_with_proxy(tmp_path / "routes.db", f"http://127.0.0.1:{port}")
+        conf = {
+            "gateway": {
+                "allow_hosts": ["localhost"],
+                "engine": engine,
+                "store": store,
+            }
+        }
+        gateway = Gateway(host_app, config=conf, environ={"FMW_T_KEY": KEY})
+        try:
+            async with client_for(gateway) as client:
+                response = await client.get("/v1/x")
+        finally:
+            await gateway.aclose()
+    assert response.status_code == 503, response.text
+    error = response.json()["error"]
+    assert error["code"] == "config_error"
+    message = error["message"]
+    assert "route 'r': upstream 'p': proxy host '127.0.0.1' is not in allow_hosts" in message
+    assert heads == []
+
+
+async def test_check_refuses_a_store_route_whose_proxy_is_a_metadata_address(
+    tmp_path: Path,
+) -> None:
+    store = await _store_route_with_proxy(tmp_path / "routes.db", "http://169.254.169.254:80")
+    path = tmp_path / "gateway.toml"
+    path.write_text(f'[gateway]\nallow_hosts = ["0.0.0.0/0"]\nstore = "{store}"\n', "utf-8")
+    status, out, err = await cli("check", "--config", str(path))
+    assert status == 2, out + err
+    assert err.strip().splitlines() == [
+        "fallback-mw: error: route 'r': upstream 'p': proxy host '169.254.169.254' is a "
+        "link-local / metadata address"
+    ]
