@@ -16,6 +16,8 @@ from fallback_mw import Gateway
 from fallback_mw.config import RouteConfig, UpstreamConfig
 from fallback_mw.store.model import StoredRoute
 from fallback_mw.store.routes import open_store
+from fallback_mw.upstream import UpstreamError, UpstreamRequest, make_client
+from fallback_mw.upstream.base import Timeouts
 from tests.helpers import client_for
 from tests.test_cli_admin import cli
 from tests.upstreams import host_app
@@ -106,3 +108,30 @@ async def test_check_refuses_a_store_route_whose_proxy_is_a_metadata_address(
         "fallback-mw: error: route 'r': upstream 'p': proxy host '169.254.169.254' is a "
         "link-local / metadata address"
     ]
+
+
+@pytest.mark.parametrize("engine", ["aiohttp", "httpx"])
+@pytest.mark.parametrize("proxy", ["http://127.0.0.1:{port}", "http://[::ffff:127.0.0.1]:{port}"])
+async def test_a_literal_proxy_outside_the_allowlist_is_refused_at_connect_time(
+    engine: str, proxy: str
+) -> None:
+    """A proxy written as an IP literal skipped aiohttp's resolver, where its connect-time
+    check lives: the request, with the credential, went to it (httpx checked it)."""
+    async with listener() as (port, heads):
+        client = make_client(engine, allow_hosts=("localhost", "api.example.test"))
+        request = UpstreamRequest(
+            method="GET",
+            url="http://api.example.test/v1/x",
+            headers=[("authorization", f"Bearer {KEY}")],
+            body=b"",
+            timeouts=Timeouts(1.0, 2.0, 2.0),
+            proxy=proxy.format(port=port),
+        )
+        try:
+            with pytest.raises(UpstreamError) as caught:
+                response = await client.send(request)
+                await response.aclose()
+        finally:
+            await client.aclose()
+    assert caught.value.kind == "unsafe_address"
+    assert heads == []

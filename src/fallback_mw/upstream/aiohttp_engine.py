@@ -265,6 +265,15 @@ class AiohttpClient:
                 check_literal_host(request.url, self._allow_hosts)
             if len(self._checked_hosts) < 4096:
                 self._checked_hosts.add(host)
+        # An egress proxy written as an IP literal skips the resolver too (aiohttp connects
+        # to a literal as it is): checked here, once per proxy URL (a key with "://", never
+        # a bare host above).
+        proxy = request.proxy
+        if proxy is not None and proxy not in self._checked_hosts:
+            with map_errors("connect"):
+                check_literal_host(proxy, self._allow_hosts)
+            if len(self._checked_hosts) < 4096:
+                self._checked_hosts.add(proxy)
         # Waiting for a slot under the upstream's connection cap is the gateway's own queue
         # (bounded by the walk deadline around this call), never the upstream's time.
         release = await self._caps.acquire(request)
