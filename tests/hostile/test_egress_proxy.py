@@ -6,6 +6,7 @@ connect time, on both engines."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -14,7 +15,8 @@ import pytest
 
 from fallback_mw import Gateway
 from fallback_mw.config import RouteConfig, UpstreamConfig
-from fallback_mw.store.model import StoredRoute
+from fallback_mw.store.faults import StoreFaults
+from fallback_mw.store.model import Fault, StoredRoute
 from fallback_mw.store.routes import open_store
 from fallback_mw.upstream import UpstreamError, UpstreamRequest, make_client
 from fallback_mw.upstream.base import Timeouts
@@ -135,3 +137,42 @@ async def test_a_literal_proxy_outside_the_allowlist_is_refused_at_connect_time(
             await client.aclose()
     assert caught.value.kind == "unsafe_address"
     assert heads == []
+
+
+@pytest.mark.parametrize("engine", ["aiohttp", "httpx"])
+async def test_a_blackhole_fault_never_sends_the_credential_to_the_egress_proxy(
+    engine: str, tmp_path: Path
+) -> None:
+    """A game day's `blackhole` on an https upstream behind an egress proxy: the attempt's
+    URL became the local listener's plain http one, still sent through the upstream's
+    proxy, so the proxy (which otherwise sees only a CONNECT tunnel) got the request in
+    clear, the injected key in its `authorization`. The blackhole is the gateway's own
+    listener: reached directly, the proxy gets nothing."""
+    async with listener() as (port, heads):
+        store = f"sqlite:///{tmp_path / 'routes.db'}"
+        opened = open_store(store)
+        try:
+            await opened.set_fault(Fault(kind="blackhole", target="p", expires_at=time.time() + 60))
+        finally:
+            await opened.aclose()
+        conf = {
+            "gateway": {"allow_hosts": ["127.0.0.1", "api.example.test"], "engine": engine,
+                        "store": store},
+            "upstreams": {"p": {"url": "https://api.example.test", "auth_env": "FMW_T_KEY",
+                                "proxy": f"http://127.0.0.1:{port}",
+                                "first_byte_timeout_ms": 300}},
+            "routes": [{"id": "r", "prefix": "/v1/", "plan": ["p"]}],
+        }  # fmt: skip
+        gateway = Gateway(host_app, config=conf, environ={"FMW_T_KEY": KEY})
+        try:
+            async with client_for(gateway) as client:
+                response = await client.get("/v1/x")
+            faults = gateway.services.faults
+            assert isinstance(faults, StoreFaults)
+            accepted = faults.blackhole().connections
+        finally:
+            await gateway.aclose()
+    assert response.status_code == 502, response.text
+    assert "fault at 'p'" in response.json()["error"]["message"]
+    assert heads == []  # nothing, and no key, reached the proxy
+    assert accepted == 1  # the attempt went to the silent listener itself

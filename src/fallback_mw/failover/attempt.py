@@ -194,12 +194,16 @@ class AttemptRunner:
                     record.fault = "revoke"
                     return Outcome("status", 401, fault="revoke"), SyntheticResponse(401)
                 client, url = self.client, self._request_url(upstream)
+                proxy = upstream.proxy
                 if fault == "blackhole" and isinstance(self.faults, BlackholeSource):
                     # A real connection to the process's silent listener: the engine's
                     # own first-byte timeout ends the attempt (upstream/blackhole.py).
+                    # Direct, never through the upstream's proxy: the listener is this
+                    # process's own, and its plain http URL would hand the proxy the
+                    # request in clear, the injected credential included.
                     record.fault = "blackhole"
                     base, client = await self.faults.blackhole().open()
-                    url = base + url[len(upstream.url) :]
+                    url, proxy = base + url[len(upstream.url) :], None
                 request = UpstreamRequest(
                     method=context.method,
                     url=url,
@@ -209,7 +213,7 @@ class AttemptRunner:
                     max_connections=connection_slots(upstream, shadow=self.shadow),
                     pool_key=f"{name} shadow" if self.shadow else name,
                     ca_file=upstream.ca_file,
-                    proxy=upstream.proxy,
+                    proxy=proxy,
                 )
                 response = await client.send(request)
                 if response.status == 429 and len(upstream.credential_envs) > 1:
