@@ -279,7 +279,9 @@ class UpstreamConfig(_Strict):
         segments = parts.path.lower().replace("%2e", ".").split("/")
         if "." in segments or ".." in segments:
             raise ValueError("has a '.' or '..' segment in its path; write the path it means")
-        return value.rstrip("/")
+        # The scheme in lower case (`HTTPS://` is https): the engines choose TLS and its
+        # trust (`ca_file`) by it.
+        return parts.scheme + value[len(parts.scheme) :].rstrip("/")
 
     @field_validator("auth_header")
     @classmethod
@@ -326,7 +328,7 @@ class UpstreamConfig(_Strict):
             raise ValueError("has a malformed port") from None
         if port == 0:  # no server listens there: every attempt would fail as a transport error
             raise ValueError("has port 0 (no server listens on it)")
-        return value.rstrip("/")
+        return parts.scheme + value[len(parts.scheme) :].rstrip("/")
 
     @field_validator("provider")
     @classmethod

@@ -148,6 +148,25 @@ async def test_ca_file_is_trusted_on_both_engines(engine: str, ca: Any, ca_pem: 
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+async def test_ca_file_is_trusted_for_an_https_url_in_any_case(
+    engine: str, ca: Any, ca_pem: str
+) -> None:
+    """`url = "HTTPS://..."` is an https URL (the scheme is case-insensitive, and the
+    loader took it): aiohttp chose the upstream's TLS trust by a case-sensitive prefix,
+    so it verified against the system's store instead of `ca_file`, and every request
+    failed as `tls`, booked to the upstream; httpx served it."""
+    async with https_upstream(ca) as url:
+        upper = url.replace("https://", "HTTPS://")
+        for conf in (
+            config(engine, upper, gateway={"ca_file": ca_pem}),
+            config(engine, upper, ca_file=ca_pem),
+        ):
+            response = await get(conf)
+            assert (response.status_code, response.text) == (200, "over tls")
+    assert load_config(config(engine, upper)).upstreams["primary"].url == url
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 async def test_ssl_cert_file_is_honoured_by_both_engines(
     engine: str, ca: Any, ca_pem: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
