@@ -157,7 +157,10 @@ class GatewaySettings(_Strict):
             elif "*" in text:
                 hint = ": exact host names only, no wildcards"
             elif is_legacy_ipv4(text):
-                hint = ": an IPv4 address in a legacy spelling; write it as four decimals"
+                hint = (
+                    ": an IPv4 address in a legacy spelling (octal, hex, integer, short, or"
+                    " with a trailing dot); write it as four decimal numbers"
+                )
             elif not _valid_host(text.rstrip(".")):
                 hint = ": not a host name"
             else:

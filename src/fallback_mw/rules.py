@@ -201,7 +201,7 @@ def check_host_spelling(where: str, host: str) -> None:
     if is_legacy_ipv4(host):
         raise ConfigError(
             f"{where}: host {host!r} spells an IPv4 address in a legacy form (octal, hex, "
-            "integer or short); write it as four decimal numbers"
+            "integer, short, or with a trailing dot); write it as four decimal numbers"
         )
 
 

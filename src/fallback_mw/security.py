@@ -174,14 +174,17 @@ def is_legacy_ipv4(host: str) -> bool:
     """An IPv4 address in a spelling other than four dotted decimals (octal `0177.0.0.1`,
     hex `0x7f.1`, integer `2130706433`, short `127.1`): resolvers read them as addresses,
     readers as names, so a configuration may not use them."""
-    text = host.strip().rstrip(".").lower()
+    written = host.strip().lower()
+    text = written.rstrip(".")
     if parse_ip(text) is None:
         return False
     try:
         ipaddress.IPv4Address(text)
     except ValueError:
         return ":" not in text  # an IPv6 literal is fine
-    return False
+    # Four decimals and a trailing dot (`127.0.0.1.`): the address to URL parsers (WHATWG,
+    # curl), a name to getaddrinfo, and aiohttp refuses the URL.
+    return written != text
 
 
 def override_methods(headers: Iterable[tuple[bytes, bytes]], method: str) -> frozenset[str]:
@@ -391,8 +394,11 @@ class UnsafeUpstream(ValueError):
 
 def parse_ip(host: str) -> IPAddress | None:
     """Parse an IP literal, including the legacy IPv4 forms a resolver accepts
-    (decimal `2852039166`, hex `0xa9fea9fe`, octal and short dotted forms)."""
+    (decimal `2852039166`, hex `0xa9fea9fe`, octal and short dotted forms) and an IPv4
+    literal with a trailing dot (`169.254.169.254.`, the address to URL parsers)."""
     text = host.strip().strip("[]")
+    if text.endswith(".") and ":" not in text:
+        text = text[:-1]
     try:
         return ipaddress.ip_address(text.split("%", 1)[0])
     except ValueError:
