@@ -127,3 +127,20 @@ async def test_gateway_refuses_to_start_on_a_bad_store_and_stops_its_reloader(
     assert len(reloaders()) == 1
     await gateway.aclose()
     assert reloaders() == []
+
+
+def test_a_stored_upstreams_ca_file_is_checked_as_the_files(tmp_path: Path) -> None:
+    """The loader refused a `ca_file` that is missing or not a PEM bundle; a stored route's
+    was never checked: `check` passed it, and every request to that https upstream then
+    failed as `tls`, booked to its breaker."""
+    bad = tmp_path / "not-a-bundle.pem"
+    bad.write_text("not a certificate\n", encoding="utf-8")
+    for path, says in ((tmp_path / "missing.pem", "not found"), (bad, "not a readable PEM")):
+        item = StoredRoute(
+            route=RouteConfig(id="a", prefix="/a/", plan=("a-primary",)),
+            upstreams={"a-primary": UpstreamConfig(url="https://localhost:1", ca_file=str(path))},
+        )
+        with pytest.raises(ConfigError) as caught:
+            merge_routes(GatewayConfig(), [item])
+        message = str(caught.value)
+        assert message.startswith("route 'a': upstream 'a-primary': ca_file ") and says in message

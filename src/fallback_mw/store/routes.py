@@ -8,7 +8,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from fallback_mw import rules
-from fallback_mw.config import ConfigError, GatewayConfig, RouteConfig, UpstreamConfig
+from fallback_mw.config import (
+    ConfigError,
+    GatewayConfig,
+    RouteConfig,
+    UpstreamConfig,
+    check_ca_file,
+)
 from fallback_mw.routing import RouteTable
 from fallback_mw.store.model import Fault, StoredRoute, build_model
 
@@ -105,6 +111,8 @@ def merge_routes(
         for name, upstream in item.upstreams.items():
             try:
                 rules.check_upstream(name, upstream, allow_hosts)
+                if upstream.ca_file is not None:  # as the loader checks the file's
+                    check_ca_file(f"upstream {name!r}", upstream.ca_file)
             except ConfigError as exc:
                 raise ConfigError(f"route {route.id!r}: {exc}") from None
             if environ is not None:
