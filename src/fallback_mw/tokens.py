@@ -6,6 +6,7 @@ the real usage."""
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,12 +15,17 @@ BYTES_PER_TOKEN = 4
 MAX_TOKENS = 10**15
 OUTPUT_LIMIT_KEYS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 OUTPUT_COPIES_KEYS = ("n", "best_of")
+# An integer in a string as pydantic's lax mode reads one (so vLLM's and the SDKs' models):
+# a `+`, single `_` between digits, any leading zeros, a fraction of zeros.
+_LAX_INTEGER = re.compile(r"\+?([0-9]+(?:_[0-9]+)*)(?:\.0+)?")
+_DIGITS = len(str(MAX_TOKENS))
 
 
 def token_count(value: Any) -> int | None:
     """A token count as a lenient reader reads it: an integer, an integral number
-    (`1e8`, `100000000.0`) or a string of digits (`"100000000"`: pydantic's lax mode, and
-    so the SDKs' validated models, take it). Negative or unreadable: None. Read so for an
+    (`1e8`, `100000000.0`) or a string holding an integer as pydantic's lax mode reads
+    one, and so vLLM's and the SDKs' validated models (`"100000000"`, `"+100000000"`,
+    `"100_000_000"`, `"100000000.0"`, leading zeros). Negative or unreadable: None. Read so for an
     output limit in a request (it limits nothing, and hides no other limit) and for the
     usage an upstream reports (request/usage.py)."""
     if isinstance(value, bool):
@@ -31,9 +37,11 @@ def token_count(value: Any) -> int | None:
             return min(int(value), MAX_TOKENS)
         return None
     if isinstance(value, str):
-        text = value.strip()
-        if 0 < len(text) <= 16 and text.isascii() and text.isdigit():
-            return min(int(text), MAX_TOKENS)
+        match = _LAX_INTEGER.fullmatch(value.strip())
+        if match is not None:
+            # Leading zeros read as nothing; more digits than MAX_TOKENS has is more.
+            digits = match[1].replace("_", "").lstrip("0")
+            return min(int(digits or "0"), MAX_TOKENS) if len(digits) <= _DIGITS else MAX_TOKENS
     return None
 
 

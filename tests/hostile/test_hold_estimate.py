@@ -7,6 +7,7 @@ import json
 from decimal import Decimal
 
 import pytest
+from pydantic import TypeAdapter
 
 from fallback_mw import Gateway
 from tests.helpers import client_for
@@ -48,3 +49,33 @@ async def test_a_request_for_many_completions_is_held_for_all_of_them(
         finally:
             await gateway.aclose()
     assert len(primary.received) == 1  # the refused request reached no upstream
+
+
+@pytest.mark.parametrize(
+    "spelling",
+    ["+1000", "1_000", "1000.0", "0000000000000000001000", " +1_000.00 "],
+)
+@pytest.mark.parametrize("key", ["max_tokens", "n"])
+async def test_an_integer_string_a_lax_upstream_reads_is_held_as_that_integer(
+    spelling: str, key: str
+) -> None:
+    # pydantic's lax mode (vLLM's request models, the SDKs') reads each spelling as 1,000;
+    # the hold read them as "limits nothing" and took default_hold (0.01): a caller held
+    # 0.01 for a generation of 2.00 (or 1,000 completions) against a limit of 1.
+    assert TypeAdapter(int).validate_python(spelling) == 1000
+    fields: dict[str, object] = {"model": "gpt-test", "max_tokens": 1000}
+    fields[key] = spelling
+    if key == "n":
+        fields["max_tokens"] = 1  # 1,000 completions of 1 token: 2.00 as well
+    async with upstream(json_handler({"ok": True})) as primary:
+        conf = gateway_config({"primary": primary.url}, store=None, limit="1")
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                response = await client.post("/v1/chat", content=json.dumps(fields).encode())
+                assert response.status_code == 402, response.text
+                assert response.json()["error"]["code"] == "budget_exceeded"
+            assert await status_of(gateway) == (Decimal(0), Decimal(0))
+        finally:
+            await gateway.aclose()
+    assert len(primary.received) == 0
