@@ -3,7 +3,9 @@ completion the upstream will generate and bill, not one."""
 
 from __future__ import annotations
 
+import codecs
 import json
+from collections.abc import Callable
 from decimal import Decimal
 
 import pytest
@@ -75,6 +77,39 @@ async def test_an_integer_string_a_lax_upstream_reads_is_held_as_that_integer(
                 response = await client.post("/v1/chat", content=json.dumps(fields).encode())
                 assert response.status_code == 402, response.text
                 assert response.json()["error"]["code"] == "budget_exceeded"
+            assert await status_of(gateway) == (Decimal(0), Decimal(0))
+        finally:
+            await gateway.aclose()
+    assert len(primary.received) == 0
+
+
+@pytest.mark.parametrize(
+    "encode",
+    [
+        lambda text: codecs.BOM_UTF8 + text.encode(),
+        lambda text: text.encode("utf-16"),  # with its BOM
+        lambda text: text.encode("utf-16-be"),
+        lambda text: text.encode("utf-32"),
+    ],
+    ids=["utf-8-bom", "utf-16", "utf-16-be", "utf-32"],
+)
+async def test_a_json_body_with_a_byte_order_mark_or_in_utf16_is_held_as_json(
+    encode: Callable[[str], bytes],
+) -> None:
+    # Starlette / FastAPI (vLLM) read a request as `json.loads` reads bytes, which takes a
+    # byte-order mark and UTF-16 / UTF-32: the upstream generated max_tokens while the hold
+    # read "not JSON" and took default_hold (0.01 for 2.00 against a limit of 1).
+    body = encode(json.dumps({"model": "gpt-test", "max_tokens": 1000}))
+    assert json.loads(body)["max_tokens"] == 1000  # what the upstream reads
+    async with upstream(json_handler({"ok": True})) as primary:
+        conf = gateway_config({"primary": primary.url}, store=None, limit="1")
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                response = await client.post(
+                    "/v1/chat", content=body, headers={"content-type": "application/json"}
+                )
+                assert response.status_code == 402, response.text
             assert await status_of(gateway) == (Decimal(0), Decimal(0))
         finally:
             await gateway.aclose()

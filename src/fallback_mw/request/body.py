@@ -196,10 +196,16 @@ def body_json(body: RequestBody) -> dict[str, Any] | None:
     return body.json
 
 
+# A body's first byte when it begins with a byte-order mark (UTF-8's, UTF-16 / UTF-32's)
+# or a NUL (UTF-16 / UTF-32 BE): json.loads reads each such body by its encoding.
+_NOT_UTF8_START = frozenset({b"\xef", b"\xfe", b"\xff", b"\x00"})
+
+
 def inspect_json(data: bytes | None) -> dict[str, Any] | None:
     """The body as a JSON object, or None (not JSON, not an object, or too deeply nested
-    to parse safely)."""
-    if not data or data.lstrip()[:1] != b"{":
+    to parse safely). Read as `json.loads` reads bytes, so as Starlette / FastAPI upstreams
+    (vLLM) read a request: a UTF-8 byte-order mark, or UTF-16 / UTF-32, is JSON too."""
+    if not data or (data.lstrip()[:1] != b"{" and data[:1] not in _NOT_UTF8_START):
         return None
     try:
         parsed = json.loads(data)
