@@ -95,3 +95,29 @@ async def test_an_unrouted_request_with_two_tenants_goes_to_the_host_app() -> No
                 assert (response.status_code, response.text) == (404, "host app")
         finally:
             await gateway.aclose()
+
+
+@pytest.mark.parametrize("space", ["\u00a0", "\u2003", "\u3000", "\u0085", "\u200b"])
+async def test_a_tenant_with_unicode_space_around_it_is_not_that_tenant(space: str) -> None:
+    # Only SP and HTAB surround a field value (RFC 9110 §5.5): the upstream, and a proxy in
+    # front that refuses callers naming "acme", read "acme\u00a0" as another tenant, while
+    # the gateway trimmed it (str.strip) to "acme": its routes, credentials and budget.
+    async with upstream(status_handler(200, b"answered")) as up:
+        gateway = Gateway(host_app, config=config(up.url))
+        try:
+            async with client_for(gateway) as client:
+                for value in (f"acme{space}", f"{space}acme"):
+                    headers = [("x-tenant-id", value.encode())]
+                    response = await client.get("/v1/chat", headers=headers)
+                    assert (response.status_code, response.text) == (404, "host app")
+                # SP and HTAB are not part of the value: still acme.
+                response = await client.get("/v1/chat", headers=[("x-tenant-id", " acme\t")])
+                assert response.headers["x-gateway-route"] == "acme-chat"
+                # A field sent twice, once with the space, is two different values.
+                headers = [("x-tenant-id", b"acme"), ("x-tenant-id", f"acme{space}".encode())]
+                response = await client.get("/v1/chat", headers=headers)
+                assert response.status_code == 400, response.text
+                assert response.json()["error"]["rule"] == "identity_header"
+            assert up.count == 1
+        finally:
+            await gateway.aclose()

@@ -86,7 +86,7 @@ def test_the_resolver_reads_each_header_as_the_first_field_of_that_name(
     headers: list[tuple[bytes, bytes]], names: tuple[bytes, ...]
 ) -> None:
     """One pass for the tenant, the session and the deadline: each is the first field of
-    its name (any case), read as UTF-8 when it is, stripped, None when absent or empty;
+    its name (any case), read as UTF-8 when it is, stripped of SP / HTAB, None when absent or empty;
     one name asked twice (the tenant and session headers configured alike) gets the same
     answer twice."""
 
@@ -97,7 +97,7 @@ def test_the_resolver_reads_each_header_as_the_first_field_of_that_name(
                     text = value.decode()
                 except UnicodeDecodeError:  # refused with a 400 later
                     text = value.decode("latin-1")
-                return text.strip() or None
+                return text.strip(" \t") or None  # SP / HTAB only (RFC 9110 §5.5)
         return None
 
     def values(name: bytes) -> set[str | None]:
@@ -108,7 +108,7 @@ def test_the_resolver_reads_each_header_as_the_first_field_of_that_name(
                     text = value.decode()
                 except UnicodeDecodeError:
                     text = value.decode("latin-1")
-                found.add(text.strip() or None)
+                found.add(text.strip(" \t") or None)
         return found
 
     found, twice = _headers({"headers": headers}, names)

@@ -36,6 +36,7 @@ from fallback_mw.telemetry import Telemetry
 _DEADLINE_DIGITS = 7
 # A 503 overloaded's Retry-After: whole seconds, the smallest (slots free as requests end).
 _RETRY_SOON = ((b"retry-after", b"1"),)
+_OWS = " \t"  # optional whitespace around a field value (RFC 9110 §5.6.3)
 
 
 def requested_deadline_ms(text: str | None) -> int | None:
@@ -70,10 +71,13 @@ def _headers(scope: Scope, names: tuple[bytes, ...]) -> tuple[list[str | None], 
                         text = value.decode()
                     except UnicodeDecodeError:  # refused with a 400 before any upstream
                         text = value.decode("latin-1")
+                    # Only SP and HTAB surround a field value (RFC 9110 §5.5), as the
+                    # upstream reads it: "acme\u00a0" is not tenant "acme".
+                    text = text.strip(_OWS)
                     if not seen[index]:
                         seen[index] = True
-                        found[index] = text.strip() or None
-                    elif index < 2 and twice is None and (text.strip() or None) != found[index]:
+                        found[index] = text or None
+                    elif index < 2 and twice is None and (text or None) != found[index]:
                         twice = name
     return found, twice
 
