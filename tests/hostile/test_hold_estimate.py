@@ -4,11 +4,14 @@ completion the upstream will generate and bill, not one."""
 from __future__ import annotations
 
 import codecs
+import gzip
 import json
+import zlib
 from collections.abc import Callable
 from decimal import Decimal
 
 import pytest
+from aiohttp import web
 from pydantic import TypeAdapter
 
 from fallback_mw import Gateway
@@ -114,3 +117,36 @@ async def test_a_json_body_with_a_byte_order_mark_or_in_utf16_is_held_as_json(
         finally:
             await gateway.aclose()
     assert len(primary.received) == 0
+
+
+@pytest.mark.parametrize("coding", ["gzip", "deflate"])
+async def test_a_compressed_json_body_is_held_as_the_upstream_decodes_it(coding: str) -> None:
+    # aiohttp's server (and Express's body-parser) decode a request's Content-Encoding
+    # before reading the JSON: the upstream generated max_tokens while the hold read the
+    # coded bytes as "not JSON" and took default_hold (0.01 for 2.00 against a limit of 1).
+    def encode(data: bytes) -> bytes:
+        return gzip.compress(data) if coding == "gzip" else zlib.compress(data)
+
+    async def reads(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"read": json.loads(await request.read())})
+
+    large = json.dumps({"model": "gpt-test", "max_tokens": 1000}).encode()
+    small = json.dumps({"model": "gpt-test", "max_tokens": 100}).encode()
+    headers = {"content-type": "application/json", "content-encoding": coding}
+    async with upstream(reads) as primary:
+        conf = gateway_config({"primary": primary.url}, store=None, limit="1")
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                response = await client.post("/v1/chat", content=encode(large), headers=headers)
+                assert response.status_code == 402, response.text
+                assert primary.count == 0
+                response = await client.post("/v1/chat", content=encode(small), headers=headers)
+                assert response.status_code == 200, response.text
+                assert response.json()["read"]["max_tokens"] == 100  # what the upstream read
+            # No usage reported: charged the hold, priced from the decoded body (0.20 for
+            # 100 output tokens, and its input), not default_hold.
+            spent, held = await status_of(gateway)
+            assert (spent > Decimal("0.2"), held) == (True, Decimal(0))
+        finally:
+            await gateway.aclose()

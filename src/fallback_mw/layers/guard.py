@@ -31,8 +31,9 @@ from fallback_mw.budget import (
 )
 from fallback_mw.budget.cost import PriceBook, format_money, to_units
 from fallback_mw.config import BudgetConfig, ConfigSource, as_config
-from fallback_mw.request.body import read_body, request_json
+from fallback_mw.request.body import decoded_request_json, read_body, request_json
 from fallback_mw.request.context import (
+    MAX_NAME,
     RequestBody,
     RequestContext,
     get_context,
@@ -160,7 +161,7 @@ class BudgetGuard:
                     else:
                         context.outcome = "client_disconnected"
                     return
-                outcome = await self._hold(ledger, context, budget_id, body)
+                outcome = await self._hold(ledger, context, budget_id, body, scope)
                 if isinstance(outcome, tuple):
                     await send_error(send, context, *outcome)  # nothing behind us runs
                     return
@@ -192,10 +193,23 @@ class BudgetGuard:
         return stored if stored is not None else self.budgets.get(budget_id)
 
     async def _hold(
-        self, ledger: Ledger, context: RequestContext, budget_id: str, body: RequestBody
+        self,
+        ledger: Ledger,
+        context: RequestContext,
+        budget_id: str,
+        body: RequestBody,
+        scope: Scope,
     ) -> Hold | tuple[str, str]:
         """The hold, or the local error (code, message) refusing the request."""
         parsed = request_json(context, body)  # notes the requested model, as the walker does
+        buffered = body.buffered
+        if parsed is None:
+            # A compressed body is estimated as the upstream that decodes it reads it.
+            decoded = decoded_request_json(scope, body, self.settings.max_request_body)
+            if decoded is not None:
+                buffered, parsed = decoded
+                if isinstance(parsed.get("model"), str):
+                    context.request_model = context.request_model or parsed["model"][:MAX_NAME]
         try:
             budget = await self.budget_for(ledger, budget_id)
             if budget is None:
@@ -203,7 +217,7 @@ class BudgetGuard:
                 # ledger, rather than let unmetered traffic through.
                 logger.warning("route %s names an unknown budget %s", context.route.id, budget_id)
                 return "budget_unavailable", _undefined(budget_id)
-            amount = self._estimate(context, body, parsed, budget.default_hold)
+            amount = self._estimate(context, buffered, parsed, budget.default_hold)
             hold = await ledger.hold(budget_id, budget, amount)
         except LedgerUnavailable:
             return "budget_unavailable", _LEDGER_UNREACHABLE
@@ -218,13 +232,13 @@ class BudgetGuard:
         return "budget_exceeded", _exceeded(budget_id)
 
     def _estimate(
-        self, context: RequestContext, body: RequestBody, parsed: Any, default_hold: Decimal
+        self, context: RequestContext, buffered: bytes | None, parsed: Any, default_hold: Decimal
     ) -> Decimal:
         """The most the request can cost on any candidate of its plan: priced as the
         caller's model, and as each `model` a candidate rewrites it to (a caller's
         placeholder or unpriced name would otherwise get default_hold for what the
         upstream is sent as a priced model)."""
-        buffered, prices = body.buffered, self.prices
+        prices = self.prices
         amount = prices.estimate_hold(buffered, context.request_model, default_hold, parsed=parsed)
         for name in context.route.plan:
             upstream = context.upstreams.get(name)

@@ -18,13 +18,16 @@ its estimate) and the walker share one read.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import zlib
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from fallback_mw.config import GatewaySettings
 from fallback_mw.request.context import MAX_NAME, RequestBody, RequestContext
 from fallback_mw.request.types import Receive, Scope
+from fallback_mw.request.usage import content_decoder
 from fallback_mw.timers import Deadline, deadline_after
 
 
@@ -224,3 +227,31 @@ def request_json(context: RequestContext, body: RequestBody) -> dict[str, Any] |
         # session-affinity key (the body is still forwarded as it came).
         context.request_model = context.request_model or parsed["model"][:MAX_NAME]
     return parsed
+
+
+def decoded_request_json(
+    scope: Scope, body: RequestBody, limit: int
+) -> tuple[bytes, dict[str, Any]] | None:
+    """A buffered body sent with `Content-Encoding: gzip` / `deflate` (aiohttp and Express
+    servers decode one before reading it), decoded (at most `limit` bytes) and parsed as a
+    JSON object: what such an upstream reads, for the budget's estimate. None: no such
+    coding, or not a JSON object once decoded. Only asked when the body as sent is not
+    JSON, so a plain body costs nothing more."""
+    if not body.buffered:
+        return None
+    coding: bytes | None = None
+    for key, value in scope.get("headers", ()):
+        if key.lower() == b"content-encoding":
+            coding = value if coding is None else coding + b"," + value
+    if coding is None:
+        return None
+    readable, decoder = content_decoder(coding)
+    if not readable or decoder is None:
+        return None
+    decoded = b""
+    with contextlib.suppress(zlib.error):
+        decoded = decoder.decode(body.buffered, limit + 1)
+        if len(decoded) <= limit:
+            decoded += decoder.flush()
+    parsed = inspect_json(decoded) if len(decoded) <= limit else None
+    return None if parsed is None else (decoded, parsed)
