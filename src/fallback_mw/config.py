@@ -429,10 +429,11 @@ class RouteConfig(_Strict):
         if value is None:
             return None
         control = any(c < " " or "\x7f" <= c <= "\x9f" for c in value)
-        if not value or value != value.strip() or control:
+        # A comma separates the values of a field sent twice (RFC 9110 §5.3): refused.
+        if not value or value != value.strip() or control or "," in value:
             raise ValueError(
                 "must be a tenant header value: not empty, no surrounding spaces, no control "
-                "characters (omit tenant for a route that serves every tenant)"
+                "characters, no comma (omit tenant for a route that serves every tenant)"
             )
         return value
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from fallback_mw import Gateway
+from fallback_mw import ConfigError, Gateway, load_config
 from tests.helpers import client_for
 from tests.upstreams import host_app, status_handler, upstream
 
@@ -121,3 +121,37 @@ async def test_a_tenant_with_unicode_space_around_it_is_not_that_tenant(space: s
             assert up.count == 1
         finally:
             await gateway.aclose()
+
+
+@pytest.mark.parametrize("name", ["x-tenant-id", "x-session-id"])
+async def test_an_identity_header_joined_by_a_comma_is_the_field_twice(name: str) -> None:
+    # A hop that joins repeated fields into one (RFC 9110 §5.3 lets it; Node's http does)
+    # turns the caller's field and a proxy's appended one into "caller, proxy": the caller
+    # then chose a tenant no route names, so the any-tenant route and its budget.
+    async with upstream(status_handler(200, b"answered")) as up:
+        gateway = Gateway(host_app, config=config(up.url))
+        try:
+            async with client_for(gateway) as client:
+                headers = {"x-tenant-id": "acme", name: "caller-chosen, acme-from-proxy"}
+                if name == "x-tenant-id":
+                    headers = {name: "other, acme"}
+                response = await client.get("/v1/chat", headers=headers)
+                assert response.status_code == 400, response.text
+                error = response.json()["error"]
+                assert error["rule"] == "identity_header"
+                assert "acme" not in error["message"] and "other" not in error["message"]
+                assert up.count == 0
+                # The same value twice is one; an empty member is nothing (RFC 9110 §5.6.1).
+                response = await client.get("/v1/chat", headers={"x-tenant-id": "acme, acme,"})
+                assert response.status_code == 200, response.text
+                assert response.headers["x-gateway-route"] == "acme-chat"
+        finally:
+            await gateway.aclose()
+
+
+def test_a_route_tenant_with_a_comma_is_refused_at_load() -> None:
+    # It could never match: a tenant header holding a comma is two values.
+    conf = config("http://127.0.0.1:9")
+    conf["routes"][0]["tenant"] = "acme,other"
+    with pytest.raises(ConfigError, match="no comma"):
+        load_config(conf)

@@ -56,7 +56,8 @@ def requested_deadline_ms(text: str | None) -> int | None:
 def _headers(scope: Scope, names: tuple[bytes, ...]) -> tuple[list[str | None], bytes | None]:
     """The first value of each named header (stripped, None when absent or empty), in one
     pass over the request's headers; and the first of `names[:2]` (the identity headers)
-    sent twice with different values, or None."""
+    sent twice with different values (in two fields, or in one joined by commas), or
+    None."""
     found: list[str | None] = [None] * len(names)
     seen = [False] * len(names)
     twice: bytes | None = None
@@ -74,6 +75,13 @@ def _headers(scope: Scope, names: tuple[bytes, ...]) -> tuple[list[str | None], 
                     # Only SP and HTAB surround a field value (RFC 9110 §5.5), as the
                     # upstream reads it: "acme\u00a0" is not tenant "acme".
                     text = text.strip(_OWS)
+                    if index < 2 and "," in text:
+                        # Two fields of one name may reach us joined by a comma (RFC 9110
+                        # §5.3; Node's http does so): "caller, proxy" is the field twice.
+                        members = {m.strip(_OWS) for m in text.split(",")} - {""}
+                        if len(members) > 1:
+                            twice = twice or name
+                        text = members.pop() if members else ""
                     if not seen[index]:
                         seen[index] = True
                         found[index] = text or None
