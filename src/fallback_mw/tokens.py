@@ -15,6 +15,7 @@ BYTES_PER_TOKEN = 4
 MAX_TOKENS = 10**15
 OUTPUT_LIMIT_KEYS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 OUTPUT_COPIES_KEYS = ("n", "best_of")
+_COPIES_AND_PROMPT = (*OUTPUT_COPIES_KEYS, "prompt")
 # An integer in a string as pydantic's lax mode reads one (so vLLM's and the SDKs' models):
 # a `+`, single `_` between digits, any leading zeros, a fraction of zeros.
 _LAX_INTEGER = re.compile(r"\+?([0-9]+(?:_[0-9]+)*)(?:\.0+)?")
@@ -45,13 +46,27 @@ def token_count(value: Any) -> int | None:
     return None
 
 
+def named_values(parsed: Mapping[str, Any], names: tuple[str, ...]) -> dict[str, list[Any]]:
+    """The values of the keys in `names`, also where the body spells a key in another case
+    (`Max_Tokens`, or with U+017F for an `s`): Go's encoding/json (Ollama, LocalAI) and ASP.NET read
+    JSON keys case-insensitively, so such an upstream honours them. A key spelled twice
+    has each of its values listed."""
+    found: dict[str, list[Any]] = {}
+    for key, value in parsed.items():
+        name = key if key in names else key.casefold()
+        if name in names:
+            found.setdefault(name, []).append(value)
+    return found
+
+
 def output_limits(parsed: Mapping[str, Any]) -> list[int]:
-    """Every output limit the body names (providers differ in which key they honour), as
-    non-negative integers; values that limit nothing are left out (`token_count`)."""
+    """Every output limit the body names (providers differ in which key they honour, and
+    in whether case matters), as non-negative integers; values that limit nothing are left
+    out (`token_count`)."""
     limits = []
-    for key in OUTPUT_LIMIT_KEYS:
-        if key in parsed:
-            limit = token_count(parsed[key])
+    for values in named_values(parsed, OUTPUT_LIMIT_KEYS).values():
+        for value in values:
+            limit = token_count(value)
             if limit is not None:
                 limits.append(limit)
     return limits
@@ -60,16 +75,20 @@ def output_limits(parsed: Mapping[str, Any]) -> list[int]:
 def output_copies(parsed: Mapping[str, Any]) -> int:
     """How many completions the output limit is spent on, each billed: OpenAI's `n`
     (choices), a legacy completion's `best_of` (generated server-side), once per prompt of
-    a batched `prompt` (a list of strings or of token lists)."""
+    a batched `prompt` (a list of strings or of token lists); in any case of their keys,
+    the most any spelling asks for."""
     copies = 1
+    named = named_values(parsed, _COPIES_AND_PROMPT)
     for key in OUTPUT_COPIES_KEYS:
-        count = token_count(parsed.get(key))
-        if count is not None and count > copies:
-            copies = count
-    prompt = parsed.get("prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
-        copies *= len(prompt)
-    return min(copies, MAX_TOKENS)
+        for value in named.get(key, ()):
+            count = token_count(value)
+            if count is not None and count > copies:
+                copies = count
+    prompts = 1
+    for prompt in named.get("prompt", ()):
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+            prompts = max(prompts, len(prompt))
+    return min(copies * prompts, MAX_TOKENS)
 
 
 def output_estimate(parsed: Mapping[str, Any]) -> int | None:

@@ -150,3 +150,39 @@ async def test_a_compressed_json_body_is_held_as_the_upstream_decodes_it(coding:
             assert (spent > Decimal("0.2"), held) == (True, Decimal(0))
         finally:
             await gateway.aclose()
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"model": "gpt-test", "Max_Tokens": 1000},
+        {
+            "model": "gpt-test",
+            "MAX_TOKENS": 1,
+            "max_tokens": 1,
+            "max_tokens ": 0,
+            "Max_tokens": 1000,
+        },
+        {"model": "gpt-test", "max_token\u017f": 1000},  # Go folds U+017F to "s"
+        {"model": "gpt-test", "max_tokens": 1, "N": 1000},
+        {"Model": "gpt-test", "max_tokens": 1000},
+    ],
+    ids=["limit", "limit-spelt-twice", "long-s", "n", "model"],
+)
+async def test_a_key_in_another_case_is_held_as_a_case_insensitive_upstream_reads_it(
+    fields: dict[str, object],
+) -> None:
+    # Go's encoding/json (Ollama, LocalAI) and ASP.NET read JSON keys in any case: such an
+    # upstream generated `Max_Tokens` (or ran `Model`) while the hold saw no limit (or no
+    # priced model) and took default_hold (0.01 for 2.00 against a limit of 1).
+    async with upstream(json_handler({"ok": True})) as primary:
+        conf = gateway_config({"primary": primary.url}, store=None, limit="1")
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                response = await client.post("/v1/chat", content=json.dumps(fields).encode())
+                assert response.status_code == 402, response.text
+            assert await status_of(gateway) == (Decimal(0), Decimal(0))
+        finally:
+            await gateway.aclose()
+    assert len(primary.received) == 0

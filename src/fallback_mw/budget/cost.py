@@ -101,7 +101,13 @@ class PriceBook:
         if parsed is _UNPARSED:
             # A cheap look before parsing; a key may be spelled with escapes
             # (`"max\u005ftokens"`), which every JSON reader, the upstream's too, decodes.
-            if b"\\u" not in body and not any(key.encode() in body for key in _OUTPUT_LIMIT_KEYS):
+            # Or in another case (`Max_Tokens`), which case-insensitive readers take.
+            lowered = body.lower()
+            if (
+                b"\\u" not in body
+                and body.isascii()
+                and not any(key.encode() in lowered for key in _OUTPUT_LIMIT_KEYS)
+            ):
                 return default_hold
             try:
                 parsed = json.loads(body)

@@ -44,8 +44,10 @@ from fallback_mw.request.record import model_asked, usage_record, write_record
 from fallback_mw.request.refusals import body_refusal
 from fallback_mw.request.types import ASGIApp, Receive, Scope, Send
 from fallback_mw.telemetry import Telemetry
+from fallback_mw.tokens import named_values
 
 logger = logging.getLogger("fallback_mw.budget")
+_MODEL_KEY = ("model",)
 
 # Each refusal says what would change it (SPEC §12), never the store's URL.
 _LEDGER_UNREACHABLE = (
@@ -240,13 +242,16 @@ class BudgetGuard:
         upstream is sent as a priced model)."""
         prices = self.prices
         amount = prices.estimate_hold(buffered, context.request_model, default_hold, parsed=parsed)
-        for name in context.route.plan:
-            upstream = context.upstreams.get(name)
-            if upstream is not None and upstream.model and upstream.model != context.request_model:
-                rewritten = prices.estimate_hold(
-                    buffered, upstream.model, default_hold, parsed=parsed
-                )
-                amount = max(amount, rewritten)
+        models = {u.model for n in context.route.plan if (u := context.upstreams.get(n))}
+        if isinstance(parsed, dict):
+            # `Model` is the model to an upstream reading keys in any case (Go, ASP.NET).
+            named = named_values(parsed, _MODEL_KEY).get("model", ())
+            models.update(m[:MAX_NAME] for m in named if isinstance(m, str))
+        models.discard(None)
+        models.discard(context.request_model)
+        for model in models:
+            rewritten = prices.estimate_hold(buffered, model, default_hold, parsed=parsed)
+            amount = max(amount, rewritten)
         return amount
 
     def _cost(self, context: RequestContext) -> Decimal | None:
