@@ -186,3 +186,21 @@ async def test_a_key_in_another_case_is_held_as_a_case_insensitive_upstream_read
         finally:
             await gateway.aclose()
     assert len(primary.received) == 0
+
+
+async def test_a_model_rewrite_leaves_no_other_spelling_of_the_model_key() -> None:
+    # Go's encoding/json reads "Model" as "model" and keeps the last: a caller's "Model"
+    # after "model" beat the candidate's rewrite, running a model the route never sends.
+    async with upstream(json_handler({"ok": True})) as primary:
+        conf = gateway_config({"primary": primary.url}, store=None, limit="30")
+        conf["upstreams"]["primary"]["model"] = "gpt-test"
+        gateway = Gateway(host_app, config=conf)
+        try:
+            body = {"model": "x", "Model": "dearest-model", "MODEL": "y", "max_tokens": 1}
+            async with client_for(gateway) as client:
+                response = await client.post("/v1/chat", content=json.dumps(body).encode())
+                assert response.status_code == 200, response.text
+        finally:
+            await gateway.aclose()
+    sent = json.loads(primary.received[0].body)
+    assert sent == {"max_tokens": 1, "model": "gpt-test"}

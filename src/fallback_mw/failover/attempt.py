@@ -154,7 +154,9 @@ class AttemptRunner:
             assert body.stream is not None
             return body.stream
         if upstream.model and self.parsed is not None:
-            rewritten = dict(self.parsed)
+            # Every spelling of the key goes: an upstream reading keys in any case (Go's
+            # encoding/json takes the last) ran the caller's `"Model"` beside the rewrite.
+            rewritten = {k: v for k, v in self.parsed.items() if k.casefold() != "model"}
             rewritten["model"] = upstream.model
             try:
                 return json.dumps(rewritten, separators=(",", ":"), ensure_ascii=False).encode()
