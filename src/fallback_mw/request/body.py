@@ -27,7 +27,7 @@ from typing import Any
 from fallback_mw.config import GatewaySettings
 from fallback_mw.request.context import MAX_NAME, RequestBody, RequestContext
 from fallback_mw.request.types import Receive, Scope
-from fallback_mw.request.usage import content_decoder
+from fallback_mw.request.usage import ContentDecoder, content_decoder
 from fallback_mw.timers import Deadline, deadline_after
 
 
@@ -246,8 +246,8 @@ def decoded_request_json(
     if coding is None:
         return None
     readable, decoder = content_decoder(coding)
-    if not readable or decoder is None:
-        return None
+    if not readable or not isinstance(decoder, ContentDecoder):
+        return None  # one coding, as those servers undo: its flush stays small
     decoded = b""
     with contextlib.suppress(zlib.error):
         decoded = decoder.decode(body.buffered, limit + 1)
