@@ -1067,6 +1067,61 @@ def test_recordings_start_once_an_sdk_is_installed_after_the_gateway_is_built() 
     assert done.stdout.split() == ["1", "1"], done.stdout
 
 
+GLOBAL_PROVIDER_AFTER_THE_GATEWAY = """
+from opentelemetry import metrics
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from fallback_mw import Gateway
+
+async def app(scope, receive, send):
+    pass
+
+config = {
+    "gateway": {"allow_hosts": ["127.0.0.1"]},
+    "upstreams": {"primary": {"url": "http://127.0.0.1:9"}, "backup": {"url": "http://127.0.0.1:10"}},
+    "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary", "backup"], "retries": 1}],
+}
+gateway = Gateway(app, config=config)  # built first: the host installs its SDK later
+reader = InMemoryMetricReader()
+metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+for rm in reader.get_metrics_data().resource_metrics:
+    for sm in rm.scope_metrics:
+        for m in sm.metrics:
+            for p in m.data.data_points:
+                a = p.attributes
+                if m.name == "gateway.fallbacks":
+                    print(m.name, a["gateway.candidate"], p.value)
+                if m.name == "gateway.breaker.transitions":
+                    print(m.name, a["gateway.upstream"] + ":" + a["gateway.breaker.state"], p.value)
+"""
+
+
+def test_the_zero_series_are_exported_when_the_hosts_sdk_comes_after_the_gateway() -> None:
+    """A host app that installed its global OTel SDK after building the Gateway (which
+    docs/telemetry.md says is fine: "before or after") exported no `gateway.fallbacks` or
+    `gateway.breaker.transitions` series at 0: the API's proxy dropped those adds, so the
+    first fallback appeared at 1 and Prometheus's `increase` read it as none. They are
+    added again at the first collection after the SDK is installed."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", GLOBAL_PROVIDER_AFTER_THE_GATEWAY],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == sorted(
+        ["gateway.fallbacks backup 0"]
+        + [
+            f"gateway.breaker.transitions {u}:{s} 0"
+            for u in ("primary", "backup")
+            for s in ("closed", "half_open", "open")
+        ]
+    ), done.stdout
+
+
 async def test_every_configured_upstream_s_breaker_is_in_the_gauge_from_the_start(
     recorded: Recorded,
 ) -> None:

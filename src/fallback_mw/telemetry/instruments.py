@@ -64,6 +64,8 @@ class Instruments:
         # True while the recordings go nowhere (no SDK installed yet): the per-request
         # recordings then skip building their attributes.
         self.idle = idle
+        # Series exported at 0 while no SDK was installed (`_at_zero`).
+        self._zeros: list[tuple[metrics.Counter, dict[str, AttributeValue]]] = []
         self.requests = Tally(
             meter.create_counter(
                 "gateway.requests", unit="{request}", description="Routed requests, by outcome"
@@ -134,8 +136,8 @@ class Instruments:
         `increase` and `rate` ignore a series' first sample, so a counter that appears at 1
         read as no fallback at all (FallbackMwSilentFallback stayed silent)."""
         for candidate in plan[1:]:
-            self.fallbacks.counter.add(
-                0,
+            self._at_zero(
+                self.fallbacks.counter,
                 {
                     "gateway.route.id": label(route_id),
                     "gateway.candidate": label(candidate),
@@ -151,9 +153,17 @@ class Instruments:
         the same reason: `increase(gateway_breaker_transitions_total[1d])` read a breaker
         that opened once as never opened."""
         for state in ("closed", "half_open", "open"):
-            self.transitions.add(
-                0, {"gateway.upstream": label(upstream), "gateway.breaker.state": state}
+            self._at_zero(
+                self.transitions,
+                {"gateway.upstream": label(upstream), "gateway.breaker.state": state},
             )
+
+    def _at_zero(self, counter: metrics.Counter, attributes: dict[str, AttributeValue]) -> None:
+        counter.add(0, attributes)
+        if self.idle():
+            # The API's proxy drops what is added before an SDK is installed (a host app may
+            # install it after building the gateway): added again at the first collection.
+            self._zeros.append((counter, attributes))
 
     def attempt(self, context: RequestContext, record: AttemptRecord, kind: str | None) -> None:
         if self.idle():
@@ -203,5 +213,9 @@ class Instruments:
 
     def flush(self) -> None:
         """Add the counts waiting in the tallies to their counters (before a collection)."""
+        if self._zeros and not self.idle():
+            zeros, self._zeros = self._zeros, []
+            for counter, attributes in zeros:
+                counter.add(0, attributes)
         for tally in (self.requests, self.attempts, self.fallbacks):
             tally.flush()
