@@ -233,3 +233,63 @@ async def test_guard_alone_answers_a_body_it_cannot_hold_for() -> None:
     assert app.reached == 0
     (record,) = await ledger.usage()
     assert record.outcome == "request_too_large"
+
+
+class _ClosingClient:
+    """An upstream client that answers 200 and says whether it was closed."""
+
+    def __init__(self) -> None:
+        self.closed = 0
+
+    async def send(self, request: Any) -> Any:
+        class Answer:
+            status = 200
+            headers = [(b"content-length", b"2")]
+
+            async def iter_chunks(self) -> Any:
+                yield b"ok"
+
+            async def aclose(self) -> None:
+                pass
+
+        return Answer()
+
+    async def aclose(self) -> None:
+        self.closed += 1
+
+
+def test_the_walker_alone_closes_its_upstream_client_at_the_lifespan_shutdown() -> None:
+    """The composition docs/architecture.md shows (Starlette, `add_middleware(PlanWalker)`
+    then `RouteResolver`, no Gateway) left the walker's upstream connections open at
+    shutdown: nobody holds the walker Starlette builds, and it ignored the lifespan, so
+    aiohttp's `Unclosed client session` showed at exit (a ResourceWarning, an error in a
+    `-W error` suite). The walker that built its services starts and closes them at the
+    host's lifespan, as the Gateway does; the host's own lifespan still runs."""
+    import contextlib
+    from collections.abc import AsyncIterator
+
+    from starlette.applications import Starlette
+    from starlette.testclient import TestClient
+
+    config = {
+        "gateway": {"allow_hosts": ["127.0.0.1"]},
+        "upstreams": {"primary": {"url": "http://127.0.0.1:9"}},
+        "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+    }
+    events: list[str] = []
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        events.append("host startup")
+        yield
+        events.append("host shutdown")
+
+    client = _ClosingClient()
+    app = Starlette(lifespan=lifespan)
+    app.add_middleware(PlanWalker, config=config, client=client)
+    app.add_middleware(RouteResolver, config=config)
+    with TestClient(app) as http:
+        assert http.get("/v1/x").text == "ok"
+        assert client.closed == 0
+    assert client.closed == 1
+    assert events == ["host startup", "host shutdown"]

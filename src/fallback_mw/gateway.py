@@ -18,7 +18,7 @@ from fallback_mw.layers.resolver import RouteResolver
 from fallback_mw.layers.walker import PlanWalker
 from fallback_mw.request.abort import break_response
 from fallback_mw.request.context import get_context
-from fallback_mw.request.types import ASGIApp, Message, Receive, Scope, Send
+from fallback_mw.request.types import ASGIApp, Receive, Scope, Send
 from fallback_mw.services import Services, build_services
 from fallback_mw.telemetry import Telemetry
 from fallback_mw.upstream import UpstreamClient
@@ -98,7 +98,7 @@ class Gateway:
             await _refuse(self.config_error, scope, receive, send)
             return
         if scope["type"] == "lifespan":
-            await self._lifespan(scope, receive, send)
+            await self.services.lifespan(self.app, scope, receive, send)
             return
         if scope["type"] != "http":
             await self.app(scope, receive, send)  # websockets: the host app's, untouched
@@ -114,42 +114,6 @@ class Gateway:
             # A failure after the commit point: the client must see a broken response,
             # now, under whichever server runs us (request/abort.py).
             await break_response(send, scope)
-
-    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
-        asked = False
-
-        async def receive_wrapper() -> Message:
-            nonlocal asked
-            asked = True
-            return await receive()
-
-        async def send_wrapper(message: Message) -> None:
-            if message["type"] == "lifespan.startup.complete":
-                self.services.start()  # the store's reloader, the shared state's check
-            if message["type"] == "lifespan.shutdown.complete":
-                await self.aclose()
-            await send(message)
-
-        try:
-            await self.app(scope, receive_wrapper, send_wrapper)
-        except Exception:
-            if asked:
-                raise  # the host app's own startup or shutdown failed: the server says so
-            # A host app that speaks no lifespan at all (Django refuses the scope before
-            # reading a message): the gateway answers it alone, so the server logs no
-            # "lifespan unsupported" and the upstream sessions close at shutdown.
-            await self._own_lifespan(receive, send)
-
-    async def _own_lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                self.services.start()
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await self.aclose()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
 
     async def aclose(self) -> None:
         if self.config_error is None:

@@ -12,6 +12,7 @@ from fallback_mw.capacity import CapacityState, create_capacity
 from fallback_mw.config import GatewayConfig
 from fallback_mw.faults import FaultSource, NoFaults
 from fallback_mw.health import HealthState, create_health
+from fallback_mw.request.types import ASGIApp, Message, Receive, Scope, Send
 from fallback_mw.routing import RouteTable
 from fallback_mw.shadow import ShadowTraffic
 from fallback_mw.store.ledgers import open_ledger
@@ -43,6 +44,45 @@ class Services:
         if self.store is not None:
             self.store.ensure_started()
         self.health.start()
+
+    async def lifespan(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
+        """Run `app`'s lifespan with these services started at its startup and closed at its
+        shutdown: the Gateway's, and the PlanWalker's when used alone with services it built
+        (nobody else holds them to close)."""
+        asked = False
+
+        async def receive_wrapper() -> Message:
+            nonlocal asked
+            asked = True
+            return await receive()
+
+        async def send_wrapper(message: Message) -> None:
+            if message["type"] == "lifespan.startup.complete":
+                self.start()  # the store's reloader, the shared state's check
+            if message["type"] == "lifespan.shutdown.complete":
+                await self.aclose()
+            await send(message)
+
+        try:
+            await app(scope, receive_wrapper, send_wrapper)
+        except Exception:
+            if asked:
+                raise  # the host app's own startup or shutdown failed: the server says so
+            # A host app that speaks no lifespan at all (Django refuses the scope before
+            # reading a message): answered here alone, so the server logs no "lifespan
+            # unsupported" and the upstream sessions close at shutdown.
+            await self._own_lifespan(receive, send)
+
+    async def _own_lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                self.start()
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
 
     async def aclose(self) -> None:
         await self.shadows.aclose()  # before the client their connections belong to

@@ -70,6 +70,9 @@ class PlanWalker:
         self.settings = config.gateway
         # Built in one place (services.build_services); the walker used alone builds its own,
         # with any of the pieces given here.
+        # Services it built are its own to start and close at the lifespan (no Gateway
+        # around it does); those it is handed belong to whoever built them.
+        self._owns_services = services is None
         self.services = services or build_services(
             config, client=client, health=health, faults=faults, telemetry=telemetry,
             capacity=capacity, environ=environ,
@@ -86,6 +89,9 @@ class PlanWalker:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         context = get_context(scope)
         if context is None:
+            if scope["type"] == "lifespan" and self._owns_services:
+                await self.services.lifespan(self.app, scope, receive, send)
+                return
             await self.app(scope, receive, send)
             return
         if context.credentials is None:
