@@ -21,6 +21,7 @@ from fallback_mw import Gateway
 from fallback_mw.budget import Hold
 from fallback_mw.config import BudgetConfig, GatewayConfig, load_config
 from fallback_mw.layers.guard import BudgetGuard
+from fallback_mw.layers.injector import CredentialInjector
 from fallback_mw.layers.resolver import RouteResolver
 from fallback_mw.layers.walker import PlanWalker
 from fallback_mw.request.types import Receive, Scope, Send
@@ -293,3 +294,40 @@ def test_the_walker_alone_closes_its_upstream_client_at_the_lifespan_shutdown() 
         assert client.closed == 0
     assert client.closed == 1
     assert events == ["host startup", "host shutdown"]
+
+
+@pytest.mark.parametrize("layer", [RouteResolver, BudgetGuard, CredentialInjector, PlanWalker])
+async def test_a_layer_whose_configuration_does_not_load_fails_the_startup_and_never_serves(
+    layer: Any,
+) -> None:
+    """A layer used alone in Starlette with a config that did not load (`add_middleware(
+    RouteResolver, config="gateway.toml")`, an unknown key) raised from Starlette's lazy
+    middleware build, inside the first ASGI call: uvicorn's default lifespan mode read that
+    as "lifespan unsupported" and started serving — the host's own startup never ran — and
+    every request, the host's included, was a bare 500 with a traceback. Each layer now
+    does what `Gateway` does: the lifespan startup fails naming the problem, and without a
+    lifespan every request is the local 503 `config_error`."""
+    from starlette.applications import Starlette
+
+    app = Starlette()
+    app.add_middleware(layer, config={"nope": 1})
+    sent: list[dict[str, Any]] = []
+    startup = [{"type": "lifespan.startup"}]
+
+    async def receive() -> dict[str, Any]:
+        return startup.pop()
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    with pytest.raises(Exception, match="unknown key 'nope'"):
+        await app({"type": "lifespan", "asgi": {"version": "3.0"}}, receive, send)
+    assert sent[0]["type"] == "lifespan.startup.failed"
+    assert "unknown key 'nope'" in sent[0]["message"]
+
+    async with client_for(app) as client:
+        for path in ("/v1/x", "/"):
+            response = await client.get(path)
+            assert response.status_code == 503
+            assert response.json()["error"]["code"] == "config_error"
+            assert "unknown key 'nope'" in response.json()["error"]["message"]

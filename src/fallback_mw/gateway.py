@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Mapping
@@ -17,6 +16,7 @@ from fallback_mw.layers.injector import CredentialInjector
 from fallback_mw.layers.resolver import RouteResolver
 from fallback_mw.layers.walker import PlanWalker
 from fallback_mw.request.abort import break_response
+from fallback_mw.request.config_refusal import ConfigRefusal
 from fallback_mw.request.context import get_context
 from fallback_mw.request.types import ASGIApp, Receive, Scope, Send
 from fallback_mw.services import Services, build_services
@@ -42,7 +42,7 @@ class Gateway:
     services: Services
     resolver: RouteResolver
     config_error: str | None = None
-    _config_error_logged = False
+    _refusal: ConfigRefusal | None = None
 
     def __init__(
         self,
@@ -71,9 +71,8 @@ class Gateway:
                 environ=environ,
             )
         except ConfigError as exc:
-            # Said once: by the server as the lifespan startup failure, else at the first
-            # request (a host without lifespan), never per request.
-            self.config_error = f"fallback_mw configuration error: {exc}"
+            self._refusal = ConfigRefusal(exc)
+            self.config_error = self._refusal.problem
             return
         services = self.services
         walker = PlanWalker(app, config=self.config, services=services, environ=environ)
@@ -91,11 +90,8 @@ class Gateway:
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.config_error is not None:
-            if scope["type"] != "lifespan" and not self._config_error_logged:
-                self._config_error_logged = True
-                logger.error("%s; every request is answered 503 config_error", self.config_error)
-            await _refuse(self.config_error, scope, receive, send)
+        if self._refusal is not None:
+            await self._refusal(scope, receive, send)
             return
         if scope["type"] == "lifespan":
             await self.services.lifespan(self.app, scope, receive, send)
@@ -118,35 +114,3 @@ class Gateway:
     async def aclose(self) -> None:
         if self.config_error is None:
             await self.services.aclose()
-
-
-async def _refuse(problem: str, scope: Scope, receive: Receive, send: Send) -> None:
-    """What a gateway whose configuration did not load answers, whatever is asked."""
-    if scope["type"] == "lifespan":
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.failed", "message": problem})
-                # Then end the lifespan by raising, as Starlette's router does: a server
-                # stops on the message alone, but an in-process harness (Starlette's
-                # TestClient) waits for the app to end it, and reports what it raised.
-                raise ConfigError(problem)
-            if message["type"] == "lifespan.shutdown":
-                await send({"type": "lifespan.shutdown.complete"})
-                return
-    elif scope["type"] == "websocket":
-        await receive()  # websocket.connect
-        await send({"type": "websocket.close", "code": 1011})
-    elif scope["type"] == "http":
-        body = json.dumps(
-            {"error": {"type": "gateway_error", "code": "config_error", "message": problem,
-                       "route": None, "attempts": 0, "rule": "config"}},
-            separators=(",", ":"),
-        ).encode()  # fmt: skip
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-            (b"cache-control", b"no-store"),
-        ]
-        await send({"type": "http.response.start", "status": 503, "headers": headers})
-        await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -30,8 +30,9 @@ from fallback_mw.budget import (
     room_needed,
 )
 from fallback_mw.budget.cost import PriceBook, format_money, to_units
-from fallback_mw.config import BudgetConfig, ConfigSource, as_config
+from fallback_mw.config import BudgetConfig, ConfigError, ConfigSource, as_config
 from fallback_mw.request.body import decoded_request_json, read_body, request_json
+from fallback_mw.request.config_refusal import ConfigRefusal
 from fallback_mw.request.context import (
     MAX_NAME,
     RequestBody,
@@ -109,6 +110,8 @@ def _undefined(budget_id: str) -> str:
 
 
 class BudgetGuard:
+    _refusal: ConfigRefusal | None = None  # a configuration that did not load
+
     def __init__(
         self,
         app: ASGIApp,
@@ -119,7 +122,11 @@ class BudgetGuard:
         telemetry: Telemetry | None = None,
     ) -> None:
         self.app = app
-        config = as_config(config, check_env=False)  # it reads no credential
+        try:
+            config = as_config(config, check_env=False)  # it reads no credential
+        except ConfigError as exc:
+            self._refusal = ConfigRefusal(exc)
+            return
         self.settings = config.gateway
         self.budgets = dict(config.budgets)
         self.prices = PriceBook(config.prices)
@@ -133,6 +140,9 @@ class BudgetGuard:
         self._one_step = ledger if isinstance(ledger, SettlesAndRecords) else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._refusal is not None:
+            await self._refusal(scope, receive, send)
+            return
         context = get_context(scope)
         if context is None:
             await self.app(scope, receive, send)

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from fallback_mw.config import ConfigSource, as_config
+from fallback_mw.config import ConfigError, ConfigSource, as_config
 from fallback_mw.credentials import CredentialCache, apply_hygiene
+from fallback_mw.request.config_refusal import ConfigRefusal
 from fallback_mw.request.context import get_context
 from fallback_mw.request.types import ASGIApp, Receive, Scope, Send
 
 
 class CredentialInjector:
+    _refusal: ConfigRefusal | None = None  # a configuration that did not load
+
     def __init__(
         self,
         app: ASGIApp,
@@ -20,10 +23,16 @@ class CredentialInjector:
         environ: Mapping[str, str] | None = None,
     ) -> None:
         self.app = app
-        as_config(config, environ=environ)  # checked as Gateway checks it
         self.cache = CredentialCache(environ)
+        try:
+            as_config(config, environ=environ)  # checked as Gateway checks it
+        except ConfigError as exc:
+            self._refusal = ConfigRefusal(exc)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._refusal is not None:
+            await self._refusal(scope, receive, send)
+            return
         context = get_context(scope)
         if context is not None:
             apply_hygiene(

@@ -14,9 +14,10 @@ from collections.abc import Callable, Mapping
 import anyio
 
 from fallback_mw.budget import Ledger
-from fallback_mw.config import DEFAULT_METHODS, ConfigSource, as_config
+from fallback_mw.config import DEFAULT_METHODS, ConfigError, ConfigSource, as_config
 from fallback_mw.credentials import CredentialCache
 from fallback_mw.layers.limits import InFlight, header_refusal
+from fallback_mw.request.config_refusal import ConfigRefusal
 from fallback_mw.request.context import SCOPE_KEY, RequestContext
 from fallback_mw.request.local_errors import send_error
 from fallback_mw.request.record import write_record
@@ -91,6 +92,8 @@ def _headers(scope: Scope, names: tuple[bytes, ...]) -> tuple[list[str | None], 
 
 
 class RouteResolver:
+    _refusal: ConfigRefusal | None = None  # a configuration that did not load
+
     def __init__(
         self,
         app: ASGIApp,
@@ -103,7 +106,11 @@ class RouteResolver:
         environ: Mapping[str, str] | None = None,
     ) -> None:
         self.app = app
-        config = as_config(config, check_env=False)  # it forwards no credential
+        try:
+            config = as_config(config, check_env=False)  # it forwards no credential
+        except ConfigError as exc:
+            self._refusal = ConfigRefusal(exc)
+            return
         # The provider keys, only to keep them out of what telemetry records of a request
         # (a caller's tenant or model set to one): request/secrets.py.
         self._credentials = CredentialCache(environ)
@@ -140,6 +147,9 @@ class RouteResolver:
         self._names_cache: tuple[RouteTable, frozenset[bytes]] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._refusal is not None:
+            await self._refusal(scope, receive, send)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return

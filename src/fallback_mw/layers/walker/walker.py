@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import anyio
 
 from fallback_mw.capacity import CapacityState, asker
-from fallback_mw.config import ConfigSource, as_config
+from fallback_mw.config import ConfigError, ConfigSource, as_config
 from fallback_mw.credentials import CredentialCache, apply_hygiene
 from fallback_mw.failover.attempt import AttemptLifecycle
 from fallback_mw.failover.decide import (
@@ -36,6 +36,7 @@ from fallback_mw.layers.walker.preflight import refusal
 from fallback_mw.layers.walker.stream import commit
 from fallback_mw.plan import candidate_order, is_canary
 from fallback_mw.request.body import read_body, request_json
+from fallback_mw.request.config_refusal import ConfigRefusal
 from fallback_mw.request.context import (
     AttemptRecord,
     RequestContext,
@@ -51,6 +52,8 @@ from fallback_mw.upstream.base import UpstreamClient, UpstreamResponse
 
 
 class PlanWalker:
+    _refusal: ConfigRefusal | None = None  # a configuration that did not load
+
     def __init__(
         self,
         app: ASGIApp,
@@ -66,7 +69,11 @@ class PlanWalker:
         capacity: CapacityState | None = None,
     ) -> None:
         self.app = app
-        config = as_config(config, environ=environ)
+        try:
+            config = as_config(config, environ=environ)
+        except ConfigError as exc:
+            self._refusal = ConfigRefusal(exc)
+            return
         self.settings = config.gateway
         # Built in one place (services.build_services); the walker used alone builds its own,
         # with any of the pieces given here.
@@ -87,6 +94,9 @@ class PlanWalker:
         self._credentials = CredentialCache(environ)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._refusal is not None:
+            await self._refusal(scope, receive, send)
+            return
         context = get_context(scope)
         if context is None:
             if scope["type"] == "lifespan" and self._owns_services:
@@ -108,7 +118,8 @@ class PlanWalker:
             await _Walk(self, context, scope, receive, send).run()
 
     async def aclose(self) -> None:
-        await self.services.aclose()
+        if self._refusal is None:
+            await self.services.aclose()
 
 
 class _Walk:
