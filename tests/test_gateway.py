@@ -167,3 +167,31 @@ async def test_websocket_and_lifespan_scopes_pass_through() -> None:
     gateway = Gateway(app, config={"routes": []})
     await gateway({"type": "websocket", "path": "/v1/ws"}, None, None)  # type: ignore[arg-type]
     assert seen == ["websocket"]
+
+
+def test_a_lifespan_off_asyncio_fails_the_startup_saying_the_gateway_needs_asyncio() -> None:
+    """Served on a loop that is not asyncio's (hypercorn's trio worker), the gateway started
+    and then every routed request failed with a bare `RuntimeError: no running event loop`
+    (README: trio is not supported, but nothing said so at run time). The lifespan startup
+    now fails saying the gateway runs on asyncio only. Driven here without any asyncio loop
+    running, as a trio server drives it."""
+    config = {
+        "gateway": {"allow_hosts": ["127.0.0.1"]},
+        "upstreams": {"primary": {"url": "http://127.0.0.1:9"}},
+        "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+    }
+    gateway = Gateway(host_app, config=config)
+    sent: list[dict[str, Any]] = []
+    messages = [{"type": "lifespan.shutdown"}, {"type": "lifespan.startup"}]
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop()
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    lifespan = gateway({"type": "lifespan", "asgi": {"version": "3.0"}}, receive, send)
+    with pytest.raises(RuntimeError, match="runs on asyncio only"):
+        lifespan.send(None)  # nothing in it suspends: it ends at the first step
+    assert sent[0]["type"] == "lifespan.startup.failed"
+    assert "trio is not supported" in sent[0]["message"]

@@ -3,6 +3,7 @@ route table and telemetry. Built once, from the configuration, in Gateway.__init
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -18,6 +19,12 @@ from fallback_mw.shadow import ShadowTraffic
 from fallback_mw.store.ledgers import open_ledger
 from fallback_mw.telemetry import Telemetry
 from fallback_mw.upstream import UpstreamClient, make_client
+
+# README "It runs on asyncio".
+NOT_ASYNCIO = (
+    "fallback_mw runs on asyncio only, and this server's event loop is not asyncio's (trio is "
+    "not supported): run the server on asyncio (hypercorn's default worker class, uvicorn)"
+)
 
 if TYPE_CHECKING:
     from opentelemetry.metrics import MeterProvider
@@ -48,7 +55,14 @@ class Services:
     async def lifespan(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
         """Run `app`'s lifespan with these services started at its startup and closed at its
         shutdown: the Gateway's, and the PlanWalker's when used alone with services it built
-        (nobody else holds them to close)."""
+        (nobody else holds them to close). Not on an asyncio loop (hypercorn's trio worker):
+        the startup fails saying so, rather than every routed request failing."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            await receive()  # lifespan.startup
+            await send({"type": "lifespan.startup.failed", "message": NOT_ASYNCIO})
+            raise RuntimeError(NOT_ASYNCIO) from None
         asked = False
 
         async def receive_wrapper() -> Message:
