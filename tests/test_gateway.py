@@ -195,3 +195,14 @@ def test_a_lifespan_off_asyncio_fails_the_startup_saying_the_gateway_needs_async
         lifespan.send(None)  # nothing in it suspends: it ends at the first step
     assert sent[0]["type"] == "lifespan.startup.failed"
     assert "trio is not supported" in sent[0]["message"]
+
+
+@pytest.mark.parametrize("wrong", [None, 8080, b"gateway.toml", ["gateway.toml"]])
+def test_a_config_of_the_wrong_type_is_refused_naming_what_is_accepted(wrong: Any) -> None:
+    """`Gateway(app, config=settings.get("gateway"))` with the setting missing raised
+    Path()'s "expected str, bytes or os.PathLike object, not NoneType": it named neither a
+    dict nor a GatewayConfig, and bytes, which was then refused too. The TypeError now names
+    the three accepted forms and what was given, for the gateway and load_config alike."""
+    for build in (lambda: Gateway(host_app, config=wrong), lambda: load_config(wrong)):
+        with pytest.raises(TypeError, match="GatewayConfig, a dict or the path of a TOML file"):
+            build()

@@ -854,8 +854,15 @@ def load_config(
         config = source
     elif isinstance(source, Mapping):
         config = parse_config(source)
-    else:
+    elif isinstance(source, str | os.PathLike) and not isinstance(os.fspath(source), bytes):
         config = parse_config(read_config_file(Path(source)))
+    else:
+        # Path()'s own "expected str, bytes or os.PathLike object" named neither a dict nor
+        # a GatewayConfig, and bytes, which it then refused too.
+        raise TypeError(
+            "config must be a GatewayConfig, a dict or the path of a TOML file (str or "
+            f"os.PathLike), not {type(source).__name__}"
+        )
     return validate(config, environ=environ, check_env=check_env)
 
 
