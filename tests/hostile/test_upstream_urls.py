@@ -13,7 +13,14 @@ import pytest
 from fallback_mw import BudgetGuard, CredentialInjector, PlanWalker, RouteResolver
 from fallback_mw.config import ConfigError, GatewayConfig, load_config
 from fallback_mw.store.routes import make_upstream
-from tests.helpers import free_port, gateway_client, log_text, serve_process, wait_listening
+from tests.helpers import (
+    client_for,
+    free_port,
+    gateway_client,
+    log_text,
+    serve_process,
+    wait_listening,
+)
 from tests.test_cli_admin import run_cli
 from tests.upstreams import host_app, silent_server, status_handler, upstream
 
@@ -151,10 +158,15 @@ async def test_serve_warns_that_proxy_variables_are_ignored(tmp_path: Path) -> N
 LAYERS = {"resolver": RouteResolver, "guard": BudgetGuard, "injector": CredentialInjector}
 
 
+@pytest.mark.anyio
 @pytest.mark.parametrize("layer", ["resolver", "guard", "injector", "walker"])
-def test_a_layer_given_a_model_built_directly_meets_the_load_time_refusals(layer: str) -> None:
+async def test_a_layer_given_a_model_built_directly_meets_the_load_time_refusals(
+    layer: str,
+) -> None:
     """`GatewayConfig.model_validate(...)` handed to a layer used alone was taken as it
-    was: a metadata upstream, an unreachable fallback, no refusal at all."""
+    was: a metadata upstream, an unreachable fallback, no refusal at all. Refused as
+    `Gateway` refuses a configuration (test_layers_own_outcome.py): nothing is served, every
+    request is the 503 `config_error` naming the problem, the host's routes included."""
     model = GatewayConfig.model_validate(
         {
             "gateway": {"allow_hosts": ["0.0.0.0/0"]},
@@ -162,11 +174,18 @@ def test_a_layer_given_a_model_built_directly_meets_the_load_time_refusals(layer
             "routes": [{"id": "r", "prefix": "/v1/", "plan": ["u"]}],
         }
     )
-    with pytest.raises(ConfigError, match="link-local / metadata"):
-        if layer == "walker":
-            PlanWalker(host_app, config=model, environ={})
-        else:
-            LAYERS[layer](host_app, config=model)
+    app = (
+        PlanWalker(host_app, config=model, environ={})
+        if layer == "walker"
+        else LAYERS[layer](host_app, config=model)
+    )
+    async with client_for(app) as client:
+        for path in ("/v1/chat", "/elsewhere"):
+            response = await client.get(path)
+            assert response.status_code == 503
+            error = response.json()["error"]
+            assert error["code"] == "config_error"
+            assert "link-local / metadata" in error["message"]
 
 
 def test_a_model_loaded_without_the_environment_check_is_taken_as_it_is(
