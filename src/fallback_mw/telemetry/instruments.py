@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from opentelemetry import metrics
 from opentelemetry.util.types import AttributeValue
@@ -35,28 +35,25 @@ class Tally:
     a reader collects is what it would have collected from `add`; the counts carry no
     exemplars (they are added outside the request's span)."""
 
-    __slots__ = ("_lock", "_names", "_pending", "counter")
+    __slots__ = ("_lock", "_pending", "counter")
 
-    def __init__(self, counter: metrics.Counter, names: tuple[str, ...]) -> None:
+    def __init__(self, counter: metrics.Counter) -> None:
         self.counter = counter  # what `flush` adds to (a series at 0 is added to it directly)
-        self._names = names  # the attribute names, in the order of `add`'s values
         self._lock = threading.Lock()  # the loop's thread adds, a reader's thread flushes
-        self._pending: dict[tuple[AttributeValue | None, ...], int] = {}
+        self._pending: dict[tuple[tuple[str, AttributeValue], ...], int] = {}
 
-    def add(self, values: tuple[AttributeValue | None, ...]) -> None:
-        """One increment for these attribute values (None: the attribute is left out)."""
+    def add(self, attributes: Mapping[str, AttributeValue]) -> None:
+        """One increment for these attributes (as `counter.add(1, attributes)` would)."""
+        key = tuple(attributes.items())
         with self._lock:
             pending = self._pending
-            pending[values] = pending.get(values, 0) + 1
+            pending[key] = pending.get(key, 0) + 1
 
     def flush(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, {}
-        names = self._names
-        for values, count in pending.items():
-            self.counter.add(
-                count, {name: v for name, v in zip(names, values, strict=True) if v is not None}
-            )
+        for key, count in pending.items():
+            self.counter.add(count, dict(key))
 
 
 class Instruments:
@@ -69,33 +66,20 @@ class Instruments:
         self.requests = Tally(
             meter.create_counter(
                 "gateway.requests", unit="{request}", description="Routed requests, by outcome"
-            ),
-            (
-                "gateway.route.id", "gateway.outcome", "gateway.fallback", "gateway.canary",
-                "gateway.fault", "gateway.candidate",
-            ),
-        )  # fmt: skip
+            )
+        )
         self.attempts = Tally(
             meter.create_counter(
                 "gateway.attempts", unit="{attempt}", description="Upstream requests made"
-            ),
-            (
-                "gateway.route.id", "gateway.candidate", "gateway.failure.kind",
-                "gateway.fault", "gateway.canary", "http.response.status_code",
-            ),
-        )  # fmt: skip
+            )
+        )
         self.fallbacks = Tally(
             meter.create_counter(
                 "gateway.fallbacks",
                 unit="{request}",
-                description="Requests answered by a candidate other than the first of their "
-                "order",
-            ),
-            (
-                "gateway.route.id", "gateway.candidate", "gateway.primary", "gateway.outcome",
-                "gateway.canary", "gateway.fault",
-            ),
-        )  # fmt: skip
+                description="Requests answered by a candidate other than the first of their order",
+            )
+        )
         self.skips = meter.create_counter(
             "gateway.skips",
             unit="{candidate}",
@@ -168,18 +152,16 @@ class Instruments:
     def attempt(self, context: RequestContext, record: AttemptRecord, kind: str | None) -> None:
         if self.idle():
             return
-        route_id, candidate = label(context.route.id), label(record.candidate)
-        fault, canary, status = record.fault is not None, context.canary, record.status
-        self.attempts.add((route_id, candidate, kind or "none", fault, canary, status))
         metric: dict[str, AttributeValue] = {
-            "gateway.route.id": route_id,
-            "gateway.candidate": candidate,
+            "gateway.route.id": label(context.route.id),
+            "gateway.candidate": label(record.candidate),
             "gateway.failure.kind": kind or "none",
-            "gateway.fault": fault,
-            "gateway.canary": canary,
+            "gateway.fault": record.fault is not None,
+            "gateway.canary": context.canary,
         }
-        if status is not None:
-            metric["http.response.status_code"] = status
+        if record.status is not None:
+            metric["http.response.status_code"] = record.status
+        self.attempts.add(metric)
         duration = record.duration
         if duration is None:
             duration = time.monotonic() - record.started
@@ -196,20 +178,27 @@ class Instruments:
     ) -> None:
         if self.idle():
             return
-        route_id, outcome = label(context.route.id), label(outcome)
-        fallback, canary = context.fallback, context.canary
-        self.requests.add((route_id, outcome, fallback, canary, fault, chosen or "none"))
+        route_id = label(context.route.id)
         common: dict[str, AttributeValue] = {
             "gateway.route.id": route_id,
-            "gateway.outcome": outcome,
-            "gateway.fallback": fallback,
-            "gateway.canary": canary,
+            "gateway.outcome": label(outcome),
+            "gateway.fallback": context.fallback,
+            "gateway.canary": context.canary,
             "gateway.fault": fault,
         }
+        self.requests.add({**common, "gateway.candidate": chosen or "none"})
         self.duration.record(duration, common)
-        if fallback and chosen is not None:
-            primary = candidates[0] if candidates else "none"
-            self.fallbacks.add((route_id, chosen, primary, outcome, canary, fault))
+        if context.fallback and chosen is not None:
+            self.fallbacks.add(
+                {
+                    "gateway.route.id": route_id,
+                    "gateway.candidate": chosen,
+                    "gateway.primary": candidates[0] if candidates else "none",
+                    "gateway.outcome": label(outcome),
+                    "gateway.canary": context.canary,
+                    "gateway.fault": fault,
+                }
+            )
 
     def flush(self) -> None:
         """Add the counts waiting in the tallies to their counters (before a collection)."""
