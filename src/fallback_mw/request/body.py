@@ -27,7 +27,7 @@ from typing import Any
 from fallback_mw.config import GatewaySettings
 from fallback_mw.request.context import MAX_NAME, RequestBody, RequestContext
 from fallback_mw.request.types import Receive, Scope
-from fallback_mw.request.usage import ContentDecoder, content_decoder
+from fallback_mw.request.usage import ContentDecoder, body_coding, content_decoder
 from fallback_mw.timers import Deadline, deadline_after
 
 
@@ -239,10 +239,7 @@ def decoded_request_json(
     JSON, so a plain body costs nothing more."""
     if not body.buffered:
         return None
-    coding: bytes | None = None
-    for key, value in scope.get("headers", ()):
-        if key.lower() == b"content-encoding":
-            coding = value if coding is None else coding + b"," + value
+    coding = body_coding(scope.get("headers", []))[1]
     if coding is None:
         return None
     readable, decoder = content_decoder(coding)
