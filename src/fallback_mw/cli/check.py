@@ -176,32 +176,24 @@ def route_warnings(
         )
     deadline = effective_deadline_ms(route, default_ms)
     for name in _followed(route):
-        connect_ms = upstreams[name].connect_timeout_ms
-        if connect_ms >= deadline:
-            remedy = (
-                f"raise [gateway] deadline_ms above {connect_ms}, or define the route in the "
-                "config file, where its upstream's connect_timeout_ms can be lowered"
-                if store
-                else "lower its connect_timeout_ms"
-            )
-            warnings.append(
-                f"candidate {name!r} has connect_timeout_ms {connect_ms}, not below the "
-                f"route deadline ({deadline} ms): a connect that is never answered (a host "
-                "that is down, a firewall that drops) ends in 504 deadline_exceeded, never a "
-                f"fallback; {remedy}"
-            )
-        timeout_ms = upstreams[name].first_byte_timeout_ms
-        if timeout_ms >= deadline:
+        upstream = upstreams[name]
+        for key, timeout_ms, what in (
+            ("connect_timeout_ms", upstream.connect_timeout_ms,
+             "a connect that is never answered (a host that is down, a firewall that drops)"),
+            ("first_byte_timeout_ms", upstream.first_byte_timeout_ms, "a hang on it"),
+        ):  # fmt: skip
+            if timeout_ms < deadline:
+                continue
             remedy = (
                 f"raise [gateway] deadline_ms above {timeout_ms}, or define the route in the "
-                "config file, where its upstream's first_byte_timeout_ms can be lowered"
+                f"config file, where its upstream's {key} can be lowered"
                 if store
-                else "lower its first_byte_timeout_ms"
+                else f"lower its {key}"
             )
             warnings.append(
-                f"candidate {name!r} has first_byte_timeout_ms {timeout_ms}, not below the "
-                f"route deadline ({deadline} ms): a hang on it ends in 504 "
-                f"deadline_exceeded, never a fallback; {remedy}"
+                f"candidate {name!r} has {key} {timeout_ms}, not below the route deadline "
+                f"({deadline} ms): {what} ends in 504 deadline_exceeded, never a fallback; "
+                f"{remedy}"
             )
     if route.attempt_ceiling > len(route.plan) and route.backoff_ms >= deadline:
         # A later pass repeats a candidate, after backoff_ms: the deadline ends it first.
