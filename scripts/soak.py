@@ -7,10 +7,11 @@ redis-server on a free port, never the machine's shared one). Stops by itself.
 The gateway runs in this process on uvicorn with `serve`'s protections, its breakers in
 the soak's Redis and its budget ledger in a SQLite file; the upstreams run in a child
 process. After the load stops and a short idle period it checks: no budget hold left, no
-asyncio task left beyond the idle baseline, no upstream connection beyond the client's
-pool, breakers as expected (failing and hanging upstreams open, healthy ones closed), the
-Redis state shared again, and RSS flat after warm-up. Exit 0 when every check holds, 1
-otherwise; the report says which."""
+asyncio task left beyond the idle baseline (the same task still there at four looks a
+second apart), no upstream connection beyond the client's pool, breakers as expected
+(failing and hanging upstreams open, healthy ones closed), the Redis state shared again,
+and RSS flat after warm-up. Exit 0 when every check holds, 1 otherwise; the report says
+which."""
 
 from __future__ import annotations
 
@@ -238,6 +239,23 @@ async def client_loop(base: str, stop_at: float, outcomes: Counter[str]) -> None
             await one_request(session, base, outcomes)
 
 
+async def lasting_tasks(
+    baseline: set[asyncio.Task[Any]], looks: int = 4
+) -> list[asyncio.Task[Any]]:
+    """Tasks beyond the idle baseline that are still the same task at each of `looks` looks
+    a second apart. The gateway's own short background work (the breaker refresh a Redis
+    state runs every few seconds while a breaker is open, a pool closed after an outage) is
+    a new task each time and gone within a look; a task left behind by a request stays."""
+    me = asyncio.current_task()
+    lasting = {t for t in asyncio.all_tasks() if not t.done() and t not in baseline and t is not me}
+    for _ in range(looks - 1):
+        if not lasting:
+            break
+        await asyncio.sleep(1.0)
+        lasting = {t for t in lasting if not t.done()}
+    return sorted(lasting, key=id)
+
+
 async def breaker_states(redis_port: int) -> dict[str, str]:
     client = aioredis.Redis(host="127.0.0.1", port=redis_port, decode_responses=True)
     try:
@@ -319,10 +337,7 @@ async def _run(
     ledger = gateway.services.ledger
     assert ledger is not None
     status = await ledger.status("soak", BUDGET)
-    leftover = [
-        t for t in asyncio.all_tasks()
-        if not t.done() and t not in baseline_tasks and t is not asyncio.current_task()
-    ]  # fmt: skip
+    leftover = await lasting_tasks(baseline_tasks)
     connections = established_to(set(ports.values()))
     to_hanging = established_to({ports["hanging"]})
     breakers = await breaker_states(redis_server.port)

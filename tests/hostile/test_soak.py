@@ -31,7 +31,7 @@ def test_a_short_soak_leaves_nothing_behind() -> None:
         check=False,
     )
     report = json.loads(result.stdout)
-    assert result.returncode == 0, report["checks"]
+    assert result.returncode == 0, (report["checks"], report["tasks_left"], result.stderr[-2000:])
     assert all(report["checks"].values())
     assert report["requests"] > 100
     assert report["outcomes"].get("client hung up", 0) > 0
