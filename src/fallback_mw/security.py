@@ -372,13 +372,46 @@ _NONE_NAMED: frozenset[bytes] = frozenset()
 
 # --- upstream addresses -------------------------------------------------------------------
 
+# The one list of addresses refused whatever the allowlist (load, store, proxies, and the
+# engines' connect-time guard all come through `is_always_refused`). Cloud metadata and
+# credential endpoints, as each vendor documents them:
 _ALWAYS_REFUSED = (
-    ipaddress.ip_network("169.254.0.0/16"),  # IPv4 link-local, cloud metadata 169.254.169.254
-    ipaddress.ip_network("fe80::/10"),  # IPv6 link-local
-    ipaddress.ip_network("fd00:ec2::254/128"),  # AWS IMDS over IPv6
+    # IPv4 link-local: the metadata service of AWS, Azure (IMDS), GCP, Oracle, DigitalOcean,
+    # OpenStack, Hetzner, Akamai/Linode at 169.254.169.254, Tencent's 169.254.0.23, ECS task
+    # credentials 169.254.170.2, EKS Pod Identity 169.254.170.23, Scaleway's 169.254.42.42.
+    ipaddress.ip_network("169.254.0.0/16"),
+    # IPv6 link-local: OpenStack's metadata over IPv6 is fe80::a9fe:a9fe.
+    ipaddress.ip_network("fe80::/10"),
+    # AWS IMDS over IPv6:
+    # docs.aws.amazon.com/AWSEC2/latest/UserGuide/instancedata-data-retrieval.html
+    ipaddress.ip_network("fd00:ec2::254/128"),
+    # AWS EKS Pod Identity Agent over IPv6 (hands out IAM credentials):
+    # docs.aws.amazon.com/eks/latest/userguide/pod-id-agent-setup.html
+    ipaddress.ip_network("fd00:ec2::23/128"),
+    # GCP metadata server on IPv6-only VMs:
+    # cloud.google.com/compute/docs/metadata/querying-metadata
+    ipaddress.ip_network("fd20:ce::254/128"),
+    # Azure WireServer (VM agent, extension settings and certificates; a public address
+    # Microsoft owns): learn.microsoft.com/azure/virtual-network/what-is-ip-address-168-63-129-16
+    ipaddress.ip_network("168.63.129.16/32"),
+    # Alibaba Cloud metadata: alibabacloud.com/help/en/ecs/user-guide/view-instance-metadata;
+    # over IPv6 fd00:100::100:200 (cloud-init's AliYun datasource, canonical/cloud-init#6893).
+    ipaddress.ip_network("100.100.100.200/32"),
+    ipaddress.ip_network("fd00:100::100:200/128"),
+    # Oracle Cloud: IMDS over IPv6 (IPv4: docs.oracle.com/iaas/Content/Compute/Tasks/
+    # gettingmetadata.htm; IPv6: the OCI SDK's DEFAULT_METADATA_URL_BASE_IPV6, github.com/
+    # oracle/oci-python-sdk, src/oci/auth/signers/instance_principals_security_token_signer.py),
+    # and the metadata address of Oracle Cloud Classic / Cloud@Customer (docs.oracle.com/en/
+    # cloud/cloud-at-customer/occ-get-started/retrieve-predefined-instance-metadata.html):
+    ipaddress.ip_network("fd00:c1::a9fe:a9fe/128"),
+    ipaddress.ip_network("192.0.0.192/32"),
+    # Scaleway metadata over IPv6: docs.cloud-init.io/en/latest/reference/datasources/scaleway.html
+    ipaddress.ip_network("fd00:42::42/128"),
+    # Akamai / Linode metadata over IPv6 (IPv4 169.254.169.254):
+    # docs.cloud-init.io/en/latest/reference/datasources/akamai.html
+    ipaddress.ip_network("fd00:a9fe:a9fe::1/128"),
     ipaddress.ip_network("0.0.0.0/8"),  # "this network": connects to local services
     ipaddress.ip_network("::/128"),
-    ipaddress.ip_network("100.100.100.200/32"),  # Alibaba Cloud metadata
     # Translation ranges whose IPv4 destination cannot be read off the address: local-use
     # NAT64 (RFC 8215, the prefix and its embedding are the operator's) and Teredo (the
     # client address is obfuscated). The well-known NAT64 prefix 64:ff9b::/96, 6to4 and

@@ -1,0 +1,187 @@
+"""Cloud metadata and credential endpoints outside 169.254.0.0/16: an attacker who gets an
+upstream (or its proxy) aimed at one, by a URL, a store record or a DNS answer, gets the
+provider key the gateway injects sent there, and the platform's answer back. Each is
+refused whatever the allowlist, as 169.254.169.254 is: at load, in the store, as a proxy,
+and at connect time on both engines, in every spelling the guard reads."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fallback_mw import Gateway
+from fallback_mw.config import ConfigError, RouteConfig, UpstreamConfig, load_config
+from fallback_mw.security import parse_ip
+from fallback_mw.store.model import StoredRoute
+from fallback_mw.store.routes import open_store
+from fallback_mw.upstream import UpstreamError, UpstreamRequest, make_client
+from fallback_mw.upstream.base import Timeouts
+from tests.helpers import client_for
+from tests.upstreams import host_app
+
+WIDE = ["0.0.0.0/0", "::/0"]
+KEY = "sk-metadata-test-key-0123456789"
+
+# Documented by each vendor (the sources are cited beside the list in security.py).
+METADATA_IPV4 = {
+    "168.63.129.16": "Azure WireServer",
+    "100.100.100.200": "Alibaba Cloud",
+    "192.0.0.192": "Oracle Cloud Classic",
+}
+METADATA_IPV6 = {
+    "fd20:ce::254": "GCP, IPv6-only VMs",
+    "fd00:ec2::23": "AWS EKS Pod Identity Agent",
+    "fd00:c1::a9fe:a9fe": "Oracle Cloud IMDS",
+    "fd00:42::42": "Scaleway",
+    "fd00:a9fe:a9fe::1": "Akamai / Linode",
+    "fd00:100::100:200": "Alibaba Cloud",
+}
+LINK_LOCAL = ["fe80::a9fe:a9fe", "fe80::1"]  # OpenStack's IPv6 metadata, any link-local
+
+
+def _ipv4_spellings(text: str) -> list[str]:
+    """The URL hosts the guard reads as this IPv4 address."""
+    address = ipaddress.IPv4Address(text)
+    number = int(address)
+    mapped = ipaddress.IPv6Address(f"::ffff:{text}")
+    return [
+        text,
+        f"{text}.",  # trailing dot: the address to URL parsers
+        str(number),  # decimal
+        hex(number),  # hex
+        f"[::ffff:{text}]",  # IPv4-mapped
+        f"[{mapped.exploded}]",
+        f"[64:ff9b::{text}]",  # NAT64
+        f"[2002:{number >> 16:x}:{number & 0xFFFF:x}::1]",  # 6to4
+    ]
+
+
+def _ipv6_spellings(text: str) -> list[str]:
+    address = ipaddress.IPv6Address(text)
+    return [f"[{text}]", f"[{address.exploded}]", f"[{text.upper()}]"]
+
+
+HOSTS = [
+    *(host for text in METADATA_IPV4 for host in _ipv4_spellings(text)),
+    *(host for text in (*METADATA_IPV6, *LINK_LOCAL) for host in _ipv6_spellings(text)),
+]
+
+
+def _conf(allow_hosts: list[str], url: str, proxy: str | None = None) -> dict[str, Any]:
+    upstream: dict[str, Any] = {"url": url}
+    if proxy is not None:
+        upstream["proxy"] = proxy
+    return {
+        "gateway": {"allow_hosts": allow_hosts},
+        "upstreams": {"u": upstream},
+        "routes": [{"id": "r", "prefix": "/v1/", "plan": ["u"]}],
+    }
+
+
+@pytest.mark.parametrize("host", HOSTS)
+def test_a_cloud_metadata_upstream_or_proxy_is_refused_at_load_whatever_the_allowlist(
+    host: str,
+) -> None:
+    """`allow_hosts = ["0.0.0.0/0", "::/0"]` (or the address itself) loaded an upstream at
+    Azure's WireServer or GCP's IPv6 metadata server, and the request went there with the
+    injected key: only 169.254.0.0/16, fe80::/10, fd00:ec2::254 and 100.100.100.200 were
+    refused."""
+    listed = [*WIDE, "api.example.test", str(parse_ip(host))]
+    with pytest.raises(ConfigError, match=r"upstream 'u': host .* link-local / metadata"):
+        load_config(_conf(listed, f"http://{host}/v1"), environ={})
+    proxied = _conf(listed, "http://api.example.test", f"http://{host}:3128")
+    with pytest.raises(ConfigError, match=r"upstream 'u': proxy host .* link-local / metadata"):
+        load_config(proxied, environ={})
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("address", [*METADATA_IPV4, *METADATA_IPV6])
+async def test_a_store_route_at_a_cloud_metadata_address_is_refused(
+    address: str, tmp_path: Path
+) -> None:
+    """A route written straight into the store (another version of the package, a script)
+    is checked as the file's is: nothing served from it, nothing sent."""
+    host = address if ":" not in address else f"[{address}]"
+    store = f"sqlite:///{tmp_path / 'routes.db'}"
+    opened = open_store(store)
+    try:
+        upstream = UpstreamConfig(url=f"http://{host}", auth_env="FMW_T_KEY")
+        route = RouteConfig(id="r", prefix="/v1/", plan=["p"])
+        await opened.insert_route(StoredRoute(route=route, upstreams={"p": upstream}))
+    finally:
+        await opened.aclose()
+    conf = {"gateway": {"allow_hosts": WIDE, "store": store}}
+    gateway = Gateway(host_app, config=conf, environ={"FMW_T_KEY": KEY})
+    try:
+        async with client_for(gateway) as client:
+            response = await client.get("/v1/x")
+    finally:
+        await gateway.aclose()
+    assert response.status_code == 503, response.text
+    error = response.json()["error"]
+    assert error["code"] == "config_error"
+    assert "route 'r': upstream 'p': host" in error["message"]
+    assert "link-local / metadata" in error["message"]
+
+
+@pytest.fixture
+def fake_dns(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
+    """Names ending in `.test` resolve to the address the test gives them (the one
+    function both engines' resolvers call); every other name resolves normally."""
+    real = socket.getaddrinfo
+    answers: dict[str, str] = {}
+
+    def getaddrinfo(host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
+        name = host.decode() if isinstance(host, bytes) else host
+        if isinstance(name, str) and name.endswith(".test"):
+            address = answers[name]
+            family = socket.AF_INET6 if ":" in address else socket.AF_INET
+            sockaddr: tuple[Any, ...] = (address, int(port or 0))
+            if family == socket.AF_INET6:
+                sockaddr = (*sockaddr, 0, 0)
+            return [(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", sockaddr)]
+        return real(host, port, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    yield answers
+
+
+async def _refusal(engine: str, allow_hosts: tuple[str, ...], url: str) -> UpstreamError:
+    client = make_client(engine, allow_hosts=allow_hosts)
+    request = UpstreamRequest(
+        method="GET",
+        url=url,
+        headers=[("authorization", f"Bearer {KEY}")],
+        body=b"",
+        timeouts=Timeouts(0.5, 1.0, 1.0),
+    )
+    try:
+        with pytest.raises(UpstreamError) as caught:
+            response = await client.send(request)
+            await response.aclose()
+    finally:
+        await client.aclose()
+    return caught.value
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("engine", ["aiohttp", "httpx"])
+@pytest.mark.parametrize("address", [*METADATA_IPV4, *METADATA_IPV6])
+async def test_a_cloud_metadata_address_is_refused_at_connect_time(
+    engine: str, address: str, fake_dns: dict[str, str]
+) -> None:
+    """A listed name that resolves to a metadata address when the gateway connects (DNS
+    rebinding after load), and the literal itself: refused before any connection, as
+    `unsafe_address`, whatever the allowlist."""
+    fake_dns["metadata.test"] = address
+    allow = (*WIDE, "metadata.test", address)
+    caught = await _refusal(engine, allow, "http://metadata.test/latest/meta-data/")
+    assert caught.kind == "unsafe_address", caught
+    host = address if ":" not in address else f"[{address}]"
+    caught = await _refusal(engine, allow, f"http://{host}/latest/meta-data/")
+    assert caught.kind == "unsafe_address", caught
