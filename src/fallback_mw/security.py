@@ -581,9 +581,21 @@ def check_connect_addresses(
     host: str, addresses: Sequence[str], allow_hosts: Sequence[str]
 ) -> list[str]:
     """Connect-time check: of the resolved addresses keep the allowed ones, in order.
-    Raises UnsafeUpstream when none is left."""
+    Raises UnsafeUpstream when none is left. With no allowlist at all (a client the Python
+    API made without one, `make_client(engine)`; the config loader refuses an empty
+    `allow_hosts`) every address is kept but the always-refused ones: the metadata guard
+    holds whatever the allowlist, none included."""
+    if not allow_hosts:
+        kept = [
+            text
+            for text in addresses
+            if not is_always_refused(ipaddress.ip_address(text.split("%", 1)[0]))
+        ]
+        if not kept:
+            raise UnsafeUpstream(f"host {host!r} resolved only to link-local / metadata addresses")
+        return kept
     allow = _allowlist(tuple(allow_hosts))
-    kept: list[str] = []
+    kept = []
     for text in addresses:
         address = ipaddress.ip_address(text.split("%", 1)[0])
         if allow.allows_address(address, via_name=host) or (

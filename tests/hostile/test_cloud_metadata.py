@@ -22,7 +22,7 @@ from fallback_mw.store.routes import open_store
 from fallback_mw.upstream import UpstreamError, UpstreamRequest, make_client
 from fallback_mw.upstream.base import Timeouts
 from tests.helpers import client_for
-from tests.upstreams import host_app
+from tests.upstreams import host_app, status_handler, upstream
 
 WIDE = ["0.0.0.0/0", "::/0"]
 KEY = "sk-metadata-test-key-0123456789"
@@ -185,3 +185,93 @@ async def test_a_cloud_metadata_address_is_refused_at_connect_time(
     host = address if ":" not in address else f"[{address}]"
     caught = await _refusal(engine, allow, f"http://{host}/latest/meta-data/")
     assert caught.kind == "unsafe_address", caught
+
+
+# --- a client made without an allowlist -------------------------------------------------
+
+
+async def _send(engine: str, url: str, proxy: str | None = None) -> UpstreamError | int:
+    """Send through `make_client(engine)` with no allowlist: the error, or the status."""
+    client = make_client(engine)
+    request = UpstreamRequest(
+        method="GET",
+        url=url,
+        headers=[("authorization", f"Bearer {KEY}")],
+        body=b"",
+        timeouts=Timeouts(0.5, 1.0, 1.0),
+        proxy=proxy,
+    )
+    try:
+        response = await client.send(request)
+        status = response.status
+        async for _ in response.iter_chunks():
+            pass
+        await response.aclose()
+        return status
+    except UpstreamError as exc:
+        return exc
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("engine", ["aiohttp", "httpx"])
+@pytest.mark.parametrize("address", ["169.254.169.254", "fd00:ec2::254", "168.63.129.16"])
+async def test_a_client_made_without_an_allowlist_still_refuses_metadata_addresses(
+    engine: str, address: str, fake_dns: dict[str, str]
+) -> None:
+    """`make_client(engine)` (the Python API; `allow_hosts` defaults to none) turned the
+    connect-time guard off, the metadata refusal with it: a name resolving to the metadata
+    service, the literal, or an egress proxy there, got the request and its key. No
+    allowlist means any address but the always-refused ones, never those."""
+    fake_dns["metadata.test"] = address
+    fake_dns["api.example.test"] = "93.184.216.34"
+    host = address if ":" not in address else f"[{address}]"
+    for url, proxy in [
+        ("http://metadata.test/latest/meta-data/", None),
+        (f"http://{host}/latest/meta-data/", None),
+        ("http://api.example.test/v1/x", f"http://{host}:80"),
+        ("http://api.example.test/v1/x", "http://metadata.test:80"),
+    ]:
+        outcome = await _send(engine, url, proxy)
+        assert isinstance(outcome, UpstreamError), (url, proxy, outcome)
+        assert outcome.kind == "unsafe_address", (url, proxy, outcome)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("engine", ["aiohttp", "httpx"])
+async def test_a_client_made_without_an_allowlist_reaches_any_other_address(
+    engine: str,
+) -> None:
+    """The other half of "no allowlist": loopback and the rest are reached as before (the
+    `blackhole` fault's own client is made so)."""
+    async with upstream(status_handler(204)) as server:
+        assert await _send(engine, f"{server.url}/ok") == 204
+    assert server.count == 1
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("engine", ["aiohttp", "httpx"])
+async def test_a_gateway_given_its_own_client_still_refuses_a_rebinding_to_metadata(
+    engine: str, fake_dns: dict[str, str]
+) -> None:
+    """`Gateway(app, config=..., client=make_client(engine))`: the name passed the load
+    check (a public address then) and, resolving to 169.254.169.254 when the request came,
+    got the injected key; the gateway's allowlist was only in the client it did not use."""
+    fake_dns["api.example.test"] = "93.184.216.34"  # public at load time
+    config = {
+        "gateway": {"allow_hosts": ["api.example.test"], "engine": engine},
+        "upstreams": {"p": {"url": "http://api.example.test", "auth_env": "FMW_T_KEY"}},
+        "routes": [{"id": "r", "prefix": "/v1/", "plan": ["p"]}],
+    }
+    gateway = Gateway(
+        host_app, config=config, environ={"FMW_T_KEY": KEY}, client=make_client(engine)
+    )
+    fake_dns["api.example.test"] = "169.254.169.254"  # ... the metadata service when used
+    try:
+        async with client_for(gateway) as client:
+            response = await client.get("/v1/latest/meta-data/")
+    finally:
+        await gateway.aclose()
+    assert response.status_code == 502, response.text
+    assert response.json()["error"]["rule"] == "unsafe_address", response.text

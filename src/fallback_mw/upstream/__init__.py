@@ -16,7 +16,9 @@ def make_client(
     engine: str, *, allow_hosts: tuple[str, ...] = (), ca_file: str | None = None
 ) -> UpstreamClient:
     """The engine's client; `ca_file` is the gateway-wide CA bundle (an upstream's own, on
-    its requests, wins)."""
+    its requests, wins). Its connect-time guard checks every address against `allow_hosts`;
+    with none given, it refuses the link-local / metadata addresses alone (SPEC §3: those
+    whatever the allowlist)."""
     if engine == "httpx":
         from fallback_mw.upstream.httpx_engine import HttpxClient
 

@@ -4,9 +4,10 @@ byte. An attempt under the fault is sent there instead of to its upstream, by a 
 engine of the gateway's kind, so the engine's own first-byte timeout is what ends it —
 the path a silently dropped upstream takes, which the in-process `hang` never exercises.
 
-The connect-time address guard (allow_hosts) is not consulted for this one destination:
-the attempt runner alone builds its URL, from this listener's own address, and sends it
-with the client kept here, which is never handed any other URL."""
+The allowlist (allow_hosts) is not consulted for this one destination (the client kept
+here has none; its guard refuses the link-local / metadata addresses alone): the attempt
+runner alone builds its URL, from this listener's own address, and sends it with that
+client, which is never handed any other URL."""
 
 from __future__ import annotations
 

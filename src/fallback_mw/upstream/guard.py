@@ -20,9 +20,8 @@ class UnsafeAddressError(OSError):
 
 
 def check_literal_host(url: str, allow_hosts: Sequence[str]) -> None:
-    """Hosts written as IP literals skip the resolver; check them here."""
-    if not allow_hosts:
-        return
+    """Hosts written as IP literals skip the resolver; check them here (with no allowlist,
+    against the always-refused addresses alone: `check_connect_addresses`)."""
     host = urlsplit(url).hostname or ""
     address = parse_ip(host)
     if address is not None:
@@ -33,8 +32,9 @@ def check_literal_host(url: str, allow_hosts: Sequence[str]) -> None:
 
 
 class GuardedResolver(AbstractResolver):
-    """aiohttp resolver that drops every resolved address the allowlist refuses; aiohttp
-    then connects to one of the returned (checked) addresses."""
+    """aiohttp resolver that drops every resolved address the allowlist refuses (with no
+    allowlist, the always-refused ones); aiohttp then connects to one of the returned
+    (checked) addresses."""
 
     def __init__(self, allow_hosts: Sequence[str], inner: AbstractResolver | None = None) -> None:
         self._allow_hosts = tuple(allow_hosts)
@@ -44,8 +44,6 @@ class GuardedResolver(AbstractResolver):
         self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
     ) -> list[ResolveResult]:
         results = await self._inner.resolve(host, port, family)
-        if not self._allow_hosts:
-            return results
         try:
             allowed = set(
                 check_connect_addresses(host, [r["host"] for r in results], self._allow_hosts)

@@ -219,10 +219,7 @@ class HttpxClient:
         engine (upstream/tls.py)."""
         limits = self._limits
         context = ssl_context(ca_file)
-        if not self._allow_hosts:  # no allowlist: httpx's own pool, same trust and proxy
-            return httpx.AsyncHTTPTransport(
-                trust_env=False, limits=limits, verify=context, proxy=proxy
-            )
+        # Also with no allowlist: the guard then refuses the always-refused addresses alone.
         transport = httpx.AsyncHTTPTransport(trust_env=False, limits=limits, verify=context)
         options: dict[str, object] = {
             "ssl_context": context,
