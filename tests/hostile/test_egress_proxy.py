@@ -176,3 +176,33 @@ async def test_a_blackhole_fault_never_sends_the_credential_to_the_egress_proxy(
     assert "fault at 'p'" in response.json()["error"]["message"]
     assert heads == []  # nothing, and no key, reached the proxy
     assert accepted == 1  # the attempt went to the silent listener itself
+
+
+@pytest.mark.parametrize("engine", ["aiohttp", "httpx"])
+@pytest.mark.parametrize("allow_hosts", [("0.0.0.0/0", "::/0"), ()], ids=["wide", "none"])
+@pytest.mark.parametrize("target", ["169.254.169.254", "[fd20:ce::254]", "2852039166"])
+async def test_a_metadata_literal_behind_a_proxy_is_refused_at_connect_time(
+    engine: str, allow_hosts: tuple[str, ...], target: str
+) -> None:
+    """An upstream URL written as a metadata literal, sent through an egress proxy: the
+    aiohttp engine refused it, the httpx engine (which checks only the proxy's address
+    when there is one) handed the proxy `GET http://169.254.169.254/...` with the key,
+    and the proxy fetched its own host's metadata. Both refuse it now, nothing sent."""
+    async with listener() as (port, heads):
+        client = make_client(engine, allow_hosts=(*allow_hosts, "127.0.0.1") if allow_hosts else ())
+        request = UpstreamRequest(
+            method="GET",
+            url=f"http://{target}/latest/meta-data/",
+            headers=[("authorization", f"Bearer {KEY}")],
+            body=b"",
+            timeouts=Timeouts(1.0, 2.0, 2.0),
+            proxy=f"http://127.0.0.1:{port}",
+        )
+        try:
+            with pytest.raises(UpstreamError) as caught:
+                response = await client.send(request)
+                await response.aclose()
+        finally:
+            await client.aclose()
+    assert caught.value.kind == "unsafe_address"
+    assert heads == []
