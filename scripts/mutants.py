@@ -403,6 +403,47 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_blackhole_connects_to_a_silent_listener_and_the_engines_timeout_fires",
         ),
     ),
+    # --- the metadata guard (SPEC §3: refused whatever the allowlist) ---------------------
+    Mutant(
+        "cloud_metadata_address_allowed",
+        "a cloud metadata address outside 169.254.0.0/16 is refused whatever the allowlist",
+        (("security.py", '    ipaddress.ip_network("168.63.129.16/32"),\n', ""),),
+        (
+            "tests/hostile/test_cloud_metadata.py::"
+            "test_a_cloud_metadata_upstream_or_proxy_is_refused_at_load_whatever_the_allowlist",
+        ),
+    ),
+    Mutant(
+        "no_allowlist_no_metadata_guard",
+        "a client made without an allowlist still refuses link-local / metadata addresses",
+        (
+            (
+                "security.py",
+                "            if not is_always_refused("
+                'ipaddress.ip_address(text.split("%", 1)[0]))\n',
+                "",
+            ),
+        ),
+        (
+            "tests/hostile/test_cloud_metadata.py::"
+            "test_no_allowlist_keeps_every_address_but_the_always_refused",
+        ),
+    ),
+    Mutant(
+        "httpx_proxied_literal_unchecked",
+        "an upstream IP literal behind an egress proxy is checked at connect time (httpx)",
+        (
+            (
+                "upstream/httpx_engine.py",
+                "                self._check_proxied_literal(request.url)\n",
+                "                pass\n",
+            ),
+        ),
+        (
+            "tests/hostile/test_egress_proxy.py::"
+            "test_a_metadata_literal_behind_a_proxy_is_refused_at_connect_time",
+        ),
+    ),
 )
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from fallback_mw import Gateway
 from fallback_mw.config import ConfigError, RouteConfig, UpstreamConfig, load_config
-from fallback_mw.security import parse_ip
+from fallback_mw.security import UnsafeUpstream, check_connect_addresses, parse_ip
 from fallback_mw.store.model import StoredRoute
 from fallback_mw.store.routes import open_store
 from fallback_mw.upstream import UpstreamError, UpstreamRequest, make_client
@@ -236,6 +236,16 @@ async def test_a_client_made_without_an_allowlist_still_refuses_metadata_address
         outcome = await _send(engine, url, proxy)
         assert isinstance(outcome, UpstreamError), (url, proxy, outcome)
         assert outcome.kind == "unsafe_address", (url, proxy, outcome)
+
+
+def test_no_allowlist_keeps_every_address_but_the_always_refused() -> None:
+    """The rule both engines' connect-time guard applies with no allowlist (no socket
+    needed: scripts/mutants.py runs this against a mutant that drops it)."""
+    addresses = ["169.254.169.254", "127.0.0.1", "fd20:ce::254", "::ffff:a9fe:a9fe", "::1"]
+    assert check_connect_addresses("h.test", addresses, ()) == ["127.0.0.1", "::1"]
+    for refused in ("169.254.169.254", "fd00:ec2::254", "168.63.129.16", "fe80::1%2"):
+        with pytest.raises(UnsafeUpstream, match="link-local / metadata"):
+            check_connect_addresses("h.test", [refused], ())
 
 
 @pytest.mark.anyio
