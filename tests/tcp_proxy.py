@@ -18,6 +18,9 @@ class TcpProxy:
       by reset (`"abort"`: a host or process that died) or by close (`"close"`: a FIN, a
       server shutting down); `open()` listens again on the same port.
     - `pause()` holds every byte and every new connection (a hung server); `resume()`.
+    - `mute()` drops every answer (the server does the work, its reply never comes back);
+      `mute_once_sent(marker)` does so from the moment a request holding `marker` is sent
+      (a `COMMIT` the server commits, whose answer is lost); `unmute()`.
     """
 
     def __init__(self, host: str, port: int) -> None:
@@ -27,6 +30,7 @@ class TcpProxy:
         self.running = asyncio.Event()
         self.running.set()
         self.muted = False
+        self.mute_marker: bytes | None = None
         self.transports: set[asyncio.BaseTransport] = set()
         self.tasks: set[asyncio.Task[None]] = set()
 
@@ -55,8 +59,12 @@ class TcpProxy:
     def mute(self) -> None:
         self.muted = True
 
+    def mute_once_sent(self, marker: bytes) -> None:
+        self.mute_marker = marker
+
     def unmute(self) -> None:
         self.muted = False
+        self.mute_marker = None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await self.running.wait()
@@ -77,6 +85,8 @@ class TcpProxy:
         with contextlib.suppress(OSError):
             while data := await source.read(65536):
                 await self.running.wait()
+                if not answer and self.mute_marker is not None and self.mute_marker in data:
+                    self.muted, self.mute_marker = True, None
                 if answer and self.muted:
                     continue
                 sink.write(data)

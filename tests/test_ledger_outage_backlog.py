@@ -235,3 +235,46 @@ async def test_records_refused_while_the_server_turns_connections_away_are_kept(
         await admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
         await admin.close()
         await ledger.aclose()
+
+
+async def test_a_drained_batch_whose_commit_answer_was_lost_is_not_written_twice(
+    proxied: tuple[TcpProxy, PostgresLedger], pg_url: str
+) -> None:
+    """The drain's batch (records kept through an outage) committed, but its answer never
+    came back (the connection went away: pg_terminate_backend, a restart, a network cut):
+    the batch was kept and sent again whole, so every plain usage record in it (an
+    unbudgeted route's, a refusal's) and every settlement's record was written twice."""
+    proxy, ledger = proxied
+    await ledger.record_usage(record("before"))  # the schema exists
+    hold = await ledger.hold("acme", BUDGET, Decimal("2"))
+    assert hold is not None
+    await outage(proxy, ledger)
+    await ledger.record_usage(record("kept-1"))
+    await ledger.record_usage(record("kept-2"))
+    await ledger.settle_and_record(hold, Decimal("0.5"), record("settled-in-outage"))
+    assert ledger.waiting == 3
+
+    admin = await asyncpg.connect(pg_url)  # the database itself, not through the proxy
+    try:
+        await proxy.open()
+        await asyncio.sleep(RETRY)  # the next call tries the database
+        proxy.mute_once_sent(b"COMMIT")  # the batch's COMMIT is done; its answer is lost
+        await ledger.status("acme", BUDGET)  # reaches it: the drain starts
+        deadline = time.monotonic() + 15
+        while await admin.fetchval("SELECT count(*) FROM fmw_usage") < 4:
+            assert time.monotonic() < deadline, "the batch was never committed"
+            await asyncio.sleep(0.05)
+        while ledger.waiting < 3:  # its answer lost: kept to be sent again
+            assert time.monotonic() < deadline, "the batch was not kept"
+            await asyncio.sleep(0.05)
+    finally:
+        await admin.close()
+    proxy.unmute()
+    await proxy.cut("abort")  # the connection the answer was lost on goes away
+    await proxy.open()
+    await asyncio.sleep(RETRY)
+    await until_written(ledger)
+    ids = [r.request_id for r in await ledger.usage()]
+    assert ids == ["before", "kept-1", "kept-2", "settled-in-outage"]
+    status = await ledger.status("acme", BUDGET)
+    assert (status.spent, status.held) == (Decimal("0.5"), Decimal("0"))

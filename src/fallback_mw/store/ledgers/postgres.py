@@ -91,15 +91,28 @@ WHERE w.budget_id = finished.budget_id AND w.window_start = finished.window_star
 """
 
 _USAGE_COUNT = USAGE_COLUMNS.count(",") + 1  # the usage columns are $1..$N
-_INSERT_USAGE = (
-    f"INSERT INTO fmw_usage ({USAGE_COLUMNS}) "
-    f"VALUES ({', '.join(f'${i}' for i in range(1, _USAGE_COUNT + 1))})"
-)
+
+
+def _insert_usage(row_id: str | None = None) -> str:
+    """The usage insert; with `row_id` (a parameter) the row's id is given, and a row
+    with that id already there (the same kept record, written before) is left alone."""
+    values = ", ".join(f"${i}" for i in range(1, _USAGE_COUNT + 1))
+    if row_id is None:
+        return f"INSERT INTO fmw_usage ({USAGE_COLUMNS}) VALUES ({values})"
+    return (
+        f"INSERT INTO fmw_usage (id, {USAGE_COLUMNS}) VALUES ({row_id}, {values}) "
+        "ON CONFLICT (id) DO NOTHING"
+    )
+
+
 # _FINISH and the usage insert as one statement (the hold's id, the spend and the cap
 # after the usage columns): PostgreSQL runs a data-modifying WITH exactly once, to
 # completion, whether or not the main statement reads it.
 _HOLD_ID, _SPENT, _CAP = (f"${_USAGE_COUNT + i}" for i in (1, 2, 3))
-_SETTLE_AND_RECORD = f"""
+
+
+def _settle_and_record(insert: str) -> str:
+    return f"""
 WITH finished AS (
     DELETE FROM fmw_budget_holds WHERE hold_id = {_HOLD_ID}
     RETURNING budget_id, window_start, amount_units
@@ -110,8 +123,18 @@ WITH finished AS (
     FROM finished
     WHERE w.budget_id = finished.budget_id AND w.window_start = finished.window_start
 )
-{_INSERT_USAGE}
+{insert}
 """
+
+
+_INSERT_USAGE = _insert_usage()
+_SETTLE_AND_RECORD = _settle_and_record(_INSERT_USAGE)
+# The same for a record kept through an outage: its row id (the table's own sequence,
+# given before its batch was first sent) after the other parameters. A batch whose answer
+# was lost is sent again; what it committed the first time is not written twice.
+_INSERT_KEPT = _insert_usage(f"${_USAGE_COUNT + 1}")
+_SETTLE_AND_RECORD_KEPT = _settle_and_record(_insert_usage(f"${_USAGE_COUNT + 4}"))
+_ROW_IDS = "SELECT nextval(pg_get_serial_sequence('fmw_usage', 'id')) FROM generate_series(1, $1)"
 
 _REAP = """
 WITH stale AS (
@@ -177,11 +200,13 @@ RETRY_INTERVAL = 1.0
 BACKLOG_LIMIT = 10_000
 _DRAIN_BATCH = 500
 
-# (hold id or None, spent units, usage values, sent): one settlement and usage record to
-# write; (hold id, 0, None, True): the release of a hold whose statement's answer was lost.
-# `sent`: a settlement that may have been written already (its answer was lost): written
-# again only while its hold is still there, which the first write would have deleted.
-_Pending = tuple[str | None, int, tuple[object, ...] | None, bool]
+# (hold id or None, spent units, usage values, sent, row id): one settlement and usage
+# record to write; (hold id, 0, None, True, None): the release of a hold whose statement's
+# answer was lost. `sent`: a settlement that may have been written already (its answer was
+# lost): written again only while its hold is still there, which the first write would
+# have deleted. `row id`: the usage row's id, given (from the table's sequence) before its
+# batch is first sent, so a batch sent again writes no record twice (None until then).
+_Pending = tuple[str | None, int, tuple[object, ...] | None, bool, int | None]
 
 
 class _NotSent(LedgerUnavailable):
@@ -333,7 +358,7 @@ class PostgresLedger(SQLLedgerBase):
             # lost (a terminated connection, a restart, a timeout): the caller is refused
             # and nothing is served, so the hold, if taken, is released once the database
             # answers again (a release of a hold never taken changes nothing).
-            self._keep((hold_id, 0, None, True))
+            self._keep((hold_id, 0, None, True, None))
             raise
         except asyncio.CancelledError:
             # The caller gave up while the statement ran: the database may still take the
@@ -359,7 +384,7 @@ class PostgresLedger(SQLLedgerBase):
             return
         error = statement.exception()
         if isinstance(error, _AnswerLost):
-            self._keep((hold_id, 0, None, True))  # its answer may have been lost
+            self._keep((hold_id, 0, None, True, None))  # its answer may have been lost
         elif error is None and statement.result() is not None:
             self._outliving(self._release(hold_id))
 
@@ -369,7 +394,7 @@ class PostgresLedger(SQLLedgerBase):
         try:
             await self._finish(hold_id, 0)
         except (_NotSent, _AnswerLost):
-            self._keep((hold_id, 0, None, True))
+            self._keep((hold_id, 0, None, True, None))
 
     async def _finish(self, hold_id: str, spent: int) -> None:
         async def work(pool: asyncpg.Pool) -> None:
@@ -414,13 +439,13 @@ class PostgresLedger(SQLLedgerBase):
                 # cancel, not a task's own) left the hold HELD.
                 await asyncio.shield(self._outliving(self._run(work)))
         except _NotSent:
-            if not self._keep((hold_id, spent, values, False)):
+            if not self._keep((hold_id, spent, values, False, None)):
                 raise
         except _AnswerLost:
             # A settlement on the wire when the database went away: written or not, it is
             # kept, and written again once only if its hold is still there (so neither lost
             # nor written twice). A plain record cannot be told apart: not sent again.
-            if hold_id is None or not self._keep((hold_id, spent, values, True)):
+            if hold_id is None or not self._keep((hold_id, spent, values, True, None)):
                 raise
 
     def _keep(self, pending: _Pending) -> bool:
@@ -463,7 +488,7 @@ class PostgresLedger(SQLLedgerBase):
                         refused,
                     )
                     continue
-                written += sum(values is not None for _, _, values, _ in batch)
+                written += sum(values is not None for _, _, values, _, _ in batch)
             self._backlog_full = False
         finally:
             self._draining = None
@@ -610,31 +635,19 @@ class PostgresLedger(SQLLedgerBase):
 def _batch_work(batch: list[_Pending]) -> Callable[[asyncpg.Pool], Awaitable[str | None]]:
     """One transaction writing `batch` in its order: runs of plain records and of
     settlements, each run one executemany; a settlement that may have been written already
-    (and a release) only while its hold is still there."""
-    # (statement, rows, the hold a row that may have been written needs: None for a run)
-    runs: list[tuple[str, list[tuple[object, ...]], str | None]] = []
-    for hold_id, spent, values, sent in batch:
-        row: tuple[object, ...]
-        if values is None:  # a release
-            statement, row = _FINISH, (hold_id, 0, SPENT_CAP_UNITS)
-        elif hold_id is None:
-            statement, row = _INSERT_USAGE, values
-        else:
-            statement, row = _SETTLE_AND_RECORD, (*values, hold_id, spent, SPENT_CAP_UNITS)
-        if sent and values is not None:
-            runs.append((statement, [row], hold_id))
-        elif runs and runs[-1][0] is statement and runs[-1][2] is None:
-            runs[-1][1].append(row)
-        else:
-            runs.append((statement, [row], None))
+    (and a release) only while its hold is still there. Each record's row id is taken
+    first (into `batch`, which is kept whole when its answer is lost): sent again, a
+    record its first sending committed is not written twice."""
 
     async def work(pool: asyncpg.Pool) -> str | None:
         try:
-            async with pool.acquire() as conn, conn.transaction():
-                for statement, rows, needs in runs:
-                    if needs is not None and await conn.fetchval(_HOLD_THERE, needs) is None:
-                        continue  # written before its answer was lost
-                    await conn.executemany(statement, rows)
+            async with pool.acquire() as conn:
+                await _give_row_ids(conn, batch)
+                async with conn.transaction():
+                    for statement, rows, needs in _runs(batch):
+                        if needs is not None and await conn.fetchval(_HOLD_THERE, needs) is None:
+                            continue  # written before its answer was lost
+                        await conn.executemany(statement, rows)
         except asyncpg.PostgresError as exc:
             if isinstance(exc, _UNREACHABLE):
                 raise
@@ -642,6 +655,41 @@ def _batch_work(batch: list[_Pending]) -> Callable[[asyncpg.Pool], Awaitable[str
         return None
 
     return work
+
+
+async def _give_row_ids(conn: asyncpg.pool.PoolConnectionProxy, batch: list[_Pending]) -> None:
+    """Row ids from the usage table's sequence for the batch's records that have none yet
+    (a sequence never hands out a number twice, committed or not)."""
+    needing = [
+        i
+        for i, (_, _, values, _, row_id) in enumerate(batch)
+        if values is not None and row_id is None
+    ]
+    if needing:
+        ids = sorted(row[0] for row in await conn.fetch(_ROW_IDS, len(needing)))
+        for i, row_id in zip(needing, ids, strict=True):
+            batch[i] = (*batch[i][:4], row_id)
+
+
+def _runs(batch: list[_Pending]) -> list[tuple[str, list[tuple[object, ...]], str | None]]:
+    """(statement, rows, the hold a row that may have been written needs: None for a run)"""
+    runs: list[tuple[str, list[tuple[object, ...]], str | None]] = []
+    for hold_id, spent, values, sent, row_id in batch:
+        row: tuple[object, ...]
+        if values is None:  # a release
+            statement, row = _FINISH, (hold_id, 0, SPENT_CAP_UNITS)
+        elif hold_id is None:
+            statement, row = _INSERT_KEPT, (*values, row_id)
+        else:
+            statement = _SETTLE_AND_RECORD_KEPT
+            row = (*values, hold_id, spent, SPENT_CAP_UNITS, row_id)
+        if sent and values is not None:
+            runs.append((statement, [row], hold_id))
+        elif runs and runs[-1][0] is statement and runs[-1][2] is None:
+            runs[-1][1].append(row)
+        else:
+            runs.append((statement, [row], None))
+    return runs
 
 
 _HOLD_THERE = "SELECT 1 FROM fmw_budget_holds WHERE hold_id = $1 FOR UPDATE"
