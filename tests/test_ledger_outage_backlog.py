@@ -256,10 +256,8 @@ async def test_a_drained_batch_whose_commit_answer_was_lost_is_not_written_twice
 
     admin = await asyncpg.connect(pg_url)  # the database itself, not through the proxy
     try:
-        await proxy.open()
-        await asyncio.sleep(RETRY)  # the next call tries the database
         proxy.mute_once_sent(b"COMMIT")  # the batch's COMMIT is done; its answer is lost
-        await ledger.status("acme", BUDGET)  # reaches it: the drain starts
+        await proxy.open()  # the next try (a call's, or the drain's own) writes the batch
         deadline = time.monotonic() + 15
         while await admin.fetchval("SELECT count(*) FROM fmw_usage") < 4:
             assert time.monotonic() < deadline, "the batch was never committed"
@@ -278,3 +276,52 @@ async def test_a_drained_batch_whose_commit_answer_was_lost_is_not_written_twice
     assert ids == ["before", "kept-1", "kept-2", "settled-in-outage"]
     status = await ledger.status("acme", BUDGET)
     assert (status.spent, status.held) == (Decimal("0.5"), Decimal("0"))
+
+
+async def rows_written(pg_url: str) -> list[str]:
+    """The request ids in the database itself (read beside the ledger, not through it)."""
+    admin = await asyncpg.connect(pg_url)
+    try:
+        return [row[0] for row in await admin.fetch("SELECT request_id FROM fmw_usage ORDER BY id")]
+    finally:
+        await admin.close()
+
+
+async def test_an_idle_process_writes_what_it_kept_once_the_database_is_back(
+    proxied: tuple[TcpProxy, PostgresLedger], pg_url: str
+) -> None:
+    """Traffic stopped with the outage: the records kept through it waited in memory for the
+    next ledger call, which never came (a quiet night, a drained node), and were lost with
+    the process. Now one try per retry interval writes them while something is kept."""
+    proxy, ledger = proxied
+    await ledger.record_usage(record("before"))
+    await outage(proxy, ledger)
+    await ledger.record_usage(record("kept-1"))
+    await ledger.record_usage(record("kept-2"))
+    await proxy.open()
+    deadline = time.monotonic() + 15
+    while await rows_written(pg_url) != ["before", "kept-1", "kept-2"]:
+        assert time.monotonic() < deadline, f"{ledger.waiting} records still waiting"
+        await asyncio.sleep(0.2)
+    assert ledger.waiting == 0
+
+
+async def test_what_was_kept_is_written_whole_at_close_when_the_database_answers(
+    proxied: tuple[TcpProxy, PostgresLedger], pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A clean shutdown (lifespan shutdown, `aclose`) with the database back writes every
+    kept record, however many batches they take, and leaves no pool or drain behind."""
+    proxy, ledger = proxied
+    monkeypatch.setattr(postgres, "_DRAIN_BATCH", 2)
+    await ledger.record_usage(record("before"))
+    await outage(proxy, ledger)
+    kept = [f"kept-{i}" for i in range(7)]
+    for request_id in kept:
+        await ledger.record_usage(record(request_id))
+    await proxy.open()
+    await ledger.aclose()
+    assert ledger.waiting == 0
+    assert await rows_written(pg_url) == ["before", *kept]  # in order
+    await asyncio.sleep(0.5)  # anything left running after the close would write again
+    assert ledger._pool is None and ledger._draining is None
+    assert await rows_written(pg_url) == ["before", *kept]  # in order

@@ -248,7 +248,10 @@ class PostgresLedger(SQLLedgerBase):
         self._outage = OutageLog(logger, "PostgreSQL ledger")  # one WARNING each way
         self._backlog: deque[_Pending] = deque()
         self._backlog_full = False  # said once per outage
-        self._draining: asyncio.Task[None] | None = None
+        self._draining: asyncio.Task[None] | None = None  # one drain at a time
+        # While something is kept, one drain per retry_interval even if no call comes.
+        self._waking: asyncio.TimerHandle | None = None
+        self._waking_loop: asyncio.AbstractEventLoop | None = None
         self._outliving_calls: set[asyncio.Task[Any]] = set()  # holds and settlements
 
     # --- connection and schema --------------------------------------------------------
@@ -331,7 +334,7 @@ class PostgresLedger(SQLLedgerBase):
             raise unavailable(f"PostgreSQL ledger unavailable ({type(exc).__name__})") from None
         self._outage.recovered()
         if self._backlog and self._draining is None:
-            self._draining = asyncio.create_task(self._drain())
+            self._start_drain()
         return result
 
     # --- holds --------------------------------------------------------------------------
@@ -460,7 +463,36 @@ class PostgresLedger(SQLLedgerBase):
                 )
             return False
         self._backlog.append(pending)
+        self._wake_later()
         return True
+
+    def _start_drain(self) -> asyncio.Task[None]:
+        """The drain under way, or a new one: never two at a time (each would take batches
+        off the backlog, and write them out of order)."""
+        if self._draining is None:
+            self._draining = asyncio.create_task(self._drain())
+            self._draining.add_done_callback(_retrieved)
+        return self._draining
+
+    def _wake_later(self) -> None:
+        """A drain in retry_interval, whether or not a call comes: a process whose traffic
+        stopped with the outage writes what it kept once the database is back, not at its
+        next call. Only while something is kept (`_drain` sets the next one)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if self._waking is not None and self._waking_loop is loop:
+            return
+        if self._waking is not None:
+            self._waking.cancel()  # another loop's (it may never run again)
+        self._waking_loop = loop
+        self._waking = loop.call_later(self.retry_interval, self._wake)
+
+    def _wake(self) -> None:
+        self._waking = None
+        if self._backlog:
+            self._start_drain()
 
     @property
     def waiting(self) -> int:
@@ -469,7 +501,8 @@ class PostgresLedger(SQLLedgerBase):
 
     async def _drain(self) -> None:
         """Write the kept records in batches, each one transaction; stops (keeping the
-        rest) when the database is away again: the next call that reaches it resumes."""
+        rest) when the database is away again: the next call that reaches it, or the next
+        try a retry_interval later (`_wake_later`), resumes."""
         written = 0
         try:
             while self._backlog:
@@ -492,6 +525,8 @@ class PostgresLedger(SQLLedgerBase):
             self._backlog_full = False
         finally:
             self._draining = None
+            if self._backlog:  # the database is away again (or was not back yet)
+                self._wake_later()
             if written:
                 logger.info(
                     "PostgreSQL ledger: wrote %d usage records kept through the outage", written
@@ -619,7 +654,10 @@ class PostgresLedger(SQLLedgerBase):
             await asyncio.shield(self._draining)
         if self._backlog:
             self._retry_at = 0.0  # one last try, whatever the outage's pace
-            await self._drain()
+            await asyncio.shield(self._start_drain())
+        if self._waking is not None:  # no try after the close
+            self._waking.cancel()
+            self._waking = None
         if self._backlog:
             logger.warning(
                 "PostgreSQL ledger: %d usage records kept through the outage are lost "
