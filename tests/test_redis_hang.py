@@ -17,7 +17,9 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from fallback_mw.config import BreakerConfig
+from fallback_mw.capacity.model import Ask, Reservation
+from fallback_mw.capacity.redis import RedisCapacity
+from fallback_mw.config import BreakerConfig, RepeatAllowanceConfig
 from fallback_mw.health.redis import RedisHealth
 from tests.helpers import (
     free_port,
@@ -188,3 +190,77 @@ def test_the_warning_reason_never_holds_the_password_however_spelled() -> None:
         reason = health._reason(RedisConnectionError(f"refused for {quoted} at 127.0.0.1"))
         assert "PW-5120" not in reason
         assert reason.startswith("ConnectionError: refused for *** at 127.0.0.1")
+
+
+async def test_a_probe_admission_whose_caller_left_during_a_hang_is_given_back() -> None:
+    """The request left (its client went away, the deadline passed) while its admission of
+    a half-open breaker waited on a hung Redis. The call timed out for nobody: no outage was
+    begun and nothing was noted to give back, and once Redis resumed and ran it, the probe
+    slot was held for nobody: the recovered upstream was skipped for the whole probe lease
+    (30 s or more)."""
+    breaker = BreakerConfig(window=2, min_calls=2, cooldown_ms=200)
+    with own_redis() as redis:
+        url = f"redis://127.0.0.1:{redis.args[2]}/0"
+        health = RedisHealth(
+            url, breaker, socket_timeout=SOCKET_TIMEOUT, retry_interval=RETRY_INTERVAL
+        )
+        inspect = aioredis.Redis.from_url(url, decode_responses=True)
+        key = "fallback_mw:breaker:p"
+        try:
+            for _ in range(2):
+                assert await health.admit("p")
+                await health.record("p", failure=True)
+            assert await health.admit("p") is False  # open
+            await asyncio.sleep(0.25)  # its cooldown is over: the next admission probes
+            redis.send_signal(signal.SIGSTOP)
+            caller = asyncio.ensure_future(health.admit("p"))
+            await asyncio.sleep(0.1)  # sent; nothing answers
+            caller.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await caller
+            await asyncio.sleep(SOCKET_TIMEOUT * 2)  # its call timed out, for nobody
+            redis.send_signal(signal.SIGCONT)  # Redis runs it: the slot is taken
+            until = time.monotonic() + 10
+            while not await inspect.hget(key, "owner"):
+                assert time.monotonic() < until, "the admission never ran"
+                await asyncio.sleep(0.02)
+            while await inspect.hget(key, "probe") != "0":
+                assert time.monotonic() < until, "the probe slot was not given back"
+                await asyncio.sleep(0.02)
+            await shared_again(health)
+            assert await health.admit("p") is True  # the probe, not the lease's skip
+        finally:
+            await inspect.aclose()
+            await health.aclose()
+
+
+async def test_a_capacity_count_whose_caller_left_while_redis_hung_is_given_back() -> None:
+    """The request left while its capacity count waited on a Redis that hung for less than
+    the socket timeout: the script ran and counted the attempt, its answer came to nobody,
+    and the count was never taken back: the upstream's `rpm` had one attempt less for a
+    minute (with a small `rpm`, every request skipped it with reason `capacity`)."""
+    with own_redis() as redis:
+        url = f"redis://127.0.0.1:{redis.args[2]}/0"
+        health = RedisHealth(url, socket_timeout=3.0, retry_interval=RETRY_INTERVAL)
+        capacity = RedisCapacity(health, RepeatAllowanceConfig())
+        ask = Ask(rpm=1, tpm=None, tokens=0, repeat=False)
+        try:
+            warm = await capacity.reserve("u", ask)  # the script is loaded
+            assert isinstance(warm, Reservation)
+            await capacity.cancel(warm)
+            redis.send_signal(signal.SIGSTOP)
+            caller = asyncio.ensure_future(capacity.reserve("u", ask))
+            await asyncio.sleep(0.2)  # sent; nothing answers
+            caller.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await caller
+            redis.send_signal(signal.SIGCONT)  # it runs and counts; its answer is late
+            until = time.monotonic() + 10
+            await asyncio.sleep(0.2)
+            while await capacity.free_in("u", ask) != 0.0:
+                assert time.monotonic() < until, "the count was not given back"
+                await asyncio.sleep(0.05)
+            assert health.available
+            assert isinstance(await capacity.reserve("u", ask), Reservation)
+        finally:
+            await health.aclose()

@@ -122,6 +122,21 @@ return out
 """
 
 
+def _undo_admit(
+    keys: list[str], args: list[Any], result: Any
+) -> tuple[str, str, list[str], list[Any]] | None:
+    """ADJUST taking back what an ADMIT whose caller gave up (cancelled while it waited for
+    Redis) counted: nobody will make, settle or cancel that attempt. The first attempts it
+    deposited stay (they were made)."""
+    if str(result[0]) != "ok":
+        return None
+    second = int(result[1])
+    deltas: list[Any] = [f"{'p' if args[0] == '1' else 'f'}:{second}", -1]
+    if args[1] == "1":  # counted against declared capacity
+        deltas += [f"r:{second}", -1, f"t:{second}", -int(args[4])]
+    return "capacity_adjust", ADJUST, keys, deltas
+
+
 class RedisCapacity:
     """The counts in Redis, on the health state's connections (one bounded pool per
     process, one outage warning): `redis` is the gateway's `RedisHealth`."""
@@ -186,6 +201,7 @@ class RedisCapacity:
                 self.ttl_ms,
                 pending,
             ],
+            undo=_undo_admit,  # made once, not per reservation
         )
         if result is None:  # Redis unreachable: this process counts alone for now
             if pending:

@@ -117,6 +117,12 @@ async def _nothing() -> None:
 _UNAVAILABLE = _Unavailable()
 
 
+# What takes back a script call's effect when its caller gave up before the answer came:
+# given the call's keys, args and result, the script call to run, (name, source, keys,
+# args), or None: nothing to undo.
+Undo = Callable[[list[str], list[Any], Any], tuple[str, str, list[str], list[Any]] | None]
+
+
 class _ScriptCall(NamedTuple):
     """A script call waiting for its pipeline."""
 
@@ -124,6 +130,7 @@ class _ScriptCall(NamedTuple):
     source: str
     keys: list[str]
     args: list[Any]
+    undo: Undo | None = None
 
 
 class RedisHealth:
@@ -253,10 +260,13 @@ class RedisHealth:
             script = self._scripts[name] = client.register_script(source)
         return script
 
-    async def _run(self, name: str, source: str, keys: list[str], args: list[Any]) -> Any:
+    async def _run(
+        self, name: str, source: str, keys: list[str], args: list[Any], undo: Undo | None = None
+    ) -> Any:
         """One script call. The calls of this process ready on one turn of the event loop
         go to Redis together, in one pipeline (one round trip, without MULTI: each script
-        is atomic on its own, as before, and they run in the order they were made)."""
+        is atomic on its own, as before, and they run in the order they were made).
+        `undo`: what takes its effect back if its caller gives up before the answer."""
         if self._outage:  # nobody waits for a Redis that failed: a PING tries it again
             self._try_again()
             return self._fell_back()
@@ -264,7 +274,7 @@ class RedisHealth:
         group = self._group
         if group is None or group.loop is not loop:
             group = self._group = Group(loop, self._send_group)
-        return await group.join(_ScriptCall(name, source, keys, args))
+        return await group.join(_ScriptCall(name, source, keys, args, undo))
 
     def _send_group(self, calls: list[Pending[_ScriptCall]]) -> None:
         task = asyncio.get_running_loop().create_task(self._send(calls))
@@ -279,20 +289,32 @@ class RedisHealth:
             fail(calls, exc)
             raise
         for call, result in zip(calls, results, strict=True):
+            # A pipeline on a pool an outage retired (sent before the outage began) neither
+            # ends the outage nor starts another: it answers its own calls only.
+            current = client is self._client
+            lost = isinstance(result, RedisError | OSError)
+            if lost and call.item.name == "admit" and len(self._unanswered) < 10_000:
+                # Sent, no answer: Redis may still run it (a hang ends) and give this
+                # admission a probe slot nobody uses. Given back once Redis is back, also
+                # when its caller gave up meanwhile.
+                self._unanswered.append((call.item.keys[0], call.item.args[3]))
             if call.future.done():  # its caller was cancelled; the call stands
+                if lost:
+                    if current:  # Redis failed all the same: the outage begins
+                        self._begin_outage(result)
+                    continue
+                if current:
+                    self._recovered()
                 if call.item.name == "admit" and _took_probe(result):
                     # ...and made its admission the half-open probe: nobody will end it,
                     # and every request would skip the upstream for the probe's lease.
                     self._give_back_soon([(call.item.keys[0], call.item.args[3])])
+                elif call.item.undo is not None:  # e.g. a capacity count nobody will use
+                    undo = call.item.undo(call.item.keys, call.item.args, result)
+                    if undo is not None:
+                        self._undo_soon(_ScriptCall(*undo))
                 continue
-            # A pipeline on a pool an outage retired (sent before the outage began) neither
-            # ends the outage nor starts another: it answers its own calls only.
-            current = client is self._client
-            if isinstance(result, RedisError | OSError):
-                if call.item.name == "admit" and len(self._unanswered) < 10_000:
-                    # Sent, no answer: Redis may still run it (a hang ends) and give this
-                    # admission a probe slot nobody uses. Given back once Redis is back.
-                    self._unanswered.append((call.item.keys[0], call.item.args[3]))
+            if lost:
                 call.future.set_result(self._failed(result) if current else self._fell_back())
             else:
                 if current:
@@ -326,6 +348,10 @@ class RedisHealth:
         return _UNAVAILABLE
 
     def _failed(self, exc: BaseException) -> _Unavailable:
+        self._begin_outage(exc)
+        return self._fell_back()
+
+    def _begin_outage(self, exc: BaseException) -> None:
         if not self._outage:
             self._outage = True
             self.outage_reason = self._reason(exc)
@@ -338,7 +364,6 @@ class RedisHealth:
                 self.outage_reason,
                 self.retry_interval,
             )
-        return self._fell_back()
 
     def _reason(self, exc: BaseException) -> str:
         """The error's class and Redis's (or the socket's) words: a wrong password, a
@@ -458,6 +483,15 @@ class RedisHealth:
         for key, number in admissions:
             await self._run("give_back", GIVE_BACK, [key], [self._owner, number])
 
+    def _undo_soon(self, undo: _ScriptCall) -> None:
+        """Run `undo` in the background (a call whose caller gave up is taken back); a
+        Redis away again by then leaves it undone (a capacity count: for its minute)."""
+        task = asyncio.get_running_loop().create_task(
+            self._run(undo.name, undo.source, undo.keys, undo.args)
+        )
+        self._giving_back.add(task)
+        task.add_done_callback(self._giving_back.discard)
+
     def _retire(self) -> None:
         """An outage began: its tries, and the calls after it, are made on a new pool. This
         one's connections may be dead, and redis-py 8 hands an idle one out unchecked (it
@@ -494,12 +528,20 @@ class RedisHealth:
         return convert(result)
 
     async def run_script(
-        self, name: str, source: str, keys: list[str], args: list[Any]
+        self,
+        name: str,
+        source: str,
+        keys: list[str],
+        args: list[Any],
+        *,
+        undo: Undo | None = None,
     ) -> Any | None:
         """Run a Lua script on this state's connections (the capacity counts share them):
         its result, or None while Redis is unreachable (the caller then serves on its
-        local state; the outage is logged and counted here, once)."""
-        result = await self._run(name, source, keys, args)
+        local state; the outage is logged and counted here, once). `undo(keys, args,
+        result)`: the script call that takes back what it did, run when its caller gave
+        up (cancelled) before the answer came; made once, not per call."""
+        result = await self._run(name, source, keys, args, undo)
         return None if isinstance(result, _Unavailable) else result
 
     @property
