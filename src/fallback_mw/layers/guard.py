@@ -31,6 +31,7 @@ from fallback_mw.budget import (
 )
 from fallback_mw.budget.cost import PriceBook, format_money, to_units
 from fallback_mw.config import BudgetConfig, ConfigError, ConfigSource, as_config
+from fallback_mw.injected import require
 from fallback_mw.request.body import decoded_request_json, read_body, request_json
 from fallback_mw.request.config_refusal import ConfigRefusal
 from fallback_mw.request.context import (
@@ -121,6 +122,8 @@ class BudgetGuard:
         ledger: Ledger | None = None,
         telemetry: Telemetry | None = None,
     ) -> None:
+        require(ledger, Ledger, parameter="ledger", owner="BudgetGuard")
+        require(telemetry, Telemetry, parameter="telemetry", owner="BudgetGuard")
         self.app = app
         try:
             config = as_config(config, check_env=False)  # it reads no credential

@@ -16,6 +16,7 @@ import anyio
 from fallback_mw.budget import Ledger
 from fallback_mw.config import DEFAULT_METHODS, ConfigError, ConfigSource, as_config
 from fallback_mw.credentials import CredentialCache
+from fallback_mw.injected import require, require_callable, require_environ
 from fallback_mw.layers.limits import InFlight, header_refusal
 from fallback_mw.request.config_refusal import ConfigRefusal
 from fallback_mw.request.context import SCOPE_KEY, RequestContext
@@ -105,6 +106,13 @@ class RouteResolver:
         ledger: Ledger | None = None,
         environ: Mapping[str, str] | None = None,
     ) -> None:
+        owner = "RouteResolver"
+        require_callable(
+            table, parameter="table", owner=owner, takes="a function returning the RouteTable"
+        )
+        require(telemetry, Telemetry, parameter="telemetry", owner=owner)
+        require(ledger, Ledger, parameter="ledger", owner=owner)
+        require_environ(environ, owner=owner)
         self.app = app
         try:
             config = as_config(config, check_env=False)  # it forwards no credential

@@ -29,6 +29,7 @@ from fallback_mw.failover.decide import (
 from fallback_mw.faults import FaultSource
 from fallback_mw.health import HealthState
 from fallback_mw.health.pool import affinity_key
+from fallback_mw.injected import require, require_client, require_environ
 from fallback_mw.layers.walker.cursor import CandidateCursor, Pick, skip_recorder
 from fallback_mw.layers.walker.disconnect import DisconnectWatch
 from fallback_mw.layers.walker.hedge import run_hedged
@@ -68,6 +69,14 @@ class PlanWalker:
         telemetry: Telemetry | None = None,
         capacity: CapacityState | None = None,
     ) -> None:
+        owner = "PlanWalker"
+        require(services, Services, parameter="services", owner=owner)
+        require_client(client, UpstreamClient, owner=owner)
+        require(health, HealthState, parameter="health", owner=owner)
+        require(faults, FaultSource, parameter="faults", owner=owner)
+        require(telemetry, Telemetry, parameter="telemetry", owner=owner)
+        require(capacity, CapacityState, parameter="capacity", owner=owner)
+        require_environ(environ, owner=owner)
         self.app = app
         try:
             config = as_config(config, environ=environ)

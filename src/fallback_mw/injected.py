@@ -1,0 +1,94 @@
+"""What a host hands `Gateway` or a layer in place of a piece it would build (`client=`,
+`health=`, `faults=`, `ledger=`, `capacity=`, `telemetry=`, `services=`, `table=`,
+`environ=`), checked once, at construction: an object without the interface's methods
+failed every request with an AttributeError deep in the walk. Nothing here runs per
+request. The interfaces themselves are the callers' to name (this module imports none)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+
+
+def _public_path(interface: type) -> str:
+    """Where a user imports `interface` from: the shortest package above its module that
+    exports it (`fallback_mw.budget.Ledger`, not `fallback_mw.budget.ledger.Ledger`)."""
+    parts = interface.__module__.split(".")
+    for end in range(1, len(parts) + 1):
+        module = sys.modules.get(".".join(parts[:end]))
+        if module is not None and getattr(module, interface.__name__, None) is interface:
+            return f"{module.__name__}.{interface.__name__}"
+    return f"{interface.__module__}.{interface.__qualname__}"
+
+
+def _methods(protocol: type) -> list[str]:
+    """The public methods a Protocol declares (its own and its bases')."""
+    names: dict[str, None] = {}
+    for base in reversed(protocol.__mro__):
+        if base is object or not getattr(base, "_is_protocol", False):
+            continue
+        for name, member in vars(base).items():
+            if not name.startswith("_") and callable(member):
+                names[name] = None
+    return list(names)
+
+
+def _what(value: object) -> str:
+    kind = type(value)
+    return (
+        kind.__qualname__
+        if kind.__module__ == "builtins"
+        else f"{kind.__module__}.{kind.__qualname__}"
+    )
+
+
+def require(value: object, interface: type, *, parameter: str, owner: str) -> None:
+    """Refuse `value` (TypeError naming `owner`'s `parameter` and the interface) unless it
+    is None or implements `interface`: a Protocol's methods (checked by name, as
+    `runtime_checkable` would), or an instance of a concrete class."""
+    if value is None:
+        return
+    where = _public_path(interface)
+    if getattr(interface, "_is_protocol", False):
+        methods = _methods(interface)
+        if isinstance(value, type):
+            raise TypeError(
+                f"{owner}: {parameter}= takes an instance implementing {where}, not the class "
+                f"{value.__qualname__} itself: pass {value.__qualname__}(...)"
+            )
+        missing = [name for name in methods if not callable(getattr(value, name, None))]
+        if missing:
+            lacks = "none of them" if missing == methods else f"no {', '.join(missing)}"
+            raise TypeError(
+                f"{owner}: {parameter}= must implement {where} (methods: {', '.join(methods)});"
+                f" {_what(value)} has {lacks}"
+            )
+        return
+    if not isinstance(value, interface):
+        article = "the class itself" if isinstance(value, type) else _what(value)
+        raise TypeError(f"{owner}: {parameter}= takes a {where} instance, not {article}")
+
+
+def require_client(value: object, interface: type, *, owner: str) -> None:
+    """`client=`: an UpstreamClient. An httpx client or transport has a `send` / `aclose`
+    of its own, with other arguments: it is wrapped, never taken as one."""
+    httpx_made = type(value).__module__.split(".")[0] == "httpx"
+    if value is not None and (httpx_made or hasattr(value, "handle_async_request")):
+        raise TypeError(
+            f"{owner}: client= takes a {_public_path(interface)}, not {_what(value)}: wrap an "
+            "httpx transport as fallback_mw.upstream.httpx_engine.HttpxClient(transport=...)"
+        )
+    require(value, interface, parameter="client", owner=owner)
+
+
+def require_callable(value: object, *, parameter: str, owner: str, takes: str) -> None:
+    if value is not None and not callable(value):
+        raise TypeError(f"{owner}: {parameter}= takes {takes}, not {_what(value)}")
+
+
+def require_environ(value: object, *, owner: str) -> None:
+    if value is not None and not isinstance(value, Mapping):
+        raise TypeError(
+            f"{owner}: environ= takes a mapping of environment variables (os.environ, a dict), "
+            f"not {_what(value)}"
+        )

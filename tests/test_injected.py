@@ -1,0 +1,193 @@
+"""What a host hands `Gateway` or a layer in place of a piece it would build (`client=`,
+`health=`, `faults=`, `ledger=`, `capacity=`, `telemetry=`, `services=`, `table=`,
+`environ=`) is checked when it is built. A developer who passed the wrong object got no
+error at construction and an AttributeError deep in the walk on every request (a 500, or
+an `internal_error` log line); `telemetry=` failed with an AttributeError from the
+services. Now the constructor raises a TypeError naming the parameter and the interface,
+and everything the package ships (and the documented doubles) still passes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from fallback_mw import BudgetGuard, CredentialInjector, Gateway, PlanWalker, RouteResolver
+from fallback_mw.budget import Ledger
+from fallback_mw.capacity import CapacityState
+from fallback_mw.faults import FaultSource
+from fallback_mw.health import AlwaysHealthy, HealthState
+from fallback_mw.injected import require
+from fallback_mw.upstream import UpstreamClient
+from fallback_mw.upstream.httpx_engine import HttpxClient
+from tests.helpers import client_for
+from tests.upstreams import host_app
+
+pytestmark = pytest.mark.anyio
+
+
+def config(**gateway: Any) -> dict[str, Any]:
+    return {
+        "gateway": {"allow_hosts": ["127.0.0.1"], **gateway},
+        "upstreams": {"primary": {"url": "http://127.0.0.1:9"}},
+        "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+    }
+
+
+Build = Callable[..., object]
+LAYERS: dict[str, Build] = {
+    "Gateway": lambda **kw: Gateway(host_app, config=config(), **kw),
+    "BudgetGuard": lambda **kw: BudgetGuard(host_app, config=config(), **kw),
+    "RouteResolver": lambda **kw: RouteResolver(host_app, config=config(), **kw),
+    "CredentialInjector": lambda **kw: CredentialInjector(host_app, config=config(), **kw),
+    "PlanWalker": lambda **kw: PlanWalker(host_app, config=config(), **kw),
+}
+# (constructor, parameter, what the error names)
+INJECTABLES = [
+    ("Gateway", "client", "fallback_mw.upstream.UpstreamClient"),
+    ("Gateway", "health", "fallback_mw.health.HealthState"),
+    ("Gateway", "faults", "fallback_mw.faults.FaultSource"),
+    ("Gateway", "ledger", "fallback_mw.budget.Ledger"),
+    ("Gateway", "telemetry", "fallback_mw.telemetry.Telemetry"),
+    ("Gateway", "environ", "mapping"),
+    ("BudgetGuard", "ledger", "fallback_mw.budget.Ledger"),
+    ("BudgetGuard", "telemetry", "fallback_mw.telemetry.Telemetry"),
+    ("RouteResolver", "table", "function returning the RouteTable"),
+    ("RouteResolver", "telemetry", "fallback_mw.telemetry.Telemetry"),
+    ("RouteResolver", "ledger", "fallback_mw.budget.Ledger"),
+    ("RouteResolver", "environ", "mapping"),
+    ("CredentialInjector", "environ", "mapping"),
+    ("PlanWalker", "services", "fallback_mw.services.Services"),
+    ("PlanWalker", "client", "fallback_mw.upstream.UpstreamClient"),
+    ("PlanWalker", "health", "fallback_mw.health.HealthState"),
+    ("PlanWalker", "faults", "fallback_mw.faults.FaultSource"),
+    ("PlanWalker", "telemetry", "fallback_mw.telemetry.Telemetry"),
+    ("PlanWalker", "capacity", "fallback_mw.capacity.CapacityState"),
+    ("PlanWalker", "environ", "mapping"),
+]
+
+
+class Unrelated:
+    """Has none of any interface's methods (a `table=` is called, so it is not callable)."""
+
+
+@pytest.mark.parametrize(("layer", "parameter", "interface"), INJECTABLES)
+def test_a_wrong_object_is_refused_at_construction_naming_the_parameter_and_interface(
+    layer: str, parameter: str, interface: str
+) -> None:
+    with pytest.raises(TypeError) as raised:
+        LAYERS[layer](**{parameter: Unrelated()})
+    message = str(raised.value)
+    assert message.startswith(f"{layer}: {parameter}= "), message
+    assert interface in message, message
+    assert "Unrelated" in message, message
+
+
+def test_it_is_refused_even_when_the_configuration_does_not_load() -> None:
+    # A config error is kept for the lifespan; a wrong object is the host's code.
+    with pytest.raises(TypeError, match=r"ledger= must implement fallback_mw\.budget\.Ledger"):
+        Gateway(host_app, config="no-such-gateway.toml", ledger=Unrelated())
+
+
+def test_a_double_missing_one_method_is_named() -> None:
+    class Faults:
+        async def upstream_fault(self, upstream: str) -> None:
+            return None
+
+        async def aclose(self) -> None:
+            return None
+
+    with pytest.raises(TypeError) as raised:
+        Gateway(host_app, config=config(), faults=Faults())
+    assert "has no pinned_candidate" in str(raised.value), raised.value
+
+
+def test_the_class_instead_of_an_instance_says_to_build_one() -> None:
+    with pytest.raises(TypeError, match=r"not the class AlwaysHealthy itself: pass AlwaysHealthy"):
+        Gateway(host_app, config=config(), health=AlwaysHealthy)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", ["transport", "client"])
+async def test_an_httpx_transport_or_client_as_client_says_how_to_wrap_it(kind: str) -> None:
+    # httpx.AsyncClient has a `send` and an `aclose` of its own: named, not taken.
+    transport = httpx.MockTransport(lambda request: httpx.Response(200))
+    given: Any = transport if kind == "transport" else httpx.AsyncClient(transport=transport)
+    try:
+        with pytest.raises(TypeError, match=r"HttpxClient\(transport=\.\.\.\)"):
+            Gateway(host_app, config=config(), client=given)
+    finally:
+        await given.aclose()
+
+
+async def test_the_documented_httpx_double_and_a_partial_health_double_still_serve() -> None:
+    class PrimaryOpen(AlwaysHealthy):  # a double subclassing the shipped no-op state
+        async def admit(self, upstream: str, **_: Any) -> bool:
+            return upstream != "primary"
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, stream=httpx.ByteStream(request.url.host.encode()))
+
+    mock = HttpxClient(allow_hosts=["127.0.0.1"], transport=httpx.MockTransport(answer))
+    gateway = Gateway(host_app, config=config(), client=mock)
+    try:
+        async with client_for(gateway) as client:
+            response = await client.get("/v1/models")
+            assert response.status_code == 200, response.text
+            assert response.text == "127.0.0.1"
+    finally:
+        await gateway.aclose()
+    gateway = Gateway(host_app, config=config(), health=PrimaryOpen())
+    try:
+        async with client_for(gateway) as client:
+            assert (await client.get("/v1/models")).status_code == 503
+    finally:
+        await gateway.aclose()
+
+
+def check_shipped(gateway: Gateway) -> None:
+    services = gateway.services
+    for value, interface, parameter in (
+        (services.client, UpstreamClient, "client"),
+        (services.health, HealthState, "health"),
+        (services.faults, FaultSource, "faults"),
+        (services.capacity, CapacityState, "capacity"),
+        (services.ledger, Ledger, "ledger"),
+    ):
+        require(value, interface, parameter=parameter, owner="Gateway")
+    # and handed to the layers, as Gateway hands them
+    PlanWalker(host_app, config=gateway.config, services=services)
+    BudgetGuard(
+        host_app, config=gateway.config, ledger=services.ledger, telemetry=services.telemetry
+    )
+    RouteResolver(host_app, config=gateway.config, table=services.table, ledger=services.ledger)
+
+
+@pytest.mark.parametrize("engine", ["aiohttp", "httpx"])
+async def test_what_the_package_builds_in_memory_passes_its_own_check(engine: str) -> None:
+    gateway = Gateway(host_app, config=config(engine=engine))
+    try:
+        check_shipped(gateway)
+    finally:
+        await gateway.aclose()
+
+
+async def test_what_the_package_builds_on_sqlite_and_redis_passes_its_own_check(
+    tmp_path: Path, redis_url: str
+) -> None:
+    store = f"sqlite:///{tmp_path / 'gateway.db'}"
+    gateway = Gateway(host_app, config=config(store=store, state=redis_url))
+    try:
+        check_shipped(gateway)
+    finally:
+        await gateway.aclose()
+
+
+async def test_what_the_package_builds_on_postgresql_passes_its_own_check(pg_url: str) -> None:
+    gateway = Gateway(host_app, config=config(store=pg_url))
+    try:
+        check_shipped(gateway)
+    finally:
+        await gateway.aclose()
