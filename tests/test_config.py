@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from fallback_mw import ConfigError, GatewayConfig, load_config
+from fallback_mw import ConfigError, Gateway, GatewayConfig, load_config
+from tests.upstreams import host_app
 
 ENV = {"PRIMARY_KEY": "sk-very-secret-value", "BACKUP_KEY": "sk-other-secret"}
 
@@ -378,6 +379,43 @@ def test_a_missing_relative_config_file_says_where_it_was_looked_for(
     with pytest.raises(ConfigError) as absolute:
         load_config(tmp_path / "absent.toml")
     assert str(absolute.value) == f"configuration file {str(tmp_path / 'absent.toml')!r} not found"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '[gateway]\nallow_hosts = ["127.0.0.1"]\n\n[upstreams.primary]\nauth_env = "SECRET_NAME"\n',
+        "  [gateway]",  # one line: read as a file name, then recognised
+        "gateway.deadline_ms = 3000",
+        "[gateway]\n# " + "x" * 5000,  # longer than a file name may be
+        "[gateway] " + "x" * 5000,
+    ],
+)
+def test_toml_text_given_as_config_says_what_config_takes_without_echoing_it(
+    text: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Gateway(app, config=TOML_TEXT) read the text as a file name: "configuration file
+    # '[gateway]\nallow_hosts = ...' not found (looked for /srv/[gateway]\n...)", the whole
+    # text twice, and no word of what config= takes.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as raised:
+        load_config(text)
+    message = str(raised.value)
+    assert message == (
+        "config= was given TOML text, not the path of a file: config= takes the path of a "
+        "TOML file, a mapping (dict) or a GatewayConfig; for TOML text, pass tomllib.loads(text)"
+    )
+    gateway = Gateway(host_app, config=text)
+    assert gateway.config_error is not None and "tomllib.loads(text)" in gateway.config_error
+    assert "[gateway]" not in gateway.config_error and "SECRET_NAME" not in gateway.config_error
+
+
+def test_a_file_whose_name_looks_like_toml_is_still_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "[prod] gateway.toml").write_text("[gateway]\ndeadline_ms = 3000\n")
+    assert load_config("[prod] gateway.toml").gateway.deadline_ms == 3000
 
 
 def test_missing_file_and_bad_toml(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from decimal import ROUND_DOWN, Decimal
 from pathlib import Path
 from types import UnionType
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, NoReturn, Union, get_args, get_origin
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -807,6 +807,32 @@ def parse_config(data: Mapping[str, Any]) -> GatewayConfig:
 
 MAX_CONFIG_BYTES = 4 * 1024 * 1024
 
+# `config="[gateway]\n..."` was read as a file name: "configuration file '[gateway]\n...'
+# not found", the whole text repeated (its hosts, its variables' names). Never quoted back.
+TOML_TEXT = (
+    "config= was given TOML text, not the path of a file: config= takes the path of a TOML "
+    "file, a mapping (dict) or a GatewayConfig; for TOML text, pass tomllib.loads(text)"
+)
+
+
+def _looks_like_toml(name: str) -> bool:
+    """A name no configuration file has, but TOML text does: a table header first, or a
+    `key = value` (one-line text; asked only once no file of that name could be read)."""
+    return name.lstrip().startswith("[") or " = " in name
+
+
+def _unreadable(exc: OSError, path: Path, name: str) -> NoReturn:
+    if isinstance(exc, FileNotFoundError):
+        # A relative path is the server's working directory's: often not where the config
+        # is (a Django FALLBACK_MW setting, a service manager's cwd). Say where it looked.
+        where = "" if path.is_absolute() else f" (looked for {path.absolute()})"
+        raise ConfigError(f"configuration file {name} not found{where}") from None
+    if isinstance(exc, IsADirectoryError):
+        raise ConfigError(f"configuration file {name} is a directory, not a file") from None
+    if isinstance(exc, PermissionError):
+        raise ConfigError(f"configuration file {name} cannot be read (permission denied)") from None
+    raise ConfigError(f"configuration file {name} cannot be read ({exc.strerror})") from None
+
 
 def read_config_file(path: Path) -> dict[str, Any]:
     """The TOML table in `path`; every way the file can be unreadable is one ConfigError
@@ -815,17 +841,10 @@ def read_config_file(path: Path) -> dict[str, Any]:
     try:
         with path.open("rb") as file:
             raw = file.read(MAX_CONFIG_BYTES + 1)
-    except FileNotFoundError:
-        # A relative path is the server's working directory's: often not where the config
-        # is (a Django FALLBACK_MW setting, a service manager's cwd). Say where it looked.
-        where = "" if path.is_absolute() else f" (looked for {path.absolute()})"
-        raise ConfigError(f"configuration file {name} not found{where}") from None
-    except IsADirectoryError:
-        raise ConfigError(f"configuration file {name} is a directory, not a file") from None
-    except PermissionError:
-        raise ConfigError(f"configuration file {name} cannot be read (permission denied)") from None
     except OSError as exc:
-        raise ConfigError(f"configuration file {name} cannot be read ({exc.strerror})") from None
+        if _looks_like_toml(str(path)):
+            raise ConfigError(TOML_TEXT) from None
+        _unreadable(exc, path, name)
     if len(raw) > MAX_CONFIG_BYTES:
         raise ConfigError(f"configuration file {name} is larger than 4 MiB")
     try:
@@ -854,6 +873,8 @@ def load_config(
         config = source
     elif isinstance(source, Mapping):
         config = parse_config(source)
+    elif isinstance(source, str) and "\n" in source:  # no configuration file's name
+        raise ConfigError(TOML_TEXT)
     elif isinstance(source, str | os.PathLike) and not isinstance(os.fspath(source), bytes):
         config = parse_config(read_config_file(Path(source)))
     else:
