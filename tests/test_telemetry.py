@@ -1122,6 +1122,60 @@ def test_the_zero_series_are_exported_when_the_hosts_sdk_comes_after_the_gateway
     ), done.stdout
 
 
+SHARED_PIECES_AFTER_THE_GATEWAY = """
+import asyncio, sys
+from opentelemetry import metrics
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from fallback_mw import Gateway
+
+async def app(scope, receive, send):
+    pass
+
+config = {
+    "gateway": {"allow_hosts": ["127.0.0.1"], "state": sys.argv[1], "store": sys.argv[2]},
+    "upstreams": {"primary": {"url": "http://127.0.0.1:9"}},
+    "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+}
+gateway = Gateway(app, config=config)  # built first: the host installs its SDK later
+reader = InMemoryMetricReader()
+metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+for rm in reader.get_metrics_data().resource_metrics:
+    for sm in rm.scope_metrics:
+        for m in sm.metrics:
+            if m.name in ("gateway.health.local_fallbacks", "gateway.store.reload_refused"):
+                print(m.name, [p.value for p in m.data.data_points])
+asyncio.run(gateway.aclose())
+"""
+
+
+def test_the_shared_state_and_store_zero_series_are_exported_when_the_sdk_comes_after(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """The same gap as the gateway's own counters had, left for the pieces beside it: with
+    the host's global SDK installed after the Gateway was built, the Redis state's
+    `gateway.health.local_fallbacks` and the route store's `gateway.store.reload_refused`
+    were not exported at 0 (the API's proxy dropped the `add(0)`), so the first outage or
+    refused reload appeared at its count and `increase(...) > 0`
+    (FallbackMwSharedStateUnreachable) read it as nothing. Added again at the first
+    collection, as the gateway's own are."""
+    import subprocess
+    import sys
+
+    store = f"sqlite:///{tmp_path / 'gateway.db'}"
+    done = subprocess.run(
+        [sys.executable, "-W", "error", "-c", SHARED_PIECES_AFTER_THE_GATEWAY, redis_url, store],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == [
+        "gateway.health.local_fallbacks [0]",
+        "gateway.store.reload_refused [0]",
+    ], done.stdout
+
+
 async def test_every_configured_upstream_s_breaker_is_in_the_gauge_from_the_start(
     recorded: Recorded,
 ) -> None:

@@ -137,6 +137,7 @@ def build_services(
             settings.store,
             environ=environ,
             meter_provider=meter_provider or telemetry.meter_provider,
+            series_at_zero=telemetry.series_at_zero,
         )
         runtime.load_initial()
         table = runtime.table
@@ -147,6 +148,7 @@ def build_services(
         on_observed=telemetry.breaker_seen,
         meter_provider=telemetry.meter_provider,
         pools={name: u.credential_envs for name, u in config.upstreams.items()},
+        series_at_zero=telemetry.series_at_zero,
     )
     if runtime is not None:  # a fault that ends resets the breakers its outcomes opened
         runtime.on_fault_cleared = health.reset_fault
@@ -165,7 +167,7 @@ def build_services(
     faults = faults or (runtime.faults if runtime is not None else NoFaults())
     capacity = capacity or create_capacity(
         settings.state, settings.repeat_budget, health=health,
-        meter_provider=telemetry.meter_provider,
+        meter_provider=telemetry.meter_provider, series_at_zero=telemetry.series_at_zero,
     )  # fmt: skip
     shadows = ShadowTraffic(
         client=client, health=health, capacity=capacity, faults=faults, telemetry=telemetry,

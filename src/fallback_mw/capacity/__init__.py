@@ -27,7 +27,7 @@ from fallback_mw.store_url import is_redis_url
 from fallback_mw.tokens import estimate_tokens
 
 if TYPE_CHECKING:
-    from opentelemetry.metrics import MeterProvider
+    from opentelemetry.metrics import Counter, MeterProvider
 
     from fallback_mw.config import RepeatAllowanceConfig, UpstreamConfig
     from fallback_mw.health import HealthState
@@ -66,6 +66,7 @@ def create_capacity(
     *,
     health: HealthState | None = None,
     meter_provider: MeterProvider | None = None,
+    series_at_zero: Callable[[Counter], None] | None = None,
 ) -> CapacityState:
     """The counters for `gateway.state`: memory, or Redis (shared by every process, on the
     Redis health state's connections when `health` is one)."""
@@ -75,7 +76,7 @@ def create_capacity(
 
         if isinstance(health, RedisHealth):
             return RedisCapacity(health, allowance)
-        own = RedisHealth(state, meter_provider=meter_provider)
+        own = RedisHealth(state, meter_provider=meter_provider, series_at_zero=series_at_zero)
         return RedisCapacity(own, allowance, owned=True)
     from fallback_mw.capacity.memory import MemoryCapacity
 

@@ -10,9 +10,9 @@ from fallback_mw.health.pool import Selection
 from fallback_mw.store_url import is_redis_url
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
-    from opentelemetry.metrics import MeterProvider
+    from opentelemetry.metrics import Counter, MeterProvider
 
     from fallback_mw.config import BreakerConfig
 
@@ -211,12 +211,14 @@ def create_health(
     on_observed: TransitionListener | None = None,
     meter_provider: MeterProvider | None = None,
     pools: Mapping[str, Sequence[str]] | None = None,
+    series_at_zero: Callable[[Counter], None] | None = None,
 ) -> HealthState:
     """The health state named by `gateway.state`: "memory://" (per process, the default)
     or "redis://..." / "rediss://..." (shared; `?prefix=` namespaces the keys).
     `on_transition` hears every breaker transition this process makes (the gateway's
     telemetry), `on_observed` each one another process made to a shared breaker; `pools`: each
-    upstream's credential variables, which name a pool's keys in Redis."""
+    upstream's credential variables, which name a pool's keys in Redis; `series_at_zero`
+    exports the Redis state's counter at 0 (Telemetry.series_at_zero)."""
     if state in ("memory://", "memory", ""):
         from fallback_mw.health.memory import MemoryHealth
 
@@ -226,6 +228,6 @@ def create_health(
 
         return RedisHealth(
             state, breaker, on_transition=on_transition, on_observed=on_observed,
-            meter_provider=meter_provider, pools=pools,
+            meter_provider=meter_provider, pools=pools, series_at_zero=series_at_zero,
         )  # fmt: skip
     raise StateURLError('state must be "memory://" or "redis://host:port/db[?prefix=...]"')

@@ -149,6 +149,7 @@ class RedisHealth:
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         pool_timeout: float = 2.0,
         pools: Mapping[str, Sequence[str]] | None = None,
+        series_at_zero: Callable[[metrics.Counter], None] | None = None,
     ) -> None:
         self.on_transition = on_transition
         # Told of a state another process moved the shared breaker to (the gauge follows
@@ -172,8 +173,12 @@ class RedisHealth:
             description="Health operations served from local memory because Redis was unreachable",
         )
         # Exported at 0 from the start: an outage's first calls are then an increase
-        # (`increase(...) > 0` cannot see a series that first appears at its count).
-        self.local_fallbacks.add(0)
+        # (`increase(...) > 0` cannot see a series that first appears at its count). The
+        # gateway's telemetry adds it again once a host's SDK installed later collects.
+        if series_at_zero is None:
+            self.local_fallbacks.add(0)
+        else:
+            series_at_zero(self.local_fallbacks)
         self.config = breaker or BreakerConfig()
         self._url, self.prefix = split_state_url(url)
         self._label = redact_url(self._url)

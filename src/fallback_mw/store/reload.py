@@ -72,6 +72,7 @@ class StoreRuntime:
         poll_interval: float | None = None,
         store_factory: Callable[[str], RouteStore] = open_store,
         meter_provider: metrics.MeterProvider | None = None,
+        series_at_zero: Callable[[metrics.Counter], None] | None = None,
     ) -> None:
         self.config = config
         self.url = url
@@ -111,7 +112,12 @@ class StoreRuntime:
             description="Store changes not applied because the gateway refuses them "
             "(e.g. a route naming an unset credential variable); the running routes stay",
         )
-        self._refused.add(0)  # at 0 from the start: the first refusal is an increase
+        # At 0 from the start, so the first refusal is an increase (the gateway's telemetry
+        # adds it again once a host's SDK installed later collects).
+        if series_at_zero is None:
+            self._refused.add(0)
+        else:
+            series_at_zero(self._refused)
 
     # --- the gateway's view -------------------------------------------------------------
 

@@ -447,6 +447,17 @@ class Telemetry:
         except Exception:
             _internal.debug("fallback series not started", exc_info=False)
 
+    def series_at_zero(self, counter: metrics.Counter) -> None:
+        """A counter of a piece beside the gateway, made on this Telemetry's meter provider
+        (the Redis state's `gateway.health.local_fallbacks`, the route store's
+        `gateway.store.reload_refused`), exported at 0 from the start as the gateway's own
+        are: one made before the host installed its SDK is added again at the first
+        collection. Never raises."""
+        try:
+            self._m.at_zero(counter, {})
+        except Exception:
+            _internal.debug("zero series not started", exc_info=False)
+
     def only_upstreams(self, serving: Callable[[], Collection[str]]) -> None:
         """Report the breaker gauge for the upstreams `serving()` names (a gateway calls it
         once; two gateways sharing this Telemetry report both sets): each from the start,

@@ -61,7 +61,7 @@ class Instruments:
         # True while the recordings go nowhere (no SDK installed yet): the per-request
         # recordings then skip building their attributes.
         self.idle = idle
-        # Series exported at 0 while no SDK was installed (`_at_zero`).
+        # Series exported at 0 while no SDK was installed (`at_zero`).
         self._zeros: list[tuple[metrics.Counter, dict[str, AttributeValue]]] = []
         self.requests = Tally(
             meter.create_counter(
@@ -120,7 +120,7 @@ class Instruments:
         `increase` and `rate` ignore a series' first sample, so a counter that appears at 1
         read as no fallback at all (FallbackMwSilentFallback stayed silent)."""
         for candidate in plan[1:]:
-            self._at_zero(
+            self.at_zero(
                 self.fallbacks.counter,
                 {
                     "gateway.route.id": label(route_id),
@@ -137,12 +137,12 @@ class Instruments:
         the same reason: `increase(gateway_breaker_transitions_total[1d])` read a breaker
         that opened once as never opened."""
         for state in ("closed", "half_open", "open"):
-            self._at_zero(
+            self.at_zero(
                 self.transitions,
                 {"gateway.upstream": label(upstream), "gateway.breaker.state": state},
             )
 
-    def _at_zero(self, counter: metrics.Counter, attributes: dict[str, AttributeValue]) -> None:
+    def at_zero(self, counter: metrics.Counter, attributes: dict[str, AttributeValue]) -> None:
         counter.add(0, attributes)
         if self.idle():
             # The API's proxy drops what is added before an SDK is installed (a host app may
