@@ -191,3 +191,29 @@ async def test_what_the_package_builds_on_postgresql_passes_its_own_check(pg_url
         check_shipped(gateway)
     finally:
         await gateway.aclose()
+
+
+@pytest.mark.parametrize(
+    "response",
+    [
+        httpx.Response(200, json={"ok": True}),
+        httpx.Response(200, content=b"x" * 100_000),
+        httpx.Response(204),
+    ],
+    ids=["json", "content", "empty"],
+)
+async def test_an_httpx_mock_transports_response_built_with_its_content_is_relayed(
+    response: httpx.Response,
+) -> None:
+    # HttpxClient(transport=httpx.MockTransport(...)), the double httpx documents: a
+    # response built with its content (json=, content=) is read as it is made, and the
+    # engine's aiter_raw raised StreamConsumed on every request (an internal_error).
+    mock = HttpxClient(transport=httpx.MockTransport(lambda request: response))
+    gateway = Gateway(host_app, config=config(), client=mock)
+    try:
+        async with client_for(gateway) as client:
+            answer = await client.get("/v1/models")
+        assert answer.status_code == response.status_code
+        assert answer.content == response.content
+    finally:
+        await gateway.aclose()

@@ -189,6 +189,20 @@ class HttpxResponse:
         await asyncio.shield(self._response.aclose())
 
 
+class _TransportResponse(HttpxResponse):
+    """A response from a transport handed to HttpxClient (`httpx.MockTransport` in a host's
+    tests): one built with its content (`httpx.Response(200, json=...)`) was read as it was
+    made, and httpx refuses to stream it again (StreamConsumed, an internal_error for every
+    request): that content is the body."""
+
+    async def iter_chunks(self) -> AsyncIterator[bytes]:
+        if not self._response.is_stream_consumed:
+            async for chunk in super().iter_chunks():
+                yield chunk
+        elif self._response.content:
+            yield self._response.content
+
+
 class HttpxClient:
     def __init__(
         self,
@@ -204,6 +218,8 @@ class HttpxClient:
         self._allow_hosts = tuple(allow_hosts)
         self._checked_hosts: set[str] = set()  # proxied IP-literal targets, checked once
         self._transport = transport
+        # Chosen here, so the default transport's responses pay nothing for a handed one's.
+        self._response = HttpxResponse if transport is None else _TransportResponse
         self._ca_file = ca_file
         # One client (and pool) per (CA bundle, egress proxy): httpx takes both per client.
         self._clients: dict[tuple[str | None, str | None], httpx.AsyncClient] = {}
@@ -303,7 +319,7 @@ class HttpxClient:
         except BaseException:
             release()
             raise
-        return HttpxResponse(response, request.timeouts.idle, release)
+        return self._response(response, request.timeouts.idle, release)
 
     def _check_proxied_literal(self, url: str) -> None:
         """Behind an egress proxy the guarded network backend sees only the proxy's
