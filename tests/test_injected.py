@@ -217,3 +217,21 @@ async def test_an_httpx_mock_transports_response_built_with_its_content_is_relay
         assert answer.content == response.content
     finally:
         await gateway.aclose()
+
+
+def test_every_interface_a_gateway_takes_is_documented_with_its_methods() -> None:
+    # Only Ledger was documented for users (docs/budgets.md: "must implement the
+    # fallback_mw.budget.Ledger protocol"); client=, health=, faults=, capacity= were not,
+    # so the refusal above named interfaces no page described.
+    from fallback_mw.injected import _methods
+
+    page = (Path(__file__).parent.parent / "docs" / "budgets.md").read_text()
+    section = page[page.index("## Handing the gateway your own pieces") :]
+    for interface in (UpstreamClient, HealthState, FaultSource, Ledger, CapacityState):
+        assert f"`{interface.__name__}`" in section, interface
+        for method in _methods(interface):
+            assert f"`{method}" in section, (interface.__name__, method)
+    for _, parameter, named in INJECTABLES:
+        assert f"`{parameter}=`" in section, parameter
+        if named.startswith("fallback_mw."):
+            assert f"`{named}`" in section, named
