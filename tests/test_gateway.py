@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from fallback_mw import CredentialInjector, Gateway, PlanWalker, RouteResolver, load_config
+from fallback_mw.faults import NoFaults
 from tests.upstreams import host_app, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
@@ -206,3 +207,26 @@ def test_a_config_of_the_wrong_type_is_refused_naming_what_is_accepted(wrong: An
     for build in (lambda: Gateway(host_app, config=wrong), lambda: load_config(wrong)):
         with pytest.raises(TypeError, match="GatewayConfig, a dict or the path of a TOML file"):
             build()
+
+
+class ClosedFaults(NoFaults):
+    """A handed fault source that says whether it was closed."""
+
+    closed = 0
+
+    async def aclose(self) -> None:
+        self.closed += 1
+
+
+async def test_a_walker_on_a_gateways_services_leaves_them_open() -> None:
+    """A PlanWalker handed `services=` does not close them at its lifespan shutdown (they
+    are their builder's), but `walker.aclose()` did: the gateway's client, health state,
+    faults and ledger were closed under it."""
+    faults = ClosedFaults()
+    gateway = Gateway(host_app, config=config_for("http://127.0.0.1:9", "http://127.0.0.1:10"),
+                      environ=ENV, faults=faults)  # fmt: skip
+    walker = PlanWalker(host_app, config=gateway.config, services=gateway.services)
+    await walker.aclose()
+    assert faults.closed == 0
+    await gateway.aclose()
+    assert faults.closed == 1

@@ -127,7 +127,8 @@ class PlanWalker:
             await _Walk(self, context, scope, receive, send).run()
 
     async def aclose(self) -> None:
-        if self._refusal is None:
+        """Close the services it built (handed ones are their builder's to close)."""
+        if self._refusal is None and self._owns_services:
             await self.services.aclose()
 
 
