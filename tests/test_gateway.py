@@ -8,8 +8,16 @@ from typing import Any
 import httpx
 import pytest
 
-from fallback_mw import CredentialInjector, Gateway, PlanWalker, RouteResolver, load_config
+from fallback_mw import (
+    ConfigError,
+    CredentialInjector,
+    Gateway,
+    PlanWalker,
+    RouteResolver,
+    load_config,
+)
 from fallback_mw.faults import NoFaults
+from tests.helpers import client_for
 from tests.upstreams import host_app, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
@@ -218,6 +226,37 @@ class ClosedFaults(NoFaults):
         self.closed += 1
 
 
+@pytest.mark.parametrize("store", [False, True])
+async def test_a_gateway_and_a_walker_are_async_context_managers(
+    store: bool, tmp_path: Path
+) -> None:
+    """`async with Gateway(...) as gateway:` (a developer's test, a host without lifespan)
+    raised "'Gateway' object does not support the asynchronous context manager protocol":
+    only `aclose` was there. Entering starts it as the lifespan startup does (the store's
+    reloader too), leaving closes what it owns, the pieces it was handed included."""
+    async with upstream(status_handler(200, b"p")) as p:
+        conf = config_for(p.url, p.url + "/b")
+        if store:
+            conf["gateway"] = {"store": f"sqlite:///{tmp_path / 'gateway.db'}"}
+        faults = ClosedFaults()
+        gateway = Gateway(host_app, config=conf, environ=ENV, faults=faults)
+        async with gateway, client_for(gateway) as client:
+            assert (await client.get("/v1/x")).content == b"p"
+        assert faults.closed == 1
+        walker = PlanWalker(host_app, config=conf, environ=ENV)
+        async with walker, client_for(RouteResolver(walker, config=conf)) as client:
+            assert (await client.get("/v1/x")).content == b"p"
+
+
+async def test_async_with_a_configuration_that_did_not_load_raises_it() -> None:
+    with pytest.raises(ConfigError, match=r"no-such-gateway\.toml' not found"):
+        async with Gateway(host_app, config="no-such-gateway.toml"):
+            pass
+    with pytest.raises(ConfigError, match=r"no-such-gateway\.toml' not found"):
+        async with PlanWalker(host_app, config="no-such-gateway.toml"):
+            pass
+
+
 async def test_a_walker_on_a_gateways_services_leaves_them_open() -> None:
     """A PlanWalker handed `services=` does not close them at its lifespan shutdown (they
     are their builder's), but `walker.aclose()` did: the gateway's client, health state,
@@ -227,6 +266,8 @@ async def test_a_walker_on_a_gateways_services_leaves_them_open() -> None:
                       environ=ENV, faults=faults)  # fmt: skip
     walker = PlanWalker(host_app, config=gateway.config, services=gateway.services)
     await walker.aclose()
+    async with walker:
+        pass
     assert faults.closed == 0
     await gateway.aclose()
     assert faults.closed == 1

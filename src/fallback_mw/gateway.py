@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Self
 
 from fallback_mw.budget import Ledger
 from fallback_mw.config import ConfigError, GatewayConfig, load_config
@@ -123,3 +123,15 @@ class Gateway:
     async def aclose(self) -> None:
         if self.config_error is None:
             await self.services.aclose()
+
+    async def __aenter__(self) -> Self:
+        """`async with Gateway(...) as gateway:` (a test, a host without lifespan) starts it
+        as the lifespan startup does, a configuration that did not load raising its
+        ConfigError here, and closes it at the end (`aclose`)."""
+        if self._refusal is not None:
+            raise ConfigError(self._refusal.problem)
+        self.services.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Mapping
+from typing import Self
 
 import anyio
 
@@ -130,6 +131,19 @@ class PlanWalker:
         """Close the services it built (handed ones are their builder's to close)."""
         if self._refusal is None and self._owns_services:
             await self.services.aclose()
+
+    async def __aenter__(self) -> Self:
+        """`async with PlanWalker(...) as walker:` starts the services it built as the
+        lifespan startup does (a configuration that did not load raises its ConfigError
+        here) and closes them at the end."""
+        if self._refusal is not None:
+            raise ConfigError(self._refusal.problem)
+        if self._owns_services:
+            self.services.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
 
 
 class _Walk:
