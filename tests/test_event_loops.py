@@ -9,6 +9,7 @@ import asyncio
 import gc
 import threading
 import uuid
+import warnings
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -71,6 +72,32 @@ def test_a_test_client_without_lifespan_is_served_on_each_new_loop(
     # collector: collected here, where their ResourceWarnings are expected.
     del client, app, gateway
     gc.collect()
+
+
+@pytest.mark.parametrize("engine", ["aiohttp", "httpx"])
+def test_a_test_client_without_with_leaves_no_connection_to_the_garbage_collector(
+    engine: str, upstream_url: str
+) -> None:
+    """FastAPI's first testing example, `TestClient(app)` without `with`, under a suite's
+    `-W error`: each request's loop ended with the gateway's pooled upstream connections
+    still open, and the garbage collector later warned about each socket (ResourceWarning,
+    raised in whichever test happened to collect). The pool is now closed on its loop as
+    that loop ends; nothing is left to close, not even with `aclose()` skipped."""
+    conf = {
+        "gateway": {"engine": engine},
+        "upstreams": {"primary": {"url": upstream_url}},
+        "routes": [{"id": "up", "prefix": "/v1/", "plan": ["primary"]}],
+    }
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        app = Starlette(middleware=[Middleware(Gateway, config=conf)])
+        client = TestClient(app)  # no `with`: a new event loop for every request
+        for _ in range(3):
+            assert client.get("/v1/models").text == "upstream"
+        del client, app
+        gc.collect()
+    left = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+    assert not left, left
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import aiohttp
 from multidict import CIMultiDict
 from yarl import URL
 
-from fallback_mw.loops import close_on_its_loop
+from fallback_mw.loops import CloseAtLoopEnd, close_on_its_loop
 from fallback_mw.timers import deadline_after
 from fallback_mw.upstream.base import (
     MAX_RESPONSE_FIELD,
@@ -218,6 +218,7 @@ class AiohttpClient:
         self._limit = max_connections
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the one the session runs on
+        self._at_loop_end: CloseAtLoopEnd | None = None  # closes the session there
         self._checked_hosts: set[str] = set()  # IP-literal checks are pure: do each once
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}  # per connect timeout
         self._caps = ConnectionCaps()
@@ -233,6 +234,7 @@ class AiohttpClient:
             if self._session is not None and self._loop is not None:
                 _close_on(self._loop, self._session)
             self._session, self._loop, self._caps = None, loop, ConnectionCaps()
+            self._at_loop_end = None
 
     def _get_session(self) -> aiohttp.ClientSession:
         self._follow_loop()
@@ -253,6 +255,7 @@ class AiohttpClient:
                 max_field_size=_MAX_RESPONSE_FIELD,
                 max_headers=MAX_RESPONSE_FIELDS,
             )
+            self._at_loop_end = CloseAtLoopEnd(self._session.close)
         return self._session
 
     async def send(self, request: UpstreamRequest) -> AiohttpResponse:
@@ -341,3 +344,6 @@ class AiohttpClient:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        at_loop_end, self._at_loop_end = self._at_loop_end, None
+        if at_loop_end is not None:
+            await at_loop_end.aclose()

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from http.cookiejar import CookieJar, DefaultCookiePolicy
 
 from fallback_mw.extras import missing_extra
-from fallback_mw.loops import close_on_its_loop
+from fallback_mw.loops import CloseAtLoopEnd, close_on_its_loop
 
 try:
     import h11
@@ -224,6 +224,7 @@ class HttpxClient:
         # One client (and pool) per (CA bundle, egress proxy): httpx takes both per client.
         self._clients: dict[tuple[str | None, str | None], httpx.AsyncClient] = {}
         self._loop: asyncio.AbstractEventLoop | None = None  # the one the clients run on
+        self._at_loop_end: list[CloseAtLoopEnd] = []  # close the clients there
         self._caps = ConnectionCaps()
         _silence_engine_logs()
 
@@ -262,7 +263,7 @@ class HttpxClient:
             old, self._clients = list(self._clients.values()), {}
             for stale in old:
                 close_on_its_loop(self._loop, stale.aclose)
-            self._loop, self._caps = loop, ConnectionCaps()
+            self._loop, self._caps, self._at_loop_end = loop, ConnectionCaps(), []
 
     def _get_client(self, request: UpstreamRequest | None = None) -> httpx.AsyncClient:
         self._follow_loop()
@@ -286,6 +287,7 @@ class HttpxClient:
                 # relayed to its caller, never kept and sent with another caller's request.
                 cookies=CookieJar(policy=DefaultCookiePolicy(allowed_domains=[])),
             )
+            self._at_loop_end.append(CloseAtLoopEnd(client.aclose))
         return client
 
     async def send(self, request: UpstreamRequest) -> HttpxResponse:
@@ -376,3 +378,6 @@ class HttpxClient:
         clients, self._clients = list(self._clients.values()), {}
         for client in clients:
             await client.aclose()
+        at_loop_end, self._at_loop_end = self._at_loop_end, []
+        for closing in at_loop_end:
+            await closing.aclose()
