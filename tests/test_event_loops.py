@@ -19,7 +19,16 @@ from starlette.middleware import Middleware
 from starlette.testclient import TestClient
 
 from fallback_mw import Gateway
-from tests.conftest import PG_HOST, PG_PORT, PG_USER, REDIS_HOST, REDIS_PORT, require_service
+from tests.conftest import (
+    PG_HOST,
+    PG_PORT,
+    PG_PREFIX,
+    PG_USER,
+    REDIS_DB,
+    REDIS_HOST,
+    REDIS_PORT,
+    require_service,
+)
 
 
 class _Answer(BaseHTTPRequestHandler):
@@ -155,3 +164,64 @@ def test_the_postgres_ledger_and_redis_state_follow_a_new_loop(
     asyncio.run(gateway.aclose())
     del client, gateway
     gc.collect()
+
+
+@pytest.fixture
+def configured_stores() -> Iterator[tuple[str, str]]:
+    """As `shared_stores`, on the database prefix and Redis db the suite is configured with
+    (FMW_TEST_PG_PREFIX, FMW_TEST_REDIS_DB)."""
+    require_service("PostgreSQL", PG_HOST, PG_PORT)
+    require_service("Redis", REDIS_HOST, REDIS_PORT)
+    import asyncpg
+    import redis
+
+    name = f"{PG_PREFIX}{uuid.uuid4().hex[:12]}"
+
+    async def admin(statement: str) -> None:
+        conn = await asyncpg.connect(host=PG_HOST, port=PG_PORT, user=PG_USER, database="postgres")
+        try:
+            await conn.execute(statement)
+        finally:
+            await conn.close()
+
+    asyncio.run(admin(f'CREATE DATABASE "{name}"'))
+    prefix = f"fmwtest:{uuid.uuid4().hex[:12]}:"
+    try:
+        yield (
+            f"postgresql://{PG_USER}@{PG_HOST}:{PG_PORT}/{name}",
+            f"redis://{REDIS_HOST}:{REDIS_PORT}/{REDIS_DB}?prefix={prefix}",
+        )
+    finally:
+        asyncio.run(admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        client = redis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=REDIS_DB)
+        try:
+            keys = list(client.scan_iter(match=prefix + "*"))
+            if keys:
+                client.delete(*keys)
+        finally:
+            client.close()
+
+
+def test_a_test_client_without_with_leaves_no_ledger_or_state_connection_behind(
+    upstream_url: str, configured_stores: tuple[str, str]
+) -> None:
+    """The same for the PostgreSQL ledger's pool (and the route store on it) and the Redis
+    state's: each request's loop ended with them open, a ResourceWarning per connection
+    at the next collection. Each is closed on its loop as that loop ends."""
+    store, state = configured_stores
+    conf = {
+        "gateway": {"store": store, "state": state},
+        "upstreams": {"primary": {"url": upstream_url}},
+        "routes": [{"id": "up", "prefix": "/v1/", "plan": ["primary"], "budget": "b"}],
+        "budgets": {"b": {"limit": 10.0, "default_hold": 0.01}},
+    }
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gateway = Gateway(Starlette(), config=conf)
+        client = TestClient(gateway)  # no `with`: a new event loop for every request
+        for _ in range(3):
+            assert client.get("/v1/models").text == "upstream"
+        del client, gateway
+        gc.collect()
+    left = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+    assert not left, left

@@ -35,7 +35,7 @@ from opentelemetry.metrics import MeterProvider
 
 from fallback_mw.extras import missing_extra, package_version
 from fallback_mw.grouping import Group, Pending, fail
-from fallback_mw.loops import close_on_its_loop
+from fallback_mw.loops import CloseAtLoopEnd, close_on_its_loop
 
 try:
     import redis.asyncio as aioredis
@@ -198,6 +198,7 @@ class RedisHealth:
         )
         self._client: aioredis.Redis | None = None
         self._client_loop: asyncio.AbstractEventLoop | None = None  # the one it runs on
+        self._at_loop_end: CloseAtLoopEnd | None = None  # closes the client as its loop ends
         self._scripts: dict[str, Any] = {}
         self._retry_at = 0.0
         self._outage = False
@@ -247,6 +248,7 @@ class RedisHealth:
                 retry=Retry(NoBackoff(), 0),
             )
             self._client = aioredis.Redis.from_pool(pool)  # the client owns (closes) the pool
+            self._closes_with(CloseAtLoopEnd(self._client.aclose))
             self._scripts.clear()
         return self._client
 
@@ -256,7 +258,16 @@ class RedisHealth:
         closed on its own loop while that runs (else left to the garbage collector)."""
         if self._client is not None and self._client_loop is not loop:
             stale, old, self._client = self._client, self._client_loop, None
+            self._closes_with(None)
             close_on_its_loop(old, stale.aclose)
+
+    def _closes_with(self, at_loop_end: CloseAtLoopEnd | None) -> None:
+        """The client's close at its loop's end (TestClient without `with`: a loop per
+        request, no lifespan); the one before it is closed another way (here, by _retire,
+        or by aclose)."""
+        if self._at_loop_end is not None:
+            self._at_loop_end.forget()
+        self._at_loop_end = at_loop_end
 
     def _script(self, name: str, source: str) -> Any:
         client = self._connection()
@@ -506,6 +517,7 @@ class RedisHealth:
         client, self._client = self._client, None
         if client is None:
             return
+        self._closes_with(None)
         in_flight = set(self._senders)
         task = asyncio.get_running_loop().create_task(self._close_after(client, in_flight))
         self._retiring.add(task)
@@ -923,5 +935,6 @@ class RedisHealth:
             await asyncio.gather(refreshing, return_exceptions=True)
         self._follow_loop(asyncio.get_running_loop())  # another loop's pool: closed there
         client, self._client = self._client, None
+        self._closes_with(None)
         if client is not None:
             await client.aclose()

@@ -18,7 +18,7 @@ from decimal import Decimal
 from typing import Any, TypeVar
 
 from fallback_mw.extras import missing_extra
-from fallback_mw.loops import close_on_its_loop
+from fallback_mw.loops import CloseAtLoopEnd, close_on_its_loop
 
 try:
     import asyncpg
@@ -243,6 +243,8 @@ class PostgresLedger(SQLLedgerBase):
         self.reap_interval = reap_interval
         self._pool: asyncpg.Pool | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the one the pool runs on
+        # Closes the pool as its loop ends (TestClient without `with`: a loop per request).
+        self._at_loop_end: CloseAtLoopEnd | None = None
         self._opening = asyncio.Lock()
         self._cache = BudgetCache()
         self._outage = OutageLog(logger, "PostgreSQL ledger")  # one WARNING each way
@@ -283,6 +285,7 @@ class PostgresLedger(SQLLedgerBase):
                     await pool.close()
                     raise
                 self._pool = pool
+                self._closes_with(CloseAtLoopEnd(pool.close))
                 self._reap_at = time.monotonic() + self.reap_interval
             return self._pool
 
@@ -297,8 +300,14 @@ class PostgresLedger(SQLLedgerBase):
         """Close the pool of the previous event loop on that loop while it runs; once it
         is closed, nothing can close its connections (the garbage collector drops them)."""
         pool, loop, self._pool = self._pool, self._loop, None
+        self._closes_with(None)
         if pool is not None:
             close_on_its_loop(loop, pool.close)
+
+    def _closes_with(self, at_loop_end: CloseAtLoopEnd | None) -> None:
+        if self._at_loop_end is not None:
+            self._at_loop_end.forget()  # that pool is closed another way
+        self._at_loop_end = at_loop_end
 
     async def _run(self, work: Callable[[asyncpg.Pool], Awaitable[T]]) -> T:
         """One unit of work, `timeout` at most in all: the wait for a pooled connection
@@ -666,6 +675,7 @@ class PostgresLedger(SQLLedgerBase):
             )
             self._backlog.clear()
         pool, self._pool = self._pool, None
+        self._closes_with(None)
         if pool is not None:
             await pool.close()
 
