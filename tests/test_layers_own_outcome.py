@@ -111,6 +111,28 @@ async def test_guard_alone_without_a_ledger_fails_closed(spans: Spans) -> None:
     assert dict(spans.request_span().attributes or {})["error.type"] == "budget_unavailable"
 
 
+async def test_guard_alone_without_a_ledger_says_how_to_give_it_one() -> None:
+    # Its refusal said "give it one (Gateway builds it from [gateway] store, else in
+    # memory)": neither the keyword nor where a ledger comes from. Doing what it says now
+    # serves the request.
+    from fallback_mw.store.ledgers import open_ledger
+
+    config = load_config(budget_config())
+    app = RecordingApp()
+    async with client_for(RouteResolver(BudgetGuard(app, config=config), config=config)) as c:
+        message = (await c.post("/v1/chat", content=b"{}")).json()["error"]["message"]
+    assert "BudgetGuard(..., ledger=open_ledger(store))" in message, message
+    assert "fallback_mw.store.ledgers" in message, message
+    ledger = open_ledger(config.gateway.store)
+    guard = BudgetGuard(app, config=config, ledger=ledger)
+    try:
+        async with client_for(RouteResolver(guard, config=config)) as client:
+            served = await client.post("/v1/chat", content=b"{}")
+    finally:
+        await ledger.aclose()
+    assert (served.status_code, app.reached) == (200, 1), served.text
+
+
 async def test_guard_alone_passes_an_unbudgeted_route_without_a_ledger() -> None:
     conf = budget_config()
     conf["routes"][0].pop("budget")

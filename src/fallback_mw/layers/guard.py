@@ -56,9 +56,12 @@ _LEDGER_UNREACHABLE = (
     "the budget ledger ([gateway] store) cannot be reached: refusing (fail closed) until it "
     "answers again; a route without a budget is not metered and keeps serving"
 )
+# "Give it one" said neither how nor where a ledger comes from.
 _NO_LEDGER = (
     "this route has a budget but the BudgetGuard has no ledger: refusing (fail closed); "
-    "give it one (Gateway builds it from [gateway] store, else in memory)"
+    "give it one, BudgetGuard(..., ledger=open_ledger(store)) with open_ledger from "
+    "fallback_mw.store.ledgers (store: the [gateway] store URL, or None for memory; close it "
+    "with its aclose()), as Gateway builds its own"
 )
 
 
