@@ -235,3 +235,6 @@ def test_every_interface_a_gateway_takes_is_documented_with_its_methods() -> Non
         assert f"`{parameter}=`" in section, parameter
         if named.startswith("fallback_mw."):
             assert f"`{named}`" in section, named
+    # and a developer reading the README's testing advice finds it
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert "(docs/budgets.md#handing-the-gateway-your-own-pieces)" in readme
