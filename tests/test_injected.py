@@ -8,6 +8,7 @@ and everything the package ships (and the documented doubles) still passes."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -235,6 +236,13 @@ def test_every_interface_a_gateway_takes_is_documented_with_its_methods() -> Non
         assert f"`{parameter}=`" in section, parameter
         if named.startswith("fallback_mw."):
             assert f"`{named}`" in section, named
+    # the table's last column: which constructors take each keyword
+    for line in section.splitlines():
+        keyword = re.match(r"\| `(\w+)=` \|", line)
+        if keyword:
+            named = set(re.findall(r"`(\w+)`", line.split("|")[-2])) & set(LAYERS)
+            takes = {layer for layer, parameter, _ in INJECTABLES if parameter == keyword[1]}
+            assert named == takes, (keyword[1], named, takes)
     # and a developer reading the README's testing advice finds it
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     assert "(docs/budgets.md#handing-the-gateway-your-own-pieces)" in readme
