@@ -410,6 +410,17 @@ def test_toml_text_given_as_config_says_what_config_takes_without_echoing_it(
     assert "[gateway]" not in gateway.config_error and "SECRET_NAME" not in gateway.config_error
 
 
+def test_a_path_read_with_its_line_end_is_not_taken_for_toml_text(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # config=Path("path.txt").read_text() or an environment variable's value: one line and
+    # its newline is a file name (missing here), not TOML text.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="not found") as raised:
+        load_config("gateway.toml\n")
+    assert "TOML text" not in str(raised.value)
+
+
 def test_a_file_whose_name_looks_like_toml_is_still_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -873,7 +873,7 @@ def load_config(
         config = source
     elif isinstance(source, Mapping):
         config = parse_config(source)
-    elif isinstance(source, str) and "\n" in source:  # no configuration file's name
+    elif isinstance(source, str) and "\n" in source.strip():  # no configuration file's name
         raise ConfigError(TOML_TEXT)
     elif isinstance(source, str | os.PathLike) and not isinstance(os.fspath(source), bytes):
         config = parse_config(read_config_file(Path(source)))
