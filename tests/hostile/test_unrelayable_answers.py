@@ -28,6 +28,8 @@ ANSWERS = {
     "length-and-chunked": b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n"
     b"transfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
     "204-with-length": b"HTTP/1.1 204 No Content\r\ncontent-length: 5\r\n\r\nhello",
+    # A 205 has no content either (RFC 9110 §15.3.6): it was relayed with its "hello".
+    "205-with-length": b"HTTP/1.1 205 Reset Content\r\ncontent-length: 5\r\n\r\nhello",
     "two-lengths": b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\nhello!",
     # 2, spelled in 31 digits: aiohttp read it, uvicorn refused to write it after the
     # commit point (an empty reply, outcome internal_error); h11 refuses over 20 digits.
@@ -116,6 +118,27 @@ async def test_a_204_or_304_is_relayed_without_a_length(engine: str) -> None:
         assert result.status_code == status
         assert "content-length" not in result.headers
         assert result.content == b""
+        assert accepted == 1
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_205_is_relayed_without_content(engine: str) -> None:
+    # RFC 9110 §15.3.6: a 205 has no content. One sent with a length is refused as a 204
+    # with one is (above); one whose body is chunked (RFC 7231 let a zero-length chunked
+    # body say "no content") or runs to the connection's close was relayed with what the
+    # upstream put in it: the caller now gets the 205 with no content, as for a 204.
+    for data in (
+        b"HTTP/1.1 205 Reset Content\r\ncontent-length: 0\r\n\r\n",
+        b"HTTP/1.1 205 Reset Content\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n",
+        b"HTTP/1.1 205 Reset Content\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+        b"HTTP/1.1 205 Reset Content\r\nconnection: close\r\n\r\nhello",
+    ):
+        result, accepted, _ = await run(answer(data), engine)
+        assert isinstance(result, httpx.Response), result
+        assert result.status_code == 205
+        assert result.content == b"", data
+        assert result.headers.get("content-length", "0") == "0"
+        assert result.headers["x-gateway-attempts"] == "1"
         assert accepted == 1
 
 

@@ -93,8 +93,9 @@ def check_response_head(status: int, headers: Sequence[tuple[bytes, bytes]]) -> 
     """A response head the relay cannot carry is the upstream's failure (failover-class,
     SPEC §12): a status outside 100-599, a 1xx as the final answer, or contradictory
     framing (Content-Length with Transfer-Encoding, repeated or invalid lengths, a length
-    or a chunked body on 204), a transfer coding other than `chunked` (`gzip, chunked`:
-    the relay re-frames the body and would hand on coded bytes unlabelled), or a field
+    or a chunked body on 204, a length on 205), a transfer coding other than `chunked`
+    (`gzip, chunked`: the relay re-frames the body and would hand on coded bytes
+    unlabelled), or a field
     value with a control character other than HTAB (the engines accept `\x01` and `\x7f`;
     uvicorn refuses to write them, after the commit point: an empty reply). Two equal
     Content-Length fields: aiohttp's parser refuses them, h11 (httpx) merges them before
@@ -135,8 +136,10 @@ def check_response_head(status: int, headers: Sequence[tuple[bytes, bytes]]) -> 
         )
     if codings and (lengths or status in (204, 304)):
         raise UpstreamError("protocol", "first_byte", "contradictory response framing")
-    if status == 204 and lengths and lengths != [b"0"]:
-        raise UpstreamError("protocol", "first_byte", "a 204 response that declares a body")
+    if status in (204, 205) and lengths and lengths != [b"0"]:
+        # RFC 9110 §15.3.6: a 205 has no content either (a chunked one may say so, RFC 7231
+        # §6.3.6: the relay sends none of it, layers.walker.stream).
+        raise UpstreamError("protocol", "first_byte", f"a {status} response that declares a body")
 
 
 @dataclass(slots=True, frozen=True)

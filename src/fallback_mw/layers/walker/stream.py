@@ -10,6 +10,7 @@ returns what ended it (`decide.relay_outcome`), for the walker to book on its at
 from __future__ import annotations
 
 import zlib
+from collections.abc import AsyncIterator
 
 from fallback_mw.credentials import EchoMask, echoes_credential, without_echoed_credentials
 from fallback_mw.failover.decide import Outcome, relay_outcome
@@ -36,7 +37,8 @@ async def commit(
     try:
         # A HEAD's, a 204's or a 304's Content-Length is the size of a body that never
         # follows (an artifact's HEAD): only a body that will follow can be over the limit.
-        bodyless = context.method == "HEAD" or response.status in (204, 304)
+        # A 205 has no content either (RFC 9110 §15.3.6).
+        bodyless = context.method == "HEAD" or response.status in (204, 205, 304)
         declared = None if bodyless else content_length(response.headers)
         if declared is not None and declared > limit:
             for attempt in reversed(context.attempts):
@@ -67,7 +69,15 @@ async def commit(
         # was sent) must not hand it to the caller, as in a header. The mask reads text: a
         # gzip / deflate body (every client library asks for one) is relayed decoded, or
         # a caller could have the key handed over compressed, unmasked.
-        mask = None if bodyless else EchoMask.for_answer(context, name)
+        if bodyless:
+            mask = None
+            # What an upstream put in a 205 (chunked, or up to its connection's close: the
+            # engines read those as a body) is not relayed: the caller gets no content, as
+            # for a 204. Left unread, the upstream connection is closed, never reused.
+            chunks = _no_chunks() if response.status == 205 else response.iter_chunks()
+        else:
+            mask = EchoMask.for_answer(context, name)
+            chunks = response.iter_chunks()
         decoder = None
         if mask is not None and content_encoding is not None:
             readable, decoder = content_decoder(content_encoding)
@@ -96,7 +106,7 @@ async def commit(
             with client:
                 last = b""  # what ends the body: the decoder's and the mask's tails
                 try:
-                    async for chunk in response.iter_chunks():
+                    async for chunk in chunks:
                         if decoder is not None:
                             # Bounded: what is relayed is held to max_response_body, and
                             # so is what the upstream sends (a coded stream of empty
@@ -146,6 +156,11 @@ async def commit(
         if usage.model is not None and echoes_credential(context, name, usage.model):
             usage.model = None  # never recorded; the requested model prices it
         await response.aclose()
+
+
+async def _no_chunks() -> AsyncIterator[bytes]:
+    return
+    yield b""  # pragma: no cover - makes this an async generator
 
 
 # What a decoded body is relayed without: its coding, and its length (the coded one).
