@@ -88,7 +88,7 @@ async def commit(
                 # one from the middle does not decode: relayed as it comes.
                 mask, decoder = None, None
             elif decoder is not None:
-                headers = [(k, v) for k, v in headers if k not in _CODED_BODY_FIELDS]
+                headers = _decoded_fields(headers)
                 content_encoding = None  # the meter reads what is relayed
         headers += gateway_headers(context)
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
@@ -163,8 +163,31 @@ async def _no_chunks() -> AsyncIterator[bytes]:
     yield b""  # pragma: no cover - makes this an async generator
 
 
-# What a decoded body is relayed without: its coding, and its length (the coded one).
-_CODED_BODY_FIELDS = frozenset({b"content-encoding", b"content-length"})
+def _decoded_fields(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The fields of a body relayed decoded, as nginx's gzip filter rewrites them the other
+    way: without what describes the coded bytes (_CODED_BODY_FIELDS), a strong `ETag`
+    weakened (the decoded bytes are not the coded ones, but mean the same)."""
+    return [
+        (k, b"W/" + v if k == b"etag" and not v.startswith(b"W/") else v)
+        for k, v in headers
+        if k not in _CODED_BODY_FIELDS
+    ]
+
+
+# What a decoded body is relayed without: its coding, its length (the coded one), the
+# digests of the coded bytes (RFC 9530: Content-Digest and Repr-Digest both cover the
+# coded form, as the older Digest and Content-MD5 do), and ranges over them.
+_CODED_BODY_FIELDS = frozenset(
+    {
+        b"content-encoding",
+        b"content-length",
+        b"content-md5",
+        b"digest",
+        b"content-digest",
+        b"repr-digest",
+        b"accept-ranges",
+    }
+)
 
 
 def _decoded(decoder: BodyDecoder, chunk: bytes | None, max_length: int) -> bytes:
