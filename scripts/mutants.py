@@ -444,6 +444,24 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_metadata_literal_behind_a_proxy_is_refused_at_connect_time",
         ),
     ),
+    Mutant(
+        "unmaskable_answer_relayed",
+        "an answer the echo mask cannot read never reaches the caller from an upstream that "
+        "holds the gateway's credential",
+        (
+            (
+                "credentials.py",
+                "    return named\n",
+                "    return None\n",
+            ),
+        ),
+        (
+            "tests/hostile/test_credential_echo.py::"
+            "test_an_answer_the_mask_cannot_read_is_never_relayed_from_an_upstream_holding_a_key",
+            "tests/hostile/test_credential_echo.py::"
+            "test_a_range_or_a_stream_the_mask_cannot_read_is_never_relayed_with_its_key",
+        ),
+    ),
 )
 
 

@@ -131,7 +131,9 @@ CASES: dict[str, list[tuple[Outcome, WalkState, tuple[str, str | None], bool | N
         (Outcome("not_sent"), OPEN, ("next_candidate", None), None),
         (Outcome("not_sent"), LAST, ("local_error", "upstream_failed"), None),
     ],
-    "an answer the relay cannot carry (a status outside 200-599, a 101, contradictory framing)": [
+    "an answer the relay cannot carry (a status outside 200-599, a 101, contradictory "
+    "framing), or that the echo mask cannot read from an upstream holding the gateway's "
+    "credential (`br`, `zstd`, a `206` of a coded object)": [
         (Outcome("transport"), OPEN, ("next_candidate", None), True),
         (Outcome("transport"), LAST, ("local_error", "upstream_failed"), True),
     ],

@@ -12,6 +12,7 @@ from itertools import chain
 from fallback_mw.config import UpstreamConfig
 from fallback_mw.request.context import RequestContext
 from fallback_mw.request.secrets import MIN_SECRET
+from fallback_mw.request.usage import content_decoder, unreadable_coding
 from fallback_mw.security import forwardable_request_headers
 
 Credentials = Mapping[str, tuple[tuple[str, str] | None, ...]]
@@ -85,6 +86,33 @@ def without_echoed_credentials(
         for k, v in headers
         if all(secret not in k.lower() and secret not in v.lower() for secret in secrets)
     ]
+
+
+def unmaskable_answer(
+    context: RequestContext, name: str, status: int, content_encoding: bytes
+) -> str | None:
+    """Why upstream `name`'s answer, coded `content_encoding`, must not reach the caller:
+    its body is one `EchoMask` reads for the credential the gateway injected, and the mask
+    cannot read it (a coding the gateway cannot undo: `br`, `zstd`, six stacked, a token
+    of the upstream's own; or a `206` range of a coded object, which counts coded bytes
+    and, from the middle, does not decode). Relayed as it came, the key inside went to the
+    caller unmasked. None: it may be relayed (a readable coding, no body, or no credential
+    to look for). Named for the local error, never quoting the body or an unknown token."""
+    if content_encoding in PLAIN_CODINGS and status != 206:
+        return None  # the common answer (gzip) costs one lookup
+    if context.method == "HEAD" or status in (204, 205, 304):
+        return None
+    if EchoMask.for_answer(context, name) is None:
+        return None
+    named = unreadable_coding(content_encoding)
+    if named is None and status == 206 and content_decoder(content_encoding)[1] is not None:
+        named = "a 206 range of a coded body (a range from its middle does not decode)"
+    return named
+
+
+# The codings answers come in (what the gateway asks for), each read as it is: a caller
+# may test for these before calling unmaskable_answer, which then returns None.
+PLAIN_CODINGS = frozenset({b"gzip", b"deflate", b"identity"})
 
 
 def echoes_credential(context: RequestContext, name: str, text: str) -> bool:

@@ -25,7 +25,8 @@ from fallback_mw import Gateway
 from fallback_mw.credentials import EchoMask, _body_secrets
 from fallback_mw.telemetry import Telemetry
 from tests.helpers import client_for, gateway_client
-from tests.upstreams import host_app, serve_asgi, upstream
+from tests.hostile.test_hostile_upstreams import raw_upstream, read_head
+from tests.upstreams import host_app, serve_asgi, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
 
@@ -659,17 +660,16 @@ async def ranged_download(request: web.Request) -> web.Response:
 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("span", ["0-999", "1000-1999"], ids=["first", "middle"])
-async def test_a_range_of_a_compressed_object_is_relayed_as_it_came(
-    engine: str, span: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Relayed decoded for the echo mask, a middle range did not decode (the response was
-    # aborted) and the first range went out decoded under the coded Content-Range: a
-    # resumed download was silently corrupt. A range counts coded bytes: as it came.
-    monkeypatch.setenv("ECHO_KEY", SECRET)
+async def test_a_range_of_a_compressed_object_is_relayed_as_it_came(engine: str, span: str) -> None:
+    # Relayed decoded, a middle range did not decode (the response was aborted) and the
+    # first range went out decoded under the coded Content-Range: a resumed download was
+    # silently corrupt. A range counts coded bytes: as it came, from an upstream the
+    # gateway sent no credential to (from one it did, the mask cannot read it: refused,
+    # test_an_answer_the_mask_cannot_read_is_never_relayed_from_an_upstream_holding_a_key).
     async with upstream(ranged_download) as single:
         conf = {
             "gateway": {"engine": engine, "allow_hosts": ["127.0.0.1"]},
-            "upstreams": {"single": {"url": single.url, "auth_env": "ECHO_KEY"}},
+            "upstreams": {"single": {"url": single.url}},
             "routes": [{"id": "a", "prefix": "/a/", "plan": ["single"]}],
         }
         gateway = Gateway(host_app, config=conf)
@@ -792,3 +792,228 @@ async def test_the_account_ids_behind_the_gateways_key_never_reach_the_caller(
     assert "operator" not in fields, fields
     assert bare.headers["openai-organization"] == "org-operator-0001"
     assert bare.headers["openai-project"] == "proj_operator0001"
+
+
+# Codings the body mask cannot read (the gateway narrows Accept-Encoding to gzip / deflate,
+# so an honest upstream never answers in these), as (Content-Encoding, what the local
+# error names). "KEY": the credential itself as the coding's name.
+UNREADABLE = {
+    "br": ("br", "`br`"),
+    "zstd": ("zstd", "`zstd`"),
+    "six-stacked": (", ".join(["gzip"] * 6), "6 codings"),
+    "unknown": ("x-private", "an unregistered coding"),
+    "key-as-coding": ("KEY", "an unregistered coding"),
+    "gzip-then-br": ("gzip, br", "`br`"),
+}
+
+
+def unreadable_echo(
+    coding: str, *, status: int = 200
+) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """An upstream holding the gateway's key that answers with it in a body labelled with a
+    coding the gateway cannot undo (what the body holds is for its caller to decode: a
+    brotli stream may carry the key in an uncompressed block, byte for byte)."""
+
+    async def handler(request: web.Request) -> web.Response:
+        given = request.headers.get("authorization", "").removeprefix("Bearer ")
+        return web.Response(
+            status=status,
+            body=f'{{"error": "you sent {given}"}}'.encode(),
+            headers={
+                "content-encoding": coding.replace("KEY", SECRET),
+                "content-type": "application/json",
+            },
+        )
+
+    return handler
+
+
+def hostile_and_backup(
+    hostile: str, backup: str, engine: str, **route: object
+) -> dict[str, object]:
+    return {
+        "gateway": {"engine": engine, "allow_hosts": ["127.0.0.1"]},
+        "upstreams": {
+            "hostile": {"url": hostile, "auth_env": "ECHO_KEY"},
+            "backup": {"url": backup},
+        },
+        "routes": [{"id": "a", "prefix": "/a/", "plan": ["hostile", "backup"], "retries": 1}],
+    }
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("name", list(UNREADABLE))
+async def test_an_answer_the_mask_cannot_read_is_never_relayed_from_an_upstream_holding_a_key(
+    engine: str, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An upstream holding the gateway's key answered in `br` (or zstd, six stacked codings,
+    # a coding of its own): relayed as it came, the key in it reached the caller unmasked.
+    # The answer is the upstream's failure now (as one the relay cannot carry): the walk
+    # fails over, the caller never sees a byte of it.
+    monkeypatch.setenv("ECHO_KEY", SECRET)
+    coding = UNREADABLE[name][0]
+    async with (
+        upstream(unreadable_echo(coding)) as hostile,
+        upstream(status_handler(200, b"backup")) as backup,
+    ):
+        gateway = Gateway(host_app, config=hostile_and_backup(hostile.url, backup.url, engine))
+        try:
+            async with serve_asgi(gateway) as base, httpx.AsyncClient(base_url=base) as client:
+                response = await client.get("/a/x")
+        finally:
+            await gateway.aclose()
+    assert len(hostile.received) == 1  # it was asked, and it answered with the key
+    assert (response.status_code, response.text) == (200, "backup")
+    assert response.headers["x-gateway-attempts"] == "2"
+    assert "content-encoding" not in response.headers
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("name", list(UNREADABLE))
+async def test_without_failover_an_answer_the_mask_cannot_read_is_the_local_502(
+    engine: str, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A POST (not replayable): no failover, the local 502 upstream_failed naming the coding
+    # (a registered name only: an upstream's own token may be anything, the key included),
+    # never the body.
+    monkeypatch.setenv("ECHO_KEY", SECRET)
+    coding, named = UNREADABLE[name]
+    async with (
+        upstream(unreadable_echo(coding, status=401)) as hostile,
+        upstream(status_handler(200, b"backup")) as backup,
+    ):
+        conf = hostile_and_backup(hostile.url, backup.url, engine)
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with serve_asgi(gateway) as base, httpx.AsyncClient(base_url=base) as client:
+                response = await client.post("/a/x", content=b"{}")
+        finally:
+            await gateway.aclose()
+    assert response.status_code == 502
+    error = response.json()["error"]
+    assert error["code"] == "upstream_failed"
+    assert named in error["message"]
+    assert "you sent" not in response.text
+    assert SECRET not in response.text and SECRET.lower() not in response.text.lower()
+    assert not backup.received
+
+
+async def echo_range_of_gzip(request: web.Request) -> web.Response:
+    """A 206 of a gzip-coded object carrying the key: a range the mask cannot read (one
+    from the middle does not decode), sent unasked."""
+    given = request.headers.get("authorization", "").removeprefix("Bearer ")
+    coded = gzip.compress(f"you sent {given}".encode())
+    return web.Response(
+        status=206,
+        body=coded,
+        headers={
+            "content-encoding": "gzip",
+            "content-range": f"bytes 0-{len(coded) - 1}/{len(coded) + 100}",
+        },
+    )
+
+
+async def echo_stream_in_br(request: web.Request) -> web.StreamResponse:
+    """An SSE stream labelled `br`, echoing the key in its first event and going on."""
+    given = request.headers.get("authorization", "").removeprefix("Bearer ")
+    response = web.StreamResponse(
+        headers={"content-type": "text/event-stream", "content-encoding": "br"}
+    )
+    await response.prepare(request)
+    await response.write(f"data: you sent {given}\n\n".encode())
+    with contextlib.suppress(ConnectionError):
+        for _ in range(20):
+            await asyncio.sleep(0.05)
+            await response.write(b"data: more\n\n")
+    return response
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("answer", ["range-of-gzip", "stream-in-br"])
+async def test_a_range_or_a_stream_the_mask_cannot_read_is_never_relayed_with_its_key(
+    engine: str, answer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A 206 of a coded object was relayed as it came (a middle range does not decode), so
+    # an upstream answering `206` with `Content-Encoding: gzip` unasked handed the caller
+    # the key inside; an SSE stream in `br` went out event by event. Both are refused at
+    # their head, before the commit point: the backup serves.
+    monkeypatch.setenv("ECHO_KEY", SECRET)
+    handler = echo_range_of_gzip if answer == "range-of-gzip" else echo_stream_in_br
+    async with (
+        upstream(handler) as hostile,
+        upstream(status_handler(200, b"backup")) as backup,
+    ):
+        gateway = Gateway(host_app, config=hostile_and_backup(hostile.url, backup.url, engine))
+        try:
+            async with serve_asgi(gateway) as base, httpx.AsyncClient(base_url=base) as client:
+                response = await client.get("/a/x", headers={"range": "bytes=0-"})
+        finally:
+            await gateway.aclose()
+    assert len(hostile.received) == 1
+    assert (response.status_code, response.text) == (200, "backup")
+    assert response.headers["x-gateway-attempts"] == "2"
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_the_connection_of_an_answer_the_mask_cannot_read_is_closed(
+    engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The refused answer's body is never read: its connection is closed at once (never
+    # kept for the next request, never left open until the upstream gives up).
+    monkeypatch.setenv("ECHO_KEY", SECRET)
+    closed = asyncio.Event()
+
+    async def behaviour(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        body = f"you sent {SECRET}".encode()
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-encoding: br\r\ncontent-length: 100000\r\n\r\n" + body
+        )
+        await writer.drain()
+        while await reader.read(1024):
+            pass
+        closed.set()
+
+    async with (
+        raw_upstream(behaviour) as (url, accepted),
+        upstream(status_handler(200, b"backup")) as backup,
+    ):
+        gateway = Gateway(host_app, config=hostile_and_backup(url, backup.url, engine))
+        try:
+            async with serve_asgi(gateway) as base, httpx.AsyncClient(base_url=base) as client:
+                response = await client.get("/a/x")
+                await asyncio.wait_for(closed.wait(), 5)
+        finally:
+            await gateway.aclose()
+    assert (response.status_code, response.text) == (200, "backup")
+    assert len(accepted) == 1
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("name", ["br", "six-stacked", "unknown"])
+async def test_an_answer_the_mask_cannot_read_is_relayed_as_it_came_without_a_key(
+    engine: str, name: str
+) -> None:
+    # No credential of the gateway's went to the upstream: nothing to mask, and the coded
+    # body is relayed as it came (a caller that asked the upstream for it may read it).
+    coding = UNREADABLE[name][0]
+    async with (
+        upstream(unreadable_echo(coding)) as hostile,
+        upstream(status_handler(200, b"backup")) as backup,
+    ):
+        conf = hostile_and_backup(hostile.url, backup.url, engine)
+        conf["upstreams"]["hostile"].pop("auth_env")  # type: ignore[index]
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with (
+                serve_asgi(gateway) as base,
+                httpx.AsyncClient(base_url=base) as client,
+                client.stream("GET", "/a/x") as got,
+            ):
+                received = b"".join([chunk async for chunk in got.aiter_raw()])
+        finally:
+            await gateway.aclose()
+    assert got.status_code == 200
+    assert got.headers["content-encoding"] == coding
+    assert received == b'{"error": "you sent "}'
+    assert not backup.received

@@ -28,6 +28,7 @@ import anyio
 
 from fallback_mw.capacity import Ask, CapacityState, Reservation, reported_tokens
 from fallback_mw.config import UpstreamConfig
+from fallback_mw.credentials import PLAIN_CODINGS, unmaskable_answer
 from fallback_mw.failover.decide import Outcome, engine_outcome, health_mark, local_or
 from fallback_mw.faults import BlackholeSource, FaultSource
 from fallback_mw.health import Admission, HealthState
@@ -36,6 +37,7 @@ from fallback_mw.health.pool import retry_after_seconds
 from fallback_mw.health.quota import PeekedResponse, peek_quota
 from fallback_mw.request.body import BodyAborted
 from fallback_mw.request.context import AttemptRecord, RequestBody, RequestContext
+from fallback_mw.request.usage import body_coding
 from fallback_mw.telemetry import Telemetry
 from fallback_mw.timers import deadline_after
 from fallback_mw.upstream.base import (
@@ -234,6 +236,20 @@ class AttemptRunner:
         finally:
             if request is not None and not request.slot_taken:
                 record.queued_only = True  # ended waiting for a connection: never sent
+        if not self.shadow:  # a shadow's answer goes to nobody
+            # Read once for the relay (stream.commit takes it from the record); the check
+            # runs only for an answer in a coding other than a plain gzip / deflate.
+            coding = record.coding = body_coding(response.headers)
+            encoding = coding[1]
+            if encoding is not None and (encoding not in PLAIN_CODINGS or response.status == 206):
+                unmaskable = unmaskable_answer(context, name, response.status, encoding)
+                if unmaskable is not None:
+                    # The gateway's key went with it and the mask cannot read the body: it
+                    # is the upstream's unusable answer, as one the relay cannot carry
+                    # (failover-class). Closed unread: its connection is never reused.
+                    record.unmaskable = unmaskable
+                    await response.aclose()
+                    return self._local_or(Outcome("transport")), None
         # A redirect is never followed: it is an answer like any other.
         return Outcome("status", response.status), response
 

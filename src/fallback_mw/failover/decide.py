@@ -737,7 +737,12 @@ def error_message(decision: Decision, context: RequestContext) -> str:
                 "no candidate accepted a connection: check each candidate's url "
                 "(`fallback-mw check` prints them) and that the upstream is running"
             )
-        if last == "tls" and record.unverified_certificate:
+        if record.unmaskable is not None:
+            message += (
+                f"; its answer came in {record.unmaskable}, which the gateway cannot "
+                "read to mask the credential it sent there: refused, never relayed unchecked"
+            )
+        elif last == "tls" and record.unverified_certificate:
             message += (
                 "; the upstream's TLS certificate did not verify: set ca_file (under "
                 "[gateway] or the upstream) to the CA that signed it"

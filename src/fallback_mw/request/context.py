@@ -53,6 +53,11 @@ class AttemptRecord:
     responsible: str | None = None  # "upstream" or "gateway": who the outcome is down to
     decision: str | None = None  # what the walk did next ("next_candidate", "serve", ...)
     reason: str | None = None  # why, in one phrase (the rule of SPEC §5 that applied)
+    # The answer's Content-Type and Content-Encoding, read once as its head arrived (the
+    # relay reads them from here: layers.walker.stream.commit).
+    coding: tuple[bytes | None, bytes | None] | None = None
+    # Why its answer was refused unread (credentials.unmaskable_answer), for the message.
+    unmaskable: str | None = None
 
 
 @dataclass(slots=True)

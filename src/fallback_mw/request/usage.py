@@ -488,6 +488,33 @@ def content_decoder(content_encoding: bytes) -> tuple[bool, BodyDecoder | None]:
     return True, stages[0] if len(stages) == 1 else StackedDecoder(stages)
 
 
+def unreadable_coding(content_encoding: bytes) -> str | None:
+    """What keeps a body in these codings from being read (`content_decoder`), named for a
+    message: a registered coding's name, never an upstream's own token (it may hold
+    anything, a credential included). None: it can be read."""
+    codings = _codings(content_encoding)
+    if len(codings) > MAX_STACKED_CODINGS:
+        return f"{len(codings)} codings stacked (at most {MAX_STACKED_CODINGS} are undone)"
+    for coding in codings:
+        if coding not in READABLE_CODINGS:
+            return f"`{coding.decode()}`" if coding in _REGISTERED else "an unregistered coding"
+    return None
+
+
+# The IANA HTTP Content Coding Registry's names (a coding named in a message as it is).
+_REGISTERED = frozenset(
+    {b"aes128gcm", b"br", b"compress", b"dcb", b"dcz", b"exi", b"pack200-gzip",
+     b"x-compress", b"zstd"}
+)  # fmt: skip
+
+
+def _codings(content_encoding: bytes) -> list[bytes]:
+    """The codings a `Content-Encoding` list names, in the order applied (no `identity`),
+    as content_decoder reads them (written out there: the gzip answer's path)."""
+    codings = [c.strip().lower() for c in content_encoding.split(b",")]
+    return [c for c in codings if c and c != b"identity"]
+
+
 def _loads(data: bytes) -> Any:
     try:
         return json.loads(data)

@@ -31,7 +31,11 @@ async def commit(
     response: UpstreamResponse,
     *,
     max_response_body: int,
+    coding: tuple[bytes | None, bytes | None] | None = None,
 ) -> Outcome | None:
+    """Relay `response`, upstream `name`'s answer. `coding`: its Content-Type and
+    Content-Encoding as the attempt read them (`request.usage.body_coding`), else read
+    here."""
     limit = max_response_body
     meter = UsageMeter(context.usage)
     try:
@@ -64,11 +68,13 @@ async def commit(
             response.headers, status=response.status, injected=injected
         )
         headers = without_echoed_credentials(context, name, headers)
-        content_type, content_encoding = body_coding(response.headers)
+        content_type, content_encoding = coding or body_coding(response.headers)
         # An upstream echoing its own credential in the body (an error quoting the key it
         # was sent) must not hand it to the caller, as in a header. The mask reads text: a
         # gzip / deflate body (every client library asks for one) is relayed decoded, or
-        # a caller could have the key handed over compressed, unmasked.
+        # a caller could have the key handed over compressed, unmasked. One the mask cannot
+        # read never comes here (the attempt refused it: credentials.unmaskable_answer);
+        # what does unread had no credential of the gateway's with it (a kept answer).
         if bodyless:
             mask = None
             # What an upstream put in a 205 (chunked, or up to its connection's close: the
@@ -82,7 +88,7 @@ async def commit(
         if mask is not None and content_encoding is not None:
             readable, decoder = content_decoder(content_encoding)
             if not readable:
-                mask = None  # a coding no caller asked for: relayed as it comes
+                mask = None  # relayed as it comes
             elif decoder is not None and response.status == 206:
                 # A range of a coded object counts coded bytes (its Content-Range), and
                 # one from the middle does not decode: relayed as it comes.

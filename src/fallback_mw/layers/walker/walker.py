@@ -345,6 +345,7 @@ class _Walk:
             failed = await commit(
                 self.send, self.context, chosen, kept,
                 max_response_body=self.walker.settings.max_response_body,
+                coding=served.coding if served is not None else None,
             )  # fmt: skip
             if failed is not None:
                 self._aborted(failed, served)
