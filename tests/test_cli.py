@@ -56,10 +56,46 @@ def test_help_lists_serve_and_demo() -> None:
     assert "demo" in result.stdout
 
 
-def test_no_command_is_a_usage_error() -> None:
+def test_no_command_is_a_usage_error_that_lists_the_commands() -> None:
+    # A new user typing `fallback-mw` alone was told only that COMMAND is required, with
+    # no command named. Now the commands come first, as `--help` lists them (git and
+    # argparse name them too), then the one error line; exit 2, a usage error.
+    from fallback_mw.cli import VERBS, build_parser
+
     result = run_cli()
     assert result.returncode == 2
-    assert result.stderr == ("fallback-mw: error: the following arguments are required: COMMAND\n")
+    assert result.stdout == ""
+    *usage, last = result.stderr.splitlines()
+    assert last == (
+        "fallback-mw: error: the following arguments are required: COMMAND "
+        "(one of those listed above)"
+    )
+    assert "\n".join(usage) + "\n" == build_parser().format_help()
+    commands = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    assert len(commands) == len(VERBS)
+    for name in commands:
+        assert f"\n    {name} " in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("group", "verbs"),
+    [
+        ("routes", ("add", "set-fallback", "set", "clear-fallback", "list", "remove")),
+        ("faults", ("set", "clear", "list")),
+        ("budgets", ("show", "set")),
+    ],
+)
+def test_a_command_group_without_its_verb_lists_its_verbs(group: str, verbs: tuple[str]) -> None:
+    result = run_cli(group)
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"usage: fallback-mw {group} [-h] VERB ...\n")
+    for verb in verbs:
+        assert f"\n    {verb}" in result.stderr, result.stderr
+    assert result.stderr.splitlines()[-1] == (
+        f"fallback-mw: error: {group}: the following arguments are required: VERB "
+        "(one of those listed above)"
+    )
+    assert "Traceback" not in result.stderr
 
 
 def test_serve_requires_config(capsys: pytest.CaptureFixture[str]) -> None:

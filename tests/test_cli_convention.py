@@ -54,7 +54,6 @@ def test_every_verb_is_one_tree_under_one_entry_point() -> None:
     "args",
     [
         ["no-such-verb"],
-        ["routes"],
         ["routes", "add", "--store", "sqlite:///x.db"],
         ["faults", "set", "explode", "--ttl", "5"],
         ["faults", "set", "fail", "--upstream", "p", "--ttl", "1e400"],

@@ -66,6 +66,7 @@ def main(
             verb_parser = getattr(args, "verb_parser", parser)
             verb_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     except Refused as exc:
+        console.err.write(exc.usage)
         console.error(str(exc))
         return EXIT_REFUSED
     except SystemExit as exc:  # --help, --version: argparse printed and asked to exit

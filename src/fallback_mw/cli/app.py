@@ -2,7 +2,9 @@
 
 Exit status: 0 done; 2 a usage error or a refusal (nothing started, nothing stored);
 1 a runtime failure (store unreachable, port in use, a result not found). Every failure is
-exactly one line on stderr, `fallback-mw: error: ...`, and never a traceback. A warning is
+exactly one line on stderr, `fallback-mw: error: ...`, and never a traceback; a command
+line that names no command (`fallback-mw`, `fallback-mw routes`) has the commands it could
+have named listed before that line. A warning is
 one line, `fallback-mw: warning: ...`, beside a result that stands; a caveat (about where the
 command looked for its store) is a warning after the result, or joins the error line
 (`...; note: ...`) when there is no result.
@@ -36,7 +38,13 @@ T = TypeVar("T")
 
 
 class Refused(Exception):
-    """A usage error or a refusal: exit status 2, nothing started or stored."""
+    """A usage error or a refusal: exit status 2, nothing started or stored. `usage`, when
+    given, is printed on stderr before the error line: the commands a command line that
+    named none could have named."""
+
+    def __init__(self, message: str, *, usage: str = "") -> None:
+        super().__init__(message)
+        self.usage = usage
 
 
 class Failed(Exception):
@@ -88,7 +96,19 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         # Console.error adds the `fallback-mw: error:` prefix; name the verb only.
         verb = self.prog.removeprefix(PROG).strip()
-        raise Refused(f"{verb}: {message}" if verb else message)
+        text = f"{verb}: {message}" if verb else message
+        if self._names_no_command(message):
+            # `fallback-mw` or `fallback-mw routes` alone: the one line would name only
+            # COMMAND / VERB, so the commands it could have named come first (as git does).
+            raise Refused(f"{text} (one of those listed above)", usage=self.format_help())
+        raise Refused(text)
+
+    def _names_no_command(self, message: str) -> bool:
+        required = message.removeprefix("the following arguments are required: ")
+        if required == message:
+            return False
+        commands = self._subparsers._group_actions if self._subparsers else []
+        return any(action.metavar in required.split(", ") for action in commands)
 
 
 def leaf(

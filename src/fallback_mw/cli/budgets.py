@@ -159,7 +159,9 @@ def budgets_set(args: argparse.Namespace, console: Console) -> None:
 
 
 def register(subparsers: Any) -> None:
-    budgets = subparsers.add_parser("budgets", help="show or change spend budgets")
+    budgets = subparsers.add_parser(
+        "budgets", help="show or change spend budgets", description="show or change spend budgets"
+    )
     verbs = budgets.add_subparsers(dest="budgets_verb", metavar="VERB", required=True)
 
     show = leaf(verbs, "show", budgets_show, "limit, spent, held and window of each budget")

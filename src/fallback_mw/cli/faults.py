@@ -171,7 +171,9 @@ def faults_list(args: argparse.Namespace, console: Console) -> None:
 
 
 def register(subparsers: Any) -> None:
-    faults = subparsers.add_parser("faults", help="game-day fault injection")
+    faults = subparsers.add_parser(
+        "faults", help="game-day fault injection", description="game-day fault injection"
+    )
     verbs = faults.add_subparsers(dest="faults_verb", metavar="VERB", required=True)
 
     fset = leaf(verbs, "set", faults_set, "set a fault with an expiry; prints the expiry")

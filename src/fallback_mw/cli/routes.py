@@ -369,7 +369,9 @@ def _check_env(parser: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers: Any) -> None:
-    routes = subparsers.add_parser("routes", help="route store administration")
+    routes = subparsers.add_parser(
+        "routes", help="route store administration", description="route store administration"
+    )
     verbs = routes.add_subparsers(dest="routes_verb", metavar="VERB", required=True)
 
     add = leaf(verbs, "add", routes_add, "add a route to the store")
