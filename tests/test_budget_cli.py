@@ -159,11 +159,27 @@ def test_refusals_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert main(["budgets", "set", "--store", store, "--budget", "x", "--limit", "-1"]) == 2
     assert main(["budgets", "set", "--store", store, "--budget", "x", "--limit", "abc"]) == 2
     assert main(["budgets", "set", "--store", store, "--budget", "x"]) == 2  # new: needs limit
-    assert main(["budgets", "show", "--store", store, "--budget", "nope"]) == 2
     assert main(["budgets", "show", "--store", "redis://x"]) == 2
     assert main(["usage", "--store", store, "--since", "yesterday-ish"]) == 2
     err = capsys.readouterr().err
-    assert "--limit" in err and "nope" in err
+    assert "--limit" in err
+
+
+@pytest.mark.anyio
+async def test_budgets_show_of_a_budget_not_there_is_not_found_exit_1(
+    ledger_store: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `budgets show --budget nope` exited 2, the status of a refused configuration, where
+    # `routes remove --id nope` exits 1 for the same "not found": a script telling a typo
+    # from a bad store had to know which verb it ran. Not found is a runtime result, 1.
+    await seed(ledger_store)
+    assert await cli("budgets", "show", "--store", ledger_store, "--budget", "nope") == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == "fallback-mw: error: no budget 'nope' in the store or the config\n"
+    assert await cli("budgets", "show", "--store", ledger_store, "--budget", "acme") == 0
+    assert await cli("routes", "remove", "--store", ledger_store, "--id", "nope") == 1
+    assert capsys.readouterr().err.endswith("fallback-mw: error: no route 'nope' in the store\n")
 
 
 def test_a_default_hold_above_the_limit_is_refused_and_nothing_stored(

@@ -62,7 +62,7 @@ async def _show_rows(
     }
     if only is not None:
         if only not in defined and only not in undefined:
-            raise Refused(f"no budget {only!r} in the store or the config")
+            raise Failed(f"no budget {only!r} in the store or the config")  # as routes: 1
         defined = {k: v for k, v in defined.items() if k == only}
         undefined = {k: v for k, v in undefined.items() if k == only}
     rows: list[tuple[str, ...]] = []
