@@ -141,3 +141,100 @@ async def test_a_conditional_replace_writes_only_over_the_record_it_read(
         assert (await store.load_routes())[0].route.retries == 0
     finally:
         await store.aclose()
+
+
+async def _exec(store_url: str, *statements: str) -> None:
+    """DDL straight on the store's database (SQLite file or PostgreSQL)."""
+    if store_url.startswith("sqlite:"):
+        import sqlite3
+
+        with sqlite3.connect(store_url.removeprefix("sqlite:///")) as conn:
+            for statement in statements:
+                conn.execute(statement)
+        return
+    conn = await asyncpg.connect(store_url)
+    try:
+        for statement in statements:
+            await conn.execute(statement)
+    finally:
+        await conn.close()
+
+
+async def _faults(store_url: str) -> list[str]:
+    store = open_store(store_url)
+    try:
+        return sorted(f"{f.kind} {f.target}" for f in await store.load_faults())
+    finally:
+        await store.aclose()
+
+
+def _blocking_fault_deletes(store_url: str) -> tuple[list[str], list[str]]:
+    """A trigger that fails every DELETE on fmw_faults: `routes remove` failing between its
+    route and its faults, as a lost connection or a killed command would. And its undoing."""
+    if store_url.startswith("sqlite:"):
+        return (
+            ["CREATE TRIGGER fxbc_block BEFORE DELETE ON fmw_faults "
+             "BEGIN SELECT RAISE(ABORT, 'fault delete blocked'); END"],
+            ["DROP TRIGGER fxbc_block"],
+        )  # fmt: skip
+    return (
+        ["CREATE FUNCTION fxbc_block() RETURNS trigger LANGUAGE plpgsql AS "
+         "$$ BEGIN RAISE EXCEPTION 'fault delete blocked'; END $$",
+         "CREATE TRIGGER fxbc_block BEFORE DELETE ON fmw_faults "
+         "FOR EACH ROW EXECUTE FUNCTION fxbc_block()"],
+        ["DROP TRIGGER fxbc_block ON fmw_faults", "DROP FUNCTION fxbc_block()"],
+    )  # fmt: skip
+
+
+@pytest.mark.anyio
+async def test_remove_takes_the_route_and_its_faults_in_one_transaction(
+    ledger_store: str,
+) -> None:
+    # `routes remove` deleted the route, then its faults, in two statements: a gateway
+    # reloading in between, or a command cut between them, left the route gone and its
+    # `fail` fault stored, and the route added back under the same id (same derived
+    # upstream names) answered 503 to every request. Now both go in one transaction: a
+    # failure before the commit leaves the route and its faults as they were.
+    base = ["--store", ledger_store, "--id", "chat"]
+    status, _, err = await cli(
+        "routes", "add", *base, "--prefix", "/v1/", "--upstream", PRIMARY,
+        "--fallback", FALLBACK, "--retries", "1",
+    )  # fmt: skip
+    assert status == 0, err
+    ttl = ["--store", ledger_store, "--ttl", "600"]
+    for fault in (["fail", "--upstream", "chat-primary"], ["pin", "--route", "chat",
+                  "--candidate", "chat-fallback"]):  # fmt: skip
+        status, _, err = await cli("faults", "set", fault[0], *ttl, *fault[1:])
+        assert status == 0, err
+    before = await _faults(ledger_store)
+    assert before == ["fail chat-primary", "pin chat"]
+
+    block, unblock = _blocking_fault_deletes(ledger_store)
+    await _exec(ledger_store, *block)
+    status, out, err = await cli("routes", "remove", *base)
+    assert status == 1 and out == "", (out, err)
+    assert len(err.splitlines()) == 1 and err.startswith("fallback-mw: error: "), err
+    # Nothing changed: the route is still there, with its faults.
+    route = await _route(ledger_store)
+    assert route is not None and route.route.id == "chat"
+    assert await _faults(ledger_store) == before
+
+    await _exec(ledger_store, *unblock)
+    assert await cli("routes", "remove", *base) == (
+        0, "route 'chat' removed; 2 fault(s) on it cleared\n", ""
+    )  # fmt: skip
+    assert await _route(ledger_store) is None
+    assert await _faults(ledger_store) == []
+
+
+@pytest.mark.anyio
+async def test_remove_takes_out_a_record_too_broken_to_load(ledger_store: str) -> None:
+    # A record written by hand (or by a script) that does not load makes every gateway
+    # refuse its reloads; `routes remove --id` of it, the repair, read the whole store
+    # first and was refused (exit 2) by that same record. It removes it now.
+    base = ["--store", ledger_store, "--id", "chat"]
+    status, _, err = await cli("routes", "add", *base, "--prefix", "/v1/", "--upstream", PRIMARY)
+    assert status == 0, err
+    await _exec(ledger_store, "UPDATE fmw_routes SET doc = '{\"route\": 1}' WHERE id = 'chat'")
+    assert await cli("routes", "remove", *base) == (0, "route 'chat' removed\n", "")
+    assert await _route(ledger_store) is None

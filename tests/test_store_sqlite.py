@@ -68,8 +68,8 @@ async def test_records_round_trip_and_counters_move_on_every_change(tmp_path: Pa
     await store.insert_route(original)
     assert (await store.load_routes()) == [original]
     await store.replace_route(stored("a", "http://127.0.0.1:2"))
-    assert await store.remove_route("a") is True
-    assert await store.remove_route("a") is False
+    assert await store.remove_route("a") == 0  # removed, no fault with it
+    assert await store.remove_route("a") is None
     routes_serial, faults_serial = await store.change_serials()
     assert routes_serial == start[0] + 3 and faults_serial == start[1]
     with sqlite3.connect(tmp_path / "s.db") as conn:  # a hand edit is noticed too

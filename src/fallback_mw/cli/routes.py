@@ -106,19 +106,19 @@ def _stored(routes: list[StoredRoute], route_id: str) -> StoredRoute:
 
 
 async def _clear_faults_left_behind(
-    target: StoreTarget, store: RouteStore, route_id: str, upstreams: list[str], *, pins: bool
+    target: StoreTarget, store: RouteStore, route_id: str, dropped: list[str]
 ) -> int:
-    """The faults on what a store route no longer has: the upstreams it dropped and (`pins`,
-    the route itself is gone) its pin; a pin to a dropped upstream either way. Left in the
-    store, they would fault the route added back under the same id (same derived upstream
-    names). A name the config file defines is the file's, and its faults stay."""
+    """The faults on the upstreams a store route dropped, and a pin to one of them. Left in
+    the store, they would fault the fallback set back under the same derived name. A name
+    the config file defines is the file's, and its faults stay (as `routes remove` keeps
+    them: RouteStore.remove_route)."""
     cleared = 0
-    mine = [name for name in upstreams if name not in target.config.upstreams]
+    mine = [name for name in dropped if name not in target.config.upstreams]
     for name in mine:
         cleared += await store.clear_faults(upstream=name)
     if all(route.id != route_id for route in target.config.routes):
         pin = [f for f in await store.load_faults() if f.scope == "route" and f.target == route_id]
-        if pin and (pins or pin[0].candidate in mine):
+        if pin and pin[0].candidate in mine:
             cleared += await store.clear_faults(route=route_id)
     return cleared
 
@@ -303,7 +303,7 @@ def routes_clear_fallback(args: argparse.Namespace, console: Console) -> None:
         write = _unless_changed(store, current)
         await _check_and_write(target, store, stored, write, check_env=False)
         dropped = [name for name in current.upstreams if name not in upstreams]
-        cleared = await _clear_faults_left_behind(target, store, args.id, dropped, pins=False)
+        cleared = await _clear_faults_left_behind(target, store, args.id, dropped)
         faults = f"; {cleared} fault(s) on {', '.join(dropped)} cleared" if cleared else ""
         return f"route {args.id!r}: fallback cleared ({primary} only){faults}"
 
@@ -336,10 +336,13 @@ def routes_remove(args: argparse.Namespace, console: Console) -> None:
     async def work(target: StoreTarget, store: RouteStore) -> str:
         # The store's copy first: one whose id the file defines too (added with --store
         # alone) makes every gateway refuse its reloads, and removing it is the repair.
-        removed = [s for s in await store.load_routes() if s.route.id == args.id]
-        if await store.remove_route(args.id):
-            owned = [name for stored in removed for name in stored.upstreams]
-            cleared = await _clear_faults_left_behind(target, store, args.id, owned, pins=True)
+        # The faults it leaves behind (its pin, its upstreams') go in the same transaction,
+        # but those on a name the config file defines: the file's, they stay.
+        file_route = any(route.id == args.id for route in target.config.routes)
+        cleared = await store.remove_route(
+            args.id, keep_upstreams=target.config.upstreams.keys(), keep_pin=file_route
+        )
+        if cleared is not None:
             faults = f"; {cleared} fault(s) on it cleared" if cleared else ""
             return f"route {args.id!r} removed{faults}"
         _store_owned(target, args.id)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,8 +108,10 @@ class AbsentStore:
     async def replace_route(self, stored: StoredRoute, *, expected: str | None = None) -> bool:
         raise Failed(f"no store file at {self.path}")
 
-    async def remove_route(self, route_id: str) -> bool:
-        return False
+    async def remove_route(
+        self, route_id: str, *, keep_upstreams: Collection[str] = (), keep_pin: bool = False
+    ) -> int | None:
+        return None
 
     async def load_faults(self) -> list[Fault]:
         return []

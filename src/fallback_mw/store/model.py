@@ -99,6 +99,16 @@ class StoredRoute:
         return cls(route=route, upstreams=upstreams, doc=text)
 
 
+def owned_upstreams(doc: str) -> list[str]:
+    """The upstream names a stored record owns, read leniently: a record too broken to
+    load owns none (its removal is the repair, and must not fail on it)."""
+    try:
+        upstreams = json.loads(doc)["upstreams"]
+    except (ValueError, KeyError, TypeError):
+        return []
+    return [str(name) for name in upstreams] if isinstance(upstreams, dict) else []
+
+
 @dataclass(frozen=True, slots=True)
 class Fault:
     kind: FaultKind

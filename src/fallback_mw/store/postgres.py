@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any, TypeVar
 
 from fallback_mw.extras import missing_extra
@@ -24,6 +24,7 @@ from fallback_mw.store.model import (
     RouteExists,
     StoredRoute,
     StoreError,
+    owned_upstreams,
     pending_migrations,
 )
 from fallback_mw.store_url import StoreURLError, driver_reason, redact_url, unusable_store
@@ -181,9 +182,29 @@ class PostgresStore:
         )
         return True
 
-    async def remove_route(self, route_id: str) -> bool:
-        status = await self._execute("DELETE FROM fmw_routes WHERE id = $1", route_id)
-        return status != "DELETE 0"
+    async def remove_route(
+        self, route_id: str, *, keep_upstreams: Collection[str] = (), keep_pin: bool = False
+    ) -> int | None:
+        async def remove(conn: asyncpg.Connection[Any]) -> int | None:
+            # One transaction: every gateway's reload (told at the commit) sees the route
+            # with its faults or neither, and a failure in between leaves both in place.
+            async with conn.transaction():
+                doc = await conn.fetchval(
+                    "DELETE FROM fmw_routes WHERE id = $1 RETURNING doc", route_id
+                )
+                if doc is None:
+                    return None
+                names = [n for n in owned_upstreams(doc) if n not in keep_upstreams]
+                status = await conn.execute(
+                    "DELETE FROM fmw_faults WHERE (scope = 'upstream' AND target = ANY($1)) "
+                    "OR (scope = 'route' AND target = $2 AND NOT $3)",
+                    names,
+                    route_id,
+                    keep_pin,
+                )
+            return int(status.rsplit(" ", 1)[-1])
+
+        return await self._with_connection(remove)
 
     # --- faults -----------------------------------------------------------------------
 

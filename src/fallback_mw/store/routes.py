@@ -3,7 +3,7 @@ the config loader), and merging store routes with the file's into one RouteTable
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -34,7 +34,14 @@ class RouteStore(Protocol):
         another command changed or removed the route meanwhile."""
         ...
 
-    async def remove_route(self, route_id: str) -> bool: ...
+    async def remove_route(
+        self, route_id: str, *, keep_upstreams: Collection[str] = (), keep_pin: bool = False
+    ) -> int | None:
+        """Remove the route and, in the same transaction, the faults it leaves behind: those
+        on the upstreams its record owned (but `keep_upstreams`, the config file's) and its
+        pin (unless `keep_pin`: the file defines a route of that id). None, nothing changed,
+        when the store holds no such route; else how many faults went with it."""
+        ...
 
     async def load_faults(self) -> list[Fault]:
         """Active (unexpired) faults."""

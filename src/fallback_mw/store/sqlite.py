@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TypeVar
 
@@ -18,6 +18,7 @@ from fallback_mw.store.model import (
     RouteExists,
     StoredRoute,
     StoreError,
+    owned_upstreams,
     pending_migrations,
 )
 from fallback_mw.store.sqlite_connect import connect_wal
@@ -143,9 +144,34 @@ class SqliteStore:
 
         return await self._run(replace)
 
-    async def remove_route(self, route_id: str) -> bool:
-        def remove(conn: sqlite3.Connection) -> bool:
-            return conn.execute("DELETE FROM fmw_routes WHERE id = ?", (route_id,)).rowcount > 0
+    async def remove_route(
+        self, route_id: str, *, keep_upstreams: Collection[str] = (), keep_pin: bool = False
+    ) -> int | None:
+        def remove(conn: sqlite3.Connection) -> int | None:
+            # One write transaction: a gateway's reload sees the route with its faults or
+            # neither, and a failure between the two deletes leaves both in place.
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                row = conn.execute(
+                    "SELECT doc FROM fmw_routes WHERE id = ?", (route_id,)
+                ).fetchone()
+                if row is None:
+                    conn.execute("ROLLBACK")
+                    return None
+                conn.execute("DELETE FROM fmw_routes WHERE id = ?", (route_id,))
+                names = [n for n in owned_upstreams(str(row[0])) if n not in keep_upstreams]
+                cleared = conn.execute(
+                    "DELETE FROM fmw_faults WHERE (scope = 'upstream' AND target IN "
+                    f"({', '.join('?' * len(names)) or 'NULL'})) "
+                    "OR (scope = 'route' AND target = ? AND NOT ?)",
+                    (*names, route_id, keep_pin),
+                ).rowcount
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+            return int(cleared)
 
         return await self._run(remove)
 
