@@ -587,3 +587,52 @@ def test_check_warns_about_a_provider_candidate_without_a_credential(tmp_path: P
         path.write_text(quiet, encoding="utf-8")
         result = check(path)
         assert result.returncode == 0 and "warning" not in result.stdout, result.stdout
+
+
+def test_serve_says_what_check_warns_about_once_before_serving(tmp_path: Path) -> None:
+    # An operator starting `serve` saw the credential and proxy warnings only: a file
+    # route whose prefix lacks its '/', and a store route whose hung primary can never
+    # reach its fallback (the first-byte timeout outlasts the deadline), started in
+    # silence; only a `check` run beforehand said so. serve now prints every warning
+    # `check` prints for that configuration, on stderr, once each, before serving.
+    store = f"sqlite:///{tmp_path / 'gw.db'}"
+    path, log = tmp_path / "gateway.toml", tmp_path / "serve.log"
+    path.write_text(
+        f'[gateway]\nstore = "{store}"\nallow_hosts = ["127.0.0.1"]\n'
+        '[upstreams.primary]\nurl = "http://127.0.0.1:9001"\nfirst_byte_timeout_ms = 2000\n'
+        '[[routes]]\nid = "chat"\nprefix = "/v1"\nplan = ["primary"]\n',
+        encoding="utf-8",
+    )
+    status, _, err = admin(
+        "routes", "add", "--config", str(path), "--id", "items", "--prefix", "/items/",
+        "--upstream", "http://127.0.0.1:9002", "--fallback", "http://127.0.0.1:9003",
+        "--retries", "1",
+    )  # fmt: skip
+    assert status == 0, err
+    checked = check(path, {})
+    assert checked.returncode == 0, checked.stderr
+    expected = [
+        line.removeprefix("  warning: ")
+        for line in checked.stdout.splitlines()
+        if line.startswith("  warning: ")
+    ]
+    assert len(expected) == 2 and checked.stdout.rstrip().endswith("2 warning(s)"), expected
+
+    port = free_port()
+
+    async def started() -> None:
+        with serve_process(path, port, log, env=dict(os.environ)) as process:
+            await wait_listening(process, port, log)
+
+    anyio.run(started)
+    lines = log_text(log).splitlines()
+    said = [line for line in lines if line.startswith("fallback-mw: warning: ")]
+    serving = next(i for i, line in enumerate(lines) if line.startswith("serving on "))
+    assert all(lines.index(line) < serving for line in said), lines
+    assert sorted(said) == sorted(
+        [
+            f"fallback-mw: warning: route 'chat': {expected[0]}",
+            f"fallback-mw: warning: route 'items': {expected[1]}",
+        ]
+    ), said
+    assert "/v1x/" in expected[0] and "first_byte_timeout_ms 30000" in expected[1]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -141,8 +142,6 @@ def _route_lines(
         extras.append(f"shadow {route.shadow} {route.shadow_percent}% {shadow.url}")
     if extras:
         lines.append("  " + "; ".join(extras))
-    warnings = route_warnings(route, upstreams, default_ms, store=source == "store")
-    lines += [f"  warning: {warning}" for warning in warnings]
     return lines
 
 
@@ -378,11 +377,66 @@ def state_line(state: str) -> tuple[str, bool] | None:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Warnings:
+    """What `check` warns about a configuration that loads, by where it prints each:
+    `store` under its store line, `routes` under each route (by id, in route order),
+    `general` after the routes. `serve` says the same at its start (`lines`)."""
+
+    store: list[str]
+    routes: dict[str, list[str]]
+    general: list[str]
+
+    def count(self) -> int:
+        return len(self.store) + sum(map(len, self.routes.values())) + len(self.general)
+
+    def lines(self) -> list[str]:
+        """Every warning as one line, a route's named: `serve` prints them so."""
+        routes = [f"route {rid!r}: {w}" for rid, found in self.routes.items() for w in found]
+        return [*self.store, *routes, *self.general]
+
+
+def config_warnings(
+    config_path: str, config: GatewayConfig, merged: MergedRoutes, from_store: set[str]
+) -> Warnings:
+    """Everything valid but probably not meant in the configuration at `config_path`, its
+    store's routes (`merged`, from `resolve_routes`) included. Names only, never a value."""
+    settings = config.gateway
+    store: list[str] = []
+    if settings.store is not None:
+        elsewhere = relative_store_elsewhere(config_path, settings.store)
+        if elsewhere is not None:
+            store.append(elsewhere)
+        absent = missing_sqlite_file(settings.store)
+        if absent is not None:
+            store.append(no_store_file(absent))
+    unreachable = unreachable_routes(merged.routes, merged.upstreams)
+    routes: dict[str, list[str]] = {}
+    for route in merged.routes:
+        found = route_warnings(
+            route, merged.upstreams, settings.deadline_ms, store=route.id in from_store
+        )
+        if route.id in unreachable:
+            found.append(unreachable[route.id])
+        routes[route.id] = found
+    general = credential_warnings(merged.upstreams, merged.routes, os.environ)
+    general += dropped_strip_defaults(settings)
+    ignored = ignored_proxy_variables(
+        merged.upstreams, os.environ, store=settings.store is not None
+    )
+    if ignored is not None:
+        general.append(ignored)
+    if not merged.routes:
+        general.append("no routes: every request goes to the host app (serve: 404)")
+    return Warnings(store=store, routes=routes, general=general)
+
+
 def check(args: argparse.Namespace, console: Console) -> None:
     config = load_config(args.config)  # every refusal, unset variables included
     merged, from_store = resolve_routes(config)
     settings = config.gateway
-    warnings = 0
+    found = config_warnings(args.config, config, merged, from_store)
+    warnings = found.count()
     state = state_line(settings.state)
     if state is not None:
         line, warned = state
@@ -392,38 +446,16 @@ def check(args: argparse.Namespace, console: Console) -> None:
         resolved = relative_sqlite_path(settings.store)
         where = f" (relative to the working directory: {resolved})" if resolved else ""
         console.print(f"store {parse_store_url(settings.store)}{where}: {len(from_store)} route(s)")
-        elsewhere = relative_store_elsewhere(args.config, settings.store)
-        if elsewhere is not None:
-            console.print(f"  warning: {elsewhere}")
-            warnings += 1
-        absent = missing_sqlite_file(settings.store)
-        if absent is not None:
-            console.print(f"  warning: {no_store_file(absent)}")
-            warnings += 1
-    unreachable = unreachable_routes(merged.routes, merged.upstreams)
+        for warning in found.store:
+            console.print(f"  warning: {warning}")
     for route in merged.routes:
         source = "store" if route.id in from_store else "file"
         for line in _route_lines(route, merged.upstreams, source, settings.deadline_ms):
             console.print(line)
-        warnings += len(
-            route_warnings(route, merged.upstreams, settings.deadline_ms, store=source == "store")
-        )
-        if route.id in unreachable:
-            console.print(f"  warning: {unreachable[route.id]}")
-            warnings += 1
-    for warning in credential_warnings(merged.upstreams, merged.routes, os.environ):
+        for warning in found.routes[route.id]:
+            console.print(f"  warning: {warning}")
+    for warning in found.general:
         console.print(f"  warning: {warning}")
-        warnings += 1
-    for dropped in dropped_strip_defaults(settings):
-        console.print(f"  warning: {dropped}")
-        warnings += 1
-    ignored = ignored_proxy_variables(merged.upstreams, os.environ)
-    if ignored is not None:
-        console.print(f"  warning: {ignored}")
-        warnings += 1
-    if not merged.routes:
-        console.print("  warning: no routes: every request goes to the host app (serve: 404)")
-        warnings += 1
     noted = f", {warnings} warning(s)" if warnings else ""
     console.print(f"configuration {args.config} is valid: {len(merged.routes)} route(s){noted}")
 

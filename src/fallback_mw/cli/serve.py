@@ -10,14 +10,13 @@ import errno
 import gc
 import importlib.util
 import logging
-import os
 import signal
 import socket
 from collections.abc import Callable
 from typing import Any
 
 from fallback_mw.cli.app import Console, Failed, Refused, leaf
-from fallback_mw.cli.check import credential_warnings, ignored_proxy_variables, resolve_routes
+from fallback_mw.cli.check import config_warnings, resolve_routes
 from fallback_mw.config import GatewayConfig, load_config
 from fallback_mw.extras import require
 from fallback_mw.request.types import Receive, Scope, Send
@@ -200,12 +199,14 @@ def serve(args: argparse.Namespace, console: Console) -> int | None:
 
     config = load_config(args.config)
     check_shared(config, args.workers)  # N > 1 on per-process state: refused, one line
-    store = config.gateway.store is not None
-    ignored = ignored_proxy_variables(config.upstreams, os.environ, store=store)
-    if ignored is not None:
-        console.warning(ignored)
-    for warning in credential_warnings(config.upstreams, config.routes, os.environ):
-        console.warning(warning)  # what check says too: a 401 on every request, explained
+    # The store's routes, loaded and refused once here, as `check` does (the connection
+    # closed before any worker forks): an unreachable store or a route the rules refuse is
+    # one line, not one per worker. The gateway (each worker's) loads them again as it
+    # starts. Then what `check` warns about, once, before serving (its Redis line aside:
+    # the gateway says an unusable Redis itself, at its start).
+    merged, from_store = resolve_routes(config)
+    for warning in config_warnings(args.config, config, merged, from_store).lines():
+        console.warning(warning)
     try:  # N > 1 with the Prometheus exporter: one port per worker, checked up front
         from fallback_mw.cli.otel_setup import TelemetrySetupError, check_workers
 
@@ -220,11 +221,6 @@ def serve(args: argparse.Namespace, console: Console) -> int | None:
     # would hold it forever), then cancels them: their holds settle as cut short.
     options["timeout_graceful_shutdown"] = args.timeout_graceful_shutdown
     if args.workers > 1:
-        if config.gateway.store is not None:
-            # The store's routes, loaded and refused once here (the connection closed
-            # before the fork): an unreachable store or a route the rules refuse is one
-            # line, not one per worker. Each worker loads them again as it starts.
-            resolve_routes(config)
         # Each worker sets up its own OTel SDK and gateway after the fork (cli/workers.py).
         supervisor = Supervisor(
             args.workers,
