@@ -18,7 +18,7 @@ from fallback_mw.store.model import StoreError
 from fallback_mw.store.reload import StoreRuntime
 from fallback_mw.store.routes import open_store
 from tests.helpers import client_for
-from tests.test_cli_admin import cli, gateway_config, host_app, wait_for
+from tests.test_cli_admin import cli, failing_chat_route, gateway_config, host_app, wait_for
 from tests.upstreams import status_handler, upstream
 
 SECRET = "sk-never-printed-0451"
@@ -284,3 +284,76 @@ async def test_the_reloader_starts_once_at_lifespan_startup(store_url: str) -> N
     await server
     assert sent == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
     assert task.done() and not reloaders()  # closed with the gateway
+
+
+@pytest.mark.anyio
+async def test_an_edit_the_gateways_will_not_apply_says_so(
+    ledger_store: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # During an outage an operator set a fallback on `chat`: "fallback set", exit 0, and
+    # the gateways went on failing. Another store route named a variable they lack, so
+    # they refused every reload of the store (SPEC §10) and kept the table without the
+    # fallback. The edit is still stored (exit 0), but the command now says the gateways
+    # will not apply it, naming the route they refuse and why: their own reload decision
+    # (store.reload.merged_routes), in this shell's environment with --check-env.
+    monkeypatch.delenv("FXBC_LEGACY_KEY", raising=False)
+    async with failing_chat_route(ledger_store) as (base, backup):
+        gateway = Gateway(host_app, config=gateway_config(ledger_store), environ={})
+        runtime = gateway.services.store
+        assert runtime is not None
+        runtime.poll_interval = 0.05
+        try:
+            async with client_for(gateway) as client:
+
+                async def provider() -> str | None:
+                    response = await client.get("/api/x")
+                    return response.headers.get("x-gateway-provider", str(response.status_code))
+
+                assert await provider() == "502"  # the failing primary alone
+                # Stored from a shell without the gateways' secrets: the name only.
+                status, _, err = await cli(
+                    "routes", "add", "--store", ledger_store, "--id", "legacy",
+                    "--prefix", "/legacy/", "--upstream", "http://127.0.0.1:9",
+                    "--auth-env", "FXBC_LEGACY_KEY",
+                )  # fmt: skip
+                assert status == 0 and "will not apply" not in err, err
+
+                async def refused() -> bool:
+                    return runtime.last_refusal is not None
+
+                assert await wait_for(refused, True)
+
+                status, out, err = await cli(
+                    "routes", "set-fallback", *base, "--upstream", backup.url, "--check-env"
+                )
+                assert status == 0, err
+                assert out.startswith("route 'chat': fallback set (chat-primary -> chat-fallback)")
+                said = [line for line in err.splitlines() if "will not apply" in line]
+                assert said == [
+                    "fallback-mw: warning: the gateways will not apply this change: they "
+                    "refuse the store as it now is (route 'legacy', upstream "
+                    "'legacy-primary': environment variable FXBC_LEGACY_KEY is not set in "
+                    "this shell) and keep their running routes until that route is fixed or "
+                    "removed"
+                ], err
+                # It is so: the gateway still serves the table without the fallback.
+                await asyncio.sleep(0.3)
+                assert await provider() == "502"
+                assert runtime.last_refusal is not None
+                assert "FXBC_LEGACY_KEY is not set" in runtime.last_refusal
+
+                # Every edit verb says it (`set`, too); without --check-env this shell's
+                # variables are not the gateways' business: nothing said about them.
+                status, _, err = await cli("routes", "set", *base, "--retries", "1", "--check-env")
+                assert status == 0 and "'legacy'" in err and "will not apply" in err, err
+                status, _, err = await cli("routes", "set", *base, "--retries", "1")
+                assert status == 0 and "will not apply" not in err, err
+
+                # The repair: the refused route removed, nothing left to warn about, and
+                # the gateway applies the fallback set during the outage.
+                assert await cli(
+                    "routes", "remove", "--store", ledger_store, "--id", "legacy", "--check-env"
+                ) == (0, "route 'legacy' removed\n", "")
+                assert await wait_for(provider, "chat-fallback")
+        finally:
+            await gateway.aclose()

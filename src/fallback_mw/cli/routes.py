@@ -21,6 +21,7 @@ from fallback_mw.cli.show import route_line
 from fallback_mw.cli.target import StoreTarget, open_route_store, resolve, store_options
 from fallback_mw.config import ConfigError, GatewayConfig, RouteConfig, UpstreamConfig
 from fallback_mw.store.model import StoredRoute, build_model, fallback_name, primary_name
+from fallback_mw.store.reload import merged_routes
 from fallback_mw.store.routes import RouteStore, make_upstream, merge_routes
 
 T = TypeVar("T")
@@ -96,6 +97,24 @@ def _stored_route_warnings(target: StoreTarget, stored: StoredRoute) -> list[str
     upstreams = {**target.config.upstreams, **stored.upstreams}
     deadline_ms = target.config.gateway.deadline_ms
     return route_warnings(stored.route, upstreams, deadline_ms, store=True)
+
+
+async def _refused_store(target: StoreTarget, store: RouteStore, check_env: bool) -> list[str]:
+    """After a change is stored: whether the gateways' reload (store.reload.merged_routes,
+    their own decision) would refuse the store as a whole, another route's fault or this
+    one's, and so keep their running routes without this change. Said as a warning: the
+    change itself is stored. Variables are checked in this shell only with --check-env (an
+    operator's shell need not hold the gateways' secrets)."""
+    try:
+        await merged_routes(store, target.config, os.environ if check_env else None)
+    except ConfigError as exc:
+        shell = " in this shell" if check_env and "is not set" in str(exc) else ""
+        return [
+            f"the gateways will not apply this change: they refuse the store as it now is "
+            f"({exc}{shell}) and keep their running routes until that route is fixed or "
+            "removed"
+        ]
+    return []
 
 
 def _stored(routes: list[StoredRoute], route_id: str) -> StoredRoute:
@@ -208,14 +227,18 @@ def routes_add(args: argparse.Namespace, console: Console) -> None:
         others = await _check_and_write(target, store, stored, store.insert_route, args.check_env)
         warnings.extend(_stored_route_warnings(target, stored))
         unreachable.update(_newly_unreachable(target.config, others, stored))
+        refused.extend(await _refused_store(target, store, args.check_env))
         tenant = f" (tenant {args.tenant})" if args.tenant is not None else ""
         return f"route {args.id!r} added{tenant}: {' -> '.join(plan)}"
 
+    refused: list[str] = []
     console.print(_with_store(args, console, work, creates=True))
     for warning in warnings:
         console.warning(f"route {args.id!r}: {warning}")
     for route_id, why in unreachable.items():
         console.warning(f"route {route_id!r}: {why}")
+    for warning in refused:
+        console.warning(warning)
 
 
 def routes_set_fallback(args: argparse.Namespace, console: Console) -> None:
@@ -223,7 +246,9 @@ def routes_set_fallback(args: argparse.Namespace, console: Console) -> None:
 
     async def work(target: StoreTarget, store: RouteStore) -> str:
         _store_owned(target, args.id)
-        return await _edit(args.id, lambda: attempt(target, store))
+        done = await _edit(args.id, lambda: attempt(target, store))
+        refused.extend(await _refused_store(target, store, args.check_env))
+        return done
 
     async def attempt(target: StoreTarget, store: RouteStore) -> str:
         current = _stored(await store.load_routes(), args.id)
@@ -259,9 +284,12 @@ def routes_set_fallback(args: argparse.Namespace, console: Console) -> None:
             f"retries {stored.route.retries}"
         )
 
+    refused: list[str] = []
     console.print(_with_store(args, console, work))
     for warning in warnings:
         console.warning(f"route {args.id!r}: {warning}")
+    for warning in refused:
+        console.warning(warning)
 
 
 def routes_set(args: argparse.Namespace, console: Console) -> None:
@@ -269,7 +297,9 @@ def routes_set(args: argparse.Namespace, console: Console) -> None:
 
     async def work(target: StoreTarget, store: RouteStore) -> str:
         _store_owned(target, args.id)
-        return await _edit(args.id, lambda: attempt(target, store))
+        done = await _edit(args.id, lambda: attempt(target, store))
+        refused.extend(await _refused_store(target, store, args.check_env))
+        return done
 
     async def attempt(target: StoreTarget, store: RouteStore) -> str:
         current = _stored(await store.load_routes(), args.id)
@@ -283,15 +313,20 @@ def routes_set(args: argparse.Namespace, console: Console) -> None:
             f"route {args.id!r}: retries {route.retries} (attempt ceiling {route.attempt_ceiling})"
         )
 
+    refused: list[str] = []
     console.print(_with_store(args, console, work))
     for warning in warnings:
         console.warning(f"route {args.id!r}: {warning}")
+    for warning in refused:
+        console.warning(warning)
 
 
 def routes_clear_fallback(args: argparse.Namespace, console: Console) -> None:
     async def work(target: StoreTarget, store: RouteStore) -> str:
         _store_owned(target, args.id)
-        return await _edit(args.id, lambda: attempt(target, store))
+        done = await _edit(args.id, lambda: attempt(target, store))
+        refused.extend(await _refused_store(target, store, args.check_env))
+        return done
 
     async def attempt(target: StoreTarget, store: RouteStore) -> str:
         current = _stored(await store.load_routes(), args.id)
@@ -307,7 +342,10 @@ def routes_clear_fallback(args: argparse.Namespace, console: Console) -> None:
         faults = f"; {cleared} fault(s) on {', '.join(dropped)} cleared" if cleared else ""
         return f"route {args.id!r}: fallback cleared ({primary} only){faults}"
 
+    refused: list[str] = []
     console.print(_with_store(args, console, work))
+    for warning in refused:
+        console.warning(warning)
 
 
 def routes_list(args: argparse.Namespace, console: Console) -> None:
@@ -343,12 +381,16 @@ def routes_remove(args: argparse.Namespace, console: Console) -> None:
             args.id, keep_upstreams=target.config.upstreams.keys(), keep_pin=file_route
         )
         if cleared is not None:
+            refused.extend(await _refused_store(target, store, args.check_env))
             faults = f"; {cleared} fault(s) on it cleared" if cleared else ""
             return f"route {args.id!r} removed{faults}"
         _store_owned(target, args.id)
         raise Failed(f"no route {args.id!r} in the store")
 
+    refused: list[str] = []
     console.print(_with_store(args, console, work))
+    for warning in refused:
+        console.warning(warning)
 
 
 def _credentials(parser: argparse.ArgumentParser, prefix: str = "") -> None:
@@ -363,11 +405,16 @@ def _credentials(parser: argparse.ArgumentParser, prefix: str = "") -> None:
     )
 
 
-def _check_env(parser: argparse.ArgumentParser) -> None:
+def _check_env(parser: argparse.ArgumentParser, *, names: bool = True) -> None:
+    warn = (
+        "warn when a store route names a credential variable not set in this shell (a "
+        "gateway lacking it too refuses the whole store, this change included)"
+    )
+    given = "refuse when a variable given here is not set in this shell, and "
     parser.add_argument(
         "--check-env",
         action="store_true",
-        help="also refuse when a named credential variable is not set in this shell",
+        help=f"also {given if names else ''}{warn}: for a shell with the gateways' environment",
     )
 
 
@@ -411,11 +458,15 @@ def register(subparsers: Any) -> None:
     set_ = leaf(verbs, "set", routes_set, "change a store route's retries")
     store_options(set_)
     set_.add_argument("--id", required=True, help="the store route to change")
-    set_.add_argument("--retries", type=int, required=True, help="attempt ceiling = 1 + N")
+    set_.add_argument(
+        "--retries", type=int, required=True, metavar="N", help="attempt ceiling = 1 + N"
+    )
+    _check_env(set_, names=False)
 
     clear = leaf(verbs, "clear-fallback", routes_clear_fallback, "drop a store route's fallback")
     store_options(clear)
     clear.add_argument("--id", required=True, help="the store route to change")
+    _check_env(clear, names=False)
 
     list_ = leaf(verbs, "list", routes_list, "list file and store routes")
     store_options(list_)
@@ -426,3 +477,4 @@ def register(subparsers: Any) -> None:
     remove = leaf(verbs, "remove", routes_remove, "remove a store route")
     store_options(remove)
     remove.add_argument("--id", required=True, help="the store route to remove")
+    _check_env(remove, names=False)

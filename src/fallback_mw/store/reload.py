@@ -28,7 +28,7 @@ from fallback_mw.routing import RouteTable
 from fallback_mw.store.faults import StoreFaults
 from fallback_mw.store.model import StoreError
 from fallback_mw.store.outage import OutageLog
-from fallback_mw.store.routes import RouteStore, merge_routes, open_store
+from fallback_mw.store.routes import MergedRoutes, RouteStore, merge_routes, open_store
 from fallback_mw.store_url import parse_store_url
 
 T = TypeVar("T")
@@ -60,6 +60,17 @@ def run_blocking(factory: Callable[[], Awaitable[T]]) -> T:
         raise result["error"]
     value: T = result["value"]
     return value
+
+
+async def merged_routes(
+    store: RouteStore, config: GatewayConfig, environ: Mapping[str, str] | None
+) -> MergedRoutes:
+    """The table a gateway's reload takes from `store`: its routes merged with the file's
+    by the loader's rules (`environ`: the variables a store route names must be set in it).
+    ConfigError, naming the route and why, when the gateway would refuse the store and
+    keep its running routes. The reloader's decision, and the admin CLI's word on it."""
+    stored = await store.load_routes()
+    return await asyncio.to_thread(merge_routes, config, stored, environ=environ)
 
 
 class StoreRuntime:
@@ -182,10 +193,7 @@ class StoreRuntime:
         routes_serial, faults_serial = await store.change_serials()
         if routes_serial != self._serials[0]:
             try:
-                stored = await store.load_routes()
-                merged = await asyncio.to_thread(
-                    merge_routes, self.config, stored, environ=self.environ
-                )
+                merged = await merged_routes(store, self.config, self.environ)
             except ConfigError as exc:
                 if initial:
                     raise
