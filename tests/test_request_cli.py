@@ -321,10 +321,19 @@ async def test_no_route_matches(tmp_path: Path) -> None:
     assert "no route matches" in out and "client    404" in out
 
 
+async def test_a_route_not_there_is_not_found_exit_1(tmp_path: Path) -> None:
+    # `request --route nope` exited 2, a refused configuration's status, while `--path`
+    # to no route exits 1, and so do `routes remove --id nope` and `budgets show --budget
+    # nope`: not found is a runtime result, 1, the same for every verb. Nothing is sent.
+    config = str(write_config(tmp_path, "http://127.0.0.1:9", "http://127.0.0.1:10"))
+    status, out, err = await request_cli("--config", config, "--route", "nope")
+    assert (status, out) == (1, "")
+    assert err == "fallback-mw: error: no route 'nope' (routes: chat)\n"
+
+
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        (("--route", "nope"), "no route 'nope' (routes: chat)"),
         (("--path", "v1/x"), "--path must start with '/'"),
         (("--path", "/v1/x", "--header", "authorization"), "--header #1: expected 'name: value'"),
         (("--path", "/v1/x", "--header", f"x-key: {CALLER_SECRET}\x01"), "--header #1 (x-key)"),

@@ -3,7 +3,8 @@
 Same configuration, same store, same shared state (an open breaker in Redis, an active fault
 in the store): the request is one in-process ASGI call, and the trace is read from the
 records the spans and the usage log are built from (`one_request`). Exit status: 0 when the
-client would have received a 2xx in full, 1 otherwise, 2 for a bad invocation or config.
+client would have received a 2xx in full, 1 otherwise (no route `--route` names included),
+2 for a bad invocation or config.
 Never printed: a credential, a request header value (except the tenant the gateway read,
 a label that spans and the log line carry too), a query string, a body (unless
 `--show-body`)."""
@@ -120,7 +121,8 @@ def route_request(app: Any, options: Options, tenant_header: str) -> OneRequest:
         route = next((r for r in table.routes if r.id == options.route), None)
         if route is None:
             known = ", ".join(sorted(r.id for r in table.routes)) or "none"
-            raise Refused(f"no route {options.route!r} (routes: {known})")
+            # Not found, as `routes remove --id` of a route not there: 1, not a refusal.
+            raise Failed(f"no route {options.route!r} (routes: {known})")
         if method not in route.accepted_methods:
             raise Refused(
                 f"route {route.id!r} does not accept {method} "
@@ -198,7 +200,8 @@ def register(subparsers: Any) -> None:
         request,
         "send one request through the gateway serve would build and print its whole trace",
         epilog="Exit status: 0 when the client would have received a 2xx in full, 1 "
-        "otherwise, 2 for a bad invocation or config. Never printed: a credential, a header "
+        "otherwise (no route --route names included, nothing sent), 2 for a bad invocation "
+        "or config. Never printed: a credential, a header "
         "value you passed (except the tenant the gateway read from tenant_header, a label "
         "spans and the log line carry too), the query string, a body (unless --show-body).",
     )
