@@ -150,3 +150,20 @@ def test_every_option_of_every_verb_says_what_it_is_for() -> None:
         return found
 
     assert bare(build_parser(), "") == []
+
+
+def test_check_env_says_what_it_checks_on_every_edit_verb() -> None:
+    # `routes set-fallback --check-env` said "refuse when a named credential variable is
+    # not set", but it also refused for the route's own primary, named by no argument, and
+    # since the gateways refuse a whole store over one route it also checks every other
+    # store route (a warning, the change stored). Each edit verb's --help says which.
+    for verb, refuses in (
+        ("add", True), ("set-fallback", True),
+        ("set", False), ("clear-fallback", False), ("remove", False),
+    ):  # fmt: skip
+        result = run("routes", verb, "--help")
+        assert result.returncode == 0, result.stderr
+        text = " ".join(result.stdout.split())
+        own = "also refuse when this route names a credential variable not set in this shell"
+        assert (own in text) == refuses, text
+        assert "refuses the whole store, this change included" in text, text

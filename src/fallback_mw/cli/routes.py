@@ -406,15 +406,17 @@ def _credentials(parser: argparse.ArgumentParser, prefix: str = "") -> None:
 
 
 def _check_env(parser: argparse.ArgumentParser, *, names: bool = True) -> None:
-    warn = (
-        "warn when a store route names a credential variable not set in this shell (a "
-        "gateway lacking it too refuses the whole store, this change included)"
+    what = (
+        "refuse when this route names a credential variable not set in this shell, and warn "
+        "when another store route does"
+        if names
+        else "warn when a store route names a credential variable not set in this shell"
     )
-    given = "refuse when a variable given here is not set in this shell, and "
     parser.add_argument(
         "--check-env",
         action="store_true",
-        help=f"also {given if names else ''}{warn}: for a shell with the gateways' environment",
+        help=f"also {what} (a gateway lacking it too refuses the whole store, this change "
+        "included): for a shell with the gateways' environment",
     )
 
 
