@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import sqlite3
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -479,6 +480,49 @@ plan = ["primary"]
     # Now only the file defines it: refused as before, nothing to remove.
     status, _, err = run_cli(*remove)
     assert status == 2 and "defined in the config file" in err
+
+
+def test_routes_list_shows_what_it_can_and_says_what_the_gateways_refuse(
+    tmp_path: Path, store_url: str
+) -> None:
+    # An operator looking at the store during an outage saw either nothing at all (one
+    # record that does not load: `routes list` failed, exit 2, listing no route) or a calm
+    # list of routes the gateways were not serving (a store route whose id the file
+    # defines: every reload refused). Now the list shows every route that loads, and one
+    # warning line says what the gateways refuse and how to take it out.
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        f'[gateway]\nstore = "{store_url}"\n[upstreams.primary]\nurl = "http://127.0.0.1:9001"\n'
+        '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["primary"]\n',
+        encoding="utf-8",
+    )
+    add = ["routes", "add", "--store", store_url, "--prefix", "/api/"]
+    assert run_cli(*add, "--id", "items", "--upstream", "http://127.0.0.1:9005")[0] == 0
+    assert run_cli(*add, "--id", "broken", "--upstream", "http://127.0.0.1:9006")[0] == 0
+    path = store_url.removeprefix("sqlite:///")
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE fmw_routes SET doc = '{\"route\": 1}' WHERE id = 'broken'")
+    items = "items\tstore\t/api/\tretries=0\titems-primary=http://127.0.0.1:9005\n"
+    assert run_cli("routes", "list", "--store", store_url) == (
+        0,
+        items,
+        "fallback-mw: warning: stored route 'broken': unreadable record (`fallback-mw routes "
+        "remove --id broken` takes it out); not listed: every gateway refuses the store "
+        "while it is there\n",
+    )
+    assert run_cli("routes", "remove", "--store", store_url, "--id", "broken")[0] == 0
+    # Stored with --store alone, which cannot see the file: the gateways refuse it.
+    assert run_cli(*add, "--id", "chat", "--upstream", "http://127.0.0.1:9007")[0] == 0
+    status, out, err = run_cli("routes", "list", "--config", str(config))
+    assert status == 0 and out.count("\n") == 3, out
+    assert err == (
+        "fallback-mw: warning: the gateways refuse the store as it now is (route 'chat' is "
+        "defined both in the config file and in the store) and keep their running routes: "
+        "the store routes listed are not what they serve until that route is fixed or "
+        "removed\n"
+    )
+    assert run_cli("routes", "remove", "--config", str(config), "--id", "chat")[0] == 0
+    assert run_cli("routes", "list", "--config", str(config))[2] == ""
 
 
 def test_routes_add_warns_when_a_route_takes_another_ones_traffic(

@@ -99,22 +99,29 @@ def _stored_route_warnings(target: StoreTarget, stored: StoredRoute) -> list[str
     return route_warnings(stored.route, upstreams, deadline_ms, store=True)
 
 
-async def _refused_store(target: StoreTarget, store: RouteStore, check_env: bool) -> list[str]:
-    """After a change is stored: whether the gateways' reload (store.reload.merged_routes,
-    their own decision) would refuse the store as a whole, another route's fault or this
-    one's, and so keep their running routes without this change. Said as a warning: the
-    change itself is stored. Variables are checked in this shell only with --check-env (an
-    operator's shell need not hold the gateways' secrets)."""
+async def _store_refusal(target: StoreTarget, store: RouteStore, check_env: bool) -> str | None:
+    """Why the gateways' reload (store.reload.merged_routes, their own decision) would
+    refuse the store as it now is, another route's fault or this one's, and so keep their
+    running routes; None when it would not. Variables are checked in this shell only with
+    --check-env (an operator's shell need not hold the gateways' secrets)."""
     try:
         await merged_routes(store, target.config, os.environ if check_env else None)
     except ConfigError as exc:
         shell = " in this shell" if check_env and "is not set" in str(exc) else ""
-        return [
-            f"the gateways will not apply this change: they refuse the store as it now is "
-            f"({exc}{shell}) and keep their running routes until that route is fixed or "
-            "removed"
-        ]
-    return []
+        return f"{exc}{shell}"
+    return None
+
+
+async def _refused_store(target: StoreTarget, store: RouteStore, check_env: bool) -> list[str]:
+    """After a change is stored: the warning that the gateways will not apply it, when they
+    refuse the store as a whole. The change itself is stored (exit status 0)."""
+    refusal = await _store_refusal(target, store, check_env)
+    if refusal is None:
+        return []
+    return [
+        f"the gateways will not apply this change: they refuse the store as it now is "
+        f"({refusal}) and keep their running routes until that route is fixed or removed"
+    ]
 
 
 def _stored(routes: list[StoredRoute], route_id: str) -> StoredRoute:
@@ -349,9 +356,21 @@ def routes_clear_fallback(args: argparse.Namespace, console: Console) -> None:
 
 
 def routes_list(args: argparse.Namespace, console: Console) -> None:
+    unreadable: list[str] = []
+    refused: list[str] = []
+
     async def work(target: StoreTarget, store: RouteStore) -> str:
         config = target.config
-        stored = await store.load_routes()
+        # A record that does not load is said, not a failure of the whole list: the
+        # operator sees the rest and which one to remove.
+        stored = await store.load_routes(unreadable=unreadable)
+        refusal = None if unreadable else await _store_refusal(target, store, False)
+        if refusal is not None:
+            refused.append(
+                f"the gateways refuse the store as it now is ({refusal}) and keep their "
+                "running routes: the store routes listed are not what they serve until that "
+                "route is fixed or removed"
+            )
         if args.tenant is not None:
             # The routes this tenant's requests can match: its own and those for any tenant.
             def serves(route: RouteConfig) -> bool:
@@ -368,6 +387,10 @@ def routes_list(args: argparse.Namespace, console: Console) -> None:
         return f"no routes for tenant {args.tenant}" if args.tenant is not None else "no routes"
 
     console.print(_with_store(args, console, work))
+    for problem in unreadable:
+        console.warning(f"{problem}; not listed: every gateway refuses the store while it is there")
+    for warning in refused:
+        console.warning(warning)
 
 
 def routes_remove(args: argparse.Namespace, console: Console) -> None:

@@ -99,7 +99,7 @@ class AbsentStore:
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    async def load_routes(self) -> list[StoredRoute]:
+    async def load_routes(self, *, unreadable: list[str] | None = None) -> list[StoredRoute]:
         return []
 
     async def insert_route(self, stored: StoredRoute) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -14,6 +14,7 @@ from pydantic import BaseModel, ValidationError
 
 from fallback_mw.config import ConfigError, RouteConfig, UpstreamConfig
 from fallback_mw.config import _describe as describe_validation_error
+from fallback_mw.rules import check_id
 
 FaultKind = Literal["fail", "hang", "blackhole", "revoke", "pin"]
 Model = TypeVar("Model", bound=BaseModel)
@@ -90,13 +91,46 @@ class StoredRoute:
             route_data = data["route"]
             upstream_data = data["upstreams"]
         except (ValueError, KeyError, TypeError):
-            raise ConfigError(f"{where}: unreadable record") from None
-        route = build_model(RouteConfig, route_data, where)
-        upstreams = {
-            str(name): build_model(UpstreamConfig, value, f"{where}, upstream {name!r}")
-            for name, value in dict(upstream_data).items()
-        }
+            raise ConfigError(f"{where}: unreadable record{_remove_hint(route_id)}") from None
+        try:
+            route = build_model(RouteConfig, route_data, where)
+            upstreams = {
+                str(name): build_model(UpstreamConfig, value, f"{where}, upstream {name!r}")
+                for name, value in dict(upstream_data).items()
+            }
+        except (ValueError, TypeError) as exc:  # ConfigError included: said with the repair
+            reason = str(exc) if isinstance(exc, ConfigError) else f"{where}: unreadable record"
+            raise ConfigError(f"{reason}{_remove_hint(route_id)}") from None
         return cls(route=route, upstreams=upstreams, doc=text)
+
+
+def _remove_hint(route_id: str) -> str:
+    """A record that does not load makes every gateway refuse the store; `routes remove`
+    takes it out (it reads no other record, and this one only leniently). The id is shown
+    as a command only when it is a valid id (a hand-written one may hold anything)."""
+    try:
+        check_id("route", route_id)
+    except ConfigError:
+        route_id = "ID"
+    return f" (`fallback-mw routes remove --id {route_id}` takes it out)"
+
+
+def stored_routes(
+    rows: Iterable[tuple[str, str]], unreadable: list[str] | None = None
+) -> list[StoredRoute]:
+    """The records a backend read, as (id, doc), in order. A record that does not load is a
+    ConfigError naming it, as every gateway refuses it; with `unreadable`, its reason goes
+    there instead and the others still load (`routes list` shows the store and what to
+    remove)."""
+    routes = []
+    for route_id, doc in rows:
+        try:
+            routes.append(StoredRoute.from_doc(route_id, doc))
+        except ConfigError as exc:
+            if unreadable is None:
+                raise
+            unreadable.append(str(exc))
+    return routes
 
 
 def owned_upstreams(doc: str) -> list[str]:

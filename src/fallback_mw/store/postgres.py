@@ -26,6 +26,7 @@ from fallback_mw.store.model import (
     StoreError,
     owned_upstreams,
     pending_migrations,
+    stored_routes,
 )
 from fallback_mw.store_url import StoreURLError, driver_reason, redact_url, unusable_store
 
@@ -151,9 +152,9 @@ class PostgresStore:
 
     # --- routes -----------------------------------------------------------------------
 
-    async def load_routes(self) -> list[StoredRoute]:
+    async def load_routes(self, *, unreadable: list[str] | None = None) -> list[StoredRoute]:
         rows = await self._fetch("SELECT id, doc FROM fmw_routes ORDER BY id")
-        return [StoredRoute.from_doc(row["id"], row["doc"]) for row in rows]
+        return stored_routes(((row["id"], row["doc"]) for row in rows), unreadable)
 
     async def insert_route(self, stored: StoredRoute) -> None:
         try:

@@ -22,7 +22,11 @@ from fallback_mw.store.model import Fault, StoredRoute, build_model
 class RouteStore(Protocol):
     """Routes and faults in SQLite or PostgreSQL. Every method migrates on first use."""
 
-    async def load_routes(self) -> list[StoredRoute]: ...
+    async def load_routes(self, *, unreadable: list[str] | None = None) -> list[StoredRoute]:
+        """Every stored route, by id. A record that does not load raises ConfigError (a
+        gateway refuses the store); with `unreadable`, its reason is added there and the
+        others are returned."""
+        ...
 
     async def insert_route(self, stored: StoredRoute) -> None:
         """Raises RouteExists when the id is taken."""

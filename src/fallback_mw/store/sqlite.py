@@ -20,6 +20,7 @@ from fallback_mw.store.model import (
     StoreError,
     owned_upstreams,
     pending_migrations,
+    stored_routes,
 )
 from fallback_mw.store.sqlite_connect import connect_wal
 
@@ -106,11 +107,11 @@ class SqliteStore:
 
     # --- routes -----------------------------------------------------------------------
 
-    async def load_routes(self) -> list[StoredRoute]:
+    async def load_routes(self, *, unreadable: list[str] | None = None) -> list[StoredRoute]:
         rows = await self._run(
             lambda c: c.execute("SELECT id, doc FROM fmw_routes ORDER BY id").fetchall()
         )
-        return [StoredRoute.from_doc(str(i), str(doc)) for i, doc in rows]
+        return stored_routes(((str(i), str(doc)) for i, doc in rows), unreadable)
 
     async def insert_route(self, stored: StoredRoute) -> None:
         def insert(conn: sqlite3.Connection) -> None:
