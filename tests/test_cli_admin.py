@@ -525,6 +525,24 @@ def test_routes_list_shows_what_it_can_and_says_what_the_gateways_refuse(
     assert run_cli("routes", "list", "--config", str(config))[2] == ""
 
 
+def test_a_fault_is_set_while_a_store_record_does_not_load(store_url: str) -> None:
+    # A record that does not load stops the gateways' route reloads, not their faults: they
+    # still apply a fault set now. `faults set` read every route's names first and failed
+    # on that record (exit 2): a game day's or an emergency's pin could not be set at all.
+    add = ["routes", "add", "--store", store_url, "--prefix", "/api/", "--retries", "1"]
+    urls = ["--upstream", "http://127.0.0.1:9005", "--fallback", "http://127.0.0.1:9006"]
+    assert run_cli(*add, "--id", "chat", *urls)[0] == 0
+    assert run_cli(*add, "--id", "broken", *urls)[0] == 0
+    with sqlite3.connect(store_url.removeprefix("sqlite:///")) as conn:
+        conn.execute("UPDATE fmw_routes SET doc = 'not json' WHERE id = 'broken'")
+    pin = ["faults", "set", "pin", "--store", store_url, "--ttl", "600"]
+    status, out, err = run_cli(*pin, "--route", "chat", "--candidate", "chat-fallback")
+    assert status == 0 and out.startswith("fault set: pin route 'chat' to 'chat-fallback'"), err
+    assert err == ""
+    status, out, _ = run_cli("faults", "list", "--store", store_url)
+    assert status == 0 and out.startswith("pin\troute=chat\tcandidate=chat-fallback"), out
+
+
 def test_routes_add_warns_when_a_route_takes_another_ones_traffic(
     tmp_path: Path, store_url: str
 ) -> None:

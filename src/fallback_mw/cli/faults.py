@@ -28,7 +28,9 @@ def expiry_text(expires_at: float) -> str:
 async def _names(target: StoreTarget, store: RouteStore) -> tuple[dict[str, Any], set[str]]:
     routes: dict[str, Any] = {r.id: r.plan for r in target.config.routes}
     upstreams = set(target.config.upstreams)
-    for stored in await store.load_routes():
+    # The names of the routes that load: a store record that does not (which makes the
+    # gateways refuse their route reloads) must not stop a fault, which they still apply.
+    for stored in await store.load_routes(unreadable=[]):
         routes[stored.route.id] = stored.route.plan
         upstreams.update(stored.upstreams)
     return routes, upstreams
