@@ -167,3 +167,22 @@ def test_check_env_says_what_it_checks_on_every_edit_verb() -> None:
         own = "also refuse when this route names a credential variable not set in this shell"
         assert (own in text) == refuses, text
         assert "refuses the whole store, this change included" in text, text
+
+
+def test_no_option_is_explained_by_an_example_or_its_default_alone() -> None:
+    # A new user reading `eval --help` met `--out FILE  (results/route-plan-eval.json)`
+    # and `gameday --help` `--duration DURATION  e.g. 15m, 90s`: a default or an example,
+    # but not what the option is. Every option's help starts by saying what it is for.
+    import re
+
+    def examples_only(parser: argparse.ArgumentParser, verb: str) -> list[str]:
+        found: list[str] = []
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    found += examples_only(sub, f"{verb} {name}".strip())
+            elif re.match(r"\(|e\.g\.", (action.help or "").strip()):
+                found.append(f"{verb}: {'/'.join(action.option_strings)}: {action.help}")
+        return found
+
+    assert examples_only(build_parser(), "") == []

@@ -92,7 +92,9 @@ def register(subparsers: Any) -> None:
         "the route-plan evaluation: failing/healthy primary x single upstream/ordered plan, "
         "over loopback through a real `fallback-mw serve`; a table and a JSON artifact",
     )
-    parser.add_argument("--requests", type=int, default=300, help="requests per arm (300)")
+    parser.add_argument(
+        "--requests", type=int, default=300, metavar="N", help="requests per arm (default 300)"
+    )
     parser.add_argument(
         "--primary",
         choices=["fail", "hang"],
@@ -106,11 +108,18 @@ def register(subparsers: Any) -> None:
         help="off (default): breakers held closed, so the plan is what is measured; "
         "on: the gateway's default breaker, measuring the breaker path",
     )
-    parser.add_argument("--concurrency", type=int, default=10, help="requests in flight (10)")
+    parser.add_argument(
+        "--concurrency", type=int, default=10, metavar="N", help="requests in flight (default 10)"
+    )
     parser.add_argument(
         "--port",
         type=port_number,
         default=0,
         help="the gateway's port, each arm in turn (default: a free port per arm)",
     )
-    parser.add_argument("--out", default=DEFAULT_OUT, metavar="FILE", help=f"({DEFAULT_OUT})")
+    parser.add_argument(
+        "--out",
+        default=DEFAULT_OUT,
+        metavar="FILE",
+        help=f"where the JSON artifact is written (default {DEFAULT_OUT})",
+    )

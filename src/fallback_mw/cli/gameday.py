@@ -276,23 +276,30 @@ def register(subparsers: Any) -> None:
         "--recovery-wait",
         default="30s",
         metavar="DURATION",
-        help="after the revert, how long to wait for the primary to serve again (30s)",
+        help="after the revert, how long to wait for the primary to serve again (default 30s)",
     )
-    parser.add_argument("--duration", required=True, help="e.g. 15m, 90s")
+    parser.add_argument(
+        "--duration",
+        required=True,
+        metavar="DURATION",
+        help="how long the fault stays set (its expiry), e.g. 15m, 90s",
+    )
     parser.add_argument(
         "--predict",
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="e.g. breaker_open_s=20, p99_ms=3500, error_rate=1%%, recovery_s=10, "
-        "alert:FallbackMwBreakerOpen<=90s (repeatable)",
+        help="a prediction written before the fault, judged PASS / FAIL in the report, e.g. "
+        "breaker_open_s=20, p99_ms=3500, error_rate=1%%, recovery_s=10, "
+        "alert:FallbackMwBreakerOpen<=90s (repeatable; at least one)",
     )
     parser.add_argument(
         "--abort",
         action="append",
         default=[],
         metavar="NAME=VALUE[/WINDOW]",
-        help="e.g. error_rate=1%%/60s, p99_ms=6000, secondary_429=5%% (repeatable)",
+        help="a criterion that clears the fault at once when it holds, e.g. "
+        "error_rate=1%%/60s, p99_ms=6000, secondary_429=5%% (repeatable; at least one)",
     )
     parser.add_argument(
         "--out",

@@ -201,10 +201,20 @@ def usage(args: argparse.Namespace, console: Console) -> None:
 def register(subparsers: Any) -> None:
     parser = leaf(subparsers, "usage", usage, "what each routed request cost, who served it")
     store_options(parser)
-    parser.add_argument("--since", help="e.g. 1h, 2d, 2026-11-30 or 2026-11-30T12:00 (UTC)")
+    parser.add_argument(
+        "--since",
+        help="only records since then, e.g. 1h, 2d, 2026-11-30 or 2026-11-30T12:00 (UTC); "
+        "default: no limit in time",
+    )
     parser.add_argument("--route", metavar="ID", help="only this route's requests")
     parser.add_argument("--tenant", help="only this tenant's requests")
-    parser.add_argument("--limit", type=int, default=100, help="newest N records (default 100)")
+    parser.add_argument(
+        "--limit",
+        type=int,
+        default=100,
+        metavar="N",
+        help="newest N records (default 100); with --incidents, the newest N incidents",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     parser.add_argument(
         "--incidents",
