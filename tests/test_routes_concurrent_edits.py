@@ -238,3 +238,45 @@ async def test_remove_takes_out_a_record_too_broken_to_load(ledger_store: str) -
     await _exec(ledger_store, "UPDATE fmw_routes SET doc = '{\"route\": 1}' WHERE id = 'chat'")
     assert await cli("routes", "remove", *base) == (0, "route 'chat' removed\n", "")
     assert await _route(ledger_store) is None
+
+
+@pytest.mark.anyio
+async def test_clear_fallback_drops_the_fallback_and_its_faults_in_one_transaction(
+    ledger_store: str,
+) -> None:
+    # `routes clear-fallback` wrote the route without its fallback, then cleared the faults
+    # on that fallback in a second step: cut in between, the `fail` fault on chat-fallback
+    # stayed stored, and the fallback set back later under that derived name started
+    # failing. Now both are one transaction: a failure before the commit changes nothing.
+    base = ["--store", ledger_store, "--id", "chat"]
+    status, _, err = await cli(
+        "routes", "add", *base, "--prefix", "/v1/", "--upstream", PRIMARY,
+        "--fallback", FALLBACK, "--retries", "1",
+    )  # fmt: skip
+    assert status == 0, err
+    ttl = ["--store", ledger_store, "--ttl", "600"]
+    for fault in (
+        ["fail", "--upstream", "chat-fallback"],
+        ["pin", "--route", "chat", "--candidate", "chat-fallback"],
+        ["hang", "--upstream", "chat-primary"],
+    ):
+        status, _, err = await cli("faults", "set", fault[0], *ttl, *fault[1:])
+        assert status == 0, err
+    before = await _faults(ledger_store)
+
+    block, unblock = _blocking_fault_deletes(ledger_store)
+    await _exec(ledger_store, *block)
+    status, out, err = await cli("routes", "clear-fallback", *base)
+    assert status == 1 and out == "", (out, err)
+    route = await _route(ledger_store)
+    assert route is not None and list(route.route.plan) == ["chat-primary", "chat-fallback"]
+    assert await _faults(ledger_store) == before
+
+    await _exec(ledger_store, *unblock)
+    assert await cli("routes", "clear-fallback", *base) == (
+        0, "route 'chat': fallback cleared (chat-primary only); 2 fault(s) on chat-fallback "
+        "cleared\n", "",
+    )  # fmt: skip
+    route = await _route(ledger_store)
+    assert route is not None and list(route.route.plan) == ["chat-primary"]
+    assert await _faults(ledger_store) == ["hang chat-primary"]

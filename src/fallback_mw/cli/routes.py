@@ -131,24 +131,6 @@ def _stored(routes: list[StoredRoute], route_id: str) -> StoredRoute:
     raise Failed(f"no route {route_id!r} in the store")
 
 
-async def _clear_faults_left_behind(
-    target: StoreTarget, store: RouteStore, route_id: str, dropped: list[str]
-) -> int:
-    """The faults on the upstreams a store route dropped, and a pin to one of them. Left in
-    the store, they would fault the fallback set back under the same derived name. A name
-    the config file defines is the file's, and its faults stay (as `routes remove` keeps
-    them: RouteStore.remove_route)."""
-    cleared = 0
-    mine = [name for name in dropped if name not in target.config.upstreams]
-    for name in mine:
-        cleared += await store.clear_faults(upstream=name)
-    if all(route.id != route_id for route in target.config.routes):
-        pin = [f for f in await store.load_faults() if f.scope == "route" and f.target == route_id]
-        if pin and pin[0].candidate in mine:
-            cleared += await store.clear_faults(route=route_id)
-    return cleared
-
-
 class _ChangedMeanwhile(Exception):
     """Another command changed or removed the route between this one's read and its write."""
 
@@ -342,11 +324,21 @@ def routes_clear_fallback(args: argparse.Namespace, console: Console) -> None:
         fields = {**current.route.model_dump(), "plan": [primary]}
         route = build_model(RouteConfig, fields, f"route {args.id!r}")
         stored = StoredRoute(route=route, upstreams=upstreams)
-        write = _unless_changed(store, current)
-        await _check_and_write(target, store, stored, write, check_env=False)
         dropped = [name for name in current.upstreams if name not in upstreams]
-        cleared = await _clear_faults_left_behind(target, store, args.id, dropped)
-        faults = f"; {cleared} fault(s) on {', '.join(dropped)} cleared" if cleared else ""
+        cleared: list[int] = []
+
+        async def write(stored: StoredRoute) -> None:
+            # The faults on the dropped fallback and a pin to it go with it, in the same
+            # transaction: left in the store, they would fault the fallback set back under
+            # the same derived name. A name the config file defines is the file's: it stays.
+            mine = [name for name in dropped if name not in target.config.upstreams]
+            count = await store.replace_route_clearing(stored, expected=current.doc, dropped=mine)
+            if count is None:
+                raise _ChangedMeanwhile
+            cleared.append(count)
+
+        await _check_and_write(target, store, stored, write, check_env=False)
+        faults = f"; {cleared[0]} fault(s) on {', '.join(dropped)} cleared" if cleared[0] else ""
         return f"route {args.id!r}: fallback cleared ({primary} only){faults}"
 
     refused: list[str] = []
@@ -398,7 +390,8 @@ def routes_remove(args: argparse.Namespace, console: Console) -> None:
         # The store's copy first: one whose id the file defines too (added with --store
         # alone) makes every gateway refuse its reloads, and removing it is the repair.
         # The faults it leaves behind (its pin, its upstreams') go in the same transaction,
-        # but those on a name the config file defines: the file's, they stay.
+        # but those on a name the config file defines: the file's, they stay (as for
+        # clear-fallback's dropped upstreams).
         file_route = any(route.id == args.id for route in target.config.routes)
         cleared = await store.remove_route(
             args.id, keep_upstreams=target.config.upstreams.keys(), keep_pin=file_route

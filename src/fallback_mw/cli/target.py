@@ -108,6 +108,11 @@ class AbsentStore:
     async def replace_route(self, stored: StoredRoute, *, expected: str | None = None) -> bool:
         raise Failed(f"no store file at {self.path}")
 
+    async def replace_route_clearing(
+        self, stored: StoredRoute, *, expected: str | None, dropped: Collection[str]
+    ) -> int | None:
+        raise Failed(f"no store file at {self.path}")
+
     async def remove_route(
         self, route_id: str, *, keep_upstreams: Collection[str] = (), keep_pin: bool = False
     ) -> int | None:

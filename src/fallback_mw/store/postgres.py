@@ -183,6 +183,31 @@ class PostgresStore:
         )
         return True
 
+    async def replace_route_clearing(
+        self, stored: StoredRoute, *, expected: str | None, dropped: Collection[str]
+    ) -> int | None:
+        async def replace(conn: asyncpg.Connection[Any]) -> int | None:
+            # One transaction, as remove_route: the route and its faults together.
+            async with conn.transaction():
+                status = await conn.execute(
+                    "UPDATE fmw_routes SET doc = $2, updated_at = now() "
+                    "WHERE id = $1 AND doc IS NOT DISTINCT FROM $3",
+                    stored.route.id,
+                    stored.to_doc(),
+                    expected,
+                )
+                if status == "UPDATE 0":
+                    return None
+                status = await conn.execute(
+                    "DELETE FROM fmw_faults WHERE (scope = 'upstream' AND target = ANY($1)) "
+                    "OR (scope = 'route' AND target = $2 AND candidate = ANY($1))",
+                    list(dropped),
+                    stored.route.id,
+                )
+            return int(status.rsplit(" ", 1)[-1])
+
+        return await self._with_connection(replace)
+
     async def remove_route(
         self, route_id: str, *, keep_upstreams: Collection[str] = (), keep_pin: bool = False
     ) -> int | None:

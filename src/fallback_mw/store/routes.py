@@ -38,6 +38,15 @@ class RouteStore(Protocol):
         another command changed or removed the route meanwhile."""
         ...
 
+    async def replace_route_clearing(
+        self, stored: StoredRoute, *, expected: str | None, dropped: Collection[str]
+    ) -> int | None:
+        """`replace_route(stored, expected=expected)` and, in the same transaction, the
+        faults on the upstreams in `dropped` (those the route no longer has, but the config
+        file's) and a pin of the route to one of them. None, nothing written, when another
+        command changed or removed the route meanwhile; else how many faults went."""
+        ...
+
     async def remove_route(
         self, route_id: str, *, keep_upstreams: Collection[str] = (), keep_pin: bool = False
     ) -> int | None:

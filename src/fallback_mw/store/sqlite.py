@@ -145,6 +145,36 @@ class SqliteStore:
 
         return await self._run(replace)
 
+    async def replace_route_clearing(
+        self, stored: StoredRoute, *, expected: str | None, dropped: Collection[str]
+    ) -> int | None:
+        def replace(conn: sqlite3.Connection) -> int | None:
+            # One write transaction, as remove_route: the route and its faults together.
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                cursor = conn.execute(
+                    "UPDATE fmw_routes SET doc = ?, updated_at = ? WHERE id = ? AND doc IS ?",
+                    (stored.to_doc(), time.time(), stored.route.id, expected),
+                )
+                if cursor.rowcount == 0:
+                    conn.execute("ROLLBACK")
+                    return None
+                names = list(dropped)
+                marks = ", ".join("?" * len(names)) or "NULL"
+                cleared = conn.execute(
+                    f"DELETE FROM fmw_faults WHERE (scope = 'upstream' AND target IN ({marks})) "
+                    f"OR (scope = 'route' AND target = ? AND candidate IN ({marks}))",
+                    (*names, stored.route.id, *names),
+                ).rowcount
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+            return int(cleared)
+
+        return await self._run(replace)
+
     async def remove_route(
         self, route_id: str, *, keep_upstreams: Collection[str] = (), keep_pin: bool = False
     ) -> int | None:
