@@ -523,6 +523,18 @@ def test_routes_list_shows_what_it_can_and_says_what_the_gateways_refuse(
     )
     assert run_cli("routes", "remove", "--config", str(config), "--id", "chat")[0] == 0
     assert run_cli("routes", "list", "--config", str(config))[2] == ""
+    # A variable the gateways lack, seen from a shell with their environment (--check-env).
+    keyed = ["--upstream", "http://127.0.0.1:9008", "--auth-env", "FXBC_UNSET_KEY"]
+    assert run_cli(*add, "--id", "keyed", *keyed)[0] == 0
+    assert run_cli("routes", "list", "--store", store_url)[2] == ""
+    status, out, err = run_cli("routes", "list", "--store", store_url, "--check-env")
+    assert status == 0 and "keyed\tstore" in out
+    assert err == (
+        "fallback-mw: warning: the gateways refuse the store as it now is (route 'keyed', "
+        "upstream 'keyed-primary': environment variable FXBC_UNSET_KEY is not set in this "
+        "shell) and keep their running routes: the store routes listed are not what they "
+        "serve until that route is fixed or removed\n"
+    )
 
 
 def test_a_fault_is_set_while_a_store_record_does_not_load(store_url: str) -> None:

@@ -356,7 +356,7 @@ def routes_list(args: argparse.Namespace, console: Console) -> None:
         # A record that does not load is said, not a failure of the whole list: the
         # operator sees the rest and which one to remove.
         stored = await store.load_routes(unreadable=unreadable)
-        refusal = None if unreadable else await _store_refusal(target, store, False)
+        refusal = None if unreadable else await _store_refusal(target, store, args.check_env)
         if refusal is not None:
             refused.append(
                 f"the gateways refuse the store as it now is ({refusal}) and keep their "
@@ -490,6 +490,13 @@ def register(subparsers: Any) -> None:
     store_options(list_)
     list_.add_argument(
         "--tenant", help="only the routes this tenant's requests can match (its own and any-tenant)"
+    )
+    list_.add_argument(
+        "--check-env",
+        action="store_true",
+        help="also warn when a store route names a credential variable not set in this shell "
+        "(a gateway lacking it too refuses the whole store): for a shell with the gateways' "
+        "environment",
     )
 
     remove = leaf(verbs, "remove", routes_remove, "remove a store route")
