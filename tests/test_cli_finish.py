@@ -145,6 +145,8 @@ def test_usage_never_echoes_a_filters_terminal_controls(tmp_path: Path) -> None:
 
 
 def test_serve_on_a_busy_port_is_one_line_exit_1(tmp_path: Path) -> None:
+    # The configuration has no routes, which `check` (and a serve that starts) warns about:
+    # a start that fails says only why, in its one line.
     config = tmp_path / "gateway.toml"
     config.write_text("", encoding="utf-8")
     with socket.socket() as busy:

@@ -12,7 +12,7 @@ import importlib.util
 import logging
 import signal
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fallback_mw.cli.app import Console, Failed, Refused, leaf
@@ -202,11 +202,11 @@ def serve(args: argparse.Namespace, console: Console) -> int | None:
     # The store's routes, loaded and refused once here, as `check` does (the connection
     # closed before any worker forks): an unreachable store or a route the rules refuse is
     # one line, not one per worker. The gateway (each worker's) loads them again as it
-    # starts. Then what `check` warns about, once, before serving (its Redis line aside:
-    # the gateway says an unusable Redis itself, at its start).
+    # starts. What `check` warns about is said once, when the address is bound, before
+    # "serving on" (a start that fails stays one error line); its Redis line aside: the
+    # gateway says an unusable Redis itself, at its start.
     merged, from_store = resolve_routes(config)
-    for warning in config_warnings(args.config, config, merged, from_store).lines():
-        console.warning(warning)
+    warnings = config_warnings(args.config, config, merged, from_store).lines()
     try:  # N > 1 with the Prometheus exporter: one port per worker, checked up front
         from fallback_mw.cli.otel_setup import TelemetrySetupError, check_workers
 
@@ -234,6 +234,8 @@ def serve(args: argparse.Namespace, console: Console) -> int | None:
             # The workers' own wait, then time to settle, close and exit, before SIGKILL.
             stop_grace=args.timeout_graceful_shutdown + STOP_MARGIN_SECONDS,
         )
+        for warning in warnings:
+            console.warning(warning)
         console.print(
             f"serving on {address(supervisor.reservation)} with {args.workers} worker "
             "processes (Ctrl-C to stop)"
@@ -243,7 +245,7 @@ def serve(args: argparse.Namespace, console: Console) -> int | None:
     # re-raises the signal it stopped on, and the default action would end the process
     # with -15 (a worker of `serve --workers` does the same, cli/workers.py).
     signal.signal(signal.SIGTERM, exit_now)
-    run_server(config, options, None, args, console, workers=False)
+    run_server(config, options, None, args, console, workers=False, warnings=warnings)
     return None
 
 
@@ -263,6 +265,7 @@ def run_server(
     workers: bool,
     ready: Callable[[], None] | None = None,
     slot: int = 0,
+    warnings: Sequence[str] = (),
 ) -> None:
     """One gateway on uvicorn: `serve` itself, or one worker of `serve --workers N` (then
     `sock` is the worker's own listening socket, log lines carry the process id,
@@ -297,6 +300,8 @@ def run_server(
             raise Refused(gateway.config_error)
         if sock is None:
             sock = listen_socket(args.host, args.port)
+            for warning in warnings:  # `check`'s, once the address is bound
+                console.warning(warning)
             console.print(f"serving on {address(sock)} (Ctrl-C to stop)")
         configure_logging(with_pid=workers)
         tune_gc()
