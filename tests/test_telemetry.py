@@ -176,6 +176,7 @@ async def test_failover_trace_metrics_and_log(
         "gateway.candidate": "primary",
         "gateway.attempt.number": 1,
         "server.address": "127.0.0.1",
+        "server.port": int(p.url.rsplit(":", 1)[1]),
         "gateway.credential.index": 0,
         "http.response.status_code": 503,
         "gateway.failure.kind": "status",
@@ -189,6 +190,7 @@ async def test_failover_trace_metrics_and_log(
         "gateway.candidate": "backup",
         "gateway.attempt.number": 2,
         "server.address": "127.0.0.1",
+        "server.port": int(b.url.rsplit(":", 1)[1]),
         "gateway.credential.index": 0,
         "http.response.status_code": 200,
         "gen_ai.operation.name": "chat",
@@ -588,6 +590,38 @@ async def test_fault_driven_attempts_are_marked_and_counted_apart(recorded: Reco
         for pt in recorded.points("gateway.attempts")
     }
     assert by_candidate == {"primary": True, "backup": False}
+
+
+async def test_attempt_spans_carry_the_upstreams_port_explicit_or_the_schemes_default(
+    recorded: Recorded,
+) -> None:
+    """Read in a real trace: each `gateway.attempt` (a CLIENT span) named its upstream's
+    host in `server.address` but not its port, so two upstreams on one host (two ports)
+    read as the same server. OpenTelemetry's HTTP client convention wants both:
+    `server.port` is the URL's explicit port, or its scheme's default (443 for an https://
+    URL written without one)."""
+    from fallback_mw.config import UpstreamConfig
+
+    assert UpstreamConfig(url="http://api.example").port == 80
+    assert UpstreamConfig(url="https://api.example/v1").port == 443
+    assert UpstreamConfig(url="https://api.example:8443").port == 8443
+    async with upstream(status_handler(200)) as b:
+        # The faulted primary's attempt is made (and traced) without a packet sent.
+        gateway = Gateway(
+            host_app,
+            config=make_config("https://localhost/v1", b.url),
+            environ=ENV,
+            telemetry=recorded.telemetry,
+            faults=FailPrimary(),
+        )
+        async with client_for(gateway) as client:
+            assert (await client.get("/v1/models")).status_code == 200
+        await gateway.aclose()
+    first, second = recorded.attempt_spans()
+    assert dict(first.attributes or {})["server.address"] == "localhost"
+    assert dict(first.attributes or {})["server.port"] == 443
+    assert dict(second.attributes or {})["server.address"] == "127.0.0.1"
+    assert dict(second.attributes or {})["server.port"] == int(b.url.rsplit(":", 1)[1])
 
 
 async def test_interleaved_requests_keep_their_own_spans(recorded: Recorded) -> None:

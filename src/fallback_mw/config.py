@@ -4,7 +4,6 @@ in rules.py, shared with the route store (ConfigError lives there, re-exported h
 from __future__ import annotations
 
 import difflib
-import functools
 import ipaddress
 import os
 import re
@@ -249,6 +248,7 @@ class UpstreamConfig(_Strict):
     ca_file: str | None = None  # PEM bundle trusted for this https:// upstream
     proxy: str | None = None  # egress HTTP proxy, http://host:port
     provider: str | None = None  # GenAI provider name (gen_ai.provider.name), e.g. "openai"
+    _server: tuple[str, int]  # (host, port) of `url`: model_post_init
 
     @field_validator("url")
     @classmethod
@@ -354,15 +354,21 @@ class UpstreamConfig(_Strict):
             return (self.auth_env,)
         return self.auth_env
 
+    def model_post_init(self, context: Any, /) -> None:
+        # Each attempt names the upstream's host and port (its span's `server.address`,
+        # `server.port`): read from the URL once, when the configuration is loaded.
+        parts = urlsplit(self.url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        self._server = (parts.hostname or "", port)
+
     @property
     def host(self) -> str:
-        return _hostname(self.url)
+        return self._server[0]
 
-
-@functools.lru_cache(maxsize=1024)
-def _hostname(url: str) -> str:
-    """An upstream URL's host (each attempt names it: parsed once per URL, not per call)."""
-    return urlsplit(url).hostname or ""
+    @property
+    def port(self) -> int:
+        """The URL's explicit port, or its scheme's default (80, 443)."""
+        return self._server[1]
 
 
 # A route that lists no `methods` forwards these; any other method on its paths (TRACE,

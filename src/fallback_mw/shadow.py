@@ -199,7 +199,11 @@ class ShadowTraffic:
         if isinstance(reservation, str):
             return ShadowResult(reservation)
         record = AttemptRecord(
-            candidate=name, number=0, server_address=upstream.host, credential_index=credential
+            candidate=name,
+            number=0,
+            server_address=upstream.host,
+            server_port=upstream.port,
+            credential_index=credential,
         )
         started = time.monotonic()
         try:

@@ -350,7 +350,7 @@ class AttemptLifecycle:
         context = self.context
         record = AttemptRecord(
             candidate=name, number=context.attempt_count + 1, server_address=upstream.host,
-            credential_index=credential_index, hedge=hedge,
+            server_port=upstream.port, credential_index=credential_index, hedge=hedge,
         )  # fmt: skip
         context.attempts.append(record)
         admission = self.admissions.get(name)

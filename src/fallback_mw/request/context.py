@@ -37,6 +37,7 @@ class AttemptRecord:
     candidate: str
     number: int
     server_address: str
+    server_port: int | None = None  # the URL's port, or its scheme's default
     started: float = field(default_factory=time.monotonic)
     duration: float | None = None
     status: int | None = None

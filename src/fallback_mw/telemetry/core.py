@@ -179,6 +179,8 @@ class Telemetry:
                 "gateway.attempt.number": attempt.number,
                 "server.address": label(attempt.server_address),
             }
+            if attempt.server_port is not None:
+                attributes["server.port"] = attempt.server_port
             if attempt.hedge:
                 attributes["gateway.attempt.hedge"] = True
             if attempt.credential_index is not None:
