@@ -115,6 +115,25 @@ def test_error_outcomes_match_the_game_day_definition() -> None:
         assert set(matcher.split("|")) == quiet
 
 
+def test_every_error_count_includes_upstream_5xx_relayed_as_served() -> None:
+    """An upstream's 500 relayed as it is (a status outside failover_status), or its 503
+    as the last answer under `on_exhausted = "last_response"`, is booked `served`: an
+    observability team read a route answering 3 % server errors as healthy, because every
+    rule counted customer-visible errors by the outcome alone (the trace's request span
+    already said ERROR). Each place the rules count the error outcomes also counts the
+    `served` series whose status is a 5xx, over the same window and with the same other
+    matchers (`gameday`'s error_rate does the same: test_gameday.py)."""
+    text = RULES.read_text()
+    errors = re.findall(r'gateway_outcome!~"', text)
+    both = re.findall(
+        r'(rate|increase)\(gateway_requests_total\{([^}]*)gateway_outcome!~"[^"]+"\}'
+        r"\[(\w+)\]\)\s*or \1\(gateway_requests_total\{\2gateway_outcome=\"served\", "
+        r'http_response_status_code=~"5\.\."\}\[\3\]\)',
+        text,
+    )
+    assert errors and len(both) == len(errors), (len(both), len(errors))
+
+
 # --- the names the gateway really exports ------------------------------------------------
 
 _SELECTOR = re.compile(r"\b([a-z_][a-z0-9_]*)\s*\{([^}]*)\}")

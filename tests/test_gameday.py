@@ -471,6 +471,52 @@ async def test_a_response_cut_short_counts_and_the_callers_misframing_does_not()
 
 
 @pytest.mark.anyio
+async def test_an_upstream_5xx_relayed_as_served_is_a_customer_visible_error() -> None:
+    """An upstream's 500 (a status outside failover_status) and its 503 as the last
+    answer under `on_exhausted = "last_response"` are relayed as they are and booked
+    `served`: the game day's error_rate (and its `error_rate` abort) read a route whose
+    callers got server errors as error-free. A served 5xx is a customer-visible error, as
+    the shipped alert rules now count it; a served 4xx stays the upstream's answer."""
+    from aiohttp import web
+
+    from fallback_mw import Gateway
+    from tests.helpers import client_for
+    from tests.upstreams import host_app, upstream
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        status = {"/v1/boom": 500, "/v1/gone": 503, "/v1/slow-down": 429}.get(request.path, 200)
+        return web.Response(status=status, text="answer")
+
+    async with upstream(answer) as primary:
+        conf = {
+            "upstreams": {"primary": {"url": primary.url}},
+            "routes": [
+                {"id": "chat", "prefix": "/v1/", "plan": ["primary"],
+                 "on_exhausted": "last_response"},
+            ],
+        }  # fmt: skip
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                for path, status in (
+                    ("/v1/ok", 200), ("/v1/boom", 500), ("/v1/gone", 503), ("/v1/slow-down", 429),
+                ):  # fmt: skip
+                    assert (await client.get(path)).status_code == status
+            ledger = gateway.services.ledger
+            assert ledger is not None
+            records = await ledger.usage(route="chat")
+        finally:
+            await gateway.aclose()
+    assert sorted((r.outcome, r.status) for r in records) == [
+        ("served", 200), ("served", 429), ("served", 500), ("served", 503),
+    ]  # fmt: skip
+    t0 = min(r.at.timestamp() for r in records) - 1
+    seen = observe(records, t0=t0, primary="primary", faulted_upstream="primary")
+    assert (seen["requests"], seen["errors"], seen["error_rate"]) == (4, 2, 0.5)
+    assert windowed("error_rate", records, "primary") == 0.5
+
+
+@pytest.mark.anyio
 async def test_an_overloaded_answer_is_a_customer_visible_error_the_game_day_sees() -> None:
     """Requests beyond `max_concurrency` are answered 503 `overloaded` by the resolver,
     before the budget guard: they leave a usage record too, so a hang game day that piles

@@ -96,6 +96,7 @@ async def test_counts_reach_the_counters_at_collection_not_one_add_per_request(
         "gateway.canary": False,
         "gateway.fault": False,
         "gateway.candidate": "backup",
+        "http.response.status_code": 200,
     }
     attempts = {
         dict(k)["http.response.status_code"]: v for k, v in found["gateway.attempts"].items()

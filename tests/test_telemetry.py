@@ -218,6 +218,7 @@ async def test_failover_trace_metrics_and_log(
                 "gateway.canary": False,
                 "gateway.fault": False,
                 "gateway.candidate": "backup",
+                "http.response.status_code": 200,  # what the client was answered
             },
             1,
         )
@@ -306,8 +307,11 @@ async def test_a_served_5xx_is_an_error_on_the_request_span(recorded: Recorded) 
     assert request.status.description == "500"
     (attempt,) = recorded.attempt_spans()  # the upstream answered: no failure kind
     assert attempt.status.status_code is StatusCode.UNSET
-    (point,) = recorded.points("gateway.requests")
+    (point,) = [pt for pt in recorded.points("gateway.requests") if pt.value]
     assert point.attributes["gateway.outcome"] == "served"
+    # The counter says what the client got too: the shipped rules and dashboards count a
+    # served 5xx as a server error (the outcome alone read it as a healthy answer).
+    assert point.attributes["http.response.status_code"] == 500
 
 
 async def test_a_failure_after_the_commit_point_is_on_the_trace(

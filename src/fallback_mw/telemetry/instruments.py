@@ -186,7 +186,12 @@ class Instruments:
             "gateway.canary": context.canary,
             "gateway.fault": fault,
         }
-        self.requests.add({**common, "gateway.candidate": chosen or "none"})
+        counted: dict[str, AttributeValue] = {**common, "gateway.candidate": chosen or "none"}
+        if context.status is not None:
+            # What the client was answered: a 5xx relayed as `served` is still a server
+            # error it got (the shipped rules count it with the error outcomes).
+            counted["http.response.status_code"] = context.status
+        self.requests.add(counted)
         self.duration.record(duration, common)
         if context.fallback and chosen is not None:
             self.fallbacks.add(

@@ -10,7 +10,8 @@ from fallback_mw.budget import UsageRecord
 from fallback_mw.cli.stats import percentile
 
 # Outcomes that are the caller's own doing, never a customer-visible error. The shipped
-# alert rules (docs/alerts/fallback_mw.rules.yml) exclude exactly these and `served`.
+# alert rules (docs/alerts/fallback_mw.rules.yml) exclude exactly these and `served`, and
+# count a `served` answer whose status is a 5xx (customer_error).
 CALLER_OUTCOMES = frozenset(
     {
         "client_disconnected",
@@ -34,8 +35,12 @@ def started_at(record: UsageRecord) -> float:
 
 
 def customer_error(record: UsageRecord) -> bool:
+    """An outcome that is neither `served` nor the caller's doing, or a served answer that
+    is a server error: an upstream's 5xx relayed as it is (a status outside
+    `failover_status`, the last answer under `on_exhausted = "last_response"`) or the
+    fault's own answer. The shipped alert rules count the same."""
     if record.outcome == "served":
-        return fault_answered(record)
+        return (record.status is not None and record.status >= 500) or fault_answered(record)
     return record.outcome not in CALLER_OUTCOMES
 
 
