@@ -268,7 +268,7 @@ async def test_a_fail_fault_is_booked_as_the_fault_and_its_clear_restores_the_pr
             attempts = counts(reader, "gateway.attempts")
             faulted = sum(v for k, v in attempts.items() if dict(k)["gateway.fault"])
             assert 1 <= faulted <= 3
-            skips = counts(reader, "gateway.skips")
+            skips = {k: v for k, v in counts(reader, "gateway.skips").items() if v}
             assert all(dict(k)["gateway.fault"] for k in skips), skips
             assert sum(skips.values()) == requests - faulted
             assert primary.count == 1  # no packet left during the fault

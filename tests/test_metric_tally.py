@@ -56,7 +56,8 @@ def totals(reader: InMemoryMetricReader) -> dict[str, dict[tuple[Any, ...], int]
                 if metric.name in ("gateway.requests", "gateway.attempts", "gateway.fallbacks"):
                     points = found.setdefault(metric.name, {})
                     for point in metric.data.data_points:
-                        points[tuple(sorted(point.attributes.items()))] = point.value
+                        if point.value:  # not a series exported at 0 from the start
+                            points[tuple(sorted(point.attributes.items()))] = point.value
     return found
 
 

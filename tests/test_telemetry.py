@@ -75,6 +75,10 @@ class Recorded:
                         found.extend(metric.data.data_points)
         return found
 
+    def counted(self, name: str) -> list[Any]:
+        """The points of the series counted up (not those exported at 0 from the start)."""
+        return [pt for pt in self.points(name) if pt.value]
+
 
 @pytest.fixture
 def recorded() -> Iterator[Recorded]:
@@ -208,7 +212,7 @@ async def test_failover_trace_metrics_and_log(
         values = header_values(got.received[0].headers, "traceparent")
         assert values == [f"00-{TRACE_ID}-{format_span_id(span.context.span_id)}-01"], values
 
-    requests = recorded.points("gateway.requests")
+    requests = recorded.counted("gateway.requests")
     assert [(dict(pt.attributes), pt.value) for pt in requests] == [
         (
             {
@@ -307,7 +311,7 @@ async def test_a_served_5xx_is_an_error_on_the_request_span(recorded: Recorded) 
     assert request.status.description == "500"
     (attempt,) = recorded.attempt_spans()  # the upstream answered: no failure kind
     assert attempt.status.status_code is StatusCode.UNSET
-    (point,) = [pt for pt in recorded.points("gateway.requests") if pt.value]
+    (point,) = recorded.counted("gateway.requests")
     assert point.attributes["gateway.outcome"] == "served"
     # The counter says what the client got too: the shipped rules and dashboards count a
     # served 5xx as a server error (the outcome alone read it as a healthy answer).
@@ -464,7 +468,7 @@ async def test_deadline_exceeded(recorded: Recorded, caplog: pytest.LogCaptureFi
     assert "http.response.status_code" not in attempt_attrs
     assert attempt.start_time is not None and attempt.end_time is not None
     assert (attempt.end_time - attempt.start_time) / 1e9 > 0.1  # a real duration
-    (point,) = recorded.points("gateway.requests")
+    (point,) = recorded.counted("gateway.requests")
     assert point.attributes["gateway.outcome"] == "deadline_exceeded"
     assert point.attributes["gateway.candidate"] == "none"
     (log,) = request_logs(caplog)
@@ -547,7 +551,7 @@ async def test_skipped_candidate(recorded: Recorded, caplog: pytest.LogCaptureFi
     (attempt,) = recorded.attempt_spans()
     assert dict(attempt.attributes or {})["gateway.candidate"] == "backup"
     assert dict(attempt.attributes or {})["gateway.attempt.number"] == 1
-    (skip,) = recorded.points("gateway.skips")
+    (skip,) = recorded.counted("gateway.skips")
     assert dict(skip.attributes) == {
         "gateway.route.id": "chat",
         "gateway.candidate": "primary",
@@ -587,7 +591,7 @@ async def test_fault_driven_attempts_are_marked_and_counted_apart(recorded: Reco
     assert dict(first.attributes or {})["gateway.failure.kind"] == "fault"
     assert "gateway.fault" not in dict(second.attributes or {})
     assert dict(recorded.request_span().attributes or {})["gateway.fault"] is True
-    (point,) = recorded.points("gateway.requests")
+    (point,) = recorded.counted("gateway.requests")
     assert point.attributes["gateway.fault"] is True
     by_candidate = {
         pt.attributes["gateway.candidate"]: pt.attributes["gateway.fault"]
@@ -859,7 +863,7 @@ def test_gen_ai_usage_and_model_attributes(recorded: Recorded) -> None:
     assert attrs["gen_ai.usage.output_tokens"] == 34
     assert attrs["gen_ai.response.model"] == "gpt-4o-mini-2024-07-18"
     assert attrs["gateway.canary"] is True
-    (point,) = recorded.points("gateway.requests")
+    (point,) = recorded.counted("gateway.requests")
     assert point.attributes["gateway.canary"] is True
 
 
@@ -889,7 +893,7 @@ def test_hooks_never_raise(recorded: Recorded) -> None:
     telemetry.inject_headers(broken)
     # Nothing was recorded for the broken context: no span, no request counted.
     assert recorded.finished() == ()
-    assert recorded.points("gateway.requests") == []
+    assert recorded.counted("gateway.requests") == []
     # Hooks out of order on a real context are tolerated too, and a request finished twice
     # is recorded once.
     telemetry.request_started(context)
@@ -1013,7 +1017,7 @@ async def test_a_real_breaker_opening_shows_in_the_gauge(recorded: Recorded) -> 
         ("tel-gauge-backup", "half_open"): 0,
         ("tel-gauge-backup", "closed"): 0,
     }
-    skips = recorded.points("gateway.skips")
+    skips = recorded.counted("gateway.skips")
     assert [pt.attributes["gateway.skip.reason"] for pt in skips] == ["breaker_open"]
 
 
@@ -1297,6 +1301,81 @@ async def test_each_routes_fallback_series_is_exported_at_zero_before_the_first_
             }
         finally:
             await gateway.aclose()
+
+
+def series(recorded: Recorded, name: str) -> dict[frozenset[tuple[str, Any]], int]:
+    return {frozenset(pt.attributes.items()): pt.value for pt in recorded.points(name)}
+
+
+async def test_error_and_skip_series_are_exported_at_zero_before_the_first_one(
+    recorded: Recorded,
+) -> None:
+    """The observability team's error-rate alert was a scrape late on a route that started
+    failing: its `gateway_requests_total{gateway_outcome="upstream_failed"}` series (and
+    `gateway_skips_total{gateway_skip_reason="breaker_open"}`) appeared at its first count,
+    and Prometheus's `increase` and `rate` ignore a series' first sample. Every local
+    error of each route (no candidate, no fallback, no canary, no fault, the code's own
+    status) and every skip reason of each candidate of its plan (no fault) are at 0 from
+    the start; the first real one counts up that same series, no new one appears."""
+    from fallback_mw.failover.decide import _SKIP_REMEDY
+    from fallback_mw.request.context import SKIP_REASONS
+    from fallback_mw.request.local_errors import STATUS_FOR_CODE
+
+    assert set(SKIP_REASONS) == set(_SKIP_REMEDY)  # every reason the walk can give
+    # docs/telemetry.md says which series are there at 0: these, with these statuses.
+    docs = (ROOT / "docs" / "telemetry.md").read_text()
+    row = next(x for x in docs.splitlines() if x.startswith("| `gateway.requests` | each local"))
+    listed = re.findall(r"`([a-z_]+)`", row.split("with `gateway.candidate")[0])
+    statuses = [int(x) for x in re.findall(r"\d{3}", row.split("own status")[1])]
+    assert dict(zip(listed, statuses, strict=True)) == {
+        k: v for k, v in STATUS_FOR_CODE.items() if k != "config_error"
+    }
+    row = next(x for x in docs.splitlines() if x.startswith("| `gateway.skips` | each"))
+    assert all(f"`{reason}`" in row for reason in SKIP_REASONS)
+
+    async with upstream(status_handler(503)) as p, upstream(status_handler(503)) as b:
+        config = make_config(p.url, b.url)
+        config["gateway"]["breaker"] = {"min_calls": 1}
+        gateway = Gateway(host_app, config=config, environ=ENV, telemetry=recorded.telemetry)
+        try:
+            local_errors = {
+                frozenset({
+                    "gateway.route.id": "chat", "gateway.outcome": outcome,
+                    "gateway.fallback": False, "gateway.canary": False, "gateway.fault": False,
+                    "gateway.candidate": "none", "http.response.status_code": status,
+                }.items())
+                for outcome, status in STATUS_FOR_CODE.items()
+                if outcome != "config_error"  # answered before any route is resolved
+            }  # fmt: skip
+            skips = {
+                frozenset({
+                    "gateway.route.id": "chat", "gateway.candidate": candidate,
+                    "gateway.skip.reason": reason, "gateway.fault": False,
+                }.items())
+                for candidate in ("primary", "backup")
+                for reason in SKIP_REASONS
+            }  # fmt: skip
+            before = series(recorded, "gateway.requests")
+            assert before == dict.fromkeys(local_errors, 0)
+            assert series(recorded, "gateway.skips") == dict.fromkeys(skips, 0)
+            async with client_for(gateway) as client:
+                # Both answer 503: upstream_failed, and both breakers open (min_calls 1).
+                assert (await client.get("/v1/models")).status_code == 502
+                # Both skipped, breaker open: route_exhausted.
+                assert (await client.get("/v1/models")).status_code == 503
+        finally:
+            await gateway.aclose()
+    after = series(recorded, "gateway.requests")
+    assert after.keys() == before.keys()  # the same series, counted up
+    counted = {dict(k)["gateway.outcome"]: v for k, v in after.items() if v}
+    assert counted == {"upstream_failed": 1, "route_exhausted": 1}
+    skipped = series(recorded, "gateway.skips")
+    assert skipped.keys() == skips
+    assert {
+        (dict(k)["gateway.candidate"], dict(k)["gateway.skip.reason"]): v
+        for k, v in skipped.items()
+        if v
+    } == {("primary", "breaker_open"): 1, ("backup", "breaker_open"): 1}
 
 
 async def test_a_hedged_attempt_that_fails_while_its_twin_runs_carries_no_decision(

@@ -61,10 +61,16 @@ class AttemptRecord:
     unmaskable: str | None = None
 
 
+# Why the walk passes over a candidate without an attempt (its skip reason). Each has a
+# remedy in failover.decide's route_exhausted message; telemetry exports each candidate's
+# skip series at 0 from the start.
+SKIP_REASONS = ("breaker_open", "no_credential", "capacity", "model_rewrite", "repeat_budget")
+
+
 @dataclass(slots=True)
 class SkipRecord:
     candidate: str
-    reason: str  # "breaker_open", "no_credential", "capacity", "model_rewrite", ...
+    reason: str  # one of SKIP_REASONS
     after_attempts: int = 0  # attempts made before it: places the skip in the walk's order
     fault: str | None = None  # breaker_open: the fault whose outcomes opened that breaker
 

@@ -434,13 +434,16 @@ class Telemetry:
 
     def routes_loaded(self, routes: Iterable[RouteConfig]) -> None:
         """The routes this gateway serves now (at start, and after each store reload): each
-        route's fallback series, and the breaker transition series of each upstream they
-        use, are exported at 0 from the start, so the first fallback (or transition) is an
-        increase. Never raises."""
+        route's fallback series, its local error series, its candidates' skip series, and
+        the breaker transition series of each upstream they use, are exported at 0 from
+        the start, so the first fallback (error, skip, transition) is an increase. Never
+        raises."""
         try:
             upstreams: dict[str, None] = {}
             for route in routes:
                 self._m.fallbacks_at_zero(route.id, route.plan)
+                self._m.errors_at_zero(route.id)
+                self._m.skips_at_zero(route.id, route.plan)
                 upstreams.update(dict.fromkeys(route.plan))
                 if route.shadow is not None:
                     upstreams[route.shadow] = None

@@ -11,7 +11,8 @@ from collections.abc import Callable, Mapping, Sequence
 from opentelemetry import metrics
 from opentelemetry.util.types import AttributeValue
 
-from fallback_mw.request.context import AttemptRecord, RequestContext
+from fallback_mw.request.context import SKIP_REASONS, AttemptRecord, RequestContext
+from fallback_mw.request.local_errors import STATUS_FOR_CODE
 from fallback_mw.telemetry.redact import label
 
 # 6 s is the shipped FallbackMwLatencyP99Abort threshold (docs/alerts/): a quantile is
@@ -131,6 +132,48 @@ class Instruments:
                     "gateway.fault": False,
                 },
             )
+
+    def errors_at_zero(self, route_id: str) -> None:
+        """The route's `gateway.requests` series of each local error the gateway answers
+        itself (no candidate chosen, no fallback, no canary, no fault; the status is the
+        code's own), at 0 before the first one, for the same reason: a route that starts
+        failing had its first errors missed by the error-rate rules' `rate` / `increase`.
+        Outcomes whose labels depend on the request are not (`served`, `aborted`,
+        `client_disconnected`, `cancelled`, `internal_error`: the candidate or status
+        is the upstream's)."""
+        route = label(route_id)
+        for outcome, status in STATUS_FOR_CODE.items():
+            if outcome == "config_error":  # answered before any route: never counted here
+                continue
+            self._at_zero(
+                self.requests.counter,
+                {
+                    "gateway.route.id": route,
+                    "gateway.outcome": outcome,
+                    "gateway.fallback": False,
+                    "gateway.canary": False,
+                    "gateway.fault": False,
+                    "gateway.candidate": "none",
+                    "http.response.status_code": status,
+                },
+            )
+
+    def skips_at_zero(self, route_id: str, plan: Sequence[str]) -> None:
+        """Each candidate of the route's plan skipped for each reason (no fault), at 0
+        before the first skip: `increase(gateway_skips_total[5m])` missed the first skips
+        of a breaker that had just opened."""
+        route = label(route_id)
+        for candidate in dict.fromkeys(plan):
+            for reason in SKIP_REASONS:
+                self._at_zero(
+                    self.skips,
+                    {
+                        "gateway.route.id": route,
+                        "gateway.candidate": label(candidate),
+                        "gateway.skip.reason": reason,
+                        "gateway.fault": False,
+                    },
+                )
 
     def transitions_at_zero(self, upstream: str) -> None:
         """An upstream's breaker transition series at 0 before its first transition, for
