@@ -290,11 +290,14 @@ async def test_served_as_is_4xx(recorded: Recorded, caplog: pytest.LogCaptureFix
     assert log.__dict__["status"] == 429 and log.__dict__["outcome"] == "served"
 
 
-async def test_a_served_5xx_is_an_error_on_the_request_span(recorded: Recorded) -> None:
+async def test_a_served_5xx_is_an_error_on_the_request_span(
+    recorded: Recorded, caplog: pytest.LogCaptureFixture
+) -> None:
     # An upstream's 500 (not a failover_status) is served as it is: the outcome stays
     # `served`, but the client got a server error, and OpenTelemetry's HTTP server
     # convention makes that span an error (trace backends count errors by span status:
     # an upstream answering 500 to everything read as a healthy service).
+    caplog.set_level(logging.INFO, logger="fallback_mw.request")
     async with upstream(status_handler(500)) as p, upstream(status_handler(200)) as b:
         gateway = Gateway(
             host_app, config=make_config(p.url, b.url), environ=ENV, telemetry=recorded.telemetry
@@ -316,6 +319,12 @@ async def test_a_served_5xx_is_an_error_on_the_request_span(recorded: Recorded) 
     # The counter says what the client got too: the shipped rules and dashboards count a
     # served 5xx as a server error (the outcome alone read it as a healthy answer).
     assert point.attributes["http.response.status_code"] == 500
+    # The log line says so where default logging shows it: an on-call reading a real
+    # `serve` log during an upstream's 500s found only INFO lines (hidden under a host
+    # with default logging) saying `outcome=served status=500`.
+    (log,) = request_logs(caplog)
+    assert log.levelno == logging.WARNING
+    assert "outcome=served status=500" in log.getMessage()
 
 
 async def test_a_failure_after_the_commit_point_is_on_the_trace(

@@ -29,10 +29,17 @@ def log_request(
     trace_id: str | None,
     span_id: str | None,
 ) -> None:
-    # Failovers (a further attempt, or a fallback served) and local errors are WARNING:
-    # Python's default logging shows them under any host. Every other request's line is
-    # INFO, off unless the host turns it on (docs/telemetry.md).
-    quiet = outcome in QUIET_OUTCOMES and context.attempt_count <= 1 and not context.fallback
+    # Failovers (a further attempt, or a fallback served), local errors and an upstream's
+    # 5xx relayed to the client are WARNING: Python's default logging shows them under any
+    # host. Every other request's line is INFO, off unless the host turns it on
+    # (docs/telemetry.md).
+    status = context.status
+    quiet = (
+        outcome in QUIET_OUTCOMES
+        and context.attempt_count <= 1
+        and not context.fallback
+        and (status is None or status < 500)
+    )
     level = logging.INFO if quiet else logging.WARNING
     if not logger.isEnabledFor(level):
         return
