@@ -565,6 +565,13 @@ class Telemetry:
             attributes["error.type"] = (
                 str(record.status) if kind == "status" and record.status is not None else kind
             )
+        elif record.status is not None and record.status >= 500:
+            # A server error outside failover_status: an answer (no failure kind, no
+            # breaker mark), but OpenTelemetry's HTTP client convention makes the span an
+            # error, as the request span relaying it is: a trace's error spans lead to the
+            # upstream that answered 500, not only to the request.
+            attributes["error.type"] = str(record.status)
+            span.set_status(trace.Status(trace.StatusCode.ERROR, str(record.status)))
         if record.fault is not None:
             attributes["gateway.fault"] = label(record.fault)
         entry.ended = attributes  # set when the span ends (_end_decided)
