@@ -133,6 +133,10 @@ async def test_a_copy_reaches_the_shadow_with_its_own_credential_and_never_the_c
     assert shadow_span.attributes is not None
     assert shadow_span.attributes["gateway.shadow"] is True
     assert shadow_span.attributes["gateway.candidate"] == "candidate"
+    # A CLIENT span names the server it called, as a gateway.attempt does (a real trace's
+    # copy said which upstream by name only).
+    assert shadow_span.attributes["server.address"] == "127.0.0.1"
+    assert shadow_span.attributes["server.port"] == int(shadow.url.rsplit(":", 1)[1])
     assert shadow_span.parent is not None
     assert shadow_span.parent.span_id == spans["gateway.request"].context.span_id
     assert spans["gateway.request"].attributes["gateway.attempts"] == 1  # type: ignore[index]
@@ -320,6 +324,35 @@ async def test_no_copy_while_the_shadow_breaker_is_open(recorded: Recorded) -> N
         assert span.status.status_code is StatusCode.ERROR
         assert (span.attributes or {})["error.type"] == "503"
     assert all(s.status.status_code is StatusCode.UNSET for s in copies if s not in failed)
+
+
+async def test_a_copy_answered_with_a_5xx_is_an_error_span_as_an_attempt_is(
+    recorded: Recorded,
+) -> None:
+    """A shadow candidate answering 500 (outside failover_status: an answer, outcome
+    `answered`) read UNSET in the trace while the same answer on a gateway.attempt span is
+    ERROR with error.type "500": the copy is the one place a candidate's server errors
+    show before it carries traffic."""
+    async with (
+        upstream(status_handler(200, b"primary says")) as primary,
+        upstream(status_handler(500)) as shadow,
+    ):
+        gateway = Gateway(
+            host_app, config=config(primary.url, shadow.url), environ=ENV,
+            telemetry=recorded.telemetry,
+        )  # fmt: skip
+        shadows = gateway.services.shadows
+        try:
+            async with client_for(gateway) as client:
+                assert (await client.get("/v1/chat", headers=CALLER)).text == "primary says"
+            await settled(gateway, lambda: shadow.count == 1 and not shadows.in_flight)
+        finally:
+            await gateway.aclose()
+    assert recorded.shadow_outcomes() == {"answered": 1}
+    (copy,) = [s for s in recorded.spans.get_finished_spans() if s.name == "gateway.shadow"]
+    assert (copy.attributes or {})["http.response.status_code"] == 500
+    assert (copy.attributes or {})["error.type"] == "500"
+    assert copy.status.status_code is StatusCode.ERROR
 
 
 async def test_a_response_aborted_after_the_commit_is_not_copied(recorded: Recorded) -> None:

@@ -297,15 +297,20 @@ class Telemetry:
         (it may end after it). None when telemetry cannot make one."""
         try:
             request = self._request_trace(context)
+            attributes: dict[str, AttributeValue] = {
+                "gateway.shadow": True,
+                "gateway.route.id": label(context.route.id),
+                "gateway.candidate": label(candidate),
+            }
+            upstream = context.upstreams.get(candidate)
+            if upstream is not None:  # a CLIENT span names its server, as an attempt's does
+                attributes["server.address"] = label(upstream.host)
+                attributes["server.port"] = upstream.port
             return self._tracer.start_span(
                 SHADOW_SPAN,
                 context=request.parent if request is not None else None,
                 kind=trace.SpanKind.CLIENT,
-                attributes={
-                    "gateway.shadow": True,
-                    "gateway.route.id": label(context.route.id),
-                    "gateway.candidate": label(candidate),
-                },
+                attributes=attributes,
             )
         except Exception:
             _internal.debug("shadow_started failed", exc_info=False)
@@ -356,6 +361,9 @@ class Telemetry:
                     error = str(status) if kind == "status" and status is not None else kind
                     span.set_attribute("error.type", error)
                     span.set_status(trace.Status(trace.StatusCode.ERROR, kind))
+                elif status is not None and status >= 500:  # as an attempt's 5xx answer
+                    span.set_attribute("error.type", str(status))
+                    span.set_status(trace.Status(trace.StatusCode.ERROR, str(status)))
                 span.end()
             self._m.shadows.add(1, attributes)
             if outcome in ("answered", "failed"):
