@@ -4,6 +4,7 @@ in rules.py, shared with the route store (ConfigError lives there, re-exported h
 from __future__ import annotations
 
 import difflib
+import functools
 import ipaddress
 import os
 import re
@@ -248,7 +249,6 @@ class UpstreamConfig(_Strict):
     ca_file: str | None = None  # PEM bundle trusted for this https:// upstream
     proxy: str | None = None  # egress HTTP proxy, http://host:port
     provider: str | None = None  # GenAI provider name (gen_ai.provider.name), e.g. "openai"
-    _server: tuple[str, int]  # (host, port) of `url`: model_post_init
 
     @field_validator("url")
     @classmethod
@@ -356,19 +356,20 @@ class UpstreamConfig(_Strict):
 
     def model_post_init(self, context: Any, /) -> None:
         # Each attempt names the upstream's host and port (its span's `server.address`,
-        # `server.port`): read from the URL once, when the configuration is loaded.
-        parts = urlsplit(self.url)
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-        self._server = (parts.hostname or "", port)
+        # `server.port`): read from the URL now, when the configuration is loaded, and
+        # kept in the instance's __dict__, so an attempt reads a plain attribute (a
+        # pydantic private attribute is read through `__getattr__`, some 2 µs a read).
+        _ = self.host, self.port
 
-    @property
+    @functools.cached_property
     def host(self) -> str:
-        return self._server[0]
+        return urlsplit(self.url).hostname or ""
 
-    @property
+    @functools.cached_property
     def port(self) -> int:
         """The URL's explicit port, or its scheme's default (80, 443)."""
-        return self._server[1]
+        parts = urlsplit(self.url)
+        return parts.port or (443 if parts.scheme == "https" else 80)
 
 
 # A route that lists no `methods` forwards these; any other method on its paths (TRACE,
