@@ -145,7 +145,7 @@ class Instruments:
         for outcome, status in STATUS_FOR_CODE.items():
             if outcome == "config_error":  # answered before any route: never counted here
                 continue
-            self._at_zero(
+            self.at_zero(
                 self.requests.counter,
                 {
                     "gateway.route.id": route,
@@ -165,7 +165,7 @@ class Instruments:
         route = label(route_id)
         for candidate in dict.fromkeys(plan):
             for reason in SKIP_REASONS:
-                self._at_zero(
+                self.at_zero(
                     self.skips,
                     {
                         "gateway.route.id": route,
