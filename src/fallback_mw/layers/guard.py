@@ -32,7 +32,12 @@ from fallback_mw.budget import (
 from fallback_mw.budget.cost import PriceBook, format_money, to_units
 from fallback_mw.config import BudgetConfig, ConfigError, ConfigSource, as_config
 from fallback_mw.injected import require
-from fallback_mw.request.body import decoded_request_json, read_body, request_json
+from fallback_mw.request.body import (
+    decoded_request_json,
+    read_body,
+    request_json,
+    unreadable_request_coding,
+)
 from fallback_mw.request.config_refusal import ConfigRefusal
 from fallback_mw.request.context import (
     MAX_NAME,
@@ -101,6 +106,15 @@ def _over_the_whole_limit(budget_id: str, amount: Decimal, estimated: bool) -> s
         f"{budget_id!r}'s whole limit: no window has room for it; {change} "
         f"(`fallback-mw budgets set --budget {budget_id} --limit AMOUNT`, or "
         f"[budgets.{budget_id}])"
+    )
+
+
+def _unreadable_coding(budget_id: str, coding: str) -> str:
+    return (
+        f"the request body is sent in {coding}, which the gateway cannot read to estimate "
+        f"budget {budget_id!r}'s hold (an upstream that decodes it would run whatever it "
+        "asks for): send the body uncompressed, or in gzip or deflate; nothing was sent "
+        "upstream"
     )
 
 
@@ -228,6 +242,11 @@ class BudgetGuard:
                 buffered, parsed = decoded
                 if isinstance(parsed.get("model"), str):
                     context.request_model = context.request_model or parsed["model"][:MAX_NAME]
+            else:
+                unreadable = unreadable_request_coding(scope, body)
+                if unreadable is not None:
+                    # default_hold for a body the upstream may decode and run whole.
+                    return "bad_request", _unreadable_coding(budget_id, unreadable)
         try:
             budget = await self.budget_for(ledger, budget_id)
             if budget is None:

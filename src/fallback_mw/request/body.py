@@ -27,7 +27,12 @@ from typing import Any
 from fallback_mw.config import GatewaySettings
 from fallback_mw.request.context import MAX_NAME, RequestBody, RequestContext
 from fallback_mw.request.types import Receive, Scope
-from fallback_mw.request.usage import ContentDecoder, body_coding, content_decoder
+from fallback_mw.request.usage import (
+    ContentDecoder,
+    body_coding,
+    content_decoder,
+    unreadable_coding,
+)
 from fallback_mw.timers import Deadline, deadline_after
 
 
@@ -252,3 +257,15 @@ def decoded_request_json(
             decoded += decoder.flush()
     parsed = inspect_json(decoded) if len(decoded) <= limit else None
     return None if parsed is None else (decoded, parsed)
+
+
+def unreadable_request_coding(scope: Scope, body: RequestBody) -> str | None:
+    """What keeps a buffered body's `Content-Encoding` from being read for the budget's
+    estimate (`br`, `zstd`, a token of the caller's own: `unreadable_coding`'s name for
+    it, never the caller's token), or None. An upstream with the codec (aiohttp's server
+    with its speedups, Express's body-parser 2) decodes it and generates what it asks for,
+    which the hold could not see. Only asked when the body is not JSON as sent or decoded."""
+    if not body.buffered:
+        return None
+    coding = body_coding(scope.get("headers", []))[1]
+    return None if coding is None else unreadable_coding(coding)

@@ -1,0 +1,62 @@
+"""A caller's request body in a content coding the budget's estimate cannot read (`br`,
+`zstd`): an upstream that decodes it (aiohttp's server with its `speedups` extra, Express's
+body-parser 2) reads and generates the `max_tokens` inside, while the hold saw "not JSON"
+and took `default_hold`."""
+
+from __future__ import annotations
+
+import json
+import zlib
+from decimal import Decimal
+
+import pytest
+
+from fallback_mw import Gateway
+from tests.helpers import client_for
+from tests.test_budget_guard import gateway_config, json_handler, status_of
+from tests.upstreams import host_app, upstream
+
+pytestmark = pytest.mark.anyio
+
+# No brotli / zstd codec is installed here; the gateway reads none of these bytes either
+# way, and an upstream with the codec reads the JSON inside.
+_CODED = zlib.compress(json.dumps({"model": "gpt-test", "max_tokens": 1000}).encode())
+
+
+@pytest.mark.parametrize("coding", ["br", "zstd", "gzip, br", "BR"])
+async def test_a_body_in_a_coding_the_hold_cannot_read_is_refused_on_a_budgeted_route(
+    coding: str,
+) -> None:
+    # 1,000 output tokens at 2000/Mtok is a hold of 2.00 against a limit of 1: a 402 in
+    # plain JSON or in gzip. Labelled `br`, the request went through on 0.01 (default_hold),
+    # as many times as the caller liked, each generating what the budget never held.
+    headers = {"content-type": "application/json", "content-encoding": coding}
+    async with upstream(json_handler({"ok": True})) as primary:
+        conf = gateway_config({"primary": primary.url}, store=None, limit="1")
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                response = await client.post("/v1/chat", content=_CODED, headers=headers)
+                assert response.status_code == 400, response.text
+                error = response.json()["error"]
+                assert error["code"] == "bad_request"
+                assert "gzip" in error["message"]  # says what it can read
+            assert await status_of(gateway) == (Decimal(0), Decimal(0))
+        finally:
+            await gateway.aclose()
+    assert primary.count == 0  # no upstream contacted
+
+
+async def test_a_body_in_such_a_coding_still_reaches_a_route_without_a_budget() -> None:
+    # Stacked: the recording upstream (aiohttp, without Brotli) passes it on undecoded.
+    headers = {"content-type": "application/json", "content-encoding": "gzip, br"}
+    async with upstream(json_handler({"ok": True})) as primary:
+        conf = gateway_config({"primary": primary.url}, store=None, budget=None)
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                response = await client.post("/v1/chat", content=_CODED, headers=headers)
+                assert response.status_code == 200, response.text
+        finally:
+            await gateway.aclose()
+    assert primary.received[0].body == _CODED
