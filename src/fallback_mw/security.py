@@ -208,6 +208,29 @@ def override_methods(headers: Iterable[tuple[bytes, bytes]], method: str) -> fro
 
 
 _NO_METHODS: frozenset[str] = frozenset()
+_METHOD_PARAMETER = b"_method"
+
+
+def query_override_methods(query: bytes, method: str) -> frozenset[str]:
+    """The methods other than `method` that a `_method` query parameter names: Symfony
+    (so Laravel, which turns it on), Express's method-override with a query getter and
+    Rack read `POST /x?_method=DELETE` as a DELETE. The name is compared as PHP reads it
+    (`canonical_query_key`: `%5Fmethod`, `.method`); `&` and `;` separate parameters.
+    Most queries name no such parameter: any spelling of `_method` holds `ethod` or a `%`,
+    so two searches answer for them (the query string of nearly every request)."""
+    if not query or (query.find(b"ethod") < 0 and query.find(b"%") < 0):
+        return _NO_METHODS
+    named: set[str] = set()
+    for part in query.replace(b";", b"&").split(b"&"):
+        name, _, value = part.partition(b"=")
+        if canonical_query_key(name) == _METHOD_PARAMETER:
+            text = unquote_to_bytes(value.replace(b"+", b" ")).decode("latin-1")
+            for item in text.split(","):
+                item = item.strip().upper()
+                if item:
+                    named.add(item)
+    named.discard(method)
+    return frozenset(named) if named else _NO_METHODS
 
 
 def canonical_name(name: bytes) -> bytes:

@@ -94,3 +94,76 @@ async def test_a_get_that_an_override_makes_a_post_is_not_replayed(field: str) -
     assert "replayable_methods" in error["message"]
     assert plain.status_code == 200 and plain.text == "acted GET"  # GET is replayable
     assert primary.count == 2 and backup.count == 1
+
+
+async def honours_method_parameter(request: web.Request) -> web.StreamResponse:
+    """An upstream that acts on a `_method` query parameter, as Symfony (Laravel turns it
+    on), Rack and Express's method-override with a query getter do: PHP's reading of the
+    name (percent-decoded, `.` as `_`), the last one wins."""
+    acted = request.method
+    for name, value in request.query.items():
+        if name.replace(".", "_") == "_method":
+            acted = value.upper()
+    return web.Response(text=f"acted {acted}")
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "_method=DELETE",
+        "_method=delete",
+        "api-version=2024-10-21&_method=DELETE",
+        "%5Fmethod=DELETE",
+        "_method=DEL%45TE",
+        ".method=DELETE",
+        "a=1;_method=DELETE",
+    ],
+    ids=["plain", "lowercase", "after-another", "encoded-name", "encoded-value", "dot", "semi"],
+)
+async def test_a_method_query_parameter_to_a_method_the_route_does_not_forward_is_405(
+    query: str,
+) -> None:
+    # Before: only the override headers were read, so `POST /v1/files/f-1?_method=DELETE`
+    # went through a route forwarding GET and POST, the provider's credential injected, and
+    # a Laravel upstream deleted the file.
+    async with upstream(honours_method_parameter) as primary:
+        gateway = Gateway(host_app, config=config(primary.url, methods=["GET", "POST"]))
+        try:
+            async with client_for(gateway) as client:
+                response = await client.post(f"/v1/files/f-1?{query}")
+                allowed = await client.post("/v1/files/f-1?_method=post")
+                plain = await client.post("/v1/files/f-1?api-version=2024-10-21&method=x")
+        finally:
+            await gateway.aclose()
+    assert response.status_code == 405, response.text
+    assert response.json()["error"]["code"] == "method_not_allowed"
+    assert "_method" in response.json()["error"]["message"]
+    assert response.headers["allow"] == "GET, POST"
+    assert "DEL" not in response.text  # the caller's value is not echoed
+    assert allowed.status_code == 200 and allowed.text == "acted POST"
+    assert plain.status_code == 200 and plain.text == "acted POST"
+    assert primary.received[1].query == "api-version=2024-10-21&method=x"
+    assert primary.count == 2
+
+
+async def test_a_get_that_a_method_query_parameter_makes_a_post_is_not_replayed() -> None:
+    # As with the header: a GET the upstream runs as a POST must not fail over.
+    async with (
+        upstream(status_handler(503)) as primary,
+        upstream(honours_method_parameter) as backup,
+    ):
+        conf = config(primary.url, retries=1, plan=["primary", "backup"])
+        conf["upstreams"]["backup"] = {"url": backup.url}
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                overridden = await client.get("/v1/chat?_method=POST")
+                plain = await client.get("/v1/chat?_method=get")
+        finally:
+            await gateway.aclose()
+    assert overridden.status_code == 502
+    error = overridden.json()["error"]
+    assert error["rule"] == "method_override" and error["attempts"] == 1
+    assert "_method" in error["message"]
+    assert plain.status_code == 200 and plain.text == "acted GET"
+    assert primary.count == 2 and backup.count == 1

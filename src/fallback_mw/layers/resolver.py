@@ -30,6 +30,7 @@ from fallback_mw.security import (
     canonical_name,
     canonical_query_key,
     override_methods,
+    query_override_methods,
     strip_query_keys,
 )
 from fallback_mw.telemetry import Telemetry
@@ -176,6 +177,10 @@ class RouteResolver:
         # A method-override field naming a method the route does not forward: the upstream
         # would act on that method (a DELETE through a route that forwards GET and POST).
         overrides = override_methods(scope.get("headers", ()), method)
+        # ... or a `_method` query parameter (Laravel, Express, Rack): the same request.
+        in_query = query_override_methods(scope.get("query_string", b""), method)
+        if in_query:
+            overrides = overrides | in_query
         overridden = [m for m in overrides if m not in route.accepted_methods]
         requested = requested_deadline_ms(deadline_text)
         configured_ms = effective_deadline_ms(route, self.default_deadline_ms, None)
@@ -252,7 +257,8 @@ class RouteResolver:
                 # The caller's value is not echoed: it may be anything up to the head limit.
                 await send_error(
                     send, context, "method_not_allowed",
-                    f"a method-override header (X-HTTP-Method-Override and its kin) asks for "
+                    "a method-override header (X-HTTP-Method-Override and its kin) or a "
+                    "_method query parameter asks for "
                     f"a method route {route.id!r} does not forward (it forwards "
                     f"{', '.join(route.accepted_methods)}); to forward it, add that method to "
                     "the route's methods beside those",

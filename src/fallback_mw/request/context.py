@@ -132,7 +132,8 @@ class RequestContext:
     # The candidate whose repeat the walk was waiting out backoff_ms for when the deadline
     # ran out (the 504 names the backoff, not only the deadline).
     backoff_cut: str | None = None
-    # The methods the caller's method-override fields name (`security.override_methods`),
+    # The methods the caller's method-override fields and `_method` query parameter name
+    # (`security.override_methods`, `query_override_methods`),
     # read once by the resolver from the request as it came: its 405 and the replay rule.
     overrides: frozenset[str] = frozenset()
     request_id: str = field(default_factory=new_request_id)
