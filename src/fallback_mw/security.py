@@ -64,6 +64,11 @@ METHOD_OVERRIDE_FIELDS = frozenset(
 _OVERRIDE_LENGTHS = frozenset(len(name) for name in METHOD_OVERRIDE_FIELDS)
 # Recomputed by the upstream client for whatever body it actually sends.
 RECOMPUTED_HEADERS = frozenset({b"host", b"content-length", b"expect"})
+# Fields that replace the request's path where the upstream reads them: Yii 2 takes the
+# path from `X-Rewrite-Url`, Zend Framework 1 (Magento 1, OpenMage) from `X-Original-URL`
+# or `X-Rewrite-URL` (IIS's rewrite module sets them). The path an upstream serves is the
+# route's, so a caller's copy never goes on (`POST /v1/chat` + `X-Original-URL: /admin`).
+PATH_OVERRIDE_HEADERS = frozenset({b"x-original-url", b"x-rewrite-url"})
 
 
 def header_value_problem(value: str) -> str | None:
@@ -264,7 +269,8 @@ def forwardable_request_headers(
 ) -> Headers:
     """The caller's headers minus credentials (the standard ones and `also_strip`, the
     upstreams' own auth headers), hop-by-hop fields, those named in `Connection`, incoming
-    `x-gateway-*` and the fields the client recomputes. Repeated headers survive in order.
+    `x-gateway-*`, the fields the client recomputes and those that replace the path
+    (PATH_OVERRIDE_HEADERS). Repeated headers survive in order.
 
     Names are compared with `_` read as `-` (canonical_name): `x_api_key` is stripped like
     `x-api-key`, because WSGI-style upstreams (Django, Flask, PHP...) cannot tell them
@@ -354,7 +360,9 @@ def forwardable_response_headers(
 _NO_BODY_STATUSES = frozenset({204, 304})
 
 
-_NEVER_FORWARDED = CREDENTIAL_HEADERS | HOP_BY_HOP_HEADERS | RECOMPUTED_HEADERS
+_NEVER_FORWARDED = (
+    CREDENTIAL_HEADERS | HOP_BY_HOP_HEADERS | RECOMPUTED_HEADERS | PATH_OVERRIDE_HEADERS
+)
 # By (injected, no_length): one precomputed set each, so choosing costs one lookup.
 _NEVER_RELAYED = {
     (injected, no_length): HOP_BY_HOP_HEADERS

@@ -199,6 +199,45 @@ async def test_a_dot_dot_parameter_path_is_not_forwarded_under_the_prefix() -> N
     assert primary.count == 0
 
 
+async def acts_on_path_override(request: web.Request) -> web.StreamResponse:
+    """An upstream that takes its path from a rewrite field, as Yii 2 (`X-Rewrite-Url`) and
+    Zend Framework 1 (`X-Original-URL`, `X-Rewrite-URL`) do."""
+    path = request.path
+    for name, value in request.headers.items():
+        if name.lower().replace("_", "-") in ("x-original-url", "x-rewrite-url"):
+            path = value
+    return web.Response(text=f"served {path}")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "field", [b"X-Original-URL", b"x-rewrite-url", b"X_Original_Url", b"X-Rewrite_URL"]
+)
+async def test_a_path_override_field_never_reaches_the_upstream(field: bytes) -> None:
+    # Before: `POST /v1/chat` with `X-Original-URL: /admin/users/1/delete` was forwarded as
+    # it came, the provider's credential injected: an upstream that reads the field served
+    # the path the caller named, outside the route's prefix.
+    async with upstream(acts_on_path_override) as primary:
+        conf = {
+            "upstreams": {"primary": {"url": primary.url}},
+            "routes": [{"id": "r", "prefix": "/v1/", "plan": ["primary"]}],
+        }
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with serve_asgi(gateway) as base:
+                data = await exchange(
+                    base,
+                    b"POST /v1/chat HTTP/1.1\r\nhost: gw\r\nconnection: close\r\n"
+                    b"%s: /admin/users/1/delete\r\ncontent-length: 2\r\n\r\n{}" % field,
+                )
+        finally:
+            await gateway.aclose()
+    assert data.startswith(b"HTTP/1.1 200"), data[:300]
+    assert data.endswith(b"served /v1/chat")
+    received = primary.received[0]
+    assert not [v for _, v in received.headers if "admin" in v]
+
+
 def public_only(app: Any, *, naive: bool) -> Any:
     """A host's authorization in front of the gateway: only paths below /public/ pass. The
     naive one reads scope["path"]; the documented one the path the gateway routes on."""

@@ -21,6 +21,7 @@ from fallback_mw.security import (
     CREDENTIAL_HEADERS,
     GATEWAY_HEADER_PREFIX,
     HOP_BY_HOP_HEADERS,
+    PATH_OVERRIDE_HEADERS,
     RECOMPUTED_HEADERS,
     forwardable_request_headers,
 )
@@ -190,7 +191,7 @@ def test_no_raw_path_escapes_a_route_prefix(parts: list[str], trailing: bool) ->
 
 SENSITIVE = sorted(n.decode() for n in CREDENTIAL_HEADERS | HOP_BY_HOP_HEADERS)
 SENSITIVE += ["x-gateway-route", "x-gateway-deadline-ms", "x-primary-key", "host",
-              "content-length"]  # fmt: skip
+              "content-length", "x-original-url", "x-rewrite-url"]  # fmt: skip
 ORDINARY = ["accept", "x-request-id", "user-agent", "x-custom", "traceparent"]
 
 
@@ -222,6 +223,7 @@ def test_no_credential_or_hop_by_hop_header_survives_filtering(
     also_strip = frozenset({b"x-primary-key"})
     kept = forwardable_request_headers(headers, also_strip=also_strip)
     forbidden = CREDENTIAL_HEADERS | HOP_BY_HOP_HEADERS | RECOMPUTED_HEADERS | also_strip
+    forbidden |= PATH_OVERRIDE_HEADERS
     for name, _ in kept:
         canonical = name.lower().replace(b"_", b"-")
         assert canonical not in forbidden
