@@ -167,3 +167,42 @@ async def test_a_get_that_a_method_query_parameter_makes_a_post_is_not_replayed(
     assert "_method" in error["message"]
     assert plain.status_code == 200 and plain.text == "acted GET"
     assert primary.count == 2 and backup.count == 1
+
+
+async def honours_form_method(request: web.Request) -> web.StreamResponse:
+    """An upstream that acts on a urlencoded form body's `_method` on a POST, as Rack
+    (Rails) and Symfony (Laravel) do."""
+    acted = request.method
+    if acted == "POST" and request.content_type == "application/x-www-form-urlencoded":
+        acted = (await request.post()).get("_method", acted).upper()  # type: ignore[union-attr]
+    return web.Response(text=f"acted {acted}")
+
+
+@pytest.mark.parametrize(
+    "content_type", ["application/x-www-form-urlencoded", "Application/X-WWW-Form-Urlencoded"]
+)
+async def test_a_form_method_field_to_a_method_the_route_does_not_forward_is_405(
+    content_type: str,
+) -> None:
+    # Before: `POST /v1/files/f-1` with the form body `_method=DELETE` went through a route
+    # forwarding GET and POST, the provider's credential injected, and a Rails or Laravel
+    # upstream deleted the file.
+    form = {"content-type": content_type}
+    async with upstream(honours_form_method) as primary:
+        gateway = Gateway(host_app, config=config(primary.url, methods=["GET", "POST"]))
+        try:
+            async with client_for(gateway) as client:
+                response = await client.post(
+                    "/v1/files/f-1", content=b"purpose=x&_method=DELETE", headers=form
+                )
+                allowed = await client.post("/v1/files/f-1", content=b"_method=post", headers=form)
+                json_body = await client.post("/v1/files/f-1", json={"_method": "DELETE"})
+        finally:
+            await gateway.aclose()
+    assert response.status_code == 405, response.text
+    assert response.json()["error"]["code"] == "method_not_allowed"
+    assert response.headers["allow"] == "GET, POST"
+    assert "DELETE" not in response.text  # the caller's value is not echoed
+    assert allowed.status_code == 200 and allowed.text == "acted POST"
+    assert json_body.status_code == 200 and json_body.text == "acted POST"  # not a form
+    assert primary.count == 2

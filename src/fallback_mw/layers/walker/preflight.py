@@ -10,9 +10,10 @@ from fallback_mw.request.body import body_json
 from fallback_mw.request.context import RequestBody, RequestContext
 from fallback_mw.request.refusals import body_refusal
 from fallback_mw.request.secrets import recordable
-from fallback_mw.security import query_problem, request_header_problem
+from fallback_mw.security import query_override_methods, query_problem, request_header_problem
 
 _BAD_NAME = "has a name that is not an HTTP token"
+_FORM = b"application/x-www-form-urlencoded"
 
 
 def refusal(
@@ -33,6 +34,10 @@ def refusal(
             if shown is None or problem == _BAD_NAME:
                 shown = "a request header"
             return "bad_request", f"{shown!r} {problem}: nothing was sent upstream"
+    if body.buffered and body.buffered[:1] != b"{" and context.method == "POST":
+        refused = _form_override(context, body.buffered)  # never a JSON body's cost
+        if refused is not None:
+            return refused
     # Only when no candidate could take it: a candidate that rewrites the model is skipped
     # for a body it cannot rewrite (`AttemptRunner.takes_body`), the others send it as is.
     plan = [context.upstreams[n] for n in context.route.plan if n in context.upstreams]
@@ -44,3 +49,29 @@ def refusal(
             "within replay_buffer",
         )
     return None
+
+
+def _form_override(context: RequestContext, data: bytes) -> tuple[str, str] | None:
+    """A urlencoded form body's `_method` field, which Rack (Rails) and Symfony (Laravel)
+    read on a POST as the method, as a `_method` query parameter is read: a method
+    override (`context.overrides`, for the replay rule too), refused with 405 when the
+    route does not forward that method. A body too large to buffer is not read."""
+    for name, value in context.forward_headers:
+        if name == b"content-type":
+            if value[: len(_FORM)].lower() != _FORM:
+                return None
+            break
+    else:
+        return None
+    named = query_override_methods(data, "POST")
+    if not named:
+        return None
+    context.overrides = context.overrides | named
+    if not named.difference(context.route.accepted_methods):
+        return None
+    return (
+        "method_not_allowed",
+        f"the form body's _method field asks for a method route {context.route.id!r} does "
+        f"not forward (it forwards {', '.join(context.route.accepted_methods)}); to forward "
+        "it, add that method to the route's methods beside those: nothing was sent upstream",
+    )

@@ -172,7 +172,10 @@ class _Walk:
         walker = self.walker
         refused = refusal(context, body, walker.settings)
         if refused is not None:
-            await send_error(self.send, context, *refused)
+            allow = None
+            if refused[0] == "method_not_allowed":
+                allow = [(b"allow", ", ".join(self.route.accepted_methods).encode())]
+            await send_error(self.send, context, *refused, headers=allow)
             return
         parsed = request_json(context, body)
         pinned = await walker.faults.pinned_candidate(self.route.id)
