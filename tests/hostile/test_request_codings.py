@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import json
 import time
+import tracemalloc
 import zlib
 from decimal import Decimal
 
@@ -87,3 +88,32 @@ async def test_a_gzip_body_of_many_members_is_estimated_in_linear_time() -> None
     assert response.status_code == 402, response.text  # the JSON read: 2.00 held
     assert took < 5, took
     assert primary.count == 0
+
+
+async def test_a_small_gzip_body_cannot_make_the_estimate_parse_megabytes() -> None:
+    # 8 KB of gzip decoding to 8 MiB of `{"a": [{}, {}, ...]}` (2.8 million objects): the
+    # estimate decoded up to max_request_body and parsed it all, 210 MB and a quarter of a
+    # second of the event loop per request, so a few callers sending 8 KB each could take
+    # the process's memory. The estimate now reads a decoded body up to replay_buffer, as
+    # it reads a plain one (beyond it: default_hold, as for a plain body that large).
+    count = (8 * 1024 * 1024 - 64) // 3
+    body = gzip.compress(b'{"a":[' + b"{}," * count + b'{}],"max_tokens":1}', 9)
+    assert len(body) < 10_000
+    headers = {"content-type": "application/json", "content-encoding": "gzip"}
+    async with upstream(json_handler({"ok": True})) as primary:
+        conf = gateway_config({"primary": primary.url}, store=None, limit="1")
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                tracemalloc.start()
+                try:
+                    response = await client.post("/v1/chat", content=body, headers=headers)
+                    peak = tracemalloc.get_traced_memory()[1]
+                finally:
+                    tracemalloc.stop()
+        finally:
+            await gateway.aclose()
+    # Held default_hold and forwarded (the recording upstream, aiohttp, decodes it and
+    # refuses it over its own 1 MiB limit).
+    assert response.status_code == 413 and "x-gateway-provider" in response.headers
+    assert peak < 64 * 1024 * 1024, peak

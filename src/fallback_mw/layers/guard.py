@@ -236,8 +236,10 @@ class BudgetGuard:
         parsed = request_json(context, body)  # notes the requested model, as the walker does
         buffered = body.buffered
         if parsed is None:
-            # A compressed body is estimated as the upstream that decodes it reads it.
-            decoded = decoded_request_json(scope, body, self.settings.max_request_body)
+            # A compressed body is estimated as the upstream that decodes it reads it, up
+            # to replay_buffer decoded, as a plain body is: 8 KB of gzip decoding to 8 MiB
+            # of `[{}, {}, ...]` cost 210 MB and a quarter second of the loop to parse.
+            decoded = decoded_request_json(scope, body, self.settings.replay_buffer)
             if decoded is not None:
                 buffered, parsed = decoded
                 if isinstance(parsed.get("model"), str):
