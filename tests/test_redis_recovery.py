@@ -106,3 +106,43 @@ async def test_a_breaker_opened_locally_during_an_outage_is_reported_shared_afte
             assert reported == {"p": "closed"}
         finally:
             await health.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_fault_cleared_while_redis_was_away_closes_the_shared_breaker_once_it_is_back(
+    redis_url: str,
+) -> None:
+    """The platform team's game day: a `fail` fault opened the shared breaker, Redis stopped
+    answering, the fault was cleared (its reset reached only the local breakers), and Redis
+    came back with the fault's breaker still open in it: every process skipped the healthy
+    primary for the rest of the cooldown. The reset is made again once Redis is back."""
+    parts = urlsplit(redis_url)
+    config = BreakerConfig(window=4, min_calls=3, cooldown_ms=60_000)
+    other = RedisHealth(redis_url, config)  # another gateway process, Redis always reachable
+    async with tcp_proxy(REDIS_HOST, REDIS_PORT) as redis:
+        health = RedisHealth(
+            f"redis://127.0.0.1:{redis.port}{parts.path}?{parts.query}",
+            config,
+            retry_interval=RETRY_INTERVAL,
+        )
+        try:
+            for _ in range(3):
+                assert await health.admit("p")
+                await health.record("p", failure=True, fault="fail")
+            assert await other.admit("p") is False  # the fault's shared breaker is open
+
+            await redis.cut("abort")
+            await health.reset_fault("p")  # the fault cleared during the outage
+            assert not health.available
+            assert await other.admit("p") is False  # the reset never reached Redis
+
+            await redis.open()
+            await shared_again(health)
+            until = asyncio.get_running_loop().time() + 5
+            while not await other.admit("p"):
+                assert asyncio.get_running_loop().time() < until, "the breaker stayed open"
+                await asyncio.sleep(0.05)
+            assert await health.admit("p") is True
+        finally:
+            await health.aclose()
+            await other.aclose()

@@ -218,6 +218,10 @@ class RedisHealth:
         self._admissions = itertools.count()
         self._unanswered: list[tuple[str, int]] = []  # (breaker key, admission number)
         self._giving_back: set[asyncio.Task[None]] = set()
+        # Upstreams whose fault ended while Redis was unreachable: the reset reached only
+        # the local state, so it is made again on the shared one once Redis is back (else
+        # the fault's shared breaker outlived it, skipped by every process for its cooldown).
+        self._fault_resets: set[str] = set()
         self._max_cooldown_ms = max(self.config.max_cooldown_ms, self.config.cooldown_ms)
         self.breaker_ttl_ms = self._breaker_ttl_ms(self.probe_lease_ms)
 
@@ -487,6 +491,16 @@ class RedisHealth:
             if self._unanswered:
                 unanswered, self._unanswered = self._unanswered, []
                 self._give_back_soon(unanswered)
+            if self._fault_resets:
+                task = asyncio.get_running_loop().create_task(self._reset_faults_again())
+                self._giving_back.add(task)
+                task.add_done_callback(self._giving_back.discard)
+
+    async def _reset_faults_again(self) -> None:
+        """The resets of faults that ended during the outage, on the shared state now (a
+        Redis away again keeps them for its end)."""
+        for upstream in sorted(self._fault_resets):
+            await self.reset_fault(upstream)
 
     def _give_back_soon(self, admissions: list[tuple[str, Any]]) -> None:
         """Free the probe slots these admissions (breaker key, number) may hold, in the
@@ -719,28 +733,24 @@ class RedisHealth:
         )
 
     async def reset_fault(self, upstream: str) -> None:
-        def convert(result: Any) -> None:
-            if result == "=closed":
-                self._sync(upstream, "closed")
-            else:
-                self._report(upstream, result or None)
-
-        await self._with_fallback(
-            "reset_fault",
-            RESET_FAULT,
-            [self._key("breaker", upstream)],
-            [self.config.cooldown_ms],
-            lambda: self.local.reset_fault(upstream),
-            convert,
+        reset = await self._run(
+            "reset_fault", RESET_FAULT, [self._key("breaker", upstream)], [self.config.cooldown_ms]
         )
-        await self._with_fallback(
+        marks = await self._run(
             "restore_fault_marks",
             RESTORE_FAULT_MARKS,
             [self._pool_key("credentials", upstream), self._pool_key("fault_marks", upstream)],
             [],
-            _nothing,
-            lambda result: None,
         )
+        if isinstance(reset, _Unavailable) or isinstance(marks, _Unavailable):
+            self._fault_resets.add(upstream)  # made again once Redis is back (_recovered)
+        else:
+            self._fault_resets.discard(upstream)
+        if not isinstance(reset, _Unavailable):
+            if reset == "=closed":
+                self._sync(upstream, "closed")
+            else:
+                self._report(upstream, reset or None)
         # The local state served while Redis was unreachable is reset too.
         await self.local.reset_fault(upstream)
 
