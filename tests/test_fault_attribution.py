@@ -159,6 +159,30 @@ async def test_health_states_remember_who_opened_the_breaker(
 
 
 @pytest.mark.anyio
+async def test_a_skip_whose_refusal_raced_the_faults_reset_is_still_the_faults(
+    health_factory: Callable[[], HealthState],
+) -> None:
+    """The platform team's game day: as the fault expired, one request was refused by the
+    fault's open breaker, and another process's reset closed that breaker before the skip
+    asked who had opened it. The skip was booked as a real one (gateway_fault="false", a
+    WARNING line, a real fallback in Prometheus). Until the breaker opens again, the fault
+    whose reset closed it is the answer."""
+    one, two = health_factory(), health_factory()
+    for _ in range(3):
+        await one.record("up", failure=True, fault="fail")
+    assert not await one.admit("up")  # refused: the skip is the fault's...
+    await two.reset_fault("up")  # ...and the fault ends before it asks
+    assert await one.skip_fault("up") == "fail"
+    for _ in range(3):  # real failures open it again: the fault no longer answers
+        assert await one.admit("up")
+        await one.record("up", failure=True)
+    assert not await one.admit("up")
+    assert await one.skip_fault("up") is None
+    for health in (one, two):
+        assert await health.skip_fault("up") is None
+
+
+@pytest.mark.anyio
 async def test_health_states_revert_forgets_fault_outcomes_of_a_closed_breaker(
     health_factory: Callable[[], HealthState],
 ) -> None:

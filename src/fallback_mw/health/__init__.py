@@ -50,6 +50,12 @@ class HealthState(Protocol):
         half-open (a skip it causes is the fault's); None otherwise."""
         ...
 
+    async def skip_fault(self, upstream: str) -> str | None:
+        """The fault a skip this upstream's breaker refused is booked to: `open_fault`'s,
+        or, for a breaker a fault's reset closed (and nothing opened since), that fault: a
+        refusal made just before the reset (another process's) asks after it."""
+        ...
+
     async def reset_fault(self, upstream: str) -> None:
         """The fault on this upstream was cleared: a breaker its outcomes opened closes
         (window and cooldown reset); one real failures opened is left alone. Pool
@@ -144,6 +150,9 @@ class AlwaysHealthy:
         return None
 
     async def open_fault(self, upstream: str) -> str | None:
+        return None
+
+    async def skip_fault(self, upstream: str) -> str | None:
         return None
 
     async def reset_fault(self, upstream: str) -> None:

@@ -64,6 +64,9 @@ class Breaker:
     probe_until: float | None = None  # half-open: the probe's lease, None = slot free
     fault: str | None = None  # open / half-open: the fault whose outcomes opened it
     last_fault: str | None = None  # closed: the latest fault outcome's kind in the window
+    # closed by a fault's reset (and not opened since): that fault. A skip refused by the
+    # open breaker just before the reset asks `open_fault` after it, and is the fault's.
+    reset_by: str | None = None
     probe_owner: int = 0  # half-open: the number of the probe that holds the slot
 
     def __post_init__(self) -> None:
@@ -141,7 +144,9 @@ class Breaker:
             return None
         if self.fault is None:
             return None  # real failures opened it: left alone
+        reset_by = self.fault
         self._close()
+        self.reset_by = reset_by
         return "closed"
 
     def admits_in(self, now: float) -> float:
@@ -152,6 +157,12 @@ class Breaker:
     def open_fault(self) -> str | None:
         """The fault whose outcomes opened this breaker, while it is not closed."""
         return None if self.state == "closed" else self.fault
+
+    def skip_fault(self) -> str | None:
+        """The fault a skip this breaker refused is booked to: `open_fault`, or, once
+        closed by a fault's reset (and not opened since), that fault: a refusal made just
+        before the reset asks after it."""
+        return self.reset_by if self.state == "closed" else self.fault
 
     def _close(self) -> None:
         self.state = "closed"
@@ -172,6 +183,7 @@ class Breaker:
 
     def _open(self, now: float, cooldown: float) -> None:
         self.state = "open"
+        self.reset_by = None
         self.cooldown = cooldown
         self.open_until = now + cooldown
         self.probe_until = None

@@ -123,6 +123,10 @@ class MemoryHealth:
         found = self._breakers.get(upstream)
         return None if found is None else found.open_fault()
 
+    async def skip_fault(self, upstream: str) -> str | None:
+        found = self._breakers.get(upstream)
+        return None if found is None else found.skip_fault()
+
     async def reset_fault(self, upstream: str) -> None:
         found = self._breakers.get(upstream)
         if found is not None:

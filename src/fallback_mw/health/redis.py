@@ -65,6 +65,7 @@ from fallback_mw.health.redis_scripts import (
     RELEASE,
     RESET_FAULT,
     RESTORE_FAULT_MARKS,
+    SKIP_FAULT,
     USABLE_IN,
 )
 from fallback_mw.store_url import redact_url, split_state_url
@@ -729,6 +730,16 @@ class RedisHealth:
             [self._key("breaker", upstream)],
             [],
             lambda: self.local.open_fault(upstream),
+            lambda result: str(result) or None,
+        )
+
+    async def skip_fault(self, upstream: str) -> str | None:
+        return await self._with_fallback(
+            "skip_fault",
+            SKIP_FAULT,
+            [self._key("breaker", upstream)],
+            [],
+            lambda: self.local.skip_fault(upstream),
             lambda result: str(result) or None,
         )
 

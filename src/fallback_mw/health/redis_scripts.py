@@ -54,7 +54,7 @@ local st = redis.call('HGET', key, 'st') or 'closed'
 local result = ''
 local function open(cooldown)
   redis.call('HSET', key, 'st', 'open', 'cd', string.format('%.0f', cooldown),
-    'until', string.format('%.0f', now + cooldown), 'probe', '0', 'win', '')
+    'until', string.format('%.0f', now + cooldown), 'probe', '0', 'win', '', 'rf', '')
 end
 if st == 'closed' then
   local mark = failure
@@ -105,6 +105,16 @@ if (not st) or st == 'closed' then return '' end
 return redis.call('HGET', KEYS[1], 'fault') or ''
 """
 
+# KEYS[1] breaker hash. The fault a skip the breaker refused is booked to: OPEN_FAULT's, or
+# for a closed breaker 'rf', the fault whose reset (RESET_FAULT) closed it, until it opens
+# again: a refusal made just before that reset asks after it, and is the fault's.
+SKIP_FAULT = """
+local st = redis.call('HGET', KEYS[1], 'st')
+if not st then return '' end
+if st == 'closed' then return redis.call('HGET', KEYS[1], 'rf') or '' end
+return redis.call('HGET', KEYS[1], 'fault') or ''
+"""
+
 # KEYS[1] credential hash, KEYS[2] the hash of credentials a fault marked (index -> fault
 # kind). A fault was cleared: those credentials lose their marks (retired or cooling
 # down). Returns how many.
@@ -144,9 +154,10 @@ if st == 'closed' then
   redis.call('HSET', key, 'win', kept, 'lf', '')
   return '=closed'
 end
-if (redis.call('HGET', key, 'fault') or '') == '' then return '' end
+local by = redis.call('HGET', key, 'fault') or ''
+if by == '' then return '' end
 redis.call('HSET', key, 'st', 'closed', 'win', '', 'cd', ARGV[1], 'probe', '0',
-  'fault', '', 'lf', '')
+  'fault', '', 'lf', '', 'rf', by)
 return 'closed'
 """
 

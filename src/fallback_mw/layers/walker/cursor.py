@@ -139,7 +139,7 @@ class CandidateCursor:
             if isinstance(verdict, str):
                 fault = None
                 if verdict == "breaker_open":
-                    fault = await self.health.open_fault(name)
+                    fault = await self.health.skip_fault(name)
                 self.on_skip(name, verdict, fault)
                 if same_again:
                     return NO_OTHER_CREDENTIAL
