@@ -146,3 +146,41 @@ async def test_a_fault_cleared_while_redis_was_away_closes_the_shared_breaker_on
         finally:
             await health.aclose()
             await other.aclose()
+
+
+@pytest.mark.anyio
+async def test_an_upstream_moved_while_redis_was_away_starts_closed_once_it_is_back(
+    redis_url: str,
+) -> None:
+    """`routes set-fallback` pointed an upstream name whose shared breaker was open at a new
+    url while Redis was unreachable: the gateways forgot only their local breakers, and once
+    Redis was back every process skipped the new, healthy url for the old one's cooldown
+    (docs/health.md: a moved upstream starts closed). The forget is made once it is back."""
+    parts = urlsplit(redis_url)
+    config = BreakerConfig(window=4, min_calls=3, cooldown_ms=60_000)
+    other = RedisHealth(redis_url, config)
+    async with tcp_proxy(REDIS_HOST, REDIS_PORT) as redis:
+        health = RedisHealth(
+            f"redis://127.0.0.1:{redis.port}{parts.path}?{parts.query}",
+            config,
+            retry_interval=RETRY_INTERVAL,
+        )
+        try:
+            for _ in range(3):
+                assert await health.admit("p")
+                await health.record("p", failure=True)
+            assert await other.admit("p") is False  # the old url's breaker, open
+
+            await redis.cut("abort")
+            await health.forget("p", "http://new.example")  # the store reload, during it
+            assert not health.available
+
+            await redis.open()
+            await shared_again(health)
+            until = asyncio.get_running_loop().time() + 5
+            while not await other.admit("p"):
+                assert asyncio.get_running_loop().time() < until, "the old url's breaker stayed"
+                await asyncio.sleep(0.05)
+        finally:
+            await health.aclose()
+            await other.aclose()

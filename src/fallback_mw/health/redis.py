@@ -223,6 +223,9 @@ class RedisHealth:
         # the local state, so it is made again on the shared one once Redis is back (else
         # the fault's shared breaker outlived it, skipped by every process for its cooldown).
         self._fault_resets: set[str] = set()
+        # Likewise upstreams whose url changed (`forget`) while Redis was unreachable: their
+        # shared breaker is still the old url's, dropped once Redis is back.
+        self._forgets: dict[str, str] = {}
         self._max_cooldown_ms = max(self.config.max_cooldown_ms, self.config.cooldown_ms)
         self.breaker_ttl_ms = self._breaker_ttl_ms(self.probe_lease_ms)
 
@@ -492,16 +495,19 @@ class RedisHealth:
             if self._unanswered:
                 unanswered, self._unanswered = self._unanswered, []
                 self._give_back_soon(unanswered)
-            if self._fault_resets:
-                task = asyncio.get_running_loop().create_task(self._reset_faults_again())
+            if self._fault_resets or self._forgets:
+                task = asyncio.get_running_loop().create_task(self._catch_up())
                 self._giving_back.add(task)
                 task.add_done_callback(self._giving_back.discard)
 
-    async def _reset_faults_again(self) -> None:
-        """The resets of faults that ended during the outage, on the shared state now (a
-        Redis away again keeps them for its end)."""
+    async def _catch_up(self) -> None:
+        """The resets of faults that ended, and the forgets of upstreams whose url changed,
+        during the outage, on the shared state now (a Redis away again keeps them for its
+        end)."""
         for upstream in sorted(self._fault_resets):
             await self.reset_fault(upstream)
+        for upstream, url in sorted(self._forgets.items()):
+            await self.forget(upstream, url)
 
     def _give_back_soon(self, admissions: list[tuple[str, Any]]) -> None:
         """Free the probe slots these admissions (breaker key, number) may hold, in the
@@ -774,14 +780,18 @@ class RedisHealth:
             else:
                 self._report(upstream, result or None)
 
-        await self._with_fallback(
+        result = await self._run(
             "forget",
             FORGET,
             [self._key("breaker", upstream), self._key("breaker_url", upstream)],
             [hashlib.sha256(url.encode()).hexdigest()[:32], CREDENTIAL_TTL_MS],
-            _nothing,
-            convert,
         )
+        if isinstance(result, _Unavailable):
+            self._forgets[upstream] = url  # made once Redis is back (_recovered)
+        else:
+            if self._forgets.get(upstream) == url:
+                del self._forgets[upstream]
+            convert(result)
         await self.local.forget(upstream, url)  # the state served while Redis was unreachable
 
     async def fault_marked(self, upstream: str, index: int, fault: str) -> None:
