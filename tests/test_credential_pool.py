@@ -720,10 +720,25 @@ async def test_the_peek_reads_a_bounded_prefix_and_relays_every_byte_or_the_erro
         (b"\xc2\xb2", None),
         (b"garbage", None),
         (b"Wed, 21 Oct 2015 07:28:00 GMT", 0.0),  # a date in the past: retry now
+        (b"1 Jan 10000000000 00:00:00 GMT", None),  # a year past datetime's: unreadable
     ],
 )
 def test_retry_after_is_read_whole_or_not_at_all(value: bytes, seconds: float | None) -> None:
     assert retry_after_seconds([(b"retry-after", value)]) == seconds
+
+
+async def test_a_retry_after_date_beyond_any_year_fails_over_like_any_429() -> None:
+    # An upstream's 429 with `Retry-After: 1 Jan 10000000000 00:00:00 GMT` (a year too big
+    # for a date) raised OverflowError out of the attempt: the caller got a 500
+    # internal_error instead of the pool's next key, on every request that drew key-a.
+    answers = {"key-a": (b"slow down", {"retry-after": "1 Jan 10000000000 00:00:00 GMT"})}
+    async with upstream(limited(answers)) as pool, gateway_client(two_keys(pool.url)) as client:
+        response = await client.get("/v1/x")
+        assert (response.status_code, response.text) == (200, "key-b")
+        assert keys_used(pool) == ["key-a", "key-b"]
+        # key-a cools down (cooldown_ms, the Retry-After unreadable): key-b serves on.
+        assert (await client.get("/v1/x")).text == "key-b"
+        assert keys_used(pool) == ["key-a", "key-b", "key-b"]
 
 
 def test_a_huge_retry_after_cools_a_credential_for_max_cooldown_only() -> None:

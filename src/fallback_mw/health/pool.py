@@ -211,7 +211,9 @@ def retry_after_seconds(headers: Iterable[tuple[bytes, bytes]]) -> float | None:
                 return float(text)
             try:
                 when = parsedate_to_datetime(text)
-            except (TypeError, ValueError, IndexError):
+            except (TypeError, ValueError, IndexError, OverflowError):
+                # OverflowError: a year past any date's (`1 Jan 10000000000 ...`), which
+                # raised out of the attempt (a 500 instead of the pool's next credential).
                 return None
             if when.tzinfo is None:
                 return None
