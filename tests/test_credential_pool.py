@@ -769,3 +769,37 @@ async def test_a_pool_naming_one_variable_twice_is_refused_at_load() -> None:
     )
     gateway = Gateway(host_app, config=conf, environ=ENV)
     assert gateway.config_error is not None and message in gateway.config_error
+
+
+@pytest.mark.parametrize("state", ["memory://", "redis"])
+async def test_a_hedge_the_bound_credential_won_does_not_move_the_session(
+    state: str, request: pytest.FixtureRequest
+) -> None:
+    # A session bound to key-a, whose answer was slow once (the hedge at key-b started,
+    # key-a still won): the session's next requests went to key-b. A hedge is no verdict on
+    # key-a, which answered; the session keeps its credential while it is healthy.
+    if state == "redis":
+        state = request.getfixturevalue("redis_url")
+    slow: dict[str, float] = {}
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        key = key_of(request)
+        await anyio.sleep(slow.get(key, 0.0))
+        return web.Response(text=key)
+
+    async with upstream(handle) as pool:
+        conf = two_keys(pool.url)
+        conf["gateway"]["state"] = state
+        conf["routes"][0]["hedge_after_ms"] = 100
+        s1 = {"x-session-id": "s1"}
+        async with gateway_client(conf) as client:
+            # Bind the session first, on a request that is not hedged.
+            first = (await client.get("/v1/x", headers=s1)).text
+            slow.clear()
+            slow[first] = 0.3
+            slow["key-b" if first == "key-a" else "key-a"] = 2.0
+            assert (await client.get("/v1/x", headers=s1)).text == first  # hedged, won
+            other = "key-b" if first == "key-a" else "key-a"
+            assert keys_used(pool)[-2:] == [first, other]  # the hedge did start
+            slow.clear()
+            assert [(await client.get("/v1/x", headers=s1)).text for _ in range(3)] == [first] * 3

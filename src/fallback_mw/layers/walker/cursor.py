@@ -157,8 +157,10 @@ class CandidateCursor:
         name, upstream = primary.name, primary.upstream
         pool = self.pool_size(name)
         if pool >= 2:
+            # No session: a hedge says nothing against the session's credential (it may
+            # well win the race), so it must not rebind the session to the hedge's.
             credential_index = await self.health.pick_credential(
-                name, pool, exclude=frozenset(self.used.get(name, ())), session=self.session,
+                name, pool, exclude=frozenset(self.used.get(name, ())), session=None,
                 selection=upstream.selection,
             )  # fmt: skip
             if credential_index is None or not self.has_credential(name, credential_index):
