@@ -120,6 +120,8 @@ def test_credential_marks() -> None:
 
     assert mark(401) == CredentialMark("retire")
     assert mark(403) == CredentialMark("cool_down", 5)
+    assert mark(403, retry_after=20) == CredentialMark("cool_down", 20)  # as docs/health.md
+    assert mark(403, retry_after=3600) == CredentialMark("cool_down", 60)
     assert mark(429, retry_after=2) == CredentialMark("cool_down", 2)
     assert mark(429, retry_after=3600) == CredentialMark("cool_down", 60)
     assert mark(503, failure=True) == CredentialMark("cool_down", 5)
