@@ -186,3 +186,19 @@ def test_no_option_is_explained_by_an_example_or_its_default_alone() -> None:
         return found
 
     assert examples_only(build_parser(), "") == []
+
+
+def test_the_operations_exit_status_table_lists_every_status_a_command_returns() -> None:
+    # docs/operations.md's table told readers 0, 2 and 1 were all there is: dispatch also
+    # returns 130 (Ctrl-C) and 141 (the reader went away), and the checking verbs exit 1
+    # when their answer is no.
+    from fallback_mw.cli.app import EXIT_FAILED, EXIT_OK, EXIT_REFUSED, EXIT_SIGPIPE
+
+    doc = (Path(__file__).parents[1] / "docs" / "operations.md").read_text(encoding="utf-8")
+    table = doc.split("Exit status, the same for every `fallback-mw` command", 1)[1]
+    rows = [line for line in table.split("\n\n")[1].splitlines() if line.startswith("| **")]
+    documented = {int(row.split("**")[1]) for row in rows}
+    assert documented == {EXIT_OK, EXIT_FAILED, EXIT_REFUSED, 130, EXIT_SIGPIPE}
+    failed = next(row for row in rows if row.startswith(f"| **{EXIT_FAILED}**"))
+    for verb in ("capacity", "gameday", "eval", "request"):
+        assert f"`{verb}`" in failed, verb
