@@ -206,3 +206,33 @@ async def test_a_form_method_field_to_a_method_the_route_does_not_forward_is_405
     assert allowed.status_code == 200 and allowed.text == "acted POST"
     assert json_body.status_code == 200 and json_body.text == "acted POST"  # not a form
     assert primary.count == 2
+
+
+async def test_a_post_that_a_form_method_field_makes_a_delete_is_not_replayed_and_says_why() -> (
+    None
+):
+    # The replay rule reads the form field as it reads the header and the query parameter;
+    # its message named only those two, so a caller whose request carried neither was told
+    # about something it had not sent.
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    async with (
+        upstream(status_handler(503)) as primary,
+        upstream(honours_form_method) as backup,
+    ):
+        conf = config(
+            primary.url, retries=1, plan=["primary", "backup"], replayable_methods=["GET", "POST"]
+        )
+        conf["upstreams"]["backup"] = {"url": backup.url}
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                overridden = await client.post(
+                    "/v1/files/f-1", content=b"_method=DELETE", headers=form
+                )
+        finally:
+            await gateway.aclose()
+    assert overridden.status_code == 502
+    error = overridden.json()["error"]
+    assert error["rule"] == "method_override" and error["attempts"] == 1
+    assert "form body's _method field" in error["message"]
+    assert backup.count == 0

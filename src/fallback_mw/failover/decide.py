@@ -463,8 +463,8 @@ _REMEDY = {
     "not_buffered": "the body is larger than [gateway] replay_buffer, so it cannot be "
     "replayed; raise replay_buffer to let it fail over",
     "ceiling": "the attempt ceiling (1 + retries) is reached; raise the route's retries",
-    "method_override": "a method-override header (X-HTTP-Method-Override and its kin) or a "
-    "_method query parameter names a "
+    "method_override": "a method-override header (X-HTTP-Method-Override and its kin), a "
+    "_method query parameter or a form body's _method field names a "
     "method the route's replayable_methods leave out; add it there to let it fail over",
     "no_candidate": "every other candidate was skipped (see x-gateway-skipped)",
     "repeat_budget": "the upstream's budget for repeats is spent "
