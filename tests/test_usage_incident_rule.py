@@ -45,3 +45,32 @@ async def test_incidents_name_the_rule_the_log_line_names(
     header, *rows = capsys.readouterr().out.splitlines()
     column = header.index("RULE")
     assert [row[column:].split()[0] for row in rows] == rules
+
+
+@pytest.mark.anyio
+async def test_incidents_list_an_upstream_5xx_served_as_it_is(
+    ledger_store: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A primary answering 500 (outside failover_status, relayed as it is) is a server error
+    # the client got: the alert rules, gameday's error_rate, the WARNING line and the span
+    # count it, but `usage --incidents` listed nothing, so the on-call reviewing an outage
+    # found none of it. A 4xx served as it is stays the caller's answer, not an incident.
+    async with upstream(status_handler(500)) as primary, upstream(status_handler(404)) as other:
+        conf = gateway_config(
+            ledger_store,
+            upstreams={"primary": {"url": primary.url}, "other": {"url": other.url}},
+            routes=[
+                {"id": "chat", "prefix": "/v1/", "plan": ["primary"]},
+                {"id": "files", "prefix": "/files/", "plan": ["other"]},
+            ],
+        )
+        async with gateway_client(conf) as client:
+            assert (await client.get("/v1/models")).status_code == 500
+            assert (await client.get("/files/x")).status_code == 404
+
+    capsys.readouterr()
+    assert await cli("usage", "--store", ledger_store, "--incidents", "--json") == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["route"], r["incident"], r["outcome"]) for r in records] == [
+        ("chat", ["server_error"], "served")
+    ]

@@ -1,7 +1,7 @@
 """`fallback-mw usage`: what each routed request cost and who served it (SPEC §7).
 `--incidents`: only the requests that failed over, skipped a candidate, ended in a local
-error or were cut short after the commit point, each with its trail (every attempt and
-skip, in the walk's order)."""
+error, were served an upstream's 5xx or were cut short after the commit point, each with
+its trail (every attempt and skip, in the walk's order)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,9 @@ def incident_kinds(record: UsageRecord) -> list[str]:
     capacity, repeat budget), `local_error` (the gateway answered itself), `aborted` (the
     chosen response failed after the commit point: rule `response_started`), `cancelled`
     (the host cancelled the request after the chosen response started, e.g. a deploy's
-    `--timeout-graceful-shutdown`: the client's answer was cut), then `fault` when a
+    `--timeout-graceful-shutdown`: the client's answer was cut), `server_error` (an
+    upstream's 5xx served as it is: outside failover_status, or the last answer under
+    on_exhausted = "last_response"; the alert rules count it too), then `fault` when a
     game-day fault caused it (SPEC §12: booked as the fault, not as an outage). Empty:
     none."""
     kinds = []
@@ -56,6 +58,8 @@ def incident_kinds(record: UsageRecord) -> list[str]:
         kinds.append("aborted")
     if record.chosen is not None and record.outcome == "cancelled":
         kinds.append("cancelled")
+    if record.outcome == "served" and record.status is not None and record.status >= 500:
+        kinds.append("server_error")
     if kinds and record.fault:
         # Game-day traffic: a fault drove an attempt or emptied the way (a breaker its
         # outcomes opened). Marked, so a review of real outages can leave it out.
@@ -219,6 +223,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--incidents",
         action="store_true",
-        help="only requests that failed over, skipped a candidate or ended in a local error, "
-        f"with their trails (searches the newest {INCIDENT_SCAN} records)",
+        help="only requests that failed over, skipped a candidate, ended in a local error or "
+        "were served an upstream's 5xx, with their trails "
+        f"(searches the newest {INCIDENT_SCAN} records)",
     )
