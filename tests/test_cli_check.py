@@ -636,3 +636,27 @@ def test_serve_says_what_check_warns_about_once_before_serving(tmp_path: Path) -
         ]
     ), said
     assert "/v1x/" in expected[0] and "first_byte_timeout_ms 30000" in expected[1]
+
+
+def test_check_warns_when_min_calls_is_larger_than_the_breakers_window(tmp_path: Path) -> None:
+    # The window keeps the last `window` outcomes, so with min_calls above it the breaker
+    # never opens: accepted in silence, it looked like a breaker that did not work.
+    path = tmp_path / "gateway.toml"
+    body = (
+        "[gateway.breaker]\nwindow = 5\nmin_calls = 10\n"
+        '[upstreams.primary]\nurl = "http://127.0.0.1:9001"\nfirst_byte_timeout_ms = 2000\n'
+        '[upstreams.backup]\nurl = "http://127.0.0.1:9002"\n'
+        '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["primary", "backup"]\nretries = 1\n'
+    )
+    path.write_text(body, encoding="utf-8")
+    result = check(path)
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stdout.splitlines() if "  warning: " in line]
+    assert warnings == [
+        "  warning: [gateway.breaker] min_calls (10) is larger than window (5): the window "
+        "never holds min_calls outcomes, so no breaker ever opens; lower min_calls or raise "
+        "window"
+    ]
+    path.write_text(body.replace("min_calls = 10", "min_calls = 5"), encoding="utf-8")
+    result = check(path)
+    assert result.returncode == 0 and "warning" not in result.stdout, result.stdout

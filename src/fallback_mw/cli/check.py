@@ -421,6 +421,14 @@ def config_warnings(
         routes[route.id] = found
     general = credential_warnings(merged.upstreams, merged.routes, os.environ)
     general += dropped_strip_defaults(settings)
+    breaker = settings.breaker
+    if breaker.min_calls > breaker.window:
+        # The window keeps the last `window` outcomes: it never holds min_calls of them.
+        general.append(
+            f"[gateway.breaker] min_calls ({breaker.min_calls}) is larger than window "
+            f"({breaker.window}): the window never holds min_calls outcomes, so no breaker "
+            "ever opens; lower min_calls or raise window"
+        )
     ignored = ignored_proxy_variables(
         merged.upstreams, os.environ, store=settings.store is not None
     )
