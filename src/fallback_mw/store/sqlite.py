@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import sqlite3
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -49,6 +49,23 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
         ),
     ),
 )
+
+
+@contextlib.contextmanager
+def _write_transaction(conn: sqlite3.Connection) -> Iterator[None]:
+    """One write transaction (BEGIN IMMEDIATE takes the write lock, so a read and the writes
+    after it cannot interleave with another process's): committed when the block ends,
+    unless the block rolled it back itself (a conditional edit that found nothing to
+    change); rolled back when the block raises."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+    if conn.in_transaction:
+        conn.execute("COMMIT")
 
 
 class SqliteStore:
@@ -150,8 +167,7 @@ class SqliteStore:
     ) -> int | None:
         def replace(conn: sqlite3.Connection) -> int | None:
             # One write transaction, as remove_route: the route and its faults together.
-            conn.execute("BEGIN IMMEDIATE")
-            try:
+            with _write_transaction(conn):
                 cursor = conn.execute(
                     "UPDATE fmw_routes SET doc = ?, updated_at = ? WHERE id = ? AND doc IS ?",
                     (stored.to_doc(), time.time(), stored.route.id, expected),
@@ -166,12 +182,7 @@ class SqliteStore:
                     f"OR (scope = 'route' AND target = ? AND candidate IN ({marks}))",
                     (*names, stored.route.id, *names),
                 ).rowcount
-            except BaseException:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
-                raise
-            conn.execute("COMMIT")
-            return int(cleared)
+                return int(cleared)
 
         return await self._run(replace)
 
@@ -181,8 +192,7 @@ class SqliteStore:
         def remove(conn: sqlite3.Connection) -> int | None:
             # One write transaction: a gateway's reload sees the route with its faults or
             # neither, and a failure between the two deletes leaves both in place.
-            conn.execute("BEGIN IMMEDIATE")
-            try:
+            with _write_transaction(conn):
                 row = conn.execute(
                     "SELECT doc FROM fmw_routes WHERE id = ?", (route_id,)
                 ).fetchone()
@@ -197,12 +207,7 @@ class SqliteStore:
                     "OR (scope = 'route' AND target = ? AND NOT ?)",
                     (*names, route_id, keep_pin),
                 ).rowcount
-            except BaseException:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
-                raise
-            conn.execute("COMMIT")
-            return int(cleared)
+                return int(cleared)
 
         return await self._run(remove)
 
@@ -222,8 +227,7 @@ class SqliteStore:
         def put(conn: sqlite3.Connection) -> Fault | None:
             # One write transaction: the check for an active fault and the insert cannot
             # interleave with another process's (BEGIN IMMEDIATE takes the write lock).
-            conn.execute("BEGIN IMMEDIATE")
-            try:
+            with _write_transaction(conn):
                 conn.execute("DELETE FROM fmw_faults WHERE expires_at <= ?", (time.time(),))
                 row = conn.execute(
                     "SELECT kind, target, expires_at, candidate FROM fmw_faults "
@@ -241,12 +245,7 @@ class SqliteStore:
                     "expires_at = excluded.expires_at",
                     (fault.scope, fault.target, fault.kind, fault.candidate, fault.expires_at),
                 )
-            except BaseException:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
-                raise
-            conn.execute("COMMIT")
-            return None
+                return None
 
         return await self._run(put)
 
