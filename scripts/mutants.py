@@ -435,7 +435,7 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "upstream/httpx_engine.py",
-                "                self._check_proxied_literal(request.url)\n",
+                "                self._literals.check(request.url)\n",
                 "                pass\n",
             ),
         ),

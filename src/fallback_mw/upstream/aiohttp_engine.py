@@ -27,7 +27,7 @@ from fallback_mw.upstream.base import (
     check_request_headers,
     check_response_head,
 )
-from fallback_mw.upstream.guard import GuardedResolver, UnsafeAddressError, check_literal_host
+from fallback_mw.upstream.guard import GuardedResolver, LiteralChecks, UnsafeAddressError
 from fallback_mw.upstream.tls import ssl_context
 
 # aiohttp would otherwise add these; the upstream sees only what the gateway decided.
@@ -219,7 +219,7 @@ class AiohttpClient:
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the one the session runs on
         self._at_loop_end: CloseAtLoopEnd | None = None  # closes the session there
-        self._checked_hosts: set[str] = set()  # IP-literal checks are pure: do each once
+        self._literals = LiteralChecks(allow_hosts)  # IP-literal hosts skip the resolver
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}  # per connect timeout
         self._caps = ConnectionCaps()
 
@@ -262,21 +262,12 @@ class AiohttpClient:
         with map_errors("connect"):
             check_request_headers(request.headers)
         session = self._get_session()
-        host = request.url.split("/", 3)[2] if "://" in request.url else request.url
-        if host not in self._checked_hosts:
-            with map_errors("connect"):
-                check_literal_host(request.url, self._allow_hosts)
-            if len(self._checked_hosts) < 4096:
-                self._checked_hosts.add(host)
-        # An egress proxy written as an IP literal skips the resolver too (aiohttp connects
-        # to a literal as it is): checked here, once per proxy URL (a key with "://", never
-        # a bare host above).
-        proxy = request.proxy
-        if proxy is not None and proxy not in self._checked_hosts:
-            with map_errors("connect"):
-                check_literal_host(proxy, self._allow_hosts)
-            if len(self._checked_hosts) < 4096:
-                self._checked_hosts.add(proxy)
+        with map_errors("connect"):
+            self._literals.check(request.url)
+            # An egress proxy written as an IP literal skips the resolver too (aiohttp
+            # connects to a literal as it is): checked here, once per proxy URL.
+            if request.proxy is not None:
+                self._literals.check(request.proxy, whole=True)
         # Waiting for a slot under the upstream's connection cap is the gateway's own queue
         # (bounded by the walk deadline around this call), never the upstream's time.
         release = await self._caps.acquire(request)

@@ -31,6 +31,26 @@ def check_literal_host(url: str, allow_hosts: Sequence[str]) -> None:
             raise UnsafeAddressError(str(exc)) from None
 
 
+class LiteralChecks:
+    """`check_literal_host` for an engine, once per key: the check is pure, so a URL's
+    host (or a proxy URL, keyed whole) passed once passes again. At most 4096 keys are
+    remembered; past that each is checked every time."""
+
+    def __init__(self, allow_hosts: Sequence[str]) -> None:
+        self._allow_hosts = tuple(allow_hosts)
+        self._checked: set[str] = set()
+
+    def check(self, url: str, *, whole: bool = False) -> None:
+        """Raises UnsafeAddressError for a literal the allowlist (or, with none, the
+        always-refused list) refuses. `whole`: keyed by the whole URL (a proxy's), else by
+        its host."""
+        key = url if whole else (url.split("/", 3)[2] if "://" in url else url)
+        if key not in self._checked:
+            check_literal_host(url, self._allow_hosts)
+            if len(self._checked) < 4096:
+                self._checked.add(key)
+
+
 class GuardedResolver(AbstractResolver):
     """aiohttp resolver that drops every resolved address the allowlist refuses (with no
     allowlist, the always-refused ones); aiohttp then connects to one of the returned

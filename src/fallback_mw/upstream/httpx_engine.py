@@ -32,7 +32,7 @@ from fallback_mw.upstream.base import (
     check_response_head,
     encode_request_headers,
 )
-from fallback_mw.upstream.guard import UnsafeAddressError, check_literal_host
+from fallback_mw.upstream.guard import LiteralChecks, UnsafeAddressError
 from fallback_mw.upstream.httpx_backend import GuardedNetworkBackend
 from fallback_mw.upstream.tls import is_certificate_error, is_unverified_certificate, ssl_context
 
@@ -216,7 +216,10 @@ class HttpxClient:
             max_connections=max_connections, max_keepalive_connections=min(128, max_connections)
         )
         self._allow_hosts = tuple(allow_hosts)
-        self._checked_hosts: set[str] = set()  # proxied IP-literal targets, checked once
+        # Behind an egress proxy the guarded network backend sees only the proxy's address:
+        # a target written as an IP literal is checked here, as the aiohttp engine checks
+        # it, once per host (a name is the proxy's to resolve and check).
+        self._literals = LiteralChecks(allow_hosts)
         self._transport = transport
         # Chosen here, so the default transport's responses pay nothing for a handed one's.
         self._response = HttpxResponse if transport is None else _TransportResponse
@@ -294,7 +297,7 @@ class HttpxClient:
         with map_errors("connect"):
             check_request_headers(request.headers)
             if request.proxy is not None:
-                self._check_proxied_literal(request.url)
+                self._literals.check(request.url)
             client = self._get_client(request)
             timer = FirstByteTimer(request.timeouts.first_byte)
             answer: list[httpx.Response] = []  # the response, once its head is in
@@ -322,16 +325,6 @@ class HttpxClient:
             release()
             raise
         return self._response(response, request.timeouts.idle, release)
-
-    def _check_proxied_literal(self, url: str) -> None:
-        """Behind an egress proxy the guarded network backend sees only the proxy's
-        address: a target written as an IP literal is checked here, as the aiohttp engine
-        checks it, once per host (a name is the proxy's to resolve and check)."""
-        host = url.split("/", 3)[2] if "://" in url else url
-        if host not in self._checked_hosts:
-            check_literal_host(url, self._allow_hosts)
-            if len(self._checked_hosts) < 4096:
-                self._checked_hosts.add(host)
 
     def _build(
         self,
