@@ -13,7 +13,7 @@ from fallback_mw.config import UpstreamConfig
 from fallback_mw.request.context import RequestContext
 from fallback_mw.request.secrets import MIN_SECRET
 from fallback_mw.request.usage import content_decoder, unreadable_coding
-from fallback_mw.security import forwardable_request_headers
+from fallback_mw.security import READABLE_CODINGS, forwardable_request_headers
 
 Credentials = Mapping[str, tuple[tuple[str, str] | None, ...]]
 
@@ -112,7 +112,7 @@ def unmaskable_answer(
 
 # The codings answers come in (what the gateway asks for), each read as it is: a caller
 # may test for these before calling unmaskable_answer, which then returns None.
-PLAIN_CODINGS = frozenset({b"gzip", b"deflate", b"identity"})
+PLAIN_CODINGS = READABLE_CODINGS | {b"identity"}
 
 
 def echoes_credential(context: RequestContext, name: str, text: str) -> bool:
