@@ -1338,7 +1338,7 @@ async def test_error_and_skip_series_are_exported_at_zero_before_the_first_one(
     error of each route (no candidate, no fallback, no canary, no fault, the code's own
     status) and every skip reason of each candidate of its plan (no fault) are at 0 from
     the start; the first real one counts up that same series, no new one appears."""
-    from fallback_mw.failover.decide import _SKIP_REMEDY
+    from fallback_mw.failover.messages import _SKIP_REMEDY
     from fallback_mw.request.context import SKIP_REASONS
     from fallback_mw.request.local_errors import STATUS_FOR_CODE
 

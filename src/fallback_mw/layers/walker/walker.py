@@ -21,12 +21,12 @@ from fallback_mw.failover.decide import (
     WalkState,
     attempt_ceiling,
     decide,
-    error_message,
     further_attempt_possible,
     is_keyed_post,
     may_hedge,
     replay_rule,
 )
+from fallback_mw.failover.messages import error_message
 from fallback_mw.faults import FaultSource
 from fallback_mw.health import HealthState
 from fallback_mw.health.pool import affinity_key
