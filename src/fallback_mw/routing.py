@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 from urllib.parse import unquote
@@ -41,10 +42,36 @@ def routed_path(scope: Mapping[str, Any]) -> str | None:
     else:
         raw_path = scope.get("path", "/")
     raw_path = raw_path.split("?", 1)[0]
+    if raw_path[:1] != "/":
+        origin = origin_form(raw_path)
+        if origin is None:
+            return None
+        raw_path = origin
     root = scope.get("root_path")
     if root:
         raw_path = below_root(raw_path, root)
     return normalise_path(raw_path)
+
+
+# An absolute-form request target's scheme and authority (RFC 9112 §3.2.2).
+_ABSOLUTE_FORM = re.compile(r"https?://[^/?#]*", re.IGNORECASE)
+
+
+def origin_form(target: str) -> str | None:
+    """The path to route a request target on that does not start with `/` (RFC 9112
+    §3.2), as uvicorn and granian hand it to the app: an absolute-form target
+    (`GET http://host/v1/x`, a client using the gateway as its proxy), which hypercorn and
+    daphne pass on as the path, is routed on its path, its authority dropped (the
+    upstream's `Host` is the upstream's): routed as a path, it missed the `/v1/` route, and
+    a `/` route forwarded `/http:/host/v1/x`. The asterisk form (`OPTIONS *`) asks about
+    the server, not a resource: None, no route (a `/` route forwarded `OPTIONS /*`).
+    Anything else is normalised as a path (`v1/x` is `/v1/x`)."""
+    if target == "*":
+        return None
+    absolute = _ABSOLUTE_FORM.match(target)
+    if absolute is None:
+        return target
+    return target[absolute.end() :] or "/"
 
 
 def below_root(raw_path: str, root_path: str) -> str:
@@ -67,11 +94,12 @@ def normalise_path(raw_path: str) -> str | None:
     `..`, `%2e%2e` nor an encoded `/` or `\\` can move a request out of a prefix.
     Returns None for paths that cannot be made safe (NUL, climbing above the root)."""
     # Nothing for `_normalise` to change (no escape, backslash or NUL, no empty segment,
-    # none beginning with a dot: `.`, `..`, `..;x`, and `/.well-known`, which it keeps):
-    # the path as sent, without the loop (the path of nearly every request).
+    # none beginning with a dot: `.`, `..`, `..;x`, and `/.well-known`, which it keeps;
+    # no fragment): the path as sent, without the loop (the path of nearly every request).
     if (
         raw_path[:1] == "/"
         and "%" not in raw_path
+        and "#" not in raw_path
         and "//" not in raw_path
         and "/." not in raw_path
         and "\\" not in raw_path
@@ -82,6 +110,10 @@ def normalise_path(raw_path: str) -> str | None:
 
 
 def _normalise(raw_path: str) -> str | None:
+    # A fragment is never part of a request target (RFC 9112 §3.2): uvicorn and granian
+    # drop it, hypercorn and daphne pass it on in the path, where `/v1/x#frag` went out
+    # as `/v1/x%23frag`. Cut before decoding: `%23` is a `#` in a segment name.
+    raw_path = raw_path.split("#", 1)[0]
     try:
         decoded = unquote(raw_path, errors="strict") if "%" in raw_path else raw_path
     except UnicodeDecodeError:
