@@ -87,6 +87,13 @@ def layout(page: Path, workdir: Path) -> dict[str, Any]:
     return data
 
 
+def dump_dom(url: str, workdir: Path, *, budget_ms: int = 5000) -> str:
+    """The DOM of the page at `url` once its scripts ran (`--virtual-time-budget`: the
+    page's fetches and timers settle first). Blocking: run it in a thread beside servers on
+    this event loop."""
+    return _run([f"--virtual-time-budget={budget_ms}", "--dump-dom", url], workdir / "profile")
+
+
 def screenshot(page: Path, png: Path, workdir: Path, *, size: str = "1000,1200") -> None:
     _run(
         [f"--window-size={size}", "--hide-scrollbars", f"--screenshot={png}", page.as_uri()],

@@ -329,6 +329,25 @@ SERVER_OWNED_RESPONSE_HEADERS = frozenset({b"date", b"server"})
 ACCOUNT_RESPONSE_HEADERS = frozenset(
     {b"openai-organization", b"openai-project", b"anthropic-organization-id"}
 )
+# An upstream's cross-origin answer: providers answer browsers with
+# `Access-Control-Allow-Origin: *` (OpenAI's, OpenRouter's, Groq's APIs), since there a
+# page can only spend a key it holds itself. Through the gateway the key is the
+# operator's: relayed, any web page its callers' browsers open (a page on the internet
+# reaching a gateway on localhost or the office network) could call it, the preflight
+# answered by the upstream too, and read the answers, spending the operator's key. Not
+# relayed when the gateway injected its credential; a host that serves browsers sets its
+# own policy in front (Starlette's CORSMiddleware, README).
+CROSS_ORIGIN_RESPONSE_HEADERS = frozenset(
+    {
+        b"access-control-allow-origin",
+        b"access-control-allow-credentials",
+        b"access-control-allow-headers",
+        b"access-control-allow-methods",
+        b"access-control-allow-private-network",
+        b"access-control-expose-headers",
+        b"access-control-max-age",
+    }
+)
 
 
 def forwardable_response_headers(
@@ -338,7 +357,8 @@ def forwardable_response_headers(
     (an upstream must not be able to forge the gateway's own headers), and not the
     upstream's `date` / `server` (the ASGI server sends its own). `injected` (the gateway
     sent its own credential on this attempt): not the account ids it answers about that
-    credential either (ACCOUNT_RESPONSE_HEADERS), filtered in the same pass, at no cost.
+    credential either (ACCOUNT_RESPONSE_HEADERS), nor its cross-origin permissions
+    (CROSS_ORIGIN_RESPONSE_HEADERS), filtered in the same pass, at no cost.
 
     The framing is the gateway's own: `transfer-encoding` never passes (the engines
     de-chunk), a `content-length` only where it is exact, i.e. a body-carrying status and
@@ -367,7 +387,7 @@ _NEVER_FORWARDED = (
 _NEVER_RELAYED = {
     (injected, no_length): HOP_BY_HOP_HEADERS
     | SERVER_OWNED_RESPONSE_HEADERS
-    | (ACCOUNT_RESPONSE_HEADERS if injected else frozenset())
+    | (ACCOUNT_RESPONSE_HEADERS | CROSS_ORIGIN_RESPONSE_HEADERS if injected else frozenset())
     | ({b"content-length"} if no_length else frozenset())
     for injected in (False, True)
     for no_length in (False, True)
