@@ -5,6 +5,7 @@ SPEC §5 written independently of the implementation."""
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import re
 from dataclasses import replace
@@ -357,18 +358,23 @@ def rule_table() -> list[tuple[str, list[str], set[str]]]:
     return table
 
 
-def importers(module: str, names: set[str]) -> set[str]:
-    """Every module under src/fallback_mw that imports one of `names` from `module`."""
-    found = set()
+@functools.cache
+def from_imports() -> tuple[tuple[str, str, frozenset[str]], ...]:
+    """Every `from M import a, b` under src/fallback_mw: (file, M, names), parsed once
+    for all the table's rows."""
+    found = []
     for path in SRC.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if (
-                isinstance(node, ast.ImportFrom)
-                and node.module == module
-                and any(alias.name in names for alias in node.names)
-            ):
-                found.add(str(path.relative_to(SRC)))
-    return found
+            if isinstance(node, ast.ImportFrom) and node.module is not None:
+                names = frozenset(alias.name for alias in node.names)
+                found.append((str(path.relative_to(SRC)), node.module, names))
+    return tuple(found)
+
+
+def importers(module: str, names: set[str]) -> set[str]:
+    """Every module under src/fallback_mw that imports one of `names` from `module`."""
+    rows = from_imports()
+    return {path for path, imported, found in rows if imported == module and found & names}
 
 
 def test_each_rule_is_decided_where_the_table_says() -> None:
