@@ -246,3 +246,22 @@ def test_every_interface_a_gateway_takes_is_documented_with_its_methods() -> Non
     # and a developer reading the README's testing advice finds it
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     assert "(docs/budgets.md#handing-the-gateway-your-own-pieces)" in readme
+
+
+def test_telemetrys_providers_are_checked_when_it_is_built() -> None:
+    # `Telemetry(meter_provider=object())` failed with an AttributeError from inside its
+    # constructor; a wrong tracer provider, at the first request's span.
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from fallback_mw.telemetry import Telemetry
+
+    with pytest.raises(TypeError, match=r"^Telemetry: meter_provider= takes a opentelemetry"):
+        Telemetry(meter_provider=object())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^Telemetry: tracer_provider= .* not the class itself"):
+        Telemetry(tracer_provider=TracerProvider)  # type: ignore[arg-type]
+    tracer_provider = TracerProvider(shutdown_on_exit=False)
+    meter_provider = MeterProvider(shutdown_on_exit=False)
+    Telemetry(tracer_provider=tracer_provider, meter_provider=meter_provider)  # the SDK's pass
+    tracer_provider.shutdown()
+    meter_provider.shutdown()

@@ -19,6 +19,7 @@ from opentelemetry.util.types import AttributeValue
 
 from fallback_mw.config import RouteConfig
 from fallback_mw.extras import package_version
+from fallback_mw.injected import require
 from fallback_mw.request.context import AttemptRecord, RequestContext
 from fallback_mw.request.secrets import RequestSecrets
 from fallback_mw.telemetry.genai import operation_name
@@ -87,6 +88,14 @@ class Telemetry:
         tracer_provider: trace.TracerProvider | None = None,
         meter_provider: metrics.MeterProvider | None = None,
     ) -> None:
+        # Checked here, not at the first span: a wrong object failed every request with an
+        # AttributeError far from the mistake (or, for a meter provider, this constructor).
+        require(
+            tracer_provider, trace.TracerProvider, parameter="tracer_provider", owner="Telemetry"
+        )
+        require(
+            meter_provider, metrics.MeterProvider, parameter="meter_provider", owner="Telemetry"
+        )
         quiet_propagators()
         version = package_version()
         # With the global provider, spans are only recorded once an SDK is installed (serve
