@@ -426,7 +426,10 @@ def test_check_warns_when_strip_lists_drop_a_default_credential(tmp_path: Path) 
         'allow_hosts = ["127.0.0.1"]\nstrip_headers = ["x-mine", "x-auth-token", '
         '"anthropic-api-key", "ocp-apim-subscription-key", "x-amz-security-token", '
         '"x-goog-iam-authorization-token", "x-functions-key", "private-token", "apikey", '
-        '"openai-organization", "openai-project", "x-goog-user-project"]',
+        '"openai-organization", "openai-project", "x-goog-user-project", "forwarded", '
+        '"x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "x-forwarded-port", '
+        '"x-forwarded-prefix", "x-real-ip", "x-client-ip", "true-client-ip", '
+        '"cf-connecting-ip"]',
     )
     path.write_text(extended, encoding="utf-8")
     result = check(path)

@@ -39,6 +39,21 @@ DEFAULT_STRIP_HEADERS = (
     "openai-organization",
     "openai-project",
     "x-goog-user-project",
+    # Not secrets either, but what a proxy says about the client: an upstream that trusts
+    # the gateway as its proxy (nginx `real_ip`, uvicorn `--forwarded-allow-ips`, a
+    # framework's trusted proxies) reads them as the caller's address, host and scheme, so a
+    # caller forged the address an upstream's rate limits and allowlists saw. Trusted only
+    # from configured peers, as uvicorn's ProxyHeadersMiddleware does; the gateway has none.
+    "forwarded",
+    "x-forwarded-for",
+    "x-forwarded-host",
+    "x-forwarded-proto",
+    "x-forwarded-port",
+    "x-forwarded-prefix",
+    "x-real-ip",
+    "x-client-ip",
+    "true-client-ip",
+    "cf-connecting-ip",
 )
 DEFAULT_STRIP_QUERY_KEYS = ("api_key", "key", "api-key", "apikey", "access_token", "private_token")
 # RFC 9110 §7.6.1 connection-specific fields, plus the usual legacy ones.

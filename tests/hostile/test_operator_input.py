@@ -247,3 +247,48 @@ async def test_a_caller_cannot_choose_whose_account_the_gateways_credential_bill
     assert "x-goog-user-project" not in names
     assert not any("victim" in value for _, value in received.headers)
     assert ("authorization", "Bearer gateway-key-1234") in received.headers
+
+
+SPOOFED = {
+    "Forwarded": "for=203.0.113.9;proto=https;host=admin.internal",
+    "X-Forwarded-For": "203.0.113.9",
+    "X-Forwarded-Host": "admin.internal",
+    "X-Forwarded-Proto": "https",
+    "X-Forwarded-Port": "443",
+    "X-Forwarded-Prefix": "/admin",
+    "X-Real-IP": "203.0.113.9",
+    "X-Client-IP": "203.0.113.9",
+    "True-Client-IP": "203.0.113.9",
+    "CF-Connecting-IP": "203.0.113.9",
+}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("kept", [False, True], ids=["default", "strip_headers-without-them"])
+async def test_a_caller_cannot_tell_an_upstream_its_address_host_or_scheme(kept: bool) -> None:
+    """An upstream that trusts the gateway as its proxy (nginx `real_ip`, uvicorn
+    `--forwarded-allow-ips`) read the caller's own `X-Forwarded-For` / `Forwarded` /
+    `X-Real-IP` as the client's address: a caller chose the address the upstream's rate
+    limits and allowlists saw. They are in `strip_headers`' defaults now; an operator whose
+    upstream wants them lists `strip_headers` without them."""
+    async with upstream(status_handler(200, b"{}", **{"content-type": "application/json"})) as up:
+        gateway_conf: dict[str, Any] = {"allow_hosts": ["127.0.0.1"]}
+        if kept:
+            gateway_conf["strip_headers"] = ["x-auth-token"]
+        conf = {
+            "gateway": gateway_conf,
+            "upstreams": {"primary": {"url": up.url}},
+            "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+        }
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as http:
+                response = await http.get("/v1/models", headers={**SPOOFED, "X-Request-Id": "r-1"})
+        finally:
+            await gateway.aclose()
+    assert response.status_code == 200
+    (received,) = up.received
+    names = {name.lower() for name, _ in received.headers}
+    assert "x-request-id" in names  # other headers pass as before
+    spoofed = {name.lower() for name in SPOOFED}
+    assert spoofed <= names if kept else not spoofed & names
