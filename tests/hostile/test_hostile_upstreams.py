@@ -2,10 +2,10 @@
 with a budget on the route: whatever the upstream does, no hold stays in the ledger.
 
 Before the response head (reset, invalid status line, endless headers): failover-class,
-the backup serves. After the commit point (reset, truncated body, a never-ending or huge
-stream): the client response is aborted, never ended as if complete, never restarted. A
-redirect is an answer (never followed); a declared length over max_response_body is a
-local 502 `response_too_large`."""
+the backup serves. After the commit point (reset, also of a body that ends with its
+connection, truncated body, a never-ending or huge stream): the client response is
+aborted, never ended as if complete, never restarted. A redirect is an answer (never
+followed); a declared length over max_response_body is a local 502 `response_too_large`."""
 
 from __future__ import annotations
 
@@ -80,6 +80,28 @@ async def truncated_body(reader: asyncio.StreamReader, writer: asyncio.StreamWri
     writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\n" + b"a" * 10)
     await writer.drain()
     await asyncio.sleep(0.2)
+    writer.close()
+
+
+async def reset_close_delimited(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """A body without Content-Length or chunked framing (it ends when the connection
+    closes, RFC 9112 §6.3) cut by a reset: not its end."""
+    await read_head(reader)
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n"
+                 b'data: {"n": 1}\n\n')  # fmt: skip
+    await writer.drain()
+    await asyncio.sleep(0.2)
+    reset(writer)
+
+
+async def close_delimited(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await read_head(reader)
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n"
+                 b'data: {"n": 1}\n\n')  # fmt: skip
+    await writer.drain()
+    await asyncio.sleep(0.2)
+    writer.write(b"data: [DONE]\n\n")
+    await writer.drain()
     writer.close()
 
 
@@ -222,8 +244,8 @@ async def test_failures_before_the_head_fail_over(behaviour: Behaviour, engine: 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize(
     "behaviour",
-    [reset_after_head, truncated_body, never_ending_stream],
-    ids=["reset-after-head", "truncated-body", "never-ending-stream"],
+    [reset_after_head, truncated_body, never_ending_stream, reset_close_delimited],
+    ids=["reset-after-head", "truncated-body", "never-ending-stream", "reset-close-delimited"],
 )
 async def test_failures_after_the_commit_point_abort_the_response(
     behaviour: Behaviour, engine: str
@@ -233,6 +255,14 @@ async def test_failures_after_the_commit_point_abort_the_response(
     assert isinstance(result, httpx.RemoteProtocolError | httpx.ReadError), result
     assert accepted == 1  # never restarted on the backup either
     assert remaining == 0
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_body_ended_by_a_clean_close_is_relayed_whole(engine: str) -> None:
+    result, accepted, remaining = await run(close_delimited, engine)
+    assert isinstance(result, httpx.Response), result
+    assert result.status_code == 200 and result.text.endswith("data: [DONE]\n\n")
+    assert accepted == 1 and remaining == 0
 
 
 @pytest.mark.parametrize("engine", ENGINES)

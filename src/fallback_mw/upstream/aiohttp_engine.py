@@ -159,9 +159,30 @@ class AiohttpResponse:
                     with deadline_after(self._idle):
                         chunk = await content.readany()
             if not chunk:
+                if self._reset_before_its_end():
+                    raise UpstreamError(
+                        "transport", "body", "the connection was reset before the body ended"
+                    )
                 self._finished = True
                 return
             yield chunk
+
+    def _reset_before_its_end(self) -> bool:
+        """Whether the end just read is a reset, not the body's end. aiohttp ends a body
+        without Content-Length or chunked framing (it ends with the connection, RFC 9112
+        §6.3) the same way on a clean close and on a reset, which is only seen on the
+        connection (httpx raises a ReadError): relayed as complete, a stream cut short read
+        as whole to the client. A framed body's end is its own, whatever followed it."""
+        response = self._response
+        protocol = response._protocol
+        lost = None if protocol is None else protocol.exception()
+        if lost is None or isinstance(lost, aiohttp.ServerDisconnectedError):
+            return False  # the connection is open, or closed cleanly
+        if response.method == "HEAD" or self.status in (204, 304):
+            return False  # no body follows these heads
+        return not any(
+            name in (b"content-length", b"transfer-encoding") for name, _ in self.headers
+        )
 
     def __del__(self) -> None:
         # A response dropped without aclose (a cancellation between send and its owner)
