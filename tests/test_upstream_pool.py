@@ -116,3 +116,59 @@ async def test_an_unread_body_that_has_arrived_gives_its_connection_back() -> No
         await runner.cleanup()
     assert peers[0] == peers[1] == peers[2] == peers[3]  # one connection, reused
     assert peers[4] != peers[3]  # the half-read body's connection was closed
+
+
+async def _stalled_stream(closed: asyncio.Event) -> tuple[asyncio.Server, str]:
+    """An upstream that sends a head and one event, then nothing; `closed` is set once the
+    gateway's side of the connection is closed (its read sees the end)."""
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n7\r\ndata: 1\r\n")  # fmt: skip
+        await writer.drain()
+        await reader.read()  # until the gateway's side closes
+        closed.set()
+        writer.close()
+
+    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("later", [0, 1, 2, 3, 4])
+async def test_a_second_cancellation_during_the_close_still_closes_the_connection(
+    later: int,
+) -> None:
+    """A relay waiting on an upstream body can be cancelled twice within a few loop
+    iterations (a client disconnect and the upstream's idle timer, both due under load).
+    httpcore closes the connection of a cancelled read itself, and a second cancellation
+    landing in that close cut it short: the connection stayed open and ACTIVE in the pool
+    for ever (a socket in CLOSE-WAIT and a pool slot lost per occurrence). The response's
+    aclose must still close it."""
+    closed = asyncio.Event()
+    server, url = await _stalled_stream(closed)
+    client = HttpxClient(allow_hosts=("127.0.0.1",))
+    timeouts = Timeouts(connect=1.0, first_byte=5.0, idle=30.0)
+    try:
+        response = await client.send(UpstreamRequest("GET", url + "/", [], b"", timeouts))
+
+        async def relay() -> None:
+            async for _chunk in response.iter_chunks():
+                pass
+
+        task = asyncio.create_task(relay())
+        await asyncio.sleep(0.2)  # the first event read; waiting on the stall
+        task.cancel()
+        for _ in range(later):
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await response.aclose()
+        async with asyncio.timeout(5):
+            await closed.wait()
+    finally:
+        await client.aclose()
+        server.close()
+        await server.wait_closed()

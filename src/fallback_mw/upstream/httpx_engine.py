@@ -125,6 +125,15 @@ def _h11_state(response: httpx.Response) -> h11.Connection | None:
     return state if isinstance(state, h11.Connection) else None
 
 
+def _http11_connection(response: httpx.Response) -> httpcore.AsyncHTTP11Connection | None:
+    """httpcore's HTTP/1.1 connection an answer came on (as `_h11_state` finds it), or
+    None (another shape, a handed transport's response)."""
+    bound = getattr(response.stream, "_stream", None)
+    inner = getattr(getattr(bound, "_httpcore_stream", None), "_stream", None)
+    connection = getattr(inner, "_connection", None)
+    return connection if isinstance(connection, httpcore.AsyncHTTP11Connection) else None
+
+
 def _never_pool_leftovers(response: httpx.Response) -> None:
     """Called as httpcore hands a finished HTTP/1.1 response's connection back to the pool.
     Bytes already read past the answer's framing (a body on an answer to HEAD, bytes past
@@ -171,6 +180,7 @@ class HttpxResponse:
         weakref.finalize(self, release)
         self.status = response.status_code
         self.headers = [(k.lower(), v) for k, v in response.headers.raw]
+        self._finished = False
 
     async def iter_chunks(self) -> AsyncIterator[bytes]:
         stream = self._response.aiter_raw()
@@ -179,6 +189,7 @@ class HttpxResponse:
                 try:
                     chunk = await stream.__anext__()
                 except StopAsyncIteration:
+                    self._finished = True
                     return
             if chunk:
                 yield chunk
@@ -186,7 +197,23 @@ class HttpxResponse:
     async def aclose(self) -> None:
         # Shielded: the connection is released even if the caller is being cancelled.
         self._release()
-        await asyncio.shield(self._response.aclose())
+        await asyncio.shield(self._close())
+
+    async def _close(self) -> None:
+        await self._response.aclose()
+        if self._finished:
+            return
+        # A body read cut short (a cancellation, the idle timer) is closed by httpcore as
+        # the read fails, with its connection. A second cancellation a few loop iterations
+        # later (a client disconnect and the idle timer due together under load) cut that
+        # close short: httpcore had marked the response closed, so this aclose did nothing,
+        # and the connection stayed open and ACTIVE in the pool for ever (a socket in
+        # CLOSE-WAIT, a pool slot lost). Cut short, the connection cannot have gone back to
+        # the pool (only an answer read to its end does): closing it here is never another
+        # request's.
+        connection = _http11_connection(self._response)
+        if connection is not None and not connection.is_closed():
+            await connection.aclose()
 
 
 class _TransportResponse(HttpxResponse):
