@@ -172,3 +172,42 @@ async def test_a_second_cancellation_during_the_close_still_closes_the_connectio
         await client.aclose()
         server.close()
         await server.wait_closed()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("later", [0, 1, 2, 3, 4])
+async def test_a_second_cancellation_while_waiting_for_the_head_still_closes_the_connection(
+    later: int,
+) -> None:
+    """The same while the upstream has not answered yet (a client disconnect, the walk
+    deadline or a hedge race due with the first-byte timer): the send fails, and the
+    connection httpcore was closing must not stay open and ACTIVE in its pool."""
+    closed = asyncio.Event()
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.read()  # never answers; until the gateway's side closes
+        closed.set()
+        writer.close()
+
+    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    client = HttpxClient(allow_hosts=("127.0.0.1",))
+    timeouts = Timeouts(connect=1.0, first_byte=30.0, idle=30.0)
+    try:
+        task = asyncio.create_task(
+            client.send(UpstreamRequest("GET", url + "/", [], b"", timeouts))
+        )
+        await asyncio.sleep(0.2)  # the request is sent; waiting for the head
+        task.cancel()
+        for _ in range(later):
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        async with asyncio.timeout(5):
+            await closed.wait()
+    finally:
+        await client.aclose()
+        server.close()
+        await server.wait_closed()

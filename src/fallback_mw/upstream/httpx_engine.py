@@ -134,6 +134,25 @@ def _http11_connection(response: httpx.Response) -> httpcore.AsyncHTTP11Connecti
     return connection if isinstance(connection, httpcore.AsyncHTTP11Connection) else None
 
 
+async def _close_orphaned_connections(client: httpx.AsyncClient) -> None:
+    """After a send that failed before its answer's head: close what httpcore left open.
+    Cancelled while it waits for the head, httpcore closes the request's connection
+    itself; a second cancellation a few loop iterations later (a client disconnect, the
+    walk deadline or a hedge race due with the first-byte timer) cut that close short, and
+    the connection stayed ACTIVE in the pool with no request for ever (its socket open, a
+    pool slot lost). A connection in use always has its request in the pool (from its
+    assignment until its response is closed), so one ACTIVE without any is such an orphan.
+    A failed send only: a scan of the pool, none on a served request."""
+    pool = getattr(getattr(client, "_transport", None), "_pool", None)
+    if not isinstance(pool, httpcore.AsyncConnectionPool):
+        return  # a handed transport: its own
+    owned = {id(request.connection) for request in pool._requests}
+    for connection in list(pool._connections):
+        if id(connection) in owned or connection.is_idle() or connection.is_closed():
+            continue
+        await connection.aclose()
+
+
 def _never_pool_leftovers(response: httpx.Response) -> None:
     """Called as httpcore hands a finished HTTP/1.1 response's connection back to the pool.
     Bytes already read past the answer's framing (a body on an answer to HEAD, bytes past
@@ -350,6 +369,8 @@ class HttpxClient:
                 raise
         except BaseException:
             release()
+            if not answer:
+                await asyncio.shield(_close_orphaned_connections(client))
             raise
         return self._response(response, request.timeouts.idle, release)
 
