@@ -413,6 +413,37 @@ async def test_an_answer_naming_no_model_is_priced_as_the_model_the_upstream_was
             await gateway.aclose()
 
 
+async def test_an_answer_naming_an_unpriced_model_is_recorded_as_the_model_it_was_priced_as(
+    ledger_store: str,
+) -> None:
+    # An upstream answering as a model without a price (an Anthropic-shaped answer naming
+    # claude-3-5-haiku to a request for gpt-test) is priced as the model it was asked for;
+    # the record showed the answer's name beside that cost, though docs/budgets.md says it
+    # shows the model the cost is of. An answer naming a priced model keeps its own name.
+    unpriced = {"model": "claude-3-5-haiku", "usage": {"input_tokens": 10, "output_tokens": 20000}}
+    priced = {"model": "cheap", "usage": {"prompt_tokens": 10, "completion_tokens": 20000}}
+    async with upstream(json_handler(unpriced)) as primary, upstream(json_handler(priced)) as other:
+        conf = gateway_config({"primary": primary.url}, store=ledger_store, limit="1000")
+        conf["upstreams"]["other"] = {"url": other.url}
+        conf["routes"].append(
+            {"id": "other", "prefix": "/v2/", "plan": ["other"], "budget": "acme"}
+        )
+        conf["prices"]["cheap"] = {"input_per_mtok": "0", "output_per_mtok": "0.000001"}
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                body = {"model": "gpt-test", "messages": []}
+                assert (await client.post("/v1/chat", json=body)).status_code == 200
+                assert (await client.post("/v2/chat", json=body)).status_code == 200
+            ledger = gateway.services.ledger
+            assert ledger is not None
+            as_asked, as_named = await ledger.usage()
+            assert (as_asked.model, as_asked.charged) == ("gpt-test", Decimal("40.01"))
+            assert (as_named.model, as_named.charged) == ("cheap", Decimal("0.00000002"))
+        finally:
+            await gateway.aclose()
+
+
 async def test_the_hold_prices_the_model_a_candidate_rewrites_the_request_to(
     ledger_store: str,
 ) -> None:

@@ -291,10 +291,12 @@ class BudgetGuard:
             amount = max(amount, rewritten)
         return amount
 
-    def _cost(self, context: RequestContext) -> Decimal | None:
+    def _cost(self, context: RequestContext) -> tuple[Decimal | None, str | None]:
+        """The reported usage's cost, and the model it was priced as when that is not the
+        one the answer names (the usage record shows the model its cost is of)."""
         usage = context.usage
         if not usage.reported:
-            return None
+            return None, None
         cost = self.prices.cost(usage.model, usage.input_tokens, usage.output_tokens)
         if cost is None:
             # The answer names no priced model: the one the upstream was asked for (a
@@ -302,14 +304,16 @@ class BudgetGuard:
             asked = model_asked(context)
             if asked != usage.model:
                 cost = self.prices.cost(asked, usage.input_tokens, usage.output_tokens)
-        return cost
+                if cost is not None:
+                    return cost, asked
+        return cost, None
 
     async def _settle(self, ledger: Ledger, context: RequestContext, hold: Hold | None) -> None:
-        cost = self._cost(context)
+        cost, priced_as = self._cost(context)
         charged = None if hold is None else charge(context, hold.amount, cost)
         one_step = self._one_step
         if one_step is not None:
-            record = usage_record(context, cost, charged)
+            record = usage_record(context, cost, charged, priced_as=priced_as)
             try:
                 await one_step.settle_and_record(hold, charged or Decimal(0), record)
             except LedgerUnavailable:
@@ -328,7 +332,7 @@ class BudgetGuard:
                     await ledger.settle(hold, charged)
         except LedgerUnavailable:
             logger.debug("route %s: settlement failed, ledger unavailable", context.route.id)
-        await write_record(ledger, context, cost, charged)
+        await write_record(ledger, context, cost, charged, priced_as=priced_as)
 
 
 def charge(context: RequestContext, held: Decimal, cost: Decimal | None) -> Decimal:

@@ -18,8 +18,14 @@ logger = logging.getLogger("fallback_mw.budget")
 
 
 def usage_record(
-    context: RequestContext, cost: Decimal | None, charged: Decimal | None
+    context: RequestContext,
+    cost: Decimal | None,
+    charged: Decimal | None,
+    *,
+    priced_as: str | None = None,
 ) -> UsageRecord:
+    """`priced_as`: the model the cost is of when the answer names one without a price
+    (the model asked for): the record shows it, as docs/budgets.md says."""
     attempts = [
         AttemptOutcome(candidate=s.candidate, skipped=s.reason, fault=s.fault)
         if isinstance(s, SkipRecord)
@@ -48,7 +54,7 @@ def usage_record(
         outcome=context.outcome,
         status=context.status,
         model=_storable(
-            recordable(context.secrets, usage.model)
+            recordable(context.secrets, priced_as or usage.model)
             or recordable(context.secrets, model_asked(context))
         ),
         input_tokens=usage.input_tokens,
@@ -74,13 +80,18 @@ def model_asked(context: RequestContext) -> str | None:
 
 
 async def write_record(
-    ledger: Ledger, context: RequestContext, cost: Decimal | None, charged: Decimal | None
+    ledger: Ledger,
+    context: RequestContext,
+    cost: Decimal | None,
+    charged: Decimal | None,
+    *,
+    priced_as: str | None = None,
 ) -> None:
     """The request's usage record into the ledger. An unavailable ledger loses it (the
     PostgreSQL ledger keeps what an outage refused before sending, and writes it later);
     the outage itself is logged by the ledger, once each way: nothing per request here."""
     try:
-        await ledger.record_usage(usage_record(context, cost, charged))
+        await ledger.record_usage(usage_record(context, cost, charged, priced_as=priced_as))
     except LedgerUnavailable:
         logger.debug("route %s: usage record lost, ledger unavailable", context.route.id)
 
