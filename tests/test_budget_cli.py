@@ -223,6 +223,51 @@ def test_a_budget_id_never_puts_terminal_controls_on_the_operators_screen(
     assert out.splitlines()[1].startswith("ev?[31mil?x ")
 
 
+def test_usage_tables_keep_a_tab_or_newline_in_a_stored_value_to_its_cell(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A caller's tenant id may hold a tab (HTTP allows it in a field value: every server
+    passes it), and `usage` printed it raw, shifting the row's columns; a record written by
+    hand with a newline in its tenant forged a second row, and an escape sequence in a
+    route or candidate name reached the terminal. Every cell is one printable line now."""
+    store = f"sqlite:///{tmp_path / 'l.db'}"
+
+    async def plant() -> None:
+        ledger = open_ledger(store)
+        try:
+            for tenant, route in (("acme\tx", "chat"), ("t\nFAKE ROW", "ch\x1b[2Jat")):
+                await ledger.record_usage(
+                    UsageRecord(
+                        request_id="r",
+                        route=route,
+                        tenant=tenant,
+                        candidates=("primary", "backup"),
+                        attempts=(
+                            AttemptOutcome("pri\x1b[31mmary", status=503, failure="status"),
+                            AttemptOutcome("backup", status=200),
+                        ),
+                        chosen="back\tup",
+                        outcome="served",
+                        status=200,
+                    )
+                )
+        finally:
+            await ledger.aclose()
+
+    anyio.run(plant)
+    for extra in ([], ["--incidents"]):
+        assert main(["usage", "--store", store, *extra]) == 0
+        out = capsys.readouterr().out
+        assert not any(c in out for c in "\t\x1b\r"), out
+        header, first, second = out.splitlines()
+        assert "acme?x" in first.split() and "t?FAKE" in second.split()
+        assert "ch?[2Jat" in second.split() and "pri?[31mmary:503,backup:200" in first.split()
+        assert ("back?up" in first.split()) is not bool(extra)  # CHOSEN: the plain table's
+        # Each column starts where its header does, on every row.
+        column = header.index("TENANT")
+        assert first[column:].startswith("acme?x ") and second[column:].startswith("t?FAKE ")
+
+
 def test_unreachable_store_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
     url = "postgresql://postgres:pw-secret@127.0.0.1:1/none"
     assert main(["budgets", "show", "--store", url]) == 1

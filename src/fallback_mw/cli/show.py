@@ -24,7 +24,16 @@ def route_line(route: RouteConfig, upstreams: Mapping[str, UpstreamConfig], sour
     return f"{route.id}\t{source}\t{route.prefix}\t{tenant}retries={route.retries}\t{plan}"
 
 
+def one_line(text: str) -> str:
+    """A table cell as a terminal shows it in its column: every character that is not
+    printable (a tab, a newline, an escape sequence's ESC) becomes `?`."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else "?" for c in text)
+
+
 def print_table(console: Console, rows: Sequence[Sequence[str]]) -> None:
+    # Cells hold stored text (a caller's tenant id, a record written by hand): a tab would
+    # break the columns, a newline forge a row, an escape sequence drive the terminal.
+    rows = [[one_line(cell) for cell in row] for row in rows]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         console.print(

@@ -15,8 +15,7 @@ from fallback_mw.budget import Ledger, UsageRecord
 from fallback_mw.budget.cost import format_money
 from fallback_mw.cli.app import Console, Refused, leaf
 from fallback_mw.cli.budgets import with_ledger
-from fallback_mw.cli.request_table import printable
-from fallback_mw.cli.show import print_table
+from fallback_mw.cli.show import one_line, print_table
 from fallback_mw.cli.target import StoreTarget, store_options
 
 _RELATIVE = re.compile(r"^(\d{1,9})([smhdw])$")
@@ -140,7 +139,7 @@ def _row(record: UsageRecord) -> tuple[str, ...]:
     return (
         record.at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         record.route,
-        printable(record.tenant),  # the caller's text: never raw terminal controls
+        record.tenant,  # the caller's text: print_table makes every cell one printable line
         _attempts_text(record),
         record.chosen or "-",
         record.outcome or "-",
@@ -155,7 +154,7 @@ def _incident_row(record: UsageRecord) -> tuple[str, ...]:
         record.at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         record.request_id,
         record.route,
-        printable(record.tenant),  # the caller's text: never raw terminal controls
+        record.tenant,  # the caller's text: print_table makes every cell one printable line
         ",".join(incident_kinds(record)),
         _attempts_text(record),
         record.outcome or "-",
@@ -166,7 +165,7 @@ def _incident_row(record: UsageRecord) -> tuple[str, ...]:
 
 def _filters(args: argparse.Namespace) -> str:
     given = (("since", args.since), ("route", args.route), ("tenant", args.tenant))
-    parts = [f"{flag} {printable(value)}" for flag, value in given if value]
+    parts = [f"{flag} {one_line(value)}" for flag, value in given if value]
     return f" ({', '.join(parts)})" if parts else ""
 
 
