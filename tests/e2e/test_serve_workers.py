@@ -20,6 +20,10 @@ from urllib.parse import urlsplit
 import anyio
 import httpx
 import pytest
+from aiohttp import web
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+)
 
 from fallback_mw.cli.workers import START_UP_SECONDS
 from tests.helpers import free_port, log_text, serve_process, wait_listening
@@ -417,3 +421,63 @@ async def test_each_worker_serves_its_own_metrics_port_and_a_replacement_takes_i
                 await anyio.sleep(0.05)
             counts = await scrape()  # both answer again; the dead worker's counts are gone
             assert len(counts) == 2 and sum(counts) < sent
+
+
+@pytest.mark.anyio
+async def test_workers_export_otlp_counts_apart_under_one_given_instance_id(
+    redis_url: str, tmp_path: Path
+) -> None:
+    # A platform team runs `serve --workers 2` in a pod whose OTEL_RESOURCE_ATTRIBUTES name
+    # the pod as `service.instance.id` (as Kubernetes operators set it), exporting OTLP to
+    # a collector. Both workers exported `gateway.requests` under one identical resource,
+    # so the collector saw one series whose value jumped between the two workers' counts
+    # (15, 25, 15, ...), never their sum. Each worker's id now ends in `-worker-SLOT`.
+    latest: dict[str, float] = {}
+
+    async def collector(request: web.Request) -> web.StreamResponse:
+        if request.path == "/v1/metrics":
+            exported = ExportMetricsServiceRequest.FromString(await request.read())
+            for resource in exported.resource_metrics:
+                attributes = {a.key: a.value.string_value for a in resource.resource.attributes}
+                for scope in resource.scope_metrics:
+                    for metric in scope.metrics:
+                        if metric.name == "gateway.requests":
+                            served = sum(
+                                p.as_int
+                                for p in metric.sum.data_points
+                                if any(a.value.string_value == "served" for a in p.attributes)
+                            )
+                            latest[attributes["service.instance.id"]] = served
+        return web.Response(status=200, body=b"", content_type="application/x-protobuf")
+
+    async with (
+        upstream(status_handler(200)) as primary,
+        upstream(status_handler(200)) as backup,
+        upstream(collector) as otlp,
+    ):
+        config = write_config(
+            tmp_path / "gateway.toml", f'state = "{redis_url}"', primary.url, backup.url
+        )
+        port, log = free_port(), tmp_path / "serve.log"
+        env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
+            "OTEL_EXPORTER_OTLP_ENDPOINT": otlp.url,
+            "OTEL_TRACES_EXPORTER": "none",
+            "OTEL_METRIC_EXPORT_INTERVAL": "200",
+            "OTEL_RESOURCE_ATTRIBUTES": "service.instance.id=shop.gw-7f9c.gateway",
+        }
+        with serve_process(config, port, log, env=env, options=("--workers", "2")) as process:
+            await both_serving(process, port, log)
+            sent = 40
+            for _ in range(sent):  # a connection each: the kernel spreads them
+                async with httpx.AsyncClient(timeout=10) as client:
+                    response = await client.get(f"http://127.0.0.1:{port}/v1/chat")
+                assert response.status_code == 200
+            deadline = time.monotonic() + 10
+            while sum(latest.values()) != sent:
+                assert time.monotonic() < deadline, (latest, log_text(log))
+                await anyio.sleep(0.1)
+    assert sorted(latest) == [
+        "shop.gw-7f9c.gateway-worker-0",
+        "shop.gw-7f9c.gateway-worker-1",
+    ], latest

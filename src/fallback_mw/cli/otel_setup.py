@@ -23,6 +23,7 @@ import contextlib
 import importlib
 import os
 import sys
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
@@ -207,6 +208,7 @@ def configure_opentelemetry(
     out: TextIO | None = None,
     set_global: bool = True,
     metrics_port_offset: int = 0,
+    worker: int | None = None,
 ) -> OtelHandle:
     """Install tracer and meter providers as the process-wide OpenTelemetry providers,
     from the `OTEL_*` variables of the process environment (the SDK and its exporters
@@ -217,7 +219,10 @@ def configure_opentelemetry(
     `OTEL_SDK_DISABLED=true`. Raises `TelemetrySetupError` for an unsupported exporter or
     protocol, or when the SDK (the `otel` extra) is not installed. `console` writes to
     `out` (default: stdout). The Prometheus endpoint listens on its configured port plus
-    `metrics_port_offset` (a worker's slot under `serve --workers N`)."""
+    `metrics_port_offset` (a worker's slot under `serve --workers N`). `worker` is that
+    slot in a worker of `serve --workers N`: its `service.instance.id` ends in
+    `-worker-SLOT`, so the workers' cumulative counts stay apart where they meet (an OTLP
+    collector) also when OTEL_RESOURCE_ATTRIBUTES gives the one id of the pod or host."""
     environ = os.environ
     handle = OtelHandle()
     if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
@@ -228,7 +233,7 @@ def configure_opentelemetry(
         return handle
     stream = out if out is not None else sys.stdout
     try:
-        from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+        from opentelemetry.sdk.resources import SERVICE_INSTANCE_ID, SERVICE_NAME, Resource
     except ImportError as exc:
         raise _missing("opentelemetry-sdk") from exc
 
@@ -240,6 +245,13 @@ def configure_opentelemetry(
     ):
         attributes[SERVICE_NAME] = service_name
     resource = Resource.create(attributes)
+    if worker is not None:
+        # N processes under one given id export N different cumulative counts of the same
+        # series: a collector keeps whichever came last (a counter jumping between the
+        # workers' values, read as resets), never their sum.
+        # (An SDK that sets no id of its own: a random one, as newer SDKs make.)
+        instance = str(resource.attributes.get(SERVICE_INSTANCE_ID) or uuid.uuid4())
+        resource = resource.merge(Resource({SERVICE_INSTANCE_ID: f"{instance}-worker-{worker}"}))
 
     if handle.traces:
         from opentelemetry.sdk.trace import TracerProvider

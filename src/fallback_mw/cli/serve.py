@@ -288,7 +288,9 @@ def run_server(
                 await finish_forced_stop(self)
 
     try:
-        telemetry = configure_opentelemetry(metrics_port_offset=slot)
+        telemetry = configure_opentelemetry(
+            metrics_port_offset=slot, worker=slot if workers else None
+        )
     except TelemetrySetupError as exc:
         raise Refused(str(exc)) from None
     if telemetry.prometheus_address is not None:
