@@ -4,6 +4,7 @@ real PostgreSQL, through the public `fallback_mw.cli.main`."""
 from __future__ import annotations
 
 import json
+import sqlite3
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -266,6 +267,69 @@ def test_usage_tables_keep_a_tab_or_newline_in_a_stored_value_to_its_cell(
         # Each column starts where its header does, on every row.
         column = header.index("TENANT")
         assert first[column:].startswith("acme?x ") and second[column:].startswith("t?FAKE ")
+
+
+def test_usage_reads_past_a_record_it_cannot_read_whole(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One usage row this version did not write (by hand, another tool, a bad restore) —
+    trails that are not JSON, an attempt that is not an object, a status that is no number,
+    a time that is no time — made `usage` and `usage --incidents` end in "unexpected
+    internal error (JSONDecodeError); please report it": no record shown at all, in the
+    middle of an incident review. An unreadable column now reads as unknown; a row whose
+    time cannot be read is left out."""
+    path = tmp_path / "l.db"
+    store = f"sqlite:///{path}"
+
+    async def good() -> None:
+        ledger = open_ledger(store)
+        try:
+            await ledger.record_usage(
+                UsageRecord(
+                    request_id="r-good",
+                    route="chat",
+                    tenant="t1",
+                    candidates=("primary", "backup"),
+                    attempts=(
+                        AttemptOutcome("primary", status=503, failure="status"),
+                        AttemptOutcome("backup", status=200),
+                    ),
+                    chosen="backup",
+                    outcome="served",
+                    status=200,
+                )
+            )
+        finally:
+            await ledger.aclose()
+
+    anyio.run(good)
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    with sqlite3.connect(path) as db:
+        db.executemany(
+            "INSERT INTO fmw_usage (at, request_id, route, tenant, candidates, attempts, "
+            "outcome, status, input_tokens, cost_units, duration_ms) "
+            "VALUES (?, ?, 'chat', 't2', ?, ?, 'upstream_failed', ?, ?, ?, ?)",
+            [
+                (now, "r-text", "not json", "[{", 502, 3, 7, 1.5),
+                (now, "r-shapes", '{"a": 1}', '["primary", {"candidate": "backup"}]', "x", "y",
+                 "z", "w"),
+                ("yesterday", "r-when", "[]", "[]", 502, None, None, None),
+            ],
+        )  # fmt: skip
+    assert main(["usage", "--store", store, "--json"]) == 0
+    shown = {r["request_id"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert sorted(shown) == ["r-good", "r-shapes", "r-text"]
+    assert shown["r-good"]["attempts"][0] == {"candidate": "primary", "status": 503,
+                                              "failure": "status"}  # fmt: skip
+    assert shown["r-text"]["candidates"] == [] and shown["r-text"]["attempts"] == []
+    assert shown["r-text"]["status"] == 502 and shown["r-text"]["input_tokens"] == 3
+    assert shown["r-shapes"]["attempts"] == [{"candidate": "backup"}]
+    assert shown["r-shapes"]["status"] is None and shown["r-shapes"]["cost"] is None
+    for extra in ([], ["--incidents"]):
+        assert main(["usage", "--store", store, *extra]) == 0
+        out = capsys.readouterr().out
+        assert "r-good" in out or "primary:503,backup:200" in out
+        assert len(out.splitlines()) == 4  # the header and the three readable records
 
 
 def test_unreachable_store_exits_1(capsys: pytest.CaptureFixture[str]) -> None:

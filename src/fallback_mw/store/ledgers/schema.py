@@ -6,9 +6,11 @@ Money columns are integer nano-units (see cost.py). Every table is prefixed `fmw
 from __future__ import annotations
 
 import json
+import math
 import time
 from datetime import UTC, datetime
 from decimal import Decimal
+from typing import TypeGuard
 
 from fallback_mw.budget.cost import from_units, to_units
 from fallback_mw.budget.ledger import AttemptOutcome, Hold, UsageRecord
@@ -142,25 +144,58 @@ def usage_from_row(at: datetime, row: tuple[object, ...] | list[object]) -> Usag
         duration_ms,
         rule,
     ) = row
+    # A column this version did not write (a record written by hand, or by another tool)
+    # reads as unknown: one such row must not make `usage`, `--incidents` or a game day's
+    # observation fail on every other record.
+    cost, charged = _read_int(cost_units), _read_int(charged_units)
     return UsageRecord(
         request_id=str(request_id),
         route=str(route),
         tenant=str(tenant),
         at=at,
         budget_id=_opt_str(budget_id),
-        candidates=tuple(str(c) for c in json.loads(str(candidates))),
-        attempts=tuple(AttemptOutcome.from_dict(a) for a in json.loads(str(attempts))),
+        candidates=tuple(str(c) for c in _json_list(candidates)),
+        attempts=tuple(AttemptOutcome.from_dict(a) for a in _json_list(attempts) if _is_dict(a)),
         chosen=_opt_str(chosen),
         outcome=_opt_str(outcome),
-        status=_opt_int(status),
+        status=_read_int(status),
         model=_opt_str(model),
-        input_tokens=_opt_int(input_tokens),
-        output_tokens=_opt_int(output_tokens),
-        cost=None if cost_units is None else from_units(_int(cost_units)),
-        charged=None if charged_units is None else from_units(_int(charged_units)),
-        duration_ms=_opt_float(duration_ms),
+        input_tokens=_read_int(input_tokens),
+        output_tokens=_read_int(output_tokens),
+        cost=None if cost is None else from_units(cost),
+        charged=None if charged is None else from_units(charged),
+        duration_ms=_read_float(duration_ms),
         rule=_opt_str(rule),
     )
+
+
+def _json_list(text: object) -> list[object]:
+    """A JSON array column, or [] for text that is not one."""
+    try:
+        value = json.loads(str(text))
+    except ValueError:
+        return []
+    return value if isinstance(value, list) else []
+
+
+def _is_dict(value: object) -> TypeGuard[dict[str, object]]:
+    return isinstance(value, dict)
+
+
+def _read_int(value: object) -> int | None:
+    """An integer column; None when absent or not an integer."""
+    try:
+        return _opt_int(value)
+    except (TypeError, ValueError, ArithmeticError):
+        return None
+
+
+def _read_float(value: object) -> float | None:
+    try:
+        number = _opt_float(value)
+    except TypeError:
+        return None
+    return number if number is None or math.isfinite(number) else None
 
 
 def budget_from_row(

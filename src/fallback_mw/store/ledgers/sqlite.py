@@ -455,7 +455,14 @@ class SQLiteLedger(SQLLedgerBase):
                 f"SELECT {USAGE_COLUMNS} FROM fmw_usage {clause}ORDER BY id DESC LIMIT ?",
                 (*params, limit),
             ).fetchall()
-            return [usage_from_row(decode_sqlite_time(r[0]), r[1:]) for r in reversed(rows)]
+            records = []
+            for row in reversed(rows):
+                try:
+                    at = decode_sqlite_time(str(row[0]))
+                except ValueError:
+                    continue  # a time this version did not write: the record cannot be placed
+                records.append(usage_from_row(at, row[1:]))
+            return records
 
         return await self._run(work)
 
