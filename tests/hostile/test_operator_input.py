@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import sqlite3
 import time
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,32 @@ def test_the_route_store_refuses_an_unsafe_id(tmp_path: Path) -> None:
     out = io.StringIO()
     assert main(["routes", "list", "--store", store], stdout=out, stderr=io.StringIO()) == 0
     assert out.getvalue() == "no routes\n"
+
+
+def test_faults_list_never_writes_a_stored_rows_terminal_controls(tmp_path: Path) -> None:
+    """`faults set` refuses such names, but a fault row written by hand (or by an older
+    version) with an escape sequence, a tab or a newline in its kind, target or candidate
+    was printed raw by `faults list` (and `faults clear`'s still-active warning): the
+    operator's terminal cleared, a forged line. Each value is one printable line now."""
+    path = tmp_path / "gateway.db"
+    store = f"sqlite:///{path}"
+    set_ = ["faults", "set", "fail", "--store", store, "--upstream", "primary", "--ttl", "600"]
+    assert main(set_, stdout=io.StringIO(), stderr=io.StringIO()) == 0
+    with sqlite3.connect(path) as db:
+        db.execute(
+            "UPDATE fmw_faults SET target = ?, kind = ?, candidate = ?",
+            ("pri\x1b[2Jmary\nFAKE", "fa\x1b[31mil", "b\tx"),
+        )
+    out = io.StringIO()
+    assert main(["faults", "list", "--store", store], stdout=out, stderr=io.StringIO()) == 0
+    line = out.getvalue()
+    assert line.startswith("fa?[31mil\tupstream=pri?[2Jmary?FAKE\tcandidate=b?x\tuntil 20")
+    assert line.count("\n") == 1 and "\x1b" not in line
+    err = io.StringIO()
+    clear = ["faults", "clear", "--store", store, "--upstream", "other"]
+    status = main(clear, stdout=io.StringIO(), stderr=err)
+    assert status == 0 and "still active: fa?[31mil upstream" in err.getvalue()
+    assert not any(c in err.getvalue() for c in "\x1b\t") and err.getvalue().count("\n") == 1
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ from typing import Any
 
 from fallback_mw import rules
 from fallback_mw.cli.app import Console, Refused, leaf, run
+from fallback_mw.cli.show import one_line
 from fallback_mw.cli.target import StoreTarget, open_route_store, resolve, store_options
 from fallback_mw.faults import UPSTREAM_FAULTS
 from fallback_mw.store.model import Fault
@@ -147,7 +148,7 @@ def faults_clear(args: argparse.Namespace, console: Console) -> None:
             f"route {args.route!r}" if args.route is not None else f"upstream {args.upstream!r}"
         )
         active = "; ".join(
-            f"{fault.kind} {_target(fault)} until {expiry_text(fault.expires_at)}"
+            f"{one_line(fault.kind)} {_target(fault)} until {expiry_text(fault.expires_at)}"
             for fault in still_active
         )
         console.warning(f"no active fault on {selector}; still active: {active}")
@@ -167,9 +168,13 @@ def faults_list(args: argparse.Namespace, console: Console) -> None:
     if not faults:
         console.print("no faults")
     for fault in faults:
-        where = f"route={fault.target}" if fault.scope == "route" else f"upstream={fault.target}"
-        extra = f"\tcandidate={fault.candidate}" if fault.candidate else ""
-        console.print(f"{fault.kind}\t{where}{extra}\tuntil {expiry_text(fault.expires_at)}")
+        # Stored text, checked when `faults set` wrote it but not when a row was written by
+        # hand: one printable line per fault, never a terminal's escape sequence.
+        name = one_line(fault.target)
+        where = f"route={name}" if fault.scope == "route" else f"upstream={name}"
+        extra = f"\tcandidate={one_line(fault.candidate)}" if fault.candidate else ""
+        kind = one_line(fault.kind)
+        console.print(f"{kind}\t{where}{extra}\tuntil {expiry_text(fault.expires_at)}")
 
 
 def register(subparsers: Any) -> None:
