@@ -571,3 +571,41 @@ async def test_a_copy_that_is_the_probe_and_cut_by_shutdown_mid_body_frees_its_s
         finally:
             await inspect.aclose()
     assert shadow.count == 3
+
+
+async def test_a_copy_carries_the_callers_baggage_as_the_attempt_does(
+    recorded: Recorded,
+) -> None:
+    # The attempt to the primary carried the caller's `baggage` (re-injected with its own
+    # span's context), but the shadow copy's context was its span alone: the shadow
+    # upstream got no baggage at all, a different request from the one it shadows.
+    baggage = "tenant.tier=gold,user.segment=beta"
+    async with (
+        upstream(status_handler(200, b"primary says")) as primary,
+        upstream(status_handler(200, b"shadow says")) as shadow,
+    ):
+        gateway = Gateway(
+            host_app, config=config(primary.url, shadow.url), environ=ENV,
+            telemetry=recorded.telemetry,
+        )  # fmt: skip
+        try:
+            async with client_for(gateway) as client:
+                response = await client.get(
+                    "/v1/chat",
+                    headers={**CALLER, "traceparent": CALLER_TRACEPARENT, "baggage": baggage},
+                )
+            shadows = gateway.services.shadows
+            await settled(gateway, lambda: shadow.count == 1 and not shadows.in_flight)
+        finally:
+            await gateway.aclose()
+    assert response.status_code == 200
+
+    def members(request: Any) -> set[str]:
+        (value,) = [v for k, v in request.headers if k.lower() == "baggage"]
+        return set(value.split(","))
+
+    assert members(primary.received[0]) == set(baggage.split(","))
+    assert members(shadow.received[0]) == set(baggage.split(","))
+    (traceparent,) = [v for k, v in shadow.received[0].headers if k.lower() == "traceparent"]
+    spans = {s.name: s for s in recorded.spans.get_finished_spans()}
+    assert traceparent.split("-")[2] == format(spans["gateway.shadow"].context.span_id, "016x")

@@ -142,7 +142,8 @@ class ShadowTraffic:
             context, deadline=time.monotonic() + deadline, attempts=[], skipped=[],
             client_disconnected=False, trace=None, usage=Usage(),
         )  # fmt: skip
-        task = asyncio.create_task(self._run(name, copy, body, parsed, span))
+        parent = self.telemetry.shadow_parent(context)  # the caller's baggage, for the copy
+        task = asyncio.create_task(self._run(name, copy, body, parsed, span, parent))
         self._tasks.add(task)
         self.bytes_in_flight += size
 
@@ -160,10 +161,11 @@ class ShadowTraffic:
         body: RequestBody,
         parsed: dict[str, Any] | None,
         span: Any,
+        parent: Any,
     ) -> None:
         result = ShadowResult("cancelled")
         try:
-            with self.telemetry.shadow_scope(span):
+            with self.telemetry.shadow_scope(span, parent):
                 result = await self._copy(name, context, body, parsed)
         except asyncio.CancelledError:
             raise  # shutdown: recorded below as cancelled

@@ -325,16 +325,25 @@ class Telemetry:
             _internal.debug("shadow_started failed", exc_info=False)
             return None
 
+    def shadow_parent(self, context: RequestContext) -> otel_context.Context | None:
+        """The request's trace context (the caller's, baggage included) for a copy that
+        runs after the request's telemetry has finished: `shadow_scope`'s `parent`."""
+        request = self._request_trace(context)
+        return request.parent if request is not None else None
+
     @contextlib.contextmanager
-    def shadow_scope(self, span: trace.Span | None) -> Iterator[None]:
+    def shadow_scope(
+        self, span: trace.Span | None, parent: otel_context.Context | None = None
+    ) -> Iterator[None]:
         """Within it (a shadow copy's own task), `span` is this task's current span and no
         attempt is: the copy propagates its `gateway.shadow` span's context upstream, not
-        the caller's `traceparent`."""
+        the caller's `traceparent`, with the caller's `baggage` of `parent` (the request's
+        context, `shadow_parent`) as an attempt does."""
         if span is None:
             yield
             return
         attempt = _current_attempt.set(None)
-        token = otel_context.attach(trace.set_span_in_context(span))
+        token = otel_context.attach(trace.set_span_in_context(span, parent))
         try:
             yield
         finally:
