@@ -343,3 +343,43 @@ def test_serve_workers_whose_metrics_ports_run_past_65535_is_refused_in_one_line
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert "OTEL_EXPORTER_PROMETHEUS_PORT: 65535 + 1 (one port per worker)" in line
+
+
+def test_a_propagator_not_installed_is_one_line_from_serve_and_no_other_verb_breaks(
+    tmp_path: Path,
+) -> None:
+    # A Zipkin shop's `OTEL_PROPAGATORS=b3` (its package not installed) or a typo
+    # (`tracecontext,bagage`): OpenTelemetry's API raises at the import of
+    # `opentelemetry.propagate`, and every `fallback-mw` command — `--version`,
+    # `routes list` — died in a 25-line traceback. The commands that need no gateway work;
+    # `serve` refuses in one line naming the variable and the fix, exit 2.
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        '[upstreams.primary]\nurl = "http://127.0.0.1:9"\n\n'
+        '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["primary"]\n',
+        encoding="utf-8",
+    )
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
+        "OTEL_PROPAGATORS": "tracecontext,bagage",
+    }
+
+    def fallback_mw(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "fallback_mw", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    version = fallback_mw("--version")
+    assert version.returncode == 0 and version.stdout.startswith("fallback-mw "), version.stderr
+    listed = fallback_mw("routes", "list", "--store", f"sqlite:///{tmp_path / 'g.db'}")
+    assert listed.returncode == 0 and "Traceback" not in listed.stderr, listed.stderr
+    served = fallback_mw("serve", "--config", str(config), "--port", "0")
+    assert served.returncode == 2, served.stderr
+    (line,) = served.stderr.strip().splitlines()
+    assert line.startswith("fallback-mw: error: ") and "OTEL_PROPAGATORS" in line
+    assert "bagage" in line and "opentelemetry-propagator-b3" in line

@@ -10,14 +10,14 @@ import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 
 from opentelemetry import context as otel_context
-from opentelemetry import metrics, propagate, trace
+from opentelemetry import metrics, trace
 from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.propagators.textmap import TextMapPropagator
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
 
-from fallback_mw.config import RouteConfig
+from fallback_mw.config import ConfigError, RouteConfig
 from fallback_mw.extras import package_version
 from fallback_mw.injected import require
 from fallback_mw.request.context import AttemptRecord, RequestContext
@@ -40,6 +40,21 @@ from fallback_mw.telemetry.spans import (
     decision_attributes,
     request_span_attributes,
 )
+
+try:
+    from opentelemetry import propagate
+except ValueError as refused:
+    # OTEL_PROPAGATORS names a propagator that is not installed or is misspelled (`b3`
+    # without its package, `bagage`): the API refuses at import. Importing fallback_mw (and
+    # every `fallback-mw` command) must not die on it in a traceback; a gateway refuses to
+    # start with one line saying so (Telemetry below).
+    _PROPAGATORS_REFUSED: str | None = (
+        f"OTEL_PROPAGATORS: {refused} Install the package that provides it (b3: "
+        "opentelemetry-propagator-b3, jaeger: opentelemetry-propagator-jaeger) or fix the "
+        "name; tracecontext,baggage is the default"
+    )
+else:
+    _PROPAGATORS_REFUSED = None
 
 INSTRUMENTATION_NAME = "fallback_mw"
 REQUEST_SPAN = "gateway.request"
@@ -88,6 +103,8 @@ class Telemetry:
         tracer_provider: trace.TracerProvider | None = None,
         meter_provider: metrics.MeterProvider | None = None,
     ) -> None:
+        if _PROPAGATORS_REFUSED is not None:
+            raise ConfigError(_PROPAGATORS_REFUSED)
         # Checked here, not at the first span: a wrong object failed every request with an
         # AttributeError far from the mistake (or, for a meter provider, this constructor).
         require(
