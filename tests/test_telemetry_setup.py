@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import logging
 import os
 import subprocess
 import sys
@@ -383,3 +384,34 @@ def test_a_propagator_not_installed_is_one_line_from_serve_and_no_other_verb_bre
     (line,) = served.stderr.strip().splitlines()
     assert line.startswith("fallback-mw: error: ") and "OTEL_PROPAGATORS" in line
     assert "bagage" in line and "opentelemetry-propagator-b3" in line
+
+
+def test_otlp_headers_in_the_http_spelling_are_refused_without_echoing_the_key(
+    otel_env: Any, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `OTEL_EXPORTER_OTLP_HEADERS="Authorization: Bearer KEY"` (the HTTP spelling, not the
+    # name=value the variable takes): the SDK logged "Header format invalid! ...:
+    # Authorization: Bearer KEY" once per exporter, the collector's key in serve's stderr,
+    # and exported without the header (every export then refused by the collector).
+    secret = "sk-collector-7d1f0c"
+    for spelling in (f"Authorization: Bearer {secret}", f"api-key={secret};team=x"):
+        otel_env(
+            OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9", OTEL_EXPORTER_OTLP_HEADERS=spelling
+        )
+        with caplog.at_level(logging.DEBUG), pytest.raises(TelemetrySetupError) as refused:
+            configure_opentelemetry(set_global=False)
+        message = str(refused.value)
+        assert message.startswith("OTEL_EXPORTER_OTLP_HEADERS: ") and "name=value" in message
+        assert secret not in message
+        assert secret not in caplog.text and secret not in "".join(capsys.readouterr())
+    # The signal's own variable is the one its exporter reads: a good one there is enough.
+    otel_env(
+        OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9",
+        OTEL_TRACES_EXPORTER="otlp",
+        OTEL_METRICS_EXPORTER="none",
+        OTEL_EXPORTER_OTLP_TRACES_HEADERS=f"authorization=Bearer%20{secret}",
+        OTEL_EXPORTER_OTLP_HEADERS="broken:",
+    )
+    handle = configure_opentelemetry(set_global=False)
+    assert handle.traces == ("otlp",)
+    handle.shutdown()

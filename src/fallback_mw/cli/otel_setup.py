@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import os
 import sys
 import uuid
@@ -199,7 +200,47 @@ def _exporter(signal: str, name: str, environ: Mapping[str, str], out: TextIO) -
         )
     except ImportError as exc:
         raise _missing(f"opentelemetry-exporter-otlp-proto-{transport}") from exc
+    _check_otlp_headers(environ, signal)
     return getattr(found, f"OTLP{kind}Exporter")()
+
+
+class _HeaderComplaints(logging.Filter):
+    """Counts (and drops) the SDK's "Header format invalid!" warnings: they quote the
+    variable's value, the collector's API key with it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.count += 1
+        return False
+
+
+def _check_otlp_headers(environ: Mapping[str, str], signal: str) -> None:
+    """Refuses an OTLP headers variable the exporter cannot read whole. The SDK would log
+    each unreadable entry with its value (`Authorization: Bearer KEY`, the HTTP spelling,
+    is one) to stderr — the collector's key in the gateway's log — and export without it."""
+    from opentelemetry.util.re import parse_env_headers
+
+    for variable in (f"OTEL_EXPORTER_OTLP_{signal.upper()}_HEADERS", "OTEL_EXPORTER_OTLP_HEADERS"):
+        value = environ.get(variable)
+        if value is None:
+            continue
+        complaints = _HeaderComplaints()
+        sdk_logger = logging.getLogger("opentelemetry.util.re")
+        sdk_logger.addFilter(complaints)
+        try:
+            parse_env_headers(value, liberal=True)
+        finally:
+            sdk_logger.removeFilter(complaints)
+        if complaints.count:
+            raise TelemetrySetupError(
+                f"{variable}: not a comma-separated list of name=value pairs (its value is "
+                "not shown): write each header as name=value, URL-encoded, e.g. "
+                "authorization=Bearer%20KEY, not the HTTP spelling `Authorization: Bearer KEY`"
+            )
+        return  # the signal's own variable, when set, is the one the exporter reads
 
 
 def configure_opentelemetry(
