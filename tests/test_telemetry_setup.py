@@ -415,3 +415,24 @@ def test_otlp_headers_in_the_http_spelling_are_refused_without_echoing_the_key(
     handle = configure_opentelemetry(set_global=False)
     assert handle.traces == ("otlp",)
     handle.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("variables", "named"),
+    [
+        ({"OTEL_METRICS_EXEMPLAR_FILTER": "bogus", "OTEL_METRICS_EXPORTER": "console"}, "bogus"),
+        (
+            {"OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT": "abc", "OTEL_TRACES_EXPORTER": "console"},
+            "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT",
+        ),
+    ],
+)
+def test_an_sdk_setting_the_sdk_refuses_is_one_line_not_an_internal_error(
+    otel_env: Any, variables: dict[str, str], named: str
+) -> None:
+    # The providers' own settings raised a bare ValueError, which serve reported as
+    # "unexpected internal error (ValueError); please report it": a typo read as our bug.
+    otel_env(**variables)
+    with pytest.raises(TelemetrySetupError) as refused:
+        configure_opentelemetry(set_global=False)
+    assert named in str(refused.value) and "OpenTelemetry SDK refused" in str(refused.value)

@@ -25,7 +25,7 @@ import logging
 import os
 import sys
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -243,6 +243,17 @@ def _check_otlp_headers(environ: Mapping[str, str], signal: str) -> None:
         return  # the signal's own variable, when set, is the one the exporter reads
 
 
+@contextlib.contextmanager
+def _sdk_settings(which: str) -> Iterator[None]:
+    """A provider's own OTEL_* settings the SDK refuses (`OTEL_METRICS_EXEMPLAR_FILTER=x`,
+    `OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT=abc`): one line with the SDK's words, which name the
+    variable and its (limit or filter) value, not "unexpected internal error"."""
+    try:
+        yield
+    except ValueError as exc:
+        raise TelemetrySetupError(f"{which}: the OpenTelemetry SDK refused it: {exc}") from None
+
+
 def configure_opentelemetry(
     *,
     service_name: str = "fallback-mw",
@@ -298,7 +309,8 @@ def configure_opentelemetry(
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
-        tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=set_global)
+        with _sdk_settings("OTEL_SPAN_*, OTEL_ATTRIBUTE_* or OTEL_TRACES_SAMPLER*"):
+            tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=set_global)
         for name in handle.traces:
             exporter = _exporter("traces", name, environ, stream)
             # Console output is for eyes: show each span as it ends.
@@ -321,9 +333,10 @@ def configure_opentelemetry(
             else PeriodicExportingMetricReader(_exporter("metrics", name, environ, stream))
             for name in handle.metrics
         ]
-        meter_provider = MeterProvider(
-            resource=resource, metric_readers=readers, shutdown_on_exit=set_global
-        )
+        with _sdk_settings("OTEL_METRICS_EXEMPLAR_FILTER or OTEL_ATTRIBUTE_*"):
+            meter_provider = MeterProvider(
+                resource=resource, metric_readers=readers, shutdown_on_exit=set_global
+            )
         handle.meter_provider = meter_provider
         handle._providers.append(meter_provider)
         if set_global:
