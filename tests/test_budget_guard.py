@@ -4,6 +4,7 @@ tmp_path and the real PostgreSQL. Upstreams are real aiohttp servers on 127.0.0.
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
 from decimal import Decimal
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 from aiohttp import web
 
 from fallback_mw import Gateway
+from fallback_mw.cli import main
 from fallback_mw.config import BudgetConfig, RouteConfig
 from fallback_mw.layers.guard import charge
 from fallback_mw.request.context import AttemptRecord, RequestContext
@@ -463,5 +465,50 @@ async def test_the_hold_prices_the_model_a_candidate_rewrites_the_request_to(
                 assert (await client.post("/v1/chat", json=small)).status_code == 200
             assert primary.count == 1
             assert json.loads(primary.received[0].body)["model"] == "gpt-test"
+        finally:
+            await gateway.aclose()
+
+
+async def test_a_stored_budget_this_version_cannot_read_fails_closed_not_a_bare_500(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A budget row another version wrote (a window this one does not know, say during a
+    rolling upgrade) or a hand edit made every request of its routes a bare 500 with a
+    pydantic traceback in the log, `budgets show` an "unexpected internal error", and
+    `budgets set` could not write it again. The guard now fails closed (503
+    budget_unavailable naming the budget and the fix), `budgets show` names the row, and
+    `budgets set --limit` rewrites it."""
+    path = tmp_path / "l.db"
+    store = f"sqlite:///{path}"
+    ledger = open_ledger(store)
+    try:
+        await ledger.set_budget("acme", BudgetConfig(limit=Decimal(1), window="day"))
+    finally:
+        await ledger.aclose()
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE fmw_budgets SET window_kind = 'fortnight'")
+
+    async def cli(*argv: str) -> int:
+        status: int = await anyio.to_thread.run_sync(main, list(argv))
+        return status
+
+    async with upstream(json_handler(OPENAI_JSON)) as primary:
+        gateway = Gateway(host_app, config=gateway_config({"primary": primary.url}, store=store))
+        try:
+            async with client_for(gateway) as client:
+                refused = await client.post("/v1/chat", json={"model": "gpt-test"})
+                assert refused.status_code == 503, refused.text
+                error = refused.json()["error"]
+                assert error["code"] == "budget_unavailable" and "'acme'" in error["message"]
+                assert "cannot read" in error["message"] and "fortnight" not in error["message"]
+                assert primary.count == 0  # fail closed: nothing sent
+                capsys.readouterr()
+                assert await cli("budgets", "show", "--store", store) == 1
+                err = capsys.readouterr().err
+                assert "stored budget 'acme'" in err and "internal error" not in err
+                assert await cli("budgets", "set", "--store", store, "--budget", "acme",
+                                 "--limit", "1") == 0  # fmt: skip
+                served = await client.post("/v1/chat", json={"model": "gpt-test"})
+                assert served.status_code == 200, served.text
         finally:
             await gateway.aclose()

@@ -8,6 +8,7 @@ from __future__ import annotations
 from fallback_mw.budget.ledger import (
     AttemptOutcome,
     BudgetStatus,
+    BudgetUnreadable,
     Hold,
     Ledger,
     LedgerUnavailable,
@@ -23,6 +24,7 @@ from fallback_mw.budget.ledger import (
 __all__ = [
     "AttemptOutcome",
     "BudgetStatus",
+    "BudgetUnreadable",
     "Hold",
     "Ledger",
     "LedgerUnavailable",

@@ -22,6 +22,11 @@ class LedgerUnavailable(Exception):
     """The ledger cannot be reached; the guard fails closed (503 budget_unavailable)."""
 
 
+class BudgetUnreadable(LedgerUnavailable):
+    """A stored budget this version cannot read (a window another version wrote, a row
+    edited by hand): its routes fail closed as if the ledger were unreachable."""
+
+
 @dataclass(frozen=True, slots=True)
 class Hold:
     hold_id: str

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from decimal import Decimal, InvalidOperation
 from typing import Any, TypeVar
 
-from fallback_mw.budget import Ledger, LedgerUnavailable
+from fallback_mw.budget import BudgetUnreadable, Ledger, LedgerUnavailable
 from fallback_mw.budget.cost import format_money
 from fallback_mw.cli.app import Console, Failed, Refused, leaf, run
 from fallback_mw.cli.show import print_table
@@ -129,7 +129,11 @@ def budgets_set(args: argparse.Namespace, console: Console) -> None:
         raise Refused("--budget must be 1..200 printable characters")
 
     async def action(ledger: Ledger, target: StoreTarget) -> BudgetConfig:
-        current = await ledger.stored_budget(budget_id) or target.config.budgets.get(budget_id)
+        try:
+            stored = await ledger.stored_budget(budget_id)
+        except BudgetUnreadable:
+            stored = None  # a row this version cannot read: written anew from what is given
+        current = stored or target.config.budgets.get(budget_id)
         if current is None and limit is None:
             raise Refused(f"budget {budget_id!r} does not exist yet: --limit is required")
         fields: dict[str, Any] = current.model_dump() if current is not None else {}

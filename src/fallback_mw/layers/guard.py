@@ -23,6 +23,7 @@ from typing import Any
 import anyio
 
 from fallback_mw.budget import (
+    BudgetUnreadable,
     Hold,
     Ledger,
     LedgerUnavailable,
@@ -56,7 +57,16 @@ from fallback_mw.tokens import named_values
 logger = logging.getLogger("fallback_mw.budget")
 _MODEL_KEY = ("model",)
 
+
 # Each refusal says what would change it (SPEC §12), never the store's URL.
+def _unreadable_budget(budget_id: str) -> str:
+    return (
+        f"budget {budget_id!r} is stored in a form this gateway cannot read (a window or amount "
+        "another version or a hand edit wrote): refusing (fail closed); `fallback-mw budgets "
+        f"set --budget {budget_id} --limit ...` stores it again in a form every version reads"
+    )
+
+
 _LEDGER_UNREACHABLE = (
     "the budget ledger ([gateway] store) cannot be reached: refusing (fail closed) until it "
     "answers again; a route without a budget is not metered and keeps serving"
@@ -258,6 +268,8 @@ class BudgetGuard:
                 return "budget_unavailable", _undefined(budget_id)
             amount = self._estimate(context, buffered, parsed, budget.default_hold)
             hold = await ledger.hold(budget_id, budget, amount)
+        except BudgetUnreadable:
+            return "budget_unavailable", _unreadable_budget(budget_id)
         except LedgerUnavailable:
             return "budget_unavailable", _LEDGER_UNREACHABLE
         if hold is not None:

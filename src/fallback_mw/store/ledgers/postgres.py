@@ -53,6 +53,7 @@ from fallback_mw.store.ledgers.schema import (
     SchemaTooNew,
     SQLLedgerBase,
     budget_from_row,
+    budgets_from_rows,
     pending_migrations,
     usage_from_row,
     usage_values,
@@ -575,7 +576,7 @@ class PostgresLedger(SQLLedgerBase):
                 "SELECT budget_id, limit_units, window_kind, default_hold_units "
                 "FROM fmw_budgets ORDER BY budget_id"
             )
-            return {row[0]: budget_from_row(row[1], row[2], row[3]) for row in rows}
+            return budgets_from_rows([(row[0], row[1], row[2], row[3]) for row in rows])
 
         return await self._run(work)
 

@@ -13,7 +13,7 @@ from decimal import Decimal
 from typing import TypeGuard
 
 from fallback_mw.budget.cost import from_units, to_units
-from fallback_mw.budget.ledger import AttemptOutcome, Hold, UsageRecord
+from fallback_mw.budget.ledger import AttemptOutcome, BudgetUnreadable, Hold, UsageRecord
 from fallback_mw.config import BudgetConfig
 from fallback_mw.request.context import MAX_NAME
 
@@ -201,11 +201,33 @@ def _read_float(value: object) -> float | None:
 def budget_from_row(
     limit_units: object, window: object, default_hold_units: object
 ) -> BudgetConfig:
-    return BudgetConfig(
-        limit=from_units(_int(limit_units)),
-        window=str(window),
-        default_hold=from_units(_int(default_hold_units)),
-    )
+    try:
+        return BudgetConfig(
+            limit=from_units(_int(limit_units)),
+            window=str(window),
+            default_hold=from_units(_int(default_hold_units)),
+        )
+    except (TypeError, ValueError, ArithmeticError):  # pydantic's ValidationError included
+        # Not this version's row (a window a newer version added, a hand edit): the routes
+        # that spend it refuse (fail closed), never a bare 500 per request. The row's values
+        # are not quoted.
+        raise BudgetUnreadable("a stored budget row this version cannot read") from None
+
+
+def budgets_from_rows(rows: list[tuple[object, object, object, object]]) -> dict[str, BudgetConfig]:
+    """`(budget_id, limit_units, window, default_hold_units)` rows as budgets; an unreadable
+    one is named (its values are not)."""
+    budgets = {}
+    for budget_id, limit_units, window, default_hold_units in rows:
+        try:
+            budgets[str(budget_id)] = budget_from_row(limit_units, window, default_hold_units)
+        except BudgetUnreadable:
+            raise BudgetUnreadable(
+                f"stored budget {str(budget_id)!r} is a row this version cannot read (a window "
+                "or amount another version or a hand edit wrote): `fallback-mw budgets set "
+                "--budget ID --limit ...` stores it again"
+            ) from None
+    return budgets
 
 
 def _int(value: object) -> int:

@@ -52,6 +52,7 @@ from fallback_mw.store.ledgers.schema import (
     SchemaTooNew,
     SQLLedgerBase,
     budget_from_row,
+    budgets_from_rows,
     decode_sqlite_time,
     encode_sqlite_time,
     pending_migrations,
@@ -406,7 +407,7 @@ class SQLiteLedger(SQLLedgerBase):
                 "SELECT budget_id, limit_units, window_kind, default_hold_units "
                 "FROM fmw_budgets ORDER BY budget_id"
             ).fetchall()
-            return {row[0]: budget_from_row(*row[1:]) for row in rows}
+            return budgets_from_rows([(row[0], row[1], row[2], row[3]) for row in rows])
 
         return await self._run(work)
 
