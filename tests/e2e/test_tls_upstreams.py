@@ -48,10 +48,12 @@ def ca_pem(ca: Any, tmp_path: Path) -> str:
 
 
 @asynccontextmanager
-async def https_upstream(ca: Any) -> AsyncIterator[str]:
-    """An aiohttp HTTPS server on 127.0.0.1 with a certificate for `localhost`."""
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert("localhost", "127.0.0.1").configure_cert(context)
+async def https_upstream(ca: Any, context: ssl.SSLContext | None = None) -> AsyncIterator[str]:
+    """An aiohttp HTTPS server on 127.0.0.1 with a certificate for `localhost` (or the
+    server `context` given)."""
+    if context is None:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ca.issue_cert("localhost", "127.0.0.1").configure_cert(context)
 
     async def hello(request: web.Request) -> web.Response:
         return web.Response(text="over tls")

@@ -326,17 +326,8 @@ def error_message(decision: Decision, context: RequestContext) -> str:
                 f"; its answer came in {record.unmaskable}, which the gateway cannot "
                 "read to mask the credential it sent there: refused, never relayed unchecked"
             )
-        elif last == "tls" and record.unverified_certificate:
-            message += (
-                "; the upstream's TLS certificate did not verify: set ca_file (under "
-                "[gateway] or the upstream) to the CA that signed it"
-            )
-        elif last == "tls":
-            message += (
-                "; the TLS handshake with it failed before any certificate was checked: "
-                "check the url's scheme and port (an https:// url for an upstream that "
-                "speaks plain http, or another service's port)"
-            )
+        elif record.failure_detail is not None:
+            message += f"; {record.failure_detail}"
         return f"{message}; {remedy}" if remedy else message
     if decision.error == "deadline_exceeded":
         return _deadline_message(context)

@@ -43,8 +43,8 @@ class AttemptRecord:
     status: int | None = None
     failure_kind: str | None = None  # "transport", "timeout", "status", "fault", ...
     could_not_connect: bool = False  # the engine made no connection (refused, no route, DNS)
-    # A `tls` failure on the certificate (ca_file would change it), not on the handshake.
-    unverified_certificate: bool = False
+    # A `tls` failure: what failed and what would change it (upstream/tls.tls_problem).
+    tls_problem: str | None = None
     fault: str | None = None  # "fail" / "hang" when a game-day fault drove the attempt
     # It waited for a connection slot (`max_connections`) and ended before getting one:
     # nothing was sent (its declared-capacity count is taken back).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import warnings
 from collections.abc import AsyncIterator, Sequence
 from contextvars import ContextVar
@@ -28,7 +29,13 @@ from fallback_mw.upstream.base import (
     check_response_head,
 )
 from fallback_mw.upstream.guard import GuardedResolver, LiteralChecks, UnsafeAddressError
-from fallback_mw.upstream.tls import ssl_context
+from fallback_mw.upstream.tls import (
+    HANDSHAKE_CLOSED,
+    closed_in_handshake,
+    is_certificate_error,
+    ssl_context,
+    tls_problem,
+)
 
 # aiohttp would otherwise add these; the upstream sees only what the gateway decided.
 _SKIP_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
@@ -62,14 +69,10 @@ class _ErrorMap:
         phase = self.phase
         if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
             raise UpstreamError("timeout", phase, f"timed out during {phase}") from exc
-        if isinstance(exc, aiohttp.ClientConnectorCertificateError):
-            raise UpstreamError(
-                "tls", phase, "the upstream's TLS certificate did not verify", certificate=True
-            ) from None
-        if isinstance(exc, aiohttp.ClientSSLError):
-            raise UpstreamError(
-                "tls", phase, "the TLS handshake with the upstream failed"
-            ) from None
+        tls = _tls_failure(exc)
+        if tls is not None:
+            message = "the TLS exchange with the upstream failed"
+            raise UpstreamError("tls", phase, message, tls=tls) from None
         if isinstance(exc, aiohttp.ClientConnectorError):
             if isinstance(exc.os_error, UnsafeAddressError):
                 raise UpstreamError("unsafe_address", phase, str(exc.os_error)) from None
@@ -84,6 +87,28 @@ class _ErrorMap:
             raise UpstreamError("protocol", phase, type(exc).__name__) from None
         if isinstance(exc, aiohttp.ClientError | OSError):
             raise UpstreamError("transport", phase, type(exc).__name__) from None
+
+
+def _tls_failure(exc: Exception) -> str | None:
+    """What failed in the TLS exchange (upstream/tls.tls_problem), None for another error:
+    also an ssl error aiohttp reports as a plain ClientOSError (TLS 1.3 tells a client the
+    server wanted its certificate on the first read, after the handshake), and a reset while
+    connecting an https:// url (the handshake broken off; the httpx engine, on the same
+    server, saw the end of stream as an ssl error: one upstream, one failure kind)."""
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+        return tls_problem(exc.certificate_error) or tls_problem(exc)
+    if isinstance(exc, aiohttp.ClientSSLError):
+        # aiohttp's own ssl error class carries no reason: the one it wraps does.
+        return tls_problem(exc.os_error) or HANDSHAKE_CLOSED
+    if is_certificate_error(exc):
+        return tls_problem(exc) or HANDSHAKE_CLOSED
+    if (
+        isinstance(exc, aiohttp.ClientConnectorError)
+        and isinstance(exc.ssl, ssl.SSLContext)
+        and closed_in_handshake(exc.os_error)
+    ):
+        return HANDSHAKE_CLOSED
+    return None
 
 
 _ERROR_MAPS: dict[str, _ErrorMap] = {

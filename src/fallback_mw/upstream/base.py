@@ -28,14 +28,15 @@ class UpstreamError(Exception):
     message never contains a URL query, header value or body."""
 
     def __init__(
-        self, kind: FailureKind, phase: Phase, message: str = "", *, certificate: bool = False
+        self, kind: FailureKind, phase: Phase, message: str = "", *, tls: str | None = None
     ) -> None:
         super().__init__(message or f"{kind} during {phase}")
         self.kind: FailureKind = kind
         self.phase: Phase = phase
-        # kind "tls": the certificate did not verify (ca_file would change it), not another
-        # handshake failure (a plain-HTTP upstream behind an https:// url, ...).
-        self.certificate = certificate
+        # kind "tls": what failed and what would change it (upstream/tls.tls_problem), for
+        # the local error's message: an untrusted CA (ca_file), an expired certificate or
+        # one for another host (not ca_file), a plain-HTTP upstream behind an https:// url.
+        self.tls = tls
 
     @property
     def telemetry_kind(self) -> str:

@@ -34,7 +34,7 @@ from fallback_mw.upstream.base import (
 )
 from fallback_mw.upstream.guard import LiteralChecks, UnsafeAddressError
 from fallback_mw.upstream.httpx_backend import GuardedNetworkBackend
-from fallback_mw.upstream.tls import is_certificate_error, is_unverified_certificate, ssl_context
+from fallback_mw.upstream.tls import HANDSHAKE_CLOSED, closed_in_handshake, ssl_context, tls_problem
 
 MAX_CONNECTIONS = 512
 
@@ -96,23 +96,35 @@ def map_errors(phase: Phase) -> Iterator[None]:
     except UnsafeAddressError as exc:
         raise UpstreamError("unsafe_address", phase, str(exc)) from None
     except httpx.ConnectError as exc:
-        if is_unverified_certificate(exc):
-            raise UpstreamError(
-                "tls", phase, "the upstream's TLS certificate did not verify", certificate=True
-            ) from None
-        if is_certificate_error(exc):
-            raise UpstreamError(
-                "tls", phase, "the TLS handshake with the upstream failed"
-            ) from None
+        tls = tls_problem(exc)
+        if tls is None and _https(exc) and closed_in_handshake(exc):
+            tls = HANDSHAKE_CLOSED  # reset while connecting an https:// url, as on aiohttp
+        if tls is not None:
+            raise UpstreamError("tls", phase, _TLS_FAILED, tls=tls) from None
         raise UpstreamError("refused", phase, "could not connect") from None
     except _REFUSED_LOCALLY as exc:
         raise UpstreamError("local", phase, type(exc).__name__) from None
     except (httpx.RemoteProtocolError, httpx.DecodingError) as exc:
         raise UpstreamError("protocol", phase, type(exc).__name__) from None
     except (httpx.TransportError, OSError) as exc:
+        # An ssl error after the handshake (TLS 1.3 tells a client the server wanted its
+        # certificate on the first read; httpcore lets that ssl.SSLError through bare).
+        tls = tls_problem(exc)
+        if tls is not None:
+            raise UpstreamError("tls", phase, _TLS_FAILED, tls=tls) from None
         raise UpstreamError("transport", phase, type(exc).__name__) from None
     finally:
         _ENGINE_ACTIVE.reset(token)
+
+
+_TLS_FAILED = "the TLS exchange with the upstream failed"
+
+
+def _https(exc: httpx.RequestError) -> bool:
+    try:
+        return exc.request.url.scheme == "https"
+    except RuntimeError:  # no request attached: say nothing more precise
+        return False
 
 
 def _h11_state(response: httpx.Response) -> h11.Connection | None:
