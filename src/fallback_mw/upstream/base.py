@@ -88,6 +88,8 @@ MAX_LENGTH_DIGITS = 20
 
 # What no server writes in a field value (RFC 9110 §5.5; uvicorn's and h11's own checks).
 _CTL_IN_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+# The ends of a field name only aiohttp's parser lets through (whitespace before the colon).
+_SPACE = frozenset(b" \t")
 
 
 def check_response_head(status: int, headers: Sequence[tuple[bytes, bytes]]) -> None:
@@ -96,9 +98,13 @@ def check_response_head(status: int, headers: Sequence[tuple[bytes, bytes]]) -> 
     framing (Content-Length with Transfer-Encoding, repeated or invalid lengths, a length
     or a chunked body on 204, a length on 205), a transfer coding other than `chunked`
     (`gzip, chunked`: the relay re-frames the body and would hand on coded bytes
-    unlabelled), or a field
+    unlabelled), a field
     value with a control character other than HTAB (the engines accept `\x01` and `\x7f`;
-    uvicorn refuses to write them, after the commit point: an empty reply). Two equal
+    uvicorn refuses to write them, after the commit point: an empty reply), or a field name
+    that is not a token (aiohttp's parser takes `Content-Length : 2` and `Transfer-Encoding
+    : chunked`, space and all, as the name; uvicorn, h11 and httptools alike, refused to
+    write it after the commit point: an empty reply booked as served; h11, on the httpx
+    engine, refuses it). Two equal
     Content-Length fields: aiohttp's parser refuses them, h11 (httpx) merges them before
     this sees them. A length of more than MAX_LENGTH_DIGITS digits (h11's own bound, so
     both engines agree; aiohttp read `000...02` and uvicorn refused to write it after the
@@ -125,6 +131,10 @@ def check_response_head(status: int, headers: Sequence[tuple[bytes, bytes]]) -> 
             lengths.append(value.strip())
         elif lower == b"transfer-encoding":
             codings.extend(c.strip().lower() for c in value.split(b","))
+        elif not lower or lower[-1] in _SPACE:
+            # `Content-Length : 2`: aiohttp's parser reads it (framing included), space and
+            # all in the name; no parser lets another non-token byte into a name.
+            raise UpstreamError("protocol", "first_byte", "a response field cannot be relayed")
     if size > MAX_RESPONSE_HEAD:
         raise UpstreamError("protocol", "first_byte", "the response head is too large to relay")
     if len(lengths) > 1:
