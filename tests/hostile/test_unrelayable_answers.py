@@ -61,6 +61,15 @@ ANSWERS = {
     # these two names, framing and all, with the space in the name, which uvicorn (h11 and
     # httptools) refused to write after the commit point (an empty reply booked as served);
     # h11, on the httpx engine, refuses it.
+    # A chunked body that breaks its framing in the bytes that came with the head: aiohttp's
+    # parser refused it before the head was used (a failover); the httpx engine relayed the
+    # head and aborted the body.
+    "chunk-size-not-hex": b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+    b"zz\r\nhello\r\n0\r\n\r\n",
+    "chunk-without-crlf": b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+    b"2\r\nokXY\r\n0\r\n\r\n",
+    "second-chunk-size-not-hex": b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+    b"2\r\nok\r\nXYZ\r\n",
     "space-before-colon-length": b"HTTP/1.1 200 OK\r\ncontent-length : 2\r\n\r\nok",
     "space-before-colon-coding": b"HTTP/1.1 200 OK\r\ntransfer-encoding : chunked\r\n\r\n"
     b"2\r\nok\r\n0\r\n\r\n",
@@ -212,3 +221,25 @@ async def test_a_blank_line_after_an_answer_is_not_past_its_framing(engine: str)
     assert (result.status_code, result.text) == (200, "ok")
     assert result.headers["x-gateway-attempts"] == "1"
     assert accepted == 1
+
+
+@pytest.mark.parametrize(
+    ("data", "broken"),
+    [
+        (b"", False),
+        (b"5", False),  # a size line not ended yet
+        (b"5;name=value\r\nhel", False),  # a chunk not all here yet
+        (b"5\r\nhello\r", False),
+        (b"5\t\r\nhello\r\n0\r\nx-trailer: 1\r\n\r\n", False),
+        (b"A\r\n0123456789\r\n0\r\n\r\n", False),
+        (b"0\r\n\r\n", False),
+        (b"z", True),
+        (b"zz\r\nhello\r\n", True),
+        (b"5\r\nhelloX", True),
+        (b"5\r\nhello\r\n-1\r\n", True),
+    ],
+)
+def test_the_httpx_engine_reads_chunk_framing_as_h11_does(data: bytes, broken: bool) -> None:
+    from fallback_mw.upstream.httpx_engine import _chunks_break_framing
+
+    assert _chunks_break_framing(data) is broken

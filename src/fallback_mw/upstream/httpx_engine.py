@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import re
 import weakref
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
@@ -17,6 +18,7 @@ try:
     import h11
     import httpcore
     import httpx
+    from h11 import _abnf as h11_abnf
 except ImportError:
     raise missing_extra("httpx", 'engine = "httpx"') from None
 
@@ -175,27 +177,66 @@ def _never_pool_leftovers(response: httpx.Response) -> None:
         state.send_failed()  # not DONE: httpcore closes the connection, never pools it
 
 
+def _chunks_break_framing(data: bytes) -> bool:
+    """Whether chunked body bytes break their framing where h11 will read them (its own
+    chunk-size line rule, and CRLF after each chunk's data); an incomplete end does not."""
+    position = 0
+    while position < len(data):
+        line_end = data.find(b"\r\n", position)
+        if line_end < 0:
+            # h11 waits for the line's end: only what cannot begin a size line breaks it.
+            return _CHUNK_SIZE_START.match(data, position) is None
+        found = _CHUNK_HEADER.fullmatch(data, position, line_end + 2)
+        if found is None:
+            return True
+        size = int(found["chunk_size"], 16)
+        if size == 0:
+            return False  # the last chunk: trailers, read as h11 reads them
+        position = line_end + 2 + size
+        footer = data[position : position + 2]
+        if footer != b"\r\n"[: len(footer)]:
+            return True
+        position += 2
+    return False
+
+
+# h11's own chunk-size line (what its ChunkedReader validates), and how one can begin.
+_CHUNK_HEADER = re.compile(h11_abnf.chunk_header.encode("ascii"))
+_CHUNK_SIZE_START = re.compile(rb"[0-9A-Fa-f]")
+
+
 def _past_its_framing(response: httpx.Response, method: str) -> bool:
     """Whether more bytes came with the response head than its framing allows: a body on
     an answer to HEAD, a 204 or a 304, or more than its Content-Length. Such an answer
     contradicts itself (SPEC §12): relayed, the caller got the first Content-Length bytes
     as a complete answer (aiohttp's parser refuses it before the head is used). Only what
     arrived with the head is seen, as on aiohttp; h11 holds it unparsed until the body is
-    read (its buffer's length is read, not copied). The head passed check_response_head:
-    at most one Content-Length, of at most 20 digits."""
+    read (its buffer's length is read, not copied). A chunked body whose chunks, as far as
+    they came with the head, break their framing (a size line that is not one, data not
+    followed by CRLF) contradicts itself too: aiohttp's parser refused it before the head
+    was used (a failover), where this engine relayed the head and then aborted the body.
+    The head passed check_response_head: at most one Content-Length, of at most 20 digits;
+    a Transfer-Encoding is `chunked`."""
     bodyless = method == "HEAD" or response.status_code in (204, 304)
     declared = None
+    chunked = False
     if not bodyless:
         for name, value in response.headers.raw:
-            if name.lower() == b"content-length":
+            lower = name.lower()
+            if lower == b"content-length":
                 declared = int(value)
                 break
+            if lower == b"transfer-encoding":
+                chunked = True
+                break
         else:
-            return False  # chunked or close-delimited: no length to overrun
+            return False  # close-delimited: no framing to break
     state = _h11_state(response)
     buffered = getattr(state, "_receive_buffer", None)
     if state is None or buffered is None or len(buffered) <= (declared or 0):
         return False
+    if chunked:
+        return _chunks_break_framing(state.trailing_data[0])
     # Blank lines after an answer are tolerated before the next (RFC 9112 §2.2; aiohttp's
     # parser skips them too): only other bytes contradict the framing.
     return bool(state.trailing_data[0][declared or 0 :].strip(b"\r\n"))
@@ -374,7 +415,7 @@ class HttpxClient:
                     check_response_head(response.status_code, response.headers.raw)
                     if _past_its_framing(response, request.method):
                         raise UpstreamError(
-                            "protocol", "first_byte", "bytes past the answer's framing"
+                            "protocol", "first_byte", "the answer breaks its own framing"
                         )
             except UpstreamError:
                 await asyncio.shield(response.aclose())
