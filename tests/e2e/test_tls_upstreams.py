@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import ssl
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -218,6 +219,46 @@ async def test_an_upstream_behind_an_egress_proxy(engine: str, ca: Any, ca_pem: 
     port = tls_url.rsplit(":", 1)[1]
     assert targets[0] == f"CONNECT localhost:{port}"
     assert targets[1].endswith(plain.url.rsplit(":", 1)[1]) and plain.count == 1
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_proxy_that_never_answers_connect_is_the_upstreams_timeout(
+    engine: str, ca: Any, ca_pem: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An egress proxy that accepts the connection and never answers CONNECT: aiohttp had
+    no timer on that answer, so every attempt waited out the walk deadline (a 504, no
+    breaker mark, no time left for the fallback); the httpx engine's first-byte timer ended
+    it. Both now end it at first_byte_timeout_ms, a timeout booked to the upstream, and
+    the backup serves."""
+    caplog.set_level(logging.INFO, logger="fallback_mw.request")
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)  # reads nothing, answers nothing, keeps it open
+
+    proxy = await asyncio.start_server(silent, "127.0.0.1", 0)
+    proxy_url = f"http://127.0.0.1:{proxy.sockets[0].getsockname()[1]}"
+    try:
+        async with (
+            https_upstream(ca) as url,
+            upstream(status_handler(200, b"backup")) as backup,
+        ):
+            conf = config(engine, url, backup.url, ca_file=ca_pem, proxy=proxy_url,
+                          first_byte_timeout_ms=300, connect_timeout_ms=300)  # fmt: skip
+            conf["gateway"]["deadline_ms"] = 20_000
+            started = time.monotonic()
+            response = await get(conf)
+            took = time.monotonic() - started
+    finally:
+        for writer in accepted:
+            writer.close()
+        proxy.close()
+    assert accepted, "the proxy was never reached"
+    assert (response.status_code, response.text) == (200, "backup")
+    assert response.headers["x-gateway-attempts"] == "2"
+    lines = [r.getMessage() for r in caplog.records if r.name == "fallback_mw.request"]
+    assert lines[-1].endswith(" failures=primary:timeout"), lines
+    assert took < 10, took  # the first-byte timeout (0.3 s), not the deadline (20 s)
 
 
 def test_the_allowlist_still_applies_behind_a_proxy() -> None:

@@ -161,6 +161,23 @@ class _Connector(aiohttp.TCPConnector):
             timer.arm()
         return connection
 
+    async def _create_proxy_connection(
+        self,
+        req: aiohttp.ClientRequest,
+        traces: list[Any],
+        timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 (aiohttp's signature)
+    ) -> Any:
+        # aiohttp times the TCP connect to the egress proxy and the TLS handshake through
+        # it, not the proxy's answer to CONNECT: a proxy that accepted and never answered
+        # held every attempt until the walk deadline (a 504, no breaker mark, no time left
+        # for a fallback), where the httpx engine's first-byte timer (armed as the CONNECT
+        # goes out) ended it. The upstream's first-byte timer runs from here, as there;
+        # `connect` re-arms it once the connection is made.
+        timer = _ARM_ON_CONNECT.get()
+        if timer is not None:
+            timer.arm()
+        return await super()._create_proxy_connection(req, traces, timeout)
+
 
 class AiohttpResponse:
     def __init__(
