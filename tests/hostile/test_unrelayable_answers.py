@@ -243,3 +243,25 @@ def test_the_httpx_engine_reads_chunk_framing_as_h11_does(data: bytes, broken: b
     from fallback_mw.upstream.httpx_engine import _chunks_break_framing
 
     assert _chunks_break_framing(data) is broken
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_two_equal_lengths_are_read_as_one_by_httpx_and_refused_by_aiohttp(
+    engine: str,
+) -> None:
+    # RFC 9110 §8.6 lets a recipient take `2, 2` (or the field twice) as one length: h11
+    # does, before the gateway sees the head; aiohttp's parser refuses it. Either way the
+    # caller gets a whole answer, never a cut or doubled one (docs/security.md says which).
+    for data in (
+        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-length: 2\r\n\r\nok",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 2, 2\r\n\r\nok",
+    ):
+        result, _, _ = await run(answer(data), engine)
+        assert isinstance(result, httpx.Response), result
+        if engine == "httpx":
+            assert (result.status_code, result.text) == (200, "ok")
+            assert result.headers["x-gateway-attempts"] == "1"
+            assert result.headers["content-length"] == "2"
+        else:
+            assert (result.status_code, result.text) == (200, "backup")
+            assert result.headers["x-gateway-attempts"] == "2"
