@@ -229,7 +229,8 @@ async def test_a_proxy_that_never_answers_connect_is_the_upstreams_timeout(
     no timer on that answer, so every attempt waited out the walk deadline (a 504, no
     breaker mark, no time left for the fallback); the httpx engine's first-byte timer ended
     it. Both now end it at first_byte_timeout_ms, a timeout booked to the upstream, and
-    the backup serves."""
+    the backup serves. With a streamed body (over replay_buffer) neither engine timed it:
+    the deadline ran out with the body still unsent, the caller's 408 (see below)."""
     caplog.set_level(logging.INFO, logger="fallback_mw.request")
     accepted: list[asyncio.StreamWriter] = []
 
@@ -259,6 +260,44 @@ async def test_a_proxy_that_never_answers_connect_is_the_upstreams_timeout(
     lines = [r.getMessage() for r in caplog.records if r.name == "fallback_mw.request"]
     assert lines[-1].endswith(" failures=primary:timeout"), lines
     assert took < 10, took  # the first-byte timeout (0.3 s), not the deadline (20 s)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_streamed_body_behind_a_proxy_that_never_answers_is_not_the_callers_408(
+    engine: str, ca: Any, ca_pem: str
+) -> None:
+    # The whole body was there; the tunnel never opened, so nothing of it was sent and
+    # the walk deadline ended the request as "the request body did not arrive in time",
+    # 408 booked to the caller, no mark on the upstream. The first-byte timer now runs
+    # while the proxy is asked for the tunnel: the upstream's timeout, a 502.
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)
+
+    proxy = await asyncio.start_server(silent, "127.0.0.1", 0)
+    proxy_url = f"http://127.0.0.1:{proxy.sockets[0].getsockname()[1]}"
+    try:
+        conf = config(engine, "https://localhost:9", ca_file=ca_pem, proxy=proxy_url,
+                      first_byte_timeout_ms=300, connect_timeout_ms=300)  # fmt: skip
+        conf["gateway"].update(deadline_ms=20_000, replay_buffer=1024)
+        conf["routes"][0]["replayable_methods"] = ["GET", "POST"]
+        gateway = Gateway(host_app, config=conf)
+        started = time.monotonic()
+        try:
+            async with client_for(gateway) as client:
+                response = await client.post("/v1/chat", content=b"x" * 4096)
+        finally:
+            await gateway.aclose()
+        took = time.monotonic() - started
+    finally:
+        for writer in accepted:
+            writer.close()
+        proxy.close()
+    error = response.json()["error"]
+    assert (response.status_code, error["code"]) == (502, "upstream_failed"), error
+    assert "last failure: timeout at 'primary'" in error["message"], error["message"]
+    assert took < 10, took
 
 
 def test_the_allowlist_still_applies_behind_a_proxy() -> None:

@@ -128,11 +128,12 @@ def _ascii_target(url: str) -> str:
     return "".join(c if c.isascii() else f"%{ord(c) & 0xFF:02X}" for c in url)
 
 
-# The first-byte timer of the request being sent in this task (a buffered body only): the
-# connector arms it once it has a connection, just before the request head and its body
-# go out (from then on the time is the upstream's). A context variable rather than an
-# aiohttp trace hook: traces cost a handful of signal sends on every request.
-_ARM_ON_CONNECT: ContextVar[FirstByteTimer | None] = ContextVar(
+# The first-byte timer of the request being sent in this task, and whether its body is
+# streamed: for a buffered body the connector arms it once it has a connection, just before
+# the request head and its body go out (from then on the time is the upstream's); an egress
+# proxy's answer to CONNECT is timed by it whatever the body. A context variable rather than
+# an aiohttp trace hook: traces cost a handful of signal sends on every request.
+_ARM_ON_CONNECT: ContextVar[tuple[FirstByteTimer, bool] | None] = ContextVar(
     "fallback_mw_arm_on_connect", default=None
 )
 
@@ -156,9 +157,9 @@ class _Connector(aiohttp.TCPConnector):
                 break
             connection.close()
             connection = await super().connect(req, traces, timeout)
-        timer = _ARM_ON_CONNECT.get()
-        if timer is not None:
-            timer.arm()
+        armed = _ARM_ON_CONNECT.get()
+        if armed is not None and not armed[1]:
+            armed[0].arm()
         return connection
 
     async def _create_proxy_connection(
@@ -172,11 +173,19 @@ class _Connector(aiohttp.TCPConnector):
         # held every attempt until the walk deadline (a 504, no breaker mark, no time left
         # for a fallback), where the httpx engine's first-byte timer (armed as the CONNECT
         # goes out) ended it. The upstream's first-byte timer runs from here, as there;
-        # `connect` re-arms it once the connection is made.
-        timer = _ARM_ON_CONNECT.get()
-        if timer is not None:
-            timer.arm()
-        return await super()._create_proxy_connection(req, traces, timeout)
+        # `connect` re-arms it once the connection is made (a buffered body), or it waits
+        # for the body's first chunk (a streamed one: until the tunnel was up, the body
+        # went nowhere, and the walk deadline ran out as the caller's 408).
+        armed = _ARM_ON_CONNECT.get()
+        if armed is None:
+            return await super()._create_proxy_connection(req, traces, timeout)
+        timer, streamed = armed
+        timer.arm()
+        try:
+            return await super()._create_proxy_connection(req, traces, timeout)
+        finally:
+            if streamed:
+                timer.pause()
 
 
 class AiohttpResponse:
@@ -354,7 +363,7 @@ class AiohttpClient:
             data: Any = _bytes_payload(body) if len(body) > _LARGE_BYTES else (body or None)
         else:
             data = timer.timed_body(body)
-        armed = _ARM_ON_CONNECT.set(None if streamed else timer)
+        armed = _ARM_ON_CONNECT.set((timer, streamed))
         try:
             with map_errors("first_byte"), timer.running():
                 response = await session.request(

@@ -129,6 +129,12 @@ def _https(exc: httpx.RequestError) -> bool:
         return False
 
 
+def _is_connect(info: object) -> bool:
+    """Whether a trace event is about httpcore's CONNECT request to an egress proxy."""
+    request = info.get("request") if isinstance(info, dict) else None
+    return getattr(request, "method", None) == b"CONNECT"
+
+
 def _h11_state(response: httpx.Response) -> h11.Connection | None:
     """The h11 state of the connection an HTTP/1.1 response came on, found through
     httpcore's internals, read defensively: another shape finds nothing."""
@@ -441,8 +447,14 @@ class HttpxClient:
         async def progress(event: str, info: object) -> None:
             # A buffered body follows its head at once: from here on the time is the
             # upstream's (a streamed body arms the timer itself, see FirstByteTimer).
-            if not streamed and ".send_request_headers." in event:
-                timer.arm()
+            if ".send_request_headers." in event:
+                if not streamed or _is_connect(info):
+                    # An egress proxy's answer to CONNECT is the upstream's time too,
+                    # whatever the body (a streamed one waited for it until the walk
+                    # deadline, booked as the caller's 408).
+                    timer.arm()
+            elif streamed and event.endswith("receive_response_headers.complete"):
+                timer.pause()  # the tunnel is up: the body's first chunk arms it again
             elif event.endswith(".response_closed.started") and answer:
                 _never_pool_leftovers(answer[0])
 
