@@ -10,11 +10,14 @@ on httpx. Real TLS servers (Python's ssl, OpenSSL's handshake), certificates fro
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import logging
+import shutil
 import socket
 import ssl
 import struct
+import subprocess
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -169,3 +172,60 @@ async def test_a_handshake_the_upstream_refuses_says_why_the_same_on_both_engine
         message = await failed(engine, url, ca_pem, caplog)
     assert "closed the connection during the TLS handshake" in message, message
     assert "could not connect" not in message and "is running" not in message, message
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_both_engines_offer_alpn_http_1_1(engine: str, ca: Any, ca_pem: str) -> None:
+    # httpcore sets ALPN `http/1.1` on the TLS context as it connects; aiohttp sent no
+    # ALPN with the gateway's context, so an upstream choosing by ALPN saw two clients.
+    chosen: list[str | None] = []
+    context = server_context(ca, "localhost")
+    context.set_alpn_protocols(["h2", "http/1.1"])
+
+    def handle(conn: socket.socket) -> None:
+        with context.wrap_socket(conn, server_side=True) as tls:
+            chosen.append(tls.selected_alpn_protocol())
+            tls.recv(65536)
+            tls.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok")
+
+    with tls_server(handle) as url:
+        response = await get(config(engine, url, ca_file=ca_pem))
+    assert (response.status_code, response.text) == (200, "ok")
+    assert chosen == ["http/1.1"]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_an_upstream_that_speaks_only_h2_is_refused_the_same_on_both_engines(
+    engine: str, ca: Any, ca_pem: str, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    # OpenSSL's own server, accepting ALPN `h2` alone: it refused the httpx engine's
+    # handshake (the message said to check the url's scheme and port) and served the
+    # aiohttp engine, which offered no ALPN. Both are refused now, and told why.
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is not installed")
+    caplog.set_level(logging.INFO, logger="fallback_mw.request")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    leaf = ca.issue_cert("localhost")
+    leaf.cert_chain_pems[0].write_to_path(str(cert))
+    leaf.private_key_pem.write_to_path(str(key))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    arguments = ["s_server", "-accept", f"127.0.0.1:{port}", "-cert", str(cert),
+                 "-key", str(key), "-alpn", "h2", "-www", "-quiet"]  # fmt: skip
+    server = await asyncio.create_subprocess_exec(
+        openssl, *arguments, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        for _ in range(100):
+            with socket.socket() as attempt:
+                if attempt.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            await asyncio.sleep(0.05)
+        message = await failed(engine, f"https://localhost:{port}", ca_pem, caplog)
+    finally:
+        server.terminate()
+        await asyncio.wait_for(server.wait(), 10)
+    assert "no application protocol the gateway speaks" in message, message
+    assert "scheme" not in message, message

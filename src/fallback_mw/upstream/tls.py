@@ -21,10 +21,17 @@ import ssl
 
 @functools.lru_cache(maxsize=64)
 def ssl_context(ca_file: str | None) -> ssl.SSLContext:
-    """The verifying client context for `ca_file` (None: the system's store)."""
+    """The verifying client context for `ca_file` (None: the system's store). Both engines
+    offer ALPN `http/1.1`, the one protocol they speak: httpcore set it on this shared
+    context as it connected and aiohttp sent none, so an upstream that accepts only `h2`
+    refused the httpx engine's handshake and served the aiohttp engine (or not, once the
+    httpx engine had run in the process); it now refuses both, and the message says why."""
     if ca_file is None:
-        return ssl.create_default_context()
-    return ssl.create_default_context(cafile=ca_file)
+        context = ssl.create_default_context()
+    else:
+        context = ssl.create_default_context(cafile=ca_file)
+    context.set_alpn_protocols(["http/1.1"])
+    return context
 
 
 def is_certificate_error(exc: BaseException) -> bool:
@@ -40,6 +47,7 @@ _NOT_TLS = frozenset({"WRONG_VERSION_NUMBER", "HTTP_REQUEST", "PACKET_LENGTH_TOO
                       "RECORD_LAYER_FAILURE"})  # fmt: skip
 _OLD_TLS = frozenset({"TLSV1_ALERT_PROTOCOL_VERSION", "UNSUPPORTED_PROTOCOL",
                       "NO_PROTOCOLS_AVAILABLE", "VERSION_TOO_LOW"})  # fmt: skip
+_NO_PROTOCOL = "TLSV1_ALERT_NO_APPLICATION_PROTOCOL"
 _CLIENT_CERTIFICATE = frozenset({"TLSV13_ALERT_CERTIFICATE_REQUIRED",
                                  "PEER_DID_NOT_RETURN_A_CERTIFICATE"})  # fmt: skip
 _NOT_TLS_HINT = (
@@ -74,6 +82,13 @@ def tls_problem(exc: BaseException) -> str | None:
         return (
             "the upstream offers no TLS version the gateway accepts (TLS 1.2 or later): "
             "upgrade its TLS"
+        )
+    # Python names no reason for this alert: OpenSSL's own text says it.
+    if reason == _NO_PROTOCOL or "alert no application protocol" in str(error):
+        return (
+            "the upstream accepts no application protocol the gateway speaks (ALPN: the "
+            "gateway speaks HTTP/1.1 to upstreams; this one offers only another, such as "
+            "HTTP/2 alone)"
         )
     if reason in _CLIENT_CERTIFICATE:
         return (
