@@ -229,3 +229,28 @@ async def test_an_upstream_that_speaks_only_h2_is_refused_the_same_on_both_engin
         await asyncio.wait_for(server.wait(), 10)
     assert "no application protocol the gateway speaks" in message, message
     assert "scheme" not in message, message
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_host_name_that_does_not_resolve_is_could_not_connect_on_both_engines(
+    engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A typo in an upstream's host: aiohttp said "transport (could not connect)" and to
+    # check each candidate's url; the httpx engine, whose guarded backend resolves the
+    # name itself, let the resolver's error through bare: "transport", nothing more.
+    loop = asyncio.get_running_loop()
+    real = loop.getaddrinfo
+
+    async def getaddrinfo(host: Any, *args: Any, **kwargs: Any) -> Any:
+        if host == "api.typo.example":
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return await real(host, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "getaddrinfo", getaddrinfo)
+    conf = config(engine, "https://api.typo.example")
+    conf["gateway"]["allow_hosts"] = ["api.typo.example", "127.0.0.1"]
+    response = await get(conf)
+    error = response.json()["error"]
+    assert (response.status_code, error["code"]) == (502, "upstream_failed"), error
+    assert "last failure: transport (could not connect)" in error["message"], error
+    assert "check each candidate's url" in error["message"], error

@@ -6,6 +6,7 @@ import asyncio
 import contextvars
 import logging
 import re
+import socket
 import weakref
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
@@ -97,6 +98,11 @@ def map_errors(phase: Phase) -> Iterator[None]:
         raise UpstreamError("timeout", phase, f"timed out during {phase}") from exc
     except UnsafeAddressError as exc:
         raise UpstreamError("unsafe_address", phase, str(exc)) from None
+    except socket.gaierror:
+        # A name that does not resolve (the guarded backend resolves it itself, and httpcore
+        # passes the error on unwrapped): no connection made, as aiohttp says
+        # (ClientConnectorDNSError), and the message points at the url.
+        raise UpstreamError("refused", phase, "could not connect") from None
     except httpx.ConnectError as exc:
         tls = tls_problem(exc)
         if tls is None and _https(exc) and closed_in_handshake(exc):
