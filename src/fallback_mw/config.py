@@ -728,7 +728,12 @@ def check_environment(config: GatewayConfig, environ: Mapping[str, str]) -> None
 
 
 def check_ca_file(where: str, path: str) -> None:
-    """A `ca_file` must be a readable PEM bundle with at least one CA certificate."""
+    """A `ca_file` must be a readable PEM bundle with at least one certificate. Not
+    necessarily a CA's: an upstream's own self-signed certificate, pinned (CA:FALSE, as
+    Go's generate_cert and many appliances write it), is a trust anchor OpenSSL verifies
+    that upstream by; it was refused as "no CA certificate". A certificate that trusts
+    nothing (a leaf another CA signed) fails at the handshake, kind `tls`, whose message
+    says to set the CA that signed it."""
     try:
         context = ssl.create_default_context(cafile=path)
     except FileNotFoundError:
@@ -738,8 +743,8 @@ def check_ca_file(where: str, path: str) -> None:
         raise ConfigError(
             f"{where}: ca_file {path!r} is not a readable PEM bundle ({reason})"
         ) from None
-    if not context.get_ca_certs():
-        raise ConfigError(f"{where}: ca_file {path!r} holds no CA certificate")
+    if not context.cert_store_stats()["x509"]:
+        raise ConfigError(f"{where}: ca_file {path!r} holds no certificate")
 
 
 def validate(

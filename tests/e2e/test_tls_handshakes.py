@@ -254,3 +254,58 @@ async def test_a_host_name_that_does_not_resolve_is_could_not_connect_on_both_en
     assert (response.status_code, error["code"]) == (502, "upstream_failed"), error
     assert "last failure: transport (could not connect)" in error["message"], error
     assert "check each candidate's url" in error["message"], error
+
+
+def self_signed(tmp_path: Path, *, ca: bool) -> tuple[str, str]:
+    """A self-signed certificate for localhost (CA:TRUE or CA:FALSE) and its key."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), False)
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = tmp_path / f"self-{ca}.pem", tmp_path / f"self-{ca}.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return str(cert_path), str(key_path)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_an_upstreams_own_self_signed_certificate_can_be_its_ca_file(
+    engine: str, ca: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A self-signed certificate written CA:FALSE (Go's generate_cert, many appliances) is
+    # the trust anchor OpenSSL verifies it by; the loader refused it as "holds no CA
+    # certificate", so the one way to trust such an upstream was closed. Untrusted, it is
+    # still refused at the handshake.
+    caplog.set_level(logging.INFO, logger="fallback_mw.request")
+    for is_ca in (False, True):
+        cert, key = self_signed(tmp_path, ca=is_ca)
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(cert, key)
+        async with https_upstream(ca, context) as url:
+            trusted = await get(config(engine, url, ca_file=cert))
+            untrusted = await get(config(engine, url))
+        assert (trusted.status_code, trusted.text) == (200, "over tls"), trusted.text
+        assert untrusted.status_code == 502
+        assert "did not verify: set ca_file" in untrusted.json()["error"]["message"]
