@@ -300,6 +300,38 @@ async def test_a_streamed_body_behind_a_proxy_that_never_answers_is_not_the_call
     assert took < 10, took
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_proxy_that_refuses_the_tunnel_is_named_in_the_error(
+    engine: str, ca_pem: str
+) -> None:
+    # A corporate proxy answering CONNECT with 407 or 403: the 502 said "last failure:
+    # transport at 'primary'" and nothing more, on both engines; it names the proxy's
+    # refusal and its status (never its reason text or headers).
+    for status in (407, 403):
+
+        async def refuse(
+            reader: asyncio.StreamReader, writer: asyncio.StreamWriter, status: int = status
+        ) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 %d Refused sk-secret-reason\r\n" % status
+                         + b"content-length: 0\r\n\r\n")  # fmt: skip
+            await writer.drain()
+            writer.close()
+
+        proxy = await asyncio.start_server(refuse, "127.0.0.1", 0)
+        proxy_url = f"http://127.0.0.1:{proxy.sockets[0].getsockname()[1]}"
+        try:
+            response = await get(
+                config(engine, "https://localhost:9", ca_file=ca_pem, proxy=proxy_url)
+            )
+        finally:
+            proxy.close()
+        error = response.json()["error"]
+        assert (response.status_code, error["code"]) == (502, "upstream_failed")
+        assert f"the egress proxy refused the tunnel to it ({status})" in error["message"]
+        assert "sk-secret-reason" not in response.text
+
+
 def test_the_allowlist_still_applies_behind_a_proxy() -> None:
     proxied = {"url": "https://api.example.com", "proxy": "http://127.0.0.1:3128"}
     with pytest.raises(ConfigError, match=r"'api\.example\.com' is not in allow_hosts"):

@@ -229,7 +229,7 @@ class AttemptRunner:
             return self._local_or(Outcome("deadline", fault=record.fault)), None
         except UpstreamError as exc:
             record.could_not_connect = exc.kind == "refused"  # for the local error's message
-            record.tls_problem = exc.tls
+            record.failure_detail = exc.detail
             return self._local_or(engine_outcome(exc.kind, exc.phase, fault=record.fault)), None
         except BodyAborted:
             return self._local_or(Outcome("transport")), None

@@ -43,8 +43,9 @@ class AttemptRecord:
     status: int | None = None
     failure_kind: str | None = None  # "transport", "timeout", "status", "fault", ...
     could_not_connect: bool = False  # the engine made no connection (refused, no route, DNS)
-    # A `tls` failure: what failed and what would change it (upstream/tls.tls_problem).
-    tls_problem: str | None = None
+    # What failed and what would change it, for the local error's message (a `tls`
+    # failure: upstream/tls.tls_problem; an egress proxy that refused the tunnel).
+    failure_detail: str | None = None
     fault: str | None = None  # "fail" / "hang" when a game-day fault drove the attempt
     # It waited for a connection slot (`max_connections`) and ended before getting one:
     # nothing was sent (its declared-capacity count is taken back).

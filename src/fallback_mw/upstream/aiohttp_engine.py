@@ -27,6 +27,7 @@ from fallback_mw.upstream.base import (
     UpstreamRequest,
     check_request_headers,
     check_response_head,
+    proxy_refused,
 )
 from fallback_mw.upstream.guard import GuardedResolver, LiteralChecks, UnsafeAddressError
 from fallback_mw.upstream.tls import (
@@ -72,7 +73,10 @@ class _ErrorMap:
         tls = _tls_failure(exc)
         if tls is not None:
             message = "the TLS exchange with the upstream failed"
-            raise UpstreamError("tls", phase, message, tls=tls) from None
+            raise UpstreamError("tls", phase, message, detail=tls) from None
+        if isinstance(exc, aiohttp.ClientHttpProxyError):
+            refused = proxy_refused(exc.status)
+            raise UpstreamError("transport", phase, refused, detail=refused) from None
         if isinstance(exc, aiohttp.ClientConnectorError):
             if isinstance(exc.os_error, UnsafeAddressError):
                 raise UpstreamError("unsafe_address", phase, str(exc.os_error)) from None

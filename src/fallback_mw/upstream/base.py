@@ -28,21 +28,31 @@ class UpstreamError(Exception):
     message never contains a URL query, header value or body."""
 
     def __init__(
-        self, kind: FailureKind, phase: Phase, message: str = "", *, tls: str | None = None
+        self, kind: FailureKind, phase: Phase, message: str = "", *, detail: str | None = None
     ) -> None:
         super().__init__(message or f"{kind} during {phase}")
         self.kind: FailureKind = kind
         self.phase: Phase = phase
-        # kind "tls": what failed and what would change it (upstream/tls.tls_problem), for
-        # the local error's message: an untrusted CA (ca_file), an expired certificate or
-        # one for another host (not ca_file), a plain-HTTP upstream behind an https:// url.
-        self.tls = tls
+        # What failed and what would change it, a fixed phrase for the local error's
+        # message: for kind "tls" (upstream/tls.tls_problem) an untrusted CA (ca_file), an
+        # expired certificate or one for another host (not ca_file), a plain-HTTP upstream
+        # behind an https:// url; an egress proxy that refused the tunnel.
+        self.detail = detail
 
     @property
     def telemetry_kind(self) -> str:
         # SPEC §9 vocabulary: timeouts are "timeout", a failed TLS handshake "tls",
         # everything else below HTTP "transport".
         return self.kind if self.kind in ("timeout", "tls") else "transport"
+
+
+def proxy_refused(status: int | None) -> str:
+    """The local error's phrase for an egress proxy that answered CONNECT with an error."""
+    answered = f" ({status})" if status is not None else ""
+    return (
+        f"the egress proxy refused the tunnel to it{answered}: check that the proxy allows "
+        "and can reach this host and port (the gateway sends a proxy no credentials)"
+    )
 
 
 def check_request_headers(headers: Sequence[tuple[str, str]]) -> None:

@@ -34,6 +34,7 @@ from fallback_mw.upstream.base import (
     check_request_headers,
     check_response_head,
     encode_request_headers,
+    proxy_refused,
 )
 from fallback_mw.upstream.guard import LiteralChecks, UnsafeAddressError
 from fallback_mw.upstream.httpx_backend import GuardedNetworkBackend
@@ -108,8 +109,14 @@ def map_errors(phase: Phase) -> Iterator[None]:
         if tls is None and _https(exc) and closed_in_handshake(exc):
             tls = HANDSHAKE_CLOSED  # reset while connecting an https:// url, as on aiohttp
         if tls is not None:
-            raise UpstreamError("tls", phase, _TLS_FAILED, tls=tls) from None
+            raise UpstreamError("tls", phase, _TLS_FAILED, detail=tls) from None
         raise UpstreamError("refused", phase, "could not connect") from None
+    except httpx.ProxyError as exc:
+        # httpcore's message: the proxy's status and reason ("407 Proxy Authentication
+        # Required"); only the status is kept.
+        status = str(exc).split(" ", 1)[0]
+        refused = proxy_refused(int(status) if status.isdigit() and len(status) == 3 else None)
+        raise UpstreamError("transport", phase, refused, detail=refused) from None
     except _REFUSED_LOCALLY as exc:
         raise UpstreamError("local", phase, type(exc).__name__) from None
     except (httpx.RemoteProtocolError, httpx.DecodingError) as exc:
@@ -119,7 +126,7 @@ def map_errors(phase: Phase) -> Iterator[None]:
         # certificate on the first read; httpcore lets that ssl.SSLError through bare).
         tls = tls_problem(exc)
         if tls is not None:
-            raise UpstreamError("tls", phase, _TLS_FAILED, tls=tls) from None
+            raise UpstreamError("tls", phase, _TLS_FAILED, detail=tls) from None
         raise UpstreamError("transport", phase, type(exc).__name__) from None
     finally:
         _ENGINE_ACTIVE.reset(token)
