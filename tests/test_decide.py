@@ -167,8 +167,9 @@ CASES: dict[str, list[tuple[Outcome, WalkState, tuple[str, str | None], bool | N
     ],
     # After the commit point the walk is over: the relay aborts (walk/stream.py); no
     # decision is asked for. Covered end to end in test_walker.py.
-    "failure after the commit point (a reset, the upstream's `idle_timeout_ms`, a body that"
-    " breaks its own framing)": [
+    "failure after the commit point (a reset, also of a body that has no `Content-Length` or"
+    " chunked framing and so ends with its connection: only a clean close ends it; the"
+    " upstream's `idle_timeout_ms`, a body that breaks its own framing)": [
         (relay_outcome("transport"), STARTED, ("abort", None), None),
         (relay_outcome("protocol"), STARTED, ("abort", None), None),
         (relay_outcome("timeout"), replace(STARTED, attempts_made=2), ("abort", None), None),
