@@ -30,7 +30,13 @@ from asgiref.sync import iscoroutinefunction
 from django.core.exceptions import ImproperlyConfigured
 from django.core.handlers.asgi import ASGIHandler
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
-from django.test import AsyncClient, AsyncRequestFactory, RequestFactory, override_settings
+from django.test import (
+    AsyncClient,
+    AsyncRequestFactory,
+    Client,
+    RequestFactory,
+    override_settings,
+)
 from django.urls import path
 
 from fallback_mw.django import GatewayAborted, GatewayMiddleware, aclose_gateways
@@ -391,12 +397,41 @@ def test_middleware_is_async_only() -> None:
     assert GatewayMiddleware.sync_capable is False
 
 
+WSGI_CONFIG = {
+    "gateway": {"allow_hosts": ["127.0.0.1"]},
+    "upstreams": {"primary": {"url": "http://127.0.0.1:9", "auth_env": "FMW_DJ_PRIMARY_KEY"}},
+    "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+}
+
+
 @pytest.mark.anyio
 async def test_wsgi_request_is_refused_clearly() -> None:
-    with override_settings(FALLBACK_MW={"config": {}}):
+    with override_settings(FALLBACK_MW={"config": WSGI_CONFIG}):
         middleware = GatewayMiddleware(django_view)
-    with pytest.raises(ImproperlyConfigured, match="ASGI"):
+    with pytest.raises(ImproperlyConfigured, match=r"ASGI.*'/v1/x'.*AsyncClient"):
         await middleware(RequestFactory().get("/v1/x"))
+    # A method no route forwards is still the route's (its 405), so refused the same way.
+    with pytest.raises(ImproperlyConfigured, match="ASGI"):
+        await middleware(RequestFactory().generic("PROPFIND", "/v1/x"))
+
+
+def test_under_wsgi_the_projects_own_pages_still_reach_django() -> None:
+    # runserver, gunicorn on wsgi.py and django.test.Client serve Django over WSGI: every
+    # page of the project was a 500 once the middleware was listed, routed or not.
+    with override_settings(
+        MIDDLEWARE=["fallback_mw.django.GatewayMiddleware"],
+        FALLBACK_MW={"config": WSGI_CONFIG},
+    ):
+        client = Client(raise_request_exception=True)
+        own = client.post("/local/", data=b"kept", content_type="text/plain")
+        assert own.status_code == 200
+        assert own.content == b"django saw: kept"
+        with pytest.raises(ImproperlyConfigured, match="'/v1'"):
+            client.get("/v1")  # the route's too, as under ASGI
+        with pytest.raises(ImproperlyConfigured, match="'/v1/models'"):
+            client.get("/v1/models")
+        with pytest.raises(ImproperlyConfigured, match="ASGI"):
+            client.get("/local/../v1/models")
 
 
 def test_missing_setting_is_improperly_configured() -> None:

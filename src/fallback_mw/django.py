@@ -20,8 +20,9 @@ adapter bridges one Django request to it:
 Limits of the bridge: Django's response headers are a case-insensitive mapping, so a
 repeated upstream header is joined with ", " (each Set-Cookie line is relayed as written);
 a client that leaves (Django cancels the request) reaches the Gateway as `http.disconnect`.
-Under WSGI, wrap nothing: serve Django over ASGI, or put `Gateway(get_asgi_application(),
-config=...)` in asgi.py, which needs no adapter at all.
+Under WSGI (runserver, wsgi.py, django.test.Client) requests no route takes go on to
+Django as usual and a routed one is ImproperlyConfigured: serve Django over ASGI, or put
+`Gateway(get_asgi_application(), config=...)` in asgi.py, which needs no adapter at all.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ try:
     from django.conf import settings
     from django.core.exceptions import ImproperlyConfigured
     from django.http import HttpRequest, HttpResponseBase, StreamingHttpResponse
+    from django.utils.encoding import escape_uri_path
 except ImportError:
     raise missing_extra("django", "fallback_mw.django") from None
 
@@ -49,6 +51,7 @@ from fallback_mw.config import GatewayConfig
 from fallback_mw.gateway import Gateway
 from fallback_mw.request.abort import break_response
 from fallback_mw.request.types import Message, Receive, Scope, Send
+from fallback_mw.routing import routed_path
 
 _EXCHANGE_KEY = "fallback_mw.django.exchange"
 _BODY_CHUNK = 64 * 1024
@@ -190,8 +193,14 @@ class GatewayMiddleware:
     async def __call__(self, request: HttpRequest) -> HttpResponseBase:
         base_scope = getattr(request, "scope", None)
         if not isinstance(base_scope, dict):
+            # WSGI (runserver, gunicorn on wsgi.py, django.test.Client): Django's own pages
+            # still work; only a request a route would take cannot be forwarded from here.
+            if not self._routed(request):
+                return await self.get_response(request)
             raise ImproperlyConfigured(
-                "fallback_mw.django.GatewayMiddleware needs Django served over ASGI (asgi.py)"
+                "fallback_mw.django.GatewayMiddleware needs Django served over ASGI (asgi.py) "
+                f"to forward {request.path!r}: it is a gateway route's, and this request came "
+                "over WSGI (runserver, wsgi.py, django.test.Client; use AsyncClient in tests)"
             )
         # ALLOWED_HOSTS, as Django checks it for its own views (CommonMiddleware calls
         # get_host): a routed request never reached that check, so a Host Django refuses
@@ -224,6 +233,18 @@ class GatewayMiddleware:
                 return await self.get_response(request)
             raise RuntimeError("fallback_mw: the gateway returned without a response")
         return _streaming_response(first, exchange, task, base_scope)
+
+    def _routed(self, request: HttpRequest) -> bool:
+        """Would a route take this request (one without an ASGI scope)? The resolver's
+        decision, on the path below the script name and the tenant header."""
+        resolver = self.gateway.resolver
+        raw_path = escape_uri_path(request.path_info).encode()
+        path = routed_path({"raw_path": raw_path, "path": request.path_info})
+        if path is None:
+            return False
+        tenant = request.headers.get(resolver.tenant_header.decode(), "").strip() or "default"
+        route, refused = resolver.table().resolve(request.method or "GET", path, tenant)
+        return route is not None or refused is not None
 
     async def aclose(self) -> None:
         await self.gateway.aclose()
