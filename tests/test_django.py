@@ -576,3 +576,39 @@ async def test_a_client_gone_is_recorded_as_client_disconnected(
             assert backup.count == 0
         finally:
             await middleware.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_routed_response_a_middleware_above_replaces_does_not_hold_the_gateway(
+    closing: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    # ConditionalGetMiddleware above GatewayMiddleware answers the caller's If-None-Match
+    # with its own 304 and drops the routed response unread: the Gateway waited forever to
+    # hand it the rest (its upstream connection, max_concurrency slot and hold kept).
+    caplog.set_level(logging.INFO, logger="fallback_mw.request")
+    async with (
+        upstream(status_handler(200, b"tagged", ETag='"v1"')) as primary,
+        upstream(status_handler(200, b"backup")) as backup,
+    ):
+        with override_settings(
+            MIDDLEWARE=[
+                "django.middleware.http.ConditionalGetMiddleware",
+                "fallback_mw.django.GatewayMiddleware",
+            ],
+            FALLBACK_MW={"config": gateway_config(primary, backup)},
+        ):
+            app = ASGIHandler()
+        async with client_for(app) as client:
+            response = await client.get("/v1/models", headers={"if-none-match": '"v1"'})
+        assert response.status_code == 304
+        with anyio.fail_after(5):
+            while not any("gateway request" in r.getMessage() for r in caplog.records):  # noqa: ASYNC110
+                await asyncio.sleep(0.02)
+    pending = [
+        task
+        for task in asyncio.all_tasks()
+        if task.get_coro().__qualname__ == "GatewayMiddleware.__call__.<locals>.run"
+    ]
+    assert pending == []
+    (line,) = [r.getMessage() for r in caplog.records if "gateway request" in r.getMessage()]
+    assert "chosen=primary" in line, line

@@ -327,7 +327,30 @@ def _streaming_response(
     # HttpRequest (its repr shows the query) to handlers such as mail_admins.
     response._has_been_logged = True
     _copy_headers(start.get("headers", ()), response)
+    # A middleware listed above this one may answer with a response of its own instead
+    # (ConditionalGetMiddleware's 304, a cache's hit): this one is dropped unread, its
+    # body never started, and the Gateway waited forever to hand it the next message,
+    # holding its upstream connection, its max_concurrency slot and its budget hold.
+    weakref.finalize(response, _abandoned, exchange, task)
     return response
+
+
+_winding_down: set[asyncio.Task[None]] = set()
+
+
+def _abandoned(exchange: _Exchange, task: asyncio.Task[None]) -> None:
+    """The routed response was dropped by Django without being sent to its end: tell the
+    Gateway the client is gone, as when Django stops reading mid-body."""
+    if task.done() or exchange.gone.is_set():
+        return
+
+    def wind_down() -> None:
+        winding = asyncio.ensure_future(exchange.client_gone(task))
+        _winding_down.add(winding)
+        winding.add_done_callback(_winding_down.discard)
+
+    with contextlib.suppress(RuntimeError):  # the loop is closed: nothing runs any more
+        task.get_loop().call_soon_threadsafe(wind_down)
 
 
 class _RelayedCookie(Morsel[str]):
