@@ -26,7 +26,7 @@ if not settings.configured:
     )
     django.setup()
 
-from asgiref.sync import iscoroutinefunction
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.core.exceptions import ImproperlyConfigured
 from django.core.handlers.asgi import ASGIHandler
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
@@ -612,3 +612,58 @@ async def test_a_routed_response_a_middleware_above_replaces_does_not_hold_the_g
     assert pending == []
     (line,) = [r.getMessage() for r in caplog.records if "gateway request" in r.getMessage()]
     assert "chosen=primary" in line, line
+
+
+class TenantFromLogin:
+    """A project's middleware above GatewayMiddleware: the tenant comes from the login,
+    never from the caller (docs/security.md), set the Django way, in request.META."""
+
+    async_capable = True
+    sync_capable = False
+
+    def __init__(self, get_response: Any) -> None:
+        self.get_response = get_response
+        markcoroutinefunction(self)
+
+    async def __call__(self, request: HttpRequest) -> HttpResponseBase:
+        login = request.headers.get("x-login")
+        if login:
+            request.META["HTTP_X_TENANT_ID"] = login
+        else:
+            request.META.pop("HTTP_X_TENANT_ID", None)
+        return await self.get_response(request)  # type: ignore[no-any-return]
+
+
+@pytest.mark.anyio
+async def test_a_tenant_a_middleware_above_sets_in_meta_is_the_one_routed(
+    closing: None,
+) -> None:
+    async with (
+        upstream(status_handler(200, b"acme's upstream")) as acme,
+        upstream(status_handler(200, b"everyone's upstream")) as shared,
+    ):
+        config = gateway_config(acme, shared)
+        config["routes"] = [
+            {"id": "acme", "prefix": "/v1/", "tenant": "acme", "plan": ["primary"]},
+            {"id": "shared", "prefix": "/v1/", "plan": ["backup"]},
+        ]
+        with override_settings(
+            MIDDLEWARE=[f"{__name__}.TenantFromLogin", "fallback_mw.django.GatewayMiddleware"],
+            FALLBACK_MW={"config": config},
+        ):
+            app = ASGIHandler()
+        async with client_for(app) as client:
+            # The caller names tenant acme; its login says otherwise, or there is none.
+            claimed = {"x-tenant-id": "acme", "x_tenant_id": "acme"}
+            guest = await client.get("/v1/models", headers={**claimed, "x-login": "guest"})
+            anonymous = await client.get("/v1/models", headers=claimed)
+            member = await client.get("/v1/models", headers={"x-login": "acme"})
+    assert guest.headers["x-gateway-route"] == "shared", guest.content
+    assert guest.content == b"everyone's upstream"
+    assert anonymous.headers["x-gateway-route"] == "shared", anonymous.content
+    assert member.headers["x-gateway-route"] == "acme"
+    assert member.content == b"acme's upstream"
+    assert len(acme.received) == 1
+    sent = [dict(received.headers) for received in shared.received]
+    assert sent[0]["x-tenant-id"] == "guest"
+    assert "x-tenant-id" not in sent[1] and "x_tenant_id" not in sent[1]

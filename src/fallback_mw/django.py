@@ -52,6 +52,7 @@ from fallback_mw.gateway import Gateway
 from fallback_mw.request.abort import break_response
 from fallback_mw.request.types import Message, Receive, Scope, Send
 from fallback_mw.routing import routed_path
+from fallback_mw.security import canonical_name
 
 _EXCHANGE_KEY = "fallback_mw.django.exchange"
 _BODY_CHUNK = 64 * 1024
@@ -122,6 +123,31 @@ class _Exchange:
             await _cancel(task)  # cancelled again while waiting: never leave it running
 
 
+def _identity_as_django_has_it(
+    headers: Any, request: HttpRequest, identity: tuple[tuple[bytes, str], ...]
+) -> list[tuple[bytes, bytes]] | None:
+    """The request's headers with the tenant and session headers as `request.META` now
+    holds them, or None when they are as the caller sent them. A middleware above this one
+    that authenticates the caller sets (or deletes) `request.META["HTTP_X_TENANT_ID"]`,
+    Django's way to change a request header; the Gateway reads the ASGI scope, where the
+    caller's own value still stood, and routed (and charged) the request to the tenant the
+    caller named."""
+    changed: list[tuple[bytes, str | None]] = []
+    for name, key in identity:
+        # As Django's ASGIRequest fills META: exact names (underscore spellings dropped),
+        # repeated fields joined with ",", latin-1.
+        sent = [value.decode("latin-1") for field, value in headers if field.lower() == name]
+        now = request.META.get(key)
+        if (",".join(sent) if sent else None) != now:
+            changed.append((name, now if isinstance(now, str) else None))
+    if not changed:
+        return None
+    names = {name for name, _ in changed}
+    kept = [(field, value) for field, value in headers if canonical_name(field) not in names]
+    kept += [(name, value.encode()) for name, value in changed if value is not None]
+    return kept
+
+
 def _check_unread(request: HttpRequest) -> None:
     """A routed request's body must still be Django's to read: a middleware listed before
     GatewayMiddleware that read the stream itself (request.POST on a multipart upload, a
@@ -188,6 +214,13 @@ class GatewayMiddleware:
         if self.gateway.config_error is not None:
             # Django builds its middleware when asgi.py is imported: the server stops there.
             raise ImproperlyConfigured(self.gateway.config_error)
+        settings_ = self.gateway.config.gateway
+        # (header name, its request.META key) of the identity headers, which a middleware
+        # above may set from the authenticated user (docs/security.md).
+        self._identity = tuple(
+            (name.encode("latin-1"), "HTTP_" + name.upper().replace("-", "_"))
+            for name in (settings_.tenant_header, settings_.session_header)
+        )
         _live.add(self)
 
     async def __call__(self, request: HttpRequest) -> HttpResponseBase:
@@ -210,6 +243,9 @@ class GatewayMiddleware:
         queue: asyncio.Queue[Message | _End] = asyncio.Queue(maxsize=1)
         exchange = _Exchange(request=request, queue=queue)
         scope = {**base_scope, _EXCHANGE_KEY: exchange}
+        headers = _identity_as_django_has_it(base_scope.get("headers", ()), request, self._identity)
+        if headers is not None:
+            scope["headers"] = headers
 
         async def run() -> None:
             try:
