@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -667,3 +669,22 @@ async def test_a_tenant_a_middleware_above_sets_in_meta_is_the_one_routed(
     sent = [dict(received.headers) for received in shared.received]
     assert sent[0]["x-tenant-id"] == "guest"
     assert "x-tenant-id" not in sent[1] and "x_tenant_id" not in sent[1]
+
+
+def test_a_configuration_that_does_not_load_is_raised_as_configuration_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # docs/configuration.md quotes the ImproperlyConfigured a project meets when its
+    # gateway configuration does not load; it quoted "fallback_mw: ...".
+    monkeypatch.delenv("FMW_DJ_PRIMARY_KEY")
+    with (
+        override_settings(FALLBACK_MW={"config": WSGI_CONFIG}),
+        pytest.raises(ImproperlyConfigured) as raised,
+    ):
+        GatewayMiddleware(django_view)
+    message = str(raised.value)
+    assert "FMW_DJ_PRIMARY_KEY is not set" in message
+    page = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
+    quoted = re.search(r'`ImproperlyConfigured\("([^"]*)\.\.\."\)`', page)
+    assert quoted is not None
+    assert message.startswith(quoted.group(1))

@@ -20,6 +20,7 @@ try:
     # has no ASGI lifespan), which closes its upstream connections at shutdown.
     application = with_lifespan(get_asgi_application())
 except ImproperlyConfigured as exc:
-    # e.g. "fallback_mw: upstream 'primary': environment variable PRIMARY_API_KEY is not set":
+    # e.g. "fallback_mw configuration error: upstream 'primary': environment variable
+    # PRIMARY_API_KEY is not set":
     # one line instead of a traceback.
     raise SystemExit(str(exc)) from None
