@@ -177,6 +177,27 @@ async def test_a_routed_request_meets_allowed_hosts(django_site: Any, closing: N
 
 
 @pytest.mark.anyio
+async def test_allowed_hosts_is_not_checked_for_django_s_own_pages(
+    django_site: Any, closing: None
+) -> None:
+    # The check is the routed requests' (above): a page of the project's own under a Host
+    # outside ALLOWED_HOSTS (a load balancer's health check by IP, in a project without
+    # CommonMiddleware) is Django's to judge, as it was without the gateway.
+    async with upstream(status_handler(200)) as primary, upstream(status_handler(200)) as backup:
+        app = django_site(gateway_config(primary, backup))
+        with override_settings(ALLOWED_HOSTS=["gateway.internal"]):
+            async with client_for(app) as client:
+                own = await client.post("/local/", content=b"probe", headers={"host": "10.0.0.5"})
+                routed = await client.get("/v1/models", headers={"host": "10.0.0.5"})
+                climbing = await client.get("/local/../v1/models", headers={"host": "10.0.0.5"})
+    assert own.status_code == 200
+    assert own.content == b"django saw: probe"
+    assert routed.status_code == 400
+    assert climbing.status_code == 400
+    assert primary.count == 0 and backup.count == 0
+
+
+@pytest.mark.anyio
 async def test_unmatched_requests_reach_django_with_their_body(
     django_site: Any, closing: None
 ) -> None:

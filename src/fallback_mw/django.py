@@ -41,7 +41,7 @@ from fallback_mw.extras import missing_extra
 try:
     from asgiref.sync import iscoroutinefunction, markcoroutinefunction
     from django.conf import settings
-    from django.core.exceptions import ImproperlyConfigured
+    from django.core.exceptions import DisallowedHost, ImproperlyConfigured
     from django.http import HttpRequest, HttpResponseBase, StreamingHttpResponse
     from django.utils.encoding import escape_uri_path
 except ImportError:
@@ -238,8 +238,13 @@ class GatewayMiddleware:
         # ALLOWED_HOSTS, as Django checks it for its own views (CommonMiddleware calls
         # get_host): a routed request never reached that check, so a Host Django refuses
         # (a DNS-rebinding page's) was forwarded with the provider's credential. Raises
-        # DisallowedHost, which Django answers 400 and logs on django.security.
-        request.get_host()
+        # DisallowedHost, which Django answers 400 and logs on django.security. A request
+        # no route can take is Django's own, which checks the host where it always did.
+        try:
+            request.get_host()
+        except DisallowedHost:
+            if self._may_route(base_scope):
+                raise
         queue: asyncio.Queue[Message | _End] = asyncio.Queue(maxsize=1)
         exchange = _Exchange(request=request, queue=queue)
         scope = {**base_scope, _EXCHANGE_KEY: exchange}
@@ -269,6 +274,18 @@ class GatewayMiddleware:
                 return await self.get_response(request)
             raise RuntimeError("fallback_mw: the gateway returned without a response")
         return _streaming_response(first, exchange, task, base_scope)
+
+    def _may_route(self, scope: Scope) -> bool:
+        """Could a route take this request, whatever its method and tenant? (A route's
+        prefix matches the path the resolver routes on.)"""
+        path = routed_path(scope)
+        if path is None:
+            return False  # no route matches it: the resolver hands it to Django
+        return any(
+            path.startswith(route.prefix)
+            or (route.prefix.endswith("/") and path == route.prefix[:-1])
+            for route in self.gateway.resolver.table().routes
+        )
 
     def _routed(self, request: HttpRequest) -> bool:
         """Would a route take this request (one without an ASGI scope)? The resolver's
