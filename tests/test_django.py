@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,8 @@ from django.test import (
 )
 from django.urls import path
 
-from fallback_mw.django import GatewayAborted, GatewayMiddleware, aclose_gateways
+from fallback_mw.django import GatewayAborted, GatewayMiddleware, aclose_gateways, with_lifespan
+from fallback_mw.request.types import Message
 from tests.upstreams import Upstream, status_handler, upstream
 
 PRIMARY_KEY = "dj-primary-secret"
@@ -709,3 +711,44 @@ def test_a_configuration_that_does_not_load_is_raised_as_configuration_says(
     quoted = re.search(r'`ImproperlyConfigured\("([^"]*)\.\.\."\)`', page)
     assert quoted is not None
     assert message.startswith(quoted.group(1))
+
+
+@pytest.mark.anyio
+async def test_with_lifespan_starts_the_gateways_as_a_gateway_lifespan_does(
+    closing: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A Gateway's lifespan startup tries its Redis state at once, so an unusable one is
+    # said at startup; under with_lifespan it was said only at the first routed request.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed = probe.getsockname()[1]  # nothing listens here once the socket closes
+    config = {
+        **WSGI_CONFIG,
+        "gateway": {"allow_hosts": ["127.0.0.1"], "state": f"redis://127.0.0.1:{closed}/0"},
+    }
+    with override_settings(
+        MIDDLEWARE=["fallback_mw.django.GatewayMiddleware"], FALLBACK_MW={"config": config}
+    ):
+        app = with_lifespan(ASGIHandler())
+    messages = [{"type": "lifespan.startup"}]
+    sent: list[Message] = []
+    stop = asyncio.Event()
+
+    async def receive() -> Message:
+        if messages:
+            return messages.pop(0)
+        await stop.wait()
+        return {"type": "lifespan.shutdown"}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(app, {"type": "lifespan"}, receive, send)
+        with anyio.fail_after(5):
+            while not any("unreachable" in r.getMessage() for r in caplog.records):  # noqa: ASYNC110
+                await asyncio.sleep(0.02)
+        stop.set()
+    assert [m["type"] for m in sent] == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
+    (line,) = [r.getMessage() for r in caplog.records if "unreachable" in r.getMessage()]
+    assert f"127.0.0.1:{closed}" in line

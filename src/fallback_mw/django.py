@@ -310,14 +310,23 @@ async def aclose_gateways() -> None:
         await middleware.aclose()
 
 
+def start_gateways() -> None:
+    """Start every live GatewayMiddleware as a Gateway's lifespan startup does: the route
+    store's reloader, and a shared state's first try of Redis, so one it cannot use is
+    said at startup rather than at the first routed request."""
+    for middleware in list(_live):
+        middleware.gateway.services.start()
+
+
 def with_lifespan(application: Any) -> Any:
     """Django's ASGI application, plus the ASGI lifespan protocol Django lacks:
 
         application = with_lifespan(get_asgi_application())   # asgi.py
 
     The server's startup is answered (no "lifespan unsupported" line from uvicorn,
-    hypercorn or granian), and at its shutdown every GatewayMiddleware closes its upstream
-    connections (no "Unclosed client session" when the process ends)."""
+    hypercorn or granian) and starts every GatewayMiddleware as a Gateway's would (an
+    unusable Redis state is said then), and at its shutdown every GatewayMiddleware closes
+    its upstream connections (no "Unclosed client session" when the process ends)."""
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "lifespan":
@@ -326,6 +335,7 @@ def with_lifespan(application: Any) -> Any:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
+                start_gateways()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 await aclose_gateways()
