@@ -134,15 +134,17 @@ def _identity_as_django_has_it(
     caller named."""
     changed: list[tuple[bytes, str | None]] = []
     for name, key in identity:
-        # As Django's ASGIRequest fills META: exact names (underscore spellings dropped),
-        # repeated fields joined with ",", latin-1.
-        sent = [value.decode("latin-1") for field, value in headers if field.lower() == name]
+        # As Django's ASGIRequest fills META: fields whose name has an underscore dropped
+        # (so a configured `x_tenant` is read from `x-tenant` there), repeated fields
+        # joined with ",", latin-1.
+        dashed = name.replace(b"_", b"-")
+        sent = [value.decode("latin-1") for field, value in headers if field.lower() == dashed]
         now = request.META.get(key)
         if (",".join(sent) if sent else None) != now:
             changed.append((name, now if isinstance(now, str) else None))
     if not changed:
         return None
-    names = {name for name, _ in changed}
+    names = {canonical_name(name) for name, _ in changed}  # the caller's, in any spelling
     kept = [(field, value) for field, value in headers if canonical_name(field) not in names]
     kept += [(name, value.encode()) for name, value in changed if value is not None]
     return kept
