@@ -42,6 +42,7 @@ from django.test import (
 )
 from django.urls import path
 
+from fallback_mw import django as adapter
 from fallback_mw.django import GatewayAborted, GatewayMiddleware, aclose_gateways, with_lifespan
 from fallback_mw.request.types import Message
 from tests.upstreams import Upstream, status_handler, upstream
@@ -797,3 +798,23 @@ async def test_an_underscore_tenant_header_django_leaves_out_of_meta_still_route
 
 class UnderscoreTenantFromLogin(TenantFromLogin):
     key = "HTTP_X_TENANT"  # tenant_header = "x_tenant", as Django names it in META
+
+
+def test_under_wsgi_a_route_store_is_not_reopened_per_request(tmp_path: Path) -> None:
+    # Each WSGI request runs the middleware on an event loop of its own: asking the route
+    # table there started the store reloader on that loop (the store opened and read, then
+    # the task cancelled as the loop ended), once per page of the project's own.
+    config = {**WSGI_CONFIG, "gateway": {**WSGI_CONFIG["gateway"]}}
+    config["gateway"]["store"] = f"sqlite:///{tmp_path / 'gateway.db'}"
+    with override_settings(
+        MIDDLEWARE=["fallback_mw.django.GatewayMiddleware"], FALLBACK_MW={"config": config}
+    ):
+        client = Client(raise_request_exception=True)
+        for _ in range(3):
+            assert client.post("/local/", data=b"x", content_type="text/plain").status_code == 200
+        with pytest.raises(ImproperlyConfigured, match="'/v1/models'"):
+            client.get("/v1/models")
+        (middleware,) = [m for m in adapter._live if m.gateway.services.store is not None]
+        runtime = middleware.gateway.services.store
+        assert runtime is not None
+        assert runtime._task is None

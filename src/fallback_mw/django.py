@@ -298,7 +298,11 @@ class GatewayMiddleware:
         if path is None:
             return False
         tenant = request.headers.get(resolver.tenant_header.decode(), "").strip() or "default"
-        route, refused = resolver.table().resolve(request.method or "GET", path, tenant)
+        # Under WSGI each request runs on an event loop of its own (async_to_sync): the
+        # table as it stands, never a store reloader started on a loop about to end.
+        store = self.gateway.services.store
+        table = store.current() if store is not None else resolver.table()
+        route, refused = table.resolve(request.method or "GET", path, tenant)
         return route is not None or refused is not None
 
     async def aclose(self) -> None:

@@ -136,6 +136,11 @@ class StoreRuntime:
         self.ensure_started()
         return self._current
 
+    def current(self) -> RouteTable:
+        """The running table, without starting the reloader (a caller on a throwaway event
+        loop, such as Django's middleware under WSGI, must not start one there)."""
+        return self._current
+
     def routes(self) -> tuple[RouteConfig, ...]:
         """The running routes (file and store), without starting the reloader."""
         return self._current.routes
