@@ -786,8 +786,8 @@ async def test_an_underscore_tenant_header_django_leaves_out_of_meta_still_route
             ],
             FALLBACK_MW={"config": config},
         ):
-            app = ASGIHandler()
-        async with client_for(app) as client:
+            with_login = ASGIHandler()  # both kept: `closing` closes their gateways
+        async with client_for(with_login) as client:
             guest = await client.get("/v1/models", headers={"x_tenant": "acme", "x-login": "guest"})
     assert underscore.headers["x-gateway-route"] == "acme", underscore.content
     assert dashed.headers["x-gateway-route"] == "acme", dashed.content
