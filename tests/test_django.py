@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import re
 import socket
+import warnings
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -818,3 +820,25 @@ def test_under_wsgi_a_route_store_is_not_reopened_per_request(tmp_path: Path) ->
         runtime = middleware.gateway.services.store
         assert runtime is not None
         assert runtime._task is None
+
+
+@pytest.mark.anyio
+async def test_a_django_test_client_dropped_leaves_no_connection_to_the_collector() -> None:
+    # Each django.test.AsyncClient builds Django's middleware, so a GatewayMiddleware of
+    # its own: once the client was dropped, its gateway's open upstream connections went
+    # to the garbage collector ("Unclosed connector", an error in a suite run with
+    # filterwarnings = error), test after test.
+    async with upstream(status_handler(200)) as primary, upstream(status_handler(200)) as backup:
+        with override_settings(
+            MIDDLEWARE=["fallback_mw.django.GatewayMiddleware"],
+            FALLBACK_MW={"config": gateway_config(primary, backup)},
+        ):
+            client = AsyncClient()
+            assert (await client.get("/v1/models")).status_code == 200
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            del client
+            gc.collect()
+            await asyncio.sleep(0.2)  # the gateway closes on this loop
+            gc.collect()
+    assert [str(w.message) for w in caught if w.category is ResourceWarning] == []
