@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
+import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -271,3 +275,53 @@ async def test_a_walker_on_a_gateways_services_leaves_them_open() -> None:
     assert faults.closed == 0
     await gateway.aclose()
     assert faults.closed == 1
+
+
+@pytest.mark.anyio
+async def test_a_gateway_dropped_unclosed_closes_its_connections_on_its_loop() -> None:
+    # An app built per test and served through httpx.ASGITransport runs no lifespan: once
+    # it was dropped, its gateway's kept-alive upstream connections went to the garbage
+    # collector ("Unclosed connector", an error in a suite run with -W error).
+    async with upstream(status_handler(200, b"ok")) as primary:
+        gateway = Gateway(
+            host_app,
+            config={
+                "gateway": {"allow_hosts": ["127.0.0.1"]},
+                "upstreams": {"primary": {"url": primary.url, "auth_env": "DROPPED_KEY"}},
+                "routes": [{"id": "r", "prefix": "/v1/", "plan": ["primary"]}],
+            },
+            environ={"DROPPED_KEY": "k"},
+        )
+        transport = httpx.ASGITransport(app=gateway)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            assert (await client.get("/v1/models")).content == b"ok"
+        services = weakref.ref(gateway.services)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            del gateway, transport, client
+            gc.collect()
+            await asyncio.sleep(0.2)  # the close runs on this loop
+            gc.collect()
+    assert [str(w.message) for w in caught if w.category is ResourceWarning] == []
+    assert services() is None  # closed, then let go: not kept alive by the close
+
+
+@pytest.mark.anyio
+async def test_a_dropped_gateway_leaves_what_it_was_handed_to_its_host() -> None:
+    # Closing at collection is for a gateway's own pieces: a client the host handed it
+    # (perhaps shared with the next gateway a test builds) is closed when the host says.
+    closed: list[str] = []
+
+    class Handed:
+        async def send(self, request: Any) -> Any:
+            raise AssertionError("no request is sent")
+
+        async def aclose(self) -> None:
+            closed.append("client")
+
+    handed = Handed()
+    gateway = Gateway(host_app, config={"gateway": {}}, client=handed)  # type: ignore[arg-type]
+    del gateway
+    gc.collect()
+    await asyncio.sleep(0.05)
+    assert closed == []

@@ -223,12 +223,10 @@ class GatewayMiddleware:
             (name.encode("latin-1"), "HTTP_" + name.upper().replace("-", "_"))
             for name in (settings_.tenant_header, settings_.session_header)
         )
-        _live.add(self)
         # Django builds its middleware once per handler, and django.test's AsyncClient
-        # builds a handler per client: a middleware dropped with its client closes its
-        # gateway's upstream connections on the running loop, rather than leaving them to
-        # the garbage collector ("Unclosed connector", an error under -W error).
-        weakref.finalize(self, _close_dropped, self.gateway).atexit = False
+        # builds a handler per client: a middleware dropped with its client drops its
+        # Gateway, which closes its upstream connections on the running loop.
+        _live.add(self)
 
     async def __call__(self, request: HttpRequest) -> HttpResponseBase:
         base_scope = getattr(request, "scope", None)
@@ -410,18 +408,6 @@ def _streaming_response(
 
 
 _winding_down: set[asyncio.Task[None]] = set()
-
-
-def _close_dropped(gateway: Gateway) -> None:
-    """A GatewayMiddleware was collected: close its gateway on the loop running here (the
-    task holds the gateway until then). No loop running: nothing can close it now."""
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        return
-    closing = loop.create_task(gateway.aclose())
-    _winding_down.add(closing)
-    closing.add_done_callback(_winding_down.discard)
 
 
 def _abandoned(exchange: _Exchange, task: asyncio.Task[None]) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import weakref
 from collections.abc import Mapping
 from typing import Any, Self
 
@@ -84,6 +86,13 @@ class Gateway:
             self.config_error = self._refusal.problem
             return
         services = self.services
+        # A gateway dropped unclosed while its loop runs (an app built per test and served
+        # through httpx.ASGITransport, a django.test.AsyncClient's own middleware) closes
+        # its connections on that loop, rather than leaving them to the garbage collector
+        # ("Unclosed connector", an error under -W error). Once per gateway, and only one
+        # that made all its pieces: what the host handed it is closed when the host says.
+        if client is None and health is None and faults is None and ledger is None:
+            weakref.finalize(self, _close_dropped, services).atexit = False
         walker = PlanWalker(app, config=self.config, services=services, environ=environ)
         injector = CredentialInjector(walker, config=self.config, environ=environ)
         guard = BudgetGuard(
@@ -135,3 +144,19 @@ class Gateway:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+
+_closing: set[asyncio.Task[None]] = set()
+
+
+def _close_dropped(services: Services) -> None:
+    """A Gateway was collected: close its services on the loop running here (the task
+    holds them until then). No loop running: nothing can close them now (a loop that ended
+    closed them already, loops.CloseAtLoopEnd)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    closing = loop.create_task(services.aclose())
+    _closing.add(closing)
+    closing.add_done_callback(_closing.discard)
