@@ -307,6 +307,31 @@ async def test_a_gateway_dropped_unclosed_closes_its_connections_on_its_loop() -
 
 
 @pytest.mark.anyio
+async def test_a_walker_used_alone_dropped_unclosed_closes_its_connections_on_its_loop() -> None:
+    # The same for a PlanWalker used without a Gateway: it builds its own services too.
+    async with upstream(status_handler(200, b"ok")) as primary:
+        conf = {
+            "gateway": {"allow_hosts": ["127.0.0.1"]},
+            "upstreams": {"primary": {"url": primary.url}},
+            "routes": [{"id": "r", "prefix": "/v1/", "plan": ["primary"]}],
+        }
+        walker = PlanWalker(host_app, config=conf)
+        app = RouteResolver(walker, config=conf)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            assert (await client.get("/v1/models")).content == b"ok"
+        services = weakref.ref(walker.services)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            del walker, app, transport, client
+            gc.collect()
+            await asyncio.sleep(0.2)  # the close runs on this loop
+            gc.collect()
+    assert [str(w.message) for w in caught if w.category is ResourceWarning] == []
+    assert services() is None
+
+
+@pytest.mark.anyio
 async def test_a_dropped_gateway_leaves_what_it_was_handed_to_its_host() -> None:
     # Closing at collection is for a gateway's own pieces: a client the host handed it
     # (perhaps shared with the next gateway a test builds) is closed when the host says.

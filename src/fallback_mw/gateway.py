@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-import weakref
 from collections.abc import Mapping
 from typing import Any, Self
 
@@ -22,7 +20,7 @@ from fallback_mw.request.abort import break_response
 from fallback_mw.request.config_refusal import ConfigRefusal
 from fallback_mw.request.context import get_context
 from fallback_mw.request.types import ASGIApp, Receive, Scope, Send
-from fallback_mw.services import Services, build_services
+from fallback_mw.services import Services, build_services, close_when_dropped
 from fallback_mw.telemetry import Telemetry
 from fallback_mw.upstream import UpstreamClient
 
@@ -92,7 +90,7 @@ class Gateway:
         # ("Unclosed connector", an error under -W error). Once per gateway, and only one
         # that made all its pieces: what the host handed it is closed when the host says.
         if client is None and health is None and faults is None and ledger is None:
-            weakref.finalize(self, _close_dropped, services).atexit = False
+            close_when_dropped(self, services)
         walker = PlanWalker(app, config=self.config, services=services, environ=environ)
         injector = CredentialInjector(walker, config=self.config, environ=environ)
         guard = BudgetGuard(
@@ -144,19 +142,3 @@ class Gateway:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
-
-
-_closing: set[asyncio.Task[None]] = set()
-
-
-def _close_dropped(services: Services) -> None:
-    """A Gateway was collected: close its services on the loop running here (the task
-    holds them until then). No loop running: nothing can close them now (a loop that ended
-    closed them already, loops.CloseAtLoopEnd)."""
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        return
-    closing = loop.create_task(services.aclose())
-    _closing.add(closing)
-    closing.add_done_callback(_closing.discard)

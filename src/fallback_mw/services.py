@@ -4,6 +4,7 @@ route table and telemetry. Built once, from the configuration, in Gateway.__init
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -184,3 +185,29 @@ def build_services(
         store=runtime,
         shadows=shadows,
     )
+
+
+_closing: set[asyncio.Task[None]] = set()
+
+
+def close_when_dropped(owner: object, services: Services) -> None:
+    """When `owner` (a Gateway, a PlanWalker used alone) is collected unclosed while an
+    event loop runs (an app built per test and served through httpx.ASGITransport, a
+    django.test.AsyncClient's own middleware), close `services` on that loop rather than
+    leave their connections to the garbage collector ("Unclosed connector", an error under
+    -W error). Only for services the owner built whole: what a host handed it is the
+    host's to close. Once per owner, never per request."""
+    weakref.finalize(owner, _close_dropped, services).atexit = False
+
+
+def _close_dropped(services: Services) -> None:
+    """Close `services` on the loop running here (the task holds them until then). No
+    loop running: nothing can close them now (a loop that ended closed them already,
+    loops.CloseAtLoopEnd)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    closing = loop.create_task(services.aclose())
+    _closing.add(closing)
+    closing.add_done_callback(_closing.discard)

@@ -47,7 +47,7 @@ from fallback_mw.request.context import (
 )
 from fallback_mw.request.local_errors import send_error
 from fallback_mw.request.types import ASGIApp, Receive, Scope, Send
-from fallback_mw.services import Services, build_services
+from fallback_mw.services import Services, build_services, close_when_dropped
 from fallback_mw.shadow import ShadowTraffic, should_shadow
 from fallback_mw.telemetry import Telemetry
 from fallback_mw.upstream.base import UpstreamClient, UpstreamResponse
@@ -94,6 +94,9 @@ class PlanWalker:
             config, client=client, health=health, faults=faults, telemetry=telemetry,
             capacity=capacity, environ=environ,
         )  # fmt: skip
+        built = (services, client, health, faults, capacity)
+        if all(piece is None for piece in built):  # all its own: closed if dropped unclosed
+            close_when_dropped(self, self.services)
         self.client: UpstreamClient = self.services.client
         self.health: HealthState = self.services.health
         self.faults: FaultSource = self.services.faults
