@@ -1503,3 +1503,74 @@ async def test_the_log_line_names_its_trace_when_the_request_was_traced(
     assert re.fullmatch(r"[0-9a-f]{32}", own) and own != TRACE_ID
     assert "trace_id=" not in lines[3], lines[3]
     assert request_logs(caplog)[3].__dict__["trace_id"] is None
+
+
+RELOADS_WITHOUT_AN_SDK = """
+import asyncio, sys, tracemalloc
+from opentelemetry import metrics
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from fallback_mw import Gateway
+from fallback_mw.store.routes import open_store
+
+async def app(scope, receive, send):
+    pass
+
+config = {
+    "gateway": {"allow_hosts": ["127.0.0.1"], "store": sys.argv[1]},
+    "upstreams": {"primary": {"url": "http://127.0.0.1:9"}, "backup": {"url": "http://127.0.0.1:10"}},
+    "routes": [{"id": f"r{n}", "prefix": f"/r{n}/", "plan": ["primary", "backup"], "retries": 1}
+               for n in range(10)],
+}
+gateway = Gateway(app, config=config)  # no SDK installed (serve without OTEL_* variables)
+runtime = gateway.services.store
+
+async def reload(times):
+    store = open_store(sys.argv[1])
+    try:
+        for _ in range(times):
+            runtime._serials = (None, None)  # as if `routes ...` had changed the store
+            await runtime.refresh(store)
+    finally:
+        await store.aclose()
+
+tracemalloc.start()
+only = [tracemalloc.Filter(True, "*fallback_mw/telemetry/*")]
+asyncio.run(reload(20))
+after_20 = tracemalloc.take_snapshot().filter_traces(only)
+asyncio.run(reload(400))
+after_420 = tracemalloc.take_snapshot().filter_traces(only)
+growth = sum(s.size_diff for s in after_420.compare_to(after_20, "filename"))
+print("growth", growth)
+reader = InMemoryMetricReader()
+metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+for rm in reader.get_metrics_data().resource_metrics:
+    for sm in rm.scope_metrics:
+        for m in sm.metrics:
+            if m.name == "gateway.fallbacks":
+                print(m.name, sorted((p.attributes["gateway.route.id"], p.value)
+                                     for p in m.data.data_points))
+asyncio.run(gateway.aclose())
+"""
+
+
+def test_store_reloads_without_an_sdk_keep_each_zero_series_once(tmp_path: Path) -> None:
+    """A gateway under `serve` with a store and no OTEL_* variables (no metrics SDK ever
+    installed) grew by some 55 KB per store reload for ten routes (RSS from 64 to 71 MiB
+    after 120 reloads): each reload queued every route's zero series again, to be added at
+    a first collection that never came. Each series is queued once, however many reloads
+    name it, and still exported at 0 once an SDK is installed."""
+    import subprocess
+    import sys
+
+    store = f"sqlite:///{tmp_path / 'gateway.db'}"
+    done = subprocess.run(
+        [sys.executable, "-W", "error", "-c", RELOADS_WITHOUT_AN_SDK, store],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    growth_line, fallbacks = done.stdout.splitlines()
+    assert int(growth_line.split()[1]) < 20_000, growth_line  # 400 reloads: some 28 MB before
+    assert fallbacks == "gateway.fallbacks " + str(sorted((f"r{n}", 0) for n in range(10)))

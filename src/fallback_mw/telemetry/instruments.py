@@ -23,6 +23,10 @@ DURATION_BUCKETS = (
 )  # fmt: skip
 
 
+_SeriesKey = tuple[int, tuple[tuple[str, AttributeValue], ...]]  # (the counter's id, attributes)
+_Series = tuple[metrics.Counter, dict[str, AttributeValue]]
+
+
 def never_idle() -> bool:
     return False
 
@@ -62,8 +66,10 @@ class Instruments:
         # True while the recordings go nowhere (no SDK installed yet): the per-request
         # recordings then skip building their attributes.
         self.idle = idle
-        # Series exported at 0 while no SDK was installed (`at_zero`).
-        self._zeros: list[tuple[metrics.Counter, dict[str, AttributeValue]]] = []
+        # Series exported at 0 while no SDK was installed (`at_zero`), to be added again at
+        # the first collection: each series once, however many store reloads named it (a
+        # gateway reloading for weeks with no SDK ever installed kept every reload's).
+        self._zeros: dict[_SeriesKey, _Series] = {}
         self.requests = Tally(
             meter.create_counter(
                 "gateway.requests", unit="{request}", description="Routed requests, by outcome"
@@ -190,7 +196,7 @@ class Instruments:
         if self.idle():
             # The API's proxy drops what is added before an SDK is installed (a host app may
             # install it after building the gateway): added again at the first collection.
-            self._zeros.append((counter, attributes))
+            self._zeros[(id(counter), tuple(attributes.items()))] = (counter, attributes)
 
     def attempt(self, context: RequestContext, record: AttemptRecord, kind: str | None) -> None:
         if self.idle():
@@ -251,8 +257,8 @@ class Instruments:
     def flush(self) -> None:
         """Add the counts waiting in the tallies to their counters (before a collection)."""
         if self._zeros and not self.idle():
-            zeros, self._zeros = self._zeros, []
-            for counter, attributes in zeros:
+            zeros, self._zeros = self._zeros, {}
+            for counter, attributes in zeros.values():
                 counter.add(0, attributes)
         for tally in (self.requests, self.attempts, self.fallbacks):
             tally.flush()
