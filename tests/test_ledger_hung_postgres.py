@@ -13,10 +13,13 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
+from fallback_mw import Gateway
 from fallback_mw.budget.ledger import LedgerUnavailable
 from fallback_mw.config import BudgetConfig
 from fallback_mw.store.ledgers.postgres import PostgresLedger
+from tests.helpers import client_for
 from tests.tcp_proxy import tcp_proxy
+from tests.upstreams import host_app, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
 
@@ -60,3 +63,66 @@ async def test_a_hung_database_refuses_every_caller_within_the_timeout(pg_url: s
                 raise AssertionError("the ledger did not recover")
         finally:
             await ledger.aclose()
+
+
+async def test_a_database_pause_under_load_leaves_no_unretrieved_task_error(pg_url: str) -> None:
+    """A platform team's log, during a 7 s PostgreSQL pause under load, had asyncio's
+    `ERROR Task exception was never retrieved` with a driver traceback, 23 times: a ledger
+    call whose timeout (or caller) was cancelled while asyncpg released its connection (the
+    connection's reset, in a shielded task of asyncpg's) left that task's error, the reset
+    timing out on the hung database, to nobody. The ledger's pool reads it; budgeted routes
+    refuse during the pause and serve again after it, as before."""
+    import gc
+
+    reported: list[str] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, context: reported.append(str(context["message"])))
+    parts = urlsplit(pg_url)
+    timeout = 0.5
+    answer = b'{"usage": {"prompt_tokens": 1, "completion_tokens": 1}}'
+    try:
+        async with (
+            tcp_proxy(parts.hostname or "127.0.0.1", parts.port or 5432) as proxy,
+            upstream(status_handler(200, answer)) as up,
+        ):
+            netloc = f"127.0.0.1:{proxy.port}"
+            netloc = f"{parts.username}@{netloc}" if parts.username else netloc
+            url = urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+            ledger = PostgresLedger(url, timeout=timeout, retry_interval=0.2)
+            config = {
+                "gateway": {"allow_hosts": ["127.0.0.1"]},
+                "upstreams": {"p": {"url": up.url}},
+                "routes": [{"id": "b", "prefix": "/b/", "plan": ["p"], "budget": "acme"}],
+                "budgets": {"acme": {"limit": "0.05", "window": "total", "default_hold": "0.01"}},
+            }
+            gateway = Gateway(host_app, config=config, ledger=ledger)
+            statuses: list[int] = []
+            stop = time.monotonic() + 12 * timeout
+
+            async def caller() -> None:
+                async with client_for(gateway) as client:
+                    while time.monotonic() < stop:
+                        statuses.append((await client.get("/b/x")).status_code)
+
+            async def pauses() -> None:
+                await asyncio.sleep(timeout)
+                for _ in range(2):
+                    proxy.pause()
+                    await asyncio.sleep(1.4 * timeout)
+                    proxy.resume()
+                    await asyncio.sleep(timeout)
+
+            try:
+                await asyncio.gather(pauses(), *(caller() for _ in range(16)))
+                async with client_for(gateway) as client:
+                    after = (await client.get("/b/x")).status_code
+            finally:
+                await gateway.aclose()
+        gc.collect()
+        await asyncio.sleep(0.1)
+        gc.collect()
+    finally:
+        loop.set_exception_handler(None)
+    assert 503 in statuses  # budget_unavailable while paused
+    assert after in (200, 402)  # the ledger answers again
+    assert "Task exception was never retrieved" not in reported, reported

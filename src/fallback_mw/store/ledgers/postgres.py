@@ -271,12 +271,18 @@ class PostgresLedger(SQLLedgerBase):
             return self._pool
         async with self._opening:
             if self._pool is None:
-                pool = await asyncpg.create_pool(
+                pool = await _ReleasingPool(
                     self.dsn,
                     min_size=self.min_size,
                     max_size=self.max_size,
                     timeout=self.timeout,
                     command_timeout=self.timeout,
+                    # asyncpg.create_pool's defaults (it builds its Pool with these).
+                    max_queries=50000,
+                    max_inactive_connection_lifetime=300.0,
+                    loop=None,
+                    connection_class=asyncpg.Connection,
+                    record_class=asyncpg.Record,
                 )
                 try:
                     async with pool.acquire() as conn:
@@ -679,6 +685,30 @@ class PostgresLedger(SQLLedgerBase):
         self._closes_with(None)
         if pool is not None:
             await pool.close()
+
+
+class _ReleasingPool(asyncpg.Pool):
+    """asyncpg's pool, whose release of a connection reads its own error. asyncpg runs the
+    release (the connection's reset) in a shielded task: when `_run`'s timeout (or a
+    caller's cancellation) ended the wait for it and the reset then failed on a database
+    that hangs, nobody read that error and asyncio logged `ERROR Task exception was never
+    retrieved` with a driver traceback, once per pooled connection a pause caught. The
+    connection is still terminated and the holder given back, as asyncpg does."""
+
+    async def release(
+        self,
+        connection: asyncpg.pool.PoolConnectionProxy[Any],
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 (asyncpg's signature)
+    ) -> None:
+        release = asyncio.ensure_future(super().release(connection, timeout=timeout))
+        release.add_done_callback(_read_release_error)
+        await asyncio.shield(release)
+
+
+def _read_release_error(release: asyncio.Future[None]) -> None:
+    if not release.cancelled() and release.exception() is not None:
+        logger.debug("a pooled connection's reset failed: it is closed")
 
 
 def _batch_work(batch: list[_Pending]) -> Callable[[asyncpg.Pool], Awaitable[str | None]]:
