@@ -195,6 +195,12 @@ async def peek_quota(response: _Response, *, limit: int = PEEK_LIMIT) -> PeekedR
             size += len(chunk)
     except Exception as exc:  # the engine's error, raised again when relayed
         error = exc
+    except BaseException:
+        # Cancelled (the caller hung up, the deadline, a lost hedge): nobody will relay or
+        # close this answer, so it is closed here. Dropped open, an httpx connection stayed
+        # in the pool for good.
+        await response.aclose()
+        raise
     prefix = b"".join(chunks)
     verdict = quota_reset(response.headers, _readable(response.headers, prefix, limit))
     return PeekedResponse(response, prefix, None if ended else rest, error, verdict)
