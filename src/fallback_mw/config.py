@@ -444,6 +444,11 @@ class RouteConfig(_Strict):
             )
         return value
 
+    @field_validator("budget")
+    @classmethod
+    def _budget(cls, value: str | None) -> str | None:
+        return None if value is None else budget_id(value)
+
     @field_validator("methods", "replayable_methods")
     @classmethod
     def _upper(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
@@ -509,6 +514,21 @@ class RouteConfig(_Strict):
         return DEFAULT_METHODS if self.methods is None else self.methods
 
 
+MAX_BUDGET_ID = 200
+
+
+def budget_id(value: str) -> str:
+    """A budget id, as `budgets set --budget` takes one: 1..200 printable characters. It
+    reaches log lines, error bodies and `check` / `budgets show` output, so a line break or
+    an escape sequence in it (a hand-written store record's route) must never get that far."""
+    if not value or len(value) > MAX_BUDGET_ID or not value.isprintable():
+        raise ValueError(
+            f"budget id {value[:80]!r} is not allowed: 1..{MAX_BUDGET_ID} printable "
+            "characters (no line break, tab or other control character)"
+        )
+    return value
+
+
 class BudgetConfig(_Strict):
     limit: Decimal = Field(ge=0, le=MAX_MONEY)
     window: Literal["day", "month", "total"] = "month"
@@ -535,6 +555,13 @@ class GatewayConfig(_Strict):
     routes: tuple[RouteConfig, ...] = ()
     budgets: dict[str, BudgetConfig] = {}
     prices: dict[str, PriceConfig] = {}
+
+    @field_validator("budgets")
+    @classmethod
+    def _budget_ids(cls, value: dict[str, BudgetConfig]) -> dict[str, BudgetConfig]:
+        for name in value:
+            budget_id(name)
+        return value
 
 
 _TABLES: tuple[tuple[str, type[BaseModel]], ...] = (

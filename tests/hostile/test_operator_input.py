@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import sqlite3
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ from fallback_mw import Gateway
 from fallback_mw.cli import main
 from fallback_mw.config import ConfigError, load_config
 from fallback_mw.security import DEFAULT_STRIP_QUERY_KEYS, canonical_query_key, strip_query_keys
+from fallback_mw.store.model import StoredRoute
 from tests.helpers import client_for
 from tests.upstreams import host_app, status_handler, upstream
 
@@ -126,6 +128,39 @@ def test_faults_list_never_writes_a_stored_rows_terminal_controls(tmp_path: Path
     status = main(clear, stdout=io.StringIO(), stderr=err)
     assert status == 0 and "still active: fa?[31mil upstream" in err.getvalue()
     assert not any(c in err.getvalue() for c in "\x1b\t") and err.getvalue().count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "bad", ["acme\nERROR fallback_mw.request forged", "a\x1b[2J", "", "b" * 201]
+)
+def test_a_budget_id_the_cli_refuses_is_refused_in_the_file_and_in_a_store_record(
+    bad: str,
+) -> None:
+    # `budgets set --budget` takes 1..200 printable characters; the file and a stored
+    # route took anything, and a line break in a route's budget reached the log line the
+    # guard writes for an unknown budget as a forged line of its own.
+    data = base(store="sqlite:///gateway.db")
+    data["routes"][0]["budget"] = bad
+    assert "budget id" in refused(data) and "routes['chat'].budget" in refused(data)
+    data = base()
+    data["budgets"] = {bad: {"limit": 1}}
+    assert "budget id" in refused(data)
+    doc = json.dumps(
+        {"route": {"id": "evil", "prefix": "/e/", "plan": ["evil-p"], "budget": bad},
+         "upstreams": {"evil-p": {"url": "http://127.0.0.1:1"}}}
+    )  # fmt: skip
+    with pytest.raises(ConfigError) as caught:
+        StoredRoute.from_doc("evil", doc)
+    message = str(caught.value)
+    assert "budget id" in message and "routes remove --id evil" in message
+    assert "\n" not in message and "\x1b" not in message
+
+
+def test_printable_budget_ids_load() -> None:
+    data = base()
+    data["budgets"] = {"team a/ü": {"limit": 1}}
+    data["routes"][0]["budget"] = "team a/ü"
+    assert load_config(data, check_env=False).routes[0].budget == "team a/ü"
 
 
 @pytest.mark.parametrize(
