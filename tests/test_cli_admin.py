@@ -905,3 +905,31 @@ def test_an_allowlist_refusal_under_store_alone_says_to_pass_the_config(
     other = ["--id", "ob", "--prefix", "/ob/", "--upstream", "https://other.example.com"]
     status, _, err = run_cli("routes", "add", *other, "--config", str(config))
     assert status == 2 and "not in allow_hosts" in err and "--config FILE" not in err, err
+
+
+def test_a_record_holding_another_routes_id_is_refused_by_its_own_id(store_url: str) -> None:
+    # A record written by hand under row 'a' whose route is 'x' was served as 'x': `routes
+    # list` showed x, `routes remove --id x` answered "no route 'x' in the store", and two
+    # such records were refused as "route 'x' is defined both in the config file and in
+    # the store" with no route x in any file. Now each is refused by the id it is stored
+    # under, with the command that takes it out.
+    add = ["routes", "add", "--store", store_url, "--id", "seed", "--prefix", "/s/"]
+    assert run_cli(*add, "--upstream", "http://127.0.0.1:9005")[0] == 0
+    path = store_url.removeprefix("sqlite:///")
+    with sqlite3.connect(path) as conn:
+        for row, prefix in (("a", "/e/"), ("b", "/f/")):
+            doc = (
+                '{"route": {"id": "x", "plan": ["' + row + '-p"], "prefix": "' + prefix + '"},'
+                ' "upstreams": {"' + row + '-p": {"url": "http://127.0.0.1:9006"}}}'
+            )
+            conn.execute("INSERT INTO fmw_routes VALUES (?, ?, 0)", (row, doc))
+    status, out, err = run_cli("routes", "list", "--store", store_url)
+    assert (
+        status == 0 and out == "seed\tstore\t/s/\tretries=0\tseed-primary=http://127.0.0.1:9005\n"
+    )
+    assert "stored route 'a': its record holds route 'x', not 'a'" in err
+    assert "`fallback-mw routes remove --id b` takes it out" in err
+    assert "config file" not in err
+    assert run_cli("routes", "remove", "--store", store_url, "--id", "a")[0] == 0
+    assert run_cli("routes", "remove", "--store", store_url, "--id", "b")[0] == 0
+    assert run_cli("routes", "list", "--store", store_url)[2] == ""

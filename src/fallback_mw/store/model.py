@@ -101,6 +101,14 @@ class StoredRoute:
         except (ValueError, TypeError) as exc:  # ConfigError included: said with the repair
             reason = str(exc) if isinstance(exc, ConfigError) else f"{where}: unreadable record"
             raise ConfigError(f"{reason}{_remove_hint(route_id)}") from None
+        if route.id != route_id:
+            # Written by hand (the admin verbs key each record by its route's id): the
+            # gateways would serve it as route.id, which `routes remove` / `set` cannot
+            # find, and two such records would be one id "in the file and in the store".
+            raise ConfigError(
+                f"{where}: its record holds route {route.id!r}, not {route_id!r}"
+                f"{_remove_hint(route_id)}"
+            )
         return cls(route=route, upstreams=upstreams, doc=text)
 
 
