@@ -14,7 +14,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from fallback_mw import Gateway
-from fallback_mw.config import BreakerConfig
+from fallback_mw.config import BreakerConfig, ConfigError, load_config
 from fallback_mw.health import Admission
 from fallback_mw.health.redis import RedisHealth
 from fallback_mw.store_url import split_state_url
@@ -483,3 +483,28 @@ async def test_a_process_that_starts_while_the_shared_breaker_is_open_reports_it
         finally:
             for provider in providers:
                 provider.shutdown()
+
+
+@pytest.mark.anyio
+async def test_the_longest_cooldown_the_loader_takes_is_kept_in_redis(redis_url: str) -> None:
+    # max_cooldown_ms = 1e20 loaded, and every breaker script then failed in Redis ("value
+    # is not an integer or out of range": the key's PEXPIRE): each process logged Redis
+    # "unreachable" and kept breakers of its own. Now the loader stops at 31 days, and a
+    # breaker opened for that long is shared.
+    for key in ("cooldown_ms", "max_cooldown_ms"):
+        with pytest.raises(ConfigError, match=f"gateway.breaker.{key}: must be at most"):
+            load_config({"gateway": {"breaker": {key: 10**20}}})
+    longest = load_config(
+        {"gateway": {"breaker": {**BREAKER, "cooldown_ms": 31 * 86_400_000,
+                                 "max_cooldown_ms": 31 * 86_400_000}}}
+    ).gateway.breaker  # fmt: skip
+    health = RedisHealth(redis_url, longest)
+    other = RedisHealth(redis_url, longest)
+    try:
+        for _ in range(3):
+            await health.record("u", failure=True)
+        assert await health.unusable() is None
+        assert not await other.admit("u")  # the open breaker is the shared one
+    finally:
+        await health.aclose()
+        await other.aclose()

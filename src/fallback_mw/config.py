@@ -80,12 +80,18 @@ class _Strict(BaseModel):
         raise PydanticCustomError(kind, "wrong type")
 
 
+# A breaker's open period at most: 31 days, as `quota_retire_ms`. A Redis `state` keeps
+# each breaker for twice its longest cooldown, which must be a valid PEXPIRE: a cooldown of
+# 1e20 ms was taken, and every breaker update failed as "Redis unreachable".
+MAX_COOLDOWN_MS = 31 * 86_400_000
+
+
 class BreakerConfig(_Strict):
     window: int = Field(20, ge=1, le=10_000)
     min_calls: int = Field(5, ge=1)
     failure_rate: float = Field(0.5, gt=0.0, le=1.0)
-    cooldown_ms: int = Field(5000, ge=1)
-    max_cooldown_ms: int = Field(300_000, ge=1)
+    cooldown_ms: int = Field(5000, ge=1, le=MAX_COOLDOWN_MS)
+    max_cooldown_ms: int = Field(300_000, ge=1, le=MAX_COOLDOWN_MS)
 
 
 class RepeatAllowanceConfig(_Strict):
