@@ -135,10 +135,17 @@ class GatewaySettings(_Strict):
 
     @field_validator("strip_headers", "strip_query_keys")
     @classmethod
-    def _names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+    def _names(cls, value: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
         for name in value:
             if not name or not name.isascii() or any(c.isspace() or c in "=&" for c in name):
                 raise ValueError(f"{name!r} is not a header name or query key")
+            if info.field_name == "strip_headers" and not is_field_name(name):
+                # `"x-secret:"` (pasted from a request) matched no header: that credential
+                # reached every upstream while the list said it was removed.
+                raise ValueError(
+                    f"{name!r} is not an HTTP header name (letters, digits and "
+                    "!#$%&'*+-.^_`|~, no ':' or control characters), e.g. x-api-key"
+                )
         return tuple(name.lower() for name in value)
 
     @field_validator("allow_hosts")

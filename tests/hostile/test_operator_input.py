@@ -191,6 +191,15 @@ CALLER_SECRETS = {
 }
 
 
+@pytest.mark.parametrize("entry", ["x-secret:", "a\x00b", '"x-secret"', "x/secret"])
+def test_a_strip_headers_entry_that_is_no_header_name_is_refused(entry: str) -> None:
+    # `strip_headers = ["x-secret:"]` loaded and matched no header: the caller's
+    # x-secret reached every upstream while the configuration said it was removed.
+    message = refused(base(strip_headers=["x-auth-token", entry]))
+    assert "gateway.strip_headers" in message and "is not an HTTP header name" in message
+    assert load_config(base(strip_headers=["X-Secret", "x_secret"]), check_env=False)
+
+
 @pytest.mark.anyio
 async def test_extra_credentials_reach_no_upstream_shadow_included() -> None:
     async with (
