@@ -663,3 +663,37 @@ def test_check_warns_when_min_calls_is_larger_than_the_breakers_window(tmp_path:
     path.write_text(body.replace("min_calls = 10", "min_calls = 5"), encoding="utf-8")
     result = check(path)
     assert result.returncode == 0 and "warning" not in result.stdout, result.stdout
+
+
+def test_check_warns_about_a_canary_or_shadow_share_no_request_can_be_in(tmp_path: Path) -> None:
+    # canary_percent = 5 on a route that is not canary_eligible (or whose plan has no second
+    # candidate), and shadow_percent = 2.5 without a shadow, loaded and did nothing: the
+    # operator read a slice under test that never received a request.
+    path = tmp_path / "gateway.toml"
+    body = (
+        '[upstreams.primary]\nurl = "http://127.0.0.1:9001"\nfirst_byte_timeout_ms = 2000\n'
+        '[upstreams.backup]\nurl = "http://127.0.0.1:9002"\nfirst_byte_timeout_ms = 2000\n'
+        '[[routes]]\nid = "a"\nprefix = "/a/"\nplan = ["primary", "backup"]\nretries = 1\n'
+        "canary_percent = 5.0\nshadow_percent = 2.5\n"
+        '[[routes]]\nid = "b"\nprefix = "/b/"\nplan = ["primary"]\ncanary_eligible = true\n'
+        "canary_percent = 5\n"
+    )
+    path.write_text(body, encoding="utf-8")
+    result = check(path)
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stdout.splitlines() if "  warning: " in line]
+    assert warnings == [
+        "  warning: canary_percent 5 has no effect: the route is not canary_eligible, so no "
+        "session is sent to its second candidate first; set canary_eligible = true, or remove "
+        "canary_percent",
+        "  warning: shadow_percent 2.5 has no effect: the route names no shadow upstream to "
+        "copy requests to; set shadow = NAME, or remove shadow_percent",
+        "  warning: canary_percent 5 has no effect: the canary is the plan's second "
+        "candidate, and this plan has one; add the candidate to test",
+    ]
+    fixed = body.replace("shadow_percent = 2.5", 'canary_eligible = true\nshadow = "backup"\n'
+                         "shadow_percent = 2.5").replace('plan = ["primary"]\n', 'plan = '
+                         '["primary", "backup"]\nretries = 1\n')  # fmt: skip
+    path.write_text(fixed, encoding="utf-8")
+    result = check(path)
+    assert result.returncode == 0 and "warning" not in result.stdout, result.stdout

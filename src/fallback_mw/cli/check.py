@@ -211,6 +211,7 @@ def route_warnings(
                 f"{route.prefix}: the request path is appended, so requests reach "
                 f"{base}{route.prefix}...; drop {base} from its url"
             )
+    warnings.extend(_slice_warnings(route))
     for name in route.plan:
         provider = upstreams[name].provider
         if provider in PROVIDER_TRANSIENT and len(route.plan) > 1:
@@ -220,6 +221,29 @@ def route_warnings(
                     f"candidate {name!r} is provider {provider}, and {status} ({meaning}) is "
                     f"not in failover_status: add {status} to fail over when it is overloaded"
                 )
+    return warnings
+
+
+def _slice_warnings(route: RouteConfig) -> list[str]:
+    """A canary or shadow share that no request can ever be in: the slice is configured,
+    and silently empty (SPEC §8: only eligible routes, and only their second candidate)."""
+    warnings = []
+    if route.canary_percent > 0 and not route.canary_eligible:
+        warnings.append(
+            f"canary_percent {route.canary_percent:g} has no effect: the route is not "
+            "canary_eligible, so no session is sent to its second candidate first; set "
+            "canary_eligible = true, or remove canary_percent"
+        )
+    elif route.canary_percent > 0 and len(route.plan) < 2:
+        warnings.append(
+            f"canary_percent {route.canary_percent:g} has no effect: the canary is the "
+            "plan's second candidate, and this plan has one; add the candidate to test"
+        )
+    if route.shadow_percent > 0 and route.shadow is None:
+        warnings.append(
+            f"shadow_percent {route.shadow_percent:g} has no effect: the route names no "
+            "shadow upstream to copy requests to; set shadow = NAME, or remove shadow_percent"
+        )
     return warnings
 
 
