@@ -154,6 +154,23 @@ async def test_a_store_the_server_refuses_is_named_in_the_servers_words(pg_url: 
     assert "fxad_no_such_role" in err and "pw-never-shown" not in err, err
 
 
+@pytest.mark.anyio
+async def test_a_store_that_cannot_be_reached_says_why() -> None:
+    """A host name that does not resolve, or a port nothing listens on, was said as the
+    driver's class name alone ('cannot reach the store ...: gaierror'). The reason comes
+    with it now, naming the address tried, never the URL's password."""
+    port = free_port()
+    refused = f"postgresql://gw:pw-never-shown@127.0.0.1:{port}/gw"
+    status, _, err = await cli("routes", "list", "--store", refused)
+    assert status == 1, err
+    assert f"cannot reach the store postgresql://gw@127.0.0.1:{port}/gw: " in err, err
+    assert f"Connect call failed ('127.0.0.1', {port})" in err and "pw-never-shown" not in err
+    unknown = "postgresql://gw:pw-never-shown@no-such-host.invalid:5432/gw"
+    status, _, err = await cli("routes", "list", "--store", unknown)
+    assert status == 1, err
+    assert "gaierror: " in err and "pw-never-shown" not in err, err
+
+
 SIZING = Path(__file__).resolve().parent.parent / "docs" / "performance.md"
 
 

@@ -80,9 +80,13 @@ class PostgresStore:
         try:
             return await asyncpg.connect(self._dsn, timeout=5)
         except (OSError, TimeoutError, asyncpg.PostgresConnectionError) as exc:
-            raise StoreError(
-                f"cannot reach the store {redact_url(self._dsn)}: {type(exc).__name__}"
-            ) from None
+            # The class name alone ("gaierror") left an operator guessing: the reason too
+            # ("Name or service not known", "Connect call failed ('10.0.0.5', 5432)"), as
+            # `driver_reason` vets it (never a line holding the URL's password).
+            kind = type(exc).__name__
+            reason = driver_reason(exc, self._dsn)
+            said = kind if reason == kind else f"{kind}: {reason}"
+            raise StoreError(f"cannot reach the store {redact_url(self._dsn)}: {said}") from None
         except asyncpg.PostgresError as exc:
             # The server answered and said why (a database or role that does not exist, a
             # password it refused): its reason, as `driver_reason` vets it (the type's name
