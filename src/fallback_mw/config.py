@@ -688,6 +688,16 @@ _OUT_OF_RANGE = {
 }
 
 
+def _key_part(part: Any) -> str:
+    """One step of a key path as the message shows it: a quoted TOML key holding a line
+    break, a control character or a dot (`[prices."\\n"]`, `[upstreams."a.b"]`) in its
+    escaped form, so the message stays one line and says which key."""
+    text = str(part)
+    if isinstance(part, str) and (not text.isprintable() or "." in text or " " in text):
+        return repr(text)
+    return text
+
+
 def _describe(
     error: ValidationError,
     data: Mapping[str, Any] | None = None,
@@ -716,10 +726,10 @@ def _describe(
                 loc[:2] = [f"routes[{route['id']!r}]"]
             else:
                 loc[:2] = [f"routes[{loc[1]}]"]
-        where = ".".join(str(p) for p in loc)
+        where = ".".join(_key_part(p) for p in loc)
         kind = item["type"]
-        if kind == "extra_forbidden":
-            line = _unknown_key(root, raw, where)
+        if kind == "extra_forbidden":  # said quoted whole: `unknown key 'gateway.\\nx'`
+            line = _unknown_key(root, raw, ".".join(str(p) for p in loc))
         elif kind == "missing":
             line = f"{where}: required key missing"
         elif kind == "too_short" and item.get("ctx", {}).get("min_length") == 1:

@@ -363,3 +363,24 @@ async def test_a_caller_cannot_tell_an_upstream_its_address_host_or_scheme(kept:
     assert "x-request-id" in names  # other headers pass as before
     spoofed = {name.lower() for name in SPOOFED}
     assert spoofed <= names if kept else not spoofed & names
+
+
+@pytest.mark.parametrize(
+    ("data", "says"),
+    [
+        ({"prices": {"gpt\n4o": {}}}, "prices.'gpt\\n4o'.input_per_mtok: required key missing"),
+        (
+            {"upstreams": {"a\x1b[2J": {"url": 5}}},
+            "upstreams.'a\\x1b[2J'.url: must be a string",
+        ),
+        ({"budgets": {"team.a": {"limit": -1}}}, "budgets.'team.a'.limit: must be at least 0"),
+    ],
+)
+def test_an_error_naming_a_quoted_key_is_one_line_that_says_which_key(
+    data: dict[str, Any], says: str
+) -> None:
+    # `[prices."gpt\n4o"]` (a quoted TOML key) was named raw: the one-line message broke
+    # in two, an escape sequence reached the terminal, and a dot in a key read as a path.
+    message = refused(data)
+    assert says in message
+    assert message.isprintable(), message
