@@ -160,6 +160,19 @@ def test_serve_missing_config_file(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "not found" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("host", ["", " "])
+def test_serve_refuses_an_empty_host_rather_than_every_interface(
+    host: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `--host "$GATEWAY_HOST"` with the variable unset bound 0.0.0.0 (the socket API's
+    # reading of an empty host): the gateway and its credentials on every network.
+    absent = str(tmp_path / "absent.toml")  # never read: the argument is refused first
+    assert main(["serve", "--config", absent, "--host", host, "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "argument --host: empty (an unset variable?)" in err and "0.0.0.0" in err
+    assert "not found" not in err
+
+
 def test_server_options_prefer_uvloop_and_httptools() -> None:
     pytest.importorskip("uvloop")
     pytest.importorskip("httptools")

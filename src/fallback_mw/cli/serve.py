@@ -170,6 +170,18 @@ def port_number(value: str) -> int:
     return port
 
 
+def bind_host(value: str) -> str:
+    """argparse type: the address to listen on, never empty. The socket API reads an empty
+    host as every interface: `--host "$GATEWAY_HOST"` with the variable unset put the
+    gateway, and the credentials it injects, on every network the machine is on."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError(
+            "empty (an unset variable?): give the address to listen on, "
+            "127.0.0.1 for this machine only, or 0.0.0.0 for every interface"
+        )
+    return value
+
+
 def worker_count(value: str) -> int:
     """argparse type: how many worker processes, 1 to 256."""
     try:
@@ -356,7 +368,9 @@ def listen_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.s
 def register(subparsers: Any) -> None:
     parser = leaf(subparsers, "serve", serve, "run the gateway on uvicorn")
     parser.add_argument("--config", required=True, metavar="FILE", help="gateway TOML file")
-    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    parser.add_argument(
+        "--host", type=bind_host, default="127.0.0.1", help="bind address (default 127.0.0.1)"
+    )
     parser.add_argument("--port", type=port_number, default=8000, help="bind port (default 8000)")
     parser.add_argument(
         "--workers",
