@@ -240,6 +240,14 @@ def _valid_host(host: str) -> bool:
     return len(host) <= 253 and _HOST_NAME.fullmatch(host) is not None
 
 
+# `http://[::1%25lo]:8000` loaded, and every attempt failed as "could not connect" on both
+# engines. A zone names the interface of a link-local address, which is refused anyway.
+_ZONE_ID = (
+    "has an IPv6 zone id ('%' in the host), which neither upstream engine connects "
+    "through: give the address alone (a link-local fe80:: address is refused anyway)"
+)
+
+
 class UpstreamConfig(_Strict):
     url: str
     auth_header: str = "authorization"
@@ -276,6 +284,8 @@ class UpstreamConfig(_Strict):
             raise ValueError("must be an http:// or https:// URL with a host")
         if not _valid_host(parts.hostname):
             raise ValueError("has a malformed host (a DNS name or an IP address)")
+        if "%" in parts.hostname:
+            raise ValueError(_ZONE_ID)
         try:
             port = parts.port  # raises for a port that is not 0..65535
         except ValueError:
@@ -334,6 +344,8 @@ class UpstreamConfig(_Strict):
         parts = urlsplit(value)
         if parts.scheme != "http" or not parts.hostname or not _valid_host(parts.hostname):
             raise ValueError("must be an http:// proxy URL with a host (http://proxy:3128)")
+        if "%" in parts.hostname:
+            raise ValueError(_ZONE_ID)
         if "@" in parts.netloc:
             raise ValueError("must not carry credentials (proxy authentication is not supported)")
         if parts.path not in ("", "/") or "?" in value or "#" in value:

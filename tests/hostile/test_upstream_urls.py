@@ -215,3 +215,24 @@ def test_an_upstream_or_proxy_url_with_port_0_is_refused(key: str) -> None:
     config = {"upstreams": {"a": upstream}, "routes": [{"id": "r", "prefix": "/", "plan": ["a"]}]}
     with pytest.raises(ConfigError, match="port 0"):
         load_config(config, environ={})
+
+
+@pytest.mark.parametrize("key", ["url", "proxy"])
+@pytest.mark.parametrize("host", ["[::1%25lo]", "[::1%lo]"])
+def test_an_upstream_or_proxy_url_with_an_ipv6_zone_id_is_refused(key: str, host: str) -> None:
+    """`http://[::1%25lo]:8000` (RFC 6874) loaded and `check` called it valid; neither
+    engine connects through a zone, so every attempt failed as "could not connect" and
+    marked the upstream's breaker. The same address without its zone loads."""
+    upstream = {"url": "http://127.0.0.1:9001"}
+    upstream[key] = f"http://{host}:9001"
+    config = {
+        "gateway": {"allow_hosts": ["127.0.0.1", "::1"]},
+        "upstreams": {"a": upstream},
+        "routes": [{"id": "r", "prefix": "/", "plan": ["a"]}],
+    }
+    with pytest.raises(ConfigError, match=rf"upstreams\.a\.{key}: has an IPv6 zone id"):
+        load_config(config, environ={})
+    with pytest.raises(ConfigError, match="IPv6 zone id"):
+        make_upstream(f"http://{host}:9001", None, None, "route 'r', --upstream")
+    upstream[key] = "http://[::1]:9001"
+    load_config(config, environ={})
