@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -385,3 +386,47 @@ async def test_revoke_answers_401_retires_each_pool_credential_and_moves_on(
     provider.shutdown()
     assert [s.get("http.response.status_code") for s in spans["primary"]] == [401, 401]
     assert all(s.get("gateway.failure.kind") == "fault" for s in spans["primary"])
+
+
+@pytest.mark.anyio
+async def test_a_fault_row_written_by_hand_is_skipped_and_named(
+    store_url: str, pair: tuple[Upstream, Upstream], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A row `faults set` never writes (an expiry of 'abc' or 1e400, an unknown kind, a
+    target holding an escape sequence) made `faults list` an "unexpected internal error",
+    printed the escape raw, and stopped a gateway from starting (its first fault load
+    raised). Now no gateway applies such a row: it is skipped, logged, and `faults list`
+    names it with the command that removes it; `faults set` replaces it."""
+
+    primary, backup = pair
+    assert (await cli("faults", "set", "fail", "--store", store_url, "--upstream", "ok-up",
+                      "--ttl", "60"))[0] == 0  # fmt: skip
+    rows = [
+        ("upstream", "primary", "fail", None, "abc"),
+        ("upstream", "p2", "fail", None, 1e400),
+        ("upstream", "p3", "explode", None, 9e9),
+        ("upstream", "\nx\x1b[2J", "fail", None, 9e9),
+        ("route", "chat", "pin", None, 9e9),
+    ]
+    with sqlite3.connect(store_url.removeprefix("sqlite:///")) as conn:
+        conn.executemany("INSERT INTO fmw_faults VALUES (?, ?, ?, ?, ?)", rows)
+    status, out, err = await cli("faults", "list", "--store", store_url)
+    assert status == 0, err
+    assert out.startswith("fail\tupstream=ok-up\tuntil ") and out.count("\n") == 1
+    assert "5 fault row(s) in the store are no fault `faults set` writes" in err
+    assert "'explode' on 'p3'" in err and "'\\nx\\x1b[2J'" in err and "\x1b" not in err
+    assert "faults clear --all" in err
+    gateway = Gateway(host_app, config=config(store_url, primary.url, backup.url))
+    try:
+        assert gateway.config_error is None
+        response = await get(gateway)
+        assert response.status_code == 200 and response.text == "primary"
+        assert "fault rows skipped" in caplog.text and "'fail' on 'primary'" in caplog.text
+    finally:
+        await gateway.aclose()
+    status, _, err = await cli(
+        "faults", "set", "hang", "--store", store_url, "--upstream", "primary", "--ttl", "60"
+    )
+    assert status == 0, err
+    listed = (await cli("faults", "list", "--store", store_url))[1]
+    assert "hang\tupstream=primary" in listed

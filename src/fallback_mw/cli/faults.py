@@ -157,10 +157,12 @@ def faults_clear(args: argparse.Namespace, console: Console) -> None:
 def faults_list(args: argparse.Namespace, console: Console) -> None:
     target = resolve(args, console, creates=False)
 
+    unreadable: list[str] = []
+
     async def work() -> list[Fault]:
         store = open_route_store(target)
         try:
-            return await store.load_faults()
+            return await store.load_faults(unreadable)
         finally:
             await store.aclose()
 
@@ -175,6 +177,12 @@ def faults_list(args: argparse.Namespace, console: Console) -> None:
         extra = f"\tcandidate={one_line(fault.candidate)}" if fault.candidate else ""
         kind = one_line(fault.kind)
         console.print(f"{kind}\t{where}{extra}\tuntil {expiry_text(fault.expires_at)}")
+    if unreadable:
+        console.warning(
+            f"{len(unreadable)} fault row(s) in the store are no fault `faults set` writes "
+            f"(written by hand?): {', '.join(unreadable)}; no gateway applies them, and "
+            "`fallback-mw faults clear --all` removes them"
+        )
 
 
 def register(subparsers: Any) -> None:

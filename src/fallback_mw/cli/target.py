@@ -118,7 +118,7 @@ class AbsentStore:
     ) -> int | None:
         return None
 
-    async def load_faults(self) -> list[Fault]:
+    async def load_faults(self, unreadable: list[str] | None = None) -> list[Fault]:
         return []
 
     async def set_fault(self, fault: Fault, *, replace: bool = False) -> Fault | None:

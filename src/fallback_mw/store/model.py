@@ -164,3 +164,45 @@ class Fault:
 
     def active(self, now: float | None = None) -> bool:
         return (time.time() if now is None else now) < self.expires_at
+
+
+FAULT_KINDS: tuple[FaultKind, ...] = ("fail", "hang", "blackhole", "revoke", "pin")
+LATEST_EXPIRY = 253_402_300_799.0  # 9999-12-31T23:59:59Z, the last moment a date can show
+
+
+def fault_from_row(kind: Any, target: Any, expires_at: Any, candidate: Any) -> Fault | None:
+    """A stored fault row, or None when it is not one `faults set` writes (a hand edit: an
+    unknown kind, an expiry that is no finite time before year 10000, an id outside the
+    safe charset, a pin without a candidate). Read strictly, one such row stopped every
+    gateway's fault reloads (and `faults list`, "unexpected internal error")."""
+    try:
+        when = float(expires_at)
+    except (TypeError, ValueError):
+        return None
+    if kind not in FAULT_KINDS or not when <= LATEST_EXPIRY:  # NaN too
+        return None
+    if (candidate is None) != (kind != "pin"):
+        return None
+    try:
+        for value in (target, candidate):
+            if value is not None:
+                check_id("fault target", value)
+    except ConfigError:
+        return None
+    return Fault(kind, target, when, candidate)
+
+
+def faults_from_rows(
+    rows: Iterable[Sequence[Any]], unreadable: list[str] | None = None
+) -> list[Fault]:
+    """The rows (kind, target, expires_at, candidate) that are faults; each other one is
+    skipped (no gateway applies it) and, with `unreadable`, described there."""
+    faults = []
+    for kind, target, expires_at, candidate in rows:
+        fault = fault_from_row(kind, target, expires_at, candidate)
+        if fault is not None:
+            faults.append(fault)
+        elif unreadable is not None:
+            label = target if isinstance(target, str) else "?"
+            unreadable.append(f"{str(kind)[:20]!r} on {label[:80]!r}")
+    return faults

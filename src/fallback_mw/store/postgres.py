@@ -24,6 +24,8 @@ from fallback_mw.store.model import (
     RouteExists,
     StoredRoute,
     StoreError,
+    fault_from_row,
+    faults_from_rows,
     owned_upstreams,
     pending_migrations,
     stored_routes,
@@ -238,21 +240,16 @@ class PostgresStore:
 
     # --- faults -----------------------------------------------------------------------
 
-    async def load_faults(self) -> list[Fault]:
+    async def load_faults(self, unreadable: list[str] | None = None) -> list[Fault]:
         rows = await self._fetch(
             "SELECT kind, target, expires_at, candidate FROM fmw_faults "
             "WHERE expires_at > $1 ORDER BY scope, target",
             time.time(),
         )
-        return [
-            Fault(
-                kind=row["kind"],
-                target=row["target"],
-                expires_at=float(row["expires_at"]),
-                candidate=row["candidate"],
-            )
-            for row in rows
-        ]
+        return faults_from_rows(
+            ((row["kind"], row["target"], row["expires_at"], row["candidate"]) for row in rows),
+            unreadable,
+        )
 
     async def set_fault(self, fault: Fault, *, replace: bool = False) -> Fault | None:
         now = time.time()
@@ -284,7 +281,9 @@ class PostgresStore:
         if not found:  # cleared in between: the refusal still stands, described as it was
             return Fault(fault.kind, fault.target, now, None)
         row = found[0]
-        return Fault(row["kind"], row["target"], float(row["expires_at"]), row["candidate"])
+        active = fault_from_row(row["kind"], row["target"], row["expires_at"], row["candidate"])
+        # A row written by hand that is no fault holds the target until --replace.
+        return active or Fault(fault.kind, fault.target, now, None)
 
     async def clear_faults(self, *, upstream: str | None = None, route: str | None = None) -> int:
         if upstream is not None:

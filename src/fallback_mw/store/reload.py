@@ -216,7 +216,13 @@ class StoreRuntime:
                     logger.info("routes reloaded from the store (%d routes)", len(merged.routes))
             self._serials = (routes_serial, self._serials[1])
         if faults_serial != self._serials[1]:
-            self.faults.update(await store.load_faults())
+            unreadable: list[str] = []
+            self.faults.update(await store.load_faults(unreadable))
+            if unreadable:
+                logger.warning(
+                    "fault rows skipped, not faults `faults set` writes (written by hand?): %s",
+                    ", ".join(unreadable),
+                )
             self._serials = (self._serials[0], faults_serial)
 
     async def _run(self) -> None:

@@ -56,8 +56,9 @@ class RouteStore(Protocol):
         when the store holds no such route; else how many faults went with it."""
         ...
 
-    async def load_faults(self) -> list[Fault]:
-        """Active (unexpired) faults."""
+    async def load_faults(self, unreadable: list[str] | None = None) -> list[Fault]:
+        """Active (unexpired) faults; a row that is no fault (written by hand) is skipped,
+        and described in `unreadable` when given."""
         ...
 
     async def set_fault(self, fault: Fault, *, replace: bool = False) -> Fault | None:

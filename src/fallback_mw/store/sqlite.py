@@ -18,6 +18,8 @@ from fallback_mw.store.model import (
     RouteExists,
     StoredRoute,
     StoreError,
+    fault_from_row,
+    faults_from_rows,
     owned_upstreams,
     pending_migrations,
     stored_routes,
@@ -213,7 +215,7 @@ class SqliteStore:
 
     # --- faults -----------------------------------------------------------------------
 
-    async def load_faults(self) -> list[Fault]:
+    async def load_faults(self, unreadable: list[str] | None = None) -> list[Fault]:
         rows = await self._run(
             lambda c: c.execute(
                 "SELECT kind, target, expires_at, candidate FROM fmw_faults "
@@ -221,7 +223,7 @@ class SqliteStore:
                 (time.time(),),
             ).fetchall()
         )
-        return [Fault(kind=k, target=t, expires_at=float(e), candidate=c) for k, t, e, c in rows]
+        return faults_from_rows(rows, unreadable)
 
     async def set_fault(self, fault: Fault, *, replace: bool = False) -> Fault | None:
         def put(conn: sqlite3.Connection) -> Fault | None:
@@ -234,10 +236,10 @@ class SqliteStore:
                     "WHERE scope = ? AND target = ?",
                     (fault.scope, fault.target),
                 ).fetchone()
-                if row is not None and not replace:
+                active = None if row is None else fault_from_row(*row)
+                if active is not None and not replace:  # an unreadable row is replaced
                     conn.execute("ROLLBACK")
-                    kind, target, expires_at, candidate = row
-                    return Fault(kind, target, float(expires_at), candidate)
+                    return active
                 conn.execute(
                     "INSERT INTO fmw_faults (scope, target, kind, candidate, expires_at) "
                     "VALUES (?, ?, ?, ?, ?) ON CONFLICT (scope, target) DO UPDATE SET "
