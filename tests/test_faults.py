@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import httpx
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
@@ -430,3 +431,31 @@ async def test_a_fault_row_written_by_hand_is_skipped_and_named(
     assert status == 0, err
     listed = (await cli("faults", "list", "--store", store_url))[1]
     assert "hang\tupstream=primary" in listed
+
+
+@pytest.mark.anyio
+async def test_faults_set_replaces_a_fault_row_written_by_hand(any_store: str) -> None:
+    """On PostgreSQL a hand-written row that is no fault (kind 'explode', an expiry past year
+    9999) refused `faults set` on its target as "already active until <now>"; it is
+    replaced, as on SQLite, and a real active fault still refuses."""
+    row = ("upstream", "p", "explode", None, 9e99)
+    setup = ("faults", "set", "fail", "--store", any_store, "--upstream", "q", "--ttl", "5")
+    assert (await cli(*setup))[0] == 0  # the store's tables, as a first command makes them
+    if any_store.startswith("sqlite:///"):
+        with sqlite3.connect(any_store.removeprefix("sqlite:///")) as conn:
+            conn.execute("INSERT INTO fmw_faults VALUES (?, ?, ?, ?, ?)", row)
+    else:
+        conn = await asyncpg.connect(any_store)
+        try:
+            await conn.execute("INSERT INTO fmw_faults VALUES ($1, $2, $3, $4, $5)", *row)
+        finally:
+            await conn.close()
+    status, out, err = await cli(
+        "faults", "set", "hang", "--store", any_store, "--upstream", "p", "--ttl", "60"
+    )
+    assert status == 0, err
+    assert out.startswith("fault set: hang upstream 'p'")
+    status, _, err = await cli(
+        "faults", "set", "fail", "--store", any_store, "--upstream", "p", "--ttl", "60"
+    )
+    assert status == 2 and "a hang fault is already active on upstream 'p'" in err

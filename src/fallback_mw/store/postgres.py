@@ -282,8 +282,9 @@ class PostgresStore:
             return Fault(fault.kind, fault.target, now, None)
         row = found[0]
         active = fault_from_row(row["kind"], row["target"], row["expires_at"], row["candidate"])
-        # A row written by hand that is no fault holds the target until --replace.
-        return active or Fault(fault.kind, fault.target, now, None)
+        if active is None:  # a row written by hand, no fault: replaced, as on SQLite
+            return await self.set_fault(fault, replace=True)
+        return active
 
     async def clear_faults(self, *, upstream: str | None = None, route: str | None = None) -> int:
         if upstream is not None:
