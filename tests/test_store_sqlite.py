@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import sqlite3
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +18,7 @@ from fallback_mw.store.model import StoredRoute, StoreError
 from fallback_mw.store.routes import merge_routes
 from fallback_mw.store.sqlite import SqliteStore
 from tests.helpers import client_for
-from tests.test_cli_admin import cli, gateway_config, host_app
+from tests.test_cli_admin import FALLBACK_MW, cli, gateway_config, host_app, run_cli
 
 
 def stored(route_id: str, url: str, **route: Any) -> StoredRoute:
@@ -144,3 +147,30 @@ def test_a_stored_upstreams_ca_file_is_checked_as_the_files(tmp_path: Path) -> N
             merge_routes(GatewayConfig(), [item])
         message = str(caught.value)
         assert message.startswith("route 'a': upstream 'a-primary': ca_file ") and says in message
+
+
+def test_a_ca_file_that_is_a_fifo_is_refused_rather_than_read_forever(tmp_path: Path) -> None:
+    """OpenSSL reads a `ca_file` to its end: a FIFO (in the file, or in a stored route
+    written by hand) held `check` and `routes list` forever, and a starting gateway, and a
+    running one's store reloads. Anything but a regular file is refused before it is
+    opened."""
+    fifo = tmp_path / "bundle.pem"
+    os.mkfifo(fifo)
+    in_file = tmp_path / "in-file.toml"
+    in_file.write_text(f'[gateway]\nca_file = "{fifo}"\n', encoding="utf-8")
+    store = tmp_path / "s.db"
+    config = tmp_path / "gateway.toml"
+    config.write_text(f'[gateway]\nstore = "sqlite:///{store}"\n', encoding="utf-8")
+    add = ["routes", "add", "--store", f"sqlite:///{store}", "--id", "a", "--prefix", "/a/"]
+    assert run_cli(*add, "--upstream", "https://127.0.0.1:9")[0] == 0
+    upstream = {"url": "https://127.0.0.1:9", "ca_file": str(fifo)}
+    doc = {"route": {"id": "a", "prefix": "/a/", "plan": ["a-primary"]},
+           "upstreams": {"a-primary": upstream}}  # fmt: skip
+    with sqlite3.connect(store) as conn:
+        conn.execute("UPDATE fmw_routes SET doc = ? WHERE id = 'a'", (json.dumps(doc),))
+    for verb, path in ((("check",), in_file), (("check",), config), (("routes", "list"), config)):
+        result = subprocess.run(  # a timeout, not a hang, when it reads the FIFO
+            [FALLBACK_MW, *verb, "--config", str(path)],
+            capture_output=True, text=True, timeout=20, check=False,
+        )  # fmt: skip
+        assert "is not a regular file" in result.stderr, result.stderr

@@ -9,6 +9,7 @@ import ipaddress
 import os
 import re
 import ssl
+import stat
 import tomllib
 import weakref
 from collections.abc import Mapping, Sequence
@@ -796,6 +797,22 @@ def check_ca_file(where: str, path: str) -> None:
     that upstream by; it was refused as "no CA certificate". A certificate that trusts
     nothing (a leaf another CA signed) fails at the handshake, kind `tls`, whose message
     says to set the CA that signed it."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: ca_file {path!r} not found") from None
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "strerror", None) or type(exc).__name__
+        raise ConfigError(
+            f"{where}: ca_file {path!r} is not a readable PEM bundle ({reason})"
+        ) from None
+    if not stat.S_ISREG(mode):
+        # OpenSSL reads it to its end: a FIFO (or a device that never ends) held `check`,
+        # `routes list` and a starting gateway forever, and a running one's store reloads.
+        raise ConfigError(
+            f"{where}: ca_file {path!r} is not a regular file (a directory, a FIFO or a "
+            "device): give the path of a PEM bundle"
+        )
     try:
         context = ssl.create_default_context(cafile=path)
     except FileNotFoundError:
