@@ -697,3 +697,27 @@ def test_check_warns_about_a_canary_or_shadow_share_no_request_can_be_in(tmp_pat
     path.write_text(fixed, encoding="utf-8")
     result = check(path)
     assert result.returncode == 0 and "warning" not in result.stdout, result.stdout
+
+
+def test_check_warns_about_a_hedge_the_deadline_never_lets_start(tmp_path: Path) -> None:
+    # hedge_after_ms = 6000 on a route whose deadline is 5000 loaded in silence: the
+    # operator counted on a hedge that could never start.
+    path = tmp_path / "gateway.toml"
+    body = (
+        '[upstreams.primary]\nurl = "http://127.0.0.1:9001"\nfirst_byte_timeout_ms = 2000\n'
+        '[upstreams.backup]\nurl = "http://127.0.0.1:9002"\nfirst_byte_timeout_ms = 2000\n'
+        '[[routes]]\nid = "a"\nprefix = "/a/"\nplan = ["primary", "backup"]\nretries = 2\n'
+        "hedge_after_ms = 6000\ndeadline_ms = 5000\n"
+    )
+    path.write_text(body, encoding="utf-8")
+    result = check(path)
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stdout.splitlines() if "  warning: " in line]
+    assert warnings == [
+        "  warning: hedge_after_ms 6000 is not below the route deadline (5000 ms): the hedge "
+        "never starts; lower hedge_after_ms (a little above the primary's usual time to "
+        "first byte)"
+    ]
+    path.write_text(body.replace("hedge_after_ms = 6000", "hedge_after_ms = 800"), "utf-8")
+    result = check(path)
+    assert result.returncode == 0 and "warning" not in result.stdout, result.stdout

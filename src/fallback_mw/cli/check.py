@@ -211,6 +211,12 @@ def route_warnings(
                 f"{route.prefix}: the request path is appended, so requests reach "
                 f"{base}{route.prefix}...; drop {base} from its url"
             )
+    if route.hedge_after_ms and route.hedge_after_ms >= deadline:
+        warnings.append(
+            f"hedge_after_ms {route.hedge_after_ms} is not below the route deadline "
+            f"({deadline} ms): the hedge never starts; lower hedge_after_ms (a little above "
+            "the primary's usual time to first byte)"
+        )
     warnings.extend(_slice_warnings(route))
     for name in route.plan:
         provider = upstreams[name].provider
