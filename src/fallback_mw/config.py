@@ -359,6 +359,19 @@ class UpstreamConfig(_Strict):
             raise ValueError("has port 0 (no server listens on it)")
         return parts.scheme + value[len(parts.scheme) :].rstrip("/")
 
+    @field_validator("model")
+    @classmethod
+    def _model(cls, value: str | None) -> str | None:
+        # Sent in the body, and shown by `check`, kept in usage records and span attributes
+        # (cut to 200): a line break or an escape reached the terminal and forged lines;
+        # "" made every request ask the provider for no model.
+        if value is not None and (not value or len(value) > 200 or not value.isprintable()):
+            raise ValueError(
+                "must be a model name: 1..200 printable characters (no line break, tab or "
+                "other control character); omit model to keep the caller's"
+            )
+        return value
+
     @field_validator("provider")
     @classmethod
     def _provider(cls, value: str | None) -> str | None:

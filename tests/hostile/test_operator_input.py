@@ -384,3 +384,24 @@ def test_an_error_naming_a_quoted_key_is_one_line_that_says_which_key(
     message = refused(data)
     assert says in message
     assert message.isprintable(), message
+
+
+@pytest.mark.parametrize("model", ["", "gpt\x1b[2J\nFORGED", "gpt-4o\t", "m" * 201])
+def test_an_upstream_model_that_is_no_model_name_is_refused_in_the_file_and_the_store(
+    model: str,
+) -> None:
+    # `model = "gpt\u001b[2J\nFORGED"` loaded: `check` printed the escape and the forged
+    # line raw, and the name went to usage records and spans; `model = ""` asked every
+    # provider for no model.
+    data = base()
+    data["upstreams"]["primary"]["model"] = model
+    message = refused(data)
+    assert "upstreams.primary.model: must be a model name" in message and "\x1b" not in message
+    doc = json.dumps(
+        {"route": {"id": "evil", "prefix": "/e/", "plan": ["evil-p"]},
+         "upstreams": {"evil-p": {"url": "http://127.0.0.1:1", "model": model}}}
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="must be a model name"):
+        StoredRoute.from_doc("evil", doc)
+    data["upstreams"]["primary"]["model"] = "anthropic.claude-3-5-sonnet-20240620-v1:0"
+    load_config(data, check_env=False)
