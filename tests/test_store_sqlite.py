@@ -174,3 +174,27 @@ def test_a_ca_file_that_is_a_fifo_is_refused_rather_than_read_forever(tmp_path: 
             capture_output=True, text=True, timeout=20, check=False,
         )  # fmt: skip
         assert "is not a regular file" in result.stderr, result.stderr
+
+
+def test_an_upstream_name_two_routes_claim_names_both_owners() -> None:
+    """A stored record (written by hand) owning `seed-primary`, the upstream of the stored
+    route `seed`, was refused as "route 'seed': upstream name 'seed-primary' is already
+    defined elsewhere": the sound route named, the record that took its name not. Both are
+    named now, and a name the file defines is said to be the file's."""
+    config = GatewayConfig.model_validate({"upstreams": {"primary": {"url": "http://127.0.0.1:9"}}})
+    evil = StoredRoute(
+        route=RouteConfig(id="evil", prefix="/e/", plan=("seed-primary",)),
+        upstreams={"seed-primary": UpstreamConfig(url="http://127.0.0.1:3")},
+    )
+    with pytest.raises(ConfigError) as caught:
+        merge_routes(config, [evil, stored("seed", "http://127.0.0.1:1")])
+    assert str(caught.value) == (
+        "route 'seed': upstream name 'seed-primary' is already defined by stored route "
+        "'evil'; one of them must be removed or renamed"
+    )
+    taker = StoredRoute(
+        route=RouteConfig(id="t", prefix="/t/", plan=("primary",)),
+        upstreams={"primary": UpstreamConfig(url="http://127.0.0.1:3")},
+    )
+    with pytest.raises(ConfigError, match="'primary' is already defined by the config file"):
+        merge_routes(config, [taker])

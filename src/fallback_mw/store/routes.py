@@ -114,6 +114,7 @@ def merge_routes(
     with `environ`, that each variable of a store route is set in it too."""
     routes = list(config.routes)
     upstreams = dict(config.upstreams)
+    owners = dict.fromkeys(upstreams, "the config file")
     ids = {route.id for route in routes}
     allow_hosts = config.gateway.allow_hosts
     for item in stored:
@@ -125,10 +126,14 @@ def merge_routes(
         ids.add(route.id)
         for name, upstream in item.upstreams.items():
             if name in upstreams:
+                # Both named: "elsewhere" sent an operator to remove the route it named,
+                # which was as often the sound one as the record that took its name.
                 raise ConfigError(
-                    f"route {route.id!r}: upstream name {name!r} is already defined elsewhere"
+                    f"route {route.id!r}: upstream name {name!r} is already defined by "
+                    f"{owners[name]}; one of them must be removed or renamed"
                 )
             upstreams[name] = upstream
+            owners[name] = f"stored route {route.id!r}"
         for name, upstream in item.upstreams.items():
             try:
                 rules.check_upstream(name, upstream, allow_hosts)
