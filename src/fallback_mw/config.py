@@ -964,6 +964,14 @@ def read_config_file(path: Path) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{name} is not valid TOML: {exc}") from None
+    except RecursionError:
+        # tomllib parses nested arrays and inline tables recursively: `a = [[[...]]]` some
+        # thousand deep was an "unexpected internal error" (and a RecursionError to
+        # `load_config`), not a refusal of the file.
+        raise ConfigError(
+            f"{name} nests arrays or inline tables too deeply (no key of a gateway "
+            "configuration nests more than a few levels)"
+        ) from None
 
 
 def load_config(

@@ -405,3 +405,22 @@ def test_an_upstream_model_that_is_no_model_name_is_refused_in_the_file_and_the_
         StoredRoute.from_doc("evil", doc)
     data["upstreams"]["primary"]["model"] = "anthropic.claude-3-5-sonnet-20240620-v1:0"
     load_config(data, check_env=False)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "a = " + "[" * 50_000 + "]" * 50_000 + "\n",
+        "[gateway]\nbreaker = " + "{window = " * 5_000 + "1" + "}" * 5_000 + "\n",
+    ],
+)
+def test_a_file_nested_thousands_deep_is_a_config_error(tmp_path: Path, text: str) -> None:
+    # tomllib recursed past Python's limit: `check` said "unexpected internal error
+    # (RecursionError)" and load_config raised RecursionError, not a ConfigError.
+    path = tmp_path / "deep.toml"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError, match="nests arrays or inline tables too deeply"):
+        load_config(path, check_env=False)
+    err = io.StringIO()
+    assert main(["check", "--config", str(path)], stdout=io.StringIO(), stderr=err) == 2
+    assert "too deeply" in err.getvalue() and "internal error" not in err.getvalue()
