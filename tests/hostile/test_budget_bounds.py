@@ -4,10 +4,12 @@ on the request path so a hold never sticks and the usage record is never lost.""
 from __future__ import annotations
 
 import json
+import sqlite3
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from fallback_mw import Gateway
@@ -246,3 +248,46 @@ async def test_a_tenant_no_text_column_holds_leaves_no_hold_and_a_usage_record(
         finally:
             await gateway.aclose()
     assert not [r for r in caplog.records if "unreachable" in r.getMessage()]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "row", [(-5, "month", 0), ("abc", "month", 0), (5, "week", 0), (5.5, "day", 1)]
+)
+async def test_a_budget_row_written_by_hand_fails_closed_naming_its_repair(
+    tmp_path: Path, row: tuple[object, ...]
+) -> None:
+    """A stored budget row no `budgets set` writes (a negative or non-numeric limit, a
+    window of 'week') raised out of the guard: each request of its routes was an internal
+    error with a traceback, and `budgets set`, the repair, failed on the row it would
+    rewrite. Now its routes answer 503 budget_unavailable naming the budget and the
+    command, and that command rewrites it."""
+
+    store = f"sqlite:///{tmp_path / 'ledger.db'}"
+    set_seed = ["budgets", "set", "--store", store, "--budget", "seed", "--limit", "5"]
+    assert await anyio.to_thread.run_sync(main, set_seed) == 0
+    with sqlite3.connect(tmp_path / "ledger.db") as conn:
+        conn.execute("INSERT INTO fmw_budgets VALUES ('x', ?, ?, ?, 't')", row)
+    conf = {
+        "gateway": {"store": store},
+        "upstreams": {"p": {"url": "http://127.0.0.1:9"}},
+        "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["p"], "budget": "x"}],
+    }
+    gateway = Gateway(host_app, config=conf)
+    try:
+        async with client_for(gateway) as client:
+            response = await client.post("/v1/chat", json={"model": "m"})
+    finally:
+        await gateway.aclose()
+    assert response.status_code == 503, response.text
+    error = response.json()["error"]
+    assert error["code"] == "budget_unavailable"
+    assert "budget 'x' is stored in a form this gateway cannot read" in error["message"]
+    assert "budgets set --budget x --limit ..." in error["message"]
+    repair = ["budgets", "set", "--store", store, "--budget", "x", "--limit", "3"]
+    assert await anyio.to_thread.run_sync(main, repair) == 0
+    ledger = open_ledger(store)
+    try:
+        assert (await ledger.stored_budget("x")) == BudgetConfig(limit=Decimal(3))
+    finally:
+        await ledger.aclose()
