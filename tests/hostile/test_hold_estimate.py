@@ -204,3 +204,38 @@ async def test_a_model_rewrite_leaves_no_other_spelling_of_the_model_key() -> No
             await gateway.aclose()
     sent = json.loads(primary.received[0].body)
     assert sent == {"max_tokens": 1, "model": "gpt-test"}
+
+
+@pytest.mark.parametrize("where", ["unread-field", "limit"])
+async def test_a_body_with_an_integer_of_thousands_of_digits_is_held_as_json(where: str) -> None:
+    # Python alone refuses an integer of over 4,300 digits: the hold read such a body as
+    # "not JSON" and took default_hold (0.01 for 3.26 against a limit of 3), while Go's
+    # encoding/json (Ollama, LocalAI) skips the number in a field it does not read and
+    # Node's JSON.parse reads it as a float: either generated max_tokens.
+    huge = "9" * 5000
+    if where == "limit":  # the limit itself: read as the largest, as 10^40 is
+        text = '{"model":"gpt-test","max_tokens":' + huge + "}"
+    else:
+        text = '{"model":"gpt-test","max_tokens":1000,"user_tag":' + huge + "}"
+    async with upstream(json_handler({"ok": True})) as primary:
+        conf = gateway_config({"primary": primary.url}, store=None, limit="3")
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                response = await client.post(
+                    "/v1/chat", content=text.encode(), headers={"content-type": "application/json"}
+                )
+                assert response.status_code == 402, response.text
+                assert response.json()["error"]["code"] == "budget_exceeded"
+                assert primary.count == 0
+                if where == "unread-field":  # one that fits is sent as it came
+                    fits = text.replace("1000", "100").encode()
+                    response = await client.post("/v1/chat", content=fits)
+                    assert response.status_code == 200, response.text
+                    assert primary.received[0].body == fits
+            spent, held = await status_of(gateway)
+            # Charged the hold priced from the body (0.20 for 100 output tokens, 1.26 for
+            # its 5,000 bytes), not default_hold.
+            assert (spent > Decimal("1.4") or where == "limit", held) == (True, Decimal(0))
+        finally:
+            await gateway.aclose()

@@ -5,13 +5,18 @@ settlement is costed from the usage the upstream reported."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from decimal import ROUND_CEILING, Decimal
 from typing import Any
 
 from fallback_mw.config import MAX_MONEY, PriceConfig
-from fallback_mw.tokens import BYTES_PER_TOKEN, MAX_TOKENS, OUTPUT_LIMIT_KEYS, output_estimate
+from fallback_mw.tokens import (
+    BYTES_PER_TOKEN,
+    MAX_TOKENS,
+    OUTPUT_LIMIT_KEYS,
+    output_estimate,
+    read_json,
+)
 
 UNITS_PER_CURRENCY = 10**9  # stores keep integer nano-units: exact, no binary floats
 # Every amount the ledgers store fits a signed 64-bit column (SQLite INTEGER, PostgreSQL
@@ -110,7 +115,7 @@ class PriceBook:
             ):
                 return default_hold
             try:
-                parsed = json.loads(body)
+                parsed = read_json(body)
             except (ValueError, UnicodeDecodeError, RecursionError):
                 # RecursionError: a body nested ~1,000 levels deep. Not an estimate.
                 return default_hold

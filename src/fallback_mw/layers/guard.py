@@ -35,6 +35,7 @@ from fallback_mw.config import BudgetConfig, ConfigError, ConfigSource, as_confi
 from fallback_mw.injected import require
 from fallback_mw.request.body import (
     decoded_request_json,
+    estimated_request_json,
     read_body,
     request_json,
     unreadable_request_coding,
@@ -252,13 +253,15 @@ class BudgetGuard:
             decoded = decoded_request_json(scope, body, self.settings.replay_buffer)
             if decoded is not None:
                 buffered, parsed = decoded
-                if isinstance(parsed.get("model"), str):
-                    context.request_model = context.request_model or parsed["model"][:MAX_NAME]
             else:
                 unreadable = unreadable_request_coding(scope, body)
                 if unreadable is not None:
                     # default_hold for a body the upstream may decode and run whole.
                     return "bad_request", _unreadable_coding(budget_id, unreadable)
+                # An integer of thousands of digits: JSON to Go's and Node's readers.
+                parsed = estimated_request_json(body)
+            if parsed is not None and isinstance(parsed.get("model"), str):
+                context.request_model = context.request_model or parsed["model"][:MAX_NAME]
         try:
             budget = await self.budget_for(ledger, budget_id)
             if budget is None:

@@ -34,6 +34,7 @@ from fallback_mw.request.usage import (
     unreadable_coding,
 )
 from fallback_mw.timers import Deadline, deadline_after
+from fallback_mw.tokens import read_json
 
 
 def content_length(headers: Iterable[tuple[bytes, bytes]]) -> int | None:
@@ -209,14 +210,16 @@ def body_json(body: RequestBody) -> dict[str, Any] | None:
 _NOT_UTF8_START = frozenset({b"\xef", b"\xfe", b"\xff", b"\x00"})
 
 
-def inspect_json(data: bytes | None) -> dict[str, Any] | None:
+def inspect_json(data: bytes | None, *, saturated: bool = False) -> dict[str, Any] | None:
     """The body as a JSON object, or None (not JSON, not an object, or too deeply nested
     to parse safely). Read as `json.loads` reads bytes, so as Starlette / FastAPI upstreams
-    (vLLM) read a request: a UTF-8 byte-order mark, or UTF-16 / UTF-32, is JSON too."""
+    (vLLM) read a request: a UTF-8 byte-order mark, or UTF-16 / UTF-32, is JSON too.
+    `saturated`: an integer of over 4,300 digits, which Python alone refuses, is read as a
+    large one (`read_json`), for an estimate only (such a body is never sent re-encoded)."""
     if not data or (data.lstrip()[:1] != b"{" and data[:1] not in _NOT_UTF8_START):
         return None
     try:
-        parsed = json.loads(data)
+        parsed = read_json(data) if saturated else json.loads(data)
     except (ValueError, UnicodeDecodeError, RecursionError):
         return None
     return parsed if isinstance(parsed, dict) else None
@@ -255,8 +258,19 @@ def decoded_request_json(
         decoded = decoder.decode(body.buffered, limit + 1)
         if len(decoded) <= limit:
             decoded += decoder.flush()
-    parsed = inspect_json(decoded) if len(decoded) <= limit else None
+    parsed = inspect_json(decoded, saturated=True) if len(decoded) <= limit else None
     return None if parsed is None else (decoded, parsed)
+
+
+def estimated_request_json(body: RequestBody) -> dict[str, Any] | None:
+    """A buffered body that is not JSON to `json.loads` only for an integer of over 4,300
+    digits (Python's own limit), parsed with that integer read as a large one: Go's
+    encoding/json skips such a number in a field it does not read and Node's JSON.parse
+    reads it as a float, so an upstream of theirs generates what the body asks for. For the
+    budget's estimate only; the body is not JSON to the walker (a model rewrite would send
+    that integer altered). Only asked when the body as sent is not JSON, so a plain body
+    costs nothing more."""
+    return inspect_json(body.buffered, saturated=True)
 
 
 def unreadable_request_coding(scope: Scope, body: RequestBody) -> str | None:

@@ -33,7 +33,7 @@ from typing import Any
 
 from fallback_mw.request.context import MAX_NAME, Usage
 from fallback_mw.security import READABLE_CODINGS
-from fallback_mw.tokens import MAX_TOKENS, token_count
+from fallback_mw.tokens import MAX_TOKENS, read_json, token_count
 
 DEFAULT_JSON_CAP = 1024 * 1024
 _TAIL = 64 * 1024
@@ -538,21 +538,8 @@ def _codings(content_encoding: bytes) -> list[bytes]:
 
 def _loads(data: bytes) -> Any:
     try:
-        return json.loads(data)
-    except (ValueError, UnicodeDecodeError):
-        pass
-    try:
         # Python refuses an integer of over 4,300 digits (a ValueError, as for bad JSON):
         # a count of 10^5000 tokens is read as the largest, as 10^40 is, not as no usage.
-        return json.loads(data, parse_int=_saturated_int)
+        return read_json(data)
     except (ValueError, UnicodeDecodeError):
         return None
-
-
-def _saturated_int(text: str) -> int:
-    if len(text) <= _INT_DIGITS:
-        return int(text)
-    return -1 if text.startswith("-") else 10**_INT_DIGITS  # token_count caps it
-
-
-_INT_DIGITS = 30
