@@ -239,3 +239,34 @@ async def test_a_body_with_an_integer_of_thousands_of_digits_is_held_as_json(whe
             assert (spent > Decimal("1.4") or where == "limit", held) == (True, Decimal(0))
         finally:
             await gateway.aclose()
+
+
+@pytest.mark.parametrize("charset", ["utf-7", '"UTF-7"', "utf-7-imap"])
+async def test_a_body_declared_in_utf7_is_refused_on_a_budgeted_route(charset: str) -> None:
+    # Express's body-parser decodes a JSON body by any `utf-*` charset it declares: in
+    # UTF-7 `max+AF8-tokens` is `max_tokens`, so such an upstream generated 1,000 tokens
+    # while the hold read an unknown key and took default_hold (0.01 for 2.00 against 1).
+    body = b'{"model":"gpt-test","max+AF8-tokens":1000}'
+    assert json.loads(body.decode("utf-7"))["max_tokens"] == 1000  # what Express reads
+    async with upstream(json_handler({"ok": True})) as primary:
+        conf = gateway_config({"primary": primary.url}, store=None, limit="1")
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                declared = {"content-type": f"application/json; charset={charset}"}
+                response = await client.post("/v1/chat", content=body, headers=declared)
+                assert response.status_code == 400, response.text
+                error = response.json()["error"]
+                assert error["code"] == "bad_request"
+                assert "UTF-7" in error["message"] and "UTF-8" in error["message"]
+                # The same body in UTF-8 (a `+` in its text) is served, and so is a UTF-7
+                # body with nothing UTF-7 reads differently.
+                plain = b'{"model":"gpt-test","max_tokens":1,"user":"a+b&c"}'
+                utf8 = {"content-type": "application/json; charset=utf-8"}
+                assert (await client.post("/v1/chat", content=plain, headers=utf8)).is_success
+                ascii_only = b'{"model":"gpt-test","max_tokens":1}'
+                response = await client.post("/v1/chat", content=ascii_only, headers=declared)
+                assert response.status_code == 200, response.text
+            assert primary.count == 2
+        finally:
+            await gateway.aclose()

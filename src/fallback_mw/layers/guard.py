@@ -38,6 +38,7 @@ from fallback_mw.request.body import (
     estimated_request_json,
     read_body,
     request_json,
+    unreadable_request_charset,
     unreadable_request_coding,
 )
 from fallback_mw.request.config_refusal import ConfigRefusal
@@ -126,6 +127,15 @@ def _unreadable_coding(budget_id: str, coding: str) -> str:
         f"budget {budget_id!r}'s hold (an upstream that decodes it would run whatever it "
         "asks for): send the body uncompressed, or in gzip or deflate; nothing was sent "
         "upstream"
+    )
+
+
+def _unreadable_charset(budget_id: str, charset: str) -> str:
+    return (
+        f"the request body is declared in {charset} (the Content-Type's charset), which the "
+        f"gateway does not decode to estimate budget {budget_id!r}'s hold (an upstream that "
+        "decodes it would run what it asks for, which the hold did not read): send the body "
+        "in UTF-8; nothing was sent upstream"
     )
 
 
@@ -246,6 +256,11 @@ class BudgetGuard:
         """The hold, or the local error (code, message) refusing the request."""
         parsed = request_json(context, body)  # notes the requested model, as the walker does
         buffered = body.buffered
+        if buffered and (parsed is None or b"+" in buffered or b"&" in buffered):
+            charset = unreadable_request_charset(scope)
+            if charset is not None:
+                # An upstream decoding it (Express) reads other keys than the hold would.
+                return "bad_request", _unreadable_charset(budget_id, charset)
         if parsed is None:
             # A compressed body is estimated as the upstream that decodes it reads it, up
             # to replay_buffer decoded, as a plain body is: 8 KB of gzip decoding to 8 MiB

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import zlib
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
@@ -283,3 +284,25 @@ def unreadable_request_coding(scope: Scope, body: RequestBody) -> str | None:
         return None
     coding = body_coding(scope.get("headers", []))[1]
     return None if coding is None else unreadable_coding(coding)
+
+
+# A charset name as Node's iconv-lite matches one (lowercase, letters and digits only).
+_NAME_NOISE = re.compile(rb"[^0-9a-z]")
+_CHARSET = re.compile(rb";\s*charset\s*=\s*\"?([^;\"]*)", re.IGNORECASE)
+
+
+def unreadable_request_charset(scope: Scope) -> str | None:
+    """The charset a request's `Content-Type` declares when JSON reads differently in it
+    than as the bytes `json.loads` reads (UTF-8, UTF-16, UTF-32): UTF-7 (and its IMAP
+    variant). Express's body-parser decodes a body by any declared `utf-*` charset before
+    parsing it, and in UTF-7 `"max+AF8-tokens"` is `"max_tokens"`: the upstream generated
+    a limit the hold never saw. None: no such charset. Asked only of a body holding `+` or
+    `&` (what UTF-7 decodes) or not JSON as sent, so a plain body costs nothing more."""
+    for key, value in scope.get("headers", ()):
+        if key.lower() == b"content-type":
+            match = _CHARSET.search(value)
+            if match is not None:
+                name = _NAME_NOISE.sub(b"", match[1].lower())
+                if name.startswith(b"utf7"):
+                    return "UTF-7"
+    return None
