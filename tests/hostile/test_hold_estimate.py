@@ -270,3 +270,42 @@ async def test_a_body_declared_in_utf7_is_refused_on_a_budgeted_route(charset: s
             assert primary.count == 2
         finally:
             await gateway.aclose()
+
+
+@pytest.mark.parametrize("coding", [None, "gzip"])
+async def test_a_body_nested_too_deep_to_estimate_is_refused_on_a_budgeted_route(
+    coding: str | None,
+) -> None:
+    # Python's parser stops near 1,000 levels: the hold read such a body as "not JSON" and
+    # took default_hold (0.01 for 2.00 against a limit of 1), while Node's JSON.parse and
+    # Go's encoding/json (to 10,000 levels) read it and generated max_tokens.
+    def nested(depth: int) -> bytes:
+        junk = b"[" * depth + b"]" * depth
+        return b'{"model":"gpt-test","max_tokens":1000,"x":' + junk + b"}"
+
+    headers = {"content-type": "application/json"}
+    if coding is not None:
+        headers["content-encoding"] = coding
+
+    def encode(data: bytes) -> bytes:
+        return data if coding is None else gzip.compress(data)
+
+    async with upstream(json_handler({"ok": True})) as primary:
+        conf = gateway_config({"primary": primary.url}, store=None, limit="1")
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                deep = encode(nested(5000))
+                response = await client.post("/v1/chat", content=deep, headers=headers)
+                assert response.status_code == 400, response.text
+                error = response.json()["error"]
+                assert error["code"] == "bad_request"
+                assert "nested deeper" in error["message"]
+                # Nested as deep as a real request is, it is estimated as before.
+                response = await client.post(
+                    "/v1/chat", content=encode(nested(50)), headers=headers
+                )
+                assert response.json()["error"]["code"] == "budget_exceeded"
+            assert primary.count == 0
+        finally:
+            await gateway.aclose()

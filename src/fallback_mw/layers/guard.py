@@ -34,6 +34,7 @@ from fallback_mw.budget.cost import PriceBook, format_money, to_units
 from fallback_mw.config import BudgetConfig, ConfigError, ConfigSource, as_config
 from fallback_mw.injected import require
 from fallback_mw.request.body import (
+    NestedTooDeep,
     decoded_request_json,
     estimated_request_json,
     read_body,
@@ -136,6 +137,15 @@ def _unreadable_charset(budget_id: str, charset: str) -> str:
         f"gateway does not decode to estimate budget {budget_id!r}'s hold (an upstream that "
         "decodes it would run what it asks for, which the hold did not read): send the body "
         "in UTF-8; nothing was sent upstream"
+    )
+
+
+def _nested_too_deep(budget_id: str) -> str:
+    return (
+        "the request body is JSON nested deeper than the gateway reads (about 1,000 levels) "
+        f"to estimate budget {budget_id!r}'s hold (an upstream reading it, Node's or Go's, "
+        "would run what it asks for, which the hold did not read): send it nested less "
+        "deeply; nothing was sent upstream"
     )
 
 
@@ -262,19 +272,23 @@ class BudgetGuard:
                 # An upstream decoding it (Express) reads other keys than the hold would.
                 return "bad_request", _unreadable_charset(budget_id, charset)
         if parsed is None:
-            # A compressed body is estimated as the upstream that decodes it reads it, up
-            # to replay_buffer decoded, as a plain body is: 8 KB of gzip decoding to 8 MiB
-            # of `[{}, {}, ...]` cost 210 MB and a quarter second of the loop to parse.
-            decoded = decoded_request_json(scope, body, self.settings.replay_buffer)
-            if decoded is not None:
-                buffered, parsed = decoded
-            else:
-                unreadable = unreadable_request_coding(scope, body)
-                if unreadable is not None:
-                    # default_hold for a body the upstream may decode and run whole.
-                    return "bad_request", _unreadable_coding(budget_id, unreadable)
-                # An integer of thousands of digits: JSON to Go's and Node's readers.
-                parsed = estimated_request_json(body)
+            try:
+                # A compressed body is estimated as the upstream that decodes it reads it,
+                # up to replay_buffer decoded, as a plain body is: 8 KB of gzip decoding to
+                # 8 MiB of `[{}, {}, ...]` cost 210 MB and a quarter second of the loop.
+                decoded = decoded_request_json(scope, body, self.settings.replay_buffer)
+                if decoded is not None:
+                    buffered, parsed = decoded
+                else:
+                    unreadable = unreadable_request_coding(scope, body)
+                    if unreadable is not None:
+                        # default_hold for a body the upstream may decode and run whole.
+                        return "bad_request", _unreadable_coding(budget_id, unreadable)
+                    # An integer of thousands of digits: JSON to Go's and Node's readers.
+                    parsed = estimated_request_json(body)
+            except NestedTooDeep:
+                # default_hold for a body Node's and Go's readers take whole.
+                return "bad_request", _nested_too_deep(budget_id)
             if parsed is not None and isinstance(parsed.get("model"), str):
                 context.request_model = context.request_model or parsed["model"][:MAX_NAME]
         try:

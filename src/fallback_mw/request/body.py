@@ -216,14 +216,25 @@ def inspect_json(data: bytes | None, *, saturated: bool = False) -> dict[str, An
     to parse safely). Read as `json.loads` reads bytes, so as Starlette / FastAPI upstreams
     (vLLM) read a request: a UTF-8 byte-order mark, or UTF-16 / UTF-32, is JSON too.
     `saturated`: an integer of over 4,300 digits, which Python alone refuses, is read as a
-    large one (`read_json`), for an estimate only (such a body is never sent re-encoded)."""
+    large one (`read_json`), for an estimate only (such a body is never sent re-encoded),
+    and a body nested too deep to parse raises `NestedTooDeep` (the estimate's refusal)."""
     if not data or (data.lstrip()[:1] != b"{" and data[:1] not in _NOT_UTF8_START):
         return None
     try:
         parsed = read_json(data) if saturated else json.loads(data)
-    except (ValueError, UnicodeDecodeError, RecursionError):
+    except RecursionError:
+        if saturated:
+            raise NestedTooDeep from None
+        return None
+    except (ValueError, UnicodeDecodeError):
         return None
     return parsed if isinstance(parsed, dict) else None
+
+
+class NestedTooDeep(Exception):
+    """A body nested deeper than Python's parser reads (about 1,000 levels), which Node's
+    `JSON.parse` and Go's `encoding/json` (to 10,000) read: no estimate can be made of
+    what such an upstream is asked to generate."""
 
 
 def request_json(context: RequestContext, body: RequestBody) -> dict[str, Any] | None:
@@ -245,7 +256,8 @@ def decoded_request_json(
     servers decode one before reading it), decoded (at most `limit` bytes) and parsed as a
     JSON object: what such an upstream reads, for the budget's estimate. None: no such
     coding, or not a JSON object once decoded. Only asked when the body as sent is not
-    JSON, so a plain body costs nothing more."""
+    JSON, so a plain body costs nothing more. Raises `NestedTooDeep` for a decoded body
+    too deep to parse."""
     if not body.buffered:
         return None
     coding = body_coding(scope.get("headers", []))[1]
@@ -270,7 +282,7 @@ def estimated_request_json(body: RequestBody) -> dict[str, Any] | None:
     reads it as a float, so an upstream of theirs generates what the body asks for. For the
     budget's estimate only; the body is not JSON to the walker (a model rewrite would send
     that integer altered). Only asked when the body as sent is not JSON, so a plain body
-    costs nothing more."""
+    costs nothing more. Raises `NestedTooDeep` for a body too deep to parse."""
     return inspect_json(body.buffered, saturated=True)
 
 
