@@ -309,3 +309,38 @@ async def test_a_body_nested_too_deep_to_estimate_is_refused_on_a_budgeted_route
             assert primary.count == 0
         finally:
             await gateway.aclose()
+
+
+@pytest.mark.parametrize("form", ["gzip", "deflate", "huge-integer"])
+async def test_a_compressed_or_huge_integer_body_counts_its_output_limit_against_tpm(
+    form: str,
+) -> None:
+    # The tpm estimate read only the body as sent: gzip (or an integer of thousands of
+    # digits) hid max_tokens=100000 and counted a few bytes' worth against tpm = 2000,
+    # so the candidate was sent what a plain body of the same request is refused there for
+    # (the budget's hold already read such a body as the upstream does).
+    plain = json.dumps({"model": "gpt-test", "max_tokens": 100_000}).encode()
+    headers = {"content-type": "application/json"}
+    if form == "huge-integer":
+        body = plain[:-1] + b',"x":' + b"9" * 5000 + b"}"
+    else:
+        body = gzip.compress(plain) if form == "gzip" else zlib.compress(plain)
+        headers["content-encoding"] = form
+    async with upstream(json_handler({"ok": True})) as primary:
+        conf = gateway_config({"primary": primary.url}, store=None, budget=None)
+        conf["upstreams"]["primary"]["tpm"] = 2000
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                response = await client.post("/v1/chat", content=body, headers=headers)
+                assert response.status_code == 503, response.text
+                assert "primary (capacity) skipped" in response.json()["error"]["message"]
+                # One within tpm is sent as before.
+                small = json.dumps({"model": "gpt-test", "max_tokens": 10}).encode()
+                if form != "huge-integer":
+                    small = gzip.compress(small) if form == "gzip" else zlib.compress(small)
+                response = await client.post("/v1/chat", content=small, headers=headers)
+                assert response.status_code == 200, response.text
+            assert primary.count == 1
+        finally:
+            await gateway.aclose()

@@ -35,11 +35,16 @@ if TYPE_CHECKING:
 
 
 def asker(
-    buffered: bytes | None, parsed: Mapping[str, Any] | None, declared: int | None
+    buffered: bytes | None,
+    parsed: Mapping[str, Any] | None,
+    declared: int | None,
+    unparsed: Callable[[], tuple[bytes, Mapping[str, Any]] | None] | None = None,
 ) -> Callable[[str, UpstreamConfig, bool], Ask]:
     """What each attempt of one request adds to its upstream's counts. The token estimate
     (tokens.py: body size, largest output limit) is made once, and only for an upstream
-    that declares `tpm`."""
+    that declares `tpm`. `unparsed`: a buffered body that is not JSON as sent, as the
+    budget's estimate reads it (decoded from gzip / deflate, an integer of thousands of
+    digits read), so the same estimate counts here (`request.body.estimate_source`)."""
     tokens: list[int] = []
 
     def ask(name: str, upstream: UpstreamConfig, repeat: bool) -> Ask:
@@ -47,7 +52,12 @@ def asker(
             return Ask(upstream.rpm, None, 0, repeat)
         if not tokens:
             size = len(buffered) if buffered is not None else declared
-            tokens.append(estimate_tokens(size or 0, parsed))
+            read = parsed
+            if read is None and buffered and unparsed is not None:
+                source = unparsed()  # a body the upstream reads, which json.loads does not
+                if source is not None:
+                    size, read = len(source[0]), source[1]
+            tokens.append(estimate_tokens(size or 0, read))
         return Ask(upstream.rpm, upstream.tpm, tokens[0], repeat)
 
     return ask

@@ -286,6 +286,22 @@ def estimated_request_json(body: RequestBody) -> dict[str, Any] | None:
     return inspect_json(body.buffered, saturated=True)
 
 
+def estimate_source(
+    scope: Scope, body: RequestBody, limit: int
+) -> tuple[bytes, dict[str, Any]] | None:
+    """A buffered body that is not JSON as sent, read for the estimates as an upstream
+    reads it (the budget's hold, `tpm`): decoded from gzip / deflate (`decoded_request_json`)
+    or with an integer of thousands of digits (`estimated_request_json`). None: neither."""
+    try:
+        decoded = decoded_request_json(scope, body, limit)
+        if decoded is not None:
+            return decoded
+        parsed = estimated_request_json(body)
+    except NestedTooDeep:
+        return None
+    return None if parsed is None or body.buffered is None else (body.buffered, parsed)
+
+
 def unreadable_request_coding(scope: Scope, body: RequestBody) -> str | None:
     """What keeps a buffered body's `Content-Encoding` from being read for the budget's
     estimate (`br`, `zstd`, a token of the caller's own: `unreadable_coding`'s name for

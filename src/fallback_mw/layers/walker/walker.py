@@ -37,7 +37,7 @@ from fallback_mw.layers.walker.hedge import run_hedged
 from fallback_mw.layers.walker.preflight import refusal
 from fallback_mw.layers.walker.stream import commit
 from fallback_mw.plan import candidate_order, is_canary
-from fallback_mw.request.body import read_body, request_json
+from fallback_mw.request.body import estimate_source, read_body, request_json
 from fallback_mw.request.config_refusal import ConfigRefusal
 from fallback_mw.request.context import (
     AttemptRecord,
@@ -205,7 +205,10 @@ class _Walk:
         self.attempts = AttemptLifecycle(
             context, body, parsed, client=walker.client, faults=walker.faults,
             health=walker.health, capacity=walker.capacity, telemetry=walker.telemetry,
-            ask=asker(body.buffered, parsed, size),
+            ask=asker(
+                body.buffered, parsed, size,
+                lambda: estimate_source(self.scope, body, walker.settings.replay_buffer),
+            ),
         )  # fmt: skip
         attempts = self.attempts
         self.cursor = CandidateCursor(
