@@ -344,3 +344,32 @@ async def test_a_compressed_or_huge_integer_body_counts_its_output_limit_against
             assert primary.count == 1
         finally:
             await gateway.aclose()
+
+
+@pytest.mark.parametrize("stray", [b"\xff", b"\xe9"], ids=["ff", "latin1"])
+async def test_a_body_with_bytes_that_are_not_utf8_is_held_as_a_go_or_node_upstream_reads_it(
+    stray: bytes,
+) -> None:
+    # Go's encoding/json (Ollama, LocalAI) and Express read bytes that are not UTF-8 in a
+    # string as U+FFFD and run the request; `json.loads` refuses the body, so the hold
+    # read "not JSON" and took default_hold (0.01 for 2.00 against a limit of 1).
+    def body(limit: int) -> bytes:
+        return b'{"model":"gpt-test","max_tokens":%d,"user":"a%sb"}' % (limit, stray)
+
+    assert json.loads(body(1000).decode("utf-8", "replace"))["max_tokens"] == 1000
+    async with upstream(json_handler({"ok": True})) as primary:
+        conf = gateway_config({"primary": primary.url}, store=None, limit="1")
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                headers = {"content-type": "application/json"}
+                response = await client.post("/v1/chat", content=body(1000), headers=headers)
+                assert response.status_code == 402, response.text
+                assert primary.count == 0
+                response = await client.post("/v1/chat", content=body(10), headers=headers)
+                assert response.status_code == 200, response.text
+                assert primary.received[0].body == body(10)  # sent as it came
+            spent, held = await status_of(gateway)
+            assert (spent > Decimal("0.02"), held) == (True, Decimal(0))  # not default_hold
+        finally:
+            await gateway.aclose()

@@ -216,17 +216,25 @@ def inspect_json(data: bytes | None, *, saturated: bool = False) -> dict[str, An
     to parse safely). Read as `json.loads` reads bytes, so as Starlette / FastAPI upstreams
     (vLLM) read a request: a UTF-8 byte-order mark, or UTF-16 / UTF-32, is JSON too.
     `saturated`: an integer of over 4,300 digits, which Python alone refuses, is read as a
-    large one (`read_json`), for an estimate only (such a body is never sent re-encoded),
-    and a body nested too deep to parse raises `NestedTooDeep` (the estimate's refusal)."""
+    large one (`read_json`), and bytes that are not UTF-8 as U+FFFD, for an estimate only
+    (such a body is never sent re-encoded), and a body nested too deep to parse raises
+    `NestedTooDeep` (the estimate's refusal)."""
     if not data or (data.lstrip()[:1] != b"{" and data[:1] not in _NOT_UTF8_START):
         return None
     try:
-        parsed = read_json(data) if saturated else json.loads(data)
+        try:
+            parsed = read_json(data) if saturated else json.loads(data)
+        except UnicodeDecodeError:
+            if not saturated:
+                return None
+            # Bytes that are not UTF-8 in a string: Go's encoding/json and Node's readers
+            # (Express) read each as U+FFFD and run the request; so the estimate does.
+            parsed = read_json(data.decode(json.detect_encoding(data), "replace"))
     except RecursionError:
         if saturated:
             raise NestedTooDeep from None
         return None
-    except (ValueError, UnicodeDecodeError):
+    except ValueError:
         return None
     return parsed if isinstance(parsed, dict) else None
 
@@ -277,9 +285,11 @@ def decoded_request_json(
 
 def estimated_request_json(body: RequestBody) -> dict[str, Any] | None:
     """A buffered body that is not JSON to `json.loads` only for an integer of over 4,300
-    digits (Python's own limit), parsed with that integer read as a large one: Go's
-    encoding/json skips such a number in a field it does not read and Node's JSON.parse
-    reads it as a float, so an upstream of theirs generates what the body asks for. For the
+    digits (Python's own limit), or for bytes that are not UTF-8 in a string, parsed with
+    that integer read as a large one and those bytes as U+FFFD: Go's encoding/json skips
+    such a number in a field it does not read (Node's JSON.parse reads it as a float) and
+    both read such bytes as U+FFFD, so an upstream of theirs generates what the body asks
+    for. For the
     budget's estimate only; the body is not JSON to the walker (a model rewrite would send
     that integer altered). Only asked when the body as sent is not JSON, so a plain body
     costs nothing more. Raises `NestedTooDeep` for a body too deep to parse."""
