@@ -62,6 +62,17 @@ def read_json(data: bytes | str) -> Any:
         return json.loads(data, parse_int=_saturated_int)
 
 
+def first_json_value(text: str, start: int = 0) -> Any:
+    """The JSON value at `text[start:]`, read as `read_json` reads one, and whatever
+    follows it left unread (as Go's `json.Decoder` reads a request)."""
+    try:
+        return _DECODER.raw_decode(text, start)[0]
+    except json.JSONDecodeError:
+        raise
+    except ValueError:  # an integer of over 4,300 digits
+        return _SATURATED.raw_decode(text, start)[0]
+
+
 def _saturated_int(text: str) -> int:
     if len(text) <= _INT_DIGITS:
         return int(text)
@@ -69,6 +80,8 @@ def _saturated_int(text: str) -> int:
 
 
 _INT_DIGITS = 30
+_DECODER = json.JSONDecoder()
+_SATURATED = json.JSONDecoder(parse_int=_saturated_int)
 
 
 def named_values(parsed: Mapping[str, Any], names: tuple[str, ...]) -> dict[str, list[Any]]:

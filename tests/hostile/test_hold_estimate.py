@@ -373,3 +373,36 @@ async def test_a_body_with_bytes_that_are_not_utf8_is_held_as_a_go_or_node_upstr
             assert (spent > Decimal("0.02"), held) == (True, Decimal(0))  # not default_hold
         finally:
             await gateway.aclose()
+
+
+@pytest.mark.parametrize(
+    "after",
+    [b"garbage", b'\n{"model":"gpt-test","max_tokens":1}\n', b"]"],
+    ids=["garbage", "jsonl", "bracket"],
+)
+async def test_a_body_with_data_after_its_object_is_held_as_a_go_decoder_reads_it(
+    after: bytes,
+) -> None:
+    # Go's json.Decoder reads a request's first JSON value and leaves the rest (gin's
+    # ShouldBindJSON: Ollama, many Go gateways): such an upstream generated max_tokens
+    # while `json.loads` refused the body ("Extra data") and the hold took default_hold
+    # (0.01 for 2.00 against a limit of 1).
+    def body(limit: int) -> bytes:
+        return b'{"model":"gpt-test","max_tokens":%d}' % limit + after
+
+    async with upstream(json_handler({"ok": True})) as primary:
+        conf = gateway_config({"primary": primary.url}, store=None, limit="1")
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                headers = {"content-type": "application/json"}
+                response = await client.post("/v1/chat", content=body(1000), headers=headers)
+                assert response.status_code == 402, response.text
+                assert primary.count == 0
+                response = await client.post("/v1/chat", content=body(10), headers=headers)
+                assert response.status_code == 200, response.text
+                assert primary.received[0].body == body(10)  # sent as it came
+            spent, held = await status_of(gateway)
+            assert (spent > Decimal("0.02"), held) == (True, Decimal(0))  # not default_hold
+        finally:
+            await gateway.aclose()

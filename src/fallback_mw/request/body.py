@@ -35,7 +35,7 @@ from fallback_mw.request.usage import (
     unreadable_coding,
 )
 from fallback_mw.timers import Deadline, deadline_after
-from fallback_mw.tokens import read_json
+from fallback_mw.tokens import first_json_value
 
 
 def content_length(headers: Iterable[tuple[bytes, bytes]]) -> int | None:
@@ -215,28 +215,32 @@ def inspect_json(data: bytes | None, *, saturated: bool = False) -> dict[str, An
     """The body as a JSON object, or None (not JSON, not an object, or too deeply nested
     to parse safely). Read as `json.loads` reads bytes, so as Starlette / FastAPI upstreams
     (vLLM) read a request: a UTF-8 byte-order mark, or UTF-16 / UTF-32, is JSON too.
-    `saturated`: an integer of over 4,300 digits, which Python alone refuses, is read as a
-    large one (`read_json`), and bytes that are not UTF-8 as U+FFFD, for an estimate only
-    (such a body is never sent re-encoded), and a body nested too deep to parse raises
-    `NestedTooDeep` (the estimate's refusal)."""
+    `saturated`: read as the most lenient upstream reads it (`_lenient_json`), for an
+    estimate only (such a body is never sent re-encoded), and a body nested too deep to
+    parse raises `NestedTooDeep` (the estimate's refusal)."""
     if not data or (data.lstrip()[:1] != b"{" and data[:1] not in _NOT_UTF8_START):
         return None
     try:
-        try:
-            parsed = read_json(data) if saturated else json.loads(data)
-        except UnicodeDecodeError:
-            if not saturated:
-                return None
-            # Bytes that are not UTF-8 in a string: Go's encoding/json and Node's readers
-            # (Express) read each as U+FFFD and run the request; so the estimate does.
-            parsed = read_json(data.decode(json.detect_encoding(data), "replace"))
+        parsed = _lenient_json(data) if saturated else json.loads(data)
     except RecursionError:
         if saturated:
             raise NestedTooDeep from None
         return None
-    except ValueError:
+    except ValueError:  # UnicodeDecodeError included
         return None
     return parsed if isinstance(parsed, dict) else None
+
+
+def _lenient_json(data: bytes) -> Any:
+    """The body's first JSON value as the most lenient upstream readers read it (for an
+    estimate only): bytes that are not UTF-8 in a string read as U+FFFD (Go's
+    encoding/json, Node's readers), an integer of over 4,300 digits as a large one
+    (`read_json`), and whatever follows the value left unread, as Go's `json.Decoder`
+    (gin's ShouldBindJSON: Ollama) reads a request: `{...}garbage` or JSON Lines run
+    the first object."""
+    text = data.decode(json.detect_encoding(data), "replace")
+    start = len(text) - len(text.lstrip(" \t\n\r"))
+    return first_json_value(text, start)
 
 
 class NestedTooDeep(Exception):
@@ -284,15 +288,15 @@ def decoded_request_json(
 
 
 def estimated_request_json(body: RequestBody) -> dict[str, Any] | None:
-    """A buffered body that is not JSON to `json.loads` only for an integer of over 4,300
-    digits (Python's own limit), or for bytes that are not UTF-8 in a string, parsed with
-    that integer read as a large one and those bytes as U+FFFD: Go's encoding/json skips
-    such a number in a field it does not read (Node's JSON.parse reads it as a float) and
-    both read such bytes as U+FFFD, so an upstream of theirs generates what the body asks
-    for. For the
-    budget's estimate only; the body is not JSON to the walker (a model rewrite would send
-    that integer altered). Only asked when the body as sent is not JSON, so a plain body
-    costs nothing more. Raises `NestedTooDeep` for a body too deep to parse."""
+    """A buffered body that is not JSON to `json.loads`, read as a lenient upstream reads
+    it (`_lenient_json`): an integer of over 4,300 digits (Python's own limit; Go's
+    encoding/json skips it in a field it does not read, Node's JSON.parse reads a float),
+    bytes that are not UTF-8 in a string (both read U+FFFD), data after the object (Go's
+    json.Decoder, gin's binding, reads the first value). Such an upstream generates what
+    the body asks for. For the budget's estimate only; the body is not JSON to the walker
+    (a model rewrite would send it altered). Only asked when the body as sent is not JSON,
+    so a plain body costs nothing more. Raises `NestedTooDeep` for a body too deep to
+    parse."""
     return inspect_json(body.buffered, saturated=True)
 
 
