@@ -1,22 +1,15 @@
-"""Configuration: pydantic models and TOML loading. The load-time refusals of SPEC §3 are
-in rules.py, shared with the route store (ConfigError lives there, re-exported here)."""
+"""The configuration's pydantic models: what each key of SPEC §3 takes, its default and
+its bounds, checked as the file is read (docs/configuration.md)."""
 
 from __future__ import annotations
 
 import difflib
 import functools
 import ipaddress
-import os
 import re
-import ssl
-import stat
-import tomllib
-import weakref
-from collections.abc import Mapping, Sequence
 from decimal import ROUND_DOWN, Decimal
-from pathlib import Path
 from types import UnionType
-from typing import Annotated, Any, Literal, NoReturn, Union, get_args, get_origin
+from typing import Any, Literal, Union, get_args, get_origin
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -24,13 +17,11 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictInt,
-    ValidationError,
     ValidationInfo,
     field_validator,
 )
 from pydantic_core import PydanticCustomError
 
-from fallback_mw import extras, rules
 from fallback_mw.rules import ConfigError as ConfigError  # re-exported: its public home
 from fallback_mw.security import (
     DEFAULT_STRIP_HEADERS,
@@ -52,6 +43,28 @@ MONEY_DECIMALS = 9  # the ledgers' integer nano-units
 _NANO = Decimal(1).scaleb(-MONEY_DECIMALS)
 # The longest walk deadline (route or gateway `deadline_ms`): it also bounds every attempt.
 MAX_DEADLINE_MS = 600_000
+
+
+# The plain scalar types a field takes, for `_Strict`'s refusal of type juggling.
+_SCALARS = {int: "int", float: "float", bool: "bool", str: "str"}
+
+
+def _scalar_kinds(annotation: Any) -> frozenset[str]:
+    """The plain scalar types a field takes ("int", "float", "bool", "str"), with None
+    allowed beside them; empty when it takes anything else too (a tuple, a Decimal, a
+    Literal, a model), whose own validation decides."""
+    members = (
+        get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+    )
+    kinds = set()
+    for member in members:
+        if member is type(None):
+            continue
+        kind = _SCALARS.get(member)
+        if kind is None:
+            return frozenset()
+        kinds.add(kind)
+    return frozenset(kinds)
 
 
 class _Strict(BaseModel):
@@ -601,415 +614,3 @@ class GatewayConfig(_Strict):
         for name in value:
             budget_id(name)
         return value
-
-
-_TABLES: tuple[tuple[str, type[BaseModel]], ...] = (
-    ("[gateway]", GatewaySettings),
-    ("[gateway.breaker]", BreakerConfig),
-    ("[gateway.repeat_budget]", RepeatAllowanceConfig),
-    ("[upstreams.NAME]", UpstreamConfig),
-    ("[[routes]]", RouteConfig),
-    ("[budgets.NAME]", BudgetConfig),
-)
-
-
-# Pydantic's "Input should be a valid integer, unable to parse string as an integer" and
-# kin: said in TOML's words as "must be an integer" (`deadline_ms = "5s"`).
-_SCALARS = {int: "int", float: "float", bool: "bool", str: "str"}
-
-
-def _scalar_kinds(annotation: Any) -> frozenset[str]:
-    """The plain scalar types a field takes ("int", "float", "bool", "str"), with None
-    allowed beside them; empty when it takes anything else too (a tuple, a Decimal, a
-    Literal, a model), whose own validation decides."""
-    members = (
-        get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
-    )
-    kinds = set()
-    for member in members:
-        if member is type(None):
-            continue
-        kind = _SCALARS.get(member)
-        if kind is None:
-            return frozenset()
-        kinds.add(kind)
-    return frozenset(kinds)
-
-
-_WRONG_TYPE = frozenset(
-    {
-        "tuple_type", "list_type", "dict_type", "model_type", "string_type", "int_type",
-        "int_parsing", "int_from_float", "float_type", "float_parsing", "decimal_type",
-        "decimal_parsing", "bool_type", "bool_parsing",
-    }
-)  # fmt: skip
-
-
-def _annotation_at(root: type[BaseModel], loc: Sequence[Any]) -> Any:
-    """The type the configuration expects at `loc` (a pydantic error location), or None."""
-    annotation: Any = root
-    for part in loc:
-        annotation = _without_none(annotation)
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            field = annotation.model_fields.get(part) if isinstance(part, str) else None
-            annotation = None if field is None else field.annotation
-        elif get_origin(annotation) is dict and not isinstance(part, int):
-            annotation = get_args(annotation)[1]
-        elif get_origin(annotation) is tuple and isinstance(part, int):
-            annotation = get_args(annotation)[0]
-        else:
-            return None
-    return _without_none(annotation)
-
-
-def _without_none(annotation: Any) -> Any:
-    if get_origin(annotation) in (Union, UnionType):
-        members = [a for a in get_args(annotation) if a is not type(None)]
-        if len(members) == 1:
-            return members[0]
-    return annotation
-
-
-def _kind(annotation: Any) -> str:
-    """What a TOML author writes for `annotation`, in their words (not pydantic's)."""
-    if get_origin(annotation) is Annotated:  # StrictInt: int with a constraint
-        annotation = get_args(annotation)[0]
-    origin = get_origin(annotation)
-    if origin in (Union, UnionType):
-        members = [a for a in get_args(annotation) if a is not type(None)]
-        return " or ".join(dict.fromkeys(_kind(a) for a in members))
-    if origin is tuple or annotation is tuple:
-        return "an array [...]"
-    if origin is dict or (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-        return "a table"
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in get_args(annotation))
-    names = {str: "a string", bool: "true or false", int: "an integer"}
-    return names.get(annotation, "a number" if annotation in (float, Decimal) else "a value")
-
-
-def _unknown_key(root: type[BaseModel], loc: Sequence[Any], where: str) -> str:
-    key = str(loc[-1])
-    parent = _annotation_at(root, loc[:-1])
-    if isinstance(parent, type) and issubclass(parent, BaseModel):
-        close = difflib.get_close_matches(key, list(parent.model_fields), n=1)
-        if close:
-            return f"unknown key {where!r} (did you mean {close[0]!r}?)"
-    # A key written below the wrong header: in TOML a key belongs to the last [table]
-    # header above it, so `retries` after [upstreams.backup] is the upstream's.
-    homes = [table for table, model in _TABLES if model is not parent and key in model.model_fields]
-    if homes:
-        return (
-            f"unknown key {where!r} ({key} is a key of {' and '.join(homes)}: a TOML key "
-            "belongs to the last [table] header above it)"
-        )
-    return f"unknown key {where!r}"
-
-
-_OUT_OF_RANGE = {
-    "greater_than_equal": "at least",
-    "less_than_equal": "at most",
-    "greater_than": "above",
-    "less_than": "below",
-}
-
-
-def _key_part(part: Any) -> str:
-    """One step of a key path as the message shows it: a quoted TOML key holding a line
-    break, a control character or a dot (`[prices."\\n"]`, `[upstreams."a.b"]`) in its
-    escaped form, so the message stays one line and says which key."""
-    text = str(part)
-    if isinstance(part, str) and (not text.isprintable() or "." in text or " " in text):
-        return repr(text)
-    return text
-
-
-def _describe(
-    error: ValidationError,
-    data: Mapping[str, Any] | None = None,
-    root: type[BaseModel] | None = None,
-) -> str:
-    root = root or GatewayConfig
-    lines: list[str] = []
-    routes = (data or {}).get("routes")
-    for item in error.errors():
-        raw = tuple(item["loc"])
-        loc = list(raw)
-        expected = _annotation_at(root, raw)
-        union = False
-        if expected is None:
-            # Past a union pydantic names each member by its type ("auth_env.str"): the
-            # key is the union's, and one line says every type it accepts.
-            for end in range(len(raw) - 1, 0, -1):
-                parent = _annotation_at(root, raw[:end])
-                if get_origin(parent) in (Union, UnionType):
-                    loc, expected, union = loc[:end], parent, True
-                    break
-        # "routes.0.retry" reads better as "routes['chat'].retry".
-        if len(loc) >= 2 and loc[0] == "routes" and isinstance(loc[1], int):
-            route = routes[loc[1]] if isinstance(routes, list | tuple) else None
-            if isinstance(route, Mapping) and isinstance(route.get("id"), str):
-                loc[:2] = [f"routes[{route['id']!r}]"]
-            else:
-                loc[:2] = [f"routes[{loc[1]}]"]
-        where = ".".join(_key_part(p) for p in loc)
-        kind = item["type"]
-        if kind == "extra_forbidden":  # said quoted whole: `unknown key 'gateway.\\nx'`
-            line = _unknown_key(root, raw, ".".join(str(p) for p in loc))
-        elif kind == "missing":
-            line = f"{where}: required key missing"
-        elif kind == "too_short" and item.get("ctx", {}).get("min_length") == 1:
-            line = f"{where}: must not be empty"
-        elif raw == ("routes",) and kind in ("tuple_type", "list_type"):
-            line = "routes: must be an array of tables: write each route as [[routes]]"
-        elif union or kind in _WRONG_TYPE:
-            line = f"{where}: must be {_kind(expected)}"
-        elif kind in _OUT_OF_RANGE:
-            # pydantic's "Input should be greater than or equal to 0": say it as the bound.
-            bound = next(iter(item.get("ctx", {}).values()), "?")
-            line = f"{where}: must be {_OUT_OF_RANGE[kind]} {bound}"
-        else:
-            # item["msg"] never contains the input value; "input" is deliberately not printed.
-            line = f"{where}: {item['msg'].removeprefix('Value error, ')}"
-        if line not in lines:
-            lines.append(line)
-    return "; ".join(lines)
-
-
-def check_config_extras(config: GatewayConfig) -> None:
-    """The extras a loaded configuration needs: redis state, a PostgreSQL store, the httpx
-    engine. The memory state, SQLite store and aiohttp engine are in the base install."""
-    settings = config.gateway
-    if is_redis_url(settings.state):
-        extras.require("redis", extras.state_feature(settings.state))
-    if settings.store is not None and settings.store.startswith(("postgresql://", "postgres://")):
-        extras.require("postgres", extras.store_feature(settings.store))
-    if settings.engine == "httpx":
-        extras.require("httpx", 'engine = "httpx"')
-
-
-def check_environment(config: GatewayConfig, environ: Mapping[str, str]) -> None:
-    """Every referenced credential variable must be set and usable. Only the name is
-    ever printed; every problem is named at once (not one per run)."""
-    used = {name for route in config.routes for name in route.plan}
-    used |= {route.shadow for route in config.routes if route.shadow is not None}
-    problems = []
-    for name, upstream in config.upstreams.items():
-        if name in used:
-            problems += rules.variable_problems(
-                f"upstream {name!r}", upstream.credential_envs, environ
-            )
-    if problems:
-        raise ConfigError("; ".join(problems))
-
-
-def check_ca_file(where: str, path: str) -> None:
-    """A `ca_file` must be a readable PEM bundle with at least one certificate. Not
-    necessarily a CA's: an upstream's own self-signed certificate, pinned (CA:FALSE, as
-    Go's generate_cert and many appliances write it), is a trust anchor OpenSSL verifies
-    that upstream by; it was refused as "no CA certificate". A certificate that trusts
-    nothing (a leaf another CA signed) fails at the handshake, kind `tls`, whose message
-    says to set the CA that signed it."""
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        raise ConfigError(f"{where}: ca_file {path!r} not found") from None
-    except (OSError, ValueError) as exc:
-        reason = getattr(exc, "strerror", None) or type(exc).__name__
-        raise ConfigError(
-            f"{where}: ca_file {path!r} is not a readable PEM bundle ({reason})"
-        ) from None
-    if not stat.S_ISREG(mode):
-        # OpenSSL reads it to its end: a FIFO (or a device that never ends) held `check`,
-        # `routes list` and a starting gateway forever, and a running one's store reloads.
-        raise ConfigError(
-            f"{where}: ca_file {path!r} is not a regular file (a directory, a FIFO or a "
-            "device): give the path of a PEM bundle"
-        )
-    try:
-        context = ssl.create_default_context(cafile=path)
-    except FileNotFoundError:
-        raise ConfigError(f"{where}: ca_file {path!r} not found") from None
-    except (OSError, ssl.SSLError, ValueError) as exc:
-        reason = getattr(exc, "strerror", None) or type(exc).__name__
-        raise ConfigError(
-            f"{where}: ca_file {path!r} is not a readable PEM bundle ({reason})"
-        ) from None
-    if not context.cert_store_stats()["x509"]:
-        raise ConfigError(f"{where}: ca_file {path!r} holds no certificate")
-
-
-def validate(
-    config: GatewayConfig, *, environ: Mapping[str, str] | None = None, check_env: bool = True
-) -> GatewayConfig:
-    if config.gateway.ca_file is not None:
-        check_ca_file("[gateway]", config.gateway.ca_file)
-    rules.check_identity_headers(
-        config.gateway.tenant_header,
-        config.gateway.session_header,
-        stripped=(
-            *config.gateway.strip_headers,
-            *(u.auth_header for u in config.upstreams.values()),
-        ),
-    )
-    for name, upstream in config.upstreams.items():
-        rules.check_upstream(name, upstream, config.gateway.allow_hosts)
-        if upstream.ca_file is not None:
-            check_ca_file(f"upstream {name!r}", upstream.ca_file)
-    ids: set[str] = set()
-    for route in config.routes:
-        if route.id in ids:
-            raise ConfigError(f"route {route.id!r} is defined twice")
-        ids.add(route.id)
-        rules.check_route(route, config.upstreams)
-        if (
-            route.budget is not None
-            and route.budget not in config.budgets
-            and config.gateway.store is None
-        ):
-            close = difflib.get_close_matches(route.budget, list(config.budgets), n=1)
-            raise ConfigError(
-                f"route {route.id!r}: unknown budget {route.budget!r} "
-                + (
-                    f"(did you mean {close[0]!r}?)"
-                    if close
-                    else f"(define [budgets.{route.budget}] or use a store that has it)"
-                )
-            )
-    check_config_extras(config)
-    if check_env:
-        check_environment(config, os.environ if environ is None else environ)
-    _mark_validated(config)
-    return config
-
-
-# The models `validate` passed (by identity; a frozen model with dict fields has no hash):
-# `as_config` hands a layer a model the Gateway (or another layer, or the caller's own
-# `load_config`) already validated without a second look-up. Whether its credential
-# variables were checked is the validating caller's choice: a model loaded with
-# `check_env=False` (a variable set later, or rotated away) is taken as it is, and a
-# credential missing at run time is a skipped candidate (SPEC §6), never a bare request.
-_VALIDATED: dict[int, weakref.ref[GatewayConfig]] = {}
-
-
-def _mark_validated(config: GatewayConfig) -> None:
-    key = id(config)
-    _VALIDATED[key] = weakref.ref(config, lambda _: _VALIDATED.pop(key, None))
-
-
-def _was_validated(config: GatewayConfig) -> bool:
-    entry = _VALIDATED.get(id(config))
-    return entry is not None and entry() is config
-
-
-def parse_config(data: Mapping[str, Any]) -> GatewayConfig:
-    try:
-        return GatewayConfig.model_validate(dict(data))
-    except ValidationError as exc:
-        raise ConfigError(f"invalid configuration: {_describe(exc, data)}") from None
-
-
-MAX_CONFIG_BYTES = 4 * 1024 * 1024
-
-# `config="[gateway]\n..."` was read as a file name: "configuration file '[gateway]\n...'
-# not found", the whole text repeated (its hosts, its variables' names). Never quoted back.
-TOML_TEXT = (
-    "config= was given TOML text, not the path of a file: config= takes the path of a TOML "
-    "file, a mapping (dict) or a GatewayConfig; for TOML text, pass tomllib.loads(text)"
-)
-
-
-def _looks_like_toml(name: str) -> bool:
-    """A name no configuration file has, but TOML text does: a table header first, or a
-    `key = value` (one-line text; asked only once no file of that name could be read)."""
-    return name.lstrip().startswith("[") or " = " in name
-
-
-def _unreadable(exc: OSError, path: Path, name: str) -> NoReturn:
-    if isinstance(exc, FileNotFoundError):
-        # A relative path is the server's working directory's: often not where the config
-        # is (a Django FALLBACK_MW setting, a service manager's cwd). Say where it looked.
-        where = "" if path.is_absolute() else f" (looked for {path.absolute()})"
-        raise ConfigError(f"configuration file {name} not found{where}") from None
-    if isinstance(exc, IsADirectoryError):
-        raise ConfigError(f"configuration file {name} is a directory, not a file") from None
-    if isinstance(exc, PermissionError):
-        raise ConfigError(f"configuration file {name} cannot be read (permission denied)") from None
-    raise ConfigError(f"configuration file {name} cannot be read ({exc.strerror})") from None
-
-
-def read_config_file(path: Path) -> dict[str, Any]:
-    """The TOML table in `path`; every way the file can be unreadable is one ConfigError
-    naming the file and what is wrong (never its content)."""
-    name = repr(str(path))
-    try:
-        with path.open("rb") as file:
-            raw = file.read(MAX_CONFIG_BYTES + 1)
-    except OSError as exc:
-        if _looks_like_toml(str(path)):
-            raise ConfigError(TOML_TEXT) from None
-        _unreadable(exc, path, name)
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"configuration file {name} is larger than 4 MiB")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(
-            f"configuration file {name} is not UTF-8 text (invalid byte at offset {exc.start})"
-        ) from None
-    # A UTF-8 byte order mark (Notepad, PowerShell 5's `Out-File -Encoding utf8`) is not TOML:
-    # tomllib's "Invalid statement (at line 1, column 1)" would point at nothing visible.
-    text = text.removeprefix("\ufeff")
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{name} is not valid TOML: {exc}") from None
-    except RecursionError:
-        # tomllib parses nested arrays and inline tables recursively: `a = [[[...]]]` some
-        # thousand deep was an "unexpected internal error" (and a RecursionError to
-        # `load_config`), not a refusal of the file.
-        raise ConfigError(
-            f"{name} nests arrays or inline tables too deeply (no key of a gateway "
-            "configuration nests more than a few levels)"
-        ) from None
-
-
-def load_config(
-    source: GatewayConfig | Mapping[str, Any] | str | os.PathLike[str],
-    *,
-    environ: Mapping[str, str] | None = None,
-    check_env: bool = True,
-) -> GatewayConfig:
-    """Load and validate a configuration from a path to a TOML file, a dict or a model."""
-    if isinstance(source, GatewayConfig):
-        config = source
-    elif isinstance(source, Mapping):
-        config = parse_config(source)
-    elif isinstance(source, str) and "\n" in source.strip():  # no configuration file's name
-        raise ConfigError(TOML_TEXT)
-    elif isinstance(source, str | os.PathLike) and not isinstance(os.fspath(source), bytes):
-        config = parse_config(read_config_file(Path(source)))
-    else:
-        # Path()'s own "expected str, bytes or os.PathLike object" named neither a dict nor
-        # a GatewayConfig, and bytes, which it then refused too.
-        raise TypeError(
-            "config must be a GatewayConfig, a dict or the path of a TOML file (str or "
-            f"os.PathLike), not {type(source).__name__}"
-        )
-    return validate(config, environ=environ, check_env=check_env)
-
-
-ConfigSource = GatewayConfig | Mapping[str, Any] | str | os.PathLike[str]
-
-
-def as_config(
-    source: ConfigSource, *, environ: Mapping[str, str] | None = None, check_env: bool = True
-) -> GatewayConfig:
-    """What every layer's `config=` takes, as `Gateway` does (SPEC §2): a path, a dict or
-    a `GatewayConfig`, loaded and validated (`load_config`; `check_env=False` for a layer
-    that reads no credential). A model `validate` already passed (`Gateway` hands its
-    layers the one it validated) is taken as it is; one built directly
-    (`GatewayConfig.model_validate(...)`) meets the load-time refusals like a dict."""
-    if isinstance(source, GatewayConfig) and _was_validated(source):
-        return source
-    return load_config(source, environ=environ, check_env=check_env)
