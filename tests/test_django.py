@@ -698,6 +698,53 @@ async def test_a_tenant_a_middleware_above_sets_in_meta_is_the_one_routed(
     assert "x-tenant-id" not in sent[1] and "x_tenant_id" not in sent[1]
 
 
+@pytest.mark.anyio
+async def test_a_tenant_a_middleware_above_deletes_is_not_restored_in_its_underscore_spelling(
+    closing: None,
+) -> None:
+    # Django keeps `x_tenant_id` out of request.META (its rule against underscore spoofing),
+    # so a login middleware deleting HTTP_X_TENANT_ID never saw it; the gateway reads it as
+    # the tenant header, and the anonymous caller was routed and charged as tenant acme.
+    async with (
+        upstream(status_handler(200, b"acme's upstream")) as acme,
+        upstream(status_handler(200, b"everyone's upstream")) as shared,
+    ):
+        config = gateway_config(acme, shared)
+        config["routes"] = [
+            {"id": "acme", "prefix": "/v1/", "tenant": "acme", "plan": ["primary"]},
+            {"id": "shared", "prefix": "/v1/", "plan": ["backup"]},
+        ]
+        with override_settings(
+            MIDDLEWARE=[f"{__name__}.TenantFromLogin", "fallback_mw.django.GatewayMiddleware"],
+            FALLBACK_MW={"config": config},
+        ):
+            app = ASGIHandler()
+        async with client_for(app) as client:
+            anonymous = await client.get("/v1/models", headers={"x_tenant_id": "acme"})
+            guest = await client.get(
+                "/v1/models", headers={"x_tenant_id": "acme", "x-login": "guest"}
+            )
+        config["routes"][0]["tenant"] = "josé"
+        with override_settings(
+            MIDDLEWARE=["fallback_mw.django.GatewayMiddleware"], FALLBACK_MW={"config": config}
+        ):
+            bare = ASGIHandler()  # kept: `closing` closes its gateway
+        async with client_for(bare) as client:
+            # No middleware above: the caller's own field, as sent (UTF-8), still names the
+            # tenant; only its underscore twin is dropped.
+            named = await client.get(
+                "/v1/models", headers=[("x-tenant-id", "josé".encode()), ("x_tenant_id", "x")]
+            )
+    assert anonymous.headers["x-gateway-route"] == "shared", anonymous.content
+    assert guest.headers["x-gateway-route"] == "shared", guest.content
+    assert named.headers["x-gateway-route"] == "acme", named.content
+    assert len(acme.received) == 1
+    assert "x_tenant_id" not in dict(acme.received[0].headers)
+    sent = [dict(received.headers) for received in shared.received]
+    assert "x_tenant_id" not in sent[0] and "x-tenant-id" not in sent[0]
+    assert sent[1]["x-tenant-id"] == "guest" and "x_tenant_id" not in sent[1]
+
+
 def test_a_configuration_that_does_not_load_is_raised_as_configuration_says(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

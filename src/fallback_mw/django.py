@@ -131,22 +131,34 @@ def _identity_as_django_has_it(
     that authenticates the caller sets (or deletes) `request.META["HTTP_X_TENANT_ID"]`,
     Django's way to change a request header; the Gateway reads the ASGI scope, where the
     caller's own value still stood, and routed (and charged) the request to the tenant the
-    caller named."""
-    changed: list[tuple[bytes, str | None]] = []
+    caller named. A caller's spelling with an underscore (`x_tenant_id`), which Django
+    keeps out of META and so out of that middleware's reach, but the Gateway reads as the
+    same header, is dropped too, unless it is the configured name itself (`x_tenant`)."""
+    changed: list[tuple[bytes, list[bytes]]] = []  # (name, the values it now goes with)
     for name, key in identity:
         # As Django's ASGIRequest fills META: fields whose name has an underscore dropped
         # (so a configured `x_tenant` is read from `x-tenant` there), repeated fields
         # joined with ",", latin-1.
         dashed = name.replace(b"_", b"-")
-        sent = [value.decode("latin-1") for field, value in headers if field.lower() == dashed]
+        sent: list[bytes] = []
+        hidden = False  # a spelling META never showed the middleware above
+        for sent_name, value in headers:
+            lower = sent_name.lower()
+            if lower == dashed:
+                sent.append(value)
+            elif b"_" in lower and lower != name and lower.replace(b"_", b"-") == dashed:
+                hidden = True
         now = request.META.get(key)
-        if (",".join(sent) if sent else None) != now:
-            changed.append((name, now if isinstance(now, str) else None))
+        if (b",".join(sent).decode("latin-1") if sent else None) != now:
+            # Set by a middleware above: its text, UTF-8 as the Gateway reads the header.
+            changed.append((name, [now.encode()] if isinstance(now, str) else []))
+        elif hidden:
+            changed.append((name, sent))  # as the caller sent it, byte for byte
     if not changed:
         return None
     names = {canonical_name(name) for name, _ in changed}  # the caller's, in any spelling
     kept = [(field, value) for field, value in headers if canonical_name(field) not in names]
-    kept += [(name, value.encode()) for name, value in changed if value is not None]
+    kept += [(name, value) for name, values in changed for value in values]
     return kept
 
 
