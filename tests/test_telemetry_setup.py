@@ -386,6 +386,29 @@ def test_a_propagator_not_installed_is_one_line_from_serve_and_no_other_verb_bre
     assert "bagage" in line and "opentelemetry-propagator-b3" in line
 
 
+def test_a_propagator_not_installed_is_one_line_from_demo() -> None:
+    # `demo` builds a Gateway too: under `OTEL_PROPAGATORS=b3` (not installed) its server's
+    # startup failed with the gateway's refusal, and the demo ended in a 50-line traceback
+    # ("Task exception was never retrieved", SystemExit(3)) instead of serve's one line.
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
+        "OTEL_PROPAGATORS": "tracecontext,bagage",
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "fallback_mw", "demo"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("fallback-mw: error: ") and "OTEL_PROPAGATORS" in line
+    assert "bagage" in line
+    assert result.stdout == ""
+
+
 def test_otlp_headers_in_the_http_spelling_are_refused_without_echoing_the_key(
     otel_env: Any, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
 ) -> None:

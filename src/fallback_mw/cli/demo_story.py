@@ -22,7 +22,7 @@ from typing import Any
 
 from aiohttp import ClientSession, ClientTimeout, web
 
-from fallback_mw.cli.app import Failed
+from fallback_mw.cli.app import Failed, Refused
 from fallback_mw.cli.serve import not_found_app
 from fallback_mw.gateway import Gateway
 
@@ -111,6 +111,10 @@ async def _gateway(config: dict[str, Any], port: int) -> AsyncIterator[str]:
     import uvicorn
 
     app = Gateway(not_found_app, config=config, environ=DEMO_ENVIRON)
+    if app.config_error is not None:
+        # The demo's own configuration always loads; what the environment adds may not
+        # (OTEL_PROPAGATORS naming a propagator not installed): one line, as serve says it.
+        raise Refused(app.config_error)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.bind(("127.0.0.1", port))
