@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 from fallback_mw.security import (
     CREDENTIAL_HEADERS,
+    FORWARDING_HEADERS,
     GATEWAY_HEADER_PREFIX,
     HOP_BY_HOP_HEADERS,
     RECOMPUTED_HEADERS,
@@ -214,11 +215,25 @@ def check_identity_headers(tenant: str, session: str, *, stripped: Iterable[str]
     refused |= {canonical_name(name.encode("latin-1", "replace")) for name in stripped}
     for key, name in (("tenant_header", tenant), ("session_header", session)):
         canonical = canonical_name(name.encode("latin-1", "replace"))
+        if canonical in _FORWARDING and canonical in refused:
+            # Not a credential: a default of strip_headers since the gateway stopped
+            # forwarding what a caller says of its own address (a session by client IP
+            # that a proxy in front sets loaded before, and was refused as "a credential").
+            raise ConfigError(
+                f"[gateway] {key} = {name!r} names a forwarding header, which strip_headers "
+                "removes before any upstream by default (a caller can forge it): to read it "
+                f"as the {key[:-7]}, set by a proxy in front that replaces the caller's, list "
+                "strip_headers without it (a list replaces the defaults: keep the others; it "
+                "is then forwarded), or choose another header"
+            )
         if canonical in refused or canonical.startswith(GATEWAY_HEADER_PREFIX):
             raise ConfigError(
                 f"[gateway] {key} = {name!r} names a header the gateway strips (a credential"
                 " or a connection field): its value would be recorded; choose another header"
             )
+
+
+_FORWARDING = frozenset(name.encode() for name in FORWARDING_HEADERS)
 
 
 def check_upstream(name: str, upstream: UpstreamShape, allow_hosts: Sequence[str]) -> None:

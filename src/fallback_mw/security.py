@@ -22,6 +22,23 @@ CREDENTIAL_HEADERS = frozenset(
         b"cookie",
     }
 )
+# What a proxy says about the client: an upstream that trusts the gateway as its proxy
+# (nginx `real_ip`, uvicorn `--forwarded-allow-ips`, a framework's trusted proxies) reads
+# them as the caller's address, host and scheme, so a caller forged the address an
+# upstream's rate limits and allowlists saw. Trusted only from configured peers, as
+# uvicorn's ProxyHeadersMiddleware does; the gateway has none: stripped by default.
+FORWARDING_HEADERS = (
+    "forwarded",
+    "x-forwarded-for",
+    "x-forwarded-host",
+    "x-forwarded-proto",
+    "x-forwarded-port",
+    "x-forwarded-prefix",
+    "x-real-ip",
+    "x-client-ip",
+    "true-client-ip",
+    "cf-connecting-ip",
+)
 # Further credential-looking headers and query keys stripped by default (SPEC §12
 # `[gateway] strip_headers` / `strip_query_keys`; setting a list replaces these).
 DEFAULT_STRIP_HEADERS = (
@@ -39,21 +56,8 @@ DEFAULT_STRIP_HEADERS = (
     "openai-organization",
     "openai-project",
     "x-goog-user-project",
-    # Not secrets either, but what a proxy says about the client: an upstream that trusts
-    # the gateway as its proxy (nginx `real_ip`, uvicorn `--forwarded-allow-ips`, a
-    # framework's trusted proxies) reads them as the caller's address, host and scheme, so a
-    # caller forged the address an upstream's rate limits and allowlists saw. Trusted only
-    # from configured peers, as uvicorn's ProxyHeadersMiddleware does; the gateway has none.
-    "forwarded",
-    "x-forwarded-for",
-    "x-forwarded-host",
-    "x-forwarded-proto",
-    "x-forwarded-port",
-    "x-forwarded-prefix",
-    "x-real-ip",
-    "x-client-ip",
-    "true-client-ip",
-    "cf-connecting-ip",
+    # Not secrets either, but what a proxy says about the client (FORWARDING_HEADERS).
+    *FORWARDING_HEADERS,
 )
 DEFAULT_STRIP_QUERY_KEYS = ("api_key", "key", "api-key", "apikey", "access_token", "private_token")
 # RFC 9110 §7.6.1 connection-specific fields, plus the usual legacy ones.

@@ -20,7 +20,12 @@ from openai import AsyncOpenAI
 from fallback_mw import Gateway
 from fallback_mw.cli import main
 from fallback_mw.config import ConfigError, load_config
-from fallback_mw.security import DEFAULT_STRIP_QUERY_KEYS, canonical_query_key, strip_query_keys
+from fallback_mw.security import (
+    DEFAULT_STRIP_HEADERS,
+    DEFAULT_STRIP_QUERY_KEYS,
+    canonical_query_key,
+    strip_query_keys,
+)
 from fallback_mw.store.model import StoredRoute
 from tests.helpers import client_for
 from tests.upstreams import host_app, status_handler, upstream
@@ -62,6 +67,19 @@ def test_an_identity_header_that_names_a_stripped_header_is_refused(key: str, na
 
 def test_a_header_removed_from_strip_headers_may_carry_the_tenant() -> None:
     load_config(base(tenant_header="x-auth-token", strip_headers=[]), check_env=False)
+
+
+@pytest.mark.parametrize("key", ["tenant_header", "session_header"])
+def test_an_identity_header_that_names_a_forwarding_header_says_how_to_keep_it(key: str) -> None:
+    # A session by client address (x-real-ip, set by nginx in front) loaded until the
+    # forwarding headers joined strip_headers' defaults; then it was refused as "a credential
+    # or a connection field", which it is not, with no word of how to keep it.
+    message = refused(base(**{key: "x-real-ip"}))
+    assert key in message and "forwarding header" in message
+    assert "credential" not in message
+    assert "list strip_headers without it" in message
+    kept = [name for name in DEFAULT_STRIP_HEADERS if name != "x-real-ip"]
+    load_config(base(**{key: "x-real-ip"}, strip_headers=kept), check_env=False)
 
 
 BAD_IDS = ["chat\r\nx-injected: 1", "a\x1b[31mred", "two words", "caf\u00e9", "", "a" * 129]
