@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from fallback_mw.budget import BudgetUnreadable, Ledger, LedgerUnavailable
 from fallback_mw.budget.cost import format_money
 from fallback_mw.cli.app import Console, Failed, Refused, leaf, run
-from fallback_mw.cli.show import print_table
+from fallback_mw.cli.show import one_line, print_table
 from fallback_mw.cli.target import StoreTarget, open_ledger_of, resolve, store_options
 from fallback_mw.config import MAX_MONEY, BudgetConfig
 from fallback_mw.store.model import build_model
@@ -74,7 +74,7 @@ async def _show_rows(
         known = budget is not None
         rows.append(
             (
-                _label(budget_id),
+                one_line(budget_id),  # stored before `budgets set` refused controls
                 status.window,
                 status.window_start,
                 format_money(status.limit) if known else UNKNOWN,
@@ -84,12 +84,6 @@ async def _show_rows(
             )
         )
     return rows
-
-
-def _label(budget_id: str) -> str:
-    """An id stored before `budgets set` refused control characters, or from a config
-    file: never raw terminal controls, never a broken row."""
-    return "".join(ch if ch.isprintable() else "?" for ch in budget_id)
 
 
 def budgets_show(args: argparse.Namespace, console: Console) -> None:
