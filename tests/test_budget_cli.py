@@ -373,3 +373,28 @@ async def test_usage_incidents_limit_shows_the_newest_incidents(
     assert await cli("usage", "--store", ledger_store, "--incidents", "--limit", "2", "--json") == 0
     shown = [json.loads(line)["request_id"] for line in capsys.readouterr().out.splitlines()]
     assert shown == ["r-3", "r-4"]  # the newest two, oldest first like every listing
+
+
+@pytest.mark.anyio
+async def test_budgets_show_of_one_budget_reads_past_another_row_it_cannot_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One stored row this version cannot read (a window another version wrote) made
+    `budgets show --budget other` fail on that row too: every budget of the store was read
+    to show one. The budget asked for is shown; asked for itself, the row is named."""
+    path = tmp_path / "l.db"
+    store = f"sqlite:///{path}"
+    ledger = open_ledger(store)
+    try:
+        await ledger.set_budget("acme", BudgetConfig(limit=Decimal(1), window="day"))
+        await ledger.set_budget("other", BudgetConfig(limit=Decimal(7), window="day"))
+    finally:
+        await ledger.aclose()
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE fmw_budgets SET window_kind = 'fortnight' WHERE budget_id = 'acme'")
+    capsys.readouterr()
+    assert await cli("budgets", "show", "--store", store, "--budget", "other") == 0
+    out = capsys.readouterr().out
+    assert "other" in out and "7.00" in out and "acme" not in out
+    assert await cli("budgets", "show", "--store", store, "--budget", "acme") == 1
+    assert "stored budget 'acme'" in capsys.readouterr().err

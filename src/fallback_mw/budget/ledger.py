@@ -26,6 +26,15 @@ class BudgetUnreadable(LedgerUnavailable):
     """A stored budget this version cannot read (a window another version wrote, a row
     edited by hand): its routes fail closed as if the ledger were unreachable."""
 
+    @classmethod
+    def named(cls, budget_id: str) -> BudgetUnreadable:
+        """The error naming the row (its values are not quoted) and the fix."""
+        return cls(
+            f"stored budget {budget_id!r} is a row this version cannot read (a window or amount "
+            "another version or a hand edit wrote): `fallback-mw budgets set --budget ID "
+            "--limit ...` stores it again"
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class Hold:

@@ -53,7 +53,17 @@ async def _show_rows(
     ledger: Ledger, target: StoreTarget, only: str | None
 ) -> list[tuple[str, ...]]:
     defined: dict[str, BudgetConfig] = dict(target.config.budgets)
-    defined.update(await ledger.stored_budgets())  # the store wins, as in the gateway
+    if only is None:
+        defined.update(await ledger.stored_budgets())  # the store wins, as in the gateway
+    else:
+        # Only the row asked for is read: another this version cannot read (a window a
+        # newer version wrote) does not hide it.
+        try:
+            stored = await ledger.stored_budget(only)
+        except BudgetUnreadable:
+            raise BudgetUnreadable.named(only) from None
+        if stored is not None:
+            defined[only] = stored
     # Budgets with spend but no definition here: defined in a config file not given.
     undefined = {
         budget_id: kind

@@ -222,11 +222,7 @@ def budgets_from_rows(rows: list[tuple[object, object, object, object]]) -> dict
         try:
             budgets[str(budget_id)] = budget_from_row(limit_units, window, default_hold_units)
         except BudgetUnreadable:
-            raise BudgetUnreadable(
-                f"stored budget {str(budget_id)!r} is a row this version cannot read (a window "
-                "or amount another version or a hand edit wrote): `fallback-mw budgets set "
-                "--budget ID --limit ...` stores it again"
-            ) from None
+            raise BudgetUnreadable.named(str(budget_id)) from None
     return budgets
 
 
