@@ -184,6 +184,29 @@ def test_printable_budget_ids_load() -> None:
     assert load_config(data, check_env=False).routes[0].budget == "team a/ü"
 
 
+@pytest.mark.parametrize("expires_at", [1e12, 1e300, float("inf")])
+def test_faults_list_reads_a_stored_expiry_past_any_calendar(
+    tmp_path: Path, expires_at: float
+) -> None:
+    """A fault row written by hand (or by another tool) to last "for ever" (an expiry of
+    1e12, past the year 9999, or 1e300) made `faults list` and `faults clear`'s still-active
+    warning end in "unexpected internal error (ValueError / OverflowError)", so the
+    operator could not see the fault that is driving the gateway. It is listed."""
+    path = tmp_path / "gateway.db"
+    store = f"sqlite:///{path}"
+    set_ = ["faults", "set", "fail", "--store", store, "--upstream", "primary", "--ttl", "600"]
+    assert main(set_, stdout=io.StringIO(), stderr=io.StringIO()) == 0
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE fmw_faults SET expires_at = ?", (expires_at,))
+    out, err = io.StringIO(), io.StringIO()
+    assert main(["faults", "list", "--store", store], stdout=out, stderr=err) == 0, err.getvalue()
+    assert out.getvalue().startswith("fail\tupstream=primary\tuntil after 9999-12-31")
+    err = io.StringIO()
+    clear = ["faults", "clear", "--store", store, "--upstream", "other"]
+    assert main(clear, stdout=io.StringIO(), stderr=err) == 0, err.getvalue()
+    assert "still active: fail upstream 'primary' until after 9999-12-31" in err.getvalue()
+
+
 @pytest.mark.parametrize(
     "host", ["0177.0.0.1", "2130706433", "127.1", "0x7f.0.0.1", "0x7f000001", "017700000001"]
 )

@@ -20,8 +20,13 @@ MAX_TTL_SECONDS = 7 * 24 * 3600
 
 
 def expiry_text(expires_at: float) -> str:
-    """`2026-11-30T18:00:00.250Z (expires_at=1796061600.250)`: ISO time and epoch seconds."""
-    moment = datetime.fromtimestamp(expires_at, UTC)
+    """`2026-11-30T18:00:00.250Z (expires_at=1796061600.250)`: ISO time and epoch seconds.
+    A stored expiry past the calendar's end (a row written by hand to last "for ever":
+    1e12, 1e300, inf) is `after 9999-12-31`, never an internal error."""
+    try:
+        moment = datetime.fromtimestamp(expires_at, UTC)
+    except (ValueError, OverflowError, OSError):
+        return f"after 9999-12-31 (expires_at={expires_at:.6g})"
     iso = moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
     return f"{iso} (expires_at={expires_at:.3f})"
 
