@@ -440,6 +440,13 @@ def test_otlp_headers_in_the_http_spelling_are_refused_without_echoing_the_key(
     handle.shutdown()
 
 
+OTLP_TRACES = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"}
+OTLP_METRICS = {
+    "OTEL_METRICS_EXPORTER": "otlp",
+    "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9",
+}
+
+
 @pytest.mark.parametrize(
     ("variables", "named"),
     [
@@ -447,6 +454,20 @@ def test_otlp_headers_in_the_http_spelling_are_refused_without_echoing_the_key(
         (
             {"OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT": "abc", "OTEL_TRACES_EXPORTER": "console"},
             "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT",
+        ),
+        # The span processor's and the metric reader's own settings, read when an OTLP
+        # exporter is set: a bare ValueError ("unexpected internal error") as well.
+        (
+            {"OTEL_BSP_MAX_QUEUE_SIZE": "-5", **OTLP_TRACES},
+            "OTEL_BSP_",
+        ),
+        (
+            {"OTEL_BSP_SCHEDULE_DELAY": "-1", **OTLP_TRACES},
+            "OTEL_BSP_",
+        ),
+        (
+            {"OTEL_METRIC_EXPORT_INTERVAL": "-5", **OTLP_METRICS},
+            "OTEL_METRIC_EXPORT_",
         ),
     ],
 )

@@ -254,6 +254,14 @@ def _sdk_settings(which: str) -> Iterator[None]:
         raise TelemetrySetupError(f"{which}: the OpenTelemetry SDK refused it: {exc}") from None
 
 
+def _periodic_reader(reader: Any, name: str, environ: Mapping[str, str], out: TextIO) -> Any:
+    """A PeriodicExportingMetricReader for exporter `name`; its own settings refused (a
+    negative OTEL_METRIC_EXPORT_INTERVAL) in one line, as the providers' are."""
+    exporter = _exporter("metrics", name, environ, out)
+    with _sdk_settings("OTEL_METRIC_EXPORT_* (the periodic metric reader's)"):
+        return reader(exporter)
+
+
 def configure_opentelemetry(
     *,
     service_name: str = "fallback-mw",
@@ -314,9 +322,12 @@ def configure_opentelemetry(
         for name in handle.traces:
             exporter = _exporter("traces", name, environ, stream)
             # Console output is for eyes: show each span as it ends.
-            processor = (
-                SimpleSpanProcessor(exporter) if name == "console" else BatchSpanProcessor(exporter)
-            )
+            with _sdk_settings("OTEL_BSP_* (the batch span processor's)"):
+                processor = (
+                    SimpleSpanProcessor(exporter)
+                    if name == "console"
+                    else BatchSpanProcessor(exporter)
+                )
             tracer_provider.add_span_processor(processor)
         handle.tracer_provider = tracer_provider
         handle._providers.append(tracer_provider)
@@ -330,7 +341,7 @@ def configure_opentelemetry(
         readers = [
             _prometheus_reader(handle, environ, metrics_port_offset)
             if name == "prometheus"
-            else PeriodicExportingMetricReader(_exporter("metrics", name, environ, stream))
+            else _periodic_reader(PeriodicExportingMetricReader, name, environ, stream)
             for name in handle.metrics
         ]
         with _sdk_settings("OTEL_METRICS_EXEMPLAR_FILTER or OTEL_ATTRIBUTE_*"):
