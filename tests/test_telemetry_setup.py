@@ -409,6 +409,35 @@ def test_a_propagator_not_installed_is_one_line_from_demo() -> None:
     assert result.stdout == ""
 
 
+def test_a_span_limit_the_sdk_refuses_as_it_loads_is_one_line_from_serve(tmp_path: Path) -> None:
+    # OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT=-1 is read as the SDK's trace module is imported,
+    # before any provider is built: serve ended in "unexpected internal error (ValueError);
+    # please report it", a typo read as our bug.
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        '[upstreams.primary]\nurl = "http://127.0.0.1:9"\n\n'
+        '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["primary"]\n',
+        encoding="utf-8",
+    )
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
+        "OTEL_TRACES_EXPORTER": "console",
+        "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT": "-1",
+    }
+    served = subprocess.run(
+        [sys.executable, "-m", "fallback_mw", "serve", "--config", str(config), "--port", "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert served.returncode == 2, served.stderr
+    (line,) = served.stderr.strip().splitlines()
+    assert line.startswith("fallback-mw: error: ") and "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT" in line
+    assert "internal error" not in line
+
+
 def test_otlp_headers_in_the_http_spelling_are_refused_without_echoing_the_key(
     otel_env: Any, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
 ) -> None:

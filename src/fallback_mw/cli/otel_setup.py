@@ -314,10 +314,11 @@ def configure_opentelemetry(
         resource = resource.merge(Resource({SERVICE_INSTANCE_ID: f"{instance}-worker-{worker}"}))
 
     if handle.traces:
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
-
         with _sdk_settings("OTEL_SPAN_*, OTEL_ATTRIBUTE_* or OTEL_TRACES_SAMPLER*"):
+            # The import too: the SDK reads OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT as it loads.
+            from opentelemetry.sdk.trace import TracerProvider
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+
             tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=set_global)
         for name in handle.traces:
             exporter = _exporter("traces", name, environ, stream)
