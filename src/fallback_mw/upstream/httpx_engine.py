@@ -272,6 +272,10 @@ class HttpxResponse:
         self.status = response.status_code
         self.headers = [(k.lower(), v) for k, v in response.headers.raw]
         self._finished = False
+        # The HTTP/1.1 connection it came on and that connection's request count now: a
+        # close that finds it ACTIVE on this same request knows it is still this answer's.
+        self._connection = _http11_connection(response)
+        self._cycle = getattr(self._connection, "_request_count", None)
 
     async def iter_chunks(self) -> AsyncIterator[bytes]:
         stream = self._response.aiter_raw()
@@ -301,9 +305,16 @@ class HttpxResponse:
         # and the connection stayed open and ACTIVE in the pool for ever (a socket in
         # CLOSE-WAIT, a pool slot lost). Cut short, the connection cannot have gone back to
         # the pool (only an answer read to its end does): closing it here is never another
-        # request's.
-        connection = _http11_connection(self._response)
-        if connection is not None and not connection.is_closed():
+        # request's. Still checked: closed, idle (back in the pool) or on a later request
+        # (handed to one queued for it: its request count moved on), it is not this
+        # answer's to close.
+        connection = self._connection
+        if (
+            connection is not None
+            and not connection.is_closed()
+            and not connection.is_idle()
+            and getattr(connection, "_request_count", None) == self._cycle
+        ):
             await connection.aclose()
 
 
