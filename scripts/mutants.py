@@ -382,7 +382,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "faults_set_overwrites_an_active_fault",
         "faults set refuses while a fault holds the same target (SQLite)",
-        (("store/sqlite.py", "if row is not None and not replace:", "if False:"),),
+        (("store/sqlite.py", "if active is not None and not replace:", "if False:"),),
         (
             "tests/test_faults.py::"
             "test_faults_set_refuses_an_active_fault_on_the_same_target_unless_replace[sqlite]",
