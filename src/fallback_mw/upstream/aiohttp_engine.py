@@ -32,6 +32,7 @@ from fallback_mw.upstream.base import (
 from fallback_mw.upstream.guard import GuardedResolver, LiteralChecks, UnsafeAddressError
 from fallback_mw.upstream.tls import (
     HANDSHAKE_CLOSED,
+    TLS_FAILED,
     closed_in_handshake,
     is_certificate_error,
     ssl_context,
@@ -72,8 +73,7 @@ class _ErrorMap:
             raise UpstreamError("timeout", phase, f"timed out during {phase}") from exc
         tls = _tls_failure(exc)
         if tls is not None:
-            message = "the TLS exchange with the upstream failed"
-            raise UpstreamError("tls", phase, message, detail=tls) from None
+            raise UpstreamError("tls", phase, TLS_FAILED, detail=tls) from None
         if isinstance(exc, aiohttp.ClientHttpProxyError):
             refused = proxy_refused(exc.status)
             raise UpstreamError("transport", phase, refused, detail=refused) from None

@@ -38,7 +38,13 @@ from fallback_mw.upstream.base import (
 )
 from fallback_mw.upstream.guard import LiteralChecks, UnsafeAddressError
 from fallback_mw.upstream.httpx_backend import GuardedNetworkBackend
-from fallback_mw.upstream.tls import HANDSHAKE_CLOSED, closed_in_handshake, ssl_context, tls_problem
+from fallback_mw.upstream.tls import (
+    HANDSHAKE_CLOSED,
+    TLS_FAILED,
+    closed_in_handshake,
+    ssl_context,
+    tls_problem,
+)
 
 MAX_CONNECTIONS = 512
 
@@ -109,7 +115,7 @@ def map_errors(phase: Phase) -> Iterator[None]:
         if tls is None and _https(exc) and closed_in_handshake(exc):
             tls = HANDSHAKE_CLOSED  # reset while connecting an https:// url, as on aiohttp
         if tls is not None:
-            raise UpstreamError("tls", phase, _TLS_FAILED, detail=tls) from None
+            raise UpstreamError("tls", phase, TLS_FAILED, detail=tls) from None
         raise UpstreamError("refused", phase, "could not connect") from None
     except httpx.ProxyError as exc:
         # httpcore's message: the proxy's status and reason ("407 Proxy Authentication
@@ -126,13 +132,10 @@ def map_errors(phase: Phase) -> Iterator[None]:
         # certificate on the first read; httpcore lets that ssl.SSLError through bare).
         tls = tls_problem(exc)
         if tls is not None:
-            raise UpstreamError("tls", phase, _TLS_FAILED, detail=tls) from None
+            raise UpstreamError("tls", phase, TLS_FAILED, detail=tls) from None
         raise UpstreamError("transport", phase, type(exc).__name__) from None
     finally:
         _ENGINE_ACTIVE.reset(token)
-
-
-_TLS_FAILED = "the TLS exchange with the upstream failed"
 
 
 def _https(exc: httpx.RequestError) -> bool:
@@ -148,23 +151,20 @@ def _is_connect(info: object) -> bool:
     return getattr(request, "method", None) == b"CONNECT"
 
 
-def _h11_state(response: httpx.Response) -> h11.Connection | None:
-    """The h11 state of the connection an HTTP/1.1 response came on, found through
-    httpcore's internals, read defensively: another shape finds nothing."""
+def _http11_connection(response: httpx.Response) -> httpcore.AsyncHTTP11Connection | None:
+    """httpcore's HTTP/1.1 connection an answer came on, found through its internals, read
+    defensively: another shape (a handed transport's response) finds nothing."""
     bound = getattr(response.stream, "_stream", None)  # httpx's AsyncResponseStream
     pooled = getattr(bound, "_httpcore_stream", None)  # httpcore's PoolByteStream
     inner = getattr(pooled, "_stream", None)  # HTTP11ConnectionByteStream
-    state = getattr(getattr(inner, "_connection", None), "_h11_state", None)
-    return state if isinstance(state, h11.Connection) else None
-
-
-def _http11_connection(response: httpx.Response) -> httpcore.AsyncHTTP11Connection | None:
-    """httpcore's HTTP/1.1 connection an answer came on (as `_h11_state` finds it), or
-    None (another shape, a handed transport's response)."""
-    bound = getattr(response.stream, "_stream", None)
-    inner = getattr(getattr(bound, "_httpcore_stream", None), "_stream", None)
     connection = getattr(inner, "_connection", None)
     return connection if isinstance(connection, httpcore.AsyncHTTP11Connection) else None
+
+
+def _h11_state(response: httpx.Response) -> h11.Connection | None:
+    """The h11 state of the connection an HTTP/1.1 response came on (None: not found)."""
+    state = getattr(_http11_connection(response), "_h11_state", None)
+    return state if isinstance(state, h11.Connection) else None
 
 
 async def _close_orphaned_connections(client: httpx.AsyncClient) -> None:

@@ -39,6 +39,8 @@ def is_certificate_error(exc: BaseException) -> bool:
     return _in_chain(exc, (ssl.SSLError, ssl.CertificateError))
 
 
+# The engine error's own message for any `tls` failure (the detail says what failed).
+TLS_FAILED = "the TLS exchange with the upstream failed"
 # OpenSSL's verify codes (x509_vfy.h) the message tells apart; any other is "did not verify".
 _EXPIRED = {9: "is not valid yet (check the clocks)", 10: "has expired (renew it on the upstream)"}
 _OTHER_HOST = frozenset({62, 64})  # X509_V_ERR_HOSTNAME_MISMATCH, _IP_ADDRESS_MISMATCH
