@@ -146,7 +146,8 @@ def _identity_as_django_has_it(
             lower = sent_name.lower()
             if lower == dashed:
                 sent.append(value)
-            elif b"_" in lower and lower != name and lower.replace(b"_", b"-") == dashed:
+            # `find`, not `in`: `bytes in bytes` raises and clears a TypeError each time.
+            elif lower.find(b"_") >= 0 and lower != name and lower.replace(b"_", b"-") == dashed:
                 hidden = True
         now = request.META.get(key)
         if (b",".join(sent).decode("latin-1") if sent else None) != now:
@@ -298,11 +299,7 @@ class GatewayMiddleware:
         path = routed_path(scope)
         if path is None:
             return False  # no route matches it: the resolver hands it to Django
-        return any(
-            path.startswith(route.prefix)
-            or (route.prefix.endswith("/") and path == route.prefix[:-1])
-            for route in self.gateway.resolver.table().routes
-        )
+        return self.gateway.resolver.table().covers(path)
 
     def _routed(self, request: HttpRequest) -> bool:
         """Would a route take this request (one without an ASGI scope)? The resolver's

@@ -159,6 +159,16 @@ class RouteTable:
             canonical_name(u.auth_header.encode()) for u in self.upstreams.values()
         )
 
+    def covers(self, path: str) -> bool:
+        """Whether a route's prefix takes `path`, whatever the method and tenant (as
+        `resolve` matches a prefix; written again there, inline: a call per route on every
+        request)."""
+        return any(
+            path.startswith(route.prefix)
+            or (route.prefix.endswith("/") and path == route.prefix[:-1])
+            for route in self.routes
+        )
+
     def match(self, method: str, path: str, tenant: str) -> RouteConfig | None:
         return self.resolve(method, path, tenant)[0]
 
@@ -172,7 +182,7 @@ class RouteTable:
         host app)."""
         refused: RouteConfig | None = None
         for route in self.routes:
-            # "/v1/" also matches a request for exactly "/v1".
+            # "/v1/" also matches a request for exactly "/v1" (`covers` reads it alike).
             if not path.startswith(route.prefix) and not (
                 route.prefix.endswith("/") and path == route.prefix[:-1]
             ):
