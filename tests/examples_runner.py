@@ -53,6 +53,9 @@ def running_example(name: str) -> Iterator[Example]:
                 primary, backup = upstreams.groups()
                 break
         assert url is not None and primary and backup, "".join(output)
+        # The watchdog times the start only: a module whose tests use the example for longer
+        # than that (a slow or busy machine) must not lose it midway.
+        watchdog.cancel()
         yield Example(url=url, primary=primary, backup=backup, output=output)
     finally:
         watchdog.cancel()
