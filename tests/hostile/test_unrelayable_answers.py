@@ -18,6 +18,7 @@ from tests.upstreams import host_app, serve_asgi, status_handler, upstream
 pytestmark = pytest.mark.anyio
 
 ENGINES = ["aiohttp", "httpx"]
+FORGED = b"HTTP/1.1 200 OK\r\nx-forged: 1\r\ncontent-length: 6\r\n\r\nforged"
 
 ANSWERS = {
     "status-000": b"HTTP/1.1 000 X\r\ncontent-length: 2\r\n\r\nok",
@@ -37,6 +38,13 @@ ANSWERS = {
     # More than its Content-Length, in the same read: the httpx engine relayed "ok" as
     # the complete answer (aiohttp's parser refuses it).
     "past-its-length": b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nokEXTRA",
+    # A whole second answer past the framing, in the same read (a desynced proxy, a
+    # smuggled answer): aiohttp's parser queued it as the next message and the engine
+    # relayed the first as served, where the httpx engine failed it over.
+    "answer-past-its-length": b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok" + FORGED,
+    "answer-past-a-204": b"HTTP/1.1 204 No Content\r\n\r\n" + FORGED,
+    "answer-past-an-interim-and-its-length": b"HTTP/1.1 100 Continue\r\n\r\n"
+    b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok" + FORGED,
     # 7 MB of fields (each within aiohttp's 64 KiB, fewer than its 128): aiohttp relayed
     # the head whole, past what a client reads (h11: 100 KiB), booked as served.
     "head-7mb": b"HTTP/1.1 200 OK\r\n"

@@ -390,6 +390,15 @@ class AiohttpClient:
         try:
             with map_errors("first_byte"):
                 check_response_head(response.status, response.raw_headers)
+                protocol = response._protocol
+                if protocol is not None and len(protocol):
+                    # A whole further answer came with this one, past its framing (after
+                    # its Content-Length, a 204's head): aiohttp's parser queued it as the
+                    # next message (bytes that are no answer it refuses). The answer
+                    # contradicts itself, as the httpx engine reads it (_past_its_framing).
+                    raise UpstreamError(
+                        "protocol", "first_byte", "the answer breaks its own framing"
+                    )
         except UpstreamError:
             response.close()
             raise

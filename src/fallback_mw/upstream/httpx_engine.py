@@ -228,7 +228,8 @@ def _past_its_framing(response: httpx.Response, method: str) -> bool:
     """Whether more bytes came with the response head than its framing allows: a body on
     an answer to HEAD, a 204 or a 304, or more than its Content-Length. Such an answer
     contradicts itself (SPEC §12): relayed, the caller got the first Content-Length bytes
-    as a complete answer (aiohttp's parser refuses it before the head is used). Only what
+    as a complete answer (aiohttp's parser refuses it before the head is used, and the
+    aiohttp engine refuses a whole further answer it queued). Only what
     arrived with the head is seen, as on aiohttp; h11 holds it unparsed until the body is
     read (its buffer's length is read, not copied). A chunked body whose chunks, as far as
     they came with the head, break their framing (a size line that is not one, data not
