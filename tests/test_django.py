@@ -83,6 +83,14 @@ def gateway_config(primary: Upstream, backup: Upstream) -> dict[str, Any]:
     }
 
 
+def keyless_config(primary: Upstream, backup: Upstream) -> dict[str, Any]:
+    """gateway_config with a primary the gateway sends no key to: its cookies are relayed
+    (an upstream holding the gateway's key may not set any, docs/security.md)."""
+    config = gateway_config(primary, backup)
+    del config["upstreams"]["primary"]["auth_env"]
+    return config
+
+
 @pytest.fixture
 def django_site() -> Iterator[Any]:
     """Build a Django ASGI app with GatewayMiddleware first in MIDDLEWARE."""
@@ -296,7 +304,7 @@ async def test_repeated_headers_and_cookies_survive_the_bridge(
         return response
 
     async with upstream(handler) as primary, upstream(status_handler(200)) as backup:
-        app = django_site(gateway_config(primary, backup))
+        app = django_site(keyless_config(primary, backup))
         async with client_for(app) as client:
             response = await client.get("/v1/cookie")
     assert response.headers.get_list("x-multi") == ["a, b"]
@@ -326,7 +334,7 @@ async def test_set_cookie_lines_are_relayed_as_the_upstream_wrote_them(
         return response
 
     async with upstream(handler) as primary, upstream(status_handler(200)) as backup:
-        app = django_site(gateway_config(primary, backup))
+        app = django_site(keyless_config(primary, backup))
         async with client_for(app) as client:
             response = await client.get("/v1/cookie")
         # Django's own test client reads response.cookies: names and values as sent.

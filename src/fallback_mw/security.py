@@ -369,6 +369,30 @@ CROSS_ORIGIN_RESPONSE_HEADERS = frozenset(
 )
 
 
+# What an upstream says about its own origin rather than about the answer: cookies, the
+# order to clear site data, HSTS, alternative services, network-error reporting. A browser
+# applies them to the origin it reached, the gateway's (which a host app shares): the
+# caller's `cookie` never reaches an upstream, so a cookie set here can only overwrite the
+# host's own (a session fixed); `clear-site-data` logs the host's users out; HSTS with
+# includeSubDomains pins the gateway's host and its subdomains to https; `alt-svc` sends
+# browsers elsewhere for the gateway's origin; NEL reports the origin's failed requests,
+# URLs included, to the upstream's collector. Providers answer these about their own origin
+# (OpenAI: Cloudflare's `set-cookie`, `strict-transport-security: ...; includeSubDomains;
+# preload`, `alt-svc: h3=":443"`). Not relayed when the gateway injected its credential.
+ORIGIN_STATE_RESPONSE_HEADERS = frozenset(
+    {
+        b"set-cookie",
+        b"set-cookie2",
+        b"clear-site-data",
+        b"strict-transport-security",
+        b"alt-svc",
+        b"nel",
+        b"report-to",
+        b"reporting-endpoints",
+    }
+)
+
+
 def forwardable_response_headers(
     headers: Iterable[tuple[bytes, bytes]], *, status: int = 200, injected: bool = False
 ) -> Headers:
@@ -377,7 +401,8 @@ def forwardable_response_headers(
     upstream's `date` / `server` (the ASGI server sends its own). `injected` (the gateway
     sent its own credential on this attempt): not the account ids it answers about that
     credential either (ACCOUNT_RESPONSE_HEADERS), nor its cross-origin permissions
-    (CROSS_ORIGIN_RESPONSE_HEADERS), filtered in the same pass, at no cost.
+    (CROSS_ORIGIN_RESPONSE_HEADERS), nor what it says about its own origin
+    (ORIGIN_STATE_RESPONSE_HEADERS), filtered in the same pass, at no cost.
 
     The framing is the gateway's own: `transfer-encoding` never passes (the engines
     de-chunk), a `content-length` only where it is exact, i.e. a body-carrying status and
@@ -406,7 +431,11 @@ _NEVER_FORWARDED = (
 _NEVER_RELAYED = {
     (injected, no_length): HOP_BY_HOP_HEADERS
     | SERVER_OWNED_RESPONSE_HEADERS
-    | (ACCOUNT_RESPONSE_HEADERS | CROSS_ORIGIN_RESPONSE_HEADERS if injected else frozenset())
+    | (
+        ACCOUNT_RESPONSE_HEADERS | CROSS_ORIGIN_RESPONSE_HEADERS | ORIGIN_STATE_RESPONSE_HEADERS
+        if injected
+        else frozenset()
+    )
     | ({b"content-length"} if no_length else frozenset())
     for injected in (False, True)
     for no_length in (False, True)
