@@ -418,7 +418,19 @@ def forwardable_response_headers(
             if name == b"transfer-encoding":
                 no_length = True
                 break
-    return _kept(lowered, _NEVER_RELAYED[injected, no_length], frozenset())
+    return _kept(
+        lowered,
+        _NEVER_RELAYED[injected, no_length],
+        frozenset(),
+        kept_if_listed=_DESCRIBES_THE_BODY,
+    )
+
+
+# What a Connection or Trailer field naming it does not remove from a relayed head: the
+# coding of the bytes the relay sends as they came (RFC 9110 §7.6.1: a field meant for
+# every recipient is never a connection option). Dropped, a gzip body went to the caller
+# unlabelled (binary where it expected JSON) while the meter read it decoded.
+_DESCRIBES_THE_BODY = frozenset({b"content-encoding"})
 
 
 _NO_BODY_STATUSES = frozenset({204, 304})
@@ -442,15 +454,23 @@ _NEVER_RELAYED = {
 }
 
 
-def _kept(lowered: Headers, dropped: frozenset[bytes], also: frozenset[bytes]) -> Headers:
+def _kept(
+    lowered: Headers,
+    dropped: frozenset[bytes],
+    also: frozenset[bytes],
+    *,
+    kept_if_listed: frozenset[bytes] | None = None,
+) -> Headers:
     """The fields (`lowered`: names already lowercased) whose canonical name is in neither
     `dropped` nor `also`, not named in `Connection` and not `x-gateway-*`; repeats kept in
     order. The listing fields are read first only when there is one (they are hop-by-hop
-    themselves, so rarely sent)."""
+    themselves, so rarely sent). `kept_if_listed`: names a listing does not remove."""
     named: set[bytes] | frozenset[bytes] = _NONE_NAMED
     for name, _ in lowered:
         if name in _LISTING_FIELDS:
             named = _connection_named(lowered)
+            if kept_if_listed is not None:
+                named -= kept_if_listed
             break
     kept: Headers = []
     for name, value in lowered:

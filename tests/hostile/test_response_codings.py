@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import json
 import zlib
+from collections.abc import Awaitable, Callable
 from decimal import Decimal
 
 import pytest
@@ -168,3 +169,43 @@ def test_a_body_compressed_twice_is_read_only_up_to_a_bound() -> None:
     assert meter.decoded <= UsageMeter.MAX_DECODED + 1
     assert meter.mode == "ignore"
     assert not usage.reported
+
+
+def names_its_coding_hop_by_hop(listing: str) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """A compressed answer whose Connection (or Trailer) field names its Content-Encoding
+    (RFC 9110 §7.6.1 forbids naming a field meant for every recipient; a misconfigured
+    proxy in front of the upstream does it)."""
+
+    async def handler(request: web.Request) -> web.Response:
+        body = gzip.compress(json.dumps(PAYLOAD).encode())
+        headers = {"content-encoding": "gzip", "content-type": "application/json"}
+        headers[listing] = "content-encoding"
+        return web.Response(body=body, headers=headers)
+
+    return handler
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("listing", ["connection", "trailer"])
+async def test_a_coding_the_upstream_names_hop_by_hop_still_labels_the_body(
+    engine: str, listing: str
+) -> None:
+    # The relay dropped the Content-Encoding such a field names, and sent the gzip bytes
+    # unlabelled: the caller's JSON reader got binary, while the meter (reading the
+    # upstream's head) charged the decoded usage. The label goes with the bytes it describes.
+    async with upstream(names_its_coding_hop_by_hop(listing)) as primary:
+        conf = gateway_config({"primary": primary.url}, store=None, limit="1000")
+        conf["gateway"]["engine"] = engine
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                response = await client.post(
+                    "/v1/chat", content=b'{"model":"gpt-test"}', headers={"accept-encoding": "gzip"}
+                )
+            assert response.status_code == 200
+            assert response.headers.get("content-encoding") == "gzip"
+            assert response.json() == PAYLOAD  # httpx decoded it: the label was there
+            spent, held = await status_of(gateway)
+            assert (spent, held) == (Decimal("40.01"), 0)
+        finally:
+            await gateway.aclose()
