@@ -78,6 +78,10 @@ ANSWERS = {
     b"2\r\nokXY\r\n0\r\n\r\n",
     "second-chunk-size-not-hex": b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
     b"2\r\nok\r\nXYZ\r\n",
+    # Chunk lines ended by a bare LF: aiohttp's parser refused them before the head was
+    # used; h11 waits for a CRLF that never ends a size line, so the httpx engine relayed
+    # the head and aborted the body.
+    "chunk-lines-ended-by-lf": b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\nok\n0\n\n",
     "space-before-colon-length": b"HTTP/1.1 200 OK\r\ncontent-length : 2\r\n\r\nok",
     "space-before-colon-coding": b"HTTP/1.1 200 OK\r\ntransfer-encoding : chunked\r\n\r\n"
     b"2\r\nok\r\n0\r\n\r\n",
@@ -245,6 +249,9 @@ async def test_a_blank_line_after_an_answer_is_not_past_its_framing(engine: str)
         (b"zz\r\nhello\r\n", True),
         (b"5\r\nhelloX", True),
         (b"5\r\nhello\r\n-1\r\n", True),
+        (b"2\nok\n0\n\n", True),  # a size line ended by a bare LF never becomes one
+        (b"5;name=value\n", True),
+        (b"5\r\nhello\r\n3\nabc", True),
     ],
 )
 def test_the_httpx_engine_reads_chunk_framing_as_h11_does(data: bytes, broken: bool) -> None:

@@ -203,8 +203,12 @@ def _chunks_break_framing(data: bytes) -> bool:
     while position < len(data):
         line_end = data.find(b"\r\n", position)
         if line_end < 0:
-            # h11 waits for the line's end: only what cannot begin a size line breaks it.
-            return _CHUNK_SIZE_START.match(data, position) is None
+            # h11 waits for the line's end: only what cannot begin a size line breaks it,
+            # or a bare LF (no size line holds one: h11 waits for a CRLF that cannot end
+            # it, where aiohttp's parser refuses it).
+            return (
+                _CHUNK_SIZE_START.match(data, position) is None or data.find(b"\n", position) >= 0
+            )
         found = _CHUNK_HEADER.fullmatch(data, position, line_end + 2)
         if found is None:
             return True
