@@ -24,6 +24,7 @@ ANSWERS = {
     "status-000": b"HTTP/1.1 000 X\r\ncontent-length: 2\r\n\r\nok",
     "status-099": b"HTTP/1.1 099 X\r\ncontent-length: 2\r\n\r\nok",
     "status-600": b"HTTP/1.1 600 X\r\ncontent-length: 2\r\n\r\nok",
+    "http-0.9": b'{"upstream": "bytes-never-quoted"}',
     "final-101": b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\n"
     b"connection: upgrade\r\n\r\n",
     "length-and-chunked": b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n"
@@ -135,6 +136,30 @@ async def test_without_failover_it_is_the_local_502(name: str, engine: str) -> N
     error = response.json()["error"]
     assert error["code"] == "upstream_failed"
     assert response.headers["x-gateway-attempts"] == "1"
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize(
+    ("name", "cause"),
+    [
+        ("status-600", "the upstream status cannot be relayed"),
+        ("control-in-value", "a response field cannot be relayed"),
+        ("answer-past-its-length", "the answer breaks its own framing"),
+        ("http-0.9", "the engine's HTTP/1.1 parser refused the upstream's answer"),
+    ],
+)
+async def test_the_local_502_names_why_the_answer_could_not_be_relayed(
+    name: str, cause: str, engine: str
+) -> None:
+    # It said only "last failure: transport", as for a reset: the upstream did answer, and
+    # nothing told the operator that the answer was what the gateway refused. The cause is
+    # the gateway's own phrase, never the upstream's bytes or the engine parser's text.
+    response = await post_once(answer(ANSWERS[name]), engine)
+    assert response.status_code == 502
+    message = response.json()["error"]["message"]
+    assert cause in message, message
+    for quoted in (b"bytes-never-quoted", b"forged", b"X\r", b"\x01"):
+        assert quoted.decode() not in message
 
 
 @pytest.mark.parametrize("engine", ENGINES)

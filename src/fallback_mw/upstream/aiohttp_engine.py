@@ -19,6 +19,7 @@ from fallback_mw.timers import deadline_after
 from fallback_mw.upstream.base import (
     MAX_RESPONSE_FIELD,
     MAX_RESPONSE_FIELDS,
+    NOT_HTTP,
     ConnectionCaps,
     FirstByteTimer,
     Phase,
@@ -28,6 +29,7 @@ from fallback_mw.upstream.base import (
     check_request_headers,
     check_response_head,
     proxy_refused,
+    unrelayable,
 )
 from fallback_mw.upstream.guard import GuardedResolver, LiteralChecks, UnsafeAddressError
 from fallback_mw.upstream.tls import (
@@ -88,7 +90,7 @@ class _ErrorMap:
             # nothing reached the upstream.
             raise UpstreamError("local", phase, type(exc).__name__) from None
         if isinstance(exc, aiohttp.ClientResponseError | aiohttp.ClientPayloadError):
-            raise UpstreamError("protocol", phase, type(exc).__name__) from None
+            raise UpstreamError("protocol", phase, type(exc).__name__, detail=NOT_HTTP) from None
         if isinstance(exc, aiohttp.ClientError | OSError):
             raise UpstreamError("transport", phase, type(exc).__name__) from None
 
@@ -396,9 +398,7 @@ class AiohttpClient:
                     # its Content-Length, a 204's head): aiohttp's parser queued it as the
                     # next message (bytes that are no answer it refuses). The answer
                     # contradicts itself, as the httpx engine reads it (_past_its_framing).
-                    raise UpstreamError(
-                        "protocol", "first_byte", "the answer breaks its own framing"
-                    )
+                    raise unrelayable("the answer breaks its own framing")
         except UpstreamError:
             response.close()
             raise

@@ -46,6 +46,18 @@ class UpstreamError(Exception):
         return self.kind if self.kind in ("timeout", "tls") else "transport"
 
 
+def unrelayable(reason: str) -> UpstreamError:
+    """An answer the relay cannot carry (failover-class, SPEC §12), its `reason` (a fixed
+    phrase, never the upstream's bytes) named in the local 502 when the walk ends on it."""
+    return UpstreamError("protocol", "first_byte", reason, detail=reason)
+
+
+# What the local 502 says of an answer the engine's own parser refused (a status line that
+# is none, HTTP/0.9, framing its parser cannot read): never the parser's text, which may
+# quote the upstream's bytes.
+NOT_HTTP = "the engine's HTTP/1.1 parser refused the upstream's answer"
+
+
 def proxy_refused(status: int | None) -> str:
     """The local error's phrase for an egress proxy that answered CONNECT with an error."""
     answered = f" ({status})" if status is not None else ""
@@ -122,20 +134,20 @@ def check_response_head(status: int, headers: Sequence[tuple[bytes, bytes]]) -> 
     one of more than MAX_RESPONSE_FIELDS fields or with a field over MAX_RESPONSE_FIELD.
     Raises UpstreamError("protocol")."""
     if not 200 <= status <= 599:
-        raise UpstreamError("protocol", "first_byte", "the upstream status cannot be relayed")
+        raise unrelayable("the upstream status cannot be relayed")
     # One search over every value (a tab between them is allowed in a value anyway).
     values = b"\t".join([value for _, value in headers])
     if _CTL_IN_VALUE.search(values) is not None:
-        raise UpstreamError("protocol", "first_byte", "a response field cannot be relayed")
+        raise unrelayable("a response field cannot be relayed")
     if len(headers) > MAX_RESPONSE_FIELDS:
-        raise UpstreamError("protocol", "first_byte", "the response head has too many fields")
+        raise unrelayable("the response head has too many fields")
     size = len(values) + 3 * len(headers)  # each field's ": " and CRLF, less the tab
     lengths: list[bytes] = []
     codings: list[bytes] = []
     for name, value in headers:
         size += len(name)
         if len(name) + len(value) > MAX_RESPONSE_FIELD:
-            raise UpstreamError("protocol", "first_byte", "a response field is too large to relay")
+            raise unrelayable("a response field is too large to relay")
         lower = name.lower()
         if lower == b"content-length":
             lengths.append(value.strip())
@@ -144,23 +156,21 @@ def check_response_head(status: int, headers: Sequence[tuple[bytes, bytes]]) -> 
         elif not lower or lower[-1] in _SPACE:
             # `Content-Length : 2`: aiohttp's parser reads it (framing included), space and
             # all in the name; no parser lets another non-token byte into a name.
-            raise UpstreamError("protocol", "first_byte", "a response field cannot be relayed")
+            raise unrelayable("a response field cannot be relayed")
     if size > MAX_RESPONSE_HEAD:
-        raise UpstreamError("protocol", "first_byte", "the response head is too large to relay")
+        raise unrelayable("the response head is too large to relay")
     if len(lengths) > 1:
-        raise UpstreamError("protocol", "first_byte", "contradictory Content-Length")
+        raise unrelayable("contradictory Content-Length")
     if lengths and not (lengths[0].isdigit() and len(lengths[0]) <= MAX_LENGTH_DIGITS):
-        raise UpstreamError("protocol", "first_byte", "an invalid Content-Length")
+        raise unrelayable("an invalid Content-Length")
     if codings and codings != [b"chunked"]:
-        raise UpstreamError(
-            "protocol", "first_byte", "a transfer coding other than chunked cannot be relayed"
-        )
+        raise unrelayable("a transfer coding other than chunked cannot be relayed")
     if codings and (lengths or status in (204, 304)):
-        raise UpstreamError("protocol", "first_byte", "contradictory response framing")
+        raise unrelayable("contradictory response framing")
     if status in (204, 205) and lengths and lengths != [b"0"]:
         # RFC 9110 §15.3.6: a 205 has no content either (a chunked one may say so, RFC 7231
         # §6.3.6: the relay sends none of it, layers.walker.stream).
-        raise UpstreamError("protocol", "first_byte", f"a {status} response that declares a body")
+        raise unrelayable(f"a {status} response that declares a body")
 
 
 @dataclass(slots=True, frozen=True)

@@ -25,6 +25,7 @@ except ImportError:
 
 from fallback_mw.timers import deadline_after
 from fallback_mw.upstream.base import (
+    NOT_HTTP,
     ConnectionCaps,
     FirstByteTimer,
     Phase,
@@ -35,6 +36,7 @@ from fallback_mw.upstream.base import (
     check_response_head,
     encode_request_headers,
     proxy_refused,
+    unrelayable,
 )
 from fallback_mw.upstream.guard import LiteralChecks, UnsafeAddressError
 from fallback_mw.upstream.httpx_backend import GuardedNetworkBackend
@@ -126,7 +128,7 @@ def map_errors(phase: Phase) -> Iterator[None]:
     except _REFUSED_LOCALLY as exc:
         raise UpstreamError("local", phase, type(exc).__name__) from None
     except (httpx.RemoteProtocolError, httpx.DecodingError) as exc:
-        raise UpstreamError("protocol", phase, type(exc).__name__) from None
+        raise UpstreamError("protocol", phase, type(exc).__name__, detail=NOT_HTTP) from None
     except (httpx.TransportError, OSError) as exc:
         # An ssl error after the handshake (TLS 1.3 tells a client the server wanted its
         # certificate on the first read; httpcore lets that ssl.SSLError through bare).
@@ -449,9 +451,7 @@ class HttpxClient:
                 with map_errors("first_byte"):
                     check_response_head(response.status_code, response.headers.raw)
                     if _past_its_framing(response, request.method):
-                        raise UpstreamError(
-                            "protocol", "first_byte", "the answer breaks its own framing"
-                        )
+                        raise unrelayable("the answer breaks its own framing")
             except UpstreamError:
                 await asyncio.shield(response.aclose())
                 raise
