@@ -841,3 +841,76 @@ def test_a_pin_game_day_page_names_the_candidate_it_pinned(store: str, tmp_path:
     assert main(argv) == 1  # no traffic: NO DATA
     page = out.with_suffix(".html").read_text()
     assert "<h1>Game day: route chat, pin to &#x27;backup&#x27;</h1>" in page, page[:2000]
+
+
+@pytest.mark.anyio
+async def test_a_fault_cleared_by_hand_ends_the_exercise_there_and_the_next_fault_is_kept(
+    tmp_path: Path,
+) -> None:
+    """The operator ran the one-action revert (`faults clear --all`, as docs/game-day.md
+    says) 1 s into an 8 s game day: the command went on as if its fault were set, reported
+    it set for the whole 8 s (the requests after the revert counted as under the fault,
+    the recovery dated from its own clear at the end), exited 0, and at its end cleared the
+    target again, ending the fault a second exercise had set there since. It now sees its
+    fault gone at the next poll, ends the exercise there (aborted, exit 1), and clears only
+    its own fault."""
+    import io
+
+    from fallback_mw.cli.app import Console
+    from fallback_mw.cli.game_day.run import Exercise
+    from fallback_mw.cli.gameday import _run
+    from fallback_mw.store.ledgers import open_ledger
+
+    url = f"sqlite:///{tmp_path / 'gw.db'}"
+    exercise = Exercise(
+        route="chat", fault="fail", target="primary", candidate=None, primary="primary",
+        duration_s=8, predictions=(parse_prediction("error_rate=1%"),),
+        aborts=(parse_abort("error_rate=50%"),), poll_s=0.2, grace_s=0.5, owner="Ana",
+        recovery_wait_s=1.0, candidates=("primary", "backup"),
+    )  # fmt: skip
+    ledger = open_ledger(url)
+    assert ledger is not None
+    store = open_store(url)
+    marks: dict[str, float] = {}
+
+    async def write(request_id: str, chosen: str) -> None:
+        await ledger.record_usage(
+            UsageRecord(
+                request_id=request_id, route="chat", tenant="t", candidates=("primary", "backup"),
+                at=datetime.now(UTC), duration_ms=1.0, chosen=chosen, outcome="served",
+            )
+        )  # fmt: skip
+
+    async def operator() -> None:
+        for _ in range(500):  # until the exercise has set its fault
+            if await store.load_faults():
+                break
+            await asyncio.sleep(0.02)
+        marks["set"] = time.time()
+        await write("during-the-fault", "backup")
+        await asyncio.sleep(1.0)
+        assert await store.clear_faults() == 1  # `faults clear --all`
+        marks["reverted"] = time.time()
+        # Another exercise takes the target at once.
+        assert await store.set_fault(Fault("hang", "primary", time.time() + 60)) is None
+        await asyncio.sleep(0.1)
+        await write("primary-again", "primary")
+
+    console = Console(io.StringIO(), io.StringIO())
+    try:
+        caller = asyncio.ensure_future(operator())
+        report = await _run(exercise, url, tmp_path / "gd.json", console, None)
+        await caller
+        left = await store.load_faults()
+    finally:
+        await ledger.aclose()
+        await store.aclose()
+    assert report["status"] == "aborted"
+    assert report["abort"]["criterion"] == "the fault was cleared outside the command"
+    # Dated at the last poll that still saw the fault: before the revert, within a poll.
+    seconds_set = report["fault"]["seconds_set"]
+    reverted = marks["reverted"] - marks["set"]
+    assert reverted - 0.5 <= seconds_set <= reverted + 0.1, (seconds_set, reverted)
+    assert report["observed"]["requests"] == 1  # the request after the revert is not its
+    assert report["observed"]["recovery_s"] is not None
+    assert [(f.kind, f.target) for f in left] == [("hang", "primary")]  # not its to clear

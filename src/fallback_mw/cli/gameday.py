@@ -193,7 +193,11 @@ async def _run(
             await read_in_flight(exercise, feed, timeline)
         observed = observe_exercise(exercise, feed, timeline)
         status = (
-            "aborted" if timeline.abort else "interrupted" if timeline.interrupted else "completed"
+            "aborted"
+            if timeline.abort or timeline.cleared_outside is not None
+            else "interrupted"
+            if timeline.interrupted
+            else "completed"
         )
         report = build_report(
             exercise,
@@ -233,6 +237,8 @@ def handle(args: argparse.Namespace, console: Console) -> None:
     if report["status"] == "interrupted":
         raise KeyboardInterrupt  # the tree's exit status 130, after the fault was cleared
     if report["abort"] is not None:
+        if report["abort"]["observed"] is None:  # cleared outside: nothing left to clear
+            raise Failed(f"game day ended early: {report['abort']['criterion']}")
         raise Failed(f"game day aborted on {report['abort']['criterion']}; fault cleared")
     missed = [p["prediction"] for p in report["predictions"] if p["result"] != "pass"]
     if missed:

@@ -124,7 +124,13 @@ class AbsentStore:
     async def set_fault(self, fault: Fault, *, replace: bool = False) -> Fault | None:
         raise Failed(f"no store file at {self.path}")
 
-    async def clear_faults(self, *, upstream: str | None = None, route: str | None = None) -> int:
+    async def clear_faults(
+        self,
+        *,
+        upstream: str | None = None,
+        route: str | None = None,
+        expires_at: float | None = None,
+    ) -> int:
         return 0
 
     async def change_serials(self) -> tuple[int, int]:

@@ -286,15 +286,27 @@ class PostgresStore:
             return await self.set_fault(fault, replace=True)
         return active
 
-    async def clear_faults(self, *, upstream: str | None = None, route: str | None = None) -> int:
-        if upstream is not None:
-            status = await self._execute(
-                "DELETE FROM fmw_faults WHERE scope = 'upstream' AND target = $1", upstream
-            )
-        elif route is not None:
-            status = await self._execute(
-                "DELETE FROM fmw_faults WHERE scope = 'route' AND target = $1", route
-            )
+    async def clear_faults(
+        self,
+        *,
+        upstream: str | None = None,
+        route: str | None = None,
+        expires_at: float | None = None,
+    ) -> int:
+        target = upstream if upstream is not None else route
+        if target is not None:
+            scope = "upstream" if upstream is not None else "route"
+            if expires_at is not None:
+                status = await self._execute(
+                    "DELETE FROM fmw_faults WHERE scope = $1 AND target = $2 AND expires_at = $3",
+                    scope,
+                    target,
+                    expires_at,
+                )
+            else:
+                status = await self._execute(
+                    "DELETE FROM fmw_faults WHERE scope = $1 AND target = $2", scope, target
+                )
         else:
             status = await self._execute("DELETE FROM fmw_faults")
         return int(status.rsplit(" ", 1)[-1])

@@ -66,8 +66,17 @@ class RouteStore(Protocol):
         (unless `replace`). Returns None when stored, else the active fault that refused it."""
         ...
 
-    async def clear_faults(self, *, upstream: str | None = None, route: str | None = None) -> int:
-        """Clear faults on one upstream, one route, or (neither given) all."""
+    async def clear_faults(
+        self,
+        *,
+        upstream: str | None = None,
+        route: str | None = None,
+        expires_at: float | None = None,
+    ) -> int:
+        """Clear faults on one upstream, one route, or (neither given) all. With
+        `expires_at` (and a target), only the fault set with that expiry: a game day clears
+        its own fault, never one set on its target after it (by another exercise, or
+        `faults set --replace`)."""
         ...
 
     async def change_serials(self) -> tuple[int, int]:

@@ -251,16 +251,26 @@ class SqliteStore:
 
         return await self._run(put)
 
-    async def clear_faults(self, *, upstream: str | None = None, route: str | None = None) -> int:
+    async def clear_faults(
+        self,
+        *,
+        upstream: str | None = None,
+        route: str | None = None,
+        expires_at: float | None = None,
+    ) -> int:
         def clear(conn: sqlite3.Connection) -> int:
-            if upstream is not None:
-                cursor = conn.execute(
-                    "DELETE FROM fmw_faults WHERE scope = 'upstream' AND target = ?", (upstream,)
-                )
-            elif route is not None:
-                cursor = conn.execute(
-                    "DELETE FROM fmw_faults WHERE scope = 'route' AND target = ?", (route,)
-                )
+            target = upstream if upstream is not None else route
+            if target is not None:
+                scope = "upstream" if upstream is not None else "route"
+                if expires_at is not None:
+                    cursor = conn.execute(
+                        "DELETE FROM fmw_faults WHERE scope = ? AND target = ? AND expires_at = ?",
+                        (scope, target, expires_at),
+                    )
+                else:
+                    cursor = conn.execute(
+                        "DELETE FROM fmw_faults WHERE scope = ? AND target = ?", (scope, target)
+                    )
             else:
                 cursor = conn.execute("DELETE FROM fmw_faults")
             return cursor.rowcount

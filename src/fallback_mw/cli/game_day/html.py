@@ -176,7 +176,9 @@ def render(report: dict[str, Any]) -> str:
     if abort:
         body.append(
             f'<p class="fail">aborted at +{text(abort["at_s"])} s on '
-            f"{text(abort['criterion'])} (observed {text(abort['observed'])})</p>"
+            f"{text(abort['criterion'])}"
+            + ("" if abort["observed"] is None else f" (observed {text(abort['observed'])})")
+            + "</p>"
         )
     body += [
         table(["prediction", "quantity", "predicted", "observed", "result"], rows, cls="preds"),

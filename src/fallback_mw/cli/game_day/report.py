@@ -39,6 +39,24 @@ def events(report: dict[str, Any]) -> list[dict[str, Any]]:
     return sorted(listed, key=lambda e: (e["at_s"] is None, e["at_s"] or 0.0))
 
 
+# What the report names as the abort when the fault left the store before the command
+# cleared it: someone ran the one-action revert (`faults clear`), or replaced the fault.
+CLEARED_OUTSIDE = "the fault was cleared outside the command"
+
+
+def _abort(timeline: Timeline) -> dict[str, Any] | None:
+    if timeline.cleared_outside is not None:
+        return {"criterion": CLEARED_OUTSIDE, "observed": None, "at_s": timeline.cleared_outside}
+    abort = timeline.abort
+    if abort is None:
+        return None
+    return {
+        "criterion": abort.criterion.text,
+        "observed": round(abort.observed, 4),
+        "at_s": abort.at_s,
+    }
+
+
 def build_report(
     exercise: Exercise,
     timeline: Timeline,
@@ -47,7 +65,6 @@ def build_report(
     status: str,
     alerts: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    abort = timeline.abort
     report: dict[str, Any] = {
         "tool": "fallback-mw gameday",
         "status": status,  # running, completed, aborted, interrupted
@@ -70,13 +87,7 @@ def build_report(
             {"criterion": a.text, "name": a.name, "threshold": a.threshold, "window_s": a.window_s}
             for a in exercise.aborts
         ],
-        "abort": None
-        if abort is None
-        else {
-            "criterion": abort.criterion.text,
-            "observed": round(abort.observed, 4),
-            "at_s": abort.at_s,
-        },
+        "abort": _abort(timeline),
         "predictions": judge(exercise.predictions, observed, alerts)
         if observed is not None
         else [

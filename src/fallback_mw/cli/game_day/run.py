@@ -82,6 +82,10 @@ class Timeline:
     notes: list[str] = field(default_factory=list)
     recovered: float | None = None  # end of the first request the primary served after
     watched_until: float | None = None  # the last poll (after the recovery wait)
+    # The fault left the store before the command cleared it (`faults clear`, the one-action
+    # revert, or a `faults set --replace` on its target): seconds from the fault being set
+    # to the last poll that still found it, which is when the revert is dated.
+    cleared_outside: float | None = None
 
 
 class RecordFeed:
@@ -149,10 +153,12 @@ def _abort_holding(
     return None
 
 
-async def _clear(store: RouteStore, exercise: Exercise) -> int:
-    if exercise.scope == "route":
-        return await store.clear_faults(route=exercise.target)
-    return await store.clear_faults(upstream=exercise.target)
+async def _clear(store: RouteStore, fault: Fault) -> int:
+    """The exercise's own fault, no other: once it was cleared outside the command, its
+    target may hold another exercise's fault, which is not this one's to end."""
+    if fault.scope == "route":
+        return await store.clear_faults(route=fault.target, expires_at=fault.expires_at)
+    return await store.clear_faults(upstream=fault.target, expires_at=fault.expires_at)
 
 
 async def run_exercise(
@@ -182,6 +188,7 @@ async def run_exercise(
             f"(expires in {left:.0f} s); clear it first with `fallback-mw faults clear`"
         )
     feed = RecordFeed(ledger, exercise.route, timeline.started)
+    seen_set = timeline.started  # the last moment the fault was seen in the store
     try:
         on_started(timeline)
         emit(f"fault set: {exercise.describe()}, expires {iso(timeline.expires)}")
@@ -190,6 +197,11 @@ async def run_exercise(
             if now >= timeline.expires:
                 break
             await feed.poll()
+            if fault not in await store.load_faults() and time.time() < timeline.expires:
+                # Cleared by hand (or replaced): the exercise's fault period ended then.
+                timeline.cleared_outside = round(seen_set - timeline.started, 3)
+                break
+            seen_set = now
             if alerts is not None:
                 await alerts.poll(now)
             holding = _abort_holding(exercise, feed, now)
@@ -205,9 +217,18 @@ async def run_exercise(
     finally:
         # Whatever happened above (an abort, Ctrl-C, a store error), the fault goes now;
         # if even this fails, the expiry in the store ends it.
-        timeline.cleared_count = await asyncio.shield(_clear(store, exercise))
-        timeline.cleared = time.time()
-    if timeline.abort is not None:
+        timeline.cleared_count = await asyncio.shield(_clear(store, fault))
+        timeline.cleared = (
+            time.time()
+            if timeline.cleared_outside is None
+            else timeline.started + timeline.cleared_outside
+        )
+    if timeline.cleared_outside is not None:
+        emit(
+            f"the fault was cleared outside the command (faults clear, or replaced) after "
+            f"+{timeline.cleared_outside:.1f} s: the exercise ends there"
+        )
+    elif timeline.abort is not None:
         abort = timeline.abort
         emit(
             f"ABORT at +{abort.at_s:.1f} s: {abort.criterion.text} holds "
