@@ -914,3 +914,64 @@ async def test_a_fault_cleared_by_hand_ends_the_exercise_there_and_the_next_faul
     assert report["observed"]["requests"] == 1  # the request after the revert is not its
     assert report["observed"]["recovery_s"] is not None
     assert [(f.kind, f.target) for f in left] == [("hang", "primary")]  # not its to clear
+
+
+@pytest.mark.anyio
+async def test_a_store_outage_mid_exercise_still_reports_and_clears_the_fault_once_it_is_back(
+    tmp_path: Path, pg_url: str
+) -> None:
+    """PostgreSQL went away for about two seconds (a restart, a failover) 0.5 s into a
+    60 s game day: the command stopped at once with 'game day stopped: cannot reach the
+    store', its one attempt to clear the fault failed, and it exited, leaving the report
+    `running` (no HTML page, nothing of what it had observed) and the fault failing the
+    primary, with nobody watching the abort criteria, for the rest of its 60 s. It now
+    ends the exercise (status `failed`, the report written with what it saw), and retries
+    the clear until the store is back."""
+    import io
+    import json
+    from urllib.parse import urlsplit
+
+    from fallback_mw.cli.app import Console
+    from fallback_mw.cli.game_day.run import Exercise
+    from fallback_mw.cli.gameday import _run
+    from tests.tcp_proxy import tcp_proxy
+
+    real = urlsplit(pg_url)
+    assert real.hostname is not None and real.port is not None
+    async with tcp_proxy(real.hostname, real.port) as proxy:
+        url = real._replace(netloc=f"{real.username}@127.0.0.1:{proxy.port}").geturl()
+        exercise = Exercise(
+            route="chat", fault="fail", target="primary", candidate=None, primary="primary",
+            duration_s=60, predictions=(parse_prediction("error_rate=1%"),),
+            aborts=(parse_abort("error_rate=50%"),), poll_s=0.2, grace_s=0.5, owner="Ana",
+            recovery_wait_s=1.0, candidates=("primary", "backup"),
+        )  # fmt: skip
+        direct = open_store(pg_url)
+
+        async def outage() -> None:
+            for _ in range(500):  # until the exercise has set its fault
+                if await direct.load_faults():
+                    break
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.5)
+            await proxy.cut()
+            await asyncio.sleep(2.0)
+            await proxy.open()
+
+        out = tmp_path / "gd.json"
+        console = Console(io.StringIO(), io.StringIO())
+        try:
+            operator = asyncio.ensure_future(outage())
+            started = time.monotonic()
+            report = await asyncio.wait_for(_run(exercise, url, out, console, None), 30)
+            took = time.monotonic() - started
+            await operator
+            left = await direct.load_faults()
+        finally:
+            await direct.aclose()
+    assert left == []  # cleared once the store was back, not left to its 60 s expiry
+    assert took < 15, took
+    assert report["status"] == "failed" and report["failure"], report
+    assert report["fault"]["cleared_at"] is not None
+    assert json.loads(out.read_text())["status"] == "failed"
+    assert out.with_suffix(".html").exists()

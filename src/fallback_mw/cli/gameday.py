@@ -2,7 +2,8 @@
 watched through the usage records every gateway writes to the store (gameday/).
 
 Exit status: 0 when the exercise ran to its end and every prediction passed; 1 when it
-aborted on a criterion, a prediction failed or had no data, or the store failed; 2 when it
+aborted on a criterion, a prediction failed or had no data, or the store failed (the
+exercise ends, its fault's clear retried until the store is back or it expires); 2 when it
 refuses to start (nothing set); 130 when stopped by SIGINT/SIGTERM (the fault is cleared
 first). The report is printed and written in every case but a refusal."""
 
@@ -157,11 +158,16 @@ async def _run(
     exercise: Exercise, url: str, out: Path, console: Console, prometheus: str | None
 ) -> dict[str, Any]:
     stop = asyncio.Event()
+    give_up = asyncio.Event()  # a second Ctrl-C: stop retrying a clear the store refuses
+
+    def on_signal() -> None:
+        (give_up if stop.is_set() else stop).set()
+
     loop = asyncio.get_running_loop()
     handled: list[signal.Signals] = []
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
             handled.append(sig)
     store = open_store(url)
     ledger = open_ledger(url)
@@ -184,16 +190,18 @@ async def _run(
                     f"--prometheus {prometheus}: cannot read /api/v1/alerts ({exc}); nothing set"
                 ) from None
         timeline, feed = await run_exercise(
-            exercise, store, ledger, stop, console.print, started, alerts=alerts
+            exercise, store, ledger, stop, console.print, started, alerts=alerts, give_up=give_up
         )
-        if not timeline.interrupted:
+        if timeline.failure is None and not timeline.interrupted:
             await watch_recovery(exercise, feed, timeline, stop, console.print, alerts=alerts)
             timeline.interrupted = stop.is_set()  # Ctrl-C during the recovery watch
-        if timeline.interrupted:  # still the records of requests in flight, read once
+        if timeline.failure is None and timeline.interrupted:  # the records in flight, once
             await read_in_flight(exercise, feed, timeline)
         observed = observe_exercise(exercise, feed, timeline)
         status = (
-            "aborted"
+            "failed"  # what was observed until the store failed
+            if timeline.failure is not None
+            else "aborted"
             if timeline.abort or timeline.cleared_outside is not None
             else "interrupted"
             if timeline.interrupted
@@ -234,6 +242,9 @@ def handle(args: argparse.Namespace, console: Console) -> None:
         raise Refused(str(exc)) from None
     except (StoreError, LedgerUnavailable) as exc:
         raise Failed(f"game day stopped: {exc} (any fault set expires on its own)") from None
+    if report["status"] == "failed":
+        left = "" if report["fault"]["cleared_at"] else " (the fault expires on its own)"
+        raise Failed(f"game day stopped: {report['failure']}{left}")
     if report["status"] == "interrupted":
         raise KeyboardInterrupt  # the tree's exit status 130, after the fault was cleared
     if report["abort"] is not None:

@@ -169,10 +169,17 @@ def render(report: dict[str, Any]) -> str:
         f"<h1>Game day: route {text(report['route'])}, {text(fault_subject(fault))}</h1>",
         f'<p class="muted">owner (may call the abort): <strong id="owner">'
         f"{text(report.get('owner') or '-')}</strong> · status {text(report['status'])} · "
-        f"fault set {text(fault['set_at'])}, cleared {text(fault['cleared_at'])} "
-        f"({text(fault['seconds_set'])} s of {text(report['duration_s'])} s)</p>",
+        f"fault set {text(fault['set_at'])}, "
+        + (
+            f"cleared {text(fault['cleared_at'])} "
+            f"({text(fault['seconds_set'])} s of {text(report['duration_s'])} s)</p>"
+            if fault["cleared_at"] is not None
+            else f"not cleared: it expires {text(fault['expires_at'])}</p>"
+        ),
         f'<p id="verdict" class="{"pass" if passed else "fail"}">{text(verdict)}</p>',
     ]
+    if report.get("failure"):
+        body.append(f'<p class="fail">stopped: {text(report["failure"])}</p>')
     if abort:
         body.append(
             f'<p class="fail">aborted at +{text(abort["at_s"])} s on '

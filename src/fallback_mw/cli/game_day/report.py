@@ -67,7 +67,8 @@ def build_report(
 ) -> dict[str, Any]:
     report: dict[str, Any] = {
         "tool": "fallback-mw gameday",
-        "status": status,  # running, completed, aborted, interrupted
+        "status": status,  # running, completed, aborted, interrupted, failed
+        "failure": timeline.failure,  # failed: what the store or ledger said
         "route": exercise.route,
         "owner": exercise.owner,  # the one person who may call the abort
         "fault": {
@@ -118,6 +119,8 @@ def report_lines(report: dict[str, Any]) -> list[str]:
         f"game day {report['status']}: route {report['route']!r}, {what}, "
         f"set {fault['seconds_set']} s of {report['duration_s']:g} s, owner {report['owner']}"
     ]
+    if report.get("failure"):
+        lines.append(f"  stopped: {report['failure']}")
     if report["abort"] is not None:
         abort = report["abort"]
         lines.append(f"  aborted at +{abort['at_s']} s on {abort['criterion']}")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from fallback_mw.budget import Ledger, UsageRecord
+from fallback_mw.budget import Ledger, LedgerUnavailable, UsageRecord
 from fallback_mw.cli.game_day.observe import (
     PREDICTION_KEYS,
     ended_at,
@@ -24,7 +24,7 @@ from fallback_mw.cli.game_day.observe import (
 )
 from fallback_mw.cli.game_day.prometheus import AlertWatcher
 from fallback_mw.cli.game_day.spec import AbortCriterion, AlertPrediction, Prediction
-from fallback_mw.store.model import Fault
+from fallback_mw.store.model import Fault, StoreError
 from fallback_mw.store.routes import RouteStore
 
 FaultKind = Literal["fail", "hang", "blackhole", "revoke", "pin"]
@@ -32,6 +32,10 @@ MAX_RECORDS = 1_000_000
 # Records from several gateway processes reach the store out of order: each poll re-asks
 # for the last few seconds before the newest record seen (duplicates dropped by id).
 RECORD_LAG_S = 5.0
+# A clear the store refused is retried, backing off from the first to the last wait, until
+# it is done or the fault has expired (a store restart must not leave the fault injecting,
+# unwatched, for the rest of its --duration).
+CLEAR_RETRY_S = (0.5, 5.0)
 
 
 class GameDayRefused(Exception):
@@ -86,6 +90,7 @@ class Timeline:
     # revert, or a `faults set --replace` on its target): seconds from the fault being set
     # to the last poll that still found it, which is when the revert is dated.
     cleared_outside: float | None = None
+    failure: str | None = None  # the store or ledger failed mid-exercise: what it said
 
 
 class RecordFeed:
@@ -161,6 +166,31 @@ async def _clear(store: RouteStore, fault: Fault) -> int:
     return await store.clear_faults(upstream=fault.target, expires_at=fault.expires_at)
 
 
+async def _clear_until_done(
+    store: RouteStore, fault: Fault, emit: Callable[[str], None], give_up: asyncio.Event | None
+) -> int | None:
+    """Clear the exercise's fault, retrying while the store refuses; None when it could
+    not be cleared before its expiry (or `give_up` was set: a second Ctrl-C)."""
+    wait, longest = CLEAR_RETRY_S
+    told = False
+    while True:
+        try:
+            return await _clear(store, fault)
+        except StoreError as exc:
+            left = fault.expires_at - time.time()
+            if left <= 0 or (give_up is not None and give_up.is_set()):
+                return None
+            if not told:
+                emit(
+                    f"cannot clear the fault yet ({exc}); retrying until it is cleared or "
+                    f"expires at {iso(fault.expires_at)} (Ctrl-C again to stop retrying)"
+                )
+                told = True
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for((give_up or asyncio.Event()).wait(), min(wait, left))
+            wait = min(wait * 2, longest)
+
+
 async def run_exercise(
     exercise: Exercise,
     store: RouteStore,
@@ -170,6 +200,7 @@ async def run_exercise(
     on_started: Callable[[Timeline], None],
     *,
     alerts: AlertWatcher | None = None,
+    give_up: asyncio.Event | None = None,
 ) -> tuple[Timeline, RecordFeed]:
     timeline = Timeline(started=time.time())
     timeline.expires = timeline.started + exercise.duration_s
@@ -196,8 +227,14 @@ async def run_exercise(
             now = time.time()
             if now >= timeline.expires:
                 break
-            await feed.poll()
-            if fault not in await store.load_faults() and time.time() < timeline.expires:
+            try:
+                await feed.poll()
+                still_set = fault in await store.load_faults()
+            except (StoreError, LedgerUnavailable) as exc:
+                # The abort criteria can no longer be watched: the fault goes now.
+                timeline.failure = str(exc)
+                break
+            if not still_set and time.time() < timeline.expires:
                 # Cleared by hand (or replaced): the exercise's fault period ended then.
                 timeline.cleared_outside = round(seen_set - timeline.started, 3)
                 break
@@ -215,15 +252,25 @@ async def run_exercise(
                 )
         timeline.interrupted = stop.is_set() and timeline.abort is None
     finally:
-        # Whatever happened above (an abort, Ctrl-C, a store error), the fault goes now;
-        # if even this fails, the expiry in the store ends it.
-        timeline.cleared_count = await asyncio.shield(_clear(store, fault))
-        timeline.cleared = (
-            time.time()
-            if timeline.cleared_outside is None
-            else timeline.started + timeline.cleared_outside
+        # Whatever happened above (an abort, Ctrl-C, a store error), the fault goes now,
+        # retried while the store refuses; given up only at its expiry (which ends it
+        # anyway) or on a second Ctrl-C.
+        timeline.cleared_count = await asyncio.shield(
+            _clear_until_done(store, fault, emit, give_up)
         )
-    if timeline.cleared_outside is not None:
+        now = time.time()
+        if timeline.cleared_outside is not None:
+            timeline.cleared = timeline.started + timeline.cleared_outside
+        elif timeline.cleared_count is not None:
+            timeline.cleared = now
+        elif now >= timeline.expires:  # not cleared, but over: it ended at its expiry
+            timeline.cleared = timeline.expires
+    if timeline.failure is not None:
+        emit(
+            f"store failed: {timeline.failure}; "
+            + ("fault cleared" if timeline.cleared is not None else "the fault is still set")
+        )
+    elif timeline.cleared_outside is not None:
         emit(
             f"the fault was cleared outside the command (faults clear, or replaced) after "
             f"+{timeline.cleared_outside:.1f} s: the exercise ends there"
