@@ -975,3 +975,60 @@ async def test_a_store_outage_mid_exercise_still_reports_and_clears_the_fault_on
     assert report["fault"]["cleared_at"] is not None
     assert json.loads(out.read_text())["status"] == "failed"
     assert out.with_suffix(".html").exists()
+
+
+def test_ctrl_c_before_the_fault_is_set_sets_nothing(
+    store: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C while the command was still reading Prometheus's alert baseline (a slow
+    Prometheus: up to 3 s) went on to set the fault, in every gateway sharing the store,
+    and cleared it at once: an operator who stopped the exercise before it began still
+    injected it (PostgreSQL's NOTIFY reaches the gateways within milliseconds), and got an
+    'interrupted' report of a fault set for 0.02 s. Nothing is set now; exit status 130."""
+    import os
+    import signal
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class SlowPrometheus(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            time.sleep(1.5)
+            body = b'{"status": "success", "data": {"alerts": []}}'
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            return None
+
+    async def serials() -> tuple[int, int]:
+        route_store = open_store(f"sqlite:///{tmp_path / 'store.db'}")
+        try:
+            return await route_store.change_serials()
+        finally:
+            await route_store.aclose()
+
+    before = asyncio.run(serials())
+    server = ThreadingHTTPServer(("127.0.0.1", 0), SlowPrometheus)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    ctrl_c = threading.Timer(0.7, os.kill, (os.getpid(), signal.SIGINT))
+    out = tmp_path / "r.json"
+    argv = [
+        *BASE, "--duration", "30s", "--config", store, "--out", str(out),
+        "--prometheus", f"http://127.0.0.1:{server.server_address[1]}",
+        "--predict", "error_rate=1%", "--abort", "error_rate=50%",
+    ]  # fmt: skip
+    try:
+        ctrl_c.start()
+        status = main(argv)
+    finally:
+        ctrl_c.cancel()
+        server.shutdown()
+        server.server_close()
+    printed = capsys.readouterr().out
+    assert asyncio.run(serials()) == before, printed  # no fault was ever written
+    assert "fault set" not in printed
+    assert status == 130
+    assert not out.exists()

@@ -32,6 +32,7 @@ from fallback_mw.cli.game_day.report import build_report, report_lines, write_re
 from fallback_mw.cli.game_day.run import (
     Exercise,
     GameDayRefused,
+    InterruptedBeforeTheFault,
     Timeline,
     observe_exercise,
     read_in_flight,
@@ -240,6 +241,9 @@ def handle(args: argparse.Namespace, console: Console) -> None:
         report = asyncio.run(_run(exercise, url, out, console, args.prometheus))
     except GameDayRefused as exc:
         raise Refused(str(exc)) from None
+    except InterruptedBeforeTheFault:
+        console.print("interrupted before the fault was set: nothing set")
+        raise KeyboardInterrupt from None  # exit status 130
     except (StoreError, LedgerUnavailable) as exc:
         raise Failed(f"game day stopped: {exc} (any fault set expires on its own)") from None
     if report["status"] == "failed":

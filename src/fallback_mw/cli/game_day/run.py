@@ -42,6 +42,10 @@ class GameDayRefused(Exception):
     """The exercise cannot start as asked (exit status 2); nothing was set."""
 
 
+class InterruptedBeforeTheFault(Exception):
+    """Ctrl-C / SIGTERM came before the fault was set (exit status 130); nothing was set."""
+
+
 @dataclass(frozen=True, slots=True)
 class Exercise:
     route: str
@@ -210,6 +214,8 @@ async def run_exercise(
         expires_at=timeline.expires,
         candidate=exercise.candidate,
     )
+    if stop.is_set():  # stopped while getting ready (the Prometheus baseline): set nothing
+        raise InterruptedBeforeTheFault
     # Refused atomically by the store while a fault holds the same target.
     active = await store.set_fault(fault)
     if active is not None:
