@@ -1032,3 +1032,32 @@ def test_ctrl_c_before_the_fault_is_set_sets_nothing(
     assert "fault set" not in printed
     assert status == 130
     assert not out.exists()
+
+
+def test_an_alert_name_from_a_shared_prometheus_cannot_drive_the_terminal() -> None:
+    """Prometheus takes any text as an alert's name (`promtool check rules` passes one
+    holding ESC), and a shared Prometheus holds other teams' rules: the printed report
+    wrote the names of the alerts that fired as they came, so a rule named with an escape
+    sequence cleared the operator's screen or retitled the terminal. Each is one printable
+    line now (the JSON report keeps the name as Prometheus gave it)."""
+    from fallback_mw.cli.game_day.report import report_lines
+
+    hostile = "Evil\x1b[2J\x1b]0;pwned\x07\nFallbackMwBreakerOpen firing at +0 s"
+    report: dict[str, Any] = {
+        "status": "completed",
+        "route": "chat",
+        "fault": {"kind": "fail", "target": "primary", "candidate": None, "seconds_set": 3.0},
+        "duration_s": 3.0,
+        "owner": "alice",
+        "abort": None,
+        "predictions": [],
+        "observed": {"requests": 1},
+        "prometheus": {
+            "alerts": {hostile: {"pending_s": 1.0, "firing_s": 1.0, "resolved_s": None}},
+            "polls": 3,
+            "failed_polls": 0,
+        },
+    }
+    lines = report_lines(report)
+    assert all(line.isprintable() for line in lines), lines
+    assert any("Evil?[2J?]0;pwned??FallbackMwBreakerOpen" in line for line in lines), lines

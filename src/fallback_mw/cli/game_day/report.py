@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from fallback_mw.cli.game_day.run import Exercise, Timeline, fmt, iso, judge
+from fallback_mw.cli.show import one_line
 
 
 def events(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -152,8 +153,10 @@ def report_lines(report: dict[str, Any]) -> list[str]:
     )
     prometheus = report.get("prometheus")
     if prometheus is not None:
+        # Alert names are any text a rule in a shared Prometheus gives (an ESC too): one
+        # printable line each, never a terminal escape sequence.
         fired = [
-            f"{name} firing at +{fmt(seen['firing_s'], 's')}"
+            f"{one_line(name)} firing at +{fmt(seen['firing_s'], 's')}"
             + (f", resolved at +{fmt(seen['resolved_s'], 's')}" if seen["resolved_s"] else "")
             for name, seen in prometheus["alerts"].items()
             if seen["firing_s"] is not None
