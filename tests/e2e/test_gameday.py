@@ -456,3 +456,43 @@ async def test_alert_prediction_checked_against_a_real_prometheus_and_the_page_r
     assert "Ana" in seen_page["text"] and "NO DATA" in seen_page["text"]
     if os.environ.get("FALLBACK_MW_SCREENSHOTS"):  # docs/img/, refreshed by hand
         screenshot(page, Path(os.environ["FALLBACK_MW_SCREENSHOTS"]) / "gameday.png", tmp_path)
+
+
+async def test_an_alert_prediction_no_rule_defines_is_refused_before_anything_is_set(
+    tmp_path: Path,
+) -> None:
+    """`--predict alert:FallbackMwBreakerOpened<=60s` (a typo of the shipped rule's name)
+    was accepted: the exercise ran its whole duration with the fault set, and only the
+    report said the alert had `NO DATA`, which reads as "the alert never fired". The real
+    Prometheus is asked which alerting rules it evaluates before the fault: a name none
+    defines is refused (exit status 2, nothing set), naming the rule it is closest to."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        message = "prometheus not found (Debian package `prometheus`; scripts/test.sh installs it)"
+        if IN_CI:
+            pytest.fail(message + " (CI=true: a missing prometheus is a failure)")
+        pytest.skip(message)
+    store = f"sqlite:///{tmp_path / 'store.db'}"
+    config = _faults_config(tmp_path, store, "http://127.0.0.1:9", "http://127.0.0.1:10")
+    port = free_port()
+    with prometheus(binary, tmp_path, f"127.0.0.1:{free_port()}", port) as prometheus_log:
+        url = f"http://127.0.0.1:{port}"
+        async with httpx.AsyncClient(timeout=5) as client:
+            deadline = time.monotonic() + 60
+            while True:  # Prometheus up, the shipped rules loaded
+                with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
+                    groups = (await client.get(f"{url}/api/v1/rules")).json()["data"]["groups"]
+                    if groups:
+                        break
+                assert time.monotonic() < deadline, log_text(prometheus_log)
+                await asyncio.sleep(0.25)
+        out = tmp_path / "typo.json"
+        status, stdout, stderr = await gameday(
+            *("--config", str(config), "--route", "chat", "--fault", "fail"),
+            *("--duration", "5s", "--out", str(out), "--prometheus", url),
+            *("--predict", "alert:FallbackMwBreakerOpened<=60s", "--abort", "error_rate=20%"),
+        )
+    assert status == 2, stdout + stderr
+    assert "alert:FallbackMwBreakerOpened" in stderr and "FallbackMwBreakerOpen?" in stderr
+    assert "fault set" not in stdout and not out.exists()
+    assert await stored_faults(store) == []

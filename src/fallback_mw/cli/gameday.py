@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import difflib
 import getpass
 import signal
 import threading
@@ -46,6 +47,7 @@ from fallback_mw.cli.game_day.spec import (
     parse_duration,
     parse_prediction,
 )
+from fallback_mw.cli.show import one_line
 from fallback_mw.cli.target import resolve, store_options
 from fallback_mw.faults import UPSTREAM_FAULTS
 from fallback_mw.store.ledgers import open_ledger
@@ -190,6 +192,19 @@ async def _run(
                 raise GameDayRefused(
                     f"--prometheus {prometheus}: cannot read /api/v1/alerts ({exc}); nothing set"
                 ) from None
+            # A misspelt alert never fires: found out now, not as NO DATA after the exercise.
+            predicted = {p.alert for p in exercise.predictions if isinstance(p, AlertPrediction)}
+            rules = await alerts.alert_rules()
+            unknown = sorted(predicted - rules) if rules is not None else []
+            if unknown:
+                close = difflib.get_close_matches(unknown[0], sorted(rules or ()), n=1)
+                hint = (
+                    f"did you mean {one_line(close[0])}?" if close else f"{len(rules or ())} rules"
+                )
+                raise GameDayRefused(
+                    f"--predict alert:{unknown[0]}: Prometheus at {prometheus} has no alerting "
+                    f"rule of that name ({hint}); nothing set"
+                )
         timeline, feed = await run_exercise(
             exercise, store, ledger, stop, console.print, started, alerts=alerts, give_up=give_up
         )

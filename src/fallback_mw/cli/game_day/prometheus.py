@@ -89,6 +89,29 @@ class AlertWatcher:
         upstream = labels.get("gateway_upstream")
         return not (self.upstreams and upstream is not None and upstream not in self.upstreams)
 
+    async def alert_rules(self) -> set[str] | None:
+        """The names of the alerting rules Prometheus evaluates (`GET /api/v1/rules`), or
+        None when it does not say (an API without it, an error): then nothing is checked."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=POLL_TIMEOUT_S)
+            )
+        try:
+            async with self._session.get(
+                self.url + "/api/v1/rules", params={"type": "alert"}
+            ) as response:
+                if response.status != 200:
+                    return None
+                payload: Any = await response.json(content_type=None)
+            return {
+                str(rule["name"])
+                for group in payload["data"]["groups"]
+                for rule in group["rules"]
+                if rule.get("type", "alerting") == "alerting"
+            }
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError):
+            return None
+
     async def baseline(self) -> None:
         """Before the fault: Prometheus answers (else PrometheusUnavailable), and which
         alerts already fire (they are not credited to the exercise while they do)."""
