@@ -1061,3 +1061,52 @@ def test_an_alert_name_from_a_shared_prometheus_cannot_drive_the_terminal() -> N
     lines = report_lines(report)
     assert all(line.isprintable() for line in lines), lines
     assert any("Evil?[2J?]0;pwned??FallbackMwBreakerOpen" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("status", ["aborted", "interrupted", "failed"])
+def test_the_page_of_an_exercise_that_did_not_run_to_its_end_is_not_a_green_pass(
+    status: str,
+) -> None:
+    """An exercise that aborted (or was interrupted, or stopped by its store) with every
+    prediction met showed its verdict in the page's green 'pass' style, reading
+    'aborted: ' and nothing after: mailed around, the page looked like a success. It is
+    in the 'fail' style and says every prediction passed, after the status."""
+    import re
+
+    from fallback_mw.cli.game_day.html import render
+
+    report: dict[str, Any] = {
+        "status": status,
+        "route": "chat",
+        "owner": "Ana",
+        "duration_s": 60.0,
+        "fault": {
+            "kind": "fail",
+            "target": "primary",
+            "candidate": None,
+            "set_at": "2026-12-05T01:00:00Z",
+            "expires_at": "2026-12-05T01:01:00Z",
+            "cleared_at": "2026-12-05T01:00:07Z",
+            "seconds_set": 7.0,
+        },
+        "abort": None,
+        "failure": "lost the store connection" if status == "failed" else None,
+        "predictions": [
+            {
+                "prediction": "error_rate=1%",
+                "name": "error_rate",
+                "unit": "%",
+                "predicted": 0.01,
+                "observed": 0.0,
+                "result": "pass",
+            },
+        ],
+        "observed": {"requests": 10},
+        "events": [],
+    }
+    verdict = re.search(r'<p id="verdict" class="(\w+)">([^<]*)</p>', render(report))
+    assert verdict is not None
+    assert verdict.groups() == ("fail", f"{status}: every prediction passed")
+    report["status"] = "completed"
+    verdict = re.search(r'<p id="verdict" class="(\w+)">([^<]*)</p>', render(report))
+    assert verdict is not None and verdict.groups() == ("pass", "every prediction passed")

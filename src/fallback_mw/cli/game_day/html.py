@@ -153,16 +153,18 @@ def render(report: dict[str, Any]) -> str:
         )
         for p in report["predictions"]
     ]
-    passed = all(p.get("result") == "pass" for p in report["predictions"])
+    missed = ", ".join(
+        f"{p['prediction']} {str(p.get('result', '')).upper()}"
+        for p in report["predictions"]
+        if p.get("result") != "pass"
+    )
+    # Green only for an exercise that ran to its end with every prediction met: an
+    # aborted, interrupted or failed one is not a pass, whatever its predictions say.
+    passed = not missed and report["status"] == "completed"
     verdict = (
         "every prediction passed"
-        if passed and report["status"] == "completed"
-        else f"{report['status']}: "
-        + ", ".join(
-            f"{p['prediction']} {str(p.get('result', '')).upper()}"
-            for p in report["predictions"]
-            if p.get("result") != "pass"
-        )
+        if passed
+        else f"{report['status']}: {missed or 'every prediction passed'}"
     )
     abort = report.get("abort")
     body = [
