@@ -1110,3 +1110,39 @@ def test_the_page_of_an_exercise_that_did_not_run_to_its_end_is_not_a_green_pass
     report["status"] = "completed"
     verdict = re.search(r'<p id="verdict" class="(\w+)">([^<]*)</p>', render(report))
     assert verdict is not None and verdict.groups() == ("pass", "every prediction passed")
+
+
+@pytest.mark.anyio
+async def test_two_exercises_started_at_once_on_one_route_write_two_reports(
+    store: str, tmp_path: Path
+) -> None:
+    """A script started a `fail` game day and a `pin` game day on route chat at once,
+    without --out: both took `results/gameday-chat-<second>.json`, and the one that ended
+    last overwrote the other's report (and its HTML page). The default name now names the
+    fault and its target as well."""
+    import sys
+
+    command = [str(Path(sys.executable).with_name("fallback-mw")), "gameday", "--config", store]
+    common = [
+        *("--route", "chat", "--duration", "1s", "--recovery-wait", "1s", "--owner", "Ana"),
+        *("--predict", "error_rate=1%", "--abort", "error_rate=50%"),
+    ]
+    runs = [
+        await asyncio.create_subprocess_exec(
+            *command,
+            *common,
+            *fault,
+            cwd=tmp_path,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        for fault in (["--fault", "fail"], ["--fault", "pin", "--candidate", "backup"])
+    ]
+    for process in runs:
+        out, err = await asyncio.wait_for(process.communicate(), 60)
+        assert process.returncode == 1, out + err  # no traffic: NO DATA
+    reports = sorted(p.name for p in (tmp_path / "results").glob("*.json"))
+    assert len(reports) == 2, reports
+    assert reports[0].startswith("gameday-chat-fail-primary-"), reports
+    assert reports[1].startswith("gameday-chat-pin-backup-"), reports
+    assert len(list((tmp_path / "results").glob("*.html"))) == 2

@@ -141,13 +141,19 @@ def _exercise(args: argparse.Namespace, console: Console | None = None) -> tuple
     return exercise, target.url
 
 
-def _out_path(args: argparse.Namespace, route: str) -> Path:
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)[:64]
+
+
+def _out_path(args: argparse.Namespace, exercise: Exercise) -> Path:
     if args.out:
         out = Path(args.out)
     else:
+        # Two exercises started in the same second on one route (a script starting a `fail`
+        # and a `pin`) differ by fault and target; on one target, the store refuses one.
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-        safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in route)[:64]
-        out = Path("results") / f"gameday-{safe}-{stamp}.json"
+        what = f"{exercise.fault}-{_safe(exercise.candidate or exercise.target)}"
+        out = Path("results") / f"gameday-{_safe(exercise.route)}-{what}-{stamp}.json"
     writable_out(out, str(out))  # before the fault is set, not half-way through
     return out
 
@@ -251,7 +257,7 @@ async def _run(
 
 def handle(args: argparse.Namespace, console: Console) -> None:
     exercise, url = _exercise(args, console)
-    out = _out_path(args, exercise.route)
+    out = _out_path(args, exercise)
     try:
         report = asyncio.run(_run(exercise, url, out, console, args.prometheus))
     except GameDayRefused as exc:
