@@ -219,6 +219,8 @@ async def _run(
             timeline.interrupted = stop.is_set()  # Ctrl-C during the recovery watch
         if timeline.failure is None and timeline.interrupted:  # the records in flight, once
             await read_in_flight(exercise, feed, timeline)
+        if alerts is not None:
+            await alerts.settle()  # the poll still in flight, into the report
         observed = observe_exercise(exercise, feed, timeline)
         status = (
             "failed"  # what was observed until the store failed

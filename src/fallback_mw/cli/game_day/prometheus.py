@@ -9,6 +9,8 @@ An alert with neither label (one of your own) counts as it is."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +57,7 @@ class AlertWatcher:
     # Alerts already firing before the fault: not the exercise's doing until they resolve.
     firing_before: set[str] = field(default_factory=set)
     _session: aiohttp.ClientSession | None = None
+    _in_flight: asyncio.Task[None] | None = None
 
     async def _states(self) -> dict[str, str]:
         if self._session is None:
@@ -145,6 +148,19 @@ class AlertWatcher:
             if seen.firing_at is not None and not firing and seen.resolved_at is None:
                 seen.resolved_at = now
 
+    def poll_soon(self, now: float | None = None) -> None:
+        """Start a poll unless one is still in flight, without waiting for it: a slow or
+        hung Prometheus (each poll may take POLL_TIMEOUT_S) must not delay the exercise's
+        loop, whose abort criteria, Ctrl-C and end clear the fault at once."""
+        if self._in_flight is None or self._in_flight.done():
+            self._in_flight = asyncio.ensure_future(self.poll(now))
+
+    async def settle(self) -> None:
+        """Wait for the poll in flight, if any (before the alert state is reported)."""
+        if self._in_flight is not None:
+            await self._in_flight
+            self._in_flight = None
+
     def all_resolved(self) -> bool:
         return all(s.firing_at is None or s.resolved_at is not None for s in self.alerts.values())
 
@@ -169,6 +185,11 @@ class AlertWatcher:
         }
 
     async def aclose(self) -> None:
+        if self._in_flight is not None:
+            self._in_flight.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._in_flight
+            self._in_flight = None
         if self._session is not None:
             await self._session.close()
             self._session = None
