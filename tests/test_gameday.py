@@ -1209,3 +1209,38 @@ def test_a_slow_prometheus_does_not_hold_back_the_clear_on_ctrl_c(
     cleared_at = json.loads(out.read_text())["fault"]["cleared_at"]
     cleared = datetime.fromisoformat(cleared_at.replace("Z", "+00:00")).timestamp()
     assert cleared - sent[0] < 1.0, cleared - sent[0]
+
+
+@pytest.mark.anyio
+async def test_an_alert_seen_in_a_slow_answer_is_dated_when_prometheus_answered() -> None:
+    """The alert state a poll read was dated when the question was sent: an alert first
+    seen firing in an answer that took 1.2 s was dated 1.2 s early, so an
+    `alert:NAME<=DURATION` prediction (an upper bound) could pass on an alert that fired
+    after its bound. It is dated when Prometheus answered."""
+    from aiohttp import web
+
+    from fallback_mw.cli.game_day.prometheus import AlertWatcher
+
+    async def alerts(request: web.Request) -> web.Response:
+        await asyncio.sleep(1.2)
+        firing = {"labels": {"alertname": "FallbackMwBreakerOpen"}, "state": "firing"}
+        return web.json_response({"status": "success", "data": {"alerts": [firing]}})
+
+    app = web.Application()
+    app.router.add_get("/api/v1/alerts", alerts)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    watcher = AlertWatcher(f"http://127.0.0.1:{port}")
+    try:
+        asked = time.time()
+        await watcher.poll()
+        answered = time.time()
+    finally:
+        await watcher.aclose()
+        await runner.cleanup()
+    firing_at = watcher.alerts["FallbackMwBreakerOpen"].firing_at
+    assert firing_at is not None
+    assert asked + 1.1 <= firing_at <= answered, (firing_at - asked, answered - asked)

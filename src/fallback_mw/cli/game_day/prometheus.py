@@ -123,8 +123,9 @@ class AlertWatcher:
 
     async def poll(self, now: float | None = None) -> None:
         """One look at the alert state; a failed poll is counted, never raised (the
-        exercise goes on; the report says how many polls failed)."""
-        now = time.time() if now is None else now
+        exercise goes on; the report says how many polls failed). Without `now`, what it
+        saw is dated when Prometheus answered: an alert first seen firing in a slow answer
+        is not dated back to when the question was sent (a prediction is an upper bound)."""
         self.polls += 1
         try:
             states = await self._states()
@@ -132,6 +133,7 @@ class AlertWatcher:
             self.failures += 1
             self.last_error = str(exc)
             return
+        now = time.time() if now is None else now
         self.firing_before &= {name for name, state in states.items() if state == "firing"}
         for name in self.firing_before:
             states.pop(name, None)  # still the old firing: not this exercise's
@@ -148,12 +150,12 @@ class AlertWatcher:
             if seen.firing_at is not None and not firing and seen.resolved_at is None:
                 seen.resolved_at = now
 
-    def poll_soon(self, now: float | None = None) -> None:
+    def poll_soon(self) -> None:
         """Start a poll unless one is still in flight, without waiting for it: a slow or
         hung Prometheus (each poll may take POLL_TIMEOUT_S) must not delay the exercise's
         loop, whose abort criteria, Ctrl-C and end clear the fault at once."""
         if self._in_flight is None or self._in_flight.done():
-            self._in_flight = asyncio.ensure_future(self.poll(now))
+            self._in_flight = asyncio.ensure_future(self.poll())
 
     async def settle(self) -> None:
         """Wait for the poll in flight, if any (before the alert state is reported)."""

@@ -246,7 +246,7 @@ async def run_exercise(
                 break
             seen_set = now
             if alerts is not None:
-                alerts.poll_soon(now)
+                alerts.poll_soon()
             holding = _abort_holding(exercise, feed, now)
             if holding is not None:
                 criterion, value = holding
@@ -323,7 +323,7 @@ async def watch_recovery(
         now = time.time()
         await feed.poll()
         if alerts is not None:
-            alerts.poll_soon(now)
+            alerts.poll_soon()
         timeline.recovered = _primary_success_after(feed.records, exercise.primary, cleared)
         waited = now - cleared
         settled = alerts is None or alerts.all_resolved()
