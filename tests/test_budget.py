@@ -405,6 +405,33 @@ async def test_a_running_ledger_settles_holds_that_go_stale(ledger_store: str) -
 
 
 @pytest.mark.anyio
+async def test_a_hold_reaped_while_its_request_ran_settles_what_it_cost_once(
+    ledger_store: str,
+) -> None:
+    """A stream outlived the stale-hold age: the reaper settled its hold at its amount, and
+    the request's own settlement then found no hold and changed nothing. It now replaces
+    what the reaper charged with what the request cost, once."""
+    ledger = open_ledger(ledger_store)
+    ledger.stale_hold_seconds = 0.2  # type: ignore[attr-defined]
+    ledger.reap_interval = 0  # type: ignore[attr-defined]
+    try:
+        long = await ledger.hold("acme", BUDGET, Decimal("0.01"))
+        assert long is not None
+        await anyio.sleep(0.4)  # older than the stale age: the next hold reaps it
+        other = await ledger.hold("acme", BUDGET, Decimal("0.02"))
+        assert other is not None
+        status = await ledger.status("acme", BUDGET)
+        assert (status.spent, status.held) == (Decimal("0.01"), Decimal("0.02"))  # reaped
+        await ledger.settle(long, Decimal("0.003"))
+        await ledger.settle(long, Decimal("0.003"))  # a second settlement changes nothing
+        await ledger.release(other)
+        status = await ledger.status("acme", BUDGET)
+        assert (status.spent, status.held) == (Decimal("0.003"), 0)
+    finally:
+        await ledger.aclose()
+
+
+@pytest.mark.anyio
 async def test_memory_ledger_usage_is_bounded() -> None:
     ledger = MemoryLedger(usage_kept=3)
     for n in range(5):

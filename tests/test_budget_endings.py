@@ -15,6 +15,7 @@ from aiohttp import web
 from fallback_mw import Gateway
 from fallback_mw.cli import main
 from fallback_mw.config import BudgetConfig
+from fallback_mw.store.ledgers import open_ledger
 from fallback_mw.store.ledgers.memory import MemoryLedger
 from tests.helpers import client_for, http_scope, request_then_disconnect
 from tests.test_budget_guard import gateway_config, json_handler, status_of
@@ -213,3 +214,64 @@ async def test_the_memory_ledger_refuses_a_zero_hold_without_room() -> None:
     assert hold is not None
     await ledger.settle(hold, Decimal(1))  # spent to the limit
     assert await ledger.hold("b", budget, Decimal(0)) is None
+
+
+async def test_a_stream_outliving_the_stale_hold_age_is_charged_what_it_cost(
+    ledger_store: str,
+) -> None:
+    # A stream is bounded by its idle timeouts, not by the deadline: one read slowly can
+    # outlive the stale-hold age (an hour). The reaper, run on another request's hold,
+    # took its hold for a dead process's and settled it at its amount (default_hold); the
+    # stream's own settlement then found no hold and charged nothing more: the budget was
+    # charged 0.01 for an answer that cost 0.3, while its usage record said 0.3.
+    finished = anyio.Event()
+
+    async def long_stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n')
+        await finished.wait()
+        usage = {"prompt_tokens": 100, "completion_tokens": 100}  # 0.1 + 0.2
+        event = json.dumps({"model": "gpt-test", "choices": [], "usage": usage})
+        await response.write(f"data: {event}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    budget = BudgetConfig(limit=Decimal(1), window="month")
+    async with upstream(long_stream) as primary:
+        conf = gateway_config({"primary": primary.url}, store=ledger_store, limit="1")
+        ledger = open_ledger(ledger_store)
+        ledger.stale_hold_seconds = 0.2  # type: ignore[attr-defined]
+        ledger.reap_interval = 0  # type: ignore[attr-defined]
+        gateway = Gateway(host_app, config=conf, ledger=ledger)
+        try:
+            streaming = anyio.Event()
+
+            async def receive() -> dict[str, Any]:
+                if not streaming.is_set():
+                    return {"type": "http.request", "body": b'{"model":"gpt-test"}'}
+                await anyio.sleep(30)
+                return {"type": "http.disconnect"}
+
+            async def send(message: Any) -> None:
+                if message["type"] == "http.response.body" and message.get("body"):
+                    streaming.set()
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(gateway, http_scope("POST", "/v1/chat"), receive, send)
+                with anyio.fail_after(10):
+                    await streaming.wait()
+                    # The stream's hold (default_hold, 0.01) goes stale while it streams:
+                    # another request's hold runs the reaper, which settles it.
+                    while (await ledger.status("acme", budget)).spent == 0:
+                        other = await ledger.hold("acme", budget, Decimal("0.001"))
+                        assert other is not None
+                        await ledger.release(other)
+                        await anyio.sleep(0.05)
+                finished.set()
+            (record,) = await ledger.usage()
+            assert (record.outcome, record.charged) == ("served", Decimal("0.3"))
+            status = await ledger.status("acme", budget)
+            assert (status.spent, status.held) == (Decimal("0.3"), 0)  # what it cost, once
+        finally:
+            await gateway.aclose()

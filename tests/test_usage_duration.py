@@ -100,7 +100,7 @@ async def test_postgres_v1_store_migrates(pg_url: str) -> None:
         assert (old.request_id, old.duration_ms) == ("old", None)
         assert (new.request_id, new.duration_ms) == ("new", 7.0)
         version = await conn.fetchval("SELECT version FROM fmw_schema WHERE component = 'ledger'")
-        assert version == LATEST_VERSION == 3
+        assert version == LATEST_VERSION == 4
     finally:
         await conn.close()
 

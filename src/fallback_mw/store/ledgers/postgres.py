@@ -45,6 +45,7 @@ from fallback_mw.store.ledgers.schema import (
     COMPONENT,
     LATEST_VERSION,
     REAP_INTERVAL,
+    REAPED_KEPT_SECONDS,
     RECORDED_WINDOWS,
     SCHEMA_TABLE,
     STALE_HOLD_SECONDS,
@@ -79,16 +80,35 @@ SELECT $5, $1, $2, $3, now() FROM window_row
 RETURNING hold_id
 """
 
-_FINISH = """
-WITH finished AS (
-    DELETE FROM fmw_budget_holds WHERE hold_id = $1
-    RETURNING budget_id, window_start, amount_units
-)
-UPDATE fmw_budget_windows AS w
-SET held_units = w.held_units - finished.amount_units,
-    spent_units = w.spent_units + LEAST($2::bigint, $3::bigint - w.spent_units)
-FROM finished
-WHERE w.budget_id = finished.budget_id AND w.window_start = finished.window_start
+
+# A hold's end: settled at $2 (released at 0), once. A hold no longer held was settled or
+# released before (nothing to do), or settled at its amount by the reaper while its request
+# still ran (a stream read for over an hour): what the request cost then replaces what the
+# reaper charged (`credit`, the reaped amount), once. Each argument is a placeholder ($N).
+def _finished(hold: str) -> str:
+    return f"""finished AS (
+    DELETE FROM fmw_budget_holds WHERE hold_id = {hold}
+    RETURNING budget_id, window_start, amount_units AS held, 0::bigint AS credit
+), reaped AS (
+    DELETE FROM fmw_budget_reaped WHERE hold_id = {hold}
+    RETURNING budget_id, window_start, 0::bigint AS held, amount_units AS credit
+), ended AS (
+    SELECT * FROM finished UNION ALL SELECT * FROM reaped
+)"""
+
+
+def _settle_ended(spent: str, cap: str) -> str:
+    return f"""UPDATE fmw_budget_windows AS w
+SET held_units = w.held_units - ended.held,
+    spent_units = GREATEST(0::bigint, LEAST(w.spent_units + {spent}::bigint - ended.credit,
+        {cap}::bigint))
+FROM ended
+WHERE w.budget_id = ended.budget_id AND w.window_start = ended.window_start"""
+
+
+_FINISH = f"""
+WITH {_finished("$1")}
+{_settle_ended("$2", "$3")}
 """
 
 _USAGE_COUNT = USAGE_COLUMNS.count(",") + 1  # the usage columns are $1..$N
@@ -114,15 +134,8 @@ _HOLD_ID, _SPENT, _CAP = (f"${_USAGE_COUNT + i}" for i in (1, 2, 3))
 
 def _settle_and_record(insert: str) -> str:
     return f"""
-WITH finished AS (
-    DELETE FROM fmw_budget_holds WHERE hold_id = {_HOLD_ID}
-    RETURNING budget_id, window_start, amount_units
-), settled AS (
-    UPDATE fmw_budget_windows AS w
-    SET held_units = w.held_units - finished.amount_units,
-        spent_units = w.spent_units + LEAST({_SPENT}::bigint, {_CAP}::bigint - w.spent_units)
-    FROM finished
-    WHERE w.budget_id = finished.budget_id AND w.window_start = finished.window_start
+WITH {_finished(_HOLD_ID)}, settled AS (
+    {_settle_ended(_SPENT, _CAP)}
 )
 {insert}
 """
@@ -137,10 +150,18 @@ _INSERT_KEPT = _insert_usage(f"${_USAGE_COUNT + 1}")
 _SETTLE_AND_RECORD_KEPT = _settle_and_record(_insert_usage(f"${_USAGE_COUNT + 4}"))
 _ROW_IDS = "SELECT nextval(pg_get_serial_sequence('fmw_usage', 'id')) FROM generate_series(1, $1)"
 
-_REAP = """
+_REAP = f"""
 WITH stale AS (
     DELETE FROM fmw_budget_holds WHERE created_at < now() - make_interval(secs => $1)
-    RETURNING budget_id, window_start, amount_units
+    RETURNING hold_id, budget_id, window_start, amount_units
+), kept AS (
+    -- A request still running settles what it cost when it ends (`_finished`).
+    INSERT INTO fmw_budget_reaped (hold_id, budget_id, window_start, amount_units, reaped_at)
+    SELECT hold_id, budget_id, window_start, amount_units, now() FROM stale
+    ON CONFLICT (hold_id) DO NOTHING
+), forgotten AS (
+    DELETE FROM fmw_budget_reaped
+    WHERE reaped_at < now() - make_interval(secs => {REAPED_KEPT_SECONDS})
 ), totals AS (
     SELECT budget_id, window_start, sum(amount_units) AS units FROM stale
     GROUP BY budget_id, window_start

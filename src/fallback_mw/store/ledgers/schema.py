@@ -22,6 +22,10 @@ SCHEMA_TABLE = (
 )
 COMPONENT = "ledger"
 STALE_HOLD_SECONDS = 3600  # a hold this old was left by a process that died mid-request
+# ... or belongs to a stream still running (bounded by its idle timeouts, not the deadline):
+# a reaped hold is kept this long in fmw_budget_reaped, so a settlement that comes after all
+# charges what its request cost, not the hold.
+REAPED_KEPT_SECONDS = 7 * 86400
 # A running ledger looks for stale holds this often (on a hold), not only when it opens:
 # under `serve --workers N` a dead worker's replacement opens its ledger while the hold
 # the dead one left is still fresh.
@@ -50,6 +54,14 @@ _V2 = ["ALTER TABLE fmw_usage ADD COLUMN duration_ms {real}"]
 # v3: the rule that ended the walk (`fallback-mw usage --incidents`, as the log line's
 # `rule=`); NULL in rows written before, and for a walk no rule ended.
 _V3 = ["ALTER TABLE fmw_usage ADD COLUMN rule TEXT"]
+# v4: the holds the reaper settled at their amount, kept a while (REAPED_KEPT_SECONDS): a
+# request still running when its hold went stale (a stream read slowly for over an hour)
+# settles the difference between what it cost and what the reaper charged.
+_V4 = [
+    "CREATE TABLE fmw_budget_reaped (hold_id TEXT PRIMARY KEY, budget_id TEXT NOT NULL, "
+    "window_start TEXT NOT NULL, amount_units BIGINT NOT NULL, reaped_at {ts} NOT NULL)",
+    "CREATE INDEX fmw_budget_reaped_at ON fmw_budget_reaped (reaped_at)",
+]
 _TYPES = {
     "sqlite": {"ts": "TEXT", "serial": "INTEGER", "real": "REAL"},
     "postgresql": {"ts": "TIMESTAMPTZ", "serial": "BIGSERIAL", "real": "DOUBLE PRECISION"},
@@ -60,7 +72,7 @@ def migrations(dialect: str) -> dict[int, list[str]]:
     types = _TYPES[dialect]
     return {
         version: [s.format(**types) for s in steps]
-        for version, steps in ((1, _V1), (2, _V2), (3, _V3))
+        for version, steps in ((1, _V1), (2, _V2), (3, _V3), (4, _V4))
     }
 
 

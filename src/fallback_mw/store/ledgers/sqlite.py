@@ -44,6 +44,7 @@ from fallback_mw.store.ledgers.schema import (
     COMPONENT,
     LATEST_VERSION,
     REAP_INTERVAL,
+    REAPED_KEPT_SECONDS,
     RECORDED_WINDOWS,
     SCHEMA_TABLE,
     STALE_HOLD_SECONDS,
@@ -621,20 +622,39 @@ def _group_work(calls: Sequence[Pending[_Work]]) -> Callable[[sqlite3.Connection
 
 
 def _finish_hold(conn: sqlite3.Connection, hold_id: str, spent: int) -> None:
+    spent = min(max(spent, 0), MAX_UNITS)
     row = conn.execute(
         "DELETE FROM fmw_budget_holds WHERE hold_id = ? "
         "RETURNING budget_id, window_start, amount_units",
         (hold_id,),
     ).fetchone()
     if row is None:
-        return  # already settled or released: exactly once
+        _settle_reaped(conn, hold_id, spent)
+        return
     # Spend saturates at SPENT_CAP_UNITS: never an integer overflow that loses the row.
     conn.execute(
         "UPDATE fmw_budget_windows SET held_units = held_units - ?, "
         "spent_units = spent_units + min(?, ? - spent_units) "
         "WHERE budget_id = ? AND window_start = ?",
-        (row[2], min(max(spent, 0), MAX_UNITS), SPENT_CAP_UNITS, row[0], row[1]),
+        (row[2], spent, SPENT_CAP_UNITS, row[0], row[1]),
     )
+
+
+def _settle_reaped(conn: sqlite3.Connection, hold_id: str, spent: int) -> None:
+    """A hold no longer held: already settled or released (nothing to do, exactly once),
+    or settled at its amount by the reaper while its request still ran (a stream read for
+    over an hour): what the request cost replaces what the reaper charged, once."""
+    row = conn.execute(
+        "DELETE FROM fmw_budget_reaped WHERE hold_id = ? "
+        "RETURNING budget_id, window_start, amount_units",
+        (hold_id,),
+    ).fetchone()
+    if row is not None:
+        conn.execute(
+            "UPDATE fmw_budget_windows SET spent_units = max(0, min(spent_units + ? - ?, ?)) "
+            "WHERE budget_id = ? AND window_start = ?",
+            (spent, row[2], SPENT_CAP_UNITS, row[0], row[1]),
+        )
 
 
 def _migrate(conn: sqlite3.Connection) -> None:
@@ -656,12 +676,23 @@ def _migrate(conn: sqlite3.Connection) -> None:
 
 def _settle_stale_holds(conn: sqlite3.Connection, older_than: float) -> None:
     """Holds left by a process that died mid-request are settled at their amount (the
-    conservative choice: the upstream may have served and billed). In the caller's
-    transaction."""
-    cutoff = encode_sqlite_time(datetime.now(UTC) - timedelta(seconds=older_than))
+    conservative choice: the upstream may have served and billed), and kept a while in
+    fmw_budget_reaped: one whose request still runs (a stream read for over an hour)
+    settles what it cost when it ends. In the caller's transaction."""
+    now = datetime.now(UTC)
+    cutoff = encode_sqlite_time(now - timedelta(seconds=older_than))
     rows = conn.execute(
-        "SELECT hold_id, amount_units FROM fmw_budget_holds WHERE created_at < ?",
+        "SELECT hold_id, budget_id, window_start, amount_units FROM fmw_budget_holds "
+        "WHERE created_at < ?",
         (cutoff,),
     ).fetchall()
-    for hold_id, amount in rows:
+    for hold_id, budget_id, start, amount in rows:
         _finish_hold(conn, hold_id, int(amount))
+        # Kept: a request still running settles what it cost when it ends (_settle_reaped).
+        conn.execute(
+            "INSERT OR IGNORE INTO fmw_budget_reaped "
+            "(hold_id, budget_id, window_start, amount_units, reaped_at) VALUES (?, ?, ?, ?, ?)",
+            (hold_id, budget_id, start, amount, encode_sqlite_time(now)),
+        )
+    forgotten = encode_sqlite_time(now - timedelta(seconds=REAPED_KEPT_SECONDS))
+    conn.execute("DELETE FROM fmw_budget_reaped WHERE reaped_at < ?", (forgotten,))
