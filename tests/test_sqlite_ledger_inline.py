@@ -7,14 +7,21 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+import time
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
+import anyio
 import pytest
 
+from fallback_mw import Gateway
 from fallback_mw.budget.ledger import UsageRecord
 from fallback_mw.config import BudgetConfig
 from fallback_mw.store.ledgers.sqlite import SQLiteLedger
+from tests.helpers import client_for, http_scope, request_then_disconnect
+from tests.test_budget_guard import gateway_config
+from tests.upstreams import host_app, status_handler, upstream
 
 BUDGET = BudgetConfig(limit=Decimal(100), window="total")
 
@@ -81,3 +88,48 @@ async def test_the_wal_is_checkpointed(tmp_path: Path) -> None:
         assert len(await ledger.usage(limit=10_000)) == 5000
     finally:
         await ledger.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_database_locked_elsewhere_refuses_each_request_within_the_busy_timeout(
+    tmp_path: Path,
+) -> None:
+    # Another process held the write lock (an operator's `sqlite3` session, a VACUUM): each
+    # group of ledger calls waited out the 5 s busy timeout behind the groups before it,
+    # so requests arriving a moment apart got their 503 after 5, 10, 15 ... seconds (the
+    # twentieth after over a minute), or a 504 once the lock went. Each ledger call waits
+    # the busy timeout at most now, its wait for the calls ahead of it included, as on
+    # PostgreSQL (a request makes two at most: the stored budget's read, and the hold).
+    path = tmp_path / "ledger.db"
+    ledger = SQLiteLedger(str(path), busy_timeout=1.0)
+    async with upstream(status_handler(200)) as primary:
+        conf = gateway_config({"primary": primary.url}, store=f"sqlite:///{path}")
+        gateway = Gateway(host_app, config=conf, ledger=ledger)
+        other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        try:
+            async with client_for(gateway) as client:
+                assert (await client.post("/v1/chat", content=b"{}")).status_code == 200
+                other.execute("BEGIN IMMEDIATE")  # another process's writer, and it stays
+                answered: list[tuple[int, float]] = []  # status, seconds to the answer
+
+                async def one(delay: float) -> None:
+                    await anyio.sleep(delay)  # one request every 0.1 s: a group each
+                    started = time.monotonic()
+
+                    async def send(message: dict[str, Any]) -> None:
+                        if message["type"] == "http.response.start":
+                            answered.append((message["status"], time.monotonic() - started))
+
+                    await gateway(http_scope("POST", "/v1/chat"), request_then_disconnect(30), send)
+
+                with anyio.fail_after(30):
+                    async with anyio.create_task_group() as group:
+                        for n in range(6):
+                            group.start_soon(one, n * 0.1)
+            assert [status for status, _ in answered] == [503] * 6
+            slowest = max(seconds for _, seconds in answered)
+            assert slowest < 2.5, answered  # two calls' busy timeouts (1 s) at most, and a margin
+        finally:
+            other.close()
+            await gateway.aclose()
+    assert primary.count == 1

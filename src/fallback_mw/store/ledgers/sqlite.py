@@ -83,6 +83,7 @@ class SQLiteLedger(SQLLedgerBase):
         self.stale_hold_seconds = stale_hold_seconds
         self.reap_interval = reap_interval
         self._conn: sqlite3.Connection | None = None
+        self._busy_ms = int(busy_timeout * 1000)  # the worker connection's busy timeout
         self._fast: sqlite3.Connection | None = None  # the event loop thread's (_inline)
         self._calls = 0
         self._turns: _Turns | None = None
@@ -107,6 +108,7 @@ class SQLiteLedger(SQLLedgerBase):
                 conn.close()
                 raise
             self._conn = conn
+            self._busy_ms = int(self.busy_timeout * 1000)
             self._reap_at = time.monotonic() + self.reap_interval
         return self._conn
 
@@ -167,25 +169,60 @@ class SQLiteLedger(SQLLedgerBase):
         turns = self._loop_turns()
         if turns is None:
             return await self._in_thread(work)
-        async with turns.lock:
+        deadline = turns.loop.time() + self.busy_timeout
+        await self._take_turn(turns, deadline)
+        try:
             self._calls += 1
-            return await self._write(work, inline=self._calls % CHECKPOINT_EVERY != 0)
+            inline = self._calls % CHECKPOINT_EVERY != 0
+            return await self._write(work, inline=inline, deadline=deadline)
+        finally:
+            turns.lock.release()
 
-    async def _write(self, work: Callable[[sqlite3.Connection], T], *, inline: bool) -> T:
+    async def _take_turn(self, turns: _Turns, deadline: float) -> None:
+        """This loop's turn, by `deadline` (the loop's clock): the wait behind the calls
+        ahead, each waiting for another process's write lock, counts against the busy
+        timeout, so each call is refused within it (as on PostgreSQL), not after the
+        timeouts of every call queued before it."""
+        lock = turns.lock
+        if not lock.locked():
+            await lock.acquire()  # free: taken at once
+            return
+        try:
+            async with asyncio.timeout_at(deadline):
+                await lock.acquire()
+        except TimeoutError:
+            raise self._unavailable("locked", "database is locked") from None
+
+    async def _write(
+        self, work: Callable[[sqlite3.Connection], T], *, inline: bool, deadline: float
+    ) -> T:
         """`work`, in this loop's turn: on the loop's thread when `inline` and that cannot
-        block, else in the worker thread. Every CHECKPOINT_EVERY-th call is not inline: the
-        worker thread's connection checkpoints the WAL when it has grown past SQLite's
-        default 1000 pages."""
+        block, else in the worker thread, which waits for another process's lock until
+        `deadline`. Every CHECKPOINT_EVERY-th call is not inline: the worker thread's
+        connection checkpoints the WAL when it has grown past SQLite's default 1000
+        pages."""
         if inline:
             done, found = self._inline(work)
             if done:
                 return found  # type: ignore[return-value]
-        return await self._in_thread(work)
+        left = deadline - asyncio.get_running_loop().time()
+        return await self._in_thread(work, wait=max(left, 0.0))
 
-    async def _in_thread(self, work: Callable[[sqlite3.Connection], T]) -> T:
+    async def _in_thread(
+        self, work: Callable[[sqlite3.Connection], T], *, wait: float | None = None
+    ) -> T:
+        """`work` in the worker thread, waiting `wait` seconds at most for another
+        process's write lock (None: the busy timeout)."""
+        until = None if wait is None else time.monotonic() + wait
+
         def locked() -> T:
             with self._lock:
                 conn = self._connection()
+                left = self.busy_timeout if until is None else until - time.monotonic()
+                busy_ms = max(int(left * 1000), 0)
+                if busy_ms != self._busy_ms:
+                    conn.execute(f"PRAGMA busy_timeout = {busy_ms}")
+                    self._busy_ms = busy_ms
                 result = work(conn)
                 self._open_fast()
                 return result
@@ -193,15 +230,16 @@ class SQLiteLedger(SQLLedgerBase):
         try:
             result = await anyio.to_thread.run_sync(locked)
         except (sqlite3.Error, SchemaTooNew) as exc:
-            self._outage.failed(type(exc).__name__, "budgeted routes refuse (fail closed)")
             # SQLite's own reason ("file is not a database", "attempt to write a readonly
             # database") names no secret: a file path holds none.
-            reason = " ".join(str(exc).split())[:200]
-            raise LedgerUnavailable(
-                f"SQLite ledger {self.path} unavailable ({type(exc).__name__}: {reason})"
-            ) from None
+            raise self._unavailable(type(exc).__name__, str(exc)) from None
         self._outage.recovered()
         return result
+
+    def _unavailable(self, kind: str, reason: str) -> LedgerUnavailable:
+        self._outage.failed(kind, "budgeted routes refuse (fail closed)")
+        reason = " ".join(reason.split())[:200]
+        return LedgerUnavailable(f"SQLite ledger {self.path} unavailable ({kind}: {reason})")
 
     # --- group commit -------------------------------------------------------------------
 
@@ -237,8 +275,9 @@ class SQLiteLedger(SQLLedgerBase):
                 return
             inline = False  # locked by another process: the worker thread waits for it
         # Behind a call in the worker thread (its turn comes when that one is done), or
-        # to the worker thread itself.
-        task = turns.loop.create_task(self._commit_later(calls, work, turns.lock, inline))
+        # to the worker thread itself: refused once the busy timeout has passed.
+        deadline = turns.loop.time() + self.busy_timeout
+        task = turns.loop.create_task(self._commit_later(calls, work, turns, inline, deadline))
         self._writers.add(task)
         task.add_done_callback(self._writers.discard)
 
@@ -246,12 +285,16 @@ class SQLiteLedger(SQLLedgerBase):
         self,
         calls: list[Pending[_Work]],
         work: Callable[[sqlite3.Connection], list[object]],
-        turn: asyncio.Lock,
+        turns: _Turns,
         inline: bool,
+        deadline: float,
     ) -> None:
         try:
-            async with turn:
-                results = await self._write(work, inline=inline)
+            await self._take_turn(turns, deadline)
+            try:
+                results = await self._write(work, inline=inline, deadline=deadline)
+            finally:
+                turns.lock.release()
         except BaseException as exc:  # LedgerUnavailable, a lone call's failure, shutdown
             fail(calls, exc)
             if not isinstance(exc, Exception):
