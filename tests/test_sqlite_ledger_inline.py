@@ -5,6 +5,7 @@ checkpointed although the loop thread's connection never does it."""
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 import threading
 import time
@@ -16,7 +17,7 @@ import anyio
 import pytest
 
 from fallback_mw import Gateway
-from fallback_mw.budget.ledger import UsageRecord
+from fallback_mw.budget.ledger import LedgerUnavailable, UsageRecord
 from fallback_mw.config import BudgetConfig
 from fallback_mw.store.ledgers.sqlite import SQLiteLedger
 from tests.helpers import client_for, http_scope, request_then_disconnect
@@ -133,3 +134,37 @@ async def test_a_database_locked_elsewhere_refuses_each_request_within_the_busy_
             other.close()
             await gateway.aclose()
     assert primary.count == 1
+
+
+@pytest.mark.anyio
+async def test_a_locked_file_is_one_outage_in_the_log_though_reads_still_answer(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Locked by another process's writer, the file still answers reads (WAL): each read
+    # (a stored budget's, every 2 s per budget; `budgets show`) logged "reachable again"
+    # and the next hold "unreachable" again, a WARNING pair each time for as long as the
+    # lock lasted. An outage is two lines (docs/budgets.md): it ends when a write succeeds.
+    path = tmp_path / "ledger.db"
+    ledger = SQLiteLedger(str(path), busy_timeout=0.2)
+    try:
+        assert await ledger.hold("b", BUDGET, Decimal(1)) is not None  # opens both
+        other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        try:
+            other.execute("BEGIN IMMEDIATE")  # another process's writer
+            caplog.set_level(logging.DEBUG, logger="fallback_mw.budget")
+            for _ in range(3):
+                with pytest.raises(LedgerUnavailable):
+                    await ledger.hold("b", BUDGET, Decimal(1))
+                assert (await ledger.status("b", BUDGET)).held == Decimal(1)  # reads answer
+                assert await ledger.stored_budget("b") is None
+            other.execute("COMMIT")
+        finally:
+            other.close()
+        assert await ledger.hold("b", BUDGET, Decimal(1)) is not None
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert warnings == [
+            "SQLite ledger unreachable (OperationalError): budgeted routes refuse (fail closed)",
+            "SQLite ledger reachable again",
+        ]
+    finally:
+        await ledger.aclose()

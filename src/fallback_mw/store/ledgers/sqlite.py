@@ -124,7 +124,9 @@ class SQLiteLedger(SQLLedgerBase):
         if conn is None or not self._lock.acquire(blocking=False):
             return False, None
         try:
+            changes = conn.total_changes
             found = work(conn)
+            wrote = conn.total_changes != changes
         except sqlite3.OperationalError:
             # Locked by another process, or a real failure the worker thread will meet
             # again (and report): either way nothing was committed.
@@ -134,7 +136,8 @@ class SQLiteLedger(SQLLedgerBase):
             return False, None
         finally:
             self._lock.release()
-        self._outage.recovered()
+        if wrote:
+            self._outage.recovered()  # see `_in_thread`
         return True, found
 
     def _open_fast(self) -> None:
@@ -215,7 +218,7 @@ class SQLiteLedger(SQLLedgerBase):
         process's write lock (None: the busy timeout)."""
         until = None if wait is None else time.monotonic() + wait
 
-        def locked() -> T:
+        def locked() -> tuple[T, bool]:
             with self._lock:
                 conn = self._connection()
                 left = self.busy_timeout if until is None else until - time.monotonic()
@@ -223,17 +226,23 @@ class SQLiteLedger(SQLLedgerBase):
                 if busy_ms != self._busy_ms:
                     conn.execute(f"PRAGMA busy_timeout = {busy_ms}")
                     self._busy_ms = busy_ms
+                changes = conn.total_changes
                 result = work(conn)
+                wrote = conn.total_changes != changes
                 self._open_fast()
-                return result
+                return result, wrote
 
         try:
-            result = await anyio.to_thread.run_sync(locked)
+            result, wrote = await anyio.to_thread.run_sync(locked)
         except (sqlite3.Error, SchemaTooNew) as exc:
             # SQLite's own reason ("file is not a database", "attempt to write a readonly
             # database") names no secret: a file path holds none.
             raise self._unavailable(type(exc).__name__, str(exc)) from None
-        self._outage.recovered()
+        if wrote:
+            # A write ends an outage; a read does not: a file another process holds the
+            # write lock on still answers reads (WAL), and each read would log "reachable
+            # again" between two holds refused.
+            self._outage.recovered()
         return result
 
     def _unavailable(self, kind: str, reason: str) -> LedgerUnavailable:
