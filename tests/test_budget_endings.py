@@ -275,3 +275,45 @@ async def test_a_stream_outliving_the_stale_hold_age_is_charged_what_it_cost(
             assert (status.spent, status.held) == (Decimal("0.3"), 0)  # what it cost, once
         finally:
             await gateway.aclose()
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
+async def test_an_answer_over_max_response_body_is_charged_the_hold_however_it_is_found(
+    ledger_store: str, declared: bool
+) -> None:
+    # The upstream generated a whole answer (an image's base64, n completions) and bills for
+    # it; it is over max_response_body, so the caller gets 502 response_too_large. Found
+    # while it was relayed (chunked), it was charged the hold; found by its Content-Length,
+    # before the relay began, the hold was released: nothing charged for the same answer.
+    body = json.dumps({"data": [{"b64_json": "A" * 3000}], "usage": USAGE}).encode()
+
+    async def big(request: web.Request) -> web.StreamResponse:
+        if declared:
+            return web.Response(body=body, content_type="application/json")
+        response = web.StreamResponse(headers={"content-type": "application/json"})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        await response.write(body)
+        return response
+
+    async with upstream(big) as primary:
+        conf = gateway_config({"primary": primary.url}, store=ledger_store, limit="1")
+        conf["gateway"]["max_response_body"] = 1000
+        gateway = Gateway(host_app, config=conf)
+        try:
+            sent: list[Any] = []
+
+            async def send(message: Any) -> None:
+                sent.append(message)
+
+            scope = http_scope("POST", "/v1/chat")
+            with anyio.fail_after(10):
+                await gateway(scope, request_then_disconnect(30), send)
+            assert sent[0]["status"] == (502 if declared else 200)  # chunked: cut mid-body
+            ledger = gateway.services.ledger
+            assert ledger is not None
+            (record,) = await ledger.usage()
+            assert (record.outcome, record.charged) == ("response_too_large", Decimal("0.01"))
+            assert await status_of(gateway) == (Decimal("0.01"), Decimal(0))
+        finally:
+            await gateway.aclose()

@@ -369,6 +369,10 @@ HELD = Decimal("0.5")
         # An upstream answered 200 but the client left before the relay began: the upstream
         # generated (and bills); its usage was never read: the hold.
         ({"client_disconnected": True}, [503, 200], None, HELD),
+        # An upstream's 200 over max_response_body by its Content-Length: generated (and
+        # billed), never relayed: the hold, as when found mid-body. A 4xx that big: nothing.
+        ({"outcome": "response_too_large"}, [200], None, HELD),
+        ({"outcome": "response_too_large"}, [404], None, Decimal(0)),
     ],
 )
 def test_what_a_settled_request_is_charged(

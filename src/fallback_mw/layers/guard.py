@@ -385,11 +385,14 @@ def charge(context: RequestContext, held: Decimal, cost: Decimal | None) -> Deci
     """What a settled request is charged (SPEC §7): the reported usage's cost, else the
     hold; nothing when nothing was served and no upstream answered."""
     if context.chosen is None:
-        if context.client_disconnected and any(
+        unrelayed = context.client_disconnected or context.outcome == "response_too_large"
+        if unrelayed and any(
             record.status is not None and 200 <= record.status < 300 for record in context.attempts
         ):
             # An upstream answered (it generated, and bills for it) but the client left
-            # before the relay began: the body, and its usage, were never read.
+            # before the relay began, or the answer was over max_response_body by its
+            # Content-Length (found while relayed, it is charged as cut short): the body,
+            # and its usage, were never read.
             return held
         return Decimal(0)  # nothing served: the hold is released
     if cost is None:
