@@ -325,3 +325,42 @@ async def test_what_was_kept_is_written_whole_at_close_when_the_database_answers
     await asyncio.sleep(0.5)  # anything left running after the close would write again
     assert ledger._pool is None and ledger._draining is None
     assert await rows_written(pg_url) == ["before", *kept]  # in order
+
+
+async def test_a_settlement_kept_through_an_outage_longer_than_the_stale_age_is_written(
+    proxied: tuple[TcpProxy, PostgresLedger], pg_url: str
+) -> None:
+    """A settlement on its way when the connection went away is kept, and written only
+    while its hold is there. An outage longer than the stale-hold age let another process
+    settle that hold at its amount meanwhile: the kept settlement found no hold and was
+    dropped with its usage record, so the request had no record and was charged its hold
+    (2), not what it cost (0.5). A hold the reaper settled is kept aside
+    (fmw_budget_reaped), and a settlement that finds it there was never written."""
+    proxy, ledger = proxied
+    other = PostgresLedger(pg_url, stale_hold_seconds=0.5, reap_interval=0)
+    try:
+        warm = await ledger.hold("acme", BUDGET, Decimal("1"))  # the statements are prepared
+        assert warm is not None
+        await ledger.settle_and_record(warm, Decimal("0.25"), record("warm"))
+        hold = await ledger.hold("acme", BUDGET, Decimal("2"))
+        assert hold is not None
+        proxy.pause()  # the settlement never reaches the database
+        with contextlib.suppress(LedgerUnavailable):
+            await ledger.settle_and_record(hold, Decimal("0.5"), record("served"))
+        assert ledger.waiting == 1
+        await asyncio.sleep(0.6)  # the hold is older than the other process's stale age
+        reaping = await other.hold("acme", BUDGET, Decimal("0.01"))  # reaps the stale hold
+        assert reaping is not None
+        await other.release(reaping)
+        status = await other.status("acme", BUDGET)
+        assert (status.spent, status.held) == (Decimal("2.25"), Decimal("0"))  # reaped
+        await proxy.cut("abort")  # what the pause held back never arrives
+        proxy.resume()
+        await proxy.open()
+        await asyncio.sleep(RETRY)
+        await until_written(ledger)
+    finally:
+        await other.aclose()
+    assert [r.request_id for r in await ledger.usage()] == ["warm", "served"]
+    status = await ledger.status("acme", BUDGET)
+    assert (status.spent, status.held) == (Decimal("0.75"), Decimal("0"))

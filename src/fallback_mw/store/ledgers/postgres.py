@@ -792,7 +792,14 @@ def _runs(batch: list[_Pending]) -> list[tuple[str, list[tuple[object, ...]], st
     return runs
 
 
-_HOLD_THERE = "SELECT 1 FROM fmw_budget_holds WHERE hold_id = $1 FOR UPDATE"
+# A settlement whose answer was lost was not written while its hold is there: still held,
+# or settled at its amount by the reaper meanwhile (an outage longer than the stale age),
+# which a written settlement would have left nothing to reap. Locked against a reap.
+_HOLD_THERE = """
+SELECT COALESCE(
+    (SELECT 1 FROM fmw_budget_holds WHERE hold_id = $1 FOR UPDATE),
+    (SELECT 1 FROM fmw_budget_reaped WHERE hold_id = $1 FOR UPDATE)
+)"""
 
 
 def _retrieved(task: asyncio.Future[Any]) -> None:
