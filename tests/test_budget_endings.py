@@ -131,8 +131,12 @@ def _answer(kind: str) -> Any:
         response = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await response.prepare(request)
         await response.write(b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n')
-        if kind in ("sse", "sse-reset", "sse-hang"):
+        if kind in ("sse", "sse-reset", "sse-hang", "sse-done-hang"):
             await response.write(usage)
+        if kind == "sse-done-hang":
+            await response.write(b"data: [DONE]\n\n")
+            await anyio.sleep(5)  # the end of body never comes in time
+            return response
         if kind in ("sse-reset", "sse-no-usage-reset"):
             assert request.transport is not None
             request.transport.close()
@@ -165,6 +169,10 @@ BODY = json.dumps({"model": "gpt-test", "max_tokens": 10, "messages": [], "x": "
         ("reset mid-stream after usage", ["sse-reset"], HOLD),
         ("reset mid-stream, no usage", ["sse-no-usage-reset"], HOLD),
         ("idle after the head", ["sse-hang"], HOLD),
+        # Everything reached the client, [DONE] included (nothing the SDKs read was lost),
+        # then the upstream went idle before its end of body: what it cost, as when the
+        # client leaves after [DONE]. It was charged the hold (cut short).
+        ("idle after [DONE]", ["sse-done-hang"], COST),
     ],
 )
 async def test_every_ending_leaves_one_settlement_and_one_record(

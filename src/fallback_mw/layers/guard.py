@@ -397,8 +397,10 @@ def charge(context: RequestContext, held: Decimal, cost: Decimal | None) -> Deci
         return Decimal(0)  # nothing served: the hold is released
     if cost is None:
         return held
-    if not context.completed:
+    if not context.completed and not context.usage.done:
         # Cut short (client gone, response aborted): the upstream's count is partial
         # but it may bill for the whole generation; never charge less than the hold.
+        # Not once `data: [DONE]` was relayed (an upstream that went idle or reset after
+        # it): the count is whole, and nothing the SDKs read was lost.
         return max(cost, held)
     return cost
