@@ -209,13 +209,17 @@ def test_property_every_kept_timer_fires_once_in_time_and_no_discarded_one(
     timers: list[tuple[int, bool]],
 ) -> None:
     """Timers at random offsets (ms), some discarded: each kept one fires exactly once,
-    not before its time and at most a tick (plus scheduling) after; no discarded one."""
+    not before its time and at most a tick after; no discarded one. "A tick after" is
+    judged against the loop itself, so that a busy machine's scheduling delay cannot fail
+    it: a plain loop timer set a millisecond past each timer's last allowed moment has
+    not run before the wheel fired that timer (the loop runs its timers in time order)."""
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
         wheel_ = wheel()
         base = loop.time()
         fired: dict[int, float] = {}
+        latest: dict[int, float] = {}  # when the loop ran each timer's reference
         keys = []
         for index, (offset_ms, _) in enumerate(timers):
 
@@ -223,16 +227,23 @@ def test_property_every_kept_timer_fires_once_in_time_and_no_discarded_one(
                 assert index not in fired
                 fired[index] = loop.time()
 
-            keys.append((wheel_.add(base + offset_ms / 1000, callback), callback))
+            def reference(index: int = index) -> None:
+                latest[index] = loop.time()
+
+            due = base + offset_ms / 1000
+            keys.append((wheel_.add(due, callback), callback))
+            loop.call_at(due + TICK + 0.001, reference)
         for (key, callback), (_, discard) in zip(keys, timers, strict=True):
             if discard:
                 wheel_.discard(key, callback)
         await asyncio.sleep(0.04 + TICK + SLACK)
+        while len(latest) < len(timers):  # a busy machine: the references run in time order
+            await asyncio.sleep(TICK)
         kept = {i for i, (_, discard) in enumerate(timers) if not discard}
         assert set(fired) == kept
         for index in kept:
             due = base + timers[index][0] / 1000
-            assert due <= fired[index] < due + TICK + SLACK
+            assert due <= fired[index] <= latest[index]
         assert wheel_.pending() == 0
 
     run("uvloop", main)
