@@ -26,7 +26,10 @@ echo "== mypy"
 echo "== lint-imports (architecture contracts in pyproject.toml)"
 .venv/bin/lint-imports --no-cache || failed+=("lint-imports")
 echo "== pytest"
-.venv/bin/python -m pytest "$@" || failed+=("pytest")
+# On FMW_TEST_WORKERS processes (default 3; 0 runs in this one), each taking whole test
+# files: a module's shared servers and fixtures stay in one process. Each test has its own
+# Redis key prefix and PostgreSQL database, so workers share the services safely.
+.venv/bin/python -m pytest -n "${FMW_TEST_WORKERS:-3}" --dist loadfile "$@" || failed+=("pytest")
 if [ $# -eq 0 ]; then  # a full run (not a -k selection): the negative controls as code
     echo "== negative controls (scripts/mutants.py: each mutant must be caught)"
     .venv/bin/python scripts/mutants.py || failed+=("mutants")
