@@ -244,8 +244,21 @@ async def key_a_back_after(client: httpx.AsyncClient, pool: Upstream) -> bool:
         ),
         # a plain rate limit: cools down for Retry-After (20 s) only
         ((b'{"error": {"code": "rate_limit_exceeded"}}', {"retry-after": "20"}), 20.0),
+        # the reset in 2 s, Retry-After 20 s: the upstream said when to come back (the
+        # key was asked again 2 s later, against it)
+        (
+            (
+                b'{"error": {"code": "rate_limit_exceeded"}}',
+                {
+                    "x-ratelimit-remaining-tokens": "0",
+                    "x-ratelimit-reset-tokens": "2s",
+                    "retry-after": "20",
+                },
+            ),
+            20.0,
+        ),
     ],
-    ids=["quota-body", "quota-headers", "rate-limited"],
+    ids=["quota-body", "quota-headers", "rate-limited", "reset-sooner-than-retry-after"],
 )
 async def test_a_spent_quota_retires_until_its_reset_a_rate_limit_cools_down(
     answer: tuple[bytes, dict[str, str]], retired_for: float, caplog: pytest.LogCaptureFixture

@@ -60,13 +60,15 @@ def credential_mark(
     quota: float | None = None,
 ) -> CredentialMark | None:
     """401 retires; a 429 whose answer says the quota is spent (`quota`: seconds until it
-    resets, see health/quota.py) retires the credential until then; 403 and a plain 429
-    cool down (for `Retry-After` when given, capped); failover-class failures cool down;
-    anything else leaves the credential as it is."""
+    resets, see health/quota.py) retires the credential until then, or until its
+    `Retry-After` when that is later (the upstream's own word on when to come back); 403
+    and a plain 429 cool down (for `Retry-After` when given, capped); failover-class
+    failures cool down; anything else leaves the credential as it is."""
     if status == 401:
         return CredentialMark("retire")
     if status == 429 and quota is not None:
-        return CredentialMark("quota", max(quota, 0.0))
+        later = 0.0 if retry_after is None else min(max(retry_after, 0.0), max_cooldown)
+        return CredentialMark("quota", max(quota, later))
     if status in (403, 429):
         seconds = default_cooldown if retry_after is None else retry_after
         return CredentialMark("cool_down", min(max(seconds, 0.0), max_cooldown))
