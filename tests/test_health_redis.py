@@ -4,6 +4,7 @@ would have) agree about breakers and credentials; Redis down means local state."
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from typing import Any
 
@@ -508,3 +509,68 @@ async def test_the_longest_cooldown_the_loader_takes_is_kept_in_redis(redis_url:
     finally:
         await health.aclose()
         await other.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_field_that_reads_as_no_number_is_read_as_absent_not_as_redis_down(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Fields written by hand (an operator's HSET, another version's format) that read as no
+    # number failed the Lua scripts (`attempt to compare number with nil`): each call read
+    # as "Redis unreachable", every process served on its own breakers, and the outage
+    # warning and the "reachable again" line came back every second for as long as the key
+    # lived. Such a field reads as absent now, and the next write replaces it.
+    caplog.set_level(logging.WARNING, logger="fallback_mw.health")
+    prefix = split_state_url(redis_url)[1]
+    envs = ["KEY_A", "KEY_B"]
+    pool = hashlib.sha256("\x1f".join(envs).encode()).hexdigest()[:12]
+    inspect = aioredis.Redis.from_url(split_state_url(redis_url)[0], decode_responses=True)
+    health = RedisHealth(redis_url, BreakerConfig(**BREAKER), pools={"primary": envs})
+    answer = {"status": 503}
+
+    async def primary_answers(request: web.Request) -> web.StreamResponse:
+        return web.Response(status=answer["status"])
+
+    try:
+        now = int((await inspect.time())[0])
+        breaker = f"{prefix}breaker:primary"
+        await inspect.hset(
+            breaker, mapping={"st": "open", "until": "soon", "probe": "x", "cd": "?"}
+        )
+        await inspect.hset(f"{prefix}credentials:primary:{pool}", mapping={"0": "x", "1": "y"})
+        await inspect.set(f"{prefix}rotation:primary:{pool}", "not a counter")
+        await inspect.hset(f"{prefix}score:primary:{pool}", mapping={"0": "a b c d", "1": "1 x"})
+        await inspect.hset(
+            f"{prefix}capacity:primary", mapping={"r:later": "1", f"r:{now}": "zz", f"t:{now}": "?"}
+        )
+        async with upstream(primary_answers) as primary, upstream(status_handler(200)) as backup:
+            conf = config(redis_url, primary, backup, auth_env=envs, selection="score", rpm=100)
+            async with gateway_client(conf, environ=POOL_ENV, health=health) as client:
+                response = await client.get("/v1/x")
+                # The open breaker's unreadable `until` is a cooldown over: one probe, which
+                # failed, so it reopened with the base cooldown doubled.
+                assert response.status_code == 200
+                assert response.headers["x-gateway-provider"] == "backup"
+                assert primary.count == 1
+                assert await inspect.hget(breaker, "st") == "open"
+                assert await inspect.hget(breaker, "cd") == str(2 * COOLDOWN_MS)
+                assert await health.usable_in("primary", 2) is not None
+                # The breaker closed, the credentials' marks and the counts garbled again:
+                # the primary serves.
+                answer["status"] = 200
+                await inspect.delete(breaker)
+                await inspect.hset(
+                    f"{prefix}credentials:primary:{pool}", mapping={"0": "x", "1": "y"}
+                )
+                await inspect.hset(f"{prefix}capacity:primary", f"r:{now}", "zz")
+                assert (await client.get("/v1/x")).headers["x-gateway-provider"] == "primary"
+                # A state no breaker has reads as closed, and is written closed.
+                await inspect.hset(breaker, "st", "shut")
+                assert (await client.get("/v1/x")).headers["x-gateway-provider"] == "primary"
+                assert await inspect.hget(breaker, "st") == "closed"
+        assert health.available
+        assert health.local_fallback_calls == 0
+        assert not [r for r in caplog.records if r.name == "fallback_mw.health"]
+    finally:
+        await health.aclose()
+        await inspect.aclose()

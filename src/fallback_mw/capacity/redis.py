@@ -46,7 +46,11 @@ local fields = redis.call('HGETALL', KEYS[1])
 local requests, tokens, firsts, repeats = 0, 0, 0, 0
 for i = 1, #fields, 2 do
   local kind, second = string.sub(fields[i], 1, 1), tonumber(string.sub(fields[i], 3))
-  local age, value = now - second, tonumber(fields[i + 1])
+  local value = tonumber(fields[i + 1])
+  -- a field that reads as no count (written by hand, another version) is dropped like an
+  -- old one: a script failing on it read as "Redis unreachable" (health/redis.py)
+  local age = keep
+  if second and value then age = now - second end
   if age >= keep then
     redis.call('HDEL', KEYS[1], fields[i])
   else
@@ -94,7 +98,7 @@ return now
 ADJUST = """
 for i = 1, #ARGV, 2 do
   if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 1 then
-    redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1])
+    redis.pcall('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1])  -- a field no count: left as is
   end
 end
 return 0
@@ -109,10 +113,11 @@ local fields = redis.call('HGETALL', KEYS[1])
 local seconds, out = {}, {now}
 for i = 1, #fields, 2 do
   local kind, second = string.sub(fields[i], 1, 1), string.sub(fields[i], 3)
-  if (kind == 'r' or kind == 't') and now - tonumber(second) < 60 then
+  local value = tonumber(fields[i + 1]) or 0
+  if (kind == 'r' or kind == 't') and tonumber(second) and now - tonumber(second) < 60 then
     local row = seconds[second]
     if row == nil then row = {0, 0}; seconds[second] = row end
-    if kind == 'r' then row[1] = tonumber(fields[i + 1]) else row[2] = tonumber(fields[i + 1]) end
+    if kind == 'r' then row[1] = value else row[2] = value end
   end
 end
 for second, row in pairs(seconds) do

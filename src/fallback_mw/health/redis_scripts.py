@@ -1,6 +1,11 @@
 """The Lua scripts behind the Redis health state (health/redis.py). Each transition is one
 script, so it is atomic across processes; time is Redis's own clock (`TIME`). They run the
-same breaker machine as health/breaker.py: keep the two in step."""
+same breaker machine as health/breaker.py: keep the two in step.
+
+A stored number is read with `tonumber(...) or default`: a field that reads as no number
+(written by hand, or by another version) counts as absent, and the next write replaces it.
+A script that failed on it would read as "Redis unreachable" (health/redis.py), every
+process serving on its own breakers, for as long as the key lived."""
 
 _NOW = """
 local t = redis.call('TIME')
@@ -17,15 +22,15 @@ ADMIT = (
     + """
 local key = KEYS[1]
 local st = redis.call('HGET', key, 'st')
-if (not st) or st == 'closed' then return {1, '', 'closed'} end
+if st ~= 'open' and st ~= 'half_open' then return {1, '', 'closed'} end  -- or unreadable
 local transition = ''
 if st == 'open' then
-  if now < tonumber(redis.call('HGET', key, 'until') or '0') then return {0, '', 'open'} end
+  if now < (tonumber(redis.call('HGET', key, 'until')) or 0) then return {0, '', 'open'} end
   redis.call('HSET', key, 'st', 'half_open', 'probe', '0')
   transition = 'half_open'
 end
 if redis.call('PTTL', key) < tonumber(ARGV[2]) then redis.call('PEXPIRE', key, ARGV[2]) end
-if tonumber(redis.call('HGET', key, 'probe') or '0') > now then
+if (tonumber(redis.call('HGET', key, 'probe')) or 0) > now then
   return {0, transition, 'half_open'}
 end
 redis.call('HSET', key, 'probe', string.format('%.0f', now + tonumber(ARGV[1])),
@@ -50,7 +55,8 @@ local failure = ARGV[1]
 local base = tonumber(ARGV[5])
 local fk = ARGV[8] or ''
 local faulted = failure == '1' and fk ~= ''
-local st = redis.call('HGET', key, 'st') or 'closed'
+local st = redis.call('HGET', key, 'st')
+if st ~= 'open' and st ~= 'half_open' then st = 'closed' end  -- absent, or unreadable
 local result = ''
 local function open(cooldown)
   redis.call('HSET', key, 'st', 'open', 'cd', string.format('%.0f', cooldown),
@@ -75,10 +81,10 @@ if st == 'closed' then
   else
     redis.call('HSET', key, 'st', 'closed', 'win', win, 'lf', lf)
   end
-elseif st == 'half_open' and tonumber(redis.call('HGET', key, 'probe') or '0') > 0
+elseif st == 'half_open' and (tonumber(redis.call('HGET', key, 'probe')) or 0) > 0
     and (ARGV[9] == '*' or redis.call('HGET', key, 'owner') == ARGV[9]) then
   if failure == '1' then
-    open(math.min(tonumber(redis.call('HGET', key, 'cd') or ARGV[5]) * 2, tonumber(ARGV[6])))
+    open(math.min((tonumber(redis.call('HGET', key, 'cd')) or base) * 2, tonumber(ARGV[6])))
     local by = ''
     if faulted then by = fk end
     redis.call('HSET', key, 'fault', by)
@@ -185,9 +191,10 @@ local function stats(key, i, half_life)
   local v = redis.call('HGET', key, tostring(i))
   if not v then return 0, 0, 0 end
   local s, f, l, at = string.match(v, '^(%S+) (%S+) (%S+) (%S+)$')
-  if not at then return 0, 0, 0 end
-  local factor = 0.5 ^ (math.max(now - tonumber(at), 0) / half_life)
-  return tonumber(s) * factor, tonumber(f) * factor, tonumber(l) * factor
+  s, f, l, at = tonumber(s), tonumber(f), tonumber(l), tonumber(at)
+  if not (s and f and l and at) then return 0, 0, 0 end
+  local factor = 0.5 ^ (math.max(now - at, 0) / half_life)
+  return s * factor, f * factor, l * factor
 end
 """
 
@@ -210,17 +217,22 @@ local function usable(i)
   local v = redis.call('HGET', KEYS[1], tostring(i))
   if not v then return true end
   if v == 'retired' then return false end
-  return tonumber(v) <= now
+  return (tonumber(v) or 0) <= now
 end
 local size = tonumber(ARGV[1])
 if ARGV[3] == '1' then
-  local bound = tonumber(redis.call('GET', KEYS[3]) or '-1')
+  local bound = tonumber(redis.call('GET', KEYS[3])) or -1
   if bound >= 0 and bound < size and usable(bound) then
     redis.call('PEXPIRE', KEYS[3], ARGV[4])
     return bound
   end
 end
-local start = redis.call('INCR', KEYS[2]) - 1
+local turn = redis.pcall('INCR', KEYS[2])
+if type(turn) ~= 'number' then  -- a counter that reads as no integer starts again
+  turn = 1
+  redis.call('SET', KEYS[2], '1')
+end
+local start = turn - 1
 redis.call('PEXPIRE', KEYS[2], ARGV[5])
 local best = -1
 local best_score = -1
@@ -277,7 +289,8 @@ if ARGV[2] == 'retire' then
   redis.call('HSET', KEYS[1], ARGV[1], 'retired')
 elseif current ~= 'retired' then
   local untl = now + tonumber(ARGV[3])
-  if current and tonumber(current) > untl then untl = tonumber(current) end
+  local held = tonumber(current)
+  if held and held > untl then untl = held end
   redis.call('HSET', KEYS[1], ARGV[1], string.format('%.0f', untl))
   if untl - now > ttl then ttl = untl - now end
 end
@@ -322,7 +335,7 @@ USABLE_IN = (
     + """
 local breaker = 0
 if redis.call('HGET', KEYS[1], 'st') == 'open' then
-  breaker = math.max(tonumber(redis.call('HGET', KEYS[1], 'until') or '0') - now, 0)
+  breaker = math.max((tonumber(redis.call('HGET', KEYS[1], 'until')) or 0) - now, 0)
 end
 local size = tonumber(ARGV[1])
 if size < 2 then return {breaker, 0} end
@@ -330,7 +343,7 @@ local soonest = -1
 for i = 0, size - 1 do
   local v = redis.call('HGET', KEYS[2], tostring(i))
   local wait = 0
-  if v == 'retired' then wait = -1 elseif v then wait = math.max(tonumber(v) - now, 0) end
+  if v == 'retired' then wait = -1 elseif v then wait = math.max((tonumber(v) or 0) - now, 0) end
   if wait >= 0 and (soonest < 0 or wait < soonest) then soonest = wait end
 end
 return {breaker, soonest}
