@@ -552,7 +552,11 @@ async def test_a_field_that_reads_as_no_number_is_read_as_absent_not_as_redis_do
                 assert response.status_code == 200
                 assert response.headers["x-gateway-provider"] == "backup"
                 assert primary.count == 1
-                assert await inspect.hget(breaker, "st") == "open"
+                assert await inspect.hget(breaker, "st") == "open", (
+                    await inspect.hgetall(breaker),
+                    primary.count,
+                    health.local_fallback_calls,
+                )
                 assert await inspect.hget(breaker, "cd") == str(2 * COOLDOWN_MS)
                 assert await health.usable_in("primary", 2) is not None
                 # The breaker closed, the credentials' marks and the counts garbled again:
@@ -571,6 +575,50 @@ async def test_a_field_that_reads_as_no_number_is_read_as_absent_not_as_redis_do
         assert health.available
         assert health.local_fallback_calls == 0
         assert not [r for r in caplog.records if r.name == "fallback_mw.health"]
+    finally:
+        await health.aclose()
+        await inspect.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_key_of_another_kind_is_deleted_not_read_as_redis_down(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A string where the gateway keeps a hash (a `SET` by hand, another program under the
+    # same prefix) failed every script on it with WRONGTYPE: read as "Redis unreachable",
+    # every process served on its own breakers, warning "unreachable" and "reachable
+    # again" every second, for as long as the key lived (a key set by hand never expires).
+    caplog.set_level(logging.WARNING, logger="fallback_mw.health")
+    prefix = split_state_url(redis_url)[1]
+    envs = ["KEY_A", "KEY_B"]
+    pool = hashlib.sha256("\x1f".join(envs).encode()).hexdigest()[:12]
+    inspect = aioredis.Redis.from_url(split_state_url(redis_url)[0], decode_responses=True)
+    health = RedisHealth(redis_url, BreakerConfig(**BREAKER), pools={"primary": envs})
+    breaker, marks = f"{prefix}breaker:primary", f"{prefix}credentials:primary:{pool}"
+    try:
+        await inspect.set(breaker, "open")
+        await inspect.set(marks, "retired")
+        async with (
+            upstream(status_handler(200)) as primary,
+            upstream(status_handler(200)) as backup,
+        ):
+            conf = config(redis_url, primary, backup, auth_env=envs)
+            async with gateway_client(conf, environ=POOL_ENV, health=health) as client:
+                for _ in range(4):
+                    assert (await client.get("/v1/x")).headers["x-gateway-provider"] == "primary"
+                    await asyncio.sleep(0)  # the deletions run in the background
+                # The keys are the gateway's again: the breaker's window is kept in Redis,
+                # shared, and both credentials served.
+                assert await inspect.type(breaker) == "hash"
+                assert len(await inspect.hget(breaker, "win") or "") >= 3
+                assert {dict(r.headers)["authorization"] for r in primary.received} == {
+                    "Bearer key-a",
+                    "Bearer key-b",
+                }
+        assert health.available
+        messages = [r.getMessage() for r in caplog.records if r.name == "fallback_mw.health"]
+        assert not [m for m in messages if "unreachable" in m or "reachable again" in m]
+        assert sorted(m.split(" key ")[1].split(" ")[0] for m in messages) == [breaker, marks]
     finally:
         await health.aclose()
         await inspect.aclose()

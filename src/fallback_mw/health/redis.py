@@ -41,7 +41,7 @@ try:
     import redis.asyncio as aioredis
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
-    from redis.exceptions import NoScriptError, RedisError
+    from redis.exceptions import NoScriptError, RedisError, ResponseError
 except ImportError:
     raise missing_extra("redis", 'state = "redis://..."') from None
 
@@ -95,6 +95,25 @@ def shared_probe(admission: Admission | None) -> str:
     if admission is None or admission.probe is None:
         return "*"
     return admission.probe or "-"
+
+
+# The kinds of key (`{prefix}{kind}:...`) that hold a string; every other kind a hash.
+_STRING_KEYS = frozenset({"rotation", "affinity", "breaker_url"})
+# KEYS[1] deleted when it holds another kind of value than ARGV[1] (checked and deleted in
+# one step: another process may have deleted it and written the right kind since).
+_DROP_OTHER_KIND = """
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind == ARGV[1] or kind == 'none' then return 0 end
+redis.call('DEL', KEYS[1])
+return 1
+"""
+
+
+def _wrong_type(result: Any) -> bool:
+    """Whether a script failed on a key that holds another kind of value than the one it
+    keeps there (a string where a hash belongs: written by hand, or by another program
+    under the same prefix). Redis answered: that is no outage."""
+    return isinstance(result, ResponseError) and str(result).find("WRONGTYPE") >= 0
 
 
 def _took_probe(result: Any) -> bool:
@@ -226,6 +245,7 @@ class RedisHealth:
         # Likewise upstreams whose url changed (`forget`) while Redis was unreachable: their
         # shared breaker is still the old url's, dropped once Redis is back.
         self._forgets: dict[str, str] = {}
+        self._dropping: set[str] = set()  # keys of the wrong kind being deleted (_drop_soon)
         self._max_cooldown_ms = max(self.config.max_cooldown_ms, self.config.cooldown_ms)
         self.breaker_ttl_ms = self._breaker_ttl_ms(self.probe_lease_ms)
 
@@ -316,6 +336,15 @@ class RedisHealth:
             # A pipeline on a pool an outage retired (sent before the outage began) neither
             # ends the outage nor starts another: it answers its own calls only.
             current = client is self._client
+            if current and _wrong_type(result):
+                # Not the gateway's value: dropped, so the next call starts that key
+                # afresh; this call is served on local state. As an outage it would
+                # un-share every breaker, warning "unreachable" / "reachable again" every
+                # second, for as long as the key lived (such a key seldom expires).
+                self._drop_soon(call.item.keys)
+                if not call.future.done():
+                    call.future.set_result(self._fell_back())
+                continue
             lost = isinstance(result, RedisError | OSError)
             if lost and call.item.name == "admit" and len(self._unanswered) < 10_000:
                 # Sent, no answer: Redis may still run it (a hang ends) and give this
@@ -519,6 +548,35 @@ class RedisHealth:
     async def _give_back(self, admissions: list[tuple[str, Any]]) -> None:
         for key, number in admissions:
             await self._run("give_back", GIVE_BACK, [key], [self._owner, number])
+
+    def _drop_soon(self, keys: list[str]) -> None:
+        """Delete those of `keys` that hold a value of another kind than the gateway keeps
+        there, in the background; one warning each (the key's name, never its value)."""
+        keys = [key for key in keys if key not in self._dropping]
+        if not keys:
+            return
+        self._dropping.update(keys)
+        client = self._connection()
+
+        async def drop() -> None:
+            try:
+                for key in keys:
+                    kind = key[len(self.prefix) :].split(":", 1)[0]
+                    keeps = "string" if kind in _STRING_KEYS else "hash"
+                    if not await client.eval(_DROP_OTHER_KIND, 1, key, keeps):
+                        continue  # already deleted and written again, as it should be
+                    logger.warning(
+                        "health state %s: key %s held no %s, as the gateway keeps there; "
+                        "deleted (its state starts afresh)", self._label, key, keeps,
+                    )  # fmt: skip
+            except (RedisError, OSError):
+                pass  # Redis away now: the next call meets the key again
+            finally:
+                self._dropping.difference_update(keys)
+
+        task = asyncio.get_running_loop().create_task(drop())
+        self._giving_back.add(task)
+        task.add_done_callback(self._giving_back.discard)
 
     def _undo_soon(self, undo: _ScriptCall) -> None:
         """Run `undo` in the background (a call whose caller gave up is taken back); a
