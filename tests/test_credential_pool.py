@@ -455,6 +455,46 @@ async def test_a_quota_retirement_past_a_day_outlives_the_redis_key_ttl(redis_ur
     assert ttl_ms > 3 * 86400 * 1000 - 60_000, ttl_ms
 
 
+async def test_a_401_retirement_in_redis_lasts_its_own_ttl_not_while_the_pool_is_marked(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # key-a answered 401 (retired: 24 h in Redis); the operator rotated the key under the
+    # same variable. The retirement was a bare 'retired' in the pool's hash, which lives 24 h
+    # after its *last* write: key-b's 429s kept marking the pool, so key-a stayed retired as
+    # long as the pool was marked at least once a day, never used again. The retirement
+    # now ends its own 24 h after the 401 (shortened here to 1 s).
+    monkeypatch.setattr("fallback_mw.health.redis.CREDENTIAL_TTL_MS", 1000)
+    rotated = False
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        key = key_of(request)
+        if key == "key-a" and not rotated:
+            return web.Response(status=401)
+        if key == "key-b":
+            return web.Response(status=429, headers={"retry-after": "0"})
+        return web.Response(text=key)
+
+    async with upstream(handle) as pool:
+        conf = pool_config(pool.url, state=redis_url)
+        conf["routes"] = conf["routes"][:1]
+        conf["gateway"]["repeat_budget"] = {"min_per_second": 100}  # key-b, then key-c
+        async with gateway_client(conf) as client:
+            assert (await client.get("/v1/x")).text == "key-c"
+            assert keys_used(pool)[:1] == ["key-a"]  # retired
+            rotated = True
+            with anyio.move_on_after(0.5):
+                while True:  # retired: key-b's 429s, then key-c; the 429s mark the pool
+                    assert (await client.get("/v1/x")).text == "key-c"
+                    await anyio.sleep(0.05)
+            assert "key-b" in keys_used(pool) and keys_used(pool).count("key-a") == 1
+            with anyio.move_on_after(0.8):
+                while True:  # the pool marked on, past key-a's own second
+                    assert (await client.get("/v1/x")).status_code == 200
+                    await anyio.sleep(0.05)
+            served = [(await client.get("/v1/x")).text for _ in range(3)]
+    assert "key-a" in served
+
+
 async def test_a_key_removed_from_the_pool_leaves_no_mark_on_another_in_redis(
     redis_url: str,
 ) -> None:

@@ -198,6 +198,20 @@ local function stats(key, i, half_life)
 end
 """
 
+# A credential a 401 retired, while that lasts: 'retired:<until ms>', its own CREDENTIAL_TTL
+# (24 h) from the 401. The hash lives on while any credential of the pool is marked, so a
+# bare 'retired' (as written before) lasted as long as the pool kept being marked: a key
+# rotated under the same variable was never used again. A bare one still reads as retired.
+_RETIRED = """
+local function retired(v)
+  if v == 'retired' then return true end
+  if v and string.sub(v, 1, 8) == 'retired:' then
+    return (tonumber(string.sub(v, 9)) or 0) > now
+  end
+  return false
+end
+"""
+
 # KEYS[1] credential hash, KEYS[2] rotation counter, KEYS[3] session affinity key, KEYS[4]
 # score hash. ARGV: pool size, excluded as ',0,2,', use session '1'/'0', affinity ttl ms,
 # key ttl ms, selection 'score' / 'round_robin', score half-life ms.
@@ -205,6 +219,7 @@ end
 PICK = (
     _NOW
     + _STATS
+    + _RETIRED
     + """
 local function score(i)
   local s, f, l = stats(KEYS[4], i, tonumber(ARGV[7]))
@@ -216,8 +231,8 @@ local function usable(i)
   if string.find(ARGV[2], ',' .. i .. ',', 1, true) then return false end
   local v = redis.call('HGET', KEYS[1], tostring(i))
   if not v then return true end
-  if v == 'retired' then return false end
-  return (tonumber(v) or 0) <= now
+  if retired(v) then return false end
+  return (tonumber(v) or 0) <= now  -- a retirement that ended reads as no number
 end
 local size = tonumber(ARGV[1])
 if ARGV[3] == '1' then
@@ -277,17 +292,18 @@ return 1
 """
 )
 
-# KEYS[1] credential hash. ARGV: index, 'retire' / 'cool_down', cool-down ms, key ttl ms.
-# The key lives at least the ttl, and as long as its furthest mark (a quota that resets in
-# days): a later, shorter mark never cuts it short.
+# KEYS[1] credential hash. ARGV: index, 'retire' / 'cool_down', cool-down ms, key ttl ms
+# (also how long a retirement lasts). The key lives at least the ttl, and as long as its
+# furthest mark (a quota that resets in days): a later, shorter mark never cuts it short.
 MARK = (
     _NOW
+    + _RETIRED
     + """
 local current = redis.call('HGET', KEYS[1], ARGV[1])
 local ttl = tonumber(ARGV[4])
 if ARGV[2] == 'retire' then
-  redis.call('HSET', KEYS[1], ARGV[1], 'retired')
-elseif current ~= 'retired' then
+  redis.call('HSET', KEYS[1], ARGV[1], string.format('retired:%.0f', now + ttl))
+elseif not retired(current) then
   local untl = now + tonumber(ARGV[3])
   local held = tonumber(current)
   if held and held > untl then untl = held end
@@ -332,6 +348,7 @@ return 0
 # retired}: health/breaker.py `admits_in`, health/pool.py `CredentialPool.usable_in`.
 USABLE_IN = (
     _NOW
+    + _RETIRED
     + """
 local breaker = 0
 if redis.call('HGET', KEYS[1], 'st') == 'open' then
@@ -343,7 +360,7 @@ local soonest = -1
 for i = 0, size - 1 do
   local v = redis.call('HGET', KEYS[2], tostring(i))
   local wait = 0
-  if v == 'retired' then wait = -1 elseif v then wait = math.max((tonumber(v) or 0) - now, 0) end
+  if retired(v) then wait = -1 elseif v then wait = math.max((tonumber(v) or 0) - now, 0) end
   if wait >= 0 and (soonest < 0 or wait < soonest) then soonest = wait end
 end
 return {breaker, soonest}
