@@ -192,6 +192,57 @@ async def test_a_slow_probe_keeps_its_slot_for_its_upstreams_timeouts() -> None:
 
 
 @pytest.mark.anyio
+async def test_a_probe_whose_caller_uploads_slowly_keeps_its_slot_until_its_deadline() -> None:
+    """The probe's lease covered the upstream's timeouts (1 + 10 + 5 s, at least 30 s), but
+    a streamed body's upload is the caller's time, bounded only by the route deadline: a
+    caller still uploading 40 s on lost the slot, and a second probe went out beside it.
+    Such a probe now holds its slot until the walk's deadline could end it."""
+    answer = {"status": 503}
+    sending, go = asyncio.Event(), asyncio.Event()
+
+    async def primary_handler(request: web.Request) -> web.StreamResponse:
+        return web.Response(status=answer["status"], body=b"p")
+
+    async def upload() -> AsyncIterator[bytes]:
+        yield b"x" * 2048
+        sending.set()  # the probe was admitted and asks for the rest of the body
+        await go.wait()  # the caller pauses; the probe waits on it, not on the upstream
+        yield b"x" * 2048
+
+    clock = Clock()
+    health = MemoryHealth(BreakerConfig(**BREAKER), clock=clock)
+    async with (
+        upstream(primary_handler) as primary,
+        upstream(status_handler(200, b"backup")) as backup,
+    ):
+        conf = config({"primary": primary, "backup": backup}, ["primary", "backup"],
+                      deadline_ms=120_000)  # fmt: skip
+        conf["gateway"]["replay_buffer"] = 1024  # the upload streams, never buffered
+        conf["upstreams"]["primary"].update(connect_timeout_ms=1000, first_byte_timeout_ms=10_000)
+        async with gateway_client(conf, health=health) as (client, _):
+            for _ in range(3):
+                await client.get("/v1/x")
+            assert health.breaker("primary").state == "open"
+            clock.now += 0.1
+            answer["status"] = 200
+            probe = asyncio.ensure_future(
+                client.post("/v1/x", content=upload(), headers={"content-length": "4096"})
+            )
+            try:
+                await asyncio.wait_for(sending.wait(), 5)
+                clock.now += 40  # past the upstream's lease, the upload still going
+                response = await client.get("/v1/x")
+                assert response.headers["x-gateway-provider"] == "backup"
+                assert primary.count == 3  # the probe's body still on its way
+            finally:
+                go.set()
+                (result,) = await asyncio.gather(probe, return_exceptions=True)
+            assert not isinstance(result, BaseException)
+            assert result.headers["x-gateway-provider"] == "primary"
+            assert health.breaker("primary").state == "closed"
+
+
+@pytest.mark.anyio
 async def test_statuses_outside_failover_status_never_trip_the_breaker() -> None:
     async with upstream(status_handler(400)) as primary, upstream(status_handler(200)) as backup:
         conf = config({"primary": primary, "backup": backup}, ["primary", "backup"])

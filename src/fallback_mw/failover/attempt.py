@@ -32,7 +32,7 @@ from fallback_mw.credentials import PLAIN_CODINGS, unmaskable_answer
 from fallback_mw.failover.decide import Outcome, engine_outcome, health_mark, local_or
 from fallback_mw.faults import BlackholeSource, FaultSource
 from fallback_mw.health import Admission, HealthState
-from fallback_mw.health.breaker import upstream_probe_lease
+from fallback_mw.health.breaker import PROBE_LEASE_MARGIN, upstream_probe_lease
 from fallback_mw.health.pool import retry_after_seconds
 from fallback_mw.health.quota import PeekedResponse, peek_quota
 from fallback_mw.request.body import BodyAborted
@@ -309,9 +309,13 @@ class AttemptLifecycle:
         if not self.runner.takes_body(upstream):
             return "model_rewrite"  # never sent without the model it needs
         admission = Admission()
-        if not await self.health.admit(
-            name, lease=upstream_probe_lease(upstream), admission=admission
-        ):
+        lease = upstream_probe_lease(upstream)
+        if self.runner.body.stream is not None:
+            # A streamed body's upload is the caller's time (SPEC §12), bounded by the walk's
+            # deadline only: a half-open probe still uploading past the upstream's lease
+            # lost its slot, and a second probe went out beside it.
+            lease = max(lease, self.context.remaining + PROBE_LEASE_MARGIN)
+        if not await self.health.admit(name, lease=lease, admission=admission):
             return "breaker_open"
         self.admissions[name] = admission
         try:
