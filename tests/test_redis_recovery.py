@@ -10,11 +10,12 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 import pytest
+import redis.asyncio as aioredis
 
 from fallback_mw.config import BreakerConfig
 from fallback_mw.health.redis import RedisHealth
 from tests.conftest import REDIS_HOST, REDIS_PORT
-from tests.helpers import shared_again
+from tests.helpers import own_redis, shared_again
 from tests.tcp_proxy import tcp_proxy
 
 RETRY_INTERVAL = 0.2
@@ -184,3 +185,36 @@ async def test_an_upstream_moved_while_redis_was_away_starts_closed_once_it_is_b
         finally:
             await health.aclose()
             await other.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_redis_that_answers_ping_but_refuses_writes_is_one_outage_not_a_flap(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # maxmemory reached (or a read-only replica after a failover, an ACL without scripts):
+    # Redis answers PING and refuses every health call. The outage's try was a PING, so
+    # each one ended it ("reachable again: state is shared", which it was not) and the next
+    # call began it again: two warnings a retry interval, for as long as it lasted.
+    caplog.set_level(logging.WARNING, logger="fallback_mw.health")
+    with own_redis("--maxmemory", "1") as server:
+        port = server.args[2]
+        health = RedisHealth(
+            f"redis://127.0.0.1:{port}/0?prefix=w:", BreakerConfig(), retry_interval=0.02
+        )
+        admin = aioredis.Redis(host="127.0.0.1", port=int(port))
+        try:
+            for _ in range(10):  # each call writes; ten of the outage's retry intervals
+                await health.record("u", failure=False)  # on local state
+                await asyncio.sleep(RETRY_INTERVAL / 5)
+            messages = [r.getMessage() for r in caplog.records if r.name == "fallback_mw.health"]
+            assert len(messages) == 1 and "OutOfMemoryError" in messages[0], messages
+            assert not health.available
+            await admin.config_set("maxmemory", 0)  # writes allowed again: shared, once
+            await shared_again(health)
+            await health.record("u", failure=False)
+            assert health.available
+            messages = [r.getMessage() for r in caplog.records if r.name == "fallback_mw.health"]
+            assert ["reachable again" in m for m in messages] == [False, True]
+        finally:
+            await health.aclose()
+            await admin.aclose()

@@ -7,9 +7,10 @@ clocks agree. Every key expires. `?prefix=` in the URL namespaces the keys.
 If Redis cannot be reached the gateway keeps serving on this process's in-memory state,
 logs one warning per outage (its reason in Redis's words, never the URL's password) and
 counts it in a metric. While the outage lasts no request waits for Redis: every
-`retry_interval` seconds one PING in the background tries it again, and the first that
-answers ends the outage (logged). A Redis that hangs (stopped, a network that drops
-packets) costs the calls in flight when it began one `socket_timeout`, and nothing after.
+`retry_interval` seconds one try in the background (a script's write, `_usable`) tests
+it again, and the first that succeeds ends the outage (logged). A Redis that hangs
+(stopped, a network that drops packets) costs the calls in flight when it began one
+`socket_timeout`, and nothing after.
 The tries are made on a new connection pool: the connections of before may be dead (Redis
 restarted, a proxy or the network dropped them) and redis-py hands an idle one out
 unchecked, so each would fail once Redis is back, and each failure would start an "outage"
@@ -96,6 +97,10 @@ def shared_probe(admission: Admission | None) -> str:
         return "*"
     return admission.probe or "-"
 
+
+# The try of a state in an outage (`RedisHealth._usable`): a script that writes, as every
+# health call is.
+_ALIVE = "redis.call('SET', KEYS[1], '1', 'PX', 10000) return 1"
 
 # The kinds of key (`{prefix}{kind}:...`) that hold a string; every other kind a hash.
 _STRING_KEYS = frozenset({"rotation", "affinity", "breaker_url"})
@@ -230,8 +235,8 @@ class RedisHealth:
         self._group: Group[_ScriptCall] | None = None
         self._senders: set[asyncio.Task[None]] = set()
         self._retiring: set[asyncio.Task[None]] = set()  # closing a pool an outage retired
-        self._trying: asyncio.Task[None] | None = None  # the PING of an outage's next try
-        self._retry_timer: asyncio.TimerHandle | None = None  # when that PING is due
+        self._trying: asyncio.Task[None] | None = None  # the try of an outage's next try
+        self._retry_timer: asyncio.TimerHandle | None = None  # when that try is due
         # Admissions are numbered (with this object's id, the owner of a probe slot they
         # take); those sent whose answer never came are given back once Redis is back.
         self._owner = os.urandom(6).hex()
@@ -311,7 +316,9 @@ class RedisHealth:
         go to Redis together, in one pipeline (one round trip, without MULTI: each script
         is atomic on its own, as before, and they run in the order they were made).
         `undo`: what takes its effect back if its caller gives up before the answer."""
-        if self._outage:  # nobody waits for a Redis that failed: a PING tries it again
+        if (
+            self._outage
+        ):  # nobody waits for a Redis that failed: a try in the background tests it again
             self._try_again()
             return self._fell_back()
         loop = asyncio.get_running_loop()
@@ -435,7 +442,7 @@ class RedisHealth:
             self._start_try()
 
     def _start_try(self) -> None:
-        """One PING in the background, never two at a time, on new connections."""
+        """One try (`_usable`) in the background, never two at a time, on new connections."""
         if not self._outage:
             return
         trying = self._trying
@@ -453,7 +460,7 @@ class RedisHealth:
         )
 
     def start(self) -> None:
-        """Lifespan startup: one PING in the background. Redis unreachable, or refusing
+        """Lifespan startup: one try (`_usable`) in the background. Redis unreachable, or refusing
         the password or the database number: the outage begins now, its warning at startup
         (else said at the first request)."""
         try:
@@ -464,10 +471,19 @@ class RedisHealth:
             return
         self._trying = loop.create_task(self._check())
 
+    async def _usable(self, client: aioredis.Redis) -> None:
+        """Raises what keeps this state from being used, as a script call would meet it: a
+        write by a script (`{prefix}alive`, 10 s). A PING is answered also by a Redis that
+        refuses every script or write (maxmemory reached, a read-only replica after a
+        failover, an ACL without them): each try ended the outage ("reachable again: state
+        is shared") and the next call began it again, every second, for as long as it
+        lasted."""
+        await client.eval(_ALIVE, 1, f"{self.prefix}alive")
+
     async def _check(self) -> None:
         client = self._connection()
         try:
-            await client.ping()
+            await self._usable(client)
         except (RedisError, OSError) as exc:
             if client is self._client:
                 self._failed(exc)
@@ -493,11 +509,11 @@ class RedisHealth:
                 self._sync(name, str(state))
 
     async def unusable(self) -> str | None:
-        """One PING, on a connection of its own: None when this state can be used now,
-        else why not, in the outage warning's words (`fallback-mw check`)."""
+        """One try (`_usable`): None when this state can be used now, else why not, in the
+        outage warning's words (`fallback-mw check`)."""
         client = self._connection()
         try:
-            await client.ping()
+            await self._usable(client)
         except (RedisError, OSError) as exc:
             return self._reason(exc)
         return None
@@ -505,7 +521,7 @@ class RedisHealth:
     async def _try(self) -> None:
         client = self._connection()
         try:
-            await client.ping()
+            await self._usable(client)
         except (RedisError, OSError):
             self._retire()  # the next try starts from new connections too
             self._try_later()
