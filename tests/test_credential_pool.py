@@ -463,6 +463,10 @@ async def test_a_401_retirement_in_redis_lasts_its_own_ttl_not_while_the_pool_is
     # after its *last* write: key-b's 429s kept marking the pool, so key-a stayed retired as
     # long as the pool was marked at least once a day, never used again. The retirement
     # now ends its own 24 h after the 401 (shortened here to 1 s).
+    import redis.asyncio as aioredis
+
+    from fallback_mw.store_url import split_state_url
+
     monkeypatch.setattr("fallback_mw.health.redis.CREDENTIAL_TTL_MS", 1000)
     rotated = False
 
@@ -481,6 +485,15 @@ async def test_a_401_retirement_in_redis_lasts_its_own_ttl_not_while_the_pool_is
         async with gateway_client(conf) as client:
             assert (await client.get("/v1/x")).text == "key-c"
             assert keys_used(pool)[:1] == ["key-a"]  # retired
+            # ...so that a process of the version before (a rolling upgrade), which reads
+            # only a field 'retired', reads it as retired: no script of its fails on it.
+            url, prefix = split_state_url(redis_url)
+            inspect = aioredis.Redis.from_url(url, decode_responses=True)
+            try:
+                [key] = await inspect.keys(f"{prefix}credentials:pool:*")
+                assert await inspect.hget(key, "0") == "retired"
+            finally:
+                await inspect.aclose()
             rotated = True
             with anyio.move_on_after(0.5):
                 while True:  # retired: key-b's 429s, then key-c; the 429s mark the pool

@@ -126,7 +126,7 @@ return redis.call('HGET', KEYS[1], 'fault') or ''
 # down). Returns how many.
 RESTORE_FAULT_MARKS = """
 local marked = redis.call('HKEYS', KEYS[2])
-for _, index in ipairs(marked) do redis.call('HDEL', KEYS[1], index) end
+for _, index in ipairs(marked) do redis.call('HDEL', KEYS[1], index, index .. ':until') end
 redis.call('DEL', KEYS[2])
 return #marked
 """
@@ -198,17 +198,18 @@ local function stats(key, i, half_life)
 end
 """
 
-# A credential a 401 retired, while that lasts: 'retired:<until ms>', its own CREDENTIAL_TTL
-# (24 h) from the 401. The hash lives on while any credential of the pool is marked, so a
-# bare 'retired' (as written before) lasted as long as the pool kept being marked: a key
-# rotated under the same variable was never used again. A bare one still reads as retired.
+# A credential a 401 retired, while that lasts: its field reads 'retired' and the field
+# '<index>:until' holds when the retirement ends, its own CREDENTIAL_TTL (24 h) from the 401.
+# The hash lives on while any credential of the pool is marked, so a bare 'retired' lasted
+# as long as the pool kept being marked: a key rotated under the same variable was never
+# used again. Written so, a process of the version before (which reads only 'retired')
+# still reads the credential as retired during a rolling upgrade; a bare 'retired' with
+# no end (written by it) reads as retired until its hash expires.
 _RETIRED = """
-local function retired(v)
-  if v == 'retired' then return true end
-  if v and string.sub(v, 1, 8) == 'retired:' then
-    return (tonumber(string.sub(v, 9)) or 0) > now
-  end
-  return false
+local function retired(key, i, v)
+  if v ~= 'retired' then return false end
+  local untl = tonumber(redis.call('HGET', key, i .. ':until'))
+  return (not untl) or untl > now
 end
 """
 
@@ -231,7 +232,7 @@ local function usable(i)
   if string.find(ARGV[2], ',' .. i .. ',', 1, true) then return false end
   local v = redis.call('HGET', KEYS[1], tostring(i))
   if not v then return true end
-  if retired(v) then return false end
+  if retired(KEYS[1], i, v) then return false end
   return (tonumber(v) or 0) <= now  -- a retirement that ended reads as no number
 end
 local size = tonumber(ARGV[1])
@@ -302,8 +303,10 @@ MARK = (
 local current = redis.call('HGET', KEYS[1], ARGV[1])
 local ttl = tonumber(ARGV[4])
 if ARGV[2] == 'retire' then
-  redis.call('HSET', KEYS[1], ARGV[1], string.format('retired:%.0f', now + ttl))
-elseif not retired(current) then
+  redis.call('HSET', KEYS[1], ARGV[1], 'retired',
+    ARGV[1] .. ':until', string.format('%.0f', now + ttl))
+elseif not retired(KEYS[1], ARGV[1], current) then
+  redis.call('HDEL', KEYS[1], ARGV[1] .. ':until')
   local untl = now + tonumber(ARGV[3])
   local held = tonumber(current)
   if held and held > untl then untl = held end
@@ -360,7 +363,8 @@ local soonest = -1
 for i = 0, size - 1 do
   local v = redis.call('HGET', KEYS[2], tostring(i))
   local wait = 0
-  if retired(v) then wait = -1 elseif v then wait = math.max((tonumber(v) or 0) - now, 0) end
+  if retired(KEYS[2], i, v) then wait = -1
+  elseif v then wait = math.max((tonumber(v) or 0) - now, 0) end
   if wait >= 0 and (soonest < 0 or wait < soonest) then soonest = wait end
 end
 return {breaker, soonest}
