@@ -235,6 +235,43 @@ async def test_a_stop_cuts_an_endless_stream_after_the_graceful_timeout_and_sett
         await ledger.aclose()
 
 
+async def test_a_hangup_stops_serve_as_sigterm_does_and_settles_the_stream_in_flight(
+    tmp_path: Path,
+) -> None:
+    """SIGHUP (the terminal or ssh session that started `serve` closed) while a budgeted
+    stream is in flight: uvicorn handles only SIGINT and SIGTERM, so the default action
+    killed `serve` at once (exit -1), the stream's hold stayed held for an hour and its
+    request line was never written. Now it is a stop like SIGTERM (as it is for
+    `serve --workers N`): the stream is cut after the graceful timeout, settled, exit 0."""
+    store = f"sqlite:///{tmp_path / 'ledger.db'}"
+    async with upstream(slow_sse(first_events=2, then_sleep=120)) as primary:
+        config_path = endless_stream_config(tmp_path, store, primary.url)
+        port, log = free_port(), tmp_path / "serve.log"
+        with serve_process(
+            config_path, port, log, options=("--timeout-graceful-shutdown", "1")
+        ) as process:
+            await wait_listening(process, port, log)
+            stream = await stream_started(port)
+            started = anyio.current_time()
+            process.send_signal(signal.SIGHUP)
+            while process.poll() is None:
+                assert anyio.current_time() - started < 8, log_text(log)
+                await anyio.sleep(0.05)
+            assert process.returncode == 0, log_text(log)
+            await stream.aclose()
+            text = log_text(log)
+            assert "outcome=cancelled" in text, text
+            assert "Traceback" not in text, text
+            assert "Application shutdown complete" in text, text  # the gateway was closed
+    ledger = open_ledger(store)
+    try:
+        status = await ledger.status("acme", BUDGET)
+        assert (status.spent, status.held) == (Decimal("0.01"), Decimal(0))
+        assert [record.outcome for record in await ledger.usage()] == ["cancelled"]
+    finally:
+        await ledger.aclose()
+
+
 async def test_a_second_ctrl_c_cuts_settles_and_closes_without_a_traceback(
     tmp_path: Path,
 ) -> None:

@@ -12,7 +12,7 @@ import importlib.util
 import logging
 import signal
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from fallback_mw.cli.app import Console, Failed, Refused, leaf
@@ -298,6 +298,26 @@ def run_server(
             await super().shutdown(sockets=sockets)
             if self.force_exit:  # a second Ctrl-C: cut, settle and close, not abandon
                 await finish_forced_stop(self)
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # SIGHUP (the terminal or ssh session that started `serve` went away) is a
+            # stop like SIGTERM: uvicorn handles only SIGINT and SIGTERM, and left to its
+            # default SIGHUP killed the process mid-request (holds left held, the request
+            # lines and spans of the last moments lost). A worker of `serve --workers`
+            # ignores it: its supervisor stops it.
+            if workers:
+                with super().capture_signals():
+                    yield
+                return
+            hangup = signal.signal(
+                signal.SIGHUP, lambda _signum, frame: self.handle_exit(signal.SIGTERM, frame)
+            )
+            try:
+                with super().capture_signals():
+                    yield
+            finally:
+                signal.signal(signal.SIGHUP, hangup)
 
     try:
         telemetry = configure_opentelemetry(
