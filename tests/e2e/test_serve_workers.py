@@ -202,6 +202,32 @@ def test_a_store_that_cannot_be_loaded_at_start_is_one_line_not_one_per_worker(
     assert "cannot load routes from the store: cannot reach the store" in result.stderr
 
 
+@pytest.mark.anyio
+async def test_a_second_serve_with_workers_on_a_serving_address_is_refused_in_one_line(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """A second `serve --workers 2` on the address a first one serves (a deploy that
+    starts the new instance before stopping the old, two operators): every socket of
+    both bound with SO_REUSEPORT, so Linux let the second in, and it silently took a
+    share of the first one's connections with its own configuration. It is refused now
+    as a busy port is: one line, exit 1, nothing started."""
+    async with upstream(status_handler(200)) as primary, upstream(status_handler(200)) as backup:
+        config = write_config(
+            tmp_path / "gateway.toml", f'state = "{redis_url}"', primary.url, backup.url
+        )
+        port, log = free_port(), tmp_path / "serve.log"
+        with supervisor(config, port, log) as process:
+            await both_serving(process, port, log)
+            with anyio.fail_after(30):
+                second = await anyio.run_process(command(config, port, 2), check=False)
+            assert second.returncode == 1, second.stderr
+            assert second.stdout == b""
+            assert second.stderr.decode() == (
+                f"fallback-mw: error: cannot listen on 127.0.0.1:{port}: address already in use\n"
+            )
+            assert process.poll() is None, log_text(log)
+
+
 STARTED = re.compile(r"Started server process \[(\d+)\]")
 
 

@@ -116,10 +116,16 @@ class Supervisor:
         self.stop_grace = stop_grace  # from a stop signal to SIGKILL, per worker
         self.host = host
         self.worker = worker
-        self.bind = bind  # (host, port, reuse_port=True) -> a bound socket, or Failed
+        self.bind = bind  # (host, port, *, reuse_port) -> a bound socket, or Failed
         self.console = console
+        # First a socket without SO_REUSEPORT, refused while anything holds the address:
+        # Linux lets a SO_REUSEPORT socket join any SO_REUSEPORT listener of the same user,
+        # so a second `serve --workers` on this address started and silently took a share
+        # of the first one's connections. Port 0 becomes a real port here.
+        with bind(host, port) as probe:
+            port = probe.getsockname()[1]
         # Held (bound, never listening: it receives no connection) until the end, so the
-        # port stays ours between worker restarts; port 0 becomes a real port here.
+        # port stays ours between worker restarts.
         self.reservation = bind(host, port, reuse_port=True)
         self.port: int = self.reservation.getsockname()[1]
         self.children: dict[int, float] = {}  # pid -> time started
