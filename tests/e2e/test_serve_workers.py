@@ -73,9 +73,13 @@ def command(config: Path, port: int, workers: int) -> list[str]:
 
 
 @contextmanager
-def supervisor(config: Path, port: int, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+def supervisor(
+    config: Path, port: int, log: Path, *, workers: int = 2, prefix: tuple[str, ...] = ()
+) -> Iterator[subprocess.Popen[bytes]]:
     with log.open("wb") as out:
-        process = subprocess.Popen(command(config, port, 2), stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            [*prefix, *command(config, port, workers)], stdout=out, stderr=subprocess.STDOUT
+        )
         try:
             yield process
         finally:
@@ -226,6 +230,40 @@ async def test_a_second_serve_with_workers_on_a_serving_address_is_refused_in_on
                 f"fallback-mw: error: cannot listen on 127.0.0.1:{port}: address already in use\n"
             )
             assert process.poll() is None, log_text(log)
+
+
+def ignores_sighup(pid: int) -> bool:
+    """Whether the process ignores SIGHUP (its SigIgn mask in /proc)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    mask = int(re.search(r"^SigIgn:\s*([0-9a-f]+)$", status, re.MULTILINE).group(1), 16)  # type: ignore[union-attr]
+    return bool(mask & (1 << (signal.SIGHUP - 1)))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_serve_under_nohup_keeps_ignoring_a_hangup(
+    redis_url: str, tmp_path: Path, workers: int
+) -> None:
+    """`nohup fallback-mw serve ...` asks for SIGHUP to be ignored: the gateway must outlive
+    the terminal that started it. The supervisor of `serve --workers` (and `serve`, which
+    stops on a hangup otherwise) replaced the ignored disposition with a stop."""
+    async with upstream(status_handler(200)) as primary, upstream(status_handler(200)) as backup:
+        config = write_config(
+            tmp_path / "gateway.toml", f'state = "{redis_url}"', primary.url, backup.url
+        )
+        port, log = free_port(), tmp_path / "serve.log"
+        with supervisor(config, port, log, workers=workers, prefix=("nohup",)) as process:
+            if workers == 1:
+                await wait_listening(process, port, log)
+                deadline = time.monotonic() + 30
+                while "Application startup complete" not in log_text(log):
+                    assert process.poll() is None and time.monotonic() < deadline, log_text(log)
+                    await anyio.sleep(0.05)
+            else:
+                await both_serving(process, port, log)
+            assert ignores_sighup(process.pid), log_text(log)
+            process.send_signal(signal.SIGINT)
+            assert process.wait(timeout=30) == 0, log_text(log)
 
 
 STARTED = re.compile(r"Started server process \[(\d+)\]")

@@ -305,8 +305,8 @@ def run_server(
             # stop like SIGTERM: uvicorn handles only SIGINT and SIGTERM, and left to its
             # default SIGHUP killed the process mid-request (holds left held, the request
             # lines and spans of the last moments lost). A worker of `serve --workers`
-            # ignores it: its supervisor stops it.
-            if workers:
+            # ignores it: its supervisor stops it; so does `serve` under `nohup`.
+            if workers or signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
                 with super().capture_signals():
                     yield
                 return

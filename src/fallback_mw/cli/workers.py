@@ -200,10 +200,11 @@ class Supervisor:
     def run(self) -> int:
         # SIGHUP (the terminal that started it closed) stops the workers too: left to its
         # default it killed the supervisor alone, and its workers served on.
-        previous = {
-            signum: signal.signal(signum, self._stop)
-            for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-        }
+        # Under `nohup` (SIGHUP ignored) it stays ignored: the operator asked for that.
+        stops = [signal.SIGINT, signal.SIGTERM]
+        if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:
+            stops.append(signal.SIGHUP)
+        previous = {signum: signal.signal(signum, self._stop) for signum in stops}
         status = 0
         try:
             for slot in range(self.count):
