@@ -266,6 +266,35 @@ async def test_serve_under_nohup_keeps_ignoring_a_hangup(
             assert process.wait(timeout=30) == 0, log_text(log)
 
 
+def test_a_worker_killed_while_starting_is_named_by_the_supervisor(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """A worker killed by a signal before it served (the OOM killer, SIGKILL) stops the
+    instance, as any start-up failure does: the supervisor exited 1 with nothing after
+    "serving on ...", since a killed worker prints no line of its own. It names it now."""
+    config = write_config(
+        tmp_path / "gateway.toml",
+        f'state = "{redis_url}"',
+        "http://127.0.0.1:9",
+        "http://localhost:10",
+    )
+    port, log = free_port(), tmp_path / "serve.log"
+    with supervisor(config, port, log) as process:
+        children = Path(f"/proc/{process.pid}/task/{process.pid}/children")
+        deadline = time.monotonic() + 30
+        while not (forked := children.read_text().split()):
+            assert process.poll() is None and time.monotonic() < deadline, log_text(log)
+        victim = int(forked[0])
+        os.kill(victim, signal.SIGKILL)  # a moment after its fork: it has not served
+        assert process.wait(timeout=60) == 1, log_text(log)
+        text = log_text(log)
+        assert "all 2 workers serving" not in text, text
+        assert (
+            f"fallback-mw: error: worker {victim} was killed by SIGKILL before it served; "
+            "stopping the others"
+        ) in text, text
+
+
 STARTED = re.compile(r"Started server process \[(\d+)\]")
 
 

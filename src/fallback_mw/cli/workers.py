@@ -56,6 +56,16 @@ _RETRY_MAX_SECONDS = 30.0
 _POLL_SECONDS = 0.1  # how soon the supervisor notices a worker's death
 
 
+def _ending(code: int) -> str:
+    """How a worker ended, from its exit code (negative: the signal that killed it)."""
+    if code >= 0:
+        return f"exited ({code})"
+    try:
+        return f"was killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"was killed by signal {-code}"
+
+
 def check_shared(config: GatewayConfig, workers: int) -> None:
     """Refuse N > 1 workers when breakers, capacity or budgets would be per process."""
     if workers <= 1:
@@ -279,7 +289,16 @@ class Supervisor:
             return None
         lived = time.monotonic() - started
         if not self.established and not served:
-            # A start-up failure: the worker said why; the others would fail too.
+            # A start-up failure: the worker said why; the others would fail too. One
+            # killed by a signal (the OOM killer, SIGKILL) said nothing: serve exited 1
+            # without a word after "serving on ...". The supervisor says it then.
+            if code <= 0:
+                print(
+                    f"fallback-mw: error: worker {pid} {_ending(code)} before it served; "
+                    "stopping the others",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return code if code > 0 else 1
         if served and lived >= START_UP_SECONDS:
             print(
