@@ -189,6 +189,9 @@ def test_refuses_unknown_route_pin_without_candidate_and_a_missing_store(
     pin = ["gameday", "--route", "chat", "--fault", "pin", "--duration", "5s", *ok]
     assert main([*pin, "--config", store]) == 2
     assert "--fault pin needs --candidate" in capsys.readouterr().err
+    # A pin to the primary changes nothing: an exercise that would pass having done nothing.
+    assert main([*pin, "--candidate", "primary", "--config", store]) == 2
+    assert "already the first candidate of route 'chat'" in capsys.readouterr().err
     assert main([*BASE, *ok]) == 2
     assert "no store" in capsys.readouterr().err
     assert asyncio.run(_faults(store)) == []

@@ -111,6 +111,12 @@ def _exercise(args: argparse.Namespace, console: Console | None = None) -> tuple
                 f"--fault pin needs --candidate, one of the candidates of route {args.route!r} "
                 f"({', '.join(plan)})"
             )
+        if args.candidate == plan[0]:
+            # The plan already starts there: the exercise would change nothing, and pass.
+            raise Refused(
+                f"--fault pin --candidate {args.candidate!r} is already the first candidate of "
+                f"route {args.route!r}: pin one of the others ({', '.join(plan[1:]) or 'none'})"
+            )
         if any(p.name == "breaker_open_s" for p in predictions):
             raise Refused(
                 "breaker_open_s needs a fault that fails the upstream (a pin opens no breaker)"
