@@ -1185,14 +1185,16 @@ def test_a_slow_prometheus_does_not_hold_back_the_clear_on_ctrl_c(
     server = ThreadingHTTPServer(("127.0.0.1", 0), SlowPrometheus)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     sent: list[float] = []
+    returned = threading.Event()
 
     def ctrl_c() -> None:
         deadline = time.time() + 20
         while len(asked) < 2 and time.time() < deadline:  # inside the first slow poll
             time.sleep(0.02)
         time.sleep(0.3)
-        sent.append(time.time())
-        os.kill(os.getpid(), signal.SIGINT)
+        if not returned.is_set():  # never at pytest itself, had the command ended early
+            sent.append(time.time())
+            os.kill(os.getpid(), signal.SIGINT)
 
     operator = threading.Thread(target=ctrl_c, daemon=True)
     out = tmp_path / "r.json"
@@ -1203,7 +1205,10 @@ def test_a_slow_prometheus_does_not_hold_back_the_clear_on_ctrl_c(
     ]  # fmt: skip
     try:
         operator.start()
-        status = main(argv)
+        try:
+            status = main(argv)
+        finally:
+            returned.set()
         operator.join(5)
     finally:
         server.shutdown()
