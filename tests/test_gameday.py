@@ -1252,3 +1252,60 @@ async def test_an_alert_seen_in_a_slow_answer_is_dated_when_prometheus_answered(
     firing_at = watcher.alerts["FallbackMwBreakerOpen"].firing_at
     assert firing_at is not None
     assert asked + 1.1 <= firing_at <= answered, (firing_at - asked, answered - asked)
+
+
+@pytest.mark.anyio
+async def test_a_store_outage_while_the_recovery_is_watched_still_writes_the_report(
+    tmp_path: Path, pg_url: str
+) -> None:
+    """The exercise ran to its end and cleared its fault; PostgreSQL then went away while
+    the command watched the recovery: the command stopped with 'PostgreSQL ledger
+    unavailable', and the report it had written at the start still said `running` (no
+    HTML page, nothing observed), as if the exercise had never ended. The report is
+    written, status `failed`, naming the phase the store failed in."""
+    import io
+    import json
+    from urllib.parse import urlsplit
+
+    from fallback_mw.cli.app import Console
+    from fallback_mw.cli.game_day.run import Exercise
+    from fallback_mw.cli.gameday import _run
+    from tests.tcp_proxy import tcp_proxy
+
+    real = urlsplit(pg_url)
+    assert real.hostname is not None and real.port is not None
+    async with tcp_proxy(real.hostname, real.port) as proxy:
+        url = real._replace(netloc=f"{real.username}@127.0.0.1:{proxy.port}").geturl()
+        exercise = Exercise(
+            route="chat", fault="fail", target="primary", candidate=None, primary="primary",
+            duration_s=1.0, predictions=(parse_prediction("error_rate=1%"),),
+            aborts=(parse_abort("error_rate=50%"),), poll_s=0.1, grace_s=0.5, owner="Ana",
+            recovery_wait_s=20.0, candidates=("primary", "backup"),
+        )  # fmt: skip
+        direct = open_store(pg_url)
+
+        async def outage_after_the_clear() -> None:
+            for _ in range(500):  # until the exercise has set its fault
+                if await direct.load_faults():
+                    break
+                await asyncio.sleep(0.02)
+            for _ in range(500):  # then until it has cleared it: the recovery watch
+                if not await direct.load_faults():
+                    break
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.3)
+            await proxy.cut()
+
+        out = tmp_path / "gd.json"
+        console = Console(io.StringIO(), io.StringIO())
+        try:
+            operator = asyncio.ensure_future(outage_after_the_clear())
+            report = await asyncio.wait_for(_run(exercise, url, out, console, None), 30)
+            await operator
+        finally:
+            await direct.aclose()
+    assert report["status"] == "failed", report
+    assert "while watching the recovery" in report["failure"]
+    assert report["fault"]["cleared_at"] is not None
+    assert json.loads(out.read_text())["status"] == "failed"
+    assert out.with_suffix(".html").exists()

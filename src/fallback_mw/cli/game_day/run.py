@@ -272,10 +272,14 @@ async def run_exercise(
         elif now >= timeline.expires:  # not cleared, but over: it ended at its expiry
             timeline.cleared = timeline.expires
     if timeline.failure is not None:
-        emit(
-            f"store failed: {timeline.failure}; "
-            + ("fault cleared" if timeline.cleared is not None else "the fault is still set")
+        done = (
+            "the fault is still set"
+            if timeline.cleared is None
+            else "fault cleared"
+            if timeline.cleared_count is not None
+            else "the fault expired"
         )
+        emit(f"store failed: {timeline.failure}; {done}")
     elif timeline.cleared_outside is not None:
         emit(
             f"the fault was cleared outside the command (faults clear, or replaced) after "
@@ -321,7 +325,11 @@ async def watch_recovery(
     cleared = timeline.cleared or time.time()
     while not stop.is_set():
         now = time.time()
-        await feed.poll()
+        try:
+            await feed.poll()
+        except (StoreError, LedgerUnavailable) as exc:  # the fault is cleared already
+            timeline.failure = f"{exc} (while watching the recovery)"
+            break
         if alerts is not None:
             alerts.poll_soon()
         timeline.recovered = _primary_success_after(feed.records, exercise.primary, cleared)
@@ -336,7 +344,7 @@ async def watch_recovery(
     timeline.watched_until = time.time()
     if timeline.recovered is not None:
         emit(f"recovered: the primary served again {timeline.recovered - cleared:.1f} s after")
-    elif not stop.is_set():
+    elif not stop.is_set() and timeline.failure is None:
         emit(
             f"not recovered: the primary served no request within "
             f"{exercise.recovery_wait_s:g} s of the revert"
@@ -350,7 +358,10 @@ async def read_in_flight(exercise: Exercise, feed: RecordFeed, timeline: Timelin
     them, plus those in flight): fewer requests, errors and fallbacks than callers saw."""
     cleared = timeline.cleared or time.time()
     await asyncio.sleep(max(0.0, cleared + exercise.grace_s - time.time()))
-    await feed.poll()
+    try:
+        await feed.poll()
+    except (StoreError, LedgerUnavailable) as exc:  # what was read before stands
+        timeline.failure = f"{exc} (while reading the requests in flight)"
     timeline.recovered = _primary_success_after(feed.records, exercise.primary, cleared)
     timeline.watched_until = time.time()
 
