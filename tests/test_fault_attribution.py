@@ -820,3 +820,39 @@ async def test_the_request_log_line_says_a_game_days_failover_was_the_fault(
     assert not lines[0].endswith("fault=true")  # before the fault
     assert all(line.endswith(" fault=true") for line in lines[1:]), lines
     assert lines[-1].endswith(" skipped=primary;reason=breaker_open fault=true")
+
+
+@pytest.mark.anyio
+async def test_an_expiring_fault_restores_the_primary_at_its_expiry_not_the_next_poll(
+    tmp_path: Path, pair: tuple[Upstream, Upstream]
+) -> None:
+    """A fault's expiry sends no store notification: the breaker its outcomes opened was
+    reset only at the reloader's next poll after it (up to the 2 s safety net on
+    PostgreSQL, whatever `poll_interval` says), so the primary stayed skipped, and
+    FallbackMwBreakerOpen firing, that long after `faults set --ttl` said the fault ended.
+    The reloader wakes at the expiry. (A 30 s poll here makes the difference plain.)"""
+    from fallback_mw.store.routes import Fault, open_store
+
+    primary, backup = pair
+    store = f"sqlite:///{tmp_path / 'gw.db'}"
+    route_store = open_store(store)
+    try:
+        expires_at = time.time() + 2.0
+        assert await route_store.set_fault(Fault("fail", "primary", expires_at)) is None
+    finally:
+        await route_store.aclose()
+    gateway = Gateway(host_app, config=gateway_config(store, primary.url, backup.url), environ={})
+    runtime = gateway.services.store
+    assert runtime is not None
+    runtime.poll_interval = 30.0
+    try:
+        async with client_for(gateway) as client:
+            for _ in range(3):  # the fault's outcomes open the breaker
+                response = await client.get("/v1/x")
+                assert response.headers["x-gateway-provider"] == "backup"
+            assert await gateway.services.health.open_fault("primary") == "fail"
+            await until(lambda: _breaker_closed(gateway), within=expires_at + 1.0 - time.time())
+            response = await client.get("/v1/x")
+            assert response.headers["x-gateway-provider"] == "primary"
+    finally:
+        await gateway.aclose()

@@ -28,6 +28,12 @@ class FaultSnapshot:
         upstream that left the set had its fault cleared or expired)."""
         return frozenset(name for name, f in self.upstreams.items() if f.active(now))
 
+    def next_expiry(self, now: float) -> float | None:
+        """When the next active upstream fault expires (epoch seconds), if any: its revert
+        (the breakers it opened reset) is due then, not at the reloader's next poll."""
+        ends = [f.expires_at for f in self.upstreams.values() if f.active(now)]
+        return min(ends) if ends else None
+
     def pinned_candidate(self, route_id: str, now: float) -> str | None:
         fault = self.pins.get(route_id)
         if fault is None or not fault.active(now):
@@ -70,6 +76,12 @@ class StoreFaults:
 
     def active_upstreams(self) -> frozenset[str]:
         return self.snapshot.active_upstreams(self._clock())
+
+    def until_next_expiry(self) -> float | None:
+        """Seconds until the next active upstream fault expires, if any."""
+        now = self._clock()
+        expiry = self.snapshot.next_expiry(now)
+        return None if expiry is None else max(expiry - now, 0.0)
 
     def blackhole(self) -> Blackhole:
         return self._blackhole

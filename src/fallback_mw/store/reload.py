@@ -36,6 +36,7 @@ logger = logging.getLogger("fallback_mw.store")
 
 FIRST_BACKOFF = 0.25  # seconds before the first retry after a failed reload
 MAX_BACKOFF = 5.0
+EXPIRY_MARGIN_S = 0.01  # past a fault's expiry: the fault reads expired when the reloader wakes
 
 
 def run_blocking(factory: Callable[[], Awaitable[T]]) -> T:
@@ -236,7 +237,7 @@ class StoreRuntime:
                     await self.refresh(store)
                     self._outage.recovered()
                     await self.revert_cleared_faults()
-                    await store.wait_for_change(self.poll_interval)
+                    await store.wait_for_change(self._next_wait())
                     backoff = FIRST_BACKOFF
                     continue
                 except (StoreError, OSError) as exc:
@@ -254,6 +255,15 @@ class StoreRuntime:
         finally:
             if store is not None:
                 await _close_quietly(store)
+
+    def _next_wait(self) -> float:
+        """The poll interval, or less: until just after the next fault expiry, whose revert
+        (SPEC §12: the breakers it opened reset) is due then. An expiry sends no store
+        notification, so on PostgreSQL it waited up to the 2 s safety-net poll."""
+        left = self.faults.until_next_expiry()
+        if left is None:
+            return self.poll_interval
+        return min(self.poll_interval, left + EXPIRY_MARGIN_S)
 
     async def _forget_moved(self, *, initial: bool) -> None:
         """Each upstream name whose url differs from the one last loaded under that name
