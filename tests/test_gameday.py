@@ -1309,3 +1309,31 @@ async def test_a_store_outage_while_the_recovery_is_watched_still_writes_the_rep
     assert report["fault"]["cleared_at"] is not None
     assert json.loads(out.read_text())["status"] == "failed"
     assert out.with_suffix(".html").exists()
+
+
+def test_a_report_whose_fault_could_not_be_cleared_says_when_it_expires() -> None:
+    """A store that stayed away until the fault's end left it uncleared: the printed
+    report read 'set None s of 60 s' (Python's spelling of nothing). It says the fault was
+    not cleared and when it expires, the moment it stops injecting."""
+    from fallback_mw.cli.game_day.report import report_lines
+
+    report: dict[str, Any] = {
+        "status": "failed",
+        "failure": "cannot reach the store",
+        "route": "chat",
+        "fault": {
+            "kind": "fail",
+            "target": "primary",
+            "candidate": None,
+            "seconds_set": None,
+            "expires_at": "2026-12-05T01:01:00Z",
+        },
+        "duration_s": 60.0,
+        "owner": "alice",
+        "abort": None,
+        "predictions": [],
+        "observed": {"requests": 1},
+    }
+    first = report_lines(report)[0]
+    assert "None" not in first, first
+    assert "not cleared (the store failed): it expires 2026-12-05T01:01:00Z" in first

@@ -116,9 +116,14 @@ def report_lines(report: dict[str, Any]) -> list[str]:
     """The report as printed: the predictions table and the observed numbers."""
     fault = report["fault"]
     what = fault_subject(fault)
+    held = (
+        f"set {fault['seconds_set']} s of {report['duration_s']:g} s"
+        if fault["seconds_set"] is not None
+        else f"not cleared (the store failed): it expires {fault.get('expires_at')}"
+    )
     lines = [
-        f"game day {report['status']}: route {report['route']!r}, {what}, "
-        f"set {fault['seconds_set']} s of {report['duration_s']:g} s, owner {report['owner']}"
+        f"game day {report['status']}: route {report['route']!r}, {what}, {held}, "
+        f"owner {report['owner']}"
     ]
     if report.get("failure"):
         lines.append(f"  stopped: {report['failure']}")
