@@ -1337,3 +1337,37 @@ def test_a_report_whose_fault_could_not_be_cleared_says_when_it_expires() -> Non
     first = report_lines(report)[0]
     assert "None" not in first, first
     assert "not cleared (the store failed): it expires 2026-12-05T01:01:00Z" in first
+
+
+@pytest.mark.anyio
+async def test_a_hang_up_clears_the_fault_like_ctrl_c(store: str, tmp_path: Path) -> None:
+    """The operator's SSH session dropped during a game day: SIGHUP, left to its default,
+    killed the command at once, and its fault went on failing the primary, with nobody
+    watching the abort criteria, until its expiry (the whole --duration). A hang-up is
+    handled as Ctrl-C and SIGTERM are: the fault is cleared and the report written."""
+    import json
+    import signal
+    import sys
+
+    out = tmp_path / "r.json"
+    process = await asyncio.create_subprocess_exec(
+        str(Path(sys.executable).with_name("fallback-mw")),
+        *(*BASE, "--duration", "60s", "--config", store, "--out", str(out)),
+        *("--predict", "error_rate=1%", "--abort", "error_rate=50%"),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not await _faults(store):
+            assert time.monotonic() < deadline, "the fault was never set"
+            await asyncio.sleep(0.05)
+        process.send_signal(signal.SIGHUP)
+        stdout, stderr = await asyncio.wait_for(process.communicate(), 30)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert await _faults(store) == [], (process.returncode, stdout, stderr)
+    assert process.returncode == 130
+    assert json.loads(out.read_text())["status"] == "interrupted"

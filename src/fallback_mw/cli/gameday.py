@@ -4,8 +4,8 @@ watched through the usage records every gateway writes to the store (gameday/).
 Exit status: 0 when the exercise ran to its end and every prediction passed; 1 when it
 aborted on a criterion, a prediction failed or had no data, or the store failed (the
 exercise ends, its fault's clear retried until the store is back or it expires); 2 when it
-refuses to start (nothing set); 130 when stopped by SIGINT/SIGTERM (the fault is cleared
-first). The report is printed and written in every case but a refusal."""
+refuses to start (nothing set); 130 when stopped by SIGINT/SIGTERM/SIGHUP (the fault is
+cleared first). The report is printed and written in every case but a refusal."""
 
 from __future__ import annotations
 
@@ -181,7 +181,10 @@ async def _run(
     loop = asyncio.get_running_loop()
     handled: list[signal.Signals] = []
     if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        # SIGHUP too: the operator's terminal or SSH session went away. Left to its default
+        # it killed the command at once, and the fault injected, unwatched, until its expiry.
+        hangup = getattr(signal, "SIGHUP", None)
+        for sig in (signal.SIGINT, signal.SIGTERM, *([hangup] if hangup else [])):
             loop.add_signal_handler(sig, on_signal)
             handled.append(sig)
     store = open_store(url)
@@ -244,11 +247,12 @@ async def _run(
             status=status,
             alerts=None if alerts is None else alerts.summary(timeline.started),
         )
-        for line in report_lines(report):
-            console.print(line)
+        # Written before anything is printed: after a hang-up the terminal may be gone.
         write_report(out, report)
         page = html_path(out)
         page.write_text(render(report))
+        for line in report_lines(report):
+            console.print(line)
         console.print(f"wrote {out} and {page}")
         return report
     finally:
