@@ -220,6 +220,7 @@ def test_property_every_kept_timer_fires_once_in_time_and_no_discarded_one(
         base = loop.time()
         fired: dict[int, float] = {}
         latest: dict[int, float] = {}  # when the loop ran each timer's reference
+        references_ran = asyncio.Event()
         keys = []
         for index, (offset_ms, _) in enumerate(timers):
 
@@ -229,6 +230,8 @@ def test_property_every_kept_timer_fires_once_in_time_and_no_discarded_one(
 
             def reference(index: int = index) -> None:
                 latest[index] = loop.time()
+                if len(latest) == len(timers):
+                    references_ran.set()
 
             due = base + offset_ms / 1000
             keys.append((wheel_.add(due, callback), callback))
@@ -236,9 +239,7 @@ def test_property_every_kept_timer_fires_once_in_time_and_no_discarded_one(
         for (key, callback), (_, discard) in zip(keys, timers, strict=True):
             if discard:
                 wheel_.discard(key, callback)
-        await asyncio.sleep(0.04 + TICK + SLACK)
-        while len(latest) < len(timers):  # a busy machine: the references run in time order
-            await asyncio.sleep(TICK)
+        await references_ran.wait()  # after every kept timer's moment, however busy
         kept = {i for i, (_, discard) in enumerate(timers) if not discard}
         assert set(fired) == kept
         for index in kept:
