@@ -88,6 +88,34 @@ def test_check_prints_the_resolved_plans_and_never_a_secret(tmp_path: Path) -> N
     assert SECRET not in result.stdout
 
 
+def test_check_names_only_the_pool_statuses_that_move_to_another_credential(
+    tmp_path: Path,
+) -> None:
+    # 429 listed in failover_status is failover-class: a pool's 429 moves the walk to the
+    # next candidate, not to another of the pool's keys (docs/health.md). check said "401
+    # 403 429 move to another credential" all the same, so an operator reading it expected
+    # the rate-limited backup to be tried again with its second key.
+    path = tmp_path / "gateway.toml"
+    listed = CONFIG.format(store="").replace(
+        "retries = 1\n", "retries = 1\nfailover_status = [429, 502, 503]\n"
+    )
+    path.write_text(listed, encoding="utf-8")
+    result = check(path)
+    assert result.returncode == 0, result.stderr
+    assert (
+        "  replayable GET POST; failover on 429 502 503, transport errors and timeouts; "
+        "401 403 move to another credential within backup (pool); on_exhausted error"
+    ) in result.stdout.splitlines(), result.stdout
+    every = listed.replace("[429, 502, 503]", "[401, 403, 429, 502]")
+    path.write_text(every, encoding="utf-8")
+    result = check(path)
+    assert result.returncode == 0, result.stderr
+    assert (
+        "  replayable GET POST; failover on 401 403 429 502, transport errors and timeouts; "
+        "on_exhausted error"
+    ) in result.stdout.splitlines(), result.stdout
+
+
 def test_check_warns_about_a_configuration_without_routes(tmp_path: Path) -> None:
     path = tmp_path / "gateway.toml"
     path.write_text("[gateway]\n", encoding="utf-8")

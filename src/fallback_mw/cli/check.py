@@ -28,6 +28,7 @@ from fallback_mw.config import (
     UpstreamConfig,
     load_config,
 )
+from fallback_mw.failover.decide import CREDENTIAL_STATUSES
 from fallback_mw.routing import RouteTable, effective_deadline_ms
 from fallback_mw.rules import shown_variable
 from fallback_mw.security import DEFAULT_STRIP_HEADERS, DEFAULT_STRIP_QUERY_KEYS
@@ -99,11 +100,15 @@ def _replayable(route: RouteConfig) -> str:
 
 
 def _pools(route: RouteConfig, upstreams: Mapping[str, UpstreamConfig]) -> str:
-    """Within a credential pool 401/403/429 move to another credential (SPEC §6)."""
+    """Within a credential pool 401/403/429 move to another credential (SPEC §6), those
+    of them the route does not list in `failover_status`: a listed one is failover-class
+    and moves the walk to the next candidate instead (`decide.decide`)."""
     pools = [name for name in route.plan if len(upstreams[name].credential_envs) > 1]
-    if not pools:
+    statuses = sorted(CREDENTIAL_STATUSES.difference(route.failover_status))
+    if not pools or not statuses:
         return ""
-    return f"; 401 403 429 move to another credential within {', '.join(pools)} (pool)"
+    moving = " ".join(map(str, statuses))
+    return f"; {moving} move to another credential within {', '.join(pools)} (pool)"
 
 
 def _route_lines(
