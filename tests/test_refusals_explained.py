@@ -15,8 +15,9 @@ import pytest
 
 from fallback_mw.store.ledgers import open_ledger
 from tests.helpers import gateway_client
+from tests.test_defence_in_depth import saturated_listener
 from tests.test_security import fake_dns
-from tests.upstreams import closed_port_url, status_handler, upstream
+from tests.upstreams import closed_port_url, silent_server, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
 
@@ -152,6 +153,34 @@ async def test_upstream_failed_names_the_last_candidate_and_what_it_did() -> Non
             response = await client.get("/v1/models")
     message = response.json()["error"]["message"]
     assert "all 2 attempt(s) failed (last failure: status 502 at 'backup')" in message, message
+
+
+@pytest.mark.parametrize("engine", ["aiohttp", "httpx"])
+async def test_upstream_failed_says_which_of_its_timers_ended_the_last_attempt(
+    engine: str,
+) -> None:
+    # A host that drops the connection's SYNs and one that takes the request and never
+    # answers are both `timeout`; the 502 said only "last failure: timeout at 'backup'",
+    # so the operator could not tell which key (connect_timeout_ms, first_byte_timeout_ms)
+    # timed it, nor that the two candidates failed differently.
+    async with silent_server() as (silent, _):
+        with saturated_listener() as unreachable:
+            for primary, backup, said in (
+                (unreachable, silent, "no response head within its first_byte_timeout_ms (400"),
+                (silent, unreachable, "no connection within its connect_timeout_ms (300"),
+            ):
+                conf = config(primary, backup, {"engine": engine}, deadline_ms=10_000)
+                for name in ("primary", "backup"):
+                    conf["upstreams"][name].update(
+                        connect_timeout_ms=300, first_byte_timeout_ms=400
+                    )
+                async with gateway_client(conf, environ=ENV) as client:
+                    response = await client.get("/v1/models")
+                error = response.json()["error"]
+                assert (response.status_code, error["rule"]) == (502, "ceiling")
+                assert (
+                    f"(last failure: timeout at 'backup': {said} ms)); the attempt ceiling"
+                ) in error["message"], error["message"]
 
 
 async def test_a_deadline_that_cuts_a_hang_names_the_timeout_that_would_let_it_fail_over() -> None:

@@ -51,6 +51,7 @@ from fallback_mw.upstream.base import (
 _PATH_SAFE = "/:@!$&'()*+,;=-._~"
 
 AttemptResult = tuple[Outcome, UpstreamResponse | None]
+_FIRST_BYTE = "first_byte_timeout_ms"
 
 # An upstream's timeouts in seconds, per distinct setting (a few per config; shared,
 # never changed: Timeouts is frozen).
@@ -230,6 +231,8 @@ class AttemptRunner:
         except UpstreamError as exc:
             record.could_not_connect = exc.kind == "refused"  # for the local error's message
             record.failure_detail = exc.detail
+            if exc.kind == "timeout" and exc.phase != "body":
+                record.timer = "connect_timeout_ms" if exc.phase == "connect" else _FIRST_BYTE
             return self._local_or(engine_outcome(exc.kind, exc.phase, fault=record.fault)), None
         except BodyAborted:
             return self._local_or(Outcome("transport")), None

@@ -6,7 +6,7 @@ decides what happens to a request; it only explains it."""
 from __future__ import annotations
 
 from fallback_mw.failover.decide import Decision, replay_rule
-from fallback_mw.request.context import RequestContext
+from fallback_mw.request.context import AttemptRecord, RequestContext
 
 
 def _cut_by_deadline(context: RequestContext) -> tuple[str, str, int] | None:
@@ -301,6 +301,17 @@ def _no_next_attempt(context: RequestContext, timer: str) -> str | None:
     return None
 
 
+def _timer_ran_out(record: AttemptRecord, context: RequestContext) -> str:
+    """Which of the upstream's own timers ended a `timeout` attempt, with its value: a host
+    that drops the connection's SYNs and one that takes the request and never answers are
+    told apart, and each by the key that times it."""
+    upstream = context.upstreams.get(record.candidate)
+    if record.timer is None or record.failure_kind != "timeout" or upstream is None:
+        return ""
+    waited = "connection" if record.timer == "connect_timeout_ms" else "response head"
+    return f": no {waited} within its {record.timer} ({getattr(upstream, record.timer)} ms)"
+
+
 def error_message(decision: Decision, context: RequestContext) -> str:
     """The local error's message: which rule ended the walk, after how many attempts, and
     what configuration would change it."""
@@ -313,7 +324,8 @@ def error_message(decision: Decision, context: RequestContext) -> str:
             last += f" {record.status}"
         if record.could_not_connect and last == "transport":
             last += " (could not connect)"
-        message = f"all {attempts} attempt(s) failed (last failure: {last} at {record.candidate!r})"
+        message = f"all {attempts} attempt(s) failed (last failure: {last} at {record.candidate!r}"
+        message += f"{_timer_ran_out(record, context)})"
         if decision.rule == "ceiling" and all(a.could_not_connect for a in context.attempts):
             # Nothing answered at all: more retries would not help a wrong url or a stopped
             # upstream (a newcomer's first run, more often than not).

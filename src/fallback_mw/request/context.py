@@ -46,6 +46,9 @@ class AttemptRecord:
     # What failed and what would change it, for the local error's message (a `tls`
     # failure: upstream/tls.tls_problem; an egress proxy that refused the tunnel).
     failure_detail: str | None = None
+    # The upstream's own timer that ended it (a `timeout`): `connect_timeout_ms` or
+    # `first_byte_timeout_ms`, named with its value by the local error's message.
+    timer: str | None = None
     fault: str | None = None  # "fail" / "hang" when a game-day fault drove the attempt
     # It waited for a connection slot (`max_connections`) and ended before getting one:
     # nothing was sent (its declared-capacity count is taken back).

@@ -72,6 +72,8 @@ class _ErrorMap:
             return  # nothing raised, or a cancellation / an UpstreamError: as they are
         phase = self.phase
         if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
+            if isinstance(exc, aiohttp.ConnectionTimeoutError):
+                phase = "connect"  # its sock_connect (connect_timeout_ms), not the head's wait
             raise UpstreamError("timeout", phase, f"timed out during {phase}") from exc
         tls = _tls_failure(exc)
         if tls is not None:

@@ -104,6 +104,8 @@ def map_errors(phase: Phase) -> Iterator[None]:
     except UpstreamError:
         raise
     except (TimeoutError, httpx.TimeoutException) as exc:
+        if isinstance(exc, httpx.ConnectTimeout):
+            phase = "connect"  # connect_timeout_ms, not the wait for the head
         raise UpstreamError("timeout", phase, f"timed out during {phase}") from exc
     except UnsafeAddressError as exc:
         raise UpstreamError("unsafe_address", phase, str(exc)) from None
