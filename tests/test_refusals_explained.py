@@ -515,6 +515,42 @@ async def test_a_deadline_that_runs_out_in_the_backoff_names_backoff_ms() -> Non
     assert (followed.status_code, followed.headers["x-gateway-attempts"]) == (200, "2")
 
 
+async def test_a_deadline_that_runs_out_waiting_for_a_connection_names_max_connections() -> None:
+    # A batch route holds the primary's only connection (max_connections = 1); a chat
+    # request queues behind it until its deadline. The 504 said the primary "was still
+    # inside its first_byte_timeout_ms: lower that below 300 ms", a timer that had not
+    # started (the wait for a slot is the gateway's own queue): lowering it changes
+    # nothing. It names max_connections, and following it serves the request.
+    holding = anyio.Event()
+
+    async def handler(request: Any) -> Any:
+        if request.path.startswith("/batch/"):
+            holding.set()
+            await anyio.sleep(1.5)
+        return await status_handler(200)(request)
+
+    async with upstream(handler) as p, upstream(status_handler(200)) as b:
+        conf = config(p.url, b.url, deadline_ms=300)
+        conf["routes"].append({"id": "batch", "prefix": "/batch/", "plan": ["primary"]})
+        conf["upstreams"]["primary"].update(max_connections=1, first_byte_timeout_ms=5000)
+        answers = []
+        for slots in (1, 2):
+            conf["upstreams"]["primary"]["max_connections"] = slots
+            holding = anyio.Event()
+            async with gateway_client(conf, environ=ENV) as client, anyio.create_task_group() as tg:
+                tg.start_soon(client.get, "/batch/run")
+                with anyio.fail_after(5):
+                    await holding.wait()
+                answers.append(await client.get("/v1/models"))
+    waited, followed = answers
+    error = waited.json()["error"]
+    assert (waited.status_code, error["rule"], error["attempts"]) == (504, "deadline", 1)
+    assert "waiting for a free connection" in error["message"], error["message"]
+    assert "raise the max_connections of 'primary'" in error["message"], error["message"]
+    assert "first_byte_timeout_ms" not in error["message"], error["message"]
+    assert (followed.status_code, followed.headers["x-gateway-provider"]) == (200, "primary")
+
+
 async def test_the_log_line_says_which_status_made_each_candidate_fail_over(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -35,6 +35,17 @@ def _cut_by_deadline(context: RequestContext) -> tuple[str, str, int] | None:
     return None
 
 
+def _queued_for_a_connection(context: RequestContext) -> tuple[str, int] | None:
+    """The candidate and its `max_connections` when the deadline ended its attempt while it
+    still waited for a connection slot: none of its timers had started, so a shorter one
+    changes nothing."""
+    last = context.attempts[-1] if context.attempts else None
+    if last is None or not last.queued_only or last.failure_kind != "deadline":
+        return None
+    upstream = context.upstreams.get(last.candidate)
+    return None if upstream is None else (last.candidate, upstream.max_connections)
+
+
 def _inside(name: str, timer: str, timeout_ms: int) -> str:
     if timer == "connect_timeout_ms":
         return f"while {name!r} was still connecting, inside its {timer} ({timeout_ms} ms)"
@@ -208,12 +219,22 @@ def _deadline_message(context: RequestContext) -> str:
     (the route's deadline_ms, else [gateway]'s), and what would let the walk go on."""
     attempts, waiting = context.attempt_count, _cut_by_deadline(context)
     configured, caller = context.configured_deadline_ms, context.caller_deadline_ms
-    backoff = None
+    # A wait no upstream timer bounds, and the key that shortens it.
+    backoff = fix = None
+    queued = _queued_for_a_connection(context)
     if context.backoff_cut is not None:
         backoff = (
             f"while the walk waited the route's backoff_ms ({context.route.backoff_ms} ms) "
             f"before repeating {context.backoff_cut!r}"
         )
+        fix = "lower the route's backoff_ms"
+    elif queued is not None:
+        name, slots = queued
+        backoff = (
+            f"while the attempt at {name!r} was still waiting for a free connection (its "
+            f"max_connections, {slots}, were all in use: none of its timers had started)"
+        )
+        fix = f"raise the max_connections of {name!r}"
     if caller is not None:
         passed = (
             f"the deadline of {caller} ms the caller set with x-gateway-deadline-ms (the "
@@ -222,7 +243,7 @@ def _deadline_message(context: RequestContext) -> str:
         if backoff is not None:
             return (
                 f"{passed}, {backoff}: the caller may send a larger x-gateway-deadline-ms, or "
-                f"none; or lower the route's backoff_ms"
+                f"none; or {fix}"
             )
         if waiting is None:
             return f"{passed}; the caller may send a larger x-gateway-deadline-ms, or none"
@@ -258,7 +279,7 @@ def _deadline_message(context: RequestContext) -> str:
         key = "[gateway] deadline_ms (or set the route's deadline_ms)"
     passed = f"the route deadline ({configured} ms) passed after {attempts} attempt(s)"
     if backoff is not None:
-        return f"{passed}, {backoff}: lower the route's backoff_ms, or raise {key}"
+        return f"{passed}, {backoff}: {fix}, or raise {key}"
     if waiting is None:
         return f"{passed}; raise {key}"
     name, timer, timeout_ms = waiting
