@@ -7,12 +7,15 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import anyio
+import pytest
 
-from tests.helpers import free_port, log_text, serve_process, wait_listening
+from tests.helpers import free_port, gateway_client, log_text, serve_process, wait_listening
 from tests.test_cli_admin import run_cli as admin
 from tests.test_cli_convention import FALLBACK_MW, assert_one_error_line
+from tests.upstreams import status_handler, upstream
 
 SECRET = "sk-check-never-printed"
 
@@ -114,6 +117,47 @@ def test_check_names_only_the_pool_statuses_that_move_to_another_credential(
         "  replayable GET POST; failover on 401 403 429 502, transport errors and timeouts; "
         "on_exhausted error"
     ) in result.stdout.splitlines(), result.stdout
+
+
+@pytest.mark.anyio
+async def test_check_warns_that_a_pool_on_a_one_attempt_route_never_moves_to_another_key(
+    tmp_path: Path,
+) -> None:
+    # A key pool for rate limits on a single-upstream route (retries left at 0): check
+    # said "401 403 429 move to another credential within openai (pool)", but the move is
+    # an attempt and the route makes one, so the first key's 429 reached the caller. check
+    # warns and names retries; with retries = 1 the second key answers.
+    path = tmp_path / "gateway.toml"
+    answers = iter([429, 429, 200])
+
+    async def keyed(request: Any) -> Any:
+        return await status_handler(next(answers))(request)
+
+    async with upstream(keyed) as openai:
+        body = (
+            f'[upstreams.openai]\nurl = "{openai.url}"\nauth_env = ["FMW_CHECK_BACKUP_A", '
+            '"FMW_CHECK_BACKUP_B"]\nfirst_byte_timeout_ms = 2000\n'
+            '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["openai"]\n'
+        )
+        path.write_text(body, encoding="utf-8")
+        result = check(path)
+        assert result.returncode == 0, result.stderr
+        assert "move to another credential" not in result.stdout, result.stdout
+        assert (
+            "  warning: candidate 'openai' is a credential pool, but the route makes one "
+            "attempt (retries = 0): a 401/403/429 from one of its keys is served as-is, never "
+            "retried with another; raise retries (each further key is an attempt)"
+        ) in result.stdout.splitlines(), result.stdout
+        async with gateway_client(str(path), environ=ENV) as client:
+            served = await client.get("/v1/models")
+        path.write_text(body + "retries = 1\n", encoding="utf-8")
+        result = check(path)
+        assert "warning" not in result.stdout, result.stdout
+        assert "401 403 429 move to another credential within openai (pool)" in result.stdout
+        async with gateway_client(str(path), environ=ENV) as client:
+            moved = await client.get("/v1/models")
+    assert (served.status_code, served.headers["x-gateway-attempts"]) == (429, "1")
+    assert (moved.status_code, moved.headers["x-gateway-attempts"]) == (200, "2")
 
 
 def test_check_warns_about_a_configuration_without_routes(tmp_path: Path) -> None:
@@ -233,8 +277,10 @@ def test_check_warns_about_a_route_no_request_can_reach(tmp_path: Path) -> None:
     # beside a GET-only one, or another tenant's route of the same prefix, is not.
     path = tmp_path / "gateway.toml"
     extra = (
-        '\n[[routes]]\nid = "chat2"\nprefix = "/v1/"\ntenant = "acme"\nplan = ["backup"]\n'
-        '\n[[routes]]\nid = "other"\nprefix = "/v1/"\ntenant = "beta"\nplan = ["backup"]\n'
+        # On the single-key primary: a one-attempt route on the backup's pool is warned of
+        # too (its 401/403/429 never move to another key).
+        '\n[[routes]]\nid = "chat2"\nprefix = "/v1/"\ntenant = "acme"\nplan = ["primary"]\n'
+        '\n[[routes]]\nid = "other"\nprefix = "/v1/"\ntenant = "beta"\nplan = ["primary"]\n'
     )
     path.write_text(CONFIG.format(store="") + extra, encoding="utf-8")
     result = check(path)
@@ -250,7 +296,7 @@ def test_check_warns_about_a_route_no_request_can_reach(tmp_path: Path) -> None:
     assert lines[-1].endswith("is valid: 3 route(s), 1 warning(s)")
     path.write_text(
         CONFIG.format(store="").replace('replayable_methods = ["GET", "POST"]', 'methods = ["GET"]')
-        + extra.replace('plan = ["backup"]', 'plan = ["backup"]\nmethods = ["POST"]', 1),
+        + extra.replace('plan = ["primary"]', 'plan = ["primary"]\nmethods = ["POST"]', 1),
         encoding="utf-8",
     )
     result = check(path)
@@ -266,9 +312,9 @@ def test_an_unreachable_route_names_only_the_routes_that_take_its_methods(tmp_pa
     path = tmp_path / "gateway.toml"
     extra = (
         '\n[[routes]]\nid = "chat1-write"\nprefix = "/v1/"\ntenant = "acme"\n'
-        'methods = ["POST"]\nplan = ["backup"]\n'
+        'methods = ["POST"]\nplan = ["primary"]\n'
         '\n[[routes]]\nid = "chat2-read"\nprefix = "/v1/"\ntenant = "acme"\n'
-        'methods = ["GET"]\nplan = ["backup"]\n'
+        'methods = ["GET"]\nplan = ["primary"]\n'
     )
     path.write_text(CONFIG.format(store="") + extra, encoding="utf-8")
     result = check(path)

@@ -99,14 +99,18 @@ def _replayable(route: RouteConfig) -> str:
     return text
 
 
+def _pooled(route: RouteConfig, upstreams: Mapping[str, UpstreamConfig]) -> list[str]:
+    return [name for name in route.plan if len(upstreams[name].credential_envs) > 1]
+
+
 def _pools(route: RouteConfig, upstreams: Mapping[str, UpstreamConfig]) -> str:
     """Within a credential pool 401/403/429 move to another credential (SPEC §6), those
     of them the route does not list in `failover_status`: a listed one is failover-class
     and moves the walk to the next candidate instead (`decide.decide`)."""
-    pools = [name for name in route.plan if len(upstreams[name].credential_envs) > 1]
+    pools = _pooled(route, upstreams)
     statuses = sorted(CREDENTIAL_STATUSES.difference(route.failover_status))
-    if not pools or not statuses:
-        return ""
+    if not pools or not statuses or route.attempt_ceiling < 2:
+        return ""  # one attempt: another key would be a second (route_warnings says so)
     moving = " ".join(map(str, statuses))
     return f"; {moving} move to another credential within {', '.join(pools)} (pool)"
 
@@ -166,7 +170,8 @@ def route_warnings(
     the route does not fail over on; a candidate whose connect or first-byte timeout the
     route deadline cuts, so that a hang on it never reaches the next candidate; a backoff
     before a repeat that the deadline always outlasts; a candidate whose url path the route prefix
-    repeats (`/v1` + `/v1/...`); a prefix that does not end at a segment boundary.
+    repeats (`/v1` + `/v1/...`); a prefix that does not end at a segment boundary; a
+    credential pool on a route of one attempt, which never moves to another key.
     `store`: a route store's route, whose upstreams' timeouts no admin verb sets, so the
     remedy named is the one an operator has."""
     warnings = []
@@ -223,6 +228,17 @@ def route_warnings(
             "the primary's usual time to first byte)"
         )
     warnings.extend(_slice_warnings(route))
+    statuses = sorted(CREDENTIAL_STATUSES.difference(route.failover_status))
+    if route.attempt_ceiling < 2 and statuses and not _replayable(route).startswith("none "):
+        # The move to another key of a pool is an attempt like any other (SPEC §5, §6); a
+        # route none of whose requests is replayable never moves, whatever its retries.
+        for name in _pooled(route, upstreams):
+            warnings.append(
+                f"candidate {name!r} is a credential pool, but the route makes one attempt "
+                f"(retries = {route.retries}): a {'/'.join(map(str, statuses))} from one of "
+                f"its keys is served as-is, never retried with another; raise retries (each "
+                "further key is an attempt)"
+            )
     for name in route.plan:
         provider = upstreams[name].provider
         if provider in PROVIDER_TRANSIENT and len(route.plan) > 1:
