@@ -651,6 +651,38 @@ async def test_a_pool_that_401s_retired_says_what_brings_a_key_back(redis_url: s
     assert (followed.status_code, followed.headers["x-gateway-provider"]) == (200, "primary")
 
 
+@pytest.mark.parametrize("plan", [["primary"], ["primary", "backup"]])
+async def test_a_pool_whose_every_key_this_request_tried_says_so_not_when_keys_come_back(
+    plan: list[str],
+) -> None:
+    # Each key of the pool answered 503 once; the next pass skipped the pool
+    # (no_credential: a pool's key is used at most once per request). The 502 explained
+    # how a quota 429's or a 401's retirement ends, neither of which happened; it says
+    # every key was tried, and what helps: another key in auth_env (which then answers).
+    async def vendor(request: Any) -> Any:
+        ok = request.headers.get("authorization") == "Bearer key-c"
+        return await status_handler(200 if ok else 503)(request)
+
+    env = {**ENV, "KEY_A": "key-a", "KEY_B": "key-b", "KEY_C": "key-c"}
+    async with upstream(vendor) as p, upstream(status_handler(503)) as b:
+        conf = config(p.url, b.url, plan=plan, retries=2 * len(plan))
+        conf["upstreams"]["primary"]["auth_env"] = ["KEY_A", "KEY_B"]
+        async with gateway_client(conf, environ=env) as client:
+            tried = await client.get("/v1/models")
+        conf["upstreams"]["primary"]["auth_env"] = ["KEY_A", "KEY_B", "KEY_C"]
+        async with gateway_client(conf, environ=env) as client:
+            followed = await client.get("/v1/models")
+    error = tried.json()["error"]
+    assert (tried.status_code, error["code"]) == (502, "upstream_failed")
+    assert tried.headers["x-gateway-skipped"] == "primary;reason=no_credential"
+    assert (
+        "each of the 2 keys of 'primary' was tried once in this request (a pool's key at most "
+        "once per request): list more keys in its auth_env"
+    ) in error["message"], error["message"]
+    assert "429" not in error["message"] and "401" not in error["message"], error["message"]
+    assert (followed.status_code, followed.headers["x-gateway-provider"]) == (200, "primary")
+
+
 async def test_the_log_line_says_which_status_moved_a_pool_to_its_next_key(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

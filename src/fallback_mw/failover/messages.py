@@ -88,8 +88,39 @@ _SKIP_REMEDY = {
 }
 
 
+def _tried_out(context: RequestContext) -> list[str]:
+    """The pools skipped for want of a credential after every one of their keys was tried
+    in this request (SPEC §6: a pool's key at most once per request): what brings a key
+    back after a 429 or a 401 is beside the point, the pool had no key left for this one."""
+    names: list[str] = []
+    for skip in context.skipped:
+        upstream = context.upstreams.get(skip.candidate)
+        if skip.reason != "no_credential" or upstream is None or skip.candidate in names:
+            continue
+        pool = len(upstream.credential_envs)
+        tried = {a.credential_index for a in context.attempts if a.candidate == skip.candidate}
+        if pool > 1 and tried.issuperset(range(pool)):
+            names.append(skip.candidate)
+    return names
+
+
+def _tried_out_remedies(context: RequestContext, reasons: dict[str, None]) -> list[str]:
+    """What a pool whose every key this request tried needs (more keys, another upstream);
+    the `no_credential` reason leaves `reasons` when no other pool was skipped for it."""
+    tried = _tried_out(context)
+    if tried and all(s.candidate in tried for s in context.skipped if s.reason == "no_credential"):
+        reasons.pop("no_credential", None)
+    return [
+        f"each of the {len(context.upstreams[name].credential_envs)} keys of {name!r} was "
+        f"tried once in this request (a pool's key at most once per request): list more keys "
+        f"in its auth_env, or add another upstream to the plan"
+        for name in tried
+    ]
+
+
 def _skip_remedy(context: RequestContext) -> str:
     reasons = dict.fromkeys(s.reason for s in context.skipped)
+    tried = _tried_out_remedies(context, reasons)
     unset, retired = _no_credential_candidates(context)
     if unset:
         # No 429 retired these: their variables were empty when the credentials were read
@@ -119,6 +150,7 @@ def _skip_remedy(context: RequestContext) -> str:
         remedies.insert(0, f"set the auth_env variable of {names} in the gateway's environment")
         if retired:
             remedies.insert(1, _SKIP_REMEDY["no_credential"])
+    remedies[:0] = tried
     remedies.append(f"a further upstream in the plan of route {context.route.id!r} would be tried")
     return "; ".join(remedies)
 
@@ -203,7 +235,8 @@ def _rule_remedy(rule: str | None, context: RequestContext) -> str:
         # More retries would only repeat what was left: name what was passed over, and why.
         skipped = ", ".join(dict.fromkeys(f"{s.candidate} ({s.reason})" for s in context.skipped))
         reasons = dict.fromkeys(s.reason for s in context.skipped)
-        remedies = "; ".join(_SKIP_REMEDY[r] for r in reasons if r in _SKIP_REMEDY)
+        tried = _tried_out_remedies(context, reasons)
+        remedies = "; ".join([*tried, *(_SKIP_REMEDY[r] for r in reasons if r in _SKIP_REMEDY)])
         message = f"the attempt ceiling (1 + retries) is reached with {skipped} skipped"
         return f"{message}: {remedies}" if remedies else message
     return _REMEDY.get(rule or "", "")
