@@ -111,6 +111,48 @@ async def test_route_added_by_the_cli_serves_with_failover(
     assert "authorization" not in backup_headers
 
 
+@pytest.mark.anyio
+async def test_a_post_on_a_store_route_is_told_where_replayable_methods_can_be_set(
+    store_url: str, tmp_path: Path
+) -> None:
+    # A platform team's store route: a POST the primary answers 503 is a 502 whose message
+    # said 'add "POST" to its replayable_methods', which no admin verb can do (a store
+    # route keeps the defaults). It says to define the route in the config file; done so
+    # (removed from the store, the same route in the file with POST replayable), the POST
+    # fails over.
+    async with failing_chat_route(store_url) as (base, backup):
+        assert (await cli("routes", "set-fallback", *base, "--upstream", backup.url))[0] == 0
+        gateway = Gateway(host_app, config=gateway_config(store_url))
+        try:
+            async with client_for(gateway) as client:
+                refused = await client.post("/api/chat", content=b"{}")
+        finally:
+            await gateway.aclose()
+        primary = (await open_store(store_url).load_routes())[0].upstreams["chat-primary"].url
+        assert (await cli("routes", "remove", *base))[0] == 0
+        config = tmp_path / "gateway.toml"
+        config.write_text(
+            f'[gateway]\nstore = "{store_url}"\n[gateway.breaker]\nmin_calls = 1000000\n'
+            f'[upstreams.p]\nurl = "{primary}"\n[upstreams.b]\nurl = "{backup.url}"\n'
+            '[[routes]]\nid = "chat"\nprefix = "/api/"\nplan = ["p", "b"]\nretries = 1\n'
+            'replayable_methods = ["GET", "POST"]\n',
+            encoding="utf-8",
+        )
+        gateway = Gateway(host_app, config=str(config))
+        try:
+            async with client_for(gateway) as client:
+                followed = await client.post("/api/chat", content=b"{}")
+        finally:
+            await gateway.aclose()
+    error = refused.json()["error"]
+    assert (refused.status_code, error["rule"]) == (502, "not_replayable_method")
+    assert (
+        "(a store route, added with fallback-mw routes add, keeps the default "
+        "replayable_methods: define the route in the config file to set them)"
+    ) in error["message"], error["message"]
+    assert (followed.status_code, followed.text) == (200, "backup")
+
+
 BAD_FALLBACKS = {
     "no_retries": (
         ["--fallback", "http://127.0.0.1:9002"],

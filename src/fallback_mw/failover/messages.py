@@ -5,6 +5,7 @@ decides what happens to a request; it only explains it."""
 
 from __future__ import annotations
 
+from fallback_mw.config import RouteConfig
 from fallback_mw.failover.decide import Decision, replay_rule
 from fallback_mw.request.context import AttemptRecord, RequestContext
 
@@ -185,6 +186,9 @@ def _route_exhausted(context: RequestContext) -> str:
 _REPLAY_RULES = frozenset({"not_replayable_method", "no_idempotency_key", "method_override",
                            "not_buffered"})  # fmt: skip
 _METHOD_RULES = _REPLAY_RULES - {"not_buffered"}
+# Remedies naming replayable_methods, which a store route cannot set.
+_STORE_UNSETTABLE = frozenset({"not_replayable_method", "method_override"})
+_DEFAULT_REPLAYABLE = RouteConfig.model_fields["replayable_methods"].default
 
 
 def _remedy(rule: str | None, context: RequestContext) -> str:
@@ -195,6 +199,13 @@ def _remedy(rule: str | None, context: RequestContext) -> str:
         # The method rule is checked first; a body that was not buffered would stop the
         # replay too, so the method's remedy alone changes nothing.
         remedy += f"; and {_REMEDY['not_buffered']}"
+    if rule in _STORE_UNSETTABLE and route.replayable_methods == _DEFAULT_REPLAYABLE:
+        # Its defaults are what a route the admin CLI stored holds: no verb sets the key
+        # named above, so say where it can be set.
+        remedy += (
+            " (a store route, added with fallback-mw routes add, keeps the default "
+            "replayable_methods: define the route in the config file to set them)"
+        )
     if rule in _REPLAY_RULES and route.attempt_ceiling == 1:
         # Replayable or not, this route makes one attempt: a replay needs somewhere to go.
         remedy += (
