@@ -155,6 +155,34 @@ async def test_upstream_failed_names_the_last_candidate_and_what_it_did() -> Non
     assert "all 2 attempt(s) failed (last failure: status 502 at 'backup')" in message, message
 
 
+async def test_a_hedge_that_lost_the_race_is_not_named_as_the_last_failure() -> None:
+    # The primary answers 503 while the hedge sent after hedge_after_ms is still waiting:
+    # the 503 is the head the walk judged (its ceiling reached), the hedge is cancelled by
+    # the gateway. The 502 said "last failure: cancelled at 'primary'", the gateway's own
+    # cancellation; it names the 503.
+    hedge_sent = anyio.Event()
+    arrived = 0
+
+    async def primary(request: Any) -> Any:
+        nonlocal arrived
+        arrived += 1
+        if arrived == 1:
+            with anyio.fail_after(10):
+                await hedge_sent.wait()
+            return await status_handler(503)(request)
+        hedge_sent.set()
+        await anyio.sleep(30)  # cancelled when the first answer wins the race
+        return await status_handler(200)(request)
+
+    async with upstream(primary) as p, upstream(status_handler(200)) as b:
+        conf = config(p.url, b.url, plan=["primary"], hedge_after_ms=50, deadline_ms=20_000)
+        async with gateway_client(conf, environ=ENV) as client:
+            response = await client.get("/v1/models")
+    error = response.json()["error"]
+    assert (response.status_code, error["rule"], error["attempts"]) == (502, "ceiling", 2)
+    assert "(last failure: status 503 at 'primary')" in error["message"], error["message"]
+
+
 @pytest.mark.parametrize("engine", ["aiohttp", "httpx"])
 async def test_upstream_failed_says_which_of_its_timers_ended_the_last_attempt(
     engine: str,

@@ -366,6 +366,16 @@ def _no_next_attempt(context: RequestContext, timer: str) -> str | None:
     return None
 
 
+def _last_failed(context: RequestContext) -> AttemptRecord:
+    """The attempt whose outcome ended the walk: the last one started, unless it lost a
+    hedge race (cancelled by the gateway when the other attempt's head came first: that
+    head is what `decide` judged)."""
+    for record in reversed(context.attempts):
+        if record.failure_kind != "cancelled":
+            return record
+    return context.attempts[-1]
+
+
 def _timer_ran_out(record: AttemptRecord, context: RequestContext) -> str:
     """Which of the upstream's own timers ended a `timeout` attempt, with its value: a host
     that drops the connection's SYNs and one that takes the request and never answers are
@@ -383,7 +393,7 @@ def error_message(decision: Decision, context: RequestContext) -> str:
     attempts = context.attempt_count
     remedy = _remedy(decision.rule, context)
     if decision.error == "upstream_failed" and attempts:
-        record = context.attempts[-1]
+        record = _last_failed(context)
         last = record.failure_kind or "status"
         if record.status is not None and last == "status":
             last += f" {record.status}"
