@@ -17,6 +17,7 @@ from aiohttp import web
 
 from fallback_mw.config import BreakerConfig
 from fallback_mw.health import create_health
+from tests.test_defence_in_depth import saturated_listener
 from tests.upstreams import free_port, silent_server, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
@@ -312,6 +313,31 @@ async def test_deadline_504_with_the_attempts_made(tmp_path: Path) -> None:
     assert trace["client"]["headers"]["x-gateway-attempts"] == "2"
     assert accepted  # the backup was really attempted
     assert "504 deadline_exceeded (local error)" in table
+
+
+async def test_a_timed_out_attempt_names_the_timer_that_ran_out(tmp_path: Path) -> None:
+    # A primary that takes the request and never answers, a backup that never completes
+    # a connect: both were "timeout" in the trace, and which key to look at (the one that
+    # timed each) was not said.
+    async with silent_server() as (hanging, _):
+        with saturated_listener() as unreachable:
+            path = write_config(tmp_path, hanging, unreachable)
+            text = path.read_text().replace(
+                'auth_env = "PRIMARY_KEY"', 'auth_env = "PRIMARY_KEY"\nfirst_byte_timeout_ms = 300'
+            )
+            path.write_text(
+                text.replace('auth_scheme = ""', 'auth_scheme = ""\nconnect_timeout_ms = 300')
+            )
+            status, out, err = await request_cli("--config", str(path), "--route", "chat", "--json")
+            t_status, table, _ = await request_cli("--config", str(path), "--route", "chat")
+    assert status == 1 and t_status == 1, err
+    no_leak(out, err, table)
+    steps = json.loads(out)["steps"]
+    assert [(s["candidate"], s["failure_kind"], s["timer"]) for s in steps] == [
+        ("primary", "timeout", "first_byte_timeout_ms"),
+        ("backup", "timeout", "connect_timeout_ms"),
+    ]
+    assert "timeout (first_byte_timeout_ms)" in table and "timeout (connect_timeout_ms)" in table
 
 
 async def test_no_route_matches(tmp_path: Path) -> None:

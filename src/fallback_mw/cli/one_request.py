@@ -142,6 +142,7 @@ def _attempt(record: AttemptRecord, context: RequestContext) -> dict[str, Any]:
         "address": record.server_address,
         "status": record.status,
         "failure_kind": record.failure_kind,
+        "timer": record.timer,  # the upstream's timer behind a `timeout` (its key)
         "fault": record.fault,
         "hedge": record.hedge,
         "credential_index": record.credential_index,  # a pool position, never a value

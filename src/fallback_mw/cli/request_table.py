@@ -25,6 +25,8 @@ def _row(step: dict[str, Any]) -> tuple[str, ...]:
     if step["step"] == "skip":
         return ("-", step["candidate"], "skipped", "-", "-", "-", "-", "-", step["reason"])
     kind = step["failure_kind"]
+    if kind == "timeout" and step.get("timer"):
+        kind = f"timeout ({step['timer']})"  # connect_timeout_ms or first_byte_timeout_ms
     if step["fault"]:
         kind = f"{step['fault']} fault" if kind == "fault" else f"{kind} ({step['fault']} fault)"
     name = step["candidate"]
