@@ -13,11 +13,12 @@ from typing import Any
 import anyio
 import pytest
 
+from fallback_mw import Gateway
 from fallback_mw.store.ledgers import open_ledger
-from tests.helpers import gateway_client
+from tests.helpers import client_for, gateway_client
 from tests.test_defence_in_depth import saturated_listener
 from tests.test_security import fake_dns
-from tests.upstreams import closed_port_url, silent_server, status_handler, upstream
+from tests.upstreams import closed_port_url, host_app, silent_server, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
 
@@ -153,6 +154,36 @@ async def test_upstream_failed_names_the_last_candidate_and_what_it_did() -> Non
             response = await client.get("/v1/models")
     message = response.json()["error"]["message"]
     assert "all 2 attempt(s) failed (last failure: status 502 at 'backup')" in message, message
+
+
+async def test_a_ceiling_past_a_candidate_whose_variable_went_unset_says_to_set_it() -> None:
+    # The host pops the backup's key from its environment after the gateway loaded (as
+    # some apps hide secrets from child processes): the backup is skipped, the primary
+    # repeated to the ceiling. The 502 explained how a 429's cool-down or a 401's
+    # retirement ends; it names the variable to set, as the 503 with no attempt does, and
+    # with the variable set the backup serves.
+    async with upstream(status_handler(503)) as p, upstream(status_handler(200)) as b:
+        conf = config(p.url, b.url, retries=2)
+        answers = []
+        for keep in (False, True):
+            env = dict(ENV)
+            gateway = Gateway(host_app, config=conf, environ=env)
+            if not keep:
+                del env["BACKUP_KEY"]
+            try:
+                async with client_for(gateway) as client:
+                    answers.append(await client.get("/v1/models"))
+            finally:
+                await gateway.aclose()
+    unset, followed = answers
+    error = unset.json()["error"]
+    assert (unset.status_code, error["rule"]) == (502, "ceiling")
+    assert unset.headers["x-gateway-skipped"] == "backup;reason=no_credential"
+    assert error["message"].endswith(
+        "the attempt ceiling (1 + retries) is reached with backup (no_credential) skipped: set "
+        "the auth_env variable of 'backup' in the gateway's environment"
+    ), error["message"]
+    assert (followed.status_code, followed.headers["x-gateway-provider"]) == (200, "backup")
 
 
 async def test_a_hedge_that_lost_the_race_is_not_named_as_the_last_failure() -> None:

@@ -120,6 +120,13 @@ def _tried_out_remedies(context: RequestContext, reasons: dict[str, None]) -> li
 
 
 def _skip_remedy(context: RequestContext) -> str:
+    remedies = _skip_remedies(context)
+    remedies.append(f"a further upstream in the plan of route {context.route.id!r} would be tried")
+    return "; ".join(remedies)
+
+
+def _skip_remedies(context: RequestContext) -> list[str]:
+    """What would bring back each skipped candidate, by what is known of its skip."""
     reasons = dict.fromkeys(s.reason for s in context.skipped)
     tried = _tried_out_remedies(context, reasons)
     unset, retired = _no_credential_candidates(context)
@@ -152,8 +159,7 @@ def _skip_remedy(context: RequestContext) -> str:
         if retired:
             remedies.insert(1, _SKIP_REMEDY["no_credential"])
     remedies[:0] = tried
-    remedies.append(f"a further upstream in the plan of route {context.route.id!r} would be tried")
-    return "; ".join(remedies)
+    return remedies
 
 
 def retired_for_now(context: RequestContext, unset: list[str], revoked: list[str]) -> bool:
@@ -245,9 +251,7 @@ def _rule_remedy(rule: str | None, context: RequestContext) -> str:
     if rule == "ceiling" and context.skipped:
         # More retries would only repeat what was left: name what was passed over, and why.
         skipped = ", ".join(dict.fromkeys(f"{s.candidate} ({s.reason})" for s in context.skipped))
-        reasons = dict.fromkeys(s.reason for s in context.skipped)
-        tried = _tried_out_remedies(context, reasons)
-        remedies = "; ".join([*tried, *(_SKIP_REMEDY[r] for r in reasons if r in _SKIP_REMEDY)])
+        remedies = "; ".join(_skip_remedies(context))
         message = f"the attempt ceiling (1 + retries) is reached with {skipped} skipped"
         return f"{message}: {remedies}" if remedies else message
     return _REMEDY.get(rule or "", "")
