@@ -524,6 +524,50 @@ async def test_a_pool_a_revoke_fault_emptied_says_the_fault_not_replace_the_keys
 
 
 @pytest.mark.anyio
+async def test_a_breaker_a_fail_fault_opened_says_the_fault_not_wait_for_the_cooldown(
+    tmp_path: Path, pair: tuple[Upstream, Upstream]
+) -> None:
+    """A route of one candidate whose breaker a `fail` fault's outcomes opened: the 503 said
+    "an open breaker lets a probe through after its cooldown", but that probe meets the
+    fault again (and reopens it) until the fault ends. It names the fault and how to end
+    it; done, the very next request is served."""
+    primary, backup = pair
+    store = f"sqlite:///{tmp_path / 'gw.db'}"
+    conf = gateway_config(store, primary.url, backup.url)
+    conf["routes"][0].update(plan=["primary"], retries=0)
+    gateway = Gateway(host_app, config=conf, environ={})
+    runtime = gateway.services.store
+    assert runtime is not None
+    try:
+        async with client_for(gateway) as client:
+            assert (await client.get("/v1/x")).status_code == 200  # starts the reloader
+            status, _, err = await cli(
+                "faults", "set", "fail", "--store", store, "--upstream", "primary", "--ttl", "600"
+            )
+            assert status == 0, err
+            await until(lambda: _true(runtime.faults.active_upstreams() == {"primary"}))
+            # The faulted attempts (502) open the breaker; then the primary is skipped.
+            for _ in range(5):
+                skipped = await client.get("/v1/x")
+                if skipped.status_code != 502:
+                    break
+            status, _, err = await cli("faults", "clear", "--store", store, "--upstream", "primary")
+            assert status == 0, err
+            await until(lambda: _true(not runtime.faults.active_upstreams()))
+            await until(lambda: _breaker_closed(gateway))
+            followed = await client.get("/v1/x")
+    finally:
+        await gateway.aclose()
+    assert (skipped.status_code, skipped.headers.get("x-gateway-fault")) == (503, "1")
+    assert skipped.headers["x-gateway-skipped"] == "primary;reason=breaker_open"
+    message = skipped.json()["error"]["message"]
+    assert "opened by the fail fault on it" in message, message
+    assert "`fallback-mw faults clear --upstream primary`" in message, message
+    assert "after its cooldown" not in message, message
+    assert (followed.status_code, followed.headers["x-gateway-provider"]) == (200, "primary")
+
+
+@pytest.mark.anyio
 async def test_redis_every_process_reports_the_reverted_breaker_closed(redis_url: str) -> None:
     # Two gateway processes share the breaker; each reports the transitions it saw to its
     # own gauge. After the revert both must say closed, or FallbackMwBreakerOpen (max over

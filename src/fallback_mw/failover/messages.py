@@ -137,7 +137,19 @@ def _skip_remedies(context: RequestContext) -> list[str]:
     revoked = [name for name in context.revoked if name not in unset]
     if revoked and not retired_for_now(context, unset, revoked):
         reasons.pop("no_credential", None)  # none of them comes back by itself
+    # A breaker a game-day fault's outcomes opened: its probe after the cooldown meets the
+    # fault again (and reopens it, the cooldown doubled) until the fault ends.
+    faulted = {s.candidate: s.fault for s in context.skipped if s.reason == "breaker_open"}
+    if all(faulted.values()):
+        reasons.pop("breaker_open", None)
     remedies = [_SKIP_REMEDY[r] for r in reasons if r in _SKIP_REMEDY]
+    remedies[:0] = [
+        f"the breaker of {name!r} was opened by the {fault} fault on it, which its probe "
+        f"meets again until the fault ends: `fallback-mw faults clear --upstream {name}` (or "
+        "its expiry) closes it"
+        for name, fault in faulted.items()
+        if fault
+    ]
     faults = {s.candidate: s.fault for s in context.skipped if s.reason == "no_credential"}
     for name in reversed(revoked):
         envs = ", ".join(context.upstreams[name].credential_envs)
