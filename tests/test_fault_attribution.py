@@ -568,6 +568,47 @@ async def test_a_breaker_a_fail_fault_opened_says_the_fault_not_wait_for_the_coo
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("kind", ["hang", "blackhole"])
+async def test_a_deadline_that_cuts_a_hang_fault_on_the_last_attempt_names_the_fault(
+    tmp_path: Path, pair: tuple[Upstream, Upstream], kind: str
+) -> None:
+    """The route's only attempt hangs under a game-day fault until the deadline: the 504
+    said "raise the route's deadline_ms to wait longer for it", but the fault never
+    answers. It names the fault and how to end it; cleared, the request is served."""
+    primary, backup = pair
+    store = f"sqlite:///{tmp_path / 'gw.db'}"
+    conf = gateway_config(store, primary.url, backup.url)
+    conf["routes"][0].update(plan=["primary"], retries=0, deadline_ms=400)
+    gateway = Gateway(host_app, config=conf, environ={})
+    runtime = gateway.services.store
+    assert runtime is not None
+    try:
+        async with client_for(gateway) as client:
+            assert (await client.get("/v1/x")).status_code == 200  # starts the reloader
+            status, _, err = await cli(
+                "faults", "set", kind, "--store", store, "--upstream", "primary", "--ttl", "600"
+            )
+            assert status == 0, err
+            await until(lambda: _true(runtime.faults.active_upstreams() == {"primary"}))
+            cut = await client.get("/v1/x")
+            status, _, err = await cli("faults", "clear", "--store", store, "--upstream", "primary")
+            assert status == 0, err
+            await until(lambda: _true(not runtime.faults.active_upstreams()))
+            await until(lambda: _breaker_closed(gateway))
+            followed = await client.get("/v1/x")
+    finally:
+        await gateway.aclose()
+    error = cut.json()["error"]
+    assert (cut.status_code, error["rule"], cut.headers.get("x-gateway-fault")) == (
+        504, "deadline", "1",
+    )  # fmt: skip
+    assert f"the {kind} fault on 'primary' never answers" in error["message"], error["message"]
+    assert "`fallback-mw faults clear --upstream primary`" in error["message"]
+    assert "wait longer" not in error["message"], error["message"]
+    assert (followed.status_code, followed.headers["x-gateway-provider"]) == (200, "primary")
+
+
+@pytest.mark.anyio
 async def test_redis_every_process_reports_the_reverted_breaker_closed(redis_url: str) -> None:
     # Two gateway processes share the breaker; each reports the transitions it saw to its
     # own gauge. After the revert both must say closed, or FallbackMwBreakerOpen (max over

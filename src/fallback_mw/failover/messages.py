@@ -312,6 +312,8 @@ def _deadline_message(context: RequestContext) -> str:
         remedy = f"lower that timeout below {caller} ms so that a hang ends in time for the "
         remedy += "next attempt"
         alone = _no_next_attempt(context, timer)
+        if alone is not None and _injected_hang(context) is not None:
+            return f"{passed}, {inside}; {alone}: {_injected_hang(context)}"
         if alone is not None:
             return (
                 f"{passed}, {inside}; {alone}: the caller may send a larger "
@@ -345,6 +347,8 @@ def _deadline_message(context: RequestContext) -> str:
     name, timer, timeout_ms = waiting
     inside = _inside(name, timer, timeout_ms)
     alone = _no_next_attempt(context, timer)
+    if alone is not None and _injected_hang(context) is not None:
+        return f"{passed}, {inside}; {alone}: {_injected_hang(context)}"
     if alone is not None:
         return (
             f"{passed}, {inside}; {alone}: raise {key} to wait longer for it (up to "
@@ -355,6 +359,19 @@ def _deadline_message(context: RequestContext) -> str:
     return (
         f"{passed}, {inside}: lower that below {configured} ms so that a hang ends in time "
         f"for the next attempt, or raise {key} above {timeout_ms} ms"
+    )
+
+
+def _injected_hang(context: RequestContext) -> str | None:
+    """For a deadline that cut an attempt a game-day `hang` / `blackhole` fault holds: it
+    never answers, so waiting longer for it serves nothing; what ends it. None otherwise."""
+    last = context.attempts[-1] if context.attempts else None
+    if last is None or last.fault not in ("hang", "blackhole"):
+        return None
+    return (
+        f"the {last.fault} fault on {last.candidate!r} never answers, so a longer wait would "
+        f"not serve it: `fallback-mw faults clear --upstream {last.candidate}` (or its expiry) "
+        "ends it"
     )
 
 
