@@ -22,7 +22,7 @@ from fallback_mw.cli import main
 from fallback_mw.store.model import StoredRoute
 from fallback_mw.store.routes import open_store
 from tests.helpers import client_for
-from tests.upstreams import Upstream, host_app, status_handler, upstream
+from tests.upstreams import Upstream, host_app, silent_server, status_handler, upstream
 
 # The console script pip installed next to this interpreter: the shipped entry point.
 FALLBACK_MW = str(Path(sys.executable).with_name("fallback-mw"))
@@ -151,6 +151,54 @@ async def test_a_post_on_a_store_route_is_told_where_replayable_methods_can_be_s
         "replayable_methods: define the route in the config file to set them)"
     ) in error["message"], error["message"]
     assert (followed.status_code, followed.text) == (200, "backup")
+
+
+@pytest.mark.anyio
+async def test_a_hang_cut_by_the_deadline_on_a_store_route_is_not_told_to_lower_its_timer(
+    store_url: str, tmp_path: Path
+) -> None:
+    # A store route's upstreams keep the default first_byte_timeout_ms (30000 ms), which
+    # no admin verb sets. With [gateway] deadline_ms = 500, a hanging primary is cut by the
+    # deadline; the 504 said "lower that below 500 ms ... or raise [gateway] deadline_ms
+    # (or set the route's deadline_ms)", neither of which a store route can do but the
+    # gateway-wide deadline. It says so; defined in the config file with the timer
+    # lowered, as it says, the hang fails over.
+    async with silent_server() as (hanging, _), upstream(status_handler(200, b"b")) as backup:
+        base = ["--store", store_url, "--id", "chat", "--prefix", "/api/"]
+        status, _, err = await cli(
+            "routes", "add", *base, "--upstream", hanging, "--retries", "1",
+            "--fallback", backup.url,
+        )  # fmt: skip
+        assert status == 0, err
+        gateway = Gateway(host_app, config=gateway_config(store_url, gateway={"deadline_ms": 500}))
+        try:
+            async with client_for(gateway) as client:
+                cut = await client.get("/api/models")
+        finally:
+            await gateway.aclose()
+        assert (await cli("routes", "remove", "--store", store_url, "--id", "chat"))[0] == 0
+        config = tmp_path / "gateway.toml"
+        config.write_text(
+            f'[gateway]\nstore = "{store_url}"\ndeadline_ms = 500\n'
+            f'[upstreams.p]\nurl = "{hanging}"\nfirst_byte_timeout_ms = 200\n'
+            f'[upstreams.b]\nurl = "{backup.url}"\n'
+            '[[routes]]\nid = "chat"\nprefix = "/api/"\nplan = ["p", "b"]\nretries = 1\n',
+            encoding="utf-8",
+        )
+        gateway = Gateway(host_app, config=str(config))
+        try:
+            async with client_for(gateway) as client:
+                followed = await client.get("/api/models")
+        finally:
+            await gateway.aclose()
+    error = cut.json()["error"]
+    assert (cut.status_code, error["rule"]) == (504, "deadline")
+    assert error["message"].endswith(
+        "raise [gateway] deadline_ms above 30000 ms; a store route's upstreams keep their "
+        "default timers (no admin verb sets them): to lower one below the deadline, define "
+        "the route in the config file"
+    ), error["message"]
+    assert (followed.status_code, followed.text) == (200, "b")
 
 
 BAD_FALLBACKS = {

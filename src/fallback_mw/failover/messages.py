@@ -8,6 +8,7 @@ from __future__ import annotations
 from fallback_mw.config import RouteConfig
 from fallback_mw.failover.decide import Decision, replay_rule
 from fallback_mw.request.context import AttemptRecord, RequestContext
+from fallback_mw.store.model import fallback_name, primary_name
 
 
 def _cut_by_deadline(context: RequestContext) -> tuple[str, str, int] | None:
@@ -217,9 +218,9 @@ def _remedy(rule: str | None, context: RequestContext) -> str:
         # The method rule is checked first; a body that was not buffered would stop the
         # replay too, so the method's remedy alone changes nothing.
         remedy += f"; and {_REMEDY['not_buffered']}"
-    if rule in _STORE_UNSETTABLE and route.replayable_methods == _DEFAULT_REPLAYABLE:
-        # Its defaults are what a route the admin CLI stored holds: no verb sets the key
-        # named above, so say where it can be set.
+    if rule in _STORE_UNSETTABLE and _store_shaped(route):
+        # A route the admin CLI stored: no verb sets the key named above, so say where it
+        # can be set.
         remedy += (
             " (a store route, added with fallback-mw routes add, keeps the default "
             "replayable_methods: define the route in the config file to set them)"
@@ -330,15 +331,20 @@ def _deadline_message(context: RequestContext) -> str:
                 f"in time for another attempt; the caller may send {larger}, or none (the "
                 f"route's {configured} ms then applies)"
             )
-        if configured is not None and timeout_ms < configured:
+        if _store_shaped(context.route):
+            remedy = f"the caller may send a larger x-gateway-deadline-ms, or none; {_STORE_TIMERS}"
+        elif configured is not None and timeout_ms < configured:
             remedy = (
                 f"the caller may send a larger x-gateway-deadline-ms (above {timeout_ms} ms), "
                 f"or none; or {remedy}"
             )
         return f"{passed}, {inside}: {remedy}"
     key = "the route's deadline_ms"
+    store = _store_shaped(context.route)
     if context.route.deadline_ms is None:
         key = "[gateway] deadline_ms (or set the route's deadline_ms)"
+        if store:
+            key = "[gateway] deadline_ms"  # a store route has none of its own
     passed = f"the route deadline ({configured} ms) passed after {attempts} attempt(s)"
     if backoff is not None:
         return f"{passed}, {backoff}: {fix}, or raise {key}"
@@ -356,9 +362,31 @@ def _deadline_message(context: RequestContext) -> str:
         )
     if configured is None or configured < _LEAST_SHARED_DEADLINE_MS:
         return f"{passed}, {inside}: raise {key} above {timeout_ms} ms"
+    if store:
+        return f"{passed}, {inside}: raise {key} above {timeout_ms} ms; {_STORE_TIMERS}"
     return (
         f"{passed}, {inside}: lower that below {configured} ms so that a hang ends in time "
         f"for the next attempt, or raise {key} above {timeout_ms} ms"
+    )
+
+
+# A route `fallback-mw routes add` stored: its upstreams keep the default timers and it keeps
+# the default replayable_methods, since no admin verb sets them.
+_STORE_TIMERS = (
+    "a store route's upstreams keep their default timers (no admin verb sets them): to "
+    "lower one below the deadline, define the route in the config file"
+)
+
+
+def _store_shaped(route: RouteConfig) -> bool:
+    """A route as the admin CLI stores it: its plan is the upstream names the store derives
+    from its id (`chat-primary`, then `chat-fallback`), and its replayable_methods the
+    defaults. What only the config file can change is then said to be set there."""
+    names = (primary_name(route.id), fallback_name(route.id))
+    return (
+        route.plan[0] == names[0]
+        and set(route.plan) <= set(names)
+        and route.replayable_methods == _DEFAULT_REPLAYABLE
     )
 
 
