@@ -174,6 +174,9 @@ async def test_a_hang_cut_by_the_deadline_on_a_store_route_is_not_told_to_lower_
         try:
             async with client_for(gateway) as client:
                 cut = await client.get("/api/models")
+                shortened = await client.get(
+                    "/api/models", headers={"x-gateway-deadline-ms": "300"}
+                )
         finally:
             await gateway.aclose()
         assert (await cli("routes", "remove", "--store", store_url, "--id", "chat"))[0] == 0
@@ -198,6 +201,9 @@ async def test_a_hang_cut_by_the_deadline_on_a_store_route_is_not_told_to_lower_
         "default timers (no admin verb sets them): to lower one below the deadline, define "
         "the route in the config file"
     ), error["message"]
+    message = shortened.json()["error"]["message"]
+    assert "raise [gateway] deadline_ms above 30000 ms" in message, message
+    assert "define the route in the config file" in message and "lower that" not in message
     assert (followed.status_code, followed.text) == (200, "b")
 
 

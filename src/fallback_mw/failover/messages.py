@@ -332,7 +332,14 @@ def _deadline_message(context: RequestContext) -> str:
                 f"route's {configured} ms then applies)"
             )
         if _store_shaped(context.route):
-            remedy = f"the caller may send a larger x-gateway-deadline-ms, or none; {_STORE_TIMERS}"
+            remedy = (
+                f"the caller may send a larger x-gateway-deadline-ms (above {timeout_ms} ms), or "
+                "none"
+                if configured is not None and timeout_ms < configured
+                else f"raise [gateway] deadline_ms above {timeout_ms} ms, and the caller may send "
+                "a larger x-gateway-deadline-ms, or none"
+            )
+            remedy += f"; {_STORE_TIMERS}"
         elif configured is not None and timeout_ms < configured:
             remedy = (
                 f"the caller may send a larger x-gateway-deadline-ms (above {timeout_ms} ms), "
