@@ -50,6 +50,36 @@ async def test_each_attempt_span_says_what_the_walk_did_next(recorded: Recorded)
     assert "gateway.rule" not in recorded.request_span().attributes  # type: ignore[operator]
 
 
+@pytest.mark.parametrize(
+    ("method", "route", "why"),
+    [
+        (
+            "GET",
+            {"retries": 0, "plan": ["primary"]},
+            "the attempt ceiling (1 + retries) is reached",
+        ),
+        ("POST", {}, "the request is not replayable (not_replayable_method)"),
+    ],
+)
+async def test_a_pool_answer_served_with_a_key_left_says_why_no_other_key_was_tried(
+    recorded: Recorded, method: str, route: dict[str, Any], why: str
+) -> None:
+    # A pool's first key answers 429 and the other key is never tried: the attempt span
+    # said "a response outside failover_status is served", as if a pool's 429 never moved
+    # to another key. It says what stopped the move (the ceiling, a POST).
+    async with upstream(status_handler(429)) as p, upstream(status_handler(200)) as b:
+        conf = make_config(p.url, b.url, **route)
+        conf["upstreams"]["primary"]["auth_env"] = ["PRIMARY_KEY", "BACKUP_KEY"]
+        gateway = Gateway(host_app, config=conf, environ=ENV, telemetry=recorded.telemetry)
+        async with client_for(gateway) as client:
+            response = await client.request(method, "/v1/chat", content=b"{}")
+        await gateway.aclose()
+    assert (response.status_code, p.count) == (429, 1)
+    assert decisions(recorded) == [
+        ("primary", "serve", f"429 within a credential pool, served as-is: {why}")
+    ]
+
+
 async def test_a_walk_a_rule_ended_names_the_rule_on_the_request_span(
     recorded: Recorded,
 ) -> None:

@@ -386,14 +386,17 @@ def decide(outcome: Outcome, state: WalkState) -> Decision:
     if outcome.kind == "repeat_budget":
         return _exhausted(state, "the upstream's budget for repeats is spent", "repeat_budget")
     if not is_failover_class(outcome, state.failover_status):  # a status: all else is above
-        if (
-            outcome.status in CREDENTIAL_STATUSES
-            and state.other_credential
-            and further_attempt_possible(state)
-        ):
+        if outcome.status in CREDENTIAL_STATUSES and state.other_credential:
+            if further_attempt_possible(state):
+                return Decision(
+                    "next_credential",
+                    reason=f"{outcome.status} within a credential pool: another credential",
+                )
+            # The pool had a key left, and the walk could not try it: say why (the trace).
             return Decision(
-                "next_credential",
-                reason=f"{outcome.status} within a credential pool: another credential",
+                "serve",
+                reason=f"{outcome.status} within a credential pool, served as-is: "
+                f"{_why_no_other_credential(state)}",
             )
         return Decision("serve", reason="a response outside failover_status is served")
     if further_attempt_allowed(state, outcome):
@@ -414,6 +417,15 @@ def _exhausted(state: WalkState, reason: str, rule: str) -> Decision:
     if state.on_exhausted == "last_response" and state.has_last_response:
         return Decision("serve", reason=f"{reason}; on_exhausted = last_response", rule=rule)
     return Decision("local_error", "upstream_failed", reason, rule=rule)
+
+
+def _why_no_other_credential(state: WalkState) -> str:
+    """Why a pool's unused key was not tried after its 401/403/429 (the trace's reason)."""
+    if not state.replayable:
+        return f"the request is not replayable ({state.unreplayable or 'not_replayable_method'})"
+    if state.attempts_made >= state.attempt_ceiling:
+        return "the attempt ceiling (1 + retries) is reached"
+    return "the deadline has passed"
 
 
 def _why_no_further_attempt(state: WalkState) -> tuple[str, str]:
