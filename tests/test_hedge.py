@@ -81,6 +81,37 @@ async def test_hedge_fires_after_the_delay_wins_and_the_slow_attempt_is_cancelle
 
 
 @pytest.mark.anyio
+async def test_a_hedge_that_fails_fast_does_not_win_over_the_attempt_still_running() -> None:
+    # The hedge is answered 503 at once while the first attempt, slower, is about to
+    # answer 200. The 503 won the race as "the first head": the first attempt was
+    # cancelled and the walk went to the backup (503 too): a 502 for a request the primary
+    # was serving, made to fail by the hedge meant to speed it up. A failover-class head
+    # is finished as the failure it is and the race goes on: the 200 is served.
+    hedge_answered = asyncio.Event()
+    arrivals = 0
+
+    async def primary_handler(request: web.Request) -> web.StreamResponse:
+        nonlocal arrivals
+        arrivals += 1
+        if arrivals == 1:
+            await asyncio.wait_for(hedge_answered.wait(), timeout=10)
+            await asyncio.sleep(0.2)  # the hedge's 503 reaches the gateway first
+            return web.Response(body=b"slow but fine")
+        hedge_answered.set()
+        return web.Response(status=503, body=b"busy")
+
+    async with (
+        upstream(primary_handler) as primary,
+        upstream(status_handler(503)) as backup,
+        gateway_client(config(primary, backup, hedge_after_ms=50)) as client,
+    ):
+        response = await client.get("/v1/x")
+    assert (response.status_code, response.text) == (200, "slow but fine")
+    assert response.headers["x-gateway-attempts"] == "2"
+    assert (primary.count, backup.count) == (2, 0)
+
+
+@pytest.mark.anyio
 async def test_no_hedge_when_the_primary_answers_in_time() -> None:
     async with (
         upstream(status_handler(200, b"p", delay=0.02)) as primary,

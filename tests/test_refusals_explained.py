@@ -187,11 +187,13 @@ async def test_a_ceiling_past_a_candidate_whose_variable_went_unset_says_to_set_
 
 
 async def test_a_hedge_that_lost_the_race_is_not_named_as_the_last_failure() -> None:
-    # The primary answers 503 while the hedge sent after hedge_after_ms is still waiting:
-    # the 503 is the head the walk judged (its ceiling reached), the hedge is cancelled by
-    # the gateway. The 502 said "last failure: cancelled at 'primary'", the gateway's own
-    # cancellation; it names the 503.
+    # The primary answers 503 while the hedge sent after hedge_after_ms is still waiting;
+    # the hedge then answers 503 too. The 502 said "last failure: cancelled at 'primary'"
+    # (the hedge, cancelled by the gateway once the first 503 won the race); the first 503
+    # no longer wins (a failover-class head lets the race go on), and the message names
+    # a 503, never the gateway's own cancellation.
     hedge_sent = anyio.Event()
+    first_answered = anyio.Event()
     arrived = 0
 
     async def primary(request: Any) -> Any:
@@ -200,10 +202,13 @@ async def test_a_hedge_that_lost_the_race_is_not_named_as_the_last_failure() -> 
         if arrived == 1:
             with anyio.fail_after(10):
                 await hedge_sent.wait()
+            first_answered.set()
             return await status_handler(503)(request)
         hedge_sent.set()
-        await anyio.sleep(30)  # cancelled when the first answer wins the race
-        return await status_handler(200)(request)
+        with anyio.fail_after(10):
+            await first_answered.wait()
+        await anyio.sleep(0.1)  # the first 503 reaches the gateway first
+        return await status_handler(503)(request)
 
     async with upstream(primary) as p, upstream(status_handler(200)) as b:
         conf = config(p.url, b.url, plan=["primary"], hedge_after_ms=50, deadline_ms=20_000)
@@ -212,6 +217,7 @@ async def test_a_hedge_that_lost_the_race_is_not_named_as_the_last_failure() -> 
     error = response.json()["error"]
     assert (response.status_code, error["rule"], error["attempts"]) == (502, "ceiling", 2)
     assert "(last failure: status 503 at 'primary')" in error["message"], error["message"]
+    assert "cancelled" not in error["message"], error["message"]
 
 
 @pytest.mark.parametrize("engine", ["aiohttp", "httpx"])

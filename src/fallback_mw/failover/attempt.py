@@ -29,7 +29,13 @@ import anyio
 from fallback_mw.capacity import Ask, CapacityState, Reservation, reported_tokens
 from fallback_mw.config import UpstreamConfig
 from fallback_mw.credentials import PLAIN_CODINGS, unmaskable_answer
-from fallback_mw.failover.decide import Outcome, engine_outcome, health_mark, local_or
+from fallback_mw.failover.decide import (
+    Outcome,
+    engine_outcome,
+    health_mark,
+    is_failover_class,
+    local_or,
+)
 from fallback_mw.faults import BlackholeSource, FaultSource
 from fallback_mw.health import Admission, HealthState
 from fallback_mw.health.breaker import PROBE_LEASE_MARGIN, upstream_probe_lease
@@ -456,8 +462,13 @@ class AttemptLifecycle:
         """The attempt that lost a hedge race: cancelled (None) or with a head it does not
         need, it proved nothing about the upstream; a real failure before the winner's
         head is finished like any attempt."""
-        if result is not None and result[1] is None:
-            await self.finish(record, result[0], None)
+        if result is not None and (
+            result[1] is None or is_failover_class(result[0], self.failover_status)
+        ):
+            # It failed (before the winner's head, or beside it): booked like any attempt.
+            await self.finish(record, result[0], result[1])
+            if result[1] is not None:
+                await result[1].aclose()
             return
         if result is not None:
             assert result[1] is not None

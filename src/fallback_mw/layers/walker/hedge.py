@@ -3,9 +3,10 @@
 When the primary attempt has not produced response headers after `hedge_after_ms`, and
 the request could make a further attempt (`decide.further_attempt_possible`), a second
 attempt at the same primary races it. It is an attempt like any other: it counts against
-the ceiling and is admitted by the breaker. The first response head wins; the loser is
-cancelled and its response closed, so its connection is released. Whether the walk's
-attempt is hedged at all is `decide.may_hedge`.
+the ceiling and is admitted by the breaker. The first response head that is not
+failover-class wins (a 503 while the other attempt still runs is finished as the failure
+it is, and the race goes on); the loser is cancelled and its response closed, so its
+connection is released. Whether the walk's attempt is hedged at all is `decide.may_hedge`.
 
 `first_head` is the race itself, free of gateway types; `run_hedged` runs it with the
 request's attempt lifecycle (reservation, start, run, lose the race) and the cursor (which
@@ -22,6 +23,7 @@ from typing import Any, TypeVar
 import anyio
 
 from fallback_mw.failover.attempt import AttemptLifecycle, AttemptResult
+from fallback_mw.failover.decide import is_failover_class
 from fallback_mw.layers.walker.cursor import CandidateCursor, Pick
 from fallback_mw.request.context import AttemptRecord
 
@@ -114,11 +116,16 @@ async def run_hedged(
     async def discard(index: int, result: AttemptResult | None) -> None:
         await attempts.lose(records[index], result)
 
+    failover_status = attempts.failover_status
     index, result = await first_head(
         attempts.run(pick.name, pick.upstream, record),
         start_hedge,
         after=after,
-        is_head=lambda outcome: outcome[1] is not None,
+        # A failover-class answer (a 503) does not win the race: the other attempt, still
+        # running, may yet answer well; the failure is finished as one (`lose`).
+        is_head=lambda outcome: (
+            outcome[1] is not None and not is_failover_class(outcome[0], failover_status)
+        ),
         discard=discard,
     )
     return result, records[index]
