@@ -67,11 +67,17 @@ def test_benchmark_runs_every_arm_and_prints_the_ratios() -> None:
                 rows[arm] = line
     assert set(rows) == set(ARMS), result.stdout
     for arm, row in rows.items():
-        # throughput and p99, each relative to the floor (then the target, if any)
-        cells = re.match(r".+?\s(\d+\.\d\d)x\s+(\d+\.\d\d)x(\s|$)", row)
+        # req/s, then throughput and p99, each relative to the floor (then the target, if
+        # any). A ratio is printed to two decimals: an arm starved on a busy machine (the
+        # httpx engine failing over, beside other tests) prints 0.00x, so the arm's own
+        # req/s is what must be above zero.
+        cells = re.match(
+            r".+?\s(\d+)\s+[\d.]+\s+[\d.]+\s+\d+\s+(\d+\.\d\d)x\s+(\d+\.\d\d)x(\s|$)", row
+        )
         assert cells is not None, row
-        ratios = [cells.group(1), cells.group(2)]
-        assert all(float(r) > 0 for r in ratios), row
+        assert int(cells.group(1)) > 0, row
+        ratios = [cells.group(2), cells.group(3)]
+        assert float(ratios[1]) > 0, row
         if arm.startswith("floor"):
             assert ratios == ["1.00", "1.00"], row
     assert re.search(r"serve - floor [+-]\d+\.\d\d ms", result.stdout)
