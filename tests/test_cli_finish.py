@@ -342,3 +342,27 @@ def test_a_reader_that_leaves_is_not_an_error() -> None:
     assert result.stdout.splitlines()[0].startswith("fallback_mw demo:")
     assert result.stdout.splitlines()[-1] == "status=141"
     assert result.stderr == ""
+
+
+@pytest.mark.slow  # eval's four arms, a few seconds
+def test_a_terminal_that_is_not_utf8_gets_every_result_and_its_files(tmp_path: Path) -> None:
+    # Under an ASCII locale (LC_ALL=C with PYTHONUTF8=0, a cron job's environment) or
+    # PYTHONIOENCODING=ascii, a result holding one non-ASCII character (the tenant asked
+    # for, eval's verdict line with its dash) ended in 'unexpected internal error
+    # (UnicodeEncodeError); please report it', exit 1: eval's artifact and page were never
+    # written, a game day's report stayed 'running'. The characters stdout cannot carry are
+    # escaped as stderr's are; the files are UTF-8 (the page says charset utf-8) whatever
+    # the locale.
+    store = f"sqlite:///{tmp_path / 's.db'}"
+    ascii_out = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    result = run("usage", "--store", store, "--tenant", "t\u00e9", env=ascii_out)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "no usage records (tenant t\\xe9)\n"
+    ascii_env = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONIOENCODING": "ascii"}
+    out = tmp_path / "eval.json"
+    result = run("eval", "--requests", "2", "--concurrency", "1", "--out", str(out), env=ascii_env)
+    assert result.returncode == 0, result.stderr
+    assert "verdict: PASS \\u2014 with the primary failing" in result.stdout
+    assert out.is_file()
+    page = (tmp_path / "eval.html").read_bytes().decode("utf-8")
+    assert '<meta charset="utf-8">' in page and "\u2014" in page

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import logging
 import os
 import sys
@@ -200,7 +201,14 @@ def argv_is_text(argv: list[str]) -> None:
 
 
 def default_console() -> Console:
-    return Console(out=sys.stdout, err=sys.stderr)
+    out = sys.stdout
+    if isinstance(out, io.TextIOWrapper) and out.errors == "strict":
+        # Under an ASCII or Latin-1 locale (LC_ALL=C without UTF-8 mode, PYTHONIOENCODING),
+        # one character the encoding lacks (a tenant asked for, eval's verdict dash) made
+        # the result an 'unexpected internal error' after its work was done: escape it, as
+        # Python's own stderr does.
+        out.reconfigure(errors="backslashreplace")
+    return Console(out=out, err=sys.stderr)
 
 
 def writable_out(out: Path, shown: str) -> None:

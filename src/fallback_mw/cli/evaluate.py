@@ -76,8 +76,8 @@ def handle(args: argparse.Namespace, console: Console) -> int:
     latencies = [[o.ms for o in r.outcomes] for r in runs]
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(artifact, indent=2) + "\n")
-        page.write_text(render(artifact, latencies, (passed, line)))
+        out.write_text(json.dumps(artifact, indent=2) + "\n", encoding="utf-8")
+        page.write_text(render(artifact, latencies, (passed, line)), encoding="utf-8")
     except OSError as exc:
         raise Failed(f"cannot write {args.out}: {exc.strerror or exc}") from None
     console.print(f"wrote {out} and {page}")

@@ -250,7 +250,7 @@ async def _run(
         # Written before anything is printed: after a hang-up the terminal may be gone.
         write_report(out, report)
         page = html_path(out)
-        page.write_text(render(report))
+        page.write_text(render(report), encoding="utf-8")
         for line in report_lines(report):
             console.print(line)
         console.print(f"wrote {out} and {page}")

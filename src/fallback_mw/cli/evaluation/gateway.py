@@ -87,7 +87,7 @@ async def served_gateway(
     URL; stops it (SIGINT, then kill after 10 s) at the end. Its log goes to
     `workdir/<name>.log`."""
     path = workdir / f"{name}.toml"
-    path.write_text(to_toml(config))
+    path.write_text(to_toml(config), encoding="utf-8")
     log = workdir / f"{name}.log"
     port = port or free_port()
     with log.open("wb") as out:
