@@ -202,3 +202,27 @@ def test_the_operations_exit_status_table_lists_every_status_a_command_returns()
     failed = next(row for row in rows if row.startswith(f"| **{EXIT_FAILED}**"))
     for verb in ("capacity", "gameday", "eval", "request"):
         assert f"`{verb}`" in failed, verb
+
+
+def test_no_error_or_warning_line_writes_a_terminal_control(tmp_path: Path) -> None:
+    # An argument's control characters (a pasted escape sequence, a script's variable) were
+    # repeated raw in the one line: `check --config` in 'looked for ...', `serve --host` in
+    # 'cannot listen on ...', the no-store-file warning's path. The terminal acted on them
+    # (here: retitle the window, clear the screen); each now shows as `?`.
+    control = "\x1b]0;pwned\x07\x1b[2J"
+    check = run("check", "--config", f"gw{control}.toml")
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        '[upstreams.p]\nurl = "http://127.0.0.1:9"\n[[routes]]\nid = "r"\nprefix = "/r/"\n'
+        'plan = ["p"]\n',
+        encoding="utf-8",
+    )
+    serve = run("serve", "--config", str(config), "--host", control, "--port", "1")
+    for result, says in ((check, "not found"), (serve, "cannot listen on")):
+        line = assert_one_error_line(result, 2 if result is check else 1)
+        assert says in line and "?]0;pwned??[2J" in line, line
+        assert "\x1b" not in line and "\x07" not in line, line
+    listed = run("routes", "list", "--store", f"sqlite:///{tmp_path}/s{control}.db")
+    assert listed.returncode == 0 and listed.stdout == "no routes\n", listed.stderr
+    assert listed.stderr.startswith("fallback-mw: warning: no store file at "), listed.stderr
+    assert "\x1b" not in listed.stderr and "\x07" not in listed.stderr, listed.stderr

@@ -64,7 +64,7 @@ class Console:
 
     def warning(self, message: str) -> None:
         """One line on stderr beside a result that stands (exit status unchanged)."""
-        self.err.write(f"{PROG}: warning: {' '.join(str(message).split())}\n")
+        self.err.write(f"{PROG}: warning: {_one_line(str(message))}\n")
         self.err.flush()
 
     def caveat(self, message: str) -> None:
@@ -80,11 +80,19 @@ class Console:
 
     def error(self, message: str) -> None:
         # One line, whatever the message holds (a multi-line error would break the rule).
-        text = " ".join(str(message).split()) or "failed"
-        notes = "".join(f"; note: {' '.join(c.split())}" for c in self.caveats)
+        text = _one_line(str(message)) or "failed"
+        notes = "".join(f"; note: {_one_line(c)}" for c in self.caveats)
         self.caveats.clear()
         self.err.write(f"{PROG}: error: {text}{notes}\n")
         self.err.flush()
+
+
+def _one_line(message: str) -> str:
+    """A message as one terminal line: whitespace runs become one space, and a character
+    a terminal would act on (an escape sequence's ESC, a BEL) from an argument or a stored
+    value the message quotes becomes `?`."""
+    text = " ".join(message.split())
+    return text if text.isprintable() else "".join(c if c.isprintable() else "?" for c in text)
 
 
 Handler = Callable[[argparse.Namespace, Console], int | None]
