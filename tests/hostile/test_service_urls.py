@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -142,3 +143,25 @@ def test_a_store_url_option_the_driver_refuses_is_a_clear_error(
     # One line, the route store's and the ledger's words alike.
     assert err.startswith("fallback-mw: error: the store postgresql://u@127.0.0.1:1/db cannot be")
     assert err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    "verb", [["budgets", "show"], ["budgets", "set", "--budget", "b", "--limit", "1"], ["usage"]]
+)
+def test_a_ledger_verb_says_why_the_postgresql_store_refused_it(
+    verb: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `routes list` said "cannot reach the store postgresql://postgres@...: the server
+    # refused the connection: database "..." does not exist"; the ledger's verbs only
+    # "PostgreSQL ledger unavailable (InvalidCatalogNameError)", naming neither the store
+    # nor the reason (a typo in the database name, an unknown role, an option the server
+    # refuses: UndefinedObjectError).
+    from tests.conftest import PG_HOST, PG_PORT, PG_PREFIX, PG_USER, require_service
+
+    require_service("PostgreSQL", PG_HOST, PG_PORT)
+    name = f"{PG_PREFIX}absent_{uuid.uuid4().hex[:8]}"
+    url = f"postgresql://{PG_USER}:PW-SECRET@{PG_HOST}:{PG_PORT}/{name}"
+    assert run_cli([*verb, "--store", url]) == 1
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "PW-SECRET" not in err, err
+    assert redact_url(url) in err and f'database "{name}" does not exist' in err, err

@@ -60,7 +60,7 @@ from fallback_mw.store.ledgers.schema import (
     usage_values,
 )
 from fallback_mw.store.outage import OutageLog
-from fallback_mw.store_url import StoreURLError, unusable_store
+from fallback_mw.store_url import StoreURLError, driver_reason, redact_url, unusable_store
 
 T = TypeVar("T")
 logger = logging.getLogger("fallback_mw.budget")
@@ -256,6 +256,7 @@ class PostgresLedger(SQLLedgerBase):
         reap_interval: float = REAP_INTERVAL,
     ) -> None:
         self.dsn = dsn
+        self._shown = redact_url(dsn)  # the store, as messages name it: no password
         self.retry_interval = retry_interval
         self._retry_at = 0.0
         self.min_size = min_size
@@ -368,7 +369,12 @@ class PostgresLedger(SQLLedgerBase):
                 unavailable = _NotSent
             elif isinstance(exc, _UNREACHABLE):
                 unavailable = _AnswerLost
-            raise unavailable(f"PostgreSQL ledger unavailable ({type(exc).__name__})") from None
+            # The driver's reason as `driver_reason` vets it (its type's name when the URL's
+            # password could be in it): a class name alone ("InvalidCatalogNameError") left
+            # `budgets show` and `usage` unclear where the route verbs named the database.
+            kind, reason = type(exc).__name__, driver_reason(exc, self.dsn)
+            said = kind if reason == kind else f"{kind}: {' '.join(reason.split())}"
+            raise unavailable(f"PostgreSQL ledger {self._shown} unavailable ({said})") from None
         self._outage.recovered()
         if self._backlog and self._draining is None:
             self._start_drain()
