@@ -179,10 +179,41 @@ def run_shell(block: Block, sandbox: Sandbox) -> subprocess.CompletedProcess[str
     )
 
 
+def accidental_redirects(script: str) -> list[str]:
+    """The words of a shell script where an unquoted `<` or `>` sits inside an argument:
+    `--predict alert:X<=60s` reads a file named `=60s` and never runs the command. A
+    redirect meant as one follows a blank, a file descriptor's digit, `&` or another
+    redirect character."""
+    found: list[str] = []
+    quote = ""
+    escaped = False
+    for index, char in enumerate(script):
+        if escaped:
+            escaped = False
+        elif char == "\\" and quote != "'":
+            escaped = True
+        elif quote:
+            quote = "" if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (index == 0 or script[index - 1].isspace()):
+            quote = "\n"  # a comment, to the end of its line
+        elif char in "<>" and index and script[index - 1] not in " \t\n&<>0123456789":
+            start = max(script.rfind(" ", 0, index), script.rfind("\n", 0, index)) + 1
+            found.append(script[start:].split(None, 1)[0])
+    return found
+
+
 def check_block(block: Block, sandbox: Sandbox | None) -> None:
     """Raise AssertionError when the block does not hold; pytest.skip when it says why it
     is not run."""
     where = block.name
+    if block.lang in SHELL:
+        # Checked whether or not the block runs here: a reader copies it.
+        redirects = accidental_redirects(block.text)
+        assert not redirects, (
+            f"{where}: quote these words, the shell reads <, > as a redirect: {redirects}"
+        )
     fixed = SKIPPED_HERE.get((block.path.relative_to(ROOT).as_posix(), block.text))
     if fixed:
         pytest.skip(f"{where}: {fixed}")
@@ -323,25 +354,33 @@ fallback-mw serve --config gateway.toml
 ```sh
 fallback-mw serve --config gateway.toml
 ```
+
+<!-- docs-test: skip: a game day -->
+```sh
+fallback-mw gameday --route chat --predict alert:FallbackMwBreakerOpen<=60s 2>&1 >/dev/null
+```
 """
 
 
 def test_the_checker_fails_on_broken_snippets(sandboxes: dict[str, Sandbox]) -> None:
-    # The negative control: a misspelt key, a wrong attribute, an untagged block and a
-    # shell block that says neither run nor skip each fail the check.
+    # The negative control: a misspelt key, a wrong attribute, an untagged block, a shell
+    # block that says neither run nor skip and one with an argument the shell reads as a
+    # redirect each fail the check.
     blocks = parse_blocks(ROOT / "docs" / "broken.md", BROKEN)
-    assert [b.lang for b in blocks] == ["toml", "python", "", "sh"]
+    assert [b.lang for b in blocks] == ["toml", "python", "", "sh", "sh"]
     failures = []
     for block in blocks:
         try:
             check_block(block, sandboxes["fastapi_app"])
         except Exception as exc:
             failures.append(str(exc))
-    assert len(failures) == 4, failures
+    assert len(failures) == 5, failures
     assert "unknown key" in failures[0] and "routes['chat'].retry" in failures[0]
     assert "has no attribute 'contents'" in failures[1]
     assert "untagged code block" in failures[2]
     assert "docs-test: run" in failures[3]
+    # Skipped or not, a shell block must not redirect where a reader meant an argument.
+    assert failures[4].endswith("['alert:FallbackMwBreakerOpen<=60s']"), failures[4]
 
 
 def test_the_incidents_sample_shows_request_ids_as_the_cli_prints_them() -> None:

@@ -345,7 +345,8 @@ def register(subparsers: Any) -> None:
         metavar="NAME=VALUE",
         help="a prediction written before the fault, judged PASS / FAIL in the report, e.g. "
         "breaker_open_s=20, p99_ms=3500, error_rate=1%%, recovery_s=10, "
-        "alert:FallbackMwBreakerOpen<=90s (repeatable; at least one)",
+        "'alert:FallbackMwBreakerOpen<=90s' (quoted: the shell reads < as a redirect; "
+        "repeatable; at least one)",
     )
     parser.add_argument(
         "--abort",
