@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from contextlib import AbstractContextManager
 from pathlib import Path
 
@@ -108,3 +109,51 @@ async def test_serve_routes_to_upstream_and_404s_the_rest(tmp_path: Path) -> Non
     assert '"gateway.route.id": "failover"' in output
     for secret in (PRIMARY_KEY, BACKUP_KEY, CALLER_KEY, "q-secret"):
         assert secret not in output
+
+
+def _serve_on_a_terminal(config: Path, env: dict[str, str]) -> str:
+    """`serve` with its output on a pseudo-terminal, as an operator's shell runs it: what it
+    printed until its startup completed (then Ctrl-C)."""
+    import pty
+    import select
+    import signal
+    import time
+
+    leader, follower = pty.openpty()
+    process = subprocess.Popen(
+        [str(Path(sys.executable).with_name("fallback-mw")), "serve", "--config", str(config),
+         "--port", "0"],
+        stdin=subprocess.DEVNULL, stdout=follower, stderr=follower, env=env,
+    )  # fmt: skip
+    os.close(follower)
+    printed = b""
+    try:
+        deadline = time.monotonic() + 30
+        while b"Application startup complete" not in printed and time.monotonic() < deadline:
+            if select.select([leader], [], [], 0.5)[0]:
+                try:
+                    printed += os.read(leader, 65536)
+                except OSError:  # the process ended: the terminal is gone
+                    break
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=30)
+        os.close(leader)
+    assert b"Application startup complete" in printed, printed
+    return printed.decode("utf-8", "replace")
+
+
+def test_serve_on_a_terminal_writes_no_colour_under_no_color(tmp_path: Path) -> None:
+    # NO_COLOR (no-color.org) set, `serve` on a terminal still wrote uvicorn's coloured
+    # "INFO:" lines, escape sequences and all; it now asks uvicorn for none.
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        '[upstreams.p]\nurl = "http://127.0.0.1:9"\n[[routes]]\nid = "r"\nprefix = "/r/"\n'
+        'plan = ["p"]\n',
+        encoding="utf-8",
+    )
+    env = {k: v for k, v in os.environ.items() if k != "NO_COLOR"}
+    assert "\x1b[" in _serve_on_a_terminal(config, env)  # the control: colour on a terminal
+    plain = _serve_on_a_terminal(config, {**env, "NO_COLOR": "1"})
+    assert "\x1b[" not in plain, plain
+    assert "INFO:     Application startup complete." in plain, plain

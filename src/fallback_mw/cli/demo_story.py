@@ -23,7 +23,7 @@ from typing import Any
 from aiohttp import ClientSession, ClientTimeout, web
 
 from fallback_mw.cli.app import Failed, Refused
-from fallback_mw.cli.serve import not_found_app
+from fallback_mw.cli.serve import not_found_app, uvicorn_colours
 from fallback_mw.gateway import Gateway
 
 DEMO_ENVIRON = {"DEMO_PRIMARY_KEY": "demo-primary-key", "DEMO_BACKUP_KEY": "demo-backup-key"}
@@ -124,7 +124,13 @@ async def _gateway(config: dict[str, Any], port: int) -> AsyncIterator[str]:
         raise Failed(f"gateway: {_cannot_listen(port, exc)}") from None
     port = sock.getsockname()[1]
     server = uvicorn.Server(
-        uvicorn.Config(app, lifespan="on", log_level="warning", access_log=False)
+        uvicorn.Config(
+            app,
+            lifespan="on",
+            log_level="warning",
+            access_log=False,
+            use_colors=uvicorn_colours(),
+        )
     )
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:

@@ -10,6 +10,7 @@ import errno
 import gc
 import importlib.util
 import logging
+import os
 import signal
 import socket
 from collections.abc import Callable, Iterator, Sequence
@@ -61,6 +62,12 @@ def server_options() -> dict[str, str]:
         "loop": "uvloop" if installed("uvloop") is not None else "auto",
         "http": "httptools" if installed("httptools") is not None else "auto",
     }
+
+
+def uvicorn_colours() -> bool | None:
+    """uvicorn's `use_colors`: none under NO_COLOR (no-color.org: set and not empty), else
+    uvicorn's own choice (colour on a terminal only)."""
+    return False if os.environ.get("NO_COLOR") else None
 
 
 class CutRequestLine(logging.Filter):
@@ -232,6 +239,7 @@ def serve(args: argparse.Namespace, console: Console) -> int | None:
     # A stop (SIGTERM, SIGINT) waits this long for requests in flight (an endless stream
     # would hold it forever), then cancels them: their holds settle as cut short.
     options["timeout_graceful_shutdown"] = args.timeout_graceful_shutdown
+    options["use_colors"] = uvicorn_colours()
     if args.workers > 1:
         # Each worker sets up its own OTel SDK and gateway after the fork (cli/workers.py).
         supervisor = Supervisor(
