@@ -1029,3 +1029,46 @@ def test_a_record_holding_another_routes_id_is_refused_by_its_own_id(store_url: 
     assert run_cli("routes", "remove", "--store", store_url, "--id", "a")[0] == 0
     assert run_cli("routes", "remove", "--store", store_url, "--id", "b")[0] == 0
     assert run_cli("routes", "list", "--store", store_url)[2] == ""
+
+
+@pytest.mark.parametrize(
+    ("gateway", "header"),
+    [("", "x-tenant-id"), ("", "X-Session-Id"), ('tenant_header = "x-org"\n', "x-org")],
+)
+def test_an_auth_header_that_is_the_tenant_or_session_header_is_refused_as_in_the_file(
+    tmp_path: Path, gateway: str, header: str
+) -> None:
+    # A file upstream whose auth_header is the tenant (or session) header is refused at
+    # load (the caller's copy is stripped as a credential, so its value would be recorded
+    # as the tenant); `routes add --auth-header x-tenant-id` stored it, exit 0, and every
+    # gateway and `check` took the merged store. The store refuses what the file refuses.
+    store = f"sqlite:///{tmp_path / 'gateway.db'}"
+    config = tmp_path / "gateway.toml"
+    config.write_text(f'[gateway]\n{gateway}store = "{store}"\n', encoding="utf-8")
+    file_upstream = tmp_path / "file.toml"
+    file_upstream.write_text(
+        f'[gateway]\n{gateway}[upstreams.u]\nurl = "http://127.0.0.1:9001"\n'
+        f'auth_header = "{header}"\n[[routes]]\nid = "r"\nprefix = "/r/"\nplan = ["u"]\n',
+        encoding="utf-8",
+    )
+    status, _, err = run_cli("check", "--config", str(file_upstream))
+    assert status == 2 and "names a header the gateway strips" in err, err
+    status, _, err = run_cli(
+        "routes", "add", "--config", str(config), "--id", "chat", "--prefix", "/api/",
+        "--upstream", "http://127.0.0.1:9001", "--auth-header", header, "--auth-env", "K",
+    )  # fmt: skip
+    assert status == 2, err
+    assert "route 'chat'" in err and "names a header the gateway strips" in err, err
+    assert run_cli("routes", "list", "--config", str(config))[1] == "no routes\n"
+    status, _, err = run_cli(
+        "routes", "add", "--config", str(config), "--id", "chat", "--prefix", "/api/",
+        "--upstream", "http://127.0.0.1:9001", "--retries", "1",
+    )  # fmt: skip
+    assert status == 0, err
+    status, _, err = run_cli(
+        "routes", "set-fallback", "--config", str(config), "--id", "chat",
+        "--upstream", "http://127.0.0.1:9002", "--auth-header", header,
+    )  # fmt: skip
+    assert status == 2 and "names a header the gateway strips" in err, err
+    status, out, _ = run_cli("routes", "list", "--config", str(config))
+    assert status == 0 and "chat-fallback" not in out, out

@@ -126,6 +126,7 @@ def merge_routes(
     owners = dict.fromkeys(upstreams, "the config file")
     ids = {route.id for route in routes}
     allow_hosts = config.gateway.allow_hosts
+    tenant, session = config.gateway.tenant_header, config.gateway.session_header
     for item in stored:
         route = item.route
         if route.id in ids:
@@ -146,6 +147,14 @@ def merge_routes(
         for name, upstream in item.upstreams.items():
             try:
                 rules.check_upstream(name, upstream, allow_hosts)
+                # The caller's copy of its auth_header is stripped as a credential: the
+                # tenant or session header it names would be recorded (as in the file).
+                try:
+                    rules.check_identity_headers(tenant, session, stripped=(upstream.auth_header,))
+                except ConfigError as exc:
+                    raise ConfigError(
+                        f"upstream {name!r}: auth_header {upstream.auth_header!r}: {exc}"
+                    ) from None
                 if upstream.ca_file is not None:  # as the loader checks the file's
                     check_ca_file(f"upstream {name!r}", upstream.ca_file)
             except ConfigError as exc:
