@@ -403,3 +403,17 @@ def test_the_incidents_sample_shows_request_ids_as_the_cli_prints_them() -> None
     starts = [header.index(name) for name in ("ROUTE", "TENANT", "INCIDENT")]
     for row in rows:
         assert [row[start - 2 : start] for start in starts] == ["  "] * 3, row
+
+
+def test_every_uvicorn_command_an_example_gives_keeps_query_strings_out_of_its_log() -> None:
+    # The examples sent readers to real providers with `uvicorn app:app`: uvicorn's access
+    # log then wrote every request's query string (a `?key=` credential included), which
+    # the gateway itself never records and `serve` turns off (docs/telemetry.md).
+    commands = [
+        f"{path.relative_to(ROOT)}: {match.group(0)}"
+        for path in sorted((ROOT / "examples").rglob("*"))
+        if path.suffix in (".md", ".py")
+        for match in re.finditer(r"`?uvicorn [\w.]+:\w+[^`\n]*", path.read_text(encoding="utf-8"))
+        if "--no-access-log" not in match.group(0)
+    ]
+    assert not commands, commands

@@ -1,7 +1,8 @@
 """Minimal Django settings with the gateway as the first middleware.
 
 python examples/django_app/run.py          # mocks + this project, offline (README.md)
-cd examples/django_app && PRIMARY_API_KEY=... BACKUP_API_KEY=... uvicorn asgi:application
+cd examples/django_app
+PRIMARY_API_KEY=... BACKUP_API_KEY=... uvicorn asgi:application --no-access-log
 """
 
 import os

@@ -1,7 +1,7 @@
 """FastAPI app with the gateway in front: /v1/* goes to the upstreams, the rest to FastAPI.
 
 python examples/fastapi_app/run.py          # mocks + this app, offline (see README.md)
-PRIMARY_API_KEY=... BACKUP_API_KEY=... uvicorn app:app --port 8000   # real upstreams
+PRIMARY_API_KEY=... BACKUP_API_KEY=... uvicorn app:app --port 8000 --no-access-log  # real ones
 """
 
 from __future__ import annotations
