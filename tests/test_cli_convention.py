@@ -226,3 +226,30 @@ def test_no_error_or_warning_line_writes_a_terminal_control(tmp_path: Path) -> N
     assert listed.returncode == 0 and listed.stdout == "no routes\n", listed.stderr
     assert listed.stderr.startswith("fallback-mw: warning: no store file at "), listed.stderr
     assert "\x1b" not in listed.stderr and "\x07" not in listed.stderr, listed.stderr
+
+
+def test_a_closed_stdout_or_stderr_keeps_the_exit_status_and_names_the_closed_stream(
+    tmp_path: Path,
+) -> None:
+    # Started with stdout closed (`>&-`, a supervisor that closes it), every verb ended in
+    # 'unexpected internal error (AttributeError); please report it' (Python's sys.stdout
+    # is None then); with stderr closed a refusal exited 1, not 2, its error line crashing.
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        '[upstreams.p]\nurl = "http://127.0.0.1:9"\n[[routes]]\nid = "r"\nprefix = "/r/"\n'
+        'plan = ["p"]\n',
+        encoding="utf-8",
+    )
+    script = (
+        '"$1" check --config "$2" >&-; echo "closed stdout: $?"; '
+        '"$1" check --config "$2".absent 2>&-; echo "closed stderr: $?"'
+    )
+    result = subprocess.run(
+        ["bash", "-c", script, "bash", FALLBACK_MW, str(config)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.stdout == "closed stdout: 1\nclosed stderr: 2\n", (result.stdout, result.stderr)
+    assert result.stderr == (
+        "fallback-mw: error: stdout is closed (the command was started with it closed): "
+        "nothing can be printed\n"
+    )

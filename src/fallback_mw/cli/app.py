@@ -25,7 +25,7 @@ import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn, TextIO, TypeVar
+from typing import Any, NoReturn, TextIO, TypeVar, cast
 
 from fallback_mw.config import ConfigError
 
@@ -208,15 +208,27 @@ def argv_is_text(argv: list[str]) -> None:
             raise Refused(f"argument {position} is not valid UTF-8 text") from None
 
 
+class _ClosedStdout(io.TextIOBase):
+    """stdout of a process started without one (`>&-`; Python's sys.stdout is None): the
+    first result printed fails the command in the convention's one line."""
+
+    def write(self, text: str) -> int:
+        raise Failed(
+            "stdout is closed (the command was started with it closed): nothing can be printed"
+        )
+
+
 def default_console() -> Console:
-    out = sys.stdout
+    out = sys.stdout if sys.stdout is not None else cast(TextIO, _ClosedStdout())
+    # Without stderr an error line has nowhere to go: the exit status still says it.
+    err: TextIO = sys.stderr if sys.stderr is not None else io.StringIO()
     if isinstance(out, io.TextIOWrapper) and out.errors == "strict":
         # Under an ASCII or Latin-1 locale (LC_ALL=C without UTF-8 mode, PYTHONIOENCODING),
         # one character the encoding lacks (a tenant asked for, eval's verdict dash) made
         # the result an 'unexpected internal error' after its work was done: escape it, as
         # Python's own stderr does.
         out.reconfigure(errors="backslashreplace")
-    return Console(out=out, err=sys.stderr)
+    return Console(out=out, err=err)
 
 
 def writable_out(out: Path, shown: str) -> None:
