@@ -361,6 +361,8 @@ async def test_a_route_not_there_is_not_found_exit_1(tmp_path: Path) -> None:
     ("argv", "expected"),
     [
         (("--path", "v1/x"), "--path must start with '/'"),
+        # A long target that starts with '/' was told it "must start with '/'".
+        (("--path", "/v1/" + "a" * 8200), "--path is longer than 8192 characters"),
         (("--path", "/v1/x", "--header", "authorization"), "--header #1: expected 'name: value'"),
         (("--path", "/v1/x", "--header", f"x-key: {CALLER_SECRET}\x01"), "--header #1 (x-key)"),
         (("--path", "/v1/x", "--method", "GE T"), "--method must be"),

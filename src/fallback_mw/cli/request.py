@@ -58,8 +58,10 @@ def parse_header(position: int, text: str) -> tuple[str, str]:
 
 
 def parse_target(text: str) -> str:
-    if not text.startswith("/") or len(text) > _MAX_TARGET:
+    if not text.startswith("/"):
         raise Refused("--path must start with '/' (e.g. /v1/chat/completions)")
+    if len(text) > _MAX_TARGET:
+        raise Refused(f"--path is longer than {_MAX_TARGET} characters")
     if not text.isascii() or any(ch.isspace() or not ch.isprintable() for ch in text):
         raise Refused("--path must be printable ASCII without spaces (percent-encode the rest)")
     return text
