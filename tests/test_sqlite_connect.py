@@ -76,3 +76,21 @@ def test_every_verb_names_the_missing_directory_of_its_sqlite_store(
         assert status == 1, (verb, err.getvalue())
         assert missing in err.getvalue(), (verb, err.getvalue())
         assert len(err.getvalue().splitlines()) == 1, err.getvalue()
+
+
+def test_every_verb_says_when_its_sqlite_store_is_a_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `store = "sqlite:///data"` (the directory meant to hold gw.db): every verb said only
+    # "unable to open database file", as if the path were missing or unreadable.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    config = tmp_path / "gw.toml"
+    config.write_text('[gateway]\nstore = "sqlite:///data"\n')
+    said = f"unable to open database file: {tmp_path / 'data'} is a directory, not a file"
+    for verb in (["routes", "list"], ["faults", "list"], ["budgets", "show"], ["usage"]):
+        out, err = io.StringIO(), io.StringIO()
+        status = main([*verb, "--config", str(config)], stdout=out, stderr=err)
+        assert status == 1, (verb, err.getvalue())
+        assert said in err.getvalue(), (verb, err.getvalue())
+        assert len(err.getvalue().splitlines()) == 1, err.getvalue()

@@ -43,8 +43,11 @@ def connect_wal(
 def missing_directory(path: str | Path) -> str | None:
     """Why a SQLite file cannot be created at `path` when its directory does not exist, in
     words naming the directory (and, for a relative path, the working directory it was
-    resolved against); None when the directory is there."""
+    resolved against), or when `path` is itself a directory; None when the directory is
+    there."""
     target = Path(path)
+    if target.is_dir():
+        return f"{target.absolute()} is a directory, not a file"
     parent = target.parent.absolute()
     if parent.is_dir():
         return None
