@@ -253,3 +253,33 @@ def test_a_closed_stdout_or_stderr_keeps_the_exit_status_and_names_the_closed_st
         "fallback-mw: error: stdout is closed (the command was started with it closed): "
         "nothing can be printed\n"
     )
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (
+            ["routes", "--store", "sqlite:///x.db", "list"],
+            "--store goes after the verb (fallback-mw routes VERB --store ...; "
+            "`fallback-mw routes --help` lists the verbs)",
+        ),
+        (
+            ["faults", "--config=gw.toml", "list"],
+            "--config goes after the verb (fallback-mw faults VERB --config ...; "
+            "`fallback-mw faults --help` lists the verbs)",
+        ),
+        (
+            ["--config", "gw.toml", "check"],
+            "--config goes after the command (fallback-mw COMMAND --config ...; "
+            "`fallback-mw --help` lists the commands)",
+        ),
+    ],
+)
+def test_an_option_given_before_its_verb_is_refused_saying_where_it_goes(
+    args: list[str], said: str
+) -> None:
+    # `fallback-mw routes --store URL list` (git's habit of options first) was answered
+    # "routes: argument VERB: invalid choice: 'sqlite:///x.db' (choose from ...)": the store
+    # URL named as the verb it could not find.
+    line = assert_one_error_line(run(*args), 2)
+    assert line == f"fallback-mw: error: {said}", line

@@ -6,6 +6,7 @@ exit-status and output convention is in `cli/app.py`."""
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 from typing import TextIO
 
@@ -49,6 +50,45 @@ def build_parser() -> Parser:
     return parser
 
 
+def option_before_its_verb(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
+    """`fallback-mw routes --store URL list`: argparse took the option's value for the verb
+    and said "invalid choice: 'URL'". An option a verb below takes, given before that verb
+    is named, is refused saying where it goes."""
+    words = [PROG]
+    for arg in argv:
+        verbs = _verbs(parser)
+        if verbs is None or arg in verbs:
+            if verbs is None:
+                return
+            parser = verbs[arg]
+            words.append(arg)
+            continue
+        option = arg.split("=", 1)[0]
+        own = {option for action in parser._actions for option in action.option_strings}
+        if option.startswith("--") and option not in own and option in _options_below(parser):
+            place = "VERB" if len(words) > 1 else "COMMAND"
+            named = " ".join(words)
+            raise Refused(
+                f"{option} goes after the {place.lower()} ({named} {place} {option} ...; "
+                f"`{named} --help` lists the {place.lower()}s)"
+            )
+        return
+
+
+def _verbs(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser] | None:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return None
+
+
+def _options_below(parser: argparse.ArgumentParser) -> set[str]:
+    verbs = _verbs(parser)
+    if verbs is None:
+        return {option for action in parser._actions for option in action.option_strings}
+    return {option for verb in verbs.values() for option in _options_below(verb)}
+
+
 def main(
     argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stderr: TextIO | None = None
 ) -> int:
@@ -61,6 +101,7 @@ def main(
     try:
         argv_is_text(args_list)
         parser = build_parser()
+        option_before_its_verb(parser, args_list)
         args, unknown = parser.parse_known_args(args_list)
         if unknown:  # named with the verb they were given to, as its other usage errors
             verb_parser = getattr(args, "verb_parser", parser)
