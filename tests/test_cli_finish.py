@@ -210,7 +210,8 @@ def test_the_readme_extras_table_is_true_for_every_verb(tmp_path: Path) -> None:
     config = tmp_path / "gateway.toml"
     config.write_text(
         f'[gateway]\nstore = "{store}"\n[upstreams.primary]\nurl = "http://127.0.0.1:9"\n'
-        '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["primary"]\n',
+        '[upstreams.backup]\nurl = "http://127.0.0.1:10"\n'
+        '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["primary", "backup"]\nretries = 1\n',
         encoding="utf-8",
     )
     base = ["--config", str(config)]
@@ -229,8 +230,8 @@ def test_the_readme_extras_table_is_true_for_every_verb(tmp_path: Path) -> None:
             "chat",
             "--fault",
             "pin",
-            "--candidate",
-            "primary",
+            "--candidate",  # not the first: a pin on it would change nothing (refused)
+            "backup",
             "--duration",
             "1s",
             "--out",
@@ -241,7 +242,7 @@ def test_the_readme_extras_table_is_true_for_every_verb(tmp_path: Path) -> None:
             "error_rate=100%",
             "--owner",
             "Ana",
-            "--recovery-wait",  # the primary (port 9) never serves: do not watch for 30 s
+            "--recovery-wait",  # the upstreams (ports 9, 10) never serve: do not watch 30 s
             "1s",
         ],
         "serve": ["serve", *base, "--port", "0"],
