@@ -305,6 +305,40 @@ async def test_tpm_counts_the_request_estimate(recorded: Recorded) -> None:
     assert only.count == 2
 
 
+async def test_an_error_answer_without_usage_gives_its_token_estimate_back(
+    recorded: Recorded,
+) -> None:
+    # A caller asks for an output limit the upstream refuses at once (OpenAI: 400 "max_tokens
+    # is too large"): nothing was generated. Its estimate stayed counted against tpm for a
+    # minute, so one such request a minute left every other caller capacity-skipped.
+    refusal = b'{"error": {"type": "invalid_request_error", "message": "max_tokens too large"}}'
+    async with upstream(status_handler(400, refusal)) as only:
+        conf = {
+            "upstreams": {"only": {"url": only.url, "tpm": 1000, "rpm": 3}},
+            "routes": [
+                {
+                    "id": "chat",
+                    "prefix": "/v1/",
+                    "plan": ["only"],
+                    "replayable_methods": ["POST"],
+                }
+            ],
+        }
+        gateway = Gateway(host_app, config=conf, telemetry=recorded.telemetry)
+        try:
+            async with client_for(gateway) as client:
+                body = {"model": "m", "max_tokens": 900, "messages": []}
+                statuses = [
+                    (await client.post("/v1/chat", json=body)).status_code for _ in range(4)
+                ]
+        finally:
+            await gateway.aclose()
+    # Each is ~910 tokens of the 1000: without the estimate given back, the second was
+    # skipped for capacity (503). The requests still count against rpm: the fourth is not.
+    assert statuses == [400, 400, 400, 503]
+    assert only.count == 3
+
+
 async def test_repeats_under_load_stay_within_the_budget(recorded: Recorded) -> None:
     budget = {"percent": 20, "min_per_second": 0.5, "window_ms": 10_000}
     async with upstream(status_handler(503)) as primary:
