@@ -339,6 +339,44 @@ async def test_an_error_answer_without_usage_gives_its_token_estimate_back(
     assert only.count == 3
 
 
+async def test_an_error_answer_the_walk_moves_past_gives_its_token_estimate_back(
+    recorded: Recorded,
+) -> None:
+    # A pool's 401 on a path its keys may not use (moving to the next key), a 503 failing
+    # over: the answer is not relayed, nothing was generated. Its estimate stayed counted, so
+    # one request per key held the pool's tpm for a minute.
+    async with (
+        upstream(status_handler(503)) as primary,
+        upstream(status_handler(200, b"ok")) as backup,
+    ):
+        conf = {
+            "gateway": {"breaker": NO_BREAKER},
+            "upstreams": {
+                "primary": {"url": primary.url, "tpm": 1000},
+                "backup": {"url": backup.url},
+            },
+            "routes": [
+                {
+                    "id": "chat",
+                    "prefix": "/v1/",
+                    "plan": ["primary", "backup"],
+                    "retries": 1,
+                    "replayable_methods": ["POST"],
+                }
+            ],
+        }
+        gateway = Gateway(host_app, config=conf, telemetry=recorded.telemetry)
+        try:
+            async with client_for(gateway) as client:
+                body = {"model": "m", "max_tokens": 900, "messages": []}
+                responses = [await client.post("/v1/chat", json=body) for _ in range(3)]
+        finally:
+            await gateway.aclose()
+    assert [r.status_code for r in responses] == [200] * 3
+    assert [r.headers.get("x-gateway-skipped") for r in responses] == [None] * 3
+    assert primary.count == 3
+
+
 async def test_repeats_under_load_stay_within_the_budget(recorded: Recorded) -> None:
     budget = {"percent": 20, "min_per_second": 0.5, "window_ms": 10_000}
     async with upstream(status_handler(503)) as primary:

@@ -486,6 +486,14 @@ class AttemptLifecycle:
         admission = self._admitted.get(id(record)) if record is not None else None
         await self.health.release(name, admission or self.admissions.get(name))
 
+    async def give_back_tokens(self, name: str) -> None:
+        """An error answer (400 and up) the walk moves past or ends on, unread: it generated
+        nothing, so its estimate leaves the upstream's `tpm` (the request stays in `rpm`).
+        Popped: the answer kept for `last_response` is not settled again when served."""
+        reservation = self.reservations.pop(name, None)
+        if reservation is not None and reservation.counted:
+            await self.capacity.settle(reservation, 0)
+
     async def settle_tokens(self, name: str) -> None:
         """The usage the upstream reported (metered as the response went to the client)
         replaces the estimate counted against its `tpm`. An error answer (400 and up) that

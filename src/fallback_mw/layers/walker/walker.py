@@ -345,6 +345,9 @@ class _Walk:
                 self.walker.telemetry.attempt_decided(self.context, record)
         if decision.rule is not None:
             self.context.rule = decision.rule
+        if decision.action != "serve" and name is not None and (outcome.status or 0) >= 400:
+            # A pool's 401 moving to another key, a 503 failing over: nothing generated.
+            await self.attempts.give_back_tokens(name)
         if decision.action in ("next_candidate", "next_credential"):
             if response is not None:
                 await self._keep(name, response, record)
