@@ -204,6 +204,38 @@ async def test_a_probe_lease_longer_than_the_key_ttl_keeps_the_key(redis_url: st
 
 
 @pytest.mark.anyio
+async def test_a_fresh_session_id_on_every_request_keeps_redis_bounded(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A caller choosing a new session id per request made one affinity key each in Redis,
+    # kept an hour: 1,000 requests a second held millions of keys until maxmemory refused
+    # writes, and every process fell back to per-process breakers. Memory keeps the newest
+    # AFFINITY_LIMIT sessions; Redis now keeps at most twice that.
+    monkeypatch.setattr("fallback_mw.health.redis.AFFINITY_LIMIT", 20)
+    health = RedisHealth(redis_url, BreakerConfig(**BREAKER))
+    url, prefix = split_state_url(redis_url)
+    inspect = aioredis.Redis.from_url(url, decode_responses=True)
+    try:
+        bound = {}
+        for n in range(200):
+            session = f"r\x1fm\x1fs{n}"
+            bound[n] = await health.pick_credential("u", 3, exclude=frozenset(), session=session)
+        remembered = 0
+        async for key in inspect.scan_iter(match=f"{prefix}affinity:*"):
+            kind = await inspect.type(key)
+            remembered += await inspect.hlen(key) if kind == "hash" else 1
+        assert remembered <= 40
+        for n in range(190, 200):  # the newest sessions still keep their credentials
+            again = await health.pick_credential(
+                "u", 3, exclude=frozenset(), session=f"r\x1fm\x1fs{n}"
+            )
+            assert again == bound[n]
+    finally:
+        await health.aclose()
+        await inspect.aclose()
+
+
+@pytest.mark.anyio
 async def test_two_gateways_share_credential_health(redis_url: str) -> None:
     async def handler(request: web.Request) -> web.StreamResponse:
         key = request.headers.get("authorization", "")

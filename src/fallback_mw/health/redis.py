@@ -50,7 +50,7 @@ from fallback_mw.config import BreakerConfig
 from fallback_mw.health.breaker import DEFAULT_PROBE_LEASE
 from fallback_mw.health.events import Admission, TransitionListener
 from fallback_mw.health.memory import MemoryHealth, breaker_credential_mark, report_transition
-from fallback_mw.health.pool import SCORE_HALF_LIFE, Selection, score_outcome
+from fallback_mw.health.pool import AFFINITY_LIMIT, SCORE_HALF_LIFE, Selection, score_outcome
 from fallback_mw.health.redis_scripts import (
     ADMIT,
     BREAKER_STATE,
@@ -103,7 +103,7 @@ def shared_probe(admission: Admission | None) -> str:
 _ALIVE = "redis.call('SET', KEYS[1], '1', 'PX', 10000) return 1"
 
 # The kinds of key (`{prefix}{kind}:...`) that hold a string; every other kind a hash.
-_STRING_KEYS = frozenset({"rotation", "affinity", "breaker_url"})
+_STRING_KEYS = frozenset({"rotation", "breaker_url"})
 # KEYS[1] deleted when it holds another kind of value than ARGV[1] (checked and deleted in
 # one step: another process may have deleted it and written the right kind since).
 _DROP_OTHER_KIND = """
@@ -925,10 +925,10 @@ class RedisHealth:
         self._selections[upstream] = self.local.selections[upstream] = selection
         if pool_size <= 1:
             return None if 0 in exclude or pool_size < 1 else 0
-        session_key = ""
+        field = ""
         if session is not None:
-            digest = hashlib.sha256(session.encode("utf-8", "replace")).hexdigest()[:32]
-            session_key = f"{self._pool_key('affinity', upstream)}:{digest}"
+            field = hashlib.sha256(session.encode("utf-8", "replace")).hexdigest()[:32]
+        affinity = self._pool_key("affinity", upstream)
         excluded = "," + ",".join(str(i) for i in sorted(exclude)) + ","
 
         def convert(result: Any) -> int | None:
@@ -941,8 +941,9 @@ class RedisHealth:
             [
                 self._pool_key("credentials", upstream),
                 self._pool_key("rotation", upstream),
-                session_key or self._pool_key("affinity", upstream),
+                affinity,
                 self._pool_key("score", upstream),
+                f"{affinity}:older",
             ],
             [
                 pool_size,
@@ -952,6 +953,8 @@ class RedisHealth:
                 CREDENTIAL_TTL_MS,
                 selection,
                 int(SCORE_HALF_LIFE * 1000),
+                field,
+                AFFINITY_LIMIT,
             ],
             lambda: self.local.pick_credential(
                 upstream, pool_size, exclude=exclude, session=session, selection=selection

@@ -213,10 +213,14 @@ local function retired(key, i, v)
 end
 """
 
-# KEYS[1] credential hash, KEYS[2] rotation counter, KEYS[3] session affinity key, KEYS[4]
-# score hash. ARGV: pool size, excluded as ',0,2,', use session '1'/'0', affinity ttl ms,
-# key ttl ms, selection 'score' / 'round_robin', score half-life ms.
-# Returns the index or -1.
+# KEYS[1] credential hash, KEYS[2] rotation counter, KEYS[3] session affinity hash (the
+# newest sessions), KEYS[4] score hash, KEYS[5] the affinity hash before it. ARGV: pool
+# size, excluded as ',0,2,', use session '1'/'0', affinity ttl ms, key ttl ms, selection
+# 'score' / 'round_robin', score half-life ms, the session's field, sessions per hash.
+# The sessions remembered are bounded, as in memory: a caller's fresh session id on every
+# request made a key each, an hour apiece, without limit. When the newest hash is full it
+# becomes the older one (the oldest sessions forgotten); a session found in the older one
+# moves back to the newest. Returns the index or -1.
 PICK = (
     _NOW
     + _STATS
@@ -235,11 +239,21 @@ local function usable(i)
   if retired(KEYS[1], i, v) then return false end
   return (tonumber(v) or 0) <= now  -- a retirement that ended reads as no number
 end
+local function remember(i)
+  redis.call('HSET', KEYS[3], ARGV[8], tostring(i))
+  if redis.call('HLEN', KEYS[3]) >= tonumber(ARGV[9]) then
+    redis.call('RENAME', KEYS[3], KEYS[5])
+    redis.call('PEXPIRE', KEYS[5], ARGV[4])
+  else
+    redis.call('PEXPIRE', KEYS[3], ARGV[4])
+  end
+end
 local size = tonumber(ARGV[1])
 if ARGV[3] == '1' then
-  local bound = tonumber(redis.call('GET', KEYS[3])) or -1
+  local newest = redis.call('HGET', KEYS[3], ARGV[8])
+  local bound = tonumber(newest or redis.call('HGET', KEYS[5], ARGV[8])) or -1
   if bound >= 0 and bound < size and usable(bound) then
-    redis.call('PEXPIRE', KEYS[3], ARGV[4])
+    if newest then redis.call('PEXPIRE', KEYS[3], ARGV[4]) else remember(bound) end
     return bound
   end
 end
@@ -268,9 +282,7 @@ else
     end
   end
 end
-if best >= 0 and ARGV[3] == '1' then
-  redis.call('SET', KEYS[3], tostring(best), 'PX', ARGV[4])
-end
+if best >= 0 and ARGV[3] == '1' then remember(best) end
 return best
 """
 )
