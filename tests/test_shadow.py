@@ -428,6 +428,33 @@ async def test_a_copys_reported_tokens_count_against_the_shadows_tpm(
     assert recorded.shadow_outcomes() == {"answered": 2, "capacity": 1}
 
 
+async def test_a_copy_the_shadow_refuses_gives_its_token_estimate_back(
+    recorded: Recorded,
+) -> None:
+    """A caller asks for an output limit the primary takes and the shadow (here also the
+    fallback) refuses with a 400: nothing generated. The copy's estimate stayed against the
+    shadow's tpm for a minute, so such callers left it capacity-skipped for real failovers."""
+    async with (
+        upstream(status_handler(200, b"primary says")) as primary,
+        upstream(status_handler(400, b'{"error": {"message": "max_tokens too large"}}')) as shadow,
+    ):
+        conf = config(primary.url, shadow.url, replayable_methods=["POST"])
+        conf["upstreams"]["candidate"]["tpm"] = 1000
+        gateway = Gateway(host_app, config=conf, environ=ENV, telemetry=recorded.telemetry)
+        shadows = gateway.services.shadows
+        body = {"model": "m", "max_tokens": 900}
+        try:
+            async with client_for(gateway) as client:
+                for _ in range(3):
+                    response = await client.post("/v1/chat", headers=CALLER, json=body)
+                    assert response.text == "primary says"
+                    await settled(gateway, lambda: not shadows.in_flight)
+        finally:
+            await gateway.aclose()
+    assert shadow.count == 3  # each ~910 of the 1000, given back: none skipped
+    assert recorded.shadow_outcomes() == {"answered": 3}
+
+
 async def test_copies_hanging_on_a_shadow_that_is_also_a_fallback_never_hold_its_connections() -> (
     None
 ):

@@ -219,7 +219,7 @@ class ShadowTraffic:
                 await attempts.release(name)
             raise
         mark = await attempts.mark_health(name, credential, outcome, response)
-        await attempts.settle_tokens(name)
+        await attempts.settle_tokens(name, outcome.status)
         answered = outcome.kind == "status" and not mark
         return ShadowResult(
             "answered" if answered else "failed",

@@ -494,14 +494,15 @@ class AttemptLifecycle:
         if reservation is not None and reservation.counted:
             await self.capacity.settle(reservation, 0)
 
-    async def settle_tokens(self, name: str) -> None:
+    async def settle_tokens(self, name: str, status: int | None) -> None:
         """The usage the upstream reported (metered as the response went to the client)
-        replaces the estimate counted against its `tpm`. An error answer (400 and up) that
-        reports none generated nothing: its estimate is given back, or a caller asking for
-        an output limit the upstream refuses held the minute's tpm from everyone."""
+        replaces the estimate counted against its `tpm`. An error answer (`status` 400 and
+        up) that reports none generated nothing: its estimate is given back, or a caller
+        asking for an output limit the upstream refuses held the minute's tpm from
+        everyone."""
         reservation = self.reservations.get(name)
         tokens = reported_tokens(self.context.usage)
-        if tokens is None and (self.context.status or 0) >= 400:
+        if tokens is None and (status or 0) >= 400:
             tokens = 0
         if reservation is not None and reservation.counted and tokens is not None:
             await self.capacity.settle(reservation, tokens)

@@ -387,7 +387,7 @@ class _Walk:
     async def _served(self, chosen: str) -> None:
         """After the relay of `chosen`'s response ended: its reported tokens replace the
         estimate counted against its tpm, and a served request is copied to the shadow."""
-        await self.attempts.settle_tokens(chosen)
+        await self.attempts.settle_tokens(chosen, self.context.status)
         shadow = should_shadow(self.context, self.body, self.walker.settings.canary_salt)
         if shadow is not None:  # the client's response is sent: a copy cannot touch it
             self.walker.shadows.start(shadow, self.context, self.body, self.parsed)
