@@ -188,6 +188,34 @@ async def test_a_key_in_another_case_is_held_as_a_case_insensitive_upstream_read
     assert len(primary.received) == 0
 
 
+@pytest.mark.parametrize("model", ["GPT-TEST", "Gpt-Test-2024-07-18"])
+async def test_a_model_named_in_another_case_is_priced_as_that_model(model: str) -> None:
+    # Ollama looks a model up in any case and echoes the caller's spelling in its answer:
+    # "GPT-TEST" ran gpt-test, but the hold found no price (default_hold, 0.01, for a 2.00
+    # generation against a limit of 1) and so did the settlement (charged the hold).
+    async def echo(request: web.Request) -> web.StreamResponse:
+        sent = await request.json()
+        usage = {"prompt_tokens": 10, "completion_tokens": 400}
+        return web.json_response({"model": sent["model"], "usage": usage})
+
+    async with upstream(echo) as primary:
+        conf = gateway_config({"primary": primary.url}, store=None, limit="1")
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                big = {"model": model, "max_tokens": 1000, "messages": []}
+                response = await client.post("/v1/chat", json=big)
+                assert response.status_code == 402, response.text
+                small = {"model": model, "max_tokens": 400, "messages": []}
+                response = await client.post("/v1/chat", json=small)
+                assert response.status_code == 200, response.text
+            # 10 input tokens at 1000/Mtok, 400 output at 2000/Mtok: 0.81, not the 0.01 hold.
+            assert await status_of(gateway) == (Decimal("0.81"), Decimal(0))
+        finally:
+            await gateway.aclose()
+    assert len(primary.received) == 1
+
+
 async def test_a_model_rewrite_leaves_no_other_spelling_of_the_model_key() -> None:
     # Go's encoding/json reads "Model" as "model" and keeps the last: a caller's "Model"
     # after "model" beat the candidate's rewrite, running a model the route never sends.

@@ -58,8 +58,16 @@ def format_money(amount: Decimal) -> str:
 class PriceBook:
     def __init__(self, prices: Mapping[str, PriceConfig]) -> None:
         self.prices = dict(prices)
+        # A name in another case is the same model to an upstream that looks models up
+        # case-insensitively (Ollama runs and echoes "Llama3.1:8B" as "llama3.1:8b"):
+        # unpriced, its caller was held and charged default_hold. Names the file spells
+        # alike but for case: the dearest output price.
+        folded: dict[str, PriceConfig] = {}
+        for name, price in sorted(self.prices.items(), key=lambda item: item[1].output_per_mtok):
+            folded[name.casefold()] = price
+        self._folded = folded
         # Longest first, so "gpt-4o-mini" wins over "gpt-4o" for "gpt-4o-mini-2024-07-18".
-        self._by_length = sorted(self.prices, key=len, reverse=True)
+        self._by_length = sorted(folded, key=len, reverse=True)
 
     def price_for(self, model: str | None) -> PriceConfig | None:
         if not model:
@@ -67,10 +75,14 @@ class PriceBook:
         price = self.prices.get(model)
         if price is not None:
             return price
+        model = model.casefold()
+        price = self._folded.get(model)
+        if price is not None:
+            return price
         # Upstreams often report a dated version of the requested model name.
         for name in self._by_length:
             if model.startswith(name) and model[len(name)] in "-@:.":
-                return self.prices[name]
+                return self._folded[name]
         return None
 
     def cost(
