@@ -7,7 +7,7 @@ drives every arm in turn, so both see the same noise.
 
     git worktree add /tmp/base HEAD~3
     .venv/bin/python benchmarks/ab.py /tmp/base/src [--rounds 3] [--duration 5]
-        [--arms healthy,failover,budget,redis]
+        [--arms healthy,failover,budget,redis] [--engine httpx]
 
 `--arms` picks the gateway arms (default healthy and failover); `budget` is `run.py`'s:
 the chat route spending from a SQLite ledger, each tree with a ledger file of its own;
@@ -43,6 +43,7 @@ def main() -> int:
     parser.add_argument("--duration", type=run.at_least(1), default=5, help="seconds per arm")
     parser.add_argument("--connections", type=run.at_least(1), default=32)
     parser.add_argument("--arms", default="healthy,failover", help="of " + ",".join(ARMS))
+    parser.add_argument("--engine", default="aiohttp", choices=("aiohttp", "httpx"))
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="for --arms redis")
     args = parser.parse_args()
     chosen = [a for a in args.arms.split(",") if a]
@@ -60,7 +61,8 @@ def main() -> int:
     tree = procs.Tree(Path(tempfile.mkdtemp(prefix="fmw-ab-")))
     try:
         upstream, backup, failing = procs.start_nginx(tree, nginx, 8)
-        config = run.gateway_config(upstream.port, backup, failing)
+        engine = args.engine
+        config = run.gateway_config(upstream.port, backup, failing, engine=engine)
         floor = procs.start_floor(tree, upstream.url())
         base_env = {"PYTHONPATH": str(args.base)}
 
@@ -79,7 +81,11 @@ def main() -> int:
             gateways["budget"] = pair(
                 "budget",
                 lambda side: run.gateway_config(
-                    upstream.port, backup, failing, store=tree.workdir / f"ledger-{side}.db"
+                    upstream.port,
+                    backup,
+                    failing,
+                    store=tree.workdir / f"ledger-{side}.db",
+                    engine=engine,
                 ),
             )
         if "redis" in chosen:
@@ -90,6 +96,7 @@ def main() -> int:
                     backup,
                     failing,
                     state=f"{args.redis}?prefix=fmw-ab-{side}-{os.getpid()}:",
+                    engine=engine,
                 ),
             )
         arms = {"floor": (floor.url(run.CHAT), floor.pid)}
@@ -109,7 +116,10 @@ def main() -> int:
                 url, pid = arms[name]
                 loads[name].append(clients.run_wrk(wrk, url, args.duration, args.connections, pid))
         floor_cpu = statistics.median(load.cpu_us for load in loads["floor"])
-        print(f"wrk -t1 -c{args.connections} -d{args.duration}s, {args.rounds} rounds")
+        print(
+            f"wrk -t1 -c{args.connections} -d{args.duration}s, {args.rounds} rounds, "
+            f"engine {engine}"
+        )
         for name, runs in loads.items():
             cpu = [round(load.cpu_us) for load in runs]
             rate = [round(load.rate) for load in runs]

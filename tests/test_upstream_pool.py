@@ -211,3 +211,48 @@ async def test_a_second_cancellation_while_waiting_for_the_head_still_closes_the
         await client.aclose()
         server.close()
         await server.wait_closed()
+
+
+@pytest.mark.anyio
+async def test_a_request_costs_the_httpx_pool_a_linear_scan(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """httpcore's pool bookkeeping, run as each request enters the pool and as each response
+    closes, counted every pooled connection again for each idle one: with the 40 kept-alive
+    connections here, a request asked ~3,300 connections whether they were idle (the
+    httpx engine's CPU per request grew with the square of its pool). Now a few asks per
+    connection."""
+    import httpcore
+
+    client = HttpxClient(allow_hosts=("127.0.0.1",))
+    timeouts = Timeouts(connect=5.0, first_byte=5.0, idle=5.0)
+    pooled = 40
+
+    async def fetch(url: str) -> None:
+        response = await client.send(UpstreamRequest("GET", url, [], b"", timeouts))
+        try:
+            assert [chunk async for chunk in response.iter_chunks()] == [b"done"]
+        finally:
+            await response.aclose()
+
+    async with (
+        upstream(status_handler(200, b"done", delay=0.3)) as slow,
+        upstream(status_handler(200, b"done")) as fast,
+    ):
+        try:
+            # 40 at once: 40 connections, all idle in the pool afterwards.
+            await asyncio.gather(*(fetch(slow.url + "/") for _ in range(pooled)))
+            asked = 0
+            is_idle = httpcore.AsyncHTTP11Connection.is_idle
+
+            def counted(self: httpcore.AsyncHTTP11Connection) -> bool:
+                nonlocal asked
+                asked += 1
+                return is_idle(self)
+
+            monkeypatch.setattr(httpcore.AsyncHTTP11Connection, "is_idle", counted)
+            await fetch(fast.url + "/")
+        finally:
+            await client.aclose()
+    assert slow.count == pooled
+    assert asked <= 10 * pooled

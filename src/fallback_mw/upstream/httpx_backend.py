@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import httpcore
+from httpcore._utils import is_socket_readable
 
 from fallback_mw.upstream.guard import UnsafeAddressError, resolve_checked_async
 
@@ -82,6 +83,9 @@ class EarlyAnswerStream(httpcore.AsyncNetworkStream):
         # asyncio hands out a TransportSocket, which cannot peek: the socket it wraps,
         # read defensively (another shape: no peeking, the body goes as before).
         raw = inner.get_extra_info("socket")
+        # uvloop's (under `serve`) is a PseudoSocket: no peek, but its descriptor is
+        # enough to tell whether an idle connection has something to read.
+        self._polled: socket.socket | None = raw if callable(getattr(raw, "fileno", None)) else None
         raw = getattr(raw, "_sock", raw)
         self._socket: socket.socket | None = raw if isinstance(raw, socket.socket) else None
 
@@ -112,6 +116,11 @@ class EarlyAnswerStream(httpcore.AsyncNetworkStream):
         return await self._inner.start_tls(ssl_context, server_hostname, timeout)
 
     def get_extra_info(self, info: str) -> Any:
+        if info == "is_readable" and self._polled is not None:
+            # Asked of every idle pooled connection each time a request enters the pool
+            # or a response closes (httpcore's keep-alive check): the socket is at hand,
+            # where anyio's answer builds its table of typed attributes for each ask.
+            return is_socket_readable(self._polled)
         return self._inner.get_extra_info(info)
 
 
