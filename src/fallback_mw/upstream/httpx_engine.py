@@ -200,6 +200,26 @@ def _never_pool_leftovers(response: httpx.Response) -> None:
         state.send_failed()  # not DONE: httpcore closes the connection, never pools it
 
 
+def _read_what_has_arrived(response: httpx.Response) -> bool:
+    """Whether the rest of an unread body had already arrived (held by h11, e.g. a short
+    failover status's body that came with its head): read through to its end, the
+    connection goes back to the pool as the response closes, as the aiohttp engine's does.
+    A body still arriving is left: httpcore closes its connection (no wait for the
+    upstream here). Nothing is read from the socket: h11 parses what it holds."""
+    state = _h11_state(response)
+    if state is None or state.their_state is not h11.SEND_BODY:
+        return False
+    try:
+        while True:
+            event = state.next_event()
+            if type(event) is h11.EndOfMessage:
+                return True
+            if type(event) is not h11.Data:
+                return False  # NEED_DATA: the rest is still on its way
+    except h11.RemoteProtocolError:
+        return False  # bytes that break the framing: httpcore closes the connection
+
+
 def _chunks_break_framing(data: bytes) -> bool:
     """Whether chunked body bytes break their framing where h11 will read them (its own
     chunk-size line rule, and CRLF after each chunk's data); an incomplete end does not."""
@@ -353,6 +373,15 @@ class HttpxResponse:
         await asyncio.shield(self._close())
 
     async def _close(self) -> None:
+        connection = self._connection
+        if (
+            not self._finished
+            and connection is not None
+            and getattr(connection, "_request_count", None) == self._cycle
+            and not connection.is_closed()
+            and not connection.is_idle()
+        ):
+            self._finished = _read_what_has_arrived(self._response)
         await self._response.aclose()
         if self._finished:
             return
@@ -366,7 +395,6 @@ class HttpxResponse:
         # request's. Still checked: closed, idle (back in the pool) or on a later request
         # (handed to one queued for it: its request count moved on), it is not this
         # answer's to close.
-        connection = self._connection
         if (
             connection is not None
             and not connection.is_closed()
