@@ -79,3 +79,34 @@ async def test_an_error_answered_before_the_body_is_sent_is_relayed(
     assert response.headers["x-gateway-attempts"] == "1"
     assert again.status_code == 413
     assert len(accepted) == 2
+
+
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {"use_uvloop": True})])
+@pytest.mark.parametrize("framing", ["chunked", "length"])
+async def test_an_early_answer_is_relayed_on_uvloop_too(framing: str) -> None:
+    """`serve` runs on uvloop, whose transports hand out a PseudoSocket, not a socket: the
+    httpx engine's check for an early answer found no socket to peek at and sent the whole
+    body, so the upstream's 413 became a 502 booked to its breaker, under `serve` alone."""
+    async with raw_upstream(answers_early("close")) as (url, accepted):
+        conf = {
+            "gateway": {
+                "allow_hosts": ["127.0.0.1"],
+                "engine": "httpx",
+                "max_request_body": 2 * BODY,
+                "breaker": {"min_calls": 1, "window": 1},
+            },
+            "upstreams": {"upload": {"url": url}},
+            "routes": [{"id": "r", "prefix": "/v1/", "plan": ["upload"]}],
+        }
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with serve_asgi(gateway) as base, httpx.AsyncClient(base_url=base) as client:
+                content = chunks() if framing == "chunked" else b"x" * BODY
+                response = await client.post("/v1/files", content=content, timeout=30)
+                again = await client.post("/v1/files", content=b"{}", timeout=30)
+        finally:
+            await gateway.aclose()
+    assert response.status_code == 413, response.text
+    assert response.content == ANSWER
+    assert again.status_code == 413
+    assert len(accepted) == 2

@@ -85,22 +85,25 @@ class EarlyAnswerStream(httpcore.AsyncNetworkStream):
         raw = inner.get_extra_info("socket")
         # uvloop's (under `serve`) is a PseudoSocket: no peek, but its descriptor is
         # enough to tell whether an idle connection has something to read.
-        self._polled: socket.socket | None = raw if callable(getattr(raw, "fileno", None)) else None
+        self._polled: Any = raw if callable(getattr(raw, "fileno", None)) else None
         raw = getattr(raw, "_sock", raw)
         self._socket: socket.socket | None = raw if isinstance(raw, socket.socket) else None
+        # uvloop's PseudoSocket cannot peek either: its descriptor is borrowed for each
+        # peek (without it, under `serve`, every early answer became a transport failure).
+        self._pseudo = self._polled if self._socket is None else None
 
     async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:  # noqa: ASYNC109 - httpcore's signature
         return await self._inner.read(max_bytes, timeout)
 
     async def write(self, buffer: bytes, timeout: float | None = None) -> None:  # noqa: ASYNC109 - httpcore's signature
-        sock = self._socket
-        if sock is None or not buffer:
+        sock, pseudo = self._socket, self._pseudo
+        if (sock is None and pseudo is None) or not buffer:
             await self._inner.write(buffer, timeout)
             return
         # In slices: a body buffered whole is one write, which an upstream that answered
         # and stopped reading would block until it closes.
         for start in range(0, len(buffer), _SLICE):
-            if _answered_early(sock):
+            if _answered_early(sock) if sock is not None else _answered_early_borrowed(pseudo):
                 raise httpcore.WriteError("the upstream answered before the request was sent")
             await self._inner.write(buffer[start : start + _SLICE], timeout)
 
@@ -129,6 +132,20 @@ _SLICE = 64 * 1024
 # The socket is non-blocking under asyncio already; MSG_DONTWAIT (not on Windows) says so
 # again for a peek.
 _PEEK = socket.MSG_PEEK | getattr(socket, "MSG_DONTWAIT", 0)
+
+
+def _answered_early_borrowed(pseudo: Any) -> bool:
+    """_answered_early on a socket-like object that cannot peek itself (uvloop's
+    PseudoSocket): a socket object over its descriptor for the peek, detached after it
+    (the descriptor stays the transport's, never closed here)."""
+    fd = pseudo.fileno()
+    if fd < 0:
+        return True  # closed: the read that follows says so
+    sock = socket.socket(pseudo.family, pseudo.type, pseudo.proto, fileno=fd)
+    try:
+        return _answered_early(sock)
+    finally:
+        sock.detach()
 
 
 def _answered_early(sock: socket.socket) -> bool:
