@@ -231,6 +231,8 @@ async def test_a_request_costs_the_httpx_pool_a_linear_scan(
     connection."""
     import httpcore
 
+    from fallback_mw.upstream import httpx_backend
+
     client = HttpxClient(allow_hosts=("127.0.0.1",))
     timeouts = Timeouts(connect=5.0, first_byte=5.0, idle=5.0)
     pooled = 40
@@ -257,9 +259,71 @@ async def test_a_request_costs_the_httpx_pool_a_linear_scan(
                 asked += 1
                 return is_idle(self)
 
+            polled = 0
+            readable = httpx_backend.is_socket_readable
+
+            def counted_poll(sock: object) -> bool:
+                nonlocal polled
+                polled += 1
+                return readable(sock)  # type: ignore[arg-type]
+
             monkeypatch.setattr(httpcore.AsyncHTTP11Connection, "is_idle", counted)
+            monkeypatch.setattr(httpx_backend, "is_socket_readable", counted_poll)
             await fetch(fast.url + "/")
         finally:
             await client.aclose()
     assert slow.count == pooled
     assert asked <= 10 * pooled
+    # The idle connections' sockets are polled together, not one poll each (twice a request).
+    assert polled < pooled
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("pooled", [1, 3])
+async def test_an_idle_connection_the_upstream_closed_is_not_reused(pooled: int) -> None:
+    """The httpx engine polls its idle connections together (one poll for the pool, not
+    one each): one the upstream closed while it sat in the pool is still dropped, never
+    handed to the next request (whose write would go into a closed connection)."""
+    closed = asyncio.Event()
+    ended: list[asyncio.StreamWriter] = []
+    accepted = 0
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal accepted
+        accepted += 1
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\ndone")
+        await writer.drain()
+        if accepted <= pooled:
+            await asyncio.sleep(0.2)  # all are back in the pool, idle
+            writer.close()  # the upstream ends its kept-alive connection
+            await writer.wait_closed()
+            ended.append(writer)
+            if len(ended) == pooled:
+                closed.set()
+            return
+        await reader.read()
+        writer.close()
+
+    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/"
+    client = HttpxClient(allow_hosts=("127.0.0.1",))
+    timeouts = Timeouts(connect=5.0, first_byte=5.0, idle=5.0)
+
+    async def fetch() -> bytes:
+        response = await client.send(UpstreamRequest("GET", url, [], b"", timeouts))
+        try:
+            return b"".join([chunk async for chunk in response.iter_chunks()])
+        finally:
+            await response.aclose()
+
+    try:
+        assert await asyncio.gather(*(fetch() for _ in range(pooled))) == [b"done"] * pooled
+        async with asyncio.timeout(5):
+            await closed.wait()
+        assert await fetch() == b"done"
+    finally:
+        await client.aclose()
+        server.close()
+        await server.wait_closed()
+    assert accepted == pooled + 1

@@ -107,6 +107,10 @@ class EarlyAnswerStream(httpcore.AsyncNetworkStream):
                 raise httpcore.WriteError("the upstream answered before the request was sent")
             await self._inner.write(buffer[start : start + _SLICE], timeout)
 
+    def polled_fileno(self) -> int | None:
+        """The descriptor httpcore's readability check polls (None: not known here)."""
+        return None if self._polled is None else int(self._polled.fileno())
+
     async def aclose(self) -> None:
         await self._inner.aclose()
 

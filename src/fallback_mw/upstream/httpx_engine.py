@@ -6,7 +6,9 @@ import asyncio
 import contextvars
 import logging
 import re
+import select
 import socket
+import time
 import weakref
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
@@ -39,7 +41,7 @@ from fallback_mw.upstream.base import (
     unrelayable,
 )
 from fallback_mw.upstream.guard import LiteralChecks, UnsafeAddressError
-from fallback_mw.upstream.httpx_backend import GuardedNetworkBackend
+from fallback_mw.upstream.httpx_backend import EarlyAnswerStream, GuardedNetworkBackend
 from fallback_mw.upstream.tls import (
     HANDSHAKE_CLOSED,
     TLS_FAILED,
@@ -302,10 +304,14 @@ def _assign_requests_to_connections(
     closing: list[httpcore.AsyncConnectionInterface] = []
     connections = pool._connections
     keep_alive = pool._max_keepalive_connections
+    idle_expired = _idle_expiry(connections)
     for connection in list(connections):
+        expired = idle_expired.get(id(connection))
         if connection.is_closed():
             connections.remove(connection)
-        elif connection.has_expired() or (connection.is_idle() and len(connections) > keep_alive):
+        elif (connection.has_expired() if expired is None else expired) or (
+            connection.is_idle() and len(connections) > keep_alive
+        ):
             connections.remove(connection)
             closing.append(connection)
     for pool_request in pool._requests:
@@ -327,6 +333,43 @@ def _assign_requests_to_connections(
             connections.append(chosen)
         pool_request.assign_to_connection(chosen)
     return closing
+
+
+def _idle_expiry(connections: list[httpcore.AsyncConnectionInterface]) -> dict[int, bool]:
+    """httpcore's `has_expired` for each idle HTTP/1.1 connection on the engine's own plain
+    streams (by id): its keep-alive over, or its socket readable (on an idle connection,
+    only the upstream's close). One poll for all of them, where httpcore polls each idle
+    connection on its own, twice a request. Anything else is left to `has_expired`."""
+    found: dict[int, bool] = {}
+    if _POLL is None:
+        return found
+    now = time.monotonic()
+    by_fd: dict[int, int] = {}
+    poller = None
+    for connection in connections:
+        http11 = getattr(connection, "_connection", None)
+        if type(http11) is not httpcore.AsyncHTTP11Connection or not http11.is_idle():
+            continue
+        stream = http11._network_stream
+        fd = stream.polled_fileno() if isinstance(stream, EarlyAnswerStream) else None
+        if fd is None:
+            continue
+        expire_at = http11._expire_at
+        if fd < 0 or (expire_at is not None and now > expire_at):
+            found[id(connection)] = True
+            continue
+        if poller is None:
+            poller = _POLL()
+        poller.register(fd, select.POLLIN)
+        by_fd[fd] = id(connection)
+        found[id(connection)] = False
+    if poller is not None:
+        for fd, _ in poller.poll(0):
+            found[by_fd[fd]] = True
+    return found
+
+
+_POLL = getattr(select, "poll", None)  # not on Windows: httpcore's own check there
 
 
 class _Pool(httpcore.AsyncConnectionPool):
