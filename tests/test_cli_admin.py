@@ -207,6 +207,50 @@ async def test_a_hang_cut_by_the_deadline_on_a_store_route_is_not_told_to_lower_
     assert (followed.status_code, followed.text) == (200, "b")
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("own", ["route_deadline", "upstream_timer"])
+async def test_a_file_route_keeping_the_store_names_is_not_told_it_is_a_store_route(
+    tmp_path: Path, own: str
+) -> None:
+    # The operator moved a store route into the config file, as the 504 above says to,
+    # keeping its upstream names (chat-primary, chat-fallback: the names its faults and
+    # dashboards know) and setting what the store could not: the route's deadline_ms, or an
+    # upstream's timer. Judged by its names alone it was still "a store route": the 504
+    # said to raise [gateway] deadline_ms (or the route's) and to define the route in the
+    # config file, where it already is. It is told what a file route is told.
+    route_deadline = own == "route_deadline"
+    async with silent_server() as (hanging, _), upstream(status_handler(200, b"b")) as backup:
+        config = tmp_path / "gateway.toml"
+        config.write_text(
+            f"[gateway]\ndeadline_ms = {30_000 if route_deadline else 500}\n"
+            f'[upstreams.chat-primary]\nurl = "{hanging}"\n'
+            + ("" if route_deadline else "first_byte_timeout_ms = 40000\n")
+            + f'[upstreams.chat-fallback]\nurl = "{backup.url}"\n'
+            '[[routes]]\nid = "chat"\nprefix = "/api/"\nretries = 1\n'
+            'plan = ["chat-primary", "chat-fallback"]\n'
+            + ("deadline_ms = 500\n" if route_deadline else ""),
+            encoding="utf-8",
+        )
+        gateway = Gateway(host_app, config=str(config))
+        try:
+            async with client_for(gateway) as client:
+                cut = await client.get("/api/models")
+        finally:
+            await gateway.aclose()
+    error = cut.json()["error"]
+    assert (cut.status_code, error["rule"]) == (504, "deadline")
+    assert "store route" not in error["message"], error["message"]
+    expected = (
+        "lower that below 500 ms so that a hang ends in time for the next attempt, or raise "
+        + (
+            "the route's deadline_ms above 30000 ms"
+            if route_deadline
+            else "[gateway] deadline_ms (or set the route's deadline_ms) above 40000 ms"
+        )
+    )
+    assert error["message"].endswith(expected), error["message"]
+
+
 BAD_FALLBACKS = {
     "no_retries": (
         ["--fallback", "http://127.0.0.1:9002"],

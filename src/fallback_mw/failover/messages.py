@@ -5,7 +5,7 @@ decides what happens to a request; it only explains it."""
 
 from __future__ import annotations
 
-from fallback_mw.config import RouteConfig
+from fallback_mw.config import RouteConfig, UpstreamConfig
 from fallback_mw.failover.decide import Decision, replay_rule
 from fallback_mw.request.context import AttemptRecord, RequestContext
 from fallback_mw.store.model import fallback_name, primary_name
@@ -208,6 +208,10 @@ _METHOD_RULES = _REPLAY_RULES - {"not_buffered"}
 # Remedies naming replayable_methods, which a store route cannot set.
 _STORE_UNSETTABLE = frozenset({"not_replayable_method", "method_override"})
 _DEFAULT_REPLAYABLE = RouteConfig.model_fields["replayable_methods"].default
+_DEFAULT_TIMERS = tuple(
+    UpstreamConfig.model_fields[timer].default
+    for timer in ("connect_timeout_ms", "first_byte_timeout_ms")
+)
 
 
 def _remedy(rule: str | None, context: RequestContext) -> str:
@@ -218,7 +222,7 @@ def _remedy(rule: str | None, context: RequestContext) -> str:
         # The method rule is checked first; a body that was not buffered would stop the
         # replay too, so the method's remedy alone changes nothing.
         remedy += f"; and {_REMEDY['not_buffered']}"
-    if rule in _STORE_UNSETTABLE and _store_shaped(route):
+    if rule in _STORE_UNSETTABLE and _store_shaped(context):
         # A route the admin CLI stored: no verb sets the key named above, so say where it
         # can be set.
         remedy += (
@@ -331,7 +335,7 @@ def _deadline_message(context: RequestContext) -> str:
                 f"in time for another attempt; the caller may send {larger}, or none (the "
                 f"route's {configured} ms then applies)"
             )
-        if _store_shaped(context.route):
+        if _store_shaped(context):
             remedy = (
                 f"the caller may send a larger x-gateway-deadline-ms (above {timeout_ms} ms), or "
                 "none"
@@ -347,7 +351,7 @@ def _deadline_message(context: RequestContext) -> str:
             )
         return f"{passed}, {inside}: {remedy}"
     key = "the route's deadline_ms"
-    store = _store_shaped(context.route)
+    store = _store_shaped(context)
     if context.route.deadline_ms is None:
         key = "[gateway] deadline_ms (or set the route's deadline_ms)"
         if store:
@@ -385,16 +389,34 @@ _STORE_TIMERS = (
 )
 
 
-def _store_shaped(route: RouteConfig) -> bool:
+def _store_shaped(context: RequestContext) -> bool:
     """A route as the admin CLI stores it: its plan is the upstream names the store derives
-    from its id (`chat-primary`, then `chat-fallback`), and its replayable_methods the
-    defaults. What only the config file can change is then said to be set there."""
+    from its id (`chat-primary`, then `chat-fallback`), with the defaults no admin verb sets
+    (replayable_methods, no deadline_ms of its own, its upstreams' timers). What only the
+    config file can change is then said to be set there. A file route that keeps the names
+    (moved from the store, as these messages advise) and sets one of those is a file
+    route."""
+    route = context.route
     names = (primary_name(route.id), fallback_name(route.id))
-    return (
+    if not (
         route.plan[0] == names[0]
         and set(route.plan) <= set(names)
         and route.replayable_methods == _DEFAULT_REPLAYABLE
-    )
+        and route.deadline_ms is None
+    ):
+        return False
+    for name in route.plan:
+        upstream = context.upstreams.get(name)
+        if (
+            upstream is None
+            or (
+                upstream.connect_timeout_ms,
+                upstream.first_byte_timeout_ms,
+            )
+            != _DEFAULT_TIMERS
+        ):
+            return False
+    return True
 
 
 def _injected_hang(context: RequestContext) -> str | None:
