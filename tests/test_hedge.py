@@ -112,6 +112,40 @@ async def test_a_hedge_that_fails_fast_does_not_win_over_the_attempt_still_runni
 
 
 @pytest.mark.anyio
+async def test_the_502_names_the_answer_that_ended_the_walk_not_the_hedge_that_failed_first() -> (
+    None
+):
+    # The hedge is answered 502 at once; the first attempt then 503, which the walk judges
+    # (the ceiling of two attempts is reached: a local 502). The message named the hedge's
+    # 502, the last attempt started, as what ended the walk: a failover-class loser is
+    # finished as a failure now (not cancelled), and the answer judged came before it.
+    hedge_answered = asyncio.Event()
+    arrivals = 0
+
+    async def primary_handler(request: web.Request) -> web.StreamResponse:
+        nonlocal arrivals
+        arrivals += 1
+        if arrivals == 1:
+            await asyncio.wait_for(hedge_answered.wait(), timeout=10)
+            await asyncio.sleep(0.2)  # the hedge's 502 reaches the gateway first
+            return web.Response(status=503, body=b"busy")
+        hedge_answered.set()
+        return web.Response(status=502, body=b"bad gateway")
+
+    async with (
+        upstream(primary_handler) as primary,
+        upstream(status_handler(200)) as backup,
+        gateway_client(
+            config(primary, backup, hedge_after_ms=50, retries=1, plan=["primary"])
+        ) as client,
+    ):
+        response = await client.get("/v1/x")
+    assert (response.status_code, primary.count, backup.count) == (502, 2, 0)
+    message = response.json()["error"]["message"]
+    assert "(last failure: status 503 at 'primary')" in message, message
+
+
+@pytest.mark.anyio
 async def test_no_hedge_when_the_primary_answers_in_time() -> None:
     async with (
         upstream(status_handler(200, b"p", delay=0.02)) as primary,

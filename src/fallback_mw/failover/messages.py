@@ -457,9 +457,13 @@ def _no_next_attempt(context: RequestContext, timer: str) -> str | None:
 
 
 def _last_failed(context: RequestContext) -> AttemptRecord:
-    """The attempt whose outcome ended the walk: the last one started, unless it lost a
-    hedge race (cancelled by the gateway when the other attempt's head came first: that
-    head is what `decide` judged)."""
+    """The attempt whose outcome ended the walk: the one `decide` judged (the walker wrote
+    its `local_error` on it), else the last one started, unless it lost a hedge race. The
+    last started is not always the one judged: a hedge answered 502 at once is finished as
+    the failure it is while the first attempt runs on, and that one's 503 ends the walk."""
+    for record in reversed(context.attempts):
+        if record.decision == "local_error":
+            return record
     for record in reversed(context.attempts):
         if record.failure_kind != "cancelled":
             return record
