@@ -146,6 +146,38 @@ async def test_the_502_names_the_answer_that_ended_the_walk_not_the_hedge_that_f
 
 
 @pytest.mark.anyio
+async def test_a_failover_class_answer_that_lost_the_race_is_the_last_response_served() -> None:
+    # on_exhausted = "last_response": the first attempt is answered 503 while the hedge
+    # still waits, then the hedge times out (no head). The 503 was finished and closed as
+    # the race's loser, so the walk, exhausted, had no upstream answer to pass through: a
+    # local 502 where the route asks for the upstream's own 503 (as without a hedge).
+    hedge_arrived = asyncio.Event()
+    arrivals = 0
+
+    async def primary_handler(request: web.Request) -> web.StreamResponse:
+        nonlocal arrivals
+        arrivals += 1
+        if arrivals == 1:
+            await asyncio.wait_for(hedge_arrived.wait(), timeout=10)
+            return web.Response(status=503, body=b"busy", headers={"retry-after": "7"})
+        hedge_arrived.set()
+        await asyncio.sleep(10)  # past its first_byte_timeout_ms: a timeout, no head
+        return web.Response(body=b"too late")
+
+    async with upstream(primary_handler) as primary, upstream(status_handler(200)) as backup:
+        conf = config(
+            primary, backup, hedge_after_ms=50, retries=1, plan=["primary"],
+            on_exhausted="last_response",
+        )  # fmt: skip
+        conf["upstreams"]["primary"]["first_byte_timeout_ms"] = 1000
+        async with gateway_client(conf) as client:
+            response = await client.get("/v1/x")
+    assert (response.status_code, response.text) == (503, "busy"), response.text
+    assert response.headers["retry-after"] == "7"
+    assert response.headers["x-gateway-attempts"] == "2"
+
+
+@pytest.mark.anyio
 async def test_no_hedge_when_the_primary_answers_in_time() -> None:
     async with (
         upstream(status_handler(200, b"p", delay=0.02)) as primary,

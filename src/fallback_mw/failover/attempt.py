@@ -458,18 +458,20 @@ class AttemptLifecycle:
             return quota
         return self.context.upstreams[name].quota_retire_ms / 1000  # no reset given
 
-    async def lose(self, record: AttemptRecord, result: AttemptResult | None) -> None:
+    async def lose(
+        self, record: AttemptRecord, result: AttemptResult | None
+    ) -> UpstreamResponse | None:
         """The attempt that lost a hedge race: cancelled (None) or with a head it does not
         need, it proved nothing about the upstream; a real failure before the winner's
-        head is finished like any attempt."""
+        head is finished like any attempt. A failover-class answer (a 503) is returned
+        open: it is an upstream answer the walk keeps, as any failed attempt's, for
+        `on_exhausted = "last_response"` (the caller keeps or closes it)."""
         if result is not None and (
             result[1] is None or is_failover_class(result[0], self.failover_status)
         ):
             # It failed (before the winner's head, or beside it): booked like any attempt.
             await self.finish(record, result[0], result[1])
-            if result[1] is not None:
-                await result[1].aclose()
-            return
+            return result[1]
         if result is not None:
             assert result[1] is not None
             record.status = result[1].status
@@ -479,6 +481,7 @@ class AttemptLifecycle:
         record.decision, record.reason = "abort", "lost the hedge race"
         self.telemetry.attempt_finished(self.context, record)
         await self.release(record.candidate, record)
+        return None
 
     async def release(self, name: str, record: AttemptRecord | None = None) -> None:
         """The attempt at `name` (`record`, once started) ended for a local reason: the probe

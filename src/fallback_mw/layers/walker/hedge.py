@@ -26,6 +26,7 @@ from fallback_mw.failover.attempt import AttemptLifecycle, AttemptResult
 from fallback_mw.failover.decide import is_failover_class
 from fallback_mw.layers.walker.cursor import CandidateCursor, Pick
 from fallback_mw.request.context import AttemptRecord
+from fallback_mw.upstream.base import UpstreamResponse
 
 R = TypeVar("R")
 
@@ -95,10 +96,13 @@ async def run_hedged(
     *,
     after: float,
     may_start: Callable[[], bool],
+    keep: Callable[[str, UpstreamResponse, AttemptRecord], Awaitable[None]],
 ) -> tuple[AttemptResult, AttemptRecord]:
     """The primary attempt (`pick`, started as `record`), hedged after `after` seconds when
     `may_start()` still holds (`decide.further_attempt_possible`). Returns the winning
-    result and its record; the loser is finished by the lifecycle (`lose`)."""
+    result and its record; the loser is finished by the lifecycle (`lose`), and a loser's
+    failover-class answer handed to `keep` (the walk's last upstream answer, for
+    `on_exhausted = "last_response"`, as a failed attempt's outside a race)."""
     records = [record]
 
     async def start_hedge() -> Coroutine[Any, Any, AttemptResult] | None:
@@ -114,7 +118,9 @@ async def run_hedged(
         return attempts.run(hedge.name, hedge.upstream, hedge_record)
 
     async def discard(index: int, result: AttemptResult | None) -> None:
-        await attempts.lose(records[index], result)
+        answer = await attempts.lose(records[index], result)
+        if answer is not None:
+            await keep(records[index].candidate, answer, records[index])
 
     failover_status = attempts.failover_status
     index, result = await first_head(

@@ -314,6 +314,7 @@ class _Walk:
                         attempts, self.cursor, pick, record,
                         after=self.route.hedge_after_ms / 1000,
                         may_start=lambda: further_attempt_possible(self.state()),
+                        keep=self._keep,
                     )  # fmt: skip
                 else:
                     outcome, response = await attempts.run(pick.name, pick.upstream, record)
