@@ -325,3 +325,55 @@ async def test_an_answer_over_max_response_body_is_charged_the_hold_however_it_i
             assert await status_of(gateway) == (Decimal("0.01"), Decimal(0))
         finally:
             await gateway.aclose()
+
+
+@pytest.mark.parametrize(
+    ("ending", "charged"), [("settle", "1"), ("settle_and_record", "1"), ("release", "0")]
+)
+async def test_a_settlement_that_waited_for_the_reaper_charges_what_it_cost(
+    pg_url: str, ending: str, charged: str
+) -> None:
+    # PostgreSQL: the reaper deletes a stale hold (a stream read for over an hour) and keeps
+    # it in fmw_budget_reaped, in one statement; the request's settlement, sent meanwhile,
+    # waits for the reaper's lock on the hold. Its statement's snapshot predated the
+    # reaper's commit: the hold was gone and the reaped row unseen, so the request was
+    # charged the hold (5) where it cost 1 (or nothing: released), the reaped row left over.
+    import asyncio
+
+    import asyncpg
+
+    from fallback_mw.budget.ledger import UsageRecord
+    from fallback_mw.store.ledgers import postgres
+
+    budget = BudgetConfig(limit=Decimal("100"), window="month", default_hold=Decimal("0.01"))
+    ledger = postgres.PostgresLedger(pg_url)
+    reaper = await asyncpg.connect(pg_url)
+    try:
+        hold = await ledger.hold("acme", budget, Decimal("5"))
+        assert hold is not None
+        reaping = reaper.transaction()
+        await reaping.start()
+        await reaper.execute(postgres._REAP, 0.0, postgres.SPENT_CAP_UNITS)  # not committed
+        record = UsageRecord(request_id="r", route="chat", tenant="acme", budget_id="acme")
+        endings = {
+            "settle": lambda: ledger.settle(hold, Decimal("1")),
+            "settle_and_record": lambda: ledger.settle_and_record(hold, Decimal("1"), record),
+            "release": lambda: ledger.release(hold),
+        }
+        settling = asyncio.ensure_future(endings[ending]())
+        # Until the settlement waits for the reaper's lock on the hold.
+        waiting = (
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        )
+        while not await reaper.fetchval(waiting):
+            assert not settling.done()
+            await asyncio.sleep(0.01)
+        await reaping.commit()
+        await asyncio.wait_for(settling, 10)
+        status = await ledger.status("acme", budget)
+        left = await reaper.fetchval("SELECT count(*) FROM fmw_budget_reaped")
+    finally:
+        await reaper.close()
+        await ledger.aclose()
+    assert (status.spent, status.held, left) == (Decimal(charged), 0, 0)

@@ -89,11 +89,15 @@ def _finished(hold: str) -> str:
     return f"""finished AS (
     DELETE FROM fmw_budget_holds WHERE hold_id = {hold}
     RETURNING budget_id, window_start, amount_units AS held, 0::bigint AS credit
-), reaped AS (
+), {_reaped(hold)}, ended AS (
+    SELECT * FROM finished UNION ALL SELECT * FROM reaped
+)"""
+
+
+def _reaped(hold: str) -> str:
+    return f"""reaped AS (
     DELETE FROM fmw_budget_reaped WHERE hold_id = {hold}
     RETURNING budget_id, window_start, 0::bigint AS held, amount_units AS credit
-), ended AS (
-    SELECT * FROM finished UNION ALL SELECT * FROM reaped
 )"""
 
 
@@ -106,8 +110,20 @@ FROM ended
 WHERE w.budget_id = ended.budget_id AND w.window_start = ended.window_start"""
 
 
+# Each answers how many holds it ended (0 or 1): none, see `_FINISH_REAPED`.
 _FINISH = f"""
-WITH {_finished("$1")}
+WITH {_finished("$1")}, settled AS (
+    {_settle_ended("$2", "$3")}
+)
+SELECT count(*) FROM ended
+"""
+
+# A settlement that found its hold neither held nor reaped may have waited for the reaper
+# that was deleting it: its statement's snapshot, taken before the reaper committed, did
+# not see the row the reaper added to fmw_budget_reaped, and the request was charged the
+# hold. A second statement (a new snapshot) settles against that row, once.
+_FINISH_REAPED = f"""
+WITH {_reaped("$1")}, ended AS (SELECT * FROM reaped)
 {_settle_ended("$2", "$3")}
 """
 
@@ -136,8 +152,10 @@ def _settle_and_record(insert: str) -> str:
     return f"""
 WITH {_finished(_HOLD_ID)}, settled AS (
     {_settle_ended(_SPENT, _CAP)}
+), recorded AS (
+    {insert}
 )
-{insert}
+SELECT count(*) FROM ended
 """
 
 
@@ -444,9 +462,27 @@ class PostgresLedger(SQLLedgerBase):
 
     async def _finish(self, hold_id: str, spent: int) -> None:
         async def work(pool: asyncpg.Pool) -> None:
-            await pool.execute(_FINISH, hold_id, min(max(spent, 0), MAX_UNITS), SPENT_CAP_UNITS)
+            spend = min(max(spent, 0), MAX_UNITS)
+            ended = await pool.fetchval(_FINISH, hold_id, spend, SPENT_CAP_UNITS)
+            if not ended:  # no hold, none reaped as it saw them: see _FINISH_REAPED
+                await pool.execute(_FINISH_REAPED, hold_id, spend, SPENT_CAP_UNITS)
 
         await self._run(work)
+
+    async def _finish_reaped(self, hold_id: str, spent: int) -> None:
+        """After a settlement that ended no hold: settled before (nothing to do), or reaped
+        while its statement waited for the reaper's lock (_FINISH_REAPED). A second round
+        trip only then, never for a hold that was there. Unanswered, it is kept as a plain
+        settlement (its usage record is written already, never twice)."""
+
+        async def work(pool: asyncpg.Pool) -> None:
+            await pool.execute(_FINISH_REAPED, hold_id, spent, SPENT_CAP_UNITS)
+
+        try:
+            await self._run(work)
+        except (_NotSent, _AnswerLost) as exc:
+            if not self._keep((hold_id, spent, None, isinstance(exc, _AnswerLost), None)):
+                raise
 
     # --- usage and budgets --------------------------------------------------------------
 
@@ -470,11 +506,10 @@ class PostgresLedger(SQLLedgerBase):
         database answers again, so an outage loses neither the record nor the settlement
         (the hold would otherwise be charged at its full amount once stale)."""
 
-        async def work(pool: asyncpg.Pool) -> None:
+        async def work(pool: asyncpg.Pool) -> object:
             if hold_id is None:
-                await pool.execute(_INSERT_USAGE, *values)
-            else:
-                await pool.execute(_SETTLE_AND_RECORD, *values, hold_id, spent, SPENT_CAP_UNITS)
+                return await pool.execute(_INSERT_USAGE, *values)
+            return await pool.fetchval(_SETTLE_AND_RECORD, *values, hold_id, spent, SPENT_CAP_UNITS)
 
         try:
             if hold_id is None:
@@ -483,7 +518,11 @@ class PostgresLedger(SQLLedgerBase):
                 # Not cancelled with its caller: a host's cancel landing while the
                 # statement ran (the budget guard's shield holds off an anyio scope's
                 # cancel, not a task's own) left the hold HELD.
-                await asyncio.shield(self._outliving(self._run(work)))
+                ended = await asyncio.shield(self._outliving(self._run(work)))
+                if not ended:
+                    # The record is written: what is left, if anything, is the settlement
+                    # against a reaped row (kept as a plain settlement if unanswered).
+                    await asyncio.shield(self._outliving(self._finish_reaped(hold_id, spent)))
         except _NotSent:
             if not self._keep((hold_id, spent, values, False, None)):
                 raise
