@@ -87,12 +87,17 @@ class Console:
         self.err.flush()
 
 
+def printable(text: str) -> str:
+    """`text` as a terminal shows it: every character that is not printable (a tab, a
+    newline, an escape sequence's ESC, a BEL) becomes `?`."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else "?" for c in text)
+
+
 def _one_line(message: str) -> str:
     """A message as one terminal line: whitespace runs become one space, and a character
-    a terminal would act on (an escape sequence's ESC, a BEL) from an argument or a stored
-    value the message quotes becomes `?`."""
-    text = " ".join(message.split())
-    return text if text.isprintable() else "".join(c if c.isprintable() else "?" for c in text)
+    a terminal would act on from an argument or a stored value the message quotes becomes
+    `?` (`printable`)."""
+    return printable(" ".join(message.split()))
 
 
 Handler = Callable[[argparse.Namespace, Console], int | None]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from fallback_mw.cli.app import Console
+from fallback_mw.cli.app import Console, printable
 from fallback_mw.config import RouteConfig, UpstreamConfig
 from fallback_mw.rules import shown_variable
 
@@ -27,7 +27,7 @@ def route_line(route: RouteConfig, upstreams: Mapping[str, UpstreamConfig], sour
 def one_line(text: str) -> str:
     """A table cell as a terminal shows it in its column: every character that is not
     printable (a tab, a newline, an escape sequence's ESC) becomes `?`."""
-    return text if text.isprintable() else "".join(c if c.isprintable() else "?" for c in text)
+    return printable(text)
 
 
 def print_table(console: Console, rows: Sequence[Sequence[str]]) -> None:

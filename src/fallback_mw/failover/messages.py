@@ -317,8 +317,9 @@ def _deadline_message(context: RequestContext) -> str:
         remedy = f"lower that timeout below {caller} ms so that a hang ends in time for the "
         remedy += "next attempt"
         alone = _no_next_attempt(context, timer)
-        if alone is not None and _injected_hang(context) is not None:
-            return f"{passed}, {inside}; {alone}: {_injected_hang(context)}"
+        hang = _injected_hang(context) if alone is not None else None
+        if hang is not None:
+            return f"{passed}, {inside}; {alone}: {hang}"
         if alone is not None:
             return (
                 f"{passed}, {inside}; {alone}: the caller may send a larger "
@@ -364,8 +365,9 @@ def _deadline_message(context: RequestContext) -> str:
     name, timer, timeout_ms = waiting
     inside = _inside(name, timer, timeout_ms)
     alone = _no_next_attempt(context, timer)
-    if alone is not None and _injected_hang(context) is not None:
-        return f"{passed}, {inside}; {alone}: {_injected_hang(context)}"
+    hang = _injected_hang(context) if alone is not None else None
+    if hang is not None:
+        return f"{passed}, {inside}; {alone}: {hang}"
     if alone is not None:
         return (
             f"{passed}, {inside}; {alone}: raise {key} to wait longer for it (up to "
