@@ -257,8 +257,23 @@ async def key_a_back_after(client: httpx.AsyncClient, pool: Upstream) -> bool:
             ),
             20.0,
         ),
+        # OpenAI / Azure OpenAI: `retry-after-ms` (their SDKs read it first) over the
+        # coarser Retry-After; it was ignored (cooldown_ms, 5 s, instead of 30 s).
+        (
+            (
+                b'{"error": {"code": "rate_limit_exceeded"}}',
+                {"retry-after-ms": "30000", "retry-after": "1"},
+            ),
+            30.0,
+        ),
     ],
-    ids=["quota-body", "quota-headers", "rate-limited", "reset-sooner-than-retry-after"],
+    ids=[
+        "quota-body",
+        "quota-headers",
+        "rate-limited",
+        "reset-sooner-than-retry-after",
+        "retry-after-ms",
+    ],
 )
 async def test_a_spent_quota_retires_until_its_reset_a_rate_limit_cools_down(
     answer: tuple[bytes, dict[str, str]], retired_for: float, caplog: pytest.LogCaptureFixture
@@ -791,6 +806,26 @@ async def test_the_peek_reads_a_bounded_prefix_and_relays_every_byte_or_the_erro
 )
 def test_retry_after_is_read_whole_or_not_at_all(value: bytes, seconds: float | None) -> None:
     assert retry_after_seconds([(b"retry-after", value)]) == seconds
+
+
+@pytest.mark.parametrize(
+    ("headers", "seconds"),
+    [
+        ([(b"retry-after-ms", b"1500")], 1.5),
+        ([(b"retry-after-ms", b"250.5")], 0.2505),
+        ([(b"retry-after", b"20"), (b"retry-after-ms", b"20000")], 20.0),
+        ([(b"retry-after", b"20"), (b"retry-after-ms", b"500")], 0.5),  # the finer one wins
+        ([(b"retry-after-ms", b"-1"), (b"retry-after", b"3")], 3.0),  # unreadable: ignored
+        ([(b"retry-after-ms", b"1e9")], None),
+        ([(b"retry-after-ms", b"nan")], None),
+        ([(b"retry-after-ms", b".")], None),
+        ([(b"retry-after-ms", b"\xc2\xb2")], None),
+    ],
+)
+def test_retry_after_ms_is_read_before_retry_after(
+    headers: list[tuple[bytes, bytes]], seconds: float | None
+) -> None:
+    assert retry_after_seconds(headers) == seconds
 
 
 async def test_a_retry_after_date_beyond_any_year_fails_over_like_any_429() -> None:

@@ -203,21 +203,41 @@ class CredentialPool:
 
 
 def retry_after_seconds(headers: Iterable[tuple[bytes, bytes]]) -> float | None:
-    """Retry-After as seconds from now: delta-seconds or an HTTP date (RFC 9110 §10.2.3)."""
+    """Retry-After as seconds from now: delta-seconds or an HTTP date (RFC 9110 §10.2.3).
+    `retry-after-ms` (OpenAI's and Azure OpenAI's millisecond form, which their SDKs read
+    first) wins when it is readable: a non-negative decimal number of milliseconds."""
+    seconds: float | None = None
     for key, value in headers:
-        if key == b"retry-after":
-            text = value.decode("latin-1").strip()
-            if text.isascii() and text.isdigit():  # `²` is a digit to isdigit, not to float
-                # Whole: the first 9 digits of `0000000000120` said 0 (no cool-down at all).
-                # A huge value is a huge float (inf at worst), capped by the caller.
-                return float(text)
-            try:
-                when = parsedate_to_datetime(text)
-            except (TypeError, ValueError, IndexError, OverflowError):
-                # OverflowError: a year past any date's (`1 Jan 10000000000 ...`), which
-                # raised out of the attempt (a 500 instead of the pool's next credential).
-                return None
-            if when.tzinfo is None:
-                return None
-            return max((when - datetime.now(UTC)).total_seconds(), 0.0)
-    return None
+        if key == b"retry-after-ms":
+            millis = _milliseconds(value)
+            if millis is not None:
+                return millis / 1000
+        elif key == b"retry-after" and seconds is None:
+            seconds = _retry_after(value)
+    return seconds
+
+
+def _milliseconds(value: bytes) -> float | None:
+    """`1500`, `1500.5`: ASCII digits with at most one decimal point; anything else
+    (a sign, an exponent, `nan`, `²`) is unreadable."""
+    whole, _, fraction = value.strip().partition(b".")
+    if not whole.isdigit() or (fraction and not fraction.isdigit()):
+        return None
+    return float(value)
+
+
+def _retry_after(value: bytes) -> float | None:
+    text = value.decode("latin-1").strip()
+    if text.isascii() and text.isdigit():  # `²` is a digit to isdigit, not to float
+        # Whole: the first 9 digits of `0000000000120` said 0 (no cool-down at all).
+        # A huge value is a huge float (inf at worst), capped by the caller.
+        return float(text)
+    try:
+        when = parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        # OverflowError: a year past any date's (`1 Jan 10000000000 ...`), which
+        # raised out of the attempt (a 500 instead of the pool's next credential).
+        return None
+    if when.tzinfo is None:
+        return None
+    return max((when - datetime.now(UTC)).total_seconds(), 0.0)
