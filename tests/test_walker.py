@@ -730,6 +730,44 @@ async def test_forwarded_path_is_the_normalised_one() -> None:
     assert p.received[0].query == "x=1&y=two"
 
 
+@pytest.mark.parametrize(
+    ("sent", "forwarded"),
+    [
+        # A project id or an object key holding a `/` (GitLab's `group%2Fapp`): one segment.
+        ("/v1/projects/group%2Fapp/files", "/v1/projects/group%2Fapp/files"),
+        ("/v1/files/a%3Bb.txt", "/v1/files/a%3Bb.txt"),  # a `;` in a name, not a parameter
+        ("/v1/files/a%2Bb%3Dc%2C%40", "/v1/files/a%2Bb%3Dc%2C%40"),
+        ("/v1/files/a%5cb", "/v1/files/a%5Cb"),  # a backslash in a name, not a separator
+        ("/v1/x/%7euser/./a//b/", "/v1/x/~user/a/b/"),  # unreserved decoded, dots resolved
+        ("/v1/x/%C3%A9t%c3%a9", "/v1/x/%C3%A9t%C3%A9"),
+        ("/v1/x/100%", "/v1/x/100%25"),
+        # An encoded separator that would climb: decoded and resolved, as before.
+        ("/v1/a%2F..%2Fb", "/v1/b"),
+        ("/v1/a/..%5C..%5Cv1%2Fb", "/v1/b"),
+    ],
+)
+async def test_the_callers_percent_encoding_of_a_segment_reaches_the_upstream(
+    sent: str, forwarded: str
+) -> None:
+    """A REST service reads `%2F` inside a segment as part of the name (GitLab's
+    `/projects/group%2Fapp`, an object key); decoded to `/` it named another resource
+    (404), and `%3B` decoded to `;` became a path parameter a servlet container drops."""
+    async with upstream(status_handler(200)) as p, upstream(status_handler(200)) as b:
+        gateway = Gateway(host_app, config=make_config(p.url, b.url), environ=ENV)
+        async with serve_asgi(gateway) as url:
+            import urllib.request
+
+            def fetch() -> int:
+                # urllib sends the path exactly as written (no client-side normalisation).
+                with urllib.request.urlopen(url + sent, timeout=5) as response:
+                    return int(response.status)
+
+            status = await asyncio.to_thread(fetch)
+        await gateway.aclose()
+    assert status == 200
+    assert [r.path for r in p.received] == [forwarded]
+
+
 async def test_unmatched_requests_go_to_the_host_app() -> None:
     async with upstream(status_handler(200)) as p, upstream(status_handler(200)) as b:
         gateway = Gateway(host_app, config=make_config(p.url, b.url, methods=["GET"]), environ=ENV)

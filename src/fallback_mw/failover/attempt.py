@@ -44,6 +44,7 @@ from fallback_mw.health.quota import PeekedResponse, peek_quota
 from fallback_mw.request.body import BodyAborted
 from fallback_mw.request.context import AttemptRecord, RequestBody, RequestContext
 from fallback_mw.request.usage import body_coding
+from fallback_mw.routing import PATH_SAFE
 from fallback_mw.telemetry import Telemetry
 from fallback_mw.timers import deadline_after
 from fallback_mw.upstream.base import (
@@ -53,8 +54,6 @@ from fallback_mw.upstream.base import (
     UpstreamRequest,
     UpstreamResponse,
 )
-
-_PATH_SAFE = "/:@!$&'()*+,;=-._~"
 
 AttemptResult = tuple[Outcome, UpstreamResponse | None]
 _FIRST_BYTE = "first_byte_timeout_ms"
@@ -128,7 +127,9 @@ class AttemptRunner:
     def _request_url(self, upstream: UpstreamConfig) -> str:
         target = self._target
         if target is None:
-            target = quote(self.context.path, safe=_PATH_SAFE)
+            # The caller's percent-encoding where it is safe to keep (`%2F` inside a
+            # segment), else the normalised path quoted.
+            target = self.context.spelled_path or quote(self.context.path, safe=PATH_SAFE)
             if self.context.query:
                 target += "?" + self.context.query.decode("latin-1")
             self._target = target

@@ -24,7 +24,13 @@ from fallback_mw.request.local_errors import send_error
 from fallback_mw.request.record import write_record
 from fallback_mw.request.secrets import RequestSecrets, provider_secrets, recordable
 from fallback_mw.request.types import ASGIApp, Receive, Scope, Send
-from fallback_mw.routing import RouteTable, effective_deadline_ms, routed_path
+from fallback_mw.routing import (
+    RouteTable,
+    caller_spelling,
+    effective_deadline_ms,
+    normalise_path,
+    raw_routed_path,
+)
 from fallback_mw.security import (
     CREDENTIAL_HEADERS,
     canonical_name,
@@ -163,7 +169,8 @@ class RouteResolver:
             await self.app(scope, receive, send)
             return
         started = time.monotonic()
-        path = routed_path(scope)
+        raw_path = raw_routed_path(scope)
+        path = None if raw_path is None else normalise_path(raw_path)
         table = self.table()
         (tenant_text, session, deadline_text), twice = _headers(scope, self.read_headers)
         tenant = tenant_text or "default"
@@ -185,7 +192,7 @@ class RouteResolver:
         requested = requested_deadline_ms(deadline_text)
         configured_ms = effective_deadline_ms(route, self.default_deadline_ms, None)
         deadline_ms = effective_deadline_ms(route, self.default_deadline_ms, requested)
-        assert path is not None
+        assert path is not None and raw_path is not None
         context = RequestContext(
             route=route,
             upstreams=table.upstreams,
@@ -194,6 +201,7 @@ class RouteResolver:
             session=session,
             method=method,
             path=path,
+            spelled_path=caller_spelling(raw_path, route.prefix) if "%" in raw_path else None,
             query=strip_query_keys(scope.get("query_string", b""), self.strip_query_keys),
             started=started,
             deadline=started + deadline_ms / 1000,

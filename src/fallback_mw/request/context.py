@@ -126,13 +126,16 @@ class RequestContext:
     tenant: str
     session: str | None
     method: str
-    path: str  # normalised path, the one matched and forwarded
+    path: str  # normalised path, the one matched (and forwarded, unless spelled_path)
     query: bytes  # forwarded upstream, never recorded
     deadline: float  # time.monotonic() by which the walk must have a response head
     # The configured deadline (the route's deadline_ms, else [gateway]'s), and the caller's
     # x-gateway-deadline-ms when it shortened it: a 504 names the one that applied.
     configured_deadline_ms: int | None = None
     caller_deadline_ms: int | None = None
+    # The path forwarded when the caller's percent-encoding is kept (routing.caller_spelling:
+    # `%2F` inside a segment); None: `path`, quoted.
+    spelled_path: str | None = None
     # The candidate whose repeat the walk was waiting out backoff_ms for when the deadline
     # ran out (the 504 names the backoff, not only the deadline).
     backoff_cut: str | None = None
