@@ -157,3 +157,82 @@ def test_serve_on_a_terminal_writes_no_colour_under_no_color(tmp_path: Path) -> 
     plain = _serve_on_a_terminal(config, {**env, "NO_COLOR": "1"})
     assert "\x1b[" not in plain, plain
     assert "INFO:     Application startup complete." in plain, plain
+
+
+async def _exchange(port: int, request: bytes) -> tuple[bytes, bytes, bool]:
+    """(head, body) of the one answer to `request` on a fresh connection, and whether the
+    server then closed it (read until EOF, 10 s at most)."""
+    import asyncio
+
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(request)
+    data = b""
+    try:
+        async with asyncio.timeout(10):
+            while chunk := await reader.read(65536):
+                data += chunk
+        closed = True
+    except TimeoutError:
+        closed = False
+    writer.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return head, body, closed
+
+
+@pytest.mark.anyio
+async def test_serve_frames_an_unsized_answer_for_an_http_1_0_client_by_closing(
+    tmp_path: Path,
+) -> None:
+    """An HTTP/1.0 client (ab, a 1.0 health check or proxy) reads no chunked framing (RFC
+    9112 §6.1), yet an answer without a Content-Length (a streamed download, a body the
+    gateway relays decoded) reached it with `transfer-encoding: chunked` and the chunk
+    sizes inside its body. It is ended by closing the connection; HTTP/1.1 still chunks."""
+    import asyncio
+
+    from aiohttp import web
+
+    parts = [b"first part,", b"second part,", b"last part"]
+
+    async def streamed(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/plain"})
+        await response.prepare(request)
+        for part in parts:
+            await response.write(part)
+        await response.write_eof()
+        return response
+
+    async def cut(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/plain"})
+        await response.prepare(request)
+        await response.write(b"partial")
+        await asyncio.sleep(0.1)
+        assert request.transport is not None
+        request.transport.abort()  # the upstream fails after the commit point
+        return response
+
+    async with upstream(streamed) as primary, upstream(cut) as backup:
+        config = write_config(tmp_path, primary.url, backup.url)
+        port = free_port()
+        log = tmp_path / "serve.log"
+        with serve(config, port, log) as process:
+            await wait_listening(process, port, log)
+            head, body, closed = await _exchange(port, b"GET /v1/download HTTP/1.0\r\n\r\n")
+            head11, body11, _ = await _exchange(
+                port, b"GET /v1/download HTTP/1.1\r\nhost: gw\r\nconnection: close\r\n\r\n"
+            )
+            broken, partial, _ = await _exchange(port, b"GET /failover/x HTTP/1.0\r\n\r\n")
+        assert process.returncode == 0, log_text(log)
+    fields = head.lower().split(b"\r\n")
+    assert fields[0].startswith(b"http/1.1 200"), head
+    assert b"connection: close" in fields
+    assert not any(f.startswith((b"transfer-encoding", b"content-length")) for f in fields)
+    assert (body, closed) == (b"".join(parts), True)
+    # HTTP/1.1 still gets chunked framing.
+    assert b"transfer-encoding: chunked" in head11.lower().split(b"\r\n")
+    assert body11.endswith(b"0\r\n\r\n")
+    # A failure after the commit point closes the connection as before (all an HTTP/1.0
+    # client can be told), with the gateway's one WARNING line and nothing from uvicorn.
+    assert b"transfer-encoding" not in broken.lower() and partial == b"partial"
+    output = log_text(log)
+    assert "outcome=aborted" in output
+    assert "ASGI callable" not in output and "Traceback" not in output, output

@@ -52,7 +52,7 @@ async def break_response(send: Send, scope: Scope | None = None) -> None:
     `send` is the one the gateway was handed; with `scope`, the server's own is looked up
     first, so this works behind other middleware (Starlette's, Django's handler) too."""
     try:
-        send = (server_send(scope) if scope is not None else None) or send
+        send = _unwrapped((server_send(scope) if scope is not None else None) or send)
         server = _server_of(send)
         if server == "daphne":
             assert isinstance(send, functools.partial)
@@ -109,8 +109,17 @@ def server_send(scope: Scope) -> Send | None:
     return send if callable(send) else None
 
 
+def _unwrapped(send: Any) -> Any:
+    """The server's own `send` behind wrappers that name it (`functools.wraps`: serve's
+    HTTP/1.0 framing wraps uvicorn's)."""
+    while (inner := getattr(send, "__wrapped__", None)) is not None:
+        send = inner
+    return send
+
+
 def _server_of(send: Any) -> str | None:
     """Which server `send` belongs to ("uvicorn", "hypercorn", "daphne"), if any known."""
+    send = _unwrapped(send)
     if isinstance(send, functools.partial):
         owner = getattr(send.func, "__self__", None)
         return "daphne" if type(owner).__module__.startswith("daphne.") else None
