@@ -50,6 +50,28 @@ DEFAULT_STRIP_HEADERS = (
     "x-functions-key",
     "private-token",
     "apikey",  # Kong's key-auth and Supabase read the key from this header (and `?apikey=`)
+    # The end user's own tokens, which an authenticating proxy in front of the gateway adds
+    # to every request it lets through: oauth2-proxy (`--pass-access-token`), Google's API
+    # Gateway / ESPv2 (the original `Authorization` it replaced), AWS ALB's OIDC action,
+    # Azure App Service authentication, Cloudflare Access (its JWT, a service token's
+    # secret), Google IAP, Pomerium, Kong's OIDC plugin. Forwarded, a user's identity
+    # provider token (a refresh token, with Azure) reached the LLM provider. The names a
+    # proxy gives the user's identity (`x-amzn-oidc-identity`, `x-forwarded-email`...) are
+    # no credentials and stay: a tenant_header may read them.
+    "x-forwarded-access-token",
+    "x-auth-request-access-token",
+    "x-forwarded-authorization",
+    "x-amzn-oidc-accesstoken",
+    "x-amzn-oidc-data",
+    "x-ms-token-aad-access-token",
+    "x-ms-token-aad-id-token",
+    "x-ms-token-aad-refresh-token",
+    "cf-access-jwt-assertion",
+    "cf-access-client-secret",
+    "x-goog-iap-jwt-assertion",
+    "x-pomerium-jwt-assertion",
+    "x-access-token",
+    "x-id-token",
     # Not secrets, but they choose whose account the gateway's own credential acts for:
     # OpenAI bills a request to the organization / project these name (a key in several),
     # Google to the `x-goog-user-project`. A caller must not pick who pays.

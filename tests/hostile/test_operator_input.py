@@ -367,6 +367,66 @@ async def test_a_caller_cannot_choose_whose_account_the_gateways_credential_bill
     assert ("authorization", "Bearer gateway-key-1234") in received.headers
 
 
+# What an authenticating proxy in front of the gateway adds: the end user's own tokens.
+PROXY_TOKENS = {
+    "X-Forwarded-Access-Token": "ya29.user-token-1",  # oauth2-proxy --pass-access-token
+    "X-Auth-Request-Access-Token": "user-token-2",  # oauth2-proxy --set-xauthrequest
+    "X-Forwarded-Authorization": "Bearer user-token-3",  # Google API Gateway / ESPv2
+    "x-amzn-oidc-accesstoken": "user-token-4",  # AWS ALB authenticate-oidc
+    "x-amzn-oidc-data": "user-jwt-5",
+    "X-MS-TOKEN-AAD-ACCESS-TOKEN": "user-token-6",  # Azure App Service authentication
+    "X-MS-TOKEN-AAD-ID-TOKEN": "user-jwt-7",
+    "X-MS-TOKEN-AAD-REFRESH-TOKEN": "user-token-8",
+    "Cf-Access-Jwt-Assertion": "user-jwt-9",  # Cloudflare Access
+    "CF-Access-Client-Secret": "user-token-10",
+    "x-goog-iap-jwt-assertion": "user-jwt-11",  # Google IAP
+    "X-Pomerium-Jwt-Assertion": "user-jwt-12",  # Pomerium
+    "X-Access-Token": "user-token-13",  # Kong's OIDC plugin
+    "X_ID_Token": "user-jwt-14",
+}
+
+
+@pytest.mark.anyio
+async def test_the_users_tokens_an_auth_proxy_in_front_adds_reach_no_upstream() -> None:
+    """Behind oauth2-proxy, an ALB or App Service authentication, Cloudflare Access, IAP or
+    Pomerium, every request carries the end user's own identity-provider token (a refresh
+    token, with Azure) in a header of the proxy's: they reached the LLM provider with the
+    gateway's key, the shadow too. The names the proxy gives the user are kept (a tenant
+    may be read from one)."""
+    async with (
+        upstream(status_handler(200, b"{}", **{"content-type": "application/json"})) as up,
+        upstream(status_handler(200, b"{}")) as copy,
+    ):
+        conf = {
+            "gateway": {"allow_hosts": ["127.0.0.1"], "tenant_header": "x-amzn-oidc-identity"},
+            "upstreams": {"primary": {"url": up.url, "auth_env": "FMW_T_KEY"},
+                          "copy": {"url": copy.url}},
+            "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"],
+                        "shadow": "copy", "shadow_percent": 100}],
+        }  # fmt: skip
+        gateway = Gateway(host_app, config=conf, environ={"FMW_T_KEY": "gateway-key-1234"})
+        try:
+            async with client_for(gateway) as http:
+                response = await http.get(
+                    "/v1/models",
+                    headers={**PROXY_TOKENS, "x-amzn-oidc-identity": "user-1",
+                             "X-Forwarded-Email": "u@example.com", "x-session-id": "s1"},
+                )  # fmt: skip
+            for _ in range(500):
+                if copy.count == 1 and not gateway.services.shadows.in_flight:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            await gateway.aclose()
+    assert response.status_code == 200
+    for server in (up, copy):
+        (received,) = server.received
+        assert not any("user-token" in v or "user-jwt" in v for _, v in received.headers)
+        names = {name.lower() for name, _ in received.headers}
+        assert {"x-amzn-oidc-identity", "x-forwarded-email"} <= names
+    assert ("authorization", "Bearer gateway-key-1234") in up.received[0].headers
+
+
 SPOOFED = {
     "Forwarded": "for=203.0.113.9;proto=https;host=admin.internal",
     "X-Forwarded-For": "203.0.113.9",
