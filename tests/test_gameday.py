@@ -167,6 +167,10 @@ BASE = ["gameday", "--route", "chat", "--fault", "fail", "--duration", "5s", "--
             ["--predict", "p99_ms=1", "--abort", "p99_ms=1", "--prometheus", "ftp://x"],
             "expected http(s)://",
         ),
+        (
+            ["--predict", "p99_ms=1", "--abort", "p99_ms=1", "--prometheus", "http://[x"],
+            "expected http(s)://",
+        ),
     ],
 )
 def test_refusals_exit_2_and_set_nothing(
@@ -175,6 +179,29 @@ def test_refusals_exit_2_and_set_nothing(
     assert main([*BASE, "--config", store, *extra]) == 2
     err = capsys.readouterr().err
     assert err.startswith("fallback-mw: error: ") and message in err
+    assert len(err.strip().splitlines()) == 1
+    assert asyncio.run(_faults(store)) == []
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "admin:hunter2-secret@prom:9090",  # the scheme forgotten
+        "htp://admin:hunter2-secret@prom:9090",
+        "prom:9090/api?token=hunter2-secret",
+        "https://admin:hunter2-secret@prom:9090",
+        "https://prom:9090/#hunter2-secret",
+    ],
+)
+def test_a_prometheus_url_refused_never_shows_its_password_or_query(
+    store: str, url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--prometheus admin:PW@prom:9090` (no scheme) was refused quoting the URL, so the
+    password went to the terminal and the CI log."""
+    argv = [*BASE, "--config", store, "--predict", "p99_ms=1", "--abort", "p99_ms=1"]
+    assert main([*argv, "--prometheus", url]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fallback-mw: error: --prometheus") and "hunter2" not in err
     assert len(err.strip().splitlines()) == 1
     assert asyncio.run(_faults(store)) == []
 

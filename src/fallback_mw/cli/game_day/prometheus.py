@@ -26,11 +26,18 @@ class PrometheusURLError(ValueError):
 
 
 def check_url(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise PrometheusURLError(f"--prometheus {url!r}: expected http(s)://host:port")
-    if parts.username or parts.password or parts.query or parts.fragment:
+    # Credentials first, read off the text: without its scheme (`admin:pw@prom:9090`)
+    # urlsplit finds no userinfo, and the refusal quoted the URL, password and all.
+    if "@" in url or "?" in url or "#" in url:
         raise PrometheusURLError("--prometheus: no credentials, query or fragment in the URL")
+    try:
+        parts = urlsplit(url)
+        hostname = parts.hostname
+    except ValueError:  # an unclosed `[`: one line, not an internal error
+        hostname = None
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not hostname:
+        raise PrometheusURLError(f"--prometheus {url!r}: expected http(s)://host:port")
     return url.rstrip("/")
 
 
