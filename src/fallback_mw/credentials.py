@@ -50,8 +50,11 @@ def apply_hygiene(
 ) -> None:
     """SPEC §4 step 3 for one request: the caller's headers without any credential or
     hop-by-hop header, and every candidate's own credential beside them."""
+    secrets = context.secrets
     context.forward_headers = forwardable_request_headers(
-        headers, also_strip=context.upstream_auth_headers
+        headers,
+        also_strip=context.upstream_auth_headers,
+        query_keys=secrets.query_keys if secrets is not None else frozenset(),
     )
     context.credentials = credentials
 

@@ -306,7 +306,10 @@ def _connection_named(lowered: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
 
 
 def forwardable_request_headers(
-    headers: Iterable[tuple[bytes, bytes]], *, also_strip: frozenset[bytes] = frozenset()
+    headers: Iterable[tuple[bytes, bytes]],
+    *,
+    also_strip: frozenset[bytes] = frozenset(),
+    query_keys: frozenset[bytes] = frozenset(),
 ) -> Headers:
     """The caller's headers minus credentials (the standard ones and `also_strip`, the
     upstreams' own auth headers), hop-by-hop fields, those named in `Connection`, incoming
@@ -318,7 +321,10 @@ def forwardable_request_headers(
     apart. Other underscore names (`x_request_trace`) are forwarded unchanged.
 
     `Accept-Encoding` is narrowed to the codings the usage meter reads
-    (`readable_accept_encoding`)."""
+    (`readable_accept_encoding`). A URL a field carries (`Referer`, a proxy's copy of the
+    request target such as `X-Original-URI` or Envoy's `x-envoy-original-path`) loses the
+    `query_keys` parameters (canonical, `strip_query_keys`), as the request's own query
+    does (`strip_url_query_keys`)."""
     kept = _kept(
         [(name.lower(), value) for name, value in headers],
         _NEVER_FORWARDED,
@@ -327,7 +333,26 @@ def forwardable_request_headers(
     for index, (name, value) in enumerate(kept):
         if name == b"accept-encoding":
             kept[index] = (name, readable_accept_encoding(value))
+        elif query_keys and value.find(b"?") >= 0:
+            kept[index] = (name, strip_url_query_keys(value, query_keys))
     return kept
+
+
+def strip_url_query_keys(value: bytes, keys: frozenset[bytes]) -> bytes:
+    """A field value that is a URL (absolute, or a path from `/`) without the query
+    parameters named by `keys` (`strip_query_keys`); any other value as it is. A proxy in
+    front copies the request target into a field (`X-Original-URI`, Envoy's
+    `x-envoy-original-path` after a rewrite) and a browser sends the page's URL as
+    `Referer`: the `?api_key=` stripped from the query went on in the copy."""
+    mark = value.find(b"?")
+    head = value[:mark]
+    if mark < 0 or not (head.startswith(b"/") or b"://" in head):
+        return value
+    query, hash_mark, fragment = value[mark + 1 :].partition(b"#")
+    kept = strip_query_keys(query, keys)
+    if kept == query:
+        return value
+    return head + (b"?" + kept if kept else b"") + hash_mark + fragment
 
 
 # The content codings the usage meter (request/usage.py) decodes, besides `identity`.

@@ -309,6 +309,41 @@ def test_credential_query_keys_are_stripped_however_a_server_reads_them(
     assert strip_query_keys(query, keys) == forwarded
 
 
+@pytest.mark.anyio
+async def test_a_url_in_a_request_header_loses_the_credential_query_keys_too() -> None:
+    """The `?api_key=` stripped from the query went on in a copy of the URL: a proxy in
+    front copies the request target into a field (Envoy's `x-envoy-original-path` after a
+    prefix rewrite, nginx's `X-Original-URI`), a browser sends its page's URL as `Referer`.
+    The other parameters, and fields that are no URL, are forwarded byte for byte."""
+    async with upstream(status_handler(200, b"{}", **{"content-type": "application/json"})) as up:
+        conf = {
+            "gateway": {"allow_hosts": ["127.0.0.1"]},
+            "upstreams": {"primary": {"url": up.url}},
+            "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+        }
+        gateway = Gateway(host_app, config=conf)
+        sent = {
+            "x-envoy-original-path": "/llm/v1/models?keep=1&api_key=caller-secret-1;z=2",
+            "X-Original-URI": "/llm/v1/models?API%5FKEY=caller-secret-2",
+            "Referer": "https://app.example/chat?access_token=caller-secret-3&tab=2#top",
+            "x-question": "what?key=kept-as-no-url",
+        }
+        try:
+            async with client_for(gateway) as http:
+                response = await http.get("/v1/models?keep=1&key=caller-secret-4", headers=sent)
+        finally:
+            await gateway.aclose()
+    assert response.status_code == 200
+    (received,) = up.received
+    assert received.query == "keep=1"
+    got = {name.lower(): value for name, value in received.headers}
+    assert got["x-envoy-original-path"] == "/llm/v1/models?keep=1&z=2"
+    assert got["x-original-uri"] == "/llm/v1/models"
+    assert got["referer"] == "https://app.example/chat?tab=2#top"
+    assert got["x-question"] == "what?key=kept-as-no-url"
+    assert not any("caller-secret" in value for _, value in received.headers)
+
+
 @pytest.mark.parametrize(
     ("entry", "says"),
     [

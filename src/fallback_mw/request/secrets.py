@@ -65,6 +65,11 @@ class RequestSecrets:
         self._provider = provider
         self._values: tuple[bytes, ...] | None = None
 
+    @property
+    def query_keys(self) -> frozenset[bytes]:
+        """The query parameters the gateway strips (`strip_query_keys`, canonical)."""
+        return self._query_keys
+
     def values(self) -> tuple[bytes, ...]:
         values = self._values
         if values is None:
