@@ -81,7 +81,19 @@ DEFAULT_STRIP_HEADERS = (
     # Not secrets either, but what a proxy says about the client (FORWARDING_HEADERS).
     *FORWARDING_HEADERS,
 )
-DEFAULT_STRIP_QUERY_KEYS = ("api_key", "key", "api-key", "apikey", "access_token", "private_token")
+DEFAULT_STRIP_QUERY_KEYS = (
+    "api_key",
+    "key",
+    "api-key",
+    "apikey",
+    "access_token",
+    "private_token",
+    # The query spellings of headers stripped above: Azure API Management reads its
+    # subscription key from `?subscription-key=` as from `Ocp-Apim-Subscription-Key`, and
+    # a presigned AWS request carries its session token as `?X-Amz-Security-Token=`.
+    "subscription-key",
+    "x-amz-security-token",
+)
 # RFC 9110 §7.6.1 connection-specific fields, plus the usual legacy ones.
 HOP_BY_HOP_HEADERS = frozenset(
     {

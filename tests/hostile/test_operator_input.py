@@ -310,6 +310,31 @@ def test_credential_query_keys_are_stripped_however_a_server_reads_them(
 
 
 @pytest.mark.anyio
+async def test_a_stripped_headers_query_spelling_reaches_no_upstream() -> None:
+    """`Ocp-Apim-Subscription-Key` and `X-Amz-Security-Token` were stripped as headers, but
+    Azure API Management reads the same key from `?subscription-key=` and a presigned AWS
+    request carries its session token as `?X-Amz-Security-Token=`: those went through."""
+    async with upstream(status_handler(200, b"{}", **{"content-type": "application/json"})) as up:
+        conf = {
+            "gateway": {"allow_hosts": ["127.0.0.1"]},
+            "upstreams": {"primary": {"url": up.url}},
+            "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+        }
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as http:
+                response = await http.get(
+                    "/v1/models?keep=1&subscription-key=caller-secret-1"
+                    "&X-Amz-Security-Token=caller-secret-2&Subscription%2DKey=caller-secret-3"
+                )
+        finally:
+            await gateway.aclose()
+    assert response.status_code == 200
+    (received,) = up.received
+    assert received.query == "keep=1"
+
+
+@pytest.mark.anyio
 async def test_a_url_in_a_request_header_loses_the_credential_query_keys_too() -> None:
     """The `?api_key=` stripped from the query went on in a copy of the URL: a proxy in
     front copies the request target into a field (Envoy's `x-envoy-original-path` after a
