@@ -5,6 +5,7 @@ request. No message here ever carries a password."""
 
 from __future__ import annotations
 
+import codecs
 import re
 from dataclasses import dataclass
 from typing import Literal
@@ -69,7 +70,21 @@ def driver_reason(exc: Exception, dsn: str) -> str:
     return text
 
 
+def _check_text(url: str, key: str) -> None:
+    """A URL is printable UTF-8 text: a NUL (`\\u0000` in a TOML string) passed the
+    loader and `check`, then failed every verb and `serve` as "unexpected internal error
+    (ValueError)" when the driver opened it; another control character named a file or
+    host no one can type. Never quoted: the URL may hold a password."""
+    if any(char < " " or char == "\x7f" for char in url):
+        raise StoreURLError(f"{key} URL has a control character (a NUL, a tab, a line break...)")
+    try:
+        url.encode("utf-8")
+    except UnicodeEncodeError:
+        raise StoreURLError(f"{key} URL is not UTF-8 text (it holds a lone surrogate)") from None
+
+
 def parse_store_url(url: str) -> StoreURL:
+    _check_text(url, "store")
     if url.startswith("sqlite:///"):
         path = url[len("sqlite:///") :]
         if not path:
@@ -139,6 +154,7 @@ def check_state_url(url: str) -> None:
     nothing), and every query parameter (`?max_connections=abc`, `?socket_timeout=x`, a
     parameter redis-py does not know). Without redis installed only the shape is checked:
     the missing extra is refused on its own."""
+    _check_text(url, "state")
     if url.startswith(("redis://", "rediss://")):
         _check_hosts(url, "state")
         path = urlsplit(url).path.strip("/")
@@ -148,11 +164,16 @@ def check_state_url(url: str) -> None:
             )
     try:
         import redis.asyncio as aioredis
+        from redis.exceptions import RedisError
     except ImportError:
         return
     try:
         pool = aioredis.BlockingConnectionPool.from_url(split_state_url(url)[0])
         pool.make_connection()  # type: ignore[no-untyped-call]  # builds it; connects nothing
+    except RedisError as exc:
+        # redis-py refuses some values as it builds the connection with errors of its own
+        # (`?protocol=5`, `?ssl_cert_reqs=bogus`): they were "unexpected internal error".
+        raise StoreURLError(f"state URL: {driver_reason(exc, url).rstrip('.')}") from None
     except (ValueError, TypeError, OverflowError) as exc:
         unknown = _UNKNOWN_ARGUMENT.search(str(exc))
         if unknown is not None:
@@ -163,6 +184,26 @@ def check_state_url(url: str) -> None:
             reason = "it cannot be read as a Redis URL"
         raise StoreURLError(f"state URL: {reason}") from None
     options = pool.connection_kwargs
+    # redis-py uses these only when it first encodes a command: `?encoding=bogus` loaded,
+    # then every routed request failed (LookupError) as an internal error. The gateway's
+    # keys and scripts are ASCII: an encoding must write them as ASCII (`utf-16` would send
+    # Redis scripts it cannot read, `rot13` is no text encoding).
+    errors = options.get("encoding_errors", "strict")
+    encoding = options.get("encoding", "utf-8")
+    try:
+        codecs.lookup_error(str(errors))
+    except LookupError:
+        raise StoreURLError(f"state URL: encoding_errors {str(errors)[:40]!r} is unknown") from None
+    sample = "fallback_mw:{breaker}"
+    try:
+        written = sample.encode(str(encoding))
+    except LookupError:
+        written = b""
+    if written != sample.encode("ascii"):
+        raise StoreURLError(
+            f"state URL: encoding {str(encoding)[:40]!r} is not a text encoding that writes "
+            "ASCII as ASCII (omit it: utf-8)"
+        )
     for name in ("socket_timeout", "socket_connect_timeout"):
         # 0 or less: every call to Redis times out at once (or the socket refuses it), so
         # the state is never shared, while the name reads as "no timeout".
