@@ -278,6 +278,48 @@ async def test_attempts_that_never_got_a_connection_leave_the_upstreams_rpm_alon
     assert only.count == 5  # the holder and the four after
 
 
+async def test_a_hedge_and_its_primary_that_never_got_a_connection_both_leave_rpm_alone() -> None:
+    """A hedge at the primary's upstream while the primary waits for a connection: both
+    wait, neither is sent, and each gives back its own rpm count. The hedge's reservation
+    replaced the primary's in the request's books, so the primary gave back the hedge's
+    and the hedge nothing: every such request held one rpm slot for a minute, and the
+    upstream was skipped for `capacity` with room left."""
+    reached, release = asyncio.Event(), asyncio.Event()
+
+    async def first_held(request: web.Request) -> web.StreamResponse:
+        if not reached.is_set():
+            reached.set()
+            await release.wait()  # holds the only connection until the burst has ended
+        return web.Response(text="ok")
+
+    async with upstream(first_held) as only:
+        conf = {
+            "upstreams": {"only": {"url": only.url, "rpm": 4, "max_connections": 1}},
+            "routes": [
+                {"id": "plain", "prefix": "/plain/", "plan": ["only"], "deadline_ms": 10000},
+                {"id": "hedged", "prefix": "/v1/", "plan": ["only"], "retries": 1,
+                 "hedge_after_ms": 20, "deadline_ms": 10000},
+            ],
+        }  # fmt: skip
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                holder = asyncio.ensure_future(client.get("/plain/chat"))
+                await asyncio.wait_for(reached.wait(), 10)
+                short = {"x-gateway-deadline-ms": "300"}
+                hedged = await client.get("/v1/c", headers=short)
+                release.set()
+                held = await holder
+                after = [await client.get("/plain/chat") for _ in range(3)]
+        finally:
+            await gateway.aclose()
+    assert hedged.status_code == 504
+    assert hedged.headers["x-gateway-attempts"] == "2"  # the primary and its hedge
+    assert held.status_code == 200
+    assert [r.status_code for r in after] == [200] * 3, [r.headers for r in after]
+    assert only.count == 4  # the holder and the three after
+
+
 async def test_tpm_counts_the_request_estimate(recorded: Recorded) -> None:
     async with upstream(status_handler(200, b"ok")) as only:
         conf = {

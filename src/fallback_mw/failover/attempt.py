@@ -310,6 +310,10 @@ class AttemptLifecycle:
         # the probe and the attempt it races was admitted before the breaker opened.
         self.admissions: dict[str, Admission] = {}
         self._admitted: dict[int, Admission] = {}
+        # Each started attempt's own reservation (by the record's id), as its admission: a
+        # hedge at the upstream its primary waits on replaces the primary's in
+        # `reservations`, and two attempts that both end unsent give back two counts.
+        self._reserved: dict[int, Reservation] = {}
 
     async def gate(self, name: str, upstream: UpstreamConfig, *, repeat: bool) -> Reservation | str:
         """The body, the breaker, then declared capacity (and, for a repeat or a hedge, the
@@ -370,6 +374,9 @@ class AttemptLifecycle:
         admission = self.admissions.get(name)
         if admission is not None:  # the admission `gate` just made for this attempt
             self._admitted[id(record)] = admission
+        reservation = self.reservations.get(name)
+        if reservation is not None:  # and the reservation it made
+            self._reserved[id(record)] = reservation
         self.telemetry.attempt_started(context, record)
         return record
 
@@ -384,8 +391,13 @@ class AttemptLifecycle:
                 # a connection under max_connections: nothing reached the upstream, so
                 # nothing counts against its declared rpm / tpm (a game day or a burst
                 # must not leave the upstream capacity-skipped for a minute after it).
-                # Popped: a hedge's second such attempt never releases the same count.
-                reservation = self.reservations.pop(name, None)
+                # Its own reservation (a shadow copy, never started: the latest), popped:
+                # each such attempt gives back its count once, never another's.
+                reservation = self._reserved.pop(id(record), None)
+                if reservation is None:
+                    reservation = self.reservations.pop(name, None)
+                elif self.reservations.get(name) is reservation:
+                    del self.reservations[name]
                 if reservation is not None:
                     with anyio.CancelScope(shield=True):
                         await self.capacity.release_capacity(reservation)
