@@ -12,11 +12,16 @@ import contextlib
 import os
 import random
 from pathlib import Path
+from typing import Any
 
+import anyio
 import pytest
 from aiohttp import web
 
 from fallback_mw import Gateway
+from fallback_mw.health.memory import MemoryHealth
+from fallback_mw.request.types import Message
+from tests.helpers import http_scope
 from tests.upstreams import host_app, serve_asgi, upstream
 
 pytestmark = pytest.mark.anyio
@@ -193,3 +198,70 @@ async def test_a_caller_gone_while_a_pools_429_is_read_leaves_no_connection_open
             await gateway.aclose()
     assert limited.count == 5
     assert left == 0, f"{left} connections to the rate-limited upstream left open"
+
+
+class BookedSlowly(MemoryHealth):
+    """Breakers whose booking of an outcome takes a while, as a shared state's round trip
+    does (`state = "redis://..."`, a Redis under load): it waits until the caller leaves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.booking = asyncio.Event()
+
+    async def record(self, upstream: str, **marks: Any) -> None:
+        self.booking.set()
+        await asyncio.Event().wait()  # the caller leaves first
+
+
+@pytest.mark.parametrize("engine", ["aiohttp", "httpx"])
+async def test_a_caller_gone_while_the_answer_is_booked_leaves_no_upstream_connection(
+    engine: str,
+) -> None:
+    """The answer's head has arrived and its outcome is being booked to the breaker (a
+    round trip to Redis) when the caller hangs up: the walk was cut there, before the
+    answer was kept, relayed or closed, and its upstream connection stayed open, taken by
+    nobody (on httpx ACTIVE in the pool for good), however long the upstream's answer
+    lasted. Once the caller is gone the upstream sees its connection closed."""
+    closed = asyncio.Event()
+
+    async def answers_slowly(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)  # the head; the body takes its time
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:  # aiohttp cancels a handler whose client left
+            closed.set()
+            raise
+        return response
+
+    async with upstream(answers_slowly) as slow:
+        config = {
+            "gateway": {"allow_hosts": ["127.0.0.1"], "engine": engine},
+            "upstreams": {"primary": {"url": slow.url}},
+            "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+        }
+        health = BookedSlowly()
+        gateway = Gateway(host_app, config=config, health=health)
+        gone = asyncio.Event()
+        asked = False
+
+        async def receive() -> Message:
+            nonlocal asked
+            if not asked:
+                asked = True
+                return {"type": "http.request", "body": b"", "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: Message) -> None:
+            return None
+
+        try:
+            request = asyncio.ensure_future(gateway(http_scope("GET", "/v1/chat"), receive, send))
+            with anyio.fail_after(10):
+                await health.booking.wait()
+                gone.set()
+                await request
+                await closed.wait()
+        finally:
+            await gateway.aclose()

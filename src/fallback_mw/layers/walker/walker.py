@@ -325,8 +325,17 @@ class _Walk:
                 with anyio.CancelScope(shield=True):
                     await attempts.release(pick.name, record)
                 raise
-            await attempts.finish(record, outcome, response)
-            if await self._act(outcome, response, pick.name, record):
+            try:
+                await attempts.finish(record, outcome, response)
+                done = await self._act(outcome, response, pick.name, record)
+            except BaseException:
+                # Cut short before the response was kept, relayed or closed (the caller
+                # left while a shared state's round trip booked it): closed here, or its
+                # upstream connection stays open and taken for good. Closing twice is safe.
+                if response is not None:
+                    await response.aclose()
+                raise
+            if done:
                 return
 
     async def _act(
