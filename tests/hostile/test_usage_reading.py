@@ -304,3 +304,63 @@ async def test_anthropic_cache_tokens_are_charged_as_input(body: bytes, content_
     # at 0.1x): a caller marking a 120,000-token prompt cache_control was charged for 10
     # input tokens (40.01) where the provider bills for 120,010 of them.
     assert await charged_for(body, content_type, "aiohttp") == FULL_COST + Decimal("120")
+
+
+GEMINI_USAGE = b'"usageMetadata":{"promptTokenCount":10,"candidatesTokenCount":15000,'
+GEMINI_USAGE += b'"thoughtsTokenCount":5000,"totalTokenCount":20010}'
+GEMINI_CHUNK = b'{"candidates":[{"content":{"parts":[{"text":"hi"}],"role":"model"}}],'
+GEMINI_JSON = GEMINI_CHUNK + GEMINI_USAGE + b',"modelVersion":"gpt-test-001"}'
+# A stream reports the prompt in its first chunk, the whole usage in its last; `alt=sse`
+# frames chunks with CRLF, without it the chunks are one JSON array.
+GEMINI_FIRST = GEMINI_CHUNK + b'"usageMetadata":{"promptTokenCount":10,"totalTokenCount":10}}'
+GEMINI_SSE = b"data: " + GEMINI_FIRST + b"\r\n\r\ndata: " + GEMINI_JSON + b"\r\n\r\n"
+GEMINI_ARRAY = b"[" + GEMINI_FIRST + b",\r\n" + GEMINI_JSON + b"]"
+OLLAMA_LAST = b'{"model":"gpt-test","message":{"role":"assistant","content":""},"done":true,'
+OLLAMA_LAST += b'"prompt_eval_count":10,"eval_count":20000}'
+OLLAMA_LINE = b'{"model":"gpt-test","message":{"role":"assistant","content":"Hi"},"done":false}'
+OLLAMA_NDJSON = OLLAMA_LINE + b"\n" + OLLAMA_LAST + b"\n"
+# A long generation: more lines than the meter parses whole (json_cap, 1 MiB).
+OLLAMA_LONG = (OLLAMA_LINE + b"\n") * 20_000 + OLLAMA_LAST + b"\n"
+
+
+@pytest.mark.parametrize(
+    ("body", "content_type"),
+    [
+        (GEMINI_JSON, "application/json; charset=UTF-8"),
+        (GEMINI_SSE, "text/event-stream"),
+        (GEMINI_ARRAY, "application/json; charset=UTF-8"),
+        (OLLAMA_LAST, "application/json; charset=utf-8"),
+        (OLLAMA_NDJSON, "application/x-ndjson"),
+        (OLLAMA_LONG, "application/x-ndjson"),
+    ],
+    ids=[
+        "gemini-json",
+        "gemini-sse",
+        "gemini-array",
+        "ollama-json",
+        "ollama-ndjson",
+        "ollama-long",
+    ],
+)
+async def test_gemini_and_ollama_usage_is_charged(body: bytes, content_type: str) -> None:
+    # Gemini / Vertex AI report usageMetadata (thinking tokens billed as output), Ollama's
+    # own API prompt_eval_count / eval_count: neither was read, so every such request was
+    # charged its hold (default_hold, 0.01) whatever it used, and counted no tokens for tpm.
+    assert await charged_for(body, content_type, "aiohttp") == FULL_COST
+
+
+async def test_a_gemini_request_is_priced_as_the_model_version_its_answer_names() -> None:
+    # Gemini names the model in the path, not the body: the answer's modelVersion prices it.
+    async with upstream(answering(GEMINI_JSON, "application/json")) as primary:
+        gateway = Gateway(
+            host_app, config=gateway_config({"primary": primary.url}, store=None, limit="1000")
+        )
+        try:
+            async with client_for(gateway) as client:
+                response = await client.post(
+                    "/v1/models/gemini-x:generateContent", content=b'{"contents":[]}'
+                )
+            assert response.status_code == 200
+            assert await status_of(gateway) == (FULL_COST, 0)
+        finally:
+            await gateway.aclose()

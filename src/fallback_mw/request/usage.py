@@ -9,7 +9,10 @@ OpenAI reports `usage.prompt_tokens` / `usage.completion_tokens`; Anthropic repo
 `cache_read_input_tokens`, which count as input) / `usage.output_tokens` (in a stream:
 `message_start` carries the input count, `message_delta` the cumulative output count);
 the OpenAI Responses API's stream reports them in the final `response.completed` event's
-`response`. The body's first bytes decide how it is read, the label only when they
+`response`; Gemini / Vertex AI in `usageMetadata` (`promptTokenCount` /
+`candidatesTokenCount` plus `thoughtsTokenCount`, in each chunk of a stream, SSE or one JSON
+array), the model in `modelVersion`; Ollama's own API in `prompt_eval_count` / `eval_count`
+(a stream's last JSON line). The body's first bytes decide how it is read, the label only when they
 cannot (`UsageMeter._sniff`), as the SDKs read a JSON object or an event stream under any
 content type. JSON bodies are parsed once they end, if they fit in `json_cap`; a larger
 body is only searched near its end, where the providers put `usage`. SSE is parsed line by
@@ -37,9 +40,10 @@ from fallback_mw.tokens import MAX_TOKENS, read_json, token_count
 
 DEFAULT_JSON_CAP = 1024 * 1024
 _TAIL = 64 * 1024
-# Where a `usage` object starts; it is read from there with a JSON decoder, since it
-# nests objects of its own (OpenAI's `prompt_tokens_details`, Anthropic's `cache_creation`).
-_USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
+# Where a `usage` (Gemini: `usageMetadata`) object starts; it is read from there with a
+# JSON decoder, since it nests objects of its own (OpenAI's `prompt_tokens_details`,
+# Anthropic's `cache_creation`).
+_USAGE_OBJECT = re.compile(rb'"usage(Metadata)?"\s*:\s*\{')
 # SSE ends a line at CRLF, LF or a lone CR (WHATWG HTML, server-sent events), as the
 # SDKs' decoders do.
 _LINE_END = re.compile(rb"\r\n|\r|\n")
@@ -137,6 +141,9 @@ class UsageMeter:
                         # an SDK that asked for a stream reads it as one, whatever its label.
                         self.mode = "sse"
                         self._feed_sse(data)
+                    elif document is None:
+                        # JSON Lines (Ollama's stream, `application/x-ndjson`).
+                        self._apply_lines(data)
                     else:
                         self._apply_document(document)
                 else:
@@ -206,7 +213,20 @@ class UsageMeter:
             start = matches[-1].end() - 1
             text = tail[start:].decode("utf-8", "replace")
             with contextlib.suppress(ValueError):
-                self._apply_usage(json.JSONDecoder().raw_decode(text)[0])
+                usage = json.JSONDecoder().raw_decode(text)[0]
+                if matches[-1].group(1):
+                    self._apply_gemini(usage)
+                else:
+                    self._apply_usage(usage)
+        else:
+            self._apply_lines(tail)  # the last lines of a long JSON Lines stream
+
+    def _apply_lines(self, data: bytes) -> None:
+        """Usage from JSON Lines: the lines that can report counts (Ollama's last line,
+        `prompt_eval_count` / `eval_count`), and the first for the model."""
+        for number, line in enumerate(data.splitlines()):
+            if number == 0 or line.find(b'_count"') >= 0 or line.find(b'"usage') >= 0:
+                self._apply_document(_loads(line))
 
     # --- SSE --------------------------------------------------------------------------
 
@@ -268,7 +288,7 @@ class UsageMeter:
             return
         # Cheap filter: only events that can carry usage, or the model when still unknown.
         # `find`, not `in`: bytes `in` formats and drops a TypeError first (CPython 3.11).
-        if data.find(b'"usage"') < 0 and (
+        if data.find(b'"usage') < 0 and (
             self.target.model is not None or data.find(b'"model"') < 0
         ):
             return
@@ -277,8 +297,23 @@ class UsageMeter:
     # --- both -------------------------------------------------------------------------
 
     def _apply_document(self, document: Any) -> None:
+        if isinstance(document, list):
+            # Gemini's `:streamGenerateContent` without `alt=sse`: one JSON array of the
+            # chunks, each with the `usageMetadata` so far.
+            for item in document:
+                if isinstance(item, dict):
+                    self._apply_document(item)
+            return
         if not isinstance(document, dict):
             return
+        # Gemini / Vertex AI: `usageMetadata`, the model in `modelVersion`.
+        self._apply_model(document.get("modelVersion"))
+        self._apply_gemini(document.get("usageMetadata"))
+        # Ollama's own API: the last object (or NDJSON line) counts at the top level.
+        self._apply_counts(
+            _reported_count(document.get("prompt_eval_count")),
+            _reported_count(document.get("eval_count")),
+        )
         # Anthropic `message_start` nests it in `message`; the OpenAI Responses API's
         # stream in `response` (`response.created`, `response.completed`).
         for key in ("message", "response"):
@@ -296,11 +331,7 @@ class UsageMeter:
     def _apply_usage(self, usage: Any) -> None:
         if not isinstance(usage, dict):
             return
-        # A count only grows over one response (Anthropic's output count is cumulative;
-        # OpenAI reports once): the largest reported stands, so a later event saying less
-        # (one the SDKs skip, e.g. an unknown `event:` name) cannot lower the charge.
-        target = self.target
-        found = False
+        input_tokens = output_tokens = None
         for key in ("prompt_tokens", "input_tokens"):
             value = _reported_count(usage.get(key))
             if value is not None:
@@ -312,18 +343,40 @@ class UsageMeter:
                         extra = _reported_count(usage.get(cached))
                         if extra is not None:
                             value = min(value + extra, MAX_TOKENS)
-                if target.input_tokens is None or value > target.input_tokens:
-                    target.input_tokens = value
-                found = True
+                input_tokens = value
                 break
         for key in ("completion_tokens", "output_tokens"):
             value = _reported_count(usage.get(key))
             if value is not None:
-                if target.output_tokens is None or value > target.output_tokens:
-                    target.output_tokens = value
-                found = True
+                output_tokens = value
                 break
-        self.reported = self.reported or found
+        self._apply_counts(input_tokens, output_tokens)
+
+    def _apply_gemini(self, usage: Any) -> None:
+        """Gemini's `usageMetadata`: `promptTokenCount` (cached content included) and the
+        tool-use prompt are input; `candidatesTokenCount` and the thinking model's
+        `thoughtsTokenCount` are output, billed at the output price."""
+        if not isinstance(usage, dict):
+            return
+        self._apply_counts(
+            _sum_counts(usage, _GEMINI_INPUT_KEYS), _sum_counts(usage, _GEMINI_OUTPUT_KEYS)
+        )
+
+    def _apply_counts(self, input_tokens: int | None, output_tokens: int | None) -> None:
+        # A count only grows over one response (Anthropic's output count is cumulative;
+        # OpenAI reports once): the largest reported stands, so a later event saying less
+        # (one the SDKs skip, e.g. an unknown `event:` name) cannot lower the charge.
+        target = self.target
+        if input_tokens is not None and (
+            target.input_tokens is None or input_tokens > target.input_tokens
+        ):
+            target.input_tokens = input_tokens
+        if output_tokens is not None and (
+            target.output_tokens is None or output_tokens > target.output_tokens
+        ):
+            target.output_tokens = output_tokens
+        if input_tokens is not None or output_tokens is not None:
+            self.reported = True
 
 
 def _reported_count(value: Any) -> int | None:
@@ -334,8 +387,20 @@ def _reported_count(value: Any) -> int | None:
     return token_count(value)
 
 
+def _sum_counts(usage: dict[str, Any], keys: tuple[str, ...]) -> int | None:
+    """The sum of the counts `usage` reports under `keys` (None: none reported)."""
+    total = None
+    for key in keys:
+        value = _reported_count(usage.get(key))
+        if value is not None:
+            total = min((total or 0) + value, MAX_TOKENS)
+    return total
+
+
 _INFINITY = float("inf")
 _ANTHROPIC_CACHE_KEYS = ("cache_creation_input_tokens", "cache_read_input_tokens")
+_GEMINI_INPUT_KEYS = ("promptTokenCount", "toolUsePromptTokenCount")
+_GEMINI_OUTPUT_KEYS = ("candidatesTokenCount", "thoughtsTokenCount")
 
 
 def _mode(content_type: bytes | None) -> str:
