@@ -364,3 +364,15 @@ async def test_a_gemini_request_is_priced_as_the_model_version_its_answer_names(
             assert await status_of(gateway) == (FULL_COST, 0)
         finally:
             await gateway.aclose()
+
+
+async def test_bedrock_converse_usage_is_charged_with_its_cache_tokens() -> None:
+    # AWS Bedrock's Converse API (reachable with a Bedrock API key as a bearer token) spells
+    # usage inputTokens / outputTokens: it was not read, and every answer was charged its
+    # hold. Its inputTokens leaves out the cached prompt, as Anthropic's input_tokens does.
+    body = (
+        b'{"output":{"message":{"role":"assistant","content":[{"text":"hi"}]}},'
+        b'"stopReason":"end_turn","usage":{"inputTokens":10,"outputTokens":20000,'
+        b'"cacheReadInputTokens":20000,"cacheWriteInputTokens":100000,"totalTokens":140010}}'
+    )
+    assert await charged_for(body, "application/json", "aiohttp") == FULL_COST + Decimal("120")

@@ -8,16 +8,18 @@ OpenAI reports `usage.prompt_tokens` / `usage.completion_tokens`; Anthropic repo
 `usage.input_tokens` (plus its cache's `cache_creation_input_tokens` and
 `cache_read_input_tokens`, which count as input) / `usage.output_tokens` (in a stream:
 `message_start` carries the input count, `message_delta` the cumulative output count);
-the OpenAI Responses API's stream reports them in the final `response.completed` event's
-`response`; Gemini / Vertex AI in `usageMetadata` (`promptTokenCount` /
-`candidatesTokenCount` plus `thoughtsTokenCount`, in each chunk of a stream, SSE or one JSON
-array), the model in `modelVersion`; Ollama's own API in `prompt_eval_count` / `eval_count`
-(a stream's last JSON line). The body's first bytes decide how it is read, the label only when they
-cannot (`UsageMeter._sniff`), as the SDKs read a JSON object or an event stream under any
+AWS Bedrock's Converse `usage.inputTokens` (plus `cacheWriteInputTokens` /
+`cacheReadInputTokens`) / `usage.outputTokens`; the OpenAI Responses API's stream
+reports them in the final `response.completed` event's `response`; Gemini / Vertex AI in
+`usageMetadata` (`promptTokenCount` / `candidatesTokenCount` plus `thoughtsTokenCount`,
+in each chunk of a stream, SSE or one JSON array), the model in `modelVersion`; Ollama's
+own API in `prompt_eval_count` / `eval_count` (a stream's last JSON line). The body's
+first bytes decide how it is read, the label only when they cannot
+(`UsageMeter._sniff`), as the SDKs read a JSON object or an event stream under any
 content type. JSON bodies are parsed once they end, if they fit in `json_cap`; a larger
-body is only searched near its end, where the providers put `usage`. SSE is parsed line by
-line (CRLF, LF or CR), keeping at most one event, up to `data: [DONE]`, where the SDKs stop
-reading.
+body is only searched near its end, where the providers put `usage`. SSE is parsed line
+by line (CRLF, LF or CR), keeping at most one event, up to `data: [DONE]`, where the
+SDKs stop reading.
 
 A body with `Content-Encoding: gzip` / `deflate` (a caller may ask for one) is read
 decoded (`deflate` with or without its zlib wrapper, as clients read it; codings stacked
@@ -332,20 +334,21 @@ class UsageMeter:
         if not isinstance(usage, dict):
             return
         input_tokens = output_tokens = None
-        for key in ("prompt_tokens", "input_tokens"):
+        # AWS Bedrock's Converse API spells them `inputTokens` / `outputTokens`.
+        for key in ("prompt_tokens", "input_tokens", "inputTokens"):
             value = _reported_count(usage.get(key))
             if value is not None:
-                if key == "input_tokens":
-                    # Anthropic's input_tokens leaves out the prompt written to and read
-                    # from its cache (billed too): they count as input, as the GenAI
-                    # conventions' gen_ai.usage.input_tokens includes cached tokens.
-                    for cached in _ANTHROPIC_CACHE_KEYS:
-                        extra = _reported_count(usage.get(cached))
-                        if extra is not None:
-                            value = min(value + extra, MAX_TOKENS)
+                # Anthropic's input_tokens (and Bedrock's inputTokens) leaves out the
+                # prompt written to and read from its cache (billed too): they count as
+                # input, as the GenAI conventions' gen_ai.usage.input_tokens includes
+                # cached tokens.
+                for cached in _CACHE_KEYS.get(key, ()):
+                    extra = _reported_count(usage.get(cached))
+                    if extra is not None:
+                        value = min(value + extra, MAX_TOKENS)
                 input_tokens = value
                 break
-        for key in ("completion_tokens", "output_tokens"):
+        for key in ("completion_tokens", "output_tokens", "outputTokens"):
             value = _reported_count(usage.get(key))
             if value is not None:
                 output_tokens = value
@@ -398,7 +401,10 @@ def _sum_counts(usage: dict[str, Any], keys: tuple[str, ...]) -> int | None:
 
 
 _INFINITY = float("inf")
-_ANTHROPIC_CACHE_KEYS = ("cache_creation_input_tokens", "cache_read_input_tokens")
+_CACHE_KEYS = {
+    "input_tokens": ("cache_creation_input_tokens", "cache_read_input_tokens"),  # Anthropic
+    "inputTokens": ("cacheWriteInputTokens", "cacheReadInputTokens"),  # Bedrock Converse
+}
 _GEMINI_INPUT_KEYS = ("promptTokenCount", "toolUsePromptTokenCount")
 _GEMINI_OUTPUT_KEYS = ("candidatesTokenCount", "thoughtsTokenCount")
 
