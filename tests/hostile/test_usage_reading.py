@@ -315,6 +315,14 @@ GEMINI_JSON = GEMINI_CHUNK + GEMINI_USAGE + b',"modelVersion":"gpt-test-001"}'
 GEMINI_FIRST = GEMINI_CHUNK + b'"usageMetadata":{"promptTokenCount":10,"totalTokenCount":10}}'
 GEMINI_SSE = b"data: " + GEMINI_FIRST + b"\r\n\r\ndata: " + GEMINI_JSON + b"\r\n\r\n"
 GEMINI_ARRAY = b"[" + GEMINI_FIRST + b",\r\n" + GEMINI_JSON + b"]"
+# An image model's answer: its inline image makes it larger than the meter parses whole.
+GEMINI_IMAGE = (
+    b'{"candidates":[{"content":{"parts":[{"inlineData":{"mimeType":"image/png","data":"'
+    + b"A" * 2_000_000
+    + b'"}}]}}],'
+    + GEMINI_USAGE
+    + b"}"
+)
 OLLAMA_LAST = b'{"model":"gpt-test","message":{"role":"assistant","content":""},"done":true,'
 OLLAMA_LAST += b'"prompt_eval_count":10,"eval_count":20000}'
 OLLAMA_LINE = b'{"model":"gpt-test","message":{"role":"assistant","content":"Hi"},"done":false}'
@@ -329,6 +337,7 @@ OLLAMA_LONG = (OLLAMA_LINE + b"\n") * 20_000 + OLLAMA_LAST + b"\n"
         (GEMINI_JSON, "application/json; charset=UTF-8"),
         (GEMINI_SSE, "text/event-stream"),
         (GEMINI_ARRAY, "application/json; charset=UTF-8"),
+        (GEMINI_IMAGE, "application/json; charset=UTF-8"),
         (OLLAMA_LAST, "application/json; charset=utf-8"),
         (OLLAMA_NDJSON, "application/x-ndjson"),
         (OLLAMA_LONG, "application/x-ndjson"),
@@ -337,6 +346,7 @@ OLLAMA_LONG = (OLLAMA_LINE + b"\n") * 20_000 + OLLAMA_LAST + b"\n"
         "gemini-json",
         "gemini-sse",
         "gemini-array",
+        "gemini-large",
         "ollama-json",
         "ollama-ndjson",
         "ollama-long",
