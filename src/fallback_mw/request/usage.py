@@ -224,11 +224,16 @@ class UsageMeter:
             self._apply_lines(tail)  # the last lines of a long JSON Lines stream
 
     def _apply_lines(self, data: bytes) -> None:
-        """Usage from JSON Lines: the lines that can report counts (Ollama's last line,
-        `prompt_eval_count` / `eval_count`), and the first for the model."""
-        for number, line in enumerate(data.splitlines()):
-            if number == 0 or line.find(b'_count"') >= 0 or line.find(b'"usage') >= 0:
+        """Usage from JSON Lines: the last line that can report counts (Ollama's last
+        line, `prompt_eval_count` / `eval_count`), and the first for the model. One line
+        of each is parsed, however many lines the body has."""
+        lines = data.splitlines()
+        if lines:
+            self._apply_document(_loads(lines[0]))
+        for line in reversed(lines[1:]):
+            if line.find(b'_count"') >= 0 or line.find(b'"usage') >= 0:
                 self._apply_document(_loads(line))
+                return
 
     # --- SSE --------------------------------------------------------------------------
 
