@@ -210,6 +210,23 @@ def limited(answers: dict[str, tuple[bytes, dict[str, str]]]) -> Any:
     return handle
 
 
+def gemini_429(quota_id: str, retry_delay: str) -> bytes:
+    """Gemini's 429 body: RESOURCE_EXHAUSTED, the quota in QuotaFailure, when to come back
+    in RetryInfo (its only word on it: no Retry-After header)."""
+    rpc = "type.googleapis.com/google.rpc."
+    return json.dumps(
+        {"error": {"code": 429, "status": "RESOURCE_EXHAUSTED",
+                   "message": "You exceeded your current quota (ref q-7c1f)",
+                   "details": [
+                       {"@type": rpc + "QuotaFailure", "violations": [
+                           {"quotaMetric": "generativelanguage.googleapis.com/"
+                                           "generate_content_free_tier_requests",
+                            "quotaId": quota_id, "quotaValue": "50"}]},
+                       {"@type": rpc + "Help", "links": [{"url": "https://ai.google.dev"}]},
+                       {"@type": rpc + "RetryInfo", "retryDelay": retry_delay}]}}
+    ).encode()  # fmt: skip
+
+
 def two_keys(url: str, **upstream_keys: Any) -> dict[str, Any]:
     conf = pool_config(url, **upstream_keys)
     conf["upstreams"]["pool"]["auth_env"] = ["KEY_A", "KEY_B"]
@@ -266,13 +283,14 @@ async def key_a_back_after(client: httpx.AsyncClient, pool: Upstream) -> bool:
             ),
             30.0,
         ),
+        # Gemini: no Retry-After, RESOURCE_EXHAUSTED with when to come back in RetryInfo;
+        # a per-day quota is spent until then, a per-minute one is a rate limit
+        ((gemini_429("GenerateRequestsPerDayPerProjectPerModel-FreeTier", "120s"), {}), 120.0),
+        ((gemini_429("GenerateRequestsPerMinutePerProjectPerModel", "20.5s"), {}), 20.5),
     ],
     ids=[
-        "quota-body",
-        "quota-headers",
-        "rate-limited",
-        "reset-sooner-than-retry-after",
-        "retry-after-ms",
+        *("quota-body", "quota-headers", "rate-limited", "reset-sooner-than-retry-after"),
+        *("retry-after-ms", "gemini-per-day", "gemini-per-minute"),
     ],
 )
 async def test_a_spent_quota_retires_until_its_reset_a_rate_limit_cools_down(
@@ -560,6 +578,10 @@ def test_quota_verdicts() -> None:
         (b"anthropic-ratelimit-requests-reset", b"2030-01-01T00:00:00Z"),
     ]
     assert quota_reset(anthropic, b"") is None  # years away: unknown, read as a plain limit
+    daily = gemini_429("GenerateRequestsPerDayPerProjectPerModel-FreeTier", "3600s")
+    assert quota_reset([], daily) == 3600.0
+    assert quota_reset([], gemini_429("GenerateRequestsPerMinutePerProjectPerModel", "9s")) is None
+    assert quota_reset([], daily.replace(b'"3600s"', b'"soon"')) == float("inf")
     assert parse_duration("6m0s") == 360.0 and parse_duration("20ms") == 0.02
     assert parse_duration("soon") is None
 

@@ -455,7 +455,7 @@ class AttemptLifecycle:
                 credential_index,
                 status=outcome.status,
                 failure=mark,
-                retry_after=retry_after_seconds(response.headers if response else ()),
+                retry_after=self._retry_after(response),
                 session=self.context.session,
                 latency=latency,
                 quota=self._quota(name, response),
@@ -463,6 +463,15 @@ class AttemptLifecycle:
             if outcome.fault is not None:  # the fault's revert restores this credential
                 await self.health.fault_marked(name, credential_index, outcome.fault)
         return mark
+
+    @staticmethod
+    def _retry_after(response: UpstreamResponse | None) -> float | None:
+        """When a pool credential may be asked again: its answer's Retry-After, else what
+        a peeked 429's body says (Gemini's RetryInfo)."""
+        seconds = retry_after_seconds(response.headers if response else ())
+        if seconds is None and isinstance(response, PeekedResponse):
+            return response.retry_delay
+        return seconds
 
     def _quota(self, name: str, response: UpstreamResponse | None) -> float | None:
         """Seconds a pool credential's spent quota keeps it retired (None: not spent)."""

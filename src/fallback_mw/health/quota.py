@@ -1,8 +1,10 @@
 """Telling a spent quota from a rate limit in a 429 (SPEC §12, credential pools).
 
-A plain 429 cools the credential down for `Retry-After`. A 429 that says the credential's
+A plain 429 cools the credential down for `Retry-After` (Gemini says it in the body:
+RetryInfo's `retryDelay`). A 429 that says the credential's
 quota is exhausted retires it until the quota resets: OpenAI's `insufficient_quota` error
-code in the JSON body, or rate-limit headers that report nothing remaining together with
+code in the JSON body (Gemini's: a QuotaFailure naming a per-day quota, until its
+RetryInfo `retryDelay`), or rate-limit headers that report nothing remaining together with
 when it comes back (`x-ratelimit-remaining-requests: 0` + `x-ratelimit-reset-requests`,
 Anthropic's `anthropic-ratelimit-*-remaining: 0` + `-reset`, the IETF `ratelimit-remaining`
 + `ratelimit-reset`).
@@ -23,7 +25,7 @@ import re
 import zlib
 from collections.abc import AsyncIterator, Iterable
 from datetime import UTC, datetime
-from typing import Protocol
+from typing import Any, Protocol
 
 from fallback_mw.request.usage import body_coding, content_decoder
 
@@ -99,19 +101,56 @@ def _header_quota(headers: Iterable[tuple[bytes, bytes]], now: datetime) -> floa
     return found
 
 
-def _body_says_quota(prefix: bytes) -> bool:
+def _body_error(prefix: bytes) -> dict[str, Any] | None:
     try:
         parsed = json.loads(prefix)
     except (ValueError, UnicodeDecodeError, RecursionError):
-        return False  # not JSON, or cut at PEEK_LIMIT: no verdict from the body
+        return None  # not JSON, or cut at PEEK_LIMIT: no verdict from the body
     error = parsed.get("error") if isinstance(parsed, dict) else None
-    if not isinstance(error, dict):
-        return False
+    return error if isinstance(error, dict) else None
+
+
+def _body_says_quota(error: dict[str, Any]) -> bool:
     # Strings only: a list or an object there is no code (and cannot be looked up in a set).
     return any(
         isinstance(code, str) and code in QUOTA_CODES
         for code in (error.get("code"), error.get("type"))
-    )
+    ) or _google_daily_quota(error)
+
+
+def _google_details(error: dict[str, Any], kind: str) -> list[dict[str, Any]]:
+    """The `details` of a Google API error (Gemini, Vertex AI) of one `@type`."""
+    details = error.get("details")
+    if not isinstance(details, list):
+        return []
+    wanted = f"type.googleapis.com/google.rpc.{kind}"
+    return [d for d in details if isinstance(d, dict) and d.get("@type") == wanted]
+
+
+def _google_daily_quota(error: dict[str, Any]) -> bool:
+    """Gemini's RESOURCE_EXHAUSTED whose QuotaFailure names a per-day quota
+    (`GenerateRequestsPerDayPerProjectPerModel-FreeTier`): spent until it resets, where a
+    per-minute one is a plain rate limit."""
+    for failure in _google_details(error, "QuotaFailure"):
+        violations = failure.get("violations")
+        for violation in violations if isinstance(violations, list) else ():
+            quota_id = violation.get("quotaId") if isinstance(violation, dict) else None
+            if isinstance(quota_id, str) and "PerDay" in quota_id:
+                return True
+    return False
+
+
+_PROTO_DURATION = re.compile(r"^(\d{1,9})(?:\.\d{1,9})?s$")
+
+
+def body_retry_delay(error: dict[str, Any] | None) -> float | None:
+    """Google's RetryInfo `retryDelay` (`"37s"`, `"0.5s"`) in seconds: Gemini says when to
+    come back in the body, not in Retry-After. None when it does not."""
+    for info in _google_details(error, "RetryInfo") if error is not None else ():
+        delay = info.get("retryDelay")
+        if isinstance(delay, str) and _PROTO_DURATION.match(delay.strip()):
+            return float(delay.strip()[:-1])
+    return None
 
 
 def quota_reset(
@@ -123,7 +162,11 @@ def quota_reset(
     seconds = _header_quota(headers, now or datetime.now(UTC))
     if seconds is not None:
         return seconds
-    return math.inf if _body_says_quota(body_prefix) else None
+    error = _body_error(body_prefix)
+    if error is None or not _body_says_quota(error):
+        return None
+    delay = body_retry_delay(error)
+    return math.inf if delay is None or delay > MAX_RESET else delay
 
 
 class PeekedResponse:
@@ -137,10 +180,12 @@ class PeekedResponse:
         rest: AsyncIterator[bytes] | None,
         error: BaseException | None,
         quota: float | None,
+        retry_delay: float | None = None,
     ) -> None:
         self.status = response.status
         self.headers = response.headers
         self.quota = quota
+        self.retry_delay = retry_delay  # the body's word on when to come back (Gemini)
         self._response = response
         self._prefix = prefix
         self._rest = rest
@@ -202,8 +247,10 @@ async def peek_quota(response: _Response, *, limit: int = PEEK_LIMIT) -> PeekedR
         await response.aclose()
         raise
     prefix = b"".join(chunks)
-    verdict = quota_reset(response.headers, _readable(response.headers, prefix, limit))
-    return PeekedResponse(response, prefix, None if ended else rest, error, verdict)
+    readable = _readable(response.headers, prefix, limit)
+    verdict = quota_reset(response.headers, readable)
+    delay = body_retry_delay(_body_error(readable))
+    return PeekedResponse(response, prefix, None if ended else rest, error, verdict, delay)
 
 
 def _readable(headers: list[tuple[bytes, bytes]], prefix: bytes, limit: int) -> bytes:
