@@ -615,6 +615,44 @@ def test_check_warns_when_a_credential_variable_already_holds_the_auth_scheme(
         assert result.returncode == 0 and "warning" not in result.stdout, result.stdout
 
 
+RAW_KEY_HEADER = """
+[upstreams.primary]
+url = "http://127.0.0.1:9001"
+auth_header = "x-api-key"
+auth_env = "FMW_CHECK_PRIMARY"
+{scheme}
+[[routes]]
+id = "chat"
+prefix = "/v1/"
+plan = ["primary"]
+"""
+
+
+def test_check_warns_when_a_header_of_its_own_gets_the_default_bearer_scheme(
+    tmp_path: Path,
+) -> None:
+    # auth_header = "x-api-key" alone (Anthropic's header) sent `x-api-key: Bearer sk-...`
+    # (SPEC §3's default scheme), which Anthropic, Azure OpenAI and Gemini answer 401. check
+    # says so and names both ways out; a scheme written in the file, either one, is quiet.
+    path = tmp_path / "gateway.toml"
+    path.write_text(RAW_KEY_HEADER.format(scheme=""), encoding="utf-8")
+    result = check(path, {"FMW_CHECK_PRIMARY": SECRET})
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stdout.splitlines() if "  warning: " in line]
+    assert warnings == [
+        "  warning: upstream 'primary': auth_header = 'x-api-key' with the default "
+        "auth_scheme 'Bearer' sends 'x-api-key: Bearer <key>'; the providers that read a key "
+        "in a header of their own (Anthropic's x-api-key, Azure OpenAI's api-key, Gemini's "
+        'x-goog-api-key) take it raw and answer 401: set auth_scheme = "" to send the key '
+        'alone, or auth_scheme = "Bearer" to keep the prefix'
+    ], result.stdout
+    assert SECRET not in result.stdout + result.stderr
+    for written in ('auth_scheme = ""', 'auth_scheme = "Bearer"'):
+        path.write_text(RAW_KEY_HEADER.format(scheme=written), encoding="utf-8")
+        result = check(path, {"FMW_CHECK_PRIMARY": SECRET})
+        assert result.returncode == 0 and "warning" not in result.stdout, result.stdout
+
+
 def test_serve_warns_when_a_credential_variable_already_holds_the_auth_scheme(
     tmp_path: Path,
 ) -> None:

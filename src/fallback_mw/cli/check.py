@@ -298,9 +298,10 @@ def credential_warnings(
 ) -> list[str]:
     """Credentials that are valid but answered 401 by the provider, on the upstreams some
     route reaches: a variable whose value already starts with the upstream's auth_scheme
-    (sent as "Bearer Bearer sk-..."), and a declared provider without auth_env (the caller's
-    own key is stripped, SPEC §4, and none is injected). Names only, never a value; nothing
-    is rewritten: the credential is sent as configured."""
+    (sent as "Bearer Bearer sk-..."), a header of its own with the default Bearer scheme
+    (Anthropic's x-api-key takes the key raw), and a declared provider without auth_env
+    (the caller's own key is stripped, SPEC §4, and none is injected). Names only, never a
+    value; nothing is rewritten: the credential is sent as configured."""
     warnings = []
     for name in reached_upstreams(routes):
         upstream = upstreams[name]
@@ -316,6 +317,23 @@ def credential_warnings(
                     f"and the provider answers 401; set ${shown} to the key alone, or "
                     f'auth_scheme = "" to send it as written'
                 )
+        header = upstream.auth_header
+        if (
+            upstream.credential_envs
+            and scheme == "Bearer"
+            and header != "authorization"
+            and "auth_scheme" not in upstream.model_fields_set
+        ):
+            # SPEC §3's default scheme is Bearer whatever the header; the providers that
+            # take a key in a header of their own read it raw (no rewrite: said here).
+            warnings.append(
+                f"upstream {name!r}: auth_header = {header!r} with the default auth_scheme "
+                f"'Bearer' sends '{header}: Bearer <key>'; the providers that read a key in "
+                "a header of their own (Anthropic's x-api-key, Azure OpenAI's api-key, "
+                "Gemini's x-goog-api-key) take it raw and answer 401: set "
+                'auth_scheme = "" to send the key alone, or auth_scheme = "Bearer" to keep '
+                "the prefix"
+            )
         if upstream.provider is not None and not upstream.credential_envs:
             warnings.append(
                 f"upstream {name!r} is provider {upstream.provider} but has no auth_env: the "
