@@ -367,6 +367,35 @@ async def test_a_body_relayed_decoded_drops_what_describes_its_coded_form(
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+async def test_a_head_describes_the_body_a_get_is_relayed(
+    engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A GET of a gzip answer from an upstream the gateway sent its key to is relayed
+    # decoded, yet the HEAD said `content-encoding: gzip` and the coded length: a client
+    # sizing a download by HEAD, or a cache freshening its stored GET with it (RFC 9111
+    # §4.3.5), read a body it never gets. The HEAD gets the fields the GET does.
+    monkeypatch.setenv("ECHO_KEY", SECRET)
+    async with upstream(coded_with_validators) as single:
+        conf = {
+            "gateway": {"engine": engine, "allow_hosts": ["127.0.0.1"]},
+            "upstreams": {"single": {"url": single.url, "auth_env": "ECHO_KEY"}},
+            "routes": [{"id": "a", "prefix": "/a/", "plan": ["single"]}],
+        }
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with serve_asgi(gateway) as base, httpx.AsyncClient(base_url=base) as client:
+                got = await client.get("/a/x", headers={"accept-encoding": "gzip"})
+                head = await client.head("/a/x", headers={"accept-encoding": "gzip"})
+        finally:
+            await gateway.aclose()
+    assert (got.status_code, head.status_code) == (200, 200)
+    described = ("content-encoding", "content-length", "etag", *DIGEST_FIELDS, "accept-ranges")
+    assert {n: head.headers.get(n) for n in described} == {n: got.headers.get(n) for n in described}
+    assert head.headers["etag"] == 'W/"v1-gzip"' and "content-encoding" not in head.headers
+    assert head.headers["x-other"] == "kept"
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 async def test_a_body_relayed_coded_keeps_its_etag_and_digests(engine: str) -> None:
     # No credential of the gateway's went with it: relayed as it came, coded, and what
     # describes the coded form still describes what the caller gets.

@@ -81,6 +81,16 @@ async def commit(
             # engines read those as a body) is not relayed: the caller gets no content, as
             # for a 204. Left unread, the upstream connection is closed, never reused.
             chunks = _no_chunks() if response.status == 205 else response.iter_chunks()
+            if (
+                context.method == "HEAD"
+                and response.status not in (204, 205, 206, 304)
+                and content_encoding is not None
+                and content_decoder(content_encoding)[1] is not None
+                and EchoMask.for_answer(context, name) is not None
+            ):
+                # RFC 9110 §9.3.2: a HEAD gets the fields a GET would, and this answer's
+                # GET is relayed decoded (below): neither its coding nor its length.
+                headers = _decoded_fields(headers)
         else:
             mask = EchoMask.for_answer(context, name)
             chunks = response.iter_chunks()
