@@ -462,6 +462,19 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_range_or_a_stream_the_mask_cannot_read_is_never_relayed_with_its_key",
         ),
     ),
+    Mutant(
+        "encoded_climb_spelled",
+        "a caller's escaped separator is kept only where no dot segment could climb with it",
+        (
+            (
+                "routing.py",
+                '            if any(piece.split(";", 1)[0] in (".", "..") for piece in pieces):\n'
+                "                return None\n",
+                "",
+            ),
+        ),
+        (WALKER + "test_the_callers_percent_encoding_of_a_segment_reaches_the_upstream",),
+    ),
 )
 
 
