@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
+from aiohttp import web
 from starlette.applications import Starlette
 from starlette.routing import Mount
 
@@ -75,3 +76,23 @@ async def test_under_uvicorn_root_path_the_route_matches_below_it(http: str) -> 
             await gateway.aclose()
     assert (routed.status_code, routed.text) == (200, "up")
     assert [r.path for r in primary.received] == ["/v1/chat"]
+
+
+async def test_a_location_naming_the_upstream_is_below_the_mount_point() -> None:
+    # An upstream URL with a path of its own: its resources are below it, the caller's
+    # below the mount point.
+    async def created(request: web.Request) -> web.StreamResponse:
+        return web.Response(status=201, headers={"location": f"http://{request.host}/api/v1/n/7"})
+
+    async with upstream(created) as primary:
+        conf = config(primary.url + "/api")
+        gateway = Gateway(host_app, config=conf)
+        app = Starlette(routes=[Mount("/gw", app=gateway)])
+        try:
+            async with client_for(app) as client:
+                response = await client.post("/gw/v1/n")
+        finally:
+            await gateway.aclose()
+    assert response.status_code == 201
+    assert response.headers["location"] == "/gw/v1/n/7"
+    assert [r.path for r in primary.received] == ["/api/v1/n"]

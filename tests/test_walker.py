@@ -995,6 +995,50 @@ async def test_redirects_are_never_followed(engine: str) -> None:
     assert p.count == 1 and b.count == 0
 
 
+async def located(request: web.Request) -> web.StreamResponse:
+    """A REST service naming its own resources by the Host it was sent (the upstream's:
+    SPEC §4), as Starlette's and Django's trailing-slash redirects and a 201 do."""
+    own = f"http://{request.host}"
+    status, location = {
+        "/v1/items": (307, f"{own}/v1/items/?page=2"),
+        "/v1/items/": (201, f"{own}/v1/items/42#top"),
+        "/v1/moved": (301, f"HTTP://{request.host.upper()}/v1/new"),
+        "/v1/away": (302, "http://127.0.0.2:1/v1/x"),  # another host: as it came
+        "/v1/odd": (302, f"{own}//evil.example/x"),  # would name another host: as it came
+        "/v1/user": (302, f"http://u@{request.host}/v1/x"),  # userinfo: as it came
+        "/v1/relative": (303, "/v1/done"),
+        "/v1/ok": (200, f"{own}/v1/ignored"),  # not a redirect or a 201: as it came
+    }[request.path]
+    return web.Response(status=status, headers={"location": location})
+
+
+@pytest.mark.parametrize(
+    ("path", "relayed"),
+    [
+        ("/v1/items", "/v1/items/?page=2"),
+        ("/v1/items/", "/v1/items/42#top"),
+        ("/v1/moved", "/v1/new"),
+        ("/v1/away", "http://127.0.0.2:1/v1/x"),
+        ("/v1/odd", "{own}//evil.example/x"),
+        ("/v1/user", "http://u@{host}/v1/x"),
+        ("/v1/relative", "/v1/done"),
+        ("/v1/ok", "{own}/v1/ignored"),
+    ],
+)
+async def test_a_location_naming_the_upstream_is_the_gateways(path: str, relayed: str) -> None:
+    """A caller following a Location the upstream built from its own Host went around the
+    gateway, to an internal address it may not reach and without the injected key; it is
+    rewritten to the gateway's path (nginx's `proxy_redirect default`), never followed."""
+    async with upstream(located) as p, upstream(status_handler(200)) as b:
+        gateway = Gateway(host_app, config=make_config(p.url, b.url), environ=ENV)
+        async with client_for(gateway) as client:
+            response = await client.get(path)
+        await gateway.aclose()
+    host = p.url.removeprefix("http://")
+    assert response.headers["location"] == relayed.format(own=p.url, host=host)
+    assert p.count == 1 and b.count == 0
+
+
 async def test_caller_value_for_a_custom_auth_header_never_reaches_an_upstream() -> None:
     async with upstream(status_handler(503)) as p, upstream(status_handler(200)) as b:
         config = make_config(p.url, b.url)

@@ -202,6 +202,7 @@ class RouteResolver:
             method=method,
             path=path,
             spelled_path=caller_spelling(raw_path, route.prefix) if "%" in raw_path else None,
+            mount=str(scope.get("root_path") or "").rstrip("/"),
             query=strip_query_keys(scope.get("query_string", b""), self.strip_query_keys),
             started=started,
             deadline=started + deadline_ms / 1000,

@@ -133,6 +133,8 @@ class RequestContext:
     # x-gateway-deadline-ms when it shortened it: a 504 names the one that applied.
     configured_deadline_ms: int | None = None
     caller_deadline_ms: int | None = None
+    # Where the caller reaches the gateway: the mount's `root_path` ("" at the root).
+    mount: str = ""
     # The path forwarded when the caller's percent-encoding is kept (routing.caller_spelling:
     # `%2F` inside a segment); None: `path`, quoted.
     spelled_path: str | None = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
 
 from fallback_mw.credentials import EchoMask, echoes_credential, without_echoed_credentials
 from fallback_mw.failover.decide import Outcome, relay_outcome
@@ -19,6 +20,7 @@ from fallback_mw.request.context import RequestContext
 from fallback_mw.request.local_errors import gateway_headers, send_error
 from fallback_mw.request.types import Send
 from fallback_mw.request.usage import BodyDecoder, UsageMeter, body_coding, content_decoder
+from fallback_mw.rules import origin
 from fallback_mw.security import forwardable_response_headers
 from fallback_mw.timers import Stall
 from fallback_mw.upstream.base import UpstreamError, UpstreamResponse
@@ -68,6 +70,8 @@ async def commit(
             response.headers, status=response.status, injected=injected
         )
         headers = without_echoed_credentials(context, name, headers)
+        if response.status == 201 or 300 <= response.status < 400:
+            headers = _located_here(headers, context.upstreams[name].url, context.mount)
         content_type, content_encoding = coding or body_coding(response.headers)
         # An upstream echoing its own credential in the body (an error quoting the key it
         # was sent) must not hand it to the caller, as in a header. The mask reads text: a
@@ -172,6 +176,41 @@ async def commit(
         if usage.model is not None and echoes_credential(context, name, usage.model):
             usage.model = None  # never recorded; the requested model prices it
         await response.aclose()
+
+
+def _located_here(
+    headers: list[tuple[bytes, bytes]], upstream_url: str, mount: str
+) -> list[tuple[bytes, bytes]]:
+    """A `Location` (a redirect's, a 201's) naming the upstream's own URL, as the caller
+    reaches that resource: through the gateway (`/v1/items/`, below its `mount`), as
+    nginx's `proxy_redirect default` rewrites it. The upstream builds such a URL from the
+    `Host` the gateway sent (its own: Starlette's and Django's trailing-slash redirects,
+    a 201's new resource), and a caller following it went around the gateway, to an
+    internal host it may not reach, without the credential the gateway injects. The
+    redirect is still never followed; any other `Location` is relayed as it came."""
+    for index, (field, value) in enumerate(headers):
+        if field != b"location":
+            continue
+        text = value.decode("latin-1").strip()
+        parts = urlsplit(text)
+        base = urlsplit(upstream_url)
+        if not parts.netloc or "@" in parts.netloc or origin(text)[:3] != origin(upstream_url)[:3]:
+            continue
+        base_path = base.path.rstrip("/")
+        path = parts.path
+        if base_path:
+            if path != base_path and not path.startswith(base_path + "/"):
+                continue
+            path = path[len(base_path) :]
+        here = (mount + path) if path else (mount or "/")
+        if here[:1] != "/" or here[1:2] in ("/", "\\"):
+            continue  # `//host/x` (or `/\host/x`) would name another host
+        here += ("?" + parts.query if parts.query else "") + (
+            "#" + parts.fragment if parts.fragment else ""
+        )
+        headers = headers.copy()
+        headers[index] = (field, here.encode("latin-1"))
+    return headers
 
 
 async def _no_chunks() -> AsyncIterator[bytes]:
