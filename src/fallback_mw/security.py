@@ -72,6 +72,13 @@ DEFAULT_STRIP_HEADERS = (
     "x-pomerium-jwt-assertion",
     "x-access-token",
     "x-id-token",
+    # A browser page's anti-CSRF token, sent beside the session cookie the gateway strips
+    # (Django's `X-CSRFToken`, Rails' and Laravel's `X-CSRF-Token`, the `X-XSRF-TOKEN`
+    # Angular and axios send by themselves on a same-origin call): whoever holds it can
+    # forge requests the host app accepts from that user's browser.
+    "x-csrftoken",
+    "x-csrf-token",
+    "x-xsrf-token",
     # Not secrets, but they choose whose account the gateway's own credential acts for:
     # OpenAI bills a request to the organization / project these name (a key in several),
     # Google to the `x-goog-user-project`. A caller must not pick who pays.

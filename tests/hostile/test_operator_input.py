@@ -444,6 +444,13 @@ PROXY_TOKENS = {
     "X-Access-Token": "user-token-13",  # Kong's OIDC plugin
     "X_ID_Token": "user-jwt-14",
 }
+# A page's anti-CSRF token (Django, Rails / Laravel, Angular / axios), sent beside the
+# session cookie the gateway strips: with it, the host app's CSRF check can be passed.
+CSRF_TOKENS = {
+    "X-CSRFToken": "user-token-15",
+    "X-CSRF-Token": "user-token-16",
+    "X-XSRF-TOKEN": "user-token-17",
+}
 
 
 @pytest.mark.anyio
@@ -485,6 +492,29 @@ async def test_the_users_tokens_an_auth_proxy_in_front_adds_reach_no_upstream() 
         names = {name.lower() for name, _ in received.headers}
         assert {"x-amzn-oidc-identity", "x-forwarded-email"} <= names
     assert ("authorization", "Bearer gateway-key-1234") in up.received[0].headers
+
+
+@pytest.mark.anyio
+async def test_a_pages_anti_csrf_token_reaches_no_upstream() -> None:
+    """A browser page calling the gateway on its own origin sends its CSRF token (axios and
+    Angular do by themselves): it reached the LLM provider, which could then pass the host
+    app's CSRF check from that user's browser."""
+    async with upstream(status_handler(200, b"{}", **{"content-type": "application/json"})) as up:
+        conf = {
+            "gateway": {"allow_hosts": ["127.0.0.1"]},
+            "upstreams": {"primary": {"url": up.url}},
+            "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+        }
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as http:
+                response = await http.get("/v1/models", headers={**CSRF_TOKENS, "x-kept": "1"})
+        finally:
+            await gateway.aclose()
+    assert response.status_code == 200
+    (received,) = up.received
+    assert not any("user-token" in value for _, value in received.headers)
+    assert ("x-kept", "1") in received.headers
 
 
 SPOOFED = {
