@@ -11,7 +11,7 @@ from itertools import chain
 
 from fallback_mw.config import UpstreamConfig
 from fallback_mw.request.context import RequestContext
-from fallback_mw.request.secrets import MIN_SECRET
+from fallback_mw.request.secrets import MIN_SECRET, credential_forms
 from fallback_mw.request.usage import content_decoder, unreadable_coding
 from fallback_mw.security import READABLE_CODINGS, forwardable_request_headers
 
@@ -194,12 +194,11 @@ class EchoMask:
 
 
 def _keys(found: tuple[tuple[str, str] | None, ...], scheme: str) -> list[str]:
-    """The keys behind one upstream's credential values (the scheme cut off); those too
+    """The keys behind one upstream's credential values (the scheme cut off), and the
+    token inside a value that is a whole header value (`credential_forms`); those too
     short to look for left out."""
     skip = len(scheme) + 1 if scheme else 0
-    return [
-        value[skip:] for _, value in filter(None, found) if len(value) - skip >= MIN_ECHOED_SECRET
-    ]
+    return [form for _, value in filter(None, found) for form in credential_forms(value[skip:])]
 
 
 @lru_cache(maxsize=256)

@@ -243,6 +243,35 @@ async def test_a_credential_echoed_in_the_body_never_reaches_the_caller(
     assert all(("authorization", f"Bearer {SECRET}") in r.headers for r in single.received)
 
 
+async def echo_the_token(request: web.Request) -> web.StreamResponse:
+    token = request.headers.get("authorization", "").rsplit(" ", 1)[-1]
+    error = {"error": {"message": f"Incorrect API key provided: {token}"}, "model": token}
+    return web.json_response(error, status=401, headers={"x-key": token})
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_token_quoted_from_a_whole_header_value_never_reaches_the_caller(
+    engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A variable holding a whole header value (`Bearer sk-...`, sent as it is under
+    `auth_scheme = ""`) was looked for whole: an upstream quoting the token alone, as a
+    provider's 401 does, handed the caller the key, in the body and in a field."""
+    monkeypatch.setenv("ECHO_KEY", f"Bearer {SECRET}")
+    async with upstream(echo_the_token) as single:
+        conf = {
+            "gateway": {"engine": engine, "allow_hosts": ["127.0.0.1"]},
+            "upstreams": {"single": {"url": single.url, "auth_scheme": "", "auth_env": "ECHO_KEY"}},
+            "routes": [{"id": "a", "prefix": "/a/", "plan": ["single"]}],
+        }
+        async with gateway_client(conf) as client:
+            response = await client.get("/a/chat")
+    assert response.status_code == 401
+    assert ("authorization", f"Bearer {SECRET}") in single.received[0].headers
+    assert SECRET not in response.text
+    assert response.json()["error"]["message"].endswith("*" * len(SECRET))
+    assert "x-key" not in response.headers
+
+
 def test_the_body_mask_catches_a_credential_split_anywhere_and_delays_nothing_else() -> None:
     secret = SECRET.encode()
     body = b'data: {"a": "%s", "b": "sk-pro", "c": "%s"}\n\n' % (secret, secret)

@@ -42,6 +42,20 @@ def secret_forms(value: bytes) -> list[bytes]:
     return [form.lower() for form in forms if len(form) >= MIN_SECRET]
 
 
+def credential_forms(key: str) -> list[str]:
+    """The secrets one provider credential value holds, case kept: the whole value and, as
+    `secret_forms` reads a caller's, for `Scheme token` the token, for `name=value` pairs
+    each value. A variable may hold a whole header value (`Bearer sk-...` under
+    `auth_scheme = ""`): an upstream quoting only the token quotes the key all the same."""
+    key = key.strip()
+    forms = [key]
+    if " " in key:
+        forms.append(key.rsplit(" ", 1)[1])
+    if "=" in key:
+        forms.extend(pair.split("=", 1)[-1].strip() for pair in key.split(";"))
+    return [form for form in dict.fromkeys(forms) if len(form) >= MIN_SECRET]
+
+
 class RequestSecrets:
     """One request's credentials, read lazily from its headers and query string (the
     caller's), plus the provider keys of the route table it was resolved on."""
@@ -113,9 +127,9 @@ def provider_secrets(
             value = credential[1]
             if scheme and value.startswith(scheme + " "):
                 value = value[len(scheme) + 1 :]
-            secret = value.strip().encode("utf-8", "replace").lower()
-            if len(secret) >= MIN_SECRET:
-                found.append(secret)
+            found.extend(
+                form.encode("utf-8", "replace").lower() for form in credential_forms(value)
+            )
     return tuple(dict.fromkeys(found))
 
 
