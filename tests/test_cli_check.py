@@ -830,3 +830,33 @@ def test_check_warns_about_a_hedge_the_deadline_never_lets_start(tmp_path: Path)
     path.write_text(body.replace("hedge_after_ms = 6000", "hedge_after_ms = 800"), "utf-8")
     result = check(path)
     assert result.returncode == 0 and "warning" not in result.stdout, result.stdout
+
+
+def test_check_warns_when_a_credential_would_cross_the_internet_in_cleartext(
+    tmp_path: Path,
+) -> None:
+    """`http://api.openai.com` for `https://`: every request sent the key in clear across
+    the internet (the provider's redirect to https came back after it), and `check` and
+    `serve` said nothing. An upstream at a private or loopback address, one over https and
+    one without a credential are not warned about."""
+    path = tmp_path / "gateway.toml"
+    body = (
+        '[gateway]\nallow_hosts = ["api.example.com", "93.184.216.0/24", "10.0.0.0/8", '
+        '"127.0.0.1"]\n'
+        '[upstreams.public]\nurl = "http://api.example.com/v1"\nauth_env = "FMW_CHECK_PRIMARY"\n'
+        '[upstreams.literal]\nurl = "http://93.184.216.34"\nauth_env = "FMW_CHECK_PRIMARY"\n'
+        '[upstreams.tls]\nurl = "https://api.example.com"\nauth_env = "FMW_CHECK_PRIMARY"\n'
+        '[upstreams.inside]\nurl = "http://10.1.2.3:8000"\nauth_env = "FMW_CHECK_PRIMARY"\n'
+        '[upstreams.local]\nurl = "http://127.0.0.1:9001"\nauth_env = "FMW_CHECK_PRIMARY"\n'
+        '[upstreams.keyless]\nurl = "http://93.184.216.35"\n'
+    )
+    for name in ("public", "literal", "tls", "inside", "local", "keyless"):
+        body += f'[[routes]]\nid = "{name}"\nprefix = "/{name}/"\nplan = ["{name}"]\n'
+    path.write_text(body, encoding="utf-8")
+    result = check(path)
+    assert result.returncode == 0, result.stderr
+    warned = [line for line in result.stdout.splitlines() if "plain http://" in line]
+    assert len(warned) == 2, result.stdout
+    assert "upstream 'public'" in warned[0] and "$FMW_CHECK_PRIMARY" in warned[0]
+    assert "upstream 'literal'" in warned[1] and "use https://" in warned[1]
+    assert SECRET not in result.stdout  # names only, never the value

@@ -31,7 +31,12 @@ from fallback_mw.config import (
 from fallback_mw.failover.decide import CREDENTIAL_STATUSES
 from fallback_mw.routing import RouteTable, effective_deadline_ms
 from fallback_mw.rules import shown_variable
-from fallback_mw.security import DEFAULT_STRIP_HEADERS, DEFAULT_STRIP_QUERY_KEYS
+from fallback_mw.security import (
+    DEFAULT_STRIP_HEADERS,
+    DEFAULT_STRIP_QUERY_KEYS,
+    Allowlist,
+    parse_ip,
+)
 from fallback_mw.store.model import StoreError
 from fallback_mw.store.routes import MergedRoutes, merge_routes, open_store
 from fallback_mw.store_url import StoreURLError, is_redis_url, parse_store_url
@@ -344,6 +349,39 @@ def credential_warnings(
     return warnings
 
 
+def cleartext_credential_warnings(
+    upstreams: Mapping[str, UpstreamConfig],
+    routes: Sequence[RouteConfig],
+    allow_hosts: Sequence[str],
+) -> list[str]:
+    """An upstream some route reaches that is sent its credential over plain http:// at a
+    public address: an IP literal that is global, or a name the allowlist admits by name
+    (a listed name admits public addresses only, `security.Allowlist`; `localhost` aside).
+    `http://api.openai.com` for `https://` sent the key in clear across the internet
+    before the provider's redirect came back. Names only, never a value."""
+    allow = Allowlist(allow_hosts)
+    warnings = []
+    for name in reached_upstreams(routes):
+        upstream = upstreams[name]
+        if not upstream.credential_envs or not upstream.url.startswith("http://"):
+            continue
+        host = upstream.host
+        literal = parse_ip(host)
+        public = (
+            literal.is_global
+            if literal is not None
+            else allow.allows_name(host) and host.rstrip(".").lower() != "localhost"
+        )
+        if public:
+            variables = ", ".join(f"${shown_variable(v)}" for v in upstream.credential_envs)
+            warnings.append(
+                f"upstream {name!r} is sent its credential ({variables}) over plain http:// "
+                f"at {host}, a public address: anyone on the path reads the key; use "
+                "https://"
+            )
+    return warnings
+
+
 # The proxy variables client libraries read when they trust the environment. Neither engine
 # does (trust_env off): a proxy taken from the environment would get none of the checks a
 # configured `proxy` gets (allowlist, metadata guard, no credentials in its URL).
@@ -489,6 +527,7 @@ def config_warnings(
             found.append(unreachable[route.id])
         routes[route.id] = found
     general = credential_warnings(merged.upstreams, merged.routes, os.environ)
+    general += cleartext_credential_warnings(merged.upstreams, merged.routes, settings.allow_hosts)
     general += dropped_strip_defaults(settings)
     breaker = settings.breaker
     if breaker.min_calls > breaker.window:
