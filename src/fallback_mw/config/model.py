@@ -254,6 +254,11 @@ def _valid_host(host: str) -> bool:
     return len(host) <= 253 and _HOST_NAME.fullmatch(host) is not None
 
 
+# What an upstream URL's path may not hold as written (RFC 3986 §3.3: a path is
+# unreserved and sub-delim characters, ':', '@', '/' and percent-escapes).
+_NOT_IN_PATH = re.compile(r"%(?![0-9A-Fa-f]{2})|[^A-Za-z0-9\-._~!$&'()*+,;=:@/%]")
+
+
 # `http://[::1%25lo]:8000` loaded, and every attempt failed as "could not connect" on both
 # engines. A zone names the interface of a link-local address, which is refused anyway.
 _ZONE_ID = (
@@ -319,6 +324,21 @@ class UpstreamConfig(_Strict):
         segments = parts.path.lower().replace("%2e", ".").split("/")
         if "." in segments or ".." in segments:
             raise ValueError("has a '.' or '..' segment in its path; write the path it means")
+        # httpx percent-encodes `"`, `<`, `>`, `` ` ``, `{`, `}` before sending, aiohttp sends
+        # them as written (`/v1/{deployment}` reached two paths depending on the engine), and
+        # neither mends a `%` that starts no escape: the path is RFC 3986's, as both send it.
+        stray = _NOT_IN_PATH.search(parts.path)
+        if stray is not None:
+            char = stray.group()
+            if char == "%":
+                raise ValueError(
+                    "has a '%' in its path that starts no percent-escape (two hex digits): "
+                    "write a literal '%' as %25"
+                )
+            raise ValueError(
+                f"has {char!r} in its path, which a request target cannot carry as written: "
+                f"percent-encode it (%{ord(char):02X}), or replace a template placeholder"
+            )
         # The scheme in lower case (`HTTPS://` is https): the engines choose TLS and its
         # trust (`ca_file`) by it.
         return parts.scheme + value[len(parts.scheme) :].rstrip("/")
