@@ -142,3 +142,23 @@ def test_a_service_url_no_driver_opens_is_one_line_naming_the_key(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"gateway.{key}" in err, err
     assert "internal error" not in err and "\x00" not in err, err
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("path", ["gateway\x00.toml", "gateway\ud800.toml"])
+async def test_a_config_path_no_file_can_have_is_a_config_error(path: str) -> None:
+    # `Gateway(app, config="gateway\x00.toml")` raised ValueError out of the constructor (a
+    # traceback under the host's server) where any other unreadable path is the refusal
+    # every request is answered with (503 config_error).
+    from fallback_mw import Gateway
+    from tests.helpers import client_for
+    from tests.upstreams import host_app
+
+    with pytest.raises(ConfigError, match="cannot be opened"):
+        load_config(path)
+    gateway = Gateway(host_app, config=path)
+    async with client_for(gateway) as client:
+        response = await client.get("/v1/chat")
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "config_error"
+    await gateway.aclose()

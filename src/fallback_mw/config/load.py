@@ -198,6 +198,13 @@ def read_config_file(path: Path) -> dict[str, Any]:
         if _looks_like_toml(str(path)):
             raise ConfigError(TOML_TEXT) from None
         _unreadable(exc, path, name)
+    except ValueError:
+        # A NUL or a lone surrogate in the path: open() raised ValueError (UnicodeEncodeError),
+        # a traceback out of `Gateway(config=...)` rather than the refusal of a path.
+        raise ConfigError(
+            f"configuration file {name} cannot be opened: its path holds a NUL or a character "
+            "that is not UTF-8 text"
+        ) from None
     if len(raw) > MAX_CONFIG_BYTES:
         raise ConfigError(f"configuration file {name} is larger than 4 MiB")
     try:
