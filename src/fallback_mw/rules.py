@@ -173,6 +173,12 @@ def check_variable_name(where: str, name: str) -> None:
         # The value is not echoed: the usual malformed "name" is the credential itself
         # (`auth_env = "sk-..."`), and this line reaches terminals, CI logs and the log.
         text = name if isinstance(name, str) else ""
+        if isinstance(name, str) and not name.strip():
+            # `--auth-env "$NAME"` with NAME unset in the shell: the usual empty one.
+            raise ConfigError(
+                f"{where} is empty: give the name of the environment variable that holds "
+                "the credential, or leave it out for an upstream that takes none"
+            )
         bare = text.removeprefix("$").removeprefix("{").removesuffix("}")
         hint = (
             f"; write {shown_variable(bare)} without the '$'"

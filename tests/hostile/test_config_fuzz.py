@@ -162,3 +162,74 @@ async def test_a_config_path_no_file_can_have_is_a_config_error(path: str) -> No
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "config_error"
     await gateway.aclose()
+
+
+@pytest.mark.parametrize(
+    ("option", "says"),
+    [
+        ("--auth-env", "auth_env is empty"),
+        ("--auth-header", "auth_header"),
+        ("--fallback-auth-env", "auth_env is empty"),
+        ("--fallback-auth-header", "auth_header"),
+    ],
+)
+def test_routes_add_refuses_an_empty_credential_option_as_the_file_does(
+    option: str, says: str, tmp_path: Path
+) -> None:
+    # `--auth-env "$PRIMARY_KEY_NAME"` with that shell variable unset stored a route that
+    # sent no credential (and `--auth-header ""` one that used `authorization`), where the
+    # loader refuses `auth_env = ""` / `auth_header = ""`: the store refuses what it does.
+    from tests.test_cli_admin import run_cli
+
+    store = f"sqlite:///{tmp_path / 'routes.db'}"
+    status, _out, err = run_cli(
+        *("routes", "add", "--store", store, "--id", "r", "--prefix", "/v1/"),
+        *("--upstream", "http://127.0.0.1:9001", "--fallback", "http://127.0.0.1:9002"),
+        *("--retries", "1", option, ""),
+    )
+    assert status == 2 and err.count("\n") == 1 and says in err, err
+    assert run_cli("routes", "list", "--store", store)[1].strip() == "no routes"
+    config = base()
+    config["upstreams"]["p"][f"auth_{option.split('-')[-1]}"] = ""
+    with pytest.raises(ConfigError, match=says):
+        load_config(config, check_env=False)
+
+
+credential_option = st.one_of(
+    st.none(),
+    odd_text,
+    st.sampled_from(["", " ", "KEY", "$KEY", "x-api-key", "Authorization", "host", "1KEY"]),
+)
+
+
+@SETTINGS
+@given(credential_option, credential_option)
+def test_the_route_store_refuses_what_the_loader_refuses(
+    header: str | None, variable: str | None
+) -> None:
+    from fallback_mw.config import GatewayConfig, RouteConfig
+    from fallback_mw.store.model import StoredRoute
+    from fallback_mw.store.routes import make_upstream, merge_routes
+
+    upstream: dict[str, Any] = {"url": "http://127.0.0.1:9001"}
+    if header is not None:
+        upstream["auth_header"] = header
+    if variable is not None:
+        upstream["auth_env"] = variable
+    config = base()
+    config["upstreams"]["p"] = upstream
+    try:
+        load_config(config, check_env=False)
+        loads = True
+    except ConfigError:
+        loads = False
+    try:
+        stored = StoredRoute(
+            route=RouteConfig(id="r", prefix="/v1/", plan=("p",)),
+            upstreams={"p": make_upstream(upstream["url"], header, variable, "route 'r'")},
+        )
+        merge_routes(GatewayConfig(), [stored])
+        stores = True
+    except ConfigError:
+        stores = False
+    assert stores == loads

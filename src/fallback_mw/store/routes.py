@@ -176,8 +176,11 @@ def scheme_for(auth_header: str) -> str:
 def make_upstream(
     url: str, auth_header: str | None, auth_env: str | None, where: str
 ) -> UpstreamConfig:
-    header = (auth_header or "authorization").strip().lower()
+    # An option given empty (`--auth-env "$NAME"` with NAME unset in the shell) is checked
+    # as the file's `auth_env = ""` is, and refused: it stored a route that sent no
+    # credential (or the default header), where the loader refuses the same value.
+    header = "authorization" if auth_header is None else auth_header.strip().lower()
     data: dict[str, Any] = {"url": url, "auth_header": header, "auth_scheme": scheme_for(header)}
-    if auth_env:
+    if auth_env is not None:
         data["auth_env"] = auth_env
     return build_model(UpstreamConfig, data, where)
