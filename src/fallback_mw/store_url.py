@@ -173,7 +173,13 @@ def check_state_url(url: str) -> None:
     except RedisError as exc:
         # redis-py refuses some values as it builds the connection with errors of its own
         # (`?protocol=5`, `?ssl_cert_reqs=bogus`): they were "unexpected internal error".
-        raise StoreURLError(f"state URL: {driver_reason(exc, url).rstrip('.')}") from None
+        # Named by option, never quoting a value of the query (it may carry `password=`).
+        reason = driver_reason(exc, url).rstrip(".")
+        for option, given in parse_qsl(urlsplit(url).query, keep_blank_values=True):
+            if given and given in reason:
+                reason = f"redis-py refuses the value of its {option[:40]!r} option"
+                break
+        raise StoreURLError(f"state URL: {reason}") from None
     except (ValueError, TypeError, OverflowError) as exc:
         unknown = _UNKNOWN_ARGUMENT.search(str(exc))
         if unknown is not None:
@@ -193,7 +199,9 @@ def check_state_url(url: str) -> None:
     try:
         codecs.lookup_error(str(errors))
     except LookupError:
-        raise StoreURLError(f"state URL: encoding_errors {str(errors)[:40]!r} is unknown") from None
+        raise StoreURLError(
+            "state URL: encoding_errors names no error handler Python knows"
+        ) from None
     sample = "fallback_mw:{breaker}"
     try:
         written = sample.encode(str(encoding))
@@ -201,8 +209,7 @@ def check_state_url(url: str) -> None:
         written = b""
     if written != sample.encode("ascii"):
         raise StoreURLError(
-            f"state URL: encoding {str(encoding)[:40]!r} is not a text encoding that writes "
-            "ASCII as ASCII (omit it: utf-8)"
+            "state URL: encoding is not a text encoding that writes ASCII as ASCII (omit it: utf-8)"
         )
     for name in ("socket_timeout", "socket_connect_timeout"):
         # 0 or less: every call to Redis times out at once (or the socket refuses it), so
