@@ -10,9 +10,11 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from fallback_mw import Gateway
+from fallback_mw.health.memory import MemoryHealth
 from fallback_mw.layers.walker.hedge import first_head
-from tests.helpers import gateway_client
-from tests.upstreams import Upstream, status_handler, upstream
+from tests.helpers import client_for, gateway_client
+from tests.upstreams import Upstream, host_app, status_handler, upstream
 
 
 def config(primary: Upstream, backup: Upstream, **route: Any) -> dict[str, Any]:
@@ -107,6 +109,55 @@ async def test_a_hedge_that_fails_fast_does_not_win_over_the_attempt_still_runni
     ):
         response = await client.get("/v1/x")
     assert (response.status_code, response.text) == (200, "slow but fine")
+    assert response.headers["x-gateway-attempts"] == "2"
+    assert (primary.count, backup.count) == (2, 0)
+
+
+class BookedKeys(MemoryHealth):
+    """The memory state, saying when a pool key's outcome has been booked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.booked = asyncio.Event()
+
+    async def credential_result(self, upstream: str, index: int, **outcome: Any) -> None:
+        await super().credential_result(upstream, index, **outcome)
+        self.booked.set()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("status", [401, 429])
+async def test_a_pool_keys_refusal_on_the_hedge_does_not_win_over_the_attempt_still_running(
+    status: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A pool of two keys, the second revoked (401) or rate limited (429): the hedge, on
+    # the second key, was refused at once while the first attempt, on the good key, was
+    # about to answer 200. The refusal won the race as "the first head": the first attempt
+    # was cancelled and, no key left to try, the caller got the 401 / 429. A pool key's own
+    # refusal is finished as the failure it is (the key retired or cooled down) and the
+    # race goes on: the 200 is served.
+    monkeypatch.setenv("GOOD_KEY", "good")
+    monkeypatch.setenv("REFUSED_KEY", "refused")
+    health = BookedKeys()
+
+    async def primary_handler(request: web.Request) -> web.StreamResponse:
+        if request.headers["authorization"] == "Bearer refused":
+            return web.Response(status=status, body=b"key refused")
+        # Answers once the gateway has booked the refusal to its key (it won the race:
+        # this attempt was cancelled first, and never answers).
+        await asyncio.wait_for(health.booked.wait(), timeout=10)
+        return web.Response(body=b"good key")
+
+    async with upstream(primary_handler) as primary, upstream(status_handler(503)) as backup:
+        conf = config(primary, backup, hedge_after_ms=50)
+        conf["upstreams"]["primary"]["auth_env"] = ["GOOD_KEY", "REFUSED_KEY"]
+        gateway = Gateway(host_app, config=conf, health=health)
+        try:
+            async with client_for(gateway) as client:
+                response = await client.get("/v1/x")
+        finally:
+            await gateway.aclose()
+    assert (response.status_code, response.text) == (200, "good key")
     assert response.headers["x-gateway-attempts"] == "2"
     assert (primary.count, backup.count) == (2, 0)
 

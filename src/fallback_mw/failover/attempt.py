@@ -32,8 +32,8 @@ from fallback_mw.credentials import PLAIN_CODINGS, unmaskable_answer
 from fallback_mw.failover.decide import (
     Outcome,
     engine_outcome,
+    fails_in_a_race,
     health_mark,
-    is_failover_class,
     local_or,
 )
 from fallback_mw.faults import BlackholeSource, FaultSource
@@ -485,11 +485,13 @@ class AttemptLifecycle:
     ) -> UpstreamResponse | None:
         """The attempt that lost a hedge race: cancelled (None) or with a head it does not
         need, it proved nothing about the upstream; a real failure before the winner's
-        head is finished like any attempt. A failover-class answer (a 503) is returned
-        open: it is an upstream answer the walk keeps, as any failed attempt's, for
+        head is finished like any attempt. A failover-class answer (a 503), or a pool
+        credential's own refusal (a 401 retires that key), is returned open: it is an
+        upstream answer the walk keeps, as any failed attempt's, for
         `on_exhausted = "last_response"` (the caller keeps or closes it)."""
+        pooled = len(self.context.upstreams[record.candidate].credential_envs) > 1
         if result is not None and (
-            result[1] is None or is_failover_class(result[0], self.failover_status)
+            result[1] is None or fails_in_a_race(result[0], self.failover_status, pooled=pooled)
         ):
             # It failed (before the winner's head, or beside it): booked like any attempt.
             await self.finish(record, result[0], result[1])

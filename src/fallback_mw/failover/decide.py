@@ -160,6 +160,16 @@ def is_failover_class(outcome: Outcome, failover_status: Collection[int]) -> boo
     return outcome.kind in ("transport", "timeout")
 
 
+def fails_in_a_race(outcome: Outcome, failover_status: Collection[int], *, pooled: bool) -> bool:
+    """An answer that does not win a hedge race while the other attempt still runs: a
+    failover-class one, or within a credential pool (`pooled`) that credential's own
+    refusal (401/403/429: the walk moves to another credential of the pool, SPEC §6).
+    Either is finished as the failure it is; the other attempt may yet answer well."""
+    if is_failover_class(outcome, failover_status):
+        return True
+    return pooled and outcome.kind == "status" and outcome.status in CREDENTIAL_STATUSES
+
+
 def health_mark(outcome: Outcome, failover_status: Collection[int]) -> bool | None:
     """What the outcome does to the upstream's breaker and credential: True a failure,
     False a success, None nothing at all (the gateway's side of the request, or a failure

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import anyio
 
 from fallback_mw.failover.attempt import AttemptLifecycle, AttemptResult
-from fallback_mw.failover.decide import is_failover_class
+from fallback_mw.failover.decide import fails_in_a_race
 from fallback_mw.layers.walker.cursor import CandidateCursor, Pick
 from fallback_mw.request.context import AttemptRecord
 from fallback_mw.upstream.base import UpstreamResponse
@@ -123,14 +123,17 @@ async def run_hedged(
             await keep(records[index].candidate, answer, records[index])
 
     failover_status = attempts.failover_status
+    pooled = len(pick.upstream.credential_envs) > 1
     index, result = await first_head(
         attempts.run(pick.name, pick.upstream, record),
         start_hedge,
         after=after,
-        # A failover-class answer (a 503) does not win the race: the other attempt, still
-        # running, may yet answer well; the failure is finished as one (`lose`).
+        # A failover-class answer (a 503), or a pool credential's own 401/403/429, does not
+        # win the race: the other attempt, still running, may yet answer well; the failure
+        # is finished as one (`lose`).
         is_head=lambda outcome: (
-            outcome[1] is not None and not is_failover_class(outcome[0], failover_status)
+            outcome[1] is not None
+            and not fails_in_a_race(outcome[0], failover_status, pooled=pooled)
         ),
         discard=discard,
     )
