@@ -4,6 +4,7 @@ budget for repeats, in memory with a controlled clock and shared through the rea
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -11,6 +12,7 @@ from fallback_mw.capacity import Ask, Reservation, repeat_allowed
 from fallback_mw.capacity.memory import MemoryCapacity
 from fallback_mw.capacity.redis import RedisCapacity
 from fallback_mw.config import RepeatAllowanceConfig
+from fallback_mw.grouping import Group
 from fallback_mw.health.redis import RedisHealth
 from tests.conftest import REDIS_DB, REDIS_HOST, REDIS_PORT
 
@@ -275,3 +277,37 @@ async def test_release_capacity_takes_back_the_count_but_not_the_repeat(redis_ur
             assert await limits.reserve("p", ask(repeat=True)) == "repeat_budget"
         finally:
             await limits.aclose()
+
+
+async def test_a_count_whose_caller_left_as_its_answer_came_is_taken_back(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis answered the reservation and, on that same turn of the loop, its caller was
+    cancelled (a client gone, the host's stop) before it read the answer: the count stood
+    for nobody, the upstream's `rpm` short by one for a minute (a caller cancelled before
+    the answer came was already taken back). Either way the count is taken back."""
+    limits = shared(redis_url)
+    waiter: list[asyncio.Task[object]] = []
+    join = Group.join
+
+    def join_then_cancel_on_answer(self: Group[Any], item: Any) -> asyncio.Future[Any]:
+        future = join(self, item)
+        if waiter and item.name == "capacity_admit":
+            caller = waiter[0]  # cancelled ahead of its own wake-up: before it reads
+            future.add_done_callback(lambda _: caller.cancel())
+        return future
+
+    monkeypatch.setattr(Group, "join", join_then_cancel_on_answer)
+    try:
+        waiter.append(asyncio.ensure_future(limits.reserve("backup", ask(rpm=1))))
+        with pytest.raises(asyncio.CancelledError):
+            await waiter[0]
+        waiter.clear()
+        for _ in range(100):  # the take-back runs in the background
+            again = await limits.reserve("backup", ask(rpm=1))
+            if isinstance(again, Reservation):
+                break
+            await asyncio.sleep(0.02)
+        assert isinstance(again, Reservation)
+    finally:
+        await limits.aclose()

@@ -325,7 +325,16 @@ class RedisHealth:
         group = self._group
         if group is None or group.loop is not loop:
             group = self._group = Group(loop, self._send_group)
-        return await group.join(_ScriptCall(name, source, keys, args, undo))
+        call = _ScriptCall(name, source, keys, args, undo)
+        future = group.join(call)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            # Answered, and its caller cancelled on that same turn, before it read the
+            # answer: nobody will use what the script did, as for a caller gone before.
+            if future.done() and not future.cancelled() and future.exception() is None:
+                self._abandoned(call, future.result())
+            raise
 
     def _send_group(self, calls: list[Pending[_ScriptCall]]) -> None:
         task = asyncio.get_running_loop().create_task(self._send(calls))
@@ -365,14 +374,7 @@ class RedisHealth:
                     continue
                 if current:
                     self._recovered()
-                if call.item.name == "admit" and _took_probe(result):
-                    # ...and made its admission the half-open probe: nobody will end it,
-                    # and every request would skip the upstream for the probe's lease.
-                    self._give_back_soon([(call.item.keys[0], call.item.args[3])])
-                elif call.item.undo is not None:  # e.g. a capacity count nobody will use
-                    undo = call.item.undo(call.item.keys, call.item.args, result)
-                    if undo is not None:
-                        self._undo_soon(_ScriptCall(*undo))
+                self._abandoned(call.item, result)
                 continue
             if lost:
                 call.future.set_result(self._failed(result) if current else self._fell_back())
@@ -401,6 +403,20 @@ class RedisHealth:
                 except (RedisError, OSError) as exc:
                     results[index] = exc
         return results
+
+    def _abandoned(self, call: _ScriptCall, result: Any) -> None:
+        """Take back what `call` did for a caller that gave up (cancelled) without its
+        answer `result`."""
+        if isinstance(result, _Unavailable):
+            return  # served on local state: the caller had done nothing there yet
+        if call.name == "admit" and _took_probe(result):
+            # ...and made its admission the half-open probe: nobody will end it, and
+            # every request would skip the upstream for the probe's lease.
+            self._give_back_soon([(call.keys[0], call.args[3])])
+        elif call.undo is not None:  # e.g. a capacity count nobody will use
+            undo = call.undo(call.keys, call.args, result)
+            if undo is not None:
+                self._undo_soon(_ScriptCall(*undo))
 
     def _fell_back(self) -> _Unavailable:
         self.local_fallbacks.add(1)
