@@ -386,3 +386,10 @@ async def test_bedrock_converse_usage_is_charged_with_its_cache_tokens() -> None
         b'"cacheReadInputTokens":20000,"cacheWriteInputTokens":100000,"totalTokens":140010}}'
     )
     assert await charged_for(body, "application/json", "aiohttp") == FULL_COST + Decimal("120")
+
+
+async def test_a_json_array_of_past_requests_usage_is_not_charged() -> None:
+    # Only Gemini's stream is read from a JSON array (its usageMetadata): a listing of
+    # records that each carry a `usage` is no usage of the request that fetched it.
+    listing = b'[{"id":"r1","usage":{"prompt_tokens":10,"completion_tokens":20000}}]'
+    assert await charged_for(listing, "application/json", "aiohttp") == Decimal("0.01")

@@ -306,10 +306,12 @@ class UsageMeter:
     def _apply_document(self, document: Any) -> None:
         if isinstance(document, list):
             # Gemini's `:streamGenerateContent` without `alt=sse`: one JSON array of the
-            # chunks, each with the `usageMetadata` so far.
+            # chunks, each with the `usageMetadata` so far. Only that: a listing of past
+            # requests' `usage` is no usage of this one.
             for item in document:
                 if isinstance(item, dict):
-                    self._apply_document(item)
+                    self._apply_model(item.get("modelVersion"))
+                    self._apply_gemini(item.get("usageMetadata"))
             return
         if not isinstance(document, dict):
             return
