@@ -16,6 +16,11 @@ BYTES_PER_TOKEN = 4
 MAX_TOKENS = 10**15
 OUTPUT_LIMIT_KEYS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 OUTPUT_COPIES_KEYS = ("n", "best_of")
+# Gemini / Vertex AI set them in `generationConfig` (`generation_config`: protobuf JSON
+# takes either spelling): `maxOutputTokens`, `candidateCount`; the keys read casefolded.
+GENERATION_CONFIG_KEYS = ("generationconfig", "generation_config")
+GENERATION_LIMIT_KEYS = ("maxoutputtokens", "max_output_tokens")
+GENERATION_COPIES_KEYS = ("candidatecount", "candidate_count")
 _COPIES_AND_PROMPT = (*OUTPUT_COPIES_KEYS, "prompt")
 # An integer in a string as pydantic's lax mode reads one (so vLLM's and the SDKs' models):
 # a `+`, single `_` between digits, any leading zeros, a fraction of zeros.
@@ -107,21 +112,39 @@ def output_limits(parsed: Mapping[str, Any]) -> list[int]:
             limit = token_count(value)
             if limit is not None:
                 limits.append(limit)
+    for config in _generation_configs(parsed):
+        for values in named_values(config, GENERATION_LIMIT_KEYS).values():
+            for value in values:
+                limit = token_count(value)
+                if limit is not None:
+                    limits.append(limit)
     return limits
+
+
+def _generation_configs(parsed: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """Gemini's `generationConfig` objects of a body (any spelling of the key)."""
+    return [
+        config
+        for values in named_values(parsed, GENERATION_CONFIG_KEYS).values()
+        for config in values
+        if isinstance(config, Mapping)
+    ]
 
 
 def output_copies(parsed: Mapping[str, Any]) -> int:
     """How many completions the output limit is spent on, each billed: OpenAI's `n`
     (choices), a legacy completion's `best_of` (generated server-side), once per prompt of
-    a batched `prompt` (a list of strings or of token lists); in any case of their keys,
-    the most any spelling asks for."""
+    a batched `prompt` (a list of strings or of token lists), Gemini's `candidateCount`;
+    in any case of their keys, the most any spelling asks for."""
     copies = 1
     named = named_values(parsed, _COPIES_AND_PROMPT)
-    for key in OUTPUT_COPIES_KEYS:
-        for value in named.get(key, ()):
-            count = token_count(value)
-            if count is not None and count > copies:
-                copies = count
+    counts = [value for key in OUTPUT_COPIES_KEYS for value in named.get(key, ())]
+    for config in _generation_configs(parsed):
+        counts += [v for vs in named_values(config, GENERATION_COPIES_KEYS).values() for v in vs]
+    for value in counts:
+        count = token_count(value)
+        if count is not None and count > copies:
+            copies = count
     prompts = 1
     for prompt in named.get("prompt", ()):
         if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):

@@ -434,3 +434,37 @@ async def test_a_body_with_data_after_its_object_is_held_as_a_go_decoder_reads_i
             assert (spent > Decimal("0.02"), held) == (True, Decimal(0))  # not default_hold
         finally:
             await gateway.aclose()
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"generationConfig": {"maxOutputTokens": 1000, "candidateCount": 8}},
+        {"generation_config": {"max_output_tokens": 1000, "candidate_count": 8}},
+    ],
+    ids=["camelCase", "snake_case"],
+)
+async def test_a_gemini_request_is_held_for_its_path_model_and_generation_config(
+    config: dict[str, object],
+) -> None:
+    # Gemini names the model in the path and its output limit in generationConfig: every
+    # generateContent call was held default_hold (0.01), so a budget of 10 let requests
+    # that may generate 8 candidates of 1,000 tokens (16.00 each) run side by side.
+    body = json.dumps({"contents": [{"parts": [{"text": "hi"}]}], **config}).encode()
+    async with upstream(json_handler({"candidates": []})) as primary:
+        conf = gateway_config({"primary": primary.url}, store=None, limit="10")
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                path = "/v1/models/gpt-test:generateContent"
+                response = await client.post(path, content=body)
+                assert response.status_code == 402
+                assert (
+                    "more than budget 'acme''s whole limit" in response.json()["error"]["message"]
+                )
+                # One candidate (2.00 and the prompt) fits, and is held as such.
+                one = body.replace(b"8", b"1")
+                assert (await client.post(path, content=one)).status_code == 200
+        finally:
+            await gateway.aclose()
+    assert len(primary.received) == 1  # the refused request reached no upstream

@@ -12,6 +12,7 @@ from typing import Any
 from fallback_mw.config import MAX_MONEY, PriceConfig
 from fallback_mw.tokens import (
     BYTES_PER_TOKEN,
+    GENERATION_LIMIT_KEYS,
     MAX_TOKENS,
     OUTPUT_LIMIT_KEYS,
     output_estimate,
@@ -29,7 +30,7 @@ _MTOK = Decimal(1_000_000)
 # A rough, generous token estimate for the request side (tokens.py); token counts are
 # believed up to MAX_TOKENS, so usage fits a BIGINT column and costs stay finite.
 _UNPARSED: Any = object()  # estimate_hold's `parsed` when the caller did not parse
-_OUTPUT_LIMIT_KEYS = OUTPUT_LIMIT_KEYS
+_OUTPUT_LIMIT_KEYS = (*OUTPUT_LIMIT_KEYS, *GENERATION_LIMIT_KEYS)
 
 
 def to_units(amount: Decimal) -> int:

@@ -18,6 +18,7 @@ from fallback_mw.config import DEFAULT_METHODS, ConfigError, ConfigSource, as_co
 from fallback_mw.credentials import CredentialCache
 from fallback_mw.injected import require, require_callable, require_environ
 from fallback_mw.layers.limits import InFlight, header_refusal
+from fallback_mw.request.body import path_model
 from fallback_mw.request.config_refusal import ConfigRefusal
 from fallback_mw.request.context import SCOPE_KEY, RequestContext
 from fallback_mw.request.local_errors import send_error
@@ -203,6 +204,7 @@ class RouteResolver:
             path=path,
             spelled_path=caller_spelling(raw_path, route.prefix) if "%" in raw_path else None,
             mount=str(scope.get("root_path") or "").rstrip("/"),
+            request_model=path_model(path),
             query=strip_query_keys(scope.get("query_string", b""), self.strip_query_keys),
             started=started,
             deadline=started + deadline_ms / 1000,

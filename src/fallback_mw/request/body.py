@@ -249,6 +249,21 @@ class NestedTooDeep(Exception):
     what such an upstream is asked to generate."""
 
 
+# Gemini and Vertex AI name the model in the path, not the body:
+# `/v1beta/models/gemini-2.0-flash:generateContent`,
+# `/v1/projects/P/locations/L/publishers/google/models/gemini-2.0-flash:streamGenerateContent`.
+_PATH_MODEL = re.compile(r"/models/([^/:]+):[A-Za-z]+$")
+
+
+def path_model(path: str) -> str | None:
+    """The model a Gemini-style path (`/models/NAME:method`) names, bounded as a body's is;
+    None for any other path."""
+    if path.find("/models/") < 0:
+        return None
+    match = _PATH_MODEL.search(path)
+    return None if match is None else match.group(1)[:MAX_NAME]
+
+
 def request_json(context: RequestContext, body: RequestBody) -> dict[str, Any] | None:
     """The buffered body as a JSON object (None: not one); notes the requested model."""
     if body.buffered is None:
