@@ -393,3 +393,15 @@ async def test_a_json_array_of_past_requests_usage_is_not_charged() -> None:
     # records that each carry a `usage` is no usage of the request that fetched it.
     listing = b'[{"id":"r1","usage":{"prompt_tokens":10,"completion_tokens":20000}}]'
     assert await charged_for(listing, "application/json", "aiohttp") == Decimal("0.01")
+
+
+async def test_groq_stream_usage_in_x_groq_is_charged() -> None:
+    # Groq's OpenAI-shaped stream reports usage in its last chunk's `x_groq`, not `usage`:
+    # a streamed Groq answer was charged its hold whatever it used.
+    last = (
+        b'{"id":"c1","object":"chat.completion.chunk","model":"gpt-test","choices":[{"index":0,'
+        b'"delta":{},"finish_reason":"stop"}],"x_groq":{"id":"req_1","usage":{"queue_time":0.01,'
+        b'"prompt_tokens":10,"completion_tokens":20000,"total_tokens":20010}}}'
+    )
+    body = b"data: " + last + b"\n\ndata: [DONE]\n\n"
+    assert await charged_for(body, "text/event-stream", "aiohttp") == FULL_COST

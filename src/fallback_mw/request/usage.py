@@ -10,7 +10,8 @@ OpenAI reports `usage.prompt_tokens` / `usage.completion_tokens`; Anthropic repo
 `message_start` carries the input count, `message_delta` the cumulative output count);
 AWS Bedrock's Converse `usage.inputTokens` (plus `cacheWriteInputTokens` /
 `cacheReadInputTokens`) / `usage.outputTokens`; the OpenAI Responses API's stream
-reports them in the final `response.completed` event's `response`; Gemini / Vertex AI in
+reports them in the final `response.completed` event's `response`, Groq's stream in its
+last chunk's `x_groq`; Gemini / Vertex AI in
 `usageMetadata` (`promptTokenCount` / `candidatesTokenCount` plus `thoughtsTokenCount`,
 in each chunk of a stream, SSE or one JSON array), the model in `modelVersion`; Ollama's
 own API in `prompt_eval_count` / `eval_count` (a stream's last JSON line). The body's
@@ -324,8 +325,9 @@ class UsageMeter:
             _reported_count(document.get("eval_count")),
         )
         # Anthropic `message_start` nests it in `message`; the OpenAI Responses API's
-        # stream in `response` (`response.created`, `response.completed`).
-        for key in ("message", "response"):
+        # stream in `response` (`response.created`, `response.completed`); Groq's stream
+        # in its last chunk's `x_groq`.
+        for key in ("message", "response", "x_groq"):
             nested = document.get(key)
             if isinstance(nested, dict):
                 self._apply_model(nested.get("model"))
