@@ -124,6 +124,16 @@ class _HeadGuard:
         if not self._counting and self._expecting_head():
             self._start_head()
         if self._counting:
+            if self._rest_of_answered_body():
+                # What is left of a body its request was answered without (an early 413):
+                # uvicorn reads and drops it; it is no head. Timed from here as a head
+                # would be (a timeout closes the connection, answering nothing).
+                self._draining = True
+                super().data_received(data)  # type: ignore[misc]
+                return
+            if self._draining:  # that body has ended: the next head starts now
+                self._draining = False
+                self._time_head()
             if self._head_bytes == 0:
                 self._request_line = data[:256]
             if self._head_too_large(data):
@@ -182,6 +192,25 @@ class _HeadGuard:
         # next is a (pipelined) request head.
         return self._between_requests() or not self.cycle.more_body
 
+    def _rest_of_answered_body(self) -> bool:
+        # Once the answer is complete uvicorn no longer updates `more_body`: the parser says
+        # whether the body is still arriving.
+        cycle = self.cycle
+        return (
+            cycle is not None
+            and cycle.response_complete
+            and cycle.more_body
+            and self._parser_in_body()
+        )
+
+    def _parser_in_body(self) -> bool:
+        conn = getattr(self, "conn", None)  # uvicorn's h11 connection; httptools has none
+        if conn is None:
+            return bool(getattr(self, "_in_body", False))  # kept by _MessageBounds
+        import h11
+
+        return bool(conn.their_state is h11.SEND_BODY)
+
     def _head_done(self) -> bool:
         # A parsed head replaces `cycle`; a websocket upgrade swaps the protocol.
         return (
@@ -192,6 +221,7 @@ class _HeadGuard:
 
     def _start_head(self) -> None:
         self._counting = True
+        self._draining = False
         self._head_bytes = 0
         self._head_tail = b""
         self._head_cycle = self.cycle
@@ -200,6 +230,7 @@ class _HeadGuard:
 
     def _stop_head(self) -> None:
         self._counting = False
+        self._draining = False
         self._head_since = None  # the connection's timer, if armed, finds nothing to time
 
     def _time_head(self) -> None:
@@ -316,9 +347,26 @@ def _close_delimited(cycle: Any) -> None:
     cycle.send = close_delimited_send
 
 
+class _MessageBounds:
+    """For uvicorn's httptools protocol: whether the parser is inside a request's body, from
+    its head's end to the message's end (h11 says so itself: `their_state`)."""
+
+    _in_body = False
+
+    def on_headers_complete(self) -> None:
+        self._in_body = True
+        super().on_headers_complete()  # type: ignore[misc]
+
+    def on_message_complete(self) -> None:
+        self._in_body = False
+        super().on_message_complete()  # type: ignore[misc]
+
+
 def guarded_protocol(base: type[asyncio.Protocol], settings: GatewaySettings) -> type[Any]:
     """`base` (a uvicorn HTTP protocol class) with the head guard, for these settings."""
-    extra: tuple[type, ...] = (_NoTrailersAsHeaders,) if hasattr(base, "on_header") else ()
+    extra: tuple[type, ...] = (
+        (_NoTrailersAsHeaders, _MessageBounds) if hasattr(base, "on_header") else ()
+    )
     return type(
         f"Guarded{base.__name__}",
         (_HeadGuard, *extra, base),

@@ -1,0 +1,141 @@
+"""A kept-alive connection under `fallback-mw serve` (uvicorn with the head guard of
+cli/server_limits.py, h11 and httptools): what arrives after an answer is read for what it
+is. Real sockets, raw bytes, so the framing on the wire is what the test sees."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import pytest
+
+from fallback_mw import Gateway
+from fallback_mw.cli.server_limits import uvicorn_limits
+from fallback_mw.config import load_config
+from tests.upstreams import host_app, serve_asgi, status_handler, upstream
+
+pytestmark = [pytest.mark.e2e, pytest.mark.anyio]
+
+MAX_BODY = 1024 * 1024
+
+
+def config(url: str, **gateway: Any) -> dict[str, Any]:
+    return {
+        "gateway": {"allow_hosts": ["127.0.0.1"], "max_request_body": MAX_BODY, **gateway},
+        "upstreams": {"primary": {"url": url}},
+        "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+    }
+
+
+@asynccontextmanager
+async def guarded_gateway(url: str, http: str, **gateway: Any) -> AsyncIterator[str]:
+    conf = config(url, **gateway)
+    app = Gateway(host_app, config=conf)
+    try:
+        async with serve_asgi(app, **uvicorn_limits(load_config(conf).gateway, http)) as base:
+            yield base
+    finally:
+        await app.aclose()
+
+
+async def read_answers(stream: Any, count: int, within: float = 10.0) -> list[tuple[int, Any]]:
+    """Read `count` answers with a Content-Length each: [(status, JSON body or bytes)]."""
+    data = b""
+    answers: list[tuple[int, Any]] = []
+    with anyio.fail_after(within):
+        while len(answers) < count:
+            head_end = data.find(b"\r\n\r\n")
+            if head_end >= 0:
+                head = data[:head_end].decode("latin-1")
+                length = re.search(r"(?im)^content-length: *(\d+)", head)
+                assert length, head
+                end = head_end + 4 + int(length.group(1))
+                if len(data) >= end:
+                    body = data[head_end + 4 : end]
+                    status = int(head.split(" ", 2)[1])
+                    try:
+                        answers.append((status, json.loads(body)))
+                    except ValueError:
+                        answers.append((status, body))
+                    data = data[end:]
+                    continue
+            try:
+                data += await stream.receive()
+            except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionError):
+                break
+    return answers
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+async def test_the_rest_of_a_body_answered_early_is_not_read_as_the_next_head(
+    http: str, framing: str
+) -> None:
+    """The gateway answers 413 before reading a body over max_request_body; the caller
+    still sends it whole (as clients do), then its next request on the same connection.
+    uvicorn reads the rest of that body and drops it; serve's head guard counted it as the
+    next request's head and wrote a 431 headers_too_large nobody asked for, which the caller
+    read as the answer to its next request. Now the next request gets its own answer."""
+    size = 3 * MAX_BODY  # far more than max_header_bytes (64 KiB) left after the answer
+    if framing == "chunked":
+        piece = b"%x\r\n%s\r\n" % (64 * 1024, b"z" * 64 * 1024)
+        body = piece * (size // (64 * 1024)) + b"0\r\n\r\n"
+        first = b"POST /v1/a HTTP/1.1\r\nhost: gw\r\ntransfer-encoding: chunked\r\n\r\n" + body
+    else:
+        first = b"POST /v1/a HTTP/1.1\r\nhost: gw\r\ncontent-length: %d\r\n\r\n" % size
+        first += b"z" * size
+    second = b"GET /v1/b HTTP/1.1\r\nhost: gw\r\n\r\n"
+    async with (
+        upstream(status_handler(200, b"second")) as primary,
+        guarded_gateway(primary.url, http) as base,
+    ):
+        host, port = base.removeprefix("http://").split(":")
+        stream = await anyio.connect_tcp(host, int(port))
+        try:
+            await stream.send(first)
+            await stream.send(second)
+            answers = await read_answers(stream, 2)
+        finally:
+            await stream.aclose()
+    assert [status for status, _ in answers] == [413, 200], answers
+    assert answers[0][1]["error"]["code"] == "request_too_large"
+    assert answers[1][1] == b"second"
+    assert [r.path for r in primary.received] == ["/v1/b"]
+
+
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+async def test_a_body_answered_early_and_left_unfinished_closes_the_connection_quietly(
+    http: str,
+) -> None:
+    """The rest of a body answered early cannot hold the connection: it gets what a head
+    gets (header_timeout_ms), then the connection is closed with nothing written after the
+    413 (the guard answered it with a 408 of its own, for a request never made)."""
+    head = b"POST /v1/a HTTP/1.1\r\nhost: gw\r\ncontent-length: %d\r\n\r\n" % (3 * MAX_BODY)
+    async with (
+        upstream(status_handler(200, b"never")) as primary,
+        guarded_gateway(primary.url, http, header_timeout_ms=500) as base,
+    ):
+        host, port = base.removeprefix("http://").split(":")
+        stream = await anyio.connect_tcp(host, int(port))
+        data = b""
+        try:
+            await stream.send(head + b"z" * 1000)
+            with anyio.fail_after(10):
+                while b"request_too_large" not in data:
+                    data += await stream.receive()
+            await stream.send(b"z" * 1000)  # more of the body, after its answer; then nothing
+            with anyio.fail_after(4):  # uvicorn alone would keep it open
+                while True:
+                    try:
+                        data += await stream.receive()
+                    except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionError):
+                        break
+        finally:
+            await stream.aclose()
+    assert data.count(b"HTTP/1.1 ") == 1, data
+    assert data.startswith(b"HTTP/1.1 413 "), data
+    assert primary.count == 0
