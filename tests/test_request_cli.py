@@ -152,6 +152,20 @@ async def test_failover_two_attempts_table_and_json(tmp_path: Path) -> None:
         assert CALLER_SECRET not in str(received.headers)
 
 
+async def test_the_trace_names_the_path_the_upstream_was_sent(tmp_path: Path) -> None:
+    # `/v1/projects/group%2Fapp` reaches the upstream as it is (one segment): the trace
+    # said `/v1/projects/group/app`, a path nobody sent, to an operator chasing its 404.
+    async with upstream(status_handler(200)) as primary, upstream(status_handler(200)) as backup:
+        config = str(write_config(tmp_path, primary.url, backup.url))
+        target = ("--path", "/v1/projects/group%2Fapp/files?ref=main")
+        status, out, err = await request_cli("--config", config, *target)
+        j_status, j_out, _ = await request_cli("--config", config, *target, "--json")
+    assert (status, j_status) == (0, 0), err
+    assert out.splitlines()[0].startswith("request   GET /v1/projects/group%2Fapp/files  ")
+    assert json.loads(j_out)["path"] == "/v1/projects/group%2Fapp/files"
+    assert [r.path for r in primary.received] == ["/v1/projects/group%2Fapp/files"] * 2
+
+
 async def test_show_body_prints_the_response_body(tmp_path: Path) -> None:
     async with (
         upstream(status_handler(503)) as primary,

@@ -186,7 +186,8 @@ def trace_of(exchange: Exchange, *, show_body: bool = False) -> dict[str, Any]:
         "ok": exchange.succeeded,
         "matched": context is not None,
         "method": request.method.upper(),
-        "path": request.path if context is None else context.path,
+        # What the upstream was sent: the caller's escapes kept where they are (`%2F`).
+        "path": request.path if context is None else (context.spelled_path or context.path),
         "request_headers": [name.strip().lower() for name, _ in request.headers],
         "request_body_bytes": None if request.body is None else len(request.body),
     }
