@@ -82,6 +82,8 @@ async def test_a_location_naming_the_upstream_is_below_the_mount_point() -> None
     # An upstream URL with a path of its own: its resources are below it, the caller's
     # below the mount point.
     async def created(request: web.Request) -> web.StreamResponse:
+        if request.method == "GET":  # Django's APPEND_SLASH: the path alone
+            return web.Response(status=301, headers={"location": "/api/v1/n/"})
         return web.Response(status=201, headers={"location": f"http://{request.host}/api/v1/n/7"})
 
     async with upstream(created) as primary:
@@ -91,8 +93,10 @@ async def test_a_location_naming_the_upstream_is_below_the_mount_point() -> None
         try:
             async with client_for(app) as client:
                 response = await client.post("/gw/v1/n")
+                slash = await client.get("/gw/v1/n")
         finally:
             await gateway.aclose()
     assert response.status_code == 201
     assert response.headers["location"] == "/gw/v1/n/7"
-    assert [r.path for r in primary.received] == ["/api/v1/n"]
+    assert (slash.status_code, slash.headers["location"]) == (301, "/gw/v1/n/")
+    assert [r.path for r in primary.received] == ["/api/v1/n"] * 2

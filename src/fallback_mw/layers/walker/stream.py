@@ -184,19 +184,25 @@ def _located_here(
     """A `Location` (a redirect's, a 201's) naming the upstream's own URL, as the caller
     reaches that resource: through the gateway (`/v1/items/`, below its `mount`), as
     nginx's `proxy_redirect default` rewrites it. The upstream builds such a URL from the
-    `Host` the gateway sent (its own: Starlette's and Django's trailing-slash redirects,
-    a 201's new resource), and a caller following it went around the gateway, to an
-    internal host it may not reach, without the credential the gateway injects. The
-    redirect is still never followed; any other `Location` is relayed as it came."""
+    `Host` the gateway sent (its own: Starlette's trailing-slash redirects, a 201's new
+    resource), and a caller following it went around the gateway, to an internal host it
+    may not reach, without the credential the gateway injects. A path alone (Django's
+    `APPEND_SLASH` redirect) is the upstream's path too: below the upstream URL's own path,
+    it is moved below the mount. The redirect is still never followed; any other
+    `Location` is relayed as it came."""
     for index, (field, value) in enumerate(headers):
         if field != b"location":
             continue
         text = value.decode("latin-1").strip()
         parts = urlsplit(text)
-        base = urlsplit(upstream_url)
-        if not parts.netloc or "@" in parts.netloc or origin(text)[:3] != origin(upstream_url)[:3]:
+        base_path = urlsplit(upstream_url).path.rstrip("/")
+        if parts.scheme or parts.netloc:
+            if "@" in parts.netloc or origin(text)[:3] != origin(upstream_url)[:3]:
+                continue
+        elif text[:1] != "/" or text[1:2] in ("/", "\\") or not (base_path or mount):
+            # A path relative to the request's, or one the caller resolves as the
+            # upstream meant it (no path of the upstream's, no mount): as it came.
             continue
-        base_path = base.path.rstrip("/")
         path = parts.path
         if base_path:
             if path != base_path and not path.startswith(base_path + "/"):
