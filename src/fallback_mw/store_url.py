@@ -9,7 +9,7 @@ import codecs
 import re
 from dataclasses import dataclass
 from typing import Literal
-from urllib.parse import parse_qsl, urlencode, urlsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,18 +36,35 @@ def is_redis_url(url: str) -> bool:
     return url.startswith(REDIS_SCHEMES)
 
 
+def _userinfo(rest: str) -> tuple[str, str]:
+    """(the userinfo, what follows its `@`) of a URL's text after `scheme://`; ("", rest)
+    without one. The userinfo ends at the last `@` before the query: a password written
+    with a `/` unencoded (`u:2024/Spring@h/db`) is still the password, never a host and a
+    path to print (the host then read as `u`, port 2024: the URL loads, and every message
+    naming the store printed the password whole)."""
+    end = len(rest)
+    for mark in ("?", "#"):
+        found = rest.find(mark)
+        if 0 <= found < end:
+            end = found
+    at = rest.rfind("@", 0, end)
+    if at < 0:
+        return "", rest
+    return rest[:at], rest[at + 1 :]
+
+
 def redact_url(url: str) -> str:
     """The URL without its password, query (it can carry `password=`) and fragment. Read as
     text, never through `urlsplit(...).port`: a PostgreSQL URL may list several hosts."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         return ""
+    userinfo, rest = _userinfo(rest)
     authority, slash, path = rest.partition("/")
     authority = authority.split("?", 1)[0].split("#", 1)[0]
-    if "@" in authority:
-        userinfo, hosts = authority.rsplit("@", 1)
-        user = userinfo.split(":", 1)[0]
-        authority = f"{user}@{hosts}" if user else hosts
+    user = userinfo.split(":", 1)[0].split("/", 1)[0]
+    if user:
+        authority = f"{user}@{authority}"
     path = path.split("?", 1)[0].split("#", 1)[0]
     return f"{scheme}://{authority}{slash}{path}"
 
@@ -62,9 +79,8 @@ def driver_reason(exc: Exception, dsn: str) -> str:
     """The driver's one-line reason, or its type's name when the URL's password (or its
     query, which may carry `password=`) could be in it."""
     text = str(exc).splitlines()[0][:200] if str(exc) else ""
-    authority = dsn.partition("://")[2].split("/", 1)[0]
-    secrets = [authority.rsplit("@", 1)[0].partition(":")[2]] if "@" in authority else []
-    secrets.append(dsn.partition("?")[2])
+    password = _userinfo(dsn.partition("://")[2])[0].partition(":")[2]
+    secrets = [password, unquote(password), dsn.partition("?")[2]]
     if not text or any(secret and secret in text for secret in secrets):
         return type(exc).__name__
     return text
@@ -115,6 +131,12 @@ _PORT = re.compile(r"[0-9]{1,5}")
 def _check_hosts(url: str, key: str) -> None:
     """Every `host[:port]` of the URL's authority (PostgreSQL takes a comma-separated
     list) well formed: a bracketed IPv6 literal closed, a port of digits in 1-65535."""
+    if "/" in _userinfo(url.split("://", 1)[1])[0]:
+        # The drivers read `u:2024/pw@h/db` as host `u`, port 2024: "cannot reach" a host
+        # nobody wrote. Said without the URL: the password is in it.
+        raise StoreURLError(
+            f"{key} URL has a '/' in its user or password: percent-encode it as %2F"
+        )
     authority = url.split("://", 1)[1].split("/", 1)[0].split("?", 1)[0]
     hosts = authority.rsplit("@", 1)[-1]  # never look at (or print) the user's password
     for host in hosts.split(","):

@@ -40,6 +40,9 @@ def base(**gateway: Any) -> dict[str, Any]:
         ("store", "postgresql://u:PW-SECRET@[bad/db", "["),
         ("store", "postgresql://u:PW-SECRET@127.0.0.1:99999/db", "port"),
         ("store", "postgresql://u:PW-SECRET@h1:5432,h2:x/db", "port"),
+        # A `/` unencoded in the password: the drivers read host `u`, port 2024.
+        ("store", "postgresql://u:2024/PW-SECRET@127.0.0.1:5432/db", "%2F"),
+        ("state", "redis://u:6379/PW-SECRET@127.0.0.1:6379/0", "%2F"),
         # SQLite options are not read: the query would become part of the file's name.
         ("store", "sqlite:///gateway.db?mode=ro", "query"),
         ("store", "sqlite:///gateway.db#PW-SECRET", "query"),
@@ -79,10 +82,34 @@ def test_well_formed_service_urls_load(key: str, url: str) -> None:
         ),
         ("redis://:PW-SECRET@127.0.0.1:6379/0?prefix=a", "redis://127.0.0.1:6379/0"),
         ("postgresql://u:p@host/db?password=PW-SECRET#x", "postgresql://u@host/db"),
+        # Read as host `u`, port 2024 and a path: printed whole, the password with it.
+        ("postgresql://u:2024/PW-SECRET@h:5432/db", "postgresql://u@h:5432/db"),
+        ("postgresql://u:PW@SECRET@h/db", "postgresql://u@h/db"),
     ],
 )
 def test_a_url_in_a_message_has_no_password_and_no_query(url: str, shown: str) -> None:
     assert redact_url(url) == shown
+
+
+@pytest.mark.parametrize("verb", [["routes", "list"], ["check"]])
+def test_a_password_with_a_slash_is_never_printed(
+    verb: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`postgresql://gw:2024/PW@127.0.0.1:5432/db` loaded (the host read as `gw`, port
+    2024), and `routes list`, `check` and every caller's 503 config_error said "cannot
+    reach the store postgresql://gw:2024/PW@...": the password, whole."""
+    url = "postgresql://gw:2024/PW-SECRET@127.0.0.1:1/db"
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        f'[gateway]\nallow_hosts = ["127.0.0.1"]\nstore = "{url}"\n'
+        '[upstreams.p]\nurl = "http://127.0.0.1:9001"\n'
+        '[[routes]]\nid = "r"\nprefix = "/v1/"\nplan = ["p"]\n'
+    )
+    where = ["--store", url] if verb[0] == "routes" else ["--config", str(config)]
+    assert run_cli([*verb, *where]) == 2
+    err = capsys.readouterr().err
+    assert "PW-SECRET" not in err and "%2F" in err, err
+    assert err.count("\n") == 1, err
 
 
 def test_check_refuses_a_bad_state_url_with_exit_2(
