@@ -131,11 +131,23 @@ _PORT = re.compile(r"[0-9]{1,5}")
 def _check_hosts(url: str, key: str) -> None:
     """Every `host[:port]` of the URL's authority (PostgreSQL takes a comma-separated
     list) well formed: a bracketed IPv6 literal closed, a port of digits in 1-65535."""
-    if "/" in _userinfo(url.split("://", 1)[1])[0]:
+    rest = url.split("://", 1)[1]
+    if "/" in _userinfo(rest)[0]:
         # The drivers read `u:2024/pw@h/db` as host `u`, port 2024: "cannot reach" a host
         # nobody wrote. Said without the URL: the password is in it.
         raise StoreURLError(
             f"{key} URL has a '/' in its user or password: percent-encode it as %2F"
+        )
+    region = rest.split("/", 1)[0]
+    at = region.rfind("@")
+    fragment, query = region.find("#", 0, at), region.find("?", 0, at)
+    # (`h?user=a@b`, a query before any path, is a query: a `=` comes before its `@`.)
+    if at > 0 and (fragment >= 0 or (query >= 0 and "=" not in region[query:at])):
+        # `u:pw#1@h/db`: asyncpg read `pw` as the port and raised "invalid literal for
+        # int() with base 10: 'pw'", the password's first part in the host's traceback.
+        raise StoreURLError(
+            f"{key} URL has a '#' or '?' in its user or password: percent-encode them "
+            "as %23 and %3F"
         )
     authority = url.split("://", 1)[1].split("/", 1)[0].split("?", 1)[0]
     hosts = authority.rsplit("@", 1)[-1]  # never look at (or print) the user's password

@@ -43,6 +43,10 @@ def base(**gateway: Any) -> dict[str, Any]:
         # A `/` unencoded in the password: the drivers read host `u`, port 2024.
         ("store", "postgresql://u:2024/PW-SECRET@127.0.0.1:5432/db", "%2F"),
         ("state", "redis://u:6379/PW-SECRET@127.0.0.1:6379/0", "%2F"),
+        # asyncpg read `PW-SECRET` as the port: "invalid literal for int(): 'PW-SECRET'".
+        ("store", "postgresql://u:PW-SECRET#1@127.0.0.1:5432/db", "%23"),
+        ("store", "postgresql://u:PW-SECRET?1@127.0.0.1:5432/db", "%3F"),
+        ("state", "redis://:PW-SECRET#1@127.0.0.1:6379/0", "%23"),
         # SQLite options are not read: the query would become part of the file's name.
         ("store", "sqlite:///gateway.db?mode=ro", "query"),
         ("store", "sqlite:///gateway.db#PW-SECRET", "query"),
