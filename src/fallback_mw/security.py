@@ -357,15 +357,18 @@ def forwardable_request_headers(
     return kept
 
 
+_URL_SCHEMES = (b"http://", b"https://")
+
+
 def strip_url_query_keys(value: bytes, keys: frozenset[bytes]) -> bytes:
-    """A field value that is a URL (absolute, or a path from `/`) without the query
+    """A field value that is a URL (http(s)://..., or a path from `/`) without the query
     parameters named by `keys` (`strip_query_keys`); any other value as it is. A proxy in
     front copies the request target into a field (`X-Original-URI`, Envoy's
     `x-envoy-original-path` after a rewrite) and a browser sends the page's URL as
     `Referer`: the `?api_key=` stripped from the query went on in the copy."""
     mark = value.find(b"?")
     head = value[:mark]
-    if mark < 0 or not (head.startswith(b"/") or b"://" in head):
+    if mark < 0 or not (head.startswith(b"/") or head[:8].lower().startswith(_URL_SCHEMES)):
         return value
     query, hash_mark, fragment = value[mark + 1 :].partition(b"#")
     kept = strip_query_keys(query, keys)
