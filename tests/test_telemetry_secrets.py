@@ -199,6 +199,56 @@ async def test_a_credential_in_tracestate_is_not_inherited_by_any_span(
     assert carried(json.dumps(others)) == []
 
 
+async def test_a_credential_in_baggage_never_reaches_the_upstream(recorded: Recorded) -> None:
+    """A page's instrumentation that sets `session.id` to its session cookie (or a token)
+    in W3C baggage: the gateway propagates the caller's baggage upstream, and the stripped
+    `cookie` went on to the provider that way. Such entries are dropped, the rest kept."""
+    baggage = f"session.id={CALLER_TOKEN},{PROVIDER_KEY}=1,app=web".encode()
+    headers = [
+        (b"cookie", f"sid={CALLER_TOKEN}".encode()),
+        (b"traceparent", TRACEPARENT),
+        (b"baggage", baggage),
+    ]
+    status, _, text = await recorded.request("GET", headers)
+    assert status == 200
+    assert carried(text) == []
+    (received,) = recorded.upstream.received
+    assert dict(received.headers)["baggage"] == "app=web"
+    assert carried(json.dumps(received.headers)) == [PROVIDER_KEY]  # its own key, injected
+    assert dict(received.headers)["authorization"] == f"Bearer {PROVIDER_KEY}"
+
+
+async def test_a_host_that_extracted_the_context_itself_propagates_no_credential(
+    recorded: Recorded,
+) -> None:
+    """Under an instrumented host (its server span already continues the caller's trace),
+    the caller's trace state and baggage reached the upstream as the host extracted them,
+    a credential of the request included: only a context the gateway extracted was
+    cleaned."""
+    from opentelemetry import context as otel_context
+    from opentelemetry import propagate, trace
+
+    headers = [
+        (b"cookie", f"sid={CALLER_TOKEN}".encode()),
+        (b"traceparent", TRACEPARENT),
+        (b"tracestate", f"vendor=v1,mine={CALLER_TOKEN}".encode()),
+        (b"baggage", f"session.id={CALLER_TOKEN},app=web".encode()),
+    ]
+    carrier = {name.decode(): value.decode() for name, value in headers}
+    extracted = propagate.extract(carrier)
+    span = trace.NonRecordingSpan(trace.get_current_span(extracted).get_span_context())
+    token = otel_context.attach(trace.set_span_in_context(span, extracted))
+    try:
+        status, _, _ = await recorded.request("GET", headers)
+    finally:
+        otel_context.detach(token)
+    assert status == 200
+    (received,) = recorded.upstream.received
+    sent = dict(received.headers)
+    assert sent["baggage"] == "app=web" and sent["tracestate"] == "vendor=v1"
+    assert sent["traceparent"].startswith("00-4bf92f3577b34da6a3ce929d0e0e4736-")
+
+
 async def test_an_unknown_method_token_that_is_a_credential_is_not_echoed(
     recorded: Recorded,
 ) -> None:

@@ -9,6 +9,7 @@ import time
 import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 
+from opentelemetry import baggage as otel_baggage
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
 from opentelemetry.baggage.propagation import W3CBaggagePropagator
@@ -168,8 +169,11 @@ class Telemetry:
                     incoming = propagate.extract(headers, getter=GETTER)
                 finally:
                     EXTRACTING.reset(token)
-                incoming = _without_secret_trace_state(incoming, context.secrets)
                 kind = trace.SpanKind.SERVER
+            # What the spans carry and the attempts propagate upstream (the host's
+            # extraction too): no trace state or baggage entry holding a credential.
+            incoming = _without_secret_trace_state(incoming, context.secrets)
+            incoming = _without_secret_baggage(incoming, context.secrets)
             method, original = http_method(
                 context.method, context.route.accepted_methods, context.secrets
             )
@@ -777,6 +781,22 @@ def _without_secret_trace_state(
         trace_state=trace.TraceState(kept),
     )
     return trace.set_span_in_context(trace.NonRecordingSpan(cleaned), incoming)
+
+
+def _without_secret_baggage(
+    incoming: otel_context.Context, secrets: RequestSecrets | None
+) -> otel_context.Context:
+    """The caller's context less any baggage entry whose name or value carries a credential
+    of the request: the attempts propagate the caller's baggage upstream (W3C `baggage`),
+    so a `session.id` a page's instrumentation set to its session cookie, or a token,
+    reached the provider beside the stripped `cookie` / `authorization`."""
+    if secrets is None:
+        return incoming
+    entries = otel_baggage.get_all(incoming)
+    for name, value in entries.items():
+        if secrets.carried_by(name) or secrets.carried_by(str(value)):
+            incoming = otel_baggage.remove_baggage(name, incoming)
+    return incoming
 
 
 def _genai(
