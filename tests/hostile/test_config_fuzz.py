@@ -235,3 +235,103 @@ def test_the_route_store_refuses_what_the_loader_refuses(
     except ConfigError:
         stores = False
     assert stores == loads
+
+
+ODD = "x\ud800"
+UPSTREAM = {"url": "http://127.0.0.1:9002"}
+# Every place of the configuration that takes text: a key of each table, an item of each
+# list, a table's own name.
+TEXT_PLACES: dict[str, Any] = {
+    "gateway.canary_salt": lambda c: c["gateway"].update(canary_salt=ODD),
+    "gateway.tenant_header": lambda c: c["gateway"].update(tenant_header=ODD),
+    "gateway.allow_hosts": lambda c: c["gateway"].update(allow_hosts=[ODD]),
+    "gateway.strip_headers": lambda c: c["gateway"].update(strip_headers=[ODD]),
+    "gateway.strip_query_keys": lambda c: c["gateway"].update(strip_query_keys=[ODD]),
+    "gateway.store": lambda c: c["gateway"].update(store=f"sqlite:///{ODD}.db"),
+    "upstream.url": lambda c: c["upstreams"]["p"].update(url=f"http://127.0.0.1:9001/{ODD}"),
+    "upstream.auth_env": lambda c: c["upstreams"]["p"].update(auth_env=ODD),
+    "upstream.auth_env pool": lambda c: c["upstreams"]["p"].update(auth_env=["K", ODD]),
+    "upstream.auth_scheme": lambda c: c["upstreams"]["p"].update(auth_scheme=ODD),
+    "upstream.model": lambda c: c["upstreams"]["p"].update(model=ODD),
+    "upstream.ca_file": lambda c: c["upstreams"]["p"].update(ca_file=ODD),
+    "route.id": lambda c: c["routes"][0].update(id=ODD),
+    "route.prefix": lambda c: c["routes"][0].update(prefix=f"/{ODD}/"),
+    "route.tenant": lambda c: c["routes"][0].update(tenant=ODD),
+    "route.plan": lambda c: c["routes"][0].update(plan=[ODD]),
+    "route.methods": lambda c: c["routes"][0].update(methods=[ODD]),
+    "route.budget": lambda c: c["routes"][0].update(budget=ODD),
+    "upstreams name": lambda c: c["upstreams"].update({ODD: UPSTREAM}),
+    "budgets name": lambda c: c.update(budgets={ODD: {"limit": 1}}),
+    "prices name": lambda c: c.update(prices={ODD: {"input_per_mtok": 1, "output_per_mtok": 1}}),
+}
+
+
+@pytest.mark.parametrize("place", list(TEXT_PLACES))
+def test_text_that_is_not_utf8_is_refused_at_load_wherever_it_is(place: str) -> None:
+    # A lone surrogate (a dict built from os.environ holding bytes that are not UTF-8; a
+    # store record's JSON "\ud800") loaded: `canary_salt` then failed every request with a
+    # session (UnicodeEncodeError out of the gateway), a stored route's prefix `routes list`.
+    config = base()
+    TEXT_PLACES[place](config)
+    with pytest.raises(ConfigError) as caught:
+        load_config(config, check_env=False)
+    assert "\ud800" not in str(caught.value)
+
+
+@pytest.mark.anyio
+async def test_a_salt_that_is_not_utf8_never_reaches_a_request() -> None:
+    from fallback_mw import Gateway
+    from tests.helpers import client_for
+    from tests.upstreams import host_app, status_handler, upstream
+
+    async with upstream(status_handler(200)) as up:
+        config = base(canary_salt="salt-\udcff")  # os.environ's spelling of a byte 0xff
+        config["upstreams"] = {"p": {"url": up.url}, "b": {"url": up.url + "/b"}}
+        config["routes"][0].update(plan=["p", "b"], retries=1, canary_eligible=True)
+        config["routes"][0]["canary_percent"] = 100.0
+        gateway = Gateway(host_app, config=config)
+        async with client_for(gateway) as client:
+            response = await client.get("/v1/chat", headers={"x-session-id": "s1"})
+        await gateway.aclose()
+    assert response.status_code == 503, response.text
+    assert "gateway.canary_salt" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        "[" * 100_000 + "]" * 100_000,
+        '{"route": ' + "[" * 100_000 + "]" * 100_000 + ', "upstreams": {}}',
+        '{"route": {"id": "odd", "prefix": "/\\ud800/", "plan": ["odd-primary"]}, '
+        '"upstreams": {"odd-primary": {"url": "http://127.0.0.1:9001"}}}',
+        '{"route": {"id": "odd", "prefix": "/v1/", "tenant": "\\udcff", "plan": ["odd-primary"]}, '
+        '"upstreams": {"odd-primary": {"url": "http://127.0.0.1:9001"}}}',
+    ],
+    ids=["nested-deep", "route-nested-deep", "surrogate-prefix", "surrogate-tenant"],
+)
+def test_a_hand_written_record_no_route_can_be_is_said_and_removable(
+    doc: str, tmp_path: Path
+) -> None:
+    # A record nested some thousand deep made `routes list`, `routes remove` (the repair
+    # its own message names) and a gateway's start an internal error (RecursionError); one
+    # holding a JSON "\ud800" loaded, and `routes list` failed printing it.
+    import sqlite3
+
+    from fallback_mw import Gateway
+    from tests.test_cli_admin import run_cli
+    from tests.upstreams import host_app
+
+    path = tmp_path / "routes.db"
+    store = f"sqlite:///{path}"
+    add = ("routes", "add", "--store", store, "--prefix", "/a/", "--id", "ok")
+    assert run_cli(*add, "--upstream", "http://127.0.0.1:9002")[0] == 0
+    with sqlite3.connect(path) as conn:
+        conn.execute("INSERT INTO fmw_routes VALUES ('odd', ?, 0)", (doc,))
+    status, out, err = run_cli("routes", "list", "--store", store)
+    assert status == 0 and out.startswith("ok\t") and "stored route 'odd'" in err, err
+    assert "routes remove --id odd" in err and err.count("\n") == 1, err
+    gateway = Gateway(host_app, config={"gateway": {"store": store}})
+    assert gateway.config_error is not None and "stored route 'odd'" in gateway.config_error
+    status, out, err = run_cli("routes", "remove", "--store", store, "--id", "odd")
+    assert status == 0 and "removed" in out, err
+    assert run_cli("routes", "list", "--store", store)[2] == ""

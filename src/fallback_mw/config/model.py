@@ -72,6 +72,29 @@ class _Strict(BaseModel):
 
     @field_validator("*", mode="before")
     @classmethod
+    def _utf8_text(cls, value: Any) -> Any:
+        # A lone surrogate (a dict built from `os.environ` holding bytes that are not UTF-8,
+        # a store record's JSON `\ud800`) loaded, then failed where the text is encoded: a
+        # `canary_salt` on every request with a session (UnicodeEncodeError, a bare 500), a
+        # stored route's prefix in `routes list`. TOML text cannot hold one.
+        if isinstance(value, dict):
+            texts: Any = value.keys()
+        elif isinstance(value, list | tuple):
+            texts = value
+        else:
+            texts = (value,)
+        for text in texts:
+            if isinstance(text, str) and not text.isascii():
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise PydanticCustomError(
+                        "not_utf8", "must be UTF-8 text (it holds a lone surrogate)"
+                    ) from None
+        return value
+
+    @field_validator("*", mode="before")
+    @classmethod
     def _no_type_juggling(cls, value: Any, info: ValidationInfo) -> Any:
         # TOML has numbers and booleans of its own: `retries = "1"`, `deadline_ms = true`
         # (a 1 ms deadline) and `canary_eligible = 1` are slips, which pydantic's lax mode

@@ -90,7 +90,9 @@ class StoredRoute:
             data = json.loads(text)
             route_data = data["route"]
             upstream_data = data["upstreams"]
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
+            # RecursionError: arrays nested some thousand deep (json parses recursively);
+            # it stopped `routes list` and a gateway's start as an internal error.
             raise ConfigError(f"{where}: unreadable record{_remove_hint(route_id)}") from None
         try:
             route = build_model(RouteConfig, route_data, where)
@@ -146,7 +148,7 @@ def owned_upstreams(doc: str) -> list[str]:
     load owns none (its removal is the repair, and must not fail on it)."""
     try:
         upstreams = json.loads(doc)["upstreams"]
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         return []
     return [str(name) for name in upstreams] if isinstance(upstreams, dict) else []
 
