@@ -663,6 +663,25 @@ def _embedded_ipv4(address: IPAddress) -> ipaddress.IPv4Address | None:
     return None
 
 
+def carried_ipv4_network(
+    network: ipaddress.IPv4Network | ipaddress.IPv6Network,
+) -> ipaddress.IPv4Network | None:
+    """The IPv4 network an IPv6 `allow_hosts` entry spells, when every address in it
+    carries an IPv4 one (IPv4-mapped `::ffff:127.0.0.1`, NAT64 `64:ff9b::/96`, 6to4
+    `2002:a00::/24`...): the allowlist judges such an address by the IPv4 address alone
+    (`Allowlist.allows_address`), so the entry as written matches nothing. None for any
+    other entry."""
+    first = network.network_address
+    carried = _embedded_ipv4(first)
+    if not isinstance(first, ipaddress.IPv6Address) or carried is None:
+        return None
+    embedding = 16 if first.sixtofour is not None else 96
+    if network.prefixlen < embedding:
+        return None
+    length = min(32, network.prefixlen - embedding)
+    return ipaddress.IPv4Network((carried, length), strict=False)
+
+
 def is_always_refused(address: IPAddress) -> bool:
     """Link-local and metadata addresses, in every spelling, whatever the allowlist says."""
     candidates: list[IPAddress] = [address]

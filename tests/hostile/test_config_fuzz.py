@@ -335,3 +335,58 @@ def test_a_hand_written_record_no_route_can_be_is_said_and_removable(
     status, out, err = run_cli("routes", "remove", "--store", store, "--id", "odd")
     assert status == 0 and "removed" in out, err
     assert run_cli("routes", "list", "--store", store)[2] == ""
+
+
+@pytest.mark.parametrize(
+    ("entry", "spells"),
+    [
+        ("::ffff:127.0.0.1", "127.0.0.1"),
+        ("[::ffff:127.0.0.1]", "127.0.0.1"),
+        ("::ffff:10.0.0.0/104", "10.0.0.0/8"),
+        ("64:ff9b::a00:5", "10.0.0.5"),
+        ("2002:a00::/24", "10.0.0.0/8"),
+        ("::a00:5", "10.0.0.5"),
+    ],
+)
+def test_an_allow_hosts_entry_spelling_ipv4_in_ipv6_is_refused_by_name(
+    entry: str, spells: str
+) -> None:
+    # `allow_hosts = ["::ffff:127.0.0.1"]` loaded and matched nothing (the allowlist judges
+    # such an address by the IPv4 one it carries): the upstream `http://[::ffff:127.0.0.1]`
+    # was refused as "not in allow_hosts: add it to [gateway] allow_hosts", where it was.
+    config = base(allow_hosts=[entry])
+    config["upstreams"]["p"]["url"] = "http://[::ffff:127.0.0.1]:9001"
+    with pytest.raises(ConfigError) as caught:
+        load_config(config, check_env=False)
+    message = str(caught.value)
+    assert "gateway.allow_hosts" in message and repr(entry) in message, message
+    assert f"spells {spells})" in message, message
+    config["gateway"]["allow_hosts"] = ["127.0.0.1"]
+    load_config(config, check_env=False)
+
+
+@SETTINGS
+@given(
+    st.ip_addresses(v=6).map(str) | st.ip_addresses(v=4).map(str),
+    st.integers(0, 128),
+)
+def test_an_allow_hosts_entry_that_loads_is_one_the_allowlist_can_match(
+    address: str, length: int
+) -> None:
+    # Every IP entry the loader keeps matches the addresses it names, as the connect-time
+    # check reads them (an address carrying an IPv4 one judged by that IPv4 address).
+    import ipaddress
+
+    from fallback_mw.security import Allowlist, is_always_refused
+
+    bits = 32 if ":" not in address else 128
+    entry = f"{address}/{min(length, bits)}"
+    network = ipaddress.ip_network(entry, strict=False)
+    try:
+        load_config(base(allow_hosts=["127.0.0.1", entry]), check_env=False)
+    except ConfigError as exc:
+        assert "gateway.allow_hosts" in str(exc)
+        return
+    inside = network.network_address
+    if not is_always_refused(inside):
+        assert Allowlist([entry]).allows_address(inside), entry

@@ -29,6 +29,7 @@ from fallback_mw.security import (
     GATEWAY_HEADER_PREFIX,
     HOP_BY_HOP_HEADERS,
     RECOMPUTED_HEADERS,
+    carried_ipv4_network,
     header_value_problem,
     is_field_name,
     is_legacy_ipv4,
@@ -194,10 +195,22 @@ class GatewaySettings(_Strict):
         for entry in value:
             text = entry.strip().lower()
             try:
-                ipaddress.ip_network(text.strip("[]"), strict=False)
-                continue
+                network = ipaddress.ip_network(text.strip("[]"), strict=False)
             except ValueError:
                 pass
+            else:
+                carried = carried_ipv4_network(network)
+                if carried is None:
+                    continue
+                # `::ffff:127.0.0.1` loaded and matched nothing, not even the upstream
+                # `http://[::ffff:127.0.0.1]`, refused as "not in allow_hosts: add it".
+                shown = str(carried.network_address if carried.prefixlen == 32 else carried)
+                raise ValueError(
+                    f"{entry[:80]!r} spells IPv4 addresses in IPv6 (IPv4-mapped or "
+                    "-compatible, NAT64, 6to4), which the allowlist judges by the IPv4 "
+                    f"address they carry: write the IPv4 address or network meant (this "
+                    f"entry spells {shown})"
+                )
             if "://" in text:
                 hint = ": list the host alone, without scheme or path"
             elif "/" in text:
