@@ -390,3 +390,39 @@ def test_an_allow_hosts_entry_that_loads_is_one_the_allowlist_can_match(
     inside = network.network_address
     if not is_always_refused(inside):
         assert Allowlist([entry]).allows_address(inside), entry
+
+
+prefix_segments = st.sampled_from(
+    ["v1", "a;b", ".", "..", "..;", ".;x", "..;x=1", ".well-known", "..a", "é", "~", ";", "%2e"]
+)
+
+
+@SETTINGS
+@given(st.lists(prefix_segments, max_size=5), st.booleans())
+def test_a_route_prefix_that_loads_is_a_path_a_request_can_match(
+    segments: list[str], trailing: bool
+) -> None:
+    # `prefix = "/v1/..;/"` loaded and `check` called it valid; requests are routed on the
+    # normalised path, where `..;x` is a dot segment (as servlet containers read it), so
+    # no request could ever match that route. A prefix that loads is its own normal form.
+    from fallback_mw.routing import RouteTable, normalise_path
+
+    prefix = "/" + "/".join(segments) + ("/" if trailing and segments else "")
+    config = base()
+    config["routes"][0]["prefix"] = prefix
+    try:
+        loaded = load_config(config, check_env=False)
+    except ConfigError as exc:
+        assert "prefix" in str(exc)
+        return
+    assert normalise_path(prefix) == prefix
+    table = RouteTable(loaded.routes, loaded.upstreams)
+    assert table.match("GET", normalise_path(prefix + "x") or "", "default") is not None
+
+
+@pytest.mark.parametrize("prefix", ["/v1/..;/", "/v2/.;x/", "/..;jsessionid=1/api/"])
+def test_a_prefix_with_a_dot_segment_and_a_parameter_is_refused(prefix: str) -> None:
+    config = base()
+    config["routes"][0]["prefix"] = prefix
+    with pytest.raises(ConfigError, match=r"routes\['r'\]\.prefix: .*dot segments"):
+        load_config(config, check_env=False)

@@ -517,7 +517,10 @@ class RouteConfig(_Strict):
     def _prefix(cls, value: str) -> str:
         if not value.startswith("/"):
             raise ValueError("must start with '/'")
-        if any(seg in (".", "..") for seg in value.split("/")) or "%" in value:
+        # `..;x` and `.;x` too: the request path is read as servlet containers read it, a
+        # dot segment with a parameter (routing.normalise_path), so such a prefix loaded
+        # and no request could ever match it.
+        if any(seg.split(";", 1)[0] in (".", "..") for seg in value.split("/")) or "%" in value:
             raise ValueError("must be a plain path without dot segments or percent-encoding")
         # Requests are matched on the normalised path (no empty segments, `\\` read as `/`,
         # no query or fragment): a prefix holding one of these could never match.
