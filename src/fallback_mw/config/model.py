@@ -73,11 +73,14 @@ class _Strict(BaseModel):
 
     @field_validator("*", mode="before")
     @classmethod
-    def _utf8_text(cls, value: Any) -> Any:
+    def _utf8_text(cls, value: Any, info: ValidationInfo) -> Any:
         # A lone surrogate (a dict built from `os.environ` holding bytes that are not UTF-8,
         # a store record's JSON `\ud800`) loaded, then failed where the text is encoded: a
         # `canary_salt` on every request with a session (UnicodeEncodeError, a bare 500), a
-        # stored route's prefix in `routes list`. TOML text cannot hold one.
+        # stored route's prefix in `routes list`. TOML text cannot hold one. A `ca_file` is
+        # a file's path, which may hold any bytes (Python spells them so, and opens them).
+        if info.field_name == "ca_file":
+            return value
         if isinstance(value, dict):
             texts: Any = value.keys()
         elif isinstance(value, list | tuple):
