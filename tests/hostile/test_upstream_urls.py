@@ -245,7 +245,6 @@ def test_an_upstream_or_proxy_url_with_an_ipv6_zone_id_is_refused(key: str, host
         ('/v1/"x"', """'"' in its path"""),
         ("/a<b>", "'<' in its path"),
         ("/a`b", "'`' in its path"),
-        ("/a|b", "'|' in its path"),
         ("/a%zz", "starts no percent-escape"),
         ("/a%2", "starts no percent-escape"),
         ("/50%", "starts no percent-escape"),
@@ -276,7 +275,7 @@ def test_an_upstream_url_path_no_request_target_carries_is_refused(
 async def test_an_upstream_url_path_goes_out_as_written_on_both_engines(engine: str) -> None:
     # What an upstream URL's path may hold (RFC 3986: escapes, sub-delims, ':' and '@')
     # reaches the upstream byte for byte, whichever engine sends it.
-    path = "/api%2Fv1/a%41b/x;y=1/u:p@h/!$&'()*+,~"
+    path = "/api%2Fv1/a%41b/x;y=1/u:p@h/!$&'()*+,~|^[]"
     async with upstream(status_handler(200)) as up:
         conf = _conf({"url": up.url + path})
         conf["gateway"]["engine"] = engine

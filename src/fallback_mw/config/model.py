@@ -293,9 +293,11 @@ def _valid_host(host: str) -> bool:
     return len(host) <= 253 and _HOST_NAME.fullmatch(host) is not None
 
 
-# What an upstream URL's path may not hold as written (RFC 3986 §3.3: a path is
-# unreserved and sub-delim characters, ':', '@', '/' and percent-escapes).
-_NOT_IN_PATH = re.compile(r"%(?![0-9A-Fa-f]{2})|[^A-Za-z0-9\-._~!$&'()*+,;=:@/%]")
+# What an upstream URL's path may not hold as written: a `%` that starts no escape, and
+# the characters httpx percent-encodes before sending where aiohttp sends them as written
+# (outside RFC 3986's path characters, as `|`, `^`, `[`, `]` and `\` are too, but those
+# both engines send alike).
+_NOT_IN_PATH = re.compile(r'%(?![0-9A-Fa-f]{2})|["<>`{}]')
 
 
 # `http://[::1%25lo]:8000` loaded, and every attempt failed as "could not connect" on both
@@ -365,7 +367,7 @@ class UpstreamConfig(_Strict):
             raise ValueError("has a '.' or '..' segment in its path; write the path it means")
         # httpx percent-encodes `"`, `<`, `>`, `` ` ``, `{`, `}` before sending, aiohttp sends
         # them as written (`/v1/{deployment}` reached two paths depending on the engine), and
-        # neither mends a `%` that starts no escape: the path is RFC 3986's, as both send it.
+        # neither mends a `%` that starts no escape.
         stray = _NOT_IN_PATH.search(parts.path)
         if stray is not None:
             char = stray.group()
