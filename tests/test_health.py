@@ -574,6 +574,67 @@ async def test_a_fallback_moved_to_another_url_by_the_store_starts_with_a_closed
 
 
 @pytest.mark.anyio
+async def test_answers_of_the_old_url_that_end_after_the_move_leave_the_new_breaker_closed(
+    tmp_path: Any,
+) -> None:
+    """`routes set-fallback` moves the fallback off a failing host while requests still
+    wait on it (the reason for the move). Their failures, ending after the reload, were
+    booked to the breaker the new url had just been given: they opened it, and the
+    healthy new host was skipped for the cooldown. An outcome is booked to the breaker
+    that admitted its attempt, never to the one a move put in its place."""
+    from tests.test_cli_admin import cli, wait_for
+
+    store = f"sqlite:///{tmp_path / 'gateway.db'}"
+    release = asyncio.Event()
+
+    async def failing_late(request: web.Request) -> web.StreamResponse:
+        await release.wait()
+        return web.Response(status=503, body=b"old")
+
+    async with (
+        upstream(status_handler(503)) as primary,
+        upstream(failing_late) as old,
+        upstream(status_handler(200, b"new")) as new,
+    ):
+        assert (await cli(
+            "routes", "add", "--store", store, "--id", "st", "--prefix", "/st/",
+            "--upstream", primary.url, "--retries", "1", "--fallback", old.url,
+        ))[0] == 0  # fmt: skip
+        conf = {
+            "gateway": {"store": store,
+                        "breaker": {"window": 2, "min_calls": 2, "cooldown_ms": 60_000}},
+        }  # fmt: skip
+        async with gateway_client(conf) as (client, gateway):
+            runtime = gateway.services.store
+            assert runtime is not None
+            runtime.poll_interval = 0.05
+            waiting = [asyncio.ensure_future(client.get("/st/x")) for _ in range(2)]
+            try:
+
+                async def both_at_old() -> bool:
+                    return old.count == 2
+
+                assert await wait_for(both_at_old, True)
+                reloads = runtime.reloads
+                assert (await cli(
+                    "routes", "set-fallback", "--store", store, "--id", "st",
+                    "--upstream", new.url,
+                ))[0] == 0  # fmt: skip
+
+                async def reloaded() -> bool:
+                    return runtime.reloads > reloads
+
+                assert await wait_for(reloaded, True)
+            finally:
+                release.set()
+                answers = await asyncio.gather(*waiting)
+            assert [r.status_code for r in answers] == [502, 502]
+            response = await client.get("/st/x")
+            assert (response.status_code, response.text) == (200, "new")
+    assert new.count == 1
+
+
+@pytest.mark.anyio
 async def test_a_probe_cancelled_while_its_capacity_is_counted_frees_its_slot(
     redis_url: str,
 ) -> None:

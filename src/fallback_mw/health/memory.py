@@ -104,7 +104,16 @@ class MemoryHealth:
         report_transition(self.on_transition, upstream, transition)
         if admitted and admission is not None:
             admission.probe = breaker.admission()
+            admission.breaker = breaker
         return admitted
+
+    def _admitting(self, upstream: str, admission: Admission | None) -> Breaker | None:
+        """The breaker an admitted attempt's outcome or release goes to: the one that
+        admitted it, unless the upstream's url has changed since (`forget`): the attempt
+        went to the old url, and says nothing of the new one."""
+        if admission is None or admission.breaker is None:
+            return self.breaker(upstream)
+        return admission.breaker if self._breakers.get(upstream) is admission.breaker else None
 
     async def record(
         self,
@@ -114,7 +123,10 @@ class MemoryHealth:
         fault: str | None = None,
         admission: Admission | None = None,
     ) -> None:
-        transition = self.breaker(upstream).record(
+        breaker = self._admitting(upstream, admission)
+        if breaker is None:
+            return
+        transition = breaker.record(
             failure=failure, now=self.clock(), fault=fault, probe=probe_of(admission)
         )
         report_transition(self.on_transition, upstream, transition)
@@ -150,7 +162,9 @@ class MemoryHealth:
         return next(iter(self._fault_marks.get(upstream, {}).values()), None)
 
     async def release(self, upstream: str, admission: Admission | None = None) -> None:
-        self.breaker(upstream).release(probe_of(admission))
+        breaker = self._admitting(upstream, admission)
+        if breaker is not None:
+            breaker.release(probe_of(admission))
 
     async def usable_in(self, upstream: str, pool_size: int) -> float | None:
         now = self.clock()
