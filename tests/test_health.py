@@ -635,6 +635,62 @@ async def test_answers_of_the_old_url_that_end_after_the_move_leave_the_new_brea
 
 
 @pytest.mark.anyio
+async def test_requests_waiting_on_the_old_url_leave_the_new_url_its_connections(
+    tmp_path: Any,
+) -> None:
+    """`routes set-fallback` moves the fallback off a host that hangs, every one of its
+    `max_connections` (100) taken by requests waiting on it. The connection cap was counted
+    per upstream name: requests to the new, healthy host waited for the old host's
+    connections to free (its first-byte timeout, 30 s by default) and ended 504 in that
+    queue. The new url's connections are its own."""
+    from tests.test_cli_admin import cli, wait_for
+
+    store = f"sqlite:///{tmp_path / 'gateway.db'}"
+    release = asyncio.Event()
+
+    async def hangs(request: web.Request) -> web.StreamResponse:
+        await release.wait()
+        return web.Response(status=503, body=b"old")
+
+    async with (
+        upstream(status_handler(503)) as primary,
+        upstream(hangs) as old,
+        upstream(status_handler(200, b"new")) as new,
+    ):
+        assert (await cli(
+            "routes", "add", "--store", store, "--id", "st", "--prefix", "/st/",
+            "--upstream", primary.url, "--retries", "1", "--fallback", old.url,
+        ))[0] == 0  # fmt: skip
+        async with gateway_client({"gateway": {"store": store}}) as (client, gateway):
+            runtime = gateway.services.store
+            assert runtime is not None
+            runtime.poll_interval = 0.05
+            cap = gateway.services.table().upstreams["st-fallback"].max_connections
+            waiting = [asyncio.ensure_future(client.get("/st/x")) for _ in range(cap)]
+            try:
+
+                async def all_taken() -> bool:
+                    return old.count == cap
+
+                assert await wait_for(all_taken, True)
+                reloads = runtime.reloads
+                assert (await cli(
+                    "routes", "set-fallback", "--store", store, "--id", "st",
+                    "--upstream", new.url,
+                ))[0] == 0  # fmt: skip
+
+                async def reloaded() -> bool:
+                    return runtime.reloads > reloads
+
+                assert await wait_for(reloaded, True)
+                response = await client.get("/st/x", headers={"x-gateway-deadline-ms": "2000"})
+                assert (response.status_code, response.text) == (200, "new")
+            finally:
+                release.set()
+                await asyncio.gather(*waiting)
+
+
+@pytest.mark.anyio
 async def test_a_probe_cancelled_while_its_capacity_is_counted_frees_its_slot(
     redis_url: str,
 ) -> None:

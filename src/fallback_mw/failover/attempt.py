@@ -98,6 +98,14 @@ def connection_slots(upstream: UpstreamConfig, *, shadow: bool) -> int:
     return max(1, upstream.max_connections // 4)
 
 
+def pool_key(name: str, upstream: UpstreamConfig, *, shadow: bool) -> str:
+    """What an attempt's connection slots are counted under: the upstream name at its url
+    (a store reload that moves the name to another host gives the new url slots of its
+    own: requests still waiting on the old host, which may hang, hold none of them), the
+    shadow copies' apart (`connection_slots`). Spaces: no name or url has one."""
+    return f"{name} shadow {upstream.url}" if shadow else f"{name} {upstream.url}"
+
+
 class AttemptRunner:
     """Runs attempts for one request. The hedge drives it through `run` only."""
 
@@ -223,7 +231,7 @@ class AttemptRunner:
                     body=self._request_body(upstream),
                     timeouts=timeouts,
                     max_connections=connection_slots(upstream, shadow=self.shadow),
-                    pool_key=f"{name} shadow" if self.shadow else name,
+                    pool_key=pool_key(name, upstream, shadow=self.shadow),
                     ca_file=upstream.ca_file,
                     proxy=proxy,
                 )
