@@ -1,21 +1,30 @@
-"""A kept-alive connection under `fallback-mw serve` (uvicorn with the head guard of
-cli/server_limits.py, h11 and httptools): what arrives after an answer is read for what it
-is. Real sockets, raw bytes, so the framing on the wire is what the test sees."""
+"""An answer sent before the request body has arrived, under each server
+(docs/operations.md, 'Under each server'). Under `fallback-mw serve` (uvicorn with the head
+guard of cli/server_limits.py, h11 and httptools) the rest of the body is read for what it
+is and the kept-alive connection serves its next request; hypercorn's HTTP/2, granian's and
+daphne's own ways are held as documented. Real sockets, raw bytes where the framing on the
+wire matters. The servers come with the dev extra; outside CI a missing one is skipped."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx
 import pytest
+from aiohttp import web
 
 from fallback_mw import Gateway
 from fallback_mw.cli.server_limits import uvicorn_limits
 from fallback_mw.config import load_config
+from tests.e2e.test_host_servers import require_server, server_process, wait_for, write_app
+from tests.helpers import free_port, log_text
 from tests.upstreams import host_app, serve_asgi, status_handler, upstream
 
 pytestmark = [pytest.mark.e2e, pytest.mark.anyio]
@@ -139,3 +148,108 @@ async def test_a_body_answered_early_and_left_unfinished_closes_the_connection_q
     assert data.count(b"HTTP/1.1 ") == 1, data
     assert data.startswith(b"HTTP/1.1 413 "), data
     assert primary.count == 0
+
+
+# --- the other servers (docs/operations.md, 'Under each server'), each as its own process --
+
+
+async def slow_events(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+    await response.prepare(request)
+    for i in range(10):
+        await response.write(b"data: %d\n\n" % i)
+        await asyncio.sleep(0.1)
+    await response.write(b"data: [DONE]\n\n")
+    return response
+
+
+async def an_early_answer_beside_a_stream(port: int) -> tuple[str, str]:
+    """On one HTTP/2 connection: an SSE stream, and meanwhile a 2 MB body sent with a method
+    the route does not take (the gateway answers 405 without reading it). Returns what
+    became of each."""
+    url = f"http://127.0.0.1:{port}/v1/chat"
+    async with httpx.AsyncClient(http1=False, http2=True, timeout=20) as client:
+
+        async def stream() -> str:
+            received = b""
+            try:
+                async with client.stream("GET", url) as response:
+                    assert response.http_version == "HTTP/2"
+                    async for chunk in response.aiter_raw():
+                        received += chunk
+            except httpx.TransportError:
+                return "cut"
+            return "complete" if received.endswith(b"data: [DONE]\n\n") else "short"
+
+        async def early() -> str:
+            await anyio.sleep(0.3)
+            try:
+                # A server that resets the stream may leave httpx waiting for flow control.
+                response = await client.request(
+                    "PROPFIND", url, content=b"a" * 2_000_000, timeout=3
+                )
+            except httpx.TransportError as exc:
+                return type(exc).__name__
+            return str(response.status_code)
+
+        first, second = await asyncio.gather(stream(), early())
+    return first, second
+
+
+async def test_under_hypercorn_h2c_an_early_answer_cuts_the_other_streams(
+    tmp_path: Path,
+) -> None:
+    """hypercorn's HTTP/2 drops the whole connection when a request's DATA arrives after
+    the answer closed its stream (hypercorn issue #329; a KeyError in its log), so another
+    caller's stream on the same connection is cut. docs/operations.md says so: when this
+    fails, hypercorn has fixed it and that paragraph must say so."""
+    require_server("hypercorn")
+    write_app(tmp_path, "gateway")
+    port = free_port()
+    async with upstream(slow_events) as up:
+        with server_process(tmp_path, "hypercorn-h2c", up.url, port) as log:
+            await wait_for(port, log)
+            stream, early = await an_early_answer_beside_a_stream(port)
+    assert stream == "cut", (stream, early)
+    assert "KeyError" in log_text(log)
+
+
+async def test_under_granian_http2_an_early_answer_leaves_the_other_streams_alone(
+    tmp_path: Path,
+) -> None:
+    require_server("granian")
+    write_app(tmp_path, "gateway")
+    port = free_port()
+    async with upstream(slow_events) as up:
+        with server_process(tmp_path, "granian", up.url, port, ["--http", "2"]) as log:
+            await wait_for(port, log)
+            stream, _ = await an_early_answer_beside_a_stream(port)
+    assert stream == "complete", log_text(log)
+
+
+async def test_daphne_calls_the_gateway_only_once_the_whole_body_has_arrived(
+    tmp_path: Path,
+) -> None:
+    """A declared length over max_request_body is a 413 at once under uvicorn; daphne
+    receives the whole body before it calls the application, so the 413 comes only after
+    the upload."""
+    require_server("daphne")
+    write_app(tmp_path, "gateway")
+    port = free_port()
+    size = 9 * 1024 * 1024  # over the default max_request_body (8 MiB)
+    head = b"POST /v1/chat HTTP/1.1\r\nhost: gw\r\ncontent-length: %d\r\n\r\n" % size
+    async with upstream(status_handler(200, b"never")) as up:
+        with server_process(tmp_path, "daphne", up.url, port, ["-v", "0"]) as log:
+            await wait_for(port, log)
+            stream = await anyio.connect_tcp("127.0.0.1", port)
+            try:
+                await stream.send(head + b"z" * 1000)
+                with anyio.move_on_after(1.0):
+                    early = await stream.receive()
+                    pytest.fail(f"answered before the body arrived: {early!r}")
+                await stream.send(b"z" * (size - 1000))
+                answers = await read_answers(stream, 1)
+            finally:
+                await stream.aclose()
+    assert [status for status, _ in answers] == [413], log_text(log)
+    assert up.count == 0
