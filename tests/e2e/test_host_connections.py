@@ -227,19 +227,23 @@ async def test_under_granian_http2_an_early_answer_leaves_the_other_streams_alon
     assert stream == "complete", log_text(log)
 
 
-async def test_daphne_calls_the_gateway_only_once_the_whole_body_has_arrived(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    ("name", "host", "options"),
+    [("daphne", "gateway", ["-v", "0"]), ("uvicorn", "django-middleware", ["--no-access-log"])],
+)
+async def test_daphne_and_django_hand_the_gateway_a_body_only_once_it_has_all_arrived(
+    tmp_path: Path, name: str, host: str, options: list[str]
 ) -> None:
-    """A declared length over max_request_body is a 413 at once under uvicorn; daphne
-    receives the whole body before it calls the application, so the 413 comes only after
-    the upload."""
-    require_server("daphne")
-    write_app(tmp_path, "gateway")
+    """A declared length over max_request_body is a 413 at once under uvicorn; daphne, and
+    Django's ASGI handler in front of its middleware, receive the whole body before they
+    call the gateway, so the 413 comes only after the upload."""
+    require_server(name)
+    write_app(tmp_path, host)
     port = free_port()
     size = 9 * 1024 * 1024  # over the default max_request_body (8 MiB)
     head = b"POST /v1/chat HTTP/1.1\r\nhost: gw\r\ncontent-length: %d\r\n\r\n" % size
     async with upstream(status_handler(200, b"never")) as up:
-        with server_process(tmp_path, "daphne", up.url, port, ["-v", "0"]) as log:
+        with server_process(tmp_path, name, up.url, port, options) as log:
             await wait_for(port, log)
             stream = await anyio.connect_tcp("127.0.0.1", port)
             try:
