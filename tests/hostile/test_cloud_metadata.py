@@ -16,7 +16,12 @@ import pytest
 
 from fallback_mw import Gateway
 from fallback_mw.config import ConfigError, RouteConfig, UpstreamConfig, load_config
-from fallback_mw.security import UnsafeUpstream, check_connect_addresses, parse_ip
+from fallback_mw.security import (
+    UnsafeUpstream,
+    carried_ipv4_network,
+    check_connect_addresses,
+    parse_ip,
+)
 from fallback_mw.store.model import StoredRoute
 from fallback_mw.store.routes import open_store
 from fallback_mw.upstream import UpstreamError, UpstreamRequest, make_client
@@ -91,7 +96,11 @@ def test_a_cloud_metadata_upstream_or_proxy_is_refused_at_load_whatever_the_allo
     Azure's WireServer or GCP's IPv6 metadata server, and the request went there with the
     injected key: only 169.254.0.0/16, fe80::/10, fd00:ec2::254 and 100.100.100.200 were
     refused."""
-    listed = [*WIDE, "api.example.test", str(parse_ip(host))]
+    # The address itself as the allowlist reads it: an IPv6 spelling of an IPv4 address by
+    # that IPv4 address (an entry spelled `::ffff:a.b.c.d` is refused at load).
+    address = parse_ip(host)
+    carried = carried_ipv4_network(ipaddress.ip_network(address))
+    listed = [*WIDE, "api.example.test", str(address if carried is None else carried)]
     with pytest.raises(ConfigError, match=r"upstream 'u': host .* link-local / metadata"):
         load_config(_conf(listed, f"http://{host}/v1"), environ={})
     proxied = _conf(listed, "http://api.example.test", f"http://{host}:3128")
