@@ -20,6 +20,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from fallback_mw import ConfigError, Gateway, load_config
+from fallback_mw.config import BreakerConfig
+from fallback_mw.health.memory import MemoryHealth
 from fallback_mw.shadow import in_shadow_slice
 from fallback_mw.telemetry import Telemetry
 from tests.helpers import client_for, http_scope
@@ -546,7 +548,8 @@ async def test_a_copy_that_is_the_probe_and_cut_by_shutdown_mid_body_frees_its_s
     """A copy the half-open breaker admitted as its probe got the shadow's head, then the
     gateway stopped while it read the body: the copy was cancelled past every release, so
     with a shared state every other gateway process skipped the shadow (and its copies)
-    for the probe's whole lease. The copy ends its admission however it ends."""
+    for the probe's whole lease. The copy ends its admission however it ends: booked at
+    its head, as an attempt is, before its body is read."""
     import redis.asyncio as aioredis
 
     from fallback_mw.store_url import split_state_url
@@ -588,8 +591,11 @@ async def test_a_copy_that_is_the_probe_and_cut_by_shutdown_mid_body_frees_its_s
                 answer["status"] = 200
                 assert (await client.get("/v1/chat", headers=CALLER)).text == "primary says"
                 await asyncio.wait_for(reading.wait(), 10)  # the probe copy reads its body
-                assert await inspect.hget(key, "st") == "half_open"
-                assert await inspect.hget(key, "probe") != "0"
+                for _ in range(200):  # its head booked (the shadow's write comes first)
+                    if await inspect.hget(key, "st") == "closed":
+                        break
+                    await asyncio.sleep(0.01)
+                assert await inspect.hget(key, "st") == "closed"
         finally:
             await gateway.aclose()  # cancels the copy mid-body
         try:
@@ -636,3 +642,69 @@ async def test_a_copy_carries_the_callers_baggage_as_the_attempt_does(
     (traceparent,) = [v for k, v in shadow.received[0].headers if k.lower() == "traceparent"]
     spans = {s.name: s for s in recorded.spans.get_finished_spans()}
     assert traceparent.split("-")[2] == format(spans["gateway.shadow"].context.span_id, "016x")
+
+
+class BookedSuccess(MemoryHealth):
+    """The memory state, saying when a success has been booked to `watched`'s breaker."""
+
+    def __init__(self, breaker: BreakerConfig, watched: str) -> None:
+        super().__init__(breaker)
+        self.watched = watched
+        self.succeeded = asyncio.Event()
+
+    async def record(self, upstream: str, *, failure: bool, **marks: Any) -> None:
+        await super().record(upstream, failure=failure, **marks)
+        if upstream == self.watched and not failure:
+            self.succeeded.set()
+
+
+async def test_a_copy_that_is_the_probe_is_judged_by_its_head_not_its_whole_body() -> None:
+    """The shadow's breaker half-open, a copy was its probe, and the shadow streamed a long
+    answer (an LLM's, a minute): the copy booked its outcome only once the whole body was
+    read, so for all that time the breaker stayed half-open, every request the shadow is a
+    candidate of skipped it (`breaker_open`), and past the probe's lease a second probe went
+    out beside the first. An attempt is judged by its head; so is a copy."""
+    answer = {"status": 503}
+    finish = asyncio.Event()
+    breaker = {"window": 4, "min_calls": 2, "cooldown_ms": 100}
+    health = BookedSuccess(BreakerConfig(**breaker), "candidate")
+
+    async def shadow_handler(request: web.Request) -> web.StreamResponse:
+        if answer["status"] == 503:
+            return web.Response(status=503)
+        if finish.is_set() or request.path.startswith("/direct/"):
+            return web.Response(body=b"shadow says")
+        response = web.StreamResponse(status=200)
+        await response.prepare(request)
+        await response.write(b'data: {"n": 1}\n\n')
+        await finish.wait()  # the rest of a long stream
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    async with (
+        upstream(status_handler(200, b"primary says")) as primary,
+        upstream(shadow_handler) as shadow,
+    ):
+        conf = config(primary.url, shadow.url)
+        conf["gateway"] = {"breaker": breaker}
+        conf["routes"].append({"id": "direct", "prefix": "/direct/", "plan": ["candidate"]})
+        gateway = Gateway(host_app, config=conf, environ=ENV, health=health)
+        shadows = gateway.services.shadows
+        try:
+            async with client_for(gateway) as client:
+                for _ in range(2):
+                    assert (await client.get("/v1/chat", headers=CALLER)).text == "primary says"
+                    await settled(gateway, lambda: not shadows.in_flight)
+                assert (await client.get("/direct/x")).status_code == 503  # open: skipped
+                await asyncio.sleep(0.15)  # the cooldown
+                answer["status"] = 200
+                assert (await client.get("/v1/chat", headers=CALLER)).text == "primary says"
+                # The probe copy's head is in (its body still streaming): booked.
+                await asyncio.wait_for(health.succeeded.wait(), 5)
+                response = await client.get("/direct/x")
+                finish.set()
+                assert response.headers.get("x-gateway-skipped") is None
+                assert response.headers["x-gateway-provider"] == "candidate"
+        finally:
+            finish.set()
+            await gateway.aclose()

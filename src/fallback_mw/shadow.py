@@ -210,15 +210,23 @@ class ShadowTraffic:
         started = time.monotonic()
         try:
             outcome, response = await attempts.run(name, upstream, record)
-            received = 0 if response is None else await self._read(context, response)
         except BaseException:
-            # Cancelled (shutdown) in the attempt or mid-body: nothing proven, and a
-            # half-open probe slot the copy held must not stay taken for its lease (in
-            # Redis, for every process).
+            # Cancelled (shutdown) in the attempt: nothing proven, and a half-open probe
+            # slot the copy held must not stay taken for its lease (in Redis, for every
+            # process).
             with anyio.CancelScope(shield=True):
                 await attempts.release(name)
             raise
-        mark = await attempts.mark_health(name, credential, outcome, response)
+        try:
+            # Judged by its head, as an attempt is (the body is not graded): a probe copy
+            # whose answer streams for a minute held the half-open slot all that time.
+            mark = await attempts.mark_health(name, credential, outcome, response)
+        except BaseException:
+            if response is not None:  # cancelled (shutdown): nobody reads it
+                with anyio.CancelScope(shield=True):
+                    await response.aclose()
+            raise
+        received = 0 if response is None else await self._read(context, response)
         await attempts.settle_tokens(name, outcome.status)
         answered = outcome.kind == "status" and not mark
         return ShadowResult(
