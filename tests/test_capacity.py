@@ -20,8 +20,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from fallback_mw import Gateway
+from fallback_mw.health.memory import MemoryHealth
+from fallback_mw.request.types import Message
 from fallback_mw.telemetry import Telemetry
-from tests.helpers import client_for, free_port, serve_process, wait_listening
+from tests.helpers import client_for, free_port, http_scope, serve_process, wait_listening
 from tests.upstreams import host_app, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
@@ -623,3 +625,60 @@ async def test_the_usage_record_lists_a_skip_where_the_walk_met_it() -> None:
         AttemptOutcome("primary", skipped="capacity"),
         AttemptOutcome("backup", status=200),
     )
+
+
+class SlowRelease(MemoryHealth):
+    """Breakers whose release of an admission takes a round trip (a Redis state's): it
+    answers once the caller has gone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.releasing = asyncio.Event()
+        self.caller_gone = asyncio.Event()
+
+    async def release(self, upstream: str, admission: Any = None) -> None:
+        self.releasing.set()
+        await self.caller_gone.wait()
+        await super().release(upstream, admission)
+
+
+async def test_a_repeat_the_deadline_cut_in_its_backoff_gives_back_its_rpm_count() -> None:
+    """The deadline passed while the walk waited `backoff_ms` before a repeat: the repeat,
+    counted against the upstream's rpm, is taken back (the breaker's admission, then the
+    count). A caller that hung up during the first of those round trips cut the second:
+    the count stood for a request never sent, the upstream's rpm short by one for a
+    minute. Both are made however the caller leaves."""
+    async with upstream(status_handler(503)) as only:
+        conf = {
+            "upstreams": {"only": {"url": only.url, "rpm": 2}},
+            "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["only"], "retries": 1,
+                        "backoff_ms": 200}],
+        }  # fmt: skip
+        health = SlowRelease()
+        gateway = Gateway(host_app, config=conf, health=health)
+        asked = False
+
+        async def receive() -> Message:
+            nonlocal asked
+            if not asked:
+                asked = True
+                return {"type": "http.request", "body": b"", "more_body": False}
+            await health.releasing.wait()  # hangs up while the repeat is given back
+            return {"type": "http.disconnect"}
+
+        async def send(message: Message) -> None:
+            return None
+
+        try:
+            scope = http_scope("GET", "/v1/c", headers=[(b"x-gateway-deadline-ms", b"50")])
+            cut = asyncio.ensure_future(gateway(scope, receive, send))
+            await asyncio.wait_for(health.releasing.wait(), 10)
+            await asyncio.sleep(0)  # the walk is cancelled
+            health.caller_gone.set()
+            await asyncio.wait_for(cut, 10)
+            async with client_for(gateway) as client:
+                after = await client.get("/v1/c")  # rpm 2: the first attempt and this one
+        finally:
+            await gateway.aclose()
+    assert after.headers["x-gateway-attempts"] == "1", after.headers  # its repeat: no room
+    assert only.count == 2

@@ -361,7 +361,13 @@ class AttemptLifecycle:
         return await self.capacity.free_in(name, self.ask(name, upstream, False))
 
     async def cancel(self, name: str, reservation: Reservation) -> None:
-        """Through the gates but never started (e.g. the deadline passed in the backoff)."""
+        """Through the gates but never started (e.g. the deadline passed in the backoff).
+        In a task of its own: a caller that leaves during the first round trip (a shared
+        state's) must not cut the second, or the count stands for a request never sent (a
+        task's own cancel reaches through an anyio shield)."""
+        await asyncio.shield(self._give_back(name, reservation))
+
+    async def _give_back(self, name: str, reservation: Reservation) -> None:
         await self.release(name)
         await self.capacity.cancel(reservation)
 
