@@ -265,3 +265,64 @@ async def test_a_caller_gone_while_the_answer_is_booked_leaves_no_upstream_conne
                 await closed.wait()
         finally:
             await gateway.aclose()
+
+
+@pytest.mark.parametrize("engine", ["aiohttp", "httpx"])
+async def test_a_caller_gone_while_a_hedges_failed_rival_is_booked_leaves_no_connection(
+    engine: str,
+) -> None:
+    """A hedged walk: the first attempt answered 503 while the hedge still ran, and was
+    booked as the failure it is (a round trip to Redis) when the caller hung up. The 503,
+    neither kept for the walk nor closed, held its upstream connection (on httpx ACTIVE in
+    the pool for good). Once the caller is gone the upstream sees it closed."""
+    closed, hedged = asyncio.Event(), asyncio.Event()
+    arrivals = 0
+
+    async def primary(request: web.Request) -> web.StreamResponse:
+        nonlocal arrivals
+        arrivals += 1
+        if arrivals == 2:  # the hedge: it never answers
+            hedged.set()
+            await asyncio.Event().wait()
+        await hedged.wait()
+        response = web.StreamResponse(status=503)
+        await response.prepare(request)  # the head; the body takes its time
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:  # aiohttp cancels a handler whose client left
+            closed.set()
+            raise
+        return response
+
+    async with upstream(primary) as slow:
+        config = {
+            "gateway": {"allow_hosts": ["127.0.0.1"], "engine": engine},
+            "upstreams": {"primary": {"url": slow.url}},
+            "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"], "retries": 1,
+                        "hedge_after_ms": 20}],
+        }  # fmt: skip
+        health = BookedSlowly()
+        gateway = Gateway(host_app, config=config, health=health)
+        gone = asyncio.Event()
+        asked = False
+
+        async def receive() -> Message:
+            nonlocal asked
+            if not asked:
+                asked = True
+                return {"type": "http.request", "body": b"", "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: Message) -> None:
+            return None
+
+        try:
+            request = asyncio.ensure_future(gateway(http_scope("GET", "/v1/chat"), receive, send))
+            with anyio.fail_after(10):
+                await health.booking.wait()
+                gone.set()
+                await request
+                await closed.wait()
+        finally:
+            await gateway.aclose()

@@ -508,7 +508,14 @@ class AttemptLifecycle:
             result[1] is None or fails_in_a_race(result[0], self.failover_status, pooled=pooled)
         ):
             # It failed (before the winner's head, or beside it): booked like any attempt.
-            await self.finish(record, result[0], result[1])
+            try:
+                await self.finish(record, result[0], result[1])
+            except BaseException:
+                # Cut while booked (a shared state's round trip, the caller gone): nobody
+                # will keep or close the answer, and its connection would stay taken.
+                if result[1] is not None:
+                    await result[1].aclose()
+                raise
             return result[1]
         if result is not None:
             assert result[1] is not None
