@@ -370,3 +370,72 @@ async def test_run_as_documented_no_server_writes_the_query_string(
     assert "query-marker-7" not in output, output
     failed = [line for line in output.splitlines() if "outcome=upstream_failed" in line]
     assert len(failed) == 1, output
+
+
+async def http10_stream_until_closed(port: int, dying: DyingStream) -> tuple[bytes, str]:
+    """GET the stream as an HTTP/1.0 client (as nginx proxies by default): an answer with
+    no length, ended by the connection's close. After the two events the upstream dies.
+    Returns (the body received, how the connection ended: "eof" or "reset")."""
+    stream = await anyio.connect_tcp("127.0.0.1", port)
+    received = b""
+    try:
+        await stream.send(b"GET /v1/chat HTTP/1.0\r\nhost: gw\r\n\r\n")
+        with anyio.fail_after(10):
+            while True:
+                try:
+                    received += await stream.receive()
+                except anyio.EndOfStream:
+                    ended = "eof"
+                    break
+                except (anyio.BrokenResourceError, ConnectionResetError):
+                    ended = "reset"
+                    break
+                if received.count(b"data: ") >= 2:
+                    dying.die.set()
+    finally:
+        await stream.aclose()
+    return received, ended
+
+
+HTTP10_SERVERS = {
+    "uvicorn": ("uvicorn", ["--no-access-log"]),
+    "uvicorn-h11": ("uvicorn", ["--no-access-log", "--http", "h11"]),
+    "hypercorn": ("hypercorn", []),
+    "daphne": ("daphne", ["-v", "0"]),
+    "granian": ("granian", []),
+}
+GRANIAN_NO_RESET = pytest.mark.xfail(
+    strict=True,
+    reason="granian offers no handle on its connection: an HTTP/1.0 answer that breaks ends "
+    "with a plain close, as if complete (docs/operations.md)",
+)
+
+
+@pytest.mark.parametrize("host", ["gateway", "django-middleware"])
+@pytest.mark.parametrize(
+    "server",
+    [pytest.param(n, marks=GRANIAN_NO_RESET) if n == "granian" else n for n in HTTP10_SERVERS],
+)
+async def test_an_http10_answer_that_breaks_ends_in_a_reset_not_as_complete(
+    tmp_path: Path, server: str, host: str
+) -> None:
+    """An HTTP/1.0 caller's answer has no chunked framing: without a length it ends where
+    the connection closes, so a plain close after the upstream died read as the whole
+    answer (uvicorn's h11, hypercorn, daphne; nginx, which proxies as HTTP/1.0 by default,
+    then ended its own client's answer as complete). The connection is reset instead."""
+    name, options = HTTP10_SERVERS[server]
+    require_server(name)
+    write_app(tmp_path, host)
+    dying = DyingStream()
+    port = free_port()
+    async with upstream(dying.handle) as up:
+        with server_process(tmp_path, name, up.url, port, options) as log:
+            await wait_for(port, log)
+            received, ended = await http10_stream_until_closed(port, dying)
+            await anyio.sleep(0.5)  # the request line is written when the request ends
+    output = log_text(log)
+    assert received.startswith(b"HTTP/1."), received
+    assert b"data: two\n\n" in received, received
+    assert ended == "reset", (received, output)
+    assert "Traceback" not in output, output
+    assert len([line for line in output.splitlines() if "outcome=aborted" in line]) == 1, output

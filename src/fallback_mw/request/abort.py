@@ -22,6 +22,12 @@ Starlette's middleware or Django's handler the gateway is handed a wrapper):
   chunked body is left unterminated) or the stream is reset (HTTP/2).
 * granian closes the connection, quietly.
 
+An HTTP/1.0 caller's answer has no chunked framing: without a length it ends where the
+connection closes, so a plain close reads as the whole answer (nginx proxies as HTTP/1.0
+by default and then ends its own client's answer as complete). For such a request the
+connection is reset instead (SO_LINGER 0) under uvicorn, hypercorn and daphne; granian,
+which offers no handle, closes it plainly.
+
 Behind Starlette's `BaseHTTPMiddleware` (FastAPI's `@app.middleware("http")`) the gateway
 runs in a task of the middleware's, and the middleware ends the response as complete when
 the gateway returns: only the server's own connection, broken first, keeps the client from
@@ -38,6 +44,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import socket
+import struct
 import sys
 from types import FrameType
 from typing import Any
@@ -54,13 +62,17 @@ async def break_response(send: Send, scope: Scope | None = None) -> None:
     try:
         send = _unwrapped((server_send(scope) if scope is not None else None) or send)
         server = _server_of(send)
+        # An HTTP/1.0 answer without a length ends where the connection closes: a plain
+        # close would read as the whole answer (nginx proxies as HTTP/1.0 by default, and
+        # ends its own client's answer as complete). The connection is reset instead.
+        reset = scope is not None and scope.get("http_version") == "1.0"
         if server == "daphne":
             assert isinstance(send, functools.partial)
-            _daphne(send)
+            _daphne(send, reset)
         elif server == "uvicorn":
-            _uvicorn(getattr(send, "__self__", None))
+            _uvicorn(getattr(send, "__self__", None), reset)
         elif server == "hypercorn":
-            await _hypercorn(getattr(send, "__self__", None))
+            await _hypercorn(getattr(send, "__self__", None), reset)
     except Exception as exc:  # the server's internals changed: fall back to ASGI's way
         logger.debug("could not break the response directly (%s)", type(exc).__name__)
 
@@ -131,24 +143,35 @@ def _server_of(send: Any) -> str | None:
     return None
 
 
-def _uvicorn(cycle: Any) -> None:
+def _reset_on_close(sock: Any) -> None:
+    # SO_LINGER on with a zero timeout: closing the socket sends a reset, not a FIN.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
+def _uvicorn(cycle: Any, reset: bool) -> None:
     transport = cycle.transport
+    if reset:
+        _reset_on_close(transport.get_extra_info("socket"))
     transport.close()  # what uvicorn itself does; buffered bytes are flushed first
     cycle.disconnected = True  # as its connection_lost would: no "without completing" line
 
 
-async def _hypercorn(stream: Any) -> None:
+async def _hypercorn(stream: Any, reset: bool) -> None:
     protocol = stream.send.__self__  # H11Protocol / H2Protocol .stream_send
     if str(stream.scope.get("http_version", "")).startswith("2"):
         protocol.connection.reset_stream(stream.stream_id, error_code=2)  # INTERNAL_ERROR
         await protocol._flush()
+    elif reset:  # its Closed() would half-close (a FIN) first
+        transport = protocol.send.__self__.writer.transport  # hypercorn's TCPServer
+        _reset_on_close(transport.get_extra_info("socket"))
+        transport.abort()
     else:
         from hypercorn.events import Closed  # only ever under hypercorn
 
         await protocol.send(Closed())  # what it sends itself for an unfinished response
 
 
-def _daphne(send: functools.partial[Any]) -> None:
+def _daphne(send: functools.partial[Any], reset: bool) -> None:
     owner = getattr(send.func, "__self__", None)
     if owner is None or not type(owner).__module__.startswith("daphne."):
         return
@@ -158,6 +181,8 @@ def _daphne(send: functools.partial[Any]) -> None:
         return
     if type(channel).__name__ == "H2Stream":
         channel.abortConnection()  # RST_STREAM
+    elif reset:
+        channel.transport.abortConnection()  # twisted closes with a reset
     else:
         channel.loseConnection()  # HTTPChannel: flush, then close
     # As daphne records a connection lost: what a middleware in front still sends (the
