@@ -26,7 +26,7 @@ An HTTP/1.0 caller's answer has no chunked framing: without a length it ends whe
 connection closes, so a plain close reads as the whole answer (nginx proxies as HTTP/1.0
 by default and then ends its own client's answer as complete). For such a request the
 connection is reset instead (SO_LINGER 0) under uvicorn, hypercorn and daphne; granian,
-which offers no handle, closes it plainly.
+which offers no handle, closes it plainly, as does a Unix socket (it has no reset).
 
 Behind Starlette's `BaseHTTPMiddleware` (FastAPI's `@app.middleware("http")`) the gateway
 runs in a task of the middleware's, and the middleware ends the response as complete when
