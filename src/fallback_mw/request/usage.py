@@ -84,11 +84,13 @@ class UsageMeter:
         self.decoded = 0  # bytes it produced
         self._json: list[bytes] = []
         self._json_size = 0
-        self._tail = b""
-        self._line = b""
+        self._tail = _Tail()  # the end of a JSON body over json_cap
+        # The pending SSE line, in the pieces it came in (joined once a line end comes).
+        self._line: list[bytes] = []
+        self._line_size = 0
         self._event: list[bytes] = []
         self._event_size = 0
-        self._event_tail = b""  # the end of an event over json_cap
+        self._event_tail = _Tail()  # the end of an event over json_cap
         self._long_line = False  # the pending line is over json_cap: only its tail is kept
         self._long_data = False  # ... and it is a `data:` line
         self.reported = False
@@ -150,11 +152,11 @@ class UsageMeter:
                     else:
                         self._apply_document(document)
                 else:
-                    self._apply_tail()
+                    self._apply_tail(self._tail.read())
             if self.mode == "sse":
                 if self._line:
-                    self._end_line(self._line)
-                    self._line = b""
+                    self._end_line(b"".join(self._line))
+                    self._line = []
                 self._dispatch_event()
         except Exception:
             pass
@@ -203,14 +205,13 @@ class UsageMeter:
             if self._json_size > self.json_cap:
                 joined = b"".join(self._json)
                 self._json = []
-                self._tail = joined[-_TAIL:]
+                self._tail.add(joined)
             return
-        self._tail = (self._tail + chunk)[-_TAIL:]
+        self._tail.add(chunk)
 
-    def _apply_tail(self, tail: bytes | None = None) -> None:
+    def _apply_tail(self, tail: bytes) -> None:
         """Usage from the end of a document too large to parse (a JSON body, an SSE event):
         its last `"usage": {...}`, read whole."""
-        tail = self._tail if tail is None else tail
         matches = list(_USAGE_OBJECT.finditer(tail))
         if matches:
             start = matches[-1].end() - 1
@@ -239,28 +240,49 @@ class UsageMeter:
     # --- SSE --------------------------------------------------------------------------
 
     def _feed_sse(self, chunk: bytes) -> None:
-        data = self._line + chunk
+        pending = self._line
+        if (
+            chunk.find(b"\n") < 0
+            and chunk.find(b"\r") < 0
+            and not (pending and pending[-1].endswith(b"\r"))
+        ):
+            # No line ends here: the pending line grows by this piece, joined and searched
+            # once its end comes (not again with every chunk: a long line that came a few
+            # bytes at a time cost the square of its length).
+            pending.append(chunk)
+            self._line_size += len(chunk)
+            if self._line_size > self.json_cap:
+                self._cut_long_line()
+            return
+        data = b"".join((*pending, chunk)) if pending else chunk
         # A CR at the end may be the first half of a CRLF: kept until the next chunk.
         cut = len(data) - 1 if data.endswith(b"\r") else len(data)
         lines = _LINE_END.split(data[:cut])
-        self._line = lines.pop() + data[cut:]
+        rest = lines.pop() + data[cut:]
+        self._line = [rest] if rest else []
+        self._line_size = len(rest)
         for line in lines:
             if self.mode != "sse":
                 return  # `[DONE]` was read: nothing after it is metered
             self._end_line(line)
-        if len(self._line) > self.json_cap:
-            # A line too long to keep whole (the Responses API's `response.completed`
-            # carries the whole response, echoed `instructions` included): its tail only.
-            if not self._long_line:
-                self._long_line, self._long_data = True, self._line.startswith(b"data:")
-            self._line = self._line[-_TAIL:]
+        if self._line_size > self.json_cap:
+            self._cut_long_line()
+
+    def _cut_long_line(self) -> None:
+        """A line too long to keep whole (the Responses API's `response.completed` carries
+        the whole response, echoed `instructions` included): its tail only."""
+        line = b"".join(self._line)
+        if not self._long_line:
+            self._long_line, self._long_data = True, line.startswith(b"data:")
+        line = line[-_TAIL:]
+        self._line, self._line_size = [line], len(line)
 
     def _end_line(self, line: bytes) -> None:
         if self._long_line:  # the end of a line kept by its tail
             self._long_line = False
             if self._long_data:
                 self._event_size += self.json_cap + 1
-                self._event_tail = (self._event_tail + line)[-_TAIL:]
+                self._event_tail.add(line)
             return
         self._sse_line(line)
 
@@ -278,12 +300,14 @@ class UsageMeter:
             if self._event_size <= self.json_cap:
                 self._event.append(value)
             else:  # too large to parse: its tail is searched, as a large JSON body's is
-                self._event_tail = (self._event_tail + value)[-_TAIL:]
+                self._event_tail.add(value)
 
     def _dispatch_event(self) -> None:
-        event, size, tail = self._event, self._event_size, self._event_tail
-        self._event, self._event_size, self._event_tail = [], 0, b""
+        event, size = self._event, self._event_size
+        self._event, self._event_size = [], 0
         if size > self.json_cap:
+            # Only an event over json_cap has a tail: it alone starts a fresh one.
+            tail, self._event_tail = self._event_tail.read(), _Tail()
             self._apply_tail(tail)
             return
         if not event:
@@ -389,6 +413,31 @@ class UsageMeter:
             target.output_tokens = output_tokens
         if input_tokens is not None or output_tokens is not None:
             self.reported = True
+
+
+class _Tail:
+    """The last _TAIL bytes of what was added. Each byte is copied a bounded number of
+    times: keeping the tail as one bytes object copied all _TAIL of them again for every
+    piece added, and an event stream of tiny `data:` lines in an event over json_cap (a
+    few bytes each) cost 64 KiB of copying per line."""
+
+    __slots__ = ("_buffer",)
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def add(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        if len(buffer) > 2 * _TAIL:
+            self._trim(buffer)
+
+    @staticmethod
+    def _trim(buffer: bytearray) -> None:
+        del buffer[: len(buffer) - _TAIL]
+
+    def read(self) -> bytes:
+        return bytes(self._buffer[-_TAIL:])
 
 
 def _reported_count(value: Any) -> int | None:
