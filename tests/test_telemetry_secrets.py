@@ -320,3 +320,35 @@ async def test_ordinary_values_are_still_recorded(recorded: Recorded) -> None:
     records = await recorded.gateway.services.ledger.usage(route="chat")  # type: ignore[union-attr]
     assert "acme-production" in {r.tenant for r in records}
     assert "gpt-4o-mini" in {r.model for r in records}
+
+
+async def test_only_the_recorded_part_of_a_long_value_is_searched_for_credentials(
+    recorded: Recorded,
+) -> None:
+    # Each of a request's credentials was searched for in the whole of every recorded
+    # value: a cookie of thousands of values beside a 32 KB tenant id cost the square of
+    # the head's size (138 KB of head: 270 ms of CPU a request, ~70x an ordinary head of
+    # that size). Records hold at most the first MAX_RECORDED (256) characters of such a
+    # value: only they, and a credential beginning there, are searched.
+    cookies = "; ".join(f"c{i}=value-{i:08d}" for i in range(2500)).encode()
+    beyond = "x" * 300 + "-" + CALLER_TOKEN  # begins past what any record holds
+    status, _, text = await recorded.request(
+        "GET", caller((b"cookie", cookies), (b"x-tenant-id", beyond.encode()))
+    )
+    assert status == 200 and carried(text) == []
+    assert recorded.request_span().attributes["gateway.tenant"] == "x" * 128
+    (record,) = await recorded.gateway.services.ledger.usage(route="chat")  # type: ignore[union-attr]
+    assert record.tenant == "x" * 200
+    # One that begins in the recorded part is found, though the label cuts it (at 128).
+    within = "x" * 100 + CALLER_TOKEN + "y" * 300
+    status, _, text = await recorded.request(
+        "GET", caller((b"cookie", cookies), (b"x-tenant-id", within.encode()))
+    )
+    assert status == 200 and carried(text) == []
+    assert recorded.request_span().attributes["gateway.tenant"] == "[REDACTED]"
+    # A name echoed in an error is cut to that part too.
+    name = b"x-" + b"n" * 400 + CALLER_TOKEN.lower().encode()
+    status, body, text = await recorded.request("GET", caller((name, b"\xff\xfe")))
+    assert status == 400 and carried(text + body.decode()) == []
+    message = json.loads(body)["error"]["message"]
+    assert message.startswith(repr("x-" + "n" * 254) + " has bytes >= 0x80"), message

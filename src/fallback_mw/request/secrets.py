@@ -27,6 +27,12 @@ MIN_SECRET = 8
 MIN_PIECE = 32
 # What a redacted tenant is recorded as (OpenTelemetry's instrumentations use this word).
 REDACTED = "[REDACTED]"
+# The most characters of a value a caller or an upstream chooses that any record holds (a
+# tenant label, a model name, a W3C `tracestate` key or value, a method or header name in
+# an error): only they are searched, so a check costs in proportion to the request's
+# credentials, never to their number times the value's length (a cookie of thousands of
+# values beside a 32 KB tenant cost some 100 ms a request, a square of the head's size).
+MAX_RECORDED = 256
 
 
 def secret_forms(value: bytes) -> list[bytes]:
@@ -60,7 +66,7 @@ class RequestSecrets:
     """One request's credentials, read lazily from its headers and query string (the
     caller's), plus the provider keys of the route table it was resolved on."""
 
-    __slots__ = ("_headers", "_names", "_provider", "_query", "_query_keys", "_values")
+    __slots__ = ("_checked", "_headers", "_names", "_provider", "_query", "_query_keys", "_values")
 
     def __init__(
         self,
@@ -78,6 +84,7 @@ class RequestSecrets:
         self._query_keys = query_keys  # canonical strip_query_keys
         self._provider = provider
         self._values: tuple[bytes, ...] | None = None
+        self._checked: dict[str, bool] = {}  # texts asked about (a tenant is asked thrice)
 
     @property
     def query_keys(self) -> frozenset[bytes]:
@@ -102,13 +109,35 @@ class RequestSecrets:
         return values
 
     def carried_by(self, text: str) -> bool:
-        """Whether `text` holds one of these credentials, or is a piece of one."""
+        """Whether the part of `text` a record may hold (its first MAX_RECORDED
+        characters) holds one of these credentials, or a part of one that begins there,
+        or is a piece of one."""
         values = self.values()
         if not values:
             return False
-        lowered = text.encode("utf-8", "replace").lower()
-        piece = len(lowered) >= MIN_PIECE
-        return any(secret in lowered or (piece and lowered in secret) for secret in values)
+        checked = self._checked.get(text)
+        if checked is None:
+            checked = self._checked[text] = _carries(text, values)
+        return checked
+
+
+def _carries(text: str, values: tuple[bytes, ...]) -> bool:
+    recorded = text[:MAX_RECORDED].encode("utf-8", "replace").lower()
+    end = len(recorded)
+    # A credential that begins in the recorded part, followed as far as it goes.
+    lowered = recorded
+    if len(text) > MAX_RECORDED:
+        longest = max(len(secret) for secret in values)
+        lowered = text[: MAX_RECORDED + longest].encode("utf-8", "replace").lower()
+    piece = end >= MIN_PIECE
+    # Where a credential can begin: its first MIN_SECRET bytes at one of `end` places.
+    starts = {lowered[i : i + MIN_SECRET] for i in range(end)}
+    for secret in values:
+        if secret[:MIN_SECRET] in starts and lowered.find(secret, 0, end + len(secret) - 1) >= 0:
+            return True
+        if piece and len(secret) >= end and secret.find(recorded) >= 0:
+            return True
+    return False
 
 
 def provider_secrets(
@@ -142,8 +171,8 @@ def recorded_tenant(tenant: str, secrets: RequestSecrets | None) -> str:
 
 
 def recordable(secrets: RequestSecrets | None, text: str | None) -> str | None:
-    """`text` when it may be recorded, None when it carries one of the request's
-    credentials (or is None)."""
+    """The part of `text` that may be recorded (its first MAX_RECORDED characters), None
+    when it carries one of the request's credentials (or is None)."""
     if text is None or (secrets is not None and secrets.carried_by(text)):
         return None
-    return text
+    return text[:MAX_RECORDED]
