@@ -183,14 +183,31 @@ class EchoMask:
         longest = 0
         size = len(data)
         for secret in self._secrets:
-            first = secret[:1]
-            position = data.find(first, max(size - len(secret) + 1, 0))
+            start = max(size - len(secret) + 1, 0)
+            # An end of _ANCHOR bytes or more begins with the credential's first _ANCHOR
+            # bytes, which one search finds: a check at every byte equal to its first cost
+            # the square of its length a chunk (a body of `s` against an `sk-...` key).
+            anchor = secret[:_ANCHOR]
+            position = data.find(anchor, start)
             while position >= 0:
                 if secret.startswith(data[position:]):
-                    longest = max(longest, size - position)
                     break  # the earliest start is the longest end
-                position = data.find(first, position + 1)
+                position = data.find(anchor, position + 1)
+            else:
+                # Only an end shorter than the anchor is left: fewer than _ANCHOR places.
+                first = secret[:1]
+                position = data.find(first, max(start, size - len(anchor) + 1))
+                while position >= 0:
+                    if secret.startswith(data[position:]):
+                        break
+                    position = data.find(first, position + 1)
+            if position >= 0:
+                longest = max(longest, size - position)
         return longest
+
+
+# How much of a credential's beginning `EchoMask._partial` searches for at once.
+_ANCHOR = 16
 
 
 def _keys(found: tuple[tuple[str, str] | None, ...], scheme: str) -> list[str]:
