@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import tracemalloc
 
 import pytest
 from aiohttp import web
@@ -110,3 +111,21 @@ def test_tiny_data_lines_of_an_event_too_large_to_parse_cost_no_tail_copy_each()
     assert meter.target.output_tokens == 20000
     # Each trim keeps 64 KiB and drops at least as much: at most one per 64 KiB added.
     assert len(trimmed) <= len(body) // (64 * 1024) + 1, len(trimmed)
+
+
+def test_a_long_sse_line_sent_two_bytes_at_a_time_is_held_in_little_more_than_its_size() -> None:
+    # The pending line is grown in place: kept as the pieces it came in, a line sent two
+    # bytes a read would have held some 20 bytes of memory per byte until its end.
+    line = b"data: " + b"x" * 300_000
+    meter = usage.UsageMeter(Usage())
+    tracemalloc.start()
+    try:
+        for index in range(0, len(line), 2):
+            meter.observe(line[index : index + 2], b"text/event-stream")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    meter.observe(b"\n\ndata: " + USAGE + b"\n\n", b"text/event-stream")
+    meter.finish()
+    assert meter.target.output_tokens == 20000
+    assert peak < 3 * len(line), peak

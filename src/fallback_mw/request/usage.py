@@ -50,6 +50,7 @@ _USAGE_OBJECT = re.compile(rb'"usage(Metadata)?"\s*:\s*\{')
 # SSE ends a line at CRLF, LF or a lone CR (WHATWG HTML, server-sent events), as the
 # SDKs' decoders do.
 _LINE_END = re.compile(rb"\r\n|\r|\n")
+_CR = ord(b"\r")
 
 
 def body_coding(headers: list[tuple[bytes, bytes]]) -> tuple[bytes | None, bytes | None]:
@@ -85,9 +86,8 @@ class UsageMeter:
         self._json: list[bytes] = []
         self._json_size = 0
         self._tail = _Tail()  # the end of a JSON body over json_cap
-        # The pending SSE line, in the pieces it came in (joined once a line end comes).
-        self._line: list[bytes] = []
-        self._line_size = 0
+        # The pending SSE line, grown in place (searched once a line end comes).
+        self._line = bytearray()
         self._event: list[bytes] = []
         self._event_size = 0
         self._event_tail = _Tail()  # the end of an event over json_cap
@@ -155,8 +155,8 @@ class UsageMeter:
                     self._apply_tail(self._tail.read())
             if self.mode == "sse":
                 if self._line:
-                    self._end_line(b"".join(self._line))
-                    self._line = []
+                    self._end_line(bytes(self._line))
+                    self._line.clear()
                 self._dispatch_event()
         except Exception:
             pass
@@ -241,41 +241,39 @@ class UsageMeter:
 
     def _feed_sse(self, chunk: bytes) -> None:
         pending = self._line
-        if (
-            chunk.find(b"\n") < 0
-            and chunk.find(b"\r") < 0
-            and not (pending and pending[-1].endswith(b"\r"))
-        ):
-            # No line ends here: the pending line grows by this piece, joined and searched
-            # once its end comes (not again with every chunk: a long line that came a few
-            # bytes at a time cost the square of its length).
-            pending.append(chunk)
-            self._line_size += len(chunk)
-            if self._line_size > self.json_cap:
+        if not pending:
+            data = chunk
+        elif chunk.find(b"\n") < 0 and chunk.find(b"\r") < 0 and pending[-1] != _CR:
+            # No line ends here: the pending line grows by this chunk, and is searched once
+            # its end comes (not again with every chunk: a long line that came a few bytes
+            # at a time cost the square of its length).
+            pending += chunk
+            if len(pending) > self.json_cap:
                 self._cut_long_line()
             return
-        data = b"".join((*pending, chunk)) if pending else chunk
+        else:
+            pending += chunk
+            data = bytes(pending)
         # A CR at the end may be the first half of a CRLF: kept until the next chunk.
         cut = len(data) - 1 if data.endswith(b"\r") else len(data)
         lines = _LINE_END.split(data[:cut])
-        rest = lines.pop() + data[cut:]
-        self._line = [rest] if rest else []
-        self._line_size = len(rest)
+        pending.clear()
+        pending += lines.pop()
+        pending += data[cut:]
         for line in lines:
             if self.mode != "sse":
                 return  # `[DONE]` was read: nothing after it is metered
             self._end_line(line)
-        if self._line_size > self.json_cap:
+        if len(pending) > self.json_cap:
             self._cut_long_line()
 
     def _cut_long_line(self) -> None:
         """A line too long to keep whole (the Responses API's `response.completed` carries
         the whole response, echoed `instructions` included): its tail only."""
-        line = b"".join(self._line)
+        line = self._line
         if not self._long_line:
             self._long_line, self._long_data = True, line.startswith(b"data:")
-        line = line[-_TAIL:]
-        self._line, self._line_size = [line], len(line)
+        del line[:-_TAIL]
 
     def _end_line(self, line: bytes) -> None:
         if self._long_line:  # the end of a line kept by its tail
