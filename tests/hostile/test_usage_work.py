@@ -129,3 +129,36 @@ def test_a_long_sse_line_sent_two_bytes_at_a_time_is_held_in_little_more_than_it
     meter.finish()
     assert meter.target.output_tokens == 20000
     assert peak < 3 * len(line), peak
+
+
+class CountingField(bytes):
+    """A field value that counts the bytes made by concatenating it."""
+
+    made = 0
+
+    def __add__(self, other: bytes) -> bytes:  # type: ignore[override]
+        joined = bytes(self) + other
+        CountingField.made += len(joined)
+        return joined
+
+    def __radd__(self, other: bytes) -> bytes:
+        joined = other + bytes(self)
+        CountingField.made += len(joined)
+        return joined
+
+
+def test_many_content_encoding_fields_are_joined_once() -> None:
+    # Several Content-Encoding fields are one list (RFC 9110 §5.3): each was appended to
+    # the list so far, the square of their number (a caller's 10,000 fields, which
+    # max_header_count allows, on the estimate's path). Joined once, as they were read.
+    fields = [(b"content-encoding", CountingField(b"identity"))] * 5000
+    CountingField.made = 0
+    content_type, coding = usage.body_coding([(b"content-type", b"text/plain"), *fields])
+    assert content_type == b"text/plain"
+    assert coding == b",".join([b"identity"] * 5000)
+    assert CountingField.made <= len(coding), CountingField.made
+    assert usage.body_coding([(b"Content-Encoding", b"gzip")]) == (None, b"gzip")
+    assert usage.body_coding([(b"content-encoding", b"gzip"), (b"content-encoding", b"br")]) == (
+        None,
+        b"gzip,br",
+    )

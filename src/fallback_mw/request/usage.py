@@ -57,15 +57,19 @@ def body_coding(headers: list[tuple[bytes, bytes]]) -> tuple[bytes | None, bytes
     """A response's `Content-Type` and `Content-Encoding`, as `UsageMeter.observe` reads
     them. Several `Content-Encoding` fields are one list (RFC 9110 §5.3): joined whole."""
     content_type = content_encoding = None
+    more: list[bytes] | None = None  # the fields after the first, joined once at the end
     for key, value in headers:
         lower = key.lower()
         if lower == b"content-type":
             content_type = value
         elif lower == b"content-encoding":
-            content_encoding = (
-                value if content_encoding is None else content_encoding + b"," + value
-            )
-    return content_type, content_encoding
+            if content_encoding is None:
+                content_encoding = value
+            elif more is None:
+                more = [content_encoding, value]
+            else:
+                more.append(value)  # not joined each time: thousands of fields, a square
+    return content_type, content_encoding if more is None else b",".join(more)
 
 
 class UsageMeter:
