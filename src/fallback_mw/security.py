@@ -151,12 +151,17 @@ _TCHAR = frozenset(b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefgh
 _VALUE_CTL = frozenset(range(0x20)) - {0x09} | {0x7F}
 
 
-@lru_cache(maxsize=256)
-def is_field_name(name: str) -> bool:
-    """An HTTP field name (RFC 9110 §5.1: a token), as a configured header name must be.
-    Cached: on the attempt path (upstream.base.check_request_headers) the same few names
-    come every request, and a hit costs a third of the check."""
+def is_token(name: str) -> bool:
+    """An HTTP field name (RFC 9110 §5.1: a token), as a configured header name must be."""
     return bool(name) and name.isascii() and _TCHAR.issuperset(name.encode("ascii"))
+
+
+# `is_token`, cached: on the attempt path (upstream.base.check_request_headers) the same
+# few names come every request, and a hit costs a third of the check. A caller's names
+# reach it too: one longer than MAX_CACHED is checked uncached, or 256 names of a 64 KB
+# head each were kept for good (16 MB; 256 times max_header_bytes).
+is_field_name = lru_cache(maxsize=256)(is_token)
+MAX_CACHED = 256
 
 
 def request_header_problem(name: bytes, value: bytes) -> str | None:
@@ -351,7 +356,11 @@ def forwardable_request_headers(
     )
     for index, (name, value) in enumerate(kept):
         if name == b"accept-encoding":
-            kept[index] = (name, readable_accept_encoding(value))
+            # A caller's value of any length is not kept in the cache (`is_field_name`).
+            if len(value) <= MAX_CACHED:
+                kept[index] = (name, readable_accept_encoding(value))
+            else:
+                kept[index] = (name, readable_codings(value))
         elif query_keys and value.find(b"?") >= 0:
             kept[index] = (name, strip_url_query_keys(value, query_keys))
     return kept
@@ -381,8 +390,7 @@ def strip_url_query_keys(value: bytes, keys: frozenset[bytes]) -> bytes:
 READABLE_CODINGS = frozenset({b"gzip", b"x-gzip", b"deflate"})
 
 
-@lru_cache(maxsize=64)
-def readable_accept_encoding(value: bytes) -> bytes:
+def readable_codings(value: bytes) -> bytes:
     """The caller's `Accept-Encoding` less the codings the usage meter cannot read (`br`,
     `zstd`, `*`...): an answer in one of those would hide its usage from the budget and
     be settled at the hold. `identity` when nothing readable is left."""
@@ -392,6 +400,9 @@ def readable_accept_encoding(value: bytes) -> bytes:
         if item.split(b";", 1)[0].strip().lower() in READABLE_CODINGS
     ]
     return b", ".join(kept) or b"identity"
+
+
+readable_accept_encoding = lru_cache(maxsize=64)(readable_codings)
 
 
 @lru_cache(maxsize=64)

@@ -186,3 +186,39 @@ def test_the_header_check_is_the_rule_for_any_bytes(name: bytes, value: bytes) -
 def test_the_query_check_is_the_rule_for_any_bytes(query: bytes) -> None:
     refused = any(byte <= 0x20 or byte in (0x7F, 0x23) for byte in query)
     assert (query_problem(query) is not None) == refused, query
+
+
+async def test_a_callers_long_field_names_and_accept_encoding_are_not_kept() -> None:
+    # The field-name check and the Accept-Encoding narrowing keep their answers in small
+    # caches (256 and 64 entries), which a caller's own names and values reached: each
+    # distinct long one was kept for good, 256 times the largest head the gateway takes
+    # (16 MB at the default max_header_bytes, 4 GB at its largest). A long one is now
+    # computed each time and kept nowhere.
+    import gc
+    import tracemalloc
+
+    async with upstream(status_handler(200)) as primary:
+        gateway = Gateway(host_app, config=config(primary.url, "aiohttp"))
+        try:
+            await call(gateway, [])
+            gc.collect()
+            tracemalloc.start()
+            try:
+                for index in range(300):
+                    name = b"x-%d-" % index + b"n" * 7000
+                    coding = b"gzip, " + b"br, " * 1500 + b"%d" % index
+                    await call(gateway, [(name, b"v"), (b"accept-encoding", coding)])
+                gc.collect()
+                # What the gateway's own code made and still holds (not the test upstream's
+                # record of what it received).
+                ours = tracemalloc.Filter(True, "*/fallback_mw/*")
+                snapshot = tracemalloc.take_snapshot().filter_traces([ours])
+                kept = sum(stat.size for stat in snapshot.statistics("filename"))
+            finally:
+                tracemalloc.stop()
+        finally:
+            await gateway.aclose()
+    assert primary.count == 301
+    sent = dict(primary.received[-1].headers)
+    assert sent["accept-encoding"] == "gzip"  # still narrowed to what the meter reads
+    assert kept < 1_000_000, kept

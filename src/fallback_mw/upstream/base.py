@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from fallback_mw.security import is_field_name
+from fallback_mw.security import MAX_CACHED, is_field_name, is_token
 from fallback_mw.timers import Deadline
 
 # "local": the client library refused to build or send the request (a header value, a
@@ -74,7 +74,9 @@ def check_request_headers(headers: Sequence[tuple[str, str]]) -> None:
     be a bare 500). Caller headers were held to the same rule before the walk
     (security.request_header_problem): this is defence in depth."""
     for name, value in headers:
-        if not is_field_name(name) or _FORBIDDEN_IN_VALUE.search(value):
+        # A caller's long name is checked uncached (`security.MAX_CACHED`).
+        token = is_field_name(name) if len(name) <= MAX_CACHED else is_token(name)
+        if not token or _FORBIDDEN_IN_VALUE.search(value):
             raise UpstreamError("local", "connect", "invalid request header")
 
 
