@@ -162,3 +162,24 @@ def test_many_content_encoding_fields_are_joined_once() -> None:
         None,
         b"gzip,br",
     )
+
+
+def test_an_event_of_many_tiny_data_lines_is_held_in_about_its_size() -> None:
+    # An event's data lines were kept in a list until its end, some 40 bytes each: 4 MB
+    # of `data: ab` lines without a blank line held 19 MB (the event stops growing at
+    # json_cap of data, 22 MB), and lines of `data:` alone counted nothing towards it.
+    # They are joined as they come, as the SDKs join them.
+    body = b"data: ab\n" * 450_000 + b"\n" + b"data:\n" * 700_000
+    meter = usage.UsageMeter(Usage())
+    tracemalloc.start()
+    try:
+        for start in range(0, len(body), 16384):
+            meter.observe(body[start : start + 16384], b"text/event-stream")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2_500_000, peak
+    # An event's lines are still read as one document, joined with "\n".
+    meter.observe(b'\n\ndata: {"model": "gpt-test",\ndata: ' + USAGE[1:] + b"\n\n", None)
+    meter.finish()
+    assert meter.target.output_tokens == 20000
