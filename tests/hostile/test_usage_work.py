@@ -183,3 +183,20 @@ def test_an_event_of_many_tiny_data_lines_is_held_in_about_its_size() -> None:
     meter.observe(b'\n\ndata: {"model": "gpt-test",\ndata: ' + USAGE[1:] + b"\n\n", None)
     meter.finish()
     assert meter.target.output_tokens == 20000
+
+
+def test_a_json_answer_read_two_bytes_at_a_time_is_held_in_about_its_size() -> None:
+    # A JSON answer is kept until it ends (to be parsed whole, up to json_cap): kept as
+    # the list of chunks it came in, a 1 MB answer read two bytes a read held 22 MB.
+    body = b'{"x":"' + b"a" * 1_000_000 + b'",' + USAGE[1:]
+    meter = usage.UsageMeter(Usage())
+    tracemalloc.start()
+    try:
+        for start in range(0, len(body), 2):
+            meter.observe(body[start : start + 2], b"application/json")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    meter.finish()
+    assert meter.target.output_tokens == 20000
+    assert peak < 3 * len(body), peak

@@ -87,7 +87,11 @@ class UsageMeter:
         self._head = b""  # the body's first bytes while they cannot decide yet
         self._decoder: BodyDecoder | None = None  # for a gzip / deflate body
         self.decoded = 0  # bytes it produced
-        self._json: list[bytes] = []
+        # A JSON body up to json_cap: its first chunk, and from a second one on all of them
+        # in one buffer (a list of the chunks held some 40 bytes a chunk: 22 MB for a 1 MB
+        # answer read two bytes at a time).
+        self._json_first: bytes | None = None
+        self._json = bytearray()
         self._json_size = 0
         self._tail = _Tail()  # the end of a JSON body over json_cap
         # The pending SSE line, grown in place (searched once a line end comes).
@@ -148,8 +152,8 @@ class UsageMeter:
                 elif self.mode == "json":
                     self._feed_json(head)
             if self.mode == "json":
-                if self._json is not None and self._json_size <= self.json_cap:
-                    data = b"".join(self._json)
+                if self._json_size <= self.json_cap:
+                    data = bytes(self._json) if self._json else self._json_first or b""
                     document = _loads(data)
                     if document is None and data.find(b"data:") >= 0:
                         # Not one JSON document but an event stream labelled as JSON:
@@ -170,7 +174,8 @@ class UsageMeter:
                 self._dispatch_event()
         except Exception:
             pass
-        self._json = []
+        self._json_first = None
+        self._json.clear()
 
     def _decode(self, decoder: BodyDecoder, chunk: bytes) -> bytes:
         room = self.MAX_DECODED - self.decoded
@@ -210,12 +215,18 @@ class UsageMeter:
 
     def _feed_json(self, chunk: bytes) -> None:
         if self._json_size <= self.json_cap:
-            self._json.append(chunk)
             self._json_size += len(chunk)
+            first = self._json_first
+            if first is None:
+                first = self._json_first = chunk
+            else:
+                if not self._json:
+                    self._json += first
+                self._json += chunk
             if self._json_size > self.json_cap:
-                joined = b"".join(self._json)
-                self._json = []
-                self._tail.add(joined)
+                self._tail.add(self._json or first)
+                self._json_first = None
+                self._json.clear()
             return
         self._tail.add(chunk)
 
@@ -447,7 +458,7 @@ class _Tail:
     def __init__(self) -> None:
         self._buffer = bytearray()
 
-    def add(self, data: bytes) -> None:
+    def add(self, data: bytes | bytearray) -> None:
         buffer = self._buffer
         buffer += data
         if len(buffer) > 2 * _TAIL:
