@@ -224,3 +224,44 @@ async def test_a_buffered_body_over_1mib_is_sent_without_a_warning(engine: str) 
     assert response.status_code == 200
     assert response.headers["x-gateway-attempts"] == "2"
     assert received == [("/a/v1/chat", body), ("/b/v1/chat", body)]
+
+
+async def test_a_body_sent_two_bytes_a_message_is_held_in_about_its_size() -> None:
+    # A caller's body is kept until it ends (to be replayed, estimated, sent): kept as the
+    # list of the messages it came in, a body sent two bytes a read (each read one ASGI
+    # message) held some 40 bytes a message, 20 times its size (up to max_request_body).
+    import tracemalloc
+
+    from tests.helpers import http_scope
+
+    body = json.dumps({"model": "m", "x": "a" * 300_000}).encode()
+    pieces = [body[i : i + 2] for i in range(0, len(body), 2)]
+    sent: list[dict[str, Any]] = []
+    position = 0
+
+    async def receive() -> dict[str, Any]:
+        nonlocal position
+        if position == len(pieces):
+            await anyio.sleep_forever()
+        position += 1
+        more = position < len(pieces)
+        return {"type": "http.request", "body": pieces[position - 1], "more_body": more}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async with upstream(status_handler(200)) as primary:
+        gateway = Gateway(host_app, config=config(primary.url), environ={"FMW_T_KEY": "k" * 20})
+        try:
+            scope = http_scope("POST", "/v1/chat", headers=[(b"transfer-encoding", b"chunked")])
+            tracemalloc.start()
+            try:
+                await gateway(scope, receive, send)
+                _, peak = tracemalloc.get_traced_memory()
+            finally:
+                tracemalloc.stop()
+        finally:
+            await gateway.aclose()
+    assert sent[0]["status"] == 200
+    assert primary.received[0].body == body
+    assert peak < 8 * len(body), peak
