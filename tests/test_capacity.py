@@ -4,6 +4,7 @@ sockets, the whole Gateway, telemetry from the SDK's in-memory readers."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -23,6 +24,7 @@ from fallback_mw import Gateway
 from fallback_mw.health.memory import MemoryHealth
 from fallback_mw.request.types import Message
 from fallback_mw.telemetry import Telemetry
+from fallback_mw.tokens import estimate_tokens
 from tests.helpers import client_for, free_port, http_scope, serve_process, wait_listening
 from tests.upstreams import host_app, status_handler, upstream
 
@@ -682,3 +684,47 @@ async def test_a_repeat_the_deadline_cut_in_its_backoff_gives_back_its_rpm_count
             await gateway.aclose()
     assert after.headers["x-gateway-attempts"] == "1", after.headers  # its repeat: no room
     assert only.count == 2
+
+
+async def test_a_hedged_answer_replaces_its_own_token_estimate() -> None:
+    """A slow first attempt hedged: the hedge waited for the upstream's one connection
+    (the first attempt held it), the first attempt answered with its usage, and the hedge
+    ended unsent, giving back its own count. The usage went to the request's latest
+    count, the hedge's, already given back: the served attempt's estimate (its max_tokens)
+    stayed in the upstream's tpm for the minute instead of the 10 tokens it used, and the
+    upstream was skipped for `capacity` with room left."""
+    first = asyncio.Event()
+
+    async def answers(request: web.Request) -> web.StreamResponse:
+        if not first.is_set():
+            first.set()
+            await asyncio.sleep(0.1)  # past hedge_after_ms: the hedge starts and waits
+        usage = {"prompt_tokens": 4, "completion_tokens": 6}
+        return web.json_response({"model": "m", "usage": usage})
+
+    body = json.dumps({"model": "m", "max_tokens": 400, "messages": []}).encode()
+    estimate = estimate_tokens(len(body), json.loads(body))
+    # Room for a request and its hedge (2 estimates), and for two more requests after
+    # one that used 10 tokens; not for them after one whose estimate stayed.
+    tpm = 2 * estimate + 5
+    async with upstream(answers) as only:
+        conf = {
+            "upstreams": {"only": {"url": only.url, "tpm": tpm, "max_connections": 1}},
+            "routes": [
+                {"id": "plain", "prefix": "/plain/", "plan": ["only"],
+                 "replayable_methods": ["POST"]},
+                {"id": "hedged", "prefix": "/v1/", "plan": ["only"], "retries": 1,
+                 "hedge_after_ms": 20, "replayable_methods": ["POST"]},
+            ],
+        }  # fmt: skip
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                hedged = await client.post("/v1/chat", content=body)
+                after = [(await client.post("/plain/chat", content=body)) for _ in range(2)]
+        finally:
+            await gateway.aclose()
+    assert hedged.status_code == 200
+    assert hedged.headers["x-gateway-attempts"] == "2"  # the hedge started, never sent
+    assert [r.status_code for r in after] == [200, 200], [r.headers for r in after]
+    assert only.count == 3

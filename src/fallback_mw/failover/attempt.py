@@ -542,13 +542,19 @@ class AttemptLifecycle:
         if reservation is not None and reservation.counted:
             await self.capacity.settle(reservation, 0)
 
-    async def settle_tokens(self, name: str, status: int | None) -> None:
+    async def settle_tokens(
+        self, name: str, status: int | None, record: AttemptRecord | None = None
+    ) -> None:
         """The usage the upstream reported (metered as the response went to the client)
-        replaces the estimate counted against its `tpm`. An error answer (`status` 400 and
-        up) that reports none generated nothing: its estimate is given back, or a caller
-        asking for an output limit the upstream refuses held the minute's tpm from
-        everyone."""
-        reservation = self.reservations.get(name)
+        replaces the estimate counted against its `tpm`: the estimate of the attempt that
+        answered (`record`, when known; else the latest at `name`). An error answer
+        (`status` 400 and up) that reports none generated nothing: its estimate is given
+        back, or a caller asking for an output limit the upstream refuses held the
+        minute's tpm from everyone."""
+        if record is not None:  # none left: given back already (it reached no upstream)
+            reservation = self._reserved.get(id(record))
+        else:
+            reservation = self.reservations.get(name)
         tokens = reported_tokens(self.context.usage)
         if tokens is None and (status or 0) >= 400:
             tokens = 0

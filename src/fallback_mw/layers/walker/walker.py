@@ -379,7 +379,7 @@ class _Walk:
                 self._aborted(failed, served)
             if record is not None:  # its decision as it stands now (the relay may change it)
                 self.walker.telemetry.attempt_decided(self.context, record)
-            await self._served(chosen)
+            await self._served(chosen, served)
             return True
         if response is not None:
             await response.aclose()
@@ -394,10 +394,11 @@ class _Walk:
             )  # fmt: skip
         return True
 
-    async def _served(self, chosen: str) -> None:
-        """After the relay of `chosen`'s response ended: its reported tokens replace the
-        estimate counted against its tpm, and a served request is copied to the shadow."""
-        await self.attempts.settle_tokens(chosen, self.context.status)
+    async def _served(self, chosen: str, record: AttemptRecord | None = None) -> None:
+        """After the relay of `chosen`'s response ended (the attempt `record`, when known):
+        its reported tokens replace the estimate counted against its tpm, and a served
+        request is copied to the shadow."""
+        await self.attempts.settle_tokens(chosen, self.context.status, record)
         shadow = should_shadow(self.context, self.body, self.walker.settings.canary_salt)
         if shadow is not None:  # the client's response is sent: a copy cannot touch it
             self.walker.shadows.start(shadow, self.context, self.body, self.parsed)
