@@ -516,3 +516,62 @@ async def test_a_stored_budget_this_version_cannot_read_fails_closed_not_a_bare_
                 assert served.status_code == 200, served.text
         finally:
             await gateway.aclose()
+
+
+async def test_money_in_the_config_file_is_read_as_written(
+    tmp_path: Path, ledger_store: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A TOML float read through a binary float lost digits: `limit = 12345678.123456789`
+    was kept as 12345678.12345679, a price of 0.12345678901234567891 per million tokens as
+    0.12345678901234568 (10**15 output tokens charged 123456789.012345680, not
+    123456789.012345679), and a limit with ten decimals, which is refused, was taken as a
+    rounded one."""
+    async with upstream(
+        json_handler(
+            {"model": "gpt-test", "usage": {"prompt_tokens": 0, "completion_tokens": 10**15}}
+        )
+    ) as primary:
+        config = tmp_path / "gateway.toml"
+        config.write_text(
+            f"""
+[gateway]
+store = "{ledger_store}"
+
+[upstreams.primary]
+url = "{primary.url}"
+
+[[routes]]
+id = "chat"
+prefix = "/v1/"
+plan = ["primary"]
+budget = "acme"
+
+[budgets.acme]
+limit = 12345678.123456789
+window = "month"
+default_hold = 0.000000001
+
+[prices."gpt-test"]
+input_per_mtok = 0.0
+output_per_mtok = 0.12345678901234567891
+"""
+        )
+        gateway = Gateway(host_app, config=str(config))
+        try:
+            async with client_for(gateway) as client:
+                response = await client.post("/v1/chat", content=b'{"model": "gpt-test"}')
+                assert response.status_code == 200, response.text
+        finally:
+            await gateway.aclose()
+    capsys.readouterr()
+    assert await anyio.to_thread.run_sync(main, ["budgets", "show", "--config", str(config)]) == 0
+    (row,) = [line.split() for line in capsys.readouterr().out.splitlines() if line[:4] == "acme"]
+    assert row[3:6] == ["12345678.123456789", "123456789.012345679", "0.00"], row
+    assert await anyio.to_thread.run_sync(main, ["usage", "--config", str(config), "--json"]) == 0
+    (record,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert record["charged"] == "123456789.012345679", record
+
+    text = config.read_text().replace("12345678.123456789", "99999999.9999999999")
+    config.write_text(text)
+    assert await anyio.to_thread.run_sync(main, ["check", "--config", str(config)]) == 2
+    assert "budgets.acme.limit" in capsys.readouterr().err

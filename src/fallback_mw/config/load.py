@@ -20,7 +20,7 @@ from pydantic import (
 
 from fallback_mw import extras, rules
 from fallback_mw.config.describe import _describe
-from fallback_mw.config.model import GatewayConfig
+from fallback_mw.config.model import GatewayConfig, WrittenFloat
 from fallback_mw.rules import ConfigError
 from fallback_mw.store_url import is_redis_url
 
@@ -217,7 +217,8 @@ def read_config_file(path: Path) -> dict[str, Any]:
     # tomllib's "Invalid statement (at line 1, column 1)" would point at nothing visible.
     text = text.removeprefix("\ufeff")
     try:
-        return tomllib.loads(text)
+        # Floats keep their written digits: money fields read them exactly (model.py).
+        return tomllib.loads(text, parse_float=WrittenFloat)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{name} is not valid TOML: {exc}") from None
     except RecursionError:

@@ -68,6 +68,25 @@ def _scalar_kinds(annotation: Any) -> frozenset[str]:
     return frozenset(kinds)
 
 
+class WrittenFloat(float):
+    """A TOML float that keeps the digits the file wrote (`read_config_file`'s
+    `parse_float`): money is Decimal, and `limit = 12345678.123456789` read through a binary
+    float was kept as 12345678.12345679, `99999999.9999999999` (ten decimals, refused) as
+    100000000, a price's 20th decimal dropped. Every other float field takes it as a float."""
+
+    written: str
+
+    def __new__(cls, written: str) -> WrittenFloat:
+        number = super().__new__(cls, written)
+        number.written = written
+        return number
+
+
+def _as_written(value: Any) -> Any:
+    """A money field's TOML float as the Decimal of its written digits."""
+    return Decimal(value.written) if isinstance(value, WrittenFloat) else value
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -650,6 +669,8 @@ class BudgetConfig(_Strict):
     window: Literal["day", "month", "total"] = "month"
     default_hold: Decimal = Field(Decimal("0.01"), ge=0, le=MAX_MONEY)
 
+    _written = field_validator("limit", "default_hold", mode="before")(_as_written)
+
     @field_validator("limit", "default_hold")
     @classmethod
     def _whole_nano_units(cls, value: Decimal) -> Decimal:
@@ -663,6 +684,8 @@ class BudgetConfig(_Strict):
 class PriceConfig(_Strict):
     input_per_mtok: Decimal = Field(ge=0, le=MAX_MONEY)
     output_per_mtok: Decimal = Field(ge=0, le=MAX_MONEY)
+
+    _written = field_validator("input_per_mtok", "output_per_mtok", mode="before")(_as_written)
 
 
 class GatewayConfig(_Strict):
