@@ -575,3 +575,49 @@ output_per_mtok = 0.12345678901234567891
     config.write_text(text)
     assert await anyio.to_thread.run_sync(main, ["check", "--config", str(config)]) == 2
     assert "budgets.acme.limit" in capsys.readouterr().err
+
+
+@pytest.fixture(params=["memory", "sqlite", "postgresql"])
+def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> str | None:
+    """No store (the in-memory ledger), a SQLite file, a fresh PostgreSQL."""
+    if request.param == "memory":
+        return None
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'ledger.db'}"
+    url: str = request.getfixturevalue("pg_url")
+    return url
+
+
+async def test_the_records_charges_add_up_to_the_spend_on_every_ledger(
+    any_store: str | None,
+) -> None:
+    """Costs that fall between two nano-units: each settlement is rounded up to one, and so
+    is each usage record's `cost` and `charged` on SQLite and PostgreSQL; the in-memory
+    ledger kept the records' amounts as they came (1.3824e-11), so their sum was not the
+    spend it reported (5 nano-units over 5 requests)."""
+    store = any_store
+    usage = {"prompt_tokens": 123, "completion_tokens": 4567}
+    async with upstream(json_handler({"model": "tiny", "usage": usage})) as primary:
+        config = gateway_config({"primary": primary.url}, store=store)
+        config["prices"] = {"tiny": {"input_per_mtok": "0.000000001", "output_per_mtok": "3e-9"}}
+        gateway = Gateway(host_app, config=config)
+        try:
+            async with client_for(gateway) as client:
+                for _ in range(5):
+                    response = await client.post("/v1/chat", content=b'{"model": "tiny"}')
+                    assert response.status_code == 200
+            ledger = gateway.services.ledger
+            assert ledger is not None
+            records = await ledger.usage(route="chat")
+            assert [(r.cost, r.charged) for r in records] == [(Decimal("1e-9"),) * 2] * 5
+            spent, held = await status_of(gateway)
+            assert (
+                (spent, held)
+                == (sum(r.charged or 0 for r in records), 0)
+                == (
+                    Decimal("5e-9"),
+                    0,
+                )
+            )
+        finally:
+            await gateway.aclose()

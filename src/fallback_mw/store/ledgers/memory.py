@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections import deque
+from dataclasses import replace
 from datetime import datetime
 from decimal import Decimal
 
@@ -24,6 +25,10 @@ from fallback_mw.budget.ledger import (
 from fallback_mw.config import BudgetConfig
 
 USAGE_KEPT = 10_000  # the newest usage records; memory must stay bounded
+
+
+def _in_units(amount: Decimal | None) -> Decimal | None:
+    return None if amount is None else from_units(to_units(amount))
 
 
 class MemoryLedger:
@@ -66,6 +71,11 @@ class MemoryLedger:
         self._spent[key] = self._spent.get(key, 0) + spent
 
     async def record_usage(self, record: UsageRecord) -> None:
+        # In the budget's own units, as the SQL ledgers store them: a cost of 1.4e-11 was
+        # kept as it came while the settlement charged 1e-9, so the records' charges did
+        # not add up to the spend `status` reports.
+        if record.cost is not None or record.charged is not None:
+            record = replace(record, cost=_in_units(record.cost), charged=_in_units(record.charged))
         self._usage.append(record)
 
     async def stored_budget(self, budget_id: str) -> BudgetConfig | None:
