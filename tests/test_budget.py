@@ -468,3 +468,44 @@ async def test_a_gateway_clock_ahead_does_not_settle_live_holds_on_postgres(
             await skewed.aclose()
     finally:
         await holder.aclose()
+
+
+@pytest.mark.anyio
+async def test_gateways_with_skewed_clocks_share_one_window_on_postgres(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The window a hold falls in was the gateway host's calendar day: with one of several
+    gateway machines a day ahead (NTP broken, a VM restored with a wrong clock), its holds
+    went to tomorrow's window, so together the gateways held twice the daily limit in one
+    day, and `budgets show` on that host showed another day. On PostgreSQL, shared by every
+    process, the window is the database's day."""
+    import datetime as real_datetime
+
+    from fallback_mw.budget import ledger as budget_ledger
+
+    class Ahead(real_datetime.datetime):
+        @classmethod
+        def now(cls, tz: real_datetime.tzinfo | None = None) -> Ahead:  # type: ignore[override]
+            return super().now(tz) + real_datetime.timedelta(days=1)  # type: ignore[return-value]
+
+    daily = BudgetConfig(limit=Decimal("1"), window="day")
+    right = open_ledger(pg_url)
+    try:
+        assert (await right.hold("acme", daily, Decimal("0.75"))) is not None
+        today = window_start("day")
+        monkeypatch.setattr(budget_ledger, "datetime", Ahead)
+        assert window_start("day") != today  # this host's clock is a day ahead
+        skewed = open_ledger(pg_url)
+        try:
+            assert await skewed.hold("acme", daily, Decimal("0.75")) is None  # no room today
+            hold = await skewed.hold("acme", daily, Decimal("0.25"))
+            assert hold is not None and hold.window_start == today
+            status = await skewed.status("acme", daily)
+            assert (status.window_start, status.held) == (today, Decimal(1))
+            await skewed.settle(hold, Decimal("0.125"))
+        finally:
+            await skewed.aclose()
+        status = await right.status("acme", daily)
+        assert (status.spent, status.held) == (Decimal("0.125"), Decimal("0.75"))
+    finally:
+        await right.aclose()

@@ -38,7 +38,6 @@ from fallback_mw.budget.ledger import (
     rolling_peaks_sql,
     room_needed,
     window_kind,
-    window_start,
 )
 from fallback_mw.config import BudgetConfig
 from fallback_mw.store.ledgers.schema import (
@@ -66,18 +65,36 @@ T = TypeVar("T")
 logger = logging.getLogger("fallback_mw.budget")
 _MIGRATION_LOCK = 0x666D775F6C6467  # pg_advisory_xact_lock key: "fmw_ldg"
 
-_HOLD = """
+
+def _window_of(kind: str) -> str:
+    """The key of the current window of kind `kind` (a placeholder) on the database's clock,
+    as `window_start` makes it: every process sharing the store rolls its windows at the
+    same instant, whatever its host's clock says (one a day ahead held in tomorrow's window,
+    beside today's: twice the daily limit in one day)."""
+    return f"""(CASE {kind}::text WHEN 'total' THEN 'total'
+    WHEN 'day' THEN to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD')
+    ELSE to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM') END)"""
+
+
+# $2 is the window kind; the answer is the hold's window key (NULL: refused).
+_HOLD = f"""
 WITH window_row AS (
     INSERT INTO fmw_budget_windows AS w (budget_id, window_start, spent_units, held_units)
-    VALUES ($1, $2, 0, $3)
+    VALUES ($1, {_window_of("$2")}, 0, $3)
     ON CONFLICT (budget_id, window_start) DO UPDATE
         SET held_units = w.held_units + EXCLUDED.held_units
         WHERE w.spent_units + w.held_units + $6 <= $4
-    RETURNING 1
+    RETURNING w.window_start
 )
 INSERT INTO fmw_budget_holds (hold_id, budget_id, window_start, amount_units, created_at)
-SELECT $5, $1, $2, $3, now() FROM window_row
-RETURNING hold_id
+SELECT $5, $1, window_start, $3, now() FROM window_row
+RETURNING window_start
+"""
+
+_STATUS = f"""
+SELECT period.start, w.spent_units, w.held_units
+FROM (SELECT {_window_of("$2")} AS start) AS period
+LEFT JOIN fmw_budget_windows AS w ON w.budget_id = $1 AND w.window_start = period.start
 """
 
 
@@ -401,7 +418,6 @@ class PostgresLedger(SQLLedgerBase):
     # --- holds --------------------------------------------------------------------------
 
     async def hold(self, budget_id: str, budget: BudgetConfig, amount: Decimal) -> Hold | None:
-        start = window_start(budget.window)
         units = to_units(amount)
         limit = to_units(budget.limit)
         needed = room_needed(units)
@@ -412,7 +428,9 @@ class PostgresLedger(SQLLedgerBase):
         async def work(pool: asyncpg.Pool) -> object:
             if self._reap_due():  # a running ledger settles stale holds too
                 await self._reap(pool)
-            return await pool.fetchval(_HOLD, budget_id, start, units, limit, hold_id, needed)
+            return await pool.fetchval(
+                _HOLD, budget_id, budget.window, units, limit, hold_id, needed
+            )
 
         statement = self._outliving(self._run(work))
         try:
@@ -432,7 +450,7 @@ class PostgresLedger(SQLLedgerBase):
             raise
         if taken is None:
             return None
-        return Hold(hold_id, budget_id, from_units(units), start)
+        return Hold(hold_id, budget_id, from_units(units), str(taken))
 
     def _outliving(self, call: Awaitable[T]) -> asyncio.Task[T]:
         """`call` in a task of its own that a cancelled caller does not cancel (awaited
@@ -659,18 +677,11 @@ class PostgresLedger(SQLLedgerBase):
         return {row[0]: window_kind(row[1]) for row in await self._run(work)}
 
     async def status(self, budget_id: str, budget: BudgetConfig) -> BudgetStatus:
-        start = window_start(budget.window)
+        async def work(pool: asyncpg.Pool) -> tuple[str, int, int]:
+            row = await pool.fetchrow(_STATUS, budget_id, budget.window)
+            return str(row[0]), int(row[1] or 0), int(row[2] or 0)
 
-        async def work(pool: asyncpg.Pool) -> tuple[int, int]:
-            row = await pool.fetchrow(
-                "SELECT spent_units, held_units FROM fmw_budget_windows "
-                "WHERE budget_id = $1 AND window_start = $2",
-                budget_id,
-                start,
-            )
-            return (0, 0) if row is None else (int(row[0]), int(row[1]))
-
-        spent, held = await self._run(work)
+        start, spent, held = await self._run(work)
         return BudgetStatus.of(budget_id, budget, start, spent, held)
 
     async def usage(
