@@ -679,6 +679,7 @@ class PostgresLedger(SQLLedgerBase):
     async def status(self, budget_id: str, budget: BudgetConfig) -> BudgetStatus:
         async def work(pool: asyncpg.Pool) -> tuple[str, int, int]:
             row = await pool.fetchrow(_STATUS, budget_id, budget.window)
+            assert row is not None  # the period row is always there
             return str(row[0]), int(row[1] or 0), int(row[2] or 0)
 
         start, spent, held = await self._run(work)
