@@ -398,3 +398,20 @@ async def test_budgets_show_of_one_budget_reads_past_another_row_it_cannot_read(
     assert "other" in out and "7.00" in out and "acme" not in out
     assert await cli("budgets", "show", "--store", store, "--budget", "acme") == 1
     assert "stored budget 'acme'" in capsys.readouterr().err
+
+
+@pytest.mark.anyio
+async def test_usage_since_an_early_year_finds_the_same_records_on_both_ledgers(
+    ledger_store: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`usage --since 0999-12-31` found every record on PostgreSQL and none on SQLite, whose
+    times are text compared as text: the bound was written "999-12-31...", after "2026-...".
+    A bound whose zone takes it before year 1 was an "unexpected internal error"."""
+    await seed(ledger_store)
+    capsys.readouterr()
+    for since in ("0999-12-31", "0050-06-01T00:00", "0001-01-01", "2000-01-01T00:00Z"):
+        assert await cli("usage", "--store", ledger_store, "--since", since, "--json") == 0
+        found = [json.loads(line)["request_id"] for line in capsys.readouterr().out.splitlines()]
+        assert found == ["r-old", "r-new"], since
+    assert await cli("usage", "--store", ledger_store, "--since", "0001-01-01T00:00+01:00") == 2
+    assert "--since" in capsys.readouterr().err

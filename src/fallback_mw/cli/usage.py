@@ -74,9 +74,11 @@ def parse_since(value: str, now: datetime | None = None) -> datetime:
             seconds = int(match.group(1)) * _SECONDS[match.group(2)]
             return (now or datetime.now(UTC)) - timedelta(seconds=seconds)
         moment = datetime.fromisoformat(value.strip())
+        # In UTC here: a time whose zone takes it past year 1 or 9999 (0001-01-01T00:00+01:00)
+        # was an OverflowError in the ledger's query, an "unexpected internal error".
+        return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
     except (ValueError, OverflowError):
         raise Refused(f"--since {value!r}: use e.g. 1h, 2d or 2026-11-30T12:00") from None
-    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment
 
 
 def usage_json(record: UsageRecord) -> dict[str, Any]:

@@ -102,7 +102,11 @@ def pending_migrations(current: int, dialect: str) -> list[str]:
 
 
 def encode_sqlite_time(moment: datetime) -> str:
-    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    # The year in four digits, as the stored times have it: strftime's %Y wrote 999, so
+    # `usage --since 0999-12-31` compared "999-" with "2026-" as text and found nothing
+    # (PostgreSQL compares instants and found every record).
+    moment = moment.astimezone(UTC)
+    return f"{moment.year:04d}" + moment.strftime("-%m-%dT%H:%M:%S.%fZ")
 
 
 def decode_sqlite_time(text: str) -> datetime:
