@@ -509,3 +509,21 @@ async def test_gateways_with_skewed_clocks_share_one_window_on_postgres(
         assert (status.spent, status.held) == (Decimal("0.125"), Decimal("0.75"))
     finally:
         await right.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_windows_spend_saturates_alike_on_every_ledger(store: str | None) -> None:
+    """docs/budgets.md: a window's `spent` stops growing at 4,000,000,000 (the SQL ledgers'
+    64-bit columns). Five concurrent requests each charged the largest amount took the
+    in-memory ledger to 5,000,000,000, the SQL ledgers to 4,000,000,000."""
+    ledger = open_ledger(store)
+    big = BudgetConfig(limit=Decimal(1_000_000_000), window="total")
+    try:
+        holds = [await ledger.hold("acme", big, Decimal("0.01")) for _ in range(5)]
+        for hold in holds:
+            assert hold is not None
+            await ledger.settle(hold, Decimal(10) ** 40)
+        status = await ledger.status("acme", big)
+        assert (status.spent, status.held) == (Decimal(4_000_000_000), 0)
+    finally:
+        await ledger.aclose()

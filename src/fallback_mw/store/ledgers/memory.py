@@ -9,7 +9,7 @@ from dataclasses import replace
 from datetime import datetime
 from decimal import Decimal
 
-from fallback_mw.budget.cost import from_units, to_units
+from fallback_mw.budget.cost import SPENT_CAP_UNITS, from_units, to_units
 from fallback_mw.budget.ledger import (
     BudgetStatus,
     Hold,
@@ -68,7 +68,8 @@ class MemoryLedger:
         budget_id, start, units = entry
         key = (budget_id, start)
         self._held[key] = self._held.get(key, 0) - units
-        self._spent[key] = self._spent.get(key, 0) + spent
+        # Saturates as the SQL ledgers' 64-bit columns do (docs/budgets.md).
+        self._spent[key] = min(self._spent.get(key, 0) + spent, SPENT_CAP_UNITS)
 
     async def record_usage(self, record: UsageRecord) -> None:
         # In the budget's own units, as the SQL ledgers store them: a cost of 1.4e-11 was
