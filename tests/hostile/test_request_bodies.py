@@ -251,7 +251,11 @@ async def test_a_body_sent_two_bytes_a_message_is_held_in_about_its_size() -> No
         sent.append(message)
 
     async with upstream(status_handler(200)) as primary:
-        gateway = Gateway(host_app, config=config(primary.url), environ={"FMW_T_KEY": "k" * 20})
+        conf = config(primary.url)
+        # 150,000 messages under tracemalloc: the default 5 s walk deadline is not this
+        # test's subject (it ended 504 on a loaded 2-core machine).
+        conf["gateway"]["deadline_ms"] = 120_000
+        gateway = Gateway(host_app, config=conf, environ={"FMW_T_KEY": "k" * 20})
         try:
             scope = http_scope("POST", "/v1/chat", headers=[(b"transfer-encoding", b"chunked")])
             tracemalloc.start()
