@@ -316,7 +316,7 @@ class UsageMeter:
             if value.startswith(b" "):
                 value = value[1:]
             lines = self._event_lines = self._event_lines + 1
-            size = self._event_size = self._event_size + len(value) + (lines > 1)
+            size = self._event_size = self._event_size + len(value)
             if size <= self.json_cap:
                 if lines == 1:
                     self._first = value
