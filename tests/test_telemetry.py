@@ -1399,6 +1399,36 @@ async def test_error_and_skip_series_are_exported_at_zero_before_the_first_one(
     } == {("primary", "breaker_open"): 1, ("backup", "breaker_open"): 1}
 
 
+async def test_the_zero_series_of_many_routes_leave_the_sdk_room_for_real_traffic(
+    recorded: Recorded,
+) -> None:
+    """A platform team with one route per tenant (170 of them, or fewer over a store's
+    reloads: the SDK keeps a removed route's series) saw every served request counted in
+    `gateway_requests_total{otel_metric_overflow="true"}`, no route on it: the 12 local
+    error series each route exports at 0 filled the OpenTelemetry SDK's default limit of
+    2,000 series per instrument. The series exported at 0 stop at half that limit; a
+    request of the last route is counted in its own series."""
+    routes = 170
+    async with upstream(status_handler(200)) as a:
+        config = {
+            "upstreams": {"a": {"url": a.url}},
+            "routes": [{"id": f"t{i}", "prefix": f"/t{i}/", "plan": ["a"]} for i in range(routes)],
+        }
+        gateway = Gateway(host_app, config=config, telemetry=recorded.telemetry)
+        try:
+            async with client_for(gateway) as client:
+                assert (await client.get(f"/t{routes - 1}/x")).status_code == 200
+        finally:
+            await gateway.aclose()
+    points = recorded.points("gateway.requests")
+    assert not [p for p in points if "otel.metric.overflow" in p.attributes]
+    assert len([p for p in points if not p.value]) <= 1000  # half the SDK's 2,000
+    served = [dict(p.attributes) for p in points if p.value]
+    assert [(s["gateway.route.id"], s["gateway.outcome"]) for s in served] == [
+        (f"t{routes - 1}", "served")
+    ]
+
+
 async def test_a_hedged_attempt_that_fails_while_its_twin_runs_carries_no_decision(
     recorded: Recorded,
 ) -> None:

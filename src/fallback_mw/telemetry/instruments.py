@@ -23,6 +23,14 @@ DURATION_BUCKETS = (
 )  # fmt: skip
 
 
+# At most this many series of one counter are exported at 0 (`Instruments.at_zero`): half
+# the OpenTelemetry SDK's default limit of 2,000 series per instrument, past which the SDK
+# counts every new series in one `otel.metric.overflow` series. At 12 `gateway.requests`
+# series a route, 170 routes (loaded at once, or over a store's reloads: the SDK keeps a
+# removed route's series) filled the limit with zeros, and every served request of every
+# route was counted without its route. The series real traffic counts in keep the rest.
+ZERO_SERIES_LIMIT = 1000
+
 _SeriesKey = tuple[int, tuple[tuple[str, AttributeValue], ...]]  # (the counter's id, attributes)
 _Series = tuple[metrics.Counter, dict[str, AttributeValue]]
 
@@ -70,6 +78,9 @@ class Instruments:
         # the first collection: each series once, however many store reloads named it (a
         # gateway reloading for weeks with no SDK ever installed kept every reload's).
         self._zeros: dict[_SeriesKey, _Series] = {}
+        # The series each counter was exported at 0 in (by the counter's id), at most
+        # ZERO_SERIES_LIMIT each: a series named again (a reload) is not one more.
+        self._started: dict[int, set[tuple[tuple[str, AttributeValue], ...]]] = {}
         self.requests = Tally(
             meter.create_counter(
                 "gateway.requests", unit="{request}", description="Routed requests, by outcome"
@@ -192,11 +203,17 @@ class Instruments:
             )
 
     def at_zero(self, counter: metrics.Counter, attributes: dict[str, AttributeValue]) -> None:
+        key = tuple(attributes.items())
+        started = self._started.setdefault(id(counter), set())
+        if key not in started:
+            if len(started) >= ZERO_SERIES_LIMIT:
+                return  # the SDK's room is kept for the series traffic counts in
+            started.add(key)
         counter.add(0, attributes)
         if self.idle():
             # The API's proxy drops what is added before an SDK is installed (a host app may
             # install it after building the gateway): added again at the first collection.
-            self._zeros[(id(counter), tuple(attributes.items()))] = (counter, attributes)
+            self._zeros[(id(counter), key)] = (counter, attributes)
 
     def attempt(self, context: RequestContext, record: AttemptRecord, kind: str | None) -> None:
         if self.idle():
