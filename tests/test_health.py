@@ -691,6 +691,53 @@ async def test_requests_waiting_on_the_old_url_leave_the_new_url_its_connections
 
 
 @pytest.mark.anyio
+async def test_a_store_reload_forgets_the_upstreams_it_removed(tmp_path: Any) -> None:
+    """An SRE's store adds and removes routes for weeks (one per customer job): each
+    removed route's upstreams kept their breaker and capacity windows in every gateway
+    process for its life (~2 KB a name, without bound). A reload keeps only the state of
+    the upstreams its table has; one still served keeps its breaker as it was."""
+    from tests.test_cli_admin import cli, wait_for
+
+    store = f"sqlite:///{tmp_path / 'gateway.db'}"
+    async with upstream(status_handler(503)) as failing:
+        conf = {
+            "gateway": {"store": store, "breaker": {"window": 2, "min_calls": 2}},
+            "upstreams": {"kept": {"url": failing.url, "rpm": 1000}},
+            "routes": [{"id": "kept", "prefix": "/kept/", "plan": ["kept"]}],
+        }
+        async with gateway_client(conf) as (client, gateway):
+            runtime = gateway.services.store
+            health = gateway.services.health
+            capacity = gateway.services.capacity
+            assert runtime is not None
+            assert isinstance(health, MemoryHealth)
+            runtime.poll_interval = 0.05
+            for _ in range(2):
+                assert (await client.get("/kept/x")).status_code == 502
+
+            async def reloaded(*command: str) -> None:
+                reloads = runtime.reloads
+                assert (await cli(*command, "--store", store))[0] == 0
+
+                async def later() -> bool:
+                    return runtime.reloads > reloads
+
+                assert await wait_for(later, True)
+
+            for job in range(3):
+                await reloaded(
+                    "routes", "add", "--id", f"job{job}", "--prefix", f"/job{job}/",
+                    "--upstream", failing.url,
+                )  # fmt: skip
+                for _ in range(2):
+                    assert (await client.get(f"/job{job}/x")).status_code == 502
+                await reloaded("routes", "remove", "--id", f"job{job}")
+            assert set(health._breakers) == {"kept"}
+            assert set(capacity._capacity) <= {"kept"}  # type: ignore[attr-defined]
+            assert health._breakers["kept"].state == "open"  # still served: as it was
+
+
+@pytest.mark.anyio
 async def test_a_probe_cancelled_while_its_capacity_is_counted_frees_its_slot(
     redis_url: str,
 ) -> None:

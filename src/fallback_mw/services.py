@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -170,6 +170,8 @@ def build_services(
         settings.state, settings.repeat_budget, health=health,
         meter_provider=telemetry.meter_provider, series_at_zero=telemetry.series_at_zero,
     )  # fmt: skip
+    if runtime is not None:
+        runtime.on_upstreams_loaded = _keep_only(health, capacity)
     shadows = ShadowTraffic(
         client=client, health=health, capacity=capacity, faults=faults, telemetry=telemetry,
         deadline_ms=settings.deadline_ms, max_response_body=settings.max_response_body,
@@ -185,6 +187,20 @@ def build_services(
         store=runtime,
         shadows=shadows,
     )
+
+
+def _keep_only(*states: object) -> Callable[[Collection[str]], None]:
+    """What a store reload tells the state kept per upstream name (breakers, pools,
+    capacity windows): the names its table still has, so a removed upstream's is not kept
+    for the life of the process. A host's own state without `keep_only` keeps its own."""
+
+    def keep_only(upstreams: Collection[str]) -> None:
+        for state in states:
+            keep = getattr(state, "keep_only", None)
+            if keep is not None:
+                keep(upstreams)
+
+    return keep_only
 
 
 _closing: set[asyncio.Task[None]] = set()

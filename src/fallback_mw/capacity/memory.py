@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from fallback_mw.capacity.model import (
     CAPACITY_WINDOW,
@@ -117,6 +117,13 @@ class MemoryCapacity:
         buckets = capacity.buckets if capacity is not None else ()
         rows = [(second, counts[_REQUESTS], counts[_TOKENS]) for second, counts in buckets]
         return capacity_free_in(rows, int(self.clock()), ask)
+
+    def keep_only(self, upstreams: Collection[str]) -> None:
+        """Forget the windows of every upstream but `upstreams` (a store reload's table):
+        a removed upstream's windows were kept for the life of the process."""
+        for name in [name for name in self._capacity if name not in upstreams]:
+            del self._capacity[name]
+            self._allowance.pop(name, None)
 
     async def aclose(self) -> None:
         return None

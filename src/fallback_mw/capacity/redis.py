@@ -19,6 +19,7 @@ settled and cancelled there too (never in a Redis field it was not counted in)."
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from typing import Any
 
 from fallback_mw.capacity.memory import MemoryCapacity
@@ -265,6 +266,11 @@ class RedisCapacity:
         values = [int(v) for v in result]
         rows = zip(values[1::3], values[2::3], values[3::3], strict=True)
         return capacity_free_in(rows, values[0], ask)
+
+    def keep_only(self, upstreams: Collection[str]) -> None:
+        """This process's own windows forget every upstream but `upstreams`
+        (MemoryCapacity's); the shared keys expire by themselves."""
+        self.local.keep_only(upstreams)
 
     async def aclose(self) -> None:
         if self.owned:

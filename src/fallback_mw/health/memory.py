@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from fallback_mw.config import BreakerConfig
 from fallback_mw.health.breaker import DEFAULT_PROBE_LEASE, Breaker, Transition
@@ -154,6 +154,19 @@ class MemoryHealth:
         found = self._breakers.pop(upstream, None)
         if found is not None and found.state != "closed":
             report_transition(self.on_transition, upstream, "closed")
+
+    def keep_only(self, upstreams: Collection[str]) -> None:
+        """Forget every upstream but `upstreams` (a store reload's table): a route store
+        adding and removing routes for weeks kept each removed upstream's breaker and pool
+        for the life of the process. One added back later starts afresh, as a moved one
+        does (`forget`)."""
+        for name in [name for name in self._breakers if name not in upstreams]:
+            found = self._breakers.pop(name)
+            if found.state != "closed":
+                report_transition(self.on_transition, name, "closed")
+        for kept in (self._pools, self._fault_marks, self.pool_sizes, self.selections):
+            for name in [name for name in kept if name not in upstreams]:
+                del kept[name]
 
     async def fault_marked(self, upstream: str, index: int, fault: str) -> None:
         self._fault_marks.setdefault(upstream, {})[index] = fault

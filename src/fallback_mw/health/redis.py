@@ -27,7 +27,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 from urllib.parse import unquote, urlsplit
 
@@ -860,6 +860,11 @@ class RedisHealth:
                 self._report(upstream, reset or None)
         # The local state served while Redis was unreachable is reset too.
         await self.local.reset_fault(upstream)
+
+    def keep_only(self, upstreams: Collection[str]) -> None:
+        """This process's own copy forgets every upstream but `upstreams` (MemoryHealth's);
+        the shared keys expire by themselves."""
+        self.local.keep_only(upstreams)
 
     async def forget(self, upstream: str, url: str) -> None:
         def convert(result: Any) -> None:

@@ -110,6 +110,9 @@ class StoreRuntime:
         # A reload that points an upstream name at another url (`routes set-fallback`):
         # its breaker, kept for the old url, is forgotten (HealthState.forget).
         self.on_upstream_moved: Callable[[str, str], Awaitable[None]] | None = None
+        # Told the upstream names of each table loaded: the state kept per upstream in this
+        # process forgets the others (MemoryHealth.keep_only, MemoryCapacity.keep_only).
+        self.on_upstreams_loaded: Callable[[Collection[str]], None] | None = None
         # Told the routes of each table loaded after the first (Telemetry.routes_loaded).
         self.on_routes_loaded: Callable[[tuple[RouteConfig, ...]], None] | None = None
         self._urls = {name: u.url for name, u in config.upstreams.items()}
@@ -212,6 +215,8 @@ class StoreRuntime:
                 if self.on_routes_loaded is not None:
                     self.on_routes_loaded(self._current.routes)
                 await self._forget_moved(initial=initial)
+                if self.on_upstreams_loaded is not None:
+                    self.on_upstreams_loaded(frozenset(self._current.upstreams))
                 self.reloads += 1
                 if not initial:
                     logger.info("routes reloaded from the store (%d routes)", len(merged.routes))
