@@ -8,6 +8,7 @@ import asyncio
 import gc
 
 import pytest
+from aiohttp import web
 
 from fallback_mw.upstream import Timeouts, UpstreamRequest
 from fallback_mw.upstream.aiohttp_engine import AiohttpClient
@@ -327,3 +328,51 @@ async def test_an_idle_connection_the_upstream_closed_is_not_reused(pooled: int)
         server.close()
         await server.wait_closed()
     assert accepted == pooled + 1
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("engine", ["aiohttp", "httpx"])
+async def test_the_caps_of_upstreams_gone_are_not_kept(engine: str) -> None:
+    """A route store adding and removing routes for weeks names a new upstream each time
+    (`job1234-primary`): each name's connection cap was kept for the life of the process.
+    Past 256, the caps nobody holds a slot of are dropped (a new one is the same); a cap
+    in use is kept, and still caps its upstream."""
+    client: AiohttpClient | HttpxClient
+    if engine == "aiohttp":
+        client = AiohttpClient(allow_hosts=("127.0.0.1",))
+    else:
+        client = HttpxClient(allow_hosts=("127.0.0.1",))
+    timeouts = Timeouts(connect=1.0, first_byte=30.0, idle=30.0)
+
+    async def fetch(name: str, path: str = "/") -> None:
+        request = UpstreamRequest(
+            "GET", server.url + path, [], b"", timeouts, max_connections=1, pool_key=name
+        )
+        response = await client.send(request)
+        try:
+            async for _ in response.iter_chunks():
+                pass
+        finally:
+            await response.aclose()
+
+    release, arrived = asyncio.Event(), asyncio.Event()
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        if request.path == "/slow":
+            arrived.set()
+            await release.wait()
+        return web.Response(body=b"ok")
+
+    async with upstream(handle) as server:
+        held = asyncio.create_task(fetch("busy", "/slow"))
+        try:
+            await arrived.wait()
+            for job in range(600):
+                await fetch(f"job{job}-primary")
+            caps = client._caps._slots
+            assert len(caps) <= 256
+            assert ("busy", 1) in caps  # its slot is held: kept
+        finally:
+            release.set()
+            await asyncio.gather(held, return_exceptions=True)
+            await client.aclose()

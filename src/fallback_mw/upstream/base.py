@@ -248,6 +248,7 @@ class ConnectionCaps:
 
     def __init__(self) -> None:
         self._slots: dict[tuple[str, int], asyncio.Semaphore] = {}
+        self._sweep_at = CAPS_SWEPT_AT
 
     async def acquire(self, request: UpstreamRequest) -> Release:
         if request.max_connections <= 0:
@@ -256,6 +257,8 @@ class ConnectionCaps:
         key = (request.pool_key or request.url.split("/", 3)[2], request.max_connections)
         slots = self._slots.get(key)
         if slots is None:
+            if len(self._slots) >= self._sweep_at:
+                self._sweep()
             slots = self._slots[key] = asyncio.Semaphore(request.max_connections)
         await slots.acquire()
         request.slot_taken = True
@@ -269,6 +272,19 @@ class ConnectionCaps:
 
         return release
 
+    def _sweep(self) -> None:
+        """Drop the caps nobody holds a slot of or waits for (as good as a new one): each
+        upstream name a store reload removed, or whose `max_connections` it changed, left
+        one behind for the life of the process."""
+        self._slots = {
+            key: slots
+            for key, slots in self._slots.items()
+            if slots._value < key[1] or slots._waiters
+        }
+        self._sweep_at = max(CAPS_SWEPT_AT, 2 * len(self._slots))
+
+
+CAPS_SWEPT_AT = 256  # caps kept before the idle ones are dropped (then twice those left)
 
 Release = Callable[[], None]
 
