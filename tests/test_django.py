@@ -293,6 +293,40 @@ async def test_a_body_an_earlier_middleware_consumed_is_never_forwarded_empty(
 
 
 @pytest.mark.anyio
+async def test_a_debug_error_page_for_a_routed_request_shows_no_caller_credential(
+    closing: None,
+) -> None:
+    # DEBUG = True: Django's error page lists each frame's local variables. It hides the
+    # Authorization header in META, but the bridge's and the gateway's frames held the
+    # ASGI scope, whose headers showed the caller's key as sent (so did any error reporter
+    # that records locals, DEBUG or not).
+    async with upstream(status_handler(200)) as primary, upstream(status_handler(200)) as backup:
+        middleware = [f"{__name__}.ReadsFormFields", "fallback_mw.django.GatewayMiddleware"]
+        config = gateway_config(primary, backup)
+        secrets = {"authorization": f"Bearer {CALLER_KEY}", "x-api-key": CALLER_KEY}
+        with override_settings(
+            DEBUG=True,
+            ALLOWED_HOSTS=["testserver"],
+            MIDDLEWARE=middleware,
+            FALLBACK_MW={"config": config},
+        ):
+            app = ASGIHandler()
+            async with client_for(app) as client:
+                upload = await client.post(
+                    "/v1/files", files={"file": ("a.bin", b"\x00" * 5000)}, headers=secrets
+                )
+                rebound = await client.get(
+                    "/v1/models", headers={**secrets, "host": "evil.example"}
+                )
+    assert (upload.status_code, rebound.status_code) == (500, 400)
+    assert "ImproperlyConfigured" in upload.text and "DisallowedHost" in rebound.text
+    assert "_check_unread" in upload.text  # where it happened is still shown
+    assert CALLER_KEY not in upload.text
+    assert CALLER_KEY not in rebound.text
+    assert primary.count == 0 and backup.count == 0
+
+
+@pytest.mark.anyio
 async def test_repeated_headers_and_cookies_survive_the_bridge(
     django_site: Any, closing: None
 ) -> None:

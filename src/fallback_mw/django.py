@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import traceback
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Container, Mapping
 from dataclasses import dataclass, field
@@ -163,6 +164,18 @@ def _identity_as_django_has_it(
     return kept
 
 
+def _without_locals(error: BaseException) -> BaseException:
+    """The error, and those it was raised from, with the local variables of every frame
+    it went through dropped (frame.clear); file, line and function stay for the report."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        current = current.__cause__ or current.__context__
+    return error
+
+
 def _check_unread(request: HttpRequest) -> None:
     """A routed request's body must still be Django's to read: a middleware listed before
     GatewayMiddleware that read the stream itself (request.POST on a multipart upload, a
@@ -242,8 +255,7 @@ class GatewayMiddleware:
         _live.add(self)
 
     async def __call__(self, request: HttpRequest) -> HttpResponseBase:
-        base_scope = getattr(request, "scope", None)
-        if not isinstance(base_scope, dict):
+        if not isinstance(getattr(request, "scope", None), dict):
             # WSGI (runserver, gunicorn on wsgi.py, django.test.Client): Django's own pages
             # still work; only a request a route would take cannot be forwarded from here.
             if not self._routed(request):
@@ -253,16 +265,43 @@ class GatewayMiddleware:
                 f"to forward {request.path!r}: it is a gateway route's, and this request came "
                 "over WSGI (runserver, wsgi.py, django.test.Client; use AsyncClient in tests)"
             )
-        # ALLOWED_HOSTS, as Django checks it for its own views (CommonMiddleware calls
-        # get_host): a routed request never reached that check, so a Host Django refuses
-        # (a DNS-rebinding page's) was forwarded with the provider's credential. Raises
-        # DisallowedHost, which Django answers 400 and logs on django.security. A request
-        # no route can take is Django's own, which checks the host where it always did.
+        # No local of this frame holds the scope: an error raised through it is shown
+        # by DEBUG's error page (and any reporter of frame locals) with every local, and
+        # the scope's headers carry the caller's credential as sent (Django hides the
+        # Authorization header only in META).
+        self._check_host(request)
+        exchange, task = self._start(request)
+        try:
+            first = await exchange.queue.get()
+        except BaseException:
+            await exchange.client_gone(task)
+            raise
+        if isinstance(first, _End):
+            await task
+            if first.error is not None:
+                # The gateway's frames held the scope too, and bodies and credentials:
+                # the error keeps where it happened, not what those frames held.
+                raise _without_locals(first.error)
+            if exchange.passthrough:
+                return await self.get_response(request)
+            raise RuntimeError("fallback_mw: the gateway returned without a response")
+        return _streaming_response(first, exchange, task, request.scope)
+
+    def _check_host(self, request: HttpRequest) -> None:
+        """ALLOWED_HOSTS, as Django checks it for its own views (CommonMiddleware calls
+        get_host): a routed request never reached that check, so a Host Django refuses
+        (a DNS-rebinding page's) was forwarded with the provider's credential. Raises
+        DisallowedHost, which Django answers 400 and logs on django.security. A request
+        no route can take is Django's own, which checks the host where it always did."""
         try:
             request.get_host()
         except DisallowedHost:
-            if self._may_route(base_scope):
+            if self._may_route(request.scope):
                 raise
+
+    def _start(self, request: HttpRequest) -> tuple[_Exchange, asyncio.Task[None]]:
+        """Start the Gateway on this request; its first message arrives on the queue."""
+        base_scope: Scope = request.scope
         queue: asyncio.Queue[Message | _End] = asyncio.Queue(maxsize=1)
         exchange = _Exchange(request=request, queue=queue)
         scope = {**base_scope, _EXCHANGE_KEY: exchange}
@@ -278,20 +317,7 @@ class GatewayMiddleware:
             else:
                 await exchange.send(_End())
 
-        task = asyncio.create_task(run())
-        try:
-            first = await queue.get()
-        except BaseException:
-            await exchange.client_gone(task)
-            raise
-        if isinstance(first, _End):
-            await task
-            if first.error is not None:
-                raise first.error
-            if exchange.passthrough:
-                return await self.get_response(request)
-            raise RuntimeError("fallback_mw: the gateway returned without a response")
-        return _streaming_response(first, exchange, task, base_scope)
+        return exchange, asyncio.create_task(run())
 
     def _may_route(self, scope: Scope) -> bool:
         """Could a route take this request, whatever its method and tenant? (A route's
