@@ -22,9 +22,11 @@ from typing import Any
 import httpx
 import pytest
 from aiohttp import web
+from anyio import fail_after as anyio_fail_after
 
 from fallback_mw import Gateway
 from fallback_mw.config import BudgetConfig
+from tests.helpers import http_scope
 from tests.upstreams import host_app, serve_asgi, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
@@ -516,3 +518,65 @@ async def test_a_pool_upstreams_429_with_an_unhashable_error_code_is_never_a_500
             await gateway.aclose()
     assert response.status_code == 429, response.text
     assert response.content == body  # the upstream's answer, relayed whole
+
+
+TINY_CHUNKS = 20_000
+
+
+async def tiny_chunks(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Two answers on one kept-alive connection, each in one-byte chunks written at once."""
+    for _ in range(2):
+        await read_head(reader)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n" + b"1\r\nx\r\n" * TINY_CHUNKS + b"0\r\n\r\n"
+        )
+        await writer.drain()
+    await asyncio.sleep(30)  # kept open: nothing more comes
+
+
+async def exchange(gateway: Gateway) -> list[dict[str, Any]]:
+    """One GET straight through the ASGI interface: every message the gateway sent."""
+    messages: list[dict[str, Any]] = []
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if delivered:  # the request went: the caller stays until the end
+            await asyncio.Event().wait()
+        delivered = True
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        messages.append(message)
+
+    await gateway(http_scope("GET", "/v1/x"), receive, send)
+    return messages
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_an_answer_in_one_byte_chunks_is_relayed_as_it_arrives_not_chunk_by_chunk(
+    engine: str,
+) -> None:
+    # The httpx engine relayed each chunk of a chunked answer on its own (h11 hands each
+    # over as one event): an upstream framing 256 KB in one-byte chunks cost 3 s of CPU,
+    # 550 times the same answer in 1 KB chunks. What has arrived is relayed together, as
+    # on aiohttp; the body's end read that way still ends the answer at once, and the
+    # connection serves the next request.
+    async with raw_upstream(tiny_chunks) as (url, accepted):
+        conf = config(url, url, engine)
+        conf["routes"][0]["plan"] = ["hostile"]
+        conf["routes"][0]["retries"] = 0
+        gateway = Gateway(host_app, config=conf)
+        try:
+            for _ in range(2):
+                with anyio_fail_after(10):
+                    messages = await exchange(gateway)
+                bodies = [m for m in messages if m["type"] == "http.response.body"]
+                assert messages[0]["status"] == 200
+                assert b"".join(m["body"] for m in bodies) == b"x" * TINY_CHUNKS
+                assert not bodies[-1].get("more_body")
+                assert len(bodies) < TINY_CHUNKS // 20, len(bodies)
+        finally:
+            await gateway.aclose()
+    assert len(accepted) == 1  # the second answer came on the same connection

@@ -253,6 +253,31 @@ _CHUNK_HEADER = re.compile(h11_abnf.chunk_header.encode("ascii"))
 _CHUNK_SIZE_START = re.compile(rb"[0-9A-Fa-f]")
 
 
+def _with_what_has_arrived(state: h11.Connection, chunk: bytes) -> tuple[bytes, bool]:
+    """`chunk` and the body data h11 already holds after it, without waiting for more, and
+    whether the body's end was read with it. h11 hands each chunk of a chunked body over
+    as one event, so an upstream framing its answer in chunks of a byte or two made the
+    relay run once per chunk (a 256 KB answer: 3 s of CPU, 550 times the same answer in
+    1 KB chunks); what has arrived is relayed together, as the aiohttp engine does.
+    Nothing past the body's end is read, and a body that breaks its framing is left to
+    httpcore, which reads the same error next."""
+    parts: list[bytes] | None = None
+    ended = False
+    while True:
+        try:
+            event = state.next_event()
+        except h11.RemoteProtocolError:
+            break
+        if type(event) is h11.Data:
+            if parts is None:
+                parts = [chunk]
+            parts.append(bytes(event.data))
+            continue
+        ended = type(event) is h11.EndOfMessage
+        break  # NEED_DATA, or the end: nothing more has arrived
+    return (chunk if parts is None else b"".join(parts)), ended
+
+
 def _past_its_framing(response: httpx.Response, method: str) -> bool:
     """Whether more bytes came with the response head than its framing allows: a body on
     an answer to HEAD, a 204 or a 304, or more than its Content-Length. Such an answer
@@ -309,6 +334,7 @@ class HttpxResponse:
 
     async def iter_chunks(self) -> AsyncIterator[bytes]:
         stream = self._response.aiter_raw()
+        state = _h11_state(self._response)
         while True:
             with map_errors("body"), deadline_after(self._idle):
                 try:
@@ -316,8 +342,16 @@ class HttpxResponse:
                 except StopAsyncIteration:
                     self._finished = True
                     return
+            ended = False
+            if state is not None:
+                chunk, ended = _with_what_has_arrived(state, chunk)
             if chunk:
                 yield chunk
+            if ended:
+                # h11 read the body's end here: httpcore is not asked again (it would wait
+                # for more), and the close hands the connection back, as after its own end.
+                self._finished = True
+                return
 
     async def aclose(self) -> None:
         # Shielded: the connection is released even if the caller is being cancelled.
