@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import re
 import socket
+import subprocess
+import sys
 import warnings
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -324,6 +327,58 @@ async def test_a_debug_error_page_for_a_routed_request_shows_no_caller_credentia
     assert CALLER_KEY not in upload.text
     assert CALLER_KEY not in rebound.text
     assert primary.count == 0 and backup.count == 0
+
+
+_LOGGING_PROJECT = """
+import asyncio, os, httpx
+from fallback_mw.django import with_lifespan  # asgi.py as README writes it: first
+from django.conf import settings
+
+settings.configure(
+    SECRET_KEY="x", ALLOWED_HOSTS=["testserver"], ROOT_URLCONF=[], INSTALLED_APPS=[],
+    MIDDLEWARE=["fallback_mw.django.GatewayMiddleware"],
+    FALLBACK_MW={"config": {
+        "gateway": {"allow_hosts": ["127.0.0.1"]},
+        "upstreams": {"primary": {"url": "http://127.0.0.1:" + os.environ["PORT"]}},
+        "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+    }},
+    # A project LOGGING without "disable_existing_loggers": False (dictConfig's default).
+    LOGGING={"version": 1, "handlers": {"err": {"class": "logging.StreamHandler"}},
+             "root": {"handlers": ["err"], "level": "INFO"}},
+)
+from django.core.asgi import get_asgi_application
+application = with_lifespan(get_asgi_application())
+
+async def main():
+    transport = httpx.ASGITransport(app=application)
+    async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as c:
+        print((await c.get("/v1/models")).status_code)
+
+asyncio.run(main())
+"""
+
+
+def test_the_gateway_logs_under_a_django_logging_that_disables_existing_loggers(
+    tmp_path: Path,
+) -> None:
+    # Django applies settings.LOGGING in django.setup(); dictConfig disables every logger
+    # that exists by then unless told not to. asgi.py imports fallback_mw first (README's
+    # with_lifespan), so the gateway's loggers existed and every line of theirs (the
+    # request lines, the outage warnings) went nowhere; imported later, they showed.
+    with socket.socket() as closed:  # a port nothing listens on: the walk fails, logged
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    script = tmp_path / "project.py"
+    script.write_text(_LOGGING_PROJECT)
+    run = subprocess.run(
+        [sys.executable, str(script)],
+        env={**os.environ, "PORT": str(port)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.stdout.strip() == "502", run.stderr
+    assert "gateway request route=chat outcome=upstream_failed" in run.stderr
 
 
 @pytest.mark.anyio
