@@ -382,6 +382,28 @@ def test_the_gateway_logs_under_a_django_logging_that_disables_existing_loggers(
 
 
 @pytest.mark.anyio
+async def test_routes_match_below_django_s_force_script_name(
+    django_site: Any, closing: None
+) -> None:
+    # Django behind a proxy that serves it at /api without stripping it:
+    # FORCE_SCRIPT_NAME = "/api", and Django resolves its urls below it. The gateway routed
+    # on the whole path, so the "/v1/" route took nothing there: /api/v1/models went on to
+    # Django (a 404), and /api/v1/shadowed/ to the project's own view.
+    async with upstream(status_handler(200)) as primary, upstream(status_handler(200)) as backup:
+        app = django_site(gateway_config(primary, backup))
+        with override_settings(FORCE_SCRIPT_NAME="/api"):
+            async with client_for(app) as client:
+                routed = await client.get("/api/v1/models")
+                shadowed = await client.get("/api/v1/shadowed/")
+                own = await client.post("/api/local/", content=b"mine")
+    assert routed.status_code == 200
+    assert routed.headers["x-gateway-route"] == "chat"
+    assert shadowed.headers["x-gateway-route"] == "chat"
+    assert [r.path for r in primary.received] == ["/v1/models", "/v1/shadowed/"]
+    assert own.content == b"django saw: mine"
+
+
+@pytest.mark.anyio
 async def test_repeated_headers_and_cookies_survive_the_bridge(
     django_site: Any, closing: None
 ) -> None:

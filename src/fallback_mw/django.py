@@ -165,6 +165,18 @@ def _identity_as_django_has_it(
     return kept
 
 
+def _mounted_scope(request: HttpRequest) -> Scope:
+    """The request's ASGI scope, mounted where Django mounts the project: Django resolves
+    its urls below its script name, FORCE_SCRIPT_NAME when set (a proxy that serves the
+    project below a path without telling the server), else the server's root_path. The
+    gateway routes on the path below the same point (routing.below_root)."""
+    scope: Scope = request.scope
+    script_name = request.META.get("SCRIPT_NAME") or ""
+    if script_name and script_name != scope.get("root_path", ""):
+        return {**scope, "root_path": script_name}
+    return scope
+
+
 def _enable_gateway_loggers() -> None:
     """Django applies settings.LOGGING in django.setup(), and a dictConfig without
     `"disable_existing_loggers": False` disables every logger that exists by then. The
@@ -310,12 +322,12 @@ class GatewayMiddleware:
         try:
             request.get_host()
         except DisallowedHost:
-            if self._may_route(request.scope):
+            if self._may_route(_mounted_scope(request)):
                 raise
 
     def _start(self, request: HttpRequest) -> tuple[_Exchange, asyncio.Task[None]]:
         """Start the Gateway on this request; its first message arrives on the queue."""
-        base_scope: Scope = request.scope
+        base_scope = _mounted_scope(request)
         queue: asyncio.Queue[Message | _End] = asyncio.Queue(maxsize=1)
         exchange = _Exchange(request=request, queue=queue)
         scope = {**base_scope, _EXCHANGE_KEY: exchange}
