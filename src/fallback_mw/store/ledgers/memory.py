@@ -31,6 +31,16 @@ def _in_units(amount: Decimal | None) -> Decimal | None:
     return None if amount is None else from_units(to_units(amount))
 
 
+def _as_stored(record: UsageRecord) -> UsageRecord:
+    """`record` in the budget's own units, as the SQL ledgers store it: a cost of 1.4e-11
+    was kept as it came while the settlement charged 1e-9, so the records' charges did not
+    add up to the spend `status` reports. Converted when read, not on the request path
+    (a `dataclasses.replace` and two conversions per request, for records rarely read)."""
+    if record.cost is None and record.charged is None:
+        return record
+    return replace(record, cost=_in_units(record.cost), charged=_in_units(record.charged))
+
+
 class MemoryLedger:
     # No call awaits anything: none can be suspended, so none can be cancelled part-way
     # (the budget guard settles without a shield scope).
@@ -72,12 +82,7 @@ class MemoryLedger:
         self._spent[key] = min(self._spent.get(key, 0) + spent, SPENT_CAP_UNITS)
 
     async def record_usage(self, record: UsageRecord) -> None:
-        # In the budget's own units, as the SQL ledgers store them: a cost of 1.4e-11 was
-        # kept as it came while the settlement charged 1e-9, so the records' charges did
-        # not add up to the spend `status` reports.
-        if record.cost is not None or record.charged is not None:
-            record = replace(record, cost=_in_units(record.cost), charged=_in_units(record.charged))
-        self._usage.append(record)
+        self._usage.append(record)  # read back in the budget's units (`_as_stored`)
 
     async def stored_budget(self, budget_id: str) -> BudgetConfig | None:
         return self._budgets.get(budget_id)
@@ -110,7 +115,7 @@ class MemoryLedger:
         limit: int = 1000,
     ) -> list[UsageRecord]:
         found = [
-            r
+            _as_stored(r)
             for r in self._usage
             if (since is None or r.at >= since)
             and (route is None or r.route == route)
@@ -119,10 +124,10 @@ class MemoryLedger:
         return found[-limit:]
 
     async def usage_per_minute(self, *, since: datetime) -> list[MinuteUsage]:
-        return minute_usage([r for r in self._usage if r.at >= since])
+        return minute_usage([_as_stored(r) for r in self._usage if r.at >= since])
 
     async def rolling_peaks(self, *, since: datetime) -> list[RollingPeak]:
-        records = [r for r in self._usage if r.at >= since]
+        records = [_as_stored(r) for r in self._usage if r.at >= since]
         return rolling_peaks(minute_usage(records, per_second=True))
 
     async def aclose(self) -> None:
