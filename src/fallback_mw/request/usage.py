@@ -372,14 +372,17 @@ class UsageMeter:
             return
         if not isinstance(document, dict):
             return
-        # Gemini / Vertex AI: `usageMetadata`, the model in `modelVersion`.
-        self._apply_model(document.get("modelVersion"))
-        self._apply_gemini(document.get("usageMetadata"))
+        # Gemini / Vertex AI: `usageMetadata`, the model in `modelVersion`. (Each shape is
+        # looked for by its keys first: every answer the meter parses pays for the lookups.)
+        if "usageMetadata" in document or "modelVersion" in document:
+            self._apply_model(document.get("modelVersion"))
+            self._apply_gemini(document.get("usageMetadata"))
         # Ollama's own API: the last object (or NDJSON line) counts at the top level.
-        self._apply_counts(
-            _reported_count(document.get("prompt_eval_count")),
-            _reported_count(document.get("eval_count")),
-        )
+        if "eval_count" in document or "prompt_eval_count" in document:
+            self._apply_counts(
+                _reported_count(document.get("prompt_eval_count")),
+                _reported_count(document.get("eval_count")),
+            )
         # Anthropic `message_start` nests it in `message`; the OpenAI Responses API's
         # stream in `response` (`response.created`, `response.completed`); Groq's stream
         # in its last chunk's `x_groq`.
@@ -447,29 +450,26 @@ class UsageMeter:
             self.reported = True
 
 
-class _Tail:
+class _Tail(bytearray):
     """The last _TAIL bytes of what was added. Each byte is copied a bounded number of
     times: keeping the tail as one bytes object copied all _TAIL of them again for every
     piece added, and an event stream of tiny `data:` lines in an event over json_cap (a
-    few bytes each) cost 64 KiB of copying per line."""
+    few bytes each) cost 64 KiB of copying per line. A bytearray itself: every response's
+    meter makes two, and most never hold a byte (no `__init__` of its own to run)."""
 
-    __slots__ = ("_buffer",)
-
-    def __init__(self) -> None:
-        self._buffer = bytearray()
+    __slots__ = ()
 
     def add(self, data: bytes | bytearray) -> None:
-        buffer = self._buffer
-        buffer += data
-        if len(buffer) > 2 * _TAIL:
-            self._trim(buffer)
+        self.extend(data)
+        if len(self) > 2 * _TAIL:
+            self._trim(self)
 
     @staticmethod
     def _trim(buffer: bytearray) -> None:
         del buffer[: len(buffer) - _TAIL]
 
     def read(self) -> bytes:
-        return bytes(self._buffer[-_TAIL:])
+        return bytes(self[-_TAIL:])
 
 
 def _reported_count(value: Any) -> int | None:
