@@ -13,6 +13,7 @@ values are read from its headers on the first question only."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import AnyStr
 from urllib.parse import unquote_to_bytes
 
 from fallback_mw.config import UpstreamConfig
@@ -35,31 +36,30 @@ REDACTED = "[REDACTED]"
 MAX_RECORDED = 256
 
 
-def secret_forms(value: bytes) -> list[bytes]:
-    """The secrets one credential field value holds, lowercased: the whole value and, for
-    `Scheme token`, the token; for a cookie list, each cookie's value."""
+def _forms(value: AnyStr, space: AnyStr, equals: AnyStr, semicolon: AnyStr) -> list[AnyStr]:
+    """The secrets one credential value holds: the whole value (stripped) and, for `Scheme
+    token`, the token; for `name=value` pairs (a cookie list), each value. Text or bytes,
+    each stripped by its own type's rule; those too short to search for left out."""
     value = value.strip()
     forms = [value]
-    if b" " in value:
-        forms.append(value.rsplit(b" ", 1)[1])
-    if b"=" in value:
-        for pair in value.split(b";"):
-            forms.append(pair.split(b"=", 1)[-1].strip())
-    return [form.lower() for form in forms if len(form) >= MIN_SECRET]
+    if space in value:
+        forms.append(value.rsplit(space, 1)[1])
+    if equals in value:
+        forms.extend(pair.split(equals, 1)[-1].strip() for pair in value.split(semicolon))
+    return [form for form in forms if len(form) >= MIN_SECRET]
+
+
+def secret_forms(value: bytes) -> list[bytes]:
+    """The secrets a caller's credential field value holds (`_forms`), lowercased."""
+    return [form.lower() for form in _forms(value, b" ", b"=", b";")]
 
 
 def credential_forms(key: str) -> list[str]:
-    """The secrets one provider credential value holds, case kept: the whole value and, as
-    `secret_forms` reads a caller's, for `Scheme token` the token, for `name=value` pairs
-    each value. A variable may hold a whole header value (`Bearer sk-...` under
-    `auth_scheme = ""`): an upstream quoting only the token quotes the key all the same."""
-    key = key.strip()
-    forms = [key]
-    if " " in key:
-        forms.append(key.rsplit(" ", 1)[1])
-    if "=" in key:
-        forms.extend(pair.split("=", 1)[-1].strip() for pair in key.split(";"))
-    return [form for form in dict.fromkeys(forms) if len(form) >= MIN_SECRET]
+    """The secrets one provider credential value holds (`_forms`, as `secret_forms` reads
+    a caller's), case kept, each once. A variable may hold a whole header value (`Bearer
+    sk-...` under `auth_scheme = ""`): an upstream quoting only the token quotes the key
+    all the same."""
+    return list(dict.fromkeys(_forms(key, " ", "=", ";")))
 
 
 class RequestSecrets:
