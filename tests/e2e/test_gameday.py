@@ -232,6 +232,11 @@ async def test_ctrl_c_clears_the_fault_and_a_killed_command_leaves_it_to_expire(
             while not await stored_faults(r.store):
                 assert time.monotonic() < deadline, "the fault was never set"
                 await asyncio.sleep(0.05)
+            # The running record is written just after the fault is set: a signal sent
+            # between the two (a loaded machine) finds no record yet, so wait for it too.
+            while not out.exists():
+                assert time.monotonic() < deadline, "the running record was never written"
+                await asyncio.sleep(0.05)
             (fault,) = await stored_faults(r.store)
             process.send_signal(how)
             stdout, _ = await asyncio.wait_for(process.communicate(), 30)
