@@ -418,6 +418,14 @@ def _canonical_names(names: frozenset[bytes]) -> frozenset[bytes]:
 # The server in front of the client adds its own `date` and `server`; the upstream's copies
 # would be duplicates, and its `server` names the provider's software to every caller.
 SERVER_OWNED_RESPONSE_HEADERS = frozenset({b"date", b"server"})
+# What an upstream says about the software and the proxies behind it, to every caller:
+# the frameworks' banners (OWASP's list of fields to remove) and `via`, whose entries name
+# the proxies it passed through and their hosts and ports (RFC 9110 §7.6.3: an intermediary
+# at a network's edge should not forward the names of the hosts behind it; a gateway may
+# leave `via` off the responses it forwards).
+DEPLOYMENT_RESPONSE_HEADERS = frozenset(
+    {b"x-powered-by", b"x-aspnet-version", b"x-aspnetmvc-version", b"via"}
+)
 
 
 # What a provider answers about the account a request was billed to: the organization and
@@ -477,8 +485,9 @@ def forwardable_response_headers(
     headers: Iterable[tuple[bytes, bytes]], *, status: int = 200, injected: bool = False
 ) -> Headers:
     """Upstream response headers the client may see: no hop-by-hop fields, no `x-gateway-*`
-    (an upstream must not be able to forge the gateway's own headers), and not the
-    upstream's `date` / `server` (the ASGI server sends its own). `injected` (the gateway
+    (an upstream must not be able to forge the gateway's own headers), not the
+    upstream's `date` / `server` (the ASGI server sends its own), nor what names the
+    software and proxies behind it (DEPLOYMENT_RESPONSE_HEADERS). `injected` (the gateway
     sent its own credential on this attempt): not the account ids it answers about that
     credential either (ACCOUNT_RESPONSE_HEADERS), nor its cross-origin permissions
     (CROSS_ORIGIN_RESPONSE_HEADERS), nor what it says about its own origin
@@ -523,6 +532,7 @@ _NEVER_FORWARDED = (
 _NEVER_RELAYED = {
     (injected, no_length): HOP_BY_HOP_HEADERS
     | SERVER_OWNED_RESPONSE_HEADERS
+    | DEPLOYMENT_RESPONSE_HEADERS
     | (
         ACCOUNT_RESPONSE_HEADERS | CROSS_ORIGIN_RESPONSE_HEADERS | ORIGIN_STATE_RESPONSE_HEADERS
         if injected

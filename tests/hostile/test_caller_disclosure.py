@@ -1,0 +1,51 @@
+"""What an outside caller learns from the gateway's answers (no config, no store, only a
+caller's access). The contract names what a caller gets (SPEC §5, §12: the route id, the
+configured upstream names, the rule and the configuration key that would change it); the
+deployment behind it (the software and hosts behind an upstream, its internal addresses)
+is the operator's to know, not every caller's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.helpers import gateway_client
+from tests.upstreams import status_handler, upstream
+
+pytestmark = pytest.mark.anyio
+
+
+# What an upstream says about the software and the proxies behind it (OWASP's list of
+# fields to remove, and RFC 9110 §7.6.3: an intermediary at a network's edge should not
+# forward the names and ports of the hosts behind it in `Via`).
+DEPLOYMENT_FIELDS = {
+    "X-Powered-By": "Express",
+    "X-AspNet-Version": "4.0.30319",
+    "X-AspNetMvc-Version": "5.2",
+    "Via": "1.1 squid.internal.corp:3128 (squid/5.7), 1.1 10.20.0.7",
+}
+
+
+@pytest.mark.parametrize("keyed", [True, False], ids=["keyed", "no-key"])
+async def test_the_software_and_proxies_behind_an_upstream_are_not_relayed(keyed: bool) -> None:
+    # The gateway already drops the upstream's `server` (it named the provider's software
+    # to every caller); its `x-powered-by` and kin, and a `via` naming the proxies and
+    # internal hosts it passed through, went to every caller as they came.
+    fields = {**DEPLOYMENT_FIELDS, "X-Request-Id": "req-1", "X-RateLimit-Remaining": "9"}
+    env = {"VENDOR_KEY": "key-vendor-0001"} if keyed else {}
+    key = {"auth_env": "VENDOR_KEY"} if keyed else {}
+    async with upstream(status_handler(200, b'{"ok": true}', **fields)) as vendor:
+        conf: dict[str, Any] = {
+            "upstreams": {"vendor": {"url": vendor.url, **key}},
+            "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["vendor"]}],
+        }
+        async with gateway_client(conf, environ=env) as client:
+            answers = [await client.request(m, "/v1/chat") for m in ("GET", "HEAD")]
+    for answer in answers:
+        assert answer.status_code == 200, answer.text
+        for name in DEPLOYMENT_FIELDS:
+            assert name not in answer.headers, (name, answer.headers)
+        # What describes the answer, and what SDKs pace by, is still relayed.
+        assert answer.headers["x-request-id"] == "req-1"
+        assert answer.headers["x-ratelimit-remaining"] == "9"
