@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from aiohttp import web
 
 from tests.helpers import gateway_client
 from tests.upstreams import status_handler, upstream
@@ -49,3 +50,34 @@ async def test_the_software_and_proxies_behind_an_upstream_are_not_relayed(keyed
         # What describes the answer, and what SDKs pace by, is still relayed.
         assert answer.headers["x-request-id"] == "req-1"
         assert answer.headers["x-ratelimit-remaining"] == "9"
+
+
+async def test_an_accepted_jobs_location_does_not_name_the_internal_upstream() -> None:
+    # An asynchronous job API answers 202 Accepted with a Location to poll, built from the
+    # Host the gateway sent (the upstream's own, SPEC §4); a 201 names what it created in
+    # Content-Location too. The 3xx / 201 Location was already rewritten to the gateway's
+    # path (nginx's proxy_redirect); these went to the caller naming the internal
+    # upstream's address and port (and, followed, around the gateway and its key).
+    async def jobs(request: web.Request) -> web.StreamResponse:
+        own = f"http://{request.host}"
+        if request.path == "/v1/jobs":
+            return web.Response(status=202, headers={"location": f"{own}/v1/jobs/7"})
+        return web.Response(
+            status=201,
+            headers={"location": f"{own}/v1/files/9", "content-location": f"{own}/v1/files/9"},
+        )
+
+    async with upstream(jobs) as internal:
+        conf: dict[str, Any] = {
+            "upstreams": {"internal": {"url": internal.url}},
+            "routes": [{"id": "jobs", "prefix": "/v1/", "plan": ["internal"]}],
+        }
+        async with gateway_client(conf) as client:
+            accepted = await client.post("/v1/jobs")
+            created = await client.post("/v1/files")
+    assert (accepted.status_code, accepted.headers["location"]) == (202, "/v1/jobs/7")
+    assert created.status_code == 201
+    assert created.headers["location"] == created.headers["content-location"] == "/v1/files/9"
+    address = internal.url.removeprefix("http://")
+    for answer in (accepted, created):
+        assert address not in repr(answer.headers.raw), answer.headers

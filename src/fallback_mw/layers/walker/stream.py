@@ -70,7 +70,7 @@ async def commit(
             response.headers, status=response.status, injected=injected
         )
         headers = without_echoed_credentials(context, name, headers)
-        if response.status == 201 or 300 <= response.status < 400:
+        if response.status in (201, 202) or 300 <= response.status < 400:
             headers = _located_here(headers, context.upstreams[name].url, context.mount)
         content_type, content_encoding = coding or body_coding(response.headers)
         # An upstream echoing its own credential in the body (an error quoting the key it
@@ -181,7 +181,8 @@ async def commit(
 def _located_here(
     headers: list[tuple[bytes, bytes]], upstream_url: str, mount: str
 ) -> list[tuple[bytes, bytes]]:
-    """A `Location` (a redirect's, a 201's) naming the upstream's own URL, as the caller
+    """A `Location` (a redirect's, a 201's, a 202's job to poll) or a 201's / 202's
+    `Content-Location` naming the upstream's own URL, as the caller
     reaches that resource: through the gateway (`/v1/items/`, below its `mount`), as
     nginx's `proxy_redirect default` rewrites it. The upstream builds such a URL from the
     `Host` the gateway sent (its own: Starlette's trailing-slash redirects, a 201's new
@@ -191,7 +192,7 @@ def _located_here(
     it is moved below the mount. The redirect is still never followed; any other
     `Location` is relayed as it came."""
     for index, (field, value) in enumerate(headers):
-        if field != b"location":
+        if field != b"location" and field != b"content-location":
             continue
         text = value.decode("latin-1").strip()
         parts = urlsplit(text)
