@@ -81,3 +81,17 @@ async def test_an_accepted_jobs_location_does_not_name_the_internal_upstream() -
     address = internal.url.removeprefix("http://")
     for answer in (accepted, created):
         assert address not in repr(answer.headers.raw), answer.headers
+
+
+async def test_a_malformed_url_in_a_location_is_relayed_as_it_came() -> None:
+    # `http://[x` is no URL (urllib refuses it): there is nothing to rewrite. The rewrite
+    # raised out of the relay: the caller got a bare 500, the server's log a traceback.
+    location = "http://[x/v1/a"
+    async with upstream(status_handler(302, b"{}", location=location)) as internal:
+        conf: dict[str, Any] = {
+            "upstreams": {"internal": {"url": internal.url}},
+            "routes": [{"id": "items", "prefix": "/v1/", "plan": ["internal"]}],
+        }
+        async with gateway_client(conf) as client:
+            answer = await client.get("/v1/items")
+    assert (answer.status_code, answer.headers["location"]) == (302, location)

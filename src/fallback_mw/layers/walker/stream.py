@@ -195,7 +195,10 @@ def _located_here(
         if field != b"location" and field != b"content-location":
             continue
         text = value.decode("latin-1").strip()
-        parts = urlsplit(text)
+        try:
+            parts = urlsplit(text)
+        except ValueError:  # `http://[x`: no URL, for the caller's client either
+            continue  # as it came (it raised out of the relay: a bare 500)
         base_path = urlsplit(upstream_url).path.rstrip("/")
         if parts.scheme or parts.netloc:
             if "@" in parts.netloc or origin(text)[:3] != origin(upstream_url)[:3]:
