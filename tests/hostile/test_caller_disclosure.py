@@ -95,3 +95,43 @@ async def test_a_malformed_url_in_a_location_is_relayed_as_it_came() -> None:
         async with gateway_client(conf) as client:
             answer = await client.get("/v1/items")
     assert (answer.status_code, answer.headers["location"]) == (302, location)
+
+
+async def test_a_paginated_lists_link_does_not_name_the_internal_upstream() -> None:
+    # A paginated API names its next page in `Link` (RFC 8288), built from the Host the
+    # gateway sent, as a Location is: every page of a list told the caller the internal
+    # upstream's address and port. Its targets are the gateway's paths now; a target
+    # elsewhere, and every parameter, as it came.
+    async def pages(request: web.Request) -> web.StreamResponse:
+        own = f"http://{request.host}"
+        link = (
+            f'<{own}/api/v1/items?page=2>; rel="next", <{own}/api/v1/items?page=9>; '
+            'rel="last", <https://docs.example/pagination>; rel="help"'
+        )
+        return web.json_response({"items": []}, headers={"link": link})
+
+    async with upstream(pages) as internal:
+        conf: dict[str, Any] = {
+            "upstreams": {"internal": {"url": f"{internal.url}/api"}},
+            "routes": [{"id": "items", "prefix": "/v1/", "plan": ["internal"]}],
+        }
+        async with gateway_client(conf) as client:
+            listed = await client.get("/v1/items")
+    assert listed.status_code == 200
+    assert listed.headers["link"] == (
+        '</v1/items?page=2>; rel="next", </v1/items?page=9>; rel="last", '
+        '<https://docs.example/pagination>; rel="help"'
+    )
+    assert internal.url.removeprefix("http://") not in repr(listed.headers.raw)
+
+
+async def test_a_malformed_url_in_a_link_is_relayed_as_it_came() -> None:
+    link = '<http://[x/v1/b>; rel="next"'
+    async with upstream(status_handler(200, b"{}", link=link)) as internal:
+        conf: dict[str, Any] = {
+            "upstreams": {"internal": {"url": internal.url}},
+            "routes": [{"id": "items", "prefix": "/v1/", "plan": ["internal"]}],
+        }
+        async with gateway_client(conf) as client:
+            answer = await client.get("/v1/items")
+    assert (answer.status_code, answer.headers["link"]) == (200, link)

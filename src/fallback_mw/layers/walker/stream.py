@@ -9,6 +9,7 @@ returns what ended it (`decide.relay_outcome`), for the walker to book on its at
 
 from __future__ import annotations
 
+import re
 import zlib
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
@@ -72,6 +73,10 @@ async def commit(
         headers = without_echoed_credentials(context, name, headers)
         if response.status in (201, 202) or 300 <= response.status < 400:
             headers = _located_here(headers, context.upstreams[name].url, context.mount)
+        for field, _ in headers:
+            if field == b"link":  # any status: a list's 200 names its next page
+                headers = _linked_here(headers, context.upstreams[name].url, context.mount)
+                break
         content_type, content_encoding = coding or body_coding(response.headers)
         # An upstream echoing its own credential in the body (an error quoting the key it
         # was sent) must not hand it to the caller, as in a header. The mask reads text: a
@@ -182,45 +187,80 @@ def _located_here(
     headers: list[tuple[bytes, bytes]], upstream_url: str, mount: str
 ) -> list[tuple[bytes, bytes]]:
     """A `Location` (a redirect's, a 201's, a 202's job to poll) or a 201's / 202's
-    `Content-Location` naming the upstream's own URL, as the caller
-    reaches that resource: through the gateway (`/v1/items/`, below its `mount`), as
-    nginx's `proxy_redirect default` rewrites it. The upstream builds such a URL from the
-    `Host` the gateway sent (its own: Starlette's trailing-slash redirects, a 201's new
-    resource), and a caller following it went around the gateway, to an internal host it
-    may not reach, without the credential the gateway injects. A path alone (Django's
-    `APPEND_SLASH` redirect) is the upstream's path too: below the upstream URL's own path,
-    it is moved below the mount. The redirect is still never followed; any other
-    `Location` is relayed as it came."""
+    `Content-Location` naming the upstream's own URL, as the caller reaches that resource
+    (`_here`). The redirect is still never followed; any other `Location` is relayed as it
+    came."""
     for index, (field, value) in enumerate(headers):
         if field != b"location" and field != b"content-location":
             continue
-        text = value.decode("latin-1").strip()
-        try:
-            parts = urlsplit(text)
-        except ValueError:  # `http://[x`: no URL, for the caller's client either
-            continue  # as it came (it raised out of the relay: a bare 500)
-        base_path = urlsplit(upstream_url).path.rstrip("/")
-        if parts.scheme or parts.netloc:
-            if "@" in parts.netloc or origin(text)[:3] != origin(upstream_url)[:3]:
-                continue
-        elif text[:1] != "/" or text[1:2] in ("/", "\\") or not (base_path or mount):
-            # A path relative to the request's, or one the caller resolves as the
-            # upstream meant it (no path of the upstream's, no mount): as it came.
-            continue
-        path = parts.path
-        if base_path:
-            if path != base_path and not path.startswith(base_path + "/"):
-                continue
-            path = path[len(base_path) :]
-        here = (mount + path) if path else (mount or "/")
-        if here[:1] != "/" or here[1:2] in ("/", "\\"):
-            continue  # `//host/x` (or `/\host/x`) would name another host
-        here += ("?" + parts.query if parts.query else "") + (
-            "#" + parts.fragment if parts.fragment else ""
-        )
-        headers = headers.copy()
-        headers[index] = (field, here.encode("latin-1"))
+        here = _here(value.decode("latin-1").strip(), upstream_url, mount)
+        if here is not None:
+            headers = headers.copy()
+            headers[index] = (field, here.encode("latin-1"))
     return headers
+
+
+# A `Link` field's targets (RFC 8288: `<URI-Reference>; params`, comma-separated).
+_LINK_TARGET = re.compile(r"<([^<>]*)>")
+
+
+def _linked_here(
+    headers: list[tuple[bytes, bytes]], upstream_url: str, mount: str
+) -> list[tuple[bytes, bytes]]:
+    """The targets of a `Link` field (a paginated API's `rel="next"`, built from the Host
+    the gateway sent, as a `Location` is) naming the upstream's own URL, as the caller
+    reaches them (`_here`); every other target and parameter as it came."""
+    for index, (field, value) in enumerate(headers):
+        if field != b"link":
+            continue
+        text = value.decode("latin-1")
+
+        def target(found: re.Match[str]) -> str:
+            here = _here(found.group(1).strip(), upstream_url, mount)
+            return found.group(0) if here is None else f"<{here}>"
+
+        linked = _LINK_TARGET.sub(target, text)
+        if linked != text:
+            headers = headers.copy()
+            headers[index] = (field, linked.encode("latin-1"))
+    return headers
+
+
+def _here(text: str, upstream_url: str, mount: str) -> str | None:
+    """A URL naming the upstream's own (`text`, from a response field), as the caller
+    reaches that resource: through the gateway (`/v1/items/`, below its `mount`), as
+    nginx's `proxy_redirect default` rewrites it. The upstream builds such a URL from the
+    `Host` the gateway sent (its own: Starlette's trailing-slash redirects, a 201's new
+    resource, a paginated list's next page), and a caller following it went around the
+    gateway, to an internal host it may not reach, without the credential the gateway
+    injects. A path alone (Django's `APPEND_SLASH` redirect) is the upstream's path too:
+    below the upstream URL's own path, it is moved below the mount. None: it names
+    anything else, and is relayed as it came."""
+    try:
+        parts = urlsplit(text)
+    except ValueError:  # `http://[x`: no URL, for the caller's client either
+        return None  # as it came
+    base_path = urlsplit(upstream_url).path.rstrip("/")
+    if parts.scheme or parts.netloc:
+        if "@" in parts.netloc or origin(text)[:3] != origin(upstream_url)[:3]:
+            return None
+    elif text[:1] != "/" or text[1:2] in ("/", "\\") or not (base_path or mount):
+        # A path relative to the request's, or one the caller resolves as the
+        # upstream meant it (no path of the upstream's, no mount): as it came.
+        return None
+    path = parts.path
+    if base_path:
+        if path != base_path and not path.startswith(base_path + "/"):
+            return None
+        path = path[len(base_path) :]
+    here = (mount + path) if path else (mount or "/")
+    if here[:1] != "/" or here[1:2] in ("/", "\\"):
+        return None  # `//host/x` (or `/\host/x`) would name another host
+    return (
+        here
+        + ("?" + parts.query if parts.query else "")
+        + ("#" + parts.fragment if parts.fragment else "")
+    )
 
 
 async def _no_chunks() -> AsyncIterator[bytes]:
