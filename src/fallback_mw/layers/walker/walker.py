@@ -35,6 +35,7 @@ from fallback_mw.injected import require, require_client, require_environ
 from fallback_mw.layers.walker.cursor import CandidateCursor, Pick, skip_recorder
 from fallback_mw.layers.walker.disconnect import DisconnectWatch
 from fallback_mw.layers.walker.hedge import run_hedged
+from fallback_mw.layers.walker.max_forwards import MAX_FORWARDS_METHODS, answered_here
 from fallback_mw.layers.walker.preflight import refusal
 from fallback_mw.layers.walker.stream import commit
 from fallback_mw.plan import candidate_order, is_canary
@@ -180,6 +181,8 @@ class _Walk:
             if refused[0] == "method_not_allowed":
                 allow = [(b"allow", ", ".join(self.route.accepted_methods).encode())]
             await send_error(self.send, context, *refused, headers=allow)
+            return
+        if context.method in MAX_FORWARDS_METHODS and await answered_here(self.send, context):
             return
         parsed = request_json(context, body)
         pinned = await walker.faults.pinned_candidate(self.route.id)
