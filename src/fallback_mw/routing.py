@@ -231,6 +231,19 @@ class RouteTable:
     ) -> None:
         # Longest prefix first; a tenant-specific route beats a tenant-less one of equal prefix.
         self.routes = tuple(sorted(routes, key=lambda r: (-len(r.prefix), r.tenant is None, r.id)))
+        # The routes whose answers vary by the tenant header (a shared cache must key them by
+        # it: `Vary`): a tenant's own route, and one that a tenant's route of the same or a
+        # longer prefix takes some paths from for that tenant. A shorter prefix never does:
+        # the longest prefix is matched first.
+        self.tenant_varied = frozenset(
+            route.id
+            for route in self.routes
+            if route.tenant is not None
+            or any(
+                other.tenant is not None and other.prefix.startswith(route.prefix)
+                for other in self.routes
+            )
+        )
         self.upstreams = dict(upstreams)
         # A caller's copy of any upstream's own auth header is a caller credential too.
         # In canonical form (`_` read as `-`), as forwardable_request_headers compares.

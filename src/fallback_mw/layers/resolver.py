@@ -138,6 +138,8 @@ class RouteResolver:
         # `table` lets a route store swap the routes at run time without touching us.
         self.table = table or (lambda: static)
         self.tenant_header = config.gateway.tenant_header.encode()
+        # Named in `Vary` on the answers of routes the tenant header chooses between.
+        self.vary_field = self.tenant_header.lower()
         self.session_header = config.gateway.session_header.encode()
         # Read in one pass per request: the tenant, the session, the caller's deadline.
         self.read_headers = (
@@ -204,6 +206,7 @@ class RouteResolver:
             path=path,
             spelled_path=caller_spelling(raw_path, route.prefix) if "%" in raw_path else None,
             mount=str(scope.get("root_path") or "").rstrip("/"),
+            vary=self.vary_field if route.id in table.tenant_varied else None,
             request_model=path_model(path),
             query=strip_query_keys(scope.get("query_string", b""), self.strip_query_keys),
             started=started,

@@ -115,6 +115,8 @@ async def commit(
             elif decoder is not None:
                 headers = _decoded_fields(headers)
                 content_encoding = None  # the meter reads what is relayed
+        if context.vary is not None:
+            headers = _varied(headers, context.vary)
         headers += gateway_headers(context)
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         context.committed = True
@@ -261,6 +263,24 @@ def _here(text: str, upstream_url: str, mount: str) -> str | None:
         + ("?" + parts.query if parts.query else "")
         + ("#" + parts.fragment if parts.fragment else "")
     )
+
+
+def _varied(headers: list[tuple[bytes, bytes]], field: bytes) -> list[tuple[bytes, bytes]]:
+    """`headers` whose `Vary` also names `field` (the tenant header that chose the route):
+    one field, the upstream's members first (caches such as nginx's read a single `Vary`);
+    as they came when they name it already, or `*` (varies by anything)."""
+    members = [
+        item.strip()
+        for name, value in headers
+        if name == b"vary"
+        for item in value.split(b",")
+        if item.strip()
+    ]
+    if any(item == b"*" or item.lower() == field for item in members):
+        return headers
+    kept = [(name, value) for name, value in headers if name != b"vary"]
+    kept.append((b"vary", b", ".join([*members, field])))
+    return kept
 
 
 async def _no_chunks() -> AsyncIterator[bytes]:
