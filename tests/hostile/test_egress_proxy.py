@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 
 from fallback_mw import Gateway
 from fallback_mw.config import RouteConfig, UpstreamConfig
@@ -22,7 +23,7 @@ from fallback_mw.upstream import UpstreamError, UpstreamRequest, make_client
 from fallback_mw.upstream.base import Timeouts
 from tests.helpers import client_for
 from tests.test_cli_admin import cli
-from tests.upstreams import host_app
+from tests.upstreams import host_app, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
 
@@ -206,3 +207,55 @@ async def test_a_metadata_literal_behind_a_proxy_is_refused_at_connect_time(
             await client.aclose()
     assert caught.value.kind == "unsafe_address"
     assert heads == []
+
+
+@pytest.mark.parametrize("engine", ["aiohttp", "httpx"])
+async def test_a_proxy_asking_for_credentials_is_its_refusal_for_an_http_upstream_too(
+    engine: str,
+) -> None:
+    """An http:// upstream is asked through its `proxy` in absolute form, so a corporate
+    proxy demanding authentication answers the request itself: its 407 (`Proxy-
+    Authenticate: Basic realm="corp"` and its own page) reached the caller as the
+    upstream's answer, which a client behind a proxy of its own reads as a demand for its
+    own proxy's credentials; the walk never moved on. As for an https upstream's refused
+    tunnel, it is the upstream's transport failure: failover where eligible, else the 502
+    naming the proxy, never the proxy's page."""
+
+    async def demand(request: web.Request) -> web.StreamResponse:
+        return web.Response(
+            status=407,
+            body=b"corp proxy page",
+            headers={"proxy-authenticate": 'Basic realm="corp"'},
+        )
+
+    async with upstream(demand) as proxy, upstream(status_handler(200, b"backup")) as backup:
+        conf = {
+            "gateway": {"engine": engine},
+            "upstreams": {
+                "primary": {
+                    "url": "http://127.0.0.1:9",
+                    "proxy": proxy.url,
+                    "auth_env": "FMW_T_KEY",
+                },
+                "backup": {"url": backup.url},
+            },
+            "routes": [
+                {"id": "r", "prefix": "/v1/", "plan": ["primary", "backup"], "retries": 1},
+                {"id": "alone", "prefix": "/v2/", "plan": ["primary"]},
+            ],
+        }
+        gateway = Gateway(host_app, config=conf, environ={"FMW_T_KEY": KEY})
+        try:
+            async with client_for(gateway) as client:
+                moved = await client.get("/v1/x")
+                alone = await client.get("/v2/x")
+        finally:
+            await gateway.aclose()
+    assert proxy.count == 2  # the proxy was asked both times
+    assert (moved.status_code, moved.content) == (200, b"backup")
+    assert moved.headers["x-gateway-attempts"] == "2"
+    assert alone.status_code == 502
+    error = alone.json()["error"]
+    assert error["code"] == "upstream_failed"
+    assert "egress proxy" in error["message"] and "407" in error["message"]
+    assert "corp" not in alone.text and "proxy-authenticate" not in alone.headers

@@ -26,6 +26,7 @@ from fallback_mw.upstream.base import (
     Release,
     UpstreamError,
     UpstreamRequest,
+    check_proxy_answer,
     check_request_headers,
     check_response_head,
     proxy_refused,
@@ -394,6 +395,7 @@ class AiohttpClient:
         try:
             with map_errors("first_byte"):
                 check_response_head(response.status, response.raw_headers)
+                check_proxy_answer(response.status, request.proxy)
                 protocol = response._protocol
                 if protocol is not None and len(protocol):
                     # A whole further answer came with this one, past its framing (after

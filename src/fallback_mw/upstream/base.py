@@ -58,13 +58,27 @@ def unrelayable(reason: str) -> UpstreamError:
 NOT_HTTP = "the engine's HTTP/1.1 parser refused the upstream's answer"
 
 
-def proxy_refused(status: int | None) -> str:
-    """The local error's phrase for an egress proxy that answered CONNECT with an error."""
+def proxy_refused(status: int | None, *, tunnel: bool = True) -> str:
+    """The local error's phrase for an egress proxy that answered CONNECT with an error
+    (`tunnel`), or an http:// upstream's request with its own 407."""
     answered = f" ({status})" if status is not None else ""
+    what = "the tunnel to it" if tunnel else "to forward the request to it"
     return (
-        f"the egress proxy refused the tunnel to it{answered}: check that the proxy allows "
+        f"the egress proxy refused {what}{answered}: check that the proxy allows "
         "and can reach this host and port (the gateway sends a proxy no credentials)"
     )
+
+
+def check_proxy_answer(status: int, proxy: str | None) -> None:
+    """An http:// upstream behind an egress `proxy` is asked in absolute form, so the
+    proxy's own refusal comes back as the answer: a 407 is the proxy's alone (it wants
+    credentials the gateway never sends it). Relayed, the caller got the proxy's page as
+    the upstream's answer, and a client behind a proxy of its own read it as a demand for
+    that one's credentials. It is the upstream's transport failure, as a refused tunnel
+    is for an https:// one. Raises UpstreamError("transport")."""
+    if status == 407 and proxy is not None:
+        refused = proxy_refused(status, tunnel=False)
+        raise UpstreamError("transport", "first_byte", refused, detail=refused)
 
 
 def check_request_headers(headers: Sequence[tuple[str, str]]) -> None:

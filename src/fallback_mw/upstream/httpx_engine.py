@@ -32,6 +32,7 @@ from fallback_mw.upstream.base import (
     Release,
     UpstreamError,
     UpstreamRequest,
+    check_proxy_answer,
     check_request_headers,
     check_response_head,
     encode_request_headers,
@@ -515,6 +516,7 @@ class HttpxClient:
             try:
                 with map_errors("first_byte"):
                     check_response_head(response.status_code, response.headers.raw)
+                    check_proxy_answer(response.status_code, request.proxy)
                     if _past_its_framing(response, request.method):
                         raise unrelayable("the answer breaks its own framing")
             except UpstreamError:
