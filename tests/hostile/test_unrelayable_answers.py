@@ -167,6 +167,8 @@ async def test_a_204_or_304_is_relayed_without_a_length(engine: str) -> None:
     for data, status in (
         (b"HTTP/1.1 204 No Content\r\ncontent-length: 0\r\n\r\n", 204),
         (b'HTTP/1.1 304 Not Modified\r\ncontent-length: 5\r\netag: "a"\r\n\r\n', 304),
+        # RFC 9112 §6.1: a 304 may say the transfer coding its GET would have had.
+        (b'HTTP/1.1 304 Not Modified\r\ntransfer-encoding: chunked\r\netag: "a"\r\n\r\n', 304),
     ):
         result, accepted, _ = await run(answer(data), engine)
         assert isinstance(result, httpx.Response), result
@@ -174,6 +176,39 @@ async def test_a_204_or_304_is_relayed_without_a_length(engine: str) -> None:
         assert "content-length" not in result.headers
         assert result.content == b""
         assert accepted == 1
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_304_naming_its_transfer_coding_is_not_a_failure(engine: str) -> None:
+    """RFC 9112 §6.1 lets a 304 carry the `Transfer-Encoding` its GET would have had (and
+    no body): read as contradictory framing, each revalidation of a cached answer was the
+    upstream's failure, a 502 (or a failover to another upstream's full answer) that
+    marked its breaker. It is relayed as a 304, and the connection serves the next request."""
+    answers = [
+        b'HTTP/1.1 304 Not Modified\r\ntransfer-encoding: chunked\r\netag: "a"\r\n\r\n',
+        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok",
+    ]
+
+    async def keep_alive(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for data in answers:
+            await read_head(reader)
+            writer.write(data)
+            await writer.drain()
+        await asyncio.sleep(1)
+
+    async with raw_upstream(keep_alive) as (url, accepted), upstream(status_handler(200)) as b:
+        gateway = Gateway(host_app, config=config(url, b.url, engine))
+        try:
+            async with serve_asgi(gateway) as base, httpx.AsyncClient(base_url=base) as client:
+                revalidated = await client.get("/v1/x", headers={"if-none-match": '"a"'})
+                fresh = await client.get("/v1/x")
+        finally:
+            await gateway.aclose()
+    assert revalidated.status_code == 304, revalidated.text
+    assert revalidated.headers["etag"] == '"a"'
+    assert "transfer-encoding" not in revalidated.headers and revalidated.content == b""
+    assert (fresh.status_code, fresh.text) == (200, "ok")
+    assert accepted == [1] and b.count == 0  # one connection, never failed over
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -181,7 +181,9 @@ def check_response_head(status: int, headers: Sequence[tuple[bytes, bytes]]) -> 
         raise unrelayable("an invalid Content-Length")
     if codings and codings != [b"chunked"]:
         raise unrelayable("a transfer coding other than chunked cannot be relayed")
-    if codings and (lengths or status in (204, 304)):
+    # A 304 (as an answer to HEAD) may name the transfer coding its GET would have had,
+    # with no body (RFC 9112 §6.1): no contradiction. A 204 has no framing at all.
+    if codings and (lengths or status == 204):
         raise unrelayable("contradictory response framing")
     if status in (204, 205) and lengths and lengths != [b"0"]:
         # RFC 9110 §15.3.6: a 205 has no content either (a chunked one may say so, RFC 7231
