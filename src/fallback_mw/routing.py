@@ -244,6 +244,13 @@ class RouteTable:
                 for other in self.routes
             )
         )
+        # ... and those whose answers vary by the session header: a canary slice sends some
+        # sessions to another candidate first (plan.is_canary).
+        self.session_varied = frozenset(
+            route.id
+            for route in self.routes
+            if route.canary_eligible and route.canary_percent > 0 and len(route.plan) > 1
+        )
         self.upstreams = dict(upstreams)
         # A caller's copy of any upstream's own auth header is a caller credential too.
         # In canonical form (`_` read as `-`), as forwardable_request_headers compares.

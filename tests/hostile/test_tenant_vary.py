@@ -2,7 +2,8 @@
 stored answer by its URL and the request fields its `Vary` names (RFC 9111 §4.1). Where the
 tenant header chooses the route, and so the upstream, the gateway's answer varies by that
 header: without it in `Vary`, one tenant's cached answer (its dedicated deployment's
-catalogue, marked `Cache-Control: public`) was served to every other tenant."""
+catalogue, marked `Cache-Control: public`) was served to every other tenant. A canary
+slice chooses the candidate by the session header: its answers vary by that one."""
 
 from __future__ import annotations
 
@@ -66,3 +67,26 @@ async def test_an_answer_the_tenant_header_chose_says_it_varies_by_it() -> None:
     assert revalidated.status_code == 304
     # No route of another tenant can take /v2/: its answer varies by nothing new.
     assert vary(untouched) == ["accept"]
+
+
+async def test_a_canary_routes_answer_says_it_varies_by_the_session_header() -> None:
+    async with (
+        upstream(cacheable(b"stable")) as a,
+        upstream(cacheable(b"canary")) as s,
+    ):
+        config = {
+            "upstreams": {"stable": {"url": a.url}, "canary": {"url": s.url}},
+            "routes": [
+                {"id": "c", "prefix": "/v1/", "plan": ["stable", "canary"], "retries": 1,
+                 "canary_eligible": True, "canary_percent": 100.0},
+                {"id": "plain", "prefix": "/v2/", "plan": ["stable", "canary"], "retries": 1},
+            ],
+        }  # fmt: skip
+        async with gateway_client(config) as client:
+            canary = await client.get("/v1/catalog", headers={"x-session-id": "s1"})
+            sessionless = await client.get("/v1/catalog")
+            plain = await client.get("/v2/catalog", headers={"x-session-id": "s1"})
+    assert (canary.content, sessionless.content) == (b"canary", b"stable")
+    assert canary.headers["x-gateway-canary"] == "1"
+    assert vary(canary) == vary(sessionless) == ["accept", "x-session-id"]
+    assert vary(plain) == ["accept"]

@@ -138,8 +138,6 @@ class RouteResolver:
         # `table` lets a route store swap the routes at run time without touching us.
         self.table = table or (lambda: static)
         self.tenant_header = config.gateway.tenant_header.encode()
-        # Named in `Vary` on the answers of routes the tenant header chooses between.
-        self.vary_field = self.tenant_header.lower()
         self.session_header = config.gateway.session_header.encode()
         # Read in one pass per request: the tenant, the session, the caller's deadline.
         self.read_headers = (
@@ -162,6 +160,7 @@ class RouteResolver:
         self.in_flight = InFlight(config.gateway.max_concurrency)
         self.telemetry = telemetry
         self._auth_cache: tuple[RouteTable, frozenset[bytes]] | None = None
+        self._vary_cache: tuple[RouteTable, dict[str, tuple[bytes, ...]]] | None = None
         self._names_cache: tuple[RouteTable, frozenset[bytes]] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -206,7 +205,7 @@ class RouteResolver:
             path=path,
             spelled_path=caller_spelling(raw_path, route.prefix) if "%" in raw_path else None,
             mount=str(scope.get("root_path") or "").rstrip("/"),
-            vary=self.vary_field if route.id in table.tenant_varied else None,
+            vary=self._vary(table).get(route.id, ()),
             request_model=path_model(path),
             query=strip_query_keys(scope.get("query_string", b""), self.strip_query_keys),
             started=started,
@@ -302,6 +301,23 @@ class RouteResolver:
         cached = self._auth_cache
         if cached is None or cached[0] is not table:
             cached = self._auth_cache = (table, table.auth_headers | self.strip_headers)
+        return cached[1]
+
+    def _vary(self, table: RouteTable) -> dict[str, tuple[bytes, ...]]:
+        """Route id -> the request fields its answers vary by (RouteTable.tenant_varied,
+        .session_varied), named in `Vary`; once per route table."""
+        cached = self._vary_cache
+        if cached is None or cached[0] is not table:
+            chosen_by = (
+                (self.tenant_header.lower(), table.tenant_varied),
+                (self.session_header.lower(), table.session_varied),
+            )
+            varied: dict[str, tuple[bytes, ...]] = {}
+            for route in table.routes:
+                fields = tuple(field for field, ids in chosen_by if route.id in ids)
+                if fields:
+                    varied[route.id] = fields
+            cached = self._vary_cache = (table, varied)
         return cached[1]
 
     def _credential_names(self, table: RouteTable) -> frozenset[bytes]:

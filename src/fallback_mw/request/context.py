@@ -135,9 +135,9 @@ class RequestContext:
     caller_deadline_ms: int | None = None
     # Where the caller reaches the gateway: the mount's `root_path` ("" at the root).
     mount: str = ""
-    # A request field the route was chosen by (the tenant header), added to the relayed
-    # answer's `Vary` (RFC 9110 §12.5.5); None: the answer varies by nothing of ours.
-    vary: bytes | None = None
+    # The request fields the answer was chosen by (the tenant header, a canary's session
+    # header), added to the relayed answer's `Vary` (RFC 9110 §12.5.5); (): none of ours.
+    vary: tuple[bytes, ...] = ()
     # The path forwarded when the caller's percent-encoding is kept (routing.caller_spelling:
     # `%2F` inside a segment); None: `path`, quoted.
     spelled_path: str | None = None

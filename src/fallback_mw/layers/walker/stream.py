@@ -115,7 +115,7 @@ async def commit(
             elif decoder is not None:
                 headers = _decoded_fields(headers)
                 content_encoding = None  # the meter reads what is relayed
-        if context.vary is not None:
+        if context.vary:
             headers = _varied(headers, context.vary)
         headers += gateway_headers(context)
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
@@ -265,10 +265,13 @@ def _here(text: str, upstream_url: str, mount: str) -> str | None:
     )
 
 
-def _varied(headers: list[tuple[bytes, bytes]], field: bytes) -> list[tuple[bytes, bytes]]:
-    """`headers` whose `Vary` also names `field` (the tenant header that chose the route):
-    one field, the upstream's members first (caches such as nginx's read a single `Vary`);
-    as they came when they name it already, or `*` (varies by anything)."""
+def _varied(
+    headers: list[tuple[bytes, bytes]], fields: tuple[bytes, ...]
+) -> list[tuple[bytes, bytes]]:
+    """`headers` whose `Vary` also names `fields` (the request fields that chose the
+    candidate: the tenant header, a canary's session header): one field, the upstream's
+    members first (caches such as nginx's read a single `Vary`); as they came when they
+    name them already, or `*` (varies by anything)."""
     members = [
         item.strip()
         for name, value in headers
@@ -276,10 +279,12 @@ def _varied(headers: list[tuple[bytes, bytes]], field: bytes) -> list[tuple[byte
         for item in value.split(b",")
         if item.strip()
     ]
-    if any(item == b"*" or item.lower() == field for item in members):
+    named = {item.lower() for item in members}
+    missing = [field for field in fields if field not in named]
+    if b"*" in named or not missing:
         return headers
     kept = [(name, value) for name, value in headers if name != b"vary"]
-    kept.append((b"vary", b", ".join([*members, field])))
+    kept.append((b"vary", b", ".join([*members, *missing])))
     return kept
 
 
