@@ -1007,7 +1007,10 @@ async def located(request: web.Request) -> web.StreamResponse:
         "/v1/odd": (302, f"{own}//evil.example/x"),  # would name another host: as it came
         "/v1/user": (302, f"http://u@{request.host}/v1/x"),  # userinfo: as it came
         "/v1/relative": (303, "/v1/done"),
-        "/v1/ok": (200, f"{own}/v1/ignored"),  # not a redirect or a 201: as it came
+        # A 202's status monitor (Flask's and Celery's async-task pattern, Azure's
+        # long-running operations): where the caller polls.
+        "/v1/jobs": (202, f"{own}/v1/jobs/7/status"),
+        "/v1/ok": (200, f"{own}/v1/ignored"),  # not a redirect, a 201 or a 202: as it came
     }[request.path]
     return web.Response(status=status, headers={"location": location})
 
@@ -1022,6 +1025,7 @@ async def located(request: web.Request) -> web.StreamResponse:
         ("/v1/odd", "{own}//evil.example/x"),
         ("/v1/user", "http://u@{host}/v1/x"),
         ("/v1/relative", "/v1/done"),
+        ("/v1/jobs", "/v1/jobs/7/status"),
         ("/v1/ok", "{own}/v1/ignored"),
     ],
 )
