@@ -144,6 +144,10 @@ class _Strict(BaseModel):
 # each breaker for twice its longest cooldown, which must be a valid PEXPIRE: a cooldown of
 # 1e20 ms was taken, and every breaker update failed as "Redis unreachable".
 MAX_COOLDOWN_MS = 31 * 86_400_000
+# The longest timeout or delay an upstream or route may name (connect, first byte, idle,
+# hedge): 31 days, as above. 1e400 ms loaded, and every request then ended in a bare 500
+# (its conversion to seconds, an OverflowError, on the request path).
+MAX_TIMER_MS = 31 * 86_400_000
 
 
 class BreakerConfig(_Strict):
@@ -334,11 +338,11 @@ class UpstreamConfig(_Strict):
     auth_env: str | tuple[str, ...] | None = None
     model: str | None = None
     # 3 s: survives one dropped SYN (Linux retransmits the first after 1 s), SPEC §12.
-    connect_timeout_ms: int = Field(3000, ge=1)
+    connect_timeout_ms: int = Field(3000, ge=1, le=MAX_TIMER_MS)
     # Requests (so connections) in flight to this upstream from one process, SPEC §12.
     max_connections: int = Field(100, ge=1, le=100_000)
-    first_byte_timeout_ms: int = Field(30_000, ge=1)
-    idle_timeout_ms: int = Field(60_000, ge=1)
+    first_byte_timeout_ms: int = Field(30_000, ge=1, le=MAX_TIMER_MS)
+    idle_timeout_ms: int = Field(60_000, ge=1, le=MAX_TIMER_MS)
     rpm: int | None = Field(None, ge=1, le=10**9)  # declared capacity: requests per minute
     tpm: int | None = Field(None, ge=1, le=10**15)  # declared capacity: tokens per minute
     # A credential pool (auth_env as a list), SPEC §12: how a credential is chosen, and how
@@ -528,7 +532,7 @@ class RouteConfig(_Strict):
     failover_status: tuple[StrictInt, ...] = (502, 503, 504)  # ["503"] refused, as retries = "1"
     on_exhausted: Literal["error", "last_response"] = "error"
     budget: str | None = None
-    hedge_after_ms: int = Field(0, ge=0)
+    hedge_after_ms: int = Field(0, ge=0, le=MAX_TIMER_MS)
     # Hedge a POST that carries an Idempotency-Key too (two concurrent requests, one key).
     hedge_idempotent_posts: bool = False
     canary_percent: float = Field(0.0, ge=0.0, le=100.0)
