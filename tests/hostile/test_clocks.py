@@ -4,7 +4,9 @@ windows, cool-downs and expiries that must not follow a wall-clock step (NTP, VM
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -61,3 +63,49 @@ async def test_the_longest_timers_the_loader_takes_serve_on_both_engines(engine:
             response = await client.get("/v1/x")
     assert response.status_code == 200, response.text
     assert response.text == "ok" and response.headers["x-gateway-provider"] == "p"
+
+
+class SteppedClocks:
+    """A time module whose wall clock an NTP correction steps, and whose monotonic clock
+    runs on: `step_wall` moves the first, `advance` both (the time that really passed)."""
+
+    def __init__(self) -> None:
+        self.wall_offset = 0.0
+        self.passed = 0.0
+
+    def time(self) -> float:
+        return time.time() + self.wall_offset + self.passed
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.passed
+
+    def step_wall(self, seconds: float) -> None:
+        self.wall_offset += seconds
+
+    def advance(self, seconds: float) -> None:
+        self.passed += seconds
+
+
+@pytest.mark.parametrize("step", [-3600.0, 3600.0])
+async def test_the_rpm_window_rolls_with_time_passed_not_with_the_wall_clock(step: float) -> None:
+    # The rolling minute of a declared rpm was kept on the wall clock: an NTP step back of
+    # an hour kept the last minute's requests counted for that hour (every request skipped
+    # as `capacity`, 503 route_exhausted with a Retry-After of 3660 s), and a step forward
+    # emptied the window at once (the upstream's declared limit exceeded).
+    clocks = SteppedClocks()
+    async with upstream(status_handler(200, b"ok")) as up:
+        conf = {
+            "gateway": {"allow_hosts": ["127.0.0.1"]},
+            "upstreams": {"only": {"url": up.url, "rpm": 2}},
+            "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["only"]}],
+        }
+        with mock.patch("fallback_mw.capacity.memory.time", clocks):
+            async with gateway_client(conf) as client:
+                assert [(await client.get("/v1/a")).status_code for _ in range(2)] == [200, 200]
+                clocks.step_wall(step)  # within the same minute: the rpm is spent
+                refused = await client.get("/v1/a")
+                assert refused.status_code == 503, refused.text
+                assert 1 <= int(refused.headers["retry-after"]) <= 60
+                clocks.advance(61)  # a minute really passed: room for two again
+                assert [(await client.get("/v1/a")).status_code for _ in range(2)] == [200, 200]
+    assert up.count == 4

@@ -62,10 +62,13 @@ _FIRSTS, _REPEATS = 0, 1  # allowance window
 
 class MemoryCapacity:
     def __init__(
-        self, allowance: RepeatAllowanceConfig, *, clock: Callable[[], float] = time.time
+        self, allowance: RepeatAllowanceConfig, *, clock: Callable[[], float] | None = None
     ) -> None:
         self.allowance = allowance
-        self.clock = clock
+        # The monotonic clock: with the wall clock, an NTP step back of an hour kept the
+        # last minute's counts for that hour (the upstream skipped as at capacity, a
+        # Retry-After of 3660 s), a step forward emptied the window at once.
+        self.clock = time.monotonic if clock is None else clock
         self.window = max(int(allowance.window_ms // 1000), 1)
         self.keep = max(self.window, CAPACITY_WINDOW)
         self._capacity: dict[str, Rolling] = {}
