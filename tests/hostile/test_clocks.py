@@ -3,6 +3,7 @@ windows, cool-downs and expiries that must not follow a wall-clock step (NTP, VM
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from typing import Any
@@ -10,8 +11,12 @@ from unittest import mock
 
 import pytest
 
+from fallback_mw import Gateway
 from fallback_mw.config import ConfigError, load_config
 from tests.helpers import gateway_client
+from tests.test_cli_admin import cli, expires_at, host_app
+from tests.test_faults import config as faults_config
+from tests.test_faults import get
 from tests.upstreams import status_handler, upstream
 
 pytestmark = pytest.mark.anyio
@@ -109,3 +114,58 @@ async def test_the_rpm_window_rolls_with_time_passed_not_with_the_wall_clock(ste
                 clocks.advance(61)  # a minute really passed: room for two again
                 assert [(await client.get("/v1/a")).status_code for _ in range(2)] == [200, 200]
     assert up.count == 4
+
+
+# --- fault expiries between hosts whose clocks differ (PostgreSQL store) ---------------
+
+
+@pytest.mark.slow
+async def test_gateway_hosts_with_skewed_clocks_start_and_end_a_fault_together(
+    pg_url: str,
+) -> None:
+    # Each host compared the stored expiry with its own wall clock: a gateway ten minutes
+    # ahead (broken NTP) never applied a 4-second fault, one ten minutes behind kept it for
+    # ten minutes more. They now read it on the database's clock.
+    real = time.time
+    async with (
+        upstream(status_handler(200, b"primary")) as primary,
+        upstream(status_handler(200, b"backup")) as backup,
+    ):
+        status, out, err = await cli(
+            "faults", "set", "fail", "--store", pg_url, "--upstream", "primary", "--ttl", "4"
+        )
+        assert status == 0, err
+        expiry = expires_at(out)  # the database's clock, on this machine: this one's too
+        conf = faults_config(pg_url, primary.url, backup.url)
+        with mock.patch("time.time", lambda: real() + 600):
+            ahead = Gateway(host_app, config=conf, environ={})
+            try:
+                applied = await get(ahead)
+            finally:
+                await ahead.aclose()
+        with mock.patch("time.time", lambda: real() - 600):
+            behind = Gateway(host_app, config=conf, environ={})
+            try:
+                during = await get(behind)
+                await asyncio.sleep(max(expiry + 0.3 - real(), 0))
+                after = await get(behind)
+            finally:
+                await behind.aclose()
+    assert real() - expiry < 30, "the test itself ran too late to judge the expiry"
+    assert (applied.text, applied.headers.get("x-gateway-fault")) == ("backup", "1")
+    assert (during.text, during.headers.get("x-gateway-fault")) == ("backup", "1")
+    assert after.text == "primary" and "x-gateway-fault" not in after.headers
+
+
+async def test_a_fault_set_from_a_shell_whose_clock_is_off_lasts_its_ttl(pg_url: str) -> None:
+    # `faults set --ttl 60` from an operator's laptop ten minutes ahead stored an expiry
+    # eleven minutes away on the gateways' clocks; the ttl is now counted on the store's.
+    real = time.time
+    with mock.patch("time.time", lambda: real() + 600):
+        status, out, err = await cli(
+            "faults", "set", "fail", "--store", pg_url, "--upstream", "primary", "--ttl", "60"
+        )
+    assert status == 0, err
+    assert abs(expires_at(out) - (real() + 60)) < 10, out
+    _, listed, _ = await cli("faults", "list", "--store", pg_url)
+    assert f"expires_at={expires_at(out):.3f}" in listed

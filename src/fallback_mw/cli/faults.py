@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -42,12 +41,15 @@ async def _names(target: StoreTarget, store: RouteStore) -> tuple[dict[str, Any]
     return routes, upstreams
 
 
-def _fault(args: argparse.Namespace, routes: dict[str, Any], upstreams: set[str]) -> Fault:
+def _fault(
+    args: argparse.Namespace, routes: dict[str, Any], upstreams: set[str], store_now: float
+) -> Fault:
     """The fault the arguments describe, checked against the names the CLI can see (with
     --store alone a file's routes and upstreams are invisible: an unknown name is stored with
     a warning, `_unchecked`)."""
-    # The expiry is computed once, here, and is what is stored and printed.
-    expires_at = round(time.time() + args.ttl, 3)
+    # The expiry is computed once, here, on the store's clock (not this shell's, which may
+    # be off from the gateways'), and is what is stored and printed.
+    expires_at = round(store_now + args.ttl, 3)
     if args.kind == "pin":
         if args.route is None or args.candidate is None:
             raise Refused("faults set pin needs --route ID and --candidate NAME")
@@ -101,7 +103,7 @@ def faults_set(args: argparse.Namespace, console: Console) -> None:
         store = open_route_store(target)
         try:
             routes, upstreams = await _names(target, store)
-            fault = _fault(args, routes, upstreams)
+            fault = _fault(args, routes, upstreams, await store.clock())
             warning = None if target.from_file else _unchecked(fault, routes, upstreams)
             return fault, await store.set_fault(fault, replace=args.replace), warning
         finally:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,6 +118,9 @@ class AbsentStore:
         self, route_id: str, *, keep_upstreams: Collection[str] = (), keep_pin: bool = False
     ) -> int | None:
         return None
+
+    async def clock(self) -> float:
+        return time.time()
 
     async def load_faults(self, unreadable: list[str] | None = None) -> list[Fault]:
         return []

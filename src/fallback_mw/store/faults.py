@@ -1,5 +1,8 @@
 """Game-day faults backed by the store: a FaultSource whose snapshot the store reloader
-refreshes. Expiry is checked at every lookup, so a fault ends on time even between reloads."""
+refreshes. Expiry is checked at every lookup, so a fault ends on time even between reloads,
+against the store's clock (RouteStore.clock) as this process's monotonic clock carries it on
+from the last reload: neither this host's clock being off from the others' nor a step of it
+(NTP, a VM resumed) moves when a fault ends."""
 
 from __future__ import annotations
 
@@ -54,7 +57,7 @@ class StoreFaults:
         *,
         on_use: Callable[[], None] | None = None,
         on_close: Callable[[], object] | None = None,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.monotonic,
         engine: str = "aiohttp",
     ) -> None:
         self.snapshot = FaultSnapshot()
@@ -62,24 +65,32 @@ class StoreFaults:
         self._on_use = on_use or (lambda: None)
         self._on_close = on_close
         self._clock = clock
+        # The store's clock minus `clock`: this host's wall clock until a reload measures it.
+        self._offset = time.time() - clock()
 
-    def update(self, faults: Iterable[Fault]) -> None:
+    def update(self, faults: Iterable[Fault], store_now: float | None = None) -> None:
+        """The store's faults, read when its clock said `store_now` (when given)."""
+        if store_now is not None:
+            self._offset = store_now - self._clock()
         self.snapshot = FaultSnapshot(faults)  # swapped whole: readers never see a half
+
+    def _now(self) -> float:
+        return self._clock() + self._offset
 
     async def upstream_fault(self, upstream: str) -> UpstreamFault | None:
         self._on_use()
-        return self.snapshot.upstream_fault(upstream, self._clock())
+        return self.snapshot.upstream_fault(upstream, self._now())
 
     async def pinned_candidate(self, route_id: str) -> str | None:
         self._on_use()
-        return self.snapshot.pinned_candidate(route_id, self._clock())
+        return self.snapshot.pinned_candidate(route_id, self._now())
 
     def active_upstreams(self) -> frozenset[str]:
-        return self.snapshot.active_upstreams(self._clock())
+        return self.snapshot.active_upstreams(self._now())
 
     def until_next_expiry(self) -> float | None:
         """Seconds until the next active upstream fault expires, if any."""
-        now = self._clock()
+        now = self._now()
         expiry = self.snapshot.next_expiry(now)
         return None if expiry is None else max(expiry - now, 0.0)
 

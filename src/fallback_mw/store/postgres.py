@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable, Collection
 from typing import Any, TypeVar
 
@@ -35,6 +34,8 @@ from fallback_mw.store_url import StoreURLError, driver_reason, redact_url, unus
 T = TypeVar("T")
 
 CHANNEL = "fmw_route_changes"
+# The database's clock in epoch seconds, the clock fault expiries are kept in (`clock`).
+_DB_NOW = "extract(epoch FROM clock_timestamp())::float8"
 _MIGRATION_LOCK = 0x666D7772  # "fmwr": serialises concurrent migrations of this component
 
 logger = logging.getLogger("fallback_mw.store")
@@ -240,11 +241,17 @@ class PostgresStore:
 
     # --- faults -----------------------------------------------------------------------
 
+    async def clock(self) -> float:
+        # The database's clock, as the budget ledger's windows: with each host's own, a
+        # gateway ten minutes ahead never applied a 5-minute fault, one behind kept it ten
+        # minutes too long, and an operator's skewed laptop stretched or cut every --ttl.
+        rows = await self._fetch(f"SELECT {_DB_NOW} AS now")
+        return float(rows[0]["now"])
+
     async def load_faults(self, unreadable: list[str] | None = None) -> list[Fault]:
         rows = await self._fetch(
             "SELECT kind, target, expires_at, candidate FROM fmw_faults "
-            "WHERE expires_at > $1 ORDER BY scope, target",
-            time.time(),
+            f"WHERE expires_at > {_DB_NOW} ORDER BY scope, target",
         )
         return faults_from_rows(
             ((row["kind"], row["target"], row["expires_at"], row["candidate"]) for row in rows),
@@ -252,7 +259,7 @@ class PostgresStore:
         )
 
     async def set_fault(self, fault: Fault, *, replace: bool = False) -> Fault | None:
-        now = time.time()
+        now = await self.clock()
         await self._execute("DELETE FROM fmw_faults WHERE expires_at <= $1", now)
         # One statement: the row is written when the target is free, its fault has expired
         # or `replace` says so; otherwise nothing is written and nothing is returned.

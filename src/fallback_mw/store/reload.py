@@ -223,7 +223,8 @@ class StoreRuntime:
             self._serials = (routes_serial, self._serials[1])
         if faults_serial != self._serials[1]:
             unreadable: list[str] = []
-            self.faults.update(await store.load_faults(unreadable))
+            faults = await store.load_faults(unreadable)
+            self.faults.update(faults, await store.clock())
             if unreadable:
                 logger.warning(
                     "fault rows skipped, not faults `faults set` writes (written by hand?): %s",

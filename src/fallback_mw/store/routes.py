@@ -56,9 +56,16 @@ class RouteStore(Protocol):
         when the store holds no such route; else how many faults went with it."""
         ...
 
+    async def clock(self) -> float:
+        """The store's clock now, in epoch seconds: fault expiries are written in it and
+        read against it. SQLite (one host's file): this host's clock; PostgreSQL: the
+        database's, so gateway and operator hosts whose clocks differ (broken NTP) start
+        and end a fault together."""
+        ...
+
     async def load_faults(self, unreadable: list[str] | None = None) -> list[Fault]:
-        """Active (unexpired) faults; a row that is no fault (written by hand) is skipped,
-        and described in `unreadable` when given."""
+        """Active (unexpired by the store's clock) faults; a row that is no fault (written
+        by hand) is skipped, and described in `unreadable` when given."""
         ...
 
     async def set_fault(self, fault: Fault, *, replace: bool = False) -> Fault | None:

@@ -215,6 +215,9 @@ class SqliteStore:
 
     # --- faults -----------------------------------------------------------------------
 
+    async def clock(self) -> float:
+        return time.time()  # the file is this host's: its processes share this clock
+
     async def load_faults(self, unreadable: list[str] | None = None) -> list[Fault]:
         rows = await self._run(
             lambda c: c.execute(

@@ -171,17 +171,22 @@ async def _clear(store: RouteStore, fault: Fault) -> int:
 
 
 async def _clear_until_done(
-    store: RouteStore, fault: Fault, emit: Callable[[str], None], give_up: asyncio.Event | None
+    store: RouteStore,
+    fault: Fault,
+    ends: float,
+    emit: Callable[[str], None],
+    give_up: asyncio.Event | None,
 ) -> int | None:
     """Clear the exercise's fault, retrying while the store refuses; None when it could
-    not be cleared before its expiry (or `give_up` was set: a second Ctrl-C)."""
+    not be cleared before its expiry (`ends`, on this host's clock) or `give_up` was set
+    (a second Ctrl-C)."""
     wait, longest = CLEAR_RETRY_S
     told = False
     while True:
         try:
             return await _clear(store, fault)
         except StoreError as exc:
-            left = fault.expires_at - time.time()
+            left = ends - time.time()
             if left <= 0 or (give_up is not None and give_up.is_set()):
                 return None
             if not told:
@@ -206,12 +211,14 @@ async def run_exercise(
     alerts: AlertWatcher | None = None,
     give_up: asyncio.Event | None = None,
 ) -> tuple[Timeline, RecordFeed]:
+    store_now = await store.clock()
     timeline = Timeline(started=time.time())
     timeline.expires = timeline.started + exercise.duration_s
     fault = Fault(
         kind=exercise.fault,
         target=exercise.target,
-        expires_at=timeline.expires,
+        # On the store's clock, which the gateways end it by (this host's may be off).
+        expires_at=store_now + exercise.duration_s,
         candidate=exercise.candidate,
     )
     if stop.is_set():  # stopped while getting ready (the Prometheus baseline): set nothing
@@ -219,7 +226,7 @@ async def run_exercise(
     # Refused atomically by the store while a fault holds the same target.
     active = await store.set_fault(fault)
     if active is not None:
-        left = max(active.expires_at - time.time(), 0)
+        left = max(active.expires_at - store_now, 0)
         raise GameDayRefused(
             f"a {active.kind} fault is already set on {exercise.target!r} "
             f"(expires in {left:.0f} s); clear it first with `fallback-mw faults clear`"
@@ -262,7 +269,7 @@ async def run_exercise(
         # retried while the store refuses; given up only at its expiry (which ends it
         # anyway) or on a second Ctrl-C.
         timeline.cleared_count = await asyncio.shield(
-            _clear_until_done(store, fault, emit, give_up)
+            _clear_until_done(store, fault, timeline.expires, emit, give_up)
         )
         now = time.time()
         if timeline.cleared_outside is not None:
