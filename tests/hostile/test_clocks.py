@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from unittest import mock
 
@@ -13,8 +14,11 @@ import pytest
 
 from fallback_mw import Gateway
 from fallback_mw.config import ConfigError, load_config
+from fallback_mw.health.memory import MemoryHealth
 from tests.helpers import gateway_client
 from tests.test_cli_admin import cli, expires_at, host_app
+from tests.test_credential_pool import Clock, key_a_back_after, limited, two_keys
+from tests.test_credential_pool import gateway_client as pool_client
 from tests.test_faults import config as faults_config
 from tests.test_faults import get
 from tests.upstreams import status_handler, upstream
@@ -169,3 +173,34 @@ async def test_a_fault_set_from_a_shell_whose_clock_is_off_lasts_its_ttl(pg_url:
     assert abs(expires_at(out) - (real() + 60)) < 10, out
     _, listed, _ = await cli("faults", "list", "--store", pg_url)
     assert f"expires_at={expires_at(out):.3f}" in listed
+
+
+# --- Retry-After in each HTTP-date form --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "form",
+    ["%a, %d %b %Y %H:%M:%S GMT", "%A, %d-%b-%y %H:%M:%S GMT", "%a %b %e %H:%M:%S %Y"],
+    ids=["imf-fixdate", "rfc850", "asctime"],
+)
+async def test_a_pool_credential_cools_until_a_retry_after_date_in_any_http_date_form(
+    form: str,
+) -> None:
+    # RFC 9110 §5.6.7: a recipient MUST accept all three HTTP-date forms. The asctime one
+    # (no zone written: it is GMT) read as unreadable, so the key cooled for cooldown_ms
+    # (5 s) and was asked again long before the moment the upstream named.
+    when = datetime.now(UTC) + timedelta(seconds=120)
+    answers = {"key-a": (b'{"error": {"code": "rate_limit_exceeded"}}',
+                         {"retry-after": when.strftime(form)})}  # fmt: skip
+    clock = Clock()
+    async with (
+        upstream(limited(answers)) as pool,
+        pool_client(two_keys(pool.url), health=MemoryHealth(clock=clock)) as client,
+    ):
+        response = await client.get("/v1/x")  # key-a: 429, then key-b within the request
+        assert (response.status_code, response.text) == (200, "key-b")
+        answers.clear()  # key-a would answer now: only its cool-down keeps it out
+        clock.now += 100  # well past cooldown_ms, still before the date
+        assert not await key_a_back_after(client, pool)
+        clock.now += 30
+        assert await key_a_back_after(client, pool)

@@ -239,5 +239,8 @@ def _retry_after(value: bytes) -> float | None:
         # raised out of the attempt (a 500 instead of the pool's next credential).
         return None
     if when.tzinfo is None:
-        return None
+        # An HTTP-date is GMT in each of its three forms (RFC 9110 §5.6.7), and the asctime
+        # form (`Sun Nov  6 08:49:37 1994`) names no zone: it read as unreadable, and the
+        # credential cooled for cooldown_ms instead of until that moment.
+        when = when.replace(tzinfo=UTC)
     return max((when - datetime.now(UTC)).total_seconds(), 0.0)
