@@ -4,9 +4,11 @@ windows, cool-downs and expiries that must not follow a wall-clock step (NTP, VM
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -204,3 +206,32 @@ async def test_a_pool_credential_cools_until_a_retry_after_date_in_any_http_date
         assert not await key_a_back_after(client, pool)
         clock.now += 30
         assert await key_a_back_after(client, pool)
+
+
+@pytest.mark.slow
+async def test_a_game_day_on_a_host_whose_clock_runs_slow_ends_when_its_fault_expires(
+    pg_url: str, tmp_path: Path
+) -> None:
+    # The fault's expiry is the store's clock; this host's runs at half speed (a clock
+    # NTP has not disciplined). The exercise read the fault gone before its own end and
+    # reported it cleared outside the command (status aborted); it is its expiry.
+    config = tmp_path / "gw.toml"
+    config.write_text(
+        f'[gateway]\nstore = "{pg_url}"\n\n'
+        '[upstreams.primary]\nurl = "http://127.0.0.1:9"\n\n'
+        '[upstreams.backup]\nurl = "http://127.0.0.1:10"\n\n'
+        '[[routes]]\nid = "chat"\nprefix = "/chat/"\nplan = ["primary", "backup"]\nretries = 1\n'
+    )
+    out = tmp_path / "gd.json"
+    real = time.time
+    started = real()
+    with mock.patch("time.time", lambda: started + (real() - started) / 2):
+        status, printed, err = await cli(
+            "gameday", "--config", str(config), "--route", "chat", "--fault", "fail",
+            "--duration", "2s", "--recovery-wait", "1s", "--owner", "Ana", "--out", str(out),
+            "--predict", "error_rate=5%", "--abort", "error_rate=50%",
+        )  # fmt: skip
+    assert status == 1, err  # no traffic: the prediction has no data
+    report = json.loads(out.read_text())
+    assert report["status"] == "completed", printed
+    assert "cleared outside" not in printed and "time is up: fault cleared" in printed

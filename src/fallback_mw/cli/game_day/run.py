@@ -211,9 +211,9 @@ async def run_exercise(
     alerts: AlertWatcher | None = None,
     give_up: asyncio.Event | None = None,
 ) -> tuple[Timeline, RecordFeed]:
-    store_now = await store.clock()
     timeline = Timeline(started=time.time())
     timeline.expires = timeline.started + exercise.duration_s
+    store_now = await store.clock()  # read after `started`: the stored expiry is not sooner
     fault = Fault(
         kind=exercise.fault,
         target=exercise.target,
@@ -243,14 +243,17 @@ async def run_exercise(
             try:
                 await feed.poll()
                 still_set = fault in await store.load_faults()
+                # Gone before its expiry on the store's clock (the one that ends it, which
+                # may run a little ahead of this host's): cleared by hand, or replaced.
+                gone_early = not still_set and await store.clock() < fault.expires_at
             except (StoreError, LedgerUnavailable) as exc:
                 # The abort criteria can no longer be watched: the fault goes now.
                 timeline.failure = str(exc)
                 break
-            if not still_set and time.time() < timeline.expires:
-                # Cleared by hand (or replaced): the exercise's fault period ended then.
-                timeline.cleared_outside = round(seen_set - timeline.started, 3)
-                break
+            if not still_set:
+                if gone_early:  # the exercise's fault period ended then
+                    timeline.cleared_outside = round(seen_set - timeline.started, 3)
+                break  # else it expired: the exercise's time is up
             seen_set = now
             if alerts is not None:
                 alerts.poll_soon()
