@@ -235,3 +235,41 @@ async def test_a_game_day_on_a_host_whose_clock_runs_slow_ends_when_its_fault_ex
     report = json.loads(out.read_text())
     assert report["status"] == "completed", printed
     assert "cleared outside" not in printed and "time is up: fault cleared" in printed
+
+
+def _upstream_dates(skew: float, then: float, form: str) -> dict[str, str]:
+    """The headers of a 429 from an upstream whose clock is `skew` seconds off this host's,
+    naming a moment `then` seconds after its own now."""
+    sent = datetime.now(UTC) + timedelta(seconds=skew)
+    date = "%a, %d %b %Y %H:%M:%S GMT"
+    if form == "retry-after":
+        return {"date": sent.strftime(date),
+                "retry-after": (sent + timedelta(seconds=then)).strftime(date)}  # fmt: skip
+    reset = (sent + timedelta(seconds=then)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {"date": sent.strftime(date), "anthropic-ratelimit-requests-remaining": "0",
+            "anthropic-ratelimit-requests-reset": reset}  # fmt: skip
+
+
+@pytest.mark.parametrize("form", ["retry-after", "anthropic-reset"])
+@pytest.mark.parametrize("skew", [-600.0, 600.0], ids=["host-ahead", "host-behind"])
+async def test_a_moment_an_answer_names_is_counted_from_its_own_date(
+    skew: float, form: str
+) -> None:
+    # A Retry-After date (or a quota's reset time) was counted from this host's clock: with
+    # the gateway host ten minutes ahead of the provider's, "come back in 2 minutes" read as
+    # long past and the key was asked again at once; ten minutes behind, it was kept out
+    # for max_cooldown_ms. The answer's own Date is the moment it is counted from.
+    answers = {"key-a": (b'{"error": {"code": "rate_limit_exceeded"}}',
+                         _upstream_dates(skew, 120, form))}  # fmt: skip
+    clock = Clock()
+    async with (
+        upstream(limited(answers)) as pool,
+        pool_client(two_keys(pool.url), health=MemoryHealth(clock=clock)) as client,
+    ):
+        response = await client.get("/v1/x")  # key-a: 429, then key-b within the request
+        assert (response.status_code, response.text) == (200, "key-b")
+        answers.clear()
+        clock.now += 100
+        assert not await key_a_back_after(client, pool)
+        clock.now += 30
+        assert await key_a_back_after(client, pool)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Set
+from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
@@ -202,19 +202,52 @@ class CredentialPool:
             self.affinity.popitem(last=False)
 
 
-def retry_after_seconds(headers: Iterable[tuple[bytes, bytes]]) -> float | None:
-    """Retry-After as seconds from now: delta-seconds or an HTTP date (RFC 9110 §10.2.3).
+def retry_after_seconds(headers: Sequence[tuple[bytes, bytes]]) -> float | None:
+    """Retry-After as seconds from now: delta-seconds or an HTTP date (RFC 9110 §10.2.3),
+    the date counted from the answer's own `Date` (`sent_at`).
     `retry-after-ms` (OpenAI's and Azure OpenAI's millisecond form, which their SDKs read
     first) wins when it is readable: a non-negative decimal number of milliseconds."""
-    seconds: float | None = None
+    values: list[bytes] = []
     for key, value in headers:
         if key == b"retry-after-ms":
             millis = _milliseconds(value)
             if millis is not None:
                 return millis / 1000
-        elif key == b"retry-after" and seconds is None:
-            seconds = _retry_after(value)
-    return seconds
+        elif key == b"retry-after":
+            values.append(value)
+    for value in values:
+        seconds = _retry_after(value, headers)
+        if seconds is not None:
+            return seconds
+    return None
+
+
+def http_date(value: bytes | str) -> datetime | None:
+    """An HTTP-date (any of its three forms, all GMT: RFC 9110 §5.6.7); None when it is
+    not one."""
+    text = value.decode("latin-1") if isinstance(value, bytes) else value
+    try:
+        when = parsedate_to_datetime(text.strip())
+    except (TypeError, ValueError, IndexError, OverflowError):
+        # OverflowError: a year past any date's (`1 Jan 10000000000 ...`), which
+        # raised out of the attempt (a 500 instead of the pool's next credential).
+        return None
+    # The asctime form (`Sun Nov  6 08:49:37 1994`) names no zone: it is GMT too. Read as
+    # unreadable, the credential cooled for cooldown_ms instead of until that moment.
+    return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
+
+
+def sent_at(headers: Iterable[tuple[bytes, bytes]]) -> datetime:
+    """When the upstream says it sent its answer (its `Date`), else this host's now: a
+    moment the answer names (a Retry-After date, a quota's reset) is counted from its
+    sender's clock, so a gateway host whose clock is off (broken NTP) does not ask a key
+    again at once (clock ahead: the moment read as past) or keep it out too long."""
+    for key, value in headers:
+        if key == b"date":
+            when = http_date(value)
+            if when is not None:
+                return when
+    return datetime.now(UTC)
 
 
 def _milliseconds(value: bytes) -> float | None:
@@ -226,21 +259,13 @@ def _milliseconds(value: bytes) -> float | None:
     return float(value)
 
 
-def _retry_after(value: bytes) -> float | None:
+def _retry_after(value: bytes, headers: Sequence[tuple[bytes, bytes]]) -> float | None:
     text = value.decode("latin-1").strip()
     if text.isascii() and text.isdigit():  # `²` is a digit to isdigit, not to float
         # Whole: the first 9 digits of `0000000000120` said 0 (no cool-down at all).
         # A huge value is a huge float (inf at worst), capped by the caller.
         return float(text)
-    try:
-        when = parsedate_to_datetime(text)
-    except (TypeError, ValueError, IndexError, OverflowError):
-        # OverflowError: a year past any date's (`1 Jan 10000000000 ...`), which
-        # raised out of the attempt (a 500 instead of the pool's next credential).
+    when = http_date(text)
+    if when is None:
         return None
-    if when.tzinfo is None:
-        # An HTTP-date is GMT in each of its three forms (RFC 9110 §5.6.7), and the asctime
-        # form (`Sun Nov  6 08:49:37 1994`) names no zone: it read as unreadable, and the
-        # credential cooled for cooldown_ms instead of until that moment.
-        when = when.replace(tzinfo=UTC)
-    return max((when - datetime.now(UTC)).total_seconds(), 0.0)
+    return max((when - sent_at(headers)).total_seconds(), 0.0)

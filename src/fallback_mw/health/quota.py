@@ -23,10 +23,11 @@ import json
 import math
 import re
 import zlib
-from collections.abc import AsyncIterator, Iterable
-from datetime import UTC, datetime
+from collections.abc import AsyncIterator, Iterable, Sequence
+from datetime import datetime
 from typing import Any, Protocol
 
+from fallback_mw.health.pool import sent_at
 from fallback_mw.request.usage import body_coding, content_decoder
 
 PEEK_LIMIT = 4096  # bytes of a 429's body read before deciding
@@ -154,12 +155,12 @@ def body_retry_delay(error: dict[str, Any] | None) -> float | None:
 
 
 def quota_reset(
-    headers: Iterable[tuple[bytes, bytes]], body_prefix: bytes, *, now: datetime | None = None
+    headers: Sequence[tuple[bytes, bytes]], body_prefix: bytes, *, now: datetime | None = None
 ) -> float | None:
     """For a 429: None when it is a plain rate limit; otherwise the seconds until the
     quota resets, `math.inf` when the answer says the quota is spent but not when it comes
     back (the upstream's `quota_retire_ms` applies)."""
-    seconds = _header_quota(headers, now or datetime.now(UTC))
+    seconds = _header_quota(headers, now or sent_at(headers))
     if seconds is not None:
         return seconds
     error = _body_error(body_prefix)
