@@ -273,3 +273,44 @@ async def test_a_moment_an_answer_names_is_counted_from_its_own_date(
         assert not await key_a_back_after(client, pool)
         clock.now += 30
         assert await key_a_back_after(client, pool)
+
+
+@pytest.mark.slow
+async def test_a_fault_ends_on_time_on_a_gateway_host_that_was_suspended(
+    tmp_path: Path,
+) -> None:
+    # A gateway carries the store's clock on its monotonic clock between reads of it; that
+    # clock stops while the host is suspended (a paused VM), so a fault read before a ten
+    # minute pause stayed on for ten minutes past its end. While a fault is set, the
+    # store's clock is read again at every wake of the reloader.
+    store = f"sqlite:///{tmp_path / 'store.db'}"
+    async with (
+        upstream(status_handler(200, b"primary")) as primary,
+        upstream(status_handler(200, b"backup")) as backup,
+    ):
+        status, out, err = await cli(
+            "faults", "set", "fail", "--store", store, "--upstream", "primary", "--ttl", "3"
+        )
+        assert status == 0, err
+        expiry = expires_at(out)
+        gateway = Gateway(
+            host_app, config=faults_config(store, primary.url, backup.url), environ={}
+        )
+        runtime = gateway.services.store
+        assert runtime is not None
+        runtime.poll_interval = 0.05
+        paused = 0.0
+
+        def monotonic() -> float:  # this host's monotonic clock, which stops in a pause
+            return time.monotonic() - paused
+
+        runtime.faults._clock = monotonic
+        try:
+            during = await get(gateway)
+            paused = 600.0  # the host was suspended for ten minutes
+            await asyncio.sleep(max(expiry + 0.5 - time.time(), 0))
+            after = await get(gateway)
+        finally:
+            await gateway.aclose()
+    assert (during.text, during.headers.get("x-gateway-fault")) == ("backup", "1")
+    assert after.text == "primary" and "x-gateway-fault" not in after.headers

@@ -57,22 +57,31 @@ class StoreFaults:
         *,
         on_use: Callable[[], None] | None = None,
         on_close: Callable[[], object] | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] | None = None,
         engine: str = "aiohttp",
     ) -> None:
         self.snapshot = FaultSnapshot()
         self._blackhole = Blackhole(engine)  # its listener starts on the first blackhole
         self._on_use = on_use or (lambda: None)
         self._on_close = on_close
-        self._clock = clock
-        # The store's clock minus `clock`: this host's wall clock until a reload measures it.
-        self._offset = time.time() - clock()
+        self._clock = time.monotonic if clock is None else clock
+        # The store's clock minus `_clock`: this host's wall clock until a reload reads it.
+        self._offset = time.time() - self._clock()
 
     def update(self, faults: Iterable[Fault], store_now: float | None = None) -> None:
         """The store's faults, read when its clock said `store_now` (when given)."""
         if store_now is not None:
-            self._offset = store_now - self._clock()
+            self.store_clock_read(store_now)
         self.snapshot = FaultSnapshot(faults)  # swapped whole: readers never see a half
+
+    def store_clock_read(self, store_now: float) -> None:
+        """The store's clock said `store_now` just now."""
+        self._offset = store_now - self._clock()
+
+    def any_active(self) -> bool:
+        now = self._now()
+        return any(f.active(now) for f in (*self.snapshot.upstreams.values(),
+                                           *self.snapshot.pins.values()))  # fmt: skip
 
     def _now(self) -> float:
         return self._clock() + self._offset

@@ -231,6 +231,11 @@ class StoreRuntime:
                     ", ".join(unreadable),
                 )
             self._serials = (self._serials[0], faults_serial)
+        elif self.faults.any_active():
+            # While a fault is set, the store's clock is read at every wake (a poll, or the
+            # expiry): the monotonic clock that carries it stops while this host is
+            # suspended (a VM paused), and a fault would outlast its end by that pause.
+            self.faults.store_clock_read(await store.clock())
 
     async def _run(self) -> None:
         store: RouteStore | None = None
