@@ -37,6 +37,9 @@ from fallback_mw.security import (
     Allowlist,
     parse_ip,
 )
+from fallback_mw.store.ledgers.schema import COMPONENT as LEDGER_COMPONENT
+from fallback_mw.store.ledgers.schema import SchemaTooNew
+from fallback_mw.store.ledgers.schema import check_version as check_ledger_version
 from fallback_mw.store.model import StoreError
 from fallback_mw.store.routes import MergedRoutes, merge_routes, open_store
 from fallback_mw.store_url import StoreURLError, is_redis_url, parse_store_url
@@ -54,8 +57,17 @@ def resolve_routes(config: GatewayConfig) -> tuple[MergedRoutes, set[str]]:
         store = open_store(url)
         try:
             stored = await store.load_routes()
+            # The ledger shares the store; it is opened lazily, on a first request. One a
+            # newer version migrated (a downgrade, an old process started beside new ones)
+            # would refuse every budgeted request and drop every usage record: refused here,
+            # as a newer route schema is.
+            ledger_version = await store.schema_version(LEDGER_COMPONENT)
         finally:
             await store.aclose()
+        try:
+            check_ledger_version(ledger_version)
+        except SchemaTooNew as exc:
+            raise Refused(f"cannot use the store's budget ledger: {exc}") from None
         return merge_routes(config, stored, environ=os.environ)
 
     try:

@@ -137,6 +137,9 @@ class AbsentStore:
     ) -> int:
         return 0
 
+    async def schema_version(self, component: str) -> int:
+        return 0
+
     async def change_serials(self) -> tuple[int, int]:
         return 0, 0
 

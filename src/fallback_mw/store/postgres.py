@@ -318,6 +318,10 @@ class PostgresStore:
             status = await self._execute("DELETE FROM fmw_faults")
         return int(status.rsplit(" ", 1)[-1])
 
+    async def schema_version(self, component: str) -> int:
+        rows = await self._fetch("SELECT version FROM fmw_schema WHERE component = $1", component)
+        return int(rows[0]["version"]) if rows else 0
+
     # --- change detection -------------------------------------------------------------
 
     async def change_serials(self) -> tuple[int, int]:

@@ -86,6 +86,11 @@ class RouteStore(Protocol):
         `faults set --replace`)."""
         ...
 
+    async def schema_version(self, component: str) -> int:
+        """The version the shared `fmw_schema` table records for `component` (another
+        component's, such as the ledger's), 0 when it has none yet."""
+        ...
+
     async def change_serials(self) -> tuple[int, int]:
         """(routes, faults) counters, bumped by triggers on every change: the cheap check."""
         ...

@@ -280,6 +280,14 @@ class SqliteStore:
 
         return await self._run(clear)
 
+    async def schema_version(self, component: str) -> int:
+        row = await self._run(
+            lambda c: c.execute(
+                "SELECT version FROM fmw_schema WHERE component = ?", (component,)
+            ).fetchone()
+        )
+        return 0 if row is None else int(row[0])
+
     # --- change detection -------------------------------------------------------------
 
     async def change_serials(self) -> tuple[int, int]:
