@@ -12,10 +12,13 @@ from pathlib import Path
 import asyncpg
 import pytest
 
+from fallback_mw import Gateway
+from fallback_mw.store.ledgers.memory import MemoryLedger
 from fallback_mw.store.ledgers.schema import LATEST_VERSION
-from tests.helpers import free_port
+from tests.helpers import client_for, free_port
 from tests.test_cli_admin import cli
 from tests.test_cli_convention import assert_one_error_line
+from tests.upstreams import host_app
 
 CONFIG = """
 [gateway]
@@ -91,3 +94,32 @@ async def test_check_and_serve_refuse_a_ledger_schema_written_by_a_newer_version
     line = assert_one_error_line(serve, 2)
     assert said in line, line
     assert "serving on" not in serve.stdout + serve.stderr
+
+
+@pytest.mark.anyio
+async def test_a_gateway_in_a_host_app_refuses_a_ledger_schema_written_by_a_newer_version(
+    ledger_store: str, tmp_path: Path
+) -> None:
+    # The same downgrade with the Gateway in a host's asgi.py (no `serve`): it started and
+    # every request of a budgeted route was a 503 budget_unavailable, every usage record
+    # dropped. It is refused as a newer route schema is: the lifespan startup fails naming
+    # it, and without a lifespan each routed request is a 503 config_error saying so. A
+    # ledger the host hands in is its own: the store's ledger schema is then not its concern.
+    status, _, err = await cli(
+        "budgets", "set", "--store", ledger_store, "--budget", "b", "--limit", "1"
+    )
+    assert status == 0, err
+    await set_schema_version(ledger_store, "ledger", LATEST_VERSION + 1)
+    path = tmp_path / "gateway.toml"
+    path.write_text(CONFIG.format(store=ledger_store), encoding="utf-8")
+    gateway = Gateway(host_app, config=path, environ=ENV)
+    said = f"the store's ledger schema is version {LATEST_VERSION + 1}"
+    assert gateway.config_error is not None and said in gateway.config_error
+    async with client_for(gateway) as client:
+        answer = await client.get("/v1/models")
+    assert answer.status_code == 503 and said in answer.json()["error"]["message"]
+    own = Gateway(host_app, config=path, environ=ENV, ledger=MemoryLedger())
+    try:
+        assert own.config_error is None
+    finally:
+        await own.aclose()

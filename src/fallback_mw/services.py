@@ -139,6 +139,7 @@ def build_services(
             environ=environ,
             meter_provider=meter_provider or telemetry.meter_provider,
             series_at_zero=telemetry.series_at_zero,
+            ledger_schema=ledger is None,
         )
         runtime.load_initial()
         table = runtime.table

@@ -26,6 +26,9 @@ from fallback_mw.config import ConfigError, GatewayConfig, RouteConfig
 from fallback_mw.extras import package_version
 from fallback_mw.routing import RouteTable
 from fallback_mw.store.faults import StoreFaults
+from fallback_mw.store.ledgers.schema import COMPONENT as LEDGER_COMPONENT
+from fallback_mw.store.ledgers.schema import SchemaTooNew
+from fallback_mw.store.ledgers.schema import check_version as check_ledger_version
 from fallback_mw.store.model import StoreError
 from fallback_mw.store.outage import OutageLog
 from fallback_mw.store.routes import MergedRoutes, RouteStore, merge_routes, open_store
@@ -85,8 +88,12 @@ class StoreRuntime:
         store_factory: Callable[[str], RouteStore] = open_store,
         meter_provider: metrics.MeterProvider | None = None,
         series_at_zero: Callable[[metrics.Counter], None] | None = None,
+        ledger_schema: bool = False,
     ) -> None:
         self.config = config
+        # The store's ledger is the gateway's (no ledger handed in): its schema is checked
+        # with the first load (load_initial).
+        self._ledger_schema = ledger_schema
         self.url = url
         self.environ = os.environ if environ is None else environ
         kind = parse_store_url(url).kind
@@ -174,17 +181,23 @@ class StoreRuntime:
         """Blocking first load at construction: a store the gateway would refuse stops it
         from starting (ConfigError), like a bad config file."""
 
-        async def load() -> None:
+        async def load() -> int:
             store = self._store_factory(self.url)
             try:
                 await self.refresh(store, initial=True)
+                # The ledger opens on a first request: one a newer version migrated would
+                # refuse every budgeted request and drop every usage record. Refused here,
+                # as a newer route schema is.
+                return await store.schema_version(LEDGER_COMPONENT) if self._ledger_schema else 0
             finally:
                 await store.aclose()
 
         try:
-            run_blocking(load)
+            check_ledger_version(run_blocking(load))
         except StoreError as exc:
             raise ConfigError(f"cannot load routes from the store: {exc}") from None
+        except SchemaTooNew as exc:
+            raise ConfigError(f"cannot use the store's budget ledger: {exc}") from None
 
     def _refresh_lock(self) -> asyncio.Lock:
         # One lock per event loop (the first load runs in a private one).
