@@ -3,18 +3,21 @@ this one (docs/operations.md, "Upgrading")."""
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 import subprocess
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 
 import asyncpg
 import pytest
 
 from fallback_mw import Gateway
+from fallback_mw.budget.ledger import window_start
 from fallback_mw.store.ledgers.memory import MemoryLedger
-from fallback_mw.store.ledgers.schema import LATEST_VERSION
+from fallback_mw.store.ledgers.schema import LATEST_VERSION, encode_sqlite_time, migrations
 from tests.helpers import client_for, free_port
 from tests.test_cli_admin import cli
 from tests.test_cli_convention import assert_one_error_line
@@ -123,3 +126,87 @@ async def test_a_gateway_in_a_host_app_refuses_a_ledger_schema_written_by_a_newe
         assert own.config_error is None
     finally:
         await own.aclose()
+
+
+async def write_ledger_v1(store: str) -> None:
+    """A ledger as the first schema left it (no duration_ms, no rule, no reaped holds), with
+    a budget, its month's spend and one usage record: what an older version wrote."""
+    now = datetime.now(UTC)
+    steps = migrations("sqlite" if store.startswith("sqlite:") else "postgresql")[1]
+    usage = (
+        "req-1", "chat", "acme", "b", '["primary"]',
+        '[{"candidate": "primary", "status": 200}]', "primary", "served", 200,
+        "gpt-4o-mini", 10, 20, 1_500_000, 1_500_000,
+    )  # fmt: skip
+    schema = "CREATE TABLE fmw_schema (component TEXT PRIMARY KEY, version INTEGER NOT NULL)"
+    if store.startswith("sqlite:///"):
+        with sqlite3.connect(store.removeprefix("sqlite:///")) as conn:
+            for statement in [schema, *steps]:
+                conn.execute(statement)
+            conn.execute("INSERT INTO fmw_schema VALUES ('ledger', 1)")
+            conn.execute(
+                "INSERT INTO fmw_budgets VALUES ('b', 7000000000, 'month', 10000000, ?)",
+                (encode_sqlite_time(now),),
+            )
+            conn.execute(
+                "INSERT INTO fmw_budget_windows VALUES ('b', ?, 1500000, 0)",
+                (window_start("month", now),),
+            )
+            conn.execute(
+                f"INSERT INTO fmw_usage (at, request_id, route, tenant, budget_id, candidates, "
+                f"attempts, chosen, outcome, status, model, input_tokens, output_tokens, "
+                f"cost_units, charged_units) VALUES ({', '.join('?' * 15)})",
+                (encode_sqlite_time(now), *usage),
+            )
+        return
+    conn = await asyncpg.connect(store)
+    try:
+        for statement in [schema, *steps]:
+            await conn.execute(statement)
+        await conn.execute("INSERT INTO fmw_schema VALUES ('ledger', 1)")
+        await conn.execute(
+            "INSERT INTO fmw_budgets VALUES ('b', 7000000000, 'month', 10000000, now())"
+        )
+        await conn.execute(
+            "INSERT INTO fmw_budget_windows VALUES ('b', $1, 1500000, 0)",
+            window_start("month", now),
+        )
+        await conn.execute(
+            "INSERT INTO fmw_usage (at, request_id, route, tenant, budget_id, candidates, "
+            "attempts, chosen, outcome, status, model, input_tokens, output_tokens, "
+            f"cost_units, charged_units) VALUES ({', '.join(f'${i}' for i in range(1, 16))})",
+            now, *usage,
+        )  # fmt: skip
+    finally:
+        await conn.close()
+
+
+@pytest.mark.anyio
+async def test_an_older_ledger_is_named_by_check_and_migrated_with_every_row(
+    ledger_store: str, tmp_path: Path
+) -> None:
+    # A platform team's pre-rollout `check` against the production store said nothing of
+    # the ledger the new package was about to migrate, one way: once any command of it
+    # used the ledger (a gateway's first request, or `usage` from an operator's laptop),
+    # every gateway of the old version that restarted refused it. `check` now says so;
+    # the migration keeps every row, the older records reading with no duration or rule.
+    await write_ledger_v1(ledger_store)
+    path = tmp_path / "gateway.toml"
+    path.write_text(CONFIG.format(store=ledger_store), encoding="utf-8")
+    result = fallback_mw("check", "--config", str(path))
+    assert result.returncode == 0, result.stderr
+    assert (
+        f"  warning: the store's ledger schema is version 1: this package migrates it to "
+        f"version {LATEST_VERSION} on its first use" in result.stdout
+    ), result.stdout
+    assert result.stdout.endswith("is valid: 1 route(s), 1 warning(s)\n")
+    status, out, err = await cli("usage", "--store", ledger_store, "--json")
+    assert status == 0, err
+    (record,) = [json.loads(line) for line in out.splitlines()]
+    assert record["request_id"] == "req-1" and record["charged"] == "0.0015"
+    assert record.get("duration_ms") is None and record["rule"] is None
+    status, out, err = await cli("budgets", "show", "--store", ledger_store, "--budget", "b")
+    assert status == 0, err
+    assert out.splitlines()[1].split()[3:5] == ["7.00", "0.0015"], out
+    result = fallback_mw("check", "--config", str(path))
+    assert result.returncode == 0 and "warning" not in result.stdout, result.stdout

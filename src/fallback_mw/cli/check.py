@@ -38,6 +38,7 @@ from fallback_mw.security import (
     parse_ip,
 )
 from fallback_mw.store.ledgers.schema import COMPONENT as LEDGER_COMPONENT
+from fallback_mw.store.ledgers.schema import LATEST_VERSION as LATEST_LEDGER_VERSION
 from fallback_mw.store.ledgers.schema import SchemaTooNew
 from fallback_mw.store.ledgers.schema import check_version as check_ledger_version
 from fallback_mw.store.model import StoreError
@@ -45,15 +46,16 @@ from fallback_mw.store.routes import MergedRoutes, merge_routes, open_store
 from fallback_mw.store_url import StoreURLError, is_redis_url, parse_store_url
 
 
-def resolve_routes(config: GatewayConfig) -> tuple[MergedRoutes, set[str]]:
-    """File routes merged with the store's, refused exactly as a starting gateway would."""
+def resolve_routes(config: GatewayConfig) -> tuple[MergedRoutes, set[str], int]:
+    """File routes merged with the store's, refused exactly as a starting gateway would; the
+    ids of the store's; the version of the store's ledger schema (0: none yet, no store)."""
     url = config.gateway.store
     if url is None:
-        return MergedRoutes(config.routes, dict(config.upstreams)), set()
+        return MergedRoutes(config.routes, dict(config.upstreams)), set(), 0
 
-    async def load() -> MergedRoutes:
+    async def load() -> tuple[MergedRoutes, int]:
         if missing_sqlite_file(url) is not None:  # like nginx -t, check creates nothing
-            return merge_routes(config, [], environ=os.environ)
+            return merge_routes(config, [], environ=os.environ), 0
         store = open_store(url)
         try:
             stored = await store.load_routes()
@@ -68,16 +70,30 @@ def resolve_routes(config: GatewayConfig) -> tuple[MergedRoutes, set[str]]:
             check_ledger_version(ledger_version)
         except SchemaTooNew as exc:
             raise Refused(f"cannot use the store's budget ledger: {exc}") from None
-        return merge_routes(config, stored, environ=os.environ)
+        return merge_routes(config, stored, environ=os.environ), ledger_version
 
     try:
-        merged = run(load)
+        merged, ledger_version = run(load)
     except StoreURLError:
         raise  # an option the driver refuses: a refusal already, in its own words
     except StoreError as exc:  # serve's own refusal of the same file (store/reload.py)
         raise Refused(f"cannot load routes from the store: {exc}") from None
     file_ids = {route.id for route in config.routes}
-    return merged, {route.id for route in merged.routes if route.id not in file_ids}
+    from_store = {route.id for route in merged.routes if route.id not in file_ids}
+    return merged, from_store, ledger_version
+
+
+def ledger_migration(version: int) -> str | None:
+    """The warning for a store whose ledger an older version wrote: this package migrates it
+    on first use, one way (docs/operations.md, Upgrading)."""
+    if not 0 < version < LATEST_LEDGER_VERSION:
+        return None
+    return (
+        f"the store's ledger schema is version {version}: this package migrates it to "
+        f"version {LATEST_LEDGER_VERSION} on its first use (a gateway's first budgeted "
+        "request or usage record; budgets, usage, capacity), after which a gateway of an "
+        "older version that starts refuses it (see Upgrading in docs/operations.md)"
+    )
 
 
 def _credential(upstream: UpstreamConfig) -> str:
@@ -516,13 +532,21 @@ class Warnings:
 
 
 def config_warnings(
-    config_path: str, config: GatewayConfig, merged: MergedRoutes, from_store: set[str]
+    config_path: str,
+    config: GatewayConfig,
+    merged: MergedRoutes,
+    from_store: set[str],
+    ledger_version: int = 0,
 ) -> Warnings:
     """Everything valid but probably not meant in the configuration at `config_path`, its
-    store's routes (`merged`, from `resolve_routes`) included. Names only, never a value."""
+    store's routes (`merged`, from `resolve_routes`) and ledger schema version included.
+    Names only, never a value."""
     settings = config.gateway
     store: list[str] = []
     if settings.store is not None:
+        migration = ledger_migration(ledger_version)
+        if migration is not None:
+            store.append(migration)
         elsewhere = relative_store_elsewhere(config_path, settings.store)
         if elsewhere is not None:
             store.append(elsewhere)
@@ -561,9 +585,9 @@ def config_warnings(
 
 def check(args: argparse.Namespace, console: Console) -> None:
     config = load_config(args.config)  # every refusal, unset variables included
-    merged, from_store = resolve_routes(config)
+    merged, from_store, ledger_version = resolve_routes(config)
     settings = config.gateway
-    found = config_warnings(args.config, config, merged, from_store)
+    found = config_warnings(args.config, config, merged, from_store, ledger_version)
     warnings = found.count()
     state = state_line(settings.state)
     if state is not None:

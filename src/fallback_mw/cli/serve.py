@@ -224,8 +224,8 @@ def serve(args: argparse.Namespace, console: Console) -> int | None:
     # starts. What `check` warns about is said once, when the address is bound, before
     # "serving on" (a start that fails stays one error line); its Redis line aside: the
     # gateway says an unusable Redis itself, at its start.
-    merged, from_store = resolve_routes(config)
-    warnings = config_warnings(args.config, config, merged, from_store).lines()
+    merged, from_store, ledger_version = resolve_routes(config)
+    warnings = config_warnings(args.config, config, merged, from_store, ledger_version).lines()
     try:  # N > 1 with the Prometheus exporter: one port per worker, checked up front
         from fallback_mw.cli.otel_setup import TelemetrySetupError, check_workers
 
