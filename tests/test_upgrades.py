@@ -210,3 +210,47 @@ async def test_an_older_ledger_is_named_by_check_and_migrated_with_every_row(
     assert out.splitlines()[1].split()[3:5] == ["7.00", "0.0015"], out
     result = fallback_mw("check", "--config", str(path))
     assert result.returncode == 0 and "warning" not in result.stdout, result.stdout
+
+
+@pytest.mark.anyio
+async def test_check_names_a_stored_budget_this_version_cannot_read(
+    ledger_store: str, tmp_path: Path
+) -> None:
+    # An older version stored a budget this one refuses to read (a limit above the ledger's
+    # bound, from before it was bounded; a window a newer version added): `check` called
+    # the store valid, then every request of the routes spending it was a 503
+    # budget_unavailable. So was a route whose budget is defined nowhere. `check` now warns
+    # under each such route, naming the budget and the command that fixes it.
+    status, _, err = await cli(
+        "budgets", "set", "--store", ledger_store, "--budget", "big", "--limit", "5"
+    )
+    assert status == 0, err
+    if ledger_store.startswith("sqlite:///"):
+        with sqlite3.connect(ledger_store.removeprefix("sqlite:///")) as conn:
+            conn.execute("UPDATE fmw_budgets SET limit_units = 5000000000000000000")
+    else:
+        conn = await asyncpg.connect(ledger_store)
+        try:
+            await conn.execute("UPDATE fmw_budgets SET limit_units = 5000000000000000000")
+        finally:
+            await conn.close()
+    path = tmp_path / "gateway.toml"
+    config = CONFIG.format(store=ledger_store) + 'budget = "big"\n'
+    path.write_text(config, encoding="utf-8")
+    result = fallback_mw("check", "--config", str(path))
+    assert result.returncode == 0, result.stderr
+    assert (
+        "  warning: stored budget 'big' is a row this version cannot read (a window or amount "
+        "another version or a hand edit wrote): `fallback-mw budgets set --budget ID --limit "
+        "...` stores it again; until then every request of this route is refused 503 "
+        "budget_unavailable\n" in result.stdout
+    ), result.stdout
+    path.write_text(config.replace('"big"', '"nowhere"'), encoding="utf-8")
+    result = fallback_mw("check", "--config", str(path))
+    assert result.returncode == 0, result.stderr
+    assert (
+        "  warning: budget 'nowhere', which this route spends, is defined neither in the "
+        "configuration ([budgets.nowhere]) nor in the store: every request of this route is "
+        "refused 503 budget_unavailable; define it (`fallback-mw budgets set --budget nowhere "
+        "--limit AMOUNT`) or correct the route's budget\n" in result.stdout
+    ), result.stdout

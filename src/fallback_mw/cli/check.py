@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from fallback_mw.budget.ledger import BudgetUnreadable, LedgerUnavailable
 from fallback_mw.cli.app import Console, Refused, leaf, run
 from fallback_mw.cli.target import (
     missing_sqlite_file,
@@ -37,6 +38,7 @@ from fallback_mw.security import (
     Allowlist,
     parse_ip,
 )
+from fallback_mw.store.ledgers import open_ledger
 from fallback_mw.store.ledgers.schema import COMPONENT as LEDGER_COMPONENT
 from fallback_mw.store.ledgers.schema import LATEST_VERSION as LATEST_LEDGER_VERSION
 from fallback_mw.store.ledgers.schema import SchemaTooNew
@@ -81,6 +83,56 @@ def resolve_routes(config: GatewayConfig) -> tuple[MergedRoutes, set[str], int]:
     file_ids = {route.id for route in config.routes}
     from_store = {route.id for route in merged.routes if route.id not in file_ids}
     return merged, from_store, ledger_version
+
+
+def budget_warnings(
+    config: GatewayConfig, merged: MergedRoutes, ledger_version: int
+) -> dict[str, list[str]]:
+    """Per route id: the budget it spends is defined nowhere, or stored in a row this
+    version cannot read (another version wrote it): a gateway refuses each of its requests
+    503 budget_unavailable. Only a ledger at this package's schema (or none yet) is read:
+    reading an older one would migrate it."""
+    url = config.gateway.store
+    wanted = {r.budget for r in merged.routes if r.budget and r.budget not in config.budgets}
+    if url is None or not wanted or missing_sqlite_file(url) is not None:
+        return {}
+    if ledger_version not in (0, LATEST_LEDGER_VERSION):
+        return {}
+    refused = "every request of this route is refused 503 budget_unavailable"
+    found: dict[str, str] = {}
+
+    def nowhere(budget_id: str) -> str:
+        return (
+            f"budget {budget_id!r}, which this route spends, is defined neither in the "
+            f"configuration ([budgets.{budget_id}]) nor in the store: {refused}; define it "
+            f"(`fallback-mw budgets set --budget {budget_id} --limit AMOUNT`) or correct the "
+            "route's budget"
+        )
+
+    async def read() -> None:
+        ledger = open_ledger(url)
+        try:
+            for budget_id in sorted(wanted):
+                try:
+                    if await ledger.stored_budget(budget_id) is None:
+                        found[budget_id] = nowhere(budget_id)
+                except BudgetUnreadable:
+                    found[budget_id] = f"{BudgetUnreadable.named(budget_id)}; until then {refused}"
+        finally:
+            await ledger.aclose()
+
+    if ledger_version == 0:  # no ledger yet: no budget is stored
+        found = {budget_id: nowhere(budget_id) for budget_id in wanted}
+    else:
+        try:
+            run(read)
+        except LedgerUnavailable:
+            return {}  # the store's own line says why
+    return {
+        route.id: [found[route.budget]]
+        for route in merged.routes
+        if route.budget is not None and route.budget in found
+    }
 
 
 def ledger_migration(version: int) -> str | None:
@@ -588,6 +640,8 @@ def check(args: argparse.Namespace, console: Console) -> None:
     merged, from_store, ledger_version = resolve_routes(config)
     settings = config.gateway
     found = config_warnings(args.config, config, merged, from_store, ledger_version)
+    for route_id, lines in budget_warnings(config, merged, ledger_version).items():
+        found.routes[route_id].extend(lines)
     warnings = found.count()
     state = state_line(settings.state)
     if state is not None:
