@@ -3,6 +3,7 @@ this one (docs/operations.md, "Upgrading")."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sqlite3
@@ -17,7 +18,9 @@ import pytest
 from fallback_mw import Gateway
 from fallback_mw.budget.ledger import window_start
 from fallback_mw.store.ledgers.memory import MemoryLedger
+from fallback_mw.store.ledgers.postgres import PostgresLedger
 from fallback_mw.store.ledgers.schema import LATEST_VERSION, encode_sqlite_time, migrations
+from fallback_mw.store.postgres import PostgresStore
 from tests.helpers import client_for, free_port
 from tests.test_cli_admin import cli
 from tests.test_cli_convention import assert_one_error_line
@@ -254,3 +257,28 @@ async def test_check_names_a_stored_budget_this_version_cannot_read(
         "refused 503 budget_unavailable; define it (`fallback-mw budgets set --budget nowhere "
         "--limit AMOUNT`) or correct the route's budget\n" in result.stdout
     ), result.stdout
+
+
+@pytest.mark.anyio
+async def test_the_route_store_and_the_ledger_migrate_a_new_postgres_database_at_once(
+    pg_url: str,
+) -> None:
+    # A provisioning script running `routes add` and `budgets set` side by side (or a
+    # gateway starting beside a `budgets set`) on a new database: both components created
+    # the shared fmw_schema table at once, each under its own migration lock, and
+    # PostgreSQL refused one (duplicate key ... pg_type_typname_nsp_index): a raw asyncpg
+    # error out of the route store, 'PostgreSQL ledger unavailable' out of the ledger. Every
+    # try below failed before; the components now take one more lock to create it.
+    for _ in range(4):
+        store, ledger = PostgresStore(pg_url), PostgresLedger(pg_url)
+        try:
+            routes, budgets = await asyncio.gather(store.load_routes(), ledger.stored_budgets())
+        finally:
+            await store.aclose()
+            await ledger.aclose()
+        assert (routes, budgets) == ([], {})
+        conn = await asyncpg.connect(pg_url)
+        try:  # a new database again
+            await conn.execute("DROP SCHEMA public CASCADE; CREATE SCHEMA public")
+        finally:
+            await conn.close()

@@ -26,6 +26,11 @@ class StoreError(RuntimeError):
 
 SCHEMA_COMPONENT = "routes"  # the route stores' row in the shared `fmw_schema` table
 SCHEMA_VERSION = 1  # both dialects' migrations lead to this version
+# The pg_advisory_xact_lock key every component's PostgreSQL migration (the route store's,
+# the ledger's) takes after its own, before creating the shared `fmw_schema` table: two
+# components migrating a new database at once each ran CREATE TABLE IF NOT EXISTS under its
+# own lock, and PostgreSQL refused one of them (a unique violation in pg_type).
+SCHEMA_TABLE_LOCK = 0x666D775F736368  # "fmw_sch"
 
 
 def pending_migrations(current: int, steps: Sequence[Sequence[str]]) -> list[str]:

@@ -18,6 +18,7 @@ except ImportError:
 
 from fallback_mw.store.model import (
     SCHEMA_COMPONENT,
+    SCHEMA_TABLE_LOCK,
     SCHEMA_VERSION,
     Fault,
     RouteExists,
@@ -115,6 +116,7 @@ class PostgresStore:
     async def _migrate(self, conn: asyncpg.Connection[Any]) -> None:
         async with conn.transaction():
             await conn.execute("SELECT pg_advisory_xact_lock($1)", _MIGRATION_LOCK)
+            await conn.execute("SELECT pg_advisory_xact_lock($1)", SCHEMA_TABLE_LOCK)
             await conn.execute(
                 "CREATE TABLE IF NOT EXISTS fmw_schema "
                 "(component TEXT PRIMARY KEY, version INTEGER NOT NULL)"

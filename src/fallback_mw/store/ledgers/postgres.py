@@ -58,6 +58,7 @@ from fallback_mw.store.ledgers.schema import (
     usage_from_row,
     usage_values,
 )
+from fallback_mw.store.model import SCHEMA_TABLE_LOCK
 from fallback_mw.store.outage import OutageLog
 from fallback_mw.store_url import StoreURLError, driver_reason, redact_url, unusable_store
 
@@ -868,6 +869,7 @@ async def _migrate(conn: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy) 
     async with conn.transaction():
         # One migrator at a time across every process sharing the database.
         await conn.execute("SELECT pg_advisory_xact_lock($1)", _MIGRATION_LOCK)
+        await conn.execute("SELECT pg_advisory_xact_lock($1)", SCHEMA_TABLE_LOCK)
         await conn.execute(SCHEMA_TABLE)
         current = await conn.fetchval(
             "SELECT version FROM fmw_schema WHERE component = $1", COMPONENT
