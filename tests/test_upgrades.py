@@ -22,7 +22,7 @@ from fallback_mw.store.ledgers.postgres import PostgresLedger
 from fallback_mw.store.ledgers.schema import LATEST_VERSION, encode_sqlite_time, migrations
 from fallback_mw.store.postgres import PostgresStore
 from tests.helpers import client_for, free_port
-from tests.test_cli_admin import cli
+from tests.test_cli_admin import cli, run_cli
 from tests.test_cli_convention import assert_one_error_line
 from tests.upstreams import host_app
 
@@ -282,3 +282,37 @@ async def test_the_route_store_and_the_ledger_migrate_a_new_postgres_database_at
             await conn.execute("DROP SCHEMA public CASCADE; CREATE SCHEMA public")
         finally:
             await conn.close()
+
+
+def test_check_says_how_many_stored_routes_a_newer_version_refuses(tmp_path: Path) -> None:
+    # Rules tightened by an upgrade refuse every stored record an older version accepted
+    # (here an upstream url template and a prefix with a dot segment, both stored by the
+    # admin CLI of a few days before). `check` named only the first: the operator removed
+    # it, ran check again, and met the next one, one at a time. The one line now says how
+    # many more there are and where they are all named.
+    db = tmp_path / "gw.db"
+    store = f"sqlite:///{db}"
+    status, _, err = run_cli(
+        "routes", "add", "--store", store, "--id", "ok", "--prefix", "/ok/",
+        "--upstream", "http://127.0.0.1:9001", "--auth-env", "FMW_UPGRADE_KEY",
+    )  # fmt: skip
+    assert status == 0, err
+    for route_id, prefix, url in (
+        ("dots", "/v1/..;/", "http://127.0.0.1:9001"),
+        ("tpl", "/t/", "http://127.0.0.1:9001/deployments/{name}"),
+        ("zz", "/z/", "http://127.0.0.1:9001/a/../b"),
+    ):
+        name = f"{route_id}-primary"
+        doc = json.dumps({
+            "route": {"id": route_id, "plan": [name], "prefix": prefix},
+            "upstreams": {name: {"auth_env": "FMW_UPGRADE_KEY", "url": url}},
+        })  # fmt: skip
+        with sqlite3.connect(db) as conn:
+            conn.execute("INSERT INTO fmw_routes VALUES (?, ?, 0)", (route_id, doc))
+    path = tmp_path / "gateway.toml"
+    path.write_text(CONFIG.format(store=store), encoding="utf-8")
+    line = assert_one_error_line(fallback_mw("check", "--config", str(path)), 2)
+    assert "stored route 'dots': prefix: " in line and "routes remove --id dots" in line, line
+    assert line.endswith(
+        "; 2 more stored records do not load either (`fallback-mw routes list` names each)"
+    ), line

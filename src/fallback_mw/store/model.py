@@ -136,15 +136,27 @@ def stored_routes(
     """The records a backend read, as (id, doc), in order. A record that does not load is a
     ConfigError naming it, as every gateway refuses it; with `unreadable`, its reason goes
     there instead and the others still load (`routes list` shows the store and what to
-    remove)."""
+    remove). Several that do not load are one ConfigError: the first's reason and how many
+    more (a rule tightened by an upgrade refuses every record an older version stored; named
+    one at a time, each was found only once the one before was removed)."""
     routes = []
+    refused: list[ConfigError] = []
     for route_id, doc in rows:
         try:
             routes.append(StoredRoute.from_doc(route_id, doc))
         except ConfigError as exc:
             if unreadable is None:
-                raise
-            unreadable.append(str(exc))
+                refused.append(exc)
+            else:
+                unreadable.append(str(exc))
+    if len(refused) == 1:
+        raise refused[0]
+    if refused:
+        raise ConfigError(
+            f"{refused[0]}; {len(refused) - 1} more stored record"
+            f"{'s do' if len(refused) > 2 else ' does'} not load either "
+            "(`fallback-mw routes list` names each)"
+        )
     return routes
 
 
