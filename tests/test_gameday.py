@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import sqlite3
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -1404,3 +1405,31 @@ async def test_a_hang_up_clears_the_fault_like_ctrl_c(store: str, tmp_path: Path
     assert await _faults(store) == [], (process.returncode, stdout, stderr)
     assert process.returncode == 130
     assert json.loads(out.read_text())["status"] == "interrupted"
+
+
+def test_refuses_when_the_ledger_cannot_be_read_and_sets_nothing(
+    store: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A ledger the game day cannot read (here one a newer version migrated, after a
+    downgrade) was found out only after the fault was set: every gateway sharing the store
+    faulted the route's primary for that moment, then the game day failed. The ledger is
+    read first: refused, nothing set."""
+    db = Path(store).parent / "store.db"
+    assert (
+        main(["budgets", "set", "--store", f"sqlite:///{db}", "--budget", "b", "--limit", "1"]) == 0
+    )
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE fmw_schema SET version = version + 1 WHERE component = 'ledger'")
+    argv = [
+        *BASE, "--config", store, "--out", str(tmp_path / "r.json"),
+        "--predict", "p99_ms=3500", "--abort", "error_rate=1%",
+    ]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "ledger schema is version" in err and "nothing set" in err, err
+    with sqlite3.connect(db) as conn:  # no fault was ever written, not even for a moment
+        assert conn.execute(
+            "SELECT serial FROM fmw_route_changes WHERE name = 'faults'"
+        ).fetchone() == (0,)
+    assert not (tmp_path / "r.json").exists()

@@ -220,6 +220,15 @@ async def _run(
                     f"--predict alert:{unknown[0]}: Prometheus at {prometheus} has no alerting "
                     f"rule of that name ({hint}); nothing set"
                 )
+        try:
+            # The records the game day watches are read before the fault is set: a ledger it
+            # cannot read (unreachable, a schema a newer version migrated) was found out
+            # only once every gateway sharing the store had faulted the upstream.
+            await ledger.usage(route=exercise.route, limit=1)
+        except LedgerUnavailable as exc:
+            raise GameDayRefused(
+                f"cannot read the usage records it watches: {exc}; nothing set"
+            ) from None
         timeline, feed = await run_exercise(
             exercise, store, ledger, stop, console.print, started, alerts=alerts, give_up=give_up
         )
