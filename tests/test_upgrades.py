@@ -248,6 +248,10 @@ async def test_check_names_a_stored_budget_this_version_cannot_read(
         "...` stores it again; until then every request of this route is refused 503 "
         "budget_unavailable\n" in result.stdout
     ), result.stdout
+    # Defined in the file too: the stored row takes its place (the store wins), unreadable.
+    path.write_text(config + "\n[budgets.big]\nlimit = 1.0\n", encoding="utf-8")
+    result = fallback_mw("check", "--config", str(path))
+    assert "  warning: stored budget 'big' is a row this version cannot read" in result.stdout
     path.write_text(config.replace('"big"', '"nowhere"'), encoding="utf-8")
     result = fallback_mw("check", "--config", str(path))
     assert result.returncode == 0, result.stderr

@@ -93,7 +93,8 @@ def budget_warnings(
     503 budget_unavailable. Only a ledger at this package's schema (or none yet) is read:
     reading an older one would migrate it."""
     url = config.gateway.store
-    wanted = {r.budget for r in merged.routes if r.budget and r.budget not in config.budgets}
+    # A file's budget too: a stored row of the same id takes its place (the store wins).
+    wanted = {r.budget for r in merged.routes if r.budget}
     if url is None or not wanted or missing_sqlite_file(url) is not None:
         return {}
     if ledger_version not in (0, LATEST_LEDGER_VERSION):
@@ -114,7 +115,8 @@ def budget_warnings(
         try:
             for budget_id in sorted(wanted):
                 try:
-                    if await ledger.stored_budget(budget_id) is None:
+                    stored = await ledger.stored_budget(budget_id)
+                    if stored is None and budget_id not in config.budgets:
                         found[budget_id] = nowhere(budget_id)
                 except BudgetUnreadable:
                     found[budget_id] = f"{BudgetUnreadable.named(budget_id)}; until then {refused}"
@@ -122,7 +124,7 @@ def budget_warnings(
             await ledger.aclose()
 
     if ledger_version == 0:  # no ledger yet: no budget is stored
-        found = {budget_id: nowhere(budget_id) for budget_id in wanted}
+        found = {b: nowhere(b) for b in wanted if b not in config.budgets}
     else:
         try:
             run(read)
