@@ -10,6 +10,8 @@ import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from select import PIPE_BUF
+from typing import Any
 
 from fallback_mw.telemetry.request_log import (
     FLUSH_LINES,
@@ -61,6 +63,46 @@ def test_a_full_buffer_is_written_at_once() -> None:
         for number in range(FLUSH_LINES):
             handler.handle(record(f"n{number}"))
         assert stream.getvalue().count("\n") == FLUSH_LINES  # the last emit wrote them
+    finally:
+        handler.close()
+
+
+class Writes(io.RawIOBase):
+    """A raw stream recording each write system call `serve`'s stderr would make."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[bytes] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        self.calls.append(bytes(data))
+        return len(data)
+
+
+def test_each_write_holds_whole_lines_no_more_than_a_pipe_takes_whole() -> None:
+    """The workers of `serve --workers N` share one stderr pipe (systemd, Docker,
+    Kubernetes): a batch written in one write over PIPE_BUF was spliced with another
+    worker's when the pipe was full, tearing lines of both. Each write now holds whole
+    lines within PIPE_BUF; a line longer than that goes alone, whole."""
+    raw = Writes()
+    # As Python sets up a non-interactive stderr: buffered, line-buffered text.
+    stream = io.TextIOWrapper(io.BufferedWriter(raw), encoding="utf-8", line_buffering=True)
+    handler = LineHandler(stream)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    lines = [f"line {n} " + ("é" if n % 7 == 0 else "x") * 300 for n in range(FLUSH_LINES - 1)]
+    lines.insert(50, "long " + "y" * (2 * PIPE_BUF))
+    try:
+        for line in lines:
+            handler.handle(record(line))  # the last one fills the buffer: written at once
+        assert raw.calls, "nothing written"
+        assert len(raw.calls) > 1
+        for call in raw.calls:
+            assert call.endswith(b"\n")
+            assert len(call) <= PIPE_BUF or call.count(b"\n") == 1, len(call)
+        assert b"".join(raw.calls).decode() == "".join(f"{line}\n" for line in lines)
     finally:
         handler.close()
 

@@ -574,3 +574,83 @@ async def test_workers_export_otlp_counts_apart_under_one_given_instance_id(
         "shop.gw-7f9c.gateway-worker-0",
         "shop.gw-7f9c.gateway-worker-1",
     ], latest
+
+
+# A whole request line of a worker: its time, level, logger[pid], ... its duration, once.
+WHOLE_LINE = re.compile(
+    r"\d{4}-\d\d-\d\d [\d:,]+ (?:INFO|WARNING) fallback_mw\.request\[\d+\] gateway request "
+    r"route=\S+ (?:(?!fallback_mw\.request\[).)* duration_ms=[\d.]+"
+)
+
+
+@contextmanager
+def piped(config: Path, port: int) -> Iterator[subprocess.Popen[bytes]]:
+    """`serve --workers 2`, its stdout and stderr one pipe, as under a log collector."""
+    process = subprocess.Popen(
+        command(config, port, 2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        assert process.stdout is not None
+        process.stdout.close()
+
+
+@pytest.mark.anyio
+async def test_request_lines_of_two_workers_on_one_pipe_are_never_torn(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """Under systemd, Docker or Kubernetes the workers' output is one pipe (or socket) a log
+    collector reads. Each worker wrote its batch of request lines (up to 0.1 s of them) in
+    one write; a write to a pipe over PIPE_BUF (4 KiB) is not atomic, so when the collector
+    lagged and the pipe was full, the two workers' batches were spliced mid-line: a line
+    of one worker ran into a line of the other, both unparseable. Now every write holds
+    whole lines, at most PIPE_BUF bytes (a longer line alone)."""
+    names = [f"u{i}-" + "x" * 120 for i in range(8)]  # long lines: big batches
+    sent = 600
+    output = bytearray()
+    async with upstream(status_handler(200)) as up:
+        text = f'[gateway]\nstate = "{redis_url}"\n'
+        for i, name in enumerate(names):
+            text += f'[upstreams.{name}]\nurl = "{up.url}/p{i}"\n'
+        plan = ", ".join(f'"{name}"' for name in names)
+        text += f'[[routes]]\nid = "chat"\nprefix = "/v1/"\nretries = 7\nplan = [{plan}]\n'
+        (config := tmp_path / "gateway.toml").write_text(text)
+        port = free_port()
+        with piped(config, port) as process:
+            assert process.stdout is not None
+            out = process.stdout.fileno()
+            deadline = time.monotonic() + 30
+            while b"all 2 workers serving" not in output:
+                assert process.poll() is None and time.monotonic() < deadline, output.decode()
+                output += os.read(out, 65536)
+
+            def read_slowly() -> None:  # a collector that lags: small reads, a pause each
+                while chunk := os.read(out, 512):
+                    output.extend(chunk)
+                    time.sleep(0.003)
+
+            async def one(client: httpx.AsyncClient, limit: anyio.Semaphore) -> None:
+                async with limit:
+                    response = await client.get(f"http://127.0.0.1:{port}/v1/chat")
+                    assert response.status_code == 200
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(anyio.to_thread.run_sync, read_slowly)
+                async with (
+                    httpx.AsyncClient(timeout=60) as client,
+                    anyio.create_task_group() as load,
+                ):
+                    limit = anyio.Semaphore(32)
+                    for _ in range(sent):
+                        load.start_soon(one, client, limit)
+                await anyio.sleep(0.5)  # the last lines written; then stop and read to EOF
+                process.send_signal(signal.SIGINT)
+            assert process.wait(timeout=30) == 0
+    logged = [line for line in output.decode().splitlines() if "fallback_mw.request[" in line]
+    torn = [line for line in logged if not WHOLE_LINE.fullmatch(line)]
+    assert not torn, f"{len(torn)} torn of {len(logged)}: {torn[0][:300]!r}"
+    assert len(logged) == sent

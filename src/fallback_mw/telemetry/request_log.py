@@ -7,8 +7,10 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import select
 import threading
 import time
+from collections.abc import Iterator
 from typing import IO, Any
 
 from fallback_mw.request.context import AttemptRecord, RequestContext
@@ -216,6 +218,29 @@ class LineFormatter(logging.Formatter):
         return f"{stamp} {levelname} {name} {message}"
 
 
+# The largest write a pipe takes whole (POSIX: at least 512; Linux 4096). Under systemd,
+# Docker or Kubernetes the output of `serve --workers N` is one pipe or socket every worker
+# writes to: a larger write is spliced with another worker's when the reader lags.
+PIPE_BUF = getattr(select, "PIPE_BUF", 512)
+
+
+def whole_lines(lines: list[str], terminator: str = "\n") -> Iterator[str]:
+    """`lines` as pieces of whole lines, each at most PIPE_BUF bytes (a longer line alone),
+    so that no write of one process can splice a line of another's sharing the pipe."""
+    piece: list[str] = []
+    size = 0
+    for line in lines:
+        text = line + terminator
+        length = len(text) if text.isascii() else len(text.encode("utf-8", "replace"))
+        if piece and size + length > PIPE_BUF:
+            yield "".join(piece)
+            piece, size = [], 0
+        piece.append(text)
+        size += length
+    if piece:
+        yield "".join(piece)
+
+
 class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """A StreamHandler for a process that logs a line per request (`serve`): each
     record is formatted on the spot (its fields are read while they are current) and
@@ -294,7 +319,9 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
             pending, self._pending = self._pending, []
             if pending and self.stream is not None:
                 try:
-                    self.stream.write(self.terminator.join(pending) + self.terminator)
+                    for piece in whole_lines(pending, self.terminator):
+                        self.stream.write(piece)
+                        self.stream.flush()  # one write of whole lines each
                 except Exception:
                     return  # a full disk must not fail a request
             try:
