@@ -271,6 +271,15 @@ def test_prometheus_defaults_refusals_and_the_missing_extra(
         check_workers(
             3, {"OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_PROMETHEUS_PORT": "65534"}
         )
+    # Nor may a worker's port be the gateway's own (--port 0: any port, no clash).
+    prometheus = {"OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_PROMETHEUS_PORT": "9000"}
+    check_workers(2, prometheus, gateway_port=9002)
+    check_workers(1, prometheus, gateway_port=8999)
+    check_workers(1, {**prometheus, "OTEL_SDK_DISABLED": "true"}, gateway_port=9000)
+    with pytest.raises(TelemetrySetupError, match=r"port 9001, the gateway's own .*worker 1's"):
+        check_workers(2, prometheus, gateway_port=9001)
+    with pytest.raises(TelemetrySetupError, match=r"port 9000, the gateway's own \(--port; PORT\)"):
+        check_workers(1, prometheus, gateway_port=9000)
     monkeypatch.setitem(sys.modules, "opentelemetry.exporter.prometheus", None)
     with pytest.raises(TelemetrySetupError, match=r"exporter-prometheus.*fallback_mw\[otel\]"):
         configure_opentelemetry(set_global=False)

@@ -654,3 +654,45 @@ async def test_request_lines_of_two_workers_on_one_pipe_are_never_torn(
     torn = [line for line in logged if not WHOLE_LINE.fullmatch(line)]
     assert not torn, f"{len(torn)} torn of {len(logged)}: {torn[0][:300]!r}"
     assert len(logged) == sent
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_metrics_port_that_is_the_gateway_port_is_refused_in_one_line(
+    redis_url: str, tmp_path: Path, workers: int
+) -> None:
+    """`serve --workers 2 --port P` with OTEL_EXPORTER_PROMETHEUS_PORT=P-1: worker 1's
+    `/metrics` is on P + 1 - 1 = P, the gateway's own port. Its server bound it while the
+    workers' sockets were bound but not yet listening, and then took every connection to
+    the gateway: each API call was answered 200 with the metrics text. One process
+    (`--workers 1`, the metrics port = the gateway port) failed with "address already in
+    use", as if another program held it. Both are refused up front, naming the clash."""
+    config = write_config(
+        tmp_path / "gateway.toml",
+        f'state = "{redis_url}"',
+        "http://127.0.0.1:9",
+        "http://localhost:10",
+    )
+    port = free_port()
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
+        "OTEL_METRICS_EXPORTER": "prometheus",
+        "OTEL_TRACES_EXPORTER": "none",
+        "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1",
+        "OTEL_EXPORTER_PROMETHEUS_PORT": str(port - workers + 1),  # the last worker's: port
+    }
+    try:
+        result = subprocess.run(
+            command(config, port, workers),
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=False,
+            env=env,
+        )
+    except subprocess.TimeoutExpired as exc:  # it served, on a port /metrics had taken
+        raise AssertionError(f"serve started: {exc.stdout!r} {exc.stderr!r}") from None
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert "OTEL_EXPORTER_PROMETHEUS_PORT" in result.stderr
+    assert f"port {port}, the gateway's own" in result.stderr

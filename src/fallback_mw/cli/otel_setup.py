@@ -139,14 +139,31 @@ def prometheus_address(environ: Mapping[str, str], offset: int = 0) -> tuple[str
     return host, port + offset
 
 
-def check_workers(workers: int, environ: Mapping[str, str] | None = None) -> None:
-    """`serve --workers N` (N > 1) with the Prometheus exporter: each worker serves its own
-    counts on its own port, PORT .. PORT + N - 1 (docs/telemetry.md); refused up front when
-    that range would run past 65535."""
+def check_workers(
+    workers: int, environ: Mapping[str, str] | None = None, *, gateway_port: int = 0
+) -> None:
+    """`serve --workers N` with the Prometheus exporter: each worker serves its own counts
+    on its own port, PORT .. PORT + N - 1 (docs/telemetry.md); refused up front when that
+    range would run past 65535, or hold `gateway_port` (serve's own, when known): a
+    worker's `/metrics` server bound it before the gateway's sockets listened, and took
+    the gateway's connections."""
     environ = os.environ if environ is None else environ
     disabled = environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
-    if workers > 1 and not disabled and "prometheus" in _exporters(environ, "metrics"):
-        prometheus_address(environ, workers - 1)
+    if disabled or "prometheus" not in _exporters(environ, "metrics"):
+        return
+    _host, last = prometheus_address(environ, workers - 1)
+    first = last - (workers - 1)
+    if first <= gateway_port <= last:
+        whose = (
+            f"worker {gateway_port - first}'s, PORT + {gateway_port - first}"
+            if workers > 1
+            else "PORT"
+        )
+        raise TelemetrySetupError(
+            f"OTEL_EXPORTER_PROMETHEUS_PORT: /metrics would be served on port {gateway_port}, "
+            f"the gateway's own (--port; {whose}); choose a metrics port outside "
+            f"{gateway_port - workers + 1}..{gateway_port}"
+        )
 
 
 def _prometheus_reader(handle: OtelHandle, environ: Mapping[str, str], offset: int) -> Any:

@@ -226,10 +226,12 @@ def serve(args: argparse.Namespace, console: Console) -> int | None:
     # gateway says an unusable Redis itself, at its start.
     merged, from_store, ledger_version = resolve_routes(config)
     warnings = config_warnings(args.config, config, merged, from_store, ledger_version).lines()
-    try:  # N > 1 with the Prometheus exporter: one port per worker, checked up front
-        from fallback_mw.cli.otel_setup import TelemetrySetupError, check_workers
+    # The Prometheus exporter: one port per worker, none of them the gateway's, checked up
+    # front (with --port 0, once the supervisor has the port; one process cannot clash).
+    from fallback_mw.cli.otel_setup import TelemetrySetupError, check_workers
 
-        check_workers(args.workers)
+    try:
+        check_workers(args.workers, gateway_port=args.port)
     except TelemetrySetupError as exc:
         raise Refused(str(exc)) from None
     options: dict[str, Any] = server_options()
@@ -254,6 +256,11 @@ def serve(args: argparse.Namespace, console: Console) -> int | None:
             # The workers' own wait, then time to settle, close and exit, before SIGKILL.
             stop_grace=args.timeout_graceful_shutdown + STOP_MARGIN_SECONDS,
         )
+        try:
+            check_workers(args.workers, gateway_port=supervisor.port)
+        except TelemetrySetupError as exc:
+            supervisor.reservation.close()
+            raise Refused(str(exc)) from None
         for warning in warnings:
             console.warning(warning)
         console.print(
