@@ -584,10 +584,12 @@ WHOLE_LINE = re.compile(
 
 
 @contextmanager
-def piped(config: Path, port: int) -> Iterator[subprocess.Popen[bytes]]:
+def piped(
+    config: Path, port: int, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
     """`serve --workers 2`, its stdout and stderr one pipe, as under a log collector."""
     process = subprocess.Popen(
-        command(config, port, 2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        command(config, port, 2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
     )
     try:
         yield process
@@ -596,7 +598,8 @@ def piped(config: Path, port: int) -> Iterator[subprocess.Popen[bytes]]:
             process.kill()
             process.wait()
         assert process.stdout is not None
-        process.stdout.close()
+        if not process.stdout.closed:
+            process.stdout.close()
 
 
 @pytest.mark.anyio
@@ -696,3 +699,68 @@ def test_a_metrics_port_that_is_the_gateway_port_is_refused_in_one_line(
     assert result.stderr.count("\n") == 1, result.stderr
     assert "OTEL_EXPORTER_PROMETHEUS_PORT" in result.stderr
     assert f"port {port}, the gateway's own" in result.stderr
+
+
+@pytest.mark.anyio
+async def test_a_worker_dying_after_the_log_reader_left_is_still_replaced(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """`serve --workers 2 2>&1 | logger` (or a job left on a terminal that closed): once
+    the reader of its output was gone, the next worker death made the supervisor's line
+    about it fail (BrokenPipeError). The supervisor died of it: it left the other worker
+    serving unsupervised for its 30 s grace without a SIGTERM, then SIGKILLed it mid-request;
+    the whole gateway was down. (A replacement's own `metrics on` line failed its start the
+    same way.) Now the supervisor's and a worker's lines are best effort: the dead worker is
+    replaced, the gateway serves on, and a stop is still clean."""
+    config = write_config(
+        tmp_path / "gateway.toml",
+        f'state = "{redis_url}"',
+        "http://127.0.0.1:9",
+        "http://localhost:10",
+    )
+    port, metrics = free_port(), two_free_ports()
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
+        "OTEL_METRICS_EXPORTER": "prometheus",
+        "OTEL_TRACES_EXPORTER": "none",
+        "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1",
+        "OTEL_EXPORTER_PROMETHEUS_PORT": str(metrics),
+    }
+    first: set[int] = set()
+    workers: set[int] = set()
+    with piped(config, port, env) as process:
+        try:
+            assert process.stdout is not None
+            output = b""
+            deadline = time.monotonic() + 30
+            while b"all 2 workers serving" not in output:
+                assert process.poll() is None and time.monotonic() < deadline, output.decode()
+                output += os.read(process.stdout.fileno(), 65536)
+            process.stdout.close()  # the reader is gone
+            first = children(process.pid)
+            assert len(first) == 2
+            os.kill(min(first), signal.SIGKILL)
+            deadline = time.monotonic() + 20
+            while len(workers := children(process.pid) - {min(first)}) < 2:
+                assert process.poll() is None, "the supervisor died"
+                assert time.monotonic() < deadline, f"not replaced: {workers}"
+                await anyio.sleep(0.1)
+            async with httpx.AsyncClient(timeout=10) as client:
+                for slot in (0, 1):  # the replacement serves its slot's /metrics once started
+                    while True:
+                        with contextlib.suppress(httpx.ConnectError):
+                            scrape = await client.get(f"http://127.0.0.1:{metrics + slot}/metrics")
+                            assert scrape.status_code == 200
+                            break
+                        assert process.poll() is None and time.monotonic() < deadline
+                        await anyio.sleep(0.1)
+                for _ in range(10):  # new connections: both workers answer
+                    response = await client.get(f"http://127.0.0.1:{port}/nothing")
+                    assert response.status_code == 404
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=30) == 0
+            assert not any(alive(pid) for pid in workers)
+        finally:
+            for pid in first | workers:  # a failing run leaves no orphan serving
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)

@@ -342,7 +342,10 @@ def run_server(
         raise Refused(str(exc)) from None
     if telemetry.prometheus_address is not None:
         metrics_host, metrics_port = telemetry.prometheus_address
-        console.print(f"metrics on http://{metrics_host}:{metrics_port}/metrics (Prometheus)")
+        # A worker's line is best effort: a replacement whose output's reader is gone
+        # (BrokenPipeError) serves all the same, as its log lines are dropped.
+        with contextlib.suppress(OSError) if workers else contextlib.nullcontext():
+            console.print(f"metrics on http://{metrics_host}:{metrics_port}/metrics (Prometheus)")
     try:
         gateway = Gateway(not_found_app, config=config)
         if gateway.config_error is not None:  # e.g. a store route the file's rules refuse

@@ -66,6 +66,24 @@ def _ending(code: int) -> str:
         return f"was killed by signal {-code}"
 
 
+def say(line: str) -> None:
+    """One line of the supervisor on stderr, best effort: once its reader is gone (`serve
+    ... | logger` whose logger died, a terminal that closed), the supervisor supervises on
+    in silence, as the workers log on in silence (logging drops what it cannot write). A
+    failed line had killed the supervisor: the workers were left without a SIGTERM for
+    the stop grace, then SIGKILLed."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except BrokenPipeError:  # for good: what is buffered, and what follows, goes nowhere
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stderr.fileno())
+            os.close(devnull)
+            sys.stderr.flush()
+    except (OSError, ValueError):
+        pass  # e.g. a full disk: this line is lost, the next may be written
+
+
 def check_shared(config: GatewayConfig, workers: int) -> None:
     """Refuse N > 1 workers when breakers, capacity or budgets would be per process."""
     if workers <= 1:
@@ -181,10 +199,14 @@ class Supervisor:
             finally:
                 # os._exit runs no atexit: write the buffered log lines (the request log's
                 # own handler too: uvicorn's dictConfig took it out of logging's list).
-                flush_request_lines()
-                logging.shutdown()
-                sys.stdout.flush()
-                sys.stderr.flush()
+                # Whatever fails here (a reader gone: BrokenPipeError), the worker ends
+                # here: an exception let past os._exit ran the supervisor's loop in it.
+                with contextlib.suppress(Exception):
+                    flush_request_lines()
+                    logging.shutdown()
+                for stream in (sys.stdout, sys.stderr):
+                    with contextlib.suppress(Exception):
+                        stream.flush()
                 os._exit(status)
         self.children[pid] = time.monotonic()
         self.slots[pid] = slot
@@ -239,6 +261,8 @@ class Supervisor:
                     _due, slot = self.restarts.pop(0)
                     self._start_one(slot)
         finally:
+            # Left by an exception (a bug): the workers still get their graceful stop.
+            self._stop(signal.SIGTERM, None)
             self._reap()
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
@@ -271,11 +295,9 @@ class Supervisor:
                 self.failures = 0
         if len(self.ready) >= self.count and not self.established:
             self.established = True
-            print(
+            say(
                 f"fallback-mw: all {self.count} workers serving; "
-                "one that fails to start from now on is retried",
-                file=sys.stderr,
-                flush=True,
+                "one that fails to start from now on is retried"
             )
 
     def _exited(self, pid: int, code: int) -> int | None:
@@ -293,19 +315,13 @@ class Supervisor:
             # killed by a signal (the OOM killer, SIGKILL) said nothing: serve exited 1
             # without a word after "serving on ...". The supervisor says it then.
             if code <= 0:
-                print(
+                say(
                     f"fallback-mw: error: worker {pid} {_ending(code)} before it served; "
-                    "stopping the others",
-                    file=sys.stderr,
-                    flush=True,
+                    "stopping the others"
                 )
             return code if code > 0 else 1
         if served and lived >= START_UP_SECONDS:
-            print(
-                f"fallback-mw: worker {pid} exited ({code}); starting another",
-                file=sys.stderr,
-                flush=True,
-            )
+            say(f"fallback-mw: worker {pid} exited ({code}); starting another")
             self._start_one(slot)
             return None
         # It failed to start (store unreachable, an env variable this host lacks, ...) or
@@ -313,11 +329,7 @@ class Supervisor:
         delay = min(_RETRY_MAX_SECONDS, _RETRY_FIRST_SECONDS * 2.0**self.failures)
         self.failures = min(self.failures + 1, 16)  # 2.0**1024 would overflow in a long outage
         what = "exited" if served else "failed to start"
-        print(
-            f"fallback-mw: worker {pid} {what} ({code}); starting another in {delay:g} s",
-            file=sys.stderr,
-            flush=True,
-        )
+        say(f"fallback-mw: worker {pid} {what} ({code}); starting another in {delay:g} s")
         self.restarts.append((time.monotonic() + delay, slot))
         self.restarts.sort()
         return None
