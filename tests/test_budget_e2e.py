@@ -312,3 +312,50 @@ async def test_a_second_ctrl_c_cuts_settles_and_closes_without_a_traceback(
         assert [record.outcome for record in await ledger.usage()] == ["cancelled"]
     finally:
         await ledger.aclose()
+
+
+async def test_a_second_sigint_to_serve_workers_cuts_settles_and_exits_at_once(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """`serve --workers 2` sent SIGINT twice (Ctrl-C twice under `docker run` without a
+    terminal, whose signal proxy reaches the supervisor alone; `kill -INT` twice) while a
+    budgeted stream is in flight. The supervisor passed each stop on as a SIGTERM, so the
+    second was no forced stop: the workers waited the whole --timeout-graceful-shutdown,
+    unlike one `serve`. Now a SIGINT after a stop reaches the workers as a SIGINT: the
+    stream is cut at once, settled, and the supervisor exits 0."""
+    store = f"sqlite:///{tmp_path / 'ledger.db'}"
+    async with upstream(slow_sse(first_events=2, then_sleep=120)) as primary:
+        config_path = endless_stream_config(tmp_path, store, primary.url)
+        text = config_path.read_text(encoding="utf-8")
+        config_path.write_text(
+            text.replace("[gateway]\n", f'[gateway]\nstate = "{redis_url}"\n'), encoding="utf-8"
+        )
+        port, log = free_port(), tmp_path / "serve.log"
+        with serve_process(config_path, port, log, options=("--workers", "2")) as process:
+            await wait_listening(process, port, log)
+            while "all 2 workers serving" not in log_text(log):
+                assert process.poll() is None, log_text(log)
+                await anyio.sleep(0.05)
+            stream = await stream_started(port)
+            process.send_signal(signal.SIGINT)
+            while "Waiting for connections to close" not in log_text(log):
+                assert process.poll() is None, log_text(log)
+                await anyio.sleep(0.02)
+            started = anyio.current_time()
+            process.send_signal(signal.SIGINT)  # the second: stop now (the default 25 s wait)
+            while process.poll() is None:
+                assert anyio.current_time() - started < 8, log_text(log)
+                await anyio.sleep(0.05)
+            assert process.returncode == 0, log_text(log)
+            await stream.aclose()
+            text = log_text(log)
+            assert "Traceback" not in text, text
+            assert "cut by a forced stop (a second Ctrl-C)" in text, text
+            assert "outcome=cancelled" in text, text
+    ledger = open_ledger(store)
+    try:
+        status = await ledger.status("acme", BUDGET)
+        assert (status.spent, status.held) == (Decimal("0.01"), Decimal(0))
+        assert [record.outcome for record in await ledger.usage()] == ["cancelled"]
+    finally:
+        await ledger.aclose()

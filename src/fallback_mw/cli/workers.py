@@ -224,10 +224,16 @@ class Supervisor:
             os.write(self._ready_write, f"{os.getpid()}\n".encode())
 
     def _stop(self, signum: int, _frame: FrameType | None) -> None:
+        # A stop reaches each worker as SIGTERM: on a terminal, Ctrl-C reached the workers
+        # too, and a SIGINT from here would be their second (a forced stop). A SIGINT after
+        # a stop is the second Ctrl-C (uvicorn's force quit, as one `serve` takes it), also
+        # where it reaches the supervisor alone (`docker run`'s signal proxy, `kill -INT`):
+        # passed on as SIGINT, so each worker cuts its requests now.
+        forced = signum == signal.SIGINT and self.stopping
         self.stopping = True
         for pid in list(self.children):
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
+                os.kill(pid, signal.SIGINT if forced else signal.SIGTERM)
 
     def run(self) -> int:
         # SIGHUP (the terminal that started it closed) stops the workers too: left to its
