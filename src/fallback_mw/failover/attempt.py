@@ -17,7 +17,6 @@ credentials.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import time
 from collections.abc import AsyncIterator, Callable
@@ -41,7 +40,7 @@ from fallback_mw.health import Admission, HealthState
 from fallback_mw.health.breaker import PROBE_LEASE_MARGIN, upstream_probe_lease
 from fallback_mw.health.pool import retry_after_seconds
 from fallback_mw.health.quota import PeekedResponse, peek_quota
-from fallback_mw.request.body import BodyAborted
+from fallback_mw.request.body import BodyAborted, written_like
 from fallback_mw.request.context import AttemptRecord, RequestBody, RequestContext
 from fallback_mw.request.usage import body_coding
 from fallback_mw.routing import PATH_SAFE
@@ -176,12 +175,7 @@ class AttemptRunner:
             # encoding/json takes the last) ran the caller's `"Model"` beside the rewrite.
             rewritten = {k: v for k, v in self.parsed.items() if k.casefold() != "model"}
             rewritten["model"] = upstream.model
-            try:
-                return json.dumps(rewritten, separators=(",", ":"), ensure_ascii=False).encode()
-            except UnicodeEncodeError:
-                # A lone surrogate (`"\ud800"` in the caller's JSON) has no UTF-8 form: it
-                # goes out escaped, as the caller wrote it.
-                return json.dumps(rewritten, separators=(",", ":")).encode()
+            return written_like(rewritten, body.buffered, self.context.forward_headers)
         return body.buffered
 
     async def run(

@@ -18,6 +18,7 @@ its estimate) and the walker share one read.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import json
 import re
@@ -26,7 +27,7 @@ from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from fallback_mw.config import GatewaySettings
-from fallback_mw.request.context import MAX_NAME, RequestBody, RequestContext
+from fallback_mw.request.context import MAX_NAME, Headers, RequestBody, RequestContext
 from fallback_mw.request.types import Receive, Scope
 from fallback_mw.request.usage import (
     ContentDecoder,
@@ -371,3 +372,44 @@ def unreadable_request_charset(scope: Scope) -> str | None:
                 if name.startswith(b"utf7"):
                     return "UTF-7"
     return None
+
+
+# A body's byte-order mark and the codec of what follows it (UTF-32's before UTF-16's:
+# they share their first two bytes).
+_BOMS = (
+    (codecs.BOM_UTF32_LE, "utf-32-le"),
+    (codecs.BOM_UTF32_BE, "utf-32-be"),
+    (codecs.BOM_UTF8, "utf-8"),
+    (codecs.BOM_UTF16_LE, "utf-16-le"),
+    (codecs.BOM_UTF16_BE, "utf-16-be"),
+)
+
+
+def written_like(document: dict[str, Any], original: bytes, headers: Headers) -> bytes:
+    """`document` as JSON written as the caller wrote `original` (a model rewrite): in its
+    encoding (UTF-8, UTF-16 or UTF-32, as `json.loads` read it, its byte-order mark kept),
+    and with every non-ASCII character escaped when its `Content-Type` declares a charset
+    that is not a UTF (`iso-8859-1`: ASCII reads the same in all of them). The caller's
+    `Content-Type` goes with it: an upstream that decodes by its charset (Express's
+    body-parser, ASP.NET Core) read UTF-8 bytes under `charset=utf-16` as garbage, and
+    raw UTF-8 under `charset=iso-8859-1` as mojibake."""
+    bom, codec = b"", str(json.detect_encoding(original))
+    for mark, name in _BOMS:
+        if original.startswith(mark):
+            bom, codec = mark, name
+            break
+    escape = False
+    for key, value in headers:
+        if key.lower() == b"content-type":
+            match = _CHARSET.search(value)
+            escape = match is not None and not _NAME_NOISE.sub(b"", match[1].lower()).startswith(
+                b"utf"
+            )
+            break
+    try:
+        text = json.dumps(document, separators=(",", ":"), ensure_ascii=escape)
+        return bom + text.encode(codec)
+    except UnicodeEncodeError:
+        # A lone surrogate (`"\\ud800"` in the caller's JSON) has no UTF form: it goes out
+        # escaped, as the caller wrote it.
+        return bom + json.dumps(document, separators=(",", ":")).encode(codec)

@@ -1,0 +1,94 @@
+"""International text in bodies the gateway writes or reads: a model rewrite of a body
+written in UTF-16 or under a declared charset, and the usage of an answer whose bytes are
+not all UTF-8. Each as the software on the other side reads it."""
+
+from __future__ import annotations
+
+import codecs
+import json
+import re
+from typing import Any
+
+import pytest
+
+from fallback_mw import Gateway
+from tests.helpers import client_for
+from tests.upstreams import host_app, status_handler, upstream
+
+pytestmark = pytest.mark.anyio
+
+ENGINES = ["aiohttp", "httpx"]
+DOCUMENT = {"model": "caller-model", "messages": [{"role": "user", "content": "Grüße, 日本 ☃"}]}
+_CHARSET = re.compile(r";\s*charset\s*=\s*\"?([^;\"]*)", re.IGNORECASE)
+
+
+def read_as_labelled(body: bytes, content_type: str | None) -> Any:
+    """The JSON an upstream reads from this body: by the charset its Content-Type declares
+    (Express's body-parser and ASP.NET Core decode by it before parsing), else by what
+    the bytes say (RFC 8259's UTF-8, a byte-order mark, UTF-16 / UTF-32 by their zeros)."""
+    match = _CHARSET.search(content_type or "")
+    if match is None:
+        return json.loads(body)
+    text = body.decode(codecs.lookup(match[1].strip()).name)
+    return json.loads(text.removeprefix("\ufeff"))  # as iconv-lite and .NET skip it
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize(
+    ("written", "content_type"),
+    [
+        (lambda text: text.encode("utf-16"), "application/json; charset=utf-16"),
+        (lambda text: codecs.BOM_UTF16_BE + text.encode("utf-16-be"), "application/json"),
+        (lambda text: text.encode("utf-16-le"), "application/json; charset=utf-16le"),
+        (lambda text: text.encode("utf-32"), "application/json; charset=utf-32"),
+        (lambda text: codecs.BOM_UTF8 + text.encode(), "application/json; charset=utf-8"),
+        (lambda text: text.encode(), "application/json"),
+        # Escaped by the caller (`\u00fc`), so ASCII: true to its label.
+        (lambda text: text.encode(), "application/json; charset=iso-8859-1"),
+        (lambda text: text.encode(), "application/json; charset=windows-1252"),
+    ],
+    ids=[
+        "utf16-bom",
+        "utf16be-bom-unlabelled",
+        "utf16le",
+        "utf32",
+        "utf8-bom",
+        "utf8",
+        "latin1",
+        "cp1252",
+    ],
+)
+async def test_a_model_rewrite_is_written_as_the_callers_body_was(
+    engine: str, written: Any, content_type: str
+) -> None:
+    # The rewrite went out in UTF-8, whatever the body was written in: under the caller's
+    # `charset=utf-16` label the upstream decoded UTF-8 bytes as UTF-16 (garbage, a 400),
+    # and `\u00fc` escapes a caller sent under `charset=iso-8859-1` went out as raw UTF-8,
+    # which that label reads as "GrÃ¼Ã\x9fe". The rewritten body keeps the caller's
+    # encoding and stays true to its label.
+    ascii_only = "8859" in content_type or "1252" in content_type
+    text = json.dumps(DOCUMENT, ensure_ascii=ascii_only)
+    body = written(text)
+    assert read_as_labelled(body, content_type) == DOCUMENT  # the caller's body reads right
+    async with upstream(status_handler(200, b"{}")) as primary:
+        conf = {
+            "gateway": {"engine": engine},
+            "upstreams": {"primary": {"url": primary.url, "model": "rewritten-model"}},
+            "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+        }
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                response = await client.post(
+                    "/v1/chat", content=body, headers={"content-type": content_type}
+                )
+            assert response.status_code == 200, response.text
+        finally:
+            await gateway.aclose()
+    received = primary.received[0]
+    label = dict(received.headers)["content-type"]
+    assert label == content_type
+    assert int(dict(received.headers)["content-length"]) == len(received.body)
+    assert read_as_labelled(received.body, label) == {**DOCUMENT, "model": "rewritten-model"}
+    if ascii_only:
+        assert received.body.isascii()
