@@ -13,6 +13,7 @@ import pytest
 
 from fallback_mw import Gateway
 from tests.helpers import client_for
+from tests.hostile.test_usage_reading import FULL_COST, charged_for, sse
 from tests.upstreams import host_app, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
@@ -92,3 +93,35 @@ async def test_a_model_rewrite_is_written_as_the_callers_body_was(
     assert read_as_labelled(received.body, label) == {**DOCUMENT, "model": "rewritten-model"}
     if ascii_only:
         assert received.body.isascii()
+
+
+ANSWER = {
+    "model": "gpt-test",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "Grüße"}}],
+    "usage": {"prompt_tokens": 10, "completion_tokens": 20000},
+}
+
+
+def _written(encoding: str) -> bytes:
+    return json.dumps(ANSWER, ensure_ascii=False).encode(encoding)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize(
+    ("body", "content_type"),
+    [
+        (_written("latin-1"), "application/json; charset=iso-8859-1"),
+        (_written("cp1252"), "application/json"),
+        (sse(_written("latin-1"), b"[DONE]"), "text/event-stream"),
+        (_written("utf-16"), "application/json; charset=utf-16"),
+    ],
+    ids=["latin1-labelled", "cp1252-unlabelled", "sse-latin1", "utf16"],
+)
+async def test_an_answer_with_bytes_that_are_not_utf8_is_charged_its_usage(
+    engine: str, body: bytes, content_type: str
+) -> None:
+    # An answer in a charset other than UTF-8 (or with one stray byte in a string) was
+    # settled at the 0.01 hold, while its reader saw 20,000 completion tokens: aiohttp's
+    # and requests' `.json()` decode by the declared charset, Go's encoding/json, Node's
+    # fetch and openai-node, and a browser's EventSource read such a byte as U+FFFD.
+    assert await charged_for(body, content_type, engine) == FULL_COST

@@ -702,5 +702,15 @@ def _loads(data: bytes) -> Any:
         # Python refuses an integer of over 4,300 digits (a ValueError, as for bad JSON):
         # a count of 10^5000 tokens is read as the largest, as 10^40 is, not as no usage.
         return read_json(data)
-    except (ValueError, UnicodeDecodeError):
+    except UnicodeDecodeError:
+        # Bytes that are not UTF-8 (an answer in ISO-8859-1, a stray byte in a string):
+        # read as U+FFFD, as Go's encoding/json, Node's readers and a browser's EventSource
+        # read them (and aiohttp's and requests' `.json()` read a declared charset), so the
+        # caller saw the usage it reports.
+        pass
+    except ValueError:
+        return None
+    try:
+        return read_json(data.decode(json.detect_encoding(data), "replace"))
+    except ValueError:
         return None
