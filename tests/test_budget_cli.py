@@ -4,7 +4,11 @@ real PostgreSQL, through the public `fallback_mw.cli.main`."""
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
+import subprocess
+import sys
+import unicodedata
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -17,6 +21,8 @@ from fallback_mw.cli import main
 from fallback_mw.cli.usage import parse_since
 from fallback_mw.config import BudgetConfig
 from fallback_mw.store.ledgers import open_ledger
+
+FALLBACK_MW = str(Path(sys.executable).with_name("fallback-mw"))
 
 
 async def seed(store: str) -> None:
@@ -267,6 +273,70 @@ def test_usage_tables_keep_a_tab_or_newline_in_a_stored_value_to_its_cell(
         # Each column starts where its header does, on every row.
         column = header.index("TENANT")
         assert first[column:].startswith("acme?x ") and second[column:].startswith("t?FAKE ")
+
+
+def _terminal_columns(text: str) -> int:
+    """The columns a terminal (xterm, VTE, wcwidth) gives `text`: East Asian wide and
+    fullwidth characters take two, combining marks none."""
+    return sum(
+        0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in ("W", "F") else 1
+        for c in text
+    )
+
+
+@pytest.mark.parametrize("encoding", ["utf-8", "ascii"])
+def test_usage_and_budget_tables_keep_their_columns_with_wide_or_accented_text(
+    tmp_path: Path, encoding: str
+) -> None:
+    """A tenant or budget id in Japanese (each character two columns wide) or with a
+    combining accent (`e` + U+0301, no column of its own) was padded by its length in
+    characters: every later column of its row stood off its header. Under an ASCII
+    terminal the escapes it is written as (`\\u65e5`) were padded as one character
+    each. Every column now starts under its header, as the terminal shows it."""
+    store = f"sqlite:///{tmp_path / 'l.db'}"
+    tenants = ("日本語テナント", "cafe\u0301", "acme")
+    budget = "予算 €"
+
+    async def plant() -> None:
+        ledger = open_ledger(store)
+        try:
+            for tenant in tenants:
+                await ledger.record_usage(
+                    UsageRecord(
+                        request_id="r",
+                        route="chat",
+                        tenant=tenant,
+                        candidates=("primary",),
+                        attempts=(AttemptOutcome("primary", status=200),),
+                        chosen="primary",
+                        outcome="served",
+                        status=200,
+                    )
+                )
+            await ledger.set_budget(budget, BudgetConfig(limit=Decimal("5")))
+        finally:
+            await ledger.aclose()
+
+    anyio.run(plant)
+    env = {**os.environ, "PYTHONIOENCODING": encoding}
+    for verb, column in (("usage", "ATTEMPTS"), ("budgets", "WINDOW")):
+        args = [verb, "show"] if verb == "budgets" else [verb]
+        result = subprocess.run(
+            [FALLBACK_MW, *args, "--store", store],
+            capture_output=True,
+            text=True,
+            encoding=encoding,
+            env=env,
+            timeout=60,
+        )
+        assert result.returncode == 0, result.stderr
+        header, *rows = result.stdout.splitlines()
+        assert len(rows) == (len(tenants) if verb == "usage" else 1), result.stdout
+        start = header.index(column)
+        for row in rows:
+            at = (row[i:] for i in range(len(row)) if _terminal_columns(row[:i]) == start)
+            shown = next(at, "")  # "": no character starts at the header's column
+            assert shown.startswith("primary:200" if verb == "usage" else "month"), result.stdout
 
 
 def test_usage_reads_past_a_record_it_cannot_read_whole(

@@ -3,7 +3,9 @@ variable names only, never a variable's value."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import codecs
+import unicodedata
+from collections.abc import Callable, Mapping, Sequence
 
 from fallback_mw.cli.app import Console, printable
 from fallback_mw.config import RouteConfig, UpstreamConfig
@@ -33,9 +35,46 @@ def one_line(text: str) -> str:
 def print_table(console: Console, rows: Sequence[Sequence[str]]) -> None:
     # Cells hold stored text (a caller's tenant id, a record written by hand): a tab would
     # break the columns, a newline forge a row, an escape sequence drive the terminal.
-    rows = [[one_line(cell) for cell in row] for row in rows]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    shown = _as_shown(console)
+    rows = [[shown(one_line(cell)) for cell in row] for row in rows]
+    widths = [max(display_width(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         console.print(
-            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+            "  ".join(
+                cell + " " * (width - display_width(cell))
+                for cell, width in zip(row, widths, strict=True)
+            ).rstrip()
         )
+
+
+def display_width(text: str) -> int:
+    """The columns a terminal gives `text`: two for a wide East Asian character (`日`),
+    none for a combining mark (the accent of `e` + U+0301), one for any other. Measured
+    as `len`, a tenant `日本語` pushed every later column of its row three places right."""
+    if text.isascii():
+        return len(text)
+    return sum(_char_width(char) for char in text)
+
+
+def _char_width(char: str) -> int:
+    if unicodedata.combining(char) or unicodedata.category(char) in ("Mn", "Me"):
+        return 0
+    return 2 if unicodedata.east_asian_width(char) in ("W", "F") else 1
+
+
+def _as_shown(console: Console) -> Callable[[str], str]:
+    """A cell as the console writes it: escaped (`\\xe9`) where its encoding lacks a
+    character (an ASCII locale: cli/app.py), so its width is the escape's."""
+    encoding = getattr(console.out, "encoding", None) or "utf-8"
+    try:
+        if codecs.lookup(encoding).name == "utf-8":
+            return str
+    except LookupError:
+        return str
+
+    def shown(cell: str) -> str:
+        if cell.isascii():
+            return cell
+        return cell.encode(encoding, "backslashreplace").decode(encoding)
+
+    return shown
