@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from fallback_mw import Gateway
+from fallback_mw import ConfigError, Gateway, load_config
 from tests.helpers import client_for
 from tests.hostile.test_usage_reading import FULL_COST, charged_for, sse
 from tests.upstreams import host_app, status_handler, upstream
@@ -125,3 +125,35 @@ async def test_an_answer_with_bytes_that_are_not_utf8_is_charged_its_usage(
     # and requests' `.json()` decode by the declared charset, Go's encoding/json, Node's
     # fetch and openai-node, and a browser's EventSource read such a byte as U+FFFD.
     assert await charged_for(body, content_type, engine) == FULL_COST
+
+
+BUCHER = "xn--bcher-kva.example"
+
+
+@pytest.mark.parametrize(
+    ("allow_hosts", "url", "where", "spelling"),
+    [
+        (["Bücher.example"], f"http://{BUCHER}", "gateway.allow_hosts", BUCHER),
+        (["bücher.example."], f"http://{BUCHER}", "gateway.allow_hosts", BUCHER),
+        (["xn--strae-oqa.de"], "http://straße.de:8080/v1", "upstreams.u.url", "xn--strae-oqa.de"),
+        (["日本.example"], "http://127.0.0.1:1", "gateway.allow_hosts", "xn--wgv71a.example"),
+    ],
+)  # fmt: skip
+def test_a_host_written_in_unicode_is_refused_naming_its_xn_spelling(
+    allow_hosts: list[str], url: str, where: str, spelling: str
+) -> None:
+    # An allowlist entry in Unicode was refused as "not a host name", which left the user
+    # to guess; the upstream URL's refusal named the xn-- form without giving it. Both
+    # now give the spelling (IDNA 2008 / UTS 46, as browsers and curl spell it: `ß` is
+    # kept, xn--strae-oqa, not IDNA 2003's `ss`), and the fixed config loads.
+    conf: dict[str, Any] = {
+        "gateway": {"allow_hosts": allow_hosts},
+        "upstreams": {"u": {"url": url}},
+        "routes": [{"id": "r", "prefix": "/v1/", "plan": ["u"]}],
+    }
+    with pytest.raises(ConfigError, match=re.escape(where)) as refused:
+        load_config(conf, environ={})
+    assert f"xn-- form, {spelling}" in str(refused.value)
+    fixed = {**conf, "gateway": {"allow_hosts": [spelling, "127.0.0.1"]}}
+    fixed["upstreams"] = {"u": {"url": url.replace(url.split("/")[2].split(":")[0], spelling)}}
+    assert load_config(fixed, environ={}).upstreams["u"].host == spelling

@@ -250,6 +250,8 @@ class GatewaySettings(_Strict):
                     ": an IPv4 address in a legacy spelling (octal, hex, integer, short, or"
                     " with a trailing dot); write it as four decimal numbers"
                 )
+            elif not text.isascii():
+                hint = f": {_xn_form(text)}"
             elif not _valid_host(text.rstrip(".")):
                 hint = ": not a host name"
             else:
@@ -305,6 +307,22 @@ def _header_name(value: str) -> str:
     return name
 
 
+_XN_HINT = "write an international host name in its xn-- form"
+
+
+def _xn_form(host: str) -> str:
+    """The hint for a host written in Unicode (`bücher.example`), with its xn-- spelling
+    where it has one: such a name matched no upstream (every upstream URL is ASCII) and
+    was refused as "not a host name", which it is, in another spelling."""
+    try:
+        import idna  # yarl's IDNA 2008 (UTS 46) codec, so aiohttp's: always installed
+
+        spelled = idna.encode(host.rstrip("."), uts46=True).decode("ascii")
+    except Exception:  # not a name IDNA can spell (a symbol, a space): the hint alone
+        return _XN_HINT
+    return f"{_XN_HINT}, {spelled}"
+
+
 def _valid_host(host: str) -> bool:
     """A DNS name (letters, digits, `-`, `_`; labels of at most 63) or an IP literal."""
     if ":" in host:
@@ -358,9 +376,10 @@ class UpstreamConfig(_Strict):
     @classmethod
     def _url(cls, value: str) -> str:
         if not value.isascii() or any(c.isspace() or ord(c) < 0x20 or c == "\x7f" for c in value):
+            host = urlsplit(value).hostname or ""
             raise ValueError(
                 "must be plain ASCII without spaces or control characters "
-                "(write an international host name in its xn-- form)"
+                f"({_xn_form(host) if not host.isascii() else _XN_HINT})"
             )
         parts = urlsplit(value)
         if parts.scheme not in ("http", "https") or not parts.hostname:
