@@ -7,13 +7,19 @@ from __future__ import annotations
 import codecs
 import json
 import re
+import shlex
+import tomllib
+from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from fallback_mw import ConfigError, Gateway, load_config
+from fallback_mw.cli import main
 from tests.helpers import client_for
 from tests.hostile.test_usage_reading import FULL_COST, charged_for, sse
+from tests.test_budget_guard import gateway_config
 from tests.upstreams import host_app, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
@@ -157,3 +163,40 @@ def test_a_host_written_in_unicode_is_refused_naming_its_xn_spelling(
     fixed = {**conf, "gateway": {"allow_hosts": [spelling, "127.0.0.1"]}}
     fixed["upstreams"] = {"u": {"url": url.replace(url.split("/")[2].split(":")[0], spelling)}}
     assert load_config(fixed, environ={}).upstreams["u"].host == spelling
+
+
+@pytest.mark.parametrize("budget", ["予算 2026", "acme's", "acme"])
+async def test_a_budget_refusal_names_a_command_and_a_table_that_work_as_pasted(
+    tmp_path: Path, budget: str
+) -> None:
+    # The 402 said `fallback-mw budgets set --budget 予算 2026 --limit AMOUNT` (or
+    # [budgets.予算 2026] limit): pasted, the shell split the id into two arguments
+    # and TOML refused the table name. Both are now quoted where they need it.
+    store = f"sqlite:///{tmp_path / 'l.db'}"
+    async with upstream(status_handler(200, b"{}")) as primary:
+        conf = gateway_config({"primary": primary.url}, store=store, limit="0", budget=budget)
+        conf["budgets"] = {budget: conf["budgets"]["acme"]}
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                refused = await client.post("/v1/chat", content=b"{}")
+                assert refused.status_code == 402, refused.text
+                message = refused.json()["error"]["message"]
+                command = re.search(r"`(fallback-mw budgets set [^`]*)`", message)
+                table = re.search(r"or (\[budgets\.[^\]]*\])", message)
+                assert command is not None and table is not None, message
+                argv = shlex.split(command[1].replace("AMOUNT", "5"))
+                assert argv[argv.index("--budget") + 1] == budget
+                assert tomllib.loads(f"{table[1]}\nlimit = 5") == {
+                    "budgets": {budget: {"limit": 5}}
+                }
+                assert await anyio.to_thread.run_sync(main, [*argv[1:], "--store", store]) == 0
+        finally:
+            await gateway.aclose()
+        gateway = Gateway(host_app, config=conf)  # one that reads the budget just set
+        try:
+            async with client_for(gateway) as client:
+                served = await client.post("/v1/chat", content=b"{}")
+                assert served.status_code == 200, served.text
+        finally:
+            await gateway.aclose()

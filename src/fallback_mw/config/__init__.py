@@ -32,7 +32,9 @@ from fallback_mw.config.model import (
     RepeatAllowanceConfig,
     RouteConfig,
     UpstreamConfig,
+    budget_argument,
     budget_id,
+    budget_section,
 )
 from fallback_mw.rules import ConfigError
 
@@ -57,7 +59,9 @@ __all__ = [
     "UpstreamConfig",
     "_describe",
     "as_config",
+    "budget_argument",
     "budget_id",
+    "budget_section",
     "check_ca_file",
     "check_config_extras",
     "check_environment",

@@ -20,7 +20,7 @@ from pydantic import (
 
 from fallback_mw import extras, rules
 from fallback_mw.config.describe import _describe
-from fallback_mw.config.model import GatewayConfig, WrittenFloat
+from fallback_mw.config.model import GatewayConfig, WrittenFloat, budget_section
 from fallback_mw.rules import ConfigError
 from fallback_mw.store_url import is_redis_url
 
@@ -122,7 +122,7 @@ def validate(
                 + (
                     f"(did you mean {close[0]!r}?)"
                     if close
-                    else f"(define [budgets.{route.budget}] or use a store that has it)"
+                    else f"(define {budget_section(route.budget)} or use a store that has it)"
                 )
             )
     check_config_extras(config)

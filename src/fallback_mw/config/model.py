@@ -6,7 +6,9 @@ from __future__ import annotations
 import difflib
 import functools
 import ipaddress
+import json
 import re
+import shlex
 from decimal import ROUND_DOWN, Decimal
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
@@ -685,6 +687,23 @@ def budget_id(value: str) -> str:
             "characters (no line break, tab or other control character)"
         )
     return value
+
+
+def budget_section(value: str) -> str:
+    """The TOML table a budget id is configured under, as it must be written: a bare key
+    (`[budgets.acme]`), else quoted (`[budgets."予算 2026"]`, which unquoted is no TOML)."""
+    if _BARE_KEY.fullmatch(value):
+        return f"[budgets.{value}]"
+    return f"[budgets.{json.dumps(value, ensure_ascii=False)}]"
+
+
+def budget_argument(value: str) -> str:
+    """A budget id as a shell command's argument (`--budget '予算 2026'`): pasted as it was
+    printed, a space split it into two arguments."""
+    return shlex.quote(value)
+
+
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 
 
 class BudgetConfig(_Strict):

@@ -31,7 +31,14 @@ from fallback_mw.budget import (
     room_needed,
 )
 from fallback_mw.budget.cost import PriceBook, format_money, to_units
-from fallback_mw.config import BudgetConfig, ConfigError, ConfigSource, as_config
+from fallback_mw.config import (
+    BudgetConfig,
+    ConfigError,
+    ConfigSource,
+    as_config,
+    budget_argument,
+    budget_section,
+)
 from fallback_mw.injected import require
 from fallback_mw.request.body import (
     NestedTooDeep,
@@ -66,7 +73,8 @@ def _unreadable_budget(budget_id: str) -> str:
     return (
         f"budget {budget_id!r} is stored in a form this gateway cannot read (a window or amount "
         "another version or a hand edit wrote): refusing (fail closed); `fallback-mw budgets "
-        f"set --budget {budget_id} --limit ...` stores it again in a form every version reads"
+        f"set --budget {budget_argument(budget_id)} --limit ...` stores it again in a form every "
+        "version reads"
     )
 
 
@@ -87,8 +95,8 @@ def _exceeded(budget_id: str) -> str:
     return (
         f"budget {budget_id!r} has no room for this request in its current window (its limit "
         f"is spent or held): raise its limit with `fallback-mw budgets set --budget "
-        f"{budget_id} --limit AMOUNT` (or [budgets.{budget_id}] limit), or wait for its next "
-        f"window"
+        f"{budget_argument(budget_id)} --limit AMOUNT` (or {budget_section(budget_id)} "
+        "limit), or wait for its next window"
     )
 
 
@@ -97,8 +105,8 @@ def _limit_zero(budget_id: str) -> str:
     every request; a hold of 0 needs room too, `room_needed`): no lower hold serves it."""
     return (
         f"budget {budget_id!r}'s limit is 0, which refuses every request; to serve this "
-        f"route's requests, raise it (`fallback-mw budgets set --budget {budget_id} --limit "
-        f"AMOUNT`, or [budgets.{budget_id}] limit)"
+        f"route's requests, raise it (`fallback-mw budgets set --budget "
+        f"{budget_argument(budget_id)} --limit AMOUNT`, or {budget_section(budget_id)} limit)"
     )
 
 
@@ -117,8 +125,8 @@ def _over_the_whole_limit(budget_id: str, amount: Decimal, estimated: bool) -> s
     return (
         f"this request needs a hold of {format_money(amount)} ({why}), more than budget "
         f"{budget_id!r}'s whole limit: no window has room for it; {change} "
-        f"(`fallback-mw budgets set --budget {budget_id} --limit AMOUNT`, or "
-        f"[budgets.{budget_id}])"
+        f"(`fallback-mw budgets set --budget {budget_argument(budget_id)} --limit AMOUNT`, "
+        f"or {budget_section(budget_id)})"
     )
 
 
@@ -152,8 +160,9 @@ def _nested_too_deep(budget_id: str) -> str:
 def _undefined(budget_id: str) -> str:
     return (
         f"budget {budget_id!r}, which this route spends, is defined neither in the "
-        f"configuration ([budgets.{budget_id}]) nor in the store: refusing (fail closed); "
-        f"define it (`fallback-mw budgets set --budget {budget_id} --limit AMOUNT`) or "
+        f"configuration ({budget_section(budget_id)}) nor in the store: refusing (fail closed); "
+        f"define it (`fallback-mw budgets set --budget {budget_argument(budget_id)} --limit "
+        f"AMOUNT`) or "
         f"correct the route's budget"
     )
 
