@@ -26,6 +26,7 @@ from fallback_mw.upstream.base import (
     Release,
     UpstreamError,
     UpstreamRequest,
+    ascii_target,
     check_proxy_answer,
     check_request_headers,
     check_response_head,
@@ -127,14 +128,6 @@ _ERROR_MAPS: dict[str, _ErrorMap] = {
 
 def map_errors(phase: Phase) -> _ErrorMap:
     return _ERROR_MAPS[phase]
-
-
-def _ascii_target(url: str) -> str:
-    """Bytes >= 0x80 a client sent raw in the query (carried as latin-1 text) go out as
-    %XX of that same byte; everything already ASCII is left exactly as it is."""
-    if url.isascii():
-        return url
-    return "".join(c if c.isascii() else f"%{ord(c) & 0xFF:02X}" for c in url)
 
 
 # The first-byte timer of the request being sent in this task, and whether its body is
@@ -379,7 +372,7 @@ class AiohttpClient:
                     request.method,
                     # encoded=True: the path and query go out byte for byte as the walker
                     # built them (yarl would otherwise decode %3F, %2F, %7e... and re-encode).
-                    URL(_ascii_target(request.url), encoded=True),
+                    URL(ascii_target(request.url), encoded=True),
                     headers=CIMultiDict(request.headers),
                     data=data,
                     allow_redirects=False,

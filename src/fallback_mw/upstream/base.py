@@ -130,6 +130,15 @@ _CTL_IN_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 _SPACE = frozenset(b" \t")
 
 
+def ascii_target(url: str) -> str:
+    """Bytes >= 0x80 a client sent raw in the query (carried as latin-1 text) go out as
+    %XX of that same byte; everything already ASCII is left exactly as it is. Both engines
+    send this: httpx encoded each such character's UTF-8 again (`€` as `%C3%A2%C2%82%C2%AC`)."""
+    if url.isascii():
+        return url
+    return "".join(c if c.isascii() else f"%{ord(c) & 0xFF:02X}" for c in url)
+
+
 def check_response_head(status: int, headers: Sequence[tuple[bytes, bytes]]) -> None:
     """A response head the relay cannot carry is the upstream's failure (failover-class,
     SPEC §12): a status outside 100-599, a 1xx as the final answer, or contradictory

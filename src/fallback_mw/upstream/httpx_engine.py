@@ -32,6 +32,7 @@ from fallback_mw.upstream.base import (
     Release,
     UpstreamError,
     UpstreamRequest,
+    ascii_target,
     check_proxy_answer,
     check_request_headers,
     check_response_head,
@@ -165,6 +166,21 @@ def _http11_connection(response: httpx.Response) -> httpcore.AsyncHTTP11Connecti
     inner = getattr(pooled, "_stream", None)  # HTTP11ConnectionByteStream
     connection = getattr(inner, "_connection", None)
     return connection if isinstance(connection, httpcore.AsyncHTTP11Connection) else None
+
+
+def _exact_url(url: str) -> httpx.URL:
+    """The URL with the caller's query byte for byte, as the aiohttp engine sends it: httpx
+    percent-encodes `"`, `<` and `>` in a query (WHATWG's query set), which curl sends as
+    written and a signature over the query covers. The walker quoted the path already."""
+    target = ascii_target(url)
+    built = httpx.URL(target)
+    query = target.partition("?")[2]
+    reference = getattr(built, "_uri_reference", None)
+    if query and built.query != query.encode() and isinstance(reference, tuple):
+        # httpx re-quotes any query it is given (URL(), copy_with, params), so its parsed
+        # form (a NamedTuple) takes the query as written; an httpx without it quotes.
+        built._uri_reference = reference._replace(query=query)  # type: ignore[attr-defined]
+    return built
 
 
 def _h11_state(response: httpx.Response) -> h11.Connection | None:
@@ -556,7 +572,7 @@ class HttpxClient:
 
         built = client.build_request(
             request.method,
-            httpx.URL(request.url),
+            _exact_url(request.url),
             # Bytes: the same bytes aiohttp writes for the same text (UTF-8).
             headers=encode_request_headers(request.headers),
             content=body if isinstance(body, bytes) else timer.timed_body(body),
