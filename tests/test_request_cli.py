@@ -527,3 +527,25 @@ async def test_a_tenant_that_is_the_callers_credential_is_printed_redacted(
             assert status == 0, err
             no_leak(out, err)
             assert "[REDACTED]" in out
+
+
+async def test_a_tenant_or_header_value_in_unicode_is_sent_as_utf8(tmp_path: Path) -> None:
+    # `--route` of a route whose tenant is `日本語` ended in 'unexpected internal error
+    # (UnicodeEncodeError)'; `--header 'x-tenant-id: 日本語'` was refused as non-latin-1,
+    # and `--header 'x-note: café'` went out as latin-1, which the gateway answers with
+    # its 400 (header bytes that are not UTF-8), though curl sends UTF-8 and the gateway
+    # routes such a tenant. Values are sent in UTF-8, as curl and the SDKs send them.
+    async with upstream(status_handler(200, UPSTREAM_BODY)) as up:
+        route = 'tenant = "日本語"\n'
+        config = str(write_config(tmp_path, up.url, "http://127.0.0.1:9", route=route))
+        for argv in (
+            ("--route", "chat"),
+            ("--path", "/v1/chat", "--header", "x-tenant-id: 日本語", "--header", "x-note: café"),
+        ):
+            status, out, err = await request_cli("--config", config, *argv, "--json")
+            assert status == 0, (out, err)
+            trace = json.loads(out)
+            assert (trace["route"], trace["client"]["status"]) == ("chat", 200), trace
+            no_leak(out, err)
+    assert [dict(r.headers)["x-tenant-id"] for r in up.received] == ["日本語", "日本語"]
+    assert dict(up.received[1].headers)["x-note"] == "café"  # its UTF-8 bytes

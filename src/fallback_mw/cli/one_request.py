@@ -67,9 +67,9 @@ class Exchange:
 
 def build_scope(request: OneRequest) -> Scope:
     path, _, query = request.target.partition("?")
-    headers = [
-        (k.strip().lower().encode("latin-1"), v.encode("latin-1")) for k, v in request.headers
-    ]
+    # Values in UTF-8, as curl sends them (a route's tenant `日本語` has no latin-1 form,
+    # and latin-1 bytes >= 0x80 are a 400 to the gateway).
+    headers = [(k.strip().lower().encode("latin-1"), v.encode()) for k, v in request.headers]
     names = {name for name, _ in headers}
     if b"host" not in names:
         headers.insert(0, (b"host", b"localhost"))
