@@ -549,3 +549,28 @@ async def test_a_tenant_or_header_value_in_unicode_is_sent_as_utf8(tmp_path: Pat
             no_leak(out, err)
     assert [dict(r.headers)["x-tenant-id"] for r in up.received] == ["日本語", "日本語"]
     assert dict(up.received[1].headers)["x-note"] == "café"  # its UTF-8 bytes
+
+
+@pytest.mark.parametrize(
+    ("text", "encoding", "content_type"),
+    [
+        ("Grüße, ça va", "latin-1", "text/plain; charset=iso-8859-1"),
+        ('{"text": "Grüße 日本"}', "utf-16", "application/json"),
+        ('{"text": "Grüße 日本"}', "utf-16-le", "application/json"),
+        ("日本語です", "shift_jis", 'text/plain; charset="Shift_JIS"'),
+    ],
+    ids=["latin1", "utf16-bom", "utf16le-json", "sjis"],
+)
+async def test_show_body_reads_the_body_in_its_charset(
+    tmp_path: Path, text: str, encoding: str, content_type: str
+) -> None:
+    # --show-body read every body as UTF-8: an answer in ISO-8859-1 showed `ü` as U+FFFD,
+    # one in UTF-16 as `?` between its letters. It is read as its client would read it.
+    answer = status_handler(200, text.encode(encoding), **{"content-type": content_type})
+    async with upstream(answer) as up:
+        config = str(write_config(tmp_path, up.url, "http://127.0.0.1:9"))
+        status, out, err = await request_cli(
+            "--config", config, "--path", "/v1/chat", "--show-body", "--json"
+        )
+    assert status == 0, err
+    assert json.loads(out)["client"]["body"] == text

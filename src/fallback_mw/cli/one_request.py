@@ -14,6 +14,10 @@ other than the gateway's own `x-gateway-*`, and a body unless asked for (`show_b
 from __future__ import annotations
 
 import asyncio
+import codecs
+import contextlib
+import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +61,7 @@ class Exchange:
     body: bytearray = field(default_factory=bytearray)
     complete: bool = False  # the final body message arrived
     deadline_left: float | None = None  # seconds left when the response head was sent
+    content_type: bytes | None = None  # to show the body in its charset (`show_body`)
 
     @property
     def succeeded(self) -> bool:
@@ -115,6 +120,8 @@ async def send_one(app: ASGIApp, request: OneRequest) -> Exchange:
                 name = bytes(key).decode("latin-1").lower()
                 if name.startswith(GATEWAY_HEADER_PREFIX):
                     exchange.headers.append((name, bytes(value).decode("latin-1")))
+                elif name == "content-type" and exchange.content_type is None:
+                    exchange.content_type = bytes(value)
             context = get_context(scope)
             if context is not None:
                 exchange.deadline_left = context.remaining
@@ -169,6 +176,35 @@ def walk_steps(context: RequestContext) -> list[dict[str, Any]]:
     ]
 
 
+# A byte-order mark and the codec it announces (UTF-32's before UTF-16's: they share
+# their first two bytes).
+_BOMS = (
+    (codecs.BOM_UTF32_LE, "utf-32"),
+    (codecs.BOM_UTF32_BE, "utf-32"),
+    (codecs.BOM_UTF8, "utf-8-sig"),
+    (codecs.BOM_UTF16_LE, "utf-16"),
+    (codecs.BOM_UTF16_BE, "utf-16"),
+)
+_CHARSET = re.compile(rb";\s*charset\s*=\s*\"?([^;\"\s]*)", re.IGNORECASE)
+
+
+def shown_body(body: bytes, content_type: bytes | None) -> str:
+    """The body as text, read as its reader would: by its byte-order mark, else the
+    charset its `Content-Type` declares (an answer in ISO-8859-1 showed every `ü` as
+    U+FFFD, one in UTF-16 as `?` between its letters), else a JSON body's own encoding
+    (RFC 8259), else UTF-8; bytes the encoding does not hold read as U+FFFD."""
+    for mark, codec in _BOMS:
+        if body.startswith(mark):
+            return body.decode(codec, "replace")
+    match = _CHARSET.search(content_type or b"")
+    if match is not None:
+        with contextlib.suppress(LookupError, UnicodeError):
+            return body.decode(codecs.lookup(match[1].decode("ascii")).name, "replace")
+    if body[:1] == b"\x00" or body[1:2] == b"\x00":  # `{` or `[` in UTF-16 / UTF-32
+        return body.decode(json.detect_encoding(body), "replace")
+    return body.decode("utf-8", "replace")
+
+
 def trace_of(exchange: Exchange, *, show_body: bool = False) -> dict[str, Any]:
     """The trace as one JSON-ready object (`--json` prints exactly this)."""
     context = exchange.context
@@ -181,7 +217,7 @@ def trace_of(exchange: Exchange, *, show_body: bool = False) -> dict[str, Any]:
         "body_bytes": len(exchange.body),
     }
     if show_body:
-        client["body"] = bytes(exchange.body).decode("utf-8", "replace")
+        client["body"] = shown_body(bytes(exchange.body), exchange.content_type)
     trace: dict[str, Any] = {
         "ok": exchange.succeeded,
         "matched": context is not None,
