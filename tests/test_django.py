@@ -581,6 +581,22 @@ def test_under_wsgi_the_projects_own_pages_still_reach_django() -> None:
             client.get("/local/../v1/models")
 
 
+@pytest.mark.anyio
+async def test_under_wsgi_a_route_for_a_unicode_tenant_is_refused_as_the_routes() -> None:
+    # A WSGI server hands header values over as latin-1 text (PEP 3333): the tenant
+    # `日本語` a caller sent in UTF-8 was compared as "æ\x97¥æ\x9c¬è\xaa\x9e", matched no
+    # route, and the request went on to Django's own pages (a 404) instead of the refusal
+    # that says the route needs ASGI. It is read as the gateway reads it, in UTF-8.
+    route = {"id": "chat", "prefix": "/v1/", "plan": ["primary"], "tenant": "日本語"}
+    with override_settings(FALLBACK_MW={"config": {**WSGI_CONFIG, "routes": [route]}}):
+        middleware = GatewayMiddleware(django_view)
+    as_wsgi = "日本語".encode().decode("latin-1")
+    with pytest.raises(ImproperlyConfigured, match="ASGI"):
+        await middleware(RequestFactory().get("/v1/x", HTTP_X_TENANT_ID=f" {as_wsgi}\t"))
+    other = await middleware(RequestFactory().get("/v1/x", HTTP_X_TENANT_ID="acme"))
+    assert other.status_code == 200  # another tenant's request: no route, Django's own
+
+
 def test_missing_setting_is_improperly_configured() -> None:
     with override_settings(), pytest.raises(ImproperlyConfigured, match="FALLBACK_MW"):
         GatewayMiddleware(django_view)

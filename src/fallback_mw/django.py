@@ -361,7 +361,7 @@ class GatewayMiddleware:
         path = routed_path({"raw_path": raw_path, "path": request.path_info})
         if path is None:
             return False
-        tenant = request.headers.get(resolver.tenant_header.decode(), "").strip() or "default"
+        tenant = _wsgi_field(request.headers.get(resolver.tenant_header.decode(), "")) or "default"
         # Under WSGI each request runs on an event loop of its own (async_to_sync): the
         # table as it stands, never a store reloader started on a loop about to end.
         store = self.gateway.services.store
@@ -501,6 +501,17 @@ class _RelayedCookie(Morsel[str]):
 
     def output(self, attrs: Container[str] | None = None, header: str = "Set-Cookie:") -> str:
         return f"{header} {self.raw}"
+
+
+def _wsgi_field(value: str) -> str:
+    """A header value as WSGI hands it over (latin-1 text, PEP 3333) read as the resolver
+    reads the field: its bytes in UTF-8 (a tenant `日本語` was "æ\x97¥æ\x9c¬è\xaa\x9e",
+    matching no route), less surrounding SP and HTAB only."""
+    # Not UTF-8 (or not latin-1 text at all): kept as it is, matching no route, as the
+    # gateway refuses such bytes (400).
+    with contextlib.suppress(UnicodeError):
+        value = value.encode("latin-1").decode()
+    return value.strip(" \t")
 
 
 def _copy_headers(headers: Any, response: StreamingHttpResponse) -> None:
