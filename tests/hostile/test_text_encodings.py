@@ -165,6 +165,16 @@ def test_a_host_written_in_unicode_is_refused_naming_its_xn_spelling(
     assert load_config(fixed, environ={}).upstreams["u"].host == spelling
 
 
+def test_a_proxy_host_written_in_unicode_is_refused_naming_its_xn_spelling() -> None:
+    conf: dict[str, Any] = {
+        "upstreams": {"u": {"url": "http://127.0.0.1:1", "proxy": "http://прокси.example:3128"}},
+        "routes": [{"id": "r", "prefix": "/v1/", "plan": ["u"]}],
+    }
+    with pytest.raises(ConfigError, match=r"upstreams\.u\.proxy") as refused:
+        load_config(conf, environ={})
+    assert "xn-- form, xn--h1adldfi.example" in str(refused.value)
+
+
 @pytest.mark.parametrize("budget", ["予算 2026", "acme's", "acme"])
 async def test_a_budget_refusal_names_a_command_and_a_table_that_work_as_pasted(
     tmp_path: Path, budget: str

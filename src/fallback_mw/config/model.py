@@ -459,7 +459,9 @@ class UpstreamConfig(_Strict):
         if value is None:
             return None
         if not value.isascii() or any(c.isspace() or ord(c) < 0x20 for c in value):
-            raise ValueError("must be plain ASCII without spaces or control characters")
+            host = urlsplit(value).hostname or ""
+            hint = f" ({_xn_form(host)})" if not host.isascii() else ""
+            raise ValueError(f"must be plain ASCII without spaces or control characters{hint}")
         parts = urlsplit(value)
         if parts.scheme != "http" or not parts.hostname or not _valid_host(parts.hostname):
             raise ValueError("must be an http:// proxy URL with a host (http://proxy:3128)")
