@@ -143,11 +143,12 @@ class EchoMask:
     a credential is held back until the next chunk shows whether it does (only such an
     end, so an SSE event's closing blank line is never delayed)."""
 
-    __slots__ = ("_held", "_secrets")
+    __slots__ = ("_held", "_secrets", "_wide")
 
     def __init__(self, secrets: tuple[bytes, ...]) -> None:
         self._secrets = secrets
         self._held = b""
+        self._wide = False  # also looking for the keys as UTF-16 / UTF-32 text spells them
 
     @classmethod
     def for_answer(cls, context: RequestContext, name: str) -> EchoMask | None:
@@ -163,9 +164,17 @@ class EchoMask:
     def feed(self, chunk: bytes) -> bytes:
         """The part of the body seen so far that can be relayed, masked."""
         data = self._held + chunk if self._held else chunk
+        if not self._wide and data.find(b"\x00") >= 0:
+            # Text in UTF-16 or UTF-32 (a NUL beside every ASCII character; UTF-8 text has
+            # none): a JSON answer in either, which `json.loads` and so the SDKs read, carried
+            # the key past a mask that looked for its UTF-8 bytes only.
+            self._wide = True
+            self._secrets = _wide_secrets(self._secrets)
         for secret in self._secrets:
             if data.find(secret) >= 0:
-                data = data.replace(secret, b"*" * len(secret))
+                # `*` in the key's own encoding: each of its bytes but the NULs of its
+                # UTF-16 / UTF-32 form (a credential holds no NUL), as many as it had.
+                data = data.replace(secret, bytes(byte and 0x2A for byte in secret))
         keep = self._partial(data)
         if keep:
             self._held = data[-keep:]
@@ -208,6 +217,21 @@ class EchoMask:
 
 # How much of a credential's beginning `EchoMask._partial` searches for at once.
 _ANCHOR = 16
+
+
+_WIDE = ("utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be")
+
+
+@lru_cache(maxsize=256)
+def _wide_secrets(secrets: tuple[bytes, ...]) -> tuple[bytes, ...]:
+    """`secrets` (UTF-8 spellings of the keys) and each as UTF-16 and UTF-32 text spells
+    it, in either byte order; longest first, as `_body_secrets` orders them."""
+    wide = {
+        secret.decode("utf-8", "replace").encode(encoding)
+        for secret in secrets
+        for encoding in _WIDE
+    }
+    return tuple(sorted(wide | set(secrets), key=len, reverse=True))
 
 
 def _keys(found: tuple[tuple[str, str] | None, ...], scheme: str) -> list[str]:

@@ -243,6 +243,52 @@ async def test_a_credential_echoed_in_the_body_never_reaches_the_caller(
     assert all(("authorization", f"Bearer {SECRET}") in r.headers for r in single.received)
 
 
+async def echo_in_a_wide_body(request: web.Request) -> web.StreamResponse:
+    """The echoed key in a JSON error written in the path's encoding (UTF-16 / UTF-32),
+    sent a few bytes at a time (the key split over chunks, at odd offsets too)."""
+    encoding = request.path.rsplit("/", 1)[-1]
+    given = request.headers.get("authorization", "").removeprefix("Bearer ")
+    error = {"error": {"message": f"Incorrect API key provided: {given}", "type": "auth"}}
+    body = json.dumps(error).encode(encoding)
+    response = web.StreamResponse(
+        status=401, headers={"content-type": f"application/json; charset={encoding}"}
+    )
+    await response.prepare(request)
+    for start in range(0, len(body), 7):
+        await response.write(body[start : start + 7])
+        await asyncio.sleep(0.001)
+    await response.write_eof()
+    return response
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32"])
+async def test_a_credential_echoed_in_a_utf16_or_utf32_body_never_reaches_the_caller(
+    engine: str, encoding: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The mask looked for the key's UTF-8 bytes only: a JSON error in UTF-16 or UTF-32
+    # (`json.loads`, so httpx's and the SDKs' `.json()`, reads both) carried it to the
+    # caller whole. It is masked as that text spells it, `*` for each character.
+    monkeypatch.setenv("ECHO_KEY", SECRET)
+    async with upstream(echo_in_a_wide_body) as single:
+        conf = {
+            "gateway": {"engine": engine, "allow_hosts": ["127.0.0.1"]},
+            "upstreams": {"single": {"url": single.url, "auth_env": "ECHO_KEY"}},
+            "routes": [{"id": "a", "prefix": "/a/", "plan": ["single"]}],
+        }
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with serve_asgi(gateway) as base, httpx.AsyncClient(base_url=base) as client:
+                error = await client.get(f"/a/{encoding}", timeout=30)
+        finally:
+            await gateway.aclose()
+    assert error.status_code == 401
+    masked = "*" * len(SECRET)
+    assert error.json()["error"]["message"] == f"Incorrect API key provided: {masked}"
+    for wide in ("utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be"):
+        assert SECRET.encode(wide) not in error.content
+
+
 async def echo_the_token(request: web.Request) -> web.StreamResponse:
     token = request.headers.get("authorization", "").rsplit(" ", 1)[-1]
     error = {"error": {"message": f"Incorrect API key provided: {token}"}, "model": token}
