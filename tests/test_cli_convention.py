@@ -113,6 +113,34 @@ def test_a_non_utf8_argument_is_refused_before_anything_is_stored(tmp_path: Path
     assert not (tmp_path / "s.db").exists()
 
 
+def test_under_an_ascii_locale_a_utf8_argument_says_how_and_output_is_escaped(
+    tmp_path: Path,
+) -> None:
+    # Under LC_ALL=C without Python's UTF-8 mode (a cron job's environment) Python reads
+    # the arguments as ASCII: a tenant `日本語` typed in UTF-8 was refused as "not valid
+    # UTF-8 text", which it is; the refusal now says what to run instead. And Python's
+    # stdout there is ASCII with `surrogateescape`, not `strict`: printing that tenant (a
+    # `routes list`, any usage row holding one) ended in 'unexpected internal error
+    # (UnicodeEncodeError)'. It is printed escaped, as under PYTHONIOENCODING=ascii.
+    store = f"sqlite:///{tmp_path / 's.db'}"
+    add = [FALLBACK_MW, "routes", "add", "--store", store, "--id", "chat", "--prefix", "/c/",
+           "--tenant", "日本語", "--upstream", "http://127.0.0.1:1"]  # fmt: skip
+    ascii_locale = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    refused = subprocess.run(add, capture_output=True, timeout=60, check=False, env=ascii_locale)
+    assert refused.returncode == 2
+    assert refused.stderr.startswith(b"fallback-mw: error: argument 10 is UTF-8 text this")
+    assert b"PYTHONUTF8=1" in refused.stderr and len(refused.stderr.splitlines()) == 1
+    utf8_mode = {**ascii_locale, "PYTHONUTF8": "1"}
+    added = subprocess.run(add, capture_output=True, timeout=60, check=False, env=utf8_mode)
+    assert added.returncode == 0, added.stderr
+    listed = subprocess.run(
+        [FALLBACK_MW, "routes", "list", "--store", store],
+        capture_output=True, timeout=60, check=False, env=ascii_locale,
+    )  # fmt: skip
+    assert listed.returncode == 0, listed.stderr
+    assert b"tenant=\\u65e5\\u672c\\u8a9e\t" in listed.stdout
+
+
 @pytest.mark.slow
 def test_runtime_failures_exit_1_with_one_line(tmp_path: Path) -> None:
     unreachable = f"postgresql://postgres:{SECRET}@127.0.0.1:1/none"
