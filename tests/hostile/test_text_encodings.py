@@ -210,3 +210,35 @@ async def test_a_budget_refusal_names_a_command_and_a_table_that_work_as_pasted(
                 assert served.status_code == 200, served.text
         finally:
             await gateway.aclose()
+
+
+@pytest.mark.parametrize(
+    ("written", "meant"),
+    [("/v1/caf%C3%A9/", "/v1/café/"), ("/v1/%E6%97%A5%E6%9C%AC/", "/v1/日本/")],
+)
+async def test_a_percent_encoded_prefix_is_refused_naming_the_prefix_to_write(
+    written: str, meant: str
+) -> None:
+    # A prefix copied from a browser's address bar (`/v1/caf%C3%A9/`) was refused as "must
+    # be a plain path without ... percent-encoding", leaving the user to decode it. The
+    # refusal names the prefix meant, and that prefix routes the encoded request.
+    def conf(prefix: str) -> dict[str, Any]:
+        return {
+            "upstreams": {"u": {"url": "http://127.0.0.1:1"}},
+            "routes": [{"id": "r", "prefix": prefix, "plan": ["u"]}],
+        }
+
+    with pytest.raises(ConfigError, match=r"routes\['r'\]\.prefix") as refused:
+        load_config(conf(written), environ={})
+    assert f"write the characters themselves, {meant!r}" in str(refused.value)
+    async with upstream(status_handler(200, b"ok")) as primary:
+        routed = conf(meant)
+        routed["upstreams"]["u"]["url"] = primary.url
+        gateway = Gateway(host_app, config=routed)
+        try:
+            async with client_for(gateway) as client:
+                response = await client.get(written + "x")
+        finally:
+            await gateway.aclose()
+    assert (response.status_code, response.headers.get("x-gateway-route")) == (200, "r")
+    assert primary.received[0].path == written + "x"

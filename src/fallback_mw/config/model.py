@@ -12,7 +12,7 @@ import shlex
 from decimal import ROUND_DOWN, Decimal
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from pydantic import (
     BaseModel,
@@ -538,6 +538,25 @@ DEFAULT_METHODS = ("GET", "HEAD", "OPTIONS", "POST", "PUT", "PATCH", "DELETE")
 HTTP_METHODS = (*DEFAULT_METHODS, "TRACE", "CONNECT")
 
 
+def _decoded_prefix_hint(prefix: str) -> str:
+    """For a prefix written percent-encoded (`/v1/caf%C3%A9/`, as a browser shows a URL),
+    the prefix to write instead: requests are matched on the decoded path, so the encoded
+    one could never match, and "without percent-encoding" left the user to decode it."""
+    if "%" not in prefix:
+        return ""
+    try:
+        decoded = unquote(prefix, errors="strict")
+    except UnicodeDecodeError:
+        return ""
+    if decoded.count("/") != prefix.count("/") or "%" in decoded or not decoded.isprintable():
+        return ""  # an escaped separator, a double escape, a control character: no hint
+    if any(seg.split(";", 1)[0] in (".", "..") for seg in decoded.split("/")):
+        return ""
+    if "//" in decoded or any(char.isspace() or char in "?#\\*" for char in decoded):
+        return ""  # refused as written too (`_prefix`)
+    return f": write the characters themselves, {decoded!r} (requests match decoded paths)"
+
+
 class RouteConfig(_Strict):
     id: str = Field(min_length=1, max_length=200)
     prefix: str
@@ -572,7 +591,10 @@ class RouteConfig(_Strict):
         # dot segment with a parameter (routing.normalise_path), so such a prefix loaded
         # and no request could ever match it.
         if any(seg.split(";", 1)[0] in (".", "..") for seg in value.split("/")) or "%" in value:
-            raise ValueError("must be a plain path without dot segments or percent-encoding")
+            raise ValueError(
+                "must be a plain path without dot segments or percent-encoding"
+                + _decoded_prefix_hint(value)
+            )
         # Requests are matched on the normalised path (no empty segments, `\\` read as `/`,
         # no query or fragment): a prefix holding one of these could never match.
         if "//" in value or any(char in value for char in "?#\\*"):
