@@ -115,6 +115,11 @@ CASES: dict[str, list[tuple[Outcome, WalkState, tuple[str, str | None], bool | N
     "the caller hangs up": [
         (Outcome("client_gone"), replace(OPEN, client_connected=False), ("abort", None), None),
     ],
+    "a middleware in front of the gateway refuses the request body as it streams to an"
+    " attempt (its `receive` raises: a signature check, a size limit)": [
+        (Outcome("host_refused"), OPEN, ("abort", None), None),
+        (Outcome("host_refused"), LAST, ("abort", None), None),
+    ],
     "the streamed request body goes over `max_request_body`": [
         (Outcome("body_too_large"), OPEN, ("local_error", "request_too_large"), None),
     ],
@@ -237,7 +242,7 @@ def test_the_doc_names_the_same_responsibility_as_the_code() -> None:
 UPSTREAM = ("status", "transport", "timeout")
 LOCAL = (
     "deadline", "client_gone", "body_too_large", "body_timeout", "body_misframed",
-    "unsafe_address",
+    "unsafe_address", "host_refused",
 )  # fmt: skip
 # the cursor's answers: no attempt was made
 ENDS = ("no_candidate", "repeat_budget", "no_other_credential")
@@ -247,6 +252,8 @@ def reference(outcome: Outcome, s: WalkState) -> tuple[str, str | None]:
     if not s.client_connected or outcome.kind == "client_gone":
         return ("abort", None)
     if s.response_started or outcome.committed:  # never restarted, never ended as whole
+        return ("abort", None)
+    if outcome.kind == "host_refused":  # its middleware answers: nothing more is sent
         return ("abort", None)
     if outcome.kind == "no_other_credential":  # a pool's 401/403/429: served as-is
         return ("serve", None)

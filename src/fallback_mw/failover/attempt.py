@@ -275,6 +275,7 @@ class AttemptRunner:
             body_timed_out=body.timed_out,
             body_misframed=body.misframed,
             body_unfinished=body.stream is not None and not body.done.is_set(),
+            host_refused=body.host_refusal is not None,
         )
 
 

@@ -45,6 +45,7 @@ OutcomeKind = Literal[
     # the gateway's side of the request (never recorded against an upstream)
     "deadline",  # the walk deadline ran out (the route's, or the caller's shorter one)
     "client_gone",  # the caller hung up
+    "host_refused",  # the host's receive raised while the body streamed (its middleware)
     "body_too_large",  # the streamed request body went over max_request_body
     "body_timeout",  # the request body did not arrive before the deadline
     "body_misframed",  # the streamed request body was not the length it declared
@@ -95,7 +96,7 @@ class Outcome:
             return "deadline"
         if self.kind == "body_timeout":  # the caller's body stalled: the caller's doing
             return "request_timeout"
-        if self.kind == "client_gone":
+        if self.kind in ("client_gone", "host_refused"):
             return "cancelled"
         if self.kind == "body_too_large":
             return "request_too_large"
@@ -215,13 +216,17 @@ def local_or(
     body_timed_out: bool,
     body_misframed: bool,
     body_unfinished: bool,
+    host_refused: bool = False,
 ) -> Outcome:
     """SPEC §5 "local conditions are not upstream failures": the request body's own trouble
     wins over whatever the engine made of it. A caller that hung up, sent too much, too
     slowly (an idle gap, or a deadline that ran out while its body was still streaming),
-    or not the length it declared, is never the upstream's fault."""
+    or not the length it declared, or a host whose middleware in front refused the body
+    as it streamed, is never the upstream's fault."""
     if client_gone:
         return Outcome("client_gone")
+    if host_refused:
+        return Outcome("host_refused")
     if body_too_large:
         return Outcome("body_too_large")
     if body_misframed:
@@ -368,6 +373,12 @@ def decide(outcome: Outcome, state: WalkState) -> Decision:
         return Decision(
             "abort", reason="the client hung up: nothing more is sent or started",
             rule="client_gone",
+        )  # fmt: skip
+    if outcome.kind == "host_refused" and not state.response_started:
+        return Decision(
+            "abort", rule="host_refused",
+            reason="a middleware in front of the gateway refused the request body: nothing"
+            " is sent, its error goes back to it to answer",
         )  # fmt: skip
     if outcome.committed or state.response_started:
         return Decision(

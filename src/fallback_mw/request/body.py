@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from fallback_mw.config import GatewaySettings
-from fallback_mw.request.context import MAX_NAME, Headers, RequestBody, RequestContext
+from fallback_mw.request.context import MAX_NAME, Headers, RequestBody, RequestContext, host_refused
 from fallback_mw.request.types import Receive, Scope
 from fallback_mw.request.usage import (
     ContentDecoder,
@@ -101,7 +101,13 @@ async def read_body(
     try:
         with Deadline(min(deadline, now + gap)) as timer:
             while True:
-                message = await receive()
+                try:
+                    message = await receive()
+                except TimeoutError:
+                    raise
+                except Exception:
+                    host_refused(context)  # a middleware in front refused it: the host's
+                    raise  # exception, for the host to answer
                 if message["type"] == "http.disconnect":
                     body.client_gone = context.client_disconnected = True
                     return body
@@ -177,6 +183,12 @@ async def _stream_rest(
         except TimeoutError:
             body.timed_out = True
             raise BodyAborted("request body stalled") from None
+        except Exception as exc:
+            # The host refused the body (a middleware in front): the walk ends sending
+            # nothing and raises this to the host; the engine, which may wrap what the body
+            # raised in a connection error, never books it to the upstream.
+            body.host_refusal = exc
+            raise BodyAborted("the host refused the request body") from exc
         if message["type"] == "http.disconnect":
             body.client_gone = context.client_disconnected = True
             raise BodyAborted("client disconnected")

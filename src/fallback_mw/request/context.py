@@ -93,6 +93,9 @@ class RequestBody:
     timed_out: bool = False  # the body did not arrive before the deadline
     client_gone: bool = False  # the caller hung up while sending it
     misframed: bool = False  # shorter or longer than the Content-Length it streams with
+    # What the host's `receive` raised while the body streamed to an attempt (a middleware
+    # in front refusing it: a size limit, a signature check): raised to the host again.
+    host_refusal: Exception | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)  # every message received
     # The buffered body as a JSON object (None: not one), parsed at most once per request
     # by whichever layer asks first (walk/body.py `body_json`).
@@ -221,6 +224,16 @@ def host_cancelled(context: RequestContext) -> None:
     outcome was already known."""
     if context.outcome is None:
         context.outcome = "cancelled"
+
+
+def host_refused(context: RequestContext) -> None:
+    """The host's `receive` raised while the gateway read the request body (a middleware in
+    front refusing it: Starlette's `max_body_size`, a signature check): the host ends the
+    request, with its exception, and answers it. Recorded as `cancelled`, rule
+    `host_refused`, not as the gateway's `internal_error` nor any upstream's failure."""
+    if context.outcome is None:
+        context.outcome = "cancelled"
+        context.rule = "host_refused"
 
 
 def walk_order(context: RequestContext) -> list[AttemptRecord | SkipRecord]:

@@ -46,6 +46,7 @@ from fallback_mw.request.context import (
     RequestContext,
     get_context,
     host_cancelled,
+    host_refused,
 )
 from fallback_mw.request.local_errors import send_error
 from fallback_mw.request.types import ASGIApp, Receive, Scope, Send
@@ -245,6 +246,10 @@ class _Walk:
             watch.stop()
             if self.last_response is not None:
                 await self.last_response[1].aclose()
+        refused_by_host = body.host_refusal
+        if refused_by_host is not None and not context.committed:
+            host_refused(context)
+            raise refused_by_host  # the host's middleware answers its own refusal
         if context.client_disconnected and context.outcome is None:
             if context.usage.done:
                 # It left after `data: [DONE]` (the sync openai SDK closes the response

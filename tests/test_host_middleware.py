@@ -1,0 +1,167 @@
+"""The host app's own middleware in front of the gateway (added after it in Starlette):
+what it does to a routed request is the host's doing, never an upstream's failure or the
+gateway's internal error."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import pytest
+from starlette.applications import Starlette
+
+from fallback_mw import Gateway
+from fallback_mw.request.types import ASGIApp, Message, Receive, Scope, Send
+from tests.helpers import client_for
+from tests.upstreams import status_handler, upstream
+
+pytestmark = pytest.mark.anyio
+
+SECRET = b"webhook-secret"
+
+
+class SignatureMismatch(Exception):
+    pass
+
+
+class VerifySignature:
+    """A team's webhook check: the body's HMAC is computed as the body streams through,
+    and a mismatch at its end refuses the request with the middleware's own 401 (raised
+    from `receive`, answered here, as Starlette's RequestBodyLimitMiddleware does)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        expected = headers.get(b"x-signature", b"").decode()
+        digest = hmac.new(SECRET, digestmod=hashlib.sha256)
+
+        async def checked() -> Message:
+            message = await receive()
+            if message["type"] == "http.request":
+                digest.update(message.get("body", b""))
+                if not message.get("more_body") and not hmac.compare_digest(
+                    digest.hexdigest(), expected
+                ):
+                    raise SignatureMismatch
+            return message
+
+        try:
+            await self.app(scope, checked, send)
+        except SignatureMismatch:
+            await send({"type": "http.response.start", "status": 401, "headers": []})
+            await send({"type": "http.response.body", "body": b"bad signature"})
+
+
+@asynccontextmanager
+async def lifespan(app: ASGIApp) -> AsyncIterator[None]:
+    """The app's lifespan, as a server runs it: the gateway inside starts, then closes."""
+    inbox_send, inbox = anyio.create_memory_object_stream[Message](2)
+    outbox, outbox_receive = anyio.create_memory_object_stream[Message](2)
+
+    async def send(message: Message) -> None:
+        await outbox.send(message)
+
+    scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}
+    async with inbox_send, inbox, outbox, outbox_receive, anyio.create_task_group() as tasks:
+        tasks.start_soon(app, scope, inbox.receive, send)
+        await inbox_send.send({"type": "lifespan.startup"})
+        assert (await outbox_receive.receive())["type"] == "lifespan.startup.complete"
+        yield
+        await inbox_send.send({"type": "lifespan.shutdown"})
+        assert (await outbox_receive.receive())["type"] == "lifespan.shutdown.complete"
+
+
+def outcomes(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage().split("outcome=")[1].split()[0]
+        for r in caplog.records
+        if r.name == "fallback_mw.request"
+    ]
+
+
+async def chunks(data: bytes, size: int = 512) -> AsyncIterator[bytes]:
+    for start in range(0, len(data), size):
+        yield data[start : start + size]
+
+
+@pytest.mark.parametrize("engine", ["aiohttp", "httpx"])
+async def test_an_upload_the_host_refuses_mid_stream_is_its_answer_and_no_upstream_failure(
+    engine: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An upload over `replay_buffer` streams to the upstream as it arrives; a middleware in
+    front that refused it at its last chunk (a bad webhook signature) raised from `receive`
+    inside the attempt. The engine took that for a broken upstream connection: the caller
+    got the gateway's 502 `upstream_failed` instead of the middleware's 401, and six such
+    uploads opened the primary's breaker, then the backup's, for every caller (SPEC §5:
+    one caller can never open a breaker). The host's exception now reaches the host, and
+    the attempt books nothing against the upstream."""
+    caplog.set_level(logging.INFO, logger="fallback_mw.request")
+    async with upstream(status_handler(200, b"primary")) as primary:
+        conf = {
+            "gateway": {"allow_hosts": ["127.0.0.1"], "replay_buffer": 1024, "engine": engine},
+            "upstreams": {"primary": {"url": primary.url}, "backup": {"url": primary.url + "/b"}},
+            "routes": [
+                {"id": "hooks", "prefix": "/hooks/", "plan": ["primary", "backup"], "retries": 1}
+            ],
+        }
+        app = Starlette()
+        app.add_middleware(Gateway, config=conf)
+        app.add_middleware(VerifySignature)  # added last: in front of the gateway
+        upload = b"x" * 8192
+        good = hmac.new(SECRET, upload, hashlib.sha256).hexdigest()
+        async with lifespan(app), client_for(app) as client:
+            for _ in range(6):
+                refused = await client.post(
+                    "/hooks/in",
+                    content=chunks(upload),
+                    headers={"content-length": str(len(upload)), "x-signature": "forged"},
+                )
+                assert (refused.status_code, refused.text) == (401, "bad signature")
+            accepted = await client.post(
+                "/hooks/in",
+                content=chunks(upload),
+                headers={"content-length": str(len(upload)), "x-signature": good},
+            )
+    assert accepted.status_code == 200, accepted.text
+    assert accepted.headers["x-gateway-provider"] == "primary"
+    assert "x-gateway-skipped" not in accepted.headers
+    assert outcomes(caplog) == ["cancelled"] * 6 + ["served"]
+    assert all("rule=host_refused" in r.getMessage() for r in caplog.records[:6])
+
+
+async def test_a_body_over_the_hosts_max_body_size_is_not_the_gateways_internal_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`Starlette(max_body_size=...)` (FastAPI's too) refuses a larger body from `receive`
+    and answers its 413. The client got that 413, but the gateway logged a WARNING
+    `outcome=internal_error` for each (counted in the error-rate alert as the gateway's
+    own failure). It is the host's refusal: `outcome=cancelled rule=host_refused`, and no
+    upstream is contacted."""
+    caplog.set_level(logging.INFO, logger="fallback_mw.request")
+    async with upstream(status_handler(200, b"primary")) as primary:
+        conf: dict[str, Any] = {
+            "gateway": {"allow_hosts": ["127.0.0.1"]},
+            "upstreams": {"primary": {"url": primary.url}},
+            "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+        }
+        app = Starlette(max_body_size=100)
+        app.add_middleware(Gateway, config=conf)
+        async with lifespan(app), client_for(app) as client:
+            declared = await client.post("/v1/chat", content=b"x" * 500)
+            chunked = await client.post("/v1/chat", content=chunks(b"x" * 500, 50))
+            small = await client.post("/v1/chat", content=b"x" * 50)
+    assert [declared.status_code, chunked.status_code, small.status_code] == [413, 413, 200]
+    assert [len(r.body) for r in primary.received] == [50]
+    assert outcomes(caplog) == ["cancelled", "cancelled", "served"]
+    records = [r for r in caplog.records if r.name == "fallback_mw.request"]
+    assert all("rule=host_refused" in r.getMessage() for r in records[:2])
