@@ -93,6 +93,26 @@ def test_it_is_refused_even_when_the_configuration_does_not_load() -> None:
         Gateway(host_app, config="no-such-gateway.toml", ledger=Unrelated())
 
 
+@pytest.mark.parametrize("layer", list(LAYERS))
+@pytest.mark.parametrize("app", ["main:app", None])
+def test_an_app_that_is_not_callable_is_refused_at_construction(layer: str, app: Any) -> None:
+    """`Gateway("main:app", config=...)` (the import string uvicorn takes) or an app that
+    came back None was accepted: routed requests were served, and every other request was
+    a 500 "'str' object is not callable" far from the mistake. The constructor says it."""
+    build = {
+        "Gateway": Gateway,
+        "BudgetGuard": BudgetGuard,
+        "RouteResolver": RouteResolver,
+        "CredentialInjector": CredentialInjector,
+        "PlanWalker": PlanWalker,
+    }[layer]
+    with pytest.raises(TypeError) as raised:
+        build(app, config=config())
+    message = str(raised.value)
+    assert message.startswith(f"{layer}: its first argument is the ASGI app it wraps"), message
+    assert f"not {type(app).__name__}" in message, message
+
+
 def test_a_double_missing_one_method_is_named() -> None:
     class Faults:
         async def upstream_fault(self, upstream: str) -> None:

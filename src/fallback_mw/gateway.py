@@ -11,7 +11,7 @@ from fallback_mw.budget import Ledger
 from fallback_mw.config import ConfigError, GatewayConfig, load_config
 from fallback_mw.faults import FaultSource
 from fallback_mw.health import HealthState
-from fallback_mw.injected import require, require_client, require_environ
+from fallback_mw.injected import require, require_app, require_client, require_environ
 from fallback_mw.layers.guard import BudgetGuard
 from fallback_mw.layers.injector import CredentialInjector
 from fallback_mw.layers.resolver import RouteResolver
@@ -60,6 +60,7 @@ class Gateway:
     ) -> None:
         # A wrong object is the host's code, not its configuration: refused here, whatever
         # the configuration (it would fail every request far from the mistake).
+        require_app(app, owner="Gateway")
         require_client(client, UpstreamClient, owner="Gateway")
         require(health, HealthState, parameter="health", owner="Gateway")
         require(faults, FaultSource, parameter="faults", owner="Gateway")

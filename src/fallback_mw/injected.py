@@ -86,6 +86,17 @@ def require_callable(value: object, *, parameter: str, owner: str, takes: str) -
         raise TypeError(f"{owner}: {parameter}= takes {takes}, not {_what(value)}")
 
 
+def require_app(value: object, *, owner: str) -> None:
+    """The ASGI app a layer wraps: a callable. An import string (`"main:app"`, as uvicorn
+    takes it) or None failed only at the first request no route took, far from the
+    mistake ("'str' object is not callable")."""
+    if not callable(value):
+        raise TypeError(
+            f"{owner}: its first argument is the ASGI app it wraps (a callable: FastAPI(), "
+            f"Starlette(), Django's get_asgi_application()), not {_what(value)}"
+        )
+
+
 def require_environ(value: object, *, owner: str) -> None:
     if value is not None and not isinstance(value, Mapping):
         raise TypeError(

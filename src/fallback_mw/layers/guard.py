@@ -39,7 +39,7 @@ from fallback_mw.config import (
     budget_argument,
     budget_section,
 )
-from fallback_mw.injected import require
+from fallback_mw.injected import require, require_app
 from fallback_mw.request.body import (
     NestedTooDeep,
     decoded_request_json,
@@ -179,6 +179,7 @@ class BudgetGuard:
         ledger: Ledger | None = None,
         telemetry: Telemetry | None = None,
     ) -> None:
+        require_app(app, owner="BudgetGuard")
         require(ledger, Ledger, parameter="ledger", owner="BudgetGuard")
         require(telemetry, Telemetry, parameter="telemetry", owner="BudgetGuard")
         self.app = app

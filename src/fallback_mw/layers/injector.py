@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 from fallback_mw.config import ConfigError, ConfigSource, as_config
 from fallback_mw.credentials import CredentialCache, apply_hygiene
-from fallback_mw.injected import require_environ
+from fallback_mw.injected import require_app, require_environ
 from fallback_mw.request.config_refusal import ConfigRefusal
 from fallback_mw.request.context import get_context
 from fallback_mw.request.types import ASGIApp, Receive, Scope, Send
@@ -23,6 +23,7 @@ class CredentialInjector:
         config: ConfigSource,
         environ: Mapping[str, str] | None = None,
     ) -> None:
+        require_app(app, owner="CredentialInjector")
         require_environ(environ, owner="CredentialInjector")
         self.app = app
         self.cache = CredentialCache(environ)

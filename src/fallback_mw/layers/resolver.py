@@ -16,7 +16,7 @@ import anyio
 from fallback_mw.budget import Ledger
 from fallback_mw.config import DEFAULT_METHODS, ConfigError, ConfigSource, as_config
 from fallback_mw.credentials import CredentialCache
-from fallback_mw.injected import require, require_callable, require_environ
+from fallback_mw.injected import require, require_app, require_callable, require_environ
 from fallback_mw.layers.limits import InFlight, header_refusal
 from fallback_mw.request.body import path_model
 from fallback_mw.request.config_refusal import ConfigRefusal
@@ -115,6 +115,7 @@ class RouteResolver:
         environ: Mapping[str, str] | None = None,
     ) -> None:
         owner = "RouteResolver"
+        require_app(app, owner=owner)
         require_callable(
             table, parameter="table", owner=owner, takes="a function returning the RouteTable"
         )

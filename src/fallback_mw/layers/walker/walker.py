@@ -31,7 +31,7 @@ from fallback_mw.failover.messages import error_message
 from fallback_mw.faults import FaultSource
 from fallback_mw.health import HealthState
 from fallback_mw.health.pool import affinity_key
-from fallback_mw.injected import require, require_client, require_environ
+from fallback_mw.injected import require, require_app, require_client, require_environ
 from fallback_mw.layers.walker.cursor import CandidateCursor, Pick, skip_recorder
 from fallback_mw.layers.walker.disconnect import DisconnectWatch
 from fallback_mw.layers.walker.hedge import run_hedged
@@ -74,6 +74,7 @@ class PlanWalker:
         capacity: CapacityState | None = None,
     ) -> None:
         owner = "PlanWalker"
+        require_app(app, owner=owner)
         require(services, Services, parameter="services", owner=owner)
         require_client(client, UpstreamClient, owner=owner)
         require(health, HealthState, parameter="health", owner=owner)
