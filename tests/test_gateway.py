@@ -97,6 +97,53 @@ async def test_starlette_lifespan_closes_the_gateway(monkeypatch: pytest.MonkeyP
     ]
 
 
+@pytest.mark.parametrize("fails", ["startup", "shutdown", "shutdown-raw"])
+async def test_a_host_lifespan_that_fails_still_closes_the_gateway(fails: str) -> None:
+    """A host app whose own lifespan failed (Starlette sends `lifespan.shutdown.failed`
+    when its shutdown code raises; `startup.failed`, after which the server exits; a raw
+    app raising after the server asked it to shut down) left the gateway open: it closed
+    only on `shutdown.complete`, so its upstream sessions, the store's listener and the
+    PostgreSQL ledger's settlements still in flight and its outage backlog were dropped
+    at exit without a word. The gateway closes whenever the host's lifespan ends."""
+    import contextlib
+
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Any) -> Any:
+        if fails == "startup":
+            raise RuntimeError("the host's database is down")
+        yield
+        raise RuntimeError("the host's pool did not close")
+
+    async def raw_host(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "lifespan.startup.complete"})
+        await receive()
+        raise RuntimeError("the host's pool did not close")
+
+    faults = ClosedFaults()
+    options = {"config": config_for("http://127.0.0.1:9", "http://127.0.0.1:10")}
+    options.update(environ=ENV, faults=faults)
+    if fails == "shutdown-raw":
+        app: Any = Gateway(raw_host, **options)
+    else:
+        app = Starlette(middleware=[Middleware(Gateway, **options)], lifespan=lifespan)
+    messages: list[str] = []
+    inbox = [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}]
+
+    async def receive() -> dict[str, Any]:
+        return inbox.pop(0)
+
+    async def send(message: Any) -> None:
+        messages.append(message["type"])
+
+    with pytest.raises(RuntimeError, match="the host's"):
+        await app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, receive, send)
+    assert faults.closed == 1, messages
+
+
 async def test_layers_compose_without_budget_guard() -> None:
     async with upstream(status_handler(503)) as p, upstream(status_handler(200, b"b")) as b:
         config = load_config(config_for(p.url, b.url), environ=ENV)

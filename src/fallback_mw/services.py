@@ -64,24 +64,38 @@ class Services:
             await receive()  # lifespan.startup
             await send({"type": "lifespan.startup.failed", "message": NOT_ASYNCIO})
             raise RuntimeError(NOT_ASYNCIO) from None
-        asked = False
+        asked = stopping = closed = False
+
+        async def close() -> None:
+            nonlocal closed
+            if not closed:
+                closed = True
+                await self.aclose()
 
         async def receive_wrapper() -> Message:
-            nonlocal asked
+            nonlocal asked, stopping
             asked = True
-            return await receive()
+            message = await receive()
+            stopping = message["type"] == "lifespan.shutdown"
+            return message
 
         async def send_wrapper(message: Message) -> None:
-            if message["type"] == "lifespan.startup.complete":
+            kind = message["type"]
+            if kind == "lifespan.startup.complete":
                 self.start()  # the store's reloader, the shared state's check
-            if message["type"] == "lifespan.shutdown.complete":
-                await self.aclose()
+            elif kind in _LIFESPAN_ENDS:
+                # The host's shutdown done, or failed (its own code raised), or its startup
+                # failed (the server exits): the gateway closes all the same, writing what
+                # its ledger still holds, before the server is told.
+                await close()
             await send(message)
 
         try:
             await app(scope, receive_wrapper, send_wrapper)
         except Exception:
             if asked:
+                if stopping:  # it raised at shutdown without saying so: closed all the same
+                    await close()
                 raise  # the host app's own startup or shutdown failed: the server says so
             # A host app that speaks no lifespan at all (Django refuses the scope before
             # reading a message): answered here alone, so the server logs no "lifespan
@@ -109,6 +123,12 @@ class Services:
         await self.faults.aclose()
         if self.ledger is not None:
             await self.ledger.aclose()
+
+
+# What a host app sends when its lifespan is over: the gateway closes then, whichever.
+_LIFESPAN_ENDS = frozenset(
+    {"lifespan.shutdown.complete", "lifespan.shutdown.failed", "lifespan.startup.failed"}
+)
 
 
 def build_services(
