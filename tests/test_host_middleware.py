@@ -7,8 +7,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import os
+import socket
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -165,3 +170,55 @@ async def test_a_body_over_the_hosts_max_body_size_is_not_the_gateways_internal_
     assert outcomes(caplog) == ["cancelled", "cancelled", "served"]
     records = [r for r in caplog.records if r.name == "fallback_mw.request"]
     assert all("rule=host_refused" in r.getMessage() for r in records[:2])
+
+
+_LOGGING_APP = """
+import logging.config
+import os
+
+from fastapi import FastAPI
+from starlette.testclient import TestClient
+
+from fallback_mw import Gateway, load_config
+
+config = load_config({
+    "gateway": {"allow_hosts": ["127.0.0.1"]},
+    "upstreams": {"primary": {"url": f"http://127.0.0.1:{os.environ['PORT']}"}},
+    "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+})
+# The app's own logging, after its imports (Python's default: disable_existing_loggers)
+logging.config.dictConfig({
+    "version": 1,
+    "handlers": {"stderr": {"class": "logging.StreamHandler"}},
+    "root": {"handlers": ["stderr"], "level": "INFO"},
+})
+app = FastAPI()
+app.add_middleware(Gateway, config=config)
+with TestClient(app) as client:
+    print(client.get("/v1/models").status_code)
+"""
+
+
+def test_the_gateway_logs_under_an_app_logging_that_disables_existing_loggers(
+    tmp_path: Path,
+) -> None:
+    """A FastAPI `main.py` that imports fallback_mw, then configures its logging with
+    `dictConfig` (whose `disable_existing_loggers` is True unless said otherwise) lost
+    every line of the gateway: its loggers existed by then and were disabled, so an
+    upstream outage logged no WARNING at all. The gateway, built once logging is set up
+    (Starlette builds its middleware at the first call), enables its loggers again, as
+    the Django middleware did."""
+    with socket.socket() as closed:  # a port nothing listens on: the walk fails, logged
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    script = tmp_path / "main.py"
+    script.write_text(_LOGGING_APP)
+    run = subprocess.run(
+        [sys.executable, str(script)],
+        env={**os.environ, "PORT": str(port)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.stdout.strip() == "502", run.stderr
+    assert "gateway request route=chat outcome=upstream_failed" in run.stderr

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import traceback
 import weakref
@@ -177,18 +176,6 @@ def _mounted_scope(request: HttpRequest) -> Scope:
     return scope
 
 
-def _enable_gateway_loggers() -> None:
-    """Django applies settings.LOGGING in django.setup(), and a dictConfig without
-    `"disable_existing_loggers": False` disables every logger that exists by then. The
-    gateway's exist when asgi.py imports fallback_mw before get_asgi_application() (as
-    with_lifespan is written there): every line of theirs went nowhere, where the same
-    project importing fallback_mw later showed them. Django has configured logging by the
-    time it builds its middleware: the gateway's loggers are as if created after it."""
-    for name, logger in list(logging.root.manager.loggerDict.items()):
-        if isinstance(logger, logging.Logger) and name.partition(".")[0] == "fallback_mw":
-            logger.disabled = False
-
-
 def _without_locals(error: BaseException) -> BaseException:
     """The error, and those it was raised from, with the local variables of every frame
     it went through dropped (frame.clear); file, line and function stay for the report."""
@@ -277,8 +264,7 @@ class GatewayMiddleware:
         # Django builds its middleware once per handler, and django.test's AsyncClient
         # builds a handler per client: a middleware dropped with its client drops its
         # Gateway, which closes its upstream connections on the running loop.
-        _live.add(self)
-        _enable_gateway_loggers()
+        _live.add(self)  # (its Gateway enabled the gateway's loggers: gateway.py)
 
     async def __call__(self, request: HttpRequest) -> HttpResponseBase:
         if not isinstance(getattr(request, "scope", None), dict):

@@ -27,6 +27,21 @@ from fallback_mw.upstream import UpstreamClient
 logger = logging.getLogger("fallback_mw")
 
 
+def enable_gateway_loggers() -> None:
+    """A `logging.config.dictConfig` without `"disable_existing_loggers": False` (Python's
+    default is True) disables every logger that exists by then: the gateway's, once the
+    app imported fallback_mw before configuring logging (a FastAPI `main.py` calling
+    dictConfig after its imports; Django's settings.LOGGING, applied in django.setup()
+    after asgi.py imported fallback_mw). Every line of theirs went nowhere, the outage
+    WARNINGs included, where the same app importing fallback_mw later showed them. A
+    gateway is built once logging is configured (Starlette builds its middleware at the
+    first ASGI call, Django when it loads its settings): its loggers are as if created
+    after it."""
+    for name, found in list(logging.root.manager.loggerDict.items()):
+        if isinstance(found, logging.Logger) and name.partition(".")[0] == "fallback_mw":
+            found.disabled = False
+
+
 class Gateway:
     """`Gateway(app, /, *, config)`: requests matching a route walk its plan; every other
     request goes to `app` untouched. `config` is a GatewayConfig, a path or a dict.
@@ -67,6 +82,7 @@ class Gateway:
         require(ledger, Ledger, parameter="ledger", owner="Gateway")
         require(telemetry, Telemetry, parameter="telemetry", owner="Gateway")
         require_environ(environ, owner="Gateway")
+        enable_gateway_loggers()
         self.app = app
         try:
             self.config = load_config(config, environ=environ)
