@@ -144,6 +144,30 @@ async def test_a_host_lifespan_that_fails_still_closes_the_gateway(fails: str) -
     assert faults.closed == 1, messages
 
 
+async def test_a_host_returning_from_the_lifespan_unasked_has_it_answered() -> None:
+    """The usual bare ASGI app returns at once for any scope but "http" (no lifespan):
+    uvicorn then reported "Application startup complete" while the gateway had neither
+    started (an unusable Redis `state` said only at the first routed request) nor, at
+    shutdown, closed (upstream sessions, the store's listener, the PostgreSQL ledger's
+    settlements in flight and its outage backlog dropped). The gateway answers such a
+    host's lifespan itself, as it does for one that refuses the scope by raising."""
+
+    async def bare(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+
+    faults = ClosedFaults()
+    gateway = Gateway(
+        bare, config=config_for("http://127.0.0.1:9", "http://127.0.0.1:10"), environ=ENV,
+        faults=faults,
+    )  # fmt: skip
+    assert await run_lifespan(gateway) == [
+        "lifespan.startup.complete",
+        "lifespan.shutdown.complete",
+    ]
+    assert faults.closed == 1
+
+
 async def test_layers_compose_without_budget_guard() -> None:
     async with upstream(status_handler(503)) as p, upstream(status_handler(200, b"b")) as b:
         config = load_config(config_for(p.url, b.url), environ=ENV)

@@ -97,10 +97,14 @@ class Services:
                 if stopping:  # it raised at shutdown without saying so: closed all the same
                     await close()
                 raise  # the host app's own startup or shutdown failed: the server says so
-            # A host app that speaks no lifespan at all (Django refuses the scope before
-            # reading a message): answered here alone, so the server logs no "lifespan
-            # unsupported" and the upstream sessions close at shutdown.
-            await self._own_lifespan(receive, send)
+        else:
+            if asked:
+                return
+        # A host app that speaks no lifespan at all (Django refuses the scope before reading
+        # a message; a bare app returns at once for any scope but "http"): answered here
+        # alone, so the gateway starts at the server's startup, the server logs no
+        # "lifespan unsupported", and the gateway closes at shutdown.
+        await self._own_lifespan(receive, send)
 
     async def _own_lifespan(self, receive: Receive, send: Send) -> None:
         while True:
