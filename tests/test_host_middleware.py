@@ -21,6 +21,7 @@ import pytest
 from starlette.applications import Starlette
 
 from fallback_mw import Gateway
+from fallback_mw.request.context import get_context
 from fallback_mw.request.types import ASGIApp, Message, Receive, Scope, Send
 from tests.helpers import client_for
 from tests.upstreams import status_handler, upstream
@@ -222,3 +223,70 @@ def test_the_gateway_logs_under_an_app_logging_that_disables_existing_loggers(
     )
     assert run.stdout.strip() == "502", run.stderr
     assert "gateway request route=chat outcome=upstream_failed" in run.stderr
+
+
+class Oops(Exception):
+    pass
+
+
+async def test_an_error_through_the_gateway_carries_no_body_query_or_credential_in_locals() -> None:
+    """A host's error reporter records the locals of every frame (Sentry by default, rich's
+    and pytest's `show_locals`). The request context the gateway leaves in the ASGI scope,
+    which every frame of the host holds, showed its dataclass fields there: the provider
+    key injected (`credentials`), the buffered body, the caller's query. And an error
+    leaving the gateway (here a test's mock transport raising) carried the attempt's
+    `credential` local and the body in the gateway's frames. The context shows its route
+    and method only, and the gateway's frames lose their locals (traceback kept)."""
+    key = "sk-provider-key-4f9d2c"
+    secrets = (key, "the-request-body-7c1e", "page=QUERY-5a2b")
+
+    def handler(request: Any) -> Any:
+        raise Oops("the test's mock has no answer for this")
+
+    import httpx
+
+    from fallback_mw.upstream.httpx_engine import HttpxClient
+
+    conf = {
+        "gateway": {"allow_hosts": ["127.0.0.1"]},
+        "upstreams": {"primary": {"url": "http://127.0.0.1:9", "auth_env": "HOST_MW_KEY"}},
+        "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+    }
+    scopes: list[Scope] = []
+    errors: list[BaseException] = []
+
+    def recording(app: ASGIApp) -> ASGIApp:
+        async def record(scope: Scope, receive: Receive, send: Send) -> None:
+            scopes.append(scope)
+            try:
+                await app(scope, receive, send)
+            except Oops as exc:
+                errors.append(exc)
+                await send({"type": "http.response.start", "status": 500, "headers": []})
+                await send({"type": "http.response.body", "body": b"host error page"})
+
+        return record
+
+    client = HttpxClient(transport=httpx.MockTransport(handler))
+    gateway = Gateway(Starlette(), config=conf, environ={"HOST_MW_KEY": key}, client=client)
+    async with gateway, client_for(recording(gateway)) as http:
+        answer = await http.post("/v1/chat?page=QUERY-5a2b", content=b"the-request-body-7c1e")
+    assert answer.status_code == 500
+    # The scope is the host's: its query_string is the caller's, as without the gateway.
+    assert not any(s in repr(scopes[0]) for s in secrets[:2]), repr(scopes[0])
+    context = repr(get_context(scopes[0]))
+    assert context.startswith("<RequestContext ") and "route='chat' POST>" in context
+    [error] = errors
+    own = str(Path(Gateway.__module__.replace(".", "/")).parent)
+    gateway_frames = 0
+    tb = error.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        shown = repr(frame.f_locals)
+        assert not any(s in shown for s in secrets[:2]), (frame.f_code.co_name, shown)
+        if own in frame.f_code.co_filename:  # the gateway's: nothing of the request's
+            gateway_frames += 1
+            shown = repr({k: v for k, v in frame.f_locals.items() if k != "scope"})
+            assert not any(s in shown for s in secrets), (frame.f_code.co_name, shown)
+        tb = tb.tb_next
+    assert gateway_frames >= 3  # the traceback itself is kept

@@ -19,6 +19,7 @@ from fallback_mw.layers.walker import PlanWalker
 from fallback_mw.request.abort import break_response
 from fallback_mw.request.config_refusal import ConfigRefusal
 from fallback_mw.request.context import get_context
+from fallback_mw.request.frames import drop_gateway_locals
 from fallback_mw.request.types import ASGIApp, Receive, Scope, Send
 from fallback_mw.services import Services, build_services, close_when_dropped
 from fallback_mw.telemetry import Telemetry
@@ -132,7 +133,11 @@ class Gateway:
         if scope["type"] != "http":
             await self.app(scope, receive, send)  # websockets: the host app's, untouched
             return
-        await self.resolver(scope, receive, send)
+        try:
+            await self.resolver(scope, receive, send)
+        except Exception as exc:
+            drop_gateway_locals(exc)  # the body, the query, the injected credential
+            raise
         context = get_context(scope)
         if (
             context is not None

@@ -79,7 +79,7 @@ class SkipRecord:
     fault: str | None = None  # breaker_open: the fault whose outcomes opened that breaker
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, repr=False)
 class RequestBody:
     """The request body as read from the client, once (walk/body.py reads it)."""
 
@@ -106,6 +106,11 @@ class RequestBody:
     def ok(self) -> bool:
         return not (self.too_large or self.timed_out or self.client_gone or self.misframed)
 
+    def __repr__(self) -> str:
+        # What an error reporter shows of a frame's locals: its size, never its bytes.
+        size = len(self.buffered) if self.buffered is not None else self.length
+        return f"<RequestBody {size if size is not None else '?'} bytes>"
+
 
 @dataclass(slots=True)
 class Usage:
@@ -122,7 +127,7 @@ class Usage:
         return self.input_tokens is not None or self.output_tokens is not None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, repr=False)
 class RequestContext:
     route: RouteConfig
     upstreams: dict[str, UpstreamConfig]
@@ -180,6 +185,12 @@ class RequestContext:
     trace: object | None = None  # telemetry's own per-request state (spans in flight)
     # The credentials nothing recorded of this request may carry (request/secrets.py).
     secrets: RequestSecrets | None = None
+
+    def __repr__(self) -> str:
+        # The context rides in the ASGI scope, which every frame of the host app holds: an
+        # error reporter recording locals (Sentry, rich's show_locals) showed the dataclass's
+        # fields, the provider keys injected (`credentials`), the caller's query and body.
+        return f"<RequestContext {self.request_id} route={self.route.id!r} {self.method}>"
 
     def credential(self, upstream: str, index: int) -> tuple[str, str] | None:
         found = (self.credentials or {}).get(upstream, ())
