@@ -21,7 +21,7 @@ from fallback_mw import (
     load_config,
 )
 from fallback_mw.faults import NoFaults
-from tests.helpers import client_for
+from tests.helpers import client_for, http_scope
 from tests.upstreams import host_app, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
@@ -279,6 +279,38 @@ def test_a_lifespan_off_asyncio_fails_the_startup_saying_the_gateway_needs_async
         lifespan.send(None)  # nothing in it suspends: it ends at the first step
     assert sent[0]["type"] == "lifespan.startup.failed"
     assert "trio is not supported" in sent[0]["message"]
+
+
+def test_a_routed_request_off_asyncio_says_the_gateway_needs_asyncio() -> None:
+    """A gateway the lifespan never reaches (Starlette runs none for a mounted app) served
+    by hypercorn's trio worker: each routed request was a bare 500 whose log said only
+    "RuntimeError: no running event loop". It says what to change, as the lifespan
+    startup does. Driven here without any asyncio loop running, as a trio server would."""
+    config = {
+        "gateway": {"allow_hosts": ["127.0.0.1"]},
+        "upstreams": {"primary": {"url": "http://127.0.0.1:9"}},
+        "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+    }
+    gateway = Gateway(host_app, config=config)
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    scope = http_scope("GET", "/v1/chat")
+    with pytest.raises(RuntimeError, match="runs on asyncio only") as raised:
+        gateway(scope, receive, send).send(None)  # fails before anything suspends
+    assert "trio is not supported" in str(raised.value)
+
+    async def failing_host(scope: Any, receive: Any, send: Any) -> None:
+        raise RuntimeError("the host app's own error")
+
+    # A request no route takes is the host app's, trio or not: its error is its own.
+    gateway = Gateway(failing_host, config=config)
+    with pytest.raises(RuntimeError, match="the host app's own error"):
+        gateway(http_scope("GET", "/elsewhere"), receive, send).send(None)
 
 
 @pytest.mark.parametrize("wrong", [None, 8080, b"gateway.toml", ["gateway.toml"]])

@@ -21,7 +21,13 @@ from fallback_mw.request.config_refusal import ConfigRefusal
 from fallback_mw.request.context import get_context
 from fallback_mw.request.frames import drop_gateway_locals
 from fallback_mw.request.types import ASGIApp, Receive, Scope, Send
-from fallback_mw.services import Services, build_services, close_when_dropped
+from fallback_mw.services import (
+    NOT_ASYNCIO,
+    Services,
+    build_services,
+    close_when_dropped,
+    on_asyncio,
+)
 from fallback_mw.telemetry import Telemetry
 from fallback_mw.upstream import UpstreamClient
 
@@ -137,6 +143,11 @@ class Gateway:
             await self.resolver(scope, receive, send)
         except Exception as exc:
             drop_gateway_locals(exc)  # the body, the query, the injected credential
+            if isinstance(exc, RuntimeError) and get_context(scope) and not on_asyncio():
+                # A routed request on hypercorn's trio worker, and no lifespan said so
+                # (Starlette runs none for a mounted gateway): "no running event loop"
+                # named nothing to fix. The host app's own errors are left as they are.
+                raise RuntimeError(NOT_ASYNCIO) from None
             raise
         context = get_context(scope)
         if (

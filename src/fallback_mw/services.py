@@ -27,6 +27,15 @@ NOT_ASYNCIO = (
     "not supported): run the server on asyncio (hypercorn's default worker class, uvicorn)"
 )
 
+
+def on_asyncio() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 if TYPE_CHECKING:
     from opentelemetry.metrics import MeterProvider
 
@@ -58,9 +67,7 @@ class Services:
         shutdown: the Gateway's, and the PlanWalker's when used alone with services it built
         (nobody else holds them to close). Not on an asyncio loop (hypercorn's trio worker):
         the startup fails saying so, rather than every routed request failing."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
+        if not on_asyncio():
             await receive()  # lifespan.startup
             await send({"type": "lifespan.startup.failed", "message": NOT_ASYNCIO})
             raise RuntimeError(NOT_ASYNCIO) from None
