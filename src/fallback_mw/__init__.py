@@ -30,17 +30,21 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'fallback_mw' has no attribute {name!r}")
-    value = getattr(import_module(module), name)
-    globals()[name] = value
-    return value
+# Hidden from type checkers, which read the names above: a module `__getattr__` returning
+# Any made every name importable to them (`from fallback_mw import Gatway` passed mypy
+# --strict, and failed at run time).
+if not TYPE_CHECKING:
 
+    def __getattr__(name: str) -> Any:
+        module = _EXPORTS.get(name)
+        if module is None:
+            raise AttributeError(f"module 'fallback_mw' has no attribute {name!r}")
+        value = getattr(import_module(module), name)
+        globals()[name] = value
+        return value
 
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+    def __dir__() -> list[str]:
+        return sorted([*globals(), *_EXPORTS])
 
 
 __all__ = [
