@@ -16,7 +16,14 @@ from typing import Any
 import httpx
 import pytest
 
-from fallback_mw import BudgetGuard, CredentialInjector, Gateway, PlanWalker, RouteResolver
+from fallback_mw import (
+    BudgetGuard,
+    CredentialInjector,
+    Gateway,
+    PlanWalker,
+    RouteResolver,
+    load_config,
+)
 from fallback_mw.budget import Ledger
 from fallback_mw.capacity import CapacityState
 from fallback_mw.faults import FaultSource
@@ -111,6 +118,29 @@ def test_an_app_that_is_not_callable_is_refused_at_construction(layer: str, app:
     message = str(raised.value)
     assert message.startswith(f"{layer}: its first argument is the ASGI app it wraps"), message
     assert f"not {type(app).__name__}" in message, message
+
+
+@pytest.mark.parametrize("layer", [layer for layer in LAYERS if layer != "BudgetGuard"])
+def test_an_environ_value_that_is_not_text_is_refused_naming_the_variable(layer: str) -> None:
+    """`environ={"OPENAI_API_KEY": settings.openai_api_key}` with pydantic-settings'
+    SecretStr (or bytes) failed deep in the configuration's checks with "'SecretStr'
+    object has no attribute 'encode'". The constructor names the variable and the type,
+    never the value, and says how to get the text out of a SecretStr."""
+
+    class SecretStr:  # pydantic's shape: the text only through get_secret_value()
+        def get_secret_value(self) -> str:
+            return "sk-never-shown"
+
+    with pytest.raises(TypeError) as raised:
+        LAYERS[layer](environ={"PRIMARY_KEY": SecretStr()})
+    message = str(raised.value)
+    assert message.startswith(f"{layer}: environ= maps each variable"), message
+    assert "'PRIMARY_KEY' holds" in message and "get_secret_value()" in message, message
+    with pytest.raises(TypeError, match=r"'PRIMARY_KEY' holds bytes$"):
+        LAYERS[layer](environ={"PRIMARY_KEY": b"sk-never-shown"})
+    assert "sk-never-shown" not in message
+    with pytest.raises(TypeError, match=r"^load_config: environ= .*'PRIMARY_KEY' holds bytes$"):
+        load_config(config(), environ={"PRIMARY_KEY": b"sk-never-shown"})
 
 
 def test_a_double_missing_one_method_is_named() -> None:

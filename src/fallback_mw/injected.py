@@ -6,6 +6,7 @@ request. The interfaces themselves are the callers' to name (this module imports
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Mapping
 
@@ -103,3 +104,14 @@ def require_environ(value: object, *, owner: str) -> None:
             f"{owner}: environ= takes a mapping of environment variables (os.environ, a dict), "
             f"not {_what(value)}"
         )
+    if value is None or value is os.environ:
+        return
+    # A value that is not text (a pydantic-settings SecretStr, bytes, a number) failed deep
+    # in the configuration's checks: "'SecretStr' object has no attribute 'encode'".
+    for name, held in value.items():
+        if held is not None and not isinstance(held, str):
+            hint = " (pass its .get_secret_value())" if hasattr(held, "get_secret_value") else ""
+            raise TypeError(
+                f"{owner}: environ= maps each variable to its value as text; {name!r} holds "
+                f"{_what(held)}{hint}"
+            )

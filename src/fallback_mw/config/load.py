@@ -21,6 +21,7 @@ from pydantic import (
 from fallback_mw import extras, rules
 from fallback_mw.config.describe import _describe
 from fallback_mw.config.model import GatewayConfig, WrittenFloat, budget_section
+from fallback_mw.injected import require_environ
 from fallback_mw.rules import ConfigError
 from fallback_mw.store_url import is_redis_url
 
@@ -238,6 +239,7 @@ def load_config(
     check_env: bool = True,
 ) -> GatewayConfig:
     """Load and validate a configuration from a path to a TOML file, a dict or a model."""
+    require_environ(environ, owner="load_config")
     if isinstance(source, GatewayConfig):
         config = source
     elif isinstance(source, Mapping):
