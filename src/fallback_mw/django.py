@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import traceback
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Container, Mapping
 from dataclasses import dataclass, field
@@ -51,6 +50,7 @@ except ImportError:
 from fallback_mw.config import GatewayConfig
 from fallback_mw.gateway import Gateway
 from fallback_mw.request.abort import break_response
+from fallback_mw.request.frames import drop_gateway_locals
 from fallback_mw.request.types import Message, Receive, Scope, Send
 from fallback_mw.routing import routed_path
 from fallback_mw.security import canonical_name
@@ -176,18 +176,6 @@ def _mounted_scope(request: HttpRequest) -> Scope:
     return scope
 
 
-def _without_locals(error: BaseException) -> BaseException:
-    """The error, and those it was raised from, with the local variables of every frame
-    it went through dropped (frame.clear); file, line and function stay for the report."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        traceback.clear_frames(current.__traceback__)
-        current = current.__cause__ or current.__context__
-    return error
-
-
 def _check_unread(request: HttpRequest) -> None:
     """A routed request's body must still be Django's to read: a middleware listed before
     GatewayMiddleware that read the stream itself (request.POST on a multipart upload, a
@@ -293,7 +281,8 @@ class GatewayMiddleware:
             if first.error is not None:
                 # The gateway's frames held the scope too, and bodies and credentials:
                 # the error keeps where it happened, not what those frames held.
-                raise _without_locals(first.error)
+                drop_gateway_locals(first.error, every_frame=True)
+                raise first.error
             if exchange.passthrough:
                 return await self.get_response(request)
             raise RuntimeError("fallback_mw: the gateway returned without a response")

@@ -16,9 +16,11 @@ from pathlib import Path
 _PACKAGE = str(Path(__file__).resolve().parents[1])
 
 
-def drop_gateway_locals(error: BaseException) -> None:
+def drop_gateway_locals(error: BaseException, *, every_frame: bool = False) -> None:
     """Clear the locals of the gateway's finished frames in `error`'s traceback and in
-    those of the errors it was raised from or during (file, line and function stay)."""
+    those of the errors it was raised from or during (file, line and function stay).
+    `every_frame`: the host's frames too (the Django adapter's, whose frames between it
+    and the error hold the request's scope)."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
@@ -26,7 +28,7 @@ def drop_gateway_locals(error: BaseException) -> None:
         tb = current.__traceback__
         while tb is not None:
             frame = tb.tb_frame
-            if frame.f_code.co_filename.startswith(_PACKAGE):
+            if every_frame or frame.f_code.co_filename.startswith(_PACKAGE):
                 # One still running (the frame catching it) is left: no report has it yet.
                 with contextlib.suppress(RuntimeError):
                     frame.clear()
