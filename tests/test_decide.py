@@ -137,6 +137,11 @@ CASES: dict[str, list[tuple[Outcome, WalkState, tuple[str, str | None], bool | N
         (Outcome("not_sent"), OPEN, ("next_candidate", None), None),
         (Outcome("not_sent"), LAST, ("local_error", "upstream_failed"), None),
     ],
+    "the gateway's own host has no file descriptor, socket memory or local port for the "
+    "connection (EMFILE under `ulimit -n`, ENFILE, ENOBUFS, ENOMEM, EADDRNOTAVAIL)": [
+        (Outcome("host_limit"), OPEN, ("local_error", "overloaded"), None),
+        (Outcome("host_limit"), LAST, ("local_error", "overloaded"), None),
+    ],
     "an answer the relay cannot carry (a status outside 200-599, a 101, contradictory "
     "framing), or that the echo mask cannot read from an upstream holding the gateway's "
     "credential (`br`, `zstd`, a `206` of a coded object)": [
@@ -203,6 +208,7 @@ def test_the_gateways_own_refusals_to_send_name_themselves() -> None:
     assert Outcome("unsafe_address").failure_kind == "unsafe_address"
     assert Outcome("not_sent").failure_kind == "not_sent"
     assert engine_outcome("local", "connect").failure_kind == "not_sent"
+    assert engine_outcome("host_limit", "connect").failure_kind == "host_limit"
     assert Outcome("transport").failure_kind == "transport"
 
 
@@ -242,7 +248,7 @@ def test_the_doc_names_the_same_responsibility_as_the_code() -> None:
 UPSTREAM = ("status", "transport", "timeout")
 LOCAL = (
     "deadline", "client_gone", "body_too_large", "body_timeout", "body_misframed",
-    "unsafe_address", "host_refused",
+    "unsafe_address", "host_refused", "host_limit",
 )  # fmt: skip
 # the cursor's answers: no attempt was made
 ENDS = ("no_candidate", "repeat_budget", "no_other_credential")
@@ -263,6 +269,7 @@ def reference(outcome: Outcome, s: WalkState) -> tuple[str, str | None]:
         "body_timeout": "request_timeout",
         "body_misframed": "bad_request",
         "unsafe_address": "upstream_failed",
+        "host_limit": "overloaded",
     }
     if outcome.kind in local_codes:
         return ("local_error", local_codes[outcome.kind])

@@ -51,6 +51,7 @@ OutcomeKind = Literal[
     "body_misframed",  # the streamed request body was not the length it declared
     "unsafe_address",  # the connect-time guard refused the upstream's address
     "not_sent",  # the client library refused to build or send the request (nothing sent)
+    "host_limit",  # the gateway's host had no descriptor, memory or port for it (nothing sent)
     "no_candidate",  # the cursor ran dry: every remaining candidate was skipped
     "repeat_budget",  # a repeat (or hedge) at an upstream whose repeat budget is spent
     "no_other_credential",  # after a pool's 401/403/429, no other credential could be tried
@@ -104,7 +105,7 @@ class Outcome:
             return "response_too_large"
         if self.kind == "body_misframed":
             return "bad_request"
-        if self.kind in ("unsafe_address", "not_sent"):
+        if self.kind in ("unsafe_address", "not_sent", "host_limit"):
             return self.kind  # the gateway refused to send it: nothing of the upstream's
         return "transport"
 
@@ -192,6 +193,8 @@ def engine_outcome(kind: str, phase: str, *, fault: str | None = None) -> Outcom
         return Outcome("unsafe_address")
     if kind == "local":
         return Outcome("not_sent")
+    if kind == "host_limit":
+        return Outcome("host_limit")
     if kind == "timeout" and phase != "body":
         return Outcome("timeout", fault=fault)
     if kind == "tls":
@@ -357,6 +360,13 @@ _LOCAL_ERRORS: dict[str, tuple[str, str]] = {
         "the client library refused to build the upstream request (a header value, the URL,"
         " an encoding); nothing was sent",
     ),
+    "host_limit": (
+        "overloaded",
+        "the gateway's own host could not open a connection to the upstream; nothing was "
+        "sent and no upstream is blamed: raise the gateway process's open-file limit "
+        "(ulimit -n, systemd LimitNOFILE) or set [gateway] max_concurrency below what the "
+        "host can carry",
+    ),
 }
 _LOCAL_RULES = {
     "body_too_large": "max_request_body",
@@ -364,6 +374,7 @@ _LOCAL_RULES = {
     "body_misframed": "bad_request",
     "unsafe_address": "unsafe_address",
     "not_sent": "not_sent",
+    "host_limit": "host_limit",
 }
 
 

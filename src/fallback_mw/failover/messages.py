@@ -512,6 +512,10 @@ def error_message(decision: Decision, context: RequestContext) -> str:
         elif record.failure_detail is not None:
             message += f"; {record.failure_detail}"
         return f"{message}; {remedy}" if remedy else message
+    if decision.rule == "host_limit" and context.attempts:
+        # Which resource the host lacked (descriptors, memory, ports), then what to change.
+        lacking = _last_failed(context).failure_detail
+        return f"{lacking}: {decision.reason}" if lacking else decision.reason
     if decision.error == "deadline_exceeded":
         return _deadline_message(context)
     if decision.error == "route_exhausted":

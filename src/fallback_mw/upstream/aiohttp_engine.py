@@ -30,6 +30,7 @@ from fallback_mw.upstream.base import (
     check_proxy_answer,
     check_request_headers,
     check_response_head,
+    host_limit,
     proxy_refused,
     unrelayable,
 )
@@ -77,6 +78,10 @@ class _ErrorMap:
             if isinstance(exc, aiohttp.ConnectionTimeoutError):
                 phase = "connect"  # its sock_connect (connect_timeout_ms), not the head's wait
             raise UpstreamError("timeout", phase, f"timed out during {phase}") from exc
+        if isinstance(exc, OSError):  # ClientOSError, ClientConnectorError and the bare kind
+            limited = host_limit(exc, phase)  # the gateway's own host, not the upstream
+            if limited is not None:
+                raise limited from None
         tls = _tls_failure(exc)
         if tls is not None:
             raise UpstreamError("tls", phase, TLS_FAILED, detail=tls) from None

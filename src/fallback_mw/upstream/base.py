@@ -5,6 +5,7 @@ low-level errors into failure kinds."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import re
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -15,10 +16,12 @@ from fallback_mw.timers import Deadline
 
 # "local": the client library refused to build or send the request (a header value, a
 # URL, an encoding): nothing reached the upstream, so it is never the upstream's failure.
+# "host_limit": the gateway's own host had no file descriptor, socket memory or local port
+# for the connection (EMFILE under `ulimit -n`, ...): nothing was sent, never the upstream's.
 # "tls": the TLS handshake failed (a certificate that does not verify, SPEC §12): the
 # upstream's failure like any transport error, named as what it is.
 FailureKind = Literal[
-    "transport", "timeout", "refused", "unsafe_address", "protocol", "local", "tls"
+    "transport", "timeout", "refused", "unsafe_address", "protocol", "local", "tls", "host_limit"
 ]
 Phase = Literal["connect", "first_byte", "body"]
 
@@ -44,6 +47,32 @@ class UpstreamError(Exception):
         # SPEC §9 vocabulary: timeouts are "timeout", a failed TLS handshake "tls",
         # everything else below HTTP "transport".
         return self.kind if self.kind in ("timeout", "tls") else "transport"
+
+
+# What each errno of the gateway's own host lacking a resource says it ran out of.
+_HOST_LIMITS = {
+    errno.EMFILE: "out of file descriptors (EMFILE: the process's open-file limit)",
+    errno.ENFILE: "out of file descriptors (ENFILE: the system's open-file table)",
+    errno.ENOBUFS: "out of socket buffer memory (ENOBUFS)",
+    errno.ENOMEM: "out of memory (ENOMEM)",
+    errno.EADDRNOTAVAIL: "out of local ports (EADDRNOTAVAIL)",
+}
+
+
+def host_limit(exc: BaseException, phase: Phase) -> UpstreamError | None:
+    """The engine error for a connection the gateway's own host could not open (an
+    `OSError` with one of _HOST_LIMITS' errnos, wrapped or not), None for anything else."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        wrapped = getattr(current, "os_error", None)  # aiohttp's ClientConnectorError
+        for error in (current, wrapped):
+            if isinstance(error, OSError) and error.errno in _HOST_LIMITS:
+                lacking = _HOST_LIMITS[error.errno]
+                return UpstreamError("host_limit", phase, lacking, detail=lacking)
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def unrelayable(reason: str) -> UpstreamError:

@@ -37,6 +37,7 @@ from fallback_mw.upstream.base import (
     check_request_headers,
     check_response_head,
     encode_request_headers,
+    host_limit,
     proxy_refused,
     unrelayable,
 )
@@ -118,6 +119,9 @@ def map_errors(phase: Phase) -> Iterator[None]:
         # (ClientConnectorDNSError), and the message points at the url.
         raise UpstreamError("refused", phase, "could not connect") from None
     except httpx.ConnectError as exc:
+        limited = host_limit(exc, phase)  # the gateway's own host, not the upstream
+        if limited is not None:
+            raise limited from None
         tls = tls_problem(exc)
         if tls is None and _https(exc) and closed_in_handshake(exc):
             tls = HANDSHAKE_CLOSED  # reset while connecting an https:// url, as on aiohttp
@@ -135,6 +139,9 @@ def map_errors(phase: Phase) -> Iterator[None]:
     except (httpx.RemoteProtocolError, httpx.DecodingError) as exc:
         raise UpstreamError("protocol", phase, type(exc).__name__, detail=NOT_HTTP) from None
     except (httpx.TransportError, OSError) as exc:
+        limited = host_limit(exc, phase)
+        if limited is not None:
+            raise limited from None
         # An ssl error after the handshake (TLS 1.3 tells a client the server wanted its
         # certificate on the first read; httpcore lets that ssl.SSLError through bare).
         tls = tls_problem(exc)

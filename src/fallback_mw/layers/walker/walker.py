@@ -397,6 +397,8 @@ class _Walk:
             headers = []
             if decision.error == "route_exhausted":  # asked only here: no cost when served
                 headers = await retry_after(self.context, self.walker.health, self.attempts)
+            elif decision.error == "overloaded":  # the host's descriptors free as requests end
+                headers = [(b"retry-after", b"1")]
             await send_error(
                 self.send, self.context, decision.error, error_message(decision, self.context),
                 rule=decision.rule, headers=headers,
