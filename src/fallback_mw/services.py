@@ -9,6 +9,8 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import anyio
+
 from fallback_mw.budget import Ledger
 from fallback_mw.capacity import CapacityState, create_capacity
 from fallback_mw.config import GatewayConfig
@@ -58,6 +60,11 @@ class Services:
         """Lifespan startup: the route reloader starts (else the first request starts it)
         and the shared state tries Redis (an unusable one is said now, not at the first
         request)."""
+        # anyio (4.x) imports its parts on first use, and an import opens files: done now,
+        # not by the first request, which may come when the host is out of descriptors (a
+        # burst under `ulimit -n`), where that import failing made the request a bare 500.
+        anyio.current_time()  # its asyncio backend (the SQLite ledger's worker thread)
+        _ = anyio.CancelScope  # the shields of every layer's cleanup
         if self.store is not None:
             self.store.ensure_started()
         self.health.start()

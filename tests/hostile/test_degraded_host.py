@@ -10,7 +10,10 @@ import errno
 import json
 import os
 import resource
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -118,3 +121,98 @@ async def test_running_out_of_file_descriptors_is_the_gateways_503_never_a_break
     assert 1 not in marks, marks  # no failure booked to either upstream
     assert after.status_code == 200 and after.content == b"primary"
     assert after.headers["x-gateway-attempts"] == "1"
+
+
+# Runs in a fresh interpreter: what the first request imports has not been imported by this
+# test process (anyio's asyncio backend, its CancelScope) when the descriptors run out.
+FIRST_REQUEST = """
+import asyncio, json, os, resource, sys
+
+from fallback_mw import Gateway
+
+config = {
+    "gateway": {"allow_hosts": ["127.0.0.1"], "store": sys.argv[1]},
+    "upstreams": {"primary": {"url": "http://127.0.0.1:9"}},
+    "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"], "budget": "acme"}],
+    "budgets": {"acme": {"limit": 10, "window": "total", "default_hold": 0.01}},
+}
+
+
+async def host(scope, receive, send):
+    raise AssertionError("a routed request reached the host app")
+
+
+async def call(gateway):
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET",
+        "scheme": "http", "path": "/v1/x", "raw_path": b"/v1/x", "query_string": b"",
+        "headers": [(b"host", b"gw")], "client": ("127.0.0.1", 1), "server": ("gw", 80),
+    }
+    try:
+        await gateway(scope, receive, send)
+    except Exception as exc:  # a server answers this with a bare 500
+        return {"raised": repr(exc)}
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return {"status": status, "body": json.loads(body)}
+
+
+async def main():
+    async with Gateway(host, config=config) as gateway:  # started as the lifespan does
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 4096), hard))
+        taken = []
+        while True:
+            try:
+                taken.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError:
+                break
+        try:
+            answer = await call(gateway)
+        finally:
+            for fd in taken:
+                os.close(fd)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        answer["later"] = await call(gateway)
+    print(json.dumps(answer))
+
+
+asyncio.run(main())
+"""
+
+
+def test_the_first_budgeted_request_with_no_descriptor_left_fails_closed_never_a_bare_500(
+    tmp_path: Path,
+) -> None:
+    """`serve` under `ulimit -n 64`, its first requests a burst: the budgeted route's first
+    ledger call imported anyio's asyncio backend (anyio imports its parts on first use), the
+    import could not open its file (EMFILE), and the OSError, then the same failure in the
+    settlement's shield, went out of the gateway: a bare 500 and a traceback in the log.
+    It is now 503 budget_unavailable (fail closed), and the ledger works once descriptors
+    free."""
+    store = f"sqlite:///{tmp_path / 'gw.db'}"
+    done = subprocess.run(
+        [sys.executable, "-c", FIRST_REQUEST, store],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout.splitlines()[-1])
+    assert "raised" not in answer, (answer, done.stderr)
+    assert answer["status"] == 503, answer
+    assert answer["body"]["error"]["code"] == "budget_unavailable", answer
+    assert "Traceback" not in done.stderr, done.stderr
+    # Once descriptors are back the ledger answers: the hold is taken, the upstream (a
+    # closed port) is what fails.
+    later = answer["later"]
+    assert later["status"] == 502 and later["body"]["error"]["code"] == "upstream_failed", later

@@ -238,6 +238,11 @@ class SQLiteLedger(SQLLedgerBase):
             # SQLite's own reason ("file is not a database", "attempt to write a readonly
             # database") names no secret: a file path holds none.
             raise self._unavailable(type(exc).__name__, str(exc)) from None
+        except (OSError, RuntimeError) as exc:
+            # The host, not the file: no descriptor left for an import or the file's
+            # directory (EMFILE), no worker thread ("can't start new thread"). Fail closed
+            # (503 budget_unavailable), never a bare 500.
+            raise self._unavailable(type(exc).__name__, str(exc)) from None
         if wrote:
             # A write ends an outage; a read does not: a file another process holds the
             # write lock on still answers reads (WAL), and each read would log "reachable
