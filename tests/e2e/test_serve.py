@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import httpx
@@ -239,3 +241,51 @@ async def test_serve_frames_an_unsized_answer_for_an_http_1_0_client_by_closing(
     output = log_text(log)
     assert "outcome=aborted" in output
     assert "ASGI callable" not in output and "Traceback" not in output, output
+
+
+@contextmanager
+def serve_with_stdout_closed(
+    config: Path, port: int, log: Path
+) -> Iterator[subprocess.Popen[bytes]]:
+    """`serve` started as `fallback-mw serve ... >&-`, its stderr in `log`; SIGINT at the end."""
+    command = [
+        *(sys.executable, "-m", "fallback_mw", "serve", "--config", str(config)),
+        *("--host", "127.0.0.1", "--port", str(port)),
+    ]
+    with log.open("wb") as out:
+        process = subprocess.Popen(["bash", "-c", 'exec "$@" >&-', "bash", *command], stderr=out)
+        try:
+            yield process
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+                try:
+                    process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+
+
+@pytest.mark.anyio
+async def test_serve_started_with_stdout_closed_serves(tmp_path: Path) -> None:
+    """A supervisor or init script that starts `serve` with stdout closed (`>&-`): serve
+    exited 1 at once, 'stdout is closed ...: nothing can be printed', because its "serving
+    on" line could not be printed. A gateway's job is to serve: that line is dropped, the
+    log (stderr) is written as always."""
+    port, log = free_port(), tmp_path / "serve.log"
+    async with upstream(status_handler(200, b"from primary")) as primary:
+        config = tmp_path / "gateway.toml"
+        config.write_text(
+            f'[upstreams.primary]\nurl = "{primary.url}"\n'
+            '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["primary"]\n',
+            encoding="utf-8",
+        )
+        with serve_with_stdout_closed(config, port, log) as process:
+            await wait_listening(process, port, log)
+            async with httpx.AsyncClient(timeout=10) as client:
+                response = await client.get(f"http://127.0.0.1:{port}/v1/chat")
+            assert response.status_code == 200 and response.content == b"from primary"
+            process.send_signal(signal.SIGINT)
+            assert process.wait(timeout=10) == 0, log_text(log)
+    assert "stdout is closed" not in log_text(log)
+    assert "Application startup complete" in log_text(log)

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -66,8 +67,9 @@ def server_options() -> dict[str, str]:
 
 def uvicorn_colours() -> bool | None:
     """uvicorn's `use_colors`: none under NO_COLOR (no-color.org: set and not empty), else
-    uvicorn's own choice (colour on a terminal only)."""
-    return False if os.environ.get("NO_COLOR") else None
+    uvicorn's own choice (colour on a terminal only). Started with stdout closed (`>&-`)
+    there is no terminal to ask (uvicorn's own check would fail on it): none."""
+    return False if os.environ.get("NO_COLOR") or sys.stdout is None else None
 
 
 class CutRequestLine(logging.Filter):
@@ -263,9 +265,10 @@ def serve(args: argparse.Namespace, console: Console) -> int | None:
             raise Refused(str(exc)) from None
         for warning in warnings:
             console.warning(warning)
-        console.print(
+        announce(
+            console,
             f"serving on {address(supervisor.reservation)} with {args.workers} worker "
-            "processes (Ctrl-C to stop)"
+            "processes (Ctrl-C to stop)",
         )
         return supervisor.run()
     # SIGTERM, like Ctrl-C, is a clean stop (exit status 0) once uvicorn has shut down: it
@@ -274,6 +277,14 @@ def serve(args: argparse.Namespace, console: Console) -> int | None:
     signal.signal(signal.SIGTERM, exit_now)
     run_server(config, options, None, args, console, workers=False, warnings=warnings)
     return None
+
+
+def announce(console: Console, line: str) -> None:
+    """One of serve's own lines on stdout ("serving on ..."): a stdout that is closed (`>&-`,
+    a supervisor that starts it so) or that nobody reads any more must not keep the gateway
+    from serving. The line is dropped; the log (stderr) is written as always."""
+    with contextlib.suppress(Failed, OSError, ValueError):
+        console.print(line)
 
 
 def address(sock: socket.socket) -> str:
@@ -342,10 +353,9 @@ def run_server(
         raise Refused(str(exc)) from None
     if telemetry.prometheus_address is not None:
         metrics_host, metrics_port = telemetry.prometheus_address
-        # A worker's line is best effort: a replacement whose output's reader is gone
-        # (BrokenPipeError) serves all the same, as its log lines are dropped.
-        with contextlib.suppress(OSError) if workers else contextlib.nullcontext():
-            console.print(f"metrics on http://{metrics_host}:{metrics_port}/metrics (Prometheus)")
+        # Best effort, as every line of serve's own (a worker's replacement whose reader is
+        # gone, a stdout closed): the gateway serves all the same.
+        announce(console, f"metrics on http://{metrics_host}:{metrics_port}/metrics (Prometheus)")
     try:
         gateway = Gateway(not_found_app, config=config)
         if gateway.config_error is not None:  # e.g. a store route the file's rules refuse
@@ -354,7 +364,7 @@ def run_server(
             sock = listen_socket(args.host, args.port)
             for warning in warnings:  # `check`'s, once the address is bound
                 console.warning(warning)
-            console.print(f"serving on {address(sock)} (Ctrl-C to stop)")
+            announce(console, f"serving on {address(sock)} (Ctrl-C to stop)")
         configure_logging(with_pid=workers)
         tune_gc()
         server = Server(
