@@ -12,6 +12,7 @@ import os
 import resource
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -216,3 +217,63 @@ def test_the_first_budgeted_request_with_no_descriptor_left_fails_closed_never_a
     # closed port) is what fails.
     later = answer["later"]
     assert later["status"] == 502 and later["body"]["error"]["code"] == "upstream_failed", later
+
+
+SLOW_NAME = "slow-dns.test"  # a name whose lookup the event loop's resolver holds
+
+
+@pytest.fixture
+async def slow_resolver(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The running loop's getaddrinfo (both engines resolve through it) holding every lookup
+    of SLOW_NAME for 30 s: a resolver that is slow or does not answer (a DNS server gone,
+    its packets dropped)."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    original = loop.getaddrinfo
+
+    async def getaddrinfo(host: Any, *args: Any, **kwargs: Any) -> Any:
+        if host == SLOW_NAME:
+            await asyncio.sleep(30)
+        return await original(host, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "getaddrinfo", getaddrinfo)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.usefixtures("slow_resolver")
+async def test_connect_timeout_covers_the_lookup_of_the_upstreams_name(engine: str) -> None:
+    """A primary named by a host whose DNS lookup hangs: connect_timeout_ms (documented as
+    the connect) did not cover the lookup on either engine, so every request waited the
+    whole route deadline and ended in 504 deadline_exceeded, never reaching the backup. The
+    lookup is now part of the connect: the attempt times out within connect_timeout_ms and
+    the backup serves."""
+    async with upstream(status_handler(200, b"backup")) as backup:
+        conf = {
+            "gateway": {"allow_hosts": ["127.0.0.1", SLOW_NAME], "engine": engine},
+            "upstreams": {
+                "primary": {"url": f"http://{SLOW_NAME}:9", "connect_timeout_ms": 300},
+                "backup": {"url": backup.url},
+            },
+            "routes": [
+                {
+                    "id": "chat",
+                    "prefix": "/v1/",
+                    "plan": ["primary", "backup"],
+                    "retries": 1,
+                    "deadline_ms": 10000,
+                }
+            ],
+        }
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                started = time.monotonic()
+                answer = await client.get("/v1/x")
+                took = time.monotonic() - started
+        finally:
+            await gateway.aclose()
+    assert answer.status_code == 200, answer.text
+    assert answer.content == b"backup"
+    assert answer.headers["x-gateway-attempts"] == "2"
+    assert took < 5, took  # the connect timeout (0.3 s), not the 10 s deadline

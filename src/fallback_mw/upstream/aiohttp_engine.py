@@ -11,6 +11,7 @@ from contextvars import ContextVar
 from typing import Any
 
 import aiohttp
+from aiohttp.abc import ResolveResult
 from multidict import CIMultiDict
 from yarl import URL
 
@@ -138,9 +139,11 @@ def map_errors(phase: Phase) -> _ErrorMap:
 # The first-byte timer of the request being sent in this task, and whether its body is
 # streamed: for a buffered body the connector arms it once it has a connection, just before
 # the request head and its body go out (from then on the time is the upstream's); an egress
-# proxy's answer to CONNECT is timed by it whatever the body. A context variable rather than
-# an aiohttp trace hook: traces cost a handful of signal sends on every request.
-_ARM_ON_CONNECT: ContextVar[tuple[FirstByteTimer, bool] | None] = ContextVar(
+# proxy's answer to CONNECT is timed by it whatever the body; and its connect timeout, which
+# also holds the lookup of the upstream's name (`_Connector._resolve_host`). A context
+# variable rather than an aiohttp trace hook: traces cost a handful of signal sends on every
+# request.
+_ARM_ON_CONNECT: ContextVar[tuple[FirstByteTimer, bool, float] | None] = ContextVar(
     "fallback_mw_arm_on_connect", default=None
 )
 
@@ -169,6 +172,26 @@ class _Connector(aiohttp.TCPConnector):
             armed[0].arm()
         return connection
 
+    async def _resolve_host(
+        self, host: str, port: int, traces: Sequence[Any] | None = None
+    ) -> list[ResolveResult]:
+        # aiohttp's sock_connect starts once an address is known: a resolver that hangs
+        # (a DNS server gone) held every attempt to the walk deadline, a 504 that never
+        # reached the fallback. The lookup is part of the connect (as for curl and httpx):
+        # held to connect_timeout_ms, a `timeout` of the connect. Only this request's wait
+        # ends; a lookup other requests share goes on (aiohttp shields it).
+        armed = _ARM_ON_CONNECT.get()
+        if armed is None:
+            return await super()._resolve_host(host, port, traces=traces)
+        seconds = armed[2]
+        try:
+            async with asyncio.timeout(seconds):
+                return await super()._resolve_host(host, port, traces=traces)
+        except TimeoutError:
+            raise aiohttp.ConnectionTimeoutError(
+                f"no address for the upstream's host within {seconds:g} s"
+            ) from None
+
     async def _create_proxy_connection(
         self,
         req: aiohttp.ClientRequest,
@@ -186,7 +209,7 @@ class _Connector(aiohttp.TCPConnector):
         armed = _ARM_ON_CONNECT.get()
         if armed is None:
             return await super()._create_proxy_connection(req, traces, timeout)
-        timer, streamed = armed
+        timer, streamed, _connect = armed
         timer.arm()
         try:
             return await super()._create_proxy_connection(req, traces, timeout)
@@ -370,7 +393,7 @@ class AiohttpClient:
             data: Any = _bytes_payload(body) if len(body) > _LARGE_BYTES else (body or None)
         else:
             data = timer.timed_body(body)
-        armed = _ARM_ON_CONNECT.set((timer, streamed))
+        armed = _ARM_ON_CONNECT.set((timer, streamed, timeouts.connect))
         try:
             with map_errors("first_byte"), timer.running():
                 response = await session.request(

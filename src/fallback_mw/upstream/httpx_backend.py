@@ -5,8 +5,10 @@ also stop sending a request body once the upstream has answered with an error
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import ssl
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -36,7 +38,19 @@ class GuardedNetworkBackend(httpcore.AsyncNetworkBackend):
         local_address: str | None = None,
         socket_options: Iterable[Any] | None = None,
     ) -> httpcore.AsyncNetworkStream:
-        addresses = await resolve_checked_async(host, port, self._allow_hosts)
+        # The lookup is part of the connect, as httpcore's own backend has it: a resolver
+        # that hangs (a DNS server gone) is held to connect_timeout_ms, a connect timeout,
+        # not left to run out the walk deadline. The connect gets what is left.
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(timeout):
+                addresses = await resolve_checked_async(host, port, self._allow_hosts)
+        except TimeoutError:
+            raise httpcore.ConnectTimeout(
+                f"no address for the upstream's host within {timeout:g} s"
+            ) from None
+        if timeout is not None:
+            timeout = max(timeout - (time.monotonic() - started), 0.001)
         options = list(socket_options) if socket_options is not None else None
         last_error: Exception | None = None
         for address in addresses:
