@@ -1433,3 +1433,68 @@ def test_refuses_when_the_ledger_cannot_be_read_and_sets_nothing(
             "SELECT serial FROM fmw_route_changes WHERE name = 'faults'"
         ).fetchone() == (0,)
     assert not (tmp_path / "r.json").exists()
+
+
+def test_a_report_the_disk_cannot_take_is_still_printed_and_the_error_names_it(
+    store: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The disk filled up during the exercise: writing the final report failed, and the
+    command's whole result was 'fallback-mw: error: OSError: No space left on device' —
+    the report is written before it is printed, so what the game day observed (its
+    predictions, the recovery) was shown nowhere. It is printed now, and the one error
+    line names the file it could not write and why."""
+    import errno
+
+    from fallback_mw.cli import gameday
+
+    written = gameday.write_report
+
+    def disk_full_at_the_end(path: Path, report: dict[str, Any]) -> None:
+        if report["status"] == "running":
+            written(path, report)  # the start still had room
+            return
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(gameday, "write_report", disk_full_at_the_end)
+    out = tmp_path / "report.json"
+    argv = [
+        "gameday", "--route", "chat", "--fault", "fail", "--duration", "1s",
+        "--recovery-wait", "1s", "--config", store, "--out", str(out),
+        "--predict", "error_rate=1%", "--abort", "error_rate=50%",
+    ]  # fmt: skip
+    assert main(argv) == 1
+    printed = capsys.readouterr()
+    assert "game day completed: route 'chat', fail 'primary'" in printed.out, printed.out
+    assert "error_rate" in printed.out  # the predictions table
+    errors = printed.err.strip().splitlines()
+    assert len(errors) == 1, printed.err
+    assert errors[0].startswith("fallback-mw: error: cannot write the report"), errors
+    assert str(out) in errors[0] and "No space left on device" in errors[0], errors
+    assert asyncio.run(_faults(store)) == []  # the fault was cleared all the same
+
+
+def test_a_report_the_disk_cannot_take_at_the_start_clears_the_fault_and_says_why(
+    store: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The same full disk when the exercise starts: 'OSError: No space left on device',
+    nothing saying which file or that the fault just set was cleared again."""
+    import errno
+
+    from fallback_mw.cli import gameday
+
+    def disk_full(path: Path, report: dict[str, Any]) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(gameday, "write_report", disk_full)
+    out = tmp_path / "report.json"
+    argv = [
+        "gameday", "--route", "chat", "--fault", "fail", "--duration", "30s",
+        "--config", store, "--out", str(out),
+        "--predict", "error_rate=1%", "--abort", "error_rate=50%",
+    ]  # fmt: skip
+    assert main(argv) == 1
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 1, errors
+    assert errors[0].startswith(f"fallback-mw: error: cannot write the report {out}: No space")
+    assert "fault was cleared" in errors[0], errors
+    assert asyncio.run(_faults(store)) == []

@@ -197,8 +197,15 @@ async def _run(
     try:
 
         def started(timeline: Timeline) -> None:
-            # Recorded before anything is watched: the predictions as written.
-            write_report(out, build_report(exercise, timeline, None, status="running"))
+            # Recorded before anything is watched: the predictions as written. A disk that
+            # cannot take it ends the exercise here (its fault cleared on the way out).
+            try:
+                write_report(out, build_report(exercise, timeline, None, status="running"))
+            except OSError as exc:
+                raise Failed(
+                    f"cannot write the report {out}: {exc.strerror or exc}; the exercise "
+                    "stopped as it started and its fault was cleared"
+                ) from None
 
         if alerts is not None:
             try:
@@ -257,11 +264,14 @@ async def _run(
             alerts=None if alerts is None else alerts.summary(timeline.started),
         )
         # Written before anything is printed: after a hang-up the terminal may be gone.
-        write_report(out, report)
         page = html_path(out)
-        page.write_text(render(report), encoding="utf-8")
+        unwritten = _write_report(out, page, report)
         for line in report_lines(report):
             console.print(line)
+        if unwritten is not None:
+            # What was observed is printed above; the file (a full disk, a directory gone)
+            # is what failed.
+            raise Failed(f"cannot write the report {unwritten}; it is printed above")
         console.print(f"wrote {out} and {page}")
         return report
     finally:
@@ -274,6 +284,22 @@ async def _run(
             await store.aclose()
         with contextlib.suppress(Exception):
             await ledger.aclose()
+
+
+def _write_report(out: Path, page: Path, report: dict[str, Any]) -> str | None:
+    """The JSON report and its HTML page; None when both are written, else what could not
+    be and why (a page left half-written is removed)."""
+    try:
+        write_report(out, report)
+    except OSError as exc:
+        return f"{out}: {exc.strerror or exc}"
+    try:
+        page.write_text(render(report), encoding="utf-8")
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            page.unlink(missing_ok=True)
+        return f"page {page}: {exc.strerror or exc} (the JSON report {out} is written)"
+    return None
 
 
 def handle(args: argparse.Namespace, console: Console) -> None:
