@@ -5,6 +5,7 @@ after logging.config closes it (uvicorn does)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import logging
 import time
@@ -227,3 +228,52 @@ def test_the_exit_flush_is_quiet_when_the_stream_was_closed_under_it(tmp_path: P
         handler.flush()  # the line cannot be written; the flush does not raise
     finally:
         handler.close()
+
+
+class FillingDisk(io.StringIO):
+    """A log file on a disk that fills up: while `full`, a write puts down what the last
+    blocks took (the first 30 characters) and fails with ENOSPC, as the kernel does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.full = False
+
+    def write(self, text: str) -> int:
+        if self.full:
+            super().write(text[:30])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().write(text)
+
+
+def test_lines_a_full_disk_lost_are_said_once_space_returns_on_a_line_of_their_own() -> None:
+    """serve's stderr in a file on a disk that filled up: the lines of that time were lost
+    without a word, and the one cut off mid-way ran on into the first line written once
+    space returned (`... WARNING fallba2026-12-05 ... WARNING fallback_mw.request ...`), a
+    line no log parser reads. Once the log can be written again, the cut line is ended and
+    one WARNING says lines were lost, and why."""
+    stream = FillingDisk()
+    handler = LineHandler(stream)
+    handler.setFormatter(LineFormatter(SERVE_FORMAT))
+    try:
+        handler.handle(record("before"))
+        handler.flush()
+        stream.full = True
+        handler.handle(record("lost one"))
+        handler.handle(record("lost two"))
+        handler.flush()  # never raises: a full disk must not fail a request
+        handler.flush()
+        stream.full = False
+        handler.handle(record("after"))
+        handler.flush()
+    finally:
+        handler.close()
+    lines = stream.getvalue().splitlines()
+    assert lines[0].endswith("INFO fallback_mw.request before"), lines
+    assert "lost two" not in stream.getvalue()
+    assert lines[1] == lines[1][:30] and "fallback_mw.request" not in lines[1][20:], lines
+    assert lines[2].endswith(
+        "WARNING fallback_mw.request request log lines were lost: the log could not be "
+        "written (No space left on device)"
+    ), lines
+    assert lines[3].endswith("INFO fallback_mw.request after"), lines
+    assert len(lines) == 4, lines

@@ -255,6 +255,9 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
         self._wake = threading.Event()
         self._writer: threading.Thread | None = None
         self.owner = logging.getLogger("fallback_mw")
+        # Why the last write failed (a full disk), until a write gets through again: then
+        # a line says lines were lost, after ending the line the failure may have cut.
+        self._failed: str | None = None
 
     def install(self, owner: logging.Logger) -> None:
         """Add this handler to `owner` (the `fallback_mw` logger) and let the request log
@@ -318,16 +321,34 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
         with self._locked():
             pending, self._pending = self._pending, []
             if pending and self.stream is not None:
+                lines = pending
+                if self._failed is not None:
+                    # On a line of its own (the empty one ends it): the failed write may
+                    # have cut a line short.
+                    lines = ["", self._lost_line(self._failed), *pending]
                 try:
-                    for piece in whole_lines(pending, self.terminator):
+                    for piece in whole_lines(lines, self.terminator):
                         self.stream.write(piece)
                         self.stream.flush()  # one write of whole lines each
-                except Exception:
+                except Exception as exc:
+                    self._failed = _why(exc)
                     return  # a full disk must not fail a request
             try:
                 super().flush()
-            except (OSError, ValueError):
-                return  # nor a stream its owner closed (the exit flush runs after)
+            except (OSError, ValueError) as exc:
+                # nor a stream its owner closed (the exit flush runs after)
+                self._failed = _why(exc)
+                return
+            if pending:
+                self._failed = None
+
+    def _lost_line(self, why: str) -> str:
+        """The line written first once the log takes lines again."""
+        message = f"request log lines were lost: the log could not be written ({why})"
+        formatter = self.formatter
+        if isinstance(formatter, LineFormatter) and formatter.direct:
+            message = formatter.line(logging.WARNING, logger.name, message, time.time())
+        return message
 
     def setStream(self, stream: IO[str]) -> IO[str] | None:
         self.flush()
@@ -342,6 +363,13 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
         self._wake.set()
         self.flush()
         super().close()
+
+
+def _why(exc: BaseException) -> str:
+    """What stopped a write, as the system said it (`No space left on device`)."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return type(exc).__name__
 
 
 def flush_request_lines() -> None:
