@@ -277,3 +277,65 @@ async def test_connect_timeout_covers_the_lookup_of_the_upstreams_name(engine: s
     assert answer.content == b"backup"
     assert answer.headers["x-gateway-attempts"] == "2"
     assert took < 5, took  # the connect timeout (0.3 s), not the 10 s deadline
+
+
+@contextlib.contextmanager
+def small_disk(where: Path) -> Iterator[Path]:
+    """A 512 KiB tmpfs mounted at `where` (root with CAP_SYS_ADMIN, else the test skips):
+    a disk that can really fill up, for SQLite's own failure."""
+    where.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(where)],
+        capture_output=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root with CAP_SYS_ADMIN)")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True, check=False)
+
+
+def fill(disk: Path) -> None:
+    with (disk / "filler").open("wb", buffering=0) as filler, contextlib.suppress(OSError):
+        while True:
+            filler.write(b"\0" * 65536)
+
+
+def test_a_store_on_a_full_disk_says_the_disk_is_full(tmp_path: Path) -> None:
+    """The route store's disk filled up: `routes add` and even `routes list` answered
+    'cannot open the SQLite store ...: disk I/O error' (SQLite's words for the WAL index it
+    could not create), the budgeted routes' log line 'SQLite ledger unreachable
+    (OperationalError)'. Both now say the disk holding the store is full; once it has room
+    again, the store works as before."""
+    import asyncio
+    from decimal import Decimal
+
+    from fallback_mw.budget import LedgerUnavailable
+    from fallback_mw.config import BudgetConfig
+    from fallback_mw.store.ledgers.sqlite import SQLiteLedger
+    from tests.test_cli_admin import run_cli
+
+    with small_disk(tmp_path / "disk") as disk:
+        store = f"sqlite:///{disk / 'gw.db'}"
+        add = ["routes", "add", "--store", store, "--prefix", "/a/"]
+        assert run_cli(*add, "--id", "a", "--upstream", "http://127.0.0.1:9")[0] == 0
+        fill(disk)
+        status, _, err = run_cli(*add, "--id", "b", "--upstream", "http://127.0.0.1:9")
+        assert status == 1, err
+        assert f"the disk holding {disk} is full" in err, err
+        status, _, err = run_cli("routes", "list", "--store", store)
+        assert status == 1 and f"the disk holding {disk} is full" in err, err
+
+        ledger = SQLiteLedger(str(disk / "gw.db"))
+        budget = BudgetConfig(limit=Decimal("10"), window="total", default_hold=Decimal("0.01"))
+        try:
+            with pytest.raises(LedgerUnavailable, match=f"the disk holding {disk} is full"):
+                asyncio.run(ledger.hold("acme", budget, Decimal("0.01")))
+        finally:
+            asyncio.run(ledger.aclose())
+
+        (disk / "filler").unlink()  # room again
+        status, out, err = run_cli("routes", "list", "--store", store)
+        assert status == 0 and "a" in out, err

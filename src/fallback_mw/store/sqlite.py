@@ -24,7 +24,7 @@ from fallback_mw.store.model import (
     pending_migrations,
     stored_routes,
 )
-from fallback_mw.store.sqlite_connect import connect_wal
+from fallback_mw.store.sqlite_connect import connect_wal, disk_full
 
 T = TypeVar("T")
 
@@ -70,6 +70,12 @@ def _write_transaction(conn: sqlite3.Connection) -> Iterator[None]:
         conn.execute("COMMIT")
 
 
+def _with_disk(exc: sqlite3.Error, path: Path) -> str:
+    """SQLite's reason, and the full disk behind it when that is what it is."""
+    full = disk_full(path)
+    return f"{exc} ({full})" if full else str(exc)
+
+
 class SqliteStore:
     def __init__(self, path: str) -> None:
         self.path = Path(path)
@@ -87,7 +93,9 @@ class SqliteStore:
             if conn is not None:
                 conn.close()
             if isinstance(exc, sqlite3.Error):
-                raise StoreError(f"cannot open the SQLite store {self.path}: {exc}") from None
+                raise StoreError(
+                    f"cannot open the SQLite store {self.path}: {_with_disk(exc, self.path)}"
+                ) from None
             raise
         return conn
 
@@ -118,7 +126,7 @@ class SqliteStore:
             try:
                 return operation(conn)
             except sqlite3.Error as exc:
-                raise StoreError(f"SQLite store error: {exc}") from None
+                raise StoreError(f"SQLite store error: {_with_disk(exc, self.path)}") from None
             finally:
                 conn.close()
 

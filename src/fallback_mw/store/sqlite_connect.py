@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import time
 from pathlib import Path
@@ -55,3 +56,21 @@ def missing_directory(path: str | Path) -> str | None:
     if not target.is_absolute():
         reason += f" (the relative path is resolved against the working directory {Path.cwd()})"
     return reason
+
+
+def disk_full(path: str | Path) -> str | None:
+    """Why SQLite's own words for a write that failed ("database or disk is full", "disk
+    I/O error": the WAL index it could not create) may mean the disk: the filesystem
+    holding `path` has no block (or no inode) left for this process, in words naming its
+    directory; None when it has room, or cannot be asked."""
+    directory = Path(path).absolute().parent
+    try:
+        found = os.statvfs(directory)
+    except OSError:
+        return None
+    blocks = found.f_bfree if os.geteuid() == 0 else found.f_bavail  # root takes the reserve
+    if blocks == 0:
+        return f"the disk holding {directory} is full"
+    if found.f_files and found.f_ffree == 0:
+        return f"the disk holding {directory} has no free inodes"
+    return None

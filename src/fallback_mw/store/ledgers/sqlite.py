@@ -61,7 +61,7 @@ from fallback_mw.store.ledgers.schema import (
     usage_values,
 )
 from fallback_mw.store.outage import OutageLog
-from fallback_mw.store.sqlite_connect import connect_wal
+from fallback_mw.store.sqlite_connect import connect_wal, disk_full
 
 T = TypeVar("T")
 # One ledger call in this many runs on the worker thread (which checkpoints the WAL).
@@ -251,6 +251,9 @@ class SQLiteLedger(SQLLedgerBase):
         return result
 
     def _unavailable(self, kind: str, reason: str) -> LedgerUnavailable:
+        full = disk_full(self.path)
+        if full is not None:  # SQLite says "disk I/O error" for the WAL index it could not make
+            kind, reason = f"{kind}: {full}", f"{reason}; {full}"
         self._outage.failed(kind, "budgeted routes refuse (fail closed)")
         reason = " ".join(reason.split())[:200]
         return LedgerUnavailable(f"SQLite ledger {self.path} unavailable ({kind}: {reason})")
