@@ -339,3 +339,28 @@ def test_a_store_on_a_full_disk_says_the_disk_is_full(tmp_path: Path) -> None:
         (disk / "filler").unlink()  # room again
         status, out, err = run_cli("routes", "list", "--store", store)
         assert status == 0 and "a" in out, err
+
+
+def test_eval_on_a_full_disk_keeps_the_last_artifact_and_says_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`fallback-mw eval --out` on a disk that filled up: the table was printed, and the
+    artifact of the run before was truncated to an empty file (written in place), so a
+    full disk destroyed the last good result. The files are replaced whole or not at all:
+    the earlier ones stay as they were, and the one error line says why."""
+    from tests.cli_runner import run_cli
+
+    with small_disk(tmp_path / "disk") as disk:
+        out, page = disk / "eval.json", disk / "eval.html"
+        out.write_text('{"the": "last run"}\n')
+        page.write_text("<html>last run</html>\n")
+        fill(disk)
+        assert run_cli(["eval", "--requests", "2", "--out", str(out)]) == 1
+        printed = capsys.readouterr()
+        assert "verdict:" in printed.out  # the table itself is printed
+        assert printed.err.strip() == (
+            f"fallback-mw: error: cannot write {out}: No space left on device"
+        )
+        assert out.read_text() == '{"the": "last run"}\n'
+        assert page.read_text() == "<html>last run</html>\n"
+        assert sorted(p.name for p in disk.iterdir()) == ["eval.html", "eval.json", "filler"]

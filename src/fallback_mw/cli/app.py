@@ -262,3 +262,19 @@ def writable_out(out: Path, shown: str) -> None:
         raise Refused(f"--out {shown}: {exc.strerror or exc}") from None
     if not os.access(out.parent, os.W_OK):
         raise Refused(f"--out {shown}: the directory is not writable")
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """`text` into `path` through a file beside it renamed over it: a disk that fills up
+    (or a stop) half-way leaves the file as it was, never truncated or half-written, and no
+    stray temporary file."""
+    import tempfile
+
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise

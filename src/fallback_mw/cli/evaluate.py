@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from fallback_mw.cli.app import Console, Failed, Refused, leaf, writable_out
+from fallback_mw.cli.app import Console, Failed, Refused, leaf, writable_out, write_atomically
 from fallback_mw.cli.evaluation.arms import arms, run_arms
 from fallback_mw.cli.evaluation.gateway import GatewayDidNotStart
 from fallback_mw.cli.evaluation.html import render
@@ -76,8 +76,9 @@ def handle(args: argparse.Namespace, console: Console) -> int:
     latencies = [[o.ms for o in r.outcomes] for r in runs]
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(artifact, indent=2) + "\n", encoding="utf-8")
-        page.write_text(render(artifact, latencies, (passed, line)), encoding="utf-8")
+        # Each whole or not at all: a full disk leaves an earlier run's files as they were.
+        write_atomically(out, json.dumps(artifact, indent=2) + "\n")
+        write_atomically(page, render(artifact, latencies, (passed, line)))
     except OSError as exc:
         raise Failed(f"cannot write {args.out}: {exc.strerror or exc}") from None
     console.print(f"wrote {out} and {page}")
