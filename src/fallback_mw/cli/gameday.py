@@ -21,7 +21,15 @@ from pathlib import Path
 from typing import Any
 
 from fallback_mw.budget import LedgerUnavailable
-from fallback_mw.cli.app import Console, Failed, Refused, default_console, leaf, writable_out
+from fallback_mw.cli.app import (
+    Console,
+    Failed,
+    Refused,
+    default_console,
+    leaf,
+    writable_out,
+    write_atomically,
+)
 from fallback_mw.cli.game_day.html import render
 from fallback_mw.cli.game_day.prometheus import (
     AlertWatcher,
@@ -287,17 +295,15 @@ async def _run(
 
 
 def _write_report(out: Path, page: Path, report: dict[str, Any]) -> str | None:
-    """The JSON report and its HTML page; None when both are written, else what could not
-    be and why (a page left half-written is removed)."""
+    """The JSON report and its HTML page, each whole or not at all; None when both are
+    written, else what could not be and why."""
     try:
         write_report(out, report)
     except OSError as exc:
         return f"{out}: {exc.strerror or exc}"
     try:
-        page.write_text(render(report), encoding="utf-8")
+        write_atomically(page, render(report))
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            page.unlink(missing_ok=True)
         return f"page {page}: {exc.strerror or exc} (the JSON report {out} is written)"
     return None
 
