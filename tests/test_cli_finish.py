@@ -99,6 +99,24 @@ def test_version() -> None:
     assert result.returncode == 0 and result.stdout == f"fallback-mw {__version__}\n"
 
 
+@pytest.mark.parametrize("asked", ["--version", "--help"])
+def test_version_and_help_that_cannot_be_written_say_so(asked: str) -> None:
+    """`fallback-mw --version > /dev/full` (stdout on a full disk) exited 0 with nothing
+    written and nothing said: argparse drops the write's error. It is one error line and
+    exit status 1 now, as any verb whose result cannot be written."""
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full here")
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(
+            [FALLBACK_MW, asked], stdout=full, stderr=subprocess.PIPE, text=True, timeout=60,
+            check=False,
+        )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert result.stderr == (
+        "fallback-mw: error: cannot write the output: No space left on device\n"
+    ), result.stderr
+
+
 def test_routes_list_by_tenant_and_retries_settable(tmp_path: Path) -> None:
     store = ["--store", f"sqlite:///{tmp_path / 's.db'}"]
     assert run("routes", "add", *store, "--id", "chat", "--prefix", "/c/",

@@ -24,7 +24,9 @@ from fallback_mw.cli import (
     usage,
 )
 from fallback_mw.cli.app import (
+    EXIT_FAILED,
     EXIT_REFUSED,
+    EXIT_SIGPIPE,
     PROG,
     Console,
     Parser,
@@ -32,6 +34,7 @@ from fallback_mw.cli.app import (
     argv_is_text,
     default_console,
     dispatch,
+    silence_stdout,
 )
 
 VERBS = (
@@ -112,4 +115,11 @@ def main(
         return EXIT_REFUSED
     except SystemExit as exc:  # --help, --version: argparse printed and asked to exit
         return exc.code if isinstance(exc.code, int) else 0
+    except BrokenPipeError:  # `fallback-mw --help | head -1`: nothing to report
+        silence_stdout(console)
+        return EXIT_SIGPIPE
+    except OSError as exc:  # --help, --version on a full disk: said, not dropped
+        silence_stdout(console)  # the interpreter's flush at exit would fail on it again
+        console.error(f"cannot write the output: {exc.strerror or exc}")
+        return EXIT_FAILED
     return dispatch(args.handler, args, console)

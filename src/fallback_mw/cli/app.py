@@ -117,6 +117,14 @@ class Parser(argparse.ArgumentParser):
             raise Refused(f"{text} (one of those listed above)", usage=self.format_help())
         raise Refused(text)
 
+    def _print_message(self, message: str, file: Any = None) -> None:
+        # argparse drops a write's error (--version > /dev/full: nothing written, exit
+        # status 0): --help and --version fail as any verb's output does (cli.main).
+        stream = file if file is not None else sys.stderr
+        if message and stream is not None:
+            stream.write(message)
+            stream.flush()
+
     def _names_no_command(self, message: str) -> bool:
         required = message.removeprefix("the following arguments are required: ")
         if required == message:
@@ -165,7 +173,7 @@ def dispatch(handler: Handler, args: argparse.Namespace, console: Console) -> in
     except BrokenPipeError:
         # The reader went away (`fallback-mw demo | head`): nothing to report, and the
         # interpreter's own flush at exit must not fail on that pipe either.
-        _silence_stdout(console)
+        silence_stdout(console)
         return EXIT_SIGPIPE
     except OSError as exc:
         # e.g. the store's directory is missing, a port is taken: name what failed, no path
@@ -184,7 +192,7 @@ def dispatch(handler: Handler, args: argparse.Namespace, console: Console) -> in
     return EXIT_OK if status is None else status
 
 
-def _silence_stdout(console: Console) -> None:
+def silence_stdout(console: Console) -> None:
     import os
 
     try:
