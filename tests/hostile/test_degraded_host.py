@@ -21,7 +21,7 @@ import pytest
 
 from fallback_mw import Gateway
 from fallback_mw.health.memory import MemoryHealth
-from tests.helpers import client_for
+from tests.helpers import client_for, free_port
 from tests.upstreams import host_app, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
@@ -364,3 +364,31 @@ def test_eval_on_a_full_disk_keeps_the_last_artifact_and_says_why(
         assert out.read_text() == '{"the": "last run"}\n'
         assert page.read_text() == "<html>last run</html>\n"
         assert sorted(p.name for p in disk.iterdir()) == ["eval.html", "eval.json", "filler"]
+
+
+@pytest.mark.parametrize("limit", [10, 12])
+def test_serve_under_an_open_file_limit_too_low_to_start_says_so(
+    tmp_path: Path, limit: int
+) -> None:
+    """`serve` under `ulimit -n 12`: its event loop could not start (no descriptor for its
+    own socketpair), and the command said 'unexpected internal error (RuntimeError); please
+    report it' (under 10, 'OSError: Too many open files'). Either is now the one error line
+    naming the limit to raise."""
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        '[upstreams.primary]\nurl = "http://127.0.0.1:9"\n'
+        '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["primary"]\n',
+        encoding="utf-8",
+    )
+    command = [sys.executable, "-m", "fallback_mw", "serve", "--config", str(config)]
+    done = subprocess.run(
+        ["bash", "-c", f'ulimit -n {limit} && exec "$@"', "bash", *command,
+         "--port", str(free_port())],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    errors = [line for line in done.stderr.splitlines() if "fallback-mw: error:" in line]
+    assert errors == [
+        f"fallback-mw: error: out of file descriptors (EMFILE): raise the open-file limit "
+        f"(ulimit -n, now {limit}; systemd LimitNOFILE)"
+    ], done.stderr

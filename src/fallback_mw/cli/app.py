@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import io
 import logging
 import os
@@ -178,18 +179,44 @@ def dispatch(handler: Handler, args: argparse.Namespace, console: Console) -> in
     except OSError as exc:
         # e.g. the store's directory is missing, a port is taken: name what failed, no path
         # to a secret is ever part of these.
-        console.error(f"{type(exc).__name__}: {exc.strerror or exc}")
+        console.error(_no_descriptors(exc) or f"{type(exc).__name__}: {exc.strerror or exc}")
         return EXIT_FAILED
     except KeyboardInterrupt:
         console.error("interrupted")
         return 130
     except Exception as exc:
         # A bug, not the operator's fault: still one line, and nothing the exception holds
-        # (its message could quote a value) beyond its type.
-        console.error(f"unexpected internal error ({type(exc).__name__}); please report it")
+        # (its message could quote a value) beyond its type. Unless the host is what failed
+        # (the event loop could not start: no descriptor left).
+        console.error(
+            _no_descriptors(exc)
+            or f"unexpected internal error ({type(exc).__name__}); please report it"
+        )
         return EXIT_FAILED
     console.flush_caveats()
     return EXIT_OK if status is None else status
+
+
+def _no_descriptors(exc: BaseException) -> str | None:
+    """The one line for a command the host's open-file limit stopped (EMFILE / ENFILE
+    anywhere in the error's chain: under `ulimit -n 12` uvicorn's event loop could not even
+    start, and the command said 'unexpected internal error (RuntimeError); please report
+    it'), naming the limit to raise; None for any other error."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in (errno.EMFILE, errno.ENFILE):
+            import resource
+
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            limit = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
+            return (
+                f"out of file descriptors ({errno.errorcode[current.errno]}): raise the "
+                f"open-file limit (ulimit -n, now {limit}; systemd LimitNOFILE)"
+            )
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def silence_stdout(console: Console) -> None:
