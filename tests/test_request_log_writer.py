@@ -8,14 +8,18 @@ import contextlib
 import errno
 import io
 import logging
+import os
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from select import PIPE_BUF
 from typing import Any
 
+from fallback_mw.telemetry import request_log
 from fallback_mw.telemetry.request_log import (
     FLUSH_LINES,
+    MAX_PENDING_LINES,
     SERVE_FORMAT,
     SERVE_FORMAT_PID,
     LineFormatter,
@@ -56,16 +60,102 @@ def test_lines_are_written_in_order_by_the_writer_thread_and_at_close() -> None:
     handler.close()
 
 
-def test_a_full_buffer_is_written_at_once() -> None:
+def test_a_full_buffer_is_handed_to_the_writer_at_once(monkeypatch: Any) -> None:
+    # The writer's tick made an hour long: only a full buffer can have it write this soon.
+    monkeypatch.setattr(request_log, "FLUSH_SECONDS", 3600.0)
     stream = io.StringIO()
     handler = LineHandler(stream)
     handler.setFormatter(logging.Formatter("%(message)s"))
     try:
-        for number in range(FLUSH_LINES):
+        for number in range(FLUSH_LINES - 1):
             handler.handle(record(f"n{number}"))
-        assert stream.getvalue().count("\n") == FLUSH_LINES  # the last emit wrote them
+        time.sleep(0.2)
+        assert stream.getvalue() == ""  # not full yet: waiting for the tick
+        handler.handle(record(f"n{FLUSH_LINES - 1}"))
+        wait_for(stream, f"n{FLUSH_LINES - 1}\n")  # the last line woke the writer
+        assert stream.getvalue().count("\n") == FLUSH_LINES
     finally:
         handler.close()
+
+
+class Stalled(io.StringIO):
+    """A stream whose writes wait until `go` is set: a log reader that stopped reading."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = threading.Event()
+        self.writing = threading.Event()
+
+    def write(self, text: str) -> int:
+        self.writing.set()
+        assert self.go.wait(30), "never let go"
+        return super().write(text)
+
+
+def in_thread_within(seconds: float, work: Callable[[], None]) -> None:
+    """Run `work` in a thread; fail if it has not returned within `seconds` (blocked)."""
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert not worker.is_alive(), "a logged line waited for the stalled write"
+
+
+def test_a_log_reader_that_stopped_reading_never_holds_up_a_logged_line(monkeypatch: Any) -> None:
+    """`serve 2>&1 | shipper` whose shipper stopped reading (or `docker logs` behind):
+    the writer thread blocked in its write while holding the handler's lock, every
+    request's line waited for that lock, and the gateway stopped answering once the pipe
+    was full. A line is only queued now; past MAX_PENDING_LINES lines are counted, and
+    once the log takes lines again one line says how many were dropped."""
+    monkeypatch.setattr(request_log, "FLUSH_SECONDS", 3600.0)  # full buffers only
+    stream = Stalled()
+    handler = LineHandler(stream)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    try:
+        for number in range(FLUSH_LINES):
+            handler.handle(record(f"first {number}"))
+        assert stream.writing.wait(10)  # the writer took them and is stuck writing
+        extra = 100
+
+        def log_many() -> None:
+            for number in range(MAX_PENDING_LINES + extra):
+                handler.handle(record(f"later {number}"))
+
+        in_thread_within(10, log_many)
+        stream.go.set()
+        wait_for(stream, f"later {MAX_PENDING_LINES - 1}\n")
+        text = stream.getvalue()
+        assert f"{extra} request log lines were dropped" in text
+        assert text.count("\n") == FLUSH_LINES + 1 + MAX_PENDING_LINES
+        assert text.index("were dropped") < text.index("later 0\n")
+    finally:
+        stream.go.set()
+        handler.close()
+
+
+def test_a_full_pipe_nobody_reads_never_holds_up_a_logged_line() -> None:
+    # The real thing: a pipe whose reader reads nothing, filled past its 64 KiB.
+    read_end, write_end = os.pipe()
+    stream = open(write_end, "w", encoding="utf-8", closefd=True)  # noqa: SIM115
+    handler = LineHandler(stream)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    line = "x" * 200
+    try:
+        # 4,000 lines of 201 bytes: three times what the pipe holds.
+        in_thread_within(10, lambda: [handler.handle(record(line)) for _ in range(4_000)])
+    finally:
+        drained = threading.Thread(target=lambda: _drain(read_end), daemon=True)
+        drained.start()
+        handler.close()
+        stream.close()
+        drained.join(10)
+
+
+def _drain(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        while os.read(fd, 65536):
+            pass
+    with contextlib.suppress(OSError):
+        os.close(fd)
 
 
 class Writes(io.RawIOBase):
@@ -83,11 +173,12 @@ class Writes(io.RawIOBase):
         return len(data)
 
 
-def test_each_write_holds_whole_lines_no_more_than_a_pipe_takes_whole() -> None:
+def test_each_write_holds_whole_lines_no_more_than_a_pipe_takes_whole(monkeypatch: Any) -> None:
     """The workers of `serve --workers N` share one stderr pipe (systemd, Docker,
     Kubernetes): a batch written in one write over PIPE_BUF was spliced with another
     worker's when the pipe was full, tearing lines of both. Each write now holds whole
     lines within PIPE_BUF; a line longer than that goes alone, whole."""
+    monkeypatch.setattr(request_log, "FLUSH_SECONDS", 3600.0)  # the full buffer writes
     raw = Writes()
     # As Python sets up a non-interactive stderr: buffered, line-buffered text.
     stream = io.TextIOWrapper(io.BufferedWriter(raw), encoding="utf-8", line_buffering=True)
@@ -98,6 +189,11 @@ def test_each_write_holds_whole_lines_no_more_than_a_pipe_takes_whole() -> None:
     try:
         for line in lines:
             handler.handle(record(line))  # the last one fills the buffer: written at once
+        expected = "".join(f"{line}\n" for line in lines).encode()
+        deadline = time.monotonic() + 10
+        while len(b"".join(raw.calls)) < len(expected):
+            assert time.monotonic() < deadline, "not written"
+            time.sleep(0.01)
         assert raw.calls, "nothing written"
         assert len(raw.calls) > 1
         for call in raw.calls:

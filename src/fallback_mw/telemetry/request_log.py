@@ -176,6 +176,10 @@ def _direct_handler(level: int) -> LineHandler | None:
 
 FLUSH_SECONDS = 0.1  # the longest a line waits in LineHandler's buffer
 FLUSH_LINES = 256  # or until this many are waiting
+# The most lines kept while the log cannot take them (a reader that stopped reading the
+# pipe: a stalled log shipper, `docker logs` behind): past it, lines are counted, not kept,
+# and one line says how many were dropped once the log takes lines again.
+MAX_PENDING_LINES = 64 * FLUSH_LINES
 
 
 # serve's line formats: the ones LineFormatter can also write without a LogRecord.
@@ -246,8 +250,10 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
     record is formatted on the spot (its fields are read while they are current) and
     the lines are written in batches, by one background thread at most every
     FLUSH_SECONDS or at once when FLUSH_LINES are waiting, instead of a write and flush
-    system call per request. `flush()` / `close()` (logging.shutdown at exit) write what
-    is waiting."""
+    system call per request. A request never writes, nor waits for a write: a reader that
+    stops reading the pipe blocks the writer thread alone, and the gateway serves on
+    (keeping MAX_PENDING_LINES lines, counting those past it). `flush()` / `close()`
+    (logging.shutdown at exit) write what is waiting."""
 
     def __init__(self, stream: IO[str] | None = None) -> None:
         super().__init__(stream)
@@ -258,6 +264,10 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
         # Why the last write failed (a full disk), until a write gets through again: then
         # a line says lines were lost, after ending the line the failure may have cut.
         self._failed: str | None = None
+        self._dropped = 0  # lines past MAX_PENDING_LINES, not kept (under the handler lock)
+        # Held while writing to the stream (which may block), never with the handler's
+        # lock held: a line is queued under that lock while a write is under way.
+        self._io = threading.Lock()
 
     def install(self, owner: logging.Logger) -> None:
         """Add this handler to `owner` (the `fallback_mw` logger) and let the request log
@@ -291,11 +301,18 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
         self._enqueue(line)
 
     def _enqueue(self, line: str) -> None:
-        self._pending.append(line)  # under the handler's lock, as flush's swap
-        if len(self._pending) >= FLUSH_LINES:
-            self.flush()
-        elif self._writer is None:
+        # Under the handler's lock, as flush's swap. The line is queued, never written
+        # here: a write to a pipe its reader stopped reading blocks, and it would block
+        # the event loop and every request with it.
+        pending = self._pending
+        if len(pending) >= MAX_PENDING_LINES:
+            self._dropped += 1
+            return
+        pending.append(line)
+        if self._writer is None:
             self._start_writer()
+        if len(pending) >= FLUSH_LINES:
+            self._wake.set()  # the writer writes them now, not at its next tick
 
     def _start_writer(self) -> None:
         with self._locked():
@@ -310,7 +327,8 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
         me = threading.current_thread()
         while self._writer is me:
             self._wake.wait(FLUSH_SECONDS)
-            if self._pending:
+            self._wake.clear()
+            if self._pending or self._dropped:
                 self.flush()
 
     def _locked(self) -> threading.RLock:
@@ -318,14 +336,23 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
         return self.lock
 
     def flush(self) -> None:
-        with self._locked():
-            pending, self._pending = self._pending, []
-            if pending and self.stream is not None:
+        """Write what is waiting (the writer thread, exit, setStream, close): the write may
+        block, under `_io` only, so that requests go on queueing lines meanwhile."""
+        with self._io:
+            with self._locked():
+                pending, self._pending = self._pending, []
+                dropped, self._dropped = self._dropped, 0
+            if (pending or dropped) and self.stream is not None:
                 lines = pending
+                if dropped:
+                    lines = [self._warning(f"{dropped} request log lines were dropped: "
+                                           "the log did not take them (a reader that "
+                                           "stopped reading); the gateway served on"),
+                             *lines]  # fmt: skip
                 if self._failed is not None:
                     # On a line of its own (the empty one ends it): the failed write may
                     # have cut a line short.
-                    lines = ["", self._lost_line(self._failed), *pending]
+                    lines = ["", self._lost_line(self._failed), *lines]
                 try:
                     for piece in whole_lines(lines, self.terminator):
                         self.stream.write(piece)
@@ -344,11 +371,21 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
 
     def _lost_line(self, why: str) -> str:
         """The line written first once the log takes lines again."""
-        message = f"request log lines were lost: the log could not be written ({why})"
+        return self._warning(f"request log lines were lost: the log could not be written ({why})")
+
+    def _warning(self, message: str) -> str:
+        """`message` as the request log writes a WARNING line."""
         formatter = self.formatter
         if isinstance(formatter, LineFormatter) and formatter.direct:
             message = formatter.line(logging.WARNING, logger.name, message, time.time())
         return message
+
+    def _at_fork_reinit(self) -> None:
+        # logging calls this in a forked child for every handler: its writer thread (and a
+        # write it held `_io` for) stayed in the parent.
+        super()._at_fork_reinit()  # type: ignore[misc]
+        self._io = threading.Lock()
+        self._writer = None
 
     def setStream(self, stream: IO[str]) -> IO[str] | None:
         self.flush()
