@@ -24,6 +24,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from fallback_mw.failover.decide import attempt_ceiling, is_replayable
+from fallback_mw.request.body import BYTE_ORDER_MARKS
 from fallback_mw.request.context import (
     AttemptRecord,
     RequestContext,
@@ -176,15 +177,6 @@ def walk_steps(context: RequestContext) -> list[dict[str, Any]]:
     ]
 
 
-# A byte-order mark and the codec it announces (UTF-32's before UTF-16's: they share
-# their first two bytes).
-_BOMS = (
-    (codecs.BOM_UTF32_LE, "utf-32"),
-    (codecs.BOM_UTF32_BE, "utf-32"),
-    (codecs.BOM_UTF8, "utf-8-sig"),
-    (codecs.BOM_UTF16_LE, "utf-16"),
-    (codecs.BOM_UTF16_BE, "utf-16"),
-)
 _CHARSET = re.compile(rb";\s*charset\s*=\s*\"?([^;\"\s]*)", re.IGNORECASE)
 
 
@@ -193,9 +185,9 @@ def shown_body(body: bytes, content_type: bytes | None) -> str:
     charset its `Content-Type` declares (an answer in ISO-8859-1 showed every `ü` as
     U+FFFD, one in UTF-16 as `?` between its letters), else a JSON body's own encoding
     (RFC 8259), else UTF-8; bytes the encoding does not hold read as U+FFFD."""
-    for mark, codec in _BOMS:
+    for mark, codec in BYTE_ORDER_MARKS:
         if body.startswith(mark):
-            return body.decode(codec, "replace")
+            return body[len(mark) :].decode(codec, "replace")
     match = _CHARSET.search(content_type or b"")
     if match is not None:
         with contextlib.suppress(LookupError, UnicodeError):

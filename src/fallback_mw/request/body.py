@@ -388,7 +388,7 @@ def unreadable_request_charset(scope: Scope) -> str | None:
 
 # A body's byte-order mark and the codec of what follows it (UTF-32's before UTF-16's:
 # they share their first two bytes).
-_BOMS = (
+BYTE_ORDER_MARKS = (
     (codecs.BOM_UTF32_LE, "utf-32-le"),
     (codecs.BOM_UTF32_BE, "utf-32-be"),
     (codecs.BOM_UTF8, "utf-8"),
@@ -406,7 +406,7 @@ def written_like(document: dict[str, Any], original: bytes, headers: Headers) ->
     body-parser, ASP.NET Core) read UTF-8 bytes under `charset=utf-16` as garbage, and
     raw UTF-8 under `charset=iso-8859-1` as mojibake."""
     bom, codec = b"", str(json.detect_encoding(original))
-    for mark, name in _BOMS:
+    for mark, name in BYTE_ORDER_MARKS:
         if original.startswith(mark):
             bom, codec = mark, name
             break
