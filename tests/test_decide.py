@@ -138,8 +138,9 @@ CASES: dict[str, list[tuple[Outcome, WalkState, tuple[str, str | None], bool | N
         (Outcome("not_sent"), LAST, ("local_error", "upstream_failed"), None),
     ],
     "the gateway's own host has no file descriptor, socket memory or local port for the "
-    "connection (EMFILE under `ulimit -n`, ENFILE, ENOBUFS, ENOMEM, EADDRNOTAVAIL)": [
-        (Outcome("host_limit"), OPEN, ("local_error", "overloaded"), None),
+    "connection, or no route to its address (EMFILE under `ulimit -n`, ENFILE, ENOBUFS, "
+    "ENOMEM, EADDRNOTAVAIL: also an IPv6 literal where the host has IPv6 off)": [
+        (Outcome("host_limit"), OPEN, ("next_candidate", None), None),
         (Outcome("host_limit"), LAST, ("local_error", "overloaded"), None),
     ],
     "an answer the relay cannot carry (a status outside 200-599, a 101, contradictory "

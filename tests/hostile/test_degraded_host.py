@@ -124,6 +124,45 @@ async def test_running_out_of_file_descriptors_is_the_gateways_503_never_a_break
     assert after.headers["x-gateway-attempts"] == "1"
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_connection_this_host_cannot_open_goes_on_to_the_backup(
+    engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EADDRNOTAVAIL is also what connecting to an address this host has no route of its
+    own to gives (an IPv6 literal in a container with IPv6 off): the primary's every
+    request ended in 503 `overloaded`, the backup never asked. Nothing was sent, so the
+    next candidate is (no breaker mark either way)."""
+    import socket
+
+    async with (
+        upstream(status_handler(200, b"primary")) as primary,
+        upstream(status_handler(200, b"backup")) as backup,
+        upstream(status_handler(200, b"warm")) as warm,
+    ):
+        port = int(primary.url.rsplit(":", 1)[1].split("/")[0])
+        connect = socket.socket.connect
+
+        def no_route(self: socket.socket, address: Any) -> None:
+            if isinstance(address, tuple) and address[1] == port:
+                raise OSError(errno.EADDRNOTAVAIL, os.strerror(errno.EADDRNOTAVAIL))
+            connect(self, address)
+
+        monkeypatch.setattr(socket.socket, "connect", no_route)
+        gateway = Gateway(host_app, config=config(primary.url, backup.url, warm.url, engine))
+        try:
+            async with client_for(gateway) as client:
+                answers = [await client.get("/v1/x") for _ in range(6)]
+            marks = breaker_marks(gateway, "primary")
+        finally:
+            await gateway.aclose()
+    for answer in answers:
+        assert answer.status_code == 200, answer.text
+        assert answer.content == b"backup"
+        assert answer.headers["x-gateway-provider"] == "backup"
+        assert answer.headers["x-gateway-attempts"] == "2"
+    assert 1 not in marks, marks  # the primary is not blamed for this host's routes
+
+
 # Runs in a fresh interpreter: what the first request imports has not been imported by this
 # test process (anyio's asyncio backend, its CancelScope) when the descriptors run out.
 FIRST_REQUEST = """

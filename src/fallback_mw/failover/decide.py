@@ -368,6 +368,8 @@ _LOCAL_ERRORS: dict[str, tuple[str, str]] = {
         "host can carry",
     ),
 }
+# What ended an attempt before anything was sent, where another candidate may still be sent.
+_NOT_SENT = frozenset({"not_sent", "host_limit"})
 _LOCAL_RULES = {
     "body_too_large": "max_request_body",
     "body_timeout": "body_timeout",
@@ -399,9 +401,12 @@ def decide(outcome: Outcome, state: WalkState) -> Decision:
         )  # fmt: skip
     if outcome.kind == "no_other_credential":
         return Decision("serve", reason="no other credential of the pool could be tried")
-    if outcome.kind == "not_sent" and further_attempt_possible(state):
+    if outcome.kind in _NOT_SENT and further_attempt_possible(state):
         # Nothing reached that upstream (e.g. its credential went bad under a running
-        # gateway): the next candidate may be sent, and no breaker is marked.
+        # gateway; this host could not open a connection to it: out of descriptors, or an
+        # address it cannot reach, EADDRNOTAVAIL, as an IPv6 literal where IPv6 is off):
+        # the next candidate may be sent (a pooled connection may serve it), and no
+        # breaker is marked.
         return Decision("next_candidate", reason="the request could not be sent: the next one")
     if outcome.kind == "deadline":
         return _deadline_passed(state)

@@ -55,7 +55,8 @@ _HOST_LIMITS = {
     errno.ENFILE: "out of file descriptors (ENFILE: the system's open-file table)",
     errno.ENOBUFS: "out of socket buffer memory (ENOBUFS)",
     errno.ENOMEM: "out of memory (ENOMEM)",
-    errno.EADDRNOTAVAIL: "out of local ports (EADDRNOTAVAIL)",
+    # Also an address this host has no route of its own to (an IPv6 literal, IPv6 off).
+    errno.EADDRNOTAVAIL: "out of local ports, or no local address to reach it from (EADDRNOTAVAIL)",
 }
 
 
