@@ -90,3 +90,20 @@ async def test_a_canary_routes_answer_says_it_varies_by_the_session_header() -> 
     assert canary.headers["x-gateway-canary"] == "1"
     assert vary(canary) == vary(sessionless) == ["accept", "x-session-id"]
     assert vary(plain) == ["accept"]
+
+
+async def test_a_tenant_header_spelled_with_underscores_is_named_as_it_came() -> None:
+    # The gateway reads `x_tenant_id` as `x-tenant-id` (WSGI-style upstreams do too): a
+    # cache keying by `x-tenant-id` alone stored acme's answer under "no tenant header"
+    # and served it to every caller sending none.
+    async with (
+        upstream(cacheable(b"acme's")) as a,
+        upstream(cacheable(b"everyone's")) as s,
+        gateway_client(conf(a.url, s.url)) as client,
+    ):
+        spelled = await client.get("/v1/catalog", headers={"x_tenant_id": "acme"})
+        plain = await client.get("/v1/catalog")
+    assert (spelled.content, plain.content) == (b"acme's", b"everyone's")
+    assert vary(spelled) == ["accept", "x-tenant-id", "x_tenant_id"], spelled.headers
+    assert len(spelled.headers.get_list("vary")) == 1
+    assert vary(plain) == ["accept", "x-tenant-id"]

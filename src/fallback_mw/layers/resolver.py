@@ -100,6 +100,26 @@ def _headers(scope: Scope, names: tuple[bytes, ...]) -> tuple[list[str | None], 
     return found, twice
 
 
+def _as_spelled(scope: Scope, fields: tuple[bytes, ...]) -> tuple[bytes, ...]:
+    """`fields` (the identity headers a route's answers vary by) and each spelling of them
+    the request came with that a cache reads as another field: `x_tenant_id` is the tenant
+    header to the resolver (`canonical_name`), not to a shared cache, which stored the
+    answer it chose under "no tenant header" and served it to every caller sending none.
+    Only a route whose answers vary pays for this pass."""
+    read_as = {canonical_name(field) for field in fields}
+    # Another spelling differs by an `_` (a name of ours without one: only a sent name
+    # with one can be another spelling of it).
+    any_name = any(b"_" in field for field in fields)
+    spelled: list[bytes] = []
+    for key, _ in scope.get("headers", ()):
+        if not any_name and b"_" not in key:
+            continue
+        lower = key.lower()
+        if canonical_name(lower) in read_as and lower not in fields and lower not in spelled:
+            spelled.append(lower)
+    return (*fields, *spelled) if spelled else fields
+
+
 class RouteResolver:
     _refusal: ConfigRefusal | None = None  # a configuration that did not load
 
@@ -206,7 +226,7 @@ class RouteResolver:
             path=path,
             spelled_path=caller_spelling(raw_path, route.prefix) if "%" in raw_path else None,
             mount=str(scope.get("root_path") or "").rstrip("/"),
-            vary=self._vary(table).get(route.id, ()),
+            vary=_as_spelled(scope, vary) if (vary := self._vary(table).get(route.id)) else (),
             request_model=path_model(path),
             query=strip_query_keys(scope.get("query_string", b""), self.strip_query_keys),
             started=started,
