@@ -405,6 +405,27 @@ def test_eval_on_a_full_disk_keeps_the_last_artifact_and_says_why(
         assert sorted(p.name for p in disk.iterdir()) == ["eval.html", "eval.json", "filler"]
 
 
+def test_eval_out_replaced_whole_keeps_the_files_permissions(tmp_path: Path) -> None:
+    """The whole-or-nothing write (a temporary file renamed over the artifact) made every
+    artifact mode 0600 whatever the umask, and an existing one lost its mode: a report
+    another user or a web server read (0644) became unreadable to them. A new file gets
+    the umask's mode, as before; a replaced one keeps its own."""
+    from tests.cli_runner import run_cli
+
+    out, page = tmp_path / "eval.json", tmp_path / "eval.html"
+    previous = os.umask(0o022)
+    try:
+        assert run_cli(["eval", "--requests", "1", "--out", str(out)]) == 0
+        assert [oct(p.stat().st_mode & 0o777) for p in (out, page)] == ["0o644"] * 2
+        out.chmod(0o640)
+        page.chmod(0o604)
+        assert run_cli(["eval", "--requests", "1", "--out", str(out)]) == 0
+    finally:
+        os.umask(previous)
+    assert [oct(p.stat().st_mode & 0o777) for p in (out, page)] == ["0o640", "0o604"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.html", "eval.json"]
+
+
 @pytest.mark.parametrize("limit", [10, 12])
 def test_serve_under_an_open_file_limit_too_low_to_start_says_so(
     tmp_path: Path, limit: int

@@ -302,12 +302,22 @@ def writable_out(out: Path, shown: str) -> None:
 def write_atomically(path: Path, text: str) -> None:
     """`text` into `path` through a file beside it renamed over it: a disk that fills up
     (or a stop) half-way leaves the file as it was, never truncated or half-written, and no
-    stray temporary file."""
-    import tempfile
+    stray temporary file. The file keeps its mode (a new one gets the umask's, as an
+    `open` gives it: mkstemp's 0600 made a report that others or a web server read
+    unreadable to them)."""
+    import secrets
+    import stat
 
-    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        kept: int | None = stat.S_IMODE(path.stat().st_mode)
+    except OSError:
+        kept = None
+    temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # less the umask
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as out:
+            if kept is not None:
+                os.fchmod(out.fileno(), kept)
             out.write(text)
         os.replace(temporary, path)
     except BaseException:
