@@ -426,6 +426,29 @@ def test_eval_out_replaced_whole_keeps_the_files_permissions(tmp_path: Path) -> 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.html", "eval.json"]
 
 
+def test_eval_out_through_a_symlink_writes_the_file_it_names(tmp_path: Path) -> None:
+    """An --out that is a symlink (`results/latest.json` -> a shared volume's file): the
+    whole-or-nothing write renamed its new file over the link, so the file the link named
+    kept the run before's result and the link was gone. The file it names is replaced (a
+    temporary file beside it), the link kept."""
+    from tests.cli_runner import run_cli
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "eval.json").write_text('{"the": "last run"}\n')
+    (shared / "eval.html").write_text("<html>last run</html>\n")
+    results = tmp_path / "results"
+    results.mkdir()
+    for name in ("eval.json", "eval.html"):
+        (results / name).symlink_to(shared / name)
+    assert run_cli(["eval", "--requests", "1", "--out", str(results / "eval.json")]) == 0
+    for name in ("eval.json", "eval.html"):
+        assert (results / name).is_symlink(), name
+    assert json.loads((shared / "eval.json").read_text())["arms"]
+    assert "last run" not in (shared / "eval.html").read_text()
+    assert sorted(p.name for p in shared.iterdir()) == ["eval.html", "eval.json"]
+
+
 @pytest.mark.parametrize("limit", [10, 12])
 def test_serve_under_an_open_file_limit_too_low_to_start_says_so(
     tmp_path: Path, limit: int

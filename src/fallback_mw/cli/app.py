@@ -304,10 +304,13 @@ def write_atomically(path: Path, text: str) -> None:
     (or a stop) half-way leaves the file as it was, never truncated or half-written, and no
     stray temporary file. The file keeps its mode (a new one gets the umask's, as an
     `open` gives it: mkstemp's 0600 made a report that others or a web server read
-    unreadable to them)."""
+    unreadable to them). A symlink (`latest.json` -> a shared volume's file) is written
+    through: the file it names is replaced, the link kept, as an in-place write did."""
     import secrets
     import stat
 
+    if path.is_symlink():
+        path = path.resolve()
     try:
         kept: int | None = stat.S_IMODE(path.stat().st_mode)
     except OSError:
