@@ -676,6 +676,31 @@ def test_the_report_page_shows_a_dash_for_what_was_not_observed(
     assert '<td class="text">-</td>' in observed.group(0)
 
 
+def test_the_report_and_its_page_are_readable_as_the_umask_says(
+    store: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The JSON report was written mode 0600 (a temporary file renamed over it) whatever
+    the umask, beside a page of 0644: a report a CI step, a dashboard or another operator
+    read was unreadable to them. Both are written as any file of the command (0666 less
+    the umask), and a report replaced keeps its mode."""
+    import os
+
+    out = tmp_path / "r.json"
+    argv = [
+        *BASE, "--config", store, "--duration", "1s", "--recovery-wait", "1s",
+        "--out", str(out), "--predict", "breaker_open_s=5", "--abort", "error_rate=50%",
+    ]  # fmt: skip
+    previous = os.umask(0o022)
+    try:
+        main(argv)
+    finally:
+        os.umask(previous)
+    capsys.readouterr()
+    modes = [oct(path.stat().st_mode & 0o777) for path in (out, out.with_suffix(".html"))]
+    assert modes == ["0o644", "0o644"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
 def test_the_printed_predictions_table_keeps_its_columns_for_long_predictions(
     store: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from fallback_mw.cli.app import write_atomically
 from fallback_mw.cli.game_day.run import Exercise, Timeline, fmt, iso, judge
 from fallback_mw.cli.show import one_line
 
@@ -174,14 +173,7 @@ def report_lines(report: dict[str, Any]) -> list[str]:
 
 
 def write_report(path: Path, report: dict[str, Any]) -> None:
-    """Atomically: a reader never sees half a report."""
+    """Atomically: a reader never sees half a report (as its page, `write_atomically`:
+    readable as the umask says, not mkstemp's 0600)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".gameday-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            json.dump(report, out, indent=2)
-            out.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomically(path, json.dumps(report, indent=2) + "\n")
