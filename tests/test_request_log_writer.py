@@ -132,6 +132,28 @@ def test_a_log_reader_that_stopped_reading_never_holds_up_a_logged_line(monkeypa
         handler.close()
 
 
+def test_the_exit_flush_gives_up_on_a_log_reader_that_stopped_reading() -> None:
+    """A stopped `serve` whose stderr reader stopped reading hung at exit, writing its last
+    lines, until killed; it gives up after its bound now."""
+    stream = Stalled()
+    handler = LineHandler(stream)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    owner = logging.getLogger("fallback_mw.test_exit_flush")
+    before = request_log._installed
+    handler.install(owner)
+    try:
+        for number in range(FLUSH_LINES + 10):
+            handler.handle(record(f"line {number}"))
+        assert stream.writing.wait(10)  # the writer is stuck in its write
+        in_thread_within(10, lambda: request_log.flush_request_lines(timeout=0.5))
+    finally:
+        stream.go.set()
+        owner.removeHandler(handler)
+        request_log._installed = before
+        handler.close()
+    assert stream.getvalue().count("\n") == FLUSH_LINES + 10  # all written once let go
+
+
 def test_a_full_pipe_nobody_reads_never_holds_up_a_logged_line() -> None:
     # The real thing: a pipe whose reader reads nothing, filled past its 64 KiB.
     read_end, write_end = os.pipe()

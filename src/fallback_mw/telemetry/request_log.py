@@ -409,9 +409,16 @@ def _why(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-def flush_request_lines() -> None:
+EXIT_FLUSH_SECONDS = 5.0  # the longest the exit waits for the last lines to be written
+
+
+def flush_request_lines(timeout: float = EXIT_FLUSH_SECONDS) -> None:
     """Write the request lines still waiting in serve's LineHandler (at exit; a worker of
-    `serve --workers`, which ends with os._exit, calls it itself)."""
+    `serve --workers`, which ends with os._exit, calls it itself). Waits `timeout` seconds
+    at most: with a reader that stopped reading the pipe, the write never ends, and a
+    stopped `serve` would not exit until killed; the lines then go unwritten."""
     handler = _installed
     if handler is not None:
-        handler.flush()
+        writer = threading.Thread(target=handler.flush, name="fallback-mw-log-exit", daemon=True)
+        writer.start()
+        writer.join(timeout)
