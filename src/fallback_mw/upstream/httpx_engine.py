@@ -99,6 +99,28 @@ _REFUSED_LOCALLY = (
 )
 
 
+# httpcore's own words (its `_receive_event`) for a connection that ended before an
+# answer's head was whole, raised as a RemoteProtocolError.
+_CLOSED_UNANSWERED = "Server disconnected without sending a response."
+
+
+def _nothing_arrived(exc: BaseException) -> bool:
+    """Whether the connection httpcore raised `exc` on had received no byte at all (its h11
+    state holds none): a close before any answer, not bytes that never became one (an
+    HTTP/0.9 reply, a status line cut short, which httpcore words the same way). Read from
+    the failing frame (httpcore's connection, defensively: another shape says no), only
+    on this failure path."""
+    cause = exc.__cause__ if exc.__cause__ is not None else exc
+    tb = cause.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, httpcore.AsyncHTTP11Connection):
+            buffered = getattr(getattr(owner, "_h11_state", None), "_receive_buffer", None)
+            return buffered is not None and len(buffered) == 0
+        tb = tb.tb_next
+    return False
+
+
 @contextmanager
 def map_errors(phase: Phase) -> Iterator[None]:
     """The one place httpx's exceptions become failure kinds (and httpx logging is muted)."""
@@ -137,6 +159,11 @@ def map_errors(phase: Phase) -> Iterator[None]:
     except _REFUSED_LOCALLY as exc:
         raise UpstreamError("local", phase, type(exc).__name__) from None
     except (httpx.RemoteProtocolError, httpx.DecodingError) as exc:
+        if str(exc) == _CLOSED_UNANSWERED and _nothing_arrived(exc):
+            # The connection ended before a byte of an answer (a kept-alive one the
+            # upstream closed as the request went out): no answer for a parser to refuse.
+            # A transport failure, as aiohttp's ServerDisconnectedError is.
+            raise UpstreamError("transport", phase, "ServerDisconnected") from None
         raise UpstreamError("protocol", phase, type(exc).__name__, detail=NOT_HTTP) from None
     except (httpx.TransportError, OSError) as exc:
         limited = host_limit(exc, phase)
