@@ -90,3 +90,68 @@ async def test_an_upstream_that_closed_without_answering_is_not_named_a_parser_r
     assert "parser" not in error["message"]
     assert error["rule"] == "not_replayable_method"
     assert seen == [b"POST", b"POST"]  # never sent again: a POST is not replayable
+
+
+def answers_nothing(
+    seen: list[bytes], *, hard: bool
+) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]:
+    """Reads the request on its new connection and ends it without a byte (a crash)."""
+
+    async def behaviour(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader, seen)
+        if hard:
+            reset(writer)
+        else:
+            writer.close()
+
+    return behaviour
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("method", ["PUT", "DELETE", "GET"])
+@pytest.mark.parametrize("hard", [False, True], ids=["fin", "reset"])
+async def test_a_new_connection_that_ends_unanswered_sends_the_request_once(
+    engine: str, method: str, hard: bool
+) -> None:
+    """aiohttp's own retry sent every GET, PUT and DELETE a second time when the connection
+    ended without an answer, a new connection too: a PUT or DELETE the route does not list
+    as replayable (SPEC §5: never sent twice) reached the upstream twice. A request that
+    is not replayable is sent once; a replayable GET keeps aiohttp's one resend (RFC 9112
+    §9.3.1, as tests/hostile/test_hostile_upstreams.py has it), the httpx engine none."""
+    seen: list[bytes] = []
+    async with raw_upstream(answers_nothing(seen, hard=hard)) as (url, accepted):
+        response = (await two_requests(config(url, engine), method))[0]
+    assert response.status_code == 502, response.text
+    assert response.headers["x-gateway-attempts"] == "1"
+    sends = 2 if method == "GET" and engine == "aiohttp" else 1
+    assert seen == [method.encode()] * 2 * sends  # for each of the two requests made
+    assert len(accepted) == 2 * sends
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("hard", [False, True], ids=["fin", "reset"])
+async def test_a_replayable_request_lost_on_a_stale_connection_goes_again_on_a_new_one(
+    engine: str, hard: bool
+) -> None:
+    """A replayable request (a GET) sent on a pooled connection the upstream closed as it
+    went out is sent once more, on a new connection, within the same attempt: the caller
+    gets the answer, not a 502 (the httpx engine: a 502 on a plan of one, else a
+    failover and a breaker mark for a connection the upstream closed on purpose)."""
+    seen: list[bytes] = []
+    async with raw_upstream(closes_its_second_request(seen, hard=hard)) as (url, accepted):
+        first, second = await two_requests(config(url, engine), "GET")
+    assert (first.status_code, first.text) == (200, "ok")
+    assert (second.status_code, second.text) == (200, "ok"), second.text
+    assert second.headers["x-gateway-attempts"] == "1"
+    assert seen == [b"GET"] * 3  # the second request lost once, then answered
+    assert len(accepted) == 2
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_put_the_route_lists_as_replayable_goes_again_on_a_new_one(engine: str) -> None:
+    seen: list[bytes] = []
+    async with raw_upstream(closes_its_second_request(seen)) as (url, _):
+        cfg = config(url, engine, replayable_methods=["GET", "PUT"])
+        first, second = await two_requests(cfg, "PUT")
+    assert (first.status_code, second.status_code) == (200, 200), second.text
+    assert seen == [b"PUT"] * 3

@@ -118,9 +118,13 @@ class AttemptRunner:
         faults: FaultSource,
         inject_headers: Any,
         shadow: bool = False,
+        replayable: bool = False,
     ) -> None:
         self.context = context
         self.body = body
+        # The walk's own verdict (decide.is_replayable): the engine may send such a request
+        # again on a new connection when a kept-alive one was lost under it.
+        self.replayable = replayable
         self.parsed = parsed
         self.client = client
         self.faults = faults
@@ -228,6 +232,7 @@ class AttemptRunner:
                     pool_key=pool_key(name, upstream, shadow=self.shadow),
                     ca_file=upstream.ca_file,
                     proxy=proxy,
+                    replayable=self.replayable,
                 )
                 response = await client.send(request)
                 if response.status == 429 and len(upstream.credential_envs) > 1:
@@ -295,6 +300,7 @@ class AttemptLifecycle:
         telemetry: Telemetry,
         ask: Callable[[str, UpstreamConfig, bool], Ask],
         shadow: bool = False,
+        replayable: bool = False,
     ) -> None:
         self.context = context
         self.health = health
@@ -304,7 +310,7 @@ class AttemptLifecycle:
         self.failover_status = context.route.failover_status  # a few codes: a tuple will do
         self.runner = AttemptRunner(
             context, body, parsed, client=client, faults=faults,
-            inject_headers=telemetry.inject_headers, shadow=shadow,
+            inject_headers=telemetry.inject_headers, shadow=shadow, replayable=replayable,
         )  # fmt: skip
         self.reservations: dict[str, Reservation] = {}  # the latest, per upstream
         # The latest breaker admission per upstream (`gate`), then each started attempt's

@@ -21,6 +21,7 @@ from fallback_mw.upstream.base import (
     MAX_RESPONSE_FIELD,
     MAX_RESPONSE_FIELDS,
     NOT_HTTP,
+    STALE_RESENDS,
     ConnectionCaps,
     FirstByteTimer,
     Phase,
@@ -33,6 +34,7 @@ from fallback_mw.upstream.base import (
     check_response_head,
     host_limit,
     proxy_refused,
+    resend_on_new_connection,
     unrelayable,
 )
 from fallback_mw.upstream.guard import GuardedResolver, LiteralChecks, UnsafeAddressError
@@ -143,7 +145,21 @@ def map_errors(phase: Phase) -> _ErrorMap:
 # also holds the lookup of the upstream's name (`_Connector._resolve_host`). A context
 # variable rather than an aiohttp trace hook: traces cost a handful of signal sends on every
 # request.
-_ARM_ON_CONNECT: ContextVar[tuple[FirstByteTimer, bool, float] | None] = ContextVar(
+class _Sending:
+    """One send's facts for the connector: its first-byte timer, whether its body is
+    streamed, its connect timeout, and whether the connection it got was made for it
+    (`fresh`) rather than taken from the pool (resend_on_new_connection)."""
+
+    __slots__ = ("connect", "fresh", "streamed", "timer")
+
+    def __init__(self, timer: FirstByteTimer, streamed: bool, connect: float) -> None:
+        self.timer = timer
+        self.streamed = streamed
+        self.connect = connect
+        self.fresh = False
+
+
+_ARM_ON_CONNECT: ContextVar[_Sending | None] = ContextVar(
     "fallback_mw_arm_on_connect", default=None
 )
 
@@ -155,6 +171,9 @@ class _Connector(aiohttp.TCPConnector):
         traces: list[Any],
         timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 (aiohttp's signature)
     ) -> Any:
+        armed = _ARM_ON_CONNECT.get()
+        if armed is not None:
+            armed.fresh = False
         connection = await super().connect(req, traces, timeout)
         # A pooled connection on which the upstream wrote while it sat idle (a late or
         # repeated answer, another caller's) holds that answer parsed and queued, and
@@ -167,10 +186,20 @@ class _Connector(aiohttp.TCPConnector):
                 break
             connection.close()
             connection = await super().connect(req, traces, timeout)
-        armed = _ARM_ON_CONNECT.get()
-        if armed is not None and not armed[1]:
-            armed[0].arm()
+        if armed is not None and not armed.streamed:
+            armed.timer.arm()
         return connection
+
+    async def _create_connection(
+        self,
+        req: aiohttp.ClientRequest,
+        traces: list[Any],
+        timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 (aiohttp's signature)
+    ) -> Any:
+        armed = _ARM_ON_CONNECT.get()
+        if armed is not None:
+            armed.fresh = True  # made for this send, never a kept-alive one
+        return await super()._create_connection(req, traces, timeout)
 
     async def _resolve_host(
         self, host: str, port: int, traces: Sequence[Any] | None = None
@@ -183,7 +212,7 @@ class _Connector(aiohttp.TCPConnector):
         armed = _ARM_ON_CONNECT.get()
         if armed is None:
             return await super()._resolve_host(host, port, traces=traces)
-        seconds = armed[2]
+        seconds = armed.connect
         try:
             async with asyncio.timeout(seconds):
                 return await super()._resolve_host(host, port, traces=traces)
@@ -209,7 +238,7 @@ class _Connector(aiohttp.TCPConnector):
         armed = _ARM_ON_CONNECT.get()
         if armed is None:
             return await super()._create_proxy_connection(req, traces, timeout)
-        timer, streamed, _connect = armed
+        timer, streamed = armed.timer, armed.streamed
         timer.arm()
         try:
             return await super()._create_proxy_connection(req, traces, timeout)
@@ -357,6 +386,12 @@ class AiohttpClient:
                 max_field_size=_MAX_RESPONSE_FIELD,
                 max_headers=MAX_RESPONSE_FIELDS,
             )
+            if hasattr(self._session, "_retry_connection"):
+                # aiohttp's own retry sent every GET, PUT and DELETE again when a
+                # connection ended unanswered: a PUT or DELETE the route does not list as
+                # replayable went twice. The engine resends only a replayable request
+                # (`send`, resend_on_new_connection).
+                self._session._retry_connection = False
             self._at_loop_end = CloseAtLoopEnd(self._session.close)
         return self._session
 
@@ -374,26 +409,43 @@ class AiohttpClient:
         # (bounded by the walk deadline around this call), never the upstream's time.
         release = await self._caps.acquire(request)
         try:
-            response = await self._send(session, request)
+            for resends in range(STALE_RESENDS + 1):
+                # No timer while connecting (the socket connect has its own) or while the
+                # caller's body is still arriving (the caller's time): see FirstByteTimer.
+                timeouts = request.timeouts
+                sending = _Sending(
+                    FirstByteTimer(timeouts.first_byte),
+                    not isinstance(request.body, bytes),
+                    timeouts.connect,
+                )
+                try:
+                    response = await self._send(session, request, sending)
+                    break
+                except UpstreamError as exc:
+                    # aiohttp's own rule is kept for a replayable request: one resend
+                    # whatever the connection (RFC 9112 §9.3.1); a kept-alive one lost
+                    # under it is resent on by the engines' common rule.
+                    reused = not sending.fresh or resends == 0
+                    if resends == STALE_RESENDS or not resend_on_new_connection(
+                        request, exc, reused
+                    ):
+                        raise
         except BaseException:
             release()
             raise
         return AiohttpResponse(response, request.timeouts.idle, release)
 
     async def _send(
-        self, session: aiohttp.ClientSession, request: UpstreamRequest
+        self, session: aiohttp.ClientSession, request: UpstreamRequest, sending: _Sending
     ) -> aiohttp.ClientResponse:
         timeouts = request.timeouts
-        # No timer while connecting (the socket connect has its own) or while the caller's
-        # body is still arriving (the caller's time): see FirstByteTimer.
-        timer = FirstByteTimer(timeouts.first_byte)
+        timer = sending.timer
         body = request.body
-        streamed = not isinstance(body, bytes)
         if isinstance(body, bytes):
             data: Any = _bytes_payload(body) if len(body) > _LARGE_BYTES else (body or None)
         else:
             data = timer.timed_body(body)
-        armed = _ARM_ON_CONNECT.set((timer, streamed, timeouts.connect))
+        armed = _ARM_ON_CONNECT.set(sending)
         try:
             with map_errors("first_byte"), timer.running():
                 response = await session.request(

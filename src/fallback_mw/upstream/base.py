@@ -256,6 +256,34 @@ class UpstreamRequest:
     # Set by the connection cap once this request holds a slot: until then nothing of it
     # has left the gateway.
     slot_taken: bool = False
+    # The walk may send this request again (decide.is_replayable: its method, its body
+    # buffered): then, lost on a kept-alive connection, it goes again on a new one
+    # (`resend_on_new_connection`).
+    replayable: bool = False
+
+
+# The most kept-alive connections one send finds closed before it takes a new one (each
+# lost one is closed, never pooled again; a new connection always ends the tries).
+STALE_RESENDS = 4
+
+
+def resend_on_new_connection(request: UpstreamRequest, error: UpstreamError, reused: bool) -> bool:
+    """Whether a send that failed is made again, on a new connection, in the same attempt:
+    only a replayable request with its body in hand (never a POST the route leaves out, a
+    PUT or DELETE it does not list, a streamed body), on a kept-alive connection (`reused`:
+    the pool's, not one made for it), that ended before any answer (a transport failure
+    waiting for the head: the upstream closed it idle as the request went out, its
+    keep-alive timeout or request limit). A new connection that ends so is the upstream's
+    failure, as any other: the walk decides what follows (one upstream request, one
+    attempt). The one rule for both engines."""
+    return (
+        reused
+        and request.replayable
+        and isinstance(request.body, bytes)
+        and error.kind == "transport"
+        and error.phase == "first_byte"
+        and error.detail is None  # a named failure (a proxy's refusal) is no lost connection
+    )
 
 
 class FirstByteTimer(Deadline):

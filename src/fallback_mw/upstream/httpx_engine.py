@@ -26,6 +26,7 @@ except ImportError:
 from fallback_mw.timers import deadline_after
 from fallback_mw.upstream.base import (
     NOT_HTTP,
+    STALE_RESENDS,
     ConnectionCaps,
     FirstByteTimer,
     Phase,
@@ -39,6 +40,7 @@ from fallback_mw.upstream.base import (
     encode_request_headers,
     host_limit,
     proxy_refused,
+    resend_on_new_connection,
     unrelayable,
 )
 from fallback_mw.upstream.guard import LiteralChecks, UnsafeAddressError
@@ -551,16 +553,37 @@ class HttpxClient:
             if request.proxy is not None:
                 self._literals.check(request.url)
             client = self._get_client(request)
-            timer = FirstByteTimer(request.timeouts.first_byte)
-            answer: list[httpx.Response] = []  # the response, once its head is in
-            built = self._build(client, request, timer, answer)
         # Waiting for a slot under the upstream's connection cap is the gateway's own queue
         # (bounded by the walk deadline around this call), never the upstream's time.
         release = await self._caps.acquire(request)
         try:
+            for resends in range(STALE_RESENDS + 1):
+                fresh: list[bool] = []  # a connection was made for this send
+                try:
+                    response = await self._send(client, request, fresh)
+                    break
+                except UpstreamError as exc:
+                    if resends == STALE_RESENDS or not resend_on_new_connection(
+                        request, exc, not fresh
+                    ):
+                        raise
+        except BaseException:
+            release()
+            raise
+        return self._response(response, request.timeouts.idle, release)
+
+    async def _send(
+        self, client: httpx.AsyncClient, request: UpstreamRequest, fresh: list[bool]
+    ) -> httpx.Response:
+        answer: list[httpx.Response] = []  # the response, once its head is in
+        try:
+            with map_errors("connect"):
+                timer = FirstByteTimer(request.timeouts.first_byte)
+                built = self._build(client, request, timer, answer, fresh)
             with map_errors("first_byte"), timer.running():
                 if self._transport is not None:
                     timer.arm()  # a custom transport reports no progress
+                    fresh.append(True)  # nor its connections: never resent
                 response = await client.send(built, stream=True, follow_redirects=False)
             answer.append(response)
             try:
@@ -573,11 +596,10 @@ class HttpxClient:
                 await asyncio.shield(response.aclose())
                 raise
         except BaseException:
-            release()
             if not answer:
                 await asyncio.shield(_close_orphaned_connections(client))
             raise
-        return self._response(response, request.timeouts.idle, release)
+        return response
 
     def _build(
         self,
@@ -585,12 +607,15 @@ class HttpxClient:
         request: UpstreamRequest,
         timer: FirstByteTimer,
         answer: list[httpx.Response],
+        fresh: list[bool],
     ) -> httpx.Request:
         timeouts = request.timeouts
         body = request.body
         streamed = not isinstance(body, bytes)
 
         async def progress(event: str, info: object) -> None:
+            if event == "connection.connect_tcp.started":
+                fresh.append(True)  # not a kept-alive connection (resend_on_new_connection)
             # A buffered body follows its head at once: from here on the time is the
             # upstream's (a streamed body arms the timer itself, see FirstByteTimer).
             if ".send_request_headers." in event:

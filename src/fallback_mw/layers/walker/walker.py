@@ -211,6 +211,7 @@ class _Walk:
         self.attempts = AttemptLifecycle(
             context, body, parsed, client=walker.client, faults=walker.faults,
             health=walker.health, capacity=walker.capacity, telemetry=walker.telemetry,
+            replayable=self.replayable,
             # A partial of locals, not a lambda over `self`: the walk holds its lifecycle,
             # which holds this, and a cycle per request left every walk to the garbage
             # collector (+4 % instructions per request, the collections' traversals).
