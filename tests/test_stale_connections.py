@@ -155,3 +155,62 @@ async def test_a_put_the_route_lists_as_replayable_goes_again_on_a_new_one(engin
         first, second = await two_requests(cfg, "PUT")
     assert (first.status_code, second.status_code) == (200, 200), second.text
     assert seen == [b"PUT"] * 3
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_connections_the_upstream_closed_are_closed_here_without_more_traffic(
+    engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a burst, the upstream closes its idle kept-alive connections (uvicorn's 5 s,
+    nginx's keepalive_timeout) and no request follows (a fallback's pool, a quiet night):
+    the httpx engine kept each one open on its side for ever (httpcore looks at idle
+    connections only when a request comes), a socket in CLOSE-WAIT each, up to 128 a pool.
+    aiohttp's connector closes them as they end; the httpx engine now sweeps its pool."""
+    from fallback_mw.upstream import Timeouts, UpstreamRequest, httpx_engine
+    from fallback_mw.upstream.aiohttp_engine import AiohttpClient
+    from fallback_mw.upstream.httpx_engine import HttpxClient
+
+    monkeypatch.setattr(httpx_engine, "IDLE_SWEEP_SECONDS", 0.2)
+    burst = 5
+    answered = asyncio.Event()
+    in_flight = 0
+    closed_here = 0
+    all_closed = asyncio.Event()
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal in_flight, closed_here
+        await read_request(reader, [])
+        in_flight += 1
+        if in_flight == burst:
+            answered.set()
+        await answered.wait()  # all five at once: five connections
+        writer.write(OK)
+        await writer.drain()
+        await asyncio.sleep(0.3)
+        writer.write_eof()  # the upstream's idle timeout: its end of the connection
+        if await reader.read() == b"":  # and the gateway's end, once it closes it
+            closed_here += 1
+            if closed_here == burst:
+                all_closed.set()
+        writer.close()
+
+    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/"
+    client = (AiohttpClient if engine == "aiohttp" else HttpxClient)(allow_hosts=("127.0.0.1",))
+    timeouts = Timeouts(connect=5.0, first_byte=5.0, idle=5.0)
+
+    async def fetch() -> bytes:
+        response = await client.send(UpstreamRequest("GET", url, [], b"", timeouts))
+        try:
+            return b"".join([chunk async for chunk in response.iter_chunks()])
+        finally:
+            await response.aclose()
+
+    try:
+        assert await asyncio.gather(*(fetch() for _ in range(burst))) == [b"ok"] * burst
+        async with asyncio.timeout(10):
+            await all_closed.wait()
+    finally:
+        await client.aclose()
+        server.close()
+        await server.wait_closed()

@@ -55,6 +55,9 @@ from fallback_mw.upstream.tls import (
 )
 
 MAX_CONNECTIONS = 512
+# How often pooled connections are swept while any are kept (HttpxClient._watch_idle):
+# httpx's keep-alive expiry.
+IDLE_SWEEP_SECONDS = 5.0
 
 
 # httpx logs each request's full URL, query string included (INFO), and httpcore logs
@@ -483,6 +486,9 @@ class HttpxClient:
         self._loop: asyncio.AbstractEventLoop | None = None  # the one the clients run on
         self._at_loop_end: list[CloseAtLoopEnd] = []  # close the clients there
         self._caps = ConnectionCaps()
+        # The idle sweep's timer (`_watch_idle`) and the closes it started.
+        self._sweep: asyncio.TimerHandle | None = None
+        self._closing: set[asyncio.Future[None]] = set()
         _silence_engine_logs()
 
     def _guarded_transport(
@@ -521,6 +527,7 @@ class HttpxClient:
             for stale in old:
                 close_on_its_loop(self._loop, stale.aclose)
             self._loop, self._caps, self._at_loop_end = loop, ConnectionCaps(), []
+            self._sweep = None  # the old loop's timer: its clients are closed there
 
     def _get_client(self, request: UpstreamRequest | None = None) -> httpx.AsyncClient:
         self._follow_loop()
@@ -547,12 +554,42 @@ class HttpxClient:
             self._at_loop_end.append(CloseAtLoopEnd(client.aclose))
         return client
 
+    def _watch_idle(self) -> None:
+        """httpcore closes an idle pooled connection (its keep-alive expiry over, or closed
+        by the upstream) only when a request enters the pool or a response closes: after
+        a burst and then no traffic (a fallback's pool, a quiet night) every connection the
+        upstream closed stayed open on this side for ever, a socket in CLOSE-WAIT each (up
+        to 128 a pool), where aiohttp's connector drops them. While connections are
+        pooled, they are swept every IDLE_SWEEP_SECONDS; a handed transport keeps its own."""
+        if self._sweep is None and self._transport is None:
+            loop = asyncio.get_running_loop()
+            self._sweep = loop.call_later(IDLE_SWEEP_SECONDS, self._sweep_idle)
+
+    def _sweep_idle(self) -> None:
+        self._sweep = None
+        pooled = False
+        for client in self._clients.values():
+            pool = getattr(getattr(client, "_transport", None), "_pool", None)
+            if not isinstance(pool, Pool | ProxyPool):
+                continue
+            # httpcore's own bookkeeping, as after a response closes: the expired and the
+            # upstream-closed idle connections leave the pool, to be closed here.
+            closing = pool._assign_requests_to_connections()
+            if closing:
+                done = asyncio.ensure_future(pool._close_connections(closing))
+                self._closing.add(done)
+                done.add_done_callback(self._closing.discard)
+            pooled = pooled or bool(pool._connections)
+        if pooled:
+            self._watch_idle()
+
     async def send(self, request: UpstreamRequest) -> HttpxResponse:
         with map_errors("connect"):
             check_request_headers(request.headers)
             if request.proxy is not None:
                 self._literals.check(request.url)
             client = self._get_client(request)
+        self._watch_idle()
         # Waiting for a slot under the upstream's connection cap is the gateway's own queue
         # (bounded by the walk deadline around this call), never the upstream's time.
         release = await self._caps.acquire(request)
@@ -652,6 +689,9 @@ class HttpxClient:
 
     async def aclose(self) -> None:
         self._follow_loop()  # clients of another loop are closed on that loop
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
         clients, self._clients = list(self._clients.values()), {}
         for client in clients:
             await client.aclose()
