@@ -129,6 +129,20 @@ async def test_a_new_connection_that_ends_unanswered_sends_the_request_once(
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+async def test_a_replayable_post_on_a_new_connection_that_ends_unanswered_is_sent_once(
+    engine: str,
+) -> None:
+    """A POST the route replays fails over to the next candidate like any failure on a new
+    connection: it is not sent to the same upstream a second time inside the attempt."""
+    seen: list[bytes] = []
+    async with raw_upstream(answers_nothing(seen, hard=True)) as (url, _):
+        cfg = config(url, engine, replayable_methods=["GET", "POST"])
+        response = (await two_requests(cfg, "POST"))[0]
+    assert response.status_code == 502, response.text
+    assert seen == [b"POST"] * 2  # once for each of the two requests
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("hard", [False, True], ids=["fin", "reset"])
 async def test_a_replayable_request_lost_on_a_stale_connection_goes_again_on_a_new_one(
     engine: str, hard: bool

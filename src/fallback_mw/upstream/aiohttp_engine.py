@@ -322,6 +322,10 @@ def _close_on(loop: asyncio.AbstractEventLoop, session: aiohttp.ClientSession) -
             connector._close()  # on a closed loop: marks it closed, touches no transport
 
 
+# The methods aiohttp's own retry resent once whatever the connection (its
+# IDEMPOTENT_METHODS), kept for a replayable request of these (AiohttpClient.send).
+_RESENT_BY_AIOHTTP = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
+
 _LARGE_BYTES = 1 << 20  # aiohttp's TOO_LARGE_BYTES_BODY
 
 
@@ -422,10 +426,13 @@ class AiohttpClient:
                     response = await self._send(session, request, sending)
                     break
                 except UpstreamError as exc:
-                    # aiohttp's own rule is kept for a replayable request: one resend
-                    # whatever the connection (RFC 9112 §9.3.1); a kept-alive one lost
-                    # under it is resent on by the engines' common rule.
-                    reused = not sending.fresh or resends == 0
+                    # aiohttp's own rule is kept for what it covered, a replayable GET,
+                    # HEAD, OPTIONS, TRACE, PUT or DELETE: one resend whatever the
+                    # connection (RFC 9112 §9.3.1); a kept-alive one lost under any
+                    # replayable request is resent by the engines' common rule.
+                    reused = not sending.fresh or (
+                        resends == 0 and request.method in _RESENT_BY_AIOHTTP
+                    )
                     if resends == STALE_RESENDS or not resend_on_new_connection(
                         request, exc, reused
                     ):
