@@ -943,6 +943,40 @@ def test_a_read_only_verb_on_a_store_file_that_is_not_there_creates_none_and_say
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    "verb",
+    [
+        ["usage"],
+        ["capacity"],
+        ["budgets", "show"],
+        ["routes", "list"],
+        ["faults", "list"],
+        ["faults", "set", "fail", "--upstream", "primary", "--ttl", "60"],
+    ],
+)
+def test_a_config_without_a_store_says_how_to_give_the_gateways_one(
+    tmp_path: Path, verb: list[str]
+) -> None:
+    """A new user runs `serve --config gateway.toml` (no store: the README's config has
+    none), then `fallback-mw usage --config gateway.toml`. The refusal said only "pass
+    --store URL", naming no URL to pass: there is none, since the gateway kept its usage in
+    its own memory. It says so, and what to add to the file."""
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        '[upstreams.primary]\nurl = "http://127.0.0.1:9001"\n\n'
+        '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["primary"]\n',
+        encoding="utf-8",
+    )
+    status, out, err = run_cli(*verb, "--config", str(config))
+    assert status == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith(f"fallback-mw: error: {config}: ")
+    assert "[gateway] store is not set" in err
+    # Where the records are instead, and the line to add to the file.
+    assert "in its own memory" in err
+    assert 'store = "sqlite:///gateway.db"' in err and "restart" in err
+    assert list(tmp_path.iterdir()) == [config]
+
+
 def test_only_the_verbs_that_store_something_create_a_missing_store_file(tmp_path: Path) -> None:
     typo = (tmp_path / "typo.db").resolve()
     store = ["--store", f"sqlite:///{typo}"]

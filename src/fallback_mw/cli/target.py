@@ -17,6 +17,16 @@ from fallback_mw.store.model import Fault, StoredRoute
 from fallback_mw.store.routes import RouteStore, open_store
 from fallback_mw.store_url import parse_store_url
 
+# A file without a store (the README's has none): there is no URL to pass, since each
+# gateway kept its usage and spend in its own memory. Say what to add.
+NO_STORE_IN_FILE = (
+    "[gateway] store is not set, so there is no store for this command to read or change: "
+    "without one each gateway keeps its usage records and budget spend in its own memory, "
+    "out of any command's reach, and has no stored routes or faults. Add "
+    'store = "sqlite:///gateway.db" under [gateway] (postgresql://... for gateways on '
+    "several hosts) and restart the gateways, or pass --store URL"
+)
+
 
 def store_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store", metavar="URL", help="sqlite:///path.db or postgresql://...")
@@ -52,7 +62,7 @@ def resolve(args: argparse.Namespace, console: Console, *, creates: bool) -> Sto
     url = args.store or config.gateway.store
     if not url:
         if from_file:
-            raise Refused(f"{args.config}: [gateway] store is not set (pass --store URL)")
+            raise Refused(f"{args.config}: {NO_STORE_IN_FILE}")
         raise Refused("no store: pass --store URL or --config FILE whose [gateway] sets store")
     parse_store_url(url)  # StoreURLError: a refusal
     if from_file and not args.store:
