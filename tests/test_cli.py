@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import anyio
 import httpx
 import pytest
 
@@ -248,3 +249,36 @@ def test_importing_fallback_mw_imports_no_framework() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "none"
+
+
+@pytest.mark.anyio
+async def test_serve_logs_a_request_no_route_takes_and_says_where_the_routes_are(
+    tmp_path: Path,
+) -> None:
+    """A new user points the openai SDK at `http://127.0.0.1:8000` (its base_url without
+    the route's `/v1`): every call was a 404 `Not Found` (the SDK: `Error code: 404`) and
+    serve's log, which replaces uvicorn's access log, showed nothing at all. Each such
+    request now leaves one line saying no route took it and where the routes are, without
+    the path or its query (a caller's text, a key in it)."""
+    from tests.helpers import log_text, serve_process, wait_listening
+
+    config = write_config(tmp_path)
+    port = free_port()
+    log = tmp_path / "serve.log"
+    env = {**os.environ, "FMW_TEST_PRIMARY_KEY": SECRET}
+    with serve_process(config, port, log, env=env) as process:
+        await wait_listening(process, port, log)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            missed = await client.post("/chat/completions?api_key=sk-in-the-query", json={})
+            routed = await client.get("/v1/models")  # the route's: its own line, as before
+        assert missed.status_code == 404 and routed.status_code == 502
+        for _ in range(200):  # serve writes its lines in batches (at most 0.1 s late)
+            if "route=chat" in log_text(log):
+                break
+            await anyio.sleep(0.05)
+    lines = [line for line in log_text(log).splitlines() if "no route" in line]
+    assert len(lines) == 1, log_text(log)
+    assert "INFO fallback_mw.request" in lines[0] and "POST" in lines[0] and "404" in lines[0]
+    assert "fallback-mw check" in lines[0] and "base_url" in lines[0]
+    text = log_text(log)
+    assert "chat/completions" not in text and "sk-in-the-query" not in text and SECRET not in text

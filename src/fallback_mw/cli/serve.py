@@ -22,10 +22,21 @@ from fallback_mw.cli.check import config_warnings, resolve_routes
 from fallback_mw.config import GatewayConfig, load_config
 from fallback_mw.extras import require
 from fallback_mw.request.types import Receive, Scope, Send
+from fallback_mw.telemetry.redact import http_method
+
+# serve turns uvicorn's access log off (it prints query strings): without this line a
+# request no route takes (an SDK whose base_url lacks the route's /v1) left no trace.
+_request_log = logging.getLogger("fallback_mw.request")
+NO_ROUTE_LINE = (
+    "no route: a %s request matched no route's prefix and was answered 404 (its path is not "
+    "logged; `fallback-mw check --config FILE` prints the routes' prefixes, and an SDK's "
+    "base_url must include its route's, such as http://HOST:PORT/v1)"
+)
 
 
 async def not_found_app(scope: Scope, receive: Receive, send: Send) -> None:
-    """The bare host app behind `serve`: a plain 404 for anything no route matched."""
+    """The bare host app behind `serve`: a plain 404 for anything no route matched, and one
+    INFO line on `fallback_mw.request` saying so (the method only: the path is the caller's)."""
     if scope["type"] == "lifespan":
         while True:
             message = await receive()
@@ -42,6 +53,8 @@ async def not_found_app(scope: Scope, receive: Receive, send: Send) -> None:
         return
     if scope["type"] != "http":
         return
+    if _request_log.isEnabledFor(logging.INFO):
+        _request_log.info(NO_ROUTE_LINE, http_method(scope.get("method", "?"), ())[0])
     body = b"Not Found\n"
     await send(
         {
