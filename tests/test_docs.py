@@ -417,3 +417,65 @@ def test_every_uvicorn_command_an_example_gives_keeps_query_strings_out_of_its_l
         if "--no-access-log" not in match.group(0)
     ]
     assert not commands, commands
+
+
+def test_the_request_log_line_sample_has_the_fields_a_real_failover_line_has(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # docs/telemetry.md showed a failover (attempts=2, chosen=backup) as a line ending in
+    # duration_ms; the gateway's own line for it goes on with `failures=primary:503`, the
+    # field that says why it failed over: a reader grepping for what the sample shows must
+    # find it in the real line.
+    import asyncio
+    import logging
+
+    from tests.helpers import gateway_client
+    from tests.upstreams import status_handler, upstream
+
+    (sample,) = [
+        block.text.strip()
+        for block in parse_blocks(ROOT / "docs" / "telemetry.md")
+        if block.lang == "text" and block.text.startswith("gateway request ")
+    ]
+
+    async def failover() -> None:
+        async with (
+            upstream(status_handler(503)) as primary,
+            upstream(status_handler(200)) as backup,
+        ):
+            conf = {
+                "upstreams": {"primary": {"url": primary.url}, "backup": {"url": backup.url}},
+                "routes": [
+                    {"id": "chat", "prefix": "/v1/", "plan": ["primary", "backup"], "retries": 1}
+                ],
+            }
+            async with gateway_client(conf) as client:
+                assert (await client.get("/v1/models")).status_code == 200
+
+    with caplog.at_level(logging.INFO, logger="fallback_mw.request"):
+        asyncio.run(failover())
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "fallback_mw.request"]
+
+    def fields(text: str) -> dict[str, str]:
+        return dict(word.split("=", 1) for word in text.split() if "=" in word)
+
+    shown, real = fields(sample), fields(line)
+    assert list(shown) == list(real), (sample, line)
+    assert {k: v for k, v in shown.items() if k != "duration_ms"} == {
+        k: v for k, v in real.items() if k != "duration_ms"
+    }
+
+
+def test_the_incidents_sample_lists_its_rows_in_the_order_the_cli_prints_them() -> None:
+    # `usage` prints the records oldest first (the newest --limit, then in time order, as
+    # a log reads); the docs/budgets.md samples showed the newest first.
+    budgets = ROOT / "docs" / "budgets.md"
+    samples = [
+        block
+        for block in parse_blocks(budgets)
+        if block.lang == "text" and block.text.startswith("$ fallback-mw usage")
+    ]
+    assert samples
+    for sample in samples:
+        times = [line.split()[0] for line in sample.text.splitlines()[2:] if line.strip()]
+        assert times == sorted(times), (sample.name, times)
