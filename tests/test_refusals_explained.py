@@ -454,6 +454,46 @@ async def test_the_budget_guards_refusals_say_what_would_change_them(tmp_path: P
     assert "missing-dir" not in unreachable["message"]  # never the store's URL
 
 
+async def test_a_budget_refusal_without_a_store_names_the_file_not_a_command_that_cannot_reach_it(
+    tmp_path: Path,
+) -> None:
+    # A new user's first budget: [budgets.acme] in the file, no [gateway] store. The 402
+    # said to raise the limit "with `fallback-mw budgets set --budget acme --limit
+    # AMOUNT`", which needs a store (it is refused without one) and could never reach this
+    # gateway's ledger, kept in its own memory: the file's limit and a restart is the way.
+    async with upstream(status_handler(200)) as p, upstream(status_handler(200)) as b:
+        conf = config(p.url, b.url)
+        conf["budgets"] = {
+            "acme": {"limit": "0.02", "window": "day", "default_hold": "0.01"},
+            "zero": {"limit": "0", "window": "day"},
+            "small": {"limit": "0.01", "window": "day", "default_hold": "0.01"},
+        }
+        conf["prices"] = {"gpt-x": {"input_per_mtok": "0", "output_per_mtok": "20"}}
+        conf["routes"][0]["budget"] = "acme"
+        conf["routes"] += [
+            {"id": "z", "prefix": "/v2/", "plan": ["primary"], "budget": "zero"},
+            {"id": "s", "prefix": "/v3/", "plan": ["primary"], "budget": "small"},
+        ]
+        async with gateway_client(conf, environ=ENV) as client:
+            for _ in range(2):
+                assert (await client.post("/v1/chat", content=b"{}")).status_code == 200
+            spent = (await client.post("/v1/chat", content=b"{}")).json()["error"]
+            zero = (await client.post("/v2/chat", content=b"{}")).json()["error"]
+            big = b'{"model":"gpt-x","max_tokens":100000}'
+            alone = (await client.post("/v3/chat", content=big)).json()["error"]
+        # The same refusal with a store: the command reaches the gateways' ledger.
+        conf["gateway"] = {**conf.get("gateway", {}), "store": f"sqlite:///{tmp_path / 'g.db'}"}
+        async with gateway_client(conf, environ=ENV) as client:
+            stored = (await client.post("/v2/chat", content=b"{}")).json()["error"]
+    for refusal, section in ((spent, "acme"), (zero, "zero"), (alone, "small")):
+        assert refusal["code"] == "budget_exceeded", refusal
+        message = refusal["message"]
+        assert "budgets set" not in message, message
+        assert f"[budgets.{section}] limit" in message and "restart" in message, message
+        assert "no [gateway] store" in message, message
+    assert "fallback-mw budgets set --budget zero --limit AMOUNT" in stored["message"]
+
+
 async def test_a_hold_larger_than_the_whole_limit_says_so_not_wait_for_the_next_window(
     tmp_path: Path,
 ) -> None:

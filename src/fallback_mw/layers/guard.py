@@ -61,6 +61,7 @@ from fallback_mw.request.local_errors import send_error
 from fallback_mw.request.record import model_asked, usage_record, write_record
 from fallback_mw.request.refusals import body_refusal
 from fallback_mw.request.types import ASGIApp, Receive, Scope, Send
+from fallback_mw.store.ledgers.memory import MemoryLedger
 from fallback_mw.telemetry import Telemetry
 from fallback_mw.tokens import named_values
 
@@ -91,26 +92,39 @@ _NO_LEDGER = (
 )
 
 
-def _exceeded(budget_id: str) -> str:
+def _raise_limit(budget_id: str, in_memory: bool) -> str:
+    """Where a budget's limit is raised. `budgets set` writes the store the gateways share;
+    a ledger in the process's memory (no [gateway] store) no command reaches: the file."""
+    if in_memory:
+        return (
+            f"{budget_section(budget_id)} limit in the configuration, then restart the "
+            "gateway (with no [gateway] store its spend is kept in this process's memory, "
+            "which no command reaches)"
+        )
     return (
-        f"budget {budget_id!r} has no room for this request in its current window (its limit "
-        f"is spent or held): raise its limit with `fallback-mw budgets set --budget "
-        f"{budget_argument(budget_id)} --limit AMOUNT` (or {budget_section(budget_id)} "
-        "limit), or wait for its next window"
+        f"`fallback-mw budgets set --budget {budget_argument(budget_id)} --limit AMOUNT`, "
+        f"or {budget_section(budget_id)} limit"
     )
 
 
-def _limit_zero(budget_id: str) -> str:
+def _exceeded(budget_id: str, in_memory: bool) -> str:
+    return (
+        f"budget {budget_id!r} has no room for this request in its current window (its limit "
+        f"is spent or held): raise its limit ({_raise_limit(budget_id, in_memory)}), or wait "
+        "for its next window"
+    )
+
+
+def _limit_zero(budget_id: str, in_memory: bool) -> str:
     """A request that holds nothing, refused by a limit of 0 (docs/budgets.md: it refuses
     every request; a hold of 0 needs room too, `room_needed`): no lower hold serves it."""
     return (
         f"budget {budget_id!r}'s limit is 0, which refuses every request; to serve this "
-        f"route's requests, raise it (`fallback-mw budgets set --budget "
-        f"{budget_argument(budget_id)} --limit AMOUNT`, or {budget_section(budget_id)} limit)"
+        f"route's requests, raise it ({_raise_limit(budget_id, in_memory)})"
     )
 
 
-def _over_the_whole_limit(budget_id: str, amount: Decimal, estimated: bool) -> str:
+def _over_the_whole_limit(budget_id: str, amount: Decimal, estimated: bool, in_memory: bool) -> str:
     """The hold alone is more than the limit: no window will ever have room for it, so
     waiting changes nothing (what `_exceeded` would suggest)."""
     if estimated:
@@ -125,8 +139,7 @@ def _over_the_whole_limit(budget_id: str, amount: Decimal, estimated: bool) -> s
     return (
         f"this request needs a hold of {format_money(amount)} ({why}), more than budget "
         f"{budget_id!r}'s whole limit: no window has room for it; {change} "
-        f"(`fallback-mw budgets set --budget {budget_argument(budget_id)} --limit AMOUNT`, "
-        f"or {budget_section(budget_id)})"
+        f"({_raise_limit(budget_id, in_memory)})"
     )
 
 
@@ -196,6 +209,8 @@ class BudgetGuard:
         # A ledger whose calls never suspend (the in-memory one: nothing in them awaits)
         # cannot be cancelled part-way through a settlement: no shield is needed for it.
         self._shield = not getattr(ledger, "never_suspends", False)
+        # Its refusals name where a limit is raised: the file when no command reaches it.
+        self._in_memory = isinstance(ledger, MemoryLedger)
         # A ledger that settles and records in one transaction (the SQL ledgers) gets one
         # call per request end instead of two.
         self._one_step = ledger if isinstance(ledger, SettlesAndRecords) else None
@@ -320,11 +335,12 @@ class BudgetGuard:
             return hold
         if to_units(amount) == 0 and to_units(budget.limit) == 0:
             # No hold to lower (`room_needed`): it is the limit of 0 that refuses.
-            return "budget_exceeded", _limit_zero(budget_id)
+            return "budget_exceeded", _limit_zero(budget_id, self._in_memory)
         if room_needed(to_units(amount)) > to_units(budget.limit):
             estimated = amount != budget.default_hold
-            return "budget_exceeded", _over_the_whole_limit(budget_id, amount, estimated)
-        return "budget_exceeded", _exceeded(budget_id)
+            refusal = _over_the_whole_limit(budget_id, amount, estimated, self._in_memory)
+            return "budget_exceeded", refusal
+        return "budget_exceeded", _exceeded(budget_id, self._in_memory)
 
     def _estimate(
         self, context: RequestContext, buffered: bytes | None, parsed: Any, default_hold: Decimal
