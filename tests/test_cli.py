@@ -280,5 +280,6 @@ async def test_serve_logs_a_request_no_route_takes_and_says_where_the_routes_are
     assert len(lines) == 1, log_text(log)
     assert "INFO fallback_mw.request" in lines[0] and "POST" in lines[0] and "404" in lines[0]
     assert "fallback-mw check" in lines[0] and "base_url" in lines[0]
+    assert "by prefix, methods and tenant" in lines[0]  # a tenant route misses by tenant
     text = log_text(log)
     assert "chat/completions" not in text and "sk-in-the-query" not in text and SECRET not in text

@@ -28,9 +28,10 @@ from fallback_mw.telemetry.redact import http_method
 # request no route takes (an SDK whose base_url lacks the route's /v1) left no trace.
 _request_log = logging.getLogger("fallback_mw.request")
 NO_ROUTE_LINE = (
-    "no route: a %s request matched no route's prefix and was answered 404 (its path is not "
-    "logged; `fallback-mw check --config FILE` prints the routes' prefixes, and an SDK's "
-    "base_url must include its route's, such as http://HOST:PORT/v1)"
+    "no route: a %s request matched no route (by prefix, methods and tenant) and was answered "
+    "404 (its path is not logged; `fallback-mw check --config FILE` prints each route's "
+    "prefix, methods and tenant, and an SDK's base_url must include its route's prefix, such "
+    "as http://HOST:PORT/v1)"
 )
 
 
