@@ -574,3 +574,38 @@ async def test_show_body_reads_the_body_in_its_charset(
         )
     assert status == 0, err
     assert json.loads(out)["client"]["body"] == text
+
+
+async def test_a_json_body_is_sent_as_json_unless_a_header_says_otherwise(tmp_path: Path) -> None:
+    # `request --route chat --body body.json` sent the chat completion with no Content-Type
+    # at all: an upstream that reads bodies by their type (Express's json(), the provider
+    # APIs, whose every example sends application/json) saw no JSON and answered 400, which
+    # read as the gateway mangling the body. A JSON body now goes as the SDKs send it; a
+    # body that is not JSON, or a --header naming its own type, is sent as given.
+    body = tmp_path / "body.json"
+    body.write_bytes(REQUEST_BODY)
+    text = tmp_path / "body.txt"
+    text.write_bytes(b"plain words, not JSON")
+    async with (
+        upstream(status_handler(200, UPSTREAM_BODY)) as primary,
+        upstream(status_handler(200, UPSTREAM_BODY)) as backup,
+    ):
+        config = str(write_config(tmp_path, primary.url, backup.url))
+        path = ("--config", config, "--path", "/v1/chat/completions")
+        runs = [
+            await request_cli(*path, "--body", str(body), "--json"),
+            await request_cli(*path, "--body", "-", stdin=REQUEST_BODY),
+            await request_cli(*path, "--body", str(text)),
+            await request_cli(*path, "--body", str(body), "--header", "Content-Type: text/x-own"),
+        ]
+    for status, out, err in runs:
+        assert status == 0, err
+        no_leak(out, err)
+    types = [
+        [value for name, value in received.headers if name.lower() == "content-type"]
+        for received in primary.received
+    ]
+    assert types == [["application/json"], ["application/json"], [], ["text/x-own"]]
+    assert [r.body for r in primary.received][:2] == [REQUEST_BODY, REQUEST_BODY]
+    assert json.loads(runs[0][1])["request_headers"] == ["content-type"]
+    assert "sent      headers content-type" in runs[1][1]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -140,11 +141,30 @@ def route_request(app: Any, options: Options, tenant_header: str) -> OneRequest:
     return OneRequest(method=method, target=target, headers=tuple(headers))
 
 
+def typed_as_json(
+    headers: Sequence[tuple[str, str]], body: bytes | None
+) -> Sequence[tuple[str, str]]:
+    """A `--body` that is a JSON object or array goes with `content-type: application/json`,
+    as the SDKs send it, unless a --header names a type: sent with none, an upstream that
+    reads bodies by their type (Express's json(), the provider APIs) saw no JSON and
+    answered 400, which read as the gateway mangling the body."""
+    if body is None or any(name.strip().lower() == "content-type" for name, _ in headers):
+        return headers
+    try:
+        document = json.loads(body)  # UTF-8, or a UTF-16 / UTF-32 one, as json reads bytes
+    except (ValueError, RecursionError):
+        return headers
+    if not isinstance(document, dict | list):
+        return headers
+    return (*headers, ("content-type", "application/json"))
+
+
 async def exchange_for(app: Any, options: Options, body: bytes | None) -> dict[str, Any]:
     """Send the one request through `app` (a Gateway) and return its trace; closes `app`."""
     try:
         request = route_request(app, options, app.config.gateway.tenant_header)
-        request = OneRequest(request.method, request.target, request.headers, body)
+        headers = typed_as_json(request.headers, body)
+        request = OneRequest(request.method, request.target, headers, body)
         exchange = await send_one(app, request)
         state = shared_state(app)
     finally:
@@ -216,6 +236,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--header", action="append", metavar="'NAME: VALUE'", help="request header (repeatable)"
     )
-    parser.add_argument("--body", metavar="FILE", help="request body from FILE, or - for stdin")
+    parser.add_argument(
+        "--body",
+        metavar="FILE",
+        help="request body from FILE, or - for stdin (JSON is sent as application/json "
+        "unless a --header names a type)",
+    )
     parser.add_argument("--show-body", action="store_true", help="print the response body")
     parser.add_argument("--json", action="store_true", help="print the trace as one JSON object")
