@@ -427,6 +427,33 @@ DEPLOYMENT_RESPONSE_HEADERS = frozenset(
     {b"x-powered-by", b"x-aspnet-version", b"x-aspnetmvc-version", b"via"}
 )
 
+# Orders to the proxy in front of the gateway, which it obeys in the answers it gets from
+# the gateway and not its client: nginx's `X-Accel-*` (`X-Accel-Redirect` serves an
+# `internal` location or a file under it; the others set its buffering, rate, caching
+# and charset), Apache's (mod_xsendfile) and lighttpd's `X-Sendfile` family (a file from
+# the proxy's disk), Envoy's upstream-host signals (`x-envoy-immediate-health-check-fail`
+# takes the gateway out of the load balancer). Relayed, an upstream (an LLM provider,
+# whatever answers at its address) read the front proxy's internal locations and files
+# through the gateway. Never relayed; the gateway sets `X-Accel-Buffering` itself on an
+# event stream (layers/walker/stream.py).
+FRONT_PROXY_RESPONSE_HEADERS = frozenset(
+    {
+        b"x-accel-redirect",
+        b"x-accel-buffering",
+        b"x-accel-limit-rate",
+        b"x-accel-expires",
+        b"x-accel-charset",
+        b"x-sendfile",
+        b"x-sendfile2",
+        b"x-lighttpd-send-file",
+        b"x-envoy-immediate-health-check-fail",
+        b"x-envoy-degraded",
+        b"x-envoy-ratelimited",
+        b"x-envoy-overloaded",
+        b"x-envoy-upstream-canary",
+    }
+)
+
 
 # What a provider answers about the account a request was billed to: the organization and
 # project behind the key. When that key is the gateway's (injected), they are the
@@ -487,7 +514,8 @@ def forwardable_response_headers(
     """Upstream response headers the client may see: no hop-by-hop fields, no `x-gateway-*`
     (an upstream must not be able to forge the gateway's own headers), not the
     upstream's `date` / `server` (the ASGI server sends its own), nor what names the
-    software and proxies behind it (DEPLOYMENT_RESPONSE_HEADERS). `injected` (the gateway
+    software and proxies behind it (DEPLOYMENT_RESPONSE_HEADERS), nor orders to the proxy
+    in front of the gateway (FRONT_PROXY_RESPONSE_HEADERS). `injected` (the gateway
     sent its own credential on this attempt): not the account ids it answers about that
     credential either (ACCOUNT_RESPONSE_HEADERS), nor its cross-origin permissions
     (CROSS_ORIGIN_RESPONSE_HEADERS), nor what it says about its own origin
@@ -533,6 +561,7 @@ _NEVER_RELAYED = {
     (injected, no_length): HOP_BY_HOP_HEADERS
     | SERVER_OWNED_RESPONSE_HEADERS
     | DEPLOYMENT_RESPONSE_HEADERS
+    | FRONT_PROXY_RESPONSE_HEADERS
     | (
         ACCOUNT_RESPONSE_HEADERS | CROSS_ORIGIN_RESPONSE_HEADERS | ORIGIN_STATE_RESPONSE_HEADERS
         if injected
