@@ -3,13 +3,16 @@ obeys fields in the answers it gets from the gateway: nginx serves the internal 
 an `X-Accel-Redirect` names, Apache's and lighttpd's `X-Sendfile` a file from their disk,
 Envoy marks the host failed on `x-envoy-immediate-health-check-fail`. Those are the
 gateway's to say, never an upstream's: relayed, an LLM provider (or whatever answers at
-its address) read the front proxy's internal locations and files through it."""
+its address) read the front proxy's internal locations and files through it. And the
+gateway's own `X-Accel-Buffering: no` on an event stream, so nginx's default buffering
+does not hold a stream's events back until it ends (docs/operations.md)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
+from aiohttp import web
 
 from fallback_mw import Gateway
 from tests.helpers import client_for
@@ -61,3 +64,34 @@ async def test_an_upstream_cannot_instruct_the_proxy_in_front(
     relayed = {name.lower().replace("_", "-") for name in response.headers}
     for name in FRONT_PROXY_FIELDS:
         assert name.lower().replace("_", "-") not in relayed, (name, response.headers)
+
+
+async def _events(request: web.Request) -> web.StreamResponse:
+    answer = web.StreamResponse(
+        headers={"content-type": "text/event-stream; charset=utf-8", "x-accel-buffering": "yes"}
+    )
+    await answer.prepare(request)
+    await answer.write(b"data: 1\n\n")
+    await answer.write(b"data: [DONE]\n\n")
+    await answer.write_eof()
+    return answer
+
+
+async def test_an_event_stream_tells_nginx_not_to_buffer_it() -> None:
+    async with upstream(_events) as up, upstream(status_handler(200, b"{}")) as plain:
+        conf = _conf(up.url, key=False)
+        conf["upstreams"]["plain"] = {"url": plain.url}
+        conf["routes"].append({"id": "plain", "prefix": "/plain/", "plan": ["plain"]})
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as http:
+                stream = await http.post("/v1/chat/completions", json={"stream": True})
+                other = await http.get("/plain/x")
+        finally:
+            await gateway.aclose()
+    assert stream.status_code == 200
+    assert stream.text == "data: 1\n\ndata: [DONE]\n\n"
+    # The gateway's own, once: the upstream's `yes` is not relayed beside it.
+    assert stream.headers.get_list("x-accel-buffering") == ["no"]
+    assert other.status_code == 200
+    assert "x-accel-buffering" not in other.headers  # other answers nginx may buffer

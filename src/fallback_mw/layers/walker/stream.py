@@ -117,6 +117,12 @@ async def commit(
                 content_encoding = None  # the meter reads what is relayed
         if context.vary:
             headers = _varied(headers, context.vary)
+        if content_type is not None and not bodyless and _is_event_stream(content_type):
+            # nginx in front buffers an answer by default (`proxy_buffering on`), holding a
+            # stream's events back until it ends: the gateway's own order not to (the
+            # upstream's never passes: security.FRONT_PROXY_RESPONSE_HEADERS). nginx
+            # reads it and does not pass it on.
+            headers.append((b"x-accel-buffering", b"no"))
         headers += gateway_headers(context)
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         context.committed = True
@@ -183,6 +189,11 @@ async def commit(
         if usage.model is not None and echoes_credential(context, name, usage.model):
             usage.model = None  # never recorded; the requested model prices it
         await response.aclose()
+
+
+def _is_event_stream(content_type: bytes) -> bool:
+    """Whether a Content-Type names `text/event-stream` (any case, any parameters)."""
+    return content_type.split(b";", 1)[0].strip().lower() == b"text/event-stream"
 
 
 def _located_here(
