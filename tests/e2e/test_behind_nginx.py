@@ -20,7 +20,7 @@ import pytest
 from aiohttp import web
 
 from tests.helpers import free_port, log_text, serve_process, wait_listening
-from tests.upstreams import upstream
+from tests.upstreams import status_handler, upstream
 
 pytestmark = [pytest.mark.e2e, pytest.mark.anyio]
 
@@ -55,7 +55,18 @@ def documented() -> str:
 def nginx_http_block(kind: str, port: int, gateway: int, secrets: Path) -> str:
     if kind == "defaults":
         return DEFAULTS.format(port=port, gateway=gateway, secrets=secrets)
+    if kind == "streamed uploads, no keepalive":
+        return DEFAULTS.format(port=port, gateway=gateway, secrets=secrets).replace(
+            "proxy_pass",
+            "client_max_body_size 8m;\n        proxy_http_version 1.1;\n"
+            "        proxy_request_buffering off;\n        proxy_pass",
+        )
     text = documented()
+    if kind == "streamed uploads":
+        text = text.replace(
+            "proxy_pass http://fallback_mw;",
+            "proxy_pass http://fallback_mw;\n        proxy_request_buffering off;",
+        )
     assert "server 127.0.0.1:8000;" in text and "listen 8080;" in text
     return text.replace("server 127.0.0.1:8000;", f"server 127.0.0.1:{gateway};").replace(
         "listen 8080;", f"listen 127.0.0.1:{port};"
@@ -102,12 +113,15 @@ def nginx(tmp_path: Path, kind: str, gateway: int) -> Iterator[tuple[int, subpro
 
 
 @asynccontextmanager
-async def behind_nginx(tmp_path: Path, kind: str, upstream_url: str) -> AsyncIterator[str]:
+async def behind_nginx(
+    tmp_path: Path, kind: str, upstream_url: str, gateway_keys: str = ""
+) -> AsyncIterator[str]:
     """`serve` for one route to `upstream_url`, behind nginx configured as `kind`: its URL."""
     config = tmp_path / "gateway.toml"
     config.write_text(
         '[gateway]\nallow_hosts = ["127.0.0.1"]\ndeadline_ms = 20000\n'
-        f'[upstreams.primary]\nurl = "{upstream_url}"\nauth_env = "NGINX_TEST_KEY"\n'
+        + gateway_keys
+        + f'[upstreams.primary]\nurl = "{upstream_url}"\nauth_env = "NGINX_TEST_KEY"\n'
         '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["primary"]\n'
     )
     gateway = free_port()
@@ -268,3 +282,24 @@ async def test_nginx_sets_forwarding_fields_the_upstream_never_sees(tmp_path: Pa
     names = {name for name, _ in received.headers}
     assert not names & {"x-forwarded-for", "x-real-ip", "forwarded", "x-forwarded-proto"}
     assert dict(received.headers)["host"] == up.url.removeprefix("http://")
+
+
+@pytest.mark.parametrize("kind", ["streamed uploads", "streamed uploads, no keepalive"])
+async def test_a_body_over_max_request_body_gets_the_gateways_413_through_nginx(
+    tmp_path: Path, kind: str
+) -> None:
+    """With `proxy_request_buffering off`, nginx sends the body as it arrives and reads the
+    answer once it has all gone: the gateway's early 413 and close reset the connection
+    under it, and its caller got nginx's 502 page (cli/server_limits.py)."""
+    async with (
+        upstream(status_handler(200, b"never")) as up,
+        behind_nginx(tmp_path, kind, up.url, "max_request_body = 1024\n") as url,
+        httpx.AsyncClient(timeout=30) as client,
+    ):
+        answers = [
+            await client.post(f"{url}/v1/chat/completions", content=b"z" * 5_000_000)
+            for _ in range(5)
+        ]
+    assert [answer.status_code for answer in answers] == [413] * 5, answers[-1].text
+    assert answers[-1].json()["error"]["code"] == "request_too_large"
+    assert up.count == 0

@@ -150,6 +150,49 @@ async def test_a_body_answered_early_and_left_unfinished_closes_the_connection_q
     assert primary.count == 0
 
 
+@pytest.mark.parametrize(
+    "version", ["HTTP/1.1 + connection: close", "HTTP/1.0"], ids=["close", "http1.0"]
+)
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+async def test_a_body_answered_early_on_a_closing_connection_is_read_before_the_close(
+    http: str, version: str
+) -> None:
+    """nginx proxies as HTTP/1.0, or as 1.1 with `Connection: close` (its defaults), and,
+    with `proxy_request_buffering off`, sends the body as its caller uploads it, reading
+    the answer only once it has all gone. The gateway answered 413 early and closed the
+    connection with the body still arriving: the kernel reset it, nginx's write failed and
+    its caller got nginx's 502 page instead of the 413 (and nginx counted a failure
+    against the gateway). The rest of the body is now read and dropped before the close."""
+    size = 3 * MAX_BODY
+    line = b"HTTP/1.0" if version == "HTTP/1.0" else b"HTTP/1.1"
+    head = b"POST /v1/a %s\r\nhost: gw\r\nconnection: close\r\ncontent-length: %d\r\n\r\n" % (
+        line,
+        size,
+    )
+    async with (
+        upstream(status_handler(200, b"never")) as primary,
+        guarded_gateway(primary.url, http) as base,
+    ):
+        host, port = base.removeprefix("http://").split(":")
+        stream = await anyio.connect_tcp(host, int(port))
+        sent = True
+        try:
+            await stream.send(head)
+            for _ in range(size // (64 * 1024)):
+                await stream.send(b"z" * 64 * 1024)
+                await anyio.sleep(0.001)  # an upload arriving, not one write
+        except (anyio.BrokenResourceError, ConnectionError):
+            sent = False
+        try:
+            answers = await read_answers(stream, 1)
+        finally:
+            await stream.aclose()
+    assert sent, "the connection was reset under the upload"
+    assert [status for status, _ in answers] == [413], answers
+    assert answers[0][1]["error"]["code"] == "request_too_large"
+    assert primary.count == 0
+
+
 # --- the other servers (docs/operations.md, 'Under each server'), each as its own process --
 
 

@@ -149,6 +149,12 @@ class _HeadGuard:
             return
         if self._head_done():
             self._stop_head()
+            cycle = self.cycle
+            if cycle is not None and cycle.more_body and not cycle.response_complete:
+                # A body still to come: should uvicorn close the connection once it has
+                # answered (an early 413 to a request that said `Connection: close`, or
+                # HTTP/1.0), the rest is read first (_ClosedOnceRead).
+                cycle.transport = _ClosedOnceRead(self, cycle)
         elif self._head_bytes > self.max_head_bytes:
             self._refuse_large_head()
 
@@ -278,13 +284,50 @@ class _HeadGuard:
             self.transport.close()
             return
         self.transport.write(_refusal(status, code, message, rule))
-        # Lingering close: closing with unread request bytes would reset the connection and
-        # the client might never read the answer. Stop writing, drop what still arrives,
-        # close soon.
+        self._linger(_LINGER_SECONDS)
+
+    def _linger(self, seconds: float) -> None:
+        """Lingering close: closing with unread request bytes would reset the connection
+        and the client might never read the answer. Stop writing, drop what still arrives,
+        close after `seconds` (or when the client closes its side)."""
         self._lingering = True
         if self.transport.can_write_eof():
             self.transport.write_eof()
-        self.loop.call_later(_LINGER_SECONDS, self.transport.close)
+        self.loop.call_later(seconds, self.transport.close)
+
+    def _close_once_read(self, cycle: Any) -> None:
+        """uvicorn closing the connection after `cycle`'s complete answer: at once, unless
+        the request's body is still arriving (answered before it was read: an early 413).
+        Closed then, the unread bytes made the kernel reset the connection, and a client
+        that reads only once it has sent the whole body (nginx with
+        `proxy_request_buffering off`) never read the answer: nginx's caller got its 502
+        page. The rest of the body is read and dropped, for up to header_timeout_ms."""
+        if cycle.response_complete and self._parser_in_body() and not self._lingering:
+            self._linger(self.head_timeout)
+        else:
+            self.transport.close()
+
+
+class _ClosedOnceRead:
+    """A request cycle's transport whose `close` (uvicorn's, once it has answered a request
+    it will not keep the connection for) waits for the rest of an unread request body
+    (`_HeadGuard._close_once_read`); everything else is the transport's own. Set only on a
+    cycle whose head arrived without all its body."""
+
+    def __init__(self, protocol: _HeadGuard, cycle: Any) -> None:
+        transport = cycle.transport
+        self._transport = transport
+        self._protocol = protocol
+        self._cycle = cycle
+        # What uvicorn calls per chunk, bound here: no lookup through __getattr__.
+        self.write = transport.write
+        self.is_closing = transport.is_closing
+
+    def close(self) -> None:
+        self._protocol._close_once_read(self._cycle)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 class _NoTrailersAsHeaders:
