@@ -38,6 +38,20 @@ FORWARDING_HEADERS = (
     "x-client-ip",
     "true-client-ip",
     "cf-connecting-ip",
+    # What the proxies platform teams put in front add beyond that family: ingress-nginx's
+    # scheme fields and its copy of the caller's own X-Forwarded-For, Traefik's and
+    # Apache's proxy host name, Envoy's trusted client address, Fastly's, the scheme flags
+    # Rack and Rails read, and the `Client-IP` Rails' RemoteIp and Rack read as the address.
+    "x-scheme",
+    "x-forwarded-scheme",
+    "x-original-forwarded-for",
+    "x-forwarded-server",
+    "x-envoy-external-address",
+    "fastly-client-ip",
+    "x-cluster-client-ip",
+    "client-ip",
+    "x-forwarded-ssl",
+    "front-end-https",
 )
 # Further credential-looking headers and query keys stripped by default (SPEC §12
 # `[gateway] strip_headers` / `strip_query_keys`; setting a list replaces these).

@@ -95,3 +95,43 @@ async def test_an_event_stream_tells_nginx_not_to_buffer_it() -> None:
     assert stream.headers.get_list("x-accel-buffering") == ["no"]
     assert other.status_code == 200
     assert "x-accel-buffering" not in other.headers  # other answers nginx may buffer
+
+
+# What the proxies platform teams put in front add about the caller, beyond the
+# `X-Forwarded-*` / `Forwarded` / `X-Real-IP` family: ingress-nginx's scheme fields and its
+# copy of the caller's own `X-Forwarded-For`, Traefik's and Apache's proxy host name,
+# Envoy's trusted client address, Fastly's, the scheme flags Rack and Rails read, and the
+# `Client-IP` Rails' RemoteIp and Rack read as the client's address.
+PLATFORM_PROXY_FIELDS = {
+    "X-Scheme": "https",
+    "X-Forwarded-Scheme": "https",
+    "X-Original-Forwarded-For": "203.0.113.9",
+    "X-Forwarded-Server": "ingress-7f9c.internal",
+    "X-Envoy-External-Address": "203.0.113.9",
+    "Fastly-Client-IP": "203.0.113.9",
+    "X-Cluster-Client-IP": "203.0.113.9",
+    "Client-IP": "203.0.113.9",
+    "X-Forwarded-Ssl": "on",
+    "Front-End-Https": "on",
+}
+
+
+async def test_what_a_platform_proxy_says_about_the_caller_reaches_no_upstream() -> None:
+    """An upstream trusting the gateway as its proxy read these as the caller's address,
+    host or scheme (a caller could forge them; the platform's proxy sets them about its
+    caller, and the provider got the end user's address): stripped by default, as the
+    `X-Forwarded-*` family is."""
+    async with upstream(status_handler(200, b"{}")) as up:
+        gateway = Gateway(host_app, config=_conf(up.url, key=False))
+        try:
+            async with client_for(gateway) as http:
+                response = await http.get(
+                    "/v1/models", headers={**PLATFORM_PROXY_FIELDS, "X-Request-Id": "r-1"}
+                )
+        finally:
+            await gateway.aclose()
+    assert response.status_code == 200
+    (received,) = up.received
+    names = {name.lower() for name, _ in received.headers}
+    assert "x-request-id" in names  # the rest goes on as before
+    assert not names & {name.lower() for name in PLATFORM_PROXY_FIELDS}, names
