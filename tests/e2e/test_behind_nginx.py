@@ -55,6 +55,10 @@ def documented() -> str:
 def nginx_http_block(kind: str, port: int, gateway: int, secrets: Path) -> str:
     if kind == "defaults":
         return DEFAULTS.format(port=port, gateway=gateway, secrets=secrets)
+    if kind == "nginx's defaults, larger bodies":
+        return DEFAULTS.format(port=port, gateway=gateway, secrets=secrets).replace(
+            "proxy_pass", "client_max_body_size 8m;\n        proxy_pass"
+        )
     if kind == "streamed uploads, no keepalive":
         return DEFAULTS.format(port=port, gateway=gateway, secrets=secrets).replace(
             "proxy_pass",
@@ -284,22 +288,31 @@ async def test_nginx_sets_forwarding_fields_the_upstream_never_sees(tmp_path: Pa
     assert dict(received.headers)["host"] == up.url.removeprefix("http://")
 
 
-@pytest.mark.parametrize("kind", ["streamed uploads", "streamed uploads, no keepalive"])
+@pytest.mark.parametrize(
+    "kind",
+    ["streamed uploads", "streamed uploads, no keepalive", "nginx's defaults, larger bodies"],
+)
 async def test_a_body_over_max_request_body_gets_the_gateways_413_through_nginx(
     tmp_path: Path, kind: str
 ) -> None:
-    """With `proxy_request_buffering off`, nginx sends the body as it arrives and reads the
-    answer once it has all gone: the gateway's early 413 and close reset the connection
-    under it, and its caller got nginx's 502 page (cli/server_limits.py)."""
+    """nginx sends the body (as it arrives, with `proxy_request_buffering off`) and reads
+    the answer once it has all gone: the gateway's early 413 and close reset the connection
+    under it, and its caller got nginx's 502 page (cli/server_limits.py), under nginx's
+    defaults too (HTTP/1.0) once its `client_max_body_size` lets the body through."""
     async with (
         upstream(status_handler(200, b"never")) as up,
         behind_nginx(tmp_path, kind, up.url, "max_request_body = 1024\n") as url,
         httpx.AsyncClient(timeout=30) as client,
     ):
         answers = [
-            await client.post(f"{url}/v1/chat/completions", content=b"z" * 5_000_000)
-            for _ in range(5)
+            # A new connection to nginx each: it closes one whose body it did not read.
+            await client.post(
+                f"{url}/v1/chat/completions",
+                content=b"z" * 5_000_000,
+                headers={"connection": "close"},
+            )
+            for _ in range(8)
         ]
-    assert [answer.status_code for answer in answers] == [413] * 5, answers[-1].text
+    assert [answer.status_code for answer in answers] == [413] * 8, answers[-1].text
     assert answers[-1].json()["error"]["code"] == "request_too_large"
     assert up.count == 0
