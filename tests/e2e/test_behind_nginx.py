@@ -316,3 +316,40 @@ async def test_a_body_over_max_request_body_gets_the_gateways_413_through_nginx(
     assert [answer.status_code for answer in answers] == [413] * 8, answers[-1].text
     assert answers[-1].json()["error"]["code"] == "request_too_large"
     assert up.count == 0
+
+
+async def test_serve_keeps_an_idle_connection_as_long_as_the_proxy_in_front_does(
+    tmp_path: Path,
+) -> None:
+    """An AWS ALB keeps its idle connections to a target 60 s, nginx's `keepalive` 60 s:
+    serve closed them after uvicorn's 5 s, and a request sent on one as it closed was the
+    proxy's 502 to its caller. `--timeout-keep-alive` keeps them longer: a request after
+    6 s idle is answered on the same connection."""
+
+    async def ok(request: web.Request) -> web.StreamResponse:
+        return web.json_response({})
+
+    async with upstream(ok) as up:
+        config = tmp_path / "gateway.toml"
+        config.write_text(
+            f'[gateway]\nallow_hosts = ["127.0.0.1"]\n[upstreams.primary]\nurl = "{up.url}"\n'
+            '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["primary"]\n'
+        )
+        port = free_port()
+        log = tmp_path / "serve.log"
+        with serve_process(config, port, log, options=("--timeout-keep-alive", "65")) as process:
+            await wait_listening(process, port, log)
+            stream = await anyio.connect_tcp("127.0.0.1", port)
+            request = b"GET /v1/models HTTP/1.1\r\nhost: gw\r\n\r\n"
+            answers = b""
+            try:
+                for pause in (0, 6):
+                    await anyio.sleep(pause)
+                    await stream.send(request)
+                    with anyio.fail_after(10):
+                        while answers.count(b"HTTP/1.1 200 ") < (2 if pause else 1):
+                            answers += await stream.receive()
+            finally:
+                await stream.aclose()
+    assert answers.count(b"HTTP/1.1 200 ") == 2, log_text(log)
+    assert up.count == 2

@@ -153,6 +153,8 @@ SERVE_GC_THRESHOLD = 50_000
 # How long a stop waits for requests in flight (`--timeout-graceful-shutdown`): under a
 # Kubernetes pod's default 30 s termination grace, so the cut streams still settle.
 DEFAULT_GRACEFUL_SECONDS = 25.0
+# uvicorn's own default: an idle kept-alive connection is closed after this long.
+DEFAULT_KEEP_ALIVE_SECONDS = 5.0
 # After that wait, how long a worker may take to settle, close and exit before SIGKILL.
 STOP_MARGIN_SECONDS = 5.0
 
@@ -227,6 +229,17 @@ def graceful_seconds(value: str) -> float:
     return seconds
 
 
+def keep_alive_seconds(value: str) -> float:
+    """argparse type: how long an idle kept-alive connection is kept, 1 to 3600 seconds."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number of seconds {value!r}") from None
+    if not 1 <= seconds <= 3600:
+        raise argparse.ArgumentTypeError(f"{value} is not between 1 and 3600 seconds")
+    return seconds
+
+
 def serve(args: argparse.Namespace, console: Console) -> int | None:
     require("serve", "the serve command")
     from fallback_mw.cli.server_limits import uvicorn_limits
@@ -257,6 +270,9 @@ def serve(args: argparse.Namespace, console: Console) -> int | None:
     # A stop (SIGTERM, SIGINT) waits this long for requests in flight (an endless stream
     # would hold it forever), then cancels them: their holds settle as cut short.
     options["timeout_graceful_shutdown"] = args.timeout_graceful_shutdown
+    # A load balancer in front reuses its idle connections for as long as its own idle
+    # timeout: a request it sends on one the gateway has just closed is its 502 to a caller.
+    options["timeout_keep_alive"] = args.timeout_keep_alive
     options["use_colors"] = uvicorn_colours()
     if args.workers > 1:
         # Each worker sets up its own OTel SDK and gateway after the fork (cli/workers.py).
@@ -449,4 +465,13 @@ def register(subparsers: Any) -> None:
         metavar="SECONDS",
         help="on SIGTERM / Ctrl-C, how long requests in flight may finish before they are "
         f"cut (their holds settled as cut short; default {DEFAULT_GRACEFUL_SECONDS:g})",
+    )
+    parser.add_argument(
+        "--timeout-keep-alive",
+        type=keep_alive_seconds,
+        default=DEFAULT_KEEP_ALIVE_SECONDS,
+        metavar="SECONDS",
+        help="how long an idle connection is kept for its next request; behind a load "
+        "balancer or proxy that keeps connections, above its idle timeout (AWS ALB: 60) "
+        f"(default {DEFAULT_KEEP_ALIVE_SECONDS:g})",
     )
