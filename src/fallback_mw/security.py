@@ -449,7 +449,7 @@ DEPLOYMENT_RESPONSE_HEADERS = frozenset(
 # takes the gateway out of the load balancer). Relayed, an upstream (an LLM provider,
 # whatever answers at its address) read the front proxy's internal locations and files
 # through the gateway. Never relayed; the gateway sets `X-Accel-Buffering` itself on an
-# event stream (layers/walker/stream.py).
+# answer streamed as SSE, NDJSON or a Bedrock event stream (layers/walker/stream.py).
 FRONT_PROXY_RESPONSE_HEADERS = frozenset(
     {
         b"x-accel-redirect",

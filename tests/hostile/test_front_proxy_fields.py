@@ -66,19 +66,38 @@ async def test_an_upstream_cannot_instruct_the_proxy_in_front(
         assert name.lower().replace("_", "-") not in relayed, (name, response.headers)
 
 
-async def _events(request: web.Request) -> web.StreamResponse:
-    answer = web.StreamResponse(
-        headers={"content-type": "text/event-stream; charset=utf-8", "x-accel-buffering": "yes"}
-    )
-    await answer.prepare(request)
-    await answer.write(b"data: 1\n\n")
-    await answer.write(b"data: [DONE]\n\n")
-    await answer.write_eof()
-    return answer
+def _streaming(content_type: str, first: bytes, last: bytes) -> Any:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        answer = web.StreamResponse(
+            headers={"content-type": content_type, "x-accel-buffering": "yes"}
+        )
+        await answer.prepare(request)
+        await answer.write(first)
+        await answer.write(last)
+        await answer.write_eof()
+        return answer
+
+    return handle
 
 
-async def test_an_event_stream_tells_nginx_not_to_buffer_it() -> None:
-    async with upstream(_events) as up, upstream(status_handler(200, b"{}")) as plain:
+STREAMS = {
+    # OpenAI's, Anthropic's and every SSE API's streams
+    "sse": ("text/event-stream; charset=utf-8", b"data: 1\n\n", b"data: [DONE]\n\n"),
+    # Ollama's /api/chat and /api/generate stream one JSON object a line
+    "ndjson": ("application/x-ndjson", b'{"done": false}\n', b'{"done": true}\n'),
+    "jsonl": ("application/jsonl", b'{"n": 1}\n', b'{"n": 2}\n'),
+    # Amazon Bedrock's InvokeModelWithResponseStream / ConverseStream
+    "bedrock": ("application/vnd.amazon.eventstream", b"\x00\x00", b"\x00\x01"),
+}
+
+
+@pytest.mark.parametrize("kind", list(STREAMS))
+async def test_a_stream_tells_nginx_not_to_buffer_it(kind: str) -> None:
+    content_type, first, last = STREAMS[kind]
+    async with (
+        upstream(_streaming(content_type, first, last)) as up,
+        upstream(status_handler(200, b"{}", **{"content-type": "application/json"})) as plain,
+    ):
         conf = _conf(up.url, key=False)
         conf["upstreams"]["plain"] = {"url": plain.url}
         conf["routes"].append({"id": "plain", "prefix": "/plain/", "plan": ["plain"]})
@@ -90,7 +109,7 @@ async def test_an_event_stream_tells_nginx_not_to_buffer_it() -> None:
         finally:
             await gateway.aclose()
     assert stream.status_code == 200
-    assert stream.text == "data: 1\n\ndata: [DONE]\n\n"
+    assert stream.content == first + last
     # The gateway's own, once: the upstream's `yes` is not relayed beside it.
     assert stream.headers.get_list("x-accel-buffering") == ["no"]
     assert other.status_code == 200

@@ -117,7 +117,7 @@ async def commit(
                 content_encoding = None  # the meter reads what is relayed
         if context.vary:
             headers = _varied(headers, context.vary)
-        if content_type is not None and not bodyless and _is_event_stream(content_type):
+        if content_type is not None and not bodyless and _is_stream(content_type):
             # nginx in front buffers an answer by default (`proxy_buffering on`), holding a
             # stream's events back until it ends: the gateway's own order not to (the
             # upstream's never passes: security.FRONT_PROXY_RESPONSE_HEADERS). nginx
@@ -191,9 +191,24 @@ async def commit(
         await response.aclose()
 
 
-def _is_event_stream(content_type: bytes) -> bool:
-    """Whether a Content-Type names `text/event-stream` (any case, any parameters)."""
-    return content_type.split(b";", 1)[0].strip().lower() == b"text/event-stream"
+# The media types of the streams LLM APIs answer with: SSE (OpenAI, Anthropic, and
+# most), one JSON object a line (Ollama's `application/x-ndjson`), Amazon Bedrock's
+# event stream. A JSON array streamed as `application/json` (Gemini without `alt=sse`)
+# cannot be told from a plain answer.
+_STREAM_TYPES = frozenset(
+    {
+        b"text/event-stream",
+        b"application/x-ndjson",
+        b"application/ndjson",
+        b"application/jsonl",
+        b"application/vnd.amazon.eventstream",
+    }
+)
+
+
+def _is_stream(content_type: bytes) -> bool:
+    """Whether a Content-Type names a stream's media type (any case, any parameters)."""
+    return content_type.split(b";", 1)[0].strip().lower() in _STREAM_TYPES
 
 
 def _located_here(
