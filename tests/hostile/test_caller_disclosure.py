@@ -135,3 +135,40 @@ async def test_a_malformed_url_in_a_link_is_relayed_as_it_came() -> None:
         async with gateway_client(conf) as client:
             answer = await client.get("/v1/items")
     assert (answer.status_code, answer.headers["link"]) == (200, link)
+
+
+async def test_a_location_with_dot_segments_is_rewritten_where_it_resolves() -> None:
+    # `http://internal/api/../admin` names the internal host's `/admin`, outside the
+    # upstream's `/api`: its path only began with `/api/`. It was rewritten to `/../admin`
+    # (`/v1/../../admin` and the like), which the caller's client resolves to the
+    # gateway's own `/admin`: another route, another upstream and its key, or the host
+    # app, where the upstream named none of them. `%2e` is a dot and `\` a slash to a
+    # browser's URL parser (WHATWG), as to most servers. Dot segments are resolved first:
+    # what resolves outside the upstream's path is relayed as it came, what stays inside
+    # is the gateway's path.
+    targets = {
+        "/out-dots": "{own}/api/../admin",
+        "/out-encoded": "{own}/api/v1/%2E%2e/%2e%2E/admin",
+        "/out-backslash": "{own}/api/v1\\..\\..\\admin",
+        "/out-path": "/api/v1/x/../../../admin",
+        "/in": "{own}/api/v1/x/./../items",
+    }
+
+    async def moved(request: web.Request) -> web.StreamResponse:
+        target = targets[request.path.removeprefix("/api/v1")]
+        return web.Response(
+            status=302, headers={"location": target.format(own=f"http://{request.host}")}
+        )
+
+    async with upstream(moved) as internal:
+        conf: dict[str, Any] = {
+            "upstreams": {"internal": {"url": f"{internal.url}/api"}},
+            "routes": [{"id": "items", "prefix": "/v1/", "plan": ["internal"]}],
+        }
+        async with gateway_client(conf) as client:
+            answers = {path: await client.get(f"/v1{path}") for path in targets}
+    own = internal.url
+    for path, target in targets.items():
+        location = answers[path].headers["location"]
+        expected = "/v1/items" if path == "/in" else target.format(own=own)
+        assert (answers[path].status_code, location) == (302, expected), path

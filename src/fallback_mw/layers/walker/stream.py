@@ -262,13 +262,15 @@ def _here(text: str, upstream_url: str, mount: str) -> str | None:
     resource, a paginated list's next page), and a caller following it went around the
     gateway, to an internal host it may not reach, without the credential the gateway
     injects. A path alone (Django's `APPEND_SLASH` redirect) is the upstream's path too:
-    below the upstream URL's own path, it is moved below the mount. None: it names
-    anything else, and is relayed as it came."""
+    below the upstream URL's own path, it is moved below the mount. Its dot segments are
+    resolved first (`/api/../admin` is not below `/api`). None: it names anything else,
+    and is relayed as it came."""
     try:
         parts = urlsplit(text)
     except ValueError:  # `http://[x`: no URL, for the caller's client either
         return None  # as it came
     base_path = urlsplit(upstream_url).path.rstrip("/")
+    path = _resolved(parts.path)
     if parts.scheme or parts.netloc:
         if "@" in parts.netloc or origin(text)[:3] != origin(upstream_url)[:3]:
             return None
@@ -276,7 +278,6 @@ def _here(text: str, upstream_url: str, mount: str) -> str | None:
         # A path relative to the request's, or one the caller resolves as the
         # upstream meant it (no path of the upstream's, no mount): as it came.
         return None
-    path = parts.path
     if base_path:
         if path != base_path and not path.startswith(base_path + "/"):
             return None
@@ -289,6 +290,34 @@ def _here(text: str, upstream_url: str, mount: str) -> str | None:
         + ("?" + parts.query if parts.query else "")
         + ("#" + parts.fragment if parts.fragment else "")
     )
+
+
+# A path's segment separators and its dot segments as a browser's URL parser (WHATWG)
+# reads them: a backslash is a `/`, `%2e` a `.` (RFC 3986 §2.3: the same segment).
+_SEPARATOR = re.compile(r"[/\\]")
+_DOT = frozenset({".", "%2e"})
+_DOT_DOT = frozenset({"..", ".%2e", "%2e.", "%2e%2e"})
+
+
+def _resolved(path: str) -> str:
+    """`path` with its dot segments resolved (RFC 3986 §5.2.4), as the caller's client
+    would resolve the rewritten URL; as it is when it has none (the common case)."""
+    if "." not in path and "%" not in path:
+        return path
+    segments = _SEPARATOR.split(path)
+    if not any(segment.lower() in _DOT or segment.lower() in _DOT_DOT for segment in segments):
+        return path
+    kept: list[str] = []
+    for segment in segments[1:]:  # a path from `/`: the first is empty
+        lowered = segment.lower()
+        if lowered in _DOT_DOT:
+            if kept:
+                kept.pop()
+        elif lowered not in _DOT:
+            kept.append(segment)
+    if segments[-1].lower() in _DOT or segments[-1].lower() in _DOT_DOT:
+        kept.append("")  # `/a/b/..` is `/a/`
+    return "/" + "/".join(kept)
 
 
 def _varied(
