@@ -172,3 +172,35 @@ async def test_a_location_with_dot_segments_is_rewritten_where_it_resolves() -> 
         location = answers[path].headers["location"]
         expected = "/v1/items" if path == "/in" else target.format(own=own)
         assert (answers[path].status_code, location) == (302, expected), path
+
+
+async def test_a_link_of_thousands_of_other_hosts_costs_no_address_parse_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A hostile upstream's `Link` of thousands of targets on other hosts (`<//a>, ...`:
+    # 58 KiB, within the 64 KiB field the engines relay) had each target's origin and
+    # the upstream URL's own worked out again (an IP-literal parse each): a third of a
+    # second of the event loop per answer, every other route's requests waiting behind
+    # it. A target whose scheme or explicit port is not the upstream's is no origin of
+    # its own; the upstream's is worked out once.
+    import fallback_mw.layers.walker.stream as stream
+
+    link = ", ".join(["<//a>", "<https://b:1/x>", "<http://c:1>"] * 1500)
+    calls = 0
+    real_origin = stream.origin
+
+    def counted(url: str) -> tuple[str, str, int, str]:
+        nonlocal calls
+        calls += 1
+        return real_origin(url)
+
+    monkeypatch.setattr(stream, "origin", counted)
+    async with upstream(status_handler(200, b"{}", link=link)) as internal:
+        conf: dict[str, Any] = {
+            "upstreams": {"internal": {"url": f"{internal.url}/api"}},
+            "routes": [{"id": "items", "prefix": "/v1/", "plan": ["internal"]}],
+        }
+        async with gateway_client(conf) as client:
+            answer = await client.get("/v1/items")
+    assert (answer.status_code, answer.headers["link"]) == (200, link)
+    assert calls <= 1, calls
