@@ -84,3 +84,23 @@ async def test_a_trace_at_zero_echoes_the_request_without_credentials() -> None:
     assert b"sk-caller-secret-42" not in response.content
     assert b"sk-primary" not in response.content
     assert p.count == 0
+
+
+@pytest.mark.parametrize("value", ["00000000000", "0" * 64, "000000000001"])
+async def test_leading_zeros_are_the_same_count(value: str) -> None:
+    # `Max-Forwards` is 1*DIGIT (RFC 9110 §7.6.2): `00000000000` is 0, and the next hop
+    # reads it so. Eleven digits or more were forwarded as they came (no count a chain
+    # of proxies reaches), so a caller padding a 0 reached the upstream with the
+    # gateway's credential, the upstream answering as the final recipient.
+    async with (
+        upstream(status_handler(204)) as p,
+        gateway_client(conf(p.url), environ=ENV) as client,
+    ):
+        response = await client.options("/v1/models", headers={"max-forwards": value})
+    if value.strip("0"):
+        assert response.status_code == 204
+        assert forwarded(p.received[0].headers) == ["0"]
+    else:
+        assert response.status_code == 200
+        assert response.headers["x-gateway-attempts"] == "0"
+        assert p.count == 0

@@ -20,15 +20,20 @@ _MAX_DIGITS = 10  # more is no count a chain of proxies can reach: forwarded as 
 async def answered_here(send: Send, context: RequestContext) -> bool:
     """Whether the request (an OPTIONS or a TRACE) ended here, answered as its final
     recipient; else its `Max-Forwards`, if it has one the gateway can read, is one lower
-    in `context.forward_headers`. A value that is not 1..10 ASCII digits is left alone."""
+    in `context.forward_headers`. A value that is not ASCII digits, or counts more than
+    10 digits (leading zeros aside), is left alone."""
     headers = context.forward_headers
     for index, (name, value) in enumerate(headers):
         if name != _FIELD:
             continue
         text = value.strip(b" \t")
-        if not (0 < len(text) <= _MAX_DIGITS and text.isdigit()):
+        if not text.isdigit():  # bytes: ASCII digits only
             return False
-        remaining = int(text)
+        # Leading zeros count nothing (`00000000000` is 0, to the next hop too).
+        count = text.lstrip(b"0") or b"0"
+        if len(count) > _MAX_DIGITS:
+            return False
+        remaining = int(count)
         if remaining > 0:
             headers[index] = (name, str(remaining - 1).encode())
             return False
