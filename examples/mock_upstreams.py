@@ -60,16 +60,29 @@ def _prompt_tokens(body: dict[str, Any]) -> int:
 
 
 async def _json_body(request: web.Request) -> dict[str, Any] | None:
+    """The body when it is a JSON object of the shape both real APIs take (`messages` a
+    list of objects, `model` a string when given); None otherwise (their 400)."""
     try:
         body = json.loads(await request.read())
     except ValueError:
         return None
-    return body if isinstance(body, dict) else None
+    if not isinstance(body, dict):
+        return None
+    messages = body.get("messages", [])
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        return None
+    if not isinstance(body.get("model", ""), str):
+        return None
+    return body
 
 
 def _invalid_request() -> web.Response:
-    # What both real APIs answer to a body that is not a JSON object.
-    error = {"message": "the body must be a JSON object", "type": "invalid_request_error"}
+    # What both real APIs answer to a body that is not a JSON object of their shape.
+    error = {
+        "message": "the body must be a JSON object with `messages` a list of objects and "
+        "`model` a string",
+        "type": "invalid_request_error",
+    }
     return web.json_response({"error": error}, status=400)
 
 

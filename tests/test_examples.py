@@ -31,6 +31,10 @@ def test_example_runs_offline_and_fails_a_chat_completion_over_with_the_openai_s
         url = example.url
         own = httpx.get(f"{url}/health", timeout=10)
         garbage = httpx.post(f"{url}/v1/chat/completions", content=b"not json{", timeout=10)
+        # JSON of the wrong shape (a query-injection probe): a real API's 400, not a 500.
+        misshapen = httpx.post(
+            f"{url}/v1/chat/completions", json={"model": {"$gt": ""}, "messages": "x"}, timeout=10
+        )
         with OpenAI(
             base_url=f"{url}/v1", api_key="caller-key-never-forwarded", max_retries=0
         ) as client:
@@ -51,6 +55,8 @@ def test_example_runs_offline_and_fails_a_chat_completion_over_with_the_openai_s
     # A body that is not JSON: the backup's 400 is an answer, passed through as-is.
     assert garbage.status_code == 400 and garbage.headers["x-gateway-provider"] == "backup"
     assert garbage.json()["error"]["type"] == "invalid_request_error"
+    assert misshapen.status_code == 400, misshapen.text
+    assert misshapen.json()["error"]["type"] == "invalid_request_error"
     # The POST failed over: the primary answered 503, the backup served.
     assert raw.headers["x-gateway-provider"] == "backup"
     assert raw.headers["x-gateway-attempts"] == "2"
@@ -61,7 +67,7 @@ def test_example_runs_offline_and_fails_a_chat_completion_over_with_the_openai_s
     assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens > 0
     # The failovers are logged by Python's default logging (nothing configured it).
     failovers = [line for line in example.output if line.startswith("gateway request ")]
-    assert len(failovers) == 3, "".join(example.output)
+    assert len(failovers) == 4, "".join(example.output)
     assert all("chosen=backup attempts=2" in line for line in failovers)
     output = "".join(example.output)
     assert "Traceback" not in output
