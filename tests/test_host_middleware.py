@@ -8,6 +8,7 @@ import hashlib
 import hmac
 import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -18,11 +19,14 @@ from typing import Any
 
 import anyio
 import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from starlette.applications import Starlette
 
 from fallback_mw import Gateway
 from fallback_mw.request.context import get_context
 from fallback_mw.request.types import ASGIApp, Message, Receive, Scope, Send
+from fallback_mw.telemetry import Telemetry
 from tests.helpers import client_for
 from tests.upstreams import status_handler, upstream
 
@@ -171,6 +175,51 @@ async def test_a_body_over_the_hosts_max_body_size_is_not_the_gateways_internal_
     assert outcomes(caplog) == ["cancelled", "cancelled", "served"]
     records = [r for r in caplog.records if r.name == "fallback_mw.request"]
     assert all("rule=host_refused" in r.getMessage() for r in records[:2])
+
+
+async def test_the_hosts_own_413s_do_not_fire_the_customer_error_alerts() -> None:
+    """A client uploading bodies over the host's `max_body_size` gets the host's 413: its
+    own doing, as the gateway's own 413 `request_too_large` is. The request metric books it
+    `cancelled` (rule `host_refused`), and every shipped alert rule counted `cancelled` as
+    a customer-visible error: 20 such 413s beside 80 answers read as a 20 % error rate, and
+    FallbackMwErrorRateAbort (critical: abort the game day) fired on a healthy route. No
+    rule's error selection, nor the game day's, counts it now."""
+    from fallback_mw.cli.game_day.observe import CALLER_OUTCOMES
+    from tests.test_alert_rules import RULES
+
+    reader = InMemoryMetricReader()
+    telemetry = Telemetry(meter_provider=MeterProvider(metric_readers=[reader]))
+    async with upstream(status_handler(200, b"primary")) as primary:
+        conf: dict[str, Any] = {
+            "gateway": {"allow_hosts": ["127.0.0.1"]},
+            "upstreams": {"primary": {"url": primary.url}},
+            "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+        }
+        app = Starlette(max_body_size=100)
+        app.add_middleware(Gateway, config=conf, telemetry=telemetry)
+        async with lifespan(app), client_for(app) as client:
+            for _ in range(4):
+                refused = await client.post("/v1/chat", content=b"x" * 500)
+                assert refused.status_code == 413
+            assert (await client.post("/v1/chat", content=b"x" * 50)).status_code == 200
+    booked: dict[str, int] = {}
+    data = reader.get_metrics_data()
+    assert data is not None
+    for resource in data.resource_metrics:
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                if metric.name == "gateway.requests":
+                    for point in metric.data.data_points:
+                        value = int(point.value)  # type: ignore[union-attr]
+                        if value:
+                            outcome = str((point.attributes or {})["gateway.outcome"])
+                            booked[outcome] = booked.get(outcome, 0) + value
+    assert booked == {"cancelled": 4, "served": 1}
+    selections = re.findall(r'gateway_outcome!~"([^"]+)"', RULES.read_text())
+    assert selections
+    for selection in selections:
+        assert re.fullmatch(selection, "cancelled"), selection  # excluded from the errors
+    assert "cancelled" in CALLER_OUTCOMES
 
 
 _LOGGING_APP = """

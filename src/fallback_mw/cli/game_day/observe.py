@@ -11,10 +11,14 @@ from fallback_mw.cli.stats import percentile
 
 # Outcomes that are the caller's own doing, never a customer-visible error. The shipped
 # alert rules (docs/alerts/fallback_mw.rules.yml) exclude exactly these and `served`, and
-# count a `served` answer whose status is a 5xx (customer_error).
+# count a `served` answer whose status is a 5xx (customer_error). `cancelled` is the host's
+# ending of the request, never an upstream's nor the walk's: its own refusal of the body,
+# which it answers (a 413 over Starlette's max_body_size, a signature check's 401: rule
+# host_refused), or its cancelling the task (a disconnect, serve's graceful-shutdown cut).
 CALLER_OUTCOMES = frozenset(
     {
         "client_disconnected",
+        "cancelled",
         "budget_exceeded",
         "bad_request",
         "method_not_allowed",
