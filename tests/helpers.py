@@ -113,6 +113,13 @@ async def shared_again(health: Any, within: float = 10.0) -> None:
         await anyio.sleep(0.02)
 
 
+def documented_rules() -> set[str]:
+    """The `rule` words docs/failover.md's rule table explains (its first column)."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "failover.md").read_text()
+    table = text.split("| `rule` | the walk ended because |", 1)[1].split("\n\n", 1)[0]
+    return {line.split("`")[1] for line in table.splitlines()[2:] if line.startswith("| `")}
+
+
 def log_text(log: Path) -> str:
     return log.read_text(errors="replace")
 

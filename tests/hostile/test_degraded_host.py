@@ -21,7 +21,7 @@ import pytest
 
 from fallback_mw import Gateway
 from fallback_mw.health.memory import MemoryHealth
-from tests.helpers import client_for, free_port
+from tests.helpers import client_for, documented_rules, free_port
 from tests.upstreams import host_app, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
@@ -161,6 +161,43 @@ async def test_a_connection_this_host_cannot_open_goes_on_to_the_backup(
         assert answer.headers["x-gateway-provider"] == "backup"
         assert answer.headers["x-gateway-attempts"] == "2"
     assert 1 not in marks, marks  # the primary is not blamed for this host's routes
+
+
+async def test_the_host_limit_rule_is_one_the_rule_table_explains(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An on-call engineer looking up the 503's `rule: host_limit` (the log line's
+    rule=host_limit) in docs/failover.md's rule table found no row: the table stopped at
+    the rules that came before it."""
+    import logging
+    import socket
+
+    caplog.set_level(logging.INFO, logger="fallback_mw.request")
+    async with (
+        upstream(status_handler(200, b"primary")) as primary,
+        upstream(status_handler(200, b"backup")) as backup,
+        upstream(status_handler(200, b"warm")) as warm,
+    ):
+        ports = {int(u.url.rsplit(":", 1)[1].split("/")[0]) for u in (primary, backup)}
+        connect = socket.socket.connect
+
+        def no_route(self: socket.socket, address: Any) -> None:
+            if isinstance(address, tuple) and address[1] in ports:
+                raise OSError(errno.EADDRNOTAVAIL, os.strerror(errno.EADDRNOTAVAIL))
+            connect(self, address)
+
+        monkeypatch.setattr(socket.socket, "connect", no_route)
+        gateway = Gateway(host_app, config=config(primary.url, backup.url, warm.url, "aiohttp"))
+        try:
+            async with client_for(gateway) as client:
+                answer = await client.get("/v1/x")
+        finally:
+            await gateway.aclose()
+    assert answer.status_code == 503, answer.text
+    rule = json.loads(answer.content)["error"]["rule"]
+    assert rule == "host_limit"
+    assert f"rule={rule}" in caplog.text
+    assert rule in documented_rules()
 
 
 # Runs in a fresh interpreter: what the first request imports has not been imported by this

@@ -4,11 +4,12 @@ lower. Any other method forwards the field as it came."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
 
-from tests.helpers import gateway_client
+from tests.helpers import documented_rules, gateway_client
 from tests.upstreams import status_handler, upstream
 
 pytestmark = pytest.mark.anyio
@@ -39,6 +40,23 @@ async def test_an_options_at_zero_is_answered_by_the_gateway() -> None:
     assert response.headers["x-gateway-attempts"] == "0"
     assert response.content == b""
     assert p.count == 0  # never sent on, with the gateway's key or otherwise
+
+
+async def test_the_max_forwards_rule_is_one_the_rule_table_explains(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The request log line of an OPTIONS answered here at Max-Forwards: 0 says
+    rule=max_forwards (why no attempt ran): docs/failover.md's rule table had no row."""
+    caplog.set_level(logging.INFO, logger="fallback_mw.request")
+    async with (
+        upstream(status_handler(204)) as p,
+        gateway_client(conf(p.url), environ=ENV) as client,
+    ):
+        response = await client.options("/v1/models", headers={"max-forwards": "0"})
+    assert response.status_code == 200
+    lines = [r.getMessage() for r in caplog.records if r.name == "fallback_mw.request"]
+    assert len(lines) == 1 and "rule=max_forwards" in lines[0], lines
+    assert "max_forwards" in documented_rules()
 
 
 async def test_an_options_above_zero_goes_on_one_lower() -> None:
