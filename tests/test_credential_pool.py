@@ -736,8 +736,8 @@ async def test_a_response_too_large_before_the_commit_point_is_a_local_error_inc
 
 
 def test_a_response_the_host_cut_after_it_started_is_an_incident() -> None:
-    # A deploy's --timeout-graceful-shutdown cutting a stream: the alerts and the game day
-    # count outcome `cancelled` as customer-visible; `usage --incidents` left it out.
+    # A deploy's --timeout-graceful-shutdown cutting a stream: the log line, the span and
+    # the usage record book it `cancelled`; `usage --incidents` left it out.
     cut = UsageRecord(
         request_id="c",
         route="chat",

@@ -74,3 +74,41 @@ async def test_incidents_list_an_upstream_5xx_served_as_it_is(
     assert [(r["route"], r["incident"], r["outcome"]) for r in records] == [
         ("chat", ["server_error"], "served")
     ]
+
+
+@pytest.mark.anyio
+async def test_the_hosts_own_refusal_of_a_body_is_no_local_error_incident(
+    ledger_store: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A host app whose max_body_size (Starlette's, FastAPI's) refuses a caller's upload
+    # answers its own 413; the gateway books it `cancelled`, rule host_refused, no upstream
+    # contacted. `usage --incidents` listed each as a `local_error` (the gateway answering
+    # itself), so a client posting oversized bodies filled the on-call's incident review
+    # with gateway errors the gateway never answered. It is the caller's doing, as the
+    # gateway's own 413 request_too_large would be: no incident.
+    from starlette.applications import Starlette
+
+    from fallback_mw import Gateway
+    from tests.helpers import client_for
+    from tests.test_host_middleware import lifespan
+
+    async with upstream(status_handler(200)) as primary:
+        conf = gateway_config(
+            ledger_store,
+            upstreams={"primary": {"url": primary.url}},
+            routes=[{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+        )
+        app = Starlette(max_body_size=100)
+        app.add_middleware(Gateway, config=conf)
+        async with lifespan(app), client_for(app) as client:
+            assert (await client.post("/v1/chat", content=b"x" * 500)).status_code == 413
+            assert (await client.post("/v1/chat", content=b"x" * 50)).status_code == 200
+
+    capsys.readouterr()
+    assert await cli("usage", "--store", ledger_store, "--json") == 0
+    booked = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert sorted((r["outcome"], r["rule"]) for r in booked) == [
+        ("cancelled", "host_refused"), ("served", None)
+    ]  # fmt: skip
+    assert await cli("usage", "--store", ledger_store, "--incidents", "--json") == 0
+    assert capsys.readouterr().out.splitlines() == []

@@ -45,13 +45,19 @@ def incident_kinds(record: UsageRecord) -> list[str]:
     upstream's 5xx served as it is: outside failover_status, or the last answer under
     on_exhausted = "last_response"; the alert rules count it too), then `fault` when a
     game-day fault caused it (SPEC §12: booked as the fault, not as an outage). Empty:
-    none."""
+    none. A body the host app's own middleware refused and answered (rule `host_refused`,
+    outcome `cancelled`) is the caller's doing: no incident of its own."""
     kinds = []
     if sum(1 for a in record.attempts if a.skipped is None) > 1:
         kinds.append("failed_over")
     if any(a.skipped is not None for a in record.attempts):
         kinds.append("skipped")
-    if record.chosen is None and record.outcome is not None and record.outcome not in _NOT_LOCAL:
+    if (
+        record.chosen is None
+        and record.outcome is not None
+        and record.outcome not in _NOT_LOCAL
+        and record.rule != "host_refused"  # the host's own answer to the caller's body
+    ):
         kinds.append("local_error")
     if record.chosen is not None and record.outcome in _CUT_SHORT:
         kinds.append("aborted")
