@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TextIO, TypeVar, cast
 
 from fallback_mw.config import ConfigError
+from fallback_mw.error_chain import error_chain
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -202,10 +203,7 @@ def _no_descriptors(exc: BaseException) -> str | None:
     anywhere in the error's chain: under `ulimit -n 12` uvicorn's event loop could not even
     start, and the command said 'unexpected internal error (RuntimeError); please report
     it'), naming the limit to raise; None for any other error."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
+    for current in error_chain(exc):
         if isinstance(current, OSError) and current.errno in (errno.EMFILE, errno.ENFILE):
             import resource
 
@@ -215,7 +213,6 @@ def _no_descriptors(exc: BaseException) -> str | None:
                 f"out of file descriptors ({errno.errorcode[current.errno]}): raise the "
                 f"open-file limit (ulimit -n, now {limit}; systemd LimitNOFILE)"
             )
-        current = current.__cause__ or current.__context__
     return None
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+from fallback_mw.error_chain import error_chain
+
 # The package's directory: a frame whose code lives below it is the gateway's.
 _PACKAGE = str(Path(__file__).resolve().parents[1])
 
@@ -21,10 +23,7 @@ def drop_gateway_locals(error: BaseException, *, every_frame: bool = False) -> N
     those of the errors it was raised from or during (file, line and function stay).
     `every_frame`: the host's frames too (the Django adapter's, whose frames between it
     and the error hold the request's scope)."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
+    for current in error_chain(error):
         tb = current.__traceback__
         while tb is not None:
             frame = tb.tb_frame
@@ -33,4 +32,3 @@ def drop_gateway_locals(error: BaseException, *, every_frame: bool = False) -> N
                 with contextlib.suppress(RuntimeError):
                     frame.clear()
             tb = tb.tb_next
-        current = current.__cause__ or current.__context__

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from fallback_mw.error_chain import error_chain
 from fallback_mw.security import MAX_CACHED, is_field_name, is_token
 from fallback_mw.timers import Deadline
 
@@ -63,16 +64,12 @@ _HOST_LIMITS = {
 def host_limit(exc: BaseException, phase: Phase) -> UpstreamError | None:
     """The engine error for a connection the gateway's own host could not open (an
     `OSError` with one of _HOST_LIMITS' errnos, wrapped or not), None for anything else."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
+    for current in error_chain(exc):
         wrapped = getattr(current, "os_error", None)  # aiohttp's ClientConnectorError
         for error in (current, wrapped):
             if isinstance(error, OSError) and error.errno in _HOST_LIMITS:
                 lacking = _HOST_LIMITS[error.errno]
                 return UpstreamError("host_limit", phase, lacking, detail=lacking)
-        current = current.__cause__ or current.__context__
     return None
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import functools
 import ssl
 
+from fallback_mw.error_chain import error_chain
+
 
 @functools.lru_cache(maxsize=64)
 def ssl_context(ca_file: str | None) -> ssl.SSLContext:
@@ -114,14 +116,7 @@ def tls_problem(exc: BaseException) -> str | None:
 def _first_in_chain(
     exc: BaseException, types: tuple[type[BaseException], ...]
 ) -> BaseException | None:
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        if isinstance(current, types):
-            return current
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return None
+    return next((found for found in error_chain(exc) if isinstance(found, types)), None)
 
 
 def closed_in_handshake(exc: BaseException) -> bool:
