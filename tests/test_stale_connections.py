@@ -162,6 +162,38 @@ async def test_a_replayable_request_lost_on_a_stale_connection_goes_again_on_a_n
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize(
+    "begun",
+    [b"H", b"HTTP/1.1 200 OK\r\n", b"HTTP/1.1 200 OK\r\nx-a: "],
+    ids=["byte", "line", "head"],
+)
+async def test_a_request_whose_answer_began_on_a_stale_connection_is_not_sent_again(
+    engine: str, begun: bytes
+) -> None:
+    """The resend is for a connection lost before any answer. On the aiohttp engine a
+    replayable GET whose kept-alive connection ended after bytes of an answer (the upstream
+    took the request and began to answer, then closed) went to the upstream a second time
+    and the caller got the second answer; the httpx engine sent it once. Both send it once."""
+    seen: list[bytes] = []
+
+    async def behaviour(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader, seen)
+        writer.write(OK)
+        await writer.drain()
+        await read_request(reader, seen)
+        writer.write(begun)
+        await writer.drain()
+        writer.close()
+
+    async with raw_upstream(behaviour) as (url, accepted):
+        first, second = await two_requests(config(url, engine), "GET")
+    assert (first.status_code, first.text) == (200, "ok")
+    assert second.status_code == 502, second.text
+    assert seen == [b"GET"] * 2
+    assert len(accepted) == 1
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 async def test_a_put_the_route_lists_as_replayable_goes_again_on_a_new_one(engine: str) -> None:
     seen: list[bytes] = []
     async with raw_upstream(closes_its_second_request(seen)) as (url, _):

@@ -322,6 +322,18 @@ def _close_on(loop: asyncio.AbstractEventLoop, session: aiohttp.ClientSession) -
             connector._close()  # on a closed loop: marks it closed, touches no transport
 
 
+def _answer_began(error: UpstreamError) -> bool:
+    """Whether the connection a send failed on had received bytes of an answer before it
+    ended (a status line or head cut short): the upstream took the request and began to
+    answer, so it was not lost unanswered, and is not sent again (resend_on_new_connection;
+    the httpx engine names such bytes a parser refusal). aiohttp's ServerDisconnectedError
+    carries the message its parser had begun then (its own words when no byte came)."""
+    lost = error.__context__
+    return isinstance(lost, aiohttp.ServerDisconnectedError) and not isinstance(
+        lost.message, str | None
+    )
+
+
 # The methods aiohttp's own retry resent once whatever the connection (its
 # IDEMPOTENT_METHODS), kept for a replayable request of these (AiohttpClient.send).
 _RESENT_BY_AIOHTTP = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
@@ -433,8 +445,10 @@ class AiohttpClient:
                     reused = not sending.fresh or (
                         resends == 0 and request.method in _RESENT_BY_AIOHTTP
                     )
-                    if resends == STALE_RESENDS or not resend_on_new_connection(
-                        request, exc, reused
+                    if (
+                        resends == STALE_RESENDS
+                        or not resend_on_new_connection(request, exc, reused)
+                        or _answer_began(exc)
                     ):
                         raise
         except BaseException:
