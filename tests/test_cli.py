@@ -3,6 +3,7 @@ points (`python -m fallback_mw`, the `fallback-mw` script) and the public `cli.m
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -283,3 +284,48 @@ async def test_serve_logs_a_request_no_route_takes_and_says_where_the_routes_are
     assert "by prefix, methods and tenant" in lines[0]  # a tenant route misses by tenant
     text = log_text(log)
     assert "chat/completions" not in text and "sk-in-the-query" not in text and SECRET not in text
+
+
+def test_a_stopped_serve_whose_log_reader_stopped_reading_exits(tmp_path: Path) -> None:
+    """serve's request lines are queued (a stalled log reader blocks only the writer
+    thread), and the exit waits for them 5 s at most; but uvicorn's own lines ("Shutting
+    down", "Application shutdown complete") were written by its StreamHandler in the event
+    loop's thread: with a stderr pipe nobody reads (a stalled log shipper), a stopped serve
+    blocked in that write and never exited until killed. uvicorn's lines are queued as the
+    request lines are: it exits, its last lines unwritten."""
+    import http.client
+    import signal
+    import socket
+    import time
+
+    config = write_config(tmp_path)
+    port = free_port()
+    env = {**os.environ, "FMW_TEST_PRIMARY_KEY": SECRET}
+    command = [sys.executable, "-m", "fallback_mw", "serve", "--config", str(config)]
+    process = subprocess.Popen(
+        [*command, "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.PIPE,  # read by nobody until it ends
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port)):
+                break
+            time.sleep(0.1)
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        for _ in range(600):  # no-route lines: well past the pipe's 64 KiB
+            connection.request("GET", "/nothing")
+            connection.getresponse().read()
+        connection.close()
+        process.send_signal(signal.SIGTERM)
+        stopped = time.monotonic()
+        while process.poll() is None and time.monotonic() - stopped < 15:
+            time.sleep(0.1)
+        assert process.poll() == 0, "serve did not exit with its log unread"
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.communicate()

@@ -343,6 +343,7 @@ def run_server(
 
     from fallback_mw.cli.otel_setup import TelemetrySetupError, configure_opentelemetry
     from fallback_mw.gateway import Gateway
+    from fallback_mw.telemetry.request_log import queue_server_lines
 
     class Server(uvicorn.Server):
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -413,6 +414,7 @@ def run_server(
         )
         # After uvicorn's dictConfig.
         logging.getLogger("uvicorn.error").addFilter(CutRequestLine(lambda: server.force_exit))
+        queue_server_lines()  # a stderr nobody reads must not hold up the loop, nor the exit
         with sock, contextlib.suppress(KeyboardInterrupt):
             # uvicorn re-raises the SIGINT it stopped on once it has shut down (uvicorn.run
             # swallows it the same way): Ctrl-C is a clean stop, exit status 0.

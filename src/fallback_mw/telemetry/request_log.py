@@ -268,6 +268,9 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
         # Held while writing to the stream (which may block), never with the handler's
         # lock held: a line is queued under that lock while a write is under way.
         self._io = threading.Lock()
+        # Set when the exit gave up on a write that never ended (flush_request_lines):
+        # nothing more is written, so that the exit is not held by that write.
+        self.gave_up = False
 
     def install(self, owner: logging.Logger) -> None:
         """Add this handler to `owner` (the `fallback_mw` logger) and let the request log
@@ -338,6 +341,8 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
     def flush(self) -> None:
         """Write what is waiting (the writer thread, exit, setStream, close): the write may
         block, under `_io` only, so that requests go on queueing lines meanwhile."""
+        if self.gave_up:
+            return
         with self._io:
             with self._locked():
                 pending, self._pending = self._pending, []
@@ -412,13 +417,54 @@ def _why(exc: BaseException) -> str:
 EXIT_FLUSH_SECONDS = 5.0  # the longest the exit waits for the last lines to be written
 
 
+# The server's own loggers (uvicorn's) whose lines go through a LineHandler in serve
+# (queue_server_lines): flushed at exit with the request lines.
+_SERVER_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
+_queued: list[LineHandler] = []
+
+
+def queue_server_lines() -> None:
+    """uvicorn's own lines (its startup, "Shutting down", "Application shutdown complete")
+    were written by its StreamHandler in the thread that logged them, the event loop's: a
+    stderr whose reader stopped reading (a stalled log shipper) blocked that write for
+    ever, and a stopped serve never exited. Each of its stream handlers (after uvicorn's
+    dictConfig) becomes a LineHandler on the same stream, with its formatter, level and
+    filters: the same text, queued, written by a writer thread."""
+    for name in _SERVER_LOGGERS:
+        owner = logging.getLogger(name)
+        for handler in list(owner.handlers):
+            if type(handler) is not logging.StreamHandler:
+                continue  # a file, a host's own handler: as it is
+            queued = LineHandler(handler.stream)
+            queued.setFormatter(handler.formatter)
+            queued.setLevel(handler.level)
+            for kept in handler.filters:
+                queued.addFilter(kept)
+            owner.removeHandler(handler)
+            owner.addHandler(queued)
+            _queued.append(queued)
+
+
 def flush_request_lines(timeout: float = EXIT_FLUSH_SECONDS) -> None:
-    """Write the request lines still waiting in serve's LineHandler (at exit; a worker of
-    `serve --workers`, which ends with os._exit, calls it itself). Waits `timeout` seconds
-    at most: with a reader that stopped reading the pipe, the write never ends, and a
-    stopped `serve` would not exit until killed; the lines then go unwritten."""
-    handler = _installed
-    if handler is not None:
-        writer = threading.Thread(target=handler.flush, name="fallback-mw-log-exit", daemon=True)
-        writer.start()
-        writer.join(timeout)
+    """Write the request lines still waiting in serve's LineHandler, and uvicorn's lines
+    (queue_server_lines) (at exit; a worker of `serve --workers`, which ends with os._exit,
+    calls it itself). Waits `timeout` seconds at most: with a reader that stopped reading
+    the pipe, the write never ends, and a stopped `serve` would not exit until killed; the
+    lines then go unwritten, and uvicorn's handlers write nothing more (logging.shutdown's
+    flush would wait for that write for ever)."""
+    handlers = [h for h in (_installed, *_queued) if h is not None]
+    if not handlers:
+        return
+
+    def write_all() -> None:
+        for handler in handlers:
+            handler.flush()
+
+    writer = threading.Thread(target=write_all, name="fallback-mw-log-exit", daemon=True)
+    writer.start()
+    writer.join(timeout)
+    if writer.is_alive():
+        # logging.shutdown flushes uvicorn's handlers next (in logging's list, where
+        # dictConfig left serve's own out): they would wait for the stuck write for ever.
+        for handler in _queued:
+            handler.gave_up = True
