@@ -278,6 +278,18 @@ def test_prometheus_defaults_refusals_and_the_missing_extra(
     check_workers(1, {**prometheus, "OTEL_SDK_DISABLED": "true"}, gateway_port=9000)
     with pytest.raises(TelemetrySetupError, match=r"port 9001, the gateway's own .*worker 1's"):
         check_workers(2, prometheus, gateway_port=9001)
+    # The same port on another address is no clash (the metrics on 10.0.0.5:9001, the
+    # gateway on 127.0.0.1:9001); a wildcard or a name on either side may be one.
+    on = {**prometheus, "OTEL_EXPORTER_PROMETHEUS_HOST": "10.0.0.5"}
+    check_workers(2, on, gateway_port=9001, gateway_host="127.0.0.1")
+    for gateway_host in ("10.0.0.5", "0.0.0.0", "::", "localhost", ""):
+        with pytest.raises(TelemetrySetupError, match="the gateway's own"):
+            check_workers(2, on, gateway_port=9001, gateway_host=gateway_host)
+    with pytest.raises(TelemetrySetupError, match="the gateway's own"):
+        check_workers(
+            2, {**prometheus, "OTEL_EXPORTER_PROMETHEUS_HOST": "0.0.0.0"},
+            gateway_port=9001, gateway_host="127.0.0.1",
+        )  # fmt: skip
     with pytest.raises(TelemetrySetupError, match=r"port 9000, the gateway's own \(--port; PORT\)"):
         check_workers(1, prometheus, gateway_port=9000)
     monkeypatch.setitem(sys.modules, "opentelemetry.exporter.prometheus", None)

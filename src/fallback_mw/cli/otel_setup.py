@@ -140,20 +140,25 @@ def prometheus_address(environ: Mapping[str, str], offset: int = 0) -> tuple[str
 
 
 def check_workers(
-    workers: int, environ: Mapping[str, str] | None = None, *, gateway_port: int = 0
+    workers: int,
+    environ: Mapping[str, str] | None = None,
+    *,
+    gateway_port: int = 0,
+    gateway_host: str = "",
 ) -> None:
     """`serve --workers N` with the Prometheus exporter: each worker serves its own counts
     on its own port, PORT .. PORT + N - 1 (docs/telemetry.md); refused up front when that
-    range would run past 65535, or hold `gateway_port` (serve's own, when known): a
-    worker's `/metrics` server bound it before the gateway's sockets listened, and took
-    the gateway's connections."""
+    range would run past 65535, or hold `gateway_port` (serve's own, when known) on an
+    address that may be the gateway's (`gateway_host`; two different IP literals, neither
+    a wildcard, cannot clash): a worker's `/metrics` server bound it before the gateway's
+    sockets listened, and took the gateway's connections."""
     environ = os.environ if environ is None else environ
     disabled = environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
     if disabled or "prometheus" not in _exporters(environ, "metrics"):
         return
-    _host, last = prometheus_address(environ, workers - 1)
+    host, last = prometheus_address(environ, workers - 1)
     first = last - (workers - 1)
-    if first <= gateway_port <= last:
+    if first <= gateway_port <= last and _may_be_one_address(host, gateway_host):
         whose = (
             f"worker {gateway_port - first}'s, PORT + {gateway_port - first}"
             if workers > 1
@@ -164,6 +169,22 @@ def check_workers(
             f"the gateway's own (--port; {whose}); choose a metrics port outside "
             f"{gateway_port - workers + 1}..{gateway_port}"
         )
+
+
+def _may_be_one_address(one: str, other: str) -> bool:
+    """Whether two bind hosts may share a listening address: the same text, a wildcard
+    (`0.0.0.0`, `::`, empty), or a name (`localhost`: it may resolve to the other); False
+    only for two different IP literals."""
+    import ipaddress
+
+    try:
+        first, second = (
+            ipaddress.ip_address(one.strip("[]")),
+            ipaddress.ip_address(other.strip("[]")),
+        )
+    except ValueError:
+        return True
+    return first == second or first.is_unspecified or second.is_unspecified
 
 
 def _prometheus_reader(handle: OtelHandle, environ: Mapping[str, str], offset: int) -> Any:

@@ -260,7 +260,7 @@ def serve(args: argparse.Namespace, console: Console) -> int | None:
     from fallback_mw.cli.otel_setup import TelemetrySetupError, check_workers
 
     try:
-        check_workers(args.workers, gateway_port=args.port)
+        check_workers(args.workers, gateway_port=args.port, gateway_host=args.host)
     except TelemetrySetupError as exc:
         raise Refused(str(exc)) from None
     options: dict[str, Any] = server_options()
@@ -289,7 +289,7 @@ def serve(args: argparse.Namespace, console: Console) -> int | None:
             stop_grace=args.timeout_graceful_shutdown + STOP_MARGIN_SECONDS,
         )
         try:
-            check_workers(args.workers, gateway_port=supervisor.port)
+            check_workers(args.workers, gateway_port=supervisor.port, gateway_host=args.host)
         except TelemetrySetupError as exc:
             supervisor.reservation.close()
             raise Refused(str(exc)) from None
