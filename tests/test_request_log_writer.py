@@ -154,6 +154,27 @@ def test_the_exit_flush_gives_up_on_a_log_reader_that_stopped_reading() -> None:
     assert stream.getvalue().count("\n") == FLUSH_LINES + 10  # all written once let go
 
 
+def test_a_forked_child_writes_only_its_own_lines(tmp_path: Path) -> None:
+    """A process that forks with request lines waiting: the parent writes them, and the
+    child wrote its copy too (every such line twice in the log)."""
+    path = tmp_path / "log"
+    with open(path, "w", encoding="utf-8") as stream:
+        handler = LineHandler(stream)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler.handle(record("before the fork"))
+        pid = os.fork()
+        if pid == 0:  # the child: its own line, then out
+            try:
+                handler.handle(record("the child's"))
+                handler.flush()
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        handler.close()
+    lines = path.read_text().splitlines()
+    assert sorted(lines) == ["before the fork", "the child's"], lines
+
+
 def test_a_full_pipe_nobody_reads_never_holds_up_a_logged_line() -> None:
     # The real thing: a pipe whose reader reads nothing, filled past its 64 KiB.
     read_end, write_end = os.pipe()

@@ -387,10 +387,13 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
 
     def _at_fork_reinit(self) -> None:
         # logging calls this in a forked child for every handler: its writer thread (and a
-        # write it held `_io` for) stayed in the parent.
+        # write it held `_io` for) stayed in the parent, and so do the lines waiting, which
+        # the parent writes (the child's copy would write them twice).
         super()._at_fork_reinit()  # type: ignore[misc]
         self._io = threading.Lock()
         self._writer = None
+        self._pending = []
+        self._dropped = 0
 
     def setStream(self, stream: IO[str]) -> IO[str] | None:
         self.flush()
