@@ -218,26 +218,24 @@ def worker_count(value: str) -> int:
     return count
 
 
-def graceful_seconds(value: str) -> float:
-    """argparse type: how long a stop waits for requests in flight, 0 to 3600 seconds."""
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number of seconds {value!r}") from None
-    if not 0 <= seconds <= 3600:
-        raise argparse.ArgumentTypeError(f"{value} is not between 0 and 3600 seconds")
+def seconds_between(low: float, high: float) -> Callable[[str], float]:
+    """argparse type: a number of seconds from `low` to `high`."""
+
+    def seconds(value: str) -> float:
+        try:
+            number = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid number of seconds {value!r}") from None
+        if not low <= number <= high:
+            raise argparse.ArgumentTypeError(f"{value} is not between {low:g} and {high:g} seconds")
+        return number
+
     return seconds
 
 
-def keep_alive_seconds(value: str) -> float:
-    """argparse type: how long an idle kept-alive connection is kept, 1 to 3600 seconds."""
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number of seconds {value!r}") from None
-    if not 1 <= seconds <= 3600:
-        raise argparse.ArgumentTypeError(f"{value} is not between 1 and 3600 seconds")
-    return seconds
+# How long a stop waits for requests in flight; how long an idle kept-alive connection is kept.
+graceful_seconds = seconds_between(0, 3600)
+keep_alive_seconds = seconds_between(1, 3600)
 
 
 def serve(args: argparse.Namespace, console: Console) -> int | None:
