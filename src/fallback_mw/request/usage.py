@@ -499,10 +499,15 @@ _GEMINI_INPUT_KEYS = ("promptTokenCount", "toolUsePromptTokenCount")
 _GEMINI_OUTPUT_KEYS = ("candidatesTokenCount", "thoughtsTokenCount")
 
 
+def media_type(content_type: bytes) -> bytes:
+    """A Content-Type's media type, lowercased, without its parameters."""
+    return content_type.split(b";", 1)[0].strip().lower()
+
+
 def _mode(content_type: bytes | None) -> str:
     """What the label says the body is; the body's first bytes have the last word
     (`UsageMeter._sniff`)."""
-    kind = (content_type or b"").split(b";", 1)[0].strip().lower()
+    kind = media_type(content_type or b"")
     if kind == b"text/event-stream":
         return "sse"
     if kind.endswith(b"json") or kind in _UNLABELLED:

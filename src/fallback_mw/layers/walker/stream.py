@@ -22,7 +22,13 @@ from fallback_mw.request.body import content_length
 from fallback_mw.request.context import RequestContext
 from fallback_mw.request.local_errors import gateway_headers, send_error
 from fallback_mw.request.types import Send
-from fallback_mw.request.usage import BodyDecoder, UsageMeter, body_coding, content_decoder
+from fallback_mw.request.usage import (
+    BodyDecoder,
+    UsageMeter,
+    body_coding,
+    content_decoder,
+    media_type,
+)
 from fallback_mw.rules import origin
 from fallback_mw.security import forwardable_response_headers
 from fallback_mw.timers import Stall
@@ -210,7 +216,7 @@ _STREAM_TYPES = frozenset(
 
 def _is_stream(content_type: bytes) -> bool:
     """Whether a Content-Type names a stream's media type (any case, any parameters)."""
-    return content_type.split(b";", 1)[0].strip().lower() in _STREAM_TYPES
+    return media_type(content_type) in _STREAM_TYPES
 
 
 def _located_here(
