@@ -357,7 +357,11 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
                 if self._failed is not None:
                     # On a line of its own (the empty one ends it): the failed write may
                     # have cut a line short.
-                    lines = ["", self._lost_line(self._failed), *lines]
+                    lost = (
+                        "request log lines were lost: the log could not be written "
+                        f"({self._failed})"
+                    )
+                    lines = ["", self._warning(lost), *lines]
                 try:
                     for piece in whole_lines(lines, self.terminator):
                         self.stream.write(piece)
@@ -373,10 +377,6 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
                 return
             if pending:
                 self._failed = None
-
-    def _lost_line(self, why: str) -> str:
-        """The line written first once the log takes lines again."""
-        return self._warning(f"request log lines were lost: the log could not be written ({why})")
 
     def _warning(self, message: str) -> str:
         """`message` as the request log writes a WARNING line."""
