@@ -1,5 +1,5 @@
-"""The SQLite ledger commits a request's calls in groups (store/ledgers/sqlite.py
-`_grouped`): the holds and settlements of this process that are ready on one turn of the
+"""The SQLite ledger commits a request's calls in groups (store/ledgers/sqlite_calls.py
+`grouped`): the holds and settlements of this process that are ready on one turn of the
 event loop share one transaction. Each call keeps its own result, a failing call fails
 alone, a group the database refuses for now waits in the worker thread whole, and a
 caller cancelled before its group is written leaves nothing behind."""
@@ -54,8 +54,8 @@ def count_commits(ledger: SQLiteLedger) -> list[str]:
     """The statements the event loop thread's connection runs (where groups are written
     while nothing holds the database)."""
     statements: list[str] = []
-    assert ledger._fast is not None
-    ledger._fast.set_trace_callback(statements.append)
+    assert ledger._db._fast is not None
+    ledger._db._fast.set_trace_callback(statements.append)
     return statements
 
 
@@ -214,7 +214,7 @@ async def test_closing_writes_the_calls_already_made_first(tmp_path: Path) -> No
         released.join()
         other.close()
     assert isinstance(await first, Hold) and isinstance(await second, Hold)
-    assert ledger._conn is None and ledger._fast is None  # closed, not opened again
+    assert ledger._db._conn is None and ledger._db._fast is None  # closed, not opened again
     assert held_in_the_file(path) == 3 * 10**9  # both holds, in the ledger's units
 
 

@@ -1,5 +1,5 @@
 """The SQLite ledger runs its calls on the event loop's thread when that cannot block
-(store/ledgers/sqlite.py `_inline`): the database locked by another connection sends the
+(store/ledgers/sqlite_calls.py `_inline`): the database locked by another connection sends the
 call to the worker thread, which waits for the lock as before; the WAL is still
 checkpointed although the loop thread's connection never does it."""
 
