@@ -15,8 +15,7 @@ import pytest
 
 from fallback_mw.budget import AttemptOutcome, UsageRecord
 from fallback_mw.cli import main
-from fallback_mw.cli.game_day.observe import observe, windowed
-from fallback_mw.cli.game_day.run import judge
+from fallback_mw.cli.game_day.observe import judge, observe, windowed
 from fallback_mw.cli.game_day.spec import SpecError, parse_abort, parse_duration, parse_prediction
 from fallback_mw.store.routes import Fault, open_store
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from fallback_mw.cli.game_day.observe import fmt
 from fallback_mw.cli.game_day.report import fault_subject
-from fallback_mw.cli.game_day.run import fmt
 from fallback_mw.cli.html_page import PALETTE, nice_ticks, page, table, text
 from fallback_mw.cli.html_page import fmt as num
 

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fallback_mw.budget import UsageRecord
+from fallback_mw.cli.game_day.spec import AlertPrediction, Prediction
 from fallback_mw.cli.stats import percentile
 
 # Outcomes that are the caller's own doing, never a customer-visible error. The shipped
@@ -191,3 +192,37 @@ PREDICTION_KEYS = {
     "error_rate": "error_rate",
     "secondary_429": "secondary_429_rate",
 }
+
+
+def judge(
+    predictions: tuple[Prediction | AlertPrediction, ...],
+    observed: dict[str, Any],
+    alerts: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    results = []
+    for prediction in predictions:
+        if isinstance(prediction, AlertPrediction):
+            seen = ((alerts or {}).get("alerts") or {}).get(prediction.alert) or {}
+            value = seen.get("firing_s")
+        else:
+            value = observed.get(PREDICTION_KEYS[prediction.name])
+        result = "no data" if value is None else "pass" if value <= prediction.value else "fail"
+        results.append(
+            {
+                "prediction": prediction.text,
+                "name": prediction.name,
+                "unit": prediction.unit,
+                "predicted": prediction.value,
+                "observed": value,
+                "result": result,
+            }
+        )
+    return results
+
+
+def fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    if unit == "%":
+        return f"{value * 100:.2f}%"
+    return f"{value:g} {unit}"

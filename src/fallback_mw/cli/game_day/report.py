@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from fallback_mw.cli.app import write_atomically
-from fallback_mw.cli.game_day.run import Exercise, Timeline, fmt, iso, judge
+from fallback_mw.cli.game_day.observe import fmt, judge
+from fallback_mw.cli.game_day.run import Exercise, Timeline, iso
 from fallback_mw.cli.show import one_line
 
 

@@ -15,8 +15,8 @@ from typing import Any, Literal
 
 from fallback_mw.budget import Ledger, LedgerUnavailable, UsageRecord
 from fallback_mw.cli.game_day.observe import (
-    PREDICTION_KEYS,
     ended_at,
+    fmt,
     observe,
     series,
     started_at,
@@ -398,37 +398,3 @@ def observe_exercise(exercise: Exercise, feed: RecordFeed, timeline: Timeline) -
     observed["record_polls"] = feed.polls
     observed["records_fetched"] = feed.fetched
     return observed
-
-
-def judge(
-    predictions: tuple[Prediction | AlertPrediction, ...],
-    observed: dict[str, Any],
-    alerts: dict[str, Any] | None = None,
-) -> list[dict[str, Any]]:
-    results = []
-    for prediction in predictions:
-        if isinstance(prediction, AlertPrediction):
-            seen = ((alerts or {}).get("alerts") or {}).get(prediction.alert) or {}
-            value = seen.get("firing_s")
-        else:
-            value = observed.get(PREDICTION_KEYS[prediction.name])
-        result = "no data" if value is None else "pass" if value <= prediction.value else "fail"
-        results.append(
-            {
-                "prediction": prediction.text,
-                "name": prediction.name,
-                "unit": prediction.unit,
-                "predicted": prediction.value,
-                "observed": value,
-                "result": result,
-            }
-        )
-    return results
-
-
-def fmt(value: float | None, unit: str) -> str:
-    if value is None:
-        return "-"
-    if unit == "%":
-        return f"{value * 100:.2f}%"
-    return f"{value:g} {unit}"
