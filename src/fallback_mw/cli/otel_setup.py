@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import logging
 import os
 import sys
 import uuid
@@ -29,18 +28,15 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-_KNOWN_EXPORTERS = {
-    "traces": frozenset({"console", "otlp", "none"}),
-    "metrics": frozenset({"console", "otlp", "prometheus", "none"}),
-}
-PROMETHEUS_HOST = "localhost"  # the OpenTelemetry specification's defaults
-PROMETHEUS_PORT = 9464
-
-
-class TelemetrySetupError(RuntimeError):
-    """The OTEL_* variables ask for something this installation cannot do. The message
-    names the variable and the fix; it never contains a variable's value beyond exporter
-    names."""
+from fallback_mw.cli.otel_env import (
+    TelemetrySetupError,
+    check_otlp_headers,
+    check_workers,
+    exporters,
+    missing,
+    prometheus_address,
+    protocol,
+)
 
 
 @dataclass
@@ -73,120 +69,6 @@ class OtelHandle:
                 server.server_close()
 
 
-def _exporters(environ: Mapping[str, str], signal: str) -> tuple[str, ...]:
-    variable = f"OTEL_{signal.upper()}_EXPORTER"
-    raw = environ.get(variable)
-    if raw is None:
-        endpoint = environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or environ.get(
-            f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT"
-        )
-        return ("otlp",) if endpoint else ()
-    names = tuple(dict.fromkeys(n.strip().lower() for n in raw.split(",") if n.strip()))
-    known = _KNOWN_EXPORTERS[signal]
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise TelemetrySetupError(
-            f"{variable}: unsupported exporter {', '.join(sorted(unknown))} "
-            f"(supported: {', '.join(sorted(known))})"
-        )
-    return tuple(n for n in names if n != "none")
-
-
-def _protocol(environ: Mapping[str, str], signal: str) -> str:
-    protocol = (
-        environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL")
-        or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-        or "http/protobuf"
-    ).strip()
-    if protocol not in ("http/protobuf", "grpc"):
-        raise TelemetrySetupError(
-            f"OTEL_EXPORTER_OTLP_PROTOCOL: {protocol!r} is not supported "
-            "(use http/protobuf or grpc)"
-        )
-    return protocol
-
-
-# Not in the `otel` extra: the extra would not install it.
-_OUTSIDE_THE_EXTRA = frozenset({"opentelemetry-exporter-otlp-proto-grpc"})
-
-
-def _missing(package: str) -> TelemetrySetupError:
-    fix = package if package in _OUTSIDE_THE_EXTRA else "'fallback_mw[otel]'"
-    return TelemetrySetupError(
-        f"OpenTelemetry export was requested but {package} is not installed: pip install {fix}"
-    )
-
-
-def prometheus_address(environ: Mapping[str, str], offset: int = 0) -> tuple[str, int]:
-    """(host, port) of the `/metrics` endpoint: `OTEL_EXPORTER_PROMETHEUS_HOST` /
-    `OTEL_EXPORTER_PROMETHEUS_PORT`, default localhost:9464; `offset` added to the port
-    (the worker's slot under `serve --workers N`: worker i serves on PORT + i)."""
-    host = environ.get("OTEL_EXPORTER_PROMETHEUS_HOST", "").strip() or PROMETHEUS_HOST
-    raw = environ.get("OTEL_EXPORTER_PROMETHEUS_PORT", "").strip()
-    if not raw:
-        port = PROMETHEUS_PORT
-    elif not raw.isdigit() or not 0 < int(raw) < 65536:
-        raise TelemetrySetupError(
-            f"OTEL_EXPORTER_PROMETHEUS_PORT: {raw[:16]!r} is not a port number (1-65535)"
-        )
-    else:
-        port = int(raw)
-    if port + offset > 65535:
-        raise TelemetrySetupError(
-            f"OTEL_EXPORTER_PROMETHEUS_PORT: {port} + {offset} (one port per worker) "
-            "is past 65535; choose a lower port"
-        )
-    return host, port + offset
-
-
-def check_workers(
-    workers: int,
-    environ: Mapping[str, str] | None = None,
-    *,
-    gateway_port: int = 0,
-    gateway_host: str = "",
-) -> None:
-    """`serve --workers N` with the Prometheus exporter: each worker serves its own counts
-    on its own port, PORT .. PORT + N - 1 (docs/telemetry.md); refused up front when that
-    range would run past 65535, or hold `gateway_port` (serve's own, when known) on an
-    address that may be the gateway's (`gateway_host`; two different IP literals, neither
-    a wildcard, cannot clash): a worker's `/metrics` server bound it before the gateway's
-    sockets listened, and took the gateway's connections."""
-    environ = os.environ if environ is None else environ
-    disabled = environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
-    if disabled or "prometheus" not in _exporters(environ, "metrics"):
-        return
-    host, last = prometheus_address(environ, workers - 1)
-    first = last - (workers - 1)
-    if first <= gateway_port <= last and _may_be_one_address(host, gateway_host):
-        whose = (
-            f"worker {gateway_port - first}'s, PORT + {gateway_port - first}"
-            if workers > 1
-            else "PORT"
-        )
-        raise TelemetrySetupError(
-            f"OTEL_EXPORTER_PROMETHEUS_PORT: /metrics would be served on port {gateway_port}, "
-            f"the gateway's own (--port; {whose}); choose a metrics port outside "
-            f"{gateway_port - workers + 1}..{gateway_port}"
-        )
-
-
-def _may_be_one_address(one: str, other: str) -> bool:
-    """Whether two bind hosts may share a listening address: the same text, a wildcard
-    (`0.0.0.0`, `::`, empty), or a name (`localhost`: it may resolve to the other); False
-    only for two different IP literals."""
-    import ipaddress
-
-    try:
-        first, second = (
-            ipaddress.ip_address(one.strip("[]")),
-            ipaddress.ip_address(other.strip("[]")),
-        )
-    except ValueError:
-        return True
-    return first == second or first.is_unspecified or second.is_unspecified
-
-
 def _prometheus_reader(handle: OtelHandle, environ: Mapping[str, str], offset: int) -> Any:
     """OpenTelemetry's PrometheusMetricReader on a registry of its own, served as
     `/metrics` by prometheus_client's HTTP server in a daemon thread (on the configured
@@ -195,7 +77,7 @@ def _prometheus_reader(handle: OtelHandle, environ: Mapping[str, str], offset: i
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
         from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
     except ImportError as exc:
-        raise _missing("opentelemetry-exporter-prometheus") from exc
+        raise missing("opentelemetry-exporter-prometheus") from exc
     host, port = prometheus_address(environ, offset)
     registry = CollectorRegistry()
     try:
@@ -230,55 +112,16 @@ def _exporter(signal: str, name: str, environ: Mapping[str, str], out: TextIO) -
     if name == "console":
         console = importlib.import_module(sdk_module)
         return getattr(console, f"Console{kind}Exporter")(out=out)
-    transport = "grpc" if _protocol(environ, signal) == "grpc" else "http"
+    transport = "grpc" if protocol(environ, signal) == "grpc" else "http"
     # The http exporter comes with the `otel` extra; grpc is optional, not part of it.
     try:
         found = importlib.import_module(
             f"opentelemetry.exporter.otlp.proto.{transport}.{otlp_module}"
         )
     except ImportError as exc:
-        raise _missing(f"opentelemetry-exporter-otlp-proto-{transport}") from exc
-    _check_otlp_headers(environ, signal)
+        raise missing(f"opentelemetry-exporter-otlp-proto-{transport}") from exc
+    check_otlp_headers(environ, signal)
     return getattr(found, f"OTLP{kind}Exporter")()
-
-
-class _HeaderComplaints(logging.Filter):
-    """Counts (and drops) the SDK's "Header format invalid!" warnings: they quote the
-    variable's value, the collector's API key with it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        self.count += 1
-        return False
-
-
-def _check_otlp_headers(environ: Mapping[str, str], signal: str) -> None:
-    """Refuses an OTLP headers variable the exporter cannot read whole. The SDK would log
-    each unreadable entry with its value (`Authorization: Bearer KEY`, the HTTP spelling,
-    is one) to stderr — the collector's key in the gateway's log — and export without it."""
-    from opentelemetry.util.re import parse_env_headers
-
-    for variable in (f"OTEL_EXPORTER_OTLP_{signal.upper()}_HEADERS", "OTEL_EXPORTER_OTLP_HEADERS"):
-        value = environ.get(variable)
-        if value is None:
-            continue
-        complaints = _HeaderComplaints()
-        sdk_logger = logging.getLogger("opentelemetry.util.re")
-        sdk_logger.addFilter(complaints)
-        try:
-            parse_env_headers(value, liberal=True)
-        finally:
-            sdk_logger.removeFilter(complaints)
-        if complaints.count:
-            raise TelemetrySetupError(
-                f"{variable}: not a comma-separated list of name=value pairs (its value is "
-                "not shown): write each header as name=value, URL-encoded, e.g. "
-                "authorization=Bearer%20KEY, not the HTTP spelling `Authorization: Bearer KEY`"
-            )
-        return  # the signal's own variable, when set, is the one the exporter reads
 
 
 @contextlib.contextmanager
@@ -325,15 +168,15 @@ def configure_opentelemetry(
     handle = OtelHandle()
     if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return handle
-    handle.traces = _exporters(environ, "traces")
-    handle.metrics = _exporters(environ, "metrics")
+    handle.traces = exporters(environ, "traces")
+    handle.metrics = exporters(environ, "metrics")
     if not handle.traces and not handle.metrics:
         return handle
     stream = out if out is not None else sys.stdout
     try:
         from opentelemetry.sdk.resources import SERVICE_INSTANCE_ID, SERVICE_NAME, Resource
     except ImportError as exc:
-        raise _missing("opentelemetry-sdk") from exc
+        raise missing("opentelemetry-sdk") from exc
 
     from opentelemetry import metrics, trace
 
