@@ -33,8 +33,9 @@ from fallback_mw.faults import FaultSource
 from fallback_mw.health import HealthState
 from fallback_mw.health.pool import affinity_key
 from fallback_mw.plan import canary_bucket
+from fallback_mw.request.codings import body_coding
 from fallback_mw.request.context import AttemptRecord, RequestBody, RequestContext, Usage
-from fallback_mw.request.usage import UsageMeter, body_coding
+from fallback_mw.request.usage import UsageMeter
 from fallback_mw.routing import effective_deadline_ms
 from fallback_mw.telemetry import Telemetry
 from fallback_mw.timers import deadline_after

@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from fallback_mw import Gateway
-from fallback_mw.request import usage
+from fallback_mw.request import codings, usage
 from fallback_mw.request.context import Usage
 from tests.helpers import client_for
 from tests.hostile.test_usage_reading import ENGINES, FULL_COST, USAGE, sse
@@ -153,12 +153,12 @@ def test_many_content_encoding_fields_are_joined_once() -> None:
     # max_header_count allows, on the estimate's path). Joined once, as they were read.
     fields = [(b"content-encoding", CountingField(b"identity"))] * 5000
     CountingField.made = 0
-    content_type, coding = usage.body_coding([(b"content-type", b"text/plain"), *fields])
+    content_type, coding = codings.body_coding([(b"content-type", b"text/plain"), *fields])
     assert content_type == b"text/plain"
     assert coding == b",".join([b"identity"] * 5000)
     assert CountingField.made <= len(coding), CountingField.made
-    assert usage.body_coding([(b"Content-Encoding", b"gzip")]) == (None, b"gzip")
-    assert usage.body_coding([(b"content-encoding", b"gzip"), (b"content-encoding", b"br")]) == (
+    assert codings.body_coding([(b"Content-Encoding", b"gzip")]) == (None, b"gzip")
+    assert codings.body_coding([(b"content-encoding", b"gzip"), (b"content-encoding", b"br")]) == (
         None,
         b"gzip,br",
     )

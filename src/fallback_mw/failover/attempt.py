@@ -41,8 +41,8 @@ from fallback_mw.health.breaker import PROBE_LEASE_MARGIN, upstream_probe_lease
 from fallback_mw.health.pool import retry_after_seconds
 from fallback_mw.health.quota import PeekedResponse, peek_quota
 from fallback_mw.request.body import BodyAborted, written_like
+from fallback_mw.request.codings import body_coding
 from fallback_mw.request.context import AttemptRecord, RequestBody, RequestContext
-from fallback_mw.request.usage import body_coding
 from fallback_mw.routing import PATH_SAFE
 from fallback_mw.telemetry import Telemetry
 from fallback_mw.timers import deadline_after

@@ -28,7 +28,7 @@ from datetime import datetime
 from typing import Any, Protocol
 
 from fallback_mw.health.pool import sent_at
-from fallback_mw.request.usage import body_coding, content_decoder
+from fallback_mw.request.codings import body_coding, content_decoder
 
 PEEK_LIMIT = 4096  # bytes of a 429's body read before deciding
 QUOTA_CODES = frozenset({"insufficient_quota", "billing_hard_limit_reached", "quota_exceeded"})

@@ -27,14 +27,14 @@ from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from fallback_mw.config import GatewaySettings
-from fallback_mw.request.context import MAX_NAME, Headers, RequestBody, RequestContext, host_refused
-from fallback_mw.request.types import Receive, Scope
-from fallback_mw.request.usage import (
+from fallback_mw.request.codings import (
     ContentDecoder,
     body_coding,
     content_decoder,
     unreadable_coding,
 )
+from fallback_mw.request.context import MAX_NAME, Headers, RequestBody, RequestContext, host_refused
+from fallback_mw.request.types import Receive, Scope
 from fallback_mw.timers import Deadline, deadline_after
 from fallback_mw.tokens import first_json_value
 

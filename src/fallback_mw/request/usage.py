@@ -22,24 +22,22 @@ body is only searched near its end, where the providers put `usage`. SSE is pars
 by line (CRLF, LF or CR), keeping at most one event, up to `data: [DONE]`, where the
 SDKs stop reading.
 
-A body with `Content-Encoding: gzip` / `deflate` (a caller may ask for one) is read
-decoded (`deflate` with or without its zlib wrapper, as clients read it; codings stacked
-on one body undone in turn, `StackedDecoder`), up to `MAX_DECODED` bytes; the walker
-narrows the caller's `Accept-Encoding` to those codings
+A body with `Content-Encoding: gzip` / `deflate` is read decoded (request/codings.py), up
+to `MAX_DECODED` bytes; the walker narrows the caller's `Accept-Encoding` to those codings
 (security.readable_accept_encoding), so no answer hides its usage in a coding the meter
-cannot read."""
+cannot read. What each provider's document says is read by request/usage_documents.py."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import re
-import zlib
 from typing import Any
 
-from fallback_mw.request.context import MAX_NAME, Usage
-from fallback_mw.security import READABLE_CODINGS
-from fallback_mw.tokens import MAX_TOKENS, read_json, token_count
+from fallback_mw.request.codings import BodyDecoder, content_decoder
+from fallback_mw.request.context import Usage
+from fallback_mw.request.usage_documents import read_document, read_gemini, read_usage
+from fallback_mw.tokens import read_json
 
 DEFAULT_JSON_CAP = 1024 * 1024
 _TAIL = 64 * 1024
@@ -51,25 +49,6 @@ _USAGE_OBJECT = re.compile(rb'"usage(Metadata)?"\s*:\s*\{')
 # SDKs' decoders do.
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 _CR = ord(b"\r")
-
-
-def body_coding(headers: list[tuple[bytes, bytes]]) -> tuple[bytes | None, bytes | None]:
-    """A response's `Content-Type` and `Content-Encoding`, as `UsageMeter.observe` reads
-    them. Several `Content-Encoding` fields are one list (RFC 9110 §5.3): joined whole."""
-    content_type = content_encoding = None
-    more: list[bytes] | None = None  # the fields after the first, joined once at the end
-    for key, value in headers:
-        lower = key.lower()
-        if lower == b"content-type":
-            content_type = value
-        elif lower == b"content-encoding":
-            if content_encoding is None:
-                content_encoding = value
-            elif more is None:
-                more = [content_encoding, value]
-            else:
-                more.append(value)  # not joined each time: thousands of fields, a square
-    return content_type, content_encoding if more is None else b",".join(more)
 
 
 class UsageMeter:
@@ -164,7 +143,7 @@ class UsageMeter:
                         # JSON Lines (Ollama's stream, `application/x-ndjson`).
                         self._apply_lines(data)
                     else:
-                        self._apply_document(document)
+                        self._read_document(document)
                 else:
                     self._apply_tail(self._tail.read())
             if self.mode == "sse":
@@ -239,10 +218,9 @@ class UsageMeter:
             text = tail[start:].decode("utf-8", "replace")
             with contextlib.suppress(ValueError):
                 usage = json.JSONDecoder().raw_decode(text)[0]
-                if matches[-1].group(1):
-                    self._apply_gemini(usage)
-                else:
-                    self._apply_usage(usage)
+                read = read_gemini if matches[-1].group(1) else read_usage
+                if read(self.target, usage):
+                    self.reported = True
         else:
             self._apply_lines(tail)  # the last lines of a long JSON Lines stream
 
@@ -252,10 +230,10 @@ class UsageMeter:
         of each is parsed, however many lines the body has."""
         lines = data.splitlines()
         if lines:
-            self._apply_document(_loads(lines[0]))
+            self._read_document(_loads(lines[0]))
         for line in reversed(lines[1:]):
             if line.find(b'_count"') >= 0 or line.find(b'"usage') >= 0:
-                self._apply_document(_loads(line))
+                self._read_document(_loads(line))
                 return
 
     # --- SSE --------------------------------------------------------------------------
@@ -356,97 +334,10 @@ class UsageMeter:
             self.target.model is not None or data.find(b'"model"') < 0
         ):
             return
-        self._apply_document(_loads(data))
+        self._read_document(_loads(data))
 
-    # --- both -------------------------------------------------------------------------
-
-    def _apply_document(self, document: Any) -> None:
-        if isinstance(document, list):
-            # Gemini's `:streamGenerateContent` without `alt=sse`: one JSON array of the
-            # chunks, each with the `usageMetadata` so far. Only that: a listing of past
-            # requests' `usage` is no usage of this one.
-            for item in document:
-                if isinstance(item, dict):
-                    self._apply_model(item.get("modelVersion"))
-                    self._apply_gemini(item.get("usageMetadata"))
-            return
-        if not isinstance(document, dict):
-            return
-        # Gemini / Vertex AI: `usageMetadata`, the model in `modelVersion`. (Each shape is
-        # looked for by its keys first: every answer the meter parses pays for the lookups.)
-        if "usageMetadata" in document or "modelVersion" in document:
-            self._apply_model(document.get("modelVersion"))
-            self._apply_gemini(document.get("usageMetadata"))
-        # Ollama's own API: the last object (or NDJSON line) counts at the top level.
-        if "eval_count" in document or "prompt_eval_count" in document:
-            self._apply_counts(
-                _reported_count(document.get("prompt_eval_count")),
-                _reported_count(document.get("eval_count")),
-            )
-        # Anthropic `message_start` nests it in `message`; the OpenAI Responses API's
-        # stream in `response` (`response.created`, `response.completed`); Groq's stream
-        # in its last chunk's `x_groq`.
-        for key in ("message", "response", "x_groq"):
-            nested = document.get(key)
-            if isinstance(nested, dict):
-                self._apply_model(nested.get("model"))
-                self._apply_usage(nested.get("usage"))
-        self._apply_model(document.get("model"))
-        self._apply_usage(document.get("usage"))
-
-    def _apply_model(self, model: Any) -> None:
-        if isinstance(model, str) and model and self.target.model is None:
-            self.target.model = model[:MAX_NAME]
-
-    def _apply_usage(self, usage: Any) -> None:
-        if not isinstance(usage, dict):
-            return
-        input_tokens = output_tokens = None
-        # AWS Bedrock's Converse API spells them `inputTokens` / `outputTokens`.
-        for key in ("prompt_tokens", "input_tokens", "inputTokens"):
-            value = _reported_count(usage.get(key))
-            if value is not None:
-                # Anthropic's input_tokens (and Bedrock's inputTokens) leaves out the
-                # prompt written to and read from its cache (billed too): they count as
-                # input, as the GenAI conventions' gen_ai.usage.input_tokens includes
-                # cached tokens.
-                for cached in _CACHE_KEYS.get(key, ()):
-                    extra = _reported_count(usage.get(cached))
-                    if extra is not None:
-                        value = min(value + extra, MAX_TOKENS)
-                input_tokens = value
-                break
-        for key in ("completion_tokens", "output_tokens", "outputTokens"):
-            value = _reported_count(usage.get(key))
-            if value is not None:
-                output_tokens = value
-                break
-        self._apply_counts(input_tokens, output_tokens)
-
-    def _apply_gemini(self, usage: Any) -> None:
-        """Gemini's `usageMetadata`: `promptTokenCount` (cached content included) and the
-        tool-use prompt are input; `candidatesTokenCount` and the thinking model's
-        `thoughtsTokenCount` are output, billed at the output price."""
-        if not isinstance(usage, dict):
-            return
-        self._apply_counts(
-            _sum_counts(usage, _GEMINI_INPUT_KEYS), _sum_counts(usage, _GEMINI_OUTPUT_KEYS)
-        )
-
-    def _apply_counts(self, input_tokens: int | None, output_tokens: int | None) -> None:
-        # A count only grows over one response (Anthropic's output count is cumulative;
-        # OpenAI reports once): the largest reported stands, so a later event saying less
-        # (one the SDKs skip, e.g. an unknown `event:` name) cannot lower the charge.
-        target = self.target
-        if input_tokens is not None and (
-            target.input_tokens is None or input_tokens > target.input_tokens
-        ):
-            target.input_tokens = input_tokens
-        if output_tokens is not None and (
-            target.output_tokens is None or output_tokens > target.output_tokens
-        ):
-            target.output_tokens = output_tokens
-        if input_tokens is not None or output_tokens is not None:
+    def _read_document(self, document: Any) -> None:
+        if read_document(self.target, document):
             self.reported = True
 
 
@@ -470,33 +361,6 @@ class _Tail(bytearray):
 
     def read(self) -> bytes:
         return bytes(self[-_TAIL:])
-
-
-def _reported_count(value: Any) -> int | None:
-    """A reported token count (`token_count`), where one too large for a float (`1e400`,
-    `Infinity`: the SDKs read `inf`) is the largest, as 1e300 or 10^5000 is."""
-    if isinstance(value, float) and value == _INFINITY:
-        return MAX_TOKENS
-    return token_count(value)
-
-
-def _sum_counts(usage: dict[str, Any], keys: tuple[str, ...]) -> int | None:
-    """The sum of the counts `usage` reports under `keys` (None: none reported)."""
-    total = None
-    for key in keys:
-        value = _reported_count(usage.get(key))
-        if value is not None:
-            total = min((total or 0) + value, MAX_TOKENS)
-    return total
-
-
-_INFINITY = float("inf")
-_CACHE_KEYS = {
-    "input_tokens": ("cache_creation_input_tokens", "cache_read_input_tokens"),  # Anthropic
-    "inputTokens": ("cacheWriteInputTokens", "cacheReadInputTokens"),  # Bedrock Converse
-}
-_GEMINI_INPUT_KEYS = ("promptTokenCount", "toolUsePromptTokenCount")
-_GEMINI_OUTPUT_KEYS = ("candidatesTokenCount", "thoughtsTokenCount")
 
 
 def media_type(content_type: bytes) -> bytes:
@@ -524,182 +388,6 @@ _FIRST_BYTE = re.compile(rb"[^ \t\r\n\xef\xbb\xbf]")
 _SSE_FIELD = re.compile(rb"(?:data|event|id|retry)?:|(?:data|event|id|retry)\r?\n")
 _SSE_FIELD_BYTES = len(b"retry:")
 _HEAD_MAX = 1024  # leading whitespace kept while undecided, at most
-
-
-# A gzip (`x-gzip`) or zlib-wrapped deflate stream, told apart by its header.
-_GZIP_OR_ZLIB = zlib.MAX_WBITS | 32
-
-
-class ContentDecoder:
-    """One gzip / deflate body decoded as it streams, as clients decode it: gzip and
-    zlib-wrapped deflate told apart by their header, and `deflate` sent as the bare RFC 1951
-    stream, without the zlib wrapper (many servers send it so; httpx, the SDKs' client,
-    aiohttp and browsers read it), read from its first byte again. A gzip body may hold
-    several members (RFC 1952 §2.2: a server compressing each flush on its own); each is
-    read, as urllib3 and browsers read them, and bytes after a member that are not another
-    one are ignored, as urllib3 ignores them. Raises zlib.error on a body that is none of
-    these."""
-
-    __slots__ = ("_decompressor", "_head", "_members")
-
-    def __init__(self, *, deflate: bool) -> None:
-        self._decompressor = zlib.decompressobj(_GZIP_OR_ZLIB)
-        # A `deflate` body's first coded bytes, kept until they show whether it carries
-        # the zlib wrapper (None: decided, or not `deflate`).
-        self._head: bytes | None = b"" if deflate else None
-        # gzip: _FIRST, then _LATER once a second member begins; _IGNORED once what
-        # follows a member is not one. `deflate` is one stream: None.
-        self._members: int | None = None if deflate else _FIRST
-
-    def decode(self, chunk: bytes, max_length: int = 0) -> bytes:
-        """The decoded bytes `chunk` completes, at most `max_length` (0: all)."""
-        members = self._members
-        if members is not None:
-            if members == _IGNORED:
-                return b""
-            try:
-                decoded = self._decompressor.decompress(chunk, max_length)
-            except zlib.error:
-                if members == _FIRST:
-                    raise
-                self._members = _IGNORED
-                return b""
-            return self._later_members(decoded, max_length)
-        head = self._head
-        if head is None:
-            return self._decompressor.decompress(chunk, max_length)
-        try:
-            decoded = self._decompressor.decompress(chunk, max_length)
-        except zlib.error:
-            self._head = None
-            self._decompressor = zlib.decompressobj(-zlib.MAX_WBITS)
-            return self._decompressor.decompress(head + chunk, max_length)
-        # Two bytes read without an error: the zlib header was there.
-        head += chunk
-        self._head = head if len(head) < 2 else None
-        return decoded
-
-    def flush(self) -> bytes:
-        """What the decoder still holds once the body has ended."""
-        if self._members == _IGNORED:
-            return b""
-        return self._decompressor.flush()
-
-    def _later_members(self, decoded: bytes, max_length: int) -> bytes:
-        """`decoded`, and what the gzip members that follow the one that ended decode to
-        (at most `max_length` in all)."""
-        decompressor = self._decompressor
-        if not (decompressor.eof and decompressor.unused_data):
-            return decoded
-        # What follows is read a window at a time: zlib copies the input a member leaves
-        # unread (`unused_data`), so a chunk of many members (50,000 empty ones in 1 MiB,
-        # a caller's request body) copied its rest once per member, seconds of CPU.
-        rest = memoryview(decompressor.unused_data)
-        parts = [decoded]
-        size = len(decoded)
-        offset = 0
-        while offset < len(rest):
-            if max_length and size >= max_length:
-                break  # the caller reads this as over its bound
-            if decompressor.eof:
-                decompressor = self._decompressor = zlib.decompressobj(_GZIP)
-                self._members = _LATER
-            piece = rest[offset : offset + _MEMBER_WINDOW]
-            try:
-                out = decompressor.decompress(piece, max_length - size if max_length else 0)
-            except zlib.error:
-                self._members = _IGNORED  # not a member: ignored, as clients ignore it
-                break
-            parts.append(out)
-            size += len(out)
-            if decompressor.eof:
-                offset += len(piece) - len(decompressor.unused_data)
-            elif decompressor.unconsumed_tail:
-                break  # max_length reached: over the bound
-            else:
-                offset += len(piece)
-        return b"".join(parts)
-
-
-# The most input a later gzip member is given at once (`_later_members`).
-_MEMBER_WINDOW = 16 * 1024
-
-
-_GZIP = zlib.MAX_WBITS | 16
-_FIRST, _LATER, _IGNORED = 0, 1, 2
-
-
-class StackedDecoder:
-    """A body coded more than once (`Content-Encoding: gzip, gzip`: an app compressed it
-    and a proxy in front compressed it again; RFC 9110 §8.4 lists codings in the order
-    applied), undone last coding first, as clients undo it (httpx, urllib3). Each stage
-    is bounded like the last: a stage that fills `max_length` stops the decoding there,
-    and the caller reads a result of `max_length` bytes as over its bound (nothing of it
-    is relayed or metered)."""
-
-    __slots__ = ("_stages",)
-
-    def __init__(self, stages: list[ContentDecoder]) -> None:
-        self._stages = stages
-
-    def decode(self, chunk: bytes, max_length: int = 0) -> bytes:
-        for stage in self._stages:
-            chunk = stage.decode(chunk, max_length)
-            if max_length and len(chunk) >= max_length:
-                return chunk
-        return chunk
-
-    def flush(self) -> bytes:
-        data = b""
-        for stage in self._stages:
-            data = (stage.decode(data) if data else b"") + stage.flush()
-        return data
-
-
-BodyDecoder = ContentDecoder | StackedDecoder
-# Codings stacked on one body that are undone at most (urllib3's own bound): a longer
-# stack is not read, as `br` is not.
-MAX_STACKED_CODINGS = 5
-
-
-def content_decoder(content_encoding: bytes) -> tuple[bool, BodyDecoder | None]:
-    """Whether a body in these codings can be read, and the decoder that undoes them
-    (None: `identity`). Not readable: `br`, `zstd`, more than MAX_STACKED_CODINGS."""
-    codings = [c.strip().lower() for c in content_encoding.split(b",")]
-    codings = [c for c in codings if c and c != b"identity"]
-    if not codings:
-        return True, None
-    if len(codings) > MAX_STACKED_CODINGS or not all(c in READABLE_CODINGS for c in codings):
-        return False, None
-    stages = [ContentDecoder(deflate=c == b"deflate") for c in reversed(codings)]
-    return True, stages[0] if len(stages) == 1 else StackedDecoder(stages)
-
-
-def unreadable_coding(content_encoding: bytes) -> str | None:
-    """What keeps a body in these codings from being read (`content_decoder`), named for a
-    message: a registered coding's name, never an upstream's own token (it may hold
-    anything, a credential included). None: it can be read."""
-    codings = _codings(content_encoding)
-    if len(codings) > MAX_STACKED_CODINGS:
-        return f"{len(codings)} codings stacked (at most {MAX_STACKED_CODINGS} are undone)"
-    for coding in codings:
-        if coding not in READABLE_CODINGS:
-            return f"`{coding.decode()}`" if coding in _REGISTERED else "an unregistered coding"
-    return None
-
-
-# The IANA HTTP Content Coding Registry's names (a coding named in a message as it is).
-_REGISTERED = frozenset(
-    {b"aes128gcm", b"br", b"compress", b"dcb", b"dcz", b"exi", b"pack200-gzip",
-     b"x-compress", b"zstd"}
-)  # fmt: skip
-
-
-def _codings(content_encoding: bytes) -> list[bytes]:
-    """The codings a `Content-Encoding` list names, in the order applied (no `identity`),
-    as content_decoder reads them (written out there: the gzip answer's path)."""
-    codings = [c.strip().lower() for c in content_encoding.split(b",")]
-    return [c for c in codings if c and c != b"identity"]
 
 
 def _loads(data: bytes) -> Any:
