@@ -10,13 +10,13 @@ The library uses `opentelemetry-api` only; the host app (or `fallback-mw serve`,
 `otel_setup`) owns the SDK. Without an SDK every call is a cheap no-op.
 """
 
+from fallback_mw.telemetry.breakers import normalise_breaker_state
 from fallback_mw.telemetry.core import (
     ATTEMPT_SPAN,
     REQUEST_SPAN,
     SHADOW_SPAN,
     SKIP_EVENT,
     Telemetry,
-    normalise_breaker_state,
 )
 
 __all__ = [

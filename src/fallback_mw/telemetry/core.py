@@ -3,31 +3,32 @@
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import logging
 import time
 import weakref
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
-from opentelemetry import baggage as otel_baggage
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
-from opentelemetry.baggage.propagation import W3CBaggagePropagator
-from opentelemetry.propagators.composite import CompositePropagator
-from opentelemetry.propagators.textmap import TextMapPropagator
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
 
 from fallback_mw.config import ConfigError, RouteConfig
 from fallback_mw.extras import package_version
 from fallback_mw.injected import require
 from fallback_mw.request.context import AttemptRecord, RequestContext
-from fallback_mw.request.secrets import RequestSecrets
+from fallback_mw.telemetry.breakers import BreakerReports
 from fallback_mw.telemetry.genai import operation_name
 from fallback_mw.telemetry.instruments import Instruments, never_idle
+from fallback_mw.telemetry.propagation import (
+    PROPAGATORS_REFUSED,
+    TracePropagation,
+    current_attempt,
+    extract,
+    without_secret_baggage,
+    without_secret_trace_state,
+)
 from fallback_mw.telemetry.redact import (
     EXTRACTING,
-    GETTER,
     http_method,
     label,
     quiet_propagators,
@@ -42,21 +43,6 @@ from fallback_mw.telemetry.spans import (
     request_span_attributes,
 )
 
-try:
-    from opentelemetry import propagate
-except ValueError as refused:
-    # OTEL_PROPAGATORS names a propagator that is not installed or is misspelled (`b3`
-    # without its package, `bagage`): the API refuses at import. Importing fallback_mw (and
-    # every `fallback-mw` command) must not die on it in a traceback; a gateway refuses to
-    # start with one line saying so (Telemetry below).
-    _PROPAGATORS_REFUSED: str | None = (
-        f"OTEL_PROPAGATORS: {refused} Install the package that provides it (b3: "
-        "opentelemetry-propagator-b3, jaeger: opentelemetry-propagator-jaeger) or fix the "
-        "name; tracecontext,baggage is the default"
-    )
-else:
-    _PROPAGATORS_REFUSED = None
-
 INSTRUMENTATION_NAME = "fallback_mw"
 REQUEST_SPAN = "gateway.request"
 ATTEMPT_SPAN = "gateway.attempt"
@@ -66,33 +52,11 @@ SHADOW_SPAN = "gateway.shadow"
 
 _internal = logging.getLogger("fallback_mw.telemetry")
 
-_BREAKER_VALUES = {"closed": 0, "half_open": 1, "open": 2}
-
-# The attempt span in flight in this task, so `inject_headers` (called with the attempt's
-# header list only) can propagate its context. Set in attempt_started, cleared after.
-_current_attempt: contextvars.ContextVar[AttemptTrace | None] = contextvars.ContextVar(
-    "fallback_mw_current_attempt", default=None
-)
-
-
-# The global propagator, its field names as str and as header bytes, and whether it is
-# made of the W3C propagators only.
-_Propagation = tuple[TextMapPropagator, frozenset[str], frozenset[bytes], bool]
-_W3C_PROPAGATORS = (TraceContextTextMapPropagator, W3CBaggagePropagator)
-
 # Marks a request whose telemetry was finished: a second request_finished records nothing.
 _FINISHED = object()
 
-# Every live Telemetry, for the breaker gauge (Telemetry._observe_breakers).
-_LIVE: weakref.WeakSet[Telemetry] = weakref.WeakSet()
 
-
-def normalise_breaker_state(state: str) -> str | None:
-    normalised = state.strip().lower().replace("-", "_")
-    return normalised if normalised in _BREAKER_VALUES else None
-
-
-class Telemetry:
+class Telemetry(BreakerReports, TracePropagation):
     """The walker's one telemetry seam. Every hook is safe to call and never raises.
 
     `tracer_provider` / `meter_provider` default to the global ones (the host app's SDK,
@@ -104,8 +68,8 @@ class Telemetry:
         tracer_provider: trace.TracerProvider | None = None,
         meter_provider: metrics.MeterProvider | None = None,
     ) -> None:
-        if _PROPAGATORS_REFUSED is not None:
-            raise ConfigError(_PROPAGATORS_REFUSED)
+        if PROPAGATORS_REFUSED is not None:
+            raise ConfigError(PROPAGATORS_REFUSED)
         # Checked here, not at the first span: a wrong object failed every request with an
         # AttributeError far from the mistake (or, for a meter provider, this constructor).
         require(
@@ -119,7 +83,7 @@ class Telemetry:
         # With the global provider, spans are only recorded once an SDK is installed (serve
         # installs it after building the gateway): until then a request costs no span work.
         self._global_tracer = tracer_provider is None
-        self._propagation: _Propagation | None = None
+        self._propagation = None
         tracer_provider = tracer_provider or trace.get_tracer_provider()
         meter_provider = meter_provider or metrics.get_meter_provider()
         self.meter_provider = meter_provider  # shared with the health state it reports on
@@ -129,21 +93,7 @@ class Telemetry:
         # A gateway dropped with counts its tallies hold gives them to the counters (the
         # next collection reads them), as `add` would have.
         weakref.finalize(self, self._m.flush)
-        # This gateway's breakers (its own health state reports to it), so two Gateways on
-        # two meter providers keep separate gauges. On one provider (the host's global one)
-        # the SDK keeps the first gateway's gauge and drops a second registration's
-        # callback: each gauge callback reports every live gateway on its provider.
-        self._breaker_states: dict[str, str] = {}
-        _LIVE.add(self)
-        # The upstreams each gateway reporting here serves (only_upstreams): its file's,
-        # or with a route store those it still serves after the last reload.
-        self._serving: list[Callable[[], Collection[str]]] = []
-        meter.create_observable_gauge(
-            "gateway.breaker.state",
-            callbacks=[self._observe_breakers],
-            unit="{state}",
-            description="Breaker state per upstream: 0 closed, 1 half-open, 2 open",
-        )
+        self._start_breaker_reports(meter)
 
     # --- hooks the walker calls -------------------------------------------------------
 
@@ -166,14 +116,14 @@ class Telemetry:
             else:
                 token = EXTRACTING.set(True)
                 try:
-                    incoming = propagate.extract(headers, getter=GETTER)
+                    incoming = extract(headers)
                 finally:
                     EXTRACTING.reset(token)
                 kind = trace.SpanKind.SERVER
             # What the spans carry and the attempts propagate upstream (the host's
             # extraction too): no trace state or baggage entry holding a credential.
-            incoming = _without_secret_trace_state(incoming, context.secrets)
-            incoming = _without_secret_baggage(incoming, context.secrets)
+            incoming = without_secret_trace_state(incoming, context.secrets)
+            incoming = without_secret_baggage(incoming, context.secrets)
             method, original = http_method(
                 context.method, context.route.accepted_methods, context.secrets
             )
@@ -229,7 +179,7 @@ class Telemetry:
             )
             # A task started after this (a hedge) copies the value: each attempt's
             # _attempt sees its own span. Cleared when the attempt ends.
-            _current_attempt.set(entry)
+            current_attempt.set(entry)
             request.attempts.append(entry)
         except Exception:
             _internal.debug("attempt_started failed", exc_info=False)
@@ -363,13 +313,13 @@ class Telemetry:
         if span is None:
             yield
             return
-        attempt = _current_attempt.set(None)
+        attempt = current_attempt.set(None)
         token = otel_context.attach(trace.set_span_in_context(span, parent))
         try:
             yield
         finally:
             otel_context.detach(token)
-            _current_attempt.reset(attempt)
+            current_attempt.reset(attempt)
 
     def shadow_finished(
         self,
@@ -426,59 +376,6 @@ class Telemetry:
             return _NOT_OURS
         return _RequestScope(self, context, headers)
 
-    def inject_headers(self, headers: list[tuple[str, str]]) -> None:
-        """Propagate the attempt span's context upstream: the caller's own `traceparent`
-        (and `tracestate`, `baggage`) are replaced, never duplicated. Without an SDK the
-        caller's context passes through unchanged."""
-        try:
-            entry = _current_attempt.get()
-            propagator, fields, _, quiet = self._propagation_fields()
-            if entry is None and quiet and not otel_context.get_current():
-                return  # no span, no baggage: W3C propagators would write nothing
-            ctx = entry.context if entry is not None else None
-            carrier: dict[str, str] = {}
-            propagator.inject(carrier, context=ctx)
-            if not carrier and entry is None:
-                return  # no trace context of ours at all: leave the caller's untouched
-            headers[:] = [(k, v) for k, v in headers if k.lower() not in fields]
-            headers.extend(carrier.items())
-        except Exception:
-            _internal.debug("inject_headers failed", exc_info=False)
-
-    def breaker_state(self, upstream: str, state: str) -> None:
-        """Report an upstream's breaker state (`closed`, `half_open`/`half-open`, `open`);
-        the health state calls it on every transition (again with the same state is
-        harmless). Exported as the `gateway.breaker.state` gauge (0 closed, 1 half-open,
-        2 open); each change counts in `gateway.breaker.transitions`. Never raises."""
-        try:
-            normalised = normalise_breaker_state(state)
-            if normalised is None:
-                return
-            name = label(upstream)
-            previous = self._breaker_states.get(name)
-            self._breaker_states[name] = normalised
-            if previous != normalised:
-                self._m.transitions.add(
-                    1, {"gateway.upstream": name, "gateway.breaker.state": normalised}
-                )
-        except Exception:
-            _internal.debug("breaker state not recorded", exc_info=False)
-
-    def breaker_seen(self, upstream: str, state: str) -> None:
-        """A shared breaker's state that another process moved it to (Redis state): the
-        gauge follows it, `gateway.breaker.transitions` does not count it, so that summed
-        over every process each transition counts once. Never raises."""
-        try:
-            normalised = normalise_breaker_state(state)
-            if normalised is not None:
-                self._breaker_states[label(upstream)] = normalised
-        except Exception:
-            _internal.debug("breaker state not recorded", exc_info=False)
-
-    def breaker_states(self) -> Mapping[str, str]:
-        """The last reported state of each upstream's breaker (a copy)."""
-        return dict(self._breaker_states)
-
     def routes_loaded(self, routes: Iterable[RouteConfig]) -> None:
         """The routes this gateway serves now (at start, and after each store reload): each
         route's fallback series, its local error series, its candidates' skip series, and
@@ -510,79 +407,7 @@ class Telemetry:
         except Exception:
             _internal.debug("zero series not started", exc_info=False)
 
-    def only_upstreams(self, serving: Callable[[], Collection[str]]) -> None:
-        """Report the breaker gauge for the upstreams `serving()` names (a gateway calls it
-        once; two gateways sharing this Telemetry report both sets): each from the start,
-        0 (closed) until its breaker moves (SPEC §9: breaker state is a metric, and a
-        healthy gateway had no series at all); and only those: when a route store reload
-        drops an upstream, its series goes, so an open breaker of a removed upstream does
-        not keep FallbackMwBreakerOpen firing until a restart. Its last state is kept: an
-        upstream added back reports it again."""
-        self._serving.append(serving)
-
-    def _serving_labels(self) -> set[str] | None:
-        """The labels of the upstreams `only_upstreams` names; None: report every one."""
-        if not self._serving:
-            return None
-        try:
-            return {label(name) for serving in self._serving for name in serving()}
-        except Exception:
-            _internal.debug("serving upstreams not read", exc_info=False)
-            return None
-
-    def _observe_breakers(self, options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
-        """The breakers of every live gateway whose instruments are on this one's meter
-        provider (the one registration of the gauge the SDK kept reports them all), after
-        adding their tallied counts to the counters; an
-        upstream name two of them use reports its worst state. A gateway reports the
-        upstreams it serves (`only_upstreams`), a breaker that never moved as closed."""
-        provider = _resolved(self.meter_provider)
-        values: dict[str, int] = {}
-        for telemetry in list(_LIVE):
-            if telemetry is not self and _resolved(telemetry.meter_provider) is not provider:
-                continue
-            # Every collection runs the callbacks before it reads the counters: the counts
-            # the tallies hold (instruments.Tally) are added now, and read in this one.
-            telemetry._m.flush()
-            serving = telemetry._serving_labels()
-            for upstream, state in list(telemetry._breaker_states.items()):
-                if serving is None or upstream in serving:
-                    values[upstream] = max(values.get(upstream, 0), _BREAKER_VALUES[state])
-            for upstream in serving or ():
-                values.setdefault(upstream, _BREAKER_VALUES["closed"])  # never moved yet
-        return [
-            metrics.Observation(value, {"gateway.upstream": upstream})
-            for upstream, value in values.items()
-        ]
-
     # --- internals --------------------------------------------------------------------
-
-    def _propagation_fields(self) -> _Propagation:
-        """The global propagator, its field names (as str and header bytes) and whether
-        it is made of the W3C propagators only (which inject nothing from an empty
-        context), computed again only when another propagator is installed."""
-        propagator = propagate.get_global_textmap()
-        cached = self._propagation
-        if cached is None or cached[0] is not propagator:
-            names = frozenset(f.lower() for f in propagator.fields)
-            parts = (
-                getattr(propagator, "_propagators", None)
-                if type(propagator) is CompositePropagator
-                else (propagator,)
-            )
-            quiet = parts is not None and all(type(p) in _W3C_PROPAGATORS for p in parts)
-            cached = (propagator, names, frozenset(n.encode("latin-1") for n in names), quiet)
-            self._propagation = cached
-        return cached
-
-    def _nothing_to_trace(self, headers: Sequence[tuple[bytes, bytes]]) -> bool:
-        """No SDK behind the global tracer and no trace context from the caller: a span
-        would record nothing and propagate nothing (the caller's headers pass unchanged
-        either way), so the request skips span bookkeeping altogether."""
-        if not self._global_tracer or not _tracing_off():
-            return False
-        fields = self._propagation_fields()[2]
-        return not any(name in fields for name, _ in headers)
 
     def _request_trace(self, context: RequestContext) -> RequestTrace | None:
         request = context.trace
@@ -601,8 +426,8 @@ class Telemetry:
         attempt_decided (or the request's end), keeping this moment as its end time."""
         record = entry.record
         span = entry.span
-        if _current_attempt.get() is entry:
-            _current_attempt.set(None)
+        if current_attempt.get() is entry:
+            current_attempt.set(None)
         kind = "cancelled" if cancelled and record.failure_kind is None else record.failure_kind
         attributes: dict[str, AttributeValue] = {}
         if record.status is not None:
@@ -706,11 +531,7 @@ class _RequestScope:
 _NOT_OURS = contextlib.nullcontext()
 
 
-def _resolved(provider: metrics.MeterProvider) -> object:
-    """The provider whose meters instruments made on `provider` end up on: the installed
-    SDK's for the OTel API's global proxy once one is installed, else `provider`."""
-    real = getattr(provider, "_real_meter_provider", None)
-    return provider if real is None else real
+_MISSING = object()
 
 
 def _unset_global_meter_provider(provider: metrics.MeterProvider) -> Callable[[], bool]:
@@ -729,19 +550,6 @@ def _unset_global_meter_provider(provider: metrics.MeterProvider) -> Callable[[]
     return lambda: internal._METER_PROVIDER is None
 
 
-_MISSING = object()
-
-
-def _tracing_off() -> bool:
-    """The global tracer provider is the API's proxy (no SDK installed) or a no-op one."""
-    provider = getattr(trace, "_TRACER_PROVIDER", _MISSING)
-    if provider is None:  # unset: the proxy (checked without `get_tracer_provider()`'s
-        return True  # environment lookup per call; the API sets it once, never unsets it)
-    if provider is _MISSING:  # an API without the global: ask it
-        provider = trace.get_tracer_provider()
-    return isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider)
-
-
 def _end_decided(entry: AttemptTrace) -> None:
     """End an attempt's span with the walk's decision about it, at the time the attempt
     finished (now, when it was not kept waiting for the decision)."""
@@ -750,53 +558,6 @@ def _end_decided(entry: AttemptTrace) -> None:
     if attributes:
         entry.span.set_attributes(attributes)
     entry.span.end(end_time=entry.finished_at)
-
-
-def _without_secret_trace_state(
-    incoming: otel_context.Context, secrets: RequestSecrets | None
-) -> otel_context.Context:
-    """The caller's context less any `tracestate` entry that carries a credential of the
-    request: every span of the trace inherits the parent's trace state, and exporters write
-    it out with each span (OTLP `trace_state`), so a caller could otherwise get its own
-    token or a provider key recorded through a header value. The other entries stay and
-    propagate upstream as W3C asks."""
-    if secrets is None:
-        return incoming
-    parent = trace.get_current_span(incoming).get_span_context()
-    state = parent.trace_state
-    if not parent.is_valid or not state:
-        return incoming
-    kept = [
-        (key, value)
-        for key, value in state.items()
-        if not secrets.carried_by(key) and not secrets.carried_by(value)
-    ]
-    if len(kept) == len(state):
-        return incoming
-    cleaned = trace.SpanContext(
-        parent.trace_id,
-        parent.span_id,
-        is_remote=parent.is_remote,
-        trace_flags=parent.trace_flags,
-        trace_state=trace.TraceState(kept),
-    )
-    return trace.set_span_in_context(trace.NonRecordingSpan(cleaned), incoming)
-
-
-def _without_secret_baggage(
-    incoming: otel_context.Context, secrets: RequestSecrets | None
-) -> otel_context.Context:
-    """The caller's context less any baggage entry whose name or value carries a credential
-    of the request: the attempts propagate the caller's baggage upstream (W3C `baggage`),
-    so a `session.id` a page's instrumentation set to its session cookie, or a token,
-    reached the provider beside the stripped `cookie` / `authorization`."""
-    if secrets is None:
-        return incoming
-    entries = otel_baggage.get_all(incoming)
-    for name, value in entries.items():
-        if secrets.carried_by(name) or secrets.carried_by(str(value)):
-            incoming = otel_baggage.remove_baggage(name, incoming)
-    return incoming
 
 
 def _genai(
