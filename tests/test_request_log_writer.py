@@ -1,4 +1,4 @@
-"""serve's request log writer (telemetry.request_log.LineHandler / LineFormatter): lines
+"""serve's request log writer (telemetry.line_writer.LineHandler / LineFormatter): lines
 formatted when logged, written in order in batches, nothing lost at close, still usable
 after logging.config closes it (uvicorn does)."""
 
@@ -16,15 +16,15 @@ from pathlib import Path
 from select import PIPE_BUF
 from typing import Any
 
-from fallback_mw.telemetry import request_log
-from fallback_mw.telemetry.request_log import (
+from fallback_mw.telemetry import line_writer
+from fallback_mw.telemetry.line_writer import (
     FLUSH_LINES,
     MAX_PENDING_LINES,
     SERVE_FORMAT,
     SERVE_FORMAT_PID,
     LineFormatter,
     LineHandler,
-    _direct_handler,
+    direct_handler,
 )
 
 
@@ -62,7 +62,7 @@ def test_lines_are_written_in_order_by_the_writer_thread_and_at_close() -> None:
 
 def test_a_full_buffer_is_handed_to_the_writer_at_once(monkeypatch: Any) -> None:
     # The writer's tick made an hour long: only a full buffer can have it write this soon.
-    monkeypatch.setattr(request_log, "FLUSH_SECONDS", 3600.0)
+    monkeypatch.setattr(line_writer, "FLUSH_SECONDS", 3600.0)
     stream = io.StringIO()
     handler = LineHandler(stream)
     handler.setFormatter(logging.Formatter("%(message)s"))
@@ -106,7 +106,7 @@ def test_a_log_reader_that_stopped_reading_never_holds_up_a_logged_line(monkeypa
     request's line waited for that lock, and the gateway stopped answering once the pipe
     was full. A line is only queued now; past MAX_PENDING_LINES lines are counted, and
     once the log takes lines again one line says how many were dropped."""
-    monkeypatch.setattr(request_log, "FLUSH_SECONDS", 3600.0)  # full buffers only
+    monkeypatch.setattr(line_writer, "FLUSH_SECONDS", 3600.0)  # full buffers only
     stream = Stalled()
     handler = LineHandler(stream)
     handler.setFormatter(logging.Formatter("%(message)s"))
@@ -139,17 +139,17 @@ def test_the_exit_flush_gives_up_on_a_log_reader_that_stopped_reading() -> None:
     handler = LineHandler(stream)
     handler.setFormatter(logging.Formatter("%(message)s"))
     owner = logging.getLogger("fallback_mw.test_exit_flush")
-    before = request_log._installed
+    before = line_writer._installed
     handler.install(owner)
     try:
         for number in range(FLUSH_LINES + 10):
             handler.handle(record(f"line {number}"))
         assert stream.writing.wait(10)  # the writer is stuck in its write
-        in_thread_within(10, lambda: request_log.flush_request_lines(timeout=0.5))
+        in_thread_within(10, lambda: line_writer.flush_request_lines(timeout=0.5))
     finally:
         stream.go.set()
         owner.removeHandler(handler)
-        request_log._installed = before
+        line_writer._installed = before
         handler.close()
     assert stream.getvalue().count("\n") == FLUSH_LINES + 10  # all written once let go
 
@@ -221,7 +221,7 @@ def test_each_write_holds_whole_lines_no_more_than_a_pipe_takes_whole(monkeypatc
     Kubernetes): a batch written in one write over PIPE_BUF was spliced with another
     worker's when the pipe was full, tearing lines of both. Each write now holds whole
     lines within PIPE_BUF; a line longer than that goes alone, whole."""
-    monkeypatch.setattr(request_log, "FLUSH_SECONDS", 3600.0)  # the full buffer writes
+    monkeypatch.setattr(line_writer, "FLUSH_SECONDS", 3600.0)  # the full buffer writes
     raw = Writes()
     # As Python sets up a non-interactive stderr: buffered, line-buffered text.
     stream = io.TextIOWrapper(io.BufferedWriter(raw), encoding="utf-8", line_buffering=True)
@@ -296,7 +296,7 @@ def test_the_line_skips_the_record_only_while_nothing_else_would_see_it() -> Non
     runner = root.handlers[:]  # pytest's capture handlers: a host's handlers, like any
     with serve_logging() as (handler, _):
         if runner:
-            assert _direct_handler(logging.INFO) is None
+            assert direct_handler(logging.INFO) is None
         root.handlers = []
         try:
             check_direct(handler, request_logger, root)
@@ -307,25 +307,25 @@ def test_the_line_skips_the_record_only_while_nothing_else_would_see_it() -> Non
 def check_direct(
     handler: LineHandler, request_logger: logging.Logger, root: logging.Logger
 ) -> None:
-    assert _direct_handler(logging.INFO) is handler
+    assert direct_handler(logging.INFO) is handler
     added = logging.NullHandler()
     request_logger.addHandler(added)
-    assert _direct_handler(logging.INFO) is None
+    assert direct_handler(logging.INFO) is None
     request_logger.removeHandler(added)
     owner = logging.getLogger("fallback_mw")
     owner.addFilter(lambda _: True)
-    assert _direct_handler(logging.INFO) is None
+    assert direct_handler(logging.INFO) is None
     owner.filters.clear()
     handler.setLevel(logging.WARNING)
-    assert _direct_handler(logging.INFO) is None
-    assert _direct_handler(logging.WARNING) is handler
+    assert direct_handler(logging.INFO) is None
+    assert direct_handler(logging.WARNING) is handler
     handler.setLevel(logging.NOTSET)
     root.addHandler(added)
     try:
-        assert _direct_handler(logging.INFO) is None
+        assert direct_handler(logging.INFO) is None
     finally:
         root.removeHandler(added)
-    assert _direct_handler(logging.INFO) is handler
+    assert direct_handler(logging.INFO) is handler
 
 
 def test_a_line_logged_just_before_exit_is_written_after_uvicorn_configured_logging() -> None:

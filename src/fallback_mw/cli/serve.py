@@ -125,7 +125,7 @@ def configure_logging(*, with_pid: bool = False) -> None:
     # process (serve's own) skips what no serve format shows: the caller's source line,
     # thread and multiprocessing names, the pid unless it is printed (about a quarter of
     # the line's cost).
-    from fallback_mw.telemetry.request_log import (
+    from fallback_mw.telemetry.line_writer import (
         SERVE_FORMAT,
         SERVE_FORMAT_PID,
         LineFormatter,
@@ -341,7 +341,7 @@ def run_server(
 
     from fallback_mw.cli.otel_setup import TelemetrySetupError, configure_opentelemetry
     from fallback_mw.gateway import Gateway
-    from fallback_mw.telemetry.request_log import queue_server_lines
+    from fallback_mw.telemetry.line_writer import queue_server_lines
 
     class Server(uvicorn.Server):
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:

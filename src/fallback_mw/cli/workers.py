@@ -43,7 +43,7 @@ from types import FrameType
 
 from fallback_mw.cli.app import Console, Refused, dispatch
 from fallback_mw.config import GatewayConfig
-from fallback_mw.telemetry.request_log import flush_request_lines
+from fallback_mw.telemetry.line_writer import flush_request_lines
 
 # A worker that served and exits this long or more after its start is replaced at once;
 # one that exits sooner, or never served, is retried with the backoff (once established).
