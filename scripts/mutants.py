@@ -277,7 +277,13 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "forged_gateway_headers_kept",
         "a caller's x-gateway-* header never reaches an upstream or changes the walk",
-        (("security.py", "            or canonical.startswith(GATEWAY_HEADER_PREFIX)\n", ""),),
+        (
+            (
+                "security/fields.py",
+                "            or canonical.startswith(GATEWAY_HEADER_PREFIX)\n",
+                "",
+            ),
+        ),
         (ASKS + "test_forged_gateway_headers_change_nothing",),
     ),
     Mutant(
@@ -338,7 +344,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the Content-Length sent is the rewritten body's, never the caller's",
         (
             (
-                "security.py",
+                "security/fields.py",
                 'RECOMPUTED_HEADERS = frozenset({b"host", b"content-length", b"expect"})',
                 'RECOMPUTED_HEADERS = frozenset({b"host", b"expect"})',
             ),
@@ -407,7 +413,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "cloud_metadata_address_allowed",
         "a cloud metadata address outside 169.254.0.0/16 is refused whatever the allowlist",
-        (("security.py", '    ipaddress.ip_network("168.63.129.16/32"),\n', ""),),
+        (("security/addresses.py", '    ipaddress.ip_network("168.63.129.16/32"),\n', ""),),
         (
             "tests/hostile/test_cloud_metadata.py::"
             "test_a_cloud_metadata_upstream_or_proxy_is_refused_at_load_whatever_the_allowlist",
@@ -418,7 +424,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a client made without an allowlist still refuses link-local / metadata addresses",
         (
             (
-                "security.py",
+                "security/addresses.py",
                 "            if not is_always_refused("
                 'ipaddress.ip_address(text.split("%", 1)[0]))\n',
                 "",

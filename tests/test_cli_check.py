@@ -13,7 +13,7 @@ from typing import Any
 import anyio
 import pytest
 
-from fallback_mw.security import DEFAULT_STRIP_HEADERS
+from fallback_mw.security.fields import DEFAULT_STRIP_HEADERS
 from tests.helpers import free_port, gateway_client, log_text, serve_process, wait_listening
 from tests.test_cli_admin import run_cli as admin
 from tests.test_cli_convention import FALLBACK_MW, assert_one_error_line

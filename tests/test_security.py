@@ -12,7 +12,7 @@ import pytest
 
 from fallback_mw import Gateway
 from fallback_mw.config import ConfigError, load_config
-from fallback_mw.security import (
+from fallback_mw.security.addresses import (
     UnsafeUpstream,
     check_connect_addresses,
     check_upstream_host,

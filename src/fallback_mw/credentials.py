@@ -13,7 +13,7 @@ from fallback_mw.config import UpstreamConfig
 from fallback_mw.request.codings import content_decoder, unreadable_coding
 from fallback_mw.request.context import RequestContext
 from fallback_mw.request.secrets import MIN_SECRET, credential_forms
-from fallback_mw.security import READABLE_CODINGS, forwardable_request_headers
+from fallback_mw.security.fields import READABLE_CODINGS, forwardable_request_headers
 
 Credentials = Mapping[str, tuple[tuple[str, str] | None, ...]]
 

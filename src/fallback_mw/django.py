@@ -52,7 +52,7 @@ from fallback_mw.gateway import Gateway
 from fallback_mw.request.frames import drop_gateway_locals
 from fallback_mw.request.types import Message, Receive, Scope, Send
 from fallback_mw.routing import routed_path
-from fallback_mw.security import canonical_name
+from fallback_mw.security.fields import canonical_name
 
 __all__ = [
     "GatewayAborted",

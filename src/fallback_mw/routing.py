@@ -8,7 +8,7 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 from fallback_mw.config import DEFAULT_METHODS, RouteConfig, UpstreamConfig
-from fallback_mw.security import canonical_name
+from fallback_mw.security.fields import canonical_name
 
 
 def effective_deadline_ms(

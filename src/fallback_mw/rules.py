@@ -14,18 +14,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 from urllib.parse import urlsplit
 
-from fallback_mw.security import (
+from fallback_mw.security.addresses import UnsafeUpstream, check_upstream_host, is_legacy_ipv4
+from fallback_mw.security.fields import (
     CREDENTIAL_HEADERS,
     FORWARDING_HEADERS,
     GATEWAY_HEADER_PREFIX,
     HOP_BY_HOP_HEADERS,
     RECOMPUTED_HEADERS,
-    UnsafeUpstream,
     canonical_name,
-    check_upstream_host,
-    header_value_problem,
-    is_legacy_ipv4,
 )
+from fallback_mw.security.values import header_value_problem
 
 # POSIX portable environment variable names; a long name is a mistake, not a variable.
 _VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")

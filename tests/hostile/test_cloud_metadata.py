@@ -16,7 +16,7 @@ import pytest
 
 from fallback_mw import Gateway
 from fallback_mw.config import ConfigError, RouteConfig, UpstreamConfig, load_config
-from fallback_mw.security import (
+from fallback_mw.security.addresses import (
     UnsafeUpstream,
     carried_ipv4_network,
     check_connect_addresses,
@@ -32,7 +32,7 @@ from tests.upstreams import host_app, status_handler, upstream
 WIDE = ["0.0.0.0/0", "::/0"]
 KEY = "sk-metadata-test-key-0123456789"
 
-# Documented by each vendor (the sources are cited beside the list in security.py).
+# Documented by each vendor (the sources are cited beside the list in security/addresses.py).
 METADATA_IPV4 = {
     "168.63.129.16": "Azure WireServer",
     "100.100.100.200": "Alibaba Cloud",

@@ -377,7 +377,7 @@ def test_an_allow_hosts_entry_that_loads_is_one_the_allowlist_can_match(
     # check reads them (an address carrying an IPv4 one judged by that IPv4 address).
     import ipaddress
 
-    from fallback_mw.security import Allowlist, is_always_refused
+    from fallback_mw.security.addresses import Allowlist, is_always_refused
 
     bits = 32 if ":" not in address else 128
     entry = f"{address}/{min(length, bits)}"

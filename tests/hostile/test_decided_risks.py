@@ -13,7 +13,12 @@ import pytest
 
 from fallback_mw import Gateway
 from fallback_mw.config import ConfigError, load_config
-from fallback_mw.security import Allowlist, UnsafeUpstream, check_connect_addresses, parse_ip
+from fallback_mw.security.addresses import (
+    Allowlist,
+    UnsafeUpstream,
+    check_connect_addresses,
+    parse_ip,
+)
 from tests.helpers import gateway_client
 from tests.test_hedge import SlowFirst
 from tests.upstreams import host_app, serve_asgi, status_handler, upstream

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from fallback_mw import Gateway
 from fallback_mw.health.memory import MemoryHealth
-from fallback_mw.security import query_problem, request_header_problem
+from fallback_mw.security.values import query_problem, request_header_problem
 from fallback_mw.upstream import Timeouts, UpstreamError, UpstreamRequest, make_client
 from tests.helpers import http_scope
 from tests.upstreams import Upstream, host_app, status_handler, upstream
@@ -140,7 +140,7 @@ async def test_what_an_engine_refuses_is_local_never_a_bare_500(engine: str) -> 
 
 
 # The rule written out byte by byte (RFC 9110 §5.1 tchar, §5.5 field values; RFC 9112 §3.2
-# for the query): the fast checks in security.py must agree with it for any bytes.
+# for the query): the fast checks in security/values.py must agree with it for any bytes.
 _TCHAR_BYTES = frozenset(
     b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 )

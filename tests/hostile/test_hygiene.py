@@ -14,7 +14,7 @@ from aiohttp import web
 from fallback_mw import Gateway
 from fallback_mw.config import ConfigError, load_config
 from fallback_mw.routing import normalise_path, routed_path
-from fallback_mw.security import forwardable_request_headers
+from fallback_mw.security.fields import forwardable_request_headers
 from tests.helpers import http_scope
 from tests.upstreams import host_app, serve_asgi, status_handler, upstream
 

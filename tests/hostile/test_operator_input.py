@@ -20,8 +20,8 @@ from openai import AsyncOpenAI
 from fallback_mw import Gateway
 from fallback_mw.cli import main
 from fallback_mw.config import ConfigError, load_config
-from fallback_mw.security import (
-    DEFAULT_STRIP_HEADERS,
+from fallback_mw.security.fields import DEFAULT_STRIP_HEADERS
+from fallback_mw.security.queries import (
     DEFAULT_STRIP_QUERY_KEYS,
     canonical_query_key,
     strip_query_keys,

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from fallback_mw.config import ConfigError, load_config
 from fallback_mw.routing import PATH_SAFE, RouteTable, caller_spelling, normalise_path
-from fallback_mw.security import (
+from fallback_mw.security.fields import (
     CREDENTIAL_HEADERS,
     GATEWAY_HEADER_PREFIX,
     HOP_BY_HOP_HEADERS,

@@ -234,7 +234,7 @@ async def test_a_205_is_relayed_without_content(engine: str) -> None:
 
 def test_the_relayed_framing_is_the_gateways_own() -> None:
     """The response header filter never passes a length that could be stale."""
-    from fallback_mw.security import forwardable_response_headers as relayed
+    from fallback_mw.security.answers import forwardable_response_headers as relayed
 
     chunked = [(b"Content-Length", b"100"), (b"Transfer-Encoding", b"chunked"), (b"x-a", b"1")]
     assert relayed(chunked) == [(b"x-a", b"1")]

@@ -32,12 +32,9 @@ from fallback_mw.config import (
 from fallback_mw.failover.decide import CREDENTIAL_STATUSES
 from fallback_mw.routing import RouteTable, effective_deadline_ms
 from fallback_mw.rules import shown_variable
-from fallback_mw.security import (
-    DEFAULT_STRIP_HEADERS,
-    DEFAULT_STRIP_QUERY_KEYS,
-    Allowlist,
-    parse_ip,
-)
+from fallback_mw.security.addresses import Allowlist, parse_ip
+from fallback_mw.security.fields import DEFAULT_STRIP_HEADERS
+from fallback_mw.security.queries import DEFAULT_STRIP_QUERY_KEYS
 from fallback_mw.store.ledgers import open_ledger
 from fallback_mw.store.ledgers.schema import COMPONENT as LEDGER_COMPONENT
 from fallback_mw.store.ledgers.schema import LATEST_VERSION as LATEST_LEDGER_VERSION

@@ -25,7 +25,8 @@ from fallback_mw.cli.target import missing_sqlite_file, no_store_file
 from fallback_mw.config import GatewayConfig, load_config
 from fallback_mw.health import StateURLError
 from fallback_mw.request.types import ASGIApp
-from fallback_mw.security import canonical_name, is_field_name
+from fallback_mw.security.fields import canonical_name
+from fallback_mw.security.values import is_field_name
 from fallback_mw.store_url import is_redis_url
 
 _MAX_TARGET = 8192

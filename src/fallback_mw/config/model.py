@@ -25,17 +25,15 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from fallback_mw.rules import ConfigError as ConfigError  # re-exported: its public home
-from fallback_mw.security import (
+from fallback_mw.security.addresses import carried_ipv4_network, is_legacy_ipv4
+from fallback_mw.security.fields import (
     DEFAULT_STRIP_HEADERS,
-    DEFAULT_STRIP_QUERY_KEYS,
     GATEWAY_HEADER_PREFIX,
     HOP_BY_HOP_HEADERS,
     RECOMPUTED_HEADERS,
-    carried_ipv4_network,
-    header_value_problem,
-    is_field_name,
-    is_legacy_ipv4,
 )
+from fallback_mw.security.queries import DEFAULT_STRIP_QUERY_KEYS
+from fallback_mw.security.values import header_value_problem, is_field_name
 from fallback_mw.store_url import is_redis_url
 
 MAX_PLAN_LENGTH = 8

@@ -32,7 +32,7 @@ from typing import Literal
 
 from fallback_mw.config import RouteConfig
 from fallback_mw.request.refusals import MISFRAMED, SLOW_BODY
-from fallback_mw.security import override_methods
+from fallback_mw.security.fields import override_methods
 
 # Within a credential pool these may move to another credential of the same upstream.
 CREDENTIAL_STATUSES = frozenset({401, 403, 429})

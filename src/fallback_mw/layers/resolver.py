@@ -32,11 +32,9 @@ from fallback_mw.routing import (
     normalise_path,
     raw_routed_path,
 )
-from fallback_mw.security import (
-    CREDENTIAL_HEADERS,
-    canonical_name,
+from fallback_mw.security.fields import CREDENTIAL_HEADERS, canonical_name, override_methods
+from fallback_mw.security.queries import (
     canonical_query_key,
-    override_methods,
     query_override_methods,
     strip_query_keys,
 )

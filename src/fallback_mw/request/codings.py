@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import zlib
 
-from fallback_mw.security import READABLE_CODINGS
+from fallback_mw.security.fields import READABLE_CODINGS
 
 
 def body_coding(headers: list[tuple[bytes, bytes]]) -> tuple[bytes | None, bytes | None]:

@@ -17,7 +17,8 @@ from typing import AnyStr
 from urllib.parse import unquote_to_bytes
 
 from fallback_mw.config import UpstreamConfig
-from fallback_mw.security import CREDENTIAL_HEADERS, canonical_name, canonical_query_key
+from fallback_mw.security.fields import CREDENTIAL_HEADERS, canonical_name
+from fallback_mw.security.queries import canonical_query_key
 
 # A credential shorter than this is not searched for: it would match ordinary text (a test
 # key such as "k1"); real keys are far longer.

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from fallback_mw.error_chain import error_chain
-from fallback_mw.security import MAX_CACHED, is_field_name, is_token
+from fallback_mw.security.values import MAX_CACHED, is_field_name, is_token
 from fallback_mw.timers import Deadline
 
 # "local": the client library refused to build or send the request (a header value, a

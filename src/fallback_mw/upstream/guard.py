@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 from aiohttp.abc import AbstractResolver, ResolveResult
 from aiohttp.resolver import DefaultResolver
 
-from fallback_mw.security import UnsafeUpstream, check_connect_addresses, parse_ip
+from fallback_mw.security.addresses import UnsafeUpstream, check_connect_addresses, parse_ip
 
 
 class UnsafeAddressError(OSError):

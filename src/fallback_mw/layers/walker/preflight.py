@@ -10,7 +10,8 @@ from fallback_mw.request.body import body_json
 from fallback_mw.request.context import RequestBody, RequestContext
 from fallback_mw.request.refusals import body_refusal
 from fallback_mw.request.secrets import recordable
-from fallback_mw.security import query_override_methods, query_problem, request_header_problem
+from fallback_mw.security.queries import query_override_methods
+from fallback_mw.security.values import query_problem, request_header_problem
 
 _BAD_NAME = "has a name that is not an HTTP token"
 _FORM = b"application/x-www-form-urlencoded"

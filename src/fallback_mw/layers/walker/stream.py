@@ -25,7 +25,7 @@ from fallback_mw.request.local_errors import gateway_headers, send_error
 from fallback_mw.request.types import Send
 from fallback_mw.request.usage import UsageMeter, media_type
 from fallback_mw.rules import origin
-from fallback_mw.security import forwardable_response_headers
+from fallback_mw.security.answers import forwardable_response_headers
 from fallback_mw.timers import Stall
 from fallback_mw.upstream.base import UpstreamError, UpstreamResponse
 
