@@ -145,9 +145,21 @@ CASES: dict[str, list[tuple[Outcome, WalkState, tuple[str, str | None], bool | N
     ],
     "an answer the relay cannot carry (a status outside 200-599, a 101, contradictory "
     "framing), or that the echo mask cannot read from an upstream holding the gateway's "
-    "credential (`br`, `zstd`, a `206` of a coded object)": [
+    "credential (`br`, `zstd`, a `206` of a coded object the caller did not ask a range of)": [
         (Outcome("transport"), OPEN, ("next_candidate", None), True),
         (Outcome("transport"), LAST, ("local_error", "upstream_failed"), True),
+    ],
+    "a `206` range of a `gzip` / `deflate` coded body answering the caller's own `Range` "
+    "request, from an upstream holding the gateway's credential (the echo mask cannot read a "
+    "range)": [
+        (Outcome("unreadable_range"), OPEN, ("next_candidate", None), None),
+        (Outcome("unreadable_range"), LAST, ("local_error", "upstream_failed"), None),
+        (
+            Outcome("unreadable_range"),
+            replace(OPEN, deadline_left=False),
+            ("local_error", "deadline_exceeded"),
+            None,
+        ),
     ],
     "every remaining candidate skipped, no attempt made": [
         (NO_CANDIDATE, replace(OPEN, attempts_made=0), ("local_error", "route_exhausted"), None),
@@ -210,6 +222,7 @@ def test_the_gateways_own_refusals_to_send_name_themselves() -> None:
     assert Outcome("not_sent").failure_kind == "not_sent"
     assert engine_outcome("local", "connect").failure_kind == "not_sent"
     assert engine_outcome("host_limit", "connect").failure_kind == "host_limit"
+    assert Outcome("unreadable_range").failure_kind == "unreadable_range"
     assert Outcome("transport").failure_kind == "transport"
 
 

@@ -1091,6 +1091,58 @@ async def test_a_range_or_a_stream_the_mask_cannot_read_is_never_relayed_with_it
     assert response.headers["x-gateway-attempts"] == "2"
 
 
+async def gzip_object_with_ranges(request: web.Request) -> web.Response:
+    """A stored gzip-coded object served as S3 or nginx's gzip_static serve one: whole,
+    or the range the caller asked for (206, still `Content-Encoding: gzip`)."""
+    coded = gzip.compress(b'{"object": "' + b"x" * 2000 + b'"}')
+    asked = request.headers.get("range", "")
+    if not asked.startswith("bytes="):
+        return web.Response(body=coded, headers={"content-encoding": "gzip"})
+    first, _, last = asked.removeprefix("bytes=").partition("-")
+    start, end = int(first), int(last or len(coded) - 1)
+    return web.Response(
+        status=206,
+        body=coded[start : end + 1],
+        headers={
+            "content-encoding": "gzip",
+            "content-range": f"bytes {start}-{end}/{len(coded)}",
+        },
+    )
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_callers_range_of_a_coded_object_never_opens_the_upstreams_breaker(
+    engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A caller asking for ranges of an object the upstream stores gzip-coded gets 206s the
+    # mask cannot read: refused, never relayed. Booked as the upstream's failure, a few
+    # such requests from one caller opened its breaker, and every other caller's request
+    # (whole answers the mask reads) went to the backup for the cooldown (SPEC §5: one
+    # caller can never open a breaker for everyone else).
+    monkeypatch.setenv("ECHO_KEY", SECRET)
+    conf = hostile_and_backup("", "", engine)
+    conf["gateway"]["breaker"] = {"window": 4, "min_calls": 2, "cooldown_ms": 60_000}  # type: ignore[index]
+    async with (
+        upstream(gzip_object_with_ranges) as stored,
+        upstream(status_handler(200, b"backup")) as backup,
+    ):
+        conf["upstreams"]["hostile"]["url"] = stored.url  # type: ignore[index]
+        conf["upstreams"]["backup"]["url"] = backup.url  # type: ignore[index]
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with serve_asgi(gateway) as base, httpx.AsyncClient(base_url=base) as client:
+                for _ in range(4):
+                    ranged = await client.get("/a/x", headers={"range": "bytes=0-99"})
+                    assert ranged.headers["x-gateway-attempts"] == "2"  # refused, never relayed
+                    assert ranged.text == "backup"
+                whole = await client.get("/a/x")
+        finally:
+            await gateway.aclose()
+    assert "x-gateway-skipped" not in whole.headers
+    assert whole.headers["x-gateway-provider"] == "hostile"
+    assert whole.status_code == 200 and whole.json() == {"object": "x" * 2000}
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 async def test_the_connection_of_an_answer_the_mask_cannot_read_is_closed(
     engine: str, monkeypatch: pytest.MonkeyPatch

@@ -41,7 +41,7 @@ from fallback_mw.health.breaker import PROBE_LEASE_MARGIN, upstream_probe_lease
 from fallback_mw.health.pool import retry_after_seconds
 from fallback_mw.health.quota import PeekedResponse, peek_quota
 from fallback_mw.request.body import BodyAborted, written_like
-from fallback_mw.request.codings import body_coding
+from fallback_mw.request.codings import body_coding, unreadable_coding
 from fallback_mw.request.context import AttemptRecord, RequestBody, RequestContext
 from fallback_mw.routing import PATH_SAFE
 from fallback_mw.telemetry import Telemetry
@@ -266,6 +266,11 @@ class AttemptRunner:
                     # (failover-class). Closed unread: its connection is never reused.
                     record.unmaskable = unmaskable
                     await response.aclose()
+                    # A range of a body in a coding it reads answers the caller's own Range:
+                    # the upstream did as asked, so it is not the upstream's failure.
+                    asked = response.status == 206 and unreadable_coding(encoding) is None
+                    if asked and any(k == b"range" for k, _ in context.forward_headers):
+                        return self._local_or(Outcome("unreadable_range")), None
                     return self._local_or(Outcome("transport")), None
         # A redirect is never followed: it is an answer like any other.
         return Outcome("status", response.status), response

@@ -52,6 +52,9 @@ OutcomeKind = Literal[
     "unsafe_address",  # the connect-time guard refused the upstream's address
     "not_sent",  # the client library refused to build or send the request (nothing sent)
     "host_limit",  # the gateway's host had no descriptor, memory or port for it (nothing sent)
+    # the caller's own Range request answered with a range of a coded body, which the echo
+    # mask cannot read: refused unread, and not the upstream's failure (it did as asked)
+    "unreadable_range",
     "no_candidate",  # the cursor ran dry: every remaining candidate was skipped
     "repeat_budget",  # a repeat (or hedge) at an upstream whose repeat budget is spent
     "no_other_credential",  # after a pool's 401/403/429, no other credential could be tried
@@ -105,8 +108,8 @@ class Outcome:
             return "response_too_large"
         if self.kind == "body_misframed":
             return "bad_request"
-        if self.kind in ("unsafe_address", "not_sent", "host_limit"):
-            return self.kind  # the gateway refused to send it: nothing of the upstream's
+        if self.kind in ("unsafe_address", "not_sent", "host_limit", "unreadable_range"):
+            return self.kind  # the gateway refused it: nothing of the upstream's
         return "transport"
 
 
@@ -408,6 +411,18 @@ def decide(outcome: Outcome, state: WalkState) -> Decision:
         # the next candidate may be sent (a pooled connection may serve it), and no
         # breaker is marked.
         return Decision("next_candidate", reason="the request could not be sent: the next one")
+    if outcome.kind == "unreadable_range":
+        # The upstream answered the caller's own Range request as asked; the gateway cannot
+        # relay that range (its mask cannot read it). No upstream is blamed: one caller's
+        # ranges must not open a breaker for everyone else. The walk goes on as it would.
+        if further_attempt_possible(state):
+            return Decision(
+                "next_candidate",
+                reason="a range of a coded body the caller asked for, which the gateway "
+                "cannot mask: the next candidate",
+            )
+        why, rule = _why_no_further_attempt(state)
+        return _exhausted(state, why.replace("failover-class", "an unreadable range", 1), rule)
     if outcome.kind == "deadline":
         return _deadline_passed(state)
     if outcome.kind in _LOCAL_ERRORS:
