@@ -167,6 +167,35 @@ async def test_score_selection_prefers_the_fast_credential(state: str, selection
         assert set(used) == {"key-a", "key-b", "key-c"}
 
 
+async def test_score_tries_a_credential_slow_once_again_once_it_has_been_quiet(
+    state: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # key-a answered its first request slowly (400 ms), then is as fast as the others. Its
+    # mean latency was a ratio of two decayed counts, so it never decayed: long after that
+    # one answer (16 half-lives, a weight of 1 in 65,536) key-a still scored
+    # 1 / 1.4 and got no traffic at all until its count fell below 1e-9 (30 half-lives:
+    # half an hour), where a credential whose failures are long past is tried again.
+    half_life = 0.25
+    monkeypatch.setattr("fallback_mw.health.pool.SCORE_HALF_LIFE", half_life)
+    monkeypatch.setattr("fallback_mw.health.redis.SCORE_HALF_LIFE", half_life)
+    slow = {"key-a": 0.4}
+
+    async def slow_once(request: web.Request) -> web.StreamResponse:
+        import asyncio
+
+        await asyncio.sleep(slow.pop(key_of(request), 0.0))
+        return web.Response(text=key_of(request))
+
+    async with upstream(slow_once) as pool:
+        conf = pool_config(pool.url, state=state, selection="score")
+        async with gateway_client(conf) as client:
+            first = [await served_by(client, "/v1/chat") for _ in range(6)]
+            assert first.count("key-a") == 1, first  # tried once, then avoided
+            await anyio.sleep(16 * half_life)  # quiet: its slow answer is long past
+            later = [await served_by(client, "/v1/chat") for _ in range(6)]
+    assert "key-a" in later, later
+
+
 async def test_round_robin_spreads_evenly_over_the_credentials_left(state: str) -> None:
     # key-a's quota is spent (retired for the hour): round robin must share the traffic
     # between key-b and key-c, not hand key-a's turns to its successor (2/3 on key-b).

@@ -79,9 +79,12 @@ def credential_mark(
 
 def score(successes: float, failures: float, latency_sum: float) -> float:
     """Recent success rate over (1 + mean latency in seconds). Optimistic: an untried (or
-    long quiet) credential scores 1, so it is tried before one known to be slow."""
+    long quiet) credential scores 1, so it is tried before one known to be slow. The mean
+    is taken over at least one answer: once the successes have decayed below one, the
+    latency they carried decays with them (a ratio of two decayed counts never would: a
+    credential slow once kept that latency, and its traffic away, for half an hour)."""
     rate = (successes + 1.0) / (successes + failures + 1.0)
-    latency = latency_sum / successes if successes > 1e-9 else 0.0
+    latency = latency_sum / max(successes, 1.0)
     return rate / (1.0 + latency)
 
 

@@ -228,8 +228,7 @@ PICK = (
     + """
 local function score(i)
   local s, f, l = stats(KEYS[4], i, tonumber(ARGV[7]))
-  local lat = 0
-  if s > 1e-9 then lat = l / s end
+  local lat = l / math.max(s, 1)  -- pool.py `score`: over at least one answer
   return ((s + 1) / (s + f + 1)) / (1 + lat)
 end
 local function usable(i)
