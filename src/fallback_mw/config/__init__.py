@@ -16,26 +16,26 @@ from fallback_mw.config.load import (
     validate,
 )
 from fallback_mw.config.model import (
-    DEFAULT_METHODS,
-    HTTP_METHODS,
-    MAX_BUDGET_ID,
-    MAX_COOLDOWN_MS,
-    MAX_DEADLINE_MS,
-    MAX_MONEY,
-    MAX_PLAN_LENGTH,
-    MONEY_DECIMALS,
     BreakerConfig,
     BudgetConfig,
     GatewayConfig,
     GatewaySettings,
     PriceConfig,
     RepeatAllowanceConfig,
-    RouteConfig,
-    UpstreamConfig,
+)
+from fallback_mw.config.route import DEFAULT_METHODS, HTTP_METHODS, RouteConfig
+from fallback_mw.config.strict import (
+    MAX_BUDGET_ID,
+    MAX_COOLDOWN_MS,
+    MAX_DEADLINE_MS,
+    MAX_MONEY,
+    MAX_PLAN_LENGTH,
+    MONEY_DECIMALS,
     budget_argument,
     budget_id,
     budget_section,
 )
+from fallback_mw.config.upstream import UpstreamConfig
 from fallback_mw.rules import ConfigError
 
 __all__ = [

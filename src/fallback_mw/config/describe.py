@@ -17,9 +17,9 @@ from fallback_mw.config.model import (
     GatewayConfig,
     GatewaySettings,
     RepeatAllowanceConfig,
-    RouteConfig,
-    UpstreamConfig,
 )
+from fallback_mw.config.route import RouteConfig
+from fallback_mw.config.upstream import UpstreamConfig
 
 _TABLES: tuple[tuple[str, type[BaseModel]], ...] = (
     ("[gateway]", GatewaySettings),

@@ -20,7 +20,8 @@ from pydantic import (
 
 from fallback_mw import extras, rules
 from fallback_mw.config.describe import _describe
-from fallback_mw.config.model import GatewayConfig, WrittenFloat, budget_section
+from fallback_mw.config.model import GatewayConfig
+from fallback_mw.config.strict import WrittenFloat, budget_section
 from fallback_mw.injected import require_environ
 from fallback_mw.rules import ConfigError
 from fallback_mw.store_url import is_redis_url
