@@ -21,6 +21,9 @@ class TcpProxy:
     - `mute()` drops every answer (the server does the work, its reply never comes back);
       `mute_once_sent(marker)` does so from the moment a request holding `marker` is sent
       (a `COMMIT` the server commits, whose answer is lost); `unmute()`.
+    - `strand()` silences every live connection for good, both ways, without closing it (a
+      path that died without a reset: a NAT or firewall that forgot the flow, a database
+      moved to another host); new connections are served as before.
     """
 
     def __init__(self, host: str, port: int) -> None:
@@ -32,6 +35,8 @@ class TcpProxy:
         self.muted = False
         self.mute_marker: bytes | None = None
         self.transports: set[asyncio.BaseTransport] = set()
+        self.stranded: set[asyncio.BaseTransport] = set()
+        self.writers: set[asyncio.StreamWriter] = set()  # closed at aclose: stranded ones too
         self.tasks: set[asyncio.Task[None]] = set()
 
     async def open(self) -> None:
@@ -62,6 +67,9 @@ class TcpProxy:
     def mute_once_sent(self, marker: bytes) -> None:
         self.mute_marker = marker
 
+    def strand(self) -> None:
+        self.stranded |= self.transports
+
     def unmute(self) -> None:
         self.muted = False
         self.mute_marker = None
@@ -74,6 +82,7 @@ class TcpProxy:
             writer.transport.abort()
             return
         self.transports.update((writer.transport, up_writer.transport))
+        self.writers.update((writer, up_writer))
         for copy in (self._copy(reader, up_writer), self._copy(up_reader, writer, answer=True)):
             task = asyncio.ensure_future(copy)
             self.tasks.add(task)
@@ -87,18 +96,22 @@ class TcpProxy:
                 await self.running.wait()
                 if not answer and self.mute_marker is not None and self.mute_marker in data:
                     self.muted, self.mute_marker = True, None
-                if answer and self.muted:
+                if (answer and self.muted) or sink.transport in self.stranded:
                     continue
                 sink.write(data)
                 await sink.drain()
-        sink.close()
+        if sink.transport not in self.stranded:
+            sink.close()
 
     async def aclose(self) -> None:
         self.resume()
+        self.stranded.clear()
         await self.cut("close")
         for task in list(self.tasks):
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+        for writer in self.writers:
+            writer.close()
 
 
 @contextlib.asynccontextmanager

@@ -218,3 +218,42 @@ async def test_a_gateway_process_holds_no_more_postgresql_connections_than_the_s
         finally:
             await admin.close()
             await gateway.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_store_connection_gone_silent_does_not_stop_the_reloads(
+    pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The database moved (a failover to another host, a NAT or firewall that forgot the
+    # flow): the gateway's store connections get no answer and no reset, new ones work. A
+    # reload query without a time limit waited on it for good (the kernel gives up after
+    # some 15 minutes): `set-fallback`, `faults clear`, a new route never reached that
+    # gateway, while `routes list` and every other gateway showed them.
+    from urllib.parse import urlsplit
+
+    from tests.tcp_proxy import tcp_proxy
+
+    real = urlsplit(pg_url)
+    assert real.hostname is not None and real.port is not None
+    async with (
+        tcp_proxy(real.hostname, real.port) as proxy,
+        failing_chat_route(pg_url) as (base, backup),
+    ):
+        proxied = real._replace(netloc=f"{real.username}@127.0.0.1:{proxy.port}").geturl()
+        # Its first load blocks: off this loop, which runs the proxy.
+        config = gateway_config(proxied)
+        gateway = await asyncio.to_thread(lambda: Gateway(host_app, config=config, environ={}))
+        try:
+            async with client_for(gateway) as client:
+                assert await _probe(client) == "primary-only"
+                await asyncio.sleep(0.3)  # the reloader waits on its LISTEN, queries done
+                proxy.strand()
+                edit = ("routes", "set-fallback", *base, "--upstream", backup.url)
+                status, _, err = await cli(*edit)
+                assert status == 0, err
+                # The store's own timeout (5 s), a fresh connection, the reload: well inside.
+                took = await _until([client], "chat-fallback", within=20.0)
+        finally:
+            await gateway.aclose()
+    assert "did not answer within 5 s" in caplog.text, caplog.text  # the outage, said once
+    print(f"set-fallback seen through a silent connection's replacement in {took:.1f} s")

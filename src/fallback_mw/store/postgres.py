@@ -38,6 +38,11 @@ CHANNEL = "fmw_route_changes"
 # The database's clock in epoch seconds, the clock fault expiries are kept in (`clock`).
 _DB_NOW = "extract(epoch FROM clock_timestamp())::float8"
 _MIGRATION_LOCK = 0x666D7772  # "fmwr": serialises concurrent migrations of this component
+# The longest one use of the connection may take (a connect has its own 5 s): a connection
+# the database's side forgot without a reset (a failover to another host, a NAT or
+# firewall that dropped the flow) never answers, and the kernel gives up on it only after
+# some 15 minutes; every reload (routes, faults) waited on it that long.
+QUERY_TIMEOUT = 5.0
 
 logger = logging.getLogger("fallback_mw.store")
 
@@ -135,15 +140,21 @@ class PostgresStore:
             )
 
     async def _with_connection(self, use: Callable[[asyncpg.Connection[Any]], Awaitable[T]]) -> T:
-        """`use` the one connection, one caller at a time; a lost connection is dropped
-        (the next call reconnects) and reported as StoreError. Database errors such as
-        UniqueViolationError pass through."""
+        """`use` the one connection, one caller at a time, for QUERY_TIMEOUT at most; a lost
+        or silent connection is dropped (the next call reconnects) and reported as
+        StoreError. Database errors such as UniqueViolationError pass through."""
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
             conn = await self._connection()
             try:
-                return await use(conn)
+                async with asyncio.timeout(QUERY_TIMEOUT):
+                    return await use(conn)
+            except TimeoutError:  # an OSError: caught before the clause below
+                await self._drop()
+                raise StoreError(
+                    f"the store {redact_url(self._dsn)} did not answer within {QUERY_TIMEOUT:g} s"
+                ) from None
             except (OSError, asyncpg.exceptions.ConnectionDoesNotExistError) as exc:
                 await self._drop()
                 raise StoreError(f"lost the store connection: {type(exc).__name__}") from None
