@@ -126,3 +126,35 @@ async def test_a_database_pause_under_load_leaves_no_unretrieved_task_error(pg_u
     assert 503 in statuses  # budget_unavailable while paused
     assert after in (200, 402)  # the ledger answers again
     assert "Task exception was never retrieved" not in reported, reported
+
+
+async def test_a_caller_whose_call_timed_out_is_refused_within_the_timeout_not_twice_it(
+    pg_url: str,
+) -> None:
+    # docs/budgets.md: "a PostgreSQL that hangs refuses every waiting request within those
+    # 5 seconds". A request whose hold went out on a connection that then went silent (the
+    # database moved; its flow forgotten, no reset) was refused after 10: the timeout ended
+    # the statement, then the pool's reset of that connection waited the command timeout
+    # out again before the refusal was answered.
+    parts = urlsplit(pg_url)
+    async with tcp_proxy(parts.hostname or "127.0.0.1", parts.port or 5432) as proxy:
+        netloc = f"{parts.username}@127.0.0.1:{proxy.port}" if parts.username else None
+        url = urlunsplit((parts.scheme, netloc or f"127.0.0.1:{proxy.port}", parts.path, "", ""))
+        ledger = PostgresLedger(url, timeout=2.0, retry_interval=0.1)
+        try:
+            assert await ledger.hold("acme", BUDGET, Decimal("0.01")) is not None
+            proxy.strand()
+            started = time.monotonic()
+            with pytest.raises(LedgerUnavailable):
+                await ledger.hold("acme", BUDGET, Decimal("0.01"))
+            waited = time.monotonic() - started
+            assert waited < 3.5, f"refused after {waited:.2f} s, the timeout is 2 s"
+            for _ in range(100):  # a new connection answers: the ledger recovers
+                await asyncio.sleep(0.1)
+                with contextlib.suppress(LedgerUnavailable):
+                    if await ledger.hold("acme", BUDGET, Decimal("0.01")) is not None:
+                        break
+            else:
+                raise AssertionError("the ledger did not recover")
+        finally:
+            await ledger.aclose()

@@ -782,6 +782,13 @@ class _ReleasingPool(asyncpg.Pool):
     ) -> None:
         release = asyncio.ensure_future(super().release(connection, timeout=timeout))
         release.add_done_callback(_read_release_error)
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            # Released while `_run`'s timeout (or a cancellation) unwinds the call: the reset
+            # of a connection whose query did not answer waits out the command timeout
+            # again, and the refusal waited with it (10 s for the 5 the docs promise). It
+            # goes on here; its holder returns to the pool when it is done.
+            return
         await asyncio.shield(release)
 
 
