@@ -860,3 +860,47 @@ def test_check_warns_when_a_credential_would_cross_the_internet_in_cleartext(
     assert "upstream 'public'" in warned[0] and "$FMW_CHECK_PRIMARY" in warned[0]
     assert "upstream 'literal'" in warned[1] and "use https://" in warned[1]
     assert SECRET not in result.stdout  # names only, never the value
+
+
+def test_check_warns_about_a_hedge_or_shadow_no_request_of_the_route_can_use(
+    tmp_path: Path,
+) -> None:
+    # A POST-only chat route with hedge_after_ms and a shadow at 5 % loaded in silence: a
+    # hedge and a copy are only ever sent for a replayable request, and POST is not one by
+    # default, so the operator watched for copies (and hedges) that never came — no
+    # `gateway.shadow.requests` series at all, since a request not copied is not counted.
+    path = tmp_path / "gateway.toml"
+    body = (
+        '[upstreams.primary]\nurl = "http://127.0.0.1:9001"\nfirst_byte_timeout_ms = 2000\n'
+        '[upstreams.backup]\nurl = "http://127.0.0.1:9002"\nfirst_byte_timeout_ms = 2000\n'
+        '[upstreams.candidate]\nurl = "http://127.0.0.1:9003"\n'
+        '[[routes]]\nid = "chat"\nprefix = "/v1/chat/"\nmethods = ["POST"]\n'
+        'plan = ["primary", "backup"]\nretries = 2\nhedge_after_ms = 800\n'
+        'shadow = "candidate"\nshadow_percent = 5.0\n'
+    )
+    path.write_text(body, encoding="utf-8")
+    result = check(path)
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stdout.splitlines() if "  warning: " in line]
+    assert warnings == [
+        "  warning: hedge_after_ms 800 has no effect: none of the route's methods (POST) is "
+        "replayable, and a hedge is a second attempt; add POST to replayable_methods",
+        "  warning: shadow 'candidate' gets no copy: none of the route's methods (POST) is "
+        "replayable, and only a replayable request is copied; add POST to "
+        "replayable_methods, or set replay_with_idempotency_key = true to copy a POST that "
+        "carries an Idempotency-Key",
+    ]
+    # A keyed POST is copied; it is hedged only with hedge_idempotent_posts.
+    keyed = body + "replay_with_idempotency_key = true\n"
+    path.write_text(keyed, encoding="utf-8")
+    result = check(path)
+    warnings = [line for line in result.stdout.splitlines() if "  warning: " in line]
+    assert len(warnings) == 1 and "hedge_after_ms 800 has no effect" in warnings[0], warnings
+    assert "hedge_idempotent_posts = true" in warnings[0]
+    path.write_text(keyed + "hedge_idempotent_posts = true\n", encoding="utf-8")
+    result = check(path)
+    assert result.returncode == 0 and "warning" not in result.stdout, result.stdout
+    replayable = body + 'replayable_methods = ["POST"]\n'
+    path.write_text(replayable, encoding="utf-8")
+    result = check(path)
+    assert result.returncode == 0 and "warning" not in result.stdout, result.stdout

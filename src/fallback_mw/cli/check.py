@@ -164,9 +164,9 @@ def _declared(upstream: UpstreamConfig) -> str:
     return f"  ({', '.join(parts)})" if parts else ""
 
 
-def _replayable(route: RouteConfig) -> str:
-    """The route's methods that may fail over, the Idempotency-Key opt-in included (a
-    replayable method the route does not take never reaches it)."""
+def _replay_kinds(route: RouteConfig) -> tuple[list[str], bool]:
+    """The route's methods that may be sent twice (a replayable method the route does not
+    take never reaches it), and whether a POST with an Idempotency-Key may be too."""
     taken = route.accepted_methods
     methods = [m for m in route.replayable_methods if m in taken]
     keyed = (
@@ -174,8 +174,14 @@ def _replayable(route: RouteConfig) -> str:
         and "POST" in taken
         and "POST" not in route.replayable_methods
     )
+    return methods, keyed
+
+
+def _replayable(route: RouteConfig) -> str:
+    """The route's methods that may fail over, the Idempotency-Key opt-in included."""
+    methods, keyed = _replay_kinds(route)
     if not methods and not keyed:
-        return f"none of its methods ({' '.join(taken)})"
+        return f"none of its methods ({' '.join(route.accepted_methods)})"
     text = " ".join(methods)
     if keyed:
         text += " + " if text else ""
@@ -336,8 +342,9 @@ def route_warnings(
 
 
 def _slice_warnings(route: RouteConfig) -> list[str]:
-    """A canary or shadow share that no request can ever be in: the slice is configured,
-    and silently empty (SPEC §8: only eligible routes, and only their second candidate)."""
+    """A canary or shadow share that no request can ever be in, or a hedge none can
+    have: configured, and silently empty (SPEC §8: only eligible routes, and only their
+    second candidate; a hedge or a copy only of a replayable request)."""
     warnings = []
     if route.canary_percent > 0 and not route.canary_eligible:
         warnings.append(
@@ -354,6 +361,33 @@ def _slice_warnings(route: RouteConfig) -> list[str]:
         warnings.append(
             f"shadow_percent {route.shadow_percent:g} has no effect: the route names no "
             "shadow upstream to copy requests to; set shadow = NAME, or remove shadow_percent"
+        )
+    # A hedge and a shadow copy each send the request a second time: only a replayable
+    # one (decide.may_hedge, shadow.should_shadow). On a route none of whose requests is,
+    # neither is ever sent, and a request not copied is not counted anywhere.
+    methods, keyed = _replay_kinds(route)
+    taken = " ".join(route.accepted_methods)
+    if route.hedge_after_ms and not methods and not (keyed and route.hedge_idempotent_posts):
+        remedy = (
+            "set hedge_idempotent_posts = true to hedge a POST that carries an "
+            "Idempotency-Key, or add POST to replayable_methods"
+            if keyed
+            else f"add {route.accepted_methods[0]} to replayable_methods"
+        )
+        warnings.append(
+            f"hedge_after_ms {route.hedge_after_ms} has no effect: none of the route's "
+            f"methods ({taken}) is replayable, and a hedge is a second attempt; {remedy}"
+        )
+    if route.shadow is not None and route.shadow_percent > 0 and not methods and not keyed:
+        remedy = f"add {route.accepted_methods[0]} to replayable_methods"
+        if "POST" in route.accepted_methods:
+            remedy = (
+                "add POST to replayable_methods, or set replay_with_idempotency_key = true "
+                "to copy a POST that carries an Idempotency-Key"
+            )
+        warnings.append(
+            f"shadow {route.shadow!r} gets no copy: none of the route's methods ({taken}) "
+            f"is replayable, and only a replayable request is copied; {remedy}"
         )
     return warnings
 
