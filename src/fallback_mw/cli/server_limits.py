@@ -20,6 +20,7 @@ import asyncio
 import functools
 import json
 import re
+import weakref
 from typing import Any, cast
 
 from fallback_mw.config import DEFAULT_METHODS, GatewaySettings
@@ -295,14 +296,15 @@ class _HeadGuard:
             self.transport.write_eof()
         self.loop.call_later(seconds, self.transport.close)
 
-    def _close_once_read(self, cycle: Any) -> None:
-        """uvicorn closing the connection after `cycle`'s complete answer: at once, unless
-        the request's body is still arriving (answered before it was read: an early 413).
+    def _close_once_read(self, answered: bool) -> None:
+        """uvicorn closing the connection after a request's answer (`answered`: complete):
+        at once, unless the request's body is still arriving (answered before it was read:
+        an early 413).
         Closed then, the unread bytes made the kernel reset the connection, and a client
         that reads only once it has sent the whole body (nginx with
         `proxy_request_buffering off`) never read the answer: nginx's caller got its 502
         page. The rest of the body is read and dropped, for up to header_timeout_ms."""
-        if cycle.response_complete and self._parser_in_body() and not self._lingering:
+        if answered and self._parser_in_body() and not self._lingering:
             self._linger(self.head_timeout)
         else:
             self.transport.close()
@@ -318,13 +320,19 @@ class _ClosedOnceRead:
         transport = cycle.transport
         self._transport = transport
         self._protocol = protocol
-        self._cycle = cycle
+        # Weak: the cycle holds this as its transport. A strong reference made a reference
+        # cycle of every request whose body came after its head, and its scope, context
+        # and body (parsed as JSON: many times its size) waited for the cyclic collector,
+        # which serve runs rarely (`tune_gc`): 60 1 MiB POSTs grew serve to 1.5 GB.
+        self._cycle = weakref.ref(cycle)
         # What uvicorn calls per chunk, bound here: no lookup through __getattr__.
         self.write = transport.write
         self.is_closing = transport.is_closing
 
     def close(self) -> None:
-        self._protocol._close_once_read(self._cycle)
+        cycle = self._cycle()
+        # A cycle gone is a request over: its answer was complete, or never will be.
+        self._protocol._close_once_read(cycle is None or bool(cycle.response_complete))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
