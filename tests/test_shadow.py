@@ -5,7 +5,9 @@ respect the shadow upstream's capacity; shutdown cancels the copies in flight.""
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
+import tracemalloc
 from collections.abc import Iterator
 from typing import Any
 
@@ -540,6 +542,53 @@ async def test_the_bodies_copies_hold_in_flight_are_bounded(recorded: Recorded) 
             await gateway.aclose()
     assert shadows.in_flight == 0
     assert shadows.bytes_in_flight == 0
+
+
+async def test_a_copy_in_flight_holds_its_body_not_the_body_parsed_as_json() -> None:
+    """The bound on the bodies copies hold counts bytes; a JSON body parsed holds many times
+    its size (`[{},{},...]`: a dict of 64 bytes per 3 bytes sent). Copies hanging on a slow
+    shadow kept the parsed body alive as well: 60 sequential 1 MiB POSTs held 1.5 GB, a
+    caller needing no concurrency (the copies outlive its requests) to get there. A copy
+    keeps the bytes it sends and what it needs to know of them, never the parsed body."""
+    arrived = 0
+
+    async def hang(request: web.Request) -> web.StreamResponse:
+        nonlocal arrived
+        arrived += 1
+        await asyncio.sleep(3600)
+        return web.Response()
+
+    copies = 6
+    body = b'{"model":"m","max_tokens":5,"messages":[' + b",".join([b"{}"] * 70_000) + b"]}"
+    sizes = []
+    async with upstream(status_handler(200, b"primary says")) as primary, upstream(hang) as shadow:
+        conf = config(primary.url, shadow.url, replayable_methods=["POST"])
+        conf["upstreams"]["candidate"]["tpm"] = 1_000_000  # the copy's estimate is read too
+        gateway = Gateway(host_app, config=conf, environ=ENV)
+        shadows = gateway.services.shadows
+        try:
+            async with client_for(gateway) as client:
+                await client.post("/v1/chat", headers={"x-session-id": "warm"}, content=b"{}")
+                await settled(gateway, lambda: arrived == 1)
+                tracemalloc.start()
+                try:
+                    gc.collect()
+                    before = tracemalloc.get_traced_memory()[0]
+                    for session in range(copies):
+                        headers = {"x-session-id": f"user-{session}"}
+                        response = await client.post("/v1/chat", headers=headers, content=body)
+                        assert response.text == "primary says"
+                    await settled(gateway, lambda: arrived == 1 + copies)
+                    assert shadows.in_flight == 1 + copies
+                    gc.collect()
+                    sizes.append(tracemalloc.get_traced_memory()[0] - before)
+                finally:
+                    tracemalloc.stop()
+        finally:
+            await gateway.aclose()
+    # The bodies themselves (~1.2 MB) and their copies' bookkeeping; parsed, ~30 MB.
+    assert sizes[0] < 8 * copies * len(body), (sizes[0], copies * len(body))
+    assert all(len(r.body) == len(body) for r in shadow.received[1:])
 
 
 async def test_a_copy_that_is_the_probe_and_cut_by_shutdown_mid_body_frees_its_slot(

@@ -20,14 +20,15 @@ import asyncio
 import contextlib
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
 
-from fallback_mw.capacity import CapacityState, asker
-from fallback_mw.config import RouteConfig
-from fallback_mw.failover.attempt import AttemptLifecycle
+from fallback_mw.capacity import Ask, CapacityState, asker
+from fallback_mw.config import RouteConfig, UpstreamConfig
+from fallback_mw.failover.attempt import AttemptLifecycle, model_rewritten
 from fallback_mw.failover.decide import is_replayable
 from fallback_mw.faults import FaultSource
 from fallback_mw.health import HealthState
@@ -81,6 +82,31 @@ def should_shadow(context: RequestContext, body: RequestBody, salt: str) -> str 
     return name if in_shadow_slice(route, context.session, salt) else None
 
 
+Asker = Callable[[str, UpstreamConfig, bool], Ask]
+
+
+def _kept(
+    context: RequestContext, name: str, body: RequestBody, parsed: dict[str, Any] | None
+) -> tuple[RequestBody, Asker, bool]:
+    """What a copy keeps until it ends: the bytes it sends, never the body parsed as JSON,
+    which holds many times their size (`[{},{},...]`: 64 bytes a dict per 3 sent) and is
+    not counted in `max_in_flight_bytes`. Read from the parsed body now, while the request
+    holds it: the candidate's `model` rewrite (the body then sent as it is: True) and the
+    token estimate its declared `tpm` counts."""
+    upstream = context.upstreams[name]
+    estimate = asker(body.buffered, parsed, None)(name, upstream, False)
+    buffered, rendered = body.buffered, False
+    if upstream.model and buffered and parsed is not None:
+        buffered = model_rewritten(upstream.model, parsed, buffered, context.forward_headers)
+        rendered = True
+    kept = dataclasses.replace(body, buffered=buffered, json=None, json_inspected=False)
+
+    def ask(name: str, upstream: UpstreamConfig, repeat: bool) -> Ask:
+        return estimate._replace(repeat=repeat)
+
+    return kept, ask, rendered
+
+
 @dataclass(frozen=True, slots=True)
 class ShadowResult:
     outcome: str  # "answered", "failed", or why no copy was sent ("breaker_open", ...)
@@ -127,6 +153,7 @@ class ShadowTraffic:
         """Start a copy of the request to `name` in the background; False when it was not
         started (shutting down, or too many copies or body bytes in flight)."""
         span = self.telemetry.shadow_started(context, name)
+        body, ask, rendered = _kept(context, name, body, parsed)
         size = len(body.buffered) if body.buffered is not None else 0
         if (
             self._closed
@@ -141,10 +168,10 @@ class ShadowTraffic:
         # Its own usage: what the copy's answer reports is the candidate's, never the client's.
         copy = dataclasses.replace(
             context, deadline=time.monotonic() + deadline, attempts=[], skipped=[],
-            client_disconnected=False, trace=None, usage=Usage(),
+            client_disconnected=False, trace=None, usage=Usage(), body=body,
         )  # fmt: skip
         parent = self.telemetry.shadow_parent(context)  # the caller's baggage, for the copy
-        task = asyncio.create_task(self._run(name, copy, body, parsed, span, parent))
+        task = asyncio.create_task(self._run(name, copy, body, ask, rendered, span, parent))
         self._tasks.add(task)
         self.bytes_in_flight += size
 
@@ -160,14 +187,15 @@ class ShadowTraffic:
         name: str,
         context: RequestContext,
         body: RequestBody,
-        parsed: dict[str, Any] | None,
+        ask: Asker,
+        rendered: bool,
         span: Any,
         parent: Any,
     ) -> None:
         result = ShadowResult("cancelled")
         try:
             with self.telemetry.shadow_scope(span, parent):
-                result = await self._copy(name, context, body, parsed)
+                result = await self._copy(name, context, body, ask, rendered)
         except asyncio.CancelledError:
             raise  # shutdown: recorded below as cancelled
         except Exception:  # a copy must never surface anywhere: it is only measured
@@ -179,7 +207,7 @@ class ShadowTraffic:
             )  # fmt: skip
 
     async def _copy(
-        self, name: str, context: RequestContext, body: RequestBody, parsed: dict[str, Any] | None
+        self, name: str, context: RequestContext, body: RequestBody, ask: Asker, rendered: bool
     ) -> ShadowResult:
         upstream = context.upstreams[name]
         credential: int | None = None
@@ -194,9 +222,9 @@ class ShadowTraffic:
         # The same lifecycle as the walk's attempts: its gates and health marking; the
         # copy is not an attempt of the request, so it is neither started nor finished.
         attempts = AttemptLifecycle(
-            context, body, parsed, client=self.client, faults=self.faults, health=self.health,
-            capacity=self.capacity, telemetry=self.telemetry,
-            ask=asker(body.buffered, parsed, None), shadow=True,
+            context, body, None, client=self.client, faults=self.faults, health=self.health,
+            capacity=self.capacity, telemetry=self.telemetry, ask=ask, shadow=True,
+            rendered=rendered,
         )  # fmt: skip
         reservation = await attempts.gate(name, upstream, repeat=False)
         if isinstance(reservation, str):

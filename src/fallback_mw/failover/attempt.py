@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 from urllib.parse import quote
 
@@ -42,7 +42,7 @@ from fallback_mw.health.pool import retry_after_seconds
 from fallback_mw.health.quota import PeekedResponse, peek_quota
 from fallback_mw.request.body import BodyAborted, written_like
 from fallback_mw.request.codings import body_coding, unreadable_coding
-from fallback_mw.request.context import AttemptRecord, RequestBody, RequestContext
+from fallback_mw.request.context import AttemptRecord, Headers, RequestBody, RequestContext
 from fallback_mw.routing import PATH_SAFE
 from fallback_mw.telemetry import Telemetry
 from fallback_mw.timers import deadline_after
@@ -105,6 +105,18 @@ def pool_key(name: str, upstream: UpstreamConfig, *, shadow: bool) -> str:
     return f"{name} shadow {upstream.url}" if shadow else f"{name} {upstream.url}"
 
 
+def model_rewritten(
+    model: str, parsed: Mapping[str, Any], buffered: bytes, headers: Headers
+) -> bytes:
+    """The JSON object body `parsed` (sent as `buffered`) with its model replaced by a
+    candidate's `model`, written as the caller wrote it (`written_like`). Every spelling of
+    the key goes: an upstream reading keys in any case (Go's encoding/json takes the last)
+    ran the caller's `"Model"` beside the rewrite."""
+    rewritten = {k: v for k, v in parsed.items() if k.casefold() != "model"}
+    rewritten["model"] = model
+    return written_like(rewritten, buffered, headers)
+
+
 class AttemptRunner:
     """Runs attempts for one request. The hedge drives it through `run` only."""
 
@@ -119,9 +131,13 @@ class AttemptRunner:
         inject_headers: Any,
         shadow: bool = False,
         replayable: bool = False,
+        rendered: bool = False,
     ) -> None:
         self.context = context
         self.body = body
+        # The buffered body is already what the candidate takes (a shadow copy's, its
+        # `model` rewritten when the copy was taken): sent as it is.
+        self.rendered = rendered
         # The walk's own verdict (decide.is_replayable): the engine may send such a request
         # again on a new connection when a kept-alive one was lost under it.
         self.replayable = replayable
@@ -164,7 +180,7 @@ class AttemptRunner:
     def takes_body(self, upstream: UpstreamConfig) -> bool:
         """A candidate that rewrites the model (`model`) needs a buffered JSON object body
         (an empty one needs no rewrite); any other candidate takes the body as it is."""
-        if not upstream.model:
+        if not upstream.model or self.rendered:
             return True
         buffered = self.body.buffered
         return buffered is not None and (not buffered or self.parsed is not None)
@@ -174,12 +190,10 @@ class AttemptRunner:
         if body.buffered is None:
             assert body.stream is not None
             return body.stream
-        if upstream.model and self.parsed is not None:
-            # Every spelling of the key goes: an upstream reading keys in any case (Go's
-            # encoding/json takes the last) ran the caller's `"Model"` beside the rewrite.
-            rewritten = {k: v for k, v in self.parsed.items() if k.casefold() != "model"}
-            rewritten["model"] = upstream.model
-            return written_like(rewritten, body.buffered, self.context.forward_headers)
+        if upstream.model and self.parsed is not None and not self.rendered:
+            return model_rewritten(
+                upstream.model, self.parsed, body.buffered, self.context.forward_headers
+            )
         return body.buffered
 
     async def run(
@@ -306,6 +320,7 @@ class AttemptLifecycle:
         ask: Callable[[str, UpstreamConfig, bool], Ask],
         shadow: bool = False,
         replayable: bool = False,
+        rendered: bool = False,
     ) -> None:
         self.context = context
         self.health = health
@@ -316,6 +331,7 @@ class AttemptLifecycle:
         self.runner = AttemptRunner(
             context, body, parsed, client=client, faults=faults,
             inject_headers=telemetry.inject_headers, shadow=shadow, replayable=replayable,
+            rendered=rendered,
         )  # fmt: skip
         self.reservations: dict[str, Reservation] = {}  # the latest, per upstream
         # The latest breaker admission per upstream (`gate`), then each started attempt's
