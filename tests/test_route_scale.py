@@ -17,7 +17,14 @@ from hypothesis import strategies as st
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from fallback_mw.config import DEFAULT_METHODS, RouteConfig, UpstreamConfig, load_config
+from fallback_mw.budget.cost import PriceBook
+from fallback_mw.config import (
+    DEFAULT_METHODS,
+    PriceConfig,
+    RouteConfig,
+    UpstreamConfig,
+    load_config,
+)
 from fallback_mw.routing import RouteTable
 from fallback_mw.store.model import StoredRoute
 from fallback_mw.store.reload import StoreRuntime
@@ -228,3 +235,59 @@ def test_a_reload_of_thousands_of_routes_does_no_work_for_zero_series_that_are_f
         for metric in scope.metrics
     }
     assert {"gateway.requests", "gateway.fallbacks", "gateway.skips"} <= names
+
+
+def _prices(count: int) -> dict[str, PriceConfig]:
+    return {
+        f"vendor{index % 7}-model-{index}": PriceConfig(input_per_mtok=1, output_per_mtok=index)
+        for index in range(count)
+    }
+
+
+def test_pricing_a_model_costs_about_the_same_with_2000_prices_as_with_20() -> None:
+    """A model no price names exactly (a dated version, or one not priced at all: the
+    caller chooses it) was compared with every price name, twice a request (the hold's
+    estimate and the settlement)."""
+    small, large = PriceBook(_prices(20)), PriceBook(_prices(2000))
+    assert large.price_for("vendor3-model-1998-2024-07-18") is not None
+
+    def lookups(book: PriceBook) -> Callable[[], object]:
+        def run() -> None:
+            for _ in range(300):
+                book.price_for("unpriced-model-2024-07-18")
+                book.price_for("vendor3-model-10-2024-07-18")
+
+        return run
+
+    ratio = _fastest(lookups(large)) / _fastest(lookups(small))
+    assert ratio < 10, f"pricing at 2000 prices costs {ratio:.0f}x that at 20"
+
+
+_PRICED = ["gpt-4o", "gpt-4o-mini", "GPT-4o", "claude", "o1", "gpt"]
+_ASKED = ["gpt-4o", "gpt-4o-mini-2024", "GPT-4O@x", "gpt-4o.1", "claude:2", "o1", "gpt-", "gp"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.sampled_from(_PRICED), max_size=6),
+    st.sampled_from(_ASKED),
+)
+def test_the_price_index_answers_as_the_name_by_name_rule(names: list[str], model: str) -> None:
+    prices = {
+        name: PriceConfig(input_per_mtok=index, output_per_mtok=index)
+        for index, name in enumerate(names)
+    }
+    book = PriceBook(prices)
+    expected = prices.get(model)
+    if expected is None:
+        folded = {}
+        for name, price in sorted(prices.items(), key=lambda item: item[1].output_per_mtok):
+            folded[name.casefold()] = price
+        expected = folded.get(model.casefold())
+        if expected is None:
+            for name in sorted(folded, key=len, reverse=True):
+                lowered = model.casefold()
+                if lowered.startswith(name) and lowered[len(name)] in "-@:.":
+                    expected = folded[name]
+                    break
+    assert book.price_for(model) == expected

@@ -67,8 +67,10 @@ class PriceBook:
         for name, price in sorted(self.prices.items(), key=lambda item: item[1].output_per_mtok):
             folded[name.casefold()] = price
         self._folded = folded
-        # Longest first, so "gpt-4o-mini" wins over "gpt-4o" for "gpt-4o-mini-2024-07-18".
-        self._by_length = sorted(folded, key=len, reverse=True)
+        # The lengths of the names, longest first, so "gpt-4o-mini" wins over "gpt-4o" for
+        # "gpt-4o-mini-2024-07-18": a model is cut at each and looked up, never compared
+        # with every name (a caller's unpriced model was, twice a request, at 2,000 prices).
+        self._lengths = sorted({len(name) for name in folded}, reverse=True)
 
     def price_for(self, model: str | None) -> PriceConfig | None:
         if not model:
@@ -81,9 +83,11 @@ class PriceBook:
         if price is not None:
             return price
         # Upstreams often report a dated version of the requested model name.
-        for name in self._by_length:
-            if model.startswith(name) and model[len(name)] in "-@:.":
-                return self._folded[name]
+        for length in self._lengths:
+            if length < len(model) and model[length] in "-@:.":
+                price = self._folded.get(model[:length])
+                if price is not None:
+                    return price
         return None
 
     def cost(
