@@ -348,19 +348,21 @@ def check_variables_set(where: str, variables: Iterable[str], environ: Mapping[s
 def variable_problems(
     where: str, variables: Iterable[str], environ: Mapping[str, str]
 ) -> list[str]:
-    """What `check_variables_set` refuses, one phrase per variable (names only)."""
+    """What `check_variables_set` refuses (names only): the variables of `where` that are
+    not set in one phrase, those set but empty in another (a pool of 50 keys said "is not
+    set" 50 times, under its upstream's name each time), one phrase per unusable value."""
+    unset: list[str] = []
+    empty: list[str] = []
     problems = []
     for variable in variables:
         value = environ.get(variable)
         if value is None:
-            problems.append(f"{where}: environment variable {shown_variable(variable)} is not set")
+            unset.append(shown_variable(variable))
             continue
         if not value:
             # `export KEY=` (or an empty line in an env file): set, so "not set" would send
             # the reader to check a variable that `env` shows them is there.
-            problems.append(
-                f"{where}: environment variable {shown_variable(variable)} is set but empty"
-            )
+            empty.append(shown_variable(variable))
             continue
         problem = header_value_problem(value)
         if problem is not None:
@@ -371,7 +373,18 @@ def variable_problems(
                 f"{where}: environment variable {shown_variable(variable)} cannot be sent as a "
                 f"header value: it {problem}{hint}"
             )
-    return problems
+    grouped = [
+        _variables_phrase(where, names, state)
+        for names, state in ((unset, "not set"), (empty, "set but empty"))
+        if names
+    ]
+    return [*grouped, *problems]
+
+
+def _variables_phrase(where: str, names: list[str], state: str) -> str:
+    if len(names) == 1:
+        return f"{where}: environment variable {names[0]} is {state}"
+    return f"{where}: environment variables {', '.join(names)} are {state}"
 
 
 def check_fallback_credentials(
