@@ -78,12 +78,13 @@ def test_matching_a_request_costs_about_the_same_with_2000_routes_as_with_20() -
 def test_building_the_table_grows_linearly_with_the_routes() -> None:
     """Which routes vary by tenant compared each route with every other: a reload of a
     store of 2,000 routes held the event loop for the better part of a second."""
-    routes = _routes(1600)
-    ratio = _fastest(lambda: RouteTable(routes, UPSTREAMS), 3) / _fastest(
-        lambda: RouteTable(routes[:100], UPSTREAMS), 3
+    routes = _routes(3200)
+    ratio = _fastest(lambda: RouteTable(routes, UPSTREAMS), 5) / _fastest(
+        lambda: RouteTable(routes[:100], UPSTREAMS), 7
     )
-    # 16x the routes: about 16x the time when linear, 256x when quadratic.
-    assert ratio < 80, f"16x the routes took {ratio:.0f}x the time to build"
+    # 32x the routes: about 32x the time when linear (up to twice that on a loaded machine,
+    # the larger table out of the caches), 1,024x when quadratic.
+    assert ratio < 250, f"32x the routes took {ratio:.0f}x the time to build"
 
 
 def _reference(
