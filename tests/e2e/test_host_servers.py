@@ -15,6 +15,7 @@ import asyncio
 import importlib.util
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -437,5 +438,96 @@ async def test_an_http10_answer_that_breaks_ends_in_a_reset_not_as_complete(
     assert received.startswith(b"HTTP/1."), received
     assert b"data: two\n\n" in received, received
     assert ended == "reset", (received, output)
+    assert "Traceback" not in output, output
+    assert len([line for line in output.splitlines() if "outcome=aborted" in line]) == 1, output
+
+
+# HTTP/2 over TLS (what browsers and curl speak to a server with a certificate): daphne
+# serves HTTP/2 only so, hypercorn too when given a certificate.
+H2_TLS_OPTIONS = {
+    "hypercorn": ["--certfile", "cert.pem", "--keyfile", "key.pem"],
+    # An endpoint beside daphne's plain one (-b/-p): the test calls the TLS port.
+    "daphne": ["-e", "ssl:{tls_port}:privateKey=key.pem:certKey=cert.pem:interface=127.0.0.1"],
+}
+
+
+async def h2_stream_until_ended(
+    port: int, dying: DyingStream, context: ssl.SSLContext
+) -> tuple[bytes, str]:
+    """GET the stream over HTTP/2 with TLS; after the two events the upstream dies.
+    Returns (the body received, how stream 1 ended: "end_stream", "reset:<error code>",
+    "goaway" or "eof"). A raw h2 client: httpx raises on any RST_STREAM, and so cannot
+    tell one with NO_ERROR (RFC 9113 §8.1: sent after a complete response; curl, over
+    nghttp2, reads the answer as whole) from an error."""
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    reader, writer = await asyncio.open_connection(
+        "127.0.0.1", port, ssl=context, server_hostname="127.0.0.1"
+    )
+    connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    connection.initiate_connection()
+    connection.send_headers(
+        1,
+        [(":method", "GET"), (":path", "/v1/chat"), (":scheme", "https"),
+         (":authority", f"127.0.0.1:{port}")],
+        end_stream=True,
+    )  # fmt: skip
+    writer.write(connection.data_to_send())
+    received = b""
+    try:
+        with anyio.fail_after(10):
+            while True:
+                data = await reader.read(65536)
+                if not data:
+                    return received, "eof"
+                for event in connection.receive_data(data):
+                    if isinstance(event, h2.events.DataReceived) and event.stream_id == 1:
+                        received += event.data
+                        connection.acknowledge_received_data(event.flow_controlled_length, 1)
+                        if received.count(b"\n\n") >= 2:
+                            dying.die.set()
+                    elif isinstance(event, h2.events.StreamEnded) and event.stream_id == 1:
+                        return received, "end_stream"
+                    elif isinstance(event, h2.events.StreamReset) and event.stream_id == 1:
+                        return received, f"reset:{int(event.error_code)}"
+                    elif isinstance(event, h2.events.ConnectionTerminated):
+                        return received, "goaway"
+                writer.write(connection.data_to_send())
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("name", list(H2_TLS_OPTIONS))
+async def test_an_http2_stream_that_breaks_is_reset_with_an_error_not_ended_as_complete(
+    tmp_path: Path, name: str
+) -> None:
+    """daphne's own stream abort (twisted's) sends RST_STREAM with NO_ERROR, the code
+    RFC 9113 §8.1 keeps for a server that has sent its complete response: curl read the
+    cut stream as the whole answer (exit status 0). The stream is reset with an error."""
+    trustme = pytest.importorskip("trustme")
+    require_server(name)
+    write_app(tmp_path, "gateway")
+    ca = trustme.CA()
+    certificate = ca.issue_cert("127.0.0.1")
+    certificate.private_key_pem.write_to_path(str(tmp_path / "key.pem"))
+    certificate.cert_chain_pems[0].write_to_path(str(tmp_path / "cert.pem"))
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    context.set_alpn_protocols(["h2"])
+    port, tls_port = free_port(), free_port()
+    options = [part.format(tls_port=tls_port) for part in H2_TLS_OPTIONS[name]]
+    if name == "hypercorn":
+        tls_port = port
+    dying = DyingStream()
+    async with upstream(dying.handle) as up:
+        with server_process(tmp_path, name, up.url, port, options) as log:
+            await wait_for(tls_port, log)
+            received, ended = await h2_stream_until_ended(tls_port, dying, context)
+            await anyio.sleep(0.5)  # the request line is written when the request ends
+    output = log_text(log)
+    assert received == b"data: one\n\ndata: two\n\n", (received, output)
+    assert ended.startswith("reset:") and ended != "reset:0", (ended, output)
     assert "Traceback" not in output, output
     assert len([line for line in output.splitlines() if "outcome=aborted" in line]) == 1, output

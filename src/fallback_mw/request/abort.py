@@ -19,7 +19,9 @@ Starlette's middleware or Django's handler the gateway is handed a wrapper):
 * daphne keeps the connection open (the client waits for its own timeout, 60 s in curl,
   10 minutes in the openai SDK); a raise logs a traceback and then fails to send a 500.
   Here twisted's channel is closed (HTTP/1.1: what was written is flushed first, the
-  chunked body is left unterminated) or the stream is reset (HTTP/2).
+  chunked body is left unterminated) or the stream is reset with INTERNAL_ERROR (HTTP/2:
+  twisted's own abort resets it with NO_ERROR, which RFC 9113 §8.1 keeps for a complete
+  response, and curl read the cut answer as whole).
 * granian closes the connection, quietly.
 
 An HTTP/1.0 caller's answer has no chunked framing: without a length it ends where the
@@ -180,7 +182,7 @@ def _daphne(send: functools.partial[Any], reset: bool) -> None:
     if channel is None:
         return
     if type(channel).__name__ == "H2Stream":
-        channel.abortConnection()  # RST_STREAM
+        _reset_twisted_stream(channel)
     elif reset:
         channel.transport.abortConnection()  # twisted closes with a reset
     else:
@@ -188,3 +190,13 @@ def _daphne(send: functools.partial[Any], reset: bool) -> None:
     # As daphne records a connection lost: what a middleware in front still sends (the
     # end of the body, as if complete) is dropped, not flushed before the close.
     owner.protocol_disconnected(request)
+
+
+def _reset_twisted_stream(stream: Any) -> None:
+    """twisted's H2Stream.abortConnection (H2Connection.abortRequest) with an error code:
+    its reset_stream's default is NO_ERROR, which a client (curl, nghttp2) reads as the
+    end of a complete response."""
+    connection = stream._conn
+    connection.conn.reset_stream(stream.streamID, error_code=2)  # INTERNAL_ERROR
+    if connection._tryToWriteControlData():
+        connection._requestDone(stream.streamID)
