@@ -182,7 +182,10 @@ def _daphne(send: functools.partial[Any], reset: bool) -> None:
     if channel is None:
         return
     if type(channel).__name__ == "H2Stream":
-        _reset_twisted_stream(channel)
+        try:
+            _reset_twisted_stream(channel)
+        except AttributeError:  # a twisted whose internals moved: its own abort still resets
+            channel.abortConnection()
     elif reset:
         channel.transport.abortConnection()  # twisted closes with a reset
     else:
