@@ -257,3 +257,33 @@ async def test_a_store_connection_gone_silent_does_not_stop_the_reloads(
             await gateway.aclose()
     assert "did not answer within 5 s" in caplog.text, caplog.text  # the outage, said once
     print(f"set-fallback seen through a silent connection's replacement in {took:.1f} s")
+
+
+@pytest.mark.anyio
+async def test_a_listen_the_database_refuses_leaves_no_connection_open(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A LISTEN refused (a hot standby refuses it, as a pooler in transaction mode does):
+    # the store polls instead, and the connection it opened for LISTEN was set aside
+    # unclosed, one per reload cycle that tried again.
+    async def refused(self: Any, channel: str, callback: Any) -> None:
+        raise asyncpg.exceptions.FeatureNotSupportedError("cannot execute LISTEN")
+
+    monkeypatch.setattr(asyncpg.connection.Connection, "add_listener", refused)
+    store = PostgresStore(pg_url)
+    opened: list[Any] = []
+    connect = store._connect
+
+    async def recorded() -> Any:
+        conn = await connect()
+        opened.append(conn)
+        return conn
+
+    monkeypatch.setattr(store, "_connect", recorded)
+    try:
+        await asyncio.wait_for(store.wait_for_change(0.05), 5)  # polls: returns
+        listeners = opened[1:]  # the first is the store's own connection
+        assert listeners, "no LISTEN was tried"
+        assert all(conn.is_closed() for conn in listeners)
+    finally:
+        await store.aclose()

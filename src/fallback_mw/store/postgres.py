@@ -357,6 +357,8 @@ class PostgresStore:
             await self._listener.add_listener(CHANNEL, self._notified)
         except (StoreError, OSError, asyncpg.PostgresError) as exc:
             logger.warning("store LISTEN failed (%s); polling instead", type(exc).__name__)
+            if self._listener is not None:  # opened, LISTEN refused (a hot standby): closed
+                self._listener.terminate()
             self._listener = None
             return False
         return True
