@@ -45,6 +45,7 @@ NAMES = ("u0", "u1", "u2", "u3")
 REPLAY_BUFFER = 1024
 MAX_RESPONSE_BODY = 256  # a "big" answer is longer
 ROUTE_DEADLINE_MS = 60_000
+COOLDOWN_S = 600
 REPEAT_WINDOW_S = 600  # every example lies within one window of the repeat allowance
 # A hang costs this much, so hangs are drawn rarely; every other answer must come well
 # within it on a loaded machine (a scripted answer later than this is a timeout).
@@ -268,7 +269,8 @@ class Expected:
     skipped: str | None
     received: list[str]
     body: bytes | None  # the upstream answer served (None: a local error)
-    retry_after: bool = False  # a 503 route_exhausted says when to come back
+    # A 503 route_exhausted says when to come back: within the minute, or the cooldown.
+    retry_after: str | None = None
 
     def observed(self) -> dict[str, Any]:
         return {
@@ -504,21 +506,25 @@ def _repeat_allowed(plan: Plan, world: World, index: int) -> bool:
     return world.repeats[index] + 1 <= allowance + 1e-9
 
 
-def _comes_back(world: World, skipped: list[str]) -> bool:
-    """A 503 route_exhausted says Retry-After when a skipped candidate returns by itself
-    (an open breaker, a full rpm, a pool not every credential of which a 401 retired), and
-    no repeat_budget skip (back sooner than anything the header could say) was made."""
+def _comes_back(world: World, skipped: list[str]) -> str | None:
+    """A 503 route_exhausted says Retry-After when a skipped candidate returns by itself,
+    and no repeat_budget skip (back sooner than anything the header could say) was made:
+    the soonest of a full rpm (within the rolling minute: "minute"), an open breaker or a
+    cooled pool credential (the cooldown: "cooldown"); a pool every credential of which a
+    401 retired does not return."""
     reasons = [item.split(";reason=") for item in skipped]
     if any(reason == "repeat_budget" for _, reason in reasons):
-        return False
+        return None
+    waits = set()
     for name, reason in reasons:
         index = NAMES.index(name)
-        if reason in ("breaker_open", "capacity"):
-            return True
-        pool = world.plan.pools[index]
-        if reason == "no_credential" and len(world.retired[index]) < pool:
-            return True
-    return False
+        if reason == "capacity":
+            waits.add("minute")
+        elif reason == "breaker_open" or (
+            reason == "no_credential" and len(world.retired[index]) < world.plan.pools[index]
+        ):
+            waits.add("cooldown")
+    return "minute" if "minute" in waits else waits.pop() if waits else None
 
 
 def _skips(skipped: list[str]) -> str | None:
@@ -563,7 +569,8 @@ def config(plan: Plan, scripted: Scripted) -> dict[str, Any]:
                 "window": window,
                 "min_calls": min_calls,
                 "failure_rate": failure_rate,
-                "cooldown_ms": 600_000,  # no breaker half-opens, no credential returns
+                # No breaker half-opens, no credential returns.
+                "cooldown_ms": COOLDOWN_S * 1000,
             },
             "repeat_budget": {
                 "percent": plan.repeat_budget[0],
@@ -630,6 +637,22 @@ async def run(plan: Plan, scripted: Scripted) -> list[tuple[Expected, httpx.Resp
     return results
 
 
+# What each rule's message names (SPEC §12: the configuration that would change it).
+# `ceiling`: retries; the candidates' urls when none accepted a connection; a skipped
+# candidate and what brings it back when one was skipped (docs/failover.md).
+REMEDY = {
+    "ceiling": ("retries", "url", "skipped", "auth_env"),
+    "not_replayable_method": ("replayable_methods",),
+    "method_override": ("replayable_methods",),
+    "not_buffered": ("replay_buffer",),
+    "no_idempotency_key": ("Idempotency-Key",),
+    "no_candidate": ("skipped",),
+    "repeat_budget": ("repeat_budget",),
+    "max_response_body": ("max_response_body",),
+    "deadline": ("x-gateway-deadline-ms",),
+}
+
+
 def observe(plan: Plan, response: httpx.Response, seen: list[Seen]) -> Expected:
     code = rule = None
     local = "x-gateway-provider" not in response.headers  # no candidate produced it
@@ -639,6 +662,11 @@ def observe(plan: Plan, response: httpx.Response, seen: list[Seen]) -> Expected:
         error = json.loads(response.content)["error"]
         assert error["type"] == "gateway_error"
         code, rule = error["code"], error["rule"]
+        # SPEC §12: the message says what configuration would change it, and never
+        # echoes an upstream's answer.
+        remedies = REMEDY.get(rule, ("",))
+        assert any(r in error["message"] for r in remedies), (rule, error["message"])
+        assert "#" not in error["message"] and "Scripted" not in error["message"]
     return Expected(
         status=response.status_code,
         code=code,
@@ -648,8 +676,17 @@ def observe(plan: Plan, response: httpx.Response, seen: list[Seen]) -> Expected:
         skipped=response.headers.get("x-gateway-skipped"),
         received=[_name(plan, s) for s in seen],
         body=None if code is not None else response.content,
-        retry_after="retry-after" in response.headers,
+        retry_after=_retry_after(response.headers.get("retry-after")),
     )
+
+
+def _retry_after(value: str | None) -> str | None:
+    if value is None:
+        return None
+    seconds = int(value)
+    if 1 <= seconds <= 60:
+        return "minute"
+    return "cooldown" if COOLDOWN_S - 60 <= seconds <= COOLDOWN_S else f"{seconds} s"
 
 
 def expectations(plan: Plan) -> list[list[dict[str, Any]]]:
