@@ -21,6 +21,7 @@ examples run every time (about 15 s); FMW_MODEL_EXAMPLES=2000 searches afresh.""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import os
@@ -256,6 +257,7 @@ class Plan:
     idempotency_key: bool  # the caller sends Idempotency-Key
     deadline_header: str | None  # the caller's x-gateway-deadline-ms
     repeat_budget: tuple[float, float]  # percent, min_per_second
+    backoff_ms: int  # 5000 only under the caller's 1200 ms deadline: it ends the walk
     requests: int  # one after the other, through one gateway
 
 
@@ -340,6 +342,7 @@ def model(plan: Plan, world: World, order: Sequence[int]) -> Expected:
     replayable = unreplayable is None
     ceiling = 1 + plan.retries if replayable else 1  # SPEC §12: 1 when not replayable
     deadline = _deadline(plan.deadline_header)
+    deadline_left_ms = deadline or ROUTE_DEADLINE_MS  # every answer but a hang is quick
     breakers, used, served = world.breakers, world.used, world.served
     # Pools (SPEC §6): each credential at most once per request, round robin over the
     # usable ones; 401 retires, 403 / 429 / failover-class failures cool down.
@@ -422,6 +425,10 @@ def model(plan: Plan, world: World, order: Sequence[int]) -> Expected:
                 reason = "repeat_budget"
             elif plan.rpm[index] is not None and used[index] >= plan.rpm[index]:
                 reason = "capacity"
+            if reason is None and repeat and plan.backoff_ms > deadline_left_ms:
+                # The deadline passes while the walk waits backoff_ms before the repeat: it
+                # is never sent, and gives back what its admission counted.
+                return local("deadline_exceeded", "deadline")
             if reason is not None:
                 skipped.append(f"{NAMES[index]};reason={reason}")
                 if again:
@@ -586,7 +593,7 @@ def config(plan: Plan, scripted: Scripted) -> dict[str, Any]:
                 "plan": list(NAMES[: plan.size]),
                 "strategy": plan.strategy,
                 "retries": plan.retries,
-                "backoff_ms": 1,
+                "backoff_ms": plan.backoff_ms,
                 "deadline_ms": ROUTE_DEADLINE_MS,
                 "failover_status": list(plan.failover_status),
                 "replayable_methods": list(plan.replayable_methods),
@@ -649,7 +656,7 @@ REMEDY = {
     "no_candidate": ("skipped",),
     "repeat_budget": ("repeat_budget",),
     "max_response_body": ("max_response_body",),
-    "deadline": ("x-gateway-deadline-ms",),
+    "deadline": ("x-gateway-deadline-ms", "backoff_ms"),
 }
 
 
@@ -766,7 +773,7 @@ def plans(draw: st.DrawFn) -> Plan:
         # Rarely, and once: a hang costs FIRST_BYTE_MS (or the caller's deadline).
         script = scripts[draw(st.integers(0, size - 1))]
         script.insert(draw(st.integers(0, len(script) - 1)), Step("hang"))
-    return Plan(
+    plan = Plan(
         size=size,
         retries=draw(st.integers(size - 1, 5)),
         strategy=draw(st.sampled_from(["sequential", "random"])),
@@ -792,7 +799,9 @@ def plans(draw: st.DrawFn) -> Plan:
         down=tuple(draw(st.integers(0, 9)) == 0 for _ in range(size)),
         scripts=tuple(map(tuple, scripts)),
         engine=draw(st.sampled_from(["aiohttp", "httpx"])),
-        method=draw(st.sampled_from(["GET", "GET", "HEAD", "POST", "PUT", "DELETE"])),
+        method=draw(
+            st.sampled_from(["GET", "GET", "HEAD", "OPTIONS", "POST", "PUT", "PATCH", "DELETE"])
+        ),
         body_size=draw(
             st.sampled_from([0, 5, REPLAY_BUFFER - 1, REPLAY_BUFFER, REPLAY_BUFFER + 1])
         ),
@@ -801,11 +810,15 @@ def plans(draw: st.DrawFn) -> Plan:
         replay_with_key=draw(st.booleans()),
         idempotency_key=draw(st.booleans()),
         deadline_header=draw(
-            st.sampled_from([None, None, "0", "abc", "+900", "12345678", "60000", "1000"])
+            st.sampled_from([None, None, "0", "abc", "+900", "12345678", "60000", "1200"])
         ),
         repeat_budget=draw(st.sampled_from([(20.0, 1.0), (0.0, 0.005), (50.0, 0.0)])),
         requests=draw(st.integers(1, 3)),
+        backoff_ms=1,
     )
+    if plan.deadline_header == "1200" and draw(st.booleans()):
+        plan = dataclasses.replace(plan, backoff_ms=5000)
+    return plan
 
 
 # CI draws the same examples every run (fast, and deterministic); FMW_MODEL_EXAMPLES=2000
