@@ -28,6 +28,7 @@ import os
 import socket
 import struct
 import threading
+import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from fallback_mw import Gateway
+from tests.conftest import IN_CI, REDIS_DB, REDIS_HOST, REDIS_PORT, _reachable
 from tests.helpers import client_for
 from tests.upstreams import host_app
 
@@ -203,8 +205,14 @@ def _act(conn: socket.socket, step: Step, method: str, body: bytes) -> None:
     # "close": closed without a byte of answer
 
 
+# Without Redis (outside CI) the examples keep to the memory state; under CI it must be there.
+REDIS_UP = _reachable(REDIS_HOST, REDIS_PORT)
+
+
 @pytest.fixture(scope="module")
 def scripted() -> Iterator[Scripted]:
+    if IN_CI and not REDIS_UP:
+        pytest.fail(f"Redis is not reachable at {REDIS_HOST}:{REDIS_PORT} (CI=true)")
     state = Scripted()
     for _ in NAMES:
         listener = socket.socket()
@@ -259,6 +267,7 @@ class Plan:
     repeat_budget: tuple[float, float]  # percent, min_per_second
     backoff_ms: int  # 5000 only under the caller's 1200 ms deadline: it ends the walk
     requests: int  # one after the other, through one gateway
+    redis: bool  # state = "redis://..." (else memory)
 
 
 @dataclass
@@ -550,7 +559,7 @@ def orders(plan: Plan) -> list[tuple[int, ...]]:
 # --- the real gateway ------------------------------------------------------------------
 
 
-def config(plan: Plan, scripted: Scripted) -> dict[str, Any]:
+def config(plan: Plan, scripted: Scripted, state: str = "memory://") -> dict[str, Any]:
     window, min_calls, failure_rate = plan.breaker
     upstreams: dict[str, Any] = {}
     for i in range(plan.size):
@@ -569,6 +578,7 @@ def config(plan: Plan, scripted: Scripted) -> dict[str, Any]:
     return {
         "gateway": {
             "engine": plan.engine,
+            "state": state,
             "replay_buffer": REPLAY_BUFFER,
             "max_response_body": MAX_RESPONSE_BODY,
             "max_request_body": 1 << 16,
@@ -607,7 +617,12 @@ def config(plan: Plan, scripted: Scripted) -> dict[str, Any]:
 async def run(plan: Plan, scripted: Scripted) -> list[tuple[Expected, httpx.Response, list[Seen]]]:
     """`plan.requests` requests, one after the other, through one gateway."""
     scripted.reset({i: plan.scripts[i] for i in range(plan.size)})
-    gateway = Gateway(host_app, config=config(plan, scripted), environ=KEYS)
+    state, prefix = "memory://", f"fmw-model-{uuid.uuid4().hex}:"
+    if plan.redis:
+        # Breakers, credential health, capacity and the repeat allowance in Redis (the Lua
+        # twins of the memory state), under keys of this example's own.
+        state = f"redis://{REDIS_HOST}:{REDIS_PORT}/{REDIS_DB}?prefix={prefix}"
+    gateway = Gateway(host_app, config=config(plan, scripted, state), environ=KEYS)
     body = bytes(i % 251 for i in range(plan.body_size))
     headers = {
         "authorization": f"Bearer {CALLER_SECRET}", "x-api-key": CALLER_SECRET,
@@ -641,7 +656,22 @@ async def run(plan: Plan, scripted: Scripted) -> list[tuple[Expected, httpx.Resp
                 results.append((observe(plan, response, seen), response, seen))
     finally:
         await gateway.aclose()
+        if plan.redis:
+            await _forget(prefix)
     return results
+
+
+async def _forget(prefix: str) -> None:
+    """Delete the example's keys (they would expire anyway)."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=REDIS_DB)
+    try:
+        keys = [key async for key in client.scan_iter(match=f"{prefix}*")]
+        if keys:
+            await client.delete(*keys)
+    finally:
+        await client.aclose()
 
 
 # What each rule's message names (SPEC §12: the configuration that would change it).
@@ -773,6 +803,7 @@ def plans(draw: st.DrawFn) -> Plan:
         # Rarely, and once: a hang costs FIRST_BYTE_MS (or the caller's deadline).
         script = scripts[draw(st.integers(0, size - 1))]
         script.insert(draw(st.integers(0, len(script) - 1)), Step("hang"))
+    redis = REDIS_UP and draw(st.integers(0, 3)) == 0
     plan = Plan(
         size=size,
         retries=draw(st.integers(size - 1, 5)),
@@ -815,6 +846,7 @@ def plans(draw: st.DrawFn) -> Plan:
         repeat_budget=draw(st.sampled_from([(20.0, 1.0), (0.0, 0.005), (50.0, 0.0)])),
         requests=draw(st.integers(1, 3)),
         backoff_ms=1,
+        redis=redis,
     )
     if plan.deadline_header == "1200" and draw(st.booleans()):
         plan = dataclasses.replace(plan, backoff_ms=5000)
