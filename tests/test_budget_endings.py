@@ -342,8 +342,9 @@ async def test_a_settlement_that_waited_for_the_reaper_charges_what_it_cost(
 
     import asyncpg
 
+    from fallback_mw.budget.cost import SPENT_CAP_UNITS
     from fallback_mw.budget.ledger import UsageRecord
-    from fallback_mw.store.ledgers import postgres
+    from fallback_mw.store.ledgers import postgres, postgres_sql
 
     budget = BudgetConfig(limit=Decimal("100"), window="month", default_hold=Decimal("0.01"))
     ledger = postgres.PostgresLedger(pg_url)
@@ -353,7 +354,7 @@ async def test_a_settlement_that_waited_for_the_reaper_charges_what_it_cost(
         assert hold is not None
         reaping = reaper.transaction()
         await reaping.start()
-        await reaper.execute(postgres._REAP, 0.0, postgres.SPENT_CAP_UNITS)  # not committed
+        await reaper.execute(postgres_sql.REAP, 0.0, SPENT_CAP_UNITS)  # not committed
         record = UsageRecord(request_id="r", route="chat", tenant="acme", budget_id="acme")
         endings = {
             "settle": lambda: ledger.settle(hold, Decimal("1")),

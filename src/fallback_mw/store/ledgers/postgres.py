@@ -1,9 +1,9 @@
 """The PostgreSQL ledger: many gateway processes share one ledger.
 
-A hold is one statement: an upsert of the window row whose update only happens while
-`spent + held + amount <= limit`, chained to the insert of the hold row. Concurrent
-holders queue on the window row's lock and each re-checks the condition against the
-latest committed row, so no interleaving of processes can hold past the limit."""
+What each call says is store/ledgers/postgres_sql.py's: a hold is one statement, so no
+interleaving of processes can hold past the limit. This module sends the calls: the pool,
+the outage (calls fail closed at once while the database is known to be away), and the
+backlog of usage records an outage kept from the database."""
 
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ try:
     import asyncpg
 except ImportError:
     raise missing_extra("postgres", 'store = "postgresql://..."') from None
-
 from fallback_mw.budget.cost import MAX_UNITS, SPENT_CAP_UNITS, from_units, to_units
 from fallback_mw.budget.ledger import (
     PER_MINUTE_FILTER,
@@ -35,18 +34,28 @@ from fallback_mw.budget.ledger import (
     RollingPeak,
     UsageRecord,
     rolling_peak_of,
-    rolling_peaks_sql,
     room_needed,
     window_kind,
 )
 from fallback_mw.config import BudgetConfig
+from fallback_mw.store.ledgers.postgres_sql import (
+    FINISH,
+    FINISH_REAPED,
+    HOLD,
+    HOLD_THERE,
+    INSERT_KEPT,
+    INSERT_USAGE,
+    REAP,
+    ROLLING_PEAKS,
+    ROW_IDS,
+    SETTLE_AND_RECORD,
+    SETTLE_AND_RECORD_KEPT,
+    STATUS,
+    migrate,
+)
 from fallback_mw.store.ledgers.schema import (
-    COMPONENT,
-    LATEST_VERSION,
     REAP_INTERVAL,
-    REAPED_KEPT_SECONDS,
     RECORDED_WINDOWS,
-    SCHEMA_TABLE,
     STALE_HOLD_SECONDS,
     USAGE_COLUMNS,
     BudgetCache,
@@ -54,160 +63,17 @@ from fallback_mw.store.ledgers.schema import (
     SQLLedgerBase,
     budget_from_row,
     budgets_from_rows,
-    pending_migrations,
     usage_from_row,
     usage_values,
 )
-from fallback_mw.store.model import SCHEMA_TABLE_LOCK
 from fallback_mw.store.outage import OutageLog
 from fallback_mw.store_url import StoreURLError, driver_reason, redact_url, unusable_store
 
 T = TypeVar("T")
+
+
 logger = logging.getLogger("fallback_mw.budget")
-_MIGRATION_LOCK = 0x666D775F6C6467  # pg_advisory_xact_lock key: "fmw_ldg"
 
-
-def _window_of(kind: str) -> str:
-    """The key of the current window of kind `kind` (a placeholder) on the database's clock,
-    as `window_start` makes it: every process sharing the store rolls its windows at the
-    same instant, whatever its host's clock says (one a day ahead held in tomorrow's window,
-    beside today's: twice the daily limit in one day)."""
-    return f"""(CASE {kind}::text WHEN 'total' THEN 'total'
-    WHEN 'day' THEN to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD')
-    ELSE to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM') END)"""
-
-
-# $2 is the window kind; the answer is the hold's window key (NULL: refused).
-_HOLD = f"""
-WITH window_row AS (
-    INSERT INTO fmw_budget_windows AS w (budget_id, window_start, spent_units, held_units)
-    VALUES ($1, {_window_of("$2")}, 0, $3)
-    ON CONFLICT (budget_id, window_start) DO UPDATE
-        SET held_units = w.held_units + EXCLUDED.held_units
-        WHERE w.spent_units + w.held_units + $6 <= $4
-    RETURNING w.window_start
-)
-INSERT INTO fmw_budget_holds (hold_id, budget_id, window_start, amount_units, created_at)
-SELECT $5, $1, window_start, $3, now() FROM window_row
-RETURNING window_start
-"""
-
-_STATUS = f"""
-SELECT period.start, w.spent_units, w.held_units
-FROM (SELECT {_window_of("$2")} AS start) AS period
-LEFT JOIN fmw_budget_windows AS w ON w.budget_id = $1 AND w.window_start = period.start
-"""
-
-
-# A hold's end: settled at $2 (released at 0), once. A hold no longer held was settled or
-# released before (nothing to do), or settled at its amount by the reaper while its request
-# still ran (a stream read for over an hour): what the request cost then replaces what the
-# reaper charged (`credit`, the reaped amount), once. Each argument is a placeholder ($N).
-def _finished(hold: str) -> str:
-    return f"""finished AS (
-    DELETE FROM fmw_budget_holds WHERE hold_id = {hold}
-    RETURNING budget_id, window_start, amount_units AS held, 0::bigint AS credit
-), {_reaped(hold)}, ended AS (
-    SELECT * FROM finished UNION ALL SELECT * FROM reaped
-)"""
-
-
-def _reaped(hold: str) -> str:
-    return f"""reaped AS (
-    DELETE FROM fmw_budget_reaped WHERE hold_id = {hold}
-    RETURNING budget_id, window_start, 0::bigint AS held, amount_units AS credit
-)"""
-
-
-def _settle_ended(spent: str, cap: str) -> str:
-    return f"""UPDATE fmw_budget_windows AS w
-SET held_units = w.held_units - ended.held,
-    spent_units = GREATEST(0::bigint, LEAST(w.spent_units + {spent}::bigint - ended.credit,
-        {cap}::bigint))
-FROM ended
-WHERE w.budget_id = ended.budget_id AND w.window_start = ended.window_start"""
-
-
-# Each answers how many holds it ended (0 or 1): none, see `_FINISH_REAPED`.
-_FINISH = f"""
-WITH {_finished("$1")}, settled AS (
-    {_settle_ended("$2", "$3")}
-)
-SELECT count(*) FROM ended
-"""
-
-# A settlement that found its hold neither held nor reaped may have waited for the reaper
-# that was deleting it: its statement's snapshot, taken before the reaper committed, did
-# not see the row the reaper added to fmw_budget_reaped, and the request was charged the
-# hold. A second statement (a new snapshot) settles against that row, once.
-_FINISH_REAPED = f"""
-WITH {_reaped("$1")}, ended AS (SELECT * FROM reaped)
-{_settle_ended("$2", "$3")}
-"""
-
-_USAGE_COUNT = USAGE_COLUMNS.count(",") + 1  # the usage columns are $1..$N
-
-
-def _insert_usage(row_id: str | None = None) -> str:
-    """The usage insert; with `row_id` (a parameter) the row's id is given, and a row
-    with that id already there (the same kept record, written before) is left alone."""
-    values = ", ".join(f"${i}" for i in range(1, _USAGE_COUNT + 1))
-    if row_id is None:
-        return f"INSERT INTO fmw_usage ({USAGE_COLUMNS}) VALUES ({values})"
-    return (
-        f"INSERT INTO fmw_usage (id, {USAGE_COLUMNS}) VALUES ({row_id}, {values}) "
-        "ON CONFLICT (id) DO NOTHING"
-    )
-
-
-# _FINISH and the usage insert as one statement (the hold's id, the spend and the cap
-# after the usage columns): PostgreSQL runs a data-modifying WITH exactly once, to
-# completion, whether or not the main statement reads it.
-_HOLD_ID, _SPENT, _CAP = (f"${_USAGE_COUNT + i}" for i in (1, 2, 3))
-
-
-def _settle_and_record(insert: str) -> str:
-    return f"""
-WITH {_finished(_HOLD_ID)}, settled AS (
-    {_settle_ended(_SPENT, _CAP)}
-), recorded AS (
-    {insert}
-)
-SELECT count(*) FROM ended
-"""
-
-
-_INSERT_USAGE = _insert_usage()
-_SETTLE_AND_RECORD = _settle_and_record(_INSERT_USAGE)
-# The same for a record kept through an outage: its row id (the table's own sequence,
-# given before its batch was first sent) after the other parameters. A batch whose answer
-# was lost is sent again; what it committed the first time is not written twice.
-_INSERT_KEPT = _insert_usage(f"${_USAGE_COUNT + 1}")
-_SETTLE_AND_RECORD_KEPT = _settle_and_record(_insert_usage(f"${_USAGE_COUNT + 4}"))
-_ROW_IDS = "SELECT nextval(pg_get_serial_sequence('fmw_usage', 'id')) FROM generate_series(1, $1)"
-
-_REAP = f"""
-WITH stale AS (
-    DELETE FROM fmw_budget_holds WHERE created_at < now() - make_interval(secs => $1)
-    RETURNING hold_id, budget_id, window_start, amount_units
-), kept AS (
-    -- A request still running settles what it cost when it ends (`_finished`).
-    INSERT INTO fmw_budget_reaped (hold_id, budget_id, window_start, amount_units, reaped_at)
-    SELECT hold_id, budget_id, window_start, amount_units, now() FROM stale
-    ON CONFLICT (hold_id) DO NOTHING
-), forgotten AS (
-    DELETE FROM fmw_budget_reaped
-    WHERE reaped_at < now() - make_interval(secs => {REAPED_KEPT_SECONDS})
-), totals AS (
-    SELECT budget_id, window_start, sum(amount_units) AS units FROM stale
-    GROUP BY budget_id, window_start
-)
-UPDATE fmw_budget_windows AS w
-SET held_units = w.held_units - totals.units,
-    spent_units = w.spent_units + LEAST(totals.units, $2::bigint - w.spent_units)
-FROM totals
-WHERE w.budget_id = totals.budget_id AND w.window_start = totals.window_start
-"""
 
 # InternalClientError: a pooled connection the server dropped mid-operation ("cannot switch
 # to state ...; another operation is in progress"), seen when PostgreSQL stops under load.
@@ -232,6 +98,7 @@ _UNREACHABLE = (
     asyncpg.exceptions.ObjectNotInPrerequisiteStateError,  # "not accepting connections"
 )
 
+
 # A connection refused: by the host (nothing listens), or by the server itself while it
 # starts up or shuts down (CannotConnectNowError), has no slot left, or takes no
 # connections to this database. Nothing was sent: writing it later cannot write it twice.
@@ -253,10 +120,14 @@ class LedgerOptionError(LedgerUnavailable, StoreURLError):
 # waiting out the timeout behind the others; one call per interval tries it again.
 RETRY_INTERVAL = 1.0
 
+
 # Usage records (with their settlements) that an outage kept from the database without
 # sending them are kept in memory, up to this many, and written once it answers again.
 BACKLOG_LIMIT = 10_000
+
+
 _DRAIN_BATCH = 500
+
 
 # (hold id or None, spent units, usage values, sent, row id): one settlement and usage
 # record to write; (hold id, 0, None, True, None): the release of a hold whose statement's
@@ -344,7 +215,7 @@ class PostgresLedger(SQLLedgerBase):
                 )
                 try:
                     async with pool.acquire() as conn:
-                        await _migrate(conn)
+                        await migrate(conn)
                         await self._reap(conn)
                 except BaseException:
                     await pool.close()
@@ -359,7 +230,7 @@ class PostgresLedger(SQLLedgerBase):
         process that died mid-request, or by a settlement the ledger missed."""
         # The database's clock on both sides (a hold's created_at is its now()): a gateway
         # host whose clock ran an hour ahead settled other processes' live holds.
-        await conn.execute(_REAP, float(self.stale_hold_seconds), SPENT_CAP_UNITS)
+        await conn.execute(REAP, float(self.stale_hold_seconds), SPENT_CAP_UNITS)
 
     def _abandon_pool(self) -> None:
         """Close the pool of the previous event loop on that loop while it runs; once it
@@ -430,7 +301,7 @@ class PostgresLedger(SQLLedgerBase):
             if self._reap_due():  # a running ledger settles stale holds too
                 await self._reap(pool)
             return await pool.fetchval(
-                _HOLD, budget_id, budget.window, units, limit, hold_id, needed
+                HOLD, budget_id, budget.window, units, limit, hold_id, needed
             )
 
         statement = self._outliving(self._run(work))
@@ -482,20 +353,20 @@ class PostgresLedger(SQLLedgerBase):
     async def _finish(self, hold_id: str, spent: int) -> None:
         async def work(pool: asyncpg.Pool) -> None:
             spend = min(max(spent, 0), MAX_UNITS)
-            ended = await pool.fetchval(_FINISH, hold_id, spend, SPENT_CAP_UNITS)
-            if not ended:  # no hold, none reaped as it saw them: see _FINISH_REAPED
-                await pool.execute(_FINISH_REAPED, hold_id, spend, SPENT_CAP_UNITS)
+            ended = await pool.fetchval(FINISH, hold_id, spend, SPENT_CAP_UNITS)
+            if not ended:  # no hold, none reaped as it saw them: see FINISH_REAPED
+                await pool.execute(FINISH_REAPED, hold_id, spend, SPENT_CAP_UNITS)
 
         await self._run(work)
 
     async def _finish_reaped(self, hold_id: str, spent: int) -> None:
         """After a settlement that ended no hold: settled before (nothing to do), or reaped
-        while its statement waited for the reaper's lock (_FINISH_REAPED). A second round
+        while its statement waited for the reaper's lock (FINISH_REAPED). A second round
         trip only then, never for a hold that was there. Unanswered, it is kept as a plain
         settlement (its usage record is written already, never twice)."""
 
         async def work(pool: asyncpg.Pool) -> None:
-            await pool.execute(_FINISH_REAPED, hold_id, spent, SPENT_CAP_UNITS)
+            await pool.execute(FINISH_REAPED, hold_id, spent, SPENT_CAP_UNITS)
 
         try:
             await self._run(work)
@@ -527,8 +398,8 @@ class PostgresLedger(SQLLedgerBase):
 
         async def work(pool: asyncpg.Pool) -> object:
             if hold_id is None:
-                return await pool.execute(_INSERT_USAGE, *values)
-            return await pool.fetchval(_SETTLE_AND_RECORD, *values, hold_id, spent, SPENT_CAP_UNITS)
+                return await pool.execute(INSERT_USAGE, *values)
+            return await pool.fetchval(SETTLE_AND_RECORD, *values, hold_id, spent, SPENT_CAP_UNITS)
 
         try:
             if hold_id is None:
@@ -679,7 +550,7 @@ class PostgresLedger(SQLLedgerBase):
 
     async def status(self, budget_id: str, budget: BudgetConfig) -> BudgetStatus:
         async def work(pool: asyncpg.Pool) -> tuple[str, int, int]:
-            row = await pool.fetchrow(_STATUS, budget_id, budget.window)
+            row = await pool.fetchrow(STATUS, budget_id, budget.window)
             assert row is not None  # the period row is always there
             return str(row[0]), int(row[1] or 0), int(row[2] or 0)
 
@@ -715,7 +586,7 @@ class PostgresLedger(SQLLedgerBase):
 
     async def rolling_peaks(self, *, since: datetime) -> list[RollingPeak]:
         async def work(pool: asyncpg.Pool) -> list[RollingPeak]:
-            return [rolling_peak_of(row) for row in await pool.fetch(_ROLLING_PEAKS, since)]
+            return [rolling_peak_of(row) for row in await pool.fetch(ROLLING_PEAKS, since)]
 
         return await self._run(work)
 
@@ -810,7 +681,7 @@ def _batch_work(batch: list[_Pending]) -> Callable[[asyncpg.Pool], Awaitable[str
                 await _give_row_ids(conn, batch)
                 async with conn.transaction():
                     for statement, rows, needs in _runs(batch):
-                        if needs is not None and await conn.fetchval(_HOLD_THERE, needs) is None:
+                        if needs is not None and await conn.fetchval(HOLD_THERE, needs) is None:
                             continue  # written before its answer was lost
                         await conn.executemany(statement, rows)
         except asyncpg.PostgresError as exc:
@@ -831,7 +702,7 @@ async def _give_row_ids(conn: asyncpg.pool.PoolConnectionProxy, batch: list[_Pen
         if values is not None and row_id is None
     ]
     if needing:
-        ids = sorted(row[0] for row in await conn.fetch(_ROW_IDS, len(needing)))
+        ids = sorted(row[0] for row in await conn.fetch(ROW_IDS, len(needing)))
         for i, row_id in zip(needing, ids, strict=True):
             batch[i] = (*batch[i][:4], row_id)
 
@@ -842,11 +713,11 @@ def _runs(batch: list[_Pending]) -> list[tuple[str, list[tuple[object, ...]], st
     for hold_id, spent, values, sent, row_id in batch:
         row: tuple[object, ...]
         if values is None:  # a release
-            statement, row = _FINISH, (hold_id, 0, SPENT_CAP_UNITS)
+            statement, row = FINISH, (hold_id, 0, SPENT_CAP_UNITS)
         elif hold_id is None:
-            statement, row = _INSERT_KEPT, (*values, row_id)
+            statement, row = INSERT_KEPT, (*values, row_id)
         else:
-            statement = _SETTLE_AND_RECORD_KEPT
+            statement = SETTLE_AND_RECORD_KEPT
             row = (*values, hold_id, spent, SPENT_CAP_UNITS, row_id)
         if sent and values is not None:
             runs.append((statement, [row], hold_id))
@@ -857,41 +728,6 @@ def _runs(batch: list[_Pending]) -> list[tuple[str, list[tuple[object, ...]], st
     return runs
 
 
-# A settlement whose answer was lost was not written while its hold is there: still held,
-# or settled at its amount by the reaper meanwhile (an outage longer than the stale age),
-# which a written settlement would have left nothing to reap. Locked against a reap.
-_HOLD_THERE = """
-SELECT COALESCE(
-    (SELECT 1 FROM fmw_budget_holds WHERE hold_id = $1 FOR UPDATE),
-    (SELECT 1 FROM fmw_budget_reaped WHERE hold_id = $1 FOR UPDATE)
-)"""
-
-
 def _retrieved(task: asyncio.Future[Any]) -> None:
     if not task.cancelled():
         task.exception()  # seen: never "Task exception was never retrieved"
-
-
-async def _migrate(conn: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy) -> None:
-    async with conn.transaction():
-        # One migrator at a time across every process sharing the database.
-        await conn.execute("SELECT pg_advisory_xact_lock($1)", _MIGRATION_LOCK)
-        await conn.execute("SELECT pg_advisory_xact_lock($1)", SCHEMA_TABLE_LOCK)
-        await conn.execute(SCHEMA_TABLE)
-        current = await conn.fetchval(
-            "SELECT version FROM fmw_schema WHERE component = $1", COMPONENT
-        )
-        current = 0 if current is None else int(current)
-        for statement in pending_migrations(current, "postgresql"):
-            await conn.execute(statement)
-        if current != LATEST_VERSION:
-            await conn.execute(
-                "INSERT INTO fmw_schema (component, version) VALUES ($1, $2) "
-                "ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version",
-                COMPONENT,
-                LATEST_VERSION,
-            )
-
-
-# The epoch second of `at` (a timestamptz: the same instant whatever the session's zone).
-_ROLLING_PEAKS = rolling_peaks_sql("EXTRACT(EPOCH FROM date_trunc('second', at))::bigint", "$1")
