@@ -37,7 +37,7 @@ import pytest
 import yaml
 
 from fallback_mw import load_config
-from fallback_mw.cli.check import route_warnings
+from fallback_mw.cli.config_warnings import route_warnings
 from tests.examples_runner import Example, running_example
 
 ROOT = Path(__file__).resolve().parent.parent

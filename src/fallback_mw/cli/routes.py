@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from fallback_mw import rules
 from fallback_mw.cli.app import Console, Failed, Refused, leaf, run
-from fallback_mw.cli.check import route_warnings, unreachable_routes
+from fallback_mw.cli.config_warnings import route_warnings, unreachable_routes
 from fallback_mw.cli.show import route_line
 from fallback_mw.cli.target import StoreTarget, open_route_store, resolve, store_options
 from fallback_mw.config import ConfigError, GatewayConfig, RouteConfig, UpstreamConfig

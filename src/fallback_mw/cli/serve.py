@@ -18,7 +18,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from fallback_mw.cli.app import Console, Failed, Refused, leaf
-from fallback_mw.cli.check import config_warnings, resolve_routes
+from fallback_mw.cli.check import resolve_routes
+from fallback_mw.cli.config_warnings import config_warnings
 from fallback_mw.config import GatewayConfig, load_config
 from fallback_mw.extras import require
 from fallback_mw.request.types import Receive, Scope, Send
