@@ -315,9 +315,9 @@ async def test_a_blank_line_after_an_answer_is_not_past_its_framing(engine: str)
     ],
 )
 def test_the_httpx_engine_reads_chunk_framing_as_h11_does(data: bytes, broken: bool) -> None:
-    from fallback_mw.upstream.httpx_engine import _chunks_break_framing
+    from fallback_mw.upstream.httpx_framing import chunks_break_framing
 
-    assert _chunks_break_framing(data) is broken
+    assert chunks_break_framing(data) is broken
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -1,35 +1,26 @@
-"""The httpx engine: supported for compatibility and handy in tests (custom transports)."""
+"""The httpx engine: supported for compatibility and handy in tests (custom transports). How
+its errors are read is upstream/httpx_errors.py's; what its connections read past an
+answer's framing, upstream/httpx_framing.py's."""
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
-import logging
-import re
-import socket
 import weakref
-from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Sequence
 from http.cookiejar import CookieJar, DefaultCookiePolicy
 
 from fallback_mw.extras import missing_extra
 from fallback_mw.loops import CloseAtLoopEnd, close_on_its_loop
 
 try:
-    import h11
-    import httpcore
     import httpx
-    from h11 import _abnf as h11_abnf
 except ImportError:
     raise missing_extra("httpx", 'engine = "httpx"') from None
-
 from fallback_mw.timers import deadline_after
 from fallback_mw.upstream.base import (
-    NOT_HTTP,
     STALE_RESENDS,
     ConnectionCaps,
     FirstByteTimer,
-    Phase,
     Release,
     UpstreamError,
     UpstreamRequest,
@@ -38,173 +29,32 @@ from fallback_mw.upstream.base import (
     check_request_headers,
     check_response_head,
     encode_request_headers,
-    host_limit,
-    proxy_refused,
     resend_on_new_connection,
     unrelayable,
 )
-from fallback_mw.upstream.guard import LiteralChecks, UnsafeAddressError
+from fallback_mw.upstream.guard import LiteralChecks
 from fallback_mw.upstream.httpx_backend import GuardedNetworkBackend
+from fallback_mw.upstream.httpx_errors import is_connect, map_errors, silence_engine_logs
+from fallback_mw.upstream.httpx_framing import (
+    close_orphaned_connections,
+    h11_state,
+    http11_connection,
+    never_pool_leftovers,
+    past_its_framing,
+    read_what_has_arrived,
+    with_what_has_arrived,
+)
 from fallback_mw.upstream.httpx_pool import Pool, ProxyPool
 from fallback_mw.upstream.tls import (
-    HANDSHAKE_CLOSED,
-    TLS_FAILED,
-    closed_in_handshake,
     ssl_context,
-    tls_problem,
 )
 
 MAX_CONNECTIONS = 512
+
+
 # How often pooled connections are swept while any are kept (HttpxClient._watch_idle):
 # httpx's keep-alive expiry.
 IDLE_SWEEP_SECONDS = 5.0
-
-
-# httpx logs each request's full URL, query string included (INFO), and httpcore logs
-# response header values (DEBUG). Neither may be recorded for the gateway's upstream calls,
-# so records emitted while this engine is working are dropped; other httpx use in the host
-# process logs as before.
-_ENGINE_ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "fallback_mw_httpx_engine_active", default=False
-)
-_CHATTY_LOGGERS = (
-    "httpx",
-    "httpcore.connection",
-    "httpcore.http11",
-    "httpcore.http2",
-    "httpcore.proxy",
-    "httpcore.socks",
-)
-
-
-class _DropEngineRecords(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not _ENGINE_ACTIVE.get()
-
-
-_DROP_ENGINE_RECORDS = _DropEngineRecords()
-
-
-def _silence_engine_logs() -> None:
-    for name in _CHATTY_LOGGERS:
-        logger = logging.getLogger(name)
-        if _DROP_ENGINE_RECORDS not in logger.filters:
-            logger.addFilter(_DROP_ENGINE_RECORDS)
-
-
-# What httpx/h11 refuse to build or send (a header value, a URL, an encoding; a body that
-# is not its Content-Length, which h11 refuses as it is written and httpcore passes on
-# unmapped): nothing the upstream could act on.
-_REFUSED_LOCALLY = (
-    httpx.LocalProtocolError,
-    h11.LocalProtocolError,
-    httpx.InvalidURL,
-    httpx.UnsupportedProtocol,
-    ValueError,
-)
-
-
-# httpcore's own words (its `_receive_event`) for a connection that ended before an
-# answer's head was whole, raised as a RemoteProtocolError.
-_CLOSED_UNANSWERED = "Server disconnected without sending a response."
-
-
-def _nothing_arrived(exc: BaseException) -> bool:
-    """Whether the connection httpcore raised `exc` on had received no byte at all (its h11
-    state holds none): a close before any answer, not bytes that never became one (an
-    HTTP/0.9 reply, a status line cut short, which httpcore words the same way). Read from
-    the failing frame (httpcore's connection, defensively: another shape says no), only
-    on this failure path."""
-    cause = exc.__cause__ if exc.__cause__ is not None else exc
-    tb = cause.__traceback__
-    while tb is not None:
-        owner = tb.tb_frame.f_locals.get("self")
-        if isinstance(owner, httpcore.AsyncHTTP11Connection):
-            buffered = getattr(getattr(owner, "_h11_state", None), "_receive_buffer", None)
-            return buffered is not None and len(buffered) == 0
-        tb = tb.tb_next
-    return False
-
-
-@contextmanager
-def map_errors(phase: Phase) -> Iterator[None]:
-    """The one place httpx's exceptions become failure kinds (and httpx logging is muted)."""
-    token = _ENGINE_ACTIVE.set(True)
-    try:
-        yield
-    except UpstreamError:
-        raise
-    except (TimeoutError, httpx.TimeoutException) as exc:
-        if isinstance(exc, httpx.ConnectTimeout):
-            phase = "connect"  # connect_timeout_ms, not the wait for the head
-        raise UpstreamError("timeout", phase, f"timed out during {phase}") from exc
-    except UnsafeAddressError as exc:
-        raise UpstreamError("unsafe_address", phase, str(exc)) from None
-    except socket.gaierror:
-        # A name that does not resolve (the guarded backend resolves it itself, and httpcore
-        # passes the error on unwrapped): no connection made, as aiohttp says
-        # (ClientConnectorDNSError), and the message points at the url.
-        raise UpstreamError("refused", phase, "could not connect") from None
-    except httpx.ConnectError as exc:
-        limited = host_limit(exc, phase)  # the gateway's own host, not the upstream
-        if limited is not None:
-            raise limited from None
-        tls = tls_problem(exc)
-        if tls is None and _https(exc) and closed_in_handshake(exc):
-            tls = HANDSHAKE_CLOSED  # reset while connecting an https:// url, as on aiohttp
-        if tls is not None:
-            raise UpstreamError("tls", phase, TLS_FAILED, detail=tls) from None
-        raise UpstreamError("refused", phase, "could not connect") from None
-    except httpx.ProxyError as exc:
-        # httpcore's message: the proxy's status and reason ("407 Proxy Authentication
-        # Required"); only the status is kept.
-        status = str(exc).split(" ", 1)[0]
-        refused = proxy_refused(int(status) if status.isdigit() and len(status) == 3 else None)
-        raise UpstreamError("transport", phase, refused, detail=refused) from None
-    except _REFUSED_LOCALLY as exc:
-        raise UpstreamError("local", phase, type(exc).__name__) from None
-    except (httpx.RemoteProtocolError, httpx.DecodingError) as exc:
-        if str(exc) == _CLOSED_UNANSWERED and _nothing_arrived(exc):
-            # The connection ended before a byte of an answer (a kept-alive one the
-            # upstream closed as the request went out): no answer for a parser to refuse.
-            # A transport failure, as aiohttp's ServerDisconnectedError is.
-            raise UpstreamError("transport", phase, "ServerDisconnected") from None
-        raise UpstreamError("protocol", phase, type(exc).__name__, detail=NOT_HTTP) from None
-    except (httpx.TransportError, OSError) as exc:
-        limited = host_limit(exc, phase)
-        if limited is not None:
-            raise limited from None
-        # An ssl error after the handshake (TLS 1.3 tells a client the server wanted its
-        # certificate on the first read; httpcore lets that ssl.SSLError through bare).
-        tls = tls_problem(exc)
-        if tls is not None:
-            raise UpstreamError("tls", phase, TLS_FAILED, detail=tls) from None
-        raise UpstreamError("transport", phase, type(exc).__name__) from None
-    finally:
-        _ENGINE_ACTIVE.reset(token)
-
-
-def _https(exc: httpx.RequestError) -> bool:
-    try:
-        return exc.request.url.scheme == "https"
-    except RuntimeError:  # no request attached: say nothing more precise
-        return False
-
-
-def _is_connect(info: object) -> bool:
-    """Whether a trace event is about httpcore's CONNECT request to an egress proxy."""
-    request = info.get("request") if isinstance(info, dict) else None
-    return getattr(request, "method", None) == b"CONNECT"
-
-
-def _http11_connection(response: httpx.Response) -> httpcore.AsyncHTTP11Connection | None:
-    """httpcore's HTTP/1.1 connection an answer came on, found through its internals, read
-    defensively: another shape (a handed transport's response) finds nothing."""
-    bound = getattr(response.stream, "_stream", None)  # httpx's AsyncResponseStream
-    pooled = getattr(bound, "_httpcore_stream", None)  # httpcore's PoolByteStream
-    inner = getattr(pooled, "_stream", None)  # HTTP11ConnectionByteStream
-    connection = getattr(inner, "_connection", None)
-    return connection if isinstance(connection, httpcore.AsyncHTTP11Connection) else None
 
 
 def _exact_url(url: str) -> httpx.URL:
@@ -222,156 +72,6 @@ def _exact_url(url: str) -> httpx.URL:
     return built
 
 
-def _h11_state(response: httpx.Response) -> h11.Connection | None:
-    """The h11 state of the connection an HTTP/1.1 response came on (None: not found)."""
-    state = getattr(_http11_connection(response), "_h11_state", None)
-    return state if isinstance(state, h11.Connection) else None
-
-
-async def _close_orphaned_connections(client: httpx.AsyncClient) -> None:
-    """After a send that failed before its answer's head: close what httpcore left open.
-    Cancelled while it waits for the head, httpcore closes the request's connection
-    itself; a second cancellation a few loop iterations later (a client disconnect, the
-    walk deadline or a hedge race due with the first-byte timer) cut that close short, and
-    the connection stayed ACTIVE in the pool with no request for ever (its socket open, a
-    pool slot lost). A connection in use always has its request in the pool (from its
-    assignment until its response is closed), so one ACTIVE without any is such an orphan.
-    A failed send only: a scan of the pool, none on a served request."""
-    pool = getattr(getattr(client, "_transport", None), "_pool", None)
-    if not isinstance(pool, httpcore.AsyncConnectionPool):
-        return  # a handed transport: its own
-    owned = {id(request.connection) for request in pool._requests}
-    for connection in list(pool._connections):
-        if id(connection) in owned or connection.is_idle() or connection.is_closed():
-            continue
-        await connection.aclose()
-
-
-def _never_pool_leftovers(response: httpx.Response) -> None:
-    """Called as httpcore hands a finished HTTP/1.1 response's connection back to the pool.
-    Bytes already read past the answer's framing (a body on an answer to HEAD, bytes past
-    its Content-Length) would be read as the answer to the next request on the connection,
-    another caller's: such a connection is closed instead (aiohttp's parser refuses it)."""
-    state = _h11_state(response)
-    if state is not None and state.trailing_data[0]:
-        state.send_failed()  # not DONE: httpcore closes the connection, never pools it
-
-
-def _read_what_has_arrived(response: httpx.Response) -> bool:
-    """Whether the rest of an unread body had already arrived (held by h11, e.g. a short
-    failover status's body that came with its head): read through to its end, the
-    connection goes back to the pool as the response closes, as the aiohttp engine's does.
-    A body still arriving is left: httpcore closes its connection (no wait for the
-    upstream here). Nothing is read from the socket: h11 parses what it holds."""
-    state = _h11_state(response)
-    if state is None or state.their_state is not h11.SEND_BODY:
-        return False
-    try:
-        while True:
-            event = state.next_event()
-            if type(event) is h11.EndOfMessage:
-                return True
-            if type(event) is not h11.Data:
-                return False  # NEED_DATA: the rest is still on its way
-    except h11.RemoteProtocolError:
-        return False  # bytes that break the framing: httpcore closes the connection
-
-
-def _chunks_break_framing(data: bytes) -> bool:
-    """Whether chunked body bytes break their framing where h11 will read them (its own
-    chunk-size line rule, and CRLF after each chunk's data); an incomplete end does not."""
-    position = 0
-    while position < len(data):
-        line_end = data.find(b"\r\n", position)
-        if line_end < 0:
-            # h11 waits for the line's end: only what cannot begin a size line breaks it,
-            # or a bare LF (no size line holds one: h11 waits for a CRLF that cannot end
-            # it, where aiohttp's parser refuses it).
-            return (
-                _CHUNK_SIZE_START.match(data, position) is None or data.find(b"\n", position) >= 0
-            )
-        found = _CHUNK_HEADER.fullmatch(data, position, line_end + 2)
-        if found is None:
-            return True
-        size = int(found["chunk_size"], 16)
-        if size == 0:
-            return False  # the last chunk: trailers, read as h11 reads them
-        position = line_end + 2 + size
-        footer = data[position : position + 2]
-        if footer != b"\r\n"[: len(footer)]:
-            return True
-        position += 2
-    return False
-
-
-# h11's own chunk-size line (what its ChunkedReader validates), and how one can begin.
-_CHUNK_HEADER = re.compile(h11_abnf.chunk_header.encode("ascii"))
-_CHUNK_SIZE_START = re.compile(rb"[0-9A-Fa-f]")
-
-
-def _with_what_has_arrived(state: h11.Connection, chunk: bytes) -> tuple[bytes, bool]:
-    """`chunk` and the body data h11 already holds after it, without waiting for more, and
-    whether the body's end was read with it. h11 hands each chunk of a chunked body over
-    as one event, so an upstream framing its answer in chunks of a byte or two made the
-    relay run once per chunk (a 256 KB answer: 3 s of CPU, 550 times the same answer in
-    1 KB chunks); what has arrived is relayed together, as the aiohttp engine does.
-    Nothing past the body's end is read, and a body that breaks its framing is left to
-    httpcore, which reads the same error next."""
-    parts: list[bytes] | None = None
-    ended = False
-    while True:
-        try:
-            event = state.next_event()
-        except h11.RemoteProtocolError:
-            break
-        if type(event) is h11.Data:
-            if parts is None:
-                parts = [chunk]
-            parts.append(bytes(event.data))
-            continue
-        ended = type(event) is h11.EndOfMessage
-        break  # NEED_DATA, or the end: nothing more has arrived
-    return (chunk if parts is None else b"".join(parts)), ended
-
-
-def _past_its_framing(response: httpx.Response, method: str) -> bool:
-    """Whether more bytes came with the response head than its framing allows: a body on
-    an answer to HEAD, a 204 or a 304, or more than its Content-Length. Such an answer
-    contradicts itself (SPEC §12): relayed, the caller got the first Content-Length bytes
-    as a complete answer (aiohttp's parser refuses it before the head is used, and the
-    aiohttp engine refuses a whole further answer it queued). Only what
-    arrived with the head is seen, as on aiohttp; h11 holds it unparsed until the body is
-    read (its buffer's length is read, not copied). A chunked body whose chunks, as far as
-    they came with the head, break their framing (a size line that is not one, data not
-    followed by CRLF) contradicts itself too: aiohttp's parser refused it before the head
-    was used (a failover), where this engine relayed the head and then aborted the body.
-    The head passed check_response_head: at most one Content-Length, of at most 20 digits;
-    a Transfer-Encoding is `chunked`."""
-    bodyless = method == "HEAD" or response.status_code in (204, 304)
-    declared = None
-    chunked = False
-    if not bodyless:
-        for name, value in response.headers.raw:
-            lower = name.lower()
-            if lower == b"content-length":
-                declared = int(value)
-                break
-            if lower == b"transfer-encoding":
-                chunked = True
-                break
-        else:
-            return False  # close-delimited: no framing to break
-    state = _h11_state(response)
-    buffered = getattr(state, "_receive_buffer", None)
-    if state is None or buffered is None or len(buffered) <= (declared or 0):
-        return False
-    if chunked:
-        return _chunks_break_framing(state.trailing_data[0])
-    # Blank lines after an answer are tolerated before the next (RFC 9112 §2.2; aiohttp's
-    # parser skips them too): only other bytes contradict the framing.
-    return bool(state.trailing_data[0][declared or 0 :].strip(b"\r\n"))
-
-
 class HttpxResponse:
     def __init__(self, response: httpx.Response, idle_timeout: float, release: Release) -> None:
         self._response = response
@@ -385,12 +85,12 @@ class HttpxResponse:
         self._finished = False
         # The HTTP/1.1 connection it came on and that connection's request count now: a
         # close that finds it ACTIVE on this same request knows it is still this answer's.
-        self._connection = _http11_connection(response)
+        self._connection = http11_connection(response)
         self._cycle = getattr(self._connection, "_request_count", None)
 
     async def iter_chunks(self) -> AsyncIterator[bytes]:
         stream = self._response.aiter_raw()
-        state = _h11_state(self._response)
+        state = h11_state(self._response)
         while True:
             with map_errors("body"), deadline_after(self._idle):
                 try:
@@ -400,7 +100,7 @@ class HttpxResponse:
                     return
             ended = False
             if state is not None:
-                chunk, ended = _with_what_has_arrived(state, chunk)
+                chunk, ended = with_what_has_arrived(state, chunk)
             if chunk:
                 yield chunk
             if ended:
@@ -423,7 +123,7 @@ class HttpxResponse:
             and not connection.is_closed()
             and not connection.is_idle()
         ):
-            self._finished = _read_what_has_arrived(self._response)
+            self._finished = read_what_has_arrived(self._response)
         await self._response.aclose()
         if self._finished:
             return
@@ -489,7 +189,7 @@ class HttpxClient:
         # The idle sweep's timer (`_watch_idle`) and the closes it started.
         self._sweep: asyncio.TimerHandle | None = None
         self._closing: set[asyncio.Future[None]] = set()
-        _silence_engine_logs()
+        silence_engine_logs()
 
     def _guarded_transport(
         self, ca_file: str | None, proxy: str | None
@@ -627,14 +327,14 @@ class HttpxClient:
                 with map_errors("first_byte"):
                     check_response_head(response.status_code, response.headers.raw)
                     check_proxy_answer(response.status_code, request.proxy)
-                    if _past_its_framing(response, request.method):
+                    if past_its_framing(response, request.method):
                         raise unrelayable("the answer breaks its own framing")
             except UpstreamError:
                 await asyncio.shield(response.aclose())
                 raise
         except BaseException:
             if not answer:
-                await asyncio.shield(_close_orphaned_connections(client))
+                await asyncio.shield(close_orphaned_connections(client))
             raise
         return response
 
@@ -656,7 +356,7 @@ class HttpxClient:
             # A buffered body follows its head at once: from here on the time is the
             # upstream's (a streamed body arms the timer itself, see FirstByteTimer).
             if ".send_request_headers." in event:
-                if not streamed or _is_connect(info):
+                if not streamed or is_connect(info):
                     # An egress proxy's answer to CONNECT is the upstream's time too,
                     # whatever the body (a streamed one waited for it until the walk
                     # deadline, booked as the caller's 408).
@@ -664,7 +364,7 @@ class HttpxClient:
             elif streamed and event.endswith("receive_response_headers.complete"):
                 timer.pause()  # the tunnel is up: the body's first chunk arms it again
             elif event.endswith(".response_closed.started") and answer:
-                _never_pool_leftovers(answer[0])
+                never_pool_leftovers(answer[0])
 
         built = client.build_request(
             request.method,
