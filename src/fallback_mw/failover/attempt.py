@@ -35,7 +35,7 @@ from fallback_mw.failover.decide import (
     health_mark,
     local_or,
 )
-from fallback_mw.faults import BlackholeSource, FaultSource
+from fallback_mw.faults import BlackholeSource, FaultSource, NoFaults
 from fallback_mw.health import Admission, HealthState
 from fallback_mw.health.breaker import PROBE_LEASE_MARGIN, upstream_probe_lease
 from fallback_mw.health.pool import retry_after_seconds
@@ -211,7 +211,9 @@ class AttemptRunner:
                 headers.append(credential)
         self.inject_headers(headers)
         timeouts = _timeouts(upstream)
-        fault = await self.faults.upstream_fault(name)
+        # No fault source (no store): no coroutine asked for what is always None.
+        faults = self.faults
+        fault = None if type(faults) is NoFaults else await faults.upstream_fault(name)
         request: UpstreamRequest | None = None
         try:
             with deadline_after(max(context.remaining, 0.0)):
@@ -556,13 +558,14 @@ class AttemptLifecycle:
         admission = self._admitted.get(id(record)) if record is not None else None
         await self.health.release(name, admission or self.admissions.get(name))
 
-    async def give_back_tokens(self, name: str) -> None:
+    def tokens_to_give_back(self, name: str) -> Reservation | None:
         """An error answer (400 and up) the walk moves past or ends on, unread: it generated
-        nothing, so its estimate leaves the upstream's `tpm` (the request stays in `rpm`).
-        Popped: the answer kept for `last_response` is not settled again when served."""
+        nothing, so its estimate leaves the upstream's `tpm` (the request stays in `rpm`):
+        the reservation to settle at 0, None when it has no estimate (no declared tpm).
+        Popped: the answer kept for `last_response` is not settled again when served. Not
+        a coroutine: most upstreams declare no tpm, and the caller awaits only a settle."""
         reservation = self.reservations.pop(name, None)
-        if reservation is not None and reservation.counted:
-            await self.capacity.settle(reservation, 0)
+        return reservation if reservation is not None and reservation.counted else None
 
     async def settle_tokens(
         self, name: str, status: int | None, record: AttemptRecord | None = None
@@ -573,12 +576,22 @@ class AttemptLifecycle:
         (`status` 400 and up) that reports none generated nothing: its estimate is given
         back, or a caller asking for an output limit the upstream refuses held the
         minute's tpm from everyone."""
+        due = self.tokens_to_settle(name, status, record)
+        if due is not None:
+            await self.capacity.settle(*due)
+
+    def tokens_to_settle(
+        self, name: str, status: int | None, record: AttemptRecord | None = None
+    ) -> tuple[Reservation, int] | None:
+        """What `settle_tokens` settles (the reservation and its tokens), None when nothing:
+        asked without a coroutine, as a request with no declared tpm has nothing to settle."""
         if record is not None:  # none left: given back already (it reached no upstream)
             reservation = self._reserved.get(id(record))
         else:
             reservation = self.reservations.get(name)
+        if reservation is None or not reservation.counted:
+            return None
         tokens = reported_tokens(self.context.usage)
         if tokens is None and (status or 0) >= 400:
             tokens = 0
-        if reservation is not None and reservation.counted and tokens is not None:
-            await self.capacity.settle(reservation, tokens)
+        return None if tokens is None else (reservation, tokens)

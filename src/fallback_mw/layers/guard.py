@@ -224,48 +224,45 @@ class BudgetGuard:
             await self.app(scope, receive, send)
             return
         # Traced like the resolver's refusals (a no-op when the resolver owns the span).
+        # One frame, not a helper coroutine: every await of the walk below passes through
+        # each frame of the chain (docs/performance.md).
         with self._traced(context, scope):
-            await self._guarded(scope, receive, send, context)
-
-    async def _guarded(
-        self, scope: Scope, receive: Receive, send: Send, context: RequestContext
-    ) -> None:
-        ledger = self.ledger
-        budget_id = context.route.budget
-        if ledger is None:
-            if budget_id is not None:
-                await send_error(send, context, "budget_unavailable", _NO_LEDGER)  # closed
+            ledger = self.ledger
+            budget_id = context.route.budget
+            if ledger is None:
+                if budget_id is not None:
+                    await send_error(send, context, "budget_unavailable", _NO_LEDGER)  # closed
+                    return
+                await self.app(scope, receive, send)
                 return
-            await self.app(scope, receive, send)
-            return
-        hold: Hold | None = None
-        try:
-            if budget_id is not None:
-                body = await read_body(context, scope, receive, self.settings)
-                if not body.ok:  # no hold can be estimated: nothing behind us runs
-                    refused = body_refusal(body, self.settings)
-                    if refused is not None:
-                        await send_error(send, context, *refused)
-                    else:
-                        context.outcome = "client_disconnected"
-                    return
-                outcome = await self._hold(ledger, context, budget_id, body, scope)
-                if isinstance(outcome, tuple):
-                    await send_error(send, context, *outcome)  # nothing behind us runs
-                    return
-                hold = outcome
-            await self.app(scope, receive, send)
-        except asyncio.CancelledError:
-            host_cancelled(context)  # recorded as cut by the host, settled below
-            raise
-        finally:
-            # Shielded: a cancelled request (client gone, server stopping) still settles;
-            # every routed request leaves its usage record.
-            if self._shield:
-                with anyio.CancelScope(shield=True):
+            hold: Hold | None = None
+            try:
+                if budget_id is not None:
+                    body = await read_body(context, scope, receive, self.settings)
+                    if not body.ok:  # no hold can be estimated: nothing behind us runs
+                        refused = body_refusal(body, self.settings)
+                        if refused is not None:
+                            await send_error(send, context, *refused)
+                        else:
+                            context.outcome = "client_disconnected"
+                        return
+                    outcome = await self._hold(ledger, context, budget_id, body, scope)
+                    if isinstance(outcome, tuple):
+                        await send_error(send, context, *outcome)  # nothing behind us runs
+                        return
+                    hold = outcome
+                await self.app(scope, receive, send)
+            except asyncio.CancelledError:
+                host_cancelled(context)  # recorded as cut by the host, settled below
+                raise
+            finally:
+                # Shielded: a cancelled request (client gone, server stopping) still
+                # settles; every routed request leaves its usage record.
+                if self._shield:
+                    with anyio.CancelScope(shield=True):
+                        await self._settle(ledger, context, hold)
+                else:
                     await self._settle(ledger, context, hold)
-            else:
-                await self._settle(ledger, context, hold)
 
     def _traced(
         self, context: RequestContext, scope: Scope

@@ -15,7 +15,8 @@ async def watch_disconnect(
 ) -> None:
     """Once the body is read, the walk is the only reader left: a disconnect cancels the
     attempt in flight (walk_task) and starts nothing new."""
-    await body.done.wait()
+    if not body.done.is_set():  # read whole (the usual case): no coroutine to wait on
+        await body.done.wait()
     message = await receive()
     if message["type"] != "http.disconnect":
         # After the body's last message a server's `receive` blocks until the client

@@ -28,7 +28,7 @@ from fallback_mw.failover.decide import (
     replay_rule,
 )
 from fallback_mw.failover.messages import error_message
-from fallback_mw.faults import FaultSource
+from fallback_mw.faults import FaultSource, NoFaults
 from fallback_mw.health import HealthState
 from fallback_mw.health.pool import affinity_key
 from fallback_mw.injected import require, require_app, require_client, require_environ
@@ -125,11 +125,6 @@ class PlanWalker:
             apply_hygiene(
                 context, scope.get("headers", ()), self._credentials.credentials(context.upstreams)
             )
-        await self._walk(scope, receive, send)
-
-    async def _walk(self, scope: Scope, receive: Receive, send: Send) -> None:
-        context = get_context(scope)
-        assert context is not None
         # The resolver owns the request span when it has telemetry; used alone, the walker.
         with self.telemetry.request(context, scope.get("headers", ())):
             await _Walk(self, context, scope, receive, send).run()
@@ -187,7 +182,9 @@ class _Walk:
         if context.method in MAX_FORWARDS_METHODS and await answered_here(self.send, context):
             return
         parsed = request_json(context, body)
-        pinned = await walker.faults.pinned_candidate(self.route.id)
+        faults = walker.faults
+        # No fault source (no store): no coroutine asked for what is always None.
+        pinned = None if type(faults) is NoFaults else await faults.pinned_candidate(self.route.id)
         if pinned is not None and pinned in self.route.plan:
             context.pinned = pinned
         context.canary = context.pinned is None and is_canary(
@@ -238,7 +235,69 @@ class _Walk:
         assert walk_task is not None
         watch = DisconnectWatch(self.receive, body, context, walk_task)
         try:
-            await self._loop()
+            # The walk's loop, in this frame rather than a coroutine of its own: every
+            # await below passes through each frame of the chain (docs/performance.md).
+            while True:
+                if context.remaining <= 0:
+                    await self._act(Outcome("deadline"), None, None, None)
+                    break
+                pick = await self.cursor.pick()
+                if not isinstance(pick, Pick):  # every candidate skipped, or no repeat allowed
+                    await self._act(pick, None, None, None)
+                    break
+                if pick.repeat and self.route.backoff_ms:
+                    try:
+                        await asyncio.sleep(
+                            min(self.route.backoff_ms / 1000, max(context.remaining, 0))
+                        )
+                    except asyncio.CancelledError:
+                        # The caller left during the backoff: the repeat is never sent, so it
+                        # gives back its capacity slot and any probe slot it held.
+                        with anyio.CancelScope(shield=True):
+                            await attempts.cancel(pick.name, pick.reservation)
+                        raise
+                    if context.remaining <= 0:
+                        await attempts.cancel(pick.name, pick.reservation)
+                        context.backoff_cut = pick.name
+                        await self._act(Outcome("deadline"), None, None, None)
+                        break
+                record = attempts.start(pick.name, pick.upstream, pick.credential_index)
+                hedged = may_hedge(
+                    self.route,
+                    replayable=self.replayable,
+                    first_attempt=context.attempt_count == 1,
+                    at_first_candidate=pick.name == context.candidates[0],
+                    keyed_post=is_keyed_post(context.method, context.forward_headers),
+                )
+                try:
+                    if hedged:
+                        (outcome, response), record = await run_hedged(
+                            attempts, self.cursor, pick, record,
+                            after=self.route.hedge_after_ms / 1000,
+                            may_start=lambda: further_attempt_possible(self.state()),
+                            keep=self._keep,
+                        )  # fmt: skip
+                    else:
+                        outcome, response = await attempts.run(pick.name, pick.upstream, record)
+                except asyncio.CancelledError:
+                    # The caller left mid-attempt (or the host cancelled it): nothing proven of
+                    # the upstream, and a half-open probe slot the attempt held is free now, not
+                    # at the end of its lease (every request skipped the upstream meanwhile).
+                    with anyio.CancelScope(shield=True):
+                        await attempts.release(pick.name, record)
+                    raise
+                try:
+                    await attempts.finish(record, outcome, response)
+                    done = await self._act(outcome, response, pick.name, record)
+                except BaseException:
+                    # Cut short before the response was kept, relayed or closed (the caller
+                    # left while a shared state's round trip booked it): closed here, or its
+                    # upstream connection stays open and taken for good. Closing twice is safe.
+                    if response is not None:
+                        await response.aclose()
+                    raise
+                if done:
+                    break
         except asyncio.CancelledError:
             # Swallow only our own cancellation; anyone else's propagates.
             if not context.client_disconnected or walk_task.uncancel() > 0:
@@ -283,71 +342,6 @@ class _Walk:
             caller_deadline=context.caller_deadline_ms is not None,
         )
 
-    async def _loop(self) -> None:
-        context = self.context
-        attempts = self.attempts
-        while True:
-            if context.remaining <= 0:
-                await self._act(Outcome("deadline"), None, None, None)
-                return
-            pick = await self.cursor.pick()
-            if not isinstance(pick, Pick):  # every candidate skipped, or no repeat allowed
-                await self._act(pick, None, None, None)
-                return
-            if pick.repeat and self.route.backoff_ms:
-                try:
-                    await asyncio.sleep(
-                        min(self.route.backoff_ms / 1000, max(context.remaining, 0))
-                    )
-                except asyncio.CancelledError:
-                    # The caller left during the backoff: the repeat is never sent, so it
-                    # gives back its capacity slot and any probe slot it held.
-                    with anyio.CancelScope(shield=True):
-                        await attempts.cancel(pick.name, pick.reservation)
-                    raise
-                if context.remaining <= 0:
-                    await attempts.cancel(pick.name, pick.reservation)
-                    context.backoff_cut = pick.name
-                    await self._act(Outcome("deadline"), None, None, None)
-                    return
-            record = attempts.start(pick.name, pick.upstream, pick.credential_index)
-            hedged = may_hedge(
-                self.route,
-                replayable=self.replayable,
-                first_attempt=context.attempt_count == 1,
-                at_first_candidate=pick.name == context.candidates[0],
-                keyed_post=is_keyed_post(context.method, context.forward_headers),
-            )
-            try:
-                if hedged:
-                    (outcome, response), record = await run_hedged(
-                        attempts, self.cursor, pick, record,
-                        after=self.route.hedge_after_ms / 1000,
-                        may_start=lambda: further_attempt_possible(self.state()),
-                        keep=self._keep,
-                    )  # fmt: skip
-                else:
-                    outcome, response = await attempts.run(pick.name, pick.upstream, record)
-            except asyncio.CancelledError:
-                # The caller left mid-attempt (or the host cancelled it): nothing proven of
-                # the upstream, and a half-open probe slot the attempt held is free now, not
-                # at the end of its lease (every request skipped the upstream meanwhile).
-                with anyio.CancelScope(shield=True):
-                    await attempts.release(pick.name, record)
-                raise
-            try:
-                await attempts.finish(record, outcome, response)
-                done = await self._act(outcome, response, pick.name, record)
-            except BaseException:
-                # Cut short before the response was kept, relayed or closed (the caller
-                # left while a shared state's round trip booked it): closed here, or its
-                # upstream connection stays open and taken for good. Closing twice is safe.
-                if response is not None:
-                    await response.aclose()
-                raise
-            if done:
-                return
-
     async def _act(
         self,
         outcome: Outcome,
@@ -367,16 +361,24 @@ class _Walk:
             self.context.rule = decision.rule
         if decision.action != "serve" and name is not None and (outcome.status or 0) >= 400:
             # A pool's 401 moving to another key, a 503 failing over: nothing generated.
-            await self.attempts.give_back_tokens(name)
+            reservation = self.attempts.tokens_to_give_back(name)
+            if reservation is not None:
+                await self.walker.capacity.settle(reservation, 0)
         if decision.action in ("next_candidate", "next_credential"):
             if response is not None:
-                await self._keep(name, response, record)
+                if self.last_response is None and name is not None:
+                    self.last_response = (name, response, record)  # nothing to close
+                else:
+                    await self._keep(name, response, record)
             if decision.action == "next_credential":
                 self.cursor.same_upstream_again()
             return False
         if decision.action == "serve":
             if response is not None and name is not None:
-                await self._keep(name, response, record)
+                if self.last_response is None:
+                    self.last_response = (name, response, record)  # nothing to close
+                else:
+                    await self._keep(name, response, record)
             assert self.last_response is not None
             chosen, kept, served = self.last_response
             self.last_response = None
@@ -410,7 +412,9 @@ class _Walk:
         """After the relay of `chosen`'s response ended (the attempt `record`, when known):
         its reported tokens replace the estimate counted against its tpm, and a served
         request is copied to the shadow."""
-        await self.attempts.settle_tokens(chosen, self.context.status, record)
+        due = self.attempts.tokens_to_settle(chosen, self.context.status, record)
+        if due is not None:  # a declared tpm: the estimate counted is settled
+            await self.walker.capacity.settle(*due)
         shadow = should_shadow(self.context, self.body, self.walker.settings.canary_salt)
         if shadow is not None:  # the client's response is sent: a copy cannot touch it
             self.walker.shadows.start(shadow, self.context, self.body, self.parsed)
