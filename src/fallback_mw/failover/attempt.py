@@ -34,6 +34,7 @@ from fallback_mw.failover.decide import (
     fails_in_a_race,
     health_mark,
     local_or,
+    status_outcome,
 )
 from fallback_mw.faults import BlackholeSource, FaultSource, NoFaults
 from fallback_mw.health import Admission, HealthState
@@ -289,7 +290,7 @@ class AttemptRunner:
                         return self._local_or(Outcome("unreadable_range")), None
                     return self._local_or(Outcome("transport")), None
         # A redirect is never followed: it is an answer like any other.
-        return Outcome("status", response.status), response
+        return status_outcome(response.status), response
 
     def _local_or(self, outcome: Outcome) -> Outcome:
         """The body's facts, for `decide.local_or` (the rule is decided there)."""

@@ -113,6 +113,22 @@ class Outcome:
         return "transport"
 
 
+# An upstream's answer, one Outcome per status: frozen, so shared (building a frozen
+# dataclass costs about 9k instructions, every attempt made one). Bounded: an upstream may
+# answer with any three digits.
+_STATUS_OUTCOMES: dict[int, Outcome] = {}
+
+
+def status_outcome(status: int) -> Outcome:
+    """`Outcome("status", status)`: a response head arrived."""
+    found = _STATUS_OUTCOMES.get(status)
+    if found is None:
+        found = Outcome("status", status)
+        if len(_STATUS_OUTCOMES) < 1024:
+            _STATUS_OUTCOMES[status] = found
+    return found
+
+
 NO_CANDIDATE = Outcome("no_candidate")
 # The cursor's answer when the next attempt would go back to an upstream already tried and
 # that upstream's budget for repeats and hedges is spent (limits.repeat_allowed): the walk
@@ -142,6 +158,46 @@ class WalkState:
     # The caller's x-gateway-deadline-ms shortened the walk: a deadline that passes is
     # theirs, not the route's (the trace's reason says which, as the error message does).
     caller_deadline: bool = False
+
+
+# A walk's states, one WalkState per distinct set of fields: frozen, so shared. Building a
+# frozen dataclass of twelve fields costs about 24k instructions (each field set through
+# object.__setattr__), every decision made one; a walk's states are few (booleans, small
+# counts, the route's settings). Bounded for configs reloaded with ever new settings.
+_WALK_STATES: dict[tuple[object, ...], WalkState] = {}
+
+
+def walk_state(
+    *,
+    replayable: bool,
+    client_connected: bool,
+    deadline_left: bool,
+    response_started: bool,
+    attempts_made: int,
+    attempt_ceiling: int,
+    failover_status: Collection[int],
+    on_exhausted: Literal["error", "last_response"],
+    other_credential: bool,
+    has_last_response: bool,
+    unreplayable: str | None,
+    caller_deadline: bool,
+) -> WalkState:
+    """`WalkState(...)` of these fields (`failover_status` hashable: a route's tuple)."""
+    key = (
+        replayable, client_connected, deadline_left, response_started, attempts_made,
+        attempt_ceiling, failover_status, on_exhausted, other_credential, has_last_response,
+        unreplayable, caller_deadline,
+    )  # fmt: skip
+    found = _WALK_STATES.get(key)
+    if found is None:
+        found = WalkState(
+            replayable, client_connected, deadline_left, response_started, attempts_made,
+            attempt_ceiling, failover_status, on_exhausted, other_credential,
+            has_last_response, unreplayable, caller_deadline,
+        )  # fmt: skip
+        if len(_WALK_STATES) < 4096:
+            _WALK_STATES[key] = found
+    return found
 
 
 @dataclass(frozen=True, slots=True)
@@ -383,6 +439,11 @@ _LOCAL_RULES = {
 }
 
 
+# The two decisions of nearly every attempt, made once (frozen: shared).
+_SERVED = Decision("serve", reason="a response outside failover_status is served")
+_FAILOVER = Decision("next_candidate", reason="failover-class: the next candidate")
+
+
 def decide(outcome: Outcome, state: WalkState) -> Decision:
     """The next action after `outcome` (an attempt's, or NO_CANDIDATE)."""
     if outcome.kind == "client_gone" or not state.client_connected:
@@ -450,9 +511,9 @@ def decide(outcome: Outcome, state: WalkState) -> Decision:
                 reason=f"{outcome.status} within a credential pool, served as-is: "
                 f"{_why_no_other_credential(state)}",
             )
-        return Decision("serve", reason="a response outside failover_status is served")
+        return _SERVED
     if further_attempt_allowed(state, outcome):
-        return Decision("next_candidate", reason="failover-class: the next candidate")
+        return _FAILOVER
     return _exhausted(state, *_why_no_further_attempt(state))
 
 

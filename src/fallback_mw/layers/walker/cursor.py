@@ -18,8 +18,7 @@ single-credential upstream may be repeated on a later pass.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from fallback_mw.capacity import Reservation
 from fallback_mw.config import UpstreamConfig
@@ -34,8 +33,7 @@ from fallback_mw.request.context import RequestContext, SkipRecord
 from fallback_mw.telemetry import Telemetry
 
 
-@dataclass(frozen=True, slots=True)
-class Pick:
+class Pick(NamedTuple):  # a tuple: made for every attempt, cheaply (as capacity's Ask)
     name: str
     upstream: UpstreamConfig
     credential_index: int | None

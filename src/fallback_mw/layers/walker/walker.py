@@ -26,6 +26,7 @@ from fallback_mw.failover.decide import (
     is_keyed_post,
     may_hedge,
     replay_rule,
+    walk_state,
 )
 from fallback_mw.failover.messages import error_message
 from fallback_mw.faults import FaultSource, NoFaults
@@ -327,7 +328,7 @@ class _Walk:
         """The walk as `decide` reads it. `holding`: the outcome being decided came with a
         response (not yet kept): it is the last upstream answer `last_response` serves."""
         context = self.context
-        return WalkState(
+        return walk_state(
             replayable=self.replayable,
             client_connected=not context.client_disconnected,
             deadline_left=context.remaining > 0,
