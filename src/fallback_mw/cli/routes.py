@@ -9,166 +9,28 @@ reload and keeps its running routes)."""
 from __future__ import annotations
 
 import argparse
-import asyncio
-import os
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from fallback_mw import rules
-from fallback_mw.cli.app import Console, Failed, Refused, leaf, run
-from fallback_mw.cli.config_warnings import route_warnings, unreachable_routes
+from fallback_mw.cli.app import Console, Failed, Refused, leaf
+from fallback_mw.cli.route_edits import (
+    ChangedMeanwhile,
+    check_and_write,
+    edit_stored,
+    newly_unreachable,
+    refused_store,
+    store_owned,
+    store_refusal,
+    stored_route,
+    stored_route_warnings,
+    unless_changed,
+    with_store,
+)
 from fallback_mw.cli.show import route_line
-from fallback_mw.cli.target import StoreTarget, open_route_store, resolve, store_options
-from fallback_mw.config import ConfigError, GatewayConfig, RouteConfig, UpstreamConfig
+from fallback_mw.cli.target import StoreTarget, store_options
+from fallback_mw.config import RouteConfig, UpstreamConfig
 from fallback_mw.store.model import StoredRoute, build_model, fallback_name, primary_name
-from fallback_mw.store.reload import merged_routes
-from fallback_mw.store.routes import RouteStore, make_upstream, merge_routes
-
-T = TypeVar("T")
-
-
-def _with_store(
-    args: argparse.Namespace,
-    console: Console,
-    work: Callable[[StoreTarget, RouteStore], Awaitable[str]],
-    *,
-    creates: bool = False,
-) -> str:
-    target = resolve(args, console, creates=creates)
-
-    async def main() -> str:
-        store = open_route_store(target)
-        try:
-            return await work(target, store)
-        finally:
-            await store.aclose()
-
-    return run(main)
-
-
-async def _check_and_write(
-    target: StoreTarget,
-    store: RouteStore,
-    stored: StoredRoute,
-    write: Callable[[StoredRoute], Awaitable[None]],
-    check_env: bool,
-) -> list[StoredRoute]:
-    """The loader's refusals over file routes + every other store route + this one.
-    Returns those other store routes."""
-    if check_env:
-        for name, upstream in stored.upstreams.items():
-            where = f"route {stored.route.id!r}: upstream {name!r}"
-            rules.check_variables_set(where, upstream.credential_envs, os.environ)
-    existing = [s for s in await store.load_routes() if s.route.id != stored.route.id]
-    try:
-        await asyncio.to_thread(merge_routes, target.config, [*existing, stored])
-    except ConfigError as exc:
-        if target.from_file or "not in allow_hosts" not in str(exc):
-            raise
-        # "add it to [gateway] allow_hosts" names a file this command did not read: with
-        # --store alone the default allowlist (loopback) applies.
-        raise ConfigError(
-            f"{exc} (with --store alone the default allow_hosts apply, "
-            f"{', '.join(target.config.gateway.allow_hosts)}: pass --config FILE, the "
-            "gateway's configuration, whose allow_hosts lists it)"
-        ) from None
-    await write(stored)
-    return existing
-
-
-def _newly_unreachable(
-    config: GatewayConfig, others: list[StoredRoute], added: StoredRoute
-) -> dict[str, str]:
-    """The routes no request can reach once `added` joins the table, that could before
-    (the new one included): valid, so stored, but `check` would warn about them."""
-    routes = [*config.routes, *(stored.route for stored in others)]
-    upstreams = dict(config.upstreams)
-    for stored in [*others, added]:
-        upstreams.update(stored.upstreams)
-    before = unreachable_routes(routes, upstreams)
-    after = unreachable_routes([*routes, added.route], upstreams)
-    return {route_id: why for route_id, why in after.items() if route_id not in before}
-
-
-def _stored_route_warnings(target: StoreTarget, stored: StoredRoute) -> list[str]:
-    """What `check` would warn about the route just stored (a prefix without its '/', a
-    primary whose first-byte timeout the deadline cuts, ...): valid, so stored, but said
-    by the verb that stored it rather than left for the next `check`."""
-    upstreams = {**target.config.upstreams, **stored.upstreams}
-    deadline_ms = target.config.gateway.deadline_ms
-    return route_warnings(stored.route, upstreams, deadline_ms, store=True)
-
-
-async def _store_refusal(target: StoreTarget, store: RouteStore, check_env: bool) -> str | None:
-    """Why the gateways' reload (store.reload.merged_routes, their own decision) would
-    refuse the store as it now is, another route's fault or this one's, and so keep their
-    running routes; None when it would not. Variables are checked in this shell only with
-    --check-env (an operator's shell need not hold the gateways' secrets)."""
-    try:
-        await merged_routes(store, target.config, os.environ if check_env else None)
-    except ConfigError as exc:
-        shell = " in this shell" if check_env and "is not set" in str(exc) else ""
-        return f"{exc}{shell}"
-    return None
-
-
-async def _refused_store(target: StoreTarget, store: RouteStore, check_env: bool) -> list[str]:
-    """After a change is stored: the warning that the gateways will not apply it, when they
-    refuse the store as a whole. The change itself is stored (exit status 0)."""
-    refusal = await _store_refusal(target, store, check_env)
-    if refusal is None:
-        return []
-    return [
-        f"the gateways will not apply this change: they refuse the store as it now is "
-        f"({refusal}) and keep their running routes until that route is fixed or removed"
-    ]
-
-
-def _stored(routes: list[StoredRoute], route_id: str) -> StoredRoute:
-    for stored in routes:
-        if stored.route.id == route_id:
-            return stored
-    raise Failed(f"no route {route_id!r} in the store")
-
-
-class _ChangedMeanwhile(Exception):
-    """Another command changed or removed the route between this one's read and its write."""
-
-
-_EDIT_ATTEMPTS = 5
-
-
-def _unless_changed(
-    store: RouteStore, current: StoredRoute
-) -> Callable[[StoredRoute], Awaitable[None]]:
-    """Write an edit of `current` only while the store still holds `current`: of two
-    operators editing one route at once, the second re-reads and applies its change to
-    the first one's result (or finds the route gone), never overwriting it unseen."""
-
-    async def write(stored: StoredRoute) -> None:
-        if not await store.replace_route(stored, expected=current.doc):
-            raise _ChangedMeanwhile
-
-    return write
-
-
-async def _edit(route_id: str, attempt: Callable[[], Awaitable[T]]) -> T:
-    """Run a read-check-write `attempt` again while another command's edit of the route
-    lands between its read and its write."""
-    for _ in range(_EDIT_ATTEMPTS):
-        try:
-            return await attempt()
-        except _ChangedMeanwhile:
-            continue
-    raise Failed(
-        f"route {route_id!r} kept changing while this command ran (another command is "
-        "editing it); nothing was stored: run it again"
-    )
-
-
-def _store_owned(target: StoreTarget, route_id: str) -> None:
-    if any(r.id == route_id for r in target.config.routes):
-        raise Refused(f"route {route_id!r} is defined in the config file; edit the file instead")
+from fallback_mw.store.routes import RouteStore, make_upstream
 
 
 def routes_add(args: argparse.Namespace, console: Console) -> None:
@@ -213,15 +75,15 @@ def routes_add(args: argparse.Namespace, console: Console) -> None:
     warnings: list[str] = []
 
     async def work(target: StoreTarget, store: RouteStore) -> str:
-        others = await _check_and_write(target, store, stored, store.insert_route, args.check_env)
-        warnings.extend(_stored_route_warnings(target, stored))
-        unreachable.update(_newly_unreachable(target.config, others, stored))
-        refused.extend(await _refused_store(target, store, args.check_env))
+        others = await check_and_write(target, store, stored, store.insert_route, args.check_env)
+        warnings.extend(stored_route_warnings(target, stored))
+        unreachable.update(newly_unreachable(target.config, others, stored))
+        refused.extend(await refused_store(target, store, args.check_env))
         tenant = f" (tenant {args.tenant})" if args.tenant is not None else ""
         return f"route {args.id!r} added{tenant}: {' -> '.join(plan)}"
 
     refused: list[str] = []
-    console.print(_with_store(args, console, work, creates=True))
+    console.print(with_store(args, console, work, creates=True))
     for warning in warnings:
         console.warning(f"route {args.id!r}: {warning}")
     for route_id, why in unreachable.items():
@@ -234,13 +96,13 @@ def routes_set_fallback(args: argparse.Namespace, console: Console) -> None:
     warnings: list[str] = []
 
     async def work(target: StoreTarget, store: RouteStore) -> str:
-        _store_owned(target, args.id)
-        done = await _edit(args.id, lambda: attempt(target, store))
-        refused.extend(await _refused_store(target, store, args.check_env))
+        store_owned(target, args.id)
+        done = await edit_stored(args.id, lambda: attempt(target, store))
+        refused.extend(await refused_store(target, store, args.check_env))
         return done
 
     async def attempt(target: StoreTarget, store: RouteStore) -> str:
-        current = _stored(await store.load_routes(), args.id)
+        current = stored_route(await store.load_routes(), args.id)
         where = f"route {args.id!r}"
         primary = current.route.plan[0]
         upstreams: dict[str, UpstreamConfig] = {}
@@ -250,7 +112,7 @@ def routes_set_fallback(args: argparse.Namespace, console: Console) -> None:
             args.upstream, args.auth_header, args.auth_env, f"{where}, --upstream"
         )
         fields = {**current.route.model_dump(), "plan": [primary, fallback_name(args.id)]}
-        write = _unless_changed(store, current)
+        write = unless_changed(store, current)
         if args.retries is not None:
             fields["retries"] = args.retries
         elif current.route.retries < 1:
@@ -266,15 +128,15 @@ def routes_set_fallback(args: argparse.Namespace, console: Console) -> None:
             write = refuse
 
         stored = StoredRoute(route=build_model(RouteConfig, fields, where), upstreams=upstreams)
-        await _check_and_write(target, store, stored, write, args.check_env)
-        warnings.extend(_stored_route_warnings(target, stored))
+        await check_and_write(target, store, stored, write, args.check_env)
+        warnings.extend(stored_route_warnings(target, stored))
         return (
             f"route {args.id!r}: fallback set ({primary} -> {fallback_name(args.id)}), "
             f"retries {stored.route.retries}"
         )
 
     refused: list[str] = []
-    console.print(_with_store(args, console, work))
+    console.print(with_store(args, console, work))
     for warning in warnings:
         console.warning(f"route {args.id!r}: {warning}")
     for warning in refused:
@@ -285,25 +147,25 @@ def routes_set(args: argparse.Namespace, console: Console) -> None:
     warnings: list[str] = []
 
     async def work(target: StoreTarget, store: RouteStore) -> str:
-        _store_owned(target, args.id)
-        done = await _edit(args.id, lambda: attempt(target, store))
-        refused.extend(await _refused_store(target, store, args.check_env))
+        store_owned(target, args.id)
+        done = await edit_stored(args.id, lambda: attempt(target, store))
+        refused.extend(await refused_store(target, store, args.check_env))
         return done
 
     async def attempt(target: StoreTarget, store: RouteStore) -> str:
-        current = _stored(await store.load_routes(), args.id)
+        current = stored_route(await store.load_routes(), args.id)
         fields = {**current.route.model_dump(), "retries": args.retries}
         route = build_model(RouteConfig, fields, f"route {args.id!r}")
         stored = StoredRoute(route=route, upstreams=dict(current.upstreams))
-        write = _unless_changed(store, current)
-        await _check_and_write(target, store, stored, write, check_env=False)
-        warnings.extend(_stored_route_warnings(target, stored))
+        write = unless_changed(store, current)
+        await check_and_write(target, store, stored, write, check_env=False)
+        warnings.extend(stored_route_warnings(target, stored))
         return (
             f"route {args.id!r}: retries {route.retries} (attempt ceiling {route.attempt_ceiling})"
         )
 
     refused: list[str] = []
-    console.print(_with_store(args, console, work))
+    console.print(with_store(args, console, work))
     for warning in warnings:
         console.warning(f"route {args.id!r}: {warning}")
     for warning in refused:
@@ -312,13 +174,13 @@ def routes_set(args: argparse.Namespace, console: Console) -> None:
 
 def routes_clear_fallback(args: argparse.Namespace, console: Console) -> None:
     async def work(target: StoreTarget, store: RouteStore) -> str:
-        _store_owned(target, args.id)
-        done = await _edit(args.id, lambda: attempt(target, store))
-        refused.extend(await _refused_store(target, store, args.check_env))
+        store_owned(target, args.id)
+        done = await edit_stored(args.id, lambda: attempt(target, store))
+        refused.extend(await refused_store(target, store, args.check_env))
         return done
 
     async def attempt(target: StoreTarget, store: RouteStore) -> str:
-        current = _stored(await store.load_routes(), args.id)
+        current = stored_route(await store.load_routes(), args.id)
         primary = current.route.plan[0]
         upstreams = {primary: current.upstreams[primary]} if primary in current.upstreams else {}
         fields = {**current.route.model_dump(), "plan": [primary]}
@@ -334,15 +196,15 @@ def routes_clear_fallback(args: argparse.Namespace, console: Console) -> None:
             mine = [name for name in dropped if name not in target.config.upstreams]
             count = await store.replace_route_clearing(stored, expected=current.doc, dropped=mine)
             if count is None:
-                raise _ChangedMeanwhile
+                raise ChangedMeanwhile
             cleared.append(count)
 
-        await _check_and_write(target, store, stored, write, check_env=False)
+        await check_and_write(target, store, stored, write, check_env=False)
         faults = f"; {cleared[0]} fault(s) on {', '.join(dropped)} cleared" if cleared[0] else ""
         return f"route {args.id!r}: fallback cleared ({primary} only){faults}"
 
     refused: list[str] = []
-    console.print(_with_store(args, console, work))
+    console.print(with_store(args, console, work))
     for warning in refused:
         console.warning(warning)
 
@@ -356,7 +218,7 @@ def routes_list(args: argparse.Namespace, console: Console) -> None:
         # A record that does not load is said, not a failure of the whole list: the
         # operator sees the rest and which one to remove.
         stored = await store.load_routes(unreadable=unreadable)
-        refusal = None if unreadable else await _store_refusal(target, store, args.check_env)
+        refusal = None if unreadable else await store_refusal(target, store, args.check_env)
         if refusal is not None:
             refused.append(
                 f"the gateways refuse the store as it now is ({refusal}) and keep their "
@@ -378,7 +240,7 @@ def routes_list(args: argparse.Namespace, console: Console) -> None:
             return "\n".join(lines)
         return f"no routes for tenant {args.tenant}" if args.tenant is not None else "no routes"
 
-    console.print(_with_store(args, console, work))
+    console.print(with_store(args, console, work))
     for problem in unreadable:
         console.warning(f"{problem}; not listed: every gateway refuses the store while it is there")
     for warning in refused:
@@ -397,14 +259,14 @@ def routes_remove(args: argparse.Namespace, console: Console) -> None:
             args.id, keep_upstreams=target.config.upstreams.keys(), keep_pin=file_route
         )
         if cleared is not None:
-            refused.extend(await _refused_store(target, store, args.check_env))
+            refused.extend(await refused_store(target, store, args.check_env))
             faults = f"; {cleared} fault(s) on it cleared" if cleared else ""
             return f"route {args.id!r} removed{faults}"
-        _store_owned(target, args.id)
+        store_owned(target, args.id)
         raise Failed(f"no route {args.id!r} in the store")
 
     refused: list[str] = []
-    console.print(_with_store(args, console, work))
+    console.print(with_store(args, console, work))
     for warning in refused:
         console.warning(warning)
 
