@@ -14,9 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
-from pydantic import (
-    ValidationError,
-)
+from pydantic import ValidationError
 
 from fallback_mw import extras, rules
 from fallback_mw.config.describe import _describe

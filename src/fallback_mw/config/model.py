@@ -31,9 +31,7 @@ from fallback_mw.config.strict import (
 from fallback_mw.config.upstream import UpstreamConfig
 from fallback_mw.rules import ConfigError as ConfigError  # re-exported: its public home
 from fallback_mw.security.addresses import carried_ipv4_network, is_legacy_ipv4
-from fallback_mw.security.fields import (
-    DEFAULT_STRIP_HEADERS,
-)
+from fallback_mw.security.fields import DEFAULT_STRIP_HEADERS
 from fallback_mw.security.queries import DEFAULT_STRIP_QUERY_KEYS
 from fallback_mw.security.values import is_field_name
 from fallback_mw.store_url import is_redis_url

@@ -1,30 +1,28 @@
-"""The default engine: aiohttp, one pooled ClientSession per gateway runtime."""
+"""The default engine: aiohttp, one pooled ClientSession per gateway runtime. Its errors are
+read by upstream/aiohttp_errors.py; its connector is upstream/aiohttp_connector.py."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ssl
 import warnings
 from collections.abc import AsyncIterator, Sequence
-from contextvars import ContextVar
 from typing import Any
 
 import aiohttp
-from aiohttp.abc import ResolveResult
 from multidict import CIMultiDict
 from yarl import URL
 
 from fallback_mw.loops import CloseAtLoopEnd, close_on_its_loop
 from fallback_mw.timers import deadline_after
+from fallback_mw.upstream.aiohttp_connector import ARM_ON_CONNECT, GuardedConnector, Sending
+from fallback_mw.upstream.aiohttp_errors import map_errors
 from fallback_mw.upstream.base import (
     MAX_RESPONSE_FIELD,
     MAX_RESPONSE_FIELDS,
-    NOT_HTTP,
     STALE_RESENDS,
     ConnectionCaps,
     FirstByteTimer,
-    Phase,
     Release,
     UpstreamError,
     UpstreamRequest,
@@ -32,23 +30,15 @@ from fallback_mw.upstream.base import (
     check_proxy_answer,
     check_request_headers,
     check_response_head,
-    host_limit,
-    proxy_refused,
     resend_on_new_connection,
     unrelayable,
 )
-from fallback_mw.upstream.guard import GuardedResolver, LiteralChecks, UnsafeAddressError
-from fallback_mw.upstream.tls import (
-    HANDSHAKE_CLOSED,
-    TLS_FAILED,
-    closed_in_handshake,
-    is_certificate_error,
-    ssl_context,
-    tls_problem,
-)
+from fallback_mw.upstream.guard import GuardedResolver, LiteralChecks
+from fallback_mw.upstream.tls import ssl_context
 
 # aiohttp would otherwise add these; the upstream sees only what the gateway decided.
 _SKIP_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
+
 
 # The longest response status line and header field read (aiohttp's default is 8190 bytes:
 # a long Content-Security-Policy, Link or Set-Cookie became a protocol failure, booked to
@@ -57,194 +47,6 @@ _SKIP_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 # most); one relayed, as on the httpx engine, is at most 100 KiB (base.MAX_RESPONSE_HEAD),
 # and both engines hold this field length and that count (base.check_response_head).
 _MAX_RESPONSE_FIELD = MAX_RESPONSE_FIELD
-
-
-class _ErrorMap:
-    """The one place aiohttp's exceptions become failure kinds: `with map_errors(phase):`.
-    Class-based and stateless (one instance per phase): it runs several times per request."""
-
-    __slots__ = ("phase",)
-
-    def __init__(self, phase: Phase) -> None:
-        self.phase: Phase = phase
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(
-        self, typ: type[BaseException] | None, exc: BaseException | None, tb: object
-    ) -> None:
-        if exc is None or not isinstance(exc, Exception) or isinstance(exc, UpstreamError):
-            return  # nothing raised, or a cancellation / an UpstreamError: as they are
-        phase = self.phase
-        if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
-            if isinstance(exc, aiohttp.ConnectionTimeoutError):
-                phase = "connect"  # its sock_connect (connect_timeout_ms), not the head's wait
-            raise UpstreamError("timeout", phase, f"timed out during {phase}") from exc
-        if isinstance(exc, OSError):  # ClientOSError, ClientConnectorError and the bare kind
-            limited = host_limit(exc, phase)  # the gateway's own host, not the upstream
-            if limited is not None:
-                raise limited from None
-        tls = _tls_failure(exc)
-        if tls is not None:
-            raise UpstreamError("tls", phase, TLS_FAILED, detail=tls) from None
-        if isinstance(exc, aiohttp.ClientHttpProxyError):
-            refused = proxy_refused(exc.status)
-            raise UpstreamError("transport", phase, refused, detail=refused) from None
-        if isinstance(exc, aiohttp.ClientConnectorError):
-            if isinstance(exc.os_error, UnsafeAddressError):
-                raise UpstreamError("unsafe_address", phase, str(exc.os_error)) from None
-            raise UpstreamError("refused", phase, "could not connect") from None
-        if isinstance(exc, UnsafeAddressError):
-            raise UpstreamError("unsafe_address", phase, str(exc)) from None
-        if isinstance(exc, aiohttp.InvalidURL | ValueError):
-            # What aiohttp refuses to build or write (a URL, a header value, an encoding):
-            # nothing reached the upstream.
-            raise UpstreamError("local", phase, type(exc).__name__) from None
-        if isinstance(exc, aiohttp.ClientResponseError | aiohttp.ClientPayloadError):
-            raise UpstreamError("protocol", phase, type(exc).__name__, detail=NOT_HTTP) from None
-        if isinstance(exc, aiohttp.ClientError | OSError):
-            raise UpstreamError("transport", phase, type(exc).__name__) from None
-
-
-def _tls_failure(exc: Exception) -> str | None:
-    """What failed in the TLS exchange (upstream/tls.tls_problem), None for another error:
-    also an ssl error aiohttp reports as a plain ClientOSError (TLS 1.3 tells a client the
-    server wanted its certificate on the first read, after the handshake), and a reset while
-    connecting an https:// url (the handshake broken off; the httpx engine, on the same
-    server, saw the end of stream as an ssl error: one upstream, one failure kind)."""
-    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
-        return tls_problem(exc.certificate_error) or tls_problem(exc)
-    if isinstance(exc, aiohttp.ClientSSLError):
-        # aiohttp's own ssl error class carries no reason: the one it wraps does.
-        return tls_problem(exc.os_error) or HANDSHAKE_CLOSED
-    if is_certificate_error(exc):
-        return tls_problem(exc) or HANDSHAKE_CLOSED
-    if (
-        isinstance(exc, aiohttp.ClientConnectorError)
-        and isinstance(exc.ssl, ssl.SSLContext)
-        and closed_in_handshake(exc.os_error)
-    ):
-        return HANDSHAKE_CLOSED
-    return None
-
-
-_ERROR_MAPS: dict[str, _ErrorMap] = {
-    phase: _ErrorMap(phase) for phase in ("connect", "first_byte", "body")
-}
-
-
-def map_errors(phase: Phase) -> _ErrorMap:
-    return _ERROR_MAPS[phase]
-
-
-# The first-byte timer of the request being sent in this task, and whether its body is
-# streamed: for a buffered body the connector arms it once it has a connection, just before
-# the request head and its body go out (from then on the time is the upstream's); an egress
-# proxy's answer to CONNECT is timed by it whatever the body; and its connect timeout, which
-# also holds the lookup of the upstream's name (`_Connector._resolve_host`). A context
-# variable rather than an aiohttp trace hook: traces cost a handful of signal sends on every
-# request.
-class _Sending:
-    """One send's facts for the connector: its first-byte timer, whether its body is
-    streamed, its connect timeout, and whether the connection it got was made for it
-    (`fresh`) rather than taken from the pool (resend_on_new_connection)."""
-
-    __slots__ = ("connect", "fresh", "streamed", "timer")
-
-    def __init__(self, timer: FirstByteTimer, streamed: bool, connect: float) -> None:
-        self.timer = timer
-        self.streamed = streamed
-        self.connect = connect
-        self.fresh = False
-
-
-_ARM_ON_CONNECT: ContextVar[_Sending | None] = ContextVar(
-    "fallback_mw_arm_on_connect", default=None
-)
-
-
-class _Connector(aiohttp.TCPConnector):
-    async def connect(
-        self,
-        req: aiohttp.ClientRequest,
-        traces: list[Any],
-        timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 (aiohttp's signature)
-    ) -> Any:
-        armed = _ARM_ON_CONNECT.get()
-        if armed is not None:
-            armed.fresh = False
-        connection = await super().connect(req, traces, timeout)
-        # A pooled connection on which the upstream wrote while it sat idle (a late or
-        # repeated answer, another caller's) holds that answer parsed and queued, and
-        # aiohttp hands it out as is: the next request on it, another caller's, would be
-        # answered with it. Such a connection is closed and another taken; the pool holds
-        # at most `limit` of them, so a fresh connection ends the loop.
-        for _ in range((self.limit or 1024) + 1):
-            protocol = connection.protocol
-            if protocol is None or not protocol.should_close:
-                break
-            connection.close()
-            connection = await super().connect(req, traces, timeout)
-        if armed is not None and not armed.streamed:
-            armed.timer.arm()
-        return connection
-
-    async def _create_connection(
-        self,
-        req: aiohttp.ClientRequest,
-        traces: list[Any],
-        timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 (aiohttp's signature)
-    ) -> Any:
-        armed = _ARM_ON_CONNECT.get()
-        if armed is not None:
-            armed.fresh = True  # made for this send, never a kept-alive one
-        return await super()._create_connection(req, traces, timeout)
-
-    async def _resolve_host(
-        self, host: str, port: int, traces: Sequence[Any] | None = None
-    ) -> list[ResolveResult]:
-        # aiohttp's sock_connect starts once an address is known: a resolver that hangs
-        # (a DNS server gone) held every attempt to the walk deadline, a 504 that never
-        # reached the fallback. The lookup is part of the connect (as for curl and httpx):
-        # held to connect_timeout_ms, a `timeout` of the connect. Only this request's wait
-        # ends; a lookup other requests share goes on (aiohttp shields it).
-        armed = _ARM_ON_CONNECT.get()
-        if armed is None:
-            return await super()._resolve_host(host, port, traces=traces)
-        seconds = armed.connect
-        try:
-            async with asyncio.timeout(seconds):
-                return await super()._resolve_host(host, port, traces=traces)
-        except TimeoutError:
-            raise aiohttp.ConnectionTimeoutError(
-                f"no address for the upstream's host within {seconds:g} s"
-            ) from None
-
-    async def _create_proxy_connection(
-        self,
-        req: aiohttp.ClientRequest,
-        traces: list[Any],
-        timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 (aiohttp's signature)
-    ) -> Any:
-        # aiohttp times the TCP connect to the egress proxy and the TLS handshake through
-        # it, not the proxy's answer to CONNECT: a proxy that accepted and never answered
-        # held every attempt until the walk deadline (a 504, no breaker mark, no time left
-        # for a fallback), where the httpx engine's first-byte timer (armed as the CONNECT
-        # goes out) ended it. The upstream's first-byte timer runs from here, as there;
-        # `connect` re-arms it once the connection is made (a buffered body), or it waits
-        # for the body's first chunk (a streamed one: until the tunnel was up, the body
-        # went nowhere, and the walk deadline ran out as the caller's 408).
-        armed = _ARM_ON_CONNECT.get()
-        if armed is None:
-            return await super()._create_proxy_connection(req, traces, timeout)
-        timer, streamed = armed.timer, armed.streamed
-        timer.arm()
-        try:
-            return await super()._create_proxy_connection(req, traces, timeout)
-        finally:
-            if streamed:
-                timer.pause()
 
 
 class AiohttpResponse:
@@ -338,6 +140,7 @@ def _answer_began(error: UpstreamError) -> bool:
 # IDEMPOTENT_METHODS), kept for a replayable request of these (AiohttpClient.send).
 _RESENT_BY_AIOHTTP = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
 
+
 _LARGE_BYTES = 1 << 20  # aiohttp's TOO_LARGE_BYTES_BODY
 
 
@@ -386,7 +189,7 @@ class AiohttpClient:
     def _get_session(self) -> aiohttp.ClientSession:
         self._follow_loop()
         if self._session is None or self._session.closed:
-            connector = _Connector(
+            connector = GuardedConnector(
                 limit=self._limit,
                 limit_per_host=0,
                 resolver=GuardedResolver(self._allow_hosts),
@@ -429,7 +232,7 @@ class AiohttpClient:
                 # No timer while connecting (the socket connect has its own) or while the
                 # caller's body is still arriving (the caller's time): see FirstByteTimer.
                 timeouts = request.timeouts
-                sending = _Sending(
+                sending = Sending(
                     FirstByteTimer(timeouts.first_byte),
                     not isinstance(request.body, bytes),
                     timeouts.connect,
@@ -457,7 +260,7 @@ class AiohttpClient:
         return AiohttpResponse(response, request.timeouts.idle, release)
 
     async def _send(
-        self, session: aiohttp.ClientSession, request: UpstreamRequest, sending: _Sending
+        self, session: aiohttp.ClientSession, request: UpstreamRequest, sending: Sending
     ) -> aiohttp.ClientResponse:
         timeouts = request.timeouts
         timer = sending.timer
@@ -466,7 +269,7 @@ class AiohttpClient:
             data: Any = _bytes_payload(body) if len(body) > _LARGE_BYTES else (body or None)
         else:
             data = timer.timed_body(body)
-        armed = _ARM_ON_CONNECT.set(sending)
+        armed = ARM_ON_CONNECT.set(sending)
         try:
             with map_errors("first_byte"), timer.running():
                 response = await session.request(
@@ -485,7 +288,7 @@ class AiohttpClient:
                     proxy=request.proxy,
                 )
         finally:
-            _ARM_ON_CONNECT.reset(armed)
+            ARM_ON_CONNECT.reset(armed)
         try:
             with map_errors("first_byte"):
                 check_response_head(response.status, response.raw_headers)

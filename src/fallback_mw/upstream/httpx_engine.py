@@ -45,9 +45,7 @@ from fallback_mw.upstream.httpx_framing import (
     with_what_has_arrived,
 )
 from fallback_mw.upstream.httpx_pool import Pool, ProxyPool
-from fallback_mw.upstream.tls import (
-    ssl_context,
-)
+from fallback_mw.upstream.tls import ssl_context
 
 MAX_CONNECTIONS = 512
 

@@ -11,9 +11,7 @@ try:
     import asyncpg
 except ImportError:
     raise missing_extra("postgres", 'store = "postgresql://..."') from None
-from fallback_mw.budget.ledger import (
-    rolling_peaks_sql,
-)
+from fallback_mw.budget.ledger import rolling_peaks_sql
 from fallback_mw.store.ledgers.schema import (
     COMPONENT,
     LATEST_VERSION,

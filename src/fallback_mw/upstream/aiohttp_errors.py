@@ -1,0 +1,104 @@
+"""aiohttp's exceptions read as the engine seam's (upstream/base.py): which phase an error
+arose in, a certificate that does not verify named as `tls`, what the client library
+refused to send as local."""
+
+from __future__ import annotations
+
+import ssl
+
+import aiohttp
+
+from fallback_mw.upstream.base import (
+    NOT_HTTP,
+    Phase,
+    UpstreamError,
+    host_limit,
+    proxy_refused,
+)
+from fallback_mw.upstream.guard import UnsafeAddressError
+from fallback_mw.upstream.tls import (
+    HANDSHAKE_CLOSED,
+    TLS_FAILED,
+    closed_in_handshake,
+    is_certificate_error,
+    tls_problem,
+)
+
+
+class _ErrorMap:
+    """The one place aiohttp's exceptions become failure kinds: `with map_errors(phase):`.
+    Class-based and stateless (one instance per phase): it runs several times per request."""
+
+    __slots__ = ("phase",)
+
+    def __init__(self, phase: Phase) -> None:
+        self.phase: Phase = phase
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, typ: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        if exc is None or not isinstance(exc, Exception) or isinstance(exc, UpstreamError):
+            return  # nothing raised, or a cancellation / an UpstreamError: as they are
+        phase = self.phase
+        if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
+            if isinstance(exc, aiohttp.ConnectionTimeoutError):
+                phase = "connect"  # its sock_connect (connect_timeout_ms), not the head's wait
+            raise UpstreamError("timeout", phase, f"timed out during {phase}") from exc
+        if isinstance(exc, OSError):  # ClientOSError, ClientConnectorError and the bare kind
+            limited = host_limit(exc, phase)  # the gateway's own host, not the upstream
+            if limited is not None:
+                raise limited from None
+        tls = _tls_failure(exc)
+        if tls is not None:
+            raise UpstreamError("tls", phase, TLS_FAILED, detail=tls) from None
+        if isinstance(exc, aiohttp.ClientHttpProxyError):
+            refused = proxy_refused(exc.status)
+            raise UpstreamError("transport", phase, refused, detail=refused) from None
+        if isinstance(exc, aiohttp.ClientConnectorError):
+            if isinstance(exc.os_error, UnsafeAddressError):
+                raise UpstreamError("unsafe_address", phase, str(exc.os_error)) from None
+            raise UpstreamError("refused", phase, "could not connect") from None
+        if isinstance(exc, UnsafeAddressError):
+            raise UpstreamError("unsafe_address", phase, str(exc)) from None
+        if isinstance(exc, aiohttp.InvalidURL | ValueError):
+            # What aiohttp refuses to build or write (a URL, a header value, an encoding):
+            # nothing reached the upstream.
+            raise UpstreamError("local", phase, type(exc).__name__) from None
+        if isinstance(exc, aiohttp.ClientResponseError | aiohttp.ClientPayloadError):
+            raise UpstreamError("protocol", phase, type(exc).__name__, detail=NOT_HTTP) from None
+        if isinstance(exc, aiohttp.ClientError | OSError):
+            raise UpstreamError("transport", phase, type(exc).__name__) from None
+
+
+def _tls_failure(exc: Exception) -> str | None:
+    """What failed in the TLS exchange (upstream/tls.tls_problem), None for another error:
+    also an ssl error aiohttp reports as a plain ClientOSError (TLS 1.3 tells a client the
+    server wanted its certificate on the first read, after the handshake), and a reset while
+    connecting an https:// url (the handshake broken off; the httpx engine, on the same
+    server, saw the end of stream as an ssl error: one upstream, one failure kind)."""
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+        return tls_problem(exc.certificate_error) or tls_problem(exc)
+    if isinstance(exc, aiohttp.ClientSSLError):
+        # aiohttp's own ssl error class carries no reason: the one it wraps does.
+        return tls_problem(exc.os_error) or HANDSHAKE_CLOSED
+    if is_certificate_error(exc):
+        return tls_problem(exc) or HANDSHAKE_CLOSED
+    if (
+        isinstance(exc, aiohttp.ClientConnectorError)
+        and isinstance(exc.ssl, ssl.SSLContext)
+        and closed_in_handshake(exc.os_error)
+    ):
+        return HANDSHAKE_CLOSED
+    return None
+
+
+_ERROR_MAPS: dict[str, _ErrorMap] = {
+    phase: _ErrorMap(phase) for phase in ("connect", "first_byte", "body")
+}
+
+
+def map_errors(phase: Phase) -> _ErrorMap:
+    return _ERROR_MAPS[phase]
