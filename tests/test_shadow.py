@@ -757,3 +757,35 @@ async def test_a_copy_that_is_the_probe_is_judged_by_its_head_not_its_whole_body
         finally:
             finish.set()
             await gateway.aclose()
+
+
+async def test_a_copy_whose_model_rewrite_fails_never_reaches_the_caller(
+    recorded: Recorded,
+) -> None:
+    """A copy is only measured: whatever goes wrong taking it must never reach the caller.
+    Its model rewrite is written when the copy is taken, on the request's own (deep) stack:
+    a body nested just under the depth `json.loads` reads (about 930 levels) was read, and
+    writing it again there raised RecursionError through the caller's served request (an
+    ASGI error after its answer). Such a copy is a failed one; the caller never sees it."""
+    async with (
+        upstream(status_handler(200, b"primary says")) as primary,
+        upstream(status_handler(200, b"shadow says")) as shadow,
+    ):
+        conf = config(primary.url, shadow.url, replayable_methods=["POST"])
+        conf["upstreams"]["candidate"]["model"] = "shadow-model"
+        gateway = Gateway(host_app, config=conf, environ=ENV, telemetry=recorded.telemetry)
+        try:
+            async with client_for(gateway) as client:
+                for depth in range(850, 1000):  # every depth up to what no parser here reads
+                    body = b'{"model":"m","x":' + b"[" * depth + b"]" * depth + b"}"
+                    headers = {"x-session-id": f"user-{depth}"}
+                    response = await client.post("/v1/chat", headers=headers, content=body)
+                    assert (response.status_code, response.text) == (200, "primary says")
+                await settled(gateway, lambda: gateway.services.shadows.in_flight == 0)
+        finally:
+            await gateway.aclose()
+    assert shadow.received, "no copy was sent at all: the test proves nothing"
+    assert all(b'"model":"shadow-model"' in r.body for r in shadow.received)
+    outcomes = recorded.shadow_outcomes()
+    assert set(outcomes) <= {"answered", "failed", "model_rewrite"}, outcomes  # not JSON: no copy
+    assert outcomes["answered"] == len(shadow.received)

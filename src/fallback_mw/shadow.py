@@ -153,7 +153,15 @@ class ShadowTraffic:
         """Start a copy of the request to `name` in the background; False when it was not
         started (shutting down, or too many copies or body bytes in flight)."""
         span = self.telemetry.shadow_started(context, name)
-        body, ask, rendered = _kept(context, name, body, parsed)
+        try:
+            body, ask, rendered = _kept(context, name, body, parsed)
+        except Exception:  # taken on the caller's stack: a copy must never surface there
+            # (a body nested just under what json.loads reads: rewriting it again, deeper in
+            # the stack, raised RecursionError through the caller's served request)
+            self.telemetry.shadow_finished(
+                span, context.route.id, name, "failed", None, 0.0, failure_kind="internal"
+            )
+            return False
         size = len(body.buffered) if body.buffered is not None else 0
         if (
             self._closed
