@@ -84,6 +84,30 @@ async def test_a_json_body_nested_1000_deep_is_never_a_500(http: str, route: str
         assert primary.received[0].body == DEEP  # forwarded untouched
 
 
+async def test_a_json_body_nested_just_under_the_parsers_limit_is_never_a_500() -> None:
+    """`json.loads` reads a body nested up to ~930 levels (its stack's depth then), and a
+    candidate's model rewrite wrote it again deeper in the stack: RecursionError, a 500
+    and a traceback. Every depth up to past that limit is answered: sent rewritten, or
+    that candidate skipped (the body cannot be written again), never a 500."""
+    async with upstream(status_handler(200, b"ok")) as primary:
+        conf = config(primary.url, model="other")
+        del conf["routes"][0]["budget"]
+        gateway = Gateway(host_app, config=conf, environ={"FMW_T_KEY": "k"})
+        statuses: dict[int, list[int]] = {}
+        try:
+            async with serve_asgi(gateway) as base:
+                for depth in range(850, 1000):
+                    body = b'{"model":"m","x":' + b"[" * depth + b"]" * depth + b"}"
+                    response = await exchange(base, post(body))
+                    statuses.setdefault(int(response.split(b" ", 2)[1]), []).append(depth)
+        finally:
+            await gateway.aclose()
+    assert set(statuses) <= {200, 400, 503}, {s: (d[0], d[-1]) for s, d in statuses.items()}
+    assert statuses[200] and statuses[400]  # both sides of the limit were reached
+    assert primary.count == len(statuses[200])
+    assert all(b'"model":"other"' in r.body for r in primary.received)
+
+
 @pytest.mark.parametrize("http", ["h11", "httptools"])
 async def test_trailer_fields_never_reach_the_upstream(http: str) -> None:
     async with upstream(status_handler(200, b"ok")) as primary:

@@ -151,6 +151,8 @@ class AttemptRunner:
         # quoted path and query, the caller's cleaned headers as text.
         self._target: str | None = None
         self._headers: list[tuple[str, str]] | None = None
+        # The latest model rewrite of the body (`_rewritten`): the model, and the bytes sent.
+        self._rewrite: tuple[str, bytes | None] | None = None
 
     def _request_url(self, upstream: UpstreamConfig) -> str:
         target = self._target
@@ -180,11 +182,31 @@ class AttemptRunner:
 
     def takes_body(self, upstream: UpstreamConfig) -> bool:
         """A candidate that rewrites the model (`model`) needs a buffered JSON object body
-        (an empty one needs no rewrite); any other candidate takes the body as it is."""
+        (an empty one needs no rewrite) that can be written again; any other candidate
+        takes the body as it is."""
         if not upstream.model or self.rendered:
             return True
         buffered = self.body.buffered
-        return buffered is not None and (not buffered or self.parsed is not None)
+        if buffered is None or not buffered:
+            return buffered is not None
+        return self.parsed is not None and self._rewritten(upstream.model) is not None
+
+    def _rewritten(self, model: str) -> bytes | None:
+        """The body with its model rewritten to `model`, written once for the attempts that
+        send it (the latest model only: most plans rewrite to one); None when it cannot be
+        written again: a body nested just under what `json.loads` reads (~930 levels) was
+        read, and writing it deeper in the stack raised RecursionError (a 500)."""
+        kept = self._rewrite
+        if kept is None or kept[0] != model:
+            assert self.parsed is not None and self.body.buffered is not None
+            try:
+                data: bytes | None = model_rewritten(
+                    model, self.parsed, self.body.buffered, self.context.forward_headers
+                )
+            except RecursionError:
+                data = None
+            kept = self._rewrite = (model, data)
+        return kept[1]
 
     def _request_body(self, upstream: UpstreamConfig) -> bytes | AsyncIterator[bytes]:
         body = self.body
@@ -192,9 +214,9 @@ class AttemptRunner:
             assert body.stream is not None
             return body.stream
         if upstream.model and self.parsed is not None and not self.rendered:
-            return model_rewritten(
-                upstream.model, self.parsed, body.buffered, self.context.forward_headers
-            )
+            rewritten = self._rewritten(upstream.model)
+            assert rewritten is not None  # `takes_body`: the gate skips it otherwise
+            return rewritten
         return body.buffered
 
     async def run(
