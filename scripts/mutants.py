@@ -332,8 +332,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "failover/attempt.py",
-                "if upstream.model and self.parsed is not None:",
-                "if upstream.model and self.parsed is not None"
+                "if upstream.model and self.parsed is not None and not self.rendered:",
+                "if upstream.model and self.parsed is not None and not self.rendered"
                 " and self.context.attempt_count == 1:",
             ),
         ),
