@@ -764,3 +764,96 @@ async def test_a_worker_dying_after_the_log_reader_left_is_still_replaced(
             for pid in first | workers:  # a failing run leaves no orphan serving
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+
+
+# A supervisor of real forked workers (cli/workers.py's Supervisor, serve's own listen
+# socket), each worker `WORKER` below; `PRELUDE` runs first.
+SUPERVISED = """
+import os, signal, sys, time
+from fallback_mw.cli.app import Console
+from fallback_mw.cli.serve import listen_socket
+from fallback_mw.cli.workers import Supervisor
+{prelude}
+def worker(sock, ready, slot):
+{worker}
+
+console = Console(sys.stdout, sys.stderr)
+supervisor = Supervisor(
+    {count}, "127.0.0.1", 0, worker, bind=listen_socket, console=console, stop_grace={grace}
+)
+sys.exit(supervisor.run())
+"""
+
+
+def supervised(
+    tmp_path: Path, worker: str, *, count: int = 2, grace: float = 30.0, prelude: str = ""
+) -> tuple[subprocess.Popen[bytes], Path]:
+    script = tmp_path / "supervised.py"
+    script.write_text(SUPERVISED.format(worker=worker, count=count, grace=grace, prelude=prelude))
+    log = tmp_path / "supervised.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen([sys.executable, str(script)], stdout=out, stderr=out)
+    return process, log
+
+
+@contextmanager
+def ended(process: subprocess.Popen[bytes]) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_a_worker_that_outlives_the_stop_grace_is_killed(tmp_path: Path) -> None:
+    """A stop waits `stop_grace` for the workers, then SIGKILLs them (serve: the graceful
+    shutdown's timeout and a margin). The supervisor's loop waited for its workers without
+    a bound: a worker stuck in its shutdown (or one that never saw its SIGTERM) kept the
+    supervisor, and the instance's port, forever."""
+    worker = (
+        "    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stuck: the stop never ends it\n"
+        "    ready()\n"
+        "    time.sleep(120)\n"
+        "    return 0"
+    )
+    process, log = supervised(tmp_path, worker, grace=1.0)
+    with ended(process):
+        deadline = time.monotonic() + 60
+        while "all 2 workers serving" not in log_text(log):
+            assert process.poll() is None and time.monotonic() < deadline, log_text(log)
+            time.sleep(0.05)
+        stopped = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=20)
+        took = time.monotonic() - stopped
+        assert process.poll() == 0, f"still running {took:.1f} s after SIGTERM: {log_text(log)}"
+
+
+def test_a_stop_that_reaches_a_worker_as_it_forks_is_the_workers(tmp_path: Path) -> None:
+    """A SIGTERM that reached a worker between its fork and its own handlers ran the
+    supervisor's handler (inherited) in the worker: the worker noted a "stop", told the
+    supervisor's copy of the other workers to stop, and served on (CI: a worker killed
+    while starting, and the supervisor still there a minute later). Signals are held across
+    the fork now: the worker takes them once its own handlers are in place, and ends."""
+    prelude = (
+        "_fork = os.fork\n"
+        "def fork():\n"
+        "    pid = _fork()\n"
+        "    if pid == 0:\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)  # a stop, at once after the fork\n"
+        "    return pid\n"
+        "os.fork = fork\n"
+    )
+    worker = "    ready()\n    time.sleep(120)\n    return 0"
+    process, log = supervised(tmp_path, worker, count=1, prelude=prelude)
+    with ended(process):
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=30)
+        text = log_text(log)
+        # The worker ended on its stop before it served; the supervisor, a start-up
+        # failure, ended with it.
+        assert process.poll() == 1, text
+        assert "before it served; stopping the others" in text, text
+        assert "all 1 workers serving" not in text, text

@@ -54,6 +54,7 @@ _STOP_GRACE_SECONDS = 30.0
 _RETRY_FIRST_SECONDS = 1.0
 _RETRY_MAX_SECONDS = 30.0
 _POLL_SECONDS = 0.1  # how soon the supervisor notices a worker's death
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
 
 def _ending(code: int) -> str:
@@ -176,7 +177,15 @@ class Supervisor:
         sys.stdout.flush()
         sys.stderr.flush()
         supervisor = os.getpid()
-        pid = os.fork()
+        # The stop signals are held across the fork: one that reached the new worker before
+        # its own handlers ran the supervisor's (inherited) there, which noted a "stop",
+        # told the supervisor's copy of the other workers to stop, and served on.
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        try:
+            pid = os.fork()
+        except BaseException:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+            raise
         if pid == 0:  # the worker
             status = 1
             try:
@@ -188,6 +197,7 @@ class Supervisor:
                 # A terminal's hangup reaches the whole group: the supervisor stops the
                 # workers (SIGTERM, graceful); the inherited handler is the supervisor's.
                 signal.signal(signal.SIGHUP, signal.SIG_IGN)
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a held stop ends it now
                 die_with(supervisor)
                 self.reservation.close()
                 os.close(self._ready_read)
@@ -210,6 +220,7 @@ class Supervisor:
                 os._exit(status)
         self.children[pid] = time.monotonic()
         self.slots[pid] = slot
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a stop held meanwhile: handled
         if self.stopping:  # a SIGTERM that arrived during the fork
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
@@ -247,7 +258,10 @@ class Supervisor:
         try:
             for slot in range(self.count):
                 self._start_one(slot)
-            while self.children or (self.restarts and not self.stopping):
+            # Once stopping, the workers are waited for in `_reap`: for the stop grace, then
+            # SIGKILL (a worker stuck in its shutdown held the supervisor, and the port,
+            # forever).
+            while (self.children or self.restarts) and not self.stopping:
                 self._wait(self._next_due())
                 self._read_ready()  # before the deaths: a worker may serve, then die
                 while self.children:
@@ -268,7 +282,8 @@ class Supervisor:
                     self._start_one(slot)
         finally:
             # Left by an exception (a bug): the workers still get their graceful stop.
-            self._stop(signal.SIGTERM, None)
+            if not self.stopping:
+                self._stop(signal.SIGTERM, None)
             self._reap()
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
