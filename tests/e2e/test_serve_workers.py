@@ -785,21 +785,19 @@ sys.exit(supervisor.run())
 """
 
 
+@contextmanager
 def supervised(
     tmp_path: Path, worker: str, *, count: int = 2, grace: float = 30.0, prelude: str = ""
-) -> tuple[subprocess.Popen[bytes], Path]:
+) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """The supervisor script running (its process and its output's file); killed at the
+    end if it still runs."""
     script = tmp_path / "supervised.py"
     script.write_text(SUPERVISED.format(worker=worker, count=count, grace=grace, prelude=prelude))
     log = tmp_path / "supervised.log"
     with log.open("wb") as out:
         process = subprocess.Popen([sys.executable, str(script)], stdout=out, stderr=out)
-    return process, log
-
-
-@contextmanager
-def ended(process: subprocess.Popen[bytes]) -> Iterator[None]:
     try:
-        yield
+        yield process, log
     finally:
         if process.poll() is None:
             process.kill()
@@ -817,8 +815,7 @@ def test_a_worker_that_outlives_the_stop_grace_is_killed(tmp_path: Path) -> None
         "    time.sleep(120)\n"
         "    return 0"
     )
-    process, log = supervised(tmp_path, worker, grace=1.0)
-    with ended(process):
+    with supervised(tmp_path, worker, grace=1.0) as (process, log):
         deadline = time.monotonic() + 60
         while "all 2 workers serving" not in log_text(log):
             assert process.poll() is None and time.monotonic() < deadline, log_text(log)
@@ -847,8 +844,7 @@ def test_a_stop_that_reaches_a_worker_as_it_forks_is_the_workers(tmp_path: Path)
         "os.fork = fork\n"
     )
     worker = "    ready()\n    time.sleep(120)\n    return 0"
-    process, log = supervised(tmp_path, worker, count=1, prelude=prelude)
-    with ended(process):
+    with supervised(tmp_path, worker, count=1, prelude=prelude) as (process, log):
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout=30)
         text = log_text(log)
