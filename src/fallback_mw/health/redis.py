@@ -104,7 +104,7 @@ class RedisHealth(RedisLink):
         # Credential marks are kept per index; an index means one variable only within one
         # list of variables. A pool whose list changed (a revoked key removed, one added or
         # reordered) gets keys of its own, so no mark lands on another credential.
-        self._upstreams = tuple(pools or ())  # read at startup (_read_shared_breakers)
+        self._upstreams = tuple(pools or ())  # read at startup (_started)
         self._pool_ids = {
             name: hashlib.sha256("\x1f".join(envs).encode()).hexdigest()[:12]
             for name, envs in (pools or {}).items()
@@ -138,9 +138,6 @@ class RedisHealth(RedisLink):
         return max(2 * self._max_cooldown_ms + lease_ms, 600_000)
 
     async def _started(self) -> None:
-        await self._read_shared_breakers()
-
-    async def _read_shared_breakers(self) -> None:
         """At startup, the shared state of each configured upstream's breaker: one that
         other (or earlier) processes opened is reported now. A restarted `serve` said
         closed for it until its first admission of that upstream, so FallbackMwBreakerOpen
