@@ -409,7 +409,11 @@ async def test_a_process_with_no_traffic_learns_that_another_closed_the_breaker(
             if seen["one"][-1] == "closed":
                 break
             await asyncio.sleep(0.02)
-        assert seen["one"] == ["open", "closed"]
+        # One's refresh may read the shared state while two's probe is in flight (between
+        # ADMIT and RECORD): a half_open in between is the truth at that moment.
+        assert seen["one"][0] == "open"
+        assert seen["one"][-1] == "closed"
+        assert set(seen["one"][1:-1]) <= {"half_open"}
     finally:
         await one.aclose()
         await two.aclose()
