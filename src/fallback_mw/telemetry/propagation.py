@@ -106,7 +106,9 @@ class TracePropagation:
         if not self._global_tracer or not _tracing_off():
             return False
         fields = self._propagation_fields()[2]
-        return not any(name in fields for name, _ in headers)
+        # In any case: ASGI lets a host pass names as they came, and the propagators read
+        # them so (a `Traceparent` skipped here sent its `Tracestate` upstream uncleaned).
+        return not any(name.lower() in fields for name, _ in headers)
 
 
 _MISSING = object()

@@ -1,0 +1,55 @@
+"""The ASGI scope and message variants a real host can hand the gateway (the HTTP and
+lifespan specs, 2.0-2.4): header names in any case ("should be lowercased, but it is not
+required"), optional keys missing, a mount's `root_path`. Each is met as the host sends it,
+through the Gateway's own ASGI interface."""
+
+from __future__ import annotations
+
+import pytest
+
+from fallback_mw import Gateway
+from fallback_mw.telemetry.propagation import _tracing_off
+from tests.helpers import http_scope
+from tests.test_telemetry_leak import call
+from tests.upstreams import host_app, upstream
+from tests.upstreams import status_handler as answering
+
+pytestmark = pytest.mark.anyio
+
+CALLER_TOKEN = "sk-caller-Ab4Cd6Ef8Gh"
+TRACEPARENT = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+@pytest.mark.parametrize("spell", [bytes.lower, bytes.title], ids=["lowercase", "Capitalised"])
+async def test_a_credential_in_trace_context_never_reaches_the_upstream_in_any_name_case(
+    spell: object,
+) -> None:
+    """ASGI lets a host pass header names as they came ("should be lowercased, but it is
+    not required"). Without an OpenTelemetry SDK, a request whose `Traceparent` came
+    capitalised was taken for one with no trace context: its `Tracestate` and `Baggage`
+    went upstream as sent, the caller's token in them, where the lowercase spelling had
+    them cleaned (SPEC §4: a caller's credential never reaches any upstream)."""
+    assert callable(spell)
+    assert _tracing_off(), "this case is the gateway's without an SDK (no global provider)"
+    async with upstream(answering(200)) as primary:
+        config = {
+            "upstreams": {"primary": {"url": primary.url}},
+            "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+        }
+        gateway = Gateway(host_app, config=config)
+        try:
+            headers = [
+                (spell(b"authorization"), f"Bearer {CALLER_TOKEN}".encode()),
+                (spell(b"traceparent"), TRACEPARENT),
+                (spell(b"tracestate"), f"vendor=v1,mine={CALLER_TOKEN}".encode()),
+                (spell(b"baggage"), f"session.id={CALLER_TOKEN},app=web".encode()),
+            ]
+            status, _ = await call(gateway, http_scope("GET", "/v1/chat", b"", headers), b"")
+        finally:
+            await gateway.aclose()
+    assert status == 200
+    (received,) = primary.received
+    sent = dict(received.headers)
+    assert CALLER_TOKEN not in repr(received.headers)
+    assert sent["tracestate"] == "vendor=v1" and sent["baggage"] == "app=web"
+    assert sent["traceparent"].startswith("00-4bf92f3577b34da6a3ce929d0e0e4736-")
