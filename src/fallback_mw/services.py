@@ -65,8 +65,12 @@ class Services:
         # burst under `ulimit -n`), where that import failing made the request a bare 500.
         anyio.current_time()  # its asyncio backend (the SQLite ledger's worker thread)
         _ = anyio.CancelScope  # the shields of every layer's cleanup
+        # A startup after a shutdown (a host running the lifespan again: Starlette's
+        # TestClient, once per `with` block over one app) opens what that shutdown closed
+        # for good; the rest opens again on use.
+        self.shadows.reopen()
         if self.store is not None:
-            self.store.ensure_started()
+            self.store.start()
         self.health.start()
 
     async def lifespan(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:

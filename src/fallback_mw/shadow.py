@@ -296,6 +296,10 @@ class ShadowTraffic:
                 await response.aclose()
         return received
 
+    def reopen(self) -> None:
+        """Copies start again (a lifespan startup after the shutdown that closed them)."""
+        self._closed = False
+
     async def aclose(self) -> None:
         """Cancel every copy in flight and wait for their connections to close."""
         self._closed = True

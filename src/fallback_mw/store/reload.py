@@ -173,6 +173,11 @@ class StoreRuntime:
         """The upstreams of the running routes (file and store); safe from any thread."""
         return self._current.upstreams.keys()
 
+    def start(self) -> None:
+        """A lifespan startup, the first or one after a shutdown closed the reloader."""
+        self._closed = False
+        self.ensure_started()
+
     def ensure_started(self) -> None:
         """Start the reloader once (lifespan startup, or the first request). The task never
         ends on its own while the gateway is open; only a new event loop (the old one gone)
