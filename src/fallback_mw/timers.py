@@ -260,6 +260,10 @@ class Stall:
     def done(self) -> None:
         self._waiting = False
 
+    def in_wait(self) -> bool:
+        """Whether a wait is in progress (begun, not done)."""
+        return self._waiting
+
     def expired(self) -> bool:
         return self._deadline.expired()
 

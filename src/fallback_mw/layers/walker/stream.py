@@ -127,7 +127,12 @@ async def commit(
             # reads it and does not pass it on.
             headers.append((b"x-accel-buffering", b"no"))
         headers += gateway_headers(context)
-        await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        start = {"type": "http.response.start", "status": response.status, "headers": headers}
+        try:
+            await send(start)
+        except OSError:  # the server's word (ASGI HTTP 2.4) that the client left
+            context.client_disconnected = True  # the walk books it as a client gone
+            return None
         context.committed = True
         received = 0
         coded = 0  # what a decoded body's upstream sent: held to the limit too
@@ -182,6 +187,13 @@ async def commit(
                 raise
             context.outcome = "client_disconnected"  # it stopped reading: as if gone
             context.rule = "client_gone"
+            return None
+        except OSError:
+            if not client.in_wait():
+                raise
+            # ASGI HTTP 2.4: a server's `send` raises an OSError subclass once the client
+            # left (uvicorn's ClientDisconnected did): a client gone, never an error.
+            context.client_disconnected = True
             return None
         context.completed = True
         context.outcome = "served"
