@@ -38,6 +38,9 @@ def config(url: str) -> dict[str, Any]:
         ("/gwx/v1/x", "/gw", "/gwx/v1/x"),  # not below the mount point: as it is
         ("/v1/x", "/api", "/v1/x"),  # a server that keeps root_path out of path
         ("/v1/x", "", "/v1/x"),
+        ("/a%20b/v1/x", "/a b", "/v1/x"),  # the mount point as the caller encodes it
+        ("/a%20bc/v1/x", "/a b", "/a%20bc/v1/x"),
+        ("/a%2Fb/v1/x", "/a/b", "/a%2Fb/v1/x"),  # one segment, not the mount's two
     ],
 )
 def test_below_root(raw: str, root: str, below: str) -> None:
@@ -100,3 +103,34 @@ async def test_a_location_naming_the_upstream_is_below_the_mount_point() -> None
     assert response.headers["location"] == "/gw/v1/n/7"
     assert (slash.status_code, slash.headers["location"]) == (301, "/gw/v1/n/")
     assert [r.path for r in primary.received] == ["/api/v1/n"] * 2
+
+
+@pytest.mark.parametrize(
+    ("tenant", "spelled"),
+    [("acme corp", "acme%20corp"), ("über", "%C3%BCber"), ("日本", "%E6%97%A5%E6%9C%AC")],
+)
+async def test_a_mount_point_the_caller_percent_encodes_is_routed_below(
+    tenant: str, spelled: str
+) -> None:
+    """Starlette's `Mount("/t/{tenant}")` matches the decoded path and names the mount
+    point decoded in `root_path` (`/t/acme corp`), while `raw_path` has it as the caller
+    sent it (`/t/acme%20corp`): compared as written, the two never matched, and every
+    request below such a mount went to the host app (404) instead of its route. A
+    `Location` below the mount point goes back as the caller spelled it (the decoded form
+    was sent as raw bytes, or failed the response as text no header can hold)."""
+
+    async def created(request: web.Request) -> web.StreamResponse:
+        return web.Response(status=201, headers={"location": "/v1/n/7"})
+
+    async with upstream(created) as primary:
+        gateway = Gateway(host_app, config=config(primary.url))
+        app = Starlette(routes=[Mount("/t/{tenant}", app=gateway)])
+        try:
+            async with client_for(app) as client:
+                routed = await client.post(f"/t/{spelled}/v1/n")
+        finally:
+            await gateway.aclose()
+    assert routed.status_code == 201, routed.text
+    assert routed.headers["x-gateway-route"] == "chat"
+    assert routed.headers["location"] == f"/t/{spelled}/v1/n/7"
+    assert [r.path for r in primary.received] == ["/v1/n"]

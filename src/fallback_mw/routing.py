@@ -35,6 +35,28 @@ def routed_path(scope: Mapping[str, Any]) -> str | None:
 
 def raw_routed_path(scope: Mapping[str, Any]) -> str | None:
     """`routed_path` before normalising: the caller's spelling, below the mount point."""
+    raw_path = _target_path(scope)
+    if raw_path is None:
+        return None
+    root = scope.get("root_path")
+    if root:
+        raw_path = below_root(raw_path, root)
+    return raw_path
+
+
+def mount_spelling(scope: Mapping[str, Any]) -> str:
+    """The mount point (`root_path`) as the caller's URL spells it, for a `Location` the
+    gateway rewrites below it (`walker.stream`): as the request spelled it when its path
+    holds it (`/t/acme%20corp` for a Starlette `Mount("/t/{tenant}")`), else quoted."""
+    root = str(scope.get("root_path") or "")
+    raw_path = _target_path(scope) if root else None
+    if raw_path is None:
+        return quote(root.rstrip("/"), safe=PATH_SAFE)
+    return split_mount(raw_path, root)[0]
+
+
+def _target_path(scope: Mapping[str, Any]) -> str | None:
+    """The request target's path as the caller sent it (None: no route can match it)."""
     raw = scope.get("raw_path")
     if isinstance(raw, bytes):
         # UTF-8, as a percent-encoded path is read: a server that passes the caller's
@@ -53,9 +75,6 @@ def raw_routed_path(scope: Mapping[str, Any]) -> str | None:
         if origin is None:
             return None
         raw_path = origin
-    root = scope.get("root_path")
-    if root:
-        raw_path = below_root(raw_path, root)
     return raw_path
 
 
@@ -86,13 +105,36 @@ def below_root(raw_path: str, root_path: str) -> str:
     `Mount`: `path` and `raw_path` hold it, `root_path` names it), as Starlette's own
     routing reads it. A path that does not start with the mount point is left as it is
     (servers that keep `root_path` out of `path`, e.g. daphne)."""
+    return split_mount(raw_path, root_path)[1]
+
+
+def split_mount(raw_path: str, root_path: str) -> tuple[str, str]:
+    """(The mount point as `raw_path` spells it, or quoted when it does not hold it; the
+    path below it, as `below_root` reads it.) `root_path` is decoded text and `raw_path`
+    the caller's spelling: a mount point the caller percent-encodes (`/a b`, `/über`, a
+    `Mount("/t/{tenant}")` matching `/t/acme%20corp`) is matched decoded, as Starlette
+    matched it (compared as written, it never was, and every request below it went to
+    the host app)."""
     root = root_path.rstrip("/")
-    if not root or not raw_path.startswith(root):
-        return raw_path
-    rest = raw_path[len(root) :]
-    if not rest:
-        return "/"
-    return rest if rest.startswith("/") else raw_path
+    if not root:
+        return "", raw_path
+    spelled = root if raw_path.startswith(root) else _spelled_mount(raw_path, root)
+    if spelled is not None:
+        rest = raw_path[len(spelled) :]
+        if not rest or rest.startswith("/"):
+            return quote(spelled, safe=PATH_SAFE + "%"), rest or "/"
+    return quote(root, safe=PATH_SAFE), raw_path
+
+
+def _spelled_mount(raw_path: str, root: str) -> str | None:
+    """The start of `raw_path` that is mount point `root` percent-encoded: as many
+    segments as it has, decoded. None: no such start."""
+    count = root.count("/")
+    parts = raw_path.split("/", count + 1)
+    if "%" not in raw_path or len(parts) <= count:
+        return None
+    spelled = "/".join(parts[: count + 1])
+    return spelled if unquote(spelled) == root else None
 
 
 def normalise_path(raw_path: str) -> str | None:

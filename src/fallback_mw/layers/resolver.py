@@ -29,6 +29,7 @@ from fallback_mw.routing import (
     RouteTable,
     caller_spelling,
     effective_deadline_ms,
+    mount_spelling,
     normalise_path,
     raw_routed_path,
 )
@@ -223,7 +224,7 @@ class RouteResolver:
             method=method,
             path=path,
             spelled_path=caller_spelling(raw_path, route.prefix) if "%" in raw_path else None,
-            mount=str(scope.get("root_path") or "").rstrip("/"),
+            mount=mount_spelling(scope) if scope.get("root_path") else "",
             vary=_as_spelled(scope, vary) if (vary := self._vary(table).get(route.id)) else (),
             request_model=path_model(path),
             query=strip_query_keys(scope.get("query_string", b""), self.strip_query_keys),
