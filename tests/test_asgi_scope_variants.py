@@ -14,7 +14,7 @@ from fallback_mw import Gateway
 from fallback_mw.telemetry.propagation import _tracing_off
 from tests.helpers import http_scope
 from tests.test_telemetry_leak import call
-from tests.upstreams import host_app, upstream
+from tests.upstreams import closed_port_url, host_app, upstream
 from tests.upstreams import status_handler as answering
 
 pytestmark = pytest.mark.anyio
@@ -112,3 +112,36 @@ async def test_a_send_raising_oserror_for_a_client_gone_is_a_client_gone(gone_at
             await gateway.aclose()
     assert (record.outcome, record.rule) == ("client_disconnected", "client_gone")
     assert breaker.state == "closed" and 1 not in breaker.outcomes
+
+
+async def test_a_local_error_to_a_client_gone_is_a_client_gone() -> None:
+    """The same for the gateway's own answers (a 502 after the plan failed, a refusal):
+    a spec 2.4 server's `send` raising for a client that left went on to the server as an
+    exception (a traceback per such request). The answer is booked as the gateway gave
+    it, and the gateway returns."""
+    config = {
+        "upstreams": {"primary": {"url": closed_port_url()}},
+        "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+    }
+    gateway = Gateway(host_app, config=config)
+    requests = [{"type": "http.request", "body": b"", "more_body": False}]
+
+    async def send(message: dict[str, Any]) -> None:
+        raise ClientDisconnected("the client has gone")
+
+    async def receive() -> dict[str, Any]:
+        if requests:
+            return requests.pop()
+        await anyio.sleep_forever()
+        raise AssertionError  # pragma: no cover
+
+    scope = http_scope("GET", "/v1/chat")
+    scope["asgi"] = {"version": "3.0", "spec_version": "2.4"}
+    try:
+        with anyio.fail_after(10):
+            await gateway(scope, receive, send)
+        (record,) = await gateway.services.ledger.usage(route="chat")  # type: ignore[union-attr]
+    finally:
+        await gateway.aclose()
+    assert (record.outcome, record.rule) == ("upstream_failed", "ceiling")
+    assert [attempt.failure for attempt in record.attempts] == ["transport"]

@@ -112,6 +112,12 @@ async def send_error(
         # anthropic SDKs retry every 5xx by default and obey this header: without it each
         # SDK retry walks the plan again, resending a POST the route does not replay.
         response_headers.append((b"x-should-retry", b"false"))
-    await send({"type": "http.response.start", "status": status, "headers": response_headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+    try:
+        await send({"type": "http.response.start", "status": status, "headers": response_headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+    except OSError:
+        # The server's word that the client left (ASGI HTTP 2.4): the answer stands as
+        # given, nothing is raised on to the server, and there is nothing left to break.
+        context.client_disconnected = True
+        return
     context.completed = True
