@@ -145,3 +145,53 @@ async def test_a_local_error_to_a_client_gone_is_a_client_gone() -> None:
         await gateway.aclose()
     assert (record.outcome, record.rule) == ("upstream_failed", "ceiling")
     assert [attempt.failure for attempt in record.attempts] == ["transport"]
+
+
+async def echo_target(request: Any) -> Any:
+    from aiohttp import web
+
+    return web.Response(text=request.raw_path)
+
+
+@pytest.mark.parametrize("raw_path", ["absent", None], ids=["no_raw_path", "raw_path_None"])
+@pytest.mark.parametrize(
+    ("sent", "path", "route"),
+    [
+        ("/v1/files/a%252Fb", "/v1/files/a%2Fb", "chat"),  # a name holding `%2F`
+        ("/v1/what%3F", "/v1/what?", "chat"),  # a `?` in a segment, not the query
+        ("/v1/tag%23x", "/v1/tag#x", "chat"),  # a `#` in a segment, not a fragment
+        ("/public/%252e%252e/v1/x", "/public/%2e%2e/v1/x", "public"),  # a name, not `..`
+        ("/v1/caf%C3%A9", "/v1/café", "chat"),
+    ],
+)
+async def test_without_raw_path_the_decoded_path_is_not_decoded_again(
+    raw_path: object, sent: str, path: str, route: str
+) -> None:
+    """`raw_path` is optional in ASGI (Mangum passes None): `path` is then all there is,
+    and it is decoded already. The gateway decoded it a second time: a `%2F` inside a
+    name became a separator, a `?` or `#` inside a segment cut the path there, and a
+    segment named `%2e%2e` climbed out of its route's prefix into another route's (whose
+    upstream and credential then had it). Read once, it is the request the caller sent."""
+    async with upstream(echo_target) as primary:
+        config = {
+            "upstreams": {
+                "primary": {"url": primary.url},
+                "open": {"url": primary.url + "/open"},  # the same server, told apart
+            },
+            "routes": [
+                {"id": "chat", "prefix": "/v1/", "plan": ["primary"]},
+                {"id": "public", "prefix": "/public/", "plan": ["open"]},
+            ],
+        }
+        gateway = Gateway(host_app, config=config)
+        scope = http_scope("GET", path)
+        del scope["raw_path"]
+        if raw_path is None:
+            scope["raw_path"] = None
+        try:
+            status, body = await call(gateway, scope, b"")
+        finally:
+            await gateway.aclose()
+    expected = ("/open" if route == "public" else "") + sent  # the route's upstream
+    assert (status, body.decode()) == (200, expected)
+    assert [received.path for received in primary.received] == [expected]

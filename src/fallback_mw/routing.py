@@ -25,10 +25,11 @@ def effective_deadline_ms(
 
 def routed_path(scope: Mapping[str, Any]) -> str | None:
     """The path the gateway routes an HTTP scope on: the raw path as the caller sent it
-    (`path` when the server gives no `raw_path`), below a mount's `root_path`, normalised
-    (`normalise_path`). None: it cannot be made safe, and no route matches it. A middleware
-    in front of the gateway that authorizes by path compares this, never `scope["path"]`
-    (docs/security.md): `/public/../v1/chat` is routed to `/v1/`."""
+    (`path`, quoted again, when the server gives no `raw_path`), below a mount's
+    `root_path`, normalised (`normalise_path`). None: it cannot be made safe, and no route
+    matches it. A middleware in front of the gateway that authorizes by path compares
+    this, never `scope["path"]` (docs/security.md): `/public/../v1/chat` is routed to
+    `/v1/`."""
     raw_path = raw_routed_path(scope)
     return None if raw_path is None else normalise_path(raw_path)
 
@@ -68,7 +69,11 @@ def _target_path(scope: Mapping[str, Any]) -> str | None:
         except UnicodeDecodeError:
             return None
     else:
-        raw_path = scope.get("path", "/")
+        # No `raw_path` (optional in ASGI; Mangum passes None): `path` is decoded already.
+        # Quoted again, the one decoding that routing does reads it as the caller sent it:
+        # decoded twice, a `%252F` in a name was a separator, a `%3F` cut the path, and a
+        # segment `%252e%252e` climbed out of its route's prefix into another's.
+        raw_path = quote(scope.get("path", "/"), safe=PATH_SAFE)
     raw_path = raw_path.split("?", 1)[0]
     if raw_path[:1] != "/":
         origin = origin_form(raw_path)
