@@ -89,8 +89,13 @@ class StoredRoute:
         )
 
     @classmethod
-    def from_doc(cls, route_id: str, text: str) -> StoredRoute:
+    def from_doc(cls, route_id: str, text: str | bytes) -> StoredRoute:
+        """`text` as bytes: a record that is not UTF-8 text (a backend's read of it)."""
         where = f"stored route {route_id!r}"
+        if isinstance(text, bytes):
+            raise ConfigError(
+                f"{where}: unreadable record (not UTF-8 text){_remove_hint(route_id)}"
+            )
         try:
             data = json.loads(text)
             route_data = data["route"]
@@ -131,7 +136,7 @@ def _remove_hint(route_id: str) -> str:
 
 
 def stored_routes(
-    rows: Iterable[tuple[str, str]], unreadable: list[str] | None = None
+    rows: Iterable[tuple[str, str | bytes]], unreadable: list[str] | None = None
 ) -> list[StoredRoute]:
     """The records a backend read, as (id, doc), in order. A record that does not load is a
     ConfigError naming it, as every gateway refuses it; with `unreadable`, its reason goes

@@ -70,6 +70,42 @@ def _write_transaction(conn: sqlite3.Connection) -> Iterator[None]:
         conn.execute("COMMIT")
 
 
+# Text columns are read as their bytes: Python's sqlite3 fails the whole query on one value
+# that is not UTF-8 (a row written by hand or by another tool), and its message quoted the
+# whole value. `routes list` / `remove` and `faults list` failed, and every gateway's
+# reloads stopped as "route store unreachable", fault changes included.
+_FAULT_COLUMNS = "CAST(kind AS BLOB), CAST(target AS BLOB), expires_at, CAST(candidate AS BLOB)"
+
+
+def _shown_text(value: object) -> str:
+    """A text column read as bytes, for naming it: what is not UTF-8 shows as U+FFFD."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return str(value)
+
+
+def _record(kind: object, value: object) -> str | bytes:
+    """A route record as text; its bytes when they are not UTF-8 text (StoredRoute.from_doc
+    says so), "" (an unreadable record) for a value that is not text at all."""
+    if kind != "text" or not isinstance(value, bytes):
+        return ""
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        return value
+
+
+def _fault_row(
+    kind: object, target: object, expires_at: object, candidate: object
+) -> tuple[object, object, object, object]:
+    return (
+        _shown_text(kind),
+        _shown_text(target),
+        expires_at,
+        None if candidate is None else _shown_text(candidate),
+    )
+
+
 def _with_disk(exc: sqlite3.Error, path: Path) -> str:
     """SQLite's reason, and the full disk behind it when that is what it is."""
     full = disk_full(path)
@@ -136,10 +172,13 @@ class SqliteStore:
 
     async def load_routes(self, *, unreadable: list[str] | None = None) -> list[StoredRoute]:
         rows = await self._run(
-            lambda c: c.execute("SELECT id, doc FROM fmw_routes ORDER BY id").fetchall()
+            lambda c: c.execute(
+                "SELECT CAST(id AS BLOB), typeof(doc), CAST(doc AS BLOB) FROM fmw_routes "
+                "ORDER BY id"
+            ).fetchall()
         )
         # Off the event loop: parsing 2,000 records takes most of a second.
-        records = [(str(i), str(doc)) for i, doc in rows]
+        records = [(_shown_text(i), _record(kind, doc)) for i, kind, doc in rows]
         return await asyncio.to_thread(stored_routes, records, unreadable)
 
     async def insert_route(self, stored: StoredRoute) -> None:
@@ -206,13 +245,14 @@ class SqliteStore:
             # neither, and a failure between the two deletes leaves both in place.
             with _write_transaction(conn):
                 row = conn.execute(
-                    "SELECT doc FROM fmw_routes WHERE id = ?", (route_id,)
+                    "SELECT CAST(doc AS BLOB) FROM fmw_routes WHERE id = ?", (route_id,)
                 ).fetchone()
                 if row is None:
                     conn.execute("ROLLBACK")
                     return None
                 conn.execute("DELETE FROM fmw_routes WHERE id = ?", (route_id,))
-                names = [n for n in owned_upstreams(str(row[0])) if n not in keep_upstreams]
+                owned = owned_upstreams(_shown_text(row[0]))
+                names = [n for n in owned if n not in keep_upstreams]
                 cleared = conn.execute(
                     "DELETE FROM fmw_faults WHERE (scope = 'upstream' AND target IN "
                     f"({', '.join('?' * len(names)) or 'NULL'})) "
@@ -231,12 +271,12 @@ class SqliteStore:
     async def load_faults(self, unreadable: list[str] | None = None) -> list[Fault]:
         rows = await self._run(
             lambda c: c.execute(
-                "SELECT kind, target, expires_at, candidate FROM fmw_faults "
-                "WHERE expires_at > ? ORDER BY scope, target",
+                f"SELECT {_FAULT_COLUMNS} FROM fmw_faults WHERE expires_at > ? "
+                "ORDER BY scope, target",
                 (time.time(),),
             ).fetchall()
         )
-        return faults_from_rows(rows, unreadable)
+        return faults_from_rows([_fault_row(*row) for row in rows], unreadable)
 
     async def set_fault(self, fault: Fault, *, replace: bool = False) -> Fault | None:
         def put(conn: sqlite3.Connection) -> Fault | None:
@@ -245,11 +285,10 @@ class SqliteStore:
             with _write_transaction(conn):
                 conn.execute("DELETE FROM fmw_faults WHERE expires_at <= ?", (time.time(),))
                 row = conn.execute(
-                    "SELECT kind, target, expires_at, candidate FROM fmw_faults "
-                    "WHERE scope = ? AND target = ?",
+                    f"SELECT {_FAULT_COLUMNS} FROM fmw_faults WHERE scope = ? AND target = ?",
                     (fault.scope, fault.target),
                 ).fetchone()
-                active = None if row is None else fault_from_row(*row)
+                active = None if row is None else fault_from_row(*_fault_row(*row))
                 if active is not None and not replace:  # an unreadable row is replaced
                     conn.execute("ROLLBACK")
                     return active

@@ -1,0 +1,109 @@
+"""Store rows written by more than the gateway (an operator's `sqlite3`, a script, another
+version): the admin verbs still list, name and remove them, and a running gateway keeps its
+routes and still applies fault changes while one is there."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from fallback_mw import Gateway
+from fallback_mw.cli import main
+from tests.helpers import client_for
+from tests.test_cli_admin import gateway_config, wait_for
+from tests.upstreams import host_app, status_handler, upstream
+
+
+def cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    status = main(list(argv), stdout=out, stderr=err)
+    return status, out.getvalue(), err.getvalue()
+
+
+async def acli(*argv: str) -> tuple[int, str, str]:
+    return await asyncio.to_thread(cli, *argv)  # main() runs its own event loop
+
+
+@pytest.mark.anyio
+async def test_a_record_that_is_not_utf8_is_named_removable_and_stops_no_fault(
+    tmp_path: Path,
+) -> None:
+    # A record whose bytes are not UTF-8 (written with `sqlite3`, or by a tool that wrote
+    # Latin-1) failed Python's sqlite3 on the whole query, quoting the whole record: `routes
+    # list`, `routes remove` (the repair) and `faults set` ended in "SQLite store error", and
+    # every gateway's reload stopped as "route store unreachable", fault changes included.
+    path = tmp_path / "gateway.db"
+    store = f"sqlite:///{path}"
+    async with upstream(status_handler(200, b"chat")) as chat:
+        add = ["routes", "add", "--store", store, "--prefix"]
+        assert (await acli(*add, "/v1/", "--id", "chat", "--upstream", chat.url))[0] == 0
+        assert (await acli(*add, "/o/", "--id", "other", "--upstream", chat.url))[0] == 0
+        gateway = Gateway(host_app, config=gateway_config(store))
+        runtime = gateway.services.store
+        assert runtime is not None
+        runtime.poll_interval = 0.05
+        try:
+            async with client_for(gateway) as client:
+                assert (await client.get("/v1/x")).text == "chat"
+                with sqlite3.connect(path) as db:
+                    (doc,) = db.execute("SELECT doc FROM fmw_routes WHERE id = 'other'").fetchone()
+                    bad = doc.encode().replace(b"/o/", b"/o\xff/")
+                    db.execute(
+                        "UPDATE fmw_routes SET doc = CAST(? AS TEXT) WHERE id = 'other'", (bad,)
+                    )
+
+                async def refusal() -> str | None:
+                    return runtime.last_refusal
+
+                assert await wait_for(refusal, "stored route 'other': unreadable record (not "
+                                      "UTF-8 text) (`fallback-mw routes remove --id other` "
+                                      "takes it out)")  # fmt: skip
+                status, out, err = await acli("routes", "list", "--store", store)
+                assert status == 0, err
+                assert out.startswith("chat\tstore\t/v1/")
+                assert "stored route 'other': unreadable record (not UTF-8 text)" in err
+                assert "\ufffd" not in err and len(err) < 400
+                # A fault set now reaches the running gateway, which keeps its routes.
+                fail = ["faults", "set", "fail", "--store", store, "--upstream", "chat-primary"]
+                status, _, err = await acli(*fail, "--ttl", "600")
+                assert status == 0, err
+
+                async def answer() -> int:
+                    return (await client.get("/v1/x")).status_code
+
+                assert await wait_for(answer, 502)
+                status, out, err = await acli("routes", "remove", "--store", store, "--id", "other")
+                assert (status, out) == (0, "route 'other' removed\n"), err
+
+                async def reloaded() -> bool:
+                    return runtime.last_refusal is None
+
+                assert await wait_for(reloaded, True)
+                await asyncio.sleep(0)
+        finally:
+            await gateway.aclose()
+
+
+def test_a_fault_row_that_is_not_utf8_is_named_not_a_store_error(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.db"
+    store = f"sqlite:///{path}"
+    for name in ("one", "two"):
+        fail = ["faults", "set", "fail", "--store", store, "--upstream", name, "--ttl", "600"]
+        assert cli(*fail)[0] == 0
+    with sqlite3.connect(path) as db:
+        db.execute(
+            "UPDATE fmw_faults SET target = CAST(? AS TEXT) WHERE target = 'two'", (b"t\xfeo",)
+        )
+    status, out, err = cli("faults", "list", "--store", store)
+    assert status == 0, err
+    assert out.startswith("fail\tupstream=one\t")
+    assert "'fail' on 't\ufffdo'" in err and "faults clear --all" in err
+    # `faults set` on the row's (scope, target) reads it too.
+    status, _, err = cli(
+        "faults", "set", "hang", "--store", store, "--upstream", "one", "--ttl", "9"
+    )
+    assert status == 2 and "already active" in err
