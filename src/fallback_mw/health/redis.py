@@ -21,8 +21,8 @@ from typing import Any, TypeVar
 from opentelemetry import metrics
 from opentelemetry.metrics import MeterProvider
 
-from fallback_mw.config import BreakerConfig
-from fallback_mw.health.breaker import DEFAULT_PROBE_LEASE
+from fallback_mw.config import MAX_DEADLINE_MS, BreakerConfig
+from fallback_mw.health.breaker import DEFAULT_PROBE_LEASE, PROBE_LEASE_MARGIN
 from fallback_mw.health.events import Admission, TransitionListener
 from fallback_mw.health.memory import MemoryHealth, breaker_credential_mark, report_transition
 from fallback_mw.health.pool import AFFINITY_LIMIT, SCORE_HALF_LIFE, Selection, score_outcome
@@ -132,6 +132,12 @@ class RedisHealth(RedisLink):
         self._forgets: dict[str, str] = {}
         self._max_cooldown_ms = max(self.config.max_cooldown_ms, self.config.cooldown_ms)
         self.breaker_ttl_ms = self._breaker_ttl_ms(self.probe_lease_ms)
+        # The furthest an open breaker's end or a probe's lease can be written ahead (the
+        # key's ttl for the longest lease, a walk deadline's): one further off is due
+        # (redis_scripts._AHEAD).
+        self._furthest_end_ms = self._breaker_ttl_ms(
+            MAX_DEADLINE_MS + math.ceil(PROBE_LEASE_MARGIN * 1000)
+        )
 
     def _breaker_ttl_ms(self, lease_ms: int) -> int:
         """A breaker key outlives its longest open period twice over, and a probe's lease."""
@@ -281,7 +287,7 @@ class RedisHealth(RedisLink):
             "admit",
             ADMIT,
             [self._key("breaker", upstream)],
-            [lease_ms, ttl_ms, self._owner, number],
+            [lease_ms, ttl_ms, self._owner, number, self._furthest_end_ms],
             lambda: self.local.admit(upstream, lease=lease, admission=admission),
             convert,
         )
@@ -427,7 +433,7 @@ class RedisHealth(RedisLink):
             "usable_in",
             USABLE_IN,
             [self._key("breaker", upstream), self._pool_key("credentials", upstream)],
-            [pool_size],
+            [pool_size, self._furthest_end_ms],
             lambda: self.local.usable_in(upstream, pool_size),
             convert,
         )

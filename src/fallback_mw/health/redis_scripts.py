@@ -12,27 +12,43 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
+# A time the breaker hash holds (an open breaker's end `until`, a probe's lease `probe`) as
+# ms from now, 0 when due. RECORD writes an end at most the max cooldown ahead, ADMIT a lease
+# at most the longest walk deadline: one further off than `furthest` ms (written by hand, or
+# by a clock years ahead) is due, as one that reads as no number is. Read as written,
+# `until = 99999999999999` on a key without a ttl skipped the upstream for ever everywhere.
+_AHEAD = """
+local function ahead(key, field, furthest)
+  local left = (tonumber(redis.call('HGET', key, field)) or 0) - now
+  if left > 0 and left <= furthest then return left end
+  return 0
+end
+"""
+
 # KEYS[1] breaker hash. ARGV: the probe's lease ms, key ttl ms (longer than the lease; a
 # key's ttl is never shortened here, so it outlives a probe that another process took with
 # a longer lease), the admitting process's id and the admission's number (the probe's
-# owner, for GIVE_BACK). Returns {admitted, transition, state}: the state lets every process
-# report the shared breaker as it is now, also when another process made the transition.
+# owner, for GIVE_BACK), the furthest ahead an end or a lease is written (ms, `_AHEAD`).
+# Returns {admitted, transition, state}: the state lets every process report the shared
+# breaker as it is now, also when another process made the transition.
 ADMIT = (
     _NOW
+    + _AHEAD
     + """
 local key = KEYS[1]
 local st = redis.call('HGET', key, 'st')
 if st ~= 'open' and st ~= 'half_open' then return {1, '', 'closed'} end  -- or unreadable
 local transition = ''
+local furthest = tonumber(ARGV[5])
 if st == 'open' then
-  if now < (tonumber(redis.call('HGET', key, 'until')) or 0) then return {0, '', 'open'} end
+  if ahead(key, 'until', furthest) > 0 then return {0, '', 'open'} end
   redis.call('HSET', key, 'st', 'half_open', 'probe', '0')
   transition = 'half_open'
 end
 if redis.call('PTTL', key) < tonumber(ARGV[2]) then redis.call('PEXPIRE', key, ARGV[2]) end
-if (tonumber(redis.call('HGET', key, 'probe')) or 0) > now then
-  return {0, transition, 'half_open'}
-end
+-- (a lease further off than any, read as held, kept the breaker half-open for ever: each
+-- admission renews the key's ttl)
+if ahead(key, 'probe', furthest) > 0 then return {0, transition, 'half_open'} end
 redis.call('HSET', key, 'probe', string.format('%.0f', now + tonumber(ARGV[1])),
   'owner', (ARGV[3] or '') .. ':' .. (ARGV[4] or ''))
 return {1, transition, 'half_open'}
@@ -357,16 +373,17 @@ return 0
 """
 
 
-# KEYS[1] breaker hash, KEYS[2] credential hash. ARGV: pool size (1: no pool). Returns
-# {ms until the breaker admits, ms until a credential is usable or -1 when all are
-# retired}: health/breaker.py `admits_in`, health/pool.py `CredentialPool.usable_in`.
+# KEYS[1] breaker hash, KEYS[2] credential hash. ARGV: pool size (1: no pool), ADMIT's
+# ARGV[5]. Returns {ms until the breaker admits, ms until a credential is usable or -1 when
+# all are retired}: health/breaker.py `admits_in`, health/pool.py `CredentialPool.usable_in`.
 USABLE_IN = (
     _NOW
+    + _AHEAD
     + _RETIRED
     + """
 local breaker = 0
 if redis.call('HGET', KEYS[1], 'st') == 'open' then
-  breaker = math.max((tonumber(redis.call('HGET', KEYS[1], 'until')) or 0) - now, 0)
+  breaker = ahead(KEYS[1], 'until', tonumber(ARGV[2]))
 end
 local size = tonumber(ARGV[1])
 if size < 2 then return {breaker, 0} end

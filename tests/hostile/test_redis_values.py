@@ -1,0 +1,87 @@
+"""Values in the Redis health state written by more than the gateway (an operator's HSET,
+another version, a clock that stepped): no breaker stays open or half-open for ever."""
+
+from __future__ import annotations
+
+import pytest
+import redis.asyncio as aioredis
+
+from fallback_mw.store_url import split_state_url
+from tests.helpers import gateway_client
+from tests.upstreams import status_handler, upstream
+
+BREAKER = {"window": 4, "min_calls": 3, "cooldown_ms": 150, "max_cooldown_ms": 1000}
+TEN_YEARS_MS = 10 * 365 * 86_400_000
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"st": "open", "until": "ten years"},
+        {"st": "open", "until": "1e300"},
+        {"st": "open", "until": "inf"},
+        {"st": "half_open", "probe": "ten years"},
+    ],
+)
+async def test_a_breaker_end_no_cooldown_wrote_is_due_not_for_ever(
+    redis_url: str, fields: dict[str, str]
+) -> None:
+    # `until` (or a probe's lease) written years ahead on a key without a ttl: every process
+    # skipped the upstream for ever (an open breaker's ADMIT touches no ttl; a half-open
+    # one's renews it at every admission), and a route with no other candidate answered
+    # 503 with a Retry-After of years. Such an end is further off than any cooldown or
+    # lease (max_cooldown_ms here is 1 s): due now, one probe, which closes the breaker.
+    base, prefix = split_state_url(redis_url)
+    inspect = aioredis.Redis.from_url(base, decode_responses=True)
+    breaker = f"{prefix}breaker:primary"
+    try:
+        seconds, micros = await inspect.time()
+        now_ms = int(seconds) * 1000 + int(micros) // 1000
+        written = {
+            k: str(now_ms + TEN_YEARS_MS) if v == "ten years" else v for k, v in fields.items()
+        }
+        await inspect.hset(breaker, mapping=written)
+        assert await inspect.ttl(breaker) == -1
+        async with upstream(status_handler(200, b"primary")) as primary:
+            conf = {
+                "gateway": {"state": redis_url, "breaker": BREAKER},
+                "upstreams": {"primary": {"url": primary.url}},
+                "routes": [{"id": "r", "prefix": "/v1/", "plan": ["primary"]}],
+            }
+            async with gateway_client(conf) as client:
+                response = await client.get("/v1/x")
+                assert response.status_code == 200, (response.text, response.headers)
+                assert response.text == "primary"
+                assert await inspect.hget(breaker, "st") == "closed"
+                assert (await client.get("/v1/x")).text == "primary"
+        assert primary.count == 2
+    finally:
+        await inspect.aclose()
+
+
+@pytest.mark.anyio
+async def test_an_open_breaker_within_its_cooldown_still_skips(redis_url: str) -> None:
+    # The control: an end inside the key's ttl is a cooldown, and is honoured.
+    base, prefix = split_state_url(redis_url)
+    inspect = aioredis.Redis.from_url(base, decode_responses=True)
+    try:
+        seconds, micros = await inspect.time()
+        now_ms = int(seconds) * 1000 + int(micros) // 1000
+        await inspect.hset(
+            f"{prefix}breaker:primary", mapping={"st": "open", "until": str(now_ms + 60_000)}
+        )
+        async with upstream(status_handler(200)) as primary:
+            conf = {
+                "gateway": {"state": redis_url, "breaker": BREAKER},
+                "upstreams": {"primary": {"url": primary.url}},
+                "routes": [{"id": "r", "prefix": "/v1/", "plan": ["primary"]}],
+            }
+            async with gateway_client(conf) as client:
+                response = await client.get("/v1/x")
+                assert response.status_code == 503
+                assert response.json()["error"]["code"] == "route_exhausted"
+                assert 55 <= int(response.headers["retry-after"]) <= 60
+        assert primary.count == 0
+    finally:
+        await inspect.aclose()
