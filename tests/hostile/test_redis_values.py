@@ -85,3 +85,66 @@ async def test_an_open_breaker_within_its_cooldown_still_skips(redis_url: str) -
         assert primary.count == 0
     finally:
         await inspect.aclose()
+
+
+@pytest.mark.anyio
+async def test_capacity_counts_no_gateway_wrote_neither_fill_nor_empty_a_declared_rpm(
+    redis_url: str,
+) -> None:
+    # A count at a second years ahead (a hand HSET, a clock years ahead) read as recent:
+    # the declared rpm stayed full for ever (a refusal touches no ttl), every request went
+    # to the backup, and a route without one answered 503 with a Retry-After of years. A
+    # negative count (`-100`) read as room: the rpm let 100 more requests through.
+    base, prefix = split_state_url(redis_url)
+    inspect = aioredis.Redis.from_url(base, decode_responses=True)
+    counts = f"{prefix}capacity:primary"
+    try:
+        now = int((await inspect.time())[0])
+        await inspect.hset(counts, mapping={f"r:{now + 10**8}": "1000", f"t:{now + 10**8}": "9"})
+        async with (
+            upstream(status_handler(200, b"primary")) as primary,
+            upstream(status_handler(200, b"backup")) as backup,
+        ):
+            conf = {
+                "gateway": {"state": redis_url, "breaker": BREAKER},
+                "upstreams": {
+                    "primary": {"url": primary.url, "rpm": 2},
+                    "backup": {"url": backup.url},
+                },
+                "routes": [
+                    {"id": "r", "prefix": "/v1/", "plan": ["primary", "backup"], "retries": 1}
+                ],
+            }
+            async with gateway_client(conf) as client:
+                assert (await client.get("/v1/x")).text == "primary"
+                assert f"r:{now + 10**8}" not in await inspect.hgetall(counts)
+                await inspect.hset(counts, f"r:{now - 1}", "-100")
+                served = [(await client.get("/v1/x")).text for _ in range(3)]
+                assert served == ["primary", "backup", "backup"]
+        assert primary.count == 2
+    finally:
+        await inspect.aclose()
+
+
+@pytest.mark.anyio
+async def test_capacity_retry_after_never_counts_a_second_ahead(redis_url: str) -> None:
+    base, prefix = split_state_url(redis_url)
+    inspect = aioredis.Redis.from_url(base, decode_responses=True)
+    counts = f"{prefix}capacity:primary"
+    try:
+        now = int((await inspect.time())[0])
+        async with upstream(status_handler(200)) as primary:
+            conf = {
+                "gateway": {"state": redis_url, "breaker": BREAKER},
+                "upstreams": {"primary": {"url": primary.url, "rpm": 1}},
+                "routes": [{"id": "r", "prefix": "/v1/", "plan": ["primary"]}],
+            }
+            async with gateway_client(conf) as client:
+                assert (await client.get("/v1/x")).status_code == 200
+                await inspect.hset(counts, f"r:{now + 10**8}", "5")
+                response = await client.get("/v1/x")
+                assert response.status_code == 503
+                assert int(response.headers["retry-after"]) <= 60
+        assert primary.count == 1
+    finally:
+        await inspect.aclose()

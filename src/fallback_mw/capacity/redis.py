@@ -33,12 +33,23 @@ from fallback_mw.capacity.model import (
 from fallback_mw.config import RepeatAllowanceConfig
 from fallback_mw.health.redis import RedisHealth
 
+# A count as these scripts write it (HINCRBY's digits), or nil: a negative count, a float,
+# `1e9`, `inf` (written by hand, another version) is none.
+_COUNT = """
+local function count(text)
+  if string.match(text, '^%d+$') and #text <= 18 then return tonumber(text) end
+  return nil
+end
+"""
+
 # KEYS[1] the upstream's hash. ARGV: repeat '1'/'0', counted '1'/'0', rpm (-1: none),
 # tpm (-1: none), tokens, percent, min_per_second, window s, keep s, ttl ms, first attempts
 # this process counted since its last call (deposited before the check).
 # Returns {'ok' | 'capacity' | 'repeat_budget', second}. The allowance arithmetic is
 # capacity.repeat_allowed's; the capacity arithmetic capacity.within_capacity's.
-ADMIT = """
+ADMIT = (
+    _COUNT
+    + """
 local now = tonumber(redis.call('TIME')[1])
 local window, keep = tonumber(ARGV[8]), tonumber(ARGV[9])
 local pending = tonumber(ARGV[11])
@@ -46,12 +57,14 @@ if pending > 0 then redis.call('HINCRBY', KEYS[1], 'f:' .. now, pending) end
 local fields = redis.call('HGETALL', KEYS[1])
 local requests, tokens, firsts, repeats = 0, 0, 0, 0
 for i = 1, #fields, 2 do
-  local kind, second = string.sub(fields[i], 1, 1), tonumber(string.sub(fields[i], 3))
-  local value = tonumber(fields[i + 1])
+  local kind, second = string.sub(fields[i], 1, 1), count(string.sub(fields[i], 3))
+  local value = count(fields[i + 1])
   -- a field that reads as no count (written by hand, another version) is dropped like an
-  -- old one: a script failing on it read as "Redis unreachable" (health/redis.py)
+  -- old one: a script failing on it read as "Redis unreachable" (health/redis.py). So is
+  -- one of a second after now (every count is written at Redis's own TIME): read as
+  -- recent, `r:<years ahead>` held a declared rpm full for ever, its Retry-After years.
   local age = keep
-  if second and value then age = now - second end
+  if second and value and second <= now then age = now - second end
   if age >= keep then
     redis.call('HDEL', KEYS[1], fields[i])
   else
@@ -85,6 +98,7 @@ end
 redis.call('PEXPIRE', KEYS[1], ARGV[10])
 return {'ok', now}
 """
+)
 
 # KEYS[1] the upstream's hash. ARGV: first attempts counted locally, ttl ms.
 DEPOSIT = """
@@ -108,14 +122,17 @@ return 0
 
 # KEYS[1] the upstream's hash. Returns {now, second, requests, tokens, ...} for the seconds
 # of the rolling minute (capacity.capacity_free_in does the arithmetic).
-WINDOW = """
+WINDOW = (
+    _COUNT
+    + """
 local now = tonumber(redis.call('TIME')[1])
 local fields = redis.call('HGETALL', KEYS[1])
 local seconds, out = {}, {now}
 for i = 1, #fields, 2 do
   local kind, second = string.sub(fields[i], 1, 1), string.sub(fields[i], 3)
-  local value = tonumber(fields[i + 1]) or 0
-  if (kind == 'r' or kind == 't') and tonumber(second) and now - tonumber(second) < 60 then
+  local value = count(fields[i + 1]) or 0
+  local at = count(second)  -- as ADMIT reads it
+  if (kind == 'r' or kind == 't') and at and at <= now and now - at < 60 then
     local row = seconds[second]
     if row == nil then row = {0, 0}; seconds[second] = row end
     if kind == 'r' then row[1] = value else row[2] = value end
@@ -126,6 +143,7 @@ for second, row in pairs(seconds) do
 end
 return out
 """
+)
 
 
 def _undo_admit(
