@@ -107,3 +107,35 @@ def test_a_fault_row_that_is_not_utf8_is_named_not_a_store_error(tmp_path: Path)
         "faults", "set", "hang", "--store", store, "--upstream", "one", "--ttl", "9"
     )
     assert status == 2 and "already active" in err
+
+
+def test_listed_routes_never_carry_a_character_a_terminal_acts_on(tmp_path: Path) -> None:
+    # A prefix or tenant may hold any character but a control one, so a right-to-left
+    # override (U+202E) or a zero-width space reached `routes list`, `check` and `routes
+    # add`'s answer raw: the terminal drew the rest of the line reversed (the upstream URL
+    # read backwards), or a tenant that looked like another. Shown as `?` now.
+    store = f"sqlite:///{tmp_path / 'gateway.db'}"
+    rlo, zwsp = "\u202e", "\u200b"
+    status, out, err = cli(
+        "routes", "add", "--store", store, "--id", "chat", "--prefix", f"/v1{rlo}/",
+        "--tenant", f"acme{zwsp}", "--upstream", "http://127.0.0.1:9001",
+    )  # fmt: skip
+    assert status == 0, err
+    assert out == "route 'chat' added (tenant acme?): chat-primary\n"
+    status, out, err = cli("routes", "list", "--store", store)
+    assert status == 0, err
+    assert (
+        out == "chat\tstore\t/v1?/\ttenant=acme?\tretries=0\tchat-primary=http://127.0.0.1:9001\n"
+    )
+    status, out, _ = cli("routes", "list", "--store", store, "--tenant", f"\x1b[2J{rlo}")
+    assert (status, out) == (0, "no routes for tenant ?[2J?\n")
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        '[upstreams.a]\nurl = "http://127.0.0.1:9001"\n'
+        f'[[routes]]\nid = "r"\nprefix = "/v2{rlo}/"\ntenant = "t{zwsp}"\nplan = ["a"]\n',
+        encoding="utf-8",
+    )
+    status, out, err = cli("check", "--config", str(config))
+    assert status == 0, err
+    assert "prefix /v2?/  tenant t?" in out
+    assert rlo not in out and zwsp not in out

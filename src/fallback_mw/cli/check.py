@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fallback_mw.budget.ledger import BudgetUnreadable, LedgerUnavailable
-from fallback_mw.cli.app import Console, Refused, leaf, run
+from fallback_mw.cli.app import Console, Refused, leaf, printable, run
 from fallback_mw.cli.config_warnings import config_warnings, pooled, replayable
 from fallback_mw.cli.target import (
     missing_sqlite_file,
@@ -192,7 +192,8 @@ def _route_lines(
         extras.append(f"shadow {route.shadow} {route.shadow_percent}% {shadow.url}")
     if extras:
         lines.append("  " + "; ".join(extras))
-    return lines
+    # A prefix or tenant holds any character but a control one: as `routes list` shows it.
+    return [printable(line) for line in lines]
 
 
 def state_line(state: str) -> tuple[str, bool] | None:

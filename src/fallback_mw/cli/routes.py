@@ -12,7 +12,7 @@ import argparse
 from typing import Any
 
 from fallback_mw import rules
-from fallback_mw.cli.app import Console, Failed, Refused, leaf
+from fallback_mw.cli.app import Console, Failed, Refused, leaf, printable
 from fallback_mw.cli.route_edits import (
     ChangedMeanwhile,
     check_and_write,
@@ -79,7 +79,7 @@ def routes_add(args: argparse.Namespace, console: Console) -> None:
         warnings.extend(stored_route_warnings(target, stored))
         unreachable.update(newly_unreachable(target.config, others, stored))
         refused.extend(await refused_store(target, store, args.check_env))
-        tenant = f" (tenant {args.tenant})" if args.tenant is not None else ""
+        tenant = f" (tenant {printable(args.tenant)})" if args.tenant is not None else ""
         return f"route {args.id!r} added{tenant}: {' -> '.join(plan)}"
 
     refused: list[str] = []
@@ -238,7 +238,9 @@ def routes_list(args: argparse.Namespace, console: Console) -> None:
         lines += [route_line(s.route, s.upstreams, "store") for s in stored]
         if lines:
             return "\n".join(lines)
-        return f"no routes for tenant {args.tenant}" if args.tenant is not None else "no routes"
+        if args.tenant is not None:
+            return f"no routes for tenant {printable(args.tenant)}"
+        return "no routes"
 
     console.print(with_store(args, console, work))
     for problem in unreadable:

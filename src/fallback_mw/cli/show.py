@@ -20,10 +20,13 @@ def candidate(name: str, upstream: UpstreamConfig | None) -> str:
 
 
 def route_line(route: RouteConfig, upstreams: Mapping[str, UpstreamConfig], source: str) -> str:
-    """One tab-separated line: id, source, prefix, [tenant,] retries, then the plan."""
+    """One tab-separated line: id, source, prefix, [tenant,] retries, then the plan. A prefix
+    or tenant may hold any character but a control one (a right-to-left override, a
+    zero-width space): shown as `?`, as a terminal would otherwise act on it."""
     plan = " -> ".join(candidate(name, upstreams.get(name)) for name in route.plan)
-    tenant = f"tenant={route.tenant}\t" if route.tenant is not None else ""
-    return f"{route.id}\t{source}\t{route.prefix}\t{tenant}retries={route.retries}\t{plan}"
+    tenant = f"tenant={printable(route.tenant)}\t" if route.tenant is not None else ""
+    prefix = printable(route.prefix)
+    return f"{route.id}\t{source}\t{prefix}\t{tenant}retries={route.retries}\t{plan}"
 
 
 def one_line(text: str) -> str:
