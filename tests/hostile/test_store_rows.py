@@ -139,3 +139,28 @@ def test_listed_routes_never_carry_a_character_a_terminal_acts_on(tmp_path: Path
     assert status == 0, err
     assert "prefix /v2?/  tenant t?" in out
     assert rlo not in out and zwsp not in out
+
+
+def test_budgets_show_reads_hand_edited_ledger_rows(tmp_path: Path) -> None:
+    # A spend edited by hand to text or a BLOB, or a window row whose budget id is a BLOB or
+    # not UTF-8, made `budgets show` end in "unexpected internal error (ValueError /
+    # TypeError)" while the gateways kept counting (SQLite's arithmetic reads such a spend
+    # as 0). Each row shows as the ledger counts it; an unreadable id is named leniently.
+    path = tmp_path / "gateway.db"
+    store = f"sqlite:///{path}"
+    assert cli("budgets", "set", "--store", store, "--budget", "acme", "--limit", "10")[0] == 0
+    status, out, err = cli("budgets", "show", "--store", store)
+    assert status == 0, err
+    period = out.splitlines()[1].split()[2]
+    with sqlite3.connect(path) as db:
+        windows = "INSERT INTO fmw_budget_windows VALUES (?, ?, ?, ?)"
+        db.execute(windows, ("acme", period, "a lot", b"\xff"))
+        db.execute(windows, (b"blob\xff", period, 5_000_000, 0))
+        db.execute(
+            "INSERT INTO fmw_budget_windows VALUES (CAST(? AS TEXT), ?, 0, 0)", (b"t\xfe", period)
+        )
+    status, out, err = cli("budgets", "show", "--store", store)
+    assert status == 0, err
+    rows = [line.split() for line in out.splitlines()]
+    assert rows[1] == ["acme", "month", period, "10.00", "0.00", "0.00", "10.00"]
+    assert [row[0] for row in rows[2:4]] == ["blob\ufffd", "t\ufffd"]

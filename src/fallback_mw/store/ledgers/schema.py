@@ -268,6 +268,9 @@ def _opt_str(value: object) -> str | None:
 
 # Budget ids with any window row, and their newest window key ("total" sorts after dates).
 RECORDED_WINDOWS = "SELECT budget_id, MAX(window_start) FROM fmw_budget_windows GROUP BY budget_id"
+# SQLite's, the id as its bytes: one written by hand as a BLOB, or as text that is not UTF-8,
+# failed `budgets show` ("unexpected internal error"); it is named leniently.
+RECORDED_WINDOWS_BYTES = RECORDED_WINDOWS.replace("budget_id,", "CAST(budget_id AS BLOB),", 1)
 
 
 class BudgetCache:

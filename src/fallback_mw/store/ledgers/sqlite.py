@@ -34,7 +34,7 @@ from fallback_mw.store.ledgers.schema import (
     LATEST_VERSION,
     REAP_INTERVAL,
     REAPED_KEPT_SECONDS,
-    RECORDED_WINDOWS,
+    RECORDED_WINDOWS_BYTES,
     SCHEMA_TABLE,
     STALE_HOLD_SECONDS,
     USAGE_COLUMNS,
@@ -229,17 +229,22 @@ class SQLiteLedger(SQLLedgerBase):
         return await self._db.run(work)
 
     async def recorded_budgets(self) -> dict[str, str]:
-        def work(conn: sqlite3.Connection) -> list[tuple[str, str]]:
-            return conn.execute(RECORDED_WINDOWS).fetchall()
+        def work(conn: sqlite3.Connection) -> list[tuple[bytes, str]]:
+            return conn.execute(RECORDED_WINDOWS_BYTES).fetchall()
 
-        return {row[0]: window_kind(row[1]) for row in await self._db.run(work)}
+        return {
+            bytes(row[0]).decode("utf-8", "replace"): window_kind(row[1])
+            for row in await self._db.run(work)
+        }
 
     async def status(self, budget_id: str, budget: BudgetConfig) -> BudgetStatus:
         start = window_start(budget.window)
 
         def work(conn: sqlite3.Connection) -> tuple[int, int]:
+            # As the holds' arithmetic reads them: a hand edit's text was an internal error.
             row = conn.execute(
-                "SELECT spent_units, held_units FROM fmw_budget_windows "
+                "SELECT CAST(spent_units AS INTEGER), CAST(held_units AS INTEGER) "
+                "FROM fmw_budget_windows "
                 "WHERE budget_id = ? AND window_start = ?",
                 (budget_id, start),
             ).fetchone()
