@@ -164,3 +164,32 @@ def test_budgets_show_reads_hand_edited_ledger_rows(tmp_path: Path) -> None:
     rows = [line.split() for line in out.splitlines()]
     assert rows[1] == ["acme", "month", period, "10.00", "0.00", "0.00", "10.00"]
     assert [row[0] for row in rows[2:4]] == ["blob\ufffd", "t\ufffd"]
+
+
+@pytest.mark.anyio
+async def test_a_fault_row_under_the_other_scope_is_named_not_applied(ledger_store: str) -> None:
+    # A `fail` row under scope 'route' (a hand edit, a script) was read as a fault on the
+    # upstream of that name: applied by every gateway and listed as "fail upstream=primary",
+    # while `faults clear --upstream primary` cleared "0 fault(s)" and warned that it was
+    # still active. It is no fault `faults set` writes: named, not applied, removable.
+    import asyncpg
+
+    store = ledger_store  # a SQLite file, then a fresh PostgreSQL database
+    fail = ["faults", "set", "fail", "--store", store, "--upstream", "primary", "--ttl", "600"]
+    assert (await acli(*fail))[0] == 0
+    if store.startswith("sqlite:"):
+        with sqlite3.connect(store.removeprefix("sqlite:///")) as db:
+            db.execute("UPDATE fmw_faults SET scope = 'route'")
+    else:
+        conn = await asyncpg.connect(store)
+        try:
+            await conn.execute("UPDATE fmw_faults SET scope = 'route'")
+        finally:
+            await conn.close()
+    status, out, err = await acli("faults", "list", "--store", store)
+    assert (status, out) == (0, "no faults\n"), err
+    assert "'fail' on 'primary'" in err and "faults clear --all" in err
+    status, out, err = await acli(*fail[:-2], "--ttl", "60")
+    assert status == 0, err
+    status, out, err = await acli("faults", "clear", "--store", store, "--upstream", "primary")
+    assert (status, out) == (0, "1 fault(s) cleared\n"), err

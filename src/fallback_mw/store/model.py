@@ -194,16 +194,22 @@ FAULT_KINDS: tuple[FaultKind, ...] = ("fail", "hang", "blackhole", "revoke", "pi
 LATEST_EXPIRY = 253_402_300_799.0  # 9999-12-31T23:59:59Z, the last moment a date can show
 
 
-def fault_from_row(kind: Any, target: Any, expires_at: Any, candidate: Any) -> Fault | None:
+def fault_from_row(
+    kind: Any, target: Any, expires_at: Any, candidate: Any, scope: Any
+) -> Fault | None:
     """A stored fault row, or None when it is not one `faults set` writes (a hand edit: an
     unknown kind, an expiry that is no finite time before year 10000, an id outside the
-    safe charset, a pin without a candidate). Read strictly, one such row stopped every
-    gateway's fault reloads (and `faults list`, "unexpected internal error")."""
+    safe charset, a pin without a candidate, a scope its kind does not have). Read
+    strictly, one such row stopped every gateway's fault reloads (and `faults list`,
+    "unexpected internal error"). A `fail` row under scope 'route' was read as a fault on
+    the upstream of that name which `faults clear --upstream` could not find."""
     try:
         when = float(expires_at)
     except (TypeError, ValueError):
         return None
     if kind not in FAULT_KINDS or not when <= LATEST_EXPIRY:  # NaN too
+        return None
+    if scope != ("route" if kind == "pin" else "upstream"):
         return None
     if (candidate is None) != (kind != "pin"):
         return None
@@ -219,11 +225,11 @@ def fault_from_row(kind: Any, target: Any, expires_at: Any, candidate: Any) -> F
 def faults_from_rows(
     rows: Iterable[Sequence[Any]], unreadable: list[str] | None = None
 ) -> list[Fault]:
-    """The rows (kind, target, expires_at, candidate) that are faults; each other one is
-    skipped (no gateway applies it) and, with `unreadable`, described there."""
+    """The rows (kind, target, expires_at, candidate, scope) that are faults; each other one
+    is skipped (no gateway applies it) and, with `unreadable`, described there."""
     faults = []
-    for kind, target, expires_at, candidate in rows:
-        fault = fault_from_row(kind, target, expires_at, candidate)
+    for kind, target, expires_at, candidate, scope in rows:
+        fault = fault_from_row(kind, target, expires_at, candidate, scope)
         if fault is not None:
             faults.append(fault)
         elif unreadable is not None:

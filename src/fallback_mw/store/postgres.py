@@ -265,13 +265,10 @@ class PostgresStore:
 
     async def load_faults(self, unreadable: list[str] | None = None) -> list[Fault]:
         rows = await self._fetch(
-            "SELECT kind, target, expires_at, candidate FROM fmw_faults "
+            "SELECT kind, target, expires_at, candidate, scope FROM fmw_faults "
             f"WHERE expires_at > {_DB_NOW} ORDER BY scope, target",
         )
-        return faults_from_rows(
-            ((row["kind"], row["target"], row["expires_at"], row["candidate"]) for row in rows),
-            unreadable,
-        )
+        return faults_from_rows((tuple(row.values()) for row in rows), unreadable)
 
     async def set_fault(self, fault: Fault, *, replace: bool = False) -> Fault | None:
         now = await self.clock()
@@ -295,7 +292,7 @@ class PostgresStore:
         if rows:
             return None
         found = await self._fetch(
-            "SELECT kind, target, expires_at, candidate FROM fmw_faults "
+            "SELECT kind, target, expires_at, candidate, scope FROM fmw_faults "
             "WHERE scope = $1 AND target = $2",
             fault.scope,
             fault.target,
@@ -303,7 +300,7 @@ class PostgresStore:
         if not found:  # cleared in between: the refusal still stands, described as it was
             return Fault(fault.kind, fault.target, now, None)
         row = found[0]
-        active = fault_from_row(row["kind"], row["target"], row["expires_at"], row["candidate"])
+        active = fault_from_row(*row.values())
         if active is None:  # a row written by hand, no fault: replaced, as on SQLite
             return await self.set_fault(fault, replace=True)
         return active

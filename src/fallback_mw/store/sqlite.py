@@ -74,7 +74,10 @@ def _write_transaction(conn: sqlite3.Connection) -> Iterator[None]:
 # that is not UTF-8 (a row written by hand or by another tool), and its message quoted the
 # whole value. `routes list` / `remove` and `faults list` failed, and every gateway's
 # reloads stopped as "route store unreachable", fault changes included.
-_FAULT_COLUMNS = "CAST(kind AS BLOB), CAST(target AS BLOB), expires_at, CAST(candidate AS BLOB)"
+_FAULT_COLUMNS = (
+    "CAST(kind AS BLOB), CAST(target AS BLOB), expires_at, CAST(candidate AS BLOB), "
+    "CAST(scope AS BLOB)"
+)
 
 
 def _shown_text(value: object) -> str:
@@ -96,13 +99,14 @@ def _record(kind: object, value: object) -> str | bytes:
 
 
 def _fault_row(
-    kind: object, target: object, expires_at: object, candidate: object
-) -> tuple[object, object, object, object]:
+    kind: object, target: object, expires_at: object, candidate: object, scope: object
+) -> tuple[object, object, object, object, object]:
     return (
         _shown_text(kind),
         _shown_text(target),
         expires_at,
         None if candidate is None else _shown_text(candidate),
+        _shown_text(scope),
     )
 
 
