@@ -3,6 +3,8 @@ another version, a clock that stepped): no breaker stays open or half-open for e
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import redis.asyncio as aioredis
 
@@ -146,5 +148,63 @@ async def test_capacity_retry_after_never_counts_a_second_ahead(redis_url: str) 
                 assert response.status_code == 503
                 assert int(response.headers["retry-after"]) <= 60
         assert primary.count == 1
+    finally:
+        await inspect.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_credential_mark_no_pool_wrote_ends(redis_url: str) -> None:
+    # A cool-down (or a retirement's end) written years ahead on a key without a ttl kept
+    # that credential out of every process's pool for ever; with both marked so, every
+    # request was a 503 route_exhausted. Marks end within 31 days (cooldowns, quotas): one
+    # further ahead is over.
+    base, prefix = split_state_url(redis_url)
+    inspect = aioredis.Redis.from_url(base, decode_responses=True)
+    envs = ["KEY_A", "KEY_B"]
+    pool = hashlib.sha256("\x1f".join(envs).encode()).hexdigest()[:12]
+    marks = f"{prefix}credentials:primary:{pool}"
+    try:
+        seconds, micros = await inspect.time()
+        ahead = str(int(seconds) * 1000 + int(micros) // 1000 + TEN_YEARS_MS)
+        await inspect.hset(marks, mapping={"0": ahead, "1": "retired", "1:until": ahead})
+        async with upstream(status_handler(200)) as primary:
+            conf = {
+                "gateway": {"state": redis_url, "breaker": BREAKER},
+                "upstreams": {"primary": {"url": primary.url, "auth_env": envs}},
+                "routes": [{"id": "r", "prefix": "/v1/", "plan": ["primary"]}],
+            }
+            environ = {"KEY_A": "key-a", "KEY_B": "key-b"}
+            async with gateway_client(conf, environ=environ) as client:
+                for _ in range(4):
+                    response = await client.get("/v1/x")
+                    assert response.status_code == 200, response.text
+        used = {dict(r.headers)["authorization"] for r in primary.received}
+        assert used == {"Bearer key-a", "Bearer key-b"}
+    finally:
+        await inspect.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_credential_cooling_down_for_a_day_stays_out(redis_url: str) -> None:
+    # The control: a mark within the longest a pool writes is honoured.
+    base, prefix = split_state_url(redis_url)
+    inspect = aioredis.Redis.from_url(base, decode_responses=True)
+    envs = ["KEY_A", "KEY_B"]
+    pool = hashlib.sha256("\x1f".join(envs).encode()).hexdigest()[:12]
+    try:
+        seconds, micros = await inspect.time()
+        day = str(int(seconds) * 1000 + int(micros) // 1000 + 86_400_000)
+        await inspect.hset(f"{prefix}credentials:primary:{pool}", mapping={"0": day})
+        async with upstream(status_handler(200)) as primary:
+            conf = {
+                "gateway": {"state": redis_url, "breaker": BREAKER},
+                "upstreams": {"primary": {"url": primary.url, "auth_env": envs}},
+                "routes": [{"id": "r", "prefix": "/v1/", "plan": ["primary"]}],
+            }
+            environ = {"KEY_A": "key-a", "KEY_B": "key-b"}
+            async with gateway_client(conf, environ=environ) as client:
+                for _ in range(3):
+                    assert (await client.get("/v1/x")).status_code == 200
+        assert {dict(r.headers)["authorization"] for r in primary.received} == {"Bearer key-b"}
     finally:
         await inspect.aclose()

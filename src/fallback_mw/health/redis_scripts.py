@@ -5,18 +5,16 @@ same breaker machine as health/breaker.py: keep the two in step.
 A stored number is read with `tonumber(...) or default`: a field that reads as no number
 (written by hand, or by another version) counts as absent, and the next write replaces it.
 A script that failed on it would read as "Redis unreachable" (health/redis.py), every
-process serving on its own breakers, for as long as the key lived."""
+process serving on its own breakers, for as long as the key lived. A time further ahead
+than any written here (a hand edit, a clock years ahead) is over: read as written, it kept
+an upstream skipped, or a credential out of its pool, for ever."""
 
 _NOW = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# A time the breaker hash holds (an open breaker's end `until`, a probe's lease `probe`) as
-# ms from now, 0 when due. RECORD writes an end at most the max cooldown ahead, ADMIT a lease
-# at most the longest walk deadline: one further off than `furthest` ms (written by hand, or
-# by a clock years ahead) is due, as one that reads as no number is. Read as written,
-# `until = 99999999999999` on a key without a ttl skipped the upstream for ever everywhere.
+# A breaker's `until` / `probe` as ms from now; 0 when due, or further off than `furthest`.
 _AHEAD = """
 local function ahead(key, field, furthest)
   local left = (tonumber(redis.call('HGET', key, field)) or 0) - now
@@ -28,9 +26,8 @@ end
 # KEYS[1] breaker hash. ARGV: the probe's lease ms, key ttl ms (longer than the lease; a
 # key's ttl is never shortened here, so it outlives a probe that another process took with
 # a longer lease), the admitting process's id and the admission's number (the probe's
-# owner, for GIVE_BACK), the furthest ahead an end or a lease is written (ms, `_AHEAD`).
-# Returns {admitted, transition, state}: the state lets every process report the shared
-# breaker as it is now, also when another process made the transition.
+# owner, for GIVE_BACK), `_AHEAD`'s furthest ms. Returns {admitted, transition, state}: the
+# state lets every process report the shared breaker as it is, whoever made the transition.
 ADMIT = (
     _NOW
     + _AHEAD
@@ -46,8 +43,6 @@ if st == 'open' then
   transition = 'half_open'
 end
 if redis.call('PTTL', key) < tonumber(ARGV[2]) then redis.call('PEXPIRE', key, ARGV[2]) end
--- (a lease further off than any, read as held, kept the breaker half-open for ever: each
--- admission renews the key's ttl)
 if ahead(key, 'probe', furthest) > 0 then return {0, transition, 'half_open'} end
 redis.call('HSET', key, 'probe', string.format('%.0f', now + tonumber(ARGV[1])),
   'owner', (ARGV[3] or '') .. ':' .. (ARGV[4] or ''))
@@ -221,11 +216,17 @@ end
 # used again. Written so, a process of the version before (which reads only 'retired')
 # still reads the credential as retired during a rolling upgrade; a bare 'retired' with
 # no end (written by it) reads as retired until its hash expires.
+# A credential mark's ms from now; 0 when over, or past any (cooldowns, quotas: 31 days).
 _RETIRED = """
+local function marked_for(v)
+  local left = (tonumber(v) or 0) - now
+  if left > 0 and left <= 32 * 86400000 then return left end
+  return 0
+end
 local function retired(key, i, v)
   if v ~= 'retired' then return false end
-  local untl = tonumber(redis.call('HGET', key, i .. ':until'))
-  return (not untl) or untl > now
+  local untl = redis.call('HGET', key, i .. ':until')
+  return (not tonumber(untl)) or marked_for(untl) > 0
 end
 """
 
@@ -252,7 +253,7 @@ local function usable(i)
   local v = redis.call('HGET', KEYS[1], tostring(i))
   if not v then return true end
   if retired(KEYS[1], i, v) then return false end
-  return (tonumber(v) or 0) <= now  -- a retirement that ended reads as no number
+  return marked_for(v) == 0  -- a retirement that ended reads as no number
 end
 local function remember(i)
   redis.call('HSET', KEYS[3], ARGV[8], tostring(i))
@@ -335,8 +336,8 @@ if ARGV[2] == 'retire' then
 elseif not retired(KEYS[1], ARGV[1], current) then
   redis.call('HDEL', KEYS[1], ARGV[1] .. ':until')
   local untl = now + tonumber(ARGV[3])
-  local held = tonumber(current)
-  if held and held > untl then untl = held end
+  local held = now + marked_for(current)
+  if held > untl then untl = held end
   redis.call('HSET', KEYS[1], ARGV[1], string.format('%.0f', untl))
   if untl - now > ttl then ttl = untl - now end
 end
@@ -348,7 +349,6 @@ return 1
 )
 
 
-# KEYS[1] breaker hash. A half-open probe that proved nothing frees its slot.
 # KEYS[1] breaker hash. ARGV: a process id, an admission's number. An admission whose
 # answer never came back (Redis hung, the call timed out) may still have run once Redis
 # resumed: the probe slot it took, if it still holds it, is freed. Returns 1 if it did.
@@ -392,7 +392,7 @@ for i = 0, size - 1 do
   local v = redis.call('HGET', KEYS[2], tostring(i))
   local wait = 0
   if retired(KEYS[2], i, v) then wait = -1
-  elseif v then wait = math.max((tonumber(v) or 0) - now, 0) end
+  elseif v then wait = marked_for(v) end
   if wait >= 0 and (soonest < 0 or wait < soonest) then soonest = wait end
 end
 return {breaker, soonest}
