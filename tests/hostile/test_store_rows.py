@@ -193,3 +193,33 @@ async def test_a_fault_row_under_the_other_scope_is_named_not_applied(ledger_sto
     assert status == 0, err
     status, out, err = await acli("faults", "clear", "--store", store, "--upstream", "primary")
     assert (status, out) == (0, "1 fault(s) cleared\n"), err
+
+
+@pytest.mark.anyio
+async def test_a_command_named_for_an_id_that_starts_with_a_dash_runs(tmp_path: Path) -> None:
+    # Ids may start with `-` (letters, digits and -_.:). The repair named for one, pasted
+    # as printed (`routes remove --id -x`), was refused by argparse ("expected one
+    # argument"); the command is printed as `--id=-x` now, and runs.
+    path = tmp_path / "gateway.db"
+    store = f"sqlite:///{path}"
+    add = ["routes", "add", "--store", store, "--id=-x", "--prefix", "/x/"]
+    assert (await acli(*add, "--upstream", "http://127.0.0.1:9001"))[0] == 0
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE fmw_routes SET doc = replace(doc, '\"/x/\"', '7')")
+    status, _, err = await acli("routes", "list", "--store", store)
+    assert status == 0 and "(`fallback-mw routes remove --id=-x` takes it out)" in err, err
+    status, out, err = await acli("routes", "remove", "--store", store, "--id=-x")
+    assert (status, out) == (0, "route '-x' removed\n"), err
+    # A local error's remedy names the command the same way.
+    async with upstream(status_handler(503)) as failing:
+        conf = {
+            "upstreams": {"-u": {"url": failing.url}},
+            "routes": [{"id": "-r", "prefix": "/v1/", "plan": ["-u"]}],
+        }
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                message = (await client.get("/v1/x")).json()["error"]["message"]
+        finally:
+            await gateway.aclose()
+    assert "routes set-fallback --id=-r --upstream URL" in message, message

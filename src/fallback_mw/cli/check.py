@@ -23,6 +23,7 @@ from fallback_mw.config import (
     GatewayConfig,
     RouteConfig,
     UpstreamConfig,
+    command_option,
     load_config,
 )
 from fallback_mw.failover.decide import CREDENTIAL_STATUSES
@@ -96,8 +97,8 @@ def budget_warnings(
         return (
             f"budget {budget_id!r}, which this route spends, is defined neither in the "
             f"configuration ([budgets.{budget_id}]) nor in the store: {refused}; define it "
-            f"(`fallback-mw budgets set --budget {budget_id} --limit AMOUNT`) or correct the "
-            "route's budget"
+            f"(`fallback-mw budgets set {command_option('--budget', budget_id)} --limit "
+            "AMOUNT`) or correct the route's budget"
         )
 
     async def read() -> None:

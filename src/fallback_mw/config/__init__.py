@@ -31,9 +31,9 @@ from fallback_mw.config.strict import (
     MAX_MONEY,
     MAX_PLAN_LENGTH,
     MONEY_DECIMALS,
-    budget_argument,
     budget_id,
     budget_section,
+    command_option,
 )
 from fallback_mw.config.upstream import UpstreamConfig
 from fallback_mw.rules import ConfigError
@@ -59,12 +59,12 @@ __all__ = [
     "UpstreamConfig",
     "_describe",
     "as_config",
-    "budget_argument",
     "budget_id",
     "budget_section",
     "check_ca_file",
     "check_config_extras",
     "check_environment",
+    "command_option",
     "load_config",
     "parse_config",
     "read_config_file",

@@ -211,10 +211,13 @@ def budget_section(value: str) -> str:
     return f"[budgets.{json.dumps(value, ensure_ascii=False)}]"
 
 
-def budget_argument(value: str) -> str:
-    """A budget id as a shell command's argument (`--budget '予算 2026'`): pasted as it was
-    printed, a space split it into two arguments."""
-    return shlex.quote(value)
+def command_option(flag: str, value: str) -> str:
+    """An option of a command the operator is told to run, pasted as it was printed: the
+    value quoted (`--budget '予算 2026'`: a space split it into two arguments), and joined by
+    `=` when it starts with `-` (ids may: `--id -x` is the option `-x` to argparse, which
+    answered "expected one argument")."""
+    quoted = shlex.quote(value)
+    return f"{flag}={quoted}" if value.startswith("-") else f"{flag} {quoted}"
 
 
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")

@@ -4,7 +4,7 @@ candidates, and the setting that would change it. failover/messages.py says the 
 
 from __future__ import annotations
 
-from fallback_mw.config import RouteConfig, UpstreamConfig
+from fallback_mw.config import RouteConfig, UpstreamConfig, command_option
 from fallback_mw.failover.decide import replay_rule
 from fallback_mw.request.context import AttemptRecord, RequestContext
 from fallback_mw.store.model import fallback_name, primary_name
@@ -217,8 +217,8 @@ def _injected_hang(context: RequestContext) -> str | None:
         return None
     return (
         f"the {last.fault} fault on {last.candidate!r} never answers, so a longer wait would "
-        f"not serve it: `fallback-mw faults clear --upstream {last.candidate}` (or its expiry) "
-        "ends it"
+        "not serve it: `fallback-mw faults clear "
+        f"{command_option('--upstream', last.candidate)}` (or its expiry) ends it"
     )
 
 

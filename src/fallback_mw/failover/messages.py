@@ -5,6 +5,7 @@ decides what happens to a request; it only explains it."""
 
 from __future__ import annotations
 
+from fallback_mw.config import command_option
 from fallback_mw.failover.deadline_messages import (
     deadline_message,
     last_failed,
@@ -106,8 +107,8 @@ def _skip_remedies(context: RequestContext) -> list[str]:
     remedies = [_SKIP_REMEDY[r] for r in reasons if r in _SKIP_REMEDY]
     remedies[:0] = [
         f"the breaker of {name!r} was opened by the {fault} fault on it, which its probe "
-        f"meets again until the fault ends: `fallback-mw faults clear --upstream {name}` (or "
-        "its expiry) closes it"
+        "meets again until the fault ends: `fallback-mw faults clear "
+        f"{command_option('--upstream', name)}` (or its expiry) closes it"
         for name, fault in faulted.items()
         if fault
     ]
@@ -118,7 +119,8 @@ def _skip_remedies(context: RequestContext) -> list[str]:
         remedies.insert(
             0,
             f"every credential of {name!r} was retired by the {fault} fault on it: "
-            f"`fallback-mw faults clear --upstream {name}` (or its expiry) gives them back"
+            f"`fallback-mw faults clear {command_option('--upstream', name)}` (or its expiry) "
+            "gives them back"
             if fault
             else f"every credential of {name!r} answered 401 and is retired, which does not "
             f"end by itself: put valid keys in {envs} and restart the gateway; a shared Redis "
@@ -193,8 +195,8 @@ def _remedy(rule: str | None, context: RequestContext) -> str:
         remedy += (
             f"; route {route.id!r} also has no fallback and no retries, so a replayable "
             f"request would not fail over either: add a fallback to its plan with retries = 1 "
-            f"(a store route: fallback-mw routes set-fallback --id {route.id} --upstream URL "
-            f"--retries 1)"
+            "(a store route: fallback-mw routes set-fallback "
+            f"{command_option('--id', route.id)} --upstream URL --retries 1)"
         )
     return remedy
 
@@ -221,8 +223,9 @@ def _rule_remedy(rule: str | None, context: RequestContext) -> str:
         return (
             f"route {route.id!r} has no fallback (its plan is {only!r} alone), so there was "
             f"nothing to fail over to: add a fallback to its plan with the retries to reach "
-            f"it (a store route: fallback-mw routes set-fallback --id {route.id} --upstream "
-            f"URL --retries 1), or raise its retries to repeat {only!r}"
+            "it (a store route: fallback-mw routes set-fallback "
+            f"{command_option('--id', route.id)} --upstream URL --retries 1), or raise its "
+            f"retries to repeat {only!r}"
         )
     if rule == "ceiling" and context.skipped:
         # More retries would only repeat what was left: name what was passed over, and why.

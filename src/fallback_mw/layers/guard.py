@@ -36,8 +36,8 @@ from fallback_mw.config import (
     ConfigError,
     ConfigSource,
     as_config,
-    budget_argument,
     budget_section,
+    command_option,
 )
 from fallback_mw.injected import require, require_app
 from fallback_mw.request.body import (
@@ -74,7 +74,7 @@ def _unreadable_budget(budget_id: str) -> str:
     return (
         f"budget {budget_id!r} is stored in a form this gateway cannot read (a window or amount "
         "another version or a hand edit wrote): refusing (fail closed); `fallback-mw budgets "
-        f"set --budget {budget_argument(budget_id)} --limit ...` stores it again in a form every "
+        f"set {command_option('--budget', budget_id)} --limit ...` stores it again in a form every "
         "version reads"
     )
 
@@ -102,7 +102,7 @@ def _raise_limit(budget_id: str, in_memory: bool) -> str:
             "which no command reaches)"
         )
     return (
-        f"`fallback-mw budgets set --budget {budget_argument(budget_id)} --limit AMOUNT`, "
+        f"`fallback-mw budgets set {command_option('--budget', budget_id)} --limit AMOUNT`, "
         f"or {budget_section(budget_id)} limit"
     )
 
@@ -174,7 +174,7 @@ def _undefined(budget_id: str) -> str:
     return (
         f"budget {budget_id!r}, which this route spends, is defined neither in the "
         f"configuration ({budget_section(budget_id)}) nor in the store: refusing (fail closed); "
-        f"define it (`fallback-mw budgets set --budget {budget_argument(budget_id)} --limit "
+        f"define it (`fallback-mw budgets set {command_option('--budget', budget_id)} --limit "
         f"AMOUNT`) or "
         f"correct the route's budget"
     )

@@ -12,7 +12,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from fallback_mw.config import ConfigError, RouteConfig, UpstreamConfig
+from fallback_mw.config import ConfigError, RouteConfig, UpstreamConfig, command_option
 from fallback_mw.config import _describe as describe_validation_error
 from fallback_mw.rules import check_id
 
@@ -132,7 +132,7 @@ def _remove_hint(route_id: str) -> str:
         check_id("route", route_id)
     except ConfigError:
         route_id = "ID"
-    return f" (`fallback-mw routes remove --id {route_id}` takes it out)"
+    return f" (`fallback-mw routes remove {command_option('--id', route_id)}` takes it out)"
 
 
 def stored_routes(
