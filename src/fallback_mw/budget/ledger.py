@@ -230,13 +230,15 @@ def rolling_peaks_sql(second: str, since: str) -> str:
     preceding minute (a window function, in the database), the busiest such window per
     route for requests and for tokens, with the route's totals. `second` is the dialect's
     epoch second of `at`, `since` its parameter. Rows: route, requests, requests_at,
-    tokens, tokens_at (epoch seconds), total, metered."""
+    tokens, tokens_at (epoch seconds), total, metered. A record whose `at` is no time
+    (a hand edit: SQLite's `at` is text) is left out: it made `capacity` an internal error."""
     return f"""
 WITH s AS (
   SELECT route, {second} AS sec, COUNT(*) AS n,
     SUM(COALESCE(input_tokens, 0) + COALESCE(output_tokens, 0)) AS t,
     SUM(CASE WHEN input_tokens IS NULL AND output_tokens IS NULL THEN 0 ELSE 1 END) AS m
-  FROM fmw_usage WHERE at >= {since} AND {PER_MINUTE_FILTER} GROUP BY route, {second}
+  FROM fmw_usage WHERE at >= {since} AND {second} IS NOT NULL AND {PER_MINUTE_FILTER}
+  GROUP BY route, {second}
 ), w AS (
   SELECT route, SUM(n) OVER win AS rn, SUM(t) OVER win AS rt, MIN(sec) OVER win AS first
   FROM s WINDOW win AS (PARTITION BY route ORDER BY sec
