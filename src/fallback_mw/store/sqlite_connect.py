@@ -74,3 +74,40 @@ def disk_full(path: str | Path) -> str | None:
     if found.f_files and found.f_ffree == 0:
         return f"the disk holding {directory} has no free inodes"
     return None
+
+
+def file_identity(path: str | Path) -> tuple[int, int] | None:
+    """The (device, inode) of the file at `path`; None when there is none."""
+    try:
+        found = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return found.st_dev, found.st_ino
+
+
+class OpenedFile:
+    """Whether the file a long-lived connection opened at `path` is still the one there. An
+    operator who removes the file, or puts another in its place (`mv backup.db gw.db`),
+    leaves the connection writing into a file nothing else reads any more: the admin
+    commands, another gateway and this one after a restart see the new file. Asked at
+    most once per `interval` seconds (a stat costs about 3 µs); once moved, it stays so."""
+
+    def __init__(self, path: str | Path, *, interval: float) -> None:
+        self.path = path
+        self.interval = interval
+        self._identity = file_identity(path)
+        self._check_at = time.monotonic() + interval
+        self._moved = False
+
+    def moved(self) -> bool:
+        if self._moved or self._identity is None:
+            return self._moved
+        now = time.monotonic()
+        if now < self._check_at:
+            return False
+        self._check_at = now + self.interval
+        try:
+            self._moved = file_identity(self.path) != self._identity
+        except OSError:  # cannot be asked (a permission): taken as still there
+            return False
+        return self._moved

@@ -22,7 +22,7 @@ from fallback_mw.budget.ledger import LedgerUnavailable
 from fallback_mw.grouping import Failed, Group, Pending, fail, settle
 from fallback_mw.store.ledgers.schema import SchemaTooNew
 from fallback_mw.store.outage import OutageLog
-from fallback_mw.store.sqlite_connect import connect_wal, disk_full
+from fallback_mw.store.sqlite_connect import OpenedFile, connect_wal, disk_full
 
 T = TypeVar("T")
 # One ledger call in this many runs on the worker thread (which checkpoints the WAL).
@@ -46,6 +46,7 @@ class SQLiteCalls:
         self.busy_timeout = busy_timeout
         self._opened = opened
         self._conn: sqlite3.Connection | None = None
+        self._file: OpenedFile | None = None  # the file `_conn` has open
         self._busy_ms = int(busy_timeout * 1000)  # the worker connection's busy timeout
         self._fast: sqlite3.Connection | None = None  # the event loop thread's (_inline)
         self._calls = 0
@@ -67,7 +68,22 @@ class SQLiteCalls:
                 raise
             self._conn = conn
             self._busy_ms = int(self.busy_timeout * 1000)
+            self._file = OpenedFile(self.path, interval=1.0)
         return self._conn
+
+    def _reopen_if_moved(self) -> None:
+        """The file at the path, not one removed or replaced under the open connections."""
+        if self._file is None or not self._file.moved():
+            return
+        logger.warning("SQLite ledger %s: the file was removed or replaced; reopening", self.path)
+        with contextlib.suppress(sqlite3.Error):
+            self._close()
+
+    def _close(self) -> None:  # under self._lock
+        conns, self._conn, self._fast, self._file = (self._conn, self._fast), None, None, None
+        for conn in conns:
+            if conn is not None:
+                conn.close()
 
     def _inline(self, work: Callable[[sqlite3.Connection], T]) -> tuple[bool, T | None]:
         """`work` on the event loop's thread, when that cannot block it: the ledger is
@@ -77,8 +93,8 @@ class SQLiteCalls:
         thread's connection checkpoints, see `_run`). A WAL commit with
         synchronous=NORMAL is a write to the page cache, no fsync. (True, result) when
         done; (False, None) when the worker thread must do it (nothing was committed)."""
-        conn = self._fast
-        if conn is None or not self._lock.acquire(blocking=False):
+        conn, file = self._fast, self._file  # a file moved: the worker thread reopens it
+        if conn is None or (file and file.moved()) or not self._lock.acquire(blocking=False):
             return False, None
         try:
             changes = conn.total_changes
@@ -177,6 +193,7 @@ class SQLiteCalls:
 
         def locked() -> tuple[T, bool]:
             with self._lock:
+                self._reopen_if_moved()
                 conn = self._connection()
                 left = self.busy_timeout if until is None else until - time.monotonic()
                 busy_ms = max(int(left * 1000), 0)
@@ -288,10 +305,7 @@ class SQLiteCalls:
 
         def close() -> None:
             with self._lock:
-                for conn in (self._conn, self._fast):
-                    if conn is not None:
-                        conn.close()
-                self._conn = self._fast = None
+                self._close()
 
         await anyio.to_thread.run_sync(close)
 

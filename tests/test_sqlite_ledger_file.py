@@ -1,0 +1,78 @@
+"""The SQLite ledger's file, removed or replaced by an operator while a gateway serves: the
+gateway writes its holds, settlements and usage records into the file at the store's path,
+the one `budgets show`, `usage`, another gateway and this one after a restart read."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+from decimal import Decimal
+from pathlib import Path
+
+import anyio
+import pytest
+
+from fallback_mw import Gateway
+from fallback_mw.config import BudgetConfig
+from fallback_mw.store.ledgers.sqlite import SQLiteLedger
+from tests.helpers import client_for
+from tests.test_budget_guard import gateway_config, json_handler
+from tests.upstreams import host_app, upstream
+
+ANSWER = {"model": "gpt-test", "usage": {"prompt_tokens": 10, "completion_tokens": 5}}
+BODY = {"model": "gpt-test", "max_tokens": 5}
+CHECK_INTERVAL = 1.0  # OpenedFile(interval=...) in SQLiteCalls
+BUDGET = BudgetConfig(limit=Decimal(100), window="month")
+
+
+def remove_database(path: Path) -> None:
+    for name in (path.name, f"{path.name}-wal", f"{path.name}-shm"):
+        (path.parent / name).unlink(missing_ok=True)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("operator", ["removed", "restored_from_backup"])
+async def test_a_ledger_file_removed_or_replaced_while_serving_is_not_written_blind(
+    tmp_path: Path, operator: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Seen with `fallback-mw serve`: after `rm gw.db*` (or `mv backup.db gw.db`) the gateway
+    # went on settling into the file it had open, now unlinked: `budgets show` and `usage`
+    # read the file at the path and saw none of the spend, a second gateway on the same
+    # store held against another ledger, and a restart lost every settlement since.
+    path = tmp_path / "gw.db"
+    async with upstream(json_handler(ANSWER)) as primary:
+        conf = gateway_config({"primary": primary.url}, store=f"sqlite:///{path}", limit="100")
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                assert (await client.post("/v1/chat", json=BODY)).status_code == 200
+                backup = tmp_path / "backup.db"
+                source, copy = sqlite3.connect(path), sqlite3.connect(backup)
+                try:
+                    source.backup(copy)
+                finally:
+                    source.close()
+                    copy.close()
+                remove_database(path)
+                if operator == "restored_from_backup":
+                    os.replace(backup, path)
+                caplog.set_level(logging.WARNING, logger="fallback_mw.budget")
+                await anyio.sleep(
+                    CHECK_INTERVAL + 0.2
+                )  # the ledger looks at its path once a second
+                for _ in range(2):
+                    assert (await client.post("/v1/chat", json=BODY)).status_code == 200
+        finally:
+            await gateway.aclose()
+    reader = SQLiteLedger(str(path))  # what `budgets show` and `usage` open
+    try:
+        records = await reader.usage()
+        status = await reader.status("acme", BUDGET)
+    finally:
+        await reader.aclose()
+    kept = 1 if operator == "restored_from_backup" else 0
+    assert len(records) == kept + 2
+    assert status.held == 0
+    assert status.spent == Decimal("0.02") * (kept + 2)
+    assert any("removed or replaced" in r.getMessage() for r in caplog.records)
