@@ -76,3 +76,33 @@ async def test_a_ledger_file_removed_or_replaced_while_serving_is_not_written_bl
     assert status.held == 0
     assert status.spent == Decimal("0.02") * (kept + 2)
     assert any("removed or replaced" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.anyio
+async def test_a_ledger_wal_removed_while_serving_leaves_the_store_readable(
+    tmp_path: Path,
+) -> None:
+    # Seen with `fallback-mw serve`: after `rm gw.db-wal` the gateway served on, writing
+    # into the WAL it had open, while `budgets show`, `usage`, `routes list` and the
+    # gateway's own route reload answered `disk I/O error` until it was restarted.
+    path = tmp_path / "gw.db"
+    async with upstream(json_handler(ANSWER)) as primary:
+        conf = gateway_config({"primary": primary.url}, store=f"sqlite:///{path}", limit="100")
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                assert (await client.post("/v1/chat", json=BODY)).status_code == 200
+                (tmp_path / "gw.db-wal").unlink()
+                await anyio.sleep(CHECK_INTERVAL + 0.2)
+                for _ in range(2):
+                    assert (await client.post("/v1/chat", json=BODY)).status_code == 200
+                reader = SQLiteLedger(str(path))  # `usage` while the gateway still runs
+                try:
+                    records = await reader.usage()
+                    status = await reader.status("acme", BUDGET)
+                finally:
+                    await reader.aclose()
+        finally:
+            await gateway.aclose()
+    assert len(records) == 3
+    assert (status.held, status.spent) == (0, Decimal("0.06"))

@@ -86,28 +86,37 @@ def file_identity(path: str | Path) -> tuple[int, int] | None:
 
 
 class OpenedFile:
-    """Whether the file a long-lived connection opened at `path` is still the one there. An
-    operator who removes the file, or puts another in its place (`mv backup.db gw.db`),
-    leaves the connection writing into a file nothing else reads any more: the admin
-    commands, another gateway and this one after a restart see the new file. Asked at
-    most once per `interval` seconds (a stat costs about 3 µs); once moved, it stays so."""
+    """Whether the files a long-lived connection opened at `path` are still the ones there.
+    An operator who removes the database, or puts another in its place (`mv backup.db
+    gw.db`), leaves the connection writing into a file nothing else reads any more: the
+    admin commands, another gateway and this one after a restart see the new file. One who
+    removes its `-wal` leaves every other opener with `disk I/O error` (their WAL index
+    names frames of a file they cannot see) for as long as the connection stays open (SQLite
+    itself removes the WAL only when its last connection closes). Asked at most once per
+    `interval` seconds (a stat costs about 3 µs); once moved, it stays so."""
 
     def __init__(self, path: str | Path, *, interval: float) -> None:
         self.path = path
         self.interval = interval
-        self._identity = file_identity(path)
+        self._identity = self._identities()
         self._check_at = time.monotonic() + interval
         self._moved = False
 
+    def _identities(self) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+        return file_identity(self.path), file_identity(f"{self.path}-wal")
+
     def moved(self) -> bool:
-        if self._moved or self._identity is None:
+        if self._moved or self._identity[0] is None:
             return self._moved
         now = time.monotonic()
         if now < self._check_at:
             return False
         self._check_at = now + self.interval
         try:
-            self._moved = file_identity(self.path) != self._identity
+            database, wal = self._identities()
         except OSError:  # cannot be asked (a permission): taken as still there
             return False
+        self._moved = database != self._identity[0] or (
+            self._identity[1] is not None and wal != self._identity[1]
+        )
         return self._moved

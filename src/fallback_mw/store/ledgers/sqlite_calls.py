@@ -73,9 +73,13 @@ class SQLiteCalls:
 
     def _reopen_if_moved(self) -> None:
         """The file at the path, not one removed or replaced under the open connections."""
-        if self._file is None or not self._file.moved():
+        if self._conn is None or self._file is None or not self._file.moved():
             return
-        logger.warning("SQLite ledger %s: the file was removed or replaced; reopening", self.path)
+        logger.warning(
+            "SQLite ledger %s: it or its -wal was removed or replaced; reopening", self.path
+        )
+        with contextlib.suppress(sqlite3.Error):  # the open WAL's pages into the database
+            self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)")  # (a last close does it too)
         with contextlib.suppress(sqlite3.Error):
             self._close()
 
