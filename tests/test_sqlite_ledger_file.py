@@ -6,17 +6,21 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import sqlite3
+import subprocess
+import sys
 from decimal import Decimal
 from pathlib import Path
 
 import anyio
+import httpx
 import pytest
 
 from fallback_mw import Gateway
 from fallback_mw.config import BudgetConfig
 from fallback_mw.store.ledgers.sqlite import SQLiteLedger
-from tests.helpers import client_for
+from tests.helpers import client_for, free_port, log_text, wait_listening
 from tests.test_budget_guard import gateway_config, json_handler
 from tests.upstreams import host_app, upstream
 
@@ -106,3 +110,71 @@ async def test_a_ledger_wal_removed_while_serving_leaves_the_store_readable(
             await gateway.aclose()
     assert len(records) == 3
     assert (status.held, status.spent) == (0, Decimal("0.06"))
+
+
+def serve_limited(config: Path, port: int, log: Path, limit: int) -> subprocess.Popen[bytes]:
+    """`fallback-mw serve` started under `ulimit -f` (its file size limit `limit` bytes)."""
+    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [
+                *(sys.executable, "-m", "fallback_mw", "serve", "--config", str(config)),
+                *("--host", "127.0.0.1", "--port", str(port)),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard)),
+        )
+
+
+@pytest.mark.anyio
+async def test_a_gateway_at_its_file_size_limit_says_so(tmp_path: Path) -> None:
+    # Seen with `ulimit -f` (RLIMIT_FSIZE) where `fallback-mw serve` was started: once the
+    # WAL reached the limit every budgeted request was refused, the log said only
+    # "SQLite ledger unreachable (OperationalError)", and the admin commands, run from a
+    # shell without that limit, found nothing wrong with the file.
+    limit = 256 * 1024
+    config = tmp_path / "gw.toml"
+    async with upstream(json_handler(ANSWER)) as primary:
+        config.write_text(
+            f"""
+[gateway]
+store = "sqlite:///{tmp_path / "gw.db"}"
+allow_hosts = ["127.0.0.1"]
+[upstreams.primary]
+url = "{primary.url}"
+[[routes]]
+id = "chat"
+prefix = "/v1/"
+plan = ["primary"]
+budget = "acme"
+[budgets.acme]
+limit = 100.0
+window = "total"
+[prices."gpt-test"]
+input_per_mtok = 1000
+output_per_mtok = 2000
+""",
+            encoding="utf-8",
+        )
+        port, log = free_port(), tmp_path / "serve.log"
+        process = serve_limited(config, port, log, limit)
+        try:
+            await wait_listening(process, port, log)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+                for _ in range(300):
+                    answer = await client.post("/v1/chat", json=BODY)
+                    if answer.status_code == 503:
+                        break
+                    assert answer.status_code == 200, answer.text
+                assert answer.json()["error"]["code"] == "budget_unavailable"
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+    text = log_text(log)
+    assert "SQLite ledger unreachable (OperationalError: " in text, text
+    assert f"gw.db-wal has reached this process's file size limit ({limit} bytes" in text, text

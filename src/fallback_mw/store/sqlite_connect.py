@@ -73,6 +73,31 @@ def disk_full(path: str | Path) -> str | None:
         return f"the disk holding {directory} is full"
     if found.f_files and found.f_ffree == 0:
         return f"the disk holding {directory} has no free inodes"
+    return size_limit_reached(path)
+
+
+def size_limit_reached(path: str | Path) -> str | None:
+    """The other "no room" (SQLite says "disk I/O error"): the database or its WAL has
+    grown to within a transaction's writes of this process's file size limit (RLIMIT_FSIZE,
+    `ulimit -f` where the gateway was started), which the operator's own shell, without
+    that limit, never meets."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return None
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit == resource.RLIM_INFINITY:
+        return None
+    for name in (Path(path), Path(f"{path}-wal")):
+        try:
+            size = name.stat().st_size
+        except OSError:
+            continue
+        if size + 65536 > limit:
+            return (
+                f"{name.absolute()} has reached this process's file size limit "
+                f"({limit} bytes, ulimit -f)"
+            )
     return None
 
 
