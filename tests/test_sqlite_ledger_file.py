@@ -178,3 +178,40 @@ output_per_mtok = 2000
     text = log_text(log)
     assert "SQLite ledger unreachable (OperationalError: " in text, text
     assert f"gw.db-wal has reached this process's file size limit ({limit} bytes" in text, text
+
+
+@pytest.mark.anyio
+async def test_a_removed_wal_another_process_still_writes_is_not_forked(tmp_path: Path) -> None:
+    # `serve --workers 2` and `rm gw.db-wal`: the worker that noticed first reopened at once
+    # and wrote into a new WAL under the WAL index the other worker still wrote the removed
+    # one under: requests failed with DatabaseError and usage records were lost. A process
+    # now waits (fail closed) until the others have let go of the removed WAL.
+    path = tmp_path / "gw.db"
+    async with upstream(json_handler(ANSWER)) as primary:
+        conf = gateway_config({"primary": primary.url}, store=f"sqlite:///{path}", limit="100")
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                assert (await client.post("/v1/chat", json=BODY)).status_code == 200
+                other = sqlite3.connect(path, isolation_level=None)  # the other worker
+                other.execute("SELECT COUNT(*) FROM fmw_usage").fetchone()
+                (tmp_path / "gw.db-wal").unlink()
+                other.execute(  # it writes on, into the WAL it has open
+                    "INSERT INTO fmw_budgets (budget_id, limit_units, window_kind, "
+                    "default_hold_units, updated_at) VALUES ('other', 1, 'total', 0, 'x')"
+                )
+                await anyio.sleep(CHECK_INTERVAL + 0.2)
+                refused = await client.post("/v1/chat", json=BODY)
+                assert refused.status_code == 503, refused.text
+                other.close()  # the other worker's turn to notice: the last to let go
+                assert (await client.post("/v1/chat", json=BODY)).status_code == 200
+        finally:
+            await gateway.aclose()
+    check = sqlite3.connect(path)
+    try:
+        assert check.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+        assert check.execute("SELECT budget_id FROM fmw_budgets").fetchall() == [("other",)]
+        served = check.execute("SELECT COUNT(*) FROM fmw_usage WHERE status = 200").fetchone()
+    finally:
+        check.close()
+    assert served == (2,)

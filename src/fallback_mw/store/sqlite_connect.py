@@ -126,6 +126,7 @@ class OpenedFile:
         self._identity = self._identities()
         self._check_at = time.monotonic() + interval
         self._moved = False
+        self.wal_only = False  # moved: only the -wal was removed or replaced
 
     def _identities(self) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
         return file_identity(self.path), file_identity(f"{self.path}-wal")
@@ -144,4 +145,38 @@ class OpenedFile:
         self._moved = database != self._identity[0] or (
             self._identity[1] is not None and wal != self._identity[1]
         )
+        self.wal_only = self._moved and database == self._identity[0]
         return self._moved
+
+
+class WalHandover:
+    """This process let go of a WAL an operator removed; other processes (`serve --workers`)
+    may still write into it, through the files they have open, under the WAL index (`-shm`)
+    all of them share. A connection opened now would write into the WAL file at the path
+    under that same index, and the two would overwrite each other's frames. So opening
+    waits (the ledger refuses meanwhile: fail closed) until the last of them has closed
+    (SQLite then removes the `-shm`), for `bound` seconds at most: an idle `sqlite3` shell
+    may hold it for hours."""
+
+    def __init__(self, path: str | Path, *, bound: float) -> None:
+        self.shm = Path(f"{path}-shm")
+        self.until = time.monotonic() + bound
+
+    def waiting(self) -> bool:
+        return time.monotonic() < self.until and self.shm.exists()
+
+
+class immediate:
+    """`BEGIN IMMEDIATE` ... `COMMIT`, rolled back on any error."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+
+    def __enter__(self) -> None:
+        self.conn.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, kind: object, exc: object, tb: object) -> None:
+        if kind is None:
+            self.conn.execute("COMMIT")
+        else:
+            self.conn.execute("ROLLBACK")

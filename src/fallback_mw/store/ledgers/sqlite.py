@@ -48,7 +48,8 @@ from fallback_mw.store.ledgers.schema import (
     usage_from_row,
     usage_values,
 )
-from fallback_mw.store.ledgers.sqlite_calls import SQLiteCalls, Turns, immediate, retrieved
+from fallback_mw.store.ledgers.sqlite_calls import SQLiteCalls, Turns, retrieved
+from fallback_mw.store.sqlite_connect import immediate
 
 
 class SQLiteLedger(SQLLedgerBase):

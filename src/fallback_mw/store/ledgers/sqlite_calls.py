@@ -22,7 +22,13 @@ from fallback_mw.budget.ledger import LedgerUnavailable
 from fallback_mw.grouping import Failed, Group, Pending, fail, settle
 from fallback_mw.store.ledgers.schema import SchemaTooNew
 from fallback_mw.store.outage import OutageLog
-from fallback_mw.store.sqlite_connect import OpenedFile, connect_wal, disk_full
+from fallback_mw.store.sqlite_connect import (
+    OpenedFile,
+    WalHandover,
+    connect_wal,
+    disk_full,
+    immediate,
+)
 
 T = TypeVar("T")
 # One ledger call in this many runs on the worker thread (which checkpoints the WAL).
@@ -47,6 +53,7 @@ class SQLiteCalls:
         self._opened = opened
         self._conn: sqlite3.Connection | None = None
         self._file: OpenedFile | None = None  # the file `_conn` has open
+        self._handover: WalHandover | None = None  # a removed WAL others may still use
         self._busy_ms = int(busy_timeout * 1000)  # the worker connection's busy timeout
         self._fast: sqlite3.Connection | None = None  # the event loop thread's (_inline)
         self._calls = 0
@@ -57,6 +64,8 @@ class SQLiteCalls:
 
     def _connection(self) -> sqlite3.Connection:
         if self._conn is None:
+            if self._handover is not None and self._handover.waiting():
+                raise sqlite3.OperationalError("its -wal was removed, other processes still use it")
             # Autocommit (explicit BEGIN IMMEDIATE / COMMIT below); used from worker
             # threads, under self._lock.
             conn = connect_wal(self.path, timeout=self.busy_timeout, check_same_thread=False)
@@ -80,6 +89,7 @@ class SQLiteCalls:
         )
         with contextlib.suppress(sqlite3.Error):  # the open WAL's pages into the database
             self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)")  # (a last close does it too)
+        self._handover = WalHandover(self.path, bound=5.0) if self._file.wal_only else None
         with contextlib.suppress(sqlite3.Error):
             self._close()
 
@@ -312,22 +322,6 @@ class SQLiteCalls:
                 self._close()
 
         await anyio.to_thread.run_sync(close)
-
-
-class immediate:
-    """`BEGIN IMMEDIATE` ... `COMMIT`, rolled back on any error."""
-
-    def __init__(self, conn: sqlite3.Connection) -> None:
-        self.conn = conn
-
-    def __enter__(self) -> None:
-        self.conn.execute("BEGIN IMMEDIATE")
-
-    def __exit__(self, kind: object, exc: object, tb: object) -> None:
-        if kind is None:
-            self.conn.execute("COMMIT")
-        else:
-            self.conn.execute("ROLLBACK")
 
 
 def retrieved(future: asyncio.Future[Any]) -> None:
