@@ -10,6 +10,7 @@ import resource
 import sqlite3
 import subprocess
 import sys
+import time
 from decimal import Decimal
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from fallback_mw.config import BudgetConfig
 from fallback_mw.store.ledgers.sqlite import SQLiteLedger
 from tests.helpers import client_for, free_port, log_text, wait_listening
 from tests.test_budget_guard import gateway_config, json_handler
+from tests.test_cli_admin import run_cli
 from tests.upstreams import host_app, upstream
 
 ANSWER = {"model": "gpt-test", "usage": {"prompt_tokens": 10, "completion_tokens": 5}}
@@ -215,3 +217,26 @@ async def test_a_removed_wal_another_process_still_writes_is_not_forked(tmp_path
     finally:
         check.close()
     assert served == (2,)
+
+
+def test_budgets_show_and_usage_read_a_ledger_another_process_is_writing(tmp_path: Path) -> None:
+    # An operator's `sqlite3` session (or a VACUUM) held the write lock: `routes list`
+    # answered, but `budgets show` and `usage`, which only read, waited the 5 s busy
+    # timeout and failed with "database is locked": opening the ledger took the write lock
+    # to migrate a schema already current and to settle stale holds there were none of.
+    path = tmp_path / "gw.db"
+    store = f"sqlite:///{path}"
+    budget = ("--budget", "acme", "--limit", "10", "--window", "total")
+    assert run_cli("budgets", "set", "--store", store, *budget)[0] == 0
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    try:
+        started = time.monotonic()
+        status, out, err = run_cli("budgets", "show", "--store", store)
+        assert status == 0 and "acme" in out, err
+        status, out, err = run_cli("usage", "--store", store, "--since", "1h")
+        assert status == 0, err
+        assert time.monotonic() - started < 4.0
+    finally:
+        other.execute("ROLLBACK")
+        other.close()

@@ -30,12 +30,9 @@ from fallback_mw.budget.ledger import (
 from fallback_mw.config import BudgetConfig
 from fallback_mw.request.context import new_request_id
 from fallback_mw.store.ledgers.schema import (
-    COMPONENT,
-    LATEST_VERSION,
     REAP_INTERVAL,
     REAPED_KEPT_SECONDS,
     RECORDED_WINDOWS_BYTES,
-    SCHEMA_TABLE,
     STALE_HOLD_SECONDS,
     USAGE_COLUMNS,
     BudgetCache,
@@ -44,11 +41,11 @@ from fallback_mw.store.ledgers.schema import (
     budgets_from_rows,
     decode_sqlite_time,
     encode_sqlite_time,
-    pending_migrations,
     usage_from_row,
     usage_values,
 )
 from fallback_mw.store.ledgers.sqlite_calls import SQLiteCalls, Turns, retrieved
+from fallback_mw.store.ledgers.sqlite_open import migrate, stale_work
 from fallback_mw.store.sqlite_connect import immediate
 
 
@@ -71,9 +68,10 @@ class SQLiteLedger(SQLLedgerBase):
     def _opened(self, conn: sqlite3.Connection) -> None:
         """The worker connection, just opened: the schema migrated, the holds left by a
         process that died mid-request settled."""
-        _migrate(conn)
-        with immediate(conn):
-            _settle_stale_holds(conn, self.stale_hold_seconds)
+        migrate(conn)
+        if stale_work(conn, self.stale_hold_seconds):
+            with immediate(conn):
+                _settle_stale_holds(conn, self.stale_hold_seconds)
         self._reap_at = time.monotonic() + self.reap_interval
 
     # --- holds --------------------------------------------------------------------------
@@ -371,23 +369,6 @@ def _settle_reaped(conn: sqlite3.Connection, hold_id: str, spent: int) -> None:
             "WHERE budget_id = ? AND window_start = ?",
             (spent, row[2], SPENT_CAP_UNITS, row[0], row[1]),
         )
-
-
-def _migrate(conn: sqlite3.Connection) -> None:
-    with immediate(conn):
-        conn.execute(SCHEMA_TABLE)
-        row = conn.execute(
-            "SELECT version FROM fmw_schema WHERE component = ?", (COMPONENT,)
-        ).fetchone()
-        current = 0 if row is None else int(row[0])
-        for statement in pending_migrations(current, "sqlite"):
-            conn.execute(statement)
-        if current != LATEST_VERSION:
-            conn.execute(
-                "INSERT INTO fmw_schema (component, version) VALUES (?, ?) "
-                "ON CONFLICT (component) DO UPDATE SET version = excluded.version",
-                (COMPONENT, LATEST_VERSION),
-            )
 
 
 def _settle_stale_holds(conn: sqlite3.Connection, older_than: float) -> None:
