@@ -4,6 +4,7 @@ the one `budgets show`, `usage`, another gateway and this one after a restart re
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import resource
@@ -11,6 +12,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from decimal import Decimal
 from pathlib import Path
 
@@ -129,13 +131,10 @@ def serve_limited(config: Path, port: int, log: Path, limit: int) -> subprocess.
         )
 
 
-@pytest.mark.anyio
-async def test_a_gateway_at_its_file_size_limit_says_so(tmp_path: Path) -> None:
-    # Seen with `ulimit -f` (RLIMIT_FSIZE) where `fallback-mw serve` was started: once the
-    # WAL reached the limit every budgeted request was refused, the log said only
-    # "SQLite ledger unreachable (OperationalError)", and the admin commands, run from a
-    # shell without that limit, found nothing wrong with the file.
-    limit = 256 * 1024
+@contextlib.asynccontextmanager
+async def served_under(tmp_path: Path, limit: int) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of `fallback-mw serve` under `ulimit -f` (`limit` bytes), its log in
+    tmp_path/serve.log: one budgeted route on a SQLite store."""
     config = tmp_path / "gw.toml"
     async with upstream(json_handler(ANSWER)) as primary:
         config.write_text(
@@ -164,12 +163,7 @@ output_per_mtok = 2000
         try:
             await wait_listening(process, port, log)
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
-                for _ in range(300):
-                    answer = await client.post("/v1/chat", json=BODY)
-                    if answer.status_code == 503:
-                        break
-                    assert answer.status_code == 200, answer.text
-                assert answer.json()["error"]["code"] == "budget_unavailable"
+                yield client
         finally:
             process.terminate()
             try:
@@ -177,9 +171,38 @@ output_per_mtok = 2000
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-    text = log_text(log)
+
+
+@pytest.mark.anyio
+async def test_a_gateway_at_its_file_size_limit_says_so(tmp_path: Path) -> None:
+    # Seen with `ulimit -f` (RLIMIT_FSIZE) where `fallback-mw serve` was started: once the
+    # WAL reached the limit every budgeted request was refused, the log said only
+    # "SQLite ledger unreachable (OperationalError)", and the admin commands, run from a
+    # shell without that limit, found nothing wrong with the file.
+    limit = 96 * 1024  # the database itself grows to it
+    async with served_under(tmp_path, limit) as client:
+        for _ in range(2000):
+            answer = await client.post("/v1/chat", json=BODY)
+            if answer.status_code == 503:
+                break
+            assert answer.status_code == 200, answer.text
+        assert answer.json()["error"]["code"] == "budget_unavailable"
+    text = log_text(tmp_path / "serve.log")
     assert "SQLite ledger unreachable (OperationalError: " in text, text
-    assert f"gw.db-wal has reached this process's file size limit ({limit} bytes" in text, text
+    assert f"has reached this process's file size limit ({limit} bytes, ulimit -f)" in text, text
+
+
+@pytest.mark.anyio
+async def test_a_gateway_under_a_file_size_limit_keeps_its_wal_within_it(tmp_path: Path) -> None:
+    # Under `ulimit -f 1024` (1 MiB) the gateway served about 50 budgeted requests, then
+    # refused every one (503) until restarted: each holds and settles a few pages, and
+    # SQLite checkpoints (and restarts) the WAL only past 1,000 pages, about 4 MB, while
+    # the database itself stayed under 100 KB.
+    async with served_under(tmp_path, 1024 * 1024) as client:
+        for _ in range(300):
+            answer = await client.post("/v1/chat", json=BODY)
+            assert answer.status_code == 200, answer.text
+    assert "unreachable" not in log_text(tmp_path / "serve.log")
 
 
 @pytest.mark.anyio

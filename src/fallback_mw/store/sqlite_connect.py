@@ -5,7 +5,11 @@ from __future__ import annotations
 import os
 import sqlite3
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def connect_wal(
@@ -81,6 +85,14 @@ def size_limit_reached(path: str | Path) -> str | None:
     grown to within a transaction's writes of this process's file size limit (RLIMIT_FSIZE,
     `ulimit -f` where the gateway was started), which the operator's own shell, without
     that limit, never meets."""
+    found = _at_size_limit(path)
+    if found is None:
+        return None
+    name, limit = found
+    return f"{name} has reached this process's file size limit ({limit} bytes, ulimit -f)"
+
+
+def _at_size_limit(path: str | Path) -> tuple[Path, int] | None:
     try:
         import resource
     except ImportError:  # not on this platform
@@ -88,17 +100,36 @@ def size_limit_reached(path: str | Path) -> str | None:
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     if limit == resource.RLIM_INFINITY:
         return None
-    for name in (Path(path), Path(f"{path}-wal")):
+    for name in (Path(f"{path}-wal").absolute(), Path(path).absolute()):
         try:
             size = name.stat().st_size
         except OSError:
             continue
         if size + 65536 > limit:
-            return (
-                f"{name.absolute()} has reached this process's file size limit "
-                f"({limit} bytes, ulimit -f)"
-            )
+            return name, limit
     return None
+
+
+def with_wal_room(
+    conn: sqlite3.Connection, path: str | Path, work: Callable[[sqlite3.Connection], T]
+) -> T:
+    """`work(conn)`; once more if it failed (rolled back) on a WAL grown to this process's
+    file size limit, after its pages are written back into the database and it starts
+    afresh. SQLite checkpoints by itself only past 1,000 pages (about 4 MB): under a lower
+    limit every write failed from then on, however small the database."""
+    try:
+        return work(conn)
+    except sqlite3.OperationalError:
+        found = _at_size_limit(path)
+        if found is None or not found[0].name.endswith("-wal"):
+            raise
+        try:
+            row = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        except sqlite3.Error:
+            row = None
+        if row is None or row[0] != 0:  # blocked by another connection's reader
+            raise
+    return work(conn)
 
 
 def file_identity(path: str | Path) -> tuple[int, int] | None:

@@ -28,6 +28,7 @@ from fallback_mw.store.sqlite_connect import (
     connect_wal,
     disk_full,
     immediate,
+    with_wal_room,
 )
 
 T = TypeVar("T")
@@ -215,7 +216,7 @@ class SQLiteCalls:
                     conn.execute(f"PRAGMA busy_timeout = {busy_ms}")
                     self._busy_ms = busy_ms
                 changes = conn.total_changes
-                result = work(conn)
+                result = with_wal_room(conn, self.path, work)
                 wrote = conn.total_changes != changes
                 self._open_fast()
                 return result, wrote
