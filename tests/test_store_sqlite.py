@@ -198,3 +198,32 @@ def test_an_upstream_name_two_routes_claim_names_both_owners() -> None:
     )
     with pytest.raises(ConfigError, match="'primary' is already defined by the config file"):
         merge_routes(config, [taker])
+
+
+@pytest.mark.anyio
+async def test_a_gateway_starts_while_another_process_writes_its_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An operator's `sqlite3` session held a write transaction on the store: a gateway
+    # (re)started meanwhile waited 5 s and refused to start, "cannot load routes from the
+    # store: ... database is locked", to write a schema version that was already current.
+    # Under systemd, a restart loop for as long as the session stayed open.
+    path = tmp_path / "gw.db"
+    store = SqliteStore(str(path))
+    await store.insert_route(stored("a", "http://127.0.0.1:1"))
+    monkeypatch.setenv("KEY", "sk-store")
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    try:
+        started = asyncio.get_running_loop().time()
+        gateway = Gateway(host_app, config=gateway_config(f"sqlite:///{path}"))
+        assert asyncio.get_running_loop().time() - started < 3.0
+        try:
+            async with client_for(gateway) as client:
+                answer = await client.get("/a/x")  # the stored route: its upstream refuses
+            assert answer.headers["x-gateway-route"] == "a"
+        finally:
+            await gateway.aclose()
+    finally:
+        other.execute("ROLLBACK")
+        other.close()

@@ -110,6 +110,33 @@ def _fault_row(
     )
 
 
+def _schema_current(conn: sqlite3.Connection) -> bool:
+    try:
+        row = conn.execute(
+            "SELECT version FROM fmw_schema WHERE component = ?", (SCHEMA_COMPONENT,)
+        ).fetchone()
+    except sqlite3.Error:  # no such table: a new file (or not one of ours: said below)
+        return False
+    return row is not None and int(row[0]) == SCHEMA_VERSION
+
+
+def _took_write_lock(conn: sqlite3.Connection) -> bool:
+    """`BEGIN IMMEDIATE` at once, or False when another connection holds the write lock.
+    A gateway starting while an operator's `sqlite3` session held a write transaction
+    waited 5 s for it and refused to start ("database is locked"), to rewrite a schema
+    version already current. A file that cannot be written still refuses, at that write."""
+    conn.execute("PRAGMA busy_timeout = 0")
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+    except sqlite3.OperationalError as exc:
+        if "locked" not in str(exc):
+            raise
+        return False
+    finally:
+        conn.execute("PRAGMA busy_timeout = 5000")
+    return True
+
+
 def _with_disk(exc: sqlite3.Error, path: Path) -> str:
     """SQLite's reason, and the full disk behind it when that is what it is."""
     full = disk_full(path)
@@ -140,7 +167,10 @@ class SqliteStore:
         return conn
 
     def _migrate(self, conn: sqlite3.Connection) -> None:
-        conn.execute("BEGIN IMMEDIATE")
+        if _schema_current(conn) and not _took_write_lock(conn):
+            return  # nothing to write, and another process (an operator's sqlite3) writes
+        if not conn.in_transaction:
+            conn.execute("BEGIN IMMEDIATE")
         try:
             conn.execute(_SCHEMA_TABLE)
             row = conn.execute(
