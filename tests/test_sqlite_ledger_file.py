@@ -31,6 +31,7 @@ from tests.upstreams import host_app, upstream
 ANSWER = {"model": "gpt-test", "usage": {"prompt_tokens": 10, "completion_tokens": 5}}
 BODY = {"model": "gpt-test", "max_tokens": 5}
 CHECK_INTERVAL = 1.0  # OpenedFile(interval=...) in SQLiteCalls
+HANDOVER = 2.5  # WalHandover(bound=...) in SQLiteCalls
 BUDGET = BudgetConfig(limit=Decimal(100), window="month")
 
 
@@ -229,7 +230,7 @@ async def test_a_removed_wal_another_process_still_writes_is_not_forked(tmp_path
                 refused = await client.post("/v1/chat", json=BODY)
                 assert refused.status_code == 503, refused.text
                 other.close()  # the other worker's turn to notice: the last to let go
-                assert (await client.post("/v1/chat", json=BODY)).status_code == 200
+                await served_again(client)
         finally:
             await gateway.aclose()
     check = sqlite3.connect(path)
@@ -240,6 +241,102 @@ async def test_a_removed_wal_another_process_still_writes_is_not_forked(tmp_path
     finally:
         check.close()
     assert served == (2,)
+
+
+async def served_again(client: httpx.AsyncClient) -> None:
+    """One budgeted request served, once the others have let go of the removed files (the
+    wait ends at the latest HANDOVER seconds after this process let go: each of them
+    notices within a second)."""
+    with anyio.fail_after(HANDOVER + 2.0):
+        for _ in range(100):
+            if (await client.post("/v1/chat", json=BODY)).status_code == 200:
+                return
+            await anyio.sleep(0.1)
+    pytest.fail("still refused")
+
+
+class OtherWorker:
+    """Another process with the store open, as a second `serve --workers` worker: it reads,
+    then writes and closes when told (`step`)."""
+
+    SCRIPT = (
+        "import sqlite3, sys\n"
+        "conn = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+        "conn.execute('SELECT COUNT(*) FROM fmw_usage').fetchone()\n"
+        "print('open', flush=True)\n"
+        "sys.stdin.readline()\n"
+        'conn.execute("INSERT INTO fmw_budgets (budget_id, limit_units, window_kind, "\n'
+        "    \"default_hold_units, updated_at) VALUES ('other', 1, 'total', 0, 'x')\")\n"
+        "print('wrote', flush=True)\n"
+        "sys.stdin.readline()\n"
+        "conn.close()\n"
+        "print('closed', flush=True)\n"
+    )
+
+    def __init__(self, path: Path) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", self.SCRIPT, str(path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.read() == "open"
+
+    def read(self) -> str:
+        assert self.process.stdout is not None
+        return self.process.stdout.readline().strip()
+
+    def step(self) -> str:
+        assert self.process.stdin is not None
+        self.process.stdin.write("\n")
+        self.process.stdin.flush()
+        return self.read()
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        for pipe in (self.process.stdin, self.process.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
+@pytest.mark.anyio
+async def test_a_removed_database_another_process_still_uses_is_not_overlaid(
+    tmp_path: Path,
+) -> None:
+    # `serve --workers 2` and `rm gw.db` (its -wal and -shm left in place): the worker that
+    # noticed first opened a new gw.db at once, under the WAL and WAL index the other
+    # worker still wrote the removed database's pages into. It now waits (fail closed)
+    # until the others have let go of them, as for a removed WAL.
+    path = tmp_path / "gw.db"
+    async with upstream(json_handler(ANSWER)) as primary:
+        conf = gateway_config({"primary": primary.url}, store=f"sqlite:///{path}", limit="100")
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                assert (await client.post("/v1/chat", json=BODY)).status_code == 200
+                other = OtherWorker(path)
+                try:
+                    path.unlink()
+                    assert other.step() == "wrote"  # into the files it has open
+                    await anyio.sleep(CHECK_INTERVAL + 0.2)
+                    refused = await client.post("/v1/chat", json=BODY)
+                    assert refused.status_code == 503, refused.text
+                    assert other.step() == "closed"
+                finally:
+                    other.close()
+                await served_again(client)
+        finally:
+            await gateway.aclose()
+    check = sqlite3.connect(path)
+    try:
+        assert check.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+        assert check.execute("SELECT budget_id FROM fmw_budgets").fetchall() == []
+        served = check.execute("SELECT COUNT(*) FROM fmw_usage WHERE status = 200").fetchone()
+    finally:
+        check.close()
+    assert served == (1,)
 
 
 def test_budgets_show_and_usage_read_a_ledger_another_process_is_writing(tmp_path: Path) -> None:

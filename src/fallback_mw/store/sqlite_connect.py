@@ -157,7 +157,6 @@ class OpenedFile:
         self._identity = self._identities()
         self._check_at = time.monotonic() + interval
         self._moved = False
-        self.wal_only = False  # moved: only the -wal was removed or replaced
 
     def _identities(self) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
         return file_identity(self.path), file_identity(f"{self.path}-wal")
@@ -176,18 +175,18 @@ class OpenedFile:
         self._moved = database != self._identity[0] or (
             self._identity[1] is not None and wal != self._identity[1]
         )
-        self.wal_only = self._moved and database == self._identity[0]
         return self._moved
 
 
 class WalHandover:
-    """This process let go of a WAL an operator removed; other processes (`serve --workers`)
-    may still write into it, through the files they have open, under the WAL index (`-shm`)
-    all of them share. A connection opened now would write into the WAL file at the path
-    under that same index, and the two would overwrite each other's frames. So opening
-    waits (the ledger refuses meanwhile: fail closed) until the last of them has closed
-    (SQLite then removes the `-shm`), for `bound` seconds at most: an idle `sqlite3` shell
-    may hold it for hours."""
+    """This process let go of a database or WAL an operator removed; other processes (`serve
+    --workers`) may still write into it, through the files they have open, under the WAL
+    index (`-shm`) all of them share. A connection opened now would use the files at the
+    path under that same index, and the two would overwrite each other's frames (or lay
+    the removed database's pages over the new one). So opening waits (the ledger refuses
+    meanwhile: fail closed) while a `-shm` is at the path (SQLite removes it when the last
+    of them closes), for `bound` seconds at most: each of them notices within a second
+    (`OpenedFile`) and lets go, and an idle `sqlite3` shell may hold it for hours."""
 
     def __init__(self, path: str | Path, *, bound: float) -> None:
         self.shm = Path(f"{path}-shm")

@@ -54,7 +54,7 @@ class SQLiteCalls:
         self._opened = opened
         self._conn: sqlite3.Connection | None = None
         self._file: OpenedFile | None = None  # the file `_conn` has open
-        self._handover: WalHandover | None = None  # a removed WAL others may still use
+        self._handover: WalHandover | None = None  # removed files others may still use
         self._busy_ms = int(busy_timeout * 1000)  # the worker connection's busy timeout
         self._fast: sqlite3.Connection | None = None  # the event loop thread's (_inline)
         self._calls = 0
@@ -66,7 +66,7 @@ class SQLiteCalls:
     def _connection(self) -> sqlite3.Connection:
         if self._conn is None:
             if self._handover is not None and self._handover.waiting():
-                raise sqlite3.OperationalError("its -wal was removed, other processes still use it")
+                raise sqlite3.OperationalError("removed while other processes still use it")
             # Autocommit (explicit BEGIN IMMEDIATE / COMMIT below); used from worker
             # threads, under self._lock.
             conn = connect_wal(self.path, timeout=self.busy_timeout, check_same_thread=False)
@@ -90,7 +90,7 @@ class SQLiteCalls:
         )
         with contextlib.suppress(sqlite3.Error):  # the open WAL's pages into the database
             self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)")  # (a last close does it too)
-        self._handover = WalHandover(self.path, bound=5.0) if self._file.wal_only else None
+        self._handover = WalHandover(self.path, bound=2.5)
         with contextlib.suppress(sqlite3.Error):
             self._close()
 
