@@ -13,6 +13,7 @@ import pytest
 
 from fallback_mw import Gateway
 from fallback_mw.cli import main
+from fallback_mw.store.ledgers.schema import LATEST_VERSION
 from tests.helpers import client_for
 from tests.test_cli_admin import gateway_config, wait_for
 from tests.upstreams import host_app, status_handler, upstream
@@ -246,3 +247,55 @@ async def test_capacity_leaves_out_a_usage_record_whose_time_is_no_time(tmp_path
     assert status == 1 and "cannot carry the peak" in err, err
     chat = next(line for line in out.splitlines() if line.startswith("chat "))
     assert chat.split()[:4] == ["chat", "primary", "11", "1,100,000"]
+
+
+@pytest.mark.anyio
+async def test_a_schema_version_no_version_writes_is_named_not_an_internal_error(
+    ledger_store: str,
+) -> None:
+    # `fmw_schema` edited by hand: a negative version made every verb (and a gateway's
+    # start) end in "unexpected internal error (IndexError / KeyError)", text in SQLite one
+    # of ValueError. Now the store is refused naming the row to restore.
+    import asyncpg
+
+    store = ledger_store  # a SQLite file, then a fresh PostgreSQL database
+    add = ["routes", "add", "--store", store, "--id", "chat", "--prefix", "/v1/"]
+    assert (await acli(*add, "--upstream", "http://127.0.0.1:9001"))[0] == 0
+    assert (await acli("budgets", "set", "--store", store, "--budget", "b", "--limit", "1"))[0] == 0
+    edits = [("routes", -5), ("ledger", -1)]
+    if store.startswith("sqlite:"):
+        edits += [("routes", "abc"), ("ledger", "2.5")]
+    for component, version in edits:
+        if store.startswith("sqlite:"):
+            with sqlite3.connect(store.removeprefix("sqlite:///")) as db:
+                db.execute("UPDATE fmw_schema SET version = ? WHERE component = ?",
+                           (version, component))  # fmt: skip
+        else:
+            conn = await asyncpg.connect(store)
+            try:
+                await conn.execute(
+                    "UPDATE fmw_schema SET version = $1 WHERE component = $2", version, component
+                )
+            finally:
+                await conn.close()
+        verb = ["routes", "list"] if component == "routes" else ["budgets", "show"]
+        status, _, err = await acli(*verb, "--store", store)
+        assert status == 1, err
+        assert f"schema version reads '{version}', which no fallback_mw writes" in err, err
+        assert "restore its row in the fmw_schema table" in err
+        gateway = Gateway(host_app, config=gateway_config(store))  # refuses, as it says
+        assert "restore its row in the fmw_schema table" in str(gateway.config_error)
+        await gateway.aclose()
+        restore = 1 if component == "routes" else LATEST_VERSION
+        if store.startswith("sqlite:"):
+            with sqlite3.connect(store.removeprefix("sqlite:///")) as db:
+                db.execute("UPDATE fmw_schema SET version = ? WHERE component = ?",
+                           (restore, component))  # fmt: skip
+        else:
+            conn = await asyncpg.connect(store)
+            try:
+                await conn.execute(
+                    "UPDATE fmw_schema SET version = $1 WHERE component = $2", restore, component
+                )
+            finally:
+                await conn.close()

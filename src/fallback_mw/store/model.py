@@ -33,10 +33,22 @@ SCHEMA_VERSION = 1  # both dialects' migrations lead to this version
 SCHEMA_TABLE_LOCK = 0x666D775F736368  # "fmw_sch"
 
 
+def stored_version(value: object, component: str = SCHEMA_COMPONENT) -> int:
+    """A version the `fmw_schema` table holds; StoreError for one no version writes (text,
+    a fraction, a negative number: edited by hand), which read as an internal error."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise StoreError(
+        f"the store's {component!r} schema version reads {str(value)[:40]!r}, which no "
+        "fallback_mw writes (edited by hand?): restore its row in the fmw_schema table"
+    )
+
+
 def pending_migrations(current: int, steps: Sequence[Sequence[str]]) -> list[str]:
     """The statements taking the route store's schema from version `current` to
     SCHEMA_VERSION (`steps[n - 1]` migrates from n-1 to n); StoreError when the store is
     newer than this package."""
+    current = stored_version(current)
     if current > SCHEMA_VERSION:
         raise StoreError(
             f"the store's {SCHEMA_COMPONENT!r} schema is version {current}; this package "

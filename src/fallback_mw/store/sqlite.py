@@ -23,6 +23,7 @@ from fallback_mw.store.model import (
     owned_upstreams,
     pending_migrations,
     stored_routes,
+    stored_version,
 )
 from fallback_mw.store.sqlite_connect import connect_wal, disk_full
 
@@ -117,7 +118,7 @@ def _schema_current(conn: sqlite3.Connection) -> bool:
         ).fetchone()
     except sqlite3.Error:  # no such table: a new file (or not one of ours: said below)
         return False
-    return row is not None and int(row[0]) == SCHEMA_VERSION
+    return row is not None and row[0] == SCHEMA_VERSION  # an int: as written
 
 
 def _took_write_lock(conn: sqlite3.Connection) -> bool:
@@ -176,7 +177,7 @@ class SqliteStore:
             row = conn.execute(
                 "SELECT version FROM fmw_schema WHERE component = ?", (SCHEMA_COMPONENT,)
             ).fetchone()
-            current = int(row[0]) if row else 0
+            current = stored_version(row[0]) if row else 0
             for statement in pending_migrations(current, _MIGRATIONS):
                 conn.execute(statement)
             conn.execute(
@@ -369,7 +370,7 @@ class SqliteStore:
                 "SELECT version FROM fmw_schema WHERE component = ?", (component,)
             ).fetchone()
         )
-        return 0 if row is None else int(row[0])
+        return 0 if row is None else stored_version(row[0], component)
 
     # --- change detection -------------------------------------------------------------
 

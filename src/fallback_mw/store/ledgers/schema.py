@@ -83,17 +83,26 @@ class SchemaTooNew(Exception):
     pass
 
 
-def check_version(current: int) -> None:
+def check_version(current: object) -> int:
+    """`current`, the ledger's version as `fmw_schema` holds it, when this package can use
+    it. One no version writes (text, a fraction, a negative number: edited by hand) failed
+    `budgets` verbs and every budgeted request with an internal error."""
+    if not isinstance(current, int) or isinstance(current, bool) or current < 0:
+        raise SchemaTooNew(
+            f"the store's ledger schema version reads {str(current)[:40]!r}, which no "
+            "fallback_mw writes (edited by hand?): restore its row in the fmw_schema table"
+        )
     if current > LATEST_VERSION:
         raise SchemaTooNew(
             f"the store's ledger schema is version {current}; this fallback_mw knows "
             f"up to {LATEST_VERSION} (upgrade the package)"
         )
+    return current
 
 
 def pending_migrations(current: int, dialect: str) -> list[str]:
     """The statements taking a ledger schema at version `current` to LATEST_VERSION."""
-    check_version(current)
+    current = check_version(current)
     steps = migrations(dialect)
     return [s for version in range(current + 1, LATEST_VERSION + 1) for s in steps[version]]
 

@@ -15,6 +15,7 @@ from fallback_mw.store.ledgers.schema import (
     LATEST_VERSION,
     REAPED_KEPT_SECONDS,
     SCHEMA_TABLE,
+    check_version,
     encode_sqlite_time,
     pending_migrations,
 )
@@ -26,12 +27,12 @@ _VERSION = "SELECT version FROM fmw_schema WHERE component = ?"
 def migrate(conn: sqlite3.Connection) -> None:
     with contextlib.suppress(sqlite3.OperationalError):  # no fmw_schema yet: a new file
         row = conn.execute(_VERSION, (COMPONENT,)).fetchone()
-        if row is not None and int(row[0]) == LATEST_VERSION:
+        if row is not None and row[0] == LATEST_VERSION:  # an int: as written
             return
     with immediate(conn):
         conn.execute(SCHEMA_TABLE)
         row = conn.execute(_VERSION, (COMPONENT,)).fetchone()
-        current = 0 if row is None else int(row[0])
+        current = 0 if row is None else check_version(row[0])
         for statement in pending_migrations(current, "sqlite"):
             conn.execute(statement)
         if current != LATEST_VERSION:
