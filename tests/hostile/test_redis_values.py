@@ -208,3 +208,36 @@ async def test_a_credential_cooling_down_for_a_day_stays_out(redis_url: str) -> 
         assert {dict(r.headers)["authorization"] for r in primary.received} == {"Bearer key-b"}
     finally:
         await inspect.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("stats", ["nan 0 0", "inf 0 0", "-1 0 0", "1 -1 0"])
+async def test_a_credential_score_no_pool_wrote_reads_as_none(redis_url: str, stats: str) -> None:
+    # `selection = "score"`: a credential's score written as `nan`, `inf` or a negative
+    # count (a hand HSET, another tool) scored NaN, which no comparison picks: with every
+    # credential so written the pool picked none, and the route answered 503 (no_credential)
+    # for as long as the key lived (one set by hand: for ever). Such stats read as none.
+    base, prefix = split_state_url(redis_url)
+    inspect = aioredis.Redis.from_url(base, decode_responses=True)
+    envs = ["KEY_A", "KEY_B"]
+    pool = hashlib.sha256("\x1f".join(envs).encode()).hexdigest()[:12]
+    try:
+        seconds, micros = await inspect.time()
+        at = str(int(seconds) * 1000 + int(micros) // 1000)
+        written = f"{stats} {at}"
+        await inspect.hset(f"{prefix}score:primary:{pool}", mapping={"0": written, "1": written})
+        async with upstream(status_handler(200)) as primary:
+            conf = {
+                "gateway": {"state": redis_url, "breaker": BREAKER},
+                "upstreams": {
+                    "primary": {"url": primary.url, "auth_env": envs, "selection": "score"}
+                },
+                "routes": [{"id": "r", "prefix": "/v1/", "plan": ["primary"]}],
+            }
+            environ = {"KEY_A": "key-a", "KEY_B": "key-b"}
+            async with gateway_client(conf, environ=environ) as client:
+                response = await client.get("/v1/x")
+                assert response.status_code == 200, response.text
+        assert primary.count == 1
+    finally:
+        await inspect.aclose()

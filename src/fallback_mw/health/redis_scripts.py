@@ -194,15 +194,15 @@ if st and st ~= 'closed' then return 'closed' end
 return '=closed'
 """
 
-
 # A credential's decayed score (health/pool.py: `score`, `CredentialStats`): the score hash
 # holds, per index, "successes failures latency_seconds at_ms"; ARGV[HL] the half-life ms.
 _STATS = """
+local function stat(x)  -- finite and >= 0: `nan` scored NaN, which no comparison picks
+  x = tonumber(x or ''); if x and x >= 0 and x < math.huge then return x end end
 local function stats(key, i, half_life)
-  local v = redis.call('HGET', key, tostring(i))
-  if not v then return 0, 0, 0 end
+  local v = redis.call('HGET', key, tostring(i)) or ''
   local s, f, l, at = string.match(v, '^(%S+) (%S+) (%S+) (%S+)$')
-  s, f, l, at = tonumber(s), tonumber(f), tonumber(l), tonumber(at)
+  s, f, l, at = stat(s), stat(f), stat(l), tonumber(at)
   if not (s and f and l and at) then return 0, 0, 0 end
   local factor = 0.5 ^ (math.max(now - at, 0) / half_life)
   return s * factor, f * factor, l * factor
