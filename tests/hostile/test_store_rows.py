@@ -299,3 +299,34 @@ async def test_a_schema_version_no_version_writes_is_named_not_an_internal_error
                 )
             finally:
                 await conn.close()
+
+
+@pytest.mark.anyio
+async def test_a_change_counter_edited_to_text_stops_no_gateway(tmp_path: Path) -> None:
+    # The SQLite store's change counters edited to text (by hand, a script) stopped a
+    # gateway at its start ("unexpected internal error (ValueError)"), and a running one's
+    # reloads, routes and faults, as "route store unreachable". Read as the triggers'
+    # arithmetic reads them, the next change moves them on and is picked up.
+    path = tmp_path / "gateway.db"
+    store = f"sqlite:///{path}"
+    async with upstream(status_handler(200, b"one")) as one:
+        add = ["routes", "add", "--store", store, "--upstream", one.url, "--prefix"]
+        assert (await acli(*add, "/one/", "--id", "one"))[0] == 0
+        with sqlite3.connect(path) as db:
+            db.execute("UPDATE fmw_route_changes SET serial = 'edited'")
+        gateway = Gateway(host_app, config=gateway_config(store))
+        assert gateway.config_error is None, gateway.config_error
+        runtime = gateway.services.store
+        assert runtime is not None
+        runtime.poll_interval = 0.05
+        try:
+            async with client_for(gateway) as client:
+                assert (await client.get("/one/x")).text == "one"
+                assert (await acli(*add, "/two/", "--id", "two"))[0] == 0
+
+                async def two() -> str:
+                    return (await client.get("/two/x")).text
+
+                assert await wait_for(two, "one")
+        finally:
+            await gateway.aclose()

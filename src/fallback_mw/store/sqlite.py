@@ -376,7 +376,14 @@ class SqliteStore:
 
     async def change_serials(self) -> tuple[int, int]:
         def read(conn: sqlite3.Connection) -> tuple[int, int]:
-            serials = dict(conn.execute("SELECT name, serial FROM fmw_route_changes").fetchall())
+            # As the triggers' arithmetic reads it: a counter edited to text (by hand, a
+            # script) stopped `serve` at its start as an internal error (ValueError), and a
+            # running gateway's reloads (routes and faults) as "route store unreachable".
+            serials = dict(
+                conn.execute(
+                    "SELECT name, CAST(serial AS INTEGER) FROM fmw_route_changes"
+                ).fetchall()
+            )
             return int(serials.get("routes", 0)), int(serials.get("faults", 0))
 
         return await self._run(read)
