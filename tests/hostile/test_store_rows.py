@@ -330,3 +330,35 @@ async def test_a_change_counter_edited_to_text_stops_no_gateway(tmp_path: Path) 
                 assert await wait_for(two, "one")
         finally:
             await gateway.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_stale_hold_edited_by_hand_is_no_bare_500(tmp_path: Path) -> None:
+    # A hold left in the SQLite ledger with an amount edited to text failed the ledger's
+    # opening (its stale holds are settled then): every budgeted request answered a bare
+    # 500 with a traceback, and `budgets show` an internal error. The amount is read as
+    # SQLite's own arithmetic reads it.
+    path = tmp_path / "gateway.db"
+    store = f"sqlite:///{path}"
+    budget = ["budgets", "set", "--store", store, "--budget", "acme", "--limit", "10"]
+    assert (await acli(*budget))[0] == 0
+    with sqlite3.connect(path) as db:
+        db.execute(
+            "INSERT INTO fmw_budget_holds VALUES "
+            "('h1', 'acme', '2026-12', 'abc', '2000-01-01T00:00:00.000000Z')"
+        )
+    status, out, err = await acli("budgets", "show", "--store", store)
+    assert status == 0 and out.startswith("BUDGET"), err
+    async with upstream(status_handler(200, b"served")) as primary:
+        conf = gateway_config(
+            store,
+            upstreams={"primary": {"url": primary.url}},
+            routes=[{"id": "r", "prefix": "/v1/", "plan": ["primary"], "budget": "acme"}],
+        )
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                response = await client.get("/v1/x")
+                assert (response.status_code, response.text) == (200, "served")
+        finally:
+            await gateway.aclose()

@@ -378,13 +378,15 @@ def _settle_stale_holds(conn: sqlite3.Connection, older_than: float) -> None:
     settles what it cost when it ends. In the caller's transaction."""
     now = datetime.now(UTC)
     cutoff = encode_sqlite_time(now - timedelta(seconds=older_than))
+    # The amount as SQLite's arithmetic reads it: a hand-edited one ('abc') failed opening
+    # the ledger, and every budgeted request was a bare 500.
     rows = conn.execute(
-        "SELECT hold_id, budget_id, window_start, amount_units FROM fmw_budget_holds "
-        "WHERE created_at < ?",
+        "SELECT hold_id, budget_id, window_start, CAST(amount_units AS INTEGER) "
+        "FROM fmw_budget_holds WHERE created_at < ?",
         (cutoff,),
     ).fetchall()
     for hold_id, budget_id, start, amount in rows:
-        _finish_hold(conn, hold_id, int(amount))
+        _finish_hold(conn, hold_id, amount)
         # Kept: a request still running settles what it cost when it ends (_settle_reaped).
         conn.execute(
             "INSERT OR IGNORE INTO fmw_budget_reaped "
