@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 from urllib.parse import urlsplit
 
+from fallback_mw.quoting import shortened
 from fallback_mw.security.addresses import UnsafeUpstream, check_upstream_host, is_legacy_ipv4
 from fallback_mw.security.fields import (
     CREDENTIAL_HEADERS,
@@ -195,8 +196,9 @@ def check_id(kind: str, value: str) -> None:
     It travels in `x-gateway-route` / `x-gateway-provider`, spans and terminal output, so
     a control character or a line break in it must never get that far."""
     if not isinstance(value, str) or _ID.fullmatch(value) is None:
+        shown = shortened(value) if isinstance(value, str) else value
         raise ConfigError(
-            f"{kind} id {value!r} is not allowed: use letters, digits and - _ . : only "
+            f"{kind} id {shown!r} is not allowed: use letters, digits and - _ . : only "
             "(at most 128)"
         )
 
@@ -299,11 +301,12 @@ def check_route(
     for name in route.plan:
         if name in seen:
             if name == route.plan[0]:
-                raise ConfigError(f"{label}: candidate {name!r} repeats the primary")
-            raise ConfigError(f"{label}: candidate {name!r} appears twice in the plan")
+                raise ConfigError(f"{label}: candidate {shortened(name)!r} repeats the primary")
+            raise ConfigError(f"{label}: candidate {shortened(name)!r} appears twice in the plan")
         seen.add(name)
         if name not in upstreams:
-            raise ConfigError(f"{label}: unknown upstream {name!r}{known_names(name, upstreams)}")
+            known = known_names(name, upstreams)
+            raise ConfigError(f"{label}: unknown upstream {shortened(name)!r}{known}")
     primary_url = upstreams[route.plan[0]].url
     for name in route.plan[1:]:
         if same_endpoint(upstreams[name].url, primary_url):
@@ -314,7 +317,7 @@ def check_route(
     if route.shadow is not None:
         if route.shadow not in upstreams:
             raise ConfigError(
-                f"{label}: unknown shadow upstream {route.shadow!r}"
+                f"{label}: unknown shadow upstream {shortened(route.shadow)!r}"
                 f"{known_names(route.shadow, upstreams)}"
             )
         if route.shadow == route.plan[0] or same_endpoint(upstreams[route.shadow].url, primary_url):

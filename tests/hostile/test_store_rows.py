@@ -362,3 +362,31 @@ async def test_a_stale_hold_edited_by_hand_is_no_bare_500(tmp_path: Path) -> Non
                 assert (response.status_code, response.text) == (200, "served")
         finally:
             await gateway.aclose()
+
+
+def test_a_name_of_megabytes_is_quoted_by_its_start(tmp_path: Path) -> None:
+    # A key or a plan name of megabytes in a hand-written store record (or a file) was
+    # quoted whole: `routes list`'s warning, `check`'s error and every gateway's reload
+    # log line were megabytes long. It is quoted by its start and its length.
+    path = tmp_path / "gateway.db"
+    store = f"sqlite:///{path}"
+    huge = "k" * 1_000_000
+    add = ["routes", "add", "--store", store, "--upstream", "http://127.0.0.1:9001"]
+    assert cli(*add, "--id", "a", "--prefix", "/a/")[0] == 0
+    with sqlite3.connect(path) as db:
+        (doc,) = db.execute("SELECT doc FROM fmw_routes").fetchone()
+        db.execute(
+            "UPDATE fmw_routes SET doc = ?", (doc.replace('"plan"', f'"{huge}": 1, "plan"'),)
+        )
+    status, _, err = cli("routes", "list", "--store", store)
+    assert status == 0 and len(err) < 400, err[:400]
+    assert f"unknown key '{'k' * 60}...(1000000 characters)'" in err
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE fmw_routes SET doc = ?", (doc.replace('a-primary"]', f'{huge}"]'),))
+    status, _, err = cli("routes", "list", "--store", store)
+    assert status == 0 and len(err) < 600, err[:600]
+    assert "unknown upstream 'kkk" in err and "...(1000000 characters)'" in err
+    config = tmp_path / "gateway.toml"
+    config.write_text(f"[gateway]\n{huge} = 1\n", encoding="utf-8")
+    status, _, err = cli("check", "--config", str(config))
+    assert status == 2 and len(err) < 400, err[:400]

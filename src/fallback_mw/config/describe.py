@@ -20,6 +20,7 @@ from fallback_mw.config.model import (
 )
 from fallback_mw.config.route import RouteConfig
 from fallback_mw.config.upstream import UpstreamConfig
+from fallback_mw.quoting import shortened
 
 _TABLES: tuple[tuple[str, type[BaseModel]], ...] = (
     ("[gateway]", GatewaySettings),
@@ -115,7 +116,7 @@ def _key_part(part: Any) -> str:
     """One step of a key path as the message shows it: a quoted TOML key holding a line
     break, a control character or a dot (`[prices."\\n"]`, `[upstreams."a.b"]`) in its
     escaped form, so the message stays one line and says which key."""
-    text = str(part)
+    text = shortened(str(part))
     if isinstance(part, str) and (not text.isprintable() or "." in text or " " in text):
         return repr(text)
     return text
@@ -146,13 +147,13 @@ def _describe(
         if len(loc) >= 2 and loc[0] == "routes" and isinstance(loc[1], int):
             route = routes[loc[1]] if isinstance(routes, list | tuple) else None
             if isinstance(route, Mapping) and isinstance(route.get("id"), str):
-                loc[:2] = [f"routes[{route['id']!r}]"]
+                loc[:2] = [f"routes[{shortened(route['id'])!r}]"]
             else:
                 loc[:2] = [f"routes[{loc[1]}]"]
         where = ".".join(_key_part(p) for p in loc)
         kind = item["type"]
         if kind == "extra_forbidden":  # said quoted whole: `unknown key 'gateway.\\nx'`
-            line = _unknown_key(root, raw, ".".join(str(p) for p in loc))
+            line = _unknown_key(root, raw, ".".join(shortened(str(p)) for p in loc))
         elif kind == "missing":
             line = f"{where}: required key missing"
         elif kind == "too_short" and item.get("ctx", {}).get("min_length") == 1:
