@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import io
 import sqlite3
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -390,3 +391,55 @@ def test_a_name_of_megabytes_is_quoted_by_its_start(tmp_path: Path) -> None:
     config.write_text(f"[gateway]\n{huge} = 1\n", encoding="utf-8")
     status, _, err = cli("check", "--config", str(config))
     assert status == 2 and len(err) < 400, err[:400]
+
+
+@pytest.mark.anyio
+async def test_a_hold_edited_up_never_leaves_the_budget_unlimited(ledger_store: str) -> None:
+    # A hold whose amount was edited up (by hand, a script) was taken off the window's held
+    # amount when the reaper settled it, leaving that far below 0: every later hold fitted
+    # under the limit whatever the spend, and the budget refused nothing for the rest of
+    # its window. Held never goes below 0: the settled amount (capped) refuses now.
+    import asyncpg
+
+    store = ledger_store  # a SQLite file, then a fresh PostgreSQL database
+    budget = ["budgets", "set", "--store", store, "--budget", "acme", "--limit", "10"]
+    assert (await acli(*budget))[0] == 0
+    status, out, err = await acli("budgets", "show", "--store", store)
+    assert status == 0, err
+    period = out.splitlines()[1].split()[2]
+    rows = [
+        ("INSERT INTO fmw_budget_windows VALUES ({}, {}, 0, 10000)", ("acme", period)),
+        (
+            "INSERT INTO fmw_budget_holds VALUES ({}, {}, {}, 9000000000000000000, {})",
+            ("h1", "acme", period, "2000-01-01T00:00:00.000000Z"),
+        ),
+    ]
+    if store.startswith("sqlite:"):
+        with sqlite3.connect(store.removeprefix("sqlite:///")) as db:
+            for sql, values in rows:
+                db.execute(sql.format(*"?" * len(values)), values)
+    else:
+        conn = await asyncpg.connect(store)
+        try:
+            for sql, values in rows:
+                marks = [f"${i}" for i in range(1, len(values) + 1)]
+                if len(values) == 4:
+                    marks[3] = "$4::timestamptz"
+                    values = (*values[:3], datetime.fromisoformat("2000-01-01T00:00:00+00:00"))
+                await conn.execute(sql.format(*marks), *values)
+        finally:
+            await conn.close()
+    async with upstream(status_handler(200, b"served")) as primary:
+        conf = gateway_config(
+            store,
+            upstreams={"primary": {"url": primary.url}},
+            routes=[{"id": "r", "prefix": "/v1/", "plan": ["primary"], "budget": "acme"}],
+        )
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                codes = [(await client.get("/v1/x")).status_code for _ in range(3)]
+        finally:
+            await gateway.aclose()
+    assert codes == [402, 402, 402]
+    assert primary.count == 0

@@ -80,7 +80,7 @@ def reaped(hold: str) -> str:
 
 def settle_ended(spent: str, cap: str) -> str:
     return f"""UPDATE fmw_budget_windows AS w
-SET held_units = w.held_units - ended.held,
+SET held_units = GREATEST(0::bigint, w.held_units - ended.held),
     spent_units = GREATEST(0::bigint, LEAST(w.spent_units + {spent}::bigint - ended.credit,
         {cap}::bigint))
 FROM ended
@@ -173,7 +173,7 @@ WITH stale AS (
     GROUP BY budget_id, window_start
 )
 UPDATE fmw_budget_windows AS w
-SET held_units = w.held_units - totals.units,
+SET held_units = GREATEST(0::bigint, w.held_units - totals.units),
     spent_units = w.spent_units + LEAST(totals.units, $2::bigint - w.spent_units)
 FROM totals
 WHERE w.budget_id = totals.budget_id AND w.window_start = totals.window_start

@@ -345,9 +345,11 @@ def _finish_hold(conn: sqlite3.Connection, hold_id: str, spent: int) -> None:
     if row is None:
         _settle_reaped(conn, hold_id, spent)
         return
-    # Spend saturates at SPENT_CAP_UNITS: never an integer overflow that loses the row.
+    # Spend saturates at SPENT_CAP_UNITS: never an integer overflow that loses the row. Held
+    # never goes below 0: a hold whose amount was edited up (by hand) left it far below,
+    # and every later hold fitted under the limit, whatever the spend.
     conn.execute(
-        "UPDATE fmw_budget_windows SET held_units = held_units - ?, "
+        "UPDATE fmw_budget_windows SET held_units = max(0, held_units - ?), "
         "spent_units = spent_units + min(?, ? - spent_units) "
         "WHERE budget_id = ? AND window_start = ?",
         (row[2], spent, SPENT_CAP_UNITS, row[0], row[1]),
