@@ -70,8 +70,18 @@ async def test_a_ledger_file_removed_or_replaced_while_serving_is_not_written_bl
                 await anyio.sleep(
                     CHECK_INTERVAL + 0.2
                 )  # the ledger looks at its path once a second
+                # Fail closed (503 budget_unavailable) while the files it let go of may
+                # still be in use: within the handover's bound (sqlite_connect.WalHandover,
+                # 2.5 s; the route store's own connection to the path counts).
+                statuses = [(await client.post("/v1/chat", json=BODY)).status_code]
+                waited = anyio.current_time() + 5
+                while statuses[-1] == 503 and anyio.current_time() < waited:
+                    await anyio.sleep(0.2)
+                    statuses.append((await client.post("/v1/chat", json=BODY)).status_code)
                 for _ in range(2):
-                    assert (await client.post("/v1/chat", json=BODY)).status_code == 200
+                    statuses.append((await client.post("/v1/chat", json=BODY)).status_code)
+                assert set(statuses) <= {200, 503}
+                assert statuses[-3:] == [200, 200, 200]
         finally:
             await gateway.aclose()
     reader = SQLiteLedger(str(path))  # what `budgets show` and `usage` open
@@ -81,9 +91,10 @@ async def test_a_ledger_file_removed_or_replaced_while_serving_is_not_written_bl
     finally:
         await reader.aclose()
     kept = 1 if operator == "restored_from_backup" else 0
-    assert len(records) == kept + 2
+    served = kept + statuses.count(200)
+    assert len([r for r in records if r.status == 200]) == served
     assert status.held == 0
-    assert status.spent == Decimal("0.02") * (kept + 2)
+    assert status.spent == Decimal("0.02") * served
     assert any("removed or replaced" in r.getMessage() for r in caplog.records)
 
 
