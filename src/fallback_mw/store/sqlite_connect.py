@@ -157,6 +157,7 @@ class OpenedFile:
         self._identity = self._identities()
         self._check_at = time.monotonic() + interval
         self._moved = False
+        self.index = file_identity(f"{path}-shm")  # the WAL index it has open
 
     def _identities(self) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
         return file_identity(self.path), file_identity(f"{self.path}-wal")
@@ -184,16 +185,23 @@ class WalHandover:
     index (`-shm`) all of them share. A connection opened now would use the files at the
     path under that same index, and the two would overwrite each other's frames (or lay
     the removed database's pages over the new one). So opening waits (the ledger refuses
-    meanwhile: fail closed) while a `-shm` is at the path (SQLite removes it when the last
-    of them closes), for `bound` seconds at most: each of them notices within a second
-    (`OpenedFile`) and lets go, and an idle `sqlite3` shell may hold it for hours."""
+    meanwhile: fail closed) while the `-shm` at the path is still the `index` this process
+    had open (SQLite removes it when the last of them closes), for `bound` seconds at most:
+    each of them notices within a second (`OpenedFile`), an idle `sqlite3` shell may hold
+    it for hours. A `-shm` made since for the new file (the route reload's) is no reason."""
 
-    def __init__(self, path: str | Path, *, bound: float) -> None:
+    def __init__(self, path: str | Path, index: tuple[int, int] | None, *, bound: float) -> None:
         self.shm = Path(f"{path}-shm")
+        self.index = index
         self.until = time.monotonic() + bound
 
     def waiting(self) -> bool:
-        return time.monotonic() < self.until and self.shm.exists()
+        if self.index is None or time.monotonic() >= self.until:
+            return False
+        try:
+            return file_identity(self.shm) == self.index
+        except OSError:
+            return False
 
 
 class immediate:

@@ -90,7 +90,7 @@ class SQLiteCalls:
         )
         with contextlib.suppress(sqlite3.Error):  # the open WAL's pages into the database
             self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)")  # (a last close does it too)
-        self._handover = WalHandover(self.path, bound=2.5)
+        self._handover = WalHandover(self.path, self._file.index, bound=2.5)
         with contextlib.suppress(sqlite3.Error):
             self._close()
 
