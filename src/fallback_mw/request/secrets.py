@@ -43,9 +43,10 @@ def _forms(value: AnyStr, space: AnyStr, equals: AnyStr, semicolon: AnyStr) -> l
     each stripped by its own type's rule; those too short to search for left out."""
     value = value.strip()
     forms = [value]
-    if space in value:
+    # `find`, not `in`: bytes `in` formats and drops a TypeError first (CPython 3.11).
+    if value.find(space) >= 0:
         forms.append(value.rsplit(space, 1)[1])
-    if equals in value:
+    if value.find(equals) >= 0:
         forms.extend(pair.split(equals, 1)[-1].strip() for pair in value.split(semicolon))
     return [form for form in forms if len(form) >= MIN_SECRET]
 

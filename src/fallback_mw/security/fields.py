@@ -174,7 +174,8 @@ def canonical_name(name: bytes) -> bytes:
     """The name as WSGI-style upstreams read it: `x_api_key` and `X-Api-Key` are one field
     (both become HTTP_X_API_KEY), so every stripping rule compares this form."""
     lower = name.lower()
-    return lower.replace(b"_", b"-") if b"_" in lower else lower
+    # `find`, not `in`: bytes `in` formats and drops a TypeError first (CPython 3.11).
+    return lower.replace(b"_", b"-") if lower.find(b"_") >= 0 else lower
 
 
 # Fields whose value lists other fields that must not be forwarded: `Connection` names
