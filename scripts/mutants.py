@@ -220,8 +220,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "layers/walker/walker.py",
-                "session=affinity_key(self.route.id, context.request_model, context.session),",
-                "session=context.session,",
+                "affinity_key(self.route.id, context.request_model, context.session),",
+                "context.session,",
             ),
         ),
         (POOL + "test_affinity_is_keyed_by_route_model_and_session",),

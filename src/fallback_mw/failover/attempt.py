@@ -126,7 +126,6 @@ class AttemptRunner:
         context: RequestContext,
         body: RequestBody,
         parsed: dict[str, Any] | None,
-        *,
         client: UpstreamClient,
         faults: FaultSource,
         inject_headers: Any,
@@ -261,18 +260,16 @@ class AttemptRunner:
                     record.fault = "blackhole"
                     base, client = await self.faults.blackhole().open()
                     url, proxy = base + url[len(upstream.url) :], None
+                # Positional, in the dataclass's field order (a class called with keywords
+                # builds a dict of them for every attempt): method, url, headers, body,
+                # timeouts, allow_hosts (the engine's own), max_connections, pool_key,
+                # ca_file, proxy, slot_taken, replayable.
                 request = UpstreamRequest(
-                    method=context.method,
-                    url=url,
-                    headers=headers,
-                    body=self._request_body(upstream),
-                    timeouts=timeouts,
-                    max_connections=connection_slots(upstream, shadow=self.shadow),
-                    pool_key=pool_key(name, upstream, shadow=self.shadow),
-                    ca_file=upstream.ca_file,
-                    proxy=proxy,
-                    replayable=self.replayable,
-                )
+                    context.method, url, headers, self._request_body(upstream), timeouts, (),
+                    connection_slots(upstream, shadow=self.shadow),
+                    pool_key(name, upstream, shadow=self.shadow), upstream.ca_file, proxy,
+                    False, self.replayable,
+                )  # fmt: skip
                 response = await client.send(request)
                 if response.status == 429 and len(upstream.credential_envs) > 1:
                     # A pool credential's 429: quota spent or rate limited? (a bounded read
@@ -336,7 +333,6 @@ class AttemptLifecycle:
         context: RequestContext,
         body: RequestBody,
         parsed: dict[str, Any] | None,
-        *,
         client: UpstreamClient,
         faults: FaultSource,
         health: HealthState,
@@ -353,10 +349,11 @@ class AttemptLifecycle:
         self.telemetry = telemetry
         self.ask = ask
         self.failover_status = context.route.failover_status  # a few codes: a tuple will do
+        # Positional: a class called with keywords builds a dict of them for every call
+        # (one per request here; docs/performance.md).
         self.runner = AttemptRunner(
-            context, body, parsed, client=client, faults=faults,
-            inject_headers=telemetry.inject_headers, shadow=shadow, replayable=replayable,
-            rendered=rendered,
+            context, body, parsed, client, faults, telemetry.inject_headers, shadow,
+            replayable, rendered,
         )  # fmt: skip
         self.reservations: dict[str, Reservation] = {}  # the latest, per upstream
         # The latest breaker admission per upstream (`gate`), then each started attempt's
@@ -370,7 +367,7 @@ class AttemptLifecycle:
         # `reservations`, and two attempts that both end unsent give back two counts.
         self._reserved: dict[int, Reservation] = {}
 
-    async def gate(self, name: str, upstream: UpstreamConfig, *, repeat: bool) -> Reservation | str:
+    async def gate(self, name: str, upstream: UpstreamConfig, repeat: bool) -> Reservation | str:
         """The body, the breaker, then declared capacity (and, for a repeat or a hedge, the
         repeat allowance). Returns the reservation, or the skip reason (`model_rewrite`,
         `breaker_open`, ...); a refusal after the breaker admitted frees the half-open probe
@@ -427,10 +424,10 @@ class AttemptLifecycle:
         hedge: bool = False,
     ) -> AttemptRecord:
         context = self.context
-        record = AttemptRecord(
-            candidate=name, number=context.attempt_count + 1, server_address=upstream.host,
-            server_port=upstream.port, credential_index=credential_index, hedge=hedge,
-        )  # fmt: skip
+        # The first fields positional, the rest set after (a class called with keywords
+        # builds a dict of them for every attempt).
+        record = AttemptRecord(name, len(context.attempts) + 1, upstream.host, upstream.port)
+        record.credential_index, record.hedge = credential_index, hedge
         context.attempts.append(record)
         admission = self.admissions.get(name)
         if admission is not None:  # the admission `gate` just made for this attempt

@@ -58,7 +58,6 @@ class CandidateCursor:
         order: Sequence[str],
         upstreams: Mapping[str, UpstreamConfig],
         health: HealthState,
-        *,
         session: str | None,  # the affinity key (health.pool.affinity_key)
         has_credential: Callable[[str, int], bool],
         on_skip: SkipListener,

@@ -206,27 +206,31 @@ class _Walk:
         self.parsed = parsed
         # Not buffered: the size read whole (a chunked body) or the declared length.
         size = body.length if body.length is not None else body.declared
+        # Positional (a class called with keywords builds a dict of them for every call):
+        # the client, faults, health, capacity, telemetry, the ask, shadow, replayable.
         self.attempts = AttemptLifecycle(
-            context, body, parsed, client=walker.client, faults=walker.faults,
-            health=walker.health, capacity=walker.capacity, telemetry=walker.telemetry,
-            replayable=self.replayable,
+            context, body, parsed, walker.client, walker.faults, walker.health,
+            walker.capacity, walker.telemetry,
             # A partial of locals, not a lambda over `self`: the walk holds its lifecycle,
             # which holds this, and a cycle per request left every walk to the garbage
             # collector (+4 % instructions per request, the collections' traversals).
-            ask=asker(
+            asker(
                 body.buffered, parsed, size,
                 functools.partial(
                     estimate_source, self.scope, body, walker.settings.replay_buffer
                 ),
             ),
+            False, self.replayable,
         )  # fmt: skip
         attempts = self.attempts
+        # Positional (a class called with keywords builds a dict of them): the order, the
+        # upstreams, health, the affinity key, has_credential, on_skip, the gate.
         self.cursor = CandidateCursor(
             context.candidates, context.upstreams, walker.health,
-            session=affinity_key(self.route.id, context.request_model, context.session),
-            has_credential=lambda n, i: context.credential(n, i) is not None,
-            on_skip=skip_recorder(context, walker.telemetry),  # no cycle back to self
-            gate=lambda name, upstream, repeat: attempts.gate(name, upstream, repeat=repeat),
+            affinity_key(self.route.id, context.request_model, context.session),
+            lambda n, i: context.credential(n, i) is not None,
+            skip_recorder(context, walker.telemetry),  # no cycle back to self
+            attempts.gate,
         )  # fmt: skip
         # A client disconnect cancels the attempt in flight and starts nothing new. The
         # watcher (a task reading `receive`) starts once the walk has lasted WATCH_AFTER:
