@@ -26,45 +26,50 @@ def usage_record(
 ) -> UsageRecord:
     """`priced_as`: the model the cost is of when the answer names one without a price
     (the model asked for): the record shows it, as docs/budgets.md says."""
+    # Built positionally, then filled in: a class called with keywords makes a dict of
+    # them on every call (every routed request leaves a record). AttemptOutcome's fields:
+    # candidate, status, failure, skipped, fault.
     attempts = [
-        AttemptOutcome(candidate=s.candidate, skipped=s.reason, fault=s.fault)
+        AttemptOutcome(s.candidate, None, None, s.reason, s.fault)
         if isinstance(s, SkipRecord)
         else AttemptOutcome(
-            candidate=s.candidate,
-            status=s.status,
+            s.candidate,
+            s.status,
             # Never finished: cancelled in flight (the client left, the host cancelled),
             # as its span says; not an attempt with no outcome at all.
-            failure=s.failure_kind or ("cancelled" if s.duration is None else None),
-            fault=s.fault,
+            s.failure_kind or ("cancelled" if s.duration is None else None),
+            None,
+            s.fault,
         )
         for s in walk_order(context)
     ]  # in the walk's order: a skip before the attempt that followed it
     usage = context.usage
-    return UsageRecord(
-        request_id=context.request_id,
-        route=context.route.id,
+    record = UsageRecord(
+        context.request_id,
+        context.route.id,
         # The caller's header: bounded and stored like the model (a NUL that the header
         # check refuses still reaches this record of its 400).
         # A tenant id that carries a credential of the request is not stored as it is.
-        tenant=_storable(recorded_tenant(context.tenant, context.secrets)[:MAX_NAME]) or "",
-        budget_id=context.route.budget,
-        candidates=tuple(context.candidates),
-        attempts=tuple(attempts),
-        chosen=context.chosen,
-        outcome=context.outcome,
-        status=context.status,
-        model=_storable(
-            recordable(context.secrets, priced_as or usage.model)
-            or recordable(context.secrets, model_asked(context))
-        ),
-        input_tokens=usage.input_tokens,
-        output_tokens=usage.output_tokens,
-        cost=cost,
-        charged=charged,
-        # Arrival to settlement (the walk, the response).
-        duration_ms=round((time.monotonic() - context.started) * 1000, 3),
-        rule=context.rule,
+        _storable(recorded_tenant(context.tenant, context.secrets)[:MAX_NAME]) or "",
     )
+    record.budget_id = context.route.budget
+    record.candidates = tuple(context.candidates)
+    record.attempts = tuple(attempts)
+    record.chosen = context.chosen
+    record.outcome = context.outcome
+    record.status = context.status
+    record.model = _storable(
+        recordable(context.secrets, priced_as or usage.model)
+        or recordable(context.secrets, model_asked(context))
+    )
+    record.input_tokens = usage.input_tokens
+    record.output_tokens = usage.output_tokens
+    record.cost = cost
+    record.charged = charged
+    # Arrival to settlement (the walk, the response).
+    record.duration_ms = round((time.monotonic() - context.started) * 1000, 3)
+    record.rule = context.rule
+    return record
 
 
 def model_asked(context: RequestContext) -> str | None:
