@@ -198,8 +198,10 @@ class UpstreamConfig(Strict):
     def proxy_host(self) -> str | None:
         return urlsplit(self.proxy).hostname if self.proxy else None
 
-    @property
+    @functools.cached_property
     def credential_envs(self) -> tuple[str, ...]:
+        """The pool's variables (one for a single credential, none for no auth): asked on
+        every pick and attempt, so made once (the model is frozen: `auth_env` stays)."""
         if self.auth_env is None:
             return ()
         if isinstance(self.auth_env, str):
@@ -208,10 +210,10 @@ class UpstreamConfig(Strict):
 
     def model_post_init(self, context: Any, /) -> None:
         # Each attempt names the upstream's host and port (its span's `server.address`,
-        # `server.port`): read from the URL now, when the configuration is loaded, and
-        # kept in the instance's __dict__, so an attempt reads a plain attribute (a
+        # `server.port`) and counts its pool: read now, when the configuration is loaded,
+        # and kept in the instance's __dict__, so an attempt reads a plain attribute (a
         # pydantic private attribute is read through `__getattr__`, some 2 µs a read).
-        _ = self.host, self.port
+        _ = self.host, self.port, self.credential_envs
 
     @functools.cached_property
     def host(self) -> str:

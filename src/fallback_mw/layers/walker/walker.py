@@ -267,7 +267,8 @@ class _Walk:
                         await self._act(Outcome("deadline"), None, None, None)
                         break
                 record = attempts.start(pick.name, pick.upstream, pick.credential_index)
-                hedged = may_hedge(
+                # The Idempotency-Key is looked for only on a route that hedges.
+                hedged = self.route.hedge_after_ms > 0 and may_hedge(
                     self.route,
                     replayable=self.replayable,
                     first_attempt=context.attempt_count == 1,
