@@ -40,6 +40,7 @@ SRC = ROOT / "src" / "fallback_mw"
 WALKER = "tests/test_walker.py::"
 ASKS = "tests/test_defence_in_depth.py::"
 POOL = "tests/test_credential_pool.py::"
+HEDGE = "tests/test_hedge_rules.py::"
 
 # The design's negative controls for what cannot be repeated (SPEC §5).
 CONTROLS = (
@@ -466,6 +467,82 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_an_answer_the_mask_cannot_read_is_never_relayed_from_an_upstream_holding_a_key",
             "tests/hostile/test_credential_echo.py::"
             "test_a_range_or_a_stream_the_mask_cannot_read_is_never_relayed_with_its_key",
+        ),
+    ),
+    # --- found by hand-made mutants no test killed (docs/failover.md) -------------------
+    Mutant(
+        "hedge_429_outside_a_pool",
+        "outside a credential pool a 429 wins a hedge race and is served as-is",
+        (
+            (
+                DECIDE,
+                'return pooled and outcome.kind == "status" and outcome.status in',
+                'return outcome.kind == "status" and outcome.status in',
+            ),
+        ),
+        (HEDGE + "test_a_429_without_a_pool_wins_the_race_and_is_served_as_is",),
+    ),
+    Mutant(
+        "hedge_at_a_fallback",
+        "only the plan's first candidate is hedged, never a fallback whose primary was skipped",
+        ((DECIDE, "        and at_first_candidate\n", ""),),
+        (HEDGE + "test_no_hedge_at_the_fallback_when_the_primary_is_skipped",),
+    ),
+    Mutant(
+        "probe_slot_kept_after_a_local_outcome",
+        "a half-open probe a local outcome ended (the caller's deadline) frees its slot",
+        (
+            (
+                "failover/attempt.py",
+                "if mark is None:\n            await self.health.release(name, admission)\n",
+                "if mark is None:\n",
+            ),
+        ),
+        ("tests/test_probe_slots.py::test_a_probe_the_callers_deadline_ended_frees_its_slot",),
+    ),
+    Mutant(
+        "pool_key_reused_through_affinity",
+        "a request uses each pool credential at most once, its session's bound one too",
+        (
+            (
+                "health/pool.py",
+                "usable = bound is not None and bound < pool_size and bound not in exclude",
+                "usable = bound is not None and bound < pool_size",
+            ),
+        ),
+        (
+            "tests/test_pool_rules.py::"
+            "test_a_session_bound_key_used_once_is_not_used_again_in_the_same_request[memory]",
+        ),
+    ),
+    Mutant(
+        "settlement_unshielded",
+        "a request an anyio host cancels still settles its hold (one settlement)",
+        (
+            (
+                "layers/guard.py",
+                "if self._shield:\n                    with anyio.CancelScope(shield=True):",
+                "if False:\n                    with anyio.CancelScope(shield=True):",
+            ),
+        ),
+        (
+            "tests/test_settle_cancelled.py::"
+            "test_a_request_an_anyio_host_cancels_mid_stream_still_settles_its_hold[own]",
+        ),
+    ),
+    Mutant(
+        "streamed_answer_one_byte_over",
+        "a streamed answer one byte over max_response_body is aborted, never relayed whole",
+        (
+            (
+                "layers/walker/stream.py",
+                "                        if received > limit or coded > limit:",
+                "                        if received > limit + 1 or coded > limit + 1:",
+            ),
+        ),
+        (
+            "tests/test_response_limit_edges.py::"
+            "test_a_body_of_the_limit_is_served_one_byte_more_is_not[1025-streamed]",
         ),
     ),
     Mutant(
