@@ -39,6 +39,19 @@ def test_canary_matches_the_spec_formula_and_lands_in_a_sane_band() -> None:
     assert candidate_order(eligible, canary=True) == ["backup", "primary"]
 
 
+def test_the_bucket_at_the_percentage_itself_is_not_canary() -> None:
+    # SPEC §8: canary when the bucket is *below* canary_percent * 100. A session whose
+    # bucket is exactly 100 times a whole percentage (found by search): out of the slice
+    # at that percentage, in it at the next bucket up. A mutant reading `<=` passed every
+    # test (none met the edge).
+    session = next(
+        s for s in (f"edge-{i}" for i in range(100_000)) if spec_bucket(s, SALT) % 100 == 0
+    )
+    bucket = spec_bucket(session, SALT)
+    assert not is_canary(route(canary_eligible=True, canary_percent=bucket / 100), session, SALT)
+    assert is_canary(route(canary_eligible=True, canary_percent=(bucket + 1) / 100), session, SALT)
+
+
 def test_never_canary_when_ineligible_or_without_a_session() -> None:
     ineligible = route(canary_eligible=False, canary_percent=100.0)
     assert not any(is_canary(ineligible, f"s{i}", SALT) for i in range(200))
