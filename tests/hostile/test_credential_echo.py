@@ -1144,6 +1144,37 @@ async def test_a_callers_range_of_a_coded_object_never_opens_the_upstreams_break
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+async def test_a_coded_range_nobody_asked_for_is_the_upstreams_failure(
+    engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The other side of the test above: a 206 of a gzip-coded object sent to a caller that
+    # asked for no range is the upstream's unusable answer (failover-class), booked to its
+    # breaker like any. A hand-made mutant that excused every coded 206 as "the caller's
+    # own range" passed every test: the upstream was never skipped.
+    monkeypatch.setenv("ECHO_KEY", SECRET)
+    conf = hostile_and_backup("", "", engine)
+    conf["gateway"]["breaker"] = {"window": 2, "min_calls": 2, "cooldown_ms": 60_000}  # type: ignore[index]
+    async with (
+        upstream(echo_range_of_gzip) as hostile,
+        upstream(status_handler(200, b"backup")) as backup,
+    ):
+        conf["upstreams"]["hostile"]["url"] = hostile.url  # type: ignore[index]
+        conf["upstreams"]["backup"]["url"] = backup.url  # type: ignore[index]
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with serve_asgi(gateway) as base, httpx.AsyncClient(base_url=base) as client:
+                for _ in range(2):
+                    unasked = await client.get("/a/x")
+                    assert (unasked.text, unasked.headers["x-gateway-attempts"]) == ("backup", "2")
+                after = await client.get("/a/x")
+        finally:
+            await gateway.aclose()
+    assert len(hostile.received) == 2
+    assert after.headers["x-gateway-skipped"] == "hostile;reason=breaker_open"
+    assert (after.text, after.headers["x-gateway-attempts"]) == ("backup", "1")
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 async def test_the_connection_of_an_answer_the_mask_cannot_read_is_closed(
     engine: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
