@@ -33,7 +33,7 @@ async def test_a_breaker_end_no_cooldown_wrote_is_due_not_for_ever(
     # skipped the upstream for ever (an open breaker's ADMIT touches no ttl; a half-open
     # one's renews it at every admission), and a route with no other candidate answered
     # 503 with a Retry-After of years. Such an end is further off than any cooldown or
-    # lease (max_cooldown_ms here is 1 s): due now, one probe, which closes the breaker.
+    # lease any configuration writes: due now, one probe, which closes the breaker.
     base, prefix = split_state_url(redis_url)
     inspect = aioredis.Redis.from_url(base, decode_responses=True)
     breaker = f"{prefix}breaker:primary"
@@ -239,5 +239,48 @@ async def test_a_credential_score_no_pool_wrote_reads_as_none(redis_url: str, st
                 response = await client.get("/v1/x")
                 assert response.status_code == 200, response.text
         assert primary.count == 1
+    finally:
+        await inspect.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_breaker_another_gateway_opened_for_its_own_cooldown_still_skips(
+    redis_url: str,
+) -> None:
+    # Two gateways on one Redis whose breakers differ (a rolling change of max_cooldown_ms):
+    # the one with an hour's cooldown opens the shared breaker for 45 minutes, an end this
+    # package writes. The one whose own cooldowns are short took it for a hand edit (due at
+    # once) and went on sending requests to the upstream the other had found failing.
+    base, prefix = split_state_url(redis_url)
+    inspect = aioredis.Redis.from_url(base, decode_responses=True)
+    long_breaker = {
+        "window": 4, "min_calls": 2, "cooldown_ms": 2_700_000, "max_cooldown_ms": 3_600_000
+    }  # fmt: skip
+    try:
+        async with (
+            upstream(status_handler(503, b"primary")) as primary,
+            upstream(status_handler(200, b"backup")) as backup,
+        ):
+
+            def conf(breaker: dict[str, int]) -> dict[str, object]:
+                return {
+                    "gateway": {"state": redis_url, "breaker": breaker},
+                    "upstreams": {"primary": {"url": primary.url}, "backup": {"url": backup.url}},
+                    "routes": [
+                        {"id": "r", "prefix": "/v1/", "plan": ["primary", "backup"], "retries": 1}
+                    ],
+                }
+
+            async with gateway_client(conf(long_breaker)) as client:
+                for _ in range(2):
+                    assert (await client.get("/v1/x")).text == "backup"
+            assert await inspect.hget(f"{prefix}breaker:primary", "st") == "open"
+            assert primary.count == 2
+            async with gateway_client(conf(BREAKER)) as client:
+                for _ in range(2):
+                    response = await client.get("/v1/x")
+                    assert response.text == "backup"
+                    assert response.headers["x-gateway-skipped"].startswith("primary;")
+            assert primary.count == 2
     finally:
         await inspect.aclose()

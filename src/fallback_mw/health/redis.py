@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from opentelemetry import metrics
 from opentelemetry.metrics import MeterProvider
 
-from fallback_mw.config import MAX_DEADLINE_MS, BreakerConfig
+from fallback_mw.config import MAX_COOLDOWN_MS, MAX_DEADLINE_MS, BreakerConfig
 from fallback_mw.health.breaker import DEFAULT_PROBE_LEASE, PROBE_LEASE_MARGIN
 from fallback_mw.health.events import Admission, TransitionListener
 from fallback_mw.health.memory import MemoryHealth, breaker_credential_mark, report_transition
@@ -132,11 +132,12 @@ class RedisHealth(RedisLink):
         self._forgets: dict[str, str] = {}
         self._max_cooldown_ms = max(self.config.max_cooldown_ms, self.config.cooldown_ms)
         self.breaker_ttl_ms = self._breaker_ttl_ms(self.probe_lease_ms)
-        # The furthest an open breaker's end or a probe's lease can be written ahead (the
-        # key's ttl for the longest lease, a walk deadline's): one further off is due
-        # (redis_scripts._AHEAD).
-        self._furthest_end_ms = self._breaker_ttl_ms(
-            MAX_DEADLINE_MS + math.ceil(PROBE_LEASE_MARGIN * 1000)
+        # The furthest an open breaker's end or a probe's lease can be written ahead by any
+        # process on this Redis, whatever its own breaker settings (a rolling change of
+        # max_cooldown_ms): the longest cooldown any configuration allows, twice, and a walk
+        # deadline's lease. One further off is due (redis_scripts._AHEAD).
+        self._furthest_end_ms = (
+            2 * MAX_COOLDOWN_MS + MAX_DEADLINE_MS + math.ceil(PROBE_LEASE_MARGIN * 1000)
         )
 
     def _breaker_ttl_ms(self, lease_ms: int) -> int:
