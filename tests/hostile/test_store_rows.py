@@ -443,3 +443,34 @@ async def test_a_hold_edited_up_never_leaves_the_budget_unlimited(ledger_store: 
             await gateway.aclose()
     assert codes == [402, 402, 402]
     assert primary.count == 0
+
+
+def test_a_route_key_or_upstream_key_of_megabytes_is_quoted_by_its_start(tmp_path: Path) -> None:
+    # The record's key (its id column, written by hand or by a script), or an upstream's
+    # key inside it, of megabytes was quoted whole: `routes list`'s warning was megabytes
+    # long, and so was every gateway's reload log line, at every reload. It is quoted by
+    # its start and its length.
+    path = tmp_path / "gateway.db"
+    store = f"sqlite:///{path}"
+    add = ["routes", "add", "--store", store, "--upstream", "http://127.0.0.1:9001"]
+    assert cli(*add, "--id", "a", "--prefix", "/a/")[0] == 0
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE fmw_routes SET id = ?", ("k" * 1_000_000,))
+    status, _, err = cli("routes", "list", "--store", store)
+    assert status == 0 and len(err) < 600, err[:600]
+    assert f"stored route '{'k' * 60}...(1000000 characters)'" in err
+    assert "its record holds route 'a'" in err
+    with sqlite3.connect(path) as db:  # and an upstream's key in the record
+        db.execute("UPDATE fmw_routes SET id = 'a'")
+        (doc,) = db.execute("SELECT doc FROM fmw_routes").fetchone()
+        db.execute(
+            "UPDATE fmw_routes SET doc = ?",
+            (
+                doc.replace(
+                    '"upstreams": {', f'"upstreams": {{"{"k" * 1_000_000}": {{"url": 5}}, ', 1
+                ),
+            ),
+        )
+    status, _, err = cli("routes", "list", "--store", store)
+    assert status == 0 and len(err) < 600, err[:600]
+    assert f"stored route 'a', upstream '{'k' * 60}...(1000000 characters)'" in err

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ValidationError
 
 from fallback_mw.config import ConfigError, RouteConfig, UpstreamConfig, command_option
 from fallback_mw.config import _describe as describe_validation_error
+from fallback_mw.quoting import shortened
 from fallback_mw.rules import check_id
 
 FaultKind = Literal["fail", "hang", "blackhole", "revoke", "pin"]
@@ -102,8 +103,9 @@ class StoredRoute:
 
     @classmethod
     def from_doc(cls, route_id: str, text: str | bytes) -> StoredRoute:
-        """`text` as bytes: a record that is not UTF-8 text (a backend's read of it)."""
-        where = f"stored route {route_id!r}"
+        """`text` as bytes: a record that is not UTF-8 text (a backend's read of it). A key
+        written by hand may be megabytes long: quoted by its start, as every name is."""
+        where = f"stored route {shortened(route_id)!r}"
         if isinstance(text, bytes):
             raise ConfigError(
                 f"{where}: unreadable record (not UTF-8 text){_remove_hint(route_id)}"
@@ -119,7 +121,9 @@ class StoredRoute:
         try:
             route = build_model(RouteConfig, route_data, where)
             upstreams = {
-                str(name): build_model(UpstreamConfig, value, f"{where}, upstream {name!r}")
+                str(name): build_model(
+                    UpstreamConfig, value, f"{where}, upstream {shortened(str(name))!r}"
+                )
                 for name, value in dict(upstream_data).items()
             }
         except (ValueError, TypeError) as exc:  # ConfigError included: said with the repair
@@ -130,7 +134,8 @@ class StoredRoute:
             # gateways would serve it as route.id, which `routes remove` / `set` cannot
             # find, and two such records would be one id "in the file and in the store".
             raise ConfigError(
-                f"{where}: its record holds route {route.id!r}, not {route_id!r}"
+                f"{where}: its record holds route {route.id!r}, not "
+                f"{shortened(route_id)!r}"
                 f"{_remove_hint(route_id)}"
             )
         return cls(route=route, upstreams=upstreams, doc=text)
