@@ -16,6 +16,7 @@ from fallback_mw.config import ConfigError, RouteConfig, UpstreamConfig, command
 from fallback_mw.config import _describe as describe_validation_error
 from fallback_mw.quoting import shortened
 from fallback_mw.rules import check_id
+from fallback_mw.store.versions import unwritten_version, written_version
 
 FaultKind = Literal["fail", "hang", "blackhole", "revoke", "pin"]
 Model = TypeVar("Model", bound=BaseModel)
@@ -37,12 +38,10 @@ SCHEMA_TABLE_LOCK = 0x666D775F736368  # "fmw_sch"
 def stored_version(value: object, component: str = SCHEMA_COMPONENT) -> int:
     """A version the `fmw_schema` table holds; StoreError for one no version writes (text,
     a fraction, a negative number: edited by hand), which read as an internal error."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    raise StoreError(
-        f"the store's {component!r} schema version reads {str(value)[:40]!r}, which no "
-        "fallback_mw writes (edited by hand?): restore its row in the fmw_schema table"
-    )
+    version = written_version(value)
+    if version is None:
+        raise StoreError(unwritten_version(value, f"the store's {component!r} schema"))
+    return version
 
 
 def pending_migrations(current: int, steps: Sequence[Sequence[str]]) -> list[str]:

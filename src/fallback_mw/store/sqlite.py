@@ -111,6 +111,10 @@ def _fault_row(
     )
 
 
+# How long a store call waits for another connection's write lock.
+_BUSY_MS = 5000
+
+
 def _schema_current(conn: sqlite3.Connection) -> bool:
     try:
         row = conn.execute(
@@ -134,7 +138,7 @@ def _took_write_lock(conn: sqlite3.Connection) -> bool:
             raise
         return False
     finally:
-        conn.execute("PRAGMA busy_timeout = 5000")
+        conn.execute(f"PRAGMA busy_timeout = {_BUSY_MS}")
     return True
 
 
@@ -152,8 +156,8 @@ class SqliteStore:
     def _connect(self) -> sqlite3.Connection:
         conn: sqlite3.Connection | None = None
         try:
-            conn = connect_wal(self.path, timeout=5.0)
-            conn.execute("PRAGMA busy_timeout = 5000")
+            conn = connect_wal(self.path, timeout=_BUSY_MS / 1000)
+            conn.execute(f"PRAGMA busy_timeout = {_BUSY_MS}")
             if not self._migrated:  # a read-only file fails here, at its first write
                 self._migrate(conn)
                 self._migrated = True

@@ -16,6 +16,7 @@ from fallback_mw.budget.cost import from_units, to_units
 from fallback_mw.budget.ledger import AttemptOutcome, BudgetUnreadable, Hold, UsageRecord
 from fallback_mw.config import BudgetConfig
 from fallback_mw.request.context import MAX_NAME
+from fallback_mw.store.versions import unwritten_version, written_version
 
 SCHEMA_TABLE = (
     "CREATE TABLE IF NOT EXISTS fmw_schema (component TEXT PRIMARY KEY, version INTEGER NOT NULL)"
@@ -87,17 +88,15 @@ def check_version(current: object) -> int:
     """`current`, the ledger's version as `fmw_schema` holds it, when this package can use
     it. One no version writes (text, a fraction, a negative number: edited by hand) failed
     `budgets` verbs and every budgeted request with an internal error."""
-    if not isinstance(current, int) or isinstance(current, bool) or current < 0:
+    version = written_version(current)
+    if version is None:
+        raise SchemaTooNew(unwritten_version(current, "the store's ledger schema"))
+    if version > LATEST_VERSION:
         raise SchemaTooNew(
-            f"the store's ledger schema version reads {str(current)[:40]!r}, which no "
-            "fallback_mw writes (edited by hand?): restore its row in the fmw_schema table"
-        )
-    if current > LATEST_VERSION:
-        raise SchemaTooNew(
-            f"the store's ledger schema is version {current}; this fallback_mw knows "
+            f"the store's ledger schema is version {version}; this fallback_mw knows "
             f"up to {LATEST_VERSION} (upgrade the package)"
         )
-    return current
+    return version
 
 
 def pending_migrations(current: int, dialect: str) -> list[str]:
