@@ -126,9 +126,9 @@ class PriceBook:
             # Or in another case (`Max_Tokens`), which case-insensitive readers take.
             lowered = body.lower()
             if (
-                b"\\u" not in body
+                body.find(b"\\u") < 0  # `find`: `bytes in bytes` raises and drops a TypeError
                 and body.isascii()
-                and not any(key.encode() in lowered for key in _OUTPUT_LIMIT_KEYS)
+                and not any(lowered.find(key.encode()) >= 0 for key in _OUTPUT_LIMIT_KEYS)
             ):
                 return default_hold
             try:

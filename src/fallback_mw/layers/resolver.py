@@ -108,10 +108,11 @@ def _as_spelled(scope: Scope, fields: tuple[bytes, ...]) -> tuple[bytes, ...]:
     read_as = {canonical_name(field) for field in fields}
     # Another spelling differs by an `_` (a name of ours without one: only a sent name
     # with one can be another spelling of it).
-    any_name = any(b"_" in field for field in fields)
+    # (`find`, not `in`: `bytes in bytes` raises and drops a TypeError on CPython 3.11.)
+    any_name = any(field.find(b"_") >= 0 for field in fields)
     spelled: list[bytes] = []
     for key, _ in scope.get("headers", ()):
-        if not any_name and b"_" not in key:
+        if not any_name and key.find(b"_") < 0:
             continue
         lower = key.lower()
         if canonical_name(lower) in read_as and lower not in fields and lower not in spelled:

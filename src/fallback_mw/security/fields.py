@@ -173,9 +173,10 @@ def override_methods(headers: Iterable[tuple[bytes, bytes]], method: str) -> fro
 def canonical_name(name: bytes) -> bytes:
     """The name as WSGI-style upstreams read it: `x_api_key` and `X-Api-Key` are one field
     (both become HTTP_X_API_KEY), so every stripping rule compares this form."""
-    lower = name.lower()
-    # `find`, not `in`: bytes `in` formats and drops a TypeError first (CPython 3.11).
-    return lower.replace(b"_", b"-") if lower.find(b"_") >= 0 else lower
+    # Not `b"_" in lower` first: on CPython 3.11 `bytes in bytes` tries the needle as an
+    # integer and formats (then drops) a TypeError, some 2,000 instructions a header;
+    # `replace` with nothing to replace returns the same object.
+    return name.lower().replace(b"_", b"-")
 
 
 # Fields whose value lists other fields that must not be forwarded: `Connection` names
