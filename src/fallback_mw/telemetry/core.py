@@ -40,6 +40,7 @@ from fallback_mw.telemetry.spans import (
     RequestTrace,
     Untraced,
     decision_attributes,
+    entry_of,
     request_span_attributes,
 )
 
@@ -198,11 +199,11 @@ class Telemetry(BreakerReports, TracePropagation):
             request = self._request_trace(context)
             if request is None:
                 return
-            entry = next((a for a in request.attempts if a.record is attempt), None)
+            entry = entry_of(request.attempts, attempt)
             if entry is None:
                 # attempt_started never ran for it: still record a (zero-length) span.
                 self.attempt_started(context, attempt)
-                entry = next((a for a in request.attempts if a.record is attempt), None)
+                entry = entry_of(request.attempts, attempt)
                 if entry is None:
                     return
             request.attempts.remove(entry)
@@ -217,7 +218,7 @@ class Telemetry(BreakerReports, TracePropagation):
             request = self._request_trace(context)
             if request is None:
                 return
-            entry = next((a for a in request.undecided if a.record is attempt), None)
+            entry = entry_of(request.undecided, attempt)
             if entry is None:
                 return
             request.undecided.remove(entry)

@@ -45,6 +45,15 @@ class Untraced:
     attempts: list[AttemptRecord] = field(default_factory=list)
 
 
+def entry_of(entries: list[AttemptTrace], record: AttemptRecord) -> AttemptTrace | None:
+    """The entry of `record` (a loop, not `next()` over a generator: one left unfinished
+    is closed by raising GeneratorExit into it, about 2,000 instructions)."""
+    for entry in entries:
+        if entry.record is record:
+            return entry
+    return None
+
+
 def decision_attributes(record: AttemptRecord) -> dict[str, AttributeValue]:
     """What the walk did after this attempt and why (`decide.Decision`'s action and reason:
     constant phrases of the failover rules, never a caller's or an upstream's text)."""
