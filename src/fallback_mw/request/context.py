@@ -28,8 +28,10 @@ def new_request_id() -> str:
     generator (seeded from the OS, and again in a forked child) rather than a
     `getrandom` system call per request, which also releases the GIL and, with a
     background thread busy (the OTel SDK's exporter), can wait a whole switch interval
-    to get it back. Ids are for correlation, not secrets; nothing reads them as UUIDs."""
-    return f"{random.getrandbits(128):032x}"
+    to get it back. Ids are for correlation, not secrets; nothing reads them as UUIDs.
+    The digits of its 16 bytes, as `f"{n:032x}"` writes them, for a third fewer
+    instructions (the format spec's parse and a 128-bit integer's conversion)."""
+    return random.getrandbits(128).to_bytes(16, "big").hex()
 
 
 @dataclass(slots=True)
