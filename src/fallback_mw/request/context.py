@@ -210,11 +210,16 @@ class RequestContext:
     def fault(self) -> bool:
         """Game-day traffic (SPEC §12): a pin chose the order, a fault drove an attempt, or
         a candidate was skipped because a breaker that fault outcomes opened is open."""
-        return (
-            self.pinned is not None
-            or any(a.fault for a in self.attempts)
-            or any(s.fault for s in self.skipped)
-        )
+        if self.pinned is not None:
+            return True
+        # Loops, not `any()` over generators: asked at every request's end.
+        for attempt in self.attempts:
+            if attempt.fault:
+                return True
+        for skip in self.skipped:  # noqa: SIM110 (any() over a generator: what this avoids)
+            if skip.fault:
+                return True
+        return False
 
     @property
     def fallback(self) -> bool:
