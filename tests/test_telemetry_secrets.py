@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -352,3 +354,37 @@ async def test_only_the_recorded_part_of_a_long_value_is_searched_for_credential
     assert status == 400 and carried(text + body.decode()) == []
     message = json.loads(body)["error"]["message"]
     assert message.startswith(repr("x-" + "n" * 254) + " has bytes >= 0x80"), message
+
+
+@given(
+    text=st.text(alphabet="abcXYZ-_01 é", max_size=300),
+    secrets=st.lists(st.binary(min_size=8, max_size=40).map(bytes.lower), max_size=20),
+    cut=st.integers(min_value=0, max_value=40),
+    at=st.integers(min_value=0, max_value=300),
+)
+def test_a_credential_is_found_in_a_recorded_value_however_many_the_request_holds(
+    text: str, secrets: list[bytes], cut: int, at: int
+) -> None:
+    """`_carries` filters by each credential's first bytes only when the request holds many
+    (a cookie of thousands); with a few it searches for each. The answer is the search's
+    either way: the value holds a credential beginning in its recorded part, or is a long
+    enough piece of one."""
+    from fallback_mw.request.secrets import MAX_RECORDED, MIN_PIECE, MIN_SECRET, _carries
+
+    if secrets and at <= len(text):  # sometimes a credential (or its start) in the value
+        chosen = secrets[at % len(secrets)].decode("latin-1")
+        text = text[:at] + chosen[: max(cut, MIN_SECRET)] + text[at:]
+    values = tuple(dict.fromkeys(secrets))
+    recorded = text[:MAX_RECORDED].encode("utf-8", "replace").lower()
+    end = len(recorded)
+    longest = max((len(s) for s in values), default=0)
+    lowered = text[: MAX_RECORDED + longest].encode("utf-8", "replace").lower()
+    expected = any(
+        lowered.find(s, 0, end + len(s) - 1) >= 0
+        or (end >= MIN_PIECE and len(s) >= end and s.find(recorded) >= 0)
+        for s in values
+    )
+    assert _carries(text, values) is expected
+    # The same credentials among many unrelated ones (the filtered search): the same answer.
+    others = tuple(bytes([0xFF]) * 8 + bytes([n]) for n in range(20))
+    assert _carries(text, values + others) is expected

@@ -123,6 +123,10 @@ class RequestSecrets:
         return checked
 
 
+# Up to this many credentials, `_carries` searches for each without its filter.
+_FEW = 16
+
+
 def _carries(text: str, values: tuple[bytes, ...]) -> bool:
     recorded = text[:MAX_RECORDED].encode("utf-8", "replace").lower()
     end = len(recorded)
@@ -132,10 +136,14 @@ def _carries(text: str, values: tuple[bytes, ...]) -> bool:
         longest = max(len(secret) for secret in values)
         lowered = text[: MAX_RECORDED + longest].encode("utf-8", "replace").lower()
     piece = end >= MIN_PIECE
-    # Where a credential can begin: its first MIN_SECRET bytes at one of `end` places.
-    starts = {lowered[i : i + MIN_SECRET] for i in range(end)}
+    # Where a credential can begin: its first MIN_SECRET bytes at one of `end` places. A
+    # filter only (the `find` alone decides), made for many credentials (a cookie of
+    # thousands of values): for a few, their `find`s cost less than its `end` slices.
+    starts = {lowered[i : i + MIN_SECRET] for i in range(end)} if len(values) > _FEW else None
     for secret in values:
-        if secret[:MIN_SECRET] in starts and lowered.find(secret, 0, end + len(secret) - 1) >= 0:
+        if (starts is None or secret[:MIN_SECRET] in starts) and lowered.find(
+            secret, 0, end + len(secret) - 1
+        ) >= 0:
             return True
         if piece and len(secret) >= end and secret.find(recorded) >= 0:
             return True
