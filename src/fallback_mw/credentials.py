@@ -81,9 +81,13 @@ def without_echoed_credentials(
         return headers
     # One search when none is there (every name and value, a line each: no credential
     # holds a line break, so none is found across two of them).
-    # `find`, not `in`: bytes `in` formats and drops a TypeError first (CPython 3.11).
     joined = b"\n".join(chain.from_iterable(headers)).lower()
-    if not any(joined.find(secret) >= 0 for secret in secrets):
+    # `find`, not `in`: `bytes in bytes` raises and drops a TypeError on CPython 3.11. A
+    # loop, not `any()` over a generator (about 2,000 instructions): every answer.
+    for secret in secrets:
+        if joined.find(secret) >= 0:
+            break
+    else:
         return headers
     return [
         (k, v)
@@ -131,11 +135,11 @@ def echoes_credential(context: RequestContext, name: str, text: str) -> bool:
     lowered = text.encode("latin-1", "replace").lower()
     # The meter keeps at most MAX_NAME characters: a longer key arrives cut, as a piece.
     piece = len(lowered) >= MIN_ECHOED_SECRET
-    # `find`, not `in`: bytes `in` formats and drops a TypeError first (CPython 3.11).
-    return any(
-        lowered.find(secret) >= 0 or (piece and secret.find(lowered) >= 0)
-        for secret in _echo_secrets(found, upstream.auth_scheme)
-    )
+    # A loop, not `any()` over a generator (about 2,000 instructions): every metered answer.
+    for secret in _echo_secrets(found, upstream.auth_scheme):
+        if lowered.find(secret) >= 0 or (piece and secret.find(lowered) >= 0):
+            return True
+    return False
 
 
 class EchoMask:
