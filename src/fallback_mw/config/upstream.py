@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any, Literal, Self
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -214,6 +215,17 @@ class UpstreamConfig(Strict):
         # and kept in the instance's __dict__, so an attempt reads a plain attribute (a
         # pydantic private attribute is read through `__getattr__`, some 2 µs a read).
         _ = self.host, self.port, self.credential_envs
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        # pydantic copies the instance's __dict__, the values derived above with it: a copy
+        # with another `url` or `auth_env` kept the original's host (what allow_hosts
+        # checks) and credential variables (whose keys it sent). Derived again.
+        copied = super().model_copy(update=update, deep=deep)
+        if update:
+            for derived in ("host", "port", "credential_envs"):
+                copied.__dict__.pop(derived, None)
+            copied.model_post_init(None)
+        return copied
 
     @functools.cached_property
     def host(self) -> str:
