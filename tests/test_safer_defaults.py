@@ -5,15 +5,17 @@ spelling of the primary's address and port is refused as the primary's own origi
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from fallback_mw import ConfigError, load_config
+from fallback_mw import ConfigError, Gateway, load_config
 from fallback_mw.cli import main
-from tests.helpers import gateway_client
-from tests.upstreams import status_handler, upstream
+from tests.helpers import gateway_client, http_scope
+from tests.test_telemetry_leak import call
+from tests.upstreams import host_app, status_handler, upstream
 
 
 def conf(primary: str, backup: str, **route: Any) -> dict[str, Any]:
@@ -63,6 +65,45 @@ async def test_a_listed_method_is_forwarded() -> None:
         post = await client.post("/v1/x")  # explicit methods: the rest is the host's
     assert trace.status_code == 200 and p.count == 1
     assert post.status_code == 404
+
+
+@pytest.mark.anyio
+async def test_a_method_in_another_case_is_another_method_not_forwarded_as_the_seven() -> None:
+    """Method tokens are case-sensitive (RFC 9110 §9.1): `get` is not GET. A server that
+    hands the token on as sent (uvicorn's h11, hypercorn) had the gateway forward `get` as
+    GET (and fail it over as a replayable GET), where `serve` answers it 405: the upstream
+    got a request the caller never sent. On a route without `methods` it is a local 405
+    saying the case is the difference; on a route that lists POST, `post` is unlisted and
+    goes on to the host app, as any unlisted method does."""
+    async with upstream(status_handler(200)) as p, upstream(status_handler(200)) as b:
+        config = {
+            "upstreams": {"primary": {"url": p.url}, "backup": {"url": b.url}},
+            "routes": [
+                {"id": "api", "prefix": "/v1/", "plan": ["primary", "backup"], "retries": 1},
+                {"id": "posts", "prefix": "/p/", "plan": ["primary"], "methods": ["POST"]},
+            ],
+        }
+        gateway = Gateway(host_app, config=config)
+        try:
+            answers = {
+                (method, path): await call(gateway, http_scope(method, path), b"")
+                for method in ("get", "Delete", "post")
+                for path in ("/v1/x", "/p/x")
+            }
+            served = await call(gateway, http_scope("POST", "/p/x"), b"")
+        finally:
+            await gateway.aclose()
+    assert served[0] == 200 and p.count == 1 and b.count == 0  # POST itself is forwarded
+    for method in ("get", "Delete", "post"):
+        status, body = answers[(method, "/v1/x")]
+        assert status == 405, (method, status, body)
+        error = json.loads(body)["error"]
+        assert (error["code"], error["rule"], error["route"]) == (
+            "method_not_allowed", "methods", "api",
+        )  # fmt: skip
+        assert f"{method!r} is not {method.upper()}" in error["message"]
+        assert f"send {method.upper()}" in error["message"]
+        assert answers[(method, "/p/x")] == (404, b"host app")
 
 
 @pytest.mark.parametrize(

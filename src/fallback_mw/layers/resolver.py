@@ -120,6 +120,28 @@ def _as_spelled(scope: Scope, fields: tuple[bytes, ...]) -> tuple[bytes, ...]:
     return (*fields, *spelled) if spelled else fields
 
 
+def _not_forwarded(route_id: str, shown: str | None) -> str:
+    """The 405's message for a method a route without `methods` does not forward (`shown`:
+    the caller's token, None when it may not be recorded)."""
+    forwarded = ", ".join(DEFAULT_METHODS)
+    if shown is not None and shown != shown.upper() and shown.upper() in DEFAULT_METHODS:
+        # The configuration reads methods in upper case: no setting forwards `get`.
+        return (
+            f"{shown!r} is not {shown.upper()}: HTTP methods are case-sensitive (RFC 9110 "
+            f"§9.1), and route {route_id!r} forwards {forwarded} as written; send "
+            f"{shown.upper()}"
+        )
+    named = shown or "this method"
+    # The whole list: `methods = ["PROPFIND"]` alone would forward it and send the route's
+    # GETs and POSTs to the host app.
+    listed = f" (methods = {json.dumps([*DEFAULT_METHODS, shown])})" if shown else ""
+    return (
+        f"{named} is not forwarded on route {route_id!r}: a route without methods forwards "
+        f"{forwarded}; to forward {named} as well, list it beside them in the route's "
+        f"methods{listed}"
+    )
+
+
 class RouteResolver:
     _refusal: ConfigRefusal | None = None  # a configuration that did not load
 
@@ -197,7 +219,8 @@ class RouteResolver:
         table = self.table()
         (tenant_text, session, deadline_text), twice = _headers(scope, self.read_headers)
         tenant = tenant_text or "default"
-        method = scope["method"].upper()
+        # As sent: method tokens are case-sensitive (RFC 9110 §9.1), `get` is not GET.
+        method = scope["method"]
         route, refused = table.resolve(method, path, tenant) if path else (None, None)
         if route is None and refused is None:
             await self.app(scope, receive, send)
@@ -274,15 +297,8 @@ class RouteResolver:
             if refused is not None:
                 # The caller's token, unless it carries one of the request's credentials.
                 shown = recordable(context.secrets, method)
-                named = shown or "this method"
-                # The whole list: `methods = ["PROPFIND"]` alone would forward it and send
-                # the route's GETs and POSTs to the host app.
-                listed = f" (methods = {json.dumps([*DEFAULT_METHODS, shown])})" if shown else ""
                 await send_error(
-                    send, context, "method_not_allowed",
-                    f"{named} is not forwarded on route {route.id!r}: a route without "
-                    f"methods forwards {', '.join(DEFAULT_METHODS)}; to forward {named} as "
-                    f"well, list it beside them in the route's methods{listed}",
+                    send, context, "method_not_allowed", _not_forwarded(route.id, shown),
                     headers=[(b"allow", ", ".join(DEFAULT_METHODS).encode())],
                 )  # fmt: skip
                 await self._record(context)
