@@ -57,6 +57,32 @@ async def test_a_malformed_deadline_header_is_ignored_not_a_500(value: bytes) ->
     assert primary.count == 1
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [[b"50", b"5000"], [b"5000", b"50"], [b"50", b"50"], [b"50, 5000"]],
+    ids=["short-first", "short-last", "same-twice", "joined"],
+)
+async def test_a_deadline_header_sent_twice_is_ignored_as_its_joined_value_is(
+    fields: list[bytes],
+) -> None:
+    """Two fields of one name are one field whose value is their comma-joined list (RFC
+    9110 §5.3; a proxy or server in front may join them): `50, 5000` is not 1-7 ASCII
+    digits, so it is ignored and the route deadline applies (SPEC §12), however the fields
+    reach the gateway. The first field alone used to win when they came apart, so the
+    same request got a 50 ms deadline or the route's depending on what was in front."""
+    async with upstream(status_handler(200, b"ok", delay=0.3)) as primary:
+        gateway = Gateway(host_app, config=config(primary.url))
+        try:
+            async with serve_asgi(gateway) as base, httpx.AsyncClient(base_url=base) as client:
+                asked = [(b"x-gateway-deadline-ms", value) for value in fields]
+                response = await client.get("/v1/x", headers=asked)
+                one = await client.get("/v1/x", headers=[(b"x-gateway-deadline-ms", b"50")])
+        finally:
+            await gateway.aclose()
+    assert (response.status_code, response.text) == (200, "ok")
+    assert one.status_code == 504  # the control: one well-formed field shortens the walk
+
+
 def test_requested_deadline_parsing_is_strict_and_bounded() -> None:
     from fallback_mw.layers.resolver import requested_deadline_ms
 
@@ -86,9 +112,10 @@ def test_the_resolver_reads_each_header_as_the_first_field_of_that_name(
     headers: list[tuple[bytes, bytes]], names: tuple[bytes, ...]
 ) -> None:
     """One pass for the tenant, the session and the deadline: each is the first field of
-    its name (any case), read as UTF-8 when it is, stripped of SP / HTAB, None when absent or empty;
-    one name asked twice (the tenant and session headers configured alike) gets the same
-    answer twice."""
+    its name (any case; the deadline sent in two fields is none, as its joined value is),
+    read as UTF-8 when it is, stripped of SP / HTAB, None when absent or empty; one name
+    asked twice (the tenant and session headers configured alike) gets the same answer
+    twice."""
 
     identity = set(names[:2])
 
@@ -103,9 +130,11 @@ def test_the_resolver_reads_each_header_as_the_first_field_of_that_name(
         return {text or None}
 
     def first(name: bytes) -> str | None:
-        for key, value in headers:
-            if key.lower() == name:
-                return min(members(name, value), key=str)  # one member, or refused
+        fields = [value for key, value in headers if key.lower() == name]
+        if name not in identity and len(fields) > 1:
+            return None  # the deadline twice: "a, b" is not 1-7 digits (SPEC §12)
+        for value in fields:
+            return min(members(name, value), key=str)  # one member, or refused
         return None
 
     def values(name: bytes) -> set[str | None]:

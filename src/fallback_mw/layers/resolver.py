@@ -63,8 +63,9 @@ def requested_deadline_ms(text: str | None) -> int | None:
 
 
 def _headers(scope: Scope, names: tuple[bytes, ...]) -> tuple[list[str | None], bytes | None]:
-    """The first value of each named header (stripped, None when absent or empty), in one
-    pass over the request's headers; and the first of `names[:2]` (the identity headers)
+    """The first value of each named header (stripped, None when absent or empty; the
+    deadline's None when sent twice), in one pass over the request's headers; and the
+    first of `names[:2]` (the identity headers)
     sent twice with different values (in two fields, or in one joined by commas), or
     None."""
     found: list[str | None] = [None] * len(names)
@@ -94,7 +95,11 @@ def _headers(scope: Scope, names: tuple[bytes, ...]) -> tuple[list[str | None], 
                     if not seen[index]:
                         seen[index] = True
                         found[index] = text or None
-                    elif index < 2 and twice is None and (text or None) != found[index]:
+                    elif index >= 2:
+                        # The deadline sent twice is one field "50, 5000" (RFC 9110 §5.3),
+                        # not 1-7 digits: ignored however the fields reach us (SPEC §12).
+                        found[index] = None
+                    elif twice is None and (text or None) != found[index]:
                         twice = name
     return found, twice
 
