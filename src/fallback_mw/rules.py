@@ -197,9 +197,11 @@ def check_id(kind: str, value: str) -> None:
     a control character or a line break in it must never get that far."""
     if not isinstance(value, str) or _ID.fullmatch(value) is None:
         shown = shortened(value) if isinstance(value, str) else value
+        text = value if isinstance(value, str) else ""  # `café`: which character is wrong
+        wrong = next((f" (not {c!r})" for c in text if _ID.fullmatch(c) is None), "")
         raise ConfigError(
-            f"{kind} id {shown!r} is not allowed: use letters, digits and - _ . : only "
-            "(at most 128)"
+            f"{kind} id {shown!r} is not allowed: use ASCII letters, digits and - _ . : "
+            f"only{wrong}, at most 128"
         )
 
 

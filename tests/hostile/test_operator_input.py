@@ -100,6 +100,16 @@ def test_route_and_upstream_ids_outside_the_safe_charset_are_refused(bad: str) -
     assert not any(c in message for c in "\r\n\x1b")
 
 
+def test_an_id_with_a_letter_outside_ascii_is_refused_saying_ascii() -> None:
+    """`café` is made of letters, but an id travels in `x-gateway-route` /
+    `x-gateway-provider`, which are ASCII: the refusal said "use letters, digits and -_.:",
+    which `café` already does, leaving the operator to guess which character was wrong."""
+    data = base()
+    data["routes"][0]["id"] = "caf\u00e9"
+    message = refused(data)
+    assert "ASCII letters" in message and "'\u00e9'" in message
+
+
 def test_safe_ids_load() -> None:
     data = base()
     data["routes"][0]["id"] = "Chat.v1:eu-west_2"
