@@ -130,6 +130,11 @@ class RedisHealth(RedisLink):
         # Likewise upstreams whose url changed (`forget`) while Redis was unreachable: their
         # shared breaker is still the old url's, dropped once Redis is back.
         self._forgets: dict[str, str] = {}
+        # A mark per upstream whose url this process has seen change (`forget`), new at each
+        # change: an attempt admitted before it (`Admission.origin`) judged the old url, and
+        # its outcome goes to no breaker, as on the memory state. Recorded, a failure of the
+        # old url counted against the new url's fresh shared breaker, and could open it.
+        self._origins: dict[str, object] = {}
         self._max_cooldown_ms = max(self.config.max_cooldown_ms, self.config.cooldown_ms)
         self.breaker_ttl_ms = self._breaker_ttl_ms(self.probe_lease_ms)
         # The furthest an open breaker's end or a probe's lease can be written ahead by any
@@ -272,6 +277,8 @@ class RedisHealth(RedisLink):
         lease_ms = max(self.probe_lease_ms, math.ceil(lease * 1000))
         ttl_ms = self._breaker_ttl_ms(lease_ms)  # the key outlives the probe's lease
         number = next(self._admissions)
+        if admission is not None:
+            admission.origin = self._origins.get(upstream)
 
         def convert(result: Any) -> bool:
             admitted, transition, *rest = result
@@ -301,6 +308,8 @@ class RedisHealth(RedisLink):
         fault: str | None = None,
         admission: Admission | None = None,
     ) -> None:
+        if self._moved_since(upstream, admission):
+            return
         config = self.config
 
         def convert(result: Any) -> None:
@@ -371,6 +380,8 @@ class RedisHealth(RedisLink):
         """This process's own copy forgets every upstream but `upstreams` (MemoryHealth's);
         the shared keys expire by themselves."""
         self.local.keep_only(upstreams)
+        for name in [name for name in self._origins if name not in upstreams]:
+            del self._origins[name]
 
     async def forget(self, upstream: str, url: str) -> None:
         def convert(result: Any) -> None:
@@ -381,6 +392,7 @@ class RedisHealth(RedisLink):
             else:
                 self._report(upstream, result or None)
 
+        self._origins[upstream] = object()
         result = await self._run(
             "forget",
             FORGET,
@@ -415,7 +427,13 @@ class RedisHealth(RedisLink):
             lambda result: str(result) or None,
         )
 
+    def _moved_since(self, upstream: str, admission: Admission | None) -> bool:
+        """Whether the upstream's url changed (`forget`) since `admission` was admitted."""
+        return admission is not None and admission.origin is not self._origins.get(upstream)
+
     async def release(self, upstream: str, admission: Admission | None = None) -> None:
+        if self._moved_since(upstream, admission):
+            return  # the probe slot it held was the old url's breaker's, dropped with it
         await self._with_fallback(
             "release",
             RELEASE,
