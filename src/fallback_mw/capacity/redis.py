@@ -9,7 +9,8 @@ A first attempt at an upstream that declares no capacity needs no answer from Re
 counted locally and deposited with this process's next reservation for that upstream, or at
 most `flush_interval` (1 s) later, so the common attempt costs no extra round trip (the
 repeat allowance may see up to a second of another process's first attempts late, which
-only makes it stricter).
+only makes it stricter). Each is deposited in the second it was made (its age with it), so
+one made before a quiet spell longer than the allowance's window grants no repeat after it.
 
 The scripts run on the health state's Redis connections (`RedisHealth.run_script`): if
 Redis cannot be reached this process counts alone (its memory state) until it is back, and
@@ -42,18 +43,29 @@ local function count(text)
 end
 """
 
+# First attempts counted in this process, deposited each in its own second: ARGV from
+# `first` on are pairs of (age in seconds, count).
+_DEPOSIT = """
+local function deposit(now, first)
+  for i = first, #ARGV, 2 do
+    redis.call('HINCRBY', KEYS[1], 'f:' .. (now - tonumber(ARGV[i])), ARGV[i + 1])
+  end
+end
+"""
+
 # KEYS[1] the upstream's hash. ARGV: repeat '1'/'0', counted '1'/'0', rpm (-1: none),
-# tpm (-1: none), tokens, percent, min_per_second, window s, keep s, ttl ms, first attempts
-# this process counted since its last call (deposited before the check).
+# tpm (-1: none), tokens, percent, min_per_second, window s, keep s, ttl ms, then the first
+# attempts this process counted since its last call (`_DEPOSIT`'s pairs, deposited before
+# the check).
 # Returns {'ok' | 'capacity' | 'repeat_budget', second}. The allowance arithmetic is
 # capacity.repeat_allowed's; the capacity arithmetic capacity.within_capacity's.
 ADMIT = (
     _COUNT
+    + _DEPOSIT
     + """
 local now = tonumber(redis.call('TIME')[1])
 local window, keep = tonumber(ARGV[8]), tonumber(ARGV[9])
-local pending = tonumber(ARGV[11])
-if pending > 0 then redis.call('HINCRBY', KEYS[1], 'f:' .. now, pending) end
+deposit(now, 11)
 local fields = redis.call('HGETALL', KEYS[1])
 local requests, tokens, firsts, repeats = 0, 0, 0, 0
 for i = 1, #fields, 2 do
@@ -100,13 +112,16 @@ return {'ok', now}
 """
 )
 
-# KEYS[1] the upstream's hash. ARGV: first attempts counted locally, ttl ms.
-DEPOSIT = """
+# KEYS[1] the upstream's hash. ARGV: ttl ms, then `_DEPOSIT`'s pairs.
+DEPOSIT = (
+    _DEPOSIT
+    + """
 local now = tonumber(redis.call('TIME')[1])
-redis.call('HINCRBY', KEYS[1], 'f:' .. now, ARGV[1])
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
+deposit(now, 2)
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return now
 """
+)
 
 # KEYS[1] the upstream's hash. ARGV: pairs of (field, delta); a field no longer in the
 # window is left alone.
@@ -177,7 +192,9 @@ class RedisCapacity:
         self.keep = self.local.keep
         self.ttl_ms = (self.keep + 5) * 1000
         self.flush_interval = 1.0
-        self._pending: dict[str, int] = {}  # first attempts not yet deposited, per upstream
+        # First attempts not yet deposited, per upstream: their count per second (this
+        # process's monotonic clock, whole seconds).
+        self._pending: dict[str, dict[int, int]] = {}
         self._pending_since: dict[str, float] = {}
 
     def _key(self, upstream: str) -> str:
@@ -185,23 +202,47 @@ class RedisCapacity:
 
     async def _deposit(self, upstream: str) -> None:
         pending = self._take_pending(upstream)
-        if pending:
+        ages = self._ages(pending)
+        if ages:
             result = await self.redis.run_script(
-                "capacity_deposit", DEPOSIT, [self._key(upstream)], [pending, self.ttl_ms]
+                "capacity_deposit", DEPOSIT, [self._key(upstream)], [self.ttl_ms, *ages]
             )
             if result is None:  # not delivered: keep it for the next call
-                self._pending[upstream] = self._pending.get(upstream, 0) + pending
-                self._pending_since.setdefault(upstream, time.monotonic())
+                self._keep_pending(upstream, pending)
 
-    def _take_pending(self, upstream: str) -> int:
+    def _count_first(self, upstream: str) -> None:
+        second = int(time.monotonic())
+        counts = self._pending.setdefault(upstream, {})
+        counts[second] = counts.get(second, 0) + 1
+
+    def _take_pending(self, upstream: str) -> dict[int, int]:
         self._pending_since.pop(upstream, None)
-        return self._pending.pop(upstream, 0)
+        return self._pending.pop(upstream, {})
+
+    def _keep_pending(self, upstream: str, pending: dict[int, int]) -> None:
+        """`pending`, taken but not delivered, kept for the next call."""
+        if pending:
+            counts = self._pending.setdefault(upstream, {})
+            for second, count in pending.items():
+                counts[second] = counts.get(second, 0) + count
+            self._pending_since.setdefault(upstream, time.monotonic())
+
+    def _ages(self, pending: dict[int, int]) -> list[int]:
+        """`pending` as (age in seconds, count) pairs, flat; those too old to count in any
+        window left out."""
+        now = int(time.monotonic())
+        pairs: list[int] = []
+        for second, count in pending.items():
+            age = max(now - second, 0)
+            if age < self.keep and count > 0:
+                pairs += [age, count]
+        return pairs
 
     async def reserve(self, upstream: str, ask: Ask) -> Reservation | Refusal:
         if not ask.repeat and not ask.capacity_declared:
             # Nothing to check: counted here (and in local memory, for an outage).
             await self.local.reserve(upstream, ask)
-            self._pending[upstream] = self._pending.get(upstream, 0) + 1
+            self._count_first(upstream)
             since = self._pending_since.setdefault(upstream, time.monotonic())
             if time.monotonic() - since >= self.flush_interval:
                 await self._deposit(upstream)
@@ -223,14 +264,12 @@ class RedisCapacity:
                 self.window,
                 max(self.keep, CAPACITY_WINDOW),
                 self.ttl_ms,
-                pending,
+                *self._ages(pending),
             ],
             undo=_undo_admit,  # made once, not per reservation
         )
         if result is None:  # Redis unreachable: this process counts alone for now
-            if pending:
-                self._pending[upstream] = self._pending.get(upstream, 0) + pending
-                self._pending_since.setdefault(upstream, time.monotonic())
+            self._keep_pending(upstream, pending)
             counted = await self.local.reserve(upstream, ask)
             if isinstance(counted, Reservation):  # corrected there too, never in Redis
                 return counted._replace(local=True)
@@ -263,8 +302,12 @@ class RedisCapacity:
             await self.local.cancel(reservation)
             return
         if reservation.second < 0:  # a first attempt still counted locally
-            if self._pending.get(reservation.upstream, 0) > 0:
-                self._pending[reservation.upstream] -= 1
+            counts = self._pending.get(reservation.upstream)
+            if counts:  # taken from the latest second (which one it was is not kept)
+                latest = max(counts)
+                counts[latest] -= 1
+                if not counts[latest]:
+                    del counts[latest]
             return
         deltas = [("p" if reservation.repeat else "f", -1)]
         if reservation.counted:
