@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -107,6 +108,7 @@ async def _compare(redis_url: str, allowance: RepeatAllowanceConfig, ops: list[A
         await runs["redis"].state.aclose()
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(allowance=allowances, ops=operations)
 def test_memory_and_redis_capacity_answer_alike(
