@@ -359,7 +359,7 @@ def test_auth_scheme_is_trimmed_and_a_control_character_refused() -> None:
     assert load_config(data, environ=ENV).upstreams["backup"].auth_scheme == "Bearer"
     data["upstreams"]["backup"]["auth_scheme"] = " "
     assert load_config(data, environ=ENV).upstreams["backup"].auth_scheme == ""
-    for scheme in ("Bearer\r\n", "Bearer\x00", "Bé\u2028"):
+    for scheme in ("Bearer\r\n", "Bearer\x00", "Bearer\x7f", "Bé\u2028"):
         data["upstreams"]["backup"]["auth_scheme"] = scheme
         assert "upstreams.backup.auth_scheme" in refused(data)
 
