@@ -109,3 +109,53 @@ def visible(marks: list[dict[str, Any]], *, tag: str, cls: str = "") -> list[dic
         for m in marks
         if m["tag"] == tag and (not cls or cls in m["cls"].split()) and (m["w"] > 0 or m["h"] > 0)
     ]
+
+
+# For each element `selector` matches: its text, and where the browser drew each character
+# (its x, in the order the text holds them). An SVG <text> says it itself; any other element
+# through a Range over each character of its text nodes.
+_READING_ORDER = """
+<script>
+(() => {
+  const found = [];
+  for (const el of document.querySelectorAll(SELECTOR)) {
+    const xs = [];
+    if (typeof el.getNumberOfChars === "function") {
+      for (let i = 0; i < el.getNumberOfChars(); i++) xs.push(el.getStartPositionOfChar(i).x);
+    } else {
+      const walker = document.createTreeWalker(el, NodeFilter.SHOW_TEXT);
+      for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+        for (let i = 0; i < node.length; i++) {
+          const range = document.createRange();
+          range.setStart(node, i);
+          range.setEnd(node, i + 1);
+          xs.push(range.getBoundingClientRect().x);
+        }
+      }
+    }
+    found.push({text: el.textContent, x: xs.map(x => Math.round(x * 10) / 10)});
+  }
+  const out = document.createElement("pre");
+  out.id = "reading-probe";
+  out.textContent = JSON.stringify(found);
+  document.body.appendChild(out);
+})();
+</script>
+"""
+
+
+def reading_order(page: Path, workdir: Path, selector: str) -> list[dict[str, Any]]:
+    """[{text, x: [...]}] for each element `selector` matches, as Chromium drew it: text
+    that reads left to right has its x growing (a bidi override in it reverses them)."""
+    probed = workdir / ("reading-" + page.name)
+    html = page.read_text(encoding="utf-8")
+    assert "</body>" in html
+    script = _READING_ORDER.replace("SELECTOR", json.dumps(selector))
+    probed.write_text(html.replace("</body>", script + "</body>", 1), encoding="utf-8")
+    dom = _run(["--dump-dom", probed.as_uri()], workdir / "chromium-profile")
+    start = dom.index('<pre id="reading-probe">') + len('<pre id="reading-probe">')
+    raw = dom[start : dom.index("</pre>", start)]
+    for escaped, char in (("&lt;", "<"), ("&gt;", ">"), ("&quot;", '"'), ("&amp;", "&")):
+        raw = raw.replace(escaped, char)
+    found: list[dict[str, Any]] = json.loads(raw)
+    return found

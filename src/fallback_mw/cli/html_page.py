@@ -1,13 +1,16 @@
 """Self-contained HTML report pages for `eval` and `gameday`: one file, inline CSS and SVG,
 no script and no reference to anything outside the page (it opens offline, from a mail
 attachment or a CI artifact). Only numbers and names the command itself chose go in:
-never a request body, a credential or a query string."""
+never a request body, a credential or a query string. Names it did not choose (the alerts a
+shared Prometheus fires, a store's error message) go through `text`, as every quoted text."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
 from html import escape
+
+from fallback_mw.cli.app import printable
 
 PALETTE = ("#c0392b", "#2471a3", "#7d3c98", "#1e8449", "#b9770e", "#566573")
 
@@ -26,14 +29,18 @@ svg text { font: 11px system-ui, sans-serif; fill: #34495e; }
 def page(title: str, body: Iterable[str]) -> str:
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-        f"<title>{escape(title)}</title><style>{_STYLE}</style></head>\n<body>\n"
+        f"<title>{text(title)}</title><style>{_STYLE}</style></head>\n<body>\n"
         + "\n".join(body)
         + "\n</body></html>\n"
     )
 
 
 def text(value: object) -> str:
-    return escape(str(value))
+    """`value` as page text: markup escaped, and every character that is not printable
+    `?`, as the printed report shows it. A right-to-left override in an alert's name drew
+    the rest of its label reversed (its `+1.2 s` read `s 2.1+`), and an unpaired surrogate
+    (valid in JSON) could not be written as UTF-8: the page was not written at all."""
+    return escape(printable(str(value)))
 
 
 def table(header: Sequence[str], rows: Iterable[Sequence[object]], *, cls: str = "") -> str:

@@ -1,0 +1,132 @@
+"""The HTML report pages (`gameday`, `eval`) carry text the command did not write: the
+names of the alerts a shared Prometheus fires (any text a rule names them), a store's
+error message. Opened in a real browser, such text must read as the characters it holds:
+it cannot reorder the rest of its line, nor stop the page from being written."""
+
+from __future__ import annotations
+
+import http.server
+import io
+import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fallback_mw.cli import main
+from tests.browser import reading_order
+
+
+def _store(tmp_path: Path) -> str:
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    config = tmp_path / "gw.toml"
+    config.write_text(
+        f'[gateway]\nstore = "{url}"\n\n'
+        '[upstreams.primary]\nurl = "http://127.0.0.1:9"\n\n'
+        '[upstreams.backup]\nurl = "http://127.0.0.1:10"\n\n'
+        '[[routes]]\nid = "chat"\nprefix = "/chat/"\nplan = ["primary", "backup"]\nretries = 1\n'
+    )
+    return str(config)
+
+
+@contextmanager
+def _prometheus_firing(*names: str) -> Iterator[str]:
+    """Prometheus's alerts API (`GET /api/v1/alerts`), as a shared one answers it: nothing
+    firing at the game day's baseline, then `names` firing (the JSON escapes each name, as
+    any JSON encoder may)."""
+    polls: list[int] = []
+
+    class Alerts(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if not self.path.startswith("/api/v1/alerts"):
+                self.send_error(404)  # no rules API: the prediction's name is not checked
+                return
+            polls.append(1)
+            listed = [
+                {"labels": {"alertname": name}, "state": "firing"}
+                for name in (names if len(polls) > 1 else ())
+            ]
+            body = json.dumps({"status": "success", "data": {"alerts": listed}}).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Alerts)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _game_day(tmp_path: Path, prometheus: str) -> tuple[str, Path]:
+    out = tmp_path / "r.json"
+    stdout, stderr = io.StringIO(), io.StringIO()
+    argv = [
+        "gameday", "--config", _store(tmp_path), "--route", "chat", "--fault", "fail",
+        "--duration", "2s", "--recovery-wait", "1s", "--owner", "Ana", "--out", str(out),
+        "--prometheus", prometheus, "--predict", "alert:FallbackMwBreakerOpen<=30s",
+        "--abort", "error_rate=50%",
+    ]  # fmt: skip
+    status = main(argv, stdout=stdout, stderr=stderr)
+    # That alert never fires here (no traffic): NO DATA, exit status 1, the report written.
+    assert status == 1 and "internal error" not in stderr.getvalue(), stderr.getvalue()
+    return stdout.getvalue(), out
+
+
+def test_an_alert_named_with_a_right_to_left_override_cannot_reverse_its_time_on_the_page(
+    tmp_path: Path,
+) -> None:
+    """A rule in a shared Prometheus named `Evil` + U+202E (a right-to-left override: any
+    text names an alert) fired during the exercise: the page's timeline drew the rest of
+    its label reversed, `Evil firing +1.2 s` read `Evil s 2.1+ gnirif`, the time it fired
+    another number. The name's character that is not printable reads `?`, as the printed
+    report says it, and the label reads left to right."""
+    with _prometheus_firing("Evil\u202e") as prometheus:
+        printed, out = _game_day(tmp_path, prometheus)
+    assert "Evil? firing at +" in printed
+    assert json.loads(out.read_text())["prometheus"]["alerts"].keys() == {"Evil\u202e"}
+    labels = reading_order(out.with_suffix(".html"), tmp_path, "g.event text")
+    fired = [label for label in labels if label["text"].startswith("Evil")]
+    assert len(fired) == 1, labels
+    text, xs = fired[0]["text"], fired[0]["x"]
+    assert xs == sorted(xs), (text, xs)  # every character right of the one before it
+    assert text.startswith("Evil? firing +") and text.endswith(" s"), text
+
+
+def test_an_alert_name_no_encoding_can_write_still_leaves_the_page_and_the_printed_report(
+    tmp_path: Path,
+) -> None:
+    """JSON can name an alert with an unpaired surrogate escape (`\\ud800`), which no UTF-8
+    holds: the exercise ran and cleared its fault, then writing the page failed ("unexpected
+    internal error (UnicodeEncodeError)"), and the report it prints after the page was never
+    printed. The character reads `?` on the page, as in the printed report."""
+    with _prometheus_firing("Odd\ud800Alert") as prometheus:
+        printed, out = _game_day(tmp_path, prometheus)
+    assert "Odd?Alert firing at +" in printed
+    page = out.with_suffix(".html").read_text(encoding="utf-8")
+    assert "Odd?Alert firing +" in page
+    labels = reading_order(out.with_suffix(".html"), tmp_path, "g.event text")
+    assert any(label["text"].startswith("Odd?Alert firing +") for label in labels), labels
+
+
+@pytest.mark.parametrize("hostile", ["\x1b[2J", "\u2066\u202e", "a\u200fb"])
+def test_the_page_text_holds_only_printable_characters(hostile: str) -> None:
+    """Every text a page quotes goes through one function (`html_page.text`): what is not
+    printable (an escape, a bidi control, a right-to-left mark) reads `?`, markup is
+    escaped."""
+    from fallback_mw.cli.html_page import text
+
+    shown = text(f'<b x="1">{hostile}</b>')
+    assert shown.startswith("&lt;b x=&quot;1&quot;&gt;") and shown.endswith("&lt;/b&gt;")
+    assert shown.isprintable() and "?" in shown
