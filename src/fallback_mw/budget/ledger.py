@@ -225,22 +225,23 @@ PER_MINUTE_FILTER = "(outcome IS NULL OR attempts <> '[]' OR outcome NOT IN ({})
 )
 
 
-def rolling_peaks_sql(second: str, since: str) -> str:
+def rolling_peaks_sql(second: str, since: str, *, tokens: str, total: str) -> str:
     """The SQL ledgers' `rolling_peaks`: per-second counts, summed over each second's
     preceding minute (a window function, in the database), the busiest such window per
     route for requests and for tokens, with the route's totals. `second` is the dialect's
-    epoch second of `at`, `since` its parameter. Rows: route, requests, requests_at,
-    tokens, tokens_at (epoch seconds), total, metered. A record whose `at` is no time
-    (a hand edit: SQLite's `at` is text) is left out: it made `capacity` an internal error."""
+    epoch second of `at`, `since` its parameter, `tokens` its expression of one record's
+    tokens and `total` its sum of them that no count overflows. Rows: route, requests,
+    requests_at, tokens, tokens_at (epoch seconds), total, metered. A record whose `at` is
+    no time (a hand edit: SQLite's `at` is text) is left out: it made `capacity` an
+    internal error."""
     return f"""
 WITH s AS (
-  SELECT route, {second} AS sec, COUNT(*) AS n,
-    SUM(COALESCE(input_tokens, 0) + COALESCE(output_tokens, 0)) AS t,
+  SELECT route, {second} AS sec, COUNT(*) AS n, {total}({tokens}) AS t,
     SUM(CASE WHEN input_tokens IS NULL AND output_tokens IS NULL THEN 0 ELSE 1 END) AS m
   FROM fmw_usage WHERE at >= {since} AND {second} IS NOT NULL AND {PER_MINUTE_FILTER}
   GROUP BY route, {second}
 ), w AS (
-  SELECT route, SUM(n) OVER win AS rn, SUM(t) OVER win AS rt, MIN(sec) OVER win AS first
+  SELECT route, SUM(n) OVER win AS rn, {total}(t) OVER win AS rt, MIN(sec) OVER win AS first
   FROM s WINDOW win AS (PARTITION BY route ORDER BY sec
     RANGE BETWEEN {ROLLING_SECONDS - 1} PRECEDING AND CURRENT ROW)
 ), bn AS (

@@ -212,4 +212,10 @@ async def migrate(conn: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy) -
 
 
 # The epoch second of `at` (a timestamptz: the same instant whatever the session's zone).
-ROLLING_PEAKS = rolling_peaks_sql("EXTRACT(EPOCH FROM date_trunc('second', at))::bigint", "$1")
+# A record's tokens in numeric: two counts edited near 2^63 passed bigint's range.
+ROLLING_PEAKS = rolling_peaks_sql(
+    "EXTRACT(EPOCH FROM date_trunc('second', at))::bigint",
+    "$1",
+    tokens="COALESCE(input_tokens, 0)::numeric + COALESCE(output_tokens, 0)",
+    total="SUM",
+)

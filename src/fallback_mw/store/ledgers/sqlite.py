@@ -326,7 +326,15 @@ _INSERT_USAGE = (
 )
 # `at` is stored as 2026-11-30T12:34:56.123456Z: its first 16 characters are the minute,
 # its first 19 the second.
-_ROLLING_PEAKS = rolling_peaks_sql("CAST(strftime('%s', substr(at, 1, 19)) AS INTEGER)", "?")
+# Tokens as `usage` reads them (a hand edit's real, `1e999`, is unknown: it was an internal
+# error), summed in TOTAL's floating point: SQLite's SUM raised "integer overflow" past 2^63.
+_TOKENS = (
+    "CASE WHEN typeof(input_tokens) = 'integer' THEN input_tokens ELSE 0 END + "
+    "CASE WHEN typeof(output_tokens) = 'integer' THEN output_tokens ELSE 0 END"
+)
+_ROLLING_PEAKS = rolling_peaks_sql(
+    "CAST(strftime('%s', substr(at, 1, 19)) AS INTEGER)", "?", tokens=_TOKENS, total="TOTAL"
+)
 _PER_MINUTE = (
     "SELECT route, substr(at, 1, 16), COUNT(*), "
     "SUM(COALESCE(input_tokens, 0) + COALESCE(output_tokens, 0)), "
