@@ -1,6 +1,7 @@
-"""Token counts in the usage records that `capacity` sums: the upstreams report them (the
-gateway keeps at most `tokens.MAX_TOKENS` of each, whatever was reported), and an operator
-can edit them by hand. `capacity` still answers, on SQLite and on the real PostgreSQL."""
+"""Usage records as more than the gateway writes them: token counts the upstreams report
+(the gateway keeps at most `tokens.MAX_TOKENS` of each, whatever was reported), counts and
+text an operator or another tool wrote. `usage` and `capacity` still answer, on SQLite and
+on the real PostgreSQL."""
 
 from __future__ import annotations
 
@@ -106,7 +107,7 @@ def test_a_token_count_edited_to_a_number_no_integer_holds_is_no_internal_error(
         db.execute("UPDATE fmw_usage SET input_tokens = 9e999 WHERE request_id = 'r1'")
         db.execute("UPDATE fmw_usage SET input_tokens = 2.5 WHERE request_id = 'r2'")
     out, err = io.StringIO(), io.StringIO()
-    assert main(["usage", "--store", store, "--json"], stdout=out, stderr=err) == 0, err
+    assert main(["usage", "--store", store, "--json"], stdout=out, stderr=err) == 0, err.getvalue()
     assert [json.loads(line)["input_tokens"] for line in out.getvalue().splitlines()] == [
         10, None, None,
     ]  # fmt: skip
@@ -140,3 +141,56 @@ async def test_two_token_counts_edited_near_the_largest_bigint_are_no_ledger_err
     status, printed, err = await anyio.to_thread.run_sync(_capacity, _config(tmp_path, pg_url))
     assert status == 1 and "unavailable" not in err, err
     assert _chat(printed)["peak"]["tokens"] == 18 * 10**18
+
+
+def test_a_usage_record_whose_text_is_not_utf8_is_listed_not_a_ledger_error(
+    tmp_path: Path,
+) -> None:
+    """A record written by another tool or by hand with text that is not UTF-8 (a tenant
+    in Latin-1, a route as a BLOB): Python's sqlite3 refused the whole query, so `usage`
+    (and `--incidents`, `--json`, a game day's watch of its route) ended in "SQLite ledger
+    ... unavailable (OperationalError: Could not decode to UTF-8 column 'tenant' with text
+    ...)", quoting the row, and `capacity` did the same for a route. Each is read as the
+    route store and `budgets show` read such text: its bytes, U+FFFD for what is not UTF-8."""
+    store = f"sqlite:///{tmp_path / 'gateway.db'}"
+    config = _config(tmp_path, store)
+    at = (datetime.now(UTC) - timedelta(hours=1)).replace(microsecond=0)
+
+    async def seed() -> None:
+        ledger = open_ledger(store)
+        try:
+            for i in range(3):
+                await ledger.record_usage(
+                    UsageRecord(request_id=f"r{i}", route="chat", tenant="acme", at=at,
+                                candidates=("primary", "backup"), chosen="primary",
+                                outcome="served", status=200, input_tokens=5, output_tokens=5)
+                )  # fmt: skip
+        finally:
+            await ledger.aclose()
+
+    asyncio.run(seed())
+    with sqlite3.connect(tmp_path / "gateway.db") as db:
+        db.execute(
+            "UPDATE fmw_usage SET tenant = CAST(? AS TEXT), model = ? WHERE request_id = 'r1'",
+            (b"caf\xe9", b"\xff\x00blob"),
+        )
+        db.execute(
+            "UPDATE fmw_usage SET route = CAST(? AS TEXT), request_id = CAST(? AS TEXT) "
+            "WHERE request_id = 'r2'",
+            (b"ch\xfeat", b"\x1b[2J\xfe"),
+        )
+    out, err = io.StringIO(), io.StringIO()
+    assert main(["usage", "--store", store, "--json"], stdout=out, stderr=err) == 0, err.getvalue()
+    rows = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [(r["request_id"], r["route"], r["tenant"]) for r in rows] == [
+        ("r0", "chat", "acme"),
+        ("r1", "chat", "caf\ufffd"),
+        ("\x1b[2J\ufffd", "ch\ufffdat", "acme"),
+    ]
+    assert rows[1]["model"] == "\ufffd\x00blob"
+    out, err = io.StringIO(), io.StringIO()
+    assert main(["usage", "--store", store], stdout=out, stderr=err) == 0, err.getvalue()
+    assert "caf\ufffd" in out.getvalue() and "\x1b" not in out.getvalue()
+    status, printed, err = _capacity(config)
+    assert status == 0, err
+    assert (_chat(printed)["peak"]["requests"], _chat(printed)["peak"]["tokens"]) == (2, 20)

@@ -218,3 +218,22 @@ class immediate:
             self.conn.execute("COMMIT")
         else:
             self.conn.execute("ROLLBACK")
+
+
+def fetch_leniently(
+    conn: sqlite3.Connection, query: str, params: tuple[object, ...] = ()
+) -> list[tuple[object, ...]]:
+    """`query`'s rows with every text read as its bytes decoded, U+FFFD for what is not
+    UTF-8: a row written by another tool or by hand (a tenant in Latin-1, a route as a
+    BLOB) made Python's sqlite3 refuse the whole query, quoting the row ("Could not decode
+    to UTF-8 column 'tenant' with text ..."). For reads that list what others wrote."""
+    conn.text_factory = _lenient_text
+    try:
+        rows: list[tuple[object, ...]] = conn.execute(query, params).fetchall()
+        return rows
+    finally:
+        conn.text_factory = str
+
+
+def _lenient_text(value: bytes) -> str:
+    return value.decode("utf-8", "replace")

@@ -173,9 +173,9 @@ def usage_from_row(at: datetime, row: tuple[object, ...] | list[object]) -> Usag
     # observation fail on every other record.
     cost, charged = _read_int(cost_units), _read_int(charged_units)
     return UsageRecord(
-        request_id=str(request_id),
-        route=str(route),
-        tenant=str(tenant),
+        request_id=_text(request_id),
+        route=_text(route),
+        tenant=_text(tenant),
         at=at,
         budget_id=_opt_str(budget_id),
         candidates=tuple(str(c) for c in _json_list(candidates)),
@@ -196,7 +196,7 @@ def usage_from_row(at: datetime, row: tuple[object, ...] | list[object]) -> Usag
 def _json_list(text: object) -> list[object]:
     """A JSON array column, or [] for text that is not one."""
     try:
-        value = json.loads(str(text))
+        value = json.loads(_text(text))
     except ValueError:
         return []
     return value if isinstance(value, list) else []
@@ -271,7 +271,13 @@ def _opt_float(value: object) -> float | None:
 
 
 def _opt_str(value: object) -> str | None:
-    return None if value is None else str(value)
+    return None if value is None else _text(value)
+
+
+def _text(value: object) -> str:
+    """A text column as text; a BLOB written there (by hand, by another tool) as its bytes
+    decoded, U+FFFD for what is not UTF-8 (not Python's `b'...'` spelling of them)."""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
 # Budget ids with any window row, and their newest window key ("total" sorts after dates).

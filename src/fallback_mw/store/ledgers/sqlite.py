@@ -46,7 +46,7 @@ from fallback_mw.store.ledgers.schema import (
 )
 from fallback_mw.store.ledgers.sqlite_calls import SQLiteCalls, Turns, retrieved
 from fallback_mw.store.ledgers.sqlite_open import migrate, stale_work
-from fallback_mw.store.sqlite_connect import immediate
+from fallback_mw.store.sqlite_connect import fetch_leniently, immediate
 
 
 class SQLiteLedger(SQLLedgerBase):
@@ -273,10 +273,11 @@ class SQLiteLedger(SQLLedgerBase):
         clause = f"WHERE {' AND '.join(where)} " if where else ""
 
         def work(conn: sqlite3.Connection) -> list[UsageRecord]:
-            rows = conn.execute(
+            rows = fetch_leniently(
+                conn,
                 f"SELECT {USAGE_COLUMNS} FROM fmw_usage {clause}ORDER BY id DESC LIMIT ?",
                 (*params, limit),
-            ).fetchall()
+            )
             records = []
             for row in reversed(rows):
                 try:
@@ -290,7 +291,7 @@ class SQLiteLedger(SQLLedgerBase):
 
     async def rolling_peaks(self, *, since: datetime) -> list[RollingPeak]:
         def work(conn: sqlite3.Connection) -> list[RollingPeak]:
-            rows = conn.execute(_ROLLING_PEAKS, (encode_sqlite_time(since),)).fetchall()
+            rows = fetch_leniently(conn, _ROLLING_PEAKS, (encode_sqlite_time(since),))
             return [rolling_peak_of(row) for row in rows]
 
         return await self._db.run(work)
