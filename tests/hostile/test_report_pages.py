@@ -33,23 +33,34 @@ def _store(tmp_path: Path) -> str:
 
 
 @contextmanager
-def _prometheus_firing(*names: str) -> Iterator[str]:
+def _prometheus_firing(
+    *names: str, listed: list[Any] | None = None, rules: Any = None
+) -> Iterator[str]:
     """Prometheus's alerts API (`GET /api/v1/alerts`), as a shared one answers it: nothing
     firing at the game day's baseline, then `names` firing (the JSON escapes each name, as
-    any JSON encoder may)."""
+    any JSON encoder may), or the alerts `listed` as they are. Its rules API answers
+    `rules` as they are, or 404 (then the prediction's alert name is not checked)."""
     polls: list[int] = []
 
     class Alerts(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
+            if self.path.startswith("/api/v1/rules") and rules is not None:
+                self._answer({"status": "success", "data": {"groups": rules}})
+                return
             if not self.path.startswith("/api/v1/alerts"):
-                self.send_error(404)  # no rules API: the prediction's name is not checked
+                self.send_error(404)
                 return
             polls.append(1)
-            listed = [
+            alerts = [
                 {"labels": {"alertname": name}, "state": "firing"}
                 for name in (names if len(polls) > 1 else ())
             ]
-            body = json.dumps({"status": "success", "data": {"alerts": listed}}).encode()
+            if listed is not None and len(polls) > 1:
+                alerts = listed
+            self._answer({"status": "success", "data": {"alerts": alerts}})
+
+        def _answer(self, payload: Any) -> None:
+            body = json.dumps(payload).encode()
             self.send_response(200)
             self.send_header("content-type", "application/json")
             self.send_header("content-length", str(len(body)))
@@ -118,6 +129,38 @@ def test_an_alert_name_no_encoding_can_write_still_leaves_the_page_and_the_print
     assert "Odd?Alert firing +" in page
     labels = reading_order(out.with_suffix(".html"), tmp_path, "g.event text")
     assert any(label["text"].startswith("Odd?Alert firing +") for label in labels), labels
+
+
+@pytest.mark.parametrize(
+    "alert",
+    [{"labels": ["alertname", "X"], "state": "firing"}, {"labels": "X", "state": "firing"}],
+)
+def test_an_alert_prometheus_lists_in_another_shape_is_a_failed_poll_not_a_lost_report(
+    tmp_path: Path, alert: dict[str, Any]
+) -> None:
+    """An API that lists an alert in a shape Prometheus does not (its labels a list or a
+    string: a proxy's, another product's) once the fault was set: the watch's poll
+    raised past its own error handling, the exercise cleared its fault, then ended in
+    "unexpected internal error (AttributeError)": no page, no printed report, the JSON
+    report left as it was at the start ("running"). Such an answer is a failed poll, as an
+    unreachable Prometheus is, and the report says how many there were."""
+    with _prometheus_firing(listed=[alert]) as prometheus:
+        printed, out = _game_day(tmp_path, prometheus)
+    report = json.loads(out.read_text())
+    assert report["status"] == "completed"
+    assert report["prometheus"]["failed_polls"] >= 1, report["prometheus"]
+    assert "polls failed" in printed and out.with_suffix(".html").exists()
+
+
+def test_rules_listed_in_another_shape_leave_the_prediction_unchecked_not_an_error(
+    tmp_path: Path,
+) -> None:
+    """The rules API (read to check an `alert:NAME` prediction's name before anything is
+    set) answering a rule that is not an object was "unexpected internal error
+    (AttributeError)"; an answer it cannot read says nothing, as an error status does."""
+    with _prometheus_firing(rules=[{"rules": [["FallbackMwBreakerOpen"]]}]) as prometheus:
+        printed, out = _game_day(tmp_path, prometheus)
+    assert json.loads(out.read_text())["status"] == "completed", printed
 
 
 @pytest.mark.parametrize("hostile", ["\x1b[2J", "\u2066\u202e", "a\u200fb"])

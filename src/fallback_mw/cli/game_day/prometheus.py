@@ -78,6 +78,11 @@ class AlertWatcher:
                 payload: Any = await response.json(content_type=None)
             states: dict[str, str] = {}
             for alert in payload["data"]["alerts"]:
+                if not isinstance(alert["labels"], dict):
+                    # Not Prometheus's shape (a proxy's, another product's): a failed poll,
+                    # as a refused one is; `.get` on it ended the game day in an internal
+                    # error after the exercise, its report unwritten.
+                    raise ValueError("an alert whose labels are not an object")
                 if not self.concerns(alert["labels"]):
                     continue
                 name = str(alert["labels"]["alertname"])
@@ -113,12 +118,14 @@ class AlertWatcher:
                 if response.status != 200:
                     return None
                 payload: Any = await response.json(content_type=None)
-            return {
-                str(rule["name"])
-                for group in payload["data"]["groups"]
-                for rule in group["rules"]
-                if rule.get("type", "alerting") == "alerting"
-            }
+            names = set()
+            for group in payload["data"]["groups"]:
+                for rule in group["rules"]:
+                    if not isinstance(rule, dict):  # not Prometheus's shape: it does not say
+                        return None
+                    if rule.get("type", "alerting") == "alerting":
+                        names.add(str(rule["name"]))
+            return names
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError):
             return None
 
