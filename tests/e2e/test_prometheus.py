@@ -49,9 +49,11 @@ def prometheus_binary() -> str:
 
 
 @contextlib.contextmanager
-def prometheus(binary: str, tmp_path: Path, target: str | list[str], port: int) -> Iterator[Path]:
+def prometheus(
+    binary: str, tmp_path: Path, target: str | list[str], port: int, rules: Path = RULES
+) -> Iterator[Path]:
     """Prometheus on 127.0.0.1:`port`, scraping `target` (or each of a list) every second
-    and evaluating the shipped rules every second; its log in the yielded path."""
+    and evaluating `rules` (the shipped ones) every second; its log in the yielded path."""
     targets = ", ".join(f'"{t}"' for t in ([target] if isinstance(target, str) else target))
     config = tmp_path / "prometheus.yml"
     config.write_text(
@@ -60,7 +62,7 @@ global:
   scrape_interval: 1s
   evaluation_interval: 1s
 rule_files:
-  - {RULES}
+  - {rules}
 scrape_configs:
   - job_name: fallback-mw
     static_configs:
