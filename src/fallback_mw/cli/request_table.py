@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from fallback_mw.cli.app import printable as shown
+
 _COLUMNS = ("#", "candidate", "step", "status", "kind", "who", "ms", "left ms", "next")
 
 
 def printable(text: str) -> str:
-    return "".join(ch if ch.isprintable() or ch in "\n\t" else "?" for ch in text)
+    """`text` as cli.app.printable shows it, line breaks and tabs kept (a body's lines)."""
+    return "\n".join("\t".join(map(shown, line.split("\t"))) for line in text.split("\n"))
 
 
 def _cell(value: object) -> str:
