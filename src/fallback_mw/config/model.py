@@ -38,11 +38,11 @@ from fallback_mw.store_url import is_redis_url
 
 
 class BreakerConfig(Strict):
-    window: int = Field(20, ge=1, le=10_000)
-    min_calls: int = Field(5, ge=1)
-    failure_rate: float = Field(0.5, gt=0.0, le=1.0)
-    cooldown_ms: int = Field(5000, ge=1, le=MAX_COOLDOWN_MS)
-    max_cooldown_ms: int = Field(300_000, ge=1, le=MAX_COOLDOWN_MS)
+    window: int = Field(default=20, ge=1, le=10_000)
+    min_calls: int = Field(default=5, ge=1)
+    failure_rate: float = Field(default=0.5, gt=0.0, le=1.0)
+    cooldown_ms: int = Field(default=5000, ge=1, le=MAX_COOLDOWN_MS)
+    max_cooldown_ms: int = Field(default=300_000, ge=1, le=MAX_COOLDOWN_MS)
 
 
 class RepeatAllowanceConfig(Strict):
@@ -52,28 +52,28 @@ class RepeatAllowanceConfig(Strict):
     plus `min_per_second` x the window (a floor, so quiet upstreams can still retry). The
     window is kept in whole seconds (`window_ms` rounded down: 1500 is 1 s)."""
 
-    percent: float = Field(20.0, ge=0.0, le=1000.0)
-    min_per_second: float = Field(1.0, ge=0.0, le=1_000_000.0)
-    window_ms: int = Field(10_000, ge=1000, le=600_000)
+    percent: float = Field(default=20.0, ge=0.0, le=1000.0)
+    min_per_second: float = Field(default=1.0, ge=0.0, le=1_000_000.0)
+    window_ms: int = Field(default=10_000, ge=1000, le=600_000)
 
 
 class GatewaySettings(Strict):
     tenant_header: str = "x-tenant-id"
     session_header: str = "x-session-id"
-    max_request_body: int = Field(8 * 1024 * 1024, ge=0)
-    replay_buffer: int = Field(1024 * 1024, ge=0)
-    max_response_body: int = Field(10 * 1024 * 1024, ge=0)
-    deadline_ms: int = Field(5000, ge=1, le=MAX_DEADLINE_MS)
+    max_request_body: int = Field(default=8 * 1024 * 1024, ge=0)
+    replay_buffer: int = Field(default=1024 * 1024, ge=0)
+    max_response_body: int = Field(default=10 * 1024 * 1024, ge=0)
+    deadline_ms: int = Field(default=5000, ge=1, le=MAX_DEADLINE_MS)
     allow_hosts: tuple[str, ...] = ("127.0.0.1", "localhost")
     state: str = "memory://"
     store: str | None = None
     engine: Literal["aiohttp", "httpx"] = "aiohttp"
     canary_salt: str = "fallback_mw"
     # Limits that protect the process (SPEC §11); see docs/security.md.
-    max_header_bytes: int = Field(65_536, ge=1024, le=16 * 1024 * 1024)
-    max_header_count: int = Field(100, ge=1, le=10_000)
-    max_concurrency: int = Field(0, ge=0, le=1_000_000)
-    header_timeout_ms: int = Field(10_000, ge=1, le=600_000)
+    max_header_bytes: int = Field(default=65_536, ge=1024, le=16 * 1024 * 1024)
+    max_header_count: int = Field(default=100, ge=1, le=10_000)
+    max_concurrency: int = Field(default=0, ge=0, le=1_000_000)
+    header_timeout_ms: int = Field(default=10_000, ge=1, le=600_000)
     breaker: BreakerConfig = BreakerConfig()
     repeat_budget: RepeatAllowanceConfig = RepeatAllowanceConfig()
     # A PEM bundle of the CAs trusted for https:// upstreams, instead of the system's
@@ -183,7 +183,7 @@ class GatewaySettings(Strict):
 class BudgetConfig(Strict):
     limit: Decimal = Field(ge=0, le=MAX_MONEY)
     window: Literal["day", "month", "total"] = "month"
-    default_hold: Decimal = Field(Decimal("0.01"), ge=0, le=MAX_MONEY)
+    default_hold: Decimal = Field(default=Decimal("0.01"), ge=0, le=MAX_MONEY)
 
     _written = field_validator("limit", "default_hold", mode="before")(as_written)
 

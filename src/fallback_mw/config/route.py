@@ -59,9 +59,9 @@ class RouteConfig(Strict):
     methods: tuple[str, ...] | None = None  # None: DEFAULT_METHODS
     plan: tuple[str, ...] = Field(min_length=1, max_length=MAX_PLAN_LENGTH)
     strategy: Literal["sequential", "random"] = "sequential"
-    retries: int = Field(0, ge=0, le=32)
-    backoff_ms: int = Field(25, ge=0, le=60_000)
-    deadline_ms: int | None = Field(None, ge=1, le=MAX_DEADLINE_MS)
+    retries: int = Field(default=0, ge=0, le=32)
+    backoff_ms: int = Field(default=25, ge=0, le=60_000)
+    deadline_ms: int | None = Field(default=None, ge=1, le=MAX_DEADLINE_MS)
     replayable_methods: tuple[str, ...] = ("GET", "HEAD", "OPTIONS")
     # A POST carrying an Idempotency-Key header (IETF HTTPAPI draft) is replayable too: the
     # upstream deduplicates on the key, so a second attempt cannot act twice.
@@ -69,13 +69,13 @@ class RouteConfig(Strict):
     failover_status: tuple[StrictInt, ...] = (502, 503, 504)  # ["503"] refused, as retries = "1"
     on_exhausted: Literal["error", "last_response"] = "error"
     budget: str | None = None
-    hedge_after_ms: int = Field(0, ge=0, le=MAX_TIMER_MS)
+    hedge_after_ms: int = Field(default=0, ge=0, le=MAX_TIMER_MS)
     # Hedge a POST that carries an Idempotency-Key too (two concurrent requests, one key).
     hedge_idempotent_posts: bool = False
-    canary_percent: float = Field(0.0, ge=0.0, le=100.0)
+    canary_percent: float = Field(default=0.0, ge=0.0, le=100.0)
     canary_eligible: bool = False
     shadow: str | None = None  # an upstream that gets copies of the slice, answer discarded
-    shadow_percent: float = Field(0.0, ge=0.0, le=100.0)
+    shadow_percent: float = Field(default=0.0, ge=0.0, le=100.0)
 
     @field_validator("prefix")
     @classmethod

@@ -52,18 +52,18 @@ class UpstreamConfig(Strict):
     auth_env: str | tuple[str, ...] | None = None
     model: str | None = None
     # 3 s: survives one dropped SYN (Linux retransmits the first after 1 s), SPEC §12.
-    connect_timeout_ms: int = Field(3000, ge=1, le=MAX_TIMER_MS)
+    connect_timeout_ms: int = Field(default=3000, ge=1, le=MAX_TIMER_MS)
     # Requests (so connections) in flight to this upstream from one process, SPEC §12.
-    max_connections: int = Field(100, ge=1, le=100_000)
-    first_byte_timeout_ms: int = Field(30_000, ge=1, le=MAX_TIMER_MS)
-    idle_timeout_ms: int = Field(60_000, ge=1, le=MAX_TIMER_MS)
-    rpm: int | None = Field(None, ge=1, le=10**9)  # declared capacity: requests per minute
-    tpm: int | None = Field(None, ge=1, le=10**15)  # declared capacity: tokens per minute
+    max_connections: int = Field(default=100, ge=1, le=100_000)
+    first_byte_timeout_ms: int = Field(default=30_000, ge=1, le=MAX_TIMER_MS)
+    idle_timeout_ms: int = Field(default=60_000, ge=1, le=MAX_TIMER_MS)
+    rpm: int | None = Field(default=None, ge=1, le=10**9)  # declared capacity: requests per minute
+    tpm: int | None = Field(default=None, ge=1, le=10**15)  # declared capacity: tokens per minute
     # A credential pool (auth_env as a list), SPEC §12: how a credential is chosen, and how
     # long a credential whose 429 says its quota is spent is retired when it says not until
     # when.
     selection: Literal["round_robin", "score"] = "round_robin"
-    quota_retire_ms: int = Field(3_600_000, ge=1, le=31 * 86_400_000)
+    quota_retire_ms: int = Field(default=3_600_000, ge=1, le=31 * 86_400_000)
     ca_file: str | None = None  # PEM bundle trusted for this https:// upstream
     proxy: str | None = None  # egress HTTP proxy, http://host:port
     provider: str | None = None  # GenAI provider name (gen_ai.provider.name), e.g. "openai"
