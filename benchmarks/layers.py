@@ -106,10 +106,6 @@ class FakeClient:
     async def send(self, request: UpstreamRequest) -> FakeResponse:
         name = self.by_port[request.url[16:21]]  # "http://127.0.0.1" then ":1001"
         self.calls[name] += 1
-        # As the engines' connection cap marks a request it lets through: without it every
-        # attempt looked "ended waiting for a connection" to the walker, which then gave
-        # back its capacity count under a shielded scope (work serve never does).
-        request.slot_taken = True
         if name == "failing":
             return FakeResponse(503, b'{"error":"unavailable"}')
         if name == "slow":

@@ -268,7 +268,7 @@ class AttemptRunner:
                     context.method, url, headers, self._request_body(upstream), timeouts, (),
                     connection_slots(upstream, shadow=self.shadow),
                     pool_key(name, upstream, shadow=self.shadow), upstream.ca_file, proxy,
-                    False, self.replayable,
+                    None, self.replayable,
                 )  # fmt: skip
                 response = await client.send(request)
                 if response.status == 429 and len(upstream.credential_envs) > 1:
@@ -287,8 +287,10 @@ class AttemptRunner:
         except BodyAborted:
             return self._local_or(Outcome("transport")), None
         finally:
-            if request is not None and not request.slot_taken:
-                record.queued_only = True  # ended waiting for a connection: never sent
+            if request is not None and request.slot_taken is False:
+                # Ended waiting for a connection (or refused before one): never sent. An
+                # engine that does not say (None) sent what it was handed.
+                record.queued_only = True
         if not self.shadow:  # a shadow's answer goes to nobody
             # Read once for the relay (stream.commit takes it from the record); the check
             # runs only for an answer in a coding other than a plain gzip / deflate.

@@ -215,6 +215,7 @@ class AiohttpClient:
         return self._session
 
     async def send(self, request: UpstreamRequest) -> AiohttpResponse:
+        request.slot_taken = False  # nothing of it has left the gateway yet
         with map_errors("connect"):
             check_request_headers(request.headers)
         session = self._get_session()

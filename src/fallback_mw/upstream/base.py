@@ -257,9 +257,11 @@ class UpstreamRequest:
     # proxy (`proxy`; None: direct).
     ca_file: str | None = None
     proxy: str | None = None
-    # Set by the connection cap once this request holds a slot: until then nothing of it
-    # has left the gateway.
-    slot_taken: bool = False
+    # Whether the request got past the engine's connection cap: the shipped engines set
+    # False as `send` starts and True once it holds a slot (still False at the end: nothing
+    # of it left the gateway, so no rpm / tpm count is kept for it). None: an engine that
+    # says nothing (a host's own, written from the protocol): what it was handed is sent.
+    slot_taken: bool | None = None
     # The walk may send this request again (decide.is_replayable: its method, its body
     # buffered): then, lost on a kept-alive connection, it goes again on a new one
     # (`resend_on_new_connection`).

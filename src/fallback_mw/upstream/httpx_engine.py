@@ -282,6 +282,7 @@ class HttpxClient:
             self._watch_idle()
 
     async def send(self, request: UpstreamRequest) -> HttpxResponse:
+        request.slot_taken = False  # nothing of it has left the gateway yet
         with map_errors("connect"):
             check_request_headers(request.headers)
             if request.proxy is not None:

@@ -1,0 +1,87 @@
+"""An upstream engine a host writes itself (`Gateway(..., client=...)`, the
+`fallback_mw.upstream.UpstreamClient` protocol of docs/budgets.md: `send` and `aclose`, an
+`UpstreamResponse` with `status`, `headers`, `iter_chunks`, `aclose`) is used as the
+shipped engines are: what it sends counts as sent."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from fallback_mw import Gateway
+from fallback_mw.upstream import UpstreamRequest, UpstreamResponse
+from tests.helpers import client_for
+from tests.upstreams import host_app
+
+pytestmark = pytest.mark.anyio
+
+
+class Answer:
+    status = 200
+    headers = [(b"content-type", b"text/plain"), (b"content-length", b"2")]
+
+    async def iter_chunks(self) -> AsyncIterator[bytes]:
+        yield b"ok"
+
+    async def aclose(self) -> None:
+        return None
+
+
+class OwnEngine:
+    """Written from the protocol alone: it answers every request itself, and holds one
+    whose path ends in /slow past any deadline."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    async def send(self, request: UpstreamRequest) -> UpstreamResponse:
+        self.sent += 1
+        if request.url.endswith("/slow"):
+            await asyncio.sleep(60)
+        return Answer()
+
+    async def aclose(self) -> None:
+        return None
+
+
+def config(**upstream: Any) -> dict[str, Any]:
+    return {
+        "gateway": {"allow_hosts": ["127.0.0.1"]},
+        "upstreams": {"primary": {"url": "http://127.0.0.1:9", **upstream}},
+        "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"], "deadline_ms": 300}],
+    }
+
+
+async def test_a_declared_rpm_holds_for_an_engine_of_the_hosts_own() -> None:
+    """With `rpm = 2` on its upstream, a host's own engine was sent every request: the walk
+    read each attempt as one that ended waiting for a connection slot (a flag only the
+    shipped engines set), gave its count back, and the upstream never reached its rpm.
+    The third request in the minute is now skipped for capacity (no packet), as with the
+    shipped engines."""
+    engine = OwnEngine()
+    gateway = Gateway(host_app, config=config(rpm=2), client=engine)
+    async with gateway, client_for(gateway) as client:
+        served = [await client.get("/v1/models") for _ in range(2)]
+        assert [r.status_code for r in served] == [200, 200]
+        refused = await client.get("/v1/models")
+    assert engine.sent == 2
+    assert refused.status_code == 503, refused.text
+    assert refused.headers["x-gateway-skipped"] == "primary;reason=capacity"
+
+
+async def test_a_deadline_under_an_engine_of_the_hosts_own_names_its_timers() -> None:
+    """The deadline cutting an attempt a host's own engine was still waiting on was
+    explained as waiting for a free connection ("its max_connections, 100, were all in
+    use: raise the max_connections"), a cap that engine never applied; it names the
+    first-byte timer the attempt was inside, as for the shipped engines."""
+    engine = OwnEngine()
+    gateway = Gateway(host_app, config=config(first_byte_timeout_ms=1000), client=engine)
+    async with gateway, client_for(gateway) as client:
+        response = await client.get("/v1/slow")
+    assert response.status_code == 504, response.text
+    message = response.json()["error"]["message"]
+    assert "max_connections" not in message, message
+    assert "first_byte_timeout_ms (1000 ms)" in message, message
