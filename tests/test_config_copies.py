@@ -61,3 +61,79 @@ async def test_a_copy_with_another_url_is_checked_against_allow_hosts() -> None:
     assert response.status_code == 503, response.text
     assert response.json()["error"]["code"] == "config_error"
     assert "'other.invalid' is not in allow_hosts" in response.text
+
+
+def with_route(config: GatewayConfig, **update: object) -> GatewayConfig:
+    return config.model_copy(update={"routes": (config.routes[0].model_copy(update=update),)})
+
+
+def with_settings(config: GatewayConfig, **update: object) -> GatewayConfig:
+    return config.model_copy(update={"gateway": config.gateway.model_copy(update=update)})
+
+
+async def echo_request(request: web.Request) -> web.StreamResponse:
+    return web.json_response({"method": request.method, "path": request.raw_path})
+
+
+async def test_a_copy_is_read_as_the_same_values_written_in_a_file() -> None:
+    """pydantic's `model_copy(update=...)` checks nothing it is given: a copy with
+    `methods=("post",)` routed no POST (the host app answered it, methods are matched in
+    upper case), and one with `url="http://host:port/"` sent every request to `//v1/...`.
+    The gateway reads a copy's values as it reads a file's: POST routed, one slash."""
+    async with upstream(echo_request) as up:
+        config = parse_config({"gateway": {"allow_hosts": ["127.0.0.1"]},
+                               "upstreams": {"a": {"url": up.url}},
+                               "routes": ROUTES})  # fmt: skip
+        copied = with_route(with_upstream(config, url=up.url + "/"), methods=("post",))
+        gateway = Gateway(host_app, config=copied, environ={})
+        try:
+            async with client_for(gateway) as client:
+                response = await client.post("/v1/chat", json={})
+        finally:
+            await gateway.aclose()
+    assert response.status_code == 200, response.text
+    assert response.headers["x-gateway-route"] == "r"
+    assert response.json() == {"method": "POST", "path": "/v1/chat"}
+
+
+BASE = {"gateway": {"allow_hosts": ["127.0.0.1"]},
+        "upstreams": {"a": {"url": "http://127.0.0.1:9"}},
+        "routes": ROUTES}  # fmt: skip
+COPIES = {
+    "a prefix without its slash": (
+        lambda c: with_route(c, prefix="v1/"),
+        "routes['r'].prefix: must start with '/'",
+    ),
+    "no plan": (lambda c: with_route(c, plan=()), "routes['r'].plan: must not be empty"),
+    "a status as text": (
+        lambda c: with_route(c, failover_status=("503",)),
+        "routes['r'].failover_status.0: must be an integer",
+    ),
+    "a deadline of 0 ms": (lambda c: with_settings(c, deadline_ms=0), "gateway.deadline_ms"),
+    "an unknown key": (
+        lambda c: with_route(c, replayable=True),
+        "unknown key \"routes['r'].replayable\"",
+    ),
+    "an upstream url that is none": (
+        lambda c: with_upstream(c, url="ftp://x y"),
+        "upstreams.a.url",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(COPIES))
+async def test_a_copy_holding_what_a_file_may_not_is_refused(case: str) -> None:
+    """A copy with a value its model refuses loaded all the same (model_copy validates
+    nothing): a prefix without its `/` or a status written as text matched nothing, a
+    0 ms deadline was taken, an unknown key was kept, and a route of no plan failed
+    `Gateway(...)` with a bare IndexError. Each is refused as the same value in a file
+    is: the gateway does not serve (503 config_error), naming the key."""
+    make, named = COPIES[case]
+    copied = make(parse_config(BASE))
+    gateway = Gateway(host_app, config=copied, environ={})
+    assert gateway.config_error is not None
+    assert named in gateway.config_error, gateway.config_error
+    async with client_for(gateway) as client:
+        response = await client.get("/v1/chat")
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "config_error"

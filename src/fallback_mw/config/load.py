@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from fallback_mw import extras, rules
 from fallback_mw.config.describe import _describe
@@ -151,6 +151,21 @@ def _was_validated(config: GatewayConfig) -> bool:
     return entry is not None and entry() is config
 
 
+def _as_written(value: Any) -> Any:
+    """A model as the data it was made from, for parsing again: the fields it was given
+    (an update's unknown key among them), its submodels alike; not the values it
+    derives and caches (an upstream's host and port), nor the defaults it was not given
+    (so `model_fields_set` reads as before)."""
+    if isinstance(value, BaseModel):
+        held = value.__dict__
+        return {key: _as_written(held[key]) for key in value.model_fields_set if key in held}
+    if isinstance(value, dict):
+        return {key: _as_written(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_as_written(item) for item in value]
+    return value
+
+
 def parse_config(data: Mapping[str, Any]) -> GatewayConfig:
     try:
         return GatewayConfig.model_validate(dict(data))
@@ -240,7 +255,10 @@ def load_config(
     """Load and validate a configuration from a path to a TOML file, a dict or a model."""
     require_environ(environ, owner="load_config")
     if isinstance(source, GatewayConfig):
-        config = source
+        # One `validate` passed is whole; any other is parsed again from what it holds:
+        # pydantic's `model_copy(update=...)` and `model_construct` check nothing, so a copy
+        # with `methods=("post",)` routed no POST and one with `plan=()` was an IndexError.
+        config = source if _was_validated(source) else parse_config(_as_written(source))
     elif isinstance(source, Mapping):
         config = parse_config(source)
     elif isinstance(source, str) and "\n" in source.strip():  # no configuration file's name
@@ -267,7 +285,8 @@ def as_config(
     a `GatewayConfig`, loaded and validated (`load_config`; `check_env=False` for a layer
     that reads no credential). A model `validate` already passed (`Gateway` hands its
     layers the one it validated) is taken as it is; one built directly
-    (`GatewayConfig.model_validate(...)`) meets the load-time refusals like a dict."""
+    (`GatewayConfig.model_validate(...)`, or a `model_copy(update=...)`, parsed again)
+    meets the load-time refusals like a dict."""
     if isinstance(source, GatewayConfig) and _was_validated(source):
         return source
     return load_config(source, environ=environ, check_env=check_env)
