@@ -8,6 +8,7 @@ and everything the package ships (and the documented doubles) still passes."""
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,8 @@ from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI
+from starlette.applications import Starlette
 
 from fallback_mw import (
     BudgetGuard,
@@ -315,3 +318,53 @@ def test_telemetrys_providers_are_checked_when_it_is_built() -> None:
     Telemetry(tracer_provider=tracer_provider, meter_provider=meter_provider)  # the SDK's pass
     tracer_provider.shutdown()
     meter_provider.shutdown()
+
+
+def _app_factory() -> Any:  # as Django's get_asgi_application: called, it returns the app
+    return host_app
+
+
+@pytest.mark.parametrize("layer", list(LAYERS))
+@pytest.mark.parametrize(
+    ("app", "named"),
+    [
+        (Starlette, "the class Starlette itself: pass Starlette(...)"),
+        (FastAPI, "the class FastAPI itself: pass FastAPI(...)"),
+        (_app_factory, "_app_factory, which cannot be called as an ASGI app"),
+    ],
+)
+def test_an_app_class_or_factory_is_refused_at_construction(
+    layer: str, app: Any, named: str
+) -> None:
+    """`Gateway(FastAPI, config=...)` or, in a Django asgi.py, `Gateway(get_asgi_application,
+    config=...)` (the class or the factory, not what it makes) was accepted: both are
+    callable. Routed requests were served, and every other request was a 500 far from the
+    mistake ("get_asgi_application() takes 0 positional arguments but 3 were given"). The
+    constructor says what to pass."""
+    build = {
+        "Gateway": Gateway,
+        "BudgetGuard": BudgetGuard,
+        "RouteResolver": RouteResolver,
+        "CredentialInjector": CredentialInjector,
+        "PlanWalker": PlanWalker,
+    }[layer]
+    with pytest.raises(TypeError) as raised:
+        build(app, config=config())
+    message = str(raised.value)
+    assert message.startswith(f"{layer}: its first argument is the ASGI app it wraps"), message
+    assert named in message, message
+
+
+@pytest.mark.parametrize(
+    "app",
+    [
+        host_app,
+        Starlette(),
+        FastAPI(),
+        lambda scope, receive, send: None,
+        lambda *args: None,
+        functools.partial(lambda extra, scope, receive, send: None, 1),
+    ],
+)
+def test_every_shape_of_asgi_app_is_taken(app: Any) -> None:
+    Gateway(app, config=config())

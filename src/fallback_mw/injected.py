@@ -6,9 +6,10 @@ request. The interfaces themselves are the callers' to name (this module imports
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 
 def _public_path(interface: type) -> str:
@@ -91,11 +92,36 @@ def require_app(value: object, *, owner: str) -> None:
     """The ASGI app a layer wraps: a callable. An import string (`"main:app"`, as uvicorn
     takes it) or None failed only at the first request no route took, far from the
     mistake ("'str' object is not callable")."""
+    wraps = (
+        f"{owner}: its first argument is the ASGI app it wraps (a callable: FastAPI(), "
+        "Starlette(), Django's get_asgi_application())"
+    )
     if not callable(value):
+        raise TypeError(f"{wraps}, not {_what(value)}")
+    # `Gateway(FastAPI, ...)`, or `Gateway(get_asgi_application, ...)` in a Django asgi.py:
+    # callable too, so routed requests were served and every other one was a 500 far from
+    # the mistake ("get_asgi_application() takes 0 positional arguments but 3 were given").
+    if isinstance(value, type) and any("__call__" in vars(base) for base in value.__mro__[:-1]):
+        name = value.__qualname__
+        raise TypeError(f"{wraps}, not the class {name} itself: pass {name}(...)")
+    if not isinstance(value, type) and not _takes_scope_receive_send(value):
+        name = getattr(value, "__qualname__", None) or _what(value)
         raise TypeError(
-            f"{owner}: its first argument is the ASGI app it wraps (a callable: FastAPI(), "
-            f"Starlette(), Django's get_asgi_application()), not {_what(value)}"
+            f"{wraps}, not {name}, which cannot be called as an ASGI app (scope, receive, "
+            f"send): pass the app itself ({name}() if {name} makes it)"
         )
+
+
+def _takes_scope_receive_send(app: Callable[..., object]) -> bool:
+    """Whether `app` can be called with three positional arguments, as a server calls an
+    ASGI app; True when its signature cannot be read (a builtin, a C extension's)."""
+    try:
+        inspect.signature(app).bind(None, None, None)
+    except TypeError:
+        return False
+    except ValueError:
+        return True
+    return True
 
 
 def require_environ(value: object, *, owner: str) -> None:
