@@ -85,3 +85,45 @@ async def test_a_deadline_under_an_engine_of_the_hosts_own_names_its_timers() ->
     message = response.json()["error"]["message"]
     assert "max_connections" not in message, message
     assert "first_byte_timeout_ms (1000 ms)" in message, message
+
+
+class TimingOutEngine:
+    """Times its upstream out as asyncio does (`asyncio.timeout` raising TimeoutError),
+    not with the protocol's UpstreamError("timeout", ...), for the primary."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    async def send(self, request: UpstreamRequest) -> UpstreamResponse:
+        self.asked.append(request.url.split("/")[2])
+        if request.url.startswith("http://127.0.0.1:9/"):
+            async with asyncio.timeout(request.timeouts.first_byte):
+                await asyncio.sleep(60)
+        return Answer()
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def test_an_engines_own_timeout_is_the_upstreams_timeout_not_the_deadline() -> None:
+    """An engine of the host's own that timed its upstream out with asyncio's own
+    TimeoutError (its `asyncio.timeout(request.timeouts.first_byte)`) ended the walk at
+    once with 504 deadline_exceeded, "the route deadline (5000 ms) passed" 0.2 s into it,
+    and the backup was never asked. Only the walk's own deadline is the deadline: the
+    engine's timeout is the upstream's (failure kind timeout), and the backup serves."""
+    conf = {
+        "gateway": {"allow_hosts": ["127.0.0.1"]},
+        "upstreams": {
+            "primary": {"url": "http://127.0.0.1:9", "first_byte_timeout_ms": 200},
+            "backup": {"url": "http://127.0.0.1:10"},
+        },
+        "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary", "backup"],
+                    "retries": 1, "deadline_ms": 5000}],
+    }  # fmt: skip
+    engine = TimingOutEngine()
+    gateway = Gateway(host_app, config=conf, client=engine)
+    async with gateway, client_for(gateway) as client:
+        response = await client.get("/v1/models")
+    assert response.status_code == 200, response.text
+    assert response.headers["x-gateway-provider"] == "backup"
+    assert engine.asked == ["127.0.0.1:9", "127.0.0.1:10"]

@@ -237,8 +237,9 @@ class AttemptRunner:
         faults = self.faults
         fault = None if type(faults) is NoFaults else await faults.upstream_fault(name)
         request: UpstreamRequest | None = None
+        deadline = deadline_after(max(context.remaining, 0.0))
         try:
-            with deadline_after(max(context.remaining, 0.0)):
+            with deadline:
                 if fault == "fail":
                     record.fault = "fail"
                     return Outcome("status", 503, fault="fail"), SyntheticResponse(503)
@@ -276,6 +277,11 @@ class AttemptRunner:
                     # of the body; the client still gets every byte if it is served)
                     response = await peek_quota(response)
         except TimeoutError:
+            if not deadline.expired():
+                # Not the walk's deadline: an engine of the host's own timing its upstream
+                # out as asyncio does (the shipped engines raise UpstreamError "timeout").
+                record.timer = _FIRST_BYTE
+                return self._local_or(engine_outcome("timeout", "first_byte")), None
             # An injected hang still counts against the upstream when the deadline ends it.
             return self._local_or(Outcome("deadline", fault=record.fault)), None
         except UpstreamError as exc:
