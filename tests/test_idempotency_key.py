@@ -67,3 +67,30 @@ async def test_the_key_never_makes_other_methods_replayable() -> None:
             response = await client.patch("/v1/x", content=BODY, headers={"idempotency-key": "k-1"})
     assert response.status_code == 502
     assert (p.count, b.count) == (1, 0)
+
+
+@pytest.mark.parametrize(
+    ("path", "headers", "body"),
+    [
+        ("/v1/chat/completions", {"x-http-method-override": "post"}, BODY),
+        ("/v1/chat/completions?_method=POST", {}, BODY),
+        ("/v1/form", {"content-type": "application/x-www-form-urlencoded"}, b"_method=POST&a=1"),
+    ],
+    ids=["field", "query", "form"],
+)
+async def test_an_override_that_names_the_post_itself_keeps_it_replayable(
+    path: str, headers: dict[str, str], body: bytes
+) -> None:
+    """A method override counts only the methods other than the request's own: a keyed
+    POST whose override field, `_method` query parameter or form field says POST is the
+    same POST, still replayed with its key (a hand-made mutant that counted the request's
+    own method made it `method_override`, never failed over)."""
+    async with upstream(status_handler(503)) as p, upstream(status_handler(200, b"ok")) as b:
+        conf = config(p.url, b.url, replay_with_idempotency_key=True)
+        async with gateway_client(conf, environ=ENV) as client:
+            response = await client.post(
+                path, content=body, headers={"idempotency-key": "k-9", **headers}
+            )
+    assert response.status_code == 200
+    assert response.headers["x-gateway-provider"] == "backup"
+    assert (p.count, b.count) == (1, 1) and b.received[0].body == body
