@@ -362,6 +362,8 @@ async def test_a_url_in_a_request_header_loses_the_credential_query_keys_too() -
             "X-Original-URI": "/llm/v1/models?API%5FKEY=caller-secret-2",
             "Referer": "https://app.example/chat?access_token=caller-secret-3&tab=2#top",
             "x-question": "what?key=kept-as-no-url",
+            # A scheme in capitals is a URL to every parser (RFC 3986 §3.1).
+            "Origin-Page": "HTTPS://app.example/?Key=caller-secret-5",
         }
         try:
             async with client_for(gateway) as http:
@@ -376,6 +378,7 @@ async def test_a_url_in_a_request_header_loses_the_credential_query_keys_too() -
     assert got["x-original-uri"] == "/llm/v1/models"
     assert got["referer"] == "https://app.example/chat?tab=2#top"
     assert got["x-question"] == "what?key=kept-as-no-url"
+    assert got["origin-page"] == "HTTPS://app.example/"
     assert not any("caller-secret" in value for _, value in received.headers)
 
 
