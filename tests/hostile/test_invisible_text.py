@@ -7,13 +7,14 @@ which made one tenant read as another."""
 from __future__ import annotations
 
 import io
+import logging
 from pathlib import Path
 
 import anyio
 import pytest
 
 from fallback_mw.cli import main
-from fallback_mw.cli.app import printable
+from fallback_mw.quoting import printable
 from tests.helpers import gateway_client
 from tests.upstreams import status_handler, upstream
 
@@ -63,3 +64,38 @@ def test_every_printable_character_drawn_as_nothing_shows_as_a_question_mark(cha
 def test_text_drawn_as_something_is_kept() -> None:
     kept = "acme 日本語 cafe\u0301 Ελλάδα \U0001f680 \u2800"  # the braille blank is a glyph
     assert printable(kept) == kept
+
+
+async def test_the_span_and_the_log_record_name_such_a_tenant_as_the_terminal_does(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The request span's `gateway.tenant` and the log record's `tenant` field (a trace
+    view, a JSON log) said `acme` for the tenant `acme` + U+3164 too: `acme?` now, as the
+    control and bidi characters there were already."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from fallback_mw.telemetry import Telemetry
+
+    caplog.set_level(logging.INFO, logger="fallback_mw.request")
+    spans = InMemorySpanExporter()
+    provider = TracerProvider(shutdown_on_exit=False)
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    try:
+        async with upstream(status_handler(200, b"ok")) as primary:
+            config = {
+                "upstreams": {"primary": {"url": primary.url}},
+                "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+            }
+            telemetry = Telemetry(tracer_provider=provider)
+            async with gateway_client(config, telemetry=telemetry) as client:
+                tenant = "acme\u3164".encode()
+                response = await client.get("/v1/x", headers=[(b"x-tenant-id", tenant)])
+                assert response.status_code == 200
+    finally:
+        provider.shutdown()
+    (span,) = [s for s in spans.get_finished_spans() if s.name == "gateway.request"]
+    assert (span.attributes or {})["gateway.tenant"] == "acme?"
+    (record,) = [r for r in caplog.records if r.name == "fallback_mw.request"]
+    assert record.tenant == "acme?"  # type: ignore[attr-defined]

@@ -22,7 +22,6 @@ import errno
 import io
 import logging
 import os
-import re
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from typing import Any, NoReturn, TextIO, TypeVar, cast
 
 from fallback_mw.config import ConfigError
 from fallback_mw.error_chain import error_chain
+from fallback_mw.quoting import printable
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -88,24 +88,6 @@ class Console:
         self.caveats.clear()
         self.err.write(f"{PROG}: error: {text}{notes}\n")
         self.err.flush()
-
-
-def printable(text: str) -> str:
-    """`text` as a terminal shows it: every character that is not printable (a tab, a
-    newline, an escape sequence's ESC, a BEL) or is drawn as nothing (`DRAWN_AS_NOTHING`)
-    becomes `?`."""
-    if text.isprintable() and (text.isascii() or DRAWN_AS_NOTHING.search(text) is None):
-        return text
-    return "".join("?" if not c.isprintable() or DRAWN_AS_NOTHING.match(c) else c for c in text)
-
-
-# The printable characters Unicode says to draw as nothing (Default_Ignorable_Code_Point,
-# DerivedCoreProperties.txt; its others are format characters or unassigned, which are not
-# printable): a caller's tenant `acme` + U+3164 (HANGUL FILLER) was listed as tenant `acme`.
-DRAWN_AS_NOTHING = re.compile(
-    "[\u034f\u115f\u1160\u17b4\u17b5\u180b-\u180d\u180f\u3164\ufe00-\ufe0f\uffa0"
-    "\U000e0100-\U000e01ef]"
-)
 
 
 def _one_line(message: str) -> str:

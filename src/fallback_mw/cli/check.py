@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fallback_mw.budget.ledger import BudgetUnreadable, LedgerUnavailable
-from fallback_mw.cli.app import Console, Refused, leaf, printable, run
+from fallback_mw.cli.app import Console, Refused, leaf, run
 from fallback_mw.cli.config_warnings import config_warnings, pooled, replayable
 from fallback_mw.cli.target import (
     missing_sqlite_file,
@@ -27,6 +27,7 @@ from fallback_mw.config import (
     load_config,
 )
 from fallback_mw.failover.decide import CREDENTIAL_STATUSES
+from fallback_mw.quoting import printable
 from fallback_mw.routing import effective_deadline_ms
 from fallback_mw.rules import shown_variable
 from fallback_mw.store.ledgers import open_ledger

@@ -10,7 +10,7 @@ import math
 from collections.abc import Iterable, Sequence
 from html import escape
 
-from fallback_mw.cli.app import printable
+from fallback_mw.quoting import printable
 
 PALETTE = ("#c0392b", "#2471a3", "#7d3c98", "#1e8449", "#b9770e", "#566573")
 

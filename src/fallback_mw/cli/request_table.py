@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from fallback_mw.cli.app import printable as shown
+from fallback_mw.quoting import printable as shown
 
 _COLUMNS = ("#", "candidate", "step", "status", "kind", "who", "ms", "left ms", "next")
 
 
 def printable(text: str) -> str:
-    """`text` as cli.app.printable shows it, line breaks and tabs kept (a body's lines)."""
+    """`text` as quoting.printable shows it, line breaks and tabs kept (a body's lines)."""
     return "\n".join("\t".join(map(shown, line.split("\t"))) for line in text.split("\n"))
 
 

@@ -12,7 +12,7 @@ import argparse
 from typing import Any
 
 from fallback_mw import rules
-from fallback_mw.cli.app import Console, Failed, Refused, leaf, printable
+from fallback_mw.cli.app import Console, Failed, Refused, leaf
 from fallback_mw.cli.route_edits import (
     ChangedMeanwhile,
     check_and_write,
@@ -29,6 +29,7 @@ from fallback_mw.cli.route_edits import (
 from fallback_mw.cli.show import route_line
 from fallback_mw.cli.target import StoreTarget, store_options
 from fallback_mw.config import RouteConfig, UpstreamConfig
+from fallback_mw.quoting import printable
 from fallback_mw.store.model import StoredRoute, build_model, fallback_name, primary_name
 from fallback_mw.store.routes import RouteStore, make_upstream
 

@@ -7,8 +7,9 @@ import codecs
 import unicodedata
 from collections.abc import Callable, Mapping, Sequence
 
-from fallback_mw.cli.app import Console, printable
+from fallback_mw.cli.app import Console
 from fallback_mw.config import RouteConfig, UpstreamConfig
+from fallback_mw.quoting import printable
 from fallback_mw.rules import shown_variable
 
 

@@ -12,6 +12,7 @@ from collections.abc import Collection, Sequence
 
 from opentelemetry.propagators.textmap import Getter
 
+from fallback_mw.quoting import printable
 from fallback_mw.request.secrets import REDACTED, RequestSecrets, recorded_tenant
 
 _MAX_LABEL = 128
@@ -20,10 +21,11 @@ _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
 
 
 def label(value: object) -> str:
-    """A short printable label (route ids, candidate names, tenant)."""
+    """A short printable label (route ids, candidate names, tenant), each character a
+    terminal would act on or draws as nothing `?`, as the command line shows it."""
     text = str(value)
-    if not text.isprintable():
-        text = "".join(ch if ch.isprintable() else "?" for ch in text)
+    if not (text.isascii() and text.isprintable()):  # the usual id: no call past these two
+        text = printable(text)
     return text[:_MAX_LABEL]
 
 
