@@ -178,18 +178,25 @@ def walk_steps(context: RequestContext) -> list[dict[str, Any]]:
 
 
 _CHARSET = re.compile(rb";\s*charset\s*=\s*\"?([^;\"\s]*)", re.IGNORECASE)
+# Types whose readers take no charset: JSON (RFC 8259 §11: the parameter "has no effect on
+# compliant recipients"; the SDKs parse the bytes) and an event stream (always UTF-8).
+_CHARSET_IGNORED = re.compile(
+    rb"\s*(?:application/(?:[!#$&^_.+\-\w]*\+)?json|text/event-stream)\s*(?:;|$)", re.IGNORECASE
+)
 
 
 def shown_body(body: bytes, content_type: bytes | None) -> str:
     """The body as text, read as its reader would: by its byte-order mark, else the
     charset its `Content-Type` declares (an answer in ISO-8859-1 showed every `ü` as
-    U+FFFD, one in UTF-16 as `?` between its letters), else a JSON body's own encoding
-    (RFC 8259), else UTF-8; bytes the encoding does not hold read as U+FFFD."""
+    U+FFFD, one in UTF-16 as `?` between its letters) unless its type's readers ignore
+    one (JSON, an event stream: `charset=utf-7` showed `+ADw-b+AD4-` as `<b>`, which no
+    SDK reads), else a JSON body's own encoding (RFC 8259), else UTF-8; bytes the
+    encoding does not hold read as U+FFFD."""
     for mark, codec in BYTE_ORDER_MARKS:
         if body.startswith(mark):
             return body[len(mark) :].decode(codec, "replace")
     match = _CHARSET.search(content_type or b"")
-    if match is not None:
+    if match is not None and not _CHARSET_IGNORED.match(content_type or b""):
         with contextlib.suppress(LookupError, UnicodeError):
             return body.decode(codecs.lookup(match[1].decode("ascii")).name, "replace")
     if body[:1] == b"\x00" or body[1:2] == b"\x00":  # `{` or `[` in UTF-16 / UTF-32
