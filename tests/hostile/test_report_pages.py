@@ -113,6 +113,23 @@ def test_an_alert_name_no_encoding_can_write_still_leaves_the_page_and_the_print
     assert any(label["text"].startswith("Odd?Alert firing +") for label in labels), labels
 
 
+def test_an_alert_name_of_100000_characters_is_quoted_by_its_start(tmp_path: Path) -> None:
+    """Prometheus sets no bound on a rule's name: one of 100,000 characters that fired was
+    printed whole in the report's prometheus line and drawn whole in the page's timeline
+    (a label 100,000 characters wide). Both quote its first 60 characters and its length,
+    as the store's long keys are quoted; the JSON report keeps the name as it came."""
+    name = "A" * 99_999 + "Z"
+    with _prometheus_firing(name) as prometheus:
+        printed, out = _game_day(tmp_path, prometheus)
+    assert json.loads(out.read_text())["prometheus"]["alerts"].keys() == {name}
+    line = next(line for line in printed.splitlines() if "prometheus:" in line)
+    assert len(line) < 300, line[:300]
+    assert f"{'A' * 60}...(100000 characters) firing at +" in line, line[:300]
+    page = out.with_suffix(".html").read_text(encoding="utf-8")
+    assert len(page) < 20_000, len(page)
+    assert f"{'A' * 60}...(100000 characters) firing +" in page
+
+
 @pytest.mark.parametrize(
     "alert",
     [{"labels": ["alertname", "X"], "state": "firing"}, {"labels": "X", "state": "firing"}],

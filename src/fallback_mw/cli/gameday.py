@@ -58,6 +58,7 @@ from fallback_mw.cli.game_day.spec import (
 from fallback_mw.cli.show import one_line
 from fallback_mw.cli.target import resolve, store_options
 from fallback_mw.faults import UPSTREAM_FAULTS
+from fallback_mw.quoting import shortened
 from fallback_mw.store.ledgers import open_ledger
 from fallback_mw.store.model import StoreError
 from fallback_mw.store.routes import open_store
@@ -229,7 +230,9 @@ async def _run(
             if unknown:
                 close = difflib.get_close_matches(unknown[0], sorted(rules or ()), n=1)
                 hint = (
-                    f"did you mean {one_line(close[0])}?" if close else f"{len(rules or ())} rules"
+                    f"did you mean {one_line(shortened(close[0]))}?"
+                    if close
+                    else f"{len(rules or ())} rules"
                 )
                 raise GameDayRefused(
                     f"--predict alert:{unknown[0]}: Prometheus at {prometheus} has no alerting "

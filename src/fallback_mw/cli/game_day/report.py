@@ -10,6 +10,7 @@ from fallback_mw.cli.app import write_atomically
 from fallback_mw.cli.game_day.observe import fmt, judge
 from fallback_mw.cli.game_day.run import Exercise, Timeline, iso
 from fallback_mw.cli.show import one_line
+from fallback_mw.quoting import shortened
 
 
 def events(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -25,7 +26,9 @@ def events(report: dict[str, Any]) -> list[dict[str, Any]]:
     alerts = ((report.get("prometheus") or {}).get("alerts")) or {}
     for name, seen in alerts.items():
         if seen.get("firing_s") is not None:  # pending only: not a milestone
-            found.append(("alert_firing", f"{name} firing", seen["firing_s"]))
+            # Quoted by its start: a rule's name has no bound (100,000 characters drew a
+            # label as wide on the page); the JSON report keeps the name whole.
+            found.append(("alert_firing", f"{shortened(name)} firing", seen["firing_s"]))
     seconds_set = fault.get("seconds_set")
     found.append(("revert", "revert", seconds_set))
     recovery = observed.get("recovery_s")
@@ -161,7 +164,7 @@ def report_lines(report: dict[str, Any]) -> list[str]:
         # Alert names are any text a rule in a shared Prometheus gives (an ESC too): one
         # printable line each, never a terminal escape sequence.
         fired = [
-            f"{one_line(name)} firing at +{fmt(seen['firing_s'], 's')}"
+            f"{one_line(shortened(name))} firing at +{fmt(seen['firing_s'], 's')}"
             + (f", resolved at +{fmt(seen['resolved_s'], 's')}" if seen["resolved_s"] else "")
             for name, seen in prometheus["alerts"].items()
             if seen["firing_s"] is not None
