@@ -28,7 +28,7 @@ from fallback_mw.request.types import Receive, Scope, Send
 from fallback_mw.store.ledgers.memory import MemoryLedger
 from fallback_mw.telemetry import Telemetry
 from tests.helpers import client_for
-from tests.upstreams import host_app, upstream
+from tests.upstreams import host_app, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
 
@@ -353,3 +353,43 @@ async def test_a_layer_whose_configuration_does_not_load_fails_the_startup_and_n
             assert response.status_code == 503
             assert response.json()["error"]["code"] == "config_error"
             assert "unknown key 'nope'" in response.json()["error"]["message"]
+
+
+STACKS: dict[str, Any] = {
+    "no guard": lambda config, walker, ledger: RouteResolver(walker, config=config),
+    "the guard outside the resolver": lambda config, walker, ledger: BudgetGuard(
+        RouteResolver(walker, config=config), config=config, ledger=ledger
+    ),
+}
+
+
+@pytest.mark.parametrize("stack", [*STACKS, "the guard behind the walker"])
+async def test_a_budgeted_route_is_never_walked_without_its_guard(stack: str) -> None:
+    """Layers composed by hand in the wrong order (Starlette runs the middleware added last
+    first) served a route whose budget no guard held: a BudgetGuard added after the
+    RouteResolver ran outside it and saw no route, one added before the PlanWalker ran
+    behind it and was never reached, and a stack of a resolver and a walker alone (the
+    docs' "gateway without budgets") did the same for a route that names a budget. Each
+    served 200 over a limit of 0.001 with no hold. The walker refuses a budgeted route no
+    guard held (fail closed: 503 budget_unavailable, no upstream contacted), naming the
+    order that holds it."""
+    async with upstream(status_handler(200)) as up:
+        conf = budget_config(limit="0.001", default_hold="0.01")
+        conf["upstreams"]["primary"]["url"] = up.url
+        config = load_config(conf)
+        ledger = MemoryLedger()
+        app = RecordingApp()
+        if stack == "the guard behind the walker":
+            walker = PlanWalker(BudgetGuard(app, config=config, ledger=ledger), config=config)
+            built: Any = RouteResolver(walker, config=config)
+        else:
+            walker = PlanWalker(app, config=config)
+            built = STACKS[stack](config, walker, ledger)
+        async with walker, client_for(built) as client:
+            refused = await client.post("/v1/chat", content=b"{}")
+    assert refused.status_code == 503, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "budget_unavailable"
+    assert "no BudgetGuard held route 'chat''s budget 'acme'" in error["message"], error
+    assert up.count == 0
+    assert app.reached == 0

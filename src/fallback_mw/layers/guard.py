@@ -251,6 +251,7 @@ class BudgetGuard:
                         await send_error(send, context, *outcome)  # nothing behind us runs
                         return
                     hold = outcome
+                context.guarded = True
                 await self.app(scope, receive, send)
             except asyncio.CancelledError:
                 host_cancelled(context)  # recorded as cut by the host, settled below

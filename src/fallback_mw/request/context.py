@@ -180,6 +180,7 @@ class RequestContext:
     outcome: str | None = None  # "served" or an error code (SPEC §5), or "aborted"
     rule: str | None = None  # the SPEC §5/§12 rule that ended the walk locally (error body)
     committed: bool = False  # http.response.start sent to the client
+    guarded: bool = False  # a BudgetGuard took it (the walker serves no budgeted route else)
     completed: bool = False  # final body chunk sent
     client_disconnected: bool = False
     request_model: str | None = None

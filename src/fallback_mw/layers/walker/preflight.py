@@ -1,7 +1,8 @@
 """What stops a request before any upstream is contacted: its body (over the limit, too
 slow), a model rewrite the body cannot take on every candidate. Each is a local error;
 nothing here is an upstream's doing. (A budget refusal never gets here: the guard answers it
-itself.)"""
+itself; a budgeted route no guard held, layers composed without one or out of order, is
+refused here, fail closed.)"""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ def refusal(
     context: RequestContext, body: RequestBody, settings: GatewaySettings
 ) -> tuple[str, str] | None:
     """The local error (code, message) that ends the request before the walk, or None."""
+    budget = context.route.budget
+    if budget is not None and not context.guarded:
+        return "budget_unavailable", _unguarded(context.route.id, budget)
     refused = body_refusal(body, settings)
     if refused is not None:
         return refused
@@ -75,4 +79,17 @@ def _form_override(context: RequestContext, data: bytes) -> tuple[str, str] | No
         f"the form body's _method field asks for a method route {context.route.id!r} does "
         f"not forward (it forwards {', '.join(context.route.accepted_methods)}); to forward "
         "it, add that method to the route's methods beside those: nothing was sent upstream",
+    )
+
+
+def _unguarded(route_id: str, budget: str) -> str:
+    """Layers composed by hand without a BudgetGuard between the RouteResolver and the
+    PlanWalker (Starlette runs the middleware added last first: a guard added after the
+    resolver runs outside it and sees no route, one added before the walker is never
+    reached): the route's spend would go unheld."""
+    return (
+        f"no BudgetGuard held route {route_id!r}'s budget {budget!r}: refusing (fail closed). "
+        "Compose RouteResolver(BudgetGuard(PlanWalker(app, ...), ledger=...), ...) in that "
+        "order (with Starlette's add_middleware: the walker first, then the guard, the "
+        "resolver last), or use Gateway, which composes them"
     )
