@@ -137,3 +137,21 @@ async def test_a_copy_holding_what_a_file_may_not_is_refused(case: str) -> None:
         response = await client.get("/v1/chat")
     assert response.status_code == 503, response.text
     assert response.json()["error"]["code"] == "config_error"
+
+
+def test_a_configuration_is_hashable_as_it_is_comparable() -> None:
+    """A GatewayConfig is frozen, and equal to one loaded from the same values, but
+    `hash(config)` raised "unhashable type: 'dict'" (its upstreams, budgets and prices are
+    mappings): a platform team's `functools.cache` keyed by configuration, or a set of them,
+    failed. Equal configurations hash alike, whatever order their tables were written in."""
+    data = {
+        "upstreams": {"a": {"url": "http://127.0.0.1:9"}, "b": {"url": "http://127.0.0.1:10"}},
+        "routes": [{"id": "r", "prefix": "/v1/", "plan": ["a", "b"], "retries": 1}],
+        "budgets": {"x": {"limit": 1}},
+        "prices": {"m": {"input_per_mtok": 1, "output_per_mtok": 2}},
+    }
+    config = parse_config(data)
+    reordered = parse_config({**data, "upstreams": dict(reversed(data["upstreams"].items()))})
+    assert config == reordered
+    assert hash(config) == hash(reordered)
+    assert len({config, reordered, with_route(config, retries=0)}) == 2

@@ -132,7 +132,7 @@ def validate(
     return config
 
 
-# The models `validate` passed (by identity; a frozen model with dict fields has no hash):
+# The models `validate` passed (by identity: an equal model may not have been):
 # `as_config` hands a layer a model the Gateway (or another layer, or the caller's own
 # `load_config`) already validated without a second look-up. Whether its credential
 # variables were checked is the validating caller's choice: a model loaded with

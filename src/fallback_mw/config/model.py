@@ -211,6 +211,19 @@ class GatewayConfig(Strict):
     budgets: dict[str, BudgetConfig] = {}
     prices: dict[str, PriceConfig] = {}
 
+    def __hash__(self) -> int:
+        # pydantic's frozen hash hashes each field as it is: the tables here are dicts. As
+        # `==` compares them, by their items whatever their order.
+        return hash(
+            (
+                self.gateway,
+                self.routes,
+                frozenset(self.upstreams.items()),
+                frozenset(self.budgets.items()),
+                frozenset(self.prices.items()),
+            )
+        )
+
     @field_validator("budgets")
     @classmethod
     def _budget_ids(cls, value: dict[str, BudgetConfig]) -> dict[str, BudgetConfig]:
