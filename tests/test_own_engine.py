@@ -127,3 +127,66 @@ async def test_an_engines_own_timeout_is_the_upstreams_timeout_not_the_deadline(
     assert response.status_code == 200, response.text
     assert response.headers["x-gateway-provider"] == "backup"
     assert engine.asked == ["127.0.0.1:9", "127.0.0.1:10"]
+
+
+class Head:
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.status = status
+        self.headers = headers
+        self.closed = False
+
+    async def iter_chunks(self) -> AsyncIterator[bytes]:
+        yield b"ok"
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+class PrimaryAnswers:
+    """The primary answers `head`, the backup a plain 200."""
+
+    def __init__(self, head: Head) -> None:
+        self.head = head
+
+    async def send(self, request: UpstreamRequest) -> UpstreamResponse:
+        return self.head if request.url.startswith("http://127.0.0.1:9/") else Answer()
+
+    async def aclose(self) -> None:
+        return None
+
+
+HEADS = {
+    "a status outside 100-599": (700, []),
+    "a 1xx as the final answer": (101, [(b"upgrade", b"websocket")]),
+    "contradictory framing": (200, [(b"content-length", b"2"), (b"transfer-encoding", b"chunked")]),
+    "a control character in a field": (200, [(b"x-note", b"a\x01b")]),
+}
+
+
+@pytest.mark.parametrize("case", list(HEADS))
+async def test_an_answer_no_relay_can_carry_fails_over_from_an_engine_of_the_hosts_own(
+    case: str,
+) -> None:
+    """SPEC §12: an upstream status outside 100-599, a 1xx as the final answer or
+    contradictory framing is a failover-class failure. The shipped engines check the head
+    themselves (upstream/base.check_response_head); an engine of the host's own had its
+    answer relayed as it was (status 700 to the caller, a 101 with a body, Content-Length
+    beside chunked), which a server refuses to write once the response started: an empty
+    reply booked as served. The walk checks such an engine's head: the backup serves, and
+    the primary's answer is closed unread."""
+    status, headers = HEADS[case]
+    head = Head(status, headers)
+    conf = {
+        "gateway": {"allow_hosts": ["127.0.0.1"]},
+        "upstreams": {"primary": {"url": "http://127.0.0.1:9"},
+                      "backup": {"url": "http://127.0.0.1:10"}},
+        "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary", "backup"],
+                    "retries": 1}],
+    }  # fmt: skip
+    gateway = Gateway(host_app, config=conf, client=PrimaryAnswers(head))
+    async with gateway, client_for(gateway) as client:
+        response = await client.get("/v1/models")
+    assert response.status_code == 200, response.text
+    assert response.headers["x-gateway-provider"] == "backup"
+    assert response.headers["x-gateway-attempts"] == "2"
+    assert head.closed

@@ -53,6 +53,7 @@ from fallback_mw.upstream.base import (
     UpstreamError,
     UpstreamRequest,
     UpstreamResponse,
+    check_response_head,
 )
 
 AttemptResult = tuple[Outcome, UpstreamResponse | None]
@@ -118,6 +119,17 @@ def model_rewritten(
     return written_like(rewritten, buffered, headers)
 
 
+async def _checked_head(response: UpstreamResponse) -> None:
+    """An answer no relay can carry (SPEC §12: a status outside 100-599, a 1xx as the final
+    answer, contradictory framing) from an engine that does not check its own: closed
+    unread, and the upstream's failover-class failure (UpstreamError "protocol")."""
+    try:
+        check_response_head(response.status, response.headers)
+    except UpstreamError:
+        await response.aclose()
+        raise
+
+
 class AttemptRunner:
     """Runs attempts for one request. The hedge drives it through `run` only."""
 
@@ -143,6 +155,9 @@ class AttemptRunner:
         self.replayable = replayable
         self.parsed = parsed
         self.client = client
+        # The shipped engines check each answer's head themselves (they read its framing);
+        # an engine of the host's own is checked here (upstream/base.check_response_head).
+        self._heads_checked = getattr(client, "checks_response_heads", False) is True
         self.faults = faults
         self.inject_headers = inject_headers
         self.shadow = shadow  # a shadow copy: its own connection slots (shadow_slots)
@@ -272,6 +287,8 @@ class AttemptRunner:
                     None, self.replayable,
                 )  # fmt: skip
                 response = await client.send(request)
+                if client is self.client and not self._heads_checked:
+                    await _checked_head(response)
                 if response.status == 429 and len(upstream.credential_envs) > 1:
                     # A pool credential's 429: quota spent or rate limited? (a bounded read
                     # of the body; the client still gets every byte if it is served)

@@ -156,6 +156,8 @@ def _bytes_payload(body: bytes) -> aiohttp.payload.BytesPayload:
 
 
 class AiohttpClient:
+    checks_response_heads = True  # check_response_head, on every answer it returns
+
     def __init__(
         self,
         *,

@@ -159,6 +159,8 @@ class _TransportResponse(HttpxResponse):
 
 
 class HttpxClient:
+    checks_response_heads = True  # check_response_head, on every answer it returns
+
     def __init__(
         self,
         *,
