@@ -6,13 +6,15 @@ shipped engines are: what it sends counts as sent."""
 from __future__ import annotations
 
 import asyncio
+import copy
+import pickle
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from fallback_mw import Gateway
-from fallback_mw.upstream import UpstreamRequest, UpstreamResponse
+from fallback_mw.upstream import UpstreamError, UpstreamRequest, UpstreamResponse
 from tests.helpers import client_for
 from tests.upstreams import host_app
 
@@ -190,3 +192,16 @@ async def test_an_answer_no_relay_can_carry_fails_over_from_an_engine_of_the_hos
     assert response.headers["x-gateway-provider"] == "backup"
     assert response.headers["x-gateway-attempts"] == "2"
     assert head.closed
+
+
+def test_an_engine_error_survives_pickling_and_copying() -> None:
+    """An UpstreamError raised in a worker process (an engine of the host's own that sends
+    from a process pool) could not come back: its required `phase` made unpickling fail
+    ("__init__() missing 1 required positional argument: 'phase'"), and so did
+    copy.copy. Its kind, phase, message and detail survive both."""
+    error = UpstreamError("timeout", "connect", "took too long", detail="what to change")
+    for again in (pickle.loads(pickle.dumps(error)), copy.copy(error), copy.deepcopy(error)):
+        assert isinstance(again, UpstreamError)
+        assert (again.kind, again.phase, str(again), again.detail) == (
+            "timeout", "connect", "took too long", "what to change",
+        )  # fmt: skip

@@ -9,7 +9,7 @@ import errno
 import re
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from fallback_mw.error_chain import error_chain
 from fallback_mw.security.values import MAX_CACHED, is_field_name, is_token
@@ -43,11 +43,20 @@ class UpstreamError(Exception):
         # behind an https:// url; an egress proxy that refused the tunnel.
         self.detail = detail
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Made again from all it holds (pickle, copy): Exception's own passes `args` alone,
+        # the message, and `phase` is required.
+        return (_rebuilt, (self.kind, self.phase, str(self), self.detail), self.__dict__)
+
     @property
     def telemetry_kind(self) -> str:
         # SPEC §9 vocabulary: timeouts are "timeout", a failed TLS handshake "tls",
         # everything else below HTTP "transport".
         return self.kind if self.kind in ("timeout", "tls") else "transport"
+
+
+def _rebuilt(kind: FailureKind, phase: Phase, message: str, detail: str | None) -> UpstreamError:
+    return UpstreamError(kind, phase, message, detail=detail)
 
 
 # What each errno of the gateway's own host lacking a resource says it ran out of.
