@@ -103,3 +103,15 @@ def test_configuration_models_built_in_python_type_check_with_their_defaults(
     )
     run = _mypy(tmp_path, "built.py", program)
     assert run.returncode == 0, program + run.stdout + run.stderr
+
+
+def test_each_public_name_is_listed_once() -> None:
+    """`dir(fallback_mw)` (help(), an IDE's completion, `inspect.getmembers`) listed each
+    public name twice once it had been used: the lazy names were listed beside the
+    module's globals they had become. Each is listed once, used or not."""
+    import fallback_mw
+
+    assert fallback_mw.Gateway is not None  # used: now a global of the module too
+    listed = dir(fallback_mw)
+    assert len(listed) == len(set(listed)), sorted(n for n in listed if listed.count(n) > 1)
+    assert set(fallback_mw.__all__) <= set(listed)

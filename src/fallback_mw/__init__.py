@@ -44,7 +44,7 @@ if not TYPE_CHECKING:
         return value
 
     def __dir__() -> list[str]:
-        return sorted([*globals(), *_EXPORTS])
+        return sorted({*globals(), *_EXPORTS})
 
 
 __all__ = [
