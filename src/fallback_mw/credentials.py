@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from itertools import chain
 
-from fallback_mw.config import UpstreamConfig
+from fallback_mw.config.views import AnyUpstream
 from fallback_mw.request.codings import content_decoder, unreadable_coding
 from fallback_mw.request.context import RequestContext
 from fallback_mw.request.secrets import MIN_SECRET, credential_forms
@@ -19,7 +19,7 @@ Credentials = Mapping[str, tuple[tuple[str, str] | None, ...]]
 
 
 def credential_header(
-    upstream: UpstreamConfig, index: int, environ: Mapping[str, str]
+    upstream: AnyUpstream, index: int, environ: Mapping[str, str]
 ) -> tuple[str, str] | None:
     """The (header, value) one candidate sends, from its own environment variable only."""
     envs = upstream.credential_envs
@@ -33,7 +33,7 @@ def credential_header(
 
 
 def credential_table(
-    upstreams: Mapping[str, UpstreamConfig], environ: Mapping[str, str]
+    upstreams: Mapping[str, AnyUpstream], environ: Mapping[str, str]
 ) -> Credentials:
     """Every upstream's (header, value) per pool index, None where the variable is unset."""
     return {
@@ -323,9 +323,9 @@ class CredentialCache:
 
     def __init__(self, environ: Mapping[str, str] | None = None) -> None:
         self.environ = os.environ if environ is None else environ
-        self._table: tuple[Mapping[str, UpstreamConfig], Credentials] | None = None
+        self._table: tuple[Mapping[str, AnyUpstream], Credentials] | None = None
 
-    def credentials(self, upstreams: Mapping[str, UpstreamConfig]) -> Credentials:
+    def credentials(self, upstreams: Mapping[str, AnyUpstream]) -> Credentials:
         cached = self._table
         if cached is not None and cached[0] is upstreams:
             return cached[1]

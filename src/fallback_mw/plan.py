@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import random
 
-from fallback_mw.config import RouteConfig
+from fallback_mw.config.views import AnyRoute
 
 
 def canary_bucket(session: str, salt: str) -> int:
@@ -13,14 +13,14 @@ def canary_bucket(session: str, salt: str) -> int:
     return int(hashlib.sha256(f"{session}:{salt}".encode()).hexdigest()[:8], 16) % 10000
 
 
-def is_canary(route: RouteConfig, session: str | None, salt: str) -> bool:
+def is_canary(route: AnyRoute, session: str | None, salt: str) -> bool:
     if not route.canary_eligible or session is None or len(route.plan) < 2:
         return False
     return canary_bucket(session, salt) < route.canary_percent * 100
 
 
 def candidate_order(
-    route: RouteConfig,
+    route: AnyRoute,
     *,
     canary: bool = False,
     pinned: str | None = None,

@@ -8,12 +8,11 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 from fallback_mw.config import DEFAULT_METHODS, RouteConfig, UpstreamConfig
+from fallback_mw.config.views import AnyRoute, RouteView, UpstreamView
 from fallback_mw.security.fields import canonical_name
 
 
-def effective_deadline_ms(
-    route: RouteConfig, default_ms: int, requested_ms: int | None = None
-) -> int:
+def effective_deadline_ms(route: AnyRoute, default_ms: int, requested_ms: int | None = None) -> int:
     """SPEC §5: one deadline for the whole walk, the route's `deadline_ms`, else
     `[gateway] deadline_ms`; the caller's `x-gateway-deadline-ms` (`requested_ms`) may
     shorten it, never lengthen it. The resolver, the shadow copy and `check` all ask here."""
@@ -282,9 +281,10 @@ class RouteTable:
     ) -> None:
         # Longest prefix first; a tenant-specific route beats a tenant-less one of equal prefix.
         self.routes = tuple(sorted(routes, key=lambda r: (-len(r.prefix), r.tenant is None, r.id)))
-        # Prefix -> (tenant -> its routes, the tenant-less routes), each in table order.
-        index: dict[str, tuple[dict[str, list[RouteConfig]], list[RouteConfig]]] = {}
-        for route in self.routes:
+        # Prefix -> (tenant -> its routes, the tenant-less routes), each in table order: as
+        # views, which the request path reads (config/views.py).
+        index: dict[str, tuple[dict[str, list[RouteView]], list[RouteView]]] = {}
+        for route in map(RouteView, self.routes):
             by_tenant, any_tenant = index.setdefault(route.prefix, ({}, []))
             if route.tenant is None:
                 any_tenant.append(route)
@@ -319,6 +319,8 @@ class RouteTable:
             if route.canary_eligible and route.canary_percent > 0 and len(route.plan) > 1
         )
         self.upstreams = dict(upstreams)
+        # What a routed request's context holds (`RequestContext.upstreams`): made once.
+        self.upstream_views = {name: UpstreamView(u) for name, u in self.upstreams.items()}
         # A caller's copy of any upstream's own auth header is a caller credential too.
         # In canonical form (`_` read as `-`), as forwardable_request_headers compares.
         self.auth_headers = frozenset(
@@ -352,6 +354,17 @@ class RouteTable:
         method, forwarding DEFAULT_METHODS and answering any other with a local 405. A
         method a route's explicit `methods` leaves out goes on (another route, or the
         host app)."""
+        route, refused = self.resolve_view(method, path, tenant)
+        return (
+            None if route is None else route.config,
+            None if refused is None else refused.config,
+        )
+
+    def resolve_view(
+        self, method: str, path: str, tenant: str
+    ) -> tuple[RouteView | None, RouteView | None]:
+        """`resolve`, answering the routes' views (what the resolver puts in a request's
+        context)."""
         # The prefixes in `_prefixes_of`'s order, without its generator: one left
         # unfinished (a route found) is closed by raising GeneratorExit into it, about
         # 2,000 instructions on every routed request.
@@ -370,11 +383,11 @@ class RouteTable:
 
 
 def _take(
-    entry: tuple[dict[str, tuple[RouteConfig, ...]], tuple[RouteConfig, ...]],
+    entry: tuple[dict[str, tuple[RouteView, ...]], tuple[RouteView, ...]],
     method: str,
     tenant: str,
-    refused: RouteConfig | None,
-) -> tuple[RouteConfig | None, RouteConfig | None]:
+    refused: RouteView | None,
+) -> tuple[RouteView | None, RouteView | None]:
     """`RouteTable.resolve` at one prefix: (the route that takes the request, None), or
     (None, the first route so far that refuses its method)."""
     by_tenant, any_tenant = entry

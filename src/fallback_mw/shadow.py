@@ -27,7 +27,7 @@ from typing import Any
 import anyio
 
 from fallback_mw.capacity import Ask, CapacityState, asker
-from fallback_mw.config import RouteConfig, UpstreamConfig
+from fallback_mw.config.views import AnyRoute, AnyUpstream
 from fallback_mw.failover.attempt import AttemptLifecycle, model_rewritten
 from fallback_mw.failover.decide import is_replayable
 from fallback_mw.faults import FaultSource
@@ -49,7 +49,7 @@ MAX_IN_FLIGHT = 256
 MAX_IN_FLIGHT_BYTES = 64 * 1024 * 1024
 
 
-def in_shadow_slice(route: RouteConfig, session: str | None, salt: str) -> bool:
+def in_shadow_slice(route: AnyRoute, session: str | None, salt: str) -> bool:
     """`shadow_percent` of sessions, by the canary's hash under its own salt (so the shadow
     slice is not the canary slice). Requests without a session id are never copied."""
     if route.shadow is None or route.shadow_percent <= 0 or session is None:
@@ -82,7 +82,7 @@ def should_shadow(context: RequestContext, body: RequestBody, salt: str) -> str 
     return name if in_shadow_slice(route, context.session, salt) else None
 
 
-Asker = Callable[[str, UpstreamConfig, bool], Ask]
+Asker = Callable[[str, AnyUpstream, bool], Ask]
 
 
 def _kept(
@@ -101,7 +101,7 @@ def _kept(
         rendered = True
     kept = dataclasses.replace(body, buffered=buffered, json=None, json_inspected=False)
 
-    def ask(name: str, upstream: UpstreamConfig, repeat: bool) -> Ask:
+    def ask(name: str, upstream: AnyUpstream, repeat: bool) -> Ask:
         return estimate._replace(repeat=repeat)
 
     return kept, ask, rendered

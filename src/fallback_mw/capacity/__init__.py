@@ -29,7 +29,8 @@ from fallback_mw.tokens import estimate_tokens
 if TYPE_CHECKING:
     from opentelemetry.metrics import Counter, MeterProvider
 
-    from fallback_mw.config import RepeatAllowanceConfig, UpstreamConfig
+    from fallback_mw.config import RepeatAllowanceConfig
+    from fallback_mw.config.views import AnyUpstream
     from fallback_mw.health import HealthState
     from fallback_mw.request.context import Usage
 
@@ -39,7 +40,7 @@ def asker(
     parsed: Mapping[str, Any] | None,
     declared: int | None,
     unparsed: Callable[[], tuple[bytes, Mapping[str, Any]] | None] | None = None,
-) -> Callable[[str, UpstreamConfig, bool], Ask]:
+) -> Callable[[str, AnyUpstream, bool], Ask]:
     """What each attempt of one request adds to its upstream's counts. The token estimate
     (tokens.py: body size, largest output limit) is made once, and only for an upstream
     that declares `tpm`. `unparsed`: a buffered body that is not JSON as sent, as the
@@ -47,7 +48,7 @@ def asker(
     digits read), so the same estimate counts here (`request.body.estimate_source`)."""
     tokens: list[int] = []
 
-    def ask(name: str, upstream: UpstreamConfig, repeat: bool) -> Ask:
+    def ask(name: str, upstream: AnyUpstream, repeat: bool) -> Ask:
         if upstream.tpm is None:
             return Ask(upstream.rpm, None, 0, repeat)
         if not tokens:

@@ -26,7 +26,7 @@ from urllib.parse import quote
 import anyio
 
 from fallback_mw.capacity import Ask, CapacityState, Reservation, reported_tokens
-from fallback_mw.config import UpstreamConfig
+from fallback_mw.config.views import AnyUpstream
 from fallback_mw.credentials import PLAIN_CODINGS, unmaskable_answer
 from fallback_mw.failover.decide import (
     Outcome,
@@ -64,7 +64,7 @@ _FIRST_BYTE = "first_byte_timeout_ms"
 _TIMEOUTS: dict[tuple[int, int, int], Timeouts] = {}
 
 
-def _timeouts(upstream: UpstreamConfig) -> Timeouts:
+def _timeouts(upstream: AnyUpstream) -> Timeouts:
     key = (upstream.connect_timeout_ms, upstream.first_byte_timeout_ms, upstream.idle_timeout_ms)
     found = _TIMEOUTS.get(key)
     if found is None:
@@ -89,7 +89,7 @@ class SyntheticResponse:
         return None
 
 
-def connection_slots(upstream: UpstreamConfig, *, shadow: bool) -> int:
+def connection_slots(upstream: AnyUpstream, *, shadow: bool) -> int:
     """The connection cap an attempt waits under. Shadow copies have slots of their own
     (a space in the key: no upstream name has one), a quarter of `max_connections`, at
     least one: a copy the candidate is slow to answer holds one of those, never one a real
@@ -99,7 +99,7 @@ def connection_slots(upstream: UpstreamConfig, *, shadow: bool) -> int:
     return max(1, upstream.max_connections // 4)
 
 
-def pool_key(name: str, upstream: UpstreamConfig, *, shadow: bool) -> str:
+def pool_key(name: str, upstream: AnyUpstream, *, shadow: bool) -> str:
     """What an attempt's connection slots are counted under: the upstream name at its url
     (a store reload that moves the name to another host gives the new url slots of its
     own: requests still waiting on the old host, which may hang, hold none of them), the
@@ -168,7 +168,7 @@ class AttemptRunner:
         # The latest model rewrite of the body (`_rewritten`): the model, and the bytes sent.
         self._rewrite: tuple[str, bytes | None] | None = None
 
-    def _request_url(self, upstream: UpstreamConfig) -> str:
+    def _request_url(self, upstream: AnyUpstream) -> str:
         target = self._target
         if target is None:
             # The caller's percent-encoding where it is safe to keep (`%2F` inside a
@@ -194,7 +194,7 @@ class AttemptRunner:
             ]
         return decoded.copy()
 
-    def takes_body(self, upstream: UpstreamConfig) -> bool:
+    def takes_body(self, upstream: AnyUpstream) -> bool:
         """A candidate that rewrites the model (`model`) needs a buffered JSON object body
         (an empty one needs no rewrite) that can be written again; any other candidate
         takes the body as it is."""
@@ -222,7 +222,7 @@ class AttemptRunner:
             kept = self._rewrite = (model, data)
         return kept[1]
 
-    def _request_body(self, upstream: UpstreamConfig) -> bytes | AsyncIterator[bytes]:
+    def _request_body(self, upstream: AnyUpstream) -> bytes | AsyncIterator[bytes]:
         body = self.body
         if body.buffered is None:
             assert body.stream is not None
@@ -233,9 +233,7 @@ class AttemptRunner:
             return rewritten
         return body.buffered
 
-    async def run(
-        self, name: str, upstream: UpstreamConfig, record: AttemptRecord
-    ) -> AttemptResult:
+    async def run(self, name: str, upstream: AnyUpstream, record: AttemptRecord) -> AttemptResult:
         context = self.context
         headers = self._forwarded()
         if self.body.buffered is None and self.body.length is not None:
@@ -363,7 +361,7 @@ class AttemptLifecycle:
         health: HealthState,
         capacity: CapacityState,
         telemetry: Telemetry,
-        ask: Callable[[str, UpstreamConfig, bool], Ask],
+        ask: Callable[[str, AnyUpstream, bool], Ask],
         shadow: bool = False,
         replayable: bool = False,
         rendered: bool = False,
@@ -392,7 +390,7 @@ class AttemptLifecycle:
         # `reservations`, and two attempts that both end unsent give back two counts.
         self._reserved: dict[int, Reservation] = {}
 
-    async def gate(self, name: str, upstream: UpstreamConfig, repeat: bool) -> Reservation | str:
+    async def gate(self, name: str, upstream: AnyUpstream, repeat: bool) -> Reservation | str:
         """The body, the breaker, then declared capacity (and, for a repeat or a hedge, the
         repeat allowance). Returns the reservation, or the skip reason (`model_rewrite`,
         `breaker_open`, ...); a refusal after the breaker admitted frees the half-open probe
@@ -443,7 +441,7 @@ class AttemptLifecycle:
     def start(
         self,
         name: str,
-        upstream: UpstreamConfig,
+        upstream: AnyUpstream,
         credential_index: int | None,
         *,
         hedge: bool = False,
@@ -463,9 +461,7 @@ class AttemptLifecycle:
         self.telemetry.attempt_started(context, record)
         return record
 
-    async def run(
-        self, name: str, upstream: UpstreamConfig, record: AttemptRecord
-    ) -> AttemptResult:
+    async def run(self, name: str, upstream: AnyUpstream, record: AttemptRecord) -> AttemptResult:
         try:
             return await self.runner.run(name, upstream, record)
         finally:

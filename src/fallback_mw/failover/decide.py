@@ -30,7 +30,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from fallback_mw.config import RouteConfig
+from fallback_mw.config.views import AnyRoute
 from fallback_mw.request.refusals import MISFRAMED, SLOW_BODY
 from fallback_mw.security.fields import override_methods
 
@@ -304,7 +304,7 @@ IDEMPOTENCY_KEY = b"idempotency-key"
 
 
 def is_replayable(
-    route: RouteConfig,
+    route: AnyRoute,
     method: str,
     *,
     buffered: bool,
@@ -333,7 +333,7 @@ def is_replayable(
 
 
 def replay_rule(
-    route: RouteConfig,
+    route: AnyRoute,
     method: str,
     *,
     buffered: bool,
@@ -356,7 +356,7 @@ def replay_rule(
     return "not_replayable_method"
 
 
-def attempt_ceiling(route: RouteConfig, *, replayable: bool) -> int:
+def attempt_ceiling(route: AnyRoute, *, replayable: bool) -> int:
     """The most upstream requests one walk may make: `1 + retries`, and 1 for a request
     that cannot be repeated. The first of two guards (SPEC §12): `further_attempt_possible`
     still checks `replayable`, so either guard alone stops a replay."""
@@ -383,7 +383,7 @@ def further_attempt_allowed(state: WalkState, outcome: Outcome) -> bool:
 
 
 def may_hedge(
-    route: RouteConfig,
+    route: AnyRoute,
     *,
     replayable: bool,
     first_attempt: bool,

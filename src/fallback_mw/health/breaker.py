@@ -34,7 +34,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
-from fallback_mw.config import MAX_DEADLINE_MS, BreakerConfig, UpstreamConfig
+from fallback_mw.config import MAX_DEADLINE_MS, BreakerConfig
+from fallback_mw.config.views import AnyUpstream
 
 BreakerState = Literal["closed", "open", "half_open"]
 Transition = Literal["opened", "half_open", "reopened", "closed"]
@@ -43,7 +44,7 @@ DEFAULT_PROBE_LEASE = 30.0  # seconds: the least a half-open probe holds its slo
 PROBE_LEASE_MARGIN = 5.0  # seconds past the longest a probe's attempt can take
 
 
-def upstream_probe_lease(upstream: UpstreamConfig) -> float:
+def upstream_probe_lease(upstream: AnyUpstream) -> float:
     """Seconds a half-open probe on `upstream` holds its slot unless it reports first: the
     longest the upstream may take to answer it (the connect and first-byte timeouts, never
     more than the longest walk deadline, which ends any attempt) plus a margin. A second

@@ -39,6 +39,7 @@ from fallback_mw.config import (
     budget_section,
     command_option,
 )
+from fallback_mw.config.views import SettingsView
 from fallback_mw.injected import require, require_app
 from fallback_mw.request.body import (
     NestedTooDeep,
@@ -201,7 +202,7 @@ class BudgetGuard:
         except ConfigError as exc:
             self._refusal = ConfigRefusal(exc)
             return
-        self.settings = config.gateway
+        self.settings = SettingsView(config.gateway)  # read per request: a plain view
         self.budgets = dict(config.budgets)
         self.prices = PriceBook(config.prices)
         self.ledger = ledger

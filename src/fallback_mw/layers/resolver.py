@@ -226,7 +226,7 @@ class RouteResolver:
         tenant = tenant_text or "default"
         # As sent: method tokens are case-sensitive (RFC 9110 §9.1), `get` is not GET.
         method = scope["method"]
-        route, refused = table.resolve(method, path, tenant) if path else (None, None)
+        route, refused = table.resolve_view(method, path, tenant) if path else (None, None)
         if route is None and refused is None:
             await self.app(scope, receive, send)
             return
@@ -246,7 +246,7 @@ class RouteResolver:
         assert path is not None and raw_path is not None
         context = RequestContext(
             route=route,
-            upstreams=table.upstreams,
+            upstreams=table.upstream_views,
             upstream_auth_headers=self._auth_headers(table),
             tenant=tenant,
             session=session,

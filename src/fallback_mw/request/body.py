@@ -26,7 +26,7 @@ import zlib
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
-from fallback_mw.config import GatewaySettings
+from fallback_mw.config.views import AnySettings
 from fallback_mw.request.codings import (
     ContentDecoder,
     body_coding,
@@ -73,7 +73,7 @@ def declared_length(scope: Scope) -> int | None:
 
 
 async def read_body(
-    context: RequestContext, scope: Scope, receive: Receive, settings: GatewaySettings
+    context: RequestContext, scope: Scope, receive: Receive, settings: AnySettings
 ) -> RequestBody:
     """The request's body, read the first time it is asked for."""
     if context.body is not None:

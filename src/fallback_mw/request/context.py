@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fallback_mw.config import RouteConfig, UpstreamConfig
+from fallback_mw.config.views import RouteView, UpstreamView
 from fallback_mw.request.secrets import RequestSecrets
 
 SCOPE_KEY = "fallback_mw.request.context"
@@ -131,8 +131,10 @@ class Usage:
 
 @dataclass(slots=True, repr=False)
 class RequestContext:
-    route: RouteConfig
-    upstreams: dict[str, UpstreamConfig]
+    # The route and the table's upstreams as the request path reads them: plain views of
+    # the configuration models (config/views.py; each keeps its model as `config`).
+    route: RouteView
+    upstreams: Mapping[str, UpstreamView]
     tenant: str
     session: str | None
     method: str

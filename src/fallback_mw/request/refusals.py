@@ -4,11 +4,11 @@ guard, which reads the body for its estimate, the walker's preflight and its wal
 
 from __future__ import annotations
 
-from fallback_mw.config import GatewaySettings
+from fallback_mw.config.views import AnySettings
 from fallback_mw.request.context import RequestBody
 
 
-def body_refusal(body: RequestBody, settings: GatewaySettings) -> tuple[str, str] | None:
+def body_refusal(body: RequestBody, settings: AnySettings) -> tuple[str, str] | None:
     """(code, message) for a body over `max_request_body`, one that did not arrive in
     time, or one longer than its Content-Length; None otherwise (a caller that hung up is
     answered by no one)."""

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import AnyStr
 from urllib.parse import unquote_to_bytes
 
-from fallback_mw.config import UpstreamConfig
+from fallback_mw.config.views import AnyUpstream
 from fallback_mw.security.fields import CREDENTIAL_HEADERS, canonical_name
 from fallback_mw.security.queries import canonical_query_key
 
@@ -152,7 +152,7 @@ def _carries(text: str, values: tuple[bytes, ...]) -> bool:
 
 def provider_secrets(
     credentials: Mapping[str, Sequence[tuple[str, str] | None]],
-    upstreams: Mapping[str, UpstreamConfig],
+    upstreams: Mapping[str, AnyUpstream],
 ) -> tuple[bytes, ...]:
     """The provider keys behind a credential table's injected values (`scheme key`, or the
     raw key), lowercased; the ones too short to search for left out."""

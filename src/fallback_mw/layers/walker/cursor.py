@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import NamedTuple, Protocol
 
 from fallback_mw.capacity import Reservation
-from fallback_mw.config import UpstreamConfig
+from fallback_mw.config.views import AnyUpstream
 from fallback_mw.failover.decide import (
     NO_CANDIDATE,
     NO_OTHER_CREDENTIAL,
@@ -35,14 +35,14 @@ from fallback_mw.telemetry import Telemetry
 
 class Pick(NamedTuple):  # a tuple: made for every attempt, cheaply (as capacity's Ask)
     name: str
-    upstream: UpstreamConfig
+    upstream: AnyUpstream
     credential_index: int | None
     repeat: bool  # already tried in this request: backoff_ms before it
     reservation: Reservation  # counted by capacity (declared capacity, repeat allowance)
 
 
 # (name, upstream, repeat) -> the reservation, or the skip reason
-Gate = Callable[[str, UpstreamConfig, bool], Awaitable[Reservation | str]]
+Gate = Callable[[str, AnyUpstream, bool], Awaitable[Reservation | str]]
 
 
 class SkipListener(Protocol):
@@ -56,7 +56,7 @@ class CandidateCursor:
     def __init__(
         self,
         order: Sequence[str],
-        upstreams: Mapping[str, UpstreamConfig],
+        upstreams: Mapping[str, AnyUpstream],
         health: HealthState,
         session: str | None,  # the affinity key (health.pool.affinity_key)
         has_credential: Callable[[str, int], bool],

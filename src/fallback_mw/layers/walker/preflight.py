@@ -6,7 +6,7 @@ refused here, fail closed.)"""
 
 from __future__ import annotations
 
-from fallback_mw.config import GatewaySettings
+from fallback_mw.config.views import AnySettings
 from fallback_mw.request.body import body_json
 from fallback_mw.request.context import RequestBody, RequestContext
 from fallback_mw.request.refusals import body_refusal
@@ -19,7 +19,7 @@ _FORM = b"application/x-www-form-urlencoded"
 
 
 def refusal(
-    context: RequestContext, body: RequestBody, settings: GatewaySettings
+    context: RequestContext, body: RequestBody, settings: AnySettings
 ) -> tuple[str, str] | None:
     """The local error (code, message) that ends the request before the walk, or None."""
     budget = context.route.budget

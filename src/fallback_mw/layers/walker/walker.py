@@ -14,6 +14,7 @@ import anyio
 
 from fallback_mw.capacity import CapacityState, asker
 from fallback_mw.config import ConfigError, ConfigSource, as_config
+from fallback_mw.config.views import SettingsView
 from fallback_mw.credentials import CredentialCache, apply_hygiene
 from fallback_mw.failover.attempt import AttemptLifecycle
 from fallback_mw.failover.decide import (
@@ -89,7 +90,7 @@ class PlanWalker:
         except ConfigError as exc:
             self._refusal = ConfigRefusal(exc)
             return
-        self.settings = config.gateway
+        self.settings = SettingsView(config.gateway)  # read per request: a plain view
         # Built in one place (services.build_services); the walker used alone builds its own,
         # with any of the pieces given here.
         # Services it built are its own to start and close at the lifespan (no Gateway
