@@ -99,7 +99,7 @@ def _record(
 ) -> UsageRecord:
     return UsageRecord(
         request_id=f"{prefix}r{n}",
-        route="chat",
+        route=f"{prefix}chat",
         tenant=tenant,
         at=datetime(2026, 12, 5, 12, 0, 0, tzinfo=UTC) + timedelta(microseconds=n),
         budget_id=budget_id,
@@ -149,6 +149,9 @@ async def _run(ledger: Ledger, prefix: str, budget: BudgetConfig, ops: list[Any]
     for budget_id in BUDGET_IDS:
         status = await ledger.status(prefix + budget_id, budget)
         seen.append((budget_id, status.spent, status.held, status.remaining))
+    for limit in (0, 1, 2):  # the newest `limit` records
+        newest = await ledger.usage(limit=limit, route=prefix + "chat")
+        seen.append(tuple(r.request_id.removeprefix(prefix) for r in newest))
     records = await ledger.usage(since=datetime(2026, 1, 1, tzinfo=UTC), limit=1000)
     seen.append(
         [
@@ -200,3 +203,20 @@ def test_memory_sqlite_and_postgresql_ledgers_answer_alike(
         "postgresql": pg_database,
     }
     asyncio.run(_all(stores, budget, ops))
+
+
+def test_the_newest_0_records_are_none_on_every_ledger(tmp_path: Path, pg_database: str) -> None:
+    """`usage(limit=0)`: no record, as the SQL ledgers' LIMIT 0; the memory ledger's
+    `found[-0:]` gave every record it kept."""
+
+    async def newest(url: str | None) -> list[int]:
+        ledger = MemoryLedger() if url is None else open_ledger(url)
+        prefix = uuid.uuid4().hex[:8] + ":"
+        try:
+            await ledger.record_usage(_record(prefix, 0, "acme", Decimal(0), None))
+            return [len(await ledger.usage(route=prefix + "chat", limit=n)) for n in (0, 1)]
+        finally:
+            await ledger.aclose()
+
+    for url in (None, f"sqlite:///{tmp_path / 'l.db'}", pg_database):
+        assert asyncio.run(newest(url)) == [0, 1], url

@@ -121,7 +121,8 @@ class MemoryLedger:
             and (route is None or r.route == route)
             and (tenant is None or r.tenant == tenant)
         ]
-        return found[-limit:]
+        # The newest `limit`, as the SQL ledgers' LIMIT: `found[-0:]` was every record.
+        return found[-limit:] if limit > 0 else []
 
     async def usage_per_minute(self, *, since: datetime) -> list[MinuteUsage]:
         return minute_usage([_as_stored(r) for r in self._usage if r.at >= since])
