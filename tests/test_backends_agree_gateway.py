@@ -2,15 +2,18 @@
 backends (`state = "memory://"`, a SQLite store) and one on the shared ones (Redis, the
 PostgreSQL store), each in front of its own pair of scripted upstreams, are sent one
 generated sequence of requests (the upstreams' answers drawn with them: 200 with usage,
-503, 429 with Retry-After, 401, 400), with waits past every breaker cooldown between some.
+503, 429 with Retry-After, 401, 400) and game-day faults set and cleared in their stores.
 Every answer must be the same on both: status, error code and rule, the x-gateway-*
 headers, Retry-After; and so must the budget's spend and holds and the usage records'
-trails at the end (SPEC §5-§7 and §12 name one behaviour whatever holds the state)."""
+trails at the end (SPEC §5-§7 and §12 name one behaviour whatever holds the state).
+Every cooldown outlasts an example (the two sides run in lock step, but a fault's pick-up
+takes each its own time): half-open breakers are test_backends_agree_health.py's."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -28,6 +31,8 @@ from hypothesis import strategies as st
 from fallback_mw import Gateway
 from fallback_mw.config import BudgetConfig
 from fallback_mw.store.ledgers import open_ledger
+from fallback_mw.store.model import Fault, FaultKind
+from fallback_mw.store.routes import open_store
 from tests.conftest import (
     PG_HOST,
     PG_PORT,
@@ -46,7 +51,7 @@ SETTINGS = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
-COOLDOWN_MS = 500
+COOLDOWN_MS = 60_000
 ENVIRON = {"PRIMARY_KEY": "sk-primary-1", "BACKUP_KEY_1": "sk-backup-1", "BACKUP_KEY_2": "sk-b-2"}
 
 answers = st.sampled_from([200, 200, 200, 503, 429, 401, 400])
@@ -59,11 +64,15 @@ operations = st.lists(
             st.lists(answers, min_size=2, max_size=2),
             st.sampled_from([None, "s1"]),  # session (pool affinity)
         ),
-        st.tuples(st.just("wait")),
+        # Game-day faults (SPEC §8, §12) set and cleared in each gateway's store.
+        st.tuples(st.just("fault"), st.sampled_from(["fail", "revoke", "pin"])),
+        st.tuples(st.just("clear"), st.sampled_from(["fail", "revoke", "pin"])),
     ),
     min_size=1,
     max_size=10,
-).filter(lambda ops: sum(op[0] == "wait" for op in ops) <= 1)
+)
+# Each fault's target: the primary fails, the backup's pool is revoked, the route is pinned.
+FAULTS = {"fail": ("primary", None), "revoke": ("backup", None), "pin": ("chat", "backup")}
 budgets = st.sampled_from([Decimal("0.0001"), Decimal("0.0005"), Decimal("0.01")])
 
 
@@ -105,7 +114,7 @@ class Script:
         if status == 200:
             body = {"model": "gpt-4o-mini", "usage": {"prompt_tokens": 20, "completion_tokens": 7}}
             return web.json_response(body)
-        headers = {"retry-after": "1"} if status == 429 else {}
+        headers = {"retry-after": "30"} if status == 429 else {}
         return web.json_response({"error": {"message": "no"}}, status=status, headers=headers)
 
 
@@ -119,7 +128,7 @@ async def _side(state: str, store: str, limit: Decimal) -> AsyncIterator[tuple[A
         gateway = Gateway(host_app, config=config, environ=ENVIRON)
         stack.push_async_callback(gateway.aclose)
         client = await stack.enter_async_context(client_for(gateway))
-        yield client, primary, backup
+        yield client, primary, backup, gateway, store
 
 
 def _seen(response: httpx.Response) -> tuple[Any, ...]:
@@ -137,7 +146,7 @@ def _seen(response: httpx.Response) -> tuple[Any, ...]:
 
 
 async def _request(side: tuple[Any, ...], op: tuple[Any, ...]) -> tuple[Any, ...]:
-    client, primary, backup = side
+    client, primary, backup, _, _ = side
     _, max_tokens, first, seconds, session = op
     primary.statuses[:] = [first]
     backup.statuses[:] = list(seconds)
@@ -145,6 +154,42 @@ async def _request(side: tuple[Any, ...], op: tuple[Any, ...]) -> tuple[Any, ...
     headers = {"x-session-id": session} if session else {}
     response = await client.post("/v1/chat", content=json.dumps(body), headers=headers)
     return _seen(response)
+
+
+async def _fault(side: tuple[Any, ...], op: tuple[Any, ...]) -> None:
+    """Set or clear the fault `op` names in this side's store, and wait until its gateway
+    has it (after a clear: until the revert reset what the fault's outcomes marked)."""
+    _, _, _, gateway, store = side
+    kind: FaultKind = op[1]
+    target, candidate = FAULTS[kind]
+    routes = open_store(store)
+    try:
+        if op[0] == "fault":
+            fault = Fault(kind, target, time.time() + 600, candidate)
+            await routes.set_fault(fault, replace=True)
+        elif kind == "pin":
+            await routes.clear_faults(route=target)
+        else:
+            await routes.clear_faults(upstream=target)
+    finally:
+        await routes.aclose()
+    runtime, health = gateway.services.store, gateway.services.health
+    assert runtime is not None
+    deadline = time.monotonic() + 15
+
+    async def there() -> bool:
+        runtime.ensure_started()  # the reloader starts with the first request otherwise
+        if kind == "pin":
+            pinned = await runtime.faults.pinned_candidate(target)
+            return (pinned == candidate) is (op[0] == "fault")
+        if (target in runtime.faults.active_upstreams()) != (op[0] == "fault"):
+            return False
+        marked = await health.open_fault(target) or await health.pool_fault(target)
+        return bool(op[0] == "fault" or marked != kind)  # cleared: its marks reset
+
+    while not await there():
+        assert time.monotonic() < deadline, "the gateway did not pick the change up"
+        await asyncio.sleep(0.05)
 
 
 async def _ledger(store: str, limit: Decimal) -> tuple[Any, ...]:
@@ -169,8 +214,8 @@ async def _compare(stores: dict[str, tuple[str, str]], limit: Decimal, ops: list
             for name, (state, store) in stores.items()
         }
         for n, op in enumerate(ops):
-            if op[0] == "wait":
-                await asyncio.sleep(2 * COOLDOWN_MS / 1000 + 0.2)
+            if op[0] in ("fault", "clear"):
+                await asyncio.gather(*(_fault(side, op) for side in sides.values()))
                 continue
             seen = {name: await _request(side, op) for name, side in sides.items()}
             assert seen["embedded"] == seen["shared"], (n, op, seen)
@@ -206,7 +251,7 @@ def test_embedded_and_shared_backends_answer_alike(
     limit: Decimal, ops: list[Any], tmp_path: Path, pg_database: str, redis_url: str
 ) -> None:
     # Each example on state and ledger rows of its own: a fresh Redis prefix, a fresh
-    # SQLite file, and the PostgreSQL ledger's budget reset (its usage read since now).
+    # SQLite file, and the PostgreSQL ledger and faults emptied.
     example = uuid.uuid4().hex[:8]
     stores = {
         "embedded": ("memory://", f"sqlite:///{tmp_path / f'{example}.db'}"),
@@ -226,13 +271,18 @@ async def _reset(store: str) -> None:
         await ledger.status("acme", BudgetConfig(limit=Decimal(1), window="day"))  # the tables
     finally:
         await ledger.aclose()
+    routes = open_store(store)
+    try:
+        await routes.load_routes()  # the route store's tables
+    finally:
+        await routes.aclose()
     import asyncpg
 
     conn = await asyncpg.connect(store)
     try:
         await conn.execute(
             "TRUNCATE fmw_usage, fmw_budgets, fmw_budget_windows, fmw_budget_holds, "
-            "fmw_budget_reaped"
+            "fmw_budget_reaped, fmw_faults"
         )
     finally:
         await conn.close()

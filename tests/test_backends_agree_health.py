@@ -53,6 +53,7 @@ operations = st.lists(
             st.just("pick"),
             st.frozensets(st.integers(0, POOL - 1), max_size=2),
             st.sampled_from([None, "s1", "s2"]),
+            st.sampled_from(["round_robin", "score"]),
         ),
         st.tuples(
             st.just("credential"),
@@ -60,6 +61,7 @@ operations = st.lists(
             st.sampled_from([None, 200, 401, 403, 429, 503]),
             st.sampled_from([None, 0.0, 0.2, 100.0]),
             st.sampled_from([None, 0.3]),
+            st.sampled_from([None, 0.05, 2.0]),  # latency: the score's
         ),
         st.tuples(st.just("fault_marked"), st.integers(0, POOL - 1), st.sampled_from(["revoke"])),
         st.tuples(st.just("wait")),
@@ -102,12 +104,14 @@ async def _step(run: Run, op: Any) -> Any:
         await health.forget(op[1], f"http://127.0.0.1:9/{run.moves}")
         return None
     if kind == "pick":
-        return await health.pick_credential("pool", POOL, exclude=op[1], session=op[2])
+        return await health.pick_credential(
+            "pool", POOL, exclude=op[1], session=op[2], selection=op[3]
+        )
     if kind == "credential":
-        _, index, status, retry_after, quota = op
+        _, index, status, retry_after, quota, latency = op
         await health.credential_result(
             "pool", index, status=status, failure=status == 503, retry_after=retry_after,
-            session=None, quota=quota if status == 429 else None,
+            session=None, quota=quota if status == 429 else None, latency=latency,
         )  # fmt: skip
         return None
     if kind == "fault_marked":
