@@ -35,6 +35,9 @@ WIDE = ["0.0.0.0/0", "::/0"]
         "[64:ff9b::a9fe:a9fe]",  # well-known NAT64 of 169.254.169.254
         "[::ffff:169.254.169.254]",
         "[::ffff:0:a9fe:a9fe]",  # IPv4-translated (RFC 2765) 169.254.169.254
+        "0.0.0.0",  # "this network": a connect reaches the gateway host's own services
+        "0.1.2.3",
+        "[::]",
     ],
 )
 def test_metadata_and_translation_ranges_are_refused_under_the_widest_allowlist(
@@ -49,6 +52,17 @@ def test_metadata_and_translation_ranges_are_refused_under_the_widest_allowlist(
         load_config(data, check_env=False)
     with pytest.raises(UnsafeUpstream):
         check_connect_addresses("example.com", [host.strip("[]")], WIDE)
+
+
+def test_a_listed_localhost_admits_loopback_addresses_only() -> None:
+    """`localhost` in allow_hosts admits what it resolves to only when that is loopback (a
+    hosts file or a container's resolver that maps it to a private address is refused),
+    as a listed public name admits public addresses only. A hand-made mutant that let
+    `localhost` admit any address passed every test."""
+    kept = check_connect_addresses("localhost", ["10.0.0.5", "127.0.0.1", "::1"], ["localhost"])
+    assert kept == ["127.0.0.1", "::1"]
+    with pytest.raises(UnsafeUpstream):
+        check_connect_addresses("localhost", ["192.168.1.20"], ["localhost"])
 
 
 @pytest.mark.parametrize(
