@@ -244,32 +244,27 @@ class RouteResolver:
         configured_ms = effective_deadline_ms(route, self.default_deadline_ms, None)
         deadline_ms = effective_deadline_ms(route, self.default_deadline_ms, requested)
         assert path is not None and raw_path is not None
-        context = RequestContext(
-            route=route,
-            upstreams=table.upstream_views,
-            upstream_auth_headers=self._auth_headers(table),
-            tenant=tenant,
-            session=session,
-            method=method,
-            path=path,
-            spelled_path=caller_spelling(raw_path, route.prefix) if "%" in raw_path else None,
-            mount=mount_spelling(scope) if scope.get("root_path") else "",
-            vary=_as_spelled(scope, vary) if (vary := self._vary(table).get(route.id)) else (),
-            request_model=path_model(path),
-            query=strip_query_keys(scope.get("query_string", b""), self.strip_query_keys),
-            started=started,
-            deadline=started + deadline_ms / 1000,
-            configured_deadline_ms=configured_ms,
-            caller_deadline_ms=deadline_ms if deadline_ms < configured_ms else None,
-            overrides=overrides,
-            secrets=RequestSecrets(
+        # Positional (a class called with keywords builds a dict of them for every call):
+        # the route, the upstreams, tenant, session, method, path, query, deadline, the
+        # configured and the caller's deadline, mount, vary, the spelled path, overrides,
+        # started, the auth headers, the path's model, secrets.
+        context = RequestContext.routed(
+            route, table.upstream_views, tenant, session, method, path,
+            strip_query_keys(scope.get("query_string", b""), self.strip_query_keys),
+            started + deadline_ms / 1000, configured_ms,
+            deadline_ms if deadline_ms < configured_ms else None,
+            mount_spelling(scope) if scope.get("root_path") else "",
+            _as_spelled(scope, vary) if (vary := self._vary(table).get(route.id)) else (),
+            caller_spelling(raw_path, route.prefix) if "%" in raw_path else None,
+            overrides, started, self._auth_headers(table), path_model(path),
+            RequestSecrets(
                 scope.get("headers", ()),
                 scope.get("query_string", b""),
-                names=self._credential_names(table),
-                query_keys=self.strip_query_keys,
-                provider=self._provider_secrets(table),
+                self._credential_names(table),  # names
+                self.strip_query_keys,  # query_keys
+                self._provider_secrets(table),  # provider
             ),
-        )
+        )  # fmt: skip
         refusal = header_refusal(
             scope.get("headers", ()),
             max_bytes=self.max_header_bytes,

@@ -23,6 +23,9 @@ MAX_NAME = 200
 Headers = list[tuple[bytes, bytes]]
 
 
+_new = object.__new__
+
+
 def new_request_id() -> str:
     """32 random hex digits, as `uuid4().hex` was, at a sixth of its cost: `random`'s
     generator (seeded from the OS, and again in a forked child) rather than a
@@ -190,6 +193,75 @@ class RequestContext:
     trace: object | None = None  # telemetry's own per-request state (spans in flight)
     # The credentials nothing recorded of this request may carry (request/secrets.py).
     secrets: RequestSecrets | None = None
+
+    @classmethod
+    def routed(
+        cls,
+        route: RouteView,
+        upstreams: Mapping[str, UpstreamView],
+        tenant: str,
+        session: str | None,
+        method: str,
+        path: str,
+        query: bytes,
+        deadline: float,
+        configured_deadline_ms: int | None,
+        caller_deadline_ms: int | None,
+        mount: str,
+        vary: tuple[bytes, ...],
+        spelled_path: str | None,
+        overrides: frozenset[str],
+        started: float,
+        upstream_auth_headers: frozenset[bytes],
+        request_model: str | None,
+        secrets: RequestSecrets | None,
+    ) -> RequestContext:
+        """The context the resolver makes for a routed request: what
+        `RequestContext(route=..., ...)` makes of these fields, every other at its default
+        (a new request id, new lists and a new `Usage`), for half the instructions (about
+        11k against 22k): a class called with keywords builds a dictionary of them, and
+        its `__init__` binds each of the 38 parameters. Called positionally, once per
+        request; every field is set here (tests/test_context_routed.py holds that)."""
+        self = _new(cls)
+        self.route = route
+        self.upstreams = upstreams
+        self.tenant = tenant
+        self.session = session
+        self.method = method
+        self.path = path
+        self.query = query
+        self.deadline = deadline
+        self.configured_deadline_ms = configured_deadline_ms
+        self.caller_deadline_ms = caller_deadline_ms
+        self.mount = mount
+        self.vary = vary
+        self.spelled_path = spelled_path
+        self.backoff_cut = None
+        self.overrides = overrides
+        self.request_id = new_request_id()
+        self.started = started
+        self.candidates = []
+        self.canary = False
+        self.pinned = None
+        self.upstream_auth_headers = upstream_auth_headers
+        self.forward_headers = []
+        self.credentials = None
+        self.body = None
+        self.attempts = []
+        self.skipped = []
+        self.revoked = ()
+        self.chosen = None
+        self.status = None
+        self.outcome = None
+        self.rule = None
+        self.committed = False
+        self.completed = False
+        self.client_disconnected = False
+        self.request_model = request_model
+        self.usage = Usage()
+        self.trace = None
+        self.secrets = secrets
+        return self
 
     def __repr__(self) -> str:
         # The context rides in the ASGI scope, which every frame of the host app holds: an

@@ -74,7 +74,8 @@ class RequestSecrets:
         self,
         headers: Sequence[tuple[bytes, bytes]],
         query: bytes,
-        *,
+        # Positional too: the resolver makes one per request, and a class called with
+        # keywords builds a dictionary of them on every call.
         names: frozenset[bytes] = CREDENTIAL_HEADERS,
         query_keys: frozenset[bytes] = frozenset(),
         provider: tuple[bytes, ...] = (),
