@@ -255,6 +255,7 @@ class RequestContext:
         self.outcome = None
         self.rule = None
         self.committed = False
+        self.guarded = False
         self.completed = False
         self.client_disconnected = False
         self.request_model = request_model
