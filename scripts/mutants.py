@@ -558,6 +558,55 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         (WALKER + "test_the_callers_percent_encoding_of_a_segment_reaches_the_upstream",),
     ),
+    # --- found by the backend differentials (tests/test_backends_agree_*.py) ----------
+    Mutant(
+        "old_url_outcome_on_redis",
+        "on the Redis state an outcome admitted before the upstream moved to another url "
+        "goes to no breaker, as on the memory state",
+        (
+            (
+                "health/redis.py",
+                "        if self._moved_since(upstream, admission):\n            return\n"
+                "        config = self.config\n",
+                "        config = self.config\n",
+            ),
+        ),
+        (
+            "tests/test_backends_agree_health.py::"
+            "test_an_outcome_of_the_old_url_does_not_open_the_new_urls_breaker_on_redis",
+        ),
+    ),
+    Mutant(
+        "stale_first_attempts_deposited_now",
+        "a first attempt counted in this process reaches Redis in its own second: one older "
+        "than the repeat allowance's window grants no repeat",
+        (
+            (
+                "capacity/redis.py",
+                "'f:' .. (now - tonumber(ARGV[i]))",
+                "'f:' .. now",
+            ),
+        ),
+        (
+            "tests/test_backends_agree_capacity.py::"
+            "test_a_first_attempt_older_than_the_window_grants_no_repeat_on_redis",
+        ),
+    ),
+    Mutant(
+        "memory_usage_limit_0_is_all",
+        "the memory ledger's newest 0 usage records are none, as the SQL ledgers' LIMIT 0",
+        (
+            (
+                "store/ledgers/memory.py",
+                "return found[-limit:] if limit > 0 else []",
+                "return found[-limit:]",
+            ),
+        ),
+        (
+            "tests/test_backends_agree_ledger.py::"
+            "test_the_newest_0_records_are_none_on_every_ledger",
+        ),
+    ),
 )
 
 
