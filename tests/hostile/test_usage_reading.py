@@ -114,10 +114,19 @@ async def test_an_sse_stream_is_charged_whichever_line_ending_frames_it(
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-async def test_usage_sent_after_done_is_not_read(engine: str) -> None:
+@pytest.mark.parametrize(
+    "after",
+    [
+        b'{"usage":{"prompt_tokens":0,"completion_tokens":0}}',
+        # More than the client saw: a count only grows over one response, so only the
+        # stop at [DONE] keeps it out (a hand-made mutant that read on passed every test).
+        b'{"usage":{"prompt_tokens":10,"completion_tokens":90000}}',
+    ],
+    ids=["less", "more"],
+)
+async def test_usage_sent_after_done_is_not_read(engine: str, after: bytes) -> None:
     # The SDKs stop at `data: [DONE]`: a client sees 20,000 completion tokens. A usage
     # event the upstream adds after it (never seen by any client) set the charge to 0.
-    after = b'{"usage":{"prompt_tokens":0,"completion_tokens":0}}'
     body = sse(CHUNK.encode(), USAGE, b"[DONE]", after)
     assert await sdk_output_tokens(body, engine) == 20000
     assert await charged_for(body, "text/event-stream", engine) == FULL_COST
@@ -329,6 +338,11 @@ OLLAMA_LINE = b'{"model":"gpt-test","message":{"role":"assistant","content":"Hi"
 OLLAMA_NDJSON = OLLAMA_LINE + b"\n" + OLLAMA_LAST + b"\n"
 # A long generation: more lines than the meter parses whole (json_cap, 1 MiB).
 OLLAMA_LONG = (OLLAMA_LINE + b"\n") * 20_000 + OLLAMA_LAST + b"\n"
+# Lines that report running counts before the last, whole one: the last line that reports
+# is read (a hand-made mutant that read the first such line passed every test).
+OLLAMA_RUNNING = OLLAMA_LINE + b"\n"
+OLLAMA_RUNNING += b'{"model":"gpt-test","done":false,"prompt_eval_count":10,"eval_count":1}\n'
+OLLAMA_RUNNING += OLLAMA_LAST + b"\n"
 
 
 @pytest.mark.parametrize(
@@ -341,6 +355,7 @@ OLLAMA_LONG = (OLLAMA_LINE + b"\n") * 20_000 + OLLAMA_LAST + b"\n"
         (OLLAMA_LAST, "application/json; charset=utf-8"),
         (OLLAMA_NDJSON, "application/x-ndjson"),
         (OLLAMA_LONG, "application/x-ndjson"),
+        (OLLAMA_RUNNING, "application/x-ndjson"),
     ],
     ids=[
         "gemini-json",
@@ -350,6 +365,7 @@ OLLAMA_LONG = (OLLAMA_LINE + b"\n") * 20_000 + OLLAMA_LAST + b"\n"
         "ollama-json",
         "ollama-ndjson",
         "ollama-long",
+        "ollama-running",
     ],
 )
 async def test_gemini_and_ollama_usage_is_charged(body: bytes, content_type: str) -> None:
