@@ -368,3 +368,35 @@ def test_an_app_class_or_factory_is_refused_at_construction(
 )
 def test_every_shape_of_asgi_app_is_taken(app: Any) -> None:
     Gateway(app, config=config())
+
+
+class _StaticCall:  # the instance is the app: its class's __call__ takes no self
+    @staticmethod
+    async def __call__(scope: Any, receive: Any, send: Any) -> None:
+        await host_app(scope, receive, send)
+
+
+class _ClassCall:  # bound to the class, whichever instance is called
+    @classmethod
+    async def __call__(cls, scope: Any, receive: Any, send: Any) -> None:
+        await host_app(scope, receive, send)
+
+
+class _PartialCall:  # a callable without __get__ is called as it is, self not passed
+    __call__ = functools.partial(host_app)
+
+
+@pytest.mark.parametrize("app", [_StaticCall(), _ClassCall(), _PartialCall()])
+async def test_an_app_whose_call_takes_no_self_is_taken(app: Any) -> None:
+    """An instance whose class's `__call__` is a staticmethod, a classmethod or a callable
+    without `__get__` is an ASGI app as a server calls it (`app(scope, receive, send)`),
+    but inspect.signature reads its first parameter as `self` and dropped it: the check
+    refusing factories (f8151e7) refused each at construction ("cannot be called as an
+    ASGI app"). Each is taken, and a request no route takes reaches it."""
+    gateway = Gateway(app, config=config())
+    async with client_for(gateway) as client:
+        answer = await client.get("/elsewhere")
+    assert (answer.status_code, answer.text) == (404, "host app")
+    await gateway.aclose()
+    for build in (BudgetGuard, RouteResolver, CredentialInjector, PlanWalker):
+        build(app, config=config())

@@ -6,6 +6,7 @@ request. The interfaces themselves are the callers' to name (this module imports
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import sys
@@ -116,12 +117,27 @@ def _takes_scope_receive_send(app: Callable[..., object]) -> bool:
     """Whether `app` can be called with three positional arguments, as a server calls an
     ASGI app; True when its signature cannot be read (a builtin, a C extension's)."""
     try:
-        inspect.signature(app).bind(None, None, None)
+        inspect.signature(_called(app)).bind(None, None, None)
     except TypeError:
         return False
     except ValueError:
         return True
     return True
+
+
+def _called(app: Callable[..., object]) -> Callable[..., object]:
+    """What `app(...)` runs. For an instance, its class's `__call__` as a call binds it:
+    inspect.signature drops the first parameter of any `__call__` as `self`, also of a
+    staticmethod's, a classmethod's (already bound) or a callable without `__get__`
+    (called as it is), and such an app was refused for its `scope`."""
+    if isinstance(app, type) or inspect.isroutine(app) or isinstance(app, functools.partial):
+        return app
+    for base in type(app).__mro__:
+        found = vars(base).get("__call__")
+        if found is not None:
+            bind = getattr(type(found), "__get__", None)
+            return found if bind is None else bind(found, app, type(app))  # type: ignore[no-any-return]
+    return app
 
 
 def require_environ(value: object, *, owner: str) -> None:
