@@ -386,13 +386,33 @@ class _PartialCall:  # a callable without __get__ is called as it is, self not p
     __call__ = functools.partial(host_app)
 
 
-@pytest.mark.parametrize("app", [_StaticCall(), _ClassCall(), _PartialCall()])
+class _SlotCall:
+    """sentry_sdk's SentryAsgiMiddleware's shape: `__call__` is a slot, set per instance to
+    a bound method (`_run_asgi3`, or `_run_asgi2` for an ASGI 2 app)."""
+
+    __slots__ = ("__call__", "app")
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.__call__ = self._run_asgi3  # type: ignore[method-assign]
+
+    async def _run_asgi3(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.app(scope, receive, send)
+
+
+@pytest.mark.parametrize(
+    "app",
+    [_StaticCall(), _ClassCall(), _PartialCall(), _SlotCall(host_app)],
+    ids=["staticmethod", "classmethod", "partial", "slot (Sentry's middleware)"],
+)
 async def test_an_app_whose_call_takes_no_self_is_taken(app: Any) -> None:
-    """An instance whose class's `__call__` is a staticmethod, a classmethod or a callable
-    without `__get__` is an ASGI app as a server calls it (`app(scope, receive, send)`),
-    but inspect.signature reads its first parameter as `self` and dropped it: the check
-    refusing factories (f8151e7) refused each at construction ("cannot be called as an
-    ASGI app"). Each is taken, and a request no route takes reaches it."""
+    """An instance whose class's `__call__` is a staticmethod, a classmethod, a callable
+    without `__get__` or a slot holding a bound method (Sentry's SentryAsgiMiddleware) is
+    an ASGI app as a server calls it (`app(scope, receive, send)`), but inspect.signature
+    read the first parameter of the first three as `self` and dropped it, and could not
+    read the slot at all: the check refusing factories (f8151e7) refused each at
+    construction ("cannot be called as an ASGI app"). Each is taken, and a request no route
+    takes reaches it."""
     gateway = Gateway(app, config=config())
     async with client_for(gateway) as client:
         answer = await client.get("/elsewhere")

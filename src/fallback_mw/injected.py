@@ -129,7 +129,8 @@ def _called(app: Callable[..., object]) -> Callable[..., object]:
     """What `app(...)` runs. For an instance, its class's `__call__` as a call binds it:
     inspect.signature drops the first parameter of any `__call__` as `self`, also of a
     staticmethod's, a classmethod's (already bound) or a callable without `__get__`
-    (called as it is), and such an app was refused for its `scope`."""
+    (called as it is), and cannot read a slot's (sentry_sdk's SentryAsgiMiddleware sets
+    its `__call__` slot to a bound method): such an app was refused for its `scope`."""
     if isinstance(app, type) or inspect.isroutine(app) or isinstance(app, functools.partial):
         return app
     for base in type(app).__mro__:
