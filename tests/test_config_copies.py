@@ -155,3 +155,34 @@ def test_a_configuration_is_hashable_as_it_is_comparable() -> None:
     assert config == reordered
     assert hash(config) == hash(reordered)
     assert len({config, reordered, with_route(config, retries=0)}) == 2
+
+
+class TeamConfig(GatewayConfig):
+    """A platform team's own configuration type: the gateway's, and fields of its own."""
+
+    team: str = "platform"
+
+
+async def test_a_configuration_of_a_subclass_is_parsed_again_as_that_class() -> None:
+    """A GatewayConfig subclass (a platform team's model adding its own fields) was taken
+    as it was until copies were parsed again (a11a147): then every one built directly was
+    parsed as GatewayConfig itself, and refused for its own field ("unknown key 'team'"):
+    the gateway served nothing (503 config_error). It is parsed again as its own class:
+    served, its fields kept, and a copy holding what a file may not is still refused."""
+    async with upstream(echo_request) as up:
+        config = TeamConfig.model_validate(
+            {**BASE, "upstreams": {"a": {"url": up.url}}, "team": "search"}
+        )
+        gateway = Gateway(host_app, config=config, environ={})
+        try:
+            assert gateway.config_error is None, gateway.config_error
+            assert type(gateway.config) is TeamConfig and gateway.config.team == "search"
+            async with client_for(gateway) as client:
+                response = await client.post("/v1/chat", json={})
+        finally:
+            await gateway.aclose()
+    assert response.status_code == 200, response.text
+    assert response.headers["x-gateway-route"] == "r"
+    refused = Gateway(host_app, config=with_route(config, prefix="v1/"), environ={})
+    assert refused.config_error is not None
+    assert "routes['r'].prefix: must start with '/'" in refused.config_error

@@ -166,9 +166,13 @@ def _as_written(value: Any) -> Any:
     return value
 
 
-def parse_config(data: Mapping[str, Any]) -> GatewayConfig:
+def parse_config(
+    data: Mapping[str, Any], *, model: type[GatewayConfig] = GatewayConfig
+) -> GatewayConfig:
+    """`data` as a configuration; `model`: a subclass of GatewayConfig (a host's own, with
+    fields of its own) when a model of it is parsed again."""
     try:
-        return GatewayConfig.model_validate(dict(data))
+        return model.model_validate(dict(data))
     except ValidationError as exc:
         raise ConfigError(f"invalid configuration: {_describe(exc, data)}") from None
 
@@ -258,7 +262,12 @@ def load_config(
         # One `validate` passed is whole; any other is parsed again from what it holds:
         # pydantic's `model_copy(update=...)` and `model_construct` check nothing, so a copy
         # with `methods=("post",)` routed no POST and one with `plan=()` was an IndexError.
-        config = source if _was_validated(source) else parse_config(_as_written(source))
+        # As its own class: a subclass's own fields are not unknown keys.
+        config = (
+            source
+            if _was_validated(source)
+            else parse_config(_as_written(source), model=type(source))
+        )
     elif isinstance(source, Mapping):
         config = parse_config(source)
     elif isinstance(source, str) and "\n" in source.strip():  # no configuration file's name
