@@ -597,6 +597,21 @@ async def test_under_wsgi_a_route_for_a_unicode_tenant_is_refused_as_the_routes(
     assert other.status_code == 200  # another tenant's request: no route, Django's own
 
 
+@pytest.mark.anyio
+async def test_under_wsgi_a_method_in_another_case_is_decided_as_sent() -> None:
+    # The gateway compares a method as sent (e278d4a: `get` is not GET), and under ASGI a
+    # `get` on a route that lists GET goes on to Django. Under WSGI the middleware asked
+    # the table with Django's `request.method`, which Django upper-cases: the route took
+    # it, and the request was ImproperlyConfigured (a 500) instead of Django's own page.
+    route = {"id": "chat", "prefix": "/v1/", "plan": ["primary"], "methods": ["GET"]}
+    with override_settings(FALLBACK_MW={"config": {**WSGI_CONFIG, "routes": [route]}}):
+        middleware = GatewayMiddleware(django_view)
+    response = await middleware(RequestFactory().generic("get", "/v1/x"))
+    assert response.status_code == 200  # Django's own
+    with pytest.raises(ImproperlyConfigured, match="ASGI"):
+        await middleware(RequestFactory().generic("GET", "/v1/x"))  # the route's
+
+
 def test_missing_setting_is_improperly_configured() -> None:
     with override_settings(), pytest.raises(ImproperlyConfigured, match="FALLBACK_MW"):
         GatewayMiddleware(django_view)

@@ -272,7 +272,10 @@ class GatewayMiddleware:
         # table as it stands, never a store reloader started on a loop about to end.
         store = self.gateway.services.store
         table = store.current() if store is not None else resolver.table()
-        route, refused = table.resolve(request.method or "GET", path, tenant)
+        # The method as sent, as the resolver compares it (`get` is not GET): Django's
+        # `request.method` is upper-cased.
+        method = request.META.get("REQUEST_METHOD") or "GET"
+        route, refused = table.resolve(method, path, tenant)
         return route is not None or refused is not None
 
     async def aclose(self) -> None:
