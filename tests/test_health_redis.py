@@ -306,6 +306,38 @@ async def test_redis_outage_falls_back_and_recovers(
     assert "reachable again" in messages[1]
 
 
+@pytest.mark.anyio
+async def test_an_attempt_at_the_new_url_counts_after_an_outage_ends(redis_url: str) -> None:
+    """A reload moved an upstream to another url during a Redis outage (`forget`, made
+    again once Redis is back), and an attempt was admitted after the move, judging the new
+    url. Its outcome ending after Redis came back went to no breaker: the catch-up of the
+    forget marked the url as moved once more, and the attempt read as one of the old url
+    (the memory state counts it). It counts: here, its failure opens the breaker."""
+    prefix = split_state_url(redis_url)[1]
+    config = BreakerConfig(window=1, min_calls=1, failure_rate=1.0, cooldown_ms=60_000)
+    async with tcp_proxy(REDIS_HOST, REDIS_PORT) as redis:
+        health = RedisHealth(
+            f"redis://127.0.0.1:{redis.port}/0?prefix={prefix}", config, retry_interval=0.05
+        )
+        try:
+            assert await health.admit("u") is True
+            await redis.cut("close")
+            await health.forget("u", "http://127.0.0.1:9/new")  # kept for Redis's return
+            admission = Admission()
+            assert await health.admit("u", admission=admission)  # after the move
+            await redis.open()
+            await shared_again(health)
+            for _ in range(250):  # the forget made again on Redis (its background catch-up)
+                if not health._forgets:
+                    break
+                await asyncio.sleep(0.02)
+            assert not health._forgets
+            await health.record("u", failure=True, admission=admission)
+            assert await health.admit("u") is False
+        finally:
+            await health.aclose()
+
+
 def breaker_points(reader: InMemoryMetricReader, name: str) -> dict[tuple[str, ...], float]:
     """`gateway.breaker.*` points on one process's reader, keyed by their attribute values."""
     found: dict[tuple[str, ...], float] = {}

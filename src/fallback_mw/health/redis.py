@@ -180,7 +180,8 @@ class RedisHealth(RedisLink):
         for upstream in sorted(self._fault_resets):
             await self.reset_fault(upstream)
         for upstream, url in sorted(self._forgets.items()):
-            await self.forget(upstream, url)
+            # Not marked as moved again: an attempt admitted since the move judged its url.
+            await self._forget(upstream, url)
 
     async def _with_fallback(
         self,
@@ -384,6 +385,12 @@ class RedisHealth(RedisLink):
             del self._origins[name]
 
     async def forget(self, upstream: str, url: str) -> None:
+        self._origins[upstream] = object()
+        await self._forget(upstream, url)
+
+    async def _forget(self, upstream: str, url: str) -> None:
+        """`forget` on the shared state (made again once Redis is back, if it was away)."""
+
         def convert(result: Any) -> None:
             if result == "=":
                 return  # another process forgot it for this url: the breaker is the new url's
@@ -392,7 +399,6 @@ class RedisHealth(RedisLink):
             else:
                 self._report(upstream, result or None)
 
-        self._origins[upstream] = object()
         result = await self._run(
             "forget",
             FORGET,
