@@ -420,3 +420,46 @@ async def test_an_app_whose_call_takes_no_self_is_taken(app: Any) -> None:
     await gateway.aclose()
     for build in (BudgetGuard, RouteResolver, CredentialInjector, PlanWalker):
         build(app, config=config())
+
+
+def _asgi2_app(scope: Any) -> Any:  # ASGI 2: called with the scope, its answer with the rest
+    async def answer(receive: Any, send: Any) -> None:
+        await host_app(scope, receive, send)
+
+    return answer
+
+
+class _Asgi2Consumer:  # ASGI 2 as a class (Channels 2's consumers): made with the scope
+    def __init__(self, scope: Any) -> None:
+        self.scope = scope
+
+    async def __call__(self, receive: Any, send: Any) -> None:
+        await host_app(self.scope, receive, send)
+
+
+@pytest.mark.parametrize(
+    ("app", "told"),
+    [
+        (_asgi2_app, "_asgi2_app, which cannot be called as an ASGI app"),
+        (_Asgi2Consumer, "not the class _Asgi2Consumer, an ASGI 2 app"),
+    ],
+    ids=["function", "class"],
+)
+async def test_an_asgi2_app_is_refused_naming_how_to_wrap_it(app: Any, told: str) -> None:
+    """An ASGI 2 app (called with the scope alone) was never served: the layers call their
+    app as ASGI 3 (a request no route took failed with a TypeError). f8151e7 refused it at
+    construction with advice that did not fit ("pass the app itself (_asgi2_app() if
+    _asgi2_app makes it)"; for the class "pass _Asgi2Consumer(...)", which needs a scope).
+    The refusal names the ASGI 2 shape and asgiref's wrapper, which is taken and serves."""
+    from asgiref.compatibility import guarantee_single_callable
+
+    with pytest.raises(TypeError) as raised:
+        Gateway(app, config=config())
+    message = str(raised.value)
+    assert told in message, message
+    assert "asgiref.compatibility.guarantee_single_callable(" in message, message
+    gateway = Gateway(guarantee_single_callable(app), config=config())
+    async with client_for(gateway) as client:
+        answer = await client.get("/elsewhere")
+    assert (answer.status_code, answer.text) == (404, "host app")
+    await gateway.aclose()

@@ -104,13 +104,44 @@ def require_app(value: object, *, owner: str) -> None:
     # the mistake ("get_asgi_application() takes 0 positional arguments but 3 were given").
     if isinstance(value, type) and any("__call__" in vars(base) for base in value.__mro__[:-1]):
         name = value.__qualname__
+        if _binds(_instance_call(value), 3) and not _binds(_instance_call(value), 4):
+            # (self, receive, send): made with the scope, as Channels 2's consumers.
+            raise TypeError(f"{wraps}, not the class {name}, an ASGI 2 app{_as_asgi3(name)}")
         raise TypeError(f"{wraps}, not the class {name} itself: pass {name}(...)")
     if not isinstance(value, type) and not _takes_scope_receive_send(value):
         name = getattr(value, "__qualname__", None) or _what(value)
+        # Called with the scope alone: an ASGI 2 app, or a factory of one argument.
+        asgi2 = f", or if it is an ASGI 2 app{_as_asgi3(name)}" if _binds(value, 1) else ""
         raise TypeError(
             f"{wraps}, not {name}, which cannot be called as an ASGI app (scope, receive, "
-            f"send): pass the app itself ({name}() if {name} makes it)"
+            f"send): pass the app itself ({name}() if {name} makes it){asgi2}"
         )
+
+
+def _as_asgi3(name: str) -> str:
+    # An ASGI 2 app was never served here: the layers call their app as ASGI 3 does.
+    return (
+        " (called with the scope alone, its answer with receive and send), wrap it as "
+        f"ASGI 3: asgiref.compatibility.guarantee_single_callable({name})"
+    )
+
+
+def _instance_call(cls: type) -> Callable[..., object] | None:
+    """The `__call__` its instances run, unbound (None when not a plain function)."""
+    found = next(vars(base)["__call__"] for base in cls.__mro__ if "__call__" in vars(base))
+    return found if inspect.isfunction(found) else None
+
+
+def _binds(app: Callable[..., object] | None, count: int) -> bool:
+    """Whether `app` can be called with `count` positional arguments (False when its
+    signature cannot be read)."""
+    if app is None:
+        return False
+    try:
+        inspect.signature(_called(app)).bind(*[None] * count)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _takes_scope_receive_send(app: Callable[..., object]) -> bool:
