@@ -8,6 +8,8 @@ not models."""
 from __future__ import annotations
 
 import collections
+import copy
+import pickle
 from typing import Any
 
 import pytest
@@ -195,3 +197,31 @@ async def test_a_routed_request_reads_no_route_upstream_or_settings_model() -> N
         if name.split(".")[0] in ("RouteConfig", "UpstreamConfig", "GatewaySettings")
     }
     assert model_reads == {}, "the request path read models, not their views (config/views.py)"
+
+
+@pytest.mark.anyio
+async def test_a_layer_of_the_hosts_own_may_copy_the_scope_it_is_handed() -> None:
+    """A host's own layer between the RouteResolver and the walker is handed the scope
+    with the request's context in it; one that copies the scope (`copy.deepcopy`, as a
+    request recorder does) or pickles what it holds got "RouteView is read-only" from the
+    views (their `__setattr__` refuses what copy and pickle restore a slot with), where the
+    models copied. A view copies and pickles as the view of its model."""
+    from fallback_mw import RouteResolver
+    from fallback_mw.request.context import SCOPE_KEY
+
+    copied: list[Any] = []
+
+    async def recorder(scope: Any, receive: Any, send: Any) -> None:
+        copied.append(copy.deepcopy(scope)[SCOPE_KEY])
+        await host_app(scope, receive, send)
+
+    resolver = RouteResolver(recorder, config=CONFIG)
+    async with client_for(resolver) as client:
+        response = await client.get("/v2/x")
+    assert response.status_code == 404, response.text  # the recorder's app answered
+    (context,) = copied
+    assert context.route.id == "r2" and context.route.config == parse_config(CONFIG).routes[1]
+    assert context.upstreams["a"].port == 443
+    again = pickle.loads(pickle.dumps(context.route))
+    assert type(again) is RouteView and again.plan == ("b",)
+    assert again.config == context.route.config

@@ -41,6 +41,11 @@ class _View:
     def __repr__(self) -> str:
         return f"<{type(self).__name__} of {self.config!r}>"
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Made again from its model (copy, deepcopy, pickle): their default restores each
+        # slot through `__setattr__`, which refuses.
+        return (type(self), (self.config,))
+
 
 # Each view's names: its model's fields, then what the model derives from them.
 _ROUTE = (*RouteConfig.model_fields, "attempt_ceiling", "accepted_methods")
