@@ -7,11 +7,16 @@ mutants that moved each edge by one, or dropped a spelling, passed every test be
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
+from fallback_mw import Gateway
 from tests import test_telemetry_secrets as ordinary
+from tests.helpers import http_scope
+from tests.test_telemetry_leak import call
 from tests.test_telemetry_secrets import CALLER_TOKEN, Recorded, carried
+from tests.upstreams import host_app, upstream
 
 # The gateway and what it records, as the module of the ordinary values sets them up.
 everything_logged = ordinary.everything_logged
@@ -90,3 +95,41 @@ async def test_a_credential_that_begins_in_the_recorded_part_and_runs_past_it_is
     message = json.loads(body)["error"]["message"]
     assert "'a request header' has bytes >= 0x80" in message, message
     assert CALLER_TOKEN.lower()[:6] not in message
+
+
+async def echo_the_model(request: Any) -> Any:
+    from aiohttp import web
+
+    asked = json.loads(await request.read()).get("model")
+    payload = {"model": asked, "usage": {"prompt_tokens": 3, "completion_tokens": 4}}
+    return web.json_response(payload)
+
+
+async def test_a_callers_credential_an_upstream_echoes_as_the_model_is_not_recorded() -> None:
+    """Upstreams that answer with the model they were asked for (vLLM, Ollama, echo
+    services) hand back a caller's token sent as the model: the usage record keeps
+    neither the answer's model nor the asked one when it is a credential of the request
+    (a hand-made mutant that recorded the answer's model as it came passed every test:
+    the tests' upstream always named its own)."""
+    async with upstream(echo_the_model) as answering:
+        config = {
+            "upstreams": {"primary": {"url": answering.url}},
+            "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+        }
+        gateway = Gateway(host_app, config=config)
+        try:
+            body = json.dumps({"model": CALLER_TOKEN, "messages": []}).encode()
+            headers = [
+                (b"authorization", f"Bearer {CALLER_TOKEN}".encode()),
+                (b"content-type", b"application/json"),
+            ]
+            status, out = await call(
+                gateway, http_scope("POST", "/v1/chat/completions", b"", headers), body
+            )
+            records = await gateway.services.ledger.usage(route="chat")  # type: ignore[union-attr]
+        finally:
+            await gateway.aclose()
+    assert status == 200 and CALLER_TOKEN in out.decode()  # the caller's own answer
+    (record,) = records
+    assert carried(repr(record)) == []
+    assert record.model is None
