@@ -166,6 +166,25 @@ def test_price_book() -> None:
     assert prices.estimate_hold(None, "gpt-4o", default) == default
 
 
+def test_price_book_reads_a_model_name_as_upstreams_do() -> None:
+    """A dated name after `@` (Vertex AI's `claude-3-5-sonnet@20240620`) is priced as its
+    base name, and a name in another case as the dearest of the names spelled alike but
+    for case. Hand-made mutants that read `-` alone as a date's separator, or took the
+    cheapest of such names, passed every test: both charged an unpriced default."""
+    prices = PriceBook(
+        {
+            "claude-3-5-sonnet": PriceConfig(
+                input_per_mtok=Decimal(3), output_per_mtok=Decimal(15)
+            ),
+            "Llama3.1:8B": PriceConfig(input_per_mtok=Decimal(0), output_per_mtok=Decimal(1)),
+            "llama3.1:8b": PriceConfig(input_per_mtok=Decimal(0), output_per_mtok=Decimal(2)),
+        }
+    )
+    assert prices.cost("claude-3-5-sonnet@20240620", 0, 1_000_000) == Decimal(15)
+    assert prices.cost("LLAMA3.1:8b", 0, 1_000_000) == Decimal(2)
+    assert prices.cost("Llama3.1:8B", 0, 1_000_000) == Decimal(1)  # its own name: its own
+
+
 # --- ledgers ----------------------------------------------------------------------------
 
 BUDGET = BudgetConfig(limit=Decimal("0.05"), window="month", default_hold=Decimal("0.01"))
