@@ -41,6 +41,7 @@ WALKER = "tests/test_walker.py::"
 ASKS = "tests/test_defence_in_depth.py::"
 POOL = "tests/test_credential_pool.py::"
 HEDGE = "tests/test_hedge_rules.py::"
+SECRET_EDGES = "tests/test_telemetry_secret_edges.py::"
 
 # The design's negative controls for what cannot be repeated (SPEC §5).
 CONTROLS = (
@@ -605,6 +606,124 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             "tests/test_backends_agree_ledger.py::"
             "test_the_newest_0_records_are_none_on_every_ledger",
+        ),
+    ),
+    # --- found by hand-made mutants outside the decision core (docs/failover.md) ---------
+    Mutant(
+        "secret_of_min_length_not_searched",
+        "a caller credential of exactly MIN_SECRET (8) characters is never recorded",
+        (
+            (
+                "request/secrets.py",
+                "    return [form for form in forms if len(form) >= MIN_SECRET]",
+                "    return [form for form in forms if len(form) > MIN_SECRET]",
+            ),
+        ),
+        (
+            SECRET_EDGES + "test_a_credential_of_exactly_min_secret_characters_is_known_one_"
+            "shorter_is_not[Zq8wL2pX-True]",
+        ),
+    ),
+    Mutant(
+        "percent_encoded_query_key_not_known",
+        "a caller's key sent percent-encoded in a stripped query parameter is a credential",
+        (
+            (
+                "request/secrets.py",
+                "                        found.extend(secret_forms(unquote_to_bytes("
+                'value.replace(b"+", b" "))))\n',
+                "",
+            ),
+        ),
+        (
+            SECRET_EDGES + "test_a_callers_key_in_the_query_in_any_spelling_is_known_as_a_"
+            "credential[api_key=sk%2Dcaller%2DAb4Cd6Ef8Gh]",
+        ),
+    ),
+    Mutant(
+        "credential_past_the_recorded_part",
+        "a credential that begins in a value's recorded part and runs past it is found",
+        (
+            (
+                "request/secrets.py",
+                "secret, 0, end + len(secret) - 1",
+                "secret, 0, end",
+            ),
+        ),
+        (
+            SECRET_EDGES
+            + "test_a_credential_that_begins_in_the_recorded_part_and_runs_past_it_is_known",
+        ),
+    ),
+    Mutant(
+        "override_counts_the_request_method",
+        "a _method naming the request's own method is no override (a keyed POST replays)",
+        (
+            (
+                "security/queries.py",
+                "    named.discard(method)\n    return frozenset(named) if named else NO_METHODS",
+                "    return frozenset(named) if named else NO_METHODS",
+            ),
+        ),
+        (
+            "tests/test_idempotency_key.py::"
+            "test_an_override_that_names_the_post_itself_keeps_it_replayable[query]",
+        ),
+    ),
+    Mutant(
+        "method_parameter_filter_misses_escapes",
+        "a _method parameter spelled with escapes only (_m%65thod) is still read",
+        (("security/queries.py", ' and query.find(b"%") < 0)', ")"),),
+        (
+            "tests/hostile/test_method_override.py::test_a_method_query_parameter_to_a_method_"
+            "the_route_does_not_forward_is_405[encoded-letter]",
+        ),
+    ),
+    Mutant(
+        "capital_scheme_url_keeps_its_key",
+        "a URL in a field (Referer, X-Original-URI) loses its credential query keys "
+        "whatever its scheme's case",
+        (
+            (
+                "security/queries.py",
+                "head[:8].lower().startswith(_URL_SCHEMES)",
+                "head[:8].startswith(_URL_SCHEMES)",
+            ),
+        ),
+        (
+            "tests/hostile/test_operator_input.py::"
+            "test_a_url_in_a_request_header_loses_the_credential_query_keys_too",
+        ),
+    ),
+    Mutant(
+        "this_network_address_allowed",
+        "0.0.0.0/8 (a connect reaches the host's own services) is refused whatever the allowlist",
+        (
+            (
+                "security/addresses.py",
+                '    ipaddress.ip_network("0.0.0.0/8"),  # "this network": connects to local '
+                "services\n",
+                "",
+            ),
+        ),
+        (
+            "tests/hostile/test_decided_risks.py::test_metadata_and_translation_ranges_are_"
+            "refused_under_the_widest_allowlist[0.0.0.0]",
+        ),
+    ),
+    Mutant(
+        "bodiless_answer_refused_as_unmaskable",
+        "a HEAD's answer (no body) labelled br is relayed from an upstream holding a key",
+        (
+            (
+                "credentials.py",
+                'if context.method == "HEAD" or status in',
+                "if status in",
+            ),
+        ),
+        (
+            "tests/hostile/test_unmaskable_bodiless.py::"
+            "test_a_bodiless_answer_in_a_coding_the_mask_cannot_read_is_relayed[HEAD-200-aiohttp]",
         ),
     ),
 )
