@@ -172,3 +172,4 @@ def test_the_page_text_holds_only_printable_characters(hostile: str) -> None:
     shown = text(f'<b x="1">{hostile}</b>')
     assert shown.startswith("&lt;b x=&quot;1&quot;&gt;") and shown.endswith("&lt;/b&gt;")
     assert shown.isprintable() and "?" in shown
+    assert text("store failed:\n\tdisk full") == "store failed: disk full"

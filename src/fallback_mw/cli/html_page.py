@@ -39,8 +39,9 @@ def text(value: object) -> str:
     """`value` as page text: markup escaped, and every character that is not printable
     `?`, as the printed report shows it. A right-to-left override in an alert's name drew
     the rest of its label reversed (its `+1.2 s` read `s 2.1+`), and an unpaired surrogate
-    (valid in JSON) could not be written as UTF-8: the page was not written at all."""
-    return escape(printable(str(value)))
+    (valid in JSON) could not be written as UTF-8: the page was not written at all. A
+    line break or a tab is a space, as the page would show it anyway."""
+    return escape(printable(" ".join(str(value).split())))
 
 
 def table(header: Sequence[str], rows: Iterable[Sequence[object]], *, cls: str = "") -> str:
