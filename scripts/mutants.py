@@ -522,8 +522,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "layers/guard.py",
-                "if self._shield:\n                    with anyio.CancelScope(shield=True):",
-                "if False:\n                    with anyio.CancelScope(shield=True):",
+                "if self._shield:\n            with anyio.CancelScope(shield=True):",
+                "if False:\n            with anyio.CancelScope(shield=True):",
             ),
         ),
         (
@@ -537,8 +537,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "layers/walker/stream.py",
-                "                        if received > limit or coded > limit:",
-                "                        if received > limit + 1 or coded > limit + 1:",
+                "                    if received > limit or coded > limit:",
+                "                    if received > limit + 1 or coded > limit + 1:",
             ),
         ),
         (

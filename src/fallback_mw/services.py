@@ -110,11 +110,11 @@ class Services:
 
         try:
             await app(scope, receive_wrapper, send_wrapper)
-        except Exception:
+        except Exception as exc:
             if asked:
                 if stopping:  # it raised at shutdown without saying so: closed all the same
                     await close()
-                raise  # the host app's own startup or shutdown failed: the server says so
+                raise exc  # the host app's own startup or shutdown failed: the server says so
         else:
             if asked:
                 return

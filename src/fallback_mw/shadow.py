@@ -247,22 +247,22 @@ class ShadowTraffic:
         started = time.monotonic()
         try:
             outcome, response = await attempts.run(name, upstream, record)
-        except BaseException:
+        except BaseException as exc:
             # Cancelled (shutdown) in the attempt: nothing proven, and a half-open probe
             # slot the copy held must not stay taken for its lease (in Redis, for every
             # process).
             with anyio.CancelScope(shield=True):
                 await attempts.release(name)
-            raise
+            raise exc
         try:
             # Judged by its head, as an attempt is (the body is not graded): a probe copy
             # whose answer streams for a minute held the half-open slot all that time.
             mark = await attempts.mark_health(name, credential, outcome, response)
-        except BaseException:
+        except BaseException as exc:
             if response is not None:  # cancelled (shutdown): nobody reads it
                 with anyio.CancelScope(shield=True):
                     await response.aclose()
-            raise
+            raise exc
         received = 0 if response is None else await self._read(context, response)
         await attempts.settle_tokens(name, outcome.status)
         answered = outcome.kind == "status" and not mark
@@ -290,10 +290,12 @@ class ShadowTraffic:
                     meter.observe(chunk, content_type, content_encoding)
         except (TimeoutError, UpstreamError):
             pass  # the head arrived: the upstream answered; the body is not graded
-        finally:
-            meter.finish()
-            with anyio.CancelScope(shield=True):
-                await response.aclose()
+        except BaseException as exc:
+            # Not a `finally`: a mypyc-compiled coroutine re-raises a stale exception after
+            # a `finally` that awaits (scripts/compile.py).
+            await _closed(meter, response)
+            raise exc
+        await _closed(meter, response)
         return received
 
     def reopen(self) -> None:
@@ -309,3 +311,9 @@ class ShadowTraffic:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+
+
+async def _closed(meter: UsageMeter, response: UpstreamResponse) -> None:
+    meter.finish()
+    with anyio.CancelScope(shield=True):
+        await response.aclose()

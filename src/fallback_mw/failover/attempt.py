@@ -409,12 +409,12 @@ class AttemptLifecycle:
         self.admissions[name] = admission
         try:
             reservation = await self.capacity.reserve(name, self.ask(name, upstream, repeat))
-        except BaseException:
+        except BaseException as exc:
             # Cancelled while the capacity is counted (a Redis round trip): a half-open
             # probe slot this admission took would be held for nobody for its lease.
             with anyio.CancelScope(shield=True):
                 await self.health.release(name, admission)
-            raise
+            raise exc
         if isinstance(reservation, str):
             await self.health.release(name, admission)
             return reservation
@@ -462,24 +462,33 @@ class AttemptLifecycle:
         return record
 
     async def run(self, name: str, upstream: AnyUpstream, record: AttemptRecord) -> AttemptResult:
+        # Not a `finally`: a mypyc-compiled coroutine re-raises a stale exception after a
+        # `finally` that awaits (scripts/compile.py).
         try:
-            return await self.runner.run(name, upstream, record)
-        finally:
+            result = await self.runner.run(name, upstream, record)
+        except BaseException as exc:
             if record.fault is not None or record.queued_only:
-                # A fault answered it (or the blackhole listener), or it ended waiting for
-                # a connection under max_connections: nothing reached the upstream, so
-                # nothing counts against its declared rpm / tpm (a game day or a burst
-                # must not leave the upstream capacity-skipped for a minute after it).
-                # Its own reservation (a shadow copy, never started: the latest), popped:
-                # each such attempt gives back its count once, never another's.
-                reservation = self._reserved.pop(id(record), None)
-                if reservation is None:
-                    reservation = self.reservations.pop(name, None)
-                elif self.reservations.get(name) is reservation:
-                    del self.reservations[name]
-                if reservation is not None:
-                    with anyio.CancelScope(shield=True):
-                        await self.capacity.release_capacity(reservation)
+                await self._unsent(name, record)
+            raise exc
+        if record.fault is not None or record.queued_only:
+            await self._unsent(name, record)
+        return result
+
+    async def _unsent(self, name: str, record: AttemptRecord) -> None:
+        """A fault answered the attempt (or the blackhole listener), or it ended waiting
+        for a connection under max_connections: nothing reached the upstream, so nothing
+        counts against its declared rpm / tpm (a game day or a burst must not leave the
+        upstream capacity-skipped for a minute after it). Its own reservation (a shadow
+        copy, never started: the latest), popped: each such attempt gives back its count
+        once, never another's."""
+        reservation = self._reserved.pop(id(record), None)
+        if reservation is None:
+            reservation = self.reservations.pop(name, None)
+        elif self.reservations.get(name) is reservation:
+            del self.reservations[name]
+        if reservation is not None:
+            with anyio.CancelScope(shield=True):
+                await self.capacity.release_capacity(reservation)
 
     async def finish(
         self, record: AttemptRecord, outcome: Outcome, response: UpstreamResponse | None
@@ -575,12 +584,12 @@ class AttemptLifecycle:
             # It failed (before the winner's head, or beside it): booked like any attempt.
             try:
                 await self.finish(record, result[0], result[1])
-            except BaseException:
+            except BaseException as exc:
                 # Cut while booked (a shared state's round trip, the caller gone): nobody
                 # will keep or close the answer, and its connection would stay taken.
                 if result[1] is not None:
                     await result[1].aclose()
-                raise
+                raise exc
             return result[1]
         if result is not None:
             assert result[1] is not None

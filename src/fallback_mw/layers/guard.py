@@ -237,8 +237,14 @@ class BudgetGuard:
                 await self.app(scope, receive, send)
                 return
             hold: Hold | None = None
+            # The settlement runs however the request ended, but not from a `finally`: a
+            # mypyc-compiled coroutine re-raises a stale exception after a `finally` that
+            # awaits (scripts/compile.py). The same order: the request, then the settlement.
             try:
-                if budget_id is not None:
+                if budget_id is None:
+                    context.guarded = True
+                    await self.app(scope, receive, send)
+                else:
                     body = await read_body(context, scope, receive, self.settings)
                     if not body.ok:  # no hold can be estimated: nothing behind us runs
                         refused = body_refusal(body, self.settings)
@@ -246,25 +252,29 @@ class BudgetGuard:
                             await send_error(send, context, *refused)
                         else:
                             context.outcome = "client_disconnected"
-                        return
-                    outcome = await self._hold(ledger, context, budget_id, body, scope)
-                    if isinstance(outcome, tuple):
-                        await send_error(send, context, *outcome)  # nothing behind us runs
-                        return
-                    hold = outcome
-                context.guarded = True
-                await self.app(scope, receive, send)
-            except asyncio.CancelledError:
-                host_cancelled(context)  # recorded as cut by the host, settled below
-                raise
-            finally:
-                # Shielded: a cancelled request (client gone, server stopping) still
-                # settles; every routed request leaves its usage record.
-                if self._shield:
-                    with anyio.CancelScope(shield=True):
-                        await self._settle(ledger, context, hold)
-                else:
-                    await self._settle(ledger, context, hold)
+                    else:
+                        outcome = await self._hold(ledger, context, budget_id, body, scope)
+                        if isinstance(outcome, tuple):
+                            await send_error(send, context, *outcome)  # nothing behind us runs
+                        else:
+                            hold = outcome
+                            context.guarded = True
+                            await self.app(scope, receive, send)
+            except BaseException as exc:
+                if isinstance(exc, asyncio.CancelledError):
+                    host_cancelled(context)  # recorded as cut by the host, settled below
+                await self._settled(ledger, context, hold)
+                raise exc
+            await self._settled(ledger, context, hold)
+
+    async def _settled(self, ledger: Ledger, context: RequestContext, hold: Hold | None) -> None:
+        # Shielded: a cancelled request (client gone, server stopping) still settles;
+        # every routed request leaves its usage record.
+        if self._shield:
+            with anyio.CancelScope(shield=True):
+                await self._settle(ledger, context, hold)
+        else:
+            await self._settle(ledger, context, hold)
 
     def _traced(
         self, context: RequestContext, scope: Scope

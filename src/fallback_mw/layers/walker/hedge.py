@@ -71,21 +71,38 @@ async def first_head(
                         await discard(index, tasks[index].result())
         chosen = winner if winner is not None else last
         assert chosen is not None
-        return chosen, tasks[chosen].result()
-    finally:
-        with anyio.CancelScope(shield=True):
-            for index, task in enumerate(tasks):
-                if index == winner or (winner is None and index == last) or index in discarded:
-                    continue
-                if not task.done():
-                    task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-                result = (
-                    task.result() if task.done() and not task.cancelled() and not
-                    task.exception() else None
-                )  # fmt: skip
-                await discard(index, result)
+        result = tasks[chosen].result()
+    except BaseException as exc:
+        # Not a `finally`: a mypyc-compiled coroutine re-raises a stale exception after a
+        # `finally` that awaits (scripts/compile.py).
+        await _finish_others(tasks, winner, last, discarded, discard)
+        raise exc
+    await _finish_others(tasks, winner, last, discarded, discard)
+    return chosen, result
+
+
+async def _finish_others(
+    tasks: list[asyncio.Task[R]],
+    winner: int | None,
+    last: int | None,
+    discarded: set[int],
+    discard: Callable[[int, R | None], Awaitable[None]],
+) -> None:
+    """Every attempt of the race but the one returned (and those already discarded):
+    cancelled if still running, then discarded, shielded."""
+    with anyio.CancelScope(shield=True):
+        for index, task in enumerate(tasks):
+            if index == winner or (winner is None and index == last) or index in discarded:
+                continue
+            if not task.done():
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+            result = (
+                task.result() if task.done() and not task.cancelled() and not
+                task.exception() else None
+            )  # fmt: skip
+            await discard(index, result)
 
 
 async def run_hedged(

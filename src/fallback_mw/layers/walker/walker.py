@@ -256,12 +256,12 @@ class _Walk:
                         await asyncio.sleep(
                             min(self.route.backoff_ms / 1000, max(context.remaining, 0))
                         )
-                    except asyncio.CancelledError:
+                    except asyncio.CancelledError as exc:
                         # The caller left during the backoff: the repeat is never sent, so it
                         # gives back its capacity slot and any probe slot it held.
                         with anyio.CancelScope(shield=True):
                             await attempts.cancel(pick.name, pick.reservation)
-                        raise
+                        raise exc  # not bare: see scripts/compile.py
                     if context.remaining <= 0:
                         await attempts.cancel(pick.name, pick.reservation)
                         context.backoff_cut = pick.name
@@ -286,34 +286,40 @@ class _Walk:
                         )  # fmt: skip
                     else:
                         outcome, response = await attempts.run(pick.name, pick.upstream, record)
-                except asyncio.CancelledError:
+                except asyncio.CancelledError as exc:
                     # The caller left mid-attempt (or the host cancelled it): nothing proven of
                     # the upstream, and a half-open probe slot the attempt held is free now, not
                     # at the end of its lease (every request skipped the upstream meanwhile).
                     with anyio.CancelScope(shield=True):
                         await attempts.release(pick.name, record)
-                    raise
+                    raise exc
                 try:
                     await attempts.finish(record, outcome, response)
                     done = await self._act(outcome, response, pick.name, record)
-                except BaseException:
+                except BaseException as exc:
                     # Cut short before the response was kept, relayed or closed (the caller
                     # left while a shared state's round trip booked it): closed here, or its
                     # upstream connection stays open and taken for good. Closing twice is safe.
                     if response is not None:
                         await response.aclose()
-                    raise
+                    raise exc
                 if done:
                     break
-        except asyncio.CancelledError:
-            # Swallow only our own cancellation; anyone else's propagates.
-            if not context.client_disconnected or walk_task.uncancel() > 0:
-                host_cancelled(context)
-                raise
-        finally:
-            watch.stop()
-            if self.last_response is not None:
-                await self.last_response[1].aclose()
+        except BaseException as exc:
+            # Swallow only our own cancellation; anyone else's propagates. The walk's end
+            # is not a `finally`: a mypyc-compiled coroutine re-raises a stale exception
+            # after a `finally` that awaits (scripts/compile.py).
+            cancelled = isinstance(exc, asyncio.CancelledError)
+            if not cancelled or not context.client_disconnected or walk_task.uncancel() > 0:
+                if cancelled:
+                    host_cancelled(context)
+                watch.stop()
+                if self.last_response is not None:
+                    await self.last_response[1].aclose()
+                raise exc
+        watch.stop()
+        if self.last_response is not None:
+            await self.last_response[1].aclose()
         refused_by_host = body.host_refusal
         if refused_by_host is not None and not context.committed:
             host_refused(context)
