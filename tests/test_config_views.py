@@ -7,6 +7,7 @@ not models."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import copy
 import pickle
@@ -25,6 +26,8 @@ from fallback_mw.config import (
 )
 from fallback_mw.config.strict import Strict
 from fallback_mw.config.views import RouteView, SettingsView, UpstreamView
+from fallback_mw.layers.resolver import RouteResolver
+from fallback_mw.layers.walker import PlanWalker
 from fallback_mw.routing import RouteTable
 from tests.helpers import client_for
 from tests.upstreams import host_app, upstream
@@ -225,3 +228,37 @@ async def test_a_layer_of_the_hosts_own_may_copy_the_scope_it_is_handed() -> Non
     again = pickle.loads(pickle.dumps(context.route))
     assert type(again) is RouteView and again.plan == ("b",)
     assert again.config == context.route.config
+
+
+@pytest.mark.anyio
+async def test_a_swapped_route_table_times_its_attempts_by_its_own_upstreams() -> None:
+    # What an attempt derives from its upstream (timeouts, probe lease, connection slots)
+    # is made once per upstream view: a table swapped in (a store reload) with another
+    # first_byte_timeout_ms for the same upstream name times the next attempt by it.
+    async def slow(request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(0.3)
+        return web.Response(text="late")
+
+    async with upstream(slow) as up:
+
+        def table(first_byte_ms: int) -> RouteTable:
+            loaded = parse_config(
+                {
+                    "upstreams": {"u": {"url": up.url, "first_byte_timeout_ms": first_byte_ms}},
+                    "routes": [{"id": "r", "prefix": "/v1/", "plan": ["u"]}],
+                }
+            )
+            return RouteTable(loaded.routes, loaded.upstreams)
+
+        current = [table(5000)]
+        walker = PlanWalker(host_app, config=parse_config({}))
+        resolver = RouteResolver(walker, config=parse_config({}), table=lambda: current[0])
+        statuses = []
+        try:
+            async with walker, client_for(resolver) as client:
+                for first_byte_ms in (5000, 50, 5000):
+                    current[0] = table(first_byte_ms)
+                    statuses.append((await client.get("/v1/x")).status_code)
+        finally:
+            await walker.aclose()
+    assert statuses == [200, 502, 200]  # 502: its one attempt timed out (ceiling)

@@ -17,6 +17,7 @@ credentials.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -59,19 +60,25 @@ from fallback_mw.upstream.base import (
 AttemptResult = tuple[Outcome, UpstreamResponse | None]
 _FIRST_BYTE = "first_byte_timeout_ms"
 
-# An upstream's timeouts in seconds, per distinct setting (a few per config; shared,
-# never changed: Timeouts is frozen).
-_TIMEOUTS: dict[tuple[int, int, int], Timeouts] = {}
 
-
-def _timeouts(upstream: AnyUpstream) -> Timeouts:
-    key = (upstream.connect_timeout_ms, upstream.first_byte_timeout_ms, upstream.idle_timeout_ms)
-    found = _TIMEOUTS.get(key)
-    if found is None:
-        found = Timeouts(connect=key[0] / 1000, first_byte=key[1] / 1000, idle=key[2] / 1000)
-        if len(_TIMEOUTS) < 1024:  # configs reloaded with ever new values: bounded
-            _TIMEOUTS[key] = found
-    return found
+@functools.lru_cache(maxsize=1024)
+def _derived(upstream: AnyUpstream) -> tuple[Timeouts, float, int, int]:
+    """What every attempt at `upstream` derives from its settings: its timeouts in
+    seconds, its half-open probe lease (`upstream_probe_lease`), its connection slots for
+    a real attempt and for a shadow copy (`connection_slots`). Once per upstream, not per
+    attempt: the route table makes its upstreams' views once (a view hashes by identity,
+    a model by its values); bounded, for configs reloaded with ever new values."""
+    timeouts = Timeouts(
+        connect=upstream.connect_timeout_ms / 1000,
+        first_byte=upstream.first_byte_timeout_ms / 1000,
+        idle=upstream.idle_timeout_ms / 1000,
+    )
+    return (
+        timeouts,
+        upstream_probe_lease(upstream),
+        connection_slots(upstream, shadow=False),
+        connection_slots(upstream, shadow=True),
+    )
 
 
 class SyntheticResponse:
@@ -245,7 +252,7 @@ class AttemptRunner:
             if credential is not None:
                 headers.append(credential)
         self.inject_headers(headers)
-        timeouts = _timeouts(upstream)
+        timeouts, _, slots, shadow_slots = _derived(upstream)
         # No fault source (no store): no coroutine asked for what is always None.
         faults = self.faults
         fault = None if type(faults) is NoFaults else await faults.upstream_fault(name)
@@ -280,7 +287,7 @@ class AttemptRunner:
                 # ca_file, proxy, slot_taken, replayable.
                 request = UpstreamRequest(
                     context.method, url, headers, self._request_body(upstream), timeouts, (),
-                    connection_slots(upstream, shadow=self.shadow),
+                    shadow_slots if self.shadow else slots,
                     pool_key(name, upstream, shadow=self.shadow), upstream.ca_file, proxy,
                     None, self.replayable,
                 )  # fmt: skip
@@ -398,7 +405,7 @@ class AttemptLifecycle:
         if not self.runner.takes_body(upstream):
             return "model_rewrite"  # never sent without the model it needs
         admission = Admission()
-        lease = upstream_probe_lease(upstream)
+        lease = _derived(upstream)[1]  # upstream_probe_lease, made once per upstream
         if self.runner.body.stream is not None:
             # A streamed body's upload is the caller's time (SPEC §12), bounded by the walk's
             # deadline only: a half-open probe still uploading past the upstream's lease
