@@ -306,9 +306,9 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "failover/attempt.py",
-                "timeouts = _timeouts(upstream)\n",
-                "timeouts = _timeouts(upstream)\n"
-                "        first = _timeouts(context.upstreams[context.candidates[0]])\n"
+                "timeouts, _, slots, shadow_slots = _derived(upstream)\n",
+                "timeouts, _, slots, shadow_slots = _derived(upstream)\n"
+                "        first = _derived(context.upstreams[context.candidates[0]])[0]\n"
                 "        timeouts = Timeouts(timeouts.connect, first.first_byte, timeouts.idle)\n",
             ),
         ),
@@ -320,9 +320,9 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "failover/attempt.py",
-                "timeouts = _timeouts(upstream)\n",
-                "timeouts = _timeouts(upstream)\n"
-                "        last = _timeouts(context.upstreams[context.candidates[-1]])\n"
+                "timeouts, _, slots, shadow_slots = _derived(upstream)\n",
+                "timeouts, _, slots, shadow_slots = _derived(upstream)\n"
+                "        last = _derived(context.upstreams[context.candidates[-1]])[0]\n"
                 "        timeouts = Timeouts(last.connect, timeouts.first_byte, timeouts.idle)\n",
             ),
         ),
