@@ -739,7 +739,9 @@ def make_copy(workdir: Path, edits: tuple[tuple[str, str, str], ...]) -> Path:
     src = workdir / "src"
     if src.exists():
         shutil.rmtree(src)
-    shutil.copytree(SRC, src / "fallback_mw", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        SRC, src / "fallback_mw", ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyd")
+    )
     for relative, find, replace in edits:
         path = src / "fallback_mw" / relative
         text = path.read_text()

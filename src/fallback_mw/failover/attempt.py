@@ -49,6 +49,7 @@ from fallback_mw.routing import PATH_SAFE
 from fallback_mw.telemetry import Telemetry
 from fallback_mw.timers import deadline_after
 from fallback_mw.upstream.base import (
+    NoChunks,
     Timeouts,
     UpstreamClient,
     UpstreamError,
@@ -88,9 +89,8 @@ class SyntheticResponse:
         self.status = status
         self.headers: list[tuple[bytes, bytes]] = [(b"content-length", b"0")]
 
-    async def iter_chunks(self) -> AsyncIterator[bytes]:
-        return
-        yield b""  # pragma: no cover - makes this an async generator
+    def iter_chunks(self) -> AsyncIterator[bytes]:
+        return NoChunks()
 
     async def aclose(self) -> None:
         return None

@@ -37,10 +37,11 @@ from typing import Any
 from fallback_mw.request.codings import BodyDecoder, content_decoder
 from fallback_mw.request.context import Usage
 from fallback_mw.request.usage_documents import read_document, read_gemini, read_usage
+from fallback_mw.request.usage_tail import TAIL as _TAIL
+from fallback_mw.request.usage_tail import Tail as _Tail
 from fallback_mw.tokens import read_json
 
 DEFAULT_JSON_CAP = 1024 * 1024
-_TAIL = 64 * 1024
 # Where a `usage` (Gemini: `usageMetadata`) object starts; it is read from there with a
 # JSON decoder, since it nests objects of its own (OpenAI's `prompt_tokens_details`,
 # Anthropic's `cache_creation`).
@@ -339,28 +340,6 @@ class UsageMeter:
     def _read_document(self, document: Any) -> None:
         if read_document(self.target, document):
             self.reported = True
-
-
-class _Tail(bytearray):
-    """The last _TAIL bytes of what was added. Each byte is copied a bounded number of
-    times: keeping the tail as one bytes object copied all _TAIL of them again for every
-    piece added, and an event stream of tiny `data:` lines in an event over json_cap (a
-    few bytes each) cost 64 KiB of copying per line. A bytearray itself: every response's
-    meter makes two, and most never hold a byte (no `__init__` of its own to run)."""
-
-    __slots__ = ()
-
-    def add(self, data: bytes | bytearray) -> None:
-        self.extend(data)
-        if len(self) > 2 * _TAIL:
-            self._trim(self)
-
-    @staticmethod
-    def _trim(buffer: bytearray) -> None:
-        del buffer[: len(buffer) - _TAIL]
-
-    def read(self) -> bytes:
-        return bytes(self[-_TAIL:])
 
 
 def media_type(content_type: bytes) -> bytes:

@@ -15,6 +15,7 @@ from opentelemetry.util.types import AttributeValue
 from fallback_mw.config import ConfigError, RouteConfig
 from fallback_mw.extras import package_version
 from fallback_mw.injected import require
+from fallback_mw.python_class import python_class
 from fallback_mw.request.context import AttemptRecord, RequestContext
 from fallback_mw.telemetry.breakers import BreakerReports
 from fallback_mw.telemetry.genai import operation_name
@@ -57,6 +58,7 @@ _internal = logging.getLogger("fallback_mw.telemetry")
 _FINISHED = object()
 
 
+@python_class  # weakly referenced: a Python class under mypyc
 class Telemetry(BreakerReports, TracePropagation):
     """The walker's one telemetry seam. Every hook is safe to call and never raises.
 

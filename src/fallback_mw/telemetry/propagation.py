@@ -17,6 +17,7 @@ from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.propagators.textmap import TextMapPropagator
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from fallback_mw.python_class import python_class
 from fallback_mw.request.secrets import RequestSecrets
 from fallback_mw.telemetry.redact import GETTER
 from fallback_mw.telemetry.spans import AttemptTrace
@@ -56,6 +57,7 @@ def extract(headers: Sequence[tuple[bytes, bytes]]) -> otel_context.Context:
     return propagate.extract(headers, getter=GETTER)
 
 
+@python_class  # Telemetry's base: a Python class under mypyc, as Telemetry
 class TracePropagation:
     """Telemetry's propagation: the global propagator's fields, cached per propagator."""
 

@@ -391,6 +391,19 @@ def _nothing() -> None:
     return None
 
 
+class NoChunks:
+    """An empty body's chunks: ends at once. A class, not an async generator, so the
+    modules that use it compile with mypyc (scripts/compile.py)."""
+
+    __slots__ = ()
+
+    def __aiter__(self) -> NoChunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        raise StopAsyncIteration
+
+
 class UpstreamResponse(Protocol):
     status: int
     headers: list[tuple[bytes, bytes]]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import re
 import zlib
-from collections.abc import AsyncIterator
 from functools import lru_cache
 from urllib.parse import SplitResult, urlsplit
 
@@ -27,7 +26,7 @@ from fallback_mw.request.usage import UsageMeter, media_type
 from fallback_mw.rules import origin
 from fallback_mw.security.answers import forwardable_response_headers
 from fallback_mw.timers import Stall
-from fallback_mw.upstream.base import UpstreamError, UpstreamResponse
+from fallback_mw.upstream.base import NoChunks, UpstreamError, UpstreamResponse
 
 
 async def commit(
@@ -121,7 +120,7 @@ async def _relay(
         # What an upstream put in a 205 (chunked, or up to its connection's close: the
         # engines read those as a body) is not relayed: the caller gets no content, as
         # for a 204. Left unread, the upstream connection is closed, never reused.
-        chunks = _no_chunks() if response.status == 205 else response.iter_chunks()
+        chunks = NoChunks() if response.status == 205 else response.iter_chunks()
         if (
             context.method == "HEAD"
             and response.status not in (204, 205, 206, 304)
@@ -399,11 +398,6 @@ def _varied(
     kept = [(name, value) for name, value in headers if name != b"vary"]
     kept.append((b"vary", b", ".join([*members, *missing])))
     return kept
-
-
-async def _no_chunks() -> AsyncIterator[bytes]:
-    return
-    yield b""  # pragma: no cover - makes this an async generator
 
 
 def _decoded_fields(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:

@@ -41,6 +41,7 @@ from fallback_mw.layers.walker.max_forwards import MAX_FORWARDS_METHODS, answere
 from fallback_mw.layers.walker.preflight import refusal
 from fallback_mw.layers.walker.stream import commit
 from fallback_mw.plan import candidate_order, is_canary
+from fallback_mw.python_class import python_class
 from fallback_mw.request.body import estimate_source, read_body, request_json
 from fallback_mw.request.config_refusal import ConfigRefusal
 from fallback_mw.request.context import (
@@ -58,6 +59,7 @@ from fallback_mw.telemetry import Telemetry
 from fallback_mw.upstream.base import UpstreamClient, UpstreamResponse
 
 
+@python_class  # weakly referenced: a Python class under mypyc
 class PlanWalker:
     _refusal: ConfigRefusal | None = None  # a configuration that did not load
 

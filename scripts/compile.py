@@ -1,0 +1,261 @@
+"""An opt-in compiled core: the request path's modules built with mypyc (the one in the dev
+extra's mypy) as C extensions beside their sources, in place. The default install, and
+every checkout, is pure Python; nothing imports this script.
+
+    .venv/bin/python scripts/compile.py            # build (needs a C compiler, 2-4 minutes)
+    .venv/bin/python scripts/compile.py --clean    # back to pure Python: the .so files gone
+    .venv/bin/python scripts/compile.py --check    # only the checks below, no build
+    .venv/bin/python scripts/compile.py --list     # the modules compiled
+
+An extension module beside its `.py` is imported instead of it, so an editable install
+(`pip install -e .`, scripts/venv.sh) runs the compiled modules from then on, until
+`--clean`; a source edit is not seen by a compiled module until it is built again
+(`--status` says which modules are compiled and which are stale). Tests, benchmarks and
+`scripts/mutants.py` run whatever is in place (mutants.py imports a copy of the sources).
+
+Three shapes compile wrong with mypyc (mypy 2.4.1), each checked in every listed module
+before a build, naming the line (docs/performance.md, "A compiled core"):
+
+- an `await` in a `finally`: after the `finally` the compiled coroutine re-raises whatever
+  `sys.exc_info()` holds, a stale exception (a `CancelledError` that was already turned
+  into a deadline) included. Do the cleanup in `except BaseException as exc: ...; raise
+  exc` plus the normal path.
+- a bare `raise` after an `await` in an `except` block: a compiled coroutine keeps the
+  exception it handles in the thread's exception state, which every other task's compiled
+  handler also sets and restores while this one is suspended, so a bare `raise` after the
+  suspension re-raises another task's exception, or none (`TypeError: invalid exception
+  object`, the task never finishes). `raise exc` by name.
+- an `async with`: its exit on an exception is awaited, then the exception re-raised from
+  that same thread state (the bare `raise` above). Not used in a listed module.
+
+And mypyc refuses async generators (`yield` in an `async def`): modules with one stay
+interpreted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SRC = ROOT / "src"
+PACKAGE = SRC / "fallback_mw"
+BUILD = ROOT / "build" / "mypyc"
+
+# The request path (STYLE.md's layers, in request order, and what they call per request),
+# less what mypyc cannot build or what then misbehaves (each left out with its reason):
+#   request/body.py, upstream/*engine*.py, upstream/base.py, health/quota.py, loops.py:
+#     async generators, which mypyc refuses.
+#   config/*: pydantic models (their validators and the plugin's fields).
+#   gateway.py: an ASGI server tells an ASGI 3 app by `asyncio.iscoroutinefunction(app.__call__)`,
+#     which is false for a compiled method (uvicorn then calls it as ASGI 2: a 500).
+#   health/__init__.py, health/memory.py: their classes are subclassed (AlwaysHealthy,
+#     MemoryHealth: by the tests, and a deployment's own health state may), and an
+#     interpreted class cannot inherit from a compiled one.
+#   layers/guard.py: compiled, its one-step ledger (`ledger if isinstance(ledger,
+#     SettlesAndRecords) else None`, a class and a runtime protocol) is typed None and
+#     every SQL ledger refused at construction (TypeError), with or without a cast.
+#   request/secrets.py: a function over a constrained type variable (AnyStr), which mypyc
+#     type-checks as `str | bytes` and refuses.
+MODULES = (
+    "layers/resolver.py",
+    "layers/injector.py",
+    "layers/limits.py",
+    "layers/walker/walker.py",
+    "layers/walker/cursor.py",
+    "layers/walker/disconnect.py",
+    "layers/walker/hedge.py",
+    "layers/walker/max_forwards.py",
+    "layers/walker/preflight.py",
+    "layers/walker/stream.py",
+    "failover/attempt.py",
+    "failover/decide.py",
+    "failover/messages.py",
+    "failover/deadline_messages.py",
+    "request/context.py",
+    "request/codings.py",
+    "request/local_errors.py",
+    "request/record.py",
+    "request/usage.py",
+    "request/usage_documents.py",
+    "request/abort.py",
+    "request/frames.py",
+    "security/fields.py",
+    "security/answers.py",
+    "security/queries.py",
+    "security/values.py",
+    "security/addresses.py",
+    "routing.py",
+    "plan.py",
+    "credentials.py",
+    "injected.py",
+    "tokens.py",
+    "budget/cost.py",
+    "health/breaker.py",
+    "health/pool.py",
+    "capacity/__init__.py",
+    "capacity/memory.py",
+    "capacity/model.py",
+    "telemetry/core.py",
+    "telemetry/spans.py",
+    "telemetry/redact.py",
+    "telemetry/request_log.py",
+    "telemetry/propagation.py",
+    "telemetry/genai.py",
+    "shadow.py",
+)
+
+
+def _awaits(nodes: list[ast.stmt]) -> ast.AST | None:
+    for statement in nodes:
+        for node in ast.walk(statement):
+            if isinstance(node, ast.Await | ast.AsyncWith | ast.AsyncFor):
+                return node
+    return None
+
+
+def _own_nodes(function: ast.AsyncFunctionDef) -> list[ast.AST]:
+    """The function's nodes, not those of functions or classes defined in it."""
+    nested = ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Lambda
+    found: list[ast.AST] = []
+    stack: list[ast.AST] = [node for node in function.body if not isinstance(node, nested)]
+    while stack:
+        node = stack.pop()
+        found.append(node)
+        stack.extend(c for c in ast.iter_child_nodes(node) if not isinstance(c, nested))
+    return found
+
+
+def hazards(path: Path) -> list[str]:
+    """What in `path` mypyc would compile wrong or refuse, one line each."""
+    found: list[str] = []
+    name = path.relative_to(SRC) if path.is_relative_to(SRC) else path
+    for function in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(function, ast.AsyncFunctionDef):
+            continue
+        for node in _own_nodes(function):
+            where = f"{name}:{getattr(node, 'lineno', function.lineno)} ({function.name})"
+            if isinstance(node, ast.Yield | ast.YieldFrom):
+                found.append(f"{where}: an async generator (mypyc refuses them)")
+            elif isinstance(node, ast.Try | ast.TryStar) and _awaits(node.finalbody):
+                found.append(f"{where}: an await in a finally")
+            elif isinstance(node, ast.ExceptHandler) and _awaits(node.body):
+                for statement in node.body:
+                    for inner in ast.walk(statement):
+                        if isinstance(inner, ast.Raise) and inner.exc is None:
+                            found.append(
+                                f"{name}:{inner.lineno} ({function.name}): a bare raise after "
+                                "an await in an except block"
+                            )
+            elif isinstance(node, ast.AsyncWith):
+                found.append(f"{where}: an async with")
+    return found
+
+
+def built(module: str) -> list[Path]:
+    path = PACKAGE / module
+    return sorted(path.parent.glob(path.stem + ".*.so")) + sorted(
+        path.parent.glob(path.stem + ".*.pyd")
+    )
+
+
+def clean() -> int:
+    removed = 0
+    for extension in [*PACKAGE.rglob("*.so"), *PACKAGE.rglob("*.pyd"), *SRC.glob("*__mypyc*")]:
+        extension.unlink()
+        removed += 1
+    shutil.rmtree(BUILD, ignore_errors=True)
+    print(f"compile.py: {removed} compiled files removed; fallback_mw is pure Python")
+    return 0
+
+
+def check() -> int:
+    problems = [line for module in MODULES for line in hazards(PACKAGE / module)]
+    for line in problems:
+        print(f"compile.py: {line}", file=sys.stderr)
+    if problems:
+        print(
+            "compile.py: rewrite these (see this script's docstring) or leave the module "
+            "out of MODULES",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def status() -> int:
+    stale = 0
+    for module in MODULES:
+        extensions = built(module)
+        if not extensions:
+            print(f"{module}: interpreted")
+        elif extensions[0].stat().st_mtime < (PACKAGE / module).stat().st_mtime:
+            print(f"{module}: compiled, STALE (the source changed since the build)")
+            stale += 1
+        else:
+            print(f"{module}: compiled")
+    return 1 if stale else 0
+
+
+def build() -> int:
+    if check():
+        return 1
+    clean()
+    started = time.monotonic()
+    mypyc = Path(sys.executable).parent / "mypyc"
+    if not mypyc.exists():
+        print("compile.py: no mypyc beside this Python (the dev extra's mypy has it)")
+        return 2
+    # From src/, so the extensions land beside their sources (an in-place build names
+    # each by its package path) and the shared runtime library at src/'s top level.
+    env = dict(os.environ, MYPYC_OPT_LEVEL=os.environ.get("MYPYC_OPT_LEVEL", "3"))
+    command = [
+        str(mypyc),
+        "--config-file",
+        str(ROOT / "pyproject.toml"),
+        *(f"fallback_mw/{module}" for module in MODULES),
+    ]
+    result = subprocess.run(command, cwd=SRC, env=env, check=False)
+    shutil.move(SRC / "build", BUILD) if (SRC / "build").exists() else None
+    if result.returncode != 0:
+        print("compile.py: mypyc failed; nothing compiled is left in place", file=sys.stderr)
+        clean()
+        return 1
+    missing = [module for module in MODULES if not built(module)]
+    if missing:
+        print(f"compile.py: not built: {', '.join(missing)}", file=sys.stderr)
+        clean()
+        return 1
+    seconds = time.monotonic() - started
+    print(f"compile.py: {len(MODULES)} modules compiled in {seconds:.0f} s (--clean undoes it)")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    action = parser.add_mutually_exclusive_group()
+    action.add_argument("--clean", action="store_true", help="remove the compiled modules")
+    action.add_argument("--check", action="store_true", help="the hazard checks only")
+    action.add_argument("--list", action="store_true", help="the modules compiled")
+    action.add_argument("--status", action="store_true", help="which modules are compiled")
+    args = parser.parse_args()
+    if args.clean:
+        return clean()
+    if args.check:
+        return check()
+    if args.list:
+        print("\n".join(MODULES))
+        return 0
+    if args.status:
+        return status()
+    return build()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

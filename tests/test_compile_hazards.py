@@ -1,0 +1,97 @@
+"""scripts/compile.py's checks: the modules it compiles (the opt-in mypyc core) hold none
+of the code shapes mypyc compiles wrong, so a change that brings one back (an `await` in a
+`finally` on the request path) fails here, in the pure-Python suite, not only once someone
+builds the compiled core. The checker itself is checked on planted code. Seconds: the
+source is parsed, nothing is built."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def compile_script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("fmw_compile", ROOT / "scripts" / "compile.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
+    return module
+
+
+def test_every_compiled_module_exists_and_holds_no_shape_mypyc_compiles_wrong() -> None:
+    script = compile_script()
+    for module in script.MODULES:
+        path = script.PACKAGE / module
+        assert path.is_file(), module
+        assert script.hazards(path) == [], module
+
+
+PLANTED = {
+    "an await in a finally": """
+async def f(g):
+    try:
+        pass
+    finally:
+        await g()
+""",
+    "a bare raise after an await in an except block": """
+async def f(g):
+    try:
+        pass
+    except BaseException:
+        await g()
+        raise
+""",
+    "an async with": """
+async def f(lock):
+    async with lock:
+        pass
+""",
+    "an async generator": """
+async def f():
+    yield 1
+""",
+}
+
+
+@pytest.mark.parametrize("shape", sorted(PLANTED))
+def test_the_checker_finds_each_shape(shape: str, tmp_path: Path) -> None:
+    planted = tmp_path / "planted.py"
+    planted.write_text(PLANTED[shape])
+    found = compile_script().hazards(planted)
+    assert len(found) == 1 and shape in found[0], found
+
+
+def test_the_checker_passes_the_workaround(tmp_path: Path) -> None:
+    planted = tmp_path / "planted.py"
+    planted.write_text(
+        """
+async def f(g, h):
+    try:
+        await g()
+    except BaseException as exc:
+        await h()
+        raise exc
+    await h()
+    try:
+        pass
+    except ValueError:
+        raise  # no await before it: the exception state is still this handler's
+    finally:
+        h()  # no await in the finally
+
+    def inner():  # a nested function is its own: a sync generator is compiled
+        yield 1
+"""
+    )
+    assert compile_script().hazards(planted) == []
