@@ -132,9 +132,9 @@ async def _checked_head(response: UpstreamResponse) -> None:
     unread, and the upstream's failover-class failure (UpstreamError "protocol")."""
     try:
         check_response_head(response.status, response.headers)
-    except UpstreamError:
+    except UpstreamError as exc:
         await response.aclose()
-        raise
+        raise exc  # by name: a bare raise after an await, compiled (scripts/compile.py)
 
 
 class AttemptRunner:
