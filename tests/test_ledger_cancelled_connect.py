@@ -1,0 +1,52 @@
+"""A request cancelled while the PostgreSQL ledger opens a connection (a client gone, a
+deadline, a stop's graceful timeout) leaves nothing for asyncio to report. asyncpg, cancelled
+in the middle of its TLS probe (`sslmode=prefer`, the default), left a future holding
+`ConnectionError('unexpected connection_lost() call')` that nobody read: asyncio logged
+"Future exception was never retrieved" in the host's log, an error for nothing that went
+wrong. The real PostgreSQL, cancelled at every turn of the connect in turn."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+from decimal import Decimal
+from typing import Any
+
+import pytest
+
+from fallback_mw.config import BudgetConfig
+from fallback_mw.store.ledgers.postgres import PostgresLedger
+
+pytestmark = pytest.mark.anyio
+
+BUDGET = BudgetConfig(limit=Decimal("100"), window="month", default_hold=Decimal("0.01"))
+
+
+async def test_a_connect_cancelled_at_any_turn_leaves_nothing_unread(pg_url: str) -> None:
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, Any]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    try:
+        # A first ledger migrates the schema, so each later one only connects.
+        first = PostgresLedger(pg_url)
+        assert await first.hold("acme", BUDGET, Decimal("0.01")) is not None
+        await first.aclose()
+        for turns in range(0, 40):
+            ledger = PostgresLedger(pg_url)
+            # A read the caller waits for (a hold outlives its caller in a task of its own).
+            task = asyncio.ensure_future(ledger.status("acme", BUDGET))
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await ledger.aclose()
+        for _ in range(20):  # a connect finished for nobody is closed on a later turn
+            await asyncio.sleep(0.02)
+        gc.collect()
+        await asyncio.sleep(0.05)
+        assert [c.get("message") for c in reported] == []
+    finally:
+        loop.set_exception_handler(previous)
