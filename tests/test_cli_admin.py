@@ -1009,27 +1009,67 @@ def test_only_the_verbs_that_store_something_create_a_missing_store_file(tmp_pat
         assert status == 0 and other.exists() and "no store file" not in err
 
 
-def test_faults_clear_on_a_name_without_a_fault_names_the_faults_still_active(
+def test_faults_clear_of_a_typo_during_a_game_day_is_refused_naming_the_known_ids(
     store_url: str,
 ) -> None:
     """`faults clear --upstream chat-primray` after a game day said "0 fault(s) cleared"
-    and nothing else, while the fail fault on chat-primary went on failing requests."""
+    and exited 0, while the fail fault on chat-primary went on failing requests. A name
+    that holds no fault and that nothing knows is refused (exit 2, the CLI's usage errors),
+    naming the known ids; nothing is cleared."""
     store = ["--store", store_url]
     status, out, _ = run_cli("faults", "set", "fail", *store, "--upstream", "chat-primary",
                              "--ttl", "600")  # fmt: skip
     assert status == 0
-    until = out.split(" until ", 1)[1].strip()
     status, out, err = run_cli("faults", "clear", *store, "--upstream", "chat-primray")
-    assert status == 0 and out == "0 fault(s) cleared\n"
+    assert (status, out) == (2, "")
     assert err == (
-        "fallback-mw: warning: no active fault on upstream 'chat-primray'; still active: "
-        f"fail upstream 'chat-primary' until {until}\n"
+        "fallback-mw: error: unknown upstream 'chat-primray' (known upstreams: chat-primary; "
+        "with --store alone a config file's names are not seen); nothing cleared\n"
     )
+    assert run_cli("faults", "list", *store)[1].startswith("fail\tupstream=chat-primary\t")
+    status, out, err = run_cli("faults", "clear", *store, "--route", "chat")
+    assert status == 2 and "unknown route 'chat' (known routes: none;" in err, err
     status, out, err = run_cli("faults", "clear", *store, "--upstream", "chat-primary")
     assert (status, out, err) == (0, "1 fault(s) cleared\n", "")
-    # Nothing active at all: nothing to warn about (a cleanup may run twice).
+    # Nothing active at all: a cleanup may run twice (--store alone cannot see every name).
     status, out, err = run_cli("faults", "clear", *store, "--upstream", "chat-primary")
     assert (status, out, err) == (0, "0 fault(s) cleared\n", "")
+
+
+def test_faults_clear_with_a_config_refuses_any_unknown_name(tmp_path: Path) -> None:
+    """With --config every name is visible: an unknown one is refused even with nothing
+    active; a known one without a fault clears nothing and says which faults are active."""
+    db = tmp_path / "gw.db"
+    config = tmp_path / "gw.toml"
+    config.write_text(
+        f'[gateway]\nstore = "sqlite:///{db}"\n'
+        '[upstreams.primary]\nurl = "http://127.0.0.1:9001"\n'
+        '[upstreams.backup]\nurl = "http://127.0.0.1:9002"\n'
+        '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["primary", "backup"]\nretries = 1\n',
+        encoding="utf-8",
+    )
+    conf = ["--config", str(config)]
+    assert run_cli("faults", "set", "fail", *conf, "--upstream", "primary", "--ttl", "60")[0] == 0
+    assert run_cli("faults", "clear", *conf, "--all")[:2] == (0, "1 fault(s) cleared\n")
+    status, out, err = run_cli("faults", "clear", *conf, "--upstream", "primray")
+    assert (status, out) == (2, "")
+    assert err == (
+        "fallback-mw: error: unknown upstream 'primray' (known upstreams: backup, primary); "
+        "nothing cleared\n"
+    )
+    status, out, err = run_cli("faults", "clear", *conf, "--route", "\x1b[2Jchat")
+    assert status == 2 and "unknown route '?[2Jchat' (known routes: chat)" in err, err
+    assert run_cli("faults", "set", "fail", *conf, "--upstream", "primary", "--ttl", "600")[0] == 0
+    status, out, err = run_cli("faults", "clear", *conf, "--upstream", "backup")
+    assert (status, out) == (0, "0 fault(s) cleared\n")
+    assert err.startswith(
+        "fallback-mw: warning: no active fault on upstream 'backup'; still active: "
+        "fail upstream 'primary' until "
+    ), err
+    assert run_cli("faults", "clear", *conf, "--upstream", "primary")[:2] == (
+        0,
+        "1 fault(s) cleared\n",
+    )
 
 
 @pytest.mark.parametrize("verb", [["budgets", "show"], ["usage"]])

@@ -130,18 +130,44 @@ def _target(fault: Fault) -> str:
     return f"route {fault.target!r}" if fault.scope == "route" else f"upstream {fault.target!r}"
 
 
+def _unknown_selector(
+    args: argparse.Namespace, routes: dict[str, Any], upstreams: set[str], active: list[Fault]
+) -> str | None:
+    """Why `faults clear`'s selector names nothing the CLI knows (None: it does). Known: the
+    config file's and the store's route ids / upstream names, and the targets of the faults
+    in the store. With --store alone a file's names are invisible: an unknown name is
+    refused only while other faults are active (a typo during a game day, when the fault
+    meant to end goes on failing requests); with nothing active a cleanup may run twice."""
+    scope, name = ("route", args.route) if args.route is not None else ("upstream", args.upstream)
+    known = set(routes) if scope == "route" else set(upstreams)
+    known.update(fault.target for fault in active if fault.scope == scope)
+    if name in known or (args.config is None and not active):
+        return None
+    shown = sorted(known)
+    listed = ", ".join(one_line(n) for n in shown[:20]) or "none"
+    if len(shown) > 20:
+        listed += f" and {len(shown) - 20} more"
+    if args.config is None:
+        listed += "; with --store alone a config file's names are not seen"
+    return f"unknown {scope} {one_line(name)!r} (known {scope}s: {listed}); nothing cleared"
+
+
 def faults_clear(args: argparse.Namespace, console: Console) -> None:
     target = resolve(args, console, creates=False)
 
     async def work() -> tuple[int, list[Fault]]:
         store = open_route_store(target)
         try:
+            if args.all:
+                return await store.clear_faults(), []
+            routes, upstreams = await _names(target, store)
+            unknown = _unknown_selector(args, routes, upstreams, await store.load_faults())
+            if unknown is not None:
+                raise Refused(unknown)
             if args.upstream is not None:
                 cleared = await store.clear_faults(upstream=args.upstream)
-            elif args.route is not None:
-                cleared = await store.clear_faults(route=args.route)
             else:
-                return await store.clear_faults(), []  # --all
+                cleared = await store.clear_faults(route=args.route)
             return cleared, [] if cleared else await store.load_faults()
         finally:
             await store.aclose()
@@ -149,8 +175,8 @@ def faults_clear(args: argparse.Namespace, console: Console) -> None:
     cleared, still_active = run(work)
     console.print(f"{cleared} fault(s) cleared")
     if still_active:
-        # A name that holds no fault while others are active: most likely a typo, and the
-        # fault meant to end is still injecting. (Nothing active at all: nothing to say.)
+        # A known name that holds no fault while others are active: the fault meant to end
+        # may be another's, and is still injecting. (Nothing active at all: nothing to say.)
         selector = (
             f"route {args.route!r}" if args.route is not None else f"upstream {args.upstream!r}"
         )
