@@ -27,6 +27,7 @@ def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
         text=True,
         timeout=60,
         check=False,
+        stdin=subprocess.DEVNULL,
         env=env if env is not None else dict(os.environ),
     )
 
@@ -52,6 +53,26 @@ def test_a_config_that_is_not_utf8_is_one_line_exit_2(tmp_path: Path) -> None:
 def test_a_directory_as_config_is_one_line_exit_2(tmp_path: Path) -> None:
     line = one_error(run("check", "--config", str(tmp_path)), 2)
     assert "is a directory" in line
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_fifo_as_config_is_refused_at_once_not_waited_on(tmp_path: Path) -> None:
+    """`mkfifo gw.toml; fallback-mw check --config gw.toml` (and `serve`, and an admin verb)
+    waited for ever for a writer to open the FIFO. Refused at once, one line, exit 2, as a
+    `ca_file` FIFO is; the same through the Python API."""
+    fifo = tmp_path / "gw.toml"
+    os.mkfifo(fifo)
+    for verb in (("check",), ("serve",), ("routes", "list")):
+        # run()'s timeout turns a hang into a failure here, not a stuck suite.
+        line = one_error(run(*verb, "--config", str(fifo)), 2)
+        assert line == (
+            f"fallback-mw: error: configuration file {str(fifo)!r} is not a regular file "
+            "(a FIFO, a device or a socket): give the path of a TOML file"
+        ), line
+    from fallback_mw import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        load_config(fifo)
 
 
 def test_an_unreadable_config_is_one_line_exit_2(

@@ -193,6 +193,22 @@ def _looks_like_toml(name: str) -> bool:
     return name.lstrip().startswith("[") or " = " in name
 
 
+def _refuse_a_special_file(path: Path, name: str) -> None:
+    """A FIFO (`mkfifo gw.toml`), a device or a socket is refused before it is opened, as a
+    `ca_file` is (check_ca_file): opening a FIFO waits for a writer, and `check`, `serve`
+    and every admin verb blocked for ever. What stat cannot read is left to the open, whose
+    error says why."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise ConfigError(
+            f"configuration file {name} is not a regular file (a FIFO, a device or a "
+            "socket): give the path of a TOML file"
+        )
+
+
 def _unreadable(exc: OSError, path: Path, name: str) -> NoReturn:
     if isinstance(exc, FileNotFoundError):
         # A relative path is the server's working directory's: often not where the config
@@ -210,6 +226,7 @@ def read_config_file(path: Path) -> dict[str, Any]:
     """The TOML table in `path`; every way the file can be unreadable is one ConfigError
     naming the file and what is wrong (never its content)."""
     name = repr(str(path))
+    _refuse_a_special_file(path, name)
     try:
         with path.open("rb") as file:
             raw = file.read(MAX_CONFIG_BYTES + 1)
