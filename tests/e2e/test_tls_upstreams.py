@@ -151,6 +151,37 @@ async def test_ca_file_is_trusted_on_both_engines(engine: str, ca: Any, ca_pem: 
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+async def test_ca_file_as_a_pathlib_path_is_taken_through_the_python_api(
+    engine: str, ca: Any, ca_pem: str
+) -> None:
+    """`UpstreamConfig(ca_file=Path(...))` / `GatewaySettings(ca_file=Path(...))`, what a
+    Python user passes, was refused ("Input should be a valid string"). A path-like is taken
+    as its text, in the models, a dict and a GatewayConfig alike, and trusted."""
+    from fallback_mw.config import GatewayConfig, GatewaySettings, UpstreamConfig
+
+    pem = Path(ca_pem)
+    async with https_upstream(ca) as url:
+        for conf in (
+            config(engine, url, gateway={"ca_file": pem}),
+            config(engine, url, ca_file=pem),
+            GatewayConfig(
+                gateway=GatewaySettings(engine=engine, ca_file=pem),
+                upstreams={"primary": UpstreamConfig(url=url)},
+                routes=config(engine, url)["routes"],
+            ),
+            GatewayConfig(
+                gateway=GatewaySettings(engine=engine),
+                upstreams={"primary": UpstreamConfig(url=url, ca_file=pem)},
+                routes=config(engine, url)["routes"],
+            ),
+        ):
+            response = await get(conf)
+            assert (response.status_code, response.text) == (200, "over tls")
+    loaded = load_config(config(engine, url, ca_file=pem))
+    assert loaded.upstreams["primary"].ca_file == ca_pem  # kept as text: it is stored as JSON
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 async def test_ca_file_is_trusted_for_an_https_url_in_any_case(
     engine: str, ca: Any, ca_pem: str
 ) -> None:

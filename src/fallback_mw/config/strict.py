@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import re
 import shlex
 from decimal import Decimal
@@ -82,6 +83,10 @@ def as_written(value: Any) -> Any:
     return Decimal(value.written) if isinstance(value, WrittenFloat) else value
 
 
+# The keys that name a file: a str, or any os.PathLike of one (pathlib.Path).
+FILE_PATH_FIELDS = frozenset({"ca_file"})
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -93,8 +98,10 @@ class Strict(BaseModel):
         # `canary_salt` on every request with a session (UnicodeEncodeError, a bare 500), a
         # stored route's prefix in `routes list`. TOML text cannot hold one. A `ca_file` is
         # a file's path, which may hold any bytes (Python spells them so, and opens them).
-        if info.field_name == "ca_file":
-            return value
+        if info.field_name in FILE_PATH_FIELDS:
+            # A `pathlib.Path` (what a Python user passes) is taken as its text, the form
+            # a TOML file and a stored route hold.
+            return os.fspath(value) if isinstance(value, os.PathLike) else value
         if isinstance(value, dict):
             texts: Any = value.keys()
         elif isinstance(value, list | tuple):
