@@ -177,6 +177,30 @@ def test_a_value_out_of_range_is_refused_with_its_bound_in_plain_words(tmp_path:
     )
 
 
+def test_a_breaker_cap_written_below_its_first_cooldown_is_refused_naming_both_keys(
+    tmp_path: Path,
+) -> None:
+    """`cooldown_ms = 5000`, `max_cooldown_ms = 1000` loaded, and the breaker silently
+    opened for 5 s each time (the cap raised to the cooldown): which one the operator meant
+    was never asked. Refused at load, naming both keys and values; a cap left unwritten
+    still follows a longer cooldown_ms (no doubling), and equal values load."""
+    path = tmp_path / "gateway.toml"
+    path.write_text("[gateway.breaker]\ncooldown_ms = 5000\nmax_cooldown_ms = 1000\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ=ENV)
+    assert str(info.value) == (
+        "invalid configuration: gateway.breaker: max_cooldown_ms (1000) is below cooldown_ms "
+        "(5000): the cap on a breaker's cooldown cannot be shorter than its first cooldown; "
+        "raise max_cooldown_ms or lower cooldown_ms"
+    )
+    with pytest.raises(ConfigError, match="max_cooldown_ms \\(1\\) is below cooldown_ms"):
+        load_config({"gateway": {"breaker": {"max_cooldown_ms": 1}}})  # the default 5000
+    alone = load_config({"gateway": {"breaker": {"cooldown_ms": 600_000}}}).gateway.breaker
+    assert (alone.cooldown_ms, alone.max_cooldown_ms) == (600_000, 300_000)
+    equal = {"cooldown_ms": 7000, "max_cooldown_ms": 7000}
+    assert load_config({"gateway": {"breaker": equal}}).gateway.breaker.max_cooldown_ms == 7000
+
+
 @pytest.mark.parametrize(
     ("line", "says"),
     [

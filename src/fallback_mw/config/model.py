@@ -12,6 +12,7 @@ from pydantic import (
     Field,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from fallback_mw.config.route import RouteConfig
@@ -43,6 +44,18 @@ class BreakerConfig(Strict):
     failure_rate: float = Field(default=0.5, gt=0.0, le=1.0)
     cooldown_ms: int = Field(default=5000, ge=1, le=MAX_COOLDOWN_MS)
     max_cooldown_ms: int = Field(default=300_000, ge=1, le=MAX_COOLDOWN_MS)
+
+    @model_validator(mode="after")
+    def _cap_not_below_the_first_cooldown(self) -> BreakerConfig:
+        # A cap written below the first cooldown contradicts it (which wins?): refused. An
+        # unwritten cap follows a longer cooldown_ms (no doubling), as it always has.
+        if "max_cooldown_ms" in self.model_fields_set and self.max_cooldown_ms < self.cooldown_ms:
+            raise ValueError(
+                f"max_cooldown_ms ({self.max_cooldown_ms}) is below cooldown_ms "
+                f"({self.cooldown_ms}): the cap on a breaker's cooldown cannot be shorter than "
+                "its first cooldown; raise max_cooldown_ms or lower cooldown_ms"
+            )
+        return self
 
 
 class RepeatAllowanceConfig(Strict):
