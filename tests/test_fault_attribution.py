@@ -568,6 +568,62 @@ async def test_a_breaker_a_fail_fault_opened_says_the_fault_not_wait_for_the_coo
 
 
 @pytest.mark.anyio
+async def test_a_ceiling_the_faults_reached_names_them_not_raise_the_retries(
+    tmp_path: Path,
+) -> None:
+    """A game day faulting both candidates: the 502 (rule `ceiling`) said "raise the route's
+    retries", but each further attempt would meet a fault again. It names the faults and
+    how to end them; with one candidate faulted and the other failing for real, both the
+    fault and the ordinary advice are said."""
+    store = f"sqlite:///{tmp_path / 'gw.db'}"
+    async with (
+        upstream(status_handler(200, b"primary")) as primary,
+        upstream(status_handler(503, b"down")) as backup,
+    ):
+        conf = gateway_config(store, primary.url, backup.url)
+        conf["gateway"]["breaker"]["min_calls"] = 100  # no skips: every attempt runs
+        gateway = Gateway(host_app, config=conf, environ={})
+        faulted, mixed = await _two_game_day_ceilings(gateway, store)
+    error = faulted.json()["error"]
+    assert (faulted.status_code, error["rule"], error["attempts"]) == (502, "ceiling", 2)
+    message = error["message"]
+    assert "raise the route's retries" not in message, message
+    said = "the fail faults on 'primary', 'backup' answered every attempt, as they would any"
+    assert f"{said} further one" in message, message
+    assert "`fallback-mw faults clear --upstream primary`" in message, message
+    assert "`fallback-mw faults clear --upstream backup`" in message, message
+    error = mixed.json()["error"]
+    assert (mixed.status_code, error["rule"]) == (502, "ceiling")
+    assert "the fail fault on 'primary' answered 1 of the 2 attempts" in error["message"]
+    assert "`fallback-mw faults clear --upstream primary`" in error["message"]
+    assert "raise the route's retries" in error["message"], error["message"]
+
+
+async def _two_game_day_ceilings(gateway: Gateway, store: str) -> tuple[Any, Any]:
+    """Both upstreams faulted: one answer; then the backup's fault cleared: another."""
+    runtime = gateway.services.store
+    assert runtime is not None
+    try:
+        async with client_for(gateway) as client:
+            assert (await client.get("/v1/x")).status_code == 200  # starts the reloader
+            for name in ("primary", "backup"):
+                status, _, err = await cli(
+                    "faults", "set", "fail", "--store", store, "--upstream", name, "--ttl", "600"
+                )
+                assert status == 0, err
+            both = {"primary", "backup"}
+            await until(lambda: _true(runtime.faults.active_upstreams() == both))
+            faulted = await client.get("/v1/x")
+            status, _, err = await cli("faults", "clear", "--store", store, "--upstream", "backup")
+            assert status == 0, err
+            await until(lambda: _true(runtime.faults.active_upstreams() == {"primary"}))
+            mixed = await client.get("/v1/x")
+    finally:
+        await gateway.aclose()
+    return faulted, mixed
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize("kind", ["hang", "blackhole"])
 async def test_a_deadline_that_cuts_a_hang_fault_on_the_last_attempt_names_the_fault(
     tmp_path: Path, pair: tuple[Upstream, Upstream], kind: str

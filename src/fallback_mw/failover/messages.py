@@ -236,6 +236,39 @@ def _rule_remedy(rule: str | None, context: RequestContext) -> str:
     return _REMEDY.get(rule or "", "")
 
 
+def _ceiling_under_faults(context: RequestContext, remedy: str) -> str:
+    """A ceiling game-day faults reached (some attempts answered by a `fail` / `hang` /
+    `blackhole` fault): more retries would meet the fault again, so what ends it comes
+    first; when the faults answered every attempt it is all there is to say."""
+    faulted: dict[str, str] = {}
+    for attempt in context.attempts:
+        if attempt.fault:
+            faulted.setdefault(attempt.candidate, attempt.fault)
+    if not faulted:
+        return remedy
+    kinds = "/".join(dict.fromkeys(faulted.values()))
+    names = ", ".join(repr(name) for name in faulted)
+    many = len(faulted) > 1
+    what = f"the {kinds} fault{'s' if many else ''} on {names}"
+    ends = " and ".join(
+        f"`fallback-mw faults clear {command_option('--upstream', name)}`" for name in faulted
+    )
+    ends += " (or their expiry) end them" if many else " (or its expiry) ends it"
+    attempts = context.attempts
+    count = sum(1 for attempt in attempts if attempt.fault)
+    if count < len(attempts):
+        return f"{what} answered {count} of the {len(attempts)} attempts: {ends}; {remedy}"
+    message = f"{what} answered every attempt, as {'they' if many else 'it'} would any further "
+    message += f"one: {ends}"
+    route = context.route
+    if len(route.plan) == 1 and not context.skipped:
+        message += (
+            f"; route {route.id!r} has no fallback to serve while it lasts: add one to its "
+            "plan with retries = 1"
+        )
+    return message
+
+
 def error_message(decision: Decision, context: RequestContext) -> str:
     """The local error's message: which rule ended the walk, after how many attempts, and
     what configuration would change it."""
@@ -257,6 +290,8 @@ def error_message(decision: Decision, context: RequestContext) -> str:
                 "no candidate accepted a connection: check each candidate's url "
                 "(`fallback-mw check` prints them) and that the upstream is running"
             )
+        if decision.rule == "ceiling":
+            remedy = _ceiling_under_faults(context, remedy)
         if record.unmaskable is not None:
             message += (
                 f"; its answer came in {record.unmaskable}, which the gateway cannot "
