@@ -52,6 +52,21 @@ def test_the_bucket_at_the_percentage_itself_is_not_canary() -> None:
     assert is_canary(route(canary_eligible=True, canary_percent=(bucket + 1) / 100), session, SALT)
 
 
+def test_a_percentage_maps_to_the_buckets_below_its_float_times_100_as_spec_writes() -> None:
+    """SPEC §8 compares with `canary_percent * 100` in floating point, literally (as
+    docs/operations.md says): 1.1 * 100 is 110.00000000000001, so bucket 110 is in a
+    1.1 % slice (111 buckets of 10,000, one more than 1.1 % names); 0.57 * 100 is
+    56.99999999999999, so bucket 57 is out of a 0.57 % slice (57 buckets, as named)."""
+
+    def session_in(bucket: int) -> str:
+        return next(s for s in (f"b-{i}" for i in range(200_000)) if spec_bucket(s, SALT) == bucket)
+
+    assert is_canary(route(canary_eligible=True, canary_percent=1.1), session_in(110), SALT)
+    assert not is_canary(route(canary_eligible=True, canary_percent=1.1), session_in(111), SALT)
+    assert is_canary(route(canary_eligible=True, canary_percent=0.57), session_in(56), SALT)
+    assert not is_canary(route(canary_eligible=True, canary_percent=0.57), session_in(57), SALT)
+
+
 def test_never_canary_when_ineligible_or_without_a_session() -> None:
     ineligible = route(canary_eligible=False, canary_percent=100.0)
     assert not any(is_canary(ineligible, f"s{i}", SALT) for i in range(200))
