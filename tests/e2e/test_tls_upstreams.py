@@ -182,6 +182,40 @@ async def test_ca_file_as_a_pathlib_path_is_taken_through_the_python_api(
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+async def test_equal_content_lengths_over_tls_fail_over_on_both_engines(
+    engine: str, ca: Any, ca_pem: str
+) -> None:
+    """`Content-Length: 2, 2` from an https:// upstream: refused by aiohttp's parser, and
+    by the httpx engine too, which reads the head as written on a TLS stream as on a plain
+    one (h11 merged it into `2` and the answer was relayed). Both fail over."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("localhost", "127.0.0.1").configure_cert(context)
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2, 2\r\n\r\nok")
+            await writer.drain()
+            await asyncio.sleep(0.3)
+        except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError):
+            pass
+        finally:
+            writer.transport.abort()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=context)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with upstream(status_handler(200, b"backup")) as backup:
+            conf = config(engine, f"https://localhost:{port}", backup.url, ca_file=ca_pem)
+            response = await get(conf)
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert (response.status_code, response.text) == (200, "backup")
+    assert response.headers["x-gateway-attempts"] == "2"
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 async def test_ca_file_is_trusted_for_an_https_url_in_any_case(
     engine: str, ca: Any, ca_pem: str
 ) -> None:

@@ -6,6 +6,7 @@ also stop sending a request body once the upstream has answered with an error
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import ssl
 import time
@@ -80,7 +81,91 @@ class GuardedNetworkBackend(httpcore.AsyncNetworkBackend):
         await self._inner.sleep(seconds)
 
 
-class EarlyAnswerStream(httpcore.AsyncNetworkStream):
+class HeadRecorder:
+    """The raw Content-Length field values of the final response head read on one
+    connection, as the upstream wrote them. h11 merges `Content-Length: 2, 2` and two equal
+    fields into one `2` before httpx shows the head, where aiohttp's parser refuses both:
+    `check_response_head` reads these instead, so both engines judge the same bytes.
+    httpcore writes a request only once the previous answer is done (no pipelining): the
+    first write after a read starts the next exchange."""
+
+    __slots__ = ("_buffer", "_done", "lengths")
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+        self._done = False
+        self.lengths: list[bytes] | None = None  # None: no final head read whole yet
+
+    def wrote(self) -> None:
+        if self._done or self._buffer:
+            self._buffer.clear()
+            self._done = False
+            self.lengths = None
+
+    def read(self, data: bytes) -> None:
+        if self._done or len(self._buffer) > _MAX_HEAD_READ:
+            return  # the body, or a head h11 refuses anyway (over its 100 KiB)
+        self._buffer += data
+        while (end := _HEAD_END.search(self._buffer)) is not None:
+            lines = bytes(self._buffer[: end.start()]).split(b"\n")
+            del self._buffer[: end.end()]
+            status = lines[0].split(b" ", 2)[1:2]
+            if status and status[0].strip()[:1] == b"1" and status[0].strip() != b"101":
+                continue  # an interim answer: the final head follows
+            self.lengths = [
+                value.strip()
+                for name, sep, value in (line.partition(b":") for line in lines[1:])
+                if sep and name.lower() == b"content-length"
+            ]
+            self._buffer.clear()
+            self._done = True
+            return
+
+
+# h11's end of a head (a CRLF or a bare LF, then an empty line).
+_HEAD_END = re.compile(rb"\n\r?\n")
+_MAX_HEAD_READ = 128 * 1024
+
+
+class RecordingStream(httpcore.AsyncNetworkStream):
+    """A network stream whose response heads a HeadRecorder reads (TLS streams included:
+    `start_tls` wraps what it returns)."""
+
+    def __init__(self, inner: httpcore.AsyncNetworkStream) -> None:
+        self._inner = inner
+        self.heads = HeadRecorder()
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:  # noqa: ASYNC109 - httpcore's signature
+        data = await self._inner.read(max_bytes, timeout)
+        self.heads.read(data)
+        return data
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:  # noqa: ASYNC109 - httpcore's signature
+        self.heads.wrote()
+        await self._inner.write(buffer, timeout)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+    async def start_tls(
+        self,
+        ssl_context: ssl.SSLContext,
+        server_hostname: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's signature
+    ) -> httpcore.AsyncNetworkStream:
+        return RecordingStream(await self._inner.start_tls(ssl_context, server_hostname, timeout))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._inner.get_extra_info(info)
+
+
+def raw_lengths(stream: object) -> list[bytes] | None:
+    """The Content-Length values of the last final head read on `stream`, as written (None:
+    not a recording stream, or no head recorded)."""
+    return stream.heads.lengths if isinstance(stream, RecordingStream) else None
+
+
+class EarlyAnswerStream(RecordingStream):
     """A plain-TCP stream that stops sending once the upstream has answered with an error
     (RFC 9112 §9.5: a server may answer before the request body is complete, a 413 or a
     401, and close). httpcore sends the whole body before it reads, and its anyio stream
@@ -90,10 +175,10 @@ class EarlyAnswerStream(httpcore.AsyncNetworkStream):
     (4xx, 5xx) or the upstream's end raises httpcore's WriteError before writing, which
     httpcore answers by reading the response. Any other early bytes (an interim 1xx, a
     2xx an upstream streams while it reads) leave the body going. TLS streams are not
-    wrapped (a TLS 1.3 server's session tickets arrive unasked)."""
+    peeked (a TLS 1.3 server's session tickets arrive unasked), only recorded."""
 
     def __init__(self, inner: httpcore.AsyncNetworkStream) -> None:
-        self._inner = inner
+        super().__init__(inner)
         # asyncio hands out a TransportSocket, which cannot peek: the socket it wraps,
         # read defensively (another shape: no peeking, the body goes as before).
         raw = inner.get_extra_info("socket")
@@ -106,10 +191,8 @@ class EarlyAnswerStream(httpcore.AsyncNetworkStream):
         # peek (without it, under `serve`, every early answer became a transport failure).
         self._pseudo = self._polled if self._socket is None else None
 
-    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:  # noqa: ASYNC109 - httpcore's signature
-        return await self._inner.read(max_bytes, timeout)
-
     async def write(self, buffer: bytes, timeout: float | None = None) -> None:  # noqa: ASYNC109 - httpcore's signature
+        self.heads.wrote()
         sock, pseudo = self._socket, self._pseudo
         if (sock is None and pseudo is None) or not buffer:
             await self._inner.write(buffer, timeout)
@@ -124,17 +207,6 @@ class EarlyAnswerStream(httpcore.AsyncNetworkStream):
     def polled_fileno(self) -> int | None:
         """The descriptor httpcore's readability check polls (None: not known here)."""
         return None if self._polled is None else int(self._polled.fileno())
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
-
-    async def start_tls(
-        self,
-        ssl_context: ssl.SSLContext,
-        server_hostname: str | None = None,
-        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's signature
-    ) -> httpcore.AsyncNetworkStream:
-        return await self._inner.start_tls(ssl_context, server_hostname, timeout)
 
     def get_extra_info(self, info: str) -> Any:
         if info == "is_readable" and self._polled is not None:

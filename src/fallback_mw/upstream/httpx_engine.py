@@ -38,6 +38,7 @@ from fallback_mw.upstream.httpx_errors import is_connect, map_errors, silence_en
 from fallback_mw.upstream.httpx_framing import (
     close_orphaned_connections,
     h11_state,
+    head_as_written,
     http11_connection,
     never_pool_leftovers,
     past_its_framing,
@@ -326,7 +327,7 @@ class HttpxClient:
             answer.append(response)
             try:
                 with map_errors("first_byte"):
-                    check_response_head(response.status_code, response.headers.raw)
+                    check_response_head(response.status_code, head_as_written(response))
                     check_proxy_answer(response.status_code, request.proxy)
                     if past_its_framing(response, request.method):
                         raise unrelayable("the answer breaks its own framing")

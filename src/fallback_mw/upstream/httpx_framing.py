@@ -16,6 +16,8 @@ try:
 except ImportError:
     raise missing_extra("httpx", 'engine = "httpx"') from None
 
+from fallback_mw.upstream.httpx_backend import raw_lengths
+
 
 def http11_connection(response: httpx.Response) -> httpcore.AsyncHTTP11Connection | None:
     """httpcore's HTTP/1.1 connection an answer came on, found through its internals, read
@@ -25,6 +27,20 @@ def http11_connection(response: httpx.Response) -> httpcore.AsyncHTTP11Connectio
     inner = getattr(pooled, "_stream", None)  # HTTP11ConnectionByteStream
     connection = getattr(inner, "_connection", None)
     return connection if isinstance(connection, httpcore.AsyncHTTP11Connection) else None
+
+
+def head_as_written(response: httpx.Response) -> list[tuple[bytes, bytes]]:
+    """The response head's fields with its Content-Length fields as the upstream wrote them
+    (upstream.httpx_backend.HeadRecorder): h11 merged `Content-Length: 2, 2` and two equal
+    fields into one, which aiohttp's parser refuses; check_response_head now refuses both
+    on this engine too (RFC 9112 §6.3: an invalid length in a response is unrecoverable)."""
+    fields = list(response.headers.raw)
+    connection = http11_connection(response)
+    lengths = raw_lengths(getattr(connection, "_network_stream", None))
+    if lengths is None:
+        return fields
+    kept = [(name, value) for name, value in fields if name.lower() != b"content-length"]
+    return kept + [(b"content-length", value) for value in lengths]
 
 
 def h11_state(response: httpx.Response) -> h11.Connection | None:
