@@ -641,3 +641,23 @@ def test_a_file_nested_thousands_deep_is_a_config_error(tmp_path: Path, text: st
     err = io.StringIO()
     assert main(["check", "--config", str(path)], stdout=io.StringIO(), stderr=err) == 2
     assert "too deeply" in err.getvalue() and "internal error" not in err.getvalue()
+
+
+def test_a_path_argument_is_echoed_without_its_terminal_controls(tmp_path: Path) -> None:
+    """`check --config` of a valid file and `eval --out` echoed the path they were given
+    raw on stdout ("configuration ... is valid", "wrote ... and ..."): a path holding an
+    escape sequence or a BEL drove the operator's terminal or forged a line. Each
+    character a terminal would act on is shown as `?`, as in every error line."""
+    odd = tmp_path / "gw\x1b[2J\x07FAKE.toml"
+    odd.write_text("", encoding="utf-8")
+    out = io.StringIO()
+    assert main(["check", "--config", str(odd)], stdout=out, stderr=io.StringIO()) == 0
+    said = f"configuration {tmp_path}/gw?[2J?FAKE.toml is valid: 0 route(s)"
+    assert said in out.getvalue() and "\x1b" not in out.getvalue(), out.getvalue()
+    report = tmp_path / "r\x1b]0;x\x07.json"
+    out = io.StringIO()
+    main(["eval", "--requests", "20", "--out", str(report)], stdout=out, stderr=io.StringIO())
+    assert report.exists()
+    last = out.getvalue().splitlines()[-1]
+    assert last == f"wrote {tmp_path}/r?]0;x?.json and {tmp_path}/r?]0;x?.html", last
+    assert not any(c in out.getvalue() for c in "\x1b\x07")

@@ -253,7 +253,9 @@ def check(args: argparse.Namespace, console: Console) -> None:
     for warning in found.general:
         console.print(f"  warning: {warning}")
     noted = f", {warnings} warning(s)" if warnings else ""
-    console.print(f"configuration {args.config} is valid: {len(merged.routes)} route(s){noted}")
+    console.print(
+        f"configuration {printable(args.config)} is valid: {len(merged.routes)} route(s){noted}"
+    )
 
 
 def register(subparsers: Any) -> None:

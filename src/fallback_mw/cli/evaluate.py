@@ -18,6 +18,7 @@ from fallback_mw.cli.evaluation.html import render
 from fallback_mw.cli.evaluation.report import summarise, table, verdict
 from fallback_mw.cli.serve import port_number
 from fallback_mw.extras import require
+from fallback_mw.quoting import printable
 
 DEFAULT_OUT = "results/route-plan-eval.json"
 MAX_REQUESTS = 100_000
@@ -81,7 +82,7 @@ def handle(args: argparse.Namespace, console: Console) -> int:
         write_atomically(page, render(artifact, latencies, (passed, line)))
     except OSError as exc:
         raise Failed(f"cannot write {args.out}: {exc.strerror or exc}") from None
-    console.print(f"wrote {out} and {page}")
+    console.print(f"wrote {printable(str(out))} and {printable(str(page))}")
     return 0 if passed else 1
 
 

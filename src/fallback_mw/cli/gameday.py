@@ -58,7 +58,7 @@ from fallback_mw.cli.game_day.spec import (
 from fallback_mw.cli.show import one_line
 from fallback_mw.cli.target import resolve, store_options
 from fallback_mw.faults import UPSTREAM_FAULTS
-from fallback_mw.quoting import shortened
+from fallback_mw.quoting import printable, shortened
 from fallback_mw.store.ledgers import open_ledger
 from fallback_mw.store.model import StoreError
 from fallback_mw.store.routes import open_store
@@ -283,7 +283,7 @@ async def _run(
             # What was observed is printed above; the file (a full disk, a directory gone)
             # is what failed.
             raise Failed(f"cannot write the report {unwritten}; it is printed above")
-        console.print(f"wrote {out} and {page}")
+        console.print(f"wrote {printable(str(out))} and {printable(str(page))}")
         return report
     finally:
         if alerts is not None:
