@@ -75,6 +75,16 @@ def test_a_fifo_as_config_is_refused_at_once_not_waited_on(tmp_path: Path) -> No
         load_config(fifo)
 
 
+def test_a_config_path_of_100000_characters_is_named_by_its_start_and_length() -> None:
+    """`check --config` of a 100,000-character argument (a hostile or runaway script) echoed
+    it whole in its error line; the path is named by its first 200 characters and length."""
+    line = one_error(run("check", "--config", "a" * 100_000), 2)
+    assert line == (
+        f"fallback-mw: error: configuration file '{'a' * 200}...(100000 characters)' cannot be "
+        "read (File name too long)"
+    ), line[:400]
+
+
 def test_an_unreadable_config_is_one_line_exit_2(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

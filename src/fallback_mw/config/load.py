@@ -193,6 +193,12 @@ def _looks_like_toml(name: str) -> bool:
     return name.lstrip().startswith("[") or " = " in name
 
 
+def _path_shown(path: str) -> str:
+    """A path as an error names it: whole up to PATH_MAX (4096, longer than any the system
+    opens), else its start and length (a 100,000-character argument was echoed whole)."""
+    return path if len(path) <= 4096 else f"{path[:200]}...({len(path)} characters)"
+
+
 def _refuse_a_special_file(path: Path, name: str) -> None:
     """A FIFO (`mkfifo gw.toml`), a device or a socket is refused before it is opened, as a
     `ca_file` is (check_ca_file): opening a FIFO waits for a writer, and `check`, `serve`
@@ -225,7 +231,7 @@ def _unreadable(exc: OSError, path: Path, name: str) -> NoReturn:
 def read_config_file(path: Path) -> dict[str, Any]:
     """The TOML table in `path`; every way the file can be unreadable is one ConfigError
     naming the file and what is wrong (never its content)."""
-    name = repr(str(path))
+    name = repr(_path_shown(str(path)))
     _refuse_a_special_file(path, name)
     try:
         with path.open("rb") as file:
