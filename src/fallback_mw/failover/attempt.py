@@ -615,13 +615,22 @@ class AttemptLifecycle:
         admission = self._admitted.get(id(record)) if record is not None else None
         await self.health.release(name, admission or self.admissions.get(name))
 
-    def tokens_to_give_back(self, name: str) -> Reservation | None:
+    def tokens_to_give_back(
+        self, name: str, record: AttemptRecord | None = None
+    ) -> Reservation | None:
         """An error answer (400 and up) the walk moves past or ends on, unread: it generated
         nothing, so its estimate leaves the upstream's `tpm` (the request stays in `rpm`):
-        the reservation to settle at 0, None when it has no estimate (no declared tpm).
-        Popped: the answer kept for `last_response` is not settled again when served. Not
-        a coroutine: most upstreams declare no tpm, and the caller awaits only a settle."""
-        reservation = self.reservations.pop(name, None)
+        the reservation to settle at 0 (the attempt `record`'s own, when known), None when
+        it has no estimate (no declared tpm). Popped from both places a settlement looks:
+        the answer kept for `last_response` is not settled again when served (it was, at 0
+        once more, and the minute's count went below zero). Not a coroutine: most upstreams
+        declare no tpm, and the caller awaits only a settle."""
+        if record is None:
+            reservation = self.reservations.pop(name, None)
+        else:  # none left: given back already (it reached no upstream), never another's
+            reservation = self._reserved.pop(id(record), None)
+            if reservation is not None and self.reservations.get(name) is reservation:
+                del self.reservations[name]
         return reservation if reservation is not None and reservation.counted else None
 
     async def settle_tokens(

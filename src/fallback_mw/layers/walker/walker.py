@@ -376,7 +376,7 @@ class _Walk:
             self.context.rule = decision.rule
         if decision.action != "serve" and name is not None and (outcome.status or 0) >= 400:
             # A pool's 401 moving to another key, a 503 failing over: nothing generated.
-            reservation = self.attempts.tokens_to_give_back(name)
+            reservation = self.attempts.tokens_to_give_back(name, record)
             if reservation is not None:
                 await self.walker.capacity.settle(reservation, 0)
         if decision.action in ("next_candidate", "next_credential"):
