@@ -591,6 +591,12 @@ class AttemptLifecycle:
             # It failed (before the winner's head, or beside it): booked like any attempt.
             try:
                 await self.finish(record, result[0], result[1])
+                if (result[0].status or 0) >= 400:
+                    # An error answer that lost the race generated nothing: its estimate
+                    # leaves the upstream's tpm, as one the walk moves past does (`_act`).
+                    unused = self.tokens_to_give_back(record.candidate, record)
+                    if unused is not None:
+                        await self.capacity.settle(unused, 0)
             except BaseException as exc:
                 # Cut while booked (a shared state's round trip, the caller gone): nobody
                 # will keep or close the answer, and its connection would stay taken.
