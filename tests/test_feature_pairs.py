@@ -5,13 +5,18 @@ says must hold when two are on at once. Real upstream sockets, the in-process Ga
 from __future__ import annotations
 
 import asyncio
+import json
+from collections.abc import Iterator
+from decimal import Decimal
+from typing import Any
 
 import pytest
 from aiohttp import web
 
 from fallback_mw import Gateway
+from fallback_mw.config import BudgetConfig
 from tests.helpers import client_for
-from tests.upstreams import host_app, upstream
+from tests.upstreams import Handler, host_app, upstream
 
 pytestmark = pytest.mark.anyio
 
@@ -107,3 +112,102 @@ async def test_a_kept_503_served_as_the_last_response_gives_its_estimate_back_on
     # The 503 passed through; one ~910-token request fits in the minute's 1000, not two.
     assert statuses == [503, 200, 503]
     assert calls == 2
+
+
+class Spans:
+    """The SDK's in-memory span exporter behind a Telemetry."""
+
+    def __init__(self) -> None:
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
+            InMemorySpanExporter,
+        )
+
+        from fallback_mw.telemetry import Telemetry
+
+        self.exporter = InMemorySpanExporter()
+        self.provider = TracerProvider(shutdown_on_exit=False)
+        self.provider.add_span_processor(SimpleSpanProcessor(self.exporter))
+        self.telemetry = Telemetry(tracer_provider=self.provider)
+
+    def named(self, name: str) -> list[Any]:
+        found = [s for s in self.exporter.get_finished_spans() if s.name == name]
+        return sorted(found, key=lambda s: s.attributes.get("gateway.attempt.number", 0))
+
+
+@pytest.fixture
+def spans() -> Iterator[Spans]:
+    found = Spans()
+    yield found
+    found.provider.shutdown()
+
+
+def sse_answer(prompt: int, completion: int, delay: float = 0.0) -> Handler:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(delay)
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n')
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion}
+        await response.write(b"data: " + json.dumps({"usage": usage}).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    return handle
+
+
+async def test_a_hedged_stream_settles_once_at_the_winners_usage(
+    ledger_store: str, spans: Spans
+) -> None:
+    """budget x hedging x SSE x tracing. The first attempt is slow (it would report 1,000
+    tokens), its hedge streams at once reporting 10: one hold, one settlement at the
+    hedge's 10 tokens, one usage record; the trace names both attempts, the hedge as the
+    one that answered, the loser cancelled."""
+    calls = 0
+    slow, fast = sse_answer(500, 500, delay=1.0), sse_answer(5, 5)
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        nonlocal calls
+        calls += 1
+        return await (slow if calls == 1 else fast)(request)
+
+    async with upstream(handle) as only:
+        conf = {
+            "gateway": {"store": ledger_store},
+            "upstreams": {"only": {"url": only.url}},
+            "routes": [
+                {"id": "chat", "prefix": "/v1/", "plan": ["only"], "retries": 1,
+                 "hedge_after_ms": 50, "replayable_methods": ["POST"], "budget": "acme"}
+            ],
+            "budgets": {"acme": {"limit": "1", "window": "month", "default_hold": "0.5"}},
+            "prices": {"m": {"input_per_mtok": "1000", "output_per_mtok": "1000"}},
+        }  # fmt: skip
+        gateway = Gateway(host_app, config=conf, telemetry=spans.telemetry)
+        try:
+            async with client_for(gateway) as client:
+                response = await client.post(
+                    "/v1/chat", json={"model": "m", "max_tokens": 10, "stream": True}
+                )
+            ledger = gateway.services.ledger
+            assert ledger is not None
+            status = await ledger.status("acme", BudgetConfig(limit=Decimal(1), window="month"))
+            records = await ledger.usage()
+        finally:
+            await gateway.aclose()
+    assert response.status_code == 200 and response.text.endswith("data: [DONE]\n\n")
+    assert response.headers["x-gateway-attempts"] == "2"
+    assert (status.spent, status.held) == (Decimal("0.01"), 0)  # 10 tokens at 1000/Mtok
+    (record,) = records
+    assert record.charged == Decimal("0.01") and record.output_tokens == 5
+    (request_span,) = spans.named("gateway.request")
+    attributes = request_span.attributes
+    assert attributes["gateway.plan.chosen"] == "only"
+    assert attributes["gateway.attempts"] == 2
+    assert attributes["gateway.outcome"] == "served"
+    assert attributes["gen_ai.usage.output_tokens"] == 5
+    first, hedge = spans.named("gateway.attempt")
+    assert hedge.attributes["gateway.attempt.hedge"] is True
+    assert hedge.attributes["http.response.status_code"] == 200
+    assert "gateway.failure.kind" not in hedge.attributes
+    assert first.attributes["gateway.failure.kind"] == "cancelled"
