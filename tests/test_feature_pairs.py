@@ -16,7 +16,7 @@ from aiohttp import web
 from fallback_mw import Gateway
 from fallback_mw.config import BudgetConfig
 from tests.helpers import client_for
-from tests.upstreams import Handler, host_app, upstream
+from tests.upstreams import Handler, host_app, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
 
@@ -211,3 +211,56 @@ async def test_a_hedged_stream_settles_once_at_the_winners_usage(
     assert hedge.attributes["http.response.status_code"] == 200
     assert "gateway.failure.kind" not in hedge.attributes
     assert first.attributes["gateway.failure.kind"] == "cancelled"
+
+
+class Faulted:
+    """A game-day fault on `only`, as the store's source gives it to a running gateway."""
+
+    def __init__(self, fault: Any) -> None:
+        self.fault = fault
+
+    async def upstream_fault(self, upstream: str) -> Any:
+        return self.fault if upstream == "only" else None
+
+    async def pinned_candidate(self, route_id: str) -> str | None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+
+@pytest.mark.parametrize(
+    ("fault", "served"), [("revoke", 401), ("fail", 503)], ids=["revoke", "fail"]
+)
+async def test_an_answer_a_game_day_fault_made_is_never_charged(
+    ledger_store: str, fault: str, served: int
+) -> None:
+    """budget x game-day faults. `revoke` answers 401 (served as it is, outside
+    failover_status) and `fail` 503 (passed through with on_exhausted = "last_response"):
+    answers the gateway made itself, nothing sent upstream. They were charged the whole
+    hold, as an upstream's answer without usage is: a rehearsal spent the tenant's budget
+    (a few dozen requests and the route answered 402 after the game day)."""
+    async with upstream(status_handler(200, b"ok")) as only:
+        conf = {
+            "gateway": {"store": ledger_store},
+            "upstreams": {"only": {"url": only.url}},
+            "routes": [
+                {"id": "chat", "prefix": "/v1/", "plan": ["only"], "budget": "acme",
+                 "on_exhausted": "last_response", "replayable_methods": ["POST"]}
+            ],
+            "budgets": {"acme": {"limit": "1", "window": "month", "default_hold": "0.4"}},
+        }  # fmt: skip
+        gateway = Gateway(host_app, config=conf, faults=Faulted(fault))
+        try:
+            async with client_for(gateway) as client:
+                answers = [await client.post("/v1/chat", json={"x": 1}) for _ in range(3)]
+            ledger = gateway.services.ledger
+            assert ledger is not None
+            status = await ledger.status("acme", BudgetConfig(limit=Decimal(1), window="month"))
+            records = await ledger.usage()
+        finally:
+            await gateway.aclose()
+    assert [a.status_code for a in answers] == [served] * 3  # never 402
+    assert only.count == 0
+    assert (status.spent, status.held) == (0, 0)
+    assert [r.charged for r in records] == [0, 0, 0]

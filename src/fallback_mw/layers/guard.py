@@ -430,6 +430,10 @@ def charge(context: RequestContext, held: Decimal, cost: Decimal | None) -> Deci
             # and its usage, were never read.
             return held
         return Decimal(0)  # nothing served: the hold is released
+    if context.served_fault is not None:
+        # A game-day fault's own answer (`fail`'s 503, `revoke`'s 401): nothing reached the
+        # upstream, nothing was generated; a rehearsal must not spend the tenant's budget.
+        return Decimal(0)
     if cost is None:
         return held
     if not context.completed and not context.usage.done:

@@ -182,6 +182,9 @@ class RequestContext:
     revoked: tuple[str, ...] = ()
     chosen: str | None = None
     status: int | None = None  # status sent to the client
+    # The game-day fault whose synthetic answer was served (`fail`'s 503, `revoke`'s 401):
+    # nothing reached the upstream, so the budget guard charges nothing for it.
+    served_fault: str | None = None
     outcome: str | None = None  # "served" or an error code (SPEC §5), or "aborted"
     rule: str | None = None  # the SPEC §5/§12 rule that ended the walk locally (error body)
     committed: bool = False  # http.response.start sent to the client
@@ -252,6 +255,7 @@ class RequestContext:
         self.revoked = ()
         self.chosen = None
         self.status = None
+        self.served_fault = None
         self.outcome = None
         self.rule = None
         self.committed = False

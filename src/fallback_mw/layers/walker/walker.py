@@ -397,6 +397,8 @@ class _Walk:
             assert self.last_response is not None
             chosen, kept, served = self.last_response
             self.last_response = None
+            if served is not None and served.fault is not None:
+                self.context.served_fault = served.fault  # a synthetic answer (`fail`, `revoke`)
             failed = await commit(
                 self.send, self.context, chosen, kept,
                 max_response_body=self.walker.settings.max_response_body,
