@@ -84,6 +84,17 @@ _LEDGER_UNREACHABLE = (
     "the budget ledger ([gateway] store) cannot be reached: refusing (fail closed) until it "
     "answers again; a route without a budget is not metered and keeps serving"
 )
+
+
+def _ledger_too_slow(wait: float) -> str:
+    return (
+        f"the budget ledger ([gateway] store) did not answer within {wait * 1000:.0f} ms (this "
+        "request's deadline, or the ledger's own timeout): refusing (fail closed); another "
+        "process may hold its write lock; a route without a budget is not metered and keeps "
+        "serving"
+    )
+
+
 # "Give it one" said neither how nor where a ledger comes from.
 _NO_LEDGER = (
     "this route has a budget but the BudgetGuard has no ledger: refusing (fail closed); "
@@ -215,6 +226,8 @@ class BudgetGuard:
         # A ledger that settles and records in one transaction (the SQL ledgers) gets one
         # call per request end instead of two.
         self._one_step = ledger if isinstance(ledger, SettlesAndRecords) else None
+        # How long one of its calls may wait (the SQL ledgers' own timeout), when it says.
+        self._ledger_timeout: float | None = getattr(ledger, "call_timeout", None)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self._refusal is not None:
@@ -327,19 +340,30 @@ class BudgetGuard:
                 return "bad_request", _nested_too_deep(budget_id)
             if parsed is not None and isinstance(parsed.get("model"), str):
                 context.request_model = context.request_model or parsed["model"][:MAX_NAME]
+        # The stored budget's read and the hold together wait the request's deadline or
+        # one ledger call's timeout at most: each waited the ledger's timeout (5 s) for a
+        # locked file, so a 5 s route answered after up to 10 s, 504 if the lock went.
+        wait = context.remaining
+        if self._ledger_timeout is not None:
+            wait = min(wait, self._ledger_timeout)
         try:
-            budget = await self.budget_for(ledger, budget_id)
-            if budget is None:
-                # A route naming a budget nobody defined: fail closed, like an unreachable
-                # ledger, rather than let unmetered traffic through.
-                logger.warning("route %s names an unknown budget %s", context.route.id, budget_id)
-                return "budget_unavailable", _undefined(budget_id)
-            amount = self._estimate(context, buffered, parsed, budget.default_hold)
-            hold = await ledger.hold(budget_id, budget, amount)
+            with anyio.fail_after(max(wait, 0.0)):
+                budget = await self.budget_for(ledger, budget_id)
+                if budget is None:
+                    # A route naming a budget nobody defined: fail closed, like an
+                    # unreachable ledger, rather than let unmetered traffic through.
+                    logger.warning(
+                        "route %s names an unknown budget %s", context.route.id, budget_id
+                    )
+                    return "budget_unavailable", _undefined(budget_id)
+                amount = self._estimate(context, buffered, parsed, budget.default_hold)
+                hold = await ledger.hold(budget_id, budget, amount)
         except BudgetUnreadable:
             return "budget_unavailable", _unreadable_budget(budget_id)
         except LedgerUnavailable:
             return "budget_unavailable", _LEDGER_UNREACHABLE
+        except TimeoutError:
+            return "budget_unavailable", _ledger_too_slow(wait)
         if hold is not None:
             return hold
         if to_units(amount) == 0 and to_units(budget.limit) == 0:

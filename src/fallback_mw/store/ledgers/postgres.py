@@ -169,6 +169,7 @@ class PostgresLedger(SQLLedgerBase):
         self.min_size = min_size
         self.max_size = max_size
         self.timeout = timeout
+        self.call_timeout = timeout  # the guard bounds a request's ledger wait by it
         self.stale_hold_seconds = stale_hold_seconds
         self.reap_interval = reap_interval
         self._pool: asyncpg.Pool | None = None

@@ -60,6 +60,7 @@ class SQLiteLedger(SQLLedgerBase):
     ) -> None:
         self.path = path
         self.busy_timeout = busy_timeout
+        self.call_timeout = busy_timeout  # the guard bounds a request's ledger wait by it
         self.stale_hold_seconds = stale_hold_seconds
         self.reap_interval = reap_interval
         self._db = SQLiteCalls(path, busy_timeout=busy_timeout, opened=self._opened)
