@@ -25,7 +25,7 @@ from fallback_mw.store.model import (
     stored_routes,
     stored_version,
 )
-from fallback_mw.store.sqlite_connect import connect_wal, disk_full
+from fallback_mw.store.sqlite_connect import connect_wal, disk_full, read_only_reason
 
 T = TypeVar("T")
 
@@ -125,26 +125,12 @@ def _schema_current(conn: sqlite3.Connection) -> bool:
     return row is not None and row[0] == SCHEMA_VERSION  # an int: as written
 
 
-def _took_write_lock(conn: sqlite3.Connection) -> bool:
-    """`BEGIN IMMEDIATE` at once, or False when another connection holds the write lock.
-    A gateway starting while an operator's `sqlite3` session held a write transaction
-    waited 5 s for it and refused to start ("database is locked"), to rewrite a schema
-    version already current. A file that cannot be written still refuses, at that write."""
-    conn.execute("PRAGMA busy_timeout = 0")
-    try:
-        conn.execute("BEGIN IMMEDIATE")
-    except sqlite3.OperationalError as exc:
-        if "locked" not in str(exc):
-            raise
-        return False
-    finally:
-        conn.execute(f"PRAGMA busy_timeout = {_BUSY_MS}")
-    return True
-
-
 def _with_disk(exc: sqlite3.Error, path: Path) -> str:
-    """SQLite's reason, and the full disk behind it when that is what it is."""
+    """SQLite's reason, and the full disk or the read-only file behind it when that is
+    what it is."""
     full = disk_full(path)
+    if full is None and "readonly" in str(exc):
+        full = read_only_reason(path)
     return f"{exc} ({full})" if full else str(exc)
 
 
@@ -172,10 +158,11 @@ class SqliteStore:
         return conn
 
     def _migrate(self, conn: sqlite3.Connection) -> None:
-        if _schema_current(conn) and not _took_write_lock(conn):
-            return  # nothing to write, and another process (an operator's sqlite3) writes
-        if not conn.in_transaction:
-            conn.execute("BEGIN IMMEDIATE")
+        # A current schema is left alone: rewriting its version failed every verb, reads
+        # too, on a file this process may not write (`routes list` on a read-only store).
+        if _schema_current(conn):
+            return
+        conn.execute("BEGIN IMMEDIATE")
         try:
             conn.execute(_SCHEMA_TABLE)
             row = conn.execute(

@@ -19,7 +19,10 @@ def connect_wal(
     it to WAL. Switching the journal mode needs an exclusive lock and SQLite answers
     "database is locked" at once, without its busy handler, when another connection is
     opening the same fresh file (seen: 18 of 600 racing openers) — so retry until
-    `timeout`."""
+    `timeout`. A file this process cannot write is opened read-only (`_connect_read_only`):
+    its writes fail, its reads answer."""
+    if read_only_reason(path) is not None:
+        return _connect_read_only(path, timeout=timeout, check_same_thread=check_same_thread)
     try:
         conn = sqlite3.connect(
             path, timeout=timeout, isolation_level=None, check_same_thread=check_same_thread
@@ -43,6 +46,62 @@ def connect_wal(
                 raise
         time.sleep(delay)
         delay = min(delay * 2, 0.1)
+
+
+def read_only_reason(path: str | Path) -> str | None:
+    """Why this process cannot write the SQLite file at `path` (its mode, or a directory
+    where SQLite cannot make the `-wal` beside it), in words naming it; None when it can,
+    or when there is no file yet."""
+    target = Path(path)
+    try:
+        if not target.is_file():
+            return None
+        if not os.access(target, os.W_OK):
+            return f"{target} is read-only for this user"
+        directory = target.absolute().parent
+        if not os.access(directory, os.W_OK):
+            return (
+                f"its directory {directory} is read-only for this user (SQLite writes "
+                f"{target.name}-wal beside it)"
+            )
+    except OSError:  # cannot be asked: SQLite says what it finds
+        return None
+    return None
+
+
+def _connect_read_only(
+    path: str | Path, *, timeout: float, check_same_thread: bool
+) -> sqlite3.Connection:
+    """A connection that only reads: through the WAL index (`-shm`) a writer keeps beside
+    the file, else the file alone (`immutable`: no connection has a WAL open, SQLite
+    removes both with the last one, so the file holds everything). Opened read-write,
+    SQLite answered the first read of a file in a read-only directory with "attempt to
+    write a readonly database", and beside a read-only file it made a `-shm` as read-only
+    as the file, which then failed the owner's writes once the file was writable again."""
+    uri = Path(path).absolute().as_uri()
+    modes = ("mode=ro", "immutable=1") if Path(f"{path}-shm").exists() else ("immutable=1",)
+    for mode in modes:
+        conn = sqlite3.connect(
+            f"{uri}?{mode}",
+            uri=True,
+            timeout=timeout,
+            isolation_level=None,
+            check_same_thread=check_same_thread,
+        )
+        try:
+            conn.execute("PRAGMA query_only = ON")  # `is_read_only`
+            conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            return conn
+        except sqlite3.OperationalError:
+            conn.close()
+            if mode == modes[-1]:
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def is_read_only(conn: sqlite3.Connection) -> bool:
+    """Whether `conn` was opened read-only (`_connect_read_only`)."""
+    return bool(conn.execute("PRAGMA query_only").fetchone()[0])
 
 
 def missing_directory(path: str | Path) -> str | None:

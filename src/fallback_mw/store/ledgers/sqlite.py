@@ -46,7 +46,7 @@ from fallback_mw.store.ledgers.schema import (
 )
 from fallback_mw.store.ledgers.sqlite_calls import SQLiteCalls, Turns, retrieved
 from fallback_mw.store.ledgers.sqlite_open import migrate, stale_work
-from fallback_mw.store.sqlite_connect import fetch_leniently, immediate
+from fallback_mw.store.sqlite_connect import fetch_leniently, immediate, is_read_only
 
 
 class SQLiteLedger(SQLLedgerBase):
@@ -70,7 +70,8 @@ class SQLiteLedger(SQLLedgerBase):
         """The worker connection, just opened: the schema migrated, the holds left by a
         process that died mid-request settled."""
         migrate(conn)
-        if stale_work(conn, self.stale_hold_seconds):
+        # A file this process may not write (`budgets show` on a read-only store): read as is.
+        if not is_read_only(conn) and stale_work(conn, self.stale_hold_seconds):
             with immediate(conn):
                 _settle_stale_holds(conn, self.stale_hold_seconds)
         self._reap_at = time.monotonic() + self.reap_interval

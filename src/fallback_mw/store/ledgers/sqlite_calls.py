@@ -28,6 +28,7 @@ from fallback_mw.store.sqlite_connect import (
     connect_wal,
     disk_full,
     immediate,
+    read_only_reason,
     with_wal_room,
 )
 
@@ -243,6 +244,8 @@ class SQLiteCalls:
         full = disk_full(self.path)
         if full is not None:  # SQLite says "disk I/O error" for the WAL index it could not make
             kind, reason = f"{kind}: {full}", f"{reason}; {full}"
+        elif "readonly" in reason and (why := read_only_reason(self.path)) is not None:
+            kind = f"{kind}: {why}"  # logged with the outage too
         self._outage.failed(kind, "budgeted routes refuse (fail closed)")
         reason = " ".join(reason.split())[:200]
         return LedgerUnavailable(f"SQLite ledger {self.path} unavailable ({kind}: {reason})")

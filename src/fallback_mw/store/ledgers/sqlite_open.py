@@ -19,16 +19,26 @@ from fallback_mw.store.ledgers.schema import (
     encode_sqlite_time,
     pending_migrations,
 )
-from fallback_mw.store.sqlite_connect import immediate
+from fallback_mw.store.sqlite_connect import immediate, is_read_only
 
 _VERSION = "SELECT version FROM fmw_schema WHERE component = ?"
 
 
 def migrate(conn: sqlite3.Connection) -> None:
+    row = None
     with contextlib.suppress(sqlite3.OperationalError):  # no fmw_schema yet: a new file
         row = conn.execute(_VERSION, (COMPONENT,)).fetchone()
         if row is not None and row[0] == LATEST_VERSION:  # an int: as written
             return
+    if is_read_only(conn):  # a file this process may not write (sqlite_connect.connect_wal)
+        if row is not None:
+            check_version(row[0])  # a newer schema is said as such
+        raise sqlite3.OperationalError(
+            "attempt to write a readonly database, to make its budget ledger (it has none "
+            "yet: nothing was held, spent or recorded in it)"
+            if row is None
+            else "attempt to write a readonly database, to migrate its budget ledger"
+        )
     with immediate(conn):
         conn.execute(SCHEMA_TABLE)
         row = conn.execute(_VERSION, (COMPONENT,)).fetchone()
