@@ -34,9 +34,15 @@ from fallback_mw.capacity.model import (
 from fallback_mw.config import RepeatAllowanceConfig
 from fallback_mw.health.redis import RedisHealth
 
+# How many seconds ahead of Redis's own clock a count's second may be and still count (as
+# written now): a replica whose clock ran a little ahead, promoted by a failover, wrote the
+# last seconds' counts so. Further ahead it is a hand edit, dropped.
+CLOCK_SKEW = 5
+
 # A count as these scripts write it (HINCRBY's digits), or nil: a negative count, a float,
-# `1e9`, `inf` (written by hand, another version) is none.
-_COUNT = """
+# `1e9`, `inf` (written by hand, another version) is none. `skew` is CLOCK_SKEW.
+_COUNT = f"""
+local skew = {CLOCK_SKEW}
 local function count(text)
   if string.match(text, '^%d+$') and #text <= 18 then return tonumber(text) end
   return nil
@@ -73,10 +79,11 @@ for i = 1, #fields, 2 do
   local value = count(fields[i + 1])
   -- a field that reads as no count (written by hand, another version) is dropped like an
   -- old one: a script failing on it read as "Redis unreachable" (health/redis.py). So is
-  -- one of a second after now (every count is written at Redis's own TIME): read as
-  -- recent, `r:<years ahead>` held a declared rpm full for ever, its Retry-After years.
+  -- one of a second more than `skew` after now (every count is written at Redis's own
+  -- TIME): read as recent, `r:<years ahead>` held a declared rpm full for ever, its
+  -- Retry-After years. One a few seconds ahead (another clock's) counts as now.
   local age = keep
-  if second and value and second <= now then age = now - second end
+  if second and value and second <= now + skew then age = math.max(now - second, 0) end
   if age >= keep then
     redis.call('HDEL', KEYS[1], fields[i])
   else
@@ -146,11 +153,12 @@ local seconds, out = {}, {now}
 for i = 1, #fields, 2 do
   local kind, second = string.sub(fields[i], 1, 1), string.sub(fields[i], 3)
   local value = count(fields[i + 1]) or 0
-  local at = count(second)  -- as ADMIT reads it
-  if (kind == 'r' or kind == 't') and at and at <= now and now - at < 60 then
+  local at = count(second)  -- as ADMIT reads it: a few seconds ahead is now
+  if (kind == 'r' or kind == 't') and at and at <= now + skew and now - at < 60 then
+    second = tostring(math.min(at, now))
     local row = seconds[second]
     if row == nil then row = {0, 0}; seconds[second] = row end
-    if kind == 'r' then row[1] = value else row[2] = value end
+    if kind == 'r' then row[1] = row[1] + value else row[2] = row[2] + value end
   end
 end
 for second, row in pairs(seconds) do
