@@ -402,3 +402,64 @@ async def test_every_ledger_finds_the_same_rolling_peak_as_counting_every_window
             await ledger.aclose()
         assert {p.route: (p.requests, p.tokens) for p in found} == expected
         assert sum(p.total for p in found) == 400
+
+
+@pytest.mark.anyio
+async def test_token_peaks_past_2_to_the_53_stay_exact(
+    ledger_store: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Eleven answers reporting 10^15 + 7 tokens each (the most one is believed) in one
+    # minute: 11,000,000,000,000,077 tokens, past 2^53. SQLite summed them in floating
+    # point (TOTAL): `capacity` printed 11,000,000,000,000,076, and the tpm it said was
+    # needed with margin 1.2 was computed in floating point too.
+    from fallback_mw.store.ledgers.memory import MemoryLedger
+
+    at = (datetime.now(UTC) - timedelta(hours=1)).replace(microsecond=0)
+    records = [
+        UsageRecord(request_id=f"big{i}", route="chat", tenant="t", at=at,
+                    input_tokens=10**15, output_tokens=7)
+        for i in range(11)
+    ]  # fmt: skip
+    exact = 11 * (10**15 + 7)
+    for ledger in (open_ledger(ledger_store), MemoryLedger()):
+        try:
+            for record in records:
+                await ledger.record_usage(record)
+            peaks = await ledger.rolling_peaks(since=at - timedelta(minutes=1))
+            minutes = await ledger.usage_per_minute(since=at - timedelta(minutes=1))
+        finally:
+            await ledger.aclose()
+        assert [(p.route, p.tokens) for p in peaks] == [("chat", exact)]
+        assert [(m.route, m.tokens) for m in minutes] == [("chat", exact)]
+    config = write_config(tmp_path, ledger_store)
+    assert await cli("capacity", "--config", str(config)) == 1
+    out = capsys.readouterr().out
+    assert f"{exact:,} per minute against tpm = 200,000" in out
+    needed = -(-exact * 6 // 5)  # the ceiling of exact x 1.2, in integers
+    assert f"with margin 1.2 it needs tpm >= {needed:,})" in out
+
+
+@pytest.mark.anyio
+async def test_token_sums_past_2_to_the_63_still_answer(tmp_path: Path) -> None:
+    # Counts edited by hand to near 2^63: an exact sum would overflow SQLite's integers
+    # ("integer overflow"); the peaks are then summed approximately, never refused.
+    import sqlite3
+
+    path = tmp_path / "ledger.db"
+    ledger = open_ledger(f"sqlite:///{path}")
+    at = (datetime.now(UTC) - timedelta(hours=1)).replace(microsecond=0)
+    try:
+        for i in range(3):
+            await ledger.record_usage(
+                UsageRecord(request_id=f"h{i}", route="chat", tenant="t", at=at,
+                            input_tokens=1, output_tokens=0)
+            )  # fmt: skip
+        with sqlite3.connect(path) as conn:
+            conn.execute("UPDATE fmw_usage SET input_tokens = ?", (2**62,))
+        peaks = await ledger.rolling_peaks(since=at - timedelta(minutes=1))
+        minutes = await ledger.usage_per_minute(since=at - timedelta(minutes=1))
+    finally:
+        await ledger.aclose()
+    assert [(p.route, p.requests) for p in peaks] == [("chat", 3)]
+    assert abs(peaks[0].tokens - 3 * 2**62) <= 2**12
+    assert abs(minutes[0].tokens - 3 * 2**62) <= 2**12

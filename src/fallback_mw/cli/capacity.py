@@ -18,7 +18,13 @@ from typing import Any
 from fallback_mw.budget import Ledger
 from fallback_mw.cli.app import EXIT_FAILED, EXIT_OK, Console, Refused, leaf
 from fallback_mw.cli.budgets import with_ledger
-from fallback_mw.cli.capacity_planning import Dimension, RouteReport, assess, peaks
+from fallback_mw.cli.capacity_planning import (
+    Dimension,
+    RouteReport,
+    assess,
+    needed_limit,
+    peaks,
+)
 from fallback_mw.cli.target import StoreTarget, open_route_store, store_options
 from fallback_mw.cli.usage import parse_since
 
@@ -182,7 +188,7 @@ def _notes(
                 f"{report.route}: a full failover at peak (the minute from {_second(at)}) sends "
                 f"{name} {_times(ratio)}x its {label} limit ({dimension.peak:,} per minute against "
                 f"{key} = {dimension.limit:,}; with margin {margin:g} it needs "
-                f"{key} >= {math.ceil(dimension.peak * margin):,})"
+                f"{key} >= {needed_limit(dimension.peak, margin):,})"
             )
     return notes
 

@@ -10,15 +10,23 @@ such, never as fine."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
+from fractions import Fraction
 from typing import Literal
 
 from fallback_mw.budget import RollingPeak
 from fallback_mw.config import RouteConfig, UpstreamConfig
 
 Verdict = Literal["carries", "cannot_carry", "unknown"]
+
+
+def needed_limit(peak: int, margin: float) -> int:
+    """The least limit that carries `peak` with `margin`, in exact arithmetic: in floating
+    point a peak past 2^53 lost its last digits."""
+    return math.ceil(Fraction(peak) * Fraction(repr(margin)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +72,7 @@ class Dimension:
     def verdict(self, margin: float) -> Verdict:
         if self.peak is None or self.limit is None:
             return "unknown"
-        return "carries" if self.peak * margin <= self.limit else "cannot_carry"
+        return "carries" if needed_limit(self.peak, margin) <= self.limit else "cannot_carry"
 
 
 @dataclass(frozen=True, slots=True)

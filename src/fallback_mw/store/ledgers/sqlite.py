@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
+from typing import TypeVar
 
 from fallback_mw.budget.cost import MAX_UNITS, SPENT_CAP_UNITS, from_units, to_units
 from fallback_mw.budget.ledger import (
@@ -47,6 +49,8 @@ from fallback_mw.store.ledgers.schema import (
 from fallback_mw.store.ledgers.sqlite_calls import SQLiteCalls, Turns, retrieved
 from fallback_mw.store.ledgers.sqlite_open import migrate, stale_work
 from fallback_mw.store.sqlite_connect import fetch_leniently, immediate, is_read_only
+
+T = TypeVar("T")
 
 
 class SQLiteLedger(SQLLedgerBase):
@@ -293,14 +297,16 @@ class SQLiteLedger(SQLLedgerBase):
 
     async def rolling_peaks(self, *, since: datetime) -> list[RollingPeak]:
         def work(conn: sqlite3.Connection) -> list[RollingPeak]:
-            rows = fetch_leniently(conn, _ROLLING_PEAKS, (encode_sqlite_time(since),))
+            since_at = (encode_sqlite_time(since),)
+            rows = _summed(lambda total: fetch_leniently(conn, _ROLLING_PEAKS[total], since_at))
             return [rolling_peak_of(row) for row in rows]
 
         return await self._db.run(work)
 
     async def usage_per_minute(self, *, since: datetime) -> list[MinuteUsage]:
         def work(conn: sqlite3.Connection) -> list[MinuteUsage]:
-            rows = conn.execute(_PER_MINUTE, (encode_sqlite_time(since),)).fetchall()
+            since_at = (encode_sqlite_time(since),)
+            rows = _summed(lambda total: conn.execute(_PER_MINUTE[total], since_at).fetchall())
             return [
                 MinuteUsage(
                     str(route),
@@ -330,20 +336,35 @@ _INSERT_USAGE = (
 # `at` is stored as 2026-11-30T12:34:56.123456Z: its first 16 characters are the minute,
 # its first 19 the second.
 # Tokens as `usage` reads them (a hand edit's real, `1e999`, is unknown: it was an internal
-# error), summed in TOTAL's floating point: SQLite's SUM raised "integer overflow" past 2^63.
+# error), summed exactly in SUM's integers; past 2^63 (hand edits: SQLite's SUM raises
+# "integer overflow") in TOTAL's floating point. Summed in TOTAL always, a minute's tokens
+# past 2^53 lost their last digits (`capacity` printed 11,000,000,000,000,076 for ...077).
 _TOKENS = (
     "CASE WHEN typeof(input_tokens) = 'integer' THEN input_tokens ELSE 0 END + "
     "CASE WHEN typeof(output_tokens) = 'integer' THEN output_tokens ELSE 0 END"
 )
-_ROLLING_PEAKS = rolling_peaks_sql(
-    "CAST(strftime('%s', substr(at, 1, 19)) AS INTEGER)", "?", tokens=_TOKENS, total="TOTAL"
-)
-_PER_MINUTE = (
-    "SELECT route, substr(at, 1, 16), COUNT(*), "
-    "SUM(COALESCE(input_tokens, 0) + COALESCE(output_tokens, 0)), "
+_SECOND = "CAST(strftime('%s', substr(at, 1, 19)) AS INTEGER)"
+_ROLLING_PEAKS = {
+    total: rolling_peaks_sql(_SECOND, "?", tokens=_TOKENS, total=total)
+    for total in ("SUM", "TOTAL")
+}
+_PER_MINUTE = {
+    total: "SELECT route, substr(at, 1, 16), COUNT(*), "
+    f"{total}({_TOKENS}), "
     "SUM(CASE WHEN input_tokens IS NULL AND output_tokens IS NULL THEN 0 ELSE 1 END) "
     f"FROM fmw_usage WHERE at >= ? AND {PER_MINUTE_FILTER} GROUP BY route, substr(at, 1, 16)"
-)
+    for total in ("SUM", "TOTAL")
+}
+
+
+def _summed(read: Callable[[str], T]) -> T:
+    """`read("SUM")`: exact; `read("TOTAL")` when that overflows SQLite's integers."""
+    try:
+        return read("SUM")
+    except sqlite3.OperationalError as exc:
+        if "integer overflow" not in str(exc):
+            raise
+    return read("TOTAL")
 
 
 def _finish_hold(conn: sqlite3.Connection, hold_id: str, spent: int) -> None:
