@@ -334,6 +334,46 @@ async def test_a_change_counter_edited_to_text_stops_no_gateway(tmp_path: Path) 
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("edited", [1e300, 2**63 - 1])
+async def test_a_change_counter_edited_past_counting_is_reset_and_stops_no_reload(
+    tmp_path: Path, edited: float, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A counter edited to 1e300 (or to SQLite's largest integer) never moved again: the
+    # triggers' `serial + 1` is 1e300 in floating point, and the largest integer plus one
+    # overflows to a float that reads back as the same largest integer. Every gateway
+    # stopped picking up route and fault changes, silently. It is set back to 0 (one log
+    # line), and the next change is picked up.
+    path = tmp_path / "gateway.db"
+    store = f"sqlite:///{path}"
+    async with upstream(status_handler(200, b"one")) as one:
+        add = ["routes", "add", "--store", store, "--upstream", one.url, "--prefix"]
+        assert (await acli(*add, "/one/", "--id", "one"))[0] == 0
+        gateway = Gateway(host_app, config=gateway_config(store))
+        runtime = gateway.services.store
+        assert runtime is not None
+        runtime.poll_interval = 0.05
+        try:
+            async with client_for(gateway) as client:
+                assert (await client.get("/one/x")).text == "one"
+                with sqlite3.connect(path) as db:
+                    db.execute("UPDATE fmw_route_changes SET serial = ?", (edited,))
+                await asyncio.sleep(0.3)  # a few polls read it
+                assert (await acli(*add, "/two/", "--id", "two"))[0] == 0
+
+                async def two() -> str:
+                    return (await client.get("/two/x")).text
+
+                assert await wait_for(two, "one")
+        finally:
+            await gateway.aclose()
+    with sqlite3.connect(path) as db:
+        serials = dict(db.execute("SELECT name, serial FROM fmw_route_changes").fetchall())
+    assert all(isinstance(v, int) and v < 100 for v in serials.values()), serials
+    reset = [r.getMessage() for r in caplog.records if "change counter" in r.getMessage()]
+    assert reset and len(reset) <= 2, reset  # once per counter at most
+
+
+@pytest.mark.anyio
 async def test_a_stale_hold_edited_by_hand_is_no_bare_500(tmp_path: Path) -> None:
     # A hold left in the SQLite ledger with an amount edited to text failed the ledger's
     # opening (its stale holds are settled then): every budgeted request answered a bare

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import sqlite3
 import time
 from collections.abc import Callable, Collection, Iterator
@@ -25,9 +26,15 @@ from fallback_mw.store.model import (
     stored_routes,
     stored_version,
 )
-from fallback_mw.store.sqlite_connect import connect_wal, disk_full, read_only_reason
+from fallback_mw.store.sqlite_connect import (
+    connect_wal,
+    disk_full,
+    is_read_only,
+    read_only_reason,
+)
 
 T = TypeVar("T")
+logger = logging.getLogger("fallback_mw.store")
 
 
 _SCHEMA_TABLE = (
@@ -132,6 +139,30 @@ def _with_disk(exc: sqlite3.Error, path: Path) -> str:
     if full is None and "readonly" in str(exc):
         full = read_only_reason(path)
     return f"{exc} ({full})" if full else str(exc)
+
+
+# A change counter at or past this (edited by hand: 1e300, 2^63 - 1) never moves again: the
+# triggers' `serial + 1` is the same float, or overflows to one that reads back the same.
+_SERIAL_CAP = 2**62
+
+
+def _reset_serials(conn: sqlite3.Connection, names: list[str]) -> bool:
+    """Set the change counters `names` back to 0 (a change every gateway sees), unless a
+    process that may not write the file reads them; whether they were."""
+    if is_read_only(conn):
+        return False
+    with _write_transaction(conn):
+        for name in names:
+            conn.execute(
+                "UPDATE fmw_route_changes SET serial = 0 WHERE name = ? AND "
+                "(typeof(serial) = 'real' OR CAST(serial AS INTEGER) >= ?)",
+                (name, _SERIAL_CAP),
+            )
+    logger.warning(
+        "the store's %s change counter was past counting (edited by hand?): set back to 0",
+        " and ".join(sorted(names)),
+    )
+    return True
 
 
 class SqliteStore:
@@ -370,11 +401,13 @@ class SqliteStore:
             # As the triggers' arithmetic reads it: a counter edited to text (by hand, a
             # script) stopped `serve` at its start as an internal error (ValueError), and a
             # running gateway's reloads (routes and faults) as "route store unreachable".
-            serials = dict(
-                conn.execute(
-                    "SELECT name, CAST(serial AS INTEGER) FROM fmw_route_changes"
-                ).fetchall()
-            )
+            rows = conn.execute(
+                "SELECT name, CAST(serial AS INTEGER), typeof(serial) FROM fmw_route_changes"
+            ).fetchall()
+            serials = {name: serial for name, serial, _ in rows}
+            stuck = [name for name, serial, kind in rows if kind == "real" or serial >= _SERIAL_CAP]
+            if stuck and _reset_serials(conn, stuck):
+                serials.update(dict.fromkeys(stuck, 0))
             return int(serials.get("routes", 0)), int(serials.get("faults", 0))
 
         return await self._run(read)
