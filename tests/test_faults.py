@@ -434,6 +434,48 @@ async def test_a_fault_row_written_by_hand_is_skipped_and_named(
 
 
 @pytest.mark.anyio
+async def test_a_fault_row_expiring_past_what_faults_set_writes_is_not_applied(
+    any_store: str, pair: tuple[Upstream, Upstream], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A row written by hand to expire years ahead (`faults set` stores 7 days at most, a
+    game day 24 hours) was applied as written: the upstream failed for years, on every
+    gateway, surviving restarts. It is skipped and named like any row `faults set` does not
+    write; one within the limit is applied as before."""
+    primary, backup = pair
+    now = time.time()
+    rows = [
+        ("upstream", "primary", "fail", None, now + 3 * 365 * 86_400),
+        ("upstream", "backup", "fail", None, now + 6 * 86_400),  # within: applied
+    ]
+    made = ["faults", "set", "fail", "--store", any_store, "--upstream", "other", "--ttl", "60"]
+    assert (await cli(*made))[0] == 0  # the store, its tables
+    assert (await cli("faults", "clear", "--store", any_store, "--upstream", "other"))[0] == 0
+    if any_store.startswith("sqlite:///"):
+        with sqlite3.connect(any_store.removeprefix("sqlite:///")) as conn:
+            conn.executemany("INSERT INTO fmw_faults VALUES (?, ?, ?, ?, ?)", rows)
+    else:
+        conn = await asyncpg.connect(any_store)
+        try:
+            await conn.executemany("INSERT INTO fmw_faults VALUES ($1, $2, $3, $4, $5)", rows)
+        finally:
+            await conn.close()
+    status, out, err = await cli("faults", "list", "--store", any_store)
+    assert status == 0, err
+    assert out.startswith("fail\tupstream=backup\tuntil ") and out.count("\n") == 1
+    assert "1 fault row(s) in the store are no fault `faults set` writes" in err
+    assert "'fail' on 'primary' (expiring more than 7 days ahead)" in err
+    gateway = Gateway(host_app, config=config(any_store, primary.url, backup.url))
+    try:
+        response = await get(gateway)
+        assert response.status_code == 200 and response.text == "primary"
+        assert "fault rows skipped" in caplog.text
+        assert "'fail' on 'primary' (expiring more than 7 days ahead)" in caplog.text
+    finally:
+        await gateway.aclose()
+    assert primary.count == 1
+
+
+@pytest.mark.anyio
 async def test_faults_set_replaces_a_fault_row_written_by_hand(any_store: str) -> None:
     """On PostgreSQL a hand-written row that is no fault (kind 'explode', an expiry past year
     9999) refused `faults set` on its target as "already active until <now>"; it is

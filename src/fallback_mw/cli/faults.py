@@ -12,10 +12,10 @@ from fallback_mw.cli.app import Console, Refused, leaf, run
 from fallback_mw.cli.show import one_line
 from fallback_mw.cli.target import StoreTarget, open_route_store, resolve, store_options
 from fallback_mw.faults import UPSTREAM_FAULTS
-from fallback_mw.store.model import Fault
+from fallback_mw.store.model import MAX_FAULT_TTL, Fault
 from fallback_mw.store.routes import RouteStore
 
-MAX_TTL_SECONDS = 7 * 24 * 3600
+MAX_TTL_SECONDS = MAX_FAULT_TTL  # a row expiring further ahead no gateway applies
 
 
 def expiry_text(expires_at: float) -> str:

@@ -208,6 +208,11 @@ class Fault:
 
 FAULT_KINDS: tuple[FaultKind, ...] = ("fail", "hang", "blackhole", "revoke", "pin")
 LATEST_EXPIRY = 253_402_300_799.0  # 9999-12-31T23:59:59Z, the last moment a date can show
+# The longest a fault lasts (`faults set --ttl`; a game day's is 24 hours at most). A row
+# expiring further ahead of the store's clock (and a minute for the two readings of it) was
+# written by hand, and was applied as written: an upstream failed for years.
+MAX_FAULT_TTL = 7 * 24 * 3600
+_FAULT_TTL_SLACK = 60.0
 
 
 def fault_from_row(
@@ -239,16 +244,20 @@ def fault_from_row(
 
 
 def faults_from_rows(
-    rows: Iterable[Sequence[Any]], unreadable: list[str] | None = None
+    rows: Iterable[Sequence[Any]], unreadable: list[str] | None = None, *, now: float
 ) -> list[Fault]:
-    """The rows (kind, target, expires_at, candidate, scope) that are faults; each other one
-    is skipped (no gateway applies it) and, with `unreadable`, described there."""
+    """The rows (kind, target, expires_at, candidate, scope) that are faults, at `now` (the
+    store's clock); each other one is skipped (no gateway applies it) and, with
+    `unreadable`, described there."""
     faults = []
+    latest = now + MAX_FAULT_TTL + _FAULT_TTL_SLACK
     for kind, target, expires_at, candidate, scope in rows:
         fault = fault_from_row(kind, target, expires_at, candidate, scope)
-        if fault is not None:
+        if fault is not None and fault.expires_at <= latest:
             faults.append(fault)
         elif unreadable is not None:
             label = target if isinstance(target, str) else "?"
-            unreadable.append(f"{str(kind)[:20]!r} on {label[:80]!r}")
+            days = MAX_FAULT_TTL // 86400
+            why = "" if fault is None else f" (expiring more than {days} days ahead)"
+            unreadable.append(f"{str(kind)[:20]!r} on {label[:80]!r}{why}")
     return faults

@@ -265,10 +265,12 @@ class PostgresStore:
 
     async def load_faults(self, unreadable: list[str] | None = None) -> list[Fault]:
         rows = await self._fetch(
-            "SELECT kind, target, expires_at, candidate, scope FROM fmw_faults "
+            f"SELECT kind, target, expires_at, candidate, scope, {_DB_NOW} FROM fmw_faults "
             f"WHERE expires_at > {_DB_NOW} ORDER BY scope, target",
         )
-        return faults_from_rows((tuple(row.values()) for row in rows), unreadable)
+        found = [tuple(row.values()) for row in rows]
+        now = float(found[0][5]) if found else 0.0  # the store's clock: no row, no matter
+        return faults_from_rows((row[:5] for row in found), unreadable, now=now)
 
     async def set_fault(self, fault: Fault, *, replace: bool = False) -> Fault | None:
         now = await self.clock()

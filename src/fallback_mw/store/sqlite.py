@@ -326,14 +326,15 @@ class SqliteStore:
         return time.time()  # the file is this host's: its processes share this clock
 
     async def load_faults(self, unreadable: list[str] | None = None) -> list[Fault]:
+        now = time.time()
         rows = await self._run(
             lambda c: c.execute(
                 f"SELECT {_FAULT_COLUMNS} FROM fmw_faults WHERE expires_at > ? "
                 "ORDER BY scope, target",
-                (time.time(),),
+                (now,),
             ).fetchall()
         )
-        return faults_from_rows([_fault_row(*row) for row in rows], unreadable)
+        return faults_from_rows([_fault_row(*row) for row in rows], unreadable, now=now)
 
     async def set_fault(self, fault: Fault, *, replace: bool = False) -> Fault | None:
         def put(conn: sqlite3.Connection) -> Fault | None:
