@@ -738,6 +738,60 @@ async def test_a_store_reload_forgets_the_upstreams_it_removed(tmp_path: Any) ->
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("state", ["memory", "redis"])
+async def test_an_upstream_removed_and_added_again_at_its_url(
+    state: str, request: pytest.FixtureRequest, tmp_path: Any
+) -> None:
+    """docs/health.md: a route removed and added again with the same url starts with a
+    closed breaker in a `memory://` process (it forgot the removed upstream), and keeps
+    the shared breaker with `redis://` until its key expires (the shared state is the
+    name's and url's: it cannot tell the re-add from a process that never saw the
+    removal). Both as documented, so neither changes unnoticed."""
+    from tests.test_cli_admin import cli, wait_for
+
+    store = f"sqlite:///{tmp_path / 'gateway.db'}"
+    state_url = "memory://" if state == "memory" else request.getfixturevalue("redis_url")
+    async with upstream(status_handler(503)) as failing:
+        add = [
+            "routes", "add", "--store", store, "--id", "job", "--prefix", "/job/",
+            "--upstream", failing.url,
+        ]  # fmt: skip
+        assert (await cli(*add))[0] == 0
+        conf = {
+            "gateway": {
+                "store": store,
+                "state": state_url,
+                "breaker": {"window": 2, "min_calls": 2, "cooldown_ms": 60_000},
+            }
+        }
+        async with gateway_client(conf) as (client, gateway):
+            runtime = gateway.services.store
+            assert runtime is not None
+            runtime.poll_interval = 0.05
+
+            async def reloaded(*command: str) -> None:
+                reloads = runtime.reloads
+                assert (await cli(*command))[0] == 0
+
+                async def later() -> bool:
+                    return runtime.reloads > reloads
+
+                assert await wait_for(later, True)
+
+            for _ in range(2):
+                assert (await client.get("/job/x")).status_code == 502
+            assert (await client.get("/job/x")).status_code == 503  # open: skipped
+            await reloaded("routes", "remove", "--store", store, "--id", "job")
+            await reloaded(*add)
+            response = await client.get("/job/x")
+    if state == "memory":
+        assert response.status_code == 502 and failing.count == 3  # a fresh breaker
+    else:
+        assert response.status_code == 503 and failing.count == 2  # the shared one, open
+        assert response.headers["x-gateway-skipped"] == "job-primary;reason=breaker_open"
+
+
+@pytest.mark.anyio
 async def test_a_probe_cancelled_while_its_capacity_is_counted_frees_its_slot(
     redis_url: str,
 ) -> None:

@@ -309,8 +309,9 @@ class StoreRuntime:
 
     async def _forget_moved(self, *, initial: bool) -> None:
         """Each upstream name whose url differs from the one last loaded under that name
-        (also one removed and added again) gets a fresh breaker: the old one judged
-        another origin."""
+        (also one removed and added again at another url) gets a fresh breaker: the old one
+        judged another origin. Added again at the same url, the shared (Redis) breaker is
+        kept (docs/health.md)."""
         moved = []
         for name, upstream in self._current.upstreams.items():
             if self._urls.get(name, upstream.url) != upstream.url:
