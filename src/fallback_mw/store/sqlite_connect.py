@@ -50,8 +50,8 @@ def connect_wal(
 
 def read_only_reason(path: str | Path) -> str | None:
     """Why this process cannot write the SQLite file at `path` (its mode, or a directory
-    where SQLite cannot make the `-wal` beside it), in words naming it; None when it can,
-    or when there is no file yet."""
+    where SQLite cannot make the `-wal` beside it, when no writable one is there), in words
+    naming it; None when it can, or when there is no file yet."""
     target = Path(path)
     try:
         if not target.is_file():
@@ -59,7 +59,8 @@ def read_only_reason(path: str | Path) -> str | None:
         if not os.access(target, os.W_OK):
             return f"{target} is read-only for this user"
         directory = target.absolute().parent
-        if not os.access(directory, os.W_OK):
+        beside = [Path(f"{target}-wal"), Path(f"{target}-shm")]
+        if not os.access(directory, os.W_OK) and not all(os.access(f, os.W_OK) for f in beside):
             return (
                 f"its directory {directory} is read-only for this user (SQLite writes "
                 f"{target.name}-wal beside it)"
