@@ -526,7 +526,7 @@ async def test_a_process_that_starts_while_the_shared_breaker_is_open_reports_it
         upstream(status_handler(200, b"backup")) as backup,
     ):
         conf = config(redis_url, primary, backup)
-        conf["gateway"]["breaker"] = {**BREAKER, "cooldown_ms": 60_000}
+        conf["gateway"]["breaker"] = {**BREAKER, "cooldown_ms": 60_000, "max_cooldown_ms": 60_000}
         readers = [InMemoryMetricReader(), InMemoryMetricReader()]
         providers = [MeterProvider(metric_readers=[r], shutdown_on_exit=False) for r in readers]
         one_telemetry, two_telemetry = (Telemetry(meter_provider=p) for p in providers)
