@@ -13,7 +13,7 @@ An extension module beside its `.py` is imported instead of it, so an editable i
 (`--status` says which modules are compiled and which are stale). Tests, benchmarks and
 `scripts/mutants.py` run whatever is in place (mutants.py imports a copy of the sources).
 
-Three shapes compile wrong with mypyc (mypy 2.4.1), each checked in every listed module
+Four shapes compile wrong with mypyc (mypy 2.4.1), each checked in every listed module
 before a build, naming the line (docs/performance.md, "A compiled core"):
 
 - an `await` in a `finally`: after the `finally` the compiled coroutine re-raises whatever
@@ -27,6 +27,11 @@ before a build, naming the line (docs/performance.md, "A compiled core"):
   object`, the task never finishes). `raise exc` by name.
 - an `async with`: its exit on an exception is awaited, then the exception re-raised from
   that same thread state (the bare `raise` above). Not used in a listed module.
+- `object.__new__(cls)` of a class a listed module defines: compiled, that class is a
+  native class, whose instances `object.__new__` refuses (`TypeError: object.__new__(X)
+  is not safe, use X.__new__()`). Read `X.__new__` after the class (`_new = X.__new__`):
+  `object.__new__` interpreted, the native one compiled (`cls.__new__(cls)` in a method
+  of X is an internal mypyc error).
 
 And mypyc refuses async generators (`yield` in an `async def`): modules with one stay
 interpreted.
@@ -136,7 +141,16 @@ def hazards(path: Path) -> list[str]:
     """What in `path` mypyc would compile wrong or refuse, one line each."""
     found: list[str] = []
     name = path.relative_to(SRC) if path.is_relative_to(SRC) else path
-    for function in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr == "__new__"
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "object"
+        ):
+            found.append(f"{name}:{node.lineno}: object.__new__ (a compiled class refuses it)")
+    for function in ast.walk(tree):
         if not isinstance(function, ast.AsyncFunctionDef):
             continue
         for node in _own_nodes(function):

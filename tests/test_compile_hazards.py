@@ -61,6 +61,12 @@ async def f(lock):
 async def f():
     yield 1
 """,
+    "object.__new__": """
+class C:
+    @classmethod
+    def make(cls):
+        return object.__new__(cls)
+""",
 }
 
 
@@ -92,6 +98,16 @@ async def f(g, h):
 
     def inner():  # a nested function is its own: a sync generator is compiled
         yield 1
+
+
+@dataclass(slots=True)
+class Native:
+    @classmethod
+    def make(cls):
+        return _new(cls)
+
+
+_new = Native.__new__
 """
     )
     assert compile_script().hazards(planted) == []

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import AsyncIterator, Mapping, MutableMapping
+from collections.abc import AsyncIterator, Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,9 +21,6 @@ SCOPE_KEY = "fallback_mw.request.context"
 MAX_NAME = 200
 
 Headers = list[tuple[bytes, bytes]]
-
-
-_new = object.__new__
 
 
 def new_request_id() -> str:
@@ -308,6 +305,12 @@ class RequestContext:
             and bool(self.candidates)
             and (self.chosen != self.candidates[0])
         )
+
+
+# `RequestContext.routed`'s allocation, without `__init__`: `object.__new__` in the pure
+# build, the native class's own when compiled (scripts/compile.py), whose instances
+# `object.__new__` refuses (`cls.__new__(cls)` in the method crashes mypyc).
+_new: Callable[[type[RequestContext]], RequestContext] = RequestContext.__new__
 
 
 def get_context(scope: MutableMapping[str, Any]) -> RequestContext | None:
