@@ -13,7 +13,7 @@ An extension module beside its `.py` is imported instead of it, so an editable i
 (`--status` says which modules are compiled and which are stale). Tests, benchmarks and
 `scripts/mutants.py` run whatever is in place (mutants.py imports a copy of the sources).
 
-Four shapes compile wrong with mypyc (mypy 2.4.1), each checked in every listed module
+Five shapes compile wrong with mypyc (mypy 2.4.1), each checked in every listed module
 before a build, naming the line (docs/performance.md, "A compiled core"):
 
 - an `await` in a `finally`: after the `finally` the compiled coroutine re-raises whatever
@@ -27,6 +27,11 @@ before a build, naming the line (docs/performance.md, "A compiled core"):
   object`, the task never finishes). `raise exc` by name.
 - an `async with`: its exit on an exception is awaited, then the exception re-raised from
   that same thread state (the bare `raise` above). Not used in a listed module.
+- an `async def __call__` in a Python class (`@python_class`, or any decorator but
+  mypyc's own and `dataclass`): compiled, a Python class's coroutine method is no
+  coroutine function to `inspect`, so uvicorn and hypercorn, which tell an ASGI 3 app by
+  `iscoroutinefunction(app.__call__)`, serve it as ASGI 2 (every request a 500). Assign a
+  module-level `async def` instead (`__call__ = _serve`): compiled, that one is.
 - `object.__new__(cls)` of a class a listed module defines: compiled, that class is a
   native class, whose instances `object.__new__` refuses (`TypeError: object.__new__(X)
   is not safe, use X.__new__()`). Read `X.__new__` after the class (`_new = X.__new__`):
@@ -59,7 +64,9 @@ BUILD = ROOT / "build" / "mypyc"
 #     async generators, which mypyc refuses.
 #   config/*: pydantic models (their validators and the plugin's fields).
 #   gateway.py: an ASGI server tells an ASGI 3 app by `asyncio.iscoroutinefunction(app.__call__)`,
-#     which is false for a compiled method (uvicorn then calls it as ASGI 2: a 500).
+#     which is false for a compiled method of a Python class, as Gateway (weakly
+#     referenced) must be (uvicorn then calls it as ASGI 2: a 500); not yet tried with the
+#     walker's workaround (a module-level `async def` assigned as `__call__`).
 #   health/__init__.py, health/memory.py: their classes are subclassed (AlwaysHealthy,
 #     MemoryHealth: by the tests, and a deployment's own health state may), and an
 #     interpreted class cannot inherit from a compiled one.
@@ -137,6 +144,19 @@ def _own_nodes(function: ast.AsyncFunctionDef) -> list[ast.AST]:
     return found
 
 
+# Class decorators under which mypyc still makes a native class; any other leaves a Python class.
+NATIVE_DECORATORS = frozenset({"dataclass", "final", "mypyc_attr", "trait"})
+
+
+def _python_class(cls: ast.ClassDef) -> bool:
+    for decorator in cls.decorator_list:
+        target = decorator.func if isinstance(decorator, ast.Call) else decorator
+        named = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
+        if named not in NATIVE_DECORATORS:
+            return True
+    return False
+
+
 def hazards(path: Path) -> list[str]:
     """What in `path` mypyc would compile wrong or refuse, one line each."""
     found: list[str] = []
@@ -150,6 +170,13 @@ def hazards(path: Path) -> list[str]:
             and node.value.id == "object"
         ):
             found.append(f"{name}:{node.lineno}: object.__new__ (a compiled class refuses it)")
+        elif isinstance(node, ast.ClassDef) and _python_class(node):
+            for method in node.body:
+                if isinstance(method, ast.AsyncFunctionDef) and method.name == "__call__":
+                    found.append(
+                        f"{name}:{method.lineno} ({node.name}): an async def __call__ in a "
+                        "Python class (an ASGI server takes it for ASGI 2)"
+                    )
     for function in ast.walk(tree):
         if not isinstance(function, ast.AsyncFunctionDef):
             continue

@@ -61,6 +61,12 @@ async def f(lock):
 async def f():
     yield 1
 """,
+    "an async def __call__ in a Python class": """
+@python_class
+class App:
+    async def __call__(self, scope, receive, send):
+        pass
+""",
     "object.__new__": """
 class C:
     @classmethod
@@ -100,8 +106,20 @@ async def f(g, h):
         yield 1
 
 
+async def _serve(self, scope, receive, send):
+    pass
+
+
+@python_class
+class App:
+    __call__ = _serve  # a module function: a coroutine function when compiled too
+
+
 @dataclass(slots=True)
-class Native:
+class Native:  # a native class: its coroutine methods are coroutine functions
+    async def __call__(self, scope, receive, send):
+        pass
+
     @classmethod
     def make(cls):
         return _new(cls)

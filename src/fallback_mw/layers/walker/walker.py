@@ -59,6 +59,27 @@ from fallback_mw.telemetry import Telemetry
 from fallback_mw.upstream.base import UpstreamClient, UpstreamResponse
 
 
+async def _serve(self: PlanWalker, scope: Scope, receive: Receive, send: Send) -> None:
+    """`PlanWalker.__call__`."""
+    if self._refusal is not None:
+        await self._refusal(scope, receive, send)
+        return
+    context = get_context(scope)
+    if context is None:
+        if scope["type"] == "lifespan" and self._owns_services:
+            await self.services.lifespan(self.app, scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+        return
+    if context.credentials is None:
+        apply_hygiene(
+            context, scope.get("headers", ()), self._credentials.credentials(context.upstreams)
+        )
+    # The resolver owns the request span when it has telemetry; used alone, the walker.
+    with self.telemetry.request(context, scope.get("headers", ())):
+        await _Walk(self, context, scope, receive, send).run()
+
+
 @python_class  # weakly referenced: a Python class under mypyc
 class PlanWalker:
     _refusal: ConfigRefusal | None = None  # a configuration that did not load
@@ -114,24 +135,10 @@ class PlanWalker:
         # Used alone (no injector in front): the same hygiene, from the same function.
         self._credentials = CredentialCache(environ)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self._refusal is not None:
-            await self._refusal(scope, receive, send)
-            return
-        context = get_context(scope)
-        if context is None:
-            if scope["type"] == "lifespan" and self._owns_services:
-                await self.services.lifespan(self.app, scope, receive, send)
-                return
-            await self.app(scope, receive, send)
-            return
-        if context.credentials is None:
-            apply_hygiene(
-                context, scope.get("headers", ()), self._credentials.credentials(context.upstreams)
-            )
-        # The resolver owns the request span when it has telemetry; used alone, the walker.
-        with self.telemetry.request(context, scope.get("headers", ())):
-            await _Walk(self, context, scope, receive, send).run()
+    # A module function, not an `async def` here: compiled (scripts/compile.py), a Python
+    # class's coroutine method is no coroutine function to `inspect`, and uvicorn or
+    # hypercorn serving the walker directly took it for an ASGI 2 app (every request a 500).
+    __call__ = _serve
 
     async def aclose(self) -> None:
         """Close the services it built (handed ones are their builder's to close)."""
