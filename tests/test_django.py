@@ -458,6 +458,21 @@ async def test_set_cookie_lines_are_relayed_as_the_upstream_wrote_them(
     ]  # fmt: skip
 
 
+@pytest.mark.anyio
+async def test_djangos_async_client_is_routed_with_its_query_string(
+    django_site: Any, closing: None
+) -> None:
+    # Django's AsyncClient puts the query string in the scope as text, not bytes as ASGI
+    # says (Django's own handler takes either): a routed request with one was a 500
+    # (TypeError in the method-override check), and with none, compiled, too.
+    async with upstream(status_handler(200, b"ok")) as primary, upstream(status_handler(200)) as b:
+        django_site(keyless_config(primary, b))
+        plain = await AsyncClient().get("/v1/cookie")
+        queried = await AsyncClient().get("/v1/cookie?page=2&q=x")
+    assert (plain.status_code, queried.status_code) == (200, 200), queried.content
+    assert [r.query for r in primary.received] == ["", "page=2&q=x"]
+
+
 # --- the bridge driven directly, with Django request objects ----------------------------
 
 

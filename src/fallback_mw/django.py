@@ -237,6 +237,11 @@ class GatewayMiddleware:
         queue: asyncio.Queue[Message | End] = asyncio.Queue(maxsize=1)
         exchange = Exchange(request=request, queue=queue)
         scope = {**base_scope, _EXCHANGE_KEY: exchange}
+        query = scope.get("query_string")
+        if isinstance(query, str):
+            # Django's AsyncClient writes it as text; ASGI (and the gateway) reads bytes.
+            # UTF-8, as Django's own handler decodes bytes.
+            scope["query_string"] = query.encode()
         headers = _identity_as_django_has_it(base_scope.get("headers", ()), request, self._identity)
         if headers is not None:
             scope["headers"] = headers
