@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from typing import Any
+from typing import Any, Final
 
 from fallback_mw.request.codings import BodyDecoder, content_decoder
 from fallback_mw.request.context import Usage
@@ -57,7 +57,7 @@ class UsageMeter:
     usage is seen, so telemetry reading the context after the walk sees it."""
 
     # Decoded bytes read from a compressed body at most (a decompression bomb costs this).
-    MAX_DECODED = 16 * 1024 * 1024
+    MAX_DECODED: Final = 16 * 1024 * 1024  # Final: a class constant when compiled too
 
     def __init__(self, target: Usage, *, json_cap: int = DEFAULT_JSON_CAP) -> None:
         self.target = target
