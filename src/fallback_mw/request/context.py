@@ -275,6 +275,9 @@ class RequestContext:
         found = (self.credentials or {}).get(upstream, ())
         return found[index] if 0 <= index < len(found) else None
 
+    def has_credential(self, upstream: str, index: int) -> bool:
+        return self.credential(upstream, index) is not None
+
     @property
     def attempt_count(self) -> int:
         return len(self.attempts)

@@ -238,7 +238,9 @@ class _Walk:
         self.cursor = CandidateCursor(
             context.candidates, context.upstreams, walker.health,
             affinity_key(self.route.id, context.request_model, context.session),
-            lambda n, i: context.credential(n, i) is not None,
+            # A method of the context, not a lambda: compiled, a lambda holds the whole
+            # of this method's locals (`self` too), and the walk holds its cursor.
+            context.has_credential,
             skip_recorder(context, walker.telemetry),  # no cycle back to self
             attempts.gate,
         )  # fmt: skip
