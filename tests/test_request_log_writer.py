@@ -350,6 +350,37 @@ def test_a_line_logged_just_before_exit_is_written_after_uvicorn_configured_logg
     assert "the last line outcome=cancelled" in done.stderr
 
 
+def test_a_line_logged_by_an_exit_callback_is_written_and_raises_nothing() -> None:
+    """Python 3.12 starts no thread once the interpreter is exiting (atexit callbacks
+    included): serve's exit flush failed with 'Exception ignored in atexit callback ...
+    RuntimeError: can't create new thread at interpreter shutdown' after every serve, and a
+    line logged by a program's own exit callback (no writer thread running yet) raised that
+    RuntimeError in the caller. Both lines are written, with no traceback, on every
+    Python."""
+    import subprocess
+    import sys
+
+    script = (
+        "import atexit, logging\n"
+        "from fallback_mw.cli.serve import configure_logging\n"
+        "configure_logging()\n"
+        "request = logging.getLogger('fallback_mw.request')\n"
+        "def at_exit():\n"
+        "    try:\n"
+        "        request.warning('logged at exit')\n"
+        "    except Exception as exc:\n"
+        "        print('the caller got', type(exc).__name__)\n"
+        "atexit.register(at_exit)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "the caller got" not in done.stdout, done.stdout
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
+    assert done.stderr.count("logged at exit") == 1, done.stderr
+
+
 def test_the_exit_flush_is_quiet_when_the_stream_was_closed_under_it(tmp_path: Path) -> None:
     """A program that gave serve's handler its own file and closed it (the layer benchmark
     did) got 'Exception ignored in atexit callback ... I/O operation on closed file' from

@@ -9,10 +9,11 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import queue
 import select
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import IO
 
 _request_logger = logging.getLogger("fallback_mw.request")
@@ -166,6 +167,7 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
             # (the last 0.1 s: the requests a stop cut, the last ones served) were lost.
             atexit.register(flush_request_lines)
         _installed = self
+        _exit_writer()  # now: the exit cannot start it (Python 3.12)
 
     def write_line(self, level: int, message: str) -> None:
         """The request line, as `emit` would write its record (serve's format)."""
@@ -204,7 +206,13 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
                 self._writer = threading.Thread(
                     target=self._write_periodically, name="fallback-mw-log", daemon=True
                 )
-                self._writer.start()
+                try:
+                    self._writer.start()
+                except RuntimeError:
+                    # A line logged at exit (an atexit callback) on Python 3.12, which
+                    # starts no thread then: the line waits for the exit flush (or
+                    # logging.shutdown's), never raises in the caller.
+                    self._writer = None
 
     def _write_periodically(self) -> None:
         me = threading.current_thread()
@@ -338,16 +346,57 @@ def flush_request_lines(timeout: float = EXIT_FLUSH_SECONDS) -> None:
     handlers = [h for h in (_installed, *_queued) if h is not None]
     if not handlers:
         return
+    written = threading.Event()
 
     def write_all() -> None:
-        for handler in handlers:
-            handler.flush()
+        try:
+            for handler in handlers:
+                handler.flush()
+        finally:
+            written.set()
 
-    writer = threading.Thread(target=write_all, name="fallback-mw-log-exit", daemon=True)
-    writer.start()
-    writer.join(timeout)
-    if writer.is_alive():
+    try:
+        _exit_writer().put(write_all)
+    except RuntimeError:  # no thread to write on (Python 3.12 at exit, in a forked child)
+        write_all()
+    if not written.wait(timeout):
         # logging.shutdown flushes uvicorn's handlers next (in logging's list, where
         # dictConfig left serve's own out): they would wait for the stuck write for ever.
         for handler in _queued:
             handler.gave_up = True
+
+
+# The thread the exit's flush writes on (flush_request_lines), started with serve's
+# handler: Python 3.12 starts no thread once the interpreter is exiting (atexit callbacks
+# included: "RuntimeError: can't create new thread at interpreter shutdown", and the last
+# lines were lost). Idle until then; one per process (a forked child starts its own).
+_exit_lock = threading.Lock()
+_exit_jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+_exit_thread: threading.Thread | None = None
+
+
+def _exit_writer() -> queue.SimpleQueue[Callable[[], None]]:
+    """The queue of the exit's writer thread, started if it is not running (RuntimeError
+    when no thread can start)."""
+    global _exit_thread
+    with _exit_lock:
+        if _exit_thread is None or not _exit_thread.is_alive():
+            thread = threading.Thread(
+                target=_write_at_exit, name="fallback-mw-log-exit", daemon=True
+            )
+            thread.start()
+            _exit_thread = thread
+    return _exit_jobs
+
+
+def _write_at_exit() -> None:
+    while True:
+        _exit_jobs.get()()
+
+
+def _forget_exit_writer() -> None:  # in a forked child: the thread, its lock and queue stayed
+    global _exit_lock, _exit_jobs, _exit_thread
+    _exit_lock, _exit_jobs, _exit_thread = threading.Lock(), queue.SimpleQueue(), None
+
+
+os.register_at_fork(after_in_child=_forget_exit_writer)
