@@ -473,6 +473,23 @@ async def test_djangos_async_client_is_routed_with_its_query_string(
     assert [r.query for r in primary.received] == ["", "page=2&q=x"]
 
 
+def test_a_relayed_set_cookie_line_is_the_same_whichever_way_django_writes_it() -> None:
+    """Django 5 writes a response's cookies with `Morsel.output(header="")`, Django 6 (what
+    pip installs on Python 3.12 and later) with `Morsel.OutputString()`, which wrote only
+    `name=value`: every relayed cookie lost its Path, Secure, HttpOnly, SameSite and
+    expiry. Both give the line as the upstream wrote it."""
+    from django.http import StreamingHttpResponse
+
+    from fallback_mw.django_exchange import _copy_headers
+
+    line = "chips=1; Path=/; Secure; HttpOnly; SameSite=None; Partitioned"
+    response = StreamingHttpResponse(iter(()))
+    _copy_headers([(b"set-cookie", line.encode())], response)
+    (morsel,) = response.cookies.values()
+    assert morsel.output(header="").strip() == line
+    assert morsel.OutputString() == line
+
+
 # --- the bridge driven directly, with Django request objects ----------------------------
 
 

@@ -189,7 +189,10 @@ class _RelayedCookie(Morsel[str]):
         self._key, self._value, self._coded_value = name.strip(), value.strip(), value.strip()
 
     def output(self, attrs: Container[str] | None = None, header: str = "Set-Cookie:") -> str:
-        return f"{header} {self.raw}"
+        return f"{header} {self.raw}"  # Django 5 writes the header with this
+
+    def OutputString(self, attrs: Container[str] | None = None) -> str:
+        return self.raw  # Django 6 with this
 
 
 def _copy_headers(headers: Any, response: StreamingHttpResponse) -> None:
