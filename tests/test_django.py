@@ -490,6 +490,28 @@ def test_a_relayed_set_cookie_line_is_the_same_whichever_way_django_writes_it() 
     assert morsel.OutputString() == line
 
 
+@pytest.mark.anyio
+async def test_an_aborted_response_is_quiet_in_django_6s_handler() -> None:
+    """Django 6 (what pip installs on Python 3.12 and later) sends a response inside an
+    asyncio.TaskGroup and lets only RequestAborted (a client gone) end it quietly; the
+    TaskGroup wraps any other exception, a CancelledError subclass included, in a group
+    that Django raised to the server: every stream the gateway aborted printed 'Exception
+    in ASGI application' and a traceback under uvicorn, granian and the rest. This is
+    Django 6's shape (Django 5 takes it as a CancelledError)."""
+    from django.core.exceptions import RequestAborted
+
+    async def client_listener() -> None:
+        await asyncio.sleep(30)
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            group.create_task(client_listener())
+            raise GatewayAborted("the gateway aborted the response")
+    except* RequestAborted:
+        pass
+    assert issubclass(GatewayAborted, asyncio.CancelledError)  # Django 5's quiet path
+
+
 # --- the bridge driven directly, with Django request objects ----------------------------
 
 

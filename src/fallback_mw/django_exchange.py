@@ -18,7 +18,7 @@ from typing import Any
 from fallback_mw.extras import missing_extra
 
 try:
-    from django.core.exceptions import ImproperlyConfigured
+    from django.core.exceptions import ImproperlyConfigured, RequestAborted
     from django.http import HttpRequest, StreamingHttpResponse
 except ImportError:
     raise missing_extra("django", "fallback_mw.django") from None
@@ -37,12 +37,14 @@ class End:
         self.error = error
 
 
-class GatewayAborted(asyncio.CancelledError):
+class GatewayAborted(RequestAborted, asyncio.CancelledError):  # type: ignore[misc]  # untyped
     """The Gateway ended a started response without completing it (SPEC §5).
 
-    A CancelledError, which Django's ASGI handler takes for a client gone while the
-    response is sent: it stops sending, quietly (no traceback per abort), and returns
-    without the final body message. Before raising it, the adapter breaks the server's
+    A CancelledError, which Django 5's ASGI handler takes for a client gone while the
+    response is sent, and a RequestAborted, which Django 6's takes so (its TaskGroup
+    wraps a CancelledError subclass in a group, which it raised to the server): it stops
+    sending, quietly (no traceback per abort), and returns without the final body
+    message. Before raising it, the adapter breaks the server's
     connection itself (request/abort.py), as the Gateway does when it is the outermost
     ASGI app: a server left to itself may keep the connection open (daphne) or log an
     error line (uvicorn)."""
