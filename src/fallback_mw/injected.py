@@ -167,6 +167,10 @@ def _called(app: Callable[..., object]) -> Callable[..., object]:
     for base in type(app).__mro__:
         found = vars(base).get("__call__")
         if found is not None:
+            if isinstance(found, functools.partial) and sys.version_info < (3, 14):
+                # Called as it is before 3.14; asking its __get__ warned on 3.13
+                # (FutureWarning: "will be a method descriptor"), an error under -W error.
+                return found
             bind = getattr(type(found), "__get__", None)
             return found if bind is None else bind(found, app, type(app))  # type: ignore[no-any-return]
     return app
