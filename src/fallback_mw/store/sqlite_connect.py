@@ -44,6 +44,9 @@ def connect_wal(
             if "locked" not in str(exc) or time.monotonic() >= deadline:
                 conn.close()
                 raise
+        except BaseException:  # "file is not a database": closed, not left to the GC
+            conn.close()
+            raise
         time.sleep(delay)
         delay = min(delay * 2, 0.1)
 
