@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -118,6 +119,19 @@ def documented_rules() -> set[str]:
     text = (Path(__file__).resolve().parent.parent / "docs" / "failover.md").read_text()
     table = text.split("| `rule` | the walk ended because |", 1)[1].split("\n\n", 1)[0]
     return {line.split("`")[1] for line in table.splitlines()[2:] if line.startswith("| `")}
+
+
+@contextmanager
+def sqlite_db(path: str | Path, **options: Any) -> Iterator[sqlite3.Connection]:
+    """`with sqlite3.connect(path) as db:` (committed at its end, rolled back on an
+    error), and closed: a connection's own `with` never closes it, which Python 3.13
+    reports as a ResourceWarning (an error in this suite)."""
+    db = sqlite3.connect(path, **options)
+    try:
+        with db:
+            yield db
+    finally:
+        db.close()
 
 
 def log_text(log: Path) -> str:

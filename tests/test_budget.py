@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sqlite3
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
@@ -20,6 +19,7 @@ from fallback_mw.request.usage import UsageMeter
 from fallback_mw.store.ledgers import open_ledger
 from fallback_mw.store.ledgers.memory import MemoryLedger
 from fallback_mw.store.ledgers.schema import LATEST_VERSION
+from tests.helpers import sqlite_db
 
 SSE = b"text/event-stream; charset=utf-8"
 JSON = b"application/json"
@@ -345,7 +345,7 @@ async def test_schema_version_recorded_and_too_new_refused(tmp_path: Path) -> No
     ledger = open_ledger(f"sqlite:///{path}")
     await ledger.hold("acme", BUDGET, Decimal("0.01"))
     await ledger.aclose()
-    with sqlite3.connect(path) as conn:
+    with sqlite_db(path) as conn:
         rows = conn.execute("SELECT component, version FROM fmw_schema").fetchall()
         assert rows == [("ledger", LATEST_VERSION)]
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import sqlite3
 import subprocess
 import sys
 import unicodedata
@@ -21,6 +20,7 @@ from fallback_mw.cli import main
 from fallback_mw.cli.usage import parse_since
 from fallback_mw.config import BudgetConfig
 from fallback_mw.store.ledgers import open_ledger
+from tests.helpers import sqlite_db
 
 FALLBACK_MW = str(Path(sys.executable).with_name("fallback-mw"))
 
@@ -374,7 +374,7 @@ def test_usage_reads_past_a_record_it_cannot_read_whole(
 
     anyio.run(good)
     now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-    with sqlite3.connect(path) as db:
+    with sqlite_db(path) as db:
         db.executemany(
             "INSERT INTO fmw_usage (at, request_id, route, tenant, candidates, attempts, "
             "outcome, status, input_tokens, cost_units, duration_ms) "
@@ -460,7 +460,7 @@ async def test_budgets_show_of_one_budget_reads_past_another_row_it_cannot_read(
         await ledger.set_budget("other", BudgetConfig(limit=Decimal(7), window="day"))
     finally:
         await ledger.aclose()
-    with sqlite3.connect(path) as db:
+    with sqlite_db(path) as db:
         db.execute("UPDATE fmw_budgets SET window_kind = 'fortnight' WHERE budget_id = 'acme'")
     capsys.readouterr()
     assert await cli("budgets", "show", "--store", store, "--budget", "other") == 0

@@ -4,7 +4,6 @@ tmp_path and the real PostgreSQL. Upstreams are real aiohttp servers on 127.0.0.
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
 from decimal import Decimal
 from pathlib import Path
@@ -20,7 +19,7 @@ from fallback_mw.config import BudgetConfig, RouteConfig
 from fallback_mw.layers.guard import charge
 from fallback_mw.request.context import AttemptRecord, RequestContext
 from fallback_mw.store.ledgers import open_ledger
-from tests.helpers import client_for
+from tests.helpers import client_for, sqlite_db
 from tests.upstreams import Handler, free_port, host_app, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
@@ -489,7 +488,7 @@ async def test_a_stored_budget_this_version_cannot_read_fails_closed_not_a_bare_
         await ledger.set_budget("acme", BudgetConfig(limit=Decimal(1), window="day"))
     finally:
         await ledger.aclose()
-    with sqlite3.connect(path) as db:
+    with sqlite_db(path) as db:
         db.execute("UPDATE fmw_budgets SET window_kind = 'fortnight'")
 
     async def cli(*argv: str) -> int:

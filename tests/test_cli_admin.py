@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import sqlite3
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -21,7 +20,7 @@ from fallback_mw import ConfigError, Gateway, load_config
 from fallback_mw.cli import main
 from fallback_mw.store.model import StoredRoute
 from fallback_mw.store.routes import open_store
-from tests.helpers import client_for
+from tests.helpers import client_for, sqlite_db
 from tests.upstreams import Upstream, host_app, silent_server, status_handler, upstream
 
 # The console script pip installed next to this interpreter: the shipped entry point.
@@ -640,7 +639,7 @@ def test_routes_list_shows_what_it_can_and_says_what_the_gateways_refuse(
     assert run_cli(*add, "--id", "items", "--upstream", "http://127.0.0.1:9005")[0] == 0
     assert run_cli(*add, "--id", "broken", "--upstream", "http://127.0.0.1:9006")[0] == 0
     path = store_url.removeprefix("sqlite:///")
-    with sqlite3.connect(path) as conn:
+    with sqlite_db(path) as conn:
         conn.execute("UPDATE fmw_routes SET doc = '{\"route\": 1}' WHERE id = 'broken'")
     items = "items\tstore\t/api/\tretries=0\titems-primary=http://127.0.0.1:9005\n"
     assert run_cli("routes", "list", "--store", store_url) == (
@@ -685,7 +684,7 @@ def test_a_fault_is_set_while_a_store_record_does_not_load(store_url: str) -> No
     urls = ["--upstream", "http://127.0.0.1:9005", "--fallback", "http://127.0.0.1:9006"]
     assert run_cli(*add, "--id", "chat", *urls)[0] == 0
     assert run_cli(*add, "--id", "broken", *urls)[0] == 0
-    with sqlite3.connect(store_url.removeprefix("sqlite:///")) as conn:
+    with sqlite_db(store_url.removeprefix("sqlite:///")) as conn:
         conn.execute("UPDATE fmw_routes SET doc = 'not json' WHERE id = 'broken'")
     pin = ["faults", "set", "pin", "--store", store_url, "--ttl", "600"]
     status, out, err = run_cli(*pin, "--route", "chat", "--candidate", "chat-fallback")
@@ -1130,7 +1129,7 @@ def test_a_record_holding_another_routes_id_is_refused_by_its_own_id(store_url: 
     add = ["routes", "add", "--store", store_url, "--id", "seed", "--prefix", "/s/"]
     assert run_cli(*add, "--upstream", "http://127.0.0.1:9005")[0] == 0
     path = store_url.removeprefix("sqlite:///")
-    with sqlite3.connect(path) as conn:
+    with sqlite_db(path) as conn:
         for row, prefix in (("a", "/e/"), ("b", "/f/")):
             doc = (
                 '{"route": {"id": "x", "plan": ["' + row + '-p"], "prefix": "' + prefix + '"},'

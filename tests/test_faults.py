@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -20,7 +19,7 @@ from fallback_mw import Gateway
 from fallback_mw.store.faults import FaultSnapshot, StoreFaults
 from fallback_mw.store.model import Fault
 from fallback_mw.telemetry import Telemetry
-from tests.helpers import client_for
+from tests.helpers import client_for, sqlite_db
 from tests.test_cli_admin import cli, expires_at, gateway_config, host_app
 from tests.upstreams import Upstream, status_handler, upstream
 
@@ -409,7 +408,7 @@ async def test_a_fault_row_written_by_hand_is_skipped_and_named(
         ("upstream", "\nx\x1b[2J", "fail", None, 9e9),
         ("route", "chat", "pin", None, 9e9),
     ]
-    with sqlite3.connect(store_url.removeprefix("sqlite:///")) as conn:
+    with sqlite_db(store_url.removeprefix("sqlite:///")) as conn:
         conn.executemany("INSERT INTO fmw_faults VALUES (?, ?, ?, ?, ?)", rows)
     status, out, err = await cli("faults", "list", "--store", store_url)
     assert status == 0, err
@@ -484,7 +483,7 @@ async def test_faults_set_replaces_a_fault_row_written_by_hand(any_store: str) -
     setup = ("faults", "set", "fail", "--store", any_store, "--upstream", "q", "--ttl", "5")
     assert (await cli(*setup))[0] == 0  # the store's tables, as a first command makes them
     if any_store.startswith("sqlite:///"):
-        with sqlite3.connect(any_store.removeprefix("sqlite:///")) as conn:
+        with sqlite_db(any_store.removeprefix("sqlite:///")) as conn:
             conn.execute("INSERT INTO fmw_faults VALUES (?, ?, ?, ?, ?)", row)
     else:
         conn = await asyncpg.connect(any_store)

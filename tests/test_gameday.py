@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import sqlite3
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -18,6 +17,7 @@ from fallback_mw.cli import main
 from fallback_mw.cli.game_day.observe import judge, observe, windowed
 from fallback_mw.cli.game_day.spec import SpecError, parse_abort, parse_duration, parse_prediction
 from fallback_mw.store.routes import Fault, open_store
+from tests.helpers import sqlite_db
 
 # --- spec -----------------------------------------------------------------------------
 
@@ -1442,7 +1442,7 @@ def test_refuses_when_the_ledger_cannot_be_read_and_sets_nothing(
     assert (
         main(["budgets", "set", "--store", f"sqlite:///{db}", "--budget", "b", "--limit", "1"]) == 0
     )
-    with sqlite3.connect(db) as conn:
+    with sqlite_db(db) as conn:
         conn.execute("UPDATE fmw_schema SET version = version + 1 WHERE component = 'ledger'")
     argv = [
         *BASE, "--config", store, "--out", str(tmp_path / "r.json"),
@@ -1452,7 +1452,7 @@ def test_refuses_when_the_ledger_cannot_be_read_and_sets_nothing(
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1, err
     assert "ledger schema is version" in err and "nothing set" in err, err
-    with sqlite3.connect(db) as conn:  # no fault was ever written, not even for a moment
+    with sqlite_db(db) as conn:  # no fault was ever written, not even for a moment
         assert conn.execute(
             "SELECT serial FROM fmw_route_changes WHERE name = 'faults'"
         ).fetchone() == (0,)

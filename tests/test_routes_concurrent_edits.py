@@ -13,6 +13,7 @@ import pytest
 
 from fallback_mw.store.model import StoredRoute
 from fallback_mw.store.routes import open_store
+from tests.helpers import sqlite_db
 from tests.test_cli_admin import FALLBACK_MW, cli
 
 PRIMARY = "http://127.0.0.1:21401"
@@ -146,9 +147,7 @@ async def test_a_conditional_replace_writes_only_over_the_record_it_read(
 async def _exec(store_url: str, *statements: str) -> None:
     """DDL straight on the store's database (SQLite file or PostgreSQL)."""
     if store_url.startswith("sqlite:"):
-        import sqlite3
-
-        with sqlite3.connect(store_url.removeprefix("sqlite:///")) as conn:
+        with sqlite_db(store_url.removeprefix("sqlite:///")) as conn:
             for statement in statements:
                 conn.execute(statement)
         return

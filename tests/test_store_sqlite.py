@@ -17,7 +17,7 @@ from fallback_mw.config import ConfigError, GatewayConfig, RouteConfig, Upstream
 from fallback_mw.store.model import StoredRoute, StoreError
 from fallback_mw.store.routes import merge_routes
 from fallback_mw.store.sqlite import SqliteStore
-from tests.helpers import client_for
+from tests.helpers import client_for, sqlite_db
 from tests.test_cli_admin import FALLBACK_MW, cli, gateway_config, host_app, run_cli
 
 
@@ -35,7 +35,7 @@ async def test_schema_version_wal_and_newer_schema_refused(tmp_path: Path) -> No
     store = SqliteStore(str(path))
     await store.insert_route(stored("a", "http://127.0.0.1:1"))
     assert [s.route.id for s in await store.load_routes()] == ["a"]
-    with sqlite3.connect(path) as conn:
+    with sqlite_db(path) as conn:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         rows = conn.execute("SELECT component, version FROM fmw_schema").fetchall()
         assert ("routes", 1) in rows
@@ -51,7 +51,7 @@ async def test_a_store_file_that_cannot_be_migrated_is_a_store_error(tmp_path: P
     # one line (exit 1) and the gateway refuses to start on. The raw sqlite3 error reached
     # the CLI as "unexpected internal error (OperationalError)".
     odd = tmp_path / "odd.db"
-    with sqlite3.connect(odd) as conn:
+    with sqlite_db(odd) as conn:
         conn.execute("CREATE TABLE fmw_schema (x)")
     for path, reason in ((str(odd), "no such column: version"), ("/dev/null", "")):
         with pytest.raises(StoreError, match=f"cannot open the SQLite store {path}: {reason}"):
@@ -75,7 +75,7 @@ async def test_records_round_trip_and_counters_move_on_every_change(tmp_path: Pa
     assert await store.remove_route("a") is None
     routes_serial, faults_serial = await store.change_serials()
     assert routes_serial == start[0] + 3 and faults_serial == start[1]
-    with sqlite3.connect(tmp_path / "s.db") as conn:  # a hand edit is noticed too
+    with sqlite_db(tmp_path / "s.db") as conn:  # a hand edit is noticed too
         conn.execute("INSERT INTO fmw_routes VALUES ('x', '{}', 0)")
     assert (await store.change_serials())[0] == routes_serial + 1
     with pytest.raises(ConfigError, match="stored route 'x': unreadable"):
@@ -166,7 +166,7 @@ def test_a_ca_file_that_is_a_fifo_is_refused_rather_than_read_forever(tmp_path: 
     upstream = {"url": "https://127.0.0.1:9", "ca_file": str(fifo)}
     doc = {"route": {"id": "a", "prefix": "/a/", "plan": ["a-primary"]},
            "upstreams": {"a-primary": upstream}}  # fmt: skip
-    with sqlite3.connect(store) as conn:
+    with sqlite_db(store) as conn:
         conn.execute("UPDATE fmw_routes SET doc = ? WHERE id = 'a'", (json.dumps(doc),))
     for verb, path in ((("check",), in_file), (("check",), config), (("routes", "list"), config)):
         result = subprocess.run(  # a timeout, not a hang, when it reads the FIFO

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sqlite3
 import subprocess
 import sys
 from datetime import UTC, datetime
@@ -21,7 +20,7 @@ from fallback_mw.store.ledgers.memory import MemoryLedger
 from fallback_mw.store.ledgers.postgres import PostgresLedger
 from fallback_mw.store.ledgers.schema import LATEST_VERSION, encode_sqlite_time, migrations
 from fallback_mw.store.postgres import PostgresStore
-from tests.helpers import client_for, free_port
+from tests.helpers import client_for, free_port, sqlite_db
 from tests.test_cli_admin import cli, run_cli
 from tests.test_cli_convention import assert_one_error_line
 from tests.upstreams import host_app
@@ -47,7 +46,7 @@ ENV = {**os.environ, "FMW_UPGRADE_KEY": "sk-upgrade-never-printed"}
 async def set_schema_version(store: str, component: str, version: int) -> None:
     """As a newer package version leaves the shared `fmw_schema` table."""
     if store.startswith("sqlite:///"):
-        with sqlite3.connect(store.removeprefix("sqlite:///")) as conn:
+        with sqlite_db(store.removeprefix("sqlite:///")) as conn:
             conn.execute(
                 "UPDATE fmw_schema SET version = ? WHERE component = ?", (version, component)
             )
@@ -143,7 +142,7 @@ async def write_ledger_v1(store: str) -> None:
     )  # fmt: skip
     schema = "CREATE TABLE fmw_schema (component TEXT PRIMARY KEY, version INTEGER NOT NULL)"
     if store.startswith("sqlite:///"):
-        with sqlite3.connect(store.removeprefix("sqlite:///")) as conn:
+        with sqlite_db(store.removeprefix("sqlite:///")) as conn:
             for statement in [schema, *steps]:
                 conn.execute(statement)
             conn.execute("INSERT INTO fmw_schema VALUES ('ledger', 1)")
@@ -229,7 +228,7 @@ async def test_check_names_a_stored_budget_this_version_cannot_read(
     )
     assert status == 0, err
     if ledger_store.startswith("sqlite:///"):
-        with sqlite3.connect(ledger_store.removeprefix("sqlite:///")) as conn:
+        with sqlite_db(ledger_store.removeprefix("sqlite:///")) as conn:
             conn.execute("UPDATE fmw_budgets SET limit_units = 5000000000000000000")
     else:
         conn = await asyncpg.connect(ledger_store)
@@ -311,7 +310,7 @@ def test_check_says_how_many_stored_routes_a_newer_version_refuses(tmp_path: Pat
             "route": {"id": route_id, "plan": [name], "prefix": prefix},
             "upstreams": {name: {"auth_env": "FMW_UPGRADE_KEY", "url": url}},
         })  # fmt: skip
-        with sqlite3.connect(db) as conn:
+        with sqlite_db(db) as conn:
             conn.execute("INSERT INTO fmw_routes VALUES (?, ?, 0)", (route_id, doc))
     path = tmp_path / "gateway.toml"
     path.write_text(CONFIG.format(store=store), encoding="utf-8")

@@ -4,7 +4,6 @@ readable with no duration."""
 
 from __future__ import annotations
 
-import sqlite3
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 from fallback_mw.budget import UsageRecord
 from fallback_mw.store.ledgers import open_ledger
 from fallback_mw.store.ledgers.schema import LATEST_VERSION, USAGE_COLUMNS, migrations
+from tests.helpers import sqlite_db
 
 pytestmark = pytest.mark.anyio
 
@@ -48,7 +48,7 @@ def _v1_insert() -> str:
 
 async def test_sqlite_v1_store_migrates(tmp_path: Path) -> None:
     path = tmp_path / "old.db"
-    with sqlite3.connect(path) as conn:
+    with sqlite_db(path) as conn:
         conn.execute(
             "CREATE TABLE fmw_schema (component TEXT PRIMARY KEY, version INTEGER NOT NULL)"
         )
@@ -70,7 +70,7 @@ async def test_sqlite_v1_store_migrates(tmp_path: Path) -> None:
         await ledger.aclose()
     assert (old.request_id, old.duration_ms, old.status, old.rule) == ("old", None, 200, None)
     assert (new.request_id, new.duration_ms) == ("new", 7.0)
-    with sqlite3.connect(path) as conn:
+    with sqlite_db(path) as conn:
         version = conn.execute("SELECT version FROM fmw_schema WHERE component = 'ledger'")
         assert version.fetchone() == (LATEST_VERSION,)
 

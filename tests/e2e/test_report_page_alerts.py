@@ -24,7 +24,7 @@ from fallback_mw.cli import main
 from tests.browser import reading_order
 from tests.conftest import IN_CI
 from tests.e2e.test_prometheus import prometheus, until
-from tests.helpers import free_port
+from tests.helpers import free_port, sqlite_db
 
 pytestmark = [pytest.mark.e2e, pytest.mark.anyio]
 
@@ -37,7 +37,7 @@ def _fault_rows_exporter(db: Path) -> Iterator[str]:
     class Metrics(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             try:
-                with sqlite3.connect(db) as conn:
+                with sqlite_db(db) as conn:
                     rows = conn.execute("SELECT COUNT(*) FROM fmw_faults").fetchone()[0]
             except sqlite3.Error:  # no store yet
                 rows = 0

@@ -4,7 +4,6 @@ on the request path so a hold never sticks and the usage record is never lost.""
 from __future__ import annotations
 
 import json
-import sqlite3
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from fallback_mw.budget.cost import PriceBook, to_units
 from fallback_mw.cli import main
 from fallback_mw.config import BudgetConfig, ConfigError, PriceConfig, load_config
 from fallback_mw.store.ledgers import open_ledger
-from tests.helpers import client_for, http_scope
+from tests.helpers import client_for, http_scope, sqlite_db
 from tests.test_budget_guard import gateway_config, json_handler
 from tests.upstreams import host_app, upstream
 
@@ -266,7 +265,7 @@ async def test_a_budget_row_written_by_hand_fails_closed_naming_its_repair(
     store = f"sqlite:///{tmp_path / 'ledger.db'}"
     set_seed = ["budgets", "set", "--store", store, "--budget", "seed", "--limit", "5"]
     assert await anyio.to_thread.run_sync(main, set_seed) == 0
-    with sqlite3.connect(tmp_path / "ledger.db") as conn:
+    with sqlite_db(tmp_path / "ledger.db") as conn:
         conn.execute("INSERT INTO fmw_budgets VALUES ('x', ?, ?, ?, 't')", row)
     conf = {
         "gateway": {"store": store},

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from fallback_mw.config import ConfigError, load_config
 from fallback_mw.store.sqlite import SqliteStore
+from tests.helpers import sqlite_db
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -315,7 +316,6 @@ def test_a_hand_written_record_no_route_can_be_is_said_and_removable(
     # A record nested some thousand deep made `routes list`, `routes remove` (the repair
     # its own message names) and a gateway's start an internal error (RecursionError); one
     # holding a JSON "\ud800" loaded, and `routes list` failed printing it.
-    import sqlite3
 
     from fallback_mw import Gateway
     from tests.test_cli_admin import run_cli
@@ -325,7 +325,7 @@ def test_a_hand_written_record_no_route_can_be_is_said_and_removable(
     store = f"sqlite:///{path}"
     add = ("routes", "add", "--store", store, "--prefix", "/a/", "--id", "ok")
     assert run_cli(*add, "--upstream", "http://127.0.0.1:9002")[0] == 0
-    with sqlite3.connect(path) as conn:
+    with sqlite_db(path) as conn:
         conn.execute("INSERT INTO fmw_routes VALUES ('odd', ?, 0)", (doc,))
     status, out, err = run_cli("routes", "list", "--store", store)
     assert status == 0 and out.startswith("ok\t") and "stored route 'odd'" in err, err

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import sqlite3
 import time
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from fallback_mw.security.queries import (
     strip_query_keys,
 )
 from fallback_mw.store.model import StoredRoute
-from tests.helpers import client_for
+from tests.helpers import client_for, sqlite_db
 from tests.upstreams import host_app, status_handler, upstream
 
 
@@ -141,7 +140,7 @@ def test_faults_list_never_writes_a_stored_rows_terminal_controls(tmp_path: Path
     store = f"sqlite:///{path}"
     set_ = ["faults", "set", "fail", "--store", store, "--upstream", "primary", "--ttl", "600"]
     assert main(set_, stdout=io.StringIO(), stderr=io.StringIO()) == 0
-    with sqlite3.connect(path) as db:
+    with sqlite_db(path) as db:
         db.execute(
             "UPDATE fmw_faults SET target = ?, kind = ?, candidate = ?",
             ("pri\x1b[2Jmary\nFAKE", "fa\x1b[31mil", "b\tx"),
@@ -207,7 +206,7 @@ def test_faults_list_reads_a_stored_expiry_past_any_calendar(
     store = f"sqlite:///{path}"
     set_ = ["faults", "set", "fail", "--store", store, "--upstream", "primary", "--ttl", "600"]
     assert main(set_, stdout=io.StringIO(), stderr=io.StringIO()) == 0
-    with sqlite3.connect(path) as db:
+    with sqlite_db(path) as db:
         db.execute("UPDATE fmw_faults SET expires_at = ?", (expires_at,))
     out, err = io.StringIO(), io.StringIO()
     assert main(["faults", "list", "--store", store], stdout=out, stderr=err) == 0, err.getvalue()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import sqlite3
 from datetime import datetime
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 from fallback_mw import Gateway
 from fallback_mw.cli import main
 from fallback_mw.store.ledgers.schema import LATEST_VERSION
-from tests.helpers import client_for
+from tests.helpers import client_for, sqlite_db
 from tests.test_cli_admin import gateway_config, wait_for
 from tests.upstreams import host_app, status_handler, upstream
 
@@ -51,7 +50,7 @@ async def test_a_record_that_is_not_utf8_is_named_removable_and_stops_no_fault(
         try:
             async with client_for(gateway) as client:
                 assert (await client.get("/v1/x")).text == "chat"
-                with sqlite3.connect(path) as db:
+                with sqlite_db(path) as db:
                     (doc,) = db.execute("SELECT doc FROM fmw_routes WHERE id = 'other'").fetchone()
                     bad = doc.encode().replace(b"/o/", b"/o\xff/")
                     db.execute(
@@ -96,7 +95,7 @@ def test_a_fault_row_that_is_not_utf8_is_named_not_a_store_error(tmp_path: Path)
     for name in ("one", "two"):
         fail = ["faults", "set", "fail", "--store", store, "--upstream", name, "--ttl", "600"]
         assert cli(*fail)[0] == 0
-    with sqlite3.connect(path) as db:
+    with sqlite_db(path) as db:
         db.execute(
             "UPDATE fmw_faults SET target = CAST(? AS TEXT) WHERE target = 'two'", (b"t\xfeo",)
         )
@@ -154,7 +153,7 @@ def test_budgets_show_reads_hand_edited_ledger_rows(tmp_path: Path) -> None:
     status, out, err = cli("budgets", "show", "--store", store)
     assert status == 0, err
     period = out.splitlines()[1].split()[2]
-    with sqlite3.connect(path) as db:
+    with sqlite_db(path) as db:
         windows = "INSERT INTO fmw_budget_windows VALUES (?, ?, ?, ?)"
         db.execute(windows, ("acme", period, "a lot", b"\xff"))
         db.execute(windows, (b"blob\xff", period, 5_000_000, 0))
@@ -180,7 +179,7 @@ async def test_a_fault_row_under_the_other_scope_is_named_not_applied(ledger_sto
     fail = ["faults", "set", "fail", "--store", store, "--upstream", "primary", "--ttl", "600"]
     assert (await acli(*fail))[0] == 0
     if store.startswith("sqlite:"):
-        with sqlite3.connect(store.removeprefix("sqlite:///")) as db:
+        with sqlite_db(store.removeprefix("sqlite:///")) as db:
             db.execute("UPDATE fmw_faults SET scope = 'route'")
     else:
         conn = await asyncpg.connect(store)
@@ -206,7 +205,7 @@ async def test_a_command_named_for_an_id_that_starts_with_a_dash_runs(tmp_path: 
     store = f"sqlite:///{path}"
     add = ["routes", "add", "--store", store, "--id=-x", "--prefix", "/x/"]
     assert (await acli(*add, "--upstream", "http://127.0.0.1:9001"))[0] == 0
-    with sqlite3.connect(path) as db:
+    with sqlite_db(path) as db:
         db.execute("UPDATE fmw_routes SET doc = replace(doc, '\"/x/\"', '7')")
     status, _, err = await acli("routes", "list", "--store", store)
     assert status == 0 and "(`fallback-mw routes remove --id=-x` takes it out)" in err, err
@@ -238,7 +237,7 @@ async def test_capacity_leaves_out_a_usage_record_whose_time_is_no_time(tmp_path
     path = tmp_path / "gateway.db"
     store = f"sqlite:///{path}"
     await seed(store)
-    with sqlite3.connect(path) as db:
+    with sqlite_db(path) as db:
         db.execute(
             "INSERT INTO fmw_usage (at, request_id, route, tenant, candidates, attempts, "
             "input_tokens) VALUES ('garbage', 'g', 'chat', 't', '[]', '[\"x\"]', 9000000)"
@@ -268,7 +267,7 @@ async def test_a_schema_version_no_version_writes_is_named_not_an_internal_error
         edits += [("routes", "abc"), ("ledger", "2.5")]
     for component, version in edits:
         if store.startswith("sqlite:"):
-            with sqlite3.connect(store.removeprefix("sqlite:///")) as db:
+            with sqlite_db(store.removeprefix("sqlite:///")) as db:
                 db.execute("UPDATE fmw_schema SET version = ? WHERE component = ?",
                            (version, component))  # fmt: skip
         else:
@@ -289,7 +288,7 @@ async def test_a_schema_version_no_version_writes_is_named_not_an_internal_error
         await gateway.aclose()
         restore = 1 if component == "routes" else LATEST_VERSION
         if store.startswith("sqlite:"):
-            with sqlite3.connect(store.removeprefix("sqlite:///")) as db:
+            with sqlite_db(store.removeprefix("sqlite:///")) as db:
                 db.execute("UPDATE fmw_schema SET version = ? WHERE component = ?",
                            (restore, component))  # fmt: skip
         else:
@@ -313,7 +312,7 @@ async def test_a_change_counter_edited_to_text_stops_no_gateway(tmp_path: Path) 
     async with upstream(status_handler(200, b"one")) as one:
         add = ["routes", "add", "--store", store, "--upstream", one.url, "--prefix"]
         assert (await acli(*add, "/one/", "--id", "one"))[0] == 0
-        with sqlite3.connect(path) as db:
+        with sqlite_db(path) as db:
             db.execute("UPDATE fmw_route_changes SET serial = 'edited'")
         gateway = Gateway(host_app, config=gateway_config(store))
         assert gateway.config_error is None, gateway.config_error
@@ -383,7 +382,7 @@ async def test_a_stale_hold_edited_by_hand_is_no_bare_500(tmp_path: Path) -> Non
     store = f"sqlite:///{path}"
     budget = ["budgets", "set", "--store", store, "--budget", "acme", "--limit", "10"]
     assert (await acli(*budget))[0] == 0
-    with sqlite3.connect(path) as db:
+    with sqlite_db(path) as db:
         db.execute(
             "INSERT INTO fmw_budget_holds VALUES "
             "('h1', 'acme', '2026-12', 'abc', '2000-01-01T00:00:00.000000Z')"
@@ -414,7 +413,7 @@ def test_a_name_of_megabytes_is_quoted_by_its_start(tmp_path: Path) -> None:
     huge = "k" * 1_000_000
     add = ["routes", "add", "--store", store, "--upstream", "http://127.0.0.1:9001"]
     assert cli(*add, "--id", "a", "--prefix", "/a/")[0] == 0
-    with sqlite3.connect(path) as db:
+    with sqlite_db(path) as db:
         (doc,) = db.execute("SELECT doc FROM fmw_routes").fetchone()
         db.execute(
             "UPDATE fmw_routes SET doc = ?", (doc.replace('"plan"', f'"{huge}": 1, "plan"'),)
@@ -422,7 +421,7 @@ def test_a_name_of_megabytes_is_quoted_by_its_start(tmp_path: Path) -> None:
     status, _, err = cli("routes", "list", "--store", store)
     assert status == 0 and len(err) < 400, err[:400]
     assert f"unknown key '{'k' * 60}...(1000000 characters)'" in err
-    with sqlite3.connect(path) as db:
+    with sqlite_db(path) as db:
         db.execute("UPDATE fmw_routes SET doc = ?", (doc.replace('a-primary"]', f'{huge}"]'),))
     status, _, err = cli("routes", "list", "--store", store)
     assert status == 0 and len(err) < 600, err[:600]
@@ -455,7 +454,7 @@ async def test_a_hold_edited_up_never_leaves_the_budget_unlimited(ledger_store: 
         ),
     ]
     if store.startswith("sqlite:"):
-        with sqlite3.connect(store.removeprefix("sqlite:///")) as db:
+        with sqlite_db(store.removeprefix("sqlite:///")) as db:
             for sql, values in rows:
                 db.execute(sql.format(*"?" * len(values)), values)
     else:
@@ -494,13 +493,13 @@ def test_a_route_key_or_upstream_key_of_megabytes_is_quoted_by_its_start(tmp_pat
     store = f"sqlite:///{path}"
     add = ["routes", "add", "--store", store, "--upstream", "http://127.0.0.1:9001"]
     assert cli(*add, "--id", "a", "--prefix", "/a/")[0] == 0
-    with sqlite3.connect(path) as db:
+    with sqlite_db(path) as db:
         db.execute("UPDATE fmw_routes SET id = ?", ("k" * 1_000_000,))
     status, _, err = cli("routes", "list", "--store", store)
     assert status == 0 and len(err) < 600, err[:600]
     assert f"stored route '{'k' * 60}...(1000000 characters)'" in err
     assert "its record holds route 'a'" in err
-    with sqlite3.connect(path) as db:  # and an upstream's key in the record
+    with sqlite_db(path) as db:  # and an upstream's key in the record
         db.execute("UPDATE fmw_routes SET id = 'a'")
         (doc,) = db.execute("SELECT doc FROM fmw_routes").fetchone()
         db.execute(

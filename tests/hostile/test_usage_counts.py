@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import sqlite3
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from fallback_mw.budget import UsageRecord
 from fallback_mw.cli import main
 from fallback_mw.store.ledgers import open_ledger
 from fallback_mw.tokens import MAX_TOKENS
+from tests.helpers import sqlite_db
 
 pytestmark = pytest.mark.anyio
 
@@ -103,7 +103,7 @@ def test_a_token_count_edited_to_a_number_no_integer_holds_is_no_internal_error(
             await ledger.aclose()
 
     asyncio.run(seed())
-    with sqlite3.connect(tmp_path / "gateway.db") as db:
+    with sqlite_db(tmp_path / "gateway.db") as db:
         db.execute("UPDATE fmw_usage SET input_tokens = 9e999 WHERE request_id = 'r1'")
         db.execute("UPDATE fmw_usage SET input_tokens = 2.5 WHERE request_id = 'r2'")
     out, err = io.StringIO(), io.StringIO()
@@ -169,7 +169,7 @@ def test_a_usage_record_whose_text_is_not_utf8_is_listed_not_a_ledger_error(
             await ledger.aclose()
 
     asyncio.run(seed())
-    with sqlite3.connect(tmp_path / "gateway.db") as db:
+    with sqlite_db(tmp_path / "gateway.db") as db:
         db.execute(
             "UPDATE fmw_usage SET tenant = CAST(? AS TEXT), model = ? WHERE request_id = 'r1'",
             (b"caf\xe9", b"\xff\x00blob"),
