@@ -443,7 +443,7 @@ async def test_token_peaks_past_2_to_the_53_stay_exact(
 async def test_token_sums_past_2_to_the_63_still_answer(tmp_path: Path) -> None:
     # Counts edited by hand to near 2^63: an exact sum would overflow SQLite's integers
     # ("integer overflow"); the peaks are then summed approximately, never refused.
-    import sqlite3
+    from tests.helpers import sqlite_db
 
     path = tmp_path / "ledger.db"
     ledger = open_ledger(f"sqlite:///{path}")
@@ -454,7 +454,7 @@ async def test_token_sums_past_2_to_the_63_still_answer(tmp_path: Path) -> None:
                 UsageRecord(request_id=f"h{i}", route="chat", tenant="t", at=at,
                             input_tokens=1, output_tokens=0)
             )  # fmt: skip
-        with sqlite3.connect(path) as conn:
+        with sqlite_db(path) as conn:
             conn.execute("UPDATE fmw_usage SET input_tokens = ?", (2**62,))
         peaks = await ledger.rolling_peaks(since=at - timedelta(minutes=1))
         minutes = await ledger.usage_per_minute(since=at - timedelta(minutes=1))

@@ -450,7 +450,7 @@ async def test_a_fault_row_expiring_past_what_faults_set_writes_is_not_applied(
     assert (await cli(*made))[0] == 0  # the store, its tables
     assert (await cli("faults", "clear", "--store", any_store, "--upstream", "other"))[0] == 0
     if any_store.startswith("sqlite:///"):
-        with sqlite3.connect(any_store.removeprefix("sqlite:///")) as conn:
+        with sqlite_db(any_store.removeprefix("sqlite:///")) as conn:
             conn.executemany("INSERT INTO fmw_faults VALUES (?, ?, ?, ?, ?)", rows)
     else:
         conn = await asyncpg.connect(any_store)

@@ -354,7 +354,7 @@ async def test_a_change_counter_edited_past_counting_is_reset_and_stops_no_reloa
         try:
             async with client_for(gateway) as client:
                 assert (await client.get("/one/x")).text == "one"
-                with sqlite3.connect(path) as db:
+                with sqlite_db(path) as db:
                     db.execute("UPDATE fmw_route_changes SET serial = ?", (edited,))
                 await asyncio.sleep(0.3)  # a few polls read it
                 assert (await acli(*add, "/two/", "--id", "two"))[0] == 0
@@ -365,7 +365,7 @@ async def test_a_change_counter_edited_past_counting_is_reset_and_stops_no_reloa
                 assert await wait_for(two, "one")
         finally:
             await gateway.aclose()
-    with sqlite3.connect(path) as db:
+    with sqlite_db(path) as db:
         serials = dict(db.execute("SELECT name, serial FROM fmw_route_changes").fetchall())
     assert all(isinstance(v, int) and v < 100 for v in serials.values()), serials
     reset = [r.getMessage() for r in caplog.records if "change counter" in r.getMessage()]
