@@ -75,6 +75,60 @@ def test_a_fifo_as_config_is_refused_at_once_not_waited_on(tmp_path: Path) -> No
         load_config(fifo)
 
 
+@pytest.mark.skipif(not Path("/dev/fd").is_dir(), reason="no /dev/fd here")
+def test_a_config_piped_in_is_read_as_before(tmp_path: Path) -> None:
+    """`fallback-mw check --config <(envsubst < gw.tmpl)` and `... | check --config
+    /dev/stdin` (an anonymous pipe, with its writer) were read; the refusal of a FIFO
+    nothing writes to refused them too ('is not a regular file'), exit 2."""
+    text = (
+        '[gateway]\nallow_hosts = ["127.0.0.1"]\n[upstreams.primary]\n'
+        'url = "http://127.0.0.1:23001"\n[[routes]]\nid = "chat"\nprefix = "/v1/"\n'
+        'plan = ["primary"]\n'
+    )
+    piped = subprocess.run(
+        [FALLBACK_MW, "check", "--config", "/dev/stdin"],
+        input=text,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert piped.returncode == 0, piped.stderr
+    assert "configuration /dev/stdin is valid: 1 route(s)" in piped.stdout, piped.stdout
+    # Process substitution: the pipe's read end as /dev/fd/N, its writer another process.
+    read_end, write_end = os.pipe()
+    writer = subprocess.Popen(
+        [sys.executable, "-c", f"import os; os.write({write_end}, {text.encode()!r})"],
+        pass_fds=(write_end,),
+    )
+    os.close(write_end)
+    try:
+        substituted = subprocess.run(
+            [FALLBACK_MW, "check", "--config", f"/dev/fd/{read_end}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            stdin=subprocess.DEVNULL,
+            pass_fds=(read_end,),
+        )
+    finally:
+        os.close(read_end)
+        writer.wait(timeout=10)
+    assert substituted.returncode == 0, substituted.stderr
+    assert "is valid: 1 route(s)" in substituted.stdout
+    # A pipe that ends with nothing in it is no configuration: refused at once, one line.
+    empty = subprocess.run(
+        [FALLBACK_MW, "check", "--config", "/dev/stdin"],
+        input="",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert "/dev/stdin' is not a regular file" in one_error(empty, 2)
+
+
 def test_a_config_path_of_100000_characters_is_named_by_its_start_and_length() -> None:
     """`check --config` of a 100,000-character argument (a hostile or runaway script) echoed
     it whole in its error line; the path is named by its first 200 characters and length."""

@@ -12,7 +12,7 @@ import tomllib
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, BinaryIO, NoReturn
 
 from pydantic import BaseModel, ValidationError
 
@@ -199,20 +199,41 @@ def _path_shown(path: str) -> str:
     return path if len(path) <= 4096 else f"{path[:200]}...({len(path)} characters)"
 
 
-def _refuse_a_special_file(path: Path, name: str) -> None:
-    """A FIFO (`mkfifo gw.toml`), a device or a socket is refused before it is opened, as a
-    `ca_file` is (check_ca_file): opening a FIFO waits for a writer, and `check`, `serve`
-    and every admin verb blocked for ever. What stat cannot read is left to the open, whose
-    error says why."""
+def _refuse_a_special_file(path: Path, name: str) -> bool:
+    """A device or a socket is refused before it is opened, as a `ca_file` is
+    (check_ca_file): `/dev/zero` never ends. Whether `path` is a FIFO or a pipe: read
+    without waiting for a writer to open it (`_opened`); one nothing writes to
+    (`mkfifo gw.toml`, where `check`, `serve` and every admin verb blocked for ever) is
+    refused once it reads empty, while a pipe with its writer (`--config <(...)`,
+    `--config /dev/stdin`) is read as any file. What stat cannot read is left to the
+    open, whose error says why."""
     try:
         mode = os.stat(path).st_mode
     except (OSError, ValueError):
-        return
+        return False
+    if stat.S_ISFIFO(mode):
+        return True
     if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-        raise ConfigError(
-            f"configuration file {name} is not a regular file (a FIFO, a device or a "
-            "socket): give the path of a TOML file"
-        )
+        raise ConfigError(_special_file(name))
+    return False
+
+
+def _special_file(name: str) -> str:
+    return (
+        f"configuration file {name} is not a regular file (a FIFO, a device or a socket): "
+        "give the path of a TOML file"
+    )
+
+
+def _opened(path: Path, fifo: bool) -> BinaryIO:
+    """`path` open for reading; a FIFO opened without waiting for a writer (a blocking
+    open of one nothing writes to waited for ever), then read as usual: to its end, which
+    comes at once when no writer has it open."""
+    if not fifo:
+        return path.open("rb")
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    os.set_blocking(descriptor, True)
+    return os.fdopen(descriptor, "rb")
 
 
 def _unreadable(exc: OSError, path: Path, name: str) -> NoReturn:
@@ -232,9 +253,9 @@ def read_config_file(path: Path) -> dict[str, Any]:
     """The TOML table in `path`; every way the file can be unreadable is one ConfigError
     naming the file and what is wrong (never its content)."""
     name = repr(_path_shown(str(path)))
-    _refuse_a_special_file(path, name)
+    fifo = _refuse_a_special_file(path, name)
     try:
-        with path.open("rb") as file:
+        with _opened(path, fifo) as file:
             raw = file.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
         if _looks_like_toml(str(path)):
@@ -247,6 +268,8 @@ def read_config_file(path: Path) -> dict[str, Any]:
             f"configuration file {name} cannot be opened: its path holds a NUL or a character "
             "that is not UTF-8 text"
         ) from None
+    if fifo and not raw:  # nothing writes to it (a FIFO nobody opened), or wrote nothing
+        raise ConfigError(_special_file(name))
     if len(raw) > MAX_CONFIG_BYTES:
         raise ConfigError(f"configuration file {name} is larger than 4 MiB")
     try:
