@@ -1035,6 +1035,28 @@ def test_faults_clear_of_a_typo_during_a_game_day_is_refused_naming_the_known_id
     assert (status, out, err) == (0, "0 fault(s) cleared\n", "")
 
 
+def test_faults_clear_of_a_fault_that_just_expired_is_no_typo(store_url: str) -> None:
+    """A game day's cleanup with --store alone (`faults clear --upstream primary`, then
+    `--upstream backup`) was refused at its first line ('unknown upstream', exit 2, nothing
+    cleared) when primary's fault had just expired while backup's was active: the store
+    still held primary's row, which the clear removes, and the script stopped there."""
+    store = ["--store", store_url]
+    status, out, _ = run_cli("faults", "set", "fail", *store, "--upstream", "primary",
+                             "--ttl", "1")  # fmt: skip
+    assert status == 0
+    expires_at = float(out.rsplit("expires_at=", 1)[1].split(")")[0])
+    status, _, _ = run_cli("faults", "set", "hang", *store, "--upstream", "backup",
+                           "--ttl", "600")  # fmt: skip
+    assert status == 0
+    while time.time() < expires_at + 0.5:  # the expiry the store printed, passed
+        time.sleep(0.1)
+    assert "primary" not in run_cli("faults", "list", *store)[1]
+    status, out, err = run_cli("faults", "clear", *store, "--upstream", "primary")
+    assert (status, out) == (0, "1 fault(s) cleared\n"), err
+    status, out, err = run_cli("faults", "clear", *store, "--upstream", "backup")
+    assert (status, out, err) == (0, "1 fault(s) cleared\n", "")
+
+
 def test_faults_clear_with_a_config_refuses_any_unknown_name(tmp_path: Path) -> None:
     """With --config every name is visible: an unknown one is refused even with nothing
     active; a known one without a fault clears nothing and says which faults are active."""
