@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from fallback_mw import Gateway
 from fallback_mw.cli import main
 from fallback_mw.layers.resolver import _headers
+from fallback_mw.security.fields import METHOD_OVERRIDE_FIELDS, named_methods, override_methods
 from tests.helpers import client_for
 from tests.test_budget_guard import gateway_config
 from tests.upstreams import host_app, serve_asgi, status_handler, upstream
@@ -96,12 +97,16 @@ def test_requested_deadline_parsing_is_strict_and_bounded() -> None:
 
 
 _NAMES = (b"x-tenant-id", b"x-session-id", b"x-gateway-deadline-ms")
+_OTHER_NAMES = (
+    b"X-Tenant-ID", b"X-Gateway-Deadline-MS", b"accept", b"X-HTTP-Method-Override",
+    b"x_http_method", bytearray(b"Accept"),
+)  # fmt: skip
 
 
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from([*_NAMES, b"X-Tenant-ID", b"X-Gateway-Deadline-MS", b"accept"]),
+            st.sampled_from([*_NAMES, *_OTHER_NAMES]),
             st.binary(max_size=12),
         ),
         max_size=8,
@@ -115,7 +120,9 @@ def test_the_resolver_reads_each_header_as_the_first_field_of_that_name(
     its name (any case; the deadline sent in two fields is none, as its joined value is),
     read as UTF-8 when it is, stripped of SP / HTAB, None when absent or empty; one name
     asked twice (the tenant and session headers configured alike) gets the same answer
-    twice."""
+    twice. The method-override fields' values come from the same pass, read as
+    `override_methods` reads them (a `bytearray` name, where ASGI sends bytes, leaves them
+    to `override_methods`)."""
 
     identity = set(names[:2])
 
@@ -144,7 +151,13 @@ def test_the_resolver_reads_each_header_as_the_first_field_of_that_name(
                 found |= members(name, value)
         return found
 
-    found, twice = _headers({"headers": headers}, names)
+    wanted = frozenset(names) | METHOD_OVERRIDE_FIELDS
+    found, twice, override_values = _headers({"headers": headers}, names, wanted)
+    if any(type(key) is bytearray for key, _ in headers):
+        assert override_values is None
+    else:
+        assert override_values is not None
+        assert named_methods(override_values, "POST") == override_methods(headers, "POST")
     if twice is None:  # a refused request's values are never used
         assert found == [first(name) for name in names]
     # The identity headers (the first two names) sent with two different values are

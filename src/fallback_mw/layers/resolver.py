@@ -33,7 +33,13 @@ from fallback_mw.routing import (
     normalise_path,
     raw_routed_path,
 )
-from fallback_mw.security.fields import CREDENTIAL_HEADERS, canonical_name, override_methods
+from fallback_mw.security.fields import (
+    CREDENTIAL_HEADERS,
+    METHOD_OVERRIDE_FIELDS,
+    canonical_name,
+    named_methods,
+    override_methods,
+)
 from fallback_mw.security.queries import (
     canonical_query_key,
     query_override_methods,
@@ -62,46 +68,59 @@ def requested_deadline_ms(text: str | None) -> int | None:
     return value if value > 0 else None
 
 
-def _headers(scope: Scope, names: tuple[bytes, ...]) -> tuple[list[str | None], bytes | None]:
+def _headers(
+    scope: Scope, names: tuple[bytes, ...], wanted: frozenset[bytes]
+) -> tuple[list[str | None], bytes | None, list[bytes] | None]:
     """The first value of each named header (stripped, None when absent or empty; the
-    deadline's None when sent twice), in one pass over the request's headers; and the
-    first of `names[:2]` (the identity headers)
-    sent twice with different values (in two fields, or in one joined by commas), or
-    None."""
+    deadline's None when sent twice), in one pass over the request's headers; the first
+    of `names[:2]` (the identity headers) sent twice with different values (in two
+    fields, or in one joined by commas), or None; and the values of the method-override
+    fields (METHOD_OVERRIDE_FIELDS, for `named_methods`), in order, read in the same pass
+    (`wanted`: `names` and those fields), or None when a name could not be looked up so
+    (unhashable: a `bytearray`, where ASGI sends bytes): `override_methods` reads them."""
     found: list[str | None] = [None] * len(names)
     seen = [False] * len(names)
     twice: bytes | None = None
+    overrides: list[bytes] | None = []
     for key, value in scope.get("headers", ()):
         # `x_tenant_id` is `x-tenant-id` to a WSGI-style upstream (HTTP_X_TENANT_ID): one
         # field, so a caller's underscore spelling beside a proxy's field is two.
-        lower = canonical_name(key)
-        if lower in names:
-            for index, name in enumerate(names):
-                if name == lower:
-                    try:  # UTF-8, as the engines forward it and as the config names it
-                        text = value.decode()
-                    except UnicodeDecodeError:  # refused with a 400 before any upstream
-                        text = value.decode("latin-1")
-                    # Only SP and HTAB surround a field value (RFC 9110 §5.5), as the
-                    # upstream reads it: "acme\u00a0" is not tenant "acme".
-                    text = text.strip(_OWS)
-                    if index < 2 and "," in text:
-                        # Two fields of one name may reach us joined by a comma (RFC 9110
-                        # §5.3; Node's http does so): "caller, proxy" is the field twice.
-                        members = {m.strip(_OWS) for m in text.split(",")} - {""}
-                        if len(members) > 1:
-                            twice = twice or name
-                        text = members.pop() if members else ""
-                    if not seen[index]:
-                        seen[index] = True
-                        found[index] = text or None
-                    elif index >= 2:
-                        # The deadline sent twice is one field "50, 5000" (RFC 9110 §5.3),
-                        # not 1-7 digits: ignored however the fields reach us (SPEC §12).
-                        found[index] = None
-                    elif twice is None and (text or None) != found[index]:
-                        twice = name
-    return found, twice
+        # (`canonical_name`, written out: a call per header is most of the pass's cost.)
+        lower = key.lower().replace(b"_", b"-")
+        try:
+            hit = lower in wanted
+        except TypeError:  # unhashable: compared as before, the overrides read apart
+            hit, overrides = lower in names, None
+        if not hit:
+            continue
+        if overrides is not None and lower in METHOD_OVERRIDE_FIELDS:
+            overrides.append(value)
+        for index, name in enumerate(names):
+            if name == lower:
+                try:  # UTF-8, as the engines forward it and as the config names it
+                    text = value.decode()
+                except UnicodeDecodeError:  # refused with a 400 before any upstream
+                    text = value.decode("latin-1")
+                # Only SP and HTAB surround a field value (RFC 9110 §5.5), as the
+                # upstream reads it: "acme\u00a0" is not tenant "acme".
+                text = text.strip(_OWS)
+                if index < 2 and "," in text:
+                    # Two fields of one name may reach us joined by a comma (RFC 9110
+                    # §5.3; Node's http does so): "caller, proxy" is the field twice.
+                    members = {m.strip(_OWS) for m in text.split(",")} - {""}
+                    if len(members) > 1:
+                        twice = twice or name
+                    text = members.pop() if members else ""
+                if not seen[index]:
+                    seen[index] = True
+                    found[index] = text or None
+                elif index >= 2:
+                    # The deadline sent twice is one field "50, 5000" (RFC 9110 §5.3),
+                    # not 1-7 digits: ignored however the fields reach us (SPEC §12).
+                    found[index] = None
+                elif twice is None and (text or None) != found[index]:
+                    twice = name
+    return found, twice, overrides
 
 
 def _as_spelled(scope: Scope, fields: tuple[bytes, ...]) -> tuple[bytes, ...]:
@@ -193,6 +212,8 @@ class RouteResolver:
             canonical_name(self.session_header),
             b"x-gateway-deadline-ms",
         )
+        # ... and the method-override fields, in the same pass (`_headers`).
+        self.read_or_override = frozenset(self.read_headers) | METHOD_OVERRIDE_FIELDS
         # SPEC §12 `strip_headers` / `strip_query_keys`: caller credentials beyond §4's list.
         self.strip_headers = frozenset(
             canonical_name(name.encode("latin-1", "replace"))
@@ -222,7 +243,9 @@ class RouteResolver:
         raw_path = raw_routed_path(scope)
         path = None if raw_path is None else normalise_path(raw_path)
         table = self.table()
-        (tenant_text, session, deadline_text), twice = _headers(scope, self.read_headers)
+        (tenant_text, session, deadline_text), twice, override_values = _headers(
+            scope, self.read_headers, self.read_or_override
+        )
         tenant = tenant_text or "default"
         # As sent: method tokens are case-sensitive (RFC 9110 §9.1), `get` is not GET.
         method = scope["method"]
@@ -234,7 +257,11 @@ class RouteResolver:
         assert route is not None
         # A method-override field naming a method the route does not forward: the upstream
         # would act on that method (a DELETE through a route that forwards GET and POST).
-        overrides = override_methods(scope.get("headers", ()), method)
+        overrides = (
+            override_methods(scope.get("headers", ()), method)
+            if override_values is None
+            else named_methods(override_values, method)
+        )
         # ... or a `_method` query parameter (Laravel, Express, Rack): the same request.
         in_query = query_override_methods(scope.get("query_string", b""), method)
         if in_query:

@@ -4,7 +4,7 @@ stripped; names compared as WSGI-style upstreams read them (`canonical_name`).""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from functools import lru_cache
 
 from fallback_mw.security.queries import NO_METHODS, strip_url_query_keys
@@ -156,18 +156,35 @@ def override_methods(headers: Iterable[tuple[bytes, bytes]], method: str) -> fro
     every comma-separated value of every such field, upper-cased."""
     named: set[str] | None = None
     for name, value in headers:
-        # The length first: every routed request asks (the resolver, once).
+        # The length first: a name of another length is no override field.
         if len(name) in _OVERRIDE_LENGTHS and canonical_name(name) in METHOD_OVERRIDE_FIELDS:
             if named is None:
                 named = set()
-            for item in value.decode("latin-1").split(","):
-                item = item.strip().upper()
-                if item:
-                    named.add(item)
+            _add_methods(named, value)
     if named is None:
         return NO_METHODS
     named.discard(method)
     return frozenset(named)
+
+
+def named_methods(values: Sequence[bytes], method: str) -> frozenset[str]:
+    """`override_methods` from the method-override fields' values, in order, already
+    found (the resolver finds them in its one pass over the request's headers)."""
+    if not values:
+        return NO_METHODS
+    named: set[str] = set()
+    for value in values:
+        _add_methods(named, value)
+    named.discard(method)
+    return frozenset(named)
+
+
+def _add_methods(named: set[str], value: bytes) -> None:
+    """Every comma-separated method a method-override field's value names, upper-cased."""
+    for item in value.decode("latin-1").split(","):
+        item = item.strip().upper()
+        if item:
+            named.add(item)
 
 
 def canonical_name(name: bytes) -> bytes:
