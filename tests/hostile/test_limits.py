@@ -12,9 +12,12 @@ from typing import Any
 
 import anyio
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from fallback_mw import Gateway
 from fallback_mw.config import load_config
+from fallback_mw.layers.limits import header_refusal
 from tests.upstreams import host_app, serve_asgi, silent_server, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
@@ -291,3 +294,19 @@ async def test_a_431_names_the_limit_that_refused_it_as_its_rule() -> None:
     assert many.json()["error"]["rule"] == "max_header_count"
     assert "max_header_count" in many.json()["error"]["message"]
     assert big.json()["error"]["rule"] == "max_header_bytes"
+
+
+@given(
+    st.lists(st.tuples(st.binary(max_size=40), st.binary(max_size=200)), max_size=12),
+    st.integers(min_value=0, max_value=14),
+    st.integers(min_value=0, max_value=1200),
+)
+def test_a_head_within_the_field_count_is_refused_as_the_field_by_field_reading_refuses_it(
+    headers: list[tuple[bytes, bytes]], max_count: int, max_bytes: int
+) -> None:
+    """A list of no more fields than `max_header_count` (what a server hands over) is only
+    summed, not counted field by field: the same refusal, with the same rule, as the
+    reading of any other iterable of fields (counted one by one, the first limit passed
+    naming the rule), whichever limit a head passes first."""
+    limits = {"max_bytes": max_bytes, "max_count": max_count}
+    assert header_refusal(headers, **limits) == header_refusal(iter(headers), **limits)
