@@ -255,21 +255,28 @@ class RouteResolver:
             return
         route = route or refused
         assert route is not None
+        # Read once (nothing below awaits): most requests carry no query, no override
+        # and no deadline of their own, and nothing is asked about those.
+        headers = scope.get("headers", ())
+        query = scope.get("query_string", b"")
         # A method-override field naming a method the route does not forward: the upstream
         # would act on that method (a DELETE through a route that forwards GET and POST).
         overrides = (
-            override_methods(scope.get("headers", ()), method)
+            override_methods(headers, method)
             if override_values is None
             else named_methods(override_values, method)
         )
         # ... or a `_method` query parameter (Laravel, Express, Rack): the same request.
-        in_query = query_override_methods(scope.get("query_string", b""), method)
-        if in_query:
-            overrides = overrides | in_query
-        overridden = [m for m in overrides if m not in route.accepted_methods]
-        requested = requested_deadline_ms(deadline_text)
+        if query:
+            in_query = query_override_methods(query, method)
+            if in_query:
+                overrides = overrides | in_query
+        overridden = [m for m in overrides if m not in route.accepted_methods] if overrides else []
         configured_ms = effective_deadline_ms(route, self.default_deadline_ms, None)
-        deadline_ms = effective_deadline_ms(route, self.default_deadline_ms, requested)
+        deadline_ms = configured_ms
+        if deadline_text is not None:
+            requested = requested_deadline_ms(deadline_text)
+            deadline_ms = effective_deadline_ms(route, self.default_deadline_ms, requested)
         assert path is not None and raw_path is not None
         # Positional (a class called with keywords builds a dict of them for every call):
         # the route, the upstreams, tenant, session, method, path, query, deadline, the
@@ -277,7 +284,7 @@ class RouteResolver:
         # started, the auth headers, the path's model, secrets.
         context = RequestContext.routed(
             route, table.upstream_views, tenant, session, method, path,
-            strip_query_keys(scope.get("query_string", b""), self.strip_query_keys),
+            strip_query_keys(query, self.strip_query_keys) if query else query,
             started + deadline_ms / 1000, configured_ms,
             deadline_ms if deadline_ms < configured_ms else None,
             mount_spelling(scope) if scope.get("root_path") else "",
@@ -285,15 +292,15 @@ class RouteResolver:
             caller_spelling(raw_path, route.prefix) if "%" in raw_path else None,
             overrides, started, self._auth_headers(table), path_model(path),
             RequestSecrets(
-                scope.get("headers", ()),
-                scope.get("query_string", b""),
+                headers,
+                query,
                 self._credential_names(table),  # names
                 self.strip_query_keys,  # query_keys
                 self._provider_secrets(table),  # provider
             ),
         )  # fmt: skip
         refusal = header_refusal(
-            scope.get("headers", ()),
+            headers,
             max_bytes=self.max_header_bytes,
             max_count=self.max_header_count,
         )
