@@ -285,6 +285,12 @@ MUTANTS: tuple[Mutant, ...] = (
                 "            or canonical.startswith(GATEWAY_HEADER_PREFIX)\n",
                 "",
             ),
+            (  # the one pass a head without Connection / Trailer takes
+                "security/fields.py",
+                "            or canonical.startswith(GATEWAY_HEADER_PREFIX)"
+                "  # a caller's x-gateway-*\n",
+                "",
+            ),
         ),
         (ASKS + "test_forged_gateway_headers_change_nothing",),
     ),

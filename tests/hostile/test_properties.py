@@ -23,6 +23,7 @@ from fallback_mw.security.fields import (
     HOP_BY_HOP_HEADERS,
     PATH_OVERRIDE_HEADERS,
     RECOMPUTED_HEADERS,
+    _forwardable_listed,
     forwardable_request_headers,
 )
 
@@ -217,6 +218,33 @@ def header_lists(draw: st.DrawFn) -> tuple[list[tuple[bytes, bytes]], set[bytes]
         value = b", ".join(draw(spelled(n)) for n in listed)
         headers.insert(draw(st.integers(0, len(headers))), (draw(spelled("connection")), value))
     return headers, {n.encode() for n in listed}
+
+
+_REWRITTEN = [
+    (b"Accept-Encoding", b"gzip, br;q=0.5, zstd"),
+    (b"accept_encoding", b"br"),
+    (b"Referer", b"https://example.test/page?api_key=s3cret&x=1"),
+    (b"x-original-uri", b"/v1/chat?key=k&keep=1"),
+]
+
+
+@SETTINGS
+@given(header_lists(), st.lists(st.sampled_from(_REWRITTEN), max_size=3), st.booleans())
+def test_a_head_is_filtered_in_one_pass_as_the_listing_fields_reading_filters_it(
+    case: tuple[list[tuple[bytes, bytes]], set[bytes]],
+    rewritten: list[tuple[bytes, bytes]],
+    with_query_keys: bool,
+) -> None:
+    """A head without `Connection` / `Trailer` is filtered in one pass: the same fields, in
+    the same order, with the same rewrites (`Accept-Encoding` narrowed, URLs losing the
+    `strip_query_keys` parameters), as the reading that first collects what those fields
+    name (`_forwardable_listed`, which a head with one of them gets)."""
+    headers = case[0] + rewritten
+    also = frozenset({b"x-primary-key", b"x_other_key"})
+    query_keys = frozenset({b"api_key", b"key"}) if with_query_keys else frozenset()
+    kept = forwardable_request_headers(headers, also_strip=also, query_keys=query_keys)
+    canonical_also = frozenset(name.replace(b"_", b"-") for name in also)
+    assert kept == _forwardable_listed(headers, canonical_also, query_keys)
 
 
 @SETTINGS

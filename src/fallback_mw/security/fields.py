@@ -216,7 +216,7 @@ def _connection_named(lowered: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
 
 
 def forwardable_request_headers(
-    headers: Iterable[tuple[bytes, bytes]],
+    headers: Sequence[tuple[bytes, bytes]],
     *,
     also_strip: frozenset[bytes] = frozenset(),
     query_keys: frozenset[bytes] = frozenset(),
@@ -235,11 +235,39 @@ def forwardable_request_headers(
     request target such as `X-Original-URI` or Envoy's `x-envoy-original-path`) loses the
     `query_keys` parameters (canonical, `strip_query_keys`), as the request's own query
     does (`strip_url_query_keys`)."""
-    kept = kept_fields(
-        [(name.lower(), value) for name, value in headers],
-        _NEVER_FORWARDED,
-        _canonical_names(also_strip),
-    )
+    also = _canonical_names(also_strip)
+    # One pass (`kept_fields` and the rewrites below it, written out) for a head without
+    # a listing field, the usual one; a `Connection` / `Trailer` field starts again.
+    kept: Headers = []
+    for name, value in headers:
+        name = name.lower()
+        canonical = name.replace(b"_", b"-")
+        if (
+            canonical in _NEVER_FORWARDED
+            or canonical in also
+            or canonical.startswith(GATEWAY_HEADER_PREFIX)  # a caller's x-gateway-*
+        ):
+            if name in _LISTING_FIELDS:  # hop-by-hop, so never forwarded itself
+                return _forwardable_listed(headers, also, query_keys)
+            continue
+        if name == b"accept-encoding":
+            # A caller's value of any length is not kept in the cache (`is_field_name`).
+            if len(value) <= MAX_CACHED:
+                value = readable_accept_encoding(value)
+            else:
+                value = readable_codings(value)
+        elif query_keys and value.find(b"?") >= 0:
+            value = strip_url_query_keys(value, query_keys)
+        kept.append((name, value))
+    return kept
+
+
+def _forwardable_listed(
+    headers: Sequence[tuple[bytes, bytes]], also: frozenset[bytes], query_keys: frozenset[bytes]
+) -> Headers:
+    """`forwardable_request_headers` of a head with a `Connection` or `Trailer` field (`also`:
+    canonical): the fields they name are dropped too, wherever they stand."""
+    kept = kept_fields([(name.lower(), value) for name, value in headers], _NEVER_FORWARDED, also)
     for index, (name, value) in enumerate(kept):
         if name == b"accept-encoding":
             # A caller's value of any length is not kept in the cache (`is_field_name`).
