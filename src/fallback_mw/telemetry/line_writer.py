@@ -9,12 +9,13 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import queue
 import select
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import IO
+
+from fallback_mw.telemetry.exit_writer import exit_writer
 
 _request_logger = logging.getLogger("fallback_mw.request")
 
@@ -167,7 +168,7 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
             # (the last 0.1 s: the requests a stop cut, the last ones served) were lost.
             atexit.register(flush_request_lines)
         _installed = self
-        _exit_writer()  # now: the exit cannot start it (Python 3.12)
+        exit_writer()  # now: the exit cannot start it (Python 3.12)
 
     def write_line(self, level: int, message: str) -> None:
         """The request line, as `emit` would write its record (serve's format)."""
@@ -356,7 +357,7 @@ def flush_request_lines(timeout: float = EXIT_FLUSH_SECONDS) -> None:
             written.set()
 
     try:
-        _exit_writer().put(write_all)
+        exit_writer().put(write_all)
     except RuntimeError:  # no thread to write on (Python 3.12 at exit, in a forked child)
         write_all()
     if not written.wait(timeout):
@@ -364,39 +365,3 @@ def flush_request_lines(timeout: float = EXIT_FLUSH_SECONDS) -> None:
         # dictConfig left serve's own out): they would wait for the stuck write for ever.
         for handler in _queued:
             handler.gave_up = True
-
-
-# The thread the exit's flush writes on (flush_request_lines), started with serve's
-# handler: Python 3.12 starts no thread once the interpreter is exiting (atexit callbacks
-# included: "RuntimeError: can't create new thread at interpreter shutdown", and the last
-# lines were lost). Idle until then; one per process (a forked child starts its own).
-_exit_lock = threading.Lock()
-_exit_jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-_exit_thread: threading.Thread | None = None
-
-
-def _exit_writer() -> queue.SimpleQueue[Callable[[], None]]:
-    """The queue of the exit's writer thread, started if it is not running (RuntimeError
-    when no thread can start)."""
-    global _exit_thread
-    with _exit_lock:
-        if _exit_thread is None or not _exit_thread.is_alive():
-            thread = threading.Thread(
-                target=_write_at_exit, name="fallback-mw-log-exit", daemon=True
-            )
-            thread.start()
-            _exit_thread = thread
-    return _exit_jobs
-
-
-def _write_at_exit() -> None:
-    while True:
-        _exit_jobs.get()()
-
-
-def _forget_exit_writer() -> None:  # in a forked child: the thread, its lock and queue stayed
-    global _exit_lock, _exit_jobs, _exit_thread
-    _exit_lock, _exit_jobs, _exit_thread = threading.Lock(), queue.SimpleQueue(), None
-
-
-os.register_at_fork(after_in_child=_forget_exit_writer)
