@@ -250,15 +250,7 @@ def forwardable_request_headers(
             if name in _LISTING_FIELDS:  # hop-by-hop, so never forwarded itself
                 return _forwardable_listed(headers, also, query_keys)
             continue
-        if name == b"accept-encoding":
-            # A caller's value of any length is not kept in the cache (`is_field_name`).
-            if len(value) <= MAX_CACHED:
-                value = readable_accept_encoding(value)
-            else:
-                value = readable_codings(value)
-        elif query_keys and value.find(b"?") >= 0:
-            value = strip_url_query_keys(value, query_keys)
-        kept.append((name, value))
+        kept.append((name, _forwarded_value(name, value, query_keys)))
     return kept
 
 
@@ -268,16 +260,20 @@ def _forwardable_listed(
     """`forwardable_request_headers` of a head with a `Connection` or `Trailer` field (`also`:
     canonical): the fields they name are dropped too, wherever they stand."""
     kept = kept_fields([(name.lower(), value) for name, value in headers], _NEVER_FORWARDED, also)
-    for index, (name, value) in enumerate(kept):
-        if name == b"accept-encoding":
-            # A caller's value of any length is not kept in the cache (`is_field_name`).
-            if len(value) <= MAX_CACHED:
-                kept[index] = (name, readable_accept_encoding(value))
-            else:
-                kept[index] = (name, readable_codings(value))
-        elif query_keys and value.find(b"?") >= 0:
-            kept[index] = (name, strip_url_query_keys(value, query_keys))
-    return kept
+    return [(name, _forwarded_value(name, value, query_keys)) for name, value in kept]
+
+
+def _forwarded_value(name: bytes, value: bytes, query_keys: frozenset[bytes]) -> bytes:
+    """A kept field's value as it is forwarded (`name` lowercased): `Accept-Encoding` less
+    the codings the usage meter cannot read, a URL less the `query_keys` parameters."""
+    if name == b"accept-encoding":
+        # A caller's value of any length is not kept in the cache (`is_field_name`).
+        if len(value) <= MAX_CACHED:
+            return readable_accept_encoding(value)
+        return readable_codings(value)
+    if query_keys and value.find(b"?") >= 0:
+        return strip_url_query_keys(value, query_keys)
+    return value
 
 
 # The content codings the usage meter (request/usage.py) decodes, besides `identity`.
