@@ -218,6 +218,13 @@ async def _compare(stores: dict[str, tuple[str, str]], limit: Decimal, ops: list
                 await asyncio.gather(*(_fault(side, op) for side in sides.values()))
                 continue
             seen = {name: await _request(side, op) for name, side in sides.items()}
+            # A Retry-After counts whole seconds down from when that side's breaker opened
+            # or its fault was set: the two sides do each a few milliseconds apart, so one
+            # can read a second less across a boundary. Sent by both or neither, within 1.
+            waits = [side[1].pop("retry-after", None) for side in seen.values()]
+            assert (waits[0] is None) == (waits[1] is None), (n, op, seen, waits)
+            if waits[0] is not None and waits[1] is not None:
+                assert abs(int(waits[0]) - int(waits[1])) <= 1, (n, op, seen, waits)
             assert seen["embedded"] == seen["shared"], (n, op, seen)
     kept = {name: await _ledger(store, limit) for name, (_, store) in stores.items()}
     assert kept["embedded"] == kept["shared"]
