@@ -5,8 +5,13 @@ says must hold when two are on at once. Real upstream sockets, the in-process Ga
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import http.server
+import itertools
 import json
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from decimal import Decimal
 from typing import Any
 
@@ -72,6 +77,93 @@ async def test_a_hedge_loser_that_answered_503_gives_its_token_estimate_back() -
     # The hedged request settled at its 10 reported tokens; ~910 more fit in 1000.
     assert big.status_code == 200, (big.status_code, big.headers.get("x-gateway-skipped"))
     assert calls == 3
+
+
+@contextlib.contextmanager
+def threaded_upstream(answer: Callable[[int], tuple[int, bytes]]) -> Iterator[str]:
+    """An upstream on a thread of its own (one per request): it can answer while the
+    gateway's event loop is held. `answer(n)` gives the n-th request's status and body."""
+    calls = itertools.count(1)
+
+    class Handle(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["content-length"]))
+            status, body = answer(next(calls))
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handle)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+async def test_a_hedge_loser_that_answered_400_gives_its_token_estimate_back() -> None:
+    """tpm x hedging. The attempt the hedge races and the hedge answer together: the
+    first (200, 10 tokens reported) is served, the hedge's 400 loses the race. A 400
+    generated nothing, as a 503 loser did not: its ~410-token estimate stayed in the
+    upstream's tpm for the minute, and the next caller's ~910 tokens did not fit in 1000."""
+    hedge_arrived, go = threading.Event(), threading.Event()
+    usage = {"prompt_tokens": 5, "completion_tokens": 5}
+    ok = json.dumps({"id": "x", "choices": [], "usage": usage}).encode()
+
+    def answer(call: int) -> tuple[int, bytes]:
+        if call == 2:  # the hedge: a 400, written while the gateway's loop is held
+            hedge_arrived.set()
+            go.wait(5)
+            return 400, b'{"error": "bad"}'
+        if call == 1:  # the attempt the hedge races: a 200 at the same moment
+            go.wait(5)
+        return 200, ok
+
+    async def hold_the_loop_while_both_answer() -> None:
+        assert await asyncio.to_thread(hedge_arrived.wait, 5)
+        go.set()
+        time.sleep(0.3)  # noqa: ASYNC251 (held on purpose: both heads arrive before it reads)
+
+    with threaded_upstream(answer) as url:
+        conf = {
+            "gateway": {"breaker": {"window": 10_000, "min_calls": 10_000}},
+            "upstreams": {"only": {"url": url, "tpm": 1000}},
+            "routes": [
+                {"id": "chat", "prefix": "/v1/", "plan": ["only"], "retries": 1,
+                 "hedge_after_ms": 50, "replayable_methods": ["POST"]}
+            ],
+        }  # fmt: skip
+        spans = Spans()
+        gateway = Gateway(host_app, config=conf, telemetry=spans.telemetry)
+        try:
+            async with client_for(gateway) as client:
+                holder = asyncio.ensure_future(hold_the_loop_while_both_answer())
+                hedged = await client.post(
+                    "/v1/chat", json={"model": "m", "max_tokens": 400, "messages": []}
+                )
+                await holder
+                big = await client.post(
+                    "/v1/chat", json={"model": "m", "max_tokens": 900, "messages": []}
+                )
+        finally:
+            await gateway.aclose()
+            spans.provider.shutdown()
+    assert hedged.status_code == 200, hedged.text
+    assert hedged.headers["x-gateway-attempts"] == "2"
+    # The race was the one meant: the hedge answered 400 and lost it.
+    attempts = spans.named("gateway.attempt")
+    hedges = [a for a in attempts if a.attributes.get("gateway.attempt.hedge")]
+    assert [h.attributes["http.response.status_code"] for h in hedges] == [400]
+    # The hedged request settled at its 10 reported tokens; ~910 more fit in 1000.
+    assert big.status_code == 200, (big.status_code, big.headers.get("x-gateway-skipped"))
 
 
 async def test_a_kept_503_served_as_the_last_response_gives_its_estimate_back_once() -> None:

@@ -579,8 +579,9 @@ class AttemptLifecycle:
         self, record: AttemptRecord, result: AttemptResult | None
     ) -> UpstreamResponse | None:
         """The attempt that lost a hedge race: cancelled (None) or with a head it does not
-        need, it proved nothing about the upstream; a real failure before the winner's
-        head is finished like any attempt. A failover-class answer (a 503), or a pool
+        need, it proved nothing about the upstream (an error head, a 400, still gives its
+        tpm estimate back: it generated nothing); a real failure before the winner's head
+        is finished like any attempt. A failover-class answer (a 503), or a pool
         credential's own refusal (a 401 retires that key), is returned open: it is an
         upstream answer the walk keeps, as any failed attempt's, for
         `on_exhausted = "last_response"` (the caller keeps or closes it)."""
@@ -608,6 +609,11 @@ class AttemptLifecycle:
             assert result[1] is not None
             record.status = result[1].status
             await result[1].aclose()
+            if record.status >= 400:  # an error head beside the winner's (a 400): as above
+                unused = self.tokens_to_give_back(record.candidate, record)
+                if unused is not None:
+                    with anyio.CancelScope(shield=True):
+                        await self.capacity.settle(unused, 0)
         record.duration = time.monotonic() - record.started
         record.failure_kind = "cancelled"
         record.decision, record.reason = "abort", "lost the hedge race"
