@@ -177,3 +177,48 @@ async def test_a_pin_outside_the_plan_changes_nothing_not_even_the_canary() -> N
     assert response.text == "backup"
     assert response.headers.get("x-gateway-canary") == "1"
     assert "x-gateway-fault" not in response.headers
+
+
+@pytest.mark.anyio
+async def test_a_canary_whose_breaker_is_open_is_not_named_canary_when_the_primary_serves(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """SPEC §8: a canary session is sent to the second candidate first, named as canary.
+    With that candidate's breaker open it is skipped and the primary serves: the request
+    never went to the canary, yet it said `x-gateway-canary: 1` (and the span, the log
+    line, the metrics counted it as canary traffic). A request that did reach the canary
+    and failed over stays named."""
+    async with (
+        upstream(status_handler(200, b"primary")) as primary,
+        upstream(status_handler(503, b"canary down")) as backup,
+    ):
+        config = {
+            "gateway": {
+                "canary_salt": SALT,
+                "breaker": {"window": 2, "min_calls": 1, "failure_rate": 0.5},
+            },
+            "upstreams": {"primary": {"url": primary.url}, "backup": {"url": backup.url}},
+            "routes": [
+                {"id": "chat", "prefix": "/v1/", "plan": ["primary", "backup"], "retries": 1,
+                 "canary_eligible": True, "canary_percent": 100.0}
+            ],
+        }  # fmt: skip
+        gateway = Gateway(host_app, config=config, environ={})
+        try:
+            async with client_for(gateway) as client:
+                session = {"x-session-id": "user-1"}
+                tried = await client.get("/v1/chat", headers=session)
+                skipped = await client.get("/v1/chat", headers=session)
+        finally:
+            await gateway.aclose()
+    # The first went to the canary (503), then to the primary: canary traffic.
+    assert tried.text == "primary"
+    assert tried.headers["x-gateway-attempts"] == "2"
+    assert tried.headers.get("x-gateway-canary") == "1"
+    # The second skipped the canary (its breaker open) and went only to the primary.
+    assert skipped.text == "primary"
+    assert skipped.headers["x-gateway-attempts"] == "1"
+    assert skipped.headers["x-gateway-skipped"] == "backup;reason=breaker_open"
+    assert "x-gateway-canary" not in skipped.headers
+    logged = [r for r in caplog.records if "gateway request" in r.getMessage()]
+    assert [r.canary for r in logged] == [True, False]

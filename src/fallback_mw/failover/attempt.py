@@ -459,6 +459,8 @@ class AttemptLifecycle:
         record = AttemptRecord(name, len(context.attempts) + 1, upstream.host, upstream.port)
         record.credential_index, record.hedge = credential_index, hedge
         context.attempts.append(record)
+        if name == context.canary_candidate:
+            context.canary = True
         admission = self.admissions.get(name)
         if admission is not None:  # the admission `gate` just made for this attempt
             self._admitted[id(record)] = admission

@@ -163,7 +163,11 @@ class RequestContext:
     request_id: str = field(default_factory=new_request_id)
     started: float = field(default_factory=time.monotonic)
     candidates: list[str] = field(default_factory=list)  # this request's order
+    # Canary traffic (SPEC §8): set when an attempt goes to `canary_candidate`, the
+    # candidate a canary session is sent to first (None: not in the slice). One the walk
+    # skipped (breaker open) leaves the request unnamed: it never went to the canary.
     canary: bool = False
+    canary_candidate: str | None = None
     pinned: str | None = None
     # The route table's upstream auth headers: stripped from the caller like the rest.
     upstream_auth_headers: frozenset[bytes] = frozenset()
@@ -242,6 +246,7 @@ class RequestContext:
         self.started = started
         self.candidates = []
         self.canary = False
+        self.canary_candidate = None
         self.pinned = None
         self.upstream_auth_headers = upstream_auth_headers
         self.forward_headers = []

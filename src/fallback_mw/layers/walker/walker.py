@@ -198,12 +198,12 @@ class _Walk:
         pinned = None if type(faults) is NoFaults else await faults.pinned_candidate(self.route.id)
         if pinned is not None and pinned in self.route.plan:
             context.pinned = pinned
-        context.canary = context.pinned is None and is_canary(
+        in_slice = context.pinned is None and is_canary(
             self.route, context.session, walker.settings.canary_salt
         )
-        context.candidates = candidate_order(
-            self.route, canary=context.canary, pinned=context.pinned
-        )
+        context.candidates = candidate_order(self.route, canary=in_slice, pinned=context.pinned)
+        if in_slice:  # named canary once an attempt goes there (AttemptLifecycle.start)
+            context.canary_candidate = context.candidates[0]
         self.body = body
         self.unreplayable = replay_rule(
             self.route,
