@@ -404,6 +404,31 @@ async def test_routes_match_below_django_s_force_script_name(
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize(
+    "fields", [[b"50", b"5000"], [b"5000", b"50"]], ids=["short-first", "short-last"]
+)
+async def test_a_deadline_header_sent_twice_is_ignored_through_django_too(
+    django_site: Any, closing: None, fields: list[bytes]
+) -> None:
+    """SPEC §12 through the Django bridge, as through uvicorn (hostile/test_request_input.py):
+    `x-gateway-deadline-ms` in two fields is their joined value, not 1-7 digits, so the
+    route deadline applies whichever comes first; one field of 50 ms still shortens it."""
+    async with (
+        upstream(status_handler(200, b"slow", delay=0.3)) as primary,
+        upstream(status_handler(200, b"backup")) as backup,
+    ):
+        app = django_site(gateway_config(primary, backup))
+        async with client_for(app) as client:
+            twice = await client.get(
+                "/v1/x", headers=[(b"x-gateway-deadline-ms", value) for value in fields]
+            )
+            once = await client.get("/v1/x", headers=[(b"x-gateway-deadline-ms", b"50")])
+    assert (twice.status_code, twice.text) == (200, "slow")
+    assert once.status_code == 504
+    assert once.json()["error"]["rule"] == "deadline"
+
+
+@pytest.mark.anyio
 async def test_repeated_headers_and_cookies_survive_the_bridge(
     django_site: Any, closing: None
 ) -> None:
