@@ -59,6 +59,7 @@ from fallback_mw.request.context import (
     get_context,
     host_cancelled,
 )
+from fallback_mw.request.json_depth import json_depth_limit
 from fallback_mw.request.local_errors import send_error
 from fallback_mw.request.record import model_asked, usage_record, write_record
 from fallback_mw.request.refusals import body_refusal
@@ -180,8 +181,10 @@ def _unreadable_charset(budget_id: str, charset: str) -> str:
 
 
 def _nested_too_deep(budget_id: str) -> str:
+    limit = json_depth_limit()  # the running Python's: 3.11 reads ~1,000, 3.13 ~10,000
+    levels = "" if limit is None else f" (about {round(limit, -2):,} levels)"
     return (
-        "the request body is JSON nested deeper than the gateway reads (about 1,000 levels) "
+        f"the request body is JSON nested deeper than the gateway reads{levels} "
         f"to estimate budget {budget_id!r}'s hold (an upstream reading it, Node's or Go's, "
         "would run what it asks for, which the hold did not read): send it nested less "
         "deeply; nothing was sent upstream"

@@ -265,7 +265,7 @@ def _lenient_json(data: bytes) -> Any:
 
 
 class NestedTooDeep(Exception):
-    """A body nested deeper than Python's parser reads (about 1,000 levels), which Node's
+    """A body nested deeper than Python's parser reads (`json_depth.json_depth_limit`), which Node's
     `JSON.parse` and Go's `encoding/json` (to 10,000) read: no estimate can be made of
     what such an upstream is asked to generate."""
 
