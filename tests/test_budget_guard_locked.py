@@ -150,3 +150,38 @@ async def test_a_locked_ledger_refuses_within_one_ledger_timeout_not_two(
     assert [status for status, _ in answered] == [503] * 6
     slowest = max(seconds for _, seconds in answered)
     assert slowest < 2.5, answered  # one busy timeout (1.5 s) and a margin; before: 3 s
+
+
+async def test_a_caller_deadline_of_a_few_ms_is_the_deadline_s_504_not_the_ledger_s_503(
+    ledger_path: Path,
+) -> None:
+    """Callers sending x-gateway-deadline-ms 1..5 to a healthy SQLite ledger were now and
+    then answered 503 budget_unavailable ("the budget ledger did not answer within 1 ms"),
+    as if the ledger had failed, when a hold taking a few ms more than usual (a write
+    another process made, a checkpoint) outlasted the caller's own deadline. Such a
+    request is the deadline's: 504 deadline_exceeded, rule `deadline`. Held by another
+    process for the moment (every hold waits), each of them is; a longer wait is still
+    the ledger's 503 (test_a_locked_ledger_refuses_within_the_route_deadline)."""
+    async with upstream(status_handler(200)) as primary:
+        conf = config(primary.url, ledger_path, 10_000)
+        conf["budgets"]["acme"]["limit"] = "1000"  # room for every request
+        gateway = Gateway(host_app, config=conf)
+        try:
+            assert (await answer_of(gateway))[0] == 200  # the ledger is there and healthy
+            short = [[(b"x-gateway-deadline-ms", str(ms).encode())] for ms in [1, 2, 3, 4, 5]]
+            served = [await answer_of(gateway, headers) for headers in short * 4]
+            lock = LockedElsewhere(ledger_path)
+            try:
+                waited = [await answer_of(gateway, headers) for headers in short]
+            finally:
+                lock.release()
+            assert (await answer_of(gateway))[0] == 200
+        finally:
+            await gateway.aclose()
+    answers = {(status, error.get("code"), error.get("rule")) for status, error, _ in served}
+    assert answers <= {(200, None, None), (504, "deadline_exceeded", "deadline")}, answers
+    for status, error, took in waited:
+        assert (status, error["code"], error["rule"]) == (504, "deadline_exceeded", "deadline")
+        assert "x-gateway-deadline-ms" in error["message"]
+        assert error["attempts"] == 0
+        assert took < 1.0

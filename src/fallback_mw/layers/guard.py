@@ -41,6 +41,7 @@ from fallback_mw.config import (
     command_option,
 )
 from fallback_mw.config.views import SettingsView
+from fallback_mw.failover.deadline_messages import deadline_message
 from fallback_mw.injected import require, require_app
 from fallback_mw.request.body import (
     NestedTooDeep,
@@ -100,6 +101,10 @@ def _ledger_too_slow(wait: float) -> str:
 _UNBOUNDED = contextlib.nullcontext()  # reentrant: one for every request
 # A budget read shorter than this did not wait for the ledger (a cached budget).
 _READ_DID_NOT_WAIT = 0.001
+# A deadline that left the ledger less than this (a healthy hold takes a few ms, more
+# under load) ran out on the caller's side: 504 deadline_exceeded, not 503.
+_LEDGER_GRACE = 0.1
+_BEFORE_THE_HOLD = " (before the budget ledger answered the hold; no upstream was contacted)"
 
 
 # "Give it one" said neither how nor where a ledger comes from.
@@ -384,6 +389,10 @@ class BudgetGuard:
         except LedgerUnavailable:
             return "budget_unavailable", _LEDGER_UNREACHABLE
         except TimeoutError:
+            if wait < _LEDGER_GRACE and (timeout is None or wait < timeout):
+                # The deadline left a healthy ledger no time (x-gateway-deadline-ms: 3):
+                # the deadline's answer, not a ledger failure's.
+                return "deadline_exceeded", f"{deadline_message(context)}{_BEFORE_THE_HOLD}"
             return "budget_unavailable", _ledger_too_slow(wait)
         if hold is not None:
             return hold
