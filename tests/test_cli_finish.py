@@ -129,6 +129,24 @@ def test_a_config_piped_in_is_read_as_before(tmp_path: Path) -> None:
     assert "/dev/stdin' is not a regular file" in one_error(empty, 2)
 
 
+def test_a_config_path_holding_a_newline_is_read_as_a_path(tmp_path: Path) -> None:
+    """A directory whose name holds a newline (a script's, a mounted volume's): every
+    verb refused `--config` of a file in it as "config= was given TOML text", never
+    reading it. The CLI gives a path: read as one (the file's own refusal, here an
+    unknown key, and a valid file is valid)."""
+    folder = tmp_path / "team\nconfigs"
+    folder.mkdir()
+    valid, invalid = folder / "gw.toml", folder / "bad.toml"
+    valid.write_text('[gateway]\nallow_hosts = ["127.0.0.1"]\n')
+    invalid.write_text("[gateway]\nno_such_key = 1\n")
+    checked = run("check", "--config", str(valid))
+    assert checked.returncode == 0, checked.stderr
+    assert "is valid: 0 route(s)" in checked.stdout, checked.stdout
+    for verb in (("check",), ("serve",), ("routes", "list"), ("request", "--path", "/v1/x")):
+        line = one_error(run(*verb, "--config", str(invalid)), 2)
+        assert "TOML text" not in line and "no_such_key" in line, (verb, line)
+
+
 def test_a_config_path_of_100000_characters_is_named_by_its_start_and_length() -> None:
     """`check --config` of a 100,000-character argument (a hostile or runaway script) echoed
     it whole in its error line; the path is named by its first 200 characters and length."""

@@ -316,7 +316,9 @@ def load_config(
         )
     elif isinstance(source, Mapping):
         config = parse_config(source)
-    elif isinstance(source, str) and "\n" in source.strip():  # no configuration file's name
+    elif isinstance(source, str) and "\n" in source.strip() and not os.path.lexists(source):
+        # No configuration file's name, unless one is there (`--config` of a folder
+        # whose name holds a newline is a path, as the command line always gives).
         raise ConfigError(TOML_TEXT)
     elif isinstance(source, str | os.PathLike) and not isinstance(os.fspath(source), bytes):
         config = parse_config(read_config_file(Path(source)))
