@@ -147,6 +147,22 @@ def test_a_config_path_holding_a_newline_is_read_as_a_path(tmp_path: Path) -> No
         assert "TOML text" not in line and "no_such_key" in line, (verb, line)
 
 
+@pytest.mark.skipif(not Path(os.devnull).exists(), reason="no null device here")
+def test_the_null_device_as_config_is_an_empty_configuration(tmp_path: Path) -> None:
+    """`--config /dev/null` (the usual "no configuration" of a script or a unit file) was
+    refused as a device ("is not a regular file"), while an empty file is an empty
+    configuration: the same answer now, from each verb that reads `--config`."""
+    empty = tmp_path / "empty.toml"
+    empty.write_text("")
+    for verb in (("check",), ("routes", "list"), ("request", "--path", "/v1/x")):
+        from_file = run(*verb, "--config", str(empty))
+        from_null = run(*verb, "--config", os.devnull)
+        assert from_null.returncode == from_file.returncode, (verb, from_null.stderr)
+        assert from_null.stdout.replace(os.devnull, str(empty)) == from_file.stdout, verb
+        assert from_null.stderr.replace(os.devnull, str(empty)) == from_file.stderr, verb
+    assert "not a regular file" in one_error(run("check", "--config", "/dev/zero"), 2)
+
+
 def test_a_config_path_of_100000_characters_is_named_by_its_start_and_length() -> None:
     """`check --config` of a 100,000-character argument (a hostile or runaway script) echoed
     it whole in its error line; the path is named by its first 200 characters and length."""

@@ -200,8 +200,8 @@ def _path_shown(path: str) -> str:
 
 
 def _refuse_a_special_file(path: Path, name: str) -> bool:
-    """A device or a socket is refused before it is opened, as a `ca_file` is
-    (check_ca_file): `/dev/zero` never ends. Whether `path` is a FIFO or a pipe: read
+    """A device (but the null device) or a socket is refused before it is opened, as a
+    `ca_file` is (check_ca_file): `/dev/zero` never ends. Whether `path` is a FIFO or a pipe: read
     without waiting for a writer to open it (`_opened`); one nothing writes to
     (`mkfifo gw.toml`, where `check`, `serve` and every admin verb blocked for ever) is
     refused once it reads empty, while a pipe with its writer (`--config <(...)`,
@@ -213,9 +213,20 @@ def _refuse_a_special_file(path: Path, name: str) -> bool:
         return False
     if stat.S_ISFIFO(mode):
         return True
-    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or _null_device(mode, path)):
         raise ConfigError(_special_file(name))
     return False
+
+
+def _null_device(mode: int, path: Path) -> bool:
+    """`path` is the null device (`--config /dev/null`: a script's "no configuration"),
+    which reads empty at once, as an empty file does."""
+    if not stat.S_ISCHR(mode):
+        return False
+    try:
+        return os.path.samefile(path, os.devnull)
+    except OSError:
+        return False
 
 
 def _special_file(name: str) -> str:
