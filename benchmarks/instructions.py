@@ -3,6 +3,7 @@ with the machine's load, for changes smaller than the CPU-time spread of `run.py
 `ab.py` (±10-15 % on a shared machine, more on a busy one).
 
     .venv/bin/python benchmarks/instructions.py serve [--requests 1000] [--base SRC]
+        [--port-base PORT] [--start-timeout SECONDS]
     .venv/bin/python benchmarks/instructions.py layers healthy,log [--base SRC]
 
 `serve`: the floor (bare uvicorn + aiohttp) and `fallback-mw serve` (healthy, and every
@@ -14,6 +15,10 @@ in process, each run twice (500 and 1,500 timed requests) and the difference div
 1,000, so start-up and imports cancel out. `--base SRC` counts another source tree
 beside this one (as `ab.py`), with `PYTHONHASHSEED=0` in every run. Under callgrind a
 process runs some 50x slower: `serve` takes about five minutes, a layers row two.
+`--port-base PORT`: every server listens on PORT .. PORT+9 (a port taken is passed over),
+not on ephemeral ports; `--start-timeout`: how long the servers, started side by side
+under callgrind, may take to listen (default 150 s for each of them: 300 s, 450 s with
+`--base`; more on a busy machine).
 
 Instructions are not time (a cache miss or a system call costs more than its count), so
 this is for A/B of Python-level changes; `run.py` keeps the CPU-time numbers.
@@ -39,7 +44,8 @@ BODY = (
     b'{"model":"gpt-4o-mini","messages":[{"role":"user","content":"Say hello."}],"max_tokens":16}'
 )
 HEADERS = {"content-type": "application/json", "authorization": "Bearer caller-key"}
-START_SECONDS = 300  # imports under callgrind are slow
+START_SECONDS_EACH = 150  # imports under callgrind are slow, and share the cores
+PORTS = 10  # --port-base's range: nginx's three, the floor, this tree, --base's, room to skip
 
 
 def callgrind(out: Path) -> list[str]:
@@ -81,6 +87,8 @@ def serve_arms(args: argparse.Namespace) -> int:
     os.environ["PYTHONHASHSEED"] = "0"  # inherited by every server: the same dict layouts
     wrk, nginx = procs.ensure_tools()
     del wrk
+    if args.port_base is not None:
+        procs.use_ports(args.port_base, PORTS)
     tree = procs.Tree(Path(tempfile.mkdtemp(prefix="fmw-instr-")))
     try:
         upstream, backup, failing = procs.start_nginx(tree, nginx, 8)
@@ -97,8 +105,12 @@ def serve_arms(args: argparse.Namespace) -> int:
         servers["this"] = procs.start_gateway(
             tree, "this", config, wrap=callgrind(outs["this"]), wait=0
         )
+        start = args.start_timeout or START_SECONDS_EACH * len(servers)
+        started = time.monotonic()
         for child in servers.values():  # started side by side: imports under callgrind are slow
-            tree.listening(child, START_SECONDS)
+            tree.listening(child, max(start - (time.monotonic() - started), 1.0))
+        ports = sorted([*(child.port for child in tree.children), backup, failing])
+        print(f"listening after {time.monotonic() - started:.0f} s on ports {ports}")
         arms: list[tuple[str, str, str]] = [("floor", "floor", run.CHAT)]
         for name in servers:
             if name != "floor":
@@ -150,11 +162,26 @@ def layer_rows(args: argparse.Namespace) -> int:
     return 0
 
 
+def port_base(text: str) -> int:
+    base = run.at_least(1024)(text)
+    if base + PORTS - 1 > 65535:
+        raise argparse.ArgumentTypeError(f"{base} leaves no room for {PORTS} ports below 65536")
+    return base
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
     serve = sub.add_parser("serve", help="the floor and serve, healthy and failing over")
     serve.add_argument("--requests", type=run.at_least(10), default=1000)
+    serve.add_argument(
+        "--port-base", type=port_base, metavar="PORT",
+        help=f"listen on PORT .. PORT+{PORTS - 1} only (default: ephemeral ports)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--start-timeout", type=run.at_least(1), metavar="SECONDS",
+        help=f"for the servers to listen (default: {START_SECONDS_EACH} s for each)",
+    )  # fmt: skip
     layers = sub.add_parser("layers", help="layers.py rows, in process")
     layers.add_argument("rows", help="comma-separated layers.py row names")
     for each in (serve, layers):

@@ -62,7 +62,28 @@ def ensure_tools() -> tuple[str, str]:
     return wrk, nginx
 
 
+# `use_ports`: [next, end) of an allotted range the ports are taken from; empty: ephemeral.
+_RANGE: list[int] = []
+
+
+def use_ports(base: int, count: int) -> None:
+    """Take every port `free_port` gives from `base` .. `base + count - 1` (a shared
+    machine's allotted range), not from the ephemeral ones."""
+    _RANGE[:] = [base, base + count]
+
+
 def free_port() -> int:
+    if _RANGE:
+        while _RANGE[0] < _RANGE[1]:
+            port = _RANGE[0]
+            _RANGE[0] += 1
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue  # taken: the next one
+            return port
+        raise RuntimeError(f"no free port left in the range ending at {_RANGE[1] - 1}")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])

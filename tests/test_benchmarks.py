@@ -187,3 +187,34 @@ def test_instruction_count_refuses_a_tree_without_the_package(
     result = script(INSTRUCTIONS, *what, "--base", str(tmp_path), timeout=60)
     assert result.returncode == 2
     assert "holds no fallback_mw package" in result.stderr
+
+
+def test_instruction_count_refuses_a_port_base_without_room() -> None:
+    result = script(INSTRUCTIONS, "serve", "--port-base", "65530", timeout=60)
+    assert result.returncode == 2
+    assert "65530 leaves no room for 10 ports below 65536" in result.stderr
+
+
+@pytest.mark.slow
+def test_instruction_count_serves_on_the_ports_it_was_given() -> None:
+    """`serve` bound ephemeral ports, so two people (or two CI jobs) on one machine could
+    not keep it inside their allotted ranges, and gave its servers a fixed 300 s to start
+    under callgrind. `--port-base` keeps every server in PORT .. PORT+9 (a taken port
+    passed over) and `--start-timeout` is the operator's."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        base = min(int(sock.getsockname()[1]), 65526)
+    result = script(
+        INSTRUCTIONS, "serve", "--requests", "10", "--port-base", str(base),
+        "--start-timeout", "900", timeout=1500,
+    )  # fmt: skip
+    skip_without_tools(result)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = re.search(r"on ports \[([0-9, ]+)\]", result.stdout)
+    assert found is not None, result.stdout
+    ports = [int(port) for port in found.group(1).split(",")]
+    assert len(ports) == 5 and all(base <= port < base + 10 for port in ports), ports
+    for arm in ("floor", "healthy (this)", "failover (this)"):
+        assert re.search(rf"{re.escape(arm)} +[0-9]+k", result.stdout), result.stdout
