@@ -340,8 +340,8 @@ async def test_a_change_counter_edited_past_counting_is_reset_and_stops_no_reloa
     # A counter edited to 1e300 (or to SQLite's largest integer) never moved again: the
     # triggers' `serial + 1` is 1e300 in floating point, and the largest integer plus one
     # overflows to a float that reads back as the same largest integer. Every gateway
-    # stopped picking up route and fault changes, silently. It is set back to 0 (one log
-    # line), and the next change is picked up.
+    # stopped picking up route and fault changes, silently. It is restarted below the cap
+    # (one log line), and the next change is picked up.
     path = tmp_path / "gateway.db"
     store = f"sqlite:///{path}"
     async with upstream(status_handler(200, b"one")) as one:
@@ -367,9 +367,43 @@ async def test_a_change_counter_edited_past_counting_is_reset_and_stops_no_reloa
             await gateway.aclose()
     with sqlite_db(path) as db:
         serials = dict(db.execute("SELECT name, serial FROM fmw_route_changes").fetchall())
-    assert all(isinstance(v, int) and v < 100 for v in serials.values()), serials
+    assert all(isinstance(v, int) and 0 < v < 2**62 for v in serials.values()), serials
     reset = [r.getMessage() for r in caplog.records if "change counter" in r.getMessage()]
     assert reset and len(reset) <= 2, reset  # once per counter at most
+
+
+@pytest.mark.anyio
+async def test_a_change_made_while_the_counter_was_stuck_reaches_a_gateway_that_saw_0(
+    tmp_path: Path,
+) -> None:
+    # A stuck counter was set back to 0: a gateway that last saw 0 took the reset for "no
+    # change" and never picked up what changed while the counter was stuck (here: route one
+    # removed in the same transaction that edited the counter past counting). It restarts
+    # at a value no gateway has seen, so every gateway reloads.
+    path = tmp_path / "gateway.db"
+    store = f"sqlite:///{path}"
+    async with upstream(status_handler(200, b"one")) as one:
+        add = ["routes", "add", "--store", store, "--upstream", one.url, "--prefix"]
+        assert (await acli(*add, "/one/", "--id", "one"))[0] == 0
+        with sqlite_db(path) as db:
+            db.execute("UPDATE fmw_route_changes SET serial = 0")
+        gateway = Gateway(host_app, config=gateway_config(store))
+        runtime = gateway.services.store
+        assert runtime is not None
+        runtime.poll_interval = 0.05
+        try:
+            async with client_for(gateway) as client:
+                assert (await client.get("/one/x")).text == "one"
+                with sqlite_db(path) as db:
+                    db.execute("UPDATE fmw_route_changes SET serial = 1e300")
+                    db.execute("DELETE FROM fmw_routes WHERE id = 'one'")
+
+                async def removed() -> bool:
+                    return (await client.get("/one/x")).text != "one"
+
+                assert await wait_for(removed, True, within=5.0)
+        finally:
+            await gateway.aclose()
 
 
 @pytest.mark.anyio

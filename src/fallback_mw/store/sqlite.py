@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import sqlite3
 import time
 from collections.abc import Callable, Collection, Iterator
@@ -146,23 +147,35 @@ def _with_disk(exc: sqlite3.Error, path: Path) -> str:
 _SERIAL_CAP = 2**62
 
 
-def _reset_serials(conn: sqlite3.Connection, names: list[str]) -> bool:
-    """Set the change counters `names` back to 0 (a change every gateway sees), unless a
-    process that may not write the file reads them; whether they were."""
+def _restart_serial() -> int:
+    """Where a stuck counter starts again: a value no gateway has seen (a random one far
+    from 0 and below the cap), so every gateway reloads, whatever it last read; 0 read as
+    "no change" to a gateway that had last seen 0, and it missed what changed meanwhile."""
+    return 2**40 + secrets.randbelow(_SERIAL_CAP // 2)
+
+
+def _reset_serials(conn: sqlite3.Connection, names: list[str]) -> dict[str, int] | None:
+    """Start the change counters `names` again at a value no gateway has seen, unless a
+    process that may not write the file reads them; the counters as they then read (None
+    when they were not reset)."""
     if is_read_only(conn):
-        return False
+        return None
     with _write_transaction(conn):
         for name in names:
             conn.execute(
-                "UPDATE fmw_route_changes SET serial = 0 WHERE name = ? AND "
+                "UPDATE fmw_route_changes SET serial = ? WHERE name = ? AND "
                 "(typeof(serial) = 'real' OR CAST(serial AS INTEGER) >= ?)",
-                (name, _SERIAL_CAP),
+                (_restart_serial(), name, _SERIAL_CAP),
             )
+        # Another gateway may have restarted them first: what is stored now is the answer.
+        rows = conn.execute(
+            "SELECT name, CAST(serial AS INTEGER) FROM fmw_route_changes"
+        ).fetchall()
     logger.warning(
-        "the store's %s change counter was past counting (edited by hand?): set back to 0",
+        "the store's %s change counter was past counting (edited by hand?): restarted",
         " and ".join(sorted(names)),
     )
-    return True
+    return {name: int(serial) for name, serial in rows}
 
 
 class SqliteStore:
@@ -407,8 +420,9 @@ class SqliteStore:
             ).fetchall()
             serials = {name: serial for name, serial, _ in rows}
             stuck = [name for name, serial, kind in rows if kind == "real" or serial >= _SERIAL_CAP]
-            if stuck and _reset_serials(conn, stuck):
-                serials.update(dict.fromkeys(stuck, 0))
+            restarted = _reset_serials(conn, stuck) if stuck else None
+            if restarted is not None:
+                serials.update(restarted)
             return int(serials.get("routes", 0)), int(serials.get("faults", 0))
 
         return await self._run(read)
