@@ -370,3 +370,43 @@ def test_the_httpx_engine_reads_chunk_framing_as_h11_does(data: bytes, broken: b
     from fallback_mw.upstream.httpx_framing import chunks_break_framing
 
     assert chunks_break_framing(data) is broken
+
+
+# Framing fields on an interim answer. A 1xx ends at its empty line (RFC 9112 §6.3, first
+# rule): one valid Content-Length on it frames nothing and is ignored on both engines. A
+# repeated or invalid one (RFC 9110 §8.6: a recipient MAY reject repeated lengths as
+# invalid) is refused by aiohttp's parser on every head, interim ones included, and cannot
+# be told otherwise; h11 merged `Content-Length: 5, 5` on an interim answer and the httpx
+# engine served the answer after it, where the aiohttp engine failed over. Both refuse it.
+INTERIM_LENGTH = b"HTTP/1.1 103 Early Hints\r\ncontent-length: 5\r\n\r\n"
+INTERIM_REPEATED_LENGTHS = {
+    "interim-with-equal-lengths-in-one-field": b"HTTP/1.1 100 Continue\r\n"
+    b"Content-Length: 5, 5\r\n\r\n",
+    "interim-with-equal-lengths-in-two-fields": b"HTTP/1.1 100 Continue\r\n"
+    b"content-length: 5\r\ncontent-length: 5\r\n\r\n",
+    "interim-with-two-lengths": b"HTTP/1.1 100 Continue\r\ncontent-length: 5\r\n"
+    b"content-length: 6\r\n\r\n",
+    "interim-with-an-invalid-length": b"HTTP/1.1 100 Continue\r\ncontent-length: five\r\n\r\n",
+}
+FINAL = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_an_interim_answers_one_length_is_ignored_on_both_engines(engine: str) -> None:
+    result, _, remaining = await run(answer(INTERIM_LENGTH + FINAL), engine)
+    assert isinstance(result, httpx.Response), result
+    assert (result.status_code, result.text) == (200, "ok")
+    assert result.headers["x-gateway-attempts"] == "1"
+    assert remaining == 0
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("name", list(INTERIM_REPEATED_LENGTHS))
+async def test_an_interim_answers_repeated_lengths_fail_over_on_both_engines(
+    name: str, engine: str
+) -> None:
+    result, _, remaining = await run(answer(INTERIM_REPEATED_LENGTHS[name] + FINAL), engine)
+    assert isinstance(result, httpx.Response), result
+    assert (result.status_code, result.text) == (200, "backup")
+    assert result.headers["x-gateway-attempts"] == "2"
+    assert remaining == 0

@@ -89,18 +89,22 @@ class HeadRecorder:
     httpcore writes a request only once the previous answer is done (no pipelining): the
     first write after a read starts the next exchange."""
 
-    __slots__ = ("_buffer", "_done", "lengths")
+    __slots__ = ("_buffer", "_done", "interim_lengths", "lengths")
 
     def __init__(self) -> None:
         self._buffer = bytearray()
         self._done = False
         self.lengths: list[bytes] | None = None  # None: no final head read whole yet
+        # The Content-Length values of this exchange's interim heads that carried more than
+        # one, or one that is not a length (aiohttp's parser refuses them on any head).
+        self.interim_lengths: list[bytes] = []
 
     def wrote(self) -> None:
         if self._done or self._buffer:
             self._buffer.clear()
             self._done = False
             self.lengths = None
+            self.interim_lengths = []
 
     def read(self, data: bytes) -> None:
         if self._done or len(self._buffer) > _MAX_HEAD_READ:
@@ -110,13 +114,17 @@ class HeadRecorder:
             lines = bytes(self._buffer[: end.start()]).split(b"\n")
             del self._buffer[: end.end()]
             status = lines[0].split(b" ", 2)[1:2]
-            if status and status[0].strip()[:1] == b"1" and status[0].strip() != b"101":
-                continue  # an interim answer: the final head follows
-            self.lengths = [
+            lengths = [
                 value.strip()
                 for name, sep, value in (line.partition(b":") for line in lines[1:])
                 if sep and name.lower() == b"content-length"
             ]
+            if status and status[0].strip()[:1] == b"1" and status[0].strip() != b"101":
+                # An interim answer: the final head follows.
+                if len(lengths) > 1 or (lengths and not lengths[0].isdigit()):
+                    self.interim_lengths += lengths
+                continue
+            self.lengths = lengths
             self._buffer.clear()
             self._done = True
             return
@@ -157,6 +165,12 @@ class RecordingStream(httpcore.AsyncNetworkStream):
 
     def get_extra_info(self, info: str) -> Any:
         return self._inner.get_extra_info(info)
+
+
+def interim_lengths(stream: object) -> list[bytes]:
+    """The repeated or invalid Content-Length values of the interim heads read on `stream`
+    before its last final head (empty: none, or not a recording stream)."""
+    return stream.heads.interim_lengths if isinstance(stream, RecordingStream) else []
 
 
 def raw_lengths(stream: object) -> list[bytes] | None:

@@ -40,6 +40,7 @@ from fallback_mw.upstream.httpx_framing import (
     h11_state,
     head_as_written,
     http11_connection,
+    interim_lengths_repeated,
     never_pool_leftovers,
     past_its_framing,
     read_what_has_arrived,
@@ -331,6 +332,8 @@ class HttpxClient:
                     check_proxy_answer(response.status_code, request.proxy)
                     if past_its_framing(response, request.method):
                         raise unrelayable("the answer breaks its own framing")
+                    if interim_lengths_repeated(response):
+                        raise unrelayable("contradictory Content-Length on an interim answer")
             except UpstreamError:
                 await asyncio.shield(response.aclose())
                 raise

@@ -16,7 +16,7 @@ try:
 except ImportError:
     raise missing_extra("httpx", 'engine = "httpx"') from None
 
-from fallback_mw.upstream.httpx_backend import raw_lengths
+from fallback_mw.upstream.httpx_backend import interim_lengths, raw_lengths
 
 
 def http11_connection(response: httpx.Response) -> httpcore.AsyncHTTP11Connection | None:
@@ -41,6 +41,17 @@ def head_as_written(response: httpx.Response) -> list[tuple[bytes, bytes]]:
         return fields
     kept = [(name, value) for name, value in fields if name.lower() != b"content-length"]
     return kept + [(b"content-length", value) for value in lengths]
+
+
+def interim_lengths_repeated(response: httpx.Response) -> bool:
+    """Whether an interim answer before this one carried repeated or invalid Content-Length
+    fields. A 1xx ends at its empty line (RFC 9112 §6.3), so one valid length on it frames
+    nothing; repeated ones a recipient may reject as invalid (RFC 9110 §8.6), and aiohttp's
+    parser does, on every head: h11 merged `Content-Length: 5, 5` on a `100 Continue` and
+    this engine served the answer after it, where the aiohttp engine failed over. Both
+    refuse it now."""
+    connection = http11_connection(response)
+    return bool(interim_lengths(getattr(connection, "_network_stream", None)))
 
 
 def h11_state(response: httpx.Response) -> h11.Connection | None:
