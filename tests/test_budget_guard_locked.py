@@ -8,6 +8,7 @@ deadline was answered after up to 9.6 s, a 504 when the lock went meanwhile."""
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
 import sys
 import time
@@ -185,3 +186,41 @@ async def test_a_caller_deadline_of_a_few_ms_is_the_deadline_s_504_not_the_ledge
         assert "x-gateway-deadline-ms" in error["message"]
         assert error["attempts"] == 0
         assert took < 1.0
+
+
+async def test_a_refused_requests_record_carries_its_own_duration_not_the_writes_wait(
+    ledger_path: Path,
+) -> None:
+    # The 503's usage record waits for the lock (up to the busy timeout) after the answer
+    # went: its duration_ms is the request's (arrival to the refusal), not that wait.
+    async with upstream(status_handler(200)) as primary:
+        gateway = Gateway(host_app, config=config(primary.url, ledger_path, 1200))
+        try:
+            assert (await answer_of(gateway))[0] == 200
+            lock = LockedElsewhere(ledger_path)
+            refused: list[tuple[int, dict[str, Any], float]] = []
+            ended: list[float] = []
+
+            async def one() -> None:
+                started = time.monotonic()
+                refused.append(await answer_of(gateway))
+                ended.append(time.monotonic() - started)  # after the record's write
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(one)
+                try:
+                    await anyio.sleep(3.5)  # the answer at 1.2 s, the write waiting since
+                finally:
+                    lock.release()
+        finally:
+            await gateway.aclose()
+    conn = sqlite3.connect(ledger_path)
+    try:
+        rows = conn.execute("SELECT status, duration_ms FROM fmw_usage ORDER BY at").fetchall()
+    finally:
+        conn.close()
+    assert refused[0][0] == 503
+    assert ended and ended[0] > 3.0, ended  # the write did wait for the lock
+    assert [status for status, _ in rows] == [200, 503], rows
+    duration = rows[1][1] / 1000
+    assert abs(duration - refused[0][2]) < 0.5, (rows, refused)
