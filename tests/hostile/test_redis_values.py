@@ -189,6 +189,39 @@ async def test_capacity_retry_after_of_a_count_a_few_seconds_ahead_is_a_minute_a
 
 
 @pytest.mark.anyio
+async def test_capacity_retry_after_of_a_count_a_few_seconds_ahead_is_never_short(
+    redis_url: str,
+) -> None:
+    # A count up to 5 s ahead of Redis's clock holds the rpm until its own second leaves
+    # the rolling minute (ADMIT reads its age from that second), but the Retry-After was
+    # read as if it were made now: up to 5 s short, and a caller retrying on time was
+    # refused again. It is the seconds until ADMIT lets the request through.
+    base, prefix = split_state_url(redis_url)
+    inspect = aioredis.Redis.from_url(base, decode_responses=True)
+    counts = f"{prefix}capacity:primary"
+    try:
+        async with upstream(status_handler(200)) as primary:
+            conf = {
+                "gateway": {"state": redis_url, "breaker": BREAKER},
+                "upstreams": {"primary": {"url": primary.url, "rpm": 1}},
+                "routes": [{"id": "r", "prefix": "/v1/", "plan": ["primary"]}],
+            }
+            async with gateway_client(conf) as client:
+                before = int((await inspect.time())[0])
+                await inspect.hset(counts, mapping={f"r:{before + 4}": "1"})
+                response = await client.get("/v1/x")
+                after = int((await inspect.time())[0])
+                assert response.status_code == 503
+                retry_after = int(response.headers["retry-after"])
+                # Admitted again once Redis's clock reads the count's second plus 60.
+                assert retry_after >= before + 4 + 60 - after, (retry_after, before, after)
+                assert retry_after <= 65
+        assert primary.count == 0
+    finally:
+        await inspect.aclose()
+
+
+@pytest.mark.anyio
 async def test_capacity_retry_after_never_counts_a_second_ahead(redis_url: str) -> None:
     base, prefix = split_state_url(redis_url)
     inspect = aioredis.Redis.from_url(base, decode_responses=True)

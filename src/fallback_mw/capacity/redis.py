@@ -153,9 +153,12 @@ local seconds, out = {}, {now}
 for i = 1, #fields, 2 do
   local kind, second = string.sub(fields[i], 1, 1), string.sub(fields[i], 3)
   local value = count(fields[i + 1]) or 0
-  local at = count(second)  -- as ADMIT reads it: a few seconds ahead is now
+  -- As ADMIT reads it: a count a few seconds ahead counts from now until its own second
+  -- leaves the minute, so it stays that second (read as now, the Retry-After was up to
+  -- `skew` seconds short of when ADMIT lets the request through).
+  local at = count(second)
   if (kind == 'r' or kind == 't') and at and at <= now + skew and now - at < 60 then
-    second = tostring(math.min(at, now))
+    second = tostring(at)
     local row = seconds[second]
     if row == nil then row = {0, 0}; seconds[second] = row end
     if kind == 'r' then row[1] = row[1] + value else row[2] = row[2] + value end
