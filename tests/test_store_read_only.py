@@ -9,6 +9,7 @@ so the modes bind as they do for any other user."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import subprocess
@@ -20,6 +21,8 @@ import pytest
 
 from fallback_mw.config import BudgetConfig
 from fallback_mw.store.ledgers.sqlite import SQLiteLedger
+from fallback_mw.store.sqlite_connect import STEADY_READ_TRIES
+from tests.helpers import sqlite_db
 
 CONFIG = """
 [gateway]
@@ -122,3 +125,117 @@ def test_read_verbs_answer_and_writes_say_why_on_a_read_only_store(
     removed = fallback_mw(config, "routes", "remove", "--id", "stored")
     assert removed.returncode == 0, removed.stderr
     assert "stored" not in fallback_mw(config, "routes", "list").stdout
+
+
+# A reader of a store this user may not write, paused (once per connection) in the middle
+# of reading the routes, until the test has written: a read of the file alone
+# (`immutable`), which no writer's lock or WAL protocol covers.
+_PAUSED_READER = """
+import asyncio, sys
+import fallback_mw.store.sqlite as backend
+from fallback_mw.store.model import StoreError
+real = backend.connect_wal
+def connect(*args, **kwargs):
+    conn = real(*args, **kwargs)
+    calls = [0]
+    def progress():
+        calls[0] += 1
+        if calls[0] == 3:  # in the middle of the routes' SELECT
+            print("paused", flush=True)
+            sys.stdin.readline()
+        return 0
+    conn.set_progress_handler(progress, 200)
+    return conn
+backend.connect_wal = connect
+async def main():
+    try:
+        routes = await backend.SqliteStore(sys.argv[1]).load_routes(unreadable=[])
+    except StoreError as exc:
+        print("error", exc, flush=True)
+        return
+    urls = sorted({u.url for r in routes for u in r.upstreams.values()})
+    print("read", len(routes), *urls, flush=True)
+asyncio.run(main())
+"""
+
+
+def write_routes(path: Path, generation: int, count: int) -> None:
+    """`count` routes, their upstreams' URLs naming `generation`, in one transaction; the
+    file made writable for it, read-only again after (the reader's mode is chosen at its
+    connection: a read-only file's reader reads the file alone)."""
+    pad = "x" * 600  # spread over many pages: the checkpoint rewrites them under the read
+    docs = [
+        (
+            f"r{n}",
+            json.dumps(
+                {
+                    "route": {"id": f"r{n}", "plan": [f"r{n}-up"], "prefix": f"/{n}/{pad}/"},
+                    "upstreams": {f"r{n}-up": {"url": f"http://127.0.0.1:22001/g{generation}"}},
+                }
+            ),
+        )
+        for n in range(count)
+    ]
+    path.chmod(0o644)
+    try:
+        with sqlite_db(path, isolation_level=None) as db:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("DELETE FROM fmw_routes")
+            db.executemany("INSERT INTO fmw_routes (id, doc, updated_at) VALUES (?, ?, 0)", docs)
+            db.execute("COMMIT")
+        # closed: the last connection checkpointed into the file and removed its WAL
+    finally:
+        path.chmod(0o444)
+
+
+def read_while_written(path: Path, writes: int) -> list[str]:
+    """What the paused reader printed, the test writing a new generation at each of its
+    first `writes` pauses."""
+    reader = subprocess.Popen(
+        [*unprivileged(), sys.executable, "-c", _PAUSED_READER, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert reader.stdin is not None and reader.stdout is not None
+    lines = []
+    try:
+        for line in reader.stdout:
+            lines.append(line.strip())
+            if line.startswith("paused"):
+                if writes:
+                    writes -= 1
+                    write_routes(path, 10 - writes, 150)
+                reader.stdin.write("go\n")
+                reader.stdin.flush()
+    finally:
+        reader.stdin.close()
+        reader.wait(timeout=60)
+        reader.stdout.close()
+    return lines
+
+
+def test_a_read_of_a_read_only_store_a_writer_changed_under_it_is_made_again(
+    tmp_path: Path,
+) -> None:
+    # A user who may not write the store reads the file alone; a writer that started and
+    # checkpointed meanwhile changed pages under the read: "SQLite store error: database
+    # disk image is malformed" (or routes of two states) on a healthy store. The read is
+    # made again once the file held still under it.
+    path, _ = made_store(tmp_path / "store")
+    write_routes(path, 1, 300)
+    lines = read_while_written(path, writes=1)
+    assert lines[0] == "paused"
+    assert lines[-1] == "read 150 http://127.0.0.1:22001/g10", lines
+
+
+def test_a_read_only_store_a_writer_never_leaves_alone_is_refused_saying_why(
+    tmp_path: Path,
+) -> None:
+    path, _ = made_store(tmp_path / "store")
+    write_routes(path, 1, 300)
+    lines = read_while_written(path, writes=100)
+    assert lines.count("paused") == STEADY_READ_TRIES, lines
+    assert lines[-1].startswith("error SQLite store error: another process kept writing gw.db")
+    assert "give this user write access" in lines[-1]

@@ -32,6 +32,7 @@ from fallback_mw.store.sqlite_connect import (
     disk_full,
     is_read_only,
     read_only_reason,
+    read_steadily,
 )
 
 T = TypeVar("T")
@@ -228,13 +229,12 @@ class SqliteStore:
 
     async def _run(self, operation: Callable[[sqlite3.Connection], T]) -> T:
         def call() -> T:
-            conn = self._connect()
             try:
-                return operation(conn)
+                # A connection that reads the file alone (this user may not write it) is
+                # read again while a writer changes the file under it.
+                return read_steadily(self.path, self._connect, operation)
             except sqlite3.Error as exc:
                 raise StoreError(f"SQLite store error: {_with_disk(exc, self.path)}") from None
-            finally:
-                conn.close()
 
         return await asyncio.to_thread(call)
 

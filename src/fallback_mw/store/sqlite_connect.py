@@ -91,6 +91,7 @@ def _connect_read_only(
             timeout=timeout,
             isolation_level=None,
             check_same_thread=check_same_thread,
+            factory=FileAlone if mode == "immutable=1" else sqlite3.Connection,
         )
         try:
             conn.execute("PRAGMA query_only = ON")  # `is_read_only`
@@ -101,6 +102,64 @@ def _connect_read_only(
             if mode == modes[-1]:
                 raise
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+class FileAlone(sqlite3.Connection):
+    """A read-only connection that reads the database file alone (`immutable`): no lock,
+    no WAL. A writer that starts meanwhile checkpoints into the file under it, and a read
+    then mixes pages of two states ("database disk image is malformed", or rows of both):
+    `read_steadily` repeats such a read."""
+
+
+# How many times a read on a file alone is made while a writer keeps changing the file.
+STEADY_READ_TRIES = 5
+
+
+def read_steadily(
+    path: str | Path,
+    connect: Callable[[], sqlite3.Connection],
+    read: Callable[[sqlite3.Connection], T],
+) -> T:
+    """`read` on a fresh `connect()`ion; when that reads the file alone (`FileAlone`), made
+    again until the files at `path` did not change while it ran (a writer's WAL or journal
+    appearing, the file rewritten), STEADY_READ_TRIES times at most: then a
+    sqlite3.OperationalError saying why. Errors of a read during which nothing changed
+    are its own."""
+    for _ in range(STEADY_READ_TRIES):
+        before = _files_state(path)
+        conn = connect()
+        try:
+            if not isinstance(conn, FileAlone):
+                return read(conn)
+            try:
+                result = read(conn)
+            except sqlite3.DatabaseError:
+                if _files_state(path) == before:
+                    raise
+                continue
+        finally:
+            conn.close()
+        if _files_state(path) == before:
+            return result
+        time.sleep(0.05)
+    raise sqlite3.OperationalError(
+        f"another process kept writing {Path(path).name} while this user, who may not write "
+        "it, read it (such a reader reads the file alone, without the writer's WAL): "
+        "retry when it is done, or give this user write access to the file and its directory"
+    )
+
+
+def _files_state(path: str | Path) -> tuple[tuple[int, int, int] | None, ...]:
+    """The database file and what a writer makes beside it, as (inode, size, mtime_ns)."""
+    found: list[tuple[int, int, int] | None] = []
+    for name in (str(path), f"{path}-wal", f"{path}-journal"):
+        try:
+            stat = os.stat(name)
+        except OSError:
+            found.append(None)
+            continue
+        found.append((stat.st_ino, stat.st_size, stat.st_mtime_ns))
+    return tuple(found)
 
 
 def is_read_only(conn: sqlite3.Connection) -> bool:
