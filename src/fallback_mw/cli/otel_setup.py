@@ -28,6 +28,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from fallback_mw.cli.console_stream import ConsoleStream
 from fallback_mw.cli.otel_env import (
     TelemetrySetupError,
     check_otlp_headers,
@@ -37,6 +38,9 @@ from fallback_mw.cli.otel_env import (
     prometheus_address,
     protocol,
 )
+
+# At exit, how long console telemetry pending for a slow stdout may take to be written.
+CONSOLE_FLUSH_SECONDS = 2.0
 
 
 @dataclass
@@ -51,6 +55,8 @@ class OtelHandle:
     prometheus_address: tuple[str, int] | None = None
     _providers: list[Any] = field(default_factory=list)
     _servers: list[Any] = field(default_factory=list)
+    # stdout as the console exporters write to it, when no `out` was given.
+    _console: ConsoleStream | None = None
 
     @property
     def enabled(self) -> bool:
@@ -62,6 +68,9 @@ class OtelHandle:
             # Flushing at exit must not mask the real exit status.
             with contextlib.suppress(Exception):
                 provider.shutdown()
+        console, self._console = self._console, None
+        if console is not None:
+            console.close(CONSOLE_FLUSH_SECONDS)
         servers, self._servers = self._servers, []
         for server in servers:
             with contextlib.suppress(Exception):
@@ -106,7 +115,9 @@ _EXPORTERS = {
 }
 
 
-def _exporter(signal: str, name: str, environ: Mapping[str, str], out: TextIO) -> Any:
+def _exporter(
+    signal: str, name: str, environ: Mapping[str, str], out: TextIO | ConsoleStream
+) -> Any:
     """The span ("traces") or metric ("metrics") exporter `name` (console or otlp)."""
     sdk_module, otlp_module, kind = _EXPORTERS[signal]
     if name == "console":
@@ -135,7 +146,9 @@ def _sdk_settings(which: str) -> Iterator[None]:
         raise TelemetrySetupError(f"{which}: the OpenTelemetry SDK refused it: {exc}") from None
 
 
-def _periodic_reader(reader: Any, name: str, environ: Mapping[str, str], out: TextIO) -> Any:
+def _periodic_reader(
+    reader: Any, name: str, environ: Mapping[str, str], out: TextIO | ConsoleStream
+) -> Any:
     """A PeriodicExportingMetricReader for exporter `name`; its own settings refused (a
     negative OTEL_METRIC_EXPORT_INTERVAL) in one line, as the providers' are."""
     exporter = _exporter("metrics", name, environ, out)
@@ -172,7 +185,11 @@ def configure_opentelemetry(
     handle.metrics = exporters(environ, "metrics")
     if not handle.traces and not handle.metrics:
         return handle
-    stream = out if out is not None else sys.stdout
+    if out is not None:
+        stream: TextIO | ConsoleStream = out
+    else:
+        # Never written from a request: cli/console_stream.py.
+        stream = handle._console = ConsoleStream(sys.stdout)
     try:
         from opentelemetry.sdk.resources import SERVICE_INSTANCE_ID, SERVICE_NAME, Resource
     except ImportError as exc:

@@ -1,0 +1,124 @@
+"""`fallback-mw serve` with OTEL_TRACES_EXPORTER=console and a stdout that cannot take the
+spans: a reader that stopped reading (`serve | less` left on one page, a stalled log
+shipper), a reader that has exited (EPIPE), stdout closed (`>&-`). The gateway serves and
+stops as always; console telemetry is what gives way."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.helpers import free_port, log_text, wait_listening
+from tests.upstreams import status_handler, upstream
+
+pytestmark = pytest.mark.e2e
+
+KEY = "console-secret-71b2c9d4"
+
+
+def write_config(tmp_path: Path, url: str) -> Path:
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        f'[upstreams.primary]\nurl = "{url}"\nauth_env = "FMW_CONSOLE_KEY"\n'
+        '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["primary"]\n',
+        encoding="utf-8",
+    )
+    return config
+
+
+@contextmanager
+def serve_console(
+    config: Path, port: int, log: Path, *, stdout: str
+) -> Iterator[subprocess.Popen[bytes]]:
+    """serve with console spans and metrics; `stdout` "pipe" (never read), "gone" (a pipe
+    whose read end is closed at once) or "closed" (`>&-`); stderr in `log`."""
+    env = dict(
+        os.environ,
+        FMW_CONSOLE_KEY=KEY,
+        OTEL_TRACES_EXPORTER="console",
+        OTEL_METRICS_EXPORTER="console",
+        OTEL_METRIC_EXPORT_INTERVAL="200",
+    )
+    command = [
+        *(sys.executable, "-m", "fallback_mw", "serve", "--config", str(config)),
+        *("--host", "127.0.0.1", "--port", str(port)),
+    ]
+    if stdout == "closed":
+        command = ["bash", "-c", 'exec "$@" >&-', "bash", *command]
+    with log.open("wb") as err:
+        process = subprocess.Popen(
+            command,
+            stdout=None if stdout == "closed" else subprocess.PIPE,
+            stderr=err,
+            env=env,
+        )
+        if stdout == "gone":
+            assert process.stdout is not None
+            process.stdout.close()  # the reader has exited: every write is EPIPE
+        try:
+            yield process
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+            if process.stdout is not None:
+                process.stdout.close()
+
+
+async def requests_then_stop(process: subprocess.Popen[bytes], port: int, log: Path) -> None:
+    """200 requests, each answered (not one held behind a console write), then a stop."""
+    await wait_listening(process, port, log)
+    async with httpx.AsyncClient(timeout=10) as client:
+        for _ in range(200):
+            try:
+                response = await client.get(f"http://127.0.0.1:{port}/v1/chat")
+            except httpx.TimeoutException:
+                pytest.fail(f"the gateway stopped answering: {log_text(log)[-2000:]}")
+            assert response.status_code == 200
+    process.send_signal(signal.SIGINT)
+    try:
+        assert process.wait(timeout=15) == 0, log_text(log)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"serve did not stop within 15 s of SIGINT: {log_text(log)[-2000:]}")
+
+
+@pytest.mark.anyio
+async def test_console_spans_on_a_stdout_nobody_reads_never_stop_the_gateway(
+    tmp_path: Path,
+) -> None:
+    """The console exporter wrote each span on the event loop as the request ended: once
+    the pipe's buffer was full (about 25 requests), the next write blocked the loop, and
+    with it every request and the stop (SIGINT, SIGTERM: only SIGKILL ended it)."""
+    port, log = free_port(), tmp_path / "serve.log"
+    async with upstream(status_handler(200, b"ok")) as primary:
+        config = write_config(tmp_path, primary.url)
+        with serve_console(config, port, log, stdout="pipe") as process:
+            await requests_then_stop(process, port, log)
+    assert "Traceback" not in log_text(log)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("stdout", ["gone", "closed"])
+async def test_console_spans_on_a_stdout_that_is_gone_say_so_once_not_a_traceback_each(
+    tmp_path: Path, stdout: str
+) -> None:
+    """A reader that exited (`serve | head`) or stdout closed: each span and each metric
+    export wrote a traceback (BrokenPipeError, or AttributeError on None) to the log, two
+    for every request, for as long as the gateway ran."""
+    port, log = free_port(), tmp_path / "serve.log"
+    async with upstream(status_handler(200, b"ok")) as primary:
+        config = write_config(tmp_path, primary.url)
+        with serve_console(config, port, log, stdout=stdout) as process:
+            await requests_then_stop(process, port, log)
+    text = log_text(log)
+    assert "Traceback" not in text and "Exception while exporting" not in text, text[-2000:]
+    assert text.count("console telemetry") == 1, text[-2000:]
+    assert KEY not in text
