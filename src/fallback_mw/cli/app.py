@@ -175,7 +175,11 @@ def dispatch(handler: Handler, args: argparse.Namespace, console: Console) -> in
     except OSError as exc:
         # e.g. the store's directory is missing, a port is taken: name what failed, no path
         # to a secret is ever part of these.
-        console.error(_no_descriptors(exc) or f"{type(exc).__name__}: {exc.strerror or exc}")
+        console.error(
+            _no_descriptors(exc)
+            or _directory_gone(exc)
+            or f"{type(exc).__name__}: {exc.strerror or exc}"
+        )
         return EXIT_FAILED
     except KeyboardInterrupt:
         console.error("interrupted")
@@ -208,6 +212,23 @@ def _no_descriptors(exc: BaseException) -> str | None:
                 f"out of file descriptors ({errno.errorcode[current.errno]}): raise the "
                 f"open-file limit (ulimit -n, now {limit}; systemd LimitNOFILE)"
             )
+    return None
+
+
+def _directory_gone(exc: OSError) -> str | None:
+    """The line for a relative path that failed because the current directory has been
+    removed (a release directory a deploy replaced): "No such file or directory" alone
+    named neither the path nor why."""
+    if not isinstance(exc, FileNotFoundError):
+        return None
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        return (
+            f"{exc.strerror or 'not found'}: the current directory no longer exists (deleted "
+            "or moved), so no relative path can be found; run from a directory that exists, "
+            "or give absolute paths"
+        )
     return None
 
 

@@ -251,13 +251,23 @@ def _unreadable(exc: OSError, path: Path, name: str) -> NoReturn:
     if isinstance(exc, FileNotFoundError):
         # A relative path is the server's working directory's: often not where the config
         # is (a Django FALLBACK_MW setting, a service manager's cwd). Say where it looked.
-        where = "" if path.is_absolute() else f" (looked for {path.absolute()})"
+        where = "" if path.is_absolute() else f" ({_looked_for(path)})"
         raise ConfigError(f"configuration file {name} not found{where}") from None
     if isinstance(exc, IsADirectoryError):
         raise ConfigError(f"configuration file {name} is a directory, not a file") from None
     if isinstance(exc, PermissionError):
         raise ConfigError(f"configuration file {name} cannot be read (permission denied)") from None
     raise ConfigError(f"configuration file {name} cannot be read ({exc.strerror})") from None
+
+
+def _looked_for(path: Path) -> str:
+    try:
+        return f"looked for {path.absolute()}"
+    except OSError:  # asking for the current directory failed: it has been removed
+        return (
+            "relative to the current directory, which no longer exists (deleted or moved): "
+            "give an absolute path, or run from a directory that exists"
+        )
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
