@@ -21,8 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
+import logging
 import os
 import sys
+import threading
+import time
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -39,8 +43,12 @@ from fallback_mw.cli.otel_env import (
     protocol,
 )
 
+_log = logging.getLogger("fallback_mw.telemetry")
+
 # At exit, how long console telemetry pending for a slow stdout may take to be written.
 CONSOLE_FLUSH_SECONDS = 2.0
+# At exit, how long the exporters may take to send what they hold.
+TELEMETRY_FLUSH_SECONDS = 3.0
 
 
 @dataclass
@@ -64,10 +72,27 @@ class OtelHandle:
 
     def shutdown(self) -> None:
         providers, self._providers = self._providers, []
-        for provider in providers:
-            # Flushing at exit must not mask the real exit status.
-            with contextlib.suppress(Exception):
-                provider.shutdown()
+        # Each provider flushes in a thread of its own, all of them within one bound: an
+        # OTLP endpoint that accepts and never answers held the stop for each exporter's
+        # export timeout in turn (10 s each by default), past a supervisor's stop grace.
+        deadline = time.monotonic() + TELEMETRY_FLUSH_SECONDS
+        flushes = [
+            threading.Thread(
+                target=_flush, args=(provider,), name="fallback-mw telemetry flush", daemon=True
+            )
+            for provider in providers
+        ]
+        for flush in flushes:
+            flush.start()
+        for flush in flushes:
+            flush.join(max(0.0, deadline - time.monotonic()))
+        if any(flush.is_alive() for flush in flushes):
+            _log.warning(
+                "telemetry export did not finish within %g s of the stop (is the OTLP "
+                "endpoint answering?): the spans and metrics the exporters still held are "
+                "dropped",
+                TELEMETRY_FLUSH_SECONDS,
+            )
         console, self._console = self._console, None
         if console is not None:
             console.close(CONSOLE_FLUSH_SECONDS)
@@ -76,6 +101,18 @@ class OtelHandle:
             with contextlib.suppress(Exception):
                 server.shutdown()
                 server.server_close()
+
+
+def _flush(provider: Any) -> None:
+    # Flushing at exit must not mask the real exit status.
+    with contextlib.suppress(Exception):
+        if "timeout_millis" in inspect.signature(provider.shutdown).parameters:
+            # The meter provider's own bound (the tracer provider takes none), inside the
+            # wait for it: it ends, and unregisters its exit hook, before the wait does
+            # (that hook found it still flushing: "shutdown can only be called once").
+            provider.shutdown(timeout_millis=(TELEMETRY_FLUSH_SECONDS - 0.5) * 1000)
+        else:
+            provider.shutdown()
 
 
 def _prometheus_reader(handle: OtelHandle, environ: Mapping[str, str], offset: int) -> Any:
