@@ -195,17 +195,33 @@ def test_instruction_count_refuses_a_port_base_without_room() -> None:
     assert "65530 leaves no room for 10 ports below 65536" in result.stderr
 
 
+def _free_window_below_the_ephemeral_range(size: int) -> int:
+    """A first port of `size` free ports under 32768: the kernel hands out ports from
+    32768 up to every socket bound to port 0 and to every outgoing connection, so a window
+    there (where the test once took it, from a port-0 bind) was taken under the parallel
+    suite's load between the script's check of a port and its server's bind."""
+    import random
+    import socket
+
+    for _ in range(200):
+        base = random.randrange(24_000, 32_000 - size)
+        try:
+            for port in range(base, base + size):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise AssertionError("no 10 free ports in 24000..32000")
+
+
 @pytest.mark.slow
 def test_instruction_count_serves_on_the_ports_it_was_given() -> None:
     """`serve` bound ephemeral ports, so two people (or two CI jobs) on one machine could
     not keep it inside their allotted ranges, and gave its servers a fixed 300 s to start
     under callgrind. `--port-base` keeps every server in PORT .. PORT+9 (a taken port
     passed over) and `--start-timeout` is the operator's."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        base = min(int(sock.getsockname()[1]), 65526)
+    base = _free_window_below_the_ephemeral_range(10)
     result = script(
         INSTRUCTIONS, "serve", "--requests", "10", "--port-base", str(base),
         "--start-timeout", "900", timeout=1500,
