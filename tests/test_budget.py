@@ -468,7 +468,7 @@ async def test_a_gateway_clock_ahead_does_not_settle_live_holds_on_postgres(
     database's clock now."""
     import datetime as real_datetime
 
-    from fallback_mw.store.ledgers import postgres
+    from fallback_mw.store.ledgers import postgres, postgres_reads
 
     class Ahead(real_datetime.datetime):
         @classmethod
@@ -478,7 +478,7 @@ async def test_a_gateway_clock_ahead_does_not_settle_live_holds_on_postgres(
     holder = postgres.PostgresLedger(pg_url)
     try:
         assert await holder.hold("acme", BUDGET, Decimal("0.02")) is not None  # live
-        monkeypatch.setattr(postgres, "datetime", Ahead)
+        monkeypatch.setattr(postgres_reads, "datetime", Ahead)  # the ledger's datetime
         skewed = postgres.PostgresLedger(pg_url)  # opening reaps stale holds
         try:
             status = await skewed.status("acme", BUDGET)

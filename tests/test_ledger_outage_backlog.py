@@ -19,7 +19,7 @@ import pytest
 
 from fallback_mw.budget.ledger import LedgerUnavailable, UsageRecord
 from fallback_mw.config import BudgetConfig
-from fallback_mw.store.ledgers import postgres
+from fallback_mw.store.ledgers import postgres_backlog
 from fallback_mw.store.ledgers.postgres import PostgresLedger
 from tests.tcp_proxy import TcpProxy, tcp_proxy
 
@@ -96,7 +96,7 @@ async def test_the_backlog_is_bounded_and_what_is_left_at_close_is_said(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     proxy, ledger = proxied
-    monkeypatch.setattr(postgres, "BACKLOG_LIMIT", 2)
+    monkeypatch.setattr(postgres_backlog, "BACKLOG_LIMIT", 2)
     await ledger.record_usage(record("open"))  # the schema exists
     await outage(proxy, ledger)
     await ledger.record_usage(record("kept-1"))
@@ -312,7 +312,7 @@ async def test_what_was_kept_is_written_whole_at_close_when_the_database_answers
     """A clean shutdown (lifespan shutdown, `aclose`) with the database back writes every
     kept record, however many batches they take, and leaves no pool or drain behind."""
     proxy, ledger = proxied
-    monkeypatch.setattr(postgres, "_DRAIN_BATCH", 2)
+    monkeypatch.setattr(postgres_backlog, "DRAIN_BATCH", 2)
     await ledger.record_usage(record("before"))
     await outage(proxy, ledger)
     kept = [f"kept-{i}" for i in range(7)]
@@ -323,7 +323,7 @@ async def test_what_was_kept_is_written_whole_at_close_when_the_database_answers
     assert ledger.waiting == 0
     assert await rows_written(pg_url) == ["before", *kept]  # in order
     await asyncio.sleep(0.5)  # anything left running after the close would write again
-    assert ledger._pool is None and ledger._draining is None
+    assert ledger._pool is None and ledger._backlog.draining is None
     assert await rows_written(pg_url) == ["before", *kept]  # in order
 
 
