@@ -6,10 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import sqlite3
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TypeVar
 
@@ -30,10 +29,11 @@ from fallback_mw.store.model import (
 from fallback_mw.store.sqlite_connect import (
     connect_wal,
     disk_full,
-    is_read_only,
     read_only_reason,
     read_steadily,
+    write_transaction,
 )
+from fallback_mw.store.sqlite_serials import read_serials
 
 T = TypeVar("T")
 logger = logging.getLogger("fallback_mw.store")
@@ -61,23 +61,6 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
         ),
     ),
 )
-
-
-@contextlib.contextmanager
-def _write_transaction(conn: sqlite3.Connection) -> Iterator[None]:
-    """One write transaction (BEGIN IMMEDIATE takes the write lock, so a read and the writes
-    after it cannot interleave with another process's): committed when the block ends,
-    unless the block rolled it back itself (a conditional edit that found nothing to
-    change); rolled back when the block raises."""
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        yield
-    except BaseException:
-        if conn.in_transaction:
-            conn.execute("ROLLBACK")
-        raise
-    if conn.in_transaction:
-        conn.execute("COMMIT")
 
 
 # Text columns are read as their bytes: Python's sqlite3 fails the whole query on one value
@@ -141,42 +124,6 @@ def _with_disk(exc: sqlite3.Error, path: Path) -> str:
     if full is None and "readonly" in str(exc):
         full = read_only_reason(path)
     return f"{exc} ({full})" if full else str(exc)
-
-
-# A change counter at or past this (edited by hand: 1e300, 2^63 - 1) never moves again: the
-# triggers' `serial + 1` is the same float, or overflows to one that reads back the same.
-_SERIAL_CAP = 2**62
-
-
-def _restart_serial() -> int:
-    """Where a stuck counter starts again: a value no gateway has seen (a random one far
-    from 0 and below the cap), so every gateway reloads, whatever it last read; 0 read as
-    "no change" to a gateway that had last seen 0, and it missed what changed meanwhile."""
-    return 2**40 + secrets.randbelow(_SERIAL_CAP // 2)
-
-
-def _reset_serials(conn: sqlite3.Connection, names: list[str]) -> dict[str, int] | None:
-    """Start the change counters `names` again at a value no gateway has seen, unless a
-    process that may not write the file reads them; the counters as they then read (None
-    when they were not reset)."""
-    if is_read_only(conn):
-        return None
-    with _write_transaction(conn):
-        for name in names:
-            conn.execute(
-                "UPDATE fmw_route_changes SET serial = ? WHERE name = ? AND "
-                "(typeof(serial) = 'real' OR CAST(serial AS INTEGER) >= ?)",
-                (_restart_serial(), name, _SERIAL_CAP),
-            )
-        # Another gateway may have restarted them first: what is stored now is the answer.
-        rows = conn.execute(
-            "SELECT name, CAST(serial AS INTEGER) FROM fmw_route_changes"
-        ).fetchall()
-    logger.warning(
-        "the store's %s change counter was past counting (edited by hand?): restarted",
-        " and ".join(sorted(names)),
-    )
-    return {name: int(serial) for name, serial in rows}
 
 
 class SqliteStore:
@@ -288,7 +235,7 @@ class SqliteStore:
     ) -> int | None:
         def replace(conn: sqlite3.Connection) -> int | None:
             # One write transaction, as remove_route: the route and its faults together.
-            with _write_transaction(conn):
+            with write_transaction(conn):
                 cursor = conn.execute(
                     "UPDATE fmw_routes SET doc = ?, updated_at = ? WHERE id = ? AND doc IS ?",
                     (stored.to_doc(), time.time(), stored.route.id, expected),
@@ -313,7 +260,7 @@ class SqliteStore:
         def remove(conn: sqlite3.Connection) -> int | None:
             # One write transaction: a gateway's reload sees the route with its faults or
             # neither, and a failure between the two deletes leaves both in place.
-            with _write_transaction(conn):
+            with write_transaction(conn):
                 row = conn.execute(
                     "SELECT CAST(doc AS BLOB) FROM fmw_routes WHERE id = ?", (route_id,)
                 ).fetchone()
@@ -353,7 +300,7 @@ class SqliteStore:
         def put(conn: sqlite3.Connection) -> Fault | None:
             # One write transaction: the check for an active fault and the insert cannot
             # interleave with another process's (BEGIN IMMEDIATE takes the write lock).
-            with _write_transaction(conn):
+            with write_transaction(conn):
                 conn.execute("DELETE FROM fmw_faults WHERE expires_at <= ?", (time.time(),))
                 row = conn.execute(
                     f"SELECT {_FAULT_COLUMNS} FROM fmw_faults WHERE scope = ? AND target = ?",
@@ -411,21 +358,7 @@ class SqliteStore:
     # --- change detection -------------------------------------------------------------
 
     async def change_serials(self) -> tuple[int, int]:
-        def read(conn: sqlite3.Connection) -> tuple[int, int]:
-            # As the triggers' arithmetic reads it: a counter edited to text (by hand, a
-            # script) stopped `serve` at its start as an internal error (ValueError), and a
-            # running gateway's reloads (routes and faults) as "route store unreachable".
-            rows = conn.execute(
-                "SELECT name, CAST(serial AS INTEGER), typeof(serial) FROM fmw_route_changes"
-            ).fetchall()
-            serials = {name: serial for name, serial, _ in rows}
-            stuck = [name for name, serial, kind in rows if kind == "real" or serial >= _SERIAL_CAP]
-            restarted = _reset_serials(conn, stuck) if stuck else None
-            if restarted is not None:
-                serials.update(restarted)
-            return int(serials.get("routes", 0)), int(serials.get("faults", 0))
-
-        return await self._run(read)
+        return await self._run(read_serials)
 
     async def wait_for_change(self, poll_interval: float) -> None:
         await asyncio.sleep(poll_interval)

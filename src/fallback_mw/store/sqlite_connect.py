@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -324,6 +325,23 @@ class WalHandover:
             return file_identity(self.shm) == self.index
         except OSError:
             return False
+
+
+@contextlib.contextmanager
+def write_transaction(conn: sqlite3.Connection) -> Iterator[None]:
+    """One write transaction (BEGIN IMMEDIATE takes the write lock, so a read and the writes
+    after it cannot interleave with another process's): committed when the block ends,
+    unless the block rolled it back itself (a conditional edit that found nothing to
+    change); rolled back when the block raises."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+    if conn.in_transaction:
+        conn.execute("COMMIT")
 
 
 class immediate:
