@@ -1,12 +1,12 @@
 """The httpx engine: supported for compatibility and handy in tests (custom transports). How
 its errors are read is upstream/httpx_errors.py's; what its connections read past an
-answer's framing, upstream/httpx_framing.py's."""
+answer's framing, upstream/httpx_framing.py's; how an answer's body is read and its
+connection handed back, upstream/httpx_response.py's."""
 
 from __future__ import annotations
 
 import asyncio
-import weakref
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from http.cookiejar import CookieJar, DefaultCookiePolicy
 
 from fallback_mw.extras import missing_extra
@@ -16,12 +16,10 @@ try:
     import httpx
 except ImportError:
     raise missing_extra("httpx", 'engine = "httpx"') from None
-from fallback_mw.timers import deadline_after
 from fallback_mw.upstream.base import (
     STALE_RESENDS,
     ConnectionCaps,
     FirstByteTimer,
-    Release,
     UpstreamError,
     UpstreamRequest,
     ascii_target,
@@ -37,16 +35,13 @@ from fallback_mw.upstream.httpx_backend import GuardedNetworkBackend
 from fallback_mw.upstream.httpx_errors import is_connect, map_errors, silence_engine_logs
 from fallback_mw.upstream.httpx_framing import (
     close_orphaned_connections,
-    h11_state,
     head_as_written,
-    http11_connection,
     interim_lengths_repeated,
     never_pool_leftovers,
     past_its_framing,
-    read_what_has_arrived,
-    with_what_has_arrived,
 )
 from fallback_mw.upstream.httpx_pool import Pool, ProxyPool
+from fallback_mw.upstream.httpx_response import HttpxResponse, TransportResponse
 from fallback_mw.upstream.tls import ssl_context
 
 MAX_CONNECTIONS = 512
@@ -72,94 +67,6 @@ def _exact_url(url: str) -> httpx.URL:
     return built
 
 
-class HttpxResponse:
-    def __init__(self, response: httpx.Response, idle_timeout: float, release: Release) -> None:
-        self._response = response
-        self._idle = idle_timeout
-        self._release = release
-        # A response dropped without aclose (a cancellation between send and its owner)
-        # still gives its slot under the connection cap back.
-        weakref.finalize(self, release)
-        self.status = response.status_code
-        self.headers = [(k.lower(), v) for k, v in response.headers.raw]
-        self._finished = False
-        # The HTTP/1.1 connection it came on and that connection's request count now: a
-        # close that finds it ACTIVE on this same request knows it is still this answer's.
-        self._connection = http11_connection(response)
-        self._cycle = getattr(self._connection, "_request_count", None)
-
-    async def iter_chunks(self) -> AsyncIterator[bytes]:
-        stream = self._response.aiter_raw()
-        state = h11_state(self._response)
-        while True:
-            with map_errors("body"), deadline_after(self._idle):
-                try:
-                    chunk = await stream.__anext__()
-                except StopAsyncIteration:
-                    self._finished = True
-                    return
-            ended = False
-            if state is not None:
-                chunk, ended = with_what_has_arrived(state, chunk)
-            if chunk:
-                yield chunk
-            if ended:
-                # h11 read the body's end here: httpcore is not asked again (it would wait
-                # for more), and the close hands the connection back, as after its own end.
-                self._finished = True
-                return
-
-    async def aclose(self) -> None:
-        # Shielded: the connection is released even if the caller is being cancelled.
-        self._release()
-        await asyncio.shield(self._close())
-
-    async def _close(self) -> None:
-        connection = self._connection
-        if (
-            not self._finished
-            and connection is not None
-            and getattr(connection, "_request_count", None) == self._cycle
-            and not connection.is_closed()
-            and not connection.is_idle()
-        ):
-            self._finished = read_what_has_arrived(self._response)
-        await self._response.aclose()
-        if self._finished:
-            return
-        # A body read cut short (a cancellation, the idle timer) is closed by httpcore as
-        # the read fails, with its connection. A second cancellation a few loop iterations
-        # later (a client disconnect and the idle timer due together under load) cut that
-        # close short: httpcore had marked the response closed, so this aclose did nothing,
-        # and the connection stayed open and ACTIVE in the pool for ever (a socket in
-        # CLOSE-WAIT, a pool slot lost). Cut short, the connection cannot have gone back to
-        # the pool (only an answer read to its end does): closing it here is never another
-        # request's. Still checked: closed, idle (back in the pool) or on a later request
-        # (handed to one queued for it: its request count moved on), it is not this
-        # answer's to close.
-        if (
-            connection is not None
-            and not connection.is_closed()
-            and not connection.is_idle()
-            and getattr(connection, "_request_count", None) == self._cycle
-        ):
-            await connection.aclose()
-
-
-class _TransportResponse(HttpxResponse):
-    """A response from a transport handed to HttpxClient (`httpx.MockTransport` in a host's
-    tests): one built with its content (`httpx.Response(200, json=...)`) was read as it was
-    made, and httpx refuses to stream it again (StreamConsumed, an internal_error for every
-    request): that content is the body."""
-
-    async def iter_chunks(self) -> AsyncIterator[bytes]:
-        if not self._response.is_stream_consumed:
-            async for chunk in super().iter_chunks():
-                yield chunk
-        elif self._response.content:
-            yield self._response.content
-
-
 class HttpxClient:
     checks_response_heads = True  # check_response_head, on every answer it returns
 
@@ -181,7 +88,7 @@ class HttpxClient:
         self._literals = LiteralChecks(allow_hosts)
         self._transport = transport
         # Chosen here, so the default transport's responses pay nothing for a handed one's.
-        self._response = HttpxResponse if transport is None else _TransportResponse
+        self._response = HttpxResponse if transport is None else TransportResponse
         self._ca_file = ca_file
         # One client (and pool) per (CA bundle, egress proxy): httpx takes both per client.
         self._clients: dict[tuple[str | None, str | None], httpx.AsyncClient] = {}
