@@ -177,7 +177,7 @@ async def test_score_tries_a_credential_slow_once_again_once_it_has_been_quiet(
     # half an hour), where a credential whose failures are long past is tried again.
     half_life = 0.25
     monkeypatch.setattr("fallback_mw.health.pool.SCORE_HALF_LIFE", half_life)
-    monkeypatch.setattr("fallback_mw.health.redis.SCORE_HALF_LIFE", half_life)
+    monkeypatch.setattr("fallback_mw.health.redis_pools.SCORE_HALF_LIFE", half_life)
     slow = {"key-a": 0.4}
 
     async def slow_once(request: web.Request) -> web.StreamResponse:
@@ -529,6 +529,7 @@ async def test_a_401_retirement_in_redis_lasts_its_own_ttl_not_while_the_pool_is
 
     from fallback_mw.store_url import split_state_url
 
+    monkeypatch.setattr("fallback_mw.health.redis_pools.CREDENTIAL_TTL_MS", 1000)
     monkeypatch.setattr("fallback_mw.health.redis.CREDENTIAL_TTL_MS", 1000)
     rotated = False
 

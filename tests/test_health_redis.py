@@ -211,7 +211,7 @@ async def test_a_fresh_session_id_on_every_request_keeps_redis_bounded(
     # kept an hour: 1,000 requests a second held millions of keys until maxmemory refused
     # writes, and every process fell back to per-process breakers. Memory keeps the newest
     # AFFINITY_LIMIT sessions; Redis now keeps at most twice that.
-    monkeypatch.setattr("fallback_mw.health.redis.AFFINITY_LIMIT", 20)
+    monkeypatch.setattr("fallback_mw.health.redis_pools.AFFINITY_LIMIT", 20)
     health = RedisHealth(redis_url, BreakerConfig(**BREAKER))
     url, prefix = split_state_url(redis_url)
     inspect = aioredis.Redis.from_url(url, decode_responses=True)

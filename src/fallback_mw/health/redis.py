@@ -6,7 +6,8 @@ clocks agree. Every key expires. `?prefix=` in the URL namespaces the keys.
 
 If Redis cannot be reached the gateway keeps serving on this process's in-memory state
 (`self.local`) until it is back; the connections, the pipelined calls and the outage are
-health/redis_link.py's.
+health/redis_link.py's, the credential pools health/redis_pools.py's, and what a process
+reports of the shared breakers health/redis_reports.py's.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import asyncio
 import hashlib
 import logging
 import math
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, TypeVar
 
 from opentelemetry import metrics
@@ -24,42 +25,31 @@ from opentelemetry.metrics import MeterProvider
 from fallback_mw.config import MAX_COOLDOWN_MS, MAX_DEADLINE_MS, BreakerConfig
 from fallback_mw.health.breaker import DEFAULT_PROBE_LEASE, PROBE_LEASE_MARGIN
 from fallback_mw.health.events import Admission, TransitionListener
-from fallback_mw.health.memory import MemoryHealth, breaker_credential_mark, report_transition
-from fallback_mw.health.pool import AFFINITY_LIMIT, SCORE_HALF_LIFE, Selection, score_outcome
+from fallback_mw.health.memory import MemoryHealth
+from fallback_mw.health.pool import Selection
 from fallback_mw.health.redis_link import (
     DEFAULT_MAX_CONNECTIONS,
-    RedisLink,
     Unavailable,
 )
+from fallback_mw.health.redis_pools import CREDENTIAL_TTL_MS, RedisCredentialPools
+from fallback_mw.health.redis_reports import RedisBreakerReports
 from fallback_mw.health.redis_scripts import (
     ADMIT,
-    BREAKER_STATE,
-    FAULT_MARKED,
     FORGET,
-    MARK,
-    OBSERVE,
     OPEN_FAULT,
-    PICK,
-    POOL_FAULT,
     RECORD,
     RELEASE,
     RESET_FAULT,
     RESTORE_FAULT_MARKS,
     SKIP_FAULT,
-    USABLE_IN,
 )
 
 logger = logging.getLogger("fallback_mw.health")
 
 T = TypeVar("T")
 
-CREDENTIAL_TTL_MS = 24 * 3600 * 1000  # a retired credential stays retired this long
-AFFINITY_TTL_MS = 3600 * 1000  # an idle session forgets its credential after this long
 # How often a process whose gauge says a breaker is not closed reads its shared state.
 REFRESH_INTERVAL = 5.0
-
-
-_STATE_AFTER = {"opened": "open", "reopened": "open"}  # other transitions name the state
 
 
 def shared_probe(admission: Admission | None) -> str:
@@ -70,7 +60,7 @@ def shared_probe(admission: Admission | None) -> str:
     return admission.probe or "-"
 
 
-class RedisHealth(RedisLink):
+class RedisHealth(RedisBreakerReports, RedisCredentialPools):
     def __init__(
         self,
         url: str,
@@ -149,24 +139,6 @@ class RedisHealth(RedisLink):
         """A breaker key outlives its longest open period twice over, and a probe's lease."""
         return max(2 * self._max_cooldown_ms + lease_ms, 600_000)
 
-    async def _started(self) -> None:
-        """At startup, the shared state of each configured upstream's breaker: one that
-        other (or earlier) processes opened is reported now. A restarted `serve` said
-        closed for it until its first admission of that upstream, so FallbackMwBreakerOpen
-        resolved on a deploy while the shared breaker stayed open."""
-        names = [name for name in self._upstreams if name not in self._seen]
-        if self._outage or not names:
-            return
-        states = await asyncio.gather(
-            *(
-                self._run("breaker_state", BREAKER_STATE, [self._key("breaker", name)], [])
-                for name in names
-            )
-        )
-        for name, state in zip(names, states, strict=True):
-            if not isinstance(state, Unavailable):
-                self._sync(name, str(state))
-
     def _after_recovery(self) -> None:
         if self._fault_resets or self._forgets:
             task = asyncio.get_running_loop().create_task(self._catch_up())
@@ -183,94 +155,7 @@ class RedisHealth(RedisLink):
             # Not marked as moved again: an attempt admitted since the move judged its url.
             await self._forget(upstream, url)
 
-    async def _with_fallback(
-        self,
-        name: str,
-        source: str,
-        keys: list[str],
-        args: list[Any],
-        local: Callable[[], Awaitable[T]],
-        convert: Callable[[Any], T],
-    ) -> T:
-        result = await self._run(name, source, keys, args)
-        if isinstance(result, Unavailable):
-            return await local()
-        return convert(result)
-
-    def _pool_key(self, kind: str, upstream: str) -> str:
-        """A key holding credential indexes: named after the pool's list of variables."""
-        pool = self._pool_ids.get(upstream)
-        return self._key(kind, upstream) + (f":{pool}" if pool else "")
-
     # --- HealthState -------------------------------------------------------------------
-
-    def _report(self, upstream: str, transition: str | None) -> None:
-        """A transition this process's script made: logged and told to the listener."""
-        if transition:
-            self._seen[upstream] = state = _STATE_AFTER.get(transition, transition)
-            report_transition(self.on_transition, upstream, transition)
-            if state != "closed":
-                self._watch()
-
-    def _local_transition(self, upstream: str, state: str) -> None:
-        """A transition of the local breakers served during an outage: reported like any,
-        and remembered as the state last reported, so the first admission once Redis is
-        back reports the shared state again (`_sync`). Else a breaker opened locally kept
-        the gauge at open, FallbackMwBreakerOpen firing, while the shared one was closed."""
-        self._seen[upstream] = state
-        if self.on_transition is not None:
-            self.on_transition(upstream, state)
-        if state != "closed":
-            self._watch()
-
-    def _sync(self, upstream: str, state: str) -> None:
-        """The shared breaker's state as an admission found it: told to the listener when it
-        differs from what this process last reported (another process moved it), so every
-        process's gauge follows the shared state (FallbackMwBreakerOpen resolves)."""
-        if self._seen.get(upstream, "closed") != state:
-            self._seen[upstream] = state
-            listener = self.on_observed or self.on_transition
-            if listener is not None:
-                listener(upstream, state)
-            if state != "closed":
-                self._watch()
-
-    def _watch(self) -> None:
-        """Read the shared state of the breakers this process last reported not closed in
-        refresh_interval: another process's probe may close one, and this process's gauge
-        followed only at its next admission of that upstream, so on a quiet route
-        FallbackMwBreakerOpen (max over processes) kept firing after the recovery. One
-        timer at a time, none while every breaker reported is closed."""
-        if self._refresh_timer is not None or self._refreshing is not None:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return
-        self._refresh_timer = loop.call_later(self.refresh_interval, self._start_refresh)
-
-    def _start_refresh(self) -> None:
-        self._refresh_timer = None
-        self._refreshing = asyncio.get_running_loop().create_task(self._refresh())
-
-    async def _refresh(self) -> None:
-        try:
-            # During an outage the local breakers stand; a read would only count as a
-            # local fallback (that counter moves with traffic only).
-            upstreams = [] if self._outage else [n for n, s in self._seen.items() if s != "closed"]
-            states = await asyncio.gather(
-                *(
-                    self._run("breaker_state", BREAKER_STATE, [self._key("breaker", name)], [])
-                    for name in upstreams
-                )
-            )
-            for name, state in zip(upstreams, states, strict=True):
-                if not isinstance(state, Unavailable):  # an outage: its local state stands
-                    self._sync(name, str(state))
-        finally:
-            self._refreshing = None
-        if any(state != "closed" for state in self._seen.values()):
-            self._watch()
 
     async def admit(
         self, upstream: str, *, lease: float = 0.0, admission: Admission | None = None
@@ -413,26 +298,6 @@ class RedisHealth(RedisLink):
             convert(result)
         await self.local.forget(upstream, url)  # the state served while Redis was unreachable
 
-    async def fault_marked(self, upstream: str, index: int, fault: str) -> None:
-        await self._with_fallback(
-            "fault_marked",
-            FAULT_MARKED,
-            [self._pool_key("fault_marks", upstream)],
-            [index, fault, CREDENTIAL_TTL_MS],
-            lambda: self.local.fault_marked(upstream, index, fault),
-            lambda result: None,
-        )
-
-    async def pool_fault(self, upstream: str) -> str | None:
-        return await self._with_fallback(
-            "pool_fault",
-            POOL_FAULT,
-            [self._pool_key("fault_marks", upstream)],
-            [],
-            lambda: self.local.pool_fault(upstream),
-            lambda result: str(result) or None,
-        )
-
     def _moved_since(self, upstream: str, admission: Admission | None) -> bool:
         """Whether the upstream's url changed (`forget`) since `admission` was admitted."""
         return admission is not None and admission.origin is not self._origins.get(upstream)
@@ -448,123 +313,6 @@ class RedisHealth(RedisLink):
             lambda: self.local.release(upstream, admission),
             lambda result: None,
         )
-
-    async def usable_in(self, upstream: str, pool_size: int) -> float | None:
-        def convert(result: Any) -> float | None:
-            breaker, credential = (int(v) for v in result)
-            return None if credential < 0 else max(breaker, credential) / 1000
-
-        return await self._with_fallback(
-            "usable_in",
-            USABLE_IN,
-            [self._key("breaker", upstream), self._pool_key("credentials", upstream)],
-            [pool_size, self._furthest_end_ms],
-            lambda: self.local.usable_in(upstream, pool_size),
-            convert,
-        )
-
-    async def pick_credential(
-        self,
-        upstream: str,
-        pool_size: int,
-        *,
-        exclude: frozenset[int],
-        session: str | None,
-        selection: Selection = "round_robin",
-    ) -> int | None:
-        self._pool_sizes[upstream] = self.local.pool_sizes[upstream] = pool_size
-        self._selections[upstream] = self.local.selections[upstream] = selection
-        if pool_size <= 1:
-            return None if 0 in exclude or pool_size < 1 else 0
-        field = ""
-        if session is not None:
-            field = hashlib.sha256(session.encode("utf-8", "replace")).hexdigest()[:32]
-        affinity = self._pool_key("affinity", upstream)
-        excluded = "," + ",".join(str(i) for i in sorted(exclude)) + ","
-
-        def convert(result: Any) -> int | None:
-            index = int(result)
-            return None if index < 0 else index
-
-        return await self._with_fallback(
-            "pick",
-            PICK,
-            [
-                self._pool_key("credentials", upstream),
-                self._pool_key("rotation", upstream),
-                affinity,
-                self._pool_key("score", upstream),
-                f"{affinity}:older",
-            ],
-            [
-                pool_size,
-                excluded,
-                "1" if session is not None else "0",
-                AFFINITY_TTL_MS,
-                CREDENTIAL_TTL_MS,
-                selection,
-                int(SCORE_HALF_LIFE * 1000),
-                field,
-                AFFINITY_LIMIT,
-            ],
-            lambda: self.local.pick_credential(
-                upstream, pool_size, exclude=exclude, session=session, selection=selection
-            ),
-            convert,
-        )
-
-    async def credential_result(
-        self,
-        upstream: str,
-        index: int,
-        *,
-        status: int | None,
-        failure: bool,
-        retry_after: float | None,
-        session: str | None,
-        latency: float | None = None,
-        quota: float | None = None,
-    ) -> None:
-        if self._pool_sizes.get(upstream, 0) <= 1:
-            return
-        if self._selections.get(upstream) == "score":
-            ok = score_outcome(status=status, failure=failure)
-            await self._with_fallback(
-                "observe",
-                OBSERVE,
-                [self._pool_key("score", upstream)],
-                [index, "1" if ok else "0", f"{max(latency or 0.0, 0.0):.6f}",
-                 int(SCORE_HALF_LIFE * 1000), CREDENTIAL_TTL_MS],
-                lambda: self._observe_locally(upstream, index, ok=ok, latency=latency),
-                lambda result: None,
-            )  # fmt: skip
-        mark = breaker_credential_mark(
-            self.config, upstream, index, status=status, failure=failure,
-            retry_after=retry_after, quota=quota,
-        )  # fmt: skip
-        if mark is None:
-            return
-        await self._with_fallback(
-            "mark",
-            MARK,
-            [self._pool_key("credentials", upstream)],
-            [index, mark.action, int(mark.seconds * 1000), CREDENTIAL_TTL_MS],
-            lambda: self.local.credential_result(
-                upstream,
-                index,
-                status=status,
-                failure=failure,
-                retry_after=retry_after,
-                session=session,
-                quota=quota,
-            ),
-            lambda result: None,
-        )
-
-    async def _observe_locally(
-        self, upstream: str, index: int, *, ok: bool, latency: float | None
-    ) -> None:
-        self.local.pool(upstream).observe(index, ok=ok, latency=latency, now=self.local.clock())
 
     async def aclose(self) -> None:
         # Calls already made go out first (a batch waiting for its turn of the loop, then
