@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from fallback_mw import rules
+from fallback_mw import endpoints, rules
 from fallback_mw.config import ConfigError, load_config
 from tests.test_cli_admin import run_cli
 
@@ -46,12 +46,12 @@ DIFFERENT_ENDPOINT = [
 
 @pytest.mark.parametrize(("a", "b"), SAME_ENDPOINT)
 def test_same_endpoint(a: str, b: str) -> None:
-    assert rules.same_endpoint(a, b) and rules.same_endpoint(b, a)
+    assert endpoints.same_endpoint(a, b) and endpoints.same_endpoint(b, a)
 
 
 @pytest.mark.parametrize(("a", "b"), DIFFERENT_ENDPOINT)
 def test_different_endpoint(a: str, b: str) -> None:
-    assert not rules.same_endpoint(a, b)
+    assert not endpoints.same_endpoint(a, b)
 
 
 def file_config(primary: str, fallback: str) -> dict[str, Any]:
