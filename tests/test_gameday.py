@@ -1470,6 +1470,7 @@ def test_a_report_the_disk_cannot_take_is_still_printed_and_the_error_names_it(
     import errno
 
     from fallback_mw.cli import gameday
+    from fallback_mw.cli.game_day import files
 
     written = gameday.write_report
 
@@ -1479,7 +1480,8 @@ def test_a_report_the_disk_cannot_take_is_still_printed_and_the_error_names_it(
             return
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(gameday, "write_report", disk_full_at_the_end)
+    monkeypatch.setattr(gameday, "write_report", disk_full_at_the_end)  # at the start
+    monkeypatch.setattr(files, "write_report", disk_full_at_the_end)  # the final report
     out = tmp_path / "report.json"
     argv = [
         "gameday", "--route", "chat", "--fault", "fail", "--duration", "1s",

@@ -16,7 +16,6 @@ import difflib
 import getpass
 import signal
 import threading
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +26,8 @@ from fallback_mw.cli.app import (
     Refused,
     default_console,
     leaf,
-    writable_out,
-    write_atomically,
 )
-from fallback_mw.cli.game_day.html import render
+from fallback_mw.cli.game_day.files import html_path, out_path, write_report_files
 from fallback_mw.cli.game_day.prometheus import (
     AlertWatcher,
     PrometheusUnavailable,
@@ -156,28 +153,6 @@ def _exercise(args: argparse.Namespace, console: Console | None = None) -> tuple
     return exercise, target.url
 
 
-def _safe(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)[:64]
-
-
-def _out_path(args: argparse.Namespace, exercise: Exercise) -> Path:
-    if args.out:
-        out = Path(args.out)
-    else:
-        # Two exercises started in the same second on one route (a script starting a `fail`
-        # and a `pin`) differ by fault and target; on one target, the store refuses one.
-        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-        what = f"{exercise.fault}-{_safe(exercise.candidate or exercise.target)}"
-        out = Path("results") / f"gameday-{_safe(exercise.route)}-{what}-{stamp}.json"
-    writable_out(out, str(out))  # before the fault is set, not half-way through
-    return out
-
-
-def html_path(out: Path) -> Path:
-    """The HTML page beside the JSON report."""
-    return out.with_name(out.name + ".html") if out.suffix == ".html" else out.with_suffix(".html")
-
-
 async def _run(
     exercise: Exercise, url: str, out: Path, console: Console, prometheus: str | None
 ) -> dict[str, Any]:
@@ -276,7 +251,7 @@ async def _run(
         )
         # Written before anything is printed: after a hang-up the terminal may be gone.
         page = html_path(out)
-        unwritten = _write_report(out, page, report)
+        unwritten = write_report_files(out, page, report)
         for line in report_lines(report):
             console.print(line)
         if unwritten is not None:
@@ -297,23 +272,9 @@ async def _run(
             await ledger.aclose()
 
 
-def _write_report(out: Path, page: Path, report: dict[str, Any]) -> str | None:
-    """The JSON report and its HTML page, each whole or not at all; None when both are
-    written, else what could not be and why."""
-    try:
-        write_report(out, report)
-    except OSError as exc:
-        return f"{out}: {exc.strerror or exc}"
-    try:
-        write_atomically(page, render(report))
-    except OSError as exc:
-        return f"page {page}: {exc.strerror or exc} (the JSON report {out} is written)"
-    return None
-
-
 def handle(args: argparse.Namespace, console: Console) -> None:
     exercise, url = _exercise(args, console)
-    out = _out_path(args, exercise)
+    out = out_path(args, exercise)
     try:
         report = asyncio.run(_run(exercise, url, out, console, args.prometheus))
     except GameDayRefused as exc:
