@@ -338,7 +338,7 @@ def test_a_line_logged_just_before_exit_is_written_after_uvicorn_configured_logg
     script = (
         "import logging, logging.config\n"
         "from uvicorn.config import LOGGING_CONFIG\n"
-        "from fallback_mw.cli.serve import configure_logging\n"
+        "from fallback_mw.cli.serve_logging import configure_logging\n"
         "configure_logging()\n"
         "logging.config.dictConfig(LOGGING_CONFIG)\n"
         "logging.getLogger('fallback_mw.request').warning('the last line outcome=cancelled')\n"
@@ -362,7 +362,7 @@ def test_a_line_logged_by_an_exit_callback_is_written_and_raises_nothing() -> No
 
     script = (
         "import atexit, logging\n"
-        "from fallback_mw.cli.serve import configure_logging\n"
+        "from fallback_mw.cli.serve_logging import configure_logging\n"
         "configure_logging()\n"
         "request = logging.getLogger('fallback_mw.request')\n"
         "def at_exit():\n"

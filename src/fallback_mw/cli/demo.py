@@ -7,7 +7,7 @@ import argparse
 from typing import Any
 
 from fallback_mw.cli.app import Console, Failed, Refused, leaf
-from fallback_mw.cli.serve import port_number
+from fallback_mw.cli.serve_options import port_number
 from fallback_mw.extras import require
 
 

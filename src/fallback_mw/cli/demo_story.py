@@ -23,7 +23,8 @@ from typing import Any
 from aiohttp import ClientSession, ClientTimeout, web
 
 from fallback_mw.cli.app import Failed, Refused
-from fallback_mw.cli.serve import not_found_app, uvicorn_colours
+from fallback_mw.cli.serve import not_found_app
+from fallback_mw.cli.serve_logging import uvicorn_colours
 from fallback_mw.gateway import Gateway
 
 DEMO_ENVIRON = {"DEMO_PRIMARY_KEY": "demo-primary-key", "DEMO_BACKUP_KEY": "demo-backup-key"}

@@ -16,7 +16,7 @@ from fallback_mw.cli.evaluation.arms import arms, run_arms
 from fallback_mw.cli.evaluation.gateway import GatewayDidNotStart
 from fallback_mw.cli.evaluation.html import render
 from fallback_mw.cli.evaluation.report import summarise, table, verdict
-from fallback_mw.cli.serve import port_number
+from fallback_mw.cli.serve_options import port_number
 from fallback_mw.extras import require
 from fallback_mw.quoting import printable
 

@@ -10,16 +10,22 @@ import errno
 import gc
 import importlib.util
 import logging
-import os
 import signal
 import socket
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from fallback_mw.cli.app import Console, Failed, Refused, leaf
 from fallback_mw.cli.check import resolve_routes
 from fallback_mw.cli.config_warnings import config_warnings
+from fallback_mw.cli.serve_logging import CutRequestLine, configure_logging, uvicorn_colours
+from fallback_mw.cli.serve_options import (
+    bind_host,
+    graceful_seconds,
+    keep_alive_seconds,
+    port_number,
+    worker_count,
+)
 from fallback_mw.config import GatewayConfig, load_config
 from fallback_mw.extras import require
 from fallback_mw.request.types import Receive, Scope, Send
@@ -80,71 +86,6 @@ def server_options() -> dict[str, str]:
     }
 
 
-def uvicorn_colours() -> bool | None:
-    """uvicorn's `use_colors`: none under NO_COLOR (no-color.org: set and not empty), else
-    uvicorn's own choice (colour on a terminal only). Started with stdout closed (`>&-`)
-    there is no terminal to ask (uvicorn's own check would fail on it): none."""
-    return False if os.environ.get("NO_COLOR") or sys.stdout is None else None
-
-
-class CutRequestLine(logging.Filter):
-    """uvicorn logs each request its graceful-shutdown timeout cuts as "Exception in ASGI
-    application" with the CancelledError's traceback, once per request: on every deploy
-    with a long stream in flight. That record becomes one line saying what happened (the
-    request's own line says `outcome=cancelled`); any other error keeps its traceback.
-    `forced()`: whether a second Ctrl-C cut them (uvicorn's force quit), not the timeout."""
-
-    def __init__(self, forced: Callable[[], bool] = lambda: False) -> None:
-        super().__init__()
-        self.forced = forced
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info
-        if (
-            exc is not None
-            and exc[0] is not None
-            and issubclass(exc[0], asyncio.CancelledError)
-            and str(record.msg).startswith("Exception in ASGI application")
-        ):
-            record.msg = (
-                "a request in flight was cut by a forced stop (a second Ctrl-C) "
-                "(its line says outcome=cancelled)"
-                if self.forced()
-                else "a request in flight was cut: it outlasted --timeout-graceful-shutdown "
-                "(its line says outcome=cancelled)"
-            )
-            record.args = ()
-            record.exc_info = record.exc_text = None
-            record.levelno, record.levelname = logging.WARNING, "WARNING"
-        return True
-
-
-def configure_logging(*, with_pid: bool = False) -> None:
-    # One line per routed request (fallback_mw.request); names and codes only. Workers of
-    # `serve --workers` say which process wrote the line: `fallback_mw.request[PID]`.
-    # The lines are written in batches (LineHandler: at most 0.1 s late), and the
-    # process (serve's own) skips what no serve format shows: the caller's source line,
-    # thread and multiprocessing names, the pid unless it is printed (about a quarter of
-    # the line's cost).
-    from fallback_mw.telemetry.line_writer import (
-        SERVE_FORMAT,
-        SERVE_FORMAT_PID,
-        LineFormatter,
-        LineHandler,
-    )
-
-    root = logging.getLogger("fallback_mw")
-    if all(isinstance(handler, logging.NullHandler) for handler in root.handlers):
-        handler = LineHandler()
-        handler.setFormatter(LineFormatter(SERVE_FORMAT_PID if with_pid else SERVE_FORMAT))
-        handler.install(root)
-        root.setLevel(logging.INFO)
-        logging._srcfile = None  # the logging HOWTO's "Optimization" section
-        logging.logThreads = False
-        logging.logMultiprocessing = False
-        logging.logProcesses = with_pid
-
-
 # A routed request leaves no reference cycles behind, so at serve's request rate the cyclic
 # GC finds nothing to free; at Python's default threshold (700 net container allocations)
 # it still ran every few requests, and every few hundred traversed the whole heap. Serve
@@ -183,60 +124,6 @@ def tune_gc() -> None:
     gc.freeze()
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(SERVE_GC_THRESHOLD, older, oldest)
-
-
-def port_number(value: str) -> int:
-    """argparse type: a TCP port, 0 (any free port) to 65535."""
-    try:
-        port = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid port {value!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"port {port} is not between 0 and 65535")
-    return port
-
-
-def bind_host(value: str) -> str:
-    """argparse type: the address to listen on, never empty. The socket API reads an empty
-    host as every interface: `--host "$GATEWAY_HOST"` with the variable unset put the
-    gateway, and the credentials it injects, on every network the machine is on."""
-    if not value.strip():
-        raise argparse.ArgumentTypeError(
-            "empty (an unset variable?): give the address to listen on, "
-            "127.0.0.1 for this machine only, or 0.0.0.0 for every interface"
-        )
-    return value
-
-
-def worker_count(value: str) -> int:
-    """argparse type: how many worker processes, 1 to 256."""
-    try:
-        count = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid worker count {value!r}") from None
-    if not 1 <= count <= 256:
-        raise argparse.ArgumentTypeError(f"--workers {count} is not between 1 and 256")
-    return count
-
-
-def seconds_between(low: float, high: float) -> Callable[[str], float]:
-    """argparse type: a number of seconds from `low` to `high`."""
-
-    def seconds(value: str) -> float:
-        try:
-            number = float(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid number of seconds {value!r}") from None
-        if not low <= number <= high:
-            raise argparse.ArgumentTypeError(f"{value} is not between {low:g} and {high:g} seconds")
-        return number
-
-    return seconds
-
-
-# How long a stop waits for requests in flight; how long an idle kept-alive connection is kept.
-graceful_seconds = seconds_between(0, 3600)
-keep_alive_seconds = seconds_between(1, 3600)
 
 
 def serve(args: argparse.Namespace, console: Console) -> int | None:

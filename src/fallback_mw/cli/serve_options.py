@@ -1,0 +1,61 @@
+"""What `serve`'s options accept (argparse types): a port, an address to listen on (never
+empty), a worker count, and seconds within bounds. `demo` and `eval` take a port too."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+
+def port_number(value: str) -> int:
+    """argparse type: a TCP port, 0 (any free port) to 65535."""
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid port {value!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is not between 0 and 65535")
+    return port
+
+
+def bind_host(value: str) -> str:
+    """argparse type: the address to listen on, never empty. The socket API reads an empty
+    host as every interface: `--host "$GATEWAY_HOST"` with the variable unset put the
+    gateway, and the credentials it injects, on every network the machine is on."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError(
+            "empty (an unset variable?): give the address to listen on, "
+            "127.0.0.1 for this machine only, or 0.0.0.0 for every interface"
+        )
+    return value
+
+
+def worker_count(value: str) -> int:
+    """argparse type: how many worker processes, 1 to 256."""
+    try:
+        count = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid worker count {value!r}") from None
+    if not 1 <= count <= 256:
+        raise argparse.ArgumentTypeError(f"--workers {count} is not between 1 and 256")
+    return count
+
+
+def seconds_between(low: float, high: float) -> Callable[[str], float]:
+    """argparse type: a number of seconds from `low` to `high`."""
+
+    def seconds(value: str) -> float:
+        try:
+            number = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid number of seconds {value!r}") from None
+        if not low <= number <= high:
+            raise argparse.ArgumentTypeError(f"{value} is not between {low:g} and {high:g} seconds")
+        return number
+
+    return seconds
+
+
+# How long a stop waits for requests in flight; how long an idle kept-alive connection is kept.
+graceful_seconds = seconds_between(0, 3600)
+keep_alive_seconds = seconds_between(1, 3600)
