@@ -171,3 +171,27 @@ def test_an_ordinary_variable_name_is_still_named(name: str) -> None:
     conf["upstreams"]["primary"]["auth_env"] = name
     with pytest.raises(ConfigError, match=f"environment variable {name} is not set"):
         load_config(conf, environ={"FMW_T_BACKUP": "fine"})
+
+
+@pytest.mark.parametrize("size", [8193, 120_000, 1 << 20])
+def test_a_credential_longer_than_any_server_takes_in_a_header_is_refused_at_load(
+    size: int,
+) -> None:
+    """A variable holding far more than a key (a whole secrets file or certificate chain
+    exported into it, 120 KB, or 1 MB set by a host app): `check` said the configuration was
+    valid, and every request reached the upstream with a header no server takes (nginx,
+    aiohttp, Apache: 8 KiB a field), answered 400, in aiohttp's case with the header's first
+    hundred characters (`Bearer sk-...`) in the body relayed to the caller."""
+    value = "sk-" + "k" * (size - 3)
+    environ = {"FMW_T_PRIMARY": value, "FMW_T_BACKUP": "fine"}
+    with pytest.raises(ConfigError) as caught:
+        load_config(config("http://127.0.0.1:1", "http://127.0.0.1:2"), environ=environ)
+    message = str(caught.value)
+    assert "FMW_T_PRIMARY" in message and f"{size} bytes" in message
+    assert "sk-kkkk" not in message and len(message) < 400
+
+
+def test_a_long_credential_a_server_still_takes_loads() -> None:
+    """A large bearer token (an Azure AD access token with many claims runs to a few KB)."""
+    environ = {"FMW_T_PRIMARY": "eyJ" + "a" * 8000, "FMW_T_BACKUP": "x"}
+    load_config(config("http://127.0.0.1:1", "http://127.0.0.1:2"), environ=environ)

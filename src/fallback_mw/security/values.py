@@ -20,7 +20,18 @@ def header_value_problem(value: str) -> str | None:
         return "contains a control character"
     if value != value.strip(" \t"):
         return "starts or ends with whitespace"
+    if len(value) > MAX_FIELD_VALUE_BYTES:  # latin-1 by now: a character a byte
+        return (
+            f"is {len(value)} bytes long, more than servers take in one header field "
+            f"({MAX_FIELD_VALUE_BYTES}: nginx, Apache and aiohttp answer 400); is it the key alone?"
+        )
     return None
+
+
+# The longest configured value sent (a credential, a scheme): past it no common server
+# takes the header field (nginx's and Apache's 8 KiB a line, aiohttp's 8190 bytes), and a
+# variable that long holds more than a key (a secrets file, a certificate chain).
+MAX_FIELD_VALUE_BYTES = 8192
 
 
 _TCHAR = frozenset(b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
