@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import anyio
 import httpx
 import pytest
 
@@ -74,3 +75,44 @@ async def test_serve_stops_promptly_when_the_otlp_collector_never_answers(
     assert took < TELEMETRY_FLUSH_SECONDS + 5
     assert text.count("telemetry export did not finish") == 1, text[-2000:]
     assert COLLECTOR_KEY not in text and "Traceback" not in text
+
+
+@pytest.mark.anyio
+async def test_an_otlp_endpoint_query_string_never_reaches_the_log(tmp_path: Path) -> None:
+    """A collector key passed in the endpoint's query (`...?api-key=KEY`): every failed
+    export's retry line (the SDK's "Transient error ... url: /?api-key=KEY/v1/traces")
+    wrote the key to the log, several times a minute while the collector was down."""
+    port, log = free_port(), tmp_path / "serve.log"
+    with socket.socket() as closed:  # a port nothing listens on: connection refused
+        closed.bind(("127.0.0.1", 0))
+        refused = closed.getsockname()[1]
+    env = dict(
+        os.environ,
+        FMW_STOP_KEY="primary-key-0c4f",
+        OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{refused}/otlp?api-key={COLLECTOR_KEY}",
+        OTEL_BSP_SCHEDULE_DELAY="100",
+        OTEL_METRIC_EXPORT_INTERVAL="300",
+    )
+    async with upstream(status_handler(200, b"ok")) as primary:
+        config = tmp_path / "gateway.toml"
+        config.write_text(
+            f'[upstreams.primary]\nurl = "{primary.url}"\nauth_env = "FMW_STOP_KEY"\n'
+            '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["primary"]\n',
+            encoding="utf-8",
+        )
+        with serve_process(config, port, log, env=env) as process:
+            await wait_listening(process, port, log)
+            async with httpx.AsyncClient(timeout=10) as client:
+                response = await client.get(f"http://127.0.0.1:{port}/v1/chat")
+                assert response.status_code == 200
+            deadline = time.monotonic() + 20
+            # The log is a file another process writes: polled.
+            while "Transient error" not in log_text(log):
+                if time.monotonic() > deadline:
+                    break
+                await anyio.sleep(0.1)
+            process.send_signal(signal.SIGINT)
+            process.wait(timeout=TELEMETRY_FLUSH_SECONDS + 5)
+    text = log_text(log)
+    assert "Transient error" in text, text[-2000:]  # the line is still there, without the key
+    assert "api-key" not in text and COLLECTOR_KEY not in text, text[-2000:]

@@ -42,6 +42,7 @@ from fallback_mw.cli.otel_env import (
     prometheus_address,
     protocol,
 )
+from fallback_mw.cli.otel_log_filter import hide_url_secrets
 
 _log = logging.getLogger("fallback_mw.telemetry")
 
@@ -288,6 +289,8 @@ def configure_opentelemetry(
         handle._providers.append(meter_provider)
         if set_global:
             metrics.set_meter_provider(meter_provider)
+    # Once the exporters (and their loggers) are imported: no endpoint query in the log.
+    hide_url_secrets()
     return handle
 
 
