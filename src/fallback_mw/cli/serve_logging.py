@@ -11,11 +11,17 @@ import sys
 from collections.abc import Callable
 
 
-def uvicorn_colours() -> bool | None:
-    """uvicorn's `use_colors`: none under NO_COLOR (no-color.org: set and not empty), else
-    uvicorn's own choice (colour on a terminal only). Started with stdout closed (`>&-`)
-    there is no terminal to ask (uvicorn's own check would fail on it): none."""
-    return False if os.environ.get("NO_COLOR") or sys.stdout is None else None
+def uvicorn_colours() -> bool:
+    """uvicorn's `use_colors`: none under NO_COLOR (no-color.org: set and not empty) or
+    TERM=dumb, else colour when stderr, where its lines go, is a terminal (uvicorn's own
+    choice asked stdout: `serve 2> serve.log` from a shell wrote escapes into the file).
+    Started with stderr closed there is no terminal to ask: none."""
+    if os.environ.get("NO_COLOR") or os.environ.get("TERM") == "dumb" or sys.stderr is None:
+        return False
+    try:
+        return sys.stderr.isatty()
+    except (OSError, ValueError):  # closed under us
+        return False
 
 
 class CutRequestLine(logging.Filter):
