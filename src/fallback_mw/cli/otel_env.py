@@ -103,8 +103,11 @@ def check_workers(
     a wildcard, cannot clash): a worker's `/metrics` server bound it before the gateway's
     sockets listened, and took the gateway's connections."""
     environ = os.environ if environ is None else environ
-    disabled = environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
-    if disabled or "prometheus" not in exporters(environ, "metrics"):
+    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return
+    if gateway_port:
+        check_otlp_endpoints(environ, gateway_host, gateway_port)
+    if "prometheus" not in exporters(environ, "metrics"):
         return
     host, last = prometheus_address(environ, workers - 1)
     first = last - (workers - 1)
@@ -119,6 +122,80 @@ def check_workers(
             f"the gateway's own (--port; {whose}); choose a metrics port outside "
             f"{gateway_port - workers + 1}..{gateway_port}"
         )
+
+
+# Where the OTLP exporters send with no endpoint variable set, by protocol.
+_OTLP_DEFAULT = {"http/protobuf": "http://localhost:4318", "grpc": "http://localhost:4317"}
+
+
+def check_otlp_endpoints(environ: Mapping[str, str], gateway_host: str, gateway_port: int) -> None:
+    """Refuses an OTLP exporter whose endpoint is the gateway's own address (a loopback
+    name or address, or the bind address itself, on `gateway_port`): each export was a
+    request the gateway routed upstream (`/v1/traces` under a `/v1/` route, the OTLP
+    headers forwarded with it) and made spans to export again, for ever."""
+    for signal in ("traces", "metrics"):
+        if "otlp" not in exporters(environ, signal):
+            continue
+        for variable in (
+            f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+        ):
+            endpoint = environ.get(variable, "").strip()
+            if endpoint:
+                break
+        else:
+            endpoint = _OTLP_DEFAULT.get(protocol(environ, signal), "")
+            variable = f"OTEL_EXPORTER_OTLP_ENDPOINT (not set: the default {endpoint})"
+        address = _endpoint_address(endpoint)
+        if (
+            address is not None
+            and address[1] == gateway_port
+            and _is_local(address[0], gateway_host)
+        ):
+            raise TelemetrySetupError(
+                f"{variable}: the OTLP {signal} exporter would send to the gateway itself "
+                f"(port {gateway_port}, --port): each export a request the gateway routes "
+                "upstream, making spans to export again; point it at the collector"
+            )
+
+
+def _endpoint_address(endpoint: str) -> tuple[str, int] | None:
+    """(host, port) an endpoint URL connects to; None when it is no URL (the exporter says
+    so itself, at each export)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(endpoint if "//" in endpoint else f"//{endpoint}")
+        port = parts.port
+    except ValueError:
+        return None
+    if not parts.hostname:
+        return None
+    return parts.hostname, port or (443 if parts.scheme == "https" else 80)
+
+
+def _is_local(host: str, gateway_host: str) -> bool:
+    """Whether a connection to `host` may reach a socket bound to `gateway_host`: the same
+    IP literal, or a loopback one (or localhost) where the gateway listens on loopback or a
+    wildcard. Any other name is taken to be another machine."""
+    import ipaddress
+
+    def parsed(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+        try:
+            return ipaddress.ip_address(text.strip("[]"))
+        except ValueError:
+            return None
+
+    target, bound = parsed(host), parsed(gateway_host)
+    if target is None:
+        named = host.lower().rstrip(".")
+        if named != "localhost" and not named.endswith(".localhost"):
+            return False  # another machine's name
+        return bound is None or bound.is_loopback or bound.is_unspecified
+    if bound is None:  # the gateway on a name (localhost): a loopback address reaches it
+        return target.is_loopback or target.is_unspecified
+    local = target.is_loopback or target.is_unspecified
+    return target == bound or (bound.is_unspecified and local)
 
 
 def _may_be_one_address(one: str, other: str) -> bool:

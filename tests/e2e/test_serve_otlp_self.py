@@ -1,0 +1,99 @@
+"""An OTLP endpoint that is the gateway's own address (`OTEL_EXPORTER_OTLP_ENDPOINT`
+copied from the gateway's URL, or the OTLP default port given to `serve --port 4318`): each
+export was a request the gateway routed upstream (`/v1/traces` under a `/v1/` route), with
+the OTLP headers it carries, and made spans to export again, for ever. Refused at start."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fallback_mw.cli.otel_env import TelemetrySetupError, check_workers
+from tests.helpers import free_port
+
+pytestmark = pytest.mark.e2e
+
+COLLECTOR_KEY = "hny-team-key-93ac11"
+
+
+def test_serve_refuses_an_otlp_endpoint_that_is_its_own_address(tmp_path: Path) -> None:
+    port = free_port()
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        '[upstreams.primary]\nurl = "http://127.0.0.1:9"\n'
+        '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["primary"]\n',
+        encoding="utf-8",
+    )
+    env = dict(
+        os.environ,
+        OTEL_EXPORTER_OTLP_ENDPOINT=f"http://localhost:{port}",
+        OTEL_EXPORTER_OTLP_HEADERS=f"x-honeycomb-team={COLLECTOR_KEY}",
+    )
+    command = [sys.executable, "-m", "fallback_mw", "serve", "--config", str(config)]
+    try:
+        done = subprocess.run(
+            [*command, "--host", "127.0.0.1", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            env=env,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("serve started, exporting its telemetry to itself")
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "OTEL_EXPORTER_OTLP_ENDPOINT" in lines[0], done.stderr
+    assert "gateway itself" in lines[0] and COLLECTOR_KEY not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("environ", "host", "port"),
+    [
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:8000"}, "127.0.0.1", 8000),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://localhost:8000/"}, "0.0.0.0", 8000),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://[::1]:8000"}, "::", 8000),
+        ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:8000/v1/traces"}, "", 8000),
+        ({"OTEL_METRICS_EXPORTER": "otlp"}, "127.0.0.1", 4318),  # the OTLP default address
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1"}, "127.0.0.1", 80),
+    ],
+)
+def test_an_otlp_endpoint_on_the_gateways_address_is_refused(
+    environ: dict[str, str], host: str, port: int
+) -> None:
+    with pytest.raises(TelemetrySetupError, match="the gateway itself"):
+        check_workers(1, environ, gateway_port=port, gateway_host=host)
+
+
+@pytest.mark.parametrize(
+    ("environ", "host", "port"),
+    [
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"}, "127.0.0.1", 8000),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector.internal:8000"}, "0.0.0.0", 8000),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.2:8000"}, "127.0.0.1", 8000),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:8000"}, "127.0.0.1", 0),
+        (
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:8000", "OTEL_SDK_DISABLED": "true"},
+            "127.0.0.1",
+            8000,
+        ),
+        (
+            {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:8000",
+                "OTEL_TRACES_EXPORTER": "none",
+                "OTEL_METRICS_EXPORTER": "prometheus",
+                "OTEL_EXPORTER_PROMETHEUS_PORT": "9464",
+            },
+            "127.0.0.1",
+            8000,
+        ),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "not a url"}, "127.0.0.1", 8000),
+    ],
+)
+def test_an_otlp_endpoint_elsewhere_is_accepted(
+    environ: dict[str, str], host: str, port: int
+) -> None:
+    check_workers(1, environ, gateway_port=port, gateway_host=host)
