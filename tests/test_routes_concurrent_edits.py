@@ -6,6 +6,7 @@ route gone — never overwrite it unseen while both print success."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 
 import asyncpg
@@ -14,16 +15,46 @@ import pytest
 from fallback_mw.store.model import StoredRoute
 from fallback_mw.store.routes import open_store
 from tests.helpers import sqlite_db
-from tests.test_cli_admin import FALLBACK_MW, cli
+from tests.test_cli_admin import cli
 
 PRIMARY = "http://127.0.0.1:21401"
 FALLBACK = "http://127.0.0.1:21402"
 
+# A command in a process of its own, as `fallback-mw ARGV` runs it (the entry point's
+# main), its imports done before it is told to go. The first writer waits on the lock
+# while the second starts, within the store's 5 s query timeout: a process's start-up
+# alone took 7 s on a loaded machine (load 17, two cores), and the first writer gave up
+# ("did not answer within 5 s") before the second reached the lock.
+_READY_THEN_RUN = """
+import sys
+import asyncpg
+import fallback_mw.store.postgres
+from fallback_mw.cli import build_parser, main
+build_parser()
+print("ready", flush=True)
+sys.stdin.readline()
+sys.exit(main(sys.argv[1:]))
+"""
 
-async def _start(*argv: str) -> asyncio.subprocess.Process:
-    return await asyncio.create_subprocess_exec(
-        FALLBACK_MW, *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+
+async def _ready(*argv: str) -> asyncio.subprocess.Process:
+    """The command's process, started and waiting for its go (`_go`)."""
+    process = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-c", _READY_THEN_RUN, *argv),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
+    assert process.stdout is not None
+    line = await asyncio.wait_for(process.stdout.readline(), timeout=120)
+    assert line == b"ready\n", line
+    return process
+
+
+async def _go(process: asyncio.subprocess.Process) -> None:
+    assert process.stdin is not None
+    process.stdin.write(b"go\n")
+    await process.stdin.drain()
 
 
 async def _waiting_on_the_lock(admin: asyncpg.Connection, count: int) -> None:
@@ -42,15 +73,16 @@ async def _waiting_on_the_lock(admin: asyncpg.Connection, count: int) -> None:
 async def _race(pg_url: str, first: list[str], second: list[str]) -> list[tuple[int, str, str]]:
     """Both commands read the route, then write in this order: its row is locked until both
     wait on it (PostgreSQL queues a row's waiters, and grants them in turn)."""
+    a, b = await asyncio.gather(_ready(*first), _ready(*second))
     holder = await asyncpg.connect(pg_url)
     watcher = await asyncpg.connect(pg_url)  # outside the transaction: a fresh view of waits
     try:
         transaction = holder.transaction()
         await transaction.start()
         await holder.execute("SELECT id FROM fmw_routes WHERE id = 'chat' FOR UPDATE")
-        a = await _start(*first)
+        await _go(a)
         await _waiting_on_the_lock(watcher, 1)
-        b = await _start(*second)
+        await _go(b)
         await _waiting_on_the_lock(watcher, 2)
         await transaction.rollback()
         results = []
@@ -62,6 +94,10 @@ async def _race(pg_url: str, first: list[str], second: list[str]) -> list[tuple[
     finally:
         await holder.close()
         await watcher.close()
+        for process in (a, b):  # a failed wait leaves neither command running
+            if process.returncode is None:
+                process.kill()
+                await process.communicate()
 
 
 async def _route(store_url: str) -> StoredRoute | None:
