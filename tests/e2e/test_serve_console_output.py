@@ -122,3 +122,37 @@ async def test_console_spans_on_a_stdout_that_is_gone_say_so_once_not_a_tracebac
     assert "Traceback" not in text and "Exception while exporting" not in text, text[-2000:]
     assert text.count("console telemetry") == 1, text[-2000:]
     assert KEY not in text
+
+
+def test_console_output_on_a_non_blocking_stdout_waits_for_room(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A stdout a parent left non-blocking (it shares the open file): a full pipe is
+    EAGAIN, room later, not a stdout gone."""
+    import threading
+    import time
+
+    from fallback_mw.cli.console_stream import ConsoleStream
+
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    received = bytearray()
+
+    def read_later() -> None:
+        time.sleep(0.5)
+        while chunk := os.read(read_end, 65536):
+            received.extend(chunk)
+
+    reader = threading.Thread(target=read_later)
+    reader.start()
+    with os.fdopen(write_end, "w") as target:
+        stream = ConsoleStream(target)
+        for _ in range(200):
+            stream.write("x" * 1023 + "\n")  # 200 KiB: three times a pipe's buffer
+        stream.close(10)
+    assert stream._fd is not None
+    os.close(stream._fd)  # its copy of the descriptor: then the reader sees the end
+    reader.join(10)
+    os.close(read_end)
+    assert len(received) == 200 * 1024
+    assert "console telemetry stopped" not in caplog.text

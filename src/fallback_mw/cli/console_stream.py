@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import threading
 import time
 from collections import deque
@@ -122,7 +123,12 @@ class ConsoleStream:
                 return True
             data = text.encode(self._encoding, "replace")
             while data:
-                data = data[os.write(self._fd, data) :]
+                try:
+                    data = data[os.write(self._fd, data) :]
+                except BlockingIOError:
+                    # A stdout left non-blocking (by a parent that shares it): full for now,
+                    # not gone.
+                    select.select([], [self._fd], [], 1.0)
         except (OSError, ValueError):
             return False
         return True
