@@ -90,10 +90,31 @@ def test_an_otlp_endpoint_on_the_gateways_address_is_refused(
             "127.0.0.1",
             8000,
         ),
-        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "not a url"}, "127.0.0.1", 8000),
     ],
 )
 def test_an_otlp_endpoint_elsewhere_is_accepted(
     environ: dict[str, str], host: str, port: int
 ) -> None:
     check_workers(1, environ, gateway_port=port, gateway_host=host)
+
+
+@pytest.mark.parametrize(
+    "endpoint",
+    ["not a url", "http://[::1", "ftp://collector:4318", "http://:4318", "http://collector:99999"],
+)
+def test_an_otlp_endpoint_that_is_no_http_url_is_refused_at_start(endpoint: str) -> None:
+    """serve started and every export logged 'Failed to export spans batch code: None,
+    reason: Failed to parse: ...' (once a minute for metrics, a batch for spans): the
+    telemetry went nowhere from the first request, and nothing said so at start."""
+    environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint}
+    with pytest.raises(TelemetrySetupError, match="OTEL_EXPORTER_OTLP_ENDPOINT") as caught:
+        check_workers(1, environ, gateway_port=8000, gateway_host="127.0.0.1")
+    assert endpoint not in str(caught.value)
+    # With --port 0 (the port not known yet) it is refused all the same.
+    with pytest.raises(TelemetrySetupError):
+        check_workers(1, environ, gateway_port=0, gateway_host="127.0.0.1")
+
+
+def test_a_grpc_endpoint_without_a_scheme_is_accepted() -> None:
+    environ = {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_ENDPOINT": "otel:4317"}
+    check_workers(1, environ, gateway_port=8000, gateway_host="127.0.0.1")

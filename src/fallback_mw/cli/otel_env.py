@@ -105,8 +105,7 @@ def check_workers(
     environ = os.environ if environ is None else environ
     if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return
-    if gateway_port:
-        check_otlp_endpoints(environ, gateway_host, gateway_port)
+    check_otlp_endpoints(environ, gateway_host, gateway_port)
     if "prometheus" not in exporters(environ, "metrics"):
         return
     host, last = prometheus_address(environ, workers - 1)
@@ -146,12 +145,18 @@ def check_otlp_endpoints(environ: Mapping[str, str], gateway_host: str, gateway_
         else:
             endpoint = _OTLP_DEFAULT.get(protocol(environ, signal), "")
             variable = f"OTEL_EXPORTER_OTLP_ENDPOINT (not set: the default {endpoint})"
-        address = _endpoint_address(endpoint)
-        if (
-            address is not None
-            and address[1] == gateway_port
-            and _is_local(address[0], gateway_host)
-        ):
+        grpc = protocol(environ, signal) == "grpc"
+        address = _endpoint_address(endpoint, grpc=grpc)
+        if address is None:
+            # The exporter said it at each export ("Failed to parse ..."), once the gateway
+            # served: none of its telemetry went anywhere, and nothing said so at start.
+            form = "HOST:PORT or an http(s):// URL" if grpc else "an http:// or https:// URL"
+            raise TelemetrySetupError(
+                f"{variable}: the OTLP {signal} exporter cannot send to it: not {form} with a "
+                "host and a port from 1 to 65535 (its value is not shown); e.g. "
+                "http://collector:4318"
+            )
+        if address[1] == gateway_port and _is_local(address[0], gateway_host):
             raise TelemetrySetupError(
                 f"{variable}: the OTLP {signal} exporter would send to the gateway itself "
                 f"(port {gateway_port}, --port): each export a request the gateway routes "
@@ -159,19 +164,23 @@ def check_otlp_endpoints(environ: Mapping[str, str], gateway_host: str, gateway_
             )
 
 
-def _endpoint_address(endpoint: str) -> tuple[str, int] | None:
-    """(host, port) an endpoint URL connects to; None when it is no URL (the exporter says
-    so itself, at each export)."""
+def _endpoint_address(endpoint: str, *, grpc: bool) -> tuple[str, int] | None:
+    """(host, port) an endpoint connects to; None when the exporter cannot send to it: no
+    http(s) URL (the gRPC exporter also takes HOST:PORT), no host, a port out of range."""
+    import re
     from urllib.parse import urlsplit
 
     try:
-        parts = urlsplit(endpoint if "//" in endpoint else f"//{endpoint}")
+        parts = urlsplit(endpoint if "//" in endpoint or not grpc else f"//{endpoint}")
         port = parts.port
     except ValueError:
         return None
-    if not parts.hostname:
+    host = parts.hostname
+    if parts.scheme not in ("http", "https", *(("",) if grpc else ())) or not host:
         return None
-    return parts.hostname, port or (443 if parts.scheme == "https" else 80)
+    if not re.fullmatch(r"[a-z0-9._-]+|[0-9a-f:.]+", host) or port == 0:
+        return None
+    return host, port or (443 if parts.scheme == "https" else 80)
 
 
 def _is_local(host: str, gateway_host: str) -> bool:
