@@ -118,3 +118,31 @@ def test_an_otlp_endpoint_that_is_no_http_url_is_refused_at_start(endpoint: str)
 def test_a_grpc_endpoint_without_a_scheme_is_accepted() -> None:
     environ = {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_ENDPOINT": "otel:4317"}
     check_workers(1, environ, gateway_port=8000, gateway_host="127.0.0.1")
+
+
+@pytest.mark.parametrize(
+    "endpoint",
+    [
+        "http://169.254.169.254:4318",
+        "http://169.254.169.254./v1",
+        "http://2852039166:4318",  # the same address spelled as one integer
+        "http://[fe80::1]:4318",
+        "http://[::ffff:169.254.169.254]:4318",
+        "http://[fd00:ec2::254]:4318",  # AWS's IPv6 metadata address
+    ],
+)
+def test_an_otlp_endpoint_on_a_link_local_or_metadata_address_is_refused(endpoint: str) -> None:
+    """Upstreams on link-local and metadata addresses are refused in every spelling (SPEC
+    §3); the OTLP exporter sent there all the same, with the OTLP headers' credentials
+    (`OTEL_EXPORTER_OTLP_HEADERS`) on every export: a cloud's metadata service reached from
+    the gateway's host by whoever could set one variable."""
+    environ = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+        "OTEL_EXPORTER_OTLP_HEADERS": f"x-honeycomb-team={COLLECTOR_KEY}",
+    }
+    with pytest.raises(TelemetrySetupError, match="link-local or metadata") as caught:
+        check_workers(1, environ, gateway_port=8000, gateway_host="127.0.0.1")
+    assert endpoint not in str(caught.value) and COLLECTOR_KEY not in str(caught.value)
+    grpc = {**environ, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
+    with pytest.raises(TelemetrySetupError, match="link-local or metadata"):
+        check_workers(1, grpc, gateway_port=8000, gateway_host="127.0.0.1")

@@ -156,6 +156,12 @@ def check_otlp_endpoints(environ: Mapping[str, str], gateway_host: str, gateway_
                 "host and a port from 1 to 65535 (its value is not shown); e.g. "
                 "http://collector:4318"
             )
+        if _always_refused(address[0]):
+            raise TelemetrySetupError(
+                f"{variable}: the OTLP {signal} exporter would send to a link-local or "
+                "metadata address (as upstreams, never reached in any spelling; its value is "
+                "not shown): point it at the collector"
+            )
         if address[1] == gateway_port and _is_local(address[0], gateway_host):
             raise TelemetrySetupError(
                 f"{variable}: the OTLP {signal} exporter would send to the gateway itself "
@@ -181,6 +187,15 @@ def _endpoint_address(endpoint: str, *, grpc: bool) -> tuple[str, int] | None:
     if not re.fullmatch(r"[a-z0-9._-]+|[0-9a-f:.]+", host) or port == 0:
         return None
     return host, port or (443 if parts.scheme == "https" else 80)
+
+
+def _always_refused(host: str) -> bool:
+    """An IP literal in a range no upstream may be (`security.addresses.is_always_refused`:
+    link-local, the clouds' metadata services), however it is spelled."""
+    from fallback_mw.security.addresses import is_always_refused, parse_ip
+
+    address = parse_ip(host)
+    return address is not None and is_always_refused(address)
 
 
 def _is_local(host: str, gateway_host: str) -> bool:
