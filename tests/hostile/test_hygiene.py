@@ -341,3 +341,49 @@ async def test_a_path_with_raw_utf8_bytes_is_forwarded_as_the_caller_wrote_it() 
             await gateway.aclose()
     assert statuses == [200, 200, 404]
     assert [r.path for r in primary.received] == ["/v1/%C3%A9/%C3%BC", "/v1/%C3%A9%20x"]
+
+
+@pytest.mark.anyio
+async def test_text_header_fields_from_an_embedding_app_are_read_as_bytes() -> None:
+    """ASGI servers send header names and values as bytes; an app or a test client driving
+    the gateway in-process may pass text. Such a head was a 500 (a TypeError in the header
+    filter when a `Connection` field named another field, and elsewhere on the path);
+    it is read as the bytes it spells: the credential and the fields `Connection` names are
+    still stripped, the rest forwarded."""
+    async with upstream(status_handler(200, b"ok")) as primary:
+        conf = {
+            "upstreams": {"primary": {"url": primary.url}},
+            "routes": [{"id": "r", "prefix": "/v1/", "plan": ["primary"]}],
+        }
+        gateway = Gateway(host_app, config=conf)
+        heads: list[list[tuple[Any, Any]]] = [
+            [(b"connection", "x-hop"), (b"x-hop", b"1"), (b"x-keep", "kept")],
+            [
+                (b"connection", b"x-hop"),
+                ("X-Hop", "2"),
+                ("authorization", f"Bearer {CALLER_SECRET}"),
+            ],
+            [("x-tenant-id", "acme"), (b"x-other", "\u00e9t\u00e9")],
+        ]
+        statuses = []
+        try:
+            for head in heads:
+                scope = http_scope("GET", "/v1/x", headers=head)
+                sent: list[dict[str, Any]] = []
+
+                async def receive() -> dict[str, Any]:
+                    return {"type": "http.request", "body": b"", "more_body": False}
+
+                async def send(message: dict[str, Any], sent: list[Any] = sent) -> None:
+                    sent.append(message)
+
+                await gateway(scope, receive, send)
+                statuses.append(sent[0]["status"])
+        finally:
+            await gateway.aclose()
+    assert statuses == [200, 200, 200]
+    received = [dict(r.headers) for r in primary.received]
+    assert received[0].get("x-keep") == "kept" and "x-hop" not in received[0]
+    assert "x-hop" not in received[1] and "authorization" not in received[1]
+    assert CALLER_SECRET not in repr(primary.received)
+    assert received[2].get("x-other") == "\u00e9t\u00e9"

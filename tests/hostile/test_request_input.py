@@ -152,7 +152,7 @@ def test_the_resolver_reads_each_header_as_the_first_field_of_that_name(
         return found
 
     wanted = frozenset(names) | METHOD_OVERRIDE_FIELDS
-    found, twice, override_values = _headers({"headers": headers}, names, wanted)
+    found, twice, override_values = _headers(headers, names, wanted)
     if any(type(key) is bytearray for key, _ in headers):
         assert override_values is None
     else:

@@ -16,20 +16,25 @@ _FIELD_OVERHEAD = 4
 
 
 def header_refusal(
-    headers: Iterable[tuple[bytes, bytes]], *, max_bytes: int, max_count: int
+    headers: Iterable[tuple[bytes | str, bytes | str]], *, max_bytes: int, max_count: int
 ) -> tuple[str, str] | None:
     """Why these request headers are refused and the setting that refused them (the error's
-    `rule`), or None. Names the limit, never a value."""
+    `rule`), or None. Names the limit, never a value. Raises TypeError at a name or value
+    that is text, not bytes (an app driving the gateway in-process: `byte_fields`)."""
     size = 0
     if type(headers) is list and len(headers) <= max_count:
         # No more fields than max_count (the usual request): only the size can refuse, so
         # the fields are not counted one by one (the same answer as the loop below).
         for name, value in headers:
+            if name.__class__ is str or value.__class__ is str:
+                raise TypeError(_TEXT)
             size += len(name) + len(value) + _FIELD_OVERHEAD
             if size > max_bytes:
                 return _too_large(max_bytes)
         return None
     for count, (name, value) in enumerate(headers, start=1):
+        if name.__class__ is str or value.__class__ is str:
+            raise TypeError(_TEXT)
         size += len(name) + len(value) + _FIELD_OVERHEAD
         if count > max_count:
             message = f"more than {max_count} request header fields (max_header_count)"
@@ -37,6 +42,21 @@ def header_refusal(
         if size > max_bytes:
             return _too_large(max_bytes)
     return None
+
+
+_TEXT = "a request header name or value is text, not bytes"
+
+
+def byte_fields(headers: Iterable[tuple[bytes | str, bytes | str]]) -> list[tuple[bytes, bytes]]:
+    """The header fields with each text name or value as the bytes it spells (UTF-8, as the
+    gateway reads and forwards a value): ASGI servers send bytes, an app or a test client
+    driving the gateway in-process may pass text. A lone surrogate keeps its code (not
+    UTF-8: the forwarded-field check refuses it with a 400)."""
+    return [(_bytes(name), _bytes(value)) for name, value in headers]
+
+
+def _bytes(text: bytes | str) -> bytes:
+    return text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
 
 
 def _too_large(max_bytes: int) -> tuple[str, str]:

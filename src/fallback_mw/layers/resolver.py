@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import anyio
 
@@ -17,7 +17,7 @@ from fallback_mw.budget import Ledger
 from fallback_mw.config import DEFAULT_METHODS, ConfigError, ConfigSource, as_config
 from fallback_mw.credentials import CredentialCache
 from fallback_mw.injected import require, require_app, require_callable, require_environ
-from fallback_mw.layers.limits import InFlight, header_refusal
+from fallback_mw.layers.limits import InFlight, byte_fields, header_refusal
 from fallback_mw.request.body import path_model
 from fallback_mw.request.config_refusal import ConfigRefusal
 from fallback_mw.request.context import SCOPE_KEY, RequestContext
@@ -69,7 +69,7 @@ def requested_deadline_ms(text: str | None) -> int | None:
 
 
 def _headers(
-    scope: Scope, names: tuple[bytes, ...], wanted: frozenset[bytes]
+    headers: Iterable[tuple[bytes, bytes]], names: tuple[bytes, ...], wanted: frozenset[bytes]
 ) -> tuple[list[str | None], bytes | None, list[bytes] | None]:
     """The first value of each named header (stripped, None when absent or empty; the
     deadline's None when sent twice), in one pass over the request's headers; the first
@@ -82,7 +82,7 @@ def _headers(
     seen = [False] * len(names)
     twice: bytes | None = None
     overrides: list[bytes] | None = []
-    for key, value in scope.get("headers", ()):
+    for key, value in headers:
         # `x_tenant_id` is `x-tenant-id` to a WSGI-style upstream (HTTP_X_TENANT_ID): one
         # field, so a caller's underscore spelling beside a proxy's field is two.
         # (`canonical_name`, written out: a call per header is most of the pass's cost.)
@@ -240,11 +240,18 @@ class RouteResolver:
             await self.app(scope, receive, send)
             return
         started = time.monotonic()
+        headers = scope.get("headers", ())
+        max_bytes, max_count = self.max_header_bytes, self.max_header_count
+        try:
+            refusal = header_refusal(headers, max_bytes=max_bytes, max_count=max_count)
+        except TypeError:  # a text name or value: read as the bytes it spells (`byte_fields`)
+            headers = byte_fields(headers)
+            refusal = header_refusal(headers, max_bytes=max_bytes, max_count=max_count)
         raw_path = raw_routed_path(scope)
         path = None if raw_path is None else normalise_path(raw_path)
         table = self.table()
         (tenant_text, session, deadline_text), twice, override_values = _headers(
-            scope, self.read_headers, self.read_or_override
+            headers, self.read_headers, self.read_or_override
         )
         tenant = tenant_text or "default"
         # As sent: method tokens are case-sensitive (RFC 9110 §9.1), `get` is not GET.
@@ -255,9 +262,10 @@ class RouteResolver:
             return
         route = route or refused
         assert route is not None
+        if headers is not scope.get("headers", ()):
+            scope["headers"] = headers  # bytes for every layer behind us (a routed request)
         # Read once (nothing below awaits): most requests carry no query, no override
         # and no deadline of their own, and nothing is asked about those.
-        headers = scope.get("headers", ())
         query = scope.get("query_string", b"")
         # A method-override field naming a method the route does not forward: the upstream
         # would act on that method (a DELETE through a route that forwards GET and POST).
@@ -299,11 +307,6 @@ class RouteResolver:
                 self._provider_secrets(table),  # provider
             ),
         )  # fmt: skip
-        refusal = header_refusal(
-            headers,
-            max_bytes=self.max_header_bytes,
-            max_count=self.max_header_count,
-        )
         # Attached before the refusals below too: a 405 / 431 / 503 answered here is this
         # route's answer, and `fallback-mw request` reads the route's records from here.
         scope[SCOPE_KEY] = context
