@@ -77,6 +77,7 @@ BUILD = ROOT / "build" / "mypyc"
 #     type-checks as `str | bytes` and refuses.
 MODULES = (
     "layers/resolver.py",
+    "layers/head.py",
     "layers/injector.py",
     "layers/limits.py",
     "layers/walker/walker.py",

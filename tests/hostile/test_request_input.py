@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from fallback_mw import Gateway
 from fallback_mw.cli import main
-from fallback_mw.layers.resolver import _headers
+from fallback_mw.layers.head import identity_headers
 from fallback_mw.security.fields import METHOD_OVERRIDE_FIELDS, named_methods, override_methods
 from tests.helpers import client_for
 from tests.test_budget_guard import gateway_config
@@ -85,7 +85,7 @@ async def test_a_deadline_header_sent_twice_is_ignored_as_its_joined_value_is(
 
 
 def test_requested_deadline_parsing_is_strict_and_bounded() -> None:
-    from fallback_mw.layers.resolver import requested_deadline_ms
+    from fallback_mw.layers.head import requested_deadline_ms
 
     assert requested_deadline_ms("250") == 250
     assert requested_deadline_ms(" 250 ") == 250
@@ -152,7 +152,7 @@ def test_the_resolver_reads_each_header_as_the_first_field_of_that_name(
         return found
 
     wanted = frozenset(names) | METHOD_OVERRIDE_FIELDS
-    found, twice, override_values = _headers(headers, names, wanted)
+    found, twice, override_values = identity_headers(headers, names, wanted)
     if any(type(key) is bytearray for key, _ in headers):
         assert override_values is None
     else:
