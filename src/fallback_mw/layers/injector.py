@@ -8,7 +8,7 @@ from fallback_mw.config import ConfigError, ConfigSource, as_config
 from fallback_mw.credentials import CredentialCache, apply_hygiene
 from fallback_mw.injected import require_app, require_environ
 from fallback_mw.request.config_refusal import ConfigRefusal
-from fallback_mw.request.context import get_context
+from fallback_mw.request.context import SCOPE_KEY, RequestContext
 from fallback_mw.request.types import ASGIApp, Receive, Scope, Send
 
 
@@ -36,8 +36,8 @@ class CredentialInjector:
         if self._refusal is not None:
             await self._refusal(scope, receive, send)
             return
-        context = get_context(scope)
-        if context is not None:
+        context = scope.get(SCOPE_KEY)  # `get_context`, written out: one call fewer
+        if isinstance(context, RequestContext):
             apply_hygiene(
                 context, scope.get("headers", ()), self.cache.credentials(context.upstreams)
             )
