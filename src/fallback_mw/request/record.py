@@ -41,7 +41,12 @@ def usage_record(
             None,
             s.fault,
         )
-        for s in walk_order(context)
+        for s in (
+            # One attempt and no skip (the usual request): that is the walk's order.
+            context.attempts
+            if len(context.attempts) < 2 and not context.skipped
+            else walk_order(context)
+        )
     ]  # in the walk's order: a skip before the attempt that followed it
     usage = context.usage
     record = UsageRecord(

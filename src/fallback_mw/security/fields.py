@@ -250,7 +250,9 @@ def forwardable_request_headers(
             if name in _LISTING_FIELDS:  # hop-by-hop, so never forwarded itself
                 return _forwardable_listed(headers, also, query_keys)
             continue
-        kept.append((name, _forwarded_value(name, value, query_keys)))
+        if name == b"accept-encoding" or (query_keys and value.find(b"?") >= 0):
+            value = _forwarded_value(name, value, query_keys)  # the rare rewrite only
+        kept.append((name, value))
     return kept
 
 
