@@ -30,6 +30,7 @@ from fallback_mw.telemetry.propagation import (
 )
 from fallback_mw.telemetry.redact import (
     EXTRACTING,
+    MAX_LABEL,
     http_method,
     label,
     quiet_propagators,
@@ -466,8 +467,17 @@ class Telemetry(BreakerReports, TracePropagation):
         context.trace = _FINISHED
         duration = max(time.monotonic() - context.started, 0.0)
         outcome = context.outcome or ("served" if context.completed else "internal_error")
-        candidates = [label(c) for c in (context.candidates or context.route.plan)]
-        chosen = label(context.chosen) if context.chosen is not None else None
+        # `label`, its usual case written out (an upstream name already a short printable
+        # label is its own): a call per candidate on every request.
+        candidates = [
+            c if c.isascii() and c.isprintable() and len(c) <= MAX_LABEL else label(c)
+            for c in (context.candidates or context.route.plan)
+        ]
+        chosen = context.chosen
+        if chosen is not None and not (
+            chosen.isascii() and chosen.isprintable() and len(chosen) <= MAX_LABEL
+        ):
+            chosen = label(chosen)
         fault = context.fault  # a pin, a faulted attempt, a fault-opened breaker
 
         trace_id = span_id = None

@@ -15,7 +15,7 @@ from opentelemetry.propagators.textmap import Getter
 from fallback_mw.quoting import printable
 from fallback_mw.request.secrets import REDACTED, RequestSecrets, recorded_tenant
 
-_MAX_LABEL = 128
+MAX_LABEL = 128  # characters
 # A model name is echoed from the request body, so only name-shaped values are recorded.
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
 
@@ -26,7 +26,7 @@ def label(value: object) -> str:
     text = str(value)
     if not (text.isascii() and text.isprintable()):  # the usual id: no call past these two
         text = printable(text)
-    return text[:_MAX_LABEL]
+    return text[:MAX_LABEL]
 
 
 def model_name(value: str | None, secrets: RequestSecrets | None = None) -> str | None:
