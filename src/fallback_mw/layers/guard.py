@@ -31,18 +31,29 @@ from fallback_mw.budget import (
     SettlesAndRecords,
     room_needed,
 )
-from fallback_mw.budget.cost import PriceBook, format_money, to_units
+from fallback_mw.budget.cost import PriceBook, to_units
 from fallback_mw.config import (
     BudgetConfig,
     ConfigError,
     ConfigSource,
     as_config,
-    budget_section,
-    command_option,
 )
 from fallback_mw.config.views import SettingsView
 from fallback_mw.failover.deadline_messages import deadline_message
 from fallback_mw.injected import require, require_app
+from fallback_mw.layers.budget_refusals import (
+    LEDGER_UNREACHABLE,
+    NO_LEDGER,
+    exceeded,
+    ledger_too_slow,
+    limit_zero,
+    nested_too_deep,
+    over_the_whole_limit,
+    undefined,
+    unreadable_budget,
+    unreadable_charset,
+    unreadable_coding,
+)
 from fallback_mw.request.body import (
     NestedTooDeep,
     decoded_request_json,
@@ -60,7 +71,6 @@ from fallback_mw.request.context import (
     RequestContext,
     host_cancelled,
 )
-from fallback_mw.request.json_depth import json_depth_limit
 from fallback_mw.request.local_errors import send_error
 from fallback_mw.request.record import model_asked, usage_record, write_record
 from fallback_mw.request.refusals import body_refusal
@@ -73,31 +83,6 @@ logger = logging.getLogger("fallback_mw.budget")
 _MODEL_KEY = ("model",)
 
 
-# Each refusal says what would change it (SPEC §12), never the store's URL.
-def _unreadable_budget(budget_id: str) -> str:
-    return (
-        f"budget {budget_id!r} is stored in a form this gateway cannot read (a window or amount "
-        "another version or a hand edit wrote): refusing (fail closed); `fallback-mw budgets "
-        f"set {command_option('--budget', budget_id)} --limit ...` stores it again in a form every "
-        "version reads"
-    )
-
-
-_LEDGER_UNREACHABLE = (
-    "the budget ledger ([gateway] store) cannot be reached: refusing (fail closed) until it "
-    "answers again; a route without a budget is not metered and keeps serving"
-)
-
-
-def _ledger_too_slow(wait: float) -> str:
-    return (
-        f"the budget ledger ([gateway] store) did not answer within {wait * 1000:.0f} ms (this "
-        "request's deadline, or the ledger's own timeout): refusing (fail closed); another "
-        "process may hold its write lock; a route without a budget is not metered and keeps "
-        "serving"
-    )
-
-
 _UNBOUNDED = contextlib.nullcontext()  # reentrant: one for every request
 # A budget read shorter than this did not wait for the ledger (a cached budget).
 _READ_DID_NOT_WAIT = 0.001
@@ -105,105 +90,6 @@ _READ_DID_NOT_WAIT = 0.001
 # under load) ran out on the caller's side: 504 deadline_exceeded, not 503.
 _LEDGER_GRACE = 0.1
 _BEFORE_THE_HOLD = " (before the budget ledger answered the hold; no upstream was contacted)"
-
-
-# "Give it one" said neither how nor where a ledger comes from.
-_NO_LEDGER = (
-    "this route has a budget but the BudgetGuard has no ledger: refusing (fail closed); "
-    "give it one, BudgetGuard(..., ledger=open_ledger(store)) with open_ledger from "
-    "fallback_mw.store.ledgers (store: the [gateway] store URL, or None for memory; close it "
-    "with its aclose()), as Gateway builds its own"
-)
-
-
-def _raise_limit(budget_id: str, in_memory: bool) -> str:
-    """Where a budget's limit is raised. `budgets set` writes the store the gateways share;
-    a ledger in the process's memory (no [gateway] store) no command reaches: the file."""
-    if in_memory:
-        return (
-            f"{budget_section(budget_id)} limit in the configuration, then restart the "
-            "gateway (with no [gateway] store its spend is kept in this process's memory, "
-            "which no command reaches)"
-        )
-    return (
-        f"`fallback-mw budgets set {command_option('--budget', budget_id)} --limit AMOUNT`, "
-        f"or {budget_section(budget_id)} limit"
-    )
-
-
-def _exceeded(budget_id: str, in_memory: bool) -> str:
-    return (
-        f"budget {budget_id!r} has no room for this request in its current window (its limit "
-        f"is spent or held): raise its limit ({_raise_limit(budget_id, in_memory)}), or wait "
-        "for its next window"
-    )
-
-
-def _limit_zero(budget_id: str, in_memory: bool) -> str:
-    """A request that holds nothing, refused by a limit of 0 (docs/budgets.md: it refuses
-    every request; a hold of 0 needs room too, `room_needed`): no lower hold serves it."""
-    return (
-        f"budget {budget_id!r}'s limit is 0, which refuses every request; to serve this "
-        f"route's requests, raise it ({_raise_limit(budget_id, in_memory)})"
-    )
-
-
-def _over_the_whole_limit(budget_id: str, amount: Decimal, estimated: bool, in_memory: bool) -> str:
-    """The hold alone is more than the limit: no window will ever have room for it, so
-    waiting changes nothing (what `_exceeded` would suggest)."""
-    if estimated:
-        why = (
-            "estimated from its model's price and its output limit (the largest of "
-            "max_tokens, max_completion_tokens, max_output_tokens, times n / best_of)"
-        )
-        change = "ask for fewer output tokens (a lower max_tokens, or n) or raise the limit"
-    else:
-        why = f"budget {budget_id!r}'s default_hold, for a request it cannot estimate"
-        change = "raise the limit, or lower default_hold"
-    return (
-        f"this request needs a hold of {format_money(amount)} ({why}), more than budget "
-        f"{budget_id!r}'s whole limit: no window has room for it; {change} "
-        f"({_raise_limit(budget_id, in_memory)})"
-    )
-
-
-def _unreadable_coding(budget_id: str, coding: str) -> str:
-    return (
-        f"the request body is sent in {coding}, which the gateway cannot read to estimate "
-        f"budget {budget_id!r}'s hold (an upstream that decodes it would run whatever it "
-        "asks for): send the body uncompressed, or in gzip or deflate; nothing was sent "
-        "upstream"
-    )
-
-
-def _unreadable_charset(budget_id: str, charset: str) -> str:
-    return (
-        f"the request body is declared in {charset} (the Content-Type's charset), which the "
-        f"gateway does not decode to estimate budget {budget_id!r}'s hold (an upstream that "
-        "decodes it would run what it asks for, which the hold did not read): send the body "
-        "in UTF-8; nothing was sent upstream"
-    )
-
-
-def _nested_too_deep(budget_id: str) -> str:
-    limit = json_depth_limit()  # the running Python's: 3.11 reads ~1,000, 3.13 ~10,000
-    levels = "" if limit is None else f" (about {round(limit, -2):,} levels)"
-    return (
-        f"the request body is JSON nested deeper than the gateway reads{levels} "
-        f"to estimate budget {budget_id!r}'s hold (an upstream reading it, Node's or Go's, "
-        "would run what it asks for, which the hold did not read): send it nested less "
-        "deeply; nothing was sent upstream"
-    )
-
-
-def _undefined(budget_id: str) -> str:
-    return (
-        f"budget {budget_id!r}, which this route spends, is defined neither in the "
-        f"configuration ({budget_section(budget_id)}) nor in the store: refusing (fail closed); "
-        f"define it (`fallback-mw budgets set {command_option('--budget', budget_id)} --limit "
-        f"AMOUNT`) or "
-        f"correct the route's budget"
-    )
 
 
 class BudgetGuard:
@@ -264,7 +150,7 @@ class BudgetGuard:
             budget_id = context.route.budget
             if ledger is None:
                 if budget_id is not None:
-                    await send_error(send, context, "budget_unavailable", _NO_LEDGER)  # closed
+                    await send_error(send, context, "budget_unavailable", NO_LEDGER)  # closed
                     return
                 await self.app(scope, receive, send)
                 return
@@ -337,7 +223,7 @@ class BudgetGuard:
             charset = unreadable_request_charset(scope)
             if charset is not None:
                 # An upstream decoding it (Express) reads other keys than the hold would.
-                return "bad_request", _unreadable_charset(budget_id, charset)
+                return "bad_request", unreadable_charset(budget_id, charset)
         if parsed is None:
             try:
                 # A compressed body is estimated as the upstream that decodes it reads it,
@@ -350,12 +236,12 @@ class BudgetGuard:
                     unreadable = unreadable_request_coding(scope, body)
                     if unreadable is not None:
                         # default_hold for a body the upstream may decode and run whole.
-                        return "bad_request", _unreadable_coding(budget_id, unreadable)
+                        return "bad_request", unreadable_coding(budget_id, unreadable)
                     # An integer of thousands of digits: JSON to Go's and Node's readers.
                     parsed = estimated_request_json(body)
             except NestedTooDeep:
                 # default_hold for a body Node's and Go's readers take whole.
-                return "bad_request", _nested_too_deep(budget_id)
+                return "bad_request", nested_too_deep(budget_id)
             if parsed is not None and isinstance(parsed.get("model"), str):
                 context.request_model = context.request_model or parsed["model"][:MAX_NAME]
         # The stored budget's read and the hold together wait the request's deadline or
@@ -380,7 +266,7 @@ class BudgetGuard:
                     logger.warning(
                         "route %s names an unknown budget %s", context.route.id, budget_id
                     )
-                    return "budget_unavailable", _undefined(budget_id)
+                    return "budget_unavailable", undefined(budget_id)
                 amount = self._estimate(context, buffered, parsed, budget.default_hold)
                 waited = time.monotonic() - started
                 if whole or not self._shield or waited < _READ_DID_NOT_WAIT:
@@ -389,25 +275,25 @@ class BudgetGuard:
                     with anyio.fail_after(max(wait - waited, 0.0)):
                         hold = await ledger.hold(budget_id, budget, amount)
         except BudgetUnreadable:
-            return "budget_unavailable", _unreadable_budget(budget_id)
+            return "budget_unavailable", unreadable_budget(budget_id)
         except LedgerUnavailable:
-            return "budget_unavailable", _LEDGER_UNREACHABLE
+            return "budget_unavailable", LEDGER_UNREACHABLE
         except TimeoutError:
             if wait < _LEDGER_GRACE and (timeout is None or wait < timeout):
                 # The deadline left a healthy ledger no time (x-gateway-deadline-ms: 3):
                 # the deadline's answer, not a ledger failure's.
                 return "deadline_exceeded", f"{deadline_message(context)}{_BEFORE_THE_HOLD}"
-            return "budget_unavailable", _ledger_too_slow(wait)
+            return "budget_unavailable", ledger_too_slow(wait)
         if hold is not None:
             return hold
         if to_units(amount) == 0 and to_units(budget.limit) == 0:
             # No hold to lower (`room_needed`): it is the limit of 0 that refuses.
-            return "budget_exceeded", _limit_zero(budget_id, self._in_memory)
+            return "budget_exceeded", limit_zero(budget_id, self._in_memory)
         if room_needed(to_units(amount)) > to_units(budget.limit):
             estimated = amount != budget.default_hold
-            refusal = _over_the_whole_limit(budget_id, amount, estimated, self._in_memory)
+            refusal = over_the_whole_limit(budget_id, amount, estimated, self._in_memory)
             return "budget_exceeded", refusal
-        return "budget_exceeded", _exceeded(budget_id, self._in_memory)
+        return "budget_exceeded", exceeded(budget_id, self._in_memory)
 
     def _estimate(
         self, context: RequestContext, buffered: bytes | None, parsed: Any, default_hold: Decimal
