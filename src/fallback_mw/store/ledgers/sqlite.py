@@ -11,11 +11,11 @@ import asyncio
 import sqlite3
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from decimal import Decimal
 from typing import TypeVar
 
-from fallback_mw.budget.cost import MAX_UNITS, SPENT_CAP_UNITS, from_units, to_units
+from fallback_mw.budget.cost import from_units, to_units
 from fallback_mw.budget.ledger import (
     PER_MINUTE_FILTER,
     BudgetStatus,
@@ -33,7 +33,6 @@ from fallback_mw.config import BudgetConfig
 from fallback_mw.request.context import new_request_id
 from fallback_mw.store.ledgers.schema import (
     REAP_INTERVAL,
-    REAPED_KEPT_SECONDS,
     RECORDED_WINDOWS_BYTES,
     STALE_HOLD_SECONDS,
     USAGE_COLUMNS,
@@ -46,7 +45,9 @@ from fallback_mw.store.ledgers.schema import (
     usage_from_row,
     usage_values,
 )
-from fallback_mw.store.ledgers.sqlite_calls import SQLiteCalls, Turns, retrieved
+from fallback_mw.store.ledgers.sqlite_calls import SQLiteCalls, retrieved
+from fallback_mw.store.ledgers.sqlite_groups import Turns
+from fallback_mw.store.ledgers.sqlite_holds import finish_hold, settle_stale_holds
 from fallback_mw.store.ledgers.sqlite_open import migrate, stale_work
 from fallback_mw.store.sqlite_connect import fetch_leniently, immediate, is_read_only
 
@@ -77,7 +78,7 @@ class SQLiteLedger(SQLLedgerBase):
         # A file this process may not write (`budgets show` on a read-only store): read as is.
         if not is_read_only(conn) and stale_work(conn, self.stale_hold_seconds):
             with immediate(conn):
-                _settle_stale_holds(conn, self.stale_hold_seconds)
+                settle_stale_holds(conn, self.stale_hold_seconds)
         self._reap_at = time.monotonic() + self.reap_interval
 
     # --- holds --------------------------------------------------------------------------
@@ -96,7 +97,7 @@ class SQLiteLedger(SQLLedgerBase):
 
         def work(conn: sqlite3.Connection) -> bool:
             if reap:
-                _settle_stale_holds(conn, self.stale_hold_seconds)
+                settle_stale_holds(conn, self.stale_hold_seconds)
             reserve = (units, budget_id, start, needed, limit)
             if conn.execute(_RESERVE, reserve).rowcount != 1:
                 # No such window yet (its first hold), or the hold does not fit.
@@ -143,14 +144,14 @@ class SQLiteLedger(SQLLedgerBase):
         to the stale-hold reaper, as a failed settlement does)."""
 
         def work(conn: sqlite3.Connection) -> None:
-            _finish_hold(conn, hold_id, 0)
+            finish_hold(conn, hold_id, 0)
 
         turns.group.join(work).add_done_callback(retrieved)
 
     async def _finish(self, hold_id: str, spent: int) -> None:
         def work(conn: sqlite3.Connection) -> None:
             with immediate(conn):
-                _finish_hold(conn, hold_id, spent)
+                finish_hold(conn, hold_id, spent)
 
         await self._db.run(work)
 
@@ -174,7 +175,7 @@ class SQLiteLedger(SQLLedgerBase):
 
         def work(conn: sqlite3.Connection) -> None:
             if hold_id is not None:
-                _finish_hold(conn, hold_id, spent)
+                finish_hold(conn, hold_id, spent)
             conn.execute(_INSERT_USAGE, values)
 
         turns = self._db.loop_turns()
@@ -365,67 +366,3 @@ def _summed(read: Callable[[str], T]) -> T:
         if "integer overflow" not in str(exc):
             raise
     return read("TOTAL")
-
-
-def _finish_hold(conn: sqlite3.Connection, hold_id: str, spent: int) -> None:
-    spent = min(max(spent, 0), MAX_UNITS)
-    row = conn.execute(
-        "DELETE FROM fmw_budget_holds WHERE hold_id = ? "
-        "RETURNING budget_id, window_start, amount_units",
-        (hold_id,),
-    ).fetchone()
-    if row is None:
-        _settle_reaped(conn, hold_id, spent)
-        return
-    # Spend saturates at SPENT_CAP_UNITS: never an integer overflow that loses the row. Held
-    # never goes below 0: a hold whose amount was edited up (by hand) left it far below,
-    # and every later hold fitted under the limit, whatever the spend.
-    conn.execute(
-        "UPDATE fmw_budget_windows SET held_units = max(0, held_units - ?), "
-        "spent_units = spent_units + min(?, ? - spent_units) "
-        "WHERE budget_id = ? AND window_start = ?",
-        (row[2], spent, SPENT_CAP_UNITS, row[0], row[1]),
-    )
-
-
-def _settle_reaped(conn: sqlite3.Connection, hold_id: str, spent: int) -> None:
-    """A hold no longer held: already settled or released (nothing to do, exactly once),
-    or settled at its amount by the reaper while its request still ran (a stream read for
-    over an hour): what the request cost replaces what the reaper charged, once."""
-    row = conn.execute(
-        "DELETE FROM fmw_budget_reaped WHERE hold_id = ? "
-        "RETURNING budget_id, window_start, amount_units",
-        (hold_id,),
-    ).fetchone()
-    if row is not None:
-        conn.execute(
-            "UPDATE fmw_budget_windows SET spent_units = max(0, min(spent_units + ? - ?, ?)) "
-            "WHERE budget_id = ? AND window_start = ?",
-            (spent, row[2], SPENT_CAP_UNITS, row[0], row[1]),
-        )
-
-
-def _settle_stale_holds(conn: sqlite3.Connection, older_than: float) -> None:
-    """Holds left by a process that died mid-request are settled at their amount (the
-    conservative choice: the upstream may have served and billed), and kept a while in
-    fmw_budget_reaped: one whose request still runs (a stream read for over an hour)
-    settles what it cost when it ends. In the caller's transaction."""
-    now = datetime.now(UTC)
-    cutoff = encode_sqlite_time(now - timedelta(seconds=older_than))
-    # The amount as SQLite's arithmetic reads it: a hand-edited one ('abc') failed opening
-    # the ledger, and every budgeted request was a bare 500.
-    rows = conn.execute(
-        "SELECT hold_id, budget_id, window_start, CAST(amount_units AS INTEGER) "
-        "FROM fmw_budget_holds WHERE created_at < ?",
-        (cutoff,),
-    ).fetchall()
-    for hold_id, budget_id, start, amount in rows:
-        _finish_hold(conn, hold_id, amount)
-        # Kept: a request still running settles what it cost when it ends (_settle_reaped).
-        conn.execute(
-            "INSERT OR IGNORE INTO fmw_budget_reaped "
-            "(hold_id, budget_id, window_start, amount_units, reaped_at) VALUES (?, ?, ?, ?, ?)",
-            (hold_id, budget_id, start, amount, encode_sqlite_time(now)),
-        )
-    forgotten = encode_sqlite_time(now - timedelta(seconds=REAPED_KEPT_SECONDS))
-    conn.execute("DELETE FROM fmw_budget_reaped WHERE reaped_at < ?", (forgotten,))
