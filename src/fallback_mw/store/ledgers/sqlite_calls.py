@@ -13,14 +13,15 @@ import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import anyio.to_thread
 
 from fallback_mw.budget.ledger import LedgerUnavailable
-from fallback_mw.grouping import Failed, Group, Pending, fail, settle
+from fallback_mw.grouping import Pending, fail, settle
 from fallback_mw.store.ledgers.schema import SchemaTooNew
+from fallback_mw.store.ledgers.sqlite_groups import Turns, Work, group_work
 from fallback_mw.store.outage import OutageLog
 from fallback_mw.store.sqlite_connect import (
     OpenedFile,
@@ -268,8 +269,8 @@ class SQLiteCalls:
         result: T = await turns.group.join(work)
         return result
 
-    def _commit_group(self, turns: Turns, calls: list[Pending[_Work]]) -> None:
-        work = _group_work(calls)
+    def _commit_group(self, turns: Turns, calls: list[Pending[Work]]) -> None:
+        work = group_work(calls)
         self._calls += 1
         inline = self._calls % CHECKPOINT_EVERY != 0  # as `_run`
         if inline and not turns.lock.locked():
@@ -292,7 +293,7 @@ class SQLiteCalls:
 
     async def _commit_later(
         self,
-        calls: list[Pending[_Work]],
+        calls: list[Pending[Work]],
         work: Callable[[sqlite3.Connection], list[object]],
         turns: Turns,
         inline: bool,
@@ -346,57 +347,3 @@ def _transaction(work: Callable[[sqlite3.Connection], T]) -> Callable[[sqlite3.C
             return work(conn)
 
     return transaction
-
-
-_Work = Callable[[sqlite3.Connection], Any]  # a grouped call's statements
-
-
-class Turns:
-    """One event loop's turn-taking on the ledger: the lock its calls take turns on, and
-    the grouped calls waiting for the next commit (handed to `commit`)."""
-
-    __slots__ = ("group", "lock", "loop")
-
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        commit: Callable[[Turns, list[Pending[_Work]]], None],
-    ) -> None:
-        self.loop = loop
-        self.lock = asyncio.Lock()
-        self.group: Group[_Work] = Group(loop, lambda calls: commit(self, calls))
-
-
-def _group_work(calls: Sequence[Pending[_Work]]) -> Callable[[sqlite3.Connection], list[object]]:
-    """One transaction for the group's calls, in order; a call whose caller was cancelled
-    before its group was written is left out (its result `None`, never read). When a
-    call's statements fail (anything but an `OperationalError`: the database locked or
-    unwritable, which fails the group whole with nothing committed), the group is written
-    again, in one transaction still, each call in a savepoint: the failing call's changes
-    are undone and its exception is its result; the others commit."""
-
-    def work(conn: sqlite3.Connection) -> list[object]:
-        live = [call for call in calls if not call.future.cancelled()]
-        try:
-            with immediate(conn):
-                done = {id(call): call.item(conn) for call in live}
-        except sqlite3.OperationalError:
-            raise
-        except Exception:
-            if len(live) == 1:
-                raise
-            done = {}
-            with immediate(conn):
-                for call in live:
-                    conn.execute("SAVEPOINT fmw_call")
-                    try:
-                        done[id(call)] = call.item(conn)
-                    except sqlite3.OperationalError:
-                        raise
-                    except Exception as exc:
-                        conn.execute("ROLLBACK TO fmw_call")
-                        done[id(call)] = Failed(exc)
-                    conn.execute("RELEASE fmw_call")
-        return [done.get(id(call)) for call in calls]
-
-    return work
