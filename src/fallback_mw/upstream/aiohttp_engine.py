@@ -16,7 +16,7 @@ from yarl import URL
 from fallback_mw.loops import CloseAtLoopEnd, close_on_its_loop
 from fallback_mw.timers import deadline_after
 from fallback_mw.upstream.aiohttp_connector import ARM_ON_CONNECT, GuardedConnector, Sending
-from fallback_mw.upstream.aiohttp_errors import map_errors
+from fallback_mw.upstream.aiohttp_errors import raise_mapped
 from fallback_mw.upstream.base import (
     MAX_RESPONSE_FIELD,
     MAX_RESPONSE_FIELDS,
@@ -31,6 +31,7 @@ from fallback_mw.upstream.base import (
     check_request_headers,
     check_response_head,
     resend_on_new_connection,
+    uncapped,
     unrelayable,
 )
 from fallback_mw.upstream.guard import GuardedResolver, LiteralChecks
@@ -51,25 +52,32 @@ _MAX_RESPONSE_FIELD = MAX_RESPONSE_FIELD
 
 class AiohttpResponse:
     def __init__(
-        self, response: aiohttp.ClientResponse, idle_timeout: float, release: Release
+        self,
+        response: aiohttp.ClientResponse,
+        headers: list[tuple[bytes, bytes]],
+        idle_timeout: float,
+        release: Release,
     ) -> None:
         self._response = response
         self._idle = idle_timeout
         self._release = release
         self.status = response.status
-        self.headers = [(k.lower(), v) for k, v in response.raw_headers]
+        self.headers = headers  # its raw fields, names lowercased (check_response_head)
         self._finished = False
 
     async def iter_chunks(self) -> AsyncIterator[bytes]:
         content = self._response.content
         while True:
-            with map_errors("body"):
+            try:
                 # What has already arrived (often the whole of a small body, with the
                 # head) is taken without arming an idle timer; only a wait is timed.
                 chunk = content.read_nowait()
                 if not chunk and not content.is_eof():
                     with deadline_after(self._idle):
                         chunk = await content.readany()
+            except Exception as exc:
+                raise_mapped("body", exc)
+                raise
             if not chunk:
                 if self._reset_before_its_end():
                     raise UpstreamError(
@@ -155,6 +163,26 @@ def _bytes_payload(body: bytes) -> aiohttp.payload.BytesPayload:
         return aiohttp.payload.BytesPayload(body)
 
 
+def _checked(response: aiohttp.ClientResponse, proxy: str | None) -> list[tuple[bytes, bytes]]:
+    """The answer's head checked (check_response_head, check_proxy_answer, its framing),
+    its fields returned with names lowercased; an answer the relay cannot carry is closed
+    unread and raises UpstreamError."""
+    try:
+        headers = check_response_head(response.status, response.raw_headers)
+        check_proxy_answer(response.status, proxy)
+        protocol = response._protocol
+        if protocol is not None and len(protocol):
+            # A whole further answer came with this one, past its framing (after its
+            # Content-Length, a 204's head): aiohttp's parser queued it as the next message
+            # (bytes that are no answer it refuses). The answer contradicts itself, as the
+            # httpx engine reads it (_past_its_framing).
+            raise unrelayable("the answer breaks its own framing")
+    except BaseException:
+        response.close()
+        raise
+    return headers
+
+
 class AiohttpClient:
     checks_response_heads = True  # check_response_head, on every answer it returns
 
@@ -217,96 +245,84 @@ class AiohttpClient:
         return self._session
 
     async def send(self, request: UpstreamRequest) -> AiohttpResponse:
+        # One coroutine (each frame an await passes through costs every suspension), and
+        # aiohttp's errors read in `except` clauses (raise_mapped), which cost nothing while
+        # nothing is raised, rather than a `with` scope entered per phase.
         request.slot_taken = False  # nothing of it has left the gateway yet
-        with map_errors("connect"):
-            check_request_headers(request.headers)
         session = self._get_session()
-        with map_errors("connect"):
+        try:
+            check_request_headers(request.headers)
             self._literals.check(request.url)
             # An egress proxy written as an IP literal skips the resolver too (aiohttp
             # connects to a literal as it is): checked here, once per proxy URL.
             if request.proxy is not None:
                 self._literals.check(request.proxy, whole=True)
+        except Exception as exc:
+            raise_mapped("connect", exc)
+            raise
         # Waiting for a slot under the upstream's connection cap is the gateway's own queue
         # (bounded by the walk deadline around this call), never the upstream's time.
-        release = await self._caps.acquire(request)
+        release = uncapped(request) or await self._caps.acquire(request)
         try:
+            timeouts = request.timeouts
+            body = request.body
+            buffered = isinstance(body, bytes)
+            # encoded=True: the path and query go out byte for byte as the walker built
+            # them (yarl would otherwise decode %3F, %2F, %7e... and re-encode).
+            url = URL(ascii_target(request.url), encoded=True)
             for resends in range(STALE_RESENDS + 1):
                 # No timer while connecting (the socket connect has its own) or while the
                 # caller's body is still arriving (the caller's time): see FirstByteTimer.
-                timeouts = request.timeouts
-                sending = Sending(
-                    FirstByteTimer(timeouts.first_byte),
-                    not isinstance(request.body, bytes),
-                    timeouts.connect,
-                )
+                timer = FirstByteTimer(timeouts.first_byte)
+                sending = Sending(timer, not buffered, timeouts.connect)
+                if isinstance(body, bytes):
+                    data: Any = _bytes_payload(body) if len(body) > _LARGE_BYTES else (body or None)
+                else:
+                    data = timer.timed_body(body)
+                armed = ARM_ON_CONNECT.set(sending)
                 try:
-                    response = await self._send(session, request, sending)
+                    with timer.running():
+                        response = await session.request(
+                            request.method,
+                            url,
+                            headers=CIMultiDict(request.headers),
+                            data=data,
+                            allow_redirects=False,
+                            timeout=self._client_timeout(timeouts.connect),
+                            # The same trust on both engines (upstream/tls.py); plain http
+                            # needs none.
+                            ssl=ssl_context(request.ca_file or self._ca_file)
+                            if request.url.startswith("https:")
+                            else True,
+                            proxy=request.proxy,
+                        )
+                    # An answer the relay cannot carry is no lost connection: never resent.
+                    headers = _checked(response, request.proxy)
                     break
-                except UpstreamError as exc:
-                    # aiohttp's own rule is kept for what it covered, a replayable GET,
-                    # HEAD, OPTIONS, TRACE, PUT or DELETE: one resend whatever the
-                    # connection (RFC 9112 §9.3.1); a kept-alive one lost under any
-                    # replayable request is resent by the engines' common rule.
-                    reused = not sending.fresh or (
-                        resends == 0 and request.method in _RESENT_BY_AIOHTTP
-                    )
-                    if (
-                        resends == STALE_RESENDS
-                        or not resend_on_new_connection(request, exc, reused)
-                        or _answer_began(exc)
-                    ):
+                except Exception as exc:
+                    try:
+                        raise_mapped("first_byte", exc)
                         raise
+                    except UpstreamError as error:
+                        # aiohttp's own rule is kept for what it covered, a replayable GET,
+                        # HEAD, OPTIONS, TRACE, PUT or DELETE: one resend whatever the
+                        # connection (RFC 9112 §9.3.1); a kept-alive one lost under any
+                        # replayable request is resent by the engines' common rule.
+                        reused = not sending.fresh or (
+                            resends == 0 and request.method in _RESENT_BY_AIOHTTP
+                        )
+                        if (
+                            resends == STALE_RESENDS
+                            or not resend_on_new_connection(request, error, reused)
+                            or _answer_began(error)
+                        ):
+                            raise
+                finally:
+                    ARM_ON_CONNECT.reset(armed)
         except BaseException:
             release()
             raise
-        return AiohttpResponse(response, request.timeouts.idle, release)
-
-    async def _send(
-        self, session: aiohttp.ClientSession, request: UpstreamRequest, sending: Sending
-    ) -> aiohttp.ClientResponse:
-        timeouts = request.timeouts
-        timer = sending.timer
-        body = request.body
-        if isinstance(body, bytes):
-            data: Any = _bytes_payload(body) if len(body) > _LARGE_BYTES else (body or None)
-        else:
-            data = timer.timed_body(body)
-        armed = ARM_ON_CONNECT.set(sending)
-        try:
-            with map_errors("first_byte"), timer.running():
-                response = await session.request(
-                    request.method,
-                    # encoded=True: the path and query go out byte for byte as the walker
-                    # built them (yarl would otherwise decode %3F, %2F, %7e... and re-encode).
-                    URL(ascii_target(request.url), encoded=True),
-                    headers=CIMultiDict(request.headers),
-                    data=data,
-                    allow_redirects=False,
-                    timeout=self._client_timeout(timeouts.connect),
-                    # The same trust on both engines (upstream/tls.py); plain http needs none.
-                    ssl=ssl_context(request.ca_file or self._ca_file)
-                    if request.url.startswith("https:")
-                    else True,
-                    proxy=request.proxy,
-                )
-        finally:
-            ARM_ON_CONNECT.reset(armed)
-        try:
-            with map_errors("first_byte"):
-                check_response_head(response.status, response.raw_headers)
-                check_proxy_answer(response.status, request.proxy)
-                protocol = response._protocol
-                if protocol is not None and len(protocol):
-                    # A whole further answer came with this one, past its framing (after
-                    # its Content-Length, a 204's head): aiohttp's parser queued it as the
-                    # next message (bytes that are no answer it refuses). The answer
-                    # contradicts itself, as the httpx engine reads it (_past_its_framing).
-                    raise unrelayable("the answer breaks its own framing")
-        except UpstreamError:
-            response.close()
-            raise
-        return response
+        return AiohttpResponse(response, headers, timeouts.idle, release)
 
     def _client_timeout(self, connect: float) -> aiohttp.ClientTimeout:
         # aiohttp's `connect` includes waiting for a free pooled connection: the gateway's

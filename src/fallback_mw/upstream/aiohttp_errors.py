@@ -25,52 +25,43 @@ from fallback_mw.upstream.tls import (
 )
 
 
-class _ErrorMap:
-    """The one place aiohttp's exceptions become failure kinds: `with map_errors(phase):`.
-    Class-based and stateless (one instance per phase): it runs several times per request."""
-
-    __slots__ = ("phase",)
-
-    def __init__(self, phase: Phase) -> None:
-        self.phase: Phase = phase
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(
-        self, typ: type[BaseException] | None, exc: BaseException | None, tb: object
-    ) -> None:
-        if exc is None or not isinstance(exc, Exception) or isinstance(exc, UpstreamError):
-            return  # nothing raised, or a cancellation / an UpstreamError: as they are
-        phase = self.phase
-        if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
-            if isinstance(exc, aiohttp.ConnectionTimeoutError):
-                phase = "connect"  # its sock_connect (connect_timeout_ms), not the head's wait
-            raise UpstreamError("timeout", phase, f"timed out during {phase}") from exc
-        if isinstance(exc, OSError):  # ClientOSError, ClientConnectorError and the bare kind
-            limited = host_limit(exc, phase)  # the gateway's own host, not the upstream
-            if limited is not None:
-                raise limited from None
-        tls = _tls_failure(exc)
-        if tls is not None:
-            raise UpstreamError("tls", phase, TLS_FAILED, detail=tls) from None
-        if isinstance(exc, aiohttp.ClientHttpProxyError):
-            refused = proxy_refused(exc.status)
-            raise UpstreamError("transport", phase, refused, detail=refused) from None
-        if isinstance(exc, aiohttp.ClientConnectorError):
-            if isinstance(exc.os_error, UnsafeAddressError):
-                raise UpstreamError("unsafe_address", phase, str(exc.os_error)) from None
-            raise UpstreamError("refused", phase, "could not connect") from None
-        if isinstance(exc, UnsafeAddressError):
-            raise UpstreamError("unsafe_address", phase, str(exc)) from None
-        if isinstance(exc, aiohttp.InvalidURL | ValueError):
-            # What aiohttp refuses to build or write (a URL, a header value, an encoding):
-            # nothing reached the upstream.
-            raise UpstreamError("local", phase, type(exc).__name__) from None
-        if isinstance(exc, aiohttp.ClientResponseError | aiohttp.ClientPayloadError):
-            raise UpstreamError("protocol", phase, type(exc).__name__, detail=NOT_HTTP) from None
-        if isinstance(exc, aiohttp.ClientError | OSError):
-            raise UpstreamError("transport", phase, type(exc).__name__) from None
+def raise_mapped(phase: Phase, exc: Exception) -> None:
+    """The one place aiohttp's exceptions become failure kinds: raises the UpstreamError
+    `exc`, raised during `phase`, stands for; returns for what passes as it is (a
+    UpstreamError, what no rule names), which the caller re-raises; a cancellation is no
+    `Exception` and never comes here. The
+    engine calls it from `except Exception`, not a `with` scope: a try costs nothing
+    while nothing is raised, and the engine enters one several times per request."""
+    if isinstance(exc, UpstreamError):
+        return  # as it is
+    if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
+        if isinstance(exc, aiohttp.ConnectionTimeoutError):
+            phase = "connect"  # its sock_connect (connect_timeout_ms), not the head's wait
+        raise UpstreamError("timeout", phase, f"timed out during {phase}") from exc
+    if isinstance(exc, OSError):  # ClientOSError, ClientConnectorError and the bare kind
+        limited = host_limit(exc, phase)  # the gateway's own host, not the upstream
+        if limited is not None:
+            raise limited from None
+    tls = _tls_failure(exc)
+    if tls is not None:
+        raise UpstreamError("tls", phase, TLS_FAILED, detail=tls) from None
+    if isinstance(exc, aiohttp.ClientHttpProxyError):
+        refused = proxy_refused(exc.status)
+        raise UpstreamError("transport", phase, refused, detail=refused) from None
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        if isinstance(exc.os_error, UnsafeAddressError):
+            raise UpstreamError("unsafe_address", phase, str(exc.os_error)) from None
+        raise UpstreamError("refused", phase, "could not connect") from None
+    if isinstance(exc, UnsafeAddressError):
+        raise UpstreamError("unsafe_address", phase, str(exc)) from None
+    if isinstance(exc, aiohttp.InvalidURL | ValueError):
+        # What aiohttp refuses to build or write (a URL, a header value, an encoding):
+        # nothing reached the upstream.
+        raise UpstreamError("local", phase, type(exc).__name__) from None
+    if isinstance(exc, aiohttp.ClientResponseError | aiohttp.ClientPayloadError):
+        raise UpstreamError("protocol", phase, type(exc).__name__, detail=NOT_HTTP) from None
+    if isinstance(exc, aiohttp.ClientError | OSError):
+        raise UpstreamError("transport", phase, type(exc).__name__) from None
 
 
 def _tls_failure(exc: Exception) -> str | None:
@@ -93,12 +84,3 @@ def _tls_failure(exc: Exception) -> str | None:
     ):
         return HANDSHAKE_CLOSED
     return None
-
-
-_ERROR_MAPS: dict[str, _ErrorMap] = {
-    phase: _ErrorMap(phase) for phase in ("connect", "first_byte", "body")
-}
-
-
-def map_errors(phase: Phase) -> _ErrorMap:
-    return _ERROR_MAPS[phase]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import operator
 import re
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -182,7 +183,9 @@ def ascii_target(url: str) -> str:
     return "".join(c if c.isascii() else f"%{ord(c) & 0xFF:02X}" for c in url)
 
 
-def check_response_head(status: int, headers: Sequence[tuple[bytes, bytes]]) -> None:
+def check_response_head(
+    status: int, headers: Sequence[tuple[bytes, bytes]]
+) -> list[tuple[bytes, bytes]]:
     """A response head the relay cannot carry is the upstream's failure (failover-class,
     SPEC §12): a status outside 100-599, a 1xx as the final answer, or contradictory
     framing (Content-Length with Transfer-Encoding, repeated or invalid lengths, a length
@@ -200,28 +203,37 @@ def check_response_head(status: int, headers: Sequence[tuple[bytes, bytes]]) -> 
     both engines agree; aiohttp read `000...02` and uvicorn refused to write it after the
     commit point: an empty reply) is invalid, and so is a head over MAX_RESPONSE_HEAD,
     one of more than MAX_RESPONSE_FIELDS fields or with a field over MAX_RESPONSE_FIELD.
-    Raises UpstreamError("protocol")."""
+    Raises UpstreamError("protocol"); returns the fields, names lowercased (one pass: the
+    engine relays these)."""
     if not 200 <= status <= 599:
         raise unrelayable("the upstream status cannot be relayed")
-    # One search over every value (a tab between them is allowed in a value anyway).
-    values = b"\t".join([value for _, value in headers])
+    # One search over every value (a tab between them is allowed in a value anyway), and
+    # the names' bytes counted and looked through at once.
+    values = b"\t".join(map(_VALUE, headers))
     if _CTL_IN_VALUE.search(values) is not None:
         raise unrelayable("a response field cannot be relayed")
-    if len(headers) > MAX_RESPONSE_FIELDS:
+    count = len(headers)
+    if count > MAX_RESPONSE_FIELDS:
         raise unrelayable("the response head has too many fields")
-    size = len(values) + 3 * len(headers)  # each field's ": " and CRLF, less the tab
+    names = b"".join(map(_NAME, headers))
+    size = len(values) + len(names) + 3 * count  # each field's ": " and CRLF, less the tab
+    # No single field can be over MAX_RESPONSE_FIELD when all of them together are not;
+    # no name ends in whitespace when no name holds any.
+    large = size > MAX_RESPONSE_FIELD
+    spaced = b" " in names or b"\t" in names
+    lowered: list[tuple[bytes, bytes]] = []
     lengths: list[bytes] = []
     codings: list[bytes] = []
     for name, value in headers:
-        size += len(name)
-        if len(name) + len(value) > MAX_RESPONSE_FIELD:
+        if large and len(name) + len(value) > MAX_RESPONSE_FIELD:
             raise unrelayable("a response field is too large to relay")
         lower = name.lower()
+        lowered.append((lower, value))
         if lower == b"content-length":
             lengths.append(value.strip())
         elif lower == b"transfer-encoding":
             codings.extend(c.strip().lower() for c in value.split(b","))
-        elif not lower or lower[-1] in _SPACE:
+        elif not lower or (spaced and lower[-1] in _SPACE):
             # `Content-Length : 2`: aiohttp's parser reads it (framing included), space and
             # all in the name; no parser lets another non-token byte into a name.
             raise unrelayable("a response field cannot be relayed")
@@ -241,6 +253,11 @@ def check_response_head(status: int, headers: Sequence[tuple[bytes, bytes]]) -> 
         # RFC 9110 §15.3.6: a 205 has no content either (a chunked one may say so, RFC 7231
         # §6.3.6: the relay sends none of it, layers.walker.stream).
         raise unrelayable(f"a {status} response that declares a body")
+    return lowered
+
+
+_NAME = operator.itemgetter(0)
+_VALUE = operator.itemgetter(1)
 
 
 @dataclass(slots=True, frozen=True)
@@ -349,9 +366,9 @@ class ConnectionCaps:
         self._sweep_at = CAPS_SWEPT_AT
 
     async def acquire(self, request: UpstreamRequest) -> Release:
-        if request.max_connections <= 0:
-            request.slot_taken = True
-            return _nothing
+        free = uncapped(request)
+        if free is not None:
+            return free
         key = (request.pool_key or request.url.split("/", 3)[2], request.max_connections)
         slots = self._slots.get(key)
         if slots is None:
@@ -380,6 +397,16 @@ class ConnectionCaps:
             if slots._value < key[1] or slots._waiters
         }
         self._sweep_at = max(CAPS_SWEPT_AT, 2 * len(self._slots))
+
+
+def uncapped(request: UpstreamRequest) -> Release | None:
+    """An upstream without a connection cap takes no slot: the release of nothing, and the
+    request counted as past the cap, without a coroutine (`ConnectionCaps.acquire`, which
+    the engines await only when this is None)."""
+    if request.max_connections <= 0:
+        request.slot_taken = True
+        return _nothing
+    return None
 
 
 CAPS_SWEPT_AT = 256  # caps kept before the idle ones are dropped (then twice those left)

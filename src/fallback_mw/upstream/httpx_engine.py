@@ -28,6 +28,7 @@ from fallback_mw.upstream.base import (
     check_response_head,
     encode_request_headers,
     resend_on_new_connection,
+    uncapped,
     unrelayable,
 )
 from fallback_mw.upstream.guard import LiteralChecks
@@ -202,7 +203,7 @@ class HttpxClient:
         self._watch_idle()
         # Waiting for a slot under the upstream's connection cap is the gateway's own queue
         # (bounded by the walk deadline around this call), never the upstream's time.
-        release = await self._caps.acquire(request)
+        release = uncapped(request) or await self._caps.acquire(request)
         try:
             for resends in range(STALE_RESENDS + 1):
                 fresh: list[bool] = []  # a connection was made for this send
