@@ -161,9 +161,20 @@ class Deadline:
         self._state = _ENTERED
         self._task = task
         self._cancelling = task.cancelling()
-        self._wheel = wheel(loop)
-        when = self._when if self._delay is None else loop.time() + self._delay
-        self._arm(when)
+        # The wheel and the arming written out here (`wheel`, `_arm`): every request
+        # enters several of these scopes, and each call costs more than what it does.
+        last = _last
+        found = self._wheel = last[1] if last is not None and last[0] is loop else wheel(loop)
+        if self._delay is None:
+            when = self._when
+            if when is None:
+                return self
+        else:
+            when = loop.time() + self._delay
+        if when <= loop.time():
+            self._handle = loop.call_soon(self._expire)
+        else:
+            self._key = found.add(when, self._expire)
         return self
 
     def __exit__(
@@ -172,7 +183,13 @@ class Deadline:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._disarm()
+        key = self._key
+        if key is not None:  # `_disarm`, written out (the usual case: a timer that waits)
+            self._wheel.discard(key, self._expire)
+            self._key = None
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
         if self._state == _EXPIRING:
             self._state = _EXPIRED
             if self._task.uncancel() <= self._cancelling and typ is asyncio.CancelledError:
