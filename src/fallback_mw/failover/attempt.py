@@ -20,7 +20,7 @@ import asyncio
 import functools
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from typing import Any
 from urllib.parse import quote
 
@@ -499,12 +499,13 @@ class AttemptLifecycle:
             with anyio.CancelScope(shield=True):
                 await self.capacity.release_capacity(reservation)
 
-    async def finish(
+    def finish(
         self, record: AttemptRecord, outcome: Outcome, response: UpstreamResponse | None
-    ) -> None:
+    ) -> Coroutine[Any, Any, bool | None]:
         """Finish the attempt's record and telemetry; feed health with upstream outcomes only
         (`decide.health_mark`): a local outcome frees a half-open probe slot and marks
-        nothing."""
+        nothing. `await attempts.finish(...)`: the record is finished at the call, and the
+        health marks are the coroutine returned (one coroutine, not two, per attempt)."""
         record.duration = time.monotonic() - record.started
         record.status = outcome.status
         record.responsible = outcome.responsible
@@ -512,7 +513,7 @@ class AttemptLifecycle:
         if mark or outcome.kind != "status" or outcome.fault is not None:
             record.failure_kind = outcome.failure_kind or "status"
         self.telemetry.attempt_finished(self.context, record)
-        await self.mark_health(
+        return self.mark_health(
             record.candidate, record.credential_index, outcome, response,
             latency=record.duration, admission=self._admitted.get(id(record)),
         )  # fmt: skip
