@@ -116,6 +116,8 @@ def _read_counts(target: Usage, input_tokens: int | None, output_tokens: int | N
 def _reported_count(value: Any) -> int | None:
     """A reported token count (`token_count`), where one too large for a float (`1e400`,
     `Infinity`: the SDKs read `inf`) is the largest, as 1e300 or 10^5000 is."""
+    if type(value) is int:  # what nearly every answer reports: token_count's, without a call
+        return min(value, MAX_TOKENS) if value >= 0 else None
     if isinstance(value, float) and value == _INFINITY:
         return MAX_TOKENS
     return token_count(value)

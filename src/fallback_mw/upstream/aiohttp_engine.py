@@ -249,7 +249,9 @@ class AiohttpClient:
         # aiohttp's errors read in `except` clauses (raise_mapped), which cost nothing while
         # nothing is raised, rather than a `with` scope entered per phase.
         request.slot_taken = False  # nothing of it has left the gateway yet
-        session = self._get_session()
+        session = self._session
+        if session is None or session.closed or self._loop is not asyncio.get_running_loop():
+            session = self._get_session()  # the first send, or another loop's (_follow_loop)
         try:
             check_request_headers(request.headers)
             self._literals.check(request.url)
@@ -288,7 +290,8 @@ class AiohttpClient:
                             headers=CIMultiDict(request.headers),
                             data=data,
                             allow_redirects=False,
-                            timeout=self._client_timeout(timeouts.connect),
+                            timeout=self._timeouts.get(timeouts.connect)
+                            or self._client_timeout(timeouts.connect),
                             # The same trust on both engines (upstream/tls.py); plain http
                             # needs none.
                             ssl=ssl_context(request.ca_file or self._ca_file)

@@ -45,8 +45,17 @@ def refusal(
             return refused
     # Only when no candidate could take it: a candidate that rewrites the model is skipped
     # for a body it cannot rewrite (`AttemptRunner.takes_body`), the others send it as is.
-    plan = [context.upstreams[n] for n in context.route.plan if n in context.upstreams]
-    rewrite = bool(plan) and all(upstream.model for upstream in plan)
+    # A loop, not a list and `all()` over a generator (about 2,000 instructions): every
+    # request asks. True once a candidate rewrites, False at the first that does not.
+    rewrite = False
+    upstreams = context.upstreams
+    for candidate in context.route.plan:
+        upstream = upstreams.get(candidate)
+        if upstream is not None:
+            if not upstream.model:
+                rewrite = False
+                break
+            rewrite = True
     if rewrite and (body.buffered is None or (body.buffered and body_json(body) is None)):
         return (
             "bad_request",
