@@ -149,10 +149,11 @@ class EchoMask:
     a credential is held back until the next chunk shows whether it does (only such an
     end, so an SSE event's closing blank line is never delayed)."""
 
-    __slots__ = ("_held", "_secrets", "_wide")
+    __slots__ = ("_held", "_secrets", "_shapes", "_wide")
 
     def __init__(self, secrets: tuple[bytes, ...]) -> None:
         self._secrets = secrets
+        self._shapes = _shapes(secrets)
         self._held = b""
         self._wide = False  # also looking for the keys as UTF-16 / UTF-32 text spells them
 
@@ -176,6 +177,7 @@ class EchoMask:
             # the key past a mask that looked for its UTF-8 bytes only.
             self._wide = True
             self._secrets = _wide_secrets(self._secrets)
+            self._shapes = _shapes(self._secrets)
         for secret in self._secrets:
             if data.find(secret) >= 0:
                 # `*` in the key's own encoding: each of its bytes but the NULs of its
@@ -197,12 +199,15 @@ class EchoMask:
         """The length of the longest end of `data` that begins some credential."""
         longest = 0
         size = len(data)
-        for secret in self._secrets:
-            start = max(size - len(secret) + 1, 0)
+        # Each credential's length, anchor and first byte made once per mask (`_shapes`),
+        # not sliced for every chunk.
+        for secret, length, anchor, first in self._shapes:
+            start = size - length + 1
+            if start < 0:
+                start = 0
             # An end of _ANCHOR bytes or more begins with the credential's first _ANCHOR
             # bytes, which one search finds: a check at every byte equal to its first cost
             # the square of its length a chunk (a body of `s` against an `sk-...` key).
-            anchor = secret[:_ANCHOR]
             position = data.find(anchor, start)
             while position >= 0:
                 if secret.startswith(data[position:]):
@@ -210,15 +215,22 @@ class EchoMask:
                 position = data.find(anchor, position + 1)
             else:
                 # Only an end shorter than the anchor is left: fewer than _ANCHOR places.
-                first = secret[:1]
-                position = data.find(first, max(start, size - len(anchor) + 1))
+                short = size - len(anchor) + 1
+                position = data.find(first, short if short > start else start)
                 while position >= 0:
                     if secret.startswith(data[position:]):
                         break
                     position = data.find(first, position + 1)
-            if position >= 0:
-                longest = max(longest, size - position)
+            if position >= 0 and size - position > longest:
+                longest = size - position
         return longest
+
+
+@lru_cache(maxsize=256)
+def _shapes(secrets: tuple[bytes, ...]) -> tuple[tuple[bytes, int, bytes, bytes], ...]:
+    """Each of `secrets` with its length, its first _ANCHOR bytes and its first byte, as
+    `EchoMask._partial` searches for them."""
+    return tuple((secret, len(secret), secret[:_ANCHOR], secret[:1]) for secret in secrets)
 
 
 # How much of a credential's beginning `EchoMask._partial` searches for at once.
