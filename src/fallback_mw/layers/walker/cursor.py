@@ -52,6 +52,9 @@ class SkipListener(Protocol):
     def __call__(self, name: str, reason: str, fault: str | None = None) -> None: ...
 
 
+_NONE_USED: frozenset[int] = frozenset()
+
+
 class CandidateCursor:
     def __init__(
         self,
@@ -121,7 +124,9 @@ class CandidateCursor:
                 credential_index = await self.health.pick_credential(
                     name,
                     pool,
-                    exclude=frozenset(self.used.get(name, ())),
+                    # The shared empty set while none of its credentials is used (the
+                    # first pick of every request): no set made for it.
+                    exclude=frozenset(self.used[name]) if name in self.used else _NONE_USED,
                     session=self.session,
                     selection=upstream.selection,
                 )
