@@ -21,9 +21,7 @@ from fallback_mw.upstream.base import (
     MAX_RESPONSE_FIELD,
     MAX_RESPONSE_FIELDS,
     STALE_RESENDS,
-    ConnectionCaps,
     FirstByteTimer,
-    Release,
     UpstreamError,
     UpstreamRequest,
     ascii_target,
@@ -31,9 +29,9 @@ from fallback_mw.upstream.base import (
     check_request_headers,
     check_response_head,
     resend_on_new_connection,
-    uncapped,
     unrelayable,
 )
+from fallback_mw.upstream.caps import ConnectionCaps, Release, uncapped
 from fallback_mw.upstream.guard import GuardedResolver, LiteralChecks
 from fallback_mw.upstream.tls import ssl_context
 

@@ -18,7 +18,6 @@ except ImportError:
     raise missing_extra("httpx", 'engine = "httpx"') from None
 from fallback_mw.upstream.base import (
     STALE_RESENDS,
-    ConnectionCaps,
     FirstByteTimer,
     UpstreamError,
     UpstreamRequest,
@@ -28,9 +27,9 @@ from fallback_mw.upstream.base import (
     check_response_head,
     encode_request_headers,
     resend_on_new_connection,
-    uncapped,
     unrelayable,
 )
+from fallback_mw.upstream.caps import ConnectionCaps, Release, uncapped
 from fallback_mw.upstream.guard import LiteralChecks
 from fallback_mw.upstream.httpx_backend import GuardedNetworkBackend
 from fallback_mw.upstream.httpx_errors import is_connect, map_errors, silence_engine_logs
