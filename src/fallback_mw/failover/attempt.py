@@ -504,8 +504,7 @@ class AttemptLifecycle:
     ) -> Coroutine[Any, Any, bool | None]:
         """Finish the attempt's record and telemetry; feed health with upstream outcomes only
         (`decide.health_mark`): a local outcome frees a half-open probe slot and marks
-        nothing. `await attempts.finish(...)`: the record is finished at the call, and the
-        health marks are the coroutine returned (one coroutine, not two, per attempt)."""
+        nothing. The record is finished at the call; the marks are the coroutine returned."""
         record.duration = time.monotonic() - record.started
         record.status = outcome.status
         record.responsible = outcome.responsible

@@ -418,7 +418,7 @@ class _Walk:
             if record is not None:  # its decision as it stands now (the relay may change it)
                 self.walker.telemetry.attempt_decided(self.context, record)
             if self.attempts.tokens_to_settle(chosen, self.context.status, served) is None:
-                self._shadowed()  # nothing to settle: no coroutine for it
+                self._shadowed()  # nothing to settle (no tpm): no coroutine
             else:
                 await self._served(chosen, served)
             return True
@@ -440,15 +440,13 @@ class _Walk:
     async def _served(self, chosen: str, record: AttemptRecord | None = None) -> None:
         """After the relay of `chosen`'s response ended (the attempt `record`, when known):
         its reported tokens replace the estimate counted against its tpm, and a served
-        request is copied to the shadow. A coroutine only when there is a settlement to
-        await (`_act` asks `tokens_to_settle` first: most upstreams declare no tpm)."""
+        request is copied to the shadow (`_shadowed`, alone when nothing is settled)."""
         due = self.attempts.tokens_to_settle(chosen, self.context.status, record)
         if due is not None:  # a declared tpm: the estimate counted is settled
             await self.walker.capacity.settle(*due)
         self._shadowed()
 
     def _shadowed(self) -> None:
-        """A served request copied to the shadow (after its settlement: `_served`)."""
         shadow = should_shadow(self.context, self.body, self.walker.settings.canary_salt)
         if shadow is not None:  # the client's response is sent: a copy cannot touch it
             self.walker.shadows.start(shadow, self.context, self.body, self.parsed)
