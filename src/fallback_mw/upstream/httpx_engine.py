@@ -29,7 +29,7 @@ from fallback_mw.upstream.base import (
     resend_on_new_connection,
     unrelayable,
 )
-from fallback_mw.upstream.caps import ConnectionCaps, Release, uncapped
+from fallback_mw.upstream.caps import ConnectionCaps, uncapped
 from fallback_mw.upstream.guard import LiteralChecks
 from fallback_mw.upstream.httpx_backend import GuardedNetworkBackend
 from fallback_mw.upstream.httpx_errors import is_connect, map_errors, silence_engine_logs

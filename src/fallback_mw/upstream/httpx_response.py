@@ -15,7 +15,7 @@ try:
 except ImportError:
     raise missing_extra("httpx", 'engine = "httpx"') from None
 from fallback_mw.timers import deadline_after
-from fallback_mw.upstream.base import Release
+from fallback_mw.upstream.caps import Release
 from fallback_mw.upstream.httpx_errors import map_errors
 from fallback_mw.upstream.httpx_framing import (
     h11_state,
