@@ -29,6 +29,7 @@ COOLDOWN_MS = 150
 BREAKER = {"window": 4, "min_calls": 3, "failure_rate": 0.5, "cooldown_ms": COOLDOWN_MS,
            "max_cooldown_ms": 1000}  # fmt: skip
 POOL_ENV = {"KEY_A": "key-a", "KEY_B": "key-b"}
+SHARED_COOLDOWN_MS = 1000
 
 
 def config(state: str, primary: Upstream, backup: Upstream, **primary_extra: Any) -> dict[str, Any]:
@@ -68,6 +69,11 @@ async def test_two_gateways_share_a_breaker(redis_url: str) -> None:
         upstream(status_handler(200, b"backup")) as backup,
     ):
         conf = config(redis_url, primary, backup)
+        # A cooldown the six requests below fit in on a loaded machine: with 150 ms, under
+        # load (20 on two cores) the second gateway's third request came after it, probed
+        # the primary and was answered after 2 attempts.
+        conf["gateway"]["breaker"] = {**BREAKER, "cooldown_ms": SHARED_COOLDOWN_MS,
+                                      "max_cooldown_ms": 4 * SHARED_COOLDOWN_MS}  # fmt: skip
         async with gateway_client(conf) as one, gateway_client(conf) as two:
             for _ in range(3):
                 assert (await one.get("/v1/x")).text == "backup"
@@ -80,7 +86,7 @@ async def test_two_gateways_share_a_breaker(redis_url: str) -> None:
             assert primary.count == 3
 
             # After the cooldown: one probe across both gateways.
-            await asyncio.sleep(COOLDOWN_MS / 1000 + 0.02)
+            await asyncio.sleep(SHARED_COOLDOWN_MS / 1000 + 0.02)
             responses = await asyncio.gather(
                 *(client.get("/v1/x") for client in (one, two) for _ in range(4))
             )
@@ -101,7 +107,7 @@ async def test_two_gateways_share_a_breaker(redis_url: str) -> None:
             try:
                 state = await inspect.hgetall(f"{prefix}breaker:primary")
                 assert state["st"] == "open"
-                assert state["cd"] == str(2 * COOLDOWN_MS)  # the failed probe doubled it
+                assert state["cd"] == str(2 * SHARED_COOLDOWN_MS)  # the failed probe doubled it
                 assert await inspect.pttl(f"{prefix}breaker:primary") > 0  # keys expire
 
                 # Past the first cooldown's length, measured from the breaker's reported
@@ -110,7 +116,7 @@ async def test_two_gateways_share_a_breaker(redis_url: str) -> None:
                 # that window the check says nothing rather than fail.
                 until = int(state["until"])
                 opened = until - int(state["cd"])
-                await sleep_until(opened + COOLDOWN_MS + 20)
+                await sleep_until(opened + SHARED_COOLDOWN_MS + 20)
                 response = await two.get("/v1/x")
                 if await redis_ms() < until:
                     assert response.text == "backup"
