@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -407,6 +408,18 @@ def children(pid: int) -> set[int]:
     return found
 
 
+# The command run with SIGHUP at its default, as a terminal's shell starts it, whatever this
+# process inherited: a test run under `nohup` (or a CI agent that ignores SIGHUP) started
+# serve with SIGHUP ignored, which serve keeps ignoring by design, and the SIGHUP case
+# waited 30 s for a supervisor that had rightly not stopped.
+SIGHUP_AT_ITS_DEFAULT = (
+    sys.executable,
+    "-c",
+    "import os, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_DFL); "
+    "os.execv(sys.argv[1], sys.argv[1:])",
+)
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGHUP], ids=["SIGKILL", "SIGHUP"])
 async def test_no_worker_serves_on_once_the_supervisor_is_gone(
@@ -423,7 +436,7 @@ async def test_no_worker_serves_on_once_the_supervisor_is_gone(
         "http://localhost:10",
     )
     port, log = free_port(), tmp_path / "serve.log"
-    with supervisor(config, port, log) as process:
+    with supervisor(config, port, log, prefix=SIGHUP_AT_ITS_DEFAULT) as process:
         await both_serving(process, port, log)
         workers = children(process.pid)
         assert len(workers) == 2, log_text(log)
@@ -631,10 +644,18 @@ async def test_request_lines_of_two_workers_on_one_pipe_are_never_torn(
                 assert process.poll() is None and time.monotonic() < deadline, output.decode()
                 output += os.read(out, 65536)
 
-            def read_slowly() -> None:  # a collector that lags: small reads, a pause each
-                while chunk := os.read(out, 512):
+            answered = threading.Event()
+
+            def read_slowly() -> None:
+                # A collector that lags while the requests are served (small reads, a pause
+                # each: the pipe stays full, both workers' writes wait on it), then catches
+                # up. Lagging to the end, under load (20 on two cores) it had not read the
+                # last lines when the workers' exit flush gave up on them (EXIT_FLUSH_SECONDS,
+                # by design the longest a stop waits for its log): 541 of 600, none torn.
+                while chunk := os.read(out, 65536 if answered.is_set() else 512):
                     output.extend(chunk)
-                    time.sleep(0.003)
+                    if not answered.is_set():
+                        time.sleep(0.003)
 
             async def one(client: httpx.AsyncClient, limit: anyio.Semaphore) -> None:
                 async with limit:
@@ -650,6 +671,7 @@ async def test_request_lines_of_two_workers_on_one_pipe_are_never_torn(
                     limit = anyio.Semaphore(32)
                     for _ in range(sent):
                         load.start_soon(one, client, limit)
+                answered.set()
                 await anyio.sleep(0.5)  # the last lines written; then stop and read to EOF
                 process.send_signal(signal.SIGINT)
             assert process.wait(timeout=30) == 0
