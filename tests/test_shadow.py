@@ -524,10 +524,11 @@ async def test_the_bodies_copies_hold_in_flight_are_bounded(recorded: Recorded) 
 
     body = b"x" * (1 << 20)  # the default replay_buffer: buffered, so copied
     async with upstream(status_handler(200, b"primary says")) as primary, upstream(hang) as shadow:
-        gateway = Gateway(
-            host_app, config=config(primary.url, shadow.url, replayable_methods=["POST"]),
-            environ=ENV, telemetry=recorded.telemetry,
-        )  # fmt: skip
+        # Every copy hangs until the 65th request is in: under load (20 on two cores) the
+        # 65 requests took longer than the default 5 s deadline, and the first copies had
+        # ended at theirs (51 in flight).
+        conf = config(primary.url, shadow.url, replayable_methods=["POST"], deadline_ms=120_000)
+        gateway = Gateway(host_app, config=conf, environ=ENV, telemetry=recorded.telemetry)
         shadows = gateway.services.shadows
         try:
             async with client_for(gateway) as client:
@@ -562,7 +563,9 @@ async def test_a_copy_in_flight_holds_its_body_not_the_body_parsed_as_json() -> 
     body = b'{"model":"m","max_tokens":5,"messages":[' + b",".join([b"{}"] * 70_000) + b"]}"
     sizes = []
     async with upstream(status_handler(200, b"primary says")) as primary, upstream(hang) as shadow:
-        conf = config(primary.url, shadow.url, replayable_methods=["POST"])
+        # Every copy hangs until the last is counted (under load the 5 s default deadline
+        # ended the first ones before: 4 in flight of 7).
+        conf = config(primary.url, shadow.url, replayable_methods=["POST"], deadline_ms=120_000)
         conf["upstreams"]["candidate"]["tpm"] = 1_000_000  # the copy's estimate is read too
         gateway = Gateway(host_app, config=conf, environ=ENV)
         shadows = gateway.services.shadows
