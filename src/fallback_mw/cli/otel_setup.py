@@ -184,12 +184,9 @@ def _sdk_settings(which: str) -> Iterator[None]:
         raise TelemetrySetupError(f"{which}: the OpenTelemetry SDK refused it: {exc}") from None
 
 
-def _periodic_reader(
-    reader: Any, name: str, environ: Mapping[str, str], out: TextIO | ConsoleStream
-) -> Any:
-    """A PeriodicExportingMetricReader for exporter `name`; its own settings refused (a
+def _periodic_reader(reader: Any, exporter: Any) -> Any:
+    """A PeriodicExportingMetricReader for `exporter`; its own settings refused (a
     negative OTEL_METRIC_EXPORT_INTERVAL) in one line, as the providers' are."""
-    exporter = _exporter("metrics", name, environ, out)
     with _sdk_settings("OTEL_METRIC_EXPORT_* (the periodic metric reader's)"):
         return reader(exporter)
 
@@ -229,11 +226,41 @@ def configure_opentelemetry(
         # Never written from a request: cli/console_stream.py.
         stream = handle._console = ConsoleStream(sys.stdout)
     try:
+        _install(handle, environ, stream, service_name, metrics_port_offset, worker, set_global)
+    except BaseException:
+        # Refused part-way: what was started stops. A periodic reader no meter provider
+        # took ticked for the life of the process, logging "Cannot call collect on a
+        # MetricReader until it is registered" at every export interval; a /metrics
+        # server held its port; a batch span processor kept its thread.
+        handle.shutdown()
+        raise
+    from opentelemetry import metrics, trace
+
+    # Only a setup that is complete becomes the process's: a refused one sets nothing.
+    if set_global and handle.tracer_provider is not None:
+        trace.set_tracer_provider(handle.tracer_provider)
+    if set_global and handle.meter_provider is not None:
+        metrics.set_meter_provider(handle.meter_provider)
+    # Once the exporters (and their loggers) are imported: no endpoint query in the log.
+    hide_url_secrets()
+    return handle
+
+
+def _install(
+    handle: OtelHandle,
+    environ: Mapping[str, str],
+    stream: TextIO | ConsoleStream,
+    service_name: str,
+    metrics_port_offset: int,
+    worker: int | None,
+    shutdown_on_exit: bool,
+) -> None:
+    """The providers `handle` asks for, each in `handle` as soon as it exists (so that a
+    refusal after it stops it)."""
+    try:
         from opentelemetry.sdk.resources import SERVICE_INSTANCE_ID, SERVICE_NAME, Resource
     except ImportError as exc:
         raise missing("opentelemetry-sdk") from exc
-
-    from opentelemetry import metrics, trace
 
     attributes: dict[str, str] = {}
     if not environ.get("OTEL_SERVICE_NAME") and "service.name=" not in environ.get(
@@ -255,7 +282,9 @@ def configure_opentelemetry(
             from opentelemetry.sdk.trace import TracerProvider
             from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
-            tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=set_global)
+            tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=shutdown_on_exit)
+        handle.tracer_provider = tracer_provider
+        handle._providers.append(tracer_provider)
         for name in handle.traces:
             exporter = _exporter("traces", name, environ, stream)
             # Console output is for eyes: show each span as it ends.
@@ -266,32 +295,38 @@ def configure_opentelemetry(
                     else BatchSpanProcessor(exporter)
                 )
             tracer_provider.add_span_processor(processor)
-        handle.tracer_provider = tracer_provider
-        handle._providers.append(tracer_provider)
-        if set_global:
-            trace.set_tracer_provider(tracer_provider)
 
     if handle.metrics:
         from opentelemetry.sdk.metrics import MeterProvider
         from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
-        readers = [
-            _prometheus_reader(handle, environ, metrics_port_offset)
+        # Whatever may be refused is, before a periodic reader starts its export thread:
+        # one stopped unregistered still logs "Cannot call collect" as its thread ends.
+        # The exporters; the meter provider's own settings (a provider with no reader:
+        # no thread); the /metrics servers. The readers then, one setting for them all.
+        pushed = {
+            i: _exporter("metrics", name, environ, stream)
+            for i, name in enumerate(handle.metrics)
+            if name != "prometheus"
+        }
+        meter_settings = "OTEL_METRICS_EXEMPLAR_FILTER or OTEL_ATTRIBUTE_*"
+        with _sdk_settings(meter_settings):
+            MeterProvider(resource=resource, shutdown_on_exit=False).shutdown()
+        readers = {
+            i: _prometheus_reader(handle, environ, metrics_port_offset)
+            for i, name in enumerate(handle.metrics)
             if name == "prometheus"
-            else _periodic_reader(PeriodicExportingMetricReader, name, environ, stream)
-            for name in handle.metrics
-        ]
-        with _sdk_settings("OTEL_METRICS_EXEMPLAR_FILTER or OTEL_ATTRIBUTE_*"):
+        }
+        for i, exporter in pushed.items():
+            readers[i] = _periodic_reader(PeriodicExportingMetricReader, exporter)
+        with _sdk_settings(meter_settings):
             meter_provider = MeterProvider(
-                resource=resource, metric_readers=readers, shutdown_on_exit=set_global
+                resource=resource,
+                metric_readers=[readers[i] for i in sorted(readers)],  # in the variable's order
+                shutdown_on_exit=shutdown_on_exit,
             )
         handle.meter_provider = meter_provider
         handle._providers.append(meter_provider)
-        if set_global:
-            metrics.set_meter_provider(meter_provider)
-    # Once the exporters (and their loggers) are imported: no endpoint query in the log.
-    hide_url_secrets()
-    return handle
 
 
 # The name `fallback-mw serve` looks up.
