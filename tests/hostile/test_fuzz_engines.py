@@ -6,7 +6,15 @@ the ASGI interface of an in-process gateway, to a real local upstream that alway
 - the gateway never makes a 5xx other than 502 / 503 / 504, and those are its JSON error;
 - no exception escapes the gateway (which a server would turn into a bare 500);
 - no breaker ever records a failure: the upstream is healthy, so any failure mark would be
-  a caller's fault booked to it.
+  a caller's fault booked to it. Each example is judged by its own marks: the windows are
+  emptied before it (a mark stayed in the window for the next 20 requests, so every later
+  example failed too: hypothesis shrank to one that had nothing to do with it, and its
+  replay, the mark gone, passed: a FlakyFailure naming the wrong input).
+
+The upstream's own timers (connect, first byte) are far longer than the walk deadline:
+a gateway process stalled past them on a loaded host (3 s without the CPU, a long garbage
+collection) would book the stall to the upstream as its timeout; the walk deadline ends
+such a request in the gateway's own 504 instead, which the oracle accepts.
 
 Content-Length, when sent, matches the body (framing is the ASGI server's job)."""
 
@@ -26,11 +34,15 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from fallback_mw import Gateway
+from fallback_mw.health.breaker import Breaker
 from fallback_mw.health.memory import MemoryHealth
 from tests.helpers import http_scope
 from tests.upstreams import host_app, upstream
 
 T = TypeVar("T")
+
+# Past the walk deadline (10 s) and the 30 s the test waits: never what ends an attempt.
+UPSTREAM_TIMERS_MS = 60_000
 
 SETTINGS = settings(
     max_examples=300,
@@ -61,10 +73,15 @@ class Harness:
 
         primary = await self.stack.enter_async_context(upstream(ok))
         backup = await self.stack.enter_async_context(upstream(ok))
+        slow = {
+            "connect_timeout_ms": UPSTREAM_TIMERS_MS,
+            "first_byte_timeout_ms": UPSTREAM_TIMERS_MS,
+        }
         config = {
             "gateway": {"allow_hosts": ["127.0.0.1"], "engine": self.engine,
                         "replay_buffer": 1024, "max_request_body": 8192, "deadline_ms": 10_000},
-            "upstreams": {"primary": {"url": primary.url}, "backup": {"url": backup.url}},
+            "upstreams": {"primary": {"url": primary.url, **slow},
+                          "backup": {"url": backup.url, **slow}},
             "routes": [{"id": "fuzz", "prefix": "/v1/", "plan": ["primary", "backup"],
                         "retries": 1, "replayable_methods": ["GET", "POST"]}],
         }  # fmt: skip
@@ -80,10 +97,20 @@ class Harness:
         self.thread.join(timeout=10)
         self.loop.close()
 
-    def marks(self) -> list[int]:
+    def breakers(self) -> list[Breaker]:
         health = self.gateway.services.health
         assert isinstance(health, MemoryHealth)
-        return [m for name in ("primary", "backup") for m in health.breaker(name).outcomes]
+        return [health.breaker(name) for name in ("primary", "backup")]
+
+    def forget_marks(self) -> None:
+        """Empty both windows (closed breakers: one example makes two outcomes at most,
+        never the 5 that could open one)."""
+        for breaker in self.breakers():
+            assert breaker.state == "closed"
+            breaker.outcomes.clear()
+
+    def marks(self) -> list[int]:
+        return [m for breaker in self.breakers() for m in breaker.outcomes]
 
 
 @pytest.fixture(params=["aiohttp", "httpx"], scope="module")
@@ -174,6 +201,7 @@ def test_caller_input_never_makes_a_bare_5xx_or_a_breaker_mark(
     size = -(-len(body) // pieces) or 1
     chunks = [body[i : i + size] for i in range(0, len(body), size)]
     scope = http_scope(method, path, query=query, headers=headers)
+    harness.forget_marks()  # this example's marks only
     status, _, answer = harness.run(call(harness.gateway, scope, chunks))
     event(f"status {status}")
     if status >= 500:
