@@ -16,6 +16,24 @@ from fallback_mw.security.values import query_problem, request_header_problem
 
 _BAD_NAME = "has a name that is not an HTTP token"
 _FORM = b"application/x-www-form-urlencoded"
+# Fields a request may carry once (RFC 9110 §5.3: not a list, so two field lines are not
+# one value), as upstream servers hold them (aiohttp's parser refuses these sent twice;
+# the gateway sets Host, Content-Length and Transfer-Encoding itself). Sent twice, the
+# upstream refused the request with its own error page, which it writes on a HEAD too: a
+# body on an answer to HEAD, failover-class (SPEC §12), a breaker mark on every candidate
+# the caller's own input reached (SPEC §5: one caller never opens a breaker for everyone).
+_ONCE_ONLY = frozenset(
+    {
+        b"content-location",
+        b"content-range",
+        b"content-type",
+        b"etag",
+        b"max-forwards",
+        b"server",
+        b"user-agent",
+    }
+)
+_TWICE = "is sent twice, and may be sent once (RFC 9110 §5.3): send one field"
 
 
 def refusal(
@@ -31,8 +49,16 @@ def refusal(
     problem = query_problem(context.query)
     if problem is not None:
         return "bad_request", f"{problem}: nothing was sent upstream"
+    once: set[bytes] | None = None
     for name, value in context.forward_headers:
         problem = request_header_problem(name, value)
+        if problem is None and name in _ONCE_ONLY:
+            if once is None:
+                once = {name}
+            elif name in once:
+                problem = _TWICE
+            else:
+                once.add(name)
         if problem is not None:
             # The name, unless it is no token or carries a credential of the request.
             shown = recordable(context.secrets, name.decode("latin-1"))
