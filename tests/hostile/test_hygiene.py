@@ -387,3 +387,44 @@ async def test_text_header_fields_from_an_embedding_app_are_read_as_bytes() -> N
     assert "x-hop" not in received[1] and "authorization" not in received[1]
     assert CALLER_SECRET not in repr(primary.received)
     assert received[2].get("x-other") == "\u00e9t\u00e9"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("over", ["max_header_bytes", "max_header_count"])
+async def test_a_text_header_field_after_a_head_over_the_limits_is_still_the_431(over: str) -> None:
+    """The head over `max_header_bytes` (or `max_header_count`) before its text field (a
+    host middleware appending `("x-added", "1")` to the server's bytes): the limit's walk
+    answered before it reached the text field, which the header pass then read as bytes
+    (`str.replace(b"_", b"-")`): a TypeError out of the gateway, no answer, where the same
+    head with a bytes field is the 431."""
+    async with upstream(status_handler(200, b"ok")) as primary:
+        conf = {
+            "gateway": {"max_header_bytes": 2048, "max_header_count": 8},
+            "upstreams": {"primary": {"url": primary.url}},
+            "routes": [{"id": "r", "prefix": "/v1/", "plan": ["primary"]}],
+        }
+        gateway = Gateway(host_app, config=conf)
+        sent_heads: list[list[tuple[Any, Any]]] = (
+            [[(b"x-big", b"a" * 4096)]]
+            if over == "max_header_bytes"
+            else [[(f"x-{i}".encode(), b"1") for i in range(12)]]
+        )
+        answers = []
+        try:
+            for head in sent_heads:
+                for added in (b"1", "1"):  # the bytes control, then the text field
+                    scope = http_scope("GET", "/v1/x", headers=[*head, ("x-added", added)])
+                    sent: list[dict[str, Any]] = []
+
+                    async def receive() -> dict[str, Any]:
+                        return {"type": "http.request", "body": b"", "more_body": False}
+
+                    async def send(message: dict[str, Any], sent: list[Any] = sent) -> None:
+                        sent.append(message)
+
+                    await gateway(scope, receive, send)
+                    answers.append(sent[0]["status"])
+        finally:
+            await gateway.aclose()
+    assert answers == [431, 431]
+    assert primary.received == []

@@ -19,8 +19,9 @@ def header_refusal(
     headers: Iterable[tuple[bytes | str, bytes | str]], *, max_bytes: int, max_count: int
 ) -> tuple[str, str] | None:
     """Why these request headers are refused and the setting that refused them (the error's
-    `rule`), or None. Names the limit, never a value. Raises TypeError at a name or value
-    that is text, not bytes (an app driving the gateway in-process: `byte_fields`)."""
+    `rule`), or None. Names the limit, never a value. Raises TypeError when a name or value
+    is text, not bytes (an app driving the gateway in-process: `byte_fields`), a refused
+    head's fields past the limit too (the resolver reads them all)."""
     size = 0
     if type(headers) is list and len(headers) <= max_count:
         # No more fields than max_count (the usual request): only the size can refuse, so
@@ -30,7 +31,7 @@ def header_refusal(
                 raise TypeError(_TEXT)
             size += len(name) + len(value) + _FIELD_OVERHEAD
             if size > max_bytes:
-                return _too_large(max_bytes)
+                return _all_bytes(headers, _too_large(max_bytes))
         return None
     for count, (name, value) in enumerate(headers, start=1):
         if name.__class__ is str or value.__class__ is str:
@@ -38,10 +39,21 @@ def header_refusal(
         size += len(name) + len(value) + _FIELD_OVERHEAD
         if count > max_count:
             message = f"more than {max_count} request header fields (max_header_count)"
-            return message, "max_header_count"
+            return _all_bytes(headers, (message, "max_header_count"))
         if size > max_bytes:
-            return _too_large(max_bytes)
+            return _all_bytes(headers, _too_large(max_bytes))
     return None
+
+
+def _all_bytes(
+    headers: Iterable[tuple[bytes | str, bytes | str]], refusal: tuple[str, str]
+) -> tuple[str, str]:
+    """`refusal`, once no field of the head is text: a field past where the limit was met
+    is read too (the identity pass, the secrets), so it raises as any other would."""
+    for name, value in headers:
+        if name.__class__ is str or value.__class__ is str:
+            raise TypeError(_TEXT)
+    return refusal
 
 
 _TEXT = "a request header name or value is text, not bytes"
