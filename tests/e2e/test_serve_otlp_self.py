@@ -69,6 +69,28 @@ def test_an_otlp_endpoint_on_the_gateways_address_is_refused(
 
 
 @pytest.mark.parametrize(
+    ("endpoint", "host"),
+    [
+        ("http://127.1:8000", "0.0.0.0"),  # the resolver's short form of 127.0.0.1
+        ("http://127.1:8000", "127.0.0.1"),
+        ("http://2130706433:8000", "127.0.0.1"),  # 127.0.0.1 as one integer
+        ("http://0x7f000001:8000", "0.0.0.0"),
+        ("http://[::ffff:127.0.0.1]:8000", "127.0.0.1"),  # IPv4-mapped: an IPv4 connect
+        ("http://[::ffff:127.0.0.1]:8000", "0.0.0.0"),
+    ],
+)
+def test_an_otlp_endpoint_on_the_gateways_address_in_another_spelling_is_refused(
+    endpoint: str, host: str
+) -> None:
+    """Each of these connects to the gateway's socket (getaddrinfo reads 127.1, 2130706433
+    and 0x7f000001 as 127.0.0.1; a connect to ::ffff:127.0.0.1 is an IPv4 one), as the
+    metadata check already reads them (`parse_ip`): serve started and exported to itself."""
+    environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint}
+    with pytest.raises(TelemetrySetupError, match="the gateway itself"):
+        check_workers(1, environ, gateway_port=8000, gateway_host=host)
+
+
+@pytest.mark.parametrize(
     ("environ", "host", "port"),
     [
         ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"}, "127.0.0.1", 8000),

@@ -201,14 +201,18 @@ def _always_refused(host: str) -> bool:
 def _is_local(host: str, gateway_host: str) -> bool:
     """Whether a connection to `host` may reach a socket bound to `gateway_host`: the same
     IP literal, or a loopback one (or localhost) where the gateway listens on loopback or a
-    wildcard. Any other name is taken to be another machine."""
+    wildcard; in any spelling the resolver reads (`127.1`, `2130706433`: `parse_ip`), an
+    IPv4-mapped IPv6 one as the IPv4 address it connects to. Any other name is taken to be
+    another machine."""
     import ipaddress
 
+    from fallback_mw.security.addresses import parse_ip
+
     def parsed(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-        try:
-            return ipaddress.ip_address(text.strip("[]"))
-        except ValueError:
-            return None
+        address = parse_ip(text)
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            return address.ipv4_mapped
+        return address
 
     target, bound = parsed(host), parsed(gateway_host)
     if target is None:
