@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import anyio
 import httpx
 import pytest
 
@@ -156,3 +157,58 @@ def test_console_output_on_a_non_blocking_stdout_waits_for_room(
     os.close(read_end)
     assert len(received) == 200 * 1024
     assert "console telemetry stopped" not in caplog.text
+
+
+@pytest.mark.anyio
+async def test_console_metrics_of_a_large_route_table_are_written(tmp_path: Path) -> None:
+    """One metric export of a gateway with 120 routes (each route's series exported at 0
+    from the start) is some 2.5 MB of the console exporter's JSON, more than the 1 MiB the
+    stream queues: every export was dropped whole, and the line counting the drops waits
+    for a record that gets through, so stdout stayed empty and nothing said why. A record
+    is queued whatever its size while nothing else waits (the bound is then 1 MiB or that
+    one record)."""
+    port, log, out = free_port(), tmp_path / "serve.log", tmp_path / "stdout.txt"
+    upstreams = "".join(f'[upstreams.u{i}]\nurl = "http://127.0.0.1:{9 + i}"\n' for i in range(10))
+    routes = "".join(
+        f'[[routes]]\nid = "r{i}"\nprefix = "/p{i}/"\nplan = ["u{i % 10}", "u{(i + 1) % 10}"]\n'
+        "retries = 1\n"
+        for i in range(120)
+    )
+    config = tmp_path / "gateway.toml"
+    config.write_text(upstreams + routes, encoding="utf-8")
+    env = dict(
+        os.environ,
+        OTEL_TRACES_EXPORTER="none",
+        OTEL_METRICS_EXPORTER="console",
+        OTEL_METRIC_EXPORT_INTERVAL="300",
+    )
+    command = [
+        *(sys.executable, "-m", "fallback_mw", "serve", "--config", str(config)),
+        *("--host", "127.0.0.1", "--port", str(port)),
+    ]
+    with started(command, env, out, log) as process:
+        await wait_listening(process, port, log)
+        for _ in range(100):  # 20 s at most
+            if b"resource_metrics" in out.read_bytes():
+                break
+            await anyio.sleep(0.2)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=15) == 0, log_text(log)
+    text = out.read_text(encoding="utf-8", errors="replace")
+    assert "resource_metrics" in text, (len(text), text[-500:], log_text(log)[-1000:])
+    assert "dropped" not in text
+
+
+@contextmanager
+def started(
+    command: list[str], env: dict[str, str], out: Path, log: Path
+) -> Iterator[subprocess.Popen[bytes]]:
+    """`command` with its stdout in `out` and its stderr in `log`; killed if still running."""
+    with log.open("wb") as err, out.open("wb") as stdout:
+        process = subprocess.Popen(command, stdout=stdout, stderr=err, env=env)
+        try:
+            yield process
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()

@@ -7,8 +7,9 @@ the next write blocked the loop, every request with it, and the stop; on a stdou
 
 Here a write only queues the text; one thread writes it to its own copy of stdout's file
 descriptor (a write blocked there holds no lock the interpreter needs at exit). Past
-MAX_PENDING_CHARS the records are counted, not kept, and one line in the output says how
-many went missing once stdout takes text again. A stdout that cannot be written (closed,
+MAX_PENDING_CHARS the records are counted, not kept (one larger than that alone is kept
+while nothing else waits), and one line in the output says how many went missing once
+stdout takes text again. A stdout that cannot be written (closed,
 EPIPE, a full disk) is said once in the log; console telemetry then stops."""
 
 from __future__ import annotations
@@ -57,7 +58,9 @@ class ConsoleStream:
             if self._gone:
                 self._say_gone()
                 return len(text)
-            if self._size + len(text) > MAX_PENDING_CHARS:
+            if self._pending and self._size + len(text) > MAX_PENDING_CHARS:
+                # Only behind other records: one larger than the bound alone (a metric
+                # export of a large route table) is queued, or it never got through.
                 self._dropped += 1
                 return len(text)
             self._pending.append(text)
