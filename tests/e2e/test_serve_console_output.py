@@ -151,12 +151,33 @@ def test_console_output_on_a_non_blocking_stdout_waits_for_room(
         for _ in range(200):
             stream.write("x" * 1023 + "\n")  # 200 KiB: three times a pipe's buffer
         stream.close(10)
-    assert stream._fd is not None
-    os.close(stream._fd)  # its copy of the descriptor: then the reader sees the end
+    assert stream._thread is not None
+    stream._thread.join(10)
+    assert stream._fd is None  # its copy of the descriptor closed: the reader sees the end
     reader.join(10)
+    assert not reader.is_alive()
     os.close(read_end)
     assert len(received) == 200 * 1024
     assert "console telemetry stopped" not in caplog.text
+
+
+def test_the_stream_closes_its_copy_of_stdout_when_closed() -> None:
+    """The stream writes to its own copy of stdout's descriptor; closing the stream left it
+    open (one descriptor per telemetry setup, a pipe's reader never seeing the end)."""
+    from fallback_mw.cli.console_stream import ConsoleStream
+
+    for writes in (0, 3):
+        read_end, write_end = os.pipe()
+        with os.fdopen(write_end, "w") as target:
+            stream = ConsoleStream(target)
+            for _ in range(writes):
+                stream.write("line\n")
+            stream.close(5)
+        if stream._thread is not None:
+            stream._thread.join(5)
+        assert stream._fd is None
+        with os.fdopen(read_end, "rb") as reader:  # the end: every writer closed
+            assert reader.read() == b"line\n" * writes
 
 
 @pytest.mark.anyio

@@ -14,6 +14,7 @@ EPIPE, a full disk) is said once in the log; console telemetry then stops."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -87,8 +88,24 @@ class ConsoleStream:
                 self._ready.wait(left)
             self._closed = True
             self._ready.notify_all()
+            if self._thread is None:
+                self._close_fd()  # never written: no thread to close it
+            # Else the writer thread closes its descriptor as it ends (not here, under a
+            # write it may still be blocked in: the number could be reused meanwhile).
+
+    def _close_fd(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def _run(self) -> None:
+        try:
+            self._write_until_closed()
+        finally:
+            self._close_fd()
+
+    def _write_until_closed(self) -> None:
         while True:
             with self._ready:
                 while not self._pending and not self._closed:
