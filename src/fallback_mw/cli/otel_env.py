@@ -158,9 +158,9 @@ def check_otlp_endpoints(environ: Mapping[str, str], gateway_host: str, gateway_
             )
         if _always_refused(address[0]):
             raise TelemetrySetupError(
-                f"{variable}: the OTLP {signal} exporter would send to a link-local or "
-                "metadata address (as upstreams, never reached in any spelling; its value is "
-                "not shown): point it at the collector"
+                f"{variable}: the OTLP {signal} exporter would send to an address no "
+                "upstream may have (link-local, a cloud's metadata service, or 0.0.0.0/8, "
+                "in any spelling; its value is not shown): point it at the collector"
             )
         if address[1] == gateway_port and _is_local(address[0], gateway_host):
             raise TelemetrySetupError(
