@@ -121,8 +121,12 @@ class HeadRecorder:
             ]
             if status and status[0].strip()[:1] == b"1" and status[0].strip() != b"101":
                 # An interim answer: the final head follows.
-                if len(lengths) > 1 or (lengths and not lengths[0].isdigit()):
-                    self.interim_lengths += lengths
+                # The first such head's only: whether there was one is what is asked, and
+                # an upstream sending interim heads without end grows nothing.
+                if not self.interim_lengths and (
+                    len(lengths) > 1 or (lengths and not lengths[0].isdigit())
+                ):
+                    self.interim_lengths = lengths
                 continue
             self.lengths = lengths
             self._buffer.clear()
