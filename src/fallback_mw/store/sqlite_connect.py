@@ -127,11 +127,13 @@ def read_steadily(
     sqlite3.OperationalError saying why. Errors of a read during which nothing changed
     are its own."""
     for _ in range(STEADY_READ_TRIES):
-        before = _files_state(path)
         conn = connect()
         try:
             if not isinstance(conn, FileAlone):
                 return read(conn)
+            # Taken before the read: a connection to a file alone opens it at its first
+            # statement, and a writable one never reaches here (no stat per operation).
+            before = _files_state(path)
             try:
                 result = read(conn)
             except sqlite3.DatabaseError:
