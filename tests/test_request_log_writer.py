@@ -145,13 +145,69 @@ def test_the_exit_flush_gives_up_on_a_log_reader_that_stopped_reading() -> None:
         for number in range(FLUSH_LINES + 10):
             handler.handle(record(f"line {number}"))
         assert stream.writing.wait(10)  # the writer is stuck in its write
-        in_thread_within(10, lambda: line_writer.flush_request_lines(timeout=0.5))
+        in_thread_within(10, lambda: line_writer.flush_request_lines(stall=0.5))
     finally:
         stream.go.set()
         owner.removeHandler(handler)
         line_writer._installed = before
         handler.close()
     assert stream.getvalue().count("\n") == FLUSH_LINES + 10  # all written once let go
+
+
+class Slow(io.StringIO):
+    """A log collector that lags but reads on: each write takes `pause` seconds."""
+
+    def __init__(self, pause: float) -> None:
+        super().__init__()
+        self.pause = pause
+
+    def write(self, text: str) -> int:
+        time.sleep(self.pause)
+        return super().write(text)
+
+
+def test_the_exit_flush_waits_for_a_log_reader_that_reads_slowly_on() -> None:
+    """A stopped `serve` whose log collector lagged but was still taking lines lost the
+    last ones: the exit flush gave up after its fixed bound, progress or not. It waits
+    while its writes make progress (a bound on none: `stall`), up to `cap` in all."""
+    stream = Slow(0.05)
+    handler = LineHandler(stream)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    owner = logging.getLogger("fallback_mw.test_exit_flush_slow")
+    before = line_writer._installed
+    handler.install(owner)
+    try:
+        for number in range(FLUSH_LINES + 10):
+            handler.handle(record(f"line {number} " + "x" * 200))
+        started = time.monotonic()
+        line_writer.flush_request_lines(stall=0.3, cap=30)
+        took = time.monotonic() - started
+    finally:
+        owner.removeHandler(handler)
+        line_writer._installed = before
+        handler.close()
+    assert took > 0.3  # longer than the bound on no progress: the writes went on
+    assert stream.getvalue().count("\n") == FLUSH_LINES + 10
+
+
+def test_the_exit_flush_ends_at_its_cap_while_a_reader_still_reads() -> None:
+    stream = Slow(0.05)
+    handler = LineHandler(stream)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    owner = logging.getLogger("fallback_mw.test_exit_flush_cap")
+    before = line_writer._installed
+    handler.install(owner)
+    try:
+        for number in range(FLUSH_LINES + 10):
+            handler.handle(record(f"line {number} " + "x" * 200))
+        started = time.monotonic()
+        line_writer.flush_request_lines(stall=0.3, cap=0.4)
+        took = time.monotonic() - started
+    finally:
+        owner.removeHandler(handler)
+        line_writer._installed = before
+        handler.close()
+    assert 0.4 <= took < 5
 
 
 def test_a_forked_child_writes_only_its_own_lines(tmp_path: Path) -> None:

@@ -650,7 +650,7 @@ async def test_request_lines_of_two_workers_on_one_pipe_are_never_torn(
                 # A collector that lags while the requests are served (small reads, a pause
                 # each: the pipe stays full, both workers' writes wait on it), then catches
                 # up. Lagging to the end, under load (20 on two cores) it had not read the
-                # last lines when the workers' exit flush gave up on them (EXIT_FLUSH_SECONDS,
+                # last lines when the workers' exit flush gave up on them (EXIT_STALL_SECONDS,
                 # by design the longest a stop waits for its log): 541 of 600, none torn.
                 while chunk := os.read(out, 65536 if answered.is_set() else 512):
                     output.extend(chunk)

@@ -153,6 +153,7 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
         # Set when the exit gave up on a write that never ended (flush_request_lines):
         # nothing more is written, so that the exit is not held by that write.
         self.gave_up = False
+        self.pieces_written = 0  # writes that got through: the exit flush's progress
 
     def install(self, owner: logging.Logger) -> None:
         """Add this handler to `owner` (the `fallback_mw` logger) and let the request log
@@ -255,6 +256,7 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
                     for piece in whole_lines(lines, self.terminator):
                         self.stream.write(piece)
                         self.stream.flush()  # one write of whole lines each
+                        self.pieces_written += 1
                 except Exception as exc:
                     self._failed = _why(exc)
                     return  # a full disk must not fail a request
@@ -306,7 +308,11 @@ def _why(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-EXIT_FLUSH_SECONDS = 5.0  # the longest the exit waits for the last lines to be written
+# The exit waits for the last lines while its writes make progress: it gives up after
+# EXIT_STALL_SECONDS without a write getting through (a reader that stopped reading), or
+# EXIT_FLUSH_CAP_SECONDS in all (a reader that takes a line now and then).
+EXIT_STALL_SECONDS = 5.0
+EXIT_FLUSH_CAP_SECONDS = 30.0
 
 
 # The server's own loggers (uvicorn's) whose lines go through a LineHandler in serve
@@ -337,13 +343,16 @@ def queue_server_lines() -> None:
             _queued.append(queued)
 
 
-def flush_request_lines(timeout: float = EXIT_FLUSH_SECONDS) -> None:
+def flush_request_lines(
+    stall: float = EXIT_STALL_SECONDS, cap: float = EXIT_FLUSH_CAP_SECONDS
+) -> None:
     """Write the request lines still waiting in serve's LineHandler, and uvicorn's lines
     (queue_server_lines) (at exit; a worker of `serve --workers`, which ends with os._exit,
-    calls it itself). Waits `timeout` seconds at most: with a reader that stopped reading
-    the pipe, the write never ends, and a stopped `serve` would not exit until killed; the
-    lines then go unwritten, and uvicorn's handlers write nothing more (logging.shutdown's
-    flush would wait for that write for ever)."""
+    calls it itself). Waits while the writes make progress: a lagging log collector still
+    gets the last lines. With a reader that stopped reading the pipe the write never ends,
+    and a stopped `serve` would not exit until killed: after `stall` seconds without a
+    write getting through (or `cap` in all) the lines go unwritten, and uvicorn's handlers
+    write nothing more (logging.shutdown's flush would wait for that write for ever)."""
     handlers = [h for h in (_installed, *_queued) if h is not None]
     if not handlers:
         return
@@ -360,8 +369,15 @@ def flush_request_lines(timeout: float = EXIT_FLUSH_SECONDS) -> None:
         exit_writer().put(write_all)
     except RuntimeError:  # no thread to write on (Python 3.12 at exit, in a forked child)
         write_all()
-    if not written.wait(timeout):
-        # logging.shutdown flushes uvicorn's handlers next (in logging's list, where
-        # dictConfig left serve's own out): they would wait for the stuck write for ever.
-        for handler in _queued:
-            handler.gave_up = True
+    started = progressed = time.monotonic()
+    done = sum(h.pieces_written for h in handlers)
+    while not written.wait(min(0.05, stall)):
+        now = time.monotonic()
+        if (now_done := sum(h.pieces_written for h in handlers)) != done:
+            done, progressed = now_done, now
+        if now - progressed >= stall or now - started >= cap:
+            # logging.shutdown flushes uvicorn's handlers next (in logging's list, where
+            # dictConfig left serve's own out): they would wait for the stuck write for ever.
+            for handler in _queued:
+                handler.gave_up = True
+            return
