@@ -718,7 +718,10 @@ async def test_a_copy_that_is_the_probe_is_judged_by_its_head_not_its_whole_body
     out beside the first. An attempt is judged by its head; so is a copy."""
     answer = {"status": 503}
     finish = asyncio.Event()
-    breaker = {"window": 4, "min_calls": 2, "cooldown_ms": 100}
+    # A cooldown a loaded loop cannot outlast between the second failed copy and the
+    # check that the breaker is open: at 100 ms it had (load 20+, 1 in 3 runs), the check
+    # was the half-open probe, attempted, and answered 502 where the skip's 503 was meant.
+    breaker = {"window": 4, "min_calls": 2, "cooldown_ms": 1000}
     health = BookedSuccess(BreakerConfig(**breaker), "candidate")
 
     async def shadow_handler(request: web.Request) -> web.StreamResponse:
@@ -748,7 +751,7 @@ async def test_a_copy_that_is_the_probe_is_judged_by_its_head_not_its_whole_body
                     assert (await client.get("/v1/chat", headers=CALLER)).text == "primary says"
                     await settled(gateway, lambda: not shadows.in_flight)
                 assert (await client.get("/direct/x")).status_code == 503  # open: skipped
-                await asyncio.sleep(0.15)  # the cooldown
+                await asyncio.sleep(1.05)  # the cooldown
                 answer["status"] = 200
                 assert (await client.get("/v1/chat", headers=CALLER)).text == "primary says"
                 # The probe copy's head is in (its body still streaming): booked.
