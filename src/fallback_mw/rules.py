@@ -12,8 +12,6 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
-# `origin` is still read from here by layers/walker/stream.py (a hot-path module left alone).
-from fallback_mw.endpoints import origin as origin
 from fallback_mw.endpoints import same_endpoint
 from fallback_mw.quoting import shortened
 from fallback_mw.security.addresses import UnsafeUpstream, check_upstream_host, is_legacy_ipv4

@@ -16,6 +16,7 @@ from functools import lru_cache
 from urllib.parse import SplitResult, urlsplit
 
 from fallback_mw.credentials import EchoMask, echoes_credential, without_echoed_credentials
+from fallback_mw.endpoints import origin
 from fallback_mw.failover.decide import Outcome, relay_outcome
 from fallback_mw.request.body import content_length
 from fallback_mw.request.codings import BodyDecoder, body_coding, content_decoder
@@ -23,7 +24,6 @@ from fallback_mw.request.context import RequestContext
 from fallback_mw.request.local_errors import gateway_headers, send_error
 from fallback_mw.request.types import Send
 from fallback_mw.request.usage import UsageMeter, media_type
-from fallback_mw.rules import origin
 from fallback_mw.security.answers import forwardable_response_headers
 from fallback_mw.timers import Stall
 from fallback_mw.upstream.base import NoChunks, UpstreamError, UpstreamResponse
