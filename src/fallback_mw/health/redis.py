@@ -27,10 +27,8 @@ from fallback_mw.health.breaker import DEFAULT_PROBE_LEASE, PROBE_LEASE_MARGIN
 from fallback_mw.health.events import Admission, TransitionListener
 from fallback_mw.health.memory import MemoryHealth
 from fallback_mw.health.pool import Selection
-from fallback_mw.health.redis_link import (
-    DEFAULT_MAX_CONNECTIONS,
-    Unavailable,
-)
+from fallback_mw.health.redis_link import DEFAULT_MAX_CONNECTIONS
+from fallback_mw.health.redis_outage import Unavailable
 from fallback_mw.health.redis_pools import CREDENTIAL_TTL_MS, RedisCredentialPools
 from fallback_mw.health.redis_reports import RedisBreakerReports
 from fallback_mw.health.redis_scripts import (

@@ -11,20 +11,17 @@ it again, and the first that succeeds ends the outage (logged). A Redis that han
 `socket_timeout`, and nothing after. The tries are made on a new connection pool: the
 connections of before may be dead (Redis restarted, a proxy or the network dropped them)
 and redis-py hands an idle one out unchecked, so each would fail once Redis is back, and
-each failure would start an "outage" of its own. RedisHealth (health/redis.py) is what
-runs on them."""
+each failure would start an "outage" of its own (the outage and its tries:
+health/redis_outage.py; what a caller that gave up leaves behind: health/redis_leftovers.py).
+RedisHealth (health/redis.py) is what runs on them."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
-import logging
 import os
-import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
-from urllib.parse import unquote, urlsplit
+from typing import Any
 
 from opentelemetry import metrics
 from opentelemetry.metrics import MeterProvider
@@ -41,31 +38,14 @@ try:
 except ImportError:
     raise missing_extra("redis", 'state = "redis://..."') from None
 
-from fallback_mw.health.redis_scripts import GIVE_BACK
+from fallback_mw.health.redis_leftovers import RedisLeftovers, ScriptCall, Undo
+from fallback_mw.health.redis_outage import RedisOutage, Unavailable
 from fallback_mw.store_url import redact_url, split_state_url
-
-logger = logging.getLogger("fallback_mw.health")
 
 # Connections to Redis per gateway process. Each health call holds one for a round trip
 # (well under a millisecond on a LAN), so 50 serve thousands of calls a second; beyond
 # that callers wait for a free one (pool_timeout) instead of failing.
 DEFAULT_MAX_CONNECTIONS = 50
-
-
-# The try of a state in an outage (`RedisHealth._usable`): a script that writes, as every
-# health call is.
-_ALIVE = "redis.call('SET', KEYS[1], '1', 'PX', 10000) return 1"
-
-# The kinds of key (`{prefix}{kind}:...`) that hold a string; every other kind a hash.
-_STRING_KEYS = frozenset({"rotation", "breaker_url"})
-# KEYS[1] deleted when it holds another kind of value than ARGV[1] (checked and deleted in
-# one step: another process may have deleted it and written the right kind since).
-_DROP_OTHER_KIND = """
-local kind = redis.call('TYPE', KEYS[1])['ok']
-if kind == ARGV[1] or kind == 'none' then return 0 end
-redis.call('DEL', KEYS[1])
-return 1
-"""
 
 
 def _wrong_type(result: Any) -> bool:
@@ -75,42 +55,10 @@ def _wrong_type(result: Any) -> bool:
     return isinstance(result, ResponseError) and str(result).find("WRONGTYPE") >= 0
 
 
-def _took_probe(result: Any) -> bool:
-    """Whether ADMIT's answer gave its admission the half-open probe slot."""
-    return (
-        isinstance(result, list)
-        and len(result) > 2
-        and str(result[0]) == "1"
-        and result[2] == "half_open"
-    )
-
-
-class Unavailable:
-    pass
-
-
-_UNAVAILABLE = Unavailable()
-
-
-# What takes back a script call's effect when its caller gave up before the answer came:
-# given the call's keys, args and result, the script call to run, (name, source, keys,
-# args), or None: nothing to undo.
-Undo = Callable[[list[str], list[Any], Any], tuple[str, str, list[str], list[Any]] | None]
-
-
-class _ScriptCall(NamedTuple):
-    """A script call waiting for its pipeline."""
-
-    name: str
-    source: str
-    keys: list[str]
-    args: list[Any]
-    undo: Undo | None = None
-
-
-class RedisLink:
-    """One state URL's connections: the pool, pipelined script calls, the outage and its
-    tries, and the calls whose callers gave up, taken back."""
+class RedisLink(RedisOutage, RedisLeftovers):
+    """One state URL's connections: the pool and the pipelined script calls; the outage
+    and its tries (RedisOutage), and the calls whose callers gave up, taken back
+    (RedisLeftovers)."""
 
     def __init__(
         self,
@@ -153,7 +101,7 @@ class RedisLink:
         self.outage_reason: str | None = None  # why the current outage began (no password)
         self.local_fallback_calls = 0  # calls served on local state (tests, the soak)
         # Script calls waiting for the next pipeline (`_run`), one group per event loop.
-        self._group: Group[_ScriptCall] | None = None
+        self._group: Group[ScriptCall] | None = None
         self._senders: set[asyncio.Task[None]] = set()
         self._retiring: set[asyncio.Task[None]] = set()  # closing a pool an outage retired
         self._trying: asyncio.Task[None] | None = None  # the try of an outage's next try
@@ -231,7 +179,7 @@ class RedisLink:
         group = self._group
         if group is None or group.loop is not loop:
             group = self._group = Group(loop, self._send_group)
-        call = _ScriptCall(name, source, keys, args, undo)
+        call = ScriptCall(name, source, keys, args, undo)
         future = group.join(call)
         try:
             return await future
@@ -242,12 +190,12 @@ class RedisLink:
                 self._abandoned(call, future.result())
             raise
 
-    def _send_group(self, calls: list[Pending[_ScriptCall]]) -> None:
+    def _send_group(self, calls: list[Pending[ScriptCall]]) -> None:
         task = asyncio.get_running_loop().create_task(self._send(calls))
         self._senders.add(task)
         task.add_done_callback(self._senders.discard)
 
-    async def _send(self, calls: list[Pending[_ScriptCall]]) -> None:
+    async def _send(self, calls: list[Pending[ScriptCall]]) -> None:
         client = self._connection()
         try:
             results = await self._pipeline(client, [call.item for call in calls])
@@ -289,7 +237,7 @@ class RedisLink:
                     self._recovered()
                 call.future.set_result(result)
 
-    async def _pipeline(self, client: aioredis.Redis, calls: list[_ScriptCall]) -> list[Any]:
+    async def _pipeline(self, client: aioredis.Redis, calls: list[ScriptCall]) -> list[Any]:
         """Each call's result, or the `RedisError` / `OSError` it met."""
         scripts = [self._script(call.name, call.source) for call in calls]  # on `client`
         try:
@@ -309,220 +257,6 @@ class RedisLink:
                 except (RedisError, OSError) as exc:
                     results[index] = exc
         return results
-
-    def _abandoned(self, call: _ScriptCall, result: Any) -> None:
-        """Take back what `call` did for a caller that gave up (cancelled) without its
-        answer `result`."""
-        if isinstance(result, Unavailable):
-            return  # served on local state: the caller had done nothing there yet
-        if call.name == "admit" and _took_probe(result):
-            # ...and made its admission the half-open probe: nobody will end it, and
-            # every request would skip the upstream for the probe's lease.
-            self._give_back_soon([(call.keys[0], call.args[3])])
-        elif call.undo is not None:  # e.g. a capacity count nobody will use
-            undo = call.undo(call.keys, call.args, result)
-            if undo is not None:
-                self._undo_soon(_ScriptCall(*undo))
-
-    def _fell_back(self) -> Unavailable:
-        self.local_fallbacks.add(1)
-        self.local_fallback_calls += 1
-        return _UNAVAILABLE
-
-    def _failed(self, exc: BaseException) -> Unavailable:
-        self._begin_outage(exc)
-        return self._fell_back()
-
-    def _begin_outage(self, exc: BaseException) -> None:
-        if not self._outage:
-            self._outage = True
-            self.outage_reason = self._reason(exc)
-            self._retire()
-            self._try_later()
-            logger.warning(
-                "health state %s unreachable (%s): serving on local in-memory state, "
-                "trying it again every %gs",
-                self._label,
-                self.outage_reason,
-                self.retry_interval,
-            )
-
-    def _reason(self, exc: BaseException) -> str:
-        """The error's class and Redis's (or the socket's) words: a wrong password, a
-        database number Redis does not have, a refused or timed-out connection. One line;
-        the URL's password never (Redis does not echo it; removed should it appear)."""
-        words = " ".join(str(exc).split())[:200]
-        password = urlsplit(self._url).password
-        for spelling in {password, unquote(password)} if password else ():
-            words = words.replace(spelling, "***")  # as written, and as sent (decoded)
-        return f"{type(exc).__name__}: {words}" if words else type(exc).__name__
-
-    def _try_again(self) -> None:
-        """A call made during an outage: the next try, if it is due (its timer is for an
-        outage no call sees; this, for a loop that timer's is not)."""
-        if time.monotonic() >= self._retry_at:
-            self._start_try()
-
-    def _start_try(self) -> None:
-        """One try (`_usable`) in the background, never two at a time, on new connections."""
-        if not self._outage:
-            return
-        trying = self._trying
-        loop = asyncio.get_running_loop()
-        if trying is not None and not trying.done() and trying.get_loop() is loop:
-            return
-        self._trying = loop.create_task(self._try())
-
-    def _try_later(self) -> None:
-        self._retry_at = time.monotonic() + self.retry_interval
-        if self._retry_timer is not None:
-            self._retry_timer.cancel()
-        self._retry_timer = asyncio.get_running_loop().call_later(
-            self.retry_interval, self._start_try
-        )
-
-    def start(self) -> None:
-        """Lifespan startup: one try (`_usable`) in the background. Redis unreachable, or refusing
-        the password or the database number: the outage begins now, its warning at startup
-        (else said at the first request)."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return
-        if self._outage or (self._trying is not None and not self._trying.done()):
-            return
-        self._trying = loop.create_task(self._check())
-
-    async def _check(self) -> None:
-        client = self._connection()
-        try:
-            await self._usable(client)
-        except (RedisError, OSError) as exc:
-            if client is self._client:
-                self._failed(exc)
-            return
-        await self._started()
-
-    async def _started(self) -> None:
-        """Redis was usable at startup (RedisHealth: the shared breakers are read)."""
-
-    async def _usable(self, client: aioredis.Redis) -> None:
-        """Raises what keeps this state from being used, as a script call would meet it: a
-        write by a script (`{prefix}alive`, 10 s). A PING is answered also by a Redis that
-        refuses every script or write (maxmemory reached, a read-only replica after a
-        failover, an ACL without them): each try ended the outage ("reachable again: state
-        is shared") and the next call began it again, every second, for as long as it
-        lasted."""
-        await client.eval(_ALIVE, 1, f"{self.prefix}alive")
-
-    async def unusable(self) -> str | None:
-        """One try (`_usable`): None when this state can be used now, else why not, in the
-        outage warning's words (`fallback-mw check`)."""
-        client = self._connection()
-        try:
-            await self._usable(client)
-        except (RedisError, OSError) as exc:
-            return self._reason(exc)
-        return None
-
-    async def _try(self) -> None:
-        client = self._connection()
-        try:
-            await self._usable(client)
-        except (RedisError, OSError):
-            self._retire()  # the next try starts from new connections too
-            self._try_later()
-        else:
-            if client is self._client:
-                self._recovered()
-
-    def _recovered(self) -> None:
-        if self._outage:
-            self._outage = False
-            self._retry_at = 0.0  # shared at once, even if another call of this try failed
-            if self._retry_timer is not None:
-                self._retry_timer.cancel()
-                self._retry_timer = None
-            logger.warning("health state %s reachable again: state is shared", self._label)
-            if self._unanswered:
-                unanswered, self._unanswered = self._unanswered, []
-                self._give_back_soon(unanswered)
-            self._after_recovery()
-
-    def _after_recovery(self) -> None:
-        """What the user of these connections makes again on the shared state once Redis is
-        back (RedisHealth: the fault resets and forgets made during the outage)."""
-
-    def _give_back_soon(self, admissions: list[tuple[str, Any]]) -> None:
-        """Free the probe slots these admissions (breaker key, number) may hold, in the
-        background: their callers never will."""
-        task = asyncio.get_running_loop().create_task(self._give_back(admissions))
-        self._giving_back.add(task)
-        task.add_done_callback(self._giving_back.discard)
-
-    async def _give_back(self, admissions: list[tuple[str, Any]]) -> None:
-        for key, number in admissions:
-            await self._run("give_back", GIVE_BACK, [key], [self._owner, number])
-
-    def _drop_soon(self, keys: list[str]) -> None:
-        """Delete those of `keys` that hold a value of another kind than the gateway keeps
-        there, in the background; one warning each (the key's name, never its value)."""
-        keys = [key for key in keys if key not in self._dropping]
-        if not keys:
-            return
-        self._dropping.update(keys)
-        client = self._connection()
-
-        async def drop() -> None:
-            try:
-                for key in keys:
-                    kind = key[len(self.prefix) :].split(":", 1)[0]
-                    keeps = "string" if kind in _STRING_KEYS else "hash"
-                    if not await client.eval(_DROP_OTHER_KIND, 1, key, keeps):
-                        continue  # already deleted and written again, as it should be
-                    logger.warning(
-                        "health state %s: key %s held no %s, as the gateway keeps there; "
-                        "deleted (its state starts afresh)", self._label, key, keeps,
-                    )  # fmt: skip
-            except (RedisError, OSError):
-                pass  # Redis away now: the next call meets the key again
-            finally:
-                self._dropping.difference_update(keys)
-
-        task = asyncio.get_running_loop().create_task(drop())
-        self._giving_back.add(task)
-        task.add_done_callback(self._giving_back.discard)
-
-    def _undo_soon(self, undo: _ScriptCall) -> None:
-        """Run `undo` in the background (a call whose caller gave up is taken back); a
-        Redis away again by then leaves it undone (a capacity count: for its minute)."""
-        task = asyncio.get_running_loop().create_task(
-            self._run(undo.name, undo.source, undo.keys, undo.args)
-        )
-        self._giving_back.add(task)
-        task.add_done_callback(self._giving_back.discard)
-
-    def _retire(self) -> None:
-        """An outage began: its tries, and the calls after it, are made on a new pool. This
-        one's connections may be dead, and redis-py 8 hands an idle one out unchecked (it
-        skips that check while maintenance notifications are on, its default): once Redis is
-        back each would fail in turn, each failure a new outage, warning and retry interval.
-        The pool is closed once the pipelines already sent, or about to be, are done."""
-        client, self._client = self._client, None
-        if client is None:
-            return
-        self._closes_with(None)
-        in_flight = set(self._senders)
-        task = asyncio.get_running_loop().create_task(self._close_after(client, in_flight))
-        self._retiring.add(task)
-        task.add_done_callback(self._retiring.discard)
-
-    @staticmethod
-    async def _close_after(client: aioredis.Redis, in_flight: set[asyncio.Task[None]]) -> None:
-        if in_flight:
-            await asyncio.wait(in_flight)  # never cancels them
-        with contextlib.suppress(RedisError, OSError):  # its connections may be dead
-            await client.aclose()
 
     async def run_script(
         self,
@@ -545,11 +279,6 @@ class RedisLink:
     def label(self) -> str:
         """The state URL without its password (for messages)."""
         return self._label
-
-    @property
-    def available(self) -> bool:
-        """False while serving on local state (Redis unreachable)."""
-        return not self._outage
 
     def _key(self, kind: str, upstream: str) -> str:
         return f"{self.prefix}{kind}:{upstream}"

@@ -12,7 +12,8 @@ from typing import Any, TypeVar
 from fallback_mw.config import BreakerConfig
 from fallback_mw.health.memory import MemoryHealth, breaker_credential_mark
 from fallback_mw.health.pool import AFFINITY_LIMIT, SCORE_HALF_LIFE, Selection, score_outcome
-from fallback_mw.health.redis_link import RedisLink, Unavailable
+from fallback_mw.health.redis_link import RedisLink
+from fallback_mw.health.redis_outage import Unavailable
 from fallback_mw.health.redis_scripts import (
     FAULT_MARKED,
     MARK,

@@ -10,7 +10,8 @@ import asyncio
 
 from fallback_mw.health.events import TransitionListener
 from fallback_mw.health.memory import report_transition
-from fallback_mw.health.redis_link import RedisLink, Unavailable
+from fallback_mw.health.redis_link import RedisLink
+from fallback_mw.health.redis_outage import Unavailable
 from fallback_mw.health.redis_scripts import BREAKER_STATE
 
 _STATE_AFTER = {"opened": "open", "reopened": "open"}  # other transitions name the state
