@@ -88,6 +88,7 @@ MODULES = (
     "layers/walker/preflight.py",
     "layers/walker/stream.py",
     "failover/attempt.py",
+    "failover/send.py",
     "failover/decide.py",
     "failover/messages.py",
     "failover/deadline_messages.py",

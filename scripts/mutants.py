@@ -269,7 +269,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "every candidate gets the same (normalised) path and query",
         (
             (
-                "failover/attempt.py",
+                "failover/send.py",
                 "return upstream.url + target\n",
                 'return upstream.url + (target if self.context.attempt_count == 1 else "/")\n',
             ),
@@ -311,7 +311,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "each candidate its own connect / first-byte timeout",
         (
             (
-                "failover/attempt.py",
+                "failover/send.py",
                 "timeouts, _, slots, shadow_slots = _derived(upstream)\n",
                 "timeouts, _, slots, shadow_slots = _derived(upstream)\n"
                 "        first = _derived(context.upstreams[context.candidates[0]])[0]\n"
@@ -325,7 +325,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "each candidate its own connect timeout",
         (
             (
-                "failover/attempt.py",
+                "failover/send.py",
                 "timeouts, _, slots, shadow_slots = _derived(upstream)\n",
                 "timeouts, _, slots, shadow_slots = _derived(upstream)\n"
                 "        last = _derived(context.upstreams[context.candidates[-1]])[0]\n"
@@ -339,7 +339,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a replay keeps the candidate's model rewrite",
         (
             (
-                "failover/attempt.py",
+                "failover/send.py",
                 "if upstream.model and self.parsed is not None and not self.rendered:",
                 "if upstream.model and self.parsed is not None and not self.rendered"
                 " and self.context.attempt_count == 1:",
@@ -407,7 +407,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the blackhole listener is reached by its own client, exempt from allow_hosts",
         (
             (
-                "failover/attempt.py",
+                "failover/send.py",
                 "base, client = await self.faults.blackhole().open()",
                 "base, _ = await self.faults.blackhole().open()",
             ),

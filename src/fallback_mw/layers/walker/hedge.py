@@ -22,8 +22,9 @@ from typing import Any, TypeVar
 
 import anyio
 
-from fallback_mw.failover.attempt import AttemptLifecycle, AttemptResult
+from fallback_mw.failover.attempt import AttemptLifecycle
 from fallback_mw.failover.decide import fails_in_a_race
+from fallback_mw.failover.send import AttemptResult
 from fallback_mw.layers.walker.cursor import CandidateCursor, Pick
 from fallback_mw.request.context import AttemptRecord
 from fallback_mw.upstream.base import UpstreamResponse
