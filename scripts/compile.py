@@ -117,6 +117,8 @@ MODULES = (
     "capacity/memory.py",
     "capacity/model.py",
     "telemetry/core.py",
+    "telemetry/ends.py",
+    "telemetry/shadow_spans.py",
     "telemetry/spans.py",
     "telemetry/redact.py",
     "telemetry/request_log.py",

@@ -11,13 +11,8 @@ The library uses `opentelemetry-api` only; the host app (or `fallback-mw serve`,
 """
 
 from fallback_mw.telemetry.breakers import normalise_breaker_state
-from fallback_mw.telemetry.core import (
-    ATTEMPT_SPAN,
-    REQUEST_SPAN,
-    SHADOW_SPAN,
-    SKIP_EVENT,
-    Telemetry,
-)
+from fallback_mw.telemetry.core import ATTEMPT_SPAN, REQUEST_SPAN, SKIP_EVENT, Telemetry
+from fallback_mw.telemetry.shadow_spans import SHADOW_SPAN
 
 __all__ = [
     "ATTEMPT_SPAN",

@@ -7,6 +7,10 @@ the well-known APIs, and left out for any other path."""
 
 from __future__ import annotations
 
+from opentelemetry.util.types import AttributeValue
+
+from fallback_mw.request.context import RequestContext
+
 # Path endings of the major providers' APIs -> gen_ai.operation.name (well-known values).
 _OPERATIONS: tuple[tuple[str, str], ...] = (
     ("/chat/completions", "chat"),  # OpenAI and the many APIs shaped like it
@@ -30,3 +34,17 @@ def operation_name(path: str) -> str | None:
         if tail.endswith(ending):
             return operation
     return None
+
+
+def genai_attributes(
+    attributes: dict[str, AttributeValue], context: RequestContext, candidate: str | None
+) -> dict[str, AttributeValue]:
+    """GenAI semantic-convention attributes, added to `attributes`: the operation read
+    from the path, the provider the candidate declares."""
+    operation = operation_name(context.path)
+    if operation is not None:
+        attributes["gen_ai.operation.name"] = operation
+    upstream = context.upstreams.get(candidate) if candidate is not None else None
+    if upstream is not None and upstream.provider is not None:
+        attributes["gen_ai.provider.name"] = upstream.provider
+    return attributes

@@ -45,6 +45,12 @@ class Untraced:
     attempts: list[AttemptRecord] = field(default_factory=list)
 
 
+def request_trace(context: RequestContext) -> RequestTrace | None:
+    """The request's telemetry state, when it is traced (not Untraced, not finished)."""
+    request = context.trace
+    return request if isinstance(request, RequestTrace) else None
+
+
 def entry_of(entries: list[AttemptTrace], record: AttemptRecord) -> AttemptTrace | None:
     """The entry of `record` (a loop, not `next()` over a generator: one left unfinished
     is closed by raising GeneratorExit into it, about 2,000 instructions)."""
