@@ -87,6 +87,7 @@ MODULES = (
     "layers/walker/max_forwards.py",
     "layers/walker/preflight.py",
     "layers/walker/stream.py",
+    "layers/walker/own_urls.py",
     "failover/attempt.py",
     "failover/send.py",
     "failover/decide.py",

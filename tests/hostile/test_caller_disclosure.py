@@ -188,18 +188,18 @@ async def test_a_link_of_thousands_of_other_hosts_costs_no_address_parse_each(
     # second of the event loop per answer, every other route's requests waiting behind
     # it. A target whose scheme or explicit port is not the upstream's is no origin of
     # its own; the upstream's is worked out once.
-    import fallback_mw.layers.walker.stream as stream
+    import fallback_mw.layers.walker.own_urls as own_urls
 
     link = ", ".join(["<//a>", "<https://b:1/x>", "<http://c:1>"] * 1500)
     calls = 0
-    real_origin = stream.origin
+    real_origin = own_urls.origin
 
     def counted(url: str) -> tuple[str, str, int, str]:
         nonlocal calls
         calls += 1
         return real_origin(url)
 
-    monkeypatch.setattr(stream, "origin", counted)
+    monkeypatch.setattr(own_urls, "origin", counted)
     async with upstream(status_handler(200, b"{}", link=link)) as internal:
         conf: dict[str, Any] = {
             "upstreams": {"internal": {"url": f"{internal.url}/api"}},
