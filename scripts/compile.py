@@ -107,6 +107,7 @@ MODULES = (
     "security/values.py",
     "security/addresses.py",
     "routing.py",
+    "spelling.py",
     "plan.py",
     "credentials.py",
     "injected.py",

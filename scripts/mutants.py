@@ -557,7 +557,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a caller's escaped separator is kept only where no dot segment could climb with it",
         (
             (
-                "routing.py",
+                "spelling.py",
                 '            if any(piece.split(";", 1)[0] in (".", "..") for piece in pieces):\n'
                 "                return None\n",
                 "",

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fallback_mw.config import ConfigError, load_config
-from fallback_mw.routing import PATH_SAFE, RouteTable, caller_spelling, normalise_path
+from fallback_mw.routing import RouteTable, normalise_path
 from fallback_mw.security.fields import (
     CREDENTIAL_HEADERS,
     GATEWAY_HEADER_PREFIX,
@@ -26,6 +26,7 @@ from fallback_mw.security.fields import (
     _forwardable_listed,
     forwardable_request_headers,
 )
+from fallback_mw.spelling import PATH_SAFE, caller_spelling
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -23,7 +23,7 @@ from fallback_mw.health.quota import peek_quota
 from fallback_mw.request.body import BodyAborted, written_like
 from fallback_mw.request.codings import body_coding, unreadable_coding
 from fallback_mw.request.context import AttemptRecord, Headers, RequestBody, RequestContext
-from fallback_mw.routing import PATH_SAFE
+from fallback_mw.spelling import PATH_SAFE
 from fallback_mw.timers import deadline_after
 from fallback_mw.upstream.base import (
     NoChunks,

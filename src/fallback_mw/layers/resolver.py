@@ -27,7 +27,6 @@ from fallback_mw.request.secrets import RequestSecrets, provider_secrets, record
 from fallback_mw.request.types import ASGIApp, Receive, Scope, Send
 from fallback_mw.routing import (
     RouteTable,
-    caller_spelling,
     effective_deadline_ms,
     mount_spelling,
     normalise_path,
@@ -46,6 +45,7 @@ from fallback_mw.security.queries import (
     query_override_methods,
     strip_query_keys,
 )
+from fallback_mw.spelling import caller_spelling
 from fallback_mw.telemetry import Telemetry
 
 # A 503 overloaded's Retry-After: whole seconds, the smallest (slots free as requests end).

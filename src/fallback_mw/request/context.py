@@ -151,7 +151,7 @@ class RequestContext:
     # The request fields the answer was chosen by (the tenant header, a canary's session
     # header), added to the relayed answer's `Vary` (RFC 9110 §12.5.5); (): none of ours.
     vary: tuple[bytes, ...] = ()
-    # The path forwarded when the caller's percent-encoding is kept (routing.caller_spelling:
+    # The path forwarded when the caller's percent-encoding is kept (spelling.caller_spelling:
     # `%2F` inside a segment); None: `path`, quoted.
     spelled_path: str | None = None
     # The candidate whose repeat the walk was waiting out backoff_ms for when the deadline
