@@ -45,7 +45,7 @@ def asker(
     (tokens.py: body size, largest output limit) is made once, and only for an upstream
     that declares `tpm`. `unparsed`: a buffered body that is not JSON as sent, as the
     budget's estimate reads it (decoded from gzip / deflate, an integer of thousands of
-    digits read), so the same estimate counts here (`request.body.estimate_source`)."""
+    digits read), so the same estimate counts here (`request.body_json.estimate_source`)."""
     tokens: list[int] = []
 
     def ask(name: str, upstream: AnyUpstream, repeat: bool) -> Ask:

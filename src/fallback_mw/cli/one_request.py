@@ -24,7 +24,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from fallback_mw.failover.decide import attempt_ceiling, is_replayable
-from fallback_mw.request.body import BYTE_ORDER_MARKS
+from fallback_mw.request.body_json import BYTE_ORDER_MARKS
 from fallback_mw.request.context import (
     AttemptRecord,
     RequestContext,

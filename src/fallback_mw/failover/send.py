@@ -20,7 +20,8 @@ from fallback_mw.failover.decide import Outcome, engine_outcome, local_or, statu
 from fallback_mw.faults import BlackholeSource, FaultSource, NoFaults
 from fallback_mw.health.breaker import upstream_probe_lease
 from fallback_mw.health.quota import peek_quota
-from fallback_mw.request.body import BodyAborted, written_like
+from fallback_mw.request.body import BodyAborted
+from fallback_mw.request.body_json import written_like
 from fallback_mw.request.codings import body_coding, unreadable_coding
 from fallback_mw.request.context import AttemptRecord, Headers, RequestBody, RequestContext
 from fallback_mw.spelling import PATH_SAFE

@@ -54,11 +54,11 @@ from fallback_mw.layers.budget_refusals import (
     unreadable_charset,
     unreadable_coding,
 )
-from fallback_mw.request.body import (
+from fallback_mw.request.body import read_body
+from fallback_mw.request.body_json import (
     NestedTooDeep,
     decoded_request_json,
     estimated_request_json,
-    read_body,
     request_json,
     unreadable_request_charset,
     unreadable_request_coding,

@@ -18,7 +18,7 @@ from fallback_mw.credentials import CredentialCache
 from fallback_mw.injected import require, require_app, require_callable, require_environ
 from fallback_mw.layers.head import as_spelled, identity_headers, requested_deadline_ms
 from fallback_mw.layers.limits import InFlight, byte_fields, header_refusal
-from fallback_mw.request.body import path_model
+from fallback_mw.request.body_json import path_model
 from fallback_mw.request.config_refusal import ConfigRefusal
 from fallback_mw.request.context import SCOPE_KEY, RequestContext
 from fallback_mw.request.local_errors import send_error

@@ -7,7 +7,7 @@ refused here, fail closed.)"""
 from __future__ import annotations
 
 from fallback_mw.config.views import AnySettings
-from fallback_mw.request.body import body_json
+from fallback_mw.request.body_json import body_json
 from fallback_mw.request.context import RequestBody, RequestContext
 from fallback_mw.request.refusals import body_refusal
 from fallback_mw.request.secrets import recordable

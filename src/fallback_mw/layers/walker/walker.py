@@ -42,7 +42,8 @@ from fallback_mw.layers.walker.preflight import refusal
 from fallback_mw.layers.walker.stream import commit
 from fallback_mw.plan import candidate_order, is_canary
 from fallback_mw.python_class import python_class
-from fallback_mw.request.body import estimate_source, read_body, request_json
+from fallback_mw.request.body import read_body
+from fallback_mw.request.body_json import estimate_source, request_json
 from fallback_mw.request.config_refusal import ConfigRefusal
 from fallback_mw.request.context import (
     AttemptRecord,
