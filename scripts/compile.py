@@ -91,6 +91,8 @@ MODULES = (
     "failover/attempt.py",
     "failover/send.py",
     "failover/decide.py",
+    "failover/outcome.py",
+    "failover/replay.py",
     "failover/messages.py",
     "failover/deadline_messages.py",
     "request/context.py",

@@ -61,6 +61,8 @@ ELIGIBILITY_FIND = """        state.replayable
         and state.client_connected"""
 ELIGIBILITY_REPLACE = "        state.client_connected"
 DECIDE = "failover/decide.py"
+REPLAY = "failover/replay.py"
+OUTCOME = "failover/outcome.py"
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +79,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "consumed_body_replayed",
         "a body streamed to one attempt (not buffered) is never sent again",
-        ((DECIDE, "    if not buffered:\n        return False\n", ""),),
+        ((REPLAY, "    if not buffered:\n        return False\n", ""),),
         CONTROLS[1:4],
     ),
     Mutant(
@@ -85,7 +87,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a method outside replayable_methods (POST) is never failed over",
         (
             (
-                DECIDE,
+                REPLAY,
                 "    if method in route.replayable_methods:\n        return True",
                 "    if True:\n        return True",
             ),
@@ -114,7 +116,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "ceiling_guard_alone_removed",
         "the attempt ceiling of 1 for a request that cannot be repeated (the first guard)",
-        ((DECIDE, CEILING_FIND, CEILING_REPLACE),),
+        ((REPLAY, CEILING_FIND, CEILING_REPLACE),),
         CONTROLS,
         expect="survives",
     ),
@@ -128,13 +130,13 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "both_guards_removed",
         "what cannot be repeated: with neither guard the controls must fail",
-        ((DECIDE, CEILING_FIND, CEILING_REPLACE), (DECIDE, ELIGIBILITY_FIND, ELIGIBILITY_REPLACE)),
+        ((REPLAY, CEILING_FIND, CEILING_REPLACE), (DECIDE, ELIGIBILITY_FIND, ELIGIBILITY_REPLACE)),
         CONTROLS,
     ),
     Mutant(
         "ceiling_guard_unit",
         "the first guard on its own: attempt_ceiling is 1 for a request that cannot be repeated",
-        ((DECIDE, CEILING_FIND, CEILING_REPLACE),),
+        ((REPLAY, CEILING_FIND, CEILING_REPLACE),),
         (ASKS + "test_the_ceiling_guard_alone_stops_a_replay",),
     ),
     Mutant(
@@ -482,7 +484,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "outside a credential pool a 429 wins a hedge race and is served as-is",
         (
             (
-                DECIDE,
+                OUTCOME,
                 'return pooled and outcome.kind == "status" and outcome.status in',
                 'return outcome.kind == "status" and outcome.status in',
             ),
@@ -492,7 +494,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "hedge_at_a_fallback",
         "only the plan's first candidate is hedged, never a fallback whose primary was skipped",
-        ((DECIDE, "        and at_first_candidate\n", ""),),
+        ((REPLAY, "        and at_first_candidate\n", ""),),
         (HEDGE + "test_no_hedge_at_the_fallback_when_the_primary_is_skipped",),
     ),
     Mutant(

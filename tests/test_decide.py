@@ -14,13 +14,12 @@ from pathlib import Path
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fallback_mw.failover.decide import (
+from fallback_mw.failover.decide import WalkState, decide
+from fallback_mw.failover.outcome import (
     NO_CANDIDATE,
     NO_OTHER_CREDENTIAL,
     REPEAT_ALLOWANCE_SPENT,
     Outcome,
-    WalkState,
-    decide,
     engine_outcome,
     health_mark,
     is_failover_class,

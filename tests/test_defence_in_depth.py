@@ -21,13 +21,9 @@ import pytest
 from aiohttp import web
 
 from fallback_mw import CredentialInjector, Gateway, PlanWalker, RouteResolver, load_config
-from fallback_mw.failover.decide import (
-    Outcome,
-    WalkState,
-    attempt_ceiling,
-    decide,
-    further_attempt_possible,
-)
+from fallback_mw.failover.decide import WalkState, decide, further_attempt_possible
+from fallback_mw.failover.outcome import Outcome
+from fallback_mw.failover.replay import attempt_ceiling
 from fallback_mw.request.context import RequestContext, get_context
 from fallback_mw.request.types import Receive, Scope, Send
 from tests.helpers import client_for

@@ -1,6 +1,6 @@
-"""Which attempt may be hedged, and which head wins a race (`decide.may_hedge`,
-`decide.fails_in_a_race`): only the walk's first attempt, at the plan's first candidate,
-of a request that can be repeated; an answer outside `failover_status` from an upstream
+"""Which attempt may be hedged, and which head wins a race (`failover.replay.may_hedge`,
+`failover.outcome.fails_in_a_race`): only the walk's first attempt, at the plan's first
+candidate, of a request that can be repeated; an answer outside `failover_status` from an upstream
 without a credential pool (a 429) wins the race and is served as-is (SPEC §5). Each test
 here kills a hand-made mutant no other test did. Real upstream servers, in-process gateway."""
 
@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from fallback_mw import load_config
-from fallback_mw.failover.decide import may_hedge
+from fallback_mw.failover.replay import may_hedge
 from tests.helpers import gateway_client
 from tests.upstreams import Upstream, status_handler, upstream
 

@@ -26,7 +26,7 @@ from opentelemetry.trace import SpanKind, StatusCode, format_span_id, format_tra
 
 from fallback_mw import Gateway
 from fallback_mw.config import RouteConfig
-from fallback_mw.failover.decide import Outcome, OutcomeKind
+from fallback_mw.failover.outcome import Outcome, OutcomeKind
 from fallback_mw.faults import UpstreamFault
 from fallback_mw.health import AlwaysHealthy
 from fallback_mw.request.context import AttemptRecord, RequestContext, Usage

@@ -29,7 +29,7 @@ import anyio
 from fallback_mw.capacity import Ask, CapacityState, asker
 from fallback_mw.config.views import AnyRoute, AnyUpstream
 from fallback_mw.failover.attempt import AttemptLifecycle
-from fallback_mw.failover.decide import is_replayable
+from fallback_mw.failover.replay import is_replayable
 from fallback_mw.failover.send import model_rewritten
 from fallback_mw.faults import FaultSource
 from fallback_mw.health import HealthState

@@ -26,7 +26,7 @@ from fallback_mw.config import (
     command_option,
     load_config,
 )
-from fallback_mw.failover.decide import CREDENTIAL_STATUSES
+from fallback_mw.failover.outcome import CREDENTIAL_STATUSES
 from fallback_mw.quoting import printable
 from fallback_mw.routing import effective_deadline_ms
 from fallback_mw.rules import shown_variable

@@ -27,7 +27,7 @@ from fallback_mw.config import (
     RouteConfig,
     UpstreamConfig,
 )
-from fallback_mw.failover.decide import CREDENTIAL_STATUSES
+from fallback_mw.failover.outcome import CREDENTIAL_STATUSES
 from fallback_mw.routing import RouteTable, effective_deadline_ms
 from fallback_mw.security.fields import DEFAULT_STRIP_HEADERS
 from fallback_mw.security.queries import DEFAULT_STRIP_QUERY_KEYS
@@ -196,7 +196,7 @@ def _slice_warnings(route: RouteConfig) -> list[str]:
             "shadow upstream to copy requests to; set shadow = NAME, or remove shadow_percent"
         )
     # A hedge and a shadow copy each send the request a second time: only a replayable
-    # one (decide.may_hedge, shadow.should_shadow). On a route none of whose requests is,
+    # one (failover.replay.may_hedge, shadow.should_shadow). On a route none of whose requests is,
     # neither is ever sent, and a request not copied is not counted anywhere.
     methods, keyed = replay_kinds(route)
     taken = " ".join(route.accepted_methods)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
-from fallback_mw.failover.decide import attempt_ceiling, is_replayable
+from fallback_mw.failover.replay import attempt_ceiling, is_replayable
 from fallback_mw.request.body_json import BYTE_ORDER_MARKS
 from fallback_mw.request.context import (
     AttemptRecord,
@@ -261,7 +261,7 @@ def trace_of(exchange: Exchange, *, show_body: bool = False) -> dict[str, Any]:
 
 def _ceiling(context: RequestContext) -> int:
     """The ceiling this request walked under: 1 + retries, or 1 when it cannot be repeated
-    (the walker's own rule, `decide.attempt_ceiling`)."""
+    (the walker's own rule, `failover.replay.attempt_ceiling`)."""
     body = context.body
     replayable = body is not None and is_replayable(
         context.route,

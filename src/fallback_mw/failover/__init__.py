@@ -1,3 +1,4 @@
-"""The failover rules (`decide`: the SPEC §5 rules, pure) and the attempt lifecycle
-(`attempt`: the gates (the breaker, then capacity), start, run, finish, lose the race),
-used by the walker, its hedge and the shadow copy alike."""
+"""The failover rules, pure: what an attempt's outcome is (`outcome`), whether a request
+may be sent again (`replay`), the next action after any outcome (`decide`); and the
+attempt lifecycle (`attempt`: the gates (the breaker, then capacity), start, run, finish,
+lose the race), used by the walker, its hedge and the shadow copy alike."""

@@ -6,7 +6,7 @@ repeat allowance), `cancel` (through the gates, never started), `start` (the rec
 its span), `run` (the upstream request: `failover.send.AttemptRunner`), `finish` (the
 record, the span, the health marks) and `lose` (the loser of a hedge race). The walk
 loop, the hedge and the shadow copy all go through it; `mark_health` is the one place
-`decide.health_mark` is applied to breakers and credentials.
+`failover.outcome.health_mark` is applied to breakers and credentials.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import anyio
 
 from fallback_mw.capacity import Ask, CapacityState, Reservation, reported_tokens
 from fallback_mw.config.views import AnyUpstream
-from fallback_mw.failover.decide import Outcome, fails_in_a_race, health_mark
+from fallback_mw.failover.outcome import Outcome, fails_in_a_race, health_mark
 from fallback_mw.failover.send import AttemptResult, AttemptRunner, _derived
 from fallback_mw.faults import FaultSource
 from fallback_mw.health import Admission, HealthState
@@ -181,7 +181,7 @@ class AttemptLifecycle:
         self, record: AttemptRecord, outcome: Outcome, response: UpstreamResponse | None
     ) -> Coroutine[Any, Any, bool | None]:
         """Finish the attempt's record and telemetry; feed health with upstream outcomes only
-        (`decide.health_mark`): a local outcome frees a half-open probe slot and marks
+        (`failover.outcome.health_mark`): a local outcome frees a half-open probe slot and marks
         nothing. The record is finished at the call; the marks are the coroutine returned."""
         record.duration = time.monotonic() - record.started
         record.status = outcome.status

@@ -5,7 +5,7 @@ candidates, and the setting that would change it. failover/messages.py says the 
 from __future__ import annotations
 
 from fallback_mw.config import RouteConfig, UpstreamConfig, command_option
-from fallback_mw.failover.decide import replay_rule
+from fallback_mw.failover.replay import replay_rule
 from fallback_mw.request.context import AttemptRecord, RequestContext
 from fallback_mw.store.model import fallback_name, primary_name
 

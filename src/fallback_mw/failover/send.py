@@ -16,7 +16,7 @@ from urllib.parse import quote
 
 from fallback_mw.config.views import AnyUpstream
 from fallback_mw.credentials import PLAIN_CODINGS, unmaskable_answer
-from fallback_mw.failover.decide import Outcome, engine_outcome, local_or, status_outcome
+from fallback_mw.failover.outcome import Outcome, engine_outcome, local_or, status_outcome
 from fallback_mw.faults import BlackholeSource, FaultSource, NoFaults
 from fallback_mw.health.breaker import upstream_probe_lease
 from fallback_mw.health.quota import peek_quota
@@ -135,8 +135,8 @@ class AttemptRunner:
         # The buffered body is already what the candidate takes (a shadow copy's, its
         # `model` rewritten when the copy was taken): sent as it is.
         self.rendered = rendered
-        # The walk's own verdict (decide.is_replayable): the engine may send such a request
-        # again on a new connection when a kept-alive one was lost under it.
+        # The walk's own verdict (failover.replay.is_replayable): the engine may send such a
+        # request again on a new connection when a kept-alive one was lost under it.
         self.replayable = replayable
         self.parsed = parsed
         self.client = client
@@ -320,7 +320,7 @@ class AttemptRunner:
         return status_outcome(response.status), response
 
     def _local_or(self, outcome: Outcome) -> Outcome:
-        """The body's facts, for `decide.local_or` (the rule is decided there)."""
+        """The body's facts, for `failover.outcome.local_or` (the rule is decided there)."""
         body = self.body
         return local_or(
             outcome,

@@ -289,7 +289,7 @@ class UpstreamRequest:
     # of it left the gateway, so no rpm / tpm count is kept for it). None: an engine that
     # says nothing (a host's own, written from the protocol): what it was handed is sent.
     slot_taken: bool | None = None
-    # The walk may send this request again (decide.is_replayable: its method, its body
+    # The walk may send this request again (failover.replay.is_replayable: its method, its body
     # buffered): then, lost on a kept-alive connection, it goes again on a new one
     # (`resend_on_new_connection`).
     replayable: bool = False

@@ -22,7 +22,7 @@ from typing import NamedTuple, Protocol
 
 from fallback_mw.capacity import Reservation
 from fallback_mw.config.views import AnyUpstream
-from fallback_mw.failover.decide import (
+from fallback_mw.failover.outcome import (
     NO_CANDIDATE,
     NO_OTHER_CREDENTIAL,
     REPEAT_ALLOWANCE_SPENT,

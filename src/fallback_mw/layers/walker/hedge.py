@@ -6,7 +6,8 @@ attempt at the same primary races it. It is an attempt like any other: it counts
 the ceiling and is admitted by the breaker. The first response head that is not
 failover-class wins (a 503 while the other attempt still runs is finished as the failure
 it is, and the race goes on); the loser is cancelled and its response closed, so its
-connection is released. Whether the walk's attempt is hedged at all is `decide.may_hedge`.
+connection is released. Whether the walk's attempt is hedged at all is
+`failover.replay.may_hedge`.
 
 `first_head` is the race itself, free of gateway types; `run_hedged` runs it with the
 request's attempt lifecycle (reservation, start, run, lose the race) and the cursor (which
@@ -23,7 +24,7 @@ from typing import Any, TypeVar
 import anyio
 
 from fallback_mw.failover.attempt import AttemptLifecycle
-from fallback_mw.failover.decide import fails_in_a_race
+from fallback_mw.failover.outcome import fails_in_a_race
 from fallback_mw.failover.send import AttemptResult
 from fallback_mw.layers.walker.cursor import CandidateCursor, Pick
 from fallback_mw.request.context import AttemptRecord

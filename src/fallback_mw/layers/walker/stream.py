@@ -5,14 +5,14 @@ the one owner of the upstream response from the commit on; it closes it in a shi
 `finally` (the engines' `aclose` completes even under cancellation). It meters the
 response too: each relayed chunk goes to a `UsageMeter` that fills `context.usage`, which
 the walker's `tpm` settlement, the budget guard and telemetry read. A relay that fails
-returns what ended it (`decide.relay_outcome`), for the walker to book on its attempt."""
+returns what ended it (`failover.outcome.relay_outcome`), for the walker to book on its attempt."""
 
 from __future__ import annotations
 
 import zlib
 
 from fallback_mw.credentials import EchoMask, echoes_credential, without_echoed_credentials
-from fallback_mw.failover.decide import Outcome, relay_outcome
+from fallback_mw.failover.outcome import Outcome, relay_outcome
 from fallback_mw.layers.walker.own_urls import linked_here, located_here
 from fallback_mw.request.body import content_length
 from fallback_mw.request.codings import BodyDecoder, body_coding, content_decoder

@@ -19,17 +19,14 @@ from fallback_mw.credentials import CredentialCache, apply_hygiene
 from fallback_mw.failover.attempt import AttemptLifecycle
 from fallback_mw.failover.decide import (
     Decision,
-    Outcome,
     WalkState,
-    attempt_ceiling,
     decide,
     further_attempt_possible,
-    is_keyed_post,
-    may_hedge,
-    replay_rule,
     walk_state,
 )
 from fallback_mw.failover.messages import error_message
+from fallback_mw.failover.outcome import Outcome
+from fallback_mw.failover.replay import attempt_ceiling, is_keyed_post, may_hedge, replay_rule
 from fallback_mw.faults import FaultSource, NoFaults
 from fallback_mw.health import HealthState
 from fallback_mw.health.pool import affinity_key
@@ -464,7 +461,7 @@ class _Walk:
     def _aborted(self, outcome: Outcome, record: AttemptRecord | None) -> None:
         """The relay failed after the commit point: the attempt whose response it was says
         how, and `decide` why no failover followed (the rule for the log line, the usage
-        record and the trace). Nothing reaches health (`decide.health_mark`)."""
+        record and the trace). Nothing reaches health (`failover.outcome.health_mark`)."""
         decision = decide(outcome, self.state())
         self.context.rule = decision.rule
         if record is not None:
