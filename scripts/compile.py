@@ -81,6 +81,8 @@ MODULES = (
     "layers/injector.py",
     "layers/limits.py",
     "layers/walker/walker.py",
+    "layers/walker/walk.py",
+    "layers/walker/retry_after.py",
     "layers/walker/cursor.py",
     "layers/walker/disconnect.py",
     "layers/walker/hedge.py",

@@ -180,7 +180,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "no backoff before a different candidate; backoff_ms only before a repeat",
         (
             (
-                "layers/walker/walker.py",
+                "layers/walker/walk.py",
                 "if pick.repeat and self.route.backoff_ms:",
                 "if self.route.backoff_ms and context.attempt_count:",
             ),
@@ -190,7 +190,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "backoff_never",
         "backoff_ms before repeating a candidate already tried",
-        (("layers/walker/walker.py", "if pick.repeat and self.route.backoff_ms:", "if False:"),),
+        (("layers/walker/walk.py", "if pick.repeat and self.route.backoff_ms:", "if False:"),),
         (ASKS + "test_backoff_only_before_repeating_a_candidate",),
     ),
     Mutant(
@@ -223,7 +223,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "session affinity keyed by (route, model, session), not the session alone",
         (
             (
-                "layers/walker/walker.py",
+                "layers/walker/walk.py",
                 "affinity_key(self.route.id, context.request_model, context.session),",
                 "context.session,",
             ),
