@@ -90,6 +90,7 @@ MODULES = (
     "layers/walker/preflight.py",
     "layers/walker/stream.py",
     "layers/walker/own_urls.py",
+    "layers/walker/via.py",
     "failover/attempt.py",
     "failover/send.py",
     "failover/decide.py",

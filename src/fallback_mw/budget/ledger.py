@@ -219,6 +219,7 @@ REFUSED_BEFORE_THE_PLAN = (
     "request_too_large",
     "bad_request",
     "request_timeout",
+    "loop_detected",
 )
 PER_MINUTE_FILTER = "(outcome IS NULL OR attempts <> '[]' OR outcome NOT IN ({}))".format(
     ", ".join(f"'{outcome}'" for outcome in REFUSED_BEFORE_THE_PLAN)

@@ -21,6 +21,7 @@ STATUS_FOR_CODE = {
     "headers_too_large": 431,
     "overloaded": 503,
     "method_not_allowed": 405,
+    "loop_detected": 508,
     "config_error": 503,
 }
 
@@ -36,6 +37,7 @@ DEFAULT_RULE = {
     "method_not_allowed": "methods",
     "route_exhausted": "no_candidate",
     "deadline_exceeded": "deadline",
+    "loop_detected": "loop",
 }
 
 

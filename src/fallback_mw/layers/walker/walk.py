@@ -34,6 +34,7 @@ from fallback_mw.layers.walker.max_forwards import MAX_FORWARDS_METHODS, answere
 from fallback_mw.layers.walker.preflight import refusal
 from fallback_mw.layers.walker.retry_after import retry_after
 from fallback_mw.layers.walker.stream import commit
+from fallback_mw.layers.walker.via import came_back, refuse_loop
 from fallback_mw.plan import candidate_order, is_canary
 from fallback_mw.request.body import read_body
 from fallback_mw.request.body_json import estimate_source, request_json
@@ -56,6 +57,7 @@ class Walker(Protocol):
     capacity: CapacityState
     telemetry: Telemetry
     shadows: ShadowTraffic
+    via_secret: bytes
 
 
 class _Walk:
@@ -88,6 +90,9 @@ class _Walk:
             if refused[0] == "method_not_allowed":
                 allow = [(b"allow", ", ".join(self.route.accepted_methods).encode())]
             await send_error(self.send, context, *refused, headers=allow)
+            return
+        if came_back(context, walker.via_secret, self.scope):
+            await refuse_loop(self.send, context)
             return
         if context.method in MAX_FORWARDS_METHODS and await answered_here(self.send, context):
             return

@@ -14,6 +14,7 @@ from fallback_mw.credentials import CredentialCache, apply_hygiene
 from fallback_mw.faults import FaultSource
 from fallback_mw.health import HealthState
 from fallback_mw.injected import require, require_app, require_client, require_environ
+from fallback_mw.layers.walker.via import walker_secret
 from fallback_mw.layers.walker.walk import _Walk
 from fallback_mw.python_class import python_class
 from fallback_mw.request.config_refusal import ConfigRefusal
@@ -100,6 +101,7 @@ class PlanWalker:
         self.shadows: ShadowTraffic = self.services.shadows
         # Used alone (no injector in front): the same hygiene, from the same function.
         self._credentials = CredentialCache(environ)
+        self.via_secret = walker_secret()  # how a request that comes back is known (via.py)
 
     # A module function, not an `async def` here: compiled (scripts/compile.py), a Python
     # class's coroutine method is no coroutine function to `inspect`, and uvicorn or

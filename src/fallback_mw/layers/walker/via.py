@@ -1,0 +1,78 @@
+"""`Via` on each request the gateway forwards (RFC 9110 §7.6.3: a gateway sends it in
+each inbound request), and the request that comes back. Two gateways whose plans name each
+other (team A's plan names team B's gateway, B's names A's), or a plan naming its own
+gateway by another spelling, sent each request round for ever: each hop strips what the
+last one added (`x-gateway-*`), each attempt is a new request with a deadline of its own,
+and the caller's hanging up ended only the front of it (thousands of requests a second,
+long after the caller's 504). A walker names itself, per route, with a pseudonym (never a
+host, port or route id: a `Via` reaches every upstream) and refuses a request whose `Via`
+already names it for that route: 508 `loop_detected`, before any attempt. Per route: a
+plan may name another route of its own gateway (`front` -> `pool` -> the model), which
+passes the gateway twice and ends. `serve --workers N` runs N walkers, so a loop through
+it may pass it up to N times before one of them sees its own name."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from functools import lru_cache
+
+from fallback_mw.request.context import RequestContext
+from fallback_mw.request.local_errors import send_error
+from fallback_mw.request.types import Scope, Send
+
+_FIELD = b"via"
+# The openai and anthropic SDKs retry a 5xx unless told not to: each retry would go round
+# again to the same answer.
+NO_RETRY = (b"x-should-retry", b"false")
+
+
+def walker_secret() -> bytes:
+    """What a walker's names in `Via` are made from: random per walker, so two gateways in
+    one process (a host app mounting team A's and team B's) have names of their own."""
+    return secrets.token_bytes(16)
+
+
+@lru_cache(maxsize=4096)
+def received_by(secret: bytes, route_id: str) -> bytes:
+    """The walker's name in `Via` for one route (made once per route, not per request)."""
+    digest = hashlib.sha256(secret + b"\0" + route_id.encode("utf-8", "replace")).hexdigest()
+    return b"fallback-mw-" + digest[:16].encode()
+
+
+def came_back(context: RequestContext, secret: bytes, scope: Scope) -> bool:
+    """Whether the request came back to this walker's route (`refuse_loop` answers it);
+    else the walker's own entry is added to `context.forward_headers` after the caller's
+    (RFC 9110 §7.6.3: in the order the hops were made). Not a coroutine: every request
+    asks, and almost none is refused."""
+    name = received_by(secret, context.route.id)
+    headers = context.forward_headers
+    for field, value in headers:
+        if field == _FIELD and value.find(name) >= 0 and _named(value, name):
+            return True
+    version = scope.get("http_version", "1.1")
+    headers.append((_FIELD, version.encode("latin-1", "replace") + b" " + name))
+    return False
+
+
+async def refuse_loop(send: Send, context: RequestContext) -> None:
+    message = loop_message(context.route.id)
+    await send_error(send, context, "loop_detected", message, headers=[NO_RETRY])
+
+
+def _named(value: bytes, received_by: bytes) -> bool:
+    # `Via: 1.1 name [(comment)], 1.0 other`: received-by is each member's second word.
+    for member in value.split(b","):
+        words = member.split()
+        if len(words) >= 2 and words[1] == received_by:
+            return True
+    return False
+
+
+def loop_message(route_id: str) -> str:
+    return (
+        "this request already passed through this gateway (its Via names it): a plan on "
+        f"its way here, route {route_id!r} or one of a gateway it forwards to, names a "
+        "gateway that forwards back to this one, or this gateway itself by another name; "
+        "remove that candidate from the plan: nothing was sent upstream"
+    )

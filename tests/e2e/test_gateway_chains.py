@@ -1,0 +1,211 @@
+"""A gateway in front of another gateway, as platform teams chain them: two (or one)
+`fallback-mw serve` processes on real sockets, each one's plan naming the other."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import AsyncIterator
+from contextlib import ExitStack, asynccontextmanager
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+
+from tests.helpers import free_port, log_text, serve_process, wait_listening
+from tests.upstreams import status_handler, upstream
+
+pytestmark = pytest.mark.e2e
+
+A_KEY = "team-a-secret-51c9e0"
+B_KEY = "team-b-secret-7d22f4"
+CALLER_KEY = "caller-secret-0be381"
+REQUEST_LINE = "gateway request route="
+
+
+def gateway_config(path: Path, route_id: str, upstream_url: str, env: str) -> Path:
+    path.write_text(
+        f"""
+[gateway]
+allow_hosts = ["127.0.0.1", "localhost"]
+deadline_ms = 4000
+
+[upstreams.next]
+url = "{upstream_url}"
+auth_env = "{env}"
+
+[[routes]]
+id = "{route_id}"
+prefix = "/v1/"
+plan = ["next"]
+""",
+        encoding="utf-8",
+    )
+    return path
+
+
+@asynccontextmanager
+async def gateways(tmp_path: Path, *configs: tuple[Path, int]) -> AsyncIterator[list[Path]]:
+    env = dict(os.environ, TEAM_A_KEY=A_KEY, TEAM_B_KEY=B_KEY, OTEL_TRACES_EXPORTER="none")
+    env["OTEL_METRICS_EXPORTER"] = "none"
+    logs = [tmp_path / f"serve-{port}.log" for _, port in configs]
+    with ExitStack() as stack:
+        processes = [
+            stack.enter_context(serve_process(config, port, log, env=env))
+            for (config, port), log in zip(configs, logs, strict=True)
+        ]
+        for process, (_, port), log in zip(processes, configs, logs, strict=True):
+            await wait_listening(process, port, log)
+        yield logs
+
+
+def request_lines(logs: list[Path]) -> list[str]:
+    return [line for log in logs for line in log_text(log).splitlines() if REQUEST_LINE in line]
+
+
+async def wait_for_line(logs: list[Path], needle: str, limit: float = 30.0) -> None:
+    """Until a request line holding `needle` is written (after the answer, at the end)."""
+    deadline = time.monotonic() + limit
+    while not any(needle in line for line in request_lines(logs)):
+        assert time.monotonic() < deadline, "\n".join(request_lines(logs)[-5:])
+        await anyio.sleep(0.05)
+
+
+@pytest.mark.anyio
+async def test_two_gateways_whose_plans_name_each_other_end_the_loop_at_once(
+    tmp_path: Path,
+) -> None:
+    """Team A's plan names team B's gateway, and B's names A's. Each gateway stripped what
+    the other sent and forwarded it again: one request became a stream of requests going
+    round (thousands a second) that never ended, not even after the caller got its 504.
+    Now the gateway that sees a request come back refuses it (508 `loop_detected`), and
+    that answer goes back out: three requests in all."""
+    port_a, port_b = free_port(), free_port()
+    config_a = gateway_config(
+        tmp_path / "a.toml", "team-a", f"http://127.0.0.1:{port_b}", "TEAM_A_KEY"
+    )
+    config_b = gateway_config(
+        tmp_path / "b.toml", "team-b", f"http://127.0.0.1:{port_a}", "TEAM_B_KEY"
+    )
+    async with gateways(tmp_path, (config_a, port_a), (config_b, port_b)) as logs:
+        started = time.monotonic()
+        async with httpx.AsyncClient(timeout=60) as client:
+            answer = await client.get(
+                f"http://127.0.0.1:{port_a}/v1/models",
+                headers={"authorization": f"Bearer {CALLER_KEY}"},
+            )
+        elapsed = time.monotonic() - started
+        assert answer.status_code == 508, answer.text
+        # Each line is written as its request ends: the caller's (A's first) last.
+        await wait_for_line(logs[1:], "route=team-b outcome=served status=508")
+        await wait_for_line(logs[:1], "route=team-a outcome=served status=508")
+        lines = request_lines(logs)
+    error = answer.json()["error"]
+    assert error["code"] == "loop_detected"
+    assert error["rule"] == "loop"
+    assert error["route"] == "team-a"  # refused where it came back: A, on its way round
+    assert "'team-a'" in error["message"] and "plan" in error["message"]
+    # The caller reads who answered it: A, through its candidate `next` (B).
+    assert answer.headers["x-gateway-route"] == "team-a"
+    assert answer.headers["x-gateway-provider"] == "next"
+    assert answer.headers.get_list("x-gateway-route") == ["team-a"]
+    assert answer.headers["x-should-retry"] == "false"  # a retry would go round again
+    assert elapsed < 30  # no deadline ran out
+    # Caller -> A -> B -> A (refused): three requests, the first two answered by relay.
+    assert len(lines) == 3, "\n".join(lines[:10])
+    assert sum("route=team-a" in line for line in lines) == 2
+    for secret in (A_KEY, B_KEY, CALLER_KEY):
+        assert all(secret not in log_text(log) for log in logs)
+
+
+@pytest.mark.anyio
+async def test_a_plan_naming_its_own_gateway_by_another_name_ends_at_once(tmp_path: Path) -> None:
+    """A plan whose candidate is the gateway itself, spelled `localhost` rather than the
+    address it serves on: each request was forwarded to itself again and again."""
+    port = free_port()
+    config = gateway_config(tmp_path / "a.toml", "team-a", f"http://localhost:{port}", "TEAM_A_KEY")
+    async with gateways(tmp_path, (config, port)) as logs:
+        async with httpx.AsyncClient(timeout=60) as client:
+            answer = await client.get(f"http://127.0.0.1:{port}/v1/models")
+        assert answer.status_code == 508, answer.text
+        await wait_for_line(logs, "status=508 chosen=next")
+        lines = request_lines(logs)
+    assert answer.json()["error"]["code"] == "loop_detected"
+    assert len(lines) == 2, "\n".join(lines[:10])
+
+
+@pytest.mark.anyio
+async def test_a_chain_of_two_gateways_serves_and_says_so_in_via(tmp_path: Path) -> None:
+    """A -> B -> upstream is a chain, not a loop: served. Each gateway names itself in
+    `Via` (RFC 9110 §7.6.3: a gateway sends it in each request it forwards) with a
+    pseudonym, never a host or port; the upstream gets B's key only."""
+    async with upstream(status_handler(200, b'{"ok": true}')) as model:
+        port_a, port_b = free_port(), free_port()
+        config_a = gateway_config(
+            tmp_path / "a.toml", "team-a", f"http://127.0.0.1:{port_b}", "TEAM_A_KEY"
+        )
+        config_b = gateway_config(tmp_path / "b.toml", "team-b", model.url, "TEAM_B_KEY")
+        async with (
+            gateways(tmp_path, (config_a, port_a), (config_b, port_b)),
+            httpx.AsyncClient(timeout=60) as client,
+        ):
+            answer = await client.get(
+                f"http://127.0.0.1:{port_a}/v1/models",
+                headers={"authorization": f"Bearer {CALLER_KEY}", "via": "1.1 corp-proxy"},
+            )
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-gateway-route"] == "team-a"
+    assert model.count == 1
+    headers = model.received[0].headers
+    assert dict(headers)["authorization"] == f"Bearer {B_KEY}"
+    via = ", ".join(value for name, value in headers if name == "via")
+    entries = [entry.strip().split() for entry in via.split(",")]
+    assert entries[0] == ["1.1", "corp-proxy"]  # the caller's, kept in order
+    assert len(entries) == 3
+    for protocol, pseudonym in entries[1:]:
+        assert protocol == "1.1"
+        assert pseudonym.startswith("fallback-mw-")
+        assert str(port_a) not in pseudonym and str(port_b) not in pseudonym
+    assert entries[1] != entries[2]  # two gateways, two names
+
+
+@pytest.mark.anyio
+async def test_a_plan_naming_another_route_of_its_own_gateway_is_a_chain(tmp_path: Path) -> None:
+    """Route `front`'s plan names its own gateway's route `pool` (by its `/pool` path), whose
+    plan names the model: the request passes the gateway twice, each time by another route,
+    and is served. Only a request that comes back to a route it already passed is a loop."""
+    async with upstream(status_handler(200, b'{"ok": true}')) as model:
+        port = free_port()
+        config = tmp_path / "gateway.toml"
+        config.write_text(
+            f"""
+[gateway]
+allow_hosts = ["127.0.0.1", "localhost"]
+
+[upstreams.pool]
+url = "http://localhost:{port}/pool"
+auth_env = "TEAM_A_KEY"
+
+[upstreams.model]
+url = "{model.url}"
+auth_env = "TEAM_B_KEY"
+
+[[routes]]
+id = "front"
+prefix = "/v1/"
+plan = ["pool"]
+
+[[routes]]
+id = "pool"
+prefix = "/pool/"
+plan = ["model"]
+""",
+            encoding="utf-8",
+        )
+        async with gateways(tmp_path, (config, port)), httpx.AsyncClient(timeout=60) as client:
+            answer = await client.get(f"http://127.0.0.1:{port}/v1/models")
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-gateway-route"] == "front"
+    assert model.count == 1
+    assert model.received[0].path == "/pool/v1/models"
