@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import AsyncIterator
@@ -12,9 +13,10 @@ from pathlib import Path
 import anyio
 import httpx
 import pytest
+from aiohttp import web
 
 from tests.helpers import free_port, log_text, serve_process, wait_listening
-from tests.upstreams import status_handler, upstream
+from tests.upstreams import closed_port_url, status_handler, upstream
 
 pytestmark = pytest.mark.e2e
 
@@ -209,3 +211,136 @@ plan = ["model"]
     assert answer.headers["x-gateway-route"] == "front"
     assert model.count == 1
     assert model.received[0].path == "/pool/v1/models"
+
+
+@pytest.mark.anyio
+async def test_the_inner_gateways_answers_reach_the_caller_under_the_outer_rules(
+    tmp_path: Path,
+) -> None:
+    """Team B's refusals are statuses to team A's walk: its 402 is relayed as it came (not
+    in `failover_status`), naming B's route in its body; its 502 `upstream_failed` fails
+    over to A's next candidate. The caller reads A's `x-gateway-*` fields, once each: B's,
+    and those an upstream forges, are not relayed."""
+    forged = {"x-gateway-provider": "forged", "x-gateway-attempts": "99"}
+    async with (
+        upstream(status_handler(200, b'{"ok": true}', **forged)) as model,
+        upstream(status_handler(200, b'{"direct": true}', **forged)) as direct,
+    ):
+        port_a, port_b = free_port(), free_port()
+        config_b = tmp_path / "b.toml"
+        config_b.write_text(
+            f"""
+[gateway]
+allow_hosts = ["127.0.0.1"]
+
+[budgets.spent]
+limit = 0.000001
+window = "total"
+default_hold = 0.01
+
+[upstreams.model]
+url = "{model.url}"
+auth_env = "TEAM_B_KEY"
+
+[upstreams.gone]
+url = "{closed_port_url()}"
+auth_env = "TEAM_B_KEY"
+
+[[routes]]
+id = "b-budget"
+prefix = "/v1/"
+plan = ["model"]
+budget = "spent"
+
+[[routes]]
+id = "b-down"
+prefix = "/down/"
+plan = ["gone"]
+""",
+            encoding="utf-8",
+        )
+        config_a = tmp_path / "a.toml"
+        config_a.write_text(
+            f"""
+[gateway]
+allow_hosts = ["127.0.0.1"]
+
+[upstreams.teamb]
+url = "http://127.0.0.1:{port_b}"
+auth_env = "TEAM_A_KEY"
+
+[upstreams.direct]
+url = "{direct.url}"
+auth_env = "TEAM_A_KEY"
+
+[[routes]]
+id = "team-a"
+prefix = "/"
+plan = ["teamb", "direct"]
+retries = 1
+""",
+            encoding="utf-8",
+        )
+        async with (
+            gateways(tmp_path, (config_a, port_a), (config_b, port_b)),
+            httpx.AsyncClient(base_url=f"http://127.0.0.1:{port_a}", timeout=60) as client,
+        ):
+            refused = await client.get("/v1/models")
+            failed_over = await client.get("/down/models")
+    assert refused.status_code == 402, refused.text
+    assert refused.json()["error"]["code"] == "budget_exceeded"
+    assert refused.json()["error"]["route"] == "b-budget"  # who refused: B's route
+    assert refused.headers.get_list("x-gateway-route") == ["team-a"]
+    assert refused.headers.get_list("x-gateway-provider") == ["teamb"]
+    assert refused.headers.get_list("x-gateway-attempts") == ["1"]
+    assert failed_over.status_code == 200, failed_over.text
+    assert failed_over.json() == {"direct": True}
+    assert failed_over.headers.get_list("x-gateway-provider") == ["direct"]
+    assert failed_over.headers.get_list("x-gateway-attempts") == ["2"]
+    assert model.count == 0 and direct.count == 1
+
+
+@pytest.mark.anyio
+async def test_a_caller_leaving_a_stream_through_two_gateways_closes_the_models_stream(
+    tmp_path: Path,
+) -> None:
+    """SSE through A and B: the caller reads two events and hangs up; A cancels its attempt,
+    B sees its caller gone and closes its connection to the model, which stops streaming."""
+    closed: list[int] = []
+    gone = anyio.Event()
+
+    async def events(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        number = 0
+        try:
+            for number in range(600):  # a minute of events
+                await response.write(f"data: {number}\n\n".encode())
+                await asyncio.sleep(0.1)
+        finally:
+            # Cancelled (the connection closed: handler_cancellation) or a write refused.
+            closed.append(number)
+            gone.set()
+        return response
+
+    async with upstream(events) as model:
+        port_a, port_b = free_port(), free_port()
+        config_a = gateway_config(
+            tmp_path / "a.toml", "team-a", f"http://127.0.0.1:{port_b}", "TEAM_A_KEY"
+        )
+        config_b = gateway_config(tmp_path / "b.toml", "team-b", model.url, "TEAM_B_KEY")
+        async with (
+            gateways(tmp_path, (config_a, port_a), (config_b, port_b)),
+            httpx.AsyncClient(timeout=60) as client,
+        ):
+            seen = []
+            async with client.stream("GET", f"http://127.0.0.1:{port_a}/v1/stream") as answer:
+                async for line in answer.aiter_lines():
+                    if line.startswith("data:"):
+                        seen.append(line)
+                    if len(seen) == 2:
+                        break
+            with anyio.fail_after(30):
+                await gone.wait()
+    assert seen == ["data: 0", "data: 1"]
+    assert closed[0] < 300  # stopped well before the stream's end
