@@ -18,6 +18,7 @@ from typing import Any
 from fallback_mw.cli.app import Console, Failed, Refused, leaf
 from fallback_mw.cli.check import resolve_routes
 from fallback_mw.cli.config_warnings import config_warnings
+from fallback_mw.cli.own_address import upstream_at_own_address
 from fallback_mw.cli.serve_logging import CutRequestLine, configure_logging, uvicorn_colours
 from fallback_mw.cli.serve_options import (
     bind_host,
@@ -140,6 +141,10 @@ def serve(args: argparse.Namespace, console: Console) -> int | None:
     # "serving on" (a start that fails stays one error line); its Redis line aside: the
     # gateway says an unusable Redis itself, at its start.
     merged, from_store, ledger_version = resolve_routes(config)
+    # An upstream at serve's own address would route each request back to itself, for ever.
+    looped = upstream_at_own_address(merged, args.host, args.port)
+    if looped is not None:
+        raise Refused(looped)
     warnings = config_warnings(args.config, config, merged, from_store, ledger_version).lines()
     # The Prometheus exporter: one port per worker, none of them the gateway's, checked up
     # front (with --port 0, once the supervisor has the port; one process cannot clash).
