@@ -10,7 +10,7 @@ import re
 import socket
 import ssl
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import httpcore
@@ -53,21 +53,22 @@ class GuardedNetworkBackend(httpcore.AsyncNetworkBackend):
         if timeout is not None:
             timeout = max(timeout - (time.monotonic() - started), 0.001)
         options = list(socket_options) if socket_options is not None else None
-        last_error: Exception | None = None
-        for address in addresses:
-            try:
-                stream = await self._inner.connect_tcp(
-                    address,
-                    port,
-                    timeout=timeout,
-                    local_address=local_address,
-                    socket_options=options,
-                )
-                return EarlyAnswerStream(stream)
-            except (httpcore.ConnectError, httpcore.ConnectTimeout, OSError) as exc:
-                last_error = exc
-        assert last_error is not None
-        raise last_error
+
+        async def connect(address: str) -> httpcore.AsyncNetworkStream:
+            return await self._inner.connect_tcp(
+                address, port, timeout=None, local_address=local_address, socket_options=options
+            )
+
+        # One connect timeout for every address, as aiohttp's sock_connect has it: one
+        # each held a name with N silent addresses N times connect_timeout_ms.
+        try:
+            async with asyncio.timeout(timeout):
+                stream = await first_connected(interleaved(addresses), connect)
+        except TimeoutError:
+            raise httpcore.ConnectTimeout(
+                f"no address of the upstream's host answered within {timeout:g} s"
+            ) from None
+        return EarlyAnswerStream(stream)
 
     async def connect_unix_socket(
         self,
@@ -79,6 +80,72 @@ class GuardedNetworkBackend(httpcore.AsyncNetworkBackend):
 
     async def sleep(self, seconds: float) -> None:
         await self._inner.sleep(seconds)
+
+
+# RFC 8305 §5's Connection Attempt Delay, the one aiohttp's connector (aiohappyeyeballs)
+# uses: a next address is tried this long after the previous began, or as soon as it failed.
+NEXT_ADDRESS_AFTER = 0.25
+
+
+def interleaved(addresses: Sequence[str]) -> list[str]:
+    """The resolved addresses with the families taking turns, the first address's family
+    first (RFC 8305 §4, as aiohttp orders them): a broken IPv6 path costs one delay, not
+    one per IPv6 address ahead of the first IPv4 one."""
+    sixes = [address for address in addresses if ":" in address]
+    fours = [address for address in addresses if ":" not in address]
+    first, second = (sixes, fours) if addresses and ":" in addresses[0] else (fours, sixes)
+    turns: list[str] = []
+    for index in range(max(len(first), len(second))):
+        turns.extend(family[index] for family in (first, second) if index < len(family))
+    return turns
+
+
+async def first_connected(
+    addresses: Sequence[str],
+    connect: Callable[[str], Awaitable[httpcore.AsyncNetworkStream]],
+) -> httpcore.AsyncNetworkStream:
+    """Happy eyeballs (RFC 8305): connect to each address in turn, starting the next one
+    NEXT_ADDRESS_AFTER after the previous began or as soon as it failed, and keep the first
+    connection made; the others are cancelled or closed. Tried one after another with the
+    whole connect timeout each (httpcore's own way), a silent first address (a dropping
+    firewall, an IPv6 path with no route back) cost every new connection that timeout,
+    where the aiohttp engine waited 250 ms. Raises the last address's error when none
+    connects."""
+    if len(addresses) == 1:
+        return await connect(addresses[0])  # an IP literal's, most names': no race to run
+    queue = list(addresses)
+    running: set[asyncio.Task[httpcore.AsyncNetworkStream]] = set()
+    failure: BaseException | None = None
+    try:
+        while queue or running:
+            if queue:
+                running.add(asyncio.ensure_future(connect(queue.pop(0))))
+            done, running = await asyncio.wait(
+                running,
+                timeout=NEXT_ADDRESS_AFTER if queue else None,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            connected = [task for task in done if task.exception() is None]
+            if connected:
+                for extra in connected[1:]:  # connected in the same instant: not needed
+                    await extra.result().aclose()
+                return connected[0].result()
+            failure = next(iter(done)).exception() if done else failure
+    finally:
+        for task in running:
+            task.cancel()
+        if running:
+            await _closed(running)
+    assert failure is not None
+    raise failure
+
+
+async def _closed(tasks: set[asyncio.Task[httpcore.AsyncNetworkStream]]) -> None:
+    """Waits for the cancelled attempts to end; one that connected all the same is closed."""
+    await asyncio.wait(tasks)
+    for task in tasks:
+        if not task.cancelled() and task.exception() is None:
+            await task.result().aclose()
 
 
 class HeadRecorder:
