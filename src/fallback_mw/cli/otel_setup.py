@@ -43,6 +43,7 @@ from fallback_mw.cli.otel_env import (
     protocol,
 )
 from fallback_mw.cli.otel_log_filter import hide_url_secrets
+from fallback_mw.cli.serve_options import host_port
 
 _log = logging.getLogger("fallback_mw.telemetry")
 
@@ -136,8 +137,8 @@ def _prometheus_reader(handle: OtelHandle, environ: Mapping[str, str], offset: i
         server, _thread = start_http_server(port, addr=host, registry=registry)
     except OSError as exc:
         raise TelemetrySetupError(
-            f"OTEL_EXPORTER_PROMETHEUS_HOST/_PORT: cannot serve /metrics on {host}:{port} "
-            f"({exc.strerror or type(exc).__name__})"
+            "OTEL_EXPORTER_PROMETHEUS_HOST/_PORT: cannot serve /metrics on "
+            f"{host_port(host, port)} ({exc.strerror or type(exc).__name__})"
         ) from None
     handle._servers.append(server)
     bound = server.server_address

@@ -23,6 +23,7 @@ from fallback_mw.cli.serve_logging import CutRequestLine, configure_logging, uvi
 from fallback_mw.cli.serve_options import (
     bind_host,
     graceful_seconds,
+    host_port,
     keep_alive_seconds,
     port_number,
     worker_count,
@@ -210,8 +211,7 @@ def announce(console: Console, line: str) -> None:
 
 def address(sock: socket.socket) -> str:
     bound = sock.getsockname()
-    where = f"[{bound[0]}]" if sock.family == socket.AF_INET6 else bound[0]
-    return f"http://{where}:{bound[1]}"
+    return f"http://{host_port(bound[0], bound[1])}"
 
 
 def run_server(
@@ -277,7 +277,10 @@ def run_server(
         metrics_host, metrics_port = telemetry.prometheus_address
         # Best effort, as every line of serve's own (a worker's replacement whose reader is
         # gone, a stdout closed): the gateway serves all the same.
-        announce(console, f"metrics on http://{metrics_host}:{metrics_port}/metrics (Prometheus)")
+        announce(
+            console,
+            f"metrics on http://{host_port(metrics_host, metrics_port)}/metrics (Prometheus)",
+        )
     try:
         gateway = Gateway(not_found_app, config=config)
         if gateway.config_error is not None:  # e.g. a store route the file's rules refuse
@@ -331,7 +334,7 @@ def listen_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.s
     except OSError as exc:
         sock.close()
         reason = "address already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
-        raise Failed(f"cannot listen on {host}:{port}: {reason}") from None
+        raise Failed(f"cannot listen on {host_port(host, port)}: {reason}") from None
     sock.set_inheritable(True)
     return sock
 

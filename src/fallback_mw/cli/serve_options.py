@@ -21,13 +21,23 @@ def port_number(value: str) -> int:
 def bind_host(value: str) -> str:
     """argparse type: the address to listen on, never empty. The socket API reads an empty
     host as every interface: `--host "$GATEWAY_HOST"` with the variable unset put the
-    gateway, and the credentials it injects, on every network the machine is on."""
+    gateway, and the credentials it injects, on every network the machine is on. An IPv6
+    address in the brackets a URL writes it in (`[::1]`, as serve prints its own) is that
+    address: the socket API read it as a name ("Name or service not known")."""
     if not value.strip():
         raise argparse.ArgumentTypeError(
             "empty (an unset variable?): give the address to listen on, "
             "127.0.0.1 for this machine only, or 0.0.0.0 for every interface"
         )
+    if value.startswith("[") and value.endswith("]") and ":" in value:
+        return value[1:-1]
     return value
+
+
+def host_port(host: str, port: int) -> str:
+    """`host:port` as a URL writes it: an IPv6 address in brackets (`[::1]:8000`; `::1:8000`
+    reads as one address with no port)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def worker_count(value: str) -> int:
