@@ -7,15 +7,18 @@ cd "$(dirname "$0")/.."
 source scripts/venv.sh
 # Said before anything is installed: what leaves .venv, and why.
 if [ -z "${FALLBACK_MW_NO_APT:-}" ]; then
-    echo "test.sh: two system tools come from Debian packages, installed with apt-get only" \
+    echo "test.sh: three system tools come from Debian packages, installed with apt-get only" \
          "when missing and only as root or with passwordless sudo:" >&2
     echo "  prometheus  its promtool checks the shipped alert rules (tests/test_alert_rules.py);" \
          "the server scrapes a real serve with them loaded (tests/e2e/test_prometheus.py)" >&2
     echo "  chromium    headless, renders the eval / gameday HTML reports (tests/browser.py)" >&2
-    echo "  (FALLBACK_MW_NO_APT=1 installs neither: those tests skip, or fail under CI=true)" >&2
+    echo "  libnss-wrapper  host names from a file for serve's name-resolution tests" \
+         "(tests/e2e/test_serve_names.py)" >&2
+    echo "  (FALLBACK_MW_NO_APT=1 installs none: those tests skip, or fail under CI=true)" >&2
 fi
 source scripts/promtool.sh
 source scripts/chromium.sh
+source scripts/nss_wrapper.sh
 
 failed=()
 echo "== ruff check, ruff format --check"
