@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import ExitStack, asynccontextmanager, contextmanager, suppress
 from pathlib import Path
 
+import anyio
 import httpx
 import pytest
 from aiohttp import web
@@ -209,3 +210,35 @@ async def test_a_name_whose_first_address_is_silent_is_served_from_the_next(
     assert answer.status_code == 200 and answer.text == "answered", log_text(log)
     assert answering.count == 1
     assert took < 2.0, f"{engine}: {took:.2f} s past a silent first address"
+
+
+@pytest.mark.anyio
+async def test_serve_listens_on_a_name_that_has_only_an_ipv6_address(
+    tmp_path: Path, hosts: Hosts
+) -> None:
+    """`--host NAME` was bound as IPv4 whatever the name: one with only an IPv6 address (an
+    IPv6-only host's own name) was `cannot listen on NAME:PORT: Name or service not known`,
+    exit 1, though it resolves."""
+    port, gateway = free_port(), free_port()
+    hosts.set(("::1", "v6only.test"))
+    config = _config(tmp_path, f"http://127.0.0.1:{port}", ["127.0.0.1"], "aiohttp")
+    log = tmp_path / "serve.log"
+    async with listening("127.0.0.1", port, "answered"):
+        with serve_process(
+            config, gateway, log, env=_environ(hosts), options=("--host", "v6only.test")
+        ) as process:
+            with anyio.fail_after(60):
+                while True:  # bound when it says so, listening once uvicorn has started
+                    if process.poll() is not None:
+                        pytest.fail(f"serve exited ({process.returncode}): {log_text(log)}")
+                    try:
+                        stream = await anyio.connect_tcp("::1", gateway)
+                    except OSError:
+                        await anyio.sleep(0.05)
+                        continue
+                    await stream.aclose()
+                    break
+            assert f"serving on http://[::1]:{gateway} " in log_text(log)
+            async with httpx.AsyncClient(timeout=15) as client:
+                answer = await client.get(f"http://[::1]:{gateway}/v1/x")
+    assert answer.status_code == 200 and answer.text == "answered", log_text(log)

@@ -12,6 +12,7 @@ import socket
 from collections.abc import Iterable
 from urllib.parse import urlsplit
 
+from fallback_mw.cli.serve_options import listen_family
 from fallback_mw.config.upstream import UpstreamConfig
 from fallback_mw.security.addresses import IPAddress, parse_ip
 from fallback_mw.store.routes import MergedRoutes
@@ -55,7 +56,7 @@ def _is_this_machine(address: IPAddress) -> bool:
 def reaches_listener(url: str, bind_host: str, bind_port: int) -> bool:
     """Whether a connection to `url`'s host and port lands on a socket serve bound to
     `bind_host`:`bind_port` (an IP literal, a wildcard, or a name such as `localhost`, bound
-    as `listen_socket` binds it: IPv6 when it holds a colon). A wildcard `::` takes IPv4
+    in the family `listen_socket` binds it in: `listen_family`). A wildcard `::` takes IPv4
     connections too (dual stack, as serve binds it); `0.0.0.0` IPv4 ones only."""
     parts = urlsplit(url)
     try:
@@ -64,8 +65,8 @@ def reaches_listener(url: str, bind_host: str, bind_port: int) -> bool:
         return False
     if port != bind_port or not parts.hostname:
         return False
-    six = ":" in bind_host
-    bound = _resolved(bind_host.strip("[]"), socket.AF_INET6 if six else socket.AF_INET)
+    six = listen_family(bind_host) == socket.AF_INET6
+    bound = _resolved(bind_host, socket.AF_INET6 if six else socket.AF_INET)
     for target in _resolved(parts.hostname):
         for address in bound:
             if address.is_unspecified:

@@ -25,6 +25,7 @@ from fallback_mw.cli.serve_options import (
     graceful_seconds,
     host_port,
     keep_alive_seconds,
+    listen_family,
     port_number,
     worker_count,
 )
@@ -324,8 +325,7 @@ def listen_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.s
     `fallback-mw: error:` line and exit 1, not uvicorn's log lines and exit 3. With
     `reuse_port` (SO_REUSEPORT: `serve --workers`), every worker binds its own socket to
     the same address and the kernel spreads new connections across them."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(listen_family(host), socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if reuse_port:

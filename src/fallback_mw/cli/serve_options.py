@@ -4,6 +4,8 @@ empty), a worker count, and seconds within bounds. `demo` and `eval` take a port
 from __future__ import annotations
 
 import argparse
+import contextlib
+import socket
 from collections.abc import Callable
 
 
@@ -32,6 +34,22 @@ def bind_host(value: str) -> str:
     if value.startswith("[") and value.endswith("]") and ":" in value:
         return value[1:-1]
     return value
+
+
+def listen_family(host: str) -> socket.AddressFamily:
+    """The address family serve binds `host` in: IPv6 for an IPv6 address; for a name, IPv4
+    when it has an IPv4 address (as uvicorn binds one), else IPv6: a name with only an IPv6
+    address (an IPv6-only host's own) was bound as IPv4, "Address family for hostname not
+    supported", exit 1."""
+    if ":" in host:
+        return socket.AF_INET6
+    try:
+        socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        with contextlib.suppress(OSError, UnicodeError):
+            socket.getaddrinfo(host, None, socket.AF_INET6, socket.SOCK_STREAM)
+            return socket.AF_INET6
+    return socket.AF_INET
 
 
 def host_port(host: str, port: int) -> str:
