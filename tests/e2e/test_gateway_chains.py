@@ -122,17 +122,48 @@ async def test_two_gateways_whose_plans_name_each_other_end_the_loop_at_once(
 
 
 @pytest.mark.anyio
-async def test_a_plan_naming_its_own_gateway_by_another_name_ends_at_once(tmp_path: Path) -> None:
-    """A plan whose candidate is the gateway itself, spelled `localhost` rather than the
-    address it serves on: each request was forwarded to itself again and again."""
+async def test_a_plan_naming_its_own_gateway_through_a_relay_ends_at_once(
+    tmp_path: Path,
+) -> None:
+    """A plan whose candidate is the gateway itself behind something serve cannot see
+    through at start (a TCP relay, a port forward; a plain `localhost` spelling of its own
+    address is refused at start, tests/e2e/test_serve_own_address.py): each request was
+    forwarded to itself again and again."""
     port = free_port()
-    config = gateway_config(tmp_path / "a.toml", "team-a", f"http://localhost:{port}", "TEAM_A_KEY")
-    async with gateways(tmp_path, (config, port)) as logs:
-        async with httpx.AsyncClient(timeout=60) as client:
-            answer = await client.get(f"http://127.0.0.1:{port}/v1/models")
-        assert answer.status_code == 508, answer.text
-        await wait_for_line(logs, "status=508 chosen=next")
-        lines = request_lines(logs)
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while chunk := await reader.read(65536):
+                writer.write(chunk)
+                await writer.drain()
+        except OSError:
+            pass
+        finally:
+            writer.close()
+
+    async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            inner_reader, inner_writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            writer.close()
+            return
+        await asyncio.gather(pipe(reader, inner_writer), pipe(inner_reader, writer))
+
+    server = await asyncio.start_server(relay, "127.0.0.1", 0)
+    relay_port = server.sockets[0].getsockname()[1]
+    config = gateway_config(
+        tmp_path / "a.toml", "team-a", f"http://127.0.0.1:{relay_port}", "TEAM_A_KEY"
+    )
+    try:
+        async with gateways(tmp_path, (config, port)) as logs:
+            async with httpx.AsyncClient(timeout=60) as client:
+                answer = await client.get(f"http://127.0.0.1:{port}/v1/models")
+            assert answer.status_code == 508, answer.text
+            await wait_for_line(logs, "status=508 chosen=next")
+            lines = request_lines(logs)
+    finally:
+        server.close()
+        await server.wait_closed()
     assert answer.json()["error"]["code"] == "loop_detected"
     assert len(lines) == 2, "\n".join(lines[:10])
 

@@ -87,12 +87,18 @@ def _used(merged: MergedRoutes) -> Iterable[tuple[str, UpstreamConfig]]:
 
 
 def upstream_at_own_address(merged: MergedRoutes, bind_host: str, bind_port: int) -> str | None:
-    """The refusal, when a routed upstream's URL or its egress proxy is serve's own address;
-    None otherwise (and with `--port 0`, whose port no configuration can name)."""
+    """The refusal, when a routed upstream's URL (without a base path: each request would
+    come back to the route it matched) or its egress proxy is serve's own address; None
+    otherwise (and with `--port 0`, whose port no configuration can name)."""
     if bind_port == 0:
         return None
     for name, upstream in _used(merged):
         for key, url in (("url", upstream.url), ("proxy", upstream.proxy)):
+            if key == "url" and url is not None and urlsplit(url).path.strip("/"):
+                # A base path (`http://localhost:8000/pool`) sends each request to another
+                # route of this gateway: a chain, not a loop (a request that does come
+                # back to a route it passed is the walker's 508, layers/walker/via.py).
+                continue
             if url is not None and reaches_listener(url, bind_host, bind_port):
                 return (
                     f"upstream {name!r}: its {key} {url} is the gateway's own address "
