@@ -1,0 +1,134 @@
+"""STYLE.md's shape of a layer, held by the source: every ASGI middleware class in src/
+takes the app it wraps first and positional-only and its options keyword-only
+(`__init__(self, app, /, *, ...)`, as Starlette's middleware does), and is called as a
+coroutine function (`async def __call__`, or a module coroutine assigned to `__call__` as
+the plan walker's is). Seconds: the source is parsed, nothing is served. The checker is
+checked on planted classes."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "src" / "fallback_mw"
+
+# The classes the checker must find (a checker that finds none passes vacuously).
+LAYERS = {"Gateway", "RouteResolver", "BudgetGuard", "CredentialInjector", "PlanWalker"}
+
+
+def _coroutines(tree: ast.Module) -> set[str]:
+    return {node.name for node in tree.body if isinstance(node, ast.AsyncFunctionDef)}
+
+
+def _wraps_an_app(init: ast.FunctionDef) -> bool:
+    """An `__init__` taking the app it wraps, in whatever place."""
+    args = init.args
+    return any(arg.arg == "app" for arg in [*args.posonlyargs, *args.args, *args.kwonlyargs])
+
+
+def layer_problems(source: str) -> dict[str, list[str]]:
+    """Each ASGI middleware class in `source` (its `__init__` takes the `app` it wraps),
+    with what its shape breaks. An ASGI app that wraps none (the configuration refusal)
+    is no middleware."""
+    tree = ast.parse(source)
+    coroutines = _coroutines(tree)
+    found: dict[str, list[str]] = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        init: ast.FunctionDef | None = None
+        call: ast.stmt | None = None
+        for item in node.body:
+            if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+                init = item
+            elif isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
+                if item.name == "__call__":
+                    call = item
+            elif isinstance(item, ast.Assign) and any(
+                isinstance(target, ast.Name) and target.id == "__call__" for target in item.targets
+            ):
+                call = item
+        if init is None or not _wraps_an_app(init):
+            continue
+        problems = found.setdefault(node.name, [])
+        args = init.args
+        if [arg.arg for arg in args.posonlyargs] != ["self", "app"]:
+            problems.append("`app` is not the only positional-only parameter after self")
+        if args.args or args.vararg is not None:
+            problems.append("options are not keyword-only (`*` after `app, /`)")
+        if isinstance(call, ast.AsyncFunctionDef):
+            continue
+        if isinstance(call, ast.Assign) and isinstance(call.value, ast.Name):
+            if call.value.id not in coroutines:
+                problems.append(f"__call__ = {call.value.id}, not a module coroutine")
+        else:
+            problems.append("__call__ is not a coroutine function")
+    return found
+
+
+def test_every_asgi_layer_takes_the_app_positional_only_and_options_keyword_only() -> None:
+    shapes: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for name, problems in layer_problems(path.read_text(encoding="utf-8")).items():
+            shapes[f"{path.relative_to(PACKAGE)}:{name}"] = problems
+    assert {key.rsplit(":", 1)[1] for key in shapes} >= LAYERS, shapes
+    assert {key: problems for key, problems in shapes.items() if problems} == {}
+
+
+PLANTED = {
+    "app keyword-able": """
+class Layer:
+    def __init__(self, app, *, config): ...
+    async def __call__(self, scope, receive, send): ...
+""",
+    "options positional": """
+class Layer:
+    def __init__(self, app, /, config): ...
+    async def __call__(self, scope, receive, send): ...
+""",
+    "a synchronous __call__": """
+class Layer:
+    def __init__(self, app, /, *, config): ...
+    def __call__(self, scope, receive, send): ...
+""",
+    "app keyword-only": """
+class Layer:
+    def __init__(self, *, app, config): ...
+    async def __call__(self, scope, receive, send): ...
+""",
+    "no __call__": """
+class Layer:
+    def __init__(self, app, /, *, config): ...
+""",
+    "__call__ a plain function": """
+def serve(self, scope, receive, send): ...
+class Layer:
+    def __init__(self, app, /, *, config): ...
+    __call__ = serve
+""",
+}
+
+
+@pytest.mark.parametrize("shape", sorted(PLANTED))
+def test_the_checker_finds_each_planted_shape(shape: str) -> None:
+    assert layer_problems(PLANTED[shape])["Layer"], shape
+
+
+def test_the_checker_passes_the_anchors_shape() -> None:
+    source = """
+async def serve(self, scope, receive, send): ...
+class Layer:
+    def __init__(self, app, /, *, config): ...
+    async def __call__(self, scope, receive, send): ...
+class Walker:
+    def __init__(self, app, /, *, config): ...
+    __call__ = serve
+class NotALayer:
+    def __init__(self, limit): ...
+class AnAppNotAMiddleware:
+    def __init__(self, error): ...
+    async def __call__(self, scope, receive, send): ...
+"""
+    assert layer_problems(source) == {"Layer": [], "Walker": []}
