@@ -987,18 +987,28 @@ async def test_a_fallback_that_rewrites_the_model_is_skipped_for_a_body_it_canno
     assert p.count == 2 and b.count == 0  # never sent without the model it needs
 
 
-async def test_redirects_are_never_followed(engine: str) -> None:
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+@pytest.mark.parametrize("method", ["GET", "POST"])
+async def test_redirects_are_never_followed(engine: str, status: int, method: str) -> None:
+    # Every redirect status, to a metadata address and to an upstream the allowlist admits
+    # (the backup, which counts what reaches it): relayed to the caller, never followed.
     async def redirect(request: web.Request) -> web.StreamResponse:
-        return web.Response(status=302, headers={"location": "http://169.254.169.254/latest"})
+        location = request.query.get("to", "http://169.254.169.254/latest")
+        return web.Response(status=status, headers={"location": location})
 
     async with upstream(redirect) as p, upstream(status_handler(200)) as b:
-        gateway = Gateway(host_app, config=make_config(p.url, b.url, engine=engine), environ=ENV)
+        conf = make_config(p.url, b.url, engine=engine, replayable_methods=["GET", "POST"])
+        gateway = Gateway(host_app, config=conf, environ=ENV)
         async with client_for(gateway) as client:
-            response = await client.get("/v1/x")
+            metadata = await client.request(method, "/v1/x", content=b"{}")
+            allowed = await client.request(
+                method, "/v1/x", params={"to": b.url + "/v1/x"}, content=b"{}"
+            )
         await gateway.aclose()
-    assert response.status_code == 302
-    assert response.headers["location"] == "http://169.254.169.254/latest"
-    assert p.count == 1 and b.count == 0
+    assert (metadata.status_code, allowed.status_code) == (status, status)
+    assert metadata.headers["location"] == "http://169.254.169.254/latest"
+    assert allowed.headers["location"] == b.url + "/v1/x"
+    assert p.count == 2 and b.count == 0
 
 
 async def located(request: web.Request) -> web.StreamResponse:
