@@ -2,14 +2,17 @@
 takes the app it wraps first and positional-only and its options keyword-only
 (`__init__(self, app, /, *, ...)`, as Starlette's middleware does), and is called as a
 coroutine function (`async def __call__`, or a module coroutine assigned to `__call__` as
-the plan walker's is). Seconds: the source is parsed, nothing is served. The checker is
-checked on planted classes."""
+the plan walker's is). And what only the command line uses lives under cli/ (no module
+beside the request path that only the command tree imports; grimp's graph, as
+import-linter's). Seconds: the source is parsed, nothing is served. Each checker is
+checked on planted code."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
+import grimp
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "src" / "fallback_mw"
@@ -132,3 +135,33 @@ class AnAppNotAMiddleware:
     async def __call__(self, scope, receive, send): ...
 """
     assert layer_problems(source) == {"Layer": [], "Walker": []}
+
+
+def cli_only(graph: grimp.ImportGraph) -> dict[str, list[str]]:
+    """Modules outside `fallback_mw.cli` that only the command tree imports, with their
+    importers (a module nothing imports, a package or an entry point, is not one)."""
+    found: dict[str, list[str]] = {}
+    for module in sorted(graph.modules):
+        if not module.startswith("fallback_mw.") or module.startswith("fallback_mw.cli"):
+            continue
+        importers = graph.find_modules_that_directly_import(module)
+        if importers and all(name.startswith("fallback_mw.cli") for name in importers):
+            found[module] = sorted(importers)
+    return found
+
+
+def test_what_only_the_command_line_uses_lives_under_cli() -> None:
+    # STYLE.md: evaluation, game days, one request, serve's server guard, the OTel setup
+    # live under cli/; the import-linter contract keeps the request path from importing
+    # them, this keeps what only they use from sitting beside the request path.
+    assert cli_only(grimp.build_graph("fallback_mw")) == {}
+
+
+def test_the_cli_check_sees_a_planted_module() -> None:
+    graph = grimp.ImportGraph()
+    graph.add_import(importer="fallback_mw.cli.serve", imported="fallback_mw.serve_guard")
+    graph.add_import(importer="fallback_mw.cli.serve", imported="fallback_mw.gateway")
+    graph.add_import(importer="fallback_mw.django", imported="fallback_mw.gateway")
+    assert cli_only(graph) == {"fallback_mw.serve_guard": ["fallback_mw.cli.serve"]}
+    graph.add_import(importer="fallback_mw.gateway", imported="fallback_mw.serve_guard")
+    assert cli_only(graph) == {}
