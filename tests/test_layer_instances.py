@@ -1,15 +1,21 @@
 """Nothing per-request on a shared instance (STYLE.md; OpenTelemetry's ASGI bug, where one
 request reported another's size because the middleware kept it on itself): after many
 concurrent requests of every outcome kind, the Gateway's and each of its four layers'
-attributes are the same objects holding the same values as before them. The requests run
-interleaved through the real Gateway (a raw ASGI harness, so a caller can leave mid-stream)
-against real aiohttp upstreams on 127.0.0.1."""
+attributes are the same objects holding the same values as before them. And the
+configuration is computed once, when the layers are built: serving those requests parses
+or validates none of it. The requests run interleaved through the real Gateway (a raw ASGI
+harness, so a caller can leave mid-stream) against real aiohttp upstreams on 127.0.0.1."""
 
 from __future__ import annotations
 
 import asyncio
+import sys
+from collections import Counter
+from pathlib import Path
+from types import FrameType
 from typing import Any
 
+import pydantic
 import pytest
 from aiohttp import web
 
@@ -182,3 +188,40 @@ async def test_no_layer_keeps_anything_of_a_request_on_itself() -> None:
             await gateway.aclose()
     for name in before:
         assert after[name] == before[name], name
+
+
+PYDANTIC = str(Path(pydantic.__file__).parent)
+CONFIG = str(Path(__file__).resolve().parent.parent / "src" / "fallback_mw" / "config")
+# What a local error's message quotes of the configuration: text, no parsing.
+CONFIG_TEXT = {"budget_section", "command_option"}
+
+
+async def test_no_configuration_is_parsed_or_validated_while_serving() -> None:
+    ran: Counter[str] = Counter()
+
+    def profile(frame: FrameType, event: str, arg: object) -> None:
+        if event != "call":
+            return
+        code = frame.f_code
+        if code.co_filename.startswith(PYDANTIC):
+            ran[f"pydantic: {code.co_name}"] += 1
+        elif code.co_filename.startswith(CONFIG) and code.co_name not in CONFIG_TEXT:
+            ran[f"{Path(code.co_filename).name}: {code.co_name}"] += 1
+
+    async with upstream(primary) as p, upstream(status_handler(200, b"backup")) as b:
+        gateway = Gateway(host_app, config=config(p.url, b.url), environ=ENV)
+        try:
+            for caller, (kind, status) in enumerate(list(KINDS.items()) * 2):
+                method, path, body, leave = kind
+                if caller >= len(KINDS):  # after one of each: built what a layer builds lazily
+                    sys.setprofile(profile)
+                try:
+                    got = await call(
+                        gateway, method, path, body, caller=caller, leave_after_first_chunk=leave
+                    )
+                finally:
+                    sys.setprofile(None)
+                assert got == status, kind
+        finally:
+            await gateway.aclose()
+    assert ran == {}
