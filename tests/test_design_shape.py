@@ -4,7 +4,8 @@ takes the app it wraps first and positional-only and its options keyword-only
 coroutine function (`async def __call__`, or a module coroutine assigned to `__call__` as
 the plan walker's is). And what only the command line uses lives under cli/ (no module
 beside the request path that only the command tree imports; grimp's graph, as
-import-linter's). Seconds: the source is parsed, nothing is served. Each checker is
+import-linter's), and every local error is sent by the shared writer (no layer starts a
+response of its own making). Seconds: the source is parsed, nothing is served. Each checker is
 checked on planted code."""
 
 from __future__ import annotations
@@ -165,3 +166,44 @@ def test_the_cli_check_sees_a_planted_module() -> None:
     assert cli_only(graph) == {"fallback_mw.serve_guard": ["fallback_mw.cli.serve"]}
     graph.add_import(importer="fallback_mw.gateway", imported="fallback_mw.serve_guard")
     assert cli_only(graph) == {}
+
+
+# Where a response may start (an `http.response.start` message is built): the shared
+# local-error writer and the configuration refusal (below all four layers), the relay of an
+# upstream's answer, and the gateway's own answer to a Max-Forwards: 0 (TRACE / OPTIONS).
+RESPONSE_STARTS = {
+    "request/local_errors.py",
+    "request/config_refusal.py",
+    "layers/walker/stream.py",
+    "layers/walker/max_forwards.py",
+}
+
+
+def starts_a_response(source: str) -> bool:
+    """Whether `source` builds an `http.response.start` message (a dict literal holding it)."""
+    return any(
+        isinstance(node, ast.Dict)
+        and any(
+            isinstance(value, ast.Constant) and value.value == "http.response.start"
+            for value in node.values
+        )
+        for node in ast.walk(ast.parse(source))
+    )
+
+
+def test_every_local_error_goes_through_the_shared_writer() -> None:
+    # STYLE.md: each layer answers for itself, through the shared local-error writer (its
+    # JSON shape, the rule, the gateway headers); the command tree's own servers aside.
+    starting = {
+        str(path.relative_to(PACKAGE))
+        for path in PACKAGE.rglob("*.py")
+        if "cli" not in path.relative_to(PACKAGE).parts
+        and starts_a_response(path.read_text(encoding="utf-8"))
+    }
+    assert starting == RESPONSE_STARTS
+
+
+def test_the_response_check_sees_a_planted_start() -> None:
+    planted = 'async def refuse(send):\n    await send({"type": "http.response.start"})\n'
+    assert starts_a_response(planted)
+    assert not starts_a_response('if message["type"] == "http.response.start": pass\n')
