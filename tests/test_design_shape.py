@@ -1,12 +1,12 @@
-"""STYLE.md's shape of a layer, held by the source: every ASGI middleware class in src/
+"""STYLE.md's shape of the code, held by the source. Every ASGI middleware class in src/
 takes the app it wraps first and positional-only and its options keyword-only
 (`__init__(self, app, /, *, ...)`, as Starlette's middleware does), and is called as a
 coroutine function (`async def __call__`, or a module coroutine assigned to `__call__` as
-the plan walker's is). And what only the command line uses lives under cli/ (no module
-beside the request path that only the command tree imports; grimp's graph, as
-import-linter's), and every local error is sent by the shared writer (no layer starts a
-response of its own making). Seconds: the source is parsed, nothing is served. Each checker is
-checked on planted code."""
+the plan walker's is). What only the command line uses lives under cli/ (no module beside
+the request path that only the command tree imports; grimp's graph, as import-linter's).
+Every local error is sent by the shared writer (no layer starts a response of its own
+making). No module is over 400 lines. Seconds: the source is parsed, nothing is served.
+Each checker is checked on planted code."""
 
 from __future__ import annotations
 
@@ -207,3 +207,15 @@ def test_the_response_check_sees_a_planted_start() -> None:
     planted = 'async def refuse(send):\n    await send({"type": "http.response.start"})\n'
     assert starts_a_response(planted)
     assert not starts_a_response('if message["type"] == "http.response.start": pass\n')
+
+
+MAX_LINES = 400  # a module read in one sitting; past it, split by decision (STYLE.md)
+
+
+def test_every_module_is_small_enough_to_read_in_one_sitting() -> None:
+    lines = {
+        str(path.relative_to(PACKAGE)): len(path.read_text(encoding="utf-8").splitlines())
+        for path in PACKAGE.rglob("*.py")
+    }
+    assert len(lines) > 100  # the package itself was read
+    assert {module: n for module, n in lines.items() if n > MAX_LINES} == {}
