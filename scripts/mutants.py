@@ -42,6 +42,8 @@ ASKS = "tests/test_defence_in_depth.py::"
 POOL = "tests/test_credential_pool.py::"
 HEDGE = "tests/test_hedge_rules.py::"
 SECRET_EDGES = "tests/test_telemetry_secret_edges.py::"
+POOLED = "tests/test_pool_returned.py::test_no_connection_is_left_checked_out_after_any_outcome"
+INSTANCES = "tests/test_layer_instances.py::"
 
 # The design's negative controls for what cannot be repeated (SPEC §5).
 CONTROLS = (
@@ -732,6 +734,103 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             "tests/hostile/test_unmaskable_bodiless.py::"
             "test_a_bodiless_answer_in_a_coding_the_mask_cannot_read_is_relayed[HEAD-200-aiohttp]",
+        ),
+    ),
+    # --- STYLE.md's design rules (docs/failover.md: the controls after the table's last) ---
+    Mutant(
+        "redirect_followed_aiohttp",
+        "an upstream's redirect is relayed to the caller, never followed (aiohttp engine)",
+        (("upstream/aiohttp_engine.py", "allow_redirects=False,", "allow_redirects=True,"),),
+        (WALKER + "test_redirects_are_never_followed",),
+    ),
+    Mutant(
+        "redirect_followed_httpx",
+        "an upstream's redirect is relayed to the caller, never followed (httpx engine)",
+        (
+            (
+                "upstream/httpx_engine.py",
+                "stream=True, follow_redirects=False)",
+                "stream=True, follow_redirects=True)",
+            ),
+        ),
+        (WALKER + "test_redirects_are_never_followed",),
+    ),
+    Mutant(
+        "relay_buffered",
+        "a streamed answer is relayed chunk by chunk, never collected first",
+        (
+            (
+                "layers/walker/stream.py",
+                "                async for chunk in chunks:\n",
+                '                whole = b"".join([piece async for piece in chunks])\n'
+                "                for chunk in [whole]:\n",
+            ),
+        ),
+        (
+            "tests/test_relay_unbuffered.py::"
+            "test_the_first_chunk_reaches_the_client_before_the_upstream_sends_the_second"
+            "[text/event-stream-aiohttp]",
+        ),
+    ),
+    Mutant(
+        "unread_answer_connection_kept",
+        "an answer closed unread gives its connection back (closed), never left acquired",
+        (
+            (
+                "upstream/aiohttp_engine.py",
+                "            # An unread body: the connection cannot be reused safely.\n"
+                "            self._response.close()\n",
+                "            pass\n",
+            ),
+        ),
+        (POOLED + "[aiohttp]",),
+    ),
+    Mutant(
+        "httpx_answer_never_closed",
+        "the httpx engine closes every answer it hands out (its connection back to the pool)",
+        (("upstream/httpx_response.py", "        await asyncio.shield(self._close())\n", ""),),
+        (POOLED + "[httpx]",),
+    ),
+    Mutant(
+        "layer_keeps_the_tenant",
+        "nothing of a request is kept on a shared layer instance",
+        (
+            (
+                "layers/injector.py",
+                "        if isinstance(context, RequestContext):\n",
+                "        if isinstance(context, RequestContext):\n"
+                "            self.tenant = context.tenant\n",
+            ),
+        ),
+        (INSTANCES + "test_no_layer_keeps_anything_of_a_request_on_itself",),
+    ),
+    Mutant(
+        "configuration_parsed_per_request",
+        "the configuration is parsed and validated once, when a layer is built",
+        (
+            (
+                "layers/injector.py",
+                "        context = scope.get(SCOPE_KEY)",
+                '        as_config({"upstreams": {}, "routes": []})\n'
+                "        context = scope.get(SCOPE_KEY)",
+            ),
+        ),
+        (INSTANCES + "test_no_configuration_is_parsed_or_validated_while_serving",),
+    ),
+    Mutant(
+        "unrouted_request_stripped",
+        "a request no route matches reaches the host app untouched (its credentials are its own)",
+        (
+            (
+                "layers/resolver.py",
+                "        raw_path = raw_routed_path(scope)\n",
+                '        scope["headers"] = [f for f in headers if f[0] != b"authorization"]\n'
+                "        raw_path = raw_routed_path(scope)\n",
+            ),
+        ),
+        (
+            "tests/test_unrouted_untouched.py::"
+            "test_a_request_no_route_matches_reaches_the_host_app_untouched",
         ),
     ),
 )
