@@ -773,6 +773,22 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "upload_read_whole",
+        "an upload past replay_buffer with its length streams to the upstream as it arrives",
+        (
+            (
+                "request/body.py",
+                "    head_limit = settings.replay_buffer if declared is not None else limit\n",
+                "    head_limit = limit\n",
+            ),
+        ),
+        (
+            "tests/test_relay_unbuffered.py::"
+            "test_an_upload_past_replay_buffer_reaches_the_upstream_before_the_caller_sends_the_rest"
+            "[aiohttp]",
+        ),
+    ),
+    Mutant(
         "unread_answer_connection_kept",
         "an answer closed unread gives its connection back (closed), never left acquired",
         (
