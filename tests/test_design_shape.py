@@ -219,3 +219,47 @@ def test_every_module_is_small_enough_to_read_in_one_sitting() -> None:
     }
     assert len(lines) > 100  # the package itself was read
     assert {module: n for module, n in lines.items() if n > MAX_LINES} == {}
+
+
+FOUR = ("resolver", "guard", "injector", "walker")
+
+
+def shared_in_layers(graph: grimp.ImportGraph) -> dict[str, list[str]]:
+    """Modules in fallback_mw.layers beside the four layers' own that more than one layer
+    imports (directly or through others), with those layers."""
+
+    def layer_of(module: str) -> str | None:
+        parts = module.split(".")
+        if parts[:2] == ["fallback_mw", "layers"] and len(parts) > 2 and parts[2] in FOUR:
+            return parts[2]
+        return None
+
+    shared: dict[str, list[str]] = {}
+    for module in sorted(graph.modules):
+        if not module.startswith("fallback_mw.layers.") or layer_of(module) is not None:
+            continue
+        users = {layer_of(name) for name in graph.find_downstream_modules(module)} - {None}
+        if len(users) > 1:
+            shared[module] = sorted(str(user) for user in users)
+    return shared
+
+
+def test_what_several_layers_need_lives_below_them() -> None:
+    # STYLE.md: the per-request context, the body reader, the local-error writer... live
+    # below all four; a helper beside them in layers/ is one layer's own (the resolver's
+    # head and limits, the guard's refusals). The independence contract in pyproject.toml
+    # does not see two layers sharing a third module.
+    assert shared_in_layers(grimp.build_graph("fallback_mw")) == {}
+
+
+def test_the_shared_check_sees_a_planted_helper() -> None:
+    graph = grimp.ImportGraph()
+    graph.add_import(importer="fallback_mw.layers.resolver", imported="fallback_mw.layers.head")
+    graph.add_import(
+        importer="fallback_mw.layers.walker.walk", imported="fallback_mw.layers.walker.stream"
+    )
+    assert shared_in_layers(graph) == {}
+    graph.add_import(
+        importer="fallback_mw.layers.walker.preflight", imported="fallback_mw.layers.head"
+    )
+    assert shared_in_layers(graph) == {"fallback_mw.layers.head": ["resolver", "walker"]}
