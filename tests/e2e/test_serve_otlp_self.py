@@ -5,7 +5,9 @@ the OTLP headers it carries, and made spans to export again, for ever. Refused a
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -169,3 +171,59 @@ def test_an_otlp_endpoint_on_a_link_local_or_metadata_address_is_refused(endpoin
     grpc = {**environ, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
     with pytest.raises(TelemetrySetupError, match="no upstream may have"):
         check_workers(1, grpc, gateway_port=8000, gateway_host="127.0.0.1")
+
+
+def _own_lan_address(family: socket.AddressFamily, probe: str) -> str:
+    """A non-loopback address of this host: the source the kernel picks for a route out
+    (a UDP connect sends nothing), confirmed by binding a socket to it (only this host's
+    addresses can be bound). Skips where the host has none of that family."""
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as udp:
+            udp.connect((probe, 9))
+            address = str(udp.getsockname()[0])
+        with socket.socket(family, socket.SOCK_STREAM) as tcp:
+            tcp.bind((address, 0))
+    except OSError:
+        pytest.skip(f"no route out of this host for {family.name}")
+    if ipaddress.ip_address(address).is_loopback or ipaddress.ip_address(address).is_link_local:
+        pytest.skip("the route out leaves from loopback or link-local")
+    return address
+
+
+@pytest.mark.parametrize(
+    ("family", "probe", "wildcard"),
+    [
+        (socket.AF_INET, "198.51.100.1", "0.0.0.0"),
+        (socket.AF_INET6, "2001:db8::1", "::"),
+    ],
+)
+def test_an_otlp_endpoint_at_the_hosts_own_lan_address_is_refused_under_a_wildcard_bind(
+    family: socket.AddressFamily, probe: str, wildcard: str
+) -> None:
+    """`serve --host 0.0.0.0 --port 8000` with the collector named by this machine's own
+    LAN address on port 8000: the gateway's socket listens there too, and every export was
+    a request it routed upstream. Only loopback addresses were known to be the gateway's."""
+    address = _own_lan_address(family, probe)
+    netloc = f"[{address}]" if ":" in address else address
+    environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{netloc}:8000"}
+    with pytest.raises(TelemetrySetupError, match="the gateway itself") as caught:
+        check_workers(1, environ, gateway_port=8000, gateway_host=wildcard)
+    assert address not in str(caught.value)
+    # Bound to that address itself: refused as before; on another port, or bound to
+    # loopback alone, the collector is elsewhere.
+    with pytest.raises(TelemetrySetupError, match="the gateway itself"):
+        check_workers(1, environ, gateway_port=8000, gateway_host=address)
+    check_workers(1, environ, gateway_port=8001, gateway_host=wildcard)
+    loopback = "127.0.0.1" if family == socket.AF_INET else "::1"
+    check_workers(1, environ, gateway_port=8000, gateway_host=loopback)
+
+
+@pytest.mark.parametrize("endpoint", ["http://198.51.100.7:8000", "http://[2001:db8::7]:8000"])
+def test_an_otlp_endpoint_at_another_machines_address_is_accepted_under_a_wildcard_bind(
+    endpoint: str,
+) -> None:
+    """Not an address of this host (documentation ranges, routed elsewhere): the collector
+    may listen on the gateway's port number there."""
+    environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint}
+    check_workers(1, environ, gateway_port=8000, gateway_host="0.0.0.0")
+    check_workers(1, environ, gateway_port=8000, gateway_host="::")

@@ -6,6 +6,7 @@ never a variable's value beyond exporter names."""
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 from collections.abc import Mapping
@@ -201,11 +202,10 @@ def _always_refused(host: str) -> bool:
 def _is_local(host: str, gateway_host: str) -> bool:
     """Whether a connection to `host` may reach a socket bound to `gateway_host`: the same
     IP literal, or a loopback one (or localhost) where the gateway listens on loopback or a
-    wildcard; in any spelling the resolver reads (`127.1`, `2130706433`: `parse_ip`), an
-    IPv4-mapped IPv6 one as the IPv4 address it connects to. Any other name is taken to be
-    another machine."""
-    import ipaddress
-
+    wildcard, or any other address of this host's where it listens on a wildcard (`::`
+    any family, `0.0.0.0` IPv4: `_is_own_address`); in any spelling the resolver reads
+    (`127.1`, `2130706433`: `parse_ip`), an IPv4-mapped IPv6 one as the IPv4 address it
+    connects to. Any other name is taken to be another machine."""
     from fallback_mw.security.addresses import parse_ip
 
     def parsed(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
@@ -222,16 +222,38 @@ def _is_local(host: str, gateway_host: str) -> bool:
         return bound is None or bound.is_loopback or bound.is_unspecified
     if bound is None:  # the gateway on a name (localhost): a loopback address reaches it
         return target.is_loopback or target.is_unspecified
-    local = target.is_loopback or target.is_unspecified
-    return target == bound or (bound.is_unspecified and local)
+    if target == bound:
+        return True
+    if not bound.is_unspecified:
+        return False
+    if target.is_loopback or target.is_unspecified:
+        return True
+    # 0.0.0.0 listens on IPv4 alone; `::` on both (uvicorn's IPv6 socket is dual-stack).
+    return (bound.version == 6 or target.version == 4) and _is_own_address(target)
+
+
+def _is_own_address(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Whether `address` is one of this host's own (a LAN address, any interface's): the
+    kernel, asked for a route to it (a UDP connect: nothing is sent), leaves from that very
+    address only when it is local; to any other it names the interface address the route
+    leaves from. Not `bind` (a host with `ip_nonlocal_bind` binds any address), nor
+    psutil (no dependency), nor the interfaces' ioctls (per platform, IPv4 alone)."""
+    import socket
+
+    family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((str(address), 9))
+            source = str(probe.getsockname()[0]).split("%", 1)[0]
+    except OSError:  # no route to it at all: not this host's
+        return False
+    return source == str(address)
 
 
 def _may_be_one_address(one: str, other: str) -> bool:
     """Whether two bind hosts may share a listening address: the same text, a wildcard
     (`0.0.0.0`, `::`, empty), or a name (`localhost`: it may resolve to the other); False
     only for two different IP literals."""
-    import ipaddress
-
     try:
         first, second = (
             ipaddress.ip_address(one.strip("[]")),
