@@ -10,16 +10,21 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from fallback_mw.cli.otel_env import TelemetrySetupError, check_workers
 from tests.helpers import free_port
+from tests.test_security import fake_dns
 
 pytestmark = pytest.mark.e2e
 
 COLLECTOR_KEY = "hny-team-key-93ac11"
+__all__ = ["fake_dns"]  # the fixture, shared with tests/test_security.py
 
 
 def test_serve_refuses_an_otlp_endpoint_that_is_its_own_address(tmp_path: Path) -> None:
@@ -227,3 +232,80 @@ def test_an_otlp_endpoint_at_another_machines_address_is_accepted_under_a_wildca
     environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint}
     check_workers(1, environ, gateway_port=8000, gateway_host="0.0.0.0")
     check_workers(1, environ, gateway_port=8000, gateway_host="::")
+
+
+@pytest.mark.parametrize("address", ["169.254.169.254", "fd00:ec2::254", "169.254.170.2"])
+def test_an_otlp_host_name_resolving_to_a_metadata_address_is_refused(
+    address: str, fake_dns: dict[str, Any]
+) -> None:
+    """The literal was refused, a name for it was not: the exporter resolved it at each
+    export and sent the OTLP headers' credentials to the cloud's metadata service. The name
+    is resolved at start, through the resolver the exporter itself calls (the `fake_dns`
+    seam: names ending in `.test` answer what the test says; no hosts file is written)."""
+    fake_dns["answers"]["collector.metadata.test"] = address
+    environ = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector.metadata.test:4318",
+        "OTEL_EXPORTER_OTLP_HEADERS": f"x-honeycomb-team={COLLECTOR_KEY}",
+    }
+    with pytest.raises(TelemetrySetupError, match="no upstream may have") as caught:
+        check_workers(1, environ, gateway_port=8000, gateway_host="127.0.0.1")
+    message = str(caught.value)
+    assert "collector.metadata.test" not in message and COLLECTOR_KEY not in message
+    assert fake_dns["lookups"] == ["collector.metadata.test"]
+    grpc = {**environ, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
+    with pytest.raises(TelemetrySetupError, match="no upstream may have"):
+        check_workers(1, grpc, gateway_port=8000, gateway_host="127.0.0.1")
+
+
+def test_an_otlp_host_name_resolving_to_a_collector_is_accepted(fake_dns: dict[str, Any]) -> None:
+    fake_dns["answers"]["collector.office.test"] = "10.20.30.40"
+    environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector.office.test:8000"}
+    check_workers(1, environ, gateway_port=8000, gateway_host="0.0.0.0")
+    assert fake_dns["lookups"] == ["collector.office.test"]
+
+
+def test_this_hosts_own_name_on_the_gateways_port_is_refused() -> None:
+    """A real name through the real resolver: this machine's host name, which resolves to
+    one of its own addresses (loopback in /etc/hosts, or a LAN address), on the port serve
+    listens on: the exports came back to the gateway."""
+    name = socket.gethostname()
+    try:
+        infos = socket.getaddrinfo(name, 8000, proto=socket.IPPROTO_TCP)
+    except OSError:
+        pytest.skip("this host's name does not resolve here")
+    families = {info[0] for info in infos}
+    wildcard = "::" if socket.AF_INET not in families else "0.0.0.0"
+    environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{name}:8000"}
+    with pytest.raises(TelemetrySetupError, match="the gateway itself") as caught:
+        check_workers(1, environ, gateway_port=8000, gateway_host=wildcard)
+    assert name not in str(caught.value)
+    check_workers(1, environ, gateway_port=8001, gateway_host=wildcard)
+
+
+def test_a_resolver_that_never_answers_holds_the_start_only_a_moment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The name is looked up with a bound (`RESOLVE_WITHIN`): a resolver that never answers
+    costs the start that long, and the endpoint is then taken as it is (the exporter
+    resolves it again at each export)."""
+    from fallback_mw.cli import otel_env
+
+    asked, released = threading.Event(), threading.Event()
+    real = socket.getaddrinfo
+
+    def hanging(host: Any, *args: Any, **kwargs: Any) -> Any:
+        if host == "slow.resolver.test":
+            asked.set()
+            released.wait(30)
+            raise socket.gaierror(socket.EAI_AGAIN, "released")
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", hanging)
+    monkeypatch.setattr(otel_env, "RESOLVE_WITHIN", 0.2)
+    environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://slow.resolver.test:4318"}
+    started = time.monotonic()
+    try:
+        check_workers(1, environ, gateway_port=4318, gateway_host="0.0.0.0")
+    finally:
+        released.set()
+    assert asked.is_set() and time.monotonic() - started < 10

@@ -132,7 +132,9 @@ def check_otlp_endpoints(environ: Mapping[str, str], gateway_host: str, gateway_
     """Refuses an OTLP exporter whose endpoint is the gateway's own address (a loopback
     name or address, or the bind address itself, on `gateway_port`): each export was a
     request the gateway routed upstream (`/v1/traces` under a `/v1/` route, the OTLP
-    headers forwarded with it) and made spans to export again, for ever."""
+    headers forwarded with it) and made spans to export again, for ever. A host name is
+    resolved (`_resolved`) and each of its addresses checked as a literal is."""
+    resolved: dict[str, tuple[str, ...]] = {}
     for signal in ("traces", "metrics"):
         if "otlp" not in exporters(environ, signal):
             continue
@@ -157,13 +159,17 @@ def check_otlp_endpoints(environ: Mapping[str, str], gateway_host: str, gateway_
                 "host and a port from 1 to 65535 (its value is not shown); e.g. "
                 "http://collector:4318"
             )
-        if _always_refused(address[0]):
+        if address[0] not in resolved:  # looked up once for both signals
+            resolved[address[0]] = _resolved(address[0])
+        hosts = resolved[address[0]]
+        if any(_always_refused(host) for host in hosts):
             raise TelemetrySetupError(
                 f"{variable}: the OTLP {signal} exporter would send to an address no "
                 "upstream may have (link-local, a cloud's metadata service, or 0.0.0.0/8, "
-                "in any spelling; its value is not shown): point it at the collector"
+                "in any spelling or through a name that resolves to one; its value is not "
+                "shown): point it at the collector"
             )
-        if address[1] == gateway_port and _is_local(address[0], gateway_host):
+        if address[1] == gateway_port and any(_is_local(host, gateway_host) for host in hosts):
             raise TelemetrySetupError(
                 f"{variable}: the OTLP {signal} exporter would send to the gateway itself "
                 f"(port {gateway_port}, --port): each export a request the gateway routes "
@@ -188,6 +194,44 @@ def _endpoint_address(endpoint: str, *, grpc: bool) -> tuple[str, int] | None:
     if not re.fullmatch(r"[a-z0-9._-]+|[0-9a-f:.]+", host) or port == 0:
         return None
     return host, port or (443 if parts.scheme == "https" else 80)
+
+
+# How long the start waits for an OTLP host name's addresses (`_resolved`).
+RESOLVE_WITHIN = 2.0
+
+
+def _resolved(host: str) -> tuple[str, ...]:
+    """The addresses an OTLP host name resolves to, through the resolver the exporter calls
+    (`getaddrinfo`), waited for `RESOLVE_WITHIN` seconds at most, for the checks that an IP
+    literal gets (SPEC §3, as for an upstream's name): the host itself when it is a literal
+    or localhost; also itself when the name does not resolve (now), or not in time: the
+    exporter resolves it again at each export, and a collector's name may come up after
+    the gateway does."""
+    import socket
+    import threading
+
+    from fallback_mw.security.addresses import parse_ip
+
+    named = host.lower().rstrip(".")
+    if parse_ip(host) is not None or named == "localhost" or named.endswith(".localhost"):
+        return (host,)
+    found: list[str] = []
+    done = threading.Event()
+
+    def lookup() -> None:
+        try:
+            infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+            found.extend(str(info[4][0]).split("%", 1)[0] for info in infos)
+        except (OSError, UnicodeError):
+            pass
+        done.set()
+
+    # A daemon thread: a resolver that never answers holds the start RESOLVE_WITHIN, and
+    # not the exit.
+    threading.Thread(target=lookup, name="fmw-otlp-resolve", daemon=True).start()
+    if not done.wait(RESOLVE_WITHIN) or not found:
+        return (host,)
+    return (host, *dict.fromkeys(found))
 
 
 def _always_refused(host: str) -> bool:
