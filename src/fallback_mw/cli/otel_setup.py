@@ -19,6 +19,7 @@ propagators (`OTEL_PROPAGATORS`) — is read by the SDK itself, as its documenta
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
 import inspect
@@ -51,6 +52,8 @@ _log = logging.getLogger("fallback_mw.telemetry")
 CONSOLE_FLUSH_SECONDS = 2.0
 # At exit, how long the exporters may take to send what they hold.
 TELEMETRY_FLUSH_SECONDS = 3.0
+# After this long of it, a line says the stop waits for the exporters.
+FLUSH_NOTICE_SECONDS = 0.5
 
 
 @dataclass
@@ -86,9 +89,34 @@ class OtelHandle:
         ]
         for flush in flushes:
             flush.start()
-        for flush in flushes:
-            flush.join(max(0.0, deadline - time.monotonic()))
-        if any(flush.is_alive() for flush in flushes):
+        # A second stop during the wait (Ctrl-C: KeyboardInterrupt; a worker's or serve's
+        # SIGTERM handler: SystemExit) stops at once, as uvicorn's own second Ctrl-C does:
+        # what is held is dropped, not flushed again by the SDK's exit hook ("shutdown can
+        # only be called once"), and the stop is raised again once the rest is closed.
+        stop: KeyboardInterrupt | SystemExit | None = None
+        try:
+            _join(flushes, min(deadline, time.monotonic() + FLUSH_NOTICE_SECONDS))
+            if any(flush.is_alive() for flush in flushes) and time.monotonic() < deadline:
+                # A stop that lasts: why it does, and how to end it now.
+                _log.info(
+                    "telemetry export still running: waiting up to %g s for it "
+                    "(Ctrl-C again to drop what the exporters hold)",
+                    TELEMETRY_FLUSH_SECONDS,
+                )
+                _join(flushes, deadline)
+        except (KeyboardInterrupt, SystemExit) as exc:
+            stop = exc
+        cut = stop is not None
+        if cut:
+            _log.warning(
+                "telemetry export cut short by a second Ctrl-C (or stop signal): the spans "
+                "and metrics the exporters still held are dropped"
+            )
+            for provider in providers:  # dropped: not flushed again at the interpreter's exit
+                hook = getattr(provider, "_atexit_handler", None)
+                if hook is not None:
+                    atexit.unregister(hook)
+        elif any(flush.is_alive() for flush in flushes):
             _log.warning(
                 "telemetry export did not finish within %g s of the stop (is the OTLP "
                 "endpoint answering?): the spans and metrics the exporters still held are "
@@ -97,12 +125,19 @@ class OtelHandle:
             )
         console, self._console = self._console, None
         if console is not None:
-            console.close(CONSOLE_FLUSH_SECONDS)
+            console.close(0.0 if cut else CONSOLE_FLUSH_SECONDS)
         servers, self._servers = self._servers, []
         for server in servers:
             with contextlib.suppress(Exception):
                 server.shutdown()
                 server.server_close()
+        if stop is not None:
+            raise stop
+
+
+def _join(flushes: list[threading.Thread], until: float) -> None:
+    for flush in flushes:
+        flush.join(max(0.0, until - time.monotonic()))
 
 
 def _flush(provider: Any) -> None:

@@ -317,7 +317,10 @@ def run_server(
         if not server.started:
             raise Failed("the gateway did not start (the reason is logged above)")
     finally:
-        telemetry.shutdown()
+        # A second Ctrl-C while the exporters flush stops at once, and is a clean stop
+        # (exit status 0) as uvicorn's own second Ctrl-C is: it was 130, "error: interrupted".
+        with contextlib.suppress(KeyboardInterrupt):
+            telemetry.shutdown()
 
 
 def listen_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
