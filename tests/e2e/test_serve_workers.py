@@ -875,3 +875,37 @@ def test_a_stop_that_reaches_a_worker_as_it_forks_is_the_workers(tmp_path: Path)
         assert process.poll() == 1, text
         assert "before it served; stopping the others" in text, text
         assert "all 1 workers serving" not in text, text
+
+
+def test_a_stop_that_reaches_a_worker_as_it_writes_its_last_lines_ends_it(
+    tmp_path: Path,
+) -> None:
+    """On a terminal Ctrl-C reaches every worker, and the supervisor passes a second stop on
+    to each: one that arrived while a worker wrote its last log lines (after its stop, just
+    before `os._exit`) raised out of that `finally`, and the worker went on running the
+    supervisor's loop in itself ('fallback-mw: error: OSError: Bad file descriptor', the
+    SDK's exit hooks run twice). A worker that has begun to end takes no further stop."""
+    prelude = (
+        "import fallback_mw.cli.workers as supervision\n"
+        "_flush = supervision.flush_request_lines\n"
+        "def flush_request_lines():\n"
+        "    print(f'worker {os.getpid()} writes its last lines', flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGINT)  # a further stop, just then\n"
+        "    for _ in range(100):  # the handler runs between two bytecodes\n"
+        "        time.sleep(0.001)\n"
+        "    _flush()\n"
+        "supervision.flush_request_lines = flush_request_lines\n"
+    )
+    worker = "    ready()\n    time.sleep(120)\n    return 0"
+    with supervised(tmp_path, worker, count=2, prelude=prelude) as (process, log):
+        deadline = time.monotonic() + 60
+        while "all 2 workers serving" not in log_text(log):
+            assert process.poll() is None and time.monotonic() < deadline, log_text(log)
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=30)
+        text = log_text(log)
+        assert process.poll() == 0, text
+    assert text.count("writes its last lines") == 2, text
+    assert "error" not in text and "Traceback" not in text, text

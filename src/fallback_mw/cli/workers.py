@@ -207,6 +207,11 @@ class Supervisor:
             except SystemExit as exc:
                 status = exc.code if isinstance(exc.code, int) else 1
             finally:
+                # The worker is ending: a further stop (on a terminal Ctrl-C reaches every
+                # worker, and the supervisor passes a second one on) must not raise out of
+                # here, past os._exit, into the supervisor's loop.
+                for signum in (signal.SIGINT, signal.SIGTERM):
+                    signal.signal(signum, signal.SIG_IGN)
                 # os._exit runs no atexit: write the buffered log lines (the request log's
                 # own handler too: uvicorn's dictConfig took it out of logging's list).
                 # Whatever fails here (a reader gone: BrokenPipeError), the worker ends
