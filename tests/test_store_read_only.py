@@ -239,3 +239,113 @@ def test_a_read_only_store_a_writer_never_leaves_alone_is_refused_saying_why(
     assert lines.count("paused") == STEADY_READ_TRIES, lines
     assert lines[-1].startswith("error SQLite store error: another process kept writing gw.db")
     assert "give this user write access" in lines[-1]
+
+
+# The ledger's reader of a file this user may not write (`budgets show`, `usage`): paused
+# (once per connection) in the middle of reading the usage records, until the test has
+# written, as `_PAUSED_READER` does for the route store.
+_PAUSED_LEDGER_READER = """
+import asyncio, sys
+import fallback_mw.store.ledgers.sqlite as ledgers
+from fallback_mw.budget.ledger import LedgerUnavailable
+real = ledgers.fetch_leniently
+paused = set()
+def fetch_leniently(conn, *args):
+    calls = [0]
+    def progress():
+        calls[0] += 1
+        if calls[0] == 3 and id(conn) not in paused:  # in the middle of the SELECT
+            paused.add(id(conn))
+            print("paused", flush=True)
+            sys.stdin.readline()
+        return 0
+    conn.set_progress_handler(progress, 200)
+    try:
+        return real(conn, *args)
+    finally:
+        conn.set_progress_handler(None, 0)
+ledgers.fetch_leniently = fetch_leniently
+async def main():
+    ledger = ledgers.SQLiteLedger(sys.argv[1])
+    try:
+        for _ in range(2):  # and a second read after it
+            records = await ledger.usage(limit=100000)
+            print("read", len(records), *sorted({r.route[:3] for r in records}), flush=True)
+    except LedgerUnavailable as exc:
+        print("error", exc, flush=True)
+    finally:
+        await ledger.aclose()
+asyncio.run(main())
+"""
+
+
+def write_usage(path: Path, generation: int, count: int) -> None:
+    """`count` usage records, their route naming `generation`, in one transaction (the old
+    ones deleted); the file writable for it, read-only again after."""
+    from datetime import UTC, datetime
+
+    from fallback_mw.store.ledgers.schema import encode_sqlite_time
+
+    pad = "x" * 600  # spread over many pages: the checkpoint rewrites them under the read
+    at = encode_sqlite_time(datetime.now(UTC))
+    rows = [(at, f"req{n}", f"g{generation}-{pad}", "t", "[]", "[]") for n in range(count)]
+    path.chmod(0o644)
+    try:
+        with sqlite_db(path, isolation_level=None) as db:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("DELETE FROM fmw_usage")
+            db.executemany(
+                "INSERT INTO fmw_usage (at, request_id, route, tenant, candidates, attempts) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                rows,
+            )
+            db.execute("COMMIT")
+        # closed: the last connection checkpointed into the file and removed its WAL
+    finally:
+        path.chmod(0o444)
+
+
+def read_ledger_while_written(path: Path, writes: int) -> list[str]:
+    reader = subprocess.Popen(
+        [*unprivileged(), sys.executable, "-c", _PAUSED_LEDGER_READER, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert reader.stdin is not None and reader.stdout is not None
+    lines = []
+    try:
+        for line in reader.stdout:
+            lines.append(line.strip())
+            if line.startswith("paused"):
+                if writes:
+                    writes -= 1
+                    write_usage(path, 10 - writes, 150)
+                reader.stdin.write("go\n")
+                reader.stdin.flush()
+    finally:
+        reader.stdin.close()
+        reader.wait(timeout=60)
+        reader.stdout.close()
+    return lines
+
+
+def test_a_read_of_a_read_only_ledger_a_writer_changed_under_it_is_made_again(
+    tmp_path: Path,
+) -> None:
+    """The store's reader of a file alone was made steady (`read_steadily`); the ledger's
+    was not: a user who may not write the ledger (`budgets show`, `usage`) read the file
+    alone, and a writer that checkpointed meanwhile changed pages under the read
+    ("database disk image is malformed", or records of two states): `budget_unavailable`
+    for a healthy ledger."""
+    path, _ = made_store(tmp_path / "store")
+    write_usage(path, 1, 300)
+    path.chmod(0o444)
+    try:
+        lines = read_ledger_while_written(path, writes=1)
+    finally:
+        path.chmod(0o644)
+    assert lines[0] == "paused", lines
+    reads = [line for line in lines if not line.startswith("paused")]
+    assert reads == ["read 150 g10", "read 150 g10"], lines

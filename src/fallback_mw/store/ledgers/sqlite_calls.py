@@ -30,6 +30,7 @@ from fallback_mw.store.sqlite_connect import (
     disk_full,
     immediate,
     read_only_reason,
+    read_steadily,
     with_wal_room,
 )
 
@@ -82,6 +83,16 @@ class SQLiteCalls:
             self._busy_ms = int(self.busy_timeout * 1000)
             self._file = OpenedFile(self.path, interval=1.0)
         return self._conn
+
+    def _read_only(self) -> sqlite3.Connection:
+        """A connection for one call to a file this user may not write (`_in_thread`)."""
+        conn = connect_wal(self.path, timeout=self.busy_timeout, check_same_thread=False)
+        try:
+            self._opened(conn)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
 
     def _reopen_if_moved(self) -> None:
         """The file at the path, not one removed or replaced under the open connections."""
@@ -211,6 +222,12 @@ class SQLiteCalls:
         def locked() -> tuple[T, bool]:
             with self._lock:
                 self._reopen_if_moved()
+                if self._conn is None and read_only_reason(self.path) is not None:
+                    # This user may not write the file: with no writer's WAL index beside
+                    # it, it reads the file alone (`FileAlone`), which a writer may change
+                    # under a read. Each call reads on a connection of its own, made again
+                    # while the file changed under it (as the route store's reads are).
+                    return read_steadily(self.path, self._read_only, work), False
                 conn = self._connection()
                 left = self.busy_timeout if until is None else until - time.monotonic()
                 busy_ms = max(int(left * 1000), 0)
