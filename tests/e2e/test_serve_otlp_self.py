@@ -288,7 +288,7 @@ def test_a_resolver_that_never_answers_holds_the_start_only_a_moment(
     """The name is looked up with a bound (`RESOLVE_WITHIN`): a resolver that never answers
     costs the start that long, and the endpoint is then taken as it is (the exporter
     resolves it again at each export)."""
-    from fallback_mw.cli import otel_env
+    from fallback_mw.cli import host_addresses
 
     asked, released = threading.Event(), threading.Event()
     real = socket.getaddrinfo
@@ -301,7 +301,7 @@ def test_a_resolver_that_never_answers_holds_the_start_only_a_moment(
         return real(host, *args, **kwargs)
 
     monkeypatch.setattr(socket, "getaddrinfo", hanging)
-    monkeypatch.setattr(otel_env, "RESOLVE_WITHIN", 0.2)
+    monkeypatch.setattr(host_addresses, "RESOLVE_WITHIN", 0.2)
     environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://slow.resolver.test:4318"}
     started = time.monotonic()
     try:

@@ -133,8 +133,14 @@ def check_otlp_endpoints(environ: Mapping[str, str], gateway_host: str, gateway_
     name or address, or the bind address itself, on `gateway_port`): each export was a
     request the gateway routed upstream (`/v1/traces` under a `/v1/` route, the OTLP
     headers forwarded with it) and made spans to export again, for ever. A host name is
-    resolved (`_resolved`) and each of its addresses checked as a literal is."""
-    resolved: dict[str, tuple[str, ...]] = {}
+    resolved (`host_addresses.resolved`, within `RESOLVE_WITHIN`) and each of its addresses
+    checked as a literal is (SPEC §3, as for an upstream's name); a name that does not
+    resolve, or not in time, is taken as it is: the exporter resolves it again at each
+    export, and a collector's name may come up after the gateway does."""
+    from fallback_mw.cli import host_addresses
+    from fallback_mw.security.addresses import IPAddress, is_always_refused
+
+    resolved: dict[str, list[IPAddress]] = {}
     for signal in ("traces", "metrics"):
         if "otlp" not in exporters(environ, signal):
             continue
@@ -160,16 +166,16 @@ def check_otlp_endpoints(environ: Mapping[str, str], gateway_host: str, gateway_
                 "http://collector:4318"
             )
         if address[0] not in resolved:  # looked up once for both signals
-            resolved[address[0]] = _resolved(address[0])
-        hosts = resolved[address[0]]
-        if any(_always_refused(host) for host in hosts):
+            resolved[address[0]] = host_addresses.resolved(address[0])
+        targets = resolved[address[0]]
+        if any(is_always_refused(target) for target in targets):
             raise TelemetrySetupError(
                 f"{variable}: the OTLP {signal} exporter would send to an address no "
                 "upstream may have (link-local, a cloud's metadata service, or 0.0.0.0/8, "
                 "in any spelling or through a name that resolves to one; its value is not "
                 "shown): point it at the collector"
             )
-        if address[1] == gateway_port and any(_is_local(host, gateway_host) for host in hosts):
+        if address[1] == gateway_port and host_addresses.reaches(targets, gateway_host):
             raise TelemetrySetupError(
                 f"{variable}: the OTLP {signal} exporter would send to the gateway itself "
                 f"(port {gateway_port}, --port): each export a request the gateway routes "
@@ -194,104 +200,6 @@ def _endpoint_address(endpoint: str, *, grpc: bool) -> tuple[str, int] | None:
     if not re.fullmatch(r"[a-z0-9._-]+|[0-9a-f:.]+", host) or port == 0:
         return None
     return host, port or (443 if parts.scheme == "https" else 80)
-
-
-# How long the start waits for an OTLP host name's addresses (`_resolved`).
-RESOLVE_WITHIN = 2.0
-
-
-def _resolved(host: str) -> tuple[str, ...]:
-    """The addresses an OTLP host name resolves to, through the resolver the exporter calls
-    (`getaddrinfo`), waited for `RESOLVE_WITHIN` seconds at most, for the checks that an IP
-    literal gets (SPEC §3, as for an upstream's name): the host itself when it is a literal
-    or localhost; also itself when the name does not resolve (now), or not in time: the
-    exporter resolves it again at each export, and a collector's name may come up after
-    the gateway does."""
-    import socket
-    import threading
-
-    from fallback_mw.security.addresses import parse_ip
-
-    named = host.lower().rstrip(".")
-    if parse_ip(host) is not None or named == "localhost" or named.endswith(".localhost"):
-        return (host,)
-    found: list[str] = []
-    done = threading.Event()
-
-    def lookup() -> None:
-        try:
-            infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-            found.extend(str(info[4][0]).split("%", 1)[0] for info in infos)
-        except (OSError, UnicodeError):
-            pass
-        done.set()
-
-    # A daemon thread: a resolver that never answers holds the start RESOLVE_WITHIN, and
-    # not the exit.
-    threading.Thread(target=lookup, name="fmw-otlp-resolve", daemon=True).start()
-    if not done.wait(RESOLVE_WITHIN) or not found:
-        return (host,)
-    return (host, *dict.fromkeys(found))
-
-
-def _always_refused(host: str) -> bool:
-    """An IP literal in a range no upstream may be (`security.addresses.is_always_refused`:
-    link-local, the clouds' metadata services), however it is spelled."""
-    from fallback_mw.security.addresses import is_always_refused, parse_ip
-
-    address = parse_ip(host)
-    return address is not None and is_always_refused(address)
-
-
-def _is_local(host: str, gateway_host: str) -> bool:
-    """Whether a connection to `host` may reach a socket bound to `gateway_host`: the same
-    IP literal, or a loopback one (or localhost) where the gateway listens on loopback or a
-    wildcard, or any other address of this host's where it listens on a wildcard (`::`
-    any family, `0.0.0.0` IPv4: `_is_own_address`); in any spelling the resolver reads
-    (`127.1`, `2130706433`: `parse_ip`), an IPv4-mapped IPv6 one as the IPv4 address it
-    connects to. Any other name is taken to be another machine."""
-    from fallback_mw.security.addresses import parse_ip
-
-    def parsed(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-        address = parse_ip(text)
-        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-            return address.ipv4_mapped
-        return address
-
-    target, bound = parsed(host), parsed(gateway_host)
-    if target is None:
-        named = host.lower().rstrip(".")
-        if named != "localhost" and not named.endswith(".localhost"):
-            return False  # another machine's name
-        return bound is None or bound.is_loopback or bound.is_unspecified
-    if bound is None:  # the gateway on a name (localhost): a loopback address reaches it
-        return target.is_loopback or target.is_unspecified
-    if target == bound:
-        return True
-    if not bound.is_unspecified:
-        return False
-    if target.is_loopback or target.is_unspecified:
-        return True
-    # 0.0.0.0 listens on IPv4 alone; `::` on both (uvicorn's IPv6 socket is dual-stack).
-    return (bound.version == 6 or target.version == 4) and _is_own_address(target)
-
-
-def _is_own_address(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    """Whether `address` is one of this host's own (a LAN address, any interface's): the
-    kernel, asked for a route to it (a UDP connect: nothing is sent), leaves from that very
-    address only when it is local; to any other it names the interface address the route
-    leaves from. Not `bind` (a host with `ip_nonlocal_bind` binds any address), nor
-    psutil (no dependency), nor the interfaces' ioctls (per platform, IPv4 alone)."""
-    import socket
-
-    family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect((str(address), 9))
-            source = str(probe.getsockname()[0]).split("%", 1)[0]
-    except OSError:  # no route to it at all: not this host's
-        return False
-    return source == str(address)
 
 
 def _may_be_one_address(one: str, other: str) -> bool:
