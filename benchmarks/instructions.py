@@ -5,6 +5,7 @@ with the machine's load, for changes smaller than the CPU-time spread of `run.py
     .venv/bin/python benchmarks/instructions.py serve [--requests 1000] [--base SRC]
         [--port-base PORT] [--start-timeout SECONDS]
     .venv/bin/python benchmarks/instructions.py layers healthy,log [--base SRC]
+        [--port-base PORT]
 
 `serve`: the floor (bare uvicorn + aiohttp) and `fallback-mw serve` (healthy, and every
 request failing over) run under callgrind in front of the nginx mock upstreams; after a
@@ -147,6 +148,7 @@ def layer_rows(args: argparse.Namespace) -> int:
                     *callgrind(Path(os.devnull)), sys.executable, str(HERE / "layers.py"),
                     "--only", row, "--rounds", "1", "--warmup", "100", "--requests", str(requests),
                     *(["--nginx"] if row in REAL_ENGINE_ROWS else []),  # real sockets
+                    *(["--port-base", str(args.port_base)] if args.port_base else []),
                 ]  # fmt: skip
                 env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": path}
                 done = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -184,6 +186,10 @@ def main() -> int:
     )  # fmt: skip
     layers = sub.add_parser("layers", help="layers.py rows, in process")
     layers.add_argument("rows", help="comma-separated layers.py row names")
+    layers.add_argument(
+        "--port-base", type=port_base, metavar="PORT",
+        help="the real-engine rows' nginx on PORT .. PORT+9 (default: ephemeral ports)",
+    )  # fmt: skip
     for each in (serve, layers):
         each.add_argument("--base", type=Path, help="another tree's src directory, counted beside")
     args = parser.parse_args()

@@ -21,6 +21,7 @@ with the engine seam included: the part of `serve`'s cost the fake-client rows m
     .venv/bin/python benchmarks/layers.py [--requests 3000] [--rounds 3] [--only ROW,...]
         [--redis redis://127.0.0.1:6379/0]        # adds the Redis-state row
         [--nginx]                                 # adds the real-engine rows (nginx upstream)
+        [--port-base PORT]                        # nginx on PORT .. PORT+9, not ephemeral
     .venv/bin/python benchmarks/layers.py --profile healthy     # cProfile of one row
 """
 
@@ -590,6 +591,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--nginx", action="store_true", help="start nginx and add the real-engine rows"
     )
+    parser.add_argument(
+        "--port-base", type=int, metavar="PORT",
+        help="--nginx listens on PORT .. PORT+9 only (default: ephemeral ports)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.redis:
         REDIS.append(args.redis)
@@ -613,6 +618,8 @@ async def main_async(args: argparse.Namespace) -> int:
             except procs.ToolMissing as exc:
                 print(f"layers: {exc}", file=sys.stderr)
                 return 3
+            if args.port_base is not None:
+                procs.use_ports(args.port_base, 10)
             tree = procs.Tree(workdir)
             stack.callback(tree.close)
             child, backup, _ = procs.start_nginx(tree, nginx, 1)

@@ -195,6 +195,14 @@ def test_instruction_count_refuses_a_port_base_without_room() -> None:
     assert "65530 leaves no room for 10 ports below 65536" in result.stderr
 
 
+def test_instruction_count_of_layers_takes_a_port_base_too() -> None:
+    """The real-engine rows start nginx: `layers --port-base` keeps it in an allotted range
+    (it took ephemeral ports), refused as `serve`'s is when the range has no room."""
+    result = script(INSTRUCTIONS, "layers", "engine", "--port-base", "65530", timeout=60)
+    assert result.returncode == 2
+    assert "65530 leaves no room for 10 ports below 65536" in result.stderr
+
+
 def _free_window_below_the_ephemeral_range(size: int) -> int:
     """A first port of `size` free ports under 32768: the kernel hands out ports from
     32768 up to every socket bound to port 0 and to every outgoing connection, so a window
