@@ -505,7 +505,9 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "failover/attempt.py",
-                "if mark is None:\n            await self.health.release(name, admission)\n",
+                "if mark is None:\n            if now is not None:\n"
+                "                now.release_now(name, admission)\n            else:\n"
+                "                await self.health.release(name, admission)\n",
                 "if mark is None:\n",
             ),
         ),

@@ -11,6 +11,7 @@ from collections.abc import Callable, Collection
 
 from fallback_mw.capacity.model import (
     CAPACITY_WINDOW,
+    IMMEDIATE_CAPACITY,
     Ask,
     Refusal,
     Reservation,
@@ -82,6 +83,9 @@ class MemoryCapacity:
         return capacity, self._allowance[upstream]
 
     async def reserve(self, upstream: str, ask: Ask) -> Reservation | Refusal:
+        return self.reserve_now(upstream, ask)
+
+    def reserve_now(self, upstream: str, ask: Ask) -> Reservation | Refusal:
         now = int(self.clock())
         capacity, allowance = self._windows(upstream)
         if ask.repeat:
@@ -100,6 +104,9 @@ class MemoryCapacity:
         return Reservation(upstream, now, ask.tokens, ask.repeat, counted)
 
     async def settle(self, reservation: Reservation, tokens: int) -> None:
+        self.settle_now(reservation, tokens)
+
+    def settle_now(self, reservation: Reservation, tokens: int) -> None:
         if reservation.counted:
             capacity, _ = self._windows(reservation.upstream)
             capacity.adjust(reservation.second, _TOKENS, tokens - reservation.tokens)
@@ -130,3 +137,6 @@ class MemoryCapacity:
 
     async def aclose(self) -> None:
         return None
+
+
+IMMEDIATE_CAPACITY.add(MemoryCapacity)  # never waits: its calls are answered at the call

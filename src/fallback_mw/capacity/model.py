@@ -98,3 +98,23 @@ class CapacityState(Protocol):
         ...
 
     async def aclose(self) -> None: ...
+
+
+class ImmediateCapacity(Protocol):
+    """What the request path asks of a capacity state that never waits (the memory
+    state), answered at the call: its `CapacityState` coroutines' answers, which are these
+    calls (one copy of the logic). Asked through `immediate_capacity`."""
+
+    def reserve_now(self, upstream: str, ask: Ask) -> Reservation | Refusal: ...
+
+    def settle_now(self, reservation: Reservation, tokens: int) -> None: ...
+
+
+# The classes whose instances are their own `ImmediateCapacity`, by exact type (a
+# subclass may override the coroutines, and is then asked through them).
+IMMEDIATE_CAPACITY: set[type] = set()
+
+
+def immediate_capacity(capacity: CapacityState) -> ImmediateCapacity | None:
+    """`capacity` answering at the call, when it is a state that never waits; else None."""
+    return capacity if type(capacity) in IMMEDIATE_CAPACITY else None  # type: ignore[return-value]

@@ -19,12 +19,18 @@ from typing import Any
 
 import anyio
 
-from fallback_mw.capacity import Ask, CapacityState, Reservation, reported_tokens
+from fallback_mw.capacity import (
+    Ask,
+    CapacityState,
+    Reservation,
+    immediate_capacity,
+    reported_tokens,
+)
 from fallback_mw.config.views import AnyUpstream
 from fallback_mw.failover.outcome import Outcome, fails_in_a_race, health_mark
 from fallback_mw.failover.send import AttemptResult, AttemptRunner, _derived
 from fallback_mw.faults import FaultSource
-from fallback_mw.health import Admission, HealthState
+from fallback_mw.health import Admission, HealthState, immediate_health
 from fallback_mw.health.breaker import PROBE_LEASE_MARGIN
 from fallback_mw.health.pool import retry_after_seconds
 from fallback_mw.health.quota import PeekedResponse
@@ -54,6 +60,9 @@ class AttemptLifecycle:
         self.context = context
         self.health = health
         self.capacity = capacity
+        # The states that answer at the call (memory): no coroutine per call below.
+        self._health_now = immediate_health(health)
+        self._capacity_now = immediate_capacity(capacity)
         self.telemetry = telemetry
         self.ask = ask
         self.failover_status = context.route.failover_status  # a few codes: a tuple will do
@@ -89,19 +98,32 @@ class AttemptLifecycle:
             # deadline only: a half-open probe still uploading past the upstream's lease
             # lost its slot, and a second probe went out beside it.
             lease = max(lease, self.context.remaining + PROBE_LEASE_MARGIN)
-        if not await self.health.admit(name, lease=lease, admission=admission):
+        health_now = self._health_now
+        if health_now is not None:
+            admitted = health_now.admit_now(name, lease, admission)
+        else:
+            admitted = await self.health.admit(name, lease=lease, admission=admission)
+        if not admitted:
             return "breaker_open"
         self.admissions[name] = admission
-        try:
-            reservation = await self.capacity.reserve(name, self.ask(name, upstream, repeat))
-        except BaseException as exc:
-            # Cancelled while the capacity is counted (a Redis round trip): a half-open
-            # probe slot this admission took would be held for nobody for its lease.
-            with anyio.CancelScope(shield=True):
-                await self.health.release(name, admission)
-            raise exc
+        ask = self.ask(name, upstream, repeat)
+        capacity_now = self._capacity_now
+        if capacity_now is not None:
+            reservation = capacity_now.reserve_now(name, ask)
+        else:
+            try:
+                reservation = await self.capacity.reserve(name, ask)
+            except BaseException as exc:
+                # Cancelled while the capacity is counted (a Redis round trip): a half-open
+                # probe slot this admission took would be held for nobody for its lease.
+                with anyio.CancelScope(shield=True):
+                    await self.health.release(name, admission)
+                raise exc
         if isinstance(reservation, str):
-            await self.health.release(name, admission)
+            if health_now is not None:
+                health_now.release_now(name, admission)
+            else:
+                await self.health.release(name, admission)
             return reservation
         self.reservations[name] = reservation
         return reservation
@@ -220,21 +242,30 @@ class AttemptLifecycle:
             and await self.runner.faults.upstream_fault(name) is None
         ):
             mark = None
+        now = self._health_now
         if mark is None:
-            await self.health.release(name, admission)
+            if now is not None:
+                now.release_now(name, admission)
+            else:
+                await self.health.release(name, admission)
             return None
-        await self.health.record(name, failure=mark, fault=outcome.fault, admission=admission)
+        if now is not None:
+            now.record_now(name, mark, outcome.fault, admission)
+        else:
+            await self.health.record(name, failure=mark, fault=outcome.fault, admission=admission)
         if credential_index is not None:
-            await self.health.credential_result(
-                name,
-                credential_index,
-                status=outcome.status,
-                failure=mark,
-                retry_after=self._retry_after(response),
-                session=self.context.session,
-                latency=latency,
-                quota=self._quota(name, response),
-            )
+            retry_after, quota = self._retry_after(response), self._quota(name, response)
+            if now is not None:
+                now.credential_result_now(
+                    name, credential_index, outcome.status, mark, retry_after,
+                    self.context.session, latency, quota,
+                )  # fmt: skip
+            else:
+                await self.health.credential_result(
+                    name, credential_index, status=outcome.status, failure=mark,
+                    retry_after=retry_after, session=self.context.session, latency=latency,
+                    quota=quota,
+                )  # fmt: skip
             if outcome.fault is not None:  # the fault's revert restores this credential
                 await self.health.fault_marked(name, credential_index, outcome.fault)
         return mark

@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from fallback_mw.health.events import Admission as Admission
+from fallback_mw.health.events import ImmediateHealth as ImmediateHealth
 from fallback_mw.health.events import TransitionListener as TransitionListener
+from fallback_mw.health.events import immediate_health as immediate_health
 from fallback_mw.health.pool import Selection
 from fallback_mw.store_url import is_redis_url
 

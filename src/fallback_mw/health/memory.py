@@ -8,7 +8,7 @@ from collections.abc import Callable, Collection
 
 from fallback_mw.config import BreakerConfig
 from fallback_mw.health.breaker import DEFAULT_PROBE_LEASE, Breaker, Transition
-from fallback_mw.health.events import Admission, TransitionListener
+from fallback_mw.health.events import IMMEDIATE_HEALTH, Admission, TransitionListener
 from fallback_mw.health.pool import (
     CredentialMark,
     CredentialPool,
@@ -99,6 +99,9 @@ class MemoryHealth:
     async def admit(
         self, upstream: str, *, lease: float = 0.0, admission: Admission | None = None
     ) -> bool:
+        return self.admit_now(upstream, lease, admission)
+
+    def admit_now(self, upstream: str, lease: float, admission: Admission | None) -> bool:
         breaker = self.breaker(upstream)
         admitted, transition = breaker.admit(self.clock(), lease)
         report_transition(self.on_transition, upstream, transition)
@@ -122,6 +125,11 @@ class MemoryHealth:
         failure: bool,
         fault: str | None = None,
         admission: Admission | None = None,
+    ) -> None:
+        self.record_now(upstream, failure, fault, admission)
+
+    def record_now(
+        self, upstream: str, failure: bool, fault: str | None, admission: Admission | None
     ) -> None:
         breaker = self._admitting(upstream, admission)
         if breaker is None:
@@ -175,6 +183,9 @@ class MemoryHealth:
         return next(iter(self._fault_marks.get(upstream, {}).values()), None)
 
     async def release(self, upstream: str, admission: Admission | None = None) -> None:
+        self.release_now(upstream, admission)
+
+    def release_now(self, upstream: str, admission: Admission | None) -> None:
         breaker = self._admitting(upstream, admission)
         if breaker is not None:
             breaker.release(probe_of(admission))
@@ -197,6 +208,16 @@ class MemoryHealth:
         session: str | None,
         selection: Selection = "round_robin",
     ) -> int | None:
+        return self.pick_credential_now(upstream, pool_size, exclude, session, selection)
+
+    def pick_credential_now(
+        self,
+        upstream: str,
+        pool_size: int,
+        exclude: frozenset[int],
+        session: str | None,
+        selection: Selection,
+    ) -> int | None:
         self.pool_sizes[upstream] = pool_size
         self.selections[upstream] = selection
         if pool_size <= 1:
@@ -217,6 +238,21 @@ class MemoryHealth:
         latency: float | None = None,
         quota: float | None = None,
     ) -> None:
+        self.credential_result_now(
+            upstream, index, status, failure, retry_after, session, latency, quota
+        )
+
+    def credential_result_now(
+        self,
+        upstream: str,
+        index: int,
+        status: int | None,
+        failure: bool,
+        retry_after: float | None,
+        session: str | None,
+        latency: float | None,
+        quota: float | None,
+    ) -> None:
         if self.pool_sizes.get(upstream, 0) <= 1:
             return
         mark = breaker_credential_mark(
@@ -234,3 +270,6 @@ class MemoryHealth:
 
     async def aclose(self) -> None:
         return None
+
+
+IMMEDIATE_HEALTH.add(MemoryHealth)  # never waits: its calls are answered at the call

@@ -28,7 +28,7 @@ from fallback_mw.failover.outcome import (
     REPEAT_ALLOWANCE_SPENT,
     Outcome,
 )
-from fallback_mw.health import HealthState
+from fallback_mw.health import HealthState, immediate_health
 from fallback_mw.request.context import RequestContext, SkipRecord
 from fallback_mw.telemetry import Telemetry
 
@@ -69,6 +69,7 @@ class CandidateCursor:
         self.order = list(order)
         self.upstreams = upstreams
         self.health = health
+        self._health_now = immediate_health(health)  # a memory state: no coroutine per pick
         self.session = session
         self.has_credential = has_credential
         self.on_skip = on_skip
@@ -121,15 +122,19 @@ class CandidateCursor:
             credential_index: int | None = None
             pool = len(upstream.credential_envs)
             if pool:
-                credential_index = await self.health.pick_credential(
-                    name,
-                    pool,
-                    # The shared empty set while none of its credentials is used (the
-                    # first pick of every request): no set made for it.
-                    exclude=frozenset(self.used[name]) if name in self.used else _NONE_USED,
-                    session=self.session,
-                    selection=upstream.selection,
-                )
+                # The shared empty set while none of its credentials is used (the first
+                # pick of every request): no set made for it.
+                used = frozenset(self.used[name]) if name in self.used else _NONE_USED
+                now = self._health_now
+                if now is not None:
+                    credential_index = now.pick_credential_now(
+                        name, pool, used, self.session, upstream.selection
+                    )
+                else:
+                    credential_index = await self.health.pick_credential(
+                        name, pool, exclude=used, session=self.session,
+                        selection=upstream.selection,
+                    )  # fmt: skip
                 if credential_index is None or not self.has_credential(name, credential_index):
                     # A pool a fault emptied (e.g. `revoke`): the skip is the fault's.
                     self.on_skip(name, "no_credential", await self.health.pool_fault(name))

@@ -1,0 +1,120 @@
+"""The memory states answer the walk at the call (health.events.ImmediateHealth,
+capacity.model.ImmediateCapacity): the attempt lifecycle and the cursor ask their
+synchronous methods, which their coroutines also are, so no coroutine is spent on a call
+that never waits (docs/performance.md). A subclass may override the coroutines (a test's
+double, a host's own state): it is asked through them, as any other state is."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from fallback_mw import Gateway
+from fallback_mw.capacity.memory import MemoryCapacity
+from fallback_mw.config import BreakerConfig
+from fallback_mw.health.memory import MemoryHealth
+from tests.helpers import client_for
+from tests.upstreams import host_app, status_handler, upstream
+
+pytestmark = pytest.mark.anyio
+
+WALKED = ("admit", "record", "release", "pick_credential", "credential_result")
+asked: list[str] = []
+
+
+@pytest.fixture(autouse=True)
+def nothing_asked_yet() -> None:
+    asked.clear()
+
+
+def spy(name: str) -> Any:
+    """A coroutine the state must not be asked through: it says so."""
+
+    async def coroutine(*args: Any, **kwargs: Any) -> None:
+        asked.append(name)
+        raise AssertionError(f"{name} awaited")
+
+    return coroutine
+
+
+def conf(primary: str, backup: str, **primary_settings: Any) -> dict[str, Any]:
+    return {
+        "gateway": {"allow_hosts": ["127.0.0.1"], "breaker": {"window": 4, "min_calls": 2}},
+        "upstreams": {
+            "primary": {"url": primary, "auth_env": "PRIMARY_KEY", **primary_settings},
+            "backup": {"url": backup, "auth_env": "BACKUP_KEY"},
+        },
+        "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary", "backup"], "retries": 1}],
+    }
+
+
+async def test_the_memory_states_are_asked_without_their_coroutines(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PRIMARY_KEY", "p-key")
+    monkeypatch.setenv("BACKUP_KEY", "b-key")
+    health = MemoryHealth(BreakerConfig(window=4, min_calls=2))
+    for name in WALKED:  # on the instance: its type is still the memory state's
+        setattr(health, name, spy(name))
+    async with (
+        upstream(status_handler(503)) as primary,
+        upstream(status_handler(200, b"ok")) as backup,
+    ):
+        gateway = Gateway(host_app, config=conf(primary.url, backup.url, rpm=100), health=health)
+        capacity = gateway.services.capacity
+        assert type(capacity) is MemoryCapacity
+        capacity.reserve = spy("reserve")  # type: ignore[method-assign]
+        try:
+            async with client_for(gateway) as client:
+                answers = [await client.get("/v1/x") for _ in range(3)]
+        finally:
+            await gateway.aclose()
+    assert [(a.status_code, a.text) for a in answers] == [(200, "ok")] * 3
+    assert asked == []
+    # The same answers as the coroutines give: two 503s opened the primary's breaker (the
+    # third request skipped it) and its rpm counted the two attempts that reached it.
+    assert health.breaker("primary").state == "open"
+    assert [a.headers["x-gateway-attempts"] for a in answers] == ["2", "2", "1"]
+    counted = capacity._capacity["primary"].totals[0]
+    assert counted == 2
+
+
+class Overridden(MemoryHealth):
+    """A host's state built on the memory one, overriding its coroutines."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[str] = []
+
+    async def admit(self, upstream: str, **kwargs: Any) -> bool:
+        self.asked.append("admit")
+        return await super().admit(upstream, **kwargs)
+
+    async def record(self, upstream: str, **kwargs: Any) -> None:
+        self.asked.append("record")
+        await super().record(upstream, **kwargs)
+
+    async def pick_credential(self, upstream: str, pool_size: int, **kwargs: Any) -> int | None:
+        self.asked.append("pick_credential")
+        return await super().pick_credential(upstream, pool_size, **kwargs)
+
+
+async def test_a_subclass_of_a_memory_state_is_asked_through_its_coroutines(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PRIMARY_KEY", "p-key")
+    monkeypatch.setenv("BACKUP_KEY", "b-key")
+    health = Overridden()
+    async with (
+        upstream(status_handler(200, b"ok")) as primary,
+        upstream(status_handler(200, b"ok")) as backup,
+    ):
+        gateway = Gateway(host_app, config=conf(primary.url, backup.url), health=health)
+        try:
+            async with client_for(gateway) as client:
+                response = await client.get("/v1/x")
+        finally:
+            await gateway.aclose()
+    assert (response.status_code, response.text) == (200, "ok")
+    assert health.asked == ["pick_credential", "admit", "record"]
