@@ -16,7 +16,7 @@ from aiohttp import web
 from fallback_mw import Gateway
 from fallback_mw.cli import main
 from fallback_mw.config import BudgetConfig, RouteConfig
-from fallback_mw.layers.guard import charge
+from fallback_mw.layers.charge import charge
 from fallback_mw.request.context import AttemptRecord, RequestContext
 from fallback_mw.store.ledgers import open_ledger
 from tests.helpers import client_for, sqlite_db

@@ -6,6 +6,7 @@ double, a host's own state): it is asked through them, as any other state is."""
 
 from __future__ import annotations
 
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -14,12 +15,15 @@ from fallback_mw import Gateway
 from fallback_mw.capacity.memory import MemoryCapacity
 from fallback_mw.config import BreakerConfig
 from fallback_mw.health.memory import MemoryHealth
+from fallback_mw.store.ledgers.memory import MemoryLedger
 from tests.helpers import client_for
+from tests.test_budget_guard import gateway_config, json_handler, status_of
 from tests.upstreams import host_app, status_handler, upstream
 
 pytestmark = pytest.mark.anyio
 
 WALKED = ("admit", "record", "release", "pick_credential", "credential_result")
+ANSWER = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5}}
 asked: list[str] = []
 
 
@@ -118,3 +122,30 @@ async def test_a_subclass_of_a_memory_state_is_asked_through_its_coroutines(
             await gateway.aclose()
     assert (response.status_code, response.text) == (200, "ok")
     assert health.asked == ["pick_credential", "admit", "record"]
+
+
+@pytest.mark.parametrize("budget", [None, "acme"])
+async def test_the_memory_ledger_settles_and_records_without_its_coroutines(
+    budget: str | None,
+) -> None:
+    ledger = MemoryLedger()
+    for name in ("settle", "release", "record_usage"):
+        setattr(ledger, name, spy(name))
+    async with upstream(json_handler(ANSWER)) as primary:
+        settings = gateway_config({"primary": primary.url}, store=None, budget=budget)
+        gateway = Gateway(host_app, config=settings, ledger=ledger)
+        try:
+            async with client_for(gateway) as client:
+                body = {"model": "gpt-test", "max_tokens": 5, "messages": []}
+                response = await client.post("/v1/chat", json=body)
+            spent, held = await status_of(gateway)
+        finally:
+            await gateway.aclose()
+    assert response.status_code == 200
+    assert asked == []
+    # The same books as the coroutines keep: the usage record, and a budgeted request's
+    # hold settled at its reported usage's cost (3 x 1000 + 5 x 2000 per million tokens).
+    (record,) = await ledger.usage()
+    assert (record.route, record.input_tokens, record.output_tokens) == ("chat", 3, 5)
+    assert (record.cost, record.charged) == (Decimal("0.013"), Decimal("0.013") if budget else None)
+    assert (spent, held) == (Decimal("0.013") if budget else 0, 0)

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Coroutine
 from decimal import Decimal
 from typing import Any
 
@@ -54,6 +55,7 @@ from fallback_mw.layers.budget_refusals import (
     unreadable_charset,
     unreadable_coding,
 )
+from fallback_mw.layers.charge import charge, priced_usage
 from fallback_mw.request.body import read_body
 from fallback_mw.request.body_json import (
     NestedTooDeep,
@@ -72,7 +74,7 @@ from fallback_mw.request.context import (
     host_cancelled,
 )
 from fallback_mw.request.local_errors import send_error
-from fallback_mw.request.record import model_asked, usage_record, write_record
+from fallback_mw.request.record import usage_record, write_record
 from fallback_mw.request.refusals import body_refusal
 from fallback_mw.request.types import ASGIApp, Receive, Scope, Send
 from fallback_mw.store.ledgers.memory import MemoryLedger
@@ -123,6 +125,9 @@ class BudgetGuard:
         self._shield = not getattr(ledger, "never_suspends", False)
         # Its refusals name where a limit is raised: the file when no command reaches it.
         self._in_memory = isinstance(ledger, MemoryLedger)
+        # The memory ledger answers at the call: settled and recorded with no coroutine. By
+        # exact type: a subclass may override the coroutines (and is asked through them).
+        self._ledger_now = ledger if type(ledger) is MemoryLedger else None
         # A ledger that settles and records in one transaction (the SQL ledgers) gets one
         # call per request end instead of two.
         self._one_step = ledger if isinstance(ledger, SettlesAndRecords) else None
@@ -185,8 +190,10 @@ class BudgetGuard:
                 raise exc
             if self._shield:
                 await self._settled(ledger, context, hold)
-            else:  # nothing to shield (`_settled`): one coroutine frame fewer
-                await self._settle(ledger, context, hold)
+            else:  # nothing to shield (`_settled`): one coroutine frame fewer, or none
+                pending = self._settle(ledger, context, hold)
+                if pending is not None:
+                    await pending
         finally:  # no await here (a compiled coroutine's `finally` must not: above)
             if owner is not None:
                 owner.request_finished(context)
@@ -194,11 +201,14 @@ class BudgetGuard:
     async def _settled(self, ledger: Ledger, context: RequestContext, hold: Hold | None) -> None:
         # Shielded: a cancelled request (client gone, server stopping) still settles;
         # every routed request leaves its usage record.
+        pending = self._settle(ledger, context, hold)
+        if pending is None:
+            return
         if self._shield:
             with anyio.CancelScope(shield=True):
-                await self._settle(ledger, context, hold)
+                await pending
         else:
-            await self._settle(ledger, context, hold)
+            await pending
 
     async def budget_for(self, ledger: Ledger, budget_id: str) -> BudgetConfig | None:
         """A budget set in the store wins over the file's, so operators can change a
@@ -316,26 +326,30 @@ class BudgetGuard:
             amount = max(amount, rewritten)
         return amount
 
-    def _cost(self, context: RequestContext) -> tuple[Decimal | None, str | None]:
-        """The reported usage's cost, and the model it was priced as when that is not the
-        one the answer names (the usage record shows the model its cost is of)."""
-        usage = context.usage
-        if not usage.reported:
-            return None, None
-        cost = self.prices.cost(usage.model, usage.input_tokens, usage.output_tokens)
-        if cost is None:
-            # The answer names no priced model: the one the upstream was asked for (a
-            # candidate's `model` rewrite, not the caller's name, when it has one).
-            asked = model_asked(context)
-            if asked != usage.model:
-                cost = self.prices.cost(asked, usage.input_tokens, usage.output_tokens)
-                if cost is not None:
-                    return cost, asked
-        return cost, None
-
-    async def _settle(self, ledger: Ledger, context: RequestContext, hold: Hold | None) -> None:
-        cost, priced_as = self._cost(context)
+    def _settle(
+        self, ledger: Ledger, context: RequestContext, hold: Hold | None
+    ) -> Coroutine[Any, Any, None] | None:
+        """The settlement and the usage record: the ledger's calls to await, or None when
+        the ledger answered them at the call (the memory ledger: no coroutine)."""
+        cost, priced_as = priced_usage(self.prices, context)
         charged = None if hold is None else charge(context, hold.amount, cost)
+        now = self._ledger_now
+        if now is not None:
+            if hold is not None and charged is not None:
+                now.settle_now(hold, charged)  # 0: released
+            now.record_usage_now(usage_record(context, cost, charged, priced_as=priced_as))
+            return None
+        return self._settle_in(ledger, context, hold, cost, charged, priced_as)
+
+    async def _settle_in(
+        self,
+        ledger: Ledger,
+        context: RequestContext,
+        hold: Hold | None,
+        cost: Decimal | None,
+        charged: Decimal | None,
+        priced_as: str | None,
+    ) -> None:
         one_step = self._one_step
         if one_step is not None:
             record = usage_record(context, cost, charged, priced_as=priced_as)
@@ -358,32 +372,3 @@ class BudgetGuard:
         except LedgerUnavailable:
             logger.debug("route %s: settlement failed, ledger unavailable", context.route.id)
         await write_record(ledger, context, cost, charged, priced_as=priced_as)
-
-
-def charge(context: RequestContext, held: Decimal, cost: Decimal | None) -> Decimal:
-    """What a settled request is charged (SPEC §7): the reported usage's cost, else the
-    hold; nothing when nothing was served and no upstream answered."""
-    if context.chosen is None:
-        unrelayed = context.client_disconnected or context.outcome == "response_too_large"
-        if unrelayed and any(
-            record.status is not None and 200 <= record.status < 300 for record in context.attempts
-        ):
-            # An upstream answered (it generated, and bills for it) but the client left
-            # before the relay began, or the answer was over max_response_body by its
-            # Content-Length (found while relayed, it is charged as cut short): the body,
-            # and its usage, were never read.
-            return held
-        return Decimal(0)  # nothing served: the hold is released
-    if context.served_fault is not None:
-        # A game-day fault's own answer (`fail`'s 503, `revoke`'s 401): nothing reached the
-        # upstream, nothing was generated; a rehearsal must not spend the tenant's budget.
-        return Decimal(0)
-    if cost is None:
-        return held
-    if not context.completed and not context.usage.done:
-        # Cut short (client gone, response aborted): the upstream's count is partial
-        # but it may bill for the whole generation; never charge less than the hold.
-        # Not once `data: [DONE]` was relayed (an upstream that went idle or reset after
-        # it): the count is whole, and nothing the SDKs read was lost.
-        return max(cost, held)
-    return cost

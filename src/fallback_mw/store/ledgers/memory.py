@@ -68,6 +68,10 @@ class MemoryLedger:
     async def settle(self, hold: Hold, amount: Decimal) -> None:
         self._finish(hold, to_units(amount))
 
+    def settle_now(self, hold: Hold, amount: Decimal) -> None:
+        """`settle`, answered at the call (the budget guard's request path); 0 releases."""
+        self._finish(hold, to_units(amount))
+
     async def release(self, hold: Hold) -> None:
         self._finish(hold, 0)
 
@@ -82,6 +86,9 @@ class MemoryLedger:
         self._spent[key] = min(self._spent.get(key, 0) + spent, SPENT_CAP_UNITS)
 
     async def record_usage(self, record: UsageRecord) -> None:
+        self.record_usage_now(record)
+
+    def record_usage_now(self, record: UsageRecord) -> None:
         self._usage.append(record)  # read back in the budget's units (`_as_stored`)
 
     async def stored_budget(self, budget_id: str) -> BudgetConfig | None:
