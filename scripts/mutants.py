@@ -505,10 +505,14 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "failover/attempt.py",
-                "if mark is None:\n            if now is not None:\n"
-                "                now.release_now(name, admission)\n            else:\n"
-                "                await self.health.release(name, admission)\n",
-                "if mark is None:\n",
+                "if mark is None:\n            now.release_now(name, admission)\n"
+                "            return\n",
+                "if mark is None:\n            return\n",
+            ),
+            (
+                "failover/attempt.py",
+                "elif mark is None:\n            await self.health.release(name, admission)\n",
+                "elif mark is None:\n            pass\n",
             ),
         ),
         ("tests/test_probe_slots.py::test_a_probe_the_callers_deadline_ended_frees_its_slot",),

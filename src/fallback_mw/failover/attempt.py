@@ -12,7 +12,6 @@ loop, the hedge and the shadow copy all go through it; `mark_health` is the one 
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -30,10 +29,9 @@ from fallback_mw.config.views import AnyUpstream
 from fallback_mw.failover.outcome import Outcome, fails_in_a_race, health_mark
 from fallback_mw.failover.send import AttemptResult, AttemptRunner, _derived
 from fallback_mw.faults import FaultSource
-from fallback_mw.health import Admission, HealthState, immediate_health
+from fallback_mw.health import Admission, HealthState, ImmediateHealth, immediate_health
 from fallback_mw.health.breaker import PROBE_LEASE_MARGIN
-from fallback_mw.health.pool import retry_after_seconds
-from fallback_mw.health.quota import PeekedResponse
+from fallback_mw.health.quota import credential_retry_after, spent_quota
 from fallback_mw.request.context import AttemptRecord, RequestBody, RequestContext
 from fallback_mw.telemetry import Telemetry
 from fallback_mw.upstream.base import UpstreamClient, UpstreamResponse
@@ -201,10 +199,11 @@ class AttemptLifecycle:
 
     def finish(
         self, record: AttemptRecord, outcome: Outcome, response: UpstreamResponse | None
-    ) -> Coroutine[Any, Any, bool | None]:
+    ) -> Coroutine[Any, Any, bool | None] | None:
         """Finish the attempt's record and telemetry; feed health with upstream outcomes only
-        (`failover.outcome.health_mark`): a local outcome frees a half-open probe slot and marks
-        nothing. The record is finished at the call; the marks are the coroutine returned."""
+        (`decide.health_mark`): a local outcome frees a half-open probe slot and marks
+        nothing. The record is finished at the call, the marks too where the health state
+        answers there (None returned); else they are the coroutine returned."""
         record.duration = time.monotonic() - record.started
         record.status = outcome.status
         record.responsible = outcome.responsible
@@ -212,9 +211,16 @@ class AttemptLifecycle:
         if mark or outcome.kind != "status" or outcome.fault is not None:
             record.failure_kind = outcome.failure_kind or "status"
         self.telemetry.attempt_finished(self.context, record)
+        name, admission = record.candidate, self._admitted.get(id(record))
+        now = self._health_now
+        if now is not None and outcome.fault is None:  # a fault's outcome asks after it
+            admission = admission or self.admissions.get(name)
+            self._marked_now(now, name, record.credential_index, outcome, response,
+                             record.duration, admission, mark)  # fmt: skip
+            return None
         return self.mark_health(
-            record.candidate, record.credential_index, outcome, response,
-            latency=record.duration, admission=self._admitted.get(id(record)),
+            name, record.credential_index, outcome, response, latency=record.duration,
+            admission=admission,
         )  # fmt: skip
 
     async def mark_health(
@@ -227,9 +233,9 @@ class AttemptLifecycle:
         latency: float | None = None,
         admission: Admission | None = None,
     ) -> bool | None:
-        """The one place an outcome reaches the breaker and the credential's health.
-        Returns the mark (True a failure, False a success, None nothing recorded).
-        `admission`: the attempt's (default: the latest at `name`)."""
+        """The one place an outcome reaches the breaker and the credential's health (with
+        `_marked_now`). Returns the mark (True a failure, False a success, None nothing
+        recorded). `admission`: the attempt's (default: the latest at `name`)."""
         admission = admission or self.admissions.get(name)
         mark = health_mark(outcome, self.failover_status)
         # The fault ended (cleared, expired) while this attempt hung on it: the revert has
@@ -243,48 +249,40 @@ class AttemptLifecycle:
         ):
             mark = None
         now = self._health_now
-        if mark is None:
-            if now is not None:
-                now.release_now(name, admission)
-            else:
-                await self.health.release(name, admission)
-            return None
         if now is not None:
-            now.record_now(name, mark, outcome.fault, admission)
+            self._marked_now(now, name, credential_index, outcome, response, latency,
+                             admission, mark)  # fmt: skip
+        elif mark is None:
+            await self.health.release(name, admission)
         else:
             await self.health.record(name, failure=mark, fault=outcome.fault, admission=admission)
-        if credential_index is not None:
-            retry_after, quota = self._retry_after(response), self._quota(name, response)
-            if now is not None:
-                now.credential_result_now(
-                    name, credential_index, outcome.status, mark, retry_after,
-                    self.context.session, latency, quota,
-                )  # fmt: skip
-            else:
+            if credential_index is not None:
                 await self.health.credential_result(
                     name, credential_index, status=outcome.status, failure=mark,
-                    retry_after=retry_after, session=self.context.session, latency=latency,
-                    quota=quota,
+                    retry_after=credential_retry_after(response), session=self.context.session,
+                    latency=latency,
+                    quota=spent_quota(response, self.context.upstreams[name].quota_retire_ms),
                 )  # fmt: skip
-            if outcome.fault is not None:  # the fault's revert restores this credential
-                await self.health.fault_marked(name, credential_index, outcome.fault)
+        if mark is not None and credential_index is not None and outcome.fault is not None:
+            await self.health.fault_marked(name, credential_index, outcome.fault)  # its revert
         return mark
 
-    @staticmethod
-    def _retry_after(response: UpstreamResponse | None) -> float | None:
-        """When a pool credential may be asked again: its answer's Retry-After, else what
-        a peeked 429's body says (Gemini's RetryInfo)."""
-        seconds = retry_after_seconds(response.headers if response else ())
-        if seconds is None and isinstance(response, PeekedResponse):
-            return response.retry_delay
-        return seconds
-
-    def _quota(self, name: str, response: UpstreamResponse | None) -> float | None:
-        """Seconds a pool credential's spent quota keeps it retired (None: not spent)."""
-        quota = response.quota if isinstance(response, PeekedResponse) else None
-        if quota is None or math.isfinite(quota):
-            return quota
-        return self.context.upstreams[name].quota_retire_ms / 1000  # no reset given
+    def _marked_now(
+        self, now: ImmediateHealth, name: str, credential_index: int | None, outcome: Outcome,
+        response: UpstreamResponse | None, latency: float | None, admission: Admission | None,
+        mark: bool | None,
+    ) -> None:  # fmt: skip
+        """`mark_health`'s marks, by a health state that answers at the call (no coroutine)."""
+        if mark is None:
+            now.release_now(name, admission)
+            return
+        now.record_now(name, mark, outcome.fault, admission)
+        if credential_index is not None:
+            retire_ms = self.context.upstreams[name].quota_retire_ms
+            now.credential_result_now(
+                name, credential_index, outcome.status, mark, credential_retry_after(response),
+                self.context.session, latency, spent_quota(response, retire_ms),
+            )  # fmt: skip
 
     async def lose(
         self, record: AttemptRecord, result: AttemptResult | None
@@ -302,7 +300,9 @@ class AttemptLifecycle:
         ):
             # It failed (before the winner's head, or beside it): booked like any attempt.
             try:
-                await self.finish(record, result[0], result[1])
+                marks = self.finish(record, result[0], result[1])
+                if marks is not None:
+                    await marks
                 if (result[0].status or 0) >= 400:
                     # An error answer that lost the race generated nothing: its estimate
                     # leaves the upstream's tpm, as one the walk moves past does (`_act`).

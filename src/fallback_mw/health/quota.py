@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from datetime import datetime
 from typing import Any, Protocol
 
-from fallback_mw.health.pool import sent_at
+from fallback_mw.health.pool import retry_after_seconds, sent_at
 from fallback_mw.request.codings import body_coding, content_decoder
 
 PEEK_LIMIT = 4096  # bytes of a 429's body read before deciding
@@ -220,6 +220,24 @@ class _Response(Protocol):  # upstream.base.UpstreamResponse, without importing 
     def iter_chunks(self) -> AsyncIterator[bytes]: ...
 
     async def aclose(self) -> None: ...
+
+
+def credential_retry_after(response: _Response | None) -> float | None:
+    """When a pool credential may be asked again: its answer's Retry-After, else what a
+    peeked 429's body says (Gemini's RetryInfo)."""
+    seconds = retry_after_seconds(response.headers if response else ())
+    if seconds is None and isinstance(response, PeekedResponse):
+        return response.retry_delay
+    return seconds
+
+
+def spent_quota(response: _Response | None, quota_retire_ms: int) -> float | None:
+    """Seconds a pool credential's spent quota keeps it retired (None: not spent);
+    `quota_retire_ms` when its answer gave no reset."""
+    quota = response.quota if isinstance(response, PeekedResponse) else None
+    if quota is None or math.isfinite(quota):
+        return quota
+    return quota_retire_ms / 1000
 
 
 async def peek_quota(response: _Response, *, limit: int = PEEK_LIMIT) -> PeekedResponse:

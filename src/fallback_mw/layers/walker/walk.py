@@ -209,7 +209,9 @@ class _Walk:
                         await attempts.release(pick.name, record)
                     raise exc
                 try:
-                    await attempts.finish(record, outcome, response)
+                    marks = attempts.finish(record, outcome, response)
+                    if marks is not None:  # a health state that waits (Redis)
+                        await marks
                     done = await self._act(outcome, response, pick.name, record)
                 except BaseException as exc:
                     # Cut short before the response was kept, relayed or closed (the caller
