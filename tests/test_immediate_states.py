@@ -14,6 +14,7 @@ import pytest
 from fallback_mw import Gateway
 from fallback_mw.capacity.memory import MemoryCapacity
 from fallback_mw.config import BreakerConfig
+from fallback_mw.failover import attempt
 from fallback_mw.failover.attempt import AttemptLifecycle
 from fallback_mw.health.memory import MemoryHealth
 from fallback_mw.store.ledgers.memory import MemoryLedger
@@ -64,6 +65,11 @@ async def test_the_memory_states_are_asked_without_their_coroutines(
         setattr(health, name, spy(name))
     # Nor a coroutine of the lifecycle's for an attempt's marks (a fault's outcome aside).
     monkeypatch.setattr(AttemptLifecycle, "mark_health", spy("mark_health"))
+
+    def unread(response: object) -> None:  # a single credential keeps no health of its own
+        asked.append("credential_retry_after")
+
+    monkeypatch.setattr(attempt, "credential_retry_after", unread)
     async with (
         upstream(status_handler(503)) as primary,
         upstream(status_handler(200, b"ok")) as backup,

@@ -277,7 +277,7 @@ class AttemptLifecycle:
             now.release_now(name, admission)
             return
         now.record_now(name, mark, outcome.fault, admission)
-        if credential_index is not None:
+        if credential_index is not None and now.pooled(name):
             retire_ms = self.context.upstreams[name].quota_retire_ms
             now.credential_result_now(
                 name, credential_index, outcome.status, mark, credential_retry_after(response),

@@ -54,6 +54,11 @@ class ImmediateHealth(Protocol):
         selection: Selection,
     ) -> int | None: ...
 
+    def pooled(self, upstream: str) -> bool:
+        """Whether `credential_result_now` keeps anything for this upstream (a pool): asked
+        first, so a single credential's answer is not read for a Retry-After or a quota."""
+        ...
+
     def credential_result_now(
         self,
         upstream: str,

@@ -242,6 +242,11 @@ class MemoryHealth:
             upstream, index, status, failure, retry_after, session, latency, quota
         )
 
+    def pooled(self, upstream: str) -> bool:
+        """Whether this upstream's credentials have a health of their own (a pool: more
+        than one credential); a single credential is governed by the breaker alone."""
+        return self.pool_sizes.get(upstream, 0) > 1
+
     def credential_result_now(
         self,
         upstream: str,
@@ -253,7 +258,7 @@ class MemoryHealth:
         latency: float | None,
         quota: float | None,
     ) -> None:
-        if self.pool_sizes.get(upstream, 0) <= 1:
+        if not self.pooled(upstream):
             return
         mark = breaker_credential_mark(
             self.config, upstream, index, status=status, failure=failure,
