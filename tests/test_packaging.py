@@ -1,0 +1,129 @@
+"""The package as a user gets it: the wheel and the sdist, built from a copy of this tree by
+the build backend pyproject.toml names (hatchling, in the dev extra: no index is asked), hold
+the package and nothing from a developer's checkout; the sdist builds the same wheel on its
+own. tests/test_fresh_install.py installs the wheel in a new virtual environment."""
+
+from __future__ import annotations
+
+import email
+import email.message
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "src" / "fallback_mw"
+
+# What scripts/compile.py leaves in a tree after a build: an extension module beside each
+# compiled .py, mypyc's shared runtime beside the package, its C sources under build/.
+COMPILED_LEFTOVERS = (
+    "src/fallback_mw/request/context.cpython-311-x86_64-linux-gnu.so",
+    "src/fallback_mw/layers/resolver.cpython-311-x86_64-linux-gnu.so",
+    "src/fallback_mw/routing.cp311-win_amd64.pyd",
+    "src/0123456789abcdef__mypyc.cpython-311-x86_64-linux-gnu.so",
+    "build/mypyc/build/__native_0123456789abcdef.c",
+)
+
+
+def copy_tree(to: Path, *, gitignore: bool) -> Path:
+    """The files a build reads (pyproject.toml, README.md, src/), as a fresh clone has them,
+    plus a compiled core as scripts/compile.py leaves it; .gitignore only when asked: a tree
+    without it (an export, another VCS) must not ship what it would have hidden."""
+    tree = to / "tree"
+    tree.mkdir()
+    for name in ("pyproject.toml", "README.md", *([".gitignore"] if gitignore else [])):
+        shutil.copy2(ROOT / name, tree / name)
+    shutil.copytree(
+        PACKAGE,
+        tree / "src" / "fallback_mw",
+        ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyd"),
+    )
+    for leftover in COMPILED_LEFTOVERS:
+        path = tree / leftover
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"\x7fELF not really")
+    return tree
+
+
+def build(tree: Path, kind: str, out: Path) -> Path:
+    """Build one artifact with hatchling's PEP 517 hooks, as pip or `python -m build` would."""
+    out.mkdir(exist_ok=True)
+    hook = f"import sys, hatchling.build as b; print(b.build_{kind}(sys.argv[1]))"
+    result = subprocess.run(
+        [sys.executable, "-c", hook, str(out)],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    return out / result.stdout.strip().splitlines()[-1]
+
+
+def shipped_sources() -> set[str]:
+    return {
+        path.relative_to(PACKAGE.parent).as_posix()
+        for path in PACKAGE.rglob("*.py")
+        if "__pycache__" not in path.parts
+    }
+
+
+def wheel_files(wheel: Path) -> tuple[set[str], set[str]]:
+    """The wheel's package files and its .dist-info files."""
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+    info = {name for name in names if ".dist-info/" in name}
+    return names - info, info
+
+
+def metadata(wheel: Path) -> email.message.Message:
+    with zipfile.ZipFile(wheel) as archive:
+        (name,) = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
+        return email.message_from_bytes(archive.read(name))
+
+
+@pytest.mark.parametrize("gitignore", [True, False], ids=["with-gitignore", "no-gitignore"])
+def test_the_wheel_holds_the_package_and_nothing_compiled(tmp_path: Path, gitignore: bool) -> None:
+    # A .so left by scripts/compile.py, packed into a py3-none-any wheel, would be imported
+    # instead of its .py on every machine that installs it (and fail there, its mypyc
+    # runtime left behind): whatever the tree holds, the wheel is the pure-Python package.
+    wheel = build(copy_tree(tmp_path, gitignore=gitignore), "wheel", tmp_path / "dist")
+    files, info = wheel_files(wheel)
+    assert files == shipped_sources() | {"fallback_mw/py.typed"}
+    assert wheel.name == "fallback_mw-0.1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel) as archive:
+        (tag,) = [n for n in info if n.endswith("/WHEEL")]
+        assert "Root-Is-Purelib: true" in archive.read(tag).decode()
+
+
+def test_the_sdist_holds_no_compiled_core_and_builds_the_same_wheel(tmp_path: Path) -> None:
+    tree = copy_tree(tmp_path, gitignore=False)
+    sdist = build(tree, "sdist", tmp_path / "dist")
+    with tarfile.open(sdist) as archive:
+        names = archive.getnames()
+        archive.extractall(tmp_path / "unpacked", filter="data")
+    leftovers = [n for n in names if n.endswith((".so", ".pyd", ".c")) or "/build/" in n]
+    assert leftovers == []
+    (unpacked,) = (tmp_path / "unpacked").iterdir()
+    files, _ = wheel_files(build(unpacked, "wheel", tmp_path / "from-sdist"))
+    assert files == shipped_sources() | {"fallback_mw/py.typed"}
+
+
+def test_the_wheel_metadata_a_resolver_reads(tmp_path: Path) -> None:
+    import fallback_mw
+
+    wheel = build(copy_tree(tmp_path, gitignore=True), "wheel", tmp_path / "dist")
+    meta = metadata(wheel)
+    assert meta["Name"] == "fallback_mw"
+    assert meta["Version"] == fallback_mw.__version__
+    assert meta["Requires-Python"] == ">=3.11"
+    _, info = wheel_files(wheel)
+    with zipfile.ZipFile(wheel) as archive:
+        (points,) = [n for n in info if n.endswith("/entry_points.txt")]
+        text = archive.read(points).decode()
+    assert "[console_scripts]\nfallback-mw = fallback_mw.cli:main" in text
