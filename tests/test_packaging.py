@@ -36,8 +36,9 @@ def copy_tree(to: Path, *, gitignore: bool) -> Path:
     without it (an export, another VCS) must not ship what it would have hidden."""
     tree = to / "tree"
     tree.mkdir()
-    for name in ("pyproject.toml", "README.md", *([".gitignore"] if gitignore else [])):
-        shutil.copy2(ROOT / name, tree / name)
+    for path in ROOT.iterdir():  # pyproject.toml, README.md, LICENSE, ...
+        if path.is_file() and (not path.name.startswith(".") or gitignore):
+            shutil.copy2(path, tree / path.name)
     shutil.copytree(
         PACKAGE,
         tree / "src" / "fallback_mw",
@@ -127,3 +128,18 @@ def test_the_wheel_metadata_a_resolver_reads(tmp_path: Path) -> None:
         (points,) = [n for n in info if n.endswith("/entry_points.txt")]
         text = archive.read(points).decode()
     assert "[console_scripts]\nfallback-mw = fallback_mw.cli:main" in text
+
+
+def test_the_wheel_and_the_sdist_carry_the_licence_they_declare(tmp_path: Path) -> None:
+    # Apache-2.0 asks that whoever redistributes the work give its recipients a copy of the
+    # licence: a wheel that declares it carries the text, and says which one it is (PEP 639).
+    tree = copy_tree(tmp_path, gitignore=True)
+    wheel = build(tree, "wheel", tmp_path / "dist")
+    assert metadata(wheel)["License-Expression"] == "Apache-2.0"
+    _, info = wheel_files(wheel)
+    with zipfile.ZipFile(wheel) as archive:
+        texts = [archive.read(n).decode() for n in info if "/licenses/" in n]
+    assert len(texts) == 1
+    assert "Apache License" in texts[0] and "Version 2.0, January 2004" in texts[0]
+    with tarfile.open(build(tree, "sdist", tmp_path / "dist")) as archive:
+        assert any(name.endswith("/LICENSE") for name in archive.getnames())
