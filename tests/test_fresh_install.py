@@ -1,10 +1,11 @@
 """The wheel in a new virtual environment, as a user who already has the oldest versions it
-admits: every base dependency and the serve extra's uvicorn pinned to the lower bound the
+admits: every base dependency and the serve and redis extras pinned to the lower bound the
 wheel's metadata declares (pip keeps an installed version that satisfies a bound, so a user's
 older aiohttp or opentelemetry-api is what the gateway runs on). From a directory outside
 the checkout: the command, `python -m fallback_mw`, the demo (a failover, the POST rule, a
-budget), what importing the package loads, and mypy --strict of a user's program against
-the installed, typed package. pip asks the package index (its cache makes a rerun quick)."""
+budget), the Redis breaker state, what importing the package loads, and mypy --strict of a
+user's program against the installed, typed package. pip asks the package index (its cache
+makes a rerun quick)."""
 
 from __future__ import annotations
 
@@ -47,10 +48,12 @@ def run(argv: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Completed
 
 
 @pytest.mark.slow  # a virtual environment and an install from the index: about 30 s
-def test_the_wheel_at_its_lowest_dependencies_outside_the_checkout(tmp_path: Path) -> None:
+def test_the_wheel_at_its_lowest_dependencies_outside_the_checkout(
+    tmp_path: Path, redis_url: str
+) -> None:
     wheel = build(copy_tree(tmp_path, gitignore=True), "wheel", tmp_path / "dist")
-    pins = lowest(wheel, {"serve"})
-    assert {pin.split("==")[0] for pin in pins} >= {"aiohttp", "opentelemetry-api", "uvicorn"}
+    pins = lowest(wheel, {"serve", "redis"})
+    assert {pin.split("==")[0] for pin in pins} >= {"aiohttp", "opentelemetry-api", "redis"}
     constraints = tmp_path / "lowest.txt"
     constraints.write_text("\n".join(pins) + "\n")
 
@@ -65,7 +68,16 @@ def test_the_wheel_at_its_lowest_dependencies_outside_the_checkout(tmp_path: Pat
     python = str(bin_dir / "python")
 
     install = run(
-        [python, "-m", "pip", "install", "--quiet", "-c", str(constraints), f"{wheel}[serve]"],
+        [
+            python,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "-c",
+            str(constraints),
+            f"{wheel}[serve,redis]",
+        ],
         elsewhere,
         env,
     )
@@ -97,6 +109,27 @@ def test_the_wheel_at_its_lowest_dependencies_outside_the_checkout(tmp_path: Pat
     where, heavy = imported.stdout.splitlines()
     assert Path(where).is_relative_to(home), where
     assert heavy == "[]"
+
+    # The shared breaker state on the lowest redis: a call answered (redis 5.0.0 lacked
+    # Redis.from_pool: every breaker call hung, unanswered).
+    shared = textwrap.dedent(
+        f"""
+        import asyncio
+        from fallback_mw.config import BreakerConfig
+        from fallback_mw.health.redis import RedisHealth
+
+        async def main():
+            health = RedisHealth({redis_url!r}, BreakerConfig())
+            try:
+                print(await asyncio.wait_for(health.admit("primary"), 20))
+            finally:
+                await health.aclose()
+
+        asyncio.run(main())
+        """
+    )
+    admitted = run([python, "-c", shared], elsewhere, env)
+    assert admitted.stdout.strip() == "True", admitted.stderr[-3000:]
 
     # py.typed in the installed package: the public names are typed (a misuse is caught,
     # as it would not be if they were Any), and the correct program passes.

@@ -143,3 +143,40 @@ def test_the_wheel_and_the_sdist_carry_the_licence_they_declare(tmp_path: Path) 
     assert "Apache License" in texts[0] and "Version 2.0, January 2004" in texts[0]
     with tarfile.open(build(tree, "sdist", tmp_path / "dist")) as archive:
         assert any(name.endswith("/LICENSE") for name in archive.getnames())
+
+
+# The oldest release of each dependency the gateway was seen to work on, and what failed on
+# the one before (each found by installing the wheel with that release and running this
+# suite's tests of the feature; tests/test_fresh_install.py runs the base and the serve and
+# redis extras at the declared bounds). pip keeps an installed release that satisfies the
+# bound, so a bound below these hands a user the failure named here.
+KNOWN_LOWEST = {
+    "aiohttp": ("3.13.4", "ClientSession(max_headers=): every routed request a 500"),
+    "opentelemetry-api": ("1.30", "create_histogram's bucket advisory: Gateway() TypeError"),
+    "anyio": ("4.4", "an httpx-engine first-byte timeout escaped as a CancelledError"),
+    "uvicorn": ("0.53", "HTTP/1.0 clients got chunk sizes in the body; websockets.legacy"),
+    "redis": ("5.0.2", "5.0.0: no Redis.from_pool, breaker calls hung; 5.0.1: login errors"),
+    "asyncpg": ("0.30", "Pool(connect=): every ledger call a TypeError"),
+    "django": ("5.2.13", "a DEBUG page showed the caller's key; x_tenant_id refused"),
+    "opentelemetry-sdk": ("1.30", "pins the API it belongs to"),
+}
+
+
+def test_no_dependency_admits_a_release_the_gateway_fails_on(tmp_path: Path) -> None:
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    wheel = build(copy_tree(tmp_path, gitignore=True), "wheel", tmp_path / "dist")
+    bounds: dict[str, Version] = {}
+    for line in metadata(wheel).get_all("Requires-Dist") or []:
+        requirement = Requirement(line)
+        for spec in requirement.specifier:
+            if spec.operator == ">=":
+                found = Version(spec.version)
+                bounds[requirement.name] = min(found, bounds.get(requirement.name, found))
+    too_low = [
+        f"{name}>={bounds[name]} admits {name} below {oldest}: {why}"
+        for name, (oldest, why) in KNOWN_LOWEST.items()
+        if bounds[name] < Version(oldest)
+    ]
+    assert too_low == []
