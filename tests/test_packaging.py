@@ -159,6 +159,7 @@ KNOWN_LOWEST = {
     "uvicorn": ("0.53", "HTTP/1.0 clients got chunk sizes in the body; websockets.legacy"),
     "redis": ("5.0.2", "5.0.0: no Redis.from_pool, breaker calls hung; 5.0.1: login errors"),
     "asyncpg": ("0.30", "Pool(connect=): every ledger call a TypeError"),
+    "httpx": ("0.28", "an upstream URL's `|` and `^` re-encoded: another path upstream"),
     "django": ("5.2.13", "a DEBUG page showed the caller's key; x_tenant_id refused"),
     "opentelemetry-sdk": ("1.40", "pins the API it belongs to"),
 }
