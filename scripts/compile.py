@@ -132,6 +132,8 @@ MODULES = (
     "telemetry/propagation.py",
     "telemetry/genai.py",
     "shadow.py",
+    "request/body.py",
+    "request/body_json.py",
 )
 
 

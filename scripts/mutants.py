@@ -374,8 +374,8 @@ MUTANTS: tuple[Mutant, ...] = (
             ),
             (
                 "request/body.py",
-                "            if size < declared:\n                body.misframed = True",
-                "            if False:\n                body.misframed = True",
+                "                if size < declared:\n                    body.misframed = True",
+                "                if False:\n                    body.misframed = True",
             ),
         ),
         tuple(

@@ -18,7 +18,7 @@ its estimate) and the walker share one read.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 
 from fallback_mw.config.views import AnySettings
 from fallback_mw.request.context import RequestBody, RequestContext, host_refused
@@ -115,7 +115,7 @@ async def read_body(
                     if size <= settings.replay_buffer:
                         body.buffered = data
                     else:  # larger than replay_buffer, read whole: sent once, not replayable
-                        body.stream = _once(data)
+                        body.stream = _Once(data)
                         body.length = size
                     return body
                 if size > head_limit:
@@ -123,7 +123,7 @@ async def read_body(
                         body.misframed = True  # over its Content-Length already
                         return body
                     body.length = declared
-                    body.stream = _stream_rest(
+                    body.stream = _StreamRest(
                         bytes(more) if more else first, size, body, context, receive, limit, gap
                     )
                     return body
@@ -133,19 +133,31 @@ async def read_body(
         return body
 
 
-async def _once(data: bytes) -> AsyncIterator[bytes]:
-    yield data
+class _Once:
+    """A body read whole, over replay_buffer: its one chunk, sent once. The streamed bodies
+    are async iterator classes, not async generators, so this module compiles with mypyc
+    (scripts/compile.py); each ends for good once it has ended or raised, as a generator
+    does, and `aclose` ends it."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: bytes) -> None:
+        self._data: bytes | None = data
+
+    def __aiter__(self) -> _Once:
+        return self
+
+    async def __anext__(self) -> bytes:
+        data, self._data = self._data, None
+        if data is None:
+            raise StopAsyncIteration
+        return data
+
+    async def aclose(self) -> None:
+        self._data = None
 
 
-async def _stream_rest(
-    head: bytes,
-    size: int,
-    body: RequestBody,
-    context: RequestContext,
-    receive: Receive,
-    limit: int,
-    gap: float,
-) -> AsyncIterator[bytes]:
+class _StreamRest:
     """Over replay_buffer: the body goes to one attempt only, read as it is sent. The
     upload is the caller's time (SPEC §12): a gap longer than `gap` between its chunks
     ends it as the caller's 408 (the walk deadline bounds the whole), and the engines
@@ -156,50 +168,110 @@ async def _stream_rest(
     or waited for bytes that never came: a first-byte timeout on its breaker). The bytes
     that complete the length are held until the caller's end is seen, so an upstream
     never gets a whole request that the caller then overruns."""
-    declared = body.length
-    assert declared is not None  # only a body with a Content-Length streams
-    held = b""
-    if size < declared:
-        yield head
-    else:
-        held = head
-    while True:
+
+    __slots__ = (
+        "_body",
+        "_context",
+        "_declared",
+        "_ended",
+        "_gap",
+        "_held",
+        "_last",
+        "_limit",
+        "_receive",
+        "_size",
+        "_start",
+    )
+
+    def __init__(
+        self,
+        head: bytes,
+        size: int,
+        body: RequestBody,
+        context: RequestContext,
+        receive: Receive,
+        limit: int,
+        gap: float,
+    ) -> None:
+        declared = body.length
+        assert declared is not None  # only a body with a Content-Length streams
+        self._declared = declared
+        self._size = size
+        self._body = body
+        self._context = context
+        self._receive = receive
+        self._limit = limit
+        self._gap = gap
+        self._ended = self._last = False
+        # The head is the first chunk unless it completes the length already: then held.
+        self._start = head if size < declared else b""
+        self._held = b"" if size < declared else head
+
+    def __aiter__(self) -> _StreamRest:
+        return self
+
+    async def aclose(self) -> None:
+        self._ended = True
+
+    async def __anext__(self) -> bytes:
+        if self._ended:
+            raise StopAsyncIteration
+        if self._last:  # the last chunk was taken: the body is sent whole
+            self._ended = True
+            self._body.done.set()
+            raise StopAsyncIteration
+        start, self._start = self._start, b""
+        if start:
+            return start
         try:
-            with deadline_after(gap):
-                message = await receive()
-        except TimeoutError:
-            body.timed_out = True
-            raise BodyAborted("request body stalled") from None
-        except Exception as exc:
-            # The host refused the body (a middleware in front): the walk ends sending
-            # nothing and raises this to the host; the engine, which may wrap what the body
-            # raised in a connection error, never books it to the upstream.
-            body.host_refusal = exc
-            raise BodyAborted("the host refused the request body") from exc
-        if message["type"] == "http.disconnect":
-            body.client_gone = context.client_disconnected = True
-            raise BodyAborted("client disconnected")
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > declared:  # declared <= limit: one comparison bounds both
-            if size > limit:
-                body.too_large = True
-                raise BodyAborted("request body over max_request_body")
-            body.misframed = True
-            raise BodyAborted("request body longer than its Content-Length")
-        if not message.get("more_body", False):
-            if size < declared:
+            return await self._next()
+        except BaseException:
+            self._ended = True  # raised (or ended): it ends for good, as a generator does
+            raise
+
+    async def _next(self) -> bytes:
+        body = self._body
+        declared = self._declared
+        while True:
+            try:
+                with deadline_after(self._gap):
+                    message = await self._receive()
+            except TimeoutError:
+                body.timed_out = True
+                raise BodyAborted("request body stalled") from None
+            except Exception as exc:
+                # The host refused the body (a middleware in front): the walk ends sending
+                # nothing and raises this to the host; the engine, which may wrap what the
+                # body raised in a connection error, never books it to the upstream.
+                body.host_refusal = exc
+                raise BodyAborted("the host refused the request body") from exc
+            if message["type"] == "http.disconnect":
+                body.client_gone = self._context.client_disconnected = True
+                raise BodyAborted("client disconnected")
+            chunk: bytes = message.get("body", b"")
+            size = self._size = self._size + len(chunk)
+            if size > declared:  # declared <= limit: one comparison bounds both
+                if size > self._limit:
+                    body.too_large = True
+                    raise BodyAborted("request body over max_request_body")
                 body.misframed = True
-                raise BodyAborted("request body shorter than its Content-Length")
-            if held or chunk:
-                yield held or chunk  # one of them is empty: the length is exact
-            body.done.set()
-            return
-        if size < declared:
-            if chunk:
-                yield chunk
-        elif chunk:
-            held = chunk
+                raise BodyAborted("request body longer than its Content-Length")
+            if not message.get("more_body", False):
+                if size < declared:
+                    body.misframed = True
+                    raise BodyAborted("request body shorter than its Content-Length")
+                last = self._held or chunk  # one of them is empty: the length is exact
+                if last:
+                    self._last = True  # done once the engine asks past it (`__anext__`)
+                    return last
+                self._ended = True
+                body.done.set()
+                raise StopAsyncIteration
+            if size < declared:
+                if chunk:
+                    return chunk
+            elif chunk:
+                self._held = chunk
 
 
 class BodyAborted(Exception):
