@@ -134,6 +134,10 @@ MODULES = (
     "shadow.py",
     "request/body.py",
     "request/body_json.py",
+    "upstream/base.py",
+    "upstream/timed_body.py",
+    "upstream/aiohttp_engine.py",
+    "upstream/caps.py",
 )
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import warnings
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 import aiohttp
 from multidict import CIMultiDict
@@ -63,27 +63,8 @@ class AiohttpResponse:
         self.headers = headers  # its raw fields, names lowercased (check_response_head)
         self._finished = False
 
-    async def iter_chunks(self) -> AsyncIterator[bytes]:
-        content = self._response.content
-        while True:
-            try:
-                # What has already arrived (often the whole of a small body, with the
-                # head) is taken without arming an idle timer; only a wait is timed.
-                chunk = content.read_nowait()
-                if not chunk and not content.is_eof():
-                    with deadline_after(self._idle):
-                        chunk = await content.readany()
-            except Exception as exc:
-                raise_mapped("body", exc)
-                raise
-            if not chunk:
-                if self._reset_before_its_end():
-                    raise UpstreamError(
-                        "transport", "body", "the connection was reset before the body ended"
-                    )
-                self._finished = True
-                return
-            yield chunk
+    def iter_chunks(self) -> _Chunks:
+        return _Chunks(self)
 
     def _reset_before_its_end(self) -> bool:
         """Whether the end just read is a reset, not the body's end. aiohttp ends a body
@@ -117,6 +98,52 @@ class AiohttpResponse:
             self._response.close()
 
 
+class _Chunks:
+    """`AiohttpResponse.iter_chunks`: an async iterator class, not an async generator, so
+    this module compiles with mypyc (scripts/compile.py). Once ended or raised, it ends
+    for good, as a generator does."""
+
+    __slots__ = ("_content", "_ended", "_response")
+
+    def __init__(self, response: AiohttpResponse) -> None:
+        self._response = response
+        self._content = response._response.content
+        self._ended = False
+
+    def __aiter__(self) -> _Chunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._ended:
+            raise StopAsyncIteration
+        content = self._content
+        try:
+            # What has already arrived (often the whole of a small body, with the head)
+            # is taken without arming an idle timer; only a wait is timed.
+            chunk = content.read_nowait()
+            if not chunk and not content.is_eof():
+                with deadline_after(self._response._idle):
+                    chunk = await content.readany()
+        except BaseException as exc:
+            self._ended = True
+            if isinstance(exc, Exception):
+                raise_mapped("body", exc)
+            raise
+        if chunk:
+            return chunk
+        self._ended = True
+        response = self._response
+        if response._reset_before_its_end():
+            raise UpstreamError(
+                "transport", "body", "the connection was reset before the body ended"
+            )
+        response._finished = True
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        self._ended = True
+
+
 def _close_on(loop: asyncio.AbstractEventLoop, session: aiohttp.ClientSession) -> None:
     """Close a session of another event loop: on that loop while it runs; once it is
     closed, nothing can close its connections (the garbage collector drops them), so the
@@ -137,9 +164,12 @@ def _answer_began(error: UpstreamError) -> bool:
     the httpx engine names such bytes a parser refusal). aiohttp's ServerDisconnectedError
     carries the message its parser had begun then (its own words when no byte came)."""
     lost = error.__context__
-    return isinstance(lost, aiohttp.ServerDisconnectedError) and not isinstance(
-        lost.message, str | None
-    )
+    if not isinstance(lost, aiohttp.ServerDisconnectedError):
+        return False
+    # Read untyped: aiohttp types it `RawResponseMessage | str | None`, a NamedTuple its C
+    # parser's message is not (compiled, mypyc checked it for a tuple: a TypeError).
+    message: object = cast(Any, lost).message
+    return not isinstance(message, str | None)
 
 
 # The methods aiohttp's own retry resent once whatever the connection (its
@@ -280,6 +310,7 @@ class AiohttpClient:
                 else:
                     data = timer.timed_body(body)
                 armed = ARM_ON_CONNECT.set(sending)
+                answered = False
                 try:
                     with timer.running():
                         response = await session.request(
@@ -299,7 +330,7 @@ class AiohttpClient:
                         )
                     # An answer the relay cannot carry is no lost connection: never resent.
                     headers = _checked(response, request.proxy)
-                    break
+                    answered = True
                 except Exception as exc:
                     try:
                         raise_mapped("first_byte", exc)
@@ -320,6 +351,8 @@ class AiohttpClient:
                             raise
                 finally:
                     ARM_ON_CONNECT.reset(armed)
+                if answered:  # not a `break` in the `try` (mypyc does not implement it)
+                    break
         except BaseException:
             release()
             raise
