@@ -138,6 +138,8 @@ MODULES = (
     "upstream/timed_body.py",
     "upstream/aiohttp_engine.py",
     "upstream/caps.py",
+    "request/secrets.py",
+    "timers.py",
 )
 
 

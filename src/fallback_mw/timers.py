@@ -39,7 +39,7 @@ class Wheel:
         self._buckets: dict[int, dict[Callback, None]] = {}
         self._heap: list[int] = []  # bucket keys; a key whose bucket emptied is stale
         self._handle: asyncio.TimerHandle | None = None
-        self._armed = math.inf  # the bucket the loop timer fires for
+        self._armed = math.inf  # the bucket the loop timer fires for (a float: inf for none)
 
     def add(self, when: float, callback: Callback) -> int:
         """Call `callback` once the loop's time passes `when` (in the first bucket at or
@@ -76,7 +76,7 @@ class Wheel:
     def _arm(self, key: int) -> None:
         if self._handle is not None:
             self._handle.cancel()
-        self._armed = key
+        self._armed = float(key)  # one type for the attribute (mypyc: an int is no float)
         self._handle = self.loop.call_at(key * TICK, self._fire)
 
     def _fire(self) -> None:

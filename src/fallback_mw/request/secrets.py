@@ -13,7 +13,6 @@ values are read from its headers on the first question only."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import AnyStr
 from urllib.parse import unquote_to_bytes
 
 from fallback_mw.config.views import AnyUpstream
@@ -37,32 +36,34 @@ REDACTED = "[REDACTED]"
 MAX_RECORDED = 256
 
 
-def _forms(value: AnyStr, space: AnyStr, equals: AnyStr, semicolon: AnyStr) -> list[AnyStr]:
-    """The secrets one credential value holds: the whole value (stripped) and, for `Scheme
-    token`, the token; for `name=value` pairs (a cookie list), each value. Text or bytes,
-    each stripped by its own type's rule; those too short to search for left out."""
-    value = value.strip()
+def secret_forms(value: bytes) -> list[bytes]:
+    """The secrets a caller's credential field value holds, lowercased (of the value
+    lowered first: lowering changes no space, `=` or `;`): the whole value (stripped) and,
+    for `Scheme token`, the token; for `name=value` pairs (a cookie list), each value;
+    those too short to search for left out. `credential_forms` is the same for text
+    (two functions, not one over `AnyStr`, which mypyc refuses: scripts/compile.py)."""
+    value = value.lower().strip()
     forms = [value]
     # `find`, not `in`: bytes `in` formats and drops a TypeError first (CPython 3.11).
-    if value.find(space) >= 0:
-        forms.append(value.rsplit(space, 1)[1])
-    if value.find(equals) >= 0:
-        forms.extend(pair.split(equals, 1)[-1].strip() for pair in value.split(semicolon))
+    if value.find(b" ") >= 0:
+        forms.append(value.rsplit(b" ", 1)[1])
+    if value.find(b"=") >= 0:
+        forms.extend(pair.split(b"=", 1)[-1].strip() for pair in value.split(b";"))
     return [form for form in forms if len(form) >= MIN_SECRET]
 
 
-def secret_forms(value: bytes) -> list[bytes]:
-    """The secrets a caller's credential field value holds (`_forms`), lowercased: of the
-    value lowered first (the same forms: lowering changes no space, `=` or `;`)."""
-    return _forms(value.lower(), b" ", b"=", b";")
-
-
 def credential_forms(key: str) -> list[str]:
-    """The secrets one provider credential value holds (`_forms`, as `secret_forms` reads
-    a caller's), case kept, each once. A variable may hold a whole header value (`Bearer
-    sk-...` under `auth_scheme = ""`): an upstream quoting only the token quotes the key
-    all the same."""
-    return list(dict.fromkeys(_forms(key, " ", "=", ";")))
+    """The secrets one provider credential value holds (as `secret_forms` reads a
+    caller's, each stripped by text's rule), case kept, each once. A variable may hold a
+    whole header value (`Bearer sk-...` under `auth_scheme = ""`): an upstream quoting
+    only the token quotes the key all the same."""
+    value = key.strip()
+    forms = [value]
+    if value.find(" ") >= 0:
+        forms.append(value.rsplit(" ", 1)[1])
+    if value.find("=") >= 0:
+        forms.extend(pair.split("=", 1)[-1].strip() for pair in value.split(";"))
+    return list(dict.fromkeys(form for form in forms if len(form) >= MIN_SECRET))
 
 
 class RequestSecrets:
