@@ -140,6 +140,7 @@ MODULES = (
     "upstream/caps.py",
     "request/secrets.py",
     "timers.py",
+    "layers/guard.py",
 )
 
 

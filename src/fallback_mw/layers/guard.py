@@ -130,7 +130,10 @@ class BudgetGuard:
         self._ledger_now = ledger if type(ledger) is MemoryLedger else None
         # A ledger that settles and records in one transaction (the SQL ledgers) gets one
         # call per request end instead of two.
-        self._one_step = ledger if isinstance(ledger, SettlesAndRecords) else None
+        # (Asked of an `object`: mypy finds no type for a `Ledger | None` that is also a
+        # SettlesAndRecords, two protocols, and compiled, mypyc then typed this None.)
+        found: object = ledger
+        self._one_step = found if isinstance(found, SettlesAndRecords) else None
         # How long one of its calls may wait (the SQL ledgers' own timeout), when it says.
         self._ledger_timeout: float | None = getattr(ledger, "call_timeout", None)
 
