@@ -60,21 +60,21 @@ BUILD = ROOT / "build" / "mypyc"
 
 # The request path (STYLE.md's layers, in request order, and what they call per request),
 # less what mypyc cannot build or what then misbehaves (each left out with its reason):
-#   request/body.py, upstream/*engine*.py, upstream/base.py, health/quota.py, loops.py:
-#     async generators, which mypyc refuses.
+#   upstream/httpx_*.py, health/quota.py, loops.py: async generators, which mypyc refuses
+#     (the body reader's, the engine seam's and the aiohttp engine's are async iterator
+#     classes for that reason: request/body.py, upstream/timed_body.py TimedBody,
+#     upstream/aiohttp_engine.py _Chunks).
+#   upstream/aiohttp_connector.py: its connector and resolver subclass aiohttp's (Python
+#     classes, which a native class cannot inherit from), and the lookup's timeout is an
+#     `async with`.
+#   upstream/guard.py: UnsafeAddressError inherits from OSError ("Inheriting from most
+#     builtin types is unimplemented").
 #   config/*: pydantic models (their validators and the plugin's fields).
-#   gateway.py: an ASGI server tells an ASGI 3 app by `asyncio.iscoroutinefunction(app.__call__)`,
-#     which is false for a compiled method of a Python class, as Gateway (weakly
-#     referenced) must be (uvicorn then calls it as ASGI 2: a 500); not yet tried with the
-#     walker's workaround (a module-level `async def` assigned as `__call__`).
 #   health/__init__.py, health/memory.py: their classes are subclassed (AlwaysHealthy,
 #     MemoryHealth: by the tests, and a deployment's own health state may), and an
 #     interpreted class cannot inherit from a compiled one.
-#   layers/guard.py: compiled, its one-step ledger (`ledger if isinstance(ledger,
-#     SettlesAndRecords) else None`, a class and a runtime protocol) is typed None and
-#     every SQL ledger refused at construction (TypeError), with or without a cast.
-#   request/secrets.py: a function over a constrained type variable (AnyStr), which mypyc
-#     type-checks as `str | bytes` and refuses.
+# gateway.py's Gateway is weakly referenced: a `@python_class` (fallback_mw/python_class.py)
+# whose `__call__` is a module-level `async def`, as the plan walker's.
 MODULES = (
     "layers/resolver.py",
     "layers/head.py",
@@ -141,6 +141,7 @@ MODULES = (
     "request/secrets.py",
     "timers.py",
     "layers/guard.py",
+    "gateway.py",
 )
 
 

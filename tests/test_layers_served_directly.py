@@ -1,4 +1,5 @@
-"""Each public layer served directly by an ASGI server, no Gateway around it. uvicorn and
+"""Each public layer served directly by an ASGI server, no Gateway around it (and the
+Gateway itself, compiled too). uvicorn and
 hypercorn tell an ASGI 3 app from an ASGI 2 one by `iscoroutinefunction(app.__call__)`
 (daphne, through asgiref, the same), and a layer taken for ASGI 2 is called with the scope
 alone: every request a 500. Compiled (scripts/compile.py), a Python class's coroutine
@@ -17,6 +18,7 @@ import uvicorn
 from asgiref.compatibility import is_double_callable
 from hypercorn.utils import is_asgi
 
+from fallback_mw import Gateway
 from fallback_mw.config import GatewayConfig, load_config
 from fallback_mw.layers.guard import BudgetGuard
 from fallback_mw.layers.injector import CredentialInjector
@@ -31,6 +33,7 @@ pytestmark = pytest.mark.anyio
 Layer = Callable[[ASGIApp, GatewayConfig], Any]
 
 LAYERS: dict[str, Layer] = {
+    "Gateway": lambda app, config: Gateway(app, config=config),
     "RouteResolver": lambda app, config: RouteResolver(app, config=config),
     "CredentialInjector": lambda app, config: CredentialInjector(app, config=config),
     "BudgetGuard": lambda app, config: BudgetGuard(app, config=config, ledger=MemoryLedger()),

@@ -16,6 +16,7 @@ from fallback_mw.layers.guard import BudgetGuard
 from fallback_mw.layers.injector import CredentialInjector
 from fallback_mw.layers.resolver import RouteResolver
 from fallback_mw.layers.walker import PlanWalker
+from fallback_mw.python_class import python_class
 from fallback_mw.request.abort import break_response
 from fallback_mw.request.config_refusal import ConfigRefusal
 from fallback_mw.request.context import get_context
@@ -49,6 +50,40 @@ def enable_gateway_loggers() -> None:
             found.disabled = False
 
 
+async def _serve(self: Gateway, scope: Scope, receive: Receive, send: Send) -> None:
+    """`Gateway.__call__`."""
+    if self._refusal is not None:
+        await self._refusal(scope, receive, send)
+        return
+    if scope["type"] == "lifespan":
+        await self.services.lifespan(self.app, scope, receive, send)
+        return
+    if scope["type"] != "http":
+        await self.app(scope, receive, send)  # websockets: the host app's, untouched
+        return
+    try:
+        await self.resolver(scope, receive, send)
+    except Exception as exc:
+        drop_gateway_locals(exc)  # the body, the query, the injected credential
+        if isinstance(exc, RuntimeError) and get_context(scope) and not on_asyncio():
+            # A routed request on hypercorn's trio worker, and no lifespan said so
+            # (Starlette runs none for a mounted gateway): "no running event loop"
+            # named nothing to fix. The host app's own errors are left as they are.
+            raise RuntimeError(NOT_ASYNCIO) from None
+        raise
+    context = get_context(scope)
+    if (
+        context is not None
+        and context.committed
+        and not context.completed
+        and not context.client_disconnected
+    ):
+        # A failure after the commit point: the client must see a broken response,
+        # now, under whichever server runs us (request/abort.py).
+        await break_response(send, scope)
+
+
+@python_class  # weakly referenced (close_when_dropped): a Python class under mypyc
 class Gateway:
     """`Gateway(app, /, *, config)`: requests matching a route walk its plan; every other
     request goes to `app` untouched. `config` is a GatewayConfig, a path or a dict.
@@ -129,36 +164,10 @@ class Gateway:
             environ=environ,
         )
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self._refusal is not None:
-            await self._refusal(scope, receive, send)
-            return
-        if scope["type"] == "lifespan":
-            await self.services.lifespan(self.app, scope, receive, send)
-            return
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)  # websockets: the host app's, untouched
-            return
-        try:
-            await self.resolver(scope, receive, send)
-        except Exception as exc:
-            drop_gateway_locals(exc)  # the body, the query, the injected credential
-            if isinstance(exc, RuntimeError) and get_context(scope) and not on_asyncio():
-                # A routed request on hypercorn's trio worker, and no lifespan said so
-                # (Starlette runs none for a mounted gateway): "no running event loop"
-                # named nothing to fix. The host app's own errors are left as they are.
-                raise RuntimeError(NOT_ASYNCIO) from None
-            raise
-        context = get_context(scope)
-        if (
-            context is not None
-            and context.committed
-            and not context.completed
-            and not context.client_disconnected
-        ):
-            # A failure after the commit point: the client must see a broken response,
-            # now, under whichever server runs us (request/abort.py).
-            await break_response(send, scope)
+    # A module function, not an `async def` here: compiled (scripts/compile.py), a Python
+    # class's coroutine method is no coroutine function to `inspect`, and an ASGI server
+    # would take the gateway for an ASGI 2 app.
+    __call__ = _serve
 
     async def aclose(self) -> None:
         if self.config_error is None:
