@@ -13,7 +13,7 @@ An extension module beside its `.py` is imported instead of it, so an editable i
 (`--status` says which modules are compiled and which are stale). Tests, benchmarks and
 `scripts/mutants.py` run whatever is in place (mutants.py imports a copy of the sources).
 
-Five shapes compile wrong with mypyc (mypy 2.4.1), each checked in every listed module
+Six shapes compile wrong with mypyc (mypy 2.4.1), each checked in every listed module
 before a build, naming the line (docs/performance.md, "A compiled core"):
 
 - an `await` in a `finally`: after the `finally` the compiled coroutine re-raises whatever
@@ -37,6 +37,12 @@ before a build, naming the line (docs/performance.md, "A compiled core"):
   is not safe, use X.__new__()`). Read `X.__new__` after the class (`_new = X.__new__`):
   `object.__new__` interpreted, the native one compiled (`cls.__new__(cls)` in a method
   of X is an internal mypyc error).
+
+- an `X | None` local of an `async def`, assigned in a `try` and read in its `finally`:
+  the compiled coroutine keeps it across an await as the `X` the assignment narrowed it
+  to, so the `finally` after a return before the assignment refuses its None (`TypeError:
+  X object expected; got None`, failover/send.py's request on a fault's early return).
+  Type it `object` and ask `isinstance` in the `finally`.
 
 And mypyc refuses async generators (`yield` in an `async def`): modules with one stay
 interpreted.
@@ -217,7 +223,41 @@ def hazards(path: Path) -> list[str]:
                             )
             elif isinstance(node, ast.AsyncWith):
                 found.append(f"{where}: an async with")
+            elif isinstance(node, ast.Try | ast.TryStar) and node.finalbody:
+                for name in sorted(_optional_locals(function) & _kept_into(node)):
+                    found.append(
+                        f"{where}: an optional local assigned in a try and read in its "
+                        f"finally ({name})"
+                    )
     return found
+
+
+def _optional_locals(function: ast.AsyncFunctionDef) -> set[str]:
+    """The locals `function` annotates with a type that admits None (`X | None`)."""
+    return {
+        node.target.id
+        for node in _own_nodes(function)
+        if isinstance(node, ast.AnnAssign)
+        and isinstance(node.target, ast.Name)
+        and "None" in ast.unparse(node.annotation)
+    }
+
+
+def _kept_into(node: ast.Try | ast.TryStar) -> set[str]:
+    """The names a `try` assigns (its body and handlers) that its `finally` reads."""
+    stored = {
+        n.id
+        for part in [*node.body, *node.handlers]
+        for n in ast.walk(part)
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+    }
+    read = {
+        n.id
+        for part in node.finalbody
+        for n in ast.walk(part)
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+    }
+    return stored & read
 
 
 def built(module: str) -> list[Path]:

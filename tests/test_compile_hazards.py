@@ -67,6 +67,16 @@ class App:
     async def __call__(self, scope, receive, send):
         pass
 """,
+    "an optional local assigned in a try and read in its finally": """
+async def f(send):
+    request: Request | None = None
+    try:
+        request = Request()
+        await send(request)
+    finally:
+        if request is not None:
+            request.close()
+""",
     "object.__new__": """
 class C:
     @classmethod
@@ -104,6 +114,16 @@ async def f(g, h):
 
     def inner():  # a nested function is its own: a sync generator is compiled
         yield 1
+
+
+async def g(send):
+    sent: object = None  # no None in the type: kept as an object
+    try:
+        sent = request = Request()
+        await send(request)
+    finally:
+        if isinstance(sent, Request):
+            sent.close()
 
 
 async def _serve(self, scope, receive, send):

@@ -234,7 +234,11 @@ class AttemptRunner:
         # No fault source (no store): no coroutine asked for what is always None.
         faults = self.faults
         fault = None if type(faults) is NoFaults else await faults.upstream_fault(name)
-        request: UpstreamRequest | None = None
+        # Typed `object`, checked in the `finally`: compiled, an `UpstreamRequest | None`
+        # assigned in the `try` and read in its `finally` was kept as an UpstreamRequest
+        # across the await, and the `finally` after a fault's early return refused its None
+        # (TypeError: UpstreamRequest object expected; got None; scripts/compile.py).
+        sent: object = None
         deadline = deadline_after(max(context.remaining, 0.0))
         try:
             with deadline:
@@ -263,7 +267,7 @@ class AttemptRunner:
                 # builds a dict of them for every attempt): method, url, headers, body,
                 # timeouts, allow_hosts (the engine's own), max_connections, pool_key,
                 # ca_file, proxy, slot_taken, replayable.
-                request = UpstreamRequest(
+                request = sent = UpstreamRequest(
                     context.method, url, headers, self._request_body(upstream), timeouts, (),
                     shadow_slots if self.shadow else slots,
                     pool_key(name, upstream, shadow=self.shadow), upstream.ca_file, proxy,
@@ -293,7 +297,7 @@ class AttemptRunner:
         except BodyAborted:
             return self._local_or(Outcome("transport")), None
         finally:
-            if request is not None and request.slot_taken is False:
+            if isinstance(sent, UpstreamRequest) and sent.slot_taken is False:
                 # Ended waiting for a connection (or refused before one): never sent. An
                 # engine that does not say (None) sent what it was handed.
                 record.queued_only = True
