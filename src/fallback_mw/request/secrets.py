@@ -13,6 +13,7 @@ values are read from its headers on the first question only."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 from urllib.parse import unquote_to_bytes
 
 from fallback_mw.config.views import AnyUpstream
@@ -90,6 +91,13 @@ class RequestSecrets:
         self._provider = provider
         self._values: tuple[bytes, ...] | None = None
         self._checked: dict[str, bool] = {}  # texts asked about (a tenant is asked thrice)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Copied and pickled as it was made (a host's layer that deep-copies the scope,
+        # the request's context in it): compiled, a native class is not made again without
+        # its arguments (`__init__() missing required argument`). The caches refill.
+        made = (self._headers, self._query, self._names, self._query_keys, self._provider)
+        return (RequestSecrets, made)
 
     @property
     def query_keys(self) -> frozenset[bytes]:
