@@ -195,3 +195,24 @@ async def test_without_raw_path_the_decoded_path_is_not_decoded_again(
     expected = ("/open" if route == "public" else "") + sent  # the route's upstream
     assert (status, body.decode()) == (200, expected)
     assert [received.path for received in primary.received] == [expected]
+
+
+async def test_a_scope_without_headers_is_forwarded_with_the_gateways_via() -> None:
+    """A host may leave `headers` out of the scope (a request with none, a test client):
+    every layer reads it as empty. The walker's loop check (layers/walker/via.py) read it
+    as a key and raised KeyError (a 500) for such a request."""
+    async with upstream(answering(200)) as primary:
+        config = {
+            "upstreams": {"primary": {"url": primary.url}},
+            "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+        }
+        gateway = Gateway(host_app, config=config)
+        scope = http_scope("GET", "/v1/chat")
+        del scope["headers"]
+        try:
+            status, _ = await call(gateway, scope, b"")
+        finally:
+            await gateway.aclose()
+    assert status == 200
+    (received,) = primary.received
+    assert dict(received.headers)["via"].startswith("1.1 fallback-mw-")

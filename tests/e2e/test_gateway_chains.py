@@ -24,14 +24,18 @@ A_KEY = "team-a-secret-51c9e0"
 B_KEY = "team-b-secret-7d22f4"
 CALLER_KEY = "caller-secret-0be381"
 REQUEST_LINE = "gateway request route="
+STRIP_VIA = 'strip_headers = ["via"]'
 
 
-def gateway_config(path: Path, route_id: str, upstream_url: str, env: str) -> Path:
+def gateway_config(
+    path: Path, route_id: str, upstream_url: str, env: str, gateway: str = ""
+) -> Path:
     path.write_text(
         f"""
 [gateway]
 allow_hosts = ["127.0.0.1", "localhost"]
 deadline_ms = 4000
+{gateway}
 
 [upstreams.next]
 url = "{upstream_url}"
@@ -375,3 +379,61 @@ async def test_a_caller_leaving_a_stream_through_two_gateways_closes_the_models_
                 await gone.wait()
     assert seen == ["data: 0", "data: 1"]
     assert closed[0] < 300  # stopped well before the stream's end
+
+
+@pytest.mark.anyio
+async def test_a_loop_ends_at_once_when_strip_headers_lists_via(tmp_path: Path) -> None:
+    """Operators who keep the caller's `Via` from the vendors (`strip_headers` naming it)
+    still have gateways that know a request coming back: the walker reads the `Via` it
+    received, not what it forwards. Two such gateways whose plans name each other went
+    round until the deadline (the caller's 504), then on after it."""
+    port_a, port_b = free_port(), free_port()
+    configs = [
+        gateway_config(
+            tmp_path / "a.toml", "team-a", f"http://127.0.0.1:{port_b}", "TEAM_A_KEY", STRIP_VIA
+        ),
+        gateway_config(
+            tmp_path / "b.toml", "team-b", f"http://127.0.0.1:{port_a}", "TEAM_B_KEY", STRIP_VIA
+        ),
+    ]
+    async with gateways(tmp_path, (configs[0], port_a), (configs[1], port_b)) as logs:
+        async with httpx.AsyncClient(timeout=60) as client:
+            answer = await client.get(
+                f"http://127.0.0.1:{port_a}/v1/models", headers={"via": "1.1 corp-proxy"}
+            )
+        assert answer.status_code == 508, answer.text
+        await wait_for_line(logs[1:], "route=team-b outcome=served status=508")
+        await wait_for_line(logs[:1], "route=team-a outcome=served status=508")
+        lines = request_lines(logs)
+    assert answer.json()["error"]["code"] == "loop_detected"
+    assert len(lines) == 3, "\n".join(lines[:10])
+
+
+@pytest.mark.anyio
+async def test_strip_headers_naming_via_keeps_the_callers_hops_from_the_upstream(
+    tmp_path: Path,
+) -> None:
+    """What `strip_headers = ["via"]` is for still holds: the caller's hops (a corporate
+    proxy's name) do not reach the upstream, the gateways' own names do."""
+    async with upstream(status_handler(200, b'{"ok": true}')) as model:
+        port_a, port_b = free_port(), free_port()
+        configs = [
+            gateway_config(
+                tmp_path / "a.toml", "team-a", f"http://127.0.0.1:{port_b}", "TEAM_A_KEY", STRIP_VIA
+            ),
+            gateway_config(tmp_path / "b.toml", "team-b", model.url, "TEAM_B_KEY", STRIP_VIA),
+        ]
+        async with (
+            gateways(tmp_path, (configs[0], port_a), (configs[1], port_b)),
+            httpx.AsyncClient(timeout=60) as client,
+        ):
+            answer = await client.get(
+                f"http://127.0.0.1:{port_a}/v1/models",
+                headers={"via": "1.1 corp-proxy.internal:3128, 1.0 fallback-mw-forged x"},
+            )
+    assert answer.status_code == 200, answer.text
+    via = ", ".join(value for name, value in model.received[0].headers if name == "via")
+    assert "corp-proxy" not in via
+    entries = [entry.strip().split() for entry in via.split(",")]
+    assert [words[1][:12] for words in entries] == ["fallback-mw-"] * 3
+    assert entries[0] == ["1.0", "fallback-mw-forged"]  # its comment dropped

@@ -22,6 +22,7 @@ from fallback_mw.request.local_errors import send_error
 from fallback_mw.request.types import Scope, Send
 
 _FIELD = b"via"
+_PREFIX = b"fallback-mw-"
 # The openai and anthropic SDKs retry a 5xx unless told not to: each retry would go round
 # again to the same answer.
 NO_RETRY = (b"x-should-retry", b"false")
@@ -37,19 +38,31 @@ def walker_secret() -> bytes:
 def received_by(secret: bytes, route_id: str) -> bytes:
     """The walker's name in `Via` for one route (made once per route, not per request)."""
     digest = hashlib.sha256(secret + b"\0" + route_id.encode("utf-8", "replace")).hexdigest()
-    return b"fallback-mw-" + digest[:16].encode()
+    return _PREFIX + digest[:16].encode()
 
 
 def came_back(context: RequestContext, secret: bytes, scope: Scope) -> bool:
     """Whether the request came back to this walker's route (`refuse_loop` answers it);
     else the walker's own entry is added to `context.forward_headers` after the caller's
     (RFC 9110 §7.6.3: in the order the hops were made). Not a coroutine: every request
-    asks, and almost none is refused."""
+    asks, and almost none is refused.
+
+    The `Via` read is the one received, and the gateways' names in it go on even where
+    `strip_headers` names `via` (an operator keeping the caller's hops from the vendors):
+    checked and forwarded as stripped, each gateway of a loop saw only the last one's
+    name, never its own, and the request went round for ever."""
     name = received_by(secret, context.route.id)
+    received = None
+    for field, value in scope.get("headers", ()):
+        if len(field) == 3 and field.lower() == _FIELD:
+            if value.find(name) >= 0 and _named(value, name):
+                return True
+            received = value if received is None else received + b", " + value
     headers = context.forward_headers
-    for field, value in headers:
-        if field == _FIELD and value.find(name) >= 0 and _named(value, name):
-            return True
+    if received is not None and not any(field == _FIELD for field, _ in headers):
+        kept = _gateways(received)  # stripped: the caller's hops, not the gateways'
+        if kept:
+            headers.append((_FIELD, kept))
     version = scope.get("http_version", "1.1")
     headers.append((_FIELD, version.encode("latin-1", "replace") + b" " + name))
     return False
@@ -67,6 +80,16 @@ def _named(value: bytes, received_by: bytes) -> bool:
         if len(words) >= 2 and words[1] == received_by:
             return True
     return False
+
+
+def _gateways(value: bytes) -> bytes:
+    """The members of a `Via` value that name a gateway's walker, in order."""
+    kept = [
+        b" ".join(words[:2])
+        for words in (member.split() for member in value.split(b","))
+        if len(words) >= 2 and words[1].startswith(_PREFIX)
+    ]
+    return b", ".join(kept)
 
 
 def loop_message(route_id: str) -> str:
