@@ -11,7 +11,7 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from fallback_mw.failover.decide import WalkState, decide
@@ -276,6 +276,13 @@ def reference(outcome: Outcome, s: WalkState) -> tuple[str, str | None]:
         return ("abort", None)
     if outcome.kind == "no_other_credential":  # a pool's 401/403/429: served as-is
         return ("serve", None)
+    if (
+        outcome.kind == "host_limit"  # nothing was sent: another candidate may be (no mark)
+        and s.replayable
+        and s.deadline_left
+        and s.attempts_made < s.attempt_ceiling
+    ):
+        return ("next_candidate", None)
     local_codes = {
         "deadline": "deadline_exceeded",
         "body_too_large": "request_too_large",
@@ -343,12 +350,16 @@ states = st.builds(
 )
 
 
+# A connection this host could not open, with room for another attempt: drawn by chance
+# only (about one run in five failed on it), so named here.
+@example(Outcome("host_limit"), OPEN)
 @given(outcomes, states)
 def test_decide_matches_the_reference_model(outcome: Outcome, state: WalkState) -> None:
     decision = decide(outcome, state)
     assert (decision.action, decision.error) == reference(outcome, state)
 
 
+@example(Outcome("host_limit"), OPEN)
 @given(outcomes, states)
 def test_only_upstream_outcomes_are_failover_class_or_feed_health(
     outcome: Outcome, state: WalkState
@@ -357,9 +368,13 @@ def test_only_upstream_outcomes_are_failover_class_or_feed_health(
     if local:
         assert not is_failover_class(outcome, state.failover_status)
         assert health_mark(outcome, state.failover_status) is None
-    # A further attempt never follows a local outcome.
+    # A further attempt never follows a local outcome, but for a connection this host could
+    # not open: nothing was sent, so the next candidate may be (no breaker mark, above).
     if local and outcome.kind not in ENDS and not outcome.committed:
-        assert decide(outcome, state).action in ("local_error", "abort")
+        allowed: tuple[str, ...] = ("local_error", "abort")
+        if outcome.kind == "host_limit":
+            allowed += ("next_candidate",)
+        assert decide(outcome, state).action in allowed
 
 
 def test_reference_model_is_not_the_code() -> None:
