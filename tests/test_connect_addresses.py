@@ -130,3 +130,42 @@ async def test_silent_addresses_share_one_connect_timeout(
     assert caught.value.kind == "timeout" and caught.value.phase == "connect"
     # One connect timeout (1 s) for all three, not one each (3 s).
     assert 0.9 < took < 2.2, f"{engine} took {took:.2f} s for a 1 s connect timeout"
+
+
+class _Stream:
+    """A connection made by one racing attempt; its close may fail (a reset on close)."""
+
+    def __init__(self, name: str, closes: list[str], *, close_fails: bool) -> None:
+        self.name, self._closes, self._close_fails = name, closes, close_fails
+
+    async def aclose(self) -> None:
+        self._closes.append(self.name)
+        if self._close_fails:
+            raise OSError("reset while closing")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_loser_whose_close_fails_leaves_the_winner_kept() -> None:
+    """Two addresses connect in the same instant and a third is still connecting: one is
+    kept, the other closed, the third cancelled. A loser whose close raised (a reset on
+    close) made the race raise that error, leaving the winner's connection open and
+    unused, and the caller's connect failing though one address answered."""
+    import asyncio
+
+    from fallback_mw.upstream.httpx_backend import first_connected
+
+    closes: list[str] = []
+    third_started = asyncio.Event()
+
+    async def connect(address: str) -> Any:
+        if address == "c":
+            third_started.set()
+            await asyncio.sleep(0.05)  # connected after the race was decided
+            return _Stream(address, closes, close_fails=True)
+        await third_started.wait()
+        return _Stream(address, closes, close_fails=True)
+
+    kept = await first_connected(["a", "b", "c"], connect)
+    assert kept.name in ("a", "b")
+    assert closes == [{"a": "b", "b": "a"}[kept.name]]

@@ -6,6 +6,7 @@ also stop sending a request body once the upstream has answered with an error
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import socket
 import ssl
@@ -128,7 +129,7 @@ async def first_connected(
             connected = [task for task in done if task.exception() is None]
             if connected:
                 for extra in connected[1:]:  # connected in the same instant: not needed
-                    await extra.result().aclose()
+                    await _close(extra.result())
                 return connected[0].result()
             failure = next(iter(done)).exception() if done else failure
     finally:
@@ -145,7 +146,15 @@ async def _closed(tasks: set[asyncio.Task[httpcore.AsyncNetworkStream]]) -> None
     await asyncio.wait(tasks)
     for task in tasks:
         if not task.cancelled() and task.exception() is None:
-            await task.result().aclose()
+            await _close(task.result())
+
+
+async def _close(stream: httpcore.AsyncNetworkStream) -> None:
+    """Closes a connection the race does not keep. A close that fails (a reset on close)
+    is that connection's end, not the race's: raised, it lost the winner (left open,
+    never used) and failed a connect that one address had answered."""
+    with contextlib.suppress(Exception):
+        await stream.aclose()
 
 
 class HeadRecorder:
