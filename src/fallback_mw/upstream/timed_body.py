@@ -4,10 +4,16 @@ timer (upstream/base.py FirstByteTimer.timed_body)."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from fallback_mw.upstream.base import FirstByteTimer
+
+class FirstByteTimer(Protocol):
+    """What the body asks of its timer (upstream/base.py FirstByteTimer), named here so
+    that this module imports nothing back from base.py."""
+
+    def pause(self) -> None: ...
+
+    def arm(self) -> None: ...
 
 
 class TimedBody:
