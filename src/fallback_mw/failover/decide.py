@@ -153,7 +153,17 @@ _FAILOVER = Decision("next_candidate", reason="failover-class: the next candidat
 
 def decide(outcome: Outcome, state: WalkState) -> Decision:
     """The next action after `outcome` (an attempt's, or NO_CANDIDATE)."""
-    if outcome.kind == "client_gone" or not state.client_connected:
+    kind = outcome.kind
+    if (
+        kind == "status"
+        and state.client_connected
+        and not state.response_started
+        and not outcome.committed
+    ):
+        # An answer's head, before the commit point, the caller still there (nearly every
+        # attempt): none of the rows below that read another kind applies to it.
+        return _answered(outcome, state)
+    if kind == "client_gone" or not state.client_connected:
         return Decision(
             "abort", reason="the client hung up: nothing more is sent or started",
             rule="client_gone",
@@ -205,7 +215,13 @@ def decide(outcome: Outcome, state: WalkState) -> Decision:
         return _exhausted(state, "no further candidate could be attempted", "no_candidate")
     if outcome.kind == "repeat_budget":
         return _exhausted(state, "the upstream's budget for repeats is spent", "repeat_budget")
-    if not is_failover_class(outcome, state.failover_status):  # a status: all else is above
+    return _answered(outcome, state)  # a status, a transport failure or a timeout
+
+
+def _answered(outcome: Outcome, state: WalkState) -> Decision:
+    """`decide` for an upstream's answer (a status, or a transport failure or timeout)
+    once none of the rows before applies."""
+    if not is_failover_class(outcome, state.failover_status):
         if outcome.status in CREDENTIAL_STATUSES and state.other_credential:
             if further_attempt_possible(state):
                 return Decision(
