@@ -242,16 +242,18 @@ class AttemptRunner:
         deadline = deadline_after(max(context.remaining, 0.0))
         try:
             with deadline:
-                if fault == "fail":
-                    record.fault = "fail"
-                    return Outcome("status", 503, fault="fail"), SyntheticResponse(503)
-                if fault == "hang":
-                    record.fault = "hang"
-                    await asyncio.sleep(timeouts.first_byte)
-                    return Outcome("timeout", fault="hang"), None
-                if fault == "revoke":  # the 401 of a credential disabled at the vendor
-                    record.fault = "revoke"
-                    return Outcome("status", 401, fault="revoke"), SyntheticResponse(401)
+                # Asked only when a fault is set (a game day): no name compared per attempt.
+                if fault is not None:
+                    if fault == "fail":
+                        record.fault = "fail"
+                        return Outcome("status", 503, fault="fail"), SyntheticResponse(503)
+                    if fault == "hang":
+                        record.fault = "hang"
+                        await asyncio.sleep(timeouts.first_byte)
+                        return Outcome("timeout", fault="hang"), None
+                    if fault == "revoke":  # the 401 of a credential disabled at the vendor
+                        record.fault = "revoke"
+                        return Outcome("status", 401, fault="revoke"), SyntheticResponse(401)
                 client, url = self.client, self._request_url(upstream)
                 proxy = upstream.proxy
                 if fault == "blackhole" and isinstance(self.faults, BlackholeSource):
