@@ -87,11 +87,17 @@ class MemoryCapacity:
 
     def reserve_now(self, upstream: str, ask: Ask) -> Reservation | Refusal:
         now = int(self.clock())
-        capacity, allowance = self._windows(upstream)
-        if ask.repeat:
-            firsts, repeats = allowance.advance(now)
-            if not repeat_allowed(firsts, repeats, self.allowance):
-                return "repeat_budget"
+        capacity = self._capacity.get(upstream)
+        if capacity is None:
+            capacity, allowance = self._windows(upstream)
+        else:
+            allowance = self._allowance[upstream]
+        repeat = ask.repeat
+        # The allowance window moved on to `now` once, before the repeat is weighed and
+        # the attempt counted.
+        firsts, repeats = allowance.advance(now)
+        if repeat and not repeat_allowed(firsts, repeats, self.allowance):
+            return "repeat_budget"
         counted = ask.capacity_declared
         if counted:
             requests, tokens = capacity.advance(now)
@@ -99,9 +105,8 @@ class MemoryCapacity:
                 return "capacity"
             capacity.add(now, _REQUESTS, 1)
             capacity.add(now, _TOKENS, ask.tokens)
-        allowance.advance(now)
-        allowance.add(now, _REPEATS if ask.repeat else _FIRSTS, 1)
-        return Reservation(upstream, now, ask.tokens, ask.repeat, counted)
+        allowance.add(now, _REPEATS if repeat else _FIRSTS, 1)
+        return Reservation(upstream, now, ask.tokens, repeat, counted)
 
     async def settle(self, reservation: Reservation, tokens: int) -> None:
         self.settle_now(reservation, tokens)
