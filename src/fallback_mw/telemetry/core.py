@@ -187,10 +187,13 @@ class Telemetry(BreakerReports, TracePropagation, ShadowSpans, TelemetryEnds):
             untraced = context.trace
             if isinstance(untraced, Untraced):
                 attempts = untraced.attempts
-                for index, started in enumerate(attempts):
-                    if started is attempt:
-                        del attempts[index]
-                        break
+                if attempts and attempts[-1] is attempt:
+                    attempts.pop()  # the one in flight (a hedge race holds two)
+                else:
+                    for index, started in enumerate(attempts):
+                        if started is attempt:
+                            del attempts[index]
+                            break
                 self._m.attempt(context, attempt, attempt.failure_kind)
                 return
             request = request_trace(context)
@@ -212,8 +215,8 @@ class Telemetry(BreakerReports, TracePropagation, ShadowSpans, TelemetryEnds):
         """The walk decided what follows `attempt` (its record's `decision` and `reason`):
         its span, finished already, gets them and ends at the time it finished."""
         try:
-            request = request_trace(context)
-            if request is None:
+            request = context.trace  # request_trace, inline: asked after every attempt
+            if not isinstance(request, RequestTrace):
                 return
             entry = entry_of(request.undecided, attempt)
             if entry is None:
