@@ -104,7 +104,8 @@ class MemoryHealth:
     def admit_now(self, upstream: str, lease: float, admission: Admission | None) -> bool:
         breaker = self.breaker(upstream)
         admitted, transition = breaker.admit(self.clock(), lease)
-        report_transition(self.on_transition, upstream, transition)
+        if transition is not None:  # asked per attempt: no call for the usual none
+            report_transition(self.on_transition, upstream, transition)
         if admitted and admission is not None:
             admission.probe = breaker.admission()
             admission.breaker = breaker
@@ -134,10 +135,10 @@ class MemoryHealth:
         breaker = self._admitting(upstream, admission)
         if breaker is None:
             return
-        transition = breaker.record(
-            failure=failure, now=self.clock(), fault=fault, probe=probe_of(admission)
-        )
-        report_transition(self.on_transition, upstream, transition)
+        probe = None if admission is None else admission.probe  # probe_of, inline
+        transition = breaker.record(failure=failure, now=self.clock(), fault=fault, probe=probe)
+        if transition is not None:
+            report_transition(self.on_transition, upstream, transition)
 
     async def open_fault(self, upstream: str) -> str | None:
         found = self._breakers.get(upstream)
