@@ -6,12 +6,20 @@ every checkout, is pure Python; nothing imports this script.
     .venv/bin/python scripts/compile.py --clean    # back to pure Python: the .so files gone
     .venv/bin/python scripts/compile.py --check    # only the checks below, no build
     .venv/bin/python scripts/compile.py --list     # the modules compiled
+    .venv/bin/python scripts/compile.py --out DIR  # a compiled copy in DIR; src/ untouched
 
 An extension module beside its `.py` is imported instead of it, so an editable install
 (`pip install -e .`, scripts/venv.sh) runs the compiled modules from then on, until
 `--clean`; a source edit is not seen by a compiled module until it is built again
 (`--status` says which modules are compiled and which are stale). Tests, benchmarks and
 `scripts/mutants.py` run whatever is in place (mutants.py imports a copy of the sources).
+
+`--out DIR` leaves src/ alone: it builds a complete compiled copy of the package in DIR
+(DIR/fallback_mw with every `.py` and an extension module beside each listed one, mypyc's
+shared runtime beside the package), which `PYTHONPATH=DIR` imports ahead of the editable
+install (scripts/test.sh's compiled pass, in build/compiled). DIR keeps a digest of what
+it was built from (the package's files, the list, mypy's version, the Python's extension
+suffix, pyproject.toml); a second run from the same sources builds nothing.
 
 Six shapes compile wrong with mypyc (mypy 2.4.1), each checked in every listed module
 before a build, naming the line (docs/performance.md, "A compiled core"):
@@ -52,10 +60,14 @@ from __future__ import annotations
 
 import argparse
 import ast
+import hashlib
+import importlib.metadata
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
@@ -339,6 +351,85 @@ def build() -> int:
     return 0
 
 
+STAMP = ".fallback_mw-compiled"  # in an --out DIR: the digest it was built from
+COPIED = shutil.ignore_patterns("__pycache__", "*.so", "*.pyd", "*.c")
+
+
+def digest(mypy: str) -> str:
+    """What an --out build is made of: the package's files (each listed module's
+    annotations are read from the others), the list, mypy, the Python, the build's config."""
+    sha = hashlib.sha256()
+    for path in sorted(PACKAGE.rglob("*")):
+        relative = path.relative_to(PACKAGE)
+        if path.is_file() and not any(COPIED(str(relative.parent), relative.parts)):
+            sha.update(f"{relative}\0".encode() + path.read_bytes() + b"\0")
+    settings = [*MODULES, mypy, str(sysconfig.get_config_var("EXT_SUFFIX"))]
+    settings.append(os.environ.get("MYPYC_OPT_LEVEL", "3"))
+    sha.update("\0".join(settings).encode() + (ROOT / "pyproject.toml").read_bytes())
+    return sha.hexdigest()
+
+
+def build_out(out: Path) -> int:
+    """A compiled copy of the package in `out`, from a staging directory beside it that
+    replaces `out` only once built and imported whole; src/ is never written."""
+    if check():
+        return 1
+    mypyc = Path(sys.executable).parent / "mypyc"
+    try:
+        mypy = importlib.metadata.version("mypy")
+    except importlib.metadata.PackageNotFoundError:
+        mypy = ""
+    if not mypy or not mypyc.exists():
+        print("compile.py: no mypyc beside this Python (the dev extra's mypy has it)")
+        return 2
+    out = out.resolve()
+    wanted = digest(mypy)
+    if (out / STAMP).is_file() and (out / STAMP).read_text().strip() == wanted:
+        print(f"compile.py: {out} is built from these sources already")
+        return 0
+    if out.exists() and not (out / STAMP).is_file() and any(out.iterdir()):
+        print(f"compile.py: {out} holds something else; not replaced", file=sys.stderr)
+        return 1
+    out.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        shutil.copytree(PACKAGE, staging / "fallback_mw", ignore=COPIED)
+        env = dict(os.environ, MYPYC_OPT_LEVEL=os.environ.get("MYPYC_OPT_LEVEL", "3"))
+        modules = [f"fallback_mw/{module}" for module in MODULES]
+        config = ["--config-file", str(ROOT / "pyproject.toml"), "--cache-dir", ".mypy_cache"]
+        result = subprocess.run([mypyc, *config, *modules], cwd=staging, env=env, check=False)
+        if result.returncode != 0:
+            print("compile.py: mypyc failed; nothing replaced", file=sys.stderr)
+            return 1
+        for leftover in ("build", ".mypy_cache"):  # the C sources, mypy's cache
+            shutil.rmtree(staging / leftover, ignore_errors=True)
+        suffix = str(sysconfig.get_config_var("EXT_SUFFIX"))
+        missing = [
+            m for m in MODULES if not (staging / "fallback_mw" / m).with_suffix(suffix).is_file()
+        ]
+        runtime = list(staging.glob(f"*__mypyc{suffix}"))
+        if missing or len(runtime) != 1:
+            print(f"compile.py: not built: {missing or 'the shared runtime'}", file=sys.stderr)
+            return 1
+        probe = (
+            "import fallback_mw.gateway as g, sys; sys.exit(not g.__file__.endswith(sys.argv[1]))"
+        )
+        env = dict(os.environ, PYTHONPATH=str(staging))
+        if subprocess.run([sys.executable, "-c", probe, suffix], env=env, check=False).returncode:
+            print("compile.py: the copy built does not import compiled", file=sys.stderr)
+            return 1
+        (staging / STAMP).write_text(wanted + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    seconds = time.monotonic() - started
+    print(f"compile.py: {len(MODULES)} modules compiled into {out} in {seconds:.0f} s")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     action = parser.add_mutually_exclusive_group()
@@ -346,7 +437,12 @@ def main() -> int:
     action.add_argument("--check", action="store_true", help="the hazard checks only")
     action.add_argument("--list", action="store_true", help="the modules compiled")
     action.add_argument("--status", action="store_true", help="which modules are compiled")
+    parser.add_argument("--out", type=Path, metavar="DIR", help="build a compiled copy in DIR")
     args = parser.parse_args()
+    if args.out is not None and not args.list:
+        if args.clean or args.check or args.status:
+            parser.error("--out builds; --clean, --check and --status are for the in-place build")
+        return build_out(args.out)
     if args.clean:
         return clean()
     if args.check:
