@@ -41,6 +41,37 @@ if _MUTANT_SRC:
     if not Path(fallback_mw.__file__).resolve().is_relative_to(Path(_MUTANT_SRC).resolve()):
         raise RuntimeError(f"FMW_MUTANT_SRC is set but fallback_mw is {fallback_mw.__file__}")
 
+# scripts/test.sh's compiled pass (FMW_TEST_COMPILED=1, PYTHONPATH=build/compiled): each module
+# scripts/compile.py lists must import as the extension module built from it. A pass that
+# imported the pure package (no PYTHONPATH, a failed or partial build) would be the pure
+# suite once more under the compiled core's name.
+if os.environ.get("FMW_TEST_COMPILED"):
+    import importlib.machinery
+    import importlib.util
+
+    _spec = importlib.util.spec_from_file_location(
+        "fmw_compile_list", Path(__file__).resolve().parent.parent / "scripts" / "compile.py"
+    )
+    assert _spec is not None and _spec.loader is not None
+    _script = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_script)
+    _interpreted = [
+        name
+        for name in (
+            "fallback_mw." + module.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+            for module in _script.MODULES
+        )
+        if not isinstance(
+            importlib.import_module(name).__loader__, importlib.machinery.ExtensionFileLoader
+        )
+    ]
+    if _interpreted:
+        raise RuntimeError(
+            f"FMW_TEST_COMPILED is set but {len(_interpreted)} listed modules are interpreted "
+            f"({', '.join(_interpreted[:3])}, ...): build scripts/compile.py --out DIR and put "
+            "DIR on PYTHONPATH"
+        )
+
 
 @pytest.fixture
 def anyio_backend() -> str:

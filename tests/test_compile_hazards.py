@@ -7,6 +7,8 @@ source is parsed, nothing is built."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -149,3 +151,18 @@ _new = Native.__new__
 """
     )
     assert compile_script().hazards(planted) == []
+
+
+def test_a_compiled_pass_that_imports_the_pure_package_fails(tmp_path: Path) -> None:
+    # scripts/test.sh's compiled pass sets FMW_TEST_COMPILED; without the compiled copy on
+    # the path (a build that failed or was left out), the suite must not run at all, or it
+    # would pass as the pure suite under the compiled core's name. Pure here in either pass:
+    # PYTHONPATH (the compiled copy's) is not handed on.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["FMW_TEST_COMPILED"] = "1"
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "0", "--co", "tests/__init__.py"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode != 0, result.stdout
+    assert "listed modules are interpreted" in result.stdout + result.stderr
