@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole check: ruff (lint and format), mypy (strict), lint-imports, the full pytest suite and
-# the negative controls (scripts/mutants.py). Non-zero if any fails.
+# the negative controls (scripts/mutants.py); on a full run, the pytest suite once more against
+# the compiled core (scripts/compile.py --out build/compiled). Non-zero if any fails.
 # Extra arguments go to pytest (e.g. ./scripts/test.sh -k walker -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +37,46 @@ echo "== pytest"
 if [ $# -eq 0 ]; then  # a full run (not a -k selection): the negative controls as code
     echo "== negative controls (scripts/mutants.py: each mutant must be caught)"
     .venv/bin/python scripts/mutants.py || failed+=("mutants")
+fi
+
+# The compiled core is a build of its own (the request path's modules as C extensions): the
+# whole suite again against a compiled copy of the package in build/compiled, imported ahead
+# of the editable install through PYTHONPATH (serve and the CLI started by tests inherit it).
+# FMW_TEST_COMPILED makes tests/conftest.py refuse a pass that imports the pure package.
+# The copy is rebuilt only when its sources changed (compile.py keeps their digest).
+compiled_pass() {
+    local include
+    include=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+    local missing=""
+    command -v "${CC:-cc}" >/dev/null 2>&1 || missing="a C compiler (${CC:-cc})"
+    [ -f "$include/Python.h" ] || missing="${missing:+$missing, }the Python headers ($include)"
+    [ -x .venv/bin/mypyc ] || missing="${missing:+$missing, }mypyc (the dev extra's mypy)"
+    if [ -n "$missing" ]; then
+        if [ "${CI:-}" = "true" ]; then
+            echo "test.sh: no $missing: the compiled core cannot be built" >&2
+            failed+=("pytest (compiled core)")
+        else
+            echo "test.sh: no $missing: the compiled core's pass is skipped (under CI=true it fails)" >&2
+        fi
+        return 0
+    fi
+    local started=$SECONDS
+    if ! .venv/bin/python scripts/compile.py --out build/compiled > build/compile.log 2>&1; then
+        tail -n 30 build/compile.log >&2
+        echo "test.sh: scripts/compile.py --out build/compiled failed (build/compile.log)" >&2
+        failed+=("pytest (compiled core)")
+        return 0
+    fi
+    tail -n 1 build/compile.log
+    PYTHONPATH="$PWD/build/compiled${PYTHONPATH:+:$PYTHONPATH}" FMW_TEST_COMPILED=1 \
+        .venv/bin/python -m pytest -n "${FMW_TEST_WORKERS:-3}" --dist loadfile \
+        || failed+=("pytest (compiled core)")
+    echo "test.sh: the compiled core's pass took $((SECONDS - started)) s (its build included)"
+}
+if [ $# -eq 0 ]; then
+    echo "== pytest (compiled core)"
+    mkdir -p build
+    compiled_pass
 fi
 
 if [ ${#failed[@]} -gt 0 ]; then
