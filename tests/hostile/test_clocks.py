@@ -17,7 +17,7 @@ import pytest
 from fallback_mw import Gateway
 from fallback_mw.config import ConfigError, load_config
 from fallback_mw.health.memory import MemoryHealth
-from tests.helpers import gateway_client
+from tests.helpers import client_for, gateway_client
 from tests.test_cli_admin import cli, expires_at, host_app
 from tests.test_credential_pool import Clock, key_a_back_after, limited, two_keys
 from tests.test_credential_pool import gateway_client as pool_client
@@ -77,18 +77,21 @@ async def test_the_longest_timers_the_loader_takes_serve_on_both_engines(engine:
 
 
 class SteppedClocks:
-    """A time module whose wall clock an NTP correction steps, and whose monotonic clock
-    runs on: `step_wall` moves the first, `advance` both (the time that really passed)."""
+    """The process's clocks after an NTP correction steps the wall clock: `step_wall` moves
+    the first, `advance` both (the time that really passed). Each reads the real clock it
+    replaces, taken before any patch."""
 
     def __init__(self) -> None:
         self.wall_offset = 0.0
         self.passed = 0.0
+        self._time = time.time
+        self._monotonic = time.monotonic
 
     def time(self) -> float:
-        return time.time() + self.wall_offset + self.passed
+        return self._time() + self.wall_offset + self.passed
 
     def monotonic(self) -> float:
-        return time.monotonic() + self.passed
+        return self._monotonic() + self.passed
 
     def step_wall(self, seconds: float) -> None:
         self.wall_offset += seconds
@@ -110,15 +113,27 @@ async def test_the_rpm_window_rolls_with_time_passed_not_with_the_wall_clock(ste
             "upstreams": {"only": {"url": up.url, "rpm": 2}},
             "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["only"]}],
         }
-        with mock.patch("fallback_mw.capacity.memory.time", clocks):
-            async with gateway_client(conf) as client:
-                assert [(await client.get("/v1/a")).status_code for _ in range(2)] == [200, 200]
-                clocks.step_wall(step)  # within the same minute: the rpm is spent
-                refused = await client.get("/v1/a")
-                assert refused.status_code == 503, refused.text
-                assert 1 <= int(refused.headers["retry-after"]) <= 60
-                clocks.advance(61)  # a minute really passed: room for two again
-                assert [(await client.get("/v1/a")).status_code for _ in range(2)] == [200, 200]
+        # The wall clock is stepped for the whole process, as NTP steps it for every reader;
+        # the monotonic one is the clock the gateway is built with, stepped only while it is
+        # built (the event loop's timers keep the real one). Both builds read them so: a
+        # compiled module does not read its own module's `time` name, which a patch of
+        # `fallback_mw.capacity.memory.time` replaced.
+        with mock.patch("time.time", clocks.time):
+            with mock.patch("time.monotonic", clocks.monotonic):
+                gateway = Gateway(host_app, config=conf)
+            try:
+                async with client_for(gateway) as client:
+                    two = [(await client.get("/v1/a")).status_code for _ in range(2)]
+                    assert two == [200, 200]
+                    clocks.step_wall(step)  # within the same minute: the rpm is spent
+                    refused = await client.get("/v1/a")
+                    assert refused.status_code == 503, refused.text
+                    assert 1 <= int(refused.headers["retry-after"]) <= 60
+                    clocks.advance(61)  # a minute really passed: room for two again
+                    two = [(await client.get("/v1/a")).status_code for _ in range(2)]
+                    assert two == [200, 200]
+            finally:
+                await gateway.aclose()
     assert up.count == 4
 
 
