@@ -53,10 +53,10 @@ compiled_pass() {
     [ -x .venv/bin/mypyc ] || missing="${missing:+$missing, }mypyc (the dev extra's mypy)"
     if [ -n "$missing" ]; then
         if [ "${CI:-}" = "true" ]; then
-            echo "test.sh: no $missing: the compiled core cannot be built" >&2
+            echo "test.sh: missing $missing: the compiled core cannot be built" >&2
             failed+=("pytest (compiled core)")
         else
-            echo "test.sh: no $missing: the compiled core's pass is skipped (under CI=true it fails)" >&2
+            echo "test.sh: missing $missing: the compiled core's pass is skipped (under CI=true it fails)" >&2
         fi
         return 0
     fi
