@@ -29,7 +29,9 @@ def requested_deadline_ms(text: str | None) -> int | None:
 
 
 def identity_headers(
-    headers: Iterable[tuple[bytes, bytes]], names: tuple[bytes, ...], wanted: frozenset[bytes]
+    headers: Iterable[tuple[bytes | bytearray, bytes]],
+    names: tuple[bytes, ...],
+    wanted: frozenset[bytes],
 ) -> tuple[list[str | None], bytes | None, list[bytes] | None]:
     """The first value of each named header (stripped, None when absent or empty; the
     deadline's None when sent twice), in one pass over the request's headers; the first
@@ -37,7 +39,9 @@ def identity_headers(
     fields, or in one joined by commas), or None; and the values of the method-override
     fields (METHOD_OVERRIDE_FIELDS, for `named_methods`), in order, read in the same pass
     (`wanted`: `names` and those fields), or None when a name could not be looked up so
-    (unhashable: a `bytearray`, where ASGI sends bytes): `override_methods` reads them."""
+    (unhashable: a `bytearray`, where ASGI sends bytes): `override_methods` reads them.
+    A `bytearray` name is in the annotation so compiled code takes it too (it checks each
+    item against the annotation: `tuple[bytes, bytes] object expected`)."""
     found: list[str | None] = [None] * len(names)
     seen = [False] * len(names)
     twice: bytes | None = None
