@@ -69,6 +69,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -279,8 +280,25 @@ def built(module: str) -> list[Path]:
     )
 
 
+# What a build compiled, in the package it built (in place or in an --out copy, and so in a
+# compiled wheel): `fallback-mw --version` and serve's start line read it
+# (fallback_mw/cli/compiled_core.py, which documents the format).
+RECORD = "compiled_core.txt"
+
+
+def write_record(package: Path, modules: Sequence[str]) -> None:
+    """The mypyc runtime beside `package`, then each compiled module with its source's
+    SHA-256 (a source edited since the build is stale)."""
+    runtimes = sorted(p.name for p in package.parent.glob("*__mypyc*") if p.is_file())
+    lines = [f"# runtime: {name}" for name in runtimes[:1]]
+    for module in modules:
+        lines.append(f"{module} {hashlib.sha256((package / module).read_bytes()).hexdigest()}")
+    (package / RECORD).write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
 def clean() -> int:
     removed = 0
+    (PACKAGE / RECORD).unlink(missing_ok=True)
     for extension in [*PACKAGE.rglob("*.so"), *PACKAGE.rglob("*.pyd"), *SRC.glob("*__mypyc*")]:
         extension.unlink()
         removed += 1
@@ -346,13 +364,14 @@ def build() -> int:
         print(f"compile.py: not built: {', '.join(missing)}", file=sys.stderr)
         clean()
         return 1
+    write_record(PACKAGE, MODULES)
     seconds = time.monotonic() - started
     print(f"compile.py: {len(MODULES)} modules compiled in {seconds:.0f} s (--clean undoes it)")
     return 0
 
 
 STAMP = ".fallback_mw-compiled"  # in an --out DIR: the digest it was built from
-COPIED = shutil.ignore_patterns("__pycache__", "*.so", "*.pyd", "*.c")
+COPIED = shutil.ignore_patterns("__pycache__", "*.so", "*.pyd", "*.c", RECORD)
 
 
 def digest(mypy: str) -> str:
@@ -384,7 +403,8 @@ def build_out(out: Path) -> int:
         return 2
     out = out.resolve()
     wanted = digest(mypy)
-    if (out / STAMP).is_file() and (out / STAMP).read_text().strip() == wanted:
+    recorded = (out / "fallback_mw" / RECORD).is_file()  # a copy built before the record
+    if recorded and (out / STAMP).is_file() and (out / STAMP).read_text().strip() == wanted:
         print(f"compile.py: {out} is built from these sources already")
         return 0
     if out.exists() and not (out / STAMP).is_file() and any(out.iterdir()):
@@ -419,6 +439,7 @@ def build_out(out: Path) -> int:
         if subprocess.run([sys.executable, "-c", probe, suffix], env=env, check=False).returncode:
             print("compile.py: the copy built does not import compiled", file=sys.stderr)
             return 1
+        write_record(staging / "fallback_mw", MODULES)
         (staging / STAMP).write_text(wanted + "\n")
         if out.exists():
             shutil.rmtree(out)

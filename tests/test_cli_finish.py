@@ -214,8 +214,12 @@ def test_usage_errors_name_the_verb_once() -> None:
 
 
 def test_version() -> None:
+    """The release and the build it is (tests/test_compiled_core.py: what each says)."""
+    from fallback_mw.cli.compiled_core import build
+
     result = run("--version")
-    assert result.returncode == 0 and result.stdout == f"fallback-mw {__version__}\n"
+    assert result.returncode == 0 and result.stdout == f"fallback-mw {__version__} ({build()})\n"
+    assert build() == "pure Python" or build().startswith("compiled core: ")
 
 
 @pytest.mark.parametrize("asked", ["--version", "--help"])

@@ -87,7 +87,7 @@ def test_the_wheel_at_its_lowest_dependencies_outside_the_checkout(
     assert helped.returncode == 0, helped.stderr
     assert "gameday" in helped.stdout
     version = run([python, "-m", "fallback_mw", "--version"], elsewhere, env)
-    assert version.stdout.strip() == "fallback-mw 0.1.0", version.stderr
+    assert version.stdout.strip() == "fallback-mw 0.1.0 (pure Python)", version.stderr
 
     # The demo builds a Gateway (the meters, the aiohttp session) and walks a failover:
     # on the lowest versions every request of it answered 500 (a TypeError in each).

@@ -27,6 +27,8 @@ COMPILED_LEFTOVERS = (
     "src/fallback_mw/routing.cp311-win_amd64.pyd",
     "src/0123456789abcdef__mypyc.cpython-311-x86_64-linux-gnu.so",
     "build/mypyc/build/__native_0123456789abcdef.c",
+    # Its record of what it compiled: in a pure wheel, --version would say compiled.
+    "src/fallback_mw/compiled_core.txt",
 )
 
 
@@ -110,6 +112,7 @@ def test_the_sdist_holds_no_compiled_core_and_builds_the_same_wheel(tmp_path: Pa
         archive.extractall(tmp_path / "unpacked", filter="data")
     leftovers = [n for n in names if n.endswith((".so", ".pyd", ".c")) or "/build/" in n]
     assert leftovers == []
+    assert not [n for n in names if n.endswith("compiled_core.txt")]
     (unpacked,) = (tmp_path / "unpacked").iterdir()
     files, _ = wheel_files(build(unpacked, "wheel", tmp_path / "from-sdist"))
     assert files == shipped_sources() | {"fallback_mw/py.typed"}

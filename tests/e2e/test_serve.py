@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from fallback_mw.cli.compiled_core import version_line
 from tests.helpers import free_port, log_text, serve_process, wait_listening
 from tests.upstreams import status_handler, upstream
 
@@ -107,6 +108,8 @@ async def test_serve_routes_to_upstream_and_404s_the_rest(tmp_path: Path) -> Non
     assert primary.count == 2  # one direct request, one failover attempt
 
     output = log_text(log)
+    # The build that served: pure Python or the compiled core (tests/test_compiled_core.py).
+    assert f" INFO fallback_mw starting {version_line()}\n" in output
     assert '"name": "gateway.request"' in output  # the console span exporter ran
     assert '"gateway.route.id": "failover"' in output
     for secret in (PRIMARY_KEY, BACKUP_KEY, CALLER_KEY, "q-secret"):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from typing import TextIO
+from typing import Any, TextIO
 
 from fallback_mw.cli import (
     budgets,
@@ -42,11 +42,28 @@ VERBS = (
 )  # fmt: skip
 
 
-def build_parser() -> Parser:
-    from fallback_mw import __version__
+class _Version(argparse.Action):
+    """`--version`: the release and the build (`pure Python`, or the compiled core and
+    whether it is whole: compiled_core.py), worked out only when asked."""
 
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        kwargs.update(nargs=0, default=argparse.SUPPRESS)
+        super().__init__(option_strings, argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        import sys
+
+        from fallback_mw.cli.compiled_core import version_line
+
+        parser._print_message(version_line() + "\n", sys.stdout)
+        parser.exit()
+
+
+def build_parser() -> Parser:
     parser = Parser(prog=PROG, description="An ASGI API / LLM gateway with ordered failover.")
-    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    parser.add_argument(
+        "--version", action=_Version, help="show the release and the build (pure or compiled)"
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for verb in VERBS:
         verb.register(subparsers)

@@ -17,6 +17,7 @@ from typing import Any
 
 from fallback_mw.cli.app import Console, Failed, Refused, leaf
 from fallback_mw.cli.check import resolve_routes
+from fallback_mw.cli.compiled_core import version_line
 from fallback_mw.cli.config_warnings import config_warnings
 from fallback_mw.cli.own_address import upstream_at_own_address
 from fallback_mw.cli.serve_logging import CutRequestLine, configure_logging, uvicorn_colours
@@ -292,6 +293,8 @@ def run_server(
                 console.warning(warning)
             announce(console, f"serving on {address(sock)} (Ctrl-C to stop)")
         configure_logging(with_pid=workers)
+        # Which build serves (pure Python or the compiled core, and whether it is whole).
+        logging.getLogger("fallback_mw").info("starting %s", version_line())
         tune_gc()
         server = Server(
             uvicorn.Config(
