@@ -393,13 +393,15 @@ def build_out(out: Path) -> int:
     replaces `out` only once built and imported whole; src/ is never written."""
     if check():
         return 1
-    mypyc = Path(sys.executable).parent / "mypyc"
     try:
         mypy = importlib.metadata.version("mypy")
     except importlib.metadata.PackageNotFoundError:
         mypy = ""
-    if not mypy or not mypyc.exists():
-        print("compile.py: no mypyc beside this Python (the dev extra's mypy has it)")
+    # `python -m mypyc`: a wheel's build under pip has mypy on this Python's path but its
+    # scripts elsewhere (pip's isolated build environment), never beside the interpreter.
+    mypyc = [sys.executable, "-m", "mypyc"]
+    if not mypy:
+        print("compile.py: no mypy (mypyc is in it) for this Python (the dev extra pins it)")
         return 2
     out = out.resolve()
     wanted = digest(mypy)
@@ -418,7 +420,7 @@ def build_out(out: Path) -> int:
         env = dict(os.environ, MYPYC_OPT_LEVEL=os.environ.get("MYPYC_OPT_LEVEL", "3"))
         modules = [f"fallback_mw/{module}" for module in MODULES]
         config = ["--config-file", str(ROOT / "pyproject.toml"), "--cache-dir", ".mypy_cache"]
-        result = subprocess.run([mypyc, *config, *modules], cwd=staging, env=env, check=False)
+        result = subprocess.run([*mypyc, *config, *modules], cwd=staging, env=env, check=False)
         if result.returncode != 0:
             print("compile.py: mypyc failed; nothing replaced", file=sys.stderr)
             return 1
@@ -435,7 +437,11 @@ def build_out(out: Path) -> int:
         probe = (
             "import fallback_mw.gateway as g, sys; sys.exit(not g.__file__.endswith(sys.argv[1]))"
         )
-        env = dict(os.environ, PYTHONPATH=str(staging))
+        # In front of any PYTHONPATH there is (pip's build environment is on it).
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join(filter(None, [str(staging), os.environ.get("PYTHONPATH")])),
+        )
         if subprocess.run([sys.executable, "-c", probe, suffix], env=env, check=False).returncode:
             print("compile.py: the copy built does not import compiled", file=sys.stderr)
             return 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import email
 import email.message
+import os
 import shutil
 import subprocess
 import sys
@@ -32,15 +33,23 @@ COMPILED_LEFTOVERS = (
 )
 
 
+# The wheel's build hook and what it runs to compile (scripts/build_hook.py).
+BUILD_SCRIPTS = ("scripts/build_hook.py", "scripts/compile.py")
+
+
 def copy_tree(to: Path, *, gitignore: bool) -> Path:
-    """The files a build reads (pyproject.toml, README.md, src/), as a fresh clone has them,
-    plus a compiled core as scripts/compile.py leaves it; .gitignore only when asked: a tree
-    without it (an export, another VCS) must not ship what it would have hidden."""
+    """The files a build reads (pyproject.toml, README.md, the build hook, src/), as a fresh
+    clone has them, plus a compiled core as scripts/compile.py leaves it; .gitignore only
+    when asked: a tree without it (an export, another VCS) must not ship what it would have
+    hidden."""
     tree = to / "tree"
     tree.mkdir()
     for path in ROOT.iterdir():  # pyproject.toml, README.md, LICENSE, ...
         if path.is_file() and (not path.name.startswith(".") or gitignore):
             shutil.copy2(path, tree / path.name)
+    (tree / "scripts").mkdir()
+    for script in BUILD_SCRIPTS:
+        shutil.copy2(ROOT / script, tree / script)
     shutil.copytree(
         PACKAGE,
         tree / "src" / "fallback_mw",
@@ -53,17 +62,31 @@ def copy_tree(to: Path, *, gitignore: bool) -> Path:
     return tree
 
 
-def build(tree: Path, kind: str, out: Path) -> Path:
-    """Build one artifact with hatchling's PEP 517 hooks, as pip or `python -m build` would."""
-    out.mkdir(exist_ok=True)
-    hook = f"import sys, hatchling.build as b; print(b.build_{kind}(sys.argv[1]))"
-    result = subprocess.run(
+def backend(
+    tree: Path, call: str, out: Path, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """One of hatchling's PEP 517 hooks (`build_wheel`, `get_requires_for_build_wheel`...)
+    run in `tree`, as pip or `python -m build` would; FALLBACK_MW_COMPILE only from `env`."""
+    hook = f"import sys, hatchling.build as b; print(b.{call}(sys.argv[1]))"
+    if call.startswith("get_requires"):
+        hook = f"import hatchling.build as b; print('\\n'.join(b.{call}()))"
+    environ = {k: v for k, v in os.environ.items() if k != "FALLBACK_MW_COMPILE"}
+    return subprocess.run(
         [sys.executable, "-c", hook, str(out)],
         cwd=tree,
+        env={**environ, **(env or {})},
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
     )
+
+
+def build(
+    tree: Path, kind: str, out: Path, env: dict[str, str] | None = None, timeout: float = 120
+) -> Path:
+    """Build one artifact with hatchling's PEP 517 hooks, as pip or `python -m build` would."""
+    out.mkdir(exist_ok=True)
+    result = backend(tree, f"build_{kind}", out, env, timeout)
     assert result.returncode == 0, result.stderr
     return out / result.stdout.strip().splitlines()[-1]
 
@@ -113,6 +136,9 @@ def test_the_sdist_holds_no_compiled_core_and_builds_the_same_wheel(tmp_path: Pa
     leftovers = [n for n in names if n.endswith((".so", ".pyd", ".c")) or "/build/" in n]
     assert leftovers == []
     assert not [n for n in names if n.endswith("compiled_core.txt")]
+    # What FALLBACK_MW_COMPILE=1 needs to compile from the sdist (`pip install` of it).
+    (top,) = {n.split("/")[0] for n in names}
+    assert {f"{top}/{script}" for script in BUILD_SCRIPTS} <= set(names)
     (unpacked,) = (tmp_path / "unpacked").iterdir()
     files, _ = wheel_files(build(unpacked, "wheel", tmp_path / "from-sdist"))
     assert files == shipped_sources() | {"fallback_mw/py.typed"}
@@ -186,3 +212,76 @@ def test_no_dependency_admits_a_release_the_gateway_fails_on(tmp_path: Path) -> 
         if bounds[name] < Version(oldest)
     ]
     assert too_low == []
+
+
+# The build hook (scripts/build_hook.py): FALLBACK_MW_COMPILE unset or 0 is the pure wheel
+# above, asking for nothing more to build it; 1 compiles or fails; auto falls back to pure.
+
+
+@pytest.mark.parametrize("value", [None, "0", ""], ids=["unset", "zero", "empty"])
+def test_without_compiling_the_build_asks_for_nothing_more(
+    tmp_path: Path, value: str | None
+) -> None:
+    tree = copy_tree(tmp_path, gitignore=True)
+    env = None if value is None else {"FALLBACK_MW_COMPILE": value}
+    asked = backend(tree, "get_requires_for_build_wheel", tmp_path, env)
+    assert asked.returncode == 0, asked.stderr
+    assert asked.stdout.strip() == ""
+    wheel = build(tree, "wheel", tmp_path / "dist", env)
+    assert wheel.name == "fallback_mw-0.1.0-py3-none-any.whl"
+
+
+def test_compiling_asks_for_the_dev_extras_mypy_and_what_it_type_checks(tmp_path: Path) -> None:
+    from packaging.requirements import Requirement
+
+    tree = copy_tree(tmp_path, gitignore=True)
+    asked = backend(tree, "get_requires_for_build_wheel", tmp_path, {"FALLBACK_MW_COMPILE": "1"})
+    assert asked.returncode == 0, asked.stderr
+    specs = {Requirement(line).name: line for line in asked.stdout.splitlines()}
+    (mypy,) = [line for line in metadata_of_dev() if Requirement(line).name == "mypy"]
+    assert specs["mypy"] == mypy and "==" in mypy  # the one the hazards were checked on
+    assert {"setuptools", "pydantic", "aiohttp", "httpx", "asyncpg", "redis"} <= set(specs)
+
+
+def metadata_of_dev() -> list[str]:
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return list(project["optional-dependencies"]["dev"])
+
+
+NO_COMPILER = {"CC": "/nonexistent/cc"}
+
+
+def test_compiling_without_a_c_compiler_fails_in_one_line(tmp_path: Path) -> None:
+    # A release built where nothing can compile must not silently be the pure wheel.
+    tree = copy_tree(tmp_path, gitignore=True)
+    env = {"FALLBACK_MW_COMPILE": "1", **NO_COMPILER}
+    result = backend(tree, "build_wheel", tmp_path / "dist", env)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("fallback_mw build: FALLBACK_MW_COMPILE=1 but the compiled core")
+    assert "no C compiler (/nonexistent/cc)" in line
+    assert not list((tmp_path / "dist").glob("*.whl"))
+
+
+def test_auto_without_a_c_compiler_builds_the_pure_wheel_and_warns(tmp_path: Path) -> None:
+    tree = copy_tree(tmp_path, gitignore=True)
+    env = {"FALLBACK_MW_COMPILE": "auto", **NO_COMPILER}
+    (tmp_path / "dist").mkdir()
+    result = backend(tree, "build_wheel", tmp_path / "dist", env)
+    assert result.returncode == 0, result.stderr
+    assert "WARNING: the compiled core was not built (no C compiler" in result.stderr
+    wheel = tmp_path / "dist" / result.stdout.strip().splitlines()[-1]
+    assert wheel.name == "fallback_mw-0.1.0-py3-none-any.whl"
+    files, _ = wheel_files(wheel)
+    assert files == shipped_sources() | {"fallback_mw/py.typed"}
+
+
+def test_a_value_compile_does_not_know_is_refused_in_one_line(tmp_path: Path) -> None:
+    tree = copy_tree(tmp_path, gitignore=True)
+    result = backend(tree, "build_wheel", tmp_path, {"FALLBACK_MW_COMPILE": "yes"})
+    assert result.returncode == 1
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("fallback_mw build: FALLBACK_MW_COMPILE='yes' is not one of 1")
