@@ -15,7 +15,9 @@ the chat route spending from a SQLite ledger, each tree with a ledger file of it
 a key prefix of its own).
 
 The other tree runs on this checkout's virtual environment (`PYTHONPATH` put in front):
-only `src/fallback_mw` differs between the arms.
+only `src/fallback_mw` differs between the arms. `--build compiled` runs each tree's
+compiled core instead (its scripts/compile.py --out copy in its build/compiled, built
+first when missing or out of date: benchmarks/builds.py); the header names both builds.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import builds
 import clients
 import procs
 import run
@@ -45,6 +48,12 @@ def main() -> int:
     parser.add_argument("--arms", default="healthy,failover", help="of " + ",".join(ARMS))
     parser.add_argument("--engine", default="aiohttp", choices=("aiohttp", "httpx"))
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="for --arms redis")
+    parser.add_argument(
+        "--build",
+        choices=builds.BUILDS,
+        default="pure",
+        help="both trees' build: pure (their sources) or compiled (compile.py --out copies)",
+    )
     args = parser.parse_args()
     chosen = [a for a in args.arms.split(",") if a]
     if not chosen or any(a not in ARMS for a in chosen):
@@ -53,6 +62,13 @@ def main() -> int:
     if not (args.base / "fallback_mw" / "__init__.py").exists():
         print(f"ab: {args.base} holds no fallback_mw package", file=sys.stderr)
         return 2
+    try:
+        base_env = {"PYTHONPATH": builds.pythonpath(args.build, args.base)}
+        this_env = builds.environment(args.build)
+    except builds.BuildFailed as exc:
+        print(f"ab: {exc}", file=sys.stderr)
+        return 2
+    print(f"gateway builds: base {builds.named(base_env)}; this {builds.named(this_env)}")
     try:
         wrk, nginx = procs.ensure_tools()
     except procs.ToolMissing as exc:
@@ -64,13 +80,15 @@ def main() -> int:
         engine = args.engine
         config = run.gateway_config(upstream.port, backup, failing, engine=engine)
         floor = procs.start_floor(tree, upstream.url())
-        base_env = {"PYTHONPATH": str(args.base)}
 
         def pair(kind: str, config_of: Callable[[str], str]) -> dict[str, procs.Child]:
             """One gateway from each tree, each with the config `config_of(side)`."""
             return {
                 side: procs.start_gateway(
-                    tree, f"{kind}-{side}", config_of(side), base_env if side == "base" else None
+                    tree,
+                    f"{kind}-{side}",
+                    config_of(side),
+                    base_env if side == "base" else this_env,
                 )
                 for side in SIDES
             }
@@ -118,7 +136,7 @@ def main() -> int:
         floor_cpu = statistics.median(load.cpu_us for load in loads["floor"])
         print(
             f"wrk -t1 -c{args.connections} -d{args.duration}s, {args.rounds} rounds, "
-            f"engine {engine}"
+            f"engine {engine}, build {args.build}"
         )
         for name, runs in loads.items():
             cpu = [round(load.cpu_us) for load in runs]

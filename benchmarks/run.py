@@ -12,6 +12,11 @@ Installs Debian's wrk and nginx-light with apt-get when they are missing (as roo
     .venv/bin/python benchmarks/run.py [--duration 8] [--rounds 3] [--connections 32]
     .venv/bin/python benchmarks/run.py --quick        # seconds, not minutes: smoke run
     .venv/bin/python benchmarks/run.py --no-memory --engines --workers 2   # + httpx, workers
+    .venv/bin/python benchmarks/run.py --build compiled   # serve from the compiled core
+
+`--build compiled` runs every `serve` arm from scripts/compile.py's compiled copy of this
+checkout (benchmarks/builds.py: built first when missing or out of date); the header names
+the build measured.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import builds
 import clients
 import procs
 from clients import Load, Memory, median
@@ -297,6 +303,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--redis", default="redis://127.0.0.1:6379/0", help="the Redis for --workers"
     )
+    parser.add_argument(
+        "--build",
+        choices=builds.BUILDS,
+        default="pure",
+        help="the gateway's build: pure (this checkout's sources) or compiled "
+        "(scripts/compile.py --out's copy, built when missing)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.duration, args.rounds, args.sse_samples = 1, 1, 5
@@ -369,12 +382,20 @@ def main() -> int:
         print(f"benchmark: {exc}", file=sys.stderr)
         return 3
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        # Every process started from here on inherits it (the floor imports no fallback_mw).
+        os.environ.update(builds.environment(args.build))
+    except builds.BuildFailed as exc:
+        print(f"benchmark: {exc}", file=sys.stderr)
+        return 2
+    build = f"gateway build: {builds.named({})}"
+    print(build, flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="fmw-bench-"))
     tree = Tree(workdir)
     try:
         upstream, backup, failing = procs.start_nginx(tree, nginx, args.big_mib)
         config = gateway_config(upstream.port, backup, failing)
-        lines: list[str] = []
+        lines: list[str] = [build]
         broken = False
         if not args.memory_only:
             speed, broken = speed_arms(args, tree, wrk, upstream, backup, failing)

@@ -85,6 +85,7 @@ def test_benchmark_runs_every_arm_and_prints_the_ratios() -> None:
     assert re.search(r"OTLP span exports received by the sink", result.stdout)
     assert result.stdout.count(" added ") == 4  # floor and serve: large stream, many streams
     assert "serve: long run" in result.stdout
+    assert re.search(r"^gateway build: fallback-mw \S+ \(.+\)$", result.stdout, re.M)
 
 
 LAYERS = Path(__file__).parent.parent / "benchmarks" / "layers.py"
@@ -162,6 +163,17 @@ def test_ab_benchmark_serves_both_trees_side_by_side() -> None:
         line = next((x for x in result.stdout.splitlines() if x.startswith(arm + " ")), "")
         cells = re.match(r".+ CPU us/req \[(\d+)\] median \d+ \((\d+\.\d\d)x floor\)", line)
         assert cells is not None and int(cells.group(1)) > 0, result.stdout
+    assert "gateway builds: base fallback-mw 0.1.0 (pure Python); this " in result.stdout
+
+
+def test_ab_benchmark_compiled_refuses_a_tree_it_cannot_compile(tmp_path: Path) -> None:
+    """--build compiled builds each tree's compiled copy with that tree's own
+    scripts/compile.py: a tree without one is refused before anything starts."""
+    (tmp_path / "src" / "fallback_mw").mkdir(parents=True)
+    (tmp_path / "src" / "fallback_mw" / "__init__.py").write_text("")
+    result = script(AB, str(tmp_path / "src"), "--build", "compiled", timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "no scripts/compile.py beside it to build a compiled copy" in result.stderr
 
 
 def test_ab_benchmark_refuses_a_tree_without_the_package(tmp_path: Path) -> None:
