@@ -3,6 +3,7 @@ httpx client on an in-process gateway."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
@@ -21,6 +22,12 @@ import pytest
 
 from fallback_mw import Gateway
 from tests.upstreams import free_port, host_app
+
+# scripts/test.sh's second pass: the request path's modules compiled (PYTHONPATH=build/compiled;
+# tests/conftest.py refuses the pass when they import interpreted). A test that reads a
+# layer's own message for an argument of the wrong type, or patches a compiled module, says
+# what each build does.
+COMPILED = bool(os.environ.get("FMW_TEST_COMPILED"))
 
 __all__ = [
     "client_for",

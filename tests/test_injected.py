@@ -35,7 +35,7 @@ from fallback_mw.health import AlwaysHealthy, HealthState
 from fallback_mw.injected import require
 from fallback_mw.upstream import UpstreamClient
 from fallback_mw.upstream.httpx_engine import HttpxClient
-from tests.helpers import client_for
+from tests.helpers import COMPILED, client_for
 from tests.upstreams import host_app
 
 pytestmark = pytest.mark.anyio
@@ -93,8 +93,14 @@ def test_a_wrong_object_is_refused_at_construction_naming_the_parameter_and_inte
     with pytest.raises(TypeError) as raised:
         LAYERS[layer](**{parameter: Unrelated()})
     message = str(raised.value)
-    assert message.startswith(f"{layer}: {parameter}= "), message
-    assert interface in message, message
+    if COMPILED and parameter == "telemetry":
+        # Compiled, a parameter typed with a class (`Telemetry | None`) is checked where the
+        # call enters `__init__`, before the layer's own check: still refused at construction,
+        # in mypyc's words ("...Telemetry or None object expected; got ...Unrelated").
+        assert "Telemetry or None object expected" in message, message
+    else:
+        assert message.startswith(f"{layer}: {parameter}= "), message
+        assert interface in message, message
     assert "Unrelated" in message, message
 
 

@@ -8,7 +8,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args
@@ -32,7 +32,7 @@ from fallback_mw.health import AlwaysHealthy
 from fallback_mw.request.context import AttemptRecord, RequestContext, Usage
 from fallback_mw.store.routes import open_store
 from fallback_mw.telemetry import Telemetry
-from tests.helpers import client_for, gateway_client, http_scope, request_then_disconnect
+from tests.helpers import COMPILED, client_for, gateway_client, http_scope, request_then_disconnect
 from tests.hostile.test_request_framing import drive
 from tests.upstreams import closed_port_url, host_app, serve_asgi, status_handler, upstream
 
@@ -906,12 +906,22 @@ def test_hooks_never_raise(recorded: Recorded) -> None:
     context = hand_made_context()
     broken: Any = object()  # not even a RequestContext
     telemetry = recorded.telemetry
-    telemetry.request_started(broken)
-    telemetry.attempt_started(broken, broken)
-    telemetry.attempt_finished(broken, broken)
-    telemetry.skipped(broken, "primary", "breaker_open")
-    telemetry.request_finished(broken)
-    telemetry.inject_headers(broken)
+    hooks: list[Callable[[], object]] = [
+        lambda: telemetry.request_started(broken),
+        lambda: telemetry.attempt_started(broken, broken),
+        lambda: telemetry.attempt_finished(broken, broken),
+        lambda: telemetry.skipped(broken, "primary", "breaker_open"),
+        lambda: telemetry.request_finished(broken),
+        lambda: telemetry.inject_headers(broken),
+    ]
+    for hook in hooks:
+        try:
+            hook()
+        except TypeError as exc:
+            # Compiled, a hook's typed parameters are checked as the call enters it: an
+            # object that is no RequestContext is refused there, before the hook's own
+            # guard (the gateway only ever hands it its own context). Never otherwise.
+            assert COMPILED and "object expected" in str(exc), exc
     # Nothing was recorded for the broken context: no span, no request counted.
     assert recorded.finished() == ()
     assert recorded.counted("gateway.requests") == []
