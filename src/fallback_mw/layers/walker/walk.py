@@ -43,6 +43,7 @@ from fallback_mw.request.local_errors import send_error
 from fallback_mw.request.types import Receive, Scope, Send
 from fallback_mw.shadow import ShadowTraffic, should_shadow
 from fallback_mw.telemetry import Telemetry
+from fallback_mw.timers import current_task
 from fallback_mw.upstream.base import UpstreamClient, UpstreamResponse
 
 
@@ -152,7 +153,7 @@ class _Walk:
         # watcher (a task reading `receive`) starts once the walk has lasted WATCH_AFTER:
         # a walk done sooner never pays for it, and a disconnect is noticed at most that
         # much later (the server keeps it: `receive` says `http.disconnect` when asked).
-        walk_task = asyncio.current_task()
+        walk_task = current_task(asyncio.get_running_loop())
         assert walk_task is not None
         watch = DisconnectWatch(self.receive, body, context, walk_task)
         try:
