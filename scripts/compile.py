@@ -161,6 +161,8 @@ MODULES = (
     "timers.py",
     "layers/guard.py",
     "gateway.py",
+    "layers/charge.py",
+    "request/refusals.py",
 )
 
 
