@@ -11,6 +11,7 @@ import contextlib
 import json
 import re
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 from fallback_mw.request.codings import (
@@ -36,6 +37,27 @@ def body_json(body: RequestBody) -> dict[str, Any] | None:
 # or a NUL (UTF-16 / UTF-32 BE): json.loads reads each such body by its encoding.
 _NOT_UTF8_START = frozenset({b"\xef", b"\xfe", b"\xff", b"\x00"})
 
+# json.loads's last step: its decoder's scanner (a decoder of its default settings; typeshed
+# does not declare the attribute, and `raw_decode` around it is one more Python frame).
+_SCAN: Callable[[str, int], tuple[Any, int]] = getattr(json.JSONDecoder(), "scan_once")  # noqa: B009
+
+
+def loads_json(data: bytes) -> Any:
+    """`json.loads(data)`: the same value, the same errors. The usual document (an object,
+    `{` then no NUL: UTF-8 by json.loads's own detection, nothing before it to skip) is
+    decoded and scanned at once, without json.loads's three Python steps, which cost half
+    again what the scan does (some 15k instructions of a 250-byte answer's 43k); anything
+    else, and whatever follows the object but whitespace, is json.loads's own."""
+    if data[:1] == b"{" and data[1:2] != b"\x00":
+        text = data.decode("utf-8", "surrogatepass")  # raises as json.loads does
+        try:
+            value, end = _SCAN(text, 0)  # raises JSONDecodeError as json.loads does
+        except StopIteration:  # never at a `{`: json.loads says why
+            return json.loads(data)
+        if end == len(text) or not text[end:].strip(" \t\n\r"):  # json's whitespace
+            return value
+    return json.loads(data)
+
 
 def inspect_json(data: bytes | None, *, saturated: bool = False) -> dict[str, Any] | None:
     """The body as a JSON object, or None (not JSON, not an object, or too deeply nested
@@ -47,7 +69,7 @@ def inspect_json(data: bytes | None, *, saturated: bool = False) -> dict[str, An
     if not data or (data.lstrip()[:1] != b"{" and data[:1] not in _NOT_UTF8_START):
         return None
     try:
-        parsed = _lenient_json(data) if saturated else json.loads(data)
+        parsed = _lenient_json(data) if saturated else loads_json(data)
     except RecursionError:
         if saturated:
             raise NestedTooDeep from None

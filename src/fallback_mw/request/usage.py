@@ -34,6 +34,7 @@ import json
 import re
 from typing import Any, Final
 
+from fallback_mw.request.body_json import loads_json
 from fallback_mw.request.codings import BodyDecoder, content_decoder
 from fallback_mw.request.context import Usage
 from fallback_mw.request.usage_documents import read_document, read_gemini, read_usage
@@ -371,17 +372,22 @@ _HEAD_MAX = 1024  # leading whitespace kept while undecided, at most
 
 def _loads(data: bytes) -> Any:
     try:
-        # Python refuses an integer of over 4,300 digits (a ValueError, as for bad JSON):
-        # a count of 10^5000 tokens is read as the largest, as 10^40 is, not as no usage.
-        return read_json(data)
+        return loads_json(data)  # json.loads, without its Python steps (body_json)
     except UnicodeDecodeError:
         # Bytes that are not UTF-8 (an answer in ISO-8859-1, a stray byte in a string):
         # read as U+FFFD, as Go's encoding/json, Node's readers and a browser's EventSource
         # read them (and aiohttp's and requests' `.json()` read a declared charset), so the
         # caller saw the usage it reports.
         pass
-    except ValueError:
+    except json.JSONDecodeError:
         return None
+    except ValueError:
+        # Python refuses an integer of over 4,300 digits (a ValueError, as for bad JSON):
+        # a count of 10^5000 tokens is read as the largest, as 10^40 is, not as no usage.
+        try:
+            return read_json(data)
+        except ValueError:  # UnicodeDecodeError included: as json.loads refused it above
+            return None
     try:
         return read_json(data.decode(json.detect_encoding(data), "replace"))
     except ValueError:
