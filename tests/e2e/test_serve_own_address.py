@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from fallback_mw.cli.own_address import reaches_listener
-from tests.helpers import free_port, log_text, serve_process
+from tests.helpers import free_port, log_text, serve_process, wait_listening
 
 pytestmark = pytest.mark.e2e
 
@@ -77,24 +77,46 @@ def test_serve_refuses_an_egress_proxy_that_is_its_own_address(tmp_path: Path) -
     assert "its proxy" in done.stderr and "the gateway's own address" in done.stderr
 
 
-def test_serve_refuses_a_store_route_to_its_own_address(tmp_path: Path) -> None:
-    port = free_port()
-    store = f"sqlite:///{tmp_path / 'routes.db'}"
+def _add_route(store: str, upstream: str) -> None:
     added = subprocess.run(
         [
             *(sys.executable, "-m", "fallback_mw", "routes", "add", "--store", store),
-            *("--id", "loop", "--prefix", "/loop/", "--upstream", f"http://127.0.0.1:{port}"),
+            *("--id", "loop", "--prefix", "/loop/", "--upstream", upstream),
         ],
         capture_output=True,
         text=True,
         timeout=30,
     )
     assert added.returncode == 0, added.stderr
+
+
+@pytest.mark.anyio
+async def test_serve_starts_with_a_store_route_to_its_own_address_and_warns(
+    tmp_path: Path,
+) -> None:
+    """A route the store gains while serve runs is never checked against serve's address
+    (the admin command does not know it): its requests come back in and the walker's Via
+    check answers them 508 loop_detected. The same row refused the next start, every
+    route down after a restart or a deploy for one row the running gateway had served
+    beside the others: serve now starts, says so, and the row answers as it did."""
+    import httpx
+
+    port = free_port()
+    store = f"sqlite:///{tmp_path / 'routes.db'}"
+    _add_route(store, f"http://127.0.0.1:{port}")
     config = tmp_path / "gateway.toml"
     config.write_text(f'[gateway]\nstore = "{store}"\n', encoding="utf-8")
-    done = _serve(config, "0.0.0.0", port)
-    assert done.returncode == 2, done.stderr
-    assert "the gateway's own address" in done.stderr
+    log = tmp_path / "serve.log"
+    env = dict(os.environ, OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none")
+    with serve_process(config, port, log, env=env) as process:
+        await wait_listening(process, port, log)
+        async with httpx.AsyncClient(timeout=30) as client:
+            answer = await client.get(f"http://127.0.0.1:{port}/loop/x")
+        assert answer.status_code == 508, answer.text
+        assert answer.json()["error"]["code"] == "loop_detected"
+        text = log_text(log)
+        assert "warning: upstream 'loop-primary'" in text and "own address" in text, text
+        assert "508 loop_detected" in text, text
 
 
 @pytest.mark.anyio

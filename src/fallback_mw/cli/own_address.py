@@ -1,8 +1,13 @@
-"""`serve` refuses an upstream (or an egress proxy) that is the gateway itself: a URL that
-connects to serve's own listening socket. Each request the gateway routed there came back
-in as a new request for the same route, and went out again: one caller's request became
-an endless chain of them (about 2,000 a second on a laptop) that went on after the caller
-had its 504, until the process was stopped."""
+"""`serve` refuses an upstream (or an egress proxy) of the config file that is the gateway
+itself: a URL that connects to serve's own listening socket. Each request the gateway
+routed there came back in as a new request for the same route (before the walker's Via
+check, layers/walker/via.py, it went out again: an endless chain of them, about 2,000 a
+second, after the caller had its 504; now the second pass answers 508 loop_detected).
+
+A route of the store is only warned about: a running gateway loads it without this check
+(the admin command does not know where serve listens) and answers its requests 508, the
+other routes served; a refused start for the same row put every route down at the next
+restart or deploy."""
 
 from __future__ import annotations
 
@@ -36,10 +41,13 @@ def _used(merged: MergedRoutes) -> Iterable[tuple[str, UpstreamConfig]]:
     return ((name, merged.upstreams[name]) for name in names if name in merged.upstreams)
 
 
-def upstream_at_own_address(merged: MergedRoutes, bind_host: str, bind_port: int) -> str | None:
-    """The refusal, when a routed upstream's URL (without a base path: each request would
-    come back to the route it matched) or its egress proxy is serve's own address; None
-    otherwise (and with `--port 0`, whose port no configuration can name)."""
+def upstream_at_own_address(
+    merged: MergedRoutes, bind_host: str, bind_port: int, *, stored: bool = False
+) -> str | None:
+    """The refusal (of `stored` routes: the warning), when a routed upstream's URL (without
+    a base path: each request would come back to the route it matched) or its egress proxy
+    is serve's own address; None otherwise (and with `--port 0`, whose port no
+    configuration can name)."""
     if bind_port == 0:
         return None
     for name, upstream in _used(merged):
@@ -50,10 +58,17 @@ def upstream_at_own_address(merged: MergedRoutes, bind_host: str, bind_port: int
                 # back to a route it passed is the walker's 508, layers/walker/via.py).
                 continue
             if url is not None and reaches_listener(url, bind_host, bind_port):
-                return (
+                here = (
                     f"upstream {name!r}: its {key} {url} is the gateway's own address "
-                    f"(--host {bind_host} --port {bind_port}): each request sent there would "
-                    "come back in and be routed to it again, for ever; point it at the "
-                    "upstream service, or serve on another port"
+                    f"(--host {bind_host} --port {bind_port}): each request sent there "
+                )
+                if stored:
+                    return (
+                        f"{here}comes back in and is answered 508 loop_detected; point the "
+                        "store's route at the upstream service (fallback-mw routes)"
+                    )
+                return (
+                    f"{here}would come back in and be answered 508 loop_detected; point it "
+                    "at the upstream service, or serve on another port"
                 )
     return None

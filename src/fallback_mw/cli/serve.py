@@ -33,6 +33,7 @@ from fallback_mw.cli.serve_options import (
 from fallback_mw.config import GatewayConfig, load_config
 from fallback_mw.extras import require
 from fallback_mw.request.types import Receive, Scope, Send
+from fallback_mw.store.routes import MergedRoutes
 from fallback_mw.telemetry.redact import http_method
 
 # serve turns uvicorn's access log off (it prints query strings): without this line a
@@ -144,11 +145,16 @@ def serve(args: argparse.Namespace, console: Console) -> int | None:
     # "serving on" (a start that fails stays one error line); its Redis line aside: the
     # gateway says an unusable Redis itself, at its start.
     merged, from_store, ledger_version = resolve_routes(config)
-    # An upstream at serve's own address would route each request back to itself, for ever.
-    looped = upstream_at_own_address(merged, args.host, args.port)
+    # An upstream at serve's own address routes each request back to itself (508 at its
+    # second pass): the file's refused, the store's warned about (own_address.py).
+    looped = upstream_at_own_address(_routes(merged, from_store, False), args.host, args.port)
     if looped is not None:
         raise Refused(looped)
     warnings = config_warnings(args.config, config, merged, from_store, ledger_version).lines()
+    stored = _routes(merged, from_store, True)
+    looped = upstream_at_own_address(stored, args.host, args.port, stored=True)
+    if looped is not None:
+        warnings.append(looped)
     # The Prometheus exporter: one port per worker, none of them the gateway's, checked up
     # front (with --port 0, once the supervisor has the port; one process cannot clash).
     from fallback_mw.cli.otel_setup import TelemetrySetupError, check_workers
@@ -201,6 +207,12 @@ def serve(args: argparse.Namespace, console: Console) -> int | None:
     signal.signal(signal.SIGTERM, exit_now)
     run_server(config, options, None, args, console, workers=False, warnings=warnings)
     return None
+
+
+def _routes(merged: MergedRoutes, from_store: set[str], stored: bool) -> MergedRoutes:
+    """The file's routes (`stored` False) or the store's, with every upstream."""
+    routes = tuple(route for route in merged.routes if (route.id in from_store) is stored)
+    return MergedRoutes(routes, merged.upstreams)
 
 
 def announce(console: Console, line: str) -> None:
