@@ -173,3 +173,32 @@ def test_which_urls_reach_the_listening_socket(
     url: str, host: str, port: int, reaches: bool
 ) -> None:
     assert reaches_listener(url, host, port) is reaches
+
+
+@pytest.mark.parametrize(
+    ("url", "reaches"),
+    [
+        ("http://127.0.0.1:8000", False),  # an IPv4 connect never reaches an IPv6-only `::`
+        ("http://[::ffff:127.0.0.1]:8000", False),  # nor in its IPv4-mapped spelling
+        ("http://[::1]:8000", True),
+    ],
+)
+def test_an_ipv6_only_wildcard_takes_no_ipv4_connection(
+    monkeypatch: pytest.MonkeyPatch, url: str, reaches: bool
+) -> None:
+    """With net.ipv6.bindv6only=1 (or where IPv6 sockets are IPv6-only by default), serve's
+    `::` socket takes IPv6 connections only: an IPv4 upstream on its port (another
+    service, on 127.0.0.1) was refused as serve's own address, and serve did not start."""
+    from fallback_mw.cli import host_addresses
+
+    monkeypatch.setattr(host_addresses, "dual_stack", lambda: False)
+    assert reaches_listener(url, "::", 8000) is reaches
+
+
+def test_the_wildcard_is_dual_stack_as_the_system_binds_it() -> None:
+    from fallback_mw.cli.host_addresses import dual_stack
+
+    setting = Path("/proc/sys/net/ipv6/bindv6only")
+    if not setting.exists():
+        pytest.skip("no /proc/sys/net/ipv6/bindv6only here")
+    assert dual_stack() is (setting.read_text().strip() == "0")

@@ -74,22 +74,37 @@ def is_this_hosts(address: IPAddress) -> bool:
     return source == str(address)
 
 
+def dual_stack() -> bool:
+    """Whether an IPv6 socket serve binds (it sets no IPV6_V6ONLY) takes IPv4 connections
+    too: the system's default for a new one, asked of one (Linux: net.ipv6.bindv6only, 0
+    unless set; Windows: IPv6 only). False without IPv6."""
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+            return probe.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY) == 0
+    except OSError:
+        return False
+
+
 def reaches(targets: list[IPAddress], bind_host: str) -> bool:
     """Whether a connection to any of `targets` lands on a socket serve bound to `bind_host`
     (an IP literal, a wildcard, empty for every interface, or a name such as `localhost`,
     bound in the family serve binds it in: `listen_family`). A wildcard `::` takes IPv4
-    connections too (dual stack, as serve binds it); `0.0.0.0` IPv4 ones only."""
+    connections too where the system dual-stacks it (`dual_stack`); `0.0.0.0` IPv4 ones
+    only."""
     host = bind_host.strip("[]")
     bound: list[IPAddress]
     if not host:  # every interface, both families (as asyncio binds an empty host)
-        six, bound = True, [ipaddress.IPv6Address("::")]
+        six = four = True
+        bound = [ipaddress.IPv6Address("::")]
     else:
         six = listen_family(host) == socket.AF_INET6
+        four = not six or dual_stack()
         bound = resolved(host, socket.AF_INET6 if six else socket.AF_INET)
     for target in targets:
         for address in bound:
             if address.is_unspecified:
-                if (six or target.version == 4) and is_this_hosts(target):
+                wanted = four if target.version == 4 else six
+                if wanted and is_this_hosts(target):
                     return True
             elif target == address:
                 return True
