@@ -44,7 +44,8 @@ def ledger_migration(version: int) -> str | None:
         f"the store's ledger schema is version {version}: this package migrates it to "
         f"version {LATEST_LEDGER_VERSION} on its first use (a gateway's first budgeted "
         "request or usage record; budgets, usage, capacity), after which a gateway of an "
-        "older version that starts refuses it (see Upgrading in docs/operations.md)"
+        "older version refuses it as it starts, or at its first use of the ledger: upgrade "
+        "every process that shares this store to this version"
     )
 
 
