@@ -728,3 +728,29 @@ async def test_a_hedged_answer_replaces_its_own_token_estimate() -> None:
     assert hedged.headers["x-gateway-attempts"] == "2"  # the hedge started, never sent
     assert [r.status_code for r in after] == [200, 200], [r.headers for r in after]
     assert only.count == 3
+
+
+async def test_a_refused_repeat_says_allowance_not_budget() -> None:
+    """ "Budget" is money here (402 budget_exceeded): a 502 that said "the upstream's budget
+    for repeats is spent" read to an operator as a spend limit. It names the repeat
+    allowance, and the key that sets it."""
+    allowance = {"percent": 0, "min_per_second": 0}
+    async with upstream(status_handler(503)) as primary:
+        conf = {
+            "gateway": {"repeat_budget": allowance, "breaker": NO_BREAKER},
+            "upstreams": {"primary": {"url": primary.url}},
+            "routes": [
+                {"id": "chat", "prefix": "/v1/", "plan": ["primary"], "retries": 1,
+                 "backoff_ms": 0}
+            ],
+        }  # fmt: skip
+        gateway = Gateway(host_app, config=conf)
+        try:
+            async with client_for(gateway) as client:
+                answer = await client.get("/v1/chat")
+        finally:
+            await gateway.aclose()
+    error = answer.json()["error"]
+    assert (answer.status_code, error["rule"]) == (502, "repeat_budget"), error
+    assert "repeat allowance" in error["message"], error["message"]
+    assert "budget" not in error["message"].replace("[gateway.repeat_budget]", ""), error

@@ -214,7 +214,7 @@ def decide(outcome: Outcome, state: WalkState) -> Decision:
             )  # fmt: skip
         return _exhausted(state, "no further candidate could be attempted", "no_candidate")
     if outcome.kind == "repeat_budget":
-        return _exhausted(state, "the upstream's budget for repeats is spent", "repeat_budget")
+        return _exhausted(state, "the upstream's repeat allowance is spent", "repeat_budget")
     return _answered(outcome, state)  # a status, a transport failure or a timeout
 
 

@@ -24,7 +24,7 @@ _REMEDY = {
     "_method query parameter or a form body's _method field names a "
     "method the route's replayable_methods leave out; add it there to let it fail over",
     "no_candidate": "every other candidate was skipped (see x-gateway-skipped)",
-    "repeat_budget": "the upstream's budget for repeats is spent "
+    "repeat_budget": "the upstream's repeat allowance is spent "
     "([gateway.repeat_budget] percent / min_per_second)",
     "unsafe_address": "the connect-time guard refused the address its host resolved to when "
     "the request was sent (a listed name may reach only public addresses; link-local and "
