@@ -205,3 +205,22 @@ def test_an_engine_error_survives_pickling_and_copying() -> None:
         assert (again.kind, again.phase, str(again), again.detail) == (
             "timeout", "connect", "took too long", "what to change",
         )  # fmt: skip
+
+
+def test_the_head_check_is_an_optional_declaration_of_the_seam() -> None:
+    """Both shipped engines say they check each answer's head themselves; an engine written
+    to `send` + `aclose` alone says nothing and has its heads checked by the walk."""
+    from fallback_mw.upstream.aiohttp_engine import AiohttpClient
+    from fallback_mw.upstream.base import checks_own_heads
+    from fallback_mw.upstream.httpx_engine import HttpxClient
+
+    class Plain:
+        async def send(self, request: UpstreamRequest) -> UpstreamResponse:
+            raise UpstreamError("transport", "connect")
+
+        async def aclose(self) -> None:
+            return None
+
+    assert AiohttpClient.checks_response_heads is True
+    assert HttpxClient.checks_response_heads is True
+    assert checks_own_heads(Plain()) is False

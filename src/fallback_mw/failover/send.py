@@ -34,6 +34,7 @@ from fallback_mw.upstream.base import (
     UpstreamRequest,
     UpstreamResponse,
     check_response_head,
+    checks_own_heads,
 )
 
 AttemptResult = tuple[Outcome, UpstreamResponse | None]
@@ -142,7 +143,7 @@ class AttemptRunner:
         self.client = client
         # The shipped engines check each answer's head themselves (they read its framing);
         # an engine of the host's own is checked here (upstream/base.check_response_head).
-        self._heads_checked = getattr(client, "checks_response_heads", False) is True
+        self._heads_checked = checks_own_heads(client)
         self.faults = faults
         self.inject_headers = inject_headers
         self.shadow = shadow  # a shadow copy: its own connection slots (shadow_slots)

@@ -382,9 +382,19 @@ class UpstreamResponse(Protocol):
 
 
 class UpstreamClient(Protocol):
+    """The engine seam: `send` and `aclose`; optionally a class attribute
+    `checks_response_heads = True` (`checks_own_heads`)."""
+
     async def send(self, request: UpstreamRequest) -> UpstreamResponse:
         """Send the request; return once the response head has arrived. Never follows
         redirects, never decompresses. Raises UpstreamError."""
         ...
 
     async def aclose(self) -> None: ...
+
+
+def checks_own_heads(client: UpstreamClient) -> bool:
+    """Whether `client` checks each answer's head itself (`check_response_head`), as both
+    shipped engines declare; the walk checks them for an engine that does not say so (a
+    host's own, written to `send` + `aclose` alone: the declaration is optional)."""
+    return getattr(client, "checks_response_heads", False) is True
