@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from functools import lru_cache
 
 from fallback_mw.request.context import RequestContext
 from fallback_mw.request.local_errors import send_error
@@ -26,22 +25,36 @@ _PREFIX = b"fallback-mw-"
 # The openai and anthropic SDKs retry a 5xx unless told not to: each retry would go round
 # again to the same answer.
 NO_RETRY = (b"x-should-retry", b"false")
+# Names kept per walker: route ids come and go with store reloads.
+_MAX_NAMES = 4096
 
 
-def walker_secret() -> bytes:
+class ViaSecret:
     """What a walker's names in `Via` are made from: random per walker, so two gateways in
-    one process (a host app mounting team A's and team B's) have names of their own."""
-    return secrets.token_bytes(16)
+    one process (a host app mounting team A's and team B's) have names of their own. Its
+    name for a route is made once per route id, then looked up."""
+
+    def __init__(self) -> None:
+        self._secret = secrets.token_bytes(16)
+        self._names: dict[str, bytes] = {}
+
+    def name(self, route_id: str) -> bytes:
+        """The walker's name in `Via` for one route."""
+        name = self._names.get(route_id)
+        if name is None:
+            if len(self._names) >= _MAX_NAMES:
+                self._names.clear()
+            text = route_id.encode("utf-8", "replace")
+            digest = hashlib.sha256(self._secret + b"\0" + text).hexdigest()
+            name = self._names[route_id] = _PREFIX + digest[:16].encode()
+        return name
 
 
-@lru_cache(maxsize=4096)
-def received_by(secret: bytes, route_id: str) -> bytes:
-    """The walker's name in `Via` for one route (made once per route, not per request)."""
-    digest = hashlib.sha256(secret + b"\0" + route_id.encode("utf-8", "replace")).hexdigest()
-    return _PREFIX + digest[:16].encode()
+def walker_secret() -> ViaSecret:
+    return ViaSecret()
 
 
-def came_back(context: RequestContext, secret: bytes, scope: Scope) -> bool:
+def came_back(context: RequestContext, secret: ViaSecret, scope: Scope) -> bool:
     """Whether the request came back to this walker's route (`refuse_loop` answers it);
     else the walker's own entry is added to `context.forward_headers` after the caller's
     (RFC 9110 §7.6.3: in the order the hops were made). Not a coroutine: every request
@@ -51,18 +64,22 @@ def came_back(context: RequestContext, secret: bytes, scope: Scope) -> bool:
     `strip_headers` names `via` (an operator keeping the caller's hops from the vendors):
     checked and forwarded as stripped, each gateway of a loop saw only the last one's
     name, never its own, and the request went round for ever."""
-    name = received_by(secret, context.route.id)
+    name = secret.name(context.route.id)
     received = None
     for field, value in scope.get("headers", ()):
         if len(field) == 3 and field.lower() == _FIELD:
-            if value.find(name) >= 0 and _named(value, name):
-                return True
             received = value if received is None else received + b", " + value
     headers = context.forward_headers
-    if received is not None and not any(field == _FIELD for field, _ in headers):
-        kept = _gateways(received)  # stripped: the caller's hops, not the gateways'
-        if kept:
-            headers.append((_FIELD, kept))
+    if received is not None:
+        forwarded = any(field == _FIELD for field, _ in headers)
+        if not forwarded or received.find(name) >= 0:
+            hops = _hops(received)  # read once: for this walker's name, and the gateways'
+            if any(by == name for _, by in hops):
+                return True
+            if not forwarded:  # stripped: the caller's hops, not the gateways'
+                kept = b", ".join(p + b" " + by for p, by in hops if by.startswith(_PREFIX))
+                if kept:
+                    headers.append((_FIELD, kept))
     version = scope.get("http_version", "1.1")
     headers.append((_FIELD, version.encode("latin-1", "replace") + b" " + name))
     return False
@@ -73,23 +90,15 @@ async def refuse_loop(send: Send, context: RequestContext) -> None:
     await send_error(send, context, "loop_detected", message, headers=[NO_RETRY])
 
 
-def _named(value: bytes, received_by: bytes) -> bool:
-    # `Via: 1.1 name [(comment)], 1.0 other`: received-by is each member's second word.
+def _hops(value: bytes) -> list[tuple[bytes, bytes]]:
+    """Each member of a `Via` value as (protocol, received-by): `Via: 1.1 name [(comment)],
+    1.0 other`; a member without both is no hop of anyone's."""
+    hops = []
     for member in value.split(b","):
         words = member.split()
-        if len(words) >= 2 and words[1] == received_by:
-            return True
-    return False
-
-
-def _gateways(value: bytes) -> bytes:
-    """The members of a `Via` value that name a gateway's walker, in order."""
-    kept = [
-        b" ".join(words[:2])
-        for words in (member.split() for member in value.split(b","))
-        if len(words) >= 2 and words[1].startswith(_PREFIX)
-    ]
-    return b", ".join(kept)
+        if len(words) >= 2:
+            hops.append((words[0], words[1]))
+    return hops
 
 
 def loop_message(route_id: str) -> str:

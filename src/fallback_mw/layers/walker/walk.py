@@ -34,7 +34,7 @@ from fallback_mw.layers.walker.max_forwards import MAX_FORWARDS_METHODS, answere
 from fallback_mw.layers.walker.preflight import refusal
 from fallback_mw.layers.walker.retry_after import retry_after
 from fallback_mw.layers.walker.stream import commit
-from fallback_mw.layers.walker.via import came_back, refuse_loop
+from fallback_mw.layers.walker.via import ViaSecret, came_back, refuse_loop
 from fallback_mw.plan import candidate_order, is_canary
 from fallback_mw.request.body import read_body
 from fallback_mw.request.body_json import estimate_source, request_json
@@ -58,7 +58,7 @@ class Walker(Protocol):
     capacity: CapacityState
     telemetry: Telemetry
     shadows: ShadowTraffic
-    via_secret: bytes
+    via_secret: ViaSecret
 
 
 class _Walk:
