@@ -437,3 +437,49 @@ async def test_strip_headers_naming_via_keeps_the_callers_hops_from_the_upstream
     entries = [entry.strip().split() for entry in via.split(",")]
     assert [words[1][:12] for words in entries] == ["fallback-mw-"] * 3
     assert entries[0] == ["1.0", "fallback-mw-forged"]  # its comment dropped
+
+
+@pytest.mark.anyio
+async def test_the_outer_deadline_ends_the_inner_gateways_walk(tmp_path: Path) -> None:
+    """No deadline is passed on from gateway to gateway (x-gateway-deadline-ms is a caller's
+    header, stripped as every x-gateway-* one): when A's deadline passes, A closes its
+    connection to B, B counts its caller gone and closes its own to the model. B's walk
+    does not outlive A's deadline, and neither side books it to a breaker."""
+    cancelled = anyio.Event()
+
+    async def hangs(request: web.Request) -> web.Response:
+        try:
+            await asyncio.sleep(60)
+        finally:
+            cancelled.set()  # the connection closed: handler_cancellation
+        return web.Response(text="late")
+
+    async with upstream(hangs) as model:
+        port_a, port_b = free_port(), free_port()
+        config_a = gateway_config(
+            tmp_path / "a.toml", "team-a", f"http://127.0.0.1:{port_b}", "TEAM_A_KEY"
+        )
+        config_a.write_text(
+            config_a.read_text(encoding="utf-8").replace(
+                "deadline_ms = 4000", "deadline_ms = 1500"
+            ),
+            encoding="utf-8",
+        )
+        config_b = gateway_config(tmp_path / "b.toml", "team-b", model.url, "TEAM_B_KEY")
+        config_b.write_text(
+            config_b.read_text(encoding="utf-8").replace(
+                "deadline_ms = 4000", "deadline_ms = 60000"
+            ),
+            encoding="utf-8",
+        )
+        async with (
+            gateways(tmp_path, (config_a, port_a), (config_b, port_b)) as logs,
+            httpx.AsyncClient(timeout=60) as client,
+        ):
+            answer = await client.get(f"http://127.0.0.1:{port_a}/v1/chat")
+            assert answer.status_code == 504, answer.text
+            with anyio.fail_after(15):  # B's own deadline is 60 s
+                await cancelled.wait()
+            await wait_for_line(logs, "route=team-b outcome=client_disconnected", limit=15)
+    lines = request_lines(logs)
+    assert any("route=team-a outcome=deadline_exceeded" in line for line in lines), lines
