@@ -189,6 +189,10 @@ _EXPORTERS = {
 }
 
 
+# The SDK's variable naming an HTTP session to export through (for both signals).
+_CREDENTIAL_PROVIDER = "OTEL_PYTHON_EXPORTER_OTLP_HTTP_CREDENTIAL_PROVIDER"
+
+
 def _exporter(
     signal: str, name: str, environ: Mapping[str, str], out: TextIO | ConsoleStream
 ) -> Any:
@@ -206,7 +210,14 @@ def _exporter(
     except ImportError as exc:
         raise missing(f"opentelemetry-exporter-otlp-proto-{transport}") from exc
     check_otlp_headers(environ, signal)
-    return getattr(found, f"OTLP{kind}Exporter")()
+    exporter_class = getattr(found, f"OTLP{kind}Exporter")
+    provider = f"OTEL_PYTHON_EXPORTER_OTLP_HTTP_{signal.upper()}_CREDENTIAL_PROVIDER"
+    if transport == "grpc" or environ.get(provider) or environ.get(_CREDENTIAL_PROVIDER):
+        return exporter_class()  # a credential provider's session is the SDK's to load
+    # A collector's answer read up to a bound, not into memory whole (cli/otel_session.py).
+    from fallback_mw.cli.otel_session import BoundedAnswerSession
+
+    return exporter_class(session=BoundedAnswerSession())
 
 
 @contextlib.contextmanager

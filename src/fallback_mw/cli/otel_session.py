@@ -1,0 +1,58 @@
+"""The HTTP session `serve`'s OTLP/HTTP exporters send through: what a collector answers an
+export with is read up to `ANSWER_LIMIT` bytes, the rest never.
+
+`requests` reads a whole answer into memory before the exporter looks at its status, and
+the exporter never uses its body (an OTLP answer is a few bytes of partial-success counts):
+a collector, or whatever answers at its address, that sent a gigabyte took a gigabyte of
+the gateway's memory twice over, and one whose answer never ended grew it without bound,
+about 100 MiB a second, the export thread never coming back. Here the answer's first
+`ANSWER_LIMIT` bytes are kept as its content; past them the connection is closed, not
+reused. Redirects are not followed (the exporter asks for none either: an endpoint's OTLP
+headers, its key, must not go where a 3xx points)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import requests
+
+# What an OTLP answer may hold: its partial-success message, or a proxy's error page.
+ANSWER_LIMIT = 64 * 1024
+_CHUNK = 8192
+
+
+class BoundedAnswerSession(requests.Session):
+    """A `requests.Session` whose answers are read up to `ANSWER_LIMIT` bytes."""
+
+    def request(
+        self, method: str, url: str | bytes, *args: Any, **kwargs: Any
+    ) -> requests.Response:
+        kwargs["stream"] = True
+        kwargs["allow_redirects"] = False
+        response = super().request(method, url, *args, **kwargs)
+        _read_bounded(response)
+        return response
+
+
+def _read_bounded(response: requests.Response) -> None:
+    """`response`'s content: its body's first ANSWER_LIMIT bytes (as sent, not decoded:
+    a compressed answer is not inflated). Past them the connection is closed."""
+    body = bytearray()
+    complete = False
+    try:
+        while len(body) <= ANSWER_LIMIT:
+            chunk = response.raw.read(_CHUNK, decode_content=False)
+            if not chunk:
+                complete = True
+                break
+            body += chunk
+    except Exception:  # a reset or a timeout part-way: what came is the content
+        pass
+    if not complete:
+        response.raw.close()  # the rest unread: the connection is not reused
+    response._content = bytes(body[:ANSWER_LIMIT])
+    response._content_consumed = True
+    response.close()  # a connection read to its end goes back to the pool
+
+
+__all__ = ["ANSWER_LIMIT", "BoundedAnswerSession"]

@@ -1,0 +1,161 @@
+"""`fallback-mw serve` exporting OTLP to a collector that answers badly: a body that never
+ends (or a gigabyte of one). What a collector answers an export with is read up to a bound;
+the rest is never read, and the gateway's memory does not follow the collector's answer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+
+from fallback_mw.cli.otel_setup import TELEMETRY_FLUSH_SECONDS
+from tests.helpers import free_port, log_text, serve_process, wait_listening
+from tests.upstreams import status_handler, upstream
+
+pytestmark = pytest.mark.e2e
+
+COLLECTOR_KEY = "collector-key-4b1f7e02"
+# More than a collector's answer may take and than loopback's socket buffers hold: a
+# gateway that is sent this much on one export's connection read it all.
+READ_IT_ALL = 128 << 20
+
+
+@dataclass
+class Collector:
+    url: str
+    exports: int = 0
+    # Per export connection: bytes of answer body the gateway took before it closed.
+    sent: list[int] = field(default_factory=list)
+    ended: threading.Event = field(default_factory=threading.Event)
+
+
+def _read_head(conn: socket.socket) -> bool:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return False
+        data += chunk
+    head, rest = data.split(b"\r\n\r\n", 1)
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    while len(rest) < length:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return False
+        rest += chunk
+    return True
+
+
+@contextmanager
+def endless_collector() -> Iterator[Collector]:
+    """Answers the first export with 200 and a chunked body that never ends, until the
+    gateway closes the connection or READ_IT_ALL is sent."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    collector = Collector(url=f"http://127.0.0.1:{listener.getsockname()[1]}")
+    chunk = b"%x\r\n%s\r\n" % (1 << 20, b"\0" * (1 << 20))
+
+    def answer(conn: socket.socket) -> None:
+        sent = 0
+        with conn:
+            try:
+                if not _read_head(conn):
+                    return
+                collector.exports += 1
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/x-protobuf\r\n"
+                    b"transfer-encoding: chunked\r\n\r\n"
+                )
+                while sent < READ_IT_ALL:
+                    conn.sendall(chunk)
+                    sent += 1 << 20
+            except OSError:
+                pass
+            finally:
+                collector.sent.append(sent)
+                collector.ended.set()
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=answer, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield collector
+    finally:
+        listener.close()
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc for RSS")
+@pytest.mark.anyio
+async def test_a_collector_answer_that_never_ends_is_not_read_into_memory(
+    tmp_path: Path,
+) -> None:
+    """The exporter read a collector's whole answer into memory before looking at its
+    status: an answer that never ended grew serve's memory by about 100 MiB a second,
+    without bound (a gigabyte answer took a gigabyte, twice over), and the export thread
+    never came back."""
+    port, log = free_port(), tmp_path / "serve.log"
+    env = dict(
+        os.environ,
+        FMW_COLLECT_KEY="primary-key-0c4f",
+        OTEL_EXPORTER_OTLP_HEADERS=f"x-api-key={COLLECTOR_KEY}",
+        OTEL_TRACES_EXPORTER="otlp",
+        OTEL_METRICS_EXPORTER="none",
+        OTEL_BSP_SCHEDULE_DELAY="100",
+    )
+    async with upstream(status_handler(200, b"ok")) as primary:
+        config = tmp_path / "gateway.toml"
+        config.write_text(
+            f'[upstreams.primary]\nurl = "{primary.url}"\nauth_env = "FMW_COLLECT_KEY"\n'
+            '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["primary"]\n',
+            encoding="utf-8",
+        )
+        with endless_collector() as collector:
+            env["OTEL_EXPORTER_OTLP_ENDPOINT"] = collector.url
+            with serve_process(config, port, log, env=env) as process:
+                await wait_listening(process, port, log)
+                before = rss_mib(process.pid)
+                async with httpx.AsyncClient(timeout=10) as client:
+                    response = await client.get(f"http://127.0.0.1:{port}/v1/chat")
+                    assert response.status_code == 200
+                    # The export's answer, the collector's end of it (the gateway closed
+                    # the connection, or took READ_IT_ALL), then serve still answers.
+                    ended = await anyio.to_thread.run_sync(collector.ended.wait, 60)
+                    assert ended, log_text(log)[-2000:]
+                    grown = rss_mib(process.pid) - before
+                    response = await client.get(f"http://127.0.0.1:{port}/v1/chat")
+                    assert response.status_code == 200
+                process.send_signal(signal.SIGINT)
+                status = process.wait(timeout=TELEMETRY_FLUSH_SECONDS + 10)
+    text = log_text(log)
+    assert collector.exports >= 1
+    assert collector.sent[0] < READ_IT_ALL, f"serve read {collector.sent[0] >> 20} MiB"
+    assert grown < 64, f"serve grew by {grown:.0f} MiB"
+    assert status == 0, text[-2000:]
+    assert COLLECTOR_KEY not in text and "Traceback" not in text, text[-2000:]
