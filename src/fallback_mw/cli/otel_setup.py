@@ -154,11 +154,11 @@ def _flush(provider: Any) -> None:
 
 def _prometheus_reader(handle: OtelHandle, environ: Mapping[str, str], offset: int) -> Any:
     """OpenTelemetry's PrometheusMetricReader on a registry of its own, served as
-    `/metrics` by prometheus_client's HTTP server in a daemon thread (on the configured
-    port + `offset`)."""
+    `/metrics` by cli/metrics_server.py in a daemon thread (on the configured port +
+    `offset`)."""
     try:
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
-        from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+        from prometheus_client import REGISTRY, CollectorRegistry
     except ImportError as exc:
         raise missing("opentelemetry-exporter-prometheus") from exc
     host, port = prometheus_address(environ, offset)
@@ -169,7 +169,9 @@ def _prometheus_reader(handle: OtelHandle, environ: Mapping[str, str], offset: i
         registry = REGISTRY
         reader = PrometheusMetricReader()
     try:
-        server, _thread = start_http_server(port, addr=host, registry=registry)
+        from fallback_mw.cli.metrics_server import start_metrics_server
+
+        server = start_metrics_server(host, port, registry)
     except OSError as exc:
         raise TelemetrySetupError(
             "OTEL_EXPORTER_PROMETHEUS_HOST/_PORT: cannot serve /metrics on "

@@ -1,0 +1,123 @@
+"""The `/metrics` endpoint of `OTEL_METRICS_EXPORTER=prometheus`: prometheus_client's WSGI
+app, on a server of its own that bounds what its clients may hold.
+
+prometheus_client's `start_http_server` gives every connection a thread of its own, for as
+long as the client keeps it open, with no time limit: idle connections (a slowloris, a
+scanner, a misconfigured scraper's pool) each held a thread and a file descriptor of the
+gateway's process, until the process ran out of descriptors and the gateway's own port
+accepted nothing more; each head could hold 100 lines of 64 KiB; and a client that reset
+its connection part-way wrote a 25-line traceback to serve's log. Here:
+
+- at most `CONNECTIONS` connections are served at once; one more first cuts those open
+  longer than `CONNECTION_SECONDS` (their threads end), and is closed at once if none is;
+- each read waits at most `CONNECTION_SECONDS`, and a request head is read up to
+  `HEAD_BYTES` (a longer one is answered 431);
+- a connection's failure (a reset, a timeout) ends it without a word in the log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import socket
+import threading
+import time
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
+
+CONNECTIONS = 16
+CONNECTION_SECONDS = 10.0
+HEAD_BYTES = 32 * 1024
+
+
+class _HeadLimit:
+    """A connection's input whose lines, together, stop at HEAD_BYTES (a scrape's head is
+    a few hundred bytes; the body, which the endpoint never reads, is not asked for): a
+    head that goes on is answered 431."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._left = HEAD_BYTES
+
+    def readline(self, size: int = -1) -> bytes:
+        if self._left <= 0:  # answered 431, as a line over http.client's own limit is
+            raise http.client.LineTooLong(f"request head over {HEAD_BYTES} bytes")
+        line: bytes = self._stream.readline(self._left if size < 0 else min(size, self._left))
+        self._left -= len(line)
+        return line
+
+    def read(self, size: int = -1) -> bytes:
+        data: bytes = self._stream.read(size)
+        return data
+
+    def close(self) -> None:
+        self._stream.close()  # the socket closes only once its files are
+
+
+class _Handler(WSGIRequestHandler):
+    timeout = CONNECTION_SECONDS  # each read and write of the connection
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile = _HeadLimit(self.rfile)  # type: ignore[assignment]
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Nothing: a scrape is not a log line."""
+
+
+class MetricsServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+    request_queue_size = 64
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._open: dict[socket.socket, float] = {}
+        self._open_lock = threading.Lock()
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        now = time.monotonic()
+        with self._open_lock:
+            held = len(self._open)
+            if held >= CONNECTIONS:
+                for sock, opened in self._open.items():
+                    if now - opened > CONNECTION_SECONDS:
+                        with contextlib.suppress(OSError):
+                            sock.shutdown(socket.SHUT_RDWR)  # its thread ends, and closes it
+                        held -= 1
+            if held < CONNECTIONS:
+                self._open[request] = now
+        if held >= CONNECTIONS:
+            self.shutdown_request(request)  # closed at once: no thread
+            return
+        super().process_request(request, client_address)
+
+    def close_request(self, request: Any) -> None:
+        with self._open_lock:
+            self._open.pop(request, None)
+        super().close_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """Nothing: a client's reset or timeout is the client's (socketserver printed a
+        traceback for each)."""
+
+
+def start_metrics_server(host: str, port: int, registry: Any) -> MetricsServer:
+    """`/metrics` from `registry` on `host`:`port`, served from a daemon thread; raises
+    OSError when the address cannot be bound."""
+    from prometheus_client import make_wsgi_app
+
+    family, _, _, _, sockaddr = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+
+    class _Server(MetricsServer):
+        address_family = family
+
+    server = _Server((sockaddr[0], port), _Handler)
+    server.set_app(make_wsgi_app(registry))
+    threading.Thread(target=server.serve_forever, name="fallback-mw /metrics", daemon=True).start()
+    return server
+
+
+__all__ = ["CONNECTIONS", "CONNECTION_SECONDS", "HEAD_BYTES", "start_metrics_server"]

@@ -1,0 +1,123 @@
+"""`fallback-mw serve`'s `/metrics` port (OTEL_METRICS_EXPORTER=prometheus) under hostile
+clients: idle connections by the hundred, a client that resets part-way. The port holds a
+bounded number of connections for a bounded time; the gateway's own port is unaffected,
+a scrape still answers, and nothing lands in the log."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import struct
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+
+from fallback_mw.cli.metrics_server import CONNECTION_SECONDS, CONNECTIONS
+from fallback_mw.cli.otel_setup import TELEMETRY_FLUSH_SECONDS
+from tests.helpers import free_port, log_text, serve_process, wait_listening
+from tests.upstreams import status_handler, upstream
+
+pytestmark = pytest.mark.e2e
+
+IDLE = 120
+
+
+def threads_of(pid: int) -> int:
+    with open(f"/proc/{pid}/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("Threads:"):
+                return int(line.split()[1])
+    return 0
+
+
+def closed(sock: socket.socket) -> bool:
+    """Whether the other end closed (or reset) `sock`; it sent nothing else."""
+    try:
+        return sock.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc")
+@pytest.mark.anyio
+async def test_idle_connections_to_the_metrics_port_are_bounded(tmp_path: Path) -> None:
+    """Each connection to /metrics held a thread and a file descriptor of serve's process
+    for as long as the client kept it open, without limit: a few hundred idle ones under
+    `ulimit -n 256` (a thousand under the usual 1024) left none for the gateway, whose
+    port then accepted nothing, and no line said why; a client that reset its connection
+    mid-head wrote a 25-line traceback to the log."""
+    port, metrics_port, log = free_port(), free_port(), tmp_path / "serve.log"
+    env = dict(
+        os.environ,
+        FMW_METRICS_KEY="primary-key-0c4f",
+        OTEL_TRACES_EXPORTER="none",
+        OTEL_METRICS_EXPORTER="prometheus",
+        OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
+        OTEL_EXPORTER_PROMETHEUS_PORT=str(metrics_port),
+    )
+    async with upstream(status_handler(200, b"ok")) as primary:
+        config = tmp_path / "gateway.toml"
+        config.write_text(
+            f'[upstreams.primary]\nurl = "{primary.url}"\nauth_env = "FMW_METRICS_KEY"\n'
+            '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["primary"]\n',
+            encoding="utf-8",
+        )
+        with serve_process(config, port, log, env=env) as process:
+            await wait_listening(process, port, log)
+            await wait_listening(process, metrics_port, log)
+            threads = threads_of(process.pid)
+
+            # A head cut by a reset, then IDLE connections that send nothing.
+            with socket.create_connection(("127.0.0.1", metrics_port)) as reset:
+                reset.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+                await anyio.sleep(0.3)
+                reset.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+            def connect(_: int) -> socket.socket:
+                return socket.create_connection(("127.0.0.1", metrics_port), timeout=30)
+
+            opened = time.monotonic()
+            with ThreadPoolExecutor(16) as pool:
+                idle = await anyio.to_thread.run_sync(lambda: list(pool.map(connect, range(IDLE))))
+            try:
+                for sock in idle:
+                    sock.setblocking(False)
+                deadline = time.monotonic() + 20
+                while sum(map(closed, idle)) < IDLE - CONNECTIONS - 4:
+                    assert time.monotonic() < deadline, (
+                        f"{sum(map(closed, idle))} of {IDLE} idle connections closed; serve "
+                        f"holds {threads_of(process.pid)} threads (at start {threads})"
+                    )
+                    await anyio.sleep(0.2)
+                assert threads_of(process.pid) <= threads + CONNECTIONS + 4
+                async with httpx.AsyncClient(timeout=10) as client:
+                    # The gateway answers while they are held ...
+                    response = await client.get(f"http://127.0.0.1:{port}/v1/chat")
+                    assert response.status_code == 200
+                    # ... and, once those held are past their time, so does /metrics.
+                    await anyio.sleep(max(0.0, opened + CONNECTION_SECONDS - time.monotonic()))
+                    deadline = time.monotonic() + 10
+                    while True:
+                        try:
+                            scrape = await client.get(f"http://127.0.0.1:{metrics_port}/metrics")
+                            break
+                        except httpx.TransportError:
+                            assert time.monotonic() < deadline, log_text(log)[-2000:]
+                            await anyio.sleep(0.2)
+                    assert scrape.status_code == 200
+                    assert "gateway_requests_total" in scrape.text
+            finally:
+                for sock in idle:
+                    sock.close()
+            process.send_signal(signal.SIGINT)
+            status = process.wait(timeout=TELEMETRY_FLUSH_SECONDS + 10)
+    text = log_text(log)
+    assert status == 0, text[-2000:]
+    assert "Traceback" not in text and "Exception occurred" not in text, text[-3000:]
