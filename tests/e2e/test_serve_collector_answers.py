@@ -159,3 +159,81 @@ async def test_a_collector_answer_that_never_ends_is_not_read_into_memory(
     assert grown < 64, f"serve grew by {grown:.0f} MiB"
     assert status == 0, text[-2000:]
     assert COLLECTOR_KEY not in text and "Traceback" not in text, text[-2000:]
+
+
+@contextmanager
+def answering(answer: bytes) -> Iterator[Collector]:
+    """Answers every export with `answer` (a whole HTTP response), connection kept."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    collector = Collector(url=f"http://127.0.0.1:{listener.getsockname()[1]}")
+
+    def answer_all(conn: socket.socket) -> None:
+        with conn:
+            try:
+                while _read_head(conn):
+                    collector.exports += 1
+                    conn.sendall(answer)
+            except OSError:
+                pass
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=answer_all, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield collector
+    finally:
+        listener.close()
+
+
+@pytest.mark.anyio
+async def test_a_collector_reason_phrase_reaches_the_log_printable_and_short(
+    tmp_path: Path,
+) -> None:
+    """The exporter logs the reason phrase of a refused export ("Failed to export spans
+    batch code: 400, reason: ..."), which is the collector's to write: its escape
+    sequences reached serve's log as they were (a terminal tailing it cleared, recoloured,
+    retitled), a carriage return drew a line of the collector's over the gateway's, and a
+    reason of any length was written whole on every export."""
+    port, log = free_port(), tmp_path / "serve.log"
+    reason = b"\x1b[2J\x1b]0;owned\x07FORGED\rINFO fallback_mw.request fake line " + b"R" * 6000
+    env = dict(
+        os.environ,
+        FMW_COLLECT_KEY="primary-key-0c4f",
+        OTEL_TRACES_EXPORTER="otlp",
+        OTEL_METRICS_EXPORTER="none",
+        OTEL_BSP_SCHEDULE_DELAY="100",
+    )
+    async with upstream(status_handler(200, b"ok")) as primary:
+        config = tmp_path / "gateway.toml"
+        config.write_text(
+            f'[upstreams.primary]\nurl = "{primary.url}"\nauth_env = "FMW_COLLECT_KEY"\n'
+            '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["primary"]\n',
+            encoding="utf-8",
+        )
+        answer = b"HTTP/1.1 400 " + reason + b"\r\ncontent-length: 0\r\n\r\n"
+        with answering(answer) as collector:
+            env["OTEL_EXPORTER_OTLP_ENDPOINT"] = collector.url
+            with serve_process(config, port, log, env=env) as process:
+                await wait_listening(process, port, log)
+                async with httpx.AsyncClient(timeout=10) as client:
+                    response = await client.get(f"http://127.0.0.1:{port}/v1/chat")
+                    assert response.status_code == 200
+                deadline = anyio.current_time() + 20
+                while "Failed to export" not in log_text(log):
+                    assert anyio.current_time() < deadline, log_text(log)[-2000:]
+                    await anyio.sleep(0.1)
+                process.send_signal(signal.SIGINT)
+                process.wait(timeout=TELEMETRY_FLUSH_SECONDS + 10)
+    text = log_text(log)
+    failed = [line for line in text.splitlines() if "Failed to export" in line]
+    assert failed and "FORGED" in failed[0], text[-2000:]  # the line is kept, and says what
+    assert "\x1b" not in text and "\x07" not in text and "\r" not in text, failed[0][:300]
+    assert max(map(len, failed)) < 1200, max(map(len, failed))
