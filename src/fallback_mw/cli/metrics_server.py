@@ -63,8 +63,8 @@ class _HeadLimit:
 class _Paced:
     """A WSGI app called for one request at a time, at most once every RENDER_GAP s."""
 
-    def __init__(self, app: Any) -> None:
-        self._app = app
+    def __init__(self, wsgi: Any) -> None:  # a WSGI app, not an ASGI layer
+        self._wsgi = wsgi
         self._lock = threading.Lock()
         self._last = -RENDER_GAP
 
@@ -74,7 +74,7 @@ class _Paced:
             if wait > 0:
                 time.sleep(wait)
             self._last = time.monotonic()
-            return self._app(environ, start_response)
+            return self._wsgi(environ, start_response)
 
 
 class _Handler(WSGIRequestHandler):
