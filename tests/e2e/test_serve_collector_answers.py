@@ -237,3 +237,52 @@ async def test_a_collector_reason_phrase_reaches_the_log_printable_and_short(
     assert failed and "FORGED" in failed[0], text[-2000:]  # the line is kept, and says what
     assert "\x1b" not in text and "\x07" not in text and "\r" not in text, failed[0][:300]
     assert max(map(len, failed)) < 1200, max(map(len, failed))
+
+
+@pytest.mark.anyio
+async def test_a_collector_that_redirects_is_said_once_and_not_followed(tmp_path: Path) -> None:
+    """An OTLP endpoint that answered every export with a redirect (a collector moved
+    behind a load balancer, http:// answered with a 308 to https://, or a hostile one
+    pointing at the metadata service): the exporter follows none, and counted each 3xx as
+    delivered. All telemetry went nowhere and nothing said so."""
+    port, log = free_port(), tmp_path / "serve.log"
+    env = dict(
+        os.environ,
+        FMW_COLLECT_KEY="primary-key-0c4f",
+        OTEL_EXPORTER_OTLP_HEADERS=f"x-api-key={COLLECTOR_KEY}",
+        OTEL_TRACES_EXPORTER="otlp",
+        OTEL_METRICS_EXPORTER="otlp",
+        OTEL_BSP_SCHEDULE_DELAY="100",
+        OTEL_METRIC_EXPORT_INTERVAL="300",
+    )
+    async with upstream(status_handler(200, b"ok")) as primary:
+        config = tmp_path / "gateway.toml"
+        config.write_text(
+            f'[upstreams.primary]\nurl = "{primary.url}"\nauth_env = "FMW_COLLECT_KEY"\n'
+            '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["primary"]\n',
+            encoding="utf-8",
+        )
+        answer = (
+            b"HTTP/1.1 307 Temporary Redirect\r\n"
+            b"location: http://169.254.169.254/latest/meta-data/?token=meta-7a1\r\n"
+            b"content-length: 0\r\n\r\n"
+        )
+        with answering(answer) as collector:
+            env["OTEL_EXPORTER_OTLP_ENDPOINT"] = collector.url
+            with serve_process(config, port, log, env=env) as process:
+                await wait_listening(process, port, log)
+                async with httpx.AsyncClient(timeout=10) as client:
+                    for _ in range(3):
+                        response = await client.get(f"http://127.0.0.1:{port}/v1/chat")
+                        assert response.status_code == 200
+                deadline = anyio.current_time() + 20
+                while collector.exports < 4:
+                    assert anyio.current_time() < deadline, log_text(log)[-2000:]
+                    await anyio.sleep(0.1)
+                process.send_signal(signal.SIGINT)
+                process.wait(timeout=TELEMETRY_FLUSH_SECONDS + 10)
+    text = log_text(log)
+    said = [line for line in text.splitlines() if "redirect" in line]
+    assert len(said) == 1, text[-3000:]  # once, however many exports it answered so
+    assert "307" in said[0] and "not delivered" in said[0], said
+    assert "169.254" not in text and "meta-7a1" not in text and COLLECTOR_KEY not in text

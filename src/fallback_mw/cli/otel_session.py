@@ -8,13 +8,21 @@ the gateway's memory twice over, and one whose answer never ended grew it withou
 about 100 MiB a second, the export thread never coming back. Here the answer's first
 `ANSWER_LIMIT` bytes are kept as its content; past them the connection is closed, not
 reused. Redirects are not followed (the exporter asks for none either: an endpoint's OTLP
-headers, its key, must not go where a 3xx points)."""
+headers, its key, must not go where a 3xx points); the exporter counts a 3xx answer as
+delivered, so the first one is said in one WARNING line (its Location not shown)."""
 
 from __future__ import annotations
 
+import logging
+import threading
 from typing import Any
 
 import requests
+
+_log = logging.getLogger("fallback_mw.telemetry")
+# Whether a redirect was said, by either exporter (once per process).
+_redirect_said: list[bool] = []
+_said_lock = threading.Lock()
 
 # What an OTLP answer may hold: its partial-success message, or a proxy's error page.
 ANSWER_LIMIT = 64 * 1024
@@ -31,7 +39,23 @@ class BoundedAnswerSession(requests.Session):
         kwargs["allow_redirects"] = False
         response = super().request(method, url, *args, **kwargs)
         _read_bounded(response)
+        if 300 <= response.status_code < 400 and _first_redirect():
+            _log.warning(
+                "the OTLP endpoint answered an export with a redirect (HTTP %d), which is "
+                "not followed: what was sent there is not delivered, though the exporter "
+                "counts it so (said once); set OTEL_EXPORTER_OTLP_ENDPOINT to the "
+                "collector itself (where it points is not shown)",
+                response.status_code,
+            )
         return response
+
+
+def _first_redirect() -> bool:
+    with _said_lock:
+        if _redirect_said:
+            return False
+        _redirect_said.append(True)
+        return True
 
 
 def _read_bounded(response: requests.Response) -> None:
