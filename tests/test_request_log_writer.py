@@ -503,3 +503,41 @@ def test_lines_a_full_disk_lost_are_said_once_space_returns_on_a_line_of_their_o
     ), lines
     assert lines[3].endswith("INFO fallback_mw.request after"), lines
     assert len(lines) == 4, lines
+
+
+def test_a_flush_under_the_handlers_lock_during_the_writers_write_ends() -> None:
+    """logging.shutdown and dictConfig (uvicorn's, as each `serve --workers` worker starts)
+    flush every handler under its lock. The writer thread, in the middle of a write, then
+    took that lock for the stream's flush while the shutdown waited for the write: each
+    waited for the other for ever (a worker that never served; seen under CI)."""
+    started, go_on = threading.Event(), threading.Event()
+
+    class Held(io.StringIO):
+        def write(self, text: str) -> int:
+            started.set()
+            go_on.wait(5)
+            return super().write(text)
+
+    stream = Held()
+    handler = LineHandler(stream)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.emit(record("first"))
+    handler._wake.set()  # the writer writes it now
+    assert started.wait(5)  # the writer is in its write, holding the handler's stream
+    done = threading.Event()
+
+    def shutdown_flush() -> None:  # as logging.shutdown does for each handler
+        handler.acquire()
+        try:
+            handler.flush()
+        finally:
+            handler.release()
+        done.set()
+
+    flusher = threading.Thread(target=shutdown_flush, daemon=True)
+    flusher.start()
+    time.sleep(0.2)  # the shutdown holds the lock and waits for the write
+    go_on.set()
+    assert done.wait(5), "the writer and a flush under the handler's lock waited for each other"
+    assert "first" in stream.getvalue()
+    handler.close()

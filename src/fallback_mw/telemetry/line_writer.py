@@ -233,10 +233,14 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
         block, under `_io` only, so that requests go on queueing lines meanwhile."""
         if self.gave_up:
             return
-        with self._io:
-            with self._locked():
+        self._take_io()
+        try:
+            lock = self._locked()
+            try:  # held already (_take_io): the lines swapped out under it
                 pending, self._pending = self._pending, []
                 dropped, self._dropped = self._dropped, 0
+            finally:
+                lock.release()
             if (pending or dropped) and self.stream is not None:
                 lines = pending
                 if dropped:
@@ -260,14 +264,32 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
                 except Exception as exc:
                     self._failed = _why(exc)
                     return  # a full disk must not fail a request
-            try:
-                super().flush()
+            try:  # StreamHandler.flush without its lock: `_io` keeps the stream
+                stream = self.stream
+                if stream is not None and hasattr(stream, "flush"):
+                    stream.flush()
             except (OSError, ValueError) as exc:
                 # nor a stream its owner closed (the exit flush runs after)
                 self._failed = _why(exc)
                 return
             if pending:
                 self._failed = None
+        finally:
+            self._io.release()
+
+    def _take_io(self) -> None:
+        """`_io`, then the handler's lock, both held on return. logging.shutdown and
+        dictConfig (uvicorn's, as each `serve --workers` worker starts) flush each handler
+        under its lock, so a flush that waited for that lock while holding `_io` waited for
+        ever on one that held the lock and waited for `_io`: `_io` is let go and taken
+        again until the lock is free (its holder, flushing, takes `_io` meanwhile)."""
+        lock = self._locked()
+        while True:
+            self._io.acquire()
+            if lock.acquire(blocking=False):
+                return
+            self._io.release()
+            time.sleep(0.001)
 
     def _warning(self, message: str) -> str:
         """`message` as the request log writes a WARNING line."""
