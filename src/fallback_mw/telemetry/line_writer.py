@@ -229,18 +229,16 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
         return self.lock
 
     def flush(self) -> None:
-        """Write what is waiting (the writer thread, exit, setStream, close): the write may
-        block, under `_io` only, so that requests go on queueing lines meanwhile."""
+        """Write what is waiting (writer thread, exit, setStream, close), under `_io` only."""
         if self.gave_up:
             return
         self._take_io()
         try:
-            lock = self._locked()
-            try:  # held already (_take_io): the lines swapped out under it
+            try:  # the lines swapped out under the handler's lock (_take_io took it)
                 pending, self._pending = self._pending, []
                 dropped, self._dropped = self._dropped, 0
             finally:
-                lock.release()
+                self._locked().release()
             if (pending or dropped) and self.stream is not None:
                 lines = pending
                 if dropped:
@@ -278,17 +276,14 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
             self._io.release()
 
     def _take_io(self) -> None:
-        """`_io`, then the handler's lock, both held on return. logging.shutdown and
-        dictConfig (uvicorn's, as each `serve --workers` worker starts) flush each handler
-        under its lock, so a flush that waited for that lock while holding `_io` waited for
-        ever on one that held the lock and waited for `_io`: `_io` is let go and taken
-        again until the lock is free (its holder, flushing, takes `_io` meanwhile)."""
+        """`_io` and the handler's lock, both held on return; `_io` let go while another
+        thread holds the lock (logging.shutdown and dictConfig flush under it)."""
         lock = self._locked()
         while True:
             self._io.acquire()
             if lock.acquire(blocking=False):
                 return
-            self._io.release()
+            self._io.release()  # the lock's holder may be waiting for `_io`
             time.sleep(0.001)
 
     def _warning(self, message: str) -> str:
