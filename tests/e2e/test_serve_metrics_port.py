@@ -171,3 +171,67 @@ async def test_scrapes_in_a_loop_are_paced(tmp_path: Path) -> None:
             process.wait(timeout=TELEMETRY_FLUSH_SECONDS + 10)
     # Those started within the time, and one each that began as it ended.
     assert 1 <= len(scraped) <= seconds / RENDER_GAP + 1 + 4, len(scraped)
+
+
+def _metrics_env(metrics_port: int) -> dict[str, str]:
+    return dict(
+        os.environ,
+        FMW_METRICS_KEY="primary-key-0c4f",
+        OTEL_TRACES_EXPORTER="none",
+        OTEL_METRICS_EXPORTER="prometheus",
+        OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
+        OTEL_EXPORTER_PROMETHEUS_PORT=str(metrics_port),
+    )
+
+
+def _one_route_config(tmp_path: Path, url: str) -> Path:
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        f'[upstreams.primary]\nurl = "{url}"\nauth_env = "FMW_METRICS_KEY"\n'
+        '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["primary"]\n',
+        encoding="utf-8",
+    )
+    return config
+
+
+@pytest.mark.anyio
+async def test_a_scrape_gets_through_while_idle_clients_hold_every_connection(
+    tmp_path: Path,
+) -> None:
+    """CONNECTIONS clients that connect and send nothing (a port scanner, a stuck load
+    balancer check) held every connection /metrics serves: each scrape after them was
+    closed at once, unanswered, until they were CONNECTION_SECONDS old, and Prometheus saw
+    the target down (`up` 0) for as long as they came back. A connection that has not sent
+    its request head now gives way to a new one, the oldest first: a scrape, which sends
+    its head at once, is answered."""
+    port, metrics_port, log = free_port(), free_port(), tmp_path / "serve.log"
+    async with upstream(status_handler(200, b"ok")) as primary:
+        config = _one_route_config(tmp_path, primary.url)
+        with serve_process(config, port, log, env=_metrics_env(metrics_port)) as process:
+            await wait_listening(process, port, log)
+            await wait_listening(process, metrics_port, log)
+            # Accepted in the order they connected: every one of these before the scrape.
+            opened = time.monotonic()
+            idle = [
+                socket.create_connection(("127.0.0.1", metrics_port), timeout=30)
+                for _ in range(CONNECTIONS)
+            ]
+            try:
+                async with httpx.AsyncClient(timeout=30) as client:
+                    for _ in range(3):
+                        scrape = await client.get(f"http://127.0.0.1:{metrics_port}/metrics")
+                        assert scrape.status_code == 200
+                        assert "gateway_" in scrape.text
+                # The oldest gave way; the newest, younger than CONNECTION_SECONDS, did not.
+                assert idle[0].recv(1) == b""
+                idle[-1].setblocking(False)
+                if time.monotonic() - opened < CONNECTION_SECONDS - 1:
+                    assert not closed(idle[-1])
+            finally:
+                for sock in idle:
+                    sock.close()
+            process.send_signal(signal.SIGINT)
+            status = process.wait(timeout=TELEMETRY_FLUSH_SECONDS + 10)
+    text = log_text(log)
+    assert status == 0, text[-2000:]
+    assert "Traceback" not in text, text[-3000:]

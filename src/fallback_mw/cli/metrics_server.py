@@ -8,8 +8,11 @@ gateway's process, until the process ran out of descriptors and the gateway's ow
 accepted nothing more; each head could hold 100 lines of 64 KiB; and a client that reset
 its connection part-way wrote a 25-line traceback to serve's log. Here:
 
-- at most `CONNECTIONS` connections are served at once; one more first cuts those open
-  longer than `CONNECTION_SECONDS` (their threads end), and is closed at once if none is;
+- at most `CONNECTIONS` connections are served at once; one more takes the place of the
+  oldest that has not sent its request head yet (a scrape sends its head at once: idle
+  clients, a port scanner or a stuck health check, held every place and each scrape was
+  closed unanswered until they timed out), else first cuts those open longer than
+  `CONNECTION_SECONDS` (their threads end), and is closed at once if none is;
 - each read waits at most `CONNECTION_SECONDS`, and a request head is read up to
   `HEAD_BYTES` (a longer one is answered 431);
 - a connection's failure (a reset, a timeout) ends it without a word in the log;
@@ -79,10 +82,17 @@ class _Paced:
 
 class _Handler(WSGIRequestHandler):
     timeout = CONNECTION_SECONDS  # each read and write of the connection
+    server: MetricsServer
 
     def setup(self) -> None:
         super().setup()
         self.rfile = _HeadLimit(self.rfile)  # type: ignore[assignment]
+
+    def parse_request(self) -> bool:
+        parsed = super().parse_request()
+        if parsed:
+            self.server.head_read(self.connection)  # no longer given way to a newcomer
+        return parsed
 
     def log_message(self, format: str, *args: Any) -> None:
         """Nothing: a scrape is not a log line."""
@@ -93,26 +103,41 @@ class MetricsServer(ThreadingMixIn, WSGIServer):
     request_queue_size = 64
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._open: dict[socket.socket, float] = {}
+        # Each connection served: when it opened, and whether its head has been read.
+        self._open: dict[socket.socket, tuple[float, bool]] = {}
         self._open_lock = threading.Lock()
         super().__init__(*args, **kwargs)
+
+    def head_read(self, request: socket.socket) -> None:
+        with self._open_lock:
+            if request in self._open:
+                self._open[request] = (self._open[request][0], True)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         now = time.monotonic()
         with self._open_lock:
+            if len(self._open) >= CONNECTIONS:
+                self._make_room(now)
             held = len(self._open)
-            if held >= CONNECTIONS:
-                for sock, opened in self._open.items():
-                    if now - opened > CONNECTION_SECONDS:
-                        with contextlib.suppress(OSError):
-                            sock.shutdown(socket.SHUT_RDWR)  # its thread ends, and closes it
-                        held -= 1
             if held < CONNECTIONS:
-                self._open[request] = now
+                self._open[request] = (now, False)
         if held >= CONNECTIONS:
             self.shutdown_request(request)  # closed at once: no thread
             return
         super().process_request(request, client_address)
+
+    def _make_room(self, now: float) -> None:
+        """Cuts the oldest connection whose head has not come, else those open longer than
+        CONNECTION_SECONDS (under `_open_lock`): no longer counted, their threads end and
+        close them."""
+        waiting = [sock for sock, (_, head) in self._open.items() if not head]
+        cut = waiting[:1] or [
+            sock for sock, (opened, _) in self._open.items() if now - opened > CONNECTION_SECONDS
+        ]
+        for sock in cut:
+            del self._open[sock]
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     def close_request(self, request: Any) -> None:
         with self._open_lock:
