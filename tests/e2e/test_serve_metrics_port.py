@@ -235,3 +235,40 @@ async def test_a_scrape_gets_through_while_idle_clients_hold_every_connection(
     text = log_text(log)
     assert status == 0, text[-2000:]
     assert "Traceback" not in text, text[-3000:]
+
+
+def _answer(port: int, head: bytes) -> bytes:
+    """All that the port answers `head` with, up to its close (one request a connection)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
+@pytest.mark.anyio
+async def test_head_of_metrics_answers_its_headers_without_a_body(tmp_path: Path) -> None:
+    """Health checkers and load balancers that check with HEAD got 405 Method Not Allowed
+    (only GET and OPTIONS were served) and counted the gateway's metrics target down. HEAD
+    is answered as GET is, 200 with the same headers, and no body (RFC 9110, 9.3.2)."""
+    port, metrics_port, log = free_port(), free_port(), tmp_path / "serve.log"
+    async with upstream(status_handler(200, b"ok")) as primary:
+        config = _one_route_config(tmp_path, primary.url)
+        with serve_process(config, port, log, env=_metrics_env(metrics_port)) as process:
+            await wait_listening(process, port, log)
+            await wait_listening(process, metrics_port, log)
+            request = b" /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+            head = await anyio.to_thread.run_sync(_answer, metrics_port, b"HEAD" + request)
+            get = await anyio.to_thread.run_sync(_answer, metrics_port, b"GET" + request)
+            process.send_signal(signal.SIGINT)
+            process.wait(timeout=TELEMETRY_FLUSH_SECONDS + 10)
+    head_lines, _, head_body = head.partition(b"\r\n\r\n")
+    get_lines, _, get_body = get.partition(b"\r\n\r\n")
+    assert head_lines.split(b"\r\n")[0].endswith(b" 200 OK"), head
+    assert head_body == b"", head
+    # The headers GET answers, Content-Length the GET body's (it changes with the counts).
+    fields = {line.split(b":")[0].lower() for line in head_lines.split(b"\r\n")[1:]}
+    assert fields == {line.split(b":")[0].lower() for line in get_lines.split(b"\r\n")[1:]}
+    assert b"content-length" in fields and b"content-type" in fields, head
+    assert get_lines.split(b"\r\n")[0].endswith(b" 200 OK") and b"# HELP" in get_body

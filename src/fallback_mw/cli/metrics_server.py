@@ -16,6 +16,8 @@ its connection part-way wrote a 25-line traceback to serve's log. Here:
 - each read waits at most `CONNECTION_SECONDS`, and a request head is read up to
   `HEAD_BYTES` (a longer one is answered 431);
 - a connection's failure (a reset, a timeout) ends it without a word in the log;
+- HEAD is answered as GET is, without the body (prometheus_client answered it 405, and a
+  health checker or load balancer that checks with HEAD counted the target down);
 - the metrics text is made for one request at a time, at most one every `RENDER_GAP`
   seconds: each takes the gateway's interpreter for milliseconds (more with a large route
   table), and four clients scraping in a loop took the request path's p99 latency from
@@ -72,12 +74,20 @@ class _Paced:
         self._last = -RENDER_GAP
 
     def __call__(self, environ: Any, start_response: Any) -> Any:
+        head = environ.get("REQUEST_METHOD") == "HEAD"
+        if head:  # GET's status and headers, no body (prometheus_client answers HEAD 405)
+            environ = {**environ, "REQUEST_METHOD": "GET"}
         with self._lock:  # those waiting hold a connection, not the interpreter
             wait = self._last + RENDER_GAP - time.monotonic()
             if wait > 0:
                 time.sleep(wait)
             self._last = time.monotonic()
-            return self._wsgi(environ, start_response)
+            body = self._wsgi(environ, start_response)
+        if not head:
+            return body
+        if hasattr(body, "close"):
+            body.close()
+        return []
 
 
 class _Handler(WSGIRequestHandler):
