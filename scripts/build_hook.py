@@ -121,9 +121,16 @@ class CompiledCoreHook(BuildHookInterface):  # type: ignore[type-arg]
         if not script.is_file():
             raise CompileFailed(f"{script} is missing (build from a checkout or the sdist)")
         self._out = Path(tempfile.mkdtemp(prefix="fallback-mw-compiled-"))
+        try:
+            return self._run(script, self._out)
+        except BaseException:  # a failure (1 stops the build, before finalize) or an interrupt
+            self._remove_out()
+            raise
+
+    def _run(self, script: Path, out: Path) -> Path:
         # Its output (mypyc's, the compiler's) as it comes: minutes of it (`pip -v` shows it).
         process = subprocess.Popen(
-            [sys.executable, str(script), "--out", str(self._out)],
+            [sys.executable, str(script), "--out", str(out)],
             cwd=self.root,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -136,10 +143,15 @@ class CompiledCoreHook(BuildHookInterface):  # type: ignore[type-arg]
             last = line.strip() or last
         if process.wait() != 0:
             raise CompileFailed(last or f"compile.py exited {process.returncode}")
-        if not (self._out / "fallback_mw" / "compiled_core.txt").is_file():
+        if not (out / "fallback_mw" / "compiled_core.txt").is_file():
             raise CompileFailed("compile.py --out left no compiled_core.txt")
-        return self._out
+        return out
+
+    def _remove_out(self) -> None:
+        out: Path | None = getattr(self, "_out", None)
+        if out is not None:
+            shutil.rmtree(out, ignore_errors=True)
+            self._out = None
 
     def finalize(self, version: str, build_data: dict[str, Any], artifact_path: str) -> None:
-        if getattr(self, "_out", None) is not None:
-            shutil.rmtree(self._out, ignore_errors=True)
+        self._remove_out()  # the wheel holds what it was built with

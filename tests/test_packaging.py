@@ -285,3 +285,44 @@ def test_a_value_compile_does_not_know_is_refused_in_one_line(tmp_path: Path) ->
     assert result.returncode == 1
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("fallback_mw build: FALLBACK_MW_COMPILE='yes' is not one of 1")
+
+
+def _compile_script_that(tree: Path, does: str) -> None:
+    """scripts/compile.py in `tree` replaced by one that `does` (Python, `out` the --out DIR):
+    the hook's part is run, not minutes of mypyc."""
+    (tree / "scripts" / "compile.py").write_text(
+        f"import sys\nfrom pathlib import Path\nout = Path(sys.argv[2])\n{does}\n",
+        encoding="utf-8",
+    )
+
+
+@pytest.mark.parametrize("mode", ["1", "auto"])
+def test_a_failed_compile_leaves_no_temporary_directory(tmp_path: Path, mode: str) -> None:
+    """The hook's --out directory (fallback-mw-compiled-*, in the temporary directory) was
+    left behind by each build whose compile failed with FALLBACK_MW_COMPILE=1: a CI
+    retrying a release build filled its /tmp with them."""
+    tree = copy_tree(tmp_path, gitignore=True)
+    _compile_script_that(tree, "print('compile.py: mypyc failed (forced)'); sys.exit(1)")
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    (tmp_path / "dist").mkdir()
+    env = {"FALLBACK_MW_COMPILE": mode, "TMPDIR": str(temporary)}
+    result = backend(tree, "build_wheel", tmp_path / "dist", env)
+    assert "compile.py: mypyc failed (forced)" in result.stderr, result.stderr
+    assert result.returncode == (1 if mode == "1" else 0), result.stderr
+    assert list(temporary.iterdir()) == []
+
+
+def test_a_compiled_build_leaves_no_temporary_directory(tmp_path: Path) -> None:
+    tree = copy_tree(tmp_path, gitignore=True)
+    _compile_script_that(
+        tree,
+        "(out / 'fallback_mw').mkdir()\n"
+        "(out / 'fallback_mw' / 'compiled_core.txt').write_text('# runtime: none\\n')",
+    )
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    env = {"FALLBACK_MW_COMPILE": "1", "TMPDIR": str(temporary)}
+    wheel = build(tree, "wheel", tmp_path / "dist", env)
+    assert "fallback_mw/compiled_core.txt" in wheel_files(wheel)[0]
+    assert list(temporary.iterdir()) == []
