@@ -17,9 +17,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping
+from importlib.metadata import entry_points
 from typing import Any
 
 import requests
+
+from fallback_mw.cli.otel_env import TelemetrySetupError
 
 _log = logging.getLogger("fallback_mw.telemetry")
 # Whether a redirect was said, by either exporter (once per process).
@@ -96,4 +100,49 @@ def _read_bounded(response: requests.Response, until: float) -> None:
     response.close()  # a connection read to its end goes back to the pool
 
 
-__all__ = ["ANSWER_LIMIT", "BoundedAnswerSession"]
+# The SDK's variables naming a credential provider, the general one first, as the SDK reads
+# them; the provider is an entry point of this group, a factory of a `requests.Session`.
+_PROVIDER_GENERAL = "OTEL_PYTHON_EXPORTER_OTLP_HTTP_CREDENTIAL_PROVIDER"
+PROVIDER_GROUP = "opentelemetry_otlp_credential_provider"
+
+
+def provider_variable(environ: Mapping[str, str], signal: str) -> str | None:
+    """The variable naming the credential provider of `signal`'s exporter, if one does."""
+    own = f"OTEL_PYTHON_EXPORTER_OTLP_HTTP_{signal.upper()}_CREDENTIAL_PROVIDER"
+    return next((name for name in (_PROVIDER_GENERAL, own) if environ.get(name)), None)
+
+
+def provider_session(variable: str, name: str) -> requests.Session:
+    """The session of the credential provider `name`, which `variable` names (the SDK
+    raised a RuntimeError, or the provider's own error, and serve said "unexpected internal
+    error"). Raises TelemetrySetupError naming the variable, never the provider's own
+    words (they may quote a credential or its path)."""
+    found = entry_points(group=PROVIDER_GROUP, name=name)
+    if not found:
+        raise TelemetrySetupError(
+            f"{variable}: no credential provider {name!r} is installed (an entry point of "
+            f"the {PROVIDER_GROUP} group): install the package that provides it, or unset "
+            f"{variable}"
+        )
+    try:
+        session = next(iter(found)).load()()
+    except Exception as exc:
+        raise TelemetrySetupError(
+            f"{variable}: the credential provider {name!r} failed making its session "
+            f"({type(exc).__name__}); check the credentials it reads, or unset {variable}"
+        ) from None
+    if not isinstance(session, requests.Session):
+        raise TelemetrySetupError(
+            f"{variable}: the credential provider {name!r} gave a {type(session).__name__}, "
+            f"not a requests.Session; use a provider made for OTLP/HTTP, or unset {variable}"
+        )
+    return session
+
+
+__all__ = [
+    "ANSWER_LIMIT",
+    "PROVIDER_GROUP",
+    "BoundedAnswerSession",
+    "provider_session",
+    "provider_variable",
+]

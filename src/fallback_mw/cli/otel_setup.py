@@ -191,10 +191,6 @@ _EXPORTERS = {
 }
 
 
-# The SDK's variable naming an HTTP session to export through (for both signals).
-_CREDENTIAL_PROVIDER = "OTEL_PYTHON_EXPORTER_OTLP_HTTP_CREDENTIAL_PROVIDER"
-
-
 def _exporter(
     signal: str, name: str, environ: Mapping[str, str], out: TextIO | ConsoleStream
 ) -> Any:
@@ -213,12 +209,18 @@ def _exporter(
         raise missing(f"opentelemetry-exporter-otlp-proto-{transport}") from exc
     check_otlp_headers(environ, signal)
     exporter_class = getattr(found, f"OTLP{kind}Exporter")
-    provider = f"OTEL_PYTHON_EXPORTER_OTLP_HTTP_{signal.upper()}_CREDENTIAL_PROVIDER"
-    if transport == "grpc" or environ.get(provider) or environ.get(_CREDENTIAL_PROVIDER):
-        return exporter_class()  # a credential provider's session is the SDK's to load
+    if transport == "grpc":
+        return exporter_class()
     # A collector's answer read up to a bound, not into memory whole (cli/otel_session.py).
-    from fallback_mw.cli.otel_session import BoundedAnswerSession
+    from fallback_mw.cli.otel_session import (
+        BoundedAnswerSession,
+        provider_session,
+        provider_variable,
+    )
 
+    variable = provider_variable(environ, signal)
+    if variable is not None:  # a credential provider's session, loaded as the SDK would
+        return exporter_class(session=provider_session(variable, environ[variable]))
     return exporter_class(session=BoundedAnswerSession())
 
 
