@@ -7,8 +7,14 @@ the variable."""
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -113,3 +119,124 @@ def test_serve_refuses_a_provider_that_fails_or_gives_no_session_in_one_line(
         (line,) = served.stderr.strip().splitlines()
         assert line.startswith(f"fallback-mw: error: {GENERAL}: "), line
         assert said in line and "internal error" not in line and "key-7f3a" not in line
+
+
+# More than an OTLP answer may take and than loopback's socket buffers hold.
+READ_IT_ALL = 128 << 20
+
+
+@dataclass
+class Collector:
+    url: str
+    exports: int = 0
+    heads: list[bytes] = field(default_factory=list)  # each export's request head
+    sent: list[int] = field(default_factory=list)  # each export's answer bytes taken
+    ended: threading.Event = field(default_factory=threading.Event)
+
+
+@contextmanager
+def endless_collector() -> Iterator[Collector]:
+    """Answers the first export with 200 and a chunked body that never ends, until the
+    gateway closes the connection or READ_IT_ALL is sent."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    collector = Collector(url=f"http://127.0.0.1:{listener.getsockname()[1]}")
+    chunk = b"%x\r\n%s\r\n" % (1 << 20, b"\0" * (1 << 20))
+
+    def answer(conn: socket.socket) -> None:
+        sent = 0
+        with conn:
+            try:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    more = conn.recv(65536)
+                    if not more:
+                        return
+                    data += more
+                collector.heads.append(data.split(b"\r\n\r\n")[0])
+                collector.exports += 1
+                conn.sendall(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+                while sent < READ_IT_ALL:
+                    conn.sendall(chunk)
+                    sent += 1 << 20
+            except OSError:
+                pass
+            finally:
+                collector.sent.append(sent)
+                collector.ended.set()
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=answer, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield collector
+    finally:
+        listener.close()
+
+
+# A provider as a cloud's is: a requests.Session of its own class that signs each request.
+SIGNING = """class Signing(requests.Session):
+    def request(self, method, url, *args, **kwargs):
+        kwargs.setdefault("headers", {})
+        kwargs["headers"] = {**(kwargs["headers"] or {}), "x-signed": "by-provider"}
+        return super().request(method, url, *args, **kwargs)
+return Signing()"""
+
+
+@pytest.mark.e2e
+@pytest.mark.anyio
+async def test_a_providers_session_reads_a_collector_answer_only_up_to_the_bound(
+    tmp_path: Path,
+) -> None:
+    """With a credential provider the exporter sent through the provider's session as it
+    came, which read a collector's whole answer into memory: one that never ended grew
+    serve's memory without bound and held the export thread, as without a provider before
+    cli/otel_session.py. Its answers are read as the gateway's own session's are, up to
+    ANSWER_LIMIT and within the export's timeout; the provider still signs each export."""
+    import anyio
+    import httpx
+
+    from fallback_mw.cli.otel_setup import TELEMETRY_FLUSH_SECONDS
+    from tests.helpers import free_port, log_text, serve_process, wait_listening
+    from tests.upstreams import status_handler, upstream
+
+    path = providers(tmp_path / "site", signing=SIGNING)
+    port, log = free_port(), tmp_path / "serve.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update(
+        PYTHONPATH=os.pathsep.join(filter(None, [str(path), env.get("PYTHONPATH")])),
+        FMW_COLLECT_KEY="primary-key-0c4f",
+        OTEL_TRACES_EXPORTER="otlp",
+        OTEL_METRICS_EXPORTER="none",
+        OTEL_BSP_SCHEDULE_DELAY="100",
+        **{TRACES: "signing"},
+    )
+    async with upstream(status_handler(200, b"ok")) as primary:
+        config = tmp_path / "gateway.toml"
+        config.write_text(
+            f'[upstreams.primary]\nurl = "{primary.url}"\nauth_env = "FMW_COLLECT_KEY"\n'
+            '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["primary"]\n',
+            encoding="utf-8",
+        )
+        with endless_collector() as collector:
+            env["OTEL_EXPORTER_OTLP_ENDPOINT"] = collector.url
+            with serve_process(config, port, log, env=env) as process:
+                await wait_listening(process, port, log)
+                async with httpx.AsyncClient(timeout=10) as client:
+                    response = await client.get(f"http://127.0.0.1:{port}/v1/chat")
+                    assert response.status_code == 200
+                    ended = await anyio.to_thread.run_sync(collector.ended.wait, 60)
+                    assert ended, log_text(log)[-2000:]
+                process.send_signal(signal.SIGINT)
+                status = process.wait(timeout=TELEMETRY_FLUSH_SECONDS + 10)
+    assert collector.exports >= 1
+    assert collector.sent[0] < READ_IT_ALL, f"serve read {collector.sent[0] >> 20} MiB"
+    assert b"x-signed: by-provider" in collector.heads[0].lower(), collector.heads[0]
+    assert status == 0, log_text(log)[-2000:]

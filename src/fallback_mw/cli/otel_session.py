@@ -10,14 +10,16 @@ about 100 MiB a second, the export thread never coming back. Here the answer's f
 content; past either the connection is closed, not reused. Redirects are not followed
 (the exporter asks for none either: an endpoint's OTLP headers, its key, must not go where
 a 3xx points); the exporter counts a 3xx answer as delivered, so the first one is said in
-one WARNING line (its Location not shown)."""
+one WARNING line (its Location not shown). A credential provider's session (the SDK's
+`OTEL_PYTHON_EXPORTER_OTLP_HTTP_CREDENTIAL_PROVIDER`), of its own class, is loaded here and
+its answers are read the same way."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -43,20 +45,38 @@ class BoundedAnswerSession(requests.Session):
     def request(
         self, method: str, url: str | bytes, *args: Any, **kwargs: Any
     ) -> requests.Response:
-        kwargs["stream"] = True
-        kwargs["allow_redirects"] = False
-        until = time.monotonic() + _seconds(kwargs.get("timeout"))
-        response = super().request(method, url, *args, **kwargs)
-        _read_bounded(response, until)
-        if 300 <= response.status_code < 400 and _first_redirect():
-            _log.warning(
-                "the OTLP endpoint answered an export with a redirect (HTTP %d), which is "
-                "not followed: what was sent there is not delivered, though the exporter "
-                "counts it so (said once); set OTEL_EXPORTER_OTLP_ENDPOINT to the "
-                "collector itself (where it points is not shown)",
-                response.status_code,
-            )
-        return response
+        return _bounded(super().request, method, url, *args, **kwargs)
+
+
+def bound_answers(session: requests.Session) -> requests.Session:
+    """`session` (a credential provider's, of its own class) with its answers read as
+    BoundedAnswerSession's are, its own `request` (which signs) still making each."""
+    send = session.request
+
+    def request(method: str, url: str | bytes, *args: Any, **kwargs: Any) -> requests.Response:
+        return _bounded(send, method, url, *args, **kwargs)
+
+    session.request = request  # type: ignore[method-assign]  # this session's, not its class's
+    return session
+
+
+def _bounded(
+    send: Callable[..., requests.Response], method: str, url: str | bytes, *args: Any, **kwargs: Any
+) -> requests.Response:
+    kwargs["stream"] = True
+    kwargs["allow_redirects"] = False
+    until = time.monotonic() + _seconds(kwargs.get("timeout"))
+    response = send(method, url, *args, **kwargs)
+    _read_bounded(response, until)
+    if 300 <= response.status_code < 400 and _first_redirect():
+        _log.warning(
+            "the OTLP endpoint answered an export with a redirect (HTTP %d), which is "
+            "not followed: what was sent there is not delivered, though the exporter "
+            "counts it so (said once); set OTEL_EXPORTER_OTLP_ENDPOINT to the "
+            "collector itself (where it points is not shown)",
+            response.status_code,
+        )
+    return response
 
 
 def _seconds(timeout: Any) -> float:
@@ -136,13 +156,14 @@ def provider_session(variable: str, name: str) -> requests.Session:
             f"{variable}: the credential provider {name!r} gave a {type(session).__name__}, "
             f"not a requests.Session; use a provider made for OTLP/HTTP, or unset {variable}"
         )
-    return session
+    return bound_answers(session)
 
 
 __all__ = [
     "ANSWER_LIMIT",
     "PROVIDER_GROUP",
     "BoundedAnswerSession",
+    "bound_answers",
     "provider_session",
     "provider_variable",
 ]
