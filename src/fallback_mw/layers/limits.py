@@ -10,32 +10,43 @@ server (docs/security.md)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 # Per field, as on the wire: "name: value\r\n".
 _FIELD_OVERHEAD = 4
 
 
 def header_refusal(
-    headers: Iterable[tuple[bytes | str, bytes | str]], *, max_bytes: int, max_count: int
+    headers: Iterable[Any], *, max_bytes: int, max_count: int
 ) -> tuple[str, str] | None:
     """Why these request headers are refused and the setting that refused them (the error's
-    `rule`), or None. Names the limit, never a value. Raises TypeError when a name or value
-    is text, not bytes (an app driving the gateway in-process: `byte_fields`), a refused
-    head's fields past the limit too (the resolver reads them all)."""
+    `rule`), or None. Names the limit, never a value. Raises TypeError when a field is not
+    a tuple of two `bytes` (`byte_fields` makes it one), a refused head's fields past the
+    limit too (the resolver reads them all)."""
     size = 0
     if type(headers) is list and len(headers) <= max_count:
         # No more fields than max_count (the usual request): only the size can refuse, so
         # the fields are not counted one by one (the same answer as the loop below).
-        for name, value in headers:
-            if name.__class__ is str or value.__class__ is str:
-                raise TypeError(_TEXT)
+        for field in headers:
+            name, value = field
+            if (
+                field.__class__ is not tuple
+                or name.__class__ is not bytes
+                or value.__class__ is not bytes
+            ):
+                raise TypeError(_NOT_BYTES)
             size += len(name) + len(value) + _FIELD_OVERHEAD
             if size > max_bytes:
                 return _all_bytes(headers, _too_large(max_bytes))
         return None
-    for count, (name, value) in enumerate(headers, start=1):
-        if name.__class__ is str or value.__class__ is str:
-            raise TypeError(_TEXT)
+    for count, field in enumerate(headers, start=1):
+        name, value = field
+        if (
+            field.__class__ is not tuple
+            or name.__class__ is not bytes
+            or value.__class__ is not bytes
+        ):
+            raise TypeError(_NOT_BYTES)
         size += len(name) + len(value) + _FIELD_OVERHEAD
         if count > max_count:
             message = f"more than {max_count} request header fields (max_header_count)"
@@ -45,30 +56,46 @@ def header_refusal(
     return None
 
 
-def _all_bytes(
-    headers: Iterable[tuple[bytes | str, bytes | str]], refusal: tuple[str, str]
-) -> tuple[str, str]:
-    """`refusal`, once no field of the head is text: a field past where the limit was met
-    is read too (the identity pass, the secrets), so it raises as any other would."""
-    for name, value in headers:
-        if name.__class__ is str or value.__class__ is str:
-            raise TypeError(_TEXT)
+def _all_bytes(headers: Iterable[Any], refusal: tuple[str, str]) -> tuple[str, str]:
+    """`refusal`, once every field of the head is a tuple of two `bytes`: a field past where
+    the limit was met is read too (the identity pass, the secrets), so it raises as any
+    other would."""
+    for field in headers:
+        name, value = field
+        if (
+            field.__class__ is not tuple
+            or name.__class__ is not bytes
+            or value.__class__ is not bytes
+        ):
+            raise TypeError(_NOT_BYTES)
     return refusal
 
 
-_TEXT = "a request header name or value is text, not bytes"
+_NOT_BYTES = "a request header field is not a tuple of two bytes"
 
 
-def byte_fields(headers: Iterable[tuple[bytes | str, bytes | str]]) -> list[tuple[bytes, bytes]]:
-    """The header fields with each text name or value as the bytes it spells (UTF-8, as the
-    gateway reads and forwards a value): ASGI servers send bytes, an app or a test client
-    driving the gateway in-process may pass text. A lone surrogate keeps its code (not
-    UTF-8: the forwarded-field check refuses it with a 400)."""
+def byte_fields(headers: Iterable[Any]) -> list[tuple[bytes, bytes]]:
+    """The header fields as tuples of two `bytes`, the one shape every layer behind the
+    resolver reads (compiled, each is checked against it: `tuple[bytes, bytes] object
+    expected; got list`). ASGI writes a field as `[name, value]`, and a server may hand a
+    list, or a bytes subclass; an app or a test client driving the gateway in-process may
+    pass text, read as the bytes it spells (UTF-8, as the gateway reads and forwards a
+    value). A lone surrogate keeps its code (not UTF-8: the forwarded-field check refuses
+    it with a 400). Anything else is no header (a TypeError saying so)."""
     return [(_bytes(name), _bytes(value)) for name, value in headers]
 
 
-def _bytes(text: bytes | str) -> bytes:
-    return text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
+def _bytes(text: object) -> bytes:
+    if text.__class__ is bytes:
+        return text
+    if isinstance(text, str):
+        return text.encode("utf-8", "surrogatepass")
+    if isinstance(text, bytes | bytearray | memoryview):
+        return bytes(text)
+    raise TypeError(
+        "an ASGI request header name or value must be bytes (scope['headers']), not "
+        f"{type(text).__name__}"
+    )
 
 
 def _too_large(max_bytes: int) -> tuple[str, str]:

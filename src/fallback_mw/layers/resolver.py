@@ -156,7 +156,7 @@ class RouteResolver:
         max_bytes, max_count = self.max_header_bytes, self.max_header_count
         try:
             refusal = header_refusal(headers, max_bytes=max_bytes, max_count=max_count)
-        except TypeError:  # a text name or value: read as the bytes it spells (`byte_fields`)
+        except TypeError:  # a field as a list, or text: made a tuple of bytes (`byte_fields`)
             headers = byte_fields(headers)
             refusal = header_refusal(headers, max_bytes=max_bytes, max_count=max_count)
         raw_path = raw_routed_path(scope)

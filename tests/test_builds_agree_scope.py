@@ -1,0 +1,166 @@
+"""Differential between the two builds (pure Python and the compiled core, scripts/test.sh's
+second pass): an ASGI server may hand the gateway scope values that are legal but not the
+shape uvicorn happens to use, and a Python host may write its own engine. The same request
+must get the same specified answer in either build. Compiled, every annotation is checked
+at run time (`tuple[bytes, bytes] object expected; got list`): a request the pure build
+forwarded was a bare 500 compiled. These properties run unchanged in both passes; each
+asserts the specified behaviour, so a difference between the builds fails one of them."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fallback_mw import Gateway
+from fallback_mw.upstream import UpstreamRequest
+from fallback_mw.upstream.base import NoChunks
+
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+CONFIG = {
+    "gateway": {"allow_hosts": ["up.test"]},
+    "upstreams": {"primary": {"url": "http://up.test", "auth_env": "KEY"}},
+    "routes": [{"id": "chat", "prefix": "/v1/", "plan": ["primary"]}],
+}
+ENVIRON = {"KEY": "sk-upstream"}
+
+
+class Answer:
+    """An upstream's answer as a host's own engine gives it."""
+
+    def __init__(self, status: int, headers: Any, chunks: list[bytes]) -> None:
+        self.status = status
+        self.headers = headers
+        self._chunks = chunks
+
+    def iter_chunks(self) -> Any:
+        return _Chunks(self._chunks) if self._chunks else NoChunks()
+
+    async def aclose(self) -> None:
+        return None
+
+
+class _Chunks:
+    def __init__(self, chunks: list[bytes]) -> None:
+        self._chunks = list(chunks)
+
+    def __aiter__(self) -> _Chunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if not self._chunks:
+            raise StopAsyncIteration
+        return self._chunks.pop(0)
+
+
+class Engine:
+    """A fallback_mw.upstream.UpstreamClient written from the protocol (no head checks of
+    its own), recording what it was asked to send."""
+
+    def __init__(self, answer: Callable[[], Answer]) -> None:
+        self.answer = answer
+        self.sent: list[UpstreamRequest] = []
+
+    async def send(self, request: UpstreamRequest) -> Answer:
+        self.sent.append(request)
+        return self.answer()
+
+    async def aclose(self) -> None:
+        return None
+
+
+def ok() -> Answer:
+    return Answer(200, [(b"content-type", b"text/plain")], [b"hello"])
+
+
+def scope(headers: Any, **fields: Any) -> dict[str, Any]:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": "/v1/models",
+        "raw_path": b"/v1/models",
+        "query_string": b"",
+        "headers": headers,
+        "client": ("127.0.0.1", 1),
+        "server": ("gw", 80),
+        **fields,
+    }
+
+
+async def exchange(
+    engine: Engine, asgi_scope: dict[str, Any]
+) -> tuple[int, dict[bytes, bytes], bytes]:
+    """One request through a Gateway on `engine`: the status, head and body it answered."""
+    gateway = Gateway(lambda s, r, se: None, config=CONFIG, client=engine, environ=ENVIRON)
+    sent: list[dict[str, Any]] = []
+    answered = asyncio.Event()
+    request = [{"type": "http.request", "body": b"", "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        if request:
+            return request.pop()
+        await answered.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        if message["type"] == "http.response.body" and not message.get("more_body"):
+            answered.set()
+
+    try:
+        await asyncio.wait_for(gateway(asgi_scope, receive, send), 30)
+    finally:
+        await gateway.aclose()
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], dict(start["headers"]), body
+
+
+class Spelled(bytes):
+    """A bytes subclass (a server's own header type)."""
+
+
+# How a server may hand one header field: ASGI's `Iterable[[byte string, byte string]]`, as
+# a tuple or a list, its name and value bytes or a bytes subclass.
+containers = st.sampled_from([tuple, list])
+spellings = st.sampled_from([bytes, Spelled])
+names = st.sampled_from([b"x-probe-a", b"x-probe-b", b"accept", b"user-agent"])
+values = st.binary(min_size=1, max_size=12).map(lambda b: bytes(48 + c % 75 for c in b))
+
+
+@st.composite
+def fields(draw: st.DrawFn) -> list[Any]:
+    drawn = draw(st.lists(st.tuples(names, values), max_size=6, unique_by=lambda f: f[0]))
+    drawn = [(b"host", b"gw"), *drawn, (b"authorization", b"Bearer sk-caller")]
+    result = []
+    for name, value in drawn:
+        container, name_type, value_type = draw(containers), draw(spellings), draw(spellings)
+        result.append(container((name_type(name), value_type(value))))
+    return result
+
+
+@SETTINGS
+@given(headers=fields(), outer=st.sampled_from([list, tuple]))
+def test_every_legal_shape_of_request_headers_is_forwarded_alike(
+    headers: list[Any], outer: type
+) -> None:
+    """Headers as a list of lists (ASGI writes the field as `[name, value]`) were a 500
+    compiled (`tuple[union[bytes, bytearray], bytes] object expected; got list`, from the
+    resolver's identity pass) where the pure build forwarded them."""
+    engine = Engine(ok)
+    status, head, body = asyncio.run(exchange(engine, scope(outer(headers))))
+    assert (status, body, head[b"x-gateway-provider"]) == (200, b"hello", b"primary")
+    [sent] = engine.sent
+    forwarded = {name: value for name, value in sent.headers}
+    for field in headers:
+        name, value = bytes(field[0]).decode(), bytes(field[1]).decode()
+        if name.startswith("x-probe-") or name in ("accept", "user-agent"):
+            assert forwarded[name] == value, (name, forwarded)
+    # The caller's credential is stripped, the upstream's own injected, whatever the shape.
+    assert forwarded["authorization"] == "Bearer sk-upstream"
