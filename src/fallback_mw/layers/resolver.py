@@ -178,7 +178,7 @@ class RouteResolver:
             scope["headers"] = headers  # bytes for every layer behind us (a routed request)
         # Read once (nothing below awaits): most requests carry no query, no override
         # and no deadline of their own, and nothing is asked about those.
-        query = scope.get("query_string", b"")
+        query = scope.get("query_string") or b""  # None (an adapter's "no query") too
         # A method-override field naming a method the route does not forward: the upstream
         # would act on that method (a DELETE through a route that forwards GET and POST).
         overrides = (
