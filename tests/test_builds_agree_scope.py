@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from http import HTTPStatus
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -193,3 +195,48 @@ def test_a_query_string_of_none_or_missing_is_no_query_in_both_builds(
     expected = query.replace(b"&key=sk-caller", b"") if spelled in ("bytes", "subclass") else b""
     url = sent.url.encode()
     assert url == b"http://up.test/v1/models" + (b"?" + expected if expected else b""), url
+
+
+@SETTINGS
+@given(
+    outer=st.sampled_from([list, tuple]),
+    container=containers,
+    spelling=spellings,
+    status=st.sampled_from([200, HTTPStatus.OK, 201, HTTPStatus.CREATED]),
+)
+def test_a_host_engines_head_in_any_sequence_of_pairs_is_relayed_alike(
+    outer: type, container: type, spelling: type, status: int
+) -> None:
+    """A host's own engine (no `checks_response_heads`) whose answer's fields came as lists,
+    in a tuple, or as a bytes subclass: relayed by the pure build, a bare 500 compiled
+    (`tuple[bytes, bytes] object expected; got list`, the walk's head check). The walk now
+    reads its head as the checked fields, the status as an int (HTTPStatus included)."""
+    fields = [(b"Content-Type", b"text/plain"), (b"x-upstream", b"one")]
+    spelled = outer([container((spelling(n), spelling(v))) for n, v in fields])
+    engine = Engine(lambda: Answer(status, spelled, [b"hello"]))
+    answered, head, body = asyncio.run(exchange(engine, scope([(b"host", b"gw")])))
+    assert (answered, body) == (int(status), b"hello")
+    assert type(answered) is int
+    assert head[b"content-type"] == b"text/plain" and head[b"x-upstream"] == b"one", head
+
+
+@pytest.mark.parametrize(
+    ("status", "headers", "named"),
+    [
+        (200.0, [(b"content-type", b"text/plain")], "status"),
+        ("200", [(b"content-type", b"text/plain")], "status"),
+        (200, [("content-type", "text/plain")], "headers"),
+        (200, {b"content-type": b"text/plain"}, "headers"),
+    ],
+)
+def test_a_host_engines_head_of_the_wrong_type_is_the_same_clear_error(
+    status: Any, headers: Any, named: str
+) -> None:
+    """A float or text status, text fields or a dict: the pure build relayed `200.0` to
+    the server or failed on `<=` between int and str, the compiled core said `int object
+    expected; got float`. Both now raise one TypeError naming the engine's answer."""
+    engine = Engine(lambda: Answer(status, headers, [b"hello"]))
+    with pytest.raises(TypeError) as raised:
+        asyncio.run(exchange(engine, scope([(b"host", b"gw")])))
+    message = str(raised.value)
+    assert message.startswith(f"client=: the engine's answer has {named} "), message

@@ -105,15 +105,60 @@ def model_rewritten(
     return written_like(rewritten, buffered, headers)
 
 
-async def _checked_head(response: UpstreamResponse) -> None:
+class CheckedHead:
+    """A host engine's answer as the walk reads it (`_checked_head`): the status an `int`
+    and the fields tuples of `bytes` (names lowercased), whatever sequence of pairs, bytes
+    subclass or `IntEnum` the engine handed; its body and close are the engine's."""
+
+    def __init__(
+        self, response: UpstreamResponse, status: int, headers: list[tuple[bytes, bytes]]
+    ) -> None:
+        self.status = status
+        self.headers = headers
+        self._response = response
+
+    def iter_chunks(self) -> AsyncIterator[bytes]:
+        return self._response.iter_chunks()
+
+    async def aclose(self) -> None:
+        await self._response.aclose()
+
+
+def _head_fields(fields: object) -> list[tuple[bytes, bytes]]:
+    """A host engine's `headers` as tuples of bytes; TypeError naming them otherwise."""
+    try:
+        pairs = [(name, value) for name, value in fields]  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        pairs = [(None, None)]
+    for name, value in pairs:
+        if not isinstance(name, bytes) or not isinstance(value, bytes):
+            raise TypeError(
+                f"client=: the engine's answer has headers {type(fields).__name__} of "
+                f"{type(name).__name__}; UpstreamResponse.headers is a list of (bytes, bytes)"
+            )
+    return [(bytes(name), bytes(value)) for name, value in pairs]
+
+
+async def _checked_head(response: UpstreamResponse) -> UpstreamResponse:
     """An answer no relay can carry (SPEC §12: a status outside 100-599, a 1xx as the final
     answer, contradictory framing) from an engine that does not check its own: closed
-    unread, and the upstream's failover-class failure (UpstreamError "protocol")."""
+    unread, and the upstream's failover-class failure (UpstreamError "protocol"). Else the
+    answer as the walk reads it (CheckedHead). A status or fields of the wrong type are the
+    host's code: one TypeError in either build (compiled, reading them as the protocol
+    types them raised mypyc's own, `int object expected; got float`)."""
+    answer: Any = response  # read untyped: the builds check what the protocol says alike
     try:
-        check_response_head(response.status, response.headers)
-    except UpstreamError as exc:
+        status = answer.status
+        if not isinstance(status, int):
+            raise TypeError(
+                f"client=: the engine's answer has status {type(status).__name__} "
+                f"{status!r}; UpstreamResponse.status is an int"
+            )
+        fields = check_response_head(int(status), _head_fields(answer.headers))
+    except (UpstreamError, TypeError) as exc:
         await response.aclose()
         raise exc  # by name: a bare raise after an await, compiled (scripts/compile.py)
+    return CheckedHead(response, int(status), fields)
 
 
 class AttemptRunner:
@@ -278,7 +323,7 @@ class AttemptRunner:
                 )  # fmt: skip
                 response = await client.send(request)
                 if client is self.client and not self._heads_checked:
-                    await _checked_head(response)
+                    response = await _checked_head(response)
                 if response.status == 429 and len(upstream.credential_envs) > 1:
                     # A pool credential's 429: quota spent or rate limited? (a bounded read
                     # of the body; the client still gets every byte if it is served)
