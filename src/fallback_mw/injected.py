@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 import os
 import sys
 from collections.abc import Callable, Mapping
+from typing import SupportsIndex
 
 
 def _public_path(interface: type) -> str:
@@ -193,3 +195,29 @@ def require_environ(value: object, *, owner: str) -> None:
                 f"{owner}: environ= maps each variable to its value as text; {name!r} holds "
                 f"{_what(held)}{hint}"
             )
+
+
+def count_option(value: SupportsIndex, *, parameter: str, owner: str) -> int:
+    """An engine's `max_connections=`: an int (anything with `__index__`, as `range` takes),
+    never a bool, a float or a Decimal. Checked here in either build: compiled, an `int`
+    parameter refused a float in mypyc's words, and the pure build took it."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{owner}: {parameter}= takes an int, not {_what(value)}")
+
+
+def path_option(value: str | os.PathLike[str] | None, *, parameter: str, owner: str) -> str | None:
+    """An engine's `ca_file=`: None, or a path as text or an `os.PathLike` of one
+    (`pathlib.Path`), as the configuration's `ca_file` takes it; its text."""
+    if value is None:
+        return None
+    path = os.fspath(value) if isinstance(value, str | os.PathLike) else None
+    if not isinstance(path, str):
+        raise TypeError(
+            f"{owner}: {parameter}= takes the path of a PEM file (str or os.PathLike), not "
+            f"{_what(value)}"
+        )
+    return path

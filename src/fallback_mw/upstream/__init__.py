@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from fallback_mw.upstream.base import (
     FailureKind,
     Timeouts,
@@ -13,7 +15,10 @@ from fallback_mw.upstream.base import (
 
 
 def make_client(
-    engine: str, *, allow_hosts: tuple[str, ...] = (), ca_file: str | None = None
+    engine: str,
+    *,
+    allow_hosts: tuple[str, ...] = (),
+    ca_file: str | os.PathLike[str] | None = None,
 ) -> UpstreamClient:
     """The engine's client; `ca_file` is the gateway-wide CA bundle (an upstream's own, on
     its requests, wins). Its connect-time guard checks every address against `allow_hosts`;

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import warnings
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any, SupportsIndex, cast
 
 import aiohttp
 from multidict import CIMultiDict
 from yarl import URL
 
+from fallback_mw.injected import count_option, path_option
 from fallback_mw.loops import CloseAtLoopEnd, close_on_its_loop
 from fallback_mw.timers import deadline_after
 from fallback_mw.upstream.aiohttp_connector import ARM_ON_CONNECT, GuardedConnector, Sending
@@ -218,12 +220,15 @@ class AiohttpClient:
         self,
         *,
         allow_hosts: Sequence[str] = (),
-        max_connections: int = 512,
-        ca_file: str | None = None,
+        max_connections: SupportsIndex = 512,
+        ca_file: str | os.PathLike[str] | None = None,
     ) -> None:
         self._allow_hosts = tuple(allow_hosts)
-        self._ca_file = ca_file
-        self._limit = max_connections
+        # Checked alike in both builds (injected.py), a pathlib.Path taken as its text.
+        self._ca_file = path_option(ca_file, parameter="ca_file", owner="AiohttpClient")
+        self._limit = count_option(
+            max_connections, parameter="max_connections", owner="AiohttpClient"
+        )
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the one the session runs on
         self._at_loop_end: CloseAtLoopEnd | None = None  # closes the session there

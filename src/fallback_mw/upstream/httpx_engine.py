@@ -6,10 +6,13 @@ connection handed back, upstream/httpx_response.py's."""
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Sequence
 from http.cookiejar import CookieJar, DefaultCookiePolicy
+from typing import SupportsIndex
 
 from fallback_mw.extras import missing_extra
+from fallback_mw.injected import count_option, path_option
 from fallback_mw.loops import CloseAtLoopEnd, close_on_its_loop
 
 try:
@@ -75,9 +78,14 @@ class HttpxClient:
         *,
         allow_hosts: Sequence[str] = (),
         transport: httpx.AsyncBaseTransport | None = None,
-        max_connections: int = MAX_CONNECTIONS,
-        ca_file: str | None = None,
+        max_connections: SupportsIndex = MAX_CONNECTIONS,
+        ca_file: str | os.PathLike[str] | None = None,
     ) -> None:
+        # Checked as the aiohttp engine checks them (injected.py).
+        max_connections = count_option(
+            max_connections, parameter="max_connections", owner="HttpxClient"
+        )
+        ca_file = path_option(ca_file, parameter="ca_file", owner="HttpxClient")
         self._limits = httpx.Limits(
             max_connections=max_connections, max_keepalive_connections=min(128, max_connections)
         )
