@@ -240,3 +240,45 @@ def test_a_host_engines_head_of_the_wrong_type_is_the_same_clear_error(
         asyncio.run(exchange(engine, scope([(b"host", b"gw")])))
     message = str(raised.value)
     assert message.startswith(f"client=: the engine's answer has {named} "), message
+
+
+MISSING = object()
+# Each optional or loosely typed scope key, as servers and adapters hand it (ASGI 3: `client`
+# and `server` an iterable pair or None, `raw_path` and `root_path` optional, the
+# `extensions` and `state` dicts of servers that send them, HTTP/2 and /3 as "2" and "3").
+scope_fields = st.fixed_dictionaries(
+    {
+        "client": st.sampled_from([("127.0.0.1", 1), ["10.0.0.1", 2], None, MISSING]),
+        "server": st.sampled_from([("gw", 80), ["gw", 443], ["/tmp/gw.sock", None], None]),
+        "raw_path": st.sampled_from([b"/v1/models", Spelled(b"/v1/models"), None, MISSING]),
+        "root_path": st.sampled_from(["", MISSING]),
+        "http_version": st.sampled_from(["1.0", "1.1", "2", "3", MISSING]),
+        "scheme": st.sampled_from(["http", "https", MISSING]),
+        "extensions": st.sampled_from(
+            [MISSING, {}, {"http.response.trailers": {}, "http.response.pathsend": {}}]
+        ),
+        "state": st.sampled_from([MISSING, {}, {"app": "state"}]),
+        "asgi": st.sampled_from([{"version": "3.0"}, {"version": "3.0", "spec_version": "2.4"}]),
+    }
+)
+
+
+@SETTINGS
+@given(fields=scope_fields)
+def test_every_legal_scope_is_forwarded_alike(fields: dict[str, Any]) -> None:
+    """Whatever the optional scope keys hold, the routed request is forwarded once, to the
+    path the caller sent, and its answer relayed: the same in both builds."""
+    asgi_scope = scope([(b"host", b"gw")])
+    for key, value in fields.items():
+        if value is MISSING:
+            asgi_scope.pop(key, None)
+        else:
+            asgi_scope[key] = value
+    engine = Engine(ok)
+    status, head, body = asyncio.run(exchange(engine, asgi_scope))
+    assert (status, body, head[b"x-gateway-provider"]) == (200, b"hello", b"primary")
+    [sent] = engine.sent
+    assert sent.url == "http://up.test/v1/models"
+    version = fields["http_version"] if fields["http_version"] is not MISSING else "1.1"
+    [via] = [value for name, value in sent.headers if name == "via"]
+    assert via.startswith(f"{version} "), via
