@@ -360,11 +360,20 @@ def with_sdk(workdir: Path) -> Stack:
             self.spans += len(batch)
             return SpanExportResult.SUCCESS
 
+    try:  # serve's Resource (a tree before serve_resource: the one serve made then)
+        from fallback_mw.cli.otel_setup import serve_resource
+
+        resource = serve_resource({}, "fallback-mw", None)
+    except ImportError:
+        from opentelemetry.sdk.resources import Resource
+
+        resource = Resource.create({"service.name": "fallback-mw"})
+
     exporter = EncodingExporter()
-    tracer_provider = TracerProvider()
+    tracer_provider = TracerProvider(resource=resource)
     tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
     reader = InMemoryMetricReader()
-    meter_provider = MeterProvider(metric_readers=[reader])
+    meter_provider = MeterProvider(resource=resource, metric_readers=[reader])
 
     def flush() -> None:
         tracer_provider.force_flush()

@@ -167,6 +167,53 @@ async def test_otlp_http_exports_to_the_endpoint(otel_env: Any) -> None:
     assert {"gateway.requests", "gateway.attempts", "gateway.request.duration"} <= metric_names
 
 
+@pytest.mark.anyio
+async def test_otlp_spans_are_grouped_by_resource_without_hashing_it_per_span(
+    otel_env: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The OTLP encoder groups each exported span by its Resource (a dict keyed by it);
+    the SDK's `Resource.__hash__` is a `json.dumps` of its attributes: serve's Resource
+    keeps its hash, and exports the same resource as before."""
+    import opentelemetry.sdk.resources as resources
+
+    bodies: list[bytes] = []
+
+    async def collector(request: web.Request) -> web.StreamResponse:
+        if request.path == "/v1/traces":
+            bodies.append(await request.read())
+        return web.Response(status=200, body=b"", content_type="application/x-protobuf")
+
+    async with upstream(collector) as endpoint:
+        otel_env(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint.url, OTEL_METRICS_EXPORTER="none")
+        handle = configure_opentelemetry(set_global=False)
+        dumped: list[object] = []
+        real_dumps = resources.dumps
+
+        def counted(*args: Any, **kwargs: Any) -> str:
+            dumped.append(args[0])
+            return real_dumps(*args, **kwargs)
+
+        monkeypatch.setattr(resources, "dumps", counted)
+        telemetry = Telemetry(tracer_provider=handle.tracer_provider)
+        for _ in range(3):
+            run_one_request(telemetry)
+        await asyncio.to_thread(handle.shutdown)
+    assert dumped == []  # no json.dumps of the resource for any span
+    exported = [ExportTraceServiceRequest.FromString(body) for body in bodies]
+    groups = [group for request in exported for group in request.resource_spans]
+    assert sum(len(scope.spans) for group in groups for scope in group.scope_spans) == 6
+    expected = resources.Resource.create({resources.SERVICE_NAME: "fallback-mw"})
+    for group in groups:
+        attributes = {a.key: a.value.string_value for a in group.resource.attributes}
+        instance = attributes.pop(resources.SERVICE_INSTANCE_ID)
+        assert instance == handle.tracer_provider.resource.attributes[resources.SERVICE_INSTANCE_ID]
+        assert attributes == {
+            key: value
+            for key, value in expected.attributes.items()
+            if key != resources.SERVICE_INSTANCE_ID
+        }
+
+
 def test_serve_style_global_setup_reaches_a_telemetry_made_before_it(tmp_path: Path) -> None:
     # `serve` builds the Gateway (and its Telemetry) first, then configures the SDK: the
     # API's proxy providers must hand the earlier Telemetry the real SDK.

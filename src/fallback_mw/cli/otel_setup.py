@@ -297,19 +297,12 @@ def configure_opentelemetry(
     return handle
 
 
-def _install(
-    handle: OtelHandle,
-    environ: Mapping[str, str],
-    stream: TextIO | ConsoleStream,
-    service_name: str,
-    metrics_port_offset: int,
-    worker: int | None,
-    shutdown_on_exit: bool,
-) -> None:
-    """The providers `handle` asks for, each in `handle` as soon as it exists (so that a
-    refusal after it stops it)."""
+def serve_resource(environ: Mapping[str, str], service_name: str, worker: int | None) -> Any:
+    """The `Resource` serve's providers share (cli/otel_resource.py: its hash kept)."""
     try:
         from opentelemetry.sdk.resources import SERVICE_INSTANCE_ID, SERVICE_NAME, Resource
+
+        from fallback_mw.cli.otel_resource import HashedResource
     except ImportError as exc:
         raise missing("opentelemetry-sdk") from exc
 
@@ -326,7 +319,21 @@ def _install(
         # (An SDK that sets no id of its own: a random one, as newer SDKs make.)
         instance = str(resource.attributes.get(SERVICE_INSTANCE_ID) or uuid.uuid4())
         resource = resource.merge(Resource({SERVICE_INSTANCE_ID: f"{instance}-worker-{worker}"}))
+    return HashedResource(resource)
 
+
+def _install(
+    handle: OtelHandle,
+    environ: Mapping[str, str],
+    stream: TextIO | ConsoleStream,
+    service_name: str,
+    metrics_port_offset: int,
+    worker: int | None,
+    shutdown_on_exit: bool,
+) -> None:
+    """The providers `handle` asks for, each in `handle` as soon as it exists (so that a
+    refusal after it stops it)."""
+    resource = serve_resource(environ, service_name, worker)
     if handle.traces:
         with _sdk_settings("OTEL_SPAN_*, OTEL_ATTRIBUTE_* or OTEL_TRACES_SAMPLER*"):
             # The import too: the SDK reads OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT as it loads.
