@@ -11,7 +11,7 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
@@ -51,20 +51,25 @@ def serve_process(
     *,
     env: dict[str, str] | None = None,
     options: Iterable[str] = (),
+    executable: Sequence[str] = (sys.executable, "-m", "fallback_mw"),
+    cwd: Path | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """`python -m fallback_mw serve` on 127.0.0.1:`port` with `options`, its output in
-    `log`; SIGINT at the end (killed after 10 s). `env` None inherits this process's
-    environment."""
+    """`python -m fallback_mw serve` (or `executable` serve, e.g. an installed
+    `fallback-mw`) on 127.0.0.1:`port` with `options`, its output in `log`, run in `cwd`
+    (None: this process's); SIGINT at the end (killed after 10 s). `env` None inherits this
+    process's environment."""
     with log.open("wb") as out:
         process = subprocess.Popen(
             [
-                *(sys.executable, "-m", "fallback_mw", "serve", "--config", str(config)),
+                *executable,
+                *("serve", "--config", str(config)),
                 *("--host", "127.0.0.1", "--port", str(port)),
                 *options,
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
+            cwd=cwd,
         )
         try:
             yield process

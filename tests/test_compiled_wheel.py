@@ -8,21 +8,18 @@ upstreams. pip asks the package index for the dependencies, as tests/test_fresh_
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import sysconfig
 import textwrap
 import venv
 import zipfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.helpers import free_port, log_text, wait_listening
+from tests.helpers import free_port, log_text, serve_process, wait_listening
 from tests.test_compile_hazards import compile_script
 from tests.test_packaging import build, copy_tree, shipped_sources
 from tests.upstreams import status_handler, upstream
@@ -137,7 +134,15 @@ async def test_the_compiled_wheel_installed_elsewhere_serves_and_fails_over(
         )
         port = free_port()
         log = tmp_path / "serve.log"
-        with serve_from(installed, config, port, log, {**env, "FMW_WHEEL_KEY": KEY}) as process:
+        with serve_process(
+            config,
+            port,
+            log,
+            env={**env, "FMW_WHEEL_KEY": KEY},
+            # The installed environment's own command, from outside the checkout.
+            executable=[str(installed / "fallback-mw")],
+            cwd=tmp_path,
+        ) as process:
             await wait_listening(process, port, log)
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
                 routed = await client.get("/v1/models")
@@ -149,27 +154,3 @@ async def test_the_compiled_wheel_installed_elsewhere_serves_and_fails_over(
     assert dict(primary.received[0].headers)["authorization"] == f"Bearer {KEY}"
     compiled = f"fallback-mw 0.1.0 (compiled core: {count} of {count} modules)"
     assert f"INFO fallback_mw starting {compiled}\n" in log_text(log)
-
-
-@contextmanager
-def serve_from(
-    bin_dir: Path, config: Path, port: int, log: Path, env: dict[str, str]
-) -> Iterator[subprocess.Popen[bytes]]:
-    """`fallback-mw serve` of the installed environment, from outside the checkout; SIGINT
-    at the end."""
-    argv = [str(bin_dir / "fallback-mw"), "serve", "--config", str(config)]
-    argv += ["--host", "127.0.0.1", "--port", str(port)]
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=config.parent
-        )
-        try:
-            yield process
-        finally:
-            if process.poll() is None:
-                process.send_signal(signal.SIGINT)
-                try:
-                    process.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
