@@ -18,8 +18,7 @@ import httpx
 import pytest
 
 from fallback_mw.cli.otel_setup import TELEMETRY_FLUSH_SECONDS
-from tests.helpers import free_port, log_text, serve_process, wait_listening
-from tests.upstreams import status_handler, upstream
+from tests.e2e.telemetry_serve import collector_at, read_request, serving
 
 pytestmark = pytest.mark.e2e
 
@@ -31,76 +30,39 @@ READ_IT_ALL = 128 << 20
 
 @dataclass
 class Collector:
-    url: str
+    url: str = ""
     exports: int = 0
     # Per export connection: bytes of answer body the gateway took before it closed.
     sent: list[int] = field(default_factory=list)
     ended: threading.Event = field(default_factory=threading.Event)
 
 
-def _read_head(conn: socket.socket) -> bool:
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = conn.recv(65536)
-        if not chunk:
-            return False
-        data += chunk
-    head, rest = data.split(b"\r\n\r\n", 1)
-    length = 0
-    for line in head.split(b"\r\n"):
-        if line.lower().startswith(b"content-length:"):
-            length = int(line.split(b":", 1)[1])
-    while len(rest) < length:
-        chunk = conn.recv(65536)
-        if not chunk:
-            return False
-        rest += chunk
-    return True
-
-
 @contextmanager
 def endless_collector() -> Iterator[Collector]:
     """Answers the first export with 200 and a chunked body that never ends, until the
     gateway closes the connection or READ_IT_ALL is sent."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(16)
-    collector = Collector(url=f"http://127.0.0.1:{listener.getsockname()[1]}")
+    collector = Collector()
     chunk = b"%x\r\n%s\r\n" % (1 << 20, b"\0" * (1 << 20))
 
     def answer(conn: socket.socket) -> None:
         sent = 0
-        with conn:
-            try:
-                if not _read_head(conn):
-                    return
-                collector.exports += 1
-                conn.sendall(
-                    b"HTTP/1.1 200 OK\r\ncontent-type: application/x-protobuf\r\n"
-                    b"transfer-encoding: chunked\r\n\r\n"
-                )
-                while sent < READ_IT_ALL:
-                    conn.sendall(chunk)
-                    sent += 1 << 20
-            except OSError:
-                pass
-            finally:
-                collector.sent.append(sent)
-                collector.ended.set()
-
-    def accept() -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
+        try:
+            if not read_request(conn):
                 return
-            threading.Thread(target=answer, args=(conn,), daemon=True).start()
+            collector.exports += 1
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/x-protobuf\r\n"
+                b"transfer-encoding: chunked\r\n\r\n"
+            )
+            while sent < READ_IT_ALL:
+                conn.sendall(chunk)
+                sent += 1 << 20
+        finally:
+            collector.sent.append(sent)
+            collector.ended.set()
 
-    threading.Thread(target=accept, daemon=True).start()
-    try:
+    with collector_at(answer) as collector.url:
         yield collector
-    finally:
-        listener.close()
 
 
 def rss_mib(pid: int) -> float:
@@ -120,40 +82,29 @@ async def test_a_collector_answer_that_never_ends_is_not_read_into_memory(
     status: an answer that never ended grew serve's memory by about 100 MiB a second,
     without bound (a gigabyte answer took a gigabyte, twice over), and the export thread
     never came back."""
-    port, log = free_port(), tmp_path / "serve.log"
-    env = dict(
-        os.environ,
-        FMW_COLLECT_KEY="primary-key-0c4f",
-        OTEL_EXPORTER_OTLP_HEADERS=f"x-api-key={COLLECTOR_KEY}",
-        OTEL_TRACES_EXPORTER="otlp",
-        OTEL_METRICS_EXPORTER="none",
-        OTEL_BSP_SCHEDULE_DELAY="100",
-    )
-    async with upstream(status_handler(200, b"ok")) as primary:
-        config = tmp_path / "gateway.toml"
-        config.write_text(
-            f'[upstreams.primary]\nurl = "{primary.url}"\nauth_env = "FMW_COLLECT_KEY"\n'
-            '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["primary"]\n',
-            encoding="utf-8",
-        )
-        with endless_collector() as collector:
-            env["OTEL_EXPORTER_OTLP_ENDPOINT"] = collector.url
-            with serve_process(config, port, log, env=env) as process:
-                await wait_listening(process, port, log)
-                before = rss_mib(process.pid)
-                async with httpx.AsyncClient(timeout=10) as client:
-                    response = await client.get(f"http://127.0.0.1:{port}/v1/chat")
-                    assert response.status_code == 200
-                    # The export's answer, the collector's end of it (the gateway closed
-                    # the connection, or took READ_IT_ALL), then serve still answers.
-                    ended = await anyio.to_thread.run_sync(collector.ended.wait, 60)
-                    assert ended, log_text(log)[-2000:]
-                    grown = rss_mib(process.pid) - before
-                    response = await client.get(f"http://127.0.0.1:{port}/v1/chat")
-                    assert response.status_code == 200
-                process.send_signal(signal.SIGINT)
-                status = process.wait(timeout=TELEMETRY_FLUSH_SECONDS + 10)
-    text = log_text(log)
+    with endless_collector() as collector:
+        async with serving(
+            tmp_path,
+            OTEL_EXPORTER_OTLP_ENDPOINT=collector.url,
+            OTEL_EXPORTER_OTLP_HEADERS=f"x-api-key={COLLECTOR_KEY}",
+            OTEL_TRACES_EXPORTER="otlp",
+            OTEL_METRICS_EXPORTER="none",
+            OTEL_BSP_SCHEDULE_DELAY="100",
+        ) as serve:
+            before = rss_mib(serve.process.pid)
+            async with httpx.AsyncClient(timeout=10) as client:
+                response = await client.get(serve.chat)
+                assert response.status_code == 200
+                # The export's answer, the collector's end of it (the gateway closed the
+                # connection, or took READ_IT_ALL), then serve still answers.
+                ended = await anyio.to_thread.run_sync(collector.ended.wait, 60)
+                assert ended, serve.text()[-2000:]
+                grown = rss_mib(serve.process.pid) - before
+                response = await client.get(serve.chat)
+                assert response.status_code == 200
+            serve.process.send_signal(signal.SIGINT)
+            status = serve.process.wait(timeout=TELEMETRY_FLUSH_SECONDS + 10)
+    text = serve.text()
     assert collector.exports >= 1
     assert collector.sent[0] < READ_IT_ALL, f"serve read {collector.sent[0] >> 20} MiB"
     assert grown < 64, f"serve grew by {grown:.0f} MiB"
@@ -164,33 +115,15 @@ async def test_a_collector_answer_that_never_ends_is_not_read_into_memory(
 @contextmanager
 def answering(answer: bytes) -> Iterator[Collector]:
     """Answers every export with `answer` (a whole HTTP response), connection kept."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(16)
-    collector = Collector(url=f"http://127.0.0.1:{listener.getsockname()[1]}")
+    collector = Collector()
 
     def answer_all(conn: socket.socket) -> None:
-        with conn:
-            try:
-                while _read_head(conn):
-                    collector.exports += 1
-                    conn.sendall(answer)
-            except OSError:
-                pass
+        while read_request(conn):
+            collector.exports += 1
+            conn.sendall(answer)
 
-    def accept() -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=answer_all, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
-    try:
+    with collector_at(answer_all) as collector.url:
         yield collector
-    finally:
-        listener.close()
 
 
 @pytest.mark.anyio
@@ -202,37 +135,26 @@ async def test_a_collector_reason_phrase_reaches_the_log_printable_and_short(
     sequences reached serve's log as they were (a terminal tailing it cleared, recoloured,
     retitled), a carriage return drew a line of the collector's over the gateway's, and a
     reason of any length was written whole on every export."""
-    port, log = free_port(), tmp_path / "serve.log"
     reason = b"\x1b[2J\x1b]0;owned\x07FORGED\rINFO fallback_mw.request fake line " + b"R" * 6000
-    env = dict(
-        os.environ,
-        FMW_COLLECT_KEY="primary-key-0c4f",
-        OTEL_TRACES_EXPORTER="otlp",
-        OTEL_METRICS_EXPORTER="none",
-        OTEL_BSP_SCHEDULE_DELAY="100",
-    )
-    async with upstream(status_handler(200, b"ok")) as primary:
-        config = tmp_path / "gateway.toml"
-        config.write_text(
-            f'[upstreams.primary]\nurl = "{primary.url}"\nauth_env = "FMW_COLLECT_KEY"\n'
-            '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["primary"]\n',
-            encoding="utf-8",
-        )
-        answer = b"HTTP/1.1 400 " + reason + b"\r\ncontent-length: 0\r\n\r\n"
-        with answering(answer) as collector:
-            env["OTEL_EXPORTER_OTLP_ENDPOINT"] = collector.url
-            with serve_process(config, port, log, env=env) as process:
-                await wait_listening(process, port, log)
-                async with httpx.AsyncClient(timeout=10) as client:
-                    response = await client.get(f"http://127.0.0.1:{port}/v1/chat")
-                    assert response.status_code == 200
-                deadline = anyio.current_time() + 20
-                while "Failed to export" not in log_text(log):
-                    assert anyio.current_time() < deadline, log_text(log)[-2000:]
-                    await anyio.sleep(0.1)
-                process.send_signal(signal.SIGINT)
-                process.wait(timeout=TELEMETRY_FLUSH_SECONDS + 10)
-    text = log_text(log)
+    answer = b"HTTP/1.1 400 " + reason + b"\r\ncontent-length: 0\r\n\r\n"
+    with answering(answer) as collector:
+        async with serving(
+            tmp_path,
+            OTEL_EXPORTER_OTLP_ENDPOINT=collector.url,
+            OTEL_TRACES_EXPORTER="otlp",
+            OTEL_METRICS_EXPORTER="none",
+            OTEL_BSP_SCHEDULE_DELAY="100",
+        ) as serve:
+            async with httpx.AsyncClient(timeout=10) as client:
+                response = await client.get(serve.chat)
+                assert response.status_code == 200
+            deadline = anyio.current_time() + 20
+            while "Failed to export" not in serve.text():
+                assert anyio.current_time() < deadline, serve.text()[-2000:]
+                await anyio.sleep(0.1)
+            serve.process.send_signal(signal.SIGINT)
+            serve.process.wait(timeout=TELEMETRY_FLUSH_SECONDS + 10)
+    text = serve.text()
     failed = [line for line in text.splitlines() if "Failed to export" in line]
     assert failed and "FORGED" in failed[0], text[-2000:]  # the line is kept, and says what
     assert "\x1b" not in text and "\x07" not in text and "\r" not in text, failed[0][:300]
@@ -245,43 +167,32 @@ async def test_a_collector_that_redirects_is_said_once_and_not_followed(tmp_path
     behind a load balancer, http:// answered with a 308 to https://, or a hostile one
     pointing at the metadata service): the exporter follows none, and counted each 3xx as
     delivered. All telemetry went nowhere and nothing said so."""
-    port, log = free_port(), tmp_path / "serve.log"
-    env = dict(
-        os.environ,
-        FMW_COLLECT_KEY="primary-key-0c4f",
-        OTEL_EXPORTER_OTLP_HEADERS=f"x-api-key={COLLECTOR_KEY}",
-        OTEL_TRACES_EXPORTER="otlp",
-        OTEL_METRICS_EXPORTER="otlp",
-        OTEL_BSP_SCHEDULE_DELAY="100",
-        OTEL_METRIC_EXPORT_INTERVAL="300",
+    answer = (
+        b"HTTP/1.1 307 Temporary Redirect\r\n"
+        b"location: http://169.254.169.254/latest/meta-data/?token=meta-7a1\r\n"
+        b"content-length: 0\r\n\r\n"
     )
-    async with upstream(status_handler(200, b"ok")) as primary:
-        config = tmp_path / "gateway.toml"
-        config.write_text(
-            f'[upstreams.primary]\nurl = "{primary.url}"\nauth_env = "FMW_COLLECT_KEY"\n'
-            '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["primary"]\n',
-            encoding="utf-8",
-        )
-        answer = (
-            b"HTTP/1.1 307 Temporary Redirect\r\n"
-            b"location: http://169.254.169.254/latest/meta-data/?token=meta-7a1\r\n"
-            b"content-length: 0\r\n\r\n"
-        )
-        with answering(answer) as collector:
-            env["OTEL_EXPORTER_OTLP_ENDPOINT"] = collector.url
-            with serve_process(config, port, log, env=env) as process:
-                await wait_listening(process, port, log)
-                async with httpx.AsyncClient(timeout=10) as client:
-                    for _ in range(3):
-                        response = await client.get(f"http://127.0.0.1:{port}/v1/chat")
-                        assert response.status_code == 200
-                deadline = anyio.current_time() + 20
-                while collector.exports < 4:
-                    assert anyio.current_time() < deadline, log_text(log)[-2000:]
-                    await anyio.sleep(0.1)
-                process.send_signal(signal.SIGINT)
-                process.wait(timeout=TELEMETRY_FLUSH_SECONDS + 10)
-    text = log_text(log)
+    with answering(answer) as collector:
+        async with serving(
+            tmp_path,
+            OTEL_EXPORTER_OTLP_ENDPOINT=collector.url,
+            OTEL_EXPORTER_OTLP_HEADERS=f"x-api-key={COLLECTOR_KEY}",
+            OTEL_TRACES_EXPORTER="otlp",
+            OTEL_METRICS_EXPORTER="otlp",
+            OTEL_BSP_SCHEDULE_DELAY="100",
+            OTEL_METRIC_EXPORT_INTERVAL="300",
+        ) as serve:
+            async with httpx.AsyncClient(timeout=10) as client:
+                for _ in range(3):
+                    response = await client.get(serve.chat)
+                    assert response.status_code == 200
+            deadline = anyio.current_time() + 20
+            while collector.exports < 4:
+                assert anyio.current_time() < deadline, serve.text()[-2000:]
+                await anyio.sleep(0.1)
+            serve.process.send_signal(signal.SIGINT)
+            serve.process.wait(timeout=TELEMETRY_FLUSH_SECONDS + 10)
+    text = serve.text()
     said = [line for line in text.splitlines() if "redirect" in line]
     assert len(said) == 1, text[-3000:]  # once, however many exports it answered so
     assert "307" in said[0] and "not delivered" in said[0], said

@@ -11,7 +11,9 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
@@ -20,8 +22,8 @@ import pytest
 
 from fallback_mw.cli.metrics_server import CONNECTION_SECONDS, CONNECTIONS, RENDER_GAP
 from fallback_mw.cli.otel_setup import TELEMETRY_FLUSH_SECONDS
-from tests.helpers import free_port, log_text, serve_process, wait_listening
-from tests.upstreams import status_handler, upstream
+from tests.e2e.telemetry_serve import Served, serving
+from tests.helpers import free_port, wait_listening
 
 pytestmark = pytest.mark.e2e
 
@@ -34,6 +36,21 @@ def threads_of(pid: int) -> int:
             if line.startswith("Threads:"):
                 return int(line.split()[1])
     return 0
+
+
+@asynccontextmanager
+async def serving_metrics(tmp_path: Path, metrics_port: int) -> AsyncIterator[Served]:
+    """serve exporting no traces and its metrics on a /metrics port of its own, `metrics_port`,
+    both ports listening."""
+    async with serving(
+        tmp_path,
+        OTEL_TRACES_EXPORTER="none",
+        OTEL_METRICS_EXPORTER="prometheus",
+        OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
+        OTEL_EXPORTER_PROMETHEUS_PORT=str(metrics_port),
+    ) as serve:
+        await wait_listening(serve.process, metrics_port, serve.log)
+        yield serve
 
 
 def closed(sock: socket.socket) -> bool:
@@ -54,72 +71,55 @@ async def test_idle_connections_to_the_metrics_port_are_bounded(tmp_path: Path) 
     `ulimit -n 256` (a thousand under the usual 1024) left none for the gateway, whose
     port then accepted nothing, and no line said why; a client that reset its connection
     mid-head wrote a 25-line traceback to the log."""
-    port, metrics_port, log = free_port(), free_port(), tmp_path / "serve.log"
-    env = dict(
-        os.environ,
-        FMW_METRICS_KEY="primary-key-0c4f",
-        OTEL_TRACES_EXPORTER="none",
-        OTEL_METRICS_EXPORTER="prometheus",
-        OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
-        OTEL_EXPORTER_PROMETHEUS_PORT=str(metrics_port),
-    )
-    async with upstream(status_handler(200, b"ok")) as primary:
-        config = tmp_path / "gateway.toml"
-        config.write_text(
-            f'[upstreams.primary]\nurl = "{primary.url}"\nauth_env = "FMW_METRICS_KEY"\n'
-            '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["primary"]\n',
-            encoding="utf-8",
-        )
-        with serve_process(config, port, log, env=env) as process:
-            await wait_listening(process, port, log)
-            await wait_listening(process, metrics_port, log)
-            threads = threads_of(process.pid)
+    metrics_port = free_port()
+    async with serving_metrics(tmp_path, metrics_port) as serve:
+        threads = threads_of(serve.process.pid)
 
-            # A head cut by a reset, then IDLE connections that send nothing.
-            with socket.create_connection(("127.0.0.1", metrics_port)) as reset:
-                reset.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
-                await anyio.sleep(0.3)
-                reset.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        # A head cut by a reset, then IDLE connections that send nothing.
+        with socket.create_connection(("127.0.0.1", metrics_port)) as reset:
+            reset.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+            await anyio.sleep(0.3)
+            reset.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
-            def connect(_: int) -> socket.socket:
-                return socket.create_connection(("127.0.0.1", metrics_port), timeout=30)
+        def connect(_: int) -> socket.socket:
+            return socket.create_connection(("127.0.0.1", metrics_port), timeout=30)
 
-            opened = time.monotonic()
-            with ThreadPoolExecutor(16) as pool:
-                idle = await anyio.to_thread.run_sync(lambda: list(pool.map(connect, range(IDLE))))
-            try:
-                for sock in idle:
-                    sock.setblocking(False)
-                deadline = time.monotonic() + 20
-                while sum(map(closed, idle)) < IDLE - CONNECTIONS - 4:
-                    assert time.monotonic() < deadline, (
-                        f"{sum(map(closed, idle))} of {IDLE} idle connections closed; serve "
-                        f"holds {threads_of(process.pid)} threads (at start {threads})"
-                    )
-                    await anyio.sleep(0.2)
-                assert threads_of(process.pid) <= threads + CONNECTIONS + 4
-                async with httpx.AsyncClient(timeout=10) as client:
-                    # The gateway answers while they are held ...
-                    response = await client.get(f"http://127.0.0.1:{port}/v1/chat")
-                    assert response.status_code == 200
-                    # ... and, once those held are past their time, so does /metrics.
-                    await anyio.sleep(max(0.0, opened + CONNECTION_SECONDS - time.monotonic()))
-                    deadline = time.monotonic() + 10
-                    while True:
-                        try:
-                            scrape = await client.get(f"http://127.0.0.1:{metrics_port}/metrics")
-                            break
-                        except httpx.TransportError:
-                            assert time.monotonic() < deadline, log_text(log)[-2000:]
-                            await anyio.sleep(0.2)
-                    assert scrape.status_code == 200
-                    assert "gateway_requests_total" in scrape.text
-            finally:
-                for sock in idle:
-                    sock.close()
-            process.send_signal(signal.SIGINT)
-            status = process.wait(timeout=TELEMETRY_FLUSH_SECONDS + 10)
-    text = log_text(log)
+        opened = time.monotonic()
+        with ThreadPoolExecutor(16) as pool:
+            idle = await anyio.to_thread.run_sync(lambda: list(pool.map(connect, range(IDLE))))
+        try:
+            for sock in idle:
+                sock.setblocking(False)
+            deadline = time.monotonic() + 20
+            while sum(map(closed, idle)) < IDLE - CONNECTIONS - 4:
+                assert time.monotonic() < deadline, (
+                    f"{sum(map(closed, idle))} of {IDLE} idle connections closed; serve "
+                    f"holds {threads_of(serve.process.pid)} threads (at start {threads})"
+                )
+                await anyio.sleep(0.2)
+            assert threads_of(serve.process.pid) <= threads + CONNECTIONS + 4
+            async with httpx.AsyncClient(timeout=10) as client:
+                # The gateway answers while they are held ...
+                response = await client.get(serve.chat)
+                assert response.status_code == 200
+                # ... and, once those held are past their time, so does /metrics.
+                await anyio.sleep(max(0.0, opened + CONNECTION_SECONDS - time.monotonic()))
+                deadline = time.monotonic() + 10
+                while True:
+                    try:
+                        scrape = await client.get(f"http://127.0.0.1:{metrics_port}/metrics")
+                        break
+                    except httpx.TransportError:
+                        assert time.monotonic() < deadline, serve.text()[-2000:]
+                        await anyio.sleep(0.2)
+                assert scrape.status_code == 200
+                assert "gateway_requests_total" in scrape.text
+        finally:
+            for sock in idle:
+                sock.close()
+        serve.process.send_signal(signal.SIGINT)
+        status = serve.process.wait(timeout=TELEMETRY_FLUSH_SECONDS + 10)
+    text = serve.text()
     assert status == 0, text[-2000:]
     assert "Traceback" not in text and "Exception occurred" not in text, text[-3000:]
 
@@ -130,45 +130,28 @@ async def test_scrapes_in_a_loop_are_paced(tmp_path: Path) -> None:
     (about 3 ms here, more with a large route table): four clients scraping in a loop had
     it made 255 times a second, and the gateway's median latency went from 2 to 9 ms,
     its p99 from 10 to 47 ms. Made once every RENDER_GAP at most, it is bounded."""
-    port, metrics_port, log = free_port(), free_port(), tmp_path / "serve.log"
-    env = dict(
-        os.environ,
-        FMW_METRICS_KEY="primary-key-0c4f",
-        OTEL_TRACES_EXPORTER="none",
-        OTEL_METRICS_EXPORTER="prometheus",
-        OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
-        OTEL_EXPORTER_PROMETHEUS_PORT=str(metrics_port),
-    )
+    metrics_port = free_port()
     seconds = 3.0
-    async with upstream(status_handler(200, b"ok")) as primary:
-        config = tmp_path / "gateway.toml"
-        config.write_text(
-            f'[upstreams.primary]\nurl = "{primary.url}"\nauth_env = "FMW_METRICS_KEY"\n'
-            '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["primary"]\n',
-            encoding="utf-8",
-        )
-        with serve_process(config, port, log, env=env) as process:
-            await wait_listening(process, port, log)
-            await wait_listening(process, metrics_port, log)
-            scraped: list[int] = []
-            lock = threading.Lock()
+    async with serving_metrics(tmp_path, metrics_port) as serve:
+        scraped: list[int] = []
+        lock = threading.Lock()
 
-            def scrape_in_a_loop() -> None:
-                end = time.monotonic() + seconds
-                with httpx.Client(timeout=10) as client:
-                    while time.monotonic() < end:
-                        answer = client.get(f"http://127.0.0.1:{metrics_port}/metrics")
-                        assert answer.status_code == 200
-                        with lock:
-                            scraped.append(1)
+        def scrape_in_a_loop() -> None:
+            end = time.monotonic() + seconds
+            with httpx.Client(timeout=10) as client:
+                while time.monotonic() < end:
+                    answer = client.get(f"http://127.0.0.1:{metrics_port}/metrics")
+                    assert answer.status_code == 200
+                    with lock:
+                        scraped.append(1)
 
-            scrapers = [threading.Thread(target=scrape_in_a_loop) for _ in range(4)]
-            for scraper in scrapers:
-                scraper.start()
-            for scraper in scrapers:
-                await anyio.to_thread.run_sync(scraper.join)
-            process.send_signal(signal.SIGINT)
-            process.wait(timeout=TELEMETRY_FLUSH_SECONDS + 10)
+        scrapers = [threading.Thread(target=scrape_in_a_loop) for _ in range(4)]
+        for scraper in scrapers:
+            scraper.start()
+        for scraper in scrapers:
+            await anyio.to_thread.run_sync(scraper.join)
+        serve.process.send_signal(signal.SIGINT)
+        serve.process.wait(timeout=TELEMETRY_FLUSH_SECONDS + 10)
     # Those started within the time, and one each that began as it ended.
     assert 1 <= len(scraped) <= seconds / RENDER_GAP + 1 + 4, len(scraped)
 
