@@ -32,8 +32,11 @@ echo "== lint-imports (architecture contracts in pyproject.toml)"
 echo "== pytest"
 # On FMW_TEST_WORKERS processes (default 3; 0 runs in this one), each taking whole test
 # files: a module's shared servers and fixtures stay in one process. Each test has its own
-# Redis key prefix and PostgreSQL database, so workers share the services safely.
-.venv/bin/python -m pytest -n "${FMW_TEST_WORKERS:-3}" --dist loadfile "$@" || failed+=("pytest")
+# Redis key prefix and PostgreSQL database, so workers share the services safely. The files
+# go out in tests/conftest.py's order (the slowest-marked first), not xdist's (most tests
+# first), so that no minutes-long file starts last and alone.
+.venv/bin/python -m pytest -n "${FMW_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder \
+    "$@" || failed+=("pytest")
 if [ $# -eq 0 ]; then  # a full run (not a -k selection): the negative controls as code
     echo "== negative controls (scripts/mutants.py: each mutant must be caught)"
     .venv/bin/python scripts/mutants.py || failed+=("mutants")
@@ -72,7 +75,7 @@ compiled_pass() {
     # wheel at its lowest dependencies, the compiled wheel through pip's isolated build):
     # what they test does not depend on the build in this checkout, and the pure pass ran them.
     PYTHONPATH="$PWD/build/compiled${PYTHONPATH:+:$PYTHONPATH}" FMW_TEST_COMPILED=1 \
-        .venv/bin/python -m pytest -n "${FMW_TEST_WORKERS:-3}" --dist loadfile \
+        .venv/bin/python -m pytest -n "${FMW_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder \
         --ignore tests/test_fresh_install.py --ignore tests/test_compiled_wheel.py \
         || failed+=("pytest (compiled core)")
     echo "test.sh: the compiled core's pass took $((SECONDS - started)) s (its build included)"
