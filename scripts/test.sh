@@ -74,6 +74,8 @@ compiled_pass() {
     # Less the two tests that build and install wheels in fresh environments (the pure
     # wheel at its lowest dependencies, the compiled wheel through pip's isolated build):
     # what they test does not depend on the build in this checkout, and the pure pass ran them.
+    # tests/conftest.py also leaves out those marked pure_pass_only (nothing of the package
+    # runs in them: the source parsed, wheels built from the tree; each marker says why).
     PYTHONPATH="$PWD/build/compiled${PYTHONPATH:+:$PYTHONPATH}" FMW_TEST_COMPILED=1 \
         .venv/bin/python -m pytest -n "${FMW_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder \
         --ignore tests/test_fresh_install.py --ignore tests/test_compiled_wheel.py \

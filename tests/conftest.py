@@ -75,12 +75,28 @@ if os.environ.get("FMW_TEST_COMPILED"):
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """On scripts/test.sh's workers (-n 3 --dist loadfile --no-loadscope-reorder), the test
+    """The compiled pass (FMW_TEST_COMPILED) leaves out the tests marked
+    `pure_pass_only(reason=...)`: those that run nothing of the package, so the build cannot
+    change what they see (the source parsed, a test helper, a wheel built from the tree, mypy
+    on a downstream program). Each says why in its reason; one without a reason is an error.
+
+    On scripts/test.sh's workers (-n 3 --dist loadfile --no-loadscope-reorder), the test
     files are handed out in this order: those holding the most `slow` tests first, then the
     most tests first (xdist's own order, which counts tests only). The minutes-long files
     (the compiled wheel's build, the benchmarks) then start at once beside the others rather
     than last, alone on one worker: a pass took about 150 s longer so. Only the files' order
     changes; the tests of a file run in their order, on one worker."""
+    pure_only = []
+    for item in items:
+        marker = item.get_closest_marker("pure_pass_only")
+        if marker is not None:
+            if not marker.kwargs.get("reason"):
+                raise pytest.UsageError(f"{item.nodeid}: pure_pass_only needs a reason=")
+            pure_only.append(item)
+    if pure_only and os.environ.get("FMW_TEST_COMPILED"):
+        config.hook.pytest_deselected(items=pure_only)
+        left = set(map(id, pure_only))
+        items[:] = [item for item in items if id(item) not in left]
     if not hasattr(config, "workerinput"):
         return
     slow: Counter[Path] = Counter()

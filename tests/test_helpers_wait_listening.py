@@ -14,6 +14,10 @@ import pytest
 
 from tests.helpers import wait_listening
 
+pytestmark = pytest.mark.pure_pass_only(
+    reason="tests.helpers.wait_listening on plain processes; nothing of the package runs"
+)
+
 UNUSED_PORT = 21501  # nothing listens there (this run's own port range)
 
 

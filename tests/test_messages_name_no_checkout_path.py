@@ -8,7 +8,13 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import fallback_mw
+
+pytestmark = pytest.mark.pure_pass_only(
+    reason="the package's .py sources are parsed; nothing of the package runs"
+)
 
 PACKAGE = Path(fallback_mw.__file__).parent
 
