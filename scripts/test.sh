@@ -21,6 +21,34 @@ source scripts/promtool.sh
 source scripts/chromium.sh
 source scripts/nss_wrapper.sh
 
+# On a full run the compiled core (below) is built from the start, in the background and at
+# a low priority: its build (mypyc, then one C compile of minutes) uses a single core,
+# beside mypy (another single one) and the pure pass, whose tests wait on sockets, timers
+# and subprocesses much of the time; the compiled pass waits for it.
+build_missing=""
+build_pid=""
+build_started=$SECONDS
+if [ $# -eq 0 ]; then
+    include=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+    command -v "${CC:-cc}" >/dev/null 2>&1 || build_missing="a C compiler (${CC:-cc})"
+    [ -f "$include/Python.h" ] ||
+        build_missing="${build_missing:+$build_missing, }the Python headers ($include)"
+    [ -x .venv/bin/mypyc ] ||
+        build_missing="${build_missing:+$build_missing, }mypyc (the dev extra's mypy)"
+    if [ -z "$build_missing" ]; then
+        mkdir -p build
+        # In a process group of its own (mypyc and the C compiler under it), stopped whole
+        # when this script ends before the compiled pass waited for it: a failed step, or
+        # an interrupt (Ctrl-C or SIGTERM, which now end the whole check).
+        setsid nice -n 10 .venv/bin/python scripts/compile.py --out build/compiled \
+            > build/compile.log 2>&1 &
+        build_pid=$!
+        trap '[ -z "$build_pid" ] || kill -- "-$build_pid" 2>/dev/null || true' EXIT
+        trap 'exit 130' INT
+        trap 'exit 143' TERM
+    fi
+fi
+
 failed=()
 echo "== ruff check, ruff format --check"
 .venv/bin/ruff check src tests examples benchmarks scripts || failed+=("ruff")
@@ -48,13 +76,8 @@ fi
 # FMW_TEST_COMPILED makes tests/conftest.py refuse a pass that imports the pure package.
 # The copy is rebuilt only when its sources changed (compile.py keeps their digest).
 compiled_pass() {
-    local include
-    include=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
-    local missing=""
-    command -v "${CC:-cc}" >/dev/null 2>&1 || missing="a C compiler (${CC:-cc})"
-    [ -f "$include/Python.h" ] || missing="${missing:+$missing, }the Python headers ($include)"
-    [ -x .venv/bin/mypyc ] || missing="${missing:+$missing, }mypyc (the dev extra's mypy)"
-    if [ -n "$missing" ]; then
+    if [ -n "$build_missing" ]; then
+        local missing=$build_missing
         if [ "${CI:-}" = "true" ]; then
             echo "test.sh: missing $missing: the compiled core cannot be built" >&2
             failed+=("pytest (compiled core)")
@@ -64,7 +87,12 @@ compiled_pass() {
         return 0
     fi
     local started=$SECONDS
-    if ! .venv/bin/python scripts/compile.py --out build/compiled > build/compile.log 2>&1; then
+    local built=0
+    wait "$build_pid" || built=$?
+    build_pid=""
+    echo "test.sh: waited $((SECONDS - started)) s for the compiled core's build" \
+         "(begun $((started - build_started)) s before, beside the checks above)"
+    if [ "$built" -ne 0 ]; then
         tail -n 30 build/compile.log >&2
         echo "test.sh: scripts/compile.py --out build/compiled failed (build/compile.log)" >&2
         failed+=("pytest (compiled core)")
@@ -80,7 +108,7 @@ compiled_pass() {
         .venv/bin/python -m pytest -n "${FMW_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder \
         --ignore tests/test_fresh_install.py --ignore tests/test_compiled_wheel.py \
         || failed+=("pytest (compiled core)")
-    echo "test.sh: the compiled core's pass took $((SECONDS - started)) s (its build included)"
+    echo "test.sh: the compiled core's pass took $((SECONDS - started)) s (the wait for its build included)"
 }
 if [ $# -eq 0 ]; then
     echo "== pytest (compiled core)"
