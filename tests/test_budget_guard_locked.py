@@ -91,6 +91,14 @@ async def answer_of(
     return status, error, took
 
 
+async def answer_into(
+    answers: list[tuple[int, dict[str, Any], float]],
+    gateway: Gateway,
+    headers: list[tuple[bytes, bytes]],
+) -> None:
+    answers.append(await answer_of(gateway, headers))
+
+
 async def test_a_locked_ledger_refuses_within_the_route_deadline(ledger_path: Path) -> None:
     async with upstream(status_handler(200)) as primary:
         gateway = Gateway(host_app, config=config(primary.url, ledger_path, 1200))
@@ -172,8 +180,13 @@ async def test_a_caller_deadline_of_a_few_ms_is_the_deadline_s_504_not_the_ledge
             short = [[(b"x-gateway-deadline-ms", str(ms).encode())] for ms in [1, 2, 3, 4, 5]]
             served = [await answer_of(gateway, headers) for headers in short * 4]
             lock = LockedElsewhere(ledger_path)
+            waited: list[tuple[int, dict[str, Any], float]] = []
             try:
-                waited = [await answer_of(gateway, headers) for headers in short]
+                # At once: each request's usage record, written after its answer, waits out
+                # the ledger's 5 s busy timeout under the lock; one after another took 25 s.
+                async with anyio.create_task_group() as group:
+                    for headers in short:
+                        group.start_soon(lambda h=headers: answer_into(waited, gateway, h))
             finally:
                 lock.release()
             assert (await answer_of(gateway))[0] == 200
