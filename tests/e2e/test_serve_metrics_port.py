@@ -156,27 +156,6 @@ async def test_scrapes_in_a_loop_are_paced(tmp_path: Path) -> None:
     assert 1 <= len(scraped) <= seconds / RENDER_GAP + 1 + 4, len(scraped)
 
 
-def _metrics_env(metrics_port: int) -> dict[str, str]:
-    return dict(
-        os.environ,
-        FMW_METRICS_KEY="primary-key-0c4f",
-        OTEL_TRACES_EXPORTER="none",
-        OTEL_METRICS_EXPORTER="prometheus",
-        OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
-        OTEL_EXPORTER_PROMETHEUS_PORT=str(metrics_port),
-    )
-
-
-def _one_route_config(tmp_path: Path, url: str) -> Path:
-    config = tmp_path / "gateway.toml"
-    config.write_text(
-        f'[upstreams.primary]\nurl = "{url}"\nauth_env = "FMW_METRICS_KEY"\n'
-        '[[routes]]\nid = "chat"\nprefix = "/v1/"\nplan = ["primary"]\n',
-        encoding="utf-8",
-    )
-    return config
-
-
 @pytest.mark.anyio
 async def test_a_scrape_gets_through_while_idle_clients_hold_every_connection(
     tmp_path: Path,
@@ -187,35 +166,32 @@ async def test_a_scrape_gets_through_while_idle_clients_hold_every_connection(
     the target down (`up` 0) for as long as they came back. A connection that has not sent
     its request head now gives way to a new one, the oldest first: a scrape, which sends
     its head at once, is answered."""
-    port, metrics_port, log = free_port(), free_port(), tmp_path / "serve.log"
-    async with upstream(status_handler(200, b"ok")) as primary:
-        config = _one_route_config(tmp_path, primary.url)
-        with serve_process(config, port, log, env=_metrics_env(metrics_port)) as process:
-            await wait_listening(process, port, log)
-            await wait_listening(process, metrics_port, log)
-            # Accepted in the order they connected: every one of these before the scrape.
-            opened = time.monotonic()
-            idle = [
-                socket.create_connection(("127.0.0.1", metrics_port), timeout=30)
-                for _ in range(CONNECTIONS)
-            ]
-            try:
-                async with httpx.AsyncClient(timeout=30) as client:
-                    for _ in range(3):
-                        scrape = await client.get(f"http://127.0.0.1:{metrics_port}/metrics")
-                        assert scrape.status_code == 200
-                        assert "gateway_" in scrape.text
-                # The oldest gave way; the newest, younger than CONNECTION_SECONDS, did not.
-                assert idle[0].recv(1) == b""
-                idle[-1].setblocking(False)
-                if time.monotonic() - opened < CONNECTION_SECONDS - 1:
-                    assert not closed(idle[-1])
-            finally:
-                for sock in idle:
-                    sock.close()
-            process.send_signal(signal.SIGINT)
-            status = process.wait(timeout=TELEMETRY_FLUSH_SECONDS + 10)
-    text = log_text(log)
+    metrics_port = free_port()
+    async with serving_metrics(tmp_path, metrics_port) as serve:
+        process = serve.process
+        # Accepted in the order they connected: every one of these before the scrape.
+        opened = time.monotonic()
+        idle = [
+            socket.create_connection(("127.0.0.1", metrics_port), timeout=30)
+            for _ in range(CONNECTIONS)
+        ]
+        try:
+            async with httpx.AsyncClient(timeout=30) as client:
+                for _ in range(3):
+                    scrape = await client.get(f"http://127.0.0.1:{metrics_port}/metrics")
+                    assert scrape.status_code == 200
+                    assert "gateway_" in scrape.text
+            # The oldest gave way; the newest, younger than CONNECTION_SECONDS, did not.
+            assert idle[0].recv(1) == b""
+            idle[-1].setblocking(False)
+            if time.monotonic() - opened < CONNECTION_SECONDS - 1:
+                assert not closed(idle[-1])
+        finally:
+            for sock in idle:
+                sock.close()
+        process.send_signal(signal.SIGINT)
+        status = process.wait(timeout=TELEMETRY_FLUSH_SECONDS + 10)
+    text = serve.text()
     assert status == 0, text[-2000:]
     assert "Traceback" not in text, text[-3000:]
 
@@ -235,17 +211,14 @@ async def test_head_of_metrics_answers_its_headers_without_a_body(tmp_path: Path
     """Health checkers and load balancers that check with HEAD got 405 Method Not Allowed
     (only GET and OPTIONS were served) and counted the gateway's metrics target down. HEAD
     is answered as GET is, 200 with the same headers, and no body (RFC 9110, 9.3.2)."""
-    port, metrics_port, log = free_port(), free_port(), tmp_path / "serve.log"
-    async with upstream(status_handler(200, b"ok")) as primary:
-        config = _one_route_config(tmp_path, primary.url)
-        with serve_process(config, port, log, env=_metrics_env(metrics_port)) as process:
-            await wait_listening(process, port, log)
-            await wait_listening(process, metrics_port, log)
-            request = b" /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
-            head = await anyio.to_thread.run_sync(_answer, metrics_port, b"HEAD" + request)
-            get = await anyio.to_thread.run_sync(_answer, metrics_port, b"GET" + request)
-            process.send_signal(signal.SIGINT)
-            process.wait(timeout=TELEMETRY_FLUSH_SECONDS + 10)
+    metrics_port = free_port()
+    async with serving_metrics(tmp_path, metrics_port) as serve:
+        process = serve.process
+        request = b" /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+        head = await anyio.to_thread.run_sync(_answer, metrics_port, b"HEAD" + request)
+        get = await anyio.to_thread.run_sync(_answer, metrics_port, b"GET" + request)
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=TELEMETRY_FLUSH_SECONDS + 10)
     head_lines, _, head_body = head.partition(b"\r\n\r\n")
     get_lines, _, get_body = get.partition(b"\r\n\r\n")
     assert head_lines.split(b"\r\n")[0].endswith(b" 200 OK"), head
