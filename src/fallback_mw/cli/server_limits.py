@@ -24,6 +24,8 @@ from typing import Any, cast
 
 from fallback_mw.cli.httptools_framing import MessageBounds, NoTrailersAsHeaders
 from fallback_mw.config import DEFAULT_METHODS, GatewaySettings
+from fallback_mw.request.connection_loss import SCOPE_KEY as LOSS_KEY
+from fallback_mw.request.connection_loss import ConnectionLoss
 
 # h11 keeps at most this much beyond max_header_bytes (our count runs after each read,
 # which may be up to a few hundred KiB with uvloop); with httptools the guard alone bounds it.
@@ -110,6 +112,8 @@ class _HeadGuard:
         self._lingering = False
         self._request_line = b""  # the start of the head being read (for send_400_response)
         self._head_tail = b""  # the last bytes of the head so far: its end may straddle reads
+        # Told to the request in flight when the connection goes (request/connection_loss.py).
+        self._loss = ConnectionLoss()
         self._start_head()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -118,6 +122,7 @@ class _HeadGuard:
             self._head_timer.cancel()
             self._head_timer = None
         super().connection_lost(exc)  # type: ignore[misc]
+        self._loss.connection_lost()
 
     def data_received(self, data: bytes) -> None:
         if self._lingering:
@@ -151,6 +156,8 @@ class _HeadGuard:
         if self._head_done():
             self._stop_head()
             cycle = self.cycle
+            if cycle is not None:  # its app has not run yet: the task starts on the loop
+                cycle.scope[LOSS_KEY] = self._loss
             if cycle is not None and cycle.more_body and not cycle.response_complete:
                 # A body still to come: should uvicorn close the connection once it has
                 # answered (an early 413 to a request that said `Connection: close`, or

@@ -38,6 +38,8 @@ from fallback_mw.layers.walker.via import ViaSecret, came_back, refuse_loop
 from fallback_mw.plan import candidate_order, is_canary
 from fallback_mw.request.body import read_body
 from fallback_mw.request.body_json import estimate_source, request_json
+from fallback_mw.request.connection_loss import SCOPE_KEY as LOSS_KEY
+from fallback_mw.request.connection_loss import ConnectionLoss
 from fallback_mw.request.context import AttemptRecord, RequestContext, host_cancelled, host_refused
 from fallback_mw.request.local_errors import send_error
 from fallback_mw.request.types import Receive, Scope, Send
@@ -153,9 +155,14 @@ class _Walk:
         # watcher (a task reading `receive`) starts once the walk has lasted WATCH_AFTER:
         # a walk done sooner never pays for it, and a disconnect is noticed at most that
         # much later (the server keeps it: `receive` says `http.disconnect` when asked).
+        # Under serve the server tells of the loss itself: no task (connection_loss.py).
         walk_task = current_task(asyncio.get_running_loop())
         assert walk_task is not None
-        watch = DisconnectWatch(self.receive, body, context, walk_task)
+        loss = self.scope.get(LOSS_KEY)
+        watch = DisconnectWatch(
+            self.receive, body, context, walk_task,
+            loss if isinstance(loss, ConnectionLoss) else None,
+        )  # fmt: skip
         try:
             # The walk's loop, in this frame rather than a coroutine of its own: every
             # await below passes through each frame of the chain (docs/performance.md).
