@@ -110,7 +110,7 @@ async def read_body(
                         more += first
                     more += chunk
                 if not message.get("more_body", False):
-                    body.done.set()
+                    body.finish()
                     data = bytes(more) if more else first
                     if size <= settings.replay_buffer:
                         body.buffered = data
@@ -218,7 +218,7 @@ class _StreamRest:
             raise StopAsyncIteration
         if self._last:  # the last chunk was taken: the body is sent whole
             self._ended = True
-            self._body.done.set()
+            self._body.finish()
             raise StopAsyncIteration
         start, self._start = self._start, b""
         if start:
@@ -265,7 +265,7 @@ class _StreamRest:
                     self._last = True  # done once the engine asks past it (`__anext__`)
                     return last
                 self._ended = True
-                body.done.set()
+                body.finish()
                 raise StopAsyncIteration
             if size < declared:
                 if chunk:

@@ -99,7 +99,10 @@ class RequestBody:
     # What the host's `receive` raised while the body streamed to an attempt (a middleware
     # in front refusing it: a size limit, a signature check): raised to the host again.
     host_refusal: Exception | None = None
-    done: asyncio.Event = field(default_factory=asyncio.Event)  # every message received
+    finished: bool = False  # every message received (`finish`)
+    # Made only for a reader that waits for the end (`wait_finished`): an asyncio.Event per
+    # request, made and set, was some 4k instructions for a wait almost never needed.
+    waiter: asyncio.Event | None = None
     # The buffered body as a JSON object (None: not one), parsed at most once per request
     # by whichever layer asks first (walk/body.py `body_json`).
     json: dict[str, Any] | None = None
@@ -108,6 +111,18 @@ class RequestBody:
     @property
     def ok(self) -> bool:
         return not (self.too_large or self.timed_out or self.client_gone or self.misframed)
+
+    def finish(self) -> None:
+        """Every message of the body has been received."""
+        self.finished = True
+        if self.waiter is not None:
+            self.waiter.set()
+
+    async def wait_finished(self) -> None:
+        if not self.finished:
+            if self.waiter is None:
+                self.waiter = asyncio.Event()
+            await self.waiter.wait()
 
     def __repr__(self) -> str:
         # What an error reporter shows of a frame's locals: its size, never its bytes.

@@ -16,8 +16,8 @@ async def watch_disconnect(
 ) -> None:
     """Once the body is read, the walk is the only reader left: a disconnect cancels the
     attempt in flight (walk_task) and starts nothing new."""
-    if not body.done.is_set():  # read whole (the usual case): no coroutine to wait on
-        await body.done.wait()
+    if not body.finished:  # read whole (the usual case): no coroutine to wait on
+        await body.wait_finished()
     message = await receive()
     if message["type"] != "http.disconnect":
         # After the body's last message a server's `receive` blocks until the client
@@ -73,7 +73,7 @@ class DisconnectWatch:
         _, body, context, walk_task = self._args
         # As `watch_disconnect`: only once the body is read (a body still streaming reads
         # the disconnect itself), and not once the response is complete.
-        if body.done.is_set() and not context.completed:
+        if body.finished and not context.completed:
             context.client_disconnected = True
             walk_task.cancel()
 
