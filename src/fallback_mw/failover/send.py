@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 from urllib.parse import quote
@@ -38,6 +39,9 @@ from fallback_mw.upstream.base import (
 )
 
 AttemptResult = tuple[Outcome, UpstreamResponse | None]
+# A path `quote(path, safe=PATH_SAFE)` returns unchanged (its always-safe characters and
+# PATH_SAFE): the usual one, sent as it is without urllib's two Python calls.
+_PLAIN_PATH = re.compile(f"[A-Za-z0-9_.~{re.escape(PATH_SAFE.replace('-', ''))}-]*")
 _FIRST_BYTE = "first_byte_timeout_ms"
 
 
@@ -204,7 +208,10 @@ class AttemptRunner:
         if target is None:
             # The caller's percent-encoding where it is safe to keep (`%2F` inside a
             # segment), else the normalised path quoted.
-            target = self.context.spelled_path or quote(self.context.path, safe=PATH_SAFE)
+            path = self.context.path
+            target = self.context.spelled_path or (
+                path if _PLAIN_PATH.fullmatch(path) else quote(path, safe=PATH_SAFE)
+            )
             if self.context.query:
                 target += "?" + self.context.query.decode("latin-1")
             self._target = target
@@ -380,6 +387,6 @@ class AttemptRunner:
             body_too_large=body.too_large,
             body_timed_out=body.timed_out,
             body_misframed=body.misframed,
-            body_unfinished=body.stream is not None and not body.done.is_set(),
+            body_unfinished=body.stream is not None and not body.finished,
             host_refused=body.host_refusal is not None,
         )
