@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from fallback_mw.config.views import AnySettings
 from fallback_mw.request.context import RequestBody, RequestContext, host_refused
 from fallback_mw.request.types import Receive, Scope
+from fallback_mw.security.fields import name_forms
 from fallback_mw.timers import Deadline, deadline_after
 
 
@@ -50,7 +51,7 @@ def declared_length(scope: Scope) -> int | None:
     length: int | None = None
     seen = False
     for key, value in scope.get("headers", ()):  # one pass: this is every request's
-        lower = key.lower()
+        lower = name_forms(key)[0]
         if lower == b"transfer-encoding":
             return None
         if lower == b"content-length" and not seen:  # the first, as `content_length` reads

@@ -17,7 +17,7 @@ from typing import Any
 from urllib.parse import unquote_to_bytes
 
 from fallback_mw.config.views import AnyUpstream
-from fallback_mw.security.fields import CREDENTIAL_HEADERS
+from fallback_mw.security.fields import CREDENTIAL_HEADERS, name_forms
 from fallback_mw.security.queries import canonical_query_key
 
 # A credential shorter than this is not searched for: it would match ordinary text (a test
@@ -110,8 +110,8 @@ class RequestSecrets:
             found = list(self._provider)
             names = self._names
             for name, value in self._headers:
-                # `canonical_name`, written out: a call per header was most of the pass.
-                if name.lower().replace(b"_", b"-") in names:
+                # `canonical_name`, remembered per name (`name_forms`).
+                if name_forms(name)[1] in names:
                     found.extend(secret_forms(value))
             if self._query and self._query_keys:
                 for part in self._query.replace(b";", b"&").split(b"&"):

@@ -187,6 +187,25 @@ def _add_methods(named: set[str], value: bytes) -> None:
             named.add(item)
 
 
+# Each header name's lowercased and canonical forms, by the name as it came
+# (`name_forms`): the same few names come every request, and a dict look-up is a fraction
+# of `lower` and `replace` (method calls of a few hundred instructions each, compiled),
+# done in several passes over every head. Bounded: a name longer than 64 bytes is not
+# kept, nor any past the first 1,024 (a caller's made-up names then cost what they did).
+_NAME_FORMS: dict[bytes, tuple[bytes, bytes]] = {}
+
+
+def name_forms(name: bytes) -> tuple[bytes, bytes]:
+    """`(name.lower(), canonical_name(name))`, remembered for the usual names."""
+    found = _NAME_FORMS.get(name)
+    if found is None:
+        lowered = name.lower()
+        found = (lowered, lowered.replace(b"_", b"-"))
+        if len(name) <= 64 and len(_NAME_FORMS) < 1024:
+            _NAME_FORMS[name] = found
+    return found
+
+
 def canonical_name(name: bytes) -> bytes:
     """The name as WSGI-style upstreams read it: `x_api_key` and `X-Api-Key` are one field
     (both become HTTP_X_API_KEY), so every stripping rule compares this form."""
@@ -239,9 +258,8 @@ def forwardable_request_headers(
     # One pass (`kept_fields` and the rewrites below it, written out) for a head without
     # a listing field, the usual one; a `Connection` / `Trailer` field starts again.
     kept: Headers = []
-    for name, value in headers:
-        name = name.lower()
-        canonical = name.replace(b"_", b"-")
+    for raw, value in headers:
+        name, canonical = name_forms(raw)
         if (
             canonical in _NEVER_FORWARDED
             or canonical in also
