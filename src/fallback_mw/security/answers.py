@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from fallback_mw.security.fields import HOP_BY_HOP_HEADERS, Headers, kept_fields
+from fallback_mw.security.fields import HOP_BY_HOP_HEADERS, Headers, kept_fields, name_forms
 
 # The server in front of the client adds its own `date` and `server`; the upstream's copies
 # would be duplicates, and its `server` names the provider's software to every caller.
@@ -124,7 +124,7 @@ def forwardable_response_headers(
     a head without `transfer-encoding` (the engines refuse contradictory heads before
     this, `upstream.base.check_response_head`, and end a body that falls short of it as
     aborted). A 204 or 304 goes out with no length at all."""
-    lowered = [(name.lower(), value) for name, value in headers]
+    lowered = [(name_forms(name)[0], value) for name, value in headers]
     # No length beside a transfer coding (the engine de-chunks: the length would be stale),
     # and none on a status that has no body.
     no_length = status in _NO_BODY_STATUSES

@@ -350,7 +350,7 @@ def kept_fields(
             break
     kept: Headers = []
     for name, value in lowered:
-        canonical = name.replace(b"_", b"-")
+        canonical = name_forms(name)[1]
         if (
             canonical in dropped
             or canonical in also

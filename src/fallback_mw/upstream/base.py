@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from fallback_mw.error_chain import error_chain
+from fallback_mw.security.fields import name_forms
 from fallback_mw.security.values import MAX_CACHED, is_field_name, is_token
 from fallback_mw.timers import Deadline
 from fallback_mw.upstream.timed_body import TimedBody
@@ -229,8 +230,7 @@ def check_response_head(
     for name, value in headers:
         if large and len(name) + len(value) > MAX_RESPONSE_FIELD:
             raise unrelayable("a response field is too large to relay")
-        lower = name.lower()
-        lowered.append((lower, value))
+        lowered.append((lower := name_forms(name)[0], value))  # lowercased once per name
         if lower == b"content-length":
             lengths.append(value.strip())
         elif lower == b"transfer-encoding":
