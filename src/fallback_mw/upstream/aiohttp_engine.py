@@ -234,6 +234,7 @@ class AiohttpClient:
         self._at_loop_end: CloseAtLoopEnd | None = None  # closes the session there
         self._literals = LiteralChecks(allow_hosts)  # IP-literal hosts skip the resolver
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}  # per connect timeout
+        self._urls: dict[str, URL] = {}  # per target without a query (`_url`)
         self._caps = ConnectionCaps()
 
     def _follow_loop(self) -> None:
@@ -304,7 +305,9 @@ class AiohttpClient:
             buffered = isinstance(body, bytes)
             # encoded=True: the path and query go out byte for byte as the walker built
             # them (yarl would otherwise decode %3F, %2F, %7e... and re-encode).
-            url = URL(ascii_target(request.url), encoded=True)
+            url = self._urls.get(request.url)
+            if url is None:
+                url = self._url(request.url)
             for resends in range(STALE_RESENDS + 1):
                 # No timer while connecting (the socket connect has its own) or while the
                 # caller's body is still arriving (the caller's time): see FirstByteTimer.
@@ -362,6 +365,15 @@ class AiohttpClient:
             release()
             raise
         return AiohttpResponse(response, headers, timeouts.idle, release)
+
+    def _url(self, text: str) -> URL:
+        """yarl's URL of an attempt's target (about a microsecond to make), kept for the
+        next attempts at it: at most 256, and none with a query (a caller's query string
+        is kept no longer than its request)."""
+        url = URL(ascii_target(text), encoded=True)
+        if len(self._urls) < 256 and text.find("?") < 0:
+            self._urls[text] = url
+        return url
 
     def _client_timeout(self, connect: float) -> aiohttp.ClientTimeout:
         # aiohttp's `connect` includes waiting for a free pooled connection: the gateway's
