@@ -22,6 +22,7 @@ from fallback_mw.request.codings import (
 )
 from fallback_mw.request.context import MAX_NAME, Headers, RequestBody, RequestContext
 from fallback_mw.request.types import Scope
+from fallback_mw.security.fields import name_forms
 from fallback_mw.tokens import first_json_value
 
 
@@ -204,7 +205,7 @@ def unreadable_request_charset(scope: Scope) -> str | None:
     a limit the hold never saw. None: no such charset. Asked only of a body holding `+` or
     `&` (what UTF-7 decodes) or not JSON as sent, so a plain body costs nothing more."""
     for key, value in scope.get("headers", ()):
-        if key.lower() == b"content-type":
+        if name_forms(key)[0] == b"content-type":
             match = _CHARSET.search(value)
             if match is not None:
                 name = _NAME_NOISE.sub(b"", match[1].lower())
@@ -239,7 +240,7 @@ def written_like(document: dict[str, Any], original: bytes, headers: Headers) ->
             break
     escape = False
     for key, value in headers:
-        if key.lower() == b"content-type":
+        if name_forms(key)[0] == b"content-type":
             match = _CHARSET.search(value)
             escape = match is not None and not _NAME_NOISE.sub(b"", match[1].lower()).startswith(
                 b"utf"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import zlib
 
-from fallback_mw.security.fields import READABLE_CODINGS
+from fallback_mw.security.fields import READABLE_CODINGS, name_forms
 
 
 def body_coding(headers: list[tuple[bytes, bytes]]) -> tuple[bytes | None, bytes | None]:
@@ -17,7 +17,7 @@ def body_coding(headers: list[tuple[bytes, bytes]]) -> tuple[bytes | None, bytes
     content_type = content_encoding = None
     more: list[bytes] | None = None  # the fields after the first, joined once at the end
     for key, value in headers:
-        lower = key.lower()
+        lower = name_forms(key)[0]
         if lower == b"content-type":
             content_type = value
         elif lower == b"content-encoding":

@@ -196,12 +196,13 @@ _NAME_FORMS: dict[bytes, tuple[bytes, bytes]] = {}
 
 
 def name_forms(name: bytes) -> tuple[bytes, bytes]:
-    """`(name.lower(), canonical_name(name))`, remembered for the usual names."""
-    found = _NAME_FORMS.get(name)
+    """`(name.lower(), canonical_name(name))`, remembered for the usual names (of type
+    bytes: a host's bytearray name, unhashable, is read as it was)."""
+    found = _NAME_FORMS.get(name) if type(name) is bytes else None
     if found is None:
         lowered = name.lower()
         found = (lowered, lowered.replace(b"_", b"-"))
-        if len(name) <= 64 and len(_NAME_FORMS) < 1024:
+        if len(name) <= 64 and len(_NAME_FORMS) < 1024 and type(name) is bytes:
             _NAME_FORMS[name] = found
     return found
 

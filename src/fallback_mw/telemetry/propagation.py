@@ -19,6 +19,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from fallback_mw.python_class import python_class
 from fallback_mw.request.secrets import RequestSecrets
+from fallback_mw.security.fields import name_forms
 from fallback_mw.telemetry.redact import GETTER
 from fallback_mw.telemetry.spans import AttemptTrace
 
@@ -112,7 +113,7 @@ class TracePropagation:
         # them so (a `Traceparent` skipped here sent its `Tracestate` upstream uncleaned).
         # A loop, not `any()` over a generator (about 2,000 instructions): every request.
         for name, _ in headers:  # noqa: SIM110
-            if name.lower() in fields:
+            if name_forms(name)[0] in fields:
                 return False
         return True
 
