@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
+from typing import Final
 
 from fallback_mw.security.queries import NO_METHODS, strip_url_query_keys
 from fallback_mw.security.values import MAX_CACHED
@@ -192,7 +193,8 @@ def _add_methods(named: set[str], value: bytes) -> None:
 # of `lower` and `replace` (method calls of a few hundred instructions each, compiled),
 # done in several passes over every head. Bounded: a name longer than 64 bytes is not
 # kept, nor any past the first 1,024 (a caller's made-up names then cost what they did).
-_NAME_FORMS: dict[bytes, tuple[bytes, bytes]] = {}
+# Final: compiled, a static, not a look-up in the module's dict at every call.
+_NAME_FORMS: Final[dict[bytes, tuple[bytes, bytes]]] = {}
 
 
 def name_forms(name: bytes) -> tuple[bytes, bytes]:
