@@ -228,3 +228,48 @@ async def test_head_of_metrics_answers_its_headers_without_a_body(tmp_path: Path
     assert fields == {line.split(b":")[0].lower() for line in get_lines.split(b"\r\n")[1:]}
     assert b"content-length" in fields and b"content-type" in fields, head
     assert get_lines.split(b"\r\n")[0].endswith(b" 200 OK") and b"# HELP" in get_body
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc")
+@pytest.mark.anyio
+async def test_a_connection_cut_to_make_room_is_not_served(tmp_path: Path) -> None:
+    """Clients that send a head and never end it (a slowloris) are cut to make room for a
+    newcomer, and a cut connection's head ends where its input does: each was then served
+    as a scrape for nobody, outside the CONNECTIONS bound, its thread and socket held in
+    the RENDER_GAP queue. 150 such clients sent in a burst held 150 threads of serve's
+    process for 15 s, growing for as long as they came faster than 10 a second, and a real
+    scrape waited behind them all. A connection cut before its head was read is closed
+    unserved: serve's threads stay within the bound and the scrape is answered."""
+    metrics_port = free_port()
+    slow = 150
+    async with serving_metrics(tmp_path, metrics_port) as serve:
+        process = serve.process
+        threads = threads_of(process.pid)
+
+        def connect(_: int) -> socket.socket:
+            sock = socket.create_connection(("127.0.0.1", metrics_port), timeout=30)
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # the head goes on
+            return sock
+
+        held = [await anyio.to_thread.run_sync(connect, n) for n in range(slow)]
+        try:
+            deadline = time.monotonic() + 5
+            while threads_of(process.pid) > threads + CONNECTIONS + 4:
+                assert time.monotonic() < deadline, (
+                    f"serve holds {threads_of(process.pid)} threads after {slow} slow heads "
+                    f"(at start {threads}, at most {CONNECTIONS} connections served)"
+                )
+                await anyio.sleep(0.1)
+            asked = time.monotonic()
+            async with httpx.AsyncClient(timeout=30) as client:
+                scrape = await client.get(f"http://127.0.0.1:{metrics_port}/metrics")
+            assert scrape.status_code == 200 and "gateway_" in scrape.text
+            assert time.monotonic() - asked < 5, "the scrape waited behind those cut"
+        finally:
+            for sock in held:
+                sock.close()
+        process.send_signal(signal.SIGINT)
+        status = process.wait(timeout=TELEMETRY_FLUSH_SECONDS + 10)
+    text = serve.text()
+    assert status == 0, text[-2000:]
+    assert "Traceback" not in text, text[-3000:]

@@ -12,7 +12,9 @@ its connection part-way wrote a 25-line traceback to serve's log. Here:
   oldest that has not sent its request head yet (a scrape sends its head at once: idle
   clients, a port scanner or a stuck health check, held every place and each scrape was
   closed unanswered until they timed out), else first cuts those open longer than
-  `CONNECTION_SECONDS` (their threads end), and is closed at once if none is;
+  `CONNECTION_SECONDS` (their threads end), and is closed at once if none is; one cut
+  before its head was read is not served (its head ends where its input does, and each
+  such was rendered for nobody, outside the bound);
 - each read waits at most `CONNECTION_SECONDS`, and a request head is read up to
   `HEAD_BYTES` (a longer one is answered 431);
 - a connection's failure (a reset, a timeout) ends it without a word in the log;
@@ -99,10 +101,9 @@ class _Handler(WSGIRequestHandler):
         self.rfile = _HeadLimit(self.rfile)  # type: ignore[assignment]
 
     def parse_request(self) -> bool:
-        parsed = super().parse_request()
-        if parsed:
-            self.server.head_read(self.connection)  # no longer given way to a newcomer
-        return parsed
+        # Held: no longer given way to a newcomer. Cut before (its head ended where its
+        # input did, at the cut): closed unserved, not rendered outside the bound.
+        return super().parse_request() and self.server.head_read(self.connection)
 
     def log_message(self, format: str, *args: Any) -> None:
         """Nothing: a scrape is not a log line."""
@@ -118,10 +119,13 @@ class MetricsServer(ThreadingMixIn, WSGIServer):
         self._open_lock = threading.Lock()
         super().__init__(*args, **kwargs)
 
-    def head_read(self, request: socket.socket) -> None:
+    def head_read(self, request: socket.socket) -> bool:
+        """Marks `request`'s head read; whether it is still served (not cut for room)."""
         with self._open_lock:
-            if request in self._open:
-                self._open[request] = (self._open[request][0], True)
+            if request not in self._open:
+                return False
+            self._open[request] = (self._open[request][0], True)
+            return True
 
     def process_request(self, request: Any, client_address: Any) -> None:
         now = time.monotonic()
