@@ -240,3 +240,57 @@ async def test_a_providers_session_reads_a_collector_answer_only_up_to_the_bound
     assert collector.sent[0] < READ_IT_ALL, f"serve read {collector.sent[0] >> 20} MiB"
     assert b"x-signed: by-provider" in collector.heads[0].lower(), collector.heads[0]
     assert status == 0, log_text(log)[-2000:]
+
+
+def test_a_provider_that_retries_through_its_own_request_keeps_the_answer(
+    tmp_path: Path, otel_env: Any
+) -> None:
+    """A provider that, on a 401, refreshes its token and sends again through its own
+    `request` (google-auth's AuthorizedSession does) had its second answer read twice:
+    once by the inner call, then again, empty, by the outer: the exporter read the
+    collector's refusal as no text (an SDK that quotes it, "Failed to export span batch
+    code: 429, reason: ...", quoted nothing). The answer read once is the answer."""
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from fallback_mw.cli.otel_session import provider_session
+
+    answers = iter([(401, b"token expired"), (429, b"quota exceeded for project")])
+
+    class Collector(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["content-length"]))
+            status, body = next(answers)
+            self.send_response(status)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    refreshing = """class Refreshing(requests.Session):
+    def request(self, method, url, data=None, headers=None, _again=False, **kwargs):
+        answer = super().request(method, url, data=data, headers=headers, **kwargs)
+        if answer.status_code == 401 and not _again:
+            return self.request(method, url, data=data, headers=headers, _again=True, **kwargs)
+        return answer
+return Refreshing()"""
+    path = providers(tmp_path / "site", refreshing=refreshing)
+    server = HTTPServer(("127.0.0.1", 0), Collector)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    sys.path.insert(0, str(path))
+    try:
+        session = provider_session(GENERAL, "refreshing")
+        answer = session.request(
+            method="POST",
+            url=f"http://127.0.0.1:{server.server_address[1]}/v1/traces",
+            data=b"spans",
+            timeout=10,
+        )
+    finally:
+        sys.path.remove(str(path))
+        server.shutdown()
+        server.server_close()
+    assert answer.status_code == 429
+    assert answer.content == b"quota exceeded for project"
+    assert answer.text == "quota exceeded for project"

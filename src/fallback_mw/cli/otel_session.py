@@ -67,7 +67,8 @@ def _bounded(
     kwargs["allow_redirects"] = False
     until = time.monotonic() + _seconds(kwargs.get("timeout"))
     response = send(method, url, *args, **kwargs)
-    _read_bounded(response, until)
+    if not response._content_consumed:  # read already: a provider sent again through this
+        _read_bounded(response, until)
     if 300 <= response.status_code < 400 and _first_redirect():
         _log.warning(
             "the OTLP endpoint answered an export with a redirect (HTTP %d), which is "
