@@ -76,19 +76,37 @@ class _Paced:
         self._last = -RENDER_GAP
 
     def __call__(self, environ: Any, start_response: Any) -> Any:
-        head = environ.get("REQUEST_METHOD") == "HEAD"
-        if head:  # GET's status and headers, no body (prometheus_client answers HEAD 405)
-            environ = {**environ, "REQUEST_METHOD": "GET"}
+        if environ.get("REQUEST_METHOD") == "HEAD":  # prometheus_client answers HEAD 405
+            return self._head({**environ, "REQUEST_METHOD": "GET"}, start_response)
+        return self._paced(environ, start_response)
+
+    def _paced(self, environ: Any, start_response: Any) -> Any:
         with self._lock:  # those waiting hold a connection, not the interpreter
             wait = self._last + RENDER_GAP - time.monotonic()
             if wait > 0:
                 time.sleep(wait)
             self._last = time.monotonic()
-            body = self._wsgi(environ, start_response)
-        if not head:
-            return body
-        if hasattr(body, "close"):
-            body.close()
+            return self._wsgi(environ, start_response)
+
+    def _head(self, environ: Any, start_response: Any) -> list[bytes]:
+        """GET's status and headers, no body; its Content-Length the body's (RFC 9110, 8.6:
+        wsgiref said 0 for an answer without one)."""
+        started: list[tuple[Any, list[tuple[str, str]], Any]] = []
+
+        def start(status: Any, headers: Any, exc_info: Any = None) -> Any:
+            started.append((status, list(headers), exc_info))
+            return lambda data: None  # a write() the body is not sent with
+
+        body = self._paced(environ, start)
+        try:
+            size = sum(len(chunk) for chunk in body)
+        finally:
+            if hasattr(body, "close"):
+                body.close()
+        status, headers, exc_info = started[-1]
+        if not any(name.lower() == "content-length" for name, _ in headers):
+            headers.append(("Content-Length", str(size)))
+        start_response(status, headers, exc_info)
         return []
 
 
