@@ -282,3 +282,28 @@ def test_every_legal_scope_is_forwarded_alike(fields: dict[str, Any]) -> None:
     version = fields["http_version"] if fields["http_version"] is not MISSING else "1.1"
     [via] = [value for name, value in sent.headers if name == "via"]
     assert via.startswith(f"{version} "), via
+
+
+@pytest.mark.parametrize(
+    ("headers", "kind"),
+    [
+        ({b"content-type": b"text/plain"}, "dict"),
+        ([(b"content-type", b"text/plain", b"x")], "list"),
+        ([b"content-type: text/plain"], "list"),
+        (b"content-type: text/plain", "bytes"),
+    ],
+)
+def test_a_host_engines_headers_that_are_no_pairs_are_named_as_they_are(
+    headers: Any, kind: str
+) -> None:
+    """Headers that are no (name, value) pairs (a dict, triples, whole lines) were said to
+    be `headers dict of NoneType`: the None the check put in place of what it could not
+    unpack, which the engine never handed. Now they are named as what they are."""
+    engine = Engine(lambda: Answer(200, headers, [b"hello"]))
+    with pytest.raises(TypeError) as raised:
+        asyncio.run(exchange(engine, scope([(b"host", b"gw")])))
+    message = str(raised.value)
+    assert message.startswith(
+        f"client=: the engine's answer has headers {kind}, not (name, value) pairs; "
+    ), message
+    assert "NoneType" not in message

@@ -130,10 +130,18 @@ class CheckedHead:
 
 def _head_fields(fields: object) -> list[tuple[bytes, bytes]]:
     """A host engine's `headers` as tuples of bytes; TypeError naming them otherwise."""
+    pairs: list[tuple[Any, Any]] = []
     try:
-        pairs = [(name, value) for name, value in fields]  # type: ignore[attr-defined]
+        for field in fields:  # type: ignore[attr-defined]
+            if isinstance(field, bytes | bytearray | str):  # a line, not a pair to unpack
+                raise TypeError
+            name, value = field
+            pairs.append((name, value))
     except (TypeError, ValueError):
-        pairs = [(None, None)]
+        raise TypeError(
+            f"client=: the engine's answer has headers {type(fields).__name__}, not (name, "
+            "value) pairs; UpstreamResponse.headers is a list of (bytes, bytes)"
+        ) from None
     for name, value in pairs:
         if not isinstance(name, bytes) or not isinstance(value, bytes):
             raise TypeError(
