@@ -64,6 +64,7 @@ import hashlib
 import importlib.metadata
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -390,6 +391,10 @@ def digest(mypy: str) -> str:
     return sha.hexdigest()
 
 
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def build_out(out: Path) -> int:
     """A compiled copy of the package in `out`, from a staging directory beside it that
     replaces `out` only once built and imported whole; src/ is never written."""
@@ -416,6 +421,9 @@ def build_out(out: Path) -> int:
         return 1
     out.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
+    # SIGTERM (scripts/test.sh stopping its background build) ends the build through the
+    # `finally` below, as Ctrl-C does: its default action left the staging directory.
+    signal.signal(signal.SIGTERM, _terminated)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
         shutil.copytree(PACKAGE, staging / "fallback_mw", ignore=COPIED)
