@@ -39,7 +39,9 @@ if [ $# -eq 0 ]; then
         mkdir -p build
         # In a process group of its own (mypyc and the C compiler under it), stopped whole
         # when this script ends before the compiled pass waited for it: a failed step, or
-        # an interrupt (Ctrl-C or SIGTERM, which now end the whole check).
+        # an interrupt (Ctrl-C or SIGTERM, which now end the whole check). A SIGTERM to this
+        # script alone, not to its process group, ends it once the step running has ended
+        # (bash runs a trap after its foreground command): pytest runs on to its end.
         setsid nice -n 10 .venv/bin/python scripts/compile.py --out build/compiled \
             > build/compile.log 2>&1 &
         build_pid=$!
