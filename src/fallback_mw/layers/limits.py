@@ -28,6 +28,7 @@ def header_refusal(
         # No more fields than max_count (the usual request): only the size can refuse, so
         # the fields are not counted one by one (the same answer as the loop below).
         for field in headers:
+            # `_pair`, written out: this loop is every routed request's.
             name, value = field
             if (
                 field.__class__ is not tuple
@@ -40,13 +41,7 @@ def header_refusal(
                 return _all_bytes(headers, _too_large(max_bytes))
         return None
     for count, field in enumerate(headers, start=1):
-        name, value = field
-        if (
-            field.__class__ is not tuple
-            or name.__class__ is not bytes
-            or value.__class__ is not bytes
-        ):
-            raise TypeError(_NOT_BYTES)
+        name, value = _pair(field)
         size += len(name) + len(value) + _FIELD_OVERHEAD
         if count > max_count:
             message = f"more than {max_count} request header fields (max_header_count)"
@@ -61,14 +56,16 @@ def _all_bytes(headers: Iterable[Any], refusal: tuple[str, str]) -> tuple[str, s
     the limit was met is read too (the identity pass, the secrets), so it raises as any
     other would."""
     for field in headers:
-        name, value = field
-        if (
-            field.__class__ is not tuple
-            or name.__class__ is not bytes
-            or value.__class__ is not bytes
-        ):
-            raise TypeError(_NOT_BYTES)
+        _pair(field)
     return refusal
+
+
+def _pair(field: Any) -> tuple[bytes, bytes]:
+    """`field`'s name and value; TypeError when it is not a tuple of two `bytes`."""
+    name, value = field
+    if field.__class__ is not tuple or name.__class__ is not bytes or value.__class__ is not bytes:
+        raise TypeError(_NOT_BYTES)
+    return name, value
 
 
 _NOT_BYTES = "a request header field is not a tuple of two bytes"
