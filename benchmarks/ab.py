@@ -18,6 +18,8 @@ The other tree runs on this checkout's virtual environment (`PYTHONPATH` put in 
 only `src/fallback_mw` differs between the arms. `--build compiled` runs each tree's
 compiled core instead (its scripts/compile.py --out copy in its build/compiled, built
 first when missing or out of date: benchmarks/builds.py); the header names both builds.
+`--pin` as `run.py`'s (its docstring says why `split`, the default, holds the per-round
+multiples still): every server, both trees' and the floor, on the same CPU.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ def main() -> int:
         default="pure",
         help="both trees' build: pure (their sources) or compiled (compile.py --out copies)",
     )
+    parser.add_argument("--pin", choices=procs.PINS, default="split", help="as run.py's")
     args = parser.parse_args()
     chosen = [a for a in args.arms.split(",") if a]
     if not chosen or any(a not in ARMS for a in chosen):
@@ -74,6 +77,7 @@ def main() -> int:
     except procs.ToolMissing as exc:
         print(f"ab: {exc}", file=sys.stderr)
         return 3
+    print(procs.pin(args.pin), flush=True)
     tree = procs.Tree(Path(tempfile.mkdtemp(prefix="fmw-ab-")))
     try:
         upstream, backup, failing = procs.start_nginx(tree, nginx, 8)

@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -95,6 +95,53 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+# `--pin`: where each process may run. `split` puts every server under test (the floor and
+# each one-process `serve`) on the last CPU and the load (wrk, nginx, the benchmark's own
+# clients: they inherit the benchmark's affinity) on the others; `none` leaves all to the
+# scheduler. Why split is the default: on 2 cores, left to the scheduler, a server shares
+# its core with wrk in some windows (it then finds many requests per wake-up and spends
+# less per request) and not in others, so one arm's CPU per request moved by a fifth
+# between windows and a round's multiple of the floor by up to 1.8x (docs/performance.md).
+PINS = ("split", "none")
+_SERVER_CPUS: set[int] = set()  # empty: not pinned
+_EVERY_CPU: set[int] = set()
+
+
+def pin(mode: str) -> str:
+    """Place this benchmark (and so wrk, nginx and its clients) and the servers started
+    from now on as `mode` says; returns the header's line saying what is pinned."""
+    cpus = sorted(os.sched_getaffinity(0))
+    _SERVER_CPUS.clear()
+    if mode == "none" or len(cpus) < 2:
+        why = "--pin none" if mode == "none" else f"only CPU {cpus[0]} to run on"
+        return f"pinned: nothing ({why}); servers, wrk and nginx where the scheduler puts them"
+    server, load = cpus[-1], cpus[:-1]
+    _EVERY_CPU.update(cpus)
+    _SERVER_CPUS.add(server)
+    os.sched_setaffinity(0, load)
+    return (
+        f"pinned: each server under test on CPU {server}; wrk, nginx and the clients on "
+        f"CPU {','.join(map(str, load))} (`serve --workers N`: on every CPU)"
+    )
+
+
+def server_cpus(workers: int = 1) -> set[int]:
+    """Where a server runs under `pin` (several workers: every CPU, they are there to use
+    them all); empty when nothing is pinned."""
+    return set(_SERVER_CPUS if workers == 1 else _EVERY_CPU) if _SERVER_CPUS else set()
+
+
+def _server_preexec(workers: int) -> Callable[[], None]:
+    cpus = server_cpus(workers)
+
+    def preexec() -> None:  # in the child, before exec: every thread and worker inherits it
+        die_with_parent()
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    return preexec
+
+
 @dataclass
 class Child:
     name: str
@@ -118,10 +165,16 @@ class Tree:
     children: list[Child] = field(default_factory=list)
 
     def start(
-        self, name: str, command: list[str], port: int, env: dict[str, str], wait: float = 30
+        self,
+        name: str,
+        command: list[str],
+        port: int,
+        env: dict[str, str],
+        wait: float = 30,
+        preexec: Callable[[], None] = die_with_parent,
     ) -> Child:
         """Start `command`; wait up to `wait` seconds for its port (0: return at once, then
-        `listening(child, seconds)`)."""
+        `listening(child, seconds)`); `preexec` runs in the child before the command."""
         log = self.workdir / f"{name}.log"
         with log.open("wb") as out:
             process = subprocess.Popen(
@@ -130,7 +183,7 @@ class Tree:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                preexec_fn=die_with_parent,
+                preexec_fn=preexec,
             )
         child = Child(name, process, port, log)
         self.children.append(child)
@@ -255,7 +308,7 @@ def start_floor(tree: Tree, upstream: str, *, wrap: Sequence[str] = (), wait: fl
         "--lifespan", "off", "--log-level", "warning", *uvicorn_options(),
     ]  # fmt: skip
     env = {**os.environ, "FLOOR_UPSTREAM": upstream}
-    return tree.start("floor", command, port, env, wait)
+    return tree.start("floor", command, port, env, wait, _server_preexec(1))
 
 
 def start_gateway(
@@ -286,7 +339,7 @@ def start_gateway(
         str(workers),
     ]
     environment = {**os.environ, "BENCH_KEY": "bench-upstream-key", **(env or {})}
-    return tree.start(name, command, port, environment, wait)
+    return tree.start(name, command, port, environment, wait, _server_preexec(workers))
 
 
 def rss_kib(pid: int) -> dict[str, int]:

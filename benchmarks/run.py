@@ -17,6 +17,16 @@ Installs Debian's wrk and nginx-light with apt-get when they are missing (as roo
 `--build compiled` runs every `serve` arm from scripts/compile.py's compiled copy of this
 checkout (benchmarks/builds.py: built first when missing or out of date); the header names
 the build measured.
+
+`--pin split` (the default on 2 or more CPUs) runs every server under test, the floor and
+each `serve` alike, on the last CPU, and wrk, nginx and the script's own clients on the
+others; `--pin none` leaves them to the scheduler, as runs before 2026-12-06 did. Left to
+it on 2 cores, a server shared its core with wrk in some windows and not in others, and
+sharing changes the work itself (many requests found per wake-up, each cheaper): the floor's
+CPU per request moved by a fifth between windows, a round's multiple of it by up to 1.8x.
+Split is the placement of a real deployment (no client on the server's core); it costs
+both arms the wake-ups a shared core saved, the floor a larger share of its smaller
+per-request cost (procs.py: pin). The header says what was pinned.
 """
 
 from __future__ import annotations
@@ -129,6 +139,7 @@ TARGETS = {  # arm: (min req/s ratio to the floor's healthy, max p99 ratio or No
     "tracing": (0.3, None),
     "budget": (0.25, None),
 }
+CPU_TARGETS = {"healthy": 2.0, "failover": 3.0, "tracing": 3.5, "budget": 4.0}  # x floor
 LABELS = {
     "floor": "floor (bare ASGI + aiohttp)",
     "healthy": "serve, healthy",
@@ -194,6 +205,16 @@ def throughput(
             f"{label:34s} {median([x.rate for x in loads]):7.0f} "
             f"{median([x.p50_ms for x in loads]):7.1f} {median([x.p99_ms for x in loads]):7.1f} "
             f"{median([x.cpu_us for x in loads]):7.0f} {rate:7.2f}x {p99:5.2f}x  {target}"
+        )
+    lines.append("CPU per request, x the floor's in the same round (max/min over rounds):")
+    for name, loads in list(results.items())[1:]:
+        cpu = [a.cpu_us / f.cpu_us for a, f in zip(loads, floor, strict=True)]
+        want = CPU_TARGETS.get(name)
+        target = f"  target <= {want}x {verdict(median(cpu) <= want)}" if want else ""
+        lines.append(
+            f"  {LABELS[name].replace(' N,', f' {args.workers},'):32s} "
+            + " ".join(f"{x:.2f}" for x in cpu)
+            + f"  median {median(cpu):.2f}x ({max(cpu) / min(cpu):.2f}){target}"
         )
     return lines, broken
 
@@ -310,6 +331,7 @@ def parse_args() -> argparse.Namespace:
         help="the gateway's build: pure (this checkout's sources) or compiled "
         "(scripts/compile.py --out's copy, built when missing)",
     )
+    parser.add_argument("--pin", choices=procs.PINS, default="split", help="see the docstring")
     args = parser.parse_args()
     if args.quick:
         args.duration, args.rounds, args.sse_samples = 1, 1, 5
@@ -388,7 +410,7 @@ def main() -> int:
     except builds.BuildFailed as exc:
         print(f"benchmark: {exc}", file=sys.stderr)
         return 2
-    build = f"gateway build: {builds.named({})}"
+    build = f"gateway build: {builds.named({})}\n{procs.pin(args.pin)}"
     print(build, flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="fmw-bench-"))
     tree = Tree(workdir)

@@ -86,6 +86,71 @@ def test_benchmark_runs_every_arm_and_prints_the_ratios() -> None:
     assert result.stdout.count(" added ") == 4  # floor and serve: large stream, many streams
     assert "serve: long run" in result.stdout
     assert re.search(r"^gateway build: fallback-mw \S+ \(.+\)$", result.stdout, re.M)
+    assert re.search(r"^pinned: (each server under test on CPU \d+|nothing)", result.stdout, re.M)
+    for arm in ARMS[1:]:  # each gateway arm's CPU per request over the floor's, by round
+        assert re.search(
+            rf"^  {re.escape(arm)} +\d+\.\d\d  median \d+\.\d\dx \(\d+\.\d\d\)", result.stdout, re.M
+        ), result.stdout
+
+
+PLACE = """
+import os, sys, tempfile
+from pathlib import Path
+if sys.argv[3] == "one":
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+sys.path.insert(0, sys.argv[1])
+import procs
+print(procs.pin(sys.argv[2]))
+tree = procs.Tree(Path(tempfile.mkdtemp()))
+try:
+    floor = procs.start_floor(tree, "http://127.0.0.1:9")
+    print(sorted(os.sched_getaffinity(floor.pid)), sorted(os.sched_getaffinity(0)))
+    print(sorted(procs.server_cpus(2)))
+finally:
+    tree.close()
+"""
+
+
+@pytest.mark.parametrize("mode", ["split", "none"])
+def test_pin_puts_the_server_under_test_on_a_core_of_its_own(mode: str) -> None:
+    """--pin split (the default of run.py and ab.py): the floor and each one-process
+    `serve` on the last CPU, the benchmark (so wrk, nginx and its clients) on the others,
+    several workers on every CPU; --pin none, or one CPU to run on, pins nothing."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("one CPU: nothing to split")
+
+    def place(cpus: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", PLACE, str(RUN.parent), mode, cpus],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    said = place("all")
+    assert said.returncode == 0, said.stderr[-3000:]
+    header, placed, workers = said.stdout.splitlines()[-3:]
+    if mode == "split":
+        assert header.startswith(f"pinned: each server under test on CPU {cpus[-1]}; "), header
+        assert placed == f"{[cpus[-1]]} {cpus[:-1]}"
+        assert workers == str(cpus)
+    else:
+        assert header.startswith("pinned: nothing (--pin none)"), header
+        assert placed == f"{cpus} {cpus}"
+    one = place("one")
+    assert one.returncode == 0, one.stderr[-3000:]
+    if mode == "split":
+        assert f"pinned: nothing (only CPU {cpus[0]} to run on)" in one.stdout
+    assert f"{[cpus[0]]} {[cpus[0]]}" in one.stdout
+
+
+@pytest.mark.parametrize("benchmark", ["run.py", "ab.py"])
+def test_pin_takes_split_or_none(benchmark: str) -> None:
+    result = script(RUN.parent / benchmark, "--pin", "cores", timeout=60)
+    assert result.returncode == 2
+    assert "--pin: invalid choice: 'cores' (choose from 'split', 'none')" in result.stderr
 
 
 LAYERS = Path(__file__).parent.parent / "benchmarks" / "layers.py"
