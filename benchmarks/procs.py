@@ -98,10 +98,7 @@ def die_with_parent() -> None:
 # `--pin`: where each process may run. `split` puts every server under test (the floor and
 # each one-process `serve`) on the last CPU and the load (wrk, nginx, the benchmark's own
 # clients: they inherit the benchmark's affinity) on the others; `none` leaves all to the
-# scheduler. Why split is the default: on 2 cores, left to the scheduler, a server shares
-# its core with wrk in some windows (it then finds many requests per wake-up and spends
-# less per request) and not in others, so one arm's CPU per request moved by a fifth
-# between windows and a round's multiple of the floor by up to 1.8x (docs/performance.md).
+# scheduler. Why split is the default: run.py's docstring.
 PINS = ("split", "none")
 _SERVER_CPUS: set[int] = set()  # empty: not pinned
 _EVERY_CPU: set[int] = set()

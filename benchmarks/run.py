@@ -19,14 +19,19 @@ checkout (benchmarks/builds.py: built first when missing or out of date); the he
 the build measured.
 
 `--pin split` (the default on 2 or more CPUs) runs every server under test, the floor and
-each `serve` alike, on the last CPU, and wrk, nginx and the script's own clients on the
-others; `--pin none` leaves them to the scheduler, as runs before 2026-12-06 did. Left to
-it on 2 cores, a server shared its core with wrk in some windows and not in others, and
-sharing changes the work itself (many requests found per wake-up, each cheaper): the floor's
-CPU per request moved by a fifth between windows, a round's multiple of it by up to 1.8x.
-Split is the placement of a real deployment (no client on the server's core); it costs
-both arms the wake-ups a shared core saved, the floor a larger share of its smaller
-per-request cost (procs.py: pin). The header says what was pinned.
+each one-process `serve` alike, on the last CPU, and wrk, nginx and the script's own
+clients on the others (`serve --workers N` on every CPU: it is there to use them all);
+`--pin none` leaves them to the scheduler, as every run before the option did. Left to it
+on 2 cores, a server shares its core with wrk and nginx for a part of each window that
+changes from window to window, and sharing changes the work itself (each response wakes a
+client that preempts the server, up to 19,000 times a second against about 150 pinned;
+requests pile up between its turns): under the same load, one arm's CPU per request moved
+by up to 1.39x between rounds unpinned against 1.19x pinned, a round's multiple of the floor
+by up to 1.41x against 1.15x (1.8x in an earlier unpinned run, quiet machine). Split is a real
+deployment's placement (no client on the server's core); both arms then spend more per
+request than on a shared core (the floor 20-35 % on the 2-core machine of
+docs/performance.md), their multiple within the unpinned runs' spread. The header says
+what was pinned.
 """
 
 from __future__ import annotations
