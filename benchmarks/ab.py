@@ -77,7 +77,7 @@ def main() -> int:
     except procs.ToolMissing as exc:
         print(f"ab: {exc}", file=sys.stderr)
         return 3
-    print(procs.pin(args.pin), flush=True)
+    print(f"{procs.pin(args.pin)}; load average {os.getloadavg()[0]:.1f}", flush=True)
     tree = procs.Tree(Path(tempfile.mkdtemp(prefix="fmw-ab-")))
     try:
         upstream, backup, failing = procs.start_nginx(tree, nginx, 8)
@@ -146,9 +146,13 @@ def main() -> int:
             cpu = [round(load.cpu_us) for load in runs]
             rate = [round(load.rate) for load in runs]
             median = statistics.median(cpu)
+            rounds = [
+                f"{a.cpu_us / f.cpu_us:.2f}" for a, f in zip(runs, loads["floor"], strict=True)
+            ]
             print(
                 f"{name:15} CPU us/req {cpu} median {median:.0f} "
-                f"({median / floor_cpu:.2f}x floor), req/s {rate}",
+                f"({median / floor_cpu:.2f}x floor), req/s {rate}, x floor by round "
+                f"{' '.join(rounds)}",
                 flush=True,
             )
         return 0

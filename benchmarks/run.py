@@ -417,6 +417,7 @@ def main() -> int:
         return 2
     build = f"gateway build: {builds.named({})}\n{procs.pin(args.pin)}"
     print(build, flush=True)
+    load_at_start = os.getloadavg()[0]  # the machine's other work, for the reader
     workdir = Path(tempfile.mkdtemp(prefix="fmw-bench-"))
     tree = Tree(workdir)
     try:
@@ -429,6 +430,9 @@ def main() -> int:
             lines += speed
         if not args.no_memory:
             lines += ["", *memory(args, tree, wrk, config, upstream.url())]
+        lines.append(
+            f"load average: {load_at_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
+        )
         print("\n" + "\n".join(lines), flush=True)
         return 1 if broken else 0
     finally:

@@ -87,6 +87,9 @@ def test_benchmark_runs_every_arm_and_prints_the_ratios() -> None:
     assert "serve: long run" in result.stdout
     assert re.search(r"^gateway build: fallback-mw \S+ \(.+\)$", result.stdout, re.M)
     assert re.search(r"^pinned: (each server under test on CPU \d+|nothing)", result.stdout, re.M)
+    assert re.search(
+        r"^load average: \d+\.\d at the start, \d+\.\d at the end$", result.stdout, re.M
+    )
     for arm in ARMS[1:]:  # each gateway arm's CPU per request over the floor's, by round
         assert re.search(
             rf"^  {re.escape(arm)} +\d+\.\d\d  median \d+\.\d\dx \(\d+\.\d\d\)", result.stdout, re.M
@@ -228,6 +231,9 @@ def test_ab_benchmark_serves_both_trees_side_by_side() -> None:
         line = next((x for x in result.stdout.splitlines() if x.startswith(arm + " ")), "")
         cells = re.match(r".+ CPU us/req \[(\d+)\] median \d+ \((\d+\.\d\d)x floor\)", line)
         assert cells is not None and int(cells.group(1)) > 0, result.stdout
+        if arm != "floor":  # and its multiple of the floor's in each round
+            assert re.search(r", x floor by round \d+\.\d\d$", line), line
+    assert re.search(r"^pinned: .+; load average \d+\.\d+$", result.stdout, re.M)
     assert "gateway builds: base fallback-mw 0.1.0 (pure Python); this " in result.stdout
 
 
