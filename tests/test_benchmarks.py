@@ -97,7 +97,7 @@ def test_benchmark_runs_every_arm_and_prints_the_ratios() -> None:
 
 
 PLACE = """
-import os, sys, tempfile
+import os, shutil, sys, tempfile
 from pathlib import Path
 if sys.argv[3] == "one":
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
@@ -111,6 +111,7 @@ try:
     print(sorted(procs.server_cpus(2)))
 finally:
     tree.close()
+    shutil.rmtree(tree.workdir)
 """
 
 
