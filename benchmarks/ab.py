@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -158,6 +159,7 @@ def main() -> int:
         return 0
     finally:
         tree.close()
+        shutil.rmtree(tree.workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -17,14 +17,18 @@ from tests.conftest import REDIS_HOST, REDIS_PORT, require_service
 RUN = Path(__file__).parent.parent / "benchmarks" / "run.py"
 
 
-def script(path: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
-    """One benchmark script, run as a user runs it, with this interpreter."""
+def script(
+    path: Path, *args: str, timeout: int = 300, tmp: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """One benchmark script, run as a user runs it, with this interpreter (`tmp`: its
+    TMPDIR, where it makes its working directory)."""
     return subprocess.run(
         [sys.executable, str(path), *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         check=False,
+        env={**os.environ, "TMPDIR": str(tmp)} if tmp else None,
     )
 
 
@@ -215,14 +219,15 @@ AB = Path(__file__).parent.parent / "benchmarks" / "ab.py"
 
 
 @pytest.mark.slow
-def test_ab_benchmark_serves_both_trees_side_by_side() -> None:
+def test_ab_benchmark_serves_both_trees_side_by_side(tmp_path: Path) -> None:
     """benchmarks/ab.py runs `serve` from another tree (here: this one) beside this
     checkout's and the floor, and prints CPU per request for each arm (the budget arm:
     each tree on a SQLite ledger of its own; the Redis arm: each under a key prefix of its
-    own)."""
+    own); it removes its working directory (it left one per run, with nginx's files and
+    every server's log and ledger)."""
     src = Path(__file__).parent.parent / "src"
     arms = "healthy,failover,budget,redis"
-    result = script(AB, str(src), "--rounds", "1", "--duration", "1", "--arms", arms)
+    result = script(AB, str(src), "--rounds", "1", "--duration", "1", "--arms", arms, tmp=tmp_path)
     skip_without_tools(result)
     assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
     for arm in (
@@ -236,6 +241,7 @@ def test_ab_benchmark_serves_both_trees_side_by_side() -> None:
             assert re.search(r", x floor by round \d+\.\d\d$", line), line
     assert re.search(r"^pinned: .+; load average \d+\.\d+$", result.stdout, re.M)
     assert "gateway builds: base fallback-mw 0.1.0 (pure Python); this " in result.stdout
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_ab_benchmark_compiled_refuses_a_tree_it_cannot_compile(tmp_path: Path) -> None:
