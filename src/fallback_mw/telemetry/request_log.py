@@ -45,7 +45,7 @@ def log_request(
     direct = direct_handler(level)
     if direct is not None:
         # serve's own writer and nothing else listening: the same line, without a record.
-        direct.write_line(level, _MESSAGE % arguments)
+        direct.write_line(level, _message(*arguments))
         return
     fields: dict[str, Any] = {
         "route": arguments[0],
@@ -82,6 +82,25 @@ _MESSAGE = (
     "gateway request route=%s outcome=%s status=%s chosen=%s attempts=%d "
     "candidates=%s duration_ms=%.1f%s"
 )
+
+
+def _message(
+    route: object,
+    outcome: object,
+    status: object,
+    chosen: object,
+    attempts: object,
+    candidates: object,
+    duration_ms: object,
+    why: object,
+) -> str:
+    """`_MESSAGE % (route, ...)`, the same text, for serve's writer: an f-string, which
+    costs a third of the `%` of eight arguments compiled (`%d` of an int and `%.1f` of a
+    float, as `_arguments` gives them, write what `{}` and `{:.1f}` do)."""
+    return (
+        f"gateway request route={route} outcome={outcome} status={status} chosen={chosen} "
+        f"attempts={attempts} candidates={candidates} duration_ms={duration_ms:.1f}{why}"
+    )
 
 
 def _arguments(
