@@ -3,15 +3,17 @@ with the machine's load, for changes smaller than the CPU-time spread of `run.py
 `ab.py` (±10-15 % on a shared machine, more on a busy one).
 
     .venv/bin/python benchmarks/instructions.py serve [--requests 1000] [--base SRC]
-        [--port-base PORT] [--start-timeout SECONDS]
+        [--arms healthy,failover,budget] [--port-base PORT] [--start-timeout SECONDS]
     .venv/bin/python benchmarks/instructions.py layers healthy,log [--base SRC]
         [--port-base PORT]
 
 `serve`: the floor (bare uvicorn + aiohttp) and `fallback-mw serve` (healthy, and every
-request failing over) run under callgrind in front of the nginx mock upstreams; after a
-warm-up the counters are zeroed, `--requests` requests are sent (8 at a time, from a
-client outside valgrind), and the count is read from the dump: every thread of the
-server process, the event loop and the log writer included. `layers`: `layers.py` rows
+request failing over; with `--arms ...,budget` also `run.py`'s budget arm, the chat route
+spending from a SQLite ledger, a server of its own per tree) run under callgrind in front
+of the nginx mock upstreams; after a warm-up the counters are zeroed, `--requests`
+requests are sent (8 at a time, from a client outside valgrind), and the count is read
+from the dump: every thread of the server process, the event loop, the log writer and
+the ledger's worker thread included. `layers`: `layers.py` rows
 in process, each run twice (500 and 1,500 timed requests) and the difference divided by
 1,000, so start-up and imports cancel out. `--base SRC` counts another source tree
 beside this one (as `ab.py`), with `PYTHONHASHSEED=0` in every run. Under callgrind a
@@ -46,7 +48,11 @@ BODY = (
 )
 HEADERS = {"content-type": "application/json", "authorization": "Bearer caller-key"}
 START_SECONDS_EACH = 150  # imports under callgrind are slow, and share the cores
-PORTS = 10  # --port-base's range: nginx's three, the floor, this tree, --base's, room to skip
+# --port-base's range: nginx's three, the floor, this tree, --base's, each tree's budget
+# server (with --arms ...,budget), room to skip
+PORTS = 10
+# `budget`: run.py's budget arm (the chat route spending from a SQLite ledger), a server per tree
+SERVE_ARMS = ("healthy", "failover", "budget")
 
 
 def callgrind(out: Path) -> list[str]:
@@ -94,18 +100,27 @@ def serve_arms(args: argparse.Namespace) -> int:
     try:
         upstream, backup, failing = procs.start_nginx(tree, nginx, 8)
         config = run.gateway_config(upstream.port, backup, failing)
-        outs = {name: tree.workdir / f"{name}.callgrind" for name in ("floor", "base", "this")}
+        sides = ([("base", {"PYTHONPATH": str(args.base)})] if args.base is not None else []) + [
+            ("this", {})
+        ]
+        # name -> (config, environment); a budget arm is a process of its own (its config
+        # spends the chat route from a SQLite ledger), each tree with its own ledger file.
+        gateways: dict[str, tuple[str, dict[str, str]]] = {}
+        if "healthy" in args.arms or "failover" in args.arms:
+            gateways.update((side, (config, env)) for side, env in sides)
+        if "budget" in args.arms:
+            for side, env in sides:
+                ledger = tree.workdir / f"ledger-{side}.db"
+                budgeted = run.gateway_config(upstream.port, backup, failing, store=ledger)
+                gateways[f"budget-{side}"] = (budgeted, env)
+        outs = {name: tree.workdir / f"{name}.callgrind" for name in ("floor", *gateways)}
         servers = {
             "floor": procs.start_floor(tree, upstream.url(), wrap=callgrind(outs["floor"]), wait=0)
         }
-        if args.base is not None:
-            servers["base"] = procs.start_gateway(
-                tree, "base", config, {"PYTHONPATH": str(args.base)},
-                wrap=callgrind(outs["base"]), wait=0,
-            )  # fmt: skip
-        servers["this"] = procs.start_gateway(
-            tree, "this", config, wrap=callgrind(outs["this"]), wait=0
-        )
+        for name, (text, env) in gateways.items():
+            servers[name] = procs.start_gateway(
+                tree, name, text, env, wrap=callgrind(outs[name]), wait=0
+            )
         start = args.start_timeout or START_SECONDS_EACH * len(servers)
         started = time.monotonic()
         for child in servers.values():  # started side by side: imports under callgrind are slow
@@ -113,12 +128,13 @@ def serve_arms(args: argparse.Namespace) -> int:
         ports = sorted([*(child.port for child in tree.children), backup, failing])
         print(f"listening after {time.monotonic() - started:.0f} s on ports {ports}")
         arms: list[tuple[str, str, str]] = [("floor", "floor", run.CHAT)]
-        for name in servers:
-            if name != "floor":
-                arms += [
-                    (f"healthy ({name})", name, run.CHAT),
-                    (f"failover ({name})", name, "/fo" + run.CHAT),
-                ]
+        for side, _ in sides:
+            for arm in args.arms:
+                if arm == "budget":
+                    arms.append((f"budget ({side})", f"budget-{side}", run.CHAT))
+                else:
+                    path = "/fo" + run.CHAT if arm == "failover" else run.CHAT
+                    arms.append((f"{arm} ({side})", side, path))
         for _, name, path in arms:  # warm-up: pools, caches, first-call work
             asyncio.run(drive(servers[name].url(path), 100))
         results: dict[str, float] = {}
@@ -164,6 +180,13 @@ def layer_rows(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve_arm_names(text: str) -> list[str]:
+    names = [name for name in text.split(",") if name]
+    if not names or any(name not in SERVE_ARMS for name in names):
+        raise argparse.ArgumentTypeError(f"takes names from {', '.join(SERVE_ARMS)}")
+    return names
+
+
 def port_base(text: str) -> int:
     base = run.at_least(1024)(text)
     if base + PORTS - 1 > 65535:
@@ -176,6 +199,10 @@ def main() -> int:
     sub = parser.add_subparsers(dest="what", required=True)
     serve = sub.add_parser("serve", help="the floor and serve, healthy and failing over")
     serve.add_argument("--requests", type=run.at_least(10), default=1000)
+    serve.add_argument(
+        "--arms", type=serve_arm_names, default=["healthy", "failover"],
+        help=f"of {','.join(SERVE_ARMS)} (default healthy,failover)",
+    )  # fmt: skip
     serve.add_argument(
         "--port-base", type=port_base, metavar="PORT",
         help=f"listen on PORT .. PORT+{PORTS - 1} only (default: ephemeral ports)",

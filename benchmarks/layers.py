@@ -11,6 +11,10 @@ ledger's worker threads and the OTel SDK's batch thread count). The number shown
 lowest of `--rounds` rounds (the steadiest estimate on a shared machine).
 
 Rows build on each other (the `base` column): the per-layer cost is the difference.
+`guard-sqlite` is the budget guard alone on the SQLite ledger (in front of a canned
+answer, no usage metered); `budget` is the whole gateway with its chat route spending from
+a SQLite ledger (run.py's budget arm in process: the hold, the walk, the usage metered,
+the settlement with its usage record).
 
 With `--nginx` (Debian's nginx, started by the script on loopback as `run.py` does), two
 rows leave the fake client for real sockets: a bare in-process aiohttp proxy
@@ -222,11 +226,17 @@ def full(
     telemetry: Telemetry | None = None,
     flush: Callable[[], None] | None = None,
     state: str = "memory://",
+    store: Path | None = None,
 ) -> Stack:
+    """The whole gateway on the fake client; with `store`, the chat route spends from a
+    SQLite ledger in that file (as run.py's budget arm)."""
     client = FakeClient()
+    config = gateway_config(state=state, budget=store is not None)
+    if store is not None:
+        config["gateway"]["store"] = f"sqlite:///{store}"
     gateway = Gateway(
         not_found_app,
-        config=gateway_config(state=state),
+        config=config,
         environ=ENVIRON,
         client=client,
         telemetry=telemetry,
@@ -440,6 +450,13 @@ ROWS = (
         "healthy",
         80,
         lambda w: full("/hg/chat/completions", "slow"),
+    ),
+    Row(
+        "budget",
+        "+ walker, budget on the SQLite ledger",
+        "healthy",
+        150,
+        lambda w: full(store=w / "budget.db"),
     ),
     Row(
         "log",

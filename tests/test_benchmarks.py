@@ -171,6 +171,7 @@ LAYER_ROWS = (
     "+ walker, healthy (whole gateway)",
     "+ walker, every request fails over",
     "+ walker, every request hedged",
+    "+ walker, budget on the SQLite ledger",
     "+ request log line (INFO, to a file)",
     "+ Redis state (breakers, capacity counts)",
     "+ OTel SDK (batch spans, OTLP encoding; metrics)",
@@ -283,6 +284,14 @@ def test_instruction_count_refuses_a_port_base_without_room() -> None:
     result = script(INSTRUCTIONS, "serve", "--port-base", "65530", timeout=60)
     assert result.returncode == 2
     assert "65530 leaves no room for 10 ports below 65536" in result.stderr
+
+
+def test_instruction_count_of_serve_takes_arms_and_refuses_an_unknown_one() -> None:
+    """`serve --arms` picks the arms (`budget`: run.py's SQLite-ledger arm, which it had
+    none of); a name it does not know is refused before anything starts."""
+    result = script(INSTRUCTIONS, "serve", "--arms", "healthy,tracing", timeout=60)
+    assert result.returncode == 2
+    assert "takes names from healthy, failover, budget" in result.stderr
 
 
 def test_instruction_count_of_layers_takes_a_port_base_too() -> None:
