@@ -110,11 +110,12 @@ def pending_migrations(current: int, dialect: str) -> list[str]:
 
 
 def encode_sqlite_time(moment: datetime) -> str:
-    # The year in four digits, as the stored times have it: strftime's %Y wrote 999, so
-    # `usage --since 0999-12-31` compared "999-" with "2026-" as text and found nothing
-    # (PostgreSQL compares instants and found every record).
-    moment = moment.astimezone(UTC)
-    return f"{moment.year:04d}" + moment.strftime("-%m-%dT%H:%M:%S.%fZ")
+    """`2026-11-30T12:34:56.123456Z`: UTC, the microseconds always written. The year in
+    four digits, as the stored times have it: strftime's %Y wrote 999, so `usage --since
+    0999-12-31` compared "999-" with "2026-" as text and found nothing (PostgreSQL compares
+    instants and found every record). `isoformat` writes the same (four digits, the offset
+    of UTC cut) for about half of strftime's cost: a budgeted request writes two."""
+    return moment.astimezone(UTC).isoformat(timespec="microseconds")[:-6] + "Z"
 
 
 def decode_sqlite_time(text: str) -> datetime:
