@@ -129,8 +129,8 @@ def usage_values(record: UsageRecord) -> tuple[object, ...]:
         record.route,
         record.tenant[:MAX_NAME],
         record.budget_id,
-        json.dumps(list(record.candidates)),
-        json.dumps([a.as_dict() for a in record.attempts]),
+        candidates_json(record.candidates),
+        attempts_json(record.attempts),
         record.chosen,
         record.outcome,
         record.status,
@@ -141,6 +141,55 @@ def usage_values(record: UsageRecord) -> tuple[object, ...]:
         None if record.charged is None else to_units(record.charged),
         record.duration_ms,
         record.rule,
+    )
+
+
+# A record's candidates and attempts as JSON text, kept by their values: a route's plan and
+# the attempts of a served request repeat from record to record, and `json.dumps` costs
+# a few µs each (two per usage record). Kept only for values whose equality decides their
+# text: names that are str, a status that is an int or None (True == 1 dumps as `true`).
+_JSON_KEPT = 1024
+_CANDIDATES: dict[tuple[str, ...], str] = {}
+_ATTEMPTS: dict[tuple[tuple[object, ...], ...], str] = {}
+
+
+def candidates_json(candidates: tuple[str, ...]) -> str:
+    if type(candidates) is not tuple or not all(type(name) is str for name in candidates):
+        return json.dumps(list(candidates))
+    text = _CANDIDATES.get(candidates)
+    if text is None:
+        text = json.dumps(list(candidates))
+        if len(_CANDIDATES) >= _JSON_KEPT:
+            _CANDIDATES.clear()
+        _CANDIDATES[candidates] = text
+    return text
+
+
+def attempts_json(attempts: tuple[AttemptOutcome, ...]) -> str:
+    fields = []
+    for attempt in attempts:
+        found = (attempt.candidate, attempt.status, attempt.failure, attempt.skipped, attempt.fault)
+        if not _plain_attempt(found):
+            return json.dumps([a.as_dict() for a in attempts])
+        fields.append(found)
+    key = tuple(fields)
+    text = _ATTEMPTS.get(key)
+    if text is None:
+        text = json.dumps([a.as_dict() for a in attempts])
+        if len(_ATTEMPTS) >= _JSON_KEPT:
+            _ATTEMPTS.clear()
+        _ATTEMPTS[key] = text
+    return text
+
+
+def _plain_attempt(fields: tuple[object, ...]) -> bool:
+    candidate, status, failure, skipped, fault = fields
+    return (
+        type(candidate) is str
+        and (status is None or type(status) is int)
+        and (failure is None or type(failure) is str)
+        and (skipped is None or type(skipped) is str)
+        and (fault is None or type(fault) is str)
     )
 
 
