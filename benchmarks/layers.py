@@ -14,7 +14,8 @@ Rows build on each other (the `base` column): the per-layer cost is the differen
 `guard-sqlite` is the budget guard alone on the SQLite ledger (in front of a canned
 answer, no usage metered); `budget` is the whole gateway with its chat route spending from
 a SQLite ledger (run.py's budget arm in process: the hold, the walk, the usage metered,
-the settlement with its usage record).
+the settlement with its usage record; the ledger handed in, without run.py's route store
+and its once-a-second reload).
 
 With `--nginx` (Debian's nginx, started by the script on loopback as `run.py` does), two
 rows leave the fake client for real sockets: a bare in-process aiohttp proxy
@@ -226,22 +227,24 @@ def full(
     telemetry: Telemetry | None = None,
     flush: Callable[[], None] | None = None,
     state: str = "memory://",
-    store: Path | None = None,
+    ledger: Path | None = None,
 ) -> Stack:
-    """The whole gateway on the fake client; with `store`, the chat route spends from a
-    SQLite ledger in that file (as run.py's budget arm)."""
+    """The whole gateway on the fake client; with `ledger`, the chat route spends from a
+    SQLite ledger in that file. Handed in (`Gateway(ledger=...)`), not as run.py's `store`:
+    a store's reloader opens the file once a second, work per second that callgrind's
+    slowdown would count as per request, more on a busier machine."""
     client = FakeClient()
-    config = gateway_config(state=state, budget=store is not None)
-    if store is not None:
-        config["gateway"]["store"] = f"sqlite:///{store}"
+    own = None if ledger is None else SQLiteLedger(str(ledger))
     gateway = Gateway(
         not_found_app,
-        config=config,
+        config=gateway_config(state=state, budget=own is not None),
         environ=ENVIRON,
         client=client,
         telemetry=telemetry,
+        ledger=own,
     )
-    return Stack(gateway, path, provider, (gateway.aclose,), flush, client)
+    closers = (gateway.aclose,) if own is None else (gateway.aclose, own.aclose)
+    return Stack(gateway, path, provider, closers, flush, client)
 
 
 def floor_module() -> Any:
@@ -456,7 +459,7 @@ ROWS = (
         "+ walker, budget on the SQLite ledger",
         "healthy",
         150,
-        lambda w: full(store=w / "budget.db"),
+        lambda w: full(ledger=w / "budget.db"),
     ),
     Row(
         "log",
