@@ -19,6 +19,7 @@ from fallback_mw.cli.app import Console, Failed, Refused, leaf
 from fallback_mw.cli.check import resolve_routes
 from fallback_mw.cli.compiled_core import version_line
 from fallback_mw.cli.config_warnings import config_warnings
+from fallback_mw.cli.open_files import raise_open_file_limit
 from fallback_mw.cli.own_address import upstream_at_own_address
 from fallback_mw.cli.serve_logging import CutRequestLine, configure_logging, uvicorn_colours
 from fallback_mw.cli.serve_options import (
@@ -307,6 +308,10 @@ def run_server(
         configure_logging(with_pid=workers)
         # Which build serves (pure Python or the compiled core, and whether it is whole).
         logging.getLogger("fallback_mw").info("starting %s", version_line())
+        if (raised := raise_open_file_limit()) is not None:  # systemd's soft 1024 (open_files.py)
+            logging.getLogger("fallback_mw").info(
+                "open-file limit raised from %d to %d (the hard limit)", *raised
+            )
         tune_gc()
         server = Server(
             uvicorn.Config(
