@@ -23,13 +23,13 @@ from fallback_mw.cli.open_files import raise_open_file_limit
 from fallback_mw.cli.own_address import upstream_at_own_address
 from fallback_mw.cli.serve_logging import CutRequestLine, configure_logging, uvicorn_colours
 from fallback_mw.cli.serve_options import (
+    add_worker_options,
     bind_host,
     graceful_seconds,
     host_port,
     keep_alive_seconds,
     listen_family,
     port_number,
-    worker_count,
 )
 from fallback_mw.config import GatewayConfig, load_config
 from fallback_mw.extras import require
@@ -188,6 +188,7 @@ def serve(args: argparse.Namespace, console: Console) -> int | None:
             console=console,
             # The workers' own wait, then time to settle, close and exit, before SIGKILL.
             stop_grace=args.timeout_graceful_shutdown + STOP_MARGIN_SECONDS,
+            hang_timeout=args.worker_timeout,
         )
         try:
             check_workers(args.workers, gateway_port=supervisor.port, gateway_host=args.host)
@@ -369,14 +370,7 @@ def register(subparsers: Any) -> None:
         "--host", type=bind_host, default="127.0.0.1", help="bind address (default 127.0.0.1)"
     )
     parser.add_argument("--port", type=port_number, default=8000, help="bind port (default 8000)")
-    parser.add_argument(
-        "--workers",
-        type=worker_count,
-        default=1,
-        metavar="N",
-        help="gateway processes on this address (default 1); N > 1 needs a shared "
-        "gateway.state (Redis) and, with budgets, a gateway.store",
-    )
+    add_worker_options(parser)
     parser.add_argument(
         "--timeout-graceful-shutdown",
         type=graceful_seconds,

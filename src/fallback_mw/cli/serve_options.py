@@ -84,6 +84,31 @@ def seconds_between(low: float, high: float) -> Callable[[str], float]:
     return seconds
 
 
-# How long a stop waits for requests in flight; how long an idle kept-alive connection is kept.
+# How long a stop waits for requests in flight; how long an idle kept-alive connection is kept;
+# how long a worker's event loop may go without running before the worker is taken for hung.
 graceful_seconds = seconds_between(0, 3600)
 keep_alive_seconds = seconds_between(1, 3600)
+hang_seconds = seconds_between(0, 3600)
+# gunicorn's worker timeout: far above any stall a healthy event loop has (a GC pass, a
+# burst on a loaded host), far below "forever".
+DEFAULT_WORKER_TIMEOUT_SECONDS = 30.0
+
+
+def add_worker_options(parser: argparse.ArgumentParser) -> None:
+    """serve's `--workers N` and `--worker-timeout SECONDS`."""
+    parser.add_argument(
+        "--workers",
+        type=worker_count,
+        default=1,
+        metavar="N",
+        help="gateway processes on this address (default 1); N > 1 needs a shared "
+        "gateway.state (Redis) and, with budgets, a gateway.store",
+    )
+    parser.add_argument(
+        "--worker-timeout",
+        type=hang_seconds,
+        default=DEFAULT_WORKER_TIMEOUT_SECONDS,
+        metavar="SECONDS",
+        help="with --workers N > 1: a worker whose event loop has not run for this long is "
+        f"killed and replaced (0: never; default {DEFAULT_WORKER_TIMEOUT_SECONDS:g})",
+    )

@@ -24,13 +24,14 @@ and a replacement that fails to start (the store unreachable, a store route nami
 environment variable this host lacks) is a runtime outage: the other workers keep
 serving, and the supervisor starts another after 1 s, 2 s, 4 s, ... up to 30 s apart, one
 line each time. A worker that served and dies START_UP_SECONDS or more after its start is
-replaced at once; one that dies younger waits its turn in the same backoff."""
+replaced at once; one that dies younger waits its turn in the same backoff. A worker
+whose event loop has not run for `hang_timeout` seconds is killed, then replaced so
+(liveness.py)."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import logging
 import os
 import select
@@ -42,6 +43,7 @@ from collections.abc import Callable
 from types import FrameType
 
 from fallback_mw.cli.app import Console, Refused, dispatch
+from fallback_mw.cli.liveness import Heartbeats, die_with
 from fallback_mw.config import GatewayConfig
 from fallback_mw.telemetry.line_writer import flush_request_lines
 
@@ -106,23 +108,6 @@ def exit_now(_signum: int, _frame: FrameType | None) -> None:
     raise SystemExit(0)
 
 
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with(supervisor: int) -> None:
-    """In a worker: SIGTERM when the supervisor dies, however it dies (SIGKILL, an unhandled
-    signal), so that no worker goes on serving unsupervised, never replaced, never stopped
-    by a later `serve`'s operator. Linux's PR_SET_PDEATHSIG; elsewhere nothing."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
-            return
-    except (OSError, AttributeError):  # not Linux: no such call
-        return
-    if os.getppid() != supervisor:  # it died between the fork and the prctl
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
 class Supervisor:
     """Forks `count` workers, each running `worker(sock, ready, slot)` (returns an exit
     status) on its own SO_REUSEPORT socket and calling `ready()` once it serves; replaces a
@@ -140,8 +125,13 @@ class Supervisor:
         bind: Callable[..., socket.socket],
         console: Console,
         stop_grace: float = _STOP_GRACE_SECONDS,
+        hang_timeout: float = 0.0,
     ) -> None:
         self.count = count
+        # A worker whose event loop has not run for this long is killed (0: never).
+        self.hang_timeout = hang_timeout
+        self.heartbeats = Heartbeats(count)
+        self.hung: set[int] = set()
         self.stop_grace = stop_grace  # from a stop signal to SIGKILL, per worker
         self.host = host
         self.worker = worker
@@ -177,6 +167,7 @@ class Supervisor:
         sys.stdout.flush()
         sys.stderr.flush()
         supervisor = os.getpid()
+        self.heartbeats.clear(slot)  # unwatched until the new worker's loop beats
         # The stop signals are held across the fork: one that reached the new worker before
         # its own handlers ran the supervisor's (inherited) there, which noted a "stop",
         # told the supervisor's copy of the other workers to stop, and served on.
@@ -238,6 +229,7 @@ class Supervisor:
         """In a worker: tell the supervisor this worker serves."""
         with contextlib.suppress(OSError):  # the supervisor is gone: nobody to tell
             os.write(self._ready_write, f"{os.getpid()}\n".encode())
+        self.heartbeats.start(self._slot)  # from its event loop, until that loop ends
 
     def _stop(self, signum: int, _frame: FrameType | None) -> None:
         # A stop reaches each worker as SIGTERM: on a terminal, Ctrl-C reached the workers
@@ -281,6 +273,7 @@ class Supervisor:
                     if failed is not None:
                         status = failed
                         self._stop(signal.SIGTERM, None)
+                self._kill_hung()
                 now = time.monotonic()
                 while self.restarts and self.restarts[0][0] <= now and not self.stopping:
                     _due, slot = self.restarts.pop(0)
@@ -295,6 +288,7 @@ class Supervisor:
             self.reservation.close()
             os.close(self._ready_read)
             os.close(self._ready_write)
+            self.heartbeats.close()
         return status
 
     def _next_due(self) -> float:
@@ -326,6 +320,21 @@ class Supervisor:
                 "one that fails to start from now on is retried"
             )
 
+    def _kill_hung(self) -> None:
+        """SIGKILL each worker whose event loop has been silent for hang_timeout: it is
+        then replaced as any worker that dies."""
+        if self.hang_timeout <= 0:
+            return
+        for pid in self.heartbeats.hung(self.slots, self.hang_timeout):
+            if pid not in self.hung:
+                self.hung.add(pid)
+                say(
+                    f"fallback-mw: worker {pid} has not run its event loop for "
+                    f"{self.hang_timeout:g} s (hung); killing it"
+                )
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
     def _exited(self, pid: int, code: int) -> int | None:
         """One worker gone: the supervisor's exit status when it stops everything (a
         start-up failure before the instance ever served), else None (replaced)."""
@@ -333,6 +342,7 @@ class Supervisor:
         slot = self.slots.pop(pid, 0)
         served = pid in self.ready
         self.ready.discard(pid)
+        self.hung.discard(pid)
         if started is None or self.stopping:
             return None
         lived = time.monotonic() - started
