@@ -1,7 +1,9 @@
 """The `fallback-mw` command tree (also `python -m fallback_mw`).
 
-Each verb lives in its own module exposing `register(subparsers)`; VERBS lists them, in
-help order. To add a verb, write `cli/<verb>.py` with `register` and add it here. The
+Each verb's parser lives in `cli/verbs/<verb>.py`, exposing `register(subparsers)`; VERBS
+lists them, in help order. Its handler there imports the verb's own module (`cli/<verb>.py`)
+when the verb runs, so `fallback-mw --help` or a usage error imports no verb's work, and a
+verb only its own. To add a verb, write both and add the parser module here. The
 exit-status and output convention is in `cli/app.py`."""
 
 from __future__ import annotations
@@ -10,19 +12,6 @@ import argparse
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from fallback_mw.cli import (
-    budgets,
-    capacity,
-    check,
-    demo,
-    evaluate,
-    faults,
-    gameday,
-    request,
-    routes,
-    serve,
-    usage,
-)
 from fallback_mw.cli.app import (
     EXIT_FAILED,
     EXIT_REFUSED,
@@ -35,6 +24,19 @@ from fallback_mw.cli.app import (
     default_console,
     dispatch,
     silence_stdout,
+)
+from fallback_mw.cli.verbs import (
+    budgets,
+    capacity,
+    check,
+    demo,
+    evaluate,
+    faults,
+    gameday,
+    request,
+    routes,
+    serve,
+    usage,
 )
 
 VERBS = (

@@ -9,18 +9,17 @@ one line, `fallback-mw: warning: ...`, beside a result that stands; a caveat (ab
 command looked for its store) is a warning after the result, or joins the error line
 (`...; note: ...`) when there is no result.
 
-A verb module exposes `register(subparsers)`; each leaf parser sets `handler`, a function
-`(args, console)` that prints through the console and raises `Refused` or `Failed` (or
-returns an exit status itself, printing its one error line in the same format).
+A verb's parser module (cli/verbs/) exposes `register(subparsers)`; each leaf parser sets
+`handler`, a function `(args, console)` that prints through the console and raises `Refused`
+or `Failed` (or returns an exit status itself, printing its one error line in the same
+format).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import errno
 import io
-import logging
 import os
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
@@ -28,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn, TextIO, TypeVar, cast
 
-from fallback_mw.config import ConfigError
 from fallback_mw.error_chain import error_chain
 from fallback_mw.quoting import printable
 
@@ -143,6 +141,8 @@ def leaf(
 
 def run(work: Callable[[], Coroutine[Any, Any, T]]) -> T:
     """Run a verb's async work on a fresh event loop (the CLI owns no loop of its own)."""
+    import asyncio  # here: parsing a command line (`--help`) needs no event loop
+
     return asyncio.run(work())
 
 
@@ -155,6 +155,7 @@ async def closing(work: Awaitable[T], close: Callable[[], Awaitable[None]]) -> T
 
 def dispatch(handler: Handler, args: argparse.Namespace, console: Console) -> int:
     """Call a handler and turn what it raised into an exit status and one stderr line."""
+    from fallback_mw.rules import ConfigError
     from fallback_mw.store.model import StoreError
     from fallback_mw.store_url import StoreURLError
 
@@ -246,6 +247,8 @@ def quiet_library_warnings() -> None:
     """The package's own warnings (e.g. "ledger unavailable") would reach stderr through
     logging's last-resort handler as a second line; a command reports its failure once.
     `serve` installs a real handler for its request log."""
+    import logging
+
     package = logging.getLogger("fallback_mw")
     if not package.handlers:
         package.addHandler(logging.NullHandler())

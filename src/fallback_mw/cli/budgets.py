@@ -14,9 +14,9 @@ from typing import Any, TypeVar
 
 from fallback_mw.budget import BudgetUnreadable, Ledger, LedgerUnavailable
 from fallback_mw.budget.cost import format_money
-from fallback_mw.cli.app import Console, Failed, Refused, leaf, run
+from fallback_mw.cli.app import Console, Failed, Refused, run
 from fallback_mw.cli.show import one_line, print_table
-from fallback_mw.cli.target import StoreTarget, open_ledger_of, resolve, store_options
+from fallback_mw.cli.target import StoreTarget, open_ledger_of, resolve
 from fallback_mw.config import MAX_MONEY, BudgetConfig
 from fallback_mw.store.model import build_model
 from fallback_mw.store_url import StoreURLError
@@ -163,33 +163,4 @@ def budgets_set(args: argparse.Namespace, console: Console) -> None:
     console.print(
         f"budget {budget_id}: limit {format_money(budget.limit)} per {budget.window}, "
         f"default hold {format_money(budget.default_hold)}"
-    )
-
-
-def register(subparsers: Any) -> None:
-    budgets = subparsers.add_parser(
-        "budgets", help="show or change spend budgets", description="show or change spend budgets"
-    )
-    verbs = budgets.add_subparsers(dest="budgets_verb", metavar="VERB", required=True)
-
-    show = leaf(verbs, "show", budgets_show, "limit, spent, held and window of each budget")
-    store_options(show)
-    show.add_argument("--budget", metavar="ID", help="only this budget")
-
-    change = leaf(verbs, "set", budgets_set, "create or change a budget in the store")
-    store_options(change)
-    change.add_argument(
-        "--budget", metavar="ID", required=True, help="the budget to create or change"
-    )
-    change.add_argument("--limit", metavar="AMOUNT", help="currency units, e.g. 10.00")
-    change.add_argument(
-        "--window",
-        choices=("day", "month", "total"),
-        help="day / month: spend starts again at 0 each day / month; total: never",
-    )
-    change.add_argument(
-        "--default-hold",
-        metavar="AMOUNT",
-        dest="default_hold",
-        help="held for a request whose price cannot be read from it",
     )

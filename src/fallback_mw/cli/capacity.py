@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from fallback_mw.budget import Ledger
-from fallback_mw.cli.app import EXIT_FAILED, EXIT_OK, Console, Refused, leaf
+from fallback_mw.cli.app import EXIT_FAILED, EXIT_OK, Console, Refused
 from fallback_mw.cli.budgets import with_ledger
 from fallback_mw.cli.capacity_planning import (
     Dimension,
@@ -25,28 +25,8 @@ from fallback_mw.cli.capacity_planning import (
     needed_limit,
     peaks,
 )
-from fallback_mw.cli.target import StoreTarget, open_route_store, store_options
+from fallback_mw.cli.target import StoreTarget, open_route_store
 from fallback_mw.cli.usage import parse_since
-
-
-def register(subparsers: Any) -> None:
-    parser = leaf(
-        subparsers,
-        "capacity",
-        capacity,
-        "can each fallback carry its primary's peak? For each route, the busiest minute in "
-        "the usage records (requests, tokens) against each fallback's declared rpm / tpm, "
-        "with the ratio; exit 1 when one cannot carry it with the margin",
-    )
-    store_options(parser)
-    parser.add_argument("--since", default="7d", help="window of usage records (default 7d)")
-    parser.add_argument(
-        "--margin", default="1.2", help="headroom a fallback must have (default 1.2)"
-    )
-    parser.add_argument(
-        "--strict", action="store_true", help="exit 1 also when a limit or a peak is unknown"
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def capacity(args: argparse.Namespace, console: Console) -> int:

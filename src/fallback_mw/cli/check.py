@@ -10,10 +10,9 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping
-from typing import Any
 
 from fallback_mw.budget.ledger import BudgetUnreadable, LedgerUnavailable
-from fallback_mw.cli.app import Console, Refused, leaf, run
+from fallback_mw.cli.app import Console, Refused, run
 from fallback_mw.cli.config_warnings import config_warnings, pooled, replayable
 from fallback_mw.cli.target import (
     missing_sqlite_file,
@@ -256,13 +255,3 @@ def check(args: argparse.Namespace, console: Console) -> None:
     console.print(
         f"configuration {printable(args.config)} is valid: {len(merged.routes)} route(s){noted}"
     )
-
-
-def register(subparsers: Any) -> None:
-    parser = leaf(
-        subparsers,
-        "check",
-        check,
-        "validate a configuration as serve would and print its routes and plans",
-    )
-    parser.add_argument("--config", required=True, metavar="FILE", help="gateway TOML file")

@@ -4,10 +4,8 @@ ports, then exit. The story itself is in demo_story.py, imported when the demo r
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
-from fallback_mw.cli.app import Console, Failed, Refused, leaf
-from fallback_mw.cli.serve_options import port_number
+from fallback_mw.cli.app import Console, Failed, Refused
 from fallback_mw.extras import require
 
 
@@ -20,18 +18,3 @@ def demo(args: argparse.Namespace, console: Console) -> None:
     if not run_story(args.port, console.print):
         raise Failed("demo finished: some results were unexpected")
     console.print("demo finished")
-
-
-def register(subparsers: Any) -> None:
-    parser = leaf(
-        subparsers,
-        "demo",
-        demo,
-        "show failover, the POST rule and a budget on loopback ports, then exit",
-    )
-    parser.add_argument(
-        "--port",
-        type=port_number,
-        default=0,
-        help="the gateway's port; the primary gets P+1, the backup P+2 (default: free ports)",
-    )

@@ -11,16 +11,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from fallback_mw.cli.app import Console, Failed, Refused, leaf, writable_out, write_atomically
+from fallback_mw.cli.app import Console, Failed, Refused, writable_out, write_atomically
 from fallback_mw.cli.evaluation.arms import arms, run_arms
 from fallback_mw.cli.evaluation.gateway import GatewayDidNotStart
 from fallback_mw.cli.evaluation.html import render
 from fallback_mw.cli.evaluation.report import summarise, table, verdict
-from fallback_mw.cli.serve_options import port_number
 from fallback_mw.extras import require
 from fallback_mw.quoting import printable
 
-DEFAULT_OUT = "results/route-plan-eval.json"
 MAX_REQUESTS = 100_000
 MAX_CONCURRENCY = 1000
 
@@ -84,44 +82,3 @@ def handle(args: argparse.Namespace, console: Console) -> int:
         raise Failed(f"cannot write {args.out}: {exc.strerror or exc}") from None
     console.print(f"wrote {printable(str(out))} and {printable(str(page))}")
     return 0 if passed else 1
-
-
-def register(subparsers: Any) -> None:
-    parser = leaf(
-        subparsers,
-        "eval",
-        handle,
-        "the route-plan evaluation: failing/healthy primary x single upstream/ordered plan, "
-        "over loopback through a real `fallback-mw serve`; a table and a JSON artifact",
-    )
-    parser.add_argument(
-        "--requests", type=int, default=300, metavar="N", help="requests per arm (default 300)"
-    )
-    parser.add_argument(
-        "--primary",
-        choices=["fail", "hang"],
-        default="fail",
-        help="how the failing primary fails: a fast 503, or accepting and never answering",
-    )
-    parser.add_argument(
-        "--breaker",
-        choices=["off", "on"],
-        default="off",
-        help="off (default): breakers held closed, so the plan is what is measured; "
-        "on: the gateway's default breaker, measuring the breaker path",
-    )
-    parser.add_argument(
-        "--concurrency", type=int, default=10, metavar="N", help="requests in flight (default 10)"
-    )
-    parser.add_argument(
-        "--port",
-        type=port_number,
-        default=0,
-        help="the gateway's port, each arm in turn (default: a free port per arm)",
-    )
-    parser.add_argument(
-        "--out",
-        default=DEFAULT_OUT,
-        metavar="FILE",
-        help=f"where the JSON artifact is written (default {DEFAULT_OUT})",
-    )

@@ -8,10 +8,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from fallback_mw import rules
-from fallback_mw.cli.app import Console, Refused, leaf, run
+from fallback_mw.cli.app import Console, Refused, run
 from fallback_mw.cli.show import one_line
-from fallback_mw.cli.target import StoreTarget, open_route_store, resolve, store_options
-from fallback_mw.faults import UPSTREAM_FAULTS
+from fallback_mw.cli.target import StoreTarget, open_route_store, resolve
 from fallback_mw.store.model import MAX_FAULT_TTL, Fault
 from fallback_mw.store.routes import RouteStore
 
@@ -221,43 +220,3 @@ def faults_list(args: argparse.Namespace, console: Console) -> None:
             f"(written by hand?): {', '.join(unreadable)}; no gateway applies them, and "
             "`fallback-mw faults clear --all` removes them"
         )
-
-
-def register(subparsers: Any) -> None:
-    faults = subparsers.add_parser(
-        "faults", help="game-day fault injection", description="game-day fault injection"
-    )
-    verbs = faults.add_subparsers(dest="faults_verb", metavar="VERB", required=True)
-
-    fset = leaf(verbs, "set", faults_set, "set a fault with an expiry; prints the expiry")
-    store_options(fset)
-    fset.add_argument(
-        "kind",
-        choices=[*UPSTREAM_FAULTS, "pin"],
-        help="fail: a synthetic 503; hang: no answer until the timeout; blackhole: a listener "
-        "that never answers; revoke: a 401; pin: the route's plan starts at --candidate",
-    )
-    fset.add_argument("--upstream", metavar="NAME", help="the upstream to fault (not pin)")
-    fset.add_argument("--route", metavar="ID", help="pin: the route whose plan is pinned")
-    fset.add_argument("--candidate", metavar="NAME", help="pin: the candidate to start at")
-    fset.add_argument(
-        "--ttl",
-        type=int,
-        required=True,
-        metavar="SECONDS",
-        help="the fault expires by itself after this",
-    )
-    fset.add_argument(
-        "--replace",
-        action="store_true",
-        help="replace an active fault on the same target (otherwise refused)",
-    )
-
-    fclear = leaf(verbs, "clear", faults_clear, "clear faults: one selector, or --all")
-    store_options(fclear)
-    which = fclear.add_mutually_exclusive_group(required=True)  # SPEC §10: no bare clear
-    which.add_argument("--upstream", metavar="NAME", help="the faults on this upstream")
-    which.add_argument("--route", metavar="ID", help="the pin on this route")
-    which.add_argument("--all", action="store_true", help="every fault in the store")
-
-    store_options(leaf(verbs, "list", faults_list, "list active faults"))

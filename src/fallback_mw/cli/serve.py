@@ -15,7 +15,7 @@ import socket
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from fallback_mw.cli.app import Console, Failed, Refused, leaf
+from fallback_mw.cli.app import Console, Failed, Refused
 from fallback_mw.cli.check import resolve_routes
 from fallback_mw.cli.compiled_core import version_line
 from fallback_mw.cli.config_warnings import config_warnings
@@ -23,13 +23,8 @@ from fallback_mw.cli.open_files import raise_open_file_limit
 from fallback_mw.cli.own_address import upstream_at_own_address
 from fallback_mw.cli.serve_logging import CutRequestLine, configure_logging, uvicorn_colours
 from fallback_mw.cli.serve_options import (
-    add_worker_options,
-    bind_host,
-    graceful_seconds,
     host_port,
-    keep_alive_seconds,
     listen_family,
-    port_number,
 )
 from fallback_mw.config import GatewayConfig, load_config
 from fallback_mw.extras import require
@@ -98,11 +93,6 @@ def server_options() -> dict[str, str]:
 # collects once, freezes what startup loaded (never traversed again) and collects young
 # objects when this many more are alive than at the last collection.
 SERVE_GC_THRESHOLD = 50_000
-# How long a stop waits for requests in flight (`--timeout-graceful-shutdown`): under a
-# Kubernetes pod's default 30 s termination grace, so the cut streams still settle.
-DEFAULT_GRACEFUL_SECONDS = 25.0
-# uvicorn's own default: an idle kept-alive connection is closed after this long.
-DEFAULT_KEEP_ALIVE_SECONDS = 5.0
 # After that wait, how long a worker may take to settle, close and exit before SIGKILL.
 STOP_MARGIN_SECONDS = 5.0
 
@@ -361,30 +351,3 @@ def listen_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.s
         raise Failed(f"cannot listen on {host_port(host, port)}: {reason}") from None
     sock.set_inheritable(True)
     return sock
-
-
-def register(subparsers: Any) -> None:
-    parser = leaf(subparsers, "serve", serve, "run the gateway on uvicorn")
-    parser.add_argument("--config", required=True, metavar="FILE", help="gateway TOML file")
-    parser.add_argument(
-        "--host", type=bind_host, default="127.0.0.1", help="bind address (default 127.0.0.1)"
-    )
-    parser.add_argument("--port", type=port_number, default=8000, help="bind port (default 8000)")
-    add_worker_options(parser)
-    parser.add_argument(
-        "--timeout-graceful-shutdown",
-        type=graceful_seconds,
-        default=DEFAULT_GRACEFUL_SECONDS,
-        metavar="SECONDS",
-        help="on SIGTERM / Ctrl-C, how long requests in flight may finish before they are "
-        f"cut (their holds settled as cut short; default {DEFAULT_GRACEFUL_SECONDS:g})",
-    )
-    parser.add_argument(
-        "--timeout-keep-alive",
-        type=keep_alive_seconds,
-        default=DEFAULT_KEEP_ALIVE_SECONDS,
-        metavar="SECONDS",
-        help="how long an idle connection is kept for its next request; behind a load "
-        "balancer or proxy that keeps connections, above its idle timeout (AWS ALB: 60) "
-        f"(default {DEFAULT_KEEP_ALIVE_SECONDS:g})",
-    )

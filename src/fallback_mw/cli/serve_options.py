@@ -8,6 +8,12 @@ import contextlib
 import socket
 from collections.abc import Callable
 
+# How long a stop waits for requests in flight (`--timeout-graceful-shutdown`): under a
+# Kubernetes pod's default 30 s termination grace, so the cut streams still settle.
+DEFAULT_GRACEFUL_SECONDS = 25.0
+# uvicorn's own default: an idle kept-alive connection is closed after this long.
+DEFAULT_KEEP_ALIVE_SECONDS = 5.0
+
 
 def port_number(value: str) -> int:
     """argparse type: a TCP port, 0 (any free port) to 65535."""

@@ -28,13 +28,6 @@ NO_STORE_IN_FILE = (
 )
 
 
-def store_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--store", metavar="URL", help="sqlite:///path.db or postgresql://...")
-    parser.add_argument(
-        "--config", metavar="FILE", help="gateway TOML: its store, routes, budgets, allowlist"
-    )
-
-
 @dataclass(frozen=True)
 class StoreTarget:
     config: GatewayConfig  # the file's configuration, or the defaults with --store alone

@@ -13,10 +13,11 @@ from typing import Any
 
 from fallback_mw.budget import Ledger, UsageRecord
 from fallback_mw.budget.cost import format_money
-from fallback_mw.cli.app import Console, Refused, leaf
+from fallback_mw.cli.app import Console, Refused
 from fallback_mw.cli.budgets import with_ledger
 from fallback_mw.cli.show import one_line, print_table
-from fallback_mw.cli.target import StoreTarget, store_options
+from fallback_mw.cli.target import StoreTarget
+from fallback_mw.cli.verbs.shared import INCIDENT_SCAN
 
 _RELATIVE = re.compile(r"^(\d{1,9})([smhdw])$")
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -24,7 +25,6 @@ COLUMNS = ("TIME", "ROUTE", "TENANT", "ATTEMPTS", "CHOSEN", "OUTCOME", "TOKENS",
 INCIDENT_COLUMNS = (
     "TIME", "REQUEST", "ROUTE", "TENANT", "INCIDENT", "TRAIL", "OUTCOME", "RULE", "STATUS"
 )  # fmt: skip
-INCIDENT_SCAN = 10_000  # newest records searched for incidents
 # Outcomes that are not the gateway answering itself (served, cut short after the commit,
 # the caller gone). Not `response_too_large`: with no chosen candidate it is the local 502
 # refused before the commit point; with one, an `aborted` incident (`_CUT_SHORT`).
@@ -207,30 +207,3 @@ def usage(args: argparse.Namespace, console: Console) -> None:
         print_table(console, [INCIDENT_COLUMNS, *(_incident_row(r) for r in records)])
         return
     print_table(console, [COLUMNS, *(_row(record) for record in records)])
-
-
-def register(subparsers: Any) -> None:
-    parser = leaf(subparsers, "usage", usage, "what each routed request cost, who served it")
-    store_options(parser)
-    parser.add_argument(
-        "--since",
-        help="only records since then, e.g. 1h, 2d, 2026-11-30 or 2026-11-30T12:00 (UTC); "
-        "default: no limit in time",
-    )
-    parser.add_argument("--route", metavar="ID", help="only this route's requests")
-    parser.add_argument("--tenant", help="only this tenant's requests")
-    parser.add_argument(
-        "--limit",
-        type=int,
-        default=100,
-        metavar="N",
-        help="newest N records (default 100); with --incidents, the newest N incidents",
-    )
-    parser.add_argument("--json", action="store_true", help="one JSON object per line")
-    parser.add_argument(
-        "--incidents",
-        action="store_true",
-        help="only requests that failed over, skipped a candidate, ended in a local error or "
-        "were served an upstream's 5xx, with their trails "
-        f"(searches the newest {INCIDENT_SCAN} records)",
-    )
