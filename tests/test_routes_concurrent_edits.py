@@ -29,6 +29,7 @@ _READY_THEN_RUN = """
 import sys
 import asyncpg
 import fallback_mw.store.postgres
+import fallback_mw.cli.routes  # the verb's own module: the parser no longer imports it
 from fallback_mw.cli import build_parser, main
 build_parser()
 print("ready", flush=True)
