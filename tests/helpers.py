@@ -220,3 +220,12 @@ async def gateway_client(conf: dict[str, Any], **kwargs: Any) -> AsyncIterator[h
             yield client
     finally:
         await gateway.aclose()
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` still exists (a zombie counts until it is reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -14,20 +14,12 @@ import anyio
 import httpx
 import pytest
 
-from tests.helpers import free_port, log_text, serve_process, wait_listening
+from tests.helpers import alive, free_port, log_text, serve_process, wait_listening
 from tests.upstreams import status_handler, upstream
 
 pytestmark = pytest.mark.e2e
 
 STARTED = re.compile(r"Started server process \[(\d+)\]")
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 async def started(log: Path, count: int, process: object, limit: float = 60) -> list[int]:

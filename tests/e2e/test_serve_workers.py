@@ -27,7 +27,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 
 from fallback_mw.cli.workers import START_UP_SECONDS
-from tests.helpers import free_port, log_text, serve_process, wait_listening
+from tests.helpers import alive, free_port, log_text, serve_process, wait_listening
 from tests.tcp_proxy import tcp_proxy
 from tests.upstreams import status_handler, upstream
 
@@ -115,14 +115,6 @@ async def both_serving(process: subprocess.Popen[bytes], port: int, log: Path) -
         assert process.poll() is None, log_text(log)
         assert time.monotonic() < deadline, log_text(log)
         await anyio.sleep(0.05)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.mark.anyio
