@@ -147,6 +147,7 @@ def serve_arms(args: argparse.Namespace) -> int:
             print(f"  {arm:<18} {value / 1000:8.0f}k  {value / floor_count:5.2f}x floor")
     finally:
         tree.close()
+        shutil.rmtree(tree.workdir, ignore_errors=True)  # dumps, logs, ledgers: ~10 MB a run
     return 0
 
 
