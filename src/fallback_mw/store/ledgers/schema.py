@@ -10,7 +10,7 @@ import math
 import time
 from datetime import UTC, datetime
 from decimal import Decimal
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 from fallback_mw.budget.cost import from_units, to_units
 from fallback_mw.budget.ledger import AttemptOutcome, BudgetUnreadable, Hold, UsageRecord
@@ -154,43 +154,49 @@ _ATTEMPTS: dict[tuple[tuple[object, ...], ...], str] = {}
 
 
 def candidates_json(candidates: tuple[str, ...]) -> str:
-    if type(candidates) is not tuple or not all(type(name) is str for name in candidates):
-        return json.dumps(list(candidates))
-    text = _CANDIDATES.get(candidates)
+    plain = type(candidates) is tuple and all(type(name) is str for name in candidates)
+    text = _CANDIDATES.get(candidates) if plain else None
     if text is None:
         text = json.dumps(list(candidates))
-        if len(_CANDIDATES) >= _JSON_KEPT:
-            _CANDIDATES.clear()
-        _CANDIDATES[candidates] = text
+        if plain:
+            _keep(_CANDIDATES, candidates, text)
     return text
 
 
 def attempts_json(attempts: tuple[AttemptOutcome, ...]) -> str:
-    fields = []
-    for attempt in attempts:
-        found = (attempt.candidate, attempt.status, attempt.failure, attempt.skipped, attempt.fault)
-        if not _plain_attempt(found):
-            return json.dumps([a.as_dict() for a in attempts])
-        fields.append(found)
-    key = tuple(fields)
-    text = _ATTEMPTS.get(key)
+    key = _attempts_key(attempts)
+    text = None if key is None else _ATTEMPTS.get(key)
     if text is None:
         text = json.dumps([a.as_dict() for a in attempts])
-        if len(_ATTEMPTS) >= _JSON_KEPT:
-            _ATTEMPTS.clear()
-        _ATTEMPTS[key] = text
+        if key is not None:
+            _keep(_ATTEMPTS, key, text)
     return text
 
 
-def _plain_attempt(fields: tuple[object, ...]) -> bool:
-    candidate, status, failure, skipped, fault = fields
-    return (
-        type(candidate) is str
-        and (status is None or type(status) is int)
-        and (failure is None or type(failure) is str)
-        and (skipped is None or type(skipped) is str)
-        and (fault is None or type(fault) is str)
-    )
+def _keep(table: dict[Any, str], key: Any, text: str) -> None:
+    """`text` kept under `key`, the table emptied first when it holds _JSON_KEPT."""
+    if len(table) >= _JSON_KEPT:
+        table.clear()
+    table[key] = text
+
+
+def _attempts_key(attempts: tuple[AttemptOutcome, ...]) -> tuple[tuple[object, ...], ...] | None:
+    """What decides the attempts' text; None where equality would not (above)."""
+    key = []
+    for attempt in attempts:
+        candidate, status, failure, skipped, fault = found = (
+            attempt.candidate, attempt.status, attempt.failure, attempt.skipped, attempt.fault
+        )  # fmt: skip
+        if not (
+            type(candidate) is str
+            and (status is None or type(status) is int)
+            and (failure is None or type(failure) is str)
+            and (skipped is None or type(skipped) is str)
+            and (fault is None or type(fault) is str)
+        ):
+            return None
+        key.append(found)
+    return tuple(key)
 
 
 USAGE_COLUMNS = (
