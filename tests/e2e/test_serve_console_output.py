@@ -161,6 +161,36 @@ def test_console_output_on_a_non_blocking_stdout_waits_for_room(
     assert "console telemetry stopped" not in caplog.text
 
 
+def test_a_stdout_gone_before_logging_is_set_up_is_still_said_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """serve sets up telemetry before its log handler: a metric export (every 200 ms with
+    OTEL_METRIC_EXPORT_INTERVAL=200) on a closed stdout in that window said "console
+    telemetry stopped" to the `fallback_mw` logger's NullHandler, and never again: the log
+    said nothing about why the console stayed empty."""
+    import logging
+
+    from fallback_mw.cli.console_stream import ConsoleStream
+
+    package = logging.getLogger("fallback_mw")
+    quiet = logging.NullHandler()
+    saved = package.handlers[:], package.propagate
+    package.handlers[:] = [quiet]
+    package.propagate = False  # as serve's, before its LineHandler: nothing is heard
+    try:
+        stream = ConsoleStream(None)
+        stream.write("a span\n")
+        package.handlers[:] = [quiet, caplog.handler]  # serve's handler, installed
+        with caplog.at_level(logging.WARNING, logger="fallback_mw"):
+            for _ in range(3):
+                stream.write("a span\n")
+        stream.close(1)
+    finally:
+        package.handlers[:], package.propagate = saved
+    said = [r for r in caplog.records if "console telemetry stopped" in r.getMessage()]
+    assert len(said) == 1, caplog.text
+
+
 def test_the_stream_closes_its_copy_of_stdout_when_closed() -> None:
     """The stream writes to its own copy of stdout's descriptor; closing the stream left it
     open (one descriptor per telemetry setup, a pipe's reader never seeing the end)."""
