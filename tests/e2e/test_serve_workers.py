@@ -312,7 +312,7 @@ async def test_a_worker_that_dies_is_replaced(redis_url: str, tmp_path: Path) ->
                 assert process.poll() is None, log_text(log)
                 assert time.monotonic() < deadline + 30, log_text(log)
                 await anyio.sleep(0.05)
-            assert f"worker {victim} exited (-9); starting another" in log_text(log)
+            assert f"worker {victim} was killed by SIGKILL; starting another" in log_text(log)
             workers = {int(pid) for pid in STARTED.findall(log_text(log))} - {victim}
             assert len(workers) == 2 and all(alive(pid) for pid in workers)
             for _ in range(10):  # new connections: whichever worker takes them answers
@@ -363,7 +363,7 @@ async def test_a_replacement_that_cannot_reach_the_store_is_retried_while_the_ot
                 await anyio.sleep(0.05)
             text = log_text(log)
             assert "all 2 workers serving" in text
-            assert f"worker {victim} exited (-9); starting another" in text
+            assert f"worker {victim} was killed by SIGKILL; starting another" in text
             assert "cannot load routes from the store: cannot reach the store" in text
             assert re.search(r"failed to start \(\d+\); starting another in \d+ s", text)
             assert pg.password is None or pg.password not in text

@@ -357,15 +357,15 @@ class Supervisor:
                 )
             return code if code > 0 else 1
         if served and lived >= START_UP_SECONDS:
-            say(f"fallback-mw: worker {pid} exited ({code}); starting another")
+            say(f"fallback-mw: worker {pid} {_ending(code)}; starting another")
             self._start_one(slot)
             return None
         # It failed to start (store unreachable, an env variable this host lacks, ...) or
         # died young: the others keep serving; retried later and later, up to 30 s apart.
         delay = min(_RETRY_MAX_SECONDS, _RETRY_FIRST_SECONDS * 2.0**self.failures)
         self.failures = min(self.failures + 1, 16)  # 2.0**1024 would overflow in a long outage
-        what = "exited" if served else "failed to start"
-        say(f"fallback-mw: worker {pid} {what} ({code}); starting another in {delay:g} s")
+        what = _ending(code) if served or code < 0 else f"failed to start ({code})"
+        say(f"fallback-mw: worker {pid} {what}; starting another in {delay:g} s")
         self.restarts.append((time.monotonic() + delay, slot))
         self.restarts.sort()
         return None
