@@ -157,6 +157,42 @@ async def test_a_breaker_opened_through_one_worker_is_open_in_the_other(
             process.send_signal(signal.SIGINT)
             assert process.wait(timeout=30) == 0, log_text(log)
         assert not any(alive(pid) for pid in workers)
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert "per CPU" not in log_text(log)  # two workers on two CPUs: nothing to say
+
+
+@pytest.mark.anyio
+async def test_more_workers_than_cpus_is_said_once_and_serves(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """`--workers 2` on one CPU (taskset, a container's cpuset) started two event loops
+    taking turns on one core: twice the memory, no more throughput, and nothing said it."""
+    cpu = min(os.sched_getaffinity(0))
+    config = write_config(
+        tmp_path / "gateway.toml",
+        f'state = "{redis_url}"',
+        "http://127.0.0.1:9",
+        "http://localhost:10",
+    )
+    port, log = free_port(), tmp_path / "serve.log"
+    with supervisor(config, port, log, prefix=("taskset", "-c", str(cpu))) as process:
+        await both_serving(process, port, log)
+        text = log_text(log)
+        warning = "--workers 2 on 1 CPU (those this process may run on): a worker past one"
+        assert text.count(warning) == 1, text
+        assert text.index(warning) < text.index("serving on"), text
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 0, log_text(log)
+
+
+def test_the_cpu_bound_is_one_worker_per_cpu() -> None:
+    from fallback_mw.cli.worker_checks import more_than_cpus
+
+    assert more_than_cpus(2, 2) is None and more_than_cpus(1, 1) is None
+    assert more_than_cpus(3, 2) == (
+        "--workers 3 on 2 CPUs (those this process may run on): a worker past one per CPU "
+        "adds memory and context switches, not throughput; --workers 2 serves as much"
+    )
 
 
 def test_more_than_one_worker_with_memory_state_is_refused_in_one_line(tmp_path: Path) -> None:

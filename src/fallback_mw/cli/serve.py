@@ -125,7 +125,8 @@ def tune_gc() -> None:
 def serve(args: argparse.Namespace, console: Console) -> int | None:
     require("serve", "the serve command")
     from fallback_mw.cli.server_limits import uvicorn_limits
-    from fallback_mw.cli.workers import Supervisor, check_shared, exit_now
+    from fallback_mw.cli.worker_checks import check_shared, more_than_cpus
+    from fallback_mw.cli.workers import Supervisor, exit_now
 
     config = load_config(args.config)
     check_shared(config, args.workers)  # N > 1 on per-process state: refused, one line
@@ -166,6 +167,8 @@ def serve(args: argparse.Namespace, console: Console) -> int | None:
     options["timeout_keep_alive"] = args.timeout_keep_alive
     options["use_colors"] = uvicorn_colours()
     if args.workers > 1:
+        if (crowded := more_than_cpus(args.workers)) is not None:
+            warnings.append(crowded)
         # Each worker sets up its own OTel SDK and gateway after the fork (cli/workers.py).
         supervisor = Supervisor(
             args.workers,

@@ -11,8 +11,9 @@ or a loop crosses it.
 What the workers share is what the configuration shares: breakers and capacity counts
 through `gateway.state` (Redis), budgets and usage through `gateway.store` (SQLite on one
 machine, PostgreSQL across machines). `serve` refuses N > 1 when either would be kept in
-each process's memory (`check_shared`): two workers would each keep their own breakers
-and budgets, and the gateway would silently do N times what it was configured to do.
+each process's memory (worker_checks.py): two workers would each keep their own
+breakers and budgets, and the gateway would silently do N times what it was configured
+to do.
 
 SIGINT / SIGTERM / SIGHUP to the supervisor stop every worker (each finishes its requests
 in flight, as uvicorn does on SIGTERM); a supervisor that dies otherwise (SIGKILL) takes
@@ -42,9 +43,8 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
-from fallback_mw.cli.app import Console, Refused, dispatch
+from fallback_mw.cli.app import Console, dispatch
 from fallback_mw.cli.liveness import Heartbeats, die_with
-from fallback_mw.config import GatewayConfig
 from fallback_mw.telemetry.line_writer import flush_request_lines
 
 # A worker that served and exits this long or more after its start is replaced at once;
@@ -85,23 +85,6 @@ def say(line: str) -> None:
             sys.stderr.flush()
     except (OSError, ValueError):
         pass  # e.g. a full disk: this line is lost, the next may be written
-
-
-def check_shared(config: GatewayConfig, workers: int) -> None:
-    """Refuse N > 1 workers when breakers, capacity or budgets would be per process."""
-    if workers <= 1:
-        return
-    settings = config.gateway
-    if settings.state in ("memory://", "memory", ""):
-        raise Refused(
-            f'--workers {workers} needs a shared state: gateway.state is "memory://", so each '
-            'worker would keep its own breakers and capacity counts; set state = "redis://..."'
-        )
-    if settings.store is None and any(route.budget for route in config.routes):
-        raise Refused(
-            f"--workers {workers} needs a shared store: budgets on the in-memory ledger "
-            'would be per worker; set gateway.store = "sqlite:///..." or "postgresql://..."'
-        )
 
 
 def exit_now(_signum: int, _frame: FrameType | None) -> None:
