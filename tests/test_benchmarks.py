@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REDIS_HOST, REDIS_PORT, require_service
+from tests.conftest import REDIS_DB, REDIS_HOST, REDIS_PORT, require_service
 
 RUN = Path(__file__).parent.parent / "benchmarks" / "run.py"
 
@@ -59,7 +59,7 @@ def test_benchmark_runs_every_arm_and_prints_the_ratios() -> None:
     result = script(
         RUN,
         *("--quick", "--engines", "--workers", "2"),
-        *("--redis", f"redis://{REDIS_HOST}:{REDIS_PORT}/0"),
+        *("--redis", f"redis://{REDIS_HOST}:{REDIS_PORT}/{REDIS_DB}"),
     )
     skip_without_tools(result)
     # Exit status 1: an arm answered non-2xx (e.g. failover broke); the table says which.
@@ -190,7 +190,7 @@ def test_layer_benchmark_runs_every_row_and_prints_its_cost() -> None:
     result = script(
         LAYERS,
         *("--requests", "40", "--rounds", "1", "--warmup", "5"),
-        *("--redis", f"redis://{REDIS_HOST}:{REDIS_PORT}/0", "--nginx"),
+        *("--redis", f"redis://{REDIS_HOST}:{REDIS_PORT}/{REDIS_DB}", "--nginx"),
     )
     skip_without_tools(result)
     assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
@@ -228,7 +228,10 @@ def test_ab_benchmark_serves_both_trees_side_by_side(tmp_path: Path) -> None:
     every server's log and ledger)."""
     src = Path(__file__).parent.parent / "src"
     arms = "healthy,failover,budget,redis"
-    result = script(AB, str(src), "--rounds", "1", "--duration", "1", "--arms", arms, tmp=tmp_path)
+    result = script(
+        AB, str(src), "--rounds", "1", "--duration", "1", "--arms", arms,
+        "--redis", f"redis://{REDIS_HOST}:{REDIS_PORT}/{REDIS_DB}", tmp=tmp_path,
+    )  # fmt: skip
     skip_without_tools(result)
     assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
     for arm in (
