@@ -233,7 +233,7 @@ def test_django_example_with_djangos_own_async_test_client(tmp_path: Path) -> No
         "stream": ["text/event-stream", True],
         "primary": ["POST /v1/chat/completions", "POST /v1/chat/completions"],
         "backup": ["POST /v1/chat/completions", "POST /v1/chat/completions"],
-    }
+    }, result.stderr
 
 
 @pytest.mark.parametrize("name", ["fastapi_app", "django_app"])
