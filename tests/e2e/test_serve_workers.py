@@ -66,6 +66,17 @@ backoff_ms = 0
     return path
 
 
+def idle_config(tmp_path: Path, redis_url: str) -> Path:
+    """The workers' config on Redis state with upstreams nothing listens at (a test of
+    the supervisor, not of a request)."""
+    return write_config(
+        tmp_path / "gateway.toml",
+        f'state = "{redis_url}"',
+        "http://127.0.0.1:9",
+        "http://localhost:10",
+    )
+
+
 def command(config: Path, port: int, workers: int) -> list[str]:
     return [
         *(sys.executable, "-m", "fallback_mw", "serve", "--config", str(config)),
@@ -168,12 +179,7 @@ async def test_more_workers_than_cpus_is_said_once_and_serves(
     """`--workers 2` on one CPU (taskset, a container's cpuset) started two event loops
     taking turns on one core: twice the memory, no more throughput, and nothing said it."""
     cpu = min(os.sched_getaffinity(0))
-    config = write_config(
-        tmp_path / "gateway.toml",
-        f'state = "{redis_url}"',
-        "http://127.0.0.1:9",
-        "http://localhost:10",
-    )
+    config = idle_config(tmp_path, redis_url)
     port, log = free_port(), tmp_path / "serve.log"
     with supervisor(config, port, log, prefix=("taskset", "-c", str(cpu))) as process:
         await both_serving(process, port, log)
@@ -301,12 +307,7 @@ def test_a_worker_killed_while_starting_is_named_by_the_supervisor(
     """A worker killed by a signal before it served (the OOM killer, SIGKILL) stops the
     instance, as any start-up failure does: the supervisor exited 1 with nothing after
     "serving on ...", since a killed worker prints no line of its own. It names it now."""
-    config = write_config(
-        tmp_path / "gateway.toml",
-        f'state = "{redis_url}"',
-        "http://127.0.0.1:9",
-        "http://localhost:10",
-    )
+    config = idle_config(tmp_path, redis_url)
     port, log = free_port(), tmp_path / "serve.log"
     with supervisor(config, port, log) as process:
         children = Path(f"/proc/{process.pid}/task/{process.pid}/children")
@@ -457,12 +458,7 @@ async def test_no_worker_serves_on_once_the_supervisor_is_gone(
     its default), left its two workers serving on the port with nobody to replace or stop
     them. Now SIGHUP stops the workers as SIGTERM does, and a worker dies with its
     supervisor however that one dies."""
-    config = write_config(
-        tmp_path / "gateway.toml",
-        f'state = "{redis_url}"',
-        "http://127.0.0.1:9",
-        "http://localhost:10",
-    )
+    config = idle_config(tmp_path, redis_url)
     port, log = free_port(), tmp_path / "serve.log"
     with supervisor(config, port, log, prefix=SIGHUP_AT_ITS_DEFAULT) as process:
         await both_serving(process, port, log)
@@ -719,12 +715,7 @@ def test_a_metrics_port_that_is_the_gateway_port_is_refused_in_one_line(
     the gateway: each API call was answered 200 with the metrics text. One process
     (`--workers 1`, the metrics port = the gateway port) failed with "address already in
     use", as if another program held it. Both are refused up front, naming the clash."""
-    config = write_config(
-        tmp_path / "gateway.toml",
-        f'state = "{redis_url}"',
-        "http://127.0.0.1:9",
-        "http://localhost:10",
-    )
+    config = idle_config(tmp_path, redis_url)
     port = free_port()
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
@@ -762,12 +753,7 @@ async def test_a_worker_dying_after_the_log_reader_left_is_still_replaced(
     the whole gateway was down. (A replacement's own `metrics on` line failed its start the
     same way.) Now the supervisor's and a worker's lines are best effort: the dead worker is
     replaced, the gateway serves on, and a stop is still clean."""
-    config = write_config(
-        tmp_path / "gateway.toml",
-        f'state = "{redis_url}"',
-        "http://127.0.0.1:9",
-        "http://localhost:10",
-    )
+    config = idle_config(tmp_path, redis_url)
     port, metrics = free_port(), two_free_ports()
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
