@@ -344,3 +344,23 @@ def test_instruction_count_serves_on_the_ports_it_was_given() -> None:
     assert len(ports) == 5 and all(base <= port < base + 10 for port in ports), ports
     for arm in ("floor", "healthy (this)", "failover (this)"):
         assert re.search(rf"{re.escape(arm)} +[0-9]+k", result.stdout), result.stdout
+
+
+SYSCALLS = RUN.parent / "syscalls.py"
+
+
+def test_syscall_benchmark_splits_cpu_and_counts_calls_per_arm(tmp_path: Path) -> None:
+    """benchmarks/syscalls.py prints, for the floor and serve (healthy, failing over),
+    user and system CPU per request and the system calls per request by kind (perf's
+    counters), and removes its working directory."""
+    result = script(SYSCALLS, "--duration", "1", "--top", "5", tmp=tmp_path)
+    skip_without_tools(result)
+    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
+    for arm in ("floor", "healthy", "failover"):
+        split = re.search(rf"^  {arm} +\d+ +(\d+\.\d) +(\d+\.\d) +\d+\.\d ", result.stdout, re.M)
+        assert split is not None and float(split.group(1)) > 0, result.stdout
+    calls = re.search(r"^  write +(\d+\.\d+) +(\d+\.\d+) +(\d+\.\d+)$", result.stdout, re.M)
+    assert calls is not None, result.stdout  # each arm answers with a write or more
+    assert all(float(x) >= 1 for x in calls.groups()), calls.group(0)
+    assert "failover minus the floor, per request: " in result.stdout
+    assert list(tmp_path.iterdir()) == []
