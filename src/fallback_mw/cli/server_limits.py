@@ -22,6 +22,7 @@ import re
 import weakref
 from typing import Any, cast
 
+from fallback_mw.cli.head_with_body import HeadWithBody, StepFlusher
 from fallback_mw.cli.httptools_framing import MessageBounds, NoTrailersAsHeaders
 from fallback_mw.config import DEFAULT_METHODS, GatewaySettings
 from fallback_mw.request.connection_loss import SCOPE_KEY as LOSS_KEY
@@ -99,6 +100,7 @@ class _HeadGuard:
     max_head_bytes: int = 65_536 + _REQUEST_LINE_ROOM
     max_header_bytes: int = 65_536  # the setting, for the message
     head_timeout: float = 10.0
+    flusher: StepFlusher | None = None  # set per class (each server's) at its first connection
 
     # Attributes of the uvicorn protocol this is mixed into.
     cycle: Any
@@ -106,7 +108,11 @@ class _HeadGuard:
     loop: asyncio.AbstractEventLoop
 
     def connection_made(self, transport: asyncio.Transport) -> None:
-        super().connection_made(transport)  # type: ignore[misc]
+        flusher = type(self).flusher  # one for the server's connections, on its loop
+        if flusher is None or flusher.loop is not self.loop:
+            flusher = type(self).flusher = StepFlusher(self.loop)
+        self._writes = HeadWithBody(transport, flusher)  # an answer's head with its body
+        super().connection_made(cast(asyncio.Transport, self._writes))  # type: ignore[misc]
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_since: float | None = None  # when the head being timed started
         self._lingering = False
@@ -155,6 +161,7 @@ class _HeadGuard:
             return
         if self._head_done():
             self._stop_head()
+            self._writes.hold_next()
             cycle = self.cycle
             if cycle is not None:  # its app has not run yet: the task starts on the loop
                 cycle.scope[LOSS_KEY] = self._loss
