@@ -36,6 +36,7 @@ class Load:
     bad_status: int  # non-2xx/3xx responses: the arm is broken, its numbers meaningless
     socket_errors: int
     cpu_us: float  # CPU time (user + system) the server process spent per request
+    requests: int = 0  # wrk's count of them
 
 
 def descendants(pid: int) -> list[int]:
@@ -85,6 +86,7 @@ def run_wrk(wrk: str, url: str, seconds: int, connections: int, pid: int) -> Loa
         bad_status=fields["status"],
         socket_errors=sum(fields[k] for k in ("connect", "read", "write", "timeout")),
         cpu_us=cpu / max(fields["requests"], 1) * 1e6,
+        requests=fields["requests"],
     )
 
 

@@ -68,23 +68,12 @@ def read_threads(pid: int) -> Threads:
     return found
 
 
-def wrk(tool: str, url: str, seconds: int, connections: int) -> int:
-    """Requests wrk completed against `url` in `seconds` (run.py's script and options)."""
-    command = [
-        tool, "-t1", f"-c{connections}", f"-d{seconds}s", "--timeout", "10s",
-        "-s", str(clients.LUA), url,
-    ]  # fmt: skip
-    done = subprocess.run(
-        command, capture_output=True, text=True, timeout=seconds + 60,
-        preexec_fn=procs.die_with_parent,
-    )  # fmt: skip
-    line = next((x for x in done.stdout.splitlines() if x.startswith("WRK ")), None)
-    if line is None:
-        raise RuntimeError(f"wrk printed no summary:\n{done.stdout}\n{done.stderr}")
-    fields = {k: int(v) for k, v in (item.split("=") for item in line.split()[1:])}
-    if fields["status"]:
-        raise RuntimeError(f"{url}: {fields['status']} non-2xx responses")
-    return fields["requests"]
+def wrk(tool: str, url: str, seconds: int, connections: int, pid: int) -> int:
+    """Requests wrk completed against `url` in `seconds` (run.py's runner: clients.run_wrk)."""
+    load = clients.run_wrk(tool, url, seconds, connections, pid)
+    if load.bad_status:
+        raise RuntimeError(f"{url}: {load.bad_status} non-2xx responses")
+    return load.requests
 
 
 @dataclass
@@ -105,7 +94,7 @@ def split(tool: str, url: str, pid: int, seconds: int, connections: int) -> Arm:
     """User and system µs per request, and per thread name CPU and switches."""
     tick = 1e6 / os.sysconf("SC_CLK_TCK")
     before = read_threads(pid)
-    requests = wrk(tool, url, seconds, connections)
+    requests = wrk(tool, url, seconds, connections, pid)
     after = read_threads(pid)
     arm = Arm(requests=requests)
     for name, (user, system) in after.ticks.items():
@@ -137,7 +126,7 @@ def count_calls(
     )
     try:
         time.sleep(1.0)  # perf opens some 700 counters before it counts
-        arm.calls_requests = wrk(tool, url, seconds, connections)
+        arm.calls_requests = wrk(tool, url, seconds, connections, pid)
     finally:
         counting.send_signal(2)  # SIGINT: perf writes its counts and ends
         _, errors = counting.communicate(timeout=60)
@@ -245,7 +234,7 @@ def main() -> int:
         run.probe(targets)
         arms: dict[str, Arm] = {}
         for name, (url, pid) in targets.items():
-            wrk(tool, url, 1, args.connections)  # warm-up
+            wrk(tool, url, 1, args.connections, pid)  # warm-up
             arms[name] = split(tool, url, pid, args.duration, args.connections)
             count_calls(perf, tool, url, pid, args.duration, args.connections, arms[name])
         print(f"wrk -t1 -c{args.connections} -d{args.duration}s, POST {run.CHAT}")
