@@ -75,14 +75,20 @@ class TcpProxy:
         self.mute_marker = None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # Closed at aclose whatever this task is waiting for: a connection accepted while
+        # paused, or while the proxy was closing, was left open (a ResourceWarning later).
+        self.writers.add(writer)
         await self.running.wait()
         try:
             up_reader, up_writer = await asyncio.open_connection(*self.target)
         except OSError:
             writer.transport.abort()
             return
+        self.writers.add(up_writer)
+        if writer.transport.is_closing():  # closed by aclose meanwhile
+            up_writer.close()
+            return
         self.transports.update((writer.transport, up_writer.transport))
-        self.writers.update((writer, up_writer))
         for copy in (self._copy(reader, up_writer), self._copy(up_reader, writer, answer=True)):
             task = asyncio.ensure_future(copy)
             self.tasks.add(task)
