@@ -24,12 +24,9 @@ from fallback_mw.telemetry.propagation import (
     PROPAGATORS_REFUSED,
     TracePropagation,
     current_attempt,
-    extract,
-    without_secret_baggage,
-    without_secret_trace_state,
+    without_secrets,
 )
 from fallback_mw.telemetry.redact import (
-    EXTRACTING,
     http_method,
     label,
     quiet_propagators,
@@ -109,19 +106,11 @@ class Telemetry(BreakerReports, TracePropagation, ShadowSpans, TelemetryEnds):
                 return
             if current.is_valid:
                 # An instrumented host app already extracted the caller's context.
-                incoming = otel_context.get_current()
+                incoming = without_secrets(otel_context.get_current(), context.secrets)
                 kind = trace.SpanKind.INTERNAL
             else:
-                token = EXTRACTING.set(True)
-                try:
-                    incoming = extract(headers)
-                finally:
-                    EXTRACTING.reset(token)
+                incoming = self._caller_context(headers, context.secrets)
                 kind = trace.SpanKind.SERVER
-            # What the spans carry and the attempts propagate upstream (the host's
-            # extraction too): no trace state or baggage entry holding a credential.
-            incoming = without_secret_trace_state(incoming, context.secrets)
-            incoming = without_secret_baggage(incoming, context.secrets)
             method, original = http_method(
                 context.method, context.route.accepted_methods, context.secrets
             )

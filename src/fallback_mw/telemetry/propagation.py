@@ -20,7 +20,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from fallback_mw.python_class import python_class
 from fallback_mw.request.secrets import RequestSecrets
 from fallback_mw.security.fields import name_forms
-from fallback_mw.telemetry.redact import GETTER
+from fallback_mw.telemetry.redact import EXTRACTING, GETTER
 from fallback_mw.telemetry.spans import AttemptTrace
 
 try:
@@ -47,9 +47,10 @@ current_attempt: contextvars.ContextVar[AttemptTrace | None] = contextvars.Conte
 )
 
 
-# The global propagator, its field names as str and as header bytes, and whether it is
-# made of the W3C propagators only.
-_Propagation = tuple[TextMapPropagator, frozenset[str], frozenset[bytes], bool]
+# The global propagator, its field names as str and as header bytes, whether it is made of
+# the W3C propagators only, and whether (W3C only, the trace context's first) it reads an
+# empty context from headers holding none of its fields.
+_Propagation = tuple[TextMapPropagator, frozenset[str], frozenset[bytes], bool, bool]
 _W3C_PROPAGATORS = (TraceContextTextMapPropagator, W3CBaggagePropagator)
 
 
@@ -71,7 +72,7 @@ class TracePropagation:
         caller's context passes through unchanged."""
         try:
             entry = current_attempt.get()
-            propagator, fields, _, quiet = self._propagation_fields()
+            propagator, fields, _, quiet, _ = self._propagation_fields()
             if entry is None and quiet and not otel_context.get_current():
                 return  # no span, no baggage: W3C propagators would write nothing
             ctx = entry.context if entry is not None else None
@@ -98,7 +99,17 @@ class TracePropagation:
                 else (propagator,)
             )
             quiet = parts is not None and all(type(p) in _W3C_PROPAGATORS for p in parts)
-            cached = (propagator, names, frozenset(n.encode("latin-1") for n in names), quiet)
+            # The trace context's propagator starts from an empty context when given none
+            # (the baggage one from the current context): with it first, nothing read
+            # leaves an empty context.
+            blank = (
+                quiet
+                and parts is not None
+                and len(parts) > 0
+                and type(parts[0]) is TraceContextTextMapPropagator
+            )
+            fields = frozenset(n.encode("latin-1") for n in names)
+            cached = (propagator, names, fields, quiet, blank)
             self._propagation = cached
         return cached
 
@@ -108,14 +119,35 @@ class TracePropagation:
         either way), so the request skips span bookkeeping altogether."""
         if not self._global_tracer or not _tracing_off():
             return False
-        fields = self._propagation_fields()[2]
-        # In any case: ASGI lets a host pass names as they came, and the propagators read
-        # them so (a `Traceparent` skipped here sent its `Tracestate` upstream uncleaned).
-        # A loop, not `any()` over a generator (about 2,000 instructions): every request.
-        for name, _ in headers:  # noqa: SIM110
-            if name_forms(name)[0] in fields:
-                return False
-        return True
+        return not _carries(headers, self._propagation_fields()[2])
+
+    def _caller_context(
+        self, headers: Sequence[tuple[bytes, bytes]], secrets: RequestSecrets | None
+    ) -> otel_context.Context:
+        """The caller's trace context, read by the global propagator, `without_secrets`.
+        From headers holding none of its fields, W3C propagators with the trace context's
+        first read an empty context (no trace state, no baggage): made here without
+        running them (their reads of each field cost some 15,000 instructions a request)."""
+        _, _, fields, _, blank = self._propagation_fields()
+        if blank and not _carries(headers, fields):
+            return otel_context.Context()
+        token = EXTRACTING.set(True)
+        try:
+            incoming = extract(headers)
+        finally:
+            EXTRACTING.reset(token)
+        return without_secrets(incoming, secrets)
+
+
+def _carries(headers: Sequence[tuple[bytes, bytes]], fields: frozenset[bytes]) -> bool:
+    """Whether a header is one of the propagator's `fields` (lower-case), in any case:
+    ASGI lets a host pass names as they came, and the propagators read them so (a
+    `Traceparent` skipped here sent its `Tracestate` upstream uncleaned). A loop, not
+    `any()` over a generator (about 2,000 instructions): every request."""
+    for name, _ in headers:  # noqa: SIM110
+        if name_forms(name)[0] in fields:
+            return True
+    return False
 
 
 _MISSING = object()
@@ -129,6 +161,14 @@ def _tracing_off() -> bool:
     if provider is _MISSING:  # an API without the global: ask it
         provider = trace.get_tracer_provider()
     return isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider)
+
+
+def without_secrets(
+    incoming: otel_context.Context, secrets: RequestSecrets | None
+) -> otel_context.Context:
+    """What the spans carry and the attempts propagate upstream (the caller's context, or
+    the host's extraction of it): no trace state or baggage entry holding a credential."""
+    return without_secret_baggage(without_secret_trace_state(incoming, secrets), secrets)
 
 
 def without_secret_trace_state(
