@@ -16,7 +16,9 @@ from the dump: every thread of the server process, the event loop, the log write
 the ledger's worker thread included. `layers`: `layers.py` rows
 in process, each run twice (500 and 1,500 timed requests) and the difference divided by
 1,000, so start-up and imports cancel out. `--base SRC` counts another source tree
-beside this one (as `ab.py`), with `PYTHONHASHSEED=0` in every run. Under callgrind a
+beside this one (as `ab.py`), with `PYTHONHASHSEED=0` in every run. "This" is this
+checkout's src/ (run from another checkout's virtual environment too), or `PYTHONPATH`
+when it is set (`PYTHONPATH=build/compiled`: the compiled copy). Under callgrind a
 process runs some 50x slower: `serve` takes about five minutes, a layers row two.
 `--port-base PORT`: every server listens on PORT .. PORT+9 (a port taken is passed over),
 not on ephemeral ports; `--start-timeout`: how long the servers, started side by side
@@ -53,6 +55,13 @@ START_SECONDS_EACH = 150  # imports under callgrind are slow, and share the core
 PORTS = 10
 # `budget`: run.py's budget arm (the chat route spending from a SQLite ledger), a server per tree
 SERVE_ARMS = ("healthy", "failover", "budget")
+
+
+def this_tree() -> str:
+    """What "this" counts: this checkout's sources (run from another checkout's virtual
+    environment, its editable install would be counted instead), or the PYTHONPATH given
+    (a compiled copy: `PYTHONPATH=build/compiled`)."""
+    return os.environ.get("PYTHONPATH") or str(HERE.parent / "src")
 
 
 def callgrind(out: Path) -> list[str]:
@@ -101,7 +110,7 @@ def serve_arms(args: argparse.Namespace) -> int:
         upstream, backup, failing = procs.start_nginx(tree, nginx, 8)
         config = run.gateway_config(upstream.port, backup, failing)
         sides = ([("base", {"PYTHONPATH": str(args.base)})] if args.base is not None else []) + [
-            ("this", {})
+            ("this", {"PYTHONPATH": this_tree()})
         ]
         # name -> (config, environment); a budget arm is a process of its own (its config
         # spends the chat route from a SQLite ledger), each tree with its own ledger file.
@@ -155,7 +164,7 @@ def layer_rows(args: argparse.Namespace) -> int:
     from layers import REAL_ENGINE_ROWS  # the rows that need nginx
 
     trees = [("base", str(args.base))] if args.base is not None else []
-    trees.append(("this", ""))
+    trees.append(("this", this_tree()))
     print("instructions per request in process (callgrind, 1500 - 500 requests)")
     for row in args.rows.split(","):
         for name, path in trees:

@@ -283,6 +283,32 @@ def test_instruction_count_refuses_a_tree_without_the_package(
     assert "holds no fallback_mw package" in result.stderr
 
 
+THIS_TREE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import instructions
+print(instructions.this_tree())
+"""
+
+
+@pytest.mark.parametrize("pythonpath", [None, "/elsewhere/build/compiled"])
+def test_instruction_count_counts_this_checkout_not_the_installed_one(
+    pythonpath: str | None,
+) -> None:
+    """The "this" tree is the checkout the script is in (a helper's clone run on another checkout's
+    virtual environment counted that one's editable install, with PYTHONPATH emptied), or
+    the PYTHONPATH given (a compiled copy)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = pythonpath
+    result = subprocess.run(
+        [sys.executable, "-c", THIS_TREE, str(INSTRUCTIONS.parent)],
+        capture_output=True, text=True, timeout=60, check=True, env=env,
+    )  # fmt: skip
+    expected = pythonpath or str(INSTRUCTIONS.parent.parent / "src")
+    assert result.stdout.strip() == expected
+
+
 def test_instruction_count_refuses_a_port_base_without_room() -> None:
     result = script(INSTRUCTIONS, "serve", "--port-base", "65530", timeout=60)
     assert result.returncode == 2
