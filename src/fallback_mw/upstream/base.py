@@ -171,7 +171,7 @@ MAX_LENGTH_DIGITS = 20
 
 
 # What no server writes in a field value (RFC 9110 §5.5; uvicorn's and h11's own checks).
-_CTL_IN_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+_CTL_IN_VALUE = bytes([*range(0x09), *range(0x0A, 0x20), 0x7F])
 # The ends of a field name only aiohttp's parser lets through (whitespace before the colon).
 _SPACE = frozenset(b" \t")
 
@@ -209,33 +209,29 @@ def check_response_head(
     engine relays these)."""
     if not 200 <= status <= 599:
         raise unrelayable("the upstream status cannot be relayed")
-    # One search over every value (a tab between them is allowed in a value anyway), and
-    # the names' bytes counted and looked through at once.
+    # Every value at once (a tab between them is allowed in a value anyway): its control
+    # characters deleted in one C loop, half of a regular expression's search.
     values = b"\t".join(map(_VALUE, headers))
-    if _CTL_IN_VALUE.search(values) is not None:
+    if len(values.translate(None, _CTL_IN_VALUE)) != len(values):
         raise unrelayable("a response field cannot be relayed")
     count = len(headers)
     if count > MAX_RESPONSE_FIELDS:
         raise unrelayable("the response head has too many fields")
-    names = b"".join(map(_NAME, headers))
-    size = len(values) + len(names) + 3 * count  # each field's ": " and CRLF, less the tab
-    # No single field can be over MAX_RESPONSE_FIELD when all of them together are not;
-    # no name ends in whitespace when no name holds any.
-    large = size > MAX_RESPONSE_FIELD
-    # (`find`, not `in`: `bytes in bytes` raises and drops a TypeError on CPython 3.11.)
-    spaced = names.find(b" ") >= 0 or names.find(b"\t") >= 0
+    size = len(values) + 3 * count  # each field's ": " and CRLF, less the tab; names below
     lowered: list[tuple[bytes, bytes]] = []
     lengths: list[bytes] = []
     codings: list[bytes] = []
     for name, value in headers:
-        if large and len(name) + len(value) > MAX_RESPONSE_FIELD:
+        length = len(name)
+        if length + len(value) > MAX_RESPONSE_FIELD:
             raise unrelayable("a response field is too large to relay")
+        size += length
         lowered.append((lower := name_forms(name)[0], value))  # lowercased once per name
         if lower == b"content-length":
             lengths.append(value.strip())
         elif lower == b"transfer-encoding":
             codings.extend(c.strip().lower() for c in value.split(b","))
-        elif not lower or (spaced and lower[-1] in _SPACE):
+        elif not lower or lower[-1] in _SPACE:
             # `Content-Length : 2`: aiohttp's parser reads it (framing included), space and
             # all in the name; no parser lets another non-token byte into a name.
             raise unrelayable("a response field cannot be relayed")
@@ -258,7 +254,6 @@ def check_response_head(
     return lowered
 
 
-_NAME = operator.itemgetter(0)
 _VALUE = operator.itemgetter(1)
 
 
