@@ -105,15 +105,18 @@ def _message(
     duration_ms: float,
     why: str,
 ) -> str:
-    """`_MESSAGE % (route, ...)`, the same text, for serve's writer: an f-string, which
-    costs a third of the `%` of eight arguments compiled (`%d` of an int and `%.1f` of a
-    float, as `_arguments` gives them, write what `{}` and `{:.1f}` do). Typed as
-    `_arguments` gives them: compiled, a text field is joined as it is, where an `object`
-    one was formatted through a method call each."""
-    return (
-        f"gateway request route={route} outcome={outcome} status={status} chosen={chosen} "
-        f"attempts={attempts} candidates={candidates} duration_ms={duration_ms:.1f}{why}"
-    )
+    """`_MESSAGE % (route, ...)`, the same text, for serve's writer (`%d` of an int and
+    `%.1f` of a float, as `_arguments` gives them, write what `str` and `format(, ".1f")`
+    do). A join of its pieces, not an f-string: compiled, an f-string formats each field
+    through a method call (1.8 us for these eight), the join 0.7 us; interpreted, the two
+    are within 0.1 us."""
+    return "".join(
+        (
+            "gateway request route=", route, " outcome=", outcome, " status=", str(status),
+            " chosen=", chosen, " attempts=", str(attempts), " candidates=", candidates,
+            " duration_ms=", format(duration_ms, ".1f"), why,
+        )
+    )  # fmt: skip
 
 
 def _arguments(
