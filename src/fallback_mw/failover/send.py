@@ -91,10 +91,10 @@ def connection_slots(upstream: AnyUpstream, *, shadow: bool) -> int:
 
 def pool_key(name: str, upstream: AnyUpstream, *, shadow: bool) -> str:
     """What an attempt's connection slots are counted under: the upstream name at its url
-    (a store reload that moves the name to another host gives the new url slots of its
-    own: requests still waiting on the old host, which may hang, hold none of them), the
-    shadow copies' apart (`connection_slots`). Spaces: no name or url has one."""
-    return f"{name} shadow {upstream.url}" if shadow else f"{name} {upstream.url}"
+    (a url moved by a store reload gets slots of its own: requests waiting on the old host,
+    which may hang, hold none of them), the shadow copies' apart (`connection_slots`). No
+    name or url has a space. (`+`: compiled, an f-string formats each field by a call.)"""
+    return name + " shadow " + upstream.url if shadow else name + " " + upstream.url
 
 
 def model_rewritten(

@@ -131,19 +131,21 @@ def _arguments(
     """The line's %-arguments; the first two (route and outcome labels) are also the
     record's `route` and `outcome` fields."""
     # Why the walk ended where it did, when a rule decided it, and what was passed over.
-    why = f" rule={context.rule}" if context.rule else ""
+    # Concatenated, not f-strings: compiled, an f-string formats each field through a
+    # method call (`_message`).
+    why = " rule=" + context.rule if context.rule else ""
     failed = [_failure(a) for a in context.attempts if _failed(a)]
     if failed:
-        why += f" failures={','.join(failed)}"
+        why += " failures=" + ",".join(failed)
     if context.skipped:
         passed = dict.fromkeys(
-            f"{label(s.candidate)};reason={label(s.reason)}" for s in context.skipped
+            label(s.candidate) + ";reason=" + label(s.reason) for s in context.skipped
         )
-        why += f" skipped={','.join(passed)}"
+        why += " skipped=" + ",".join(passed)
     if fault:  # game-day traffic (SPEC §12): not to be read as a real outage
         why += " fault=true"
     if trace_id is not None:  # traced: the line joins its trace (the SDK's 32 hex digits)
-        why += f" trace_id={trace_id}"
+        why += " trace_id=" + trace_id
     return (
         label(context.route.id),
         label(outcome),
@@ -168,5 +170,5 @@ def _failure(attempt: AttemptRecord) -> str:
     """What made an attempt fail: below HTTP its kind (transport, timeout, tls, fault, ...),
     else the status it answered (failover-class, or a pool credential's 401/403/429)."""
     if attempt.failure_kind in (None, "status"):
-        return f"{label(attempt.candidate)}:{attempt.status}"
-    return f"{label(attempt.candidate)}:{label(attempt.failure_kind)}"
+        return label(attempt.candidate) + ":" + str(attempt.status)
+    return label(attempt.candidate) + ":" + label(attempt.failure_kind)
