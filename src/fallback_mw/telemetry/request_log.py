@@ -45,18 +45,7 @@ def log_request(
     direct = direct_handler(level)
     if direct is not None:
         # serve's own writer and nothing else listening: the same line, without a record.
-        # Unpacked, not `_message(*arguments)`: compiled, a starred call goes through a
-        # Python-level call with an argument tuple.
-        route, outcome_label, status_text, chosen_text, attempts, named, duration_text, why = (
-            arguments
-        )
-        direct.write_line(
-            level,
-            _message(
-                route, outcome_label, status_text, chosen_text, attempts, named,
-                duration_text, why,
-            ),
-        )  # fmt: skip
+        direct.write_line(level, _message(*arguments))
         return
     fields: dict[str, Any] = {
         "route": arguments[0],
