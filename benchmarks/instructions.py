@@ -4,6 +4,7 @@ with the machine's load, for changes smaller than the CPU-time spread of `run.py
 
     .venv/bin/python benchmarks/instructions.py serve [--requests 1000] [--base SRC]
         [--arms healthy,failover,budget] [--port-base PORT] [--start-timeout SECONDS]
+        [--cache-sim] [--keep DIR]
     .venv/bin/python benchmarks/instructions.py layers healthy,log [--base SRC]
         [--port-base PORT]
 
@@ -23,7 +24,11 @@ process runs some 50x slower: `serve` takes about five minutes, a layers row two
 `--port-base PORT`: every server listens on PORT .. PORT+9 (a port taken is passed over),
 not on ephemeral ports; `--start-timeout`: how long the servers, started side by side
 under callgrind, may take to listen (default 150 s for each of them: 300 s, 450 s with
-`--base`; more on a busy machine).
+`--base`; more on a busy machine). `--cache-sim`: callgrind's cache and branch simulation
+too (some 2x slower; the last level simulated is one core's L2, the L3 being shared), each
+arm's misses per request and a rough cycle estimate (a first-level miss 10 cycles, a
+last-level one 100, a mispredicted branch 15): where CPU time and instructions part.
+`--keep DIR`: the dumps are moved there, for a reading by function.
 
 Instructions are not time (a cache miss or a system call costs more than its count), so
 this is for A/B of Python-level changes; `run.py` keeps the CPU-time numbers.
@@ -64,8 +69,55 @@ def this_tree() -> str:
     return os.environ.get("PYTHONPATH") or str(HERE.parent / "src")
 
 
-def callgrind(out: Path) -> list[str]:
-    return ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--dump-line=no"]
+# `--cache-sim`: callgrind's cache and branch simulation (this machine's caches, as valgrind
+# reads them), its events per request, and a rough cycle estimate from them (cachegrind's
+# manual: a first-level miss some 10 cycles, a last-level miss some 100, a mispredicted
+# branch some 15, the rest one an instruction): what instructions alone do not count.
+CACHE_SIM = ("--cache-sim=yes", "--branch-sim=yes")
+# The last level simulated is one core's own (its L2 where the machine says so): the level
+# above it is shared with whatever else the machine runs, which no simulation knows.
+CORE_CACHE = Path("/sys/devices/system/cpu/cpu0/cache/index2")
+
+
+def last_level() -> list[str]:
+    """valgrind's `--LL=size,ways,line` for one core's L2 (none when the machine does not
+    say: valgrind's own choice, the largest level)."""
+    try:
+        if (CORE_CACHE / "level").read_text().strip() != "2":
+            return []
+        size = (CORE_CACHE / "size").read_text().strip()
+        ways = (CORE_CACHE / "ways_of_associativity").read_text().strip()
+        line = (CORE_CACHE / "coherency_line_size").read_text().strip()
+    except OSError:
+        return []
+    units = {"K": 1024, "M": 1024 * 1024}
+    number = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+    return [f"--LL={number},{ways},{line}"]
+
+
+MISS_CYCLES = {"I1mr": 10, "D1mr": 10, "D1mw": 10, "ILmr": 100, "DLmr": 100, "DLmw": 100}
+MISS_CYCLES |= {"Bcm": 15, "Bim": 15}
+
+
+def callgrind(out: Path, cache_sim: bool = False) -> list[str]:
+    sim = [*CACHE_SIM, *last_level()] if cache_sim else []
+    return ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--dump-line=no", *sim]
+
+
+def events(dump: str) -> dict[str, int] | None:
+    """A dump's totals by event name (`Ir` alone without `--cache-sim`), None when it
+    holds no totals line yet."""
+    names = ["Ir"]
+    for line in dump.splitlines():
+        if line.startswith("events:"):
+            names = line.split()[1:]
+        elif line.startswith(("summary:", "totals:")):
+            return dict(zip(names, (int(n) for n in line.split()[1:]), strict=False))
+    return None
+
+
+def estimated_cycles(per: dict[str, float]) -> float:
+    return per.get("Ir", 0.0) + sum(per.get(name, 0.0) * cost for name, cost in MISS_CYCLES.items())
 
 
 async def drive(url: str, count: int) -> None:
@@ -83,8 +135,9 @@ async def drive(url: str, count: int) -> None:
         await asyncio.gather(*(one() for _ in range(count)))
 
 
-def counted(process: subprocess.Popen[bytes], out: Path, url: str, count: int) -> float:
-    """Instructions per request for `count` requests to `url` (counters zeroed first)."""
+def counted(process: subprocess.Popen[bytes], out: Path, url: str, count: int) -> dict[str, float]:
+    """Events per request (`Ir`: instructions) for `count` requests to `url` (counters
+    zeroed first)."""
     subprocess.run(["callgrind_control", "-z", str(process.pid)], capture_output=True, check=True)
     asyncio.run(drive(url, count))
     before = set(out.parent.glob(out.name + "*"))
@@ -92,9 +145,9 @@ def counted(process: subprocess.Popen[bytes], out: Path, url: str, count: int) -
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         for dump in set(out.parent.glob(out.name + "*")) - before:
-            for line in dump.read_text(errors="replace").splitlines():
-                if line.startswith(("summary:", "totals:")):
-                    return int(line.split()[1]) / count
+            totals = events(dump.read_text(errors="replace"))
+            if totals is not None:
+                return {name: value / count for name, value in totals.items()}
         time.sleep(0.5)
     raise RuntimeError("callgrind wrote no dump")
 
@@ -123,12 +176,12 @@ def serve_arms(args: argparse.Namespace) -> int:
                 budgeted = run.gateway_config(upstream.port, backup, failing, store=ledger)
                 gateways[f"budget-{side}"] = (budgeted, env)
         outs = {name: tree.workdir / f"{name}.callgrind" for name in ("floor", *gateways)}
-        servers = {
-            "floor": procs.start_floor(tree, upstream.url(), wrap=callgrind(outs["floor"]), wait=0)
-        }
+        sim = args.cache_sim
+        floor_wrap = callgrind(outs["floor"], sim)
+        servers = {"floor": procs.start_floor(tree, upstream.url(), wrap=floor_wrap, wait=0)}
         for name, (text, env) in gateways.items():
             servers[name] = procs.start_gateway(
-                tree, name, text, env, wrap=callgrind(outs[name]), wait=0
+                tree, name, text, env, wrap=callgrind(outs[name], sim), wait=0
             )
         start = args.start_timeout or START_SECONDS_EACH * len(servers)
         started = time.monotonic()
@@ -146,18 +199,36 @@ def serve_arms(args: argparse.Namespace) -> int:
                     arms.append((f"{arm} ({side})", side, path))
         for _, name, path in arms:  # warm-up: pools, caches, first-call work
             asyncio.run(drive(servers[name].url(path), 100))
-        results: dict[str, float] = {}
+        results: dict[str, dict[str, float]] = {}
         for arm, name, path in arms:
             child = servers[name]
             results[arm] = counted(child.process, outs[name], child.url(path), args.requests)
-        floor_count = results["floor"]
+        floor_count = results["floor"]["Ir"]
         print(f"instructions per request (callgrind, {args.requests} requests, 8 at a time)")
-        for arm, value in results.items():
+        for arm, per in results.items():
+            value = per["Ir"]
             print(f"  {arm:<18} {value / 1000:8.0f}k  {value / floor_count:5.2f}x floor")
+        if sim:
+            print_cache_sim(results)
     finally:
         tree.close()
+        if args.keep is not None:  # the dumps, for a reading by function
+            args.keep.mkdir(parents=True, exist_ok=True)
+            for dump in tree.workdir.glob("*.callgrind*"):
+                shutil.move(dump, args.keep / dump.name)
         shutil.rmtree(tree.workdir, ignore_errors=True)  # dumps, logs, ledgers: ~10 MB a run
     return 0
+
+
+def print_cache_sim(results: dict[str, dict[str, float]]) -> None:
+    floor = results["floor"]
+    names = [name for name in floor if name != "Ir"]
+    print("simulated cache and branch events per request (--cache-sim), and cycles estimated")
+    print(f"  {'':<18} " + " ".join(f"{name:>7}" for name in names) + "   cycles  x floor")
+    for arm, per in results.items():
+        cycles = estimated_cycles(per)
+        row = " ".join(f"{per.get(name, 0.0):7.0f}" for name in names)
+        print(f"  {arm:<18} {row} {cycles / 1000:7.0f}k {cycles / estimated_cycles(floor):6.2f}x")
 
 
 def layer_rows(args: argparse.Namespace) -> int:
@@ -217,6 +288,13 @@ def main() -> int:
         "--port-base", type=port_base, metavar="PORT",
         help=f"listen on PORT .. PORT+{PORTS - 1} only (default: ephemeral ports)",
     )  # fmt: skip
+    serve.add_argument(
+        "--cache-sim", action="store_true",
+        help="simulate the caches and branches too (slower): misses per request, cycles",
+    )  # fmt: skip
+    serve.add_argument(
+        "--keep", type=Path, metavar="DIR", help="move the callgrind dumps to DIR at the end"
+    )
     serve.add_argument(
         "--start-timeout", type=run.at_least(1), metavar="SECONDS",
         help=f"for the servers to listen (default: {START_SECONDS_EACH} s for each)",

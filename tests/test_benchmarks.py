@@ -390,3 +390,56 @@ def test_syscall_benchmark_splits_cpu_and_counts_calls_per_arm(tmp_path: Path) -
     assert all(float(x) >= 1 for x in calls.groups()), calls.group(0)
     assert "failover minus the floor, per request: " in result.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+CACHE_SIM = """
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import subprocess
+import instructions
+out = Path(sys.argv[2])
+subprocess.run([*instructions.callgrind(out, True), "/bin/true"], check=True, capture_output=True)
+totals = instructions.events(out.read_text())
+print(" ".join(f"{k}={v}" for k, v in totals.items()))
+print("cycles", instructions.estimated_cycles({k: float(v) for k, v in totals.items()}))
+"""
+
+
+def test_instruction_count_simulates_the_caches_valgrind_is_given(tmp_path: Path) -> None:
+    """`--cache-sim`: valgrind takes the options as built (this machine's L2 as the last
+    level), and a dump's totals are read by event name; the cycle estimate adds each miss
+    at its weight to the instructions."""
+    import shutil
+
+    if shutil.which("valgrind") is None:
+        if os.environ.get("CI"):
+            pytest.fail("valgrind is missing under CI")
+        pytest.skip("no valgrind")
+    result = subprocess.run(
+        [sys.executable, "-c", CACHE_SIM, str(INSTRUCTIONS.parent), str(tmp_path / "true.out")],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    first, second = result.stdout.splitlines()
+    totals = dict(pair.split("=") for pair in first.split())
+    assert {"Ir", "I1mr", "D1mr", "ILmr", "DLmr", "Bc", "Bcm", "Bi", "Bim"} <= set(totals)
+    ir = int(totals["Ir"])
+    misses = sum(int(totals[name]) for name in ("I1mr", "D1mr", "D1mw")) * 10
+    misses += sum(int(totals[name]) for name in ("ILmr", "DLmr", "DLmw")) * 100
+    misses += (int(totals["Bcm"]) + int(totals["Bim"])) * 15
+    assert ir > 0 and misses > 0
+    assert float(second.split()[1]) == ir + misses
+
+
+def test_instruction_count_reads_instructions_alone_from_a_dump_without_the_simulation() -> None:
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import instructions\n"
+        "print(instructions.events('events: Ir\\nfn=(1) f\\n0 5\\ntotals: 1234\\n'))\n"
+        "print(instructions.events('events: Ir\\n'))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(INSTRUCTIONS.parent)],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert result.stdout.splitlines() == ["{'Ir': 1234}", "None"]
