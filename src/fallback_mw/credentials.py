@@ -8,6 +8,7 @@ import os
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from itertools import chain
+from typing import Final
 
 from fallback_mw.config.views import AnyUpstream
 from fallback_mw.request.codings import content_decoder, unreadable_coding
@@ -62,7 +63,7 @@ def apply_hygiene(
 # A provider credential shorter than this is not searched for in response fields: it would
 # match ordinary text (a test key such as "k1"); real provider keys are far longer. The
 # bound telemetry uses for a caller-chosen value (request/secrets.py), so both agree.
-MIN_ECHOED_SECRET = MIN_SECRET
+MIN_ECHOED_SECRET: Final = MIN_SECRET
 
 
 def without_echoed_credentials(
@@ -120,7 +121,7 @@ def unmaskable_answer(
 
 # The codings answers come in (what the gateway asks for), each read as it is: a caller
 # may test for these before calling unmaskable_answer, which then returns None.
-PLAIN_CODINGS = READABLE_CODINGS | {b"identity"}
+PLAIN_CODINGS: Final = READABLE_CODINGS | {b"identity"}
 
 
 def echoes_credential(context: RequestContext, name: str, text: str) -> bool:

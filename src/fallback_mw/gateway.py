@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any, Self
+from typing import Any, Final, Self
 
 from fallback_mw.budget import Ledger
 from fallback_mw.config import ConfigError, GatewayConfig, load_config
@@ -32,7 +32,7 @@ from fallback_mw.services import (
 from fallback_mw.telemetry import Telemetry
 from fallback_mw.upstream import UpstreamClient
 
-logger = logging.getLogger("fallback_mw")
+logger: Final = logging.getLogger("fallback_mw")
 
 
 def enable_gateway_loggers() -> None:

@@ -7,10 +7,11 @@ normalises the path every route matches on)."""
 from __future__ import annotations
 
 import re
+from typing import Final
 from urllib.parse import quote, unquote
 
 # What a forwarded path leaves unquoted: RFC 3986 `pchar` and `/`.
-PATH_SAFE = "/:@!$&'()*+,;=-._~"
+PATH_SAFE: Final = "/:@!$&'()*+,;=-._~"
 _UNRESERVED = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
 _ESCAPE = re.compile(r"%([0-9A-Fa-f]{2})")
 

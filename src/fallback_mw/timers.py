@@ -23,10 +23,10 @@ import threading
 import types
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any
+from typing import Any, Final
 
-TICK = 0.005  # seconds: how late a timer may fire
-_PER_SECOND = 1 / TICK
+TICK: Final = 0.005  # seconds: how late a timer may fire
+_PER_SECOND: Final = 1 / TICK
 
 Callback = Callable[[], object]
 
@@ -146,7 +146,7 @@ def _tasks_by_loop() -> dict[asyncio.AbstractEventLoop, asyncio.Task[Any]] | Non
     return None
 
 
-_TASKS = _tasks_by_loop()
+_TASKS: Final = _tasks_by_loop()
 
 
 def current_task(loop: asyncio.AbstractEventLoop) -> asyncio.Task[Any] | None:
@@ -156,7 +156,13 @@ def current_task(loop: asyncio.AbstractEventLoop) -> asyncio.Task[Any] | None:
 
 
 # Deadline's states, as asyncio.Timeout's.
-_CREATED, _ENTERED, _EXPIRING, _EXPIRED, _EXITED = range(5)
+# Final (as every constant a compiled module reads per request): compiled (mypyc), a name
+# that is not is looked up in the module's dictionary at each use; these are literals.
+_CREATED: Final = 0
+_ENTERED: Final = 1
+_EXPIRING: Final = 2
+_EXPIRED: Final = 3
+_EXITED: Final = 4
 
 
 class Deadline:

@@ -9,11 +9,11 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 BYTES_PER_TOKEN = 4
 # Token counts are believed up to this (a 10^15-token response does not exist).
-MAX_TOKENS = 10**15
+MAX_TOKENS: Final = 10**15
 OUTPUT_LIMIT_KEYS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 OUTPUT_COPIES_KEYS = ("n", "best_of")
 # Gemini / Vertex AI set them in `generationConfig` (`generation_config`: protobuf JSON

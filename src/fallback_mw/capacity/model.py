@@ -4,7 +4,7 @@ package, so the package may import them without a cycle)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Final, Literal, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     from fallback_mw.config import RepeatAllowanceConfig
@@ -112,7 +112,7 @@ class ImmediateCapacity(Protocol):
 
 # The classes whose instances are their own `ImmediateCapacity`, by exact type (a
 # subclass may override the coroutines, and is then asked through them).
-IMMEDIATE_CAPACITY: set[type] = set()
+IMMEDIATE_CAPACITY: Final[set[type]] = set()
 
 
 def immediate_capacity(capacity: CapacityState) -> ImmediateCapacity | None:

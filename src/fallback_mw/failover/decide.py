@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Literal
+from typing import Final, Literal
 
 from fallback_mw.failover.outcome import CREDENTIAL_STATUSES, Outcome, is_failover_class
 from fallback_mw.request.refusals import MISFRAMED, SLOW_BODY
@@ -52,7 +52,7 @@ class WalkState:
 # frozen dataclass of twelve fields costs about 24k instructions (each field set through
 # object.__setattr__), every decision made one; a walk's states are few (booleans, small
 # counts, the route's settings). Bounded for configs reloaded with ever new settings.
-_WALK_STATES: dict[tuple[object, ...], WalkState] = {}
+_WALK_STATES: Final[dict[tuple[object, ...], WalkState]] = {}
 
 
 def walk_state(
@@ -116,7 +116,7 @@ def further_attempt_allowed(state: WalkState, outcome: Outcome) -> bool:
     return further_attempt_possible(state) and is_failover_class(outcome, state.failover_status)
 
 
-_LOCAL_ERRORS: dict[str, tuple[str, str]] = {
+_LOCAL_ERRORS: Final[dict[str, tuple[str, str]]] = {
     "body_too_large": ("request_too_large", "the request body went over max_request_body"),
     "body_timeout": ("request_timeout", SLOW_BODY),  # one wording, mid-stream or before
     "body_misframed": ("bad_request", MISFRAMED),  # one wording, mid-stream or in the head
@@ -135,8 +135,8 @@ _LOCAL_ERRORS: dict[str, tuple[str, str]] = {
     ),
 }
 # What ended an attempt before anything was sent, where another candidate may still be sent.
-_NOT_SENT = frozenset({"not_sent", "host_limit"})
-_LOCAL_RULES = {
+_NOT_SENT: Final = frozenset({"not_sent", "host_limit"})
+_LOCAL_RULES: Final = {
     "body_too_large": "max_request_body",
     "body_timeout": "body_timeout",
     "body_misframed": "bad_request",
@@ -147,8 +147,8 @@ _LOCAL_RULES = {
 
 
 # The two decisions of nearly every attempt, made once (frozen: shared).
-_SERVED = Decision("serve", reason="a response outside failover_status is served")
-_FAILOVER = Decision("next_candidate", reason="failover-class: the next candidate")
+_SERVED: Final = Decision("serve", reason="a response outside failover_status is served")
+_FAILOVER: Final = Decision("next_candidate", reason="failover-class: the next candidate")
 
 
 def decide(outcome: Outcome, state: WalkState) -> Decision:

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Literal
+from typing import Final, Literal
 
 # Within a credential pool these may move to another credential of the same upstream.
-CREDENTIAL_STATUSES = frozenset({401, 403, 429})
+CREDENTIAL_STATUSES: Final = frozenset({401, 403, 429})
 
 OutcomeKind = Literal[
     # the upstream's doing
@@ -42,7 +42,7 @@ OutcomeKind = Literal[
     "no_other_credential",  # after a pool's 401/403/429, no other credential could be tried
     "response_too_large",  # the relayed body went over max_response_body (after the commit)
 ]
-UPSTREAM_KINDS = frozenset({"status", "transport", "timeout"})
+UPSTREAM_KINDS: Final = frozenset({"status", "transport", "timeout"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +96,7 @@ class Outcome:
 # An upstream's answer, one Outcome per status: frozen, so shared (building a frozen
 # dataclass costs about 9k instructions, every attempt made one). Bounded: an upstream may
 # answer with any three digits.
-_STATUS_OUTCOMES: dict[int, Outcome] = {}
+_STATUS_OUTCOMES: Final[dict[int, Outcome]] = {}
 
 
 def status_outcome(status: int) -> Outcome:
@@ -109,15 +109,15 @@ def status_outcome(status: int) -> Outcome:
     return found
 
 
-NO_CANDIDATE = Outcome("no_candidate")
+NO_CANDIDATE: Final = Outcome("no_candidate")
 # The cursor's answer when the next attempt would go back to an upstream already tried and
 # that upstream's budget for repeats and hedges is spent (limits.repeat_allowed): the walk
 # ends here, with the local error, rather than add load to an upstream already failing.
-REPEAT_ALLOWANCE_SPENT = Outcome("repeat_budget")
+REPEAT_ALLOWANCE_SPENT: Final = Outcome("repeat_budget")
 # The cursor's answer when a pool's 401/403/429 asked for another credential of the same
 # upstream and none could be tried (all unusable, or the repeat allowance refused): that
 # answer is served as-is (SPEC §5: those statuses never fail over to another upstream).
-NO_OTHER_CREDENTIAL = Outcome("no_other_credential")
+NO_OTHER_CREDENTIAL: Final = Outcome("no_other_credential")
 
 
 def is_failover_class(outcome: Outcome, failover_status: Collection[int]) -> bool:

@@ -12,7 +12,7 @@ import asyncio
 import functools
 import re
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from typing import Any, Final
 from urllib.parse import quote
 
 from fallback_mw.config.views import AnyUpstream
@@ -41,8 +41,8 @@ from fallback_mw.upstream.base import (
 AttemptResult = tuple[Outcome, UpstreamResponse | None]
 # A path `quote(path, safe=PATH_SAFE)` returns unchanged (its always-safe characters and
 # PATH_SAFE): the usual one, sent as it is without urllib's two Python calls.
-_PLAIN_PATH = re.compile(f"[A-Za-z0-9_.~{re.escape(PATH_SAFE.replace('-', ''))}-]*")
-_FIRST_BYTE = "first_byte_timeout_ms"
+_PLAIN_PATH: Final = re.compile(f"[A-Za-z0-9_.~{re.escape(PATH_SAFE.replace('-', ''))}-]*")
+_FIRST_BYTE: Final = "first_byte_timeout_ms"
 
 
 @functools.lru_cache(maxsize=1024)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Final, Literal
 
 from fallback_mw.config import MAX_DEADLINE_MS, BreakerConfig
 from fallback_mw.config.views import AnyUpstream
@@ -41,7 +41,7 @@ BreakerState = Literal["closed", "open", "half_open"]
 Transition = Literal["opened", "half_open", "reopened", "closed"]
 
 DEFAULT_PROBE_LEASE = 30.0  # seconds: the least a half-open probe holds its slot
-PROBE_LEASE_MARGIN = 5.0  # seconds past the longest a probe's attempt can take
+PROBE_LEASE_MARGIN: Final = 5.0  # seconds past the longest a probe's attempt can take
 
 
 def upstream_probe_lease(upstream: AnyUpstream) -> float:

@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Coroutine
 from decimal import Decimal
-from typing import Any
+from typing import Any, Final
 
 import anyio
 
@@ -81,7 +81,7 @@ from fallback_mw.store.ledgers.memory import MemoryLedger
 from fallback_mw.telemetry import Telemetry
 from fallback_mw.tokens import named_values
 
-logger = logging.getLogger("fallback_mw.budget")
+logger: Final = logging.getLogger("fallback_mw.budget")
 _MODEL_KEY = ("model",)
 
 

@@ -10,10 +10,10 @@ server (docs/security.md)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Final
 
 # Per field, as on the wire: "name: value\r\n".
-_FIELD_OVERHEAD = 4
+_FIELD_OVERHEAD: Final = 4
 
 
 def header_refusal(
@@ -68,7 +68,7 @@ def _pair(field: Any) -> tuple[bytes, bytes]:
     return name, value
 
 
-_NOT_BYTES = "a request header field is not a tuple of two bytes"
+_NOT_BYTES: Final = "a request header field is not a tuple of two bytes"
 
 
 def byte_fields(headers: Iterable[Any]) -> list[tuple[bytes, bytes]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Mapping
+from typing import Final
 
 import anyio
 
@@ -49,7 +50,7 @@ from fallback_mw.spelling import caller_spelling
 from fallback_mw.telemetry import Telemetry
 
 # A 503 overloaded's Retry-After: whole seconds, the smallest (slots free as requests end).
-_RETRY_SOON = ((b"retry-after", b"1"),)
+_RETRY_SOON: Final = ((b"retry-after", b"1"),)
 
 
 def _not_forwarded(route_id: str, shown: str | None) -> str:

@@ -50,11 +50,11 @@ import socket
 import struct
 import sys
 from types import FrameType
-from typing import Any
+from typing import Any, Final
 
 from fallback_mw.request.types import Scope, Send
 
-logger = logging.getLogger("fallback_mw")
+logger: Final = logging.getLogger("fallback_mw")
 
 
 async def break_response(send: Send, scope: Scope | None = None) -> None:

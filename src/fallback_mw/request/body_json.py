@@ -12,7 +12,7 @@ import json
 import re
 import zlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from fallback_mw.request.codings import (
     ContentDecoder,
@@ -40,7 +40,7 @@ _NOT_UTF8_START = frozenset({b"\xef", b"\xfe", b"\xff", b"\x00"})
 
 # json.loads's last step: its decoder's scanner (a decoder of its default settings; typeshed
 # does not declare the attribute, and `raw_decode` around it is one more Python frame).
-_SCAN: Callable[[str, int], tuple[Any, int]] = getattr(json.JSONDecoder(), "scan_once")  # noqa: B009
+_SCAN: Final[Callable[[str, int], tuple[Any, int]]] = getattr(json.JSONDecoder(), "scan_once")  # noqa: B009
 
 
 def loads_json(data: bytes) -> Any:

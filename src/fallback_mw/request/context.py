@@ -11,15 +11,15 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from fallback_mw.config.views import RouteView, UpstreamView
 from fallback_mw.request.secrets import RequestSecrets
 
-SCOPE_KEY = "fallback_mw.request.context"
+SCOPE_KEY: Final = "fallback_mw.request.context"
 # The most of a caller's or an upstream's name (a model, a tenant) a request keeps beyond
 # its routing: usage records (kept for every request), affinity keys, the meter's model.
-MAX_NAME = 200
+MAX_NAME: Final = 200
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -334,7 +334,7 @@ class RequestContext:
 # `RequestContext.routed`'s allocation, without `__init__`: `object.__new__` in the pure
 # build, the native class's own when compiled (scripts/compile.py), whose instances
 # `object.__new__` refuses (`cls.__new__(cls)` in the method crashes mypyc).
-_new: Callable[[type[RequestContext]], RequestContext] = RequestContext.__new__
+_new: Final[Callable[[type[RequestContext]], RequestContext]] = RequestContext.__new__
 
 
 def get_context(scope: MutableMapping[str, Any]) -> RequestContext | None:

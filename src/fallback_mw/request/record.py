@@ -9,12 +9,13 @@ from __future__ import annotations
 import logging
 import time
 from decimal import Decimal
+from typing import Final
 
 from fallback_mw.budget import AttemptOutcome, Ledger, LedgerUnavailable, UsageRecord
 from fallback_mw.request.context import MAX_NAME, RequestContext, SkipRecord, walk_order
 from fallback_mw.request.secrets import recordable, recorded_tenant
 
-logger = logging.getLogger("fallback_mw.budget")
+logger: Final = logging.getLogger("fallback_mw.budget")
 
 
 def usage_record(

@@ -13,7 +13,7 @@ values are read from its headers on the first question only."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 from urllib.parse import unquote_to_bytes
 
 from fallback_mw.config.views import AnyUpstream
@@ -22,19 +22,19 @@ from fallback_mw.security.queries import canonical_query_key
 
 # A credential shorter than this is not searched for: it would match ordinary text (a test
 # key such as "k1"); real keys are far longer.
-MIN_SECRET = 8
+MIN_SECRET: Final = 8
 # A recorded value at least this long that is a piece of a credential is caught too (a key
 # sent as the model and cut to the 200 characters a request keeps of it). Shorter pieces
 # are ordinary words: a tenant "acme-prod" beside a token "acme-prod-7f3a...".
-MIN_PIECE = 32
+MIN_PIECE: Final = 32
 # What a redacted tenant is recorded as (OpenTelemetry's instrumentations use this word).
-REDACTED = "[REDACTED]"
+REDACTED: Final = "[REDACTED]"
 # The most characters of a value a caller or an upstream chooses that any record holds (a
 # tenant label, a model name, a W3C `tracestate` key or value, a method or header name in
 # an error): only they are searched, so a check costs in proportion to the request's
 # credentials, never to their number times the value's length (a cookie of thousands of
 # values beside a 32 KB tenant cost some 100 ms a request, a square of the head's size).
-MAX_RECORDED = 256
+MAX_RECORDED: Final = 256
 
 
 def secret_forms(value: bytes) -> list[bytes]:
@@ -136,7 +136,7 @@ class RequestSecrets:
 
 
 # Up to this many credentials, `_carries` searches for each without its filter.
-_FEW = 16
+_FEW: Final = 16
 
 
 def _carries(text: str, values: tuple[bytes, ...]) -> bool:

@@ -363,11 +363,11 @@ def _mode(content_type: bytes | None) -> str:
 
 _UNLABELLED = frozenset({b"", b"text/plain"})
 # The first byte that is not whitespace or a UTF-8 byte-order mark's.
-_FIRST_BYTE = re.compile(rb"[^ \t\r\n\xef\xbb\xbf]")
+_FIRST_BYTE: Final = re.compile(rb"[^ \t\r\n\xef\xbb\xbf]")
 # An event stream's first line: a field (`data:`, `event:`, `id:`, `retry:`) or a comment.
-_SSE_FIELD = re.compile(rb"(?:data|event|id|retry)?:|(?:data|event|id|retry)\r?\n")
-_SSE_FIELD_BYTES = len(b"retry:")
-_HEAD_MAX = 1024  # leading whitespace kept while undecided, at most
+_SSE_FIELD: Final = re.compile(rb"(?:data|event|id|retry)?:|(?:data|event|id|retry)\r?\n")
+_SSE_FIELD_BYTES: Final = len(b"retry:")
+_HEAD_MAX: Final = 1024  # leading whitespace kept while undecided, at most
 
 
 def _loads(data: bytes) -> Any:

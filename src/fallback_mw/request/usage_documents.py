@@ -8,7 +8,7 @@ these read them into its `Usage`. Each returns whether a token count was reporte
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 from fallback_mw.request.context import MAX_NAME, Usage
 from fallback_mw.tokens import MAX_TOKENS, token_count
@@ -133,8 +133,8 @@ def _sum_counts(usage: dict[str, Any], keys: tuple[str, ...]) -> int | None:
     return total
 
 
-_INFINITY = float("inf")
-_CACHE_KEYS = {
+_INFINITY: Final = float("inf")
+_CACHE_KEYS: Final = {
     "input_tokens": ("cache_creation_input_tokens", "cache_read_input_tokens"),  # Anthropic
     "inputTokens": ("cacheWriteInputTokens", "cacheReadInputTokens"),  # Bedrock Converse
 }

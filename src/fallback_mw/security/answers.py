@@ -5,6 +5,7 @@ to, cross-origin grants and origin state given on the operator's key: never rela
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Final
 
 from fallback_mw.security.fields import HOP_BY_HOP_HEADERS, Headers, kept_fields, name_forms
 
@@ -145,14 +146,14 @@ def forwardable_response_headers(
 # coding of the bytes the relay sends as they came (RFC 9110 §7.6.1: a field meant for
 # every recipient is never a connection option). Dropped, a gzip body went to the caller
 # unlabelled (binary where it expected JSON) while the meter read it decoded.
-_DESCRIBES_THE_BODY = frozenset({b"content-encoding"})
+_DESCRIBES_THE_BODY: Final = frozenset({b"content-encoding"})
 
 
-_NO_BODY_STATUSES = frozenset({204, 304})
+_NO_BODY_STATUSES: Final = frozenset({204, 304})
 
 
 # By (injected, no_length): one precomputed set each, so choosing costs one lookup.
-_NEVER_RELAYED = {
+_NEVER_RELAYED: Final = {
     (injected, no_length): HOP_BY_HOP_HEADERS
     | SERVER_OWNED_RESPONSE_HEADERS
     | DEPLOYMENT_RESPONSE_HEADERS

@@ -126,7 +126,7 @@ HOP_BY_HOP_HEADERS = frozenset(
 )
 
 
-GATEWAY_HEADER_PREFIX = b"x-gateway-"
+GATEWAY_HEADER_PREFIX: Final = b"x-gateway-"
 
 
 # Fields asking the upstream to read a request as another method: Google's APIs, Rails,
@@ -222,7 +222,7 @@ def canonical_name(name: bytes) -> bytes:
 # hop-by-hop fields; `Trailer` names fields meant to come after a chunked body (a server
 # that parses trailers into the request's header list, as uvicorn's httptools parser
 # does, would otherwise hand them on as headers).
-_LISTING_FIELDS = (b"connection", b"trailer")
+_LISTING_FIELDS: Final = (b"connection", b"trailer")
 
 
 def _connection_named(lowered: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
@@ -315,7 +315,7 @@ def readable_codings(value: bytes) -> bytes:
     return b", ".join(kept) or b"identity"
 
 
-readable_accept_encoding = lru_cache(maxsize=64)(readable_codings)
+readable_accept_encoding: Final = lru_cache(maxsize=64)(readable_codings)
 
 
 @lru_cache(maxsize=64)
@@ -328,7 +328,7 @@ def _canonical_names(names: frozenset[bytes]) -> frozenset[bytes]:
     return frozenset(canonical_name(name) for name in names)
 
 
-_NEVER_FORWARDED = (
+_NEVER_FORWARDED: Final = (
     CREDENTIAL_HEADERS | HOP_BY_HOP_HEADERS | RECOMPUTED_HEADERS | PATH_OVERRIDE_HEADERS
 )
 
@@ -365,4 +365,4 @@ def kept_fields(
     return kept
 
 
-_NONE_NAMED: frozenset[bytes] = frozenset()
+_NONE_NAMED: Final[frozenset[bytes]] = frozenset()

@@ -4,6 +4,7 @@ names."""
 
 from __future__ import annotations
 
+from typing import Final
 from urllib.parse import unquote_to_bytes
 
 DEFAULT_STRIP_QUERY_KEYS = (
@@ -63,7 +64,7 @@ def _names_a_key(parameter: bytes, keys: frozenset[bytes]) -> bool:
     return canonical_query_key(parameter.split(b"=", 1)[0]) in keys
 
 
-NO_METHODS: frozenset[str] = frozenset()
+NO_METHODS: Final[frozenset[str]] = frozenset()
 
 
 _METHOD_PARAMETER = b"_method"

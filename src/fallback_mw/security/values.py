@@ -5,6 +5,7 @@ secret)."""
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Final
 
 
 def header_value_problem(value: str) -> str | None:
@@ -49,10 +50,10 @@ def is_token(name: str) -> bool:
 # few names come every request, and a hit costs a third of the check. A caller's names
 # reach it too: one longer than MAX_CACHED is checked uncached, or 256 names of a 64 KB
 # head each were kept for good (16 MB; 256 times max_header_bytes).
-is_field_name = lru_cache(maxsize=256)(is_token)
+is_field_name: Final = lru_cache(maxsize=256)(is_token)
 
 
-MAX_CACHED = 256
+MAX_CACHED: Final = 256
 
 
 def request_header_problem(name: bytes, value: bytes) -> str | None:

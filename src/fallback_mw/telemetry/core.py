@@ -6,6 +6,7 @@ import contextlib
 import logging
 import weakref
 from collections.abc import Callable, Iterable, Sequence
+from typing import Final
 
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
@@ -42,12 +43,12 @@ from fallback_mw.telemetry.spans import (
 )
 
 INSTRUMENTATION_NAME = "fallback_mw"
-REQUEST_SPAN = "gateway.request"
+REQUEST_SPAN: Final = "gateway.request"
 ATTEMPT_SPAN = "gateway.attempt"
 SKIP_EVENT = "gateway.candidate.skipped"
 ABORT_EVENT = "gateway.response.aborted"
 
-_internal = logging.getLogger("fallback_mw.telemetry")
+_internal: Final = logging.getLogger("fallback_mw.telemetry")
 
 
 @python_class  # weakly referenced: a Python class under mypyc
@@ -333,10 +334,10 @@ class _RequestScope:
         self.telemetry.request_finished(self.context)
 
 
-_NOT_OURS = contextlib.nullcontext()
+_NOT_OURS: Final = contextlib.nullcontext()
 
 
-_MISSING = object()
+_MISSING: Final = object()
 
 
 def _unset_global_meter_provider(provider: metrics.MeterProvider) -> Callable[[], bool]:

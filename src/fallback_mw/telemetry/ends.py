@@ -6,6 +6,7 @@ that never came). Telemetry (telemetry/core.py) carries these."""
 from __future__ import annotations
 
 import time
+from typing import Final
 
 from opentelemetry import trace
 from opentelemetry.util.types import AttributeValue
@@ -26,7 +27,7 @@ from fallback_mw.telemetry.spans import (
 )
 
 # Marks a request whose telemetry was finished: a second request_finished records nothing.
-_FINISHED = object()
+_FINISHED: Final = object()
 
 
 @python_class  # Telemetry's base: a Python class under mypyc, as Telemetry

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextvars
 import logging
 from collections.abc import Sequence
+from typing import Final
 
 from opentelemetry import baggage as otel_baggage
 from opentelemetry import context as otel_context
@@ -38,11 +39,11 @@ except ValueError as refused:
 else:
     PROPAGATORS_REFUSED = None
 
-_internal = logging.getLogger("fallback_mw.telemetry")
+_internal: Final = logging.getLogger("fallback_mw.telemetry")
 
 # The attempt span in flight in this task, so `inject_headers` (called with the attempt's
 # header list only) can propagate its context. Set in attempt_started, cleared after.
-current_attempt: contextvars.ContextVar[AttemptTrace | None] = contextvars.ContextVar(
+current_attempt: Final[contextvars.ContextVar[AttemptTrace | None]] = contextvars.ContextVar(
     "fallback_mw_current_attempt", default=None
 )
 
@@ -51,7 +52,7 @@ current_attempt: contextvars.ContextVar[AttemptTrace | None] = contextvars.Conte
 # the W3C propagators only, and whether (W3C only, the trace context's first) it reads an
 # empty context from headers holding none of its fields.
 _Propagation = tuple[TextMapPropagator, frozenset[str], frozenset[bytes], bool, bool]
-_W3C_PROPAGATORS = (TraceContextTextMapPropagator, W3CBaggagePropagator)
+_W3C_PROPAGATORS: Final = (TraceContextTextMapPropagator, W3CBaggagePropagator)
 
 
 def extract(headers: Sequence[tuple[bytes, bytes]]) -> otel_context.Context:
@@ -150,7 +151,7 @@ def _carries(headers: Sequence[tuple[bytes, bytes]], fields: frozenset[bytes]) -
     return False
 
 
-_MISSING = object()
+_MISSING: Final = object()
 
 
 def _tracing_off() -> bool:

@@ -9,13 +9,14 @@ import contextvars
 import logging
 import re
 from collections.abc import Collection, Sequence
+from typing import Final
 
 from opentelemetry.propagators.textmap import Getter
 
 from fallback_mw.quoting import printable
 from fallback_mw.request.secrets import REDACTED, RequestSecrets, recorded_tenant
 
-MAX_LABEL = 128  # characters
+MAX_LABEL: Final = 128  # characters
 # A model name is echoed from the request body, so only name-shaped values are recorded.
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
 

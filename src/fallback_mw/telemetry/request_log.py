@@ -5,15 +5,15 @@ are gateway facts only, never a header value, body or query string."""
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Final
 
 from fallback_mw.request.context import AttemptRecord, RequestContext
 from fallback_mw.telemetry.line_writer import direct_handler
 from fallback_mw.telemetry.redact import http_method, label, tenant_label
 
-logger = logging.getLogger("fallback_mw.request")
+logger: Final = logging.getLogger("fallback_mw.request")
 # Outcomes that are the caller's or the upstream's doing, not a gateway failure.
-QUIET_OUTCOMES = frozenset({"served", "client_disconnected"})
+QUIET_OUTCOMES: Final = frozenset({"served", "client_disconnected"})
 
 
 def log_request(
@@ -78,7 +78,7 @@ def _method(context: RequestContext) -> str:
     return original if original is not None else method
 
 
-_MESSAGE = (
+_MESSAGE: Final = (
     "gateway request route=%s outcome=%s status=%s chosen=%s attempts=%d "
     "candidates=%s duration_ms=%.1f%s"
 )

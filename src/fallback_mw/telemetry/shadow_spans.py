@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from typing import Final
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -21,7 +22,7 @@ from fallback_mw.telemetry.spans import request_trace
 
 SHADOW_SPAN = "gateway.shadow"
 
-_internal = logging.getLogger("fallback_mw.telemetry")
+_internal: Final = logging.getLogger("fallback_mw.telemetry")
 
 
 @python_class  # Telemetry's base: a Python class under mypyc, as Telemetry

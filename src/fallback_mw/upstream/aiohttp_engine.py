@@ -8,7 +8,7 @@ import contextlib
 import os
 import warnings
 from collections.abc import Sequence
-from typing import Any, SupportsIndex, cast
+from typing import Any, Final, SupportsIndex, cast
 
 import aiohttp
 from multidict import CIMultiDict
@@ -176,10 +176,10 @@ def _answer_began(error: UpstreamError) -> bool:
 
 # The methods aiohttp's own retry resent once whatever the connection (its
 # IDEMPOTENT_METHODS), kept for a replayable request of these (AiohttpClient.send).
-_RESENT_BY_AIOHTTP = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
+_RESENT_BY_AIOHTTP: Final = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
 
 
-_LARGE_BYTES = 1 << 20  # aiohttp's TOO_LARGE_BYTES_BODY
+_LARGE_BYTES: Final = 1 << 20  # aiohttp's TOO_LARGE_BYTES_BODY
 
 
 def _bytes_payload(body: bytes) -> aiohttp.payload.BytesPayload:

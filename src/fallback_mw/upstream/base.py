@@ -10,7 +10,7 @@ import operator
 import re
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Final, Literal, Protocol
 
 from fallback_mw.error_chain import error_chain
 from fallback_mw.security.fields import name_forms
@@ -147,7 +147,7 @@ def encode_request_headers(headers: Sequence[tuple[str, str]]) -> list[tuple[byt
 
 
 # CTLs but HTAB, surrogates (bytes that were not UTF-8), leading or trailing whitespace.
-_FORBIDDEN_IN_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f\ud800-\udfff]|^[ \t]|[ \t]$")
+_FORBIDDEN_IN_VALUE: Final = re.compile(r"[\x00-\x08\x0a-\x1f\x7f\ud800-\udfff]|^[ \t]|[ \t]$")
 
 
 # The largest response head relayed, its fields counted as written: the httpx engine's own
@@ -155,25 +155,25 @@ _FORBIDDEN_IN_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f\ud800-\udfff]|^[ \t]|
 # their number, not their sum: a head of 120 fields of 60 KB (7 MB) was relayed, and a
 # client with h11's or a browser's bound could not read the answer the gateway booked as
 # served.
-MAX_RESPONSE_HEAD = 100 * 1024
+MAX_RESPONSE_HEAD: Final = 100 * 1024
 
 # The most fields a relayed head has, and the longest field (name and value): aiohttp's
 # bounds (its count, and the field length the aiohttp engine sets), held on the httpx
 # engine too, so one answer is not served by one engine and failed over by the other.
-MAX_RESPONSE_FIELDS = 128
-MAX_RESPONSE_FIELD = 64 * 1024
+MAX_RESPONSE_FIELDS: Final = 128
+MAX_RESPONSE_FIELD: Final = 64 * 1024
 
 
 # The most digits a relayed Content-Length may have: h11's bound (the httpx engine, and
 # uvicorn and hypercorn writing the relayed head). Every length up to it is read exactly
 # (request.body.content_length), 10**19 bytes included.
-MAX_LENGTH_DIGITS = 20
+MAX_LENGTH_DIGITS: Final = 20
 
 
 # What no server writes in a field value (RFC 9110 §5.5; uvicorn's and h11's own checks).
-_CTL_IN_VALUE = bytes([*range(0x09), *range(0x0A, 0x20), 0x7F])
+_CTL_IN_VALUE: Final = bytes([*range(0x09), *range(0x0A, 0x20), 0x7F])
 # The ends of a field name only aiohttp's parser lets through (whitespace before the colon).
-_SPACE = frozenset(b" \t")
+_SPACE: Final = frozenset(b" \t")
 
 
 def ascii_target(url: str) -> str:
@@ -254,7 +254,7 @@ def check_response_head(
     return lowered
 
 
-_VALUE = operator.itemgetter(1)
+_VALUE: Final = operator.itemgetter(1)
 
 
 @dataclass(slots=True, frozen=True)
@@ -293,7 +293,7 @@ class UpstreamRequest:
 
 # The most kept-alive connections one send finds closed before it takes a new one (each
 # lost one is closed, never pooled again; a new connection always ends the tries).
-STALE_RESENDS = 4
+STALE_RESENDS: Final = 4
 
 
 def resend_on_new_connection(request: UpstreamRequest, error: UpstreamError, reused: bool) -> bool:

@@ -18,7 +18,7 @@ single-credential upstream may be repeated on a later pass.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import NamedTuple, Protocol
+from typing import Final, NamedTuple, Protocol
 
 from fallback_mw.capacity import Reservation
 from fallback_mw.config.views import AnyUpstream
@@ -52,7 +52,7 @@ class SkipListener(Protocol):
     def __call__(self, name: str, reason: str, fault: str | None = None) -> None: ...
 
 
-_NONE_USED: frozenset[int] = frozenset()
+_NONE_USED: Final[frozenset[int]] = frozenset()
 
 
 class CandidateCursor:

@@ -8,13 +8,15 @@ request forwards the field as it came."""
 
 from __future__ import annotations
 
+from typing import Final
+
 from fallback_mw.request.context import RequestContext
 from fallback_mw.request.local_errors import gateway_headers
 from fallback_mw.request.types import Send
 
-MAX_FORWARDS_METHODS = frozenset({"OPTIONS", "TRACE"})
-_FIELD = b"max-forwards"
-_MAX_DIGITS = 10  # more is no count a chain of proxies can reach: forwarded as it came
+MAX_FORWARDS_METHODS: Final = frozenset({"OPTIONS", "TRACE"})
+_FIELD: Final = b"max-forwards"
+_MAX_DIGITS: Final = 10  # more is no count a chain of proxies can reach: forwarded as it came
 
 
 async def answered_here(send: Send, context: RequestContext) -> bool:

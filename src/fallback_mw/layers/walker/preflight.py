@@ -6,6 +6,8 @@ refused here, fail closed.)"""
 
 from __future__ import annotations
 
+from typing import Final
+
 from fallback_mw.config.views import AnySettings
 from fallback_mw.request.body_json import body_json
 from fallback_mw.request.context import RequestBody, RequestContext
@@ -14,15 +16,15 @@ from fallback_mw.request.secrets import recordable
 from fallback_mw.security.queries import query_override_methods
 from fallback_mw.security.values import query_problem, request_header_problem
 
-_BAD_NAME = "has a name that is not an HTTP token"
-_FORM = b"application/x-www-form-urlencoded"
+_BAD_NAME: Final = "has a name that is not an HTTP token"
+_FORM: Final = b"application/x-www-form-urlencoded"
 # Fields a request may carry once (RFC 9110 §5.3: not a list, so two field lines are not
 # one value), as upstream servers hold them (aiohttp's parser refuses these sent twice;
 # the gateway sets Host, Content-Length and Transfer-Encoding itself). Sent twice, the
 # upstream refused the request with its own error page, which it writes on a HEAD too: a
 # body on an answer to HEAD, failover-class (SPEC §12), a breaker mark on every candidate
 # the caller's own input reached (SPEC §5: one caller never opens a breaker for everyone).
-_ONCE_ONLY = frozenset(
+_ONCE_ONLY: Final = frozenset(
     {
         b"content-location",
         b"content-range",
@@ -33,7 +35,7 @@ _ONCE_ONLY = frozenset(
         b"user-agent",
     }
 )
-_TWICE = "is sent twice, and may be sent once (RFC 9110 §5.3): send one field"
+_TWICE: Final = "is sent twice, and may be sent once (RFC 9110 §5.3): send one field"
 
 
 def refusal(

@@ -10,6 +10,7 @@ returns what ended it (`failover.outcome.relay_outcome`), for the walker to book
 from __future__ import annotations
 
 import zlib
+from typing import Final
 
 from fallback_mw.credentials import EchoMask, echoes_credential, without_echoed_credentials
 from fallback_mw.failover.outcome import Outcome, relay_outcome
@@ -228,7 +229,7 @@ async def _relay(
 # most), one JSON object a line (Ollama's `application/x-ndjson`), Amazon Bedrock's
 # event stream. A JSON array streamed as `application/json` (Gemini without `alt=sse`)
 # cannot be told from a plain answer.
-_STREAM_TYPES = frozenset(
+_STREAM_TYPES: Final = frozenset(
     {
         b"text/event-stream",
         b"application/x-ndjson",
@@ -281,7 +282,7 @@ def _decoded_fields(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, byt
 # What a decoded body is relayed without: its coding, its length (the coded one), the
 # digests of the coded bytes (RFC 9530: Content-Digest and Repr-Digest both cover the
 # coded form, as the older Digest and Content-MD5 do), and ranges over them.
-_CODED_BODY_FIELDS = frozenset(
+_CODED_BODY_FIELDS: Final = frozenset(
     {
         b"content-encoding",
         b"content-length",

@@ -15,18 +15,19 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from typing import Final
 
 from fallback_mw.request.context import RequestContext
 from fallback_mw.request.local_errors import send_error
 from fallback_mw.request.types import Scope, Send
 
-_FIELD = b"via"
-_PREFIX = b"fallback-mw-"
+_FIELD: Final = b"via"
+_PREFIX: Final = b"fallback-mw-"
 # The openai and anthropic SDKs retry a 5xx unless told not to: each retry would go round
 # again to the same answer.
 NO_RETRY = (b"x-should-retry", b"false")
 # Names kept per walker: route ids come and go with store reloads.
-_MAX_NAMES = 4096
+_MAX_NAMES: Final = 4096
 
 
 class ViaSecret:
