@@ -54,6 +54,13 @@ before a build, naming the line (docs/performance.md, "A compiled core"):
 
 And mypyc refuses async generators (`yield` in an `async def`): modules with one stay
 interpreted.
+
+One shape compiles slow, and is checked as the others: a module-level constant (an
+UPPER_CASE name) without `Final`. Compiled, such a name is looked up in the module's
+dictionary at every use (about 140 instructions; some 200 a healthy request before they
+were marked), a `Final` one is a C static or a literal. A constant tests replace while the
+gateway runs (`monkeypatch.setattr`) says so on its line or the line above, `# not Final:
+<why>`: compiled code would not see the replacement.
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ import ast
 import hashlib
 import importlib.metadata
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -200,11 +208,54 @@ def _python_class(cls: ast.ClassDef) -> bool:
     return False
 
 
+_CONSTANT = re.compile(r"_*[A-Z][A-Z0-9_]*")
+_TYPE_MAKERS = frozenset({"TypeVar", "ParamSpec", "TypeVarTuple", "NewType"})
+
+
+def _slow_constants(tree: ast.Module, lines: list[str]) -> list[tuple[int, str]]:
+    """The module-level constants `tree` assigns without Final (line, name): neither
+    written with `global`, nor a type variable, nor marked `# not Final:` on their line or
+    the line above."""
+    written = {n for node in ast.walk(tree) if isinstance(node, ast.Global) for n in node.names}
+    found = []
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            if "Final" in ast.unparse(node.annotation):
+                continue
+            target, value = node.target, node.value
+        else:
+            continue
+        if isinstance(target, ast.Tuple):  # `A, B = 0, 1`: Final takes one name at a time
+            names = [n.id for n in target.elts if isinstance(n, ast.Name)]
+            found.extend((node.lineno, n) for n in names if _CONSTANT.fullmatch(n))
+            continue
+        if not isinstance(target, ast.Name) or not _CONSTANT.fullmatch(target.id):
+            continue
+        maker = value.func if isinstance(value, ast.Call) else None
+        if isinstance(maker, ast.Name | ast.Attribute) and (
+            (maker.id if isinstance(maker, ast.Name) else maker.attr) in _TYPE_MAKERS
+        ):
+            continue
+        said = lines[max(node.lineno - 2, 0) : node.lineno]  # its line, or the line above
+        if target.id in written or any("# not Final:" in line for line in said):
+            continue
+        found.append((node.lineno, target.id))
+    return found
+
+
 def hazards(path: Path) -> list[str]:
-    """What in `path` mypyc would compile wrong or refuse, one line each."""
+    """What in `path` mypyc would compile wrong or refuse, or compile slow, one line each."""
     found: list[str] = []
     name = path.relative_to(SRC) if path.is_relative_to(SRC) else path
-    tree = ast.parse(path.read_text(), str(path))
+    text = path.read_text()
+    tree = ast.parse(text, str(path))
+    for line, constant in _slow_constants(tree, text.splitlines()):
+        found.append(
+            f"{name}:{line}: a module-level constant without Final ({constant}: compiled, "
+            "looked up in the module's dictionary at every use)"
+        )
     for node in ast.walk(tree):
         if (
             isinstance(node, ast.Attribute)

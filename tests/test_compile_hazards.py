@@ -84,6 +84,12 @@ async def f(send):
         if request is not None:
             request.close()
 """,
+    "a module-level constant without Final": """
+LIMIT = 5
+""",
+    "a module-level constant without Final (A": """
+A, b = 0, 1
+""",
     "object.__new__": """
 class C:
     @classmethod
@@ -153,6 +159,17 @@ class Native:  # a native class: its coroutine methods are coroutine functions
 
 
 _new = Native.__new__
+LIMIT: Final = 5  # a constant, Final: a C static or a literal when compiled
+_SET: Final[frozenset[int]] = frozenset({1})
+T = TypeVar("T")
+# not Final: a test replaces it
+_REPLACED = 3
+_STATE = 0
+
+
+def flip():
+    global _STATE
+    _STATE = 1
 """
     )
     assert compile_script().hazards(planted) == []

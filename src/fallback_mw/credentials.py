@@ -235,10 +235,10 @@ def _shapes(secrets: tuple[bytes, ...]) -> tuple[tuple[bytes, int, bytes, bytes]
 
 
 # How much of a credential's beginning `EchoMask._partial` searches for at once.
-_ANCHOR = 16
+_ANCHOR: Final = 16
 
 
-_WIDE = ("utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be")
+_WIDE: Final = ("utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be")
 
 
 @lru_cache(maxsize=256)
@@ -277,8 +277,8 @@ def _body_secrets(found: tuple[tuple[str, str] | None, ...], scheme: str) -> tup
 # What JSON encoders escape that a key may hold: PHP's json_encode writes `/` as `\/`;
 # .NET's System.Text.Json writes `+` (and, as Go's encoding/json does, `<`, `>`, `&`, `'`)
 # as `\u00XX`, .NET with upper-case hex digits, Go with lower-case ones.
-_SLASH = (b"/", b"\\/")
-_HTML_SENSITIVE = b"+<>&'`"
+_SLASH: Final = (b"/", b"\\/")
+_HTML_SENSITIVE: Final = b"+<>&'`"
 
 
 def _json_spellings(key: bytes) -> set[bytes]:
@@ -297,7 +297,9 @@ def _json_spellings(key: bytes) -> set[bytes]:
 
 
 # What URL and form encoders leave as it is (RFC 3986's unreserved characters).
-_UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
+_UNRESERVED: Final = frozenset(
+    b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~"
+)
 
 
 def _percent_spellings(key: bytes) -> set[bytes]:

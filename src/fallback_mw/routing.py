@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, Final
 from urllib.parse import quote, unquote
 
 from fallback_mw.config import DEFAULT_METHODS, RouteConfig, UpstreamConfig
@@ -84,7 +84,7 @@ def _target_path(scope: Mapping[str, Any]) -> str | None:
 
 
 # An absolute-form request target's scheme and authority (RFC 9112 §3.2.2).
-_ABSOLUTE_FORM = re.compile(r"https?://[^/?#]*", re.IGNORECASE)
+_ABSOLUTE_FORM: Final = re.compile(r"https?://[^/?#]*", re.IGNORECASE)
 
 
 def origin_form(target: str) -> str | None:

@@ -22,7 +22,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import anyio
 
@@ -43,11 +43,11 @@ from fallback_mw.telemetry import Telemetry
 from fallback_mw.timers import deadline_after
 from fallback_mw.upstream.base import UpstreamClient, UpstreamError, UpstreamResponse
 
-MAX_IN_FLIGHT = 256
+MAX_IN_FLIGHT: Final = 256
 # The request bodies copies in flight may keep alive between them: a copy holds its body
 # until its own deadline, long after the caller's request has ended (256 copies of an
 # 8 MiB replay_buffer would be 2 GiB; a caller picks a session id in the slice).
-MAX_IN_FLIGHT_BYTES = 64 * 1024 * 1024
+MAX_IN_FLIGHT_BYTES: Final = 64 * 1024 * 1024
 
 
 def in_shadow_slice(route: AnyRoute, session: str | None, salt: str) -> bool:

@@ -12,8 +12,8 @@ from urllib.parse import quote, unquote
 
 # What a forwarded path leaves unquoted: RFC 3986 `pchar` and `/`.
 PATH_SAFE: Final = "/:@!$&'()*+,;=-._~"
-_UNRESERVED = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
-_ESCAPE = re.compile(r"%([0-9A-Fa-f]{2})")
+_UNRESERVED: Final = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
+_ESCAPE: Final = re.compile(r"%([0-9A-Fa-f]{2})")
 
 
 def caller_spelling(raw_path: str, prefix: str) -> str | None:

@@ -11,21 +11,21 @@ import re
 from collections.abc import Mapping
 from typing import Any, Final
 
-BYTES_PER_TOKEN = 4
+BYTES_PER_TOKEN: Final = 4
 # Token counts are believed up to this (a 10^15-token response does not exist).
 MAX_TOKENS: Final = 10**15
-OUTPUT_LIMIT_KEYS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
-OUTPUT_COPIES_KEYS = ("n", "best_of")
+OUTPUT_LIMIT_KEYS: Final = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+OUTPUT_COPIES_KEYS: Final = ("n", "best_of")
 # Gemini / Vertex AI set them in `generationConfig` (`generation_config`: protobuf JSON
 # takes either spelling): `maxOutputTokens`, `candidateCount`; the keys read casefolded.
-GENERATION_CONFIG_KEYS = ("generationconfig", "generation_config")
-GENERATION_LIMIT_KEYS = ("maxoutputtokens", "max_output_tokens")
-GENERATION_COPIES_KEYS = ("candidatecount", "candidate_count")
-_COPIES_AND_PROMPT = (*OUTPUT_COPIES_KEYS, "prompt")
+GENERATION_CONFIG_KEYS: Final = ("generationconfig", "generation_config")
+GENERATION_LIMIT_KEYS: Final = ("maxoutputtokens", "max_output_tokens")
+GENERATION_COPIES_KEYS: Final = ("candidatecount", "candidate_count")
+_COPIES_AND_PROMPT: Final = (*OUTPUT_COPIES_KEYS, "prompt")
 # An integer in a string as pydantic's lax mode reads one (so vLLM's and the SDKs' models):
 # a `+`, single `_` between digits, any leading zeros, a fraction of zeros.
-_LAX_INTEGER = re.compile(r"\+?([0-9]+(?:_[0-9]+)*)(?:\.0+)?")
-_DIGITS = len(str(MAX_TOKENS))
+_LAX_INTEGER: Final = re.compile(r"\+?([0-9]+(?:_[0-9]+)*)(?:\.0+)?")
+_DIGITS: Final = len(str(MAX_TOKENS))
 
 
 def token_count(value: Any) -> int | None:
@@ -84,9 +84,9 @@ def _saturated_int(text: str) -> int:
     return -1 if text.startswith("-") else 10**_INT_DIGITS  # token_count caps it
 
 
-_INT_DIGITS = 30
-_DECODER = json.JSONDecoder()
-_SATURATED = json.JSONDecoder(parse_int=_saturated_int)
+_INT_DIGITS: Final = 30
+_DECODER: Final = json.JSONDecoder()
+_SATURATED: Final = json.JSONDecoder(parse_int=_saturated_int)
 
 
 def named_values(parsed: Mapping[str, Any], names: tuple[str, ...]) -> dict[str, list[Any]]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from decimal import ROUND_CEILING, Decimal
-from typing import Any
+from typing import Any, Final
 
 from fallback_mw.config import MAX_MONEY, PriceConfig
 from fallback_mw.tokens import (
@@ -19,18 +19,18 @@ from fallback_mw.tokens import (
     read_json,
 )
 
-UNITS_PER_CURRENCY = 10**9  # stores keep integer nano-units: exact, no binary floats
+UNITS_PER_CURRENCY: Final = 10**9  # stores keep integer nano-units: exact, no binary floats
 # Every amount the ledgers store fits a signed 64-bit column (SQLite INTEGER, PostgreSQL
 # BIGINT, max ~9.2e18): a single amount saturates at MAX_UNITS (MAX_MONEY currency units,
 # the largest limit the config accepts), a window's spend saturates at SPENT_CAP_UNITS, so
 # spent + held + a new hold (<= 4e18 + 1e18 + 1e18) can never overflow.
-MAX_UNITS = int(MAX_MONEY) * UNITS_PER_CURRENCY
-SPENT_CAP_UNITS = 4 * MAX_UNITS
-_MTOK = Decimal(1_000_000)
+MAX_UNITS: Final = int(MAX_MONEY) * UNITS_PER_CURRENCY
+SPENT_CAP_UNITS: Final = 4 * MAX_UNITS
+_MTOK: Final = Decimal(1_000_000)
 # A rough, generous token estimate for the request side (tokens.py); token counts are
 # believed up to MAX_TOKENS, so usage fits a BIGINT column and costs stay finite.
-_UNPARSED: Any = object()  # estimate_hold's `parsed` when the caller did not parse
-_OUTPUT_LIMIT_KEYS = (*OUTPUT_LIMIT_KEYS, *GENERATION_LIMIT_KEYS)
+_UNPARSED: Final[Any] = object()  # estimate_hold's `parsed` when the caller did not parse
+_OUTPUT_LIMIT_KEYS: Final = (*OUTPUT_LIMIT_KEYS, *GENERATION_LIMIT_KEYS)
 
 
 def to_units(amount: Decimal) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Collection
+from typing import Final
 
 from fallback_mw.capacity.model import (
     CAPACITY_WINDOW,
@@ -57,8 +58,10 @@ class Rolling:
             self.totals[which] += amount
 
 
-_REQUESTS, _TOKENS = 0, 1  # capacity window
-_FIRSTS, _REPEATS = 0, 1  # allowance window
+_REQUESTS: Final = 0  # capacity window
+_TOKENS: Final = 1
+_FIRSTS: Final = 0  # allowance window
+_REPEATS: Final = 1
 
 
 class MemoryCapacity:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Final, Literal, NamedTuple, Protocol
 if TYPE_CHECKING:
     from fallback_mw.config import RepeatAllowanceConfig
 
-CAPACITY_WINDOW = 60  # seconds: rpm and tpm are per rolling minute
+CAPACITY_WINDOW: Final = 60  # seconds: rpm and tpm are per rolling minute
 
 Refusal = Literal["capacity", "repeat_budget"]
 

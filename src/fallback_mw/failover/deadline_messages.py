@@ -4,6 +4,8 @@ candidates, and the setting that would change it. failover/messages.py says the 
 
 from __future__ import annotations
 
+from typing import Final
+
 from fallback_mw.config import RouteConfig, UpstreamConfig, command_option
 from fallback_mw.failover.replay import replay_rule
 from fallback_mw.request.context import AttemptRecord, RequestContext
@@ -53,10 +55,10 @@ def _inside(name: str, timer: str, timeout_ms: int) -> str:
     return f"while {name!r} was still inside its {timer} ({timeout_ms} ms)"
 
 
-_DEFAULT_REPLAYABLE = RouteConfig.model_fields["replayable_methods"].default
+_DEFAULT_REPLAYABLE: Final = RouteConfig.model_fields["replayable_methods"].default
 
 
-_DEFAULT_TIMERS = tuple(
+_DEFAULT_TIMERS: Final = tuple(
     UpstreamConfig.model_fields[timer].default
     for timer in ("connect_timeout_ms", "first_byte_timeout_ms")
 )
@@ -64,7 +66,7 @@ _DEFAULT_TIMERS = tuple(
 
 # The shortest deadline a cut attempt and the attempt after it can share: below it, "lower
 # that timeout below N ms" asks for a timer (1 ms at least) that would fail every attempt.
-_LEAST_SHARED_DEADLINE_MS = 100
+_LEAST_SHARED_DEADLINE_MS: Final = 100
 
 
 def deadline_message(context: RequestContext) -> str:
@@ -173,7 +175,7 @@ def deadline_message(context: RequestContext) -> str:
 
 # A route `fallback-mw routes add` stored: its upstreams keep the default timers and it keeps
 # the default replayable_methods, since no admin verb sets them.
-_STORE_TIMERS = (
+_STORE_TIMERS: Final = (
     "a store route's upstreams keep their default timers (no admin verb sets them): to "
     "lower one below the deadline, define the route in the config file"
 )

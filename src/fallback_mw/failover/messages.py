@@ -5,6 +5,8 @@ decides what happens to a request; it only explains it."""
 
 from __future__ import annotations
 
+from typing import Final
+
 from fallback_mw.config import command_option
 from fallback_mw.failover.deadline_messages import (
     deadline_message,
@@ -16,7 +18,7 @@ from fallback_mw.failover.decide import Decision
 from fallback_mw.request.context import RequestContext
 
 # What would change each rule's answer: the configuration key (or caller header) to use.
-_REMEDY = {
+_REMEDY: Final = {
     "not_buffered": "the body is larger than [gateway] replay_buffer, so it cannot be "
     "replayed; raise replay_buffer to let it fail over",
     "ceiling": "the attempt ceiling (1 + retries) is reached; raise the route's retries",
@@ -34,7 +36,7 @@ _REMEDY = {
 
 
 # What would bring a skipped candidate back, by skip reason (route_exhausted's message).
-_SKIP_REMEDY = {
+_SKIP_REMEDY: Final = {
     "breaker_open": "an open breaker lets a probe through after its cooldown "
     "([gateway.breaker] cooldown_ms)",
     "no_credential": "a credential a quota 429 retired returns at its reset (or after the "
@@ -164,15 +166,15 @@ def _route_exhausted(context: RequestContext) -> str:
     return f"no candidate could be attempted: {skipped or 'none'} skipped; {_skip_remedy(context)}"
 
 
-_REPLAY_RULES = frozenset({"not_replayable_method", "no_idempotency_key", "method_override",
+_REPLAY_RULES: Final = frozenset({"not_replayable_method", "no_idempotency_key", "method_override",
                            "not_buffered"})  # fmt: skip
 
 
-_METHOD_RULES = _REPLAY_RULES - {"not_buffered"}
+_METHOD_RULES: Final = _REPLAY_RULES - {"not_buffered"}
 
 
 # Remedies naming replayable_methods, which a store route cannot set.
-_STORE_UNSETTABLE = frozenset({"not_replayable_method", "method_override"})
+_STORE_UNSETTABLE: Final = frozenset({"not_replayable_method", "method_override"})
 
 
 def _remedy(rule: str | None, context: RequestContext) -> str:

@@ -8,11 +8,12 @@ runs after an outcome is `failover.decide`'s.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Final
 
 from fallback_mw.config.views import AnyRoute
 from fallback_mw.security.fields import override_methods
 
-IDEMPOTENCY_KEY = b"idempotency-key"
+IDEMPOTENCY_KEY: Final = b"idempotency-key"
 
 
 def is_replayable(

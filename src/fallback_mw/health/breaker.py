@@ -40,7 +40,7 @@ from fallback_mw.config.views import AnyUpstream
 BreakerState = Literal["closed", "open", "half_open"]
 Transition = Literal["opened", "half_open", "reopened", "closed"]
 
-DEFAULT_PROBE_LEASE = 30.0  # seconds: the least a half-open probe holds its slot
+DEFAULT_PROBE_LEASE: Final = 30.0  # seconds: the least a half-open probe holds its slot
 PROBE_LEASE_MARGIN: Final = 5.0  # seconds past the longest a probe's attempt can take
 
 

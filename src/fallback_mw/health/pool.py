@@ -22,11 +22,11 @@ from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
-from typing import Literal
+from typing import Final, Literal
 
-AFFINITY_LIMIT = 10_000  # sessions remembered per upstream (least recently used dropped)
-_LONGEST_AFFINITY_KEY = 256  # characters kept as they are; a longer key by its digest
-SCORE_HALF_LIFE = 60.0  # seconds: an observation this old counts half
+AFFINITY_LIMIT: Final = 10_000  # sessions remembered per upstream (least recently used dropped)
+_LONGEST_AFFINITY_KEY: Final = 256  # characters kept as they are; a longer key by its digest
+SCORE_HALF_LIFE: Final = 60.0  # seconds: an observation this old counts half
 Selection = Literal["round_robin", "score"]
 
 

@@ -82,16 +82,16 @@ from fallback_mw.telemetry import Telemetry
 from fallback_mw.tokens import named_values
 
 logger: Final = logging.getLogger("fallback_mw.budget")
-_MODEL_KEY = ("model",)
+_MODEL_KEY: Final = ("model",)
 
 
-_UNBOUNDED = contextlib.nullcontext()  # reentrant: one for every request
+_UNBOUNDED: Final = contextlib.nullcontext()  # reentrant: one for every request
 # A budget read shorter than this did not wait for the ledger (a cached budget).
-_READ_DID_NOT_WAIT = 0.001
+_READ_DID_NOT_WAIT: Final = 0.001
 # A deadline that left the ledger less than this (a healthy hold takes a few ms, more
 # under load) ran out on the caller's side: 504 deadline_exceeded, not 503.
-_LEDGER_GRACE = 0.1
-_BEFORE_THE_HOLD = " (before the budget ledger answered the hold; no upstream was contacted)"
+_LEDGER_GRACE: Final = 0.1
+_BEFORE_THE_HOLD: Final = " (before the budget ledger answered the hold; no upstream was contacted)"
 
 
 class BudgetGuard:

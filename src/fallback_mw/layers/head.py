@@ -5,13 +5,14 @@ fields a route's answers vary by (`as_spelled`)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Final
 
 from fallback_mw.request.types import Scope
 from fallback_mw.security.fields import METHOD_OVERRIDE_FIELDS, canonical_name
 
 # More digits than this is longer than any deadline (600000 ms): it can shorten nothing.
-_DEADLINE_DIGITS = 7
-_OWS = " \t"  # optional whitespace around a field value (RFC 9110 §5.6.3)
+_DEADLINE_DIGITS: Final = 7
+_OWS: Final = " \t"  # optional whitespace around a field value (RFC 9110 §5.6.3)
 
 
 def requested_deadline_ms(text: str | None) -> int | None:

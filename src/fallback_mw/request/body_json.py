@@ -36,7 +36,7 @@ def body_json(body: RequestBody) -> dict[str, Any] | None:
 
 # A body's first byte when it begins with a byte-order mark (UTF-8's, UTF-16 / UTF-32's)
 # or a NUL (UTF-16 / UTF-32 BE): json.loads reads each such body by its encoding.
-_NOT_UTF8_START = frozenset({b"\xef", b"\xfe", b"\xff", b"\x00"})
+_NOT_UTF8_START: Final = frozenset({b"\xef", b"\xfe", b"\xff", b"\x00"})
 
 # json.loads's last step: its decoder's scanner (a decoder of its default settings; typeshed
 # does not declare the attribute, and `raw_decode` around it is one more Python frame).
@@ -101,7 +101,7 @@ class NestedTooDeep(Exception):
 # Gemini and Vertex AI name the model in the path, not the body:
 # `/v1beta/models/gemini-2.0-flash:generateContent`,
 # `/v1/projects/P/locations/L/publishers/google/models/gemini-2.0-flash:streamGenerateContent`.
-_PATH_MODEL = re.compile(r"/models/([^/:]+):[A-Za-z]+$")
+_PATH_MODEL: Final = re.compile(r"/models/([^/:]+):[A-Za-z]+$")
 
 
 def path_model(path: str) -> str | None:
@@ -193,8 +193,8 @@ def unreadable_request_coding(scope: Scope, body: RequestBody) -> str | None:
 
 
 # A charset name as Node's iconv-lite matches one (lowercase, letters and digits only).
-_NAME_NOISE = re.compile(rb"[^0-9a-z]")
-_CHARSET = re.compile(rb";\s*charset\s*=\s*\"?([^;\"]*)", re.IGNORECASE)
+_NAME_NOISE: Final = re.compile(rb"[^0-9a-z]")
+_CHARSET: Final = re.compile(rb";\s*charset\s*=\s*\"?([^;\"]*)", re.IGNORECASE)
 
 
 def unreadable_request_charset(scope: Scope) -> str | None:
@@ -216,7 +216,7 @@ def unreadable_request_charset(scope: Scope) -> str | None:
 
 # A body's byte-order mark and the codec of what follows it (UTF-32's before UTF-16's:
 # they share their first two bytes).
-BYTE_ORDER_MARKS = (
+BYTE_ORDER_MARKS: Final = (
     (codecs.BOM_UTF32_LE, "utf-32-le"),
     (codecs.BOM_UTF32_BE, "utf-32-be"),
     (codecs.BOM_UTF8, "utf-8"),

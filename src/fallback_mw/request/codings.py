@@ -7,6 +7,7 @@ echo mask read coded bodies through them."""
 from __future__ import annotations
 
 import zlib
+from typing import Final
 
 from fallback_mw.security.fields import READABLE_CODINGS, name_forms
 
@@ -31,7 +32,7 @@ def body_coding(headers: list[tuple[bytes, bytes]]) -> tuple[bytes | None, bytes
 
 
 # A gzip (`x-gzip`) or zlib-wrapped deflate stream, told apart by its header.
-_GZIP_OR_ZLIB = zlib.MAX_WBITS | 32
+_GZIP_OR_ZLIB: Final = zlib.MAX_WBITS | 32
 
 
 class ContentDecoder:
@@ -126,11 +127,13 @@ class ContentDecoder:
 
 
 # The most input a later gzip member is given at once (`_later_members`).
-_MEMBER_WINDOW = 16 * 1024
+_MEMBER_WINDOW: Final = 16 * 1024
 
 
-_GZIP = zlib.MAX_WBITS | 16
-_FIRST, _LATER, _IGNORED = 0, 1, 2
+_GZIP: Final = zlib.MAX_WBITS | 16
+_FIRST: Final = 0
+_LATER: Final = 1
+_IGNORED: Final = 2
 
 
 class StackedDecoder:
@@ -163,7 +166,7 @@ class StackedDecoder:
 BodyDecoder = ContentDecoder | StackedDecoder
 # Codings stacked on one body that are undone at most (urllib3's own bound): a longer
 # stack is not read, as `br` is not.
-MAX_STACKED_CODINGS = 5
+MAX_STACKED_CODINGS: Final = 5
 
 
 def content_decoder(content_encoding: bytes) -> tuple[bool, BodyDecoder | None]:
@@ -193,7 +196,7 @@ def unreadable_coding(content_encoding: bytes) -> str | None:
 
 
 # The IANA HTTP Content Coding Registry's names (a coding named in a message as it is).
-_REGISTERED = frozenset(
+_REGISTERED: Final = frozenset(
     {b"aes128gcm", b"br", b"compress", b"dcb", b"dcz", b"exi", b"pack200-gzip",
      b"x-compress", b"zstd"}
 )  # fmt: skip

@@ -71,7 +71,13 @@ class AttemptRecord:
 # Why the walk passes over a candidate without an attempt (its skip reason). Each has a
 # remedy in failover.decide's route_exhausted message; telemetry exports each candidate's
 # skip series at 0 from the start.
-SKIP_REASONS = ("breaker_open", "no_credential", "capacity", "model_rewrite", "repeat_budget")
+SKIP_REASONS: Final = (
+    "breaker_open",
+    "no_credential",
+    "capacity",
+    "model_rewrite",
+    "repeat_budget",
+)
 
 
 @dataclass(slots=True)
@@ -375,5 +381,5 @@ def walk_order(context: RequestContext) -> list[AttemptRecord | SkipRecord]:
     return steps
 
 
-_AFTER_ATTEMPTS = operator.attrgetter("after_attempts")
-_NUMBER = operator.attrgetter("number")
+_AFTER_ATTEMPTS: Final = operator.attrgetter("after_attempts")
+_NUMBER: Final = operator.attrgetter("number")

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import Final
 
 from fallback_mw.error_chain import error_chain
 
 # The package's directory: a frame whose code lives below it is the gateway's.
-_PACKAGE = str(Path(__file__).resolve().parents[1])
+_PACKAGE: Final = str(Path(__file__).resolve().parents[1])
 
 
 def drop_gateway_locals(error: BaseException, *, every_frame: bool = False) -> None:

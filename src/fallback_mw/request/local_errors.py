@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Final
 
 from fallback_mw.request.context import RequestContext
 from fallback_mw.request.types import Send
 
-STATUS_FOR_CODE = {
+STATUS_FOR_CODE: Final = {
     "upstream_failed": 502,
     "route_exhausted": 503,
     "deadline_exceeded": 504,
@@ -26,7 +26,7 @@ STATUS_FOR_CODE = {
 }
 
 # The rule a local error names when its sender gives none: the setting that decided it.
-DEFAULT_RULE = {
+DEFAULT_RULE: Final = {
     "request_too_large": "max_request_body",
     "headers_too_large": "max_header_bytes",
     "overloaded": "max_concurrency",

@@ -4,6 +4,8 @@ guard, which reads the body for its estimate, the walker's preflight and its wal
 
 from __future__ import annotations
 
+from typing import Final
+
 from fallback_mw.config.views import AnySettings
 from fallback_mw.request.context import RequestBody
 
@@ -23,12 +25,12 @@ def body_refusal(body: RequestBody, settings: AnySettings) -> tuple[str, str] | 
 
 
 # One wording for a body too slow, before the walk or during an attempt it streams to.
-SLOW_BODY = (
+SLOW_BODY: Final = (
     "the request body did not arrive in time (the walk deadline: the route's deadline_ms or"
     " a shorter x-gateway-deadline-ms; or a pause longer than [gateway] header_timeout_ms)"
 )
 
-MISFRAMED = (
+MISFRAMED: Final = (
     "the request body is not the length its Content-Length declares (the server in front"
     " of the gateway passed it on); send the body's exact length"
 )

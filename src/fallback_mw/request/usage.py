@@ -42,15 +42,16 @@ from fallback_mw.request.usage_tail import TAIL as _TAIL
 from fallback_mw.request.usage_tail import Tail as _Tail
 from fallback_mw.tokens import read_json
 
-DEFAULT_JSON_CAP = 1024 * 1024
+DEFAULT_JSON_CAP: Final = 1024 * 1024
 # Where a `usage` (Gemini: `usageMetadata`) object starts; it is read from there with a
 # JSON decoder, since it nests objects of its own (OpenAI's `prompt_tokens_details`,
 # Anthropic's `cache_creation`).
-_USAGE_OBJECT = re.compile(rb'"usage(Metadata)?"\s*:\s*\{')
+_USAGE_OBJECT: Final = re.compile(rb'"usage(Metadata)?"\s*:\s*\{')
 # SSE ends a line at CRLF, LF or a lone CR (WHATWG HTML, server-sent events), as the
 # SDKs' decoders do.
+# not Final: tests/hostile/test_usage_work.py replaces it, to count what is searched.
 _LINE_END = re.compile(rb"\r\n|\r|\n")
-_CR = ord(b"\r")
+_CR: Final = ord(b"\r")
 
 
 class UsageMeter:
@@ -361,7 +362,7 @@ def _mode(content_type: bytes | None) -> str:
     return "other"
 
 
-_UNLABELLED = frozenset({b"", b"text/plain"})
+_UNLABELLED: Final = frozenset({b"", b"text/plain"})
 # The first byte that is not whitespace or a UTF-8 byte-order mark's.
 _FIRST_BYTE: Final = re.compile(rb"[^ \t\r\n\xef\xbb\xbf]")
 # An event stream's first line: a field (`data:`, `event:`, `id:`, `retry:`) or a comment.

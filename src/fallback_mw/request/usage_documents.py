@@ -138,5 +138,5 @@ _CACHE_KEYS: Final = {
     "input_tokens": ("cache_creation_input_tokens", "cache_read_input_tokens"),  # Anthropic
     "inputTokens": ("cacheWriteInputTokens", "cacheReadInputTokens"),  # Bedrock Converse
 }
-_GEMINI_INPUT_KEYS = ("promptTokenCount", "toolUsePromptTokenCount")
-_GEMINI_OUTPUT_KEYS = ("candidatesTokenCount", "thoughtsTokenCount")
+_GEMINI_INPUT_KEYS: Final = ("promptTokenCount", "toolUsePromptTokenCount")
+_GEMINI_OUTPUT_KEYS: Final = ("candidatesTokenCount", "thoughtsTokenCount")

@@ -7,6 +7,7 @@ import ipaddress
 import socket
 from collections.abc import Sequence
 from functools import lru_cache
+from typing import Final
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -31,7 +32,7 @@ def is_legacy_ipv4(host: str) -> bool:
 # The one list of addresses refused whatever the allowlist (load, store, proxies, and the
 # engines' connect-time guard all come through `is_always_refused`). Cloud metadata and
 # credential endpoints, as each vendor documents them:
-_ALWAYS_REFUSED = (
+_ALWAYS_REFUSED: Final = (
     # IPv4 link-local: the metadata service of AWS, Azure (IMDS), GCP, Oracle, DigitalOcean,
     # OpenStack, Hetzner, Akamai/Linode at 169.254.169.254, Tencent's 169.254.0.23, ECS task
     # credentials 169.254.170.2, EKS Pod Identity 169.254.170.23, Scaleway's 169.254.42.42.
@@ -101,7 +102,7 @@ def parse_ip(host: str) -> IPAddress | None:
     return None
 
 
-_EMBEDDING_PREFIXES = frozenset(
+_EMBEDDING_PREFIXES: Final = frozenset(
     bytes.fromhex(prefix)
     for prefix in (
         "000000000000000000000000",  # ::a.b.c.d (IPv4-compatible)

@@ -11,7 +11,7 @@ from fallback_mw.security.fields import HOP_BY_HOP_HEADERS, Headers, kept_fields
 
 # The server in front of the client adds its own `date` and `server`; the upstream's copies
 # would be duplicates, and its `server` names the provider's software to every caller.
-SERVER_OWNED_RESPONSE_HEADERS = frozenset({b"date", b"server"})
+SERVER_OWNED_RESPONSE_HEADERS: Final = frozenset({b"date", b"server"})
 
 
 # What an upstream says about the software and the proxies behind it, to every caller:
@@ -19,7 +19,7 @@ SERVER_OWNED_RESPONSE_HEADERS = frozenset({b"date", b"server"})
 # the proxies it passed through and their hosts and ports (RFC 9110 §7.6.3: an intermediary
 # at a network's edge should not forward the names of the hosts behind it; a gateway may
 # leave `via` off the responses it forwards).
-DEPLOYMENT_RESPONSE_HEADERS = frozenset(
+DEPLOYMENT_RESPONSE_HEADERS: Final = frozenset(
     {b"x-powered-by", b"x-aspnet-version", b"x-aspnetmvc-version", b"via"}
 )
 
@@ -33,7 +33,7 @@ DEPLOYMENT_RESPONSE_HEADERS = frozenset(
 # whatever answers at its address) read the front proxy's internal locations and files
 # through the gateway. Never relayed; the gateway sets `X-Accel-Buffering` itself on an
 # answer streamed as SSE, NDJSON or a Bedrock event stream (layers/walker/stream.py).
-FRONT_PROXY_RESPONSE_HEADERS = frozenset(
+FRONT_PROXY_RESPONSE_HEADERS: Final = frozenset(
     {
         b"x-accel-redirect",
         b"x-accel-buffering",
@@ -57,7 +57,7 @@ FRONT_PROXY_RESPONSE_HEADERS = frozenset(
 # operator's ids, not the caller's to see (the caller's own copies are stripped on the way
 # in: `openai-organization` / `openai-project` in DEFAULT_STRIP_HEADERS). The rate-limit
 # fields (`x-ratelimit-*`) are kept: SDKs and callers pace themselves by them.
-ACCOUNT_RESPONSE_HEADERS = frozenset(
+ACCOUNT_RESPONSE_HEADERS: Final = frozenset(
     {b"openai-organization", b"openai-project", b"anthropic-organization-id"}
 )
 
@@ -70,7 +70,7 @@ ACCOUNT_RESPONSE_HEADERS = frozenset(
 # answered by the upstream too, and read the answers, spending the operator's key. Not
 # relayed when the gateway injected its credential; a host that serves browsers sets its
 # own policy in front (Starlette's CORSMiddleware, README).
-CROSS_ORIGIN_RESPONSE_HEADERS = frozenset(
+CROSS_ORIGIN_RESPONSE_HEADERS: Final = frozenset(
     {
         b"access-control-allow-origin",
         b"access-control-allow-credentials",
@@ -93,7 +93,7 @@ CROSS_ORIGIN_RESPONSE_HEADERS = frozenset(
 # URLs included, to the upstream's collector. Providers answer these about their own origin
 # (OpenAI: Cloudflare's `set-cookie`, `strict-transport-security: ...; includeSubDomains;
 # preload`, `alt-svc: h3=":443"`). Not relayed when the gateway injected its credential.
-ORIGIN_STATE_RESPONSE_HEADERS = frozenset(
+ORIGIN_STATE_RESPONSE_HEADERS: Final = frozenset(
     {
         b"set-cookie",
         b"set-cookie2",

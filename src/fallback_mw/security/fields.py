@@ -15,7 +15,7 @@ Headers = list[tuple[bytes, bytes]]
 
 
 # Caller credentials: never forwarded to any upstream (SPEC §4).
-CREDENTIAL_HEADERS = frozenset(
+CREDENTIAL_HEADERS: Final = frozenset(
     {
         b"authorization",
         b"proxy-authorization",
@@ -32,7 +32,7 @@ CREDENTIAL_HEADERS = frozenset(
 # them as the caller's address, host and scheme, so a caller forged the address an
 # upstream's rate limits and allowlists saw. Trusted only from configured peers, as
 # uvicorn's ProxyHeadersMiddleware does; the gateway has none: stripped by default.
-FORWARDING_HEADERS = (
+FORWARDING_HEADERS: Final = (
     "forwarded",
     "x-forwarded-for",
     "x-forwarded-host",
@@ -62,7 +62,7 @@ FORWARDING_HEADERS = (
 
 # Further credential-looking headers and query keys stripped by default (SPEC §12
 # `[gateway] strip_headers` / `strip_query_keys`; setting a list replaces these).
-DEFAULT_STRIP_HEADERS = (
+DEFAULT_STRIP_HEADERS: Final = (
     "x-auth-token",
     "anthropic-api-key",
     "ocp-apim-subscription-key",
@@ -112,7 +112,7 @@ DEFAULT_STRIP_HEADERS = (
 
 
 # RFC 9110 §7.6.1 connection-specific fields, plus the usual legacy ones.
-HOP_BY_HOP_HEADERS = frozenset(
+HOP_BY_HOP_HEADERS: Final = frozenset(
     {
         b"connection",
         b"proxy-connection",
@@ -132,23 +132,23 @@ GATEWAY_HEADER_PREFIX: Final = b"x-gateway-"
 # Fields asking the upstream to read a request as another method: Google's APIs, Rails,
 # Express, Laravel and ASP.NET Core honour one on a POST. The gateway routes and replays
 # on what the upstream will do, so these methods count as the request's (`override_methods`).
-METHOD_OVERRIDE_FIELDS = frozenset(
+METHOD_OVERRIDE_FIELDS: Final = frozenset(
     {b"x-http-method-override", b"x-http-method", b"x-method-override"}
 )
 
 
-_OVERRIDE_LENGTHS = frozenset(len(name) for name in METHOD_OVERRIDE_FIELDS)
+_OVERRIDE_LENGTHS: Final = frozenset(len(name) for name in METHOD_OVERRIDE_FIELDS)
 
 
 # Recomputed by the upstream client for whatever body it actually sends.
-RECOMPUTED_HEADERS = frozenset({b"host", b"content-length", b"expect"})
+RECOMPUTED_HEADERS: Final = frozenset({b"host", b"content-length", b"expect"})
 
 
 # Fields that replace the request's path where the upstream reads them: Yii 2 takes the
 # path from `X-Rewrite-Url`, Zend Framework 1 (Magento 1, OpenMage) from `X-Original-URL`
 # or `X-Rewrite-URL` (IIS's rewrite module sets them). The path an upstream serves is the
 # route's, so a caller's copy never goes on (`POST /v1/chat` + `X-Original-URL: /admin`).
-PATH_OVERRIDE_HEADERS = frozenset({b"x-original-url", b"x-rewrite-url"})
+PATH_OVERRIDE_HEADERS: Final = frozenset({b"x-original-url", b"x-rewrite-url"})
 
 
 def override_methods(headers: Iterable[tuple[bytes, bytes]], method: str) -> frozenset[str]:
@@ -300,7 +300,7 @@ def _forwarded_value(name: bytes, value: bytes, query_keys: frozenset[bytes]) ->
 
 
 # The content codings the usage meter (request/usage.py) decodes, besides `identity`.
-READABLE_CODINGS = frozenset({b"gzip", b"x-gzip", b"deflate"})
+READABLE_CODINGS: Final = frozenset({b"gzip", b"x-gzip", b"deflate"})
 
 
 def readable_codings(value: bytes) -> bytes:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Final
 from urllib.parse import unquote_to_bytes
 
-DEFAULT_STRIP_QUERY_KEYS = (
+DEFAULT_STRIP_QUERY_KEYS: Final = (
     "api_key",
     "key",
     "api-key",
@@ -67,7 +67,7 @@ def _names_a_key(parameter: bytes, keys: frozenset[bytes]) -> bool:
 NO_METHODS: Final[frozenset[str]] = frozenset()
 
 
-_METHOD_PARAMETER = b"_method"
+_METHOD_PARAMETER: Final = b"_method"
 
 
 def query_override_methods(query: bytes, method: str) -> frozenset[str]:
@@ -92,7 +92,7 @@ def query_override_methods(query: bytes, method: str) -> frozenset[str]:
     return frozenset(named) if named else NO_METHODS
 
 
-_URL_SCHEMES = (b"http://", b"https://")
+_URL_SCHEMES: Final = (b"http://", b"https://")
 
 
 def strip_url_query_keys(value: bytes, keys: frozenset[bytes]) -> bytes:

@@ -32,13 +32,15 @@ def header_value_problem(value: str) -> str | None:
 # The longest configured value sent (a credential, a scheme): past it no common server
 # takes the header field (nginx's and Apache's 8 KiB a line, aiohttp's 8190 bytes), and a
 # variable that long holds more than a key (a secrets file, a certificate chain).
-MAX_FIELD_VALUE_BYTES = 8192
+MAX_FIELD_VALUE_BYTES: Final = 8192
 
 
-_TCHAR = frozenset(b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+_TCHAR: Final = frozenset(
+    b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+)
 
 
-_VALUE_CTL = frozenset(range(0x20)) - {0x09} | {0x7F}
+_VALUE_CTL: Final = frozenset(range(0x20)) - {0x09} | {0x7F}
 
 
 def is_token(name: str) -> bool:
@@ -79,7 +81,7 @@ def request_header_problem(name: bytes, value: bytes) -> str | None:
     return None
 
 
-_TARGET_FORBIDDEN = frozenset(range(0x21)) | {0x7F, ord("#")}
+_TARGET_FORBIDDEN: Final = frozenset(range(0x21)) | {0x7F, ord("#")}
 
 
 def query_problem(query: bytes) -> str | None:

@@ -42,11 +42,11 @@ from fallback_mw.telemetry.spans import (
     request_trace,
 )
 
-INSTRUMENTATION_NAME = "fallback_mw"
+INSTRUMENTATION_NAME: Final = "fallback_mw"
 REQUEST_SPAN: Final = "gateway.request"
-ATTEMPT_SPAN = "gateway.attempt"
-SKIP_EVENT = "gateway.candidate.skipped"
-ABORT_EVENT = "gateway.response.aborted"
+ATTEMPT_SPAN: Final = "gateway.attempt"
+SKIP_EVENT: Final = "gateway.candidate.skipped"
+ABORT_EVENT: Final = "gateway.response.aborted"
 
 _internal: Final = logging.getLogger("fallback_mw.telemetry")
 

@@ -7,12 +7,14 @@ the well-known APIs, and left out for any other path."""
 
 from __future__ import annotations
 
+from typing import Final
+
 from opentelemetry.util.types import AttributeValue
 
 from fallback_mw.request.context import RequestContext
 
 # Path endings of the major providers' APIs -> gen_ai.operation.name (well-known values).
-_OPERATIONS: tuple[tuple[str, str], ...] = (
+_OPERATIONS: Final[tuple[tuple[str, str], ...]] = (
     ("/chat/completions", "chat"),  # OpenAI and the many APIs shaped like it
     ("/responses", "chat"),  # OpenAI Responses
     ("/messages", "chat"),  # Anthropic Messages

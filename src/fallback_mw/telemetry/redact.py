@@ -18,7 +18,7 @@ from fallback_mw.request.secrets import REDACTED, RequestSecrets, recorded_tenan
 
 MAX_LABEL: Final = 128  # characters
 # A model name is echoed from the request body, so only name-shaped values are recorded.
-_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
+_MODEL_NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
 
 
 def label(value: object) -> str:
@@ -49,7 +49,7 @@ def tenant_label(tenant: str, secrets: RequestSecrets | None) -> str:
 # OpenTelemetry's HTTP conventions: the methods of RFC 9110 and PATCH are known; any other
 # token a caller sends is recorded as `_OTHER`, so callers cannot mint values of an attribute
 # that span-derived metrics group by.
-_KNOWN_METHODS = frozenset(
+_KNOWN_METHODS: Final = frozenset(
     ("CONNECT", "DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT", "TRACE")
 )
 
@@ -70,8 +70,8 @@ def http_method(
 # A caller's trace-context field longer than this (the W3C baggage limit) is ignored
 # whole: OpenTelemetry's propagators log a too-long or malformed field *with its value*,
 # which a console exporter setup writes to stderr.
-_MAX_PROPAGATION_FIELD = 8192
-EXTRACTING: contextvars.ContextVar[bool] = contextvars.ContextVar(
+_MAX_PROPAGATION_FIELD: Final = 8192
+EXTRACTING: Final[contextvars.ContextVar[bool]] = contextvars.ContextVar(
     "fallback_mw_extracting", default=False
 )
 
@@ -84,8 +84,8 @@ class _DropCallerEcho(logging.Filter):
         return not EXTRACTING.get()
 
 
-_DROP_CALLER_ECHO = _DropCallerEcho()
-_PROPAGATOR_LOGGERS = ("opentelemetry.baggage.propagation", "opentelemetry.propagate")
+_DROP_CALLER_ECHO: Final = _DropCallerEcho()
+_PROPAGATOR_LOGGERS: Final = ("opentelemetry.baggage.propagation", "opentelemetry.propagate")
 
 
 def quiet_propagators() -> None:
@@ -112,4 +112,4 @@ class _HeaderGetter(Getter[Sequence[tuple[bytes, bytes]]]):
         return [k.decode("latin-1").lower() for k, _ in carrier]
 
 
-GETTER = _HeaderGetter()
+GETTER: Final = _HeaderGetter()

@@ -20,7 +20,7 @@ from fallback_mw.telemetry.propagation import current_attempt
 from fallback_mw.telemetry.redact import label
 from fallback_mw.telemetry.spans import request_trace
 
-SHADOW_SPAN = "gateway.shadow"
+SHADOW_SPAN: Final = "gateway.shadow"
 
 _internal: Final = logging.getLogger("fallback_mw.telemetry")
 

@@ -38,7 +38,7 @@ from fallback_mw.upstream.guard import GuardedResolver, LiteralChecks
 from fallback_mw.upstream.tls import ssl_context
 
 # aiohttp would otherwise add these; the upstream sees only what the gateway decided.
-_SKIP_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
+_SKIP_AUTO_HEADERS: Final = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 
 
 # The longest response status line and header field read (aiohttp's default is 8190 bytes:
@@ -47,7 +47,7 @@ _SKIP_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 # fields (128, passed explicitly) stays, so a head read is still bounded (about 8 MiB at
 # most); one relayed, as on the httpx engine, is at most 100 KiB (base.MAX_RESPONSE_HEAD),
 # and both engines hold this field length and that count (base.check_response_head).
-_MAX_RESPONSE_FIELD = MAX_RESPONSE_FIELD
+_MAX_RESPONSE_FIELD: Final = MAX_RESPONSE_FIELD
 
 
 class AiohttpResponse:

@@ -63,7 +63,7 @@ def _rebuilt(kind: FailureKind, phase: Phase, message: str, detail: str | None) 
 
 
 # What each errno of the gateway's own host lacking a resource says it ran out of.
-_HOST_LIMITS = {
+_HOST_LIMITS: Final = {
     errno.EMFILE: "out of file descriptors (EMFILE: the process's open-file limit)",
     errno.ENFILE: "out of file descriptors (ENFILE: the system's open-file table)",
     errno.ENOBUFS: "out of socket buffer memory (ENOBUFS)",
@@ -94,7 +94,7 @@ def unrelayable(reason: str) -> UpstreamError:
 # What the local 502 says of an answer the engine's own parser refused (a status line that
 # is none, HTTP/0.9, framing its parser cannot read): never the parser's text, which may
 # quote the upstream's bytes.
-NOT_HTTP = "the engine's HTTP/1.1 parser refused the upstream's answer"
+NOT_HTTP: Final = "the engine's HTTP/1.1 parser refused the upstream's answer"
 
 
 def proxy_refused(status: int | None, *, tunnel: bool = True) -> str:

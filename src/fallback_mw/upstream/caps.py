@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Final
 
 from fallback_mw.upstream.base import UpstreamRequest
 
@@ -63,7 +64,7 @@ def uncapped(request: UpstreamRequest) -> Release | None:
     return None
 
 
-CAPS_SWEPT_AT = 256  # caps kept before the idle ones are dropped (then twice those left)
+CAPS_SWEPT_AT: Final = 256  # caps kept before the idle ones are dropped (then twice those left)
 
 Release = Callable[[], None]
 

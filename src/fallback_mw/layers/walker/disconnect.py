@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Final
 
 from fallback_mw.request.connection_loss import ConnectionLoss
 from fallback_mw.request.context import RequestBody, RequestContext
@@ -35,7 +35,7 @@ async def watch_disconnect(
 
 
 # How long a walk runs before its disconnect watcher starts (see PlanWalker).
-WATCH_AFTER = 0.01
+WATCH_AFTER: Final = 0.01
 
 
 class DisconnectWatch:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import re
 from functools import lru_cache
+from typing import Final
 from urllib.parse import SplitResult, urlsplit
 
 from fallback_mw.endpoints import origin
@@ -33,7 +34,7 @@ def located_here(
 
 
 # A `Link` field's targets (RFC 8288: `<URI-Reference>; params`, comma-separated).
-_LINK_TARGET = re.compile(r"<([^<>]*)>")
+_LINK_TARGET: Final = re.compile(r"<([^<>]*)>")
 
 
 def linked_here(
@@ -118,9 +119,9 @@ def _same_origin(text: str, parts: SplitResult, upstream: tuple[str, str, int]) 
 
 # A path's segment separators and its dot segments as a browser's URL parser (WHATWG)
 # reads them: a backslash is a `/`, `%2e` a `.` (RFC 3986 §2.3: the same segment).
-_SEPARATOR = re.compile(r"[/\\]")
-_DOT = frozenset({".", "%2e"})
-_DOT_DOT = frozenset({"..", ".%2e", "%2e.", "%2e%2e"})
+_SEPARATOR: Final = re.compile(r"[/\\]")
+_DOT: Final = frozenset({".", "%2e"})
+_DOT_DOT: Final = frozenset({"..", ".%2e", "%2e.", "%2e%2e"})
 
 
 def _resolved(path: str) -> str:

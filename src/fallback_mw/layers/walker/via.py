@@ -25,7 +25,7 @@ _FIELD: Final = b"via"
 _PREFIX: Final = b"fallback-mw-"
 # The openai and anthropic SDKs retry a 5xx unless told not to: each retry would go round
 # again to the same answer.
-NO_RETRY = (b"x-should-retry", b"false")
+NO_RETRY: Final = (b"x-should-retry", b"false")
 # Names kept per walker: route ids come and go with store reloads.
 _MAX_NAMES: Final = 4096
 
