@@ -69,10 +69,11 @@ def this_tree() -> str:
     return os.environ.get("PYTHONPATH") or str(HERE.parent / "src")
 
 
-# `--cache-sim`: callgrind's cache and branch simulation (this machine's caches, as valgrind
-# reads them), its events per request, and a rough cycle estimate from them (cachegrind's
-# manual: a first-level miss some 10 cycles, a last-level miss some 100, a mispredicted
-# branch some 15, the rest one an instruction): what instructions alone do not count.
+# `--cache-sim`: callgrind's cache and branch simulation (the first level as valgrind reads
+# this machine's, the last as `last_level` says), its events per request, and a rough cycle
+# estimate from them (cachegrind's manual: a first-level miss some 10 cycles, a last-level
+# miss some 100, a mispredicted branch some 15, the rest one an instruction): what
+# instructions alone do not count.
 CACHE_SIM = ("--cache-sim=yes", "--branch-sim=yes")
 # The last level simulated is one core's own (its L2 where the machine says so): the level
 # above it is shared with whatever else the machine runs, which no simulation knows.

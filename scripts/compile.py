@@ -227,21 +227,18 @@ def _slow_constants(tree: ast.Module, lines: list[str]) -> list[tuple[int, str]]
             target, value = node.target, node.value
         else:
             continue
-        if isinstance(target, ast.Tuple):  # `A, B = 0, 1`: Final takes one name at a time
-            names = [n.id for n in target.elts if isinstance(n, ast.Name)]
-            found.extend((node.lineno, n) for n in names if _CONSTANT.fullmatch(n))
+        said = lines[max(node.lineno - 2, 0) : node.lineno]  # its line, or the line above
+        if any("# not Final:" in line for line in said):
             continue
-        if not isinstance(target, ast.Name) or not _CONSTANT.fullmatch(target.id):
-            continue
+        # `A, B = 0, 1`: each name is reported (Final takes one name at a time).
+        targets = target.elts if isinstance(target, ast.Tuple) else [target]
+        names = [n.id for n in targets if isinstance(n, ast.Name)]
         maker = value.func if isinstance(value, ast.Call) else None
         if isinstance(maker, ast.Name | ast.Attribute) and (
             (maker.id if isinstance(maker, ast.Name) else maker.attr) in _TYPE_MAKERS
         ):
             continue
-        said = lines[max(node.lineno - 2, 0) : node.lineno]  # its line, or the line above
-        if target.id in written or any("# not Final:" in line for line in said):
-            continue
-        found.append((node.lineno, target.id))
+        found.extend((node.lineno, n) for n in names if _CONSTANT.fullmatch(n) and n not in written)
     return found
 
 
