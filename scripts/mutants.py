@@ -358,8 +358,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "security/fields.py",
-                'RECOMPUTED_HEADERS = frozenset({b"host", b"content-length", b"expect"})',
-                'RECOMPUTED_HEADERS = frozenset({b"host", b"expect"})',
+                'RECOMPUTED_HEADERS: Final = frozenset({b"host", b"content-length", b"expect"})',
+                'RECOMPUTED_HEADERS: Final = frozenset({b"host", b"expect"})',
             ),
         ),
         (ASKS + "test_a_replay_keeps_each_candidates_model_and_a_consistent_length",),
