@@ -26,7 +26,8 @@ from typing import Final, Literal
 
 AFFINITY_LIMIT: Final = 10_000  # sessions remembered per upstream (least recently used dropped)
 _LONGEST_AFFINITY_KEY: Final = 256  # characters kept as they are; a longer key by its digest
-SCORE_HALF_LIFE: Final = 60.0  # seconds: an observation this old counts half
+# not Final: tests/test_credential_pool.py shortens it, and the compiled core must see that.
+SCORE_HALF_LIFE = 60.0  # seconds: an observation this old counts half
 Selection = Literal["round_robin", "score"]
 
 
