@@ -61,6 +61,12 @@ dictionary at every use (about 140 instructions; some 200 a healthy request befo
 were marked), a `Final` one is a C static or a literal. A constant tests replace while the
 gateway runs (`monkeypatch.setattr`) says so on its line or the line above, `# not Final:
 <why>`: compiled code would not see the replacement.
+
+`--check` also reads the tests the compiled pass runs: one that replaces what compiled code
+reads directly (a `Final` constant, a compiled module's function or class, a native class's
+method) runs there without its replacement, and passes without checking anything. Skip it
+in the compiled pass (`skipif(COMPILED, ...)`), or say on the line (or the line above)
+`# compiled: <why>` when only interpreted code reads it.
 """
 
 from __future__ import annotations
@@ -296,6 +302,134 @@ def hazards(path: Path) -> list[str]:
     return found
 
 
+# A test that replaces what the compiled core reads directly sees no replacement in the
+# compiled pass: a `Final` constant is a C static or a literal, a compiled module's function
+# or class is called natively by its compiled callers, a native class's method is bound in C.
+# Such a test passes there without checking anything (a counter that stays at 0 passes
+# `calls <= 1`). Each replacement is looked for in the tests the compiled pass runs.
+_REPLACERS = frozenset({"setattr", "patch", "object"})
+
+
+def _imported(tree: ast.Module) -> dict[str, str]:
+    """The names a test file binds to fallback_mw's modules or their members (any scope)."""
+    bound: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("fallback_mw"):
+                    bound[alias.asname or alias.name] = alias.name
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fallback_mw"):
+            for alias in node.names:
+                bound[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    return bound
+
+
+def _dotted(node: ast.expr, bound: dict[str, str]) -> str | None:
+    """`node` (a name or an attribute chain) as a dotted fallback_mw path, or None."""
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name) or node.id not in bound:
+        return None
+    return ".".join([bound[node.id], *reversed(parts)])
+
+
+def _compiled_member(dotted: str) -> tuple[str, str] | None:
+    """(module path, member) when `dotted` names a member of a compiled module that compiled
+    code reads directly: a function, a class (or its attribute), a `Final` constant."""
+    parts = dotted.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        relative = "/".join(parts[1:cut])
+        module = next(
+            (m for m in (f"{relative}.py", f"{relative}/__init__.py") if m in MODULES), None
+        )
+        if module is None:
+            continue
+        member = parts[cut]
+        for node in ast.parse((PACKAGE / module).read_text()).body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                if node.name == member:
+                    return module, ".".join(parts[cut:])
+            elif (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and node.target.id == member
+                and "Final" in ast.unparse(node.annotation)
+            ):
+                return module, member
+        return None
+    return None
+
+
+def _not_compiled_pass(decorators: list[ast.expr]) -> bool:
+    """Decorators (or a `pytestmark`) that keep a test out of the compiled pass."""
+    text = " ".join(ast.unparse(d) for d in decorators)
+    return "pure_pass_only" in text or ("skipif" in text and "COMPILED" in text)
+
+
+def replaced_in_tests(tests: Path) -> list[str]:
+    """The tests of the compiled pass that replace (monkeypatch.setattr, mock.patch,
+    patch.object) a member of a compiled module its compiled callers read directly, one line
+    each; `# compiled: <why>` on the replacement's line or the line above says it is read
+    through anyway (interpreted callers only)."""
+    found = []
+    for path in sorted(tests.rglob("*.py")):
+        text = path.read_text()
+        tree = ast.parse(text, str(path))
+        lines = text.splitlines()
+        marks = [
+            n.value
+            for n in tree.body
+            if isinstance(n, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in n.targets)
+        ]
+        if _not_compiled_pass(marks):
+            continue
+        bound = _imported(tree)
+        kept_out = [
+            node
+            for node in ast.walk(tree)
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+            and _not_compiled_pass(node.decorator_list)
+        ]
+        skipped = {id(n) for outer in kept_out for n in ast.walk(outer)}
+        for node in sorted(
+            (n for n in ast.walk(tree) if isinstance(n, ast.Call)), key=lambda n: n.lineno
+        ):
+            if id(node) in skipped or not node.args:
+                continue
+            func = node.func
+            if not isinstance(func, ast.Attribute) or func.attr not in _REPLACERS:
+                continue
+            first = node.args[0]
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                dotted: str | None = first.value
+            elif (
+                len(node.args) > 1
+                and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)
+            ):
+                owner = _dotted(first, bound)
+                dotted = f"{owner}.{node.args[1].value}" if owner else None
+            else:
+                continue
+            if dotted is None or not dotted.startswith("fallback_mw."):
+                continue
+            said = lines[max(node.lineno - 2, 0) : (node.end_lineno or node.lineno)]
+            if any("# compiled:" in line for line in said):
+                continue
+            member = _compiled_member(dotted)
+            if member is not None:
+                where = path.relative_to(tests.parent) if tests.parent in path.parents else path
+                found.append(
+                    f"{where}:{node.lineno}: replaces {member[1]} of the compiled "
+                    f"{member[0]}, which compiled callers read directly (the compiled pass "
+                    "runs this test without the replacement)"
+                )
+    return found
+
+
 def _optional_locals(function: ast.AsyncFunctionDef) -> set[str]:
     """The locals `function` annotates with a type that admits None (`X | None`)."""
     return {
@@ -360,6 +494,8 @@ def clean() -> int:
 
 def check() -> int:
     problems = [line for module in MODULES for line in hazards(PACKAGE / module)]
+    if (ROOT / "tests").is_dir():
+        problems += replaced_in_tests(ROOT / "tests")
     for line in problems:
         print(f"compile.py: {line}", file=sys.stderr)
     if problems:

@@ -188,3 +188,63 @@ def test_a_compiled_pass_that_imports_the_pure_package_fails(tmp_path: Path) -> 
     )  # fmt: skip
     assert result.returncode != 0, result.stdout
     assert "listed modules are interpreted" in result.stdout + result.stderr
+
+
+REPLACING = """
+import pytest
+from unittest import mock
+
+import fallback_mw.health.pool as pool
+from fallback_mw import timers
+from fallback_mw.routing import RouteTable
+from tests.helpers import COMPILED
+
+
+def test_replaces(monkeypatch):
+    monkeypatch.setattr(timers, "TICK", 1.0)  # found: a Final constant
+    monkeypatch.setattr("fallback_mw.health.pool.AFFINITY_LIMIT", 1)  # found: by dotted name
+    monkeypatch.setattr(pool, "score", lambda *a: 0.0)  # found: a compiled function
+    monkeypatch.setattr(RouteTable, "covers", lambda *a: True)  # found: a native method
+    with mock.patch("fallback_mw.timers._PER_SECOND", 1):  # found: mock.patch
+        pass
+    with mock.patch.object(pool, "credential_mark"):  # found: patch.object
+        pass
+    monkeypatch.setattr(pool, "SCORE_HALF_LIFE", 1.0)  # not Final: read through
+    monkeypatch.setattr(pool, "datetime", None)  # imported: read through the module
+    monkeypatch.setattr("fallback_mw.config.load_config", None)  # not compiled
+    monkeypatch.setattr(timers, "TICK", 2.0)  # compiled: a planted exemption
+
+
+@pytest.mark.skipif(COMPILED, reason="checks the sources' shape")
+def test_kept_out(monkeypatch):
+    monkeypatch.setattr(timers, "TICK", 1.0)
+"""
+
+
+def test_the_tests_that_replace_what_the_compiled_core_reads_directly_are_found(
+    tmp_path: Path,
+) -> None:
+    # health/pool.SCORE_HALF_LIFE was Final once; tests/test_credential_pool.py shortens it by
+    # its dotted name, and the compiled pass's run of that test failed only in CI.
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_planted.py").write_text(REPLACING)
+    (tmp_path / "tests" / "test_kept_out.py").write_text(
+        "import pytest\nfrom fallback_mw import timers\n\npytestmark = pytest.mark.pure_pass_only("
+        'reason="source")\n\n\ndef test(monkeypatch):\n'
+        '    monkeypatch.setattr(timers, "TICK", 1.0)\n'
+    )
+    found = compile_script().replaced_in_tests(tmp_path / "tests")
+    named = [line.split(": replaces ")[1].split(",")[0] for line in found]
+    assert named == [
+        "TICK of the compiled timers.py",
+        "AFFINITY_LIMIT of the compiled health/pool.py",
+        "score of the compiled health/pool.py",
+        "RouteTable.covers of the compiled routing.py",
+        "_PER_SECOND of the compiled timers.py",
+        "credential_mark of the compiled health/pool.py",
+    ], found
+    assert all(line.startswith("tests/test_planted.py:") for line in found), found
+
+
+def test_no_test_of_the_compiled_pass_replaces_what_the_compiled_core_reads_directly() -> None:
+    assert compile_script().replaced_in_tests(ROOT / "tests") == []
