@@ -104,6 +104,10 @@ BUILD = ROOT / "build" / "mypyc"
 #   upstream/guard.py: UnsafeAddressError inherits from OSError ("Inheriting from most
 #     builtin types is unimplemented").
 #   config/*: pydantic models (their validators and the plugin's fields).
+#   cli/server_limits.py, cli/httptools_framing.py: mixins, put before uvicorn's protocol
+#     classes in a class made per server; compiled, a `@python_class`'s methods refuse an
+#     instance of any subclass (`TypeError: _HeadGuard object expected; got
+#     GuardedHttpToolsProtocol`), and a native class cannot be mixed with a Python one.
 #   health/__init__.py, health/memory.py: their classes are subclassed (AlwaysHealthy,
 #     MemoryHealth: by the tests, and a deployment's own health state may), and an
 #     interpreted class cannot inherit from a compiled one.
@@ -178,6 +182,9 @@ MODULES = (
     "gateway.py",
     "layers/charge.py",
     "request/refusals.py",
+    "telemetry/line_writer.py",
+    "cli/head_with_body.py",
+    "request/connection_loss.py",
 )
 
 

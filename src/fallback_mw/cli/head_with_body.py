@@ -16,11 +16,13 @@ and their order are the same."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Final
+
+from fallback_mw.python_class import python_class
 
 # Above this, a body is written on its own after the head (as before) rather than copied
 # into one buffer with it.
-JOIN_LIMIT = 64 * 1024
+JOIN_LIMIT: Final = 64 * 1024
 
 
 class StepFlusher:
@@ -41,6 +43,7 @@ class StepFlusher:
             writes.flush()  # nothing, when its body went out with it
 
 
+@python_class  # forwards what it does not define (`__getattr__`): a Python class
 class HeadWithBody:
     """The transport uvicorn's protocol and its cycles write through (everything but
     `write`, `writelines`, `close`, `abort` and `write_eof` is the transport's own)."""

@@ -10,9 +10,9 @@ that builds its own scope) has none, and the walker reads `receive` as before.""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Final, Protocol
 
-SCOPE_KEY = "fallback_mw.connection_loss"
+SCOPE_KEY: Final = "fallback_mw.connection_loss"
 
 
 class Listener(Protocol):
