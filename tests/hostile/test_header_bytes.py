@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from fallback_mw import Gateway
 from fallback_mw.health.memory import MemoryHealth
+from fallback_mw.security.fields import canonical_name, name_forms
 from fallback_mw.security.values import query_problem, request_header_problem
 from fallback_mw.upstream import Timeouts, UpstreamError, UpstreamRequest, make_client
 from tests.helpers import http_scope
@@ -222,3 +223,16 @@ async def test_a_callers_long_field_names_and_accept_encoding_are_not_kept() -> 
     sent = dict(primary.received[-1].headers)
     assert sent["accept-encoding"] == "gzip"  # still narrowed to what the meter reads
     assert kept < 1_000_000, kept
+
+
+@settings(max_examples=600, deadline=None)
+@given(_BYTES)
+@example(b"X_Tenant-ID")
+@example(b"\xc4_\xe4")  # bytes >= 0x80 as they are: `bytes.lower` is ASCII only
+def test_the_canonical_name_is_lower_case_with_dashes_for_any_bytes(name: bytes) -> None:
+    # One `translate` where `lower().replace(b"_", b"-")` was: the same bytes for any name,
+    # a host's bytearray name too.
+    expected = name.lower().replace(b"_", b"-")
+    assert canonical_name(name) == expected
+    assert name_forms(name) == (name.lower(), expected)
+    assert canonical_name(bytearray(name)) == bytearray(expected)

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from typing import Final
 
 from fallback_mw.request.types import Scope
-from fallback_mw.security.fields import METHOD_OVERRIDE_FIELDS, canonical_name
+from fallback_mw.security.fields import CANONICAL, METHOD_OVERRIDE_FIELDS, canonical_name
 
 # More digits than this is longer than any deadline (600000 ms): it can shorten nothing.
 _DEADLINE_DIGITS: Final = 7
@@ -51,7 +51,7 @@ def identity_headers(
         # `x_tenant_id` is `x-tenant-id` to a WSGI-style upstream (HTTP_X_TENANT_ID): one
         # field, so a caller's underscore spelling beside a proxy's field is two.
         # (`canonical_name`, written out: a call per header is most of the pass's cost.)
-        lower = key.lower().replace(b"_", b"-")
+        lower = key.translate(CANONICAL)
         try:
             hit = lower in wanted
         except TypeError:  # unhashable: compared as before, the overrides read apart

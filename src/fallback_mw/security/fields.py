@@ -202,20 +202,21 @@ def name_forms(name: bytes) -> tuple[bytes, bytes]:
     bytes: a host's bytearray name, unhashable, is read as it was)."""
     found = _NAME_FORMS.get(name) if type(name) is bytes else None
     if found is None:
-        lowered = name.lower()
-        found = (lowered, lowered.replace(b"_", b"-"))
+        found = (name.lower(), name.translate(CANONICAL))
         if len(name) <= 64 and len(_NAME_FORMS) < 1024 and type(name) is bytes:
             _NAME_FORMS[name] = found
     return found
 
 
+# `canonical_name`'s table: ASCII upper case to lower case (what `bytes.lower` does) and
+# `_` to `-`, in one `translate` (one method call, where `lower().replace()` made two).
+CANONICAL: Final = bytes.maketrans(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ_", b"abcdefghijklmnopqrstuvwxyz-")
+
+
 def canonical_name(name: bytes) -> bytes:
     """The name as WSGI-style upstreams read it: `x_api_key` and `X-Api-Key` are one field
     (both become HTTP_X_API_KEY), so every stripping rule compares this form."""
-    # Not `b"_" in lower` first: on CPython 3.11 `bytes in bytes` tries the needle as an
-    # integer and formats (then drops) a TypeError, some 2,000 instructions a header;
-    # `replace` with nothing to replace returns the same object.
-    return name.lower().replace(b"_", b"-")
+    return name.translate(CANONICAL)
 
 
 # Fields whose value lists other fields that must not be forwarded: `Connection` names

@@ -42,6 +42,11 @@ _TCHAR: Final = frozenset(
 
 _VALUE_CTL: Final = frozenset(range(0x20)) - {0x09} | {0x7F}
 
+# The same sets as bytes to delete (`bytes.translate(None, ...)`): what is left of a name
+# or a value once they are deleted is what the rule refuses, found in one C call.
+_TCHAR_BYTES: Final = bytes(sorted(_TCHAR))
+_PRINTABLE_ASCII: Final = bytes(range(0x20, 0x7F))
+
 
 def is_token(name: str) -> bool:
     """An HTTP field name (RFC 9110 §5.1: a token), as a configured header name must be."""
@@ -65,11 +70,13 @@ def request_header_problem(name: bytes, value: bytes) -> str | None:
     Leading and trailing SP/HTAB are not part of a field value (RFC 9110 §5.5): the
     attempt trims them, as every HTTP parser does. None: forward it. Says what is wrong,
     never what the value is."""
-    # The usual field first, in a few C calls (the set checks below cost about 2 us a
-    # header): a name of letters, digits and `-`; a value of printable ASCII (0x20-0x7E).
-    if not (name.replace(b"-", b"").isalnum() or (name and _TCHAR.issuperset(name))):
+    # One C call each for the usual field (a method call costs a few hundred instructions
+    # compiled; the set checks below about 2 us a header): a name is a token when nothing
+    # is left of it once its token characters are deleted; a value of printable ASCII
+    # (0x20-0x7E) likewise.
+    if not name or name.translate(None, _TCHAR_BYTES):
         return "has a name that is not an HTTP token"
-    if value.isascii() and value.decode("ascii").isprintable():
+    if not value.translate(None, _PRINTABLE_ASCII):
         return None
     if _VALUE_CTL.intersection(value):
         return "contains a control character"
