@@ -137,6 +137,7 @@ MODULES = (
     "failover/messages.py",
     "failover/deadline_messages.py",
     "request/context.py",
+    "request/records.py",
     "request/codings.py",
     "request/local_errors.py",
     "request/record.py",

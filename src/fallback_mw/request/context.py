@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from fallback_mw.config.views import RouteView, UpstreamView
+from fallback_mw.request.records import AttemptRecord as AttemptRecord  # re-exported
+from fallback_mw.request.records import SkipRecord as SkipRecord  # re-exported
 from fallback_mw.request.secrets import RequestSecrets
 
 SCOPE_KEY: Final = "fallback_mw.request.context"
@@ -35,39 +37,6 @@ def new_request_id() -> str:
     return random.getrandbits(128).to_bytes(16, "big").hex()
 
 
-@dataclass(slots=True)
-class AttemptRecord:
-    candidate: str
-    number: int
-    server_address: str
-    server_port: int | None = None  # the URL's port, or its scheme's default
-    started: float = field(default_factory=time.monotonic)
-    duration: float | None = None
-    status: int | None = None
-    failure_kind: str | None = None  # "transport", "timeout", "status", "fault", ...
-    could_not_connect: bool = False  # the engine made no connection (refused, no route, DNS)
-    # What failed and what would change it, for the local error's message (a `tls`
-    # failure: upstream/tls.tls_problem; an egress proxy that refused the tunnel).
-    failure_detail: str | None = None
-    # The upstream's own timer that ended it (a `timeout`): `connect_timeout_ms` or
-    # `first_byte_timeout_ms`, named with its value by the local error's message.
-    timer: str | None = None
-    fault: str | None = None  # "fail" / "hang" when a game-day fault drove the attempt
-    # It waited for a connection slot (`max_connections`) and ended before getting one:
-    # nothing was sent (its declared-capacity count is taken back).
-    queued_only: bool = False
-    hedge: bool = False
-    credential_index: int | None = None  # position in the pool, never the value or name
-    responsible: str | None = None  # "upstream" or "gateway": who the outcome is down to
-    decision: str | None = None  # what the walk did next ("next_candidate", "serve", ...)
-    reason: str | None = None  # why, in one phrase (the rule of SPEC §5 that applied)
-    # The answer's Content-Type and Content-Encoding, read once as its head arrived (the
-    # relay reads them from here: layers.walker.stream.commit).
-    coding: tuple[bytes | None, bytes | None] | None = None
-    # Why its answer was refused unread (credentials.unmaskable_answer), for the message.
-    unmaskable: str | None = None
-
-
 # Why the walk passes over a candidate without an attempt (its skip reason). Each has a
 # remedy in failover.decide's route_exhausted message; telemetry exports each candidate's
 # skip series at 0 from the start.
@@ -78,14 +47,6 @@ SKIP_REASONS: Final = (
     "model_rewrite",
     "repeat_budget",
 )
-
-
-@dataclass(slots=True)
-class SkipRecord:
-    candidate: str
-    reason: str  # one of SKIP_REASONS
-    after_attempts: int = 0  # attempts made before it: places the skip in the walk's order
-    fault: str | None = None  # breaker_open: the fault whose outcomes opened that breaker
 
 
 @dataclass(slots=True, repr=False)
