@@ -8,11 +8,13 @@ SQLite (embedded default) and PostgreSQL (many gateway processes)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any, Protocol, runtime_checkable
 
+from fallback_mw.budget.records import AttemptOutcome as AttemptOutcome  # re-exported
+from fallback_mw.budget.records import UsageRecord as UsageRecord  # re-exported
 from fallback_mw.config import BudgetConfig
 
 SCHEMA_COMPONENT = "ledger"
@@ -79,75 +81,6 @@ class BudgetStatus:
 # The per-request records below are built on every routed request (the usage record):
 # plain slotted dataclasses, not frozen ones, whose __init__ costs several times more
 # (object.__setattr__ per field). Nothing changes them once built.
-@dataclass(slots=True)
-class AttemptOutcome:
-    """One candidate as this request met it: attempted (status / failure kind) or skipped."""
-
-    candidate: str
-    status: int | None = None
-    failure: str | None = None  # "transport", "timeout", "status", "fault", ...
-    skipped: str | None = None  # "breaker_open", "no_credential"
-    # The game-day fault behind it: the fault that drove the attempt, or the one whose
-    # outcomes opened the breaker a `breaker_open` skip met (SPEC §12).
-    fault: str | None = None
-
-    def as_dict(self) -> dict[str, object]:
-        data: dict[str, object] = {"candidate": self.candidate}
-        if self.status is not None:
-            data["status"] = self.status
-        if self.failure is not None:
-            data["failure"] = self.failure
-        if self.skipped is not None:
-            data["skipped"] = self.skipped
-        if self.fault is not None:
-            data["fault"] = self.fault
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict[str, object]) -> AttemptOutcome:
-        status = data.get("status")
-        failure = data.get("failure")
-        skipped = data.get("skipped")
-        fault = data.get("fault")
-        return cls(
-            candidate=str(data.get("candidate", "")),
-            status=status if isinstance(status, int) else None,
-            failure=failure if isinstance(failure, str) else None,
-            skipped=skipped if isinstance(skipped, str) else None,
-            fault=fault if isinstance(fault, str) else None,
-        )
-
-
-@dataclass(slots=True)
-class UsageRecord:
-    """What one routed request cost and who served it. Names, numbers and codes only:
-    never a body, header value, credential or query string."""
-
-    request_id: str
-    route: str
-    tenant: str
-    at: datetime = field(default_factory=lambda: datetime.now(UTC))
-    budget_id: str | None = None
-    candidates: tuple[str, ...] = ()  # the planned order
-    attempts: tuple[AttemptOutcome, ...] = ()
-    chosen: str | None = None
-    outcome: str | None = None
-    status: int | None = None
-    model: str | None = None
-    input_tokens: int | None = None
-    output_tokens: int | None = None
-    cost: Decimal | None = None  # from reported usage and [prices], when both were known
-    charged: Decimal | None = None  # what the budget was settled with
-    duration_ms: float | None = None  # first byte in to last byte out, when measured
-    rule: str | None = None  # the SPEC §5/§12 rule that ended the walk (the log line's rule=)
-
-    @property
-    def fault(self) -> bool:
-        """A game-day fault drove an attempt of this request, or a breaker its outcomes
-        opened made the request skip a candidate (SPEC §12: booked as the fault)."""
-        return any(a.fault is not None for a in self.attempts)
-
-
 @dataclass(frozen=True, slots=True)
 class MinuteUsage:
     """One route's routed requests in one UTC minute (or one second: what a rolling minute

@@ -49,31 +49,62 @@ SKIP_REASONS: Final = (
 )
 
 
-@dataclass(slots=True, repr=False)
+# The `__init__` written out (request/records.py says why).
+@dataclass(slots=True, repr=False, init=False)
 class RequestBody:
     """The request body as read from the client, once (walk/body.py reads it)."""
 
-    buffered: bytes | None = None  # the whole body when it fit in replay_buffer
-    stream: AsyncIterator[bytes] | None = None  # otherwise: the rest, read on demand
+    buffered: bytes | None  # the whole body when it fit in replay_buffer
+    stream: AsyncIterator[bytes] | None  # otherwise: the rest, read on demand
     # The streamed body's length when known (the caller's Content-Length, or a chunked body
     # read whole): sent upstream as Content-Length, so upstreams that demand one get it.
-    length: int | None = None
-    declared: int | None = None  # the caller's Content-Length, if any (body.content_length)
-    too_large: bool = False  # over max_request_body (before or while streaming)
-    timed_out: bool = False  # the body did not arrive before the deadline
-    client_gone: bool = False  # the caller hung up while sending it
-    misframed: bool = False  # shorter or longer than the Content-Length it streams with
+    length: int | None
+    declared: int | None  # the caller's Content-Length, if any (body.content_length)
+    too_large: bool  # over max_request_body (before or while streaming)
+    timed_out: bool  # the body did not arrive before the deadline
+    client_gone: bool  # the caller hung up while sending it
+    misframed: bool  # shorter or longer than the Content-Length it streams with
     # What the host's `receive` raised while the body streamed to an attempt (a middleware
     # in front refusing it: a size limit, a signature check): raised to the host again.
-    host_refusal: Exception | None = None
-    finished: bool = False  # every message received (`finish`)
+    host_refusal: Exception | None
+    finished: bool  # every message received (`finish`)
     # Made only for a reader that waits for the end (`wait_finished`): an asyncio.Event per
     # request, made and set, was some 4k instructions for a wait almost never needed.
-    waiter: asyncio.Event | None = None
+    waiter: asyncio.Event | None
     # The buffered body as a JSON object (None: not one), parsed at most once per request
     # by whichever layer asks first (walk/body.py `body_json`).
-    json: dict[str, Any] | None = None
-    json_inspected: bool = False
+    json: dict[str, Any] | None
+    json_inspected: bool
+
+    def __init__(
+        self,
+        buffered: bytes | None = None,
+        stream: AsyncIterator[bytes] | None = None,
+        length: int | None = None,
+        declared: int | None = None,
+        too_large: bool = False,
+        timed_out: bool = False,
+        client_gone: bool = False,
+        misframed: bool = False,
+        host_refusal: Exception | None = None,
+        finished: bool = False,
+        waiter: asyncio.Event | None = None,
+        json: dict[str, Any] | None = None,
+        json_inspected: bool = False,
+    ) -> None:
+        self.buffered = buffered
+        self.stream = stream
+        self.length = length
+        self.declared = declared
+        self.too_large = too_large
+        self.timed_out = timed_out
+        self.client_gone = client_gone
+        self.misframed = misframed
+        self.host_refusal = host_refusal
+        self.finished = finished
+        self.waiter = waiter
+        self.json = json
+        self.json_inspected = json_inspected
 
     @property
     def ok(self) -> bool:
@@ -97,14 +128,27 @@ class RequestBody:
         return f"<RequestBody {size if size is not None else '?'} bytes>"
 
 
-@dataclass(slots=True)
+# The `__init__` written out (request/records.py says why).
+@dataclass(slots=True, init=False)
 class Usage:
-    input_tokens: int | None = None
-    output_tokens: int | None = None
-    model: str | None = None  # the model the upstream says answered
+    input_tokens: int | None
+    output_tokens: int | None
+    model: str | None  # the model the upstream says answered
     # An SSE stream's `data: [DONE]` was relayed: all that the SDKs read of it (they stop
     # there) reached the client, its usage included.
-    done: bool = False
+    done: bool
+
+    def __init__(
+        self,
+        input_tokens: int | None = None,
+        output_tokens: int | None = None,
+        model: str | None = None,
+        done: bool = False,
+    ) -> None:
+        self.input_tokens = input_tokens
+        self.output_tokens = output_tokens
+        self.model = model
+        self.done = done
 
     @property
     def reported(self) -> bool:

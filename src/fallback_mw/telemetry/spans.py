@@ -36,13 +36,20 @@ class RequestTrace:
     undecided: list[AttemptTrace] = field(default_factory=list)  # finished, decision to come
 
 
-@dataclass(slots=True)
+# The `__init__` written out (request/records.py says why).
+@dataclass(slots=True, init=False)
 class Untraced:
     """A request with nothing to trace (no SDK behind the global tracer, no trace context
     from the caller): no spans, the same metrics. Attempts in flight, for the metrics of
     those a disconnect cancels."""
 
-    attempts: list[AttemptRecord] = field(default_factory=list)
+    attempts: list[AttemptRecord]
+
+    def __init__(
+        self,
+        attempts: list[AttemptRecord] | None = None,
+    ) -> None:
+        self.attempts = [] if attempts is None else attempts
 
 
 def request_trace(context: RequestContext) -> RequestTrace | None:

@@ -9,13 +9,14 @@ import errno
 import operator
 import re
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol
 
 from fallback_mw.error_chain import error_chain
 from fallback_mw.security.fields import name_forms
 from fallback_mw.security.values import MAX_CACHED, is_field_name, is_token
 from fallback_mw.timers import Deadline
+from fallback_mw.upstream.outgoing import Timeouts as Timeouts  # re-exported
+from fallback_mw.upstream.outgoing import UpstreamRequest as UpstreamRequest  # re-exported
 from fallback_mw.upstream.timed_body import TimedBody
 
 # "local": the client library refused to build or send the request (a header value, a
@@ -255,40 +256,6 @@ def check_response_head(
 
 
 _VALUE: Final = operator.itemgetter(1)
-
-
-@dataclass(slots=True, frozen=True)
-class Timeouts:
-    connect: float
-    first_byte: float
-    idle: float
-
-
-@dataclass(slots=True)
-class UpstreamRequest:
-    method: str
-    url: str  # full URL including the query string; never logged
-    headers: list[tuple[str, str]]
-    body: bytes | AsyncIterator[bytes]
-    timeouts: Timeouts
-    allow_hosts: Sequence[str] = field(default_factory=tuple)
-    # The per-upstream connection cap (SPEC §12 `max_connections`; 0: none) and the key it
-    # is counted under (the upstream's name).
-    max_connections: int = 0
-    pool_key: str = ""
-    # The upstream's own TLS trust (`ca_file`; None: the engine's default) and egress
-    # proxy (`proxy`; None: direct).
-    ca_file: str | None = None
-    proxy: str | None = None
-    # Whether the request got past the engine's connection cap: the shipped engines set
-    # False as `send` starts and True once it holds a slot (still False at the end: nothing
-    # of it left the gateway, so no rpm / tpm count is kept for it). None: an engine that
-    # says nothing (a host's own, written from the protocol): what it was handed is sent.
-    slot_taken: bool | None = None
-    # The walk may send this request again (failover.replay.is_replayable: its method, its body
-    # buffered): then, lost on a kept-alive connection, it goes again on a new one
-    # (`resend_on_new_connection`).
-    replayable: bool = False
 
 
 # The most kept-alive connections one send finds closed before it takes a new one (each
