@@ -20,8 +20,7 @@ from fallback_mw.telemetry.exit_writer import exit_writer
 
 _request_logger = logging.getLogger("fallback_mw.request")
 
-# serve's LineHandler, when serve installed it (LineHandler.install); the line skips the
-# LogRecord while nothing else could see it (direct_handler).
+# serve's LineHandler once installed (LineHandler.install): read by direct_handler.
 _installed: LineHandler | None = None
 
 
@@ -56,7 +55,6 @@ def direct_handler(level: int) -> LineHandler | None:
 
 
 # --- serve's writer -------------------------------------------------------------------
-
 # not Final: tests shorten it (tests/test_request_log_writer.py)
 FLUSH_SECONDS = 0.1  # the longest a line waits in LineHandler's buffer
 FLUSH_LINES: Final = 256  # or until this many are waiting
@@ -64,8 +62,6 @@ FLUSH_LINES: Final = 256  # or until this many are waiting
 # pipe: a stalled log shipper, `docker logs` behind): past it, lines are counted, not kept,
 # and one line says how many were dropped once the log takes lines again.
 MAX_PENDING_LINES: Final = 64 * FLUSH_LINES
-
-
 # serve's line formats: the ones LineFormatter can also write without a LogRecord.
 SERVE_FORMAT: Final = "%(asctime)s %(levelname)s %(name)s %(message)s"
 SERVE_FORMAT_PID: Final = "%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s"
