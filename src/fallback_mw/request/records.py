@@ -12,7 +12,7 @@ from dataclasses import dataclass
 # interpreted Python under mypyc too (the compiled core's constructor calls it through
 # `tp_init`: some 6,600 instructions an attempt), a written one is compiled (a third of
 # that). The same parameters, in the same order, with the same defaults
-# (tests/test_attempt_record.py holds that, and `dataclasses.replace` uses them).
+# (tests/test_written_inits.py holds that; `dataclasses.replace` calls it with every field).
 @dataclass(slots=True, init=False)
 class AttemptRecord:
     candidate: str
