@@ -229,3 +229,17 @@ def alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def record_the_store_refuses() -> Any:
+    """A usage record whose request_id is None (NOT NULL in every store), for a ledger to
+    refuse: a record's fields as the ledgers read them, in an object of their own
+    (compiled, a UsageRecord refuses a None request_id itself, before any store sees it)."""
+    from dataclasses import fields
+    from types import SimpleNamespace
+
+    from fallback_mw.budget import UsageRecord
+
+    good = UsageRecord("refused", "chat", "t")
+    values = {f.name: getattr(good, f.name) for f in fields(UsageRecord)}
+    return SimpleNamespace(**{**values, "request_id": None}, fault=False)

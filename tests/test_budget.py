@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import json
-from dataclasses import fields as dc_fields
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
-from types import SimpleNamespace
-from typing import cast
 
 import anyio
 import asyncpg
@@ -22,7 +19,7 @@ from fallback_mw.request.usage import UsageMeter
 from fallback_mw.store.ledgers import open_ledger
 from fallback_mw.store.ledgers.memory import MemoryLedger
 from fallback_mw.store.ledgers.schema import LATEST_VERSION
-from tests.helpers import sqlite_db
+from tests.helpers import record_the_store_refuses, sqlite_db
 
 SSE = b"text/event-stream; charset=utf-8"
 JSON = b"application/json"
@@ -301,12 +298,7 @@ async def test_settle_and_record_is_one_step_both_or_neither(ledger_store: str) 
         # A record the store refuses (request_id is NOT NULL) takes the settlement with it.
         second = await ledger.hold("acme", BUDGET, Decimal("0.01"))
         assert second is not None
-        # (A record's fields as the ledgers read them, request_id None: compiled, a
-        # UsageRecord itself refuses a None request_id before any store sees it.)
-        fields = {
-            f.name: getattr(UsageRecord("r4", "chat", "t"), f.name) for f in dc_fields(UsageRecord)
-        }
-        bad = cast(UsageRecord, SimpleNamespace(**{**fields, "request_id": None}, fault=False))
+        bad = record_the_store_refuses()
         with pytest.raises(Exception):  # noqa: B017 (each store names it its way)
             await ledger.settle_and_record(second, Decimal("0.002"), bad)
         status = await ledger.status("acme", BUDGET)

@@ -19,6 +19,7 @@ import pytest
 from fallback_mw.budget.ledger import Hold, UsageRecord
 from fallback_mw.config import BudgetConfig
 from fallback_mw.store.ledgers.sqlite import SQLiteLedger
+from tests.helpers import record_the_store_refuses
 
 BUDGET = BudgetConfig(limit=Decimal(25), window="total")
 
@@ -90,7 +91,7 @@ async def test_a_call_whose_statements_fail_fails_alone(ledger: SQLiteLedger) ->
     first = await ledger.hold("b", BUDGET, Decimal(2))
     second = await ledger.hold("b", BUDGET, Decimal(2))
     assert isinstance(first, Hold) and isinstance(second, Hold)
-    bad = UsageRecord(None, "chat", "t")  # type: ignore[arg-type]  # NOT NULL
+    bad = record_the_store_refuses()  # request_id None: NOT NULL
     results = await asyncio.gather(
         ledger.settle_and_record(first, Decimal(1), record("good-1")),
         ledger.settle_and_record(second, Decimal(1), bad),
