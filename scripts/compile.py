@@ -104,6 +104,10 @@ BUILD = ROOT / "build" / "mypyc"
 #   upstream/guard.py: UnsafeAddressError inherits from OSError ("Inheriting from most
 #     builtin types is unimplemented").
 #   config/*: pydantic models (their validators and the plugin's fields).
+#   telemetry/line_writer.py: compiled, one CI run's `serve --workers 2` stop hung past 30 s
+#     after its output's reader had gone (tests/e2e/test_serve_workers.py, the compiled
+#     pass); not reproduced in seven runs by hand nor in the CI run before. Interpreted
+#     until that is understood.
 #   cli/server_limits.py, cli/httptools_framing.py: mixins, put before uvicorn's protocol
 #     classes in a class made per server; compiled, a `@python_class`'s methods refuse an
 #     instance of any subclass (`TypeError: _HeadGuard object expected; got
@@ -185,7 +189,6 @@ MODULES = (
     "gateway.py",
     "layers/charge.py",
     "request/refusals.py",
-    "telemetry/line_writer.py",
     "cli/head_with_body.py",
     "request/connection_loss.py",
 )
