@@ -13,14 +13,14 @@ import select
 import threading
 import time
 from collections.abc import Iterator
-from typing import IO, Final
+from typing import IO
 
-from fallback_mw.python_class import python_class
 from fallback_mw.telemetry.exit_writer import exit_writer
 
 _request_logger = logging.getLogger("fallback_mw.request")
 
-# serve's LineHandler once installed (LineHandler.install): read by direct_handler.
+# serve's LineHandler, when serve installed it (LineHandler.install); the line skips the
+# LogRecord while nothing else could see it (direct_handler).
 _installed: LineHandler | None = None
 
 
@@ -55,19 +55,20 @@ def direct_handler(level: int) -> LineHandler | None:
 
 
 # --- serve's writer -------------------------------------------------------------------
-# not Final: tests shorten it (tests/test_request_log_writer.py)
+
 FLUSH_SECONDS = 0.1  # the longest a line waits in LineHandler's buffer
-FLUSH_LINES: Final = 256  # or until this many are waiting
+FLUSH_LINES = 256  # or until this many are waiting
 # The most lines kept while the log cannot take them (a reader that stopped reading the
 # pipe: a stalled log shipper, `docker logs` behind): past it, lines are counted, not kept,
 # and one line says how many were dropped once the log takes lines again.
-MAX_PENDING_LINES: Final = 64 * FLUSH_LINES
+MAX_PENDING_LINES = 64 * FLUSH_LINES
+
+
 # serve's line formats: the ones LineFormatter can also write without a LogRecord.
-SERVE_FORMAT: Final = "%(asctime)s %(levelname)s %(name)s %(message)s"
-SERVE_FORMAT_PID: Final = "%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s"
+SERVE_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+SERVE_FORMAT_PID = "%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s"
 
 
-@python_class  # a logging.Formatter: a Python class under mypyc, its methods compiled
 class LineFormatter(logging.Formatter):
     """`logging.Formatter` with `asctime` computed once per second, not per line (the
     same text: `%Y-%m-%d %H:%M:%S,mmm` in local time). With one of serve's formats it
@@ -106,7 +107,7 @@ class LineFormatter(logging.Formatter):
 # The largest write a pipe takes whole (POSIX: at least 512; Linux 4096). Under systemd,
 # Docker or Kubernetes the output of `serve --workers N` is one pipe or socket every worker
 # writes to: a larger write is spliced with another worker's when the reader lags.
-PIPE_BUF: Final = getattr(select, "PIPE_BUF", 512)
+PIPE_BUF = getattr(select, "PIPE_BUF", 512)
 
 
 def whole_lines(lines: list[str], terminator: str = "\n") -> Iterator[str]:
@@ -126,7 +127,6 @@ def whole_lines(lines: list[str], terminator: str = "\n") -> Iterator[str]:
         yield "".join(piece)
 
 
-@python_class  # a logging.StreamHandler, as LineFormatter
 class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """A StreamHandler for a process that logs a line per request (`serve`): each
     record is formatted on the spot (its fields are read while they are current) and
@@ -328,13 +328,13 @@ def _why(exc: BaseException) -> str:
 # The exit waits for the last lines while its writes make progress: it gives up after
 # EXIT_STALL_SECONDS without a write getting through (a reader that stopped reading), or
 # EXIT_FLUSH_CAP_SECONDS in all (a reader that takes a line now and then).
-EXIT_STALL_SECONDS: Final = 5.0
-EXIT_FLUSH_CAP_SECONDS: Final = 30.0
+EXIT_STALL_SECONDS = 5.0
+EXIT_FLUSH_CAP_SECONDS = 30.0
 
 
 # The server's own loggers (uvicorn's) whose lines go through a LineHandler in serve
 # (queue_server_lines): flushed at exit with the request lines.
-_SERVER_LOGGERS: Final = ("uvicorn", "uvicorn.error", "uvicorn.access")
+_SERVER_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
 _queued: list[LineHandler] = []
 
 
