@@ -78,9 +78,6 @@ class BudgetStatus:
         )
 
 
-# The per-request records below are built on every routed request (the usage record):
-# plain slotted dataclasses, not frozen ones, whose __init__ costs several times more
-# (object.__setattr__ per field). Nothing changes them once built.
 @dataclass(frozen=True, slots=True)
 class MinuteUsage:
     """One route's routed requests in one UTC minute (or one second: what a rolling minute

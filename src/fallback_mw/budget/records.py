@@ -10,8 +10,11 @@ from datetime import UTC, datetime
 from decimal import Decimal
 
 
-# `init=False`, the `__init__` written out: a dataclass's generated one is interpreted
-# under mypyc too (tests/test_written_inits.py holds it to the fields' defaults).
+# Built on every routed request (the usage record): plain slotted dataclasses, not frozen
+# ones, whose __init__ costs several times more (object.__setattr__ per field); nothing
+# changes them once built. `init=False`, the `__init__` written out: a dataclass's
+# generated one is interpreted under mypyc too (tests/test_written_inits.py holds it to
+# the fields' defaults).
 @dataclass(slots=True, init=False)
 class AttemptOutcome:
     """One candidate as this request met it: attempted (status / failure kind) or skipped."""

@@ -202,7 +202,7 @@ def name_forms(name: bytes) -> tuple[bytes, bytes]:
     bytes: a host's bytearray name, unhashable, is read as it was)."""
     found = _NAME_FORMS.get(name) if type(name) is bytes else None
     if found is None:
-        found = (name.lower(), name.translate(CANONICAL))
+        found = (name.lower(), canonical_name(name))
         if len(name) <= 64 and len(_NAME_FORMS) < 1024 and type(name) is bytes:
             _NAME_FORMS[name] = found
     return found
