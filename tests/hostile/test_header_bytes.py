@@ -177,6 +177,32 @@ def test_the_header_check_is_the_rule_for_any_bytes(name: bytes, value: bytes) -
     assert (problem is not None) == _header_refused_by_the_rule(name, value), (name, value)
 
 
+def test_the_name_caches_answer_as_the_rule_and_stay_bounded() -> None:
+    # The header check keeps the names it found to be tokens, and `name_forms` each name's
+    # forms: a caller's made-up names must neither grow them past 1,024 names nor change an
+    # answer, and a name over 64 bytes is kept by neither.
+    from fallback_mw.security import fields, values
+
+    room = len(values._TOKEN_NAMES) < 1_024  # other tests' names may be there first
+    for index in range(1_500):
+        name = b"x-made-up-%d" % index
+        assert request_header_problem(name, b"v") is None
+        assert request_header_problem(name, b"v") is None  # the second time, remembered
+        assert name_forms(name) == (name, name)
+        bad = b"x made up %d" % index  # a space: no token, never remembered as one
+        assert request_header_problem(bad, b"v") == "has a name that is not an HTTP token"
+        assert request_header_problem(bad, b"v") == "has a name that is not an HTTP token"
+    long = b"x-" + b"n" * 63
+    assert request_header_problem(long, b"v") is None
+    name_forms(long)
+    assert len(values._TOKEN_NAMES) <= 1_024
+    assert len(fields._NAME_FORMS) <= 1_024
+    assert long not in values._TOKEN_NAMES
+    assert long not in fields._NAME_FORMS
+    assert not any(b" " in name for name in values._TOKEN_NAMES)
+    assert (b"x-made-up-0" in values._TOKEN_NAMES) == room  # kept while there was room
+
+
 @settings(max_examples=600, deadline=None)
 @given(_BYTES)
 @example(b"a=1&b=2")
