@@ -124,6 +124,7 @@ MODULES = (
     "layers/limits.py",
     "layers/walker/walker.py",
     "layers/walker/walk.py",
+    "layers/walker/kit.py",
     "layers/walker/retry_after.py",
     "layers/walker/cursor.py",
     "layers/walker/disconnect.py",

@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import Protocol
 
 import anyio
 
-from fallback_mw.capacity import CapacityState, asker
-from fallback_mw.config.views import SettingsView
+from fallback_mw.capacity import asker
 from fallback_mw.failover.attempt import AttemptLifecycle
 from fallback_mw.failover.decide import (
     Decision,
@@ -24,17 +22,17 @@ from fallback_mw.failover.decide import (
 from fallback_mw.failover.messages import error_message
 from fallback_mw.failover.outcome import Outcome
 from fallback_mw.failover.replay import attempt_ceiling, is_keyed_post, may_hedge, replay_rule
-from fallback_mw.faults import FaultSource, NoFaults
-from fallback_mw.health import HealthState
+from fallback_mw.faults import NoFaults
 from fallback_mw.health.pool import affinity_key
 from fallback_mw.layers.walker.cursor import CandidateCursor, Pick, skip_recorder
 from fallback_mw.layers.walker.disconnect import DisconnectWatch
 from fallback_mw.layers.walker.hedge import run_hedged
+from fallback_mw.layers.walker.kit import WalkKit
 from fallback_mw.layers.walker.max_forwards import MAX_FORWARDS_METHODS, answered_here
 from fallback_mw.layers.walker.preflight import refusal
 from fallback_mw.layers.walker.retry_after import retry_after
 from fallback_mw.layers.walker.stream import commit
-from fallback_mw.layers.walker.via import ViaSecret, came_back, refuse_loop
+from fallback_mw.layers.walker.via import came_back, refuse_loop
 from fallback_mw.plan import candidate_order, is_canary
 from fallback_mw.request.body import read_body
 from fallback_mw.request.body_json import estimate_source, request_json
@@ -43,31 +41,16 @@ from fallback_mw.request.connection_loss import ConnectionLoss
 from fallback_mw.request.context import AttemptRecord, RequestContext, host_cancelled, host_refused
 from fallback_mw.request.local_errors import send_error
 from fallback_mw.request.types import Receive, Scope, Send
-from fallback_mw.shadow import ShadowTraffic, should_shadow
-from fallback_mw.telemetry import Telemetry
+from fallback_mw.shadow import should_shadow
 from fallback_mw.timers import current_task
-from fallback_mw.upstream.base import UpstreamClient, UpstreamResponse
-
-
-class Walker(Protocol):
-    """What a walk reads of its `PlanWalker` (walker.py imports this module, not the other
-    way round): the settings and the services, shared by every request."""
-
-    settings: SettingsView
-    client: UpstreamClient
-    faults: FaultSource
-    health: HealthState
-    capacity: CapacityState
-    telemetry: Telemetry
-    shadows: ShadowTraffic
-    via_secret: ViaSecret
+from fallback_mw.upstream.base import UpstreamResponse
 
 
 class _Walk:
     """One request's walk (the per-request helper object; nothing here outlives it)."""
 
     def __init__(
-        self, walker: Walker, context: RequestContext, scope: Scope, receive: Receive,
+        self, walker: WalkKit, context: RequestContext, scope: Scope, receive: Receive,
         send: Send,
     ) -> None:  # fmt: skip
         self.walker = walker

@@ -14,6 +14,7 @@ from fallback_mw.credentials import CredentialCache, apply_hygiene
 from fallback_mw.faults import FaultSource
 from fallback_mw.health import HealthState
 from fallback_mw.injected import require, require_app, require_client, require_environ
+from fallback_mw.layers.walker.kit import WalkKit
 from fallback_mw.layers.walker.via import walker_secret
 from fallback_mw.layers.walker.walk import _Walk
 from fallback_mw.python_class import python_class
@@ -44,7 +45,7 @@ async def _serve(self: PlanWalker, scope: Scope, receive: Receive, send: Send) -
         )
     # The resolver owns the request span when it has telemetry; used alone, the walker.
     with self.telemetry.request(context, scope.get("headers", ())):
-        await _Walk(self, context, scope, receive, send).run()
+        await _Walk(self._kit, context, scope, receive, send).run()
 
 
 @python_class  # weakly referenced: a Python class under mypyc
@@ -102,6 +103,11 @@ class PlanWalker:
         # Used alone (no injector in front): the same hygiene, from the same function.
         self._credentials = CredentialCache(environ)
         self.via_secret = walker_secret()  # how a request that comes back is known (via.py)
+        # What each walk reads of this walker, in one native object (kit.py).
+        self._kit = WalkKit(
+            self.settings, self.client, self.faults, self.health, self.capacity,
+            self.telemetry, self.shadows, self.via_secret,
+        )  # fmt: skip
 
     # A module function, not an `async def` here: compiled (scripts/compile.py), a Python
     # class's coroutine method is no coroutine function to `inspect`, and uvicorn or
