@@ -12,7 +12,6 @@ loop, the hedge and the shadow copy all go through it; `mark_health` is the one 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -34,6 +33,7 @@ from fallback_mw.health.breaker import PROBE_LEASE_MARGIN
 from fallback_mw.health.quota import credential_retry_after, spent_quota
 from fallback_mw.request.context import AttemptRecord, RequestBody, RequestContext
 from fallback_mw.telemetry import Telemetry
+from fallback_mw.timers import monotonic
 from fallback_mw.upstream.base import UpstreamClient, UpstreamResponse
 
 
@@ -204,7 +204,7 @@ class AttemptLifecycle:
         (`decide.health_mark`): a local outcome frees a half-open probe slot and marks
         nothing. The record is finished at the call, the marks too where the health state
         answers there (None returned); else they are the coroutine returned."""
-        record.duration = time.monotonic() - record.started
+        record.duration = monotonic() - record.started
         record.status = outcome.status
         record.responsible = outcome.responsible
         mark = health_mark(outcome, self.failover_status)
@@ -325,7 +325,7 @@ class AttemptLifecycle:
                 if unused is not None:
                     with anyio.CancelScope(shield=True):
                         await self.capacity.settle(unused, 0)
-        record.duration = time.monotonic() - record.started
+        record.duration = monotonic() - record.started
         record.failure_kind = "cancelled"
         record.decision, record.reason = "abort", "lost the hedge race"
         self.telemetry.attempt_finished(self.context, record)

@@ -7,7 +7,6 @@ the budget guard's hold and settlement are inside it."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Mapping
 from typing import Final
 
@@ -48,6 +47,7 @@ from fallback_mw.security.queries import (
 )
 from fallback_mw.spelling import caller_spelling
 from fallback_mw.telemetry import Telemetry
+from fallback_mw.timers import monotonic
 
 # A 503 overloaded's Retry-After: whole seconds, the smallest (slots free as requests end).
 _RETRY_SOON: Final = ((b"retry-after", b"1"),)
@@ -152,7 +152,7 @@ class RouteResolver:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = time.monotonic()
+        started = monotonic()
         headers = scope.get("headers", ())
         max_bytes, max_count = self.max_header_bytes, self.max_header_count
         try:

@@ -17,6 +17,7 @@ from fallback_mw.config.views import RouteView, UpstreamView
 from fallback_mw.request.records import AttemptRecord as AttemptRecord  # re-exported
 from fallback_mw.request.records import SkipRecord as SkipRecord  # re-exported
 from fallback_mw.request.secrets import RequestSecrets
+from fallback_mw.timers import monotonic
 
 SCOPE_KEY: Final = "fallback_mw.request.context"
 # The most of a caller's or an upstream's name (a model, a tenant) a request keeps beyond
@@ -316,7 +317,7 @@ class RequestContext:
 
     @property
     def remaining(self) -> float:
-        return self.deadline - time.monotonic()
+        return self.deadline - monotonic()
 
     @property
     def fault(self) -> bool:

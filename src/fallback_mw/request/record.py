@@ -7,13 +7,13 @@ answer a caller got."""
 from __future__ import annotations
 
 import logging
-import time
 from decimal import Decimal
 from typing import Final
 
 from fallback_mw.budget import AttemptOutcome, Ledger, LedgerUnavailable, UsageRecord
 from fallback_mw.request.context import MAX_NAME, RequestContext, SkipRecord, walk_order
 from fallback_mw.request.secrets import recordable, recorded_tenant
+from fallback_mw.timers import monotonic
 
 logger: Final = logging.getLogger("fallback_mw.budget")
 
@@ -73,7 +73,7 @@ def usage_record(
     record.cost = cost
     record.charged = charged
     # Arrival to settlement (the walk, the response).
-    record.duration_ms = round((time.monotonic() - context.started) * 1000, 3)
+    record.duration_ms = round((monotonic() - context.started) * 1000, 3)
     record.rule = context.rule
     return record
 

@@ -4,8 +4,9 @@ a candidate passed over without one (`SkipRecord`). Kept in the request's contex
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
+
+from fallback_mw.timers import monotonic
 
 
 # `init=False` and the `__init__` written out: a dataclass's generated `__init__` is
@@ -72,7 +73,7 @@ class AttemptRecord:
         self.number = number
         self.server_address = server_address
         self.server_port = server_port
-        self.started = time.monotonic() if started is None else started
+        self.started = monotonic() if started is None else started
         self.duration = duration
         self.status = status
         self.failure_kind = failure_kind

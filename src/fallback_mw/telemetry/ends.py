@@ -25,6 +25,7 @@ from fallback_mw.telemetry.spans import (
     decision_attributes,
     request_span_attributes,
 )
+from fallback_mw.timers import monotonic
 
 # Marks a request whose telemetry was finished: a second request_finished records nothing.
 _FINISHED: Final = object()
@@ -84,7 +85,7 @@ class TelemetryEnds:
         if request is _FINISHED:
             return  # finished once already: recorded once
         context.trace = _FINISHED
-        duration = max(time.monotonic() - context.started, 0.0)
+        duration = max(monotonic() - context.started, 0.0)
         outcome = context.outcome or ("served" if context.completed else "internal_error")
         # `label`, its usual case written out (an upstream name already a short printable
         # label is its own): a call per candidate on every request.
