@@ -260,3 +260,18 @@ def test_the_canonical_name_is_lower_case_with_dashes_for_any_bytes(name: bytes)
     expected = name.lower().replace(b"_", b"-")
     assert canonical_name(name) == expected
     assert name_forms(name) == (name.lower(), expected)
+
+
+@pytest.mark.parametrize(
+    "value", [b"keep-alive", b"Keep-Alive", b"close", b"Close", b"KEEP-ALIVE", b"close, x_private"]
+)
+def test_a_listing_field_names_what_its_tokens_name(value: bytes) -> None:
+    # The usual `Connection` values are read from a table, the rest token by token: the
+    # same names either way, and never a set another field's reading shares.
+    from fallback_mw.security.fields import _connection_named
+
+    expected = {canonical_name(token.strip()) for token in value.split(b",") if token.strip()}
+    named = _connection_named([(b"connection", value)])
+    assert named == expected
+    named.add(b"x-added")
+    assert _connection_named([(b"trailer", value)]) == expected

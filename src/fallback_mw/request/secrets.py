@@ -119,7 +119,9 @@ class RequestSecrets:
                     if canonical_query_key(key) in self._query_keys:
                         found.extend(secret_forms(value))
                         found.extend(secret_forms(unquote_to_bytes(value.replace(b"+", b" "))))
-            values = self._values = tuple(dict.fromkeys(found))
+            # A comprehension, not `dict.fromkeys`: compiled, a class method called on
+            # `dict` is a method look-up on the type (some 2,000 instructions).
+            values = self._values = tuple({value: None for value in found})
         return values
 
     def carried_by(self, text: str) -> bool:

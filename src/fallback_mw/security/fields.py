@@ -232,10 +232,22 @@ def _connection_named(lowered: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
     named: set[bytes] = set()
     for name, value in lowered:
         if name in _LISTING_FIELDS:
+            usual = _USUAL_LISTS.get(value) if type(value) is bytes else None
+            if usual is not None:
+                named.update(usual)
+                continue
             named.update(
                 canonical_name(token.strip()) for token in value.split(b",") if token.strip()
             )
     return named
+
+
+# The usual listing values, read without splitting them (`Connection: keep-alive` comes on
+# nearly every HTTP/1.1 answer): the canonical names each lists.
+_USUAL_LISTS: Final[dict[bytes, frozenset[bytes]]] = {
+    value: frozenset({canonical_name(value)})
+    for value in (b"keep-alive", b"Keep-Alive", b"close", b"Close")
+}
 
 
 def forwardable_request_headers(
