@@ -30,6 +30,7 @@ from typing import Any, Final
 # `time.monotonic()` looks the function up on the `time` module first (a generic attribute
 # look-up, some 250 instructions), a `Final` name imported from here does not.
 monotonic: Final = time.monotonic
+_running_loop: Final = asyncio.get_running_loop  # the same, for each `Deadline` entered
 
 TICK: Final = 0.005  # seconds: how late a timer may fire
 _PER_SECOND: Final = 1 / TICK
@@ -193,7 +194,7 @@ class Deadline:
     def __enter__(self) -> Deadline:
         if self._state != _CREATED:
             raise RuntimeError("Deadline has already been entered")
-        loop = asyncio.get_running_loop()
+        loop = _running_loop()
         tasks = _TASKS  # `current_task`, written out: one call fewer per scope
         task = tasks.get(loop) if tasks is not None else asyncio.current_task(loop)
         if task is None:
@@ -209,9 +210,11 @@ class Deadline:
             when = self._when
             if when is None:
                 return self
+            now = loop.time()
         else:
-            when = loop.time() + self._delay
-        if when <= loop.time():
+            now = loop.time()  # one read of the clock: `when` is compared with it
+            when = now + self._delay
+        if when <= now:
             self._handle = loop.call_soon(self._expire)
         else:
             self._key = found.add(when, self._expire)

@@ -32,8 +32,11 @@ def header_refusal(
             # `__class__`: compiled, `type()` reads the object's type in C, where
             # `.__class__` of an untyped value is a generic attribute look-up (some 170
             # instructions, three a field).
-            name, value = field
-            if type(field) is not tuple or type(name) is not bytes or type(value) is not bytes:
+            if type(field) is not tuple or len(field) != 2:
+                raise TypeError(_NOT_BYTES)
+            pair: tuple[Any, Any] = field  # a tuple of two: compiled, read without an iterator
+            name, value = pair
+            if type(name) is not bytes or type(value) is not bytes:
                 raise TypeError(_NOT_BYTES)
             size += len(name) + len(value) + _FIELD_OVERHEAD
             if size > max_bytes:

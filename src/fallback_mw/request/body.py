@@ -18,7 +18,7 @@ its estimate) and the walker share one read.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from fallback_mw.config.views import AnySettings
 from fallback_mw.request.context import RequestBody, RequestContext, host_refused
@@ -50,7 +50,10 @@ def declared_length(scope: Scope) -> int | None:
     not forward), so the length says nothing about the bytes that will arrive."""
     length: int | None = None
     seen = False
-    for key, value in scope.get("headers", ()):  # one pass: this is every request's
+    # Typed: compiled, each field is then read as a tuple, not through an iterator (the
+    # resolver made the head tuples of two bytes: `layers.limits.byte_fields`).
+    headers: Sequence[tuple[bytes, bytes]] = scope.get("headers", ())
+    for key, value in headers:  # one pass: this is every request's
         lower = name_forms(key)[0]
         if lower == b"transfer-encoding":
             return None

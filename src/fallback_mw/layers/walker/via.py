@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from collections.abc import Sequence
 from typing import Final
 
 from fallback_mw.request.context import RequestContext
@@ -67,7 +68,10 @@ def came_back(context: RequestContext, secret: ViaSecret, scope: Scope) -> bool:
     name, never its own, and the request went round for ever."""
     name = secret.name(context.route.id)
     received = None
-    for field, value in scope.get("headers", ()):
+    # Typed: compiled, each field is read as a tuple, not through an iterator (the
+    # resolver made the head tuples of two bytes: `layers.limits.byte_fields`).
+    fields: Sequence[tuple[bytes, bytes]] = scope.get("headers", ())
+    for field, value in fields:
         if len(field) == 3 and field.lower() == _FIELD:
             received = value if received is None else received + b", " + value
     headers = context.forward_headers
