@@ -75,3 +75,44 @@ def test_a_trickled_answer_is_read_within_the_exports_timeout(
         thread.join(10)
     assert done, "the export was still reading the collector's answer after 10 s"
     assert done[0] < 3.0
+
+
+class _Answered:
+    """What `_bounded` is handed by a session's `request`: an answer read already."""
+
+    def __init__(self, status: int) -> None:
+        self.status_code = status
+        self._content_consumed = True
+
+
+def test_a_redirect_is_said_once_the_log_has_a_handler(monkeypatch: pytest.MonkeyPatch) -> None:
+    # serve sets up telemetry before its log handler: an export answered with a redirect in
+    # between (a slow start beside a short export interval) was said to the `fallback_mw`
+    # logger's NullHandler only, and never again (said once). It is said at the first
+    # redirect a handler can show, once.
+    import logging
+
+    from fallback_mw.cli import otel_session
+
+    monkeypatch.setattr(otel_session, "_redirect_said", [])
+    owner = logging.getLogger("fallback_mw")
+    monkeypatch.setattr(owner, "handlers", [logging.NullHandler()])
+    monkeypatch.setattr(owner, "propagate", False)
+    records: list[logging.LogRecord] = []
+
+    class Kept(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    def send(method: str, url: str, *args: object, **kwargs: object) -> _Answered:
+        assert kwargs["allow_redirects"] is False
+        return _Answered(307)
+
+    otel_session._bounded(send, "POST", "http://collector/v1/traces")  # type: ignore[arg-type]
+    assert otel_session._redirect_said == []  # nothing could show it: not said yet
+    owner.handlers = [Kept()]
+    for _ in range(3):
+        otel_session._bounded(send, "POST", "http://collector/v1/traces")  # type: ignore[arg-type]
+    said = [record for record in records if "redirect" in record.getMessage()]
+    assert len(said) == 1
+    assert said[0].levelno == logging.WARNING

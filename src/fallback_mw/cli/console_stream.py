@@ -23,6 +23,8 @@ import time
 from collections import deque
 from typing import TextIO
 
+from fallback_mw.cli.serve_logging import heard
+
 _log = logging.getLogger("fallback_mw.telemetry")
 
 # About 500 spans as the console exporter writes them.
@@ -157,7 +159,7 @@ class ConsoleStream:
         """Once, in the log (under the lock). Not before the log has a handler: serve sets
         up telemetry before its log handler, and a metric export in between said it to a
         NullHandler only (then never again); the next write says it."""
-        if self._told or not _heard(_log):
+        if self._told or not heard(_log):
             return
         self._told = True
         why = "closed" if self._target is None else "not writable (its reader has gone?)"
@@ -166,19 +168,3 @@ class ConsoleStream:
             "OTEL_METRICS_EXPORTER=console write nothing more (use otlp, or none)",
             why,
         )
-
-
-def _heard(logger: logging.Logger) -> bool:
-    """Whether a record `logger` logs now reaches a handler other than a NullHandler (or
-    logging's last resort, used when the loggers have no handler at all)."""
-    found = False
-    current: logging.Logger | None = logger
-    while current is not None:
-        for handler in current.handlers:
-            if not isinstance(handler, logging.NullHandler):
-                return True
-            found = True
-        if not current.propagate:
-            break
-        current = current.parent
-    return not found

@@ -26,6 +26,7 @@ from typing import Any
 import requests
 
 from fallback_mw.cli.otel_env import TelemetrySetupError
+from fallback_mw.cli.serve_logging import heard
 
 _log = logging.getLogger("fallback_mw.telemetry")
 # Whether a redirect was said, by either exporter (once per process).
@@ -89,8 +90,11 @@ def _seconds(timeout: Any) -> float:
 
 
 def _first_redirect() -> bool:
+    """Whether this redirect is the one to say: the first while the log has a handler
+    (`heard`: an export before serve's log handler is installed, a slow start beside a short
+    export interval, said it to a NullHandler only, then never again)."""
     with _said_lock:
-        if _redirect_said:
+        if _redirect_said or not heard(_log):
             return False
         _redirect_said.append(True)
         return True

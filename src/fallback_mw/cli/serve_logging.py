@@ -11,6 +11,24 @@ import sys
 from collections.abc import Callable
 
 
+def heard(logger: logging.Logger) -> bool:
+    """Whether a record `logger` logs now reaches a handler other than a NullHandler (or
+    logging's last resort, used when the loggers have no handler at all). serve sets up
+    telemetry before its log handler: a line said once (console_stream, otel_session) must
+    wait for one, or an export in between says it to a NullHandler only, then never again."""
+    found = False
+    current: logging.Logger | None = logger
+    while current is not None:
+        for handler in current.handlers:
+            if not isinstance(handler, logging.NullHandler):
+                return True
+            found = True
+        if not current.propagate:
+            break
+        current = current.parent
+    return not found
+
+
 def uvicorn_colours() -> bool:
     """uvicorn's `use_colors`: none under NO_COLOR (no-color.org: set and not empty) or
     TERM=dumb, else colour when stderr, where its lines go, is a terminal (uvicorn's own
