@@ -9,7 +9,7 @@ from functools import lru_cache
 from typing import Final
 
 from fallback_mw.security.queries import NO_METHODS, strip_url_query_keys
-from fallback_mw.security.values import MAX_CACHED
+from fallback_mw.security.values import MAX_CACHED, NAME_CACHE_LONGEST, NAME_CACHE_SIZE
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -191,8 +191,8 @@ def _add_methods(named: set[str], value: bytes) -> None:
 # Each header name's lowercased and canonical forms, by the name as it came
 # (`name_forms`): the same few names come every request, and a dict look-up is a fraction
 # of `lower` and `replace` (method calls of a few hundred instructions each, compiled),
-# done in several passes over every head. Bounded: a name longer than 64 bytes is not
-# kept, nor any past the first 1,024 (a caller's made-up names then cost what they did).
+# done in several passes over every head. Bounded as every cache of caller names is
+# (`NAME_CACHE_LONGEST`, `NAME_CACHE_SIZE`: 64 bytes, 1,024 names).
 # Final: compiled, a static, not a look-up in the module's dict at every call.
 _NAME_FORMS: Final[dict[bytes, tuple[bytes, bytes]]] = {}
 
@@ -203,7 +203,11 @@ def name_forms(name: bytes) -> tuple[bytes, bytes]:
     found = _NAME_FORMS.get(name) if type(name) is bytes else None
     if found is None:
         found = (name.lower(), canonical_name(name))
-        if len(name) <= 64 and len(_NAME_FORMS) < 1024 and type(name) is bytes:
+        if (
+            len(name) <= NAME_CACHE_LONGEST
+            and len(_NAME_FORMS) < NAME_CACHE_SIZE
+            and type(name) is bytes
+        ):
             _NAME_FORMS[name] = found
     return found
 

@@ -63,11 +63,16 @@ is_field_name: Final = lru_cache(maxsize=256)(is_token)
 MAX_CACHED: Final = 256
 
 
+# The bound of every cache of caller header names (`_TOKEN_NAMES` here, `name_forms`'s in
+# fields.py): a name longer than NAME_CACHE_LONGEST bytes is not kept, nor any past the
+# first NAME_CACHE_SIZE (a caller's made-up names then cost what they did).
+NAME_CACHE_LONGEST: Final = 64
+NAME_CACHE_SIZE: Final = 1024
+
 # The caller header names `request_header_problem` found to be tokens: the same few names
 # come every request, and a set look-up is a fraction of the `translate` (which builds its
-# table of 256 entries at every call: some 1,500 instructions compiled). Bounded as
-# `name_forms`'s cache is: a name longer than 64 bytes is not kept, nor any past the first
-# 1,024 (a caller's made-up names then cost what they did). Exact `bytes` only.
+# table of 256 entries at every call: some 1,500 instructions compiled). Bounded as above;
+# exact `bytes` only.
 _TOKEN_NAMES: Final[set[bytes]] = set()
 
 
@@ -85,7 +90,11 @@ def request_header_problem(name: bytes, value: bytes) -> str | None:
     if type(name) is not bytes or name not in _TOKEN_NAMES:
         if not name or name.translate(None, _TCHAR_BYTES):
             return "has a name that is not an HTTP token"
-        if type(name) is bytes and len(name) <= 64 and len(_TOKEN_NAMES) < 1024:
+        if (
+            type(name) is bytes
+            and len(name) <= NAME_CACHE_LONGEST
+            and len(_TOKEN_NAMES) < NAME_CACHE_SIZE
+        ):
             _TOKEN_NAMES.add(name)
     if not value.translate(None, _PRINTABLE_ASCII):
         return None
