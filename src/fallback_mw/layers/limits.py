@@ -64,8 +64,11 @@ def _all_bytes(headers: Iterable[Any], refusal: tuple[str, str]) -> tuple[str, s
 
 def _pair(field: Any) -> tuple[bytes, bytes]:
     """`field`'s name and value; TypeError when it is not a tuple of two `bytes`."""
-    name, value = field
-    if type(field) is not tuple or type(name) is not bytes or type(value) is not bytes:
+    if type(field) is not tuple or len(field) != 2:
+        raise TypeError(_NOT_BYTES)
+    pair: tuple[Any, Any] = field  # a tuple of two: compiled, read without an iterator
+    name, value = pair
+    if type(name) is not bytes or type(value) is not bytes:
         raise TypeError(_NOT_BYTES)
     return name, value
 
