@@ -3,14 +3,15 @@ with the machine's load, for changes smaller than the CPU-time spread of `run.py
 `ab.py` (±10-15 % on a shared machine, more on a busy one).
 
     .venv/bin/python benchmarks/instructions.py serve [--requests 1000] [--base SRC]
-        [--arms healthy,failover,budget] [--port-base PORT] [--start-timeout SECONDS]
+        [--arms healthy,failover,budget,tracing] [--port-base PORT] [--start-timeout SECONDS]
         [--cache-sim] [--keep DIR]
     .venv/bin/python benchmarks/instructions.py layers healthy,log [--base SRC]
         [--port-base PORT]
 
 `serve`: the floor (bare uvicorn + aiohttp) and `fallback-mw serve` (healthy, and every
 request failing over; with `--arms ...,budget` also `run.py`'s budget arm, the chat route
-spending from a SQLite ledger, a server of its own per tree) run under callgrind in front
+spending from a SQLite ledger, and with `...,tracing` its tracing arm, the OTel SDK
+exporting OTLP to nginx's sink, each a server of its own per tree) run under callgrind in front
 of the nginx mock upstreams; after a warm-up the counters are zeroed, `--requests`
 requests are sent (8 at a time, from a client outside valgrind), and the count is read
 from the dump: every thread of the server process, the event loop, the log writer and
@@ -58,8 +59,9 @@ START_SECONDS_EACH = 150  # imports under callgrind are slow, and share the core
 # --port-base's range: nginx's three, the floor, this tree, --base's, each tree's budget
 # server (with --arms ...,budget), room to skip
 PORTS = 10
-# `budget`: run.py's budget arm (the chat route spending from a SQLite ledger), a server per tree
-SERVE_ARMS = ("healthy", "failover", "budget")
+# `budget`: run.py's budget arm (the chat route spending from a SQLite ledger), a server per
+# tree; `tracing`: run.py's tracing arm (the OTel SDK exporting OTLP to nginx's sink), the same
+SERVE_ARMS = ("healthy", "failover", "budget", "tracing")
 
 
 def this_tree() -> str:
@@ -176,6 +178,10 @@ def serve_arms(args: argparse.Namespace) -> int:
                 ledger = tree.workdir / f"ledger-{side}.db"
                 budgeted = run.gateway_config(upstream.port, backup, failing, store=ledger)
                 gateways[f"budget-{side}"] = (budgeted, env)
+        if "tracing" in args.arms:
+            sink = run.otlp_sink(upstream)
+            for side, env in sides:
+                gateways[f"tracing-{side}"] = (config, {**env, **sink})
         outs = {name: tree.workdir / f"{name}.callgrind" for name in ("floor", *gateways)}
         sim = args.cache_sim
         floor_wrap = callgrind(outs["floor"], sim)
@@ -193,8 +199,8 @@ def serve_arms(args: argparse.Namespace) -> int:
         arms: list[tuple[str, str, str]] = [("floor", "floor", run.CHAT)]
         for side, _ in sides:
             for arm in args.arms:
-                if arm == "budget":
-                    arms.append((f"budget ({side})", f"budget-{side}", run.CHAT))
+                if arm in ("budget", "tracing"):
+                    arms.append((f"{arm} ({side})", f"{arm}-{side}", run.CHAT))
                 else:
                     path = "/fo" + run.CHAT if arm == "failover" else run.CHAT
                     arms.append((f"{arm} ({side})", side, path))

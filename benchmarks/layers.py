@@ -359,8 +359,12 @@ def with_request_log(stack: Stack, workdir: Path) -> Stack:
 def with_sdk(workdir: Path) -> Stack:
     """The OTel SDK as serve configures it for OTLP (batch span processor, six metric
     instruments), with an exporter that encodes each batch to OTLP protobuf exactly as
-    the OTLP exporter does, and keeps only the byte count (no socket)."""
-    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    serve's OTLP exporter does (serve's in-place encoder, the SDK's in a tree before it),
+    and keeps only the byte count (no socket)."""
+    try:
+        from fallback_mw.cli.otlp_spans import encode_spans
+    except ImportError:
+        from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     from opentelemetry.sdk.trace import ReadableSpan, TracerProvider

@@ -344,6 +344,16 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def otlp_sink(upstream: procs.Child) -> dict[str, str]:
+    """The tracing arm's environment: the OTel SDK exporting spans and metrics as OTLP to
+    nginx's sink."""
+    return {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": upstream.url("/otlp"),  # nginx answers 200
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_METRICS_EXPORTER": "otlp",
+    }
+
+
 def speed_arms(
     args: argparse.Namespace, tree: Tree, wrk: str, upstream: procs.Child, backup: int, failing: int
 ) -> tuple[list[str], bool]:
@@ -351,12 +361,7 @@ def speed_arms(
     config = gateway_config(upstream.port, backup, failing)
     floor = procs.start_floor(tree, upstream.url())
     gateway = procs.start_gateway(tree, "gateway", config)
-    sink = {
-        "OTEL_EXPORTER_OTLP_ENDPOINT": upstream.url("/otlp"),  # nginx answers 200
-        "OTEL_TRACES_EXPORTER": "otlp",
-        "OTEL_METRICS_EXPORTER": "otlp",
-    }
-    traced = procs.start_gateway(tree, "gateway-traced", config, sink)
+    traced = procs.start_gateway(tree, "gateway-traced", config, otlp_sink(upstream))
     ledger = gateway_config(upstream.port, backup, failing, store=tree.workdir / "ledger.db")
     budgeted = procs.start_gateway(tree, "gateway-budget", ledger)
     arms = {

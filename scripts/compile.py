@@ -191,6 +191,7 @@ MODULES = (
     "layers/charge.py",
     "request/refusals.py",
     "cli/head_with_body.py",
+    "cli/otlp_spans.py",
     "request/connection_loss.py",
 )
 

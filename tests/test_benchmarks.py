@@ -316,11 +316,12 @@ def test_instruction_count_refuses_a_port_base_without_room() -> None:
 
 
 def test_instruction_count_of_serve_takes_arms_and_refuses_an_unknown_one() -> None:
-    """`serve --arms` picks the arms (`budget`: run.py's SQLite-ledger arm, which it had
-    none of); a name it does not know is refused before anything starts."""
-    result = script(INSTRUCTIONS, "serve", "--arms", "healthy,tracing", timeout=60)
+    """`serve --arms` picks the arms (`budget`: run.py's SQLite-ledger arm, `tracing` its
+    OTLP-exporting one, which it had none of); a name it does not know is refused before
+    anything starts."""
+    result = script(INSTRUCTIONS, "serve", "--arms", "healthy,hedged", timeout=60)
     assert result.returncode == 2
-    assert "takes names from healthy, failover, budget" in result.stderr
+    assert "takes names from healthy, failover, budget, tracing" in result.stderr
 
 
 def test_instruction_count_of_layers_takes_a_port_base_too() -> None:
