@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from fallback_mw import Gateway
 from fallback_mw.health.memory import MemoryHealth
 from fallback_mw.security.fields import canonical_name, name_forms
-from fallback_mw.security.values import query_problem, request_header_problem
+from fallback_mw.security.values import only, query_problem, request_header_problem
 from fallback_mw.upstream import Timeouts, UpstreamError, UpstreamRequest, make_client
 from tests.helpers import http_scope
 from tests.upstreams import Upstream, host_app, status_handler, upstream
@@ -175,6 +175,16 @@ _BYTES = st.one_of(st.binary(max_size=40), st.lists(_ALPHABET, max_size=40).map(
 def test_the_header_check_is_the_rule_for_any_bytes(name: bytes, value: bytes) -> None:
     problem = request_header_problem(name, value)
     assert (problem is not None) == _header_refused_by_the_rule(name, value), (name, value)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.frozensets(st.integers(min_value=0, max_value=255)), _BYTES)
+def test_a_table_keeping_some_bytes_leaves_exactly_the_bytes_of_only_those(
+    allowed: frozenset[int], data: bytes
+) -> None:
+    # The header checks' one C loop (`only`): a table that keeps the allowed bytes leaves
+    # data as it is exactly when it holds no other byte.
+    assert (data.translate(only(allowed)) == data) == all(byte in allowed for byte in data)
 
 
 def test_the_name_caches_answer_as_the_rule_and_stay_bounded() -> None:
