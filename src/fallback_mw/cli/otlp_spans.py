@@ -16,6 +16,7 @@ they differ (an SDK whose encoder changed) the SDK's own is kept."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
@@ -210,6 +211,7 @@ def probe_spans(resource: Resource | None = None) -> list[ReadableSpan]:
     a link and an error status; a client span under a remote parent with a trace state;
     a span of another scope."""
     from opentelemetry import trace
+    from opentelemetry.metrics import NoOpMeterProvider
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -217,7 +219,12 @@ def probe_spans(resource: Resource | None = None) -> list[ReadableSpan]:
     kept = InMemorySpanExporter()
     if resource is None:
         resource = Resource({"service.name": "probe", "count": 3, "on": True})
-    provider = TracerProvider(resource=resource, shutdown_on_exit=False)
+    # Counted by no meter (the SDK's own span metrics, when a user turns them on, would
+    # count the probe in the process's provider), where the SDK takes one.
+    quiet: dict[str, Any] = {}
+    if "meter_provider" in inspect.signature(TracerProvider).parameters:
+        quiet["meter_provider"] = NoOpMeterProvider()
+    provider = TracerProvider(resource=resource, shutdown_on_exit=False, **quiet)
     provider.add_span_processor(SimpleSpanProcessor(kept))
     tracer = provider.get_tracer("fallback_mw", "0", attributes={"probe": True})
     remote = trace.SpanContext(
