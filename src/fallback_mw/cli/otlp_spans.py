@@ -5,7 +5,7 @@ each message from the messages below it, passed as arguments: a `KeyValue` from 
 `AnyValue`, a `Span` from its `KeyValue`s, and so up to the request. The protobuf runtime
 (upb) copies a message given that way, by serializing it and parsing the bytes back, so a
 span's data was encoded and decoded once per level above it, some 45 µs a span on the
-batch thread: about a fifth of what tracing adds to a request (docs/performance.md).
+batch thread: a third of the instructions tracing added to a request (docs/performance.md).
 
 `encode_spans` here builds the same request from the top down, each field set where it
 lives (`add()` on a repeated field, a sub-message read from its parent), with the same
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import Any, Final
 
@@ -43,9 +43,6 @@ _KINDS: Final = {
 }
 _HAS_IS_REMOTE: Final = int(SpanFlags.SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE_MASK)
 _IS_REMOTE: Final = int(SpanFlags.SPAN_FLAGS_CONTEXT_IS_REMOTE_MASK)
-
-Encoder = Callable[[Sequence[ReadableSpan]], Any]
-
 
 def _put_value(out: Any, value: object) -> None:
     """`value` into the `AnyValue` `out`, as the SDK's `_encode_value` makes it (its order of
