@@ -44,6 +44,7 @@ _KINDS: Final = {
 _HAS_IS_REMOTE: Final = int(SpanFlags.SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE_MASK)
 _IS_REMOTE: Final = int(SpanFlags.SPAN_FLAGS_CONTEXT_IS_REMOTE_MASK)
 
+
 def _put_value(out: Any, value: object) -> None:
     """`value` into the `AnyValue` `out`, as the SDK's `_encode_value` makes it (its order of
     checks: bool before int, str before Sequence)."""
