@@ -40,7 +40,8 @@ _TCHAR: Final = frozenset(
 )
 
 
-_VALUE_CTL: Final = frozenset(range(0x20)) - {0x09} | {0x7F}
+# What a field value may not hold (RFC 9110 §5.5): control characters but HTAB, and DEL.
+VALUE_CTL: Final = frozenset(range(0x20)) - {0x09} | {0x7F}
 
 
 def only(allowed: frozenset[int] | range) -> bytes:
@@ -79,9 +80,9 @@ NAME_CACHE_LONGEST: Final = 64
 NAME_CACHE_SIZE: Final = 1024
 
 # The caller header names `request_header_problem` found to be tokens: the same few names
-# come every request, and a set look-up is a fraction of the `translate` (which builds its
-# table of 256 entries at every call: some 1,500 instructions compiled). Bounded as above;
-# exact `bytes` only.
+# come every request, and a set look-up (the name's hash kept by the bytes) is a fraction
+# of the `translate` (a method call, a copy of the name made and freed, a loop over it).
+# Bounded as above; exact `bytes` only.
 _TOKEN_NAMES: Final[set[bytes]] = set()
 
 
@@ -108,7 +109,7 @@ def request_header_problem(name: bytes, value: bytes) -> str | None:
             _TOKEN_NAMES.add(name)
     if value.translate(_PRINTABLE_ASCII_ONLY) == value:
         return None
-    if _VALUE_CTL.intersection(value):
+    if VALUE_CTL.intersection(value):
         return "contains a control character"
     if not value.isascii():
         try:

@@ -13,7 +13,13 @@ from typing import Any, Final, Literal, Protocol
 
 from fallback_mw.error_chain import error_chain
 from fallback_mw.security.fields import name_forms
-from fallback_mw.security.values import MAX_CACHED, is_field_name, is_token, only
+from fallback_mw.security.values import (
+    MAX_CACHED,
+    VALUE_CTL,
+    is_field_name,
+    is_token,
+    only,
+)
 from fallback_mw.timers import Deadline
 from fallback_mw.upstream.outgoing import Timeouts as Timeouts  # re-exported
 from fallback_mw.upstream.outgoing import UpstreamRequest as UpstreamRequest  # re-exported
@@ -172,8 +178,8 @@ MAX_LENGTH_DIGITS: Final = 20
 
 
 # What no server writes in a field value (RFC 9110 §5.5; uvicorn's and h11's own checks):
-# control characters but HTAB, and DEL. A table keeping every other byte (`only`).
-_NO_CTL_IN_VALUE: Final = only(frozenset([0x09, *range(0x20, 0x7F), *range(0x80, 0x100)]))
+# VALUE_CTL, the caller's headers' rule. A table keeping every other byte (`only`).
+_NO_CTL_IN_VALUE: Final = only(frozenset(range(256)) - VALUE_CTL)
 # The ends of a field name only aiohttp's parser lets through (whitespace before the colon).
 _SPACE: Final = frozenset(b" \t")
 
