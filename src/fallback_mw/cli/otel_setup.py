@@ -211,10 +211,12 @@ def _exporter(
     exporter_class = getattr(found, f"OTLP{kind}Exporter")
     if transport == "grpc":
         return exporter_class()
-    from fallback_mw.cli import otel_session, otlp_spans
+    from fallback_mw.cli import otel_session
 
     if signal == "traces":  # spans encoded in place, a third of the SDK encoder's time
-        otlp_spans.use_in_place(found)
+        from fallback_mw.cli.otlp_spans import use_in_place
+
+        use_in_place(found)
     # A collector's answer read up to a bound, not into memory whole (cli/otel_session.py).
     variable = otel_session.provider_variable(environ, signal)
     if variable is not None:  # a credential provider's session, loaded as the SDK would

@@ -203,11 +203,11 @@ def _put_span(out: Any, span: ReadableSpan) -> None:
     out.flags = _HAS_IS_REMOTE | (_IS_REMOTE if parent and parent.is_remote else 0)
 
 
-def probe_spans(resource: Resource | None = None) -> list[ReadableSpan]:
+def probe_spans() -> list[ReadableSpan]:
     """Spans with every kind of field the SDK's encoder writes, made by a private SDK
-    tracer (never exported): a server span with attributes of each value type, an event,
-    a link and an error status; a client span under a remote parent with a trace state;
-    a span of another scope."""
+    tracer and resource (never exported): a server span with attributes of each value
+    type, an event, a link and an error status; a client span under a remote parent with
+    a trace state; a span of another scope."""
     from opentelemetry import trace
     from opentelemetry.metrics import NoOpMeterProvider
     from opentelemetry.sdk.trace import TracerProvider
@@ -215,8 +215,7 @@ def probe_spans(resource: Resource | None = None) -> list[ReadableSpan]:
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     kept = InMemorySpanExporter()
-    if resource is None:
-        resource = Resource({"service.name": "probe", "count": 3, "on": True})
+    resource = Resource({"service.name": "probe", "count": 3, "on": True})
     # Counted by no meter (the SDK's own span metrics, when a user turns them on, would
     # count the probe in the process's provider), where the SDK takes one.
     quiet: dict[str, Any] = {}
