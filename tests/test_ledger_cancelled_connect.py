@@ -3,7 +3,12 @@ deadline, a stop's graceful timeout) leaves nothing for asyncio to report. async
 in the middle of its TLS probe (`sslmode=prefer`, the default), left a future holding
 `ConnectionError('unexpected connection_lost() call')` that nobody read: asyncio logged
 "Future exception was never retrieved" in the host's log, an error for nothing that went
-wrong. The real PostgreSQL, cancelled at every turn of the connect in turn."""
+wrong. The real PostgreSQL, cancelled at every turn of the connect in turn.
+
+The route store's watcher opens its LISTEN connection the same way, and a gateway closing
+cancels it there: the failure seen once in CI (a budget test's loop ending right after the
+gateway closed). The connect goes on for nobody; the owner's `aclose` waits for it, so no
+loop ends with it running (and cancels it at that same turn)."""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import pytest
 
 from fallback_mw.config import BudgetConfig
 from fallback_mw.store.ledgers.postgres import PostgresLedger
+from fallback_mw.store.postgres import PostgresStore
 
 pytestmark = pytest.mark.anyio
 
@@ -28,6 +34,7 @@ async def test_a_connect_cancelled_at_any_turn_leaves_nothing_unread(pg_url: str
     reported: list[dict[str, Any]] = []
     previous = loop.get_exception_handler()
     loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    running = asyncio.all_tasks()
     try:
         # A first ledger migrates the schema, so each later one only connects.
         first = PostgresLedger(pg_url)
@@ -43,8 +50,39 @@ async def test_a_connect_cancelled_at_any_turn_leaves_nothing_unread(pg_url: str
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             await ledger.aclose()
+            assert asyncio.all_tasks() - running == set(), turns  # no connect left running
         for _ in range(20):  # a connect finished for nobody is closed on a later turn
             await asyncio.sleep(0.02)
+        gc.collect()
+        await asyncio.sleep(0.05)
+        assert [c.get("message") for c in reported] == []
+    finally:
+        loop.set_exception_handler(previous)
+
+
+async def test_a_route_store_closed_while_its_watcher_connects_leaves_nothing(
+    pg_url: str,
+) -> None:
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, Any]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    running = asyncio.all_tasks()
+    try:
+        first = PostgresStore(pg_url)  # migrates the schema, so each later one only connects
+        assert await first.load_routes() == []
+        await first.aclose()
+        for turns in range(0, 60):
+            store = PostgresStore(pg_url)
+            # The reloader's wait: its first connection, then its LISTEN one.
+            task = asyncio.ensure_future(store.wait_for_change(30.0))
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await store.aclose()
+            assert asyncio.all_tasks() - running == set(), turns
         gc.collect()
         await asyncio.sleep(0.05)
         assert [c.get("message") for c in reported] == []

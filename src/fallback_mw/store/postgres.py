@@ -30,6 +30,7 @@ from fallback_mw.store.model import (
     pending_migrations,
     stored_routes,
 )
+from fallback_mw.store.postgres_connect import Connects
 from fallback_mw.store_url import StoreURLError, driver_reason, redact_url, unusable_store
 
 T = TypeVar("T")
@@ -84,10 +85,11 @@ class PostgresStore:
         self._lock: asyncio.Lock | None = None
         self._changed: asyncio.Event | None = None
         self._migrated = False
+        self._connects = Connects()  # `aclose` waits for those a cancelled caller left
 
     async def _connect(self) -> asyncpg.Connection[Any]:
         try:
-            return await asyncpg.connect(self._dsn, timeout=5)
+            return await self._connects.connect(self._dsn, timeout=5)
         except (OSError, TimeoutError, asyncpg.PostgresConnectionError) as exc:
             # The class name alone ("gaierror") left an operator guessing: the reason too
             # ("Name or service not known", "Connect call failed ('10.0.0.5', 5432)"), as
@@ -384,3 +386,4 @@ class PostgresStore:
                     conn.terminate()
         self._listener = None
         self._conn = None
+        await self._connects.ended()  # the watcher's LISTEN connect, cut by a close

@@ -37,7 +37,6 @@ from fallback_mw.store.ledgers.postgres_pool import (
     FAILURES,
     UNREACHABLE,
     ReleasingPool,
-    connect_to_the_end,
 )
 from fallback_mw.store.ledgers.postgres_reads import PostgresReads
 from fallback_mw.store.ledgers.postgres_sql import (
@@ -57,6 +56,7 @@ from fallback_mw.store.ledgers.schema import (
     usage_values,
 )
 from fallback_mw.store.outage import OutageLog
+from fallback_mw.store.postgres_connect import Connects
 from fallback_mw.store_url import StoreURLError, driver_reason, redact_url, unusable_store
 
 T = TypeVar("T")
@@ -119,6 +119,7 @@ class PostgresLedger(PostgresReads):
         self._outage = OutageLog(logger, "PostgreSQL ledger")  # one WARNING each way
         self._backlog = Backlog(self._run, retry_interval)  # what an outage kept
         self._outliving_calls: set[asyncio.Task[Any]] = set()  # holds and settlements
+        self._connects = Connects()  # the pool's: `aclose` waits for those left running
 
     # --- connection and schema --------------------------------------------------------
 
@@ -146,7 +147,7 @@ class PostgresLedger(PostgresReads):
                     loop=None,
                     connection_class=asyncpg.Connection,
                     record_class=asyncpg.Record,
-                    connect=connect_to_the_end,
+                    connect=self._connects.connect,
                 )
                 try:
                     async with pool.acquire() as conn:
@@ -375,5 +376,6 @@ class PostgresLedger(PostgresReads):
         await self._backlog.close(self._try_at_once)
         pool, self._pool = self._pool, None
         self._closes_with(None)
+        await self._connects.ended()  # a cancelled caller's, terminated as it arrives
         if pool is not None:
             await pool.close()

@@ -1,5 +1,6 @@
 """The PostgreSQL ledger's connections: which driver errors say the database is away, and
-asyncpg's pool and connect made to read their own errors when a caller gives up."""
+asyncpg's pool made to read its own errors when a caller gives up (its connect is
+`store.postgres_connect`'s, shared with the route store)."""
 
 from __future__ import annotations
 
@@ -71,31 +72,6 @@ class ReleasingPool(asyncpg.Pool):
             # goes on here; its holder returns to the pool when it is done.
             return
         await asyncio.shield(release)
-
-
-async def connect_to_the_end(*args: Any, **kwargs: Any) -> asyncpg.Connection[Any]:
-    """`asyncpg.connect`, run to its end when its caller is cancelled (a client gone, a
-    read's deadline, a stop's graceful timeout). Cancelled between the socket's connect and
-    its TLS probe (`sslmode=prefer`, the default), asyncpg left a future holding
-    `ConnectionError('unexpected connection_lost() call')` that nobody read, and asyncio
-    logged "Future exception was never retrieved" in the host's log: an error for nothing
-    that went wrong. The connect goes on (its own timeout bounds it); a connection that
-    arrives for nobody is closed."""
-    connecting = asyncio.ensure_future(asyncpg.connect(*args, **kwargs))
-    try:
-        return await asyncio.shield(connecting)
-    except asyncio.CancelledError as cancelled:
-        connecting.add_done_callback(_close_unwanted)
-        raise cancelled
-
-
-def _close_unwanted(connecting: asyncio.Future[asyncpg.Connection[Any]]) -> None:
-    if connecting.cancelled():
-        return
-    if connecting.exception() is None:
-        connecting.result().terminate()
-    else:
-        logger.debug("a connect whose caller was gone failed")
 
 
 def _read_release_error(release: asyncio.Future[None]) -> None:
