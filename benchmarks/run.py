@@ -4,8 +4,13 @@ One process tree: nginx (the upstream: a fixed chat JSON, SSE, a slow SSE stream
 file, a 503-answering port, an OTLP sink), the floor (benchmarks/floor.py: the fewest lines
 of ASGI that forward a request, same uvicorn and aiohttp as serve) and `fallback-mw serve`
 processes. wrk (-t1, fixed connections, a small chat POST) drives each arm in turn, the
-order rotating every round; the table shows medians over rounds and the per-round ratios to
-the floor. Then: SSE time to first event at low load (interleaved requests), and memory
+order rotating every round, each arm's window beside a floor window of its own (`--floor
+each`, the default: the floor first in one round, second in the next); the table shows
+medians over rounds and each arm's per-round ratios to the floor window beside it. With
+`--floor once` (every run before the option), one floor window per round stood for all
+the arms: a machine that drifted within the round (the floor's CPU per request moved by up
+to 1.5x between two rounds of one run) moved an arm's ratio with the distance between its
+window and the floor's. Then: SSE time to first event at low load (interleaved requests), and memory
 (RSS before, peak and after) for one large stream, many concurrent streams and a long run.
 Installs Debian's wrk and nginx-light with apt-get when they are missing (as root).
 
@@ -169,30 +174,52 @@ def throughput(
 ) -> tuple[list[str], bool]:
     """`arms`: name -> (URL, pid of the server process behind it)."""
     results: dict[str, list[Load]] = {name: [] for name in arms}
+    # The floor each arm's ratios are taken against: the window beside it (--floor each),
+    # or the round's one floor window (--floor once).
+    floors: dict[str, list[Load]] = {name: [] for name in arms}
     if not args.quick:  # the smoke run's numbers mean nothing anyway
         for url, pid in arms.values():
             clients.run_wrk(wrk, url, 1, args.connections, pid)  # warm-up
-    names = list(arms)
+    names = [name for name in arms if name != "floor"]
+
+    def window(round_number: int, name: str) -> Load:
+        url, pid = arms[name]
+        load = clients.run_wrk(wrk, url, args.duration, args.connections, pid)
+        results[name].append(load)
+        print(
+            f"  round {round_number + 1} {name:9s} {load.rate:8.0f} req/s "
+            f"p50 {load.p50_ms:6.1f} ms p99 {load.p99_ms:6.1f} ms "
+            f"CPU {load.cpu_us:5.0f} us/req",
+            flush=True,
+        )
+        return load
+
     for round_number in range(args.rounds):
-        shift = round_number % len(names)
-        for name in names[shift:] + names[:shift]:
-            url, pid = arms[name]
-            load = clients.run_wrk(wrk, url, args.duration, args.connections, pid)
-            results[name].append(load)
-            print(
-                f"  round {round_number + 1} {name:9s} {load.rate:8.0f} req/s "
-                f"p50 {load.p50_ms:6.1f} ms p99 {load.p99_ms:6.1f} ms "
-                f"CPU {load.cpu_us:5.0f} us/req",
-                flush=True,
-            )
-    floor = results["floor"]
+        shift = round_number % (len(names) + 1)
+        if args.floor == "once":
+            order = ["floor", *names]
+            for name in order[shift:] + order[:shift]:
+                window(round_number, name)
+            for name in names:
+                floors[name].append(results["floor"][-1])
+            continue
+        for name in names[shift % len(names) :] + names[: shift % len(names)]:
+            # A floor window beside each arm's, first in one round and second in the
+            # next: a machine that drifts within a round moves both alike.
+            if round_number % 2 == 0:
+                floors[name].append(window(round_number, "floor"))
+                window(round_number, name)
+            else:
+                window(round_number, name)
+                floors[name].append(window(round_number, "floor"))
+    floors["floor"] = results["floor"]
     lines = [
         f"{'arm':34s} {'req/s':>7s} {'p50 ms':>7s} {'p99 ms':>7s} {'CPU us':>7s} "
         f"{'x floor':>8s} {'p99 x':>6s}  target",
     ]
     broken = False
     for name, loads in results.items():
-        rate, p99 = ratio_cells(loads, floor)
+        rate, p99 = ratio_cells(loads, floors[name])
         target = ""
         if name in TARGETS:
             want_rate, want_p99 = TARGETS[name]
@@ -211,9 +238,10 @@ def throughput(
             f"{median([x.p50_ms for x in loads]):7.1f} {median([x.p99_ms for x in loads]):7.1f} "
             f"{median([x.cpu_us for x in loads]):7.0f} {rate:7.2f}x {p99:5.2f}x  {target}"
         )
-    lines.append("CPU per request, x the floor's in the same round (max/min over rounds):")
+    beside = "beside it" if args.floor == "each" else "in the same round"
+    lines.append(f"CPU per request, x the floor's window {beside} (max/min over rounds):")
     for name, loads in list(results.items())[1:]:
-        cpu = [a.cpu_us / f.cpu_us for a, f in zip(loads, floor, strict=True)]
+        cpu = [a.cpu_us / f.cpu_us for a, f in zip(loads, floors[name], strict=True)]
         want = CPU_TARGETS.get(name)
         target = f"  target <= {want}x {verdict(median(cpu) <= want)}" if want else ""
         lines.append(
@@ -337,6 +365,12 @@ def parse_args() -> argparse.Namespace:
         "(scripts/compile.py --out's copy, built when missing)",
     )
     parser.add_argument("--pin", choices=procs.PINS, default="split", help="see the docstring")
+    parser.add_argument(
+        "--floor",
+        choices=("each", "once"),
+        default="each",
+        help="a floor window beside each arm's (each), or one per round (once); see the docstring",
+    )
     args = parser.parse_args()
     if args.quick:
         args.duration, args.rounds, args.sse_samples = 1, 1, 5

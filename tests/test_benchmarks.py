@@ -100,6 +100,24 @@ def test_benchmark_runs_every_arm_and_prints_the_ratios() -> None:
         ), result.stdout
 
 
+@pytest.mark.parametrize(("mode", "floors"), [("each", 4), ("once", 1)])
+def test_each_arm_is_measured_beside_a_floor_window_of_its_own(mode: str, floors: int) -> None:
+    # One floor window a round stood for every arm: on a machine that drifts within a
+    # round, an arm's ratio moved with how far its window was from the floor's.
+    result = script(RUN, "--quick", "--no-memory", "--floor", mode)
+    skip_without_tools(result)
+    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
+    windows = re.findall(r"^  round 1 (\S+) ", result.stdout, re.M)
+    assert windows.count("floor") == floors, windows
+    assert sorted(set(windows) - {"floor"}) == ["budget", "failover", "healthy", "tracing"]
+    if mode == "each":  # a floor window next to every arm's
+        for index, name in enumerate(windows):
+            if name != "floor":
+                assert "floor" in windows[max(index - 1, 0) : index + 2 : 2], windows
+    beside = "beside it" if mode == "each" else "in the same round"
+    assert f"x the floor's window {beside}" in result.stdout
+
+
 PLACE = """
 import os, shutil, sys, tempfile
 from pathlib import Path
