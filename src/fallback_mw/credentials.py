@@ -172,7 +172,7 @@ class EchoMask:
     def feed(self, chunk: bytes) -> bytes:
         """The part of the body seen so far that can be relayed, masked."""
         data = self._held + chunk if self._held else chunk
-        if not self._wide and data.find(b"\x00") >= 0:
+        if not self._wide and 0 in data:  # a NUL (`int in bytes`: a memchr)
             # Text in UTF-16 or UTF-32 (a NUL beside every ASCII character; UTF-8 text has
             # none): a JSON answer in either, which `json.loads` and so the SDKs read, carried
             # the key past a mask that looked for its UTF-8 bytes only.

@@ -54,6 +54,8 @@ from fallback_mw.request.types import Message, Receive, Scope, Send
 from fallback_mw.routing import routed_path
 from fallback_mw.security.fields import canonical_name
 
+_UNDERSCORE = ord("_")
+
 __all__ = [
     "GatewayAborted",
     "GatewayMiddleware",
@@ -92,8 +94,8 @@ def _identity_as_django_has_it(
             lower = sent_name.lower()
             if lower == dashed:
                 sent.append(value)
-            # `find`, not `in`: `bytes in bytes` raises and clears a TypeError each time.
-            elif lower.find(b"_") >= 0 and lower != name and lower.replace(b"_", b"-") == dashed:
+            # `ord("_")`, not `b"_"`: `bytes in bytes` raises and clears a TypeError.
+            elif _UNDERSCORE in lower and lower != name and lower.replace(b"_", b"-") == dashed:
                 hidden = True
         now = request.META.get(key)
         if (b",".join(sent).decode("latin-1") if sent else None) != now:

@@ -52,7 +52,7 @@ def _wrong_type(result: Any) -> bool:
     """Whether a script failed on a key that holds another kind of value than the one it
     keeps there (a string where a hash belongs: written by hand, or by another program
     under the same prefix). Redis answered: that is no outage."""
-    return isinstance(result, ResponseError) and str(result).find("WRONGTYPE") >= 0
+    return isinstance(result, ResponseError) and "WRONGTYPE" in str(result)
 
 
 class RedisLink(RedisOutage, RedisLeftovers):

@@ -107,7 +107,7 @@ _PATH_MODEL: Final = re.compile(r"/models/([^/:]+):[A-Za-z]+$")
 def path_model(path: str) -> str | None:
     """The model a Gemini-style path (`/models/NAME:method`) names, bounded as a body's is;
     None for any other path."""
-    if path.find("/models/") < 0:
+    if "/models/" not in path:
         return None
     match = _PATH_MODEL.search(path)
     return None if match is None else match.group(1)[:MAX_NAME]

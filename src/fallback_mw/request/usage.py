@@ -52,6 +52,8 @@ _USAGE_OBJECT: Final = re.compile(rb'"usage(Metadata)?"\s*:\s*\{')
 # not Final: tests/hostile/test_usage_work.py replaces it, to count what is searched.
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 _CR: Final = ord(b"\r")
+# `_LF not in chunk`: a memchr (`bytes in bytes` formats and drops a TypeError first).
+_LF: Final = ord(b"\n")
 
 
 class UsageMeter:
@@ -245,7 +247,7 @@ class UsageMeter:
         pending = self._line
         if not pending:
             data = chunk
-        elif chunk.find(b"\n") < 0 and chunk.find(b"\r") < 0 and pending[-1] != _CR:
+        elif _LF not in chunk and _CR not in chunk and pending[-1] != _CR:
             # No line ends here: the pending line grows by this chunk, and is searched once
             # its end comes (not again with every chunk: a long line that came a few bytes
             # at a time cost the square of its length).

@@ -371,7 +371,7 @@ class AiohttpClient:
         next attempts at it: at most 256, and none with a query (a caller's query string
         is kept no longer than its request)."""
         url = URL(ascii_target(text), encoded=True)
-        if len(self._urls) < 256 and text.find("?") < 0:
+        if len(self._urls) < 256 and "?" not in text:
             self._urls[text] = url
         return url
 
