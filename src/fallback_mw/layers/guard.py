@@ -236,8 +236,7 @@ class BudgetGuard:
         """The hold, or the local error (code, message) refusing the request."""
         parsed = request_json(context, body)  # notes the requested model, as the walker does
         buffered = body.buffered
-        # `find`, not `in`: `bytes in bytes` first tries the needle as an integer and
-        # raises and clears a TypeError each time (docs/performance.md).
+        # Each byte by its value (`_PLUS`): see there.
         if buffered and (parsed is None or _PLUS in buffered or _AMPERSAND in buffered):
             charset = unreadable_request_charset(scope)
             if charset is not None:
