@@ -16,6 +16,9 @@ from pathlib import Path
 from select import PIPE_BUF
 from typing import Any
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from fallback_mw.telemetry import line_writer
 from fallback_mw.telemetry.line_writer import (
     FLUSH_LINES,
@@ -325,6 +328,25 @@ def test_a_line_written_from_its_parts_is_the_line_the_record_would_give() -> No
                 expected = logging.Formatter(fmt).format(item)
                 assert formatter.line(level, item.name, item.getMessage(), created) == expected
     assert not LineFormatter("%(message)s %(request_id)s").direct  # reads the record
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    created=st.floats(min_value=0, max_value=4_102_444_800, allow_nan=False),
+    level=st.sampled_from([logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR, 5]),
+    with_pid=st.booleans(),
+)
+def test_any_moment_and_level_is_written_as_the_record_would_be(
+    created: float, level: int, with_pid: bool
+) -> None:
+    # The milliseconds come from a table (`_MILLIS`), not a formatted int: every moment
+    # (a second's last microseconds included) and level reads as logging writes it.
+    fmt = SERVE_FORMAT_PID if with_pid else SERVE_FORMAT
+    item = logging.LogRecord("fallback_mw.request", level, "", 0, "m", None, None)
+    item.created = created
+    item.msecs = int((created - int(created)) * 1000) + 0.0  # as LogRecord computes it
+    expected = logging.Formatter(fmt).format(item)
+    assert LineFormatter(fmt).line(level, item.name, "m", created) == expected
 
 
 @contextlib.contextmanager

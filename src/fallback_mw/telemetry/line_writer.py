@@ -95,13 +95,22 @@ class LineFormatter(logging.Formatter):
 
     def line(self, level: int, name: str, message: str, created: float) -> str:
         """What `format` writes for a record of `name` at `level` with this message,
-        created at `created` (serve's formats only)."""
-        msecs = int((created - int(created)) * 1000) + 0.0  # as LogRecord computes it
-        stamp = self._time(created, msecs)
+        created at `created` (serve's formats only). Once per request: the milliseconds
+        are a table's (`_MILLIS`), not an `int` formatted `03d` (1.9 us a line, 0.8 now)."""
+        second = int(created)
+        if second != self._second:
+            self._prefix = time.strftime("%Y-%m-%d %H:%M:%S", self.converter(second))
+            self._second = second
+        # As LogRecord computes msecs: int((created - int(created)) * 1000), 0 to 999.
+        millis = _MILLIS[int((created - second) * 1000)]
         levelname = logging.getLevelName(level)
         if self._with_pid:
-            return f"{stamp} {levelname} {name}[{os.getpid()}] {message}"
-        return f"{stamp} {levelname} {name} {message}"
+            return f"{self._prefix}{millis} {levelname} {name}[{os.getpid()}] {message}"
+        return f"{self._prefix}{millis} {levelname} {name} {message}"
+
+
+# ",000" to ",999": a line's milliseconds as `formatTime` writes them (`,%03d`).
+_MILLIS = tuple(f",{n:03d}" for n in range(1000))
 
 
 # The largest write a pipe takes whole (POSIX: at least 512; Linux 4096). Under systemd,
