@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+from collections.abc import AsyncIterator, Awaitable
 from decimal import Decimal
 from typing import Any
 
@@ -29,13 +30,36 @@ pytestmark = pytest.mark.anyio
 BUDGET = BudgetConfig(limit=Decimal("100"), window="month", default_hold=Decimal("0.01"))
 
 
-async def test_a_connect_cancelled_at_any_turn_leaves_nothing_unread(pg_url: str) -> None:
+@contextlib.asynccontextmanager
+async def nothing_reported() -> AsyncIterator[None]:
+    """The loop's reports (asyncio's "Future exception was never retrieved"...) collected
+    while the block runs: none may be made, and no task the block started may outlive it."""
     loop = asyncio.get_running_loop()
     reported: list[dict[str, Any]] = []
     previous = loop.get_exception_handler()
     loop.set_exception_handler(lambda _loop, context: reported.append(context))
-    running = asyncio.all_tasks()
     try:
+        yield
+        gc.collect()
+        await asyncio.sleep(0.05)
+        assert [c.get("message") for c in reported] == []
+    finally:
+        loop.set_exception_handler(previous)
+
+
+async def cancelled_at(turns: int, call: Awaitable[Any]) -> None:
+    """`call` in a task of its own, cancelled after `turns` turns of the loop."""
+    task = asyncio.ensure_future(call)
+    for _ in range(turns):
+        await asyncio.sleep(0)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def test_a_connect_cancelled_at_any_turn_leaves_nothing_unread(pg_url: str) -> None:
+    running = asyncio.all_tasks()
+    async with nothing_reported():
         # A first ledger migrates the schema, so each later one only connects.
         first = PostgresLedger(pg_url)
         assert await first.hold("acme", BUDGET, Decimal("0.01")) is not None
@@ -43,48 +67,24 @@ async def test_a_connect_cancelled_at_any_turn_leaves_nothing_unread(pg_url: str
         for turns in range(0, 40):
             ledger = PostgresLedger(pg_url)
             # A read the caller waits for (a hold outlives its caller in a task of its own).
-            task = asyncio.ensure_future(ledger.status("acme", BUDGET))
-            for _ in range(turns):
-                await asyncio.sleep(0)
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancelled_at(turns, ledger.status("acme", BUDGET))
             await ledger.aclose()
             assert asyncio.all_tasks() - running == set(), turns  # no connect left running
         for _ in range(20):  # a connect finished for nobody is closed on a later turn
             await asyncio.sleep(0.02)
-        gc.collect()
-        await asyncio.sleep(0.05)
-        assert [c.get("message") for c in reported] == []
-    finally:
-        loop.set_exception_handler(previous)
 
 
 async def test_a_route_store_closed_while_its_watcher_connects_leaves_nothing(
     pg_url: str,
 ) -> None:
-    loop = asyncio.get_running_loop()
-    reported: list[dict[str, Any]] = []
-    previous = loop.get_exception_handler()
-    loop.set_exception_handler(lambda _loop, context: reported.append(context))
     running = asyncio.all_tasks()
-    try:
+    async with nothing_reported():
         first = PostgresStore(pg_url)  # migrates the schema, so each later one only connects
         assert await first.load_routes() == []
         await first.aclose()
         for turns in range(0, 60):
             store = PostgresStore(pg_url)
             # The reloader's wait: its first connection, then its LISTEN one.
-            task = asyncio.ensure_future(store.wait_for_change(30.0))
-            for _ in range(turns):
-                await asyncio.sleep(0)
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancelled_at(turns, store.wait_for_change(30.0))
             await store.aclose()
             assert asyncio.all_tasks() - running == set(), turns
-        gc.collect()
-        await asyncio.sleep(0.05)
-        assert [c.get("message") for c in reported] == []
-    finally:
-        loop.set_exception_handler(previous)
