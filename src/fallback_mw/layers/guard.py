@@ -92,7 +92,7 @@ _READ_DID_NOT_WAIT: Final = 0.001
 # under load) ran out on the caller's side: 504 deadline_exceeded, not 503.
 _LEDGER_GRACE: Final = 0.1
 
-# A byte's value, not a one-byte string, to look for (`_SP in value`): `int in bytes` is a
+# A byte's value, not a one-byte string, to look for (`_PLUS in buffered`): `int in bytes` is a
 # memchr, where `bytes in bytes` formats and drops a TypeError first (CPython 3.11) and
 # `find` parses its arguments from a tuple, some 200 ns a call.
 _PLUS: Final = ord("+")

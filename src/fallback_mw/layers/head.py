@@ -12,7 +12,7 @@ from fallback_mw.security.fields import CANONICAL, METHOD_OVERRIDE_FIELDS, canon
 
 # More digits than this is longer than any deadline (600000 ms): it can shorten nothing.
 _DEADLINE_DIGITS: Final = 7
-# A byte's value, not a one-byte string, to look for (`_SP in value`): `int in bytes` is a
+# A byte's value, not a one-byte string, to look for (`_UNDERSCORE in key`): `int in bytes` is a
 # memchr, where `bytes in bytes` formats and drops a TypeError first (CPython 3.11) and
 # `find` parses its arguments from a tuple, some 200 ns a call.
 _UNDERSCORE: Final = ord("_")

@@ -38,11 +38,6 @@ class Connects:
             connecting.add_done_callback(_close_unwanted)
             raise
 
-    @property
-    def under_way(self) -> int:
-        """Connects whose callers were cancelled, still running."""
-        return len(self._left)
-
     async def ended(self) -> None:
         """Wait for the connects left running on this loop (one of another loop, left by
         a TestClient's loop per request, ends or is cancelled with that loop)."""
