@@ -63,7 +63,6 @@ FLUSH_LINES = 256  # or until this many are waiting
 # and one line says how many were dropped once the log takes lines again.
 MAX_PENDING_LINES = 64 * FLUSH_LINES
 
-
 # serve's line formats: the ones LineFormatter can also write without a LogRecord.
 SERVE_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 SERVE_FORMAT_PID = "%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s"
@@ -84,33 +83,25 @@ class LineFormatter(logging.Formatter):
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
         if datefmt is not None:
             return super().formatTime(record, datefmt)
-        return self._time(record.created, record.msecs)
+        return f"{self._seconds(record.created)},{int(record.msecs):03d}"
 
-    def _time(self, created: float, msecs: float) -> str:
+    def _seconds(self, created: float) -> str:  # `%Y-%m-%d %H:%M:%S`, made once a second
         second = int(created)
         if second != self._second:
             self._prefix = time.strftime("%Y-%m-%d %H:%M:%S", self.converter(second))
             self._second = second
-        return f"{self._prefix},{int(msecs):03d}"
+        return self._prefix
 
     def line(self, level: int, name: str, message: str, created: float) -> str:
-        """What `format` writes for a record of `name` at `level` with this message,
-        created at `created` (serve's formats only). Once per request: the milliseconds
-        are a table's (`_MILLIS`), not an `int` formatted `03d` (1.9 us a line, 0.8 now)."""
-        second = int(created)
-        if second != self._second:
-            self._prefix = time.strftime("%Y-%m-%d %H:%M:%S", self.converter(second))
-            self._second = second
-        # As LogRecord computes msecs: int((created - int(created)) * 1000), 0 to 999.
-        millis = _MILLIS[int((created - second) * 1000)]
-        levelname = logging.getLevelName(level)
-        if self._with_pid:
-            return f"{self._prefix}{millis} {levelname} {name}[{os.getpid()}] {message}"
-        return f"{self._prefix}{millis} {levelname} {name} {message}"
+        """What `format` writes for a record of `name` at `level` with this message, created
+        at `created` (serve's formats only). The milliseconds (as LogRecord computes them, 0
+        to 999) from a table: 1.9 us a line with an int formatted `03d`, 1.2 now."""
+        stamp = self._seconds(created) + _MILLIS[int((created - int(created)) * 1000)]
+        pid = f"[{os.getpid()}]" if self._with_pid else ""
+        return f"{stamp} {logging.getLevelName(level)} {name}{pid} {message}"
 
 
-# ",000" to ",999": a line's milliseconds as `formatTime` writes them (`,%03d`).
-_MILLIS = tuple(f",{n:03d}" for n in range(1000))
+_MILLIS = tuple(f",{n:03d}" for n in range(1000))  # ",000" to ",999", as formatTime writes
 
 
 # The largest write a pipe takes whole (POSIX: at least 512; Linux 4096). Under systemd,
