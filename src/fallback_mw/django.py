@@ -53,8 +53,7 @@ from fallback_mw.request.frames import drop_gateway_locals
 from fallback_mw.request.types import Message, Receive, Scope, Send
 from fallback_mw.routing import routed_path
 from fallback_mw.security.fields import canonical_name
-
-_UNDERSCORE = ord("_")
+from fallback_mw.security.values import UNDERSCORE
 
 __all__ = [
     "GatewayAborted",
@@ -94,8 +93,8 @@ def _identity_as_django_has_it(
             lower = sent_name.lower()
             if lower == dashed:
                 sent.append(value)
-            # `ord("_")`, not `b"_"`: `bytes in bytes` raises and clears a TypeError.
-            elif _UNDERSCORE in lower and lower != name and lower.replace(b"_", b"-") == dashed:
+            # By its value (security/values.py: `UNDERSCORE`).
+            elif UNDERSCORE in lower and lower != name and lower.replace(b"_", b"-") == dashed:
                 hidden = True
         now = request.META.get(key)
         if (b",".join(sent).decode("latin-1") if sent else None) != now:

@@ -77,6 +77,7 @@ from fallback_mw.request.local_errors import send_error
 from fallback_mw.request.record import usage_record, write_record
 from fallback_mw.request.refusals import body_refusal
 from fallback_mw.request.types import ASGIApp, Receive, Scope, Send
+from fallback_mw.security.values import AMPERSAND, PLUS
 from fallback_mw.store.ledgers.memory import MemoryLedger
 from fallback_mw.telemetry import Telemetry
 from fallback_mw.tokens import named_values
@@ -92,11 +93,6 @@ _READ_DID_NOT_WAIT: Final = 0.001
 # under load) ran out on the caller's side: 504 deadline_exceeded, not 503.
 _LEDGER_GRACE: Final = 0.1
 
-# A byte's value, not a one-byte string, to look for (`_PLUS in buffered`): `int in bytes` is a
-# memchr, where `bytes in bytes` formats and drops a TypeError first (CPython 3.11) and
-# `find` parses its arguments from a tuple, some 200 ns a call.
-_PLUS: Final = ord("+")
-_AMPERSAND: Final = ord("&")
 _BEFORE_THE_HOLD: Final = " (before the budget ledger answered the hold; no upstream was contacted)"
 
 
@@ -236,8 +232,8 @@ class BudgetGuard:
         """The hold, or the local error (code, message) refusing the request."""
         parsed = request_json(context, body)  # notes the requested model, as the walker does
         buffered = body.buffered
-        # Each byte by its value (`_PLUS`): see there.
-        if buffered and (parsed is None or _PLUS in buffered or _AMPERSAND in buffered):
+        # Each byte by its value (`PLUS`: security/values.py says why).
+        if buffered and (parsed is None or PLUS in buffered or AMPERSAND in buffered):
             charset = unreadable_request_charset(scope)
             if charset is not None:
                 # An upstream decoding it (Express) reads other keys than the hold would.

@@ -9,13 +9,10 @@ from typing import Final
 
 from fallback_mw.request.types import Scope
 from fallback_mw.security.fields import CANONICAL, METHOD_OVERRIDE_FIELDS, canonical_name
+from fallback_mw.security.values import UNDERSCORE
 
 # More digits than this is longer than any deadline (600000 ms): it can shorten nothing.
 _DEADLINE_DIGITS: Final = 7
-# A byte's value, not a one-byte string, to look for (`_UNDERSCORE in key`): `int in bytes` is a
-# memchr, where `bytes in bytes` formats and drops a TypeError first (CPython 3.11) and
-# `find` parses its arguments from a tuple, some 200 ns a call.
-_UNDERSCORE: Final = ord("_")
 _OWS: Final = " \t"  # optional whitespace around a field value (RFC 9110 §5.6.3)
 
 
@@ -101,10 +98,10 @@ def as_spelled(scope: Scope, fields: tuple[bytes, ...]) -> tuple[bytes, ...]:
     read_as = {canonical_name(field) for field in fields}
     # Another spelling differs by an `_` (a name of ours without one: only a sent name
     # with one can be another spelling of it).
-    any_name = any(_UNDERSCORE in field for field in fields)
+    any_name = any(UNDERSCORE in field for field in fields)
     spelled: list[bytes] = []
     for key, _ in scope.get("headers", ()):
-        if not any_name and _UNDERSCORE not in key:
+        if not any_name and UNDERSCORE not in key:
             continue
         lower = key.lower()
         if canonical_name(lower) in read_as and lower not in fields and lower not in spelled:

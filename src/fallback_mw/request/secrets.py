@@ -19,6 +19,7 @@ from urllib.parse import unquote_to_bytes
 from fallback_mw.config.views import AnyUpstream
 from fallback_mw.security.fields import CREDENTIAL_HEADERS, name_forms
 from fallback_mw.security.queries import canonical_query_key
+from fallback_mw.security.values import EQUALS, SP
 
 # A credential shorter than this is not searched for: it would match ordinary text (a test
 # key such as "k1"); real keys are far longer.
@@ -35,11 +36,6 @@ REDACTED: Final = "[REDACTED]"
 # credentials, never to their number times the value's length (a cookie of thousands of
 # values beside a 32 KB tenant cost some 100 ms a request, a square of the head's size).
 MAX_RECORDED: Final = 256
-# A byte's value, not a one-byte string, to look for (`_SP in value`): `int in bytes` is a
-# memchr, where `bytes in bytes` formats and drops a TypeError first (CPython 3.11) and
-# `find` parses its arguments from a tuple, some 200 ns a call.
-_SP: Final = ord(" ")
-_EQUALS: Final = ord("=")
 
 
 def secret_forms(value: bytes) -> list[bytes]:
@@ -50,9 +46,9 @@ def secret_forms(value: bytes) -> list[bytes]:
     (two functions, not one over `AnyStr`, which mypyc refuses: scripts/compile.py)."""
     value = value.lower().strip()
     forms = [value]
-    if _SP in value:
+    if SP in value:
         forms.append(value.rsplit(b" ", 1)[1])
-    if _EQUALS in value:
+    if EQUALS in value:
         forms.extend(pair.split(b"=", 1)[-1].strip() for pair in value.split(b";"))
     return [form for form in forms if len(form) >= MIN_SECRET]
 

@@ -9,15 +9,15 @@ from functools import lru_cache
 from typing import Final
 
 from fallback_mw.security.queries import NO_METHODS, strip_url_query_keys
-from fallback_mw.security.values import MAX_CACHED, NAME_CACHE_LONGEST, NAME_CACHE_SIZE
+from fallback_mw.security.values import (
+    MAX_CACHED,
+    NAME_CACHE_LONGEST,
+    NAME_CACHE_SIZE,
+    QUESTION,
+    UNDERSCORE,
+)
 
 Headers = list[tuple[bytes, bytes]]
-
-# A byte's value, not a one-byte string, to look for (`_QUESTION in value`): `int in bytes`
-# is a memchr, where `bytes in bytes` formats and drops a TypeError first (CPython 3.11)
-# and `find` parses its arguments from a tuple, some 200 ns a call.
-_QUESTION: Final = ord("?")
-_UNDERSCORE: Final = ord("_")
 
 
 # Caller credentials: never forwarded to any upstream (SPEC §4).
@@ -294,7 +294,7 @@ def forwardable_request_headers(
             if name in _LISTING_FIELDS:  # hop-by-hop, so never forwarded itself
                 return _forwardable_listed(headers, also, query_keys)
             continue
-        if name == b"accept-encoding" or (query_keys and _QUESTION in value):
+        if name == b"accept-encoding" or (query_keys and QUESTION in value):
             value = _forwarded_value(name, value, query_keys)  # the rare rewrite only
         kept.append((name, value))
     return kept
@@ -317,7 +317,7 @@ def _forwarded_value(name: bytes, value: bytes, query_keys: frozenset[bytes]) ->
         if len(value) <= MAX_CACHED:
             return readable_accept_encoding(value)
         return readable_codings(value)
-    if query_keys and _QUESTION in value:
+    if query_keys and QUESTION in value:
         return strip_url_query_keys(value, query_keys)
     return value
 
@@ -346,7 +346,7 @@ def _canonical_names(names: frozenset[bytes]) -> frozenset[bytes]:
     """`names` in canonical form, once per set (a route table's is made once). Not
     `b"_" in name` per request: on CPython 3.11 `bytes in bytes` first tries the needle
     as an integer and formats (then drops) a TypeError, some 2,000 instructions each."""
-    if all(_UNDERSCORE not in name for name in names):
+    if all(UNDERSCORE not in name for name in names):
         return names
     return frozenset(canonical_name(name) for name in names)
 

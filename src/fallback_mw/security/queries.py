@@ -7,11 +7,7 @@ from __future__ import annotations
 from typing import Final
 from urllib.parse import unquote_to_bytes
 
-# A byte's value, not a one-byte string, to look for (`_SEMICOLON in part`): `int in bytes` is a
-# memchr, where `bytes in bytes` formats and drops a TypeError first (CPython 3.11) and
-# `find` parses its arguments from a tuple, some 200 ns a call.
-_SEMICOLON: Final = ord(";")
-_PERCENT: Final = ord("%")
+from fallback_mw.security.values import PERCENT, SEMICOLON
 
 DEFAULT_STRIP_QUERY_KEYS: Final = (
     "api_key",
@@ -57,7 +53,7 @@ def strip_query_keys(query: bytes, keys: frozenset[bytes]) -> bytes:
         return query
     kept = []
     for part in query.split(b"&"):
-        if _SEMICOLON in part:
+        if SEMICOLON in part:
             pieces = [p for p in part.split(b";") if not _names_a_key(p, keys)]
             if pieces:
                 kept.append(b";".join(pieces))
@@ -83,7 +79,7 @@ def query_override_methods(query: bytes, method: str) -> frozenset[str]:
     (`canonical_query_key`: `%5Fmethod`, `.method`); `&` and `;` separate parameters.
     Most queries name no such parameter: any spelling of `_method` holds `ethod` or a `%`,
     so two searches answer for them (the query string of nearly every request)."""
-    if not query or (query.find(b"ethod") < 0 and _PERCENT not in query):
+    if not query or (query.find(b"ethod") < 0 and PERCENT not in query):
         return NO_METHODS
     named: set[str] = set()
     for part in query.replace(b";", b"&").split(b"&"):
