@@ -195,15 +195,16 @@ def throughput(
         return load
 
     for round_number in range(args.rounds):
-        shift = round_number % (len(names) + 1)
         if args.floor == "once":
             order = ["floor", *names]
+            shift = round_number % len(order)
             for name in order[shift:] + order[:shift]:
                 window(round_number, name)
             for name in names:
                 floors[name].append(results["floor"][-1])
             continue
-        for name in names[shift % len(names) :] + names[: shift % len(names)]:
+        shift = round_number % len(names)
+        for name in names[shift:] + names[:shift]:
             # A floor window beside each arm's, first in one round and second in the
             # next: a machine that drifts within a round moves both alike.
             if round_number % 2 == 0:
