@@ -4,11 +4,13 @@ memory scenarios (one large stream, many concurrent streams, a long run)."""
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import os
 import socket
 import statistics
 import subprocess
+import sys
 import time
 import urllib.request
 from collections import Counter
@@ -91,9 +93,25 @@ def run_wrk(wrk: str, url: str, seconds: int, connections: int, pid: int) -> Loa
 
 
 def post(url: str, body: bytes = CHAT_BODY) -> tuple[int, dict[str, str], bytes]:
+    """One POST on a connection of its own. A connection closed or reset before any answer
+    is said on stderr and asked once more (a server that has just started, on a machine
+    running a test suite beside it); a second such end fails the run, naming the URL."""
     request = urllib.request.Request(
         url, data=body, method="POST", headers={"content-type": "application/json"}
     )
+    try:
+        return _answer(request)
+    except (http.client.RemoteDisconnected, ConnectionResetError) as exc:
+        what = f"POST {url}: the connection ended without an answer"
+        print(f"benchmark: {what} ({exc!r}); asked once more", file=sys.stderr, flush=True)
+    time.sleep(0.2)
+    try:
+        return _answer(request)
+    except (http.client.RemoteDisconnected, ConnectionResetError) as exc:
+        raise RuntimeError(f"{what}, twice ({exc!r})") from exc
+
+
+def _answer(request: urllib.request.Request) -> tuple[int, dict[str, str], bytes]:
     try:
         with urllib.request.urlopen(request, timeout=10) as response:
             return response.status, dict(response.headers.items()), response.read()

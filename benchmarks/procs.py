@@ -220,6 +220,16 @@ class Tree:
         for child in list(reversed(self.children)):
             self.stop(child)
 
+    def report(self, lines: int = 20) -> None:
+        """The last lines of each child's log on stderr (a run that failed: the working
+        directory and its logs are removed on the way out)."""
+        for child in self.children:
+            status = child.process.poll()
+            state = "running" if status is None else f"exited ({status})"
+            tail = child.log.read_text(errors="replace").splitlines()[-lines:]
+            print(f"--- {child.name}, {state}, its log's last lines:", file=sys.stderr)
+            print("\n".join(tail) or "(empty)", file=sys.stderr, flush=True)
+
 
 def nginx_conf(workdir: Path, ok: int, backup: int, failing: int, big_mib: int) -> str:
     files = workdir / "files"

@@ -475,6 +475,9 @@ def main() -> int:
         )
         print("\n" + "\n".join(lines), flush=True)
         return 1 if broken else 0
+    except Exception:
+        tree.report()
+        raise
     finally:
         tree.close()
         shutil.rmtree(workdir, ignore_errors=True)

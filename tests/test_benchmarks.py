@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -62,8 +64,14 @@ def test_benchmark_runs_every_arm_and_prints_the_ratios() -> None:
         *("--redis", f"redis://{REDIS_HOST}:{REDIS_PORT}/{REDIS_DB}"),
     )
     skip_without_tools(result)
-    # Exit status 1: an arm answered non-2xx (e.g. failover broke); the table says which.
-    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
+    if result.returncode != 0:
+        # Exit status 1: an arm answered non-2xx (e.g. failover broke); the table says
+        # which. Otherwise the traceback and each server's last log lines (stderr) say why.
+        pytest.fail(
+            f"exit status {result.returncode}\n--- stderr:\n{result.stderr[-8000:]}"
+            f"\n--- stdout:\n{result.stdout[-3000:]}",
+            pytrace=False,
+        )
     rows = {}
     for line in result.stdout.splitlines():
         for arm in ARMS:
@@ -135,6 +143,64 @@ finally:
     tree.close()
     shutil.rmtree(tree.workdir)
 """
+
+
+ASK = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import clients
+try:
+    status, _, body = clients.post(sys.argv[2])
+    print(status, body.decode())
+except RuntimeError as exc:
+    print("failed:", exc)
+"""
+
+
+@pytest.mark.parametrize("silent", [1, 2])
+def test_a_post_that_ends_without_an_answer_is_said_and_asked_once_more(silent: int) -> None:
+    """The benchmark's own requests (the probe of each arm, the memory warm-ups): a
+    connection a server ends without an answer is said on stderr and asked once more;
+    a second one fails the run with the URL, never a bare traceback."""
+    ended: list[int] = []
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+
+        def serve() -> None:
+            for number in range(2):
+                connection, _ = server.accept()
+                with connection:
+                    data = b""
+                    while b"\r\n\r\n" not in data:
+                        data += connection.recv(65536)
+                    head, _, body = data.partition(b"\r\n\r\n")
+                    length = int(re.search(rb"(?i)content-length: *(\d+)", head)[1])  # type: ignore[index]
+                    while len(body) < length:  # all of it read: the close is a FIN, not a reset
+                        body += connection.recv(65536)
+                    if number < silent:
+                        ended.append(number)
+                        continue
+                    connection.sendall(
+                        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
+                    )
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        result = subprocess.run(
+            [sys.executable, "-c", ASK, str(RUN.parent), url],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        thread.join(timeout=10)
+    assert result.returncode == 0, result.stderr
+    assert f"benchmark: POST {url}: the connection ended without an answer" in result.stderr
+    assert "asked once more" in result.stderr
+    assert ended == list(range(silent))
+    if silent == 1:
+        assert result.stdout.strip() == "200 ok"
+    else:
+        assert result.stdout.startswith(f"failed: POST {url}: the connection ended without")
+        assert "twice" in result.stdout
 
 
 @pytest.mark.parametrize("mode", ["split", "none"])
