@@ -122,8 +122,8 @@ def test_spans_the_sdk_makes_are_encoded_to_the_sdk_encoders_bytes(
     spans: list[ReadableSpan],
 ) -> None:
     ours = otlp_spans.encode_spans(spans)
-    assert isinstance(ours, ExportTraceServiceRequest)
     assert ours.SerializePartialToString() == sdk_encode(spans).SerializePartialToString()
+    assert ours.SerializeToString() == sdk_encode(spans).SerializeToString()
 
 
 def _readable(attributes: dict[str, Any]) -> ReadableSpan:
@@ -162,7 +162,8 @@ def test_values_the_sdk_cannot_encode_are_left_out_as_it_leaves_them(
         caplog.clear()
         ours = otlp_spans.encode_spans(spans)
     assert ours.SerializePartialToString() == expected
-    keys = [a.key for a in ours.resource_spans[0].scope_spans[0].spans[0].attributes]
+    message = ExportTraceServiceRequest.FromString(ours.SerializePartialToString())
+    keys = [a.key for a in message.resource_spans[0].scope_spans[0].spans[0].attributes]
     assert keys == ["none", "raw", "map", "tuple", "kept"]
     assert sdk_lines == 3
     assert [r.getMessage().split(":")[0] for r in caplog.records] == [
@@ -170,6 +171,21 @@ def test_values_the_sdk_cannot_encode_are_left_out_as_it_leaves_them(
         "Failed to encode key huge-in-list",
         "Failed to encode key object",
     ]
+
+
+def test_an_attribute_encoded_again_is_the_same_and_true_is_never_one() -> None:
+    """The `KeyValue`s of str, bool and int attributes are remembered (a bounded table
+    each): the second span's bytes are the first's, True and 1 (equal in Python, one key
+    in a table) stay a bool and an int, and past the table's bound every value is still
+    encoded as the SDK encodes it."""
+    first = [_readable({"flag": True, "count": 1, "zero": 0, "off": False, "route": "chat"})]
+    second = [_readable({"flag": 1, "count": True, "zero": False, "off": 0, "route": "chat"})]
+    for spans in (first, second, first, second):
+        ours = otlp_spans.encode_spans(spans).SerializePartialToString()
+        assert ours == sdk_encode(spans).SerializePartialToString()
+    many = [_readable({"tenant": f"tenant-{n}", "n": n}) for n in range(5000)]
+    ours = otlp_spans.encode_spans(many).SerializePartialToString()
+    assert ours == sdk_encode(many).SerializePartialToString()
 
 
 def test_a_span_without_a_context_fails_the_batch_as_the_sdks_encoder_does() -> None:

@@ -1,30 +1,31 @@
-"""Spans encoded to OTLP protobuf in place, for serve's OTLP/HTTP span exporter.
+"""Spans encoded to OTLP protobuf bytes directly, for serve's OTLP/HTTP span exporter.
 
 The exporter's encoder (`opentelemetry.exporter.otlp.proto.common`'s `encode_spans`) builds
 each message from the messages below it, passed as arguments: a `KeyValue` from its
 `AnyValue`, a `Span` from its `KeyValue`s, and so up to the request. The protobuf runtime
 (upb) copies a message given that way, by serializing it and parsing the bytes back, so a
 span's data was encoded and decoded once per level above it, some 45 µs a span on the
-batch thread: a third of the instructions tracing added to a request (docs/performance.md).
+batch thread. Built in place instead (each field set where it lives) it still cost some
+90k instructions a span: every field set is a call into upb from Python
+(docs/performance.md).
 
-`encode_spans` here builds the same request from the top down, each field set where it
-lives (`add()` on a repeated field, a sub-message read from its parent), with the same
-protobuf classes: the same message, the same bytes, a third of the time.
-`use_in_place` hands it to the OTLP/HTTP span exporter module, after checking on a probe
-batch (every kind of field the SDK's encoder writes) that both give the same bytes; where
-they differ (an SDK whose encoder changed) the SDK's own is kept."""
+`encode_spans` here writes the protobuf wire format itself, each message's fields in
+field-number order as upb writes them, proto3's defaults left out as upb leaves them: the
+same bytes, handed to the exporter as an object whose `SerializePartialToString` (all the
+exporter asks of it) returns them. `use_in_place` hands it to the OTLP/HTTP span exporter
+module, after checking on a probe batch (every kind of field the SDK's encoder writes)
+that both give the same bytes; where they differ (an SDK whose encoder changed) the SDK's
+own is kept."""
 
 from __future__ import annotations
 
 import inspect
 import logging
+import struct
 from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import Any, Final
 
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-)
 from opentelemetry.proto.trace.v1.trace_pb2 import SpanFlags
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan
@@ -44,61 +45,143 @@ _KINDS: Final = {
 _HAS_IS_REMOTE: Final = int(SpanFlags.SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE_MASK)
 _IS_REMOTE: Final = int(SpanFlags.SPAN_FLAGS_CONTEXT_IS_REMOTE_MASK)
 
+# One byte each: the values below 128 a varint writes as themselves.
+_BYTES: Final = tuple(bytes((value,)) for value in range(128))
+_INT64_LOW: Final = -(2**63)
+_INT64_HIGH: Final = 2**63 - 1
+_DOUBLE: Final = struct.Struct("<d")
+_FIXED64: Final = struct.Struct("<Q")
+_FIXED32: Final = struct.Struct("<I")
+# The messages' field tags: (field number << 3) | wire type (0 varint, 1 fixed64,
+# 2 length-delimited, 5 fixed32), from opentelemetry-proto's .proto files.
+_ANY_STRING: Final = b"\x0a"
+_ANY_BOOL: Final = b"\x10"
+_ANY_INT: Final = b"\x18"
+_ANY_DOUBLE: Final = b"\x21"
+_ANY_ARRAY: Final = b"\x2a"
+_ANY_KVLIST: Final = b"\x32"
+_ANY_BYTES: Final = b"\x3a"
+_FALSE: Final = b"\x10\x00"
+_TRUE: Final = b"\x10\x01"
+_NONE: Final = b"\x12\x00"  # a `KeyValue`'s value present and empty (the SDK's None)
 
-def _put_value(out: Any, value: object) -> None:
-    """`value` into the `AnyValue` `out`, as the SDK's `_encode_value` makes it (its order of
-    checks: bool before int, str before Sequence)."""
+
+def _varint(value: int) -> bytes:
+    if value < 0x80:
+        return _BYTES[value]
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _delimited(tag: bytes, payload: bytes) -> bytes:
+    return tag + _varint(len(payload)) + payload
+
+
+def _value(value: object) -> bytes:
+    """An `AnyValue`'s bytes, as the SDK's `_encode_value` makes it (bool before int, str
+    before Sequence: no type is both); raises as upb does for what it cannot hold."""
+    if isinstance(value, str):
+        return _delimited(_ANY_STRING, value.encode())
+    if isinstance(value, bool):
+        return _TRUE if value else _FALSE
+    if isinstance(value, int):
+        return _ANY_INT + _int64(int(value))
+    if value is None:
+        return b""  # present, and empty
+    if isinstance(value, float):
+        return _ANY_DOUBLE + _DOUBLE.pack(value)
+    if isinstance(value, bytes):
+        return _delimited(_ANY_BYTES, bytes(value))
+    if isinstance(value, Sequence):
+        items = [_delimited(b"\x0a", _value(item)) for item in value]
+        return _delimited(_ANY_ARRAY, b"".join(items))
+    if isinstance(value, Mapping):
+        pairs = [_delimited(b"\x0a", _pair(str(key), item)) for key, item in value.items()]
+        return _delimited(_ANY_KVLIST, b"".join(pairs))
+    raise TypeError(f"Invalid type {type(value)}")
+
+
+def _int64(value: int) -> bytes:
+    if not _INT64_LOW <= value <= _INT64_HIGH:
+        raise ValueError(f"Value out of range: {value}")
+    return _varint(value if value >= 0 else value + 2**64)
+
+
+def _pair(key: object, value: object) -> bytes:
+    """A `KeyValue`'s bytes (its key left out when empty, its value always present)."""
+    if not isinstance(key, str):
+        raise TypeError("bad argument type for built-in operation")
+    name = key.encode()
+    encoded = _value(value)
+    head = _delimited(b"\x0a", name) if name else b""
+    return head + b"\x12" + _varint(len(encoded)) + encoded
+
+
+# The `KeyValue` of an attribute whose value is a str, a bool or an int, remembered: a
+# gateway's spans carry a few dozen names with few values each (a route, a candidate, an
+# outcome, a status). One table per type (True == 1: one table would mix them up); at most
+# _PAIRS_KEPT each, the rest encoded every time (a tenant's label, a duration).
+_PAIRS_KEPT: Final = 4096
+_LONGEST_KEPT: Final = 128  # characters of a key or a str value
+_STR_PAIRS: Final[dict[tuple[str, str], bytes]] = {}
+_BOOL_PAIRS: Final[dict[tuple[str, bool], bytes]] = {}
+_INT_PAIRS: Final[dict[tuple[str, int], bytes]] = {}
+
+
+def _kept_pair(key: str, value: object) -> bytes:
+    """`_pair(key, value)`, from the tables where it can be (exact types only: a subclass's
+    `__str__` or `__index__` is its own)."""
     kind = type(value)
+    if type(key) is not str or len(key) > _LONGEST_KEPT:
+        return _pair(key, value)
     if kind is str:
-        out.string_value = value
-    elif kind is bool:
-        out.bool_value = value
-    elif kind is int:
-        out.int_value = value
-    elif value is None:
-        out.SetInParent()
-    elif isinstance(value, bool):
-        out.bool_value = value
-    elif isinstance(value, str):
-        out.string_value = value
-    elif isinstance(value, int):
-        out.int_value = value
-    elif isinstance(value, float):
-        out.double_value = value
-    elif isinstance(value, bytes):
-        out.bytes_value = value
-    elif isinstance(value, Sequence):
-        array = out.array_value
-        array.SetInParent()
-        values = array.values
-        for item in value:
-            _put_value(values.add(), item)
-    elif isinstance(value, Mapping):
-        listed = out.kvlist_value
-        listed.SetInParent()
-        pairs = listed.values
-        for key, item in value.items():
-            pair = pairs.add()
-            pair.key = str(key)
-            _put_value(pair.value, item)
-    else:
-        raise TypeError(f"Invalid type {kind}")
+        text: str = value  # type: ignore[assignment]
+        if len(text) > _LONGEST_KEPT:
+            return _pair(key, value)
+        found = _STR_PAIRS.get((key, text))
+        if found is None:
+            found = _pair(key, text)
+            if len(_STR_PAIRS) < _PAIRS_KEPT:
+                _STR_PAIRS[(key, text)] = found
+        return found
+    if kind is bool:
+        flag: bool = value  # type: ignore[assignment]
+        found = _BOOL_PAIRS.get((key, flag))
+        if found is None:
+            found = _pair(key, flag)
+            if len(_BOOL_PAIRS) < _PAIRS_KEPT:
+                _BOOL_PAIRS[(key, flag)] = found
+        return found
+    if kind is int:
+        number: int = value  # type: ignore[assignment]
+        found = _INT_PAIRS.get((key, number))
+        if found is None:
+            found = _pair(key, number)  # raises past int64: nothing kept
+            if len(_INT_PAIRS) < _PAIRS_KEPT:
+                _INT_PAIRS[(key, number)] = found
+        return found
+    return _pair(key, value)
 
 
-def _put_attributes(out: Any, attributes: Mapping[str, object] | None) -> None:
-    """Each attribute as a `KeyValue` added to the repeated field `out`; one that cannot be
-    encoded (a value out of int64's range, a type OTLP has no field for) is logged and left
-    out, the others kept, as the SDK's `_encode_attributes` does."""
+def _attributes(tag: bytes, attributes: Mapping[str, object] | None) -> list[bytes]:
+    """Each attribute as a `KeyValue` field `tag`; one that cannot be encoded (a value out
+    of int64's range, a type OTLP has no field for) is logged and left out, the others
+    kept, as the SDK's `_encode_attributes` does."""
+    fields: list[bytes] = []
     if not attributes:
-        return
+        return fields
     for key, value in attributes.items():
-        pair = out.add()
         try:
-            pair.key = key
-            _put_value(pair.value, value)
+            pair = _kept_pair(key, value)
         except Exception as error:
-            del out[len(out) - 1]
             _logger.error("Failed to encode key %s: %s", key, error)
+            continue
+        fields.append(tag + _varint(len(pair)) + pair)
+    return fields
 
 
 def _attributes_of(span: ReadableSpan) -> Mapping[str, object] | None:
@@ -112,10 +195,24 @@ def _attributes_of(span: ReadableSpan) -> Mapping[str, object] | None:
     return span.attributes
 
 
-def encode_spans(spans: Sequence[ReadableSpan]) -> ExportTraceServiceRequest:
-    """The OTLP export request for `spans`: the SDK encoder's message, built in place.
-    Grouped as it groups them (by resource, then instrumentation scope, in the order they
-    first appear)."""
+class EncodedSpans:
+    """The export request's bytes, as the exporter asks for them."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+
+    def SerializePartialToString(self) -> bytes:
+        return self._data
+
+    def SerializeToString(self) -> bytes:
+        return self._data
+
+
+def encode_spans(spans: Sequence[ReadableSpan]) -> EncodedSpans:
+    """The OTLP export request for `spans`: the SDK encoder's message's bytes. Grouped as it
+    groups them (by resource, then instrumentation scope, in the order they first appear)."""
     groups: dict[Resource, dict[Any, list[ReadableSpan]]] = {}
     last_resource: object = None
     last_scope: object = None
@@ -129,78 +226,91 @@ def encode_spans(spans: Sequence[ReadableSpan]) -> ExportTraceServiceRequest:
             last_resource, last_scope = resource, scope
         members.append(span)
 
-    request = ExportTraceServiceRequest()
+    request: list[bytes] = []
     for resource, scopes in groups.items():
-        resource_spans = request.resource_spans.add()
-        resource_spans.resource.SetInParent()
-        _put_attributes(resource_spans.resource.attributes, resource.attributes)
-        if resource.schema_url:
-            resource_spans.schema_url = resource.schema_url
+        fields = [_delimited(b"\x0a", b"".join(_attributes(b"\x0a", resource.attributes)))]
         for scope, in_scope in scopes.items():
-            scope_spans = resource_spans.scope_spans.add()
-            scope_spans.scope.SetInParent()
+            described: list[bytes] = []
+            schema = b""
             if scope is not None:
                 if scope.name:
-                    scope_spans.scope.name = scope.name
+                    described.append(_delimited(b"\x0a", scope.name.encode()))
                 if scope.version:
-                    scope_spans.scope.version = scope.version
-                _put_attributes(scope_spans.scope.attributes, scope.attributes)
+                    described.append(_delimited(b"\x12", scope.version.encode()))
+                described += _attributes(b"\x1a", scope.attributes)
                 if scope.schema_url:
-                    scope_spans.schema_url = scope.schema_url
-            out = scope_spans.spans
-            for span in in_scope:
-                _put_span(out.add(), span)
-    return request
+                    schema = _delimited(b"\x1a", scope.schema_url.encode())
+            parts = [_delimited(b"\x0a", b"".join(described))]
+            parts += [_delimited(b"\x12", _span(span)) for span in in_scope]
+            parts.append(schema)
+            fields.append(_delimited(b"\x12", b"".join(parts)))
+        if resource.schema_url:
+            fields.append(_delimited(b"\x1a", resource.schema_url.encode()))
+        request.append(_delimited(b"\x0a", b"".join(fields)))
+    return EncodedSpans(b"".join(request))
 
 
-def _put_span(out: Any, span: ReadableSpan) -> None:
-    """One span's fields, as the SDK's `_encode_span` sets them."""
+def _span(span: ReadableSpan) -> bytes:
+    """One span's bytes, the fields the SDK's `_encode_span` sets."""
     context = span.get_span_context()
     if context is None:  # the SDK's encoder fails the batch too ("Failed to encode ...")
         raise ValueError("a span without a span context")
-    out.trace_id = context.trace_id.to_bytes(16, "big")
-    out.span_id = context.span_id.to_bytes(8, "big")
+    fields = [
+        b"\x0a\x10" + context.trace_id.to_bytes(16, "big"),
+        b"\x12\x08" + context.span_id.to_bytes(8, "big"),
+    ]
     state = context.trace_state
     if state is not None:
-        out.trace_state = ",".join([f"{key}={value}" for key, value in state.items()])
+        text = ",".join([f"{key}={value}" for key, value in state.items()])
+        if text:
+            fields.append(_delimited(b"\x1a", text.encode()))
     parent = span.parent
     if parent:
-        out.parent_span_id = parent.span_id.to_bytes(8, "big")
-    out.name = span.name
-    out.kind = _KINDS[span.kind]
-    if span.start_time is not None:
-        out.start_time_unix_nano = span.start_time
-    if span.end_time is not None:
-        out.end_time_unix_nano = span.end_time
-    _put_attributes(out.attributes, _attributes_of(span))
-    events = span.events
-    if events:
-        for event in events:
-            encoded = out.events.add()
-            encoded.name = event.name
-            encoded.time_unix_nano = event.timestamp
-            _put_attributes(encoded.attributes, event.attributes)
-            encoded.dropped_attributes_count = event.dropped_attributes
-    links = span.links
-    if links:
-        for link in links:
-            linked = out.links.add()
-            linked.trace_id = link.context.trace_id.to_bytes(16, "big")
-            linked.span_id = link.context.span_id.to_bytes(8, "big")
-            _put_attributes(linked.attributes, link.attributes)
-            linked.dropped_attributes_count = link.dropped_attributes
-            linked.flags = _HAS_IS_REMOTE | (_IS_REMOTE if link.context.is_remote else 0)
+        fields.append(b"\x22\x08" + parent.span_id.to_bytes(8, "big"))
+    name = span.name.encode()
+    if name:
+        fields.append(_delimited(b"\x2a", name))
+    fields.append(b"\x30" + _varint(_KINDS[span.kind]))
+    if span.start_time:
+        fields.append(b"\x39" + _FIXED64.pack(span.start_time))
+    if span.end_time:
+        fields.append(b"\x41" + _FIXED64.pack(span.end_time))
+    fields += _attributes(b"\x4a", _attributes_of(span))
+    if span.dropped_attributes:
+        fields.append(b"\x50" + _varint(span.dropped_attributes))
+    for event in span.events:
+        encoded = [b"\x09" + _FIXED64.pack(event.timestamp)] if event.timestamp else []
+        if event.name:
+            encoded.append(_delimited(b"\x12", event.name.encode()))
+        encoded += _attributes(b"\x1a", event.attributes)
+        if event.dropped_attributes:
+            encoded.append(b"\x20" + _varint(event.dropped_attributes))
+        fields.append(_delimited(b"\x5a", b"".join(encoded)))
+    if span.dropped_events:
+        fields.append(b"\x60" + _varint(span.dropped_events))
+    for link in span.links:
+        linked = [
+            b"\x0a\x10" + link.context.trace_id.to_bytes(16, "big"),
+            b"\x12\x08" + link.context.span_id.to_bytes(8, "big"),
+        ]
+        linked += _attributes(b"\x22", link.attributes)
+        if link.dropped_attributes:
+            linked.append(b"\x28" + _varint(link.dropped_attributes))
+        flags = _HAS_IS_REMOTE | (_IS_REMOTE if link.context.is_remote else 0)
+        linked.append(b"\x35" + _FIXED32.pack(flags))
+        fields.append(_delimited(b"\x6a", b"".join(linked)))
+    if span.dropped_links:
+        fields.append(b"\x70" + _varint(span.dropped_links))
     status = span.status
     if status is not None:
-        encoded_status = out.status
-        encoded_status.SetInParent()
-        encoded_status.code = status.status_code.value
-        if status.description is not None:
-            encoded_status.message = status.description
-    out.dropped_attributes_count = span.dropped_attributes
-    out.dropped_events_count = span.dropped_events
-    out.dropped_links_count = span.dropped_links
-    out.flags = _HAS_IS_REMOTE | (_IS_REMOTE if parent and parent.is_remote else 0)
+        said = b""
+        if status.description is not None and status.description:
+            said = _delimited(b"\x12", status.description.encode())
+        code = status.status_code.value
+        fields.append(_delimited(b"\x7a", said + (b"\x18" + _varint(code) if code else b"")))
+    flags = _HAS_IS_REMOTE | (_IS_REMOTE if parent and parent.is_remote else 0)
+    fields.append(b"\x85\x01" + _FIXED32.pack(flags))
+    return b"".join(fields)
 
 
 def probe_spans() -> list[ReadableSpan]:
