@@ -196,33 +196,25 @@ def _add_methods(named: set[str], value: bytes) -> None:
 
 # Each header name's lowercased and canonical forms, by the name as it came
 # (`name_forms`): the same few names come every request, and a dict look-up is a fraction
-# of `lower` and `replace`, done in several passes over every head. Bounded as every cache
-# of caller names is (`NAME_CACHE_LONGEST`, `NAME_CACHE_SIZE`: 64 bytes, 1,024 names).
-_NAME_FORMS: Final[dict[bytes, tuple[bytes, bytes]]] = {}  # Final: a static, compiled
+# of `lower` and `replace` (method calls of a few hundred instructions each, compiled),
+# done in several passes over every head. Bounded as every cache of caller names is
+# (`NAME_CACHE_LONGEST`, `NAME_CACHE_SIZE`: 64 bytes, 1,024 names).
+# Final: compiled, a static, not a look-up in the module's dict at every call.
+_NAME_FORMS: Final[dict[bytes, tuple[bytes, bytes]]] = {}
 
 
 def name_forms(name: bytes) -> tuple[bytes, bytes]:
     """`(name.lower(), canonical_name(name))`, remembered for the usual names (of type
     bytes: a host's bytearray name, unhashable, is read as it was)."""
     found = _NAME_FORMS.get(name) if type(name) is bytes else None
-    return _remembered(name) if found is None else found
-
-
-def _remembered(name: bytes) -> tuple[bytes, bytes]:
-    """A name's forms, kept while there is room; the lowercased form a key of its own and
-    the first of its forms: read again (the forwarded head, an answer's head lowercased)
-    it is found by identity, not compared byte by byte as a name from the wire is."""
-    lower = name.lower()
-    if type(name) is not bytes or len(name) > NAME_CACHE_LONGEST:
-        return (lower, canonical_name(name))
-    found = _NAME_FORMS.get(lower)
     if found is None:
-        found = (name if lower == name else lower, canonical_name(lower))  # the key itself
-        if len(_NAME_FORMS) >= NAME_CACHE_SIZE:
-            return found
-        _NAME_FORMS[found[0]] = found
-    if name is not found[0] and len(_NAME_FORMS) < NAME_CACHE_SIZE:
-        _NAME_FORMS[name] = found
+        found = (name.lower(), canonical_name(name))
+        if (
+            len(name) <= NAME_CACHE_LONGEST
+            and len(_NAME_FORMS) < NAME_CACHE_SIZE
+            and type(name) is bytes
+        ):
+            _NAME_FORMS[name] = found
     return found
 
 
