@@ -123,48 +123,31 @@ def _pair(key: object, value: object) -> bytes:
 
 # The `KeyValue` of an attribute whose value is a str, a bool or an int, remembered: a
 # gateway's spans carry a few dozen names with few values each (a route, a candidate, an
-# outcome, a status). One table per type (True == 1: one table would mix them up); at most
-# _PAIRS_KEPT each, the rest encoded every time (a tenant's label, a duration).
+# outcome, a status). Keyed by the value's type too (True == 1 in Python, never in the
+# bytes); at most _PAIRS_KEPT, the rest encoded every time (a tenant's label, a duration).
 _PAIRS_KEPT: Final = 4096
 _LONGEST_KEPT: Final = 128  # characters of a key or a str value
-_STR_PAIRS: Final[dict[tuple[str, str], bytes]] = {}
-_BOOL_PAIRS: Final[dict[tuple[str, bool], bytes]] = {}
-_INT_PAIRS: Final[dict[tuple[str, int], bytes]] = {}
+_PAIRS: Final[dict[tuple[str, type, object], bytes]] = {}
 
 
 def _kept_pair(key: str, value: object) -> bytes:
-    """`_pair(key, value)`, from the tables where it can be (exact types only: a subclass's
+    """`_pair(key, value)`, from the table where it can be (exact types only: a subclass's
     `__str__` or `__index__` is its own)."""
     kind = type(value)
-    if type(key) is not str or len(key) > _LONGEST_KEPT:
+    if (
+        (kind is not str and kind is not bool and kind is not int)
+        or type(key) is not str
+        or len(key) > _LONGEST_KEPT
+        or (kind is str and len(value) > _LONGEST_KEPT)  # type: ignore[arg-type]
+    ):
         return _pair(key, value)
-    if kind is str:
-        text: str = value  # type: ignore[assignment]
-        if len(text) > _LONGEST_KEPT:
-            return _pair(key, value)
-        found = _STR_PAIRS.get((key, text))
-        if found is None:
-            found = _pair(key, text)
-            if len(_STR_PAIRS) < _PAIRS_KEPT:
-                _STR_PAIRS[(key, text)] = found
-        return found
-    if kind is bool:
-        flag: bool = value  # type: ignore[assignment]
-        found = _BOOL_PAIRS.get((key, flag))
-        if found is None:
-            found = _pair(key, flag)
-            if len(_BOOL_PAIRS) < _PAIRS_KEPT:
-                _BOOL_PAIRS[(key, flag)] = found
-        return found
-    if kind is int:
-        number: int = value  # type: ignore[assignment]
-        found = _INT_PAIRS.get((key, number))
-        if found is None:
-            found = _pair(key, number)  # raises past int64: nothing kept
-            if len(_INT_PAIRS) < _PAIRS_KEPT:
-                _INT_PAIRS[(key, number)] = found
-        return found
-    return _pair(key, value)
+    entry = (key, kind, value)
+    found = _PAIRS.get(entry)
+    if found is None:
+        found = _pair(key, value)  # raises past int64: nothing kept
+        if len(_PAIRS) < _PAIRS_KEPT:
+            _PAIRS[entry] = found
+    return found
 
 
 def _attributes(tag: bytes, attributes: Mapping[str, object] | None) -> list[bytes]:
