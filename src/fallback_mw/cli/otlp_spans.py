@@ -55,15 +55,13 @@ _FIXED32: Final = struct.Struct("<I")
 # The messages' field tags: (field number << 3) | wire type (0 varint, 1 fixed64,
 # 2 length-delimited, 5 fixed32), from opentelemetry-proto's .proto files.
 _ANY_STRING: Final = b"\x0a"
-_ANY_BOOL: Final = b"\x10"
 _ANY_INT: Final = b"\x18"
 _ANY_DOUBLE: Final = b"\x21"
 _ANY_ARRAY: Final = b"\x2a"
 _ANY_KVLIST: Final = b"\x32"
 _ANY_BYTES: Final = b"\x3a"
-_FALSE: Final = b"\x10\x00"
+_FALSE: Final = b"\x10\x00"  # an `AnyValue`'s bool_value (a oneof: written when false too)
 _TRUE: Final = b"\x10\x01"
-_NONE: Final = b"\x12\x00"  # a `KeyValue`'s value present and empty (the SDK's None)
 
 
 def _varint(value: int) -> bytes:
