@@ -285,7 +285,7 @@ def _span(span: ReadableSpan) -> bytes:
     status = span.status
     if status is not None:
         said = b""
-        if status.description is not None and status.description:
+        if status.description:  # None or "": no message field
             said = _delimited(b"\x12", status.description.encode())
         code = status.status_code.value
         fields.append(_delimited(b"\x7a", said + (b"\x18" + _varint(code) if code else b"")))
