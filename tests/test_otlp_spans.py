@@ -174,10 +174,10 @@ def test_values_the_sdk_cannot_encode_are_left_out_as_it_leaves_them(
 
 
 def test_an_attribute_encoded_again_is_the_same_and_true_is_never_one() -> None:
-    """The `KeyValue`s of str, bool and int attributes are remembered (a bounded table
-    each): the second span's bytes are the first's, True and 1 (equal in Python, one key
-    in a table) stay a bool and an int, and past the table's bound every value is still
-    encoded as the SDK encodes it."""
+    """The `KeyValue`s of str, bool and int attributes are remembered (one bounded table,
+    keyed by the value's type too): the second span's bytes are the first's, True and 1
+    (equal in Python, one key in a table keyed by value alone) stay a bool and an int, and
+    past the table's bound every value is still encoded as the SDK encodes it."""
     first = [_readable({"flag": True, "count": 1, "zero": 0, "off": False, "route": "chat"})]
     second = [_readable({"flag": 1, "count": True, "zero": False, "off": 0, "route": "chat"})]
     for spans in (first, second, first, second):
