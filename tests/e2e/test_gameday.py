@@ -433,7 +433,12 @@ async def test_alert_prediction_checked_against_a_real_prometheus_and_the_page_r
     assert breaker["result"] == "pass", report["prometheus"]
     assert 0 < breaker["observed"] <= 30
     assert canary["result"] == "no data" and canary["observed"] is None
-    assert recovery["result"] == "pass"
+    # Not recovered (it failed so once in CI, not since): what the command said (a store
+    # error, "not recovered ...") and the last of what serve logged.
+    served = (tmp_path / "serve.log").read_text(errors="replace").splitlines()[-40:]
+    assert recovery["result"] == "pass", (
+        f"{report['failure']}\n{stdout}{stderr}\n--- serve.log:\n" + "\n".join(served)
+    )
     seen = report["prometheus"]["alerts"]["FallbackMwBreakerOpen"]
     assert seen["firing_s"] == breaker["observed"]
     # Firing while the fault held; resolved once the revert closed the breaker.
