@@ -116,7 +116,7 @@ def _pair(key: object, value: object) -> bytes:
     name = key.encode()
     encoded = _value(value)
     head = _delimited(b"\x0a", name) if name else b""
-    return head + b"\x12" + _varint(len(encoded)) + encoded
+    return head + _delimited(b"\x12", encoded)
 
 
 # The `KeyValue` of an attribute whose value is a str, a bool or an int, remembered: a
@@ -161,7 +161,7 @@ def _attributes(tag: bytes, attributes: Mapping[str, object] | None) -> list[byt
         except Exception as error:
             _logger.error("Failed to encode key %s: %s", key, error)
             continue
-        fields.append(tag + _varint(len(pair)) + pair)
+        fields.append(_delimited(tag, pair))
     return fields
 
 
