@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import warnings
 from collections.abc import Sequence
 from typing import Any, Final, SupportsIndex, cast
 
@@ -17,8 +16,10 @@ from yarl import URL
 from fallback_mw.injected import count_option, path_option
 from fallback_mw.loops import CloseAtLoopEnd, close_on_its_loop
 from fallback_mw.timers import deadline_after
+from fallback_mw.upstream import aiohttp_request
 from fallback_mw.upstream.aiohttp_connector import ARM_ON_CONNECT, GuardedConnector, Sending
 from fallback_mw.upstream.aiohttp_errors import raise_mapped
+from fallback_mw.upstream.aiohttp_request import bytes_data
 from fallback_mw.upstream.base import (
     MAX_RESPONSE_FIELD,
     MAX_RESPONSE_FIELDS,
@@ -179,20 +180,6 @@ def _answer_began(error: UpstreamError) -> bool:
 _RESENT_BY_AIOHTTP: Final = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
 
 
-_LARGE_BYTES: Final = 1 << 20  # aiohttp's TOO_LARGE_BYTES_BODY
-
-
-def _bytes_payload(body: bytes) -> aiohttp.payload.BytesPayload:
-    """A buffered body over 1 MiB (a `replay_buffer` raised above its default), as aiohttp
-    would wrap it, without its ResourceWarning ("might lock the event loop": the body is
-    already in memory, and one transport write copies it). A host that runs with warnings
-    as errors (its test suite) had the request end in that warning, raised out of the
-    gateway. Constructing the payload does not await: no other task sees the filter."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ResourceWarning)
-        return aiohttp.payload.BytesPayload(body)
-
-
 def _checked(response: aiohttp.ClientResponse, proxy: str | None) -> list[tuple[bytes, bytes]]:
     """The answer's head checked (check_response_head, check_proxy_answer, its framing),
     its fields returned with names lowercased; an answer the relay cannot carry is closed
@@ -313,21 +300,18 @@ class AiohttpClient:
                 # caller's body is still arriving (the caller's time): see FirstByteTimer.
                 timer = FirstByteTimer(timeouts.first_byte)
                 sending = Sending(timer, not buffered, timeouts.connect)
-                if isinstance(body, bytes):
-                    data: Any = _bytes_payload(body) if len(body) > _LARGE_BYTES else (body or None)
-                else:
-                    data = timer.timed_body(body)
+                data = bytes_data(body) if isinstance(body, bytes) else timer.timed_body(body)
                 armed = ARM_ON_CONNECT.set(sending)
                 answered = False
                 try:
                     with timer.running():
-                        response = await session.request(
+                        response = await aiohttp_request.request(
+                            session,
                             request.method,
                             url,
                             headers=CIMultiDict(request.headers),
                             data=data,
-                            allow_redirects=False,
-                            timeout=self._timeouts.get(timeouts.connect)
+                            client_timeout=self._timeouts.get(timeouts.connect)
                             or self._client_timeout(timeouts.connect),
                             # The same trust on both engines (upstream/tls.py); plain http
                             # needs none.
