@@ -64,6 +64,7 @@ ELIGIBILITY_FIND = """        state.replayable
         and state.client_connected"""
 ELIGIBILITY_REPLACE = "        state.client_connected"
 DECIDE = "failover/decide.py"
+AIOHTTP_PATH = "tests/test_aiohttp_request_path.py::"
 REPLAY = "failover/replay.py"
 OUTCOME = "failover/outcome.py"
 
@@ -855,6 +856,30 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/test_unrouted_untouched.py::"
             "test_a_request_no_route_matches_reaches_the_host_app_untouched",
         ),
+    ),
+    Mutant(
+        "own_path_drops_the_query",
+        "the aiohttp engine's own path sends the target byte for byte (its query too)",
+        (
+            (
+                "upstream/aiohttp_request.py",
+                "{self.url.raw_path_qs} HTTP/",
+                "{self.url.raw_path} HTTP/",
+            ),
+        ),
+        (AIOHTTP_PATH + "test_both_paths_send_the_same_bytes_and_read_the_same_answer",),
+    ),
+    Mutant(
+        "own_path_writer_task",
+        "a small buffered body goes out with its head, without aiohttp's writer task",
+        (
+            (
+                "upstream/aiohttp_request.py",
+                "ONE_WRITE_MAX: Final = 16 * 1024",
+                "ONE_WRITE_MAX: Final = 0",
+            ),
+        ),
+        (AIOHTTP_PATH + "test_a_small_buffered_body_goes_out_without_a_writer_task",),
     ),
 )
 

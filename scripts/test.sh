@@ -67,6 +67,22 @@ echo "== pytest"
 # first), so that no minutes-long file starts last and alone.
 .venv/bin/python -m pytest -n "${FMW_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder \
     "$@" || failed+=("pytest")
+if [ $# -eq 0 ]; then
+    # The aiohttp engine on ClientSession.request, the path it keeps under an aiohttp
+    # release its own request path (upstream/aiohttp_request.py) was not read against: the
+    # engine's files of real-socket tests once more on it (tests/conftest.py).
+    echo "== pytest (the aiohttp engine on ClientSession.request)"
+    FMW_TEST_AIOHTTP_SESSION_PATH=1 .venv/bin/python -m pytest -n "${FMW_TEST_WORKERS:-3}" \
+        --dist loadfile --no-loadscope-reorder -q \
+        tests/test_stale_connections.py tests/test_upstream_pool.py tests/test_relay_ends.py \
+        tests/test_connection_loss.py tests/test_cancel_anywhere.py tests/test_pool_returned.py \
+        tests/test_own_engine.py tests/test_gateway.py tests/test_walker.py \
+        tests/hostile/test_early_answers.py tests/hostile/test_request_bodies.py \
+        tests/hostile/test_egress_proxy.py tests/hostile/test_hostile_upstreams.py \
+        tests/hostile/test_fuzz_engines.py tests/e2e/test_tls_upstreams.py \
+        tests/test_aiohttp_request_path.py \
+        || failed+=("pytest (ClientSession.request)")
+fi
 if [ $# -eq 0 ]; then  # a full run (not a -k selection): the negative controls as code
     echo "== negative controls (scripts/mutants.py: each mutant must be caught)"
     .venv/bin/python scripts/mutants.py || failed+=("mutants")

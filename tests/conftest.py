@@ -73,6 +73,15 @@ if os.environ.get("FMW_TEST_COMPILED"):
             "DIR on PYTHONPATH"
         )
 
+# scripts/test.sh's pass of the aiohttp engine on ClientSession.request
+# (FMW_TEST_AIOHTTP_SESSION_PATH=1, a few engine test files): the path the engine keeps under
+# an aiohttp release its own request path was not read against (upstream/aiohttp_request.py).
+# In-process only: a `serve` the tests start takes the engine's own path.
+if os.environ.get("FMW_TEST_AIOHTTP_SESSION_PATH"):
+    from fallback_mw.upstream import aiohttp_request
+
+    aiohttp_request.use(False)
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The compiled pass (FMW_TEST_COMPILED) leaves out the tests marked

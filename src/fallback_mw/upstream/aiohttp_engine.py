@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from typing import Any, Final, SupportsIndex, cast
 
 import aiohttp
-from multidict import CIMultiDict
 from yarl import URL
 
 from fallback_mw.injected import count_option, path_option
@@ -19,7 +18,7 @@ from fallback_mw.timers import deadline_after
 from fallback_mw.upstream import aiohttp_request
 from fallback_mw.upstream.aiohttp_connector import ARM_ON_CONNECT, GuardedConnector, Sending
 from fallback_mw.upstream.aiohttp_errors import raise_mapped
-from fallback_mw.upstream.aiohttp_request import bytes_data
+from fallback_mw.upstream.aiohttp_request import SKIP_AUTO_HEADERS, bytes_data
 from fallback_mw.upstream.base import (
     MAX_RESPONSE_FIELD,
     MAX_RESPONSE_FIELDS,
@@ -37,10 +36,6 @@ from fallback_mw.upstream.base import (
 from fallback_mw.upstream.caps import ConnectionCaps, Release, uncapped
 from fallback_mw.upstream.guard import GuardedResolver, LiteralChecks
 from fallback_mw.upstream.tls import ssl_context
-
-# aiohttp would otherwise add these; the upstream sees only what the gateway decided.
-_SKIP_AUTO_HEADERS: Final = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
-
 
 # The longest response status line and header field read (aiohttp's default is 8190 bytes:
 # a long Content-Security-Policy, Link or Set-Cookie became a protocol failure, booked to
@@ -249,7 +244,7 @@ class AiohttpClient:
             self._session = aiohttp.ClientSession(
                 connector=connector,
                 auto_decompress=False,
-                skip_auto_headers=_SKIP_AUTO_HEADERS,
+                skip_auto_headers=SKIP_AUTO_HEADERS,
                 timeout=aiohttp.ClientTimeout(total=None),
                 cookie_jar=aiohttp.DummyCookieJar(),
                 max_line_size=_MAX_RESPONSE_FIELD,
@@ -309,7 +304,7 @@ class AiohttpClient:
                             session,
                             request.method,
                             url,
-                            headers=CIMultiDict(request.headers),
+                            headers=request.headers,
                             data=data,
                             client_timeout=self._timeouts.get(timeouts.connect)
                             or self._client_timeout(timeouts.connect),

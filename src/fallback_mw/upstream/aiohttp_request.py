@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import warnings
+from collections.abc import Iterable
 from typing import Any, Final
 
 import aiohttp
@@ -49,6 +50,11 @@ _ON: dict[str, bool] = {"path": aiohttp.__version__.startswith(_READ_AGAINST)}
 # all (a 413) is still read.
 ONE_WRITE_MAX: Final = 16 * 1024
 _NO_TIMER: Final = TimerNoop()
+# aiohttp would otherwise add these (User-Agent, Accept, Accept-Encoding; Content-Type to a
+# POST without one); the upstream sees only what the gateway decided. The engine's session
+# skips them (AiohttpClient._get_session), and its own request the same (`OneWriteRequest`).
+SKIP_AUTO_HEADERS: Final = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
+_SKIPPED: Final = CIMultiDict[None]((name, None) for name in sorted(SKIP_AUTO_HEADERS))
 _HEAD_ONLY: Final = frozenset({hdrs.METH_HEAD})
 
 
@@ -85,7 +91,7 @@ async def request(
     method: str,
     url: URL,
     *,
-    headers: CIMultiDict[str],
+    headers: list[tuple[str, str]],
     data: Any,
     client_timeout: aiohttp.ClientTimeout,
     ssl: Any,
@@ -107,7 +113,7 @@ async def request(
     return await session.request(
         method,
         url,
-        headers=headers,
+        headers=CIMultiDict(headers),
         data=data,
         allow_redirects=False,
         timeout=client_timeout,
@@ -122,6 +128,11 @@ class OneWriteRequest(ClientRequest):
     Python 3.12 and later (an eagerly started writer task): no task per request. Anything
     else (a streamed body, a larger one, a proxy's absolute-form target, `Expect:
     100-continue`, a paused transport) is sent by aiohttp's own `send`."""
+
+    def update_auto_headers(self, skip_auto_headers: Iterable[str] | None) -> None:
+        # Every header aiohttp adds is skipped (SKIP_AUTO_HEADERS): none is added, and the
+        # skipped names are one table, not one built and sorted per request.
+        self._skip_auto_headers = _SKIPPED
 
     async def send(self, conn: Any) -> ClientResponse:
         body = self._body
@@ -190,7 +201,7 @@ async def open_response(
     method: str,
     url: URL,
     *,
-    headers: CIMultiDict[str],
+    headers: list[tuple[str, str]],
     data: Any,
     client_timeout: aiohttp.ClientTimeout,
     ssl: Any,
@@ -206,7 +217,7 @@ async def open_response(
         method,
         url,
         headers=headers,
-        skip_auto_headers=session._skip_auto_headers,
+        skip_auto_headers=None,  # SKIP_AUTO_HEADERS: OneWriteRequest.update_auto_headers
         data=data,
         loop=session._loop,
         response_class=session._response_class,

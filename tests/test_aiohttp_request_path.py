@@ -1,0 +1,286 @@
+"""The aiohttp engine's own request path (upstream/aiohttp_request.py) against
+`ClientSession.request`, the path it keeps under an aiohttp release it was not read
+against: the same bytes on the wire, the same answer read, the same failure kinds, on real
+sockets; and what the path is for, a small buffered body sent without a writer task."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fallback_mw.upstream import aiohttp_request
+from fallback_mw.upstream.aiohttp_engine import AiohttpClient
+from fallback_mw.upstream.base import Timeouts, UpstreamError, UpstreamRequest
+
+ANSWER = (
+    b"HTTP/1.1 201 Created\r\ncontent-type: application/json\r\nx-Mixed-Case: A b\r\n"
+    b'set-cookie: a=1\r\nset-cookie: b=2\r\ncontent-length: 12\r\n\r\n{"ok": true}'
+)
+TIMEOUTS = Timeouts(connect=5.0, first_byte=5.0, idle=5.0)
+Behaviour = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def read_whole_request(reader: asyncio.StreamReader) -> bytes:
+    """One request's bytes as they came: its head, then its Content-Length body or its
+    chunks up to the last."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    fields = {
+        name.strip().lower(): value.strip()
+        for name, _, value in (line.partition(b":") for line in head.split(b"\r\n")[1:])
+    }
+    if b"content-length" in fields:
+        return head + await reader.readexactly(int(fields[b"content-length"]))
+    if fields.get(b"transfer-encoding") == b"chunked":
+        body = b""
+        while True:
+            size_line = await reader.readuntil(b"\r\n")
+            size = int(size_line.split(b";")[0], 16)
+            body += size_line + await reader.readexactly(size + 2)
+            if not size:
+                return head + body
+    return head
+
+
+@contextlib.asynccontextmanager
+async def socket_upstream(behaviour: Behaviour) -> AsyncIterator[str]:
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        tasks.add(task)
+        try:
+            with contextlib.suppress(Exception):
+                await behaviour(reader, writer)
+        finally:
+            writer.transport.abort()
+
+    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def chunks(parts: list[bytes]) -> AsyncIterator[bytes]:
+    for part in parts:
+        yield part
+
+
+async def exchange(
+    url: str, method: str, headers: list[tuple[str, str]], body: bytes | list[bytes]
+) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    client = AiohttpClient(allow_hosts=("127.0.0.1",))
+    sent: Any = body if isinstance(body, bytes) else chunks(body)
+    try:
+        response = await client.send(UpstreamRequest(method, url, headers, sent, TIMEOUTS))
+        try:
+            read = b"".join([chunk async for chunk in response.iter_chunks()])
+        finally:
+            await response.aclose()
+        return response.status, response.headers, read
+    finally:
+        await client.aclose()
+
+
+async def on_both_paths(
+    method: str, target: str, headers: list[tuple[str, str]], body: bytes | list[bytes]
+) -> list[tuple[list[bytes], Any]]:
+    """Each path's requests as the upstream read them, and what the engine read back."""
+    seen: list[bytes] = []
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            seen.append(await read_whole_request(reader))
+            writer.write(ANSWER if method != "HEAD" else ANSWER[: ANSWER.index(b"\r\n\r\n") + 4])
+            await writer.drain()
+
+    results = []
+    async with socket_upstream(answer) as url:
+        for on in (True, False):
+            with engine_path(on):
+                answered = await exchange(url + target, method, headers, body)
+            results.append((list(seen), answered))
+            seen.clear()
+    return results
+
+
+@contextlib.contextmanager
+def engine_path(own: bool) -> Iterator[None]:
+    """The engine on its own path (`own`) or on ClientSession.request, for the block."""
+    before = aiohttp_request.supported()
+    aiohttp_request.use(own)
+    try:
+        yield
+    finally:
+        aiohttp_request.use(before)
+
+
+@pytest.fixture(autouse=True)
+def _own_path_supported() -> None:
+    if not aiohttp.__version__.startswith("3.14."):
+        pytest.skip("the installed aiohttp is not the release the engine's path was read against")
+
+
+names = st.text("abcdefghijklmnopqrstuvwxyz-", min_size=1, max_size=12).map(lambda s: "x-" + s)
+values = st.text("abcdefghijklmnopqrstuvwxyzABC0123456789 ;=/.", max_size=40).map(str.strip)
+sizes = st.sampled_from([0, 1, 90, 16 * 1024, 16 * 1024 + 1, 70_000])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    method=st.sampled_from(["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]),
+    headers=st.lists(st.tuples(names, values), max_size=6),
+    size=sizes,
+    streamed=st.booleans(),
+    query=st.sampled_from(["", "?a=1&b=%2F%3F", "?q=caf%C3%A9"]),
+)
+def test_both_paths_send_the_same_bytes_and_read_the_same_answer(
+    method: str, headers: list[tuple[str, str]], size: int, streamed: bool, query: str
+) -> None:
+    """A request of any method, head fields, body size (empty, below, at and above the
+    size written with the head, past the writer's drain threshold), buffered or streamed,
+    reaches the upstream byte for byte as ClientSession.request sends it, and its answer
+    (status, head fields in order and spelling, body) is read alike."""
+    body = bytes(range(256)) * (size // 256) + b"z" * (size % 256)
+    sent: bytes | list[bytes] = [body[:7], body[7:]] if streamed and body else body
+    fields = [("content-type", "application/json"), *headers]
+    own, public = asyncio.run(on_both_paths(method, "/v1/chat" + query, fields, sent))
+    assert own == public
+    assert len(own[0]) == 1 and own[0][0].startswith(f"{method} /v1/chat{query} ".encode())
+    assert own[1][0] == 201 and (method == "HEAD" or own[1][2] == b'{"ok": true}')
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("size", "tasks"), [(90, 0), (16 * 1024, 0), (16 * 1024 + 1, 1)])
+async def test_a_small_buffered_body_goes_out_without_a_writer_task(size: int, tasks: int) -> None:
+    """What the path is for: aiohttp on Python 3.11 writes every body from a task of its
+    own (ClientRequest.write_bytes); the engine writes a small one with the head, and
+    leaves a larger one to that task, which still reads an answer that comes before the
+    body is all sent."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await read_whole_request(reader)
+            writer.write(ANSWER)
+            await writer.drain()
+
+    loop = asyncio.get_running_loop()
+    made: list[str] = []
+    factory = loop.get_task_factory()
+
+    def counting(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> Any:
+        made.append(getattr(coro, "__qualname__", ""))
+        if factory is not None:
+            return factory(loop, coro, **kwargs)
+        return asyncio.Task(coro, loop=loop, **kwargs)
+
+    async with socket_upstream(answer) as url:
+        client = AiohttpClient(allow_hosts=("127.0.0.1",))
+        try:
+            with engine_path(True):
+                await (await client.send(UpstreamRequest("GET", url, [], b"-", TIMEOUTS))).aclose()
+                loop.set_task_factory(counting)
+                try:
+                    request = UpstreamRequest("POST", url + "/v1", [], b"a" * size, TIMEOUTS)
+                    response = await client.send(request)
+                finally:
+                    loop.set_task_factory(factory)
+                await response.aclose()
+        finally:
+            await client.aclose()
+    assert response.status == 201
+    assert len([name for name in made if "write_bytes" in name]) == tasks, made
+
+
+async def close_unanswered(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await read_whole_request(reader)
+    writer.close()
+
+
+async def reset_after_request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await read_whole_request(reader)
+    writer.transport.abort()
+
+
+async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await read_whole_request(reader)
+    writer.write(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
+    await writer.drain()
+    await asyncio.sleep(1)
+
+
+async def half_a_head(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await read_whole_request(reader)
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-le")
+    await writer.drain()
+    writer.close()
+
+
+async def answers_before_the_body(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    await reader.readuntil(b"\r\n\r\n")
+    writer.write(
+        b"HTTP/1.1 413 Content Too Large\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+    )
+    await writer.drain()
+    await asyncio.sleep(1)
+
+
+async def outcome(url: str, body: bytes) -> tuple[str, ...]:
+    try:
+        status, _, _ = await exchange(url + "/v1", "POST", [], body)
+    except UpstreamError as error:
+        return (error.kind, error.phase, str(error))
+    return (str(status),)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "behaviour",
+    [close_unanswered, reset_after_request, garbage, half_a_head, answers_before_the_body],
+)
+@pytest.mark.parametrize("size", [90, 200_000])
+async def test_an_upstream_failing_is_read_alike_on_both_paths(
+    behaviour: Behaviour, size: int
+) -> None:
+    """An upstream that ends, resets, answers what is no HTTP, cuts its head short, or
+    answers before reading the body: the same failure kind, phase and words on both
+    paths (so the walk's decision and the breaker's mark do not depend on the path)."""
+    results = []
+    async with socket_upstream(behaviour) as url:
+        for on in (True, False):
+            with engine_path(on):
+                results.append(await outcome(url, b"b" * size))
+    assert results[0] == results[1]
+
+
+@pytest.mark.anyio
+async def test_a_refused_connection_is_read_alike_on_both_paths() -> None:
+    async with socket_upstream(close_unanswered) as url:
+        pass  # the port is free again: nothing listens on it
+    results = []
+    for on in (True, False):
+        with engine_path(on):
+            results.append(await outcome(url, b"x"))
+    assert results[0] == results[1]
+    assert results[0][0] == "refused"
+
+
+def test_the_engine_runs_on_the_path_the_run_names() -> None:
+    """scripts/test.sh's pass of the engine's files on ClientSession.request
+    (FMW_TEST_AIOHTTP_SESSION_PATH=1, tests/conftest.py) runs them there; every other run
+    takes the engine's own path."""
+    assert aiohttp_request.supported() is not bool(os.environ.get("FMW_TEST_AIOHTTP_SESSION_PATH"))
