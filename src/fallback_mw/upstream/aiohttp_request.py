@@ -207,7 +207,7 @@ async def open_response(
     ssl: Any,
     proxy: str | None,
 ) -> ClientResponse:
-    """`session.request(method, url, ...)` for the engine's session (allow_redirects=False,
+    """`session.request(method, url, ...)` for the engine's session (no redirect followed,
     no cookies, auth, traces or middlewares): the answer, its head read, or the exception
     `ClientSession._request` raises for the same failure."""
     connector: Any = session.connector
