@@ -101,6 +101,8 @@ BUILD = ROOT / "build" / "mypyc"
 #   upstream/aiohttp_connector.py: its connector and resolver subclass aiohttp's (Python
 #     classes, which a native class cannot inherit from), and the lookup's timeout is an
 #     `async with`.
+#   upstream/aiohttp_request.py: its OneWriteRequest subclasses aiohttp's ClientRequest (a
+#     Python class), and its session path is the one the engine keeps under another aiohttp.
 #   upstream/guard.py: UnsafeAddressError inherits from OSError ("Inheriting from most
 #     builtin types is unimplemented").
 #   config/*: pydantic models (their validators and the plugin's fields).
