@@ -134,14 +134,28 @@ class OneWriteRequest(ClientRequest):
         # skipped names are one table, not one built and sorted per request.
         self._skip_auto_headers = _SKIPPED
 
+    _one_write: bytes | None = None  # the body `send` writes with the head
+
+    def update_body_from_data(self, body: Any, _stacklevel: int = 3) -> None:
+        if type(body) is not bytes or not body or len(body) > ONE_WRITE_MAX:
+            self._one_write = None
+            super().update_body_from_data(body, _stacklevel=_stacklevel + 1)
+            return
+        # Kept as the bytes it is: the BytesPayload aiohttp would find for it through its
+        # payload registry is made only if aiohttp's own `send` takes the request. Its
+        # Content-Type is one of the skipped headers, so only its length reaches the head.
+        self._body = None
+        self._one_write = body
+        if not self.chunked and hdrs.CONTENT_LENGTH not in self.headers:
+            self.headers[hdrs.CONTENT_LENGTH] = str(len(body))
+
     async def send(self, conn: Any) -> ClientResponse:
-        body = self._body
+        body = self._one_write
         protocol = conn.protocol
+        if body is None:
+            return await super().send(conn)
         if (
-            type(body) is not payload.BytesPayload
-            or body.size is None
-            or body.size > ONE_WRITE_MAX
-            or protocol is None
+            protocol is None
             or protocol.writing_paused
             or self._continue is not None
             or self.proxy is not None
@@ -150,6 +164,7 @@ class OneWriteRequest(ClientRequest):
             or self.chunked is not None
             or conn._connector.force_close
         ):
+            self._body, self._one_write = payload.BytesPayload(body), None
             return await super().send(conn)
         if (
             self.method in self.POST_METHODS
@@ -164,8 +179,10 @@ class OneWriteRequest(ClientRequest):
             self.headers,
         )
         try:
-            # Neither await suspends: the body is below the writer's drain threshold.
-            await body.write_with_length(writer, self._get_content_length())
+            # Neither await suspends: the body is below the writer's drain threshold. At
+            # most its Content-Length is written, as BytesPayload.write_with_length does.
+            length = self._get_content_length()
+            await writer.write(body if length is None else body[:length])
             await writer.write_eof()
         except OSError as exc:
             # As aiohttp's writer task words it (write_bytes), raised here instead of
