@@ -749,7 +749,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "redirect_followed_aiohttp",
         "an upstream's redirect is relayed to the caller, never followed (aiohttp engine)",
         # On ClientSession.request, the path under another aiohttp release (the engine's
-        # own path, upstream/aiohttp_request.py open_response, has no redirect to follow).
+        # own path, upstream/aiohttp_request.py request, has no redirect to follow).
         (
             ("upstream/aiohttp_request.py", "allow_redirects=False,", "allow_redirects=True,"),
             (

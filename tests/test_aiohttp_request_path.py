@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from fallback_mw.upstream import aiohttp_request
 from fallback_mw.upstream.aiohttp_engine import AiohttpClient
 from fallback_mw.upstream.base import Timeouts, UpstreamError, UpstreamRequest
+from tests.hostile.test_hostile_upstreams import raw_upstream
 
 ANSWER = (
     b"HTTP/1.1 201 Created\r\ncontent-type: application/json\r\nx-Mixed-Case: A b\r\n"
@@ -51,26 +52,8 @@ async def read_whole_request(reader: asyncio.StreamReader) -> bytes:
 
 @contextlib.asynccontextmanager
 async def socket_upstream(behaviour: Behaviour) -> AsyncIterator[str]:
-    tasks: set[asyncio.Task[None]] = set()
-
-    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        tasks.add(task)
-        try:
-            with contextlib.suppress(Exception):
-                await behaviour(reader, writer)
-        finally:
-            writer.transport.abort()
-
-    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    finally:
-        server.close()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    async with raw_upstream(behaviour) as (url, _):
+        yield url
 
 
 async def chunks(parts: list[bytes]) -> AsyncIterator[bytes]:

@@ -15,7 +15,7 @@ What it leaves out, each off for the engine's session (AiohttpClient._get_sessio
 cookie jar (a DummyCookieJar), redirects (allow_redirects=False), auth and netrc
 (trust_env off, no `auth`), trace configs and middlewares (none), aiohttp's own resend of a
 lost request (`_retry_connection` off: the engine resends, `send`), a total timeout (None).
-The errors are aiohttp's own, raised as `_request` raises them (`open_response`), so
+The errors are aiohttp's own, raised as `_request` raises them (`request`), so
 aiohttp_errors.raise_mapped reads them as before.
 
 It reads aiohttp's private names (ClientSession's settings, the connector's ceiling
@@ -84,42 +84,6 @@ def bytes_data(body: bytes) -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ResourceWarning)
         return payload.BytesPayload(body)
-
-
-async def request(
-    session: aiohttp.ClientSession,
-    method: str,
-    url: URL,
-    *,
-    headers: list[tuple[str, str]],
-    data: Any,
-    client_timeout: aiohttp.ClientTimeout,
-    ssl: Any,
-    proxy: str | None,
-) -> ClientResponse:
-    """The engine's one request through aiohttp: `open_response` where supported, else
-    `session.request` with the same settings."""
-    if _ON["path"]:
-        return await open_response(
-            session,
-            method,
-            url,
-            headers=headers,
-            data=data,
-            client_timeout=client_timeout,
-            ssl=ssl,
-            proxy=proxy,
-        )
-    return await session.request(
-        method,
-        url,
-        headers=CIMultiDict(headers),
-        data=data,
-        allow_redirects=False,
-        timeout=client_timeout,
-        ssl=ssl,
-        proxy=proxy,
-    )
 
 
 class OneWriteRequest(ClientRequest):
@@ -213,7 +177,7 @@ class OneWriteRequest(ClientRequest):
         return response
 
 
-async def open_response(
+async def request(
     session: aiohttp.ClientSession,
     method: str,
     url: URL,
@@ -224,9 +188,22 @@ async def open_response(
     ssl: Any,
     proxy: str | None,
 ) -> ClientResponse:
-    """`session.request(method, url, ...)` for the engine's session (no redirect followed,
-    no cookies, auth, traces or middlewares): the answer, its head read, or the exception
-    `ClientSession._request` raises for the same failure."""
+    """The engine's one request through aiohttp: what `session.request(method, url, ...)`
+    does for the engine's session (no redirect followed, no cookies, auth, traces or
+    middlewares), the answer with its head read, or the exception `ClientSession._request`
+    raises for the same failure; under an aiohttp release this path was not read against
+    (`supported`), `session.request` itself, with the same settings."""
+    if not _ON["path"]:
+        return await session.request(
+            method,
+            url,
+            headers=CIMultiDict(headers),
+            data=data,
+            allow_redirects=False,
+            timeout=client_timeout,
+            ssl=ssl,
+            proxy=proxy,
+        )
     connector: Any = session.connector
     if session.closed or connector is None:
         raise RuntimeError("Session is closed")
