@@ -1,5 +1,7 @@
 """The default engine: aiohttp, one pooled ClientSession per gateway runtime. Its errors are
-read by upstream/aiohttp_errors.py; its connector is upstream/aiohttp_connector.py."""
+read by upstream/aiohttp_errors.py; its connector is upstream/aiohttp_connector.py; each
+request goes out through upstream/aiohttp_request.py (aiohttp's request, connector and
+parser, without ClientSession._request)."""
 
 from __future__ import annotations
 
