@@ -876,7 +876,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "{self.url.raw_path} HTTP/",
             ),
         ),
-        (AIOHTTP_PATH + "test_both_paths_send_the_same_bytes_and_read_the_same_answer",),
+        (AIOHTTP_PATH + "test_the_target_goes_out_byte_for_byte_with_its_query",),
     ),
     Mutant(
         "own_path_writer_task",

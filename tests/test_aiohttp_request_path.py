@@ -145,6 +145,18 @@ def test_both_paths_send_the_same_bytes_and_read_the_same_answer(
     assert own[1][0] == 201 and (method == "HEAD" or own[1][2] == b'{"ok": true}')
 
 
+@pytest.mark.parametrize("method", ["GET", "POST"])
+@pytest.mark.parametrize("query", ["?a=1&b=%2F%3F", "?q=caf%C3%A9&empty="])
+def test_the_target_goes_out_byte_for_byte_with_its_query(method: str, query: str) -> None:
+    """The property above for the request line alone, a few fixed cases: the negative
+    control's test (scripts/mutants.py `own_path_drops_the_query`), which a failing
+    property would spend minutes shrinking."""
+    body = b'{"model": "m"}' if method == "POST" else b""
+    own, public = asyncio.run(on_both_paths(method, "/v1/chat" + query, [], body))
+    assert own[0][0].split(b"\r\n", 1)[0] == f"{method} /v1/chat{query} HTTP/1.1".encode()
+    assert own == public
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize(("size", "tasks"), [(90, 0), (16 * 1024, 0), (16 * 1024 + 1, 1)])
 async def test_a_small_buffered_body_goes_out_without_a_writer_task(size: int, tasks: int) -> None:
