@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import warnings
 from collections.abc import Iterable
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import aiohttp
 from aiohttp import hdrs, payload
@@ -173,7 +173,9 @@ class OneWriteRequest(ClientRequest):
             session=self._session,
             stream_writer=writer,
         )
-        self.response = response
+        # aiohttp (3.14.5) declares the attribute `response = None`, untyped, which mypy
+        # reads as None alone: set through Any, as aiohttp's own send sets it.
+        cast(Any, self).response = response
         return response
 
 
