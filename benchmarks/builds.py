@@ -1,8 +1,10 @@
 """Which build of the gateway a benchmark's `serve` arms run (`--build pure|compiled`).
 
 pure (the default): a tree's sources as they are (this checkout: its editable install).
-compiled: that tree's compiled copy, `scripts/compile.py --out build/compiled` (built when
-missing or out of date: minutes; up to date, under a second), put in front with PYTHONPATH.
+compiled: that tree's compiled copy, `scripts/compile.py --out build/compiled --pgo` (built
+when missing or out of date: minutes; up to date, under a second), put in front with
+PYTHONPATH. `--pgo`: as a release is built (README, "A compiled wheel"), laid out by gcc
+from a training run's profile; a tree whose compile.py has no `--pgo` is built without.
 The header of each run names the build measured, as `fallback-mw --version` says it.
 """
 
@@ -28,8 +30,10 @@ def compiled_copy(src: Path) -> Path:
     script, out = tree / "scripts" / "compile.py", tree / "build" / "compiled"
     if not script.is_file():
         raise BuildFailed(f"{src}: no scripts/compile.py beside it to build a compiled copy")
-    print(f"building the compiled core of {src} (compile.py --out {out})", flush=True)
-    done = subprocess.run([sys.executable, str(script), "--out", str(out)], check=False)
+    pgo = ["--pgo"] if '"--pgo"' in script.read_text() else []  # an older tree's: without
+    command = [sys.executable, str(script), "--out", str(out), *pgo]
+    print(f"building the compiled core of {src} ({' '.join(command[1:])})", flush=True)
+    done = subprocess.run(command, check=False)
     if done.returncode != 0:
         raise BuildFailed(f"{script} --out {out} failed (exit status {done.returncode})")
     return out

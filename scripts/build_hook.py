@@ -3,6 +3,7 @@ set, the wheel carries the compiled core, scripts/compile.py's mypyc build of th
 path's modules, beside every `.py` (a module not compiled runs interpreted).
 
     FALLBACK_MW_COMPILE=1 python -m build --wheel      # compiled, or the build fails
+    FALLBACK_MW_COMPILE=1 FALLBACK_MW_PGO=1 python -m build --wheel   # + laid out by profile
     FALLBACK_MW_COMPILE=auto pip wheel .               # compiled if it can be, else pure
     python -m build                                    # unset or 0: the pure wheel and sdist
 
@@ -30,6 +31,7 @@ from typing import Any
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
 VARIABLE = "FALLBACK_MW_COMPILE"
+PGO_VARIABLE = "FALLBACK_MW_PGO"  # with a compiled build: compile.py --pgo
 MODES = {"": "pure", "0": "pure", "1": "compiled", "auto": "auto"}
 # mypyc type-checks the compiled modules as `mypy` does in the checkout, so the build asks
 # for what that check reads: the extras' libraries (the httpx engine, the stores, the Redis
@@ -67,6 +69,15 @@ def compiler_missing() -> str | None:
         python = f"python{sys.version_info[0]}.{sys.version_info[1]}"
         return f"no Python headers ({headers}): install the {python}-dev package"
     return None
+
+
+def pgo_option() -> list[str]:
+    """compile.py's `--pgo` when FALLBACK_MW_PGO is 1: the compiled core built twice, laid
+    out by a training run through `serve` on 127.0.0.1 (scripts/pgo_train.py; gcc only)."""
+    value = os.environ.get(PGO_VARIABLE, "").strip()
+    if value not in ("", "0", "1"):
+        raise SystemExit(f"fallback_mw build: {PGO_VARIABLE}={value!r} is not 1 or 0")
+    return ["--pgo"] if value == "1" else []
 
 
 class CompiledCoreHook(BuildHookInterface):  # type: ignore[type-arg]
@@ -130,7 +141,7 @@ class CompiledCoreHook(BuildHookInterface):  # type: ignore[type-arg]
     def _run(self, script: Path, out: Path) -> Path:
         # Its output (mypyc's, the compiler's) as it comes: minutes of it (`pip -v` shows it).
         process = subprocess.Popen(
-            [sys.executable, str(script), "--out", str(out)],
+            [sys.executable, str(script), "--out", str(out), *pgo_option()],
             cwd=self.root,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

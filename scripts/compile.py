@@ -578,7 +578,7 @@ STAMP = ".fallback_mw-compiled"  # in an --out DIR: the digest it was built from
 COPIED = shutil.ignore_patterns("__pycache__", "*.so", "*.pyd", "*.c", RECORD)
 
 
-def digest(mypy: str) -> str:
+def digest(mypy: str, pgo: bool = False) -> str:
     """What an --out build is made of: the package's files (each listed module's
     annotations are read from the others), the list, mypy, the Python, the build's config."""
     sha = hashlib.sha256()
@@ -588,6 +588,8 @@ def digest(mypy: str) -> str:
             sha.update(f"{relative}\0".encode() + path.read_bytes() + b"\0")
     settings = [*MODULES, mypy, str(sysconfig.get_config_var("EXT_SUFFIX"))]
     settings.append(os.environ.get("MYPYC_OPT_LEVEL", "3"))
+    if pgo:  # the training run's traffic is part of what the copy is made of
+        settings.append("pgo\0" + (ROOT / "scripts" / "pgo_train.py").read_text())
     sha.update("\0".join(settings).encode() + (ROOT / "pyproject.toml").read_bytes())
     return sha.hexdigest()
 
@@ -596,11 +598,17 @@ def _terminated(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def build_out(out: Path) -> int:
+def build_out(out: Path, pgo: bool = False) -> int:
     """A compiled copy of the package in `out`, from a staging directory beside it that
-    replaces `out` only once built and imported whole; src/ is never written."""
+    replaces `out` only once built and imported whole; src/ is never written. With `pgo`,
+    built twice, the second time laid out by the first one's profile (`_profiled`)."""
     if check():
         return 1
+    if pgo:
+        refused = _pgo_refused()
+        if refused:
+            print(f"compile.py: --pgo: {refused}", file=sys.stderr)
+            return 2
     try:
         mypy = importlib.metadata.version("mypy")
     except importlib.metadata.PackageNotFoundError:
@@ -612,7 +620,7 @@ def build_out(out: Path) -> int:
         print("compile.py: no mypy (mypyc is in it) for this Python (the dev extra pins it)")
         return 2
     out = out.resolve()
-    wanted = digest(mypy)
+    wanted = digest(mypy, pgo)
     recorded = (out / "fallback_mw" / RECORD).is_file()  # a copy built before the record
     if recorded and (out / STAMP).is_file() and (out / STAMP).read_text().strip() == wanted:
         print(f"compile.py: {out} is built from these sources already")
@@ -631,8 +639,13 @@ def build_out(out: Path) -> int:
         env = dict(os.environ, MYPYC_OPT_LEVEL=os.environ.get("MYPYC_OPT_LEVEL", "3"))
         modules = [f"fallback_mw/{module}" for module in MODULES]
         config = ["--config-file", str(ROOT / "pyproject.toml"), "--cache-dir", ".mypy_cache"]
-        result = subprocess.run([*mypyc, *config, *modules], cwd=staging, env=env, check=False)
-        if result.returncode != 0:
+        command = [*mypyc, *config, *modules]
+        if pgo:
+            failed = _profiled(command, staging, env)
+            if failed:
+                print(f"compile.py: --pgo: {failed}; nothing replaced", file=sys.stderr)
+                return 1
+        elif subprocess.run(command, cwd=staging, env=env, check=False).returncode != 0:
             print("compile.py: mypyc failed; nothing replaced", file=sys.stderr)
             return 1
         for leftover in ("build", ".mypy_cache"):  # the C sources, mypy's cache
@@ -664,8 +677,55 @@ def build_out(out: Path) -> int:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     seconds = time.monotonic() - started
-    print(f"compile.py: {len(MODULES)} modules compiled into {out} in {seconds:.0f} s")
+    laid_out = ", laid out by a training run's profile (--pgo)" if pgo else ""
+    print(f"compile.py: {len(MODULES)} modules compiled into {out}{laid_out} in {seconds:.0f} s")
     return 0
+
+
+# gcc's profile-guided optimization (`--pgo`): the first build counts, the second uses.
+# -fprofile-update=atomic: serve's threads (the log writer's) count without losing counts;
+# -fprofile-partial-training: code the training run never reached is optimized as without a
+# profile, not as cold (a failure's path stays as fast as in a build without --pgo).
+PGO_GENERATE = ("-fprofile-generate -fprofile-update=atomic", "-fprofile-generate")
+PGO_USE = "-fprofile-use -fprofile-partial-training -Wno-missing-profile"
+
+
+def _pgo_refused() -> str | None:
+    """Why this machine cannot build with gcc's profile flags, or None."""
+    compiler = (os.environ.get("CC") or str(sysconfig.get_config_var("CC") or "cc")).split()
+    try:
+        said = subprocess.run([*compiler, "--version"], capture_output=True, text=True)
+    except OSError as exc:
+        return f"no C compiler ({exc})"
+    if said.returncode != 0 or "gcc" not in said.stdout.lower() or "clang" in said.stdout:
+        return f"the profile flags are gcc's, and {compiler[0]} is not gcc"
+    return None
+
+
+def _flags(env: dict[str, str], cflags: str, ldflags: str = "") -> dict[str, str]:
+    """`env` with `cflags` and `ldflags` after any the caller set (setuptools reads both)."""
+    joined = {"CFLAGS": cflags, "LDFLAGS": ldflags}
+    return env | {k: f"{env.get(k, '')} {v}".strip() for k, v in joined.items() if v}
+
+
+def _profiled(command: list[str], staging: Path, env: dict[str, str]) -> str | None:
+    """mypyc's build in `staging` twice: instrumented, then trained by scripts/pgo_train.py
+    (serve from `staging`, real sockets), then built again from the counts it wrote beside
+    the objects (the same paths: gcc finds each by its object's). None, or what failed."""
+    if subprocess.run(command, cwd=staging, env=_flags(env, *PGO_GENERATE)).returncode:
+        return "mypyc failed (the instrumented build)"
+    trainer = ROOT / "scripts" / "pgo_train.py"
+    if subprocess.run([sys.executable, str(trainer), str(staging)], env=env).returncode:
+        return "the training run failed"
+    if not any((staging / "build").rglob("*.gcda")):
+        return "the training run wrote no profile"
+    # The extensions and objects go (mypyc keeps C files it would write the same, and
+    # setuptools then rebuilds nothing); the counts (.gcda) stay beside where they were.
+    for stale in [*staging.rglob("*.so"), *staging.rglob("*.o"), *staging.rglob("*.pyd")]:
+        stale.unlink()
+    if subprocess.run(command, cwd=staging, env=_flags(env, PGO_USE)).returncode:
+        return "mypyc failed (the build from the profile)"
+    return None
 
 
 def main() -> int:
@@ -676,11 +736,18 @@ def main() -> int:
     action.add_argument("--list", action="store_true", help="the modules compiled")
     action.add_argument("--status", action="store_true", help="which modules are compiled")
     parser.add_argument("--out", type=Path, metavar="DIR", help="build a compiled copy in DIR")
+    parser.add_argument(
+        "--pgo",
+        action="store_true",
+        help="with --out: built twice, laid out by a training run through serve (gcc)",
+    )
     args = parser.parse_args()
     if args.out is not None and not args.list:
         if args.clean or args.check or args.status:
             parser.error("--out builds; --clean, --check and --status are for the in-place build")
-        return build_out(args.out)
+        return build_out(args.out, pgo=args.pgo)
+    if args.pgo:
+        parser.error("--pgo is for --out builds")
     if args.clean:
         return clean()
     if args.check:

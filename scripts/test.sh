@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole check: ruff (lint and format), mypy (strict), lint-imports, the full pytest suite and
 # the negative controls (scripts/mutants.py); on a full run, the pytest suite once more against
-# the compiled core (scripts/compile.py --out build/compiled). Non-zero if any fails.
+# the compiled core (scripts/compile.py --out build/compiled --pgo). Non-zero if any fails.
 # Extra arguments go to pytest (e.g. ./scripts/test.sh -k walker -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,7 +42,7 @@ if [ $# -eq 0 ]; then
         # an interrupt (Ctrl-C or SIGTERM, which now end the whole check). A SIGTERM to this
         # script alone, not to its process group, ends it once the step running has ended
         # (bash runs a trap after its foreground command): pytest runs on to its end.
-        setsid nice -n 10 .venv/bin/python scripts/compile.py --out build/compiled \
+        setsid nice -n 10 .venv/bin/python scripts/compile.py --out build/compiled --pgo \
             > build/compile.log 2>&1 &
         build_pid=$!
         trap '[ -z "$build_pid" ] || kill -- "-$build_pid" 2>/dev/null || true' EXIT

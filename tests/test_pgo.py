@@ -1,0 +1,73 @@
+"""scripts/compile.py --pgo: the compiled core built twice, the second time laid out by gcc
+from the counts of a training run through `serve` (scripts/pgo_train.py). The whole build is
+what scripts/test.sh's compiled pass runs its suite against; here, the training run itself
+(against the pure package: the same traffic, real sockets), what it does when `serve`
+cannot answer, and the refusals before anything is built."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = ROOT / "scripts" / "pgo_train.py"
+COMPILE = ROOT / "scripts" / "compile.py"
+
+pytestmark = pytest.mark.pure_pass_only(
+    reason="runs scripts/pgo_train.py and compile.py on the tree, not the package's build"
+)
+
+
+def _run(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_the_training_run_sends_every_kind_of_request_through_serve() -> None:
+    """Against the package's sources (PYTHONPATH=src): every request answered as it should
+    be (the script checks each, failover and budget included), serve stopped cleanly."""
+    result = _run(str(TRAIN), str(ROOT / "src"))
+    assert result.returncode == 0, result.stderr
+    assert "3600 requests through serve" in result.stdout
+
+
+def test_a_training_run_whose_serve_cannot_start_fails_and_says_why(tmp_path: Path) -> None:
+    """A copy whose package does not import: serve exits before it listens; the run fails
+    with serve's own words, and no profile of a failure is taken as a layout."""
+    broken = tmp_path / "staging" / "fallback_mw"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('the copy is broken')\n")
+    (broken / "__main__.py").write_text("")
+    result = _run(str(TRAIN), str(tmp_path / "staging"))
+    assert result.returncode == 1
+    assert "serve exited with status 1 before listening" in result.stderr
+    assert "the copy is broken" in result.stderr
+
+
+def test_pgo_is_refused_without_gcc(tmp_path: Path) -> None:
+    """The profile flags are gcc's: another compiler (a clang here) is refused in one line
+    before any build, and --out is left as it was."""
+    clang = tmp_path / "clang"
+    clang.write_text("#!/bin/sh\necho 'Debian clang version 16.0.6'\n")
+    clang.chmod(0o755)
+    out = tmp_path / "compiled"
+    result = _run(str(COMPILE), "--out", str(out), "--pgo", env={"CC": str(clang)})
+    assert result.returncode == 2, result.stderr
+    assert f"--pgo: the profile flags are gcc's, and {clang} is not gcc" in result.stderr
+    assert not out.exists()
+
+
+def test_pgo_is_for_out_builds() -> None:
+    result = _run(str(COMPILE), "--pgo")
+    assert result.returncode == 2
+    assert "--pgo is for --out builds" in result.stderr
