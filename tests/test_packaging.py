@@ -39,7 +39,7 @@ COMPILED_LEFTOVERS = (
 
 
 # The wheel's build hook and what it runs to compile (scripts/build_hook.py).
-BUILD_SCRIPTS = ("scripts/build_hook.py", "scripts/compile.py")
+BUILD_SCRIPTS = ("scripts/build_hook.py", "scripts/compile.py", "scripts/pgo_train.py")
 
 
 def copy_tree(to: Path, *, gitignore: bool) -> Path:
@@ -316,6 +316,30 @@ def test_a_failed_compile_leaves_no_temporary_directory(tmp_path: Path, mode: st
     assert "compile.py: mypyc failed (forced)" in result.stderr, result.stderr
     assert result.returncode == (1 if mode == "1" else 0), result.stderr
     assert list(temporary.iterdir()) == []
+
+
+@pytest.mark.parametrize(("value", "passed"), [("1", True), ("0", False), (None, False)])
+def test_fallback_mw_pgo_asks_compile_py_for_the_profiled_build(
+    tmp_path: Path, value: str | None, passed: bool
+) -> None:
+    """FALLBACK_MW_PGO=1 (with a compiled build) runs compile.py with --pgo (tests/test_pgo.py
+    has what --pgo does); 0 or unset, without."""
+    tree = copy_tree(tmp_path, gitignore=True)
+    _compile_script_that(tree, "print('compile.py given', sys.argv[1:]); sys.exit(1)")
+    env = {"FALLBACK_MW_COMPILE": "1"} | ({} if value is None else {"FALLBACK_MW_PGO": value})
+    result = backend(tree, "build_wheel", tmp_path, env)
+    assert result.returncode == 1
+    assert "compile.py given ['--out'," in result.stderr, result.stderr
+    assert ("'--pgo']" in result.stderr) is passed
+
+
+def test_a_pgo_value_the_hook_does_not_know_is_refused_in_one_line(tmp_path: Path) -> None:
+    tree = copy_tree(tmp_path, gitignore=True)
+    env = {"FALLBACK_MW_COMPILE": "1", "FALLBACK_MW_PGO": "yes"}
+    result = backend(tree, "build_wheel", tmp_path, env)
+    assert result.returncode == 1
+    (line,) = result.stderr.strip().splitlines()
+    assert line == "fallback_mw build: FALLBACK_MW_PGO='yes' is not 1 or 0"
 
 
 def test_a_compiled_build_leaves_no_temporary_directory(tmp_path: Path) -> None:
