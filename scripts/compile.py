@@ -697,7 +697,9 @@ def _pgo_refused() -> str | None:
         said = subprocess.run([*compiler, "--version"], capture_output=True, text=True)
     except OSError as exc:
         return f"no C compiler ({exc})"
-    if said.returncode != 0 or "gcc" not in said.stdout.lower() or "clang" in said.stdout:
+    # gcc says so in its copyright line, whatever it is called (cc, x86_64-linux-gnu-gcc).
+    gcc = "Free Software Foundation" in said.stdout and "clang" not in said.stdout
+    if said.returncode != 0 or not gcc:
         return f"the profile flags are gcc's, and {compiler[0]} is not gcc"
     return None
 
