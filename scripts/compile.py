@@ -705,9 +705,16 @@ def _pgo_refused() -> str | None:
 
 
 def _flags(env: dict[str, str], cflags: str, ldflags: str = "") -> dict[str, str]:
-    """`env` with `cflags` and `ldflags` after any the caller set (setuptools reads both)."""
-    joined = {"CFLAGS": cflags, "LDFLAGS": ldflags}
-    return env | {k: f"{env.get(k, '')} {v}".strip() for k, v in joined.items() if v}
+    """`env` with `cflags` after the C flags the build would use (the caller's CFLAGS, else
+    the interpreter's: the setuptools of a wheel's build environment, 84 here, replaces the
+    interpreter's flags with a CFLAGS set, losing -fwrapv and -DNDEBUG; this venv's, 65,
+    adds it after them, and a flag given twice is harmless) and `ldflags` after the
+    caller's LDFLAGS (added to the link by both)."""
+    base = env.get("CFLAGS", str(sysconfig.get_config_var("CFLAGS") or ""))
+    flags = {"CFLAGS": f"{base} {cflags}".strip()}
+    if ldflags:
+        flags["LDFLAGS"] = f"{env.get('LDFLAGS', '')} {ldflags}".strip()
+    return env | flags
 
 
 def _profiled(command: list[str], staging: Path, env: dict[str, str]) -> str | None:

@@ -6,10 +6,13 @@ cannot answer, and the refusals before anything is built."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -65,6 +68,34 @@ def test_pgo_is_refused_without_gcc(tmp_path: Path) -> None:
     assert result.returncode == 2, result.stderr
     assert f"--pgo: the profile flags are gcc's, and {clang} is not gcc" in result.stderr
     assert not out.exists()
+
+
+def _compile_module() -> Any:
+    spec = importlib.util.spec_from_file_location("fmw_compile_script", COMPILE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("caller", [None, "-march=x86-64-v2"], ids=["unset", "caller's"])
+def test_the_profile_flags_come_after_the_flags_the_build_would_use(caller: str | None) -> None:
+    """setuptools 84 (a wheel's build environment) takes a CFLAGS set instead of the
+    interpreter's flags: the profile flags alone lost -fwrapv and -DNDEBUG there (seen in
+    the first FALLBACK_MW_PGO=1 wheel). They are added after the interpreter's flags, or
+    after the caller's CFLAGS when set; LDFLAGS after the caller's."""
+    compile_script = _compile_module()
+    env = {} if caller is None else {"CFLAGS": caller, "LDFLAGS": "-Wl,-O1"}
+    flags = compile_script._flags(env, *compile_script.PGO_GENERATE)
+    base = caller or sysconfig.get_config_var("CFLAGS")
+    assert flags["CFLAGS"] == f"{base} -fprofile-generate -fprofile-update=atomic"
+    if caller is None:
+        assert "-fwrapv" in flags["CFLAGS"] and "-DNDEBUG" in flags["CFLAGS"]
+    expected_ld = "-fprofile-generate" if caller is None else "-Wl,-O1 -fprofile-generate"
+    assert flags["LDFLAGS"] == expected_ld
+    used = compile_script._flags(env, compile_script.PGO_USE)
+    assert used["CFLAGS"].endswith(" -fprofile-use -fprofile-partial-training -Wno-missing-profile")
+    assert used.get("LDFLAGS") == env.get("LDFLAGS")
 
 
 def test_pgo_is_for_out_builds() -> None:
