@@ -30,6 +30,7 @@ from tests.upstreams import free_port, host_app
 COMPILED = bool(os.environ.get("FMW_TEST_COMPILED"))
 
 __all__ = [
+    "SIGHUP_AT_ITS_DEFAULT",
     "client_for",
     "free_port",
     "gateway_client",
@@ -41,6 +42,17 @@ __all__ = [
     "shared_again",
     "wait_listening",
 ]
+
+# The command run with SIGHUP at its default, as a terminal's shell starts it, whatever this
+# process inherited: a test run under `nohup` (or a CI agent that ignores SIGHUP) started
+# serve with SIGHUP ignored, which serve keeps ignoring by design, and a test that hangs up
+# on it waited for a process that had rightly not stopped. Put in front of a command.
+SIGHUP_AT_ITS_DEFAULT = (
+    sys.executable,
+    "-c",
+    "import os, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_DFL); "
+    "os.execv(sys.argv[1], sys.argv[1:])",
+)
 
 
 @contextmanager

@@ -4,6 +4,7 @@ gateway processes (`fallback-mw serve`) holding against one PostgreSQL ledger.""
 from __future__ import annotations
 
 import signal
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from decimal import Decimal
@@ -20,7 +21,13 @@ from anyio.abc import SocketStream
 from fallback_mw import Gateway
 from fallback_mw.config import BudgetConfig
 from fallback_mw.store.ledgers import open_ledger
-from tests.helpers import free_port, log_text, serve_process, wait_listening
+from tests.helpers import (
+    SIGHUP_AT_ITS_DEFAULT,
+    free_port,
+    log_text,
+    serve_process,
+    wait_listening,
+)
 from tests.test_budget_guard import gateway_config, host_app, json_handler
 from tests.upstreams import Handler, upstream
 
@@ -247,8 +254,14 @@ async def test_a_hangup_stops_serve_as_sigterm_does_and_settles_the_stream_in_fl
     async with upstream(slow_sse(first_events=2, then_sleep=120)) as primary:
         config_path = endless_stream_config(tmp_path, store, primary.url)
         port, log = free_port(), tmp_path / "serve.log"
+        # SIGHUP at its default in serve, whatever this process inherited: a run under
+        # `nohup` ignores it, and so, rightly, does serve then (it failed so under CI).
         with serve_process(
-            config_path, port, log, options=("--timeout-graceful-shutdown", "1")
+            config_path,
+            port,
+            log,
+            options=("--timeout-graceful-shutdown", "1"),
+            executable=(*SIGHUP_AT_ITS_DEFAULT, sys.executable, "-m", "fallback_mw"),
         ) as process:
             await wait_listening(process, port, log)
             stream = await stream_started(port)

@@ -27,7 +27,14 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 
 from fallback_mw.cli.workers import START_UP_SECONDS
-from tests.helpers import alive, free_port, log_text, serve_process, wait_listening
+from tests.helpers import (
+    SIGHUP_AT_ITS_DEFAULT,
+    alive,
+    free_port,
+    log_text,
+    serve_process,
+    wait_listening,
+)
 from tests.tcp_proxy import tcp_proxy
 from tests.upstreams import status_handler, upstream
 
@@ -435,18 +442,6 @@ def children(pid: int) -> set[int]:
         text = (task / "children").read_text()
         found.update(int(child) for child in text.split())
     return found
-
-
-# The command run with SIGHUP at its default, as a terminal's shell starts it, whatever this
-# process inherited: a test run under `nohup` (or a CI agent that ignores SIGHUP) started
-# serve with SIGHUP ignored, which serve keeps ignoring by design, and the SIGHUP case
-# waited 30 s for a supervisor that had rightly not stopped.
-SIGHUP_AT_ITS_DEFAULT = (
-    sys.executable,
-    "-c",
-    "import os, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_DFL); "
-    "os.execv(sys.argv[1], sys.argv[1:])",
-)
 
 
 @pytest.mark.anyio
