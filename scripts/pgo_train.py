@@ -138,8 +138,8 @@ async def _listening(port: int, process: asyncio.subprocess.Process, seconds: fl
 
 
 async def _send(session: ClientSession, base: str, kind: str) -> None:
-    path = {"chat": "/v1/chat", "failover": "/fo/chat", "budget": "/b/chat"}.get(kind, "/v1/c")
-    url = base + path + "/completions"
+    prefix = {"failover": "/fo", "budget": "/b"}.get(kind, "/v1")  # the route (_config)
+    url = f"{base}{prefix}/chat/completions"
     headers = {"authorization": "Bearer caller-key", "x-tenant-id": "train"}
     if kind == "get":
         request = session.get(base + "/v1/models", headers=headers)
