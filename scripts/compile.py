@@ -185,6 +185,7 @@ MODULES = (
     "upstream/outgoing.py",
     "upstream/timed_body.py",
     "upstream/aiohttp_engine.py",
+    "upstream/aiohttp_lean.py",
     "upstream/caps.py",
     "request/secrets.py",
     "timers.py",

@@ -20,6 +20,7 @@ from fallback_mw.timers import deadline_after
 from fallback_mw.upstream import aiohttp_request
 from fallback_mw.upstream.aiohttp_connector import ARM_ON_CONNECT, GuardedConnector, Sending
 from fallback_mw.upstream.aiohttp_errors import raise_mapped
+from fallback_mw.upstream.aiohttp_lean import Answer, Target
 from fallback_mw.upstream.aiohttp_request import SKIP_AUTO_HEADERS, bytes_data
 from fallback_mw.upstream.base import (
     MAX_RESPONSE_FIELD,
@@ -51,7 +52,7 @@ _MAX_RESPONSE_FIELD: Final = MAX_RESPONSE_FIELD
 class AiohttpResponse:
     def __init__(
         self,
-        response: aiohttp.ClientResponse,
+        response: Answer,
         headers: list[tuple[bytes, bytes]],
         idle_timeout: float,
         release: Release,
@@ -177,7 +178,7 @@ def _answer_began(error: UpstreamError) -> bool:
 _RESENT_BY_AIOHTTP: Final = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
 
 
-def _checked(response: aiohttp.ClientResponse, proxy: str | None) -> list[tuple[bytes, bytes]]:
+def _checked(response: Answer, proxy: str | None) -> list[tuple[bytes, bytes]]:
     """The answer's head checked (check_response_head, check_proxy_answer, its framing),
     its fields returned with names lowercased; an answer the relay cannot carry is closed
     unread and raises UpstreamError."""
@@ -219,6 +220,7 @@ class AiohttpClient:
         self._literals = LiteralChecks(allow_hosts)  # IP-literal hosts skip the resolver
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}  # per connect timeout
         self._urls: dict[str, URL] = {}  # per target without a query (`_url`)
+        self._targets: dict[Any, Target] = {}  # per origin and TLS setting (aiohttp_lean)
         self._caps = ConnectionCaps()
 
     def _follow_loop(self) -> None:
@@ -316,6 +318,7 @@ class AiohttpClient:
                             if request.url.startswith("https:")
                             else True,
                             proxy=request.proxy,
+                            targets=self._targets,
                         )
                     # An answer the relay cannot carry is no lost connection: never resent.
                     headers = _checked(response, request.proxy)

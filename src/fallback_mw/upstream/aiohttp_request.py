@@ -39,16 +39,18 @@ from aiohttp.http_writer import StreamWriter
 from multidict import CIMultiDict
 from yarl import URL
 
+from fallback_mw.upstream import aiohttp_lean
+
 # The aiohttp releases whose request path this module was read against: under another,
 # AiohttpClient keeps ClientSession.request (`supported`).
 _READ_AGAINST: Final = "3.14."
 _ON: dict[str, bool] = {"path": aiohttp.__version__.startswith(_READ_AGAINST)}
 
-# The largest body written with the head (`OneWriteRequest`): far below the writer's drain
-# threshold (64 KiB), so writing it never waits on the upstream reading; a larger one is
-# written by aiohttp's writer task, as before, and an upstream that answers before reading it
-# all (a 413) is still read.
-ONE_WRITE_MAX: Final = 16 * 1024
+# The largest body written with the head (`OneWriteRequest`, aiohttp_lean): far below the
+# writer's drain threshold (64 KiB), so writing it never waits on the upstream reading; a
+# larger one is written by aiohttp's writer task, as before, and an upstream that answers
+# before reading it all (a 413) is still read.
+ONE_WRITE_MAX: Final = aiohttp_lean.ONE_WRITE_MAX
 _NO_TIMER: Final = TimerNoop()
 # aiohttp would otherwise add these (User-Agent, Accept, Accept-Encoding; Content-Type to a
 # POST without one); the upstream sees only what the gateway decided. The engine's session
@@ -189,7 +191,8 @@ async def request(
     client_timeout: aiohttp.ClientTimeout,
     ssl: Any,
     proxy: str | None,
-) -> ClientResponse:
+    targets: dict[Any, aiohttp_lean.Target] | None = None,
+) -> aiohttp_lean.Answer:
     """The engine's one request through aiohttp: what `session.request(method, url, ...)`
     does for the engine's session (no redirect followed, no cookies, auth, traces or
     middlewares), the answer with its head read, or the exception `ClientSession._request`
@@ -209,6 +212,35 @@ async def request(
     connector: Any = session.connector
     if session.closed or connector is None:
         raise RuntimeError("Session is closed")
+    if (
+        targets is not None
+        and proxy is None
+        and not connector.force_close
+        and aiohttp_lean.eligible(method, headers, data)
+    ):
+        target = aiohttp_lean.target(targets, url, ssl)
+        if target is not None:
+            return await aiohttp_lean.request(
+                connector,
+                target,
+                method,
+                url,
+                headers,
+                data,
+                client_timeout,
+                {
+                    "timer": _NO_TIMER,
+                    "read_until_eof": True,
+                    "auto_decompress": session._auto_decompress,
+                    "read_timeout": client_timeout.sock_read,
+                    "read_bufsize": session._read_bufsize,
+                    "timeout_ceil_threshold": connector._timeout_ceil_threshold,
+                    "max_line_size": session._max_line_size,
+                    "max_field_size": session._max_field_size,
+                    "max_headers": session._max_headers,
+                },
+                session._loop,
+            )
     req = OneWriteRequest(
         method,
         url,
