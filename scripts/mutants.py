@@ -879,11 +879,29 @@ MUTANTS: tuple[Mutant, ...] = (
         (AIOHTTP_PATH + "test_the_target_goes_out_byte_for_byte_with_its_query",),
     ),
     Mutant(
+        "lean_request_drops_the_query",
+        "the aiohttp engine's lean request sends the target byte for byte (its query too)",
+        (("upstream/aiohttp_lean.py", "{url.raw_path_qs} HTTP/", "{url.raw_path} HTTP/"),),
+        (AIOHTTP_PATH + "test_the_target_goes_out_byte_for_byte_with_its_query",),
+    ),
+    Mutant(
+        "lean_request_left_unused",
+        "the usual attempt goes out without aiohttp's ClientRequest, on one kept-alive connection",
+        (
+            (
+                "upstream/aiohttp_request.py",
+                "targets is not None\n        and proxy is None",
+                "targets is None\n        and proxy is None",
+            ),
+        ),
+        (AIOHTTP_PATH + "test_the_usual_attempt_goes_out_lean_on_one_kept_alive_connection",),
+    ),
+    Mutant(
         "own_path_writer_task",
         "a small buffered body goes out with its head, without aiohttp's writer task",
         (
             (
-                "upstream/aiohttp_request.py",
+                "upstream/aiohttp_lean.py",
                 "ONE_WRITE_MAX: Final = 16 * 1024",
                 "ONE_WRITE_MAX: Final = 0",
             ),

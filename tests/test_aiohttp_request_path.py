@@ -145,16 +145,115 @@ def test_both_paths_send_the_same_bytes_and_read_the_same_answer(
     assert own[1][0] == 201 and (method == "HEAD" or own[1][2] == b'{"ok": true}')
 
 
+# A field aiohttp's request decides itself: such a request goes through OneWriteRequest,
+# not the lean request (upstream/aiohttp_lean.py).
+DECIDED = [("Host", "upstream.example:8080"), ("Content-Encoding", "identity")]
+
+
 @pytest.mark.parametrize("method", ["GET", "POST"])
 @pytest.mark.parametrize("query", ["?a=1&b=%2F%3F", "?q=caf%C3%A9&empty="])
-def test_the_target_goes_out_byte_for_byte_with_its_query(method: str, query: str) -> None:
-    """The property above for the request line alone, a few fixed cases: the negative
-    control's test (scripts/mutants.py `own_path_drops_the_query`), which a failing
-    property would spend minutes shrinking."""
+@pytest.mark.parametrize("decided", [None, *DECIDED], ids=["lean", "host", "coding"])
+def test_the_target_goes_out_byte_for_byte_with_its_query(
+    method: str, query: str, decided: tuple[str, str] | None
+) -> None:
+    """The property above for the request line alone, a few fixed cases, on the lean
+    request and on OneWriteRequest (a field aiohttp decides): the negative controls' test
+    (scripts/mutants.py `own_path_drops_the_query`, `lean_request_drops_the_query`), which
+    a failing property would spend minutes shrinking."""
     body = b'{"model": "m"}' if method == "POST" else b""
-    own, public = asyncio.run(on_both_paths(method, "/v1/chat" + query, [], body))
+    fields = [] if decided is None else [decided]
+    own, public = asyncio.run(on_both_paths(method, "/v1/chat" + query, fields, body))
     assert own[0][0].split(b"\r\n", 1)[0] == f"{method} /v1/chat{query} HTTP/1.1".encode()
     assert own == public
+
+
+@pytest.mark.parametrize("decided", DECIDED, ids=["host", "coding"])
+@pytest.mark.parametrize("method", ["GET", "POST", "DELETE"])
+def test_a_field_aiohttp_decides_goes_out_as_the_session_sends_it(
+    decided: tuple[str, str], method: str
+) -> None:
+    """A Host (which aiohttp puts first in place of its own) or a Content-Encoding, among
+    other fields, reaches the upstream as ClientSession.request sends it."""
+    fields = [("x-a", "1"), decided, ("x-b", "2")]
+    own, public = asyncio.run(on_both_paths(method, "/v1/chat", fields, b"{}"))
+    assert own == public
+    assert decided[1].encode() in own[0][0]
+
+
+async def counted_sends(
+    requests: list[UpstreamRequest], *, read: bool = True
+) -> tuple[int, int, int]:
+    """How many of `requests` went through OneWriteRequest (the rest through the lean
+    request), then how many connections the engine's pool holds checked out and kept
+    alive after them, each answer read whole (`read`) or closed unread."""
+    made: list[int] = []
+    original = aiohttp_request.OneWriteRequest.__init__
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> None:
+        made.append(1)
+        original(self, *args, **kwargs)
+
+    client = AiohttpClient(allow_hosts=("127.0.0.1",))
+    try:
+        with engine_path(True), pytest.MonkeyPatch.context() as patch:
+            patch.setattr(aiohttp_request.OneWriteRequest, "__init__", counting)
+            for request in requests:
+                response = await client.send(request)
+                if read:
+                    assert b"".join([chunk async for chunk in response.iter_chunks()])
+                await response.aclose()
+        assert client._session is not None
+        pool: Any = client._session.connector
+        return len(made), len(pool._acquired), sum(map(len, pool._conns.values()))
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.anyio
+async def test_the_usual_attempt_goes_out_lean_on_one_kept_alive_connection() -> None:
+    """What the lean request is for: a small buffered body (or none), no proxy, no field
+    aiohttp decides, sent without aiohttp's ClientRequest; its answer read whole gives the
+    connection back to the pool, and the next attempt is sent on it."""
+    connections: list[int] = []
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        while True:
+            await read_whole_request(reader)
+            writer.write(ANSWER)
+            await writer.drain()
+
+    async with socket_upstream(answer) as url:
+        usual = [
+            UpstreamRequest(method, url + "/v1", [("content-type", "text/plain")], body, TIMEOUTS)
+            for method, body in (("POST", b"a" * 100), ("GET", b""), ("DELETE", b""))
+        ]
+        assert await counted_sends(usual) == (0, 0, 1)
+        assert len(connections) == 1
+        # Any other: a field aiohttp decides, a body above what goes with the head.
+        others = [
+            UpstreamRequest("POST", url + "/v1", [DECIDED[0]], b"a", TIMEOUTS),
+            UpstreamRequest("POST", url + "/v1", [], b"a" * (16 * 1024 + 1), TIMEOUTS),
+        ]
+        made, _, _ = await counted_sends(others)
+        assert made == 2
+
+
+@pytest.mark.anyio
+async def test_an_answer_closed_unread_closes_its_connection() -> None:
+    """An answer closed before its body ended cannot leave its connection to the next
+    attempt (the rest of the body would be read as that attempt's answer): it is closed,
+    not pooled."""
+
+    async def slow_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await read_whole_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\npart")
+            await writer.drain()
+
+    async with socket_upstream(slow_body) as url:
+        request = UpstreamRequest("GET", url + "/v1", [], b"", TIMEOUTS)
+        assert await counted_sends([request], read=False) == (0, 0, 0)
 
 
 @pytest.mark.anyio
