@@ -84,8 +84,10 @@ class Target:
         self.host: str = host or ""
         self.port: int | None = url.port
         self._is_ssl = url.scheme in ("https", "wss")
+        # Seven fields, as aiohttp 3.14.0 has them; a later 3.14's eighth (server_hostname)
+        # takes its default, None, as ClientRequest's key has it for the engine's requests.
         self.connection_key = ConnectionKey(
-            self.host, self.port, self._is_ssl, ssl, None, None, None, None
+            self.host, self.port, self._is_ssl, ssl, None, None, None
         )
         self.host_field = f"Host: {url.host_port_subcomponent}\r\n"
 
