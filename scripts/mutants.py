@@ -889,9 +889,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "the usual attempt goes out without aiohttp's ClientRequest, on one kept-alive connection",
         (
             (
-                "upstream/aiohttp_request.py",
-                "targets is not None\n        and proxy is None",
-                "targets is None\n        and proxy is None",
+                "upstream/aiohttp_engine.py",
+                "target = lean_target(self._targets, url, ssl)",
+                "target = None",
             ),
         ),
         (AIOHTTP_PATH + "test_the_usual_attempt_goes_out_lean_on_one_kept_alive_connection",),

@@ -1,7 +1,8 @@
 """The default engine: aiohttp, one pooled ClientSession per gateway runtime. Its errors are
 read by upstream/aiohttp_errors.py; its connector is upstream/aiohttp_connector.py; each
 request goes out through upstream/aiohttp_request.py (aiohttp's request, connector and
-parser, without ClientSession._request)."""
+parser, without ClientSession._request); the usual attempt through upstream/aiohttp_lean.py
+(aiohttp's connector and parser alone)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import asyncio
 import contextlib
 import os
 from collections.abc import Sequence
-from typing import Any, Final, SupportsIndex, cast
+from typing import Any, Final, SupportsIndex
 
 import aiohttp
 from yarl import URL
@@ -19,8 +20,10 @@ from fallback_mw.loops import CloseAtLoopEnd, close_on_its_loop
 from fallback_mw.timers import deadline_after
 from fallback_mw.upstream import aiohttp_request
 from fallback_mw.upstream.aiohttp_connector import ARM_ON_CONNECT, GuardedConnector, Sending
-from fallback_mw.upstream.aiohttp_errors import raise_mapped
-from fallback_mw.upstream.aiohttp_lean import Answer, Target
+from fallback_mw.upstream.aiohttp_errors import answer_began, raise_mapped
+from fallback_mw.upstream.aiohttp_lean import Answer, Target, eligible
+from fallback_mw.upstream.aiohttp_lean import request as lean_request
+from fallback_mw.upstream.aiohttp_lean import target as lean_target
 from fallback_mw.upstream.aiohttp_request import SKIP_AUTO_HEADERS, bytes_data
 from fallback_mw.upstream.base import (
     MAX_RESPONSE_FIELD,
@@ -158,21 +161,6 @@ def _close_on(loop: asyncio.AbstractEventLoop, session: aiohttp.ClientSession) -
             connector._close()  # on a closed loop: marks it closed, touches no transport
 
 
-def _answer_began(error: UpstreamError) -> bool:
-    """Whether the connection a send failed on had received bytes of an answer before it
-    ended (a status line or head cut short): the upstream took the request and began to
-    answer, so it was not lost unanswered, and is not sent again (resend_on_new_connection;
-    the httpx engine names such bytes a parser refusal). aiohttp's ServerDisconnectedError
-    carries the message its parser had begun then (its own words when no byte came)."""
-    lost = error.__context__
-    if not isinstance(lost, aiohttp.ServerDisconnectedError):
-        return False
-    # Read untyped: aiohttp types it `RawResponseMessage | str | None`, a NamedTuple its C
-    # parser's message is not (compiled, mypyc checked it for a tuple: a TypeError).
-    message: object = cast(Any, lost).message
-    return not isinstance(message, str | None)
-
-
 # The methods aiohttp's own retry resent once whatever the connection (its
 # IDEMPOTENT_METHODS), kept for a replayable request of these (AiohttpClient.send).
 _RESENT_BY_AIOHTTP: Final = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
@@ -221,6 +209,7 @@ class AiohttpClient:
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}  # per connect timeout
         self._urls: dict[str, URL] = {}  # per target without a query (`_url`)
         self._targets: dict[Any, Target] = {}  # per origin and TLS setting (aiohttp_lean)
+        self._params: dict[str, Any] = {}  # the session's response_params (aiohttp_lean)
         self._caps = ConnectionCaps()
 
     def _follow_loop(self) -> None:
@@ -262,6 +251,7 @@ class AiohttpClient:
                 # (`send`, resend_on_new_connection).
                 self._session._retry_connection = False
             self._at_loop_end = CloseAtLoopEnd(self._session.close)
+            self._params = aiohttp_request.response_params(self._session)
         return self._session
 
     async def send(self, request: UpstreamRequest) -> AiohttpResponse:
@@ -294,6 +284,24 @@ class AiohttpClient:
             url = self._urls.get(request.url)
             if url is None:
                 url = self._url(request.url)
+            client_timeout = self._timeouts.get(timeouts.connect) or self._client_timeout(
+                timeouts.connect
+            )
+            # The same trust on both engines (upstream/tls.py); plain http needs none.
+            ssl: Any = (
+                ssl_context(request.ca_file or self._ca_file)
+                if request.url.startswith("https:")
+                else True
+            )
+            # The usual attempt goes out through the lean request (aiohttp_lean); any other
+            # through aiohttp's own request (aiohttp_request). The engine's connector never
+            # forces a close, which the lean request does not write.
+            target: Target | None = None
+            lean_body: bytes | None = None
+            if isinstance(body, bytes) and request.proxy is None and aiohttp_request.supported():
+                lean_body = bytes_data(body)
+                if eligible(request.method, request.headers, lean_body):
+                    target = lean_target(self._targets, url, ssl)
             for resends in range(STALE_RESENDS + 1):
                 # No timer while connecting (the socket connect has its own) or while the
                 # caller's body is still arriving (the caller's time): see FirstByteTimer.
@@ -304,22 +312,30 @@ class AiohttpClient:
                 answered = False
                 try:
                     with timer.running():
-                        response = await aiohttp_request.request(
-                            session,
-                            request.method,
-                            url,
-                            headers=request.headers,
-                            data=data,
-                            client_timeout=self._timeouts.get(timeouts.connect)
-                            or self._client_timeout(timeouts.connect),
-                            # The same trust on both engines (upstream/tls.py); plain http
-                            # needs none.
-                            ssl=ssl_context(request.ca_file or self._ca_file)
-                            if request.url.startswith("https:")
-                            else True,
-                            proxy=request.proxy,
-                            targets=self._targets,
-                        )
+                        response: Answer
+                        if target is not None:
+                            response = await lean_request(
+                                session.connector,
+                                target,
+                                request.method,
+                                url,
+                                request.headers,
+                                lean_body,
+                                client_timeout,
+                                self._params,
+                                session._loop,
+                            )
+                        else:
+                            response = await aiohttp_request.request(
+                                session,
+                                request.method,
+                                url,
+                                headers=request.headers,
+                                data=data,
+                                client_timeout=client_timeout,
+                                ssl=ssl,
+                                proxy=request.proxy,
+                            )
                     # An answer the relay cannot carry is no lost connection: never resent.
                     headers = _checked(response, request.proxy)
                     answered = True
@@ -338,7 +354,7 @@ class AiohttpClient:
                         if (
                             resends == STALE_RESENDS
                             or not resend_on_new_connection(request, error, reused)
-                            or _answer_began(error)
+                            or answer_began(error)
                         ):
                             raise
                 finally:

@@ -5,6 +5,7 @@ refused to send as local."""
 from __future__ import annotations
 
 import ssl
+from typing import Any, cast
 
 import aiohttp
 
@@ -84,3 +85,18 @@ def _tls_failure(exc: Exception) -> str | None:
     ):
         return HANDSHAKE_CLOSED
     return None
+
+
+def answer_began(error: UpstreamError) -> bool:
+    """Whether the connection a send failed on had received bytes of an answer before it
+    ended (a status line or head cut short): the upstream took the request and began to
+    answer, so it was not lost unanswered, and is not sent again (resend_on_new_connection;
+    the httpx engine names such bytes a parser refusal). aiohttp's ServerDisconnectedError
+    carries the message its parser had begun then (its own words when no byte came)."""
+    lost = error.__context__
+    if not isinstance(lost, aiohttp.ServerDisconnectedError):
+        return False
+    # Read untyped: aiohttp types it `RawResponseMessage | str | None`, a NamedTuple its C
+    # parser's message is not (compiled, mypyc checked it for a tuple: a TypeError).
+    message: object = cast(Any, lost).message
+    return not isinstance(message, str | None)

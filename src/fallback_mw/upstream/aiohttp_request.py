@@ -181,6 +181,25 @@ class OneWriteRequest(ClientRequest):
         return response
 
 
+def response_params(session: aiohttp.ClientSession) -> dict[str, Any]:
+    """What the connection's protocol is told of the answer to read (`set_response_params`,
+    as `ClientSession._request` tells it), for the engine's session: its timeouts never set
+    `sock_read` (the engine times the head and the body itself), so there is no read
+    timeout. The lean request's (aiohttp_lean), made once per session."""
+    connector: Any = session.connector
+    return {
+        "timer": _NO_TIMER,
+        "read_until_eof": True,
+        "auto_decompress": session._auto_decompress,
+        "read_timeout": None,
+        "read_bufsize": session._read_bufsize,
+        "timeout_ceil_threshold": connector._timeout_ceil_threshold,
+        "max_line_size": session._max_line_size,
+        "max_field_size": session._max_field_size,
+        "max_headers": session._max_headers,
+    }
+
+
 async def request(
     session: aiohttp.ClientSession,
     method: str,
@@ -191,8 +210,7 @@ async def request(
     client_timeout: aiohttp.ClientTimeout,
     ssl: Any,
     proxy: str | None,
-    targets: dict[Any, aiohttp_lean.Target] | None = None,
-) -> aiohttp_lean.Answer:
+) -> ClientResponse:
     """The engine's one request through aiohttp: what `session.request(method, url, ...)`
     does for the engine's session (no redirect followed, no cookies, auth, traces or
     middlewares), the answer with its head read, or the exception `ClientSession._request`
@@ -212,35 +230,6 @@ async def request(
     connector: Any = session.connector
     if session.closed or connector is None:
         raise RuntimeError("Session is closed")
-    if (
-        targets is not None
-        and proxy is None
-        and not connector.force_close
-        and aiohttp_lean.eligible(method, headers, data)
-    ):
-        target = aiohttp_lean.target(targets, url, ssl)
-        if target is not None:
-            return await aiohttp_lean.request(
-                connector,
-                target,
-                method,
-                url,
-                headers,
-                data,
-                client_timeout,
-                {
-                    "timer": _NO_TIMER,
-                    "read_until_eof": True,
-                    "auto_decompress": session._auto_decompress,
-                    "read_timeout": client_timeout.sock_read,
-                    "read_bufsize": session._read_bufsize,
-                    "timeout_ceil_threshold": connector._timeout_ceil_threshold,
-                    "max_line_size": session._max_line_size,
-                    "max_field_size": session._max_field_size,
-                    "max_headers": session._max_headers,
-                },
-                session._loop,
-            )
     req = OneWriteRequest(
         method,
         url,
