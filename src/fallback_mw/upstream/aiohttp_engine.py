@@ -21,7 +21,7 @@ from fallback_mw.timers import deadline_after
 from fallback_mw.upstream import aiohttp_request
 from fallback_mw.upstream.aiohttp_connector import ARM_ON_CONNECT, GuardedConnector, Sending
 from fallback_mw.upstream.aiohttp_errors import answer_began, raise_mapped
-from fallback_mw.upstream.aiohttp_lean import Answer, Target, eligible
+from fallback_mw.upstream.aiohttp_lean import ONE_WRITE_MAX, Answer, Target, eligible
 from fallback_mw.upstream.aiohttp_lean import request as lean_request
 from fallback_mw.upstream.aiohttp_lean import target as lean_target
 from fallback_mw.upstream.aiohttp_request import SKIP_AUTO_HEADERS, bytes_data
@@ -288,18 +288,21 @@ class AiohttpClient:
                 timeouts.connect
             )
             # The same trust on both engines (upstream/tls.py); plain http needs none.
-            ssl: Any = (
-                ssl_context(request.ca_file or self._ca_file)
-                if request.url.startswith("https:")
-                else True
-            )
-            # The usual attempt goes out through the lean request (aiohttp_lean); any other
-            # through aiohttp's own request (aiohttp_request). The engine's connector never
-            # forces a close, which the lean request does not write.
+            ssl: Any = True
+            if request.url.startswith("https:"):
+                ssl = ssl_context(request.ca_file or self._ca_file)
+            # The usual attempt goes out through the lean request (aiohttp_lean), its body
+            # None when empty as bytes_data has it; any other through aiohttp_request. The
+            # engine's connector never forces a close, which the lean request does not write.
             target: Target | None = None
             lean_body: bytes | None = None
-            if isinstance(body, bytes) and request.proxy is None and aiohttp_request.supported():
-                lean_body = bytes_data(body)
+            if (
+                isinstance(body, bytes)
+                and len(body) <= ONE_WRITE_MAX
+                and request.proxy is None
+                and aiohttp_request.supported()
+            ):
+                lean_body = body or None
                 if eligible(request.method, request.headers, lean_body):
                     target = lean_target(self._targets, url, ssl)
             for resends in range(STALE_RESENDS + 1):
