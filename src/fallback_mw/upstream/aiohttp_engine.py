@@ -303,7 +303,7 @@ class AiohttpClient:
                 and aiohttp_request.supported()
             ):
                 lean_body = body or None
-                if eligible(request.method, request.headers, lean_body):
+                if eligible(request.method, request.headers):
                     target = lean_target(self._targets, url, ssl)
             for resends in range(STALE_RESENDS + 1):
                 # No timer while connecting (the socket connect has its own) or while the

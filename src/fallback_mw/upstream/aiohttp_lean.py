@@ -115,11 +115,10 @@ def target(
     return found
 
 
-def eligible(method: str, headers: Sequence[tuple[str, str]], data: object) -> bool:
-    """Whether the lean request sends this attempt (else OneWriteRequest)."""
+def eligible(method: str, headers: Sequence[tuple[str, str]]) -> bool:
+    """Whether the lean request sends an attempt of this method and these fields (else
+    OneWriteRequest); its body, bytes of at most ONE_WRITE_MAX, the engine has asked."""
     if method not in _LEAN_METHODS:
-        return False
-    if data is not None and (type(data) is not bytes or len(data) > ONE_WRITE_MAX):
         return False
     lengths = _DECIDED_LENGTHS
     for name, _ in headers:  # noqa: SIM110 (compiled, a loop; `all` would make a generator)

@@ -181,17 +181,19 @@ class OneWriteRequest(ClientRequest):
         return response
 
 
-def response_params(session: aiohttp.ClientSession) -> dict[str, Any]:
+def response_params(
+    session: aiohttp.ClientSession, read_timeout: float | None = None
+) -> dict[str, Any]:
     """What the connection's protocol is told of the answer to read (`set_response_params`,
-    as `ClientSession._request` tells it), for the engine's session: its timeouts never set
-    `sock_read` (the engine times the head and the body itself), so there is no read
-    timeout. The lean request's (aiohttp_lean), made once per session."""
+    as `ClientSession._request` tells it), but whether to skip a payload: for `request`
+    per attempt; for the lean request (aiohttp_lean) once per session, the engine's
+    timeouts never setting `sock_read` (it times the head and the body itself)."""
     connector: Any = session.connector
     return {
         "timer": _NO_TIMER,
         "read_until_eof": True,
         "auto_decompress": session._auto_decompress,
-        "read_timeout": None,
+        "read_timeout": read_timeout,
         "read_bufsize": session._read_bufsize,
         "timeout_ceil_threshold": connector._timeout_ceil_threshold,
         "max_line_size": session._max_line_size,
@@ -252,16 +254,8 @@ async def request(
             except TimeoutError as exc:
                 raise ConnectionTimeoutError("Connection timeout to host") from exc
             conn.protocol.set_response_params(
-                timer=_NO_TIMER,
                 skip_payload=req.method in _HEAD_ONLY,
-                read_until_eof=True,
-                auto_decompress=session._auto_decompress,
-                read_timeout=client_timeout.sock_read,
-                read_bufsize=session._read_bufsize,
-                timeout_ceil_threshold=connector._timeout_ceil_threshold,
-                max_line_size=session._max_line_size,
-                max_field_size=session._max_field_size,
-                max_headers=session._max_headers,
+                **response_params(session, client_timeout.sock_read),
             )
             try:
                 response = await req.send(conn)
