@@ -897,6 +897,42 @@ MUTANTS: tuple[Mutant, ...] = (
         (AIOHTTP_PATH + "test_the_usual_attempt_goes_out_lean_on_one_kept_alive_connection",),
     ),
     Mutant(
+        "lean_pool_never_taken",
+        "a kept-alive connection is taken from the pool without the connector's connect",
+        (
+            (
+                "upstream/aiohttp_lean.py",
+                "    if connector._closed or connector._limit_per_host:\n        return None",
+                "    return None",
+            ),
+        ),
+        (AIOHTTP_PATH + "test_a_kept_alive_connection_is_taken_from_the_pool_without_connect",),
+    ),
+    Mutant(
+        "lean_pool_timer_unarmed",
+        "a kept-alive connection taken from the pool still runs the first-byte timer",
+        (("upstream/aiohttp_lean.py", "        sending.timer.arm()\n", ""),),
+        (AIOHTTP_PATH + "test_a_kept_alive_connection_is_taken_from_the_pool_without_connect",),
+    ),
+    Mutant(
+        "lean_pool_waiters_ignored",
+        "a connection given back wakes an attempt waiting for a slot",
+        (("upstream/aiohttp_lean.py", "        or connector._waiters\n", ""),),
+        (AIOHTTP_PATH + "test_a_connection_given_back_wakes_an_attempt_waiting_for_a_slot",),
+    ),
+    Mutant(
+        "lean_pool_keepalive_ignored",
+        "a pooled connection past its keep-alive is not taken",
+        (
+            (
+                "upstream/aiohttp_lean.py",
+                "        or (keepalive is not None and monotonic() - since > keepalive)\n",
+                "",
+            ),
+        ),
+        (AIOHTTP_PATH + "test_a_kept_alive_connection_past_its_keepalive_is_not_taken",),
+    ),
+    Mutant(
         "own_path_writer_task",
         "a small buffered body goes out with its head, without aiohttp's writer task",
         (

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fallback_mw.upstream import aiohttp_request
+from fallback_mw.upstream.aiohttp_connector import GuardedConnector
 from fallback_mw.upstream.aiohttp_engine import AiohttpClient
 from fallback_mw.upstream.base import Timeouts, UpstreamError, UpstreamRequest
 from tests.hostile.test_hostile_upstreams import raw_upstream
@@ -237,6 +238,137 @@ async def test_the_usual_attempt_goes_out_lean_on_one_kept_alive_connection() ->
         ]
         made, _, _ = await counted_sends(others)
         assert made == 2
+
+
+async def _keep_answering(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    while True:
+        await read_whole_request(reader)
+        writer.write(ANSWER)
+        await writer.drain()
+
+
+@contextlib.contextmanager
+def counted_connects() -> Iterator[list[int]]:
+    """Calls of the engine connector's `connect` (aiohttp's pool path) while in it."""
+    calls: list[int] = []
+    original = GuardedConnector.connect
+
+    async def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return await original(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(GuardedConnector, "connect", counting)
+        yield calls
+
+
+@pytest.mark.anyio
+async def test_a_kept_alive_connection_is_taken_from_the_pool_without_connect() -> None:
+    """The lean request takes the pool's next kept-alive connection itself (aiohttp_lean
+    `take`), and gives it back itself (`give_back`): only the first attempt, which finds the
+    pool empty, goes through the connector's `connect`; one connection serves all three,
+    and the first-byte timer still runs on the reused ones (an upstream that answers
+    nothing on a kept-alive connection is a first_byte timeout, not a hang)."""
+    connections: list[int] = []
+
+    async def answer_twice(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        for _ in range(3):
+            await read_whole_request(reader)
+            writer.write(ANSWER)
+            await writer.drain()
+        await reader.read()  # the fourth request is never answered
+
+    async with socket_upstream(answer_twice) as url:
+        request = UpstreamRequest("POST", url + "/v1", [], b"{}", TIMEOUTS)
+        with counted_connects() as calls:
+            assert await counted_sends([request] * 3) == (0, 0, 1)
+        assert (len(calls), len(connections)) == (1, 1)
+        client = AiohttpClient(allow_hosts=("127.0.0.1",))
+        quick = Timeouts(connect=5.0, first_byte=0.3, idle=5.0)
+        try:
+            with engine_path(True), counted_connects() as calls:
+                for _ in range(3):
+                    response = await client.send(UpstreamRequest("GET", url, [], b"", quick))
+                    assert [chunk async for chunk in response.iter_chunks()]
+                    await response.aclose()
+                with pytest.raises(UpstreamError) as raised:
+                    await asyncio.wait_for(  # never armed, it would wait for good
+                        client.send(UpstreamRequest("POST", url, [], b"{}", quick)), 5
+                    )
+            assert (raised.value.kind, raised.value.phase) == ("timeout", "first_byte")
+            assert len(calls) == 1
+        finally:
+            await client.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_connection_given_back_wakes_an_attempt_waiting_for_a_slot() -> None:
+    """Under a connection limit of one, a second attempt waits for the slot; the first's
+    connection given back by the lean request wakes it (aiohttp's own release, which the
+    pool's usual step leaves it to while someone waits), and both are answered on the one
+    connection."""
+    connections: list[int] = []
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        while True:  # each body's end a moment after its head: the connection is held
+            await read_whole_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\npa")
+            await writer.drain()
+            await asyncio.sleep(0.2)
+            writer.write(b"rt")
+            await writer.drain()
+
+    async with socket_upstream(answer) as url:
+        client = AiohttpClient(allow_hosts=("127.0.0.1",), max_connections=1)
+        try:
+            with engine_path(True):
+                # One before: the pool's cleanup timer armed, as on a gateway serving.
+                warm = await client.send(UpstreamRequest("GET", url, [], b"", TIMEOUTS))
+                assert b"".join([chunk async for chunk in warm.iter_chunks()]) == b"part"
+                await warm.aclose()
+                first = await client.send(UpstreamRequest("GET", url, [], b"", TIMEOUTS))
+                second = asyncio.ensure_future(
+                    client.send(UpstreamRequest("GET", url, [], b"", TIMEOUTS))
+                )
+                await asyncio.sleep(0.05)
+                assert not second.done()  # waiting for the slot the first holds
+                assert b"".join([chunk async for chunk in first.iter_chunks()]) == b"part"
+                await first.aclose()
+                response = await asyncio.wait_for(second, 5)
+                assert b"".join([chunk async for chunk in response.iter_chunks()]) == b"part"
+                await response.aclose()
+        finally:
+            await client.aclose()
+    assert len(connections) == 1
+
+
+@pytest.mark.anyio
+async def test_a_kept_alive_connection_past_its_keepalive_is_not_taken() -> None:
+    """A pooled connection idle longer than the connector's keep-alive is not taken: aiohttp's
+    connect closes it and makes another, as it would without the lean request."""
+    connections: list[int] = []
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        await _keep_answering(reader, writer)
+
+    async with socket_upstream(answer) as url:
+        client = AiohttpClient(allow_hosts=("127.0.0.1",))
+        try:
+            with engine_path(True):
+                for _ in range(2):
+                    response = await client.send(UpstreamRequest("GET", url, [], b"", TIMEOUTS))
+                    assert [chunk async for chunk in response.iter_chunks()]
+                    await response.aclose()
+                    assert client._session is not None
+                    connector: Any = client._session.connector
+                    connector._keepalive_timeout = 0.0  # every idle connection is past it
+                    await asyncio.sleep(0.01)
+        finally:
+            await client.aclose()
+    assert len(connections) == 2
 
 
 @pytest.mark.anyio

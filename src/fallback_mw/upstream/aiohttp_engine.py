@@ -327,6 +327,7 @@ class AiohttpClient:
                                 client_timeout,
                                 self._params,
                                 session._loop,
+                                sending,
                             )
                         else:
                             response = await aiohttp_request.request(

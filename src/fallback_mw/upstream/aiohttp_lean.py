@@ -13,7 +13,11 @@ one transport write; the answer is the parser's message and payload, and `LeanRe
 gives the connection back to the pool when the body ends, as `ClientResponse` does.
 
 What `connector.connect` reads of a request (its key, host, port, TLS setting) is a
-`Target`, made once per origin and TLS setting (`targets`). Anything else (a streamed or
+`Target`, made once per origin and TLS setting (`targets`). The pool's usual steps, taking
+its next kept-alive connection and giving it back, are done here (`take`, `give_back`,
+`Pooled`: aiohttp's `connect`, `_get`, `Connection` and `_release` are some ten
+interpreted calls an attempt); an empty pool, a stale connection, a wait for a slot or a
+closing connector go through aiohttp's own methods, as before. Anything else (a streamed or
 larger body, a proxy, a `Host`, `Content-Length`, `Transfer-Encoding`, `Connection`,
 `Expect` or `Content-Encoding` field, another method, credentials in the URL) goes through
 aiohttp_request's `OneWriteRequest`, as before. Errors are aiohttp's own, raised where its
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from time import monotonic
 from typing import Any, Final, Protocol
 
 import aiohttp
@@ -149,7 +154,7 @@ class LeanResponse:
     def __init__(
         self,
         method: str,
-        connection: Any,
+        connection: Pooled,
         protocol: Any,
         message: Any,
         payload: aiohttp.StreamReader,
@@ -160,7 +165,7 @@ class LeanResponse:
         self.raw_headers: Any = message.raw_headers
         self.content = payload
         self._protocol: Any = protocol
-        self._connection: Any = connection
+        self._connection: Pooled | None = connection
         self._loop = loop
         self._closed = False
         self._released = False
@@ -212,6 +217,102 @@ class LeanResponse:
             self._release_connection()
 
 
+class Pooled:
+    """A connection of aiohttp's pool as the lean request holds it: what aiohttp's
+    `Connection` does for it (give it back to the pool, or close it), the pool's usual
+    steps done here (`take`, `give_back`) and any other through aiohttp's own methods."""
+
+    def __init__(self, connector: Any, key: Any, protocol: Any) -> None:
+        self._connector = connector
+        self._key = key
+        self.protocol: Any = protocol
+
+    def release(self) -> None:
+        protocol = self.protocol
+        if protocol is not None:
+            self.protocol = None
+            give_back(self._connector, self._key, protocol, False)
+
+    def close(self) -> None:
+        protocol = self.protocol
+        if protocol is not None:
+            self.protocol = None
+            give_back(self._connector, self._key, protocol, True)
+
+    def __del__(self) -> None:
+        # Dropped still holding it (as aiohttp's Connection.__del__): closed, so that its
+        # slot under the connector's limit is not held for good.
+        if self.protocol is not None and not self._connector._loop.is_closed():
+            self.close()
+
+
+def take(connector: Any, key: Any) -> Any:
+    """The protocol of the kept-alive connection aiohttp's `_get` would hand out next for
+    `key`, taken from the pool (None: the pool has none, or its next one is stale, timed
+    out or holds something unread, which `connector.connect` closes and replaces)."""
+    if connector._closed or connector._limit_per_host:
+        return None
+    conns = connector._conns.get(key)
+    if not conns:
+        return None
+    protocol, since = conns[0]
+    keepalive = connector._keepalive_timeout
+    if (
+        not protocol.is_connected()
+        or (keepalive is not None and monotonic() - since > keepalive)
+        or protocol.should_close
+    ):
+        return None
+    conns.popleft()
+    if not conns:
+        del connector._conns[key]  # as _get: an emptied key is dropped
+    connector._acquired.add(protocol)
+    return protocol
+
+
+def give_back(connector: Any, key: Any, protocol: Any, close: bool) -> None:
+    """`connector._release(key, protocol, should_close=close)`, its usual case (kept alive,
+    nobody waiting for a slot, the pool's cleanup timer armed) done here."""
+    if (
+        close
+        or connector._closed
+        or connector._waiters
+        or connector._force_close
+        or connector._limit_per_host
+        or connector._cleanup_handle is None
+        or protocol.should_close
+    ):
+        connector._release(key, protocol, should_close=close)
+        return
+    connector._acquired.discard(protocol)
+    connector._conns[key].append((protocol, monotonic()))
+
+
+async def _connect(
+    connector: Any, target_: Target, client_timeout: aiohttp.ClientTimeout, sending: Any
+) -> Pooled:
+    """A connection for `target_`: a kept-alive one from the pool (`take`; the first-byte
+    timer armed and the send marked not fresh, as GuardedConnector.connect does), else
+    aiohttp's `connector.connect` (waiting for a slot, connecting, the guard)."""
+    key = target_.connection_key
+    protocol = take(connector, key)
+    if protocol is not None:
+        sending.fresh = False
+        sending.timer.arm()
+        return Pooled(connector, key, protocol)
+    try:
+        connection = await connector.connect(target_, [], client_timeout)
+    except TimeoutError as exc:
+        raise aiohttp.ConnectionTimeoutError("Connection timeout to host") from exc
+    except OSError as exc:
+        if _as_it_is(exc):
+            raise exc
+        raise aiohttp.ClientOSError(*exc.args) from exc
+    protocol = connection._protocol
+    connection._protocol = None  # held by the Pooled now (its __del__ finds nothing)
+    return Pooled(connector, key, protocol)
+
+
 async def request(
     connector: Any,
     target_: Target,
@@ -222,17 +323,12 @@ async def request(
     client_timeout: aiohttp.ClientTimeout,
     response_params: dict[str, Any],
     loop: asyncio.AbstractEventLoop,
+    sending: Any,
 ) -> LeanResponse:
     """The attempt sent and its answer's head read, as aiohttp_request.request does through
-    OneWriteRequest; raises what that raises for the same failure."""
-    try:
-        conn = await connector.connect(target_, [], client_timeout)
-    except TimeoutError as exc:
-        raise aiohttp.ConnectionTimeoutError("Connection timeout to host") from exc
-    except OSError as exc:
-        if _as_it_is(exc):
-            raise exc
-        raise aiohttp.ClientOSError(*exc.args) from exc
+    OneWriteRequest; raises what that raises for the same failure. `sending`: the engine's
+    aiohttp_connector.Sending for it."""
+    conn = await _connect(connector, target_, client_timeout, sending)
     protocol = conn.protocol
     try:
         protocol.set_response_params(skip_payload=method == "HEAD", **response_params)
