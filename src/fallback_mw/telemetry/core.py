@@ -8,6 +8,7 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Final
 
+from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
 from opentelemetry.util.types import AttributeValue
 
@@ -24,8 +25,6 @@ from fallback_mw.telemetry.propagation import (
     PROPAGATORS_REFUSED,
     TracePropagation,
     current_attempt,
-    current_context,
-    current_span,
     without_secrets,
 )
 from fallback_mw.telemetry.redact import (
@@ -102,14 +101,13 @@ class Telemetry(BreakerReports, TracePropagation, ShadowSpans, TelemetryEnds):
         try:
             if headers is None:
                 headers = context.forward_headers
-            ambient = current_context()
-            current = current_span(ambient).get_span_context()
+            current = trace.get_current_span().get_span_context()
             if not current.is_valid and self._nothing_to_trace(headers):
                 context.trace = Untraced()
                 return
             if current.is_valid:
                 # An instrumented host app already extracted the caller's context.
-                incoming = without_secrets(ambient, context.secrets)
+                incoming = without_secrets(otel_context.get_current(), context.secrets)
                 kind = trace.SpanKind.INTERNAL
             else:
                 incoming = self._caller_context(headers, context.secrets)

@@ -14,10 +14,8 @@ from opentelemetry import baggage as otel_baggage
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.baggage.propagation import W3CBaggagePropagator
-from opentelemetry.context.contextvars_context import ContextVarsRuntimeContext
 from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.propagators.textmap import TextMapPropagator
-from opentelemetry.trace import propagation as trace_propagation
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from fallback_mw.python_class import python_class
@@ -50,42 +48,6 @@ current_attempt: Final[contextvars.ContextVar[AttemptTrace | None]] = contextvar
 )
 
 
-def current_context() -> otel_context.Context:
-    """`otel_context.get_current()`, read from the runtime's context variable when the
-    runtime is the API's own (`ContextVarsRuntimeContext`, unless OTEL_PYTHON_CONTEXT names
-    another): asked on every request and attempt, and the API's way is two interpreted
-    calls. Any other runtime, or an API without those names, is asked through the API."""
-    runtime = getattr(otel_context, "_RUNTIME_CONTEXT", None)
-    if type(runtime) is ContextVarsRuntimeContext:
-        variable = getattr(runtime, "_current_context", None)
-        if isinstance(variable, contextvars.ContextVar):
-            found = variable.get()
-            if isinstance(found, otel_context.Context):
-                return found
-    return otel_context.get_current()
-
-
-def current_span(context: otel_context.Context) -> trace.Span:
-    """`trace.get_current_span(context)`, read from the context with the API's key (two
-    interpreted calls fewer); through the API when its key is not where it was."""
-    key = getattr(trace_propagation, "_SPAN_KEY", None)
-    if not isinstance(key, str):
-        return trace.get_current_span(context)
-    span = context.get(key)
-    if span is None or not isinstance(span, trace.Span):
-        return trace.INVALID_SPAN
-    return span
-
-
-def global_textmap() -> TextMapPropagator:
-    """`propagate.get_global_textmap()`, the module's global read directly (an interpreted
-    call fewer an attempt); through the API when it is not there."""
-    found = getattr(propagate, "_HTTP_TEXT_FORMAT", None)
-    if isinstance(found, TextMapPropagator):
-        return found
-    return propagate.get_global_textmap()
-
-
 # The global propagator, its field names as str and as header bytes, whether it is made of
 # the W3C propagators only, and whether (W3C only, the trace context's first) it reads an
 # empty context from headers holding none of its fields.
@@ -112,7 +74,7 @@ class TracePropagation:
         try:
             entry = current_attempt.get()
             propagator, fields, _, quiet, _ = self._propagation_fields()
-            if entry is None and quiet and not current_context():
+            if entry is None and quiet and not otel_context.get_current():
                 return  # no span, no baggage: W3C propagators would write nothing
             ctx = entry.context if entry is not None else None
             carrier: dict[str, str] = {}
@@ -128,7 +90,7 @@ class TracePropagation:
         """The global propagator, its field names (as str and header bytes) and whether
         it is made of the W3C propagators only (which inject nothing from an empty
         context), computed again only when another propagator is installed."""
-        propagator = global_textmap()
+        propagator = propagate.get_global_textmap()
         cached = self._propagation
         if cached is None or cached[0] is not propagator:
             names = frozenset(f.lower() for f in propagator.fields)
