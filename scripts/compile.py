@@ -117,6 +117,7 @@ BUILD = ROOT / "build" / "mypyc"
 #   health/__init__.py, health/memory.py: their classes are subclassed (AlwaysHealthy,
 #     MemoryHealth: by the tests, and a deployment's own health state may), and an
 #     interpreted class cannot inherit from a compiled one.
+#     MemoryHealth's per-attempt calls are compiled in health/memory_calls.py.
 # gateway.py's Gateway is weakly referenced: a `@python_class` (fallback_mw/python_class.py)
 # whose `__call__` is a module-level `async def`, as the plan walker's.
 MODULES = (
@@ -167,6 +168,7 @@ MODULES = (
     "budget/records.py",
     "health/breaker.py",
     "health/pool.py",
+    "health/memory_calls.py",
     "capacity/__init__.py",
     "capacity/memory.py",
     "capacity/model.py",

@@ -34,7 +34,7 @@ def _extension(path: Path) -> Path | None:
 
 
 def describe(package: Path = PACKAGE) -> str:
-    """`compiled core: 76 of 76 modules`, `pure Python`, or what is wrong with the core."""
+    """`compiled core: 77 of 77 modules`, `pure Python`, or what is wrong with the core."""
     record = package / RECORD
     try:
         lines = record.read_text(encoding="utf-8").splitlines()
@@ -87,7 +87,7 @@ def build() -> str:
 
 
 def version_line() -> str:
-    """`fallback-mw 0.1.0 (compiled core: 76 of 76 modules)`, `fallback-mw 0.1.0 (pure Python)`."""
+    """`fallback-mw 0.1.0 (compiled core: 77 of 77 modules)`, `fallback-mw 0.1.0 (pure Python)`."""
     from fallback_mw import __version__
 
     return f"fallback-mw {__version__} ({build()})"

@@ -28,8 +28,15 @@ from fallback_mw.config.views import AnyUpstream
 from fallback_mw.failover.outcome import Outcome, fails_in_a_race, health_mark
 from fallback_mw.failover.send import AttemptResult, AttemptRunner, _derived
 from fallback_mw.faults import FaultSource
-from fallback_mw.health import Admission, HealthState, ImmediateHealth, immediate_health
+from fallback_mw.health import (
+    Admission,
+    HealthState,
+    ImmediateHealth,
+    immediate_health,
+    memory_calls,
+)
 from fallback_mw.health.breaker import PROBE_LEASE_MARGIN
+from fallback_mw.health.memory import MemoryHealth
 from fallback_mw.health.quota import credential_retry_after, spent_quota
 from fallback_mw.request.context import AttemptRecord, RequestBody, RequestContext
 from fallback_mw.telemetry import Telemetry
@@ -60,6 +67,9 @@ class AttemptLifecycle:
         self.capacity = capacity
         # The states that answer at the call (memory): no coroutine per call below.
         self._health_now = immediate_health(health)
+        # Exactly the memory state (not a subclass, which may override its methods): its
+        # per-attempt calls made here compiled (health/memory_calls.py), not through it.
+        self._memory = type(health) is MemoryHealth
         self._capacity_now = immediate_capacity(capacity)
         self.telemetry = telemetry
         self.ask = ask
@@ -97,7 +107,9 @@ class AttemptLifecycle:
             # lost its slot, and a second probe went out beside it.
             lease = max(lease, self.context.remaining + PROBE_LEASE_MARGIN)
         health_now = self._health_now
-        if health_now is not None:
+        if self._memory:
+            admitted = memory_calls.admit(self.health, name, lease, admission)
+        elif health_now is not None:
             admitted = health_now.admit_now(name, lease, admission)
         else:
             admitted = await self.health.admit(name, lease=lease, admission=admission)
@@ -276,8 +288,13 @@ class AttemptLifecycle:
         if mark is None:
             now.release_now(name, admission)
             return
-        now.record_now(name, mark, outcome.fault, admission)
-        if credential_index is not None and now.pooled(name):
+        if self._memory:
+            memory_calls.record(now, name, mark, outcome.fault, admission)
+            pooled = memory_calls.pooled(now, name)
+        else:
+            now.record_now(name, mark, outcome.fault, admission)
+            pooled = now.pooled(name)
+        if credential_index is not None and pooled:
             retire_ms = self.context.upstreams[name].quota_retire_ms
             now.credential_result_now(
                 name, credential_index, outcome.status, mark, credential_retry_after(response),

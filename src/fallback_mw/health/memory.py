@@ -7,8 +7,10 @@ import time
 from collections.abc import Callable, Collection
 
 from fallback_mw.config import BreakerConfig
-from fallback_mw.health.breaker import DEFAULT_PROBE_LEASE, Breaker, Transition
+from fallback_mw.health import memory_calls
+from fallback_mw.health.breaker import DEFAULT_PROBE_LEASE, Breaker
 from fallback_mw.health.events import IMMEDIATE_HEALTH, Admission, TransitionListener
+from fallback_mw.health.memory_calls import report_transition as report_transition
 from fallback_mw.health.pool import (
     CredentialMark,
     CredentialPool,
@@ -18,17 +20,6 @@ from fallback_mw.health.pool import (
 )
 
 logger = logging.getLogger("fallback_mw.health")
-
-
-def report_transition(
-    listener: TransitionListener | None, upstream: str, transition: Transition | str | None
-) -> None:
-    if transition is None:
-        return
-    state = {"opened": "open", "reopened": "open"}.get(transition, transition)
-    if listener is not None:
-        listener(upstream, state)  # the gauge and transition counter (telemetry)
-    logger.info("breaker upstream=%s transition=%s", upstream, transition)
 
 
 def breaker_credential_mark(
@@ -102,22 +93,10 @@ class MemoryHealth:
         return self.admit_now(upstream, lease, admission)
 
     def admit_now(self, upstream: str, lease: float, admission: Admission | None) -> bool:
-        breaker = self.breaker(upstream)
-        admitted, transition = breaker.admit(self.clock(), lease)
-        if transition is not None:  # asked per attempt: no call for the usual none
-            report_transition(self.on_transition, upstream, transition)
-        if admitted and admission is not None:
-            admission.probe = breaker.admission()
-            admission.breaker = breaker
-        return admitted
+        return memory_calls.admit(self, upstream, lease, admission)
 
     def _admitting(self, upstream: str, admission: Admission | None) -> Breaker | None:
-        """The breaker an admitted attempt's outcome or release goes to: the one that
-        admitted it, unless the upstream's url has changed since (`forget`): the attempt
-        went to the old url, and says nothing of the new one."""
-        if admission is None or admission.breaker is None:
-            return self.breaker(upstream)
-        return admission.breaker if self._breakers.get(upstream) is admission.breaker else None
+        return memory_calls.admitting(self, upstream, admission)
 
     async def record(
         self,
@@ -132,13 +111,7 @@ class MemoryHealth:
     def record_now(
         self, upstream: str, failure: bool, fault: str | None, admission: Admission | None
     ) -> None:
-        breaker = self._admitting(upstream, admission)
-        if breaker is None:
-            return
-        probe = None if admission is None else admission.probe  # probe_of, inline
-        transition = breaker.record(failure=failure, now=self.clock(), fault=fault, probe=probe)
-        if transition is not None:
-            report_transition(self.on_transition, upstream, transition)
+        memory_calls.record(self, upstream, failure, fault, admission)
 
     async def open_fault(self, upstream: str) -> str | None:
         found = self._breakers.get(upstream)
@@ -244,9 +217,7 @@ class MemoryHealth:
         )
 
     def pooled(self, upstream: str) -> bool:
-        """Whether this upstream's credentials have a health of their own (a pool: more
-        than one credential); a single credential is governed by the breaker alone."""
-        return self.pool_sizes.get(upstream, 0) > 1
+        return memory_calls.pooled(self, upstream)
 
     def credential_result_now(
         self,
