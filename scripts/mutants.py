@@ -933,6 +933,21 @@ MUTANTS: tuple[Mutant, ...] = (
         (AIOHTTP_PATH + "test_a_kept_alive_connection_past_its_keepalive_is_not_taken",),
     ),
     Mutant(
+        "memory_calls_left_unused",
+        "the memory state's per-attempt calls are made compiled, without its methods",
+        (
+            (
+                "failover/attempt.py",
+                "self._memory = type(health) is MemoryHealth",
+                "self._memory = False",
+            ),
+        ),
+        (
+            "tests/test_immediate_states.py::"
+            "test_the_memory_states_per_attempt_calls_are_made_without_its_methods",
+        ),
+    ),
+    Mutant(
         "own_path_writer_task",
         "a small buffered body goes out with its head, without aiohttp's writer task",
         (

@@ -164,3 +164,37 @@ async def test_the_memory_ledger_settles_and_records_without_its_coroutines(
     assert (record.route, record.input_tokens, record.output_tokens) == ("chat", 3, 5)
     assert (record.cost, record.charged) == (Decimal("0.013"), Decimal("0.013") if budget else None)
     assert (spent, held) == (Decimal("0.013") if budget else 0, 0)
+
+
+async def test_the_memory_states_per_attempt_calls_are_made_without_its_methods(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """For a state of exactly the memory class the attempt lifecycle makes the breaker's
+    per-attempt calls itself (health/memory_calls.py, compiled), not through the state's
+    interpreted methods; what they do is the same: two 503s open the primary's breaker."""
+    monkeypatch.setenv("PRIMARY_KEY", "p-key")
+    monkeypatch.setenv("BACKUP_KEY", "b-key")
+    health = MemoryHealth(BreakerConfig(window=4, min_calls=2))
+    methods = ("admit_now", "record_now", "pooled")
+    for name in methods:  # on the instance: its type is still the memory state's
+        original = getattr(health, name)
+
+        def counted(*args: Any, _name: str = name, _original: Any = original) -> Any:
+            asked.append(_name)
+            return _original(*args)
+
+        setattr(health, name, counted)
+    async with (
+        upstream(status_handler(503)) as primary,
+        upstream(status_handler(200, b"ok")) as backup,
+    ):
+        gateway = Gateway(host_app, config=conf(primary.url, backup.url), health=health)
+        try:
+            async with client_for(gateway) as client:
+                answers = [await client.get("/v1/x") for _ in range(3)]
+        finally:
+            await gateway.aclose()
+    assert [(a.status_code, a.text) for a in answers] == [(200, "ok")] * 3
+    assert [name for name in asked if name in methods] == []
+    assert health.breaker("primary").state == "open"
+    assert [a.headers["x-gateway-attempts"] for a in answers] == ["2", "2", "1"]
