@@ -17,6 +17,7 @@ from typing import Any
 
 import anyio
 
+import fallback_mw.health.memory_calls as memory_calls
 from fallback_mw.capacity import (
     Ask,
     CapacityState,
@@ -28,13 +29,7 @@ from fallback_mw.config.views import AnyUpstream
 from fallback_mw.failover.outcome import Outcome, fails_in_a_race, health_mark
 from fallback_mw.failover.send import AttemptResult, AttemptRunner, _derived
 from fallback_mw.faults import FaultSource
-from fallback_mw.health import (
-    Admission,
-    HealthState,
-    ImmediateHealth,
-    immediate_health,
-    memory_calls,
-)
+from fallback_mw.health import Admission, HealthState, ImmediateHealth, immediate_health
 from fallback_mw.health.breaker import PROBE_LEASE_MARGIN
 from fallback_mw.health.memory import MemoryHealth
 from fallback_mw.health.quota import credential_retry_after, spent_quota
