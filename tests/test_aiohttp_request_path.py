@@ -181,6 +181,14 @@ def test_a_field_aiohttp_decides_goes_out_as_the_session_sends_it(
     assert decided[1].encode() in own[0][0]
 
 
+async def keep_answering(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """An upstream that answers every request on its connection with ANSWER."""
+    while True:
+        await read_whole_request(reader)
+        writer.write(ANSWER)
+        await writer.drain()
+
+
 async def counted_sends(
     requests: list[UpstreamRequest], *, read: bool = True
 ) -> tuple[int, int, int]:
@@ -219,10 +227,7 @@ async def test_the_usual_attempt_goes_out_lean_on_one_kept_alive_connection() ->
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connections.append(1)
-        while True:
-            await read_whole_request(reader)
-            writer.write(ANSWER)
-            await writer.drain()
+        await keep_answering(reader, writer)
 
     async with socket_upstream(answer) as url:
         usual = [
@@ -238,13 +243,6 @@ async def test_the_usual_attempt_goes_out_lean_on_one_kept_alive_connection() ->
         ]
         made, _, _ = await counted_sends(others)
         assert made == 2
-
-
-async def _keep_answering(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    while True:
-        await read_whole_request(reader)
-        writer.write(ANSWER)
-        await writer.drain()
 
 
 @contextlib.contextmanager
@@ -271,7 +269,7 @@ async def test_a_kept_alive_connection_is_taken_from_the_pool_without_connect() 
     nothing on a kept-alive connection is a first_byte timeout, not a hang)."""
     connections: list[int] = []
 
-    async def answer_twice(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def three_then_none(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connections.append(1)
         for _ in range(3):
             await read_whole_request(reader)
@@ -279,7 +277,7 @@ async def test_a_kept_alive_connection_is_taken_from_the_pool_without_connect() 
             await writer.drain()
         await reader.read()  # the fourth request is never answered
 
-    async with socket_upstream(answer_twice) as url:
+    async with socket_upstream(three_then_none) as url:
         request = UpstreamRequest("POST", url + "/v1", [], b"{}", TIMEOUTS)
         with counted_connects() as calls:
             assert await counted_sends([request] * 3) == (0, 0, 1)
@@ -352,7 +350,7 @@ async def test_a_kept_alive_connection_past_its_keepalive_is_not_taken() -> None
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connections.append(1)
-        await _keep_answering(reader, writer)
+        await keep_answering(reader, writer)
 
     async with socket_upstream(answer) as url:
         client = AiohttpClient(allow_hosts=("127.0.0.1",))
@@ -396,12 +394,6 @@ async def test_a_small_buffered_body_goes_out_without_a_writer_task(size: int, t
     leaves a larger one to that task, which still reads an answer that comes before the
     body is all sent."""
 
-    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            await read_whole_request(reader)
-            writer.write(ANSWER)
-            await writer.drain()
-
     loop = asyncio.get_running_loop()
     made: list[str] = []
     factory = loop.get_task_factory()
@@ -412,7 +404,7 @@ async def test_a_small_buffered_body_goes_out_without_a_writer_task(size: int, t
             return factory(loop, coro, **kwargs)
         return asyncio.Task(coro, loop=loop, **kwargs)
 
-    async with socket_upstream(answer) as url:
+    async with socket_upstream(keep_answering) as url:
         client = AiohttpClient(allow_hosts=("127.0.0.1",))
         try:
             with engine_path(True):

@@ -44,6 +44,15 @@ def spy(name: str) -> Any:
     return coroutine
 
 
+async def three_gets(gateway: Gateway) -> list[Any]:
+    """Three GETs of the chat route through `gateway`, which is closed after them."""
+    try:
+        async with client_for(gateway) as client:
+            return [await client.get("/v1/x") for _ in range(3)]
+    finally:
+        await gateway.aclose()
+
+
 def conf(primary: str, backup: str, **primary_settings: Any) -> dict[str, Any]:
     return {
         "gateway": {"allow_hosts": ["127.0.0.1"], "breaker": {"window": 4, "min_calls": 2}},
@@ -84,11 +93,7 @@ async def test_the_memory_states_are_asked_without_their_coroutines(
         capacity = gateway.services.capacity
         assert type(capacity) is MemoryCapacity
         capacity.reserve = spy("reserve")  # type: ignore[method-assign]
-        try:
-            async with client_for(gateway) as client:
-                answers = [await client.get("/v1/x") for _ in range(3)]
-        finally:
-            await gateway.aclose()
+        answers = await three_gets(gateway)
     assert [(a.status_code, a.text) for a in answers] == [(200, "ok")] * 3
     assert asked == []
     # The same answers as the coroutines give: two 503s opened the primary's breaker (the
@@ -189,11 +194,7 @@ async def test_the_memory_states_per_attempt_calls_are_made_without_its_methods(
         upstream(status_handler(200, b"ok")) as backup,
     ):
         gateway = Gateway(host_app, config=conf(primary.url, backup.url), health=health)
-        try:
-            async with client_for(gateway) as client:
-                answers = [await client.get("/v1/x") for _ in range(3)]
-        finally:
-            await gateway.aclose()
+        answers = await three_gets(gateway)
     assert [(a.status_code, a.text) for a in answers] == [(200, "ok")] * 3
     assert [name for name in asked if name in methods] == []
     assert health.breaker("primary").state == "open"
